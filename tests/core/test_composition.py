@@ -1,0 +1,104 @@
+"""Composition scores: factored all-pairs computation vs the dense Frobenius formula (float64)."""
+
+import math
+
+import pytest
+import torch
+
+from circuits_core.composition import composition_scores, random_baseline
+from circuits_core.config import ModelConfig
+from circuits_core.errors import CancelledError
+from circuits_core.model import random_model
+
+
+def _cfg(**kw):
+    base = dict(n_layers=3, d_model=32, n_heads=3, d_head=8, d_vocab=50, n_ctx=16)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def _dense_scores(model):
+    """Brute force, paper's column convention: W_OV = W_O W_V, W_QK = W_Q^T W_K ([d, d] dense)."""
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    WQ, WK, WV, WO = (w.transpose(-2, -1) for w in (model.W_Q, model.W_K, model.W_V, model.W_O))  # paper shapes
+    OV = WO @ WV  # [L, H, d, d]
+    QK = WQ.transpose(-2, -1) @ WK
+    out = {k: torch.zeros(L, H, L, H, dtype=torch.float64) for k in "qkv"}
+    for l1 in range(L):
+        for h1 in range(H):
+            for l2 in range(l1 + 1, L):
+                for h2 in range(H):
+                    a, qk, ov2 = OV[l1, h1], QK[l2, h2], OV[l2, h2]
+                    out["q"][l1, h1, l2, h2] = (qk.T @ a).norm() / (qk.norm() * a.norm())
+                    out["k"][l1, h1, l2, h2] = (qk @ a).norm() / (qk.norm() * a.norm())
+                    out["v"][l1, h1, l2, h2] = (ov2 @ a).norm() / (ov2.norm() * a.norm())
+    return out
+
+
+def _scaled_centred(model):
+    """A processed-like variant: LN-gain-like per-dimension scaling of readers, centred writers."""
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for block in model.blocks:
+            gain = 0.5 + torch.rand(model.cfg.d_model, generator=gen, dtype=torch.float64)
+            for name in ("W_Q", "W_K", "W_V"):
+                w = getattr(block.attn, name)
+                w.mul_(gain[None, :, None])
+                w.sub_(w.mean(1, keepdim=True))
+            block.attn.W_O.sub_(block.attn.W_O.mean(-1, keepdim=True))
+    return model
+
+
+@pytest.mark.parametrize("variant", ["raw", "scaled_centred", "processed"])
+def test_factored_scores_match_dense(variant):
+    model = random_model(_cfg(), seed=1, dtype=torch.float64)
+    if variant == "scaled_centred":
+        model = _scaled_centred(model)
+    if variant == "processed":
+        processing = pytest.importorskip("circuits_core.processing")
+        model = random_model(_cfg(normalization_type="LN", use_bias=True), seed=1, dtype=torch.float64)
+        with torch.no_grad():
+            for block in model.blocks:
+                block.ln1.w.uniform_(0.5, 1.5)
+        model = processing.process_weights(model)
+    scores = composition_scores(model, n_samples=8)
+    dense = _dense_scores(model)
+    for kind in "qkv":
+        torch.testing.assert_close(scores.raw[kind], dense[kind], atol=1e-12, rtol=0)
+        assert scores.raw[kind].max() <= 1 and scores.raw[kind].min() >= 0
+        expected = torch.where(scores.mask, dense[kind] - 1 / math.sqrt(32), torch.zeros(()))
+        torch.testing.assert_close(scores.minus_baseline[kind], expected, atol=1e-12, rtol=0)
+    # the three kinds differ on a random model (catches a swapped right factor)
+    assert not torch.allclose(scores.raw["q"], scores.raw["k"])
+
+
+def test_mask_and_invariance_under_scaling():
+    model = random_model(_cfg(), seed=2, dtype=torch.float64)
+    before = composition_scores(model, n_samples=4).raw
+    with torch.no_grad():
+        model.blocks[0].attn.W_O.mul_(3.0)
+    after = composition_scores(model, n_samples=4)
+    for kind in "qkv":
+        torch.testing.assert_close(after.raw[kind], before[kind], atol=1e-12, rtol=0)
+        assert (after.raw[kind][~after.mask] == 0).all()
+    assert after.mask[0, 0, 1, 0] and not after.mask[1, 0, 1, 0] and not after.mask[2, 0, 1, 0]
+
+
+def test_random_baseline_matches_analytic():
+    mean, std = random_baseline(256, 32, n_samples=64, seed=0)
+    assert abs(mean - 1 / math.sqrt(256)) < 0.1 / math.sqrt(256)
+    assert 0 < std < 0.2 * mean
+    # dense brute force for one sample of the same generator semantics
+    gen = torch.Generator().manual_seed(3)
+    W = (torch.rand(4, 64, 8, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(8)
+    A, B = W[0] @ W[1].T, W[2] @ W[3].T
+    from circuits_core.composition import left_collapsed, pair_scores, right_collapsed
+
+    got = pair_scores(left_collapsed(W[0], W[1].T)[None], right_collapsed(W[2], W[3].T)[None])[0, 0]
+    assert abs(float(got) - float((A @ B).norm() / (A.norm() * B.norm()))) < 1e-12
+
+
+def test_should_stop_cancels():
+    model = random_model(_cfg(), seed=0, dtype=torch.float64)
+    with pytest.raises(CancelledError):
+        composition_scores(model, n_samples=2, should_stop=lambda: True)
