@@ -7,16 +7,25 @@ equal those of BA.
 
 Convention: row vectors as in TransformerLens. A: [..., ldim, mdim], B: [..., mdim, rdim]; leading
 (batch) dimensions such as [n_layers, n_heads] broadcast.
+
+Large matrices (a full OV circuit of GPT-2 is 50257 x 50257 = 10 GB in fp32) are only ever read through
+rows, columns, the diagonal, or dense row blocks sized by a byte budget (`iter_row_blocks`, `topk_global`).
+The global top-k skips row blocks with the Cauchy-Schwarz bound |A_i . B_:,j| <= ||A_i|| max_j ||B_:,j||.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from functools import cached_property
 
 import torch
 from torch import Tensor
 
-from circuits_core.errors import InvalidInputError
+from circuits_core.errors import InvalidInputError, LimitExceededError
+
+# Default memory budget for streaming dense row blocks of a large circuit (bytes).
+DEFAULT_BUDGET_BYTES = 256 * 2**20
 
 
 class FactoredMatrix:
@@ -146,3 +155,110 @@ class FactoredMatrix:
         """U diag(S) [..., ldim, r]: AB = collapse_r() @ V^T with V orthonormal."""
         U, S, V = self._svd
         return U * S[..., None, :]
+
+    # -- rows, columns and the diagonal, read from the factors ------------------------------------------
+    def _check_index(self, i: int, size: int, what: str) -> int:
+        if isinstance(i, bool) or not isinstance(i, int):
+            raise InvalidInputError(f"{what} index must be an integer, got {i!r}")
+        if not -size <= i < size:
+            raise InvalidInputError(f"{what} index {i} out of range for {size} {what}s")
+        return i % size
+
+    @staticmethod
+    def _check_k(k: int, size: int) -> None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise InvalidInputError(f"k must be a positive integer, got {k!r}")
+        if k > size:
+            raise InvalidInputError(f"k={k} is larger than the {size} entries available")
+
+    def diag(self) -> Tensor:
+        """The diagonal [..., ldim] of a square AB, from the factors in O(ldim * mdim)."""
+        if self.ldim != self.rdim:
+            raise InvalidInputError(f"diag needs a square matrix, got {self.ldim} x {self.rdim}")
+        return (self.A * self.B.transpose(-2, -1)).sum(-1)
+
+    def topk_row(self, i: int, k: int, largest: bool = True) -> tuple[Tensor, Tensor]:
+        """Top-k entries of row i: (values [..., k], column indices [..., k]), sorted."""
+        i = self._check_index(i, self.ldim, "row")
+        self._check_k(k, self.rdim)
+        row = self.A[..., i, :].unsqueeze(-2) @ self.B  # [..., 1, rdim]
+        return row.squeeze(-2).topk(k, dim=-1, largest=largest)
+
+    def topk_col(self, j: int, k: int, largest: bool = True) -> tuple[Tensor, Tensor]:
+        """Top-k entries of column j: (values [..., k], row indices [..., k]), sorted."""
+        j = self._check_index(j, self.rdim, "column")
+        self._check_k(k, self.ldim)
+        col = self.A @ self.B[..., :, j].unsqueeze(-1)  # [..., ldim, 1]
+        return col.squeeze(-1).topk(k, dim=-1, largest=largest)
+
+    # -- streaming over row blocks under a byte budget --------------------------------------------------
+    def rows_per_block(self, budget_bytes: int, copies: int = 1, batch: int | None = None) -> int:
+        """How many dense rows (of `batch` matrices, default all, in `copies` buffers) fit in budget_bytes."""
+        batch = math.prod(self.batch_shape) if batch is None else batch
+        per_row = self.rdim * batch * self.A.element_size() * copies
+        rows = int(budget_bytes) // per_row
+        if rows < 1:
+            raise LimitExceededError(
+                f"one row block of {per_row} bytes ({copies} x {batch} x {self.rdim} values) does not fit "
+                f"the memory budget of {int(budget_bytes)} bytes"
+            )
+        return min(rows, self.ldim)
+
+    def iter_row_blocks(self, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> Iterator[tuple[slice, Tensor]]:
+        """Yield (row slice, dense block [..., rows, rdim]) covering AB, each block within budget_bytes."""
+        step = self.rows_per_block(budget_bytes)
+        for start in range(0, self.ldim, step):
+            rows = slice(start, min(start + step, self.ldim))
+            yield rows, self.A[..., rows, :] @ self.B
+
+    def topk_global(
+        self, k: int, budget_bytes: int = DEFAULT_BUDGET_BYTES, largest: bool = True
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The k largest (or smallest) entries of the whole matrix AB, without allocating ldim x rdim.
+
+        Returns (values [..., k] sorted, row indices [..., k], column indices [..., k]). Rows are
+        streamed in blocks of at most budget_bytes (the product block plus one working copy), in
+        descending order of ||A_i||; by Cauchy-Schwarz no entry of row i exceeds ||A_i|| * max_j ||B_:,j||
+        in absolute value, so once that bound drops below the current k-th value the remaining rows are
+        skipped. Inside a block, only rows whose maximum beats the current k-th value are ranked.
+        """
+        self._check_k(k, self.ldim * self.rdim)
+        step = self.rows_per_block(budget_bytes, copies=2, batch=1)  # one matrix at a time
+        A = self.A.expand(*self.batch_shape, *self.A.shape[-2:]).reshape(-1, self.ldim, self.mdim)
+        B = self.B.expand(*self.batch_shape, *self.B.shape[-2:]).reshape(-1, self.mdim, self.rdim)
+        results = [_topk_global_2d(a, b, k, step, largest) for a, b in zip(A, B, strict=True)]
+        values, rows, cols = (torch.stack([r[n] for r in results]) for n in range(3))
+        shape = (*self.batch_shape, k)
+        return values.reshape(shape), rows.reshape(shape), cols.reshape(shape)
+
+
+def _topk_global_2d(A: Tensor, B: Tensor, k: int, step: int, largest: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Global top-k of A [ldim, mdim] @ B [mdim, rdim] in row blocks of `step` rows (see topk_global)."""
+    ldim, rdim = A.shape[0], B.shape[1]
+    B = B if largest else -B  # smallest entries of AB = largest of A(-B)
+    row_norms = A.norm(dim=-1)  # [ldim]
+    order = row_norms.argsort(descending=True)  # [ldim]
+    col_norm_max = B.norm(dim=0).max()  # scalar
+    buf = torch.empty(min(step, ldim), rdim, dtype=torch.result_type(A, B), device=A.device)
+    best_v = torch.empty(0, dtype=buf.dtype, device=A.device)  # [<= k], sorted descending
+    best_r = torch.empty(0, dtype=torch.long, device=A.device)
+    best_c = torch.empty(0, dtype=torch.long, device=A.device)
+    for start in range(0, ldim, step):
+        rows = order[start : start + step]  # [b]
+        full = best_v.numel() == k
+        if full and row_norms[rows[0]] * col_norm_max < best_v[-1]:
+            break  # no entry of this or any later row can enter the top-k
+        block = torch.matmul(A[rows], B, out=buf[: rows.numel()])  # [b, rdim]
+        if full:
+            keep = block.amax(dim=1) > best_v[-1]  # [b]
+            if not bool(keep.any()):
+                continue
+            block, rows = block[keep], rows[keep]
+        v, c = block.topk(min(k, rdim), dim=1)  # [b', k']
+        r = rows[:, None].expand_as(c)
+        cand_v = torch.cat([best_v, v.reshape(-1)])
+        cand_r = torch.cat([best_r, r.reshape(-1)])
+        cand_c = torch.cat([best_c, c.reshape(-1)])
+        best_v, pick = cand_v.topk(min(k, cand_v.numel()))
+        best_r, best_c = cand_r[pick], cand_c[pick]
+    return (best_v if largest else -best_v), best_r, best_c

@@ -1,0 +1,221 @@
+"""FactoredMatrix against the dense matrix A @ B, in float64, on random shapes (paper-math section 5.15)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from circuits_core.errors import InvalidInputError, LimitExceededError
+from circuits_core.factored import FactoredMatrix
+
+torch.set_default_dtype(torch.float64)
+
+# (batch, ldim, mdim, rdim): square and rectangular, low-rank (mdim < dims) and mdim > dims.
+SHAPES = [((), 7, 3, 7), ((), 9, 4, 6), ((2, 3), 8, 5, 8), ((3,), 5, 7, 6), ((2,), 6, 6, 6)]
+
+
+def random_fm(batch, ldim, mdim, rdim, seed=0, broadcast_a=False):
+    gen = torch.Generator().manual_seed(seed)
+    a_batch = () if broadcast_a else batch
+    A = torch.randn(*a_batch, ldim, mdim, generator=gen)
+    B = torch.randn(*batch, mdim, rdim, generator=gen)
+    return FactoredMatrix(A, B)
+
+
+def dense(fm):
+    return (fm.A @ fm.B).expand(fm.shape)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_shape_T_and_dense_views(shape):
+    fm = random_fm(*shape)
+    batch, ldim, mdim, rdim = shape
+    M = dense(fm)  # [..., ldim, rdim]
+    assert fm.shape == (*batch, ldim, rdim) and fm.mdim == mdim
+    assert torch.allclose(fm.T.AB, M.transpose(-2, -1))
+    assert torch.allclose(fm.rows([0, 2]), M[..., [0, 2], :])
+    assert torch.allclose(fm.cols([1, -1]), M[..., :, [1, -1]].transpose(-2, -1))
+    if ldim == rdim:
+        assert torch.allclose(fm.diag(), torch.diagonal(M, dim1=-2, dim2=-1))
+        assert torch.allclose(fm.BA, fm.B @ fm.A)
+    else:
+        with pytest.raises(InvalidInputError):
+            fm.diag()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_svd_reconstructs_and_is_orthonormal(shape):
+    fm = random_fm(*shape, seed=1)
+    U, S, V = fm.svd()
+    r = S.shape[-1]
+    assert torch.allclose(U @ torch.diag_embed(S) @ V.transpose(-2, -1), dense(fm), atol=1e-10)
+    eye = torch.eye(r).expand(*U.shape[:-2], r, r)
+    assert torch.allclose(U.transpose(-2, -1) @ U, eye, atol=1e-10)
+    assert torch.allclose(V.transpose(-2, -1) @ V, eye, atol=1e-10)
+    # Singular values agree with the dense ones (the dense matrix has rank <= r).
+    dense_S = torch.linalg.svdvals(dense(fm))[..., :r]
+    assert torch.allclose(S, dense_S, atol=1e-10)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_norm_and_collapse(shape):
+    fm = random_fm(*shape, seed=2)
+    M = dense(fm)
+    assert torch.allclose(fm.norm(), torch.linalg.matrix_norm(M))
+    U, S, V = fm.svd()
+    assert torch.allclose(U @ fm.collapse_l(), M, atol=1e-10)
+    assert torch.allclose(fm.collapse_r() @ V.transpose(-2, -1), M, atol=1e-10)
+
+
+def sorted_complex(z):
+    # Sort by (real, imag) after rounding, so conjugate pairs line up.
+    z = z.to(torch.complex128)
+    key = torch.round(z.real * 1e6) * 1e7 + z.imag
+    return z[key.argsort()]
+
+
+@pytest.mark.parametrize("ldim,mdim", [(7, 3), (10, 4), (6, 6)])
+def test_eigenvalues_equal_nonzero_eigenvalues_of_AB(ldim, mdim):
+    fm = random_fm((), ldim, mdim, ldim, seed=3)
+    eig = fm.eigenvalues  # [mdim]
+    dense_eig = torch.linalg.eigvals(dense(fm))  # [ldim]
+    nonzero = dense_eig[dense_eig.abs().argsort(descending=True)[:mdim]]  # the rest are ~0
+    assert torch.allclose(sorted_complex(eig), sorted_complex(nonzero), atol=1e-8)
+    if ldim > mdim:
+        assert dense_eig.abs().sort().values[: ldim - mdim].max() < 1e-9
+    # Trace identity: sum of eigenvalues == trace == sum of the diagonal.
+    assert torch.allclose(eig.sum().real, torch.trace(dense(fm)))
+    assert torch.allclose(fm.diag().sum(), torch.trace(dense(fm)))
+
+
+def test_eigenvalues_batched_match_looped():
+    fm = random_fm((2, 3), 8, 4, 8, seed=4)
+    eig = fm.eigenvalues  # [2, 3, 4]
+    for i in range(2):
+        for j in range(3):
+            dense_eig = torch.linalg.eigvals(dense(fm)[i, j])
+            nonzero = dense_eig[dense_eig.abs().argsort(descending=True)[:4]]
+            assert torch.allclose(sorted_complex(eig[i, j]), sorted_complex(nonzero), atol=1e-8)
+
+
+def test_products_keep_the_smallest_inner_dimension():
+    gen = torch.Generator().manual_seed(5)
+    fm = FactoredMatrix(torch.randn(2, 20, 3, generator=gen), torch.randn(2, 3, 20, generator=gen))
+    left, right = torch.randn(15, 20, generator=gen), torch.randn(20, 17, generator=gen)
+    M = dense(fm)
+    out = left @ fm @ right
+    assert out.mdim == 3 and out.shape == (2, 15, 17)
+    assert torch.allclose(out.AB, left @ M @ right)
+    # When the inner dimension is larger than the outer one, the product is materialised instead.
+    small = FactoredMatrix(torch.randn(4, 6, generator=gen), torch.randn(6, 4, generator=gen))
+    prod = small @ torch.randn(4, 2, generator=gen)
+    assert prod.mdim == 4
+    other = random_fm((), 20, 2, 9, seed=6)
+    both = fm @ other
+    assert torch.allclose(both.AB, M @ dense(other))
+    assert torch.allclose((fm * 2.5).AB, 2.5 * M) and torch.allclose((2.5 * fm).AB, 2.5 * M)
+    with pytest.raises(InvalidInputError):
+        fm @ torch.randn(20)
+
+
+def test_batch_indexing_including_negative_and_broadcast():
+    fm = random_fm((3, 4), 6, 2, 5, seed=7, broadcast_a=True)  # A has no batch dims: broadcast
+    M = dense(fm)
+    for idx in [(0, 0), (-1, -1), (2, -3), (-2,)]:
+        sub = fm[idx]
+        assert sub.AB.numel() > 0
+        assert torch.allclose(sub.AB, M[idx])
+    assert torch.allclose(fm[1].AB, M[1])
+    with pytest.raises(InvalidInputError):
+        fm[0, 0, 0]
+
+
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_topk_row_and_col(shape, largest):
+    fm = random_fm(*shape, seed=8)
+    M = dense(fm)
+    batch, ldim, _, rdim = shape
+    for i in (0, ldim - 1, -1):
+        v, idx = fm.topk_row(i, 3, largest=largest)
+        ref_v, ref_idx = M[..., i, :].topk(3, dim=-1, largest=largest)
+        assert torch.allclose(v, ref_v) and torch.equal(idx, ref_idx)
+    for j in (0, rdim - 1, -2):
+        v, idx = fm.topk_col(j, 4, largest=largest)
+        ref_v, ref_idx = M[..., :, j].topk(4, dim=-1, largest=largest)
+        assert torch.allclose(v, ref_v) and torch.equal(idx, ref_idx)
+
+
+def test_topk_errors():
+    fm = random_fm((), 5, 2, 4)
+    with pytest.raises(InvalidInputError):
+        fm.topk_row(5, 2)
+    with pytest.raises(InvalidInputError):
+        fm.topk_col(0, 6)
+    with pytest.raises(InvalidInputError):
+        fm.topk_row(0, 0)
+    with pytest.raises(InvalidInputError):
+        fm.topk_global(21)
+
+
+def dense_topk_global(M, k, largest):
+    flat = M.reshape(*M.shape[:-2], -1)
+    v, i = flat.topk(k, dim=-1, largest=largest)
+    return v, i // M.shape[-1], i % M.shape[-1]
+
+
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("budget_rows", [1, 3, 1000])
+@pytest.mark.parametrize("shape", [((), 40, 3, 30), ((2, 3), 25, 4, 20), ((), 33, 40, 17)])
+def test_topk_global_matches_dense(shape, budget_rows, largest):
+    fm = random_fm(*shape, seed=9)
+    M = dense(fm)
+    rdim = shape[-1]
+    budget = budget_rows * rdim * 8 * 2  # budget_rows rows of the block plus one working copy, float64
+    for k in (1, 7, 50):
+        v, r, c = fm.topk_global(k, budget_bytes=budget, largest=largest)
+        ref_v, ref_r, ref_c = dense_topk_global(M, k, largest)
+        assert v.shape == (*shape[0], k)
+        assert torch.allclose(v, ref_v)
+        assert torch.equal(r, ref_r) and torch.equal(c, ref_c)  # random data: no ties
+        flat = M.reshape(*M.shape[:-2], -1)  # the entries at the returned (row, col) are the values
+        assert torch.allclose(flat.gather(-1, r * rdim + c), v)
+
+
+def test_topk_global_bound_skips_rows_without_changing_the_answer():
+    # A few rows with a much larger norm hold every top entry: the bound lets the scan stop early.
+    gen = torch.Generator().manual_seed(10)
+    A = torch.randn(500, 4, generator=gen) * 0.01
+    A[[3, 250, 499]] *= 1000
+    B = torch.randn(4, 60, generator=gen)
+    fm = FactoredMatrix(A, B)
+    blocks_seen = []
+    real_matmul = torch.matmul
+
+    def counting_matmul(x, y, out=None):
+        blocks_seen.append(x.shape[0])
+        return real_matmul(x, y, out=out)
+
+    torch.matmul = counting_matmul
+    try:
+        v, r, c = fm.topk_global(10, budget_bytes=5 * 60 * 8 * 2)
+    finally:
+        torch.matmul = real_matmul
+    ref_v, ref_r, ref_c = dense_topk_global(A @ B, 10, True)
+    assert torch.allclose(v, ref_v) and torch.equal(r, ref_r) and torch.equal(c, ref_c)
+    assert sum(blocks_seen) < 500  # rows were skipped
+
+
+def test_budget_too_small_raises():
+    fm = random_fm((), 10, 3, 1000)
+    with pytest.raises(LimitExceededError):
+        fm.topk_global(5, budget_bytes=1000)
+    with pytest.raises(LimitExceededError):
+        list(fm.iter_row_blocks(budget_bytes=100))
+
+
+def test_iter_row_blocks_cover_the_matrix():
+    fm = random_fm((2,), 23, 3, 11, seed=11)
+    blocks = list(fm.iter_row_blocks(budget_bytes=2 * 5 * 11 * 8))  # 5 rows of both batch entries
+    assert [b.shape[-2] for _, b in blocks] == [5, 5, 5, 5, 3]
+    assert torch.allclose(torch.cat([b for _, b in blocks], dim=-2), dense(fm))
