@@ -1,0 +1,173 @@
+"""Weight processing: TransformerLens's defaults, as exact rewrites that never change what the model computes.
+
+Paper: "Handling Layer Normalization" appendix -- "we can fold everything but normalization into adjacent
+parameters". Reference: TransformerLens `weight_processing.py` (paper-math.md section 4.3). Row-vector
+convention, TransformerLens names and shapes (W_Q [n_heads, d_model, d_head], W_U [d_model, d_vocab]).
+
+Switches (each recorded in `model.processing`: True = applied; when asked for but not valid for this model,
+False plus `"<switch>_skipped": reason`):
+- fold_ln: LN(x) = centre(x)/sigma * w + b feeds W_Q/W_K/W_V, W_in and W_U, so w scales their rows and b
+  becomes a bias: W <- diag(w) W, b_X <- b_X + b @ W. The reading weights are then centred over d_model
+  (LNPre output has zero mean, so this is exact). The LayerNorms become "LNPre" (normalise only, keep
+  hook_scale). A model without biases gets use_bias=True (zeros elsewhere) when some LN bias is non-zero.
+  Skipped for shortformer positions: W_pos is added *after* ln1 to the query/key inputs, so folding ln1.w
+  into W_Q/W_K would also scale the positional path (TransformerLens skips it too).
+- center_writing_weights: subtract the d_model mean from W_E, W_pos (standard positions only), W_O, b_O,
+  W_out, b_out. Exact only because every reader of the residual stream is a LayerNorm that centres first;
+  skipped for models without LayerNorm. Shortformer W_pos is not in the residual stream and is left alone.
+- center_unembed: W_U <- W_U - mean over vocab, b_U likewise: every logit at a position moves by the same
+  amount, so log-probs are unchanged.
+- fold_value_biases: each attention row sums to 1, so b_V^h contributes the constant b_V^h W_O^h to every
+  position: b_O <- b_O + sum_h b_V^h W_O^h, b_V <- 0.
+
+Unlike TransformerLens (which casts to float32 while processing), the dtype is kept: float64 stays float64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from circuits_core.config import ModelConfig
+from circuits_core.model import Transformer
+from circuits_core.statedict import build_model
+
+State = dict[str, Tensor]
+SWITCHES = ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases")
+
+
+@dataclass(frozen=True)
+class ProcessingOptions:
+    """Which processing steps `load_checkpoint` applies (all on: TransformerLens's `from_pretrained`)."""
+
+    fold_ln: bool = True
+    center_writing_weights: bool = True
+    center_unembed: bool = True
+    fold_value_biases: bool = True
+
+    @classmethod
+    def none(cls) -> ProcessingOptions:
+        return cls(False, False, False, False)
+
+
+def _bias_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every bias key of a use_bias model, with its shape."""
+    h, dh, d = cfg.n_heads, cfg.d_head, cfg.d_model
+    shapes: dict[str, tuple[int, ...]] = {"unembed.b_U": (cfg.d_vocab,)}
+    for layer in range(cfg.n_layers):
+        p = f"blocks.{layer}"
+        shapes.update({f"{p}.attn.b_Q": (h, dh), f"{p}.attn.b_K": (h, dh), f"{p}.attn.b_V": (h, dh)})
+        shapes[f"{p}.attn.b_O"] = (d,)
+        if not cfg.attn_only:
+            assert cfg.d_mlp is not None
+            shapes.update({f"{p}.mlp.b_in": (cfg.d_mlp,), f"{p}.mlp.b_out": (d,)})
+    return shapes
+
+
+def _fold_ln(cfg: ModelConfig, sd: State, record: dict[str, bool | str]) -> ModelConfig:
+    """Fold every LN's w, b into the weights reading it; returns the new config (LNPre)."""
+    if cfg.normalization_type != "LN":
+        record["fold_ln"] = True  # nothing to fold: LNPre (already folded) or no LayerNorm
+        return cfg
+    if cfg.positional_embedding_type == "shortformer":
+        record["fold_ln_skipped"] = (
+            "shortformer positions are added after ln1, so folding ln1.w into W_Q/W_K would also scale W_pos"
+        )
+        return cfg
+    ln_names = [f"blocks.{layer}.ln{i}" for layer in range(cfg.n_layers) for i in ((1,) if cfg.attn_only else (1, 2))]
+    ln_names.append("ln_final")
+    use_bias = cfg.use_bias or any(bool(sd[f"{ln}.b"].any()) for ln in ln_names)
+    if use_bias and not cfg.use_bias:
+        ref = sd["embed.W_E"]
+        for key, shape in _bias_shapes(cfg).items():
+            sd[key] = torch.zeros(shape, dtype=ref.dtype, device=ref.device)
+
+    def fold(ln: str, weight_key: str, bias_key: str) -> None:
+        w, b = sd[f"{ln}.w"], sd[f"{ln}.b"]  # [d_model]
+        W = sd[weight_key]  # [n_heads, d_model, d_head] or [d_model, d_out]
+        if use_bias:
+            sd[bias_key] = sd[bias_key] + torch.einsum("d,...de->...e", b, W)
+        W = w[:, None] * W  # scales row d (broadcasts over a leading head axis)
+        sd[weight_key] = W - W.mean(dim=-2, keepdim=True)  # centre the reading weights over d_model
+
+    for layer in range(cfg.n_layers):
+        p = f"blocks.{layer}"
+        for x in "QKV":
+            fold(f"{p}.ln1", f"{p}.attn.W_{x}", f"{p}.attn.b_{x}")
+        if not cfg.attn_only:
+            fold(f"{p}.ln2", f"{p}.mlp.W_in", f"{p}.mlp.b_in")
+    fold("ln_final", "unembed.W_U", "unembed.b_U")
+    for ln in ln_names:
+        del sd[f"{ln}.w"], sd[f"{ln}.b"]
+    record["fold_ln"] = True
+    return dataclasses.replace(cfg, normalization_type="LNPre", use_bias=use_bias)
+
+
+def _center_writing_weights(cfg: ModelConfig, sd: State, record: dict[str, bool | str]) -> None:
+    if cfg.normalization_type not in ("LN", "LNPre"):
+        record["center_writing_weights_skipped"] = (
+            "the model has no LayerNorm, so readers see the residual mean: centring would change the output"
+        )
+        return
+    writers = ["embed.W_E"]
+    if cfg.positional_embedding_type == "standard":
+        writers.append("pos_embed.W_pos")
+    for layer in range(cfg.n_layers):
+        p = f"blocks.{layer}"
+        writers += [f"{p}.attn.W_O", f"{p}.attn.b_O", f"{p}.mlp.W_out", f"{p}.mlp.b_out"]
+    for key in writers:
+        if key in sd:  # biases exist only with use_bias, MLP weights only with MLPs
+            sd[key] = sd[key] - sd[key].mean(dim=-1, keepdim=True)  # mean over d_model
+    record["center_writing_weights"] = True
+
+
+def _center_unembed(sd: State, record: dict[str, bool | str]) -> None:
+    sd["unembed.W_U"] = sd["unembed.W_U"] - sd["unembed.W_U"].mean(dim=-1, keepdim=True)  # [d_model, d_vocab]
+    if "unembed.b_U" in sd:
+        sd["unembed.b_U"] = sd["unembed.b_U"] - sd["unembed.b_U"].mean()
+    record["center_unembed"] = True
+
+
+def _fold_value_biases(cfg: ModelConfig, sd: State, record: dict[str, bool | str]) -> None:
+    if cfg.use_bias:
+        for layer in range(cfg.n_layers):
+            p = f"blocks.{layer}.attn"
+            b_V, W_O = sd[f"{p}.b_V"], sd[f"{p}.W_O"]  # [n_heads, d_head], [n_heads, d_head, d_model]
+            sd[f"{p}.b_O"] = sd[f"{p}.b_O"] + torch.einsum("he,hed->d", b_V, W_O)
+            sd[f"{p}.b_V"] = torch.zeros_like(b_V)
+    record["fold_value_biases"] = True
+
+
+def process_weights(
+    model: Transformer,
+    fold_ln: bool = True,
+    center_writing_weights: bool = True,
+    center_unembed: bool = True,
+    fold_value_biases: bool = True,
+) -> Transformer:
+    """A new model with the chosen rewrites applied (same dtype and device); `model` is not modified."""
+    cfg = model.cfg
+    sd: State = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    record: dict[str, bool | str] = {s: bool(model.processing.get(s, False)) for s in SWITCHES}
+    record.update({k: v for k, v in model.processing.items() if k.endswith("_skipped")})
+    if fold_ln:
+        cfg = _fold_ln(cfg, sd, record)
+    if center_writing_weights:
+        _center_writing_weights(cfg, sd, record)
+    if center_unembed:
+        _center_unembed(sd, record)
+    if fold_value_biases:
+        _fold_value_biases(cfg, sd, record)
+    new = build_model(cfg, sd, dtype=model.dtype, origin="process_weights").to(model.device)
+    new.processing = record
+    return new
+
+
+def apply_options(model: Transformer, options: ProcessingOptions) -> Transformer:
+    """`process_weights` with a ProcessingOptions (returns `model` itself when every switch is off)."""
+    if not any(dataclasses.astuple(options)):
+        return model
+    return process_weights(model, **dataclasses.asdict(options))
