@@ -257,7 +257,7 @@ class Transformer(nn.Module):
         self.unembed.W_U = nn.Parameter(torch.empty(cfg.d_model, cfg.d_vocab))
         if cfg.use_bias:
             self.unembed.b_U = nn.Parameter(torch.zeros(cfg.d_vocab))
-        self.processing: dict[str, bool] = {}
+        self.processing: dict[str, bool | str] = {}  # switch -> applied; '<switch>_skipped' -> why
 
     # Paper names for the weights, stacked over layers where TransformerLens stacks them.
     @property
