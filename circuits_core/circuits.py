@@ -1,0 +1,313 @@
+"""Single-head circuits: the direct path, QK and OV circuits, skip-trigrams, copying scores, positional QK.
+
+Paper sections (Elhage et al. 2021): "Zero-Layer Transformers" (direct path W_U W_E), "One-Layer
+Attn-Only Transformers" (QK circuit W_E^T W_QK W_E, OV circuit W_U W_OV W_E, skip-trigrams, copying and
+the eigenvalue analysis). See paper-math sections 2.2-2.8.
+
+Convention: row vectors as TransformerLens (`x @ W`), so every full circuit is the paper's matrix
+transposed or not as below (V = d_vocab, d = d_model, d_h = d_head, s = attn_scale):
+
+    direct_path        W_E_eff @ W_U                       [V, V]  rows: current token, cols: next-token logit
+    qk_circuit         W_Q @ W_K^T                         [d, d]  (= the paper's W_QK) rows: query side
+    ov_circuit         W_V @ W_O                           [d, d]  (= the paper's W_OV transposed) rows: read side
+    full_qk_circuit    W_E_eff W_Q W_K^T W_E_eff^T / s     [V, V]  rows: query (destination), cols: key (source)
+                       -- scaled like real attention scores
+    full_ov_circuit    W_E_eff W_V W_O W_U                 [V, V]  rows: source (attended) token, cols: output logit
+
+All are FactoredMatrix objects whose inner dimension is d_h (or d for the direct path): nothing sized
+V x V is ever allocated.
+
+LayerNorm: W_E_eff is W_E with the first layer's ln1 applied row by row (centre, divide by the RMS, then
+the LN weight and bias if the model has them), as the paper does for its one-layer skip-trigrams. It is
+exact for first-layer inputs when positions are not in the residual stream (shortformer, rotary, none).
+With standard positions the first LN reads W_E[t] + W_pos[p], so W_E_eff is an approximation (the LN scale
+and centring of the sum are not those of W_E[t] alone). The direct path uses ln_final applied to W_E
+rows instead. Circuits of later layers use the same W_E_eff: they describe the direct token -> head path
+(the paper's one-layer terms), ignoring the LN scale at that layer. Attention biases are ignored (their
+effect on the pattern is only the per-key term b_Q W_K^T x, paper-math 1.4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from circuits_core.errors import InvalidInputError, NotFoundError
+from circuits_core.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
+from circuits_core.model import LayerNorm, Transformer, _Recorder
+
+
+def check_head(model: Transformer, layer: int, head: int) -> None:
+    cfg = model.cfg
+    if not 0 <= layer < cfg.n_layers:
+        raise NotFoundError(f"head L{layer}H{head} out of range: the model has {cfg.n_layers} layers")
+    if not 0 <= head < cfg.n_heads:
+        raise NotFoundError(f"head L{layer}H{head} out of range: the model has {cfg.n_heads} heads per layer")
+
+
+def apply_ln_rows(ln: LayerNorm, X: Tensor) -> Tensor:
+    """A model LayerNorm applied to each row of X [n, d_model] as if it were one residual vector."""
+    return ln(X[None], _Recorder(None), None)[0]  # [n, d_model]
+
+
+def embed_eff(model: Transformer) -> Tensor:
+    """W_E_eff [d_vocab, d_model]: W_E with layer 0's ln1 applied row by row (W_E without LN)."""
+    if model.cfg.n_layers == 0:
+        return model.W_E
+    return apply_ln_rows(model.blocks[0].ln1, model.W_E)
+
+
+def embed_pos_basis(model: Transformer) -> Tensor:
+    """TransformerLens's overcomplete input basis W_E_pos = cat([W_E_eff, W_pos]) [d_vocab + n_ctx, d_model].
+
+    For a shortformer model, layer 0's query/key input at position p with token t is exactly
+    W_E_pos[t] + W_pos[p] (rows t and d_vocab + p), so (e_t + e_{V+p}) W_E_pos W_QK W_E_pos^T (...)^T / s is
+    the attention score (without biases).
+    """
+    if model.W_pos is None:
+        raise InvalidInputError(
+            f"W_E_pos needs learned positions (standard or shortformer), the model has {model.cfg.positional_embedding_type!r}"
+        )
+    return torch.cat([embed_eff(model), model.W_pos])
+
+
+# -- the circuits -------------------------------------------------------------------------------------
+def direct_path(model: Transformer) -> FactoredMatrix:
+    """W_E_eff @ W_U [d_vocab, d_vocab]: rows current token, columns next-token logit (the bigram term).
+
+    With LayerNorm, W_E_eff here is ln_final applied to W_E rows (the zero-layer input to the unembedding).
+    b_U and positional terms are not included.
+    """
+    W_E = model.W_E if model.cfg.normalization_type is None else apply_ln_rows(model.ln_final, model.W_E)
+    return FactoredMatrix(W_E, model.W_U)
+
+
+def qk_circuit(model: Transformer, layer: int, head: int) -> FactoredMatrix:
+    """W_QK = W_Q @ W_K^T [d_model, d_model] (inner d_head): rows query-side residual, cols key-side."""
+    check_head(model, layer, head)
+    attn = model.blocks[layer].attn
+    return FactoredMatrix(attn.W_Q[head], attn.W_K[head].T)
+
+
+def ov_circuit(model: Transformer, layer: int, head: int) -> FactoredMatrix:
+    """W_V @ W_O [d_model, d_model] (inner d_head): rows the residual read at the source, cols written."""
+    check_head(model, layer, head)
+    attn = model.blocks[layer].attn
+    return FactoredMatrix(attn.W_V[head], attn.W_O[head])
+
+
+def full_qk_circuit(model: Transformer, layer: int, head: int) -> FactoredMatrix:
+    """W_E_eff W_Q W_K^T W_E_eff^T / attn_scale [d_vocab, d_vocab]: rows query token, cols key token.
+
+    Entry [b, a] is the attention score (as in hook_attn_scores) of a query token b on a key token a,
+    token part only: positional and bias terms are not included.
+    """
+    check_head(model, layer, head)
+    attn, W_E = model.blocks[layer].attn, embed_eff(model)
+    return FactoredMatrix(W_E @ attn.W_Q[head] / model.cfg.scale, attn.W_K[head].T @ W_E.T)
+
+
+def full_ov_circuit(model: Transformer, layer: int, head: int) -> FactoredMatrix:
+    """W_E_eff W_V W_O W_U [d_vocab, d_vocab]: rows source (attended) token, cols output logit.
+
+    Entry [a, c] is how much attending to token a raises the logit of token c (ignoring the LayerNorms
+    after the head).
+    """
+    check_head(model, layer, head)
+    attn, W_E = model.blocks[layer].attn, embed_eff(model)
+    return FactoredMatrix(W_E @ attn.W_V[head], attn.W_O[head] @ model.W_U)
+
+
+# -- positional QK ----------------------------------------------------------------------------------
+@dataclass
+class PositionalQK:
+    scores: Tensor  # [n, n] W_pos W_QK W_pos^T / s, rows query position, cols key position (unmasked)
+    pattern: Tensor  # [n, n] causal row softmax of scores (zero above the diagonal)
+    previous_token: float  # mean of pattern[i, i-1], i >= 1
+    current_token: float  # mean of pattern[i, i]
+
+
+def positional_qk(model: Transformer, layer: int, head: int, n: int | None = None) -> PositionalQK:
+    """The position-position part of the attention scores and its causal pattern (paper-math 2.4).
+
+    Exact for shortformer models (positions enter queries and keys after ln1, untouched). For standard
+    positions W_pos goes through the residual stream: ln1 is applied to W_pos rows and tokens are ignored,
+    so it is only the positional tendency of the head.
+    """
+    check_head(model, layer, head)
+    kind = model.cfg.positional_embedding_type
+    if kind not in ("shortformer", "standard") or model.W_pos is None:
+        raise InvalidInputError(
+            f"positional QK needs learned positions (shortformer or standard), the model has {kind!r}"
+        )
+    n = model.cfg.n_ctx if n is None else n
+    if not 2 <= n <= model.cfg.n_ctx:
+        raise InvalidInputError(f"n must be in [2, n_ctx={model.cfg.n_ctx}], got {n}")
+    P = model.W_pos[:n]  # [n, d_model]
+    if kind == "standard":
+        P = apply_ln_rows(model.blocks[layer].ln1, P)
+    W_QK = qk_circuit(model, layer, head)
+    scores = (P @ W_QK.A) @ (W_QK.B @ P.T) / model.cfg.scale  # [n, n]
+    causal = torch.ones(n, n, dtype=torch.bool, device=P.device).tril()
+    pattern = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # [n, n]
+    return PositionalQK(
+        scores=scores,
+        pattern=pattern,
+        previous_token=float(pattern.diagonal(-1).mean()),
+        current_token=float(pattern.diagonal().mean()),
+    )
+
+
+# -- skip-trigrams -----------------------------------------------------------------------------------
+@dataclass
+class SkipTrigrams:
+    """Skip-trigrams "source ... destination -> out" through one head, for one source token a.
+
+    dest_tokens/dest_scores: the k query tokens b with the largest attention score qk[b, a] on key a
+    (column a of the full QK circuit, real score units). Raw scores are not comparable across queries
+    (only differences within a row set the pattern), so this ranking is the paper's "largest QK entries".
+    out_tokens/out_scores: the k tokens c with the largest logit effect ov[a, c] (row a of the full OV).
+    joint [k, k]: qk[b, a] * ov[a, c] for every (destination, out) pair -- a heuristic strength only, the
+    paper defines no joint score. triples: (b, c, joint) sorted by joint, largest first.
+    copying: whether a is among its own top-k out tokens.
+    """
+
+    source: int
+    dest_tokens: Tensor  # [k]
+    dest_scores: Tensor  # [k]
+    out_tokens: Tensor  # [k]
+    out_scores: Tensor  # [k]
+    joint: Tensor  # [k, k] rows destination, cols out
+    triples: list[tuple[int, int, float]]
+    copying: bool
+
+
+def skip_trigrams(model: Transformer, layer: int, head: int, source_token: int, k: int = 10) -> SkipTrigrams:
+    if not 0 <= source_token < model.cfg.d_vocab:
+        raise InvalidInputError(f"source token must be in [0, {model.cfg.d_vocab}), got {source_token}")
+    dest_scores, dest_tokens = full_qk_circuit(model, layer, head).topk_col(source_token, k)  # [k]
+    out_scores, out_tokens = full_ov_circuit(model, layer, head).topk_row(source_token, k)  # [k]
+    joint = dest_scores[:, None] * out_scores[None, :]  # [k, k]
+    order = joint.flatten().argsort(descending=True)
+    triples = [(int(dest_tokens[i // k]), int(out_tokens[i % k]), float(joint.flatten()[i])) for i in order.tolist()]
+    return SkipTrigrams(
+        source=source_token,
+        dest_tokens=dest_tokens,
+        dest_scores=dest_scores,
+        out_tokens=out_tokens,
+        out_scores=out_scores,
+        joint=joint,
+        triples=triples,
+        copying=bool((out_tokens == source_token).any()),
+    )
+
+
+@dataclass
+class HeadDump:
+    """The largest entries of a head's full circuits over all token pairs (the paper's "head dump")."""
+
+    ov_values: Tensor  # [k] full OV entries, largest first
+    ov_source: Tensor  # [k] source (attended) token a
+    ov_out: Tensor  # [k] output token c
+    qk_values: Tensor  # [k] full QK entries (attention-score units), largest first
+    qk_query: Tensor  # [k] query (destination) token b
+    qk_key: Tensor  # [k] key (source) token a
+
+
+def head_dump(
+    model: Transformer, layer: int, head: int, k: int = 100, budget_bytes: int = DEFAULT_BUDGET_BYTES
+) -> HeadDump:
+    ov_v, ov_a, ov_c = full_ov_circuit(model, layer, head).topk_global(k, budget_bytes=budget_bytes)
+    qk_v, qk_b, qk_a = full_qk_circuit(model, layer, head).topk_global(k, budget_bytes=budget_bytes)
+    return HeadDump(ov_v, ov_a, ov_c, qk_v, qk_b, qk_a)
+
+
+# -- copying: eigenvalues of every head through d_head x d_head matrices ------------------------------
+def unembed_embed_gram(model: Transformer) -> Tensor:
+    """G = W_U @ W_E_eff [d_model, d_model], formed once per model for all full OV spectra."""
+    return model.W_U @ embed_eff(model)
+
+
+def embed_gram(model: Transformer) -> Tensor:
+    """G_E = W_E_eff^T @ W_E_eff [d_model, d_model], formed once per model for all full QK spectra."""
+    W_E = embed_eff(model)
+    return W_E.T @ W_E
+
+
+def _spectrum(M: Tensor) -> Tensor:
+    # eig is ill-conditioned for non-symmetric matrices: solve the small ones in float64.
+    return torch.linalg.eigvals(M.double())
+
+
+def ov_eigenvalues(model: Transformer, G: Tensor | None = None) -> Tensor:
+    """[n_layers, n_heads, d_head] complex: the nonzero eigenvalues of each full OV circuit.
+
+    lambda(W_E W_V W_O W_U) \\ {0} = lambda(W_O (W_U W_E) W_V) = lambda(W_O G W_V), d_head x d_head.
+    """
+    G = unembed_embed_gram(model) if G is None else G  # [d, d]
+    GW_V = torch.einsum("de,lhef->lhdf", G, model.W_V)  # [L, H, d, d_h]
+    return _spectrum(model.W_O @ GW_V)  # eig of [L, H, d_h, d_h]
+
+
+def qk_eigenvalues(model: Transformer, G_E: Tensor | None = None) -> Tensor:
+    """[n_layers, n_heads, d_head] complex: nonzero eigenvalues of each full QK circuit (scaled by 1/s).
+
+    lambda(W_E W_Q W_K^T W_E^T / s) \\ {0} = lambda(W_K^T (W_E^T W_E) W_Q) / s.
+    """
+    G_E = embed_gram(model) if G_E is None else G_E  # [d, d]
+    GW_Q = torch.einsum("de,lhef->lhdf", G_E, model.W_Q)  # [L, H, d, d_h]
+    return _spectrum(model.W_K.transpose(-2, -1) @ GW_Q / model.cfg.scale)
+
+
+def copying_score(eigenvalues: Tensor) -> Tensor:
+    """sum(lambda) / sum(|lambda|) over the last axis, in [-1, 1] (0 when every eigenvalue is 0)."""
+    total = eigenvalues.abs().sum(-1)
+    return torch.where(total > 0, eigenvalues.sum(-1).real / total.clamp_min(1e-300), 0.0)
+
+
+def ov_copying_scores(model: Transformer, G: Tensor | None = None) -> Tensor:
+    """[n_layers, n_heads] eigenvalue copying score of every full OV circuit (float64)."""
+    return copying_score(ov_eigenvalues(model, G))
+
+
+def qk_copying_scores(model: Transformer, G_E: Tensor | None = None) -> Tensor:
+    """[n_layers, n_heads] eigenvalue positivity of every full QK circuit (same-token matching, float64)."""
+    return copying_score(qk_eigenvalues(model, G_E))
+
+
+@dataclass
+class CopyingMetrics:
+    """The paper's alternative copying metrics for one head's full OV circuit M [V, V] (rows source a)."""
+
+    diagonal_positive: float  # fraction of tokens a with M[a, a] > 0
+    diagonal_quantiles: Tensor  # [5] quantiles 0, .25, .5, .75, 1 of the diagonal
+    top1: float  # fraction of tokens a whose own logit is the largest in row a (ARENA top_1_acc)
+    topk: float  # fraction of tokens a among the k largest of row a
+    k: int
+
+
+def ov_copying_metrics(
+    model: Transformer, layer: int, head: int, k: int = 5, budget_bytes: int = DEFAULT_BUDGET_BYTES
+) -> CopyingMetrics:
+    """Diagonal sign fraction and top-1 / top-k accuracy of the full OV circuit, rows streamed in blocks."""
+    M = full_ov_circuit(model, layer, head)
+    if not 1 <= k <= M.rdim:
+        raise InvalidInputError(f"k must be in [1, {M.rdim}], got {k}")
+    diag = M.diag()  # [V]
+    top1 = topk = 0
+    for rows, block in M.iter_row_blocks(budget_bytes):  # block [b, V]
+        own = torch.arange(rows.start, rows.stop, device=block.device)
+        top = block.topk(k, dim=-1).indices  # [b, k]
+        top1 += int((top[:, 0] == own).sum())
+        topk += int((top == own[:, None]).any(-1).sum())
+    qs = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0], dtype=torch.float64)
+    V = M.ldim
+    return CopyingMetrics(
+        diagonal_positive=float((diag > 0).double().mean()),
+        diagonal_quantiles=torch.quantile(diag.double(), qs),
+        top1=top1 / V,
+        topk=topk / V,
+        k=k,
+    )
