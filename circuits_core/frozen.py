@@ -1,0 +1,163 @@
+"""The frozen-attention linear view of a model: the clean run's patterns and LayerNorm scales, held fixed.
+
+Paper section: "Path expansion" with "freezing the attention patterns" (Elhage et al. 2021; paper-math 1.5,
+2.11). Row-vector convention. With patterns A^{l,h} [n, n] and LayerNorm scales frozen at the clean run,
+each layer is affine in its input residual stream X [n, d_model]:
+    LN_l(X)      = D_l (X C) diag(w_l) + 1 b_l^T      C = I - 11^T/d_model (identity without LN),
+                                                       D_l = diag(1/sigma) from `blocks.l.ln1.hook_scale`
+    head (l,h):  X -> A^{l,h} D_l (X C) diag(w_l) W_V^h W_O^h   (linear part)
+    bias beta_l  = b_O + sum_h (b_l W_V^h + b_V^h) W_O^h        (constant rows, because rows of A sum to 1)
+Everything here is shared by the logit path expansion (paths.py), the QK path expansion (qk_paths.py), the
+virtual heads (virtual.py) and the term-importance ablation (ablation.py). LayerNorm weights are folded into
+the reading weights here, so processed (LNPre) and unprocessed (LN) models are both exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from circuits_core.errors import InvalidInputError
+from circuits_core.model import Transformer
+
+
+@dataclass
+class FrozenRun:
+    """One clean run of a single sequence (batch dimension removed)."""
+
+    tokens: Tensor  # [n]
+    logits: Tensor  # [n, d_vocab]
+    cache: dict[str, Tensor]  # TransformerLens names, batch dimension removed
+    patterns: Tensor  # [n_layers, n_heads, n (query), n (key)]
+
+    @property
+    def n(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def inv_scale(self, ln_name: str) -> Tensor:
+        """1/sigma per position [n] of a LayerNorm ("blocks.0.ln1", "ln_final"); ones without LN."""
+        key = f"{ln_name}.hook_scale"
+        if key not in self.cache:
+            return torch.ones(self.n, dtype=self.logits.dtype, device=self.logits.device)
+        return 1.0 / self.cache[key][:, 0]
+
+
+_CACHED = ("hook_pattern", "hook_scale", "hook_mlp_out", "hook_attn_scores", "hook_embed", "hook_pos_embed",
+           "hook_resid_pre", "hook_resid_final", "hook_q", "hook_k")
+
+
+def frozen_run(model: Transformer, tokens: Tensor) -> FrozenRun:
+    """Run one sequence ([n] or [1, n]) and keep what the frozen-linear view needs."""
+    tokens = model.check_tokens(tokens)
+    if tokens.shape[0] != 1:
+        raise InvalidInputError(f"path expansions take one sequence, got a batch of {tokens.shape[0]}")
+    with torch.no_grad():
+        logits, cache = model.run(tokens, names=lambda name: name.endswith(_CACHED))
+    cache = {k: v[0] for k, v in cache.items()}
+    L = model.cfg.n_layers
+    patterns = torch.stack([cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(L)]) if L else logits.new_zeros(0)
+    return FrozenRun(tokens[0], logits[0], cache, patterns)
+
+
+def has_ln(model: Transformer) -> bool:
+    return model.cfg.normalization_type is not None
+
+
+def centre(model: Transformer, x: Tensor) -> Tensor:
+    """x C: subtract the mean over d_model (identity without LayerNorm). x [..., d_model]."""
+    return x - x.mean(-1, keepdim=True) if has_ln(model) else x
+
+
+def ln_weight(model: Transformer, ln_name: str) -> Tensor | None:
+    module = model.ln_final if ln_name == "ln_final" else model.get_submodule(ln_name)
+    return module.w if getattr(module, "has_weights", False) else None
+
+
+def ln_bias(model: Transformer, ln_name: str) -> Tensor | None:
+    module = model.ln_final if ln_name == "ln_final" else model.get_submodule(ln_name)
+    return module.b if getattr(module, "has_weights", False) else None
+
+
+def ln_linear(model: Transformer, ln_name: str, x: Tensor, inv_scale: Tensor) -> Tensor:
+    """Linear part of a frozen LayerNorm: D (x C) diag(w). x [..., n, d_model], inv_scale [n]."""
+    w = ln_weight(model, ln_name)
+    out = centre(model, x) * inv_scale[:, None]
+    return out * w if w is not None else out
+
+
+def reading_weights(model: Transformer, layer: int, name: str) -> Tensor:
+    """diag(w_ln1) W_name [n_heads, d_model, d_head] for name in W_Q, W_K, W_V (LN weight folded)."""
+    W = getattr(model.blocks[layer].attn, name)
+    w = ln_weight(model, f"blocks.{layer}.ln1")
+    return W * w[None, :, None] if w is not None else W
+
+
+def reading_bias(model: Transformer, layer: int, name: str) -> Tensor:
+    """b_ln1 W_name + b_name [n_heads, d_head] for name in Q, K, V (zeros without biases)."""
+    attn = model.blocks[layer].attn
+    cfg = model.cfg
+    out = torch.zeros(cfg.n_heads, cfg.d_head, dtype=model.dtype, device=model.device)
+    b_ln = ln_bias(model, f"blocks.{layer}.ln1")
+    if b_ln is not None:
+        out = out + torch.einsum("d,hde->he", b_ln, getattr(attn, f"W_{name}"))
+    bias = attn.bias(f"b_{name}")
+    return out + bias if bias is not None else out
+
+
+def layer_bias(model: Transformer, layer: int) -> Tensor:
+    """beta_l [d_model] = b_O + sum_h (b_ln1 W_V^h + b_V^h) W_O^h: the constant output of attention layer l."""
+    attn = model.blocks[layer].attn
+    beta = torch.einsum("he,hed->d", reading_bias(model, layer, "V"), attn.W_O)
+    b_O = attn.bias("b_O")
+    return beta + b_O if b_O is not None else beta
+
+
+def head_ov_apply(model: Transformer, layer: int, w: Tensor) -> tuple[Tensor, Tensor]:
+    """Pull readout vectors back through every head of a layer (column side of W_OV).
+
+    w [P, d_model] -> (g [H, P, d_head] = W_O w, w' [H, P, d_model] = C diag(w_ln) W_V g): for any source
+    rows X, (X C diag(w_ln) W_V W_O) . w = X . w'.
+    """
+    g = torch.einsum("hed,pd->hpe", model.blocks[layer].attn.W_O, w)
+    w_new = centre(model, torch.einsum("hde,hpe->hpd", reading_weights(model, layer, "W_V"), g))
+    return g, w_new
+
+
+def embed_source(model: Transformer, run: FrozenRun) -> Tensor:
+    """x_0 [n, d_model]: W_E[t] (+ W_pos for standard positions), the residual stream before layer 0."""
+    x0 = run.cache["hook_embed"]
+    if model.cfg.positional_embedding_type == "standard":
+        x0 = x0 + run.cache["hook_pos_embed"]
+    return x0
+
+
+def qk_positions(model: Transformer, run: FrozenRun) -> Tensor | None:
+    """W_pos rows [n, d_model] added after ln1 to queries and keys (shortformer), else None."""
+    if model.cfg.positional_embedding_type == "shortformer":
+        return run.cache["hook_pos_embed"]
+    return None
+
+
+def target_direction(model: Transformer, target: int | tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """(u [d_model], b [] ) with logit(target) = x_final_normed . u + b; a pair (a, b) means logit_a - logit_b."""
+    V = model.cfg.d_vocab
+    a, b = (target, None) if isinstance(target, int) else tuple(target)
+    for t in (a, b):
+        if t is not None and not 0 <= int(t) < V:
+            raise InvalidInputError(f"target token {t} out of range [0, {V})")
+    u = model.W_U[:, a] - (model.W_U[:, b] if b is not None else 0)
+    b_U = model.b_U
+    const = (b_U[a] - (b_U[b] if b is not None else 0)) if b_U is not None else u.new_zeros(())
+    return u, const
+
+
+def readout(model: Transformer, target: int | tuple[int, int]) -> tuple[Tensor, Tensor]:
+    """(r [d_model], const []) with target value at p = inv_f[p] * (x_L[p] . r) + const (final LN frozen)."""
+    u, const = target_direction(model, target)
+    w, b = ln_weight(model, "ln_final"), ln_bias(model, "ln_final")
+    r = centre(model, u * w if w is not None else u)
+    if b is not None:
+        const = const + b @ u
+    return r, const
