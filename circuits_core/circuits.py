@@ -36,7 +36,7 @@ from torch import Tensor
 
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
-from circuits_core.model import LayerNorm, Transformer, _Recorder
+from circuits_core.model import Attention, Block, LayerNorm, Transformer, _Recorder
 
 
 def check_head(model: Transformer, layer: int, head: int) -> None:
@@ -45,6 +45,17 @@ def check_head(model: Transformer, layer: int, head: int) -> None:
         raise NotFoundError(f"head L{layer}H{head} out of range: the model has {cfg.n_layers} layers")
     if not 0 <= head < cfg.n_heads:
         raise NotFoundError(f"head L{layer}H{head} out of range: the model has {cfg.n_heads} heads per layer")
+
+
+def _block(model: Transformer, layer: int) -> Block:
+    block = model.blocks[layer]
+    assert isinstance(block, Block)
+    return block
+
+
+def _attn(model: Transformer, layer: int) -> Attention:
+    check_head(model, layer, 0)
+    return _block(model, layer).attn
 
 
 def apply_ln_rows(ln: LayerNorm, X: Tensor) -> Tensor:
@@ -56,7 +67,7 @@ def embed_eff(model: Transformer) -> Tensor:
     """W_E_eff [d_vocab, d_model]: W_E with layer 0's ln1 applied row by row (W_E without LN)."""
     if model.cfg.n_layers == 0:
         return model.W_E
-    return apply_ln_rows(model.blocks[0].ln1, model.W_E)
+    return apply_ln_rows(_block(model, 0).ln1, model.W_E)
 
 
 def embed_pos_basis(model: Transformer) -> Tensor:
@@ -87,14 +98,14 @@ def direct_path(model: Transformer) -> FactoredMatrix:
 def qk_circuit(model: Transformer, layer: int, head: int) -> FactoredMatrix:
     """W_QK = W_Q @ W_K^T [d_model, d_model] (inner d_head): rows query-side residual, cols key-side."""
     check_head(model, layer, head)
-    attn = model.blocks[layer].attn
+    attn = _attn(model, layer)
     return FactoredMatrix(attn.W_Q[head], attn.W_K[head].T)
 
 
 def ov_circuit(model: Transformer, layer: int, head: int) -> FactoredMatrix:
     """W_V @ W_O [d_model, d_model] (inner d_head): rows the residual read at the source, cols written."""
     check_head(model, layer, head)
-    attn = model.blocks[layer].attn
+    attn = _attn(model, layer)
     return FactoredMatrix(attn.W_V[head], attn.W_O[head])
 
 
@@ -105,7 +116,7 @@ def full_qk_circuit(model: Transformer, layer: int, head: int) -> FactoredMatrix
     token part only: positional and bias terms are not included.
     """
     check_head(model, layer, head)
-    attn, W_E = model.blocks[layer].attn, embed_eff(model)
+    attn, W_E = _attn(model, layer), embed_eff(model)
     return FactoredMatrix(W_E @ attn.W_Q[head] / model.cfg.scale, attn.W_K[head].T @ W_E.T)
 
 
@@ -116,7 +127,7 @@ def full_ov_circuit(model: Transformer, layer: int, head: int) -> FactoredMatrix
     after the head).
     """
     check_head(model, layer, head)
-    attn, W_E = model.blocks[layer].attn, embed_eff(model)
+    attn, W_E = _attn(model, layer), embed_eff(model)
     return FactoredMatrix(W_E @ attn.W_V[head], attn.W_O[head] @ model.W_U)
 
 
@@ -147,7 +158,7 @@ def positional_qk(model: Transformer, layer: int, head: int, n: int | None = Non
         raise InvalidInputError(f"n must be in [2, n_ctx={model.cfg.n_ctx}], got {n}")
     P = model.W_pos[:n]  # [n, d_model]
     if kind == "standard":
-        P = apply_ln_rows(model.blocks[layer].ln1, P)
+        P = apply_ln_rows(_block(model, layer).ln1, P)
     W_QK = qk_circuit(model, layer, head)
     scores = (P @ W_QK.A) @ (W_QK.B @ P.T) / model.cfg.scale  # [n, n]
     causal = torch.ones(n, n, dtype=torch.bool, device=P.device).tril()
