@@ -29,6 +29,7 @@ effect on the pattern is only the per-key term b_Q W_K^T x, paper-math 1.4).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,11 @@ def check_head(model: Transformer, layer: int, head: int) -> None:
         raise NotFoundError(f"head L{layer}H{head} out of range: the model has {cfg.n_heads} heads per layer")
 
 
+def _check_token(model: Transformer, token: int) -> None:
+    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < model.cfg.d_vocab:
+        raise InvalidInputError(f"token id must be an integer in [0, {model.cfg.d_vocab}), got {token!r}")
+
+
 def _block(model: Transformer, layer: int) -> Block:
     block = model.blocks[layer]
     assert isinstance(block, Block)
@@ -63,11 +69,38 @@ def apply_ln_rows(ln: LayerNorm, X: Tensor) -> Tensor:
     return ln(X[None], _Recorder(None), None)[0]  # [n, d_model]
 
 
+EMBED_CHUNK = 4096  # rows of W_E normalised at a time, so LN temporaries stay ~ EMBED_CHUNK x d_model
+
+
+def embed_eff_rows(model: Transformer, tokens: Tensor | list[int] | slice) -> Tensor:
+    """W_E_eff[tokens] [n, d_model]: layer 0's ln1 applied to these rows of W_E (W_E without LN)."""
+    W_E = model.W_E[tokens]
+    if model.cfg.n_layers == 0 or model.cfg.normalization_type is None:
+        return W_E
+    return apply_ln_rows(_block(model, 0).ln1, W_E)
+
+
+def _embed_eff_chunks(model: Transformer) -> Iterator[tuple[slice, Tensor]]:
+    for start in range(0, model.cfg.d_vocab, EMBED_CHUNK):
+        rows = slice(start, min(start + EMBED_CHUNK, model.cfg.d_vocab))
+        yield rows, embed_eff_rows(model, rows)  # [chunk, d_model]
+
+
 def embed_eff(model: Transformer) -> Tensor:
     """W_E_eff [d_vocab, d_model]: W_E with layer 0's ln1 applied row by row (W_E without LN)."""
-    if model.cfg.n_layers == 0:
+    if model.cfg.n_layers == 0 or model.cfg.normalization_type is None:
         return model.W_E
-    return apply_ln_rows(_block(model, 0).ln1, model.W_E)
+    return torch.cat([chunk for _, chunk in _embed_eff_chunks(model)])
+
+
+def embed_eff_matmul(model: Transformer, W: Tensor) -> Tensor:
+    """W_E_eff @ W [d_vocab, n] for W [d_model, n], without materialising W_E_eff."""
+    if model.cfg.n_layers == 0 or model.cfg.normalization_type is None:
+        return model.W_E @ W
+    out = torch.empty(model.cfg.d_vocab, W.shape[-1], dtype=torch.result_type(model.W_E, W), device=W.device)
+    for rows, chunk in _embed_eff_chunks(model):
+        torch.matmul(chunk, W, out=out[rows])
+    return out
 
 
 def embed_pos_basis(model: Transformer) -> Tensor:
@@ -116,8 +149,10 @@ def full_qk_circuit(model: Transformer, layer: int, head: int) -> FactoredMatrix
     token part only: positional and bias terms are not included.
     """
     check_head(model, layer, head)
-    attn, W_E = _attn(model, layer), embed_eff(model)
-    return FactoredMatrix(W_E @ attn.W_Q[head] / model.cfg.scale, attn.W_K[head].T @ W_E.T)
+    attn = _attn(model, layer)
+    W_Q = embed_eff_matmul(model, attn.W_Q[head])  # [V, d_h]
+    W_K = embed_eff_matmul(model, attn.W_K[head])  # [V, d_h]
+    return FactoredMatrix(W_Q / model.cfg.scale, W_K.T)
 
 
 def full_ov_circuit(model: Transformer, layer: int, head: int) -> FactoredMatrix:
@@ -127,8 +162,27 @@ def full_ov_circuit(model: Transformer, layer: int, head: int) -> FactoredMatrix
     after the head).
     """
     check_head(model, layer, head)
-    attn, W_E = _attn(model, layer), embed_eff(model)
-    return FactoredMatrix(W_E @ attn.W_V[head], attn.W_O[head] @ model.W_U)
+    attn = _attn(model, layer)
+    return FactoredMatrix(embed_eff_matmul(model, attn.W_V[head]), attn.W_O[head] @ model.W_U)
+
+
+def full_ov_row(model: Transformer, layer: int, head: int, source_token: int) -> Tensor:
+    """Row a of the full OV circuit [d_vocab]: the logit effect of attending to token a (one vector-matrix
+    chain through the residual stream, no [V, d_head] factor)."""
+    check_head(model, layer, head)
+    _check_token(model, source_token)
+    attn = _attn(model, layer)
+    x = embed_eff_rows(model, [source_token])  # [1, d_model]
+    return (((x @ attn.W_V[head]) @ attn.W_O[head]) @ model.W_U)[0]  # [V]
+
+
+def full_qk_col(model: Transformer, layer: int, head: int, key_token: int) -> Tensor:
+    """Column a of the full QK circuit [d_vocab]: the score of every query token on key token a."""
+    check_head(model, layer, head)
+    _check_token(model, key_token)
+    attn = _attn(model, layer)
+    k = embed_eff_rows(model, [key_token]) @ attn.W_K[head]  # [1, d_h]
+    return embed_eff_matmul(model, attn.W_Q[head] @ k.T)[:, 0] / model.cfg.scale  # [V]
 
 
 # -- positional QK ----------------------------------------------------------------------------------
@@ -196,10 +250,10 @@ class SkipTrigrams:
 
 
 def skip_trigrams(model: Transformer, layer: int, head: int, source_token: int, k: int = 10) -> SkipTrigrams:
-    if not 0 <= source_token < model.cfg.d_vocab:
-        raise InvalidInputError(f"source token must be in [0, {model.cfg.d_vocab}), got {source_token}")
-    dest_scores, dest_tokens = full_qk_circuit(model, layer, head).topk_col(source_token, k)  # [k]
-    out_scores, out_tokens = full_ov_circuit(model, layer, head).topk_row(source_token, k)  # [k]
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= model.cfg.d_vocab:
+        raise InvalidInputError(f"k must be an integer in [1, {model.cfg.d_vocab}], got {k!r}")
+    dest_scores, dest_tokens = full_qk_col(model, layer, head, source_token).topk(k)  # [k]
+    out_scores, out_tokens = full_ov_row(model, layer, head, source_token).topk(k)  # [k]
     joint = dest_scores[:, None] * out_scores[None, :]  # [k, k]
     order = joint.flatten().argsort(descending=True)
     triples = [(int(dest_tokens[i // k]), int(out_tokens[i % k]), float(joint.flatten()[i])) for i in order.tolist()]
@@ -238,13 +292,22 @@ def head_dump(
 # -- copying: eigenvalues of every head through d_head x d_head matrices ------------------------------
 def unembed_embed_gram(model: Transformer) -> Tensor:
     """G = W_U @ W_E_eff [d_model, d_model], formed once per model for all full OV spectra."""
-    return model.W_U @ embed_eff(model)
+    if model.cfg.n_layers == 0 or model.cfg.normalization_type is None:
+        return model.W_U @ model.W_E
+    G = torch.zeros(model.cfg.d_model, model.cfg.d_model, dtype=model.W_E.dtype, device=model.W_E.device)
+    for rows, chunk in _embed_eff_chunks(model):
+        G += model.W_U[:, rows] @ chunk
+    return G
 
 
 def embed_gram(model: Transformer) -> Tensor:
     """G_E = W_E_eff^T @ W_E_eff [d_model, d_model], formed once per model for all full QK spectra."""
-    W_E = embed_eff(model)
-    return W_E.T @ W_E
+    if model.cfg.n_layers == 0 or model.cfg.normalization_type is None:
+        return model.W_E.T @ model.W_E
+    G_E = torch.zeros(model.cfg.d_model, model.cfg.d_model, dtype=model.W_E.dtype, device=model.W_E.device)
+    for _, chunk in _embed_eff_chunks(model):
+        G_E += chunk.T @ chunk
+    return G_E
 
 
 def _spectrum(M: Tensor) -> Tensor:

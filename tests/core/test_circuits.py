@@ -243,3 +243,21 @@ def test_ov_copying_metrics_equal_dense(model):
         assert torch.allclose(m.diagonal_quantiles[[0, 4]], torch.stack([diag.min(), diag.max()]))
         assert m.top1 == pytest.approx(float((M.argmax(1) == own).double().mean()))
         assert m.topk == pytest.approx(float((M.topk(k, dim=1).indices == own[:, None]).any(1).double().mean()))
+
+
+def test_chunked_embedding_products_equal_dense(model, monkeypatch):
+    monkeypatch.setattr(C, "EMBED_CHUNK", 5)  # several chunks, the last one partial (V = 37)
+    W_E = dense_embed(model)  # [V, d]
+    W = torch.randn(D, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    assert torch.allclose(C.embed_eff(model), W_E)
+    assert torch.allclose(C.embed_eff_matmul(model, W), W_E @ W)
+    assert torch.allclose(C.unembed_embed_gram(model), model.W_U @ W_E)
+    assert torch.allclose(C.embed_gram(model), W_E.T @ W_E)
+    layer = model.cfg.n_layers - 1
+    for head in range(H):
+        qk, ov = C.full_qk_circuit(model, layer, head).AB, C.full_ov_circuit(model, layer, head).AB
+        for token in (0, 17, V - 1):
+            assert torch.allclose(C.full_ov_row(model, layer, head, token), ov[token])
+            assert torch.allclose(C.full_qk_col(model, layer, head, token), qk[:, token])
+    with pytest.raises(InvalidInputError):
+        C.full_ov_row(model, 0, 0, -1)
