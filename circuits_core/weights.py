@@ -1,0 +1,215 @@
+"""Checkpoints: a model is a folder; detect its format, convert it to TransformerLens names, load it safely.
+
+Formats (REGISTRY, keyed by `Format`):
+- "qkov": qkov's own: config.json (ModelConfig fields + "format": "qkov") + model.safetensors
+  (+ tokenizer.json, model_card.json). Written by `save_checkpoint`.
+- "transformer_lens": config.json with HookedTransformerConfig fields + a TransformerLens state dict as
+  .safetensors, .pth or .pt (buffers such as blocks.{l}.attn.mask / IGNORE are dropped).
+- "gpt2", "gpt_neox": Hugging Face folders (see formats_hf.py).
+
+Every loader builds the whole state dict, `statedict.build_model` checks every key and shape, and only then is
+the model constructed (float32 by default, float64 on request), optionally processed (processing.py:
+TransformerLens's fold_ln / centring defaults). Pickle files are only read with torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from circuits_core.config import ModelConfig
+from circuits_core.errors import CheckpointError, InvalidInputError
+from circuits_core.formats_hf import load_gpt2, load_gpt_neox
+from circuits_core.model import Transformer
+from circuits_core.processing import SWITCHES, ProcessingOptions, apply_options
+from circuits_core.statedict import PICKLE_SUFFIXES, build_model, files_digest, read_weight_files
+from circuits_core.tokenizer import Tokenizer
+
+Format = Literal["qkov", "transformer_lens", "gpt2", "gpt_neox"]
+FORMATS: tuple[str, ...] = get_args(Format)
+QKOV_FORMAT_VERSION = 1
+# A loader turns (folder, parsed config.json) into (config, TransformerLens state dict, key -> file, files).
+Loader = Callable[[Path, dict[str, Any]], tuple[ModelConfig, dict[str, Tensor], dict[str, str], list[Path]]]
+HF_MODEL_TYPES: dict[str, Format] = {"gpt2": "gpt2", "gpt_neox": "gpt_neox"}
+TL_BUFFERS = (".attn.mask", ".attn.IGNORE", ".attn.rotary_sin", ".attn.rotary_cos")
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer  # eval mode, requires_grad False
+    tokenizer: Tokenizer | None
+    format: Format
+    card: dict[str, Any] = field(default_factory=dict)  # model_card.json, {} when absent
+    digest: str = ""  # sha256 of config.json + weight files: the cache key of this checkpoint
+    path: Path = Path(".")
+
+
+def _listing(folder: Path) -> str:
+    return ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not readable JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _model_config(data: dict[str, Any], path: Path, **overrides: Any) -> ModelConfig:
+    try:
+        return ModelConfig.from_dict({**data, **overrides})
+    except (InvalidInputError, TypeError) as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
+
+
+def detect_format(folder: str | Path) -> Format:
+    """Which loader reads this folder (from config.json); CheckpointError says what was found instead."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder}: checkpoint folder not found")
+    config = folder / "config.json"
+    if not config.is_file():
+        raise CheckpointError(f"{folder}: no config.json (found: {_listing(folder)}); formats: {', '.join(FORMATS)}")
+    data = _read_json(config)
+    if "model_type" in data:
+        if data["model_type"] in HF_MODEL_TYPES:
+            return HF_MODEL_TYPES[data["model_type"]]
+        raise CheckpointError(
+            f"{config}: unknown architecture model_type={data['model_type']!r}; supported Hugging Face "
+            f"model types: {', '.join(HF_MODEL_TYPES)} (formats: {', '.join(FORMATS)}; found: {_listing(folder)})"
+        )
+    if data.get("format") == "qkov":
+        return "qkov"
+    if "n_layers" in data and "d_model" in data:
+        return "transformer_lens"
+    raise CheckpointError(
+        f"{config}: not a known checkpoint format (formats: {', '.join(FORMATS)}); config.json has neither "
+        f"model_type nor n_layers/d_model (found: {_listing(folder)})"
+    )
+
+
+def _load_qkov(folder: Path, data: dict[str, Any]) -> tuple[ModelConfig, dict[str, Tensor], dict[str, str], list[Path]]:
+    if data.get("format_version", QKOV_FORMAT_VERSION) > QKOV_FORMAT_VERSION:
+        raise CheckpointError(
+            f"{folder / 'config.json'}: format_version {data['format_version']} is newer than this code"
+        )
+    weights = folder / "model.safetensors"
+    if not weights.is_file():
+        raise CheckpointError(f"{folder}: qkov checkpoint without model.safetensors (found: {_listing(folder)})")
+    state, origin = read_weight_files([weights])
+    return _model_config(data, folder / "config.json"), state, origin, [weights]
+
+
+def _tl_config(data: dict[str, Any], path: Path, has_bias: bool) -> ModelConfig:
+    """HookedTransformerConfig fields -> ModelConfig, refusing the features this model does not implement."""
+    unsupported = {
+        "normalization_type": data.get("normalization_type") not in ("LN", "LNPre", None),
+        "positional_embedding_type": data.get("positional_embedding_type", "standard")
+        not in ("standard", "shortformer", "rotary"),
+        "n_key_value_heads": data.get("n_key_value_heads") not in (None, data.get("n_heads")),
+        "gated_mlp": bool(data.get("gated_mlp")),
+        "final_rms": bool(data.get("final_rms")),
+        "rotary_adjacent_pairs": bool(data.get("rotary_adjacent_pairs")),
+        "scale_attn_by_inverse_layer_idx": bool(data.get("scale_attn_by_inverse_layer_idx")),
+        "use_local_attn": bool(data.get("use_local_attn")),
+        "d_vocab_out": data.get("d_vocab_out", -1) not in (-1, None, data.get("d_vocab")),
+    }
+    bad = [f"{k}={data.get(k)!r}" for k, flag in unsupported.items() if flag]
+    if bad:
+        raise CheckpointError(f"{path}: TransformerLens features not supported here: {', '.join(bad)}")
+    overrides: dict[str, Any] = {"use_bias": has_bias}
+    if data.get("use_attn_scale") is False:
+        overrides["attn_scale"] = 1.0
+    if data.get("attn_only") or not data.get("d_mlp"):
+        overrides.update(attn_only=True, act_fn=None)
+    return _model_config(data, path, **overrides)
+
+
+def _tl_weight_files(folder: Path) -> list[Path]:
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    for suffixes in ((".safetensors",), PICKLE_SUFFIXES):
+        found = sorted(p for p in folder.iterdir() if p.suffix in suffixes and p.is_file())
+        if len(found) == 1:
+            return found
+        if len(found) > 1:
+            raise CheckpointError(f"{folder}: several weight files, which one? {', '.join(p.name for p in found)}")
+    raise CheckpointError(f"{folder}: no .safetensors, .pth or .pt weight file (found: {_listing(folder)})")
+
+
+def _load_transformer_lens(
+    folder: Path, data: dict[str, Any]
+) -> tuple[ModelConfig, dict[str, Tensor], dict[str, str], list[Path]]:
+    files = _tl_weight_files(folder)
+    state, origin = read_weight_files(files)
+    state = {k: v for k, v in state.items() if not k.endswith(TL_BUFFERS)}
+    has_bias = "unembed.b_U" in state or "blocks.0.attn.b_Q" in state
+    return _tl_config(data, folder / "config.json", has_bias), state, origin, files
+
+
+REGISTRY: dict[Format, Loader] = {
+    "qkov": _load_qkov,
+    "transformer_lens": _load_transformer_lens,
+    "gpt2": load_gpt2,
+    "gpt_neox": load_gpt_neox,
+}
+
+
+def load_checkpoint(
+    folder: str | Path, dtype: torch.dtype = torch.float32, process: bool | ProcessingOptions = True
+) -> LoadedModel:
+    """Load a checkpoint folder of any registered format; `process` applies weight processing (processing.py)."""
+    folder = Path(folder)
+    fmt = detect_format(folder)
+    data = _read_json(folder / "config.json")
+    cfg, state, origin, files = REGISTRY[fmt](folder, data)
+    tokenizer = Tokenizer.from_folder(folder, bos_token_id=cfg.bos_token_id)
+    if tokenizer is not None:
+        if tokenizer.vocab_size > cfg.d_vocab:
+            raise CheckpointError(
+                f"{tokenizer.source}: tokenizer has {tokenizer.vocab_size} tokens, the model only {cfg.d_vocab}"
+            )
+        if cfg.bos_token_id is None and tokenizer.bos_token_id is not None:
+            cfg = _model_config(cfg.to_dict(), folder / "config.json", bos_token_id=tokenizer.bos_token_id)
+    model = build_model(cfg, state, dtype=dtype, origin=origin)
+    del state
+    if fmt == "qkov" and isinstance(data.get("processing"), dict):
+        model.processing = {k: v for k, v in data["processing"].items() if isinstance(v, bool | str)}
+    options = ProcessingOptions() if process is True else ProcessingOptions.none() if process is False else process
+    model = apply_options(model, options)
+    card_path = folder / "model_card.json"
+    card = _read_json(card_path) if card_path.is_file() else {}
+    digest = files_digest([folder / "config.json", *files])
+    return LoadedModel(model=model, tokenizer=tokenizer, format=fmt, card=card, digest=digest, path=folder)
+
+
+def save_checkpoint(
+    model: Transformer,
+    folder: str | Path,
+    tokenizer_json: str | Tokenizer | None = None,
+    card: dict[str, Any] | None = None,
+) -> Path:
+    """Write qkov's format: config.json + model.safetensors (+ tokenizer.json, model_card.json)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    processing = {k: v for k, v in model.processing.items() if k in SWITCHES or k.endswith("_skipped")}
+    config = {"format": "qkov", "format_version": QKOV_FORMAT_VERSION, **model.cfg.to_dict(), "processing": processing}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer_json is not None:
+        text = tokenizer_json.to_json() if isinstance(tokenizer_json, Tokenizer) else tokenizer_json
+        (folder / "tokenizer.json").write_text(text)
+    if card is not None:
+        (folder / "model_card.json").write_text(json.dumps(card, indent=2) + "\n")
+    return folder
