@@ -1,0 +1,86 @@
+"""QK path expansion: terms sum to the real attention scores; K-composition circuit vs dense (float64)."""
+
+import pytest
+import torch
+from engine2_models import small_model, tokens_for
+
+from circuits_core.circuits import copying_score, embed_eff
+from circuits_core.errors import CancelledError, InvalidInputError
+from circuits_core.frozen import frozen_run
+from circuits_core.qk_paths import (
+    circuit_positivity,
+    expand_scores,
+    k_composition_circuit,
+    k_composition_positivity,
+)
+
+CASES = [
+    dict(n_layers=2), dict(n_layers=3, ln="LN"), dict(n_layers=2, ln="LN", pos="standard"),
+    dict(n_layers=2, ln="LNPre", pos="shortformer"), dict(n_layers=3, ln="LN", mlp=True),
+    dict(n_layers=2, ln="LN", mlp=True, parallel=True, pos="standard"), dict(n_layers=2, ln="LN", pos="rotary"),
+    dict(n_layers=2, bias=False, pos="none"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_terms_sum_to_attention_scores(case):
+    model = small_model(**case)
+    tokens = tokens_for(model, n=9)
+    run = frozen_run(model, tokens)
+    for layer in range(1, model.cfg.n_layers):
+        exp = expand_scores(model, tokens, (layer, 1), run=run, keep_terms=True)
+        torch.testing.assert_close(exp.terms.sum((0, 1)), exp.scores, atol=1e-9, rtol=0)
+        causal = torch.ones(9, 9, dtype=torch.bool).tril()
+        real = run.cache[f"blocks.{layer}.attn.hook_attn_scores"]
+        torch.testing.assert_close(exp.terms.sum((0, 1))[causal], real[1][causal], atol=1e-9, rtol=0)
+        if case.get("pos") != "rotary":
+            torch.testing.assert_close(exp.q_parts.sum(0), run.cache[f"blocks.{layer}.attn.hook_q"][:, 1], atol=1e-9, rtol=0)
+        a, b = exp.components[1], exp.components[-2]
+        torch.testing.assert_close(exp.term(a, b), exp.terms[1, len(exp.components) - 2], atol=1e-12, rtol=0)
+        i, j = 0, len(exp.components) - 1
+        assert abs(float(exp.std[i, j]) - float(exp.terms[i, j][causal].std())) < 1e-12
+        assert len(exp.top_pairs(3)) == 3
+
+
+def test_k_composition_term_equals_token_circuit():
+    """paper-math 5.3: (W_E W_Q W_K^T W_OV'^T W_E^T)[t][:, t] A'^T == (E W_Q)(A' E W_OV' W_K)^T (no LN, no biases)."""
+    model = small_model(n_layers=2, bias=False)
+    tokens = tokens_for(model, n=8)
+    run = frozen_run(model, tokens)
+    exp = expand_scores(model, tokens, (1, 2), run=run)
+    fm = k_composition_circuit(model, (1, 2), (0, 1))
+    A_prev = run.patterns[0, 1]  # [n, n]
+    expected = fm.AB[tokens][:, tokens] @ A_prev.T
+    torch.testing.assert_close(exp.term("embed", "L0H1"), expected, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("ln", [None, "LN"])
+def test_k_composition_positivity_small_vs_dense(ln):
+    model = small_model(n_layers=3, ln=ln)
+    W_E = embed_eff(model)
+    weights = torch.zeros(3, 3, dtype=torch.float64)
+    weights[0, 1] = 1.0
+    got = k_composition_positivity(model, weights)
+    dense_one = copying_score(torch.linalg.eigvals(k_composition_circuit(model, (2, 0), (0, 1)).AB))
+    assert abs(float(got[2, 0]) - float(dense_one)) < 1e-8
+    assert abs(circuit_positivity(k_composition_circuit(model, (2, 0), (0, 1))) - float(dense_one)) < 1e-8
+    # Olsson's weighted version over every earlier head
+    w = torch.rand(3, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    got_w = k_composition_positivity(model, w)
+    for layer in (1, 2):
+        W_sum = sum(w[lay, h] * model.W_V[lay, h] @ model.W_O[lay, h] for lay in range(layer) for h in range(3))
+        for h in range(3):
+            M = W_E @ model.W_Q[layer, h] @ model.W_K[layer, h].T @ W_sum.T @ W_E.T  # [V, V] dense
+            assert abs(float(got_w[layer, h]) - float(copying_score(torch.linalg.eigvals(M)))) < 1e-8
+    assert (got_w[0] == 0).all()
+
+
+def test_errors():
+    model = small_model(n_layers=2)
+    tokens = tokens_for(model)
+    with pytest.raises(InvalidInputError):
+        expand_scores(model, tokens, (0, 1))
+    with pytest.raises(InvalidInputError):
+        k_composition_circuit(model, (0, 1), (1, 0))
+    with pytest.raises(CancelledError):
+        expand_scores(model, tokens, (1, 0), should_stop=lambda: True)
