@@ -1,0 +1,63 @@
+"""The FastAPI application: `create_app(settings)`; `uvicorn app.main:app` serves the default settings.
+
+Models are discovered per listing and loaded lazily (once, under a per-model lock) by the ModelRegistry,
+or all at start-up with `QKOV_PRELOAD=true`. Routers come from app/routers (API under /api/v1, the HTML
+pages, the self-contained API docs at /docs); /openapi.json is FastAPI's schema. No page loads anything
+from a CDN.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import anyio.to_thread
+from fastapi import FastAPI
+from fastapi.middleware.gzip import GZipMiddleware
+from fastapi.staticfiles import StaticFiles
+
+from app.errors import install_error_handlers
+from app.registry import ModelRegistry
+from app.routers import router_factories
+from app.settings import REPO_ROOT, Settings
+
+log = logging.getLogger("qkov")
+
+API_DESCRIPTION = """Attention circuits of transformer language models (Elhage et al. 2021, *A Mathematical
+Framework for Transformer Circuits*): direct path, QK and OV circuits, skip-trigrams, copying scores and
+head detectors, computed on demand from the weights. Heads are named `L{layer}H{head}`. Errors are
+RFC 9457 `application/problem+json`. Limits appear as constraints on the parameters."""
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings if settings is not None else Settings()
+    registry = ModelRegistry(settings)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.preload:
+            await anyio.to_thread.run_sync(registry.preload)
+        yield
+
+    app = FastAPI(
+        title="qkov",
+        version="1.0.0",
+        description=API_DESCRIPTION,
+        docs_url=None,  # the default docs load Swagger UI from a CDN; /docs is served by app/routers/docs.py
+        redoc_url=None,
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.registry = registry
+    install_error_handlers(app)
+    app.add_middleware(GZipMiddleware, minimum_size=1024)
+    static = REPO_ROOT / "static"
+    if static.is_dir():
+        app.mount("/static", StaticFiles(directory=static), name="static")
+    for factory in router_factories():
+        app.include_router(factory(settings))
+    return app
+
+
+app = create_app()

@@ -1,0 +1,95 @@
+"""A self-contained API docs page at /docs, generated from the app's OpenAPI schema (no CDN, no JS).
+
+FastAPI's default /docs loads Swagger UI from a CDN, which fails offline; this page lists every operation
+with its parameters, constraints (the configured limits) and response schema. /openapi.json stays.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse
+
+from app.settings import Settings
+
+_STYLE = """body{font:15px/1.45 system-ui,sans-serif;max-width:70rem;margin:2rem auto;padding:0 1rem;color:#222}
+code,pre{font-family:ui-monospace,monospace;font-size:13px}pre{background:#f6f6f6;padding:.6rem;overflow:auto}
+table{border-collapse:collapse;width:100%;margin:.4rem 0}td,th{border:1px solid #ddd;padding:.25rem .5rem;
+text-align:left;vertical-align:top}th{background:#fafafa}.op{border-top:1px solid #ccc;padding-top:.6rem}
+.method{font-weight:700;color:#05a}"""
+
+_CONSTRAINTS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern", "enum")
+
+
+def _esc(value: Any) -> str:
+    return html.escape(str(value))
+
+
+def _schema_type(schema: dict[str, Any]) -> str:
+    if "$ref" in schema:
+        return schema["$ref"].rsplit("/", 1)[-1]
+    if "anyOf" in schema:
+        return " | ".join(_schema_type(s) for s in schema["anyOf"])
+    if schema.get("type") == "array":
+        return f"list[{_schema_type(schema.get('items', {}))}]"
+    return str(schema.get("type", "any"))
+
+
+def _constraints(schema: dict[str, Any]) -> str:
+    parts = [f"{k}={schema[k]}" for k in _CONSTRAINTS if k in schema]
+    for alt in schema.get("anyOf", []):
+        parts += [f"{k}={alt[k]}" for k in _CONSTRAINTS if k in alt]
+    return ", ".join(parts)
+
+
+def _operation(path: str, method: str, op: dict[str, Any]) -> str:
+    rows = "".join(
+        f"<tr><td><code>{_esc(p['name'])}</code></td><td>{_esc(p['in'])}</td><td>{'yes' if p.get('required') else ''}</td>"
+        f"<td><code>{_esc(_schema_type(p.get('schema', {})))}</code></td><td>{_esc(_constraints(p.get('schema', {})))}</td>"
+        f"<td>{_esc(p.get('schema', {}).get('default', ''))}</td><td>{_esc(p.get('description', ''))}</td></tr>"
+        for p in op.get("parameters", [])
+    )
+    params = (
+        "<table><tr><th>parameter</th><th>in</th><th>required</th><th>type</th><th>limits</th><th>default</th>"
+        f"<th>description</th></tr>{rows}</table>"
+        if rows
+        else ""
+    )
+    ok = op.get("responses", {}).get("200", {}).get("content", {}).get("application/json", {}).get("schema", {})
+    returns = f'<p>Returns <a href="#schema-{_esc(_schema_type(ok))}"><code>{_esc(_schema_type(ok))}</code></a></p>' if ok else ""
+    doc = f"<p>{_esc(op['description'])}</p>" if op.get("description") else ""
+    return (
+        f'<section class="op" id="{_esc(op.get("operationId", path))}"><h3><span class="method">{method.upper()}</span> '
+        f"<code>{_esc(path)}</code> — {_esc(op.get('summary', ''))}</h3>{doc}{params}{returns}</section>"
+    )
+
+
+def render_docs(spec: dict[str, Any]) -> str:
+    ops = "".join(_operation(path, method, op) for path, item in spec.get("paths", {}).items() for method, op in item.items())
+    schemas = "".join(
+        f'<details id="schema-{_esc(name)}"><summary><code>{_esc(name)}</code></summary><pre>{_esc(json.dumps(s, indent=2))}</pre></details>'
+        for name, s in sorted(spec.get("components", {}).get("schemas", {}).items())
+    )
+    info = spec.get("info", {})
+    return (
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{_esc(info.get("title", "API"))} API</title>'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{_STYLE}</style></head><body>'
+        f'<h1>{_esc(info.get("title", ""))} API <small>v{_esc(info.get("version", ""))}</small></h1>'
+        f'<p>{_esc(info.get("description", ""))}</p>'
+        '<p>Machine-readable schema: <a href="/openapi.json">/openapi.json</a>. Errors are '
+        "<code>application/problem+json</code> (RFC 9457) with <code>type, title, status, detail, instance</code>.</p>"
+        f"<h2>Endpoints</h2>{ops}<h2>Schemas</h2>{schemas}</body></html>"
+    )
+
+
+def build_router(settings: Settings) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/docs", include_in_schema=False, response_class=HTMLResponse)
+    async def api_docs(request: Request) -> HTMLResponse:
+        return HTMLResponse(render_docs(request.app.openapi()))
+
+    return router

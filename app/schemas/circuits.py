@@ -1,0 +1,58 @@
+"""Top entries of the [d_vocab, d_vocab] circuits (OV, QK, direct path) and skip-trigram tables."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from app.schemas.common import MatrixEntry, ModelRef, ScoredToken, TokenRef
+
+Circuit = Literal["ov", "qk", "direct"]
+Side = Literal["row", "column"]
+
+
+class CircuitTopView(BaseModel):
+    """Largest entries of one circuit: of one row/column when a token is given, else of the whole matrix.
+
+    Orientation (TransformerLens, row vectors): OV rows = source (attended-to) token, columns = output
+    logit; QK rows = query (destination) token, columns = key (source) token; direct rows = current token,
+    columns = next token.
+    """
+
+    model: ModelRef
+    circuit: Circuit
+    head: str | None = Field(default=None, description="L{layer}H{head}; None for the direct path")
+    row_label: str = Field(description="what the rows are (e.g. 'source token')")
+    col_label: str = Field(description="what the columns are (e.g. 'output token')")
+    token: TokenRef | None = Field(default=None, description="the token whose row or column was read; None: global top-k")
+    side: Side | None = Field(default=None, description="whether `token` is the row or the column")
+    k: int
+    entries: list[MatrixEntry] = Field(description="sorted by value, largest first")
+    diagonal: float | None = Field(default=None, description="the token's own entry (copying signature), when a token is given")
+    diagonal_rank: int | None = Field(default=None, description="rank of the token's own entry in its row/column (1 = top)")
+
+
+class SkipTrigram(BaseModel):
+    source: TokenRef
+    destination: TokenRef
+    out: TokenRef
+    qk: float = Field(description="QK[destination, source]: how much the destination attends to the source")
+    ov: float = Field(description="OV[source, out]: the logit the source writes for out")
+    joint: float = Field(description="qk * ov: a heuristic strength (the paper defines no joint score)")
+
+
+class SkipTrigramView(BaseModel):
+    """[source] ... [destination] -> [out] for one head and source token (paper 'skip-trigrams')."""
+
+    model: ModelRef
+    head: str
+    source: TokenRef
+    k: int
+    destinations: list[ScoredToken] = Field(description="top QK column of the source: queries that attend to it")
+    outs: list[ScoredToken] = Field(description="top OV row of the source: logits it raises when attended to")
+    trigrams: list[SkipTrigram] = Field(
+        description="the k strongest (destination, out) pairs of the destinations x outs grid by qk * ov "
+        "(the grid is the factored cross-product, 'skip-trigram bugs' included)"
+    )
+    copying: bool = Field(description="whether the source is among its own top-k outs")

@@ -1,0 +1,37 @@
+"""Shared pieces of the JSON answers: tokens, scored tokens, matrix entries, complex numbers."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class TokenRef(BaseModel):
+    """A vocabulary entry: its id (row of W_E, column of W_U) and its readable text."""
+
+    id: int = Field(description="token id")
+    text: str = Field(description="readable text of the token (' the', '\\n')")
+
+
+class ScoredToken(BaseModel):
+    token: TokenRef
+    value: float
+
+
+class MatrixEntry(BaseModel):
+    """One entry of a [d_vocab, d_vocab] circuit: rows and columns are tokens."""
+
+    row: TokenRef
+    col: TokenRef
+    value: float
+
+
+class Complex(BaseModel):
+    re: float
+    im: float
+
+
+class ModelRef(BaseModel):
+    """Which model answered, and the checkpoint digest the numbers come from."""
+
+    id: str
+    digest: str

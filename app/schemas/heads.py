@@ -1,0 +1,61 @@
+"""Per-head scores (the heads table) and the one-head summary."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from app.schemas.common import Complex, ModelRef
+
+
+class DetectorInput(BaseModel):
+    """The standard input of the behavioural detectors: BOS + r + r, r uniform random tokens."""
+
+    kind: str = Field(description="'repeated_random' or 'prompt'")
+    seq_len: int | None = Field(default=None, description="length of each random segment r")
+    batch: int
+    seed: int | None
+    bos: int | None = Field(default=None, description="BOS token id prepended (None: no BOS)")
+    n_tokens: int = Field(description="tokens per sequence")
+
+
+class HeadScores(BaseModel):
+    """Every score of one head: weight-based copying scores and behavioural detector scores."""
+
+    head: str = Field(description="L{layer}H{head}")
+    layer: int
+    index: int = Field(description="head index inside its layer")
+    ov_copying: float | None = Field(description="sum(eig)/sum(|eig|) of the full OV circuit W_E W_OV W_U, in [-1, 1]")
+    qk_copying: float | None = Field(description="sum(eig)/sum(|eig|) of the token-token QK circuit W_E W_QK W_E^T")
+    previous_token: float | None
+    current_token: float | None
+    first_token: float | None
+    duplicate_token: float | None
+    induction: float | None
+
+
+class HeadsView(BaseModel):
+    model: ModelRef
+    detector_input: DetectorInput
+    heads: list[HeadScores]
+
+
+class PositionalQK(BaseModel):
+    """softmax(mask(W_pos W_QK W_pos^T / s)) over the first n positions: the head's purely positional pattern."""
+
+    n_positions: int
+    pattern: list[list[float]] = Field(description="[query][key], causal (zeros above the diagonal)")
+    previous_token: float = Field(description="mean of the sub-diagonal: attention to the previous position")
+    current_token: float = Field(description="mean of the diagonal")
+
+
+class HeadView(BaseModel):
+    model: ModelRef
+    head: str
+    layer: int
+    index: int
+    scores: HeadScores
+    ov_eigenvalues: list[Complex] = Field(description="the d_head eigenvalues of W_O W_U W_E W_V (nonzero spectrum of the full OV circuit)")
+    qk_eigenvalues: list[Complex] = Field(description="the d_head eigenvalues of W_K^T W_E^T W_E W_Q (token-token QK circuit)")
+    ov_singular_values: list[float] = Field(description="singular values of the residual-space W_OV = W_V W_O")
+    qk_singular_values: list[float] = Field(description="singular values of the residual-space W_QK = W_Q W_K^T")
+    positional: PositionalQK | None = Field(default=None, description="absent when the model has no learned positions")

@@ -1,0 +1,51 @@
+"""Model listing and model summary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from app.schemas.common import ModelRef, TokenRef
+
+
+class ModelSummary(BaseModel):
+    id: str = Field(description="folder name of the checkpoint")
+    format: str = Field(description="checkpoint format (qkov, transformer_lens, hf_gpt2, ...)")
+    shipped: bool = Field(description="one of qkov's own toy models")
+    digest: str = Field(description="checkpoint digest (cache key)")
+    n_layers: int
+    n_heads: int
+    d_model: int
+    d_head: int
+    d_vocab: int
+    n_ctx: int
+    d_mlp: int | None
+    attn_only: bool
+    positional_embedding_type: str
+    normalization_type: str | None
+    act_fn: str | None
+    use_bias: bool
+    processing: dict[str, Any] = Field(description="weight-processing switches applied at load (LN folding, centring)")
+    has_tokenizer: bool
+    bos_token_id: int | None
+    heads: list[str] = Field(description="head names L{layer}H{head}")
+    card: dict[str, Any] | None = Field(default=None, description="model card: measured facts about the checkpoint")
+
+
+class UnavailableModel(BaseModel):
+    id: str
+    format: str
+    detail: str = Field(description="why the checkpoint cannot be loaded (file and problem)")
+
+
+class ModelListView(BaseModel):
+    models: list[ModelSummary]
+    unavailable: list[UnavailableModel] = Field(default_factory=list, description="folders that failed to load")
+
+
+class TokenizeView(BaseModel):
+    model: ModelRef
+    prompt: str | None
+    tokens: list[TokenRef] = Field(description="the tokens in order, BOS first")
+    n_tokens: int

@@ -1,0 +1,41 @@
+"""The one Settings object of the app (pydantic-settings, environment prefix `QKOV_`).
+
+Nothing else in qkov reads the environment: `create_app(Settings(...))` builds an app on any folder of
+models without monkeypatching. Nested limits read `QKOV_LIMITS__MAX_K=100` style variables.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MiB = 1024 * 1024
+
+
+class Limits(BaseModel):
+    """Per-request budgets; each appears as a constraint in the OpenAPI schema."""
+
+    max_prompt_tokens: int = Field(default=256, ge=1, description="longest prompt (also capped by the model's n_ctx)")
+    max_k: int = Field(default=200, ge=1, description="largest top-k")
+    max_order: int = Field(default=3, ge=1, description="highest path order of the path expansions")
+    max_heads: int = Field(default=16, ge=1, description="most heads in one request")
+    max_batch: int = Field(default=32, ge=1, description="most sequences in a detector run")
+    max_seq_len: int = Field(default=200, ge=1, description="longest repeated segment in a detector run")
+    matrix_budget_bytes: int = Field(default=256 * MiB, ge=1024, description="working memory of a streamed top-k")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="QKOV_", env_nested_delimiter="__", extra="ignore")
+
+    models_dir: Path | None = Field(default=None, description="folder whose sub-folders holding a checkpoint are models")
+    shipped_dir: Path = Field(default=REPO_ROOT / "checkpoints", description="the shipped toy models")
+    dtype: Literal["float32", "float64"] = "float32"
+    limits: Limits = Field(default_factory=Limits)
+    compute_slots: int = Field(default=2, ge=1, description="concurrent heavy computations")
+    slot_wait_s: float = Field(default=30.0, gt=0, description="how long a request waits for a compute slot")
+    cache_bytes: int = Field(default=256 * MiB, ge=0, description="byte budget of the result cache")
+    preload: bool = Field(default=False, description="load every model at start-up instead of on first use")

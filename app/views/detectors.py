@@ -1,0 +1,86 @@
+"""Detector run: per-head scores, the patterns of selected heads and the per-position loss.
+
+Input: BOS + r + r repeated random tokens (seq_len, batch, seed), or one prompt. On the repeated input the
+loss of the second copy of r falls below the first when the model copies in context (induction heads;
+paper "Induction Heads", paper-math 2.15). losses[i] is the loss of predicting token i + 1 at position i.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from app.schemas import DetectorInput, DetectorsView, HeadPattern, LossByPosition
+from app.settings import Limits
+from app.views.heads import detector_table, head_scores, num, parse_heads, repeated_input, run_patterns
+from app.views.inputs import model_ref, resolve_prompt, token_refs
+from circuits_core.config import head_name
+from circuits_core.weights import LoadedModel
+
+DETECTOR_NAMES = ("previous_token", "induction", "duplicate_token", "current_token", "first_token")
+
+
+def _best_heads(detectors: dict[str, Tensor]) -> list[tuple[int, int]]:
+    """The highest-scoring head of each detector, without repeats."""
+    picked: list[tuple[int, int]] = []
+    for name in DETECTOR_NAMES:
+        scores = detectors.get(name)
+        if scores is None or scores.numel() == 0:
+            continue
+        flat = int(scores.nan_to_num(-1.0).argmax())
+        pair = divmod(flat, scores.shape[1])
+        if pair not in picked:
+            picked.append(pair)
+    return picked
+
+
+def _losses(logits: Tensor, tokens: Tensor, seq_len: int | None, has_bos: bool) -> LossByPosition:
+    # logits [batch, n, d_vocab], tokens [batch, n] -> loss per position [n - 1], mean over the batch
+    losses = F.cross_entropy(logits[:, :-1].double().transpose(1, 2), tokens[:, 1:], reduction="none").mean(0)
+    per_pos: list[float | None] = [num(v) for v in losses.tolist()] + [None]
+    if seq_len is None:
+        return LossByPosition(loss=per_pos)
+    start = 0 if has_bos else -1  # with BOS, losses[0:T] predict the first copy, losses[T:2T] the second
+    first = losses[max(start, 0) : start + seq_len]
+    second = losses[start + seq_len : start + 2 * seq_len]
+    return LossByPosition(loss=per_pos, first_repeat=num(first.mean()), second_repeat=num(second.mean()))
+
+
+def build_detectors_view(
+    loaded: LoadedModel,
+    limits: Limits,
+    seq_len: int = 50,
+    batch: int = 10,
+    seed: int = 0,
+    prompt: str | None = None,
+    tokens: str | None = None,
+    heads: list[str] | None = None,
+) -> DetectorsView:
+    """Detector scores of every head on BOS + r + r (or on a prompt), patterns of `heads` (default: the best
+    head of each detector) on the first sequence, and the per-position loss."""
+    if prompt is not None or tokens is not None:
+        ids = resolve_prompt(loaded, prompt, tokens, limits)
+        run_tokens = torch.tensor([ids], dtype=torch.long, device=loaded.model.device)
+        meta = DetectorInput(kind="prompt", seq_len=None, batch=1, seed=None, bos=None, n_tokens=len(ids))
+        repeat_len = None
+    else:
+        run_tokens, meta = repeated_input(loaded, seq_len, batch, seed)
+        repeat_len = seq_len
+    with torch.no_grad():
+        logits, patterns = run_patterns(loaded, run_tokens)
+        detectors = detector_table(patterns, run_tokens)
+        chosen = parse_heads(heads, loaded, limits.max_heads) if heads else _best_heads(detectors)
+        head_patterns = [
+            HeadPattern(head=head_name(layer, h), pattern=patterns[layer][0, h].double().tolist()) for layer, h in chosen
+        ]
+        loss = _losses(logits, run_tokens, repeat_len, meta.bos is not None)
+    return DetectorsView(
+        model=model_ref(loaded),
+        detector_input=meta,
+        tokens=token_refs(loaded, run_tokens[0].tolist()),
+        heads=head_scores(loaded, detectors),
+        selected=[p.head for p in head_patterns],
+        patterns=head_patterns,
+        loss=loss,
+    )

@@ -1,0 +1,158 @@
+"""The heads table (copying scores + behavioural detectors) and the one-head summary.
+
+Detectors run on the standard input of paper-math 2.15: BOS + r + r, r = 50 uniform random tokens,
+batch 10, fixed seed (shorter r when the context is short). Copying scores are the eigenvalue statistic
+sum(lambda)/sum(|lambda|) of the full OV and token-token QK circuits (paper-math 2.8).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from app.schemas import Complex, DetectorInput, HeadScores, HeadsView, HeadView, PositionalQK
+from app.views.inputs import model_ref
+from circuits_core import circuits
+from circuits_core.config import head_name, parse_head
+from circuits_core.errors import InvalidInputError, LimitExceededError
+from circuits_core.heads import pattern_detector_scores, repeated_random_tokens
+from circuits_core.weights import LoadedModel
+
+STANDARD_SEQ_LEN, STANDARD_BATCH, STANDARD_SEED = 50, 10, 0
+POSITIONAL_MAX_N = 128  # positions shown in the positional QK pattern
+
+
+def num(x: float | Tensor) -> float | None:
+    """A JSON-safe float: NaN and infinities become None."""
+    value = float(x)
+    return value if math.isfinite(value) else None
+
+
+def bos_id(loaded: LoadedModel) -> int | None:
+    tok = loaded.tokenizer
+    return tok.bos_token_id if tok is not None and tok.bos_token_id is not None else loaded.model.cfg.bos_token_id
+
+
+def repeated_input(loaded: LoadedModel, seq_len: int, batch: int, seed: int) -> tuple[Tensor, DetectorInput]:
+    """[batch, (1 +) 2 seq_len] BOS + r + r, checked against the context length."""
+    cfg, bos = loaded.model.cfg, bos_id(loaded)
+    n_tokens = 2 * seq_len + (bos is not None)
+    if n_tokens > cfg.n_ctx:
+        raise LimitExceededError(
+            f"seq_len={seq_len} makes sequences of {n_tokens} tokens (BOS + 2 x seq_len); the model's context is "
+            f"{cfg.n_ctx}, so seq_len can be at most {(cfg.n_ctx - (bos is not None)) // 2}"
+        )
+    tokens = repeated_random_tokens(cfg.d_vocab, seq_len, batch, seed=seed, bos=bos).to(loaded.model.device)
+    meta = DetectorInput(kind="repeated_random", seq_len=seq_len, batch=batch, seed=seed, bos=bos, n_tokens=n_tokens)
+    return tokens, meta
+
+
+def standard_input(loaded: LoadedModel) -> tuple[Tensor, DetectorInput]:
+    n_ctx, has_bos = loaded.model.cfg.n_ctx, bos_id(loaded) is not None
+    seq_len = max(1, min(STANDARD_SEQ_LEN, (n_ctx - has_bos) // 2))
+    return repeated_input(loaded, seq_len, STANDARD_BATCH, STANDARD_SEED)
+
+
+def run_patterns(loaded: LoadedModel, tokens: Tensor) -> tuple[Tensor, list[Tensor]]:
+    """Logits [batch, n, d_vocab] and each layer's pattern [batch, n_heads, n, n] from one forward pass."""
+    model = loaded.model
+    with torch.no_grad():
+        logits, cache = model.run(tokens, names=lambda n: n.endswith("hook_pattern"))
+    return logits, [cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(model.cfg.n_layers)]
+
+
+def detector_table(patterns: list[Tensor], tokens: Tensor) -> dict[str, Tensor]:
+    """{detector: [n_layers, n_heads]} from the patterns of one run."""
+    per_layer = [pattern_detector_scores(p, tokens) for p in patterns]
+    if not per_layer:
+        return {}
+    return {name: torch.stack([scores[name] for scores in per_layer]) for name in per_layer[0]}
+
+
+def head_scores(loaded: LoadedModel, detectors: dict[str, Tensor]) -> list[HeadScores]:
+    """One HeadScores per head, in layer-major order."""
+    model = loaded.model
+    cfg = model.cfg
+    if cfg.n_layers == 0:
+        return []
+    ov = circuits.ov_copying_scores(model)  # [L, H]
+    qk = circuits.qk_copying_scores(model)  # [L, H]
+    out = []
+    for layer in range(cfg.n_layers):
+        for h in range(cfg.n_heads):
+            det = {name: num(scores[layer, h]) for name, scores in detectors.items()}
+            out.append(
+                HeadScores(
+                    head=head_name(layer, h),
+                    layer=layer,
+                    index=h,
+                    ov_copying=num(ov[layer, h]),
+                    qk_copying=num(qk[layer, h]),
+                    previous_token=det.get("previous_token"),
+                    current_token=det.get("current_token"),
+                    first_token=det.get("first_token"),
+                    duplicate_token=det.get("duplicate_token"),
+                    induction=det.get("induction"),
+                )
+            )
+    return out
+
+
+def build_heads_view(loaded: LoadedModel) -> HeadsView:
+    """Copying scores and detector scores of every head on the standard repeated-random-token input."""
+    tokens, meta = standard_input(loaded)
+    _, patterns = run_patterns(loaded, tokens)
+    return HeadsView(model=model_ref(loaded), detector_input=meta, heads=head_scores(loaded, detector_table(patterns, tokens)))
+
+
+def _complex(values: Tensor) -> list[Complex]:
+    order = values.abs().argsort(descending=True)
+    return [Complex(re=float(values[i].real), im=float(values[i].imag)) for i in order.tolist()]
+
+
+def _positional(loaded: LoadedModel, layer: int, h: int) -> PositionalQK | None:
+    cfg = loaded.model.cfg
+    if loaded.model.W_pos is None or cfg.positional_embedding_type not in ("standard", "shortformer") or cfg.n_ctx < 2:
+        return None
+    pos = circuits.positional_qk(loaded.model, layer, h, n=min(cfg.n_ctx, POSITIONAL_MAX_N))
+    pattern = pos.pattern.double().nan_to_num(0.0).tolist()
+    return PositionalQK(
+        n_positions=len(pattern), pattern=pattern, previous_token=pos.previous_token, current_token=pos.current_token
+    )
+
+
+def build_head_view(loaded: LoadedModel, head: str) -> HeadView:
+    """One head: its scores, OV/QK spectra (eigenvalues by |lambda|, singular values) and positional pattern."""
+    model = loaded.model
+    layer, h = parse_head(head, model.cfg)
+    name = head_name(layer, h)
+    scores = next(s for s in build_heads_view(loaded).heads if s.head == name)
+    with torch.no_grad():
+        ov_eig = circuits.ov_eigenvalues(model)[layer, h]  # [d_head] complex
+        qk_eig = circuits.qk_eigenvalues(model)[layer, h]  # [d_head] complex
+        ov_s = circuits.ov_circuit(model, layer, h).S  # [d_head]
+        qk_s = circuits.qk_circuit(model, layer, h).S  # [d_head]
+        positional = _positional(loaded, layer, h)
+    return HeadView(
+        model=model_ref(loaded),
+        head=name,
+        layer=layer,
+        index=h,
+        scores=scores,
+        ov_eigenvalues=_complex(ov_eig),
+        qk_eigenvalues=_complex(qk_eig),
+        ov_singular_values=[float(s) for s in ov_s],
+        qk_singular_values=[float(s) for s in qk_s],
+        positional=positional,
+    )
+
+
+def parse_heads(names: list[str], loaded: LoadedModel, max_heads: int) -> list[tuple[int, int]]:
+    """Head names -> (layer, head), checked, at most max_heads."""
+    if len(names) > max_heads:
+        raise LimitExceededError(f"{len(names)} heads requested; at most {max_heads} per request")
+    if not names:
+        raise InvalidInputError("no heads given: name heads as L{layer}H{head}, comma-separated")
+    return [parse_head(n, loaded.model.cfg) for n in names]

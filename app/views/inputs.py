@@ -1,0 +1,110 @@
+"""User input -> token ids: single tokens, prompts, id lists; and token ids -> readable TokenRefs.
+
+Token parameters accept an id (`"464"`) or a single-token string (`" the"`, or the vocabulary entry
+`"Ġthe"`); a numeral meant as text is given in double quotes (`"\\"5\\""`). Prompts are text, tokenised with
+the model's tokenizer with BOS prepended, or a comma-separated id list (`"50256,464,3290"`, taken as is).
+Every refusal is an InvalidInputError / LimitExceededError (HTTP 422) saying what was expected.
+"""
+
+from __future__ import annotations
+
+from app.schemas import ModelRef, TokenRef
+from app.settings import Limits
+from circuits_core.errors import InvalidInputError, LimitExceededError, NotFoundError
+from circuits_core.weights import LoadedModel
+
+
+def model_ref(loaded: LoadedModel) -> ModelRef:
+    return ModelRef(id=loaded.path.name, digest=str(loaded.digest))
+
+
+def token_text(loaded: LoadedModel, token_id: int) -> str:
+    """Readable text of a token; `<id>` where the tokenizer does not cover the id (padded vocabularies)."""
+    tok = loaded.tokenizer
+    if tok is None or not 0 <= token_id < tok.vocab_size:
+        return f"<{token_id}>"
+    return str(tok.token_str(token_id))
+
+
+def token_ref(loaded: LoadedModel, token_id: int) -> TokenRef:
+    return TokenRef(id=int(token_id), text=token_text(loaded, int(token_id)))
+
+
+def token_refs(loaded: LoadedModel, ids: list[int]) -> list[TokenRef]:
+    return [token_ref(loaded, int(i)) for i in ids]
+
+
+def check_token_id(loaded: LoadedModel, token_id: int) -> int:
+    d_vocab = loaded.model.cfg.d_vocab
+    if not 0 <= token_id < d_vocab:
+        raise InvalidInputError(f"token id {token_id} is not in the vocabulary: ids run from 0 to {d_vocab - 1}")
+    return token_id
+
+
+def resolve_token(loaded: LoadedModel, token: str | int) -> int:
+    """One token id from an id or a single-token string; 422 for a multi-token string or an unknown id."""
+    if isinstance(token, int) and not isinstance(token, bool):
+        return check_token_id(loaded, token)
+    text = str(token)
+    stripped = text.strip()
+    if stripped.lstrip("-").isdigit():
+        return check_token_id(loaded, int(stripped))
+    if len(text) >= 2 and text[0] == text[-1] == '"':
+        text = text[1:-1]
+    if text == "":
+        raise InvalidInputError("empty token: give a token id or a single-token string")
+    if loaded.tokenizer is None:
+        raise InvalidInputError(f"model {loaded.path.name!r} has no tokenizer: give the token as an id, not {text!r}")
+    try:
+        return check_token_id(loaded, int(loaded.tokenizer.lookup(text)))
+    except NotFoundError as exc:  # multi-token or unknown string: a bad argument, not a missing resource
+        raise InvalidInputError(str(exc)) from exc
+
+
+def parse_token_ids(text: str) -> list[int]:
+    """`"1, 2,3"` -> [1, 2, 3]."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts:
+        raise InvalidInputError("tokens is empty: give comma-separated token ids, e.g. tokens=0,15,27")
+    bad = [p for p in parts if not p.lstrip("-").isdigit()]
+    if bad:
+        raise InvalidInputError(f"tokens must be comma-separated integer ids; not an id: {bad[0]!r}")
+    return [int(p) for p in parts]
+
+
+def max_prompt_tokens(loaded: LoadedModel, limits: Limits) -> int:
+    return min(loaded.model.cfg.n_ctx, limits.max_prompt_tokens)
+
+
+def resolve_prompt(loaded: LoadedModel, prompt: str | None, tokens: str | None, limits: Limits) -> list[int]:
+    """Token ids of a prompt (text with BOS prepended, or an id list), checked against vocab and length."""
+    if (prompt is None) == (tokens is None):
+        raise InvalidInputError("give exactly one of prompt (text) or tokens (comma-separated ids)")
+    if prompt is not None:
+        if prompt == "":
+            raise InvalidInputError("the prompt is empty: give some text")
+        if loaded.tokenizer is None:
+            raise InvalidInputError(f"model {loaded.path.name!r} has no tokenizer: give the prompt as tokens=<ids>")
+        bos = loaded.tokenizer.bos_token_id is not None
+        ids = [int(i) for i in loaded.tokenizer.encode(prompt, prepend_bos=bos)]
+    else:
+        assert tokens is not None
+        ids = parse_token_ids(tokens)
+    for i in ids:
+        check_token_id(loaded, i)
+    cap = max_prompt_tokens(loaded, limits)
+    if len(ids) > cap:
+        raise LimitExceededError(
+            f"the prompt is {len(ids)} tokens long; at most {cap} are allowed "
+            f"(min of the model's context n_ctx={loaded.model.cfg.n_ctx} and max_prompt_tokens={limits.max_prompt_tokens})"
+        )
+    return ids
+
+
+def check_k(k: int, limits: Limits, available: int) -> int:
+    """k within [1, max_k]; more than the entries available is clipped to them."""
+    if k < 1:
+        raise InvalidInputError(f"k must be at least 1, got {k}")
+    if k > limits.max_k:
+        raise LimitExceededError(f"k={k} is over the limit of {limits.max_k}")
+    return min(k, available)

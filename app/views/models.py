@@ -1,0 +1,66 @@
+"""Model listing, model summary (config + card) and tokenisation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.registry import ModelEntry, ModelRegistry
+from app.schemas import ModelListView, ModelSummary, TokenizeView, UnavailableModel
+from app.settings import Limits
+from app.views.inputs import model_ref, resolve_prompt, token_refs
+from circuits_core.errors import CheckpointError, QkovError
+from circuits_core.weights import LoadedModel
+
+
+def _card(loaded: LoadedModel) -> dict[str, Any] | None:
+    card = loaded.card
+    if card is None:
+        return None
+    if isinstance(card, dict):
+        return card
+    to_dict = getattr(card, "to_dict", None)
+    return to_dict() if callable(to_dict) else dict(vars(card))
+
+
+def build_model_view(loaded: LoadedModel, entry: ModelEntry) -> ModelSummary:
+    cfg = loaded.model.cfg
+    tok = loaded.tokenizer
+    return ModelSummary(
+        id=entry.id,
+        format=str(loaded.format),
+        shipped=entry.shipped,
+        digest=str(loaded.digest),
+        n_layers=cfg.n_layers,
+        n_heads=cfg.n_heads,
+        d_model=cfg.d_model,
+        d_head=cfg.d_head,
+        d_vocab=cfg.d_vocab,
+        n_ctx=cfg.n_ctx,
+        d_mlp=cfg.d_mlp,
+        attn_only=cfg.attn_only,
+        positional_embedding_type=cfg.positional_embedding_type,
+        normalization_type=cfg.normalization_type,
+        act_fn=cfg.act_fn,
+        use_bias=cfg.use_bias,
+        processing=dict(getattr(loaded.model, "processing", {}) or {}),
+        has_tokenizer=tok is not None,
+        bos_token_id=tok.bos_token_id if tok is not None else cfg.bos_token_id,
+        heads=cfg.head_names,
+        card=_card(loaded),
+    )
+
+
+def build_models_view(registry: ModelRegistry) -> ModelListView:
+    """Every model folder (rescanned now), loading each once; failures are listed, not raised."""
+    models, unavailable = [], []
+    for entry in registry.entries():
+        try:
+            models.append(build_model_view(registry.get(entry.id), entry))
+        except (CheckpointError, QkovError) as exc:
+            unavailable.append(UnavailableModel(id=entry.id, format=entry.format, detail=str(exc)))
+    return ModelListView(models=models, unavailable=unavailable)
+
+
+def build_tokenize_view(loaded: LoadedModel, prompt: str | None, tokens: str | None, limits: Limits) -> TokenizeView:
+    ids = resolve_prompt(loaded, prompt, tokens, limits)
+    return TokenizeView(model=model_ref(loaded), prompt=prompt, tokens=token_refs(loaded, ids), n_tokens=len(ids))

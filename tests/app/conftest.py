@@ -1,0 +1,110 @@
+"""Fixtures of the API tests: tiny random models saved in qkov format, an app built on them, a client.
+
+Folders (session-scoped, built once):
+  shipped/tiny-2l   2 layers x 4 heads, shortformer positions, no LayerNorm, BPE tokenizer (BOS <|endoftext|>)
+  user/tiny-ln      1 layer x 2 heads, standard positions, LayerNorm, n_ctx 32, same tokenizer
+  user/broken       config.json + a weight file missing a tensor: listed as unavailable, 422 when used
+  user/.hidden, user/empty   never models
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from app.main import create_app
+from app.settings import Limits, Settings
+from circuits_core.config import ModelConfig
+from circuits_core.model import random_model
+from circuits_core.weights import LoadedModel, load_checkpoint
+
+BOS = "<|endoftext|>"
+TEXT = (
+    "def add(self, name, value):\n    self.name = name\n    return value + 1\n"
+    "for item in items:\n    print(item, name)\nclass Thing(object):\n    pass\n"
+    "the cat sat on the mat while the dog ran to the park and the bird sang\n"
+)
+
+
+def train_tokenizer() -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=[BOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator([TEXT] * 20, trainer)
+    return tok
+
+
+def save_qkov(folder: Path, cfg: ModelConfig, tok: Tokenizer, seed: int, drop: str | None = None) -> None:
+    folder.mkdir(parents=True)
+    model = random_model(cfg, seed=seed, std_embed=0.5)
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != drop}
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (folder / "tokenizer.json").write_text(tok.to_str())
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("qkov-models")
+    tok = train_tokenizer()
+    V = tok.get_vocab_size()
+    shipped, user = root / "shipped", root / "user"
+    two = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=V, n_ctx=128, positional_embedding_type="shortformer")
+    save_qkov(shipped / "tiny-2l", two, tok, seed=1)
+    ln = ModelConfig(
+        n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=V, n_ctx=32,
+        positional_embedding_type="standard", normalization_type="LN",
+    )
+    save_qkov(user / "tiny-ln", ln, tok, seed=2)
+    save_qkov(user / "broken", two, tok, seed=3, drop="blocks.1.attn.W_K")
+    save_qkov(user / ".hidden", two, tok, seed=4)
+    (user / "empty").mkdir()
+    return shipped, user
+
+
+LIMITS = Limits(max_prompt_tokens=40, max_k=50, max_heads=4, max_batch=8, max_seq_len=60, matrix_budget_bytes=64 * 1024)
+
+
+@pytest.fixture(scope="session")
+def settings(model_dirs: tuple[Path, Path]) -> Settings:
+    shipped, user = model_dirs
+    return Settings(shipped_dir=shipped, models_dir=user, dtype="float64", limits=LIMITS)
+
+
+@pytest.fixture(scope="session")
+def client(settings: Settings) -> Iterator[TestClient]:
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def tiny(model_dirs: tuple[Path, Path]) -> LoadedModel:
+    """The same checkpoint the app serves as tiny-2l, loaded directly by the engine (float64)."""
+    return load_checkpoint(model_dirs[0] / "tiny-2l", dtype=torch.float64)
+
+
+@pytest.fixture(scope="session")
+def tiny_ln(model_dirs: tuple[Path, Path]) -> LoadedModel:
+    return load_checkpoint(model_dirs[1] / "tiny-ln", dtype=torch.float64)
+
+
+def assert_problem(response, status: int, *needles: str) -> dict:
+    """A problem+json refusal with the status and a detail mentioning every needle."""
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    body = response.json()
+    assert {"type", "title", "status", "detail", "instance"} <= body.keys()
+    assert body["status"] == status
+    for needle in needles:
+        assert needle.lower() in body["detail"].lower(), (needle, body["detail"])
+    return body

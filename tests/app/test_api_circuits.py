@@ -1,0 +1,89 @@
+"""API: OV / QK / direct-path top entries and skip-trigrams against dense float64 circuits of the same model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from circuits_core.weights import LoadedModel
+from tests.app.conftest import assert_problem
+from tests.app.test_api_heads import full_ov_dense, full_qk_dense
+
+
+def _check_entries(body: dict, M: torch.Tensor, k: int, row: int | None = None) -> None:
+    """The entries are the k largest of M (or of its row `row`), each at the position it claims."""
+    values = [e["value"] for e in body["entries"]]
+    assert len(values) == k and values == sorted(values, reverse=True)
+    searched = M if row is None else M[row]
+    assert values == pytest.approx(searched.flatten().topk(k).values.tolist(), abs=1e-9)
+    for e in body["entries"]:
+        assert e["value"] == pytest.approx(float(M[e["row"]["id"], e["col"]["id"]]), abs=1e-9)
+
+
+def test_ov_row_and_global(client: TestClient, tiny: LoadedModel) -> None:
+    M = full_ov_dense(tiny.model, 1, 0)
+    tok = tiny.tokenizer
+    t = tok.lookup(" cat") if len(tok.encode(" cat", prepend_bos=False)) == 1 else 300
+    body = client.get("/api/v1/models/tiny-2l/heads/L1H0/ov", params={"token": str(t), "k": 7}).json()
+    assert body["circuit"] == "ov" and body["side"] == "row" and body["token"]["id"] == t
+    _check_entries(body, M, 7, row=t)
+    assert all(e["row"]["id"] == t for e in body["entries"])
+    assert body["diagonal"] == pytest.approx(float(M[t, t])) and body["diagonal_rank"] == int((M[t] > M[t, t]).sum()) + 1
+    glob = client.get("/api/v1/models/tiny-2l/heads/L1H0/ov", params={"k": 30}).json()
+    assert glob["token"] is None
+    _check_entries(glob, M, 30)
+
+
+def test_qk_query_and_key_sides(client: TestClient, tiny: LoadedModel) -> None:
+    M = full_qk_dense(tiny.model, 0, 3)
+    q = client.get("/api/v1/models/tiny-2l/heads/L0H3/qk", params={"token": "12", "k": 5}).json()
+    _check_entries(q, M, 5, row=12)
+    key = client.get("/api/v1/models/tiny-2l/heads/L0H3/qk", params={"token": "12", "k": 5, "side": "key"}).json()
+    assert key["side"] == "column" and all(e["col"]["id"] == 12 for e in key["entries"])
+    assert [e["value"] for e in key["entries"]] == pytest.approx(M[:, 12].topk(5).values.tolist(), abs=1e-9)
+    _check_entries(client.get("/api/v1/models/tiny-2l/heads/L0H3/qk", params={"k": 9}).json(), M, 9)
+    assert_problem(client.get("/api/v1/models/tiny-2l/heads/L0H3/qk", params={"side": "both"}), 422, "side")
+
+
+def test_direct_path_bigram_table(client: TestClient, tiny: LoadedModel) -> None:
+    D = tiny.model.W_E @ tiny.model.W_U  # [V, V], no LayerNorm in tiny-2l
+    bos = tiny.tokenizer.bos_token_id
+    body = client.get("/api/v1/models/tiny-2l/direct", params={"token": str(bos), "k": 4}).json()
+    assert body["head"] is None and body["row_label"] == "current token"
+    _check_entries(body, D, 4, row=bos)
+    _check_entries(client.get("/api/v1/models/tiny-2l/direct", params={"k": 50}).json(), D, 50)
+
+
+def test_token_strings_resolve(client: TestClient, tiny: LoadedModel) -> None:
+    tok = tiny.tokenizer
+    single = next(i for i in range(257, tok.vocab_size) if len(tok.encode(tok.token_str(i), prepend_bos=False)) == 1)
+    text = tok.token_str(single)
+    body = client.get("/api/v1/models/tiny-2l/direct", params={"token": text, "k": 3}).json()
+    assert body["token"] == {"id": single, "text": text}
+
+
+def test_token_refusals(client: TestClient) -> None:
+    url = "/api/v1/models/tiny-2l/heads/L0H0/ov"
+    assert_problem(client.get(url, params={"token": "99999"}), 422, "99999", "vocabulary")
+    assert_problem(client.get(url, params={"token": "the cat sat on"}), 422, "not a single token")
+    assert_problem(client.get(url, params={"k": 0}), 422, "k")
+    assert_problem(client.get(url, params={"k": 51}), 422, "less than or equal to 50")
+
+
+def test_skip_trigrams(client: TestClient, tiny: LoadedModel) -> None:
+    OV, QK = full_ov_dense(tiny.model, 0, 2), full_qk_dense(tiny.model, 0, 2)
+    body = client.get("/api/v1/models/tiny-2l/heads/L0H2/skip-trigrams", params={"token": "40", "k": 6}).json()
+    assert body["source"]["id"] == 40 and body["k"] == 6
+    assert [d["value"] for d in body["destinations"]] == pytest.approx(QK[:, 40].topk(6).values.tolist(), abs=1e-9)
+    assert [o["value"] for o in body["outs"]] == pytest.approx(OV[40].topk(6).values.tolist(), abs=1e-9)
+    assert len(body["trigrams"]) == 6
+    for tri in body["trigrams"]:
+        b, c = tri["destination"]["id"], tri["out"]["id"]
+        assert tri["qk"] == pytest.approx(float(QK[b, 40])) and tri["ov"] == pytest.approx(float(OV[40, c]))
+        assert tri["joint"] == pytest.approx(tri["qk"] * tri["ov"])
+    joints = [t["joint"] for t in body["trigrams"]]
+    assert joints == sorted(joints, reverse=True)
+    assert body["copying"] == (40 in OV[40].topk(6).indices.tolist())
+    default = client.get("/api/v1/models/tiny-2l/heads/L0H2/skip-trigrams").json()
+    assert default["source"]["id"] == int(OV.argmax()) // OV.shape[1]
