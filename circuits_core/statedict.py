@@ -50,7 +50,7 @@ def read_weight_file(path: Path) -> dict[str, Tensor]:
             f"Convert it to .safetensors from a trusted environment. Detail: {str(exc).splitlines()[0]}"
         ) from exc
     except (RuntimeError, OSError, EOFError, ValueError, AttributeError, TypeError) as exc:
-        raise CheckpointError(f"{path}: not a readable torch file ({exc})") from exc
+        raise CheckpointError(f"{path}: not a readable torch file ({type(exc).__name__}: {exc})") from exc
     if isinstance(obj, Mapping) and not all(isinstance(v, Tensor) for v in obj.values()):
         inner = [k for k in _WRAPPER_KEYS if isinstance(obj.get(k), Mapping)]
         if inner:

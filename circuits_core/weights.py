@@ -110,8 +110,8 @@ def _load_qkov(folder: Path, data: dict[str, Any]) -> tuple[ModelConfig, dict[st
     return _model_config(data, folder / "config.json"), state, origin, [weights]
 
 
-def _tl_config(data: dict[str, Any], path: Path, has_bias: bool) -> ModelConfig:
-    """HookedTransformerConfig fields -> ModelConfig, refusing the features this model does not implement."""
+def _tl_check_supported(data: dict[str, Any], path: Path) -> None:
+    """Refuse HookedTransformerConfig features this model does not implement (before reading any weights)."""
     unsupported = {
         "normalization_type": data.get("normalization_type") not in ("LN", "LNPre", None),
         "positional_embedding_type": data.get("positional_embedding_type", "standard")
@@ -127,6 +127,10 @@ def _tl_config(data: dict[str, Any], path: Path, has_bias: bool) -> ModelConfig:
     bad = [f"{k}={data.get(k)!r}" for k, flag in unsupported.items() if flag]
     if bad:
         raise CheckpointError(f"{path}: TransformerLens features not supported here: {', '.join(bad)}")
+
+
+def _tl_config(data: dict[str, Any], path: Path, has_bias: bool) -> ModelConfig:
+    """HookedTransformerConfig fields -> ModelConfig (TL state dicts always carry biases: use_bias=True)."""
     overrides: dict[str, Any] = {"use_bias": has_bias}
     if data.get("use_attn_scale") is False:
         overrides["attn_scale"] = 1.0
@@ -150,6 +154,7 @@ def _tl_weight_files(folder: Path) -> list[Path]:
 def _load_transformer_lens(
     folder: Path, data: dict[str, Any]
 ) -> tuple[ModelConfig, dict[str, Tensor], dict[str, str], list[Path]]:
+    _tl_check_supported(data, folder / "config.json")
     files = _tl_weight_files(folder)
     state, origin = read_weight_files(files)
     state = {k: v for k, v in state.items() if not k.endswith(TL_BUFFERS)}
