@@ -1,0 +1,235 @@
+"""Views -> plotly figure dicts (plain JSON: {data, layout, links}); static/charts.js draws them.
+
+Charts are data inside the HTML fragment (no page fetches its own JSON). Each function takes a view
+(pydantic, from app/views) or plain lists taken from one, never tensors. Conventions (design.md):
+heads are labelled L{layer}H{head}; signed values use the diverging RdBu scale centred on 0 (red negative,
+blue positive); `links` maps a trace index to the URL opened on click (a list by point, or rows x cols for a
+heatmap), which is how a heatmap cell opens its head or pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+Figure = dict[str, Any]
+
+# Plotly's RdBu runs red (low) -> blue (high); centred with zmid=0 for signed values.
+SIGNED_SCALE = "RdBu"
+UNSIGNED_SCALE = "Blues"
+POS_COLOR = "#2166ac"
+NEG_COLOR = "#b2182b"
+GREY = "#8a94a1"
+
+
+def visible(text: str) -> str:
+    """A token as it appears on chart axes: whitespace shown (· space, ⏎ newline, ⇥ tab)."""
+    return (text.replace(" ", "·").replace("\n", "⏎").replace("\t", "⇥")) or "∅"
+
+
+def unique_labels(labels: Sequence[str]) -> list[str]:
+    """Plotly merges equal category labels; make repeated tokens distinct by their position."""
+    labels = list(labels)
+    return [f"{lab} [{i}]" if labels.count(lab) > 1 else lab for i, lab in enumerate(labels)]
+
+
+def rounded(z: Sequence[Sequence[float | None]], digits: int) -> list[list[float | None]]:
+    """Matrix values rounded for display (the JSON twin keeps full precision): keeps fragments small."""
+    return [[None if v is None else round(v, digits) for v in row] for row in z]
+
+
+def _axis(title: str | None = None, **extra: Any) -> dict[str, Any]:
+    axis: dict[str, Any] = {"automargin": True, "zeroline": False}
+    if title:
+        axis["title"] = {"text": title}
+    axis.update(extra)
+    return axis
+
+
+def heatmap(
+    z: Sequence[Sequence[float | None]],
+    x: Sequence[str],
+    y: Sequence[str],
+    *,
+    title: str = "",
+    x_title: str | None = None,
+    y_title: str | None = None,
+    signed: bool = True,
+    zmax: float | None = None,
+    hover: str | None = None,
+    customdata: Sequence[Sequence[Any]] | None = None,
+    links: Sequence[Sequence[str | None]] | None = None,
+    colorbar: str = "",
+    reversed_y: bool = True,
+    text_in_cells: bool = False,
+    height: int | None = None,
+    digits: int = 4,
+) -> Figure:
+    """A heatmap of rows y by columns x; signed values on RdBu centred on 0 with a symmetric range."""
+    z = rounded(z, digits)
+    trace: dict[str, Any] = {"type": "heatmap", "z": z, "x": list(x), "y": list(y), "colorbar": {"title": {"text": colorbar}, "thickness": 12}}
+    values = [v for row in z for v in row if v is not None]
+    if signed:
+        bound = zmax if zmax is not None else max((abs(v) for v in values), default=1.0) or 1.0
+        trace.update(colorscale=SIGNED_SCALE, zmid=0, zmin=-bound, zmax=bound, reversescale=False)
+    else:
+        trace.update(colorscale=UNSIGNED_SCALE, zmin=0, zmax=zmax if zmax is not None else max(values, default=1.0) or 1.0)
+    if customdata is not None:
+        trace["customdata"] = customdata
+    trace["hovertemplate"] = (hover or "%{y} · %{x}<br>%{z:.4f}") + "<extra></extra>"
+    if text_in_cells:
+        trace.update(texttemplate="%{z:.2f}", textfont={"size": 11})
+    layout: dict[str, Any] = {
+        "title": {"text": title, "x": 0, "font": {"size": 13}},
+        "xaxis": _axis(x_title, type="category", side="bottom", tickangle=-45 if len(x) > 12 else 0),
+        "yaxis": _axis(y_title, type="category", autorange="reversed" if reversed_y else True),
+    }
+    if height:
+        layout["height"] = height
+    fig: Figure = {"data": [trace], "layout": layout}
+    if links is not None:
+        fig["links"] = {"0": links}
+    return fig
+
+
+def bars(
+    labels: Sequence[str],
+    values: Sequence[float],
+    *,
+    title: str = "",
+    x_title: str | None = None,
+    y_title: str | None = None,
+    links: Sequence[str | None] | None = None,
+    horizontal: bool = False,
+    hover: str | None = None,
+    height: int | None = None,
+) -> Figure:
+    """Signed bars: blue positive, red negative."""
+    colors = [POS_COLOR if v >= 0 else NEG_COLOR for v in values]
+    trace: dict[str, Any] = {"type": "bar", "marker": {"color": colors}}
+    if horizontal:
+        trace.update(x=list(values), y=list(labels), orientation="h")
+        trace["hovertemplate"] = (hover or "%{y}: %{x:.4f}") + "<extra></extra>"
+    else:
+        trace.update(x=list(labels), y=list(values))
+        trace["hovertemplate"] = (hover or "%{x}: %{y:.4f}") + "<extra></extra>"
+    layout: dict[str, Any] = {
+        "title": {"text": title, "x": 0, "font": {"size": 13}},
+        "xaxis": _axis(x_title, type="category" if not horizontal else "linear"),
+        "yaxis": _axis(y_title, type="category" if horizontal else "linear", autorange="reversed" if horizontal else True),
+        "showlegend": False,
+    }
+    if height:
+        layout["height"] = height
+    fig: Figure = {"data": [trace], "layout": layout}
+    if links is not None:
+        fig["links"] = {"0": list(links)}
+    return fig
+
+
+def waterfall(labels: Sequence[str], values: Sequence[float], total: float, *, title: str = "", total_label: str = "total",
+              y_title: str = "logit", links: Sequence[str | None] | None = None) -> Figure:
+    """A waterfall drawn with bars on a running `base` (the cartesian bundle has no waterfall trace): each
+    term starts where the previous one ended, and the last bar is the model's own value, so the chart visibly
+    sums to it."""
+    bases, running = [], 0.0
+    for v in values:
+        bases.append(running)
+        running += v
+    x = list(labels) + [total_label]
+    colors = [POS_COLOR if v >= 0 else NEG_COLOR for v in values] + ["#444"]
+    trace = {
+        "type": "bar", "x": x, "y": list(values) + [total], "base": bases + [0.0],
+        "marker": {"color": colors},
+        "customdata": [[b, b + v] for b, v in zip(bases, values, strict=True)] + [[0.0, total]],
+        "hovertemplate": "%{x}<br>term %{y:+.4f}<br>running sum %{customdata[1]:.4f}<extra></extra>",
+    }
+    fig: Figure = {
+        "data": [trace],
+        "layout": {
+            "title": {"text": title, "x": 0, "font": {"size": 13}},
+            "xaxis": _axis(None, type="category", tickangle=-45 if len(x) > 10 else 0),
+            "yaxis": _axis(y_title, zeroline=True),
+            "shapes": [{"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": total, "y1": total,
+                        "line": {"color": "#444", "dash": "dot", "width": 1}}],
+            "showlegend": False,
+        },
+    }
+    if links is not None:
+        fig["links"] = {"0": list(links) + [None]}
+    return fig
+
+
+def complex_scatter(points: Sequence[tuple[float, float]], *, title: str = "", null: Sequence[tuple[float, float]] | None = None) -> Figure:
+    """Eigenvalues in the complex plane (paper Fig. "Detecting copying"): blue Re>0, red Re<0; optional
+    random-init null in grey."""
+    data: list[dict[str, Any]] = []
+    if null:
+        data.append({"type": "scatter", "mode": "markers", "name": "random init", "x": [p[0] for p in null], "y": [p[1] for p in null],
+                     "marker": {"color": "#c9ced6", "size": 6}, "hovertemplate": "null %{x:.3g} %{y:+.3g}i<extra></extra>"})
+    data.append({
+        "type": "scatter", "mode": "markers", "name": "eigenvalues",
+        "x": [p[0] for p in points], "y": [p[1] for p in points],
+        "marker": {"color": [POS_COLOR if p[0] >= 0 else NEG_COLOR for p in points], "size": 8, "line": {"width": 0.5, "color": "#fff"}},
+        "hovertemplate": "λ = %{x:.4g} %{y:+.4g}i<extra></extra>",
+    })
+    return {
+        "data": data,
+        "layout": {
+            "title": {"text": title, "x": 0, "font": {"size": 13}},
+            "xaxis": _axis("Re λ", zeroline=True, zerolinecolor="#999"),
+            "yaxis": _axis("Im λ", zeroline=True, zerolinecolor="#999", scaleanchor="x"),
+            "showlegend": bool(null),
+        },
+    }
+
+
+def scatter(
+    x: Sequence[float], y: Sequence[float], labels: Sequence[str], *, title: str = "", x_title: str = "", y_title: str = "",
+    links: Sequence[str | None] | None = None, highlight: Sequence[bool] | None = None,
+) -> Figure:
+    """Labelled points (heads), e.g. the paper's OV-copying vs K-composition positivity scatter."""
+    colors = [NEG_COLOR if h else POS_COLOR for h in highlight] if highlight else POS_COLOR
+    fig: Figure = {
+        "data": [{
+            "type": "scatter", "mode": "markers+text", "x": list(x), "y": list(y), "text": list(labels),
+            "textposition": "top center", "textfont": {"size": 10, "color": GREY},
+            "marker": {"size": 10, "color": colors, "line": {"width": 0.5, "color": "#fff"}},
+            "hovertemplate": "%{text}<br>x %{x:.3f}<br>y %{y:.3f}<extra></extra>",
+        }],
+        "layout": {
+            "title": {"text": title, "x": 0, "font": {"size": 13}},
+            "xaxis": _axis(x_title, zeroline=True, zerolinecolor="#bbb"),
+            "yaxis": _axis(y_title, zeroline=True, zerolinecolor="#bbb"),
+            "showlegend": False,
+        },
+    }
+    if links is not None:
+        fig["links"] = {"0": list(links)}
+    return fig
+
+
+def grouped_bars(categories: Sequence[str], series: dict[str, Sequence[float]], *, title: str = "", y_title: str = "",
+                 x_title: str | None = None) -> Figure:
+    """Several named series over the same categories (e.g. detector scores per head)."""
+    palette = ["#2166ac", "#b2182b", "#1b7837", "#762a83", "#e08214", "#4d4d4d"]
+    data = [
+        {"type": "bar", "name": name, "x": list(categories), "y": list(vals), "marker": {"color": palette[i % len(palette)]},
+         "hovertemplate": f"{name}<br>%{{x}}: %{{y:.4f}}<extra></extra>"}
+        for i, (name, vals) in enumerate(series.items())
+    ]
+    return {"data": data, "layout": {"title": {"text": title, "x": 0, "font": {"size": 13}}, "barmode": "group",
+                                     "xaxis": _axis(x_title, type="category"), "yaxis": _axis(y_title),
+                                     "legend": {"orientation": "h", "y": -0.25}}}
+
+
+def lines(x: Sequence[float], series: dict[str, Sequence[float | None]], *, title: str = "", x_title: str = "", y_title: str = "",
+          vlines: Sequence[float] = ()) -> Figure:
+    """Line chart of named series (e.g. per-position loss), with optional vertical markers."""
+    palette = ["#2166ac", "#b2182b", "#1b7837", "#762a83"]
+    data = [{"type": "scatter", "mode": "lines", "name": name, "x": list(x), "y": list(vals), "line": {"color": palette[i % 4], "width": 1.5}}
+            for i, (name, vals) in enumerate(series.items())]
+    shapes = [{"type": "line", "x0": v, "x1": v, "yref": "paper", "y0": 0, "y1": 1, "line": {"color": "#999", "dash": "dot", "width": 1}}
+              for v in vlines]
+    return {"data": data, "layout": {"title": {"text": title, "x": 0, "font": {"size": 13}}, "xaxis": _axis(x_title),
+                                     "yaxis": _axis(y_title), "shapes": shapes, "legend": {"orientation": "h", "y": -0.2}}}

@@ -1,0 +1,109 @@
+/* qkov charts.js: draws every [data-plotly] element from the figure JSON inside it, on load and after each
+ * htmx swap; exports tables as CSV; submits [data-autosubmit] forms on change. No page fetches its own JSON:
+ * the data arrives inside the HTML fragment.
+ *
+ * <div class="chart" data-plotly data-name="ov-spectrum-L1H4">
+ *   <script type="application/json">{"data": [...], "layout": {...}, "links": {"0": [...]}}</script>
+ * </div>
+ * `links` (optional, by trace index): the URL opened when a point is clicked; a list for bar/scatter
+ * traces (by point number) or a list of rows for a heatmap (links[row][col]).
+ */
+(function () {
+  "use strict";
+
+  var SVG_ICON = {
+    width: 1000, height: 1000,
+    path: "M100 100h800v800h-800z M200 650l200-250 150 180 100-120 150 190z"
+  };
+
+  function figureOf(el) {
+    var script = el.querySelector('script[type="application/json"]');
+    return script ? JSON.parse(script.textContent) : null;
+  }
+
+  function linkFor(fig, point) {
+    var byTrace = fig.links && fig.links[String(point.curveNumber)];
+    if (!byTrace) return null;
+    var idx = point.pointIndex !== undefined ? point.pointIndex : point.pointNumber;
+    if (Array.isArray(idx)) return (byTrace[idx[0]] || [])[idx[1]] || null;
+    return byTrace[idx] || null;
+  }
+
+  function draw(el) {
+    if (el.dataset.drawn === "1" || typeof Plotly === "undefined") return;
+    var fig = figureOf(el);
+    if (!fig) return;
+    el.dataset.drawn = "1";
+    var name = el.dataset.name || "qkov-chart";
+    var target = document.createElement("div");
+    target.className = "chart-canvas";
+    el.appendChild(target);
+    var layout = Object.assign({
+      margin: { l: 60, r: 20, t: 36, b: 48 },
+      font: { family: "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif", size: 12 },
+      paper_bgcolor: "rgba(0,0,0,0)", plot_bgcolor: "rgba(0,0,0,0)"
+    }, fig.layout || {});
+    var config = {
+      responsive: true, displaylogo: false,
+      toImageButtonOptions: { format: "png", filename: name, scale: 2 },
+      modeBarButtonsToRemove: ["lasso2d", "select2d"],
+      modeBarButtonsToAdd: [{
+        name: "Download plot as SVG", icon: SVG_ICON,
+        click: function (gd) { Plotly.downloadImage(gd, { format: "svg", filename: name }); }
+      }]
+    };
+    Plotly.newPlot(target, fig.data || [], layout, config).then(function (gd) {
+      if (!fig.links) return;
+      gd.classList.add("clickable");
+      gd.on("plotly_click", function (ev) {
+        var url = ev.points && ev.points.length ? linkFor(fig, ev.points[0]) : null;
+        if (url) window.location.assign(url);
+      });
+    });
+  }
+
+  function drawAll(root) {
+    (root || document).querySelectorAll("[data-plotly]").forEach(draw);
+    if (root && root.matches && root.matches("[data-plotly]")) draw(root);
+  }
+
+  /* CSV export of a table: cells' data-value (raw token text, full-precision numbers) or their text. */
+  function csvCell(cell) {
+    var v = cell.hasAttribute("data-value") ? cell.getAttribute("data-value") : cell.textContent.trim();
+    return /[",\n\r]/.test(v) || /^\s|\s$/.test(v) ? '"' + v.replace(/"/g, '""') + '"' : v;
+  }
+
+  function exportCsv(button) {
+    var table = document.getElementById(button.dataset.csv);
+    if (!table) return;
+    var lines = [];
+    table.querySelectorAll("tr").forEach(function (tr) {
+      var cells = [];
+      tr.querySelectorAll("th, td").forEach(function (c) { cells.push(csvCell(c)); });
+      lines.push(cells.join(","));
+    });
+    var blob = new Blob([lines.join("\r\n") + "\r\n"], { type: "text/csv;charset=utf-8" });
+    var a = document.createElement("a");
+    a.href = URL.createObjectURL(blob);
+    a.download = (button.dataset.filename || button.dataset.csv) + ".csv";
+    document.body.appendChild(a);
+    a.click();
+    setTimeout(function () { URL.revokeObjectURL(a.href); a.remove(); }, 0);
+  }
+
+  document.addEventListener("click", function (ev) {
+    var button = ev.target.closest && ev.target.closest("button[data-csv]");
+    if (button) { ev.preventDefault(); exportCsv(button); }
+  });
+
+  /* Forms that submit themselves when a picker changes (the submit button stays for no-JS use). */
+  document.addEventListener("change", function (ev) {
+    var form = ev.target.closest && ev.target.closest("form[data-autosubmit]");
+    if (form && ev.target.matches("select, input[type=checkbox], input[type=radio]")) form.requestSubmit();
+  });
+
+  document.addEventListener("DOMContentLoaded", function () { drawAll(document); });
+  document.addEventListener("htmx:load", function (ev) { drawAll(ev.detail && ev.detail.elt); });
+  document.addEventListener("htmx:afterSwap", function (ev) { drawAll(ev.detail && ev.detail.target); });
+  document.addEventListener("htmx:historyRestore", function () { drawAll(document); });
+})();
