@@ -1,0 +1,105 @@
+"""Head detectors: pattern detectors on synthetic patterns, Olsson's evaluators vs looped references (float64)."""
+
+import torch
+from engine2_models import small_model
+
+from circuits_core.frozen import ln_linear
+from circuits_core.heads import (
+    copying_scores,
+    detector_scores,
+    induction_view,
+    olsson_tokens,
+    pattern_detector_scores,
+    prefix_matching_scores,
+    previous_token_head,
+    standard_tokens,
+)
+from circuits_core.qk_paths import circuit_positivity, k_composition_circuit
+
+
+def test_standard_inputs():
+    model = small_model(n_layers=2, n_ctx=128)
+    tokens = standard_tokens(model, seed=3)
+    assert tokens.shape == (10, 101) and (tokens[:, 1:51] == tokens[:, 51:]).all() and (tokens[:, 0] == 0).all()
+    ol = olsson_tokens(model, seed=3)
+    assert ol.shape == (10, 101) and (ol[:, 1:26] == ol[:, 76:]).all()
+    assert torch.equal(standard_tokens(model, seed=3), tokens)
+
+
+def test_pattern_detectors_on_perfect_heads():
+    T = 6
+    tokens = torch.cat([torch.tensor([0]), torch.arange(1, T + 1), torch.arange(1, T + 1)])[None]  # BOS + r + r
+    n = tokens.shape[1]
+    prev = torch.zeros(1, 2, n, n, dtype=torch.float64)
+    prev[0, :, 0, 0] = 1
+    prev[0, 0, torch.arange(1, n), torch.arange(n - 1)] = 1  # head 0: previous token
+    ind = torch.eye(n, dtype=torch.float64)
+    for i in range(T + 1, n):
+        ind[i] = 0
+        ind[i, i - T + 1] = 1  # head 1: perfect induction on the second repeat
+    prev[0, 1] = ind
+    scores = pattern_detector_scores(prev, tokens)
+    assert abs(float(scores["previous_token"][0]) - 1) < 1e-12
+    assert abs(float(scores["induction"][1]) - 1) < 1e-12
+    assert abs(float(scores["duplicate_token"][1])) < 1e-12
+
+
+def _prefix_matching_loop(pattern, tokens):
+    # pattern [b, H, n, n]: mean over queries with an earlier occurrence of the mass on "earlier occurrence + 1"
+    b, H, n, _ = pattern.shape
+    total, count = torch.zeros(H, dtype=torch.float64), 0
+    for s in range(b):
+        for i in range(n):
+            targets = {j + 1 for j in range(i) if tokens[s, j] == tokens[s, i] and j + 1 <= i}
+            if targets:
+                total += pattern[s, :, i, sorted(targets)].sum(-1)
+                count += 1
+    return total / count
+
+
+def test_prefix_matching_matches_loop():
+    model = small_model(n_layers=2, ln="LN", n_ctx=128)
+    tokens = olsson_tokens(model, seed=1)[:3]
+    got = prefix_matching_scores(model, tokens)
+    _, cache = model.run(tokens, names=lambda n: n.endswith("hook_pattern"))
+    for layer in range(2):
+        ref = _prefix_matching_loop(cache[f"blocks.{layer}.attn.hook_pattern"], tokens)
+        torch.testing.assert_close(got[layer], ref, atol=1e-12, rtol=0)
+
+
+def test_copying_matches_loop():
+    model = small_model(n_layers=2, ln="LN", n_ctx=128)
+    tokens = olsson_tokens(model, seed=2)[:2]
+    got = copying_scores(model, tokens)
+    _, cache = model.run(tokens, names=lambda n: n.endswith(("hook_pattern", "hook_result", "ln_final.hook_scale")))
+    b, n = tokens.shape
+    for layer in range(2):
+        for h in range(3):
+            ratios = []
+            for s in range(b):
+                inv = 1 / cache["ln_final.hook_scale"][s, :, 0]
+                res = cache[f"blocks.{layer}.attn.hook_result"][s, :, h]  # [n, d]
+                logits = ln_linear(model, "ln_final", res, inv) @ model.W_U  # [n, V] full vocabulary
+                relu = (logits - logits.mean(-1, keepdim=True)).clamp_min(0)
+                distinct = sorted(set(tokens[s].tolist()))
+                for i in range(1, n):
+                    A = cache[f"blocks.{layer}.attn.hook_pattern"][s, h, i]
+                    att = float((A * relu[i, tokens[s]]).sum())
+                    tot = float(relu[i, distinct].sum())
+                    ratios.append(att / (att + tot) if att + tot > 0 else 0.0)
+            ref = 4 * sum(ratios) / len(ratios) - 1
+            assert abs(float(got[layer, h]) - ref) < 1e-10
+    assert (got >= -1).all() and (got <= 1).all()
+
+
+def test_induction_view_uses_previous_token_head():
+    model = small_model(n_layers=3, ln="LN")
+    view = induction_view(model)
+    prev = detector_scores(model, standard_tokens(model))["previous_token"]
+    assert previous_token_head(model, prev) == (0, int(prev[0].argmax()))
+    assert view.previous_token_head == f"L0H{int(prev[0].argmax())}"
+    for layer in (1, 2):
+        for h in range(3):
+            ref = circuit_positivity(k_composition_circuit(model, (layer, h), (0, int(prev[0].argmax()))))
+            assert abs(float(view.qk_k_composition[layer, h]) - ref) < 1e-8
+    assert (view.qk_k_composition[0] == 0).all() and view.ov_copying.shape == (3, 3)
