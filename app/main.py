@@ -15,11 +15,11 @@ from contextlib import asynccontextmanager
 import anyio.to_thread
 from fastapi import FastAPI
 from fastapi.middleware.gzip import GZipMiddleware
-from fastapi.staticfiles import StaticFiles
 
 from app.errors import install_error_handlers
 from app.registry import ModelRegistry
 from app.routers import router_factories
+from app.routers.pages import CachedStaticFiles
 from app.settings import REPO_ROOT, Settings
 
 log = logging.getLogger("qkov")
@@ -54,7 +54,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(GZipMiddleware, minimum_size=1024)
     static = REPO_ROOT / "static"
     if static.is_dir():
-        app.mount("/static", StaticFiles(directory=static), name="static")
+        app.mount("/static", CachedStaticFiles(directory=static), name="static")
     for factory in router_factories():
         app.include_router(factory(settings))
     return app

@@ -1,0 +1,205 @@
+"""HTML pages: full renders link their JSON twin, htmx requests get only the swapped block, Vary is sent,
+errors land in the panel, and token / prompt text is escaped everywhere (tiny random models of conftest)."""
+
+from __future__ import annotations
+
+import json
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.main import create_app
+from app.settings import Settings
+from circuits_core.config import ModelConfig
+from tests.app.conftest import LIMITS, save_qkov, train_tokenizer
+
+M = "tiny-2l"
+# (page URL, the id of the element its pickers swap)
+PAGES = [
+    ("/", "main"),
+    (f"/models/{M}", "heads_panel"),
+    (f"/models/{M}?score=ov_copying", "heads_panel"),
+    (f"/models/{M}/heads/L1H2", "circuits"),
+    (f"/models/{M}/heads/L1H2?token=5&k=7", "circuits"),
+    (f"/models/{M}/direct", "direct_panel"),
+    (f"/models/{M}/direct?token=7&k=5", "direct_panel"),
+    (f"/models/{M}/detectors?seq_len=8&batch=2", "detectors_panel"),
+    (f"/models/{M}/detectors?prompt=the+cat+sat+on+the+mat", "detectors_panel"),
+]
+ALTERNATE = re.compile(r'<link rel="alternate" type="application/json" href="([^"]+)">')
+
+
+class Ids(HTMLParser):
+    """Collects element ids and the text of application/json scripts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: list[str] = []
+        self.json_scripts: list[str] = []
+        self._in_json = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if a.get("id"):
+            self.ids.append(str(a["id"]))
+        self._in_json = tag == "script" and a.get("type") == "application/json"
+
+    def handle_endtag(self, tag: str) -> None:
+        self._in_json = False
+
+    def handle_data(self, data: str) -> None:
+        if self._in_json:
+            self.json_scripts.append(data)
+
+
+def parse(html: str) -> Ids:
+    p = Ids()
+    p.feed(html)
+    return p
+
+
+@pytest.mark.parametrize("path,target", PAGES)
+def test_full_page_links_its_json_twin(client: TestClient, path: str, target: str) -> None:
+    r = client.get(path)
+    assert r.status_code == 200, r.text
+    assert r.headers["content-type"].startswith("text/html")
+    assert "HX-Request" in r.headers["vary"]
+    assert r.text.lstrip().lower().startswith("<!doctype html>")
+    found = ALTERNATE.search(r.text)
+    assert found, "no <link rel=alternate type=application/json>"
+    twin = found.group(1).replace("&amp;", "&")
+    assert f'href="{found.group(1)}"' in r.text.split("</head>", 1)[1], "no visible link to the JSON twin"
+    answer = client.get(twin)
+    assert answer.status_code == 200 and answer.headers["content-type"].startswith("application/json"), twin
+    ids = parse(r.text)
+    assert target in ids.ids
+    for script in ids.json_scripts:  # every chart's figure is valid JSON with data
+        fig = json.loads(script)
+        assert isinstance(fig["data"], list) and fig["data"]
+
+
+@pytest.mark.parametrize("path,target", PAGES)
+def test_htmx_request_gets_only_the_block(client: TestClient, path: str, target: str) -> None:
+    r = client.get(path, headers={"HX-Request": "true", "HX-Target": target})
+    assert r.status_code == 200, r.text
+    assert "HX-Request" in r.headers["vary"]
+    assert "<html" not in r.text and "<head>" not in r.text and 'class="topbar"' not in r.text
+    ids = parse(r.text)
+    if target != "main":
+        assert ids.ids[0] == target, "the fragment must be the swapped element itself (hx-swap=outerHTML)"
+    full = client.get(path).text
+    assert r.text.strip() in full, "the fragment is the same markup as the block of the full page"
+
+
+def test_history_restore_and_boosted_requests_get_the_full_page(client: TestClient) -> None:
+    for extra in ({"HX-History-Restore-Request": "true"}, {"HX-Boosted": "true"}):
+        r = client.get(f"/models/{M}", headers={"HX-Request": "true", **extra})
+        assert r.status_code == 200 and 'class="topbar"' in r.text
+
+
+def test_unknown_target_falls_back_to_the_main_block(client: TestClient) -> None:
+    r = client.get(f"/models/{M}", headers={"HX-Request": "true", "HX-Target": "nonexistent"})
+    assert r.status_code == 200 and 'class="topbar"' not in r.text and 'id="heads_panel"' in r.text
+
+
+def test_heatmap_cells_open_their_heads(client: TestClient) -> None:
+    r = client.get(f"/models/{M}")
+    fig = json.loads(parse(r.text).json_scripts[0])
+    links = fig["links"]["0"]
+    assert len(links) == 2 and len(links[0]) == 4
+    assert links[1][3] == f"/models/{M}/heads/L1H3"
+    assert client.get(links[1][3]).status_code == 200
+
+
+def test_picker_redirects_to_the_same_view_of_another_model(client: TestClient) -> None:
+    r = client.get("/go", params={"model": "tiny-ln", "view": "detectors"}, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/models/tiny-ln/detectors"
+
+
+@pytest.mark.parametrize(
+    "path,status,needle",
+    [
+        (f"/models/{M}/heads/L9H0", 404, "L9H0"),
+        ("/models/no-such-model", 404, "no-such-model"),
+        (f"/models/{M}/heads/L1H2?k=0", 422, "k"),
+        (f"/models/{M}?score=bogus", 422, "score"),
+        (f"/models/{M}/direct?token=999999", 422, "999999"),
+        ("/models/broken", 422, "broken"),
+    ],
+)
+def test_errors_render_inside_the_panel_that_asked(client: TestClient, path: str, status: int, needle: str) -> None:
+    full = client.get(path)
+    assert full.status_code == status
+    assert 'class="topbar"' in full.text and 'class="error"' in full.text and needle in full.text
+    frag = client.get(path, headers={"HX-Request": "true", "HX-Target": "circuits"})
+    assert frag.status_code == status
+    assert frag.text.lstrip().startswith('<div class="error"') and needle in frag.text
+    assert "HX-Request" in frag.headers["vary"]
+
+
+def test_static_files_are_cached_and_compressed(client: TestClient) -> None:
+    vendor = client.get("/static/vendor/htmx-2.0.11.min.js", headers={"Accept-Encoding": "gzip"})
+    assert vendor.status_code == 200 and vendor.headers.get("content-encoding") == "gzip"
+    assert "immutable" in vendor.headers.get("cache-control", "")
+    own = client.get("/static/charts.js")
+    assert own.status_code == 200 and "no-cache" in own.headers.get("cache-control", "")
+    etag = own.headers["etag"]
+    assert client.get("/static/charts.js", headers={"If-None-Match": etag}).status_code == 304
+
+
+# -- escaping -------------------------------------------------------------------------------------------
+EVIL = "<script>alert(1)</script>"
+
+
+@pytest.fixture(scope="module")
+def evil_client(tmp_path_factory: pytest.TempPathFactory) -> TestClient:
+    """A model whose vocabulary has a token that is an HTML script element."""
+    root: Path = tmp_path_factory.mktemp("evil")
+    tok = train_tokenizer()
+    tok.add_tokens([EVIL])
+    cfg = ModelConfig(n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=tok.get_vocab_size(), n_ctx=64,
+                      positional_embedding_type="shortformer")
+    save_qkov(root / "evil", cfg, tok, seed=5)
+    with TestClient(create_app(Settings(shipped_dir=root, dtype="float64", limits=LIMITS))) as c:
+        yield c
+
+
+def evil_id(client: TestClient) -> int:
+    r = client.get("/api/v1/models/evil/tokenize", params={"prompt": EVIL})
+    ids = [t["id"] for t in r.json()["tokens"] if t["text"] == EVIL]
+    assert ids, r.text
+    return ids[0]
+
+
+def assert_escaped(text: str) -> None:
+    assert EVIL not in text and "<script>alert" not in text
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text or "\\u003cscript\\u003e" in text
+
+
+def test_token_text_is_escaped(evil_client: TestClient) -> None:
+    t = evil_id(evil_client)
+    for path in (f"/models/evil/direct?token={t}", f"/models/evil/heads/L0H1?token={t}"):
+        for headers in ({}, {"HX-Request": "true"}):
+            r = evil_client.get(path, headers=headers)
+            assert r.status_code == 200, r.text
+            assert_escaped(r.text)
+            for script in parse(r.text).json_scripts:  # figures still parse to the original text
+                json.loads(script)
+
+
+def test_prompt_text_is_escaped(evil_client: TestClient) -> None:
+    r = evil_client.get("/models/evil/detectors", params={"prompt": "a " + EVIL + " b"})
+    assert r.status_code == 200, r.text
+    assert_escaped(r.text)
+    figs = [json.loads(s) for s in parse(r.text).json_scripts]
+    labels = [x for f in figs for trace in f["data"] for x in trace.get("x", []) if isinstance(x, str)]
+    assert any(EVIL in x for x in labels), "the token is drawn with its real text (escaped only in transport)"
+
+
+def test_error_detail_is_escaped(evil_client: TestClient) -> None:
+    r = evil_client.get("/models/evil/direct", params={"token": EVIL + EVIL})
+    assert r.status_code == 422
+    assert "<script>alert" not in r.text
