@@ -1,0 +1,126 @@
+"""Term importance: the paper's path-order ablation, and Olsson et al.'s pattern-preserving head ablation.
+
+Paper section: "Term importance analysis" (Elhage et al. 2021; paper-math 2.13). With the clean run's
+attention patterns and LayerNorm scales frozen, rerun the model so that every layer's *values* read the
+residual stream of the previous rerun (`Frozen(value_resid=...)` in model.run; queries and keys keep the
+clean patterns). Starting from value inputs of zero (only biases pass), rerun k contains exactly the paths
+with at most k heads (V-composition depth k):
+    logits_{<=k} = direct + bias terms + sum of path terms of order <= k    (paths.py, same bookkeeping)
+    marginal effect of order k = L_{<=k-1} - L_{<=k};   L_{<=n_layers} == clean loss (asserted)
+First-order terms by layer: order 0 plus the first-order terms of one layer (that layer's values read the
+order-0 residual, the others read zero). Head ablation (Olsson): the head's result replaced by zero with all
+patterns frozen -- done by freezing its pattern to zero -- and the loss change.
+Attention-only models only: an MLP recomputed inside a rerun would mix orders (paths.py treats MLPs as
+nodes instead).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from circuits_core.errors import CancelledError, InvalidInputError
+from circuits_core.model import Frozen, Transformer
+
+
+@dataclass
+class OrderAblation:
+    losses: Tensor  # [n_layers + 1]: loss with paths of order <= k, k = 0..n_layers
+    marginal: Tensor  # [n_layers]: losses[k-1] - losses[k], the effect of the order-k terms
+    clean_loss: float
+    first_order_by_layer: Tensor  # [n_layers]: loss with order 0 + the first-order terms of layer l
+    first_order_gain: Tensor  # [n_layers]: losses[0] - first_order_by_layer
+
+
+def lm_loss(logits: Tensor, tokens: Tensor) -> Tensor:
+    """Mean next-token cross-entropy: logits [b, n, V], tokens [b, n]."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).double(), tokens[:, 1:].flatten())
+
+
+def _clean_frozen(model: Transformer, tokens: Tensor) -> tuple[Tensor, Frozen]:
+    with torch.no_grad():
+        logits, cache = model.run(tokens, names=lambda n: n.endswith(("hook_pattern", "hook_scale")))
+    patterns = {k: v for k, v in cache.items() if k.endswith("hook_pattern")}
+    scales = {k: v for k, v in cache.items() if k.endswith("hook_scale")}
+    return logits, Frozen(patterns, scales)
+
+
+def _check(model: Transformer, tokens: Tensor) -> Tensor:
+    if not model.cfg.attn_only:
+        raise InvalidInputError("order ablation needs an attention-only model (an MLP inside a rerun mixes orders)")
+    tokens = model.check_tokens(tokens)
+    if tokens.shape[1] < 2:
+        raise InvalidInputError(f"a loss needs at least 2 tokens per sequence, got {tokens.shape[1]}")
+    return tokens
+
+
+def order_logits(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None) -> list[Tensor]:
+    """[logits with paths of order <= k for k = 0..n_layers], each [b, n, V]; the last equals the clean logits."""
+    tokens = _check(model, tokens)
+    _, frozen = _clean_frozen(model, tokens)
+    L = model.cfg.n_layers
+    b, n = tokens.shape
+    zero = torch.zeros(b, n, model.cfg.d_model, dtype=model.dtype, device=model.device)
+    value_resid = {layer: zero for layer in range(L)}
+    out = []
+    with torch.no_grad():
+        for _k in range(L + 1):
+            if should_stop is not None and should_stop():
+                raise CancelledError("order ablation cancelled")
+            logits, cache = model.run(tokens, names=lambda nm: nm.endswith("hook_resid_pre"),
+                                      frozen=Frozen(frozen.patterns, frozen.ln_scales, value_resid))
+            out.append(logits)
+            value_resid = {layer: cache[f"blocks.{layer}.hook_resid_pre"] for layer in range(L)}
+    return out
+
+
+def order_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None) -> OrderAblation:
+    """Losses on `tokens` [b, n] with paths up to each order, marginal effects, first-order terms by layer."""
+    tokens = _check(model, tokens)
+    clean_logits, frozen = _clean_frozen(model, tokens)
+    per_order = order_logits(model, tokens, should_stop)
+    scale = clean_logits.abs().max().clamp_min(1.0)
+    tol = 1e-9 if model.dtype == torch.float64 else 1e-4
+    if not torch.allclose(per_order[-1], clean_logits, atol=float(tol * scale), rtol=0):
+        raise AssertionError("order-n_layers rerun does not reproduce the model's logits")
+    losses = torch.stack([lm_loss(lg, tokens) for lg in per_order])
+    clean = float(lm_loss(clean_logits, tokens))
+    # first-order terms of one layer: its values read the order-0 residual, every other layer reads zero
+    L = model.cfg.n_layers
+    b, n = tokens.shape
+    zero = torch.zeros(b, n, model.cfg.d_model, dtype=model.dtype, device=model.device)
+    with torch.no_grad():
+        _, cache0 = model.run(tokens, names=lambda nm: nm.endswith("hook_resid_pre"),
+                              frozen=Frozen(frozen.patterns, frozen.ln_scales, {layer: zero for layer in range(L)}))
+        by_layer = []
+        for layer in range(L):
+            vr = {other: zero for other in range(L)}
+            vr[layer] = cache0[f"blocks.{layer}.hook_resid_pre"]
+            logits, _ = model.run(tokens, frozen=Frozen(frozen.patterns, frozen.ln_scales, vr))
+            by_layer.append(lm_loss(logits, tokens))
+    first = torch.stack(by_layer) if by_layer else losses.new_zeros(0)
+    return OrderAblation(losses, losses[:-1] - losses[1:], clean, first, losses[0] - first)
+
+
+def head_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None) -> Tensor:
+    """[n_layers, n_heads]: loss change when a head's result is zeroed with every pattern frozen (Olsson)."""
+    tokens = model.check_tokens(tokens)
+    clean_logits, frozen = _clean_frozen(model, tokens)
+    clean = lm_loss(clean_logits, tokens)
+    cfg = model.cfg
+    out = torch.zeros(cfg.n_layers, cfg.n_heads, dtype=torch.float64, device=model.device)
+    with torch.no_grad():
+        for layer in range(cfg.n_layers):
+            for h in range(cfg.n_heads):
+                if should_stop is not None and should_stop():
+                    raise CancelledError("head ablation cancelled")
+                key = f"blocks.{layer}.attn.hook_pattern"
+                pattern = frozen.patterns[key].clone()
+                pattern[:, h] = 0  # z = A v = 0, so the head's result (b_V share included) is zero
+                logits, _ = model.run(tokens, frozen=Frozen({**frozen.patterns, key: pattern}))
+                out[layer, h] = lm_loss(logits, tokens) - clean
+    return out
