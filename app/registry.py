@@ -3,8 +3,10 @@
 A model id is the name of a folder directly inside `settings.shipped_dir` or `settings.models_dir` that
 holds a checkpoint `circuits_core.weights.detect_format` recognises. Ids are matched by a strict pattern
 (letters, digits, `.`, `_`, `-`; no leading dot), so a request can never name a path outside those folders.
-Folders are rescanned on every listing: a new folder becomes a model without a restart. Where the same
-name exists in both folders, the shipped model wins (ids of the shipped models are stable).
+Folders are rescanned on every listing: a new folder becomes a model without a restart. A folder with a
+config.json that no loader recognises is still listed (as unavailable, with the reason); a folder without
+config.json is not a model. Where the same name exists in both folders, the shipped model wins (ids of the
+shipped models are stable). A loaded model stays loaded until the process ends (or `forget(id)`).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class ModelEntry:
     path: Path
     format: str
     shipped: bool
+    error: str | None = None  # why the folder cannot be loaded, when detection already failed
 
 
 class ModelRegistry:
@@ -52,14 +55,12 @@ class ModelRegistry:
         return roots
 
     def _scan_one(self, folder: Path, shipped: bool) -> ModelEntry | None:
-        if not MODEL_ID_RE.match(folder.name) or not folder.is_dir():
+        if not MODEL_ID_RE.match(folder.name) or not (folder / "config.json").is_file():
             return None
         try:
-            fmt = detect_format(folder)
+            return ModelEntry(folder.name, folder, str(detect_format(folder)), shipped)
         except CheckpointError as exc:
-            log.warning("skipping %s: %s", folder, exc)
-            return None
-        return ModelEntry(folder.name, folder, str(fmt), shipped) if fmt else None
+            return ModelEntry(folder.name, folder, "unknown", shipped, error=str(exc))
 
     def entries(self) -> list[ModelEntry]:
         """Every model folder, rescanned now, sorted by id."""
@@ -82,7 +83,7 @@ class ModelRegistry:
         if not isinstance(model_id, str) or not MODEL_ID_RE.match(model_id):
             raise NotFoundError(f"unknown model {model_id!r}: model ids are folder names of letters, digits, '.', '_' and '-'")
         for root, shipped in self._roots():
-            entry = self._scan_one(root / model_id, shipped) if (root / model_id).is_dir() else None
+            entry = self._scan_one(root / model_id, shipped)
             if entry is not None:
                 return entry
         known = ", ".join(e.id for e in self.entries()) or "none"
@@ -103,6 +104,8 @@ class ModelRegistry:
             loaded = self._loaded.get(model_id)
             if loaded is None:
                 try:
+                    if entry.error is not None:
+                        raise CheckpointError(entry.error)
                     loaded = load_checkpoint(entry.path, dtype=self.dtype)
                 except CheckpointError as exc:
                     log.error("model %s cannot be loaded: %s", model_id, exc)
@@ -111,6 +114,11 @@ class ModelRegistry:
                 self._loaded[model_id] = loaded
                 log.info("loaded model %s (%s) from %s", model_id, entry.format, entry.path)
         return loaded
+
+    def forget(self, model_id: str) -> None:
+        """Drop a loaded model (the next request loads the folder again)."""
+        with self._lock(model_id):
+            self._loaded.pop(model_id, None)
 
     def is_loaded(self, model_id: str) -> bool:
         return model_id in self._loaded

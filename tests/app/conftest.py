@@ -4,6 +4,7 @@ Folders (session-scoped, built once):
   shipped/tiny-2l   2 layers x 4 heads, shortformer positions, no LayerNorm, BPE tokenizer (BOS <|endoftext|>)
   user/tiny-ln      1 layer x 2 heads, standard positions, LayerNorm, n_ctx 32, same tokenizer
   user/broken       config.json + a weight file missing a tensor: listed as unavailable, 422 when used
+  user/llama        config.json of an unsupported architecture: listed as unavailable
   user/.hidden, user/empty   never models
 """
 
@@ -44,13 +45,19 @@ def train_tokenizer() -> Tokenizer:
     return tok
 
 
-def save_qkov(folder: Path, cfg: ModelConfig, tok: Tokenizer, seed: int, drop: str | None = None) -> None:
+CARD = {"summary": "tiny random model for the API tests", "facts": {"seed": 1}}
+
+
+def save_qkov(folder: Path, cfg: ModelConfig, tok: Tokenizer, seed: int, drop: str | None = None, card: dict | None = None) -> None:
+    """qkov format written by hand: config.json (format qkov) + model.safetensors + tokenizer.json (+ card)."""
     folder.mkdir(parents=True)
     model = random_model(cfg, seed=seed, std_embed=0.5)
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != drop}
     save_file(state, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps(cfg.to_dict()))
+    (folder / "config.json").write_text(json.dumps({"format": "qkov", **cfg.to_dict()}))
     (folder / "tokenizer.json").write_text(tok.to_str())
+    if card is not None:
+        (folder / "model_card.json").write_text(json.dumps(card))
 
 
 @pytest.fixture(scope="session")
@@ -60,7 +67,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     V = tok.get_vocab_size()
     shipped, user = root / "shipped", root / "user"
     two = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=V, n_ctx=128, positional_embedding_type="shortformer")
-    save_qkov(shipped / "tiny-2l", two, tok, seed=1)
+    save_qkov(shipped / "tiny-2l", two, tok, seed=1, card=CARD)
     ln = ModelConfig(
         n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=V, n_ctx=32,
         positional_embedding_type="standard", normalization_type="LN",
@@ -69,6 +76,8 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     save_qkov(user / "broken", two, tok, seed=3, drop="blocks.1.attn.W_K")
     save_qkov(user / ".hidden", two, tok, seed=4)
     (user / "empty").mkdir()
+    (user / "llama").mkdir()
+    (user / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
     return shipped, user
 
 

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from app.settings import Settings
 from circuits_core.weights import LoadedModel
-from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer
+from tests.app.conftest import CARD, LIMITS, assert_problem, save_qkov, train_tokenizer
 
 
 def test_models_lists_both_folders_and_reports_broken(client: TestClient, tiny: LoadedModel) -> None:
@@ -23,8 +23,10 @@ def test_models_lists_both_folders_and_reports_broken(client: TestClient, tiny: 
     assert two["shipped"] is True and body["models"][1]["shipped"] is False
     assert two["heads"] == cfg.head_names and two["format"] == tiny.format and two["digest"] == str(tiny.digest)
     assert two["has_tokenizer"] and two["bos_token_id"] == tiny.tokenizer.bos_token_id
-    assert [u["id"] for u in body["unavailable"]] == ["broken"]
-    assert "W_K" in body["unavailable"][0]["detail"]
+    assert two["card"] == CARD and two["format"] == "qkov"
+    unavailable = {u["id"]: u["detail"] for u in body["unavailable"]}
+    assert unavailable.keys() == {"broken", "llama"}
+    assert "W_K" in unavailable["broken"] and "llama" in unavailable["llama"]
 
 
 def test_model_summary_and_unknown_models(client: TestClient) -> None:
@@ -40,6 +42,7 @@ def test_model_summary_and_unknown_models(client: TestClient) -> None:
 def test_broken_checkpoint_is_422_naming_the_problem(client: TestClient) -> None:
     body = assert_problem(client.get("/api/v1/models/broken"), 422, "broken", "W_K")
     assert body["title"] == "Model cannot be loaded"
+    assert_problem(client.get("/api/v1/models/llama/heads"), 422, "model_type", "llama")
 
 
 def test_new_folder_appears_on_next_listing(model_dirs: tuple[Path, Path], tmp_path: Path) -> None:
@@ -91,6 +94,8 @@ def test_openapi_contains_limits(client: TestClient) -> None:
     det = {p["name"]: p["schema"] for p in spec["paths"]["/api/v1/models/{model}/detectors"]["get"]["parameters"]}
     assert det["batch"]["maximum"] == LIMITS.max_batch and det["seq_len"]["maximum"] == LIMITS.max_seq_len
     for path, item in spec["paths"].items():
+        if not path.startswith("/api/v1/"):
+            continue
         assert "200" in item["get"]["responses"] and "$ref" in str(item["get"]["responses"]["200"]), path
 
 
