@@ -97,7 +97,10 @@ def _html(template: str, context: dict[str, Any], status: int, fragment: bool) -
             f"<p>{html.escape(context['detail'])}</p></div>"
         )
         body = inner if fragment else f"<!doctype html><title>{context['status']} {html.escape(context['title'])}</title>{inner}"
-    return HTMLResponse(body, status_code=status, headers={"Vary": "HX-Request"})
+    headers = {"Vary": "HX-Request"}
+    if fragment:  # an error shown in its panel is not a state to push to the address bar (pages' hx-push-url)
+        headers["HX-Push-Url"] = "false"
+    return HTMLResponse(body, status_code=status, headers=headers)
 
 
 def problem_response(request: Request, kind: ProblemKind, detail: str, **extra: Any) -> Response:

@@ -102,6 +102,24 @@
     if (form && ev.target.matches("select, input[type=checkbox], input[type=radio]")) form.requestSubmit();
   });
 
+  /* An error answer (4xx/5xx, the server's _error.html fragment) goes into the results of the panel that
+   * asked, keeping its form, instead of replacing the whole panel; the server sends HX-Push-Url: false. */
+  document.addEventListener("htmx:beforeSwap", function (ev) {
+    var d = ev.detail;
+    if (!d.xhr || d.xhr.status < 400 || !d.target || !d.target.querySelector) return;
+    var body = d.target.querySelector(".panel-body");
+    if (body) { d.target = body; d.swapOverride = "innerHTML"; }
+  });
+  document.addEventListener("htmx:sendError", function (ev) {
+    var elt = ev.detail && ev.detail.target;
+    var body = elt && elt.querySelector ? elt.querySelector(".panel-body") || elt : null;
+    if (!body) return;
+    var box = document.createElement("div");
+    box.className = "error"; box.setAttribute("role", "alert");
+    box.textContent = "The server did not answer (network error). Try again.";
+    body.prepend(box);
+  });
+
   document.addEventListener("DOMContentLoaded", function () { drawAll(document); });
   document.addEventListener("htmx:load", function (ev) { drawAll(ev.detail && ev.detail.elt); });
   document.addEventListener("htmx:afterSwap", function (ev) { drawAll(ev.detail && ev.detail.target); });

@@ -137,6 +137,7 @@ def test_errors_render_inside_the_panel_that_asked(client: TestClient, path: str
     frag = client.get(path, headers={"HX-Request": "true", "HX-Target": "circuits"})
     assert frag.status_code == status
     assert frag.text.lstrip().startswith('<div class="error"') and needle in frag.text
+    assert frag.headers["HX-Push-Url"] == "false", "an error in a panel is not pushed to the address bar"
     assert "HX-Request" in frag.headers["vary"]
 
 
