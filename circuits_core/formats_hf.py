@@ -23,7 +23,7 @@ from torch import Tensor
 
 from circuits_core.config import ModelConfig
 from circuits_core.errors import CheckpointError, InvalidInputError
-from circuits_core.statedict import read_weight_files
+from circuits_core.statedict import folder_listing, read_weight_files
 
 State = dict[str, Tensor]
 
@@ -41,11 +41,7 @@ def hf_weight_files(folder: Path) -> list[Path]:
     for name in ("model.safetensors", "pytorch_model.bin"):
         if (folder / name).is_file():
             return [folder / name]
-    raise CheckpointError(f"{folder}: no model.safetensors or pytorch_model.bin (found: {_listing(folder)})")
-
-
-def _listing(folder: Path) -> str:
-    return ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
+    raise CheckpointError(f"{folder}: no model.safetensors or pytorch_model.bin (found: {folder_listing(folder)})")
 
 
 class _Source:

@@ -31,6 +31,11 @@ PICKLE_SUFFIXES = (".bin", ".pth", ".pt")
 _WRAPPER_KEYS = ("state_dict", "model", "model_state_dict")
 
 
+def folder_listing(folder: Path) -> str:
+    """The file names in a folder, for error messages ("found: config.json, weights.bin")."""
+    return ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
+
+
 def read_weight_file(path: Path) -> dict[str, Tensor]:
     """All tensors of one weight file, on the CPU, as stored (no dtype change)."""
     if not path.is_file():

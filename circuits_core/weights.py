@@ -29,7 +29,7 @@ from circuits_core.errors import CheckpointError, InvalidInputError
 from circuits_core.formats_hf import load_gpt2, load_gpt_neox
 from circuits_core.model import Transformer
 from circuits_core.processing import SWITCHES, ProcessingOptions, apply_options
-from circuits_core.statedict import PICKLE_SUFFIXES, build_model, files_digest, read_weight_files
+from circuits_core.statedict import PICKLE_SUFFIXES, build_model, files_digest, folder_listing, read_weight_files
 from circuits_core.tokenizer import Tokenizer
 
 Format = Literal["qkov", "transformer_lens", "gpt2", "gpt_neox"]
@@ -49,10 +49,6 @@ class LoadedModel:
     card: dict[str, Any] = field(default_factory=dict)  # model_card.json, {} when absent
     digest: str = ""  # sha256 of config.json + weight files: the cache key of this checkpoint
     path: Path = Path(".")
-
-
-def _listing(folder: Path) -> str:
-    return ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -79,14 +75,16 @@ def detect_format(folder: str | Path) -> Format:
         raise CheckpointError(f"{folder}: checkpoint folder not found")
     config = folder / "config.json"
     if not config.is_file():
-        raise CheckpointError(f"{folder}: no config.json (found: {_listing(folder)}); formats: {', '.join(FORMATS)}")
+        raise CheckpointError(
+            f"{folder}: no config.json (found: {folder_listing(folder)}); formats: {', '.join(FORMATS)}"
+        )
     data = _read_json(config)
     if "model_type" in data:
         if data["model_type"] in HF_MODEL_TYPES:
             return HF_MODEL_TYPES[data["model_type"]]
         raise CheckpointError(
             f"{config}: unknown architecture model_type={data['model_type']!r}; supported Hugging Face "
-            f"model types: {', '.join(HF_MODEL_TYPES)} (formats: {', '.join(FORMATS)}; found: {_listing(folder)})"
+            f"model types: {', '.join(HF_MODEL_TYPES)} (formats: {', '.join(FORMATS)}; found: {folder_listing(folder)})"
         )
     if data.get("format") == "qkov":
         return "qkov"
@@ -94,7 +92,7 @@ def detect_format(folder: str | Path) -> Format:
         return "transformer_lens"
     raise CheckpointError(
         f"{config}: not a known checkpoint format (formats: {', '.join(FORMATS)}); config.json has neither "
-        f"model_type nor n_layers/d_model (found: {_listing(folder)})"
+        f"model_type nor n_layers/d_model (found: {folder_listing(folder)})"
     )
 
 
@@ -105,7 +103,7 @@ def _load_qkov(folder: Path, data: dict[str, Any]) -> tuple[ModelConfig, dict[st
         )
     weights = folder / "model.safetensors"
     if not weights.is_file():
-        raise CheckpointError(f"{folder}: qkov checkpoint without model.safetensors (found: {_listing(folder)})")
+        raise CheckpointError(f"{folder}: qkov checkpoint without model.safetensors (found: {folder_listing(folder)})")
     state, origin = read_weight_files([weights])
     return _model_config(data, folder / "config.json"), state, origin, [weights]
 
@@ -148,7 +146,7 @@ def _tl_weight_files(folder: Path) -> list[Path]:
             return found
         if len(found) > 1:
             raise CheckpointError(f"{folder}: several weight files, which one? {', '.join(p.name for p in found)}")
-    raise CheckpointError(f"{folder}: no .safetensors, .pth or .pt weight file (found: {_listing(folder)})")
+    raise CheckpointError(f"{folder}: no .safetensors, .pth or .pt weight file (found: {folder_listing(folder)})")
 
 
 def _load_transformer_lens(
