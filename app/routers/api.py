@@ -18,7 +18,7 @@ from app.deps import HEAD_PATH, LimitsDep, LoadedModelDep, ModelEntryDep, Regist
 from app.settings import Limits, Settings
 from app.views.circuits import build_direct_view, build_ov_view, build_qk_view, build_skip_trigrams_view
 from app.views.detectors import build_detectors_view
-from app.views.heads import build_head_view, build_heads_view
+from app.views.heads import build_copying_view, build_head_view, build_heads_view
 from app.views.models import build_model_view, build_models_view, build_tokenize_view
 from circuits_core.weights import LoadedModel
 
@@ -106,6 +106,10 @@ def build_router(settings: Settings) -> APIRouter:
     @router.get("/models/{model}/heads/{head}", response_model=schemas.HeadView, tags=["heads"], summary="One head: spectra, positional pattern")
     async def head(loaded: LoadedModelDep, head: HeadName) -> schemas.HeadView:
         return await compute(build_head_view, loaded, head, key=cache_key(loaded, "head", head))
+
+    @router.get("/models/{model}/heads/{head}/copying", response_model=schemas.CopyingMetricsView, tags=["heads"], summary="Copying metrics of the full OV circuit")
+    async def copying(loaded: LoadedModelDep, limits: LimitsDep, head: HeadName, k: int = p.k(5)) -> schemas.CopyingMetricsView:
+        return await compute(build_copying_view, loaded, head, k, limits, key=cache_key(loaded, "copying", head, k))
 
     @router.get("/models/{model}/heads/{head}/ov", response_model=schemas.CircuitTopView, tags=["circuits"], summary="Top entries of the full OV circuit")
     async def ov(loaded: LoadedModelDep, limits: LimitsDep, head: HeadName, token: str | None = p.token(), k: int = p.k()) -> schemas.CircuitTopView:

@@ -3,11 +3,11 @@
 from app.schemas.circuits import Circuit, CircuitTopView, Side, SkipTrigram, SkipTrigramView
 from app.schemas.common import Complex, MatrixEntry, ModelRef, ScoredToken, TokenRef
 from app.schemas.detectors import DetectorsView, HeadPattern, LossByPosition
-from app.schemas.heads import DetectorInput, HeadScores, HeadsView, HeadView, PositionalQK
+from app.schemas.heads import CopyingMetricsView, DetectorInput, HeadScores, HeadsView, HeadView, PositionalQK
 from app.schemas.models import ModelListView, ModelSummary, TokenizeView, UnavailableModel
 
 __all__ = [
-    "Circuit", "CircuitTopView", "Complex", "DetectorInput", "DetectorsView", "HeadPattern", "HeadScores",
+    "Circuit", "CircuitTopView", "CopyingMetricsView", "Complex", "DetectorInput", "DetectorsView", "HeadPattern", "HeadScores",
     "HeadsView", "HeadView", "LossByPosition", "MatrixEntry", "ModelListView", "ModelRef", "ModelSummary",
     "PositionalQK", "ScoredToken", "Side", "SkipTrigram", "SkipTrigramView", "TokenizeView", "TokenRef",
     "UnavailableModel",

@@ -31,12 +31,36 @@ class HeadScores(BaseModel):
     first_token: float | None
     duplicate_token: float | None
     induction: float | None
+    qk_k_composition: float | None = Field(
+        default=None,
+        description="positivity sum(eig)/sum(|eig|) of the K-composition token circuit with the previous-token "
+        "head (the paper's 2-D induction view, y axis; 0 in layer 0)",
+    )
+    qk_k_composition_weighted: float | None = Field(
+        default=None, description="the same with every earlier head weighted by its previous-token score (Olsson et al.)"
+    )
 
 
 class HeadsView(BaseModel):
     model: ModelRef
     detector_input: DetectorInput
     heads: list[HeadScores]
+    previous_token_head: str | None = Field(
+        default=None, description="the layer-0 head with the largest previous-token score (K-composition partner of the 2-D view)"
+    )
+
+
+class CopyingMetricsView(BaseModel):
+    """The paper's alternative copying metrics of one head's full OV circuit M [V, V] (rows = source token)."""
+
+    model: ModelRef
+    head: str
+    ov_copying: float | None = Field(description="eigenvalue copying score sum(eig)/sum(|eig|)")
+    diagonal_positive: float = Field(description="fraction of tokens a with M[a, a] > 0")
+    diagonal_quantiles: list[float] = Field(description="quantiles 0, .25, .5, .75, 1 of the diagonal")
+    top1: float = Field(description="fraction of tokens whose own logit is the largest of their row")
+    topk: float = Field(description="fraction of tokens among the k largest of their row")
+    k: int
 
 
 class PositionalQK(BaseModel):

@@ -12,12 +12,13 @@ import math
 import torch
 from torch import Tensor
 
-from app.schemas import Complex, DetectorInput, HeadScores, HeadsView, HeadView, PositionalQK
-from app.views.inputs import model_ref
+from app.schemas import Complex, CopyingMetricsView, DetectorInput, HeadScores, HeadsView, HeadView, PositionalQK
+from app.settings import Limits
+from app.views.inputs import check_k, model_ref
 from circuits_core import circuits
 from circuits_core.config import head_name, parse_head
 from circuits_core.errors import InvalidInputError, LimitExceededError
-from circuits_core.heads import pattern_detector_scores, repeated_random_tokens
+from circuits_core.heads import induction_view, pattern_detector_scores, repeated_random_tokens
 from circuits_core.weights import LoadedModel
 
 STANDARD_SEQ_LEN, STANDARD_BATCH, STANDARD_SEED = 50, 10, 0
@@ -71,8 +72,8 @@ def detector_table(patterns: list[Tensor], tokens: Tensor) -> dict[str, Tensor]:
     return {name: torch.stack([scores[name] for scores in per_layer]) for name in per_layer[0]}
 
 
-def head_scores(loaded: LoadedModel, detectors: dict[str, Tensor]) -> list[HeadScores]:
-    """One HeadScores per head, in layer-major order."""
+def head_scores(loaded: LoadedModel, detectors: dict[str, Tensor], k_comp: dict[str, Tensor] | None = None) -> list[HeadScores]:
+    """One HeadScores per head, in layer-major order (K-composition positivity when `k_comp` is given)."""
     model = loaded.model
     cfg = model.cfg
     if cfg.n_layers == 0:
@@ -83,6 +84,7 @@ def head_scores(loaded: LoadedModel, detectors: dict[str, Tensor]) -> list[HeadS
     for layer in range(cfg.n_layers):
         for h in range(cfg.n_heads):
             det = {name: num(scores[layer, h]) for name, scores in detectors.items()}
+            kc = {name: num(scores[layer, h]) for name, scores in (k_comp or {}).items()}
             out.append(
                 HeadScores(
                     head=head_name(layer, h),
@@ -95,6 +97,8 @@ def head_scores(loaded: LoadedModel, detectors: dict[str, Tensor]) -> list[HeadS
                     first_token=det.get("first_token"),
                     duplicate_token=det.get("duplicate_token"),
                     induction=det.get("induction"),
+                    qk_k_composition=kc.get("one_hot"),
+                    qk_k_composition_weighted=kc.get("weighted"),
                 )
             )
     return out
@@ -103,8 +107,32 @@ def head_scores(loaded: LoadedModel, detectors: dict[str, Tensor]) -> list[HeadS
 def build_heads_view(loaded: LoadedModel) -> HeadsView:
     """Copying scores and detector scores of every head on the standard repeated-random-token input."""
     tokens, meta = standard_input(loaded)
-    _, patterns = run_patterns(loaded, tokens)
-    return HeadsView(model=model_ref(loaded), detector_input=meta, heads=head_scores(loaded, detector_table(patterns, tokens)))
+    with torch.no_grad():
+        _, patterns = run_patterns(loaded, tokens)
+        detectors = detector_table(patterns, tokens)
+        if loaded.model.cfg.n_layers == 0:
+            return HeadsView(model=model_ref(loaded), detector_input=meta, heads=[])
+        iv = induction_view(loaded.model, tokens)  # the 2-D view, previous-token head chosen on the same input
+    k_comp = {"one_hot": iv.qk_k_composition, "weighted": iv.qk_weighted}
+    return HeadsView(
+        model=model_ref(loaded),
+        detector_input=meta,
+        heads=head_scores(loaded, detectors, k_comp),
+        previous_token_head=iv.previous_token_head,
+    )
+
+
+def build_copying_view(loaded: LoadedModel, head: str, k: int, limits: Limits) -> CopyingMetricsView:
+    """Diagonal sign, top-1 and top-k copying of a head's full OV circuit (rows streamed under the byte budget)."""
+    layer, h = parse_head(head, loaded.model.cfg)
+    k = check_k(k, limits, loaded.model.cfg.d_vocab)
+    with torch.no_grad():
+        m = circuits.ov_copying_metrics(loaded.model, layer, h, k=k, budget_bytes=limits.matrix_budget_bytes)
+        score = circuits.ov_copying_scores(loaded.model)[layer, h]
+    return CopyingMetricsView(
+        model=model_ref(loaded), head=head_name(layer, h), ov_copying=num(score), diagonal_positive=m.diagonal_positive,
+        diagonal_quantiles=[float(q) for q in m.diagonal_quantiles], top1=m.top1, topk=m.topk, k=m.k,
+    )
 
 
 def _complex(values: Tensor) -> list[Complex]:

@@ -117,3 +117,33 @@ def test_detector_refusals(client: TestClient) -> None:
     assert_problem(client.get(url, params={"seq_len": 61}), 422, "seq_len")
     assert_problem(client.get(url, params={"heads": "L0H0,L0H1,L0H2,L0H3,L1H0"}), 422, "at most 4")
     assert_problem(client.get("/api/v1/models/tiny-ln/detectors", params={"seq_len": 20}), 422, "context", "at most 15")
+
+
+def test_heads_table_k_composition_scatter(heads: dict, tiny: LoadedModel) -> None:
+    """y axis of the paper's 2-D view: positivity of the dense K-composition token circuit with the previous-token head."""
+    model = tiny.model
+    layer0 = [r for r in heads["heads"] if r["layer"] == 0]
+    prev = max(layer0, key=lambda r: r["previous_token"])
+    assert heads["previous_token_head"] == prev["head"]
+    p = prev["index"]
+    W_OV_p = model.W_V[0, p] @ model.W_O[0, p]  # [d, d]
+    for row in heads["heads"]:
+        layer, h = row["layer"], row["index"]
+        if layer == 0:
+            assert row["qk_k_composition"] == 0.0
+            continue
+        M = model.W_E @ model.W_Q[layer, h] @ model.W_K[layer, h].T @ W_OV_p.T @ model.W_E.T / model.cfg.scale  # [V, V]
+        assert row["qk_k_composition"] == pytest.approx(dense_copying(M), abs=1e-6)
+        assert -1 <= row["qk_k_composition_weighted"] <= 1
+
+
+def test_copying_metrics_against_dense(client: TestClient, tiny: LoadedModel) -> None:
+    M = full_ov_dense(tiny.model, 0, 1)
+    V = M.shape[0]
+    body = client.get("/api/v1/models/tiny-2l/heads/L0H1/copying", params={"k": 3}).json()
+    own = torch.arange(V)
+    assert body["diagonal_positive"] == pytest.approx(float((M.diagonal() > 0).double().mean()))
+    assert body["top1"] == pytest.approx(float((M.argmax(1) == own).double().mean()))
+    assert body["topk"] == pytest.approx(float((M.topk(3, dim=1).indices == own[:, None]).any(1).double().mean()))
+    assert body["diagonal_quantiles"][0] == pytest.approx(float(M.diagonal().min()))
+    assert body["ov_copying"] == pytest.approx(dense_copying(M), abs=1e-6) and body["k"] == 3
