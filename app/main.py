@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from fastapi.middleware.gzip import GZipMiddleware
 
 from app.errors import install_error_handlers
+from app.observability import install_serving
 from app.registry import ModelRegistry
 from app.routers import router_factories
 from app.routers.pages import CachedStaticFiles
@@ -51,6 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.registry = registry
     install_error_handlers(app)
+    install_serving(app, settings)  # compute pool + cache, request ids, metrics, ETags, /healthz /readyz /metrics
     app.add_middleware(GZipMiddleware, minimum_size=1024)
     static = REPO_ROOT / "static"
     if static.is_dir():

@@ -39,3 +39,12 @@ class Settings(BaseSettings):
     slot_wait_s: float = Field(default=30.0, gt=0, description="how long a request waits for a compute slot")
     cache_bytes: int = Field(default=256 * MiB, ge=0, description="byte budget of the result cache")
     preload: bool = Field(default=False, description="load every model at start-up instead of on first use")
+    # serving (app/compute.py, app/observability.py, app/ratelimit.py)
+    torch_threads: int | None = Field(default=None, ge=1, description="torch threads (default: cores // compute_slots)")
+    request_timeout_s: float | None = Field(
+        default=120.0, gt=0, description="a request waiting longer for its computation gets 503 and the computation stops"
+    )
+    rate_limit: int | None = Field(default=None, ge=1, description="requests per client per rate_window_s (None: off)")
+    rate_window_s: float = Field(default=60.0, gt=0, description="window of the per-client rate limit")
+    log_format: Literal["json", "text"] = Field(default="json", description="JSON lines or plain text logs")
+    metrics_multiprocess: bool = Field(default=False, description="aggregate metrics of uvicorn workers (PROMETHEUS_MULTIPROC_DIR)")

@@ -1,0 +1,354 @@
+"""Serving a public demo: request ids, JSON logs, Prometheus metrics, health and readiness, the compute service.
+
+`install_serving(app, settings)` (called once by create_app) adds:
+
+- the app's ComputeService (app/compute.py: bounded slots, result cache, single-flight, stop flags) and the
+  torch intra-op thread count (`settings.torch_threads`, default cores // compute_slots);
+- a middleware that gives every request an id (`X-Request-ID` in, echoed out; a fresh one otherwise), binds
+  the request to compute (client-disconnect polling, deadline `settings.request_timeout_s`), applies the
+  optional per-client rate limit (app/ratelimit.py), adds `Retry-After` to every 503, counts requests by
+  route template and status, times them, and writes one JSON access-log line each (logger `qkov.access`);
+- strong ETags with `Cache-Control` on the JSON API and 304 answers to `If-None-Match` (app/etag.py);
+- `GET /healthz` (the process answers), `GET /readyz` (every shipped model loads and runs one forward pass,
+  and at least one model exists), `GET /metrics` (Prometheus text format).
+
+Logs are JSON lines (`settings.log_format`) with the request id of the request that caused them, also from
+compute threads. Metrics live in a registry per app; with `uvicorn --workers N` each worker has its own
+(a scrape sees one worker): set `PROMETHEUS_MULTIPROC_DIR` (an empty, writable folder) and
+`QKOV_METRICS_MULTIPROCESS=true` to aggregate the request metrics of all workers; the compute and cache
+gauges stay per process (labelled by pid).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextvars import ContextVar
+from typing import Any, Literal
+
+import anyio.to_thread
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, Field
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.compute import BusyError, ComputeService, RequestContext, bind, default_torch_threads
+from app.errors import ProblemKind, problem_response
+from app.etag import ETagMiddleware
+from app.ratelimit import RateLimiter
+from app.registry import ModelRegistry
+from app.settings import Settings
+from circuits_core.errors import QkovError
+
+log = logging.getLogger("qkov.serving")
+access_log = logging.getLogger("qkov.access")
+
+REQUEST_ID: ContextVar[str | None] = ContextVar("qkov_request_id", default=None)
+REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+UNMETERED = ("/healthz", "/readyz", "/metrics", "/static/")
+BUSY = ProblemKind(503, "busy", "Server busy")
+RATE_LIMITED = ProblemKind(429, "rate-limited", "Too many requests")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+# -- logs ------------------------------------------------------------------------------------------------
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message, request id, and any `extra={"fields": {...}}`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, Any] = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        rid = getattr(record, "request_id", None) or REQUEST_ID.get()
+        if rid:
+            out["request_id"] = rid
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            out.update(fields)
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False, default=str)
+
+
+def configure_logging(settings: Settings) -> None:
+    """Give the `qkov` loggers one stderr handler (JSON lines or plain text), once per process."""
+    root = logging.getLogger("qkov")
+    root.setLevel(logging.INFO)
+    formatter: logging.Formatter = JsonFormatter() if settings.log_format == "json" else logging.Formatter(
+        "%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    for handler in root.handlers:
+        if getattr(handler, "_qkov", False):
+            handler.setFormatter(formatter)
+            return
+    handler = logging.StreamHandler()
+    handler._qkov = True  # type: ignore[attr-defined]
+    handler.setFormatter(formatter)
+    root.addHandler(handler)
+
+
+# -- metrics ---------------------------------------------------------------------------------------------
+class ServiceCollector(Collector):
+    """Compute slots, cache and loaded models, read at scrape time from the app's objects."""
+
+    def __init__(self, service: ComputeService, registry: ModelRegistry):
+        self.service = service
+        self.registry = registry
+
+    def collect(self) -> Iterator[Any]:
+        s, c, pid = self.service, self.service.cache, [str(os.getpid())]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["pid"])
+            g.add_metric(pid, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            m = CounterMetricFamily(name, doc, labels=["pid"])
+            m.add_metric(pid, value)
+            return m
+
+        yield gauge("qkov_compute_slots", "compute slots (concurrent torch computations)", s.slots.n)
+        yield gauge("qkov_compute_slots_in_use", "compute slots running a computation", s.slots.in_use)
+        yield gauge("qkov_compute_waiting", "computations waiting for a slot", s.slots.waiting)
+        yield counter("qkov_compute_completed", "computations finished", s.stats.completed)
+        yield counter("qkov_compute_failed", "computations that raised an error", s.stats.failed)
+        yield counter("qkov_compute_cancelled", "computations stopped by their stop flag", s.stats.cancelled)
+        yield counter("qkov_compute_rejected", "requests refused with 503: no slot within slot_wait_s", s.stats.rejected_busy)
+        yield counter("qkov_compute_shared", "requests that joined an identical computation in flight", s.stats.shared)
+        yield counter("qkov_compute_seconds", "seconds spent computing", s.stats.compute_seconds)
+        yield gauge("qkov_cache_bytes", "estimated bytes held by the result cache", c.bytes)
+        yield gauge("qkov_cache_budget_bytes", "byte budget of the result cache", c.budget_bytes)
+        yield gauge("qkov_cache_entries", "results in the cache", len(c))
+        yield counter("qkov_cache_hits", "result cache hits", c.hits)
+        yield counter("qkov_cache_misses", "result cache misses", c.misses)
+        yield counter("qkov_cache_evictions", "results evicted to stay within the budget", c.evictions)
+        yield gauge("qkov_cache_hit_ratio", "hits / (hits + misses) since start", c.hit_rate)
+        yield gauge("qkov_models_loaded", "models loaded in this process", len(getattr(self.registry, "_loaded", {})))
+
+
+class Metrics:
+    def __init__(self, service: ComputeService, registry: ModelRegistry, multiprocess: bool):
+        self.multiprocess = multiprocess
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "qkov_http_requests", "HTTP requests by route template and status", ["method", "route", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "qkov_http_request_duration_seconds", "HTTP request latency by route template", ["method", "route"],
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.service_collector = ServiceCollector(service, registry)
+        self.registry.register(self.service_collector)
+        if not multiprocess:
+            ProcessCollector(registry=self.registry)
+
+    def render(self) -> bytes:
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged)
+        merged.register(self.service_collector)
+        return generate_latest(merged)
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class ReadinessReport(BaseModel):
+    status: Literal["ready", "not ready"]
+    models: dict[str, str] = Field(description="model id -> 'ok' or 'error: <why>'")
+
+
+# -- readiness -------------------------------------------------------------------------------------------
+class Readiness:
+    """Load every model and run one forward pass of each (once per checkpoint digest)."""
+
+    def __init__(self, registry: ModelRegistry):
+        self.registry = registry
+        self._verified: set[str] = set()
+        self._lock = threading.Lock()
+
+    def check(self) -> tuple[bool, dict[str, str]]:
+        with self._lock:
+            report: dict[str, str] = {}
+            shipped_ok = True
+            for entry in self.registry.entries():
+                try:
+                    loaded = self.registry.get(entry.id)
+                    digest = str(loaded.digest)
+                    if digest not in self._verified:
+                        n = max(1, min(4, loaded.model.cfg.n_ctx))
+                        tokens = torch.zeros(1, n, dtype=torch.long, device=loaded.model.device)  # [1, n]
+                        with torch.no_grad():
+                            logits, _ = loaded.model.run(tokens, names=lambda name: False)  # [1, n, d_vocab]
+                        if not bool(torch.isfinite(logits).all()):
+                            raise QkovError("the forward pass gave non-finite logits")
+                        self._verified.add(digest)
+                    report[entry.id] = "ok"
+                except Exception as exc:  # noqa: BLE001 - reported, not raised
+                    report[entry.id] = f"error: {exc}"
+                    shipped_ok = shipped_ok and not entry.shipped
+            ready = shipped_ok and any(v == "ok" for v in report.values())
+            return ready, report
+
+
+# -- middleware ------------------------------------------------------------------------------------------
+def _route_template(scope: Scope) -> str:
+    """The route's path template (`/api/v1/models/{model}`): bounded label values, never a raw URL."""
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    if isinstance(path, str):
+        return path
+    if scope.get("path", "").startswith("/static/"):
+        return "/static"
+    app = scope.get("app")
+    plain = {getattr(r, "path", "") for r in getattr(app, "routes", ())}
+    return scope["path"] if scope.get("path") in plain and "{" not in scope["path"] else "unmatched"
+
+
+class ServingMiddleware:
+    """Request id, compute binding (disconnect + deadline), rate limit, Retry-After on 503, metrics, access log."""
+
+    def __init__(self, app: ASGIApp, service: ComputeService, metrics: Metrics, limiter: RateLimiter | None,
+                 request_timeout_s: float | None):
+        self.app = app
+        self.service = service
+        self.metrics = metrics
+        self.limiter = limiter
+        self.request_timeout_s = request_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"").decode("latin-1")
+        rid = given if REQUEST_ID_RE.match(given) else uuid.uuid4().hex
+        REQUEST_ID.set(rid)
+        start = time.perf_counter()
+        method, path = scope["method"], scope.get("path", "")
+        request = Request(scope, receive)
+        ctx = RequestContext(
+            is_disconnected=request.is_disconnected if method in ("GET", "HEAD") else None,
+            deadline=time.monotonic() + self.request_timeout_s if self.request_timeout_s else None,
+            timeout_s=self.request_timeout_s,
+        )
+        bind(self.service, ctx)
+        status = 500
+        limit_headers: dict[str, str] = {}
+        metered = not path.startswith(UNMETERED)
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = MutableHeaders(scope=message)
+                headers["X-Request-ID"] = rid
+                for k, v in limit_headers.items():
+                    headers[k] = v
+                if status == 503 and "retry-after" not in headers:
+                    headers["Retry-After"] = str(self.service.retry_after())
+            await send(message)
+
+        try:
+            if self.limiter is not None and metered:
+                client = (scope.get("client") or ("unknown", 0))[0]
+                allowed, remaining, reset = self.limiter.hit(client)
+                limit_headers = {
+                    "RateLimit-Limit": str(self.limiter.limit),
+                    "RateLimit-Remaining": str(remaining),
+                    "RateLimit-Reset": str(reset),
+                }
+                if not allowed:
+                    limit_headers["Retry-After"] = str(reset)
+                    detail = (f"more than {self.limiter.limit} requests in {self.limiter.window_s:g} s from this client; "
+                              f"retry in {reset} s")
+                    response = problem_response(request, RATE_LIMITED, detail)
+                    await response(scope, receive, send_wrapper)
+                    return
+            await self.app(scope, receive, send_wrapper)
+        except Exception:
+            status = 500
+            raise
+        finally:
+            elapsed = time.perf_counter() - start
+            route = _route_template(scope)
+            self.metrics.requests.labels(method, route, str(status)).inc()
+            self.metrics.latency.labels(method, route).observe(elapsed)
+            if metered:
+                access_log.info(
+                    "%s %s %d", method, path, status,
+                    extra={"request_id": rid, "fields": {
+                        "method": method, "path": path, "route": route, "status": status,
+                        "duration_ms": round(elapsed * 1000, 2),
+                        "client": (scope.get("client") or ("", 0))[0],
+                    }},
+                )
+
+
+# -- install ---------------------------------------------------------------------------------------------
+def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
+    """Add the compute service, middleware and /healthz, /readyz, /metrics to an app (once, in create_app)."""
+    registry: ModelRegistry = app.state.registry
+    service = ComputeService(
+        slots=settings.compute_slots,
+        slot_wait_s=settings.slot_wait_s,
+        cache_bytes=settings.cache_bytes,
+        request_timeout_s=settings.request_timeout_s,
+        dense_budget_bytes=settings.limits.matrix_budget_bytes,
+    )
+    torch.set_num_threads(settings.torch_threads or default_torch_threads(settings.compute_slots))
+    configure_logging(settings)
+    metrics = Metrics(service, registry, settings.metrics_multiprocess)
+    readiness = Readiness(registry)
+    app.state.compute = service
+    app.state.metrics = metrics
+
+    async def busy(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, BusyError)
+        response = problem_response(request, BUSY, str(exc))
+        response.headers["Retry-After"] = str(exc.retry_after)
+        return response
+
+    app.add_exception_handler(BusyError, busy)
+
+    @app.get("/healthz", tags=["operations"], summary="Liveness: the process answers", response_model=Health)
+    async def healthz() -> Health:
+        return Health(status="ok")
+
+    @app.get("/readyz", tags=["operations"], summary="Readiness: models load and run a forward pass",
+             response_model=ReadinessReport,
+             responses={503: {"model": ReadinessReport, "description": "not ready: a shipped model fails, or no model"}})
+    async def readyz() -> JSONResponse:
+        ready, report = await anyio.to_thread.run_sync(readiness.check)
+        body = ReadinessReport(status="ready" if ready else "not ready", models=report)
+        return JSONResponse(body.model_dump(), status_code=200 if ready else 503, headers={} if ready else {"Retry-After": "5"})
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    limiter = RateLimiter(settings.rate_limit, settings.rate_window_s) if settings.rate_limit else None
+    app.add_middleware(ETagMiddleware)
+    app.add_middleware(ServingMiddleware, service=service, metrics=metrics, limiter=limiter,
+                       request_timeout_s=settings.request_timeout_s)
+    return service
