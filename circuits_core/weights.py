@@ -14,6 +14,7 @@ TransformerLens's fold_ln / centring defaults). Pickle files are only read with 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,6 +88,10 @@ def detect_format(folder: str | Path) -> Format:
             f"model types: {', '.join(HF_MODEL_TYPES)} (formats: {', '.join(FORMATS)}; found: {folder_listing(folder)})"
         )
     if data.get("format") == "qkov":
+        return "qkov"
+    # A bare ModelConfig.to_dict() (qkov fields only; "use_bias" is not a TransformerLens field).
+    qkov_fields = {f.name for f in dataclasses.fields(ModelConfig)} | {"format_version", "processing"}
+    if "use_bias" in data and set(data) <= qkov_fields and (folder / "model.safetensors").is_file():
         return "qkov"
     if "n_layers" in data and "d_model" in data:
         return "transformer_lens"

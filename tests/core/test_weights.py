@@ -97,6 +97,16 @@ def test_qkov_round_trip_float32_and_float64(tmp_path: Path) -> None:
     assert only.model.processing["center_unembed"] is True and only.model.processing["fold_ln"] is False
 
 
+def test_bare_model_config_json_is_qkov(tmp_path: Path) -> None:
+    """A folder written with config.json = ModelConfig.to_dict() (no format marker) still loads as qkov."""
+    model = _randomised(CFG, dtype=torch.float32)
+    save_checkpoint(model, tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(CFG.to_dict()))
+    loaded = load_checkpoint(tmp_path, process=False)
+    assert loaded.format == "qkov" and loaded.model.cfg == CFG
+    torch.testing.assert_close(loaded.model(TOKENS), model(TOKENS), rtol=0, atol=0)
+
+
 def test_digest_is_a_content_key(tmp_path: Path) -> None:
     model = _randomised(CFG, dtype=torch.float32)
     save_checkpoint(model, tmp_path / "a")
