@@ -18,7 +18,7 @@ from app.settings import Settings
 RouterFactory = Callable[[Settings], APIRouter]
 
 # Included in this order; a module not written yet (pages, api_<x> of another helper) is skipped.
-ROUTER_MODULES: tuple[str, ...] = ("api", "docs", "pages")
+ROUTER_MODULES: tuple[str, ...] = ("api", "api_analyses", "docs", "pages")
 
 
 def router_factories() -> list[RouterFactory]:

@@ -1,0 +1,196 @@
+"""JSON answers of the engine-2 analyses: composition, path expansions, prompts, virtual heads, QK paths,
+term importance and the paper tour (paper-math 2.9-2.16, section 3).
+
+Heads are named L{layer}H{head}; a path is the list of heads it passes through, earliest first, after an
+optional source ("bias:L0", "mlp:L0", "bias:unembed"); [] is the direct path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from app.schemas.common import Complex, MatrixEntry, ModelRef, TokenRef
+
+CompositionKindName = Literal["Q", "K", "V"]
+TermKind = Literal["direct", "head", "bias", "mlp", "unembed_bias", "remainder", "other"]
+
+
+# -- composition --------------------------------------------------------------------------------------
+class CompositionView(BaseModel):
+    """Q-, K- or V-composition scores of every (earlier head, later head) pair (paper-math 2.9)."""
+
+    model: ModelRef
+    kind: CompositionKindName
+    sources: list[str] = Field(description="row heads: every head that has a later layer (earlier heads)")
+    targets: list[str] = Field(description="column heads: every head that has an earlier layer (later heads)")
+    scores: list[list[float | None]] = Field(description="raw scores in [0, 1], [source][target]; null unless source layer < target layer")
+    minus_baseline: list[list[float | None]] = Field(description="scores minus `baseline` (the paper's default), null like `scores`")
+    baseline: float = Field(description="expected score of random matrices of the same shapes, 1/sqrt(d_model) (subtracted)")
+    sampled_baseline: float = Field(description="mean score of ARENA's random generator (check of the analytic baseline)")
+    sampled_std: float = Field(description="standard deviation of the sampled random scores")
+    top_pairs: list[CompositionPair] = Field(description="the strongest pairs, largest raw score first")
+
+
+class CompositionPair(BaseModel):
+    source: str
+    target: str
+    score: float
+    minus_baseline: float
+
+
+class TokenCircuit(BaseModel):
+    """Largest entries of a [d_vocab, d_vocab] token circuit and its eigenvalue statistic (paper-math 2.8)."""
+
+    row_label: str
+    col_label: str
+    entries: list[MatrixEntry] = Field(description="global top-k entries, largest first")
+    eigenvalues: list[Complex] = Field(description="the nonzero eigenvalues (from the d_head x d_head factor product)")
+    copying: float | None = Field(description="sum(eig)/sum(|eig|) in [-1, 1]: +1 means 'same token' (copying / matching)")
+
+
+class VirtualHeadCircuit(BaseModel):
+    """The OV circuit of a chain of heads h1 -> ... -> hk (paper-math 2.10): W_E W_OV^{h1} ... W_OV^{hk} W_U."""
+
+    heads: list[str]
+    ov: TokenCircuit
+
+
+class CompositionPairView(BaseModel):
+    """One (earlier, later) pair: its three scores, the K-composition token circuit, and the virtual head."""
+
+    model: ModelRef
+    source: str
+    target: str
+    scores: dict[str, float] = Field(description="raw Q, K, V composition scores")
+    minus_baseline: dict[str, float]
+    baseline: float
+    k_composition: TokenCircuit = Field(
+        description="W_E W_Q^t W_K^tT (W_V^s W_O^s)^T W_E^T / s: rows query token, columns the token the source "
+        "head reads at the key position; its copying statistic is the 'same-token matching' of the K term"
+    )
+    virtual_head: VirtualHeadCircuit
+
+
+# -- logit path expansion ----------------------------------------------------------------------------
+class PathTermView(BaseModel):
+    path: list[str] = Field(description="source (if not the embedding) then heads, earliest first; [] = direct path")
+    kind: TermKind
+    order: int | None = Field(description="number of heads in the path; null for remainder / other")
+    value: float
+    by_source: list[float] | None = Field(default=None, description="the value split over source positions (sums to value)")
+    n_terms: int | None = Field(default=None, description="for 'other': how many small terms it sums")
+
+
+class PathsView(BaseModel):
+    """Frozen-attention path expansion of one logit (or logit difference) at one position (paper-math 2.11)."""
+
+    model: ModelRef
+    tokens: list[TokenRef]
+    position: int = Field(description="destination position (0-based)")
+    target: TokenRef
+    contrast: TokenRef | None
+    value: float = Field(description="logit of target at position (minus the logit of contrast)")
+    max_order: int
+    terms: list[PathTermView] = Field(description="largest |value| first; includes 'remainder' (orders > max_order) and 'other'")
+    total: float = Field(description="sum of every term's value: equals `value`")
+    order_totals: list[float] = Field(description="sum of the explicit terms of each order 0..max_order")
+    n_terms: int = Field(description="number of explicit terms of the expansion")
+
+
+# -- prompt: tokens and attention patterns -----------------------------------------------------------
+class PromptHeadPattern(BaseModel):
+    head: str
+    pattern: list[list[float]] = Field(description="[query][key]; value-weighted entries A[i, j] ||v_j|| when weighted")
+
+
+class PromptView(BaseModel):
+    model: ModelRef
+    tokens: list[TokenRef]
+    weighted: bool = Field(description="value-weighted (paper-math 2.16, not renormalised) or plain patterns")
+    heads: list[PromptHeadPattern]
+    top_predictions: list[TokenRef] = Field(description="the model's top next-token prediction at each position")
+
+
+# -- a chain of heads (virtual head) on a prompt -----------------------------------------------------
+class SourceContribution(BaseModel):
+    source: str = Field(description="'embed', 'bias:L0', 'mlp:L0': where the path starts")
+    values: list[float] = Field(description="contribution at each destination position")
+
+
+class ChainView(BaseModel):
+    """A chain of heads in increasing layers on a prompt: pattern, OV circuit and logit contribution."""
+
+    model: ModelRef
+    heads: list[str]
+    tokens: list[TokenRef]
+    target: TokenRef = Field(description="the logit the contribution is measured on")
+    pattern: list[list[float]] = Field(description="A^{hk} ... A^{h1}, [query][key] (row-stochastic, causal)")
+    ov: TokenCircuit
+    contribution: list[float] = Field(description="the path term (embedding source) of the target logit at each position")
+    by_source: list[SourceContribution] = Field(description="the same head chain started from every source that can enter it")
+
+
+# -- QK path expansion ------------------------------------------------------------------------------
+class QKPair(BaseModel):
+    query: str
+    key: str
+    std: float = Field(description="standard deviation of this pair's score term over the causal (query, key) positions")
+
+
+class QKPathsView(BaseModel):
+    """Component x component decomposition of one head's attention scores (paper-math 2.12)."""
+
+    model: ModelRef
+    head: str
+    tokens: list[TokenRef]
+    components: list[str] = Field(description="query- and key-side components of the head's input")
+    std: list[list[float]] = Field(description="[query component][key component] std of the term over causal positions")
+    top_pairs: list[QKPair]
+    terms: dict[str, list[list[float]]] = Field(
+        description="'query|key' -> [query][key] scores of the top pairs (masked entries are 0)"
+    )
+    scores: list[list[float | None]] = Field(description="the real attention scores (null above the diagonal)")
+    max_abs_error: float = Field(description="max |sum of all terms - real scores| over causal positions")
+
+
+# -- term importance -------------------------------------------------------------------------------
+class HeadAblation(BaseModel):
+    head: str
+    loss_change: float = Field(description="loss with the head's output removed, patterns frozen, minus the clean loss")
+
+
+class TermImportanceView(BaseModel):
+    """Loss when only paths up to each order are kept (paper-math 2.13) and per-head ablations."""
+
+    model: ModelRef
+    text_source: str = Field(description="where the text came from: 'prompt', 'tokens', 'card' or 'builtin'")
+    tokens: list[TokenRef]
+    clean_loss: float
+    loss_by_order: list[float] = Field(description="mean loss keeping paths of order <= k, k = 0..n_layers (last = clean)")
+    marginal_by_order: list[float] = Field(description="loss[k-1] - loss[k]: what the order-k terms add, k = 1..n_layers")
+    first_order_by_layer: list[float] = Field(description="loss drop over the direct path from adding layer l's first-order terms alone")
+    heads: list[HeadAblation]
+
+
+# -- the paper tour --------------------------------------------------------------------------------
+class TourFigure(BaseModel):
+    id: str = Field(description="figure id of paper-math section 3, e.g. F21")
+    title: str
+    anchor: str = Field(description="link to the paper section")
+    look_for: str = Field(description="what to look for, in one sentence")
+    model: str | None
+    link: str | None = Field(description="the dashboard URL of the full view")
+    api: str | None = Field(description="the JSON API URL of the data")
+    available: bool
+    detail: str | None = Field(default=None, description="why the figure could not be computed")
+    data: dict[str, Any] | None
+
+
+class TourView(BaseModel):
+    models: dict[str, bool] = Field(description="the shipped models the tour uses, and whether each is available")
+    figures: list[TourFigure]
+
+
+CompositionView.model_rebuild()

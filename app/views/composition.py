@@ -1,0 +1,132 @@
+"""Composition between heads (paper-math 2.9) and the token circuits of one (earlier, later) pair (2.10, 2.12).
+
+Scores come from circuits_core.composition (all pairs from d_head-sized factors). For one pair we read two
+[d_vocab, d_vocab] token circuits as factored matrices with inner dimension d_head, never dense:
+  K-composition   qk_paths.k_composition_circuit: W_E W_Q^t W_K^tT (W_V^s W_O^s)^T W_E^T / s, rows query
+                  token, cols the token the source head reads at the key's position; its eigenvalue
+                  statistic is the "same-token matching" of the Id (x) A^s (x) W term of paper-math 2.12
+  virtual head    W_E W_V^{h1} W_O^{h1} ... W_V^{hk} W_O^{hk} W_U                   (paper-math 2.10)
+W_E is the LN-applied embedding of circuits_core.circuits (row convention, x @ W).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from app.schemas import Complex, MatrixEntry
+from app.schemas.analyses import (
+    CompositionKindName,
+    CompositionPair,
+    CompositionPairView,
+    CompositionView,
+    TokenCircuit,
+    VirtualHeadCircuit,
+)
+from app.settings import Limits
+from app.views.heads import parse_heads
+from app.views.inputs import check_k, model_ref, token_ref
+from circuits_core import circuits
+from circuits_core.composition import composition_scores
+from circuits_core.config import head_name
+from circuits_core.errors import InvalidInputError
+from circuits_core.factored import FactoredMatrix
+from circuits_core.qk_paths import k_composition_circuit
+from circuits_core.weights import LoadedModel
+
+TOP_PAIRS = 10
+
+
+def _nullable(value: float | torch.Tensor, keep: bool) -> float | None:
+    return float(value) if keep else None
+
+
+def build_composition_view(loaded: LoadedModel, kind: CompositionKindName = "K") -> CompositionView:
+    """Raw and baseline-subtracted `kind`-composition scores: rows earlier heads, columns later heads."""
+    cfg = loaded.model.cfg
+    L, H = cfg.n_layers, cfg.n_heads
+    if L < 2:
+        raise InvalidInputError(f"composition needs at least 2 layers; model {loaded.path.name!r} has {L}")
+    with torch.no_grad():
+        comp = composition_scores(loaded.model)
+    key = kind.lower()
+    raw, minus, mask = comp.raw[key].double(), comp.minus_baseline[key].double(), comp.mask  # [L, H, L, H]
+    src = [(l1, h1) for l1 in range(L - 1) for h1 in range(H)]
+    dst = [(l2, h2) for l2 in range(1, L) for h2 in range(H)]
+    scores = [[_nullable(raw[s + d], bool(mask[s + d])) for d in dst] for s in src]
+    minus_bl = [[_nullable(minus[s + d], bool(mask[s + d])) for d in dst] for s in src]
+    flat = torch.where(mask, raw, torch.full_like(raw, -1.0)).flatten()
+    n_valid = int(mask.sum())
+    pairs = []
+    for i in flat.topk(min(TOP_PAIRS, n_valid)).indices.tolist():
+        l1, h1, l2, h2 = (int(x) for x in torch.unravel_index(torch.tensor(i), raw.shape))
+        pairs.append(
+            CompositionPair(
+                source=head_name(l1, h1), target=head_name(l2, h2),
+                score=float(raw[l1, h1, l2, h2]), minus_baseline=float(minus[l1, h1, l2, h2]),
+            )
+        )
+    return CompositionView(
+        model=model_ref(loaded), kind=kind,
+        sources=[head_name(*s) for s in src], targets=[head_name(*d) for d in dst],
+        scores=scores, minus_baseline=minus_bl, baseline=comp.baseline,
+        sampled_baseline=comp.sampled_baseline, sampled_std=comp.sampled_std, top_pairs=pairs,
+    )
+
+
+def parse_chain(loaded: LoadedModel, heads: list[str], max_heads: int) -> list[tuple[int, int]]:
+    """Head names of a chain -> [(layer, head)], checked: at most max_heads, layers strictly increasing."""
+    chain = parse_heads(heads, loaded, max_heads)
+    layers = [layer for layer, _ in chain]
+    if any(a >= b for a, b in zip(layers, layers[1:], strict=False)):
+        raise InvalidInputError(
+            f"a chain of heads needs strictly increasing layers (each head reads what the previous one wrote); "
+            f"got {', '.join(head_name(*c) for c in chain)} (layers {layers})"
+        )
+    return chain
+
+
+def virtual_ov_circuit(loaded: LoadedModel, chain: list[tuple[int, int]]) -> FactoredMatrix:
+    """W_E W_OV^{h1} ... W_OV^{hk} W_U [d_vocab, d_vocab], inner dimension d_head (paper-math 2.10)."""
+    model = loaded.model
+    ov = circuits.ov_circuit(model, *chain[0])
+    for layer, h in chain[1:]:
+        ov = ov @ circuits.ov_circuit(model, layer, h)
+    return (circuits.embed_eff(model) @ ov) @ model.W_U
+
+
+def token_circuit(loaded: LoadedModel, fm: FactoredMatrix, k: int, limits: Limits, labels: tuple[str, str]) -> TokenCircuit:
+    """Global top-k entries (streamed under the matrix budget) and the eigenvalue statistic of a token circuit."""
+    k = check_k(k, limits, fm.ldim * fm.rdim)
+    with torch.no_grad():
+        values, rows, cols = fm.topk_global(k, budget_bytes=limits.matrix_budget_bytes)  # [k] each
+        eig = torch.linalg.eigvals(fm.BA.double())  # [d_head] complex
+        copying = float(circuits.copying_score(eig))
+    entries = [
+        MatrixEntry(row=token_ref(loaded, r), col=token_ref(loaded, c), value=float(v))
+        for v, r, c in zip(values.tolist(), rows.tolist(), cols.tolist(), strict=True)
+    ]
+    return TokenCircuit(
+        row_label=labels[0], col_label=labels[1], entries=entries,
+        eigenvalues=[Complex(re=float(z.real), im=float(z.imag)) for z in eig.tolist()], copying=copying,
+    )
+
+
+VIRTUAL_LABELS = ("source token (attended to by the first head)", "output token (logit raised)")
+K_LABELS = ("query token (destination)", "token read by the source head at the key position")
+
+
+def build_composition_pair_view(loaded: LoadedModel, source: str, target: str, k: int, limits: Limits) -> CompositionPairView:
+    """One pair: the three scores, the K-composition token circuit and the virtual head source -> target."""
+    chain = parse_chain(loaded, [source, target], max(2, limits.max_heads))
+    (l1, h1), (l2, h2) = chain
+    with torch.no_grad():
+        comp = composition_scores(loaded.model)
+        k_circuit = token_circuit(loaded, k_composition_circuit(loaded.model, chain[1], chain[0]), k, limits, K_LABELS)
+        virtual = token_circuit(loaded, virtual_ov_circuit(loaded, chain), k, limits, VIRTUAL_LABELS)
+    return CompositionPairView(
+        model=model_ref(loaded), source=head_name(l1, h1), target=head_name(l2, h2),
+        scores={kind.upper(): float(comp.raw[kind][l1, h1, l2, h2]) for kind in comp.raw},
+        minus_baseline={kind.upper(): float(comp.minus_baseline[kind][l1, h1, l2, h2]) for kind in comp.minus_baseline},
+        baseline=comp.baseline, k_composition=k_circuit,
+        virtual_head=VirtualHeadCircuit(heads=[head_name(l1, h1), head_name(l2, h2)], ov=virtual),
+    )

@@ -1,0 +1,67 @@
+"""A chain of heads h1 -> ... -> hk in increasing layers, i.e. a virtual attention head (paper-math 2.10).
+
+On a prompt: its pattern A^{hk} ... A^{h1} (product of the clean run's patterns), its OV circuit
+W_E W_OV^{h1} ... W_OV^{hk} W_U (top entries and eigenvalue copying score, from d_head-sized factors), and
+its contribution to a chosen logit at every position: the path term (embed, h1, ..., hk) of the
+frozen-attention expansion (circuits_core.paths), also started from each bias / MLP source that can enter it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from app.schemas.analyses import ChainView, SourceContribution
+from app.settings import Limits
+from app.views.composition import VIRTUAL_LABELS, parse_chain, token_circuit, virtual_ov_circuit
+from app.views.inputs import model_ref, resolve_prompt, resolve_token, token_ref, token_refs
+from app.views.prompt import check_path_budget
+from circuits_core.config import head_name
+from circuits_core.errors import LimitExceededError
+from circuits_core.frozen import frozen_run
+from circuits_core.paths import expand_logits
+from circuits_core.weights import LoadedModel
+
+SOURCES = ("bias:", "mlp:")
+
+
+def build_path_view(
+    loaded: LoadedModel,
+    limits: Limits,
+    heads: list[str],
+    prompt: str | None = None,
+    tokens: str | None = None,
+    target: str | None = None,
+    k: int = 20,
+) -> ChainView:
+    """The virtual head of `heads` on a prompt; `target` defaults to the model's top prediction at the last position."""
+    model = loaded.model
+    chain = parse_chain(loaded, heads, limits.max_heads)
+    if len(chain) > limits.max_order:
+        raise LimitExceededError(f"a chain of {len(chain)} heads is a path of order {len(chain)}; max_order is {limits.max_order}")
+    names = tuple(head_name(*c) for c in chain)
+    ids = resolve_prompt(loaded, prompt, tokens, limits)
+    n = len(ids)
+    check_path_budget(loaded, len(chain), n, limits, q=n)
+    run_tokens = torch.tensor(ids, dtype=torch.long, device=model.device)
+    with torch.no_grad():
+        run = frozen_run(model, run_tokens)
+        t = resolve_token(loaded, target) if target is not None else int(run.logits[-1].argmax())
+        pattern = run.patterns[chain[0][0], chain[0][1]]  # [n, n]
+        for layer, h in chain[1:]:
+            pattern = run.patterns[layer, h] @ pattern  # A^{h_i} (A^{h_{i-1}} ... A^{h1})
+        itemsize = torch.finfo(model.dtype).bits // 8
+        exp = expand_logits(
+            model, run_tokens, t, positions=None, max_order=len(chain), by_source=False, run=run,
+            max_elements=max(1, limits.matrix_budget_bytes // itemsize),
+        )
+        by_source = [
+            SourceContribution(source=p[0] if len(p) > len(names) else "embed", values=exp.values[i].double().tolist())
+            for i, p in enumerate(exp.paths)
+            if p[-len(names):] == names and (len(p) == len(names) or (len(p) == len(names) + 1 and p[0].startswith(SOURCES)))
+        ]
+        ov = token_circuit(loaded, virtual_ov_circuit(loaded, chain), k, limits, VIRTUAL_LABELS)
+    contribution = next(s.values for s in by_source if s.source == "embed")
+    return ChainView(
+        model=model_ref(loaded), heads=list(names), tokens=token_refs(loaded, ids), target=token_ref(loaded, t),
+        pattern=pattern.double().tolist(), ov=ov, contribution=contribution, by_source=by_source,
+    )

@@ -1,0 +1,160 @@
+"""A prompt through the model: its tokens, attention patterns (plain or value-weighted), and the
+frozen-attention path expansion of one logit (paper-math 2.11, 2.16).
+
+Value-weighted pattern (2.16): A[i, j] * ||v_j|| with v the head's value vectors (not renormalised).
+Path expansion: circuits_core.paths.expand_logits at one destination position; its terms, plus the
+explicit remainder (orders > max_order), sum to the model's actual logit (difference). The answer lists the
+k largest terms and sums the rest into one 'other' term, so the listed terms always sum to the value.
+"""
+
+from __future__ import annotations
+
+from math import comb
+
+import torch
+
+from app.schemas.analyses import PathsView, PathTermView, PromptHeadPattern, PromptView, TermKind
+from app.settings import Limits
+from app.views.heads import parse_heads
+from app.views.inputs import check_k, model_ref, resolve_prompt, resolve_token, token_ref, token_refs
+from circuits_core.config import head_name
+from circuits_core.errors import InvalidInputError, LimitExceededError
+from circuits_core.frozen import frozen_run
+from circuits_core.paths import Target, expand_logits
+from circuits_core.weights import LoadedModel
+
+
+def check_position(position: int | None, n: int) -> int:
+    """A destination position in [-n, n) -> [0, n); None is the last position."""
+    if position is None:
+        return n - 1
+    if not -n <= position < n:
+        raise InvalidInputError(f"position {position} is outside the prompt of {n} tokens: give 0..{n - 1} (or -1 for the last)")
+    return position % n
+
+
+def build_prompt_view(
+    loaded: LoadedModel,
+    limits: Limits,
+    prompt: str | None = None,
+    tokens: str | None = None,
+    heads: list[str] | None = None,
+    weighted: bool = False,
+) -> PromptView:
+    """Tokens of a prompt and the (value-weighted) attention patterns of `heads` (default: the first max_heads)."""
+    model = loaded.model
+    ids = resolve_prompt(loaded, prompt, tokens, limits)
+    cfg = model.cfg
+    chosen = parse_heads(heads, loaded, limits.max_heads) if heads else [
+        (layer, h) for layer in range(cfg.n_layers) for h in range(cfg.n_heads)
+    ][: limits.max_heads]
+    run_tokens = torch.tensor([ids], dtype=torch.long, device=model.device)
+    with torch.no_grad():
+        logits, cache = model.run(run_tokens, names=lambda n: n.endswith(("hook_pattern", "attn.hook_v")))
+        patterns = []
+        for layer, h in chosen:
+            A = cache[f"blocks.{layer}.attn.hook_pattern"][0, h]  # [n (query), n (key)]
+            if weighted:
+                A = A * cache[f"blocks.{layer}.attn.hook_v"][0, :, h].norm(dim=-1)[None, :]  # [n] value norms of keys
+            patterns.append(PromptHeadPattern(head=head_name(layer, h), pattern=A.double().tolist()))
+        top = logits[0].argmax(-1).tolist()  # [n]
+    return PromptView(
+        model=model_ref(loaded), tokens=token_refs(loaded, ids), weighted=weighted, heads=patterns,
+        top_predictions=token_refs(loaded, top),
+    )
+
+
+# -- logit path expansion ----------------------------------------------------------------------------------
+def n_path_terms(loaded: LoadedModel, max_order: int) -> tuple[int, int]:
+    """(suffixes, terms) of an expansion: head tuples with increasing layers of length <= max_order, and the
+    terms they make with every source that can enter them (an upper bound: embedding, biases, MLPs)."""
+    cfg = loaded.model.cfg
+    L, H = cfg.n_layers, cfg.n_heads
+    suffixes = sum(comb(L, k) * H**k for k in range(min(max_order, L) + 1))
+    sources = 1 + L * (1 if cfg.attn_only else 2)
+    return suffixes, suffixes * sources + 1
+
+
+def path_bytes(loaded: LoadedModel, max_order: int, n: int, q: int = 1) -> int:
+    """Working memory of expand_logits: a [q, n] coefficient per suffix plus a [q, n] term per (source, suffix)."""
+    suffixes, terms = n_path_terms(loaded, max_order)
+    itemsize = torch.finfo(loaded.model.dtype).bits // 8
+    return (suffixes + terms) * q * n * itemsize
+
+
+def check_path_budget(loaded: LoadedModel, max_order: int, n: int, limits: Limits, q: int = 1) -> None:
+    need = path_bytes(loaded, max_order, n, q)
+    if need > limits.matrix_budget_bytes:
+        raise LimitExceededError(
+            f"the path expansion up to order {max_order} on {n} tokens needs about {need} bytes; the budget "
+            f"(matrix_budget_bytes) is {limits.matrix_budget_bytes}: lower max_order or shorten the prompt"
+        )
+
+
+def term_kind(path: tuple[str, ...]) -> TermKind:
+    if not path:
+        return "direct"
+    first = path[0]
+    if first == "bias:unembed":
+        return "unembed_bias"
+    if first.startswith("bias:"):
+        return "bias"
+    if first.startswith("mlp:"):
+        return "mlp"
+    return "head"
+
+
+def build_paths_view(
+    loaded: LoadedModel,
+    limits: Limits,
+    prompt: str | None = None,
+    tokens: str | None = None,
+    position: int | None = None,
+    target: str | None = None,
+    contrast: str | None = None,
+    max_order: int = 2,
+    by_source: bool = False,
+    k: int = 30,
+) -> PathsView:
+    """Path terms of the target logit (minus the contrast logit) at `position`; the k largest are listed."""
+    model = loaded.model
+    if max_order > limits.max_order:
+        raise LimitExceededError(f"max_order={max_order} is over the limit of {limits.max_order}")
+    if max_order < 0:
+        raise InvalidInputError(f"max_order must be >= 0, got {max_order}")
+    ids = resolve_prompt(loaded, prompt, tokens, limits)
+    n = len(ids)
+    pos = check_position(position, n)
+    k = check_k(k, limits, 10**9)
+    check_path_budget(loaded, max_order, n, limits)
+    run_tokens = torch.tensor(ids, dtype=torch.long, device=model.device)
+    with torch.no_grad():
+        run = frozen_run(model, run_tokens)
+        t = resolve_token(loaded, target) if target is not None else int(run.logits[pos].argmax())
+        c = resolve_token(loaded, contrast) if contrast is not None else None
+        goal: Target = t if c is None else (t, c)
+        itemsize = torch.finfo(model.dtype).bits // 8
+        exp = expand_logits(
+            model, run_tokens, goal, positions=pos, max_order=max_order, by_source=by_source, run=run,
+            max_elements=max(1, limits.matrix_budget_bytes // itemsize),
+        )
+        values = exp.values[:, 0].double()  # [T]
+        order = values.abs().argsort(descending=True)
+        listed, rest = order[:k].tolist(), order[k:]
+        terms = [
+            PathTermView(
+                path=list(exp.paths[i]), kind=term_kind(exp.paths[i]), order=int(exp.orders[i]), value=float(values[i]),
+                by_source=exp.by_source[i, 0].double().tolist() if exp.by_source is not None else None,
+            )
+            for i in listed
+        ]
+        if rest.numel():
+            terms.append(PathTermView(path=["other"], kind="other", order=None, value=float(values[rest].sum()), n_terms=int(rest.numel())))
+        if exp.max_order < model.cfg.n_layers:
+            terms.append(PathTermView(path=["remainder"], kind="remainder", order=None, value=float(exp.remainder[0])))
+        order_totals = exp.order_totals()[:, 0].double().tolist()
+    return PathsView(
+        model=model_ref(loaded), tokens=token_refs(loaded, ids), position=pos, target=token_ref(loaded, t),
+        contrast=token_ref(loaded, c) if c is not None else None, value=float(exp.value[0]), max_order=exp.max_order,
+        terms=terms, total=float(sum(term.value for term in terms)), order_totals=order_totals, n_terms=len(exp.paths),
+    )

@@ -1,0 +1,73 @@
+"""Component x component decomposition of a later head's attention scores on a prompt (paper-math 2.12).
+
+circuits_core.qk_paths.expand_scores splits the pre-softmax scores q k^T / s of head (layer >= 1) into terms
+q_a k_b^T / s over the components a, b of its input (embedding, positions, each earlier head's output, MLPs,
+biases); the terms sum to the real scores. The summary is each term's std over causal positions (ARENA's
+`decompose_attn_scores` plot): an induction head's (embed, previous-token head) K-composition term stands out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from app.schemas.analyses import QKPair, QKPathsView
+from app.settings import Limits
+from app.views.inputs import check_k, model_ref, resolve_prompt, token_refs
+from circuits_core.config import head_name, parse_head
+from circuits_core.errors import LimitExceededError
+from circuits_core.frozen import frozen_run
+from circuits_core.qk_paths import expand_scores
+from circuits_core.weights import LoadedModel
+
+
+def n_components(loaded: LoadedModel, layer: int) -> int:
+    """How many input components head in `layer` has (the sides of the std matrix)."""
+    cfg = loaded.model.cfg
+    per_layer = cfg.n_heads + (0 if cfg.attn_only else 1)
+    return 1 + (cfg.positional_embedding_type == "standard") + layer * per_layer + 1 + (cfg.positional_embedding_type == "shortformer") + 1
+
+
+def qk_paths_bytes(loaded: LoadedModel, layer: int, n: int, k: int) -> int:
+    """Working memory: per-component residual parts, q/k parts, one row of C terms, and the k listed terms."""
+    cfg = loaded.model.cfg
+    C = n_components(loaded, layer)
+    itemsize = torch.finfo(loaded.model.dtype).bits // 8
+    return (C * n * cfg.d_model * 2 + 2 * C * n * cfg.d_head + (C + k) * n * n) * itemsize
+
+
+def build_qk_paths_view(
+    loaded: LoadedModel,
+    limits: Limits,
+    head: str,
+    prompt: str | None = None,
+    tokens: str | None = None,
+    k: int = 6,
+) -> QKPathsView:
+    """The std summary of every (query component, key component) term of `head`'s scores, and the k strongest terms."""
+    model = loaded.model
+    layer, h = parse_head(head, model.cfg)
+    ids = resolve_prompt(loaded, prompt, tokens, limits)
+    n = len(ids)
+    C = n_components(loaded, layer)
+    k = check_k(k, limits, C * C)
+    need = qk_paths_bytes(loaded, layer, n, k)
+    if need > limits.matrix_budget_bytes:
+        raise LimitExceededError(
+            f"the QK decomposition of {head} on {n} tokens needs about {need} bytes; the budget "
+            f"(matrix_budget_bytes) is {limits.matrix_budget_bytes}: shorten the prompt or lower k"
+        )
+    run_tokens = torch.tensor(ids, dtype=torch.long, device=model.device)
+    with torch.no_grad():
+        run = frozen_run(model, run_tokens)
+        exp = expand_scores(model, run_tokens, (layer, h), run=run)
+        causal = torch.ones(n, n, dtype=torch.bool, device=model.device).tril()
+        total = exp.q_parts.sum(0) @ exp.k_parts.sum(0).T / exp.scale  # [n, n]: the sum of all C x C terms
+        error = float((total - exp.scores)[causal].abs().max())
+        pairs = exp.top_pairs(k)
+        terms = {f"{a}|{b}": exp.term(a, b).masked_fill(~causal, 0.0).double().tolist() for a, b, _ in pairs}
+        scores = [[float(exp.scores[i, j]) if j <= i else None for j in range(n)] for i in range(n)]
+    return QKPathsView(
+        model=model_ref(loaded), head=head_name(layer, h), tokens=token_refs(loaded, ids), components=exp.components,
+        std=exp.std.double().tolist(), top_pairs=[QKPair(query=a, key=b, std=s) for a, b, s in pairs],
+        terms=terms, scores=scores, max_abs_error=error,
+    )

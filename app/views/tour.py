@@ -1,0 +1,160 @@
+"""The paper tour: figures F6-F30 of paper-math section 3 computed on the shipped toy models.
+
+Each figure names the model it uses (toy-0l, toy-1l or toy-2l in checkpoints/), the paper anchor, one
+sentence of what to look for, the dashboard page and JSON API URLs of the full view, and the data, which
+comes from the same builders as those views (so the tour and the views cannot disagree). A model that is
+not installed or cannot be loaded, or a figure whose computation fails, yields `available: false` with the
+reason; the other figures are still computed. Static figures (diagrams, equations) carry no data.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlencode
+
+from pydantic import BaseModel
+
+from app.registry import ModelRegistry
+from app.schemas.analyses import TourFigure, TourView
+from app.settings import Limits
+from app.views import tour_figures as figs
+from circuits_core.errors import QkovError
+from circuits_core.weights import LoadedModel
+
+log = logging.getLogger("qkov.tour")
+
+PAPER = "https://transformer-circuits.pub/2021/framework/index.html"
+TOUR_MODELS = ("toy-0l", "toy-1l", "toy-2l")
+API = "/api/v1"
+
+Compute = Callable[[LoadedModel, Limits], tuple[dict[str, Any], str, dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Figure:
+    id: str
+    title: str
+    anchor: str
+    look_for: str
+    model: str | None = None
+    compute: Compute | None = None  # -> (data, view path under /models/{model}, query parameters)
+    static_view: str | None = None  # page of a static figure (no data)
+
+
+FIGURES: tuple[Figure, ...] = (
+    Figure("F6", "Zero-layer transformer: the direct path W_E W_U", "#zero-layer-transformers",
+           "The top entries are bigrams: each row's best next token is a common continuation in the training code.",
+           "toy-0l", figs.direct_path),
+    Figure("F7", "One-layer attention-only transformer", "#onel-path-expansion",
+           "Embedding, one attention layer, unembedding: every path goes through at most one head.", static_view="/models/toy-1l"),
+    Figure("F8", "Path expansion, product form", "#onel-path-expansion",
+           "T = (Id (x) W_U)(Id + sum_h A^h (x) W_OV^h)(Id (x) W_E): multiplying out gives the direct path plus one term per head."),
+    Figure("F9", "Path expansion of a logit, one layer", "#onel-path-expansion",
+           "The direct term and the head terms add up exactly to the model's logit at the position.",
+           "toy-1l", figs.paths_order1),
+    Figure("F10", "QK and OV circuits of a head", "#splitting-attention-head-terms-into-circuits",
+           "The OV circuit's largest entries are mostly on the diagonal: attending to a token raises its own logit.",
+           "toy-1l", figs.ov_circuit),
+    Figure("F11", "Copying skip-trigrams", "#interpretation-as-skip-trigrams",
+           "The source token appears among its own top outputs ([b] ... [a] -> [b]).", "toy-1l", figs.skip_trigrams),
+    Figure("F12", "Split-token copying", "#interpretation-as-skip-trigrams",
+           "Outputs that continue the source token's fragment rather than repeat it.", "toy-1l", figs.skip_trigrams_second),
+    Figure("F13", "Abstract copying patterns", "#interpretation-as-skip-trigrams",
+           "A summary diagram of the copying motifs (static)."),
+    Figure("F14", "Head dump: largest QK entries", "#interpretation-as-skip-trigrams",
+           "Which (query token, key token) pairs the most-copying head attends between most strongly.", "toy-1l", figs.qk_circuit),
+    Figure("F15", "A primarily positional head", "#interpretation-as-skip-trigrams",
+           "The positional pattern concentrates on the diagonal or the sub-diagonal (present or previous token).",
+           "toy-1l", figs.positional),
+    Figure("F16", "Skip-trigram 'bugs'", "#interpretation-as-skip-trigrams",
+           "The grid of top destinations x top outputs contains combinations the head cannot avoid predicting.",
+           "toy-1l", figs.skip_trigrams),
+    Figure("F17", "OV eigenvalues of every head", "#summarizing-ovqk-matrices",
+           "Copying heads have mostly positive real eigenvalues.", "toy-1l", figs.ov_spectra),
+    Figure("F18", "Copying scores", "#summarizing-ovqk-matrices",
+           "Most heads have an OV copying score sum(eig)/sum(|eig|) near +1.", "toy-1l", figs.copying_scores),
+    Figure("F19", "Two-layer path expansion of a logit", "#path-expansion-of-logits",
+           "Direct, first-order and virtual-head terms sum to the logit; on repeated text an induction term dominates.",
+           "toy-2l", figs.paths_order2),
+    Figure("F20", "Two-layer QK expansion", "#path-expansion-of-attention-scores-qk-circuit",
+           "For the induction head the (embed query, previous-token-head key) K-composition term has the largest spread.",
+           "toy-2l", figs.qk_decomposition),
+    Figure("F21", "Q-, K- and V-composition", "#analyzing-a-two-layer-model",
+           "K-composition is the strongest: the induction heads read the previous-token head in their keys.",
+           "toy-2l", figs.composition),
+    Figure("F22", "Value-weighted attention", "#analyzing-a-two-layer-model",
+           "Induction heads show off-diagonal stripes on repeated text; resting positions shrink when weighted.",
+           "toy-2l", figs.value_weighted),
+    Figure("F23", "An induction head's logit effect", "#analyzing-a-two-layer-model",
+           "On the second copy the induction head raises the logit of the token that came next the first time.",
+           "toy-2l", figs.induction_effect),
+    Figure("F24", "Repeated random tokens", "#analyzing-a-two-layer-model",
+           "A stripe at offset -T+1 in the induction head, and a lower loss on the second repeat.", "toy-2l", figs.repeated_tokens),
+    Figure("F25", "Induction QK expanded in tokens", "#analyzing-a-two-layer-model",
+           "The K-composition token circuit is largest on its diagonal: a query matches keys whose previous token is the same.",
+           "toy-2l", figs.k_composition),
+    Figure("F26", "Eigenvalue positivity of OV and QK (K-composition term)", "#checking-the-mechanistic-theory",
+           "Induction heads sit in the corner where both the OV copying score and the K-composition positivity are near +1.",
+           "toy-2l", figs.positivity_scatter),
+    Figure("F27", "Term importance by path order", "#term-importance-analysis",
+           "The direct path and first-order terms carry most of the loss reduction; virtual heads add little.",
+           "toy-2l", figs.term_importance),
+    Figure("F28", "First-order terms by layer", "#term-importance-analysis",
+           "The later layer's head terms matter more than the first layer's.", "toy-2l", figs.term_importance_by_layer),
+    Figure("F29", "Virtual attention heads", "#virtual-attention-heads",
+           "The pattern of a chain is the product of patterns; its OV circuit is the product of OV circuits.",
+           "toy-2l", figs.virtual_head),
+    Figure("F30", "Correction: composition, computed", "#analyzing-a-two-layer-model",
+           "This is the corrected quantity: the published original diagram under-reported composition.",
+           "toy-2l", figs.composition),
+)
+
+
+def _links(model: str, path: str, params: dict[str, Any]) -> tuple[str, str]:
+    query = urlencode({k: v for k, v in params.items() if v is not None})
+    suffix = f"?{query}" if query else ""
+    return f"/models/{model}{path}{suffix}", f"{API}/models/{model}{path}{suffix}"
+
+
+def _as_data(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in data.items()}
+
+
+def _figure(fig: Figure, models: dict[str, LoadedModel | str], limits: Limits) -> TourFigure:
+    def figure(available: bool, link: str | None = None, api: str | None = None, detail: str | None = None,
+               data: dict[str, Any] | None = None) -> TourFigure:
+        return TourFigure(id=fig.id, title=fig.title, anchor=f"{PAPER}{fig.anchor}", look_for=fig.look_for, model=fig.model,
+                          link=link, api=api, available=available, detail=detail, data=data)
+
+    if fig.compute is None or fig.model is None:
+        return figure(True, link=fig.static_view)
+    loaded = models[fig.model]
+    if isinstance(loaded, str):
+        return figure(False, detail=loaded)
+    try:
+        data, path, params = fig.compute(loaded, limits)
+    except QkovError as exc:
+        log.info("tour figure %s on %s not available: %s", fig.id, fig.model, exc)
+        return figure(False, detail=str(exc))
+    link, api = _links(fig.model, path, params)
+    return figure(True, link=link, api=api, data=_as_data(data))
+
+
+def _load(registry: ModelRegistry, model_id: str) -> LoadedModel | str:
+    """The loaded model, or why it is not available."""
+    try:
+        return registry.get(model_id)
+    except QkovError as exc:
+        return f"model {model_id!r} is not available: {exc}"
+
+
+def build_tour_view(registry: ModelRegistry, limits: Limits) -> TourView:
+    """Every figure of the tour; missing models and failing figures are reported, never raised."""
+    models = {m: _load(registry, m) for m in TOUR_MODELS}
+    return TourView(
+        models={m: not isinstance(v, str) for m, v in models.items()},
+        figures=[_figure(fig, models, limits) for fig in FIGURES],
+    )

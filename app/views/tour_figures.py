@@ -1,0 +1,201 @@
+"""The data of each tour figure (app/views/tour.py), composed from the view builders of the full views.
+
+Each function takes (loaded, limits) and returns (data, view path under /models/{model}, query parameters of
+that view), so the tour links the exact view its data came from. Heads are picked from the model's own
+scores: the most-copying head (OV copying score), the previous-token head and the induction head (detector
+scores on repeated random tokens).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.schemas import HeadScores
+from app.settings import Limits
+from app.views.circuits import build_direct_view, build_ov_view, build_qk_view, build_skip_trigrams_view
+from app.views.composition import build_composition_pair_view, build_composition_view
+from app.views.detectors import build_detectors_view
+from app.views.heads import build_head_view, build_heads_view
+from app.views.path import build_path_view
+from app.views.prompt import build_paths_view, build_prompt_view
+from app.views.qk_paths import build_qk_paths_view
+from app.views.term_importance import BUILTIN_TEXT, build_term_importance_view
+from circuits_core import circuits
+from circuits_core.config import head_name, parse_head
+from circuits_core.errors import InvalidInputError
+from circuits_core.qk_paths import k_composition_positivity
+from circuits_core.weights import LoadedModel
+
+Result = tuple[dict[str, Any], str, dict[str, Any]]
+K = 10
+# Repeated code: the second copy is predictable by induction.
+REPEATED = "def add(self, name, value):\n    self.name = name\n" * 2
+
+
+def _k(limits: Limits) -> int:
+    return min(K, limits.max_k)
+
+
+def _best(heads: list[HeadScores], field: str, layer: int | None = None) -> str:
+    """The head with the highest score `field` (optionally within one layer)."""
+    pool = [h for h in heads if (layer is None or h.layer == layer) and getattr(h, field) is not None]
+    if not pool:
+        raise InvalidInputError(f"no head with a {field} score" + (f" in layer {layer}" if layer is not None else ""))
+    return max(pool, key=lambda h: getattr(h, field)).head
+
+
+def _heads(loaded: LoadedModel) -> list[HeadScores]:
+    return build_heads_view(loaded).heads
+
+
+def _copying_heads(loaded: LoadedModel) -> list[str]:
+    heads = sorted(_heads(loaded), key=lambda h: -(h.ov_copying or -2.0))
+    return [h.head for h in heads]
+
+
+def _induction_pair(loaded: LoadedModel) -> tuple[str, str]:
+    """(previous-token head in layer 0, induction head in the last layer)."""
+    heads = _heads(loaded)
+    last = loaded.model.cfg.n_layers - 1
+    if last < 1:
+        raise InvalidInputError("induction needs at least 2 layers")
+    return _best(heads, "previous_token", 0), _best(heads, "induction", last)
+
+
+def _prompt(limits: Limits, text: str) -> str:
+    return text[: limits.max_prompt_tokens]  # a token is at least one character: never over the token limit
+
+
+# -- one layer and zero layers -----------------------------------------------------------------------
+def direct_path(loaded: LoadedModel, limits: Limits) -> Result:
+    k = _k(limits)
+    return {"direct": build_direct_view(loaded, None, k, limits)}, "/direct", {"k": k}
+
+
+def paths_order1(loaded: LoadedModel, limits: Limits) -> Result:
+    prompt = _prompt(limits, BUILTIN_TEXT)
+    view = build_paths_view(loaded, limits, prompt=prompt, max_order=min(1, limits.max_order), k=_k(limits))
+    return {"paths": view}, "/paths", {"prompt": prompt, "max_order": view.max_order}
+
+
+def ov_circuit(loaded: LoadedModel, limits: Limits) -> Result:
+    head, k = _copying_heads(loaded)[0], _k(limits)
+    return {"ov": build_ov_view(loaded, head, None, k, limits)}, f"/heads/{head}", {"k": k}
+
+
+def qk_circuit(loaded: LoadedModel, limits: Limits) -> Result:
+    head, k = _copying_heads(loaded)[0], _k(limits)
+    return {"qk": build_qk_view(loaded, head, None, k, limits), "ov": build_ov_view(loaded, head, None, k, limits)}, f"/heads/{head}", {"k": k}
+
+
+def _skip(loaded: LoadedModel, limits: Limits, rank: int) -> Result:
+    heads = _copying_heads(loaded)
+    head = heads[min(rank, len(heads) - 1)]
+    return {"skip_trigrams": build_skip_trigrams_view(loaded, head, None, _k(limits), limits)}, f"/heads/{head}", {"k": _k(limits)}
+
+
+def skip_trigrams(loaded: LoadedModel, limits: Limits) -> Result:
+    return _skip(loaded, limits, 0)
+
+
+def skip_trigrams_second(loaded: LoadedModel, limits: Limits) -> Result:
+    return _skip(loaded, limits, 1)
+
+
+def positional(loaded: LoadedModel, limits: Limits) -> Result:
+    head = _best(_heads(loaded), "previous_token")
+    view = build_head_view(loaded, head)
+    return {"head": head, "positional": view.positional}, f"/heads/{head}", {}
+
+
+def ov_spectra(loaded: LoadedModel, limits: Limits) -> Result:
+    eig = circuits.ov_eigenvalues(loaded.model)  # [L, H, d_head] complex
+    cfg = loaded.model.cfg
+    data = {
+        head_name(layer, h): [[float(z.real), float(z.imag)] for z in eig[layer, h].tolist()]
+        for layer in range(cfg.n_layers) for h in range(cfg.n_heads)
+    }
+    return {"eigenvalues": data}, "", {}
+
+
+def copying_scores(loaded: LoadedModel, limits: Limits) -> Result:
+    return {"ov_copying": {h.head: h.ov_copying for h in _heads(loaded)}}, "", {}
+
+
+# -- two layers ----------------------------------------------------------------------------------------
+def paths_order2(loaded: LoadedModel, limits: Limits) -> Result:
+    prompt = _prompt(limits, REPEATED)
+    view = build_paths_view(loaded, limits, prompt=prompt, max_order=min(2, limits.max_order), k=_k(limits))
+    return {"paths": view}, "/paths", {"prompt": prompt, "max_order": view.max_order}
+
+
+def qk_decomposition(loaded: LoadedModel, limits: Limits) -> Result:
+    _, induction = _induction_pair(loaded)
+    prompt = _prompt(limits, REPEATED)
+    view = build_qk_paths_view(loaded, limits, induction, prompt=prompt, k=min(6, limits.max_k))
+    return {"qk_paths": view.model_copy(update={"terms": {}})}, "/qk-paths", {"head": induction, "prompt": prompt}
+
+
+def composition(loaded: LoadedModel, limits: Limits) -> Result:
+    data = {kind: build_composition_view(loaded, kind) for kind in ("Q", "K", "V")}
+    return data, "/composition", {"kind": "K"}
+
+
+def value_weighted(loaded: LoadedModel, limits: Limits) -> Result:
+    prompt = _prompt(limits, REPEATED)
+    prev, induction = _induction_pair(loaded)
+    heads = list(dict.fromkeys([prev, induction]))[: limits.max_heads]
+    view = build_prompt_view(loaded, limits, prompt=prompt, heads=heads, weighted=True)
+    return {"prompt": view}, "/prompt", {"prompt": prompt, "heads": ",".join(heads), "weighted": "true"}
+
+
+def induction_effect(loaded: LoadedModel, limits: Limits) -> Result:
+    _, induction = _induction_pair(loaded)
+    prompt = _prompt(limits, REPEATED)
+    view = build_path_view(loaded, limits, [induction], prompt=prompt, k=_k(limits))
+    return {"path": view}, "/path", {"heads": induction, "prompt": prompt}
+
+
+def repeated_tokens(loaded: LoadedModel, limits: Limits) -> Result:
+    n_ctx = loaded.model.cfg.n_ctx
+    seq_len = max(1, min(20, limits.max_seq_len, (n_ctx - 1) // 2))
+    batch = min(4, limits.max_batch)
+    view = build_detectors_view(loaded, limits, seq_len=seq_len, batch=batch, seed=0)
+    return {"detectors": view}, "/detectors", {"seq_len": seq_len, "batch": batch}
+
+
+def k_composition(loaded: LoadedModel, limits: Limits) -> Result:
+    prev, induction = _induction_pair(loaded)
+    view = build_composition_pair_view(loaded, prev, induction, _k(limits), limits)
+    return {"pair": view}, f"/composition/{prev}/{induction}", {}
+
+
+def positivity_scatter(loaded: LoadedModel, limits: Limits) -> Result:
+    prev, _ = _induction_pair(loaded)
+    model = loaded.model
+    layer, h = parse_head(prev, model.cfg)
+    weights = model.W_Q.new_zeros(model.cfg.n_layers, model.cfg.n_heads)
+    weights[layer, h] = 1.0
+    qk = k_composition_positivity(model, weights)  # [L, H]
+    points = [
+        {"head": s.head, "ov_copying": s.ov_copying, "k_composition_positivity": float(qk[s.layer, s.index])}
+        for s in _heads(loaded) if s.layer > layer
+    ]
+    return {"previous_token_head": prev, "points": points}, "", {}
+
+
+def term_importance(loaded: LoadedModel, limits: Limits) -> Result:
+    view = build_term_importance_view(loaded, limits)
+    return {"term_importance": view.model_copy(update={"tokens": []})}, "/term-importance", {}
+
+
+def term_importance_by_layer(loaded: LoadedModel, limits: Limits) -> Result:
+    view = build_term_importance_view(loaded, limits)
+    return {"first_order_by_layer": view.first_order_by_layer, "loss_by_order": view.loss_by_order}, "/term-importance", {}
+
+
+def virtual_head(loaded: LoadedModel, limits: Limits) -> Result:
+    prev, induction = _induction_pair(loaded)
+    prompt = _prompt(limits, REPEATED)
+    view = build_path_view(loaded, limits, [prev, induction], prompt=prompt, k=_k(limits))
+    return {"path": view}, "/path", {"heads": f"{prev},{induction}", "prompt": prompt}
