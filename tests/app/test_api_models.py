@@ -113,3 +113,34 @@ def test_html_error_forms(client: TestClient) -> None:
     assert "<html" not in fragment.text.lower() and "/no-such-page" in fragment.text
     page = client.get("/no-such-page")
     assert page.status_code == 404 and "<html" in page.text.lower()
+
+
+def test_unexpected_error_is_logged_500_problem(settings: Settings) -> None:
+    app = create_app(settings)
+
+    async def boom() -> None:
+        raise RuntimeError("secret internals")
+
+    app.add_api_route("/api/v1/boom", boom)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        body = assert_problem(c.get("/api/v1/boom"), 500, "unexpected")
+    assert "secret" not in body["detail"]
+
+
+def test_registry_loads_each_model_once_under_concurrency(settings: Settings, monkeypatch) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import app.registry as registry_module
+
+    calls: list[str] = []
+    real = registry_module.load_checkpoint
+
+    def counting(path, **kwargs):
+        calls.append(str(path))
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(registry_module, "load_checkpoint", counting)
+    registry = registry_module.ModelRegistry(settings)
+    with ThreadPoolExecutor(4) as pool:
+        loaded = list(pool.map(lambda _: registry.get("tiny-2l"), range(8)))
+    assert len(calls) == 1 and all(m is loaded[0] for m in loaded)
