@@ -57,6 +57,9 @@ class ModelRegistry:
     def _scan_one(self, folder: Path, shipped: bool) -> ModelEntry | None:
         if not MODEL_ID_RE.match(folder.name) or not (folder / "config.json").is_file():
             return None
+        if folder.resolve().parent != folder.parent.resolve():  # a symlink leading out of the models folder
+            log.warning("skipping %s: it links outside %s", folder, folder.parent)
+            return None
         try:
             return ModelEntry(folder.name, folder, str(detect_format(folder)), shipped)
         except CheckpointError as exc:

@@ -1,0 +1,318 @@
+"""Serving: bounded compute slots (503 + Retry-After), stop flags, single-flight + result cache, refusals of every
+limit, ETag/304, rate limit 429, request ids and JSON logs, metrics, health and readiness.
+
+Apps are built on the session's tiny models (tests/app/conftest.py) with serving settings changed per test;
+test-only routes call `compute` with a slow, stoppable function so that slots can be held on purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from app.cache import ResultCache
+from app.compute import ComputeService, compute
+from app.main import create_app
+from app.observability import JsonFormatter
+from app.settings import Settings
+from circuits_core.errors import CancelledError
+from tests.app.conftest import assert_problem
+
+PROMPT_41 = ",".join(["5"] * 41)  # one token over the max_prompt_tokens=40 of the test limits
+
+
+def slow(seconds: float, should_stop: Callable[[], bool]) -> dict[str, float]:
+    """Sleep in small steps, giving up (CancelledError) as soon as the stop flag is set."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if should_stop():
+            raise CancelledError(f"slow({seconds}) stopped")
+        time.sleep(0.01)
+    return {"slept": seconds}
+
+
+def add_test_routes(app: FastAPI, calls: list[str] | None = None) -> None:
+    calls = calls if calls is not None else []
+
+    @app.get("/api/v1/test/slow")
+    async def slow_route(seconds: float) -> dict[str, float]:
+        return await compute(slow, seconds)
+
+    @app.get("/api/v1/test/counted")
+    async def counted_route(tag: str) -> dict[str, str]:
+        def work() -> dict[str, str]:
+            calls.append(tag)
+            time.sleep(0.3)
+            return {"tag": tag}
+
+        return await compute(work, key=("counted", tag))
+
+    @app.get("/api/v1/test/dense")
+    async def dense_route(nbytes: int) -> dict[str, str]:
+        return await compute(lambda: {"ran": "yes"}, dense_bytes=nbytes)
+
+
+def serving_app(settings: Settings, calls: list[str] | None = None, **update: Any) -> FastAPI:
+    app = create_app(settings.model_copy(update=update))
+    add_test_routes(app, calls)
+    return app
+
+
+def run(coro_fn: Callable[[httpx.AsyncClient], Any], app: FastAPI) -> Any:
+    async def main() -> Any:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as ac:
+            return await coro_fn(ac)
+
+    return asyncio.run(main())
+
+
+def service(app: FastAPI) -> ComputeService:
+    svc: ComputeService = app.state.compute
+    return svc
+
+
+async def wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+# -- bounded pool -----------------------------------------------------------------------------------------
+def test_all_slots_busy_past_the_wait_gives_503_with_retry_after(settings: Settings) -> None:
+    app = serving_app(settings, compute_slots=1, slot_wait_s=0.2)
+
+    async def scenario(ac: httpx.AsyncClient) -> None:
+        first = asyncio.create_task(ac.get("/api/v1/test/slow", params={"seconds": 0.8}))
+        await wait_for(lambda: service(app).slots.in_use == 1)
+        busy = await ac.get("/api/v1/test/slow", params={"seconds": 0.01})
+        body = assert_problem(busy, 503, "compute slots", "busy")
+        assert body["type"].endswith(":busy")
+        assert int(busy.headers["Retry-After"]) >= 1
+        assert (await first).status_code == 200
+        assert (await ac.get("/api/v1/test/slow", params={"seconds": 0.01})).status_code == 200  # nothing broke
+        assert service(app).slots.in_use == 0 and service(app).stats.rejected_busy == 1
+
+    run(scenario, app)
+
+
+def test_deadline_sets_the_stop_flag_and_frees_the_slot(settings: Settings) -> None:
+    app = serving_app(settings, compute_slots=1, slot_wait_s=5.0, request_timeout_s=0.3)
+
+    async def scenario(ac: httpx.AsyncClient) -> None:
+        late = await ac.get("/api/v1/test/slow", params={"seconds": 60})
+        assert_problem(late, 503, "deadline")
+        assert "Retry-After" in late.headers
+        # the 60 s computation stopped, so its only slot is free well within the 5 s wait
+        assert (await ac.get("/api/v1/test/slow", params={"seconds": 0.01})).status_code == 200
+        assert service(app).stats.cancelled == 1
+
+    run(scenario, app)
+
+
+def test_abandoned_request_stops_its_computation(settings: Settings) -> None:
+    app = serving_app(settings, compute_slots=1, slot_wait_s=5.0)
+
+    async def scenario(ac: httpx.AsyncClient) -> None:
+        gone = asyncio.create_task(ac.get("/api/v1/test/slow", params={"seconds": 60}))
+        await wait_for(lambda: service(app).slots.in_use == 1)
+        gone.cancel()  # the client goes away: the request's task is cancelled
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        await wait_for(lambda: service(app).slots.in_use == 0)
+        assert service(app).stats.cancelled == 1
+        assert (await ac.get("/api/v1/test/slow", params={"seconds": 0.01})).status_code == 200
+
+    run(scenario, app)
+
+
+def test_identical_requests_compute_once_then_hit_the_cache(settings: Settings) -> None:
+    calls: list[str] = []
+    app = serving_app(settings, calls, compute_slots=2)
+
+    async def scenario(ac: httpx.AsyncClient) -> None:
+        answers = await asyncio.gather(*(ac.get("/api/v1/test/counted", params={"tag": "a"}) for _ in range(6)))
+        assert [a.json() for a in answers] == [{"tag": "a"}] * 6
+        assert calls == ["a"]  # single flight
+        assert service(app).stats.shared >= 1
+        again = await ac.get("/api/v1/test/counted", params={"tag": "a"})
+        assert again.json() == {"tag": "a"} and calls == ["a"]  # cached
+        await ac.get("/api/v1/test/counted", params={"tag": "b"})
+        assert calls == ["a", "b"]
+        cache = service(app).cache
+        assert cache.hits >= 1 and cache.bytes > 0 and len(cache) == 2
+
+    run(scenario, app)
+
+
+def test_result_cache_keeps_within_its_byte_budget() -> None:
+    cache = ResultCache(budget_bytes=500)
+    for i in range(4):
+        assert cache.put(("k", i), "x" * 150)  # 150 + 64 bytes each: two fit
+    assert cache.bytes <= 500 and len(cache) == 2 and cache.evictions == 2
+    assert cache.get(("k", 0)) == (False, None)
+    assert cache.get(("k", 3)) == (True, "x" * 150)
+    assert not cache.put("huge", "x" * 1000) and cache.peek("huge") == (False, None)
+    assert cache.hit_rate == 0.5
+
+
+# -- refusals of every limit --------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("url", "needles"),
+    [
+        (f"/api/v1/models/tiny-2l/tokenize?tokens={PROMPT_41}", ("41 tokens", "at most 40")),
+        ("/api/v1/models/tiny-2l/direct?k=51", ("k",)),
+        ("/api/v1/models/tiny-2l/detectors?heads=L0H0,L0H1,L0H2,L0H3,L1H0", ("5 heads", "at most 4")),
+        ("/api/v1/models/tiny-2l/paths?tokens=0,5,6&max_order=4", ("max_order",)),
+        ("/api/v1/models/tiny-2l/detectors?batch=9", ("batch",)),
+        (f"/api/v1/models/tiny-2l/term-importance?tokens={','.join(['5'] * 40)}", ("bytes", "budget")),
+        ("/api/v1/test/dense?nbytes=1000000000", ("1000000000 bytes", "65536 bytes")),
+    ],
+)
+def test_each_limit_is_refused_with_problem_json(client: TestClient, url: str, needles: tuple[str, ...]) -> None:
+    if url.startswith("/api/v1/test/"):
+        app = serving_app(client.app.state.settings)  # type: ignore[attr-defined]
+        with TestClient(app) as c:
+            assert_problem(c.get(url), 422, *needles)
+            assert service(app).slots.in_use == 0 and service(app).stats.completed == 0  # refused before compute
+        return
+    assert_problem(client.get(url), 422, *needles)
+    assert client.get("/api/v1/models/tiny-2l/direct?k=3").status_code == 200  # nothing else broke
+
+
+def test_limits_are_written_into_the_openapi_schema(client: TestClient) -> None:
+    spec = client.get("/openapi.json").json()
+
+    def param(path: str, name: str) -> dict[str, Any]:
+        return next(p for p in spec["paths"][path]["get"]["parameters"] if p["name"] == name)
+
+    assert param("/api/v1/models/{model}/direct", "k")["schema"]["maximum"] == 50
+    assert param("/api/v1/models/{model}/paths", "max_order")["schema"]["maximum"] == 3
+    assert "at most 4" in param("/api/v1/models/{model}/detectors", "heads")["description"]
+    assert "40" in param("/api/v1/models/{model}/tokenize", "prompt")["description"]
+    assert {"/healthz", "/readyz"} <= spec["paths"].keys()
+
+
+# -- HTTP caching -----------------------------------------------------------------------------------------
+def test_strong_etag_and_304(client: TestClient) -> None:
+    url = "/api/v1/models/tiny-2l/heads"
+    first = client.get(url)
+    etag = first.headers["ETag"]
+    assert first.status_code == 200 and etag.startswith('"') and not etag.startswith("W/")
+    assert first.headers["Cache-Control"] == "public, max-age=60"
+    again = client.get(url, headers={"If-None-Match": etag})
+    assert again.status_code == 304 and again.content == b"" and again.headers["ETag"] == etag
+    assert client.get(url, headers={"If-None-Match": f'"other", W/{etag}'}).status_code == 304
+    assert client.get(url, headers={"If-None-Match": '"other"'}).status_code == 200
+    assert client.get("/api/v1/models/tiny-2l/heads/L0H1").headers["ETag"] != etag
+    assert client.get("/api/v1/models").headers["Cache-Control"] == "no-cache"
+    assert "ETag" not in client.get("/api/v1/models/nope").headers  # errors are not tagged
+
+
+# -- rate limit -------------------------------------------------------------------------------------------
+def test_rate_limit_429_with_standard_headers(settings: Settings) -> None:
+    with TestClient(serving_app(settings, rate_limit=3, rate_window_s=60)) as c:
+        remaining = [c.get("/api/v1/models").headers["RateLimit-Remaining"] for _ in range(3)]
+        assert remaining == ["2", "1", "0"]
+        refused = c.get("/api/v1/models/tiny-2l")
+        assert_problem(refused, 429, "more than 3 requests")
+        assert refused.headers["RateLimit-Limit"] == "3" and refused.headers["RateLimit-Remaining"] == "0"
+        assert 1 <= int(refused.headers["Retry-After"]) <= 60 and refused.headers["RateLimit-Reset"] == refused.headers["Retry-After"]
+        page = c.get("/")
+        assert page.status_code == 429 and page.headers["content-type"].startswith("text/html")
+        assert c.get("/healthz").status_code == 200  # probes are not limited
+
+
+def test_no_rate_limit_headers_when_not_configured(client: TestClient) -> None:
+    assert "RateLimit-Limit" not in client.get("/api/v1/models").headers
+
+
+# -- request ids, logs, metrics ---------------------------------------------------------------------------
+def test_request_id_in_out_and_in_json_logs(client: TestClient) -> None:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("qkov.access")
+    logger.addHandler(handler)
+    try:
+        given = client.get("/api/v1/models", headers={"X-Request-ID": "abc-123"})
+        made = client.get("/api/v1/models", headers={"X-Request-ID": "bad id <script>"})
+    finally:
+        logger.removeHandler(handler)
+    assert given.headers["X-Request-ID"] == "abc-123"
+    assert made.headers["X-Request-ID"] != "bad id <script>" and len(made.headers["X-Request-ID"]) == 32
+    lines = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [(x["request_id"], x["status"], x["route"]) for x in lines] == [
+        ("abc-123", 200, "/api/v1/models"), (made.headers["X-Request-ID"], 200, "/api/v1/models")
+    ]
+
+
+def test_prometheus_metrics(settings: Settings) -> None:
+    with TestClient(serving_app(settings)) as c:
+        for _ in range(2):
+            c.get("/api/v1/models/tiny-2l/heads")
+        c.get("/api/v1/models/nope/heads")
+        text = c.get("/metrics").text
+    assert 'qkov_http_requests_total{method="GET",route="/api/v1/models/{model}/heads",status="200"} 2.0' in text
+    assert 'route="/api/v1/models/{model}/heads",status="404"} 1.0' in text
+    assert "qkov_http_request_duration_seconds_bucket" in text
+    for name in ("qkov_compute_slots_in_use", "qkov_cache_bytes", "qkov_cache_hit_ratio", "qkov_cache_hits_total",
+                 "process_resident_memory_bytes"):
+        assert name in text
+    hits = next(line for line in text.splitlines() if line.startswith("qkov_cache_hits_total"))
+    assert float(hits.split()[-1]) >= 1
+
+
+# -- health and readiness ---------------------------------------------------------------------------------
+def test_healthz_and_readyz(client: TestClient) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200, ready.text
+    report = ready.json()
+    assert report["status"] == "ready" and report["models"]["tiny-2l"] == "ok"
+    assert report["models"]["broken"].startswith("error")  # a broken user model does not make the server unready
+
+
+def test_not_ready_without_models_or_with_a_broken_shipped_model(settings: Settings, tmp_path: Any) -> None:
+    empty = Settings(shipped_dir=tmp_path / "none", models_dir=None)
+    with TestClient(create_app(empty)) as c:
+        answer = c.get("/readyz")
+        assert answer.status_code == 503 and answer.json()["status"] == "not ready" and "Retry-After" in answer.headers
+        assert c.get("/healthz").status_code == 200
+    assert settings.models_dir is not None
+    broken_shipped = Settings(shipped_dir=settings.models_dir, models_dir=settings.shipped_dir)  # 'broken' now shipped
+    with TestClient(create_app(broken_shipped)) as c:
+        assert c.get("/readyz").status_code == 503
+
+
+def test_concurrent_first_requests_load_a_model_once(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> None:
+    import app.registry as registry_module
+
+    loads: list[str] = []
+    real = registry_module.load_checkpoint
+
+    def counting(path: Any, **kwargs: Any) -> Any:
+        loads.append(path.name)
+        time.sleep(0.2)  # widen the window in which the other requests arrive
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(registry_module, "load_checkpoint", counting)
+    app = serving_app(settings, compute_slots=4)
+
+    async def scenario(ac: httpx.AsyncClient) -> None:
+        answers = await asyncio.gather(*(ac.get("/api/v1/models/tiny-ln") for _ in range(4)))
+        assert {a.status_code for a in answers} == {200}
+
+    run(scenario, app)
+    assert loads == ["tiny-ln"]
