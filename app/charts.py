@@ -14,9 +14,12 @@ from typing import Any
 
 Figure = dict[str, Any]
 
-# Plotly's RdBu runs red (low) -> blue (high); centred with zmid=0 for signed values.
-SIGNED_SCALE = "RdBu"
-UNSIGNED_SCALE = "Blues"
+# ColorBrewer RdBu, red negative -> white 0 -> blue positive, centred with zmid=0 (plotly's built-in "RdBu"
+# runs the other way, blue low); sequential white -> blue for values in [0, max].
+SIGNED_SCALE = [[0.0, "#b2182b"], [0.25, "#ef8a62"], [0.5, "#f7f7f7"], [0.75, "#67a9cf"], [1.0, "#2166ac"]]
+UNSIGNED_SCALE = [[0.0, "#ffffff"], [0.15, "#deebf7"], [0.5, "#6baed6"], [1.0, "#08306b"]]
+# Categorical series (no sign meaning, so neither the red nor the blue of signed values)
+PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#b279a2", "#9d755d", "#72b7b2"]
 POS_COLOR = "#2166ac"
 NEG_COLOR = "#b2182b"
 GREY = "#8a94a1"
@@ -71,7 +74,7 @@ def heatmap(
     values = [v for row in z for v in row if v is not None]
     if signed:
         bound = zmax if zmax is not None else max((abs(v) for v in values), default=1.0) or 1.0
-        trace.update(colorscale=SIGNED_SCALE, zmid=0, zmin=-bound, zmax=bound, reversescale=False)
+        trace.update(colorscale=SIGNED_SCALE, zmid=0, zmin=-bound, zmax=bound)
     else:
         trace.update(colorscale=UNSIGNED_SCALE, zmin=0, zmax=zmax if zmax is not None else max(values, default=1.0) or 1.0)
     if customdata is not None:
@@ -212,9 +215,8 @@ def scatter(
 def grouped_bars(categories: Sequence[str], series: dict[str, Sequence[float]], *, title: str = "", y_title: str = "",
                  x_title: str | None = None) -> Figure:
     """Several named series over the same categories (e.g. detector scores per head)."""
-    palette = ["#2166ac", "#b2182b", "#1b7837", "#762a83", "#e08214", "#4d4d4d"]
     data = [
-        {"type": "bar", "name": name, "x": list(categories), "y": list(vals), "marker": {"color": palette[i % len(palette)]},
+        {"type": "bar", "name": name, "x": list(categories), "y": list(vals), "marker": {"color": PALETTE[i % len(PALETTE)]},
          "hovertemplate": f"{name}<br>%{{x}}: %{{y:.4f}}<extra></extra>"}
         for i, (name, vals) in enumerate(series.items())
     ]
@@ -226,8 +228,8 @@ def grouped_bars(categories: Sequence[str], series: dict[str, Sequence[float]], 
 def lines(x: Sequence[float], series: dict[str, Sequence[float | None]], *, title: str = "", x_title: str = "", y_title: str = "",
           vlines: Sequence[float] = ()) -> Figure:
     """Line chart of named series (e.g. per-position loss), with optional vertical markers."""
-    palette = ["#2166ac", "#b2182b", "#1b7837", "#762a83"]
-    data = [{"type": "scatter", "mode": "lines", "name": name, "x": list(x), "y": list(vals), "line": {"color": palette[i % 4], "width": 1.5}}
+    data = [{"type": "scatter", "mode": "lines", "name": name, "x": list(x), "y": list(vals),
+             "line": {"color": PALETTE[i % len(PALETTE)], "width": 1.5}}
             for i, (name, vals) in enumerate(series.items())]
     shapes = [{"type": "line", "x0": v, "x1": v, "yref": "paper", "y0": 0, "y1": 1, "line": {"color": "#999", "dash": "dot", "width": 1}}
               for v in vlines]

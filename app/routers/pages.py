@@ -222,9 +222,13 @@ def build_router(settings: Settings) -> APIRouter:
 
     @router.get("/models/{model}/detectors")
     async def detectors_page(request: Request, registry: RegistryDep, loaded: LoadedModelDep, limits: LimitsDep, model: str,
-                             seq_len: int = p.seq_len(), batch: int = p.batch(), seed: int = p.seed(),
+                             seq_len: int | None = Query(None, ge=1, le=settings.limits.max_seq_len,
+                                                         description="length T of the random segment r in BOS + r + r"),
+                             batch: int = p.batch(), seed: int = p.seed(),
                              prompt: str | None = p.prompt(), heads: str | None = p.heads()) -> Response:
         prompt = prompt or None
+        if seq_len is None:  # the standard input, shortened to fit the model's context (BOS + r + r)
+            seq_len = max(1, min(50, limits.max_seq_len, (loaded.model.cfg.n_ctx - 1) // 2))
         args = (loaded, limits, seq_len, batch, seed, prompt, None, split_heads(heads))
         view = await compute(build_detectors_view, *args, key=cache_key(loaded, "detectors", seq_len, batch, seed, prompt, None, heads))
         json_url = url(f"{API}/models/{model}/detectors", seq_len=seq_len, batch=batch, seed=seed, prompt=prompt, heads=heads)

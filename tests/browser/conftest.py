@@ -1,0 +1,106 @@
+"""Browser-test fixtures: a real uvicorn server on 127.0.0.1 (free port, in a thread) serving tiny random
+models, and Debian's chromium driven by Playwright (`playwright install` cannot download browsers here).
+
+Every page opened through the `page` fixture records each request; at teardown the test fails if any URL
+left localhost. Screenshots go to artifacts/screenshots/ (gitignored).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import uvicorn
+
+from app.main import create_app
+from app.settings import Settings
+from circuits_core.config import ModelConfig
+from tests.app.conftest import LIMITS, save_qkov, train_tokenizer
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
+SCREENSHOTS = ARTIFACTS / "screenshots"
+VIEWPORT = {"width": 1280, "height": 800}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every browser test shares one server and one browser: one xdist worker (--dist loadgroup)."""
+    for item in items:
+        if "tests/browser/" in str(item.fspath):
+            item.add_marker(pytest.mark.browser)
+            item.add_marker(pytest.mark.xdist_group("browser"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL of a live server on tiny models: tiny-2l (2 layers x 4 heads) and tiny-1l."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"browser tests need {CHROMIUM} (make browser-deps)")
+    root = tmp_path_factory.mktemp("browser-models")
+    tok = train_tokenizer()
+    V = tok.get_vocab_size()
+    save_qkov(root / "tiny-2l", ModelConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=V, n_ctx=64,
+                                             positional_embedding_type="shortformer"), tok, seed=1)
+    save_qkov(root / "tiny-1l", ModelConfig(n_layers=1, d_model=32, n_heads=2, d_head=8, d_vocab=V, n_ctx=64,
+                                             positional_embedding_type="standard"), tok, seed=2)
+    app = create_app(Settings(shipped_dir=root, dtype="float32", limits=LIMITS))
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[object]:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser, server: str) -> Iterator[object]:  # noqa: ANN001
+    """A fresh context (empty cache) at 1280x800; asserts at teardown that no request left 127.0.0.1."""
+    context = browser.new_context(viewport=VIEWPORT, base_url=server)
+    pg = context.new_page()
+    urls: list[str] = []
+    errors: list[str] = []
+    pg.on("request", lambda req: urls.append(req.url))
+    pg.on("pageerror", lambda exc: errors.append(str(exc)))
+    pg.set_default_timeout(15000)
+    yield pg
+    context.close()
+    outside = [u for u in urls if urlsplit(u).scheme not in ("data", "blob") and urlsplit(u).hostname != "127.0.0.1"]
+    assert not outside, f"requests left localhost: {outside}"
+    assert not errors, f"JavaScript errors: {errors}"
+
+
+def screenshot(pg, name: str) -> Path:  # noqa: ANN001
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    path = SCREENSHOTS / f"{name}.png"
+    pg.screenshot(path=str(path), full_page=False)
+    return path
