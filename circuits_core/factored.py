@@ -16,6 +16,7 @@ The global top-k skips row blocks with the Cauchy-Schwarz bound |A_i . B_:,j| <=
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Iterator
 from functools import cached_property
 
@@ -158,7 +159,11 @@ class FactoredMatrix:
 
     # -- rows, columns and the diagonal, read from the factors ------------------------------------------
     def _check_index(self, i: int, size: int, what: str) -> int:
-        if isinstance(i, bool) or not isinstance(i, int):
+        try:
+            i = operator.index(i)  # int, numpy or 0-d torch integers
+        except TypeError:
+            raise InvalidInputError(f"{what} index must be an integer, got {i!r}") from None
+        if isinstance(i, bool):
             raise InvalidInputError(f"{what} index must be an integer, got {i!r}")
         if not -size <= i < size:
             raise InvalidInputError(f"{what} index {i} out of range for {size} {what}s")
@@ -232,33 +237,52 @@ class FactoredMatrix:
         return values.reshape(shape), rows.reshape(shape), cols.reshape(shape)
 
 
+# Tile of the product computed at once by topk_global: small enough to stay in cache, large enough for GEMM.
+TILE_ROWS, TILE_COLS = 256, 4096
+
+
 def _topk_global_2d(A: Tensor, B: Tensor, k: int, step: int, largest: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Global top-k of A [ldim, mdim] @ B [mdim, rdim] in row blocks of `step` rows (see topk_global)."""
+    """Global top-k of A [ldim, mdim] @ B [mdim, rdim] (see topk_global).
+
+    Rows (by ||A_i||) and columns (by ||B_:,j||) are visited in descending norm order, in tiles of at most
+    `step` x TILE_COLS entries. Every entry of a tile is bounded by ||A_first row|| * ||B_first col||, so
+    once that falls below the current k-th value the rest of the row block (and, for the first tile of a
+    block, all later blocks) is skipped. Inside a tile only rows whose maximum beats the k-th value are ranked.
+    """
     ldim, rdim = A.shape[0], B.shape[1]
     B = B if largest else -B  # smallest entries of AB = largest of A(-B)
-    row_norms = A.norm(dim=-1)  # [ldim]
-    order = row_norms.argsort(descending=True)  # [ldim]
-    col_norm_max = B.norm(dim=0).max()  # scalar
-    buf = torch.empty(min(step, ldim), rdim, dtype=torch.result_type(A, B), device=A.device)
+    row_norms, row_order = A.norm(dim=-1).sort(descending=True)  # [ldim]
+    col_norms, col_order = B.norm(dim=0).sort(descending=True)  # [rdim]
+    A = A[row_order]  # [ldim, mdim], rows in descending norm
+    tile_cols = min(TILE_COLS, rdim)
+    tiles = [B[:, col_order[j : j + tile_cols]] for j in range(0, rdim, tile_cols)]  # contiguous [mdim, <=tile_cols]
+    tile_rows = min(step, TILE_ROWS)
+    buf = torch.empty(min(tile_rows, ldim) * tile_cols, dtype=torch.result_type(A, B), device=A.device)
     best_v = torch.empty(0, dtype=buf.dtype, device=A.device)  # [<= k], sorted descending
-    best_r = torch.empty(0, dtype=torch.long, device=A.device)
-    best_c = torch.empty(0, dtype=torch.long, device=A.device)
-    for start in range(0, ldim, step):
-        rows = order[start : start + step]  # [b]
-        full = best_v.numel() == k
-        if full and row_norms[rows[0]] * col_norm_max < best_v[-1]:
-            break  # no entry of this or any later row can enter the top-k
-        block = torch.matmul(A[rows], B, out=buf[: rows.numel()])  # [b, rdim]
-        if full:
-            keep = block.amax(dim=1) > best_v[-1]  # [b]
-            if not bool(keep.any()):
-                continue
-            block, rows = block[keep], rows[keep]
-        v, c = block.topk(min(k, rdim), dim=1)  # [b', k']
-        r = rows[:, None].expand_as(c)
-        cand_v = torch.cat([best_v, v.reshape(-1)])
-        cand_r = torch.cat([best_r, r.reshape(-1)])
-        cand_c = torch.cat([best_c, c.reshape(-1)])
-        best_v, pick = cand_v.topk(min(k, cand_v.numel()))
-        best_r, best_c = cand_r[pick], cand_c[pick]
-    return (best_v if largest else -best_v), best_r, best_c
+    best_r = torch.empty(0, dtype=torch.long, device=A.device)  # positions in row_order
+    best_c = torch.empty(0, dtype=torch.long, device=A.device)  # positions in col_order
+    for r0 in range(0, ldim, tile_rows):
+        r1 = min(r0 + tile_rows, ldim)
+        for t, tile_B in enumerate(tiles):
+            c0 = t * tile_cols
+            if best_v.numel() == k and row_norms[r0] * col_norms[c0] < best_v[-1]:
+                break  # no entry of this tile, or of the later (smaller-norm) tiles of this block, can enter
+            out = buf[: (r1 - r0) * tile_B.shape[1]].view(r1 - r0, tile_B.shape[1])
+            block = torch.matmul(A[r0:r1], tile_B, out=out)  # [b, tc]
+            rows = torch.arange(r0, r1, device=A.device)
+            if best_v.numel() == k:
+                keep = block.amax(dim=1) > best_v[-1]  # [b]
+                if not bool(keep.any()):
+                    continue
+                block, rows = block[keep], rows[keep]
+            v, c = block.topk(min(k, block.shape[1]), dim=1)  # [b', k']
+            cand_v = torch.cat([best_v, v.reshape(-1)])
+            cand_r = torch.cat([best_r, rows[:, None].expand_as(c).reshape(-1)])
+            cand_c = torch.cat([best_c, (c + c0).reshape(-1)])
+            best_v, pick = cand_v.topk(min(k, cand_v.numel()))
+            best_r, best_c = cand_r[pick], cand_c[pick]
+        else:
+            continue
+        if best_v.numel() == k and row_norms[r0] * col_norms[0] < best_v[-1]:
+            break  # even the first tile of this block was bounded out: so are all later blocks
+    return (best_v if largest else -best_v), row_order[best_r], col_order[best_c]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from circuits_core import factored
 from circuits_core.errors import InvalidInputError, LimitExceededError
 from circuits_core.factored import FactoredMatrix
 
@@ -165,9 +166,11 @@ def dense_topk_global(M, k, largest):
 
 
 @pytest.mark.parametrize("largest", [True, False])
-@pytest.mark.parametrize("budget_rows", [1, 3, 1000])
+@pytest.mark.parametrize("budget_rows,tile_cols", [(1, 4096), (3, 7), (1000, 4096), (1000, 6)])
 @pytest.mark.parametrize("shape", [((), 40, 3, 30), ((2, 3), 25, 4, 20), ((), 33, 40, 17)])
-def test_topk_global_matches_dense(shape, budget_rows, largest):
+def test_topk_global_matches_dense(shape, budget_rows, tile_cols, largest, monkeypatch):
+    monkeypatch.setattr(factored, "TILE_COLS", tile_cols)  # several column tiles, the last one partial
+    monkeypatch.setattr(factored, "TILE_ROWS", 4)
     fm = random_fm(*shape, seed=9)
     M = dense(fm)
     rdim = shape[-1]
@@ -182,7 +185,9 @@ def test_topk_global_matches_dense(shape, budget_rows, largest):
         assert torch.allclose(flat.gather(-1, r * rdim + c), v)
 
 
-def test_topk_global_bound_skips_rows_without_changing_the_answer():
+@pytest.mark.parametrize("tile_cols", [4096, 9])
+def test_topk_global_bound_skips_rows_without_changing_the_answer(tile_cols, monkeypatch):
+    monkeypatch.setattr(factored, "TILE_COLS", tile_cols)
     # A few rows with a much larger norm hold every top entry: the bound lets the scan stop early.
     gen = torch.Generator().manual_seed(10)
     A = torch.randn(500, 4, generator=gen) * 0.01
@@ -204,6 +209,32 @@ def test_topk_global_bound_skips_rows_without_changing_the_answer():
     ref_v, ref_r, ref_c = dense_topk_global(A @ B, 10, True)
     assert torch.allclose(v, ref_v) and torch.equal(r, ref_r) and torch.equal(c, ref_c)
     assert sum(blocks_seen) < 500  # rows were skipped
+    assert all(n == 5 for n in blocks_seen)  # only tiles of the first row block were computed
+
+
+def test_topk_global_bound_skips_column_tiles(monkeypatch):
+    monkeypatch.setattr(factored, "TILE_COLS", 9)
+    gen = torch.Generator().manual_seed(12)
+    A = torch.randn(50, 4, generator=gen) * 0.01
+    B = torch.randn(4, 60, generator=gen)
+    A[[3, 20, 33, 49], 0] = 10.0  # 4 rows x 3 columns of entries ~ 1000, every other entry < ~40
+    B[0, [7, 30, 59]] = 100.0
+    fm = FactoredMatrix(A, B)
+    tiles = []
+    real_matmul = torch.matmul
+
+    def counting_matmul(x, y, out=None):
+        tiles.append((x.shape[0], y.shape[1]))
+        return real_matmul(x, y, out=out)
+
+    torch.matmul = counting_matmul
+    try:
+        v, r, c = fm.topk_global(10, budget_bytes=5 * 60 * 8 * 2)  # 5-row blocks
+    finally:
+        torch.matmul = real_matmul
+    ref_v, ref_r, ref_c = dense_topk_global(A @ B, 10, True)
+    assert torch.allclose(v, ref_v) and torch.equal(r, ref_r) and torch.equal(c, ref_c)
+    assert tiles == [(5, 9)]  # the first 5 rows x first 9 columns by norm; the other 6 x 7 tiles are bounded out
 
 
 def test_budget_too_small_raises():
