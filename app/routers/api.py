@@ -105,7 +105,8 @@ def build_router(settings: Settings) -> APIRouter:
 
     @router.get("/models/{model}/heads/{head}", response_model=schemas.HeadView, tags=["heads"], summary="One head: spectra, positional pattern")
     async def head(loaded: LoadedModelDep, head: HeadName) -> schemas.HeadView:
-        return await compute(build_head_view, loaded, head, key=cache_key(loaded, "head", head))
+        table = await compute(build_heads_view, loaded, key=cache_key(loaded, "heads"))
+        return await compute(build_head_view, loaded, head, table, key=cache_key(loaded, "head", head))
 
     @router.get("/models/{model}/heads/{head}/copying", response_model=schemas.CopyingMetricsView, tags=["heads"], summary="Copying metrics of the full OV circuit")
     async def copying(loaded: LoadedModelDep, limits: LimitsDep, head: HeadName, k: int = p.k(5)) -> schemas.CopyingMetricsView:

@@ -151,12 +151,16 @@ def _positional(loaded: LoadedModel, layer: int, h: int) -> PositionalQK | None:
     )
 
 
-def build_head_view(loaded: LoadedModel, head: str) -> HeadView:
-    """One head: its scores, OV/QK spectra (eigenvalues by |lambda|, singular values) and positional pattern."""
+def build_head_view(loaded: LoadedModel, head: str, heads: HeadsView | None = None) -> HeadView:
+    """One head: its scores, OV/QK spectra (eigenvalues by |lambda|, singular values) and positional pattern.
+
+    `heads`: the model's heads table when the caller has it (e.g. cached); computed here otherwise.
+    """
     model = loaded.model
     layer, h = parse_head(head, model.cfg)
     name = head_name(layer, h)
-    scores = next(s for s in build_heads_view(loaded).heads if s.head == name)
+    table = heads if heads is not None else build_heads_view(loaded)
+    scores = next(s for s in table.heads if s.head == name)
     with torch.no_grad():
         ov_eig = circuits.ov_eigenvalues(model)[layer, h]  # [d_head] complex
         qk_eig = circuits.qk_eigenvalues(model)[layer, h]  # [d_head] complex
