@@ -10,6 +10,7 @@ reason; the other figures are still computed. Static figures (diagrams, equation
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,7 @@ class Figure:
     anchor: str
     look_for: str
     model: str | None = None
-    compute: Compute | None = None  # -> (data, view path under /models/{model}, query parameters)
+    compute: Compute | None = None  # -> (data, API path under /api/v1/models/{model}, query parameters)
     static_view: str | None = None  # page of a static figure (no data)
 
 
@@ -113,10 +114,17 @@ FIGURES: tuple[Figure, ...] = (
 )
 
 
+def page_path(api_path: str) -> str:
+    """The dashboard page of an API path: a head's circuits live on its page; the heads table on the overview."""
+    if api_path == "/heads":
+        return ""
+    return re.sub(r"^(/heads/[^/]+)/.+$", r"\1", api_path)
+
+
 def _links(model: str, path: str, params: dict[str, Any]) -> tuple[str, str]:
     query = urlencode({k: v for k, v in params.items() if v is not None})
     suffix = f"?{query}" if query else ""
-    return f"/models/{model}{path}{suffix}", f"{API}/models/{model}{path}{suffix}"
+    return f"/models/{model}{page_path(path)}{suffix}", f"{API}/models/{model}{path}{suffix}"
 
 
 def _as_data(data: dict[str, Any]) -> dict[str, Any]:

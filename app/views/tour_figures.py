@@ -1,7 +1,7 @@
 """The data of each tour figure (app/views/tour.py), composed from the view builders of the full views.
 
-Each function takes (loaded, limits) and returns (data, view path under /models/{model}, query parameters of
-that view), so the tour links the exact view its data came from. Heads are picked from the model's own
+Each function takes (loaded, limits) and returns (data, API path under /api/v1/models/{model}, query
+parameters), so the tour links the exact JSON view its data came from (and the page showing it, see tour.py). Heads are picked from the model's own
 scores: the most-copying head (OV copying score), the previous-token head and the induction head (detector
 scores on repeated random tokens).
 """
@@ -75,23 +75,23 @@ def direct_path(loaded: LoadedModel, limits: Limits) -> Result:
 def paths_order1(loaded: LoadedModel, limits: Limits) -> Result:
     prompt = _prompt(limits, BUILTIN_TEXT)
     view = build_paths_view(loaded, limits, prompt=prompt, max_order=min(1, limits.max_order), k=_k(limits))
-    return {"paths": view}, "/paths", {"prompt": prompt, "max_order": view.max_order}
+    return {"paths": view}, "/paths", {"prompt": prompt, "max_order": view.max_order, "k": _k(limits)}
 
 
 def ov_circuit(loaded: LoadedModel, limits: Limits) -> Result:
     head, k = _copying_heads(loaded)[0], _k(limits)
-    return {"ov": build_ov_view(loaded, head, None, k, limits)}, f"/heads/{head}", {"k": k}
+    return {"ov": build_ov_view(loaded, head, None, k, limits)}, f"/heads/{head}/ov", {"k": k}
 
 
 def qk_circuit(loaded: LoadedModel, limits: Limits) -> Result:
     head, k = _copying_heads(loaded)[0], _k(limits)
-    return {"qk": build_qk_view(loaded, head, None, k, limits), "ov": build_ov_view(loaded, head, None, k, limits)}, f"/heads/{head}", {"k": k}
+    return {"qk": build_qk_view(loaded, head, None, k, limits), "ov": build_ov_view(loaded, head, None, k, limits)}, f"/heads/{head}/qk", {"k": k}
 
 
 def _skip(loaded: LoadedModel, limits: Limits, rank: int) -> Result:
     heads = _copying_heads(loaded)
     head = heads[min(rank, len(heads) - 1)]
-    return {"skip_trigrams": build_skip_trigrams_view(loaded, head, None, _k(limits), limits)}, f"/heads/{head}", {"k": _k(limits)}
+    return {"skip_trigrams": build_skip_trigrams_view(loaded, head, None, _k(limits), limits)}, f"/heads/{head}/skip-trigrams", {"k": _k(limits)}
 
 
 def skip_trigrams(loaded: LoadedModel, limits: Limits) -> Result:
@@ -115,18 +115,18 @@ def ov_spectra(loaded: LoadedModel, limits: Limits) -> Result:
         head_name(layer, h): [[float(z.real), float(z.imag)] for z in eig[layer, h].tolist()]
         for layer in range(cfg.n_layers) for h in range(cfg.n_heads)
     }
-    return {"eigenvalues": data}, "", {}
+    return {"eigenvalues": data}, "/heads", {}
 
 
 def copying_scores(loaded: LoadedModel, limits: Limits) -> Result:
-    return {"ov_copying": {h.head: h.ov_copying for h in _heads(loaded)}}, "", {}
+    return {"ov_copying": {h.head: h.ov_copying for h in _heads(loaded)}}, "/heads", {}
 
 
 # -- two layers ----------------------------------------------------------------------------------------
 def paths_order2(loaded: LoadedModel, limits: Limits) -> Result:
     prompt = _prompt(limits, REPEATED)
     view = build_paths_view(loaded, limits, prompt=prompt, max_order=min(2, limits.max_order), k=_k(limits))
-    return {"paths": view}, "/paths", {"prompt": prompt, "max_order": view.max_order}
+    return {"paths": view}, "/paths", {"prompt": prompt, "max_order": view.max_order, "k": _k(limits)}
 
 
 def qk_decomposition(loaded: LoadedModel, limits: Limits) -> Result:
@@ -153,7 +153,7 @@ def induction_effect(loaded: LoadedModel, limits: Limits) -> Result:
     _, induction = _induction_pair(loaded)
     prompt = _prompt(limits, REPEATED)
     view = build_path_view(loaded, limits, [induction], prompt=prompt, k=_k(limits))
-    return {"path": view}, "/path", {"heads": induction, "prompt": prompt}
+    return {"path": view}, "/path", {"heads": induction, "prompt": prompt, "k": _k(limits)}
 
 
 def repeated_tokens(loaded: LoadedModel, limits: Limits) -> Result:
@@ -167,7 +167,7 @@ def repeated_tokens(loaded: LoadedModel, limits: Limits) -> Result:
 def k_composition(loaded: LoadedModel, limits: Limits) -> Result:
     prev, induction = _induction_pair(loaded)
     view = build_composition_pair_view(loaded, prev, induction, _k(limits), limits)
-    return {"pair": view}, f"/composition/{prev}/{induction}", {}
+    return {"pair": view}, f"/composition/{prev}/{induction}", {"k": _k(limits)}
 
 
 def positivity_scatter(loaded: LoadedModel, limits: Limits) -> Result:
@@ -181,7 +181,7 @@ def positivity_scatter(loaded: LoadedModel, limits: Limits) -> Result:
         {"head": s.head, "ov_copying": s.ov_copying, "k_composition_positivity": float(qk[s.layer, s.index])}
         for s in _heads(loaded) if s.layer > layer
     ]
-    return {"previous_token_head": prev, "points": points}, "", {}
+    return {"previous_token_head": prev, "points": points}, "/heads", {}
 
 
 def term_importance(loaded: LoadedModel, limits: Limits) -> Result:
@@ -198,4 +198,4 @@ def virtual_head(loaded: LoadedModel, limits: Limits) -> Result:
     prev, induction = _induction_pair(loaded)
     prompt = _prompt(limits, REPEATED)
     view = build_path_view(loaded, limits, [prev, induction], prompt=prompt, k=_k(limits))
-    return {"path": view}, "/path", {"heads": f"{prev},{induction}", "prompt": prompt}
+    return {"path": view}, "/path", {"heads": f"{prev},{induction}", "prompt": prompt, "k": _k(limits)}
