@@ -114,14 +114,15 @@ def layer_bias(model: Transformer, layer: int) -> Tensor:
     return beta + b_O if b_O is not None else beta
 
 
-def head_ov_apply(model: Transformer, layer: int, w: Tensor) -> tuple[Tensor, Tensor]:
+def head_ov_apply(model: Transformer, layer: int, w: Tensor, W_V_eff: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Pull readout vectors back through every head of a layer (column side of W_OV).
 
     w [P, d_model] -> (g [H, P, d_head] = W_O w, w' [H, P, d_model] = C diag(w_ln) W_V g): for any source
-    rows X, (X C diag(w_ln) W_V W_O) . w = X . w'.
+    rows X, (X C diag(w_ln) W_V W_O) . w = X . w'. W_V_eff: reading_weights(model, layer, "W_V") if known.
     """
+    W_V_eff = reading_weights(model, layer, "W_V") if W_V_eff is None else W_V_eff
     g = torch.einsum("hed,pd->hpe", model.blocks[layer].attn.W_O, w)
-    w_new = centre(model, torch.einsum("hde,hpe->hpd", reading_weights(model, layer, "W_V"), g))
+    w_new = centre(model, torch.einsum("hde,hpe->hpd", W_V_eff, g))
     return g, w_new
 
 

@@ -134,13 +134,14 @@ class _Expander:
         self.orders: list[int] = []
         self.chunks: list[Tensor] = []  # [P, q, n] or [P, q]
         self._values_cache: dict[tuple[int, int], Tensor] = {}
+        self.W_V = [reading_weights(model, layer, "W_V") for layer in range(model.cfg.n_layers)]  # [H, d, dh] each
 
     def source_values(self, s: int, layer: int) -> Tensor:
         """(X_s C diag(w_ln) W_V^{layer}) [n or 1, H, d_head], cached."""
         key = (s, layer)
         if key not in self._values_cache:
             X = centre(self.model, self.sources[s].X)
-            self._values_cache[key] = torch.einsum("nd,hde->nhe", X, reading_weights(self.model, layer, "W_V"))
+            self._values_cache[key] = torch.einsum("nd,hde->nhe", X, self.W_V[layer])
         return self._values_cache[key]
 
     def emit(self, order: int, first_layer: int, names: list[tuple[str, ...]], coef: Tensor, w: Tensor,
@@ -213,7 +214,7 @@ def expand_logits(
                 A = run.patterns[layer]  # [H, n, n]
                 inv = run.inv_scale(f"blocks.{layer}.ln1")  # [n]
                 coef_new = (torch.einsum("pqi,hij->hpqj", coef, A) * inv).flatten(0, 1)  # [H*P0, q, n]
-                g, w_new = head_ov_apply(model, layer, w)  # [H, P0, dh], [H, P0, d]
+                g, w_new = head_ov_apply(model, layer, w, exp.W_V[layer])  # [H, P0, dh], [H, P0, d]
                 names_new = [(head_name(layer, h),) + nm for h in range(H) for nm in names]
                 w_new = w_new.flatten(0, 1)
                 exp.emit(order, layer, names_new, coef_new, w_new, g)
