@@ -1,0 +1,48 @@
+"""Virtual heads: factored virtual OV vs dense, copying score vs the [V, V] eigenvalues, virtual patterns."""
+
+import torch
+from engine2_models import small_model, tokens_for
+
+from circuits_core.circuits import copying_score, embed_eff
+from circuits_core.composition import composition_scores
+from circuits_core.frozen import frozen_run
+from circuits_core.paths import expand_logits
+from circuits_core.virtual import (
+    rank_by_contribution,
+    rank_by_v_composition,
+    virtual_copying_scores,
+    virtual_ov,
+    virtual_pattern,
+)
+
+
+def test_virtual_ov_and_copying_scores_vs_dense():
+    model = small_model(n_layers=3, ln="LN")
+    scores = virtual_copying_scores(model)
+    W_E = embed_eff(model)
+    for (l1, h1), (l2, h2) in [((0, 1), (1, 2)), ((0, 0), (2, 1)), ((1, 2), (2, 0))]:
+        dense = model.W_V[l1, h1] @ model.W_O[l1, h1] @ model.W_V[l2, h2] @ model.W_O[l2, h2]
+        torch.testing.assert_close(virtual_ov(model, (l1, h1), (l2, h2)).AB, dense, atol=1e-12, rtol=0)
+        full = W_E @ dense @ model.W_U  # [V, V]
+        ref = copying_score(torch.linalg.eigvals(full))
+        assert abs(float(scores[l1, h1, l2, h2]) - float(ref)) < 1e-8
+    assert (scores[1, :, 0] == 0).all() and (scores[1, :, 1] == 0).all()
+
+
+def test_virtual_pattern_and_rankings():
+    model = small_model(n_layers=2)
+    tokens = tokens_for(model, n=8)
+    run = frozen_run(model, tokens)
+    A = virtual_pattern(run, (0, 1), (1, 0))
+    torch.testing.assert_close(A.sum(-1), torch.ones(8, dtype=torch.float64), atol=1e-12, rtol=0)
+    assert (A.triu(1) == 0).all()
+    top = rank_by_v_composition(model, k=3)
+    v = composition_scores(model, kinds=("v",), n_samples=32).minus_baseline["v"]
+    assert abs(top[0][2] - float(v.max())) < 1e-12
+    l1, h1 = int(top[0][0][1]), int(top[0][0][3])
+    l2, h2 = int(top[0][1][1]), int(top[0][1][3])
+    assert abs(float(v[l1, h1, l2, h2]) - top[0][2]) < 1e-12
+    exp = expand_logits(model, tokens, 3, positions=-1, max_order=2, run=run)
+    ranked = rank_by_contribution(exp, k=4)
+    assert len(ranked) == 4 and all(len(p) == 2 for p, _ in ranked)
+    assert abs(ranked[0][1]) >= abs(ranked[-1][1])
