@@ -1,16 +1,7 @@
-"""Term importance by path order and pattern-preserving head ablation (paper-math 2.13).
-
-All runs keep the clean run's attention patterns and LayerNorm scales (circuits_core.model.Frozen), so only
-V-composition paths change. Order-k run: the values of every layer read the residual stream of the order-(k-1)
-run (`Frozen.value_resid`), so the output holds paths through at most k heads:
-    order 0   values read 0: a frozen LN of 0 is its bias, so heads add only their constant beta_l
-    order 1   values read X0 (the embedding): direct path + every head's first-order term (+ biases)
-    order k   values read resid_pre of the order-(k-1) run;   order n_layers reproduces the clean loss
-marginal effect of order k = loss[k-1] - loss[k]. First-order terms by layer: values of layer l read X0 and
-every other layer reads 0 (direct path + layer l's first-order terms), compared with order 0.
-Per-head ablation (Olsson et al.): the head's pattern is set to 0 (its result vector is 0), every other
-pattern and scale stays frozen; loss change = ablated - clean. Exact for attention-only models; an MLP reads
-the current residual stream in every run.
+"""Term importance by path order and pattern-preserving head ablation (paper-math 2.13), from
+circuits_core.ablation: losses with paths up to each order (patterns and LayerNorm scales frozen, values
+reading the previous rerun), the marginal effect of each order, first-order terms by layer, and the loss
+change when one head's result is zeroed with every pattern frozen (Olsson et al.). Attention-only models.
 
 The default text, when neither prompt nor tokens is given: the model card's `sample_text` (held-out text
 shipped with the model) when present, else BUILTIN_TEXT, a short Python snippet (the toy models learn code).
@@ -19,16 +10,13 @@ shipped with the model) when present, else BUILTIN_TEXT, a short Python snippet 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor
 
 from app.schemas.analyses import HeadAblation, TermImportanceView
 from app.settings import Limits
 from app.views.inputs import max_prompt_tokens, model_ref, resolve_prompt, token_refs
+from circuits_core.ablation import head_ablation, order_ablation
 from circuits_core.config import head_name
 from circuits_core.errors import InvalidInputError, LimitExceededError
-from circuits_core.frozen import FrozenRun, embed_source, frozen_run
-from circuits_core.model import Frozen
 from circuits_core.weights import LoadedModel
 
 BUILTIN_TEXT = (
@@ -65,27 +53,6 @@ def ablation_bytes(loaded: LoadedModel, n: int) -> int:
     return (cfg.n_layers * cfg.n_heads * n * n * 2 + 4 * cfg.n_layers * n * cfg.d_model + 2 * n * cfg.d_vocab) * itemsize
 
 
-class _Runner:
-    """Reruns of one sequence with frozen patterns and LayerNorm scales."""
-
-    def __init__(self, loaded: LoadedModel, tokens: Tensor, run: FrozenRun):
-        self.model, self.tokens = loaded.model, tokens[None]  # [1, n]
-        self.patterns = {f"blocks.{layer}.attn.hook_pattern": run.patterns[layer][None] for layer in range(self.model.cfg.n_layers)}
-        self.scales = {name: value[None] for name, value in run.cache.items() if name.endswith("hook_scale")}
-        self.x0 = embed_source(self.model, run)[None]  # [1, n, d_model]
-
-    def loss(self, value_resid: dict[int, Tensor], patterns: dict[str, Tensor] | None = None) -> tuple[float, dict[str, Tensor]]:
-        """Mean next-token loss of a frozen rerun, and its resid_pre of every layer."""
-        frozen = Frozen(patterns if patterns is not None else self.patterns, self.scales, value_resid)
-        logits, cache = self.model.run(self.tokens, names=lambda name: name.endswith("hook_resid_pre"), frozen=frozen)
-        return mean_loss(logits[0], self.tokens[0]), cache
-
-
-def mean_loss(logits: Tensor, tokens: Tensor) -> float:
-    """logits [n, d_vocab], tokens [n] -> mean cross-entropy of predicting tokens[1:] (nats)."""
-    return float(F.cross_entropy(logits[:-1].double(), tokens[1:]))
-
-
 def build_term_importance_view(
     loaded: LoadedModel, limits: Limits, prompt: str | None = None, tokens: str | None = None
 ) -> TermImportanceView:
@@ -105,33 +72,16 @@ def build_term_importance_view(
             f"term importance on {n} tokens needs about {need} bytes; the budget (matrix_budget_bytes) is "
             f"{limits.matrix_budget_bytes}: shorten the text"
         )
-    seq = torch.tensor(ids, dtype=torch.long, device=model.device)
-    L = cfg.n_layers
+    seq = torch.tensor([ids], dtype=torch.long, device=model.device)  # [1, n]
     with torch.no_grad():
-        run = frozen_run(model, seq)
-        clean = mean_loss(run.logits, seq)
-        runner = _Runner(loaded, seq, run)
-        zeros = torch.zeros_like(runner.x0)
-        losses = [runner.loss({layer: zeros for layer in range(L)})[0]]
-        value_in = {layer: runner.x0 for layer in range(L)}
-        for _ in range(L):
-            loss, cache = runner.loss(value_in)
-            losses.append(loss)
-            value_in = {layer: cache[f"blocks.{layer}.hook_resid_pre"] for layer in range(L)}
-        by_layer = [
-            losses[0] - runner.loss({other: (runner.x0 if other == layer else zeros) for other in range(L)})[0]
-            for layer in range(L)
-        ]
-        heads = []
-        for layer in range(L):
-            for h in range(cfg.n_heads):
-                key = f"blocks.{layer}.attn.hook_pattern"
-                pattern = runner.patterns[key].clone()
-                pattern[:, h] = 0.0
-                ablated = runner.loss({}, {**runner.patterns, key: pattern})[0]
-                heads.append(HeadAblation(head=head_name(layer, h), loss_change=ablated - clean))
+        orders = order_ablation(model, seq)
+        heads = head_ablation(model, seq)  # [L, H]
     return TermImportanceView(
-        model=model_ref(loaded), text_source=source, tokens=token_refs(loaded, ids), clean_loss=clean,
-        loss_by_order=losses, marginal_by_order=[losses[k - 1] - losses[k] for k in range(1, L + 1)],
-        first_order_by_layer=by_layer, heads=heads,
+        model=model_ref(loaded), text_source=source, tokens=token_refs(loaded, ids), clean_loss=orders.clean_loss,
+        loss_by_order=orders.losses.tolist(), marginal_by_order=orders.marginal.tolist(),
+        first_order_by_layer=orders.first_order_gain.tolist(),
+        heads=[
+            HeadAblation(head=head_name(layer, h), loss_change=float(heads[layer, h]))
+            for layer in range(cfg.n_layers) for h in range(cfg.n_heads)
+        ],
     )

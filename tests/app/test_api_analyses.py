@@ -362,3 +362,15 @@ def test_openapi_has_the_limits(client: TestClient) -> None:
 def test_unknown_model_is_404_everywhere(client: TestClient) -> None:
     for path in ("composition", "paths", "prompt", "path", "qk-paths", "term-importance"):
         assert_problem(client.get(f"/api/v1/models/nope/{path}", params={"prompt": "x", "heads": "L0H0", "head": "L1H0"}), 404, "nope")
+
+
+def test_layernorm_model_paths_and_term_importance(roomy: TestClient, tiny_ln: LoadedModel) -> None:
+    """tiny-ln (LayerNorm, standard positions): frozen-LN path terms still sum to the real logit."""
+    ids = tiny_ln.tokenizer.encode(PROMPT)
+    logits, _ = tiny_ln.model.run(torch.tensor([ids]))
+    body = roomy.get("/api/v1/models/tiny-ln/paths", params={"prompt": PROMPT, "max_order": 1, "target": 9}).json()
+    assert body["value"] == pytest.approx(float(logits[0, -1, 9]), abs=1e-9)
+    assert body["total"] == pytest.approx(body["value"], abs=1e-9)
+    ti = roomy.get("/api/v1/models/tiny-ln/term-importance", params={"prompt": PROMPT}).json()
+    clean = float(F.cross_entropy(logits[0, :-1], torch.tensor(ids[1:])))
+    assert ti["clean_loss"] == pytest.approx(clean, abs=1e-9) and ti["loss_by_order"][-1] == pytest.approx(clean, abs=1e-9)
