@@ -235,3 +235,65 @@ def lines(x: Sequence[float], series: dict[str, Sequence[float | None]], *, titl
               for v in vlines]
     return {"data": data, "layout": {"title": {"text": title, "x": 0, "font": {"size": 13}}, "xaxis": _axis(x_title),
                                      "yaxis": _axis(y_title), "shapes": shapes, "legend": {"orientation": "h", "y": -0.2}}}
+
+
+# -- figures of whole views (shared by the pages and the paper tour) -------------------------------------
+def token_labels(tokens: Sequence[Any]) -> list[str]:
+    """Axis labels of a prompt's tokens: visible whitespace, made unique by position."""
+    return unique_labels([visible(t.text) for t in tokens])
+
+
+def term_label(path: Sequence[str], kind: str, n_terms: int | None = None) -> str:
+    """A path term's name: 'direct', 'L1H4', 'L0H1→L1H4', 'mlp:L0→L1H4', 'remainder', 'other (12)'."""
+    if kind == "other":
+        return f"other ({n_terms} terms)" if n_terms else "other"
+    if kind == "remainder":
+        return "remainder (higher orders)"
+    return "→".join(path) if path else "direct"
+
+
+def attention_heatmap(tokens: Sequence[Any], pattern: Sequence[Sequence[float]], title: str, *, weighted: bool = False,
+                      height: int = 420) -> Figure:
+    labels = token_labels(tokens)
+    zmax = None if weighted else 1.0
+    return heatmap(pattern, labels, labels, title=title, x_title="key (source)", y_title="query (destination)", signed=False,
+                   zmax=zmax, hover="query %{y}<br>key %{x}<br>%{z:.3f}", colorbar="A·‖v‖" if weighted else "attention",
+                   height=height, digits=3)
+
+
+def paths_waterfall(view: Any, links: Sequence[str | None] | None = None) -> Figure:
+    """The listed path terms (+ 'other' and the remainder) as a waterfall ending at the model's value."""
+    labels = [term_label(t.path, t.kind, t.n_terms) for t in view.terms]
+    what = f"logit({visible(view.target.text)})" + (f" − logit({visible(view.contrast.text)})" if view.contrast else "")
+    return waterfall(labels, [t.value for t in view.terms], view.value, total_label="model value",
+                     title=f"{what} at position {view.position}: Σ terms = {view.total:.4f}, model = {view.value:.4f}",
+                     y_title="logit" if view.contrast is None else "logit difference", links=links)
+
+
+def paths_by_source(view: Any) -> Figure | None:
+    """Each listed term split over the source positions it reads from (rows sum to the term's value)."""
+    rows = [t for t in view.terms if t.by_source is not None]
+    if not rows:
+        return None
+    z = [t.by_source for t in rows]
+    return heatmap(z, token_labels(view.tokens), [term_label(t.path, t.kind) for t in rows],
+                   title="terms by source token", x_title="source token", y_title="path", signed=True,
+                   hover="%{y} from %{x}<br>%{z:+.4f}", colorbar="logit", height=max(260, 22 * len(rows) + 140))
+
+
+def composition_heatmap(view: Any, model_id: str) -> Figure:
+    """score − baseline of every (earlier, later) pair on RdBu; raw score on hover; a click opens the pair."""
+    custom = [[[raw] for raw in row] for row in view.scores]
+    links = [[f"/models/{model_id}/composition/{s}/{t}" if view.scores[i][j] is not None else None
+              for j, t in enumerate(view.targets)] for i, s in enumerate(view.sources)]
+    return heatmap(
+        view.minus_baseline, view.targets, view.sources,
+        title=f"{view.kind}-composition − baseline {view.baseline:.3f} (click a pair)", x_title="later head (reads)",
+        y_title="earlier head (writes)", signed=True, customdata=custom,
+        hover="%{y} → %{x}<br>" + view.kind + "-composition %{customdata[0]:.4f}<br>minus baseline %{z:+.4f}",
+        links=links, colorbar="score − baseline", height=max(280, 26 * len(view.sources) + 140),
+    )
+
+
+def complex_points(values: Sequence[Any]) -> list[tuple[float, float]]:
+    return [(c.re, c.im) for c in values]

@@ -107,6 +107,7 @@
   document.addEventListener("htmx:beforeSwap", function (ev) {
     var d = ev.detail;
     if (!d.xhr || d.xhr.status < 400 || !d.target || !d.target.querySelector) return;
+    if (d.target.id && String(d.serverResponse).indexOf('id="' + d.target.id + '"') !== -1) return;  // a whole panel
     var body = d.target.querySelector(".panel-body");
     if (body) { d.target = body; d.swapOverride = "innerHTML"; }
   });

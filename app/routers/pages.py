@@ -25,6 +25,7 @@ from starlette.types import Scope
 from app import charts
 from app.compute import compute
 from app.deps import LimitsDep, LoadedModelDep, ModelEntryDep, RegistryDep
+from app.errors import kind_of
 from app.routers.api import Params, cache_key, split_heads
 from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
 from app.settings import REPO_ROOT, Settings
@@ -32,7 +33,9 @@ from app.views.circuits import build_direct_view, build_ov_view, build_qk_view, 
 from app.views.detectors import build_detectors_view
 from app.views.heads import build_head_view, build_heads_view
 from app.views.models import build_model_view, build_models_view
+from app.views.tour_figures import positivity_scatter
 from circuits_core.config import head_name, parse_head
+from circuits_core.errors import QkovError
 from circuits_core.weights import LoadedModel
 
 API = "/api/v1"
@@ -57,7 +60,12 @@ POSITIONAL_SHOWN = 64  # first positions drawn in the positional QK heatmap (the
 # The left navigation of a model: (key, label, path below /models/{model}); a view not built yet is absent.
 MODEL_NAV: list[tuple[str, str, str]] = [
     ("overview", "Overview", ""),
+    ("composition", "Composition", "/composition"),
+    ("prompt", "Prompt & paths", "/prompt"),
+    ("path", "Chain of heads", "/path"),
+    ("qk-paths", "QK paths", "/qk-paths"),
     ("detectors", "Detectors", "/detectors"),
+    ("term-importance", "Term importance", "/term-importance"),
     ("direct", "Direct path", "/direct"),
 ]
 
@@ -88,9 +96,21 @@ async def model_ids(registry: Any) -> list[str]:
     return [e.id for e in await compute(registry.entries)]
 
 
+async def attempt(fn: Any, *args: Any, key: Any = None) -> tuple[Any, dict[str, Any] | None]:
+    """Run a builder through `compute`; a refusal (QkovError: bad prompt, limit exceeded) becomes an error
+    shown inside the panel, with its form kept so the input can be fixed: (view, None) or (None, error)."""
+    try:
+        return await compute(fn, *args, key=key), None
+    except QkovError as exc:
+        kind = kind_of(exc)
+        return None, {"status": kind.status, "title": kind.title, "detail": str(exc)}
+
+
 def render(request: Request, template: str, context: dict[str, Any], blocks: Sequence[str] = ("main",)) -> Response:
-    """The full page, or for htmx only the block the request targets (default: the first of `blocks`)."""
+    """The full page, or for htmx only the block the request targets (default: the first of `blocks`).
+    Errors of `attempt` in the context (keys ending in 'error') set the status; they are not pushed to history."""
     context = {"request": request, "API": API, "url": url, **context}
+    errors = [v for k, v in context.items() if k.endswith("error") and isinstance(v, dict)]
     if is_fragment(request):
         target = request.headers.get("HX-Target", "")
         block = target if target in blocks else blocks[0]
@@ -98,6 +118,9 @@ def render(request: Request, template: str, context: dict[str, Any], blocks: Seq
     else:
         response = templates.TemplateResponse(request, template, context)
     response.headers["Vary"] = "HX-Request"
+    if errors:
+        response.status_code = errors[0]["status"]
+        response.headers["HX-Push-Url"] = "false"
     return response
 
 
@@ -168,14 +191,23 @@ def build_router(settings: Settings) -> APIRouter:
         return RedirectResponse(f"/models/{model}{sub}", status_code=303)
 
     @router.get("/models/{model}")
-    async def overview_page(request: Request, registry: RegistryDep, loaded: LoadedModelDep, entry: ModelEntryDep,
+    async def overview_page(request: Request, registry: RegistryDep, loaded: LoadedModelDep, entry: ModelEntryDep, limits: LimitsDep,
                             score: str = Query("induction", pattern="^(" + "|".join(SCORES) + ")$")) -> Response:
         summary = build_model_view(loaded, entry)
         heads: HeadsView = await compute(build_heads_view, loaded, key=cache_key(loaded, "heads"))
         ctx = await page_context(request, registry, entry.id, f"{API}/models/{entry.id}/heads", entry.id, "overview")
         fig = heads_grid(loaded, heads.heads, score, entry.id) if heads.heads else None
+        scatter = None
+        if loaded.model.cfg.n_layers >= 2 and not is_fragment(request):
+            data, _ = await attempt(lambda: positivity_scatter(loaded, limits)[0], key=cache_key(loaded, "positivity"))
+            if data:
+                pts = data["points"]
+                scatter = charts.scatter(
+                    [p["ov_copying"] or 0.0 for p in pts], [p["k_composition_positivity"] for p in pts], [p["head"] for p in pts],
+                    title=f"OV copying vs K-composition positivity with previous-token head {data['previous_token_head']}",
+                    x_title="OV copying score (Σλ/Σ|λ|)", y_title="K-composition positivity", links=[f"/models/{entry.id}/heads/{p['head']}" for p in pts])
         return render(request, "overview.html", {**ctx, "summary": summary, "heads": heads, "score": score, "scores": SCORES,
-                                                 "fig": fig}, blocks=("heads_panel",))
+                                                 "fig": fig, "scatter": scatter}, blocks=("heads_panel",))
 
     @router.get("/models/{model}/heads/{head}")
     async def head_page(request: Request, registry: RegistryDep, loaded: LoadedModelDep, limits: LimitsDep, model: str, head: str,
@@ -238,6 +270,10 @@ def build_router(settings: Settings) -> APIRouter:
                                                   "seed": seed, "prompt": prompt, "heads": heads, "limits": limits},
                       blocks=("detectors_panel",))
 
+    from app.routers import pages_analyses, pages_tour  # they import this module's helpers
+
+    router.include_router(pages_analyses.build_router(settings))
+    router.include_router(pages_tour.build_router(settings))
     return router
 
 

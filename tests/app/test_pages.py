@@ -28,6 +28,17 @@ PAGES = [
     (f"/models/{M}/direct?token=7&k=5", "direct_panel"),
     (f"/models/{M}/detectors?seq_len=8&batch=2", "detectors_panel"),
     (f"/models/{M}/detectors?prompt=the+cat+sat+on+the+mat", "detectors_panel"),
+    (f"/models/{M}/composition", "composition_panel"),
+    (f"/models/{M}/composition?kind=V", "composition_panel"),
+    (f"/models/{M}/composition/L0H1/L1H2?k=5", "pair_panel"),
+    (f"/models/{M}/prompt?prompt=the+cat+sat+on+the+mat&position=3", "paths_panel"),
+    (f"/models/{M}/prompt?prompt=the+cat+sat&heads=L1H0,L0H2&weighted=true", "patterns_panel"),
+    (f"/models/{M}/prompt?prompt=the+cat+sat", "prompt_main"),
+    (f"/models/{M}/paths?prompt=the+cat+sat&max_order=1", "paths_panel"),
+    (f"/models/{M}/path?heads=L0H1,L1H2&prompt=the+cat+sat", "chain_panel"),
+    (f"/models/{M}/qk-paths?head=L1H2&prompt=the+cat+sat", "qk_panel"),
+    (f"/models/{M}/term-importance?prompt=the+cat+sat", "ti_panel"),
+    ("/tour", "main"),
 ]
 ALTERNATE = re.compile(r'<link rel="alternate" type="application/json" href="([^"]+)">')
 
@@ -112,6 +123,33 @@ def test_heatmap_cells_open_their_heads(client: TestClient) -> None:
     assert len(links) == 2 and len(links[0]) == 4
     assert links[1][3] == f"/models/{M}/heads/L1H3"
     assert client.get(links[1][3]).status_code == 200
+
+
+def test_path_expansion_shows_the_sum_equal_to_the_model_value(client: TestClient) -> None:
+    page = client.get(f"/models/{M}/prompt", params={"prompt": "the cat sat on the mat", "position": 2, "max_order": 2}).text
+    twin = client.get(f"/api/v1/models/{M}/paths", params={"prompt": "the cat sat on the mat", "position": 2, "max_order": 2, "k": 20}).json()
+    found = re.search(r'class="sum-check" data-total="([^"]+)" data-value="([^"]+)"', page)
+    assert found
+    assert float(found.group(1)) == pytest.approx(twin["total"]) and float(found.group(2)) == pytest.approx(twin["value"])
+    assert float(found.group(1)) == pytest.approx(float(found.group(2)), abs=1e-6)
+    waterfall = next(json.loads(s) for s in parse(page).json_scripts if "model value" in s)
+    bars = waterfall["data"][0]
+    assert bars["x"][-1] == "model value" and bars["y"][-1] == pytest.approx(twin["value"])
+    assert sum(bars["y"][:-1]) == pytest.approx(twin["value"], abs=1e-6)  # the drawn terms add up to the drawn total
+
+
+@pytest.mark.parametrize("path,block", [
+    (f"/models/{M}/qk-paths?head=L0H1&prompt=the+cat", "qk_panel"),
+    (f"/models/{M}/path?heads=L1H0,L0H1&prompt=the+cat", "chain_panel"),
+    (f"/models/{M}/prompt?prompt=the+cat&position=20", "paths_panel"),
+    ("/models/tiny-ln/composition", "composition_panel"),
+])
+def test_refused_analyses_keep_their_form(client: TestClient, path: str, block: str) -> None:
+    for headers in ({}, {"HX-Request": "true", "HX-Target": block}):
+        r = client.get(path, headers=headers)
+        assert r.status_code == 422, r.text
+        assert f'id="{block}"' in r.text and ('<form' in r.text or 'class="seg"' in r.text) and 'class="error"' in r.text
+        assert r.headers.get("HX-Push-Url") == "false"
 
 
 def test_picker_redirects_to_the_same_view_of_another_model(client: TestClient) -> None:

@@ -1,0 +1,115 @@
+"""The paper tour page (/tour): figures F6-F30 of paper-math section 3, in order, each reproduced live on
+the shipped toy models (toy-0l, toy-1l, toy-2l) by app/views/tour.py, with one sentence on what to look for
+and a link into the full view. This module only turns each figure's data into charts and tables.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from app import charts
+from app.compute import compute
+from app.deps import LimitsDep, RegistryDep
+from app.routers.pages import API, page_context, render
+from app.schemas import CircuitTopView, DetectorsView, SkipTrigramView
+from app.schemas.analyses import (
+    ChainView,
+    CompositionPairView,
+    CompositionView,
+    PathsView,
+    PromptView,
+    QKPathsView,
+    TourFigure,
+)
+from app.settings import Settings
+from app.views.tour import build_tour_view
+
+POSITIONS = 32  # positions of the positional pattern drawn in the tour
+
+
+def figure_parts(fig: TourFigure) -> dict[str, Any]:
+    """{charts: [figure dicts], tables: [(caption, entries, row label, col label)], trigrams: view | None}."""
+    d = fig.data or {}
+    out: dict[str, Any] = {"charts": [], "tables": [], "trigrams": None}
+    add = out["charts"].append
+    model = fig.model or ""
+    for key, caption in (("direct", "direct path W_E W_U"), ("ov", "OV circuit"), ("qk", "QK circuit")):
+        if key in d:
+            v = CircuitTopView.model_validate(d[key])
+            out["tables"].append((f"{caption}{' of ' + v.head if v.head else ''}", v.entries, v.row_label, v.col_label))
+    if "skip_trigrams" in d:
+        out["trigrams"] = SkipTrigramView.model_validate(d["skip_trigrams"])
+    if "paths" in d:
+        add(charts.paths_waterfall(PathsView.model_validate(d["paths"])))
+    if "positional" in d and d["positional"]:
+        pat = [row[:POSITIONS] for row in d["positional"]["pattern"][:POSITIONS]]
+        labels = [str(i) for i in range(len(pat))]
+        add(charts.heatmap(pat, labels, labels, title=f"positional pattern of {d.get('head')}", x_title="key position",
+                           y_title="query position", signed=False, zmax=1.0, digits=3))
+    if "eigenvalues" in d:
+        traces = [{"type": "scatter", "mode": "markers", "name": head, "x": [p[0] for p in pts], "y": [p[1] for p in pts],
+                   "hovertemplate": head + " λ = %{x:.3g} %{y:+.3g}i<extra></extra>"} for head, pts in d["eigenvalues"].items()]
+        add({"data": traces, "layout": {"title": {"text": "OV eigenvalues of every head", "x": 0, "font": {"size": 13}},
+                                        "xaxis": {"title": {"text": "Re λ"}, "zeroline": True}, "yaxis": {"title": {"text": "Im λ"}, "zeroline": True}}})
+    if "ov_copying" in d:
+        heads = list(d["ov_copying"])
+        add(charts.bars(heads, [d["ov_copying"][h] or 0.0 for h in heads], title="OV copying score Σλ/Σ|λ| per head",
+                        links=[f"/models/{model}/heads/{h}" for h in heads]))
+    if "qk_paths" in d:
+        v = QKPathsView.model_validate(d["qk_paths"])
+        add(charts.heatmap(v.std, v.components, v.components, title=f"{v.head}: std of each (query, key) term", signed=False,
+                           x_title="key side", y_title="query side"))
+    for kind in ("Q", "K", "V"):
+        if kind in d:
+            add(charts.composition_heatmap(CompositionView.model_validate(d[kind]), model))
+    if "prompt" in d:
+        v = PromptView.model_validate(d["prompt"])
+        for hp in v.heads:
+            add(charts.attention_heatmap(v.tokens, hp.pattern, f"{hp.head} {'value-weighted ' if v.weighted else ''}attention",
+                                         weighted=v.weighted, height=380))
+    if "path" in d:
+        v = ChainView.model_validate(d["path"])
+        if fig.id == "F29":
+            add(charts.attention_heatmap(v.tokens, v.pattern, f"pattern of {' → '.join(v.heads)}", height=380))
+        else:
+            add(charts.bars(charts.token_labels(v.tokens), v.contribution,
+                            title=f"{' → '.join(v.heads)}: effect on logit({charts.visible(v.target.text)}) by position"))
+    if "detectors" in d:
+        v = DetectorsView.model_validate(d["detectors"])
+        add(charts.lines(list(range(len(v.loss.loss))), {"loss (nats)": v.loss.loss}, title="loss by position on BOS + r + r",
+                         x_title="position", y_title="loss"))
+        for hp in v.patterns[:1]:
+            add(charts.attention_heatmap(v.tokens, hp.pattern, f"{hp.head} attention", height=380))
+    if "pair" in d:
+        v = CompositionPairView.model_validate(d["pair"])
+        out["tables"].append((f"K-composition {v.source} → {v.target}", v.k_composition.entries, v.k_composition.row_label,
+                              v.k_composition.col_label))
+    if "points" in d:
+        pts = d["points"]
+        add(charts.scatter([p["ov_copying"] or 0.0 for p in pts], [p["k_composition_positivity"] for p in pts], [p["head"] for p in pts],
+                           title=f"OV copying vs K-composition positivity (previous-token head {d.get('previous_token_head')})",
+                           x_title="OV copying score", y_title="K-composition positivity",
+                           links=[f"/models/{model}/heads/{p['head']}" for p in pts]))
+    if "term_importance" in d:
+        m = d["term_importance"]["marginal_by_order"]
+        add(charts.bars([f"order {i + 1}" for i in range(len(m))], m, title="loss reduction added by each order", y_title="Δ loss"))
+    if "first_order_by_layer" in d:
+        v2 = d["first_order_by_layer"]
+        add(charts.bars([f"layer {i}" for i in range(len(v2))], v2, title="first-order terms by layer", y_title="Δ loss"))
+    return out
+
+
+def build_router(settings: Settings) -> APIRouter:
+    router = APIRouter(include_in_schema=False)
+
+    @router.get("/tour")
+    async def tour_page(request: Request, registry: RegistryDep, limits: LimitsDep) -> Response:
+        view = await compute(build_tour_view, registry, limits, key=("tour",))
+        ctx = await page_context(request, registry, "Paper tour", f"{API}/tour")
+        parts = [(fig, figure_parts(fig) if fig.available and fig.data else None) for fig in view.figures]
+        return render(request, "tour.html", {**ctx, "view": view, "parts": parts})
+
+    return router
