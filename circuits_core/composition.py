@@ -42,8 +42,8 @@ KINDS: tuple[CompositionKind, ...] = ("q", "k", "v")
 class CompositionScores:
     """All pairs of a model. Tensors are [n_layers, n_heads (earlier), n_layers, n_heads (later)]."""
 
-    raw: dict[str, Tensor]  # {"q"|"k"|"v": [L, H, L, H]}, 0 where layer1 >= layer2
-    minus_baseline: dict[str, Tensor]  # raw - baseline on earlier->later pairs, 0 elsewhere
+    raw: dict[CompositionKind, Tensor]  # {"q"|"k"|"v": [L, H, L, H]}, 0 where layer1 >= layer2
+    minus_baseline: dict[CompositionKind, Tensor]  # raw - baseline on earlier->later pairs, 0 elsewhere
     baseline: float  # analytic 1/sqrt(d_model), the one subtracted
     sampled_baseline: float  # mean of ARENA's random generator (check of the analytic value)
     sampled_std: float

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.errors import InvalidInputError
-from circuits_core.model import Transformer
+from circuits_core.model import Attention, Block, Transformer
 
 
 @dataclass
@@ -61,6 +61,13 @@ def frozen_run(model: Transformer, tokens: Tensor) -> FrozenRun:
     return FrozenRun(tokens[0], logits[0], cache, patterns)
 
 
+def attention(model: Transformer, layer: int) -> Attention:
+    """The attention module of a layer (typed accessor for attention(model, layer))."""
+    block = model.blocks[layer]
+    assert isinstance(block, Block)
+    return block.attn
+
+
 def has_ln(model: Transformer) -> bool:
     return model.cfg.normalization_type is not None
 
@@ -70,14 +77,22 @@ def centre(model: Transformer, x: Tensor) -> Tensor:
     return x - x.mean(-1, keepdim=True) if has_ln(model) else x
 
 
+def _ln_param(model: Transformer, ln_name: str, leaf: str) -> Tensor | None:
+    module = model.get_submodule(ln_name)
+    if not getattr(module, "has_weights", False):
+        return None
+    param = getattr(module, leaf)
+    assert isinstance(param, Tensor)
+    return param
+
+
 def ln_weight(model: Transformer, ln_name: str) -> Tensor | None:
-    module = model.ln_final if ln_name == "ln_final" else model.get_submodule(ln_name)
-    return module.w if getattr(module, "has_weights", False) else None
+    """The LayerNorm weight w [d_model] ("blocks.0.ln1", "ln_final"), None for LNPre / no LN."""
+    return _ln_param(model, ln_name, "w")
 
 
 def ln_bias(model: Transformer, ln_name: str) -> Tensor | None:
-    module = model.ln_final if ln_name == "ln_final" else model.get_submodule(ln_name)
-    return module.b if getattr(module, "has_weights", False) else None
+    return _ln_param(model, ln_name, "b")
 
 
 def ln_linear(model: Transformer, ln_name: str, x: Tensor, inv_scale: Tensor) -> Tensor:
@@ -89,14 +104,14 @@ def ln_linear(model: Transformer, ln_name: str, x: Tensor, inv_scale: Tensor) ->
 
 def reading_weights(model: Transformer, layer: int, name: str) -> Tensor:
     """diag(w_ln1) W_name [n_heads, d_model, d_head] for name in W_Q, W_K, W_V (LN weight folded)."""
-    W = getattr(model.blocks[layer].attn, name)
+    W = getattr(attention(model, layer), name)
     w = ln_weight(model, f"blocks.{layer}.ln1")
     return W * w[None, :, None] if w is not None else W
 
 
 def reading_bias(model: Transformer, layer: int, name: str) -> Tensor:
     """b_ln1 W_name + b_name [n_heads, d_head] for name in Q, K, V (zeros without biases)."""
-    attn = model.blocks[layer].attn
+    attn = attention(model, layer)
     cfg = model.cfg
     out = torch.zeros(cfg.n_heads, cfg.d_head, dtype=model.dtype, device=model.device)
     b_ln = ln_bias(model, f"blocks.{layer}.ln1")
@@ -108,7 +123,7 @@ def reading_bias(model: Transformer, layer: int, name: str) -> Tensor:
 
 def layer_bias(model: Transformer, layer: int) -> Tensor:
     """beta_l [d_model] = b_O + sum_h (b_ln1 W_V^h + b_V^h) W_O^h: the constant output of attention layer l."""
-    attn = model.blocks[layer].attn
+    attn = attention(model, layer)
     beta = torch.einsum("he,hed->d", reading_bias(model, layer, "V"), attn.W_O)
     b_O = attn.bias("b_O")
     return beta + b_O if b_O is not None else beta
@@ -121,7 +136,7 @@ def head_ov_apply(model: Transformer, layer: int, w: Tensor, W_V_eff: Tensor | N
     rows X, (X C diag(w_ln) W_V W_O) . w = X . w'. W_V_eff: reading_weights(model, layer, "W_V") if known.
     """
     W_V_eff = reading_weights(model, layer, "W_V") if W_V_eff is None else W_V_eff
-    g = torch.einsum("hed,pd->hpe", model.blocks[layer].attn.W_O, w)
+    g = torch.einsum("hed,pd->hpe", attention(model, layer).W_O, w)
     w_new = centre(model, torch.einsum("hde,hpe->hpd", W_V_eff, g))
     return g, w_new
 

@@ -26,7 +26,7 @@ from torch import Tensor
 from circuits_core.circuits import ov_copying_scores
 from circuits_core.config import head_name
 from circuits_core.errors import InvalidInputError, NotFoundError
-from circuits_core.frozen import ln_linear
+from circuits_core.frozen import attention, ln_linear
 from circuits_core.model import Transformer
 from circuits_core.qk_paths import k_composition_positivity
 
@@ -177,7 +177,7 @@ def copying_scores(model: Transformer, tokens: Tensor | None = None, seed: int =
         first[:, 1:] = ~duplicate_targets(tokens)[:, 1:].any(-1)
         out = []
         for layer in range(model.cfg.n_layers):
-            result = torch.einsum("bqhe,hed->bhqd", cache[f"blocks.{layer}.attn.hook_z"], model.blocks[layer].attn.W_O)
+            result = torch.einsum("bqhe,hed->bhqd", cache[f"blocks.{layer}.attn.hook_z"], attention(model, layer).W_O)
             effect = torch.stack([ln_linear(model, "ln_final", result[i], inv_f[i]) for i in range(b)])  # [b, H, q, d]
             logits = torch.einsum("bhqd,bdk->bhqk", effect, U_seq) - (effect @ U_mean)[..., None]  # [b, H, q, k]
             relu = logits.clamp_min(0)

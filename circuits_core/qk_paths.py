@@ -28,6 +28,7 @@ from circuits_core.errors import CancelledError, InvalidInputError, LimitExceede
 from circuits_core.factored import FactoredMatrix
 from circuits_core.frozen import (
     FrozenRun,
+    attention,
     centre,
     embed_source,
     frozen_run,
@@ -75,8 +76,8 @@ def residual_components(model: Transformer, run: FrozenRun, layer: int) -> tuple
     bias = torch.zeros(model.cfg.d_model, dtype=model.dtype, device=model.device)
     for lay in range(layer):
         x = ln_linear(model, f"blocks.{lay}.ln1", run.cache[f"blocks.{lay}.hook_resid_pre"], run.inv_scale(f"blocks.{lay}.ln1"))
-        v = torch.einsum("nd,hde->hne", x, model.blocks[lay].attn.W_V)  # [H, n, dh] (LN weight already applied)
-        outs = torch.einsum("hqk,hke,hed->hqd", run.patterns[lay], v, model.blocks[lay].attn.W_O)  # [H, n, d]
+        v = torch.einsum("nd,hde->hne", x, attention(model, lay).W_V)  # [H, n, dh] (LN weight already applied)
+        outs = torch.einsum("hqk,hke,hed->hqd", run.patterns[lay], v, attention(model, lay).W_O)  # [H, n, d]
         names += [head_name(lay, h) for h in range(model.cfg.n_heads)]
         parts += list(outs)
         if not model.cfg.attn_only:
@@ -113,7 +114,7 @@ def expand_scores(
             side = [normed @ weights]  # [C0, n, dh]
             pos = qk_positions(model, run)
             if pos is not None:
-                side.append((pos @ getattr(model.blocks[layer].attn, W)[h])[None])
+                side.append((pos @ getattr(attention(model, layer), W)[h])[None])
             side.append(reading_bias(model, layer, b)[h].expand(1, n, -1))
             sides.append(torch.cat(side))
         comps = names + (["pos_embed"] if qk_positions(model, run) is not None else []) + ["b_QK"]
@@ -157,7 +158,7 @@ def k_composition_circuit(model: Transformer, head: tuple[int, int], earlier: tu
     if lay2 >= layer:
         raise InvalidInputError(f"{head_name(lay2, h2)} must be in an earlier layer than {head_name(layer, h)}")
     W_E = embed_eff(model)
-    a, b = model.blocks[layer].attn, model.blocks[lay2].attn
+    a, b = attention(model, layer), attention(model, lay2)
     left = W_E @ a.W_Q[h] / model.cfg.scale  # [V, dh]
     right = (((W_E @ b.W_V[h2]) @ b.W_O[h2]) @ a.W_K[h]).T  # [dh, V]
     return FactoredMatrix(left, right)

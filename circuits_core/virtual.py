@@ -22,7 +22,7 @@ from circuits_core.composition import composition_scores
 from circuits_core.config import head_name
 from circuits_core.errors import CancelledError, InvalidInputError
 from circuits_core.factored import FactoredMatrix
-from circuits_core.frozen import FrozenRun
+from circuits_core.frozen import FrozenRun, attention
 from circuits_core.model import Transformer
 from circuits_core.paths import PathExpansion
 
@@ -39,7 +39,7 @@ def _check_pair(model: Transformer, h1: Head, h2: Head) -> None:
 def virtual_ov(model: Transformer, h1: Head, h2: Head) -> FactoredMatrix:
     """W_V^{h1} W_O^{h1} W_V^{h2} W_O^{h2} [d_model, d_model] (inner d_head)."""
     _check_pair(model, h1, h2)
-    a, b = model.blocks[h1[0]].attn, model.blocks[h2[0]].attn
+    a, b = attention(model, h1[0]), attention(model, h2[0])
     return FactoredMatrix(a.W_V[h1[1]], (a.W_O[h1[1]] @ b.W_V[h2[1]]) @ b.W_O[h2[1]])
 
 
