@@ -1,0 +1,68 @@
+"""`python -m bench [section ...]`: run the benchmark sections (all by default) and print their figures.
+
+Sections come from the `SECTIONS` dict ({name: callable}) of each module in SECTION_MODULES; a module that
+is not there yet is skipped with a note. Figures are medians over a few repeats; ratios are measured in the
+same run. Nothing here asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+SECTION_MODULES = ("bench.engine", "bench.engine2", "bench.load")
+
+
+def collect() -> dict[str, Callable[[], None]]:
+    sections: dict[str, Callable[[], None]] = {}
+    for name in SECTION_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # the module exists but something it imports is missing: say so
+                raise
+            continue
+        sections.update(module.SECTIONS)
+    return sections
+
+
+def main(argv: list[str] | None = None) -> int:
+    sections = collect()
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("sections", nargs="*", help=f"sections to run (default all): {', '.join(sections)}")
+    parser.add_argument("--list", action="store_true", help="list the sections and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        print("\n".join(sections))
+        return 0
+    unknown = [s for s in args.sections if s not in sections]
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(unknown)}; valid: {', '.join(sections)}")
+    chosen = args.sections or list(sections)
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
+    print(
+        f"qkov bench: torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs "
+        f"({platform.processor() or platform.machine()}), load average {load[0]:.1f}; medians of a few repeats",
+        flush=True,
+    )
+    missing = [m for m in SECTION_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"(not present yet, skipped: {', '.join(missing)})")
+    for name in chosen:
+        print(f"\n== {name} ==", flush=True)
+        t0 = time.perf_counter()
+        sections[name]()
+        print(f"  [{name} took {time.perf_counter() - t0:.1f} s]", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
