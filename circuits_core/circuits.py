@@ -39,6 +39,8 @@ from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
 from circuits_core.model import Attention, Block, LayerNorm, Transformer, _Recorder
 
+EMBED_CHUNK = 4096  # rows of W_E normalised at a time, so LN temporaries stay ~ EMBED_CHUNK x d_model
+
 
 def check_head(model: Transformer, layer: int, head: int) -> None:
     cfg = model.cfg
@@ -65,11 +67,16 @@ def _attn(model: Transformer, layer: int) -> Attention:
 
 
 def apply_ln_rows(ln: LayerNorm, X: Tensor) -> Tensor:
-    """A model LayerNorm applied to each row of X [n, d_model] as if it were one residual vector."""
-    return ln(X[None], _Recorder(None), None)[0]  # [n, d_model]
+    """A model LayerNorm applied to each row of X [n, d_model] as if it were one residual vector.
 
-
-EMBED_CHUNK = 4096  # rows of W_E normalised at a time, so LN temporaries stay ~ EMBED_CHUNK x d_model
+    Long inputs (all of W_E) go in chunks of EMBED_CHUNK rows, so LN temporaries stay small.
+    """
+    if X.shape[0] <= EMBED_CHUNK:
+        return ln(X[None], _Recorder(None), None)[0]  # [n, d_model]
+    out = torch.empty_like(X)
+    for start in range(0, X.shape[0], EMBED_CHUNK):
+        out[start : start + EMBED_CHUNK] = ln(X[None, start : start + EMBED_CHUNK], _Recorder(None), None)[0]
+    return out
 
 
 def embed_eff_rows(model: Transformer, tokens: Tensor | list[int] | slice) -> Tensor:
