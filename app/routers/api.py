@@ -86,9 +86,16 @@ def build_router(settings: Settings) -> APIRouter:
     p = Params(settings.limits)
 
     # -- models ------------------------------------------------------------------------------------------
-    @router.get("/models", response_model=schemas.ModelListView, tags=["models"], summary="List the models")
-    async def list_models(registry: RegistryDep) -> schemas.ModelListView:
-        return await compute(build_models_view, registry)
+    @router.get("/models", response_model=list[schemas.ModelSummary], tags=["models"], summary="List the models")
+    async def list_models(registry: RegistryDep) -> list[schemas.ModelSummary]:
+        return (await compute(build_models_view, registry)).models
+
+    @router.get(
+        "/unavailable-models", response_model=list[schemas.UnavailableModel], tags=["models"],
+        summary="Folders in the models directories that hold no loadable checkpoint, with the reason",
+    )
+    async def list_unavailable(registry: RegistryDep) -> list[schemas.UnavailableModel]:
+        return (await compute(build_models_view, registry)).unavailable
 
     @router.get("/models/{model}", response_model=schemas.ModelSummary, tags=["models"], summary="One model and its card")
     async def get_model(loaded: LoadedModelDep, entry: ModelEntryDep) -> schemas.ModelSummary:

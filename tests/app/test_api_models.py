@@ -13,18 +13,19 @@ from tests.app.conftest import CARD, LIMITS, assert_problem, save_qkov, train_to
 
 
 def test_models_lists_both_folders_and_reports_broken(client: TestClient, tiny: LoadedModel) -> None:
-    body = client.get("/api/v1/models").json()
-    ids = [m["id"] for m in body["models"]]
+    models = client.get("/api/v1/models").json()
+    assert isinstance(models, list)  # the contract: a bare list of models
+    ids = [m["id"] for m in models]
     assert ids == ["tiny-2l", "tiny-ln"]  # .hidden and empty are never models
-    two = body["models"][0]
+    two = models[0]
     cfg = tiny.model.cfg
     for field in ("n_layers", "n_heads", "d_model", "d_head", "d_vocab", "n_ctx", "attn_only", "positional_embedding_type", "normalization_type"):
         assert two[field] == getattr(cfg, field), field
-    assert two["shipped"] is True and body["models"][1]["shipped"] is False
+    assert two["shipped"] is True and models[1]["shipped"] is False
     assert two["heads"] == cfg.head_names and two["format"] == tiny.format and two["digest"] == str(tiny.digest)
     assert two["has_tokenizer"] and two["bos_token_id"] == tiny.tokenizer.bos_token_id
     assert two["card"] == CARD and two["format"] == "qkov"
-    unavailable = {u["id"]: u["detail"] for u in body["unavailable"]}
+    unavailable = {u["id"]: u["detail"] for u in client.get("/api/v1/unavailable-models").json()}
     assert unavailable.keys() == {"broken", "llama"}
     assert "W_K" in unavailable["broken"] and "llama" in unavailable["llama"]
 
@@ -49,13 +50,13 @@ def test_new_folder_appears_on_next_listing(model_dirs: tuple[Path, Path], tmp_p
     shipped, _ = model_dirs
     settings = Settings(shipped_dir=shipped, models_dir=tmp_path, limits=LIMITS)
     with TestClient(create_app(settings)) as c:
-        assert [m["id"] for m in c.get("/api/v1/models").json()["models"]] == ["tiny-2l"]
+        assert [m["id"] for m in c.get("/api/v1/models").json()] == ["tiny-2l"]
         from circuits_core.config import ModelConfig
 
         tok = train_tokenizer()
         cfg = ModelConfig(n_layers=0, d_model=8, n_heads=1, d_head=8, d_vocab=tok.get_vocab_size(), n_ctx=8)
         save_qkov(tmp_path / "zero", cfg, tok, seed=5)
-        assert [m["id"] for m in c.get("/api/v1/models").json()["models"]] == ["tiny-2l", "zero"]
+        assert [m["id"] for m in c.get("/api/v1/models").json()] == ["tiny-2l", "zero"]
         assert c.get("/api/v1/models/zero/heads").json()["heads"] == []
 
 
