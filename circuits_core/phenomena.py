@@ -1,0 +1,292 @@
+"""Measurements of the paper's phenomena on the shipped toy models (what their model cards report).
+
+Paper sections (Elhage et al. 2021): "Zero-Layer Transformers" (the direct path W_E W_U approximates
+bigram statistics), "One-Layer Attention-Only Transformers" (copying heads: positive eigenvalues of the
+OV circuit; skip-trigrams), "Two-Layer Attention-Only Transformers" (induction heads built by
+K-composition with a previous-token head; in-context learning).
+
+Row-vector convention (x @ W). Token losses: losses[:, i] is the loss of predicting tokens[:, i + 1];
+"position p" below is the position of the predicted token. All measurements are deterministic: the
+evaluation windows are evenly spaced over the held-out stream and the random sequences are seeded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from circuits_core.heads import detector_scores, repeated_random_tokens
+from circuits_core.model import Transformer
+
+REP_LEN = 50  # length T of the random sequence r in BOS + r + r
+MIN_TRAIN_COUNT = 50  # r is drawn from tokens seen at least this often in training
+ICL_EARLY = (8, 16)  # positions [8, 16) ...
+ICL_LATE = 16  # ... versus the last 16 positions of a window
+
+
+@dataclass
+class EvalData:
+    """What the measurements need from the corpus: held-out tokens and training token counts."""
+
+    val: np.ndarray  # [n_val_tokens] uint16, EOT-separated held-out files
+    train_counts: np.ndarray  # [d_vocab] int64
+    eot: int
+
+    def rep_vocab(self) -> Tensor:
+        return torch.from_numpy(np.flatnonzero(self.train_counts >= MIN_TRAIN_COUNT)).long()
+
+    def windows(self, n_ctx: int, n: int) -> Tensor:
+        """[n, n_ctx]: EOT + (n_ctx - 1) held-out tokens from n evenly spaced offsets."""
+        span = n_ctx - 1
+        offsets = np.linspace(0, len(self.val) - span - 1, n).astype(np.int64)
+        rows = np.stack([self.val[o : o + span] for o in offsets]).astype(np.int64)
+        return torch.cat([torch.full((n, 1), self.eot, dtype=torch.long), torch.from_numpy(rows)], dim=1)
+
+    def repeated(self, d_vocab: int, batch: int, seed: int = 0) -> Tensor:
+        """[batch, 1 + 2T]: BOS + r + r with r from the frequent tokens."""
+        return repeated_random_tokens(d_vocab, REP_LEN, batch, seed=seed, bos=self.eot, vocab=self.rep_vocab())
+
+    @staticmethod
+    def load(path) -> EvalData:
+        data = np.load(path)
+        return EvalData(data["val"], data["train_counts"], int(data["eot"]))
+
+    def save(self, path) -> None:
+        np.savez_compressed(path, val=self.val, train_counts=self.train_counts, eot=np.int64(self.eot))
+
+
+def token_losses(model: Transformer, tokens: Tensor, batch: int = 64) -> Tensor:
+    """[b, n-1] cross-entropy of predicting tokens[:, i+1] at position i (model.run, no grad)."""
+    out = []
+    with torch.no_grad():
+        for start in range(0, tokens.shape[0], batch):
+            chunk = tokens[start : start + batch].to(model.device)
+            logits = model.run(chunk)[0].float()  # [b, n, d_vocab]
+            out.append(F.cross_entropy(logits[:, :-1].transpose(1, 2), chunk[:, 1:], reduction="none").cpu())
+    return torch.cat(out)
+
+
+def text_report(model: Transformer, windows: Tensor) -> dict[str, float]:
+    """Held-out loss and the in-context-learning score (late minus early loss; negative = context helps)."""
+    losses = token_losses(model, windows)  # [b, n-1]; column i is position i + 1
+    early = losses[:, ICL_EARLY[0] - 1 : ICL_EARLY[1] - 1].mean()
+    late = losses[:, -ICL_LATE:].mean()
+    return {"val_loss": float(losses.mean()), "icl_score": float(late - early)}
+
+
+def repeat_losses(model: Transformer, rep_tokens: Tensor) -> dict[str, float]:
+    """Mean loss on the first and second repeat of BOS + r + r (T = REP_LEN)."""
+    losses = token_losses(model, rep_tokens)  # column i predicts token i + 1
+    t = (rep_tokens.shape[1] - 1) // 2
+    return {"rep1_loss": float(losses[:, :t].mean()), "rep2_loss": float(losses[:, t:].mean())}
+
+
+def ov_copying_scores(model: Transformer) -> Tensor:
+    """[n_layers, n_heads]: sum(eig) / sum(|eig|) of W_E W_V W_O W_U, from the d_head x d_head W_O W_U W_E W_V."""
+    try:
+        from circuits_core.circuits import ov_copying_scores as shared  # helper A's engine, when present
+    except ImportError:
+        shared = None
+    if shared is not None:
+        return torch.as_tensor(shared(model), dtype=torch.float64).reshape(model.cfg.n_layers, model.cfg.n_heads)
+    W_E, W_U = model.W_E.double(), model.W_U.double()
+    W_V, W_O = model.W_V.double(), model.W_O.double()  # [L, H, d, dh], [L, H, dh, d]
+    inner = W_O @ (W_U @ W_E) @ W_V  # [L, H, dh, dh]: same nonzero spectrum as W_E W_V W_O W_U
+    eig = torch.linalg.eigvals(inner)  # [L, H, dh]
+    return eig.real.sum(-1) / eig.abs().sum(-1)
+
+
+def k_composition_scores(model: Transformer, layer: int = 1) -> Tensor:
+    """[n_heads (layer), n_heads (layer-1)]: ||W_QK^{h2} W_OV^{h1 T}||_F / (||W_QK^{h2}||_F ||W_OV^{h1}||_F).
+
+    Row-vector convention: score(q, k) = x_q W_Q W_K^T x_k^T, and a layer-(l-1) head writes y W_V W_O into the
+    key's residual stream, so keys read it through W_QK (W_V W_O)^T.
+    """
+    W_Q, W_K = model.blocks[layer].attn.W_Q.double(), model.blocks[layer].attn.W_K.double()
+    W_V, W_O = model.blocks[layer - 1].attn.W_V.double(), model.blocks[layer - 1].attn.W_O.double()
+    W_QK = W_Q @ W_K.transpose(1, 2)  # [H2, d, d]
+    W_OV = W_V @ W_O  # [H1, d, d]
+    prod = torch.einsum("aij,bkj->abik", W_QK, W_OV)  # W_QK^{a} (W_OV^{b})^T: [H2, H1, d, d]
+    norms = torch.linalg.matrix_norm(W_QK)[:, None] * torch.linalg.matrix_norm(W_OV)[None, :]
+    return torch.linalg.matrix_norm(prod) / norms
+
+
+def induction_report(model: Transformer, rep_tokens: Tensor) -> dict[str, object]:
+    """Best induction head of the last layer, its top K-composition partner in the layer below, and their scores."""
+    with torch.no_grad():
+        scores = detector_scores(model, rep_tokens.to(model.device))
+    ind, prev = scores["induction"].cpu(), scores["previous_token"].cpu()  # [L, H]
+    last = model.cfg.n_layers - 1
+    head = int(ind[last].argmax())
+    partner = int(k_composition_scores(model, last)[head].argmax())
+    return {
+        "induction_head": f"L{last}H{head}",
+        "induction_score": float(ind[last, head]),
+        "k_composition_partner": f"L{last - 1}H{partner}",
+        "partner_previous_token_score": float(prev[last - 1, partner]),
+        "best_previous_token_score": float(prev[last - 1].max()),
+        "induction_scores": [[round(float(v), 4) for v in row] for row in ind],
+        "previous_token_scores": [[round(float(v), 4) for v in row] for row in prev],
+    }
+
+
+def bigram_report(model: Transformer, val: np.ndarray, eot: int) -> dict[str, float]:
+    """Direct path W_E W_U vs the empirical bigram distribution P(b | a) of the held-out text.
+
+    kl: sum_a w_a KL(P(.|a) || softmax(W_E[a] W_U)), w_a the frequency of a as the previous token;
+    top1_agreement: w-weighted fraction of a where the model's argmax equals the empirical argmax (ties: any);
+    unigram_kl: the same KL for the best context-free predictor (held-out unigram distribution), a baseline.
+    """
+    d_vocab = model.cfg.d_vocab
+    a = torch.from_numpy(val[:-1].astype(np.int64))
+    b = torch.from_numpy(val[1:].astype(np.int64))
+    keep = a != eot  # the token after EOT starts a new file
+    a, b = a[keep], b[keep]
+    counts = torch.zeros(d_vocab, d_vocab, dtype=torch.float64).index_put_((a, b), torch.ones(len(a), dtype=torch.float64), accumulate=True)
+    rows = counts.sum(1)  # [V]
+    seen = rows > 0
+    P = counts[seen] / rows[seen, None]  # [A, V]
+    w = rows[seen] / rows.sum()  # [A]
+    with torch.no_grad():
+        logq = torch.log_softmax((model.W_E.double()[seen.nonzero().squeeze(1).to(model.device)] @ model.W_U.double()).cpu(), -1)
+    plogp = torch.where(P > 0, P * P.clamp_min(1e-300).log(), torch.zeros_like(P)).sum(1)
+    kl = float((w * (plogp - (P * logq).sum(1))).sum())
+    uni = counts.sum(0) / counts.sum()
+    logu = uni.clamp_min(1e-12).log()
+    unigram_kl = float((w * (plogp - (P * logu).sum(1))).sum())
+    model_top = logq.argmax(1)
+    agree = P.gather(1, model_top[:, None]).squeeze(1) >= P.max(1).values
+    return {"bigram_kl": kl, "unigram_kl": unigram_kl, "top1_agreement": float((w * agree.double()).sum())}
+
+
+def skip_trigram_report(model: Transformer, tokenizer, windows: Tensor, layer: int = 0, top: int = 12, k: int = 10) -> dict[str, object]:
+    """Skip-trigrams of each head of `layer` on held-out code.
+
+    For every query position: source = the most-attended key (BOS excluded), boosted = the k tokens whose
+    logits the source's OV direct path W_E[source] W_V W_O W_U raises most. The head copies there when the
+    source token is among them (tokens compared without leading spaces, so ` name` and `name` match).
+    Only positions whose source is a word token (it holds a letter) count: identifiers and keywords, the
+    paper's skip-trigram examples. Reports each head's copying fraction and the best head's commonest
+    (source, destination, top boosted) triples, overall and among the copying ones.
+    """
+    with torch.no_grad():
+        _, cache = model.run(windows.to(model.device), names={f"blocks.{layer}.attn.hook_pattern"})
+        pattern = cache[f"blocks.{layer}.attn.hook_pattern"].cpu()[:, :, 1:, 1:]  # [b, H, n-1, n-1] (no BOS)
+        W_OV = (model.W_V[layer] @ model.W_O[layer]).double().cpu()  # [H, d, d]
+        W_E, W_U = model.W_E.double().cpu(), model.W_U.double().cpu()
+    toks = windows[:, 1:]  # [b, n-1]
+    src = toks.gather(1, pattern.argmax(-1).flatten(1)).view(pattern.shape[0], pattern.shape[1], -1)  # [b, H, q]
+    dest = toks[:, None, :].expand_as(src)
+    norm = [tokenizer.decode([i]).lstrip(" ") or " " for i in range(model.cfg.d_vocab)]
+    fractions, listings = [], []
+    for h in range(model.cfg.n_heads):
+        s, dh = src[:, h].flatten(), dest[:, h].flatten()
+        word = torch.tensor([any(c.isalpha() for c in norm[int(t)]) for t in s])
+        s, dh = s[word], dh[word]
+        uniq, inverse = s.unique(return_inverse=True)
+        top_ids = ((W_E[uniq] @ W_OV[h]) @ W_U).topk(k, dim=-1).indices  # [u, k]
+        copies_u = torch.tensor([norm[int(t)] in {norm[int(x)] for x in row} for t, row in zip(uniq, top_ids, strict=True)])
+        fractions.append(float(copies_u[inverse].double().mean()))
+        listings.append((s, dh, top_ids[inverse, 0], copies_u[inverse]))
+    best = int(np.argmax(fractions))
+    s, d, o, c = listings[best]
+
+    def commonest(mask: Tensor) -> list[dict[str, object]]:
+        triples: dict[tuple[int, int, int], int] = {}
+        for key in zip(s[mask].tolist(), d[mask].tolist(), o[mask].tolist(), strict=True):
+            triples[key] = triples.get(key, 0) + 1
+        common = sorted(triples.items(), key=lambda kv: -kv[1])[:top]
+        return [
+            {"source": tokenizer.decode([a]), "destination": tokenizer.decode([b]), "boosted": tokenizer.decode([e]), "count": n}
+            for (a, b, e), n in common
+        ]
+
+    return {
+        "copying_fraction_per_head": [round(f, 4) for f in fractions],
+        "best_head": f"L{layer}H{best}",
+        "best_head_copying_fraction": fractions[best],
+        "top_k": k,
+        "examples": commonest(torch.ones_like(c)),
+        "copying_examples": commonest(c),
+    }
+
+
+# What each shipped model must show: metric -> (comparison, threshold). Tests assert these on the
+# committed checkpoints; training records the step and minute at which each is first met.
+THRESHOLDS: dict[int, dict[str, tuple[str, float]]] = {
+    0: {"top1_agreement": (">=", 0.3), "kl_ratio": ("<=", 0.6)},
+    1: {"copying_positive_fraction": (">=", 0.75), "skip_trigram_copying": (">=", 0.5)},
+    2: {"induction_score": (">=", 0.6), "partner_previous_token_score": (">=", 0.5), "repeat_gain": (">=", 2.0), "icl_score": ("<", 0.0)},
+}
+
+
+def check_thresholds(n_layers: int, metrics: dict, detail: bool = False) -> dict:
+    """{metric: met} for the thresholds of a model of `n_layers` whose metric is in `metrics`."""
+    out: dict = {}
+    for key, (op, limit) in THRESHOLDS.get(n_layers, {}).items():
+        if key not in metrics:
+            continue
+        value = float(metrics[key])
+        met = {">=": value >= limit, "<=": value <= limit, "<": value < limit}[op]
+        out[key] = {"value": value, "op": op, "threshold": limit, "met": met} if detail else met
+    return out
+
+
+def _copying(model: Transformer) -> dict[str, object]:
+    scores = ov_copying_scores(model)  # [L, H]
+    return {
+        "ov_copying_scores": [[round(float(v), 4) for v in row] for row in scores],
+        "copying_positive_fraction": float((scores[-1] > 0).double().mean()),
+    }
+
+
+def quick_metrics(model: Transformer, data: EvalData, windows: int = 64, repeats: int = 64) -> dict[str, float]:
+    """The scalar metrics tracked during training (small samples)."""
+    with torch.no_grad():
+        out: dict[str, float] = {k: round(v, 4) for k, v in text_report(model, data.windows(model.cfg.n_ctx, windows)).items()}
+        n_layers = model.cfg.n_layers
+        if n_layers == 0:
+            big = bigram_report(model, data.val, data.eot)
+            out.update(top1_agreement=round(big["top1_agreement"], 4), kl_ratio=round(big["bigram_kl"] / big["unigram_kl"], 4))
+        if n_layers >= 1:
+            out["copying_positive_fraction"] = round(float(_copying(model)["copying_positive_fraction"]), 4)
+        if n_layers >= 2:
+            rep = data.repeated(model.cfg.d_vocab, repeats, seed=1)
+            losses = repeat_losses(model, rep)
+            ind = induction_report(model, rep)
+            out.update(
+                rep1_loss=round(losses["rep1_loss"], 4), rep2_loss=round(losses["rep2_loss"], 4),
+                repeat_gain=round(losses["rep1_loss"] - losses["rep2_loss"], 4),
+                induction_score=round(float(ind["induction_score"]), 4),  # type: ignore[arg-type]
+                partner_previous_token_score=round(float(ind["partner_previous_token_score"]), 4),  # type: ignore[arg-type]
+                best_previous_token_score=round(float(ind["best_previous_token_score"]), 4),  # type: ignore[arg-type]
+            )
+    return out
+
+
+def measure(model: Transformer, tokenizer, data: EvalData, windows: int = 256, repeats: int = 128) -> dict[str, object]:
+    """The model card's phenomena (full samples). Keys used by THRESHOLDS are top-level scalars."""
+    model = model.eval()
+    with torch.no_grad():
+        text = data.windows(model.cfg.n_ctx, windows)
+        out: dict[str, object] = {**text_report(model, text), "eval_windows": windows}
+        n_layers = model.cfg.n_layers
+        if n_layers == 0:
+            big = bigram_report(model, data.val, data.eot)
+            out.update(big, kl_ratio=big["bigram_kl"] / big["unigram_kl"])
+        if n_layers >= 1:
+            out.update(_copying(model))
+        if n_layers == 1:
+            trig = skip_trigram_report(model, tokenizer, text[:64])
+            out["skip_trigrams"] = trig
+            out["skip_trigram_copying"] = trig["best_head_copying_fraction"]
+        if n_layers >= 2:
+            rep = data.repeated(model.cfg.d_vocab, repeats, seed=0)
+            losses = repeat_losses(model, rep)
+            out.update(losses, repeat_gain=losses["rep1_loss"] - losses["rep2_loss"], repeat_sequences=repeats, repeat_length=REP_LEN)
+            out.update(induction_report(model, rep))
+    return out
