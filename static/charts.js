@@ -108,7 +108,8 @@
     var d = ev.detail;
     if (!d.xhr || d.xhr.status < 400 || !d.target || !d.target.querySelector) return;
     if (d.target.id && String(d.serverResponse).indexOf('id="' + d.target.id + '"') !== -1) return;  // a whole panel
-    var body = d.target.querySelector(".panel-body");
+    var asker = d.requestConfig && d.requestConfig.elt && d.requestConfig.elt.closest ? d.requestConfig.elt.closest(".panel") : null;
+    var body = (asker && asker.querySelector(".panel-body")) || d.target.querySelector(".panel-body");
     if (body) { d.target = body; d.swapOverride = "innerHTML"; }
   });
   document.addEventListener("htmx:sendError", function (ev) {

@@ -18,9 +18,9 @@ import pytest
 import uvicorn
 
 from app.main import create_app
-from app.settings import Settings
+from app.settings import Limits, Settings
 from circuits_core.config import ModelConfig
-from tests.app.conftest import LIMITS, save_qkov, train_tokenizer
+from tests.app.conftest import save_qkov, train_tokenizer
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -46,17 +46,21 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Base URL of a live server on tiny models: tiny-2l (2 layers x 4 heads) and tiny-1l."""
+    """Base URL of a live server on tiny random models named like the shipped ones (so the paper tour has
+    figures): toy-2l (2 layers x 4 heads), toy-1l (1 x 2) and toy-0l (no layers)."""
     if not Path(CHROMIUM).exists():
         pytest.skip(f"browser tests need {CHROMIUM} (make browser-deps)")
     root = tmp_path_factory.mktemp("browser-models")
     tok = train_tokenizer()
     V = tok.get_vocab_size()
-    save_qkov(root / "tiny-2l", ModelConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=V, n_ctx=64,
-                                             positional_embedding_type="shortformer"), tok, seed=1)
-    save_qkov(root / "tiny-1l", ModelConfig(n_layers=1, d_model=32, n_heads=2, d_head=8, d_vocab=V, n_ctx=64,
-                                             positional_embedding_type="standard"), tok, seed=2)
-    app = create_app(Settings(shipped_dir=root, dtype="float32", limits=LIMITS))
+    save_qkov(root / "toy-2l", ModelConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=V, n_ctx=64,
+                                            positional_embedding_type="shortformer"), tok, seed=1)
+    save_qkov(root / "toy-1l", ModelConfig(n_layers=1, d_model=32, n_heads=2, d_head=8, d_vocab=V, n_ctx=64,
+                                            positional_embedding_type="standard"), tok, seed=2)
+    save_qkov(root / "toy-0l", ModelConfig(n_layers=0, d_model=32, n_heads=2, d_head=8, d_vocab=V, n_ctx=64,
+                                            positional_embedding_type="standard"), tok, seed=3)
+    limits = Limits(max_prompt_tokens=64, max_k=50, max_heads=4, max_batch=8, max_seq_len=30, matrix_budget_bytes=16 * 2**20)
+    app = create_app(Settings(shipped_dir=root, dtype="float32", limits=limits))
     port = free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
     srv = uvicorn.Server(config)

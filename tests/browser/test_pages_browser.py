@@ -12,7 +12,7 @@ from playwright.sync_api import Page, expect
 
 from tests.browser.conftest import ARTIFACTS, screenshot
 
-M = "tiny-2l"
+M = "toy-2l"
 CHARTS_DRAWN = """(n) => {
   const plots = [...document.querySelectorAll('[data-plotly] .js-plotly-plot')];
   return plots.length >= n && plots.every(g => Array.isArray(g.data) && g.data.length > 0);
@@ -38,6 +38,15 @@ def same_document(pg: Page) -> bool:
 
 def chart_title(pg: Page, scope: str) -> str:
     return str(pg.evaluate("(s) => document.querySelector(s + ' .js-plotly-plot').layout.title.text", scope))
+
+
+def wait_chart_title(pg: Page, scope: str, text: str, present: bool = True) -> None:
+    """Wait until the first chart in `scope` is drawn with (or without) `text` in its title (after history
+    navigation the URL changes before the restored content arrives)."""
+    pg.wait_for_function(
+        """([s, t, present]) => { const g = document.querySelector(s + ' .js-plotly-plot');
+             return !!(g && g.layout && g.layout.title) && g.layout.title.text.includes(t) === present; }""",
+        arg=[scope, text, present])
 
 
 def test_first_load_is_under_one_megabyte_and_cached_reload_is_fast(page: Page, server: str) -> None:
@@ -95,9 +104,8 @@ def test_overview_score_picker_swaps_pushes_and_restores(page: Page) -> None:
 
     page.go_back()
     page.wait_for_url(re.compile(rf"/models/{M}$"))
-    charts_drawn(page)
+    wait_chart_title(page, "#heads_panel", "induction")
     expect(page.locator("#heads_panel select[name=score]")).to_have_value("induction")
-    assert "induction" in chart_title(page, "#heads_panel")
 
 
 def test_heatmap_cell_opens_its_head(page: Page) -> None:
@@ -134,7 +142,7 @@ def test_head_token_click_swaps_circuits_and_history_restores(page: Page) -> Non
 
     page.go_back()
     page.wait_for_url(re.compile(r"/heads/L1H2$"))
-    expect(page.locator("#circuits input[name=token]")).to_have_value("")
+    expect(page.locator("#circuits input[name=token]")).to_have_value("")  # expect() waits for the restore
     expect(page.locator("#qk-key-table")).to_have_count(0)
     charts_drawn(page, 3)
 
@@ -190,7 +198,7 @@ def test_table_csv_and_chart_svg_export(page: Page) -> None:
         page.locator('button[data-csv="heads-table"]').click()
     text = open(dl.value.path(), encoding="utf-8").read()
     lines = text.strip().splitlines()
-    assert lines[0].startswith("head,") and len(lines) == 1 + 8
+    assert lines[0].startswith("head,") and len(lines) == 1 + 8  # toy-2l: 2 layers x 4 heads
     assert lines[1].startswith("L0H0,")
     page.locator("#heads_panel .js-plotly-plot").hover()
     with page.expect_download() as svg:
@@ -199,10 +207,79 @@ def test_table_csv_and_chart_svg_export(page: Page) -> None:
     assert "<svg" in open(svg.value.path(), encoding="utf-8").read(400)
 
 
-@pytest.mark.parametrize("path", ["/", f"/models/{M}", f"/models/{M}/heads/L0H0", f"/models/{M}/direct", f"/models/{M}/detectors"])
-def test_pages_load_with_every_asset_local(page: Page, path: str) -> None:
+def test_prompt_token_click_and_weighted_toggle(page: Page) -> None:
+    page.goto(f"/models/{M}/prompt?prompt=the+cat+sat+on+the+mat")
+    charts_drawn(page, 3)
+    expect(page.locator("#paths_panel .sum-check")).to_contain_text("= model")
+    screenshot(page, "08-prompt")
+    mark_document(page)
+    page.locator("#paths_panel .tokens a").nth(2).click()
+    page.wait_for_url(re.compile(r"position=2"))
+    settled(page)
+    assert same_document(page)
+    expect(page.locator("#paths_panel .tokens a.sel")).to_have_attribute("title", re.compile(r"position 2$"))
+    expect(page.locator("#paths_panel h2")).to_contain_text("position 2")
+    page.locator("#patterns_panel .seg a", has_text="value-weighted").click()
+    page.wait_for_url(re.compile(r"weighted=true"))
+    settled(page)
+    charts_drawn(page, 3)
+    assert same_document(page)
+    assert "position=2" in page.url, "the other panel's state stays in the URL"
+    expect(page.locator("#paths_panel h2")).to_contain_text("position 2")
+    assert "value-weighted" in chart_title(page, "#patterns_panel")
+
+    page.reload()
+    charts_drawn(page, 3)
+    expect(page.locator("#paths_panel h2")).to_contain_text("position 2")
+    assert "value-weighted" in chart_title(page, "#patterns_panel")
+    page.go_back()
+    page.wait_for_url(re.compile(r"^(?!.*weighted).*position=2"))
+    wait_chart_title(page, "#patterns_panel", "value-weighted", present=False)
+    page.go_back()
+    page.wait_for_url(re.compile(r"mat$"))
+    last = page.locator("#paths_panel .tokens a").count() - 1  # the default position: the last token
+    expect(page.locator("#paths_panel .tokens a.sel")).to_have_attribute("title", re.compile(rf"position {last}$"))
+
+
+def test_composition_kind_toggle_and_cell_click(page: Page) -> None:
+    page.goto(f"/models/{M}/composition")
+    charts_drawn(page)
+    screenshot(page, "09-composition")
+    page.locator("#composition_panel .seg a", has_text="V").click()
+    page.wait_for_url(re.compile(r"kind=V"))
+    settled(page)
+    charts_drawn(page)
+    assert chart_title(page, "#composition_panel").startswith("V-composition")
+    box = page.locator("#composition_panel .nsewdrag").first.bounding_box()
+    assert box  # rows L0H0..L0H3 (earlier), columns L1H0..L1H3 (later): the cell L0H1 -> L1H2
+    page.mouse.click(box["x"] + box["width"] * 2.5 / 4, box["y"] + box["height"] * 1.5 / 4)
+    page.wait_for_url(f"**/models/{M}/composition/L0H1/L1H2")
+    charts_drawn(page, 2)
+    screenshot(page, "10-pair")
+
+
+def test_tour_draws_its_figures(page: Page) -> None:
+    page.goto("/tour")
+    charts_drawn(page, 10)
+    expect(page.locator("article.tour-step")).to_have_count(25)
+    expect(page.locator("#F21 .js-plotly-plot")).to_have_count(3)
+    screenshot(page, "14-tour")
+    page.locator("#F6").get_by_role("link", name="Open the full view →").click()
+    page.wait_for_url(re.compile(r"/models/toy-0l/direct"))
+
+
+@pytest.mark.parametrize("path,shot", [
+    ("/", None), (f"/models/{M}", None), (f"/models/{M}/heads/L0H0", None), (f"/models/{M}/direct", None),
+    (f"/models/{M}/detectors", None), (f"/models/{M}/path?heads=L0H1,L1H2", "11-chain"), (f"/models/{M}/qk-paths?head=L1H2", "12-qk-paths"),
+    (f"/models/{M}/term-importance", "13-term-importance"), ("/models/toy-1l", "15-overview-1l"), ("/models/toy-0l", None),
+])
+def test_pages_load_with_every_asset_local(page: Page, path: str, shot: str | None) -> None:
     response = page.goto(path)
     assert response is not None and response.ok
     href = page.locator('link[rel="alternate"][type="application/json"]').get_attribute("href")
     assert href and href.startswith("/api/v1/")
     expect(page.locator("a.json-link")).to_be_visible()
+    if page.locator("[data-plotly]").count():
+        charts_drawn(page, page.locator("[data-plotly]").count())
+    if shot:
+        screenshot(page, shot)
