@@ -223,7 +223,7 @@ def test_skip_trigrams_equal_dense_entries(model):
 
 def test_head_dump_equals_dense_global_topk(model):
     k = 12
-    dump = C.head_dump(model, 0, 1, k=k, budget_bytes=2 * 5 * V * 8)  # 5-row blocks
+    dump = C.head_dump(model, 0, 1, k=k, budget_bytes=4 * 5 * V * 8)  # 5-row tiles (4 buffers)
     for dense, values, rows, cols in [
         (C.full_ov_circuit(model, 0, 1).AB, dump.ov_values, dump.ov_source, dump.ov_out),
         (C.full_qk_circuit(model, 0, 1).AB, dump.qk_values, dump.qk_query, dump.qk_key),

@@ -166,15 +166,19 @@ def dense_topk_global(M, k, largest):
 
 
 @pytest.mark.parametrize("largest", [True, False])
-@pytest.mark.parametrize("budget_rows,tile_cols", [(1, 4096), (3, 7), (1000, 4096), (1000, 6)])
+@pytest.mark.parametrize(
+    "budget_rows,tile_cols,screen", [(1, 4096, False), (3, 7, True), (1000, 4096, True), (1000, 6, False)]
+)
 @pytest.mark.parametrize("shape", [((), 40, 3, 30), ((2, 3), 25, 4, 20), ((), 33, 40, 17)])
-def test_topk_global_matches_dense(shape, budget_rows, tile_cols, largest, monkeypatch):
+def test_topk_global_matches_dense(shape, budget_rows, tile_cols, screen, largest, monkeypatch):
     monkeypatch.setattr(factored, "TILE_COLS", tile_cols)  # several column tiles, the last one partial
     monkeypatch.setattr(factored, "TILE_ROWS", 4)
+    # bfloat16 screening (normally only for >= 2^24 entries), then exact recomputation of the kept rows
+    monkeypatch.setattr(factored, "SCREEN_MIN_ENTRIES", 0 if screen else 2**62)
     fm = random_fm(*shape, seed=9)
     M = dense(fm)
     rdim = shape[-1]
-    budget = budget_rows * rdim * 8 * 2  # budget_rows rows of the block plus one working copy, float64
+    budget = budget_rows * min(rdim, tile_cols) * 8 * 4  # budget_rows rows of a tile in 4 buffers, float64
     for k in (1, 7, 50):
         v, r, c = fm.topk_global(k, budget_bytes=budget, largest=largest)
         ref_v, ref_r, ref_c = dense_topk_global(M, k, largest)
@@ -203,7 +207,7 @@ def test_topk_global_bound_skips_rows_without_changing_the_answer(tile_cols, mon
 
     torch.matmul = counting_matmul
     try:
-        v, r, c = fm.topk_global(10, budget_bytes=5 * 60 * 8 * 2)
+        v, r, c = fm.topk_global(10, budget_bytes=5 * min(60, tile_cols) * 8 * 4)  # 5-row blocks
     finally:
         torch.matmul = real_matmul
     ref_v, ref_r, ref_c = dense_topk_global(A @ B, 10, True)
@@ -229,7 +233,7 @@ def test_topk_global_bound_skips_column_tiles(monkeypatch):
 
     torch.matmul = counting_matmul
     try:
-        v, r, c = fm.topk_global(10, budget_bytes=5 * 60 * 8 * 2)  # 5-row blocks
+        v, r, c = fm.topk_global(10, budget_bytes=5 * 9 * 8 * 4)  # 5-row blocks
     finally:
         torch.matmul = real_matmul
     ref_v, ref_r, ref_c = dense_topk_global(A @ B, 10, True)
