@@ -39,7 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("sections", nargs="*", help=f"sections to run (default all): {', '.join(sections)}")
     parser.add_argument("--list", action="store_true", help="list the sections and exit")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.list:
         print("\n".join(sections))
         return 0

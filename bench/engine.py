@@ -105,7 +105,7 @@ def run_engine() -> None:
     n_heads = GPT2_SMALL.n_layers * GPT2_SMALL.n_heads
 
     print("(a) eigenvalue copying score of all 144 full OV circuits, via d_head x d_head W_O (W_U W_E) W_V")
-    t_all, scores = median_time(lambda: C.ov_copying_scores(model), repeats=3)
+    t_all, scores = median_time(lambda: C.ov_copying_scores(model), repeats=5)
     row("ov_copying_scores(model), 144 heads", t_all, "< 0.6 s")
     t_gram, G = median_time(lambda: C.unembed_embed_gram(model), repeats=3)
     row("  of which G = W_U @ LN(W_E) [768, 768], once per model", t_gram)
