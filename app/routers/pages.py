@@ -30,6 +30,7 @@ from app.routers.api import Params, cache_key, split_heads
 from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
 from app.settings import REPO_ROOT, Settings
 from app.views.circuits import build_direct_view, build_ov_view, build_qk_view, build_skip_trigrams_view
+from app.views.composition import build_composition_view
 from app.views.detectors import build_detectors_view
 from app.views.heads import build_head_view, build_heads_view
 from app.views.models import build_model_view, build_models_view
@@ -152,6 +153,24 @@ def heads_grid(loaded: LoadedModel, heads: list[HeadScores], score: str, model_i
     )
 
 
+async def composition_partners(loaded: LoadedModel, name: str, top: int = 6) -> list[dict[str, Any]]:
+    """The heads this head composes with most (Q, K, V; score minus baseline), from the composition views."""
+    if loaded.model.cfg.n_layers < 2:
+        return []
+    rows = []
+    for kind in ("Q", "K", "V"):
+        view, _ = await attempt(build_composition_view, loaded, kind, key=cache_key(loaded, "composition", kind))
+        if view is None:
+            continue
+        for i, src in enumerate(view.sources):
+            for j, dst in enumerate(view.targets):
+                value = view.minus_baseline[i][j]
+                if value is not None and name in (src, dst):
+                    rows.append({"kind": kind, "source": src, "target": dst, "score": view.scores[i][j], "minus_baseline": value,
+                                 "partner": dst if src == name else src, "role": "writes to" if src == name else "reads from"})
+    return sorted(rows, key=lambda r: -r["minus_baseline"])[:top]
+
+
 def head_charts(view: HeadView) -> dict[str, Any]:
     figs: dict[str, Any] = {
         "ov_eig": charts.complex_scatter([(c.re, c.im) for c in view.ov_eigenvalues],
@@ -227,12 +246,13 @@ def build_router(settings: Settings) -> APIRouter:
         if token is not None:
             qk_k = await compute(build_qk_view, loaded, name, token, k, limits, "key", key=cache_key(loaded, "qk", name, token, k, "key"))
         skip = await compute(build_skip_trigrams_view, loaded, name, token, k, limits, key=cache_key(loaded, "skip", name, token, k))
+        partners = await composition_partners(loaded, name) if view is not None else []
         all_heads = [head_name(a, b) for a in range(cfg.n_layers) for b in range(cfg.n_heads)]
         i = all_heads.index(name)
         ctx = await page_context(request, registry, f"{name} · {model}", f"{API}/models/{model}/heads/{name}", model, "overview")
         return render(request, "head.html", {
             **ctx, "head": name, "view": view, "ov": ov, "qk_q": qk_q, "qk_k": qk_k, "skip": skip, "token": token, "k": k,
-            "figs": head_charts(view) if view is not None else {}, "max_k": limits.max_k,
+            "figs": head_charts(view) if view is not None else {}, "max_k": limits.max_k, "partners": partners,
             "prev_head": all_heads[i - 1] if i > 0 else None, "next_head": all_heads[i + 1] if i + 1 < len(all_heads) else None,
             "base_url": f"/models/{model}/heads/{name}",
         }, blocks=("circuits",))
