@@ -9,7 +9,7 @@ heatmap), which is how a heatmap cell opens its head or pair.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 Figure = dict[str, Any]
@@ -84,7 +84,7 @@ def heatmap(
         trace.update(texttemplate="%{z:.2f}", textfont={"size": 11})
     layout: dict[str, Any] = {
         "title": {"text": title, "x": 0, "font": {"size": 13}},
-        "xaxis": _axis(x_title, type="category", side="bottom", tickangle=-45 if len(x) > 12 else 0),
+        "xaxis": _axis(x_title, type="category", side="bottom", tickangle=-45 if len(x) > 6 and max(map(len, x), default=0) > 2 else 0),
         "yaxis": _axis(y_title, type="category", autorange="reversed" if reversed_y else True),
     }
     if height:
@@ -212,7 +212,7 @@ def scatter(
     return fig
 
 
-def grouped_bars(categories: Sequence[str], series: dict[str, Sequence[float]], *, title: str = "", y_title: str = "",
+def grouped_bars(categories: Sequence[str], series: Mapping[str, Sequence[float]], *, title: str = "", y_title: str = "",
                  x_title: str | None = None) -> Figure:
     """Several named series over the same categories (e.g. detector scores per head)."""
     data = [
@@ -225,7 +225,7 @@ def grouped_bars(categories: Sequence[str], series: dict[str, Sequence[float]], 
                                      "legend": {"orientation": "h", "y": -0.25}}}
 
 
-def lines(x: Sequence[float], series: dict[str, Sequence[float | None]], *, title: str = "", x_title: str = "", y_title: str = "",
+def lines(x: Sequence[float], series: Mapping[str, Sequence[float | None]], *, title: str = "", x_title: str = "", y_title: str = "",
           vlines: Sequence[float] = ()) -> Figure:
     """Line chart of named series (e.g. per-position loss), with optional vertical markers."""
     data = [{"type": "scatter", "mode": "lines", "name": name, "x": list(x), "y": list(vals),

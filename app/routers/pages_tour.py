@@ -38,8 +38,8 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
     model = fig.model or ""
     for key, caption in (("direct", "direct path W_E W_U"), ("ov", "OV circuit"), ("qk", "QK circuit")):
         if key in d:
-            v = CircuitTopView.model_validate(d[key])
-            out["tables"].append((f"{caption}{' of ' + v.head if v.head else ''}", v.entries, v.row_label, v.col_label))
+            top = CircuitTopView.model_validate(d[key])
+            out["tables"].append((f"{caption}{' of ' + top.head if top.head else ''}", top.entries, top.row_label, top.col_label))
     if "skip_trigrams" in d:
         out["trigrams"] = SkipTrigramView.model_validate(d["skip_trigrams"])
     if "paths" in d:
@@ -59,34 +59,34 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
         add(charts.bars(heads, [d["ov_copying"][h] or 0.0 for h in heads], title="OV copying score Σλ/Σ|λ| per head",
                         links=[f"/models/{model}/heads/{h}" for h in heads]))
     if "qk_paths" in d:
-        v = QKPathsView.model_validate(d["qk_paths"])
-        add(charts.heatmap(v.std, v.components, v.components, title=f"{v.head}: std of each (query, key) term", signed=False,
+        qkv = QKPathsView.model_validate(d["qk_paths"])
+        add(charts.heatmap(qkv.std, qkv.components, qkv.components, title=f"{qkv.head}: std of each (query, key) term", signed=False,
                            x_title="key side", y_title="query side"))
     for kind in ("Q", "K", "V"):
         if kind in d:
             add(charts.composition_heatmap(CompositionView.model_validate(d[kind]), model))
     if "prompt" in d:
-        v = PromptView.model_validate(d["prompt"])
-        for hp in v.heads:
-            add(charts.attention_heatmap(v.tokens, hp.pattern, f"{hp.head} {'value-weighted ' if v.weighted else ''}attention",
-                                         weighted=v.weighted, height=380))
+        pv = PromptView.model_validate(d["prompt"])
+        for php in pv.heads:
+            add(charts.attention_heatmap(pv.tokens, php.pattern, f"{php.head} {'value-weighted ' if pv.weighted else ''}attention",
+                                         weighted=pv.weighted, height=380))
     if "path" in d:
-        v = ChainView.model_validate(d["path"])
+        cv = ChainView.model_validate(d["path"])
         if fig.id == "F29":
-            add(charts.attention_heatmap(v.tokens, v.pattern, f"pattern of {' → '.join(v.heads)}", height=380))
+            add(charts.attention_heatmap(cv.tokens, cv.pattern, f"pattern of {' → '.join(cv.heads)}", height=380))
         else:
-            add(charts.bars(charts.token_labels(v.tokens), v.contribution,
-                            title=f"{' → '.join(v.heads)}: effect on logit({charts.visible(v.target.text)}) by position"))
+            add(charts.bars(charts.token_labels(cv.tokens), cv.contribution,
+                            title=f"{' → '.join(cv.heads)}: effect on logit({charts.visible(cv.target.text)}) by position"))
     if "detectors" in d:
-        v = DetectorsView.model_validate(d["detectors"])
-        add(charts.lines(list(range(len(v.loss.loss))), {"loss (nats)": v.loss.loss}, title="loss by position on BOS + r + r",
+        dv = DetectorsView.model_validate(d["detectors"])
+        add(charts.lines(list(range(len(dv.loss.loss))), {"loss (nats)": dv.loss.loss}, title="loss by position on BOS + r + r",
                          x_title="position", y_title="loss"))
-        for hp in v.patterns[:1]:
-            add(charts.attention_heatmap(v.tokens, hp.pattern, f"{hp.head} attention", height=380))
+        for dhp in dv.patterns[:1]:
+            add(charts.attention_heatmap(dv.tokens, dhp.pattern, f"{dhp.head} attention", height=380))
     if "pair" in d:
-        v = CompositionPairView.model_validate(d["pair"])
-        out["tables"].append((f"K-composition {v.source} → {v.target}", v.k_composition.entries, v.k_composition.row_label,
-                              v.k_composition.col_label))
+        pair = CompositionPairView.model_validate(d["pair"])
+        out["tables"].append((f"K-composition {pair.source} → {pair.target}", pair.k_composition.entries, pair.k_composition.row_label,
+                              pair.k_composition.col_label))
     if "points" in d:
         pts = d["points"]
         add(charts.scatter([p["ov_copying"] or 0.0 for p in pts], [p["k_composition_positivity"] for p in pts], [p["head"] for p in pts],
