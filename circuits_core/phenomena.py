@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from circuits_core.circuits import ov_copying_scores
+from circuits_core.composition import composition_scores
 from circuits_core.heads import detector_scores, repeated_random_tokens
 from circuits_core.model import Transformer
 
@@ -46,9 +48,10 @@ class EvalData:
         rows = np.stack([self.val[o : o + span] for o in offsets]).astype(np.int64)
         return torch.cat([torch.full((n, 1), self.eot, dtype=torch.long), torch.from_numpy(rows)], dim=1)
 
-    def repeated(self, d_vocab: int, batch: int, seed: int = 0) -> Tensor:
-        """[batch, 1 + 2T]: BOS + r + r with r from the frequent tokens."""
-        return repeated_random_tokens(d_vocab, REP_LEN, batch, seed=seed, bos=self.eot, vocab=self.rep_vocab())
+    def repeated(self, d_vocab: int, batch: int, seed: int = 0, n_ctx: int = 2 * REP_LEN + 1) -> Tensor:
+        """[batch, 1 + 2T]: BOS + r + r with r from the frequent tokens, T = REP_LEN (less if n_ctx is short)."""
+        t = min(REP_LEN, (n_ctx - 1) // 2)
+        return repeated_random_tokens(d_vocab, t, batch, seed=seed, bos=self.eot, vocab=self.rep_vocab())
 
     @staticmethod
     def load(path) -> EvalData:
@@ -85,34 +88,10 @@ def repeat_losses(model: Transformer, rep_tokens: Tensor) -> dict[str, float]:
     return {"rep1_loss": float(losses[:, :t].mean()), "rep2_loss": float(losses[:, t:].mean())}
 
 
-def ov_copying_scores(model: Transformer) -> Tensor:
-    """[n_layers, n_heads]: sum(eig) / sum(|eig|) of W_E W_V W_O W_U, from the d_head x d_head W_O W_U W_E W_V."""
-    try:
-        from circuits_core.circuits import ov_copying_scores as shared  # helper A's engine, when present
-    except ImportError:
-        shared = None
-    if shared is not None:
-        return torch.as_tensor(shared(model), dtype=torch.float64).reshape(model.cfg.n_layers, model.cfg.n_heads)
-    W_E, W_U = model.W_E.double(), model.W_U.double()
-    W_V, W_O = model.W_V.double(), model.W_O.double()  # [L, H, d, dh], [L, H, dh, d]
-    inner = W_O @ (W_U @ W_E) @ W_V  # [L, H, dh, dh]: same nonzero spectrum as W_E W_V W_O W_U
-    eig = torch.linalg.eigvals(inner)  # [L, H, dh]
-    return eig.real.sum(-1) / eig.abs().sum(-1)
-
-
-def k_composition_scores(model: Transformer, layer: int = 1) -> Tensor:
-    """[n_heads (layer), n_heads (layer-1)]: ||W_QK^{h2} W_OV^{h1 T}||_F / (||W_QK^{h2}||_F ||W_OV^{h1}||_F).
-
-    Row-vector convention: score(q, k) = x_q W_Q W_K^T x_k^T, and a layer-(l-1) head writes y W_V W_O into the
-    key's residual stream, so keys read it through W_QK (W_V W_O)^T.
-    """
-    W_Q, W_K = model.blocks[layer].attn.W_Q.double(), model.blocks[layer].attn.W_K.double()
-    W_V, W_O = model.blocks[layer - 1].attn.W_V.double(), model.blocks[layer - 1].attn.W_O.double()
-    W_QK = W_Q @ W_K.transpose(1, 2)  # [H2, d, d]
-    W_OV = W_V @ W_O  # [H1, d, d]
-    prod = torch.einsum("aij,bkj->abik", W_QK, W_OV)  # W_QK^{a} (W_OV^{b})^T: [H2, H1, d, d]
-    norms = torch.linalg.matrix_norm(W_QK)[:, None] * torch.linalg.matrix_norm(W_OV)[None, :]
-    return torch.linalg.matrix_norm(prod) / norms
+def k_composition_partner(model: Transformer, layer: int, head: int) -> int:
+    """The head of layer - 1 with the largest K-composition score into `head` of `layer` (circuits_core.composition)."""
+    k = composition_scores(model, kinds=("k",), n_samples=2).raw["k"]  # [L, H (earlier), L, H (later)]
+    return int(k[layer - 1, :, layer, head].argmax())
 
 
 def induction_report(model: Transformer, rep_tokens: Tensor) -> dict[str, object]:
@@ -122,7 +101,7 @@ def induction_report(model: Transformer, rep_tokens: Tensor) -> dict[str, object
     ind, prev = scores["induction"].cpu(), scores["previous_token"].cpu()  # [L, H]
     last = model.cfg.n_layers - 1
     head = int(ind[last].argmax())
-    partner = int(k_composition_scores(model, last)[head].argmax())
+    partner = k_composition_partner(model, last, head)
     return {
         "induction_head": f"L{last}H{head}",
         "induction_score": float(ind[last, head]),
@@ -255,7 +234,7 @@ def quick_metrics(model: Transformer, data: EvalData, windows: int = 64, repeats
         if n_layers >= 1:
             out["copying_positive_fraction"] = round(float(_copying(model)["copying_positive_fraction"]), 4)
         if n_layers >= 2:
-            rep = data.repeated(model.cfg.d_vocab, repeats, seed=1)
+            rep = data.repeated(model.cfg.d_vocab, repeats, seed=1, n_ctx=model.cfg.n_ctx)
             losses = repeat_losses(model, rep)
             ind = induction_report(model, rep)
             out.update(
@@ -285,8 +264,8 @@ def measure(model: Transformer, tokenizer, data: EvalData, windows: int = 256, r
             out["skip_trigrams"] = trig
             out["skip_trigram_copying"] = trig["best_head_copying_fraction"]
         if n_layers >= 2:
-            rep = data.repeated(model.cfg.d_vocab, repeats, seed=0)
+            rep = data.repeated(model.cfg.d_vocab, repeats, seed=0, n_ctx=model.cfg.n_ctx)
             losses = repeat_losses(model, rep)
-            out.update(losses, repeat_gain=losses["rep1_loss"] - losses["rep2_loss"], repeat_sequences=repeats, repeat_length=REP_LEN)
+            out.update(losses, repeat_gain=losses["rep1_loss"] - losses["rep2_loss"], repeat_sequences=repeats, repeat_length=(rep.shape[1] - 1) // 2)
             out.update(induction_report(model, rep))
     return out

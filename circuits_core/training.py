@@ -27,12 +27,14 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tokenizers import Tokenizer
 from torch import Tensor
 
 from circuits_core.config import ModelConfig
 from circuits_core.corpus import Corpus, load_or_build, write_manifest
 from circuits_core.model import Transformer, init_weights
 from circuits_core.phenomena import EvalData, check_thresholds, measure, quick_metrics
+from circuits_core.weights import load_checkpoint, save_checkpoint
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ class Recipe:
 
 
 RECIPES: dict[str, Recipe] = {
-    "toy-0l": Recipe(n_layers=0, steps=2000, batch=32, eval_every=250),
+    "toy-0l": Recipe(n_layers=0, steps=1500, batch=32, eval_every=250),
     "toy-1l": Recipe(n_layers=1, steps=1500, batch=8, eval_every=100),
     # 25 % of the rows are BOS + r + r + ... (random frequent tokens): text alone gave induction 0.33 in 60k steps.
     "toy-2l": Recipe(n_layers=2, steps=11500, batch=8, repeat_frac=0.25, eval_every=250),
@@ -185,11 +187,9 @@ def train(
             minutes = (time.perf_counter() - start) / 60
             row = {"step": step, "minutes": round(minutes, 3), "train_loss": round(loss_avg, 4), **quick_metrics(model, eval_data)}
             checks = check_thresholds(recipe.n_layers, row)
-            for key, ok in checks.items():
-                if ok and key not in first:
-                    first[key] = {"step": step, "minutes": round(minutes, 3)}
             row["met"] = bool(checks) and all(checks.values())
             history.append(row)
+            first = first_crossings(history, recipe.n_layers)
             bar.write(json.dumps(row))
             tag = "met" if met_step is None else "met2"
             if snapshots and row["met"] and (met_step is None or step >= 2 * met_step) and tag not in saved:
@@ -243,27 +243,26 @@ def _finish(name, recipe, model, corpus, eval_data, folder: Path, step, start, d
 
 
 def save_toy(folder: Path, model: Transformer, tokenizer, card: dict) -> None:
-    """qkov's checkpoint layout: config.json, model.safetensors (fp16), tokenizer.json, model_card.json."""
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(model.cfg.to_dict(), indent=1) + "\n")
-    state = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "model_card.json").write_text(json.dumps(card, indent=1) + "\n")
+    """qkov's checkpoint format (circuits_core.weights) with fp16 weights; loading casts to float32."""
+    half = Transformer(model.cfg)
+    half.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
+    save_checkpoint(half.half(), folder, tokenizer.to_str(), card)
 
 
-def load_toy(folder: Path) -> tuple[Transformer, object, dict]:
-    """(float32 model on cpu, tokenizer, card) of a checkpoint folder written by `save_toy`."""
-    from safetensors.torch import load_file
-    from tokenizers import Tokenizer
+def load_toy(folder: Path) -> tuple[Transformer, Tokenizer, dict]:
+    """(float32 model, unprocessed, on cpu; tokenizer; card) of a shipped checkpoint folder."""
+    loaded = load_checkpoint(folder, process=False)
+    return loaded.model, Tokenizer.from_file(str(folder / "tokenizer.json")), loaded.card
 
-    cfg = ModelConfig.from_dict(json.loads((folder / "config.json").read_text()))
-    model = Transformer(cfg)
-    model.load_state_dict({k: v.float() for k, v in load_file(str(folder / "model.safetensors")).items()}, strict=True)
-    card = json.loads((folder / "model_card.json").read_text())
-    return model.requires_grad_(False), Tokenizer.from_file(str(folder / "tokenizer.json")), card
+
+def first_crossings(history: list[dict], n_layers: int) -> dict[str, dict]:
+    """{metric: {step, minutes}} of the first evaluation (training-time sample) meeting each threshold."""
+    first: dict[str, dict] = {}
+    for row in history:
+        for key, ok in check_thresholds(n_layers, row).items():
+            if ok and key not in first:
+                first[key] = {"step": row["step"], "minutes": row["minutes"]}
+    return first
 
 
 def remeasure(folder: Path) -> dict:
@@ -272,6 +271,7 @@ def remeasure(folder: Path) -> dict:
     eval_data = EvalData.load(folder.parent / "eval_data.npz")
     card["phenomena"] = measure(model, tokenizer, eval_data)
     card["thresholds"] = check_thresholds(model.cfg.n_layers, card["phenomena"], detail=True)
+    card["first_crossed"] = first_crossings(card.get("history", []), model.cfg.n_layers)
     (folder / "model_card.json").write_text(json.dumps(card, indent=1) + "\n")
     return card
 

@@ -1,0 +1,73 @@
+"""Training code: the SDPA training forward equals Transformer.run; a tiny run learns and is deterministic."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from circuits_core.corpus import Corpus, is_val
+from circuits_core.phenomena import EvalData
+from circuits_core.training import Batches, Recipe, make_model, train, training_logits
+
+ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
+
+
+@pytest.mark.parametrize("n_layers", [0, 1, 2])
+def test_training_logits_equal_run(n_layers):
+    model = make_model(Recipe(n_layers=n_layers, steps=1, d_model=32, n_heads=4, d_head=8, n_ctx=24), 300, 0).double()
+    with torch.no_grad():
+        for p in model.parameters():  # larger weights so attention is far from uniform
+            p.mul_(5.0)
+    tokens = torch.randint(0, 300, (3, 24), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(training_logits(model, tokens), model.run(tokens)[0], rtol=1e-10, atol=1e-10)
+
+
+def test_split_is_by_file_hash():
+    import hashlib
+
+    for rel in ["os.py", "json/decoder.py", "asyncio/tasks.py", "a/b.py"]:
+        assert is_val(rel) == (int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 20 == 0)
+
+
+def _small_corpus() -> Corpus:
+    data = EvalData.load(ROOT / "eval_data.npz")
+    tok = Tokenizer.from_file(str(ROOT / "toy-2l" / "tokenizer.json"))
+    return Corpus(data.val[:40_000].copy(), data.val[40_000:60_000].copy(), tok, [], source="test slice")
+
+
+def test_batches_rows():
+    corpus = _small_corpus()
+    r = Recipe(n_layers=1, steps=1, batch=64, n_ctx=32, repeat_frac=0.5, seed=3)
+    rows = Batches(corpus.train, r, corpus.eot, np.arange(5, 50)).next()
+    assert rows.shape == (64, 32) and bool((rows[:, 0] == corpus.eot).all())
+    repeated = [row for row in rows if int(row[1:].max()) < 50 and int(row[1:].min()) >= 5]
+    assert 16 <= len(repeated) <= 48
+    again = Batches(corpus.train, r, corpus.eot, np.arange(5, 50)).next()
+    assert torch.equal(rows, again)
+
+
+@pytest.mark.slow
+def test_tiny_training_learns_and_is_deterministic(tmp_path):
+    torch.set_num_threads(1)
+    corpus = _small_corpus()
+    recipe = Recipe(n_layers=2, steps=200, d_model=32, n_heads=2, d_head=16, n_ctx=32, batch=8, lr=3e-3, repeat_frac=0.25, eval_every=100)
+    card = train("tiny", recipe, corpus, tmp_path, "cpu", progress=False)
+    losses = [row["val_loss"] for row in card["history"]]
+    assert card["training"]["steps"] == 200 and len(losses) == 2
+    assert losses[-1] < np.log(corpus.tokenizer.get_vocab_size()) - 1.0  # far below the uniform 8.3
+    assert card["phenomena"]["val_loss"] < 7.0
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "model_card.json"):
+        assert (tmp_path / "tiny" / name).is_file()
+    # Same seed, same weights; another seed, other weights (short runs).
+    short = dataclasses.replace(recipe, steps=20, eval_every=20)
+    a = train("a", short, corpus, tmp_path, "cpu", progress=False)
+    b = train("b", short, corpus, tmp_path, "cpu", progress=False)
+    train("c", dataclasses.replace(short, seed=1), corpus, tmp_path, "cpu", progress=False)
+    wa, wb, wc = ((tmp_path / n / "model.safetensors").read_bytes() for n in "abc")
+    assert wa == wb and wa != wc
+    assert a["history"][-1]["train_loss"] == b["history"][-1]["train_loss"]
