@@ -14,6 +14,7 @@ import os
 import platform
 import sys
 import time
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -59,12 +60,19 @@ def main(argv: list[str] | None = None) -> int:
     missing = [m for m in SECTION_MODULES if importlib.util.find_spec(m) is None]
     if missing:
         print(f"(not present yet, skipped: {', '.join(missing)})")
+    failed = []
     for name in chosen:
         print(f"\n== {name} ==", flush=True)
         t0 = time.perf_counter()
-        sections[name]()
+        try:
+            sections[name]()
+        except Exception:  # one broken section must not hide the others' figures
+            traceback.print_exc()
+            failed.append(name)
         print(f"  [{name} took {time.perf_counter() - t0:.1f} s]", flush=True)
-    return 0
+    if failed:
+        print(f"\nsections that failed: {', '.join(failed)}", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
