@@ -15,6 +15,7 @@ The global top-k skips row blocks with the Cauchy-Schwarz bound |A_i . B_:,j| <=
 
 from __future__ import annotations
 
+import itertools
 import math
 import operator
 from collections.abc import Iterator
@@ -237,9 +238,11 @@ class FactoredMatrix:
                 f"one row of a {min(TILE_COLS, self.rdim)}-column tile in 4 working buffers needs {per_row} "
                 f"bytes, more than the memory budget of {int(budget_bytes)} bytes"
             )
-        A = self.A.expand(*self.batch_shape, *self.A.shape[-2:]).reshape(-1, self.ldim, self.mdim)
-        B = self.B.expand(*self.batch_shape, *self.B.shape[-2:]).reshape(-1, self.mdim, self.rdim)
-        results = [_topk_global_2d(a, b, k, step, largest) for a, b in zip(A, B, strict=True)]
+        # Broadcast factors are indexed as views, never copied per batch entry.
+        A = self.A.expand(*self.batch_shape, *self.A.shape[-2:])
+        B = self.B.expand(*self.batch_shape, *self.B.shape[-2:])
+        batch = itertools.product(*(range(n) for n in self.batch_shape))
+        results = [_topk_global_2d(A[idx], B[idx], k, step, largest) for idx in batch]
         values, rows, cols = (torch.stack([r[n] for r in results]) for n in range(3))
         shape = (*self.batch_shape, k)
         return values.reshape(shape), rows.reshape(shape), cols.reshape(shape)
