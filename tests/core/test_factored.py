@@ -9,7 +9,15 @@ from circuits_core import factored
 from circuits_core.errors import InvalidInputError, LimitExceededError
 from circuits_core.factored import FactoredMatrix
 
-torch.set_default_dtype(torch.float64)
+
+@pytest.fixture(autouse=True)
+def float64_by_default():
+    """Every tensor of these tests is float64; restored afterwards so other test modules are unaffected."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
 
 # (batch, ldim, mdim, rdim): square and rectangular, low-rank (mdim < dims) and mdim > dims.
 SHAPES = [((), 7, 3, 7), ((), 9, 4, 6), ((2, 3), 8, 5, 8), ((3,), 5, 7, 6), ((2,), 6, 6, 6)]
