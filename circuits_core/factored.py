@@ -10,7 +10,9 @@ Convention: row vectors as in TransformerLens. A: [..., ldim, mdim], B: [..., md
 
 Large matrices (a full OV circuit of GPT-2 is 50257 x 50257 = 10 GB in fp32) are only ever read through
 rows, columns, the diagonal, or dense row blocks sized by a byte budget (`iter_row_blocks`, `topk_global`).
-The global top-k skips row blocks with the Cauchy-Schwarz bound |A_i . B_:,j| <= ||A_i|| max_j ||B_:,j||.
+The global top-k visits tiles in descending row and column norm order and skips those that the
+Cauchy-Schwarz bound |A_i . B_:,j| <= ||A_i|| ||B_:,j|| rules out; large tiles are screened in bfloat16
+with a proven error margin and the surviving rows recomputed exactly.
 """
 
 from __future__ import annotations
