@@ -9,11 +9,14 @@ than h2:
 (identical to the paper's column-convention formulas). Scores are in [0, 1]; same-layer and backward pairs
 are 0, as in TransformerLens's `all_composition_scores`.
 
-Cheap computation (the collapse trick of TL, in QR form): for a factored product A1 B1 A2 B2 with A1, A2
-[d_model, d_head] and B1, B2 [d_head, d_model], write A1 = Q1 R1 and B2^T = Q2 R2 (thin QR, Q orthonormal).
-Then ||A1 B1 A2 B2||_F = ||(R1 B1)(A2 R2^T)||_F: every pair costs one [d_head, d_model] @ [d_model, d_head]
-product, and all pairs of one earlier layer with all later layers are a single matmul. Nothing of size
-d_model x d_model is ever formed per pair.
+All pairs through Gram matrices: ||W_1 W_2||_F^2 = <W_1^T W_1, W_2 W_2^T>_F. Every head gets one d_model x
+d_model Gram per role (source W_OV^T W_OV = W_O^T (W_V^T W_V) W_O, targets A (B B^T) A^T for the later matrix
+A B), and the squared numerators of all (source, target) pairs are one matmul over the flattened Grams:
+d_model^2 multiply-adds per pair instead of d_head^2 d_model for the product of the collapsed factors (5x fewer
+for GPT-2). The Grams are symmetric, so only their upper block triangle is formed and multiplied (off-diagonal
+blocks counted twice), one block of all heads at a time, which bounds the memory to the factors plus one block.
+The per-pair QR collapse (TL's trick: A1 = Q1 R1, B2^T = Q2 R2, ||A1 B1 A2 B2|| = ||(R1 B1)(A2 R2^T)||) stays as
+`pair_scores`, the independent reference.
 
 Random baseline: for independent random rank-d_head factors E||AB||^2 = ||A||^2 ||B||^2 / d_model, so the
 expected score is about 1/sqrt(d_model) (the paper subtracts "the empirical expected amount for random
@@ -23,6 +26,7 @@ matrices of the same shapes"). `random_baseline` samples it with ARENA's generat
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +40,7 @@ from circuits_core.model import Transformer
 
 CompositionKind = Literal["q", "k", "v"]
 KINDS: tuple[CompositionKind, ...] = ("q", "k", "v")
+GRAM_BLOCK = 128  # column block of the d x d Gram matrices (upper block triangle: 21 of 36 blocks for d 768)
 
 
 @dataclass
@@ -73,7 +78,8 @@ def right_collapsed(A: Tensor, B: Tensor) -> Tensor:
 def pair_scores(left: Tensor, right: Tensor) -> Tensor:
     """Scores for every (left, right) pair: left [N1, k1, d] (collapsed), right [N2, d, k2] -> [N1, N2].
 
-    score = ||left_i @ right_j||_F / (||left_i||_F ||right_j||_F), one matmul for all pairs.
+    score = ||left_i @ right_j||_F / (||left_i||_F ||right_j||_F), one matmul for all pairs (the QR form; the
+    all-pairs computation below uses Gram matrices instead, this is the independent per-pair reference).
     """
     n1, k1, d = left.shape
     n2, _, k2 = right.shape
@@ -85,13 +91,96 @@ def pair_scores(left: Tensor, right: Tensor) -> Tensor:
 
 def right_factors(model: Transformer, kind: CompositionKind) -> tuple[Tensor, Tensor]:
     """(A, B) with A B the later head's matrix for `kind`: [L, H, d, d_head], [L, H, d_head, d]."""
+    return _right_factors(model.W_Q, model.W_K, model.W_V, model.W_O, kind)
+
+
+def _right_factors(W_Q: Tensor, W_K: Tensor, W_V: Tensor, W_O: Tensor, kind: CompositionKind) -> tuple[Tensor, Tensor]:
     if kind == "q":  # W_QK = W_Q W_K^T
-        return model.W_Q, model.W_K.transpose(-2, -1)
+        return W_Q, W_K.transpose(-2, -1)
     if kind == "k":  # W_QK^T = W_K W_Q^T
-        return model.W_K, model.W_Q.transpose(-2, -1)
+        return W_K, W_Q.transpose(-2, -1)
     if kind == "v":  # W_OV = W_V W_O
-        return model.W_V, model.W_O
+        return W_V, W_O
     raise InvalidInputError(f"composition kind must be one of {KINDS}, got {kind!r}")
+
+
+def gram_block_size(d: int, target: int = GRAM_BLOCK) -> int:
+    """Largest divisor of d that is <= target; d itself (one block, the full Gram) when that divisor is tiny."""
+    size = max(s for s in range(1, min(d, target) + 1) if d % s == 0)
+    return size if size * 4 >= min(d, target) else d
+
+
+def block_pairs(d: int, size: int) -> tuple[list[tuple[int, int]], Tensor]:
+    """Blocks (a, b), a <= b, of the d x d matrices (row-major) and their weights [Pb]: 1 on, 2 off the diagonal."""
+    nb = d // size
+    pairs = [(a, b) for a in range(nb) for b in range(a, nb)]
+    return pairs, torch.tensor([1.0 if a == b else 2.0 for a, b in pairs], dtype=torch.float64)
+
+
+def _column_blocks(M: Tensor, size: int, transpose: bool) -> Tensor:
+    """M [..., k, d] split into its d / size column blocks: [nb, ..., k, size], or [nb, ..., size, k] transposed."""
+    *lead, k, d = M.shape
+    blocks = M.reshape(*lead, k, d // size, size).movedim(-2, 0)  # [nb, ..., k, size]
+    return (blocks.transpose(-2, -1) if transpose else blocks).contiguous()
+
+
+def raw_composition_scores(
+    W_Q: Tensor,
+    W_K: Tensor,
+    W_V: Tensor,
+    W_O: Tensor,
+    kinds: tuple[CompositionKind, ...] = KINDS,
+    should_stop: Callable[[], bool] | None = None,
+    block: int = GRAM_BLOCK,
+) -> Tensor:
+    """[K, L, H, L, H] scores from stacked weights (W_Q/K/V [L, H, d, dh], W_O [L, H, dh, d]); 0 unless l1 < l2.
+
+    num^2 = ||W_OV^{h1} M^{h2}||_F^2 = <W_OV^{h1 T} W_OV^{h1}, M^{h2} M^{h2 T}>_F: with the d x d Gram matrices of
+    every head as rows, all (earlier layers, target layer l2) pairs of all kinds are one matmul. The Grams are
+    symmetric, so only their upper block triangle is formed ((a, b) blocks with a <= b, off-diagonal ones counted
+    twice), one block (a, b) of all heads at a time: the memory is the d x d_head factors plus one block.
+    """
+    L, H, d = W_V.shape[0], W_V.shape[1], W_V.shape[2]
+    K = len(kinds)
+    raw = W_V.new_zeros(K, L, H, L, H)
+    if L < 2:
+        return raw
+    size = gram_block_size(d, block)
+    pairs, weights = block_pairs(d, size)
+    nb, dh = d // size, W_V.shape[-1]
+    # The four d_head x d_head Grams; kind -> (A, A^T A, B B^T) of its later-head matrix A B (_right_factors).
+    QQ, KK = W_Q.transpose(-2, -1) @ W_Q, W_K.transpose(-2, -1) @ W_K  # [L, H, dh, dh]
+    VV, OO = W_V.transpose(-2, -1) @ W_V, W_O @ W_O.transpose(-2, -1)
+    rights = [{"q": (W_Q, QQ, KK), "k": (W_K, KK, QQ), "v": (W_V, VV, OO)}[kind] for kind in kinds]
+    src_sq = (VV * OO).sum((-2, -1))  # [L, H]: ||W_OV||_F^2 = <W_V^T W_V, W_O W_O^T>
+    tgt_sq = torch.stack([(AtA * BBt).sum((-2, -1)) for _, AtA, BBt in rights])  # [K, L, H]
+    # Source Grams W_OV^T W_OV = W_O^T (W_V^T W_V) W_O, heads of layers 0..L-2, as column blocks of both factors.
+    src_F = _column_blocks(W_O[:-1].flatten(0, 1), size, transpose=True)  # [nb, Ns, s, dh]
+    src_G = _column_blocks((VV[:-1] @ W_O[:-1]).flatten(0, 1), size, transpose=False)  # [nb, Ns, dh, s]
+    # Target Grams M M^T = A (B B^T) A^T, heads of layers 1..L-1, rows ordered (layer, kind, head).
+    tgt_F = W_V.new_empty(nb, L - 1, K, H, size, dh)
+    tgt_G = W_V.new_empty(nb, L - 1, K, H, dh, size)
+    for i, (A, _, BBt) in enumerate(rights):
+        tgt_F[:, :, i] = A[1:].reshape(L - 1, H, nb, size, dh).movedim(2, 0)
+        tgt_G[:, :, i] = (BBt[1:] @ A[1:].transpose(-2, -1)).reshape(L - 1, H, dh, nb, size).movedim(3, 0)
+    tgt_F, tgt_G = tgt_F.flatten(1, 3), tgt_G.flatten(1, 3)  # [nb, Nt, s, dh], [nb, Nt, dh, s]
+    Ns, Nt = src_F.shape[1], tgt_F.shape[1]
+    S = W_V.new_empty(Ns, size, size)  # one block of every source Gram
+    T = W_V.new_empty(Nt, size, size)  # the same block of every target Gram
+    # All source x target pairs per block: one large matmul is faster than skipping the l1 >= l2 pairs.
+    num_sq = W_V.new_zeros(Ns, Nt)
+    for p, (a, b) in enumerate(pairs):
+        _check_stop(should_stop)
+        torch.bmm(src_F[a], src_G[b], out=S)
+        torch.bmm(tgt_F[a], tgt_G[b], out=T)
+        num_sq.addmm_(S.view(Ns, size * size), T.view(Nt, size * size).T, alpha=float(weights[p]))
+    num_sq = num_sq.view(L - 1, H, L - 1, K, H)  # [l1 = 0..L-2, h1, l2 = 1..L-1, kind, h2]
+    den = src_sq[:-1, :, None, None, None].sqrt() * tgt_sq[:, 1:].sqrt().permute(1, 0, 2)[None, None]
+    layer = torch.arange(L - 1, device=W_V.device)
+    later = (layer[:, None] < layer[None, :] + 1)[:, None, :, None, None]  # l1 < l2
+    scores = torch.where(later, num_sq.clamp_min(0).sqrt() / den, torch.zeros((), dtype=W_V.dtype, device=W_V.device))
+    raw[:, :-1, :, 1:, :] = scores.permute(3, 0, 1, 2, 4)
+    return raw
 
 
 def composition_scores(
@@ -106,15 +195,8 @@ def composition_scores(
     L, H = cfg.n_layers, cfg.n_heads
     dtype = torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype
     with torch.no_grad():
-        left = left_collapsed(model.W_V.to(dtype), model.W_O.to(dtype))  # [L, H, dh, d]
-        rights = [right_collapsed(*(w.to(dtype) for w in right_factors(model, kind))) for kind in kinds]  # [L, H, d, dh]
-        right_all = torch.stack(rights)  # [K, L, H, d, dh]
-        raw = torch.zeros(len(kinds), L, H, L, H, dtype=dtype, device=model.device)
-        for l1 in range(L - 1):
-            _check_stop(should_stop)
-            later = right_all[:, l1 + 1 :].reshape(-1, cfg.d_model, right_all.shape[-1])  # [K*(L-l1-1)*H, d, dh]
-            scores = pair_scores(left[l1], later)  # [H, K*(L-l1-1)*H]
-            raw[:, l1, :, l1 + 1 :, :] = scores.reshape(H, len(kinds), L - l1 - 1, H).permute(1, 0, 2, 3)
+        W_Q, W_K, W_V, W_O = (w.to(dtype) for w in (model.W_Q, model.W_K, model.W_V, model.W_O))
+        raw = raw_composition_scores(W_Q, W_K, W_V, W_O, kinds=kinds, should_stop=should_stop)  # [K, L, H, L, H]
     layer = torch.arange(L, device=model.device)
     mask = (layer[:, None, None, None] < layer[None, None, :, None]).expand(L, H, L, H)
     baseline = 1.0 / math.sqrt(cfg.d_model)
@@ -124,24 +206,27 @@ def composition_scores(
     return CompositionScores(raw_d, minus, baseline, sampled, std, mask)
 
 
+@functools.lru_cache(maxsize=16)
 def random_baseline(d_model: int, d_head: int, n_samples: int = 300, seed: int = 0) -> tuple[float, float]:
-    """(mean, std) of the composition score of random matrices with ARENA's generator.
+    """(mean, std) of the composition score of random matrices with ARENA's generator (cached per arguments).
 
     ARENA `generate_single_random_comp_score`: four [d_model, d_head] matrices with
     kaiming_uniform_(a=sqrt(5)), i.e. U(-1/sqrt(d_head), 1/sqrt(d_head)); W_A = A_l A_r^T, W_B = B_l B_r^T.
+    Each score through d_head x d_head matrices (no QR): with G_x = X^T X and M = A_r^T B_l,
+    ||W_A W_B||^2 = <G_Al M, M G_Br>, ||W_A||^2 = <G_Al, G_Ar>, ||W_B||^2 = <G_Bl, G_Br>.
     """
     if n_samples < 1:
         raise InvalidInputError(f"n_samples must be >= 1, got {n_samples}")
     gen = torch.Generator().manual_seed(seed)
-    bound = 1.0 / math.sqrt(d_head)
     chunks = []
     for start in range(0, n_samples, 32):  # chunks keep the memory at 4 x 32 x d_model x d_head
         size = min(32, n_samples - start)
-        W = (torch.rand(4, size, d_model, d_head, generator=gen, dtype=torch.float64) * 2 - 1) * bound
-        A_l, A_r, B_l, B_r = W
-        left = left_collapsed(A_l, A_r.transpose(-2, -1))  # [S, dh, d]
-        right = right_collapsed(B_l, B_r.transpose(-2, -1))  # [S, d, dh]
-        num = (left @ right).flatten(1).norm(dim=1)
-        chunks.append(num / (left.flatten(1).norm(dim=1) * right.flatten(1).norm(dim=1)))
+        # U(-bound, bound) = 2 bound (U(0, 1) - 1/2); the score does not depend on the common factor 2 bound
+        W = torch.rand(4, size, d_model, d_head, generator=gen, dtype=torch.float64).sub_(0.5)
+        G_Al, G_Ar, G_Bl, G_Br = W.transpose(-2, -1) @ W  # [S, dh, dh] each
+        M = W[1].transpose(-2, -1) @ W[2]  # A_r^T B_l [S, dh, dh]
+        num_sq = ((G_Al @ M) * (M @ G_Br)).sum((-2, -1))
+        den_sq = (G_Al * G_Ar).sum((-2, -1)) * (G_Bl * G_Br).sum((-2, -1))
+        chunks.append((num_sq.clamp_min(0) / den_sq).sqrt())
     scores = torch.cat(chunks)
     return float(scores.mean()), float(scores.std()) if n_samples > 1 else 0.0

@@ -102,3 +102,16 @@ def test_should_stop_cancels():
     model = random_model(_cfg(), seed=0, dtype=torch.float64)
     with pytest.raises(CancelledError):
         composition_scores(model, n_samples=2, should_stop=lambda: True)
+
+
+@pytest.mark.parametrize(("d_model", "block", "size"), [(48, 16, 16), (50, 16, 10), (31, 16, 31)])
+def test_gram_blocks_match_dense(d_model, block, size):
+    """The block-triangular Gram computation (several blocks, a divisor block, one full block) vs dense."""
+    from circuits_core.composition import gram_block_size, raw_composition_scores
+
+    assert gram_block_size(d_model, block) == size
+    model = random_model(_cfg(d_model=d_model, n_layers=4), seed=3, dtype=torch.float64)
+    raw = raw_composition_scores(model.W_Q, model.W_K, model.W_V, model.W_O, block=block)
+    dense = _dense_scores(model)
+    for i, kind in enumerate("qkv"):
+        torch.testing.assert_close(raw[i], dense[kind], atol=1e-12, rtol=0)
