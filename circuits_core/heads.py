@@ -95,14 +95,20 @@ def induction_targets(tokens: Tensor) -> Tensor:
     return shifted
 
 
-def pattern_detector_scores(pattern: Tensor, tokens: Tensor) -> dict[str, Tensor]:
-    """All attention-pattern detectors of one layer: pattern [batch, head, n, n], tokens [batch, n] -> {name: [head]}."""
+def pattern_detector_scores(
+    pattern: Tensor, tokens: Tensor, targets: tuple[Tensor, Tensor] | None = None
+) -> dict[str, Tensor]:
+    """All attention-pattern detectors of one layer: pattern [batch, head, n, n], tokens [batch, n] -> {name: [head]}.
+
+    targets: (duplicate_targets(tokens), induction_targets(tokens)) when already computed for these tokens.
+    """
+    dup, ind = (duplicate_targets(tokens), induction_targets(tokens)) if targets is None else targets
     return {
         "previous_token": _diag_mean(pattern, -1, 1),
         "current_token": _diag_mean(pattern, 0, 0),
         "first_token": pattern[:, :, 1:, 0].mean(dim=(0, 2)) if pattern.shape[-1] > 1 else _diag_mean(pattern, 0, 1),
-        "duplicate_token": _masked_mass(pattern, duplicate_targets(tokens)),
-        "induction": _masked_mass(pattern, induction_targets(tokens)),
+        "duplicate_token": _masked_mass(pattern, dup),
+        "induction": _masked_mass(pattern, ind),
     }
 
 
@@ -113,11 +119,22 @@ PATTERN_DETECTORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 
 
 def detector_scores(model: Transformer, tokens: Tensor) -> dict[str, Tensor]:
-    """Every pattern detector for every head from one forward pass: {name: [n_layers, n_heads]}."""
+    """Every pattern detector for every head from one forward pass: {name: [n_layers, n_heads]}.
+
+    The pass stops at the last layer's pattern (no last MLP, final LayerNorm or unembedding) and keeps only
+    the patterns.
+    """
+    L = model.cfg.n_layers
+    if L == 0:
+        return {}
+    tokens = model.check_tokens(tokens)
     with torch.no_grad():
-        _, cache = model.run(tokens, names=lambda n: n.endswith("hook_pattern"))
-    per_layer = [pattern_detector_scores(cache[f"blocks.{layer}.attn.hook_pattern"], tokens) for layer in range(model.cfg.n_layers)]
-    return {name: torch.stack([scores[name] for scores in per_layer]) for name in PATTERN_DETECTORS} if per_layer else {}
+        cache = model.run_until(tokens, f"blocks.{L - 1}.attn.hook_pattern", names=lambda n: n.endswith("hook_pattern"))
+        targets = (duplicate_targets(tokens), induction_targets(tokens))
+        per_layer = [
+            pattern_detector_scores(cache[f"blocks.{layer}.attn.hook_pattern"], tokens, targets) for layer in range(L)
+        ]
+        return {name: torch.stack([scores[name] for scores in per_layer]) for name in PATTERN_DETECTORS}
 
 
 def get_detector(name: str) -> Callable[[Tensor, Tensor], Tensor]:

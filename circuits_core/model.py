@@ -53,9 +53,14 @@ class Frozen:
     value_resid: dict[int, Tensor] = field(default_factory=dict)
 
 
+class _StopRun(Exception):
+    """Raised by the recorder right after it saw the `stop_after` hook (Transformer.run_until)."""
+
+
 class _Recorder:
-    def __init__(self, names: NameFilter):
+    def __init__(self, names: NameFilter, stop_after: str | None = None):
         self.cache: dict[str, Tensor] = {}
+        self.stop_after = stop_after
         if names is None:
             self._keep: Callable[[str], bool] = lambda _name: False
         elif callable(names):
@@ -70,6 +75,8 @@ class _Recorder:
     def __call__(self, name: str, value: Tensor) -> Tensor:
         if self._keep(name):
             self.cache[name] = value
+        if name == self.stop_after:
+            raise _StopRun
         return value
 
 
@@ -329,6 +336,29 @@ class Transformer(nn.Module):
         LayerNorm scales the logits are an affine function of it.
         """
         rec = _Recorder(names)
+        return self._forward(tokens, rec, frozen, embeddings), rec.cache
+
+    def run_until(
+        self,
+        tokens: Tensor,
+        stop_after: str,
+        names: NameFilter = None,
+        frozen: Frozen | None = None,
+        embeddings: Tensor | None = None,
+    ) -> dict[str, Tensor]:
+        """The cache of `run` up to the hook `stop_after` (included); nothing after it is computed.
+
+        E.g. stop_after="blocks.{L-1}.attn.hook_pattern" gives every pattern without the last layer's values
+        output, its MLP, ln_final and the unembedding. An unknown hook name is an error (after a full run).
+        """
+        rec = _Recorder(names, stop_after=stop_after)
+        try:
+            self._forward(tokens, rec, frozen, embeddings)
+        except _StopRun:
+            return rec.cache
+        raise InvalidInputError(f"no hook {stop_after!r} in this model's run")
+
+    def _forward(self, tokens: Tensor, rec: _Recorder, frozen: Frozen | None, embeddings: Tensor | None) -> Tensor:
         tokens = self.check_tokens(tokens)
         x0, pos = self.embed_tokens(tokens)
         if embeddings is not None:
@@ -345,7 +375,7 @@ class Transformer(nn.Module):
         logits = self.ln_final(resid, rec, frozen) @ self.W_U
         if self.cfg.use_bias:
             logits = logits + self.unembed.b_U
-        return logits, rec.cache
+        return logits
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.run(tokens)[0]

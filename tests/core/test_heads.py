@@ -103,3 +103,26 @@ def test_induction_view_uses_previous_token_head():
             ref = circuit_positivity(k_composition_circuit(model, (layer, h), (0, int(prev[0].argmax()))))
             assert abs(float(view.qk_k_composition[layer, h]) - ref) < 1e-8
     assert (view.qk_k_composition[0] == 0).all() and view.ov_copying.shape == (3, 3)
+
+
+def test_detectors_stop_early_and_match_the_full_run():
+    """detector_scores runs only up to the last pattern (run_until) and equals the detectors of a full run."""
+    import pytest
+
+    from circuits_core.errors import InvalidInputError
+
+    model = small_model(n_layers=2, n_ctx=128)
+    tokens = standard_tokens(model, seed=1)
+    _, full = model.run(tokens, names=lambda n: True)
+    stop = f"blocks.{model.cfg.n_layers - 1}.attn.hook_pattern"
+    part = model.run_until(tokens, stop, names=lambda n: True)
+    assert stop in part and "ln_final.hook_scale" not in part and "blocks.1.hook_mlp_out" not in part
+    for name, value in part.items():
+        torch.testing.assert_close(value, full[name], atol=0, rtol=0)
+    got = detector_scores(model, tokens)
+    for name, scores in got.items():
+        expected = torch.stack([pattern_detector_scores(full[f"blocks.{layer}.attn.hook_pattern"], tokens)[name]
+                                for layer in range(model.cfg.n_layers)])
+        torch.testing.assert_close(scores, expected, atol=1e-12, rtol=0, equal_nan=True)
+    with pytest.raises(InvalidInputError):
+        model.run_until(tokens, "blocks.9.attn.hook_nothing")
