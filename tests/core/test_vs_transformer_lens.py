@@ -31,7 +31,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from safetensors.torch import save_file
 from transformer_lens import FactoredMatrix as TLFactored  # the `test` extra pins transformer-lens==3.9.0
 from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -132,18 +131,28 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]
     out: dict[str, dict[str, Any]] = {}
     for i, (name, spec) in enumerate(SPECS.items()):
         model = _tl_model(spec, seed=10 + i)
-        out[name] = {"tl": _tl64(model), "raw": model.state_dict(),
-                     "pth": _write(model, root / f"{name}_pth", "pth"), "st": _write(model, root / f"{name}_st", "st")}
+        out[name] = {
+            "tl": _tl64(model),
+            "raw": model.state_dict(),
+            "pth": _write(model, root / f"{name}_pth", "pth"),
+            "st": _write(model, root / f"{name}_st", "st"),
+        }
     # A processed model, as `HookedTransformer.from_pretrained` would hold it (LNPre), written by a researcher.
     processed = _tl_model(SPECS["mlp2_std_ln"], seed=10 + list(SPECS).index("mlp2_std_ln"))
     processed.process_weights_()
     assert processed.cfg.normalization_type == "LNPre"
-    out[LNPRE] = {"tl": _tl64(processed), "raw": processed.state_dict(),
-                  "pth": _write(processed, root / f"{LNPRE}_pth", "pth"), "st": _write(processed, root / f"{LNPRE}_st", "st")}
+    out[LNPRE] = {
+        "tl": _tl64(processed),
+        "raw": processed.state_dict(),
+        "pth": _write(processed, root / f"{LNPRE}_pth", "pth"),
+        "st": _write(processed, root / f"{LNPRE}_st", "st"),
+    }
     return out
 
 
-def _load(world: dict[str, dict[str, Any]], name: str, process: bool | ProcessingOptions = False, kind: str = "pth") -> Transformer:
+def _load(
+    world: dict[str, dict[str, Any]], name: str, process: bool | ProcessingOptions = False, kind: str = "pth"
+) -> Transformer:
     return load_checkpoint(world[name][kind], dtype=torch.float64, process=process).model
 
 
@@ -212,7 +221,10 @@ def _make_processed_pair(world: dict[str, dict[str, Any]], name: str) -> tuple[T
             world[name]["tl"], fold_ln=False, center_writing_weights=False, center_unembed=False
         )
     model = _load(world, name, process=True)
-    flags = {k: bool(model.processing[k]) for k in ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases")}
+    flags = {
+        k: bool(model.processing[k])
+        for k in ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases")
+    }
     return model, _tl_processed(world[name]["tl"], **flags)
 
 
@@ -220,7 +232,10 @@ def _make_processed_pair(world: dict[str, dict[str, Any]], name: str) -> tuple[T
 def test_processed_weights_equal_tl_parameter_by_parameter(world: dict[str, dict[str, Any]], name: str) -> None:
     """fold_ln, center_writing_weights, center_unembed, fold_value_biases: qkov's weights == TL's (~1e-6)."""
     model, tl_ref = _processed_pair(world, name)
-    assert all(model.processing[k] is True for k in ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases"))
+    assert all(
+        model.processing[k] is True
+        for k in ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases")
+    )
     assert model.cfg.normalization_type == tl_ref.cfg.normalization_type == "LNPre"
     ours = model.state_dict()
     theirs = {k: v for k, v in tl_ref.state_dict().items() if not k.endswith(TL_BUFFERS)}
@@ -311,7 +326,10 @@ def test_head_detectors_match_tl_detect_head(
     # detect_head tokenises strings; give it these token ids instead (round trips through text break them).
     monkeypatch.setattr(ref, "to_tokens", lambda seq, *args, **kwargs: tokens)
     _, cache = _qkov_run(model, tokens)
-    ours = [pattern_detector_scores(cache[f"blocks.{layer}.attn.hook_pattern"], tokens) for layer in range(model.cfg.n_layers)]
+    ours = [
+        pattern_detector_scores(cache[f"blocks.{layer}.attn.hook_pattern"], tokens)
+        for layer in range(model.cfg.n_layers)
+    ]
     tl_patterns = {
         "previous_token": tl_heads.get_previous_token_head_detection_pattern(tokens),
         "duplicate_token": tl_heads.get_duplicate_token_head_detection_pattern(tokens),
