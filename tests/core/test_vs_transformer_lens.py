@@ -58,13 +58,15 @@ SPECS: dict[str, dict[str, Any]] = {
     # ARENA's 2L model: no LN, shortformer (written in float64: config.json says "torch.float64")
     "attn2_noln": {"n_layers": 2, "attn_only": True, "normalization_type": None, "positional_embedding_type": "shortformer",
                    "dtype": torch.float64},
+    "attn2_rot_ln": {"n_layers": 2, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "rotary",
+                     "rotary_dim": 4},
     "mlp2_std_ln": {"n_layers": 2, "attn_only": False, "d_mlp": 32, "act_fn": "gelu_new", "normalization_type": "LN",
                     "positional_embedding_type": "standard"},
 }  # fmt: skip
 LNPRE = "mlp2_lnpre"  # mlp2_std_ln after TL's process_weights_(), saved with normalization_type "LNPre"
 ALL = [*SPECS, LNPRE]
 MULTI = [name for name in ALL if SPECS.get(name, {"n_layers": 2})["n_layers"] > 1]
-STANDARD_LN = ["attn2_std_ln", "mlp2_std_ln"]
+STANDARD_LN = ["attn2_std_ln", "attn2_rot_ln", "mlp2_std_ln"]  # LN, positions not added after ln1
 SHORTFORMER_LN = ["attn1_sf_ln", "attn2_sf_ln", "attn3_sf_ln"]
 TOKENS = torch.randint(0, D_VOCAB, (2, 17), generator=torch.Generator().manual_seed(7))
 # LOOSE: TL rounds every weight to float32 while processing (~6e-8 relative), amplified through the layers
@@ -117,10 +119,13 @@ def _tl_model(spec: dict[str, Any], seed: int) -> HookedTransformer:
 
 
 def _tl64(model: HookedTransformer) -> HookedTransformer:
-    """A float64 copy (cfg.dtype follows)."""
-    clone = HookedTransformer(HookedTransformerConfig(**{**_config_json(model), "dtype": model.cfg.dtype}))
-    clone.load_state_dict(model.state_dict())
-    return clone.to(torch.float64).eval().requires_grad_(False)
+    """The same model built in float64 (not `.to(float64)`: TL computes its rotary tables at construction, in
+    float32 unless cfg.dtype is float64) with the saved weights loaded; rotary tables stay the float64 ones."""
+    clone = HookedTransformer(HookedTransformerConfig(**{**_config_json(model), "dtype": torch.float64}))
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith((".rotary_sin", ".rotary_cos"))}
+    missing, unexpected = clone.load_state_dict(state, strict=False)
+    assert not unexpected and all(k.endswith((".rotary_sin", ".rotary_cos")) for k in missing)
+    return clone.eval().requires_grad_(False)
 
 
 @pytest.fixture(scope="module")
