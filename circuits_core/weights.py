@@ -113,6 +113,11 @@ def _load_qkov(folder: Path, data: dict[str, Any]) -> tuple[ModelConfig, dict[st
     return _model_config(data, folder / "config.json"), state, origin, [weights]
 
 
+def _positive(value: Any) -> bool:
+    """A TransformerLens soft cap is on when it is a number > 0 (the default is -1.0)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
 def _tl_check_supported(data: dict[str, Any], path: Path) -> None:
     """Refuse HookedTransformerConfig features this model does not implement (before reading any weights)."""
     unsupported = {
@@ -126,6 +131,24 @@ def _tl_check_supported(data: dict[str, Any], path: Path) -> None:
         "scale_attn_by_inverse_layer_idx": bool(data.get("scale_attn_by_inverse_layer_idx")),
         "use_local_attn": bool(data.get("use_local_attn")),
         "d_vocab_out": data.get("d_vocab_out", -1) not in (-1, None, data.get("d_vocab")),
+        # Same weights, different computation: loading these would silently give other logits.
+        "attention_dir": data.get("attention_dir", "causal") not in ("causal", None),
+        "attn_scores_soft_cap": _positive(data.get("attn_scores_soft_cap")),
+        "output_logits_soft_cap": _positive(data.get("output_logits_soft_cap")),
+        "clip_qkv": data.get("clip_qkv") is not None,
+        "use_logn_attn": bool(data.get("use_logn_attn")),
+        "use_NTK_by_parts_rope": bool(data.get("use_NTK_by_parts_rope")),
+        "use_dynamic_ntk_rope": bool(data.get("use_dynamic_ntk_rope")),
+        "use_yarn_rope": bool(data.get("use_yarn_rope")),
+        "rotary_scaling_factor": data.get("positional_embedding_type") == "rotary"
+        and data.get("rotary_scaling_factor", 1.0) not in (1, None),
+        # Extra modules (their keys would also be refused by the state-dict check, this says why).
+        "use_qk_norm": bool(data.get("use_qk_norm")),
+        "post_embedding_ln": bool(data.get("post_embedding_ln")),
+        "use_normalization_before_and_after": bool(data.get("use_normalization_before_and_after")),
+        "use_attention_sinks": bool(data.get("use_attention_sinks")),
+        "num_experts": data.get("num_experts") not in (None, 0, 1),
+        "load_in_4bit": bool(data.get("load_in_4bit")),
     }
     bad = [f"{k}={data.get(k)!r}" for k, flag in unsupported.items() if flag]
     if bad:
@@ -137,6 +160,8 @@ def _tl_config(data: dict[str, Any], path: Path, has_bias: bool) -> ModelConfig:
     overrides: dict[str, Any] = {"use_bias": has_bias}
     if data.get("use_attn_scale") is False:
         overrides["attn_scale"] = 1.0
+    elif not _positive(data.get("attn_scale")):  # TL's unset default is -1.0 (meaning sqrt(d_head))
+        overrides["attn_scale"] = None
     if data.get("attn_only") or not data.get("d_mlp"):
         overrides.update(attn_only=True, act_fn=None)
     return _model_config(data, path, **overrides)

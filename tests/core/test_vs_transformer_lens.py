@@ -39,6 +39,7 @@ from transformer_lens import head_detector as tl_heads
 from circuits_core.circuits import full_ov_circuit, full_qk_circuit, ov_copying_scores
 from circuits_core.composition import composition_scores
 from circuits_core.config import head_name
+from circuits_core.errors import CheckpointError
 from circuits_core.heads import duplicate_targets, induction_targets, pattern_detector_scores, repeated_random_tokens
 from circuits_core.model import Transformer
 from circuits_core.paths import expand_logits
@@ -441,3 +442,35 @@ def _one_thread() -> Any:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# -- config.json fields qkov does not implement are refused, not silently ignored ----------------------
+@pytest.mark.parametrize(
+    "field, value",
+    [("attention_dir", "bidirectional"), ("attn_scores_soft_cap", 50.0), ("output_logits_soft_cap", 30.0),
+     ("clip_qkv", 8.0), ("use_logn_attn", True), ("use_NTK_by_parts_rope", True), ("use_qk_norm", True),
+     ("post_embedding_ln", True), ("use_normalization_before_and_after", True), ("num_experts", 4),
+     ("scale_attn_by_inverse_layer_idx", True), ("normalization_type", "RMS"), ("gated_mlp", True)],
+)  # fmt: skip
+def test_unimplemented_tl_features_are_refused(
+    world: dict[str, dict[str, Any]], tmp_path: Path, field: str, value: object
+) -> None:
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    config = json.loads((world["attn2_std_ln"]["pth"] / "config.json").read_text())
+    (folder / "model.pth").write_bytes((world["attn2_std_ln"]["pth"] / "model.pth").read_bytes())
+    (folder / "config.json").write_text(json.dumps({**config, field: value}))
+    with pytest.raises(CheckpointError, match=field):
+        load_checkpoint(folder, process=False)
+
+
+def test_unset_tl_attn_scale_means_sqrt_d_head(world: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+    """A hand-written config with TL's unresolved default attn_scale=-1.0 still scales by sqrt(d_head)."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    config = json.loads((world["attn2_std_ln"]["pth"] / "config.json").read_text())
+    (folder / "model.pth").write_bytes((world["attn2_std_ln"]["pth"] / "model.pth").read_bytes())
+    (folder / "config.json").write_text(json.dumps({**config, "attn_scale": -1.0}))
+    model = load_checkpoint(folder, dtype=torch.float64, process=False).model
+    assert model.cfg.scale == math.sqrt(BASE["d_head"])
+    _close(model.run(TOKENS)[0], world["attn2_std_ln"]["tl"](TOKENS), TIGHT, "logits")
