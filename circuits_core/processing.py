@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.config import ModelConfig
+from circuits_core.errors import InvalidInputError
 from circuits_core.model import Transformer
 from circuits_core.statedict import build_model
 
@@ -51,6 +52,21 @@ class ProcessingOptions:
     @classmethod
     def none(cls) -> ProcessingOptions:
         return cls(False, False, False, False)
+
+    @classmethod
+    def from_json(cls, value: object) -> ProcessingOptions:
+        """`true` / `false` (every switch) or `{"fold_ln": false, ...}` (switches not named stay on)."""
+        if isinstance(value, bool):
+            return cls() if value else cls.none()
+        if not isinstance(value, dict):
+            raise InvalidInputError(f"processing must be true, false or an object of switches, got {value!r}")
+        unknown = sorted(set(value) - set(SWITCHES))
+        if unknown:
+            raise InvalidInputError(f"unknown processing switch(es) {', '.join(unknown)}; valid: {', '.join(SWITCHES)}")
+        wrong = [k for k, v in value.items() if not isinstance(v, bool)]
+        if wrong:
+            raise InvalidInputError(f"processing switches must be true or false: {', '.join(wrong)}")
+        return cls(**value)
 
 
 def _bias_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

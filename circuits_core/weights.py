@@ -10,11 +10,17 @@ Formats (REGISTRY, keyed by `Format`):
 Every loader builds the whole state dict, `statedict.build_model` checks every key and shape, and only then is
 the model constructed (float32 by default, float64 on request), optionally processed (processing.py:
 TransformerLens's fold_ln / centring defaults). Pickle files are only read with torch.load(weights_only=True).
+
+Choosing the processing: `load_checkpoint(process=...)`, or, for callers that pass nothing (the app), a
+`qkov.json` next to config.json: `{"processing": false}` (weights as stored, e.g. to compare with
+`HookedTransformer.from_pretrained_no_processing`) or `{"processing": {"center_unembed": false}}` (switches not
+named stay on). What was applied, and what was skipped and why, is in `model.processing`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -39,6 +45,7 @@ QKOV_FORMAT_VERSION = 1
 # A loader turns (folder, parsed config.json) into (config, TransformerLens state dict, key -> file, files).
 Loader = Callable[[Path, dict[str, Any]], tuple[ModelConfig, dict[str, Tensor], dict[str, str], list[Path]]]
 HF_MODEL_TYPES: dict[str, Format] = {"gpt2": "gpt2", "gpt_neox": "gpt_neox"}
+LOAD_OPTIONS_FILE = "qkov.json"  # per-checkpoint load options (processing), next to config.json
 TL_BUFFERS = (".attn.mask", ".attn.IGNORE", ".attn.rotary_sin", ".attn.rotary_cos")
 
 
@@ -198,13 +205,33 @@ REGISTRY: dict[Format, Loader] = {
 }
 
 
+def load_options(folder: str | Path) -> ProcessingOptions | None:
+    """The processing chosen in the folder's `qkov.json` (`{"processing": false}` or `{"processing":
+    {"fold_ln": false}}`), None without that file. Unknown switches are errors, unknown top-level keys ignored."""
+    path = Path(folder) / LOAD_OPTIONS_FILE
+    if not path.is_file():
+        return None
+    data = _read_json(path)
+    try:
+        return ProcessingOptions.from_json(data.get("processing", True))
+    except InvalidInputError as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
+
+
 def load_checkpoint(
-    folder: str | Path, dtype: torch.dtype = torch.float32, process: bool | ProcessingOptions = True
+    folder: str | Path, dtype: torch.dtype = torch.float32, process: bool | ProcessingOptions | None = None
 ) -> LoadedModel:
-    """Load a checkpoint folder of any registered format; `process` applies weight processing (processing.py)."""
+    """Load a checkpoint folder of any registered format and apply weight processing (processing.py).
+
+    `process`: True (TransformerLens's defaults, every switch on), False (weights as stored), ProcessingOptions,
+    or None: the folder's qkov.json if it has one, else True. The digest covers qkov.json and, when they are not
+    the defaults, the processing switches, so differently processed loads never share a cache key.
+    """
     folder = Path(folder)
     fmt = detect_format(folder)
     data = _read_json(folder / "config.json")
+    if process is None:
+        process = load_options(folder) or True
     cfg, state, origin, files = REGISTRY[fmt](folder, data)
     tokenizer = Tokenizer.from_folder(folder, bos_token_id=cfg.bos_token_id)
     if tokenizer is not None:
@@ -222,7 +249,10 @@ def load_checkpoint(
     model = apply_options(model, options)
     card_path = folder / "model_card.json"
     card = _read_json(card_path) if card_path.is_file() else {}
-    digest = files_digest([folder / "config.json", *files])
+    options_file = [folder / LOAD_OPTIONS_FILE] if (folder / LOAD_OPTIONS_FILE).is_file() else []
+    digest = files_digest([folder / "config.json", *files, *options_file])
+    if options != ProcessingOptions():
+        digest = hashlib.sha256(f"{digest} {dataclasses.asdict(options)}".encode()).hexdigest()
     return LoadedModel(model=model, tokenizer=tokenizer, format=fmt, card=card, digest=digest, path=folder)
 
 

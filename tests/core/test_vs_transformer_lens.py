@@ -474,3 +474,31 @@ def test_unset_tl_attn_scale_means_sqrt_d_head(world: dict[str, dict[str, Any]],
     model = load_checkpoint(folder, dtype=torch.float64, process=False).model
     assert model.cfg.scale == math.sqrt(BASE["d_head"])
     _close(model.run(TOKENS)[0], world["attn2_std_ln"]["tl"](TOKENS), TIGHT, "logits")
+
+
+# -- choosing the processing: load_checkpoint(process=...) or a qkov.json next to the checkpoint -------
+def test_processing_is_chosen_by_qkov_json(world: dict[str, dict[str, Any]], tmp_path: Path) -> None:
+    source = world["attn2_std_ln"]["st"]
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (folder / name).write_bytes((source / name).read_bytes())
+    ref = world["attn2_std_ln"]["tl"]
+    default = load_checkpoint(folder, dtype=torch.float64)  # no qkov.json: TL's from_pretrained defaults
+    assert all(default.model.processing[k] is True for k in ("fold_ln", "center_writing_weights", "center_unembed"))
+    (folder / "qkov.json").write_text(json.dumps({"processing": False}))
+    raw = load_checkpoint(folder, dtype=torch.float64)  # like from_pretrained_no_processing
+    assert raw.model.cfg.normalization_type == "LN" and not any(raw.model.processing.values())
+    _close(raw.model.run(TOKENS)[0], ref(TOKENS), TIGHT, "unprocessed logits")
+    assert raw.digest != default.digest  # a different model, a different cache key
+    (folder / "qkov.json").write_text(json.dumps({"processing": {"center_unembed": False}, "note": "ignored"}))
+    partial = load_checkpoint(folder, dtype=torch.float64)
+    assert partial.model.processing["fold_ln"] is True and partial.model.processing["center_unembed"] is False
+    tl_partial = _tl_processed(ref, center_unembed=False)  # logits (not only log-probs) equal TL's
+    _close(partial.model.run(TOKENS)[0], tl_partial(TOKENS), LOOSE, "fold_ln + centring, W_U not centred")
+    assert load_checkpoint(folder, dtype=torch.float64, process=True).model.processing["center_unembed"] is True
+    assert len({raw.digest, default.digest, partial.digest}) == 3
+    for bad in ({"processing": {"fold_LN": False}}, {"processing": {"fold_ln": "no"}}, {"processing": 1}):
+        (folder / "qkov.json").write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match="qkov.json"):
+            load_checkpoint(folder)
