@@ -81,8 +81,11 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
         dv = DetectorsView.model_validate(d["detectors"])
         add(charts.lines(list(range(len(dv.loss.loss))), {"loss (nats)": dv.loss.loss}, title="loss by position on BOS + r + r",
                          x_title="position", y_title="loss"))
-        for dhp in dv.patterns[:1]:
-            add(charts.attention_heatmap(dv.tokens, dhp.pattern, f"{dhp.head} attention", height=380))
+        # the induction stripe: the pattern of the shown head with the highest induction score
+        induction = {h.head: h.induction or 0.0 for h in dv.heads}
+        for dhp in sorted(dv.patterns, key=lambda hp: -induction.get(hp.head, 0.0))[:1]:
+            add(charts.attention_heatmap(dv.tokens, dhp.pattern, f"{dhp.head} attention (induction {induction.get(dhp.head, 0.0):.2f})",
+                                         height=380))
     if "pair" in d:
         pair = CompositionPairView.model_validate(d["pair"])
         out["tables"].append((f"K-composition {pair.source} → {pair.target}", pair.k_composition.entries, pair.k_composition.row_label,

@@ -57,12 +57,15 @@ FIGURES: tuple[Figure, ...] = (
            "The direct term and the head terms add up exactly to the model's logit at the position.",
            "toy-1l", figs.paths_order1),
     Figure("F10", "QK and OV circuits of a head", "#splitting-attention-head-terms-into-circuits",
-           "The OV circuit's largest entries are mostly on the diagonal: attending to a token raises its own logit.",
+           "A copying head puts the source token itself among a row's top outputs. In toy-1l the largest raw entries are mostly "
+           "not diagonal (a few source tokens dominate the top-k): its copying shows in the eigenvalues (F17, F18) more than here.",
            "toy-1l", figs.ov_circuit),
     Figure("F11", "Copying skip-trigrams", "#interpretation-as-skip-trigrams",
-           "The source token appears among its own top outputs ([b] ... [a] -> [b]).", "toy-1l", figs.skip_trigrams),
+           "Copying skip-trigrams repeat the source ([b] ... [a] -> [b]): compare the -> out column with the source. toy-1l "
+           "copies weakly at the token level (model card: at most 29 % of a head's top skip-trigrams copy), so often they differ.", "toy-1l", figs.skip_trigrams),
     Figure("F12", "Split-token copying", "#interpretation-as-skip-trigrams",
-           "Outputs that continue the source token's fragment rather than repeat it.", "toy-1l", figs.skip_trigrams_second),
+           "Outputs that continue the source's word fragment rather than repeat it (' cre' ... -> 'ates'). This head's "
+           "strongest source mostly predicts closing punctuation; in toy-1l split-token entries top L0H7's OV circuit.", "toy-1l", figs.skip_trigrams_second),
     Figure("F13", "Abstract copying patterns", "#interpretation-as-skip-trigrams",
            "A summary diagram of the copying motifs (static)."),
     Figure("F14", "Head dump: largest QK entries", "#interpretation-as-skip-trigrams",
@@ -78,13 +81,16 @@ FIGURES: tuple[Figure, ...] = (
     Figure("F18", "Copying scores", "#summarizing-ovqk-matrices",
            "Most heads have an OV copying score sum(eig)/sum(|eig|) near +1.", "toy-1l", figs.copying_scores),
     Figure("F19", "Two-layer path expansion of a logit", "#path-expansion-of-logits",
-           "Direct, first-order and virtual-head terms sum to the logit; on repeated text an induction term dominates.",
+           "Direct, first-order and virtual-head terms sum exactly to the logit; on the second copy the induction head and "
+           "chains ending in it are among the largest terms (a head resting on BOS adds a large near-constant term too).",
            "toy-2l", figs.paths_order2),
     Figure("F20", "Two-layer QK expansion", "#path-expansion-of-attention-scores-qk-circuit",
-           "For the induction head the (embed query, previous-token-head key) K-composition term has the largest spread.",
+           "For the induction head, after the purely positional pos_embed x pos_embed term, the largest spread is the "
+           "K-composition term: token embedding on the query side, previous-token head on the key side.",
            "toy-2l", figs.qk_decomposition),
     Figure("F21", "Q-, K- and V-composition", "#analyzing-a-two-layer-model",
-           "K-composition is the strongest: the induction heads read the previous-token head in their keys.",
+           "In K-composition one row stands out: the induction heads read the previous-token head in their keys. "
+           "Q-composition is as large here, but spread over many pairs rather than one circuit.",
            "toy-2l", figs.composition),
     Figure("F22", "Value-weighted attention", "#analyzing-a-two-layer-model",
            "Induction heads show off-diagonal stripes on repeated text; resting positions shrink when weighted.",
@@ -98,7 +104,8 @@ FIGURES: tuple[Figure, ...] = (
            "The K-composition token circuit is largest on its diagonal: a query matches keys whose previous token is the same.",
            "toy-2l", figs.k_composition),
     Figure("F26", "Eigenvalue positivity of OV and QK (K-composition term)", "#checking-the-mechanistic-theory",
-           "Induction heads sit in the corner where both the OV copying score and the K-composition positivity are near +1.",
+           "Induction heads sit in the corner where both the OV copying score and the K-composition positivity are near +1 "
+           "(necessary, not sufficient: other copying heads can sit near it; compare their induction scores).",
            "toy-2l", figs.positivity_scatter),
     Figure("F27", "Term importance by path order", "#term-importance-analysis",
            "The direct path and first-order terms carry most of the loss reduction; virtual heads add little.",

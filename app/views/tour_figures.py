@@ -44,8 +44,17 @@ def _best(heads: list[HeadScores], field: str, layer: int | None = None) -> str:
     return max(pool, key=lambda h: getattr(h, field)).head
 
 
+# The head scores of the last models seen: one tour asks for them in 7 figures per model (detector runs).
+_HEADS_SEEN: dict[int, tuple[LoadedModel, list[HeadScores]]] = {}
+
+
 def _heads(loaded: LoadedModel) -> list[HeadScores]:
-    return build_heads_view(loaded).heads
+    seen = _HEADS_SEEN.get(id(loaded))
+    if seen is None or seen[0] is not loaded:  # the model object itself is kept, so its id cannot be reused
+        if len(_HEADS_SEEN) >= 8:
+            _HEADS_SEEN.clear()
+        seen = _HEADS_SEEN[id(loaded)] = (loaded, build_heads_view(loaded).heads)
+    return seen[1]
 
 
 def _copying_heads(loaded: LoadedModel) -> list[str]:
