@@ -23,11 +23,21 @@ PALETTE = ["#4c78a8", "#f58518", "#54a24b", "#b279a2", "#9d755d", "#72b7b2"]
 POS_COLOR = "#2166ac"
 NEG_COLOR = "#b2182b"
 GREY = "#8a94a1"
+# A horizontal legend above the plot, right-aligned: below it, it would cover the x-axis title.
+LEGEND_TOP = {"orientation": "h", "x": 1, "xanchor": "right", "y": 1.0, "yanchor": "bottom"}
 
 
-def visible(text: str) -> str:
-    """A token as it appears on chart axes: whitespace shown (· space, ⏎ newline, ⇥ tab)."""
-    return (text.replace(" ", "·").replace("\n", "⏎").replace("\t", "⇥")) or "∅"
+# Whitespace and control characters drawn visibly: · space, ⏎ newline, ⇥ tab, ␍ carriage return, the Unicode
+# control pictures (␀ … ␟, ␡) for the other C0 controls and DEL, ⍽ no-break space, \x80-style escapes for C1.
+VISIBLE = {" ": "·", "\n": "⏎", "\t": "⇥", "\r": "␍", "\x7f": "␡", "\xa0": "⍽",
+           **{chr(c): chr(0x2400 + c) for c in range(0x20) if chr(c) not in "\n\t\r"},
+           **{chr(c): f"\\x{c:02x}" for c in range(0x80, 0xA0)}}
+VISIBLE_TABLE = str.maketrans(VISIBLE)
+
+
+def visible(text: str | None) -> str:
+    """A token as the dashboard shows it (axes, tables): whitespace and control characters visible, ∅ if empty."""
+    return text.translate(VISIBLE_TABLE) if text else "∅"
 
 
 def unique_labels(labels: Sequence[str]) -> list[str]:
@@ -82,10 +92,14 @@ def heatmap(
     trace["hovertemplate"] = (hover or "%{y} · %{x}<br>%{z:.4f}") + "<extra></extra>"
     if text_in_cells:
         trace.update(texttemplate="%{z:.2f}", textfont={"size": 11})
+    # numbered axes (positions) of many categories: a tick every few, so the numbers do not run together
+    x_step = {"dtick": -(-len(x) // 16)} if len(x) > 24 and all(label.isdigit() for label in x) else {}
+    y_step = {"dtick": -(-len(y) // 16)} if len(y) > 24 and all(label.isdigit() for label in y) else {}
     layout: dict[str, Any] = {
         "title": {"text": title, "x": 0, "font": {"size": 13}},
-        "xaxis": _axis(x_title, type="category", side="bottom", tickangle=-45 if len(x) > 6 and max(map(len, x), default=0) > 2 else 0),
-        "yaxis": _axis(y_title, type="category", autorange="reversed" if reversed_y else True),
+        "xaxis": _axis(x_title, type="category", side="bottom", tickangle=-45 if len(x) > 6 and max(map(len, x), default=0) > 2 else 0,
+                       **x_step),
+        "yaxis": _axis(y_title, type="category", autorange="reversed" if reversed_y else True, **y_step),
     }
     if height:
         layout["height"] = height
@@ -180,7 +194,7 @@ def complex_scatter(points: Sequence[tuple[float, float]], *, title: str = "", n
         "data": data,
         "layout": {
             "title": {"text": title, "x": 0, "font": {"size": 13}},
-            "xaxis": _axis("Re λ", zeroline=True, zerolinecolor="#999"),
+            "xaxis": _axis("Re λ", zeroline=True, zerolinecolor="#999", rangemode="tozero"),  # the origin always shows
             "yaxis": _axis("Im λ", zeroline=True, zerolinecolor="#999", scaleanchor="x"),
             "showlegend": bool(null),
         },
@@ -222,7 +236,7 @@ def grouped_bars(categories: Sequence[str], series: Mapping[str, Sequence[float]
     ]
     return {"data": data, "layout": {"title": {"text": title, "x": 0, "font": {"size": 13}}, "barmode": "group",
                                      "xaxis": _axis(x_title, type="category"), "yaxis": _axis(y_title),
-                                     "legend": {"orientation": "h", "y": -0.25}}}
+                                     "legend": LEGEND_TOP if x_title else {"orientation": "h", "y": -0.25}}}
 
 
 def lines(x: Sequence[float], series: Mapping[str, Sequence[float | None]], *, title: str = "", x_title: str = "", y_title: str = "",
@@ -234,7 +248,7 @@ def lines(x: Sequence[float], series: Mapping[str, Sequence[float | None]], *, t
     shapes = [{"type": "line", "x0": v, "x1": v, "yref": "paper", "y0": 0, "y1": 1, "line": {"color": "#999", "dash": "dot", "width": 1}}
               for v in vlines]
     return {"data": data, "layout": {"title": {"text": title, "x": 0, "font": {"size": 13}}, "xaxis": _axis(x_title),
-                                     "yaxis": _axis(y_title), "shapes": shapes, "legend": {"orientation": "h", "y": -0.2}}}
+                                     "yaxis": _axis(y_title), "shapes": shapes, "legend": LEGEND_TOP if x_title else {"orientation": "h", "y": -0.2}}}
 
 
 # -- figures of whole views (shared by the pages and the paper tour) -------------------------------------

@@ -37,6 +37,10 @@
     var name = el.dataset.name || "qkov-chart";
     var target = document.createElement("div");
     target.className = "chart-canvas";
+    // a figure with its own height sizes its box (no blank band under a short heatmap in a tall box)
+    if (fig.layout && fig.layout.height) {
+      el.style.minHeight = target.style.minHeight = fig.layout.height + "px";
+    }
     el.appendChild(target);
     var layout = Object.assign({
       margin: { l: 60, r: 20, t: 36, b: 48 },

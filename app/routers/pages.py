@@ -43,6 +43,7 @@ API = "/api/v1"
 templates = Jinja2Blocks(directory=str(REPO_ROOT / "templates"))
 # The shared macros as a global `m`: a top-level {% import %} is not run when a single block is rendered.
 templates.env.policies["json.dumps_kwargs"] = {"separators": (",", ":")}  # compact figure JSON
+templates.env.filters["visible"] = charts.visible  # tokens shown with whitespace and control characters visible
 templates.env.globals["m"] = templates.env.get_template("_macros.html").module
 
 # The head scores the overview heatmap can show: key -> (label, signed)
@@ -171,6 +172,19 @@ async def composition_partners(loaded: LoadedModel, name: str, top: int = 6) -> 
     return sorted(rows, key=lambda r: -r["minus_baseline"])[:top]
 
 
+def training_curve(card: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The model card's evaluation history as loss curves (train and validation loss against the step)."""
+    history = (card or {}).get("history")
+    if not isinstance(history, list) or not all(isinstance(r, dict) and "step" in r for r in history) or len(history) < 2:
+        return None
+    series = {name: [r.get(key) for r in history] for key, name in (("train_loss", "train loss"), ("val_loss", "validation loss"))
+              if any(isinstance(r.get(key), (int, float)) for r in history)}
+    if not series:
+        return None
+    return charts.lines([r["step"] for r in history], series, title="training curve (model card history)", x_title="step",
+                        y_title="loss (nats)")
+
+
 def head_charts(view: HeadView) -> dict[str, Any]:
     figs: dict[str, Any] = {
         "ov_eig": charts.complex_scatter([(c.re, c.im) for c in view.ov_eigenvalues],
@@ -226,7 +240,8 @@ def build_router(settings: Settings) -> APIRouter:
                     title=f"OV copying vs K-composition positivity with previous-token head {data['previous_token_head']}",
                     x_title="OV copying score (Σλ/Σ|λ|)", y_title="K-composition positivity", links=[f"/models/{entry.id}/heads/{p['head']}" for p in pts])
         return render(request, "overview.html", {**ctx, "summary": summary, "heads": heads, "score": score, "scores": SCORES,
-                                                 "fig": fig, "scatter": scatter}, blocks=("heads_panel",))
+                                                 "fig": fig, "scatter": scatter, "card_fig": training_curve(summary.card)},
+                      blocks=("heads_panel",))
 
     @router.get("/models/{model}/heads/{head}")
     async def head_page(request: Request, registry: RegistryDep, loaded: LoadedModelDep, limits: LimitsDep, model: str, head: str,
