@@ -20,11 +20,13 @@ from app.routers.api import Params, cache_key, split_heads
 from app.routers.pages import API, attempt, page_context, render, url
 from app.settings import Settings
 from app.views.composition import build_composition_pair_view, build_composition_view
+from app.views.heads import build_heads_view
 from app.views.path import build_path_view
 from app.views.prompt import build_paths_view, build_prompt_view
 from app.views.qk_paths import build_qk_paths_view
 from app.views.term_importance import build_term_importance_view
 from app.views.tour_figures import REPEATED
+from circuits_core.weights import LoadedModel
 
 # The prompt a page starts with: repeated code, where induction heads have something to do.
 DEFAULT_PROMPT = REPEATED
@@ -33,6 +35,21 @@ DEFAULT_PROMPT = REPEATED
 def default_heads(n_layers: int, n_heads: int, count: int) -> list[str]:
     """One head of each layer (H0), up to `count`: a starting point for the pattern and chain views."""
     return [f"L{layer}H0" for layer in range(n_layers)][: max(1, count)] if n_heads else []
+
+
+async def suggested_heads(loaded: LoadedModel, count: int) -> list[str]:
+    """Where a researcher starts on a model of 2+ layers: the previous-token head of layer 0 and the strongest
+    induction head of the last layer (detector scores of the overview, cached); else `default_heads`."""
+    cfg = loaded.model.cfg
+    fallback = default_heads(cfg.n_layers, cfg.n_heads, count)
+    if cfg.n_layers < 2 or count < 2:
+        return fallback
+    view, _ = await attempt(build_heads_view, loaded, key=cache_key(loaded, "heads"))
+    first = [h for h in (view.heads if view else []) if h.layer == 0 and h.previous_token is not None]
+    last = [h for h in (view.heads if view else []) if h.layer == cfg.n_layers - 1 and h.induction is not None]
+    if not first or not last:
+        return fallback
+    return [max(first, key=lambda h: h.previous_token).head, max(last, key=lambda h: h.induction).head]
 
 
 def build_router(settings: Settings) -> APIRouter:
@@ -79,8 +96,7 @@ def build_router(settings: Settings) -> APIRouter:
                           target: str | None = token_q(), contrast: str | None = token_q(), max_order: int = max_order_q(),
                           k: int = p.k(20)) -> Response:
         prompt = prompt if prompt else DEFAULT_PROMPT
-        cfg = loaded.model.cfg
-        head_list = split_heads(heads) or default_heads(cfg.n_layers, cfg.n_heads, limits.max_heads)
+        head_list = split_heads(heads) or await suggested_heads(loaded, limits.max_heads)
         heads_str = ",".join(head_list)
         target, contrast = target or None, contrast or None
         state = {"prompt": prompt, "heads": heads_str, "weighted": "true" if weighted else None, "position": position,
@@ -118,9 +134,8 @@ def build_router(settings: Settings) -> APIRouter:
     async def chain_page(request: Request, registry: RegistryDep, loaded: LoadedModelDep, limits: LimitsDep, model: str,
                          heads: str | None = p.heads(), prompt: str | None = p.prompt(), target: str | None = token_q(),
                          k: int = p.k(20)) -> Response:
-        cfg = loaded.model.cfg
         prompt = prompt if prompt else DEFAULT_PROMPT
-        head_list = split_heads(heads) or default_heads(cfg.n_layers, cfg.n_heads, min(2, limits.max_order))
+        head_list = split_heads(heads) or await suggested_heads(loaded, min(2, limits.max_order))
         target = target or None
         view, error = await attempt(build_path_view, loaded, limits, head_list, prompt, None, target, k)
         heads_str = ",".join(view.heads if view else head_list)
@@ -147,7 +162,8 @@ def build_router(settings: Settings) -> APIRouter:
                             head: str | None = Query(None, max_length=16), prompt: str | None = p.prompt(), k: int = p.k(6)) -> Response:
         cfg = loaded.model.cfg
         prompt = prompt if prompt else DEFAULT_PROMPT
-        head = head or (f"L{cfg.n_layers - 1}H0" if cfg.n_layers else "L0H0")
+        if not head:  # the induction head of a 2+ layer model, else H0 of the last layer
+            head = (await suggested_heads(loaded, 2))[-1] if cfg.n_layers else "L0H0"
         view, error = await attempt(build_qk_paths_view, loaded, limits, head, prompt, None, k)
         json_url = url(f"{API}/models/{model}/qk-paths", head=head, prompt=prompt, k=k)
         ctx = await page_context(request, registry, f"QK paths of {head} · {model}", json_url, model, "qk-paths")
