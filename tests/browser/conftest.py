@@ -1,8 +1,9 @@
 """Browser-test fixtures: a real uvicorn server on 127.0.0.1 (free port, in a thread) serving tiny random
 models, and Debian's chromium driven by Playwright (`playwright install` cannot download browsers here).
 
-Every page opened through the `page` fixture records each request; at teardown the test fails if any URL
-left localhost. Screenshots go to artifacts/screenshots/ (gitignored).
+`shipped_server` serves the real shipped checkpoints (toy-0l, toy-1l, toy-2l) for the screenshot pass. Every
+page opened through the `page` (or `shipped_page`) fixture records each request; at teardown the test fails if
+any URL left localhost or a JavaScript error was thrown. Screenshots go to artifacts/screenshots/ (gitignored).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-q
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 SCREENSHOTS = ARTIFACTS / "screenshots"
+SHIPPED = ARTIFACTS.parent / "checkpoints"
 VIEWPORT = {"width": 1280, "height": 800}
 
 
@@ -42,6 +44,34 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def serve(settings: Settings) -> Iterator[str]:
+    """Base URL of a live uvicorn server (in a thread) on `settings`; stops at the end."""
+    app = create_app(settings)
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def shipped_server() -> Iterator[str]:
+    """A live server on the real shipped checkpoints (default settings), for the screenshot pass."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"browser tests need {CHROMIUM} (make browser-deps)")
+    if not (SHIPPED / "toy-2l").exists():
+        pytest.skip("the shipped checkpoints are not in this tree")
+    yield from serve(Settings(shipped_dir=SHIPPED))
 
 
 @pytest.fixture(scope="session")
@@ -60,20 +90,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     save_qkov(root / "toy-0l", ModelConfig(n_layers=0, d_model=32, n_heads=2, d_head=8, d_vocab=V, n_ctx=64,
                                             positional_embedding_type="standard"), tok, seed=3)
     limits = Limits(max_prompt_tokens=64, max_k=50, max_heads=4, max_batch=8, max_seq_len=30, matrix_budget_bytes=16 * 2**20)
-    app = create_app(Settings(shipped_dir=root, dtype="float32", limits=limits))
-    port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    srv.should_exit = True
-    thread.join(timeout=10)
+    yield from serve(Settings(shipped_dir=root, dtype="float32", limits=limits))
 
 
 @pytest.fixture(scope="session")
@@ -89,7 +106,17 @@ def browser() -> Iterator[object]:
 @pytest.fixture
 def page(browser, server: str) -> Iterator[object]:  # noqa: ANN001
     """A fresh context (empty cache) at 1280x800; asserts at teardown that no request left 127.0.0.1."""
-    context = browser.new_context(viewport=VIEWPORT, base_url=server)
+    yield from checked_page(browser, server)
+
+
+@pytest.fixture
+def shipped_page(browser, shipped_server: str) -> Iterator[object]:  # noqa: ANN001
+    """The same on the server of the real shipped models."""
+    yield from checked_page(browser, shipped_server)
+
+
+def checked_page(browser, base_url: str) -> Iterator[object]:  # noqa: ANN001
+    context = browser.new_context(viewport=VIEWPORT, base_url=base_url)
     pg = context.new_page()
     urls: list[str] = []
     errors: list[str] = []
