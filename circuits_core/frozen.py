@@ -133,11 +133,20 @@ def head_ov_apply(model: Transformer, layer: int, w: Tensor, W_V_eff: Tensor | N
     """Pull readout vectors back through every head of a layer (column side of W_OV).
 
     w [P, d_model] -> (g [H, P, d_head] = W_O w, w' [H, P, d_model] = C diag(w_ln) W_V g): for any source
-    rows X, (X C diag(w_ln) W_V W_O) . w = X . w'. W_V_eff: reading_weights(model, layer, "W_V") if known.
+    rows X, (X C diag(w_ln) W_V W_O) . w = X . w'. W_V_eff: reading_weights(model, layer, "W_V") if known;
+    otherwise the LayerNorm weight scales w' (cheaper than scaling W_V when P is small).
     """
-    W_V_eff = reading_weights(model, layer, "W_V") if W_V_eff is None else W_V_eff
-    g = torch.einsum("hed,pd->hpe", attention(model, layer).W_O, w)
-    w_new = centre(model, torch.einsum("hde,hpe->hpd", W_V_eff, g))
+    attn = attention(model, layer)
+    g = torch.matmul(w, attn.W_O.transpose(-2, -1))  # [H, P, dh]
+    if W_V_eff is None:
+        w_new = torch.matmul(g, attn.W_V.transpose(-2, -1))  # [H, P, d]
+        ln_w = ln_weight(model, f"blocks.{layer}.ln1")
+        if ln_w is not None:
+            w_new.mul_(ln_w)
+    else:
+        w_new = torch.matmul(g, W_V_eff.transpose(-2, -1))
+    if has_ln(model):
+        w_new.sub_(w_new.mean(-1, keepdim=True))  # centre
     return g, w_new
 
 

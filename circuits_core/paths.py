@@ -36,12 +36,13 @@ from circuits_core.config import head_name
 from circuits_core.errors import CancelledError, InvalidInputError, LimitExceededError
 from circuits_core.frozen import (
     FrozenRun,
+    attention,
     centre,
     embed_source,
     frozen_run,
     head_ov_apply,
     layer_bias,
-    reading_weights,
+    ln_weight,
     readout,
 )
 from circuits_core.model import Transformer
@@ -125,40 +126,88 @@ def _positions(positions: int | Sequence[int] | None, n: int, device: torch.devi
     return pos % n
 
 
-class _Expander:
-    """Accumulates terms; one instance per expansion."""
+def _as_slice(idx: list[int]) -> slice | list[int]:
+    """An arithmetic progression of indices as a slice (a view when indexing), else the list."""
+    if len(idx) == 1 or (len(idx) > 1 and all(b - a == idx[1] - idx[0] > 0 for a, b in zip(idx, idx[1:], strict=False))):
+        return slice(idx[0], idx[-1] + 1, idx[1] - idx[0] if len(idx) > 1 else 1)
+    return idx
 
-    def __init__(self, model: Transformer, run: FrozenRun, sources: list[_Source], by_source: bool):
+
+class _Expander:
+    """Accumulates terms; one instance per expansion.
+
+    Sources are batched: the sequence sources ([n, d_model]: the embedding, MLP outputs) are stacked into one
+    [S, n, d_model] tensor, the constant ones (biases) into [S', d_model]. Sources are listed by the layer where
+    they enter, so the sources that can start suffixes at a layer are a prefix of each stack.
+    """
+
+    def __init__(self, model: Transformer, run: FrozenRun, sources: list[_Source], by_source: bool, max_order: int,
+                 q: int):
         self.model, self.run, self.sources, self.by_source = model, run, sources, by_source
         self.paths: list[tuple[str, ...]] = []
         self.orders: list[int] = []
-        self.chunks: list[Tensor] = []  # [P, q, n] or [P, q]
-        self._values_cache: dict[tuple[int, int], Tensor] = {}
-        self.W_V = [reading_weights(model, layer, "W_V") for layer in range(model.cfg.n_layers)]  # [H, d, dh] each
+        entries = [src.entry for src in sources]
+        if entries != sorted(entries):
+            raise AssertionError("path sources must be ordered by entry layer")
+        # every term, plus one row for the unembedding bias: [T + 1, q, n] (by source) or [T + 1, q]
+        self.n_terms = _term_count(entries, model.cfg.n_layers, model.cfg.n_heads, max_order)
+        shape = (self.n_terms + 1, q, run.n) if by_source else (self.n_terms + 1, q)
+        self.values = torch.empty(shape, dtype=model.dtype, device=model.device)
+        self.offset = 0
+        self.const = [s for s, src in enumerate(sources) if src.name and src.name[0].startswith("bias:")]
+        self.seq = [s for s in range(len(sources)) if s not in self.const]
+        self.X_seq = torch.stack([sources[s].X for s in self.seq])  # [S, n, d]
+        self.X_const = torch.stack([sources[s].X[0] for s in self.const]) if self.const else None  # [S', d]
+        self._values_cache: dict[int, Tensor] = {}
 
-    def source_values(self, s: int, layer: int) -> Tensor:
-        """(X_s C diag(w_ln) W_V^{layer}) [n or 1, H, d_head], cached."""
-        key = (s, layer)
-        if key not in self._values_cache:
-            X = centre(self.model, self.sources[s].X)
-            self._values_cache[key] = torch.einsum("nd,hde->nhe", X, self.W_V[layer])
-        return self._values_cache[key]
+    def layer_values(self, layer: int, count: int) -> Tensor:
+        """(X_s C diag(w_ln) W_V^h) of the first `count` sequence sources, [H, count * n, d_head], cached."""
+        if layer not in self._values_cache or self._values_cache[layer].shape[1] < count * self.run.n:
+            X = centre(self.model, self.X_seq[:count]).flatten(0, 1)  # [count*n, d]
+            w = ln_weight(self.model, f"blocks.{layer}.ln1")
+            self._values_cache[layer] = torch.matmul(X * w if w is not None else X, attention(self.model, layer).W_V)
+        return self._values_cache[layer][:, : count * self.run.n]
 
     def emit(self, order: int, first_layer: int, names: list[tuple[str, ...]], coef: Tensor, w: Tensor,
              g: Tensor | None = None) -> None:
         """Terms of every source that can start these suffixes. coef [P, q, n], w [P, d]; g [H, P0, d_head]
         (W_O w before the heads of `first_layer` were prepended, P = H * P0) enables the cheap dot."""
-        for s, src in enumerate(self.sources):
-            if src.entry > first_layer:
-                continue
-            if g is not None and g.shape[1] > g.shape[2]:
-                dots = torch.einsum("nhe,hpe->hpn", self.source_values(s, first_layer), g).flatten(0, 1)  # [P, n]
+        valid = [s for s, src in enumerate(self.sources) if src.entry <= first_layer]
+        seq = [i for i, s in enumerate(valid) if s not in self.const]
+        const = [i for i, s in enumerate(valid) if s in self.const]
+        P, q, n = coef.shape
+        out = self.values[self.offset : self.offset + len(valid) * P].view(len(valid), P, *self.values.shape[1:])
+        self.offset += len(valid) * P
+        if seq:
+            S = len(seq)
+            if g is not None and g.shape[1] > g.shape[2]:  # through the values of the first head (d_head < P0)
+                V = self.layer_values(first_layer, S)  # [H, S*n, dh]
+                H, P0 = g.shape[0], g.shape[1]
+                dots = torch.matmul(g, V.transpose(-2, -1)).view(H, P0, S, n).permute(2, 0, 1, 3).flatten(1, 2)
             else:
-                dots = w @ src.X.T  # [P, n or 1]
-            terms = coef * dots[:, None, :]  # [P, q, n]
-            self.chunks.append(terms if self.by_source else terms.sum(-1))
-            self.paths.extend(src.name + nm for nm in names)
-            self.orders.extend([order] * len(names))
+                dots = (self.X_seq[:S].flatten(0, 1) @ w.T).view(S, n, P).transpose(1, 2)  # [S, P, n]
+            self._terms(coef, dots, out, seq)
+        if const:
+            assert self.X_const is not None
+            dots_c = (self.X_const[: len(const)] @ w.T)[:, :, None]  # [S', P, 1]
+            self._terms(coef, dots_c, out, const)
+        for s in valid:
+            self.paths.extend(self.sources[s].name + nm for nm in names)
+        self.orders.extend([order] * (len(names) * len(valid)))
+
+    def _terms(self, coef: Tensor, dots: Tensor, out: Tensor, rows: list[int]) -> None:
+        """out[rows] = coef [P, q, n] * dots [S, P, n or 1] (summed over sources positions unless by_source)."""
+        index = _as_slice(rows)
+        if self.by_source:
+            terms = coef[None] * dots[:, :, None, :]  # [S, P, q, n]
+        elif dots.shape[-1] == 1:
+            terms = coef.sum(-1)[None] * dots  # [S, P, q]
+        else:
+            terms = torch.einsum("pqn,spn->spq", coef, dots)
+        if isinstance(index, slice):
+            out[index] = terms
+        else:
+            out.index_copy_(0, torch.tensor(index, device=out.device), terms)
 
 
 def expand_logits(
@@ -194,42 +243,50 @@ def expand_logits(
     with torch.no_grad():
         r, const = readout(model, target)
         inv_f = run.inv_scale("ln_final")
-        exp = _Expander(model, run, path_sources(model, run), by_source)
+        exp = _Expander(model, run, path_sources(model, run), by_source, max_order, q)
         coef0 = torch.zeros(1, q, n, dtype=model.dtype, device=model.device)
         coef0[0, torch.arange(q), dest] = inv_f[dest]
-        # suffix groups by order: list of (first_layer, names, coef [P, q, n], w [P, d])
-        groups: list[list[tuple[int, list[tuple[str, ...]], Tensor, Tensor]]] = [[(L, [()], coef0, r[None])]]
         exp.emit(0, L, [()], coef0, r[None])
+        # Suffixes of the previous order, concatenated in decreasing order of their first layer, so the ones that
+        # start after `layer` are a prefix: names, coef [P, q, n], w [P, d], and the first layer of each.
+        names_prev: list[tuple[str, ...]] = [()]
+        coef_prev, w_prev, first_prev = coef0, r[None], [L]
         for order in range(1, max_order + 1):
-            new: list[tuple[int, list[tuple[str, ...]], Tensor, Tensor]] = []
+            names_new_all: list[tuple[str, ...]] = []
+            coefs, ws, firsts = [], [], []
             for layer in range(L - 1, -1, -1):
                 if should_stop is not None and should_stop():
                     raise CancelledError("path expansion cancelled")
-                later = [grp for grp in groups[order - 1] if grp[0] > layer]
-                if not later:
+                P0 = sum(1 for f in first_prev if f > layer)
+                if P0 == 0:
                     continue
-                names = [nm for grp in later for nm in grp[1]]
-                coef = torch.cat([grp[2] for grp in later])  # [P0, q, n]
-                w = torch.cat([grp[3] for grp in later])  # [P0, d]
+                names, coef, w = names_prev[:P0], coef_prev[:P0], w_prev[:P0]  # [P0, q, n], [P0, d]
                 A = run.patterns[layer]  # [H, n, n]
                 inv = run.inv_scale(f"blocks.{layer}.ln1")  # [n]
-                coef_new = (torch.einsum("pqi,hij->hpqj", coef, A) * inv).flatten(0, 1)  # [H*P0, q, n]
-                g, w_new = head_ov_apply(model, layer, w, exp.W_V[layer])  # [H, P0, dh], [H, P0, d]
+                coef_new = torch.matmul(coef.reshape(P0 * q, n), A).mul_(inv).view(H * P0, q, n)  # [H*P0, q, n]
+                g, w_new = head_ov_apply(model, layer, w)  # [H, P0, dh], [H, P0, d]
                 names_new = [(head_name(layer, h),) + nm for h in range(H) for nm in names]
                 w_new = w_new.flatten(0, 1)
                 exp.emit(order, layer, names_new, coef_new, w_new, g)
-                new.append((layer, names_new, coef_new, w_new))
-            groups.append(new)
-        values_all = torch.cat(exp.chunks)  # [T, q, n] or [T, q]
-        values = values_all.sum(-1) if by_source else values_all
-        # the order-0 term of the final biases
-        values = torch.cat([values, const.expand(1, q)])
+                names_new_all += names_new
+                coefs.append(coef_new)
+                ws.append(w_new)
+                firsts += [layer] * len(names_new)
+            if not coefs:
+                break
+            names_prev, first_prev = names_new_all, firsts
+            coef_prev, w_prev = torch.cat(coefs), torch.cat(ws)
+        assert exp.offset == exp.n_terms
+        values_all = exp.values  # [T + 1, q, n] or [T + 1, q]; the last row: the order-0 term of the final biases
+        if by_source:
+            values_all[-1] = 0
+            values_all[-1, torch.arange(q), dest] = const
+            values = values_all.sum(-1)
+        else:
+            values = values_all
+            values[-1] = const
         paths = exp.paths + [("bias:unembed",)]
         orders = torch.tensor(exp.orders + [0], dtype=torch.long, device=model.device)
-        if by_source:
-            extra = values_all.new_zeros(1, q, n)
-            extra[0, torch.arange(q), dest] = const
-            values_all = torch.cat([values_all, extra])
         actual = _actual_value(run.logits[dest], target)
         remainder = actual - values.sum(0)
     return PathExpansion(dest, target, max_order, paths, orders, values, values_all if by_source else None,
@@ -242,6 +299,18 @@ def _actual_value(logits: Tensor, target: Target) -> Tensor:
         return logits[:, target]
     a, b = target
     return logits[:, a] - logits[:, b]
+
+
+def _term_count(entries: list[int], L: int, H: int, max_order: int) -> int:
+    """Exact number of (source, suffix) terms: sources enter at `entries`, suffixes up to max_order heads."""
+    total = len(entries)  # order 0: every source
+    prev = {L: 1}  # first layer -> number of suffixes of the previous order
+    for _ in range(max_order):
+        new = {layer: H * sum(c for f, c in prev.items() if f > layer) for layer in range(L)}
+        new = {layer: c for layer, c in new.items() if c}
+        total += sum(c * sum(1 for e in entries if e <= layer) for layer, c in new.items())
+        prev = new
+    return total
 
 
 def _count_suffixes(L: int, H: int, max_order: int) -> int:
