@@ -27,11 +27,11 @@ GREY = "#8a94a1"
 LEGEND_TOP = {"orientation": "h", "x": 1, "xanchor": "right", "y": 1.0, "yanchor": "bottom"}
 
 
-# Whitespace and control characters drawn visibly: · space, ⏎ newline, ⇥ tab, ␍ carriage return, the Unicode
-# control pictures (␀ … ␟, ␡) for the other C0 controls and DEL, ⍽ no-break space, \x80-style escapes for C1.
-VISIBLE = {" ": "·", "\n": "⏎", "\t": "⇥", "\r": "␍", "\x7f": "␡", "\xa0": "⍽",
-           **{chr(c): chr(0x2400 + c) for c in range(0x20) if chr(c) not in "\n\t\r"},
-           **{chr(c): f"\\x{c:02x}" for c in range(0x80, 0xA0)}}
+# Whitespace and control characters drawn visibly: · space, ⏎ newline, ⇥ tab, and an ASCII escape (\r, \x0c,
+# \x7f, \x85, \xa0) for every other control character and the no-break space (the Unicode control pictures
+# are missing from common monospace fonts and would show as empty boxes).
+VISIBLE = {" ": "·", "\n": "⏎", "\t": "⇥", "\r": "\\r",
+           **{chr(c): f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA1)] if chr(c) not in "\n\t\r"}}
 VISIBLE_TABLE = str.maketrans(VISIBLE)
 
 
