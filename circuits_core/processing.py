@@ -14,9 +14,13 @@ False plus `"<switch>_skipped": reason`):
   into W_Q/W_K would also scale the positional path (TransformerLens skips it too).
 - center_writing_weights: subtract the d_model mean from W_E, W_pos (standard positions only), W_O, b_O,
   W_out, b_out. Exact only because every reader of the residual stream is a LayerNorm that centres first;
-  skipped for models without LayerNorm. Shortformer W_pos is not in the residual stream and is left alone.
+  skipped for models without LayerNorm.
 - center_unembed: W_U <- W_U - mean over vocab, b_U likewise: every logit at a position moves by the same
   amount, so log-probs are unchanged.
+- Shortformer models (the paper's): like TransformerLens's from_pretrained, neither centring is applied.
+  Both are exact for log-probs, but they change circuit numbers: centring W_U subtracts a rank-one term
+  from every full OV circuit W_E W_OV W_U, which moves its eigenvalue copying score (on toy-2l, L0H0 goes
+  from 0.97 to 0.28), so qkov's numbers would stop agreeing with TransformerLens's on the paper's models.
 - fold_value_biases: each attention row sums to 1, so b_V^h contributes the constant b_V^h W_O^h to every
   position: b_O <- b_O + sum_h b_V^h W_O^h, b_V <- 0.
 
@@ -122,7 +126,16 @@ def _fold_ln(cfg: ModelConfig, sd: State, record: dict[str, bool | str]) -> Mode
     return dataclasses.replace(cfg, normalization_type="LNPre", use_bias=use_bias)
 
 
+SHORTFORMER_SKIP = (
+    "shortformer model: TransformerLens's from_pretrained turns this off for shortformer models, and qkov "
+    "follows it so circuit numbers (e.g. OV eigenvalue copying scores, which centring changes) agree"
+)
+
+
 def _center_writing_weights(cfg: ModelConfig, sd: State, record: dict[str, bool | str]) -> None:
+    if cfg.positional_embedding_type == "shortformer":
+        record["center_writing_weights_skipped"] = SHORTFORMER_SKIP
+        return
     if cfg.normalization_type not in ("LN", "LNPre"):
         record["center_writing_weights_skipped"] = (
             "the model has no LayerNorm, so readers see the residual mean: centring would change the output"
@@ -140,7 +153,10 @@ def _center_writing_weights(cfg: ModelConfig, sd: State, record: dict[str, bool 
     record["center_writing_weights"] = True
 
 
-def _center_unembed(sd: State, record: dict[str, bool | str]) -> None:
+def _center_unembed(cfg: ModelConfig, sd: State, record: dict[str, bool | str]) -> None:
+    if cfg.positional_embedding_type == "shortformer":
+        record["center_unembed_skipped"] = SHORTFORMER_SKIP
+        return
     sd["unembed.W_U"] = sd["unembed.W_U"] - sd["unembed.W_U"].mean(dim=-1, keepdim=True)  # [d_model, d_vocab]
     if "unembed.b_U" in sd:
         sd["unembed.b_U"] = sd["unembed.b_U"] - sd["unembed.b_U"].mean()
@@ -157,6 +173,22 @@ def _fold_value_biases(cfg: ModelConfig, sd: State, record: dict[str, bool | str
     record["fold_value_biases"] = True
 
 
+def process_state(cfg: ModelConfig, sd: State, options: ProcessingOptions, record: dict[str, bool | str]) -> ModelConfig:
+    """Apply the chosen rewrites to a checked state dict in place (entries are replaced, never mutated).
+
+    Returns the new config; `record` receives the switches applied and the reasons for skipped ones.
+    """
+    if options.fold_ln:
+        cfg = _fold_ln(cfg, sd, record)
+    if options.center_writing_weights:
+        _center_writing_weights(cfg, sd, record)
+    if options.center_unembed:
+        _center_unembed(cfg, sd, record)
+    if options.fold_value_biases:
+        _fold_value_biases(cfg, sd, record)
+    return cfg
+
+
 def process_weights(
     model: Transformer,
     fold_ln: bool = True,
@@ -165,18 +197,13 @@ def process_weights(
     fold_value_biases: bool = True,
 ) -> Transformer:
     """A new model with the chosen rewrites applied (same dtype and device); `model` is not modified."""
-    cfg = model.cfg
-    sd: State = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    options = ProcessingOptions(fold_ln, center_writing_weights, center_unembed, fold_value_biases)
+    original: State = dict(model.state_dict())
+    sd: State = dict(original)  # process_state replaces entries, so the model's tensors stay untouched
     record: dict[str, bool | str] = {s: bool(model.processing.get(s, False)) for s in SWITCHES}
     record.update({k: v for k, v in model.processing.items() if k.endswith("_skipped")})
-    if fold_ln:
-        cfg = _fold_ln(cfg, sd, record)
-    if center_writing_weights:
-        _center_writing_weights(cfg, sd, record)
-    if center_unembed:
-        _center_unembed(sd, record)
-    if fold_value_biases:
-        _fold_value_biases(cfg, sd, record)
+    cfg = process_state(model.cfg, sd, options, record)
+    sd.update({k: v.clone() for k, v in sd.items() if v is original.get(k)})  # the new model owns all its tensors
     new = build_model(cfg, sd, dtype=model.dtype, origin="process_weights").to(model.device)
     new.processing = record
     return new

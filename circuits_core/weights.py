@@ -35,8 +35,15 @@ from circuits_core.config import ModelConfig
 from circuits_core.errors import CheckpointError, InvalidInputError
 from circuits_core.formats_hf import load_gpt2, load_gpt_neox
 from circuits_core.model import Transformer
-from circuits_core.processing import SWITCHES, ProcessingOptions, apply_options
-from circuits_core.statedict import PICKLE_SUFFIXES, build_model, files_digest, folder_listing, read_weight_files
+from circuits_core.processing import SWITCHES, ProcessingOptions, process_state
+from circuits_core.statedict import (
+    PICKLE_SUFFIXES,
+    build_model,
+    check_state_dict,
+    files_digest,
+    folder_listing,
+    read_weight_files,
+)
 from circuits_core.tokenizer import Tokenizer
 
 Format = Literal["qkov", "transformer_lens", "gpt2", "gpt_neox"]
@@ -241,12 +248,17 @@ def load_checkpoint(
             )
         if cfg.bos_token_id is None and tokenizer.bos_token_id is not None:
             cfg = _model_config(cfg.to_dict(), folder / "config.json", bos_token_id=tokenizer.bos_token_id)
+    options = ProcessingOptions() if process is True else ProcessingOptions.none() if process is False else process
+    record: dict[str, bool | str] = {s: False for s in SWITCHES}
+    if fmt == "qkov" and isinstance(data.get("processing"), dict):
+        record.update({k: v for k, v in data["processing"].items() if isinstance(v, bool | str)})
+    # Check everything first, then process the state dict in place and build the model once (no copies).
+    check_state_dict(cfg, state, origin)
+    state = {k: v.to(dtype=dtype) for k, v in state.items()}
+    cfg = process_state(cfg, state, options, record)
     model = build_model(cfg, state, dtype=dtype, origin=origin)
     del state
-    if fmt == "qkov" and isinstance(data.get("processing"), dict):
-        model.processing = {k: v for k, v in data["processing"].items() if isinstance(v, bool | str)}
-    options = ProcessingOptions() if process is True else ProcessingOptions.none() if process is False else process
-    model = apply_options(model, options)
+    model.processing = record
     card_path = folder / "model_card.json"
     card = _read_json(card_path) if card_path.is_file() else {}
     options_file = [folder / LOAD_OPTIONS_FILE] if (folder / LOAD_OPTIONS_FILE).is_file() else []

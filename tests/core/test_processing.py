@@ -73,13 +73,16 @@ def test_processing_keeps_log_probs_and_patterns(pos: str, norm: str | None, att
     assert rec["fold_ln"] is (not shortformer_ln)
     assert ("fold_ln_skipped" in rec) is shortformer_ln
     assert processed.cfg.normalization_type == (None if norm is None else "LN" if shortformer_ln else "LNPre")
-    assert rec["center_writing_weights"] is (norm is not None)
-    assert ("center_writing_weights_skipped" in rec) is (norm is None)
-    assert rec["center_unembed"] is True and rec["fold_value_biases"] is True
+    shortformer = pos == "shortformer"  # TransformerLens's from_pretrained choices: no centring either
+    assert rec["center_writing_weights"] is (norm is not None and not shortformer)
+    assert ("center_writing_weights_skipped" in rec) is (norm is None or shortformer)
+    assert rec["center_unembed"] is (not shortformer) and ("center_unembed_skipped" in rec) is shortformer
+    assert rec["fold_value_biases"] is True
     # post-conditions of each switch
     zero = torch.zeros((), dtype=torch.float64)
-    torch.testing.assert_close(processed.W_U.mean(-1).abs().max(), zero, rtol=0, atol=1e-12)
-    if norm is not None:
+    if not shortformer:
+        torch.testing.assert_close(processed.W_U.mean(-1).abs().max(), zero, rtol=0, atol=1e-12)
+    if rec["center_writing_weights"]:
         torch.testing.assert_close(processed.W_E.mean(-1).abs().max(), zero, rtol=0, atol=1e-12)
         torch.testing.assert_close(processed.W_O.mean(-1).abs().max(), zero, rtol=0, atol=1e-12)
     if processed.cfg.use_bias:

@@ -224,12 +224,7 @@ def _processed_pair(world: dict[str, dict[str, Any]], name: str) -> tuple[Transf
 
 
 def _make_processed_pair(world: dict[str, dict[str, Any]], name: str) -> tuple[Transformer, HookedTransformer]:
-    if name in SHORTFORMER_LN:
-        options = ProcessingOptions(fold_ln=False, center_writing_weights=False, center_unembed=False)
-        return _load(world, name, process=options), _tl_processed(
-            world[name]["tl"], fold_ln=False, center_writing_weights=False, center_unembed=False
-        )
-    model = _load(world, name, process=True)
+    model = _load(world, name, process=True)  # for shortformer models: TL's from_pretrained switches
     flags = {
         k: bool(model.processing[k])
         for k in ("fold_ln", "center_writing_weights", "center_unembed", "fold_value_biases")
@@ -423,9 +418,10 @@ def test_processed_model_matches_tl_processed(world: dict[str, dict[str, Any]], 
     ref = world[name]["tl"]
     model = _load(world, name, process=True)
     done = model.processing
-    if name in SHORTFORMER_LN:  # qkov's documented choices; TL's from_pretrained turns all three off
+    if name in SHORTFORMER_LN:  # TL's from_pretrained turns all three off for shortformer models; so does qkov
         assert done["fold_ln"] is False and "shortformer" in str(done["fold_ln_skipped"])
-        assert done["center_writing_weights"] is True and done["center_unembed"] is True
+        assert done["center_writing_weights"] is False and "shortformer" in str(done["center_writing_weights_skipped"])
+        assert done["center_unembed"] is False and "shortformer" in str(done["center_unembed_skipped"])
         _close(model.W_pos, ref.W_pos, TIGHT, "shortformer W_pos is never centred")
         # Why: TL 3.9.0's process_weights_() (unlike from_pretrained) folds ln1.w into the W_pos path and centres
         # W_pos on shortformer models, which changes the model; qkov's default processing does not.
