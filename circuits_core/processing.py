@@ -109,9 +109,9 @@ def _fold_ln(cfg: ModelConfig, sd: State, record: dict[str, bool | str]) -> Mode
         w, b = sd[f"{ln}.w"], sd[f"{ln}.b"]  # [d_model]
         W = sd[weight_key]  # [n_heads, d_model, d_head] or [d_model, d_out]
         if use_bias:
-            sd[bias_key] = sd[bias_key] + torch.einsum("d,...de->...e", b, W)
-        W = w[:, None] * W  # scales row d (broadcasts over a leading head axis)
-        sd[weight_key] = W - W.mean(dim=-2, keepdim=True)  # centre the reading weights over d_model
+            sd[bias_key] = sd[bias_key] + b @ W  # [..., d_out]
+        W.mul_(w[:, None])  # scales row d (broadcasts over a leading head axis)
+        W.sub_(W.mean(dim=-2, keepdim=True))  # centre the reading weights over d_model
 
     for layer in range(cfg.n_layers):
         p = f"blocks.{layer}"
@@ -149,7 +149,7 @@ def _center_writing_weights(cfg: ModelConfig, sd: State, record: dict[str, bool 
         writers += [f"{p}.attn.W_O", f"{p}.attn.b_O", f"{p}.mlp.W_out", f"{p}.mlp.b_out"]
     for key in writers:
         if key in sd:  # biases exist only with use_bias, MLP weights only with MLPs
-            sd[key] = sd[key] - sd[key].mean(dim=-1, keepdim=True)  # mean over d_model
+            sd[key].sub_(sd[key].mean(dim=-1, keepdim=True))  # mean over d_model
     record["center_writing_weights"] = True
 
 
@@ -157,7 +157,7 @@ def _center_unembed(cfg: ModelConfig, sd: State, record: dict[str, bool | str]) 
     if cfg.positional_embedding_type == "shortformer":
         record["center_unembed_skipped"] = SHORTFORMER_SKIP
         return
-    sd["unembed.W_U"] = sd["unembed.W_U"] - sd["unembed.W_U"].mean(dim=-1, keepdim=True)  # [d_model, d_vocab]
+    sd["unembed.W_U"].sub_(sd["unembed.W_U"].mean(dim=-1, keepdim=True))  # [d_model, d_vocab]
     if "unembed.b_U" in sd:
         sd["unembed.b_U"] = sd["unembed.b_U"] - sd["unembed.b_U"].mean()
     record["center_unembed"] = True
@@ -173,8 +173,21 @@ def _fold_value_biases(cfg: ModelConfig, sd: State, record: dict[str, bool | str
     record["fold_value_biases"] = True
 
 
+def own_tensors(sd: State) -> State:
+    """The same entries, each with a storage of its own (tied weights such as GPT-2's W_U = W_E^T are cloned),
+    so `process_state` can work in place."""
+    seen: set[int] = set()
+    owned: State = {}
+    for key, value in sd.items():
+        ptr = value.untyped_storage().data_ptr()
+        owned[key] = value.clone() if ptr in seen else value
+        seen.add(ptr)
+    return owned
+
+
 def process_state(cfg: ModelConfig, sd: State, options: ProcessingOptions, record: dict[str, bool | str]) -> ModelConfig:
-    """Apply the chosen rewrites to a checked state dict in place (entries are replaced, never mutated).
+    """Apply the chosen rewrites to a checked state dict in place: large tensors are modified in place, so
+    the caller must own them (no storage shared with a live model or between entries: see `own_tensors`).
 
     Returns the new config; `record` receives the switches applied and the reasons for skipped ones.
     """
@@ -198,12 +211,10 @@ def process_weights(
 ) -> Transformer:
     """A new model with the chosen rewrites applied (same dtype and device); `model` is not modified."""
     options = ProcessingOptions(fold_ln, center_writing_weights, center_unembed, fold_value_biases)
-    original: State = dict(model.state_dict())
-    sd: State = dict(original)  # process_state replaces entries, so the model's tensors stay untouched
+    sd: State = {k: v.detach().clone() for k, v in model.state_dict().items()}  # `model` stays untouched
     record: dict[str, bool | str] = {s: bool(model.processing.get(s, False)) for s in SWITCHES}
     record.update({k: v for k, v in model.processing.items() if k.endswith("_skipped")})
     cfg = process_state(model.cfg, sd, options, record)
-    sd.update({k: v.clone() for k, v in sd.items() if v is original.get(k)})  # the new model owns all its tensors
     new = build_model(cfg, sd, dtype=model.dtype, origin="process_weights").to(model.device)
     new.processing = record
     return new

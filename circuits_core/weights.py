@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -35,7 +36,7 @@ from circuits_core.config import ModelConfig
 from circuits_core.errors import CheckpointError, InvalidInputError
 from circuits_core.formats_hf import load_gpt2, load_gpt_neox
 from circuits_core.model import Transformer
-from circuits_core.processing import SWITCHES, ProcessingOptions, process_state
+from circuits_core.processing import SWITCHES, ProcessingOptions, own_tensors, process_state
 from circuits_core.statedict import (
     PICKLE_SUFFIXES,
     build_model,
@@ -240,6 +241,37 @@ def load_checkpoint(
     if process is None:
         process = load_options(folder) or True
     cfg, state, origin, files = REGISTRY[fmt](folder, data)
+    options_file = [folder / LOAD_OPTIONS_FILE] if (folder / LOAD_OPTIONS_FILE).is_file() else []
+    # The digest reads every byte again: hash in a thread (hashlib releases the GIL) while torch processes.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        digest_job = pool.submit(files_digest, [folder / "config.json", *files, *options_file])
+        loaded = _build(folder, fmt, data, cfg, state, origin, dtype, process)
+        digest = digest_job.result()
+    options = loaded.options
+    if options != ProcessingOptions():
+        digest = hashlib.sha256(f"{digest} {dataclasses.asdict(options)}".encode()).hexdigest()
+    return LoadedModel(model=loaded.model, tokenizer=loaded.tokenizer, format=fmt, card=loaded.card, digest=digest, path=folder)
+
+
+@dataclass
+class _Built:
+    model: Transformer
+    tokenizer: Tokenizer | None
+    card: dict[str, Any]
+    options: ProcessingOptions
+
+
+def _build(
+    folder: Path,
+    fmt: Format,
+    data: dict[str, Any],
+    cfg: ModelConfig,
+    state: dict[str, Tensor],
+    origin: dict[str, str],
+    dtype: torch.dtype,
+    process: bool | ProcessingOptions,
+) -> _Built:
+    """Tokenizer, checks, processing and the model, from a state dict just read."""
     tokenizer = Tokenizer.from_folder(folder, bos_token_id=cfg.bos_token_id)
     if tokenizer is not None:
         if tokenizer.vocab_size > cfg.d_vocab:
@@ -254,18 +286,14 @@ def load_checkpoint(
         record.update({k: v for k, v in data["processing"].items() if isinstance(v, bool | str)})
     # Check everything first, then process the state dict in place and build the model once (no copies).
     check_state_dict(cfg, state, origin)
-    state = {k: v.to(dtype=dtype) for k, v in state.items()}
+    state = own_tensors({k: v.to(dtype=dtype) for k, v in state.items()})
     cfg = process_state(cfg, state, options, record)
     model = build_model(cfg, state, dtype=dtype, origin=origin)
     del state
     model.processing = record
     card_path = folder / "model_card.json"
     card = _read_json(card_path) if card_path.is_file() else {}
-    options_file = [folder / LOAD_OPTIONS_FILE] if (folder / LOAD_OPTIONS_FILE).is_file() else []
-    digest = files_digest([folder / "config.json", *files, *options_file])
-    if options != ProcessingOptions():
-        digest = hashlib.sha256(f"{digest} {dataclasses.asdict(options)}".encode()).hexdigest()
-    return LoadedModel(model=model, tokenizer=tokenizer, format=fmt, card=card, digest=digest, path=folder)
+    return _Built(model=model, tokenizer=tokenizer, card=card, options=options)
 
 
 def save_checkpoint(
