@@ -93,7 +93,10 @@ class Corpus:
 
     @property
     def eot(self) -> int:
-        return int(self.tokenizer.token_to_id(EOT))
+        eot = self.tokenizer.token_to_id(EOT)
+        if eot is None:
+            raise ValueError(f"the corpus tokenizer has no {EOT!r} token")
+        return eot
 
     def stats(self) -> dict[str, object]:
         train = [m for m in self.manifest if not m["val"]]

@@ -112,8 +112,17 @@ def pattern_detector_scores(
     }
 
 
+def _single_detector(name: str) -> Callable[[Tensor, Tensor], Tensor]:
+    """One entry of pattern_detector_scores as its own function: (pattern, tokens) -> [head]."""
+
+    def score(pattern: Tensor, tokens: Tensor) -> Tensor:
+        return pattern_detector_scores(pattern, tokens)[name]
+
+    return score
+
+
 PATTERN_DETECTORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    name: (lambda p, t, _n=name: pattern_detector_scores(p, t)[_n])
+    name: _single_detector(name)
     for name in ("previous_token", "current_token", "first_token", "duplicate_token", "induction")
 }
 

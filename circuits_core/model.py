@@ -244,7 +244,16 @@ class Block(nn.Module):
 
 
 class _Holder(nn.Module):
-    """Gives parameters TransformerLens's dotted names (`embed.W_E`, `unembed.W_U`, ...)."""
+    """Gives parameters TransformerLens's dotted names (`embed.W_E`, `unembed.W_U`, ...).
+
+    The annotations name the parameters Transformer.__init__ registers on its holders (embed: W_E,
+    pos_embed: W_pos, unembed: W_U and b_U when cfg.use_bias), so attribute reads are typed as parameters.
+    """
+
+    W_E: nn.Parameter
+    W_pos: nn.Parameter
+    W_U: nn.Parameter
+    b_U: nn.Parameter
 
 
 class Transformer(nn.Module):

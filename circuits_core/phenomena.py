@@ -13,6 +13,7 @@ evaluation windows are evenly spaced over the held-out stream and the random seq
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 import numpy as np
 import torch
@@ -215,7 +216,12 @@ def check_thresholds(n_layers: int, metrics: dict, detail: bool = False) -> dict
     return out
 
 
-def _copying(model: Transformer) -> dict[str, object]:
+class _CopyingReport(TypedDict):
+    ov_copying_scores: list[list[float]]  # [L][H]
+    copying_positive_fraction: float
+
+
+def _copying(model: Transformer) -> _CopyingReport:
     scores = ov_copying_scores(model)  # [L, H]
     return {
         "ov_copying_scores": [[round(float(v), 4) for v in row] for row in scores],
@@ -232,7 +238,7 @@ def quick_metrics(model: Transformer, data: EvalData, windows: int = 64, repeats
             big = bigram_report(model, data.val, data.eot)
             out.update(top1_agreement=round(big["top1_agreement"], 4), kl_ratio=round(big["bigram_kl"] / big["unigram_kl"], 4))
         if n_layers >= 1:
-            out["copying_positive_fraction"] = round(float(_copying(model)["copying_positive_fraction"]), 4)
+            out["copying_positive_fraction"] = round(_copying(model)["copying_positive_fraction"], 4)
         if n_layers >= 2:
             rep = data.repeated(model.cfg.d_vocab, repeats, seed=1, n_ctx=model.cfg.n_ctx)
             losses = repeat_losses(model, rep)

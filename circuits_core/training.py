@@ -21,8 +21,10 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -32,7 +34,7 @@ from torch import Tensor
 
 from circuits_core.config import ModelConfig
 from circuits_core.corpus import Corpus, load_or_build, write_manifest
-from circuits_core.model import Transformer, init_weights
+from circuits_core.model import Block, Transformer, init_weights
 from circuits_core.phenomena import EvalData, check_thresholds, measure, quick_metrics
 from circuits_core.weights import load_checkpoint, save_checkpoint
 
@@ -106,7 +108,7 @@ def training_logits(model: Transformer, tokens: Tensor) -> Tensor:
         return model.run(tokens)[0]
     x = model.W_E[tokens]  # [b, n, d]
     pos = model.W_pos[: tokens.shape[1]] if model.W_pos is not None else 0.0
-    for block in model.blocks:
+    for block in cast("Iterable[Block]", model.blocks):  # nn.ModuleList iterates as plain Modules
         a = block.attn
         qk_in = x + pos
         q = torch.einsum("bpd,hde->bhpe", qk_in, a.W_Q)  # [b, H, n, dh]
@@ -325,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
         recipe = RECIPES[name]
         overrides = {k: v for k, v in (s.split("=", 1) for s in args.set)}
         fields = {f.name: f.type for f in dataclasses.fields(Recipe)}
-        recipe = dataclasses.replace(recipe, **{k: (float(v) if fields[k] == "float" else int(v) if fields[k] == "int" else v) for k, v in overrides.items()})
+        # Field names come from the command line, so the values can only be typed per field at run time.
+        parsed: dict[str, Any] = {k: (float(v) if fields[k] == "float" else int(v) if fields[k] == "int" else v) for k, v in overrides.items()}
+        recipe = dataclasses.replace(recipe, **parsed)
         if args.steps:
             recipe = dataclasses.replace(recipe, steps=args.steps)
         card = train(args.save_as or name, recipe, corpus, args.out, args.device, args.max_minutes, args.snapshots, not args.no_progress)

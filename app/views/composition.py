@@ -26,7 +26,7 @@ from app.settings import Limits
 from app.views.heads import parse_heads
 from app.views.inputs import check_k, model_ref, token_ref
 from circuits_core import circuits
-from circuits_core.composition import composition_scores
+from circuits_core.composition import CompositionKind, composition_scores
 from circuits_core.config import head_name
 from circuits_core.errors import InvalidInputError
 from circuits_core.factored import FactoredMatrix
@@ -34,6 +34,7 @@ from circuits_core.qk_paths import k_composition_circuit
 from circuits_core.weights import LoadedModel
 
 TOP_PAIRS = 10
+ENGINE_KIND: dict[CompositionKindName, CompositionKind] = {"Q": "q", "K": "k", "V": "v"}  # API name -> engine key
 
 
 def _nullable(value: float | torch.Tensor, keep: bool) -> float | None:
@@ -48,7 +49,7 @@ def build_composition_view(loaded: LoadedModel, kind: CompositionKindName = "K")
         raise InvalidInputError(f"composition needs at least 2 layers; model {loaded.path.name!r} has {L}")
     with torch.no_grad():
         comp = composition_scores(loaded.model)
-    key = kind.lower()
+    key = ENGINE_KIND[kind]
     raw, minus, mask = comp.raw[key].double(), comp.minus_baseline[key].double(), comp.mask  # [L, H, L, H]
     src = [(l1, h1) for l1 in range(L - 1) for h1 in range(H)]
     dst = [(l2, h2) for l2 in range(1, L) for h2 in range(H)]
