@@ -278,7 +278,9 @@ def attention_heatmap(tokens: Sequence[Any], pattern: Sequence[Sequence[float]],
 def paths_waterfall(view: Any, links: Sequence[str | None] | None = None) -> Figure:
     """The listed path terms (+ 'other' and the remainder) as a waterfall ending at the model's value."""
     labels = [term_label(t.path, t.kind, t.n_terms) for t in view.terms]
-    what = f"logit({visible(view.target.text)})" + (f" − logit({visible(view.contrast.text)})" if view.contrast else "")
+    what = f"logit({visible(view.target_token.text)})" + (
+        f" − logit({visible(view.contrast_token.text)})" if view.contrast_token else ""
+    )
     return waterfall(labels, [t.value for t in view.terms], view.value, total_label="model value",
                      title=f"{what} at position {view.position}: Σ terms = {view.total:.4f}, model = {view.value:.4f}",
                      y_title="logit" if view.contrast is None else "logit difference", links=links)
@@ -290,7 +292,7 @@ def paths_by_source(view: Any) -> Figure | None:
     if not rows:
         return None
     z = [t.by_source for t in rows]
-    return heatmap(z, token_labels(view.tokens), [term_label(t.path, t.kind) for t in rows],
+    return heatmap(z, token_labels(view.prompt_tokens), [term_label(t.path, t.kind) for t in rows],
                    title="terms by source token", x_title="source token", y_title="path", signed=True,
                    hover="%{y} from %{x}<br>%{z:+.4f}", colorbar="logit", height=max(260, 22 * len(rows) + 140))
 

@@ -117,7 +117,7 @@ def build_router(settings: Settings) -> APIRouter:
             figs["patterns"] = [(hp.head, charts.attention_heatmap(pview.tokens, hp.pattern, f"{hp.head} {'value-weighted ' if weighted else ''}attention",
                                                                    weighted=weighted, height=380)) for hp in pview.heads]
         if paths is not None:
-            links = [url(f"/models/{model}/path", heads=",".join(t.path), prompt=prompt, target=paths.target.id)
+            links = [url(f"/models/{model}/path", heads=",".join(t.path), prompt=prompt, target=paths.target)
                      if t.kind == "head" else None for t in paths.terms]
             figs["waterfall"] = charts.paths_waterfall(paths, links)
             figs["by_source"] = charts.paths_by_source(paths)

@@ -87,10 +87,13 @@ class PathsView(BaseModel):
     """Frozen-attention path expansion of one logit (or logit difference) at one position (paper-math 2.11)."""
 
     model: ModelRef
-    tokens: list[TokenRef]
+    tokens: list[int] = Field(description="token ids of the prompt (BOS first when the prompt was text)")
+    prompt_tokens: list[TokenRef] = Field(description="the same tokens with their readable text")
     position: int = Field(description="destination position (0-based)")
-    target: TokenRef
-    contrast: TokenRef | None
+    target: int = Field(description="token id whose logit is expanded (default: the model's top prediction)")
+    target_token: TokenRef
+    contrast: int | None = Field(description="token id whose logit is subtracted, if any")
+    contrast_token: TokenRef | None
     value: float = Field(description="logit of target at position (minus the logit of contrast)")
     max_order: int
     terms: list[PathTermView] = Field(description="largest |value| first; includes 'remainder' (orders > max_order) and 'other'")

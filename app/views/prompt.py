@@ -154,7 +154,8 @@ def build_paths_view(
             terms.append(PathTermView(path=["remainder"], kind="remainder", order=None, value=float(exp.remainder[0])))
         order_totals = exp.order_totals()[:, 0].double().tolist()
     return PathsView(
-        model=model_ref(loaded), tokens=token_refs(loaded, ids), position=pos, target=token_ref(loaded, t),
-        contrast=token_ref(loaded, c) if c is not None else None, value=float(exp.value[0]), max_order=exp.max_order,
+        model=model_ref(loaded), tokens=ids, prompt_tokens=token_refs(loaded, ids), position=pos, target=t,
+        target_token=token_ref(loaded, t), contrast=c, contrast_token=token_ref(loaded, c) if c is not None else None,
+        value=float(exp.value[0]), max_order=exp.max_order,
         terms=terms, total=float(sum(term.value for term in terms)), order_totals=order_totals, n_terms=len(exp.paths),
     )

@@ -127,8 +127,9 @@ def test_paths_sum_to_the_real_logit(client: TestClient, tiny: LoadedModel) -> N
     logits, _ = run(tiny, ids)
     body = client.get(f"{API}/paths", params={"prompt": PROMPT, "max_order": 2, "k": 50}).json()
     pos, target = len(ids) - 1, int(logits[-1].argmax())
-    assert body["position"] == pos and body["target"]["id"] == target and body["contrast"] is None
-    assert [t["id"] for t in body["tokens"]] == ids
+    assert body["position"] == pos and body["target"] == target and body["contrast"] is None
+    assert body["tokens"] == [t["id"] for t in body["prompt_tokens"]]  # the contract: ids
+    assert body["tokens"] == ids
     assert body["value"] == pytest.approx(float(logits[pos, target]), abs=1e-9)
     assert body["total"] == pytest.approx(body["value"], abs=1e-9)
     assert sum(t["value"] for t in body["terms"]) == pytest.approx(body["value"], abs=1e-9)
@@ -169,7 +170,7 @@ def test_paths_total_in_float32(settings: Settings, tiny: LoadedModel) -> None:
         body = c.get(f"{API}/paths", params={"prompt": PROMPT, "max_order": 1}).json()
     logits, _ = run(tiny, ids_of(tiny))
     assert body["total"] == pytest.approx(body["value"], abs=1e-5)
-    assert body["value"] == pytest.approx(float(logits[-1, body["target"]["id"]]), abs=1e-4)
+    assert body["value"] == pytest.approx(float(logits[-1, body["target"]]), abs=1e-4)
 
 
 def test_paths_refusals(client: TestClient, tight: TestClient) -> None:
