@@ -18,15 +18,15 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from app.main import create_app
 from app.settings import Limits, Settings
 from circuits_core.config import ModelConfig
 from circuits_core.model import random_model
 from circuits_core.weights import LoadedModel, load_checkpoint
+from tests.bpe import train_bpe
 
-BOS = "<|endoftext|>"
 TEXT = (
     "def add(self, name, value):\n    self.name = name\n    return value + 1\n"
     "for item in items:\n    print(item, name)\nclass Thing(object):\n    pass\n"
@@ -35,14 +35,7 @@ TEXT = (
 
 
 def train_tokenizer() -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=[BOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tok.train_from_iterator([TEXT] * 20, trainer)
-    return tok
+    return train_bpe([TEXT] * 20, vocab_size=320)
 
 
 CARD = {"summary": "tiny random model for the API tests", "facts": {"seed": 1}}

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import models, pre_tokenizers
 
 from circuits_core.errors import CheckpointError, InvalidInputError, NotFoundError
 from circuits_core.tokenizer import Tokenizer
+from tests.bpe import train_bpe
 
 CORPUS = [
     "the cat sat on the mat. the dog sat on the log.",
@@ -21,13 +22,7 @@ CORPUS = [
 
 def _train(folder: Path) -> HFTokenizer:
     """A tiny byte-level BPE written both as tokenizer.json and as vocab.json + merges.txt."""
-    hf = HFTokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    hf.train_from_iterator(CORPUS, trainer)
+    hf = train_bpe(CORPUS, vocab_size=400)
     folder.mkdir(parents=True, exist_ok=True)
     hf.save(str(folder / "tokenizer.json"))
     hf.model.save(str(folder))  # vocab.json + merges.txt

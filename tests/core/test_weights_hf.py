@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from circuits_core.errors import CheckpointError
 from circuits_core.weights import detect_format, load_checkpoint
+from tests.bpe import train_bpe
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -83,13 +82,7 @@ def test_gpt2_pytorch_model_bin_and_hub_key_names(tmp_path: Path, gpt2_folder: t
 
 
 def test_gpt2_tokenizer_from_vocab_and_merges(tmp_path: Path) -> None:
-    hf = HFTokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=280, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    hf.train_from_iterator(["the cat sat on the mat"] * 10, trainer)
+    hf = train_bpe(["the cat sat on the mat"] * 10, vocab_size=280)
     hf.model.save(str(tmp_path))  # vocab.json + merges.txt, as GPT-2 ships them
     _gpt2(tmp_path, vocab_size=hf.get_vocab_size(), bos=None)  # BOS must come from the tokenizer
     loaded = load_checkpoint(tmp_path, process=False)
