@@ -15,6 +15,7 @@ from circuits_core.training import RECIPES, load_toy
 
 ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
 NAMES = ["toy-0l", "toy-1l", "toy-2l"]
+TWO_LAYER = [name for name in NAMES if RECIPES[name].n_layers >= 2]  # models with an earlier and a later layer
 
 
 @pytest.fixture(scope="module")
@@ -22,13 +23,15 @@ def eval_data() -> EvalData:
     return EvalData.load(ROOT / "eval_data.npz")
 
 
-@pytest.fixture(scope="module", params=NAMES)
+@pytest.fixture(scope="module")
 def shipped(request, eval_data):
+    """(name, model, card, measurement) of the model named by the test's indirect parametrisation."""
     torch.set_num_threads(1)
     model, tokenizer, card = load_toy(ROOT / request.param)
     return request.param, model, card, measure(model, tokenizer, eval_data)
 
 
+@pytest.mark.parametrize("shipped", NAMES, indirect=True)
 def test_card_matches_measurement(shipped):
     name, model, card, now = shipped
     assert card["name"] == name
@@ -41,6 +44,7 @@ def test_card_matches_measurement(shipped):
         assert verdict["value"] == pytest.approx(now[key], rel=1e-3, abs=1e-4)
 
 
+@pytest.mark.parametrize("shipped", NAMES, indirect=True)
 def test_thresholds_met(shipped):
     name, model, card, now = shipped
     checks = check_thresholds(model.cfg.n_layers, now)
@@ -57,11 +61,11 @@ def test_thresholds_met(shipped):
         assert example["source"].lstrip(" ") == example["boosted"].lstrip(" ")
 
 
+@pytest.mark.parametrize("shipped", TWO_LAYER, indirect=True)
 def test_k_composition_partner_against_dense(shipped):
     """The partner from composition.py (QR collapse) is the argmax of the dense float64 formula."""
     name, model, card, now = shipped
-    if model.cfg.n_layers < 2:
-        pytest.skip("needs two layers")
+    assert model.cfg.n_layers >= 2
     head = int(now["induction_head"][3:])
     W_QK = (model.W_Q[1, head].double() @ model.W_K[1, head].double().T)  # [d, d]
     W_OV = model.W_V[0].double() @ model.W_O[0].double()  # [H, d, d]
@@ -69,6 +73,7 @@ def test_k_composition_partner_against_dense(shipped):
     assert now["k_composition_partner"] == f"L0H{int(dense.argmax())}"
 
 
+@pytest.mark.parametrize("shipped", NAMES, indirect=True)
 def test_card_records_recipe_data_and_training(shipped):
     name, model, card, now = shipped
     recipe = card["recipe"]
