@@ -176,7 +176,7 @@ def pct(values: list[float], q: float) -> float:
 async def run_load(base: str, pid: int) -> None:
     async with httpx.AsyncClient(base_url=base, timeout=120) as c:
         listing = (await c.get("/api/v1/models")).json()
-    model = listing[0]
+    model = max(listing, key=lambda m: m["n_layers"])  # the deepest model: every analysis applies to it
     print(f"  model {model['id']}: {model['n_layers']} layers x {model['n_heads']} heads, d_vocab {model['d_vocab']}")
     await engine_figures(base, model["id"], model["heads"])
     urls = mix(model["id"], model["d_vocab"], model["heads"])
