@@ -75,7 +75,7 @@ def render_docs(spec: dict[str, Any]) -> str:
     )
     info = spec.get("info", {})
     return (
-        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>{_esc(info.get("title", "API"))} API</title>'
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><link rel="icon" href="data:,"><title>{_esc(info.get("title", "API"))} API</title>'
         f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{_STYLE}</style></head><body>'
         f'<h1>{_esc(info.get("title", ""))} API <small>v{_esc(info.get("version", ""))}</small></h1>'
         f'<p>{_esc(info.get("description", ""))}</p>'
