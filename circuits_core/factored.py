@@ -179,6 +179,21 @@ class FactoredMatrix:
         if k > size:
             raise InvalidInputError(f"k={k} is larger than the {size} entries available")
 
+    def _check_subset(self, index: Tensor | None, size: int, what: str) -> Tensor:
+        """A 1-D tensor of distinct indices in [0, size) on the factors' device (all of them when None)."""
+        device = self.A.device
+        if index is None:
+            return torch.arange(size, device=device)
+        if not isinstance(index, Tensor) or index.dim() != 1 or index.dtype.is_floating_point or index.dtype == torch.bool:
+            raise InvalidInputError(f"{what} subset must be a 1-D integer tensor of indices, got {index!r}")
+        if index.numel() == 0:
+            raise InvalidInputError(f"{what} subset is empty")
+        if int(index.min()) < 0 or int(index.max()) >= size:
+            raise InvalidInputError(f"{what} subset indices must be in [0, {size}), got [{int(index.min())}, {int(index.max())}]")
+        if index.unique().numel() != index.numel():
+            raise InvalidInputError(f"{what} subset indices must be distinct")
+        return index.to(device=device, dtype=torch.long)
+
     def diag(self) -> Tensor:
         """The diagonal [..., ldim] of a square AB, from the factors in O(ldim * mdim)."""
         if self.ldim != self.rdim:
@@ -220,9 +235,18 @@ class FactoredMatrix:
             yield rows, self.A[..., rows, :] @ self.B
 
     def topk_global(
-        self, k: int, budget_bytes: int = DEFAULT_BUDGET_BYTES, largest: bool = True
+        self,
+        k: int,
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        largest: bool = True,
+        rows: Tensor | None = None,
+        cols: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """The k largest (or smallest) entries of the whole matrix AB, without allocating ldim x rdim.
+
+        `rows` / `cols` (1-D integer tensors of distinct indices, default all) restrict the search to the
+        submatrix AB[rows][:, cols]: the factors are restricted (A[rows], B[:, cols]) and the indices returned
+        are those of the full matrix.
 
         Returns (values [..., k] sorted, row indices [..., k], column indices [..., k]). The product is
         streamed in tiles whose working buffers (4 per tile) fit budget_bytes, rows in descending order of
@@ -230,6 +254,12 @@ class FactoredMatrix:
         value, so tiles whose bound is below the current k-th value are skipped (for `largest=False` the
         same bound holds for -AB). Inside a tile, only rows whose maximum beats the k-th value are ranked.
         """
+        if rows is not None or cols is not None:
+            row_idx = self._check_subset(rows, self.ldim, "row")  # [r]
+            col_idx = self._check_subset(cols, self.rdim, "column")  # [c]
+            sub = FactoredMatrix(self.A[..., row_idx, :], self.B[..., :, col_idx])  # [..., r, c]
+            values, r, c = sub.topk_global(k, budget_bytes=budget_bytes, largest=largest)
+            return values, row_idx[r], col_idx[c]
         self._check_k(k, self.ldim * self.rdim)
         # One matrix at a time, in tiles of TILE_COLS columns; a tile lives in up to 4 buffers (fp32 product,
         # bf16 screen, exact recomputation, selected rows).

@@ -249,6 +249,44 @@ def test_topk_global_bound_skips_column_tiles(monkeypatch):
     assert tiles == [(5, 9)]  # the first 5 rows x first 9 columns by norm; the other 6 x 7 tiles are bounded out
 
 
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("shape", [((), 40, 3, 30), ((2, 3), 25, 4, 20)])
+def test_topk_global_on_a_subset_matches_the_dense_masked_topk(shape, largest, monkeypatch):
+    monkeypatch.setattr(factored, "TILE_COLS", 7)  # several column tiles of the restricted factors
+    batch, ldim, _, rdim = shape
+    fm = random_fm(*shape, seed=13)
+    M = dense(fm)
+    gen = torch.Generator().manual_seed(14)
+    rows = torch.randperm(ldim, generator=gen)[: ldim // 3]  # unsorted, distinct
+    cols = torch.randperm(rdim, generator=gen)[: rdim // 2]
+    keep = torch.zeros(ldim, rdim, dtype=torch.bool)
+    keep[rows[:, None], cols[None, :]] = True
+    fill = float("-inf") if largest else float("inf")
+    masked = M.masked_fill(~keep, fill)  # [..., ldim, rdim], entries outside rows x cols can never win
+    for k in (1, 9, rows.numel() * cols.numel()):
+        v, r, c = fm.topk_global(k, budget_bytes=3 * 7 * 8 * 4, largest=largest, rows=rows, cols=cols)
+        ref_v, ref_r, ref_c = dense_topk_global(masked, k, largest)
+        assert v.shape == (*batch, k)
+        assert torch.allclose(v, ref_v)
+        assert torch.equal(r, ref_r) and torch.equal(c, ref_c)  # indices of the full matrix
+        assert torch.allclose(M.reshape(*batch, -1).gather(-1, r * rdim + c), v)
+    # Only one side restricted: the other defaults to all indices.
+    v, r, c = fm.topk_global(5, rows=rows, largest=largest)
+    keep_rows = torch.zeros(ldim, rdim, dtype=torch.bool)
+    keep_rows[rows] = True
+    ref_v, ref_r, ref_c = dense_topk_global(M.masked_fill(~keep_rows, fill), 5, largest)
+    assert torch.allclose(v, ref_v) and torch.equal(r, ref_r) and torch.equal(c, ref_c)
+
+
+def test_topk_global_subset_errors():
+    fm = random_fm((), 6, 2, 5)
+    for rows in (torch.tensor([0, 6]), torch.tensor([1, 1]), torch.tensor([], dtype=torch.long), torch.tensor([0.0]), [0, 1]):
+        with pytest.raises(InvalidInputError):
+            fm.topk_global(1, rows=rows)
+    with pytest.raises(InvalidInputError):
+        fm.topk_global(7, rows=torch.tensor([0, 1]), cols=torch.tensor([2, 3, 4]))  # only 6 entries
+
+
 def test_budget_too_small_raises():
     fm = random_fm((), 10, 3, 1000)
     with pytest.raises(LimitExceededError):
