@@ -13,6 +13,7 @@ evaluation windows are evenly spaced over the held-out stream and the random seq
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TypedDict
 
 import numpy as np
@@ -22,6 +23,7 @@ from torch import Tensor
 
 from circuits_core.circuits import ov_copying_scores
 from circuits_core.composition import composition_scores
+from circuits_core.errors import CheckpointError
 from circuits_core.heads import detector_scores, repeated_random_tokens
 from circuits_core.model import Transformer
 
@@ -29,6 +31,26 @@ REP_LEN = 50  # length T of the random sequence r in BOS + r + r
 MIN_TRAIN_COUNT = 50  # r is drawn from tokens seen at least this often in training
 ICL_EARLY = (8, 16)  # positions [8, 16) ...
 ICL_LATE = 16  # ... versus the last 16 positions of a window
+
+
+# A model folder may carry the training count of every token id: `token_counts.npy`, a 1-D integer array
+# [d_vocab] (numpy .npy format). The shipped toy models have it (written by training); it lets circuit tables
+# be restricted to frequent tokens, since rare, under-trained tokens dominate their global top entries.
+TOKEN_COUNTS_FILE = "token_counts.npy"
+
+
+def load_token_counts(folder: Path, d_vocab: int) -> np.ndarray | None:
+    """[d_vocab] int64 training token counts from folder/token_counts.npy; None when the file is absent."""
+    path = Path(folder) / TOKEN_COUNTS_FILE
+    if not path.is_file():
+        return None
+    try:
+        counts = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a readable .npy array ({exc})") from exc
+    if counts.shape != (d_vocab,) or counts.dtype.kind not in "iu" or (counts < 0).any():
+        raise CheckpointError(f"{path}: expected [{d_vocab}] non-negative integer counts, got {counts.shape} {counts.dtype}")
+    return counts.astype(np.int64)
 
 
 @dataclass

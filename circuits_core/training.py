@@ -35,7 +35,7 @@ from torch import Tensor
 from circuits_core.config import ModelConfig
 from circuits_core.corpus import Corpus, load_or_build, write_manifest
 from circuits_core.model import Block, Transformer, init_weights
-from circuits_core.phenomena import EvalData, check_thresholds, measure, quick_metrics
+from circuits_core.phenomena import TOKEN_COUNTS_FILE, EvalData, check_thresholds, measure, quick_metrics
 from circuits_core.weights import load_checkpoint, save_checkpoint
 
 
@@ -241,6 +241,7 @@ def _finish(name, recipe, model, corpus, eval_data, folder: Path, step, start, d
     save_toy(folder, model, corpus.tokenizer, card)
     write_manifest(corpus, folder.parent / "corpus_manifest.json")
     eval_data.save(folder.parent / "eval_data.npz")
+    np.save(folder / TOKEN_COUNTS_FILE, eval_data.train_counts.astype(np.int64))  # the model's own counts
     return remeasure(folder)
 
 

@@ -6,11 +6,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from circuits_core.corpus import manifest_digest
-from circuits_core.phenomena import THRESHOLDS, EvalData, check_thresholds, measure
+from circuits_core.errors import CheckpointError
+from circuits_core.phenomena import (
+    THRESHOLDS,
+    TOKEN_COUNTS_FILE,
+    EvalData,
+    check_thresholds,
+    load_token_counts,
+    measure,
+)
 from circuits_core.training import RECIPES, load_toy
 
 ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
@@ -93,3 +102,15 @@ def test_card_records_recipe_data_and_training(shipped):
 def test_weights_small():
     total = sum(p.stat().st_size for name in NAMES for p in (ROOT / name).glob("*.safetensors"))
     assert total < 20_000_000
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_token_counts_file_is_the_training_counts(name, eval_data, tmp_path):
+    counts = load_token_counts(ROOT / name, len(eval_data.train_counts))
+    assert counts is not None and counts.dtype == np.int64
+    assert np.array_equal(counts, eval_data.train_counts)
+    assert (ROOT / name / TOKEN_COUNTS_FILE).stat().st_size < 50_000
+    assert load_token_counts(tmp_path, 4096) is None  # no file: no counts
+    np.save(tmp_path / TOKEN_COUNTS_FILE, np.ones(7))
+    with pytest.raises(CheckpointError):  # wrong shape and dtype
+        load_token_counts(tmp_path, 4096)
