@@ -8,10 +8,17 @@ with at most k heads (V-composition depth k):
     logits_{<=k} = direct + bias terms + sum of path terms of order <= k    (paths.py, same bookkeeping)
     marginal effect of order k = L_{<=k-1} - L_{<=k};   L_{<=n_layers} == clean loss (asserted)
 First-order terms by layer: order 0 plus the first-order terms of one layer (that layer's values read the
-order-0 residual, the others read zero). Head ablation (Olsson): the head's result replaced by zero with all
-patterns frozen -- done by freezing its pattern to zero -- and the loss change.
-Attention-only models only: an MLP recomputed inside a rerun would mix orders (paths.py treats MLPs as
-nodes instead).
+order-0 residual, the others read zero).
+
+MLPs (paths.py's convention): an MLP is a fixed node, its clean output a *source* of paths like the embedding,
+so it is order 0 and a path ("mlp:L0", "L1H2") has order 1 (the number of heads). Every rerun therefore
+freezes each MLP's output to the clean run's (`Frozen(mlp_out=...)`): recomputing it inside a rerun would
+mix orders (its nonlinearity would see a residual truncated at order k-1).
+
+Head ablation (Olsson): the head's result replaced by zero with all patterns frozen -- done by freezing its
+pattern to zero -- and the loss change. Only attention patterns are frozen, as in Olsson et al.: LayerNorm
+scales and downstream MLPs are recomputed on the ablated residual stream (a causal intervention, not a path
+decomposition), so in MLP models the change also includes the MLPs' reaction to the missing head.
 """
 
 from __future__ import annotations
@@ -42,16 +49,21 @@ def lm_loss(logits: Tensor, tokens: Tensor) -> Tensor:
 
 
 def _clean_frozen(model: Transformer, tokens: Tensor) -> tuple[Tensor, Frozen]:
+    """Clean logits [b, n, V] and the clean run's patterns, LayerNorm scales and MLP outputs."""
     with torch.no_grad():
-        logits, cache = model.run(tokens, names=lambda n: n.endswith(("hook_pattern", "hook_scale")))
+        logits, cache = model.run(tokens, names=lambda n: n.endswith(("hook_pattern", "hook_scale", "hook_mlp_out")))
     patterns = {k: v for k, v in cache.items() if k.endswith("hook_pattern")}
     scales = {k: v for k, v in cache.items() if k.endswith("hook_scale")}
-    return logits, Frozen(patterns, scales)
+    mlp_out = {layer: cache[f"blocks.{layer}.hook_mlp_out"] for layer in range(model.cfg.n_layers) if not model.cfg.attn_only}
+    return logits, Frozen(patterns, scales, mlp_out=mlp_out)
+
+
+def _rerun(frozen: Frozen, value_resid: dict[int, Tensor]) -> Frozen:
+    """Patterns, LayerNorm scales and MLP outputs of the clean run; values read `value_resid`."""
+    return Frozen(frozen.patterns, frozen.ln_scales, value_resid, frozen.mlp_out)
 
 
 def _check(model: Transformer, tokens: Tensor) -> Tensor:
-    if not model.cfg.attn_only:
-        raise InvalidInputError("order ablation needs an attention-only model (an MLP inside a rerun mixes orders)")
     tokens = model.check_tokens(tokens)
     if tokens.shape[1] < 2:
         raise InvalidInputError(f"a loss needs at least 2 tokens per sequence, got {tokens.shape[1]}")
@@ -62,6 +74,10 @@ def order_logits(model: Transformer, tokens: Tensor, should_stop: Callable[[], b
     """[logits with paths of order <= k for k = 0..n_layers], each [b, n, V]; the last equals the clean logits."""
     tokens = _check(model, tokens)
     _, frozen = _clean_frozen(model, tokens)
+    return _order_logits(model, tokens, frozen, should_stop)
+
+
+def _order_logits(model: Transformer, tokens: Tensor, frozen: Frozen, should_stop: Callable[[], bool] | None) -> list[Tensor]:
     L = model.cfg.n_layers
     b, n = tokens.shape
     zero = torch.zeros(b, n, model.cfg.d_model, dtype=model.dtype, device=model.device)
@@ -72,7 +88,7 @@ def order_logits(model: Transformer, tokens: Tensor, should_stop: Callable[[], b
             if should_stop is not None and should_stop():
                 raise CancelledError("order ablation cancelled")
             logits, cache = model.run(tokens, names=lambda nm: nm.endswith("hook_resid_pre"),
-                                      frozen=Frozen(frozen.patterns, frozen.ln_scales, value_resid))
+                                      frozen=_rerun(frozen, value_resid))
             out.append(logits)
             value_resid = {layer: cache[f"blocks.{layer}.hook_resid_pre"] for layer in range(L)}
     return out
@@ -82,7 +98,7 @@ def order_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[],
     """Losses on `tokens` [b, n] with paths up to each order, marginal effects, first-order terms by layer."""
     tokens = _check(model, tokens)
     clean_logits, frozen = _clean_frozen(model, tokens)
-    per_order = order_logits(model, tokens, should_stop)
+    per_order = _order_logits(model, tokens, frozen, should_stop)
     scale = clean_logits.abs().max().clamp_min(1.0)
     tol = 1e-9 if model.dtype == torch.float64 else 1e-4
     if not torch.allclose(per_order[-1], clean_logits, atol=float(tol * scale), rtol=0):
@@ -95,19 +111,21 @@ def order_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[],
     zero = torch.zeros(b, n, model.cfg.d_model, dtype=model.dtype, device=model.device)
     with torch.no_grad():
         _, cache0 = model.run(tokens, names=lambda nm: nm.endswith("hook_resid_pre"),
-                              frozen=Frozen(frozen.patterns, frozen.ln_scales, {layer: zero for layer in range(L)}))
+                              frozen=_rerun(frozen, {layer: zero for layer in range(L)}))
         by_layer = []
         for layer in range(L):
             vr = {other: zero for other in range(L)}
             vr[layer] = cache0[f"blocks.{layer}.hook_resid_pre"]
-            logits, _ = model.run(tokens, frozen=Frozen(frozen.patterns, frozen.ln_scales, vr))
+            logits, _ = model.run(tokens, frozen=_rerun(frozen, vr))
             by_layer.append(lm_loss(logits, tokens))
     first = torch.stack(by_layer) if by_layer else losses.new_zeros(0)
     return OrderAblation(losses, losses[:-1] - losses[1:], clean, first, losses[0] - first)
 
 
 def head_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None) -> Tensor:
-    """[n_layers, n_heads]: loss change when a head's result is zeroed with every pattern frozen (Olsson)."""
+    """[n_layers, n_heads]: loss change when a head's result is zeroed with every pattern frozen (Olsson).
+
+    LayerNorm scales and MLPs are recomputed (only patterns are frozen; see the module docstring)."""
     tokens = model.check_tokens(tokens)
     clean_logits, frozen = _clean_frozen(model, tokens)
     clean = lm_loss(clean_logits, tokens)

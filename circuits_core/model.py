@@ -16,8 +16,8 @@ query and key inputs only, after ln1; `rotary` rotates q and k (GPT-NeoX layout,
 dimensions); `none` has no positions.
 
 `run()` returns logits and, on request, a cache of named activations with TransformerLens hook names.
-Frozen runs (`Frozen`): attention patterns and LayerNorm scales taken from a previous run instead of being
-computed. With both frozen, the network is linear in its input embeddings (the paper's "freezing attention
+Frozen runs (`Frozen`): attention patterns and LayerNorm scales (and, on request, MLP outputs) taken from a
+previous run instead of being computed. With both frozen, the network is linear in its input embeddings (the paper's "freezing attention
 patterns" trick) -- the path expansions stand on this.
 """
 
@@ -46,11 +46,15 @@ class Frozen:
                 Tensor[batch, pos, 1]}
     value_resid: {layer: Tensor[batch, pos, d_model]}: residual stream that layer l's *values* read
                  (the term-importance rerun); queries and keys still read the current residual stream.
+    mlp_out: {layer: Tensor[batch, pos, d_model]}: layer l's MLP output (`hook_mlp_out`), used instead of
+             computing it (ln2 and the MLP are skipped, their hooks are not recorded): an MLP as a fixed node,
+             as in paths.py.
     """
 
     patterns: dict[str, Tensor] = field(default_factory=dict)
     ln_scales: dict[str, Tensor] = field(default_factory=dict)
     value_resid: dict[int, Tensor] = field(default_factory=dict)
+    mlp_out: dict[int, Tensor] = field(default_factory=dict)
 
 
 class _StopRun(Exception):
@@ -236,11 +240,21 @@ class Block(nn.Module):
         if cfg.attn_only:
             return rec(f"{p}.hook_resid_post", resid + attn_out)
         if cfg.parallel_attn_mlp:
-            mlp_out = rec(f"{p}.hook_mlp_out", self.mlp(self.ln2(resid, rec, frozen), rec))
+            mlp_out = rec(f"{p}.hook_mlp_out", self._mlp(resid, rec, frozen))
             return rec(f"{p}.hook_resid_post", resid + attn_out + mlp_out)
         mid = rec(f"{p}.hook_resid_mid", resid + attn_out)
-        mlp_out = rec(f"{p}.hook_mlp_out", self.mlp(self.ln2(mid, rec, frozen), rec))
+        mlp_out = rec(f"{p}.hook_mlp_out", self._mlp(mid, rec, frozen))
         return rec(f"{p}.hook_resid_post", mid + mlp_out)
+
+    def _mlp(self, x: Tensor, rec: _Recorder, frozen: Frozen | None) -> Tensor:
+        # x: [batch, pos, d_model] -> [batch, pos, d_model]; a frozen output replaces ln2 and the MLP
+        if frozen is not None and self.layer in frozen.mlp_out:
+            out = frozen.mlp_out[self.layer]
+            if out.shape != x.shape:
+                raise InvalidInputError(f"frozen MLP output for layer {self.layer} has shape {tuple(out.shape)}, "
+                                        f"the residual stream has {tuple(x.shape)}")
+            return out
+        return self.mlp(self.ln2(x, rec, frozen), rec)
 
 
 class _Holder(nn.Module):

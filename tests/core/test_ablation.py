@@ -12,13 +12,16 @@ from circuits_core.model import Frozen
 from circuits_core.paths import expand_logits
 
 CASES = [dict(n_layers=1), dict(n_layers=2, ln="LN"), dict(n_layers=3, ln="LN", pos="standard"), dict(n_layers=2, pos="rotary")]
+# MLP models: each MLP's clean output is an order-0 source (paths.py), frozen in every rerun
+MLP_CASES = [dict(n_layers=2, mlp=True), dict(n_layers=2, mlp=True, ln="LN", pos="standard"),
+             dict(n_layers=3, mlp=True, ln="LN"), dict(n_layers=2, mlp=True, pos="standard", parallel=True)]
 
 
 def _tokens(model, b=2, n=10, seed=4):
     return torch.randint(0, model.cfg.d_vocab, (b, n), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("case", CASES + MLP_CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_orders_match_paths(case):
     model = small_model(**case)
     tokens = _tokens(model)
@@ -40,23 +43,65 @@ def test_orders_match_paths(case):
         want = exp.values[torch.tensor(keep)].sum(0)
         L = model.cfg.n_layers
         zero = torch.zeros(1, 10, model.cfg.d_model, dtype=torch.float64)
-        _, cache = model.run(seq, names=lambda n: n.endswith(("hook_pattern", "hook_scale")))
+        _, cache = model.run(seq, names=lambda n: n.endswith(("hook_pattern", "hook_scale", "hook_mlp_out")))
         pats = {k: v for k, v in cache.items() if k.endswith("pattern")}
         scales = {k: v for k, v in cache.items() if k.endswith("scale")}
-        _, c0 = model.run(seq, names=lambda n: n.endswith("resid_pre"), frozen=Frozen(pats, scales, dict.fromkeys(range(L), zero)))
+        mlps = {lay: cache[f"blocks.{lay}.hook_mlp_out"] for lay in range(L) if not model.cfg.attn_only}
+        _, c0 = model.run(seq, names=lambda n: n.endswith("resid_pre"), frozen=Frozen(pats, scales, dict.fromkeys(range(L), zero), mlps))
         vr = dict.fromkeys(range(L), zero)
         vr[layer] = c0[f"blocks.{layer}.hook_resid_pre"]
-        logits, _ = model.run(seq, frozen=Frozen(pats, scales, vr))
+        logits, _ = model.run(seq, frozen=Frozen(pats, scales, vr, mlps))
         torch.testing.assert_close(logits[0, :, 5], want, atol=1e-9, rtol=0)
         assert abs(float(lm_loss(logits, seq[None]))) > 0
+    torch.testing.assert_close(result.first_order_gain, result.losses[0] - result.first_order_by_layer)
 
 
-def test_head_ablation_matches_zeroed_weights():
-    model = small_model(n_layers=2, ln="LN")
+@pytest.mark.parametrize("case", MLP_CASES[:2], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_mlp_order_terms_are_sources(case):
+    """paths.py's order of an MLP term: ("mlp:L0",) is order 0, ("mlp:L0", "L1H2") order 1; the order-0 rerun
+    keeps every MLP's full clean output (so it differs from the embedding-and-bias-only direct path)."""
+    model = small_model(**case)
+    seq = _tokens(model)[0]
+    exp = expand_logits(model, seq, 7, positions=None, max_order=model.cfg.n_layers)
+    assert int(exp.term(("mlp:L0",)).order) == 0 and int(exp.term(("mlp:L0", "L1H2")).order) == 1
+    assert exp.remainder.abs().max() < 1e-9
+    per_order = order_logits(model, seq)
+    mlp_direct = sum(exp.term((f"mlp:L{lay}",)).value for lay in range(model.cfg.n_layers))
+    non_mlp = sum(exp.term(p).value for p, o in zip(exp.paths, exp.orders.tolist(), strict=True) if o == 0 and not (p and p[0].startswith("mlp:")))
+    torch.testing.assert_close(per_order[0][0, :, 7], mlp_direct + non_mlp, atol=1e-9, rtol=0)
+    assert mlp_direct.abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_frozen_mlp_out_replaces_the_mlp(parallel):
+    """Frozen(mlp_out) against weight edits: zeros == W_out, b_out zeroed; the clean output == the clean run."""
+    model = small_model(n_layers=2, ln="LN", mlp=True, parallel=parallel)
+    tokens = _tokens(model)
+    clean, cache = model.run(tokens, names=lambda n: n.endswith("hook_mlp_out"))
+    same, _ = model.run(tokens, frozen=Frozen(mlp_out={lay: cache[f"blocks.{lay}.hook_mlp_out"] for lay in range(2)}))
+    torch.testing.assert_close(same, clean, atol=1e-12, rtol=0)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.blocks[1].mlp.W_out.zero_()
+        other.blocks[1].mlp.b_out.zero_()
+    zeroed, c2 = model.run(tokens, names=lambda n: "ln2" in n or "mlp" in n,
+                           frozen=Frozen(mlp_out={1: torch.zeros(2, 10, model.cfg.d_model, dtype=torch.float64)}))
+    torch.testing.assert_close(zeroed, other.run(tokens)[0], atol=1e-12, rtol=0)
+    assert "blocks.1.mlp.hook_pre" not in c2 and "blocks.1.ln2.hook_scale" not in c2 and "blocks.0.mlp.hook_pre" in c2
+    with pytest.raises(InvalidInputError, match="frozen MLP output"):
+        model.run(tokens, frozen=Frozen(mlp_out={0: torch.zeros(1, 10, model.cfg.d_model, dtype=torch.float64)}))
+
+
+@pytest.mark.parametrize("case", [dict(n_layers=2, ln="LN"), dict(n_layers=2, ln="LN", mlp=True),
+                                  dict(n_layers=3, mlp=True, pos="standard")],
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_head_ablation_matches_zeroed_weights(case):
+    """Only patterns frozen: LayerNorm scales and downstream MLPs recompute on the ablated stream (Olsson)."""
+    model = small_model(**case)
     tokens = _tokens(model)
     got = head_ablation(model, tokens)
     clean_logits, cache = model.run(tokens, names=lambda n: n.endswith("hook_pattern"))
-    for layer, h in [(0, 1), (1, 2)]:
+    for layer, h in [(0, 1), (1, 2), (model.cfg.n_layers - 1, 0)]:
         other = copy.deepcopy(model)
         with torch.no_grad():
             other.blocks[layer].attn.W_O[h] = 0  # result = z W_O = 0
@@ -66,8 +111,8 @@ def test_head_ablation_matches_zeroed_weights():
 
 
 def test_errors():
-    with pytest.raises(InvalidInputError):
-        order_ablation(small_model(n_layers=2, ln="LN", mlp=True), torch.zeros(1, 5, dtype=torch.long))
+    with pytest.raises(InvalidInputError, match="at least 2 tokens"):
+        order_ablation(small_model(n_layers=2, ln="LN", mlp=True), torch.zeros(1, 1, dtype=torch.long))
     model = small_model(n_layers=2)
     with pytest.raises(CancelledError):
         order_ablation(model, _tokens(model), should_stop=lambda: True)
