@@ -161,17 +161,24 @@ class QKPathsView(BaseModel):
 # -- term importance -------------------------------------------------------------------------------
 class HeadAblation(BaseModel):
     head: str
-    loss_change: float = Field(description="loss with the head's output removed, patterns frozen, minus the clean loss")
+    loss_change: float = Field(
+        description="loss with the head's output removed, patterns frozen (MLPs and LayerNorm recomputed), minus the clean loss"
+    )
 
 
 class TermImportanceView(BaseModel):
-    """Loss when only paths up to each order are kept (paper-math 2.13) and per-head ablations."""
+    """Loss when only paths up to each order are kept (paper-math 2.13) and per-head ablations.
+
+    MLP models: each MLP's clean output is an order-0 path source (as in the path expansion), kept in every rerun.
+    """
 
     model: ModelRef
     text_source: str = Field(description="where the text came from: 'prompt', 'tokens', 'card' or 'builtin'")
     tokens: list[TokenRef]
     clean_loss: float
-    loss_by_order: list[float] = Field(description="mean loss keeping paths of order <= k, k = 0..n_layers (last = clean)")
+    loss_by_order: list[float] = Field(
+        description="mean loss keeping paths of order <= k (k heads; an MLP's clean output is an order-0 source), k = 0..n_layers (last = clean)"
+    )
     marginal_by_order: list[float] = Field(description="loss[k-1] - loss[k]: what the order-k terms add, k = 1..n_layers")
     first_order_by_layer: list[float] = Field(description="loss drop over the direct path from adding layer l's first-order terms alone")
     heads: list[HeadAblation]

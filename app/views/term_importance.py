@@ -1,7 +1,11 @@
 """Term importance by path order and pattern-preserving head ablation (paper-math 2.13), from
 circuits_core.ablation: losses with paths up to each order (patterns and LayerNorm scales frozen, values
 reading the previous rerun), the marginal effect of each order, first-order terms by layer, and the loss
-change when one head's result is zeroed with every pattern frozen (Olsson et al.). Attention-only models.
+change when one head's result is zeroed with every pattern frozen (Olsson et al.).
+
+MLP models follow paths.py's convention: an MLP is a fixed node whose clean output is an order-0 path source
+(like the embedding), so every order rerun keeps each MLP's clean output and only head paths are truncated;
+the head ablation recomputes downstream MLPs (only attention patterns are frozen, as in Olsson et al.).
 
 The default text, when neither prompt nor tokens is given: the model card's `sample_text` (held-out text
 shipped with the model) when present, else BUILTIN_TEXT, a short Python snippet (the toy models learn code).
@@ -47,10 +51,11 @@ def _default_ids(loaded: LoadedModel, limits: Limits) -> tuple[list[int], str]:
 
 
 def ablation_bytes(loaded: LoadedModel, n: int) -> int:
-    """Frozen patterns of every layer, the residual streams of one run and the logits."""
+    """Frozen patterns of every layer, the residual streams of one run (+ frozen MLP outputs) and the logits."""
     cfg = loaded.model.cfg
     itemsize = torch.finfo(loaded.model.dtype).bits // 8
-    return (cfg.n_layers * cfg.n_heads * n * n * 2 + 4 * cfg.n_layers * n * cfg.d_model + 2 * n * cfg.d_vocab) * itemsize
+    resid = (4 if cfg.attn_only else 5) * cfg.n_layers * n * cfg.d_model
+    return (cfg.n_layers * cfg.n_heads * n * n * 2 + resid + 2 * n * cfg.d_vocab) * itemsize
 
 
 def build_term_importance_view(
