@@ -243,7 +243,8 @@ class SkipTrigrams:
     out_tokens/out_scores: the k tokens c with the largest logit effect ov[a, c] (row a of the full OV).
     joint [k, k]: qk[b, a] * ov[a, c] for every (destination, out) pair -- a heuristic strength only, the
     paper defines no joint score. triples: (b, c, joint) sorted by joint, largest first.
-    copying: whether a is among its own top-k out tokens.
+    copying: whether a is among its own top-k out tokens. With `vocab` (token ids [n]) destinations and
+    outs are ranked among those tokens only.
     """
 
     source: int
@@ -256,11 +257,17 @@ class SkipTrigrams:
     copying: bool
 
 
-def skip_trigrams(model: Transformer, layer: int, head: int, source_token: int, k: int = 10) -> SkipTrigrams:
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= model.cfg.d_vocab:
-        raise InvalidInputError(f"k must be an integer in [1, {model.cfg.d_vocab}], got {k!r}")
-    dest_scores, dest_tokens = full_qk_col(model, layer, head, source_token).topk(k)  # [k]
-    out_scores, out_tokens = full_ov_row(model, layer, head, source_token).topk(k)  # [k]
+def skip_trigrams(
+    model: Transformer, layer: int, head: int, source_token: int, k: int = 10, vocab: Tensor | None = None
+) -> SkipTrigrams:
+    n = model.cfg.d_vocab if vocab is None else vocab.numel()
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
+        raise InvalidInputError(f"k must be an integer in [1, {n}], got {k!r}")
+    keep = slice(None) if vocab is None else vocab
+    ids = torch.arange(model.cfg.d_vocab, device=model.W_E.device)[keep]  # [n]
+    dest_scores, dest = full_qk_col(model, layer, head, source_token)[keep].topk(k)  # [k]
+    out_scores, out = full_ov_row(model, layer, head, source_token)[keep].topk(k)  # [k]
+    dest_tokens, out_tokens = ids[dest], ids[out]
     joint = dest_scores[:, None] * out_scores[None, :]  # [k, k]
     order = joint.flatten().argsort(descending=True)
     triples = [(int(dest_tokens[i // k]), int(out_tokens[i % k]), float(joint.flatten()[i])) for i in order.tolist()]

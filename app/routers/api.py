@@ -73,6 +73,13 @@ class Params:
         lim = self.limits.max_batch
         return Query(min(default, lim), ge=1, le=lim, description="number of random sequences")
 
+    def min_count(self) -> Any:
+        return Query(
+            None, ge=1, le=10**9,
+            description="frequent tokens only: keep tokens seen at least this often in training (the model folder's "
+            "token_counts.npy; 422 for a model without it). Without it every token is ranked",
+        )
+
     def seed(self) -> Any:
         return Query(0, ge=0, le=2**31 - 1, description="seed of the random tokens")
 
@@ -120,8 +127,10 @@ def build_router(settings: Settings) -> APIRouter:
         return await compute(build_copying_view, loaded, head, k, limits, key=cache_key(loaded, "copying", head, k))
 
     @router.get("/models/{model}/heads/{head}/ov", response_model=schemas.CircuitTopView, tags=["circuits"], summary="Top entries of the full OV circuit")
-    async def ov(loaded: LoadedModelDep, limits: LimitsDep, head: HeadName, token: str | None = p.token(), k: int = p.k()) -> schemas.CircuitTopView:
-        return await compute(build_ov_view, loaded, head, token, k, limits, key=cache_key(loaded, "ov", head, token, k))
+    async def ov(
+        loaded: LoadedModelDep, limits: LimitsDep, head: HeadName, token: str | None = p.token(), k: int = p.k(), min_count: int | None = p.min_count()
+    ) -> schemas.CircuitTopView:
+        return await compute(build_ov_view, loaded, head, token, k, limits, min_count, key=cache_key(loaded, "ov", head, token, k, min_count))
 
     @router.get("/models/{model}/heads/{head}/qk", response_model=schemas.CircuitTopView, tags=["circuits"], summary="Top entries of the full QK circuit")
     async def qk(
@@ -131,16 +140,23 @@ def build_router(settings: Settings) -> APIRouter:
         token: str | None = p.token(),
         k: int = p.k(),
         side: Literal["query", "key"] = Query("query", description="whether token is the query (its row) or the key (its column)"),
+        min_count: int | None = p.min_count(),
     ) -> schemas.CircuitTopView:
-        return await compute(build_qk_view, loaded, head, token, k, limits, side, key=cache_key(loaded, "qk", head, token, k, side))
+        key = cache_key(loaded, "qk", head, token, k, side, min_count)
+        return await compute(build_qk_view, loaded, head, token, k, limits, side, min_count, key=key)
 
     @router.get("/models/{model}/heads/{head}/skip-trigrams", response_model=schemas.SkipTrigramView, tags=["circuits"], summary="Skip-trigrams of a source token")
-    async def skip_trigrams(loaded: LoadedModelDep, limits: LimitsDep, head: HeadName, token: str | None = p.token(), k: int = p.k(10)) -> schemas.SkipTrigramView:
-        return await compute(build_skip_trigrams_view, loaded, head, token, k, limits, key=cache_key(loaded, "skip", head, token, k))
+    async def skip_trigrams(
+        loaded: LoadedModelDep, limits: LimitsDep, head: HeadName, token: str | None = p.token(), k: int = p.k(10), min_count: int | None = p.min_count()
+    ) -> schemas.SkipTrigramView:
+        key = cache_key(loaded, "skip", head, token, k, min_count)
+        return await compute(build_skip_trigrams_view, loaded, head, token, k, limits, min_count, key=key)
 
     @router.get("/models/{model}/direct", response_model=schemas.CircuitTopView, tags=["circuits"], summary="Direct path (bigram table)")
-    async def direct(loaded: LoadedModelDep, limits: LimitsDep, token: str | None = p.token(), k: int = p.k()) -> schemas.CircuitTopView:
-        return await compute(build_direct_view, loaded, token, k, limits, key=cache_key(loaded, "direct", token, k))
+    async def direct(
+        loaded: LoadedModelDep, limits: LimitsDep, token: str | None = p.token(), k: int = p.k(), min_count: int | None = p.min_count()
+    ) -> schemas.CircuitTopView:
+        return await compute(build_direct_view, loaded, token, k, limits, min_count, key=cache_key(loaded, "direct", token, k, min_count))
 
     # -- detectors ---------------------------------------------------------------------------------------
     @router.get("/models/{model}/detectors", response_model=schemas.DetectorsView, tags=["detectors"], summary="Head detectors on repeated random tokens")

@@ -30,7 +30,13 @@ class CircuitTopView(BaseModel):
     k: int
     entries: list[MatrixEntry] = Field(description="sorted by value, largest first")
     diagonal: float | None = Field(default=None, description="the token's own entry (copying signature), when a token is given")
-    diagonal_rank: int | None = Field(default=None, description="rank of the token's own entry in its row/column (1 = top)")
+    diagonal_rank: int | None = Field(
+        default=None, description="rank of the token's own entry in its row/column (1 = top; among the kept tokens with min_count)"
+    )
+    min_count: int | None = Field(
+        default=None, description="only tokens seen at least this often in training were ranked (None: every token)"
+    )
+    n_tokens: int | None = Field(default=None, description="how many tokens min_count kept (None without min_count)")
 
 
 class SkipTrigram(BaseModel):
@@ -56,3 +62,6 @@ class SkipTrigramView(BaseModel):
         "(the grid is the factored cross-product, 'skip-trigram bugs' included)"
     )
     copying: bool = Field(description="whether the source is among its own top-k outs")
+    min_count: int | None = Field(
+        default=None, description="destinations, outs (and the default source) were tokens seen at least this often in training"
+    )

@@ -3,12 +3,18 @@
 Every circuit is a FactoredMatrix [d_vocab, d_vocab] from circuits_core.circuits; with a token we read its
 row (or, for QK keys, its column) from the factors, without one the global top-k streams row blocks under
 `limits.matrix_budget_bytes`. Nothing sized d_vocab x d_vocab is allocated.
+
+`min_count` (optional) keeps only tokens seen at least that often in training, read from the model folder's
+`token_counts.npy` (circuits_core.phenomena.load_token_counts): the global top-k runs on the factors restricted
+to those rows and columns, a token's row or column lists only those tokens. Rare, under-trained tokens
+otherwise dominate the global tables of the shipped toy models.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -17,7 +23,9 @@ from app.settings import Limits
 from app.views.inputs import check_k, model_ref, resolve_token, token_ref
 from circuits_core import circuits
 from circuits_core.config import head_name, parse_head
+from circuits_core.errors import InvalidInputError
 from circuits_core.factored import FactoredMatrix
+from circuits_core.phenomena import TOKEN_COUNTS_FILE, load_token_counts
 from circuits_core.weights import LoadedModel
 
 QKSide = Literal["query", "key"]
@@ -29,6 +37,29 @@ LABELS = {
 }
 
 
+def frequent_tokens(loaded: LoadedModel, min_count: int | None) -> Tensor | None:
+    """Sorted ids [n] of the tokens seen at least min_count times in training; None when min_count is None.
+
+    InvalidInputError when the model has no token counts or no token is that frequent.
+    """
+    if min_count is None:
+        return None
+    counts = load_token_counts(loaded.path, loaded.model.cfg.d_vocab)
+    if counts is None:
+        raise InvalidInputError(
+            f"model {loaded.path.name!r} has no token counts ({TOKEN_COUNTS_FILE} in its folder): min_count is not available"
+        )
+    ids = np.flatnonzero(counts >= min_count)
+    if ids.size == 0:
+        raise InvalidInputError(f"no token was seen min_count={min_count} times in training (the most frequent: {int(counts.max())})")
+    return torch.from_numpy(ids).long()
+
+
+def has_token_counts(loaded: LoadedModel) -> bool:
+    """Whether the model folder carries token_counts.npy (so min_count is available)."""
+    return (loaded.path / TOKEN_COUNTS_FILE).is_file()
+
+
 def _top_view(
     loaded: LoadedModel,
     fm: FactoredMatrix,
@@ -38,19 +69,22 @@ def _top_view(
     side: Literal["row", "column"],
     k: int,
     limits: Limits,
+    min_count: int | None = None,
 ) -> CircuitTopView:
     rows_label, cols_label = LABELS[circuit]
+    vocab = frequent_tokens(loaded, min_count)  # [n] or None: all tokens
+    n_vocab = None if vocab is None else int(vocab.numel())
 
     def view(k: int, entries: list[MatrixEntry], **found: Any) -> CircuitTopView:
         return CircuitTopView(
             model=model_ref(loaded), circuit=circuit, head=head, row_label=rows_label, col_label=cols_label,
-            k=k, entries=entries, **found,
+            k=k, entries=entries, min_count=min_count, n_tokens=n_vocab, **found,
         )
 
     with torch.no_grad():
         if token is None:
-            k = check_k(k, limits, fm.ldim * fm.rdim)
-            values, rows, cols = fm.topk_global(k, budget_bytes=limits.matrix_budget_bytes)  # [k] each
+            k = check_k(k, limits, fm.ldim * fm.rdim if n_vocab is None else n_vocab**2)
+            values, rows, cols = fm.topk_global(k, budget_bytes=limits.matrix_budget_bytes, rows=vocab, cols=vocab)  # [k] each
             entries = [
                 MatrixEntry(row=token_ref(loaded, r), col=token_ref(loaded, c), value=float(v))
                 for v, r, c in zip(values.tolist(), rows.tolist(), cols.tolist(), strict=True)
@@ -58,9 +92,11 @@ def _top_view(
             return view(k, entries)
         t = resolve_token(loaded, token)
         line: Tensor = (fm.rows([t]) if side == "row" else fm.cols([t]))[0]  # [d_vocab]
-        k = check_k(k, limits, line.numel())
-        values, idx = line.topk(k)
         own = float(line[t]) if fm.ldim == fm.rdim else None
+        if vocab is not None:  # rank and list only the frequent tokens
+            line = torch.full_like(line, float("-inf")).index_copy(0, vocab, line[vocab])
+        k = check_k(k, limits, line.numel() if n_vocab is None else n_vocab)
+        values, idx = line.topk(k)
         ref = token_ref(loaded, t)
         entries = [
             MatrixEntry(row=ref, col=token_ref(loaded, i), value=float(v))
@@ -68,44 +104,56 @@ def _top_view(
             else MatrixEntry(row=token_ref(loaded, i), col=ref, value=float(v))
             for v, i in zip(values.tolist(), idx.tolist(), strict=True)
         ]
-        rank = int((line > line[t]).sum()) + 1 if own is not None else None
+        rank = int((line > own).sum()) + 1 if own is not None else None
     return view(k, entries, token=ref, side=side, diagonal=own, diagonal_rank=rank)
 
 
-def build_ov_view(loaded: LoadedModel, head: str, token: str | None, k: int, limits: Limits) -> CircuitTopView:
+def build_ov_view(
+    loaded: LoadedModel, head: str, token: str | None, k: int, limits: Limits, min_count: int | None = None
+) -> CircuitTopView:
     """Full OV circuit W_E W_V W_O W_U of a head: the token's row (the logits it raises), else global top-k."""
     layer, h = parse_head(head, loaded.model.cfg)
     fm = circuits.full_ov_circuit(loaded.model, layer, h)
-    return _top_view(loaded, fm, "ov", head_name(layer, h), token, "row", k, limits)
+    return _top_view(loaded, fm, "ov", head_name(layer, h), token, "row", k, limits, min_count)
 
 
 def build_qk_view(
-    loaded: LoadedModel, head: str, token: str | None, k: int, limits: Limits, side: QKSide = "query"
+    loaded: LoadedModel, head: str, token: str | None, k: int, limits: Limits, side: QKSide = "query",
+    min_count: int | None = None,
 ) -> CircuitTopView:
     """Full QK circuit W_E W_Q W_K^T W_E^T / s: as query, the keys a token attends to; as key, the queries attending to it."""
     layer, h = parse_head(head, loaded.model.cfg)
     fm = circuits.full_qk_circuit(loaded.model, layer, h)
-    return _top_view(loaded, fm, "qk", head_name(layer, h), token, "row" if side == "query" else "column", k, limits)
+    side_: Literal["row", "column"] = "row" if side == "query" else "column"
+    return _top_view(loaded, fm, "qk", head_name(layer, h), token, side_, k, limits, min_count)
 
 
-def build_direct_view(loaded: LoadedModel, token: str | None, k: int, limits: Limits) -> CircuitTopView:
+def build_direct_view(
+    loaded: LoadedModel, token: str | None, k: int, limits: Limits, min_count: int | None = None
+) -> CircuitTopView:
     """Direct path W_E W_U (the bigram table): top next tokens for a current token, else global top-k."""
-    return _top_view(loaded, circuits.direct_path(loaded.model), "direct", None, token, "row", k, limits)
+    return _top_view(loaded, circuits.direct_path(loaded.model), "direct", None, token, "row", k, limits, min_count)
 
 
-def _strongest_source(loaded: LoadedModel, layer: int, h: int, limits: Limits) -> int:
-    """The source token of the largest full-OV entry (the default source of the skip-trigram table)."""
-    _, rows, _ = circuits.full_ov_circuit(loaded.model, layer, h).topk_global(1, budget_bytes=limits.matrix_budget_bytes)
+def _strongest_source(loaded: LoadedModel, layer: int, h: int, limits: Limits, vocab: Tensor | None) -> int:
+    """The source token of the largest full-OV entry (among vocab x vocab): the default skip-trigram source."""
+    fm = circuits.full_ov_circuit(loaded.model, layer, h)
+    _, rows, _ = fm.topk_global(1, budget_bytes=limits.matrix_budget_bytes, rows=vocab, cols=vocab)
     return int(rows[0])
 
 
-def build_skip_trigrams_view(loaded: LoadedModel, head: str, token: str | None, k: int, limits: Limits) -> SkipTrigramView:
-    """[source] ... [destination] -> [out] through one head; without a token, the source of the largest OV entry."""
+def build_skip_trigrams_view(
+    loaded: LoadedModel, head: str, token: str | None, k: int, limits: Limits, min_count: int | None = None
+) -> SkipTrigramView:
+    """[source] ... [destination] -> [out] through one head; without a token, the source of the largest OV entry.
+
+    With min_count, destinations, outs and the default source are frequent tokens only."""
     layer, h = parse_head(head, loaded.model.cfg)
-    k = check_k(k, limits, loaded.model.cfg.d_vocab)
+    vocab = frequent_tokens(loaded, min_count)  # [n] or None
+    k = check_k(k, limits, loaded.model.cfg.d_vocab if vocab is None else int(vocab.numel()))
     with torch.no_grad():
-        source = resolve_token(loaded, token) if token is not None else _strongest_source(loaded, layer, h, limits)
-        st = circuits.skip_trigrams(loaded.model, layer, h, source, k)
+        source = resolve_token(loaded, token) if token is not None else _strongest_source(loaded, layer, h, limits, vocab)
+        st = circuits.skip_trigrams(loaded.model, layer, h, source, k, vocab)
     dest = [ScoredToken(token=token_ref(loaded, t), value=float(v)) for t, v in zip(st.dest_tokens.tolist(), st.dest_scores.tolist(), strict=True)]
     outs = [ScoredToken(token=token_ref(loaded, t), value=float(v)) for t, v in zip(st.out_tokens.tolist(), st.out_scores.tolist(), strict=True)]
     qk = dict(zip(st.dest_tokens.tolist(), st.dest_scores.tolist(), strict=True))
@@ -116,6 +164,6 @@ def build_skip_trigrams_view(loaded: LoadedModel, head: str, token: str | None, 
         for b, c, joint in st.triples[:k]
     ]
     return SkipTrigramView(
-        model=model_ref(loaded), head=head_name(layer, h), source=src, k=k, copying=st.copying,
+        model=model_ref(loaded), head=head_name(layer, h), source=src, k=k, copying=st.copying, min_count=min_count,
         destinations=dest, outs=outs, trigrams=trigrams,
     )

@@ -1,7 +1,8 @@
 """Fixtures of the API tests: tiny random models saved in qkov format, an app built on them, a client.
 
 Folders (session-scoped, built once):
-  shipped/tiny-2l   2 layers x 4 heads, shortformer positions, no LayerNorm, BPE tokenizer (BOS <|endoftext|>)
+  shipped/tiny-2l   2 layers x 4 heads, shortformer positions, no LayerNorm, BPE tokenizer (BOS <|endoftext|>),
+                    token_counts.npy of seeded random counts (min_count works on it)
   user/tiny-ln      1 layer x 2 heads, standard positions, LayerNorm, n_ctx 32, same tokenizer
   user/broken       config.json + a weight file missing a tensor: listed as unavailable, 422 when used
   user/llama        config.json of an unsupported architecture: listed as unavailable
@@ -14,6 +15,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
@@ -24,6 +26,7 @@ from app.main import create_app
 from app.settings import Limits, Settings
 from circuits_core.config import ModelConfig
 from circuits_core.model import random_model
+from circuits_core.phenomena import TOKEN_COUNTS_FILE
 from circuits_core.weights import LoadedModel, load_checkpoint
 from tests.bpe import train_bpe
 
@@ -61,6 +64,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     shipped, user = root / "shipped", root / "user"
     two = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=V, n_ctx=128, positional_embedding_type="shortformer")
     save_qkov(shipped / "tiny-2l", two, tok, seed=1, card=CARD)
+    np.save(shipped / "tiny-2l" / TOKEN_COUNTS_FILE, np.random.default_rng(0).integers(0, 1000, V))
     ln = ModelConfig(
         n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=V, n_ctx=32,
         positional_embedding_type="standard", normalization_type="LN",

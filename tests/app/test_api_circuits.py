@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
+from circuits_core.phenomena import load_token_counts
 from circuits_core.weights import LoadedModel
 from tests.app.conftest import assert_problem
 from tests.app.test_api_heads import full_ov_dense, full_qk_dense
@@ -87,3 +89,57 @@ def test_skip_trigrams(client: TestClient, tiny: LoadedModel) -> None:
     assert body["copying"] == (40 in OV[40].topk(6).indices.tolist())
     default = client.get("/api/v1/models/tiny-2l/heads/L0H2/skip-trigrams").json()
     assert default["source"]["id"] == int(OV.argmax()) // OV.shape[1]
+
+
+MIN_COUNT = 500  # about half of tiny-2l's random counts in [0, 1000)
+
+
+def _frequent(tiny: LoadedModel) -> torch.Tensor:
+    counts = load_token_counts(tiny.path, tiny.model.cfg.d_vocab)
+    assert counts is not None
+    return torch.from_numpy(np.flatnonzero(counts >= MIN_COUNT))
+
+
+def _masked(M: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """M with every entry outside keep x keep set to -inf (dense, float64: the reference)."""
+    inside = torch.zeros_like(M, dtype=torch.bool)
+    inside[keep[:, None], keep[None, :]] = True
+    return M.masked_fill(~inside, float("-inf"))
+
+
+def test_min_count_keeps_frequent_tokens_only(client: TestClient, tiny: LoadedModel) -> None:
+    keep = _frequent(tiny)
+    assert 0 < keep.numel() < tiny.model.cfg.d_vocab
+    cases = [
+        ("heads/L1H0/ov", {}, full_ov_dense(tiny.model, 1, 0)),
+        ("heads/L0H3/qk", {}, full_qk_dense(tiny.model, 0, 3)),
+        ("direct", {}, tiny.model.W_E @ tiny.model.W_U),
+    ]
+    for path, extra, M in cases:
+        body = client.get(f"/api/v1/models/tiny-2l/{path}", params={"k": 25, "min_count": MIN_COUNT, **extra}).json()
+        assert body["min_count"] == MIN_COUNT and body["n_tokens"] == keep.numel()
+        _check_entries(body, _masked(M, keep), 25)
+        plain = client.get(f"/api/v1/models/tiny-2l/{path}", params={"k": 25}).json()
+        assert plain["min_count"] is None and plain["n_tokens"] is None  # default: every token
+    # A token's row lists frequent tokens only; its rank counts only those above it.
+    M = full_ov_dense(tiny.model, 1, 0)
+    t = int(keep[3])
+    body = client.get("/api/v1/models/tiny-2l/heads/L1H0/ov", params={"token": str(t), "k": 6, "min_count": MIN_COUNT}).json()
+    ref = M[t, keep].topk(6)
+    assert [e["col"]["id"] for e in body["entries"]] == keep[ref.indices].tolist()
+    assert [e["value"] for e in body["entries"]] == pytest.approx(ref.values.tolist(), abs=1e-9)
+    assert body["diagonal_rank"] == int((M[t, keep] > M[t, t]).sum()) + 1
+    # Skip-trigrams: default source = row of the largest frequent OV entry; destinations and outs frequent.
+    skip = client.get("/api/v1/models/tiny-2l/heads/L1H0/skip-trigrams", params={"k": 4, "min_count": MIN_COUNT}).json()
+    masked = _masked(M, keep)
+    assert skip["source"]["id"] == int(masked.flatten().argmax()) // M.shape[1]
+    assert [o["token"]["id"] for o in skip["outs"]] == keep[M[skip["source"]["id"], keep].topk(4).indices].tolist()
+    assert all(d["token"]["id"] in set(keep.tolist()) for d in skip["destinations"])
+
+
+def test_min_count_refused_without_counts_or_frequent_tokens(client: TestClient) -> None:
+    for path in ("heads/L0H1/ov", "heads/L0H1/qk", "heads/L0H1/skip-trigrams", "direct"):
+        assert_problem(client.get(f"/api/v1/models/tiny-ln/{path}", params={"min_count": 5}), 422, "no token counts")
+        assert client.get(f"/api/v1/models/tiny-ln/{path}").status_code == 200  # the default needs no counts
+    assert_problem(client.get("/api/v1/models/tiny-2l/direct", params={"min_count": 10**6}), 422, "min_count=1000000")
+    assert_problem(client.get("/api/v1/models/tiny-2l/direct", params={"min_count": 0}), 422, "min_count")
