@@ -29,7 +29,13 @@ from app.errors import kind_of
 from app.routers.api import Params, cache_key, split_heads
 from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
 from app.settings import REPO_ROOT, Settings
-from app.views.circuits import build_direct_view, build_ov_view, build_qk_view, build_skip_trigrams_view
+from app.views.circuits import (
+    build_direct_view,
+    build_ov_view,
+    build_qk_view,
+    build_skip_trigrams_view,
+    has_token_counts,
+)
 from app.views.composition import build_composition_view
 from app.views.detectors import build_detectors_view
 from app.views.heads import build_head_view, build_heads_view
@@ -87,6 +93,19 @@ def url(path: str, **params: Any) -> str:
     """`path?query` with the parameters that are set (None and '' are left out)."""
     query = {k: v for k, v in params.items() if v is not None and v != ""}
     return f"{path}?{urlencode(query)}" if query else path
+
+
+# The page's "tokens" picker: every token, or those seen at least N times in training (the API's min_count).
+MIN_COUNT_CHOICES = (50, 200, 500, 1000, 2000)
+
+
+def min_count_query() -> Any:
+    return Query(None, max_length=10, pattern=r"^\d*$",
+                 description="frequent tokens only: tokens seen at least this often in training (empty or 0: every token)")
+
+
+def parse_min_count(value: str | None) -> int | None:
+    return int(value) if value and int(value) > 0 else None
 
 
 def is_fragment(request: Request) -> bool:
@@ -245,8 +264,9 @@ def build_router(settings: Settings) -> APIRouter:
 
     @router.get("/models/{model}/heads/{head}")
     async def head_page(request: Request, registry: RegistryDep, loaded: LoadedModelDep, limits: LimitsDep, model: str, head: str,
-                        token: str | None = p.token(), k: int = p.k(10)) -> Response:
+                        token: str | None = p.token(), k: int = p.k(10), min_count: str | None = min_count_query()) -> Response:
         cfg = loaded.model.cfg
+        mc = parse_min_count(min_count)
         layer, h = parse_head(head, cfg)
         name = head_name(layer, h)
         token = token if token not in ("", None) else None
@@ -254,13 +274,13 @@ def build_router(settings: Settings) -> APIRouter:
         view: HeadView | None = None
         if not fragment_only:
             view = await compute(build_head_view, loaded, name, key=cache_key(loaded, "head", name))
-        ov: CircuitTopView = await compute(build_ov_view, loaded, name, token, k, limits, key=cache_key(loaded, "ov", name, token, k))
-        qk_q: CircuitTopView = await compute(build_qk_view, loaded, name, token, k, limits, "query",
-                                             key=cache_key(loaded, "qk", name, token, k, "query"))
+        ov: CircuitTopView = await compute(build_ov_view, loaded, name, token, k, limits, mc, key=cache_key(loaded, "ov", name, token, k, mc))
+        qk_q: CircuitTopView = await compute(build_qk_view, loaded, name, token, k, limits, "query", mc,
+                                             key=cache_key(loaded, "qk", name, token, k, "query", mc))
         qk_k = None
         if token is not None:
-            qk_k = await compute(build_qk_view, loaded, name, token, k, limits, "key", key=cache_key(loaded, "qk", name, token, k, "key"))
-        skip = await compute(build_skip_trigrams_view, loaded, name, token, k, limits, key=cache_key(loaded, "skip", name, token, k))
+            qk_k = await compute(build_qk_view, loaded, name, token, k, limits, "key", mc, key=cache_key(loaded, "qk", name, token, k, "key", mc))
+        skip = await compute(build_skip_trigrams_view, loaded, name, token, k, limits, mc, key=cache_key(loaded, "skip", name, token, k, mc))
         partners = await composition_partners(loaded, name) if view is not None else []
         all_heads = [head_name(a, b) for a in range(cfg.n_layers) for b in range(cfg.n_heads)]
         i = all_heads.index(name)
@@ -269,22 +289,25 @@ def build_router(settings: Settings) -> APIRouter:
             **ctx, "head": name, "view": view, "ov": ov, "qk_q": qk_q, "qk_k": qk_k, "skip": skip, "token": token, "k": k,
             "figs": head_charts(view) if view is not None else {}, "max_k": limits.max_k, "partners": partners,
             "prev_head": all_heads[i - 1] if i > 0 else None, "next_head": all_heads[i + 1] if i + 1 < len(all_heads) else None,
-            "base_url": f"/models/{model}/heads/{name}",
+            "base_url": f"/models/{model}/heads/{name}", "min_count": mc, "has_counts": has_token_counts(loaded),
+            "min_count_choices": MIN_COUNT_CHOICES,
         }, blocks=("circuits",))
 
     @router.get("/models/{model}/direct")
     async def direct_page(request: Request, registry: RegistryDep, loaded: LoadedModelDep, limits: LimitsDep, model: str,
-                          token: str | None = p.token(), k: int = p.k(20)) -> Response:
+                          token: str | None = p.token(), k: int = p.k(20), min_count: str | None = min_count_query()) -> Response:
         token = token or None
-        view = await compute(build_direct_view, loaded, token, k, limits, key=cache_key(loaded, "direct", token, k))
-        json_url = url(f"{API}/models/{model}/direct", token=token, k=k)
+        mc = parse_min_count(min_count)
+        view = await compute(build_direct_view, loaded, token, k, limits, mc, key=cache_key(loaded, "direct", token, k, mc))
+        json_url = url(f"{API}/models/{model}/direct", token=token, k=k, min_count=mc)
         ctx = await page_context(request, registry, f"Direct path · {model}", json_url, model, "direct")
         fig = None
         if view.token is not None:
             fig = charts.bars([charts.visible(e.col.text) for e in view.entries], [e.value for e in view.entries], horizontal=True,
                               title=f"top next tokens after {charts.visible(view.token.text)} (W_E W_U row)",
                               height=max(260, 22 * len(view.entries) + 80))
-        return render(request, "direct.html", {**ctx, "view": view, "token": token, "k": k, "fig": fig, "max_k": limits.max_k},
+        return render(request, "direct.html", {**ctx, "view": view, "token": token, "k": k, "fig": fig, "max_k": limits.max_k,
+                                               "min_count": mc, "has_counts": has_token_counts(loaded), "min_count_choices": MIN_COUNT_CHOICES},
                       blocks=("direct_panel",))
 
     @router.get("/models/{model}/detectors")

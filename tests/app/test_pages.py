@@ -242,3 +242,18 @@ def test_error_detail_is_escaped(evil_client: TestClient) -> None:
     r = evil_client.get("/models/evil/direct", params={"token": EVIL + EVIL})
     assert r.status_code == 422
     assert "<script>alert" not in r.text
+
+
+def test_min_count_picker_round_trips_in_the_url(client: TestClient) -> None:
+    for page, api in ((f"/models/{M}/heads/L1H0", f"/api/v1/models/{M}/heads/L1H0/ov"), (f"/models/{M}/direct", f"/api/v1/models/{M}/direct")):
+        html = client.get(page, params={"k": 5, "min_count": 500}).text
+        assert re.search(r'<select name="min_count"[^>]*>', html) and '<option value="500" selected>' in html
+        assert "min_count=500" in html  # token links, "JSON" links carry the state
+        for e in client.get(api, params={"k": 5, "min_count": 500}).json()["entries"]:  # the table is the filtered one
+            assert f"token={e['row']['id']}&amp;k=5&amp;min_count=500" in html
+        odd = client.get(page, params={"min_count": 321}).text  # a value typed into the URL stays selected
+        assert '<option value="321" selected>' in odd
+        plain = client.get(page, params={"min_count": ""}).text  # "all": every token, as without the parameter
+        assert '<option value="" selected>' in plain and "min_count=" not in plain
+    assert 'name="min_count"' not in client.get("/models/tiny-ln/direct").text  # no counts: no picker
+    assert client.get("/models/tiny-ln/direct", params={"min_count": 5}).status_code == 422
