@@ -99,8 +99,13 @@ class LayerNorm(nn.Module):
         # x: [batch, pos, d_model]
         if self.cfg.normalization_type is None:
             return x
-        x = x - x.mean(-1, keepdim=True)
         key = f"{self.name}.hook_scale"
+        computed = frozen is None or key not in frozen.ln_scales
+        if computed and not rec.wants(key) and not rec.wants(f"{self.name}.hook_normalized"):
+            # Nothing to record or replace: the same maths as below, as torch's fused kernel.
+            w, b = (self.w, self.b) if self.has_weights else (None, None)
+            return F.layer_norm(x, x.shape[-1:], w, b, self.cfg.eps)
+        x = x - x.mean(-1, keepdim=True)
         if frozen is not None and key in frozen.ln_scales:
             scale = frozen.ln_scales[key]  # [batch, pos, 1]
         else:

@@ -1,0 +1,56 @@
+"""The transformer itself: recorded vs fused LayerNorm, frozen runs, the causal mask, the cache names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from circuits_core.config import ModelConfig
+from circuits_core.errors import InvalidInputError
+from circuits_core.model import Frozen, random_model
+
+CONFIGS = [
+    ModelConfig(n_layers=2, d_model=16, n_heads=2, d_head=8, d_vocab=40, n_ctx=12, normalization_type=norm,
+                positional_embedding_type=pos, attn_only=attn_only, d_mlp=None if attn_only else 32,
+                act_fn=None if attn_only else "gelu_new", use_bias=True)
+    for norm in ("LN", "LNPre", None)
+    for pos in ("standard", "shortformer", "rotary")
+    for attn_only in (True, False)
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.normalization_type}-{c.positional_embedding_type}-{c.attn_only}")
+def test_recording_and_freezing_do_not_change_the_logits(cfg: ModelConfig) -> None:
+    """A run that records nothing (fused LayerNorm kernel) == one that records every activation (explicit
+    LayerNorm maths) == a run with every pattern and LayerNorm scale frozen to the recorded values."""
+    model = random_model(cfg, seed=3, dtype=torch.float64, std_embed=1.0)
+    with torch.no_grad():
+        for block in model.blocks:  # non-trivial LN weights and biases
+            for ln in (block.ln1, getattr(block, "ln2", None)):
+                if ln is not None and ln.has_weights:
+                    ln.w.normal_(1.0, 0.3), ln.b.normal_(0.0, 0.3)
+    tokens = torch.randint(0, cfg.d_vocab, (3, cfg.n_ctx), generator=torch.Generator().manual_seed(0))
+    plain, nothing = model.run(tokens)
+    recorded, cache = model.run(tokens, names=lambda name: True)
+    assert nothing == {}
+    torch.testing.assert_close(plain, recorded, rtol=0, atol=1e-12)
+    frozen = Frozen(
+        patterns={k: v for k, v in cache.items() if k.endswith("hook_pattern")},
+        ln_scales={k: v for k, v in cache.items() if k.endswith("hook_scale")},
+    )
+    torch.testing.assert_close(model.run(tokens, frozen=frozen)[0], plain, rtol=0, atol=1e-12)
+    for layer in range(cfg.n_layers):
+        pattern = cache[f"blocks.{layer}.attn.hook_pattern"]  # [batch, head, query, key]
+        assert torch.triu(pattern, diagonal=1).abs().max() == 0  # causal: no key after its query
+        torch.testing.assert_close(pattern.sum(-1), torch.ones_like(pattern[..., 0]), rtol=0, atol=1e-12)
+        assert f"blocks.{layer}.hook_resid_pre" in cache and f"blocks.{layer}.attn.hook_z" in cache
+    if cfg.normalization_type is not None:
+        assert "ln_final.hook_scale" in cache
+
+
+def test_token_checks() -> None:
+    model = random_model(CONFIGS[0])
+    with pytest.raises(InvalidInputError, match="context"):
+        model.run(torch.zeros(1, CONFIGS[0].n_ctx + 1, dtype=torch.long))
+    with pytest.raises(InvalidInputError, match="vocab|token ids"):
+        model.run(torch.tensor([[0, CONFIGS[0].d_vocab]]))
