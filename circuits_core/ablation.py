@@ -27,11 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from circuits_core.errors import CancelledError, InvalidInputError
-from circuits_core.model import Frozen, Transformer
+from circuits_core.model import Frozen, Transformer, next_token_losses
 
 
 @dataclass
@@ -45,7 +44,7 @@ class OrderAblation:
 
 def lm_loss(logits: Tensor, tokens: Tensor) -> Tensor:
     """Mean next-token cross-entropy: logits [b, n, V], tokens [b, n]."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).double(), tokens[:, 1:].flatten())
+    return next_token_losses(logits.double(), tokens).mean()
 
 
 def _clean_frozen(model: Transformer, tokens: Tensor) -> tuple[Tensor, Frozen]:

@@ -417,6 +417,12 @@ class Transformer(nn.Module):
         return self.W_E.dtype
 
 
+def next_token_losses(logits: Tensor, tokens: Tensor) -> Tensor:
+    """Cross-entropy of predicting tokens[:, i + 1] from logits[:, i]: logits [batch, n, d_vocab], tokens
+    [batch, n] -> [batch, n - 1] (column i is the loss on position i + 1)."""
+    return F.cross_entropy(logits[:, :-1].transpose(1, 2), tokens[:, 1:], reduction="none")
+
+
 def init_weights(model: Transformer, seed: int = 0, std_embed: float = 0.02) -> Transformer:
     """Seeded random initialisation (training recipe of the toy models; also used by tests).
 

@@ -18,14 +18,13 @@ from typing import TypedDict
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from circuits_core.circuits import ov_copying_scores
 from circuits_core.composition import composition_scores
 from circuits_core.errors import CheckpointError
 from circuits_core.heads import detector_scores, repeated_random_tokens
-from circuits_core.model import Transformer
+from circuits_core.model import Transformer, next_token_losses
 
 REP_LEN = 50  # length T of the random sequence r in BOS + r + r
 MIN_TRAIN_COUNT = 50  # r is drawn from tokens seen at least this often in training
@@ -92,7 +91,7 @@ def token_losses(model: Transformer, tokens: Tensor, batch: int = 64) -> Tensor:
         for start in range(0, tokens.shape[0], batch):
             chunk = tokens[start : start + batch].to(model.device)
             logits = model.run(chunk)[0].float()  # [b, n, d_vocab]
-            out.append(F.cross_entropy(logits[:, :-1].transpose(1, 2), chunk[:, 1:], reduction="none").cpu())
+            out.append(next_token_losses(logits, chunk).cpu())
     return torch.cat(out)
 
 

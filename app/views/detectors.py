@@ -8,7 +8,6 @@ paper "Induction Heads", paper-math 2.15). losses[i] is the loss of predicting t
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from app.schemas import DetectorInput, DetectorsView, HeadPattern, LossByPosition
@@ -16,6 +15,7 @@ from app.settings import Limits
 from app.views.heads import detector_table, head_scores, num, parse_heads, repeated_input, run_patterns
 from app.views.inputs import model_ref, resolve_prompt, token_refs
 from circuits_core.config import head_name
+from circuits_core.model import next_token_losses
 from circuits_core.weights import LoadedModel
 
 DETECTOR_NAMES = ("previous_token", "induction", "duplicate_token", "current_token", "first_token")
@@ -37,7 +37,7 @@ def _best_heads(detectors: dict[str, Tensor]) -> list[tuple[int, int]]:
 
 def _losses(logits: Tensor, tokens: Tensor, seq_len: int | None, has_bos: bool) -> LossByPosition:
     # logits [batch, n, d_vocab], tokens [batch, n] -> loss per position [n - 1], mean over the batch
-    losses = F.cross_entropy(logits[:, :-1].double().transpose(1, 2), tokens[:, 1:], reduction="none").mean(0)
+    losses = next_token_losses(logits.double(), tokens).mean(0)
     per_pos: list[float | None] = [num(v) for v in losses.tolist()] + [None]
     if seq_len is None:
         return LossByPosition(loss=per_pos)
