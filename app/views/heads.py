@@ -18,10 +18,16 @@ from app.views.inputs import check_k, model_ref
 from circuits_core import circuits
 from circuits_core.config import head_name, parse_head
 from circuits_core.errors import InvalidInputError, LimitExceededError
-from circuits_core.heads import induction_view, pattern_detector_scores, repeated_random_tokens
+from circuits_core.heads import (
+    STANDARD_BATCH,
+    STANDARD_SEQ_LEN,
+    induction_view,
+    pattern_detector_scores,
+    repeated_random_tokens,
+)
 from circuits_core.weights import LoadedModel
 
-STANDARD_SEQ_LEN, STANDARD_BATCH, STANDARD_SEED = 50, 10, 0
+STANDARD_SEED = 0  # the standard input's shape (STANDARD_SEQ_LEN, STANDARD_BATCH) is the engine's
 POSITIONAL_MAX_N = 128  # positions shown in the positional QK pattern
 
 
