@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from engine2_models import small_model
 
 from circuits_core.ablation import head_ablation, lm_loss, order_ablation, order_logits
@@ -33,27 +34,37 @@ def test_orders_match_paths(case):
         cumulative = exp.order_totals().cumsum(0)  # [L + 1, n]
         for k, logits in enumerate(per_order):
             torch.testing.assert_close(logits[1, :, target], cumulative[k], atol=1e-9, rtol=0)
+    # losses from the rerun logits and from hand-built reruns, with torch's cross-entropy (not lm_loss)
     result = order_ablation(model, tokens)
-    assert abs(float(result.losses[-1]) - result.clean_loss) < 1e-9
-    torch.testing.assert_close(result.marginal, result.losses[:-1] - result.losses[1:])
+    assert abs(result.clean_loss - _ce(model.run(tokens)[0], tokens)) < 1e-9
+    want_losses = torch.tensor([_ce(logits, tokens) for logits in per_order], dtype=torch.float64)
+    torch.testing.assert_close(result.losses, want_losses, atol=1e-9, rtol=0)
+    torch.testing.assert_close(result.marginal, want_losses[:-1] - want_losses[1:], atol=1e-9, rtol=0)
     # first-order terms of one layer == order-0 terms + that layer's order-1 terms from paths.py
+    L = model.cfg.n_layers
+    b, n = tokens.shape
+    zero = torch.zeros(b, n, model.cfg.d_model, dtype=torch.float64)
+    _, cache = model.run(tokens, names=lambda nm: nm.endswith(("hook_pattern", "hook_scale", "hook_mlp_out")))
+    pats = {k: v for k, v in cache.items() if k.endswith("pattern")}
+    scales = {k: v for k, v in cache.items() if k.endswith("scale")}
+    mlps = {lay: cache[f"blocks.{lay}.hook_mlp_out"] for lay in range(L) if not model.cfg.attn_only}
+    _, c0 = model.run(tokens, names=lambda nm: nm.endswith("resid_pre"), frozen=Frozen(pats, scales, dict.fromkeys(range(L), zero), mlps))
     exp = expand_logits(model, seq, 5, positions=None, max_order=1)
-    for layer in range(model.cfg.n_layers):
+    for layer in range(L):
         keep = [o == 0 or (o == 1 and f"L{layer}H" in p[-1]) for p, o in zip(exp.paths, exp.orders.tolist(), strict=True)]
         want = exp.values[torch.tensor(keep)].sum(0)
-        L = model.cfg.n_layers
-        zero = torch.zeros(1, 10, model.cfg.d_model, dtype=torch.float64)
-        _, cache = model.run(seq, names=lambda n: n.endswith(("hook_pattern", "hook_scale", "hook_mlp_out")))
-        pats = {k: v for k, v in cache.items() if k.endswith("pattern")}
-        scales = {k: v for k, v in cache.items() if k.endswith("scale")}
-        mlps = {lay: cache[f"blocks.{lay}.hook_mlp_out"] for lay in range(L) if not model.cfg.attn_only}
-        _, c0 = model.run(seq, names=lambda n: n.endswith("resid_pre"), frozen=Frozen(pats, scales, dict.fromkeys(range(L), zero), mlps))
         vr = dict.fromkeys(range(L), zero)
         vr[layer] = c0[f"blocks.{layer}.hook_resid_pre"]
-        logits, _ = model.run(seq, frozen=Frozen(pats, scales, vr, mlps))
-        torch.testing.assert_close(logits[0, :, 5], want, atol=1e-9, rtol=0)
-        assert abs(float(lm_loss(logits, seq[None]))) > 0
-    torch.testing.assert_close(result.first_order_gain, result.losses[0] - result.first_order_by_layer)
+        logits, _ = model.run(tokens, frozen=Frozen(pats, scales, vr, mlps))
+        torch.testing.assert_close(logits[1, :, 5], want, atol=1e-9, rtol=0)
+        assert abs(float(result.first_order_by_layer[layer]) - _ce(logits, tokens)) < 1e-9
+        assert abs(float(result.first_order_gain[layer]) - (want_losses[0] - _ce(logits, tokens))) < 1e-9
+
+
+def _ce(logits, tokens) -> float:
+    """Mean next-token cross-entropy with torch.nn.functional (independent of ablation.lm_loss)."""
+    V = logits.shape[-1]
+    return float(F.cross_entropy(logits[:, :-1].reshape(-1, V).double(), tokens[:, 1:].reshape(-1)))
 
 
 @pytest.mark.parametrize("case", MLP_CASES[:2], ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))

@@ -9,6 +9,7 @@ from circuits_core.composition import composition_scores, random_baseline
 from circuits_core.config import ModelConfig
 from circuits_core.errors import CancelledError
 from circuits_core.model import random_model
+from circuits_core.processing import process_weights
 
 
 def _cfg(**kw):
@@ -55,12 +56,11 @@ def test_factored_scores_match_dense(variant):
     if variant == "scaled_centred":
         model = _scaled_centred(model)
     if variant == "processed":
-        processing = pytest.importorskip("circuits_core.processing")
         model = random_model(_cfg(normalization_type="LN", use_bias=True), seed=1, dtype=torch.float64)
         with torch.no_grad():
             for block in model.blocks:
                 block.ln1.w.uniform_(0.5, 1.5)
-        model = processing.process_weights(model)
+        model = process_weights(model)
     scores = composition_scores(model, n_samples=8)
     dense = _dense_scores(model)
     for kind in "qkv":

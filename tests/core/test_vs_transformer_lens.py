@@ -16,11 +16,11 @@ Conventions documented here:
 - Head detectors: TL's `detect_head(..., error_measure="mul")` divides the attention on the detection pattern by
   the whole pattern's sum (= n positions); qkov averages over the eligible query rows. So TL mul ==
   qkov score * (eligible rows) / n exactly, given equal patterns -- which is what is asserted.
-- Shortformer + LN: TL's `from_pretrained` forces fold_ln, center_writing_weights and center_unembed off.
-  qkov skips fold_ln (recorded as `fold_ln_skipped`) but keeps centring the writing weights (W_E, W_O, b_O:
-  exact, every reader is an LN) and W_U; it never centres the shortformer W_pos (W_pos is added after ln1,
-  so centring it would change the attention scores). TL's own `process_weights_()` has no such guard: on a
-  shortformer LN model it changes the log-probs (asserted below, to show the guard is needed).
+- Shortformer models (the paper's): like TL's `from_pretrained`, qkov applies neither fold_ln (recorded as
+  `fold_ln_skipped`: W_pos is added after ln1, so folding ln1.w into W_Q/W_K would scale W_pos too) nor
+  center_writing_weights nor center_unembed (exact for log-probs, but centring W_U moves the OV copying scores
+  away from TL's). TL's own `process_weights_()` has no such guard: on a shortformer LN model it changes the
+  log-probs (asserted below, to show the guard is needed).
 - Rotary: the TL reference is built with dtype=float64 (TL's rotary tables are float32 otherwise).
 - The user chooses the processing: `load_checkpoint(process=...)` or `qkov.json` next to the checkpoint.
 """
