@@ -46,7 +46,7 @@ def _dense_head_terms(model, run, target, p):
     {path: [n]}: the term split over the position j of the embedding it starts from (x0 placed alone in row j,
     propagated through each head of the path with the frozen patterns and LayerNorm scales)."""
     cfg = model.cfg
-    d, n = cfg.d_model, run.n
+    d = cfg.d_model
     C = torch.eye(d, dtype=torch.float64) - (1.0 / d if cfg.normalization_type else 0.0)
     x0 = run.cache["hook_embed"] + (run.cache["hook_pos_embed"] if cfg.positional_embedding_type == "standard" else 0)
     u = model.W_U[:, target]
