@@ -38,6 +38,13 @@ class Settings(BaseSettings):
     compute_slots: int = Field(default=2, ge=1, description="concurrent heavy computations")
     slot_wait_s: float = Field(default=30.0, gt=0, description="how long a request waits for a compute slot")
     cache_bytes: int = Field(default=256 * MiB, ge=0, description="byte budget of the result cache")
+    store_url: str = Field(
+        default="disk", pattern=r"^(off|disk|(redis|rediss|unix)://.+)$",
+        description="second-level result store: 'disk' (diskcache folder shared by this machine's workers, kept across restarts), a redis:// URL (shared by replicas, disk as fallback) or 'off'",
+    )
+    store_dir: Path = Field(default=REPO_ROOT / ".store", description="folder of the disk store")
+    store_bytes: int = Field(default=1024 * MiB, ge=MiB, description="byte budget of the disk store (least recently used evicted)")
+    store_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0, description="how long Redis keeps an answer")
     preload: bool = Field(default=False, description="load every model at start-up instead of on first use")
     # serving (app/compute.py, app/observability.py, app/ratelimit.py)
     torch_threads: int | None = Field(default=None, ge=1, description="torch threads (default: cores // compute_slots)")

@@ -1,0 +1,232 @@
+"""Where computed answers outlive a process: an embedded store on disk, or Redis shared by replicas.
+
+The in-process cache (app/cache.py) stays in front; this is its second level, keyed by the same string the
+pipeline derives for every analysis (model id, digest of every answer-changing file, normalised parameters).
+
+- `DiskStore` (the default, `QKOV_STORE_URL=disk`): a diskcache (SQLite + files) folder, shared by the
+  workers of one machine and kept across restarts, with a byte budget and least-recently-used eviction.
+- `RedisStore` (`QKOV_STORE_URL=redis://host:port/db`): shared by every replica; answers expire after
+  `store_ttl_s`. When Redis cannot be reached it falls back to its local DiskStore, logs the change once,
+  reports it in `status()` (shown by /readyz) and tries Redis again after `RETRY_S`; it never raises.
+- `QKOV_STORE_URL=off`: no second level.
+
+A value is always the encoded JSON answer, zlib-compressed: bytes in, bytes out. Nothing is unpickled from a
+shared store: `RawDisk` refuses any row diskcache would unpickle, so a hostile row cannot run code.
+
+Single-flight across processes: `claim(key)` is an atomic "set if absent, with expiry" lock (diskcache `add`,
+Redis `SET NX PX`). The process that gets it computes and `put`s; the others wait for the answer to appear
+(`wait_for`), and compute themselves only if the lock expires first (its holder died).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any, Protocol
+
+import diskcache
+import redis
+
+log = logging.getLogger("qkov.store")
+
+RETRY_S = 5.0  # how long a RedisStore stays on its fallback before trying Redis again
+LOCK_PREFIX = "qkov:lock:"
+KEY_PREFIX = "qkov:answer:"
+ZLIB_LEVEL = 6
+
+
+def compress(body: bytes) -> bytes:
+    return zlib.compress(body, ZLIB_LEVEL)
+
+
+def decompress(blob: bytes) -> bytes:
+    return zlib.decompress(blob)
+
+
+class ResultStore(Protocol):
+    name: str
+
+    def get(self, key: str) -> bytes | None: ...
+
+    def put(self, key: str, body: bytes) -> None: ...
+
+    def claim(self, key: str, ttl_s: float) -> bool: ...
+
+    def release(self, key: str) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+
+class RawDisk(diskcache.Disk):
+    """diskcache's Disk that never unpickles: only bytes and str rows are read back."""
+
+    def fetch(self, mode: int, filename: str | None, value: Any, read: bool) -> Any:
+        if mode == diskcache.core.MODE_PICKLE:
+            raise ValueError("refusing a pickled row in the result store")
+        return super().fetch(mode, filename, value, read)
+
+
+class DiskStore:
+    """A byte-budgeted diskcache folder shared by the processes of one machine."""
+
+    name = "disk"
+
+    def __init__(self, directory: Path, budget_bytes: int):
+        directory.mkdir(parents=True, exist_ok=True)
+        self.directory = directory
+        self.budget_bytes = budget_bytes
+        self._cache = diskcache.Cache(
+            str(directory), size_limit=budget_bytes, eviction_policy="least-recently-used", disk=RawDisk,
+            cull_limit=10, statistics=False,
+        )
+        self._owner = f"{os.getpid()}-{uuid.uuid4().hex}"
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            blob = self._cache.get(KEY_PREFIX + key)
+        except ValueError:  # a pickled row planted in the folder: treat as absent and drop it
+            self._cache.delete(KEY_PREFIX + key)
+            return None
+        if not isinstance(blob, bytes):
+            return None
+        return decompress(blob)
+
+    def put(self, key: str, body: bytes) -> None:
+        self._cache.set(KEY_PREFIX + key, compress(body))
+
+    def claim(self, key: str, ttl_s: float) -> bool:
+        return bool(self._cache.add(LOCK_PREFIX + key, self._owner, expire=ttl_s))
+
+    def release(self, key: str) -> None:
+        with self._cache.transact():
+            if self._cache.get(LOCK_PREFIX + key) == self._owner:
+                self._cache.delete(LOCK_PREFIX + key)
+
+    @property
+    def bytes(self) -> int:
+        return int(self._cache.volume())
+
+    def status(self) -> dict[str, Any]:
+        return {"store": self.name, "directory_bytes": self.bytes, "budget_bytes": self.budget_bytes, "ok": True}
+
+    def close(self) -> None:
+        self._cache.close()
+
+
+class RedisStore:
+    """Answers in Redis, shared by replicas; a local DiskStore takes over while Redis is unreachable."""
+
+    name = "redis"
+
+    def __init__(self, url: str, fallback: DiskStore | None, ttl_s: float, timeout_s: float = 0.5):
+        self.url = url
+        self.fallback = fallback
+        self.ttl_s = ttl_s
+        self._redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._down_since: float | None = None
+        self._last_error = ""
+        self._guard = threading.Lock()
+        self._owner = f"{os.getpid()}-{uuid.uuid4().hex}"
+
+    # -- availability ----------------------------------------------------------------------------------
+    def _usable(self) -> bool:
+        with self._guard:
+            return self._down_since is None or time.monotonic() - self._down_since >= RETRY_S
+
+    def _failed(self, exc: Exception) -> None:
+        with self._guard:
+            if self._down_since is None:
+                log.warning("redis store unreachable (%s): answers go to the local store until it is back", type(exc).__name__)
+            self._down_since = time.monotonic()
+            self._last_error = f"{type(exc).__name__}: {exc}"[:200]
+
+    def _recovered(self) -> None:
+        with self._guard:
+            if self._down_since is not None:
+                log.warning("redis store reachable again")
+            self._down_since = None
+
+    def _call(self, op: str, *args: Any, **kwargs: Any) -> tuple[bool, Any]:
+        """(True, result) when Redis answered, (False, None) when it is down (the caller falls back)."""
+        if not self._usable():
+            return False, None
+        try:
+            result = getattr(self._redis, op)(*args, **kwargs)
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+            self._failed(exc)
+            return False, None
+        self._recovered()
+        return True, result
+
+    @property
+    def up(self) -> bool:
+        with self._guard:
+            return self._down_since is None
+
+    # -- the store -------------------------------------------------------------------------------------
+    def get(self, key: str) -> bytes | None:
+        ok, blob = self._call("get", KEY_PREFIX + key)
+        if not ok:
+            return self.fallback.get(key) if self.fallback else None
+        return decompress(blob) if isinstance(blob, bytes) else None
+
+    def put(self, key: str, body: bytes) -> None:
+        ok, _ = self._call("set", KEY_PREFIX + key, compress(body), px=int(self.ttl_s * 1000))
+        if not ok and self.fallback:
+            self.fallback.put(key, body)
+
+    def claim(self, key: str, ttl_s: float) -> bool:
+        ok, got = self._call("set", LOCK_PREFIX + key, self._owner, nx=True, px=max(1, int(ttl_s * 1000)))
+        if not ok:
+            return self.fallback.claim(key, ttl_s) if self.fallback else True
+        return bool(got)
+
+    def release(self, key: str) -> None:
+        # delete the lock only if this process still holds it (compare-and-delete in one script)
+        ok, _ = self._call("eval", _RELEASE_LUA, 1, LOCK_PREFIX + key, self._owner)
+        if not ok and self.fallback:
+            self.fallback.release(key)
+
+    def status(self) -> dict[str, Any]:
+        up = self._call("ping")[0]
+        out: dict[str, Any] = {"store": self.name, "ok": up}
+        if not up:
+            out["detail"] = f"redis unreachable ({self._last_error}); using the local store" if self.fallback else "redis unreachable"
+        return out
+
+
+_RELEASE_LUA = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+
+
+def wait_for(store: ResultStore, key: str, ttl_s: float, poll_s: float = 0.05,
+             should_stop: Any = None) -> bytes | None:
+    """Poll for the answer another process is computing; None when its lock expired or we were stopped."""
+    deadline = time.monotonic() + ttl_s
+    while time.monotonic() < deadline:
+        body = store.get(key)
+        if body is not None:
+            return body
+        if should_stop is not None and should_stop():
+            return None
+        if store.claim(key, ttl_s):  # the holder is gone (lock expired or released without an answer)
+            store.release(key)
+            return store.get(key)
+        time.sleep(poll_s)
+    return None
+
+
+def open_store(url: str, directory: Path, budget_bytes: int, ttl_s: float) -> ResultStore | None:
+    """The store a Settings names: "off", "disk" or a redis:// URL (with the disk store as its fallback)."""
+    if url == "off":
+        return None
+    disk = DiskStore(directory, budget_bytes)
+    if url == "disk":
+        return disk
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        return RedisStore(url, fallback=disk, ttl_s=ttl_s)
+    raise ValueError(f"store URL {url!r} is not 'off', 'disk' or a redis:// URL")
