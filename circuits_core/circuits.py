@@ -35,8 +35,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from circuits_core.cost import Cost, check_stop
 from circuits_core.errors import InvalidInputError, NotFoundError
-from circuits_core.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
+from circuits_core.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix, topk_global_cost
 from circuits_core.model import Attention, Block, LayerNorm, Transformer, _Recorder
 
 EMBED_CHUNK = 4096  # rows of W_E normalised at a time, so LN temporaries stay ~ EMBED_CHUNK x d_model
@@ -380,12 +381,19 @@ def ov_copying_metrics(
     model: Transformer, layer: int, head: int, k: int = 5, budget_bytes: int = DEFAULT_BUDGET_BYTES
 ) -> CopyingMetrics:
     """Diagonal sign fraction and top-1 / top-k accuracy of the full OV circuit, rows streamed in blocks."""
-    M = full_ov_circuit(model, layer, head)
+    return copying_metrics(full_ov_circuit(model, layer, head), k, budget_bytes)
+
+
+def copying_metrics(M: FactoredMatrix, k: int = 5, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> CopyingMetrics:
+    """The metrics of CopyingMetrics for any square token circuit M [n, n] (row i and column i: one token)."""
+    if M.ldim != M.rdim:
+        raise InvalidInputError(f"copying metrics need a square circuit, got {M.ldim} x {M.rdim}")
     if not 1 <= k <= M.rdim:
         raise InvalidInputError(f"k must be in [1, {M.rdim}], got {k}")
     diag = M.diag()  # [V]
     top1 = topk = 0
     for rows, block in M.iter_row_blocks(budget_bytes):  # block [b, V]
+        check_stop(what="OV copying metrics")
         own = torch.arange(rows.start, rows.stop, device=block.device)
         top = block.topk(k, dim=-1).indices  # [b, k]
         top1 += int((top[:, 0] == own).sum())
@@ -394,8 +402,42 @@ def ov_copying_metrics(
     V = M.ldim
     return CopyingMetrics(
         diagonal_positive=float((diag > 0).double().mean()),
-        diagonal_quantiles=torch.quantile(diag.double(), qs),
+        diagonal_quantiles=torch.quantile(diag.double(), qs.to(diag.device)),
         top1=top1 / V,
         topk=topk / V,
         k=k,
     )
+
+
+# -- costs (circuits_core.cost): priced before the computations above run ---------------------------------
+def factors_cost(model: Transformer) -> Cost:
+    """Building a full circuit's [d_vocab, d_head] factors (embed_eff_matmul: one LN chunk at a time)."""
+    cfg, size = model.cfg, model.W_E.element_size()
+    return Cost((2 * cfg.d_vocab * cfg.d_head + 2 * EMBED_CHUNK * cfg.d_model) * size)
+
+
+def top_cost(model: Transformer, k: int, budget_bytes: int, line: bool, n_tokens: int | None = None) -> Cost:
+    """A full circuit's top k: one row or column (`line`: [d_vocab] values), else topk_global over the
+    n_tokens x n_tokens submatrix (default all tokens); answer: k (row token, column token, value)."""
+    cfg, size = model.cfg, model.W_E.element_size()
+    n = cfg.d_vocab if n_tokens is None else n_tokens
+    if line:
+        return factors_cost(model).then(Cost(3 * cfg.d_vocab * size)).with_answer(numbers=3 * k, labels=2 * k)
+    search = topk_global_cost(n, cfg.d_head, n, k, budget_bytes, size)
+    return factors_cost(model) + search.with_answer(labels=2 * k)
+
+
+def copying_cost(model: Transformer, k: int, budget_bytes: int) -> Cost:
+    """ov_copying_metrics: the factors, one row block (at most budget_bytes) and its top-k indices."""
+    cfg, size = model.cfg, model.W_E.element_size()
+    rows = max(1, min(cfg.d_vocab, budget_bytes // max(1, cfg.d_vocab * size)))
+    block = rows * cfg.d_vocab * size + rows * k * 8
+    return (factors_cost(model) + Cost(block + cfg.d_vocab * (size + 8))).with_answer(numbers=12)
+
+
+def skip_trigrams_cost(model: Transformer, k: int, budget_bytes: int, token: bool) -> Cost:
+    """skip_trigrams (a QK column and an OV row) after, without a token, the global top-1 source search."""
+    cfg, size = model.cfg, model.W_E.element_size()
+    lines = factors_cost(model).then(Cost(4 * cfg.d_vocab * size + k * k * (size + 8)))
+    search = top_cost(model, 1, budget_bytes, line=False) if not token else Cost(0)
+    return search.then(lines).with_answer(numbers=3 * k + 2 * k * k, labels=2 * k + 3 * k * k)

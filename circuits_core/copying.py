@@ -1,0 +1,120 @@
+"""Copying, measured three ways for every head, beside what random weights of the same shapes give.
+
+Paper section: "Detecting copying" and "Summarizing OV/QK matrices" (Elhage et al. 2021; paper-math 2.7,
+2.8). Row-vector convention: the full OV circuit of head h is M = W_E_eff W_V W_O W_U [V, V], row a = the
+logit effect of attending to token a (circuits.full_ov_circuit). Three summaries of "M copies":
+- the eigenvalue score sum(lambda) / sum(|lambda|) (circuits.ov_copying_scores), which can be near +1 while
+  almost no token raises its own logit most: it weighs the few large eigen-directions, not the tokens;
+- self-copy shares: the fraction of source tokens a whose own logit is the largest of row a (top-1) or
+  among its k largest (top-k);
+- the diagonal: the fraction of tokens with M[a, a] > 0 and its median.
+With `vocab` (token ids, e.g. the tokens seen often in training) rows and columns are restricted to those
+tokens: "among frequent tokens, does a raise a most?" (rare tokens are under-trained and dominate the rest).
+
+The baseline: random W_V [d_model, d_head] and W_O [d_head, d_model] (standard normal; every summary above is
+invariant to their scale) through the model's own W_E_eff and W_U, so it answers "what would a head of these
+shapes that learned nothing about copying score on this model's embeddings?".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from circuits_core.circuits import (
+    copying_metrics,
+    copying_score,
+    embed_eff_matmul,
+    full_ov_circuit,
+    unembed_embed_gram,
+)
+from circuits_core.cost import check_stop
+from circuits_core.errors import InvalidInputError
+from circuits_core.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
+from circuits_core.model import Transformer
+
+
+@dataclass
+class SelfCopy:
+    """Per-head self-copy shares and diagonal statistics of the full OV circuits, all [n_layers, n_heads]."""
+
+    top1: Tensor  # share of source tokens whose own logit is the largest of their row
+    topk: Tensor  # share of source tokens whose own logit is among the k largest of their row
+    diagonal_positive: Tensor  # share of tokens a with M[a, a] > 0
+    diagonal_median: Tensor  # median of M[a, a]
+    k: int
+    n_tokens: int  # tokens ranked (d_vocab, or len(vocab))
+
+
+@dataclass
+class CopyingBaseline:
+    """The same summaries for random OV weights of the model's shapes (n samples each)."""
+
+    ov_copying: Tensor  # [n_samples] eigenvalue copying scores
+    top1: Tensor  # [n_top_samples]
+    topk: Tensor  # [n_top_samples]
+    diagonal_positive: Tensor  # [n_top_samples]
+    k: int
+    n_tokens: int
+
+
+def _restrict(M: FactoredMatrix, vocab: Tensor | None) -> FactoredMatrix:
+    """M restricted to the rows and columns of `vocab` (same order on both sides, so the diagonal stays)."""
+    return M if vocab is None else FactoredMatrix(M.A[vocab], M.B[:, vocab])
+
+
+def _check_vocab(model: Transformer, vocab: Tensor | None, k: int) -> int:
+    n = model.cfg.d_vocab if vocab is None else int(vocab.numel())
+    if vocab is not None and (vocab.dim() != 1 or n == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= model.cfg.d_vocab):
+        raise InvalidInputError(f"vocab must be a non-empty 1-D list of token ids in [0, {model.cfg.d_vocab}), got {tuple(vocab.shape)}")
+    if not 1 <= k <= n:
+        raise InvalidInputError(f"k must be in [1, {n}] (the tokens ranked), got {k}")
+    return n
+
+
+def self_copy(model: Transformer, k: int = 10, vocab: Tensor | None = None, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> SelfCopy:
+    """Top-1 / top-k self-copy shares and diagonal statistics of every head's full OV circuit."""
+    n = _check_vocab(model, vocab, k)
+    cfg = model.cfg
+    out = torch.zeros(4, cfg.n_layers, cfg.n_heads, dtype=torch.float64)  # top1, topk, diag > 0, diag median
+    with torch.no_grad():
+        for layer in range(cfg.n_layers):
+            for h in range(cfg.n_heads):
+                m = copying_metrics(_restrict(full_ov_circuit(model, layer, h), vocab), k, budget_bytes)
+                out[:, layer, h] = torch.tensor([m.top1, m.topk, m.diagonal_positive, float(m.diagonal_quantiles[2])])
+    return SelfCopy(out[0], out[1], out[2], out[3], k, n)
+
+
+def random_ov_weights(model: Transformer, n: int, seed: int) -> tuple[Tensor, Tensor]:
+    """n random (W_V [n, d_model, d_head], W_O [n, d_head, d_model]), standard normal, in the model's dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    d, dh = model.cfg.d_model, model.cfg.d_head
+    W_V = torch.randn(n, d, dh, generator=gen, dtype=torch.float64)
+    W_O = torch.randn(n, dh, d, generator=gen, dtype=torch.float64)
+    return W_V.to(model.W_E.dtype).to(model.device), W_O.to(model.W_E.dtype).to(model.device)
+
+
+def random_baseline(
+    model: Transformer, n_samples: int = 200, n_top_samples: int = 4, k: int = 10, vocab: Tensor | None = None,
+    seed: int = 0, budget_bytes: int = DEFAULT_BUDGET_BYTES,
+) -> CopyingBaseline:
+    """Eigenvalue scores of n_samples random OV circuits W_E_eff W_V W_O W_U (through d_head x d_head matrices),
+    and self-copy shares of the first n_top_samples of them (each a full [V, V] row stream, hence fewer)."""
+    n = _check_vocab(model, vocab, k)
+    if not 1 <= n_top_samples <= n_samples:
+        raise InvalidInputError(f"need 1 <= n_top_samples <= n_samples, got {n_top_samples} and {n_samples}")
+    if model.cfg.n_layers == 0:
+        raise InvalidInputError("a model without attention layers has no OV circuit")
+    W_V, W_O = random_ov_weights(model, n_samples, seed)
+    with torch.no_grad():
+        G = unembed_embed_gram(model)  # [d, d]
+        eig = torch.linalg.eigvals((W_O @ G @ W_V).double())  # [n, d_h]: nonzero spectrum of W_E W_V W_O W_U
+        tops = torch.zeros(3, n_top_samples, dtype=torch.float64)
+        for i in range(n_top_samples):
+            check_stop(what="random copying baseline")
+            M = FactoredMatrix(embed_eff_matmul(model, W_V[i]), W_O[i] @ model.W_U)  # [V, V] factored
+            m = copying_metrics(_restrict(M, vocab), k, budget_bytes)
+            tops[:, i] = torch.tensor([m.top1, m.topk, m.diagonal_positive])
+    return CopyingBaseline(copying_score(eig), tops[0], tops[1], tops[2], k, n)
