@@ -14,16 +14,15 @@ an unembedding bias, so b_U is zero.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from circuits_core.config import ModelConfig
+from circuits_core.config import ConfigReader, ModelConfig
 from circuits_core.errors import CheckpointError, InvalidInputError
-from circuits_core.statedict import folder_listing, read_weight_files
+from circuits_core.statedict import folder_file, folder_listing, read_json_object, read_weight_files
 
 State = dict[str, Tensor]
 
@@ -31,16 +30,16 @@ State = dict[str, Tensor]
 def hf_weight_files(folder: Path) -> list[Path]:
     """The weight files of an HF folder: safetensors first, then pytorch_model.bin; sharded via the index."""
     for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        index = folder / index_name
-        if index.is_file():
-            try:
-                shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (OSError, ValueError, KeyError, AttributeError) as exc:
-                raise CheckpointError(f"{index}: not a readable shard index ({exc})") from exc
-            return [folder / shard for shard in shards]
+        if folder_file(folder, index_name).is_file():
+            weight_map = read_json_object(folder, index_name).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise CheckpointError(
+                    f"{index_name}: not a shard index (weight_map must map tensor names to file names)"
+                )
+            return [folder_file(folder, shard) for shard in sorted(set(weight_map.values()))]
     for name in ("model.safetensors", "pytorch_model.bin"):
-        if (folder / name).is_file():
-            return [folder / name]
+        if folder_file(folder, name).is_file():
+            return [folder_file(folder, name)]
     raise CheckpointError(f"{folder}: no model.safetensors or pytorch_model.bin (found: {folder_listing(folder)})")
 
 
@@ -83,39 +82,42 @@ def _config(path: Path, **fields: Any) -> ModelConfig:
     try:
         return ModelConfig(**fields)
     except InvalidInputError as exc:
-        raise CheckpointError(f"{path}: {exc}") from exc
+        raise CheckpointError(f"{path.name}: {exc}") from exc
 
 
-def _act_fn(name: Any, path: Path) -> str:
+def _act_fn(r: ConfigReader, field: str, default: str) -> str:
     aliases = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "relu": "relu"}
+    name = r.text(field, default=default)
     if name not in aliases:
-        raise CheckpointError(f"{path}: activation {name!r} is not supported; supported: {sorted(aliases)}")
+        raise CheckpointError(
+            f"{r.source}: field {field}: activation {name!r} is not supported; supported: {sorted(aliases)}"
+        )
     return aliases[name]
 
 
-def _bos(hf: dict[str, Any], d_vocab: int) -> int | None:
-    bos = hf.get("bos_token_id")
-    return bos if isinstance(bos, int) and 0 <= bos < d_vocab else None
+def _bos(r: ConfigReader, d_vocab: int) -> int | None:
+    """bos_token_id when it is a vocabulary id (some configs name one past a padded vocabulary: ignored)."""
+    bos = r.integer("bos_token_id", default=None, ge=0)
+    return bos if bos is not None and bos < d_vocab else None
 
 
 def load_gpt2(folder: Path, hf: dict[str, Any]) -> tuple[ModelConfig, State, dict[str, str], list[Path]]:
     path = folder / "config.json"
-    if hf.get("scale_attn_by_inverse_layer_idx"):
-        raise CheckpointError(f"{path}: scale_attn_by_inverse_layer_idx=true is not supported")
-    try:
-        d, n_heads, n_layers = int(hf["n_embd"]), int(hf["n_head"]), int(hf["n_layer"])
-        d_vocab, n_ctx = int(hf["vocab_size"]), int(hf.get("n_positions") or hf["n_ctx"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: GPT-2 config lacks a field: {exc}") from exc
+    r = ConfigReader(hf, path.name)
+    if r.flag("scale_attn_by_inverse_layer_idx", default=False):
+        raise CheckpointError(f"{path.name}: scale_attn_by_inverse_layer_idx=true is not supported")
+    d, n_heads, n_layers = r.integer("n_embd", ge=1), r.integer("n_head", ge=1), r.integer("n_layer", ge=0)
+    d_vocab = r.integer("vocab_size", ge=1)
+    n_ctx = r.integer("n_positions", ge=1) if r.has("n_positions") else r.integer("n_ctx", ge=1)
     if d % n_heads:
-        raise CheckpointError(f"{path}: n_embd={d} is not divisible by n_head={n_heads}")
-    dh, d_mlp = d // n_heads, int(hf.get("n_inner") or 4 * d)
+        raise CheckpointError(f"{path.name}: n_embd={d} is not divisible by n_head={n_heads}")
+    dh, d_mlp = d // n_heads, r.integer("n_inner", default=4 * d, ge=1)
     cfg = _config(
         path, n_layers=n_layers, d_model=d, n_heads=n_heads, d_head=dh, d_vocab=d_vocab, n_ctx=n_ctx,
         d_mlp=d_mlp, attn_only=False, normalization_type="LN", positional_embedding_type="standard",
-        act_fn=_act_fn(hf.get("activation_function", "gelu_new"), path),
-        eps=float(hf.get("layer_norm_epsilon", 1e-5)), use_bias=True,
-        attn_scale=None if hf.get("scale_attn_weights", True) else 1.0, bos_token_id=_bos(hf, d_vocab),
+        act_fn=_act_fn(r, "activation_function", "gelu_new"),
+        eps=r.number("layer_norm_epsilon", default=1e-5, gt=0), use_bias=True,
+        attn_scale=None if r.flag("scale_attn_weights", default=True) else 1.0, bos_token_id=_bos(r, d_vocab),
     )  # fmt: skip
     files = hf_weight_files(folder)
     raw, origin = read_weight_files(files)
@@ -143,7 +145,11 @@ def load_gpt2(folder: Path, hf: dict[str, Any]) -> tuple[ModelConfig, State, dic
         sd[f"{p}.mlp.W_out"] = src.need(f"{h}.mlp.c_proj.weight", (d_mlp, d))  # [d_mlp, d_model]
         sd[f"{p}.mlp.b_out"] = src.need(f"{h}.mlp.c_proj.bias", (d,))
     lm_head = src.take("lm_head.weight", (d_vocab, d), optional=True)
-    if lm_head is not None and hf.get("tie_word_embeddings", True) and not torch.equal(lm_head, sd["embed.W_E"]):
+    if (
+        lm_head is not None
+        and r.flag("tie_word_embeddings", default=True)
+        and not torch.equal(lm_head, sd["embed.W_E"])
+    ):
         raise CheckpointError(
             f"{origin['lm_head.weight']}: lm_head.weight differs from wte.weight but the config ties them"
         )
@@ -155,27 +161,31 @@ def load_gpt2(folder: Path, hf: dict[str, Any]) -> tuple[ModelConfig, State, dic
 
 def load_gpt_neox(folder: Path, hf: dict[str, Any]) -> tuple[ModelConfig, State, dict[str, str], list[Path]]:
     path = folder / "config.json"
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
+    r = ConfigReader(hf, path.name)
+    rope = r.section("rope_parameters" if r.has("rope_parameters") else "rope_scaling")
+    rope_type = rope.text("rope_type", default=None) or rope.text("type", default="default")
+    if rope_type != "default":
         raise CheckpointError(
-            f"{path}: rope_type {rope.get('rope_type', rope.get('type'))!r} is not supported (default only)"
+            f"{path.name}: field {rope.prefix}rope_type {rope_type!r} is not supported (default only)"
         )
-    try:
-        d, n_heads, n_layers = int(hf["hidden_size"]), int(hf["num_attention_heads"]), int(hf["num_hidden_layers"])
-        d_vocab, n_ctx, d_mlp = int(hf["vocab_size"]), int(hf["max_position_embeddings"]), int(hf["intermediate_size"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{path}: GPT-NeoX config lacks a field: {exc}") from exc
+    d, n_heads = r.integer("hidden_size", ge=1), r.integer("num_attention_heads", ge=1)
+    n_layers, d_vocab = r.integer("num_hidden_layers", ge=0), r.integer("vocab_size", ge=1)
+    n_ctx, d_mlp = r.integer("max_position_embeddings", ge=1), r.integer("intermediate_size", ge=1)
     if d % n_heads:
-        raise CheckpointError(f"{path}: hidden_size={d} is not divisible by num_attention_heads={n_heads}")
+        raise CheckpointError(f"{path.name}: hidden_size={d} is not divisible by num_attention_heads={n_heads}")
     dh = d // n_heads
-    rotary_pct = float(hf.get("rotary_pct", rope.get("partial_rotary_factor", 0.25)))
-    rotary_base = float(hf.get("rotary_emb_base", rope.get("rope_theta", hf.get("rope_theta", 10000.0))))
+    rotary_pct = r.number("rotary_pct", default=None, gt=0, le=1)
+    if rotary_pct is None:
+        rotary_pct = rope.number("partial_rotary_factor", default=0.25, gt=0, le=1)
+    rotary_base = r.number("rotary_emb_base", default=None, gt=0)
+    if rotary_base is None:
+        rotary_base = rope.number("rope_theta", default=None, gt=0) or r.number("rope_theta", default=10000.0, gt=0)
     cfg = _config(
         path, n_layers=n_layers, d_model=d, n_heads=n_heads, d_head=dh, d_vocab=d_vocab, n_ctx=n_ctx,
         d_mlp=d_mlp, attn_only=False, normalization_type="LN", positional_embedding_type="rotary",
-        act_fn=_act_fn(hf.get("hidden_act", "gelu"), path), eps=float(hf.get("layer_norm_eps", 1e-5)),
-        use_bias=True, parallel_attn_mlp=bool(hf.get("use_parallel_residual", True)),
-        rotary_dim=int(dh * rotary_pct), rotary_base=rotary_base, bos_token_id=_bos(hf, d_vocab),
+        act_fn=_act_fn(r, "hidden_act", "gelu"), eps=r.number("layer_norm_eps", default=1e-5, gt=0),
+        use_bias=True, parallel_attn_mlp=r.flag("use_parallel_residual", default=True),
+        rotary_dim=int(dh * rotary_pct), rotary_base=rotary_base, bos_token_id=_bos(r, d_vocab),
     )  # fmt: skip
     files = hf_weight_files(folder)
     raw, origin = read_weight_files(files)
@@ -204,7 +214,7 @@ def load_gpt_neox(folder: Path, hf: dict[str, Any]) -> tuple[ModelConfig, State,
         sd[f"{p}.mlp.b_out"] = src.need(f"{h}.mlp.dense_4h_to_h.bias", (d,))
     sd["ln_final.w"] = src.need("final_layer_norm.weight", (d,))
     sd["ln_final.b"] = src.need("final_layer_norm.bias", (d,))
-    embed_out = src.take("embed_out.weight", (d_vocab, d), optional=bool(hf.get("tie_word_embeddings", False)))
+    embed_out = src.take("embed_out.weight", (d_vocab, d), optional=r.flag("tie_word_embeddings", default=False))
     sd["unembed.W_U"] = (embed_out if embed_out is not None else W_E).T  # [d_model, d_vocab]
     sd["unembed.b_U"] = torch.zeros(d_vocab, dtype=W_E.dtype)
     src.finish()

@@ -7,14 +7,24 @@ then constructs the Transformer -- nothing is ever half-loaded.
 Safety: `.safetensors` is read with safetensors; `.bin` / `.pth` / `.pt` only through
 `torch.load(weights_only=True)`, which refuses any pickle that would build an arbitrary object or call a
 function. Errors name the file, the key, and the expected vs given shape.
+
+Files stay in their folder: every file a checkpoint names (shard index entries, tokenizer files, GGUF...) is
+found with `folder_file`, which refuses absolute names, `..` and symlinks leading out of the model folder;
+`check_contained` refuses a folder holding any such symlink before a loader runs. Messages name files
+relative to the model folder, never by a server path. `read_json_object` reads the JSON a checkpoint carries
+(bounded size and nesting). `load_bytes` prices a model from its config before anything is allocated.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
+import os
 import pickle
 from collections.abc import Iterable, Mapping
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
@@ -29,6 +39,81 @@ SAFE_SUFFIXES = (".safetensors",)
 PICKLE_SUFFIXES = (".bin", ".pth", ".pt")
 # Common wrappers around a state dict in torch.save files (training scripts save {"model": state_dict}).
 _WRAPPER_KEYS = ("state_dict", "model", "model_state_dict")
+JSON_MAX_BYTES = (
+    64 * 1024 * 1024
+)  # config.json, qkov.json, shard indexes, model cards (tokenizer.json has its own reader)
+JSON_MAX_DEPTH = 64  # nesting of any JSON a checkpoint carries (real configs nest 3-4 deep)
+CONTAINED_MAX_ENTRIES = 10_000  # entries of a model folder walked by check_contained
+
+
+def folder_file(folder: Path, name: str | os.PathLike[str]) -> Path:
+    """The file `name` (as a checkpoint names it) inside `folder`; CheckpointError if it would lie outside.
+
+    Refused: a non-string or empty name, an absolute path, any `..` part, and a path that resolves (through
+    symlinks) outside the folder. The returned path is resolved. Existence is not checked here.
+    """
+    if not isinstance(name, str | os.PathLike) or not str(name) or "\0" in str(name):
+        raise CheckpointError(f"a file name in the checkpoint is not a usable name: {str(name)[:80]!r}")
+    rel = PurePosixPath(str(name))
+    if rel.is_absolute() or ".." in rel.parts or str(name).startswith("\\"):
+        raise CheckpointError(f"{str(name)[:80]!r}: files named by a checkpoint must lie inside its folder")
+    root = folder.resolve()
+    resolved = (root / rel).resolve()
+    if not resolved.is_relative_to(root):
+        raise CheckpointError(f"{rel}: a symlink leading outside the model folder; refused")
+    return resolved
+
+
+def check_contained(folder: Path) -> None:
+    """Refuse a folder holding a symlink (at any depth) that resolves outside it, before anything is read."""
+    root = folder.resolve()
+    stack, seen = [root], 0
+    while stack:
+        with os.scandir(stack.pop()) as entries:
+            for entry in entries:
+                seen += 1
+                if seen > CONTAINED_MAX_ENTRIES:
+                    raise CheckpointError(f"the model folder holds more than {CONTAINED_MAX_ENTRIES} entries")
+                path = Path(entry.path)
+                if entry.is_symlink() and not path.resolve().is_relative_to(root):
+                    raise CheckpointError(
+                        f"{path.relative_to(root)}: a symlink leading outside the model folder; refused"
+                    )
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(path)
+
+
+def _depth(value: Any) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
+def read_json_object(folder: Path, name: str) -> dict[str, Any]:
+    """A JSON object file of the checkpoint (inside the folder, bounded size and nesting); errors name `name`."""
+    path = folder_file(folder, name)
+    try:
+        size = path.stat().st_size
+        if size > JSON_MAX_BYTES:
+            raise CheckpointError(f"{name}: {size} bytes; JSON files of a checkpoint are at most {JSON_MAX_BYTES}")
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as exc:
+        detail = "nested too deeply" if isinstance(exc, RecursionError) else type(exc).__name__
+        if isinstance(exc, ValueError):
+            detail = str(exc)[:200]
+        raise CheckpointError(f"{name}: not readable JSON ({detail})") from exc
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{name}: expected a JSON object, got {type(data).__name__}")
+    if _depth(data) > JSON_MAX_DEPTH:
+        raise CheckpointError(f"{name}: JSON nested more than {JSON_MAX_DEPTH} levels deep")
+    return data
 
 
 def folder_listing(folder: Path) -> str:
@@ -86,6 +171,24 @@ def files_digest(paths: Iterable[Path]) -> str:
             while chunk := handle.read(1 << 22):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+def load_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of the parameters and buffers of Transformer(cfg) in `dtype`, priced before anything is allocated.
+
+    Exact, and it follows model.py: a model without layers and one with a single layer are built on the meta
+    device (no memory), and the single layer's share is multiplied by n_layers.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+
+    def count(n_layers: int) -> int:
+        with torch.device("meta"):
+            skeleton = Transformer(dataclasses.replace(cfg, n_layers=n_layers))
+        return sum(t.numel() for t in (*skeleton.parameters(), *skeleton.buffers()))
+
+    outer = count(0)
+    per_layer = count(1) - outer if cfg.n_layers else 0
+    return (outer + cfg.n_layers * per_layer) * itemsize
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from circuits_core.config import ModelConfig
+from circuits_core.config import ConfigReader, ModelConfig
 from circuits_core.errors import CheckpointError, InvalidInputError
 from circuits_core.formats_hf import load_gpt2, load_gpt_neox
 from circuits_core.model import Transformer
@@ -40,9 +40,13 @@ from circuits_core.processing import SWITCHES, ProcessingOptions, own_tensors, p
 from circuits_core.statedict import (
     PICKLE_SUFFIXES,
     build_model,
+    check_contained,
     check_state_dict,
     files_digest,
+    folder_file,
     folder_listing,
+    load_bytes,
+    read_json_object,
     read_weight_files,
 )
 from circuits_core.tokenizer import Tokenizer
@@ -54,6 +58,12 @@ QKOV_FORMAT_VERSION = 1
 Loader = Callable[[Path, dict[str, Any]], tuple[ModelConfig, dict[str, Tensor], dict[str, str], list[Path]]]
 HF_MODEL_TYPES: dict[str, Format] = {"gpt2": "gpt2", "gpt_neox": "gpt_neox"}
 LOAD_OPTIONS_FILE = "qkov.json"  # per-checkpoint load options (processing), next to config.json
+# Files besides config.json and the weights that can change an answer, so they are part of the digest: the
+# processing choice, tokenizer files (tokenizer.py), token counts (phenomena.TOKEN_COUNTS_FILE), the card.
+ANSWER_FILES = (
+    LOAD_OPTIONS_FILE, "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json",
+    "special_tokens_map.json", "token_counts.npy", "model_card.json",
+)  # fmt: skip
 TL_BUFFERS = (".attn.mask", ".attn.IGNORE", ".attn.rotary_sin", ".attn.rotary_cos")
 
 
@@ -63,67 +73,54 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     format: Format
     card: dict[str, Any] = field(default_factory=dict)  # model_card.json, {} when absent
-    digest: str = ""  # sha256 of config.json + weight files: the cache key of this checkpoint
+    digest: str = ""  # sha256 of every answer-changing file (config, weights, ANSWER_FILES): the cache key
     path: Path = Path(".")
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not readable JSON ({exc})") from exc
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(data).__name__}")
-    return data
 
 
 def _model_config(data: dict[str, Any], path: Path, **overrides: Any) -> ModelConfig:
     try:
         return ModelConfig.from_dict({**data, **overrides})
     except (InvalidInputError, TypeError) as exc:
-        raise CheckpointError(f"{path}: {exc}") from exc
+        raise CheckpointError(f"{path.name}: {exc}") from exc
 
 
 def detect_format(folder: str | Path) -> Format:
     """Which loader reads this folder (from config.json); CheckpointError says what was found instead."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise CheckpointError(f"{folder}: checkpoint folder not found")
-    config = folder / "config.json"
-    if not config.is_file():
-        raise CheckpointError(
-            f"{folder}: no config.json (found: {folder_listing(folder)}); formats: {', '.join(FORMATS)}"
-        )
-    data = _read_json(config)
+        raise CheckpointError(f"checkpoint folder {folder.name!r} not found")
+    if not folder_file(folder, "config.json").is_file():
+        raise CheckpointError(f"no config.json (found: {folder_listing(folder)}); formats: {', '.join(FORMATS)}")
+    data = read_json_object(folder, "config.json")
     if "model_type" in data:
-        if data["model_type"] in HF_MODEL_TYPES:
-            return HF_MODEL_TYPES[data["model_type"]]
+        model_type = ConfigReader(data).text("model_type")
+        if model_type in HF_MODEL_TYPES:
+            return HF_MODEL_TYPES[model_type]
         raise CheckpointError(
-            f"{config}: unknown architecture model_type={data['model_type']!r}; supported Hugging Face "
+            f"config.json: unknown architecture model_type={model_type!r}; supported Hugging Face "
             f"model types: {', '.join(HF_MODEL_TYPES)} (formats: {', '.join(FORMATS)}; found: {folder_listing(folder)})"
         )
     if data.get("format") == "qkov":
         return "qkov"
     # A bare ModelConfig.to_dict() (qkov fields only; "use_bias" is not a TransformerLens field).
     qkov_fields = {f.name for f in dataclasses.fields(ModelConfig)} | {"format_version", "processing"}
-    if "use_bias" in data and set(data) <= qkov_fields and (folder / "model.safetensors").is_file():
+    if "use_bias" in data and set(data) <= qkov_fields and folder_file(folder, "model.safetensors").is_file():
         return "qkov"
     if "n_layers" in data and "d_model" in data:
         return "transformer_lens"
     raise CheckpointError(
-        f"{config}: not a known checkpoint format (formats: {', '.join(FORMATS)}); config.json has neither "
+        f"config.json: not a known checkpoint format (formats: {', '.join(FORMATS)}); config.json has neither "
         f"model_type nor n_layers/d_model (found: {folder_listing(folder)})"
     )
 
 
 def _load_qkov(folder: Path, data: dict[str, Any]) -> tuple[ModelConfig, dict[str, Tensor], dict[str, str], list[Path]]:
-    if data.get("format_version", QKOV_FORMAT_VERSION) > QKOV_FORMAT_VERSION:
-        raise CheckpointError(
-            f"{folder / 'config.json'}: format_version {data['format_version']} is newer than this code"
-        )
-    weights = folder / "model.safetensors"
+    version = ConfigReader(data).integer("format_version", default=QKOV_FORMAT_VERSION, ge=1)
+    if version > QKOV_FORMAT_VERSION:
+        raise CheckpointError(f"config.json: format_version {version} is newer than this code ({QKOV_FORMAT_VERSION})")
+    weights = folder_file(folder, "model.safetensors")
     if not weights.is_file():
-        raise CheckpointError(f"{folder}: qkov checkpoint without model.safetensors (found: {folder_listing(folder)})")
+        raise CheckpointError(f"qkov checkpoint without model.safetensors (found: {folder_listing(folder)})")
     state, origin = read_weight_files([weights])
     return _model_config(data, folder / "config.json"), state, origin, [weights]
 
@@ -167,7 +164,7 @@ def _tl_check_supported(data: dict[str, Any], path: Path) -> None:
     }
     bad = [f"{k}={data.get(k)!r}" for k, flag in unsupported.items() if flag]
     if bad:
-        raise CheckpointError(f"{path}: TransformerLens features not supported here: {', '.join(bad)}")
+        raise CheckpointError(f"{path.name}: TransformerLens features not supported here: {', '.join(bad)}")
 
 
 def _tl_config(data: dict[str, Any], path: Path, has_bias: bool) -> ModelConfig:
@@ -183,15 +180,15 @@ def _tl_config(data: dict[str, Any], path: Path, has_bias: bool) -> ModelConfig:
 
 
 def _tl_weight_files(folder: Path) -> list[Path]:
-    if (folder / "model.safetensors").is_file():
-        return [folder / "model.safetensors"]
+    if folder_file(folder, "model.safetensors").is_file():
+        return [folder_file(folder, "model.safetensors")]
     for suffixes in ((".safetensors",), PICKLE_SUFFIXES):
-        found = sorted(p for p in folder.iterdir() if p.suffix in suffixes and p.is_file())
+        found = sorted(folder_file(folder, p.name) for p in folder.iterdir() if p.suffix in suffixes and p.is_file())
         if len(found) == 1:
             return found
         if len(found) > 1:
-            raise CheckpointError(f"{folder}: several weight files, which one? {', '.join(p.name for p in found)}")
-    raise CheckpointError(f"{folder}: no .safetensors, .pth or .pt weight file (found: {folder_listing(folder)})")
+            raise CheckpointError(f"several weight files, which one? {', '.join(p.name for p in found)}")
+    raise CheckpointError(f"no .safetensors, .pth or .pt weight file (found: {folder_listing(folder)})")
 
 
 def _load_transformer_lens(
@@ -216,35 +213,52 @@ REGISTRY: dict[Format, Loader] = {
 def load_options(folder: str | Path) -> ProcessingOptions | None:
     """The processing chosen in the folder's `qkov.json` (`{"processing": false}` or `{"processing":
     {"fold_ln": false}}`), None without that file. Unknown switches are errors, unknown top-level keys ignored."""
-    path = Path(folder) / LOAD_OPTIONS_FILE
-    if not path.is_file():
+    folder = Path(folder)
+    if not folder_file(folder, LOAD_OPTIONS_FILE).is_file():
         return None
-    data = _read_json(path)
+    data = read_json_object(folder, LOAD_OPTIONS_FILE)
     try:
         return ProcessingOptions.from_json(data.get("processing", True))
     except InvalidInputError as exc:
-        raise CheckpointError(f"{path}: {exc}") from exc
+        raise CheckpointError(f"{LOAD_OPTIONS_FILE}: {exc}") from exc
 
 
 def load_checkpoint(
-    folder: str | Path, dtype: torch.dtype = torch.float32, process: bool | ProcessingOptions | None = None
+    folder: str | Path,
+    dtype: torch.dtype = torch.float32,
+    process: bool | ProcessingOptions | None = None,
+    max_bytes: int | None = None,
 ) -> LoadedModel:
     """Load a checkpoint folder of any registered format and apply weight processing (processing.py).
 
     `process`: True (TransformerLens's defaults, every switch on), False (weights as stored), ProcessingOptions,
-    or None: the folder's qkov.json if it has one, else True. The digest covers qkov.json and, when they are not
-    the defaults, the processing switches, so differently processed loads never share a cache key.
+    or None: the folder's qkov.json if it has one, else True. The digest covers every file that can change an
+    answer (config.json, the weight files, ANSWER_FILES present: processing choice, tokenizer, token counts,
+    card) and, when they are not the defaults, the processing switches, so two folders differing in any of
+    them never share a cache key. `max_bytes`: refuse (CheckpointError, before allocating) weight files or a
+    model priced by its config (statedict.load_bytes) above this many bytes. Nothing is read from outside the
+    folder (statedict.check_contained, folder_file).
     """
     folder = Path(folder)
+    check_contained(folder)
     fmt = detect_format(folder)
-    data = _read_json(folder / "config.json")
+    data = read_json_object(folder, "config.json")
+    if max_bytes is not None:
+        on_disk = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        if on_disk > max_bytes:
+            raise CheckpointError(f"the folder holds {on_disk} bytes of files, over the limit of {max_bytes} bytes")
     if process is None:
         process = load_options(folder) or True
     cfg, state, origin, files = REGISTRY[fmt](folder, data)
-    options_file = [folder / LOAD_OPTIONS_FILE] if (folder / LOAD_OPTIONS_FILE).is_file() else []
+    if max_bytes is not None and (price := load_bytes(cfg, dtype)) > max_bytes:
+        raise CheckpointError(
+            f"config.json describes a model of {price} bytes in {str(dtype).removeprefix('torch.')} "
+            f"({cfg.n_layers} layers, d_model={cfg.d_model}, d_vocab={cfg.d_vocab}), over the limit of {max_bytes} bytes"
+        )
+    answer_files = [folder_file(folder, name) for name in ANSWER_FILES if folder_file(folder, name).is_file()]
     # The digest reads every byte again: hash in a thread (hashlib releases the GIL) while torch processes.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        digest_job = pool.submit(files_digest, [folder / "config.json", *files, *options_file])
+        digest_job = pool.submit(files_digest, [folder_file(folder, "config.json"), *files, *answer_files])
         loaded = _build(folder, fmt, data, cfg, state, origin, dtype, process)
         digest = digest_job.result()
     options = loaded.options
@@ -291,8 +305,7 @@ def _build(
     model = build_model(cfg, state, dtype=dtype, origin=origin)
     del state
     model.processing = record
-    card_path = folder / "model_card.json"
-    card = _read_json(card_path) if card_path.is_file() else {}
+    card = read_json_object(folder, "model_card.json") if folder_file(folder, "model_card.json").is_file() else {}
     return _Built(model=model, tokenizer=tokenizer, card=card, options=options)
 
 
