@@ -15,10 +15,13 @@ so it is order 0 and a path ("mlp:L0", "L1H2") has order 1 (the number of heads)
 freezes each MLP's output to the clean run's (`Frozen(mlp_out=...)`): recomputing it inside a rerun would
 mix orders (its nonlinearity would see a residual truncated at order k-1).
 
-Head ablation (Olsson): the head's result replaced by zero with all patterns frozen -- done by freezing its
-pattern to zero -- and the loss change. Only attention patterns are frozen, as in Olsson et al.: LayerNorm
-scales and downstream MLPs are recomputed on the ablated residual stream (a causal intervention, not a path
-decomposition), so in MLP models the change also includes the MLPs' reaction to the missing head.
+Head ablation: the head's result replaced by zero (its pattern frozen to zero) and the loss change, two ways,
+each labelled where shown. Frozen (Olsson): every other pattern frozen at the clean run -- a head that acts
+only through later queries or keys (toy-2l's previous-token head L0H5 feeding the induction head by
+K-composition) then looks unimportant. Recomputed: later layers compute their patterns from the ablated
+residual stream, so composition acts. Either way LayerNorm scales and downstream MLPs are recomputed on the
+ablated residual stream (a causal intervention, not a path decomposition), so in MLP models the change also
+includes the MLPs' reaction to the missing head.
 """
 
 from __future__ import annotations
@@ -121,23 +124,40 @@ def order_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[],
     return OrderAblation(losses, losses[:-1] - losses[1:], clean, first, losses[0] - first)
 
 
-def head_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None) -> Tensor:
-    """[n_layers, n_heads]: loss change when a head's result is zeroed with every pattern frozen (Olsson).
+def ablate_head(model: Transformer, tokens: Tensor, layer: int, head: int, recompute_patterns: bool,
+                names: Callable[[str], bool] | None = None, frozen: Frozen | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """Logits [b, n, V] and the cache of `names` with head (layer, head)'s result zeroed.
 
-    LayerNorm scales and MLPs are recomputed (only patterns are frozen; see the module docstring)."""
+    recompute_patterns=False (Olsson's ablation): every attention pattern is frozen at the clean run, so a head
+    that only matters through later heads' queries or keys (a previous-token head feeding an induction head by
+    K-composition) shows almost no effect. recompute_patterns=True: only this head's output is removed; every
+    later layer computes its patterns from the ablated residual stream, so Q- and K-composition act.
+    `frozen`: the clean run's Frozen (from _clean_frozen) when the caller already has it."""
+    if frozen is None:
+        frozen = _clean_frozen(model, tokens)[1]
+    key = f"blocks.{layer}.attn.hook_pattern"
+    pattern = frozen.patterns[key].clone()  # layer's clean pattern: its input is not changed by the ablation
+    pattern[:, head] = 0  # z = A v = 0, so the head's result (b_V share included) is zero
+    patterns = {key: pattern} if recompute_patterns else {**frozen.patterns, key: pattern}
+    with torch.no_grad():
+        return model.run(tokens, names=names, frozen=Frozen(patterns))
+
+
+def head_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None,
+                  recompute_patterns: bool = False) -> Tensor:
+    """[n_layers, n_heads]: loss change when a head's result is zeroed (ablate_head), with every pattern frozen
+    (Olsson, the default) or with later patterns recomputed (`recompute_patterns`).
+
+    LayerNorm scales and MLPs are recomputed either way (see the module docstring)."""
     tokens = model.check_tokens(tokens)
     clean_logits, frozen = _clean_frozen(model, tokens)
     clean = lm_loss(clean_logits, tokens)
     cfg = model.cfg
     out = torch.zeros(cfg.n_layers, cfg.n_heads, dtype=torch.float64, device=model.device)
-    with torch.no_grad():
-        for layer in range(cfg.n_layers):
-            for h in range(cfg.n_heads):
-                if should_stop is not None and should_stop():
-                    raise CancelledError("head ablation cancelled")
-                key = f"blocks.{layer}.attn.hook_pattern"
-                pattern = frozen.patterns[key].clone()
-                pattern[:, h] = 0  # z = A v = 0, so the head's result (b_V share included) is zero
-                logits, _ = model.run(tokens, frozen=Frozen({**frozen.patterns, key: pattern}))
-                out[layer, h] = lm_loss(logits, tokens) - clean
+    for layer in range(cfg.n_layers):
+        for h in range(cfg.n_heads):
+            if should_stop is not None and should_stop():
+                raise CancelledError("head ablation cancelled")
+            logits, _ = ablate_head(model, tokens, layer, h, recompute_patterns, frozen=frozen)
+            out[layer, h] = lm_loss(logits, tokens) - clean
     return out

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from engine2_models import small_model
 
-from circuits_core.ablation import head_ablation, lm_loss, order_ablation, order_logits
+from circuits_core.ablation import ablate_head, head_ablation, lm_loss, order_ablation, order_logits
 from circuits_core.errors import CancelledError, InvalidInputError
 from circuits_core.model import Frozen
 from circuits_core.paths import expand_logits
@@ -119,6 +119,44 @@ def test_head_ablation_matches_zeroed_weights(case):
         logits, _ = other.run(tokens, frozen=Frozen(cache))
         ref = lm_loss(logits, tokens) - lm_loss(clean_logits, tokens)
         assert abs(float(got[layer, h]) - float(ref)) < 1e-10
+
+
+@pytest.mark.parametrize("case", [dict(n_layers=2, ln="LN"), dict(n_layers=3, ln="LN", mlp=True, pos="standard"),
+                                  dict(n_layers=2, pos="rotary")],
+                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+def test_recomputed_head_ablation_matches_zeroed_weights(case):
+    """Recomputed patterns == a plain forward pass of the model with W_O[h] zeroed (nothing frozen at all)."""
+    model = small_model(**case)
+    tokens = _tokens(model)
+    got = head_ablation(model, tokens, recompute_patterns=True)
+    frozen = head_ablation(model, tokens)
+    clean = _ce(model.run(tokens)[0], tokens)
+    L = model.cfg.n_layers
+    for layer, h in [(0, 1), (1, 2), (L - 1, 0)]:
+        other = copy.deepcopy(model)
+        with torch.no_grad():
+            other.blocks[layer].attn.W_O[h] = 0
+        assert abs(float(got[layer, h]) - (_ce(other.run(tokens)[0], tokens) - clean)) < 1e-10
+    # the last layer has no later pattern to change: both ablations agree there, and differ before it
+    torch.testing.assert_close(got[L - 1], frozen[L - 1], atol=1e-10, rtol=0)
+    assert (got[0] - frozen[0]).abs().max() > 1e-4
+
+
+def test_ablate_head_patterns():
+    """The recomputed ablation's later patterns are the weight-edited model's; the frozen one keeps the clean ones."""
+    model = small_model(n_layers=2, ln="LN")
+    tokens = _tokens(model)
+    names = lambda n: n.endswith("hook_pattern")  # noqa: E731
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.blocks[0].attn.W_O[2] = 0
+    _, want = other.run(tokens, names=names)
+    _, clean = model.run(tokens, names=names)
+    _, rec = ablate_head(model, tokens, 0, 2, recompute_patterns=True, names=names)
+    _, frz = ablate_head(model, tokens, 0, 2, recompute_patterns=False, names=names)
+    torch.testing.assert_close(rec["blocks.1.attn.hook_pattern"], want["blocks.1.attn.hook_pattern"], atol=1e-12, rtol=0)
+    torch.testing.assert_close(frz["blocks.1.attn.hook_pattern"], clean["blocks.1.attn.hook_pattern"], atol=1e-12, rtol=0)
+    assert (rec["blocks.0.attn.hook_pattern"][:, 2] == 0).all()
 
 
 def test_errors():
