@@ -1,0 +1,102 @@
+"""What a computation will cost, priced before it runs, and the stop flag its loops poll.
+
+design.md, "Cheap work and heavy work": every request is priced before it runs, and a cost is computed by
+the engine code that will spend it, so it cannot drift from it. Each engine module therefore publishes a
+cost function beside the computation it prices (`FactoredMatrix.topk_global_cost`, `composition.cost`,
+`heads.detectors_cost`, `paths.cost`, `qk_paths.cost`, `ablation.cost`, `circuits.copying_cost`, ...). The
+app only compares a Cost with its budgets (app/compute.py); it never recounts terms.
+
+A Cost counts bytes, not numbers:
+    peak_bytes    the largest extra working memory held at once (beyond the loaded weights)
+    answer_bytes  the size of the answer once encoded as JSON (numbers x JSON_NUMBER_BYTES, roughly)
+    seconds       an optional time estimate where one helps (None: not estimated)
+`a.then(b)` is b run after a (peaks do not add), `a + b` is both held at once (peaks add).
+
+Stopping: a long loop calls `check_stop(should_stop, what)` between its steps. It raises CancelledError when
+the explicit flag or the ambient one (`stopping(flag)`, set by the app's compute service for the thread
+running a request's computation) says the result is no longer wanted, so an abandoned computation frees
+its slot within one step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+
+from circuits_core.errors import CancelledError
+
+# One number in a JSON answer: a float64 repr ("-0.12345678901234568") and its separator.
+JSON_NUMBER_BYTES = 22
+# A short string in a JSON answer (a token text or head name with its quotes, key and separators).
+JSON_LABEL_BYTES = 40
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Peak extra bytes, encoded answer bytes and (optionally) seconds of one computation."""
+
+    peak_bytes: int
+    answer_bytes: int = 0
+    seconds: float | None = None
+
+    def then(self, other: Cost) -> Cost:
+        """`self` then `other`, the first's working memory freed: the larger peak, answers and times added."""
+        return Cost(max(self.peak_bytes, other.peak_bytes), self.answer_bytes + other.answer_bytes,
+                    _add_seconds(self.seconds, other.seconds))
+
+    def __add__(self, other: Cost) -> Cost:
+        """Both held at once: peaks, answers and times added."""
+        return Cost(self.peak_bytes + other.peak_bytes, self.answer_bytes + other.answer_bytes,
+                    _add_seconds(self.seconds, other.seconds))
+
+    def with_answer(self, numbers: int = 0, labels: int = 0) -> Cost:
+        """This cost with an answer of `numbers` JSON numbers and `labels` short strings added."""
+        extra = numbers * JSON_NUMBER_BYTES + labels * JSON_LABEL_BYTES
+        return Cost(self.peak_bytes, self.answer_bytes + extra, self.seconds)
+
+
+FREE = Cost(0)
+
+
+def _add_seconds(a: float | None, b: float | None) -> float | None:
+    return None if a is None and b is None else (a or 0.0) + (b or 0.0)
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of a floating dtype."""
+    return torch.finfo(dtype).bits // 8
+
+
+def answer_numbers(numbers: int, labels: int = 0) -> int:
+    """Encoded bytes of an answer of `numbers` JSON numbers and `labels` short strings."""
+    return numbers * JSON_NUMBER_BYTES + labels * JSON_LABEL_BYTES
+
+
+# -- the stop flag ---------------------------------------------------------------------------------------
+_AMBIENT: ContextVar[Callable[[], bool] | None] = ContextVar("qkov_should_stop", default=None)
+
+
+@contextmanager
+def stopping(should_stop: Callable[[], bool]) -> Iterator[None]:
+    """Within the block, `check_stop` in this thread (or context) also polls `should_stop`."""
+    token = _AMBIENT.set(should_stop)
+    try:
+        yield
+    finally:
+        _AMBIENT.reset(token)
+
+
+def ambient_should_stop() -> Callable[[], bool] | None:
+    """The stop flag set by `stopping` for the current context (None outside one)."""
+    return _AMBIENT.get()
+
+
+def check_stop(should_stop: Callable[[], bool] | None = None, what: str = "computation") -> None:
+    """Raise CancelledError when `should_stop` or the ambient flag says the result is no longer wanted."""
+    ambient = _AMBIENT.get()
+    if (should_stop is not None and should_stop()) or (ambient is not None and ambient()):
+        raise CancelledError(f"{what} cancelled: its result is no longer wanted")
