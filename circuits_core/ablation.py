@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from circuits_core.errors import CancelledError, InvalidInputError
+from circuits_core.cost import Cost, check_stop, itemsize
+from circuits_core.errors import InvalidInputError
 from circuits_core.model import Frozen, Transformer, next_token_losses
 
 
@@ -87,8 +88,7 @@ def _order_logits(model: Transformer, tokens: Tensor, frozen: Frozen, should_sto
     out = []
     with torch.no_grad():
         for _k in range(L + 1):
-            if should_stop is not None and should_stop():
-                raise CancelledError("order ablation cancelled")
+            check_stop(should_stop, "order ablation")
             logits, cache = model.run(tokens, names=lambda nm: nm.endswith("hook_resid_pre"),
                                       frozen=_rerun(frozen, value_resid))
             out.append(logits)
@@ -116,6 +116,7 @@ def order_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[],
                               frozen=_rerun(frozen, {layer: zero for layer in range(L)}))
         by_layer = []
         for layer in range(L):
+            check_stop(should_stop, "order ablation")
             vr = {other: zero for other in range(L)}
             vr[layer] = cache0[f"blocks.{layer}.hook_resid_pre"]
             logits, _ = model.run(tokens, frozen=_rerun(frozen, vr))
@@ -156,8 +157,22 @@ def head_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[], 
     out = torch.zeros(cfg.n_layers, cfg.n_heads, dtype=torch.float64, device=model.device)
     for layer in range(cfg.n_layers):
         for h in range(cfg.n_heads):
-            if should_stop is not None and should_stop():
-                raise CancelledError("head ablation cancelled")
+            check_stop(should_stop, "head ablation")
             logits, _ = ablate_head(model, tokens, layer, h, recompute_patterns, frozen=frozen)
             out[layer, h] = lm_loss(logits, tokens) - clean
     return out
+
+
+def cost(model: Transformer, n: int, batch: int = 1) -> Cost:
+    """order_ablation then head_ablation on `batch` sequences of n tokens: the frozen patterns of every layer
+    (and a copy of one), LayerNorm scales, MLP outputs, the residual streams of one rerun, the clean and the
+    per-order logits; answer: the per-order and per-layer losses and one loss change per head."""
+    cfg = model.cfg
+    b = batch
+    resid = (4 if cfg.attn_only else 5) * cfg.n_layers * b * n * cfg.d_model
+    patterns = cfg.n_layers * cfg.n_heads * b * n * n * 2
+    logits = (cfg.n_layers + 3) * b * n * cfg.d_vocab  # clean, one per order, the rerun in flight
+    layer = b * n * (4 * cfg.d_model + 4 * cfg.n_heads * cfg.d_head + (0 if cfg.attn_only else 3 * (cfg.d_mlp or 4 * cfg.d_model)))
+    peak = (patterns + resid + logits + layer) * itemsize(model.dtype) + 2 * b * n * cfg.d_vocab * 8  # float64 loss
+    L, H = cfg.n_layers, cfg.n_heads
+    return Cost(peak).with_answer(numbers=3 * (L + 1) + L + H * L, labels=L * H + n)

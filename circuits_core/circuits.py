@@ -259,14 +259,18 @@ class SkipTrigrams:
 
 
 def skip_trigrams(
-    model: Transformer, layer: int, head: int, source_token: int, k: int = 10, vocab: Tensor | None = None
+    model: Transformer, layer: int, head: int, source_token: int, k: int = 10, vocab: Tensor | None = None,
+    qk_col: Tensor | None = None,
 ) -> SkipTrigrams:
+    """qk_col [d_vocab]: the QK column to rank destinations by instead of full_qk_col (rotary.skip_trigrams_at
+    passes the column at an offset)."""
     n = model.cfg.d_vocab if vocab is None else vocab.numel()
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
         raise InvalidInputError(f"k must be an integer in [1, {n}], got {k!r}")
     keep = slice(None) if vocab is None else vocab
     ids = torch.arange(model.cfg.d_vocab, device=model.W_E.device)[keep]  # [n]
-    dest_scores, dest = full_qk_col(model, layer, head, source_token)[keep].topk(k)  # [k]
+    col = full_qk_col(model, layer, head, source_token) if qk_col is None else qk_col  # [V]
+    dest_scores, dest = col[keep].topk(k)  # [k]
     out_scores, out = full_ov_row(model, layer, head, source_token)[keep].topk(k)  # [k]
     dest_tokens, out_tokens = ids[dest], ids[out]
     joint = dest_scores[:, None] * out_scores[None, :]  # [k, k]

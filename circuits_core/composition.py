@@ -35,7 +35,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from circuits_core.errors import CancelledError, InvalidInputError
+from circuits_core.cost import Cost, check_stop, itemsize
+from circuits_core.errors import InvalidInputError
 from circuits_core.model import Transformer
 
 CompositionKind = Literal["q", "k", "v"]
@@ -56,8 +57,7 @@ class CompositionScores:
 
 
 def _check_stop(should_stop: Callable[[], bool] | None) -> None:
-    if should_stop is not None and should_stop():
-        raise CancelledError("composition scores cancelled")
+    check_stop(should_stop, "composition scores")
 
 
 def _r_factor(M: Tensor) -> Tensor:
@@ -230,3 +230,17 @@ def random_baseline(d_model: int, d_head: int, n_samples: int = 300, seed: int =
         chunks.append((num_sq.clamp_min(0) / den_sq).sqrt())
     scores = torch.cat(chunks)
     return float(scores.mean()), float(scores.std()) if n_samples > 1 else 0.0
+
+
+def cost(model: Transformer, kinds: tuple[CompositionKind, ...] = KINDS) -> Cost:
+    """composition_scores for `kinds`: the d_head Grams, the column blocks of the source and target factors,
+    one Gram block of every source and target head, the pair sums and the [K, L, H, L, H] scores; answer:
+    two [sources x targets] tables (raw, minus baseline) and the top pairs, per kind."""
+    cfg = model.cfg
+    L, H, d, dh, K = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head, len(kinds)
+    size = gram_block_size(d)
+    Ns, Nt = max(0, L - 1) * H, max(0, L - 1) * K * H
+    numbers = 4 * L * H * dh * dh + 2 * Ns * d * dh + 2 * Nt * d * dh + (Ns + Nt) * size * size + Ns * Nt + 2 * K * (L * H) ** 2
+    per_kind = 2 * Ns * (Ns if L > 1 else 0) + 30
+    return Cost(numbers * itemsize(torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype)).with_answer(
+        numbers=K * per_kind, labels=K * (2 * Ns + 20))

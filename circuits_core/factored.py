@@ -20,12 +20,13 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import cached_property
 
 import torch
 from torch import Tensor
 
+from circuits_core.cost import Cost, check_stop
 from circuits_core.errors import InvalidInputError, LimitExceededError
 
 # Default memory budget for streaming dense row blocks of a large circuit (bytes).
@@ -241,6 +242,7 @@ class FactoredMatrix:
         largest: bool = True,
         rows: Tensor | None = None,
         cols: Tensor | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """The k largest (or smallest) entries of the whole matrix AB, without allocating ldim x rdim.
 
@@ -253,12 +255,13 @@ class FactoredMatrix:
         ||A_i|| and columns of ||B_:,j||; by Cauchy-Schwarz no entry exceeds ||A_i|| * ||B_:,j|| in absolute
         value, so tiles whose bound is below the current k-th value are skipped (for `largest=False` the
         same bound holds for -AB). Inside a tile, only rows whose maximum beats the k-th value are ranked.
+        The stop flag (`should_stop`, or the ambient one of circuits_core.cost) is polled before each tile.
         """
         if rows is not None or cols is not None:
             row_idx = self._check_subset(rows, self.ldim, "row")  # [r]
             col_idx = self._check_subset(cols, self.rdim, "column")  # [c]
             sub = FactoredMatrix(self.A[..., row_idx, :], self.B[..., :, col_idx])  # [..., r, c]
-            values, r, c = sub.topk_global(k, budget_bytes=budget_bytes, largest=largest)
+            values, r, c = sub.topk_global(k, budget_bytes=budget_bytes, largest=largest, should_stop=should_stop)
             return values, row_idx[r], col_idx[c]
         self._check_k(k, self.ldim * self.rdim)
         # One matrix at a time, in tiles of TILE_COLS columns; a tile lives in up to 4 buffers (fp32 product,
@@ -274,10 +277,16 @@ class FactoredMatrix:
         A = self.A.expand(*self.batch_shape, *self.A.shape[-2:])
         B = self.B.expand(*self.batch_shape, *self.B.shape[-2:])
         batch = itertools.product(*(range(n) for n in self.batch_shape))
-        results = [_topk_global_2d(A[idx], B[idx], k, step, largest) for idx in batch]
+        results = [_topk_global_2d(A[idx], B[idx], k, step, largest, should_stop) for idx in batch]
         values, rows, cols = (torch.stack([r[n] for r in results]) for n in range(3))
         shape = (*self.batch_shape, k)
         return values.reshape(shape), rows.reshape(shape), cols.reshape(shape)
+
+    def topk_global_cost(self, k: int, budget_bytes: int = DEFAULT_BUDGET_BYTES, rows: int | None = None,
+                         cols: int | None = None) -> Cost:
+        """The Cost of topk_global(k, budget_bytes) on `rows` x `cols` of this matrix (default all)."""
+        return topk_global_cost(self.ldim if rows is None else rows, self.mdim, self.rdim if cols is None else cols, k,
+                                budget_bytes, self.A.element_size(), math.prod(self.batch_shape))
 
 
 # Tile of the product computed at once by topk_global (64 MiB in fp32): few large GEMM calls (small ones
@@ -293,6 +302,23 @@ SCREEN_DTYPE, SCREEN_MARGIN, SCREEN_MIN_ENTRIES = torch.bfloat16, 2.0**-6, 2**24
 _screen_ok: dict[torch.device, bool] = {}
 
 
+def topk_global_cost(ldim: int, mdim: int, rdim: int, k: int, budget_bytes: int, element_size: int,
+                     batch: int = 1) -> Cost:
+    """Cost of FactoredMatrix.topk_global on [batch] matrices [ldim, mdim] @ [mdim, rdim] (one at a time).
+
+    Peak: the norm-sorted copy of A and the column tiles of B, their bfloat16 copies when screened, the 4
+    tile buffers (at most budget_bytes) and the candidates; answer: batch x k (value, row, column).
+    """
+    tile_cols = min(TILE_COLS, rdim)
+    step = max(1, int(budget_bytes) // (4 * tile_cols * element_size))
+    tiles = 4 * min(step, TILE_ROWS, ldim) * tile_cols * element_size
+    factors = (ldim * mdim + mdim * rdim) * element_size
+    screen = (ldim * mdim + mdim * rdim) * 2 if ldim * rdim >= SCREEN_MIN_ENTRIES else 0
+    sorting = (ldim + rdim) * (element_size + 8)  # norms and orders
+    candidates = 2 * k * (min(step, TILE_ROWS, ldim) + 1) * (element_size + 16)
+    return Cost(factors + screen + tiles + sorting + candidates).with_answer(numbers=3 * k * batch)
+
+
 def _screening_accumulates_in_fp32(device: torch.device) -> bool:
     if device not in _screen_ok:
         # 1 + 63 * 2^-8 = 1.246 with fp32 accumulation (-> 1.25 in bf16); bf16 accumulation stays at 1.0.
@@ -302,7 +328,8 @@ def _screening_accumulates_in_fp32(device: torch.device) -> bool:
     return _screen_ok[device]
 
 
-def _topk_global_2d(A: Tensor, B: Tensor, k: int, step: int, largest: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _topk_global_2d(A: Tensor, B: Tensor, k: int, step: int, largest: bool,
+                    should_stop: Callable[[], bool] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Global top-k of A [ldim, mdim] @ B [mdim, rdim] (see topk_global).
 
     Rows (by ||A_i||) and columns (by ||B_:,j||) are visited in descending norm order, in tiles of at most
@@ -336,6 +363,7 @@ def _topk_global_2d(A: Tensor, B: Tensor, k: int, step: int, largest: bool) -> t
     for r0 in range(0, ldim, tile_rows):
         r1 = min(r0 + tile_rows, ldim)
         for t, tile_B in enumerate(tiles):
+            check_stop(should_stop, "global top-k")
             c0, tc = t * tile_cols, tile_B.shape[1]
             full = best_v.numel() == k
             if full and row_norms[r0] * col_norms[c0] < best_v[-1]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model import Attention, Block, Transformer
 
@@ -61,6 +62,24 @@ def frozen_run(model: Transformer, tokens: Tensor) -> FrozenRun:
     return FrozenRun(tokens[0], logits[0], cache, patterns)
 
 
+def forward_cost(model: Transformer, n: int, batch: int = 1, kept_per_layer: int = 0, logits: bool = True) -> Cost:
+    """A forward pass of `batch` sequences of n tokens: one layer's activations at a time (residual stream,
+    q/k/v/z, scores and pattern, MLP hidden), `kept_per_layer` numbers cached per layer, and the logits."""
+    cfg = model.cfg
+    mlp = 0 if cfg.attn_only else 3 * (cfg.d_mlp or 4 * cfg.d_model)  # hidden, activation (and gate)
+    layer = n * (4 * cfg.d_model + 4 * cfg.n_heads * cfg.d_head + mlp) + 3 * cfg.n_heads * n * n
+    out = n * cfg.d_vocab if logits else 0
+    return Cost(batch * (layer + cfg.n_layers * kept_per_layer + out) * itemsize(model.dtype))
+
+
+def run_cost(model: Transformer, n: int) -> Cost:
+    """frozen_run on n tokens: the forward pass keeping, per layer, the pattern and scores [H, n, n], q and k,
+    the residual stream, MLP output and LayerNorm scales."""
+    cfg = model.cfg
+    kept = 2 * cfg.n_heads * n * n + 2 * n * cfg.n_heads * cfg.d_head + 3 * n * cfg.d_model + 2 * n
+    return forward_cost(model, n, 1, kept)
+
+
 def attention(model: Transformer, layer: int) -> Attention:
     """The attention module of a layer (typed accessor for attention(model, layer))."""
     block = model.blocks[layer]
@@ -69,7 +88,8 @@ def attention(model: Transformer, layer: int) -> Attention:
 
 
 def has_ln(model: Transformer) -> bool:
-    return model.cfg.normalization_type is not None
+    """Whether the model's norm centres its input (LayerNorm: C = I - 11^T/d_model); RMSNorm does not."""
+    return model.cfg.normalization_type in ("LN", "LNPre")
 
 
 def centre(model: Transformer, x: Tensor) -> Tensor:
@@ -79,7 +99,7 @@ def centre(model: Transformer, x: Tensor) -> Tensor:
 
 def _ln_param(model: Transformer, ln_name: str, leaf: str) -> Tensor | None:
     module = model.get_submodule(ln_name)
-    if not getattr(module, "has_weights", False):
+    if not getattr(module, "has_weights", False) or leaf not in module._parameters:  # RMS has w but no b
         return None
     param = getattr(module, leaf)
     assert isinstance(param, Tensor)

@@ -23,10 +23,17 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from circuits_core.circuits import ov_copying_scores
+from circuits_core.circuits import (
+    EMBED_CHUNK,
+    embed_gram,
+    ov_copying_scores,
+    qk_copying_scores,
+    unembed_embed_gram,
+)
 from circuits_core.config import head_name
+from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError, NotFoundError
-from circuits_core.frozen import attention, ln_linear
+from circuits_core.frozen import attention, forward_cost, ln_linear
 from circuits_core.model import Transformer
 from circuits_core.qk_paths import k_composition_positivity
 
@@ -127,23 +134,63 @@ PATTERN_DETECTORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 }
 
 
-def detector_scores(model: Transformer, tokens: Tensor) -> dict[str, Tensor]:
+def detector_scores(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None,
+                    budget_bytes: int | None = None) -> dict[str, Tensor]:
     """Every pattern detector for every head from one forward pass: {name: [n_layers, n_heads]}.
 
     The pass stops at the last layer's pattern (no last MLP, final LayerNorm or unembedding) and keeps only
-    the patterns.
+    the patterns. With `budget_bytes`, the batch runs in chunks of sequences whose cost (detectors_cost) fits
+    it, and the chunk scores are combined with their weights (sequences, or eligible queries for the masked
+    detectors), so the result is the same mean. The stop flag is polled between chunks.
     """
     L = model.cfg.n_layers
     if L == 0:
         return {}
     tokens = model.check_tokens(tokens)
+    b, n = tokens.shape
+    chunk = b if budget_bytes is None else detector_chunk(model, n, b, budget_bytes)
+    sums: dict[str, Tensor] = {}
+    weights: dict[str, Tensor] = {}
     with torch.no_grad():
-        cache = model.run_until(tokens, f"blocks.{L - 1}.attn.hook_pattern", names=lambda n: n.endswith("hook_pattern"))
-        targets = (duplicate_targets(tokens), induction_targets(tokens))
-        per_layer = [
-            pattern_detector_scores(cache[f"blocks.{layer}.attn.hook_pattern"], tokens, targets) for layer in range(L)
-        ]
-        return {name: torch.stack([scores[name] for scores in per_layer]) for name in PATTERN_DETECTORS}
+        for start in range(0, b, chunk):
+            check_stop(should_stop, "head detectors")
+            part = tokens[start : start + chunk]  # [c, n]
+            cache = model.run_until(part, f"blocks.{L - 1}.attn.hook_pattern", names=lambda nm: nm.endswith("hook_pattern"))
+            targets = (duplicate_targets(part), induction_targets(part))
+            eligible = {"duplicate_token": targets[0].any(-1).sum(), "induction": targets[1].any(-1).sum()}
+            for layer in range(L):
+                scores = pattern_detector_scores(cache[f"blocks.{layer}.attn.hook_pattern"], part, targets)
+                for name, value in scores.items():  # value [H]
+                    w = eligible.get(name, torch.tensor(part.shape[0])).to(value.dtype)
+                    key = name
+                    contrib = torch.where(w > 0, value * w, torch.zeros_like(value))
+                    sums.setdefault(key, value.new_zeros(L, value.shape[0]))[layer] += contrib
+                    weights.setdefault(key, value.new_zeros(L, 1))[layer] += w
+            del cache
+    return {name: torch.where(weights[name] > 0, sums[name] / weights[name].clamp_min(1), float("nan"))
+            for name in PATTERN_DETECTORS}
+
+
+def detectors_cost(model: Transformer, n: int, batch: int, logits: bool = False) -> Cost:
+    """detector_scores on `batch` sequences of n tokens in one pass: every layer's pattern [batch, H, n, n]
+    kept, one layer's activations, the duplicate/induction targets and one masked product; with `logits`,
+    a full pass's logits [batch, n, d_vocab] and their float64 next-token losses. Answer: 5 scores per head."""
+    cfg = model.cfg
+    size = itemsize(model.dtype)
+    patterns = cfg.n_layers * cfg.n_heads * batch * n * n * size
+    scoring = batch * n * n * (2 + cfg.n_heads * size)
+    run = forward_cost(model, n, batch, logits=False)
+    out = Cost(batch * n * cfg.d_vocab * (size + 2 * 8)) if logits else Cost(0)
+    return (Cost(patterns + scoring) + run + out).with_answer(numbers=5 * cfg.n_layers * cfg.n_heads,
+                                                             labels=cfg.n_layers * cfg.n_heads)
+
+
+def detector_chunk(model: Transformer, n: int, batch: int, budget_bytes: int, logits: bool = False) -> int:
+    """The most sequences (<= batch, >= 1) whose detectors_cost peak fits budget_bytes."""
+    for c in range(batch, 1, -1):
+        if detectors_cost(model, n, c, logits).peak_bytes <= budget_bytes:
+            return c
+    return 1
 
 
 def get_detector(name: str) -> Callable[[Tensor, Tensor], Tensor]:
@@ -231,12 +278,57 @@ class InductionView:
     previous_token_scores: Tensor  # [L, H]
 
 
-def induction_view(model: Transformer, tokens: Tensor | None = None) -> InductionView:
-    """Every head's (OV copying, QK K-composition positivity) point, previous-token head auto-chosen."""
+def induction_view(model: Transformer, tokens: Tensor | None = None, prev_scores: Tensor | None = None,
+                   ov_copying: Tensor | None = None, G_E: Tensor | None = None) -> InductionView:
+    """Every head's (OV copying, QK K-composition positivity) point, previous-token head auto-chosen.
 
-    prev = detector_scores(model, standard_tokens(model) if tokens is None else tokens)["previous_token"]
+    prev_scores [L, H], ov_copying [L, H], G_E [d, d]: the previous-token scores on `tokens`,
+    ov_copying_scores and embed_gram when the caller has them already (head_table), so none is computed twice."""
+    if prev_scores is None:
+        prev_scores = detector_scores(model, standard_tokens(model) if tokens is None else tokens)["previous_token"]
+    prev = prev_scores
     layer, head = previous_token_head(model, prev)
     one_hot = torch.zeros_like(prev)
     one_hot[layer, head] = 1.0
-    return InductionView(ov_copying_scores(model), k_composition_positivity(model, one_hot),
-                         k_composition_positivity(model, prev), head_name(layer, head), prev)
+    ov = ov_copying_scores(model) if ov_copying is None else ov_copying
+    G_E = embed_gram(model) if G_E is None else G_E  # [d, d], shared by both positivities
+    return InductionView(ov, k_composition_positivity(model, one_hot, G_E),
+                         k_composition_positivity(model, prev, G_E), head_name(layer, head), prev)
+
+
+@dataclass
+class HeadTable:
+    """Every head's detector scores on one input, eigenvalue copying scores and the 2-D induction view."""
+
+    detectors: dict[str, Tensor]  # {name: [L, H]}
+    ov_copying: Tensor  # [L, H] circuits.ov_copying_scores
+    qk_copying: Tensor  # [L, H] circuits.qk_copying_scores
+    induction: InductionView | None  # None for a model without layers
+
+
+def head_table(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None,
+               budget_bytes: int | None = None) -> HeadTable:
+    """The heads table: one detector pass on `tokens` (its previous-token scores reused by the induction view),
+    and the full-circuit spectra from the two d_model x d_model Grams, each formed once."""
+    detectors = detector_scores(model, tokens, should_stop, budget_bytes)
+    if model.cfg.n_layers == 0:
+        empty = torch.zeros(0, model.cfg.n_heads, dtype=torch.float64)
+        return HeadTable(detectors, empty, empty, None)
+    check_stop(should_stop, "heads table")
+    with torch.no_grad():
+        G, G_E = unembed_embed_gram(model), embed_gram(model)  # [d, d] each
+        ov, qk = ov_copying_scores(model, G), qk_copying_scores(model, G_E)
+        check_stop(should_stop, "heads table")
+        iv = induction_view(model, tokens, detectors["previous_token"], ov, G_E)
+    return HeadTable(detectors, ov, qk, iv)
+
+
+def head_table_cost(model: Transformer, n: int, batch: int, budget_bytes: int | None = None) -> Cost:
+    """head_table on `batch` sequences of n tokens: the detector pass (in chunks under budget_bytes), then the
+    Grams (one LayerNorm chunk of W_E at a time) and the [L, H, d_model, d_head] products of the spectra."""
+    cfg = model.cfg
+    chunk = batch if budget_bytes is None else detector_chunk(model, n, batch, budget_bytes)
+    grams = (2 * cfg.d_model**2 + 2 * EMBED_CHUNK * cfg.d_model) * itemsize(model.dtype)
+    spectra = 2 * cfg.n_layers * cfg.n_heads * cfg.d_model * cfg.d_head * 8 + 4 * cfg.d_model**2 * 8
+    return detectors_cost(model, n, chunk).then(Cost(grams + spectra)).with_answer(
+        numbers=7 * cfg.n_layers * cfg.n_heads, labels=2 * cfg.n_layers * cfg.n_heads)

@@ -33,7 +33,8 @@ import torch
 from torch import Tensor
 
 from circuits_core.config import head_name
-from circuits_core.errors import CancelledError, InvalidInputError, LimitExceededError
+from circuits_core.cost import Cost, check_stop, itemsize
+from circuits_core.errors import InvalidInputError, LimitExceededError
 from circuits_core.frozen import (
     FrozenRun,
     attention,
@@ -44,6 +45,7 @@ from circuits_core.frozen import (
     layer_bias,
     ln_weight,
     readout,
+    run_cost,
 )
 from circuits_core.model import Transformer
 
@@ -255,8 +257,7 @@ def expand_logits(
             names_new_all: list[tuple[str, ...]] = []
             coefs, ws, firsts = [], [], []
             for layer in range(L - 1, -1, -1):
-                if should_stop is not None and should_stop():
-                    raise CancelledError("path expansion cancelled")
+                check_stop(should_stop, "path expansion")
                 P0 = sum(1 for f in first_prev if f > layer)
                 if P0 == 0:
                     continue
@@ -319,3 +320,19 @@ def _count_suffixes(L: int, H: int, max_order: int) -> int:
     from math import comb
 
     return sum(comb(L, k) * H**k for k in range(max_order + 1))
+
+
+def cost(model: Transformer, n: int, max_order: int, by_source: bool = False, q: int = 1, k: int | None = None) -> Cost:
+    """expand_logits on n tokens at q positions: the frozen run, a [q, n] coefficient and a [d_model] direction
+    per suffix, one value per (source, suffix) term (x n with by_source); answer: the k listed terms (all
+    when k is None), each with its path of up to max_order heads (and n source values with by_source)."""
+    cfg = model.cfg
+    L, H = cfg.n_layers, cfg.n_heads
+    order = max(0, min(max_order, L))
+    suffixes = _count_suffixes(L, H, order)
+    terms = suffixes * (1 + (1 if cfg.attn_only else 2) * L) + 1
+    work = (suffixes * (q * n + cfg.d_model + cfg.d_head) + terms * q * (n if by_source else 1)) * itemsize(model.dtype)
+    listed = terms if k is None else min(k, terms) + 2
+    return (run_cost(model, n) + Cost(work)).with_answer(
+        numbers=listed * (2 + (n if by_source else 0)) + (order + 1) + 3 * n, labels=listed * (order + 1) + n
+    )

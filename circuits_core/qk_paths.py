@@ -24,7 +24,8 @@ from torch import Tensor
 
 from circuits_core.circuits import check_head, copying_score, embed_eff, embed_gram
 from circuits_core.config import head_name
-from circuits_core.errors import CancelledError, InvalidInputError, LimitExceededError
+from circuits_core.cost import Cost, check_stop, itemsize
+from circuits_core.errors import InvalidInputError, LimitExceededError
 from circuits_core.factored import FactoredMatrix
 from circuits_core.frozen import (
     FrozenRun,
@@ -37,6 +38,7 @@ from circuits_core.frozen import (
     qk_positions,
     reading_bias,
     reading_weights,
+    run_cost,
 )
 from circuits_core.model import Transformer, apply_rotary, rotary_tables
 
@@ -132,8 +134,7 @@ def expand_scores(
             raise LimitExceededError(f"{C}x{C} terms of {n}x{n} scores exceed {max_elements} numbers; use term()")
         terms = torch.empty(C, C, n, n, dtype=model.dtype, device=model.device) if keep else None
         for a in range(C):
-            if should_stop is not None and should_stop():
-                raise CancelledError("QK path expansion cancelled")
+            check_stop(should_stop, "QK path expansion")
             row = torch.einsum("qe,bke->bqk", q_parts[a], k_parts) / s  # [C, n, n]
             std[a] = row[:, causal].std(-1) if causal.sum() > 1 else 0.0
             if terms is not None:
@@ -142,6 +143,24 @@ def expand_scores(
         k = run.cache[f"blocks.{layer}.attn.hook_k"][:, h]
         scores = q @ k.T / s
     return QKExpansion(head_name(layer, h), comps, q_parts, k_parts, std, scores, terms, s)
+
+
+def n_components(model: Transformer, layer: int) -> int:
+    """C, the number of query-side (= key-side) components of expand_scores for a head in `layer`."""
+    cfg = model.cfg
+    per_layer = cfg.n_heads + (0 if cfg.attn_only else 1)
+    standard, shortformer = cfg.positional_embedding_type == "standard", cfg.positional_embedding_type == "shortformer"
+    return 1 + standard + layer * per_layer + 1 + shortformer + 1  # embed, pos, heads/MLPs, bias, W_pos, b_QK
+
+
+def cost(model: Transformer, layer: int, n: int, k: int) -> Cost:
+    """expand_scores of a head in `layer` on n tokens, with k terms listed: the frozen run, the residual
+    components and their normalised copies [C, n, d_model], q/k parts [C, n, d_head], one row of C terms
+    [C, n, n] and the k listed terms; answer: the C x C std, k terms and the scores [n, n], n tokens."""
+    cfg = model.cfg
+    C = n_components(model, layer)
+    work = (2 * C * n * cfg.d_model + 2 * C * n * cfg.d_head + (C + k) * n * n) * itemsize(model.dtype)
+    return (run_cost(model, n) + Cost(work)).with_answer(numbers=C * C + (k + 1) * n * n + k, labels=C + 3 * k + n)
 
 
 # -- token-space K-composition -------------------------------------------------------------------------
