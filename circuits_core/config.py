@@ -24,13 +24,15 @@ from typing import Any, Literal
 
 from circuits_core.errors import CheckpointError, InvalidInputError, NotFoundError
 
-NormalizationType = Literal["LN", "LNPre"] | None
+NormalizationType = Literal["LN", "LNPre", "RMS", "RMSPre"] | None
 PositionalType = Literal["standard", "shortformer", "rotary", "none"]
-ActFn = Literal["gelu", "gelu_new", "relu"]
+ActFn = Literal["gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu"]
+RopeType = Literal["default", "linear", "llama3"]
 
-NORMALIZATION_TYPES: tuple[str | None, ...] = ("LN", "LNPre", None)
+NORMALIZATION_TYPES: tuple[str | None, ...] = ("LN", "LNPre", "RMS", "RMSPre", None)
 POSITIONAL_TYPES: tuple[str, ...] = ("standard", "shortformer", "rotary", "none")
-ACT_FNS: tuple[str, ...] = ("gelu", "gelu_new", "relu")
+ACT_FNS: tuple[str, ...] = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
+ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
 # Structural caps (beyond them a config is refused as absurd before anything is built): the largest served
 # transformers have ~130 layers and ~128 heads per layer.
 MAX_LAYERS = 1024
@@ -63,6 +65,25 @@ class ModelConfig:
     parallel_attn_mlp: bool = False
     rotary_dim: int | None = field(default=None, metadata={"ge": 2})
     rotary_base: float = field(default=10000.0, metadata={"gt": 0})
+    # Llama family (TransformerLens names where TransformerLens has them):
+    # Grouped-query attention: query head h reads key/value head h // (n_heads // n_key_value_heads). When set
+    # (even to n_heads), K/V are stored per key/value head as `_W_K`, `_W_V`, `_b_K`, `_b_V` (TransformerLens's
+    # GroupedQueryAttention); None: one K/V per query head (`W_K`, `W_V`).
+    n_key_value_heads: int | None = field(default=None, metadata={"ge": 1, "le": MAX_HEADS})
+    # Gated MLP (TransformerLens GatedMLP): out = (act(x W_gate) * (x W_in) + b_in) W_out + b_out.
+    gated_mlp: bool = False
+    # Rotary layout: False pairs dim i with i + rotary_dim/2 (rotate-half, Hugging Face files); True pairs
+    # (2i, 2i+1) (GGUF files, GPT-J).
+    rotary_adjacent_pairs: bool = False
+    # Rope scaling of the frequencies theta_k = rotary_base^(-2k/rotary_dim) (Hugging Face `rope_type`):
+    # "default" none; "linear" theta_k / rope_factor; "llama3" Llama 3.1's smooth interpolation using
+    # rope_factor, rope_low_freq_factor, rope_high_freq_factor, rope_original_max_position_embeddings.
+    # A factor set while the type is "default" is refused (the type must be named).
+    rope_type: RopeType = "default"
+    rope_factor: float = field(default=1.0, metadata={"gt": 0})
+    rope_low_freq_factor: float = field(default=1.0, metadata={"gt": 0})
+    rope_high_freq_factor: float = field(default=4.0, metadata={"gt": 0})
+    rope_original_max_position_embeddings: int = field(default=8192, metadata={"ge": 1})
     # Divisor of q.k; defaults to sqrt(d_head) (TransformerLens `attn_scale`).
     attn_scale: float | None = field(default=None, metadata={"gt": 0})
     bos_token_id: int | None = field(default=None, metadata={"ge": 0})
@@ -87,11 +108,42 @@ class ModelConfig:
             rd = self.rotary_dim if self.rotary_dim is not None else self.d_head
             if rd < 2 or rd > self.d_head or rd % 2:
                 raise InvalidInputError(f"rotary_dim must be even and in [2, d_head={self.d_head}], got {rd}")
+        self._check_llama_fields()
+
+    def _check_llama_fields(self) -> None:
+        """Cross-field rules of the Llama-family fields (types and bounds are checked by check_fields)."""
+        if self.n_key_value_heads is not None and self.n_heads % self.n_key_value_heads:
+            raise InvalidInputError(
+                f"n_key_value_heads={self.n_key_value_heads} must divide n_heads={self.n_heads}"
+            )
+        if self.gated_mlp and self.attn_only:
+            raise InvalidInputError("gated_mlp=true needs MLPs (attn_only=false, d_mlp >= 1)")
+        if self.rope_type == "default" and self.rope_factor != 1.0:
+            raise InvalidInputError(
+                f"rope_factor={self.rope_factor} but rope_type is 'default': name the scaling type (linear or llama3)"
+            )
+        if self.rope_type == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise InvalidInputError("llama3 rope scaling needs rope_high_freq_factor > rope_low_freq_factor")
 
     @property
     def scale(self) -> float:
         """The divisor applied to q.k (TransformerLens `attn_scale`)."""
         return float(self.attn_scale) if self.attn_scale is not None else math.sqrt(self.d_head)
+
+    @property
+    def n_kv_heads(self) -> int:
+        """Key/value heads per layer (n_heads without grouped-query attention)."""
+        return self.n_key_value_heads if self.n_key_value_heads is not None else self.n_heads
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head: query head h reads key/value head h // group_size."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def uses_rms(self) -> bool:
+        """RMSNorm ("RMS", "RMSPre"): normalises without centring, so nothing is centred downstream."""
+        return self.normalization_type in ("RMS", "RMSPre")
 
     @property
     def head_names(self) -> list[str]:

@@ -10,10 +10,15 @@ Parameter names and shapes are TransformerLens's, so a TransformerLens state dic
     blocks.{l}.attn.W_O [n_heads, d_head, d_model]           b_O [d_model]
     blocks.{l}.ln1.w/b, ln2.w/b [d_model]  blocks.{l}.mlp.W_in [d_model, d_mlp], b_in, W_out, b_out
     ln_final.w/b [d_model]                unembed.W_U [d_model, d_vocab], b_U [d_vocab]
+Llama family (TransformerLens 3.9 names): RMS norms have `w` only (RMSPre nothing); grouped-query attention
+stores blocks.{l}.attn._W_K/_W_V [n_kv_heads, d_model, d_head], _b_K/_b_V [n_kv_heads, d_head] (attn.W_K etc.
+and the stacked model.W_K stay per query head); gated MLPs add blocks.{l}.mlp.W_gate [d_model, d_mlp].
 
 Positions: `standard` adds W_pos to the residual stream; `shortformer` (the paper's models) adds it to the
-query and key inputs only, after ln1; `rotary` rotates q and k (GPT-NeoX layout, the first rotary_dim
-dimensions); `none` has no positions.
+query and key inputs only, after ln1; `rotary` rotates q and k by position (`rotate`: the first rotary_dim
+dimensions, rotate-half or adjacent pairs, with the config's rope scaling); `none` has no positions.
+Under GQA the hooks hook_k and hook_v hold one entry per *query* head (TransformerLens's
+`ungroup_grouped_query_attention`), and hook_q / hook_k are after the rotation (TransformerLens's hook_rot_q).
 
 `run()` returns logits and, on request, a cache of named activations with TransformerLens hook names.
 Frozen runs (`Frozen`): attention patterns and LayerNorm scales (and, on request, MLP outputs) taken from a
@@ -23,6 +28,7 @@ patterns" trick) -- the path expansions stand on this.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -85,14 +91,19 @@ class _Recorder:
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with TransformerLens's `hook_scale`; `LNPre` has no weight or bias (they were folded)."""
+    """The model's norm, with TransformerLens's `hook_scale` (one class for both families):
+    "LN"  (x - mean) / sigma * w + b       "LNPre"  (x - mean) / sigma        sigma = sqrt(mean((x - mean)^2) + eps)
+    "RMS" x / rms * w                      "RMSPre" x / rms                   rms = sqrt(mean(x^2) + eps)
+    The Pre variants have no weight or bias (folded into the readers, processing.py)."""
 
     def __init__(self, cfg: ModelConfig, name: str):
         super().__init__()
         self.cfg, self.name = cfg, name
-        self.has_weights = cfg.normalization_type == "LN"
+        self.centred = cfg.normalization_type in ("LN", "LNPre")
+        self.has_weights = cfg.normalization_type in ("LN", "RMS")
         if self.has_weights:
             self.w = nn.Parameter(torch.ones(cfg.d_model))
+        if cfg.normalization_type == "LN":
             self.b = nn.Parameter(torch.zeros(cfg.d_model))
 
     def forward(self, x: Tensor, rec: _Recorder, frozen: Frozen | None) -> Tensor:
@@ -101,33 +112,96 @@ class LayerNorm(nn.Module):
             return x
         key = f"{self.name}.hook_scale"
         computed = frozen is None or key not in frozen.ln_scales
+        w = self.w if self.has_weights else None
         if computed and not rec.wants(key) and not rec.wants(f"{self.name}.hook_normalized"):
-            # Nothing to record or replace: the same maths as below, as torch's fused kernel.
-            w, b = (self.w, self.b) if self.has_weights else (None, None)
-            return F.layer_norm(x, x.shape[-1:], w, b, self.cfg.eps)
-        x = x - x.mean(-1, keepdim=True)
+            # Nothing to record or replace: the same maths as below, as torch's fused kernels.
+            if self.centred:
+                return F.layer_norm(x, x.shape[-1:], w, self.b if w is not None else None, self.cfg.eps)
+            return F.rms_norm(x, x.shape[-1:], w, self.cfg.eps)
+        if self.centred:
+            x = x - x.mean(-1, keepdim=True)
         if frozen is not None and key in frozen.ln_scales:
             scale = frozen.ln_scales[key]  # [batch, pos, 1]
         else:
             scale = (x.pow(2).mean(-1, keepdim=True) + self.cfg.eps).sqrt()
         rec(key, scale)
         x = x / scale
-        if self.has_weights:
-            x = x * self.w + self.b
+        if w is not None:
+            x = x * w
+        if self.cfg.normalization_type == "LN":
+            x = x + self.b
         return rec(f"{self.name}.hook_normalized", x)
 
 
-def rotary_tables(cfg: ModelConfig, n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sin tables [n, rotary_dim] in the GPT-NeoX (rotate-half) layout."""
+# -- rotary positions ---------------------------------------------------------------------------------
+def rotary_inv_freq(cfg: ModelConfig) -> Tensor:
+    """theta_k [rotary_dim / 2] (float64): the angle per position of pair k, after the config's rope scaling.
+
+    default: theta_k = base^(-2k / rotary_dim); linear: theta_k / factor; llama3 (Llama 3.1): wavelengths
+    2 pi / theta_k longer than original_max / low_freq_factor are divided by factor, shorter than
+    original_max / high_freq_factor kept, and the ones between interpolated smoothly.
+    """
     rd = cfg.rotary_dim or cfg.d_head
-    inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, rd, 2, device=device, dtype=torch.float64) / rd))
-    angles = torch.arange(n, device=device, dtype=torch.float64)[:, None] * inv_freq[None, :]  # [n, rd/2]
-    angles = torch.cat([angles, angles], dim=-1)  # [n, rd]
+    inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))
+    if cfg.rope_type == "linear":
+        return inv_freq / cfg.rope_factor
+    if cfg.rope_type == "llama3":
+        old, low, high = cfg.rope_original_max_position_embeddings, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old / low, inv_freq / cfg.rope_factor, inv_freq)
+        mid = (1 - smooth) * inv_freq / cfg.rope_factor + smooth * inv_freq
+        return torch.where((wavelen <= old / low) & (wavelen >= old / high), mid, scaled)
+    if cfg.rope_type != "default":  # the config refuses other types; this guards a bypassed check
+        raise InvalidInputError(f"rope scaling type {cfg.rope_type!r} is not supported")
+    return inv_freq
+
+
+def rotary_angles(cfg: ModelConfig, positions: Tensor) -> Tensor:
+    """p * theta_k [..., rotary_dim / 2] (float64) for positions [...] (any integers, negative too)."""
+    return positions.to(torch.float64)[..., None] * rotary_inv_freq(cfg).to(positions.device)
+
+
+def rotary_pairs(cfg: ModelConfig) -> tuple[Tensor, Tensor]:
+    """(first [K], second [K]): the d_head indices of each rotated pair k, K = rotary_dim / 2.
+
+    Rotate-half (Hugging Face files): (k, k + K); adjacent pairs (GGUF files): (2k, 2k + 1). Dims from
+    rotary_dim on are not rotated (partial rotary)."""
+    K = (cfg.rotary_dim or cfg.d_head) // 2
+    k = torch.arange(K)
+    return (2 * k, 2 * k + 1) if cfg.rotary_adjacent_pairs else (k, k + K)
+
+
+def rotate(cfg: ModelConfig, x: Tensor, positions: Tensor) -> Tensor:
+    """x R(p): rotate x [..., d_head] (row vectors) by position p in the model's layout.
+
+    positions broadcasts against x.shape[:-1] (e.g. [pos, 1] for x [batch, pos, heads, d_head]); any integer
+    (negative too: R(a) R(b)^T = R(a - b), so rotate(x, -d) applies R(d)^T). With (i, j) = rotary_pairs(cfg)[k]
+    and a = p theta_k (rotary_angles): x_i' = x_i cos a - x_j sin a, x_j' = x_j cos a + x_i sin a. The
+    rotation matrix for row vectors is rotate(cfg, eye(d_head), p). Angles are computed in float64.
+    """
+    first, second = (idx.to(x.device) for idx in rotary_pairs(cfg))
+    angles = rotary_angles(cfg, positions.to(x.device))  # [..., K]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    a, b = x[..., first], x[..., second]  # [..., K]
+    out = x.clone()
+    out[..., first] = a * cos - b * sin
+    out[..., second] = b * cos + a * sin
+    return out
+
+
+def rotary_tables(cfg: ModelConfig, n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin tables [n, rotary_dim] for positions 0..n-1, rotate-half layout only (for apply_rotary;
+    `rotate` serves every layout)."""
+    if cfg.rotary_adjacent_pairs:
+        raise InvalidInputError("rotary_tables/apply_rotary are rotate-half only; use model.rotate for adjacent pairs")
+    angles = rotary_angles(cfg, torch.arange(n))  # [n, rd/2]
+    angles = torch.cat([angles, angles], dim=-1).to(device)  # [n, rd]
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the first rotary_dim dims of x [batch, pos, n_heads, d_head] by position."""
+    """Rotate the first rotary_dim dims of x [batch, pos, n_heads, d_head] by position (rotate-half layout)."""
     rd = cos.shape[-1]
     rot, keep = x[..., :rd], x[..., rd:]
     half = rd // 2
@@ -136,20 +210,56 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([rot * cos_b + rotated * sin_b, keep], dim=-1)
 
 
+def attn_param(cfg: ModelConfig, name: str) -> str:
+    """The stored name of an attention parameter: "_W_K", "_W_V", "_b_K", "_b_V" under grouped-query attention
+    (n_key_value_heads set, as TransformerLens's GroupedQueryAttention), else the name itself."""
+    if cfg.n_key_value_heads is not None and name in ("W_K", "W_V", "b_K", "b_V"):
+        return "_" + name
+    return name
+
+
 class Attention(nn.Module):
+    """Attention heads. Under grouped-query attention the stored K/V weights are per key/value head
+    (`_W_K`, `_W_V` [n_kv, d_model, d_head], `_b_K`, `_b_V` [n_kv, d_head]) and `W_K`, `W_V`, `b_K`, `b_V`
+    are per query head (repeated over each group), as in TransformerLens."""
+
+    # Per query head (stored parameters, or under GQA computed by __getattr__ from the grouped ones).
+    W_K: Tensor
+    W_V: Tensor
+    b_K: Tensor
+    b_V: Tensor
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        h, d, dh = cfg.n_heads, cfg.d_model, cfg.d_head
+        h, g, d, dh = cfg.n_heads, cfg.n_kv_heads, cfg.d_model, cfg.d_head
         self.W_Q = nn.Parameter(torch.empty(h, d, dh))
-        self.W_K = nn.Parameter(torch.empty(h, d, dh))
-        self.W_V = nn.Parameter(torch.empty(h, d, dh))
+        self.register_parameter(attn_param(cfg, "W_K"), nn.Parameter(torch.empty(g, d, dh)))
+        self.register_parameter(attn_param(cfg, "W_V"), nn.Parameter(torch.empty(g, d, dh)))
         self.W_O = nn.Parameter(torch.empty(h, dh, d))
         if cfg.use_bias:
             self.b_Q = nn.Parameter(torch.zeros(h, dh))
-            self.b_K = nn.Parameter(torch.zeros(h, dh))
-            self.b_V = nn.Parameter(torch.zeros(h, dh))
+            self.register_parameter(attn_param(cfg, "b_K"), nn.Parameter(torch.zeros(g, dh)))
+            self.register_parameter(attn_param(cfg, "b_V"), nn.Parameter(torch.zeros(g, dh)))
             self.b_O = nn.Parameter(torch.zeros(d))
+
+    def grouped(self, name: str) -> Tensor:
+        """W_K, W_V [n_kv, d_model, d_head] or b_K, b_V [n_kv, d_head] as stored (per key/value head)."""
+        value = getattr(self, attn_param(self.cfg, name)) if name[0] == "W" or self.cfg.use_bias else None
+        if not isinstance(value, Tensor):
+            raise InvalidInputError(f"the model has no {name}")
+        return value
+
+    def per_head(self, value: Tensor, dim: int = 0) -> Tensor:
+        """Repeat a per-key/value-head tensor over its group of query heads along `dim` (a no-op without GQA)."""
+        return value if self.cfg.group_size == 1 else value.repeat_interleave(self.cfg.group_size, dim=dim)
+
+    def __getattr__(self, name: str) -> Tensor | nn.Module:
+        # W_K, W_V, b_K, b_V per query head under grouped-query attention (nn.Module keeps parameters in a dict,
+        # so this is only reached for names that are not stored).
+        if name in ("W_K", "W_V", "b_K", "b_V") and self.cfg.n_key_value_heads is not None:
+            return self.per_head(self.grouped(name))
+        return super().__getattr__(name)
 
     def bias(self, name: str) -> Tensor | None:
         return getattr(self, name) if self.cfg.use_bias else None
@@ -161,13 +271,14 @@ class Attention(nn.Module):
         cfg, prefix = self.cfg, f"blocks.{self.layer}.attn"
         n = q_in.shape[1]
         q = torch.einsum("bpd,hde->bphe", q_in, self.W_Q)  # [batch, pos, n_heads, d_head]
-        k = torch.einsum("bpd,hde->bphe", k_in, self.W_K)
-        v = torch.einsum("bpd,hde->bphe", v_in, self.W_V)
+        k = torch.einsum("bpd,gde->bpge", k_in, self.grouped("W_K"))  # [batch, pos, n_kv, d_head]
+        v = torch.einsum("bpd,gde->bpge", v_in, self.grouped("W_V"))
         if cfg.use_bias:
-            q, k, v = q + self.b_Q, k + self.b_K, v + self.b_V
+            q, k, v = q + self.b_Q, k + self.grouped("b_K"), v + self.grouped("b_V")
         if cfg.positional_embedding_type == "rotary":
-            cos, sin = rotary_tables(cfg, n, q.device, q.dtype)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            positions = torch.arange(n, device=q.device)[:, None]  # [pos, 1]
+            q, k = rotate(cfg, q, positions), rotate(cfg, k, positions)
+        k, v = self.per_head(k, dim=2), self.per_head(v, dim=2)  # [batch, pos, n_heads, d_head]
         rec(f"{prefix}.hook_q", q), rec(f"{prefix}.hook_k", k), rec(f"{prefix}.hook_v", v)
         pattern_key = f"{prefix}.hook_pattern"
         if frozen is not None and pattern_key in frozen.patterns:
@@ -199,17 +310,24 @@ def activation(name: str | None, x: Tensor) -> Tensor:
         return F.relu(x)
     if name == "gelu":
         return F.gelu(x)
-    if name == "gelu_new":
+    if name in ("gelu_new", "gelu_pytorch_tanh"):
         return F.gelu(x, approximate="tanh")
+    if name == "silu":
+        return F.silu(x)
     raise InvalidInputError(f"unknown act_fn {name!r}")
 
 
 class MLP(nn.Module):
+    """act(x W_in + b_in) W_out + b_out, or gated (TransformerLens GatedMLP, SwiGLU when act_fn is silu):
+    (act(x W_gate) * (x W_in) + b_in) W_out + b_out (hook_pre = x W_gate, hook_pre_linear = x W_in)."""
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         assert cfg.d_mlp is not None
         self.cfg, self.layer = cfg, layer
         self.W_in = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
+        if cfg.gated_mlp:
+            self.W_gate = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
         self.W_out = nn.Parameter(torch.empty(cfg.d_mlp, cfg.d_model))
         if cfg.use_bias:
             self.b_in = nn.Parameter(torch.zeros(cfg.d_mlp))
@@ -217,8 +335,13 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor, rec: _Recorder) -> Tensor:
         # x: [batch, pos, d_model] -> [batch, pos, d_model]
-        pre = x @ self.W_in + (self.b_in if self.cfg.use_bias else 0)
-        post = rec(f"blocks.{self.layer}.mlp.hook_post", activation(self.cfg.act_fn, rec(f"blocks.{self.layer}.mlp.hook_pre", pre)))
+        p = f"blocks.{self.layer}.mlp"
+        b_in = self.b_in if self.cfg.use_bias else 0
+        if self.cfg.gated_mlp:
+            gate = activation(self.cfg.act_fn, rec(f"{p}.hook_pre", x @ self.W_gate))  # [batch, pos, d_mlp]
+            post = rec(f"{p}.hook_post", gate * rec(f"{p}.hook_pre_linear", x @ self.W_in) + b_in)
+        else:
+            post = rec(f"{p}.hook_post", activation(self.cfg.act_fn, rec(f"{p}.hook_pre", x @ self.W_in + b_in)))
         return post @ self.W_out + (self.b_out if self.cfg.use_bias else 0)
 
 
@@ -311,10 +434,11 @@ class Transformer(nn.Module):
     def b_U(self) -> Tensor | None:
         return self.unembed.b_U if self.cfg.use_bias else None
 
-    def _stack(self, name: str) -> Tensor:
+    def _stack(self, name: str, grouped: bool = False) -> Tensor:
         if self.cfg.n_layers == 0:
             raise InvalidInputError("the model has no attention layers")
-        return torch.stack([getattr(b.attn, name) for b in self.blocks])
+        attns = [block.attn for block in self.blocks if isinstance(block, Block)]
+        return torch.stack([attn.grouped(name) if grouped else getattr(attn, name) for attn in attns])
 
     @property
     def W_Q(self) -> Tensor:
@@ -331,6 +455,20 @@ class Transformer(nn.Module):
     @property
     def W_O(self) -> Tensor:
         return self._stack("W_O")  # [n_layers, n_heads, d_head, d_model]
+
+    @property
+    def W_K_groups(self) -> Tensor:
+        """W_K per key/value head, as stored [n_layers, n_kv_heads, d_model, d_head] (= W_K without GQA)."""
+        return self._stack("W_K", grouped=True)
+
+    @property
+    def W_V_groups(self) -> Tensor:
+        """W_V per key/value head, as stored [n_layers, n_kv_heads, d_model, d_head] (= W_V without GQA)."""
+        return self._stack("W_V", grouped=True)
+
+    def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
+        """x R(p) in this model's rotary layout (see the module-level `rotate`)."""
+        return rotate(self.cfg, x, positions)
 
     def check_tokens(self, tokens: Tensor) -> Tensor:
         if tokens.dim() == 1:
@@ -435,7 +573,7 @@ def init_weights(model: Transformer, seed: int = 0, std_embed: float = 0.02) -> 
     out_std = d**-0.5 / max(1.0, (2 * cfg.n_layers) ** 0.5)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
+            leaf = name.rsplit(".", 1)[-1].lstrip("_")  # _W_K, _W_V: grouped-query K/V
             if leaf in ("W_E", "W_pos"):
                 std = std_embed
             elif leaf in ("W_O", "W_out"):
