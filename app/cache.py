@@ -1,9 +1,11 @@
-"""A byte-budgeted LRU cache of weight-derived results (circuits, scores, composition matrices).
+"""A byte-budgeted LRU cache of encoded answers: `get(key) -> bytes | None`, `put(key, bytes)`.
 
-Keys are (checkpoint digest, view name, parameters...), so a changed checkpoint never hits an old entry.
-Sizes are estimated: a pydantic model by the length of its JSON, a tensor by its bytes, containers by their
-items. An entry over the whole budget is not kept; older entries are evicted until the new one fits.
-Thread-safe: worker threads store, request handlers read. Each process (worker, replica) has its own cache.
+Values are the answers' JSON bytes (encoded inside the compute slot that built them), so `len(value)` is what
+the entry holds and the accounting is real: an entry is charged its length plus its key and a fixed
+per-entry overhead (the dict slot, the bytes and str headers). Keys are plain strings (model id, digest of
+every answer-changing file, analysis, normalised parameters), the same key a persistent store (app/store.py)
+sits behind. An entry over the whole budget is not kept; the least recently used ones are evicted until a
+new one fits. Thread-safe: worker threads store, request handlers read. Each process has its own cache.
 """
 
 from __future__ import annotations
@@ -11,28 +13,14 @@ from __future__ import annotations
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
-from typing import Any
 
-import torch
-from pydantic import BaseModel
-
-OVERHEAD = 64  # bytes charged per entry and per container item besides its payload
+# bytes + str object headers and the OrderedDict's entry (hash slot, linked-list node, tuple of value and size)
+ENTRY_OVERHEAD = sys.getsizeof(b"") + sys.getsizeof("") + 200
 
 
-def nbytes(obj: Any) -> int:
-    """An estimate of the memory held by a cached result."""
-    if isinstance(obj, BaseModel):
-        return len(obj.model_dump_json()) + OVERHEAD
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size() + OVERHEAD
-    if isinstance(obj, bytes | str):
-        return len(obj) + OVERHEAD
-    if isinstance(obj, dict):
-        return OVERHEAD + sum(nbytes(k) + nbytes(v) for k, v in obj.items())
-    if isinstance(obj, list | tuple | set | frozenset):
-        return OVERHEAD + sum(nbytes(v) for v in obj)
-    return sys.getsizeof(obj)
+def entry_bytes(key: str, value: bytes) -> int:
+    """What an entry holds: the value, its key and ENTRY_OVERHEAD."""
+    return len(value) + len(key.encode()) + ENTRY_OVERHEAD
 
 
 class ResultCache:
@@ -42,32 +30,34 @@ class ResultCache:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
-        self._items: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()
+        self._items: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def get(self, key: Hashable) -> tuple[bool, Any]:
-        """(True, value) on a hit (counted, refreshed), (False, None) on a miss (counted)."""
+    def get(self, key: str) -> bytes | None:
+        """The value on a hit (counted, refreshed), None on a miss (counted)."""
         with self._lock:
             item = self._items.get(key)
             if item is None:
                 self.misses += 1
-                return False, None
+                return None
             self._items.move_to_end(key)
             self.hits += 1
-            return True, item[0]
+            return item[0]
 
-    def peek(self, key: Hashable) -> tuple[bool, Any]:
-        """Like get, without counting."""
+    def peek(self, key: str) -> bytes | None:
+        """Like get, without counting or refreshing."""
         with self._lock:
             item = self._items.get(key)
-            return (False, None) if item is None else (True, item[0])
+            return None if item is None else item[0]
 
-    def put(self, key: Hashable, value: Any) -> bool:
+    def put(self, key: str, value: bytes) -> bool:
         """Keep value under key; False when it is bigger than the whole budget (not kept)."""
-        size = nbytes(value)
+        if not isinstance(value, bytes):
+            raise TypeError(f"the cache holds encoded answers (bytes), got {type(value).__name__}")
+        size = entry_bytes(key, value)
         with self._lock:
             old = self._items.pop(key, None)
             if old is not None:

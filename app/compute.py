@@ -1,25 +1,31 @@
-"""Where every view builder runs: a bounded pool of compute slots, a result cache, single-flight, stop flags.
+"""Where every heavy computation runs: priced first, then a bounded pool of compute slots, an encoded-answer
+cache, single-flight and stop flags (design.md, "Cheap work and heavy work").
 
-`await compute(fn, *args, key=..., **kwargs)` runs `fn(*args, **kwargs)` in a worker thread:
+`await compute(fn, *args, key=..., cost=..., lower=..., **kwargs)` runs `fn(*args, **kwargs)` in a worker thread
+and returns its result; `await compute_json(...)` (same arguments) returns the answer's encoded JSON bytes:
 
-- **Bounded**: at most `settings.compute_slots` calls run at once (a dedicated thread per slot; torch's
-  intra-op threads are set so that slots x threads fit the cores). A call waits at most
-  `settings.slot_wait_s` for a slot, then raises `BusyError` (HTTP 503 with Retry-After).
-- **Cached**: with a `key` (checkpoint digest, view name, parameters...) a successful result is kept in a
-  byte-budgeted LRU cache (app/cache.py); concurrent calls with the same key share one computation
-  (single-flight). `key=None` means "do not cache" (e.g. user prompts).
-- **Stoppable**: each computation has a stop flag, set when every request waiting for it has gone (the
-  client disconnected, or the request passed its deadline `settings.request_timeout_s`). A function that
-  takes a `should_stop: Callable[[], bool]` parameter gets the flag passed in; any code running inside a
-  computation can also read it with `current_should_stop()`. Engine functions poll it and raise
-  circuits_core.errors.CancelledError, so an abandoned computation frees its slot early.
-- **Dense budget**: `dense_bytes=` (an estimate of the largest dense intermediate) is checked against
-  `settings.limits.matrix_budget_bytes` before a slot is taken: LimitExceededError (422) saying both.
+- **Priced before it runs**: `cost` (a circuits_core.cost.Cost from the engine's own estimate) is compared with
+  the budgets before a slot is taken: peak working memory with `limits.peak_bytes`, the encoded answer with
+  `limits.max_answer_bytes`, the estimated seconds with the request deadline. Over budget: LimitExceededError
+  (HTTP 422) naming the size, the limit and `lower`, the parameters to lower.
+- **Bounded**: at most `settings.compute_slots` calls run at once, each on its own thread. A call waits at most
+  `settings.slot_wait_s` for a slot, then raises `BusyError` (HTTP 503 with Retry-After). The answer (a pydantic
+  model) is encoded to JSON inside the slot, so encoding is part of the bounded work, and its real size is
+  checked against `limits.max_answer_bytes` there too.
+- **Cached**: with a `key` (a string, or a tuple joined with "|": model id, digest, analysis, parameters) the
+  encoded answer is kept in the byte-budgeted LRU cache (app/cache.py: bytes only, so its accounting is real);
+  a hit costs no slot. Concurrent calls with the same key share one computation (single-flight).
+- **Stoppable**: each computation has a stop flag, set when every request waiting for it has gone (the client
+  disconnected, or the request passed its deadline `settings.request_timeout_s`). The flag is made ambient
+  (circuits_core.cost.stopping) for the worker thread, so every engine loop's `check_stop` sees it and raises
+  CancelledError within one step; the slot is then free. A function that takes `should_stop` also gets it.
+- **Cheap work** (`await cheap(fn, *args)`): listings, summaries and lookups run in a plain worker thread,
+  never waiting for a compute slot.
 
-The slot is released when the worker thread returns, not when the awaiting request gives up, so the
-number of running torch computations never exceeds the slots. Keyword names `key` and `dense_bytes` are
-reserved (not passed to `fn`). The service of the current app is found through a context variable that
-app/observability.py's middleware sets per request; outside a request a default service is used.
+The slot is released when the worker thread returns, not when the awaiting request gives up, so the number of
+running torch computations never exceeds the slots. Keyword names `key`, `cost`, `lower`, `view` and
+`dense_bytes` are reserved (not passed to `fn`). The service of the current app is found through a context
+variable that app/observability.py's middleware sets per request; outside a request a default service is used.
 """
 
 from __future__ import annotations
@@ -27,24 +33,31 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
+import functools
 import inspect
 import logging
 import math
 import os
 import threading
 import time
+import typing
 from collections import deque
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
+
+import anyio.to_thread
+from pydantic import BaseModel
 
 from app.cache import ResultCache
+from circuits_core.cost import Cost, ambient_should_stop, stopping
 from circuits_core.errors import CancelledError, LimitExceededError
 
 log = logging.getLogger("qkov.compute")
 
 T = TypeVar("T")
-Key = tuple[Hashable, ...]
+V = TypeVar("V", bound=BaseModel)
+Key = tuple[Hashable, ...] | str
 POLL_S = 0.05  # how often a waiting request checks its client and deadline
 
 
@@ -71,6 +84,85 @@ def check_dense_bytes(needed: int, budget: int, what: str = "this request") -> N
             f"{what} needs about {needed} bytes ({format_bytes(needed)}) of dense working memory; "
             f"the budget is {budget} bytes ({format_bytes(budget)}): ask for fewer tokens, sequences or heads"
         )
+
+
+def key_text(key: Key) -> str:
+    """The cache (and store) key: a string as it is, a tuple joined with "|"."""
+    return key if isinstance(key, str) else "|".join(map(str, key))
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """What one request may spend (from settings.limits and request_timeout_s); None: unchecked."""
+
+    peak_bytes: int | None = None
+    answer_bytes: int | None = None
+    seconds: float | None = None
+
+
+def check_cost(cost: Cost, budgets: Budgets, lower: str = "", what: str = "this request") -> None:
+    """LimitExceededError (422) when the priced cost is over a budget: names the size, the limit and `lower`."""
+    hint = f": lower {lower}" if lower else ": ask for less"
+    if budgets.peak_bytes is not None and cost.peak_bytes > budgets.peak_bytes:
+        raise LimitExceededError(
+            f"{what} needs about {format_bytes(cost.peak_bytes)} of working memory; the limit (peak_bytes) is "
+            f"{format_bytes(budgets.peak_bytes)}{hint}"
+        )
+    if budgets.answer_bytes is not None and cost.answer_bytes > budgets.answer_bytes:
+        raise LimitExceededError(
+            f"{what} would answer about {format_bytes(cost.answer_bytes)} of JSON; the limit (max_answer_bytes) is "
+            f"{format_bytes(budgets.answer_bytes)}{hint}"
+        )
+    if budgets.seconds is not None and cost.seconds is not None and cost.seconds > budgets.seconds:
+        raise LimitExceededError(
+            f"{what} would take about {cost.seconds:.0f} s; the request deadline is {budgets.seconds:g} s{hint}"
+        )
+
+
+def check_answer(size: int, budgets: Budgets, lower: str = "", what: str = "this request") -> None:
+    """The real size of an encoded answer against max_answer_bytes (checked inside the slot)."""
+    if budgets.answer_bytes is not None and size > budgets.answer_bytes:
+        hint = f": lower {lower}" if lower else ": ask for less"
+        raise LimitExceededError(
+            f"{what} answered {format_bytes(size)} of JSON; the limit (max_answer_bytes) is "
+            f"{format_bytes(budgets.answer_bytes)}{hint}"
+        )
+
+
+def encode(value: Any) -> bytes | None:
+    """The JSON bytes of a pydantic answer (None for anything else: not cached, returned as is)."""
+    if isinstance(value, BaseModel):
+        return value.__pydantic_serializer__.to_json(value)
+    return None
+
+
+def view_type(fn: Callable[..., Any]) -> type[BaseModel] | None:
+    """The pydantic model `fn` returns (its return annotation), to decode cached bytes."""
+    try:
+        hint = typing.get_type_hints(fn).get("return")
+    except Exception:  # noqa: BLE001 - unresolvable annotations: no decoding
+        return None
+    return hint if isinstance(hint, type) and issubclass(hint, BaseModel) else None
+
+
+@dataclass
+class Answer:
+    """A computation's result: the value (None when only bytes are known, e.g. from the cache) and its JSON."""
+
+    value: Any
+    body: bytes | None
+
+    def as_value(self, view: type[BaseModel] | None) -> Any:
+        if self.value is None and self.body is not None:
+            if view is None:
+                raise TypeError("a cached answer needs its view type to be decoded: pass view=")
+            return view.model_validate_json(self.body)
+        return self.value
+
+    def as_json(self) -> bytes:
+        if self.body is None:
+            raise TypeError(f"compute_json needs a pydantic answer, got {type(self.value).__name__}")
+        return self.body
 
 
 # -- slots -------------------------------------------------------------------------------------------------
@@ -144,7 +236,6 @@ class RequestContext:
 
 _SERVICE: contextvars.ContextVar[ComputeService | None] = contextvars.ContextVar("qkov_compute_service", default=None)
 _REQUEST: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("qkov_request_context", default=None)
-_STOP: contextvars.ContextVar[Callable[[], bool] | None] = contextvars.ContextVar("qkov_should_stop", default=None)
 
 
 def bind(service: ComputeService, request: RequestContext | None) -> None:
@@ -155,7 +246,7 @@ def bind(service: ComputeService, request: RequestContext | None) -> None:
 
 def current_should_stop() -> Callable[[], bool]:
     """The stop flag of the computation running in this thread (never set outside one)."""
-    return _STOP.get() or _never
+    return ambient_should_stop() or _never
 
 
 def _never() -> bool:
@@ -167,7 +258,7 @@ def _never() -> bool:
 class Flight:
     """One computation and the requests waiting for it."""
 
-    key: Key | None
+    key: str | None
     future: concurrent.futures.Future[Any] = field(default_factory=concurrent.futures.Future)
     stop: threading.Event = field(default_factory=threading.Event)
     interest: int = 0
@@ -181,7 +272,7 @@ class Flight:
 class Stats:
     completed: int = 0
     failed: int = 0
-    cancelled: int = 0
+    cancelled: int = 0  # stopped by their stop flag, or abandoned before they started
     rejected_busy: int = 0
     shared: int = 0  # requests that joined a computation already running
     compute_seconds: float = 0.0
@@ -204,17 +295,19 @@ def default_torch_threads(slots: int) -> int:
 
 
 class ComputeService:
-    """The bounded pool, result cache and in-flight table of one app."""
+    """The bounded pool, encoded-answer cache and in-flight table of one app."""
 
     def __init__(self, slots: int = 2, slot_wait_s: float = 30.0, cache_bytes: int = 0,
-                 request_timeout_s: float | None = None, dense_budget_bytes: int | None = None):
+                 request_timeout_s: float | None = None, dense_budget_bytes: int | None = None,
+                 budgets: Budgets | None = None):
         self.slots = Slots(slots)
         self.slot_wait_s = slot_wait_s
         self.request_timeout_s = request_timeout_s
         self.dense_budget_bytes = dense_budget_bytes
+        self.budgets = budgets if budgets is not None else Budgets(seconds=request_timeout_s)
         self.cache = ResultCache(cache_bytes)
         self.stats = Stats()
-        self._flights: dict[Key, Flight] = {}
+        self._flights: dict[str, Flight] = {}
         self._lock = threading.Lock()
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=slots, thread_name_prefix="qkov-compute")
 
@@ -226,27 +319,48 @@ class ComputeService:
         ahead = self.slots.waiting + self.slots.in_use
         return int(min(60, max(1, math.ceil(self.stats.ewma_seconds * ahead / self.slots.n))))
 
-    # -- the public entry point ----------------------------------------------------------------------------
-    async def run(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any], key: Key | None,
-                  dense_bytes: int | None = None) -> T:
+    # -- the public entry points ---------------------------------------------------------------------------
+    async def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], key: Key | None,
+                  dense_bytes: int | None = None, cost: Cost | None = None, lower: str = "",
+                  view: type[BaseModel] | None = None, want: Literal["value", "json"] = "value") -> Any:
         if dense_bytes is not None and self.dense_budget_bytes is not None:
             check_dense_bytes(dense_bytes, self.dense_budget_bytes)
-        if key is not None:
-            found, value = self.cache.get(key)
-            if found:
-                return value  # type: ignore[no-any-return]
+        what = _what(fn)
+        if cost is not None:
+            check_cost(cost, self.budgets, lower, what)
+        text = key_text(key) if key is not None else None
+        if text is not None:
+            body = self.cache.get(text)
+            if body is not None:
+                answer = Answer(None, body)
+                return answer.as_json() if want == "json" else answer.as_value(view or view_type(fn))
         # A computation is stopped only once no request waits for it, so a waiter never sees another's stop.
-        return await self._wait(self._join(fn, args, kwargs, key), _REQUEST.get())  # type: ignore[no-any-return]
+        flight = self._join(fn, args, kwargs, text, lower, what)
+        answer = await self._wait(flight, _REQUEST.get())
+        return answer.as_json() if want == "json" else answer.as_value(view or view_type(fn))
+
+    def cached_build(self, key: Key, view: type[V], build: Callable[[], V]) -> V:
+        """Inside a computation: another answer from the cache when there, else built here, encoded and kept."""
+        text = key_text(key)
+        body = self.cache.get(text)
+        if body is not None:
+            return view.model_validate_json(body)
+        value = build()
+        encoded = encode(value)
+        if encoded is not None:
+            self.cache.put(text, encoded)
+        return value
 
     # -- internals -----------------------------------------------------------------------------------------
-    def _join(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], key: Key | None) -> Flight:
+    def _join(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], key: str | None,
+              lower: str, what: str) -> Flight:
         with self._lock:
             flight = self._flights.get(key) if key is not None else None
             if flight is None and key is not None:
-                found, value = self.cache.peek(key)  # finished between the cache check and now
-                if found:
+                body = self.cache.peek(key)  # finished between the cache check and now
+                if body is not None:
                     flight = Flight(key=None, interest=1)
-                    flight.future.set_result(value)
+                    flight.future.set_result(Answer(None, body))
                     return flight
             if flight is not None and not flight.stop.is_set():
                 flight.interest += 1
@@ -255,7 +369,7 @@ class ComputeService:
             flight = Flight(key=key, interest=1)
             if key is not None:
                 self._flights[key] = flight
-        flight.launcher = asyncio.get_running_loop().create_task(self._launch(flight, fn, args, kwargs))
+        flight.launcher = asyncio.get_running_loop().create_task(self._launch(flight, fn, args, kwargs, lower, what))
         return flight
 
     def _withdraw(self, flight: Flight) -> None:
@@ -270,13 +384,13 @@ class ComputeService:
         if last and flight.launcher is not None and not flight.launcher.done():
             flight.launcher.cancel()  # still queued for a slot: leave the queue
 
-    async def _wait(self, flight: Flight, request: RequestContext | None) -> Any:
+    async def _wait(self, flight: Flight, request: RequestContext | None) -> Answer:
         waiting = asyncio.wrap_future(flight.future)
         try:
             while True:
                 done, _ = await asyncio.wait({waiting}, timeout=POLL_S)
                 if done:
-                    return waiting.result()
+                    return waiting.result()  # type: ignore[no-any-return]
                 reason = await request.abandoned() if request is not None else None
                 if reason is not None:
                     self._withdraw(flight)
@@ -285,7 +399,8 @@ class ComputeService:
             self._withdraw(flight)
             raise
 
-    async def _launch(self, flight: Flight, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    async def _launch(self, flight: Flight, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                      lower: str, what: str) -> None:
         try:
             await self.slots.acquire(self.slot_wait_s)
         except TimeoutError:
@@ -296,27 +411,33 @@ class ComputeService:
             ))
             return
         except asyncio.CancelledError:
+            self.stats.cancelled += 1
             self._settle(flight, exc=CancelledError("computation abandoned before it started"))
             raise
         if flight.stop.is_set():
             self.slots.release()
+            self.stats.cancelled += 1
             self._settle(flight, exc=CancelledError("computation abandoned before it started"))
             return
         if "should_stop" not in kwargs and _takes_should_stop(fn):
             kwargs = {**kwargs, "should_stop": flight.should_stop}
         ctx = contextvars.copy_context()
         try:
-            self._executor.submit(ctx.run, self._call, flight, fn, args, kwargs)
+            self._executor.submit(ctx.run, self._call, flight, fn, args, kwargs, lower, what)
         except RuntimeError as exc:  # executor shut down
             self.slots.release()
             self._settle(flight, exc=BusyError(f"the server is shutting down: {exc}", 5))
 
-    def _call(self, flight: Flight, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """In a worker thread, holding a slot: run fn, cache the result, release the slot, settle."""
-        _STOP.set(flight.should_stop)
+    def _call(self, flight: Flight, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+              lower: str, what: str) -> None:
+        """In a worker thread, holding a slot: run fn, encode and check its answer, cache it, release, settle."""
         start = time.perf_counter()
         try:
-            value = fn(*args, **kwargs)
+            with stopping(flight.should_stop):
+                value = fn(*args, **kwargs)
+                body = encode(value)  # inside the slot: encoding is part of the bounded work
+            if body is not None:
+                check_answer(len(body), self.budgets, lower, what)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting requests
             self.slots.release()
             if isinstance(exc, CancelledError):
@@ -329,12 +450,12 @@ class ComputeService:
         self.stats.completed += 1
         self.stats.compute_seconds += elapsed
         self.stats.ewma_seconds = 0.8 * self.stats.ewma_seconds + 0.2 * elapsed
-        if flight.key is not None:
-            self.cache.put(flight.key, value)
+        if flight.key is not None and body is not None:
+            self.cache.put(flight.key, body)
         self.slots.release()
-        self._settle(flight, value=value)
+        self._settle(flight, value=Answer(value, body))
 
-    def _settle(self, flight: Flight, value: Any = None, exc: BaseException | None = None) -> None:
+    def _settle(self, flight: Flight, value: Answer | None = None, exc: BaseException | None = None) -> None:
         with self._lock:
             if flight.key is not None and self._flights.get(flight.key) is flight:
                 del self._flights[flight.key]
@@ -344,6 +465,13 @@ class ComputeService:
             flight.future.set_exception(exc)
         else:
             flight.future.set_result(value)
+
+
+def _what(fn: Callable[..., Any]) -> str:
+    """How a refusal names the computation: 'build_qk_paths_view' -> 'qk paths'."""
+    name = getattr(fn, "__name__", "this request")
+    name = name.removeprefix("build_").removesuffix("_view").replace("_", " ")
+    return f"the {name} request" if name else "this request"
 
 
 _default: ComputeService | None = None
@@ -363,6 +491,23 @@ def current_service() -> ComputeService:
 
 
 async def compute(fn: Callable[..., T], *args: Any, key: Key | None = None, dense_bytes: int | None = None,
-                  **kwargs: Any) -> T:
-    """Run `fn(*args, **kwargs)` on a compute slot; cached and shared under `key` (None: not cached)."""
-    return await current_service().run(fn, args, kwargs, key, dense_bytes)
+                  cost: Cost | None = None, lower: str = "", view: type[BaseModel] | None = None, **kwargs: Any) -> T:
+    """Price, then run `fn(*args, **kwargs)` on a compute slot; cached and shared under `key` (None: not
+    cached). Returns fn's value (decoded from the cache's JSON on a hit, with `view` or fn's return type)."""
+    return await current_service().run(fn, args, kwargs, key, dense_bytes, cost, lower, view, "value")  # type: ignore[no-any-return]
+
+
+async def compute_json(fn: Callable[..., BaseModel], *args: Any, key: Key | None = None, cost: Cost | None = None,
+                       lower: str = "", **kwargs: Any) -> bytes:
+    """Like compute, but the answer's JSON bytes, encoded inside the slot (a cache hit is returned as is)."""
+    return await current_service().run(fn, args, kwargs, key, None, cost, lower, None, "json")  # type: ignore[no-any-return]
+
+
+def cached_build(key: Key, view: type[V], build: Callable[[], V]) -> V:
+    """Inside a computation: another analysis's answer from the cache, else `build()` (encoded and kept)."""
+    return current_service().cached_build(key, view, build)
+
+
+async def cheap(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """Cheap work (listings, summaries, lookups of loaded models) in a worker thread, without a compute slot."""
+    return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kwargs))

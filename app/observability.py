@@ -44,7 +44,7 @@ from pydantic import BaseModel, Field
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.compute import BusyError, ComputeService, RequestContext, bind, default_torch_threads
+from app.compute import BusyError, Budgets, ComputeService, RequestContext, bind, default_torch_threads
 from app.errors import ProblemKind, problem_response
 from app.etag import ETagMiddleware
 from app.ratelimit import RateLimiter
@@ -315,6 +315,7 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
         cache_bytes=settings.cache_bytes,
         request_timeout_s=settings.request_timeout_s,
         dense_budget_bytes=settings.limits.matrix_budget_bytes,
+        budgets=Budgets(settings.limits.peak_bytes, settings.limits.max_answer_bytes, settings.request_timeout_s),
     )
     torch.set_num_threads(settings.torch_threads or default_torch_threads(settings.compute_slots))
     configure_logging(settings)

@@ -18,13 +18,16 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
+from fastapi.responses import Response
 from fastapi.testclient import TestClient
+from pydantic import BaseModel
 
-from app.cache import ResultCache
-from app.compute import ComputeService, compute
+from app.cache import ENTRY_OVERHEAD, ResultCache
+from app.compute import ComputeService, compute, compute_json
 from app.main import create_app
 from app.observability import JsonFormatter
 from app.settings import Settings
+from circuits_core.cost import Cost
 from circuits_core.errors import CancelledError
 from tests.app.conftest import assert_problem
 
@@ -41,6 +44,14 @@ def slow(seconds: float, should_stop: Callable[[], bool]) -> dict[str, float]:
     return {"slept": seconds}
 
 
+class Tagged(BaseModel):
+    tag: str
+
+
+class Numbers(BaseModel):
+    values: list[float]
+
+
 def add_test_routes(app: FastAPI, calls: list[str] | None = None) -> None:
     calls = calls if calls is not None else []
 
@@ -49,13 +60,23 @@ def add_test_routes(app: FastAPI, calls: list[str] | None = None) -> None:
         return await compute(slow, seconds)
 
     @app.get("/api/v1/test/counted")
-    async def counted_route(tag: str) -> dict[str, str]:
-        def work() -> dict[str, str]:
+    async def counted_route(tag: str) -> Tagged:
+        def work() -> Tagged:
             calls.append(tag)
             time.sleep(0.3)
-            return {"tag": tag}
+            return Tagged(tag=tag)
 
         return await compute(work, key=("counted", tag))
+
+    @app.get("/api/v1/test/priced")
+    async def priced_route(peak: int, answer: int, n: int = 3) -> Response:
+        """Priced at (peak, answer) bytes; actually answers n numbers."""
+        def work() -> Numbers:
+            calls.append(f"priced {n}")
+            return Numbers(values=[0.123456789] * n)
+
+        body = await compute_json(work, key=("priced", peak, answer, n), cost=Cost(peak, answer), lower="n or peak")
+        return Response(body, media_type="application/json")
 
     @app.get("/api/v1/test/dense")
     async def dense_route(nbytes: int) -> dict[str, str]:
@@ -157,14 +178,56 @@ def test_identical_requests_compute_once_then_hit_the_cache(settings: Settings) 
 
 
 def test_result_cache_keeps_within_its_byte_budget() -> None:
-    cache = ResultCache(budget_bytes=500)
+    entry = 150 + len("k0") + ENTRY_OVERHEAD  # what one entry holds: its bytes, its key, the fixed overhead
+    cache = ResultCache(budget_bytes=2 * entry + 10)
     for i in range(4):
-        assert cache.put(("k", i), "x" * 150)  # 150 + 64 bytes each: two fit
-    assert cache.bytes <= 500 and len(cache) == 2 and cache.evictions == 2
-    assert cache.get(("k", 0)) == (False, None)
-    assert cache.get(("k", 3)) == (True, "x" * 150)
-    assert not cache.put("huge", "x" * 1000) and cache.peek("huge") == (False, None)
+        assert cache.put(f"k{i}", b"x" * 150)
+    assert cache.bytes == 2 * entry and len(cache) == 2 and cache.evictions == 2
+    assert cache.get("k0") is None
+    assert cache.get("k3") == b"x" * 150
+    assert not cache.put("huge", b"x" * 1000) and cache.peek("huge") is None
     assert cache.hit_rate == 0.5
+    with pytest.raises(TypeError, match="bytes"):
+        cache.put("object", {"not": "encoded"})  # type: ignore[arg-type]
+
+
+def test_cached_answers_are_their_json_bytes(settings: Settings) -> None:
+    calls: list[str] = []
+    app = serving_app(settings, calls)
+
+    async def scenario(ac: httpx.AsyncClient) -> None:
+        first = await ac.get("/api/v1/test/counted", params={"tag": "z"})
+        key = "counted|z"
+        body = service(app).cache.peek(key)
+        assert body is not None and first.json() == json.loads(body)
+        assert service(app).cache.bytes == len(body) + len(key) + ENTRY_OVERHEAD
+        priced = await ac.get("/api/v1/test/priced", params={"peak": 1, "answer": 1, "n": 4})
+        cached = service(app).cache.peek("priced|1|1|4")
+        assert priced.content == cached and priced.json() == {"values": [0.123456789] * 4}
+
+    run(scenario, app)
+
+
+# -- pricing: refused before a slot, answer bounded inside it -------------------------------------------------
+def test_a_request_over_the_peak_or_answer_budget_is_refused_before_compute(settings: Settings) -> None:
+    calls: list[str] = []
+    limits = settings.limits.model_copy(update={"peak_bytes": 2**20, "max_answer_bytes": 4096})
+    app = serving_app(settings, calls, limits=limits)
+
+    async def scenario(ac: httpx.AsyncClient) -> None:
+        over_peak = await ac.get("/api/v1/test/priced", params={"peak": 3 * 2**20, "answer": 10})
+        assert_problem(over_peak, 422, "3.0 MiB of working memory", "peak_bytes", "1.0 MiB", "lower n or peak")
+        over_answer = await ac.get("/api/v1/test/priced", params={"peak": 10, "answer": 50_000})
+        assert_problem(over_answer, 422, "48.8 KiB of JSON", "max_answer_bytes", "4.0 KiB", "lower n or peak")
+        assert calls == [] and service(app).stats.completed == 0  # nothing ran
+        # under-priced: the real encoded answer is checked inside the slot and refused all the same
+        big = await ac.get("/api/v1/test/priced", params={"peak": 10, "answer": 10, "n": 1000})
+        assert_problem(big, 422, "answered", "of JSON", "max_answer_bytes", "lower n or peak")
+        assert calls == ["priced 1000"] and service(app).slots.in_use == 0 and len(service(app).cache) == 0
+        ok = await ac.get("/api/v1/test/priced", params={"peak": 10, "answer": 10, "n": 3})
+        assert ok.status_code == 200 and ok.json() == {"values": [0.123456789] * 3}
+
+    run(scenario, app)
 
 
 # -- refusals of every limit --------------------------------------------------------------------------------
@@ -178,6 +241,7 @@ def test_result_cache_keeps_within_its_byte_budget() -> None:
         ("/api/v1/models/tiny-2l/detectors?batch=9", ("batch",)),
         (f"/api/v1/models/tiny-2l/term-importance?tokens={','.join(['5'] * 40)}", ("bytes", "budget")),
         ("/api/v1/test/dense?nbytes=1000000000", ("1000000000 bytes", "65536 bytes")),
+        ("/api/v1/test/priced?peak=100000000000&answer=1", ("93.1 GiB", "peak_bytes")),
     ],
 )
 def test_each_limit_is_refused_with_problem_json(client: TestClient, url: str, needles: tuple[str, ...]) -> None:
