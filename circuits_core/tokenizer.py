@@ -70,6 +70,36 @@ class Tokenizer:
         return cls(hf, bos_token_id, source=str(vocab))
 
     @classmethod
+    def from_bpe(
+        cls,
+        tokens: list[str],
+        merges: list[tuple[str, str]],
+        special: list[str],
+        split_digits: bool,
+        bos_token_id: int | None = None,
+        source: str = "",
+    ) -> Tokenizer:
+        """A byte-level BPE from its parts (a GGUF file's metadata): `tokens[i]` is the vocabulary entry of id
+        i, `merges` in rank order, `special` the entries that encode as themselves (control tokens), and
+        `split_digits` splits every digit apart before BPE (llama.cpp's "smollm"/"starcoder" pre-tokenizer)."""
+        vocab = {token: i for i, token in enumerate(tokens)}
+        if len(vocab) != len(tokens):
+            raise CheckpointError(f"{source}: the vocabulary lists {len(tokens) - len(vocab)} entries twice")
+        try:
+            hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
+        except Exception as exc:  # the library raises a bare Exception on a merge of unknown tokens
+            raise CheckpointError(f"{source}: not a consistent BPE vocabulary ({exc})") from exc
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.pre_tokenizer = (
+            pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+            if split_digits
+            else byte_level
+        )
+        hf.decoder = decoders.ByteLevel()
+        hf.add_special_tokens(special)  # so "<|im_start|>" in text encodes to its one id
+        return cls(hf, bos_token_id, source=source)
+
+    @classmethod
     def from_folder(cls, folder: str | Path, bos_token_id: int | None = None) -> Tokenizer | None:
         """The tokenizer stored in a model folder, or None when there is none.
 

@@ -1,0 +1,258 @@
+"""GGUF checkpoints (llama.cpp's single-file format) of the Llama family, read with the `gguf` library.
+
+A GGUF file carries the architecture and hyper-parameters as metadata (`llama.block_count`, ...), the tokenizer
+(`tokenizer.ggml.*`) and the tensors, many of them quantised (Q4_1, Q8_0, ...). `gguf.quants.dequantize`
+(the ggml project's own reference code) turns each tensor back into float32, one tensor at a time.
+
+Layouts (ggml stores a linear layer like nn.Linear, [d_out, d_in] rows; TransformerLens uses x @ W):
+    token_embd.weight  [d_vocab, d_model]            -> embed.W_E
+    blk.l.attn_q.weight [n_heads * d_head, d_model]  -> blocks.l.attn.W_Q  [n_heads, d_model, d_head]
+    blk.l.attn_k/v      [n_kv * d_head, d_model]     -> blocks.l.attn._W_K/_W_V [n_kv, d_model, d_head]
+    blk.l.attn_output   [d_model, n_heads * d_head]  -> blocks.l.attn.W_O  [n_heads, d_head, d_model]
+    blk.l.ffn_gate/up   [d_mlp, d_model]             -> blocks.l.mlp.W_gate / W_in [d_model, d_mlp]
+    blk.l.ffn_down      [d_model, d_mlp]             -> blocks.l.mlp.W_out [d_mlp, d_model]
+    blk.l.attn_norm, ffn_norm, output_norm           -> ln1.w, ln2.w, ln_final.w (RMSNorm gains)
+    output.weight       [d_vocab, d_model]           -> unembed.W_U = output.T (absent: tied, W_E.T)
+
+Rotary layout, the classic trap: llama.cpp's converter permutes the Q and K rows of "llama" models so that
+ADJACENT dims (2i, 2i+1) form the rotary pairs (Hugging Face files pair i with i + d_head/2). Reading a GGUF
+with the rotate-half layout still runs and gives plausible but wrong numbers (SmolLM2: 12.9 nats instead of
+3.0 on the repeated half of a random sequence), so the config says `rotary_adjacent_pairs=True`.
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from torch import Tensor
+
+from circuits_core.config import ModelConfig
+from circuits_core.errors import CheckpointError, InvalidInputError
+from circuits_core.tokenizer import Tokenizer
+
+State = dict[str, Tensor]
+GGUF_SUFFIX = ".gguf"
+# architecture (general.architecture) -> its Q/K rows are in adjacent-pairs order. llama.cpp writes Llama,
+# Mistral and SmolLM models as "llama"; other families are refused by name.
+ARCHITECTURES: dict[str, bool] = {"llama": True}
+# tokenizer.ggml.pre -> split every digit before byte-level BPE (llama.cpp's pre-tokenizer regexes: the
+# "smollm"/"starcoder" group adds \p{N} before GPT-2's pattern, the "gpt-2" group is GPT-2's pattern alone).
+PRE_TOKENIZERS: dict[str, bool] = {
+    "gpt-2": False, "gpt2": False, "mpt": False, "olmo": False, "jais": False,
+    "smollm": True, "starcoder": True, "refact": True, "command-r": True, "codeshell": True, "exaone": True,
+    "minerva-7b": True,
+}  # fmt: skip
+CONTROL_TOKEN, USER_DEFINED_TOKEN = 3, 4  # tokenizer.ggml.token_type values that encode as themselves
+
+
+def gguf_file(folder: Path) -> str | None:
+    """The name of the one `.gguf` file in a model folder, None when there is none; several are refused (which
+    one would the model be?). Files beside it (a summary, qkov.json) do not count."""
+    found = sorted(p.name for p in folder.iterdir() if p.suffix.lower() == GGUF_SUFFIX and p.is_file())
+    if len(found) > 1:
+        raise CheckpointError(f"several .gguf files ({', '.join(found)}); a model folder holds one model")
+    return found[0] if found else None
+
+
+class _Reader(gguf.GGUFReader):
+    """gguf's reader over a plain ndarray view of its memory map: the same bytes, but each slice skips
+    np.memmap's bookkeeping, which made parsing SmolLM2's 98k vocabulary and merge strings ~3x slower."""
+
+    @property  # type: ignore[override]
+    def data(self) -> np.ndarray:
+        return self._plain
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._plain = value.view(np.ndarray)  # still backed by the memory map (value stays its .base)
+
+
+def _reader(path: Path) -> Any:
+    try:
+        return _Reader(path, "r")
+    except (OSError, ValueError, KeyError, IndexError, struct.error) as exc:
+        raise CheckpointError(f"{path.name}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
+
+
+class _Metadata:
+    """The key/value fields of a GGUF file, read with checks; errors name the file and the key."""
+
+    def __init__(self, reader: Any, name: str):
+        self.fields, self.name = reader.fields, name
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except (ValueError, IndexError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{self.name}: metadata {key} is not readable ({exc})") from exc
+
+    def int(self, key: str, default: int | None = None) -> int:
+        value = self.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise CheckpointError(f"{self.name}: metadata {key} must be a non-negative integer, got {value!r}")
+        return value
+
+    def float(self, key: str, default: float) -> float:
+        value = self.get(key, default)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise CheckpointError(f"{self.name}: metadata {key} must be a number, got {value!r}")
+        return float(value)
+
+
+def gguf_config(meta: _Metadata, d_vocab: int) -> ModelConfig:
+    """ModelConfig of a Llama-family GGUF from its metadata (`{arch}.block_count`, ...)."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(
+            f"{meta.name}: architecture {arch!r} is not supported; GGUF architectures read here: "
+            f"{', '.join(ARCHITECTURES)} (the Llama family)"
+        )
+    if meta.get(f"{arch}.expert_count", 0):
+        raise CheckpointError(f"{meta.name}: mixture-of-experts models ({arch}.expert_count) are not supported")
+    scaling = meta.get(f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise CheckpointError(f"{meta.name}: rope scaling type {scaling!r} is not supported in GGUF files (none only)")
+    d_model, n_heads = meta.int(f"{arch}.embedding_length"), meta.int(f"{arch}.attention.head_count")
+    if n_heads < 1 or d_model % n_heads:
+        raise CheckpointError(f"{meta.name}: embedding_length {d_model} is not divisible by head_count {n_heads}")
+    d_head = meta.int(f"{arch}.attention.key_length", d_model // n_heads)
+    n_kv = meta.int(f"{arch}.attention.head_count_kv", n_heads)
+    try:
+        return ModelConfig(
+            n_layers=meta.int(f"{arch}.block_count"), d_model=d_model, n_heads=n_heads, d_head=d_head,
+            d_vocab=d_vocab, n_ctx=meta.int(f"{arch}.context_length"), d_mlp=meta.int(f"{arch}.feed_forward_length"),
+            attn_only=False, normalization_type="RMS", positional_embedding_type="rotary", act_fn="silu",
+            gated_mlp=True, n_key_value_heads=n_kv, eps=meta.float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+            use_bias=False, rotary_dim=meta.int(f"{arch}.rope.dimension_count", d_head),
+            rotary_base=meta.float(f"{arch}.rope.freq_base", 10000.0), rotary_adjacent_pairs=ARCHITECTURES[arch],
+            bos_token_id=_token_id(meta, "tokenizer.ggml.bos_token_id", d_vocab),
+        )  # fmt: skip
+    except (InvalidInputError, TypeError) as exc:
+        raise CheckpointError(f"{meta.name}: {exc}") from exc
+
+
+def _token_id(meta: _Metadata, key: str, d_vocab: int) -> int | None:
+    value = meta.get(key)
+    return value if isinstance(value, int) and 0 <= value < d_vocab else None
+
+
+def dequantize(tensor: Any, name: str) -> Tensor:
+    """One GGUF tensor as float32, in numpy's (row-major, reversed ggml) shape, owning its memory."""
+    try:
+        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    except (NotImplementedError, ValueError) as exc:
+        raise CheckpointError(
+            f"{name}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf library cannot "
+            f"dequantise ({exc})"
+        ) from exc
+    return torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+
+
+class _Tensors:
+    """The tensors of a GGUF file by name; `take` dequantises one and checks its shape."""
+
+    def __init__(self, reader: Any, name: str):
+        self.raw = {t.name: t for t in reader.tensors}
+        self.name = name
+
+    def take(self, key: str, shape: tuple[int, ...], optional: bool = False) -> Tensor | None:
+        tensor = self.raw.pop(key, None)
+        if tensor is None:
+            if optional:
+                return None
+            raise CheckpointError(f"{self.name}: missing tensor {key} (expected shape {list(shape)})")
+        value = dequantize(tensor, self.name)
+        if tuple(value.shape) != shape:
+            raise CheckpointError(f"{self.name}: tensor {key}: expected shape {list(shape)}, given {list(value.shape)}")
+        return value
+
+    def need(self, key: str, shape: tuple[int, ...]) -> Tensor:
+        value = self.take(key, shape)
+        assert value is not None
+        return value
+
+    def finish(self) -> None:
+        if self.raw:
+            names = list(self.raw)
+            why = " (rope_freqs: llama3-style rope scaling is not supported)" if "rope_freqs.weight" in names else ""
+            raise CheckpointError(f"{self.name}: {len(names)} unexpected tensor(s): {', '.join(names[:8])}{why}")
+
+
+def gguf_state(cfg: ModelConfig, tensors: _Tensors) -> State:
+    """TransformerLens state dict of a Llama-family GGUF (see the module docstring for the layouts)."""
+    d, H, dh, d_vocab = cfg.d_model, cfg.n_heads, cfg.d_head, cfg.d_vocab
+    n_kv, d_mlp = cfg.n_key_value_heads or H, cfg.d_mlp or 0
+    W_E = tensors.need("token_embd.weight", (d_vocab, d))
+    sd: State = {"embed.W_E": W_E, "ln_final.w": tensors.need("output_norm.weight", (d,))}
+    for layer in range(cfg.n_layers):
+        b, p = f"blk.{layer}", f"blocks.{layer}"
+        sd[f"{p}.ln1.w"] = tensors.need(f"{b}.attn_norm.weight", (d,))
+        sd[f"{p}.ln2.w"] = tensors.need(f"{b}.ffn_norm.weight", (d,))
+        W_Q = tensors.need(f"{b}.attn_q.weight", (H * dh, d))  # rows (head, d_head) in adjacent-pairs order
+        sd[f"{p}.attn.W_Q"] = W_Q.reshape(H, dh, d).transpose(1, 2)  # [n_heads, d_model, d_head]
+        for x in "KV":
+            W = tensors.need(f"{b}.attn_{x.lower()}.weight", (n_kv * dh, d))
+            sd[f"{p}.attn._W_{x}"] = W.reshape(n_kv, dh, d).transpose(1, 2)  # [n_kv, d_model, d_head]
+        W_O = tensors.need(f"{b}.attn_output.weight", (d, H * dh))  # [d_model(out), n_heads * d_head(in)]
+        sd[f"{p}.attn.W_O"] = W_O.T.reshape(H, dh, d)  # [n_heads, d_head, d_model]
+        sd[f"{p}.mlp.W_gate"] = tensors.need(f"{b}.ffn_gate.weight", (d_mlp, d)).T  # [d_model, d_mlp]
+        sd[f"{p}.mlp.W_in"] = tensors.need(f"{b}.ffn_up.weight", (d_mlp, d)).T  # [d_model, d_mlp]
+        sd[f"{p}.mlp.W_out"] = tensors.need(f"{b}.ffn_down.weight", (d, d_mlp)).T  # [d_mlp, d_model]
+    output = tensors.take("output.weight", (d_vocab, d), optional=True)
+    sd["unembed.W_U"] = (output if output is not None else W_E).T  # [d_model, d_vocab]
+    tensors.finish()
+    return sd
+
+
+def gguf_tokenizer(meta: _Metadata, bos_token_id: int | None) -> Tokenizer | None:
+    """The byte-level BPE described by `tokenizer.ggml.*`; None when the file has no tokenizer; CheckpointError
+    naming the tokenizer model or pre-tokenizer when it is one this code does not build."""
+    model = meta.get("tokenizer.ggml.model")
+    if model is None:
+        return None
+    if model != "gpt2":
+        raise CheckpointError(
+            f"{meta.name}: tokenizer.ggml.model {model!r} is not supported (byte-level BPE 'gpt2' only); "
+            f"convert the file's tokenizer to a tokenizer.json"
+        )
+    pre = meta.get("tokenizer.ggml.pre", "gpt-2")
+    if pre not in PRE_TOKENIZERS:
+        raise CheckpointError(
+            f"{meta.name}: tokenizer.ggml.pre {pre!r} is not supported; supported: {', '.join(sorted(PRE_TOKENIZERS))}"
+        )
+    tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges", [])
+    types = meta.get("tokenizer.ggml.token_type", [])
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise CheckpointError(f"{meta.name}: tokenizer.ggml.tokens is not a list of strings")
+    pairs = [tuple(m.split(" ")) for m in merges] if isinstance(merges, list) else []
+    if len(pairs) != len(merges) or any(len(pair) != 2 for pair in pairs):
+        raise CheckpointError(f"{meta.name}: tokenizer.ggml.merges must be strings 'left right'")
+    special = [t for t, kind in zip(tokens, types, strict=False) if kind in (CONTROL_TOKEN, USER_DEFINED_TOKEN)]
+    return Tokenizer.from_bpe(
+        tokens, pairs, special, split_digits=PRE_TOKENIZERS[pre], bos_token_id=bos_token_id,  # type: ignore[arg-type]
+        source=f"{meta.name} (tokenizer.ggml.*)",
+    )  # fmt: skip
+
+
+def read_gguf(path: Path) -> tuple[ModelConfig, State, dict[str, str], Tokenizer | None]:
+    """(config, TransformerLens state dict in float32, key -> file name, tokenizer) of one GGUF file."""
+    reader = _reader(path)
+    meta, tensors = _Metadata(reader, path.name), _Tensors(reader, path.name)
+    embed = tensors.raw.get("token_embd.weight")
+    if embed is None:
+        raise CheckpointError(f"{path.name}: missing tensor token_embd.weight")
+    d_vocab = int(embed.shape[-1])  # ggml shape [d_model, d_vocab]
+    cfg = gguf_config(meta, d_vocab)
+    tokenizer = gguf_tokenizer(meta, cfg.bos_token_id)
+    if tokenizer is not None and tokenizer.vocab_size > d_vocab:
+        raise CheckpointError(f"{path.name}: tokenizer has {tokenizer.vocab_size} tokens, the model only {d_vocab}")
+    state = gguf_state(cfg, tensors)
+    return cfg, state, dict.fromkeys(state, path.name), tokenizer

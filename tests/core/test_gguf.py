@@ -1,0 +1,250 @@
+"""GGUF checkpoints (circuits_core/formats_gguf.py) against transformers' own GGUF reader, on tiny files written
+here with the gguf library's GGUFWriter the way llama.cpp's converter writes them (Q/K rows permuted to the
+adjacent-pairs rotary layout, tied embeddings left out, F32 norms, quantised matrices).
+
+transformers dequantises GGUF tensors with its own code and undoes the Q/K permutation (rotate-half), so equal
+logits check the dequantisation, the tensor mapping and the rotary layout along an independent path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from circuits_core.errors import CheckpointError
+from circuits_core.formats_gguf import read_gguf
+from circuits_core.statedict import build_model
+from circuits_core.weights import detect_format, load_checkpoint
+from tests.bpe import EOT, train_bpe
+
+Q = gguf.GGMLQuantizationType
+N_LAYERS, D_MODEL, N_HEADS, N_KV, D_HEAD, D_MLP, N_CTX = 2, 64, 4, 2, 16, 96, 64
+TEXTS = ["the cat sat on the mat", "a dog ran in the park and the cat sat", "hello world, the end"] * 20
+
+
+def _bpe() -> tuple[list[str], list[str], int]:
+    """(tokens in id order, merges 'a b', id of EOT) of a tiny byte-level BPE."""
+    data = json.loads(train_bpe(TEXTS, 300).to_str())
+    vocab = data["model"]["vocab"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+    return tokens, merges, vocab[EOT]
+
+
+def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter: Hugging Face's rotate-half rows (head, half, i) -> adjacent pairs (head, i, half)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(
+    path: Path,
+    *,
+    arch: str = "llama",
+    matrix_type: Q = Q.Q8_0,
+    tied: bool = True,
+    tokenizer_model: str = "gpt2",
+    pre: str = "gpt-2",
+    extra_kv: dict[str, str] | None = None,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """A tiny Llama-family GGUF; returns the float32 tensors written (HF layout, before permutation/quantisation)."""
+    rng = np.random.default_rng(seed)
+    tokens, merges, eot = _bpe()
+    d_vocab = len(tokens)
+
+    def rand(*shape: int, std: float = 0.3) -> np.ndarray:
+        return (rng.standard_normal(shape) * std).astype(np.float32)
+
+    hf: dict[str, np.ndarray] = {
+        "token_embd.weight": rand(d_vocab, D_MODEL, std=1.0),
+        "output_norm.weight": 1 + rand(D_MODEL),
+    }
+    if not tied:
+        hf["output.weight"] = rand(d_vocab, D_MODEL)
+    for layer in range(N_LAYERS):
+        b = f"blk.{layer}"
+        hf |= {
+            f"{b}.attn_norm.weight": 1 + rand(D_MODEL), f"{b}.ffn_norm.weight": 1 + rand(D_MODEL),
+            f"{b}.attn_q.weight": rand(N_HEADS * D_HEAD, D_MODEL), f"{b}.attn_k.weight": rand(N_KV * D_HEAD, D_MODEL),
+            f"{b}.attn_v.weight": rand(N_KV * D_HEAD, D_MODEL), f"{b}.attn_output.weight": rand(D_MODEL, N_HEADS * D_HEAD),
+            f"{b}.ffn_gate.weight": rand(D_MLP, D_MODEL), f"{b}.ffn_up.weight": rand(D_MLP, D_MODEL),
+            f"{b}.ffn_down.weight": rand(D_MODEL, D_MLP),
+        }  # fmt: skip
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(N_LAYERS)
+    writer.add_context_length(N_CTX)
+    writer.add_embedding_length(D_MODEL)
+    writer.add_feed_forward_length(D_MLP)
+    writer.add_head_count(N_HEADS)
+    writer.add_head_count_kv(N_KV)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_rope_dimension_count(D_HEAD)
+    writer.add_vocab_size(d_vocab)
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t == EOT else 1 for t in tokens])
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(eot)
+    writer.add_eos_token_id(eot)
+    for key, value in (extra_kv or {}).items():
+        writer.add_string(key, value)
+    for name, value in hf.items():
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            value = llama_permute(value, N_HEADS if "attn_q" in name else N_KV)
+        if value.ndim == 1:
+            writer.add_tensor(name, value)  # F32
+        else:
+            qtype = Q.Q8_0 if name == "token_embd.weight" else matrix_type
+            writer.add_tensor(name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return hf
+
+
+@pytest.fixture(
+    scope="module", params=[(Q.Q8_0, True), (Q.Q4_1, False), (Q.F32, True)], ids=["q8_0-tied", "q4_1-untied", "f32"]
+)
+def tiny(request, tmp_path_factory):
+    matrix_type, tied = request.param
+    folder = tmp_path_factory.mktemp("gguf") / "tiny-llama"
+    folder.mkdir()
+    written = write_gguf(folder / "tiny.gguf", matrix_type=matrix_type, tied=tied)
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny.gguf", dtype=torch.float32).eval()
+    return folder, written, hf, matrix_type
+
+
+def _tokens(d_vocab: int) -> torch.Tensor:
+    return torch.randint(0, d_vocab, (2, 40), generator=torch.Generator().manual_seed(1))
+
+
+def test_logits_equal_transformers_reading_the_same_file(tiny):
+    folder, _, hf, _ = tiny
+    loaded = load_checkpoint(folder, process=False)
+    assert loaded.format == "gguf" and detect_format(folder) == "gguf"
+    cfg = loaded.model.cfg
+    assert (cfg.n_heads, cfg.n_key_value_heads, cfg.rotary_adjacent_pairs) == (N_HEADS, N_KV, True)
+    tokens = _tokens(cfg.d_vocab)
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    got = loaded.model.run(tokens)[0]
+    # float32 on both sides (transformers computes its rotary angles in float32 even for a float64 model).
+    assert (got - expected).abs().max() < 1e-4
+    # Processed weights (RMS gains folded, W_U centred): the same next-token distributions, in float64.
+    raw64 = load_checkpoint(folder, dtype=torch.float64, process=False).model.run(tokens)[0]
+    processed64 = load_checkpoint(folder, dtype=torch.float64).model.run(tokens)[0]
+    assert (processed64.log_softmax(-1) - raw64.log_softmax(-1)).abs().max() < 1e-9
+
+
+def test_the_rotate_half_layout_on_a_gguf_gives_other_logits(tiny):
+    """The trap the layout switch guards against: the same weights read as rotate-half still run, wrongly."""
+    folder, _, hf, _ = tiny
+    cfg, state, origin, _ = read_gguf(folder / "tiny.gguf")
+    wrong = build_model(dataclasses.replace(cfg, rotary_adjacent_pairs=False), state, torch.float32, origin)
+    tokens = _tokens(cfg.d_vocab)
+    with torch.no_grad():
+        expected = hf(tokens).logits
+    assert (wrong.run(tokens)[0] - expected).abs().max() > 1e-2
+
+
+def test_tensors_round_trip(tiny):
+    """Each tensor read back equals what was written: F32 exactly; a quantised one within its format's rounding
+    (Q8_0: half a step of max|block|/127; Q4_1: half a step of (max - min)/15 per block of 32; plus the float16
+    rounding of the block's scale) and bit-equal to transformers' own dequantisation."""
+    folder, written, hf, matrix_type = tiny
+    _, state, _, _ = read_gguf(folder / "tiny.gguf")
+    hf_state = hf.state_dict()
+    assert torch.equal(state["blocks.1.ln1.w"], torch.from_numpy(written["blk.1.attn_norm.weight"]))
+    assert torch.equal(state["ln_final.w"], torch.from_numpy(written["output_norm.weight"]))
+    original = torch.from_numpy(written["blk.0.ffn_gate.weight"])  # [d_mlp, d_model]
+    got = state["blocks.0.mlp.W_gate"].T
+    blocks = original.reshape(D_MLP, D_MODEL // 32, 32)
+    if matrix_type == Q.F32:
+        step = torch.zeros_like(blocks)
+    elif matrix_type == Q.Q8_0:
+        step = blocks.abs().amax(-1, keepdim=True).expand_as(blocks) / 127
+    else:
+        step = (blocks.amax(-1, keepdim=True) - blocks.amin(-1, keepdim=True)).expand_as(blocks) / 15
+    err = (got - original).reshape_as(blocks).abs()
+    fp16_scales = blocks.abs().amax(-1, keepdim=True) * 2.0**-9  # the block's scale (and offset) are float16
+    assert (err <= step / 2 + fp16_scales).all()
+    if matrix_type != Q.F32:
+        assert err.max() > 0  # really quantised
+    assert torch.equal(got, hf_state["model.layers.0.mlp.gate_proj.weight"])
+    assert torch.equal(state["blocks.1.mlp.W_out"].T, hf_state["model.layers.1.mlp.down_proj.weight"])
+    # Q rows: the file holds them permuted; undoing llama.cpp's permutation gives transformers' q_proj.
+    W_Q = state["blocks.0.attn.W_Q"]  # [n_heads, d_model, d_head], adjacent-pairs order
+    rows = W_Q.transpose(1, 2).reshape(N_HEADS, D_HEAD // 2, 2, D_MODEL).transpose(1, 2).reshape(-1, D_MODEL)
+    assert torch.equal(rows, hf_state["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_tokenizer_from_the_metadata_matches_the_trained_one_and_transformers(tiny):
+    folder, _, _, _ = tiny
+    tok = load_checkpoint(folder).tokenizer
+    assert tok is not None
+    source = train_bpe(TEXTS, 300)
+    hf_tok = AutoTokenizer.from_pretrained(folder, gguf_file="tiny.gguf")
+    for text in ["the cat sat on the mat", "hello world, the dog!", f"the end{EOT} a park"]:
+        ids = tok.encode(text, prepend_bos=False)
+        assert ids == source.encode(text).ids
+        assert ids == hf_tok(text, add_special_tokens=False).input_ids
+        assert tok.decode(ids) == text
+    assert tok.bos_token_id == source.token_to_id(EOT)
+
+
+def _refusal(tmp_path: Path, **kwargs) -> str:
+    folder = tmp_path / "m"
+    folder.mkdir()
+    write_gguf(folder / "m.gguf", **kwargs)
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(folder)
+    return str(info.value)
+
+
+def test_other_architectures_are_refused_by_name(tmp_path):
+    message = _refusal(tmp_path, arch="falcon")
+    assert "'falcon'" in message and "llama" in message
+
+
+def test_an_unsupported_tokenizer_is_refused_by_name(tmp_path):
+    message = _refusal(tmp_path, tokenizer_model="llama")
+    assert "tokenizer.ggml.model 'llama'" in message
+
+
+def test_an_unknown_pre_tokenizer_is_refused_by_name(tmp_path):
+    message = _refusal(tmp_path, pre="made-up-pre")
+    assert "'made-up-pre'" in message
+
+
+def test_rope_scaling_types_not_implemented_are_refused(tmp_path):
+    message = _refusal(tmp_path, extra_kv={"llama.rope.scaling.type": "yarn"})
+    assert "'yarn'" in message
+
+
+def test_a_folder_with_two_gguf_files_is_refused(tmp_path):
+    folder = tmp_path / "two"
+    folder.mkdir()
+    write_gguf(folder / "a.gguf")
+    write_gguf(folder / "b.gguf", seed=1)
+    with pytest.raises(CheckpointError, match="several .gguf files"):
+        detect_format(folder)
+
+
+def test_a_truncated_file_is_refused(tmp_path):
+    folder = tmp_path / "cut"
+    folder.mkdir()
+    write_gguf(folder / "m.gguf")
+    data = (folder / "m.gguf").read_bytes()
+    (folder / "m.gguf").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError):
+        load_checkpoint(folder)
