@@ -1,0 +1,228 @@
+"""Q- and K-composition of rotary models as profiles over the query-key offset δ; V-composition unchanged.
+
+Paper section: "Composition" (Elhage et al. 2021; paper-math 2.9) with the QK circuit at an offset of
+rotary.py: Ω_B(δ) = W_Q^B R(δ) W_K^{gT}. Row-vector convention, as composition.py. For an earlier head A
+(W_OV^A = W_V^A W_O^A) and a later head B:
+    C_Q(δ) = ||W_OV^A Ω_B(δ)||_F   / (||W_OV^A||_F ||Ω_B(δ)||_F)
+    C_K(δ) = ||W_OV^A Ω_B(δ)^T||_F / (||W_OV^A||_F ||Ω_B(δ)||_F)
+    C_V    = composition.py's V-composition (rotation does not touch values)
+At δ = 0 these are composition.py's scores (TransformerLens's QK is Ω(0)).
+
+Exactly through d_head x d_head Gram matrices, ||X R Y||^2 = <X^T X, R (Y^T Y) R^T>: with F_A = R_V^A W_O^A
+(R_V^A the R factor of W_V^A's QR, so ||W_OV^A Z|| = ||F_A Z||), P = F_A W_Q^B and P' = F_A W_K^g [d_head, d_head]:
+    num_Q(δ)^2 = <P^T P, R(δ) G_K^g R(δ)^T>       num_K(δ)^2 = <P'^T P', R(δ)^T G_Q^B R(δ)>
+    ||Ω_B(δ)||^2 = <G_Q^B, R(δ) G_K^g R(δ)^T>      (G_Q = W_Q^T W_Q, G_K = W_K^T W_K)
+so a whole profile costs one d_head x d_model x d_head product per pair (per key/value group for K) plus
+d_head^2 per offset. The offset window is PROFILE_OFFSETS (δ = 0..64) unless given.
+
+Random baseline: for Gaussian factors the distribution of W_K R(δ)^T is that of W_K, so the expected score
+does not depend on δ. `random_baseline` samples it with Gaussian factors of the model's shapes, one key
+factor shared by the group_size query heads of a group, as grouped-query attention shares it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from circuits_core.composition import cost as composition_cost
+from circuits_core.composition import raw_composition_scores
+from circuits_core.config import head_name, parse_head
+from circuits_core.cost import Cost, check_stop, itemsize
+from circuits_core.errors import InvalidInputError
+from circuits_core.model import Transformer
+from circuits_core.rotary import KERNEL_WINDOW, check_offsets, check_rotary, rotation
+
+PROFILE_OFFSETS = tuple(range(KERNEL_WINDOW + 1))  # δ = 0..64
+
+
+@dataclass
+class CompositionProfiles:
+    """Every (earlier head, later head) pair's Q and K profiles over `offsets`, and V-composition.
+
+    q, k: [L, H (earlier), L, H (later), n_offsets]; v: [L, H, L, H]; 0 unless layer1 < layer2.
+    """
+
+    offsets: Tensor  # [n]
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    baseline: float  # sampled mean score of random factors (rotation-invariant: one value for every δ)
+    baseline_std: float
+    mask: Tensor  # [L, H, L, H] bool: layer1 < layer2
+
+    def peak(self, kind: str) -> tuple[Tensor, Tensor]:
+        """(max over offsets [L, H, L, H], the offset where it is reached [L, H, L, H]) for kind q or k."""
+        scores = self.profile(kind)
+        values, where = scores.max(dim=-1)
+        return values, self.offsets.to(where.device)[where]
+
+    def profile(self, kind: str) -> Tensor:
+        if kind not in ("q", "k"):
+            raise InvalidInputError(f"composition profiles are for kind q or k, got {kind!r}")
+        return self.q if kind == "q" else self.k
+
+
+def _source_factors(model: Transformer, dtype: torch.dtype) -> Tensor:
+    """F [L, H, d_head, d_model] = R_V W_O: ||W_OV Z||_F = ||F Z||_F for any Z (R_V from the group's W_V)."""
+    W_V, W_O = model.W_V_groups.to(dtype), model.W_O.to(dtype)  # [L, G, d, dh], [L, H, dh, d]
+    R_V = torch.linalg.qr(W_V, mode="r")[1]  # [L, G, dh, dh]
+    return R_V.repeat_interleave(model.cfg.group_size, dim=1) @ W_O  # [L, H, dh, d]
+
+
+def _gram_inner(M: Tensor, X: Tensor) -> Tensor:
+    """<M[a, b], X[b, δ]> for M [A, B, dh, dh], X [B, n, dh, dh] -> [A, B, n], one matmul per b."""
+    A, B, dh, _ = M.shape
+    out = torch.bmm(M.permute(1, 0, 2, 3).reshape(B, A, dh * dh), X.reshape(B, -1, dh * dh).transpose(1, 2))
+    return out.permute(1, 0, 2)  # [A, B, n]
+
+
+def composition_profiles(
+    model: Transformer,
+    offsets: Sequence[int] | Tensor = PROFILE_OFFSETS,
+    n_samples: int = 200,
+    seed: int = 0,
+) -> CompositionProfiles:
+    """All pairs' Q/K profiles over the offsets and V-composition, exactly from d_head x d_head Grams."""
+    check_rotary(model)
+    cfg = model.cfg
+    L, H, G, dh = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+    delta = check_offsets(model, offsets)
+    n = delta.numel()
+    dtype = torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype
+    q = torch.zeros(L, H, L, H, n, dtype=dtype, device=model.device)
+    k = torch.zeros_like(q)
+    with torch.no_grad():
+        W_Q, W_K = model.W_Q.to(dtype), model.W_K_groups.to(dtype)  # [L, H, d, dh], [L, G, d, dh]
+        F = _source_factors(model, dtype)  # [L, H, dh, d]
+        src = F.pow(2).sum((-2, -1)).sqrt()  # [L, H] ||W_OV||
+        R = rotation(model, delta, dtype=dtype)  # [n, dh, dh]
+        G_Q = W_Q.transpose(-2, -1) @ W_Q  # [L, H, dh, dh]
+        G_K = (W_K.transpose(-2, -1) @ W_K).repeat_interleave(cfg.group_size, dim=1)  # [L, H, dh, dh] per query head
+        group = torch.arange(H, device=model.device) // cfg.group_size  # [H]
+        for l2 in range(1, L):
+            check_stop(what="composition profiles")
+            X_Q = R @ G_K[l2][:, None] @ R.transpose(-2, -1)  # [H, n, dh, dh]: R G_K R^T
+            X_K = R.transpose(-2, -1) @ G_Q[l2][:, None] @ R  # [H, n, dh, dh]: R^T G_Q R
+            omega_sq = (G_Q[l2][:, None] * X_Q).sum((-2, -1))  # [H, n] ||Ω_B(δ)||^2
+            sources = F[:l2].reshape(l2 * H * dh, cfg.d_model)  # [Ns dh, d]
+            P = (sources @ W_Q[l2].permute(1, 0, 2).reshape(cfg.d_model, H * dh)).view(l2 * H, dh, H, dh)
+            P = P.permute(0, 2, 1, 3)  # [Ns, H, dh, dh]
+            num_q = _gram_inner(P.transpose(-2, -1) @ P, X_Q)  # [Ns, H, n]
+            P2 = (sources @ W_K[l2].permute(1, 0, 2).reshape(cfg.d_model, G * dh)).view(l2 * H, dh, G, dh)
+            P2 = P2.permute(0, 2, 1, 3)  # [Ns, G, dh, dh]
+            num_k = _gram_inner((P2.transpose(-2, -1) @ P2)[:, group], X_K)  # [Ns, H, n]
+            den = src[:l2].reshape(-1)[:, None, None] * omega_sq.clamp_min(0).sqrt()[None]  # [Ns, H, n]
+            q[:l2, :, l2] = (num_q.clamp_min(0).sqrt() / den).view(l2, H, H, n)
+            k[:l2, :, l2] = (num_k.clamp_min(0).sqrt() / den).view(l2, H, H, n)
+        v = raw_composition_scores(model.W_Q.to(dtype), model.W_K.to(dtype), model.W_V.to(dtype),
+                                   model.W_O.to(dtype), kinds=("v",))[0]  # [L, H, L, H]
+    layer = torch.arange(L, device=model.device)
+    mask = (layer[:, None, None, None] < layer[None, None, :, None]).expand(L, H, L, H)
+    mean, std = random_baseline(cfg.d_model, dh, cfg.group_size, n_samples=n_samples, seed=seed)
+    return CompositionProfiles(delta, q, k, v, mean, std, mask)
+
+
+def pair_profile(model: Transformer, source: str, target: str, kind: str,
+                 offsets: Sequence[int] | Tensor = PROFILE_OFFSETS) -> Tensor:
+    """One pair's profile [n_offsets] (kind q or k), source head earlier than target head."""
+    check_rotary(model)
+    (l1, h1), (l2, h2) = parse_head(source, model.cfg), parse_head(target, model.cfg)
+    if l1 >= l2:
+        raise InvalidInputError(f"{head_name(l1, h1)} must be in an earlier layer than {head_name(l2, h2)}")
+    if kind not in ("q", "k"):
+        raise InvalidInputError(f"composition profiles are for kind q or k, got {kind!r}")
+    dtype = torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype
+    with torch.no_grad():
+        F = _source_factors(model, dtype)[l1, h1]  # [dh, d]
+        W_Q = model.W_Q[l2, h2].to(dtype)  # [d, dh]
+        W_K = model.W_K_groups[l2, h2 // model.cfg.group_size].to(dtype)
+        R = rotation(model, offsets, dtype=dtype)  # [n, dh, dh]
+        G_Q, G_K = W_Q.T @ W_Q, W_K.T @ W_K
+        P = F @ (W_Q if kind == "q" else W_K)  # [dh, dh]
+        X = R @ G_K @ R.transpose(-2, -1) if kind == "q" else R.transpose(-2, -1) @ G_Q @ R  # [n, dh, dh]
+        num_sq = ((P.T @ P)[None] * X).sum((-2, -1))  # [n]
+        omega_sq = (G_Q[None] * (R @ G_K @ R.transpose(-2, -1))).sum((-2, -1))  # [n]
+        return num_sq.clamp_min(0).sqrt() / (F.norm() * omega_sq.clamp_min(0).sqrt())
+
+
+def composition_at(model: Transformer, kind: str, offset: int) -> Tensor:
+    """All pairs' Q- or K-composition at one offset [L, H, L, H], composition.py's d x d Gram computation
+    with W_Q^B R(δ) in place of W_Q^B (its Q target W_Q W_K^T becomes Ω_B(δ), its K target Ω_B(δ)^T)."""
+    check_rotary(model)
+    if kind not in ("q", "k"):
+        raise InvalidInputError(f"composition at an offset is for kind q or k, got {kind!r}")
+    dtype = torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype
+    with torch.no_grad():
+        R = rotation(model, [offset], dtype=dtype)[0]  # [dh, dh]
+        W_Q = model.W_Q.to(dtype) @ R  # [L, H, d, dh]
+        return raw_composition_scores(W_Q, model.W_K.to(dtype), model.W_V.to(dtype), model.W_O.to(dtype),
+                                      kinds=(kind,))[0]  # type: ignore[arg-type]
+
+
+@functools.lru_cache(maxsize=16)
+def random_baseline(d_model: int, d_head: int, group_size: int = 1, n_samples: int = 200, seed: int = 0,
+                    offset_angle: float = 0.0) -> tuple[float, float]:
+    """(mean, std) of the Q- and K-composition scores of Gaussian factors of the model's shapes.
+
+    Each sample draws a source (W_V, W_O), one key factor W_K and group_size query factors W_Q that share
+    it, and scores each query head (both kinds). `offset_angle` rotates every rotary pair of the key factor
+    by that angle (tests use it to see that the baseline does not depend on δ); the scores go through the
+    d_head x d_head Grams of the module docstring.
+    """
+    if n_samples < 1:
+        raise InvalidInputError(f"n_samples must be >= 1, got {n_samples}")
+    gen = torch.Generator().manual_seed(seed)
+    scores = []
+    c, s = torch.cos(torch.tensor(offset_angle, dtype=torch.float64)), torch.sin(torch.tensor(offset_angle, dtype=torch.float64))
+    half = d_head // 2
+    R = torch.eye(d_head, dtype=torch.float64)
+    R[:half, :half], R[half:2 * half, half:2 * half] = c * torch.eye(half), c * torch.eye(half)
+    R[:half, half:2 * half], R[half:2 * half, :half] = s * torch.eye(half), -s * torch.eye(half)
+    for start in range(0, n_samples, 32):
+        m = min(32, n_samples - start)
+        W_V, W_K = torch.randn(2, m, d_model, d_head, generator=gen, dtype=torch.float64)
+        W_O = torch.randn(m, d_head, d_model, generator=gen, dtype=torch.float64)
+        W_Q = torch.randn(m, group_size, d_model, d_head, generator=gen, dtype=torch.float64)
+        F = torch.linalg.qr(W_V, mode="r")[1] @ W_O  # [m, dh, d]
+        W_K = W_K @ R.T  # [m, d, dh]: W_K R(δ)^T, Ω = W_Q R(δ) W_K^T
+        G_Q, G_K = W_Q.transpose(-2, -1) @ W_Q, (W_K.transpose(-2, -1) @ W_K)[:, None]  # [m, g, dh, dh]
+        P_q, P_k = F[:, None] @ W_Q, (F @ W_K)[:, None]  # [m, g, dh, dh], [m, 1, dh, dh]
+        num_q = ((P_q.transpose(-2, -1) @ P_q) * G_K).sum((-2, -1))
+        num_k = ((P_k.transpose(-2, -1) @ P_k) * G_Q).sum((-2, -1))
+        den = F.pow(2).sum((-2, -1))[:, None] * (G_Q * G_K).sum((-2, -1))  # [m, g]
+        scores += [(num_q / den).sqrt().flatten(), (num_k / den).sqrt().flatten()]
+    all_scores = torch.cat(scores)
+    return float(all_scores.mean()), float(all_scores.std()) if all_scores.numel() > 1 else 0.0
+
+
+# -- costs (circuits_core.cost) ------------------------------------------------------------------------
+def profiles_cost(model: Transformer, n_offsets: int) -> Cost:
+    """composition_profiles: the [L, H, L, H, n] results, then per target layer the products P, P' and
+    their Grams [Ns, H, d_head, d_head] and the rotated Grams [H, n, d_head, d_head]; V-composition after."""
+    cfg = model.cfg
+    L, H, dh, d = cfg.n_layers, cfg.n_heads, cfg.d_head, cfg.d_model
+    size = itemsize(torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype)
+    results = 2 * L * H * L * H * n_offsets * size
+    weights = (3 * L * H * d * dh + 2 * L * H * dh * dh) * size
+    Ns = max(L - 1, 0) * H
+    per_layer = (4 * Ns * H * dh * dh + 2 * Ns * H * n_offsets + 3 * H * n_offsets * dh * dh) * size
+    pairs = L * H * L * H // 2
+    return Cost(results + weights + per_layer).then(composition_cost(model, ("v",))).with_answer(
+        numbers=pairs * (2 * n_offsets + 1), labels=L * H)
+
+
+def pair_profile_cost(model: Transformer, n_offsets: int) -> Cost:
+    cfg = model.cfg
+    dh = cfg.d_head
+    return Cost((3 * n_offsets * dh * dh + 4 * cfg.d_model * dh) * 8).with_answer(numbers=3 * n_offsets + 1)
+
+
+def composition_at_cost(model: Transformer) -> Cost:
+    """composition.py's all-pairs computation for one kind (the rotated W_Q is one more copy of W_Q)."""
+    cfg = model.cfg
+    return composition_cost(model, ("q",)) + Cost(cfg.n_layers * cfg.n_heads * cfg.d_model * cfg.d_head * itemsize(model.dtype))
