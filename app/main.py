@@ -1,9 +1,9 @@
 """The FastAPI application: `create_app(settings)`; `uvicorn app.main:app` serves the default settings.
 
 Models are discovered per listing and loaded lazily (once, under a per-model lock) by the ModelRegistry,
-or all at start-up with `QKOV_PRELOAD=true`. Routers come from app/routers (API under /api/v1, the HTML
-pages, the self-contained API docs at /docs); /openapi.json is FastAPI's schema. No page loads anything
-from a CDN.
+or all at start-up with `QKOV_PRELOAD=true`. Routes: the listings (app/routers/api.py), one API route and
+page per declared analysis (app/catalog.py -> app/routers/analyses.py, params bound to this app's limits),
+the self-contained API docs at /docs; /openapi.json is FastAPI's schema. No page loads anything from a CDN.
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ import anyio.to_thread
 from fastapi import FastAPI
 from fastapi.middleware.gzip import GZipMiddleware
 
+from app.analysis import Registry
+from app.catalog import ANALYSES
 from app.errors import install_error_handlers
 from app.observability import install_serving
 from app.registry import ModelRegistry
-from app.routers import router_factories
-from app.routers.pages import CachedStaticFiles
+from app.routers import analyses, api, docs, pages
+from app.routers.pages import PAGES, CachedStaticFiles
 from app.settings import REPO_ROOT, Settings
 
 log = logging.getLogger("qkov")
@@ -57,8 +59,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     static = REPO_ROOT / "static"
     if static.is_dir():
         app.mount("/static", CachedStaticFiles(directory=static), name="static")
-    for factory in router_factories():
-        app.include_router(factory(settings))
+    declared = Registry(ANALYSES, settings.limits)  # every analysis's params, bound to this app's limits
+    app.state.analyses = declared
+    app.include_router(api.router)  # listings
+    app.include_router(analyses.api_router(declared))  # one route per declared analysis
+    app.include_router(docs.router)
+    app.include_router(pages.router)  # models, overview
+    app.include_router(analyses.page_router(declared, PAGES))  # one page per declared page
     return app
 
 

@@ -1,31 +1,8 @@
-"""The app's routers. Each router module exposes `build_router(settings: Settings) -> APIRouter`
-(a factory, so that configured limits appear as constraints in the OpenAPI schema).
+"""The app's routers, plain modules included by app/main.py's create_app:
 
-To add routes: write app/routers/<name>.py with `build_router`, and list "<name>" in ROUTER_MODULES.
-API modules (api, api_<analysis>) mount under /api/v1; `pages` is the HTML side; `docs` the API docs page.
+- api: the listing routes under /api/v1 (models, unavailable models, one model);
+- analyses: the API route and page of every declared analysis (app/catalog.py), generated;
+- pages: the models page and a model's overview (plain routes), and PAGES, the declared analysis pages;
+- rendering: templates, full page or htmx fragment, the page frame;
+- docs: the self-contained API docs at /docs.
 """
-
-from __future__ import annotations
-
-import importlib
-import importlib.util
-from collections.abc import Callable
-
-from fastapi import APIRouter
-
-from app.settings import Settings
-
-RouterFactory = Callable[[Settings], APIRouter]
-
-# Included in this order; a module not written yet (pages, api_<x> of another helper) is skipped.
-ROUTER_MODULES: tuple[str, ...] = ("api", "api_analyses", "docs", "pages")
-
-
-def router_factories() -> list[RouterFactory]:
-    factories = []
-    for name in ROUTER_MODULES:
-        if importlib.util.find_spec(f"app.routers.{name}") is None:
-            continue
-        module = importlib.import_module(f"app.routers.{name}")
-        factories.append(module.build_router)
-    return factories

@@ -13,8 +13,6 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
-from app.settings import Settings
-
 _STYLE = """body{font:15px/1.45 system-ui,sans-serif;max-width:70rem;margin:2rem auto;padding:0 1rem;color:#222}
 code,pre{font-family:ui-monospace,monospace;font-size:13px}pre{background:#f6f6f6;padding:.6rem;overflow:auto}
 table{border-collapse:collapse;width:100%;margin:.4rem 0}td,th{border:1px solid #ddd;padding:.25rem .5rem;
@@ -85,11 +83,9 @@ def render_docs(spec: dict[str, Any]) -> str:
     )
 
 
-def build_router(settings: Settings) -> APIRouter:
-    router = APIRouter()
+router = APIRouter()
 
-    @router.get("/docs", include_in_schema=False, response_class=HTMLResponse)
-    async def api_docs(request: Request) -> HTMLResponse:
-        return HTMLResponse(render_docs(request.app.openapi()))
 
-    return router
+@router.get("/docs", include_in_schema=False, response_class=HTMLResponse)
+async def api_docs(request: Request) -> HTMLResponse:
+    return HTMLResponse(render_docs(request.app.openapi()))

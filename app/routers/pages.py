@@ -1,56 +1,48 @@
-"""The HTML dashboard: server-rendered pages, one per screen, each the twin of a JSON answer under /api/v1.
+"""The HTML dashboard: the models page and a model's overview (plain routes), and the pages of the analyses:
+one, head and detectors here, engine-2 analyses in pages_analyses.py, the tour in pages_tour.py (PAGES).
 
-Each route parses its query parameters (the same constraints as the API, from app.routers.api.Params),
-calls the view builders of app/views through `compute` (never circuits_core, never tensors), turns views
-into chart figures with app/charts.py and renders a template. All state is in the URL: pickers are GET
-forms with hx-get + hx-push-url, so a pasted link, a reload and the back button show the same screen.
-
-For an htmx request (`HX-Request: true`, not a history restore nor a boosted link) only the swapped block
-is rendered: the block named like the request's `HX-Target` element id when the page declares it, else
-the page's main block. Every answer sends `Vary: HX-Request`.
+A page is declared as `Page(analysis, template, context)` (app/routers/rendering.py): its route, params
+(the analysis's, or a page model extending them), JSON-twin link and frame are derived; its context runs
+analyses through `call.run` (priced, cached like their API routes), turns views into chart figures with
+app/charts.py and hands them to the template. Never circuits_core, never tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-from urllib.parse import urlencode
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
-from jinja2_fragments.fastapi import Jinja2Blocks
+from pydantic import Field
 from starlette.types import Scope
 
 from app import charts
+from app.analysis import API, Limit, json_url, run
 from app.compute import compute
 from app.deps import LimitsDep, LoadedModelDep, ModelEntryDep, RegistryDep
-from app.errors import kind_of
-from app.routers.api import Params, cache_key, split_heads
-from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
-from app.settings import REPO_ROOT, Settings
-from app.views.circuits import (
-    build_direct_view,
-    build_ov_view,
-    build_qk_view,
-    build_skip_trigrams_view,
-    has_token_counts,
+from app.params import (
+    CompositionParams,
+    DetectorParams,
+    DirectParams,
+    HeadParams,
+    K,
+    NoParams,
+    OVParams,
+    QKParams,
+    SkipTrigramParams,
 )
-from app.views.composition import build_composition_view
-from app.views.detectors import build_detectors_view
-from app.views.heads import build_head_view, build_heads_view
+from app.routers import pages_analyses, pages_tour
+from app.routers.rendering import MODEL_NAV, Page, PageCall, attempt, is_fragment, page_context, render
+from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
+from app.views.circuits import DIRECT, OV, QK, SKIP_TRIGRAMS, has_token_counts
+from app.views.composition import COMPOSITION
+from app.views.detectors import DETECTORS
+from app.views.heads import HEAD, HEADS
 from app.views.models import build_model_view, build_models_view
 from app.views.tour_figures import positivity_scatter
-from circuits_core.config import head_name, parse_head
-from circuits_core.errors import QkovError
+from circuits_core.config import head_name
 from circuits_core.weights import LoadedModel
-
-API = "/api/v1"
-templates = Jinja2Blocks(directory=str(REPO_ROOT / "templates"))
-# The shared macros as a global `m`: a top-level {% import %} is not run when a single block is rendered.
-templates.env.policies["json.dumps_kwargs"] = {"separators": (",", ":")}  # compact figure JSON
-templates.env.filters["visible"] = charts.visible  # tokens shown with whitespace and control characters visible
-templates.env.globals["m"] = templates.env.get_template("_macros.html").module
 
 # The head scores the overview heatmap can show: key -> (label, signed)
 SCORES: dict[str, tuple[str, bool]] = {
@@ -65,18 +57,6 @@ SCORES: dict[str, tuple[str, bool]] = {
 
 POSITIONAL_SHOWN = 64  # first positions drawn in the positional QK heatmap (the JSON twin has them all)
 
-# The left navigation of a model: (key, label, path below /models/{model}); a view not built yet is absent.
-MODEL_NAV: list[tuple[str, str, str]] = [
-    ("overview", "Overview", ""),
-    ("composition", "Composition", "/composition"),
-    ("prompt", "Prompt & paths", "/prompt"),
-    ("path", "Chain of heads", "/path"),
-    ("qk-paths", "QK paths", "/qk-paths"),
-    ("detectors", "Detectors", "/detectors"),
-    ("term-importance", "Term importance", "/term-importance"),
-    ("direct", "Direct path", "/direct"),
-]
-
 
 class CachedStaticFiles(StaticFiles):
     """Static files with cache headers: versioned vendor files are immutable for a year; our own css/js
@@ -89,71 +69,8 @@ class CachedStaticFiles(StaticFiles):
         return response
 
 
-def url(path: str, **params: Any) -> str:
-    """`path?query` with the parameters that are set (None and '' are left out)."""
-    query = {k: v for k, v in params.items() if v is not None and v != ""}
-    return f"{path}?{urlencode(query)}" if query else path
-
-
 # The page's "tokens" picker: every token, or those seen at least N times in training (the API's min_count).
 MIN_COUNT_CHOICES = (50, 200, 500, 1000, 2000)
-
-
-def min_count_query() -> Any:
-    return Query(None, max_length=10, pattern=r"^\d*$",
-                 description="frequent tokens only: tokens seen at least this often in training (empty or 0: every token)")
-
-
-def parse_min_count(value: str | None) -> int | None:
-    return int(value) if value and int(value) > 0 else None
-
-
-def is_fragment(request: Request) -> bool:
-    h = request.headers
-    return h.get("HX-Request") == "true" and h.get("HX-History-Restore-Request") != "true" and h.get("HX-Boosted") != "true"
-
-
-async def model_ids(registry: Any) -> list[str]:
-    return [e.id for e in await compute(registry.entries)]
-
-
-async def attempt(fn: Any, *args: Any, key: Any = None) -> tuple[Any, dict[str, Any] | None]:
-    """Run a builder through `compute`; a refusal (QkovError: bad prompt, limit exceeded) becomes an error
-    shown inside the panel, with its form kept so the input can be fixed: (view, None) or (None, error)."""
-    try:
-        return await compute(fn, *args, key=key), None
-    except QkovError as exc:
-        kind = kind_of(exc)
-        return None, {"status": kind.status, "title": kind.title, "detail": str(exc)}
-
-
-def render(request: Request, template: str, context: dict[str, Any], blocks: Sequence[str] = ("main",)) -> Response:
-    """The full page, or for htmx only the block the request targets (default: the first of `blocks`).
-    Errors of `attempt` in the context (keys ending in 'error') set the status; they are not pushed to history."""
-    context = {"request": request, "API": API, "url": url, **context}
-    errors = [v for k, v in context.items() if k.endswith("error") and isinstance(v, dict)]
-    if is_fragment(request):
-        target = request.headers.get("HX-Target", "")
-        block = target if target in blocks else blocks[0]
-        response = templates.TemplateResponse(request, template, context, block_name=block)
-    else:
-        response = templates.TemplateResponse(request, template, context)
-    response.headers["Vary"] = "HX-Request"
-    if errors:
-        response.status_code = errors[0]["status"]
-        response.headers["HX-Push-Url"] = "false"
-    return response
-
-
-async def page_context(request: Request, registry: Any, title: str, json_url: str, model_id: str | None = None,
-                       nav: str | None = None) -> dict[str, Any]:
-    """What base.html needs: the title, the JSON twin, the model picker and the model's navigation."""
-    ctx: dict[str, Any] = {"title": title, "json_url": json_url, "model_id": model_id, "nav": nav}
-    if not is_fragment(request):
-        ctx["models"] = await model_ids(registry)
-        if model_id:
-            ctx["model_nav"] = [(key, label, f"/models/{model_id}{sub}") for key, label, sub in MODEL_NAV]
-    return ctx
 
 
 def heads_grid(loaded: LoadedModel, heads: list[HeadScores], score: str, model_id: str) -> dict[str, Any]:
@@ -173,13 +90,13 @@ def heads_grid(loaded: LoadedModel, heads: list[HeadScores], score: str, model_i
     )
 
 
-async def composition_partners(loaded: LoadedModel, name: str, top: int = 6) -> list[dict[str, Any]]:
+async def composition_partners(call: PageCall, name: str, top: int = 6) -> list[dict[str, Any]]:
     """The heads this head composes with most (Q, K, V; score minus baseline), from the composition views."""
-    if loaded.model.cfg.n_layers < 2:
+    if call.loaded is None or call.loaded.model.cfg.n_layers < 2:
         return []
     rows = []
     for kind in ("Q", "K", "V"):
-        view, _ = await attempt(build_composition_view, loaded, kind, key=cache_key(loaded, "composition", kind))
+        view, _ = await call.attempt(COMPOSITION, CompositionParams(kind=kind))
         if view is None:
             continue
         for i, src in enumerate(view.sources):
@@ -226,113 +143,102 @@ def head_charts(view: HeadView) -> dict[str, Any]:
     return figs
 
 
-def build_router(settings: Settings) -> APIRouter:
-    router = APIRouter(include_in_schema=False)
-    p = Params(settings.limits)
+router = APIRouter(include_in_schema=False)
 
-    @router.get("/")
-    async def models_page(request: Request, registry: RegistryDep) -> Response:
-        view = await compute(build_models_view, registry)
-        ctx = await page_context(request, registry, "Models", f"{API}/models")
-        return render(request, "models.html", {**ctx, "view": view})
 
-    @router.get("/go")
-    async def go(model: str = Query(..., max_length=128), view: str = Query("overview", max_length=32)) -> Response:
-        """The model picker (a GET form): to the same view of the chosen model."""
-        sub = dict((k, s) for k, _, s in MODEL_NAV).get(view, "")
-        return RedirectResponse(f"/models/{model}{sub}", status_code=303)
+@router.get("/")
+async def models_page(request: Request, registry: RegistryDep) -> Response:
+    view = await compute(build_models_view, registry)
+    ctx = await page_context(request, registry, "Models", f"{API}/models")
+    return render(request, "models.html", {**ctx, "view": view})
 
-    @router.get("/models/{model}")
-    async def overview_page(request: Request, registry: RegistryDep, loaded: LoadedModelDep, entry: ModelEntryDep, limits: LimitsDep,
-                            score: str = Query("induction", pattern="^(" + "|".join(SCORES) + ")$")) -> Response:
-        summary = build_model_view(loaded, entry)
-        heads: HeadsView = await compute(build_heads_view, loaded, key=cache_key(loaded, "heads"))
-        ctx = await page_context(request, registry, entry.id, f"{API}/models/{entry.id}/heads", entry.id, "overview")
-        fig = heads_grid(loaded, heads.heads, score, entry.id) if heads.heads else None
-        scatter = None
-        if loaded.model.cfg.n_layers >= 2 and not is_fragment(request):
-            data, _ = await attempt(lambda: positivity_scatter(loaded, limits)[0], key=cache_key(loaded, "positivity"))
-            if data:
-                pts = data["points"]
-                scatter = charts.scatter(
-                    [p["ov_copying"] or 0.0 for p in pts], [p["k_composition_positivity"] for p in pts], [p["head"] for p in pts],
-                    title=f"OV copying vs K-composition positivity with previous-token head {data['previous_token_head']}",
-                    x_title="OV copying score (Σλ/Σ|λ|)", y_title="K-composition positivity", links=[f"/models/{entry.id}/heads/{p['head']}" for p in pts])
-        return render(request, "overview.html", {**ctx, "summary": summary, "heads": heads, "score": score, "scores": SCORES,
-                                                 "fig": fig, "scatter": scatter, "card_fig": training_curve(summary.card)},
-                      blocks=("heads_panel",))
 
-    @router.get("/models/{model}/heads/{head}")
-    async def head_page(request: Request, registry: RegistryDep, loaded: LoadedModelDep, limits: LimitsDep, model: str, head: str,
-                        token: str | None = p.token(), k: int = p.k(10), min_count: str | None = min_count_query()) -> Response:
-        cfg = loaded.model.cfg
-        mc = parse_min_count(min_count)
-        layer, h = parse_head(head, cfg)
-        name = head_name(layer, h)
-        token = token if token not in ("", None) else None
-        fragment_only = is_fragment(request) and request.headers.get("HX-Target") == "circuits"
-        view: HeadView | None = None
-        if not fragment_only:
-            view = await compute(build_head_view, loaded, name, key=cache_key(loaded, "head", name))
-        ov: CircuitTopView = await compute(build_ov_view, loaded, name, token, k, limits, mc, key=cache_key(loaded, "ov", name, token, k, mc))
-        qk_q: CircuitTopView = await compute(build_qk_view, loaded, name, token, k, limits, "query", mc,
-                                             key=cache_key(loaded, "qk", name, token, k, "query", mc))
-        qk_k = None
-        if token is not None:
-            qk_k = await compute(build_qk_view, loaded, name, token, k, limits, "key", mc, key=cache_key(loaded, "qk", name, token, k, "key", mc))
-        skip = await compute(build_skip_trigrams_view, loaded, name, token, k, limits, mc, key=cache_key(loaded, "skip", name, token, k, mc))
-        partners = await composition_partners(loaded, name) if view is not None else []
-        all_heads = [head_name(a, b) for a in range(cfg.n_layers) for b in range(cfg.n_heads)]
-        i = all_heads.index(name)
-        ctx = await page_context(request, registry, f"{name} · {model}", f"{API}/models/{model}/heads/{name}", model, "overview")
-        return render(request, "head.html", {
-            **ctx, "head": name, "view": view, "ov": ov, "qk_q": qk_q, "qk_k": qk_k, "skip": skip, "token": token, "k": k,
-            "figs": head_charts(view) if view is not None else {}, "max_k": limits.max_k, "partners": partners,
-            "prev_head": all_heads[i - 1] if i > 0 else None, "next_head": all_heads[i + 1] if i + 1 < len(all_heads) else None,
-            "base_url": f"/models/{model}/heads/{name}", "min_count": mc, "has_counts": has_token_counts(loaded),
-            "min_count_choices": MIN_COUNT_CHOICES,
-        }, blocks=("circuits",))
+@router.get("/go")
+async def go(model: str = Query(..., max_length=128), view: str = Query("overview", max_length=32)) -> Response:
+    """The model picker (a GET form): to the same view of the chosen model."""
+    sub = dict((k, s) for k, _, s in MODEL_NAV).get(view, "")
+    return RedirectResponse(f"/models/{model}{sub}", status_code=303)
 
-    @router.get("/models/{model}/direct")
-    async def direct_page(request: Request, registry: RegistryDep, loaded: LoadedModelDep, limits: LimitsDep, model: str,
-                          token: str | None = p.token(), k: int = p.k(20), min_count: str | None = min_count_query()) -> Response:
-        token = token or None
-        mc = parse_min_count(min_count)
-        view = await compute(build_direct_view, loaded, token, k, limits, mc, key=cache_key(loaded, "direct", token, k, mc))
-        json_url = url(f"{API}/models/{model}/direct", token=token, k=k, min_count=mc)
-        ctx = await page_context(request, registry, f"Direct path · {model}", json_url, model, "direct")
-        fig = None
-        if view.token is not None:
-            fig = charts.bars([charts.visible(e.col.text) for e in view.entries], [e.value for e in view.entries], horizontal=True,
-                              title=f"top next tokens after {charts.visible(view.token.text)} (W_E W_U row)",
-                              height=max(260, 22 * len(view.entries) + 80))
-        return render(request, "direct.html", {**ctx, "view": view, "token": token, "k": k, "fig": fig, "max_k": limits.max_k,
-                                               "min_count": mc, "has_counts": has_token_counts(loaded), "min_count_choices": MIN_COUNT_CHOICES},
-                      blocks=("direct_panel",))
 
-    @router.get("/models/{model}/detectors")
-    async def detectors_page(request: Request, registry: RegistryDep, loaded: LoadedModelDep, limits: LimitsDep, model: str,
-                             seq_len: int | None = Query(None, ge=1, le=settings.limits.max_seq_len,
-                                                         description="length T of the random segment r in BOS + r + r"),
-                             batch: int = p.batch(), seed: int = p.seed(),
-                             prompt: str | None = p.prompt(), heads: str | None = p.heads()) -> Response:
-        prompt = prompt or None
-        if seq_len is None:  # the standard input, shortened to fit the model's context (BOS + r + r)
-            seq_len = max(1, min(50, limits.max_seq_len, (loaded.model.cfg.n_ctx - 1) // 2))
-        args = (loaded, limits, seq_len, batch, seed, prompt, None, split_heads(heads))
-        view = await compute(build_detectors_view, *args, key=cache_key(loaded, "detectors", seq_len, batch, seed, prompt, None, heads))
-        json_url = url(f"{API}/models/{model}/detectors", seq_len=seq_len, batch=batch, seed=seed, prompt=prompt, heads=heads)
-        ctx = await page_context(request, registry, f"Detectors · {model}", json_url, model, "detectors")
-        figs = detector_charts(view, model)
-        return render(request, "detectors.html", {**ctx, "view": view, "figs": figs, "seq_len": seq_len, "batch": batch,
-                                                  "seed": seed, "prompt": prompt, "heads": heads, "limits": limits},
-                      blocks=("detectors_panel",))
+@router.get("/models/{model}")
+async def overview_page(request: Request, registry: RegistryDep, loaded: LoadedModelDep, entry: ModelEntryDep, limits: LimitsDep,
+                        score: str = Query("induction", pattern="^(" + "|".join(SCORES) + ")$")) -> Response:
+    summary = build_model_view(loaded, entry)
+    heads: HeadsView = await run(HEADS, loaded, entry.id, NoParams(), limits)
+    ctx = await page_context(request, registry, entry.id, json_url(HEADS, entry.id, NoParams()), entry.id, "overview")
+    fig = heads_grid(loaded, heads.heads, score, entry.id) if heads.heads else None
+    scatter = None
+    if loaded.model.cfg.n_layers >= 2 and not is_fragment(request):
+        data, _ = await attempt(lambda: positivity_scatter(loaded, limits)[0], key=(entry.id, loaded.digest, "positivity"))
+        if data:
+            pts = data["points"]
+            scatter = charts.scatter(
+                [p["ov_copying"] or 0.0 for p in pts], [p["k_composition_positivity"] for p in pts], [p["head"] for p in pts],
+                title=f"OV copying vs K-composition positivity with previous-token head {data['previous_token_head']}",
+                x_title="OV copying score (Σλ/Σ|λ|)", y_title="K-composition positivity", links=[f"/models/{entry.id}/heads/{p['head']}" for p in pts])
+    return render(request, "overview.html", {**ctx, "summary": summary, "heads": heads, "score": score, "scores": SCORES,
+                                             "fig": fig, "scatter": scatter, "card_fig": training_curve(summary.card)},
+                  blocks=("heads_panel",))
 
-    from app.routers import pages_analyses, pages_tour  # they import this module's helpers
 
-    router.include_router(pages_analyses.build_router(settings))
-    router.include_router(pages_tour.build_router(settings))
-    return router
+# -- one head: its spectra and its circuits ---------------------------------------------------------------------
+class HeadPageParams(OVParams):
+    k: K = 10
+
+
+async def head_context(call: PageCall) -> dict[str, Any]:
+    p: HeadPageParams = call.params
+    cfg, name, model = call.model.model.cfg, p.head, call.model_id
+    fragment_only = is_fragment(call.request) and call.request.headers.get("HX-Target") == "circuits"
+    view: HeadView | None = None if fragment_only else await call.run(HEAD, HeadParams(head=name))
+    ov: CircuitTopView = await call.run(OV, OVParams(head=name, token=p.token, k=p.k, min_count=p.min_count))
+    qk_q: CircuitTopView = await call.run(QK, QKParams(head=name, token=p.token, k=p.k, side="query", min_count=p.min_count))
+    qk_k = None
+    if p.token is not None:
+        qk_k = await call.run(QK, QKParams(head=name, token=p.token, k=p.k, side="key", min_count=p.min_count))
+    skip = await call.run(SKIP_TRIGRAMS, SkipTrigramParams(head=name, token=p.token, k=p.k, min_count=p.min_count))
+    partners = await composition_partners(call, name) if view is not None else []
+    all_heads = [head_name(a, b) for a in range(cfg.n_layers) for b in range(cfg.n_heads)]
+    i = all_heads.index(name)
+    call.json_params = HeadParams(head=name)
+    return {
+        "head": name, "view": view, "ov": ov, "qk_q": qk_q, "qk_k": qk_k, "skip": skip, "token": p.token, "k": p.k,
+        "figs": head_charts(view) if view is not None else {}, "max_k": call.limits.max_k, "partners": partners,
+        "prev_head": all_heads[i - 1] if i > 0 else None, "next_head": all_heads[i + 1] if i + 1 < len(all_heads) else None,
+        "base_url": f"/models/{model}/heads/{name}", "min_count": p.min_count, "has_counts": has_token_counts(call.model),
+        "min_count_choices": MIN_COUNT_CHOICES,
+    }
+
+
+# -- the direct path ----------------------------------------------------------------------------------------------
+async def direct_context(call: PageCall) -> dict[str, Any]:
+    p: DirectParams = call.params
+    view: CircuitTopView = await call.run(DIRECT, p)
+    fig = None
+    if view.token is not None:
+        fig = charts.bars([charts.visible(e.col.text) for e in view.entries], [e.value for e in view.entries], horizontal=True,
+                          title=f"top next tokens after {charts.visible(view.token.text)} (W_E W_U row)",
+                          height=max(260, 22 * len(view.entries) + 80))
+    return {"view": view, "token": p.token, "k": p.k, "fig": fig, "max_k": call.limits.max_k, "min_count": p.min_count,
+            "has_counts": has_token_counts(call.model), "min_count_choices": MIN_COUNT_CHOICES}
+
+
+# -- detectors ----------------------------------------------------------------------------------------------------
+class DetectorPageParams(DetectorParams):
+    seq_len: Annotated[int | None, Field(ge=1, description="length T of the random segment r (default: 50, shortened to fit n_ctx)"),
+                       Limit("max_seq_len")] = None  # type: ignore[assignment]
+
+
+async def detectors_context(call: PageCall) -> dict[str, Any]:
+    p: DetectorPageParams = call.params
+    seq_len = p.seq_len
+    if seq_len is None:  # the standard input, shortened to fit the model's context (BOS + r + r)
+        seq_len = max(1, min(50, call.limits.max_seq_len, (call.model.model.cfg.n_ctx - 1) // 2))
+    params = DetectorParams(seq_len=seq_len, batch=p.batch, seed=p.seed, prompt=p.prompt, heads=p.heads)
+    view = await call.run(DETECTORS, params)
+    call.json_params = params
+    return {"view": view, "figs": detector_charts(view, call.model_id or ""), "seq_len": seq_len, "batch": p.batch,
+            "seed": p.seed, "prompt": p.prompt, "heads": p.heads}
 
 
 def detector_charts(view: Any, model_id: str) -> dict[str, Any]:
@@ -355,3 +261,13 @@ def detector_charts(view: Any, model_id: str) -> dict[str, Any]:
     ]
     return figs
 
+
+
+PAGES: list[Page] = [
+    Page(HEAD, "head.html", head_context, params=HeadPageParams, blocks=("circuits",), title="{head} · {model}", nav="overview"),
+    Page(DIRECT, "direct.html", direct_context, blocks=("direct_panel",), title="Direct path · {model}"),
+    Page(DETECTORS, "detectors.html", detectors_context, params=DetectorPageParams, blocks=("detectors_panel",),
+         title="Detectors · {model}"),
+    *pages_analyses.PAGES,
+    *pages_tour.PAGES,
+]

@@ -7,13 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
-
 from app import charts
-from app.compute import compute
-from app.deps import LimitsDep, RegistryDep
-from app.routers.pages import API, page_context, render
+from app.catalog import TOUR
+from app.routers.rendering import Page, PageCall
 from app.schemas import CircuitTopView, DetectorsView, SkipTrigramView
 from app.schemas.analyses import (
     ChainView,
@@ -24,8 +20,6 @@ from app.schemas.analyses import (
     QKPathsView,
     TourFigure,
 )
-from app.settings import Settings
-from app.views.tour import build_tour_view
 
 POSITIONS = 32  # positions of the positional pattern drawn in the tour
 
@@ -105,14 +99,11 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
     return out
 
 
-def build_router(settings: Settings) -> APIRouter:
-    router = APIRouter(include_in_schema=False)
+async def tour_context(call: PageCall) -> dict[str, Any]:
+    view = await call.run(TOUR, call.params)
+    parts = [(fig, figure_parts(fig) if fig.available and fig.data else None) for fig in view.figures]
+    call.title = "Paper tour"
+    return {"view": view, "parts": parts}
 
-    @router.get("/tour")
-    async def tour_page(request: Request, registry: RegistryDep, limits: LimitsDep) -> Response:
-        view = await compute(build_tour_view, registry, limits, key=("tour",))
-        ctx = await page_context(request, registry, "Paper tour", f"{API}/tour")
-        parts = [(fig, figure_parts(fig) if fig.available and fig.data else None) for fig in view.figures]
-        return render(request, "tour.html", {**ctx, "view": view, "parts": parts})
 
-    return router
+PAGES: list[Page] = [Page(TOUR, "tour.html", tour_context)]

@@ -18,17 +18,18 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from app.analysis import Analysis
+from app.params import DirectParams, OVParams, QKParams, SkipTrigramParams
 from app.schemas import CircuitTopView, MatrixEntry, ScoredToken, SkipTrigram, SkipTrigramView
 from app.settings import Limits
 from app.views.inputs import check_k, model_ref, resolve_token, token_ref
 from circuits_core import circuits
 from circuits_core.config import head_name, parse_head
+from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.factored import FactoredMatrix
 from circuits_core.phenomena import TOKEN_COUNTS_FILE, load_token_counts
 from circuits_core.weights import LoadedModel
-
-QKSide = Literal["query", "key"]
 
 LABELS = {
     "ov": ("source token (attended to)", "output token (logit raised)"),
@@ -108,31 +109,30 @@ def _top_view(
     return view(k, entries, token=ref, side=side, diagonal=own, diagonal_rank=rank)
 
 
-def build_ov_view(
-    loaded: LoadedModel, head: str, token: str | None, k: int, limits: Limits, min_count: int | None = None
-) -> CircuitTopView:
+def build_ov_view(loaded: LoadedModel, p: OVParams, limits: Limits) -> CircuitTopView:
     """Full OV circuit W_E W_V W_O W_U of a head: the token's row (the logits it raises), else global top-k."""
-    layer, h = parse_head(head, loaded.model.cfg)
+    layer, h = parse_head(p.head, loaded.model.cfg)
     fm = circuits.full_ov_circuit(loaded.model, layer, h)
-    return _top_view(loaded, fm, "ov", head_name(layer, h), token, "row", k, limits, min_count)
+    return _top_view(loaded, fm, "ov", p.head, p.token, "row", p.k, limits, p.min_count)
 
 
-def build_qk_view(
-    loaded: LoadedModel, head: str, token: str | None, k: int, limits: Limits, side: QKSide = "query",
-    min_count: int | None = None,
-) -> CircuitTopView:
+def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTopView:
     """Full QK circuit W_E W_Q W_K^T W_E^T / s: as query, the keys a token attends to; as key, the queries attending to it."""
-    layer, h = parse_head(head, loaded.model.cfg)
+    layer, h = parse_head(p.head, loaded.model.cfg)
     fm = circuits.full_qk_circuit(loaded.model, layer, h)
-    side_: Literal["row", "column"] = "row" if side == "query" else "column"
-    return _top_view(loaded, fm, "qk", head_name(layer, h), token, side_, k, limits, min_count)
+    side: Literal["row", "column"] = "row" if p.side == "query" else "column"
+    return _top_view(loaded, fm, "qk", p.head, p.token, side, p.k, limits, p.min_count)
 
 
-def build_direct_view(
-    loaded: LoadedModel, token: str | None, k: int, limits: Limits, min_count: int | None = None
-) -> CircuitTopView:
+def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> CircuitTopView:
     """Direct path W_E W_U (the bigram table): top next tokens for a current token, else global top-k."""
-    return _top_view(loaded, circuits.direct_path(loaded.model), "direct", None, token, "row", k, limits, min_count)
+    return _top_view(loaded, circuits.direct_path(loaded.model), "direct", None, p.token, "row", p.k, limits, p.min_count)
+
+
+def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits) -> Cost:
+    """A token's row or column, else the global top-k (on the frequent tokens only with min_count)."""
+    n = None if p.min_count is None else int(frequent_tokens(loaded, p.min_count).numel())  # type: ignore[union-attr]
+    return circuits.top_cost(loaded.model, p.k, limits.matrix_budget_bytes, line=p.token is not None, n_tokens=n)
 
 
 def _strongest_source(loaded: LoadedModel, layer: int, h: int, limits: Limits, vocab: Tensor | None) -> int:
@@ -142,12 +142,11 @@ def _strongest_source(loaded: LoadedModel, layer: int, h: int, limits: Limits, v
     return int(rows[0])
 
 
-def build_skip_trigrams_view(
-    loaded: LoadedModel, head: str, token: str | None, k: int, limits: Limits, min_count: int | None = None
-) -> SkipTrigramView:
+def build_skip_trigrams_view(loaded: LoadedModel, p: SkipTrigramParams, limits: Limits) -> SkipTrigramView:
     """[source] ... [destination] -> [out] through one head; without a token, the source of the largest OV entry.
 
     With min_count, destinations, outs and the default source are frequent tokens only."""
+    head, token, k, min_count = p.head, p.token, p.k, p.min_count
     layer, h = parse_head(head, loaded.model.cfg)
     vocab = frequent_tokens(loaded, min_count)  # [n] or None
     k = check_k(k, limits, loaded.model.cfg.d_vocab if vocab is None else int(vocab.numel()))
@@ -167,3 +166,28 @@ def build_skip_trigrams_view(
         model=model_ref(loaded), head=head_name(layer, h), source=src, k=k, copying=st.copying, min_count=min_count,
         destinations=dest, outs=outs, trigrams=trigrams,
     )
+
+
+# -- declarations (app/analysis.py) ----------------------------------------------------------------------
+DIRECT = Analysis(
+    name="direct", path="direct", params=DirectParams, view=CircuitTopView, build=build_direct_view, cost=top_cost,
+    summary="Direct path (bigram table)", tags=["circuits"],
+)
+OV = Analysis(
+    name="ov", path="heads/{head}/ov", params=OVParams, view=CircuitTopView, build=build_ov_view, cost=top_cost,
+    summary="Top entries of the full OV circuit", tags=["circuits"],
+)
+QK = Analysis(
+    name="qk", path="heads/{head}/qk", params=QKParams, view=CircuitTopView, build=build_qk_view, cost=top_cost,
+    summary="Top entries of the full QK circuit", tags=["circuits"],
+)
+
+
+def skip_trigrams_cost(loaded: LoadedModel, p: SkipTrigramParams, limits: Limits) -> Cost:
+    return circuits.skip_trigrams_cost(loaded.model, p.k, limits.matrix_budget_bytes, token=p.token is not None)
+
+
+SKIP_TRIGRAMS = Analysis(
+    name="skip-trigrams", path="heads/{head}/skip-trigrams", params=SkipTrigramParams, view=SkipTrigramView,
+    build=build_skip_trigrams_view, cost=skip_trigrams_cost, summary="Skip-trigrams of a source token", tags=["circuits"],
+)

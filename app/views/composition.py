@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from app.analysis import Analysis
+from app.params import CompositionPairParams, CompositionParams
 from app.schemas import Complex, MatrixEntry
 from app.schemas.analyses import (
     CompositionKindName,
@@ -25,9 +27,10 @@ from app.schemas.analyses import (
 from app.settings import Limits
 from app.views.heads import parse_heads
 from app.views.inputs import check_k, model_ref, token_ref
-from circuits_core import circuits
+from circuits_core import circuits, composition
 from circuits_core.composition import CompositionKind, composition_scores
 from circuits_core.config import head_name
+from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.factored import FactoredMatrix
 from circuits_core.qk_paths import k_composition_circuit
@@ -41,8 +44,9 @@ def _nullable(value: float | torch.Tensor, keep: bool) -> float | None:
     return float(value) if keep else None
 
 
-def build_composition_view(loaded: LoadedModel, kind: CompositionKindName = "K") -> CompositionView:
+def build_composition_view(loaded: LoadedModel, p: CompositionParams, limits: Limits | None = None) -> CompositionView:
     """Raw and baseline-subtracted `kind`-composition scores: rows earlier heads, columns later heads."""
+    kind = p.kind
     cfg = loaded.model.cfg
     L, H = cfg.n_layers, cfg.n_heads
     if L < 2:
@@ -116,9 +120,10 @@ VIRTUAL_LABELS = ("source token (attended to by the first head)", "output token 
 K_LABELS = ("query token (destination)", "token read by the source head at the key position")
 
 
-def build_composition_pair_view(loaded: LoadedModel, source: str, target: str, k: int, limits: Limits) -> CompositionPairView:
+def build_composition_pair_view(loaded: LoadedModel, p: CompositionPairParams, limits: Limits) -> CompositionPairView:
     """One pair: the three scores, the K-composition token circuit and the virtual head source -> target."""
-    chain = parse_chain(loaded, [source, target], max(2, limits.max_heads))
+    k = p.k
+    chain = parse_chain(loaded, [p.source, p.target], max(2, limits.max_heads))
     (l1, h1), (l2, h2) = chain
     with torch.no_grad():
         comp = composition_scores(loaded.model)
@@ -131,3 +136,24 @@ def build_composition_pair_view(loaded: LoadedModel, source: str, target: str, k
         baseline=comp.baseline, k_composition=k_circuit,
         virtual_head=VirtualHeadCircuit(heads=[head_name(l1, h1), head_name(l2, h2)], ov=virtual),
     )
+
+
+def composition_cost(loaded: LoadedModel, p: CompositionParams, limits: Limits) -> Cost:
+    return composition.cost(loaded.model, (p.kind.lower(),))  # type: ignore[arg-type]
+
+
+def pair_cost(loaded: LoadedModel, p: CompositionPairParams, limits: Limits) -> Cost:
+    """The three kinds' scores, then two token circuits' global top-k."""
+    top = circuits.top_cost(loaded.model, p.k, limits.matrix_budget_bytes, line=False)
+    return composition.cost(loaded.model).then(top).then(top)
+
+
+COMPOSITION = Analysis(
+    name="composition", path="composition", params=CompositionParams, view=CompositionView, build=build_composition_view,
+    cost=composition_cost, summary="Q/K/V composition scores of every head pair", tags=["composition"],
+)
+COMPOSITION_PAIR = Analysis(
+    name="composition-pair", path="composition/{source}/{target}", params=CompositionPairParams, view=CompositionPairView,
+    build=build_composition_pair_view, cost=pair_cost, summary="One head pair: K-composition circuit and virtual head",
+    tags=["composition"],
+)

@@ -10,11 +10,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from app.analysis import Analysis, split_heads
+from app.params import DetectorParams
 from app.schemas import DetectorInput, DetectorsView, HeadPattern, LossByPosition
 from app.settings import Limits
-from app.views.heads import detector_table, head_scores, num, parse_heads, repeated_input, run_patterns
+from app.views.heads import bos_id, detector_table, head_scores, num, parse_heads, repeated_input, run_patterns
 from app.views.inputs import model_ref, resolve_prompt, token_refs
+from circuits_core import heads
 from circuits_core.config import head_name
+from circuits_core.cost import Cost
 from circuits_core.model import next_token_losses
 from circuits_core.weights import LoadedModel
 
@@ -47,18 +51,10 @@ def _losses(logits: Tensor, tokens: Tensor, seq_len: int | None, has_bos: bool) 
     return LossByPosition(loss=per_pos, first_repeat=num(first.mean()), second_repeat=num(second.mean()))
 
 
-def build_detectors_view(
-    loaded: LoadedModel,
-    limits: Limits,
-    seq_len: int = 50,
-    batch: int = 10,
-    seed: int = 0,
-    prompt: str | None = None,
-    tokens: str | None = None,
-    heads: list[str] | None = None,
-) -> DetectorsView:
+def build_detectors_view(loaded: LoadedModel, p: DetectorParams, limits: Limits) -> DetectorsView:
     """Detector scores of every head on BOS + r + r (or on a prompt), patterns of `heads` (default: the best
     head of each detector) on the first sequence, and the per-position loss."""
+    seq_len, batch, seed, prompt, tokens, heads = p.seq_len, p.batch, p.seed, p.prompt, p.tokens, split_heads(p.heads)
     if prompt is not None or tokens is not None:
         ids = resolve_prompt(loaded, prompt, tokens, limits)
         run_tokens = torch.tensor([ids], dtype=torch.long, device=loaded.model.device)
@@ -84,3 +80,20 @@ def build_detectors_view(
         patterns=head_patterns,
         loss=loss,
     )
+
+
+def detectors_cost(loaded: LoadedModel, p: DetectorParams, limits: Limits) -> Cost:
+    """One pass with logits on the prompt (1 sequence) or on batch x (BOS + 2 seq_len) tokens."""
+    if p.prompt is not None or p.tokens is not None:
+        n, batch = len(resolve_prompt(loaded, p.prompt, p.tokens, limits)), 1
+    else:
+        n, batch = 2 * p.seq_len + (bos_id(loaded) is not None), p.batch
+    cost = heads.detectors_cost(loaded.model, n, batch, logits=True)
+    shown = len(split_heads(p.heads)) or len(DETECTOR_NAMES)
+    return cost.with_answer(numbers=shown * n * n + 2 * n, labels=n)
+
+
+DETECTORS = Analysis(
+    name="detectors", path="detectors", params=DetectorParams, view=DetectorsView, build=build_detectors_view,
+    cost=detectors_cost, summary="Head detectors on repeated random tokens", tags=["detectors"],
+)

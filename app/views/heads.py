@@ -12,11 +12,14 @@ import math
 import torch
 from torch import Tensor
 
+from app.analysis import Analysis, AnalysisParams, build_cached
+from app.params import CopyingParams, HeadParams, NoParams
 from app.schemas import Complex, CopyingMetricsView, DetectorInput, HeadScores, HeadsView, HeadView, PositionalQK
 from app.settings import Limits
 from app.views.inputs import check_k, model_ref
-from circuits_core import circuits
+from circuits_core import circuits, heads
 from circuits_core.config import head_name, parse_head
+from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
 from circuits_core.heads import (
     STANDARD_BATCH,
@@ -110,7 +113,7 @@ def head_scores(loaded: LoadedModel, detectors: dict[str, Tensor], k_comp: dict[
     return out
 
 
-def build_heads_view(loaded: LoadedModel) -> HeadsView:
+def build_heads_view(loaded: LoadedModel, p: NoParams | None = None, limits: Limits | None = None) -> HeadsView:
     """Copying scores and detector scores of every head on the standard repeated-random-token input."""
     tokens, meta = standard_input(loaded)
     with torch.no_grad():
@@ -128,10 +131,10 @@ def build_heads_view(loaded: LoadedModel) -> HeadsView:
     )
 
 
-def build_copying_view(loaded: LoadedModel, head: str, k: int, limits: Limits) -> CopyingMetricsView:
+def build_copying_view(loaded: LoadedModel, p: CopyingParams, limits: Limits) -> CopyingMetricsView:
     """Diagonal sign, top-1 and top-k copying of a head's full OV circuit (rows streamed under the byte budget)."""
-    layer, h = parse_head(head, loaded.model.cfg)
-    k = check_k(k, limits, loaded.model.cfg.d_vocab)
+    layer, h = parse_head(p.head, loaded.model.cfg)
+    k = check_k(p.k, limits, loaded.model.cfg.d_vocab)
     with torch.no_grad():
         m = circuits.ov_copying_metrics(loaded.model, layer, h, k=k, budget_bytes=limits.matrix_budget_bytes)
         score = circuits.ov_copying_scores(loaded.model)[layer, h]
@@ -157,15 +160,13 @@ def _positional(loaded: LoadedModel, layer: int, h: int) -> PositionalQK | None:
     )
 
 
-def build_head_view(loaded: LoadedModel, head: str, heads: HeadsView | None = None) -> HeadView:
-    """One head: its scores, OV/QK spectra (eigenvalues by |lambda|, singular values) and positional pattern.
-
-    `heads`: the model's heads table when the caller has it (e.g. cached); computed here otherwise.
-    """
+def build_head_view(loaded: LoadedModel, p: HeadParams, limits: Limits) -> HeadView:
+    """One head: its scores (from the heads table, cached), OV/QK spectra (eigenvalues by |lambda|, singular
+    values) and positional pattern."""
     model = loaded.model
-    layer, h = parse_head(head, model.cfg)
+    layer, h = parse_head(p.head, model.cfg)
     name = head_name(layer, h)
-    table = heads if heads is not None else build_heads_view(loaded)
+    table = build_cached(HEADS, loaded, loaded.path.name, NoParams(), limits)
     scores = next(s for s in table.heads if s.head == name)
     with torch.no_grad():
         ov_eig = circuits.ov_eigenvalues(model)[layer, h]  # [d_head] complex
@@ -194,3 +195,28 @@ def parse_heads(names: list[str], loaded: LoadedModel, max_heads: int) -> list[t
     if not names:
         raise InvalidInputError("no heads given: name heads as L{layer}H{head}, comma-separated")
     return [parse_head(n, loaded.model.cfg) for n in names]
+
+
+# -- declarations (app/analysis.py) ----------------------------------------------------------------------
+def heads_cost(loaded: LoadedModel, p: AnalysisParams, limits: Limits) -> Cost:
+    """The heads table on the standard input (the head view needs it too, when not cached)."""
+    meta = standard_input(loaded)[1]
+    return heads.head_table_cost(loaded.model, meta.n_tokens, meta.batch, limits.matrix_budget_bytes)
+
+
+def copying_cost(loaded: LoadedModel, p: CopyingParams, limits: Limits) -> Cost:
+    return circuits.copying_cost(loaded.model, p.k, limits.matrix_budget_bytes)
+
+
+HEADS = Analysis(
+    name="heads", path="heads", params=NoParams, view=HeadsView, build=build_heads_view, cost=heads_cost,
+    summary="Scores of every head", tags=["heads"],
+)
+HEAD = Analysis(
+    name="head", path="heads/{head}", params=HeadParams, view=HeadView, build=build_head_view, cost=heads_cost,
+    summary="One head: spectra, positional pattern", tags=["heads"],
+)
+COPYING = Analysis(
+    name="copying", path="heads/{head}/copying", params=CopyingParams, view=CopyingMetricsView, build=build_copying_view,
+    cost=copying_cost, summary="Copying metrics of the full OV circuit", tags=["heads"],
+)

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.analysis import Analysis
+from app.params import PromptInput
 from app.registry import ModelEntry, ModelRegistry
 from app.schemas import ModelListView, ModelSummary, TokenizeView, UnavailableModel
 from app.settings import Limits
 from app.views.inputs import model_ref, resolve_prompt, token_refs
+from circuits_core.cost import Cost
 from circuits_core.errors import CheckpointError, QkovError
 from circuits_core.weights import LoadedModel
 
@@ -61,6 +64,17 @@ def build_models_view(registry: ModelRegistry) -> ModelListView:
     return ModelListView(models=models, unavailable=unavailable)
 
 
-def build_tokenize_view(loaded: LoadedModel, prompt: str | None, tokens: str | None, limits: Limits) -> TokenizeView:
-    ids = resolve_prompt(loaded, prompt, tokens, limits)
-    return TokenizeView(model=model_ref(loaded), prompt=prompt, tokens=token_refs(loaded, ids), n_tokens=len(ids))
+def build_tokenize_view(loaded: LoadedModel, p: PromptInput, limits: Limits) -> TokenizeView:
+    ids = resolve_prompt(loaded, p.prompt, p.tokens, limits)
+    return TokenizeView(model=model_ref(loaded), prompt=p.prompt, tokens=token_refs(loaded, ids), n_tokens=len(ids))
+
+
+def tokenize_cost(loaded: LoadedModel, p: PromptInput, limits: Limits) -> Cost:
+    """Tokenising costs no tensor memory; the answer is one (id, text) per token, at most max_prompt_tokens."""
+    return Cost(0).with_answer(numbers=limits.max_prompt_tokens, labels=limits.max_prompt_tokens)
+
+
+TOKENIZE = Analysis(
+    name="tokenize", path="tokenize", params=PromptInput, view=TokenizeView, build=build_tokenize_view, cost=tokenize_cost,
+    summary="Tokenise a prompt", tags=["models"], cache=False,
+)

@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import torch
 
+from app.analysis import Analysis, split_heads
+from app.params import ChainParams
 from app.schemas.analyses import ChainView, SourceContribution
 from app.settings import Limits
 from app.views.composition import VIRTUAL_LABELS, parse_chain, token_circuit, virtual_ov_circuit
 from app.views.inputs import model_ref, resolve_prompt, resolve_token, token_ref, token_refs
 from app.views.prompt import check_path_budget
+from circuits_core import frozen, paths
 from circuits_core.config import head_name
+from circuits_core.cost import Cost
 from circuits_core.errors import LimitExceededError
 from circuits_core.frozen import frozen_run
 from circuits_core.paths import expand_logits
@@ -24,16 +28,9 @@ from circuits_core.weights import LoadedModel
 SOURCES = ("bias:", "mlp:")
 
 
-def build_path_view(
-    loaded: LoadedModel,
-    limits: Limits,
-    heads: list[str],
-    prompt: str | None = None,
-    tokens: str | None = None,
-    target: str | None = None,
-    k: int = 20,
-) -> ChainView:
+def build_path_view(loaded: LoadedModel, p: ChainParams, limits: Limits) -> ChainView:
     """The virtual head of `heads` on a prompt; `target` defaults to the model's top prediction at the last position."""
+    heads, prompt, tokens, target, k = split_heads(p.heads), p.prompt, p.tokens, p.target, p.k
     model = loaded.model
     chain = parse_chain(loaded, heads, limits.max_heads)
     if len(chain) > limits.max_order:
@@ -65,3 +62,15 @@ def build_path_view(
         model=model_ref(loaded), heads=list(names), tokens=token_refs(loaded, ids), target=token_ref(loaded, t),
         pattern=pattern.double().tolist(), ov=ov, contribution=contribution, by_source=by_source,
     )
+
+
+def path_cost(loaded: LoadedModel, p: ChainParams, limits: Limits) -> Cost:
+    """The frozen run and the expansion up to the chain's order at every position (q = n)."""
+    n, order = len(resolve_prompt(loaded, p.prompt, p.tokens, limits)), len(split_heads(p.heads))
+    return frozen.run_cost(loaded.model, n).then(paths.cost(loaded.model, n, order, q=n)).with_answer(numbers=n * n + 3 * n * order)
+
+
+PATH = Analysis(
+    name="path", path="path", params=ChainParams, view=ChainView, build=build_path_view, cost=path_cost,
+    summary="A chain of heads (virtual head) on a prompt", tags=["prompts"], cache=False,
+)

@@ -13,11 +13,15 @@ from math import comb
 
 import torch
 
+from app.analysis import Analysis, split_heads
+from app.params import PathsParams, PromptParams
 from app.schemas.analyses import PathsView, PathTermView, PromptHeadPattern, PromptView, TermKind
 from app.settings import Limits
 from app.views.heads import parse_heads
 from app.views.inputs import check_k, model_ref, resolve_prompt, resolve_token, token_ref, token_refs
+from circuits_core import frozen, paths
 from circuits_core.config import head_name
+from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
 from circuits_core.frozen import frozen_run
 from circuits_core.paths import Target, expand_logits
@@ -33,15 +37,9 @@ def check_position(position: int | None, n: int) -> int:
     return position % n
 
 
-def build_prompt_view(
-    loaded: LoadedModel,
-    limits: Limits,
-    prompt: str | None = None,
-    tokens: str | None = None,
-    heads: list[str] | None = None,
-    weighted: bool = False,
-) -> PromptView:
+def build_prompt_view(loaded: LoadedModel, p: PromptParams, limits: Limits) -> PromptView:
     """Tokens of a prompt and the (value-weighted) attention patterns of `heads` (default: the first max_heads)."""
+    prompt, tokens, heads, weighted = p.prompt, p.tokens, split_heads(p.heads), p.weighted
     model = loaded.model
     ids = resolve_prompt(loaded, prompt, tokens, limits)
     cfg = model.cfg
@@ -104,19 +102,10 @@ def term_kind(path: tuple[str, ...]) -> TermKind:
     return "head"
 
 
-def build_paths_view(
-    loaded: LoadedModel,
-    limits: Limits,
-    prompt: str | None = None,
-    tokens: str | None = None,
-    position: int | None = None,
-    target: str | None = None,
-    contrast: str | None = None,
-    max_order: int = 2,
-    by_source: bool = False,
-    k: int = 30,
-) -> PathsView:
+def build_paths_view(loaded: LoadedModel, p: PathsParams, limits: Limits) -> PathsView:
     """Path terms of the target logit (minus the contrast logit) at `position`; the k largest are listed."""
+    prompt, tokens, position, target, contrast = p.prompt, p.tokens, p.position, p.target, p.contrast
+    max_order, by_source, k = p.max_order, p.by_source, p.k
     model = loaded.model
     if max_order > limits.max_order:
         raise LimitExceededError(f"max_order={max_order} is over the limit of {limits.max_order}")
@@ -159,3 +148,26 @@ def build_paths_view(
         value=float(exp.value[0]), max_order=exp.max_order,
         terms=terms, total=float(sum(term.value for term in terms)), order_totals=order_totals, n_terms=len(exp.paths),
     )
+
+
+def prompt_cost(loaded: LoadedModel, p: PromptParams, limits: Limits) -> Cost:
+    """One forward pass keeping patterns and values; answer: n x n per shown head, the tokens."""
+    cfg, n = loaded.model.cfg, len(resolve_prompt(loaded, p.prompt, p.tokens, limits))
+    shown = len(split_heads(p.heads)) or min(limits.max_heads, cfg.n_layers * cfg.n_heads)
+    kept = cfg.n_heads * n * n + n * cfg.n_heads * cfg.d_head
+    return frozen.forward_cost(loaded.model, n, 1, kept).with_answer(numbers=shown * n * n + 2 * n, labels=2 * n)
+
+
+def paths_cost(loaded: LoadedModel, p: PathsParams, limits: Limits) -> Cost:
+    n = len(resolve_prompt(loaded, p.prompt, p.tokens, limits))
+    return frozen.run_cost(loaded.model, n).then(paths.cost(loaded.model, n, p.max_order, p.by_source, q=1, k=p.k))
+
+
+PROMPT = Analysis(
+    name="prompt", path="prompt", params=PromptParams, view=PromptView, build=build_prompt_view, cost=prompt_cost,
+    summary="Tokens and attention patterns of chosen heads", tags=["prompts"], cache=False,
+)
+PATHS = Analysis(
+    name="paths", path="paths", params=PathsParams, view=PathsView, build=build_paths_view, cost=paths_cost,
+    summary="Path expansion of a logit on a prompt", tags=["prompts"], cache=False,
+)

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from app.analysis import Analysis
+from app.params import QKPathsParams
 from app.schemas.analyses import QKPair, QKPathsView
 from app.settings import Limits
 from app.views.inputs import check_k, model_ref, resolve_prompt, token_refs
+from circuits_core import qk_paths
 from circuits_core.config import head_name, parse_head
+from circuits_core.cost import Cost
 from circuits_core.errors import LimitExceededError
 from circuits_core.frozen import frozen_run
 from circuits_core.qk_paths import expand_scores
@@ -35,15 +39,9 @@ def qk_paths_bytes(loaded: LoadedModel, layer: int, n: int, k: int) -> int:
     return (C * n * cfg.d_model * 2 + 2 * C * n * cfg.d_head + (C + k) * n * n) * itemsize
 
 
-def build_qk_paths_view(
-    loaded: LoadedModel,
-    limits: Limits,
-    head: str,
-    prompt: str | None = None,
-    tokens: str | None = None,
-    k: int = 6,
-) -> QKPathsView:
+def build_qk_paths_view(loaded: LoadedModel, p: QKPathsParams, limits: Limits) -> QKPathsView:
     """The std summary of every (query component, key component) term of `head`'s scores, and the k strongest terms."""
+    head, prompt, tokens, k = p.head, p.prompt, p.tokens, p.k
     model = loaded.model
     layer, h = parse_head(head, model.cfg)
     ids = resolve_prompt(loaded, prompt, tokens, limits)
@@ -71,3 +69,14 @@ def build_qk_paths_view(
         std=exp.std.double().tolist(), top_pairs=[QKPair(query=a, key=b, std=s) for a, b, s in pairs],
         terms=terms, scores=scores, max_abs_error=error,
     )
+
+
+def qk_paths_cost(loaded: LoadedModel, p: QKPathsParams, limits: Limits) -> Cost:
+    layer, _ = parse_head(p.head, loaded.model.cfg)
+    return qk_paths.cost(loaded.model, layer, len(resolve_prompt(loaded, p.prompt, p.tokens, limits)), p.k)
+
+
+QK_PATHS = Analysis(
+    name="qk-paths", path="qk-paths", params=QKPathsParams, view=QKPathsView, build=build_qk_paths_view, cost=qk_paths_cost,
+    summary="Decomposition of a head's attention scores", tags=["prompts"], cache=False,
+)

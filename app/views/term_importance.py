@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import torch
 
+from app.analysis import Analysis
+from app.params import TermImportanceParams
 from app.schemas.analyses import HeadAblation, TermImportanceView
 from app.settings import Limits
 from app.views.inputs import max_prompt_tokens, model_ref, resolve_prompt, token_refs
+from circuits_core import ablation
 from circuits_core.ablation import head_ablation, order_ablation
 from circuits_core.config import head_name
+from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
 from circuits_core.weights import LoadedModel
 
@@ -58,10 +62,9 @@ def ablation_bytes(loaded: LoadedModel, n: int) -> int:
     return (cfg.n_layers * cfg.n_heads * n * n * 2 + resid + 2 * n * cfg.d_vocab) * itemsize
 
 
-def build_term_importance_view(
-    loaded: LoadedModel, limits: Limits, prompt: str | None = None, tokens: str | None = None
-) -> TermImportanceView:
+def build_term_importance_view(loaded: LoadedModel, p: TermImportanceParams, limits: Limits) -> TermImportanceView:
     """Loss by max path order, marginal effect of each order, first-order terms by layer, per-head ablations."""
+    prompt, tokens = p.prompt, p.tokens
     model = loaded.model
     cfg = model.cfg
     if prompt is None and tokens is None:
@@ -90,3 +93,16 @@ def build_term_importance_view(
             for layer in range(cfg.n_layers) for h in range(cfg.n_heads)
         ],
     )
+
+
+def term_importance_cost(loaded: LoadedModel, p: TermImportanceParams, limits: Limits) -> Cost:
+    builtin = p.prompt is None and p.tokens is None
+    n = len(_default_ids(loaded, limits)[0] if builtin else resolve_prompt(loaded, p.prompt, p.tokens, limits))
+    return ablation.cost(loaded.model, n)
+
+
+TERM_IMPORTANCE = Analysis(
+    name="term-importance", path="term-importance", params=TermImportanceParams, view=TermImportanceView,
+    build=build_term_importance_view, cost=term_importance_cost, summary="Loss by path order and per-head ablations",
+    tags=["ablation"], cache=lambda p: p.prompt is None and p.tokens is None,  # the default text only
+)

@@ -10,6 +10,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from app.params import (
+    ChainParams,
+    CompositionPairParams,
+    CompositionParams,
+    DetectorParams,
+    DirectParams,
+    HeadParams,
+    OVParams,
+    PathsParams,
+    PromptParams,
+    QKParams,
+    QKPathsParams,
+    SkipTrigramParams,
+    TermImportanceParams,
+)
 from app.schemas import HeadScores
 from app.settings import Limits
 from app.views.circuits import build_direct_view, build_ov_view, build_qk_view, build_skip_trigrams_view
@@ -78,29 +93,29 @@ def _prompt(limits: Limits, text: str) -> str:
 # -- one layer and zero layers -----------------------------------------------------------------------
 def direct_path(loaded: LoadedModel, limits: Limits) -> Result:
     k = _k(limits)
-    return {"direct": build_direct_view(loaded, None, k, limits)}, "/direct", {"k": k}
+    return {"direct": build_direct_view(loaded, DirectParams(k=k), limits)}, "/direct", {"k": k}
 
 
 def paths_order1(loaded: LoadedModel, limits: Limits) -> Result:
     prompt = _prompt(limits, BUILTIN_TEXT)
-    view = build_paths_view(loaded, limits, prompt=prompt, max_order=min(1, limits.max_order), k=_k(limits))
+    view = build_paths_view(loaded, PathsParams(prompt=prompt, max_order=min(1, limits.max_order), k=_k(limits)), limits)
     return {"paths": view}, "/paths", {"prompt": prompt, "max_order": view.max_order, "k": _k(limits)}
 
 
 def ov_circuit(loaded: LoadedModel, limits: Limits) -> Result:
     head, k = _copying_heads(loaded)[0], _k(limits)
-    return {"ov": build_ov_view(loaded, head, None, k, limits)}, f"/heads/{head}/ov", {"k": k}
+    return {"ov": build_ov_view(loaded, OVParams(head=head, k=k), limits)}, f"/heads/{head}/ov", {"k": k}
 
 
 def qk_circuit(loaded: LoadedModel, limits: Limits) -> Result:
     head, k = _copying_heads(loaded)[0], _k(limits)
-    return {"qk": build_qk_view(loaded, head, None, k, limits), "ov": build_ov_view(loaded, head, None, k, limits)}, f"/heads/{head}/qk", {"k": k}
+    return {"qk": build_qk_view(loaded, QKParams(head=head, k=k), limits), "ov": build_ov_view(loaded, OVParams(head=head, k=k), limits)}, f"/heads/{head}/qk", {"k": k}
 
 
 def _skip(loaded: LoadedModel, limits: Limits, rank: int) -> Result:
     heads = _copying_heads(loaded)
     head = heads[min(rank, len(heads) - 1)]
-    return {"skip_trigrams": build_skip_trigrams_view(loaded, head, None, _k(limits), limits)}, f"/heads/{head}/skip-trigrams", {"k": _k(limits)}
+    return {"skip_trigrams": build_skip_trigrams_view(loaded, SkipTrigramParams(head=head, k=_k(limits)), limits)}, f"/heads/{head}/skip-trigrams", {"k": _k(limits)}
 
 
 def skip_trigrams(loaded: LoadedModel, limits: Limits) -> Result:
@@ -113,7 +128,7 @@ def skip_trigrams_second(loaded: LoadedModel, limits: Limits) -> Result:
 
 def positional(loaded: LoadedModel, limits: Limits) -> Result:
     head = _best(_heads(loaded), "previous_token")
-    view = build_head_view(loaded, head)
+    view = build_head_view(loaded, HeadParams(head=head), limits)
     return {"head": head, "positional": view.positional}, f"/heads/{head}", {}
 
 
@@ -134,19 +149,19 @@ def copying_scores(loaded: LoadedModel, limits: Limits) -> Result:
 # -- two layers ----------------------------------------------------------------------------------------
 def paths_order2(loaded: LoadedModel, limits: Limits) -> Result:
     prompt = _prompt(limits, REPEATED)
-    view = build_paths_view(loaded, limits, prompt=prompt, max_order=min(2, limits.max_order), k=_k(limits))
+    view = build_paths_view(loaded, PathsParams(prompt=prompt, max_order=min(2, limits.max_order), k=_k(limits)), limits)
     return {"paths": view}, "/paths", {"prompt": prompt, "max_order": view.max_order, "k": _k(limits)}
 
 
 def qk_decomposition(loaded: LoadedModel, limits: Limits) -> Result:
     _, induction = _induction_pair(loaded)
     prompt = _prompt(limits, REPEATED)
-    view = build_qk_paths_view(loaded, limits, induction, prompt=prompt, k=min(6, limits.max_k))
+    view = build_qk_paths_view(loaded, QKPathsParams(head=induction, prompt=prompt, k=min(6, limits.max_k)), limits)
     return {"qk_paths": view.model_copy(update={"terms": {}})}, "/qk-paths", {"head": induction, "prompt": prompt}
 
 
 def composition(loaded: LoadedModel, limits: Limits) -> Result:
-    data = {kind: build_composition_view(loaded, kind) for kind in ("Q", "K", "V")}
+    data = {kind: build_composition_view(loaded, CompositionParams(kind=kind)) for kind in ("Q", "K", "V")}
     return data, "/composition", {"kind": "K"}
 
 
@@ -154,14 +169,14 @@ def value_weighted(loaded: LoadedModel, limits: Limits) -> Result:
     prompt = _prompt(limits, REPEATED)
     prev, induction = _induction_pair(loaded)
     heads = list(dict.fromkeys([prev, induction]))[: limits.max_heads]
-    view = build_prompt_view(loaded, limits, prompt=prompt, heads=heads, weighted=True)
+    view = build_prompt_view(loaded, PromptParams(prompt=prompt, heads=",".join(heads), weighted=True), limits)
     return {"prompt": view}, "/prompt", {"prompt": prompt, "heads": ",".join(heads), "weighted": "true"}
 
 
 def induction_effect(loaded: LoadedModel, limits: Limits) -> Result:
     _, induction = _induction_pair(loaded)
     prompt = _prompt(limits, REPEATED)
-    view = build_path_view(loaded, limits, [induction], prompt=prompt, k=_k(limits))
+    view = build_path_view(loaded, ChainParams(heads=induction, prompt=prompt, k=_k(limits)), limits)
     return {"path": view}, "/path", {"heads": induction, "prompt": prompt, "k": _k(limits)}
 
 
@@ -169,13 +184,13 @@ def repeated_tokens(loaded: LoadedModel, limits: Limits) -> Result:
     n_ctx = loaded.model.cfg.n_ctx
     seq_len = max(1, min(20, limits.max_seq_len, (n_ctx - 1) // 2))
     batch = min(4, limits.max_batch)
-    view = build_detectors_view(loaded, limits, seq_len=seq_len, batch=batch, seed=0)
+    view = build_detectors_view(loaded, DetectorParams(seq_len=seq_len, batch=batch, seed=0), limits)
     return {"detectors": view}, "/detectors", {"seq_len": seq_len, "batch": batch}
 
 
 def k_composition(loaded: LoadedModel, limits: Limits) -> Result:
     prev, induction = _induction_pair(loaded)
-    view = build_composition_pair_view(loaded, prev, induction, _k(limits), limits)
+    view = build_composition_pair_view(loaded, CompositionPairParams(source=prev, target=induction, k=_k(limits)), limits)
     return {"pair": view}, f"/composition/{prev}/{induction}", {"k": _k(limits)}
 
 
@@ -194,17 +209,17 @@ def positivity_scatter(loaded: LoadedModel, limits: Limits) -> Result:
 
 
 def term_importance(loaded: LoadedModel, limits: Limits) -> Result:
-    view = build_term_importance_view(loaded, limits)
+    view = build_term_importance_view(loaded, TermImportanceParams(), limits)
     return {"term_importance": view.model_copy(update={"tokens": []})}, "/term-importance", {}
 
 
 def term_importance_by_layer(loaded: LoadedModel, limits: Limits) -> Result:
-    view = build_term_importance_view(loaded, limits)
+    view = build_term_importance_view(loaded, TermImportanceParams(), limits)
     return {"first_order_by_layer": view.first_order_by_layer, "loss_by_order": view.loss_by_order}, "/term-importance", {}
 
 
 def virtual_head(loaded: LoadedModel, limits: Limits) -> Result:
     prev, induction = _induction_pair(loaded)
     prompt = _prompt(limits, REPEATED)
-    view = build_path_view(loaded, limits, [prev, induction], prompt=prompt, k=_k(limits))
+    view = build_path_view(loaded, ChainParams(heads=f"{prev},{induction}", prompt=prompt, k=_k(limits)), limits)
     return {"path": view}, "/path", {"heads": f"{prev},{induction}", "prompt": prompt, "k": _k(limits)}

@@ -1,0 +1,242 @@
+"""One declaration per analysis; the API route, the page route, the OpenAPI constraints, the cache key and the
+JSON-twin link are all derived from it (design.md, "Declare an analysis once").
+
+An analysis is declared once, in app/analyses/<topic>.py:
+
+    class EntropyParams(AnalysisParams):
+        prompt: Prompt = None
+        tokens: Tokens = None
+
+    ENTROPY = Analysis(
+        name="attention-entropy", path="attention-entropy", params=EntropyParams, view=EntropyView,
+        build=build_entropy_view,        # (loaded, params, limits) -> view: calls the engine
+        cost=entropy_cost,               # (loaded, params, limits) -> Cost: the engine's own estimate
+        summary="Attention entropy of every head", tags=["prompts"], template="entropy.html",
+    )
+
+and listed in app/analyses/__init__.py's ANALYSES. From it come:
+- `GET /api/v1/models/{model}/<path>`: one query (or path, when `{name}` is in `path`) parameter per field of the
+  params model, with the field's type, description and bounds in the OpenAPI schema;
+- `GET /models/{model}/<path>` when `template` is set (or a `Page` in app/routers/pages_*.py), full page or htmx
+  fragment;
+- bounds from the settings: a field annotated with `Limit("max_k")` gets `le=settings.limits.max_k` (see
+  `bounded`), applied once per app in create_app, so every limit is visible in the schema;
+- the cache key (`cache_key`): model id, the digest of every answer-changing file (`loaded.digest`: weights,
+  tokenizer, token counts, qkov.json), analysis name and the normalised params as canonical JSON;
+- the price check: `cost(loaded, params, limits)` runs before a compute slot is taken (app/compute.py compares it
+  with the budget);
+- the JSON-twin link of the page (`json_url`).
+
+Params are normalised once (`AnalysisParams.normalised`: head names canonical, e.g. "l1h04" -> "L1H4") before
+they reach the cache key, the builder and the JSON link, so the copies cannot drift.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Generic, Literal, Self, TypeVar
+from urllib.parse import quote, urlencode
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+from app.compute import cached_build, compute, compute_json
+from app.settings import Limits
+from circuits_core.config import head_name, parse_head
+from circuits_core.cost import Cost
+from circuits_core.weights import LoadedModel
+
+API = "/api/v1"
+
+
+@dataclass(frozen=True)
+class Limit:
+    """Marks a field bound by the settings: `Annotated[int, Limit("max_k")]` -> `le=limits.max_k`.
+
+    `constraint` is the pydantic constraint set ("le", "lt", "ge", "max_length"); its value is
+    `getattr(limits, attr) * scale`."""
+
+    attr: str
+    constraint: Literal["le", "lt", "ge", "max_length"] = "le"
+    scale: int = 1
+
+    def value(self, limits: Limits) -> int:
+        return int(getattr(limits, self.attr)) * self.scale
+
+
+class HeadField:
+    """Marks a str field holding one head name (normalised to L{layer}H{head} against the model)."""
+
+
+class HeadsField:
+    """Marks a str field holding comma-separated head names (each normalised; order kept)."""
+
+
+class AnalysisParams(BaseModel):
+    """Base of every analysis's parameters. Fields are query (or path) parameters of the same name."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    def normalised(self, loaded: LoadedModel) -> Self:
+        """The same params with head names canonical (NotFoundError / InvalidInputError on a bad head)."""
+        cfg = loaded.model.cfg
+        update: dict[str, Any] = {}
+        for name, info in type(self).model_fields.items():
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                continue
+            if any(isinstance(m, HeadField) for m in info.metadata):
+                update[name] = head_name(*parse_head(value, cfg))
+            elif any(isinstance(m, HeadsField) for m in info.metadata):
+                update[name] = ",".join(head_name(*parse_head(h, cfg)) for h in split_heads(value))
+        return self.model_copy(update=update) if update else self
+
+
+def split_heads(heads: str | None) -> list[str]:
+    """"L0H1, L1H2" -> ["L0H1", "L1H2"] (empty items dropped)."""
+    return [h.strip() for h in heads.split(",") if h.strip()] if heads else []
+
+
+P = TypeVar("P", bound=AnalysisParams)
+V = TypeVar("V", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class Analysis(Generic[P, V]):
+    """Everything qkov knows about one analysis; see the module docstring."""
+
+    name: str  # unique; part of the cache key
+    path: str  # below /models/{model} ("heads/{head}/ov"); absolute ("/tour") when scope == "server"
+    params: type[P]
+    view: type[V]
+    build: Callable[..., V]  # (loaded, params, limits) -> view; scope "server": (registry, params, limits)
+    cost: Callable[..., Cost]  # (loaded, params, limits) -> Cost: the engine's estimate, priced before a slot is taken
+    summary: str
+    tags: list[str]
+    template: str | None = None  # a page rendering `view` (None: API only, or a Page declared in app/routers)
+    cache: bool | Callable[[P], bool] = True  # keep answers in the result cache (per params when callable)
+    scope: Literal["model", "server"] = "model"
+    description: str | None = None
+
+    @property
+    def api_path(self) -> str:
+        return API + self.page_path
+
+    @property
+    def page_path(self) -> str:
+        return self.path if self.scope == "server" else f"/models/{{model}}/{self.path}".rstrip("/")
+
+    def path_fields(self) -> list[str]:
+        return [n for n in self.params.model_fields if "{" + n + "}" in self.path]
+
+    def cached(self, params: P) -> bool:
+        return self.cache(params) if callable(self.cache) else self.cache
+
+
+def bounded(params: type[P], limits: Limits) -> type[P]:
+    """`params` with every `Limit` turned into its constraint from `limits` (defaults clipped to the bound)."""
+    overrides: dict[str, Any] = {}
+    for name, info in params.model_fields.items():
+        marks = [m for m in info.metadata if isinstance(m, Limit)]
+        if not marks:
+            continue
+        bounds = {m.constraint: m.value(limits) for m in marks}
+        default = info.default
+        if "le" in bounds and isinstance(default, int) and not isinstance(default, bool):
+            default = min(default, bounds["le"])
+        said = ", ".join(f"{c.replace('_', ' ')} {v}" for c, v in bounds.items())
+        description = f"{info.description or name} ({said}, from the server's limits)"
+        kept = [m for m in info.metadata if not isinstance(m, Limit)]
+        annotation = Annotated[(info.annotation, *kept, Field(description=description, **bounds))]  # type: ignore[valid-type,name-defined]
+        overrides[name] = (annotation, ... if info.is_required() else default)
+    if not overrides:
+        return params
+    model: type[P] = create_model(params.__name__, __base__=params, __module__=params.__module__, **overrides)
+    return model
+
+
+def validate(params: type[P], raw: dict[str, Any]) -> P:
+    """Parse raw values (query strings...) into `params`; errors raise FastAPI's RequestValidationError (422)."""
+    from fastapi.exceptions import RequestValidationError
+
+    try:
+        return params.model_validate(raw)
+    except ValidationError as exc:
+        raise RequestValidationError([{**e, "loc": ("query", *e["loc"])} for e in exc.errors(include_url=False)]) from exc
+
+
+# -- derived: cache key, JSON link, running ------------------------------------------------------------------
+def canonical(params: AnalysisParams) -> str:
+    """The normalised params as canonical JSON (sorted keys, every field, defaults included)."""
+    return json.dumps(params.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+def cache_key(analysis: Analysis[Any, Any], model_id: str, loaded: LoadedModel, params: AnalysisParams) -> tuple[str, ...]:
+    """Model id, digest of every answer-changing file, analysis name, normalised params."""
+    return (model_id, str(loaded.digest), analysis.name, canonical(params))
+
+
+def json_url(analysis: Analysis[Any, Any], model_id: str | None, params: AnalysisParams) -> str:
+    """The API twin of a page: path parameters filled in, the set query parameters (None and '' left out)."""
+    values = params.model_dump(mode="json")
+    path = analysis.api_path.replace("{model}", quote(model_id or "", safe=""))
+    for name in analysis.path_fields():
+        path = path.replace("{" + name + "}", quote(str(values.pop(name)), safe=""))
+    query = {k: ("true" if v is True else "false" if v is False else v) for k, v in values.items() if v is not None and v != ""}
+    return f"{path}?{urlencode(query)}" if query else path
+
+
+def lower_hint(analysis: Analysis[Any, Any]) -> str:
+    """What to lower when a request is over budget: the params bounded by the limits."""
+    names = [n for n, info in analysis.params.model_fields.items() if any(isinstance(m, Limit) for m in info.metadata)]
+    return f"lower {', '.join(names)}" if names else ""
+
+
+def _priced(analysis: Analysis[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> dict[str, Any]:
+    """The keyword arguments of compute: the cost (the engine's estimate), the cache key, what to lower."""
+    key: tuple[str, ...] | None = None
+    if analysis.cached(params):
+        key = cache_key(analysis, model_id or "", subject, params) if analysis.scope == "model" else (analysis.name, canonical(params))
+    return {"cost": analysis.cost(subject, params, limits), "key": key, "lower": lower_hint(analysis)}
+
+
+async def run(analysis: Analysis[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> V:
+    """Price, then build through a compute slot (cached under `cache_key` when the analysis says so): the view."""
+    kw = _priced(analysis, subject, model_id, params, limits)
+    return await compute(analysis.build, subject, params, limits, view=analysis.view, **kw)
+
+
+async def run_json(analysis: Analysis[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> bytes:
+    """Like `run`, the answer encoded as JSON inside the slot (the API's answer)."""
+    kw = _priced(analysis, subject, model_id, params, limits)
+    return await compute_json(analysis.build, subject, params, limits, **kw)
+
+
+def build_cached(analysis: Analysis[P, V], loaded: LoadedModel, model_id: str, params: P, limits: Limits) -> V:
+    """Inside a computation (a worker thread): another analysis's answer, from the result cache when there,
+    else built here and kept (e.g. the head view reuses the heads table)."""
+    key = cache_key(analysis, model_id, loaded, params)
+    return cached_build(key, analysis.view, lambda: analysis.build(loaded, params, limits))
+
+
+@dataclass
+class Registry:
+    """The declared analyses of an app, with their params bound to the app's limits (made in create_app)."""
+
+    analyses: list[Analysis[Any, Any]]
+    limits: Limits
+    params: dict[str, type[AnalysisParams]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        names = [a.name for a in self.analyses]
+        if len(set(names)) != len(names):
+            raise ValueError(f"analysis names must be unique: {names}")
+        self.params = {a.name: bounded(a.params, self.limits) for a in self.analyses}
+
+    def bound(self, analysis: Analysis[Any, Any]) -> type[AnalysisParams]:
+        return self.params[analysis.name]
+
+    def bound_params(self, params: type[AnalysisParams]) -> type[AnalysisParams]:
+        """Another params model (a page's) bound to the same limits."""
+        return bounded(params, self.limits)

@@ -1,0 +1,41 @@
+"""Every declared analysis (app/analysis.py), in the order of the API docs. An analysis is declared beside its
+builder in app/views/<topic>.py and listed here once; create_app derives its routes from this list."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.analysis import Analysis
+from app.params import NoParams
+from app.registry import ModelRegistry
+from app.schemas.analyses import TourView
+from app.settings import Limits
+from app.views import circuits, composition, detectors, heads, models, path, prompt, qk_paths, term_importance
+from app.views.tour import build_tour_view
+from circuits_core.cost import Cost
+
+
+def build_tour(registry: ModelRegistry, p: NoParams, limits: Limits) -> TourView:
+    return build_tour_view(registry, limits)
+
+
+def tour_cost(registry: ModelRegistry, p: NoParams, limits: Limits) -> Cost:
+    """Provisional: the tour's figures run on the small shipped models; their own estimate is still to come."""
+    return Cost(0)
+
+
+TOUR = Analysis(
+    name="tour", path="/tour", params=NoParams, view=TourView, build=build_tour, cost=tour_cost, scope="server",
+    summary="The paper's figures on the shipped models", tags=["tour"],
+)
+
+ANALYSES: list[Analysis[Any, Any]] = [
+    models.TOKENIZE,
+    heads.HEADS, heads.HEAD, heads.COPYING,
+    circuits.OV, circuits.QK, circuits.SKIP_TRIGRAMS, circuits.DIRECT,
+    detectors.DETECTORS,
+    composition.COMPOSITION, composition.COMPOSITION_PAIR,
+    prompt.PROMPT, prompt.PATHS, path.PATH, qk_paths.QK_PATHS,
+    term_importance.TERM_IMPORTANCE,
+    TOUR,
+]

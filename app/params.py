@@ -1,0 +1,136 @@
+"""The typed parameters of every analysis (pydantic), and the field types they share.
+
+A field is a query parameter of the same name (a path parameter where the analysis's path names it). Bounds
+that come from the server's limits are marked `Limit(...)` and applied per app (app/analysis.py `bounded`),
+so they appear in the OpenAPI schema; head fields are marked `HeadField` / `HeadsField` and normalised to
+L{layer}H{head} before the cache key, the builder and the JSON link see them.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from app.analysis import AnalysisParams, HeadField, HeadsField, Limit
+
+TOKEN_DOC = "a token id (e.g. 464) or a single-token string (e.g. ' the'); a numeral meant as text goes in double quotes"
+HEAD_DOC = "head name L{layer}H{head}, e.g. L1H4"
+
+# -- shared field types --------------------------------------------------------------------------------------
+Token = Annotated[str | None, Field(max_length=256, description=TOKEN_DOC)]
+K = Annotated[int, Field(ge=1, description="how many entries"), Limit("max_k")]
+MinCount = Annotated[int | None, Field(
+    ge=1, le=10**9,
+    description="frequent tokens only: keep tokens seen at least this often in training (the model folder's "
+    "token_counts.npy; 422 for a model without it). Without it every token is ranked",
+)]
+Prompt = Annotated[str | None, Field(
+    description="text, tokenised with the model's tokenizer, BOS prepended (at most min(n_ctx, max_prompt_tokens) tokens)"
+), Limit("max_prompt_tokens", "max_length", 64)]
+Tokens = Annotated[str | None, Field(description="comma-separated token ids, used as given (instead of prompt)"),
+                   Limit("max_prompt_tokens", "max_length", 64)]
+Heads = Annotated[str | None, Field(description="comma-separated head names L{layer}H{head}"),
+                  Limit("max_heads", "max_length", 12), HeadsField()]
+Head = Annotated[str, Field(max_length=16, description=HEAD_DOC), HeadField()]
+Seed = Annotated[int, Field(ge=0, le=2**31 - 1, description="seed of the random tokens")]
+SeqLen = Annotated[int, Field(ge=1, description="length T of the random segment r in BOS + r + r"), Limit("max_seq_len")]
+Batch = Annotated[int, Field(ge=1, description="number of random sequences"), Limit("max_batch")]
+MaxOrder = Annotated[int, Field(ge=0, description="highest path order listed explicitly; the rest is the remainder term"),
+                     Limit("max_order")]
+Position = Annotated[int | None, Field(description="destination position (default: the last; negative counts from the end)"),
+                     Limit("max_prompt_tokens", "lt"), Limit("max_prompt_tokens", "ge", -1)]
+
+
+def target_token(what: str) -> object:
+    return Field(default=None, max_length=256, description=f"{what}: {TOKEN_DOC}")
+
+
+# -- models, heads and their circuits ------------------------------------------------------------------------
+class NoParams(AnalysisParams):
+    """An analysis without parameters."""
+
+
+class PromptInput(AnalysisParams):
+    """A prompt as text or as token ids."""
+
+    prompt: Prompt = None
+    tokens: Tokens = None
+
+
+class HeadParams(AnalysisParams):
+    head: Head
+
+
+class CopyingParams(HeadParams):
+    k: K = 5
+
+
+class OVParams(HeadParams):
+    token: Token = None
+    k: K = 20
+    min_count: MinCount = None
+
+
+class QKParams(OVParams):
+    side: Annotated[Literal["query", "key"], Field(description="whether token is the query (its row) or the key (its column)")] = "query"
+
+
+class SkipTrigramParams(OVParams):
+    k: K = 10
+
+
+class DirectParams(AnalysisParams):
+    token: Token = None
+    k: K = 20
+    min_count: MinCount = None
+
+
+class DetectorParams(PromptInput):
+    seq_len: SeqLen = 50
+    batch: Batch = 10
+    seed: Seed = 0
+    heads: Heads = None
+
+
+# -- composition, prompts, paths -----------------------------------------------------------------------------
+class CompositionParams(AnalysisParams):
+    kind: Annotated[Literal["Q", "K", "V"], Field(description="Q, K or V composition (paper-math 2.9)")] = "K"
+
+
+class CompositionPairParams(AnalysisParams):
+    source: Annotated[str, Field(max_length=16, description=f"the earlier {HEAD_DOC}"), HeadField()]
+    target: Annotated[str, Field(max_length=16, description=f"the later {HEAD_DOC}"), HeadField()]
+    k: K = 10
+
+
+class PromptParams(PromptInput):
+    heads: Heads = None
+    weighted: Annotated[bool, Field(description="value-weighted patterns A[i, j] ||v_j|| (paper-math 2.16)")] = False
+
+
+class PathsParams(PromptInput):
+    position: Position = None
+    target: str | None = target_token("the logit to expand (default: the model's top prediction at position)")  # type: ignore[assignment]
+    contrast: str | None = target_token("subtract this token's logit (logit difference)")  # type: ignore[assignment]
+    max_order: MaxOrder = 2
+    by_source: Annotated[bool, Field(description="split each listed term over source positions")] = False
+    k: K = 30
+
+
+class ChainParams(AnalysisParams):
+    heads: Annotated[str, Field(description="comma-separated heads in increasing layers"),
+                     Limit("max_heads", "max_length", 12), HeadsField()]
+    prompt: Prompt = None
+    tokens: Tokens = None
+    target: str | None = target_token("the logit the contribution is measured on (default: top prediction at the last position)")  # type: ignore[assignment]
+    k: K = 20
+
+
+class QKPathsParams(PromptInput):
+    head: Annotated[str, Field(max_length=16, description=f"{HEAD_DOC}, in layer >= 1"), HeadField()]
+    k: K = 6
+
+
+class TermImportanceParams(PromptInput):
+    """Without a prompt: the built-in text (cached)."""

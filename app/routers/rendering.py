@@ -1,0 +1,191 @@
+"""How a dashboard page is served: the templates, the full page or htmx fragment, the page frame (title,
+JSON twin, model picker and navigation) and `Page`, the page of an analysis.
+
+All state is in the URL: pickers are GET forms with hx-get + hx-push-url, so a pasted link, a reload and the
+back button show the same screen. For an htmx request (`HX-Request: true`, not a history restore nor a
+boosted link) only the swapped block is rendered: the block named like the request's `HX-Target` element id
+when the page declares it, else the page's first block. Every answer sends `Vary: HX-Request`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlencode
+
+from fastapi import Request
+from fastapi.responses import Response
+from jinja2_fragments.fastapi import Jinja2Blocks
+
+from app import charts
+from app.analysis import API, Analysis, AnalysisParams, json_url, run, validate
+from app.compute import compute
+from app.deps import get_model
+from app.errors import kind_of
+from app.registry import ModelRegistry
+from app.settings import REPO_ROOT, Limits
+from circuits_core.errors import QkovError
+from circuits_core.weights import LoadedModel
+
+templates = Jinja2Blocks(directory=str(REPO_ROOT / "templates"))
+templates.env.policies["json.dumps_kwargs"] = {"separators": (",", ":")}  # compact figure JSON
+templates.env.filters["visible"] = charts.visible  # tokens shown with whitespace and control characters visible
+templates.env.globals["charts"] = charts  # a template may draw its view's charts itself
+# The shared macros as a global `m`: a top-level {% import %} is not run when a single block is rendered.
+templates.env.globals["m"] = templates.env.get_template("_macros.html").module
+
+# The left navigation of a model: (key, label, path below /models/{model}).
+MODEL_NAV: list[tuple[str, str, str]] = [
+    ("overview", "Overview", ""),
+    ("composition", "Composition", "/composition"),
+    ("prompt", "Prompt & paths", "/prompt"),
+    ("path", "Chain of heads", "/path"),
+    ("qk-paths", "QK paths", "/qk-paths"),
+    ("attention-entropy", "Attention entropy", "/attention-entropy"),
+    ("detectors", "Detectors", "/detectors"),
+    ("term-importance", "Term importance", "/term-importance"),
+    ("direct", "Direct path", "/direct"),
+]
+
+
+def url(path: str, **params: Any) -> str:
+    """`path?query` with the parameters that are set (None and '' are left out)."""
+    query = {k: v for k, v in params.items() if v is not None and v != ""}
+    return f"{path}?{urlencode(query)}" if query else path
+
+
+def is_fragment(request: Request) -> bool:
+    h = request.headers
+    return h.get("HX-Request") == "true" and h.get("HX-History-Restore-Request") != "true" and h.get("HX-Boosted") != "true"
+
+
+async def model_ids(registry: ModelRegistry) -> list[str]:
+    return [e.id for e in await compute(registry.entries)]
+
+
+def refusal(exc: QkovError) -> dict[str, Any]:
+    """A refusal shown inside the page's panel (its form kept, so the input can be fixed)."""
+    kind = kind_of(exc)
+    return {"status": kind.status, "title": kind.title, "detail": str(exc)}
+
+
+async def attempt(fn: Any, *args: Any, key: Any = None) -> tuple[Any, dict[str, Any] | None]:
+    """Run a function through `compute`: (value, None), or (None, refusal) for a QkovError."""
+    try:
+        return await compute(fn, *args, key=key), None
+    except QkovError as exc:
+        return None, refusal(exc)
+
+
+def render(request: Request, template: str, context: dict[str, Any], blocks: Sequence[str] = ("main",)) -> Response:
+    """The full page, or for htmx only the block the request targets (default: the first of `blocks`).
+    Refusals in the context (keys ending in 'error') set the status; they are not pushed to history."""
+    context = {"request": request, "API": API, "url": url, **context}
+    errors = [v for k, v in context.items() if k.endswith("error") and isinstance(v, dict)]
+    if is_fragment(request):
+        target = request.headers.get("HX-Target", "")
+        block = target if target in blocks else blocks[0]
+        response = templates.TemplateResponse(request, template, context, block_name=block)
+    else:
+        response = templates.TemplateResponse(request, template, context)
+    response.headers["Vary"] = "HX-Request"
+    if errors:
+        response.status_code = errors[0]["status"]
+        response.headers["HX-Push-Url"] = "false"
+    return response
+
+
+async def page_context(request: Request, registry: ModelRegistry, title: str, json_link: str, model_id: str | None = None,
+                       nav: str | None = None) -> dict[str, Any]:
+    """What base.html needs: the title, the JSON twin, the model picker and the model's navigation."""
+    ctx: dict[str, Any] = {"title": title, "json_url": json_link, "model_id": model_id, "nav": nav}
+    if not is_fragment(request):
+        ctx["models"] = await model_ids(registry)
+        if model_id:
+            ctx["model_nav"] = [(key, label, f"/models/{model_id}{sub}") for key, label, sub in MODEL_NAV]
+    return ctx
+
+
+# -- the page of an analysis ---------------------------------------------------------------------------------
+@dataclass
+class PageCall:
+    """One page request: its typed params, the model, and `run` for the analyses the page shows."""
+
+    page: Page
+    request: Request
+    registry: ModelRegistry
+    limits: Limits
+    model_id: str | None
+    loaded: LoadedModel | None
+    params: Any
+    json_params: AnalysisParams | None = None  # the params of the JSON twin, when the page changed them
+    title: str | None = None
+
+    @property
+    def model(self) -> LoadedModel:
+        """The loaded model of a model page."""
+        if self.loaded is None:
+            raise RuntimeError("a server-wide page has no model")
+        return self.loaded
+
+    async def run(self, analysis: Analysis[Any, Any], params: AnalysisParams) -> Any:
+        """Another analysis's answer (priced, cached as its API route would be); errors propagate."""
+        subject = self.registry if analysis.scope == "server" else self.loaded
+        if analysis.scope == "model":
+            params = params.normalised(self.loaded)  # type: ignore[arg-type]
+        return await run(analysis, subject, self.model_id, params, self.limits)
+
+    async def attempt(self, analysis: Analysis[Any, Any], params: AnalysisParams) -> tuple[Any, dict[str, Any] | None]:
+        """`run`, a refusal (QkovError) returned as the panel's error instead of raised."""
+        try:
+            return await self.run(analysis, params), None
+        except QkovError as exc:
+            return None, refusal(exc)
+
+
+async def default_context(call: PageCall) -> dict[str, Any]:
+    """The page of a simple analysis: its view (or the refusal) and its params."""
+    view, error = await call.attempt(call.page.analysis, call.params)
+    return {"view": view, "error": error, "params": call.params}
+
+
+@dataclass(frozen=True)
+class Page:
+    """The page of an analysis: a template, and `context` (default: the analysis's view as `view`)."""
+
+    analysis: Analysis[Any, Any]
+    template: str
+    context: Callable[[PageCall], Awaitable[dict[str, Any]]] = default_context
+    params: type[AnalysisParams] | None = None  # page params (default: the analysis's); may add page-only fields
+    blocks: tuple[str, ...] = ("main",)
+    title: str = "{name} · {model}"
+    nav: str | None = None  # the navigation entry shown as current (default: the analysis's name)
+    path: str | None = None  # the page's route (default: the analysis's page path)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def route(self) -> str:
+        return self.path or self.analysis.page_path
+
+
+async def serve_page(page: Page, params: type[AnalysisParams], request: Request, registry: ModelRegistry,
+                     limits: Limits) -> Response:
+    """Parse the query (empty form fields are absent), normalise, build the page's context, render."""
+    analysis = page.analysis
+    raw: dict[str, Any] = {k: v for k, v in request.query_params.items() if v != ""}
+    raw.update({k: v for k, v in request.path_params.items() if k != "model"})
+    model_id: str | None = request.path_params.get("model")
+    loaded = None
+    if analysis.scope == "model":  # the same loading (404 / 422) as the API's LoadedModelDep
+        loaded = await get_model(model_id or "", registry)
+    typed = validate(params, raw)
+    if loaded is not None:
+        typed = typed.normalised(loaded)
+    call = PageCall(page, request, registry, limits, model_id, loaded, typed)
+    context = await page.context(call)
+    twin = call.json_params or analysis.params.model_validate(typed.model_dump())
+    title = call.title or page.title.format(name=analysis.summary, model=model_id, **typed.model_dump())
+    frame = await page_context(request, registry, title, json_url(analysis, model_id, twin), model_id,
+                               page.nav or analysis.name)
+    return render(request, page.template, {**frame, **page.extra, "limits": limits, **context}, blocks=page.blocks)
