@@ -100,3 +100,15 @@ def check_stop(should_stop: Callable[[], bool] | None = None, what: str = "compu
     ambient = _AMBIENT.get()
     if (should_stop is not None and should_stop()) or (ambient is not None and ambient()):
         raise CancelledError(f"{what} cancelled: its result is no longer wanted")
+
+
+def polled(names: Callable[[str], bool], should_stop: Callable[[], bool] | None = None,
+           what: str = "forward pass") -> Callable[[str], bool]:
+    """A hook-name filter for Transformer.run that also polls the stop flag at every hook it is asked about,
+    so a long forward pass (big batch, big vocabulary) stops within one hook, not one whole pass."""
+
+    def keep(name: str) -> bool:
+        check_stop(should_stop, what)
+        return names(name)
+
+    return keep

@@ -33,7 +33,7 @@ from circuits_core.circuits import (
     unembed_embed_gram,
 )
 from circuits_core.config import head_name
-from circuits_core.cost import Cost, check_stop, itemsize
+from circuits_core.cost import Cost, check_stop, itemsize, polled
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.frozen import attention, forward_cost, ln_linear
 from circuits_core.model import Transformer, next_token_losses
@@ -178,7 +178,7 @@ def detector_run(model: Transformer, tokens: Tensor, should_stop: Callable[[], b
         for start in range(0, b, chunk):
             check_stop(should_stop, "head detectors")
             part = tokens[start : start + chunk]  # [c, n]
-            keep = lambda nm: nm.endswith("hook_pattern")  # noqa: E731
+            keep = polled(lambda nm: nm.endswith("hook_pattern"), should_stop, "head detectors")  # polls per hook
             if with_loss:
                 logits, cache = model.run(part, names=keep)  # [c, n, d_vocab]
                 losses.append(next_token_losses(logits.double(), part))  # [c, n - 1]

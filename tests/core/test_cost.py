@@ -13,7 +13,7 @@ import torch
 
 from circuits_core import ablation, circuits, composition, heads, paths, qk_paths
 from circuits_core.config import ModelConfig
-from circuits_core.cost import Cost, check_stop, stopping
+from circuits_core.cost import Cost, check_stop, polled, stopping
 from circuits_core.errors import CancelledError
 from circuits_core.frozen import run_cost
 from circuits_core.model import Transformer, next_token_losses, random_model
@@ -82,3 +82,18 @@ def test_cost_arithmetic() -> None:
     a, b = Cost(10, 1, 2.0), Cost(4, 3)
     assert a.then(b) == Cost(10, 4, 2.0) and a + b == Cost(14, 4, 2.0)
     assert Cost(1).with_answer(numbers=2, labels=1) == Cost(1, 2 * 22 + 40)
+
+
+def test_a_polled_forward_pass_stops_between_hooks(model: Transformer) -> None:
+    asked: list[str] = []
+
+    def flag() -> bool:  # becomes true once the pass has reached layer 1
+        return any(name.startswith("blocks.1.") for name in asked)
+
+    def keep(name: str) -> bool:
+        asked.append(name)
+        return False
+
+    with pytest.raises(CancelledError, match="forward pass cancelled"):
+        model.run(torch.tensor([[0, 5, 6]]), names=polled(keep, flag))
+    assert asked[-1].startswith("blocks.1.") and "ln_final.hook_scale" not in asked  # stopped mid-way
