@@ -86,7 +86,7 @@ def _config(path: Path, **fields: Any) -> ModelConfig:
 
 
 def _act_fn(r: ConfigReader, field: str, default: str) -> str:
-    aliases = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "relu": "relu"}
+    aliases = {"gelu": "gelu", "gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
     name = r.text(field, default=default)
     if name not in aliases:
         raise CheckpointError(
@@ -101,7 +101,10 @@ def _bos(r: ConfigReader, d_vocab: int) -> int | None:
     return bos if bos is not None and bos < d_vocab else None
 
 
-def load_gpt2(folder: Path, hf: dict[str, Any]) -> tuple[ModelConfig, State, dict[str, str], list[Path]]:
+def load_gpt2(
+    folder: Path, hf: dict[str, Any], dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, State, dict[str, str], list[Path]]:
+    """(config, state dict as stored -- load_checkpoint converts it to `dtype`, tensor -> file, files)."""
     path = folder / "config.json"
     r = ConfigReader(hf, path.name)
     if r.flag("scale_attn_by_inverse_layer_idx", default=False):
@@ -159,7 +162,10 @@ def load_gpt2(folder: Path, hf: dict[str, Any]) -> tuple[ModelConfig, State, dic
     return cfg, sd, origin, files
 
 
-def load_gpt_neox(folder: Path, hf: dict[str, Any]) -> tuple[ModelConfig, State, dict[str, str], list[Path]]:
+def load_gpt_neox(
+    folder: Path, hf: dict[str, Any], dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, State, dict[str, str], list[Path]]:
+    """(config, state dict as stored -- load_checkpoint converts it to `dtype`, tensor -> file, files)."""
     path = folder / "config.json"
     r = ConfigReader(hf, path.name)
     rope = r.section("rope_parameters" if r.has("rope_parameters") else "rope_scaling")

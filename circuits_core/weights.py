@@ -6,6 +6,7 @@ Formats (REGISTRY, keyed by `Format`):
 - "transformer_lens": config.json with HookedTransformerConfig fields + a TransformerLens state dict as
   .safetensors, .pth or .pt (buffers such as blocks.{l}.attn.mask / IGNORE are dropped).
 - "gpt2", "gpt_neox": Hugging Face folders (see formats_hf.py).
+- "llama", "mistral", "qwen2": Hugging Face Llama-family folders, sharded safetensors (formats_llama.py).
 
 Every loader builds the whole state dict, `statedict.build_model` checks every key and shape, and only then is
 the model constructed (float32 by default, float64 on request), optionally processed (processing.py:
@@ -35,6 +36,7 @@ from torch import Tensor
 from circuits_core.config import ConfigReader, ModelConfig
 from circuits_core.errors import CheckpointError, InvalidInputError
 from circuits_core.formats_hf import load_gpt2, load_gpt_neox
+from circuits_core.formats_llama import load_llama
 from circuits_core.model import Transformer
 from circuits_core.processing import SWITCHES, ProcessingOptions, own_tensors, process_state
 from circuits_core.statedict import (
@@ -51,12 +53,15 @@ from circuits_core.statedict import (
 )
 from circuits_core.tokenizer import Tokenizer
 
-Format = Literal["qkov", "transformer_lens", "gpt2", "gpt_neox"]
+Format = Literal["qkov", "transformer_lens", "gpt2", "gpt_neox", "llama", "mistral", "qwen2"]
 FORMATS: tuple[str, ...] = get_args(Format)
 QKOV_FORMAT_VERSION = 1
 # A loader turns (folder, parsed config.json) into (config, TransformerLens state dict, key -> file, files).
-Loader = Callable[[Path, dict[str, Any]], tuple[ModelConfig, dict[str, Tensor], dict[str, str], list[Path]]]
-HF_MODEL_TYPES: dict[str, Format] = {"gpt2": "gpt2", "gpt_neox": "gpt_neox"}
+# The compute dtype is passed so a loader may convert each tensor as it reads it (peak: one copy + one tensor).
+Loader = Callable[[Path, dict[str, Any], torch.dtype], tuple[ModelConfig, dict[str, Tensor], dict[str, str], list[Path]]]
+HF_MODEL_TYPES: dict[str, Format] = {
+    "gpt2": "gpt2", "gpt_neox": "gpt_neox", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
+}  # fmt: skip
 LOAD_OPTIONS_FILE = "qkov.json"  # per-checkpoint load options (processing), next to config.json
 # Files besides config.json and the weights that can change an answer, so they are part of the digest: the
 # processing choice, tokenizer files (tokenizer.py), token counts (phenomena.TOKEN_COUNTS_FILE), the card.
@@ -114,7 +119,9 @@ def detect_format(folder: str | Path) -> Format:
     )
 
 
-def _load_qkov(folder: Path, data: dict[str, Any]) -> tuple[ModelConfig, dict[str, Tensor], dict[str, str], list[Path]]:
+def _load_qkov(
+    folder: Path, data: dict[str, Any], dtype: torch.dtype
+) -> tuple[ModelConfig, dict[str, Tensor], dict[str, str], list[Path]]:
     version = ConfigReader(data).integer("format_version", default=QKOV_FORMAT_VERSION, ge=1)
     if version > QKOV_FORMAT_VERSION:
         raise CheckpointError(f"config.json: format_version {version} is newer than this code ({QKOV_FORMAT_VERSION})")
@@ -133,13 +140,11 @@ def _positive(value: Any) -> bool:
 def _tl_check_supported(data: dict[str, Any], path: Path) -> None:
     """Refuse HookedTransformerConfig features this model does not implement (before reading any weights)."""
     unsupported = {
-        "normalization_type": data.get("normalization_type") not in ("LN", "LNPre", None),
+        "normalization_type": data.get("normalization_type") not in ("LN", "LNPre", "RMS", "RMSPre", None),
         "positional_embedding_type": data.get("positional_embedding_type", "standard")
         not in ("standard", "shortformer", "rotary"),
-        "n_key_value_heads": data.get("n_key_value_heads") not in (None, data.get("n_heads")),
-        "gated_mlp": bool(data.get("gated_mlp")),
-        "final_rms": bool(data.get("final_rms")),
-        "rotary_adjacent_pairs": bool(data.get("rotary_adjacent_pairs")),
+        # An RMS final norm after LayerNorm blocks (the norm family is one per model here).
+        "final_rms": bool(data.get("final_rms")) and data.get("normalization_type") in ("LN", "LNPre"),
         "scale_attn_by_inverse_layer_idx": bool(data.get("scale_attn_by_inverse_layer_idx")),
         "use_local_attn": bool(data.get("use_local_attn")),
         "d_vocab_out": data.get("d_vocab_out", -1) not in (-1, None, data.get("d_vocab")),
@@ -149,11 +154,11 @@ def _tl_check_supported(data: dict[str, Any], path: Path) -> None:
         "output_logits_soft_cap": _positive(data.get("output_logits_soft_cap")),
         "clip_qkv": data.get("clip_qkv") is not None,
         "use_logn_attn": bool(data.get("use_logn_attn")),
-        "use_NTK_by_parts_rope": bool(data.get("use_NTK_by_parts_rope")),
         "use_dynamic_ntk_rope": bool(data.get("use_dynamic_ntk_rope")),
         "use_yarn_rope": bool(data.get("use_yarn_rope")),
         "rotary_scaling_factor": data.get("positional_embedding_type") == "rotary"
-        and data.get("rotary_scaling_factor", 1.0) not in (1, None),
+        and data.get("rotary_scaling_factor", 1.0) not in (1, None)
+        and bool(data.get("use_NTK_by_parts_rope")),
         # Extra modules (their keys would also be refused by the state-dict check, this says why).
         "use_qk_norm": bool(data.get("use_qk_norm")),
         "post_embedding_ln": bool(data.get("post_embedding_ln")),
@@ -176,6 +181,17 @@ def _tl_config(data: dict[str, Any], path: Path, has_bias: bool) -> ModelConfig:
         overrides["attn_scale"] = None
     if data.get("attn_only") or not data.get("d_mlp"):
         overrides.update(attn_only=True, act_fn=None)
+    if data.get("positional_embedding_type") == "rotary":  # TL's rope scalings -> rope_type (llama3, linear)
+        r = ConfigReader(data, path.name)
+        if r.flag("use_NTK_by_parts_rope", default=False):
+            overrides.update(
+                rope_type="llama3", rope_factor=r.number("NTK_by_parts_factor", gt=0),
+                rope_low_freq_factor=r.number("NTK_by_parts_low_freq_factor", gt=0),
+                rope_high_freq_factor=r.number("NTK_by_parts_high_freq_factor", gt=0),
+                rope_original_max_position_embeddings=r.integer("NTK_original_ctx_len", ge=1),
+            )  # fmt: skip
+        elif r.number("rotary_scaling_factor", default=1.0, gt=0) != 1.0:
+            overrides.update(rope_type="linear", rope_factor=r.number("rotary_scaling_factor", gt=0))
     return _model_config(data, path, **overrides)
 
 
@@ -192,7 +208,7 @@ def _tl_weight_files(folder: Path) -> list[Path]:
 
 
 def _load_transformer_lens(
-    folder: Path, data: dict[str, Any]
+    folder: Path, data: dict[str, Any], dtype: torch.dtype
 ) -> tuple[ModelConfig, dict[str, Tensor], dict[str, str], list[Path]]:
     _tl_check_supported(data, folder / "config.json")
     files = _tl_weight_files(folder)
@@ -207,6 +223,9 @@ REGISTRY: dict[Format, Loader] = {
     "transformer_lens": _load_transformer_lens,
     "gpt2": load_gpt2,
     "gpt_neox": load_gpt_neox,
+    "llama": load_llama,
+    "mistral": load_llama,
+    "qwen2": load_llama,
 }
 
 
@@ -249,7 +268,7 @@ def load_checkpoint(
             raise CheckpointError(f"the folder holds {on_disk} bytes of files, over the limit of {max_bytes} bytes")
     if process is None:
         process = load_options(folder) or True
-    cfg, state, origin, files = REGISTRY[fmt](folder, data)
+    cfg, state, origin, files = REGISTRY[fmt](folder, data, dtype)
     if max_bytes is not None and (price := load_bytes(cfg, dtype)) > max_bytes:
         raise CheckpointError(
             f"config.json describes a model of {price} bytes in {str(dtype).removeprefix('torch.')} "
