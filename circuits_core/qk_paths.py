@@ -40,7 +40,7 @@ from circuits_core.frozen import (
     reading_weights,
     run_cost,
 )
-from circuits_core.model import Transformer, apply_rotary, rotary_tables
+from circuits_core.model import Transformer
 
 
 @dataclass
@@ -122,9 +122,9 @@ def expand_scores(
         comps = names + (["pos_embed"] if qk_positions(model, run) is not None else []) + ["b_QK"]
         q_parts, k_parts = sides  # [C, n, dh]
         if model.cfg.positional_embedding_type == "rotary":
-            cos, sin = rotary_tables(model.cfg, n, model.device, model.dtype)
-            q_parts = apply_rotary(q_parts[:, :, None], cos, sin)[:, :, 0]
-            k_parts = apply_rotary(k_parts[:, :, None], cos, sin)[:, :, 0]
+            # each component rotated at its own position: q_a(i) R(i) . k_b(j) R(j) = q_a(i) R(i - j) k_b(j)^T
+            positions = torch.arange(n, device=model.device)  # [n], against [C, n]
+            q_parts, k_parts = model.rotate(q_parts, positions), model.rotate(k_parts, positions)
         s = model.cfg.scale
         C = len(comps)
         causal = torch.ones(n, n, dtype=torch.bool, device=model.device).tril()
