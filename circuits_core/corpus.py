@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import platform
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,7 +137,13 @@ def build_corpus(root: Path | None = None, vocab_size: int = 4096) -> Corpus:
         text = data.decode("utf-8", errors="replace")
         (val_texts if is_val(rel) else train_texts).append(text)
     tok = train_tokenizer(train_texts, vocab_size)
-    return Corpus(encode_files(tok, train_texts), encode_files(tok, val_texts), tok, manifest, source=str(root))
+    return Corpus(encode_files(tok, train_texts), encode_files(tok, val_texts), tok, manifest, source=source_label(root))
+
+
+def source_label(root: Path) -> str:
+    """What the corpus is, without the training machine's paths: 'CPython 3.11.7 standard library (python3.11)'."""
+    return f"CPython {platform.python_version()} standard library ({Path(root).name})" if Path(root) == stdlib_root() \
+        else f"Python sources ({Path(root).name})"
 
 
 def save_corpus(corpus: Corpus, folder: Path) -> None:

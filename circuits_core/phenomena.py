@@ -23,11 +23,15 @@ from torch import Tensor
 from circuits_core.circuits import ov_copying_scores
 from circuits_core.composition import composition_scores
 from circuits_core.errors import CheckpointError
-from circuits_core.heads import detector_scores, repeated_random_tokens
+from circuits_core.heads import STANDARD_BATCH, detector_scores, repeated_random_tokens, standard_tokens
 from circuits_core.model import Transformer, next_token_losses
 
 REP_LEN = 50  # length T of the random sequence r in BOS + r + r
-MIN_TRAIN_COUNT = 50  # r is drawn from tokens seen at least this often in training
+MIN_TRAIN_COUNT = 50  # training monitor only: r is drawn from tokens seen at least this often in training
+STANDARD_SEED = 0
+# The card's detector numbers and repeat losses use the app's standard input (heads.standard_tokens: BOS + r + r,
+# r = 50 uniform random tokens, batch 10, seed 0), so the overview, the tour and the detectors page with its
+# default parameters show the same numbers. The training monitor (quick_metrics) uses frequent-token repeats.
 ICL_EARLY = (8, 16)  # positions [8, 16) ...
 ICL_LATE = 16  # ... versus the last 16 positions of a window
 
@@ -246,8 +250,16 @@ def _copying(model: Transformer) -> _CopyingReport:
     scores = ov_copying_scores(model)  # [L, H]
     return {
         "ov_copying_scores": [[round(float(v), 4) for v in row] for row in scores],
-        "copying_positive_fraction": float((scores[-1] > 0).double().mean()),
+        "copying_positive_fraction": float((scores > 0).double().mean()),  # over every head of every layer
     }
+
+
+def detector_input(model: Transformer) -> tuple[Tensor, dict[str, object]]:
+    """The standard detector input (heads.standard_tokens, seed STANDARD_SEED) and its description for the card."""
+    tokens = standard_tokens(model, seed=STANDARD_SEED)
+    info = {"kind": "repeated_random", "r": "uniform over the vocabulary", "seq_len": (tokens.shape[1] - 1) // 2,
+            "batch": STANDARD_BATCH, "seed": STANDARD_SEED, "bos": int(tokens[0, 0])}
+    return tokens, info
 
 
 def quick_metrics(model: Transformer, data: EvalData, windows: int = 64, repeats: int = 64) -> dict[str, float]:
@@ -274,7 +286,7 @@ def quick_metrics(model: Transformer, data: EvalData, windows: int = 64, repeats
     return out
 
 
-def measure(model: Transformer, tokenizer, data: EvalData, windows: int = 256, repeats: int = 128) -> dict[str, object]:
+def measure(model: Transformer, tokenizer, data: EvalData, windows: int = 256) -> dict[str, object]:
     """The model card's phenomena (full samples). Keys used by THRESHOLDS are top-level scalars."""
     model = model.eval()
     with torch.no_grad():
@@ -291,8 +303,8 @@ def measure(model: Transformer, tokenizer, data: EvalData, windows: int = 256, r
             out["skip_trigrams"] = trig
             out["skip_trigram_copying"] = trig["best_head_copying_fraction"]
         if n_layers >= 2:
-            rep = data.repeated(model.cfg.d_vocab, repeats, seed=0, n_ctx=model.cfg.n_ctx)
+            rep, info = detector_input(model)
             losses = repeat_losses(model, rep)
-            out.update(losses, repeat_gain=losses["rep1_loss"] - losses["rep2_loss"], repeat_sequences=repeats, repeat_length=(rep.shape[1] - 1) // 2)
+            out.update(losses, repeat_gain=losses["rep1_loss"] - losses["rep2_loss"], detector_input=info)
             out.update(induction_report(model, rep))
     return out

@@ -33,7 +33,7 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from circuits_core.config import ModelConfig
-from circuits_core.corpus import Corpus, load_or_build, write_manifest
+from circuits_core.corpus import Corpus, load_or_build, source_label, write_manifest
 from circuits_core.model import Block, Transformer, init_weights
 from circuits_core.phenomena import TOKEN_COUNTS_FILE, EvalData, check_thresholds, measure, quick_metrics
 from circuits_core.weights import load_checkpoint, save_checkpoint
@@ -273,6 +273,9 @@ def remeasure(folder: Path) -> dict:
     model, tokenizer, card = load_toy(folder)
     eval_data = EvalData.load(folder.parent / "eval_data.npz")
     card["phenomena"] = measure(model, tokenizer, eval_data)
+    card["description"], card["notes"] = DESCRIPTIONS.get(card["name"], ""), NOTES.get(card["name"], "")
+    card["data"]["source"] = card["data"]["source"] if not str(card["data"].get("source", "")).startswith("/") else \
+        source_label(Path(card["data"]["source"]))  # never the training machine's absolute path
     card["thresholds"] = check_thresholds(model.cfg.n_layers, card["phenomena"], detail=True)
     card["first_crossed"] = first_crossings(card.get("history", []), model.cfg.n_layers)
     (folder / "model_card.json").write_text(json.dumps(card, indent=1) + "\n")
@@ -281,7 +284,8 @@ def remeasure(folder: Path) -> dict:
 
 DESCRIPTIONS = {
     "toy-0l": "Zero-layer transformer: logits = W_E W_U, the direct path, approximates bigram statistics.",
-    "toy-1l": "One-layer attention-only transformer: heads implement skip-trigrams; most OV circuits copy.",
+    "toy-1l": "One-layer attention-only transformer: heads implement skip-trigrams; every head's OV circuit has a "
+    "positive eigenvalue copying score, yet few tokens raise their own logit most (see the self-copy shares).",
     "toy-2l": "Two-layer attention-only transformer: an induction head in layer 1 K-composes with a "
     "previous-token head in layer 0.",
 }
@@ -297,7 +301,10 @@ NOTES = {
     "drawn from the tokens seen >= 50 times in training (the induction task made explicit). With text alone the "
     "same recipe reached induction 0.33 (previous-token head 0.93) after 60,000 steps, below the 0.6 threshold. "
     "The shipped weights were trained on a GPU (see training.device) with six other runs sharing it, so "
-    "'minutes' are shared-GPU wall time; `make models` retrains the same recipe on the CPU (not bit-identical).",
+    "'minutes' are shared-GPU wall time; `make models` retrains the same recipe on the CPU (not bit-identical). "
+    "history and first_crossed come from the training monitor (64 repeats of frequent tokens, seed 1); the phenomena "
+    "use the standard detector input named in phenomena.detector_input (uniform random tokens, as on the overview, "
+    "the tour and the detectors page with its default parameters).",
 }
 
 

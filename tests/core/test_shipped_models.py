@@ -3,15 +3,19 @@ code measures now. Thresholds are the issue's; measurements come from circuits_c
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
 
 from circuits_core.corpus import manifest_digest
 from circuits_core.errors import CheckpointError
+from circuits_core.heads import standard_tokens
 from circuits_core.phenomena import (
     THRESHOLDS,
     TOKEN_COUNTS_FILE,
@@ -40,17 +44,159 @@ def shipped(request, eval_data):
     return request.param, model, card, measure(model, tokenizer, eval_data)
 
 
+# -- independent re-measurement: float64, plain torch / numpy, none of circuits_core's measuring code ----------
+def _next_token_losses(model, tokens: torch.Tensor) -> torch.Tensor:
+    """[b, n-1] cross-entropy of tokens[:, i+1] at position i (torch.nn.functional on a float64 run)."""
+    with torch.no_grad():
+        logits = model.run(tokens)[0]  # [b, n, V]
+    V = logits.shape[-1]
+    return F.cross_entropy(logits[:, :-1].reshape(-1, V), tokens[:, 1:].reshape(-1), reduction="none").view(tokens.shape[0], -1)
+
+
+def _text_numbers(model, data: EvalData, n_windows: int) -> dict[str, float]:
+    """val_loss and icl_score (loss of positions 8-15 vs the last 16) on n evenly spaced held-out windows."""
+    span = model.cfg.n_ctx - 1
+    starts = np.linspace(0, len(data.val) - span - 1, n_windows).astype(np.int64)
+    rows = np.stack([np.concatenate([[data.eot], data.val[o : o + span]]) for o in starts]).astype(np.int64)
+    losses = torch.cat([_next_token_losses(model, torch.from_numpy(rows[i : i + 64])) for i in range(0, n_windows, 64)])
+    return {"val_loss": float(losses.mean()), "icl_score": float(losses[:, -16:].mean() - losses[:, 7:15].mean())}
+
+
+def _bigram_numbers(model, data: EvalData) -> dict[str, float]:
+    """Direct path vs held-out bigrams from sparse pair counts (numpy): weighted KL, unigram KL, top-1 agreement."""
+    V = model.cfg.d_vocab
+    a, b = data.val[:-1].astype(np.int64), data.val[1:].astype(np.int64)
+    keep = a != data.eot
+    pairs, counts = np.unique(a[keep] * V + b[keep], return_counts=True)
+    pa, pb, c = pairs // V, pairs % V, counts.astype(np.float64)
+    prev, row_idx = np.unique(pa, return_inverse=True)  # the tokens seen as a previous token
+    rows = np.bincount(row_idx, weights=c)
+    P = c / rows[row_idx]  # P(b | a) of each observed pair
+    w = rows / rows.sum()
+    with torch.no_grad():
+        logq = torch.log_softmax(model.W_E[torch.from_numpy(prev)] @ model.W_U, -1).numpy()  # [A, V]
+    col = np.bincount(pb, weights=c, minlength=V)
+    logu = np.log(np.maximum(col / col.sum(), 1e-12))
+    entropy_part = np.bincount(row_idx, weights=P * np.log(P))
+    kl = float((w * (entropy_part - np.bincount(row_idx, weights=P * logq[row_idx, pb]))).sum())
+    unigram_kl = float((w * (entropy_part - np.bincount(row_idx, weights=P * logu[pb]))).sum())
+    best = np.zeros(len(prev))
+    np.maximum.at(best, row_idx, c)
+    top = logq.argmax(1)
+    lookup = dict(zip(pairs.tolist(), c.tolist(), strict=True))
+    agree = np.array([lookup.get(int(x) * V + int(t), 0.0) >= m for x, t, m in zip(prev, top, best, strict=True)])
+    return {"bigram_kl": kl, "unigram_kl": unigram_kl, "top1_agreement": float((w * agree).sum()), "kl_ratio": kl / unigram_kl}
+
+
+def _copying_numbers(model) -> dict[str, object]:
+    """Eigenvalue copying score from the dense [d_model, d_model] product W_V W_O W_U W_E (same nonzero spectrum as
+    the [V, V] full OV circuit W_E W_V W_O W_U; no LayerNorm in the toys), positive fraction over every head."""
+    scores = torch.zeros(model.cfg.n_layers, model.cfg.n_heads, dtype=torch.float64)
+    for layer in range(model.cfg.n_layers):
+        for h in range(model.cfg.n_heads):
+            eig = torch.linalg.eigvals(model.W_V[layer, h] @ model.W_O[layer, h] @ model.W_U @ model.W_E)
+            scores[layer, h] = eig.sum().real / eig.abs().sum()
+    return {"ov_copying_scores": scores.tolist(), "copying_positive_fraction": float((scores > 0).double().mean())}
+
+
+def _detector_numbers(model, info: dict) -> dict[str, object]:
+    """Repeat losses and induction / previous-token scores on the card's named input, built here from its description,
+    with the detectors computed query by query."""
+    gen = torch.Generator().manual_seed(info["seed"])
+    r = torch.randint(0, model.cfg.d_vocab, (info["batch"], info["seq_len"]), generator=gen)  # uniform r
+    tokens = torch.cat([torch.full((info["batch"], 1), info["bos"]), r, r], dim=1)
+    assert torch.equal(tokens, standard_tokens(model))  # the card's input is the app's standard detector input
+    losses = _next_token_losses(model, tokens)
+    T = info["seq_len"]
+    with torch.no_grad():
+        _, cache = model.run(tokens, names=lambda n: n.endswith("hook_pattern"))
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    induction, prev = torch.zeros(L, H, dtype=torch.float64), torch.zeros(L, H, dtype=torch.float64)
+    for layer in range(L):
+        A = cache[f"blocks.{layer}.attn.hook_pattern"]  # [b, H, n, n]
+        mass, rows = torch.zeros(H, dtype=torch.float64), 0
+        for b_i, seq in enumerate(tokens.tolist()):
+            for i in range(len(seq)):
+                keys = sorted({j + 1 for j in range(i) if seq[j] == seq[i] and j + 1 <= i})
+                if keys:
+                    mass += A[b_i, :, i, keys].sum(-1)
+                    rows += 1
+        induction[layer] = mass / rows
+        prev[layer] = torch.stack([A[:, :, i, i - 1] for i in range(1, tokens.shape[1])], -1).mean((0, 2))
+    last = L - 1
+    head = int(induction[last].argmax())
+    return {"rep1_loss": float(losses[:, :T].mean()), "rep2_loss": float(losses[:, T:].mean()),
+            "repeat_gain": float(losses[:, :T].mean() - losses[:, T:].mean()),
+            "induction_head": f"L{last}H{head}", "induction_score": float(induction[last, head]),
+            "induction_scores": induction.tolist(), "previous_token_scores": prev.tolist(),
+            "best_previous_token_score": float(prev[last - 1].max())}
+
+
+def _skip_trigram_numbers(model, tokenizer, data: EvalData, n_windows: int, k: int) -> dict[str, object]:
+    """Per head of layer 0, over the first 64 held-out windows: the share of query positions whose most-attended
+    non-BOS word token (it holds a letter) is among the k tokens its OV direct path raises most (texts compared
+    without leading spaces), computed position by position."""
+    span = model.cfg.n_ctx - 1
+    starts = np.linspace(0, len(data.val) - span - 1, n_windows).astype(np.int64)[:64]
+    rows = torch.from_numpy(np.stack([np.concatenate([[data.eot], data.val[o : o + span]]) for o in starts]).astype(np.int64))
+    with torch.no_grad():
+        _, cache = model.run(rows, names=lambda n: n == "blocks.0.attn.hook_pattern")
+    A = cache["blocks.0.attn.hook_pattern"][:, :, 1:, 1:]  # [b, H, q, k] without BOS
+    text = {}
+    fractions = []
+    for h in range(model.cfg.n_heads):
+        W = model.W_V[0, h] @ model.W_O[0, h] @ model.W_U  # [d, V]
+        copies: dict[int, bool] = {}
+        hits = total = 0
+        for src in rows[:, 1:].gather(1, A[:, h].argmax(-1)).flatten().tolist():
+            s = text.setdefault(src, tokenizer.decode([src]).lstrip(" ") or " ")
+            if not any(ch.isalpha() for ch in s):
+                continue
+            if src not in copies:
+                top = (model.W_E[src] @ W).topk(k).indices.tolist()
+                copies[src] = s in {text.setdefault(t, tokenizer.decode([t]).lstrip(" ") or " ") for t in top}
+            hits, total = hits + copies[src], total + 1
+        fractions.append(hits / total)
+    return {"copying_fraction_per_head": fractions, "skip_trigram_copying": max(fractions),
+            "best_head": f"L0H{int(np.argmax(fractions))}"}
+
+
 @pytest.mark.parametrize("shipped", NAMES, indirect=True)
-def test_card_matches_measurement(shipped):
-    name, model, card, now = shipped
+def test_card_matches_an_independent_measurement(shipped, eval_data):
+    """Every number of the card's phenomena that the code above recomputes, lists included (float32 card vs float64)."""
+    name, model, card, _ = shipped
     assert card["name"] == name
-    for key, value in card["phenomena"].items():
-        if isinstance(value, float):
-            assert now[key] == pytest.approx(value, rel=1e-3, abs=1e-4), key
-        elif isinstance(value, str | int):
-            assert now[key] == value, key
+    card_numbers = card["phenomena"]
+    m = copy.deepcopy(model).double()
+    want: dict[str, object] = _text_numbers(m, eval_data, card_numbers["eval_windows"])
+    if m.cfg.n_layers == 0:
+        want.update(_bigram_numbers(m, eval_data))
+    else:
+        want.update(_copying_numbers(m))
+    if m.cfg.n_layers == 1:
+        skip = card_numbers["skip_trigrams"]
+        tokenizer = Tokenizer.from_file(str(ROOT / name / "tokenizer.json"))
+        got = _skip_trigram_numbers(m, tokenizer, eval_data, card_numbers["eval_windows"], skip["top_k"])
+        assert np.allclose(skip["copying_fraction_per_head"], got["copying_fraction_per_head"], atol=1e-4)
+        assert skip["best_head"] == got["best_head"]
+        want["skip_trigram_copying"] = got["skip_trigram_copying"]
+    if m.cfg.n_layers >= 2:
+        want.update(_detector_numbers(m, card_numbers["detector_input"]))
+        partner = card_numbers["k_composition_partner"]  # checked against the dense formula below
+        want["partner_previous_token_score"] = want["previous_token_scores"][0][int(partner[3:])]  # type: ignore[index]
+    for key, value in want.items():
+        if isinstance(value, str):
+            assert card_numbers[key] == value, key
+        else:
+            assert np.allclose(card_numbers[key], value, rtol=1e-3, atol=2e-4), (key, card_numbers[key], value)
     for key, verdict in card["thresholds"].items():
-        assert verdict["value"] == pytest.approx(now[key], rel=1e-3, abs=1e-4)
+        assert verdict["value"] == pytest.approx(card_numbers[key])
+        assert verdict["met"] == {">=": want[key] >= verdict["threshold"], "<=": want[key] <= verdict["threshold"],
+                                  "<": want[key] < verdict["threshold"]}[verdict["op"]]
+    checked = set(want) | {"eval_windows", "detector_input", "k_composition_partner", "partner_previous_token_score"}
+    unchecked = set(card_numbers) - checked
+    assert unchecked <= {"skip_trigrams"}, unchecked  # its per-head fractions are checked above; its example listing in test_thresholds_met
+    assert not str(card["data"]["source"]).startswith("/")  # no path of the training machine
 
 
 @pytest.mark.parametrize("shipped", NAMES, indirect=True)
