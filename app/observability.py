@@ -21,6 +21,7 @@ gauges stay per process (labelled by pid).
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -46,7 +47,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.compute import BusyError, Budgets, ComputeService, RequestContext, bind, default_torch_threads
 from app.errors import ProblemKind, problem_response
-from app.etag import ETagMiddleware
+from app.etag import ETagMiddleware, HeadMiddleware
 from app.ratelimit import RateLimiter
 from app.registry import ModelRegistry
 from app.settings import Settings
@@ -213,6 +214,39 @@ class Readiness:
 
 
 # -- middleware ------------------------------------------------------------------------------------------
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def proxy_networks(trusted: list[str]) -> list[Network]:
+    """settings.trusted_proxies (addresses or CIDR networks) parsed; a bad entry is a start-up error."""
+    return [ipaddress.ip_network(t.strip(), strict=False) for t in trusted]
+
+
+def _in(address: str, networks: list[Network]) -> bool:
+    try:
+        ip = ipaddress.ip_address(address.strip().strip("[]"))
+    except ValueError:
+        return False
+    return any(ip in net for net in networks)
+
+
+def client_address(scope: Scope, trusted: list[Network]) -> str:
+    """The client a request is counted against: the connection's peer, unless that peer is a configured
+    proxy; then the right-most X-Forwarded-For address that is not itself a trusted proxy (a client can
+    prepend anything to the header, so only what trusted proxies appended counts)."""
+    peer = (scope.get("client") or ("unknown", 0))[0]
+    if not trusted or not _in(peer, trusted):
+        return str(peer)
+    hops: list[str] = []
+    for name, value in scope.get("headers") or []:
+        if name == b"x-forwarded-for":
+            hops.extend(h.strip() for h in value.decode("latin-1").split(","))
+    for hop in reversed(hops):
+        if hop and not _in(hop, trusted):
+            return hop[:64]
+    return str(peer)
+
+
 def _route_template(scope: Scope) -> str:
     """The route's path template (`/api/v1/models/{model}`): bounded label values, never a raw URL."""
     route = scope.get("route")
@@ -230,8 +264,9 @@ class ServingMiddleware:
     """Request id, compute binding (disconnect + deadline), rate limit, Retry-After on 503, metrics, access log."""
 
     def __init__(self, app: ASGIApp, service: ComputeService, metrics: Metrics, limiter: RateLimiter | None,
-                 request_timeout_s: float | None):
+                 request_timeout_s: float | None, trusted_proxies: list[Network] | None = None):
         self.app = app
+        self.trusted_proxies = trusted_proxies or []
         self.service = service
         self.metrics = metrics
         self.limiter = limiter
@@ -271,7 +306,7 @@ class ServingMiddleware:
 
         try:
             if self.limiter is not None and metered:
-                client = (scope.get("client") or ("unknown", 0))[0]
+                client = client_address(scope, self.trusted_proxies)
                 allowed, remaining, reset = self.limiter.hit(client)
                 limit_headers = {
                     "RateLimit-Limit": str(self.limiter.limit),
@@ -300,7 +335,7 @@ class ServingMiddleware:
                     extra={"request_id": rid, "fields": {
                         "method": method, "path": path, "route": route, "status": status,
                         "duration_ms": round(elapsed * 1000, 2),
-                        "client": (scope.get("client") or ("", 0))[0],
+                        "client": client_address(scope, self.trusted_proxies),
                     }},
                 )
 
@@ -351,5 +386,7 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
     limiter = RateLimiter(settings.rate_limit, settings.rate_window_s) if settings.rate_limit else None
     app.add_middleware(ETagMiddleware)
     app.add_middleware(ServingMiddleware, service=service, metrics=metrics, limiter=limiter,
-                       request_timeout_s=settings.request_timeout_s)
+                       request_timeout_s=settings.request_timeout_s,
+                       trusted_proxies=proxy_networks(settings.trusted_proxies))
+    app.add_middleware(HeadMiddleware)  # outside the others: they all see a GET
     return service

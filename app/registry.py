@@ -6,12 +6,20 @@ holds a checkpoint `circuits_core.weights.detect_format` recognises. Ids are mat
 Folders are rescanned on every listing: a new folder becomes a model without a restart. A folder with a
 config.json that no loader recognises is still listed (as unavailable, with the reason); a folder without
 config.json is not a model. Where the same name exists in both folders, the shipped model wins (ids of the
-shipped models are stable). A loaded model stays loaded until the process ends (or `forget(id)`).
+shipped models are stable).
+
+Failure isolation: a folder that cannot be read (malformed or hostile config, files leading outside it, a
+model priced over `settings.max_model_bytes`, a loader bug) is listed as unavailable with the reason and
+answers 422 on its own routes; nothing else changes. Each load, failed or not, is remembered with the
+folder's fingerprint (name, size, mtime and inode of each of its files, by stat): a failed folder is not
+retried, and a loaded one not reloaded, until its files change; then the next request loads it again.
+Error messages never show a server path (the folder's path is replaced by the model id).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -39,11 +47,42 @@ class ModelEntry:
     error: str | None = None  # why the folder cannot be loaded, when detection already failed
 
 
+Fingerprint = tuple[tuple[str, int, int, int], ...]
+
+
+def fingerprint(folder: Path) -> Fingerprint:
+    """(name, size, mtime_ns, inode) of every entry of the folder, by stat through links: changes with its files."""
+    rows = []
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                try:
+                    st = entry.stat()
+                except OSError:
+                    rows.append((entry.name, -1, -1, -1))
+                    continue
+                rows.append((entry.name, st.st_size, st.st_mtime_ns, st.st_ino))
+    except OSError:
+        return ()
+    return tuple(sorted(rows))
+
+
+def public_message(message: str, entry: ModelEntry) -> str:
+    """An error message with the server paths of the folder replaced by the model id."""
+    for path in sorted({str(entry.path.resolve()), str(entry.path)}, key=len, reverse=True):
+        message = message.replace(path + os.sep, "").replace(path, entry.id)
+    for root in {str(entry.path.parent.resolve()), str(entry.path.parent)}:
+        message = message.replace(root + os.sep, "")
+    return message
+
+
 class ModelRegistry:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.dtype = torch.float64 if settings.dtype == "float64" else torch.float32
         self._loaded: dict[str, LoadedModel] = {}
+        self._prints: dict[str, Fingerprint] = {}  # fingerprint of each loaded folder when it was loaded
+        self._failed: dict[str, tuple[Fingerprint, str]] = {}  # id -> (fingerprint, reason) of failed loads
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
@@ -60,10 +99,15 @@ class ModelRegistry:
         if folder.resolve().parent != folder.parent.resolve():  # a symlink leading out of the models folder
             log.warning("skipping %s: it links outside %s", folder, folder.parent)
             return None
+        entry = ModelEntry(folder.name, folder, "unknown", shipped)
         try:
             return ModelEntry(folder.name, folder, str(detect_format(folder)), shipped)
         except CheckpointError as exc:
-            return ModelEntry(folder.name, folder, "unknown", shipped, error=str(exc))
+            return ModelEntry(folder.name, folder, "unknown", shipped, error=public_message(str(exc), entry))
+        except Exception as exc:  # noqa: BLE001 - a hostile folder must never break the listing
+            log.exception("model folder %s: unexpected error while detecting its format", folder)
+            reason = public_message(f"unreadable checkpoint ({type(exc).__name__}: {exc})", entry)
+            return ModelEntry(folder.name, folder, "unknown", shipped, error=reason[:500])
 
     def entries(self) -> list[ModelEntry]:
         """Every model folder, rescanned now, sorted by id."""
@@ -97,34 +141,56 @@ class ModelRegistry:
         with self._guard:
             return self._locks.setdefault(model_id, threading.Lock())
 
+    def _fresh(self, model_id: str, loaded: LoadedModel) -> bool:
+        """Whether the folder of a loaded model still has the files it was loaded from."""
+        return self._prints.get(model_id) == fingerprint(loaded.path)
+
     def get(self, model_id: str) -> LoadedModel:
-        """The loaded model (loads it on first use, once, under a per-model lock). Blocking: call from a thread."""
+        """The loaded model (loads it on first use, once, under a per-model lock). Blocking: call from a thread.
+
+        A folder whose last load failed raises the same CheckpointError at once until its files change.
+        """
         loaded = self._loaded.get(model_id)
-        if loaded is not None:
+        if loaded is not None and self._fresh(model_id, loaded):
             return loaded
         entry = self.entry(model_id)
         with self._lock(model_id):
             loaded = self._loaded.get(model_id)
-            if loaded is None:
-                try:
-                    if entry.error is not None:
-                        raise CheckpointError(entry.error)
-                    loaded = load_checkpoint(entry.path, dtype=self.dtype)
-                except CheckpointError as exc:
-                    log.error("model %s cannot be loaded: %s", model_id, exc)
-                    raise CheckpointError(f"model {model_id!r} cannot be loaded: {exc}") from exc
+            if loaded is not None and self._fresh(model_id, loaded):
+                return loaded
+            before = fingerprint(entry.path)
+            failed = self._failed.get(model_id)
+            if failed is not None and failed[0] == before:
+                raise CheckpointError(failed[1])
+            try:
+                if entry.error is not None:
+                    raise CheckpointError(entry.error)
+                loaded = load_checkpoint(entry.path, dtype=self.dtype, max_bytes=self.settings.max_model_bytes)
                 loaded.model.requires_grad_(False).eval()
-                self._loaded[model_id] = loaded
-                log.info("loaded model %s (%s) from %s", model_id, entry.format, entry.path)
+            except Exception as exc:  # noqa: BLE001 - any failure of one folder is that folder's, remembered
+                if not isinstance(exc, CheckpointError):
+                    log.exception("model %s: unexpected error while loading", model_id)
+                    exc = CheckpointError(f"unreadable checkpoint ({type(exc).__name__}: {str(exc)[:300]})")
+                reason = f"model {model_id!r} cannot be loaded: {public_message(str(exc), entry)}"
+                log.error("%s", reason)
+                self._loaded.pop(model_id, None)
+                self._failed[model_id] = (before, reason)
+                raise CheckpointError(reason) from None
+            self._failed.pop(model_id, None)
+            self._loaded[model_id], self._prints[model_id] = loaded, before
+            log.info("loaded model %s (%s)", model_id, entry.format)
         return loaded
 
     def forget(self, model_id: str) -> None:
-        """Drop a loaded model (the next request loads the folder again)."""
+        """Drop a loaded model and any remembered failure (the next request loads the folder again)."""
         with self._lock(model_id):
             self._loaded.pop(model_id, None)
+            self._failed.pop(model_id, None)
 
     def is_loaded(self, model_id: str) -> bool:
-        return model_id in self._loaded
+        """Loaded, and its folder unchanged since (get() returns it without loading)."""
+        loaded = self._loaded.get(model_id)
+        return loaded is not None and self._fresh(model_id, loaded)
 
     def preload(self) -> None:
         """Load every model now (settings.preload); a model that fails is logged, not fatal."""

@@ -48,6 +48,10 @@ class Settings(BaseSettings):
     store_bytes: int = Field(default=1024 * MiB, ge=MiB, description="byte budget of the disk store (least recently used evicted)")
     store_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0, description="how long Redis keeps an answer")
     preload: bool = Field(default=False, description="load every model at start-up instead of on first use")
+    max_model_bytes: int = Field(
+        default=4096 * MiB, ge=MiB,
+        description="largest model served: bytes of its files and of its parameters priced from config.json before loading",
+    )  # fmt: skip
     # serving (app/compute.py, app/observability.py, app/ratelimit.py)
     torch_threads: int | None = Field(default=None, ge=1, description="torch threads (default: cores // compute_slots)")
     request_timeout_s: float | None = Field(
@@ -55,5 +59,11 @@ class Settings(BaseSettings):
     )
     rate_limit: int | None = Field(default=None, ge=1, description="requests per client per rate_window_s (None: off)")
     rate_window_s: float = Field(default=60.0, gt=0, description="window of the per-client rate limit")
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="addresses or networks (CIDR) of reverse proxies whose X-Forwarded-For is believed; empty: none",
+    )
+    header_timeout_s: float = Field(default=10.0, gt=0, description="a connection that has not sent a whole request head by then is closed (app/serve.py)")
+    shutdown_drain_s: float = Field(default=8.0, gt=0, description="on SIGTERM, in-flight requests get this long to finish (app/serve.py)")
     log_format: Literal["json", "text"] = Field(default="json", description="JSON lines or plain text logs")
     metrics_multiprocess: bool = Field(default=False, description="aggregate metrics of uvicorn workers (PROMETHEUS_MULTIPROC_DIR)")

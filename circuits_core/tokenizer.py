@@ -11,7 +11,6 @@ Byte-level BPE stores a leading space as 'Ġ' and a newline as 'Ċ'; `token_str`
 
 from __future__ import annotations
 
-import json
 import operator
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from circuits_core.errors import CheckpointError, InvalidInputError, NotFoundError
+from circuits_core.statedict import read_json_object
 
 DEFAULT_BOS = "<|endoftext|>"
 
@@ -111,13 +111,9 @@ class Tokenizer:
         if tok is None or bos_token_id is not None:
             return tok
         for name in ("tokenizer_config.json", "special_tokens_map.json"):
-            meta = folder / name
-            if not meta.is_file():
+            if not (folder / name).is_file():
                 continue
-            try:
-                bos_name = _special_token_name(json.loads(meta.read_text()).get("bos_token"))
-            except (OSError, ValueError, AttributeError) as exc:
-                raise CheckpointError(f"{meta}: not readable JSON ({exc})") from exc
+            bos_name = _special_token_name(read_json_object(folder, name).get("bos_token"))
             if bos_name is not None and tok.hf.token_to_id(bos_name) is not None:
                 tok.bos_token_id = tok.hf.token_to_id(bos_name)
                 break

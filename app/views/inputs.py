@@ -3,15 +3,34 @@
 Token parameters accept an id (`"464"`) or a single-token string (`" the"`, or the vocabulary entry
 `"Ġthe"`); a numeral meant as text is given in double quotes (`"\\"5\\""`). Prompts are text, tokenised with
 the model's tokenizer with BOS prepended, or a comma-separated id list (`"50256,464,3290"`, taken as is).
-Every refusal is an InvalidInputError / LimitExceededError (HTTP 422) saying what was expected.
+Every refusal is an InvalidInputError / LimitExceededError (HTTP 422) saying what was expected: an id is
+ASCII digits only (`²`, `①` or `--1` are not ids but text, looked up as a single token) of at most
+MAX_ID_DIGITS digits, and a single-token string is at most MAX_TOKEN_CHARS characters.
 """
 
 from __future__ import annotations
+
+import re
 
 from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
 from circuits_core.errors import InvalidInputError, LimitExceededError, NotFoundError
 from circuits_core.weights import LoadedModel
+
+ID_RE = re.compile(r"[+-]?[0-9]+", re.ASCII)
+MAX_ID_DIGITS = 12  # no vocabulary has 10^12 tokens; longer numerals are refused before int() sees them
+MAX_TOKEN_CHARS = 200  # a single token's text is far shorter
+
+
+def _token_id(text: str) -> int | None:
+    """The integer a token-id string spells (ASCII digits, optional sign), None if it is not one."""
+    if ID_RE.fullmatch(text) is None:
+        return None
+    if len(text.lstrip("+-")) > MAX_ID_DIGITS:
+        raise InvalidInputError(
+            f"token id {text[:20]}... has {len(text.lstrip('+-'))} digits: not a vocabulary id (at most {MAX_ID_DIGITS} digits)"
+        )
+    return int(text)
 
 
 def model_ref(loaded: LoadedModel) -> ModelRef:
@@ -46,13 +65,15 @@ def resolve_token(loaded: LoadedModel, token: str | int) -> int:
     if isinstance(token, int) and not isinstance(token, bool):
         return check_token_id(loaded, token)
     text = str(token)
-    stripped = text.strip()
-    if stripped.lstrip("-").isdigit():
-        return check_token_id(loaded, int(stripped))
+    token_id = _token_id(text.strip())
+    if token_id is not None:
+        return check_token_id(loaded, token_id)
     if len(text) >= 2 and text[0] == text[-1] == '"':
         text = text[1:-1]
     if text == "":
         raise InvalidInputError("empty token: give a token id or a single-token string")
+    if len(text) > MAX_TOKEN_CHARS:
+        raise InvalidInputError(f"a single token is at most {MAX_TOKEN_CHARS} characters; this one has {len(text)}")
     if loaded.tokenizer is None:
         raise InvalidInputError(f"model {loaded.path.name!r} has no tokenizer: give the token as an id, not {text!r}")
     try:
@@ -66,10 +87,10 @@ def parse_token_ids(text: str) -> list[int]:
     parts = [p.strip() for p in text.split(",") if p.strip()]
     if not parts:
         raise InvalidInputError("tokens is empty: give comma-separated token ids, e.g. tokens=0,15,27")
-    bad = [p for p in parts if not p.lstrip("-").isdigit()]
+    bad = [p for p in parts if ID_RE.fullmatch(p) is None]
     if bad:
-        raise InvalidInputError(f"tokens must be comma-separated integer ids; not an id: {bad[0]!r}")
-    return [int(p) for p in parts]
+        raise InvalidInputError(f"tokens must be comma-separated integer ids; not an id: {bad[0][:40]!r}")
+    return [int(i) for i in map(_token_id, parts) if i is not None]
 
 
 def max_prompt_tokens(loaded: LoadedModel, limits: Limits) -> int:
