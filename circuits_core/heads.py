@@ -33,10 +33,10 @@ from circuits_core.circuits import (
     unembed_embed_gram,
 )
 from circuits_core.config import head_name
-from circuits_core.cost import Cost, check_stop, itemsize
+from circuits_core.cost import Cost, check_stop, itemsize, polled
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.frozen import attention, forward_cost, ln_linear
-from circuits_core.model import Transformer
+from circuits_core.model import Transformer, next_token_losses
 from circuits_core.qk_paths import k_composition_positivity
 
 PatternDetector = Literal["previous_token", "current_token", "first_token", "duplicate_token", "induction"]
@@ -141,36 +141,65 @@ def detector_scores(model: Transformer, tokens: Tensor, should_stop: Callable[[]
     """Every pattern detector for every head from one forward pass: {name: [n_layers, n_heads]}.
 
     The pass stops at the last layer's pattern (no last MLP, final LayerNorm or unembedding) and keeps only
-    the patterns. With `budget_bytes`, the batch runs in chunks of sequences whose cost (detectors_cost) fits
-    it, and the chunk scores are combined with their weights (sequences, or eligible queries for the masked
-    detectors), so the result is the same mean. The stop flag is polled between chunks.
+    the patterns. With `budget_bytes`, the batch runs in chunks (see detector_run).
     """
-    L = model.cfg.n_layers
-    if L == 0:
-        return {}
+    return detector_run(model, tokens, should_stop, budget_bytes).scores
+
+
+@dataclass
+class DetectorRun:
+    """Detector scores of a batch, the first sequence's patterns and (optionally) the next-token losses."""
+
+    scores: dict[str, Tensor]  # {name: [L, H]}
+    first_patterns: Tensor  # [L, H, n, n] patterns of the first sequence
+    losses: Tensor | None  # [batch, n - 1] float64: loss of predicting token i + 1 at position i
+
+
+def detector_run(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None,
+                 budget_bytes: int | None = None, with_loss: bool = False) -> DetectorRun:
+    """detector_scores, the first sequence's patterns and, `with_loss`, the per-position losses (a full pass).
+
+    With `budget_bytes`, the batch runs in chunks of sequences whose cost (detectors_cost) fits it; chunk
+    scores are combined with their weights (sequences, or eligible queries for the masked detectors), so the
+    result is the same mean. The stop flag is polled between chunks.
+    """
+    cfg = model.cfg
+    L = cfg.n_layers
     tokens = model.check_tokens(tokens)
     b, n = tokens.shape
-    chunk = b if budget_bytes is None else detector_chunk(model, n, b, budget_bytes)
+    if L == 0:
+        return DetectorRun({}, torch.zeros(0, cfg.n_heads, n, n, dtype=model.dtype), None)
+    chunk = b if budget_bytes is None else detector_chunk(model, n, b, budget_bytes, with_loss)
     sums: dict[str, Tensor] = {}
     weights: dict[str, Tensor] = {}
+    first: list[Tensor] = []
+    losses: list[Tensor] = []
     with torch.no_grad():
         for start in range(0, b, chunk):
             check_stop(should_stop, "head detectors")
             part = tokens[start : start + chunk]  # [c, n]
-            cache = model.run_until(part, f"blocks.{L - 1}.attn.hook_pattern", names=lambda nm: nm.endswith("hook_pattern"))
+            keep = polled(lambda nm: nm.endswith("hook_pattern"), should_stop, "head detectors")  # polls per hook
+            if with_loss:
+                logits, cache = model.run(part, names=keep)  # [c, n, d_vocab]
+                losses.append(next_token_losses(logits.double(), part))  # [c, n - 1]
+                del logits
+            else:
+                cache = model.run_until(part, f"blocks.{L - 1}.attn.hook_pattern", names=keep)
+            if start == 0:
+                first = [cache[f"blocks.{layer}.attn.hook_pattern"][0] for layer in range(L)]  # [H, n, n] each
             targets = (duplicate_targets(part), induction_targets(part))
             eligible = {"duplicate_token": targets[0].any(-1).sum(), "induction": targets[1].any(-1).sum()}
             for layer in range(L):
                 scores = pattern_detector_scores(cache[f"blocks.{layer}.attn.hook_pattern"], part, targets)
                 for name, value in scores.items():  # value [H]
                     w = eligible.get(name, torch.tensor(part.shape[0])).to(value.dtype)
-                    key = name
                     contrib = torch.where(w > 0, value * w, torch.zeros_like(value))
-                    sums.setdefault(key, value.new_zeros(L, value.shape[0]))[layer] += contrib
-                    weights.setdefault(key, value.new_zeros(L, 1))[layer] += w
+                    sums.setdefault(name, value.new_zeros(L, value.shape[0]))[layer] += contrib
+                    weights.setdefault(name, value.new_zeros(L, 1))[layer] += w
             del cache
-    return {name: torch.where(weights[name] > 0, sums[name] / weights[name].clamp_min(1), float("nan"))
-            for name in PATTERN_DETECTORS}
+    scores = {name: torch.where(weights[name] > 0, sums[name] / weights[name].clamp_min(1), float("nan"))
+              for name in PATTERN_DETECTORS}
+    return DetectorRun(scores, torch.stack(first), torch.cat(losses) if with_loss else None)
 
 
 def detectors_cost(model: Transformer, n: int, batch: int, logits: bool = False) -> Cost:
