@@ -33,7 +33,7 @@ from app.params import (
     SkipTrigramParams,
 )
 from app.routers import pages_analyses, pages_tour
-from app.routers.rendering import MODEL_NAV, Page, PageCall, attempt, is_fragment, page_context, render
+from app.routers.rendering import Page, PageCall, attempt, is_fragment, model_nav, page_context, render
 from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
 from app.views.circuits import DIRECT, OV, QK, SKIP_TRIGRAMS, has_token_counts
 from app.views.composition import COMPOSITION
@@ -154,9 +154,9 @@ async def models_page(request: Request, registry: RegistryDep) -> Response:
 
 
 @router.get("/go")
-async def go(model: str = Query(..., max_length=128), view: str = Query("overview", max_length=32)) -> Response:
+async def go(request: Request, model: str = Query(..., max_length=128), view: str = Query("overview", max_length=32)) -> Response:
     """The model picker (a GET form): to the same view of the chosen model."""
-    sub = dict((k, s) for k, _, s in MODEL_NAV).get(view, "")
+    sub = dict((k, s) for k, _, s in model_nav(request)).get(view, "")
     return RedirectResponse(f"/models/{model}{sub}", status_code=303)
 
 

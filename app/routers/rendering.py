@@ -35,14 +35,14 @@ templates.env.globals["charts"] = charts  # a template may draw its view's chart
 # The shared macros as a global `m`: a top-level {% import %} is not run when a single block is rendered.
 templates.env.globals["m"] = templates.env.get_template("_macros.html").module
 
-# The left navigation of a model: (key, label, path below /models/{model}).
+# The left navigation of a model: (key, label, path below /models/{model}); every analysis declared with a
+# `template` (a simple page) is appended after these (`model_nav`).
 MODEL_NAV: list[tuple[str, str, str]] = [
     ("overview", "Overview", ""),
     ("composition", "Composition", "/composition"),
     ("prompt", "Prompt & paths", "/prompt"),
     ("path", "Chain of heads", "/path"),
     ("qk-paths", "QK paths", "/qk-paths"),
-    ("attention-entropy", "Attention entropy", "/attention-entropy"),
     ("detectors", "Detectors", "/detectors"),
     ("term-importance", "Term importance", "/term-importance"),
     ("direct", "Direct path", "/direct"),
@@ -103,8 +103,15 @@ async def page_context(request: Request, registry: ModelRegistry, title: str, js
     if not is_fragment(request):
         ctx["models"] = await model_ids(registry)
         if model_id:
-            ctx["model_nav"] = [(key, label, f"/models/{model_id}{sub}") for key, label, sub in MODEL_NAV]
+            ctx["model_nav"] = [(key, label, f"/models/{model_id}{sub}") for key, label, sub in model_nav(request)]
     return ctx
+
+
+def model_nav(request: Request) -> list[tuple[str, str, str]]:
+    """MODEL_NAV, then the simple pages of the declared analyses (app.state.analyses, made in create_app)."""
+    declared = request.app.state.analyses.analyses
+    simple = [(a.name, a.summary, "/" + a.path) for a in declared if a.template and a.scope == "model" and "{" not in a.path]
+    return [*MODEL_NAV, *simple]
 
 
 # -- the page of an analysis ---------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from app.analysis import Analysis
-from app.params import TermImportanceParams
+from app.params import PromptInput, TermImportanceParams
 from app.schemas.analyses import HeadAblation, TermImportanceView
 from app.settings import Limits
 from app.views.inputs import max_prompt_tokens, model_ref, resolve_prompt, token_refs
@@ -24,7 +24,7 @@ from circuits_core import ablation
 from circuits_core.ablation import head_ablation, order_ablation
 from circuits_core.config import head_name
 from circuits_core.cost import Cost
-from circuits_core.errors import InvalidInputError, LimitExceededError
+from circuits_core.errors import InvalidInputError
 from circuits_core.weights import LoadedModel
 
 BUILTIN_TEXT = (
@@ -54,32 +54,21 @@ def _default_ids(loaded: LoadedModel, limits: Limits) -> tuple[list[int], str]:
     return ids[: max_prompt_tokens(loaded, limits)], source
 
 
-def ablation_bytes(loaded: LoadedModel, n: int) -> int:
-    """Frozen patterns of every layer, the residual streams of one run (+ frozen MLP outputs) and the logits."""
-    cfg = loaded.model.cfg
-    itemsize = torch.finfo(loaded.model.dtype).bits // 8
-    resid = (4 if cfg.attn_only else 5) * cfg.n_layers * n * cfg.d_model
-    return (cfg.n_layers * cfg.n_heads * n * n * 2 + resid + 2 * n * cfg.d_vocab) * itemsize
+def prompt_or_default(loaded: LoadedModel, p: PromptInput, limits: Limits) -> tuple[list[int], str]:
+    """(token ids, where they came from): the prompt or token ids given, else the default text (card or builtin)."""
+    if p.prompt is None and p.tokens is None:
+        return _default_ids(loaded, limits)
+    return resolve_prompt(loaded, p.prompt, p.tokens, limits), "prompt" if p.prompt is not None else "tokens"
 
 
 def build_term_importance_view(loaded: LoadedModel, p: TermImportanceParams, limits: Limits) -> TermImportanceView:
     """Loss by max path order, marginal effect of each order, first-order terms by layer, per-head ablations."""
-    prompt, tokens = p.prompt, p.tokens
     model = loaded.model
     cfg = model.cfg
-    if prompt is None and tokens is None:
-        ids, source = _default_ids(loaded, limits)
-    else:
-        ids, source = resolve_prompt(loaded, prompt, tokens, limits), "prompt" if prompt is not None else "tokens"
+    ids, source = prompt_or_default(loaded, p, limits)
     n = len(ids)
     if n < 2:
         raise InvalidInputError(f"term importance needs at least 2 tokens (a next-token loss), got {n}")
-    need = ablation_bytes(loaded, n)
-    if need > limits.matrix_budget_bytes:
-        raise LimitExceededError(
-            f"term importance on {n} tokens needs about {need} bytes; the budget (matrix_budget_bytes) is "
-            f"{limits.matrix_budget_bytes}: shorten the text"
-        )
     seq = torch.tensor([ids], dtype=torch.long, device=model.device)  # [1, n]
     with torch.no_grad():
         orders = order_ablation(model, seq)
@@ -96,9 +85,7 @@ def build_term_importance_view(loaded: LoadedModel, p: TermImportanceParams, lim
 
 
 def term_importance_cost(loaded: LoadedModel, p: TermImportanceParams, limits: Limits) -> Cost:
-    builtin = p.prompt is None and p.tokens is None
-    n = len(_default_ids(loaded, limits)[0] if builtin else resolve_prompt(loaded, p.prompt, p.tokens, limits))
-    return ablation.cost(loaded.model, n)
+    return ablation.cost(loaded.model, len(prompt_or_default(loaded, p, limits)[0]))
 
 
 TERM_IMPORTANCE = Analysis(
