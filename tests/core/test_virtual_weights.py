@@ -1,0 +1,264 @@
+"""Virtual weights (float64): factored products and all-pairs Gram scores vs dense matrices built here from the
+parameters, head -> head scores vs composition.py, the random baseline vs sampled random matrices."""
+
+import math
+
+import pytest
+import torch
+
+from circuits_core import stream_components as sc
+from circuits_core import virtual_weights as vw
+from circuits_core.composition import composition_scores, random_baseline
+from circuits_core.config import ModelConfig
+from circuits_core.errors import CancelledError, InvalidInputError, NotFoundError
+from circuits_core.model import random_model
+from tests.core.rotary_models import rotary_model
+
+CONFIGS = {
+    "attn-only-shortformer": dict(n_layers=3, attn_only=True, positional_embedding_type="shortformer"),
+    "ln-standard-mlp-bias": dict(n_layers=2, attn_only=False, d_mlp=24, act_fn="gelu", normalization_type="LN",
+                                 positional_embedding_type="standard", use_bias=True),
+    "parallel-lnpre-none": dict(n_layers=2, attn_only=False, d_mlp=20, act_fn="relu", normalization_type="LNPre",
+                                positional_embedding_type="none", parallel_attn_mlp=True),
+    "zero-layer": dict(n_layers=0, positional_embedding_type="standard"),
+}
+
+
+def _model(name, seed=0):
+    if name == "llama-gqa":
+        return rotary_model(seed=seed, n_key_value_heads=2)
+    fields = dict(d_model=16, n_heads=2, d_head=4, d_vocab=30, n_ctx=10)
+    fields.update(CONFIGS[name])
+    return random_model(ModelConfig(**fields), seed=seed, dtype=torch.float64, std_embed=0.5)
+
+
+ALL = [*CONFIGS, "llama-gqa"]
+
+
+# -- dense references, written from the parameters without the engine's chains -----------------------
+def _norm_rows(model, X):
+    """Layer 0's first norm applied to each row of X, by hand."""
+    kind = model.cfg.normalization_type
+    if model.cfg.n_layers == 0 or kind is None:
+        return X
+    ln = model.blocks[0].ln1
+    if kind in ("RMS", "RMSPre"):
+        out = X / (X.pow(2).mean(-1, keepdim=True) + model.cfg.eps).sqrt()
+    else:
+        Xc = X - X.mean(-1, keepdim=True)
+        out = Xc / (Xc.pow(2).mean(-1, keepdim=True) + model.cfg.eps).sqrt()
+    return out * ln.w + (ln.b if kind == "LN" else 0) if kind in ("LN", "RMS") else out
+
+
+def _kv(model, layer, name):
+    """Per-query-head K or V weights [H, d, dh], expanding grouped-query weights by hand."""
+    attn = model.blocks[layer].attn
+    W = getattr(attn, f"_{name}") if model.cfg.n_key_value_heads else getattr(attn, name)
+    return W.repeat_interleave(model.cfg.n_heads // W.shape[0], dim=0)
+
+
+def dense_writer(model, w):
+    if w.kind == "embed":
+        return _norm_rows(model, model.embed.W_E)
+    if w.kind == "pos":
+        return model.pos_embed.W_pos
+    if w.kind == "head":
+        attn = model.blocks[w.layer].attn
+        return _kv(model, w.layer, "W_V")[w.head] @ attn.W_O[w.head]
+    W_out = model.blocks[w.layer].mlp.W_out
+    return W_out if w.neurons is None else W_out[list(w.neurons)]
+
+
+def dense_reader(model, r, offset=0):
+    if r.role == "unembed":
+        return model.unembed.W_U
+    if r.role in ("in", "up", "gate"):
+        W = model.blocks[r.layer].mlp.W_gate if r.role == "gate" else model.blocks[r.layer].mlp.W_in
+        return W if r.neurons is None else W[:, list(r.neurons)]
+    attn = model.blocks[r.layer].attn
+    W_Q, W_K = attn.W_Q[r.head], _kv(model, r.layer, "W_K")[r.head]
+    R = torch.eye(model.cfg.d_head, dtype=torch.float64)
+    if offset:
+        R = model.rotate(torch.eye(model.cfg.d_head, dtype=torch.float64), torch.tensor(offset))
+    if r.role == "Q":
+        return W_Q @ R @ W_K.T
+    if r.role == "K":
+        return W_K @ R.T @ W_Q.T
+    return _kv(model, r.layer, "W_V")[r.head] @ attn.W_O[r.head]
+
+
+def _dense_score(W, R):
+    return float((W @ R).norm() / (W.norm() * R.norm()))
+
+
+# -- tests ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ALL)
+def test_every_virtual_weight_and_score_equals_the_dense_product(name):
+    model = _model(name)
+    scores = vw.all_scores(model)
+    assert [w.name for w in scores.writers] == [w.name for w in sc.writers(model)]
+    checked = 0
+    for i, w in enumerate(scores.writers):
+        for j, r in enumerate(scores.readers):
+            if not scores.mask[i, j]:
+                assert scores.raw[i, j] == 0 and scores.minus_baseline[i, j] == 0
+                with pytest.raises(InvalidInputError):
+                    vw.virtual_weight(model, w, r)
+                continue
+            W, R = dense_writer(model, w), dense_reader(model, r)
+            fm = vw.virtual_weight(model, w, r)
+            torch.testing.assert_close(fm.AB, W @ R, rtol=1e-10, atol=1e-12)
+            low_rank = w.kind == "head" or r.role in ("Q", "K", "V")  # through d_head, else d_model
+            assert fm.mdim == (model.cfg.d_head if low_rank else model.cfg.d_model)
+            assert scores.raw[i, j].item() == pytest.approx(_dense_score(W, R), rel=1e-9, abs=1e-12)
+            checked += 1
+    assert checked > 0
+
+
+def test_who_reads_whom():
+    m = _model("attn-only-shortformer")
+    names = {(w.name, r.name) for w in sc.writers(m) for r in sc.readers(m) if sc.reaches(m, w, r)}
+    assert ("pos", "L0H0.Q") in names and ("pos", "L2H1.K") in names  # added at every layer's Q/K input
+    assert ("pos", "L1H0.V") not in names and ("pos", "unembed") not in names  # never in the stream
+    assert ("L0H1", "L0H0.Q") not in names and ("L0H1", "L1H0.Q") in names
+    p = _model("parallel-lnpre-none")
+    pn = {(w.name, r.name) for w in sc.writers(p) for r in sc.readers(p) if sc.reaches(p, w, r)}
+    assert ("L0H0", "L0.mlp.in") not in pn and ("L0.mlp", "L1H0.V") in pn  # parallel block: MLP reads resid_pre
+    s = _model("ln-standard-mlp-bias")
+    sn = {(w.name, r.name) for w in sc.writers(s) for r in sc.readers(s) if sc.reaches(s, w, r)}
+    assert ("L0H0", "L0.mlp.in") in sn and ("pos", "L1.mlp.in") in sn and ("L1.mlp", "unembed") in sn
+    assert [w.name for w in sc.writers(p)][:2] == ["embed", "L0H0"]  # no learned positions, no pos writer
+
+
+def test_gated_mlp_has_gate_and_up_inputs():
+    m = _model("llama-gqa")
+    names = [r.name for r in sc.readers(m)]
+    assert "L0.mlp.gate" in names and "L0.mlp.up" in names and "L0.mlp.in" not in names
+    with pytest.raises(NotFoundError):
+        sc.parse_reader(m, "L0.mlp.in")
+
+
+@pytest.mark.parametrize("offset", [3, 7])
+def test_rotary_query_reader_at_an_offset_gives_the_attention_score(offset):
+    """x_i W_QK(i - j) x_j^T equals the model's rotated q_i . k_j (hook_q / hook_k of a real run)."""
+    m = _model("llama-gqa")
+    tokens = torch.randint(0, m.cfg.d_vocab, (1, 9), generator=torch.Generator().manual_seed(3))
+    _, cache = m.run(tokens, names={"blocks.1.attn.hook_q", "blocks.1.attn.hook_k", "blocks.1.ln1.hook_normalized"})
+    x = cache["blocks.1.ln1.hook_normalized"][0]  # [n, d]: the query/key input, RMS gain applied
+    i, j, h = 8, 8 - offset, 3
+    fm = vw.virtual_weight(m, sc.Writer("head", 0, 1), sc.Reader("Q", 1, h), offset=offset)
+    W_QK = vw.factored(m, sc.reader_chain(m, sc.Reader("Q", 1, h), offset)).AB
+    score = cache["blocks.1.attn.hook_q"][0, i, h] @ cache["blocks.1.attn.hook_k"][0, j, h]
+    assert float(x[i] @ W_QK @ x[j]) == pytest.approx(float(score), rel=1e-9)
+    assert not torch.allclose(fm.AB, vw.virtual_weight(m, sc.Writer("head", 0, 1), sc.Reader("Q", 1, h)).AB)
+    dense = dense_writer(m, sc.Writer("head", 0, 1)) @ dense_reader(m, sc.Reader("Q", 1, h), offset)
+    torch.testing.assert_close(fm.AB, dense, rtol=1e-10, atol=1e-12)
+    with pytest.raises(InvalidInputError):
+        vw.virtual_weight(_model("attn-only-shortformer"), sc.Writer("embed"), sc.Reader("Q", 0, 0), offset=2)
+
+
+def test_head_to_head_scores_are_the_composition_scores():
+    model = _model("attn-only-shortformer")
+    scores = vw.all_scores(model)
+    comp = composition_scores(model, n_samples=8)
+    H = model.cfg.n_heads
+    wi = {w.name: i for i, w in enumerate(scores.writers)}
+    ri = {r.name: j for j, r in enumerate(scores.readers)}
+    for kind in "qkv":
+        for l1 in range(model.cfg.n_layers):
+            for l2 in range(l1 + 1, model.cfg.n_layers):
+                for h1 in range(H):
+                    for h2 in range(H):
+                        got = scores.raw[wi[f"L{l1}H{h1}"], ri[f"L{l2}H{h2}.{kind.upper()}"]]
+                        assert got.item() == pytest.approx(comp.raw[kind][l1, h1, l2, h2].item(), rel=1e-10)
+    assert scores.baseline == comp.baseline
+    assert (scores.sampled_baseline, scores.sampled_std) == random_baseline(model.cfg.d_model, model.cfg.d_head)
+
+
+@pytest.mark.parametrize("shapes", [(30, 4), (30, 16), (4, 64)])
+def test_the_baseline_matches_sampled_random_matrices_of_the_pair_shapes(shapes):
+    """E score ~ 1/sqrt(d_model) for a random writer [n_in, d] and reader [d, n_out] of any ranks."""
+    n_in, n_out = shapes
+    d, n = 16, 400
+    gen = torch.Generator().manual_seed(0)
+    W = torch.randn(n, n_in, d, generator=gen, dtype=torch.float64)
+    R = torch.randn(n, d, n_out, generator=gen, dtype=torch.float64)
+    s = (W @ R).flatten(1).norm(dim=1) / (W.flatten(1).norm(dim=1) * R.flatten(1).norm(dim=1))
+    model = _model("ln-standard-mlp-bias")
+    baseline = vw.analytic_baseline(model)
+    assert baseline == 1 / math.sqrt(d)
+    # E[score^2] = 1/d exactly; the mean of the square root sits just below, within a few standard errors
+    assert s.pow(2).mean().item() == pytest.approx(1 / d, abs=4 * s.pow(2).std().item() / math.sqrt(n))
+    assert abs(s.mean().item() - baseline) < 0.08 * baseline
+
+
+def test_factored_svd_matches_the_dense_svd():
+    model = _model("ln-standard-mlp-bias")
+    for w, r in [("embed", "unembed"), ("embed", "L1H0.Q"), ("L0.mlp", "unembed"), ("L0H1", "L1.mlp.in")]:
+        W, R = sc.parse_writer(model, w), sc.parse_reader(model, r)
+        fm = vw.virtual_weight(model, W, R)
+        dense = dense_writer(model, W) @ dense_reader(model, R)
+        svd = vw.factored_svd(fm, k=3)
+        S = torch.linalg.svdvals(dense)
+        torch.testing.assert_close(svd.S[: S.shape[0]], S[: svd.S.shape[0]], rtol=1e-9, atol=1e-10)
+        for i in range(3):
+            torch.testing.assert_close(dense @ svd.V[:, i], S[i] * svd.U[:, i], rtol=1e-8, atol=1e-10)
+            torch.testing.assert_close(svd.U[:, i].norm(), torch.tensor(1.0, dtype=torch.float64))
+
+
+def test_pair_report_tokens_are_the_extremes_of_the_dense_singular_vectors():
+    model = _model("ln-standard-mlp-bias")
+    rep = vw.pair_report(model, sc.Writer("embed"), sc.Reader("unembed"), k=2, n_top=4)
+    dense = dense_writer(model, sc.Writer("embed")) @ model.unembed.W_U
+    U, S, Vh = torch.linalg.svd(dense)
+    assert rep.input_space == rep.output_space == "tokens"
+    assert rep.score == pytest.approx(_dense_score(dense_writer(model, sc.Writer("embed")), model.unembed.W_U), rel=1e-9)
+    for i, d in enumerate(rep.directions):
+        sign = 1.0 if U[d.input_top[0][0], i] > 0 else -1.0  # the pair (u, v) is defined up to one sign
+        assert [t for t, _ in d.input_top] == (sign * U[:, i]).topk(4).indices.tolist()
+        assert [t for t, _ in d.output_bottom] == (-sign * Vh[i]).topk(4).indices.tolist()
+    mid = vw.pair_report(model, sc.Writer("head", 0, 0), sc.Reader("Q", 1, 1))
+    assert mid.input_space == "d_model" and mid.directions[0].input_top is None
+
+
+def test_neuron_readouts():
+    model = _model("ln-standard-mlp-bias")
+    mlp = model.blocks[1].mlp
+    torch.testing.assert_close(vw.neuron_logits(model, 1, 5), mlp.W_out[5] @ model.unembed.W_U)
+    torch.testing.assert_close(vw.neuron_embed_reads(model, 1, 7),
+                               _norm_rows(model, model.embed.W_E) @ mlp.W_in[:, 7])
+    sel = vw.pair_report(model, sc.parse_writer(model, "L0.mlp[3,9,11]"), sc.Reader("unembed"), k=1, n_top=3)
+    assert sel.input_space == "neurons" and {n for n, _ in sel.directions[0].input_top} <= {3, 9, 11}
+    g = _model("llama-gqa")
+    torch.testing.assert_close(vw.neuron_embed_reads(g, 0, 2, role="gate"),
+                               _norm_rows(g, g.embed.W_E) @ g.blocks[0].mlp.W_gate[:, 2])
+
+
+@pytest.mark.parametrize("bad", ["L9H0", "L0H7", "L0.mlp[99]", "L0.mlp[1,1]"])
+def test_components_out_of_range_are_not_found(bad):
+    with pytest.raises(NotFoundError):
+        sc.parse_writer(_model("ln-standard-mlp-bias"), bad)
+
+
+@pytest.mark.parametrize("bad", ["", "mlp", "L0H0.X", "L0.mlp.out", "embed ", "L0H0.Q;", None])
+def test_malformed_reader_names_are_invalid(bad):
+    with pytest.raises(InvalidInputError):
+        sc.parse_reader(_model("ln-standard-mlp-bias"), bad if bad != "embed " else "embed")
+
+
+def test_attention_only_and_position_free_refusals():
+    with pytest.raises(NotFoundError):
+        sc.parse_writer(_model("attn-only-shortformer"), "L0.mlp")
+    with pytest.raises(NotFoundError):
+        sc.parse_writer(_model("parallel-lnpre-none"), "pos")
+
+
+def test_all_scores_can_be_cancelled():
+    with pytest.raises(CancelledError):
+        vw.all_scores(_model("ln-standard-mlp-bias"), should_stop=lambda: True)
+
+
+def test_cost_counts_the_factor_copies():
+    small, big = _model("attn-only-shortformer"), _model("ln-standard-mlp-bias")
+    assert 0 < vw.all_scores_cost(small).peak_bytes
+    assert vw.all_scores_cost(big).answer_bytes > 0
