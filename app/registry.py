@@ -1,12 +1,12 @@
 """ModelRegistry: which models exist (folders of checkpoints) and loading them once, lazily, under a lock.
 
 A model id is the name of a folder directly inside `settings.shipped_dir` or `settings.models_dir` that
-holds a checkpoint `circuits_core.weights.detect_format` recognises. Ids are matched by a strict pattern
-(letters, digits, `.`, `_`, `-`; no leading dot), so a request can never name a path outside those folders.
-Folders are rescanned on every listing: a new folder becomes a model without a restart. A folder with a
-config.json that no loader recognises is still listed (as unavailable, with the reason); a folder without
-config.json is not a model. Where the same name exists in both folders, the shipped model wins (ids of the
-shipped models are stable).
+holds a checkpoint: a config.json, or a single .gguf file (circuits_core.weights.detect_format). Ids are
+matched by a strict pattern (letters, digits, `.`, `_`, `-`; no leading dot), so a request can never name a
+path outside those folders. Folders are rescanned on every listing: a new folder becomes a model without a
+restart. A folder with a config.json that no loader recognises is still listed (as unavailable, with the
+reason); a folder with neither is not a model. Where the same name exists in both folders, the shipped model
+wins (ids of the shipped models are stable).
 
 Failure isolation: a folder that cannot be read (malformed or hostile config, files leading outside it, a
 model priced over `settings.max_model_bytes`, a loader bug) is listed as unavailable with the reason and
@@ -29,6 +29,7 @@ import torch
 
 from app.settings import Settings
 from circuits_core.errors import CheckpointError, NotFoundError
+from circuits_core.formats_gguf import gguf_file
 from circuits_core.weights import LoadedModel, detect_format, load_checkpoint
 
 log = logging.getLogger("qkov.registry")
@@ -67,6 +68,18 @@ def fingerprint(folder: Path) -> Fingerprint:
     return tuple(sorted(rows))
 
 
+def _holds_checkpoint(folder: Path) -> bool:
+    """A folder with a config.json, or a single-file GGUF folder (several .gguf files: a model that fails)."""
+    if not folder.is_dir():
+        return False
+    if (folder / "config.json").is_file():
+        return True
+    try:
+        return gguf_file(folder) is not None
+    except (CheckpointError, OSError):
+        return True
+
+
 def public_message(message: str, entry: ModelEntry) -> str:
     """An error message with the server paths of the folder replaced by the model id."""
     for path in sorted({str(entry.path.resolve()), str(entry.path)}, key=len, reverse=True):
@@ -94,7 +107,7 @@ class ModelRegistry:
         return roots
 
     def _scan_one(self, folder: Path, shipped: bool) -> ModelEntry | None:
-        if not MODEL_ID_RE.match(folder.name) or not (folder / "config.json").is_file():
+        if not MODEL_ID_RE.match(folder.name) or not _holds_checkpoint(folder):
             return None
         if folder.resolve().parent != folder.parent.resolve():  # a symlink leading out of the models folder
             log.warning("skipping %s: it links outside %s", folder, folder.parent)
