@@ -5,7 +5,7 @@ Folders (session-scoped, built once):
                     token_counts.npy of seeded random counts (min_count works on it)
   user/tiny-ln      1 layer x 2 heads, standard positions, LayerNorm, n_ctx 32, same tokenizer
   user/broken       config.json + a weight file missing a tensor: listed as unavailable, 422 when used
-  user/llama        config.json of an unsupported architecture: listed as unavailable
+  user/mamba        config.json of an unsupported architecture: listed as unavailable
   user/.hidden, user/empty   never models
 """
 
@@ -73,8 +73,8 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     save_qkov(user / "broken", two, tok, seed=3, drop="blocks.1.attn.W_K")
     save_qkov(user / ".hidden", two, tok, seed=4)
     (user / "empty").mkdir()
-    (user / "llama").mkdir()
-    (user / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (user / "mamba").mkdir()
+    (user / "mamba" / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     return shipped, user
 
 

@@ -26,8 +26,8 @@ def test_models_lists_both_folders_and_reports_broken(client: TestClient, tiny: 
     assert two["has_tokenizer"] and two["bos_token_id"] == tiny.tokenizer.bos_token_id
     assert two["card"] == CARD and two["format"] == "qkov"
     unavailable = {u["id"]: u["detail"] for u in client.get("/api/v1/unavailable-models").json()}
-    assert unavailable.keys() == {"broken", "llama"}
-    assert "W_K" in unavailable["broken"] and "llama" in unavailable["llama"]
+    assert unavailable.keys() == {"broken", "mamba"}
+    assert "W_K" in unavailable["broken"] and "mamba" in unavailable["mamba"]
 
 
 def test_model_summary_and_unknown_models(client: TestClient) -> None:
@@ -43,7 +43,7 @@ def test_model_summary_and_unknown_models(client: TestClient) -> None:
 def test_broken_checkpoint_is_422_naming_the_problem(client: TestClient) -> None:
     body = assert_problem(client.get("/api/v1/models/broken"), 422, "broken", "W_K")
     assert body["title"] == "Model cannot be loaded"
-    assert_problem(client.get("/api/v1/models/llama/heads"), 422, "model_type", "llama")
+    assert_problem(client.get("/api/v1/models/mamba/heads"), 422, "model_type", "mamba")
 
 
 def test_new_folder_appears_on_next_listing(model_dirs: tuple[Path, Path], tmp_path: Path) -> None:
