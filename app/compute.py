@@ -50,6 +50,7 @@ import anyio.to_thread
 from pydantic import BaseModel
 
 from app.cache import ResultCache
+from app.store import StoreTier
 from circuits_core.cost import Cost, ambient_should_stop, stopping
 from circuits_core.errors import CancelledError, LimitExceededError
 
@@ -100,9 +101,14 @@ class Budgets:
     seconds: float | None = None
 
 
+def _hint(lower: str) -> str:
+    """': lower k, max_order' from 'k, max_order' (or from 'lower k, max_order')."""
+    return f": lower {lower.removeprefix('lower ')}" if lower else ": ask for less"
+
+
 def check_cost(cost: Cost, budgets: Budgets, lower: str = "", what: str = "this request") -> None:
     """LimitExceededError (422) when the priced cost is over a budget: names the size, the limit and `lower`."""
-    hint = f": lower {lower}" if lower else ": ask for less"
+    hint = _hint(lower)
     if budgets.peak_bytes is not None and cost.peak_bytes > budgets.peak_bytes:
         raise LimitExceededError(
             f"{what} needs about {format_bytes(cost.peak_bytes)} of working memory; the limit (peak_bytes) is "
@@ -122,7 +128,7 @@ def check_cost(cost: Cost, budgets: Budgets, lower: str = "", what: str = "this 
 def check_answer(size: int, budgets: Budgets, lower: str = "", what: str = "this request") -> None:
     """The real size of an encoded answer against max_answer_bytes (checked inside the slot)."""
     if budgets.answer_bytes is not None and size > budgets.answer_bytes:
-        hint = f": lower {lower}" if lower else ": ask for less"
+        hint = _hint(lower)
         raise LimitExceededError(
             f"{what} answered {format_bytes(size)} of JSON; the limit (max_answer_bytes) is "
             f"{format_bytes(budgets.answer_bytes)}{hint}"
@@ -299,8 +305,9 @@ class ComputeService:
 
     def __init__(self, slots: int = 2, slot_wait_s: float = 30.0, cache_bytes: int = 0,
                  request_timeout_s: float | None = None, dense_budget_bytes: int | None = None,
-                 budgets: Budgets | None = None):
+                 budgets: Budgets | None = None, store: StoreTier | None = None):
         self.slots = Slots(slots)
+        self.store = store  # the second level behind the cache (app/store.py): disk or Redis, shared by processes
         self.slot_wait_s = slot_wait_s
         self.request_timeout_s = request_timeout_s
         self.dense_budget_bytes = dense_budget_bytes
@@ -332,6 +339,10 @@ class ComputeService:
         if text is not None:
             body = self.cache.get(text)
             if body is not None:
+                answer = Answer(None, body)
+                return answer.as_json() if want == "json" else answer.as_value(view or view_type(fn))
+            if self.store is not None and (body := await self.store.get(text)) is not None:
+                self.cache.put(text, body)
                 answer = Answer(None, body)
                 return answer.as_json() if want == "json" else answer.as_value(view or view_type(fn))
         # A computation is stopped only once no request waits for it, so a waiter never sees another's stop.
@@ -401,6 +412,12 @@ class ComputeService:
 
     async def _launch(self, flight: Flight, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                       lower: str, what: str) -> None:
+        if flight.key is not None and self.store is not None:  # one computation per key across processes
+            body = await self.store.claim_or_wait(flight.key, flight.stop.is_set)
+            if body is not None:
+                self.cache.put(flight.key, body)
+                self._settle(flight, value=Answer(None, body))
+                return
         try:
             await self.slots.acquire(self.slot_wait_s)
         except TimeoutError:
@@ -452,10 +469,14 @@ class ComputeService:
         self.stats.ewma_seconds = 0.8 * self.stats.ewma_seconds + 0.2 * elapsed
         if flight.key is not None and body is not None:
             self.cache.put(flight.key, body)
+            if self.store is not None:
+                self.store.save(flight.key, body)
         self.slots.release()
         self._settle(flight, value=Answer(value, body))
 
     def _settle(self, flight: Flight, value: Answer | None = None, exc: BaseException | None = None) -> None:
+        if exc is not None and flight.key is not None and self.store is not None:
+            self.store.release(flight.key)  # no answer: let another process claim the key
         with self._lock:
             if flight.key is not None and self._flights.get(flight.key) is flight:
                 del self._flights[flight.key]

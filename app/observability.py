@@ -45,12 +45,13 @@ from pydantic import BaseModel, Field
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.compute import BusyError, Budgets, ComputeService, RequestContext, bind, default_torch_threads
+from app.compute import Budgets, BusyError, ComputeService, RequestContext, bind, default_torch_threads
 from app.errors import ProblemKind, problem_response
 from app.etag import ETagMiddleware, HeadMiddleware
 from app.ratelimit import RateLimiter
 from app.registry import ModelRegistry
 from app.settings import Settings
+from app.store import StoreTier, open_store
 from circuits_core.errors import QkovError
 
 log = logging.getLogger("qkov.serving")
@@ -140,6 +141,11 @@ class ServiceCollector(Collector):
         yield counter("qkov_cache_misses", "result cache misses", c.misses)
         yield counter("qkov_cache_evictions", "results evicted to stay within the budget", c.evictions)
         yield gauge("qkov_cache_hit_ratio", "hits / (hits + misses) since start", c.hit_rate)
+        if s.store is not None:
+            yield counter("qkov_store_hits", "answers found in the shared result store", s.store.hits)
+            yield counter("qkov_store_waited", "answers another process computed while this one waited", s.store.waited)
+            yield counter("qkov_store_puts", "answers written to the shared result store", s.store.puts)
+            yield counter("qkov_store_errors", "result store operations that failed (the answer was computed)", s.store.errors)
         yield gauge("qkov_models_loaded", "models loaded in this process", len(getattr(self.registry, "_loaded", {})))
 
 
@@ -178,6 +184,7 @@ class Health(BaseModel):
 class ReadinessReport(BaseModel):
     status: Literal["ready", "not ready"]
     models: dict[str, str] = Field(description="model id -> 'ok' or 'error: <why>'")
+    store: dict[str, Any] | None = Field(default=None, description="the result store: kind, ok, and why not (Redis down: the local store serves)")
 
 
 # -- readiness -------------------------------------------------------------------------------------------
@@ -341,6 +348,12 @@ class ServingMiddleware:
 
 
 # -- install ---------------------------------------------------------------------------------------------
+def open_store_tier(settings: Settings) -> StoreTier | None:
+    """The second-level result store the settings name (app/store.py), or None when it is off."""
+    store = open_store(settings.store_url, settings.store_dir, settings.store_bytes, settings.store_ttl_s)
+    return None if store is None else StoreTier(store, claim_ttl_s=settings.request_timeout_s or 120.0)
+
+
 def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
     """Add the compute service, middleware and /healthz, /readyz, /metrics to an app (once, in create_app)."""
     registry: ModelRegistry = app.state.registry
@@ -351,6 +364,7 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
         request_timeout_s=settings.request_timeout_s,
         dense_budget_bytes=settings.limits.matrix_budget_bytes,
         budgets=Budgets(settings.limits.peak_bytes, settings.limits.max_answer_bytes, settings.request_timeout_s),
+        store=open_store_tier(settings),
     )
     torch.set_num_threads(settings.torch_threads or default_torch_threads(settings.compute_slots))
     configure_logging(settings)
@@ -376,14 +390,16 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
              responses={503: {"model": ReadinessReport, "description": "not ready: a shipped model fails, or no model"}})
     async def readyz() -> JSONResponse:
         ready, report = await anyio.to_thread.run_sync(readiness.check)
-        body = ReadinessReport(status="ready" if ready else "not ready", models=report)
+        store = await anyio.to_thread.run_sync(service.store.status) if service.store is not None else None
+        body = ReadinessReport(status="ready" if ready else "not ready", models=report, store=store)
         return JSONResponse(body.model_dump(), status_code=200 if ready else 503, headers={} if ready else {"Retry-After": "5"})
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    limiter = RateLimiter(settings.rate_limit, settings.rate_window_s) if settings.rate_limit else None
+    redis_url = settings.store_url if settings.store_url.startswith(("redis", "unix")) else "memory://"
+    limiter = RateLimiter(settings.rate_limit, settings.rate_window_s, redis_url) if settings.rate_limit else None
     app.add_middleware(ETagMiddleware)
     app.add_middleware(ServingMiddleware, service=service, metrics=metrics, limiter=limiter,
                        request_timeout_s=settings.request_timeout_s,

@@ -20,6 +20,7 @@ Redis `SET NX PX`). The process that gets it computes and `put`s; the others wai
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -230,3 +231,57 @@ def open_store(url: str, directory: Path, budget_bytes: int, ttl_s: float) -> Re
     if url.startswith(("redis://", "rediss://", "unix://")):
         return RedisStore(url, fallback=disk, ttl_s=ttl_s)
     raise ValueError(f"store URL {url!r} is not 'off', 'disk' or a redis:// URL")
+
+
+class StoreTier:
+    """The store as the compute service uses it: never raises, never blocks the event loop.
+
+    Counters (read by /metrics): `hits` answers found in the store, `waited` answers another process computed
+    while this one waited for its claim, `puts` answers written, `errors` store operations that failed.
+    """
+
+    def __init__(self, store: ResultStore, claim_ttl_s: float, poll_s: float = 0.05):
+        self.store = store
+        self.claim_ttl_s = claim_ttl_s
+        self.poll_s = poll_s
+        self.hits = self.waited = self.puts = self.errors = 0
+
+    def _safe(self, op: Any, *args: Any) -> Any:
+        try:
+            return op(*args)
+        except Exception as exc:  # a full disk, a locked SQLite file, a broken row: the answer is computed instead
+            self.errors += 1
+            log.warning("result store %s failed: %s", getattr(op, "__name__", "operation"), type(exc).__name__)
+            return None
+
+    async def get(self, key: str) -> bytes | None:
+        body = await asyncio.to_thread(self._safe, self.store.get, key)
+        if body is not None:
+            self.hits += 1
+        return body  # type: ignore[no-any-return]
+
+    async def claim_or_wait(self, key: str, stopped: Any) -> bytes | None:
+        """None when this process holds the claim and should compute; else the answer another process put."""
+        while True:
+            claimed = await asyncio.to_thread(self._safe, self.store.claim, key, self.claim_ttl_s)
+            if claimed is None or claimed:  # claimed, or the store failed: compute here
+                return None
+            body = await asyncio.to_thread(self._safe, self.store.get, key)
+            if body is not None:
+                self.waited += 1
+                return body  # type: ignore[no-any-return]
+            if stopped():
+                return None
+            await asyncio.sleep(self.poll_s)
+
+    def save(self, key: str, body: bytes) -> None:
+        """In the worker thread, after computing: keep the answer, then free the claim."""
+        self._safe(self.store.put, key, body)
+        self.puts += 1
+        self._safe(self.store.release, key)
+
+    def release(self, key: str) -> None:
+        self._safe(self.store.release, key)
+
+    def status(self) -> dict[str, Any]:
+        return self._safe(self.store.status) or {"store": self.store.name, "ok": False, "detail": "status failed"}  # type: ignore[no-any-return]
