@@ -156,6 +156,9 @@ def _tl_check_supported(data: dict[str, Any], path: Path) -> None:
         "use_logn_attn": bool(data.get("use_logn_attn")),
         "use_dynamic_ntk_rope": bool(data.get("use_dynamic_ntk_rope")),
         "use_yarn_rope": bool(data.get("use_yarn_rope")),
+        # A rope scaling named on a model without rotary positions (TL would ignore it: the config is inconsistent).
+        "use_NTK_by_parts_rope": bool(data.get("use_NTK_by_parts_rope"))
+        and data.get("positional_embedding_type") != "rotary",
         "rotary_scaling_factor": data.get("positional_embedding_type") == "rotary"
         and data.get("rotary_scaling_factor", 1.0) not in (1, None)
         and bool(data.get("use_NTK_by_parts_rope")),

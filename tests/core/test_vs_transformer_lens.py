@@ -453,7 +453,7 @@ def _one_thread() -> Any:
     [("attention_dir", "bidirectional"), ("attn_scores_soft_cap", 50.0), ("output_logits_soft_cap", 30.0),
      ("clip_qkv", 8.0), ("use_logn_attn", True), ("use_NTK_by_parts_rope", True), ("use_qk_norm", True),
      ("post_embedding_ln", True), ("use_normalization_before_and_after", True), ("num_experts", 4),
-     ("scale_attn_by_inverse_layer_idx", True), ("normalization_type", "RMS"), ("gated_mlp", True)],
+     ("scale_attn_by_inverse_layer_idx", True), ("use_local_attn", True), ("gated_mlp", True)],
 )  # fmt: skip
 def test_unimplemented_tl_features_are_refused(
     world: dict[str, dict[str, Any]], tmp_path: Path, field: str, value: object
