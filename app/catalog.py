@@ -10,7 +10,7 @@ from app.params import NoParams
 from app.registry import ModelRegistry
 from app.schemas.analyses import TourView
 from app.settings import Limits
-from app.views import circuits, composition, detectors, heads, models, path, prompt, qk_paths, term_importance
+from app.views import circuits, composition, detectors, heads, models, path, prompt, qk_paths, rotary, term_importance
 from app.views.attention_entropy import ATTENTION_ENTROPY
 from app.views.tour import build_tour_view
 from circuits_core.cost import Cost
@@ -38,6 +38,7 @@ ANALYSES: list[Analysis[Any, Any]] = [
     composition.COMPOSITION, composition.COMPOSITION_PAIR,
     prompt.PROMPT, prompt.PATHS, path.PATH, qk_paths.QK_PATHS,
     term_importance.TERM_IMPORTANCE,
+    *rotary.ANALYSES,
     ATTENTION_ENTROPY,
     TOUR,
 ]

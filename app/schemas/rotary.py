@@ -1,0 +1,68 @@
+"""JSON answers of the rotary-model analyses: the positional kernel, the energy per rotary band and the
+composition profile over the query-key offset δ (circuits_core/rotary.py, composition_rotary.py)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from app.schemas.common import ModelRef
+
+
+class ReferenceText(BaseModel):
+    """The text μ_l is measured on (the mean ln1 output entering each layer)."""
+
+    name: str = Field(description="what the text is")
+    n_tokens: int = Field(description="tokens of the text (BOS included); the first one is left out of the mean")
+    tokenized: bool = Field(description="false: the model has no tokenizer, seeded random token ids were used")
+
+
+class ReferenceMeans(BaseModel):
+    """μ [n_layers, d_model] of one model on the reference text (derived data, cached per checkpoint digest)."""
+
+    reference: ReferenceText
+    means: list[list[float]]
+
+
+class PositionalView(BaseModel):
+    """f_h(δ) = μ_l Ω_h(δ) μ_l^T / s: the score a typical query gives a typical key δ positions back."""
+
+    model: ModelRef
+    head: str
+    offsets: list[int] = Field(description="δ = query position - key position")
+    kernel: list[float] = Field(description="f_h(δ) in attention-score units, one per offset")
+    peak_offset: int = Field(description="the offset with the largest kernel value")
+    reference: ReferenceText
+    basis: str = Field(description="which weights and input the numbers come from")
+
+
+class BandsView(BaseModel):
+    """Ω_h(δ) = Σ_k [cos(δθ_k) A_k + sin(δθ_k) B_k] + C: the QK energy of each rotary frequency band."""
+
+    model: ModelRef
+    head: str
+    theta: list[float] = Field(description="θ_k, radians per position of band k (band 0 is the fastest)")
+    wavelength: list[float] = Field(description="2π / θ_k in positions")
+    cos_part: list[float] = Field(description="||A_k||_F^2")
+    sin_part: list[float] = Field(description="||B_k||_F^2")
+    energy: list[float] = Field(description="||A_k||^2 + ||B_k||^2 (= ||W_Q[:, pair k]||^2 ||W_K[:, pair k]||^2)")
+    unrotated: float = Field(description="||C||_F^2, the dims beyond rotary_dim (0 without partial rotary)")
+    share: list[float] = Field(description="energy / (Σ energy + unrotated)")
+    basis: str
+
+
+class CompositionProfileView(BaseModel):
+    """C_Q(δ) or C_K(δ) of one (earlier, later) pair over the offsets, with the random baseline."""
+
+    model: ModelRef
+    source: str
+    target: str
+    kind: Literal["Q", "K"]
+    offsets: list[int]
+    scores: list[float]
+    baseline: float = Field(description="mean score of Gaussian factors of the model's shapes (the same at every δ)")
+    baseline_std: float
+    peak: float
+    peak_offset: int
+    basis: str

@@ -1,0 +1,171 @@
+"""Rotary-model analyses (issue 11): a head's positional kernel and energy per rotary band, a pair's Q/K
+composition profile over δ; helpers the QK, composition and heads views call for rotary models.
+
+The kernel needs μ_l, the mean ln1 output entering each layer on a reference text (circuits_core/rotary.py
+REFERENCE_TEXT, tokenised with the model's tokenizer; seeded random token ids for a model without one). μ is
+derived data of the checkpoint: it is computed once per answer digest and kept in the result cache (and the
+store behind it) under ("rotary-reference", digest), so every head's kernel and the heads table reuse it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import torch
+from pydantic import Field
+
+from app.analysis import Analysis, AnalysisParams, HeadField
+from app.compute import cached_build
+from app.params import HEAD_DOC, HeadParams
+from app.schemas.rotary import BandsView, CompositionProfileView, PositionalView, ReferenceMeans, ReferenceText
+from app.settings import Limits
+from app.views.inputs import model_ref
+from circuits_core import composition_rotary, rotary
+from circuits_core.config import head_name, parse_head
+from circuits_core.cost import Cost
+from circuits_core.errors import InvalidInputError
+from circuits_core.weights import LoadedModel
+
+RANDOM_REFERENCE_TOKENS = 256  # length of the seeded random reference for a model without a tokenizer
+MaxOffset = Annotated[int, Field(ge=1, le=4096, description="offsets δ = 0..max_offset (clipped to n_ctx - 1)")]
+WEIGHTS_BASIS = "the checkpoint's weights as loaded (norm gains folded into W_Q, W_K when processed); biases not included"
+
+
+# -- the reference text and μ ------------------------------------------------------------------------------
+def reference_tokens(loaded: LoadedModel) -> tuple[torch.Tensor, ReferenceText]:
+    """[1, n] token ids of the reference text (at most n_ctx), and its description."""
+    cfg, tok = loaded.model.cfg, loaded.tokenizer
+    if tok is not None:
+        ids = tok.encode(rotary.REFERENCE_TEXT)[: cfg.n_ctx]
+        return torch.tensor([ids]), ReferenceText(name=rotary.REFERENCE_NAME, n_tokens=len(ids), tokenized=True)
+    n = min(RANDOM_REFERENCE_TOKENS, cfg.n_ctx)
+    gen = torch.Generator().manual_seed(0)
+    ids_t = torch.randint(0, cfg.d_vocab, (1, n), generator=gen)
+    name = f"{n} token ids drawn uniformly from the vocabulary (seed 0): the model has no tokenizer"
+    return ids_t, ReferenceText(name=name, n_tokens=n, tokenized=False)
+
+
+def _measure(loaded: LoadedModel) -> ReferenceMeans:
+    tokens, ref = reference_tokens(loaded)
+    means = rotary.reference_means(loaded.model, tokens.to(loaded.model.device))
+    return ReferenceMeans(reference=ref, means=means.tolist())
+
+
+def reference_means(loaded: LoadedModel) -> tuple[torch.Tensor, ReferenceText]:
+    """μ [n_layers, d_model] float64 and the text it was measured on (cached per checkpoint digest)."""
+    rotary.check_rotary(loaded.model)
+    stored = cached_build(("rotary-reference", str(loaded.digest)), ReferenceMeans, lambda: _measure(loaded))
+    return torch.tensor(stored.means, dtype=torch.float64, device=loaded.model.device), stored.reference
+
+
+def kernel_peak_offsets(loaded: LoadedModel, window: int = rotary.KERNEL_WINDOW) -> torch.Tensor | None:
+    """[L, H] each head's kernel peak offset in δ = 0..window (None for a model without rotary positions)."""
+    if loaded.model.cfg.positional_embedding_type != "rotary":
+        return None
+    mu, _ = reference_means(loaded)
+    offsets = torch.arange(min(window, loaded.model.cfg.n_ctx - 1) + 1)
+    return rotary.kernel_peaks(rotary.positional_kernel(loaded.model, mu, offsets), offsets)
+
+
+# -- the positional kernel -----------------------------------------------------------------------------
+class PositionalParams(HeadParams):
+    max_offset: MaxOffset = rotary.KERNEL_WINDOW
+
+
+def _offsets(loaded: LoadedModel, max_offset: int) -> torch.Tensor:
+    """δ = 0..max_offset, clipped to n_ctx - 1 (no query is further than that from its key); rotary models only."""
+    rotary.check_rotary(loaded.model)
+    return torch.arange(min(max_offset, loaded.model.cfg.n_ctx - 1) + 1)
+
+
+def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limits) -> PositionalView:
+    """f_h(δ) = μ_l Ω_h(δ) μ_l^T / s for δ = 0..max_offset, and where it peaks."""
+    layer, h = parse_head(p.head, loaded.model.cfg)
+    offsets = _offsets(loaded, p.max_offset)
+    mu, ref = reference_means(loaded)
+    kernel = rotary.positional_kernel(loaded.model, mu, offsets)[layer, h]  # [n]
+    return PositionalView(
+        model=model_ref(loaded), head=head_name(layer, h), offsets=offsets.tolist(), kernel=kernel.tolist(),
+        peak_offset=int(offsets[kernel.argmax()]), reference=ref,
+        basis=f"{WEIGHTS_BASIS}; μ_l = mean ln1 output entering layer {layer} on the reference text, first token left out",
+    )
+
+
+def positional_cost(loaded: LoadedModel, p: PositionalParams, limits: Limits) -> Cost:
+    return rotary.kernel_cost(loaded.model, p.max_offset + 1, min(len(rotary.REFERENCE_TEXT), loaded.model.cfg.n_ctx))
+
+
+POSITIONAL = Analysis(
+    name="positional", path="heads/{head}/positional", params=PositionalParams, view=PositionalView,
+    build=build_positional_view, cost=positional_cost, tags=["rotary"],
+    summary="Positional kernel f(δ) = μ Ω(δ) μᵀ / √d_head of a rotary head",
+)
+
+
+# -- energy per rotary band ----------------------------------------------------------------------------
+def build_bands_view(loaded: LoadedModel, p: HeadParams, limits: Limits) -> BandsView:
+    layer, h = parse_head(p.head, loaded.model.cfg)
+    with torch.no_grad():
+        bands = rotary.band_energies(loaded.model)
+    energy = bands.energy[layer, h]  # [K]
+    total = float(energy.sum() + bands.unrotated[layer, h])
+    return BandsView(
+        model=model_ref(loaded), head=head_name(layer, h), theta=bands.theta.tolist(), wavelength=bands.wavelength.tolist(),
+        cos_part=bands.cos_part[layer, h].tolist(), sin_part=bands.sin_part[layer, h].tolist(), energy=energy.tolist(),
+        unrotated=float(bands.unrotated[layer, h]), share=(energy / total if total > 0 else energy).tolist(),
+        basis=WEIGHTS_BASIS,
+    )
+
+
+def bands_cost(loaded: LoadedModel, p: HeadParams, limits: Limits) -> Cost:
+    return rotary.bands_cost(loaded.model)
+
+
+BANDS = Analysis(
+    name="rotary-bands", path="heads/{head}/bands", params=HeadParams, view=BandsView, build=build_bands_view,
+    cost=bands_cost, tags=["rotary"], summary="QK energy of a rotary head per frequency band",
+)
+
+
+# -- composition profile over δ ------------------------------------------------------------------------
+class ProfileParams(AnalysisParams):
+    source: Annotated[str, Field(max_length=16, description=f"the earlier {HEAD_DOC}"), HeadField()]
+    target: Annotated[str, Field(max_length=16, description=f"the later {HEAD_DOC}"), HeadField()]
+    kind: Annotated[Literal["Q", "K"], Field(description="Q or K composition")] = "K"
+    max_offset: MaxOffset = rotary.KERNEL_WINDOW
+
+
+def build_profile_view(loaded: LoadedModel, p: ProfileParams, limits: Limits) -> CompositionProfileView:
+    """C_Q(δ) or C_K(δ) = ||W_OV^A Ω_B(δ)^(T)|| / (||W_OV^A|| ||Ω_B(δ)||) for δ = 0..max_offset."""
+    model = loaded.model
+    offsets = _offsets(loaded, p.max_offset)
+    scores = composition_rotary.pair_profile(model, p.source, p.target, p.kind.lower(), offsets)  # [n]
+    cfg = model.cfg
+    mean, std = composition_rotary.random_baseline(cfg.d_model, cfg.d_head, cfg.group_size)
+    i = int(scores.argmax())
+    return CompositionProfileView(
+        model=model_ref(loaded), source=p.source, target=p.target, kind=p.kind, offsets=offsets.tolist(),
+        scores=scores.tolist(), baseline=mean, baseline_std=std, peak=float(scores[i]), peak_offset=int(offsets[i]),
+        basis=WEIGHTS_BASIS,
+    )
+
+
+def profile_cost(loaded: LoadedModel, p: ProfileParams, limits: Limits) -> Cost:
+    return composition_rotary.pair_profile_cost(loaded.model, p.max_offset + 1)
+
+
+PROFILE = Analysis(
+    name="composition-profile", path="composition/{source}/{target}/profile", params=ProfileParams,
+    view=CompositionProfileView, build=build_profile_view, cost=profile_cost, tags=["rotary", "composition"],
+    summary="Q- or K-composition of one pair as a function of the query-key offset δ",
+)
+
+ANALYSES = [POSITIONAL, BANDS, PROFILE]
+def check_offset(loaded: LoadedModel, offset: int) -> None:
+    """An offset other than 0 needs rotary positions; it must be below n_ctx."""
+    if offset != 0 and loaded.model.cfg.positional_embedding_type != "rotary":
+        raise InvalidInputError(
+            f"offset applies to rotary models only; this one has {loaded.model.cfg.positional_embedding_type!r} positions"
+        )
+    if offset:
+        rotary.check_offsets(loaded.model, [offset])

@@ -1,0 +1,114 @@
+"""The rotary-model API (issue 11.5) over a real app: positional kernel, band energies, composition profiles,
+QK and composition at an offset; numbers checked against the engine's dense float64 brute force."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from app.main import create_app
+from app.settings import Settings
+from app.views.rotary import reference_tokens
+from circuits_core.config import ModelConfig
+from circuits_core.rotary import REFERENCE_NAME, rotation
+from circuits_core.weights import LoadedModel, load_checkpoint
+from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer
+
+API = "/api/v1/models"
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("rotary-models")
+    tok = train_tokenizer()
+    V = tok.get_vocab_size()
+    rope = ModelConfig(
+        n_layers=3, d_model=16, n_heads=4, d_head=8, d_vocab=V, n_ctx=96, attn_only=False, d_mlp=24, gated_mlp=True,
+        act_fn="silu", normalization_type="RMS", positional_embedding_type="rotary", rotary_base=100.0,
+        n_key_value_heads=2, rotary_adjacent_pairs=True, rotary_dim=6,
+    )
+    save_qkov(root / "shipped" / "rope", rope, tok, seed=3)
+    short = ModelConfig(n_layers=2, d_model=16, n_heads=2, d_head=8, d_vocab=V, n_ctx=32)
+    save_qkov(root / "user" / "short", short, tok, seed=4)
+    return root / "shipped", root / "user"
+
+
+@pytest.fixture(scope="module")
+def client(folders: tuple[Path, Path]) -> Iterator[TestClient]:
+    settings = Settings(shipped_dir=folders[0], models_dir=folders[1], dtype="float64", limits=LIMITS, store_url="off")
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def rope(folders: tuple[Path, Path]) -> LoadedModel:
+    return load_checkpoint(folders[0] / "rope", dtype=torch.float64)
+
+
+def normed(model, x, layer):
+    """RMS norm by hand (the gain is folded into W_Q, W_K when the checkpoint is processed: RMSPre)."""
+    w = getattr(model.blocks[layer].ln1, "w", None)
+    x = x / (x.pow(2).mean(-1, keepdim=True) + model.cfg.eps).sqrt()
+    return x * w if w is not None else x
+
+
+def test_positional_kernel_vs_dense(client: TestClient, rope: LoadedModel):
+    body = client.get(f"{API}/rope/heads/L2H3/positional", params={"max_offset": 20}).json()
+    assert body["offsets"] == list(range(21))
+    assert body["reference"]["name"] == REFERENCE_NAME and body["reference"]["tokenized"]
+    model = rope.model
+    tokens, ref = reference_tokens(rope)
+    assert body["reference"]["n_tokens"] == ref.n_tokens == tokens.shape[1]
+    _, cache = model.run(tokens, names={"blocks.2.hook_resid_pre"})
+    mu = normed(model, cache["blocks.2.hook_resid_pre"][0, 1:], 2).mean(0)  # [d]
+    attn = model.blocks[2].attn
+    q, k = mu @ attn.W_Q[3], mu @ attn._W_K[3 // 2]  # GQA: query head 3 reads key head 1
+    expected = [float(q @ rotation(model, [d])[0] @ k) / model.cfg.scale for d in range(21)]
+    assert max(abs(a - b) for a, b in zip(body["kernel"], expected, strict=True)) < 1e-10
+    assert body["peak_offset"] == max(range(21), key=lambda d: expected[d])
+
+
+def test_bands_sum_identity(client: TestClient, rope: LoadedModel):
+    body = client.get(f"{API}/rope/heads/L1H2/bands").json()
+    attn = rope.model.blocks[1].attn
+    W_Q, W_K = attn.W_Q[2], attn._W_K[1]
+    for k, (e, c, s) in enumerate(zip(body["energy"], body["cos_part"], body["sin_part"], strict=True)):
+        pair = [2 * k, 2 * k + 1]  # adjacent layout
+        assert abs(e - float(W_Q[:, pair].pow(2).sum() * W_K[:, pair].pow(2).sum())) < 1e-10 * e
+        assert abs(e - c - s) < 1e-12 * e
+    unrot = W_Q[:, 6:] @ W_K[:, 6:].T  # rotary_dim 6 of d_head 8
+    assert abs(body["unrotated"] - float(unrot.pow(2).sum())) < 1e-10
+
+
+def test_composition_profile_vs_dense(client: TestClient, rope: LoadedModel):
+    body = client.get(f"{API}/rope/composition/L0H1/L2H2/profile", params={"kind": "K", "max_offset": 10}).json()
+    a, b = rope.model.blocks[0].attn, rope.model.blocks[2].attn
+    W_OV = a._W_V[0] @ a.W_O[1]
+    for d, score in zip(body["offsets"], body["scores"], strict=True):
+        Om = b.W_Q[2] @ rotation(rope.model, [d])[0] @ b._W_K[1].T
+        assert abs(score - float((W_OV @ Om.T).norm() / (W_OV.norm() * Om.norm()))) < 1e-12
+    assert body["peak"] == max(body["scores"]) and body["scores"][body["peak_offset"]] == body["peak"]
+    assert 0 < body["baseline"] < 1
+
+
+def test_refusals(client: TestClient):
+    assert_problem(client.get(f"{API}/short/heads/L1H0/positional"), 422, "rotary")
+    assert_problem(client.get(f"{API}/short/composition/L0H0/L1H1/profile"), 422, "rotary")
+    clipped = client.get(f"{API}/rope/heads/L0H0/positional", params={"max_offset": 500}).json()
+    assert clipped["offsets"] == list(range(96))  # n_ctx 96: no query is further than 95 from its key
+    assert_problem(client.get(f"{API}/rope/composition/L2H0/L1H1/profile"), 422, "earlier")
+    assert client.get(f"{API}/rope/composition/L0H0/L1H1/profile", params={"kind": "V"}).status_code == 422
+    assert client.get(f"{API}/rope/heads/L9H0/bands").status_code == 404
+
+
+def test_openapi_documents_the_rotary_routes(client: TestClient):
+    paths = client.get("/openapi.json").json()["paths"]
+    for path in ("/api/v1/models/{model}/heads/{head}/positional", "/api/v1/models/{model}/heads/{head}/bands",
+                 "/api/v1/models/{model}/composition/{source}/{target}/profile"):
+        assert path in paths
+    params = {p["name"]: p for p in paths["/api/v1/models/{model}/heads/{head}/positional"]["get"]["parameters"]}
+    assert params["max_offset"]["schema"]["maximum"] == 4096
