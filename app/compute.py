@@ -111,13 +111,13 @@ def check_cost(cost: Cost, budgets: Budgets, lower: str = "", what: str = "this 
     hint = _hint(lower)
     if budgets.peak_bytes is not None and cost.peak_bytes > budgets.peak_bytes:
         raise LimitExceededError(
-            f"{what} needs about {format_bytes(cost.peak_bytes)} of working memory; the limit (peak_bytes) is "
-            f"{format_bytes(budgets.peak_bytes)}{hint}"
+            f"{what} needs about {_size(cost.peak_bytes)} of working memory; the budget (peak_bytes) is "
+            f"{_size(budgets.peak_bytes)}{hint}"
         )
     if budgets.answer_bytes is not None and cost.answer_bytes > budgets.answer_bytes:
         raise LimitExceededError(
-            f"{what} would answer about {format_bytes(cost.answer_bytes)} of JSON; the limit (max_answer_bytes) is "
-            f"{format_bytes(budgets.answer_bytes)}{hint}"
+            f"{what} would answer about {_size(cost.answer_bytes)} of JSON; the budget (max_answer_bytes) is "
+            f"{_size(budgets.answer_bytes)}{hint}"
         )
     if budgets.seconds is not None and cost.seconds is not None and cost.seconds > budgets.seconds:
         raise LimitExceededError(
@@ -125,13 +125,17 @@ def check_cost(cost: Cost, budgets: Budgets, lower: str = "", what: str = "this 
         )
 
 
+def _size(n: int) -> str:
+    return f"{n} bytes ({format_bytes(n)})"
+
+
 def check_answer(size: int, budgets: Budgets, lower: str = "", what: str = "this request") -> None:
     """The real size of an encoded answer against max_answer_bytes (checked inside the slot)."""
     if budgets.answer_bytes is not None and size > budgets.answer_bytes:
         hint = _hint(lower)
         raise LimitExceededError(
-            f"{what} answered {format_bytes(size)} of JSON; the limit (max_answer_bytes) is "
-            f"{format_bytes(budgets.answer_bytes)}{hint}"
+            f"{what} answered {_size(size)} of JSON; the budget (max_answer_bytes) is "
+            f"{_size(budgets.answer_bytes)}{hint}"
         )
 
 

@@ -184,6 +184,13 @@ def full_ov_row(model: Transformer, layer: int, head: int, source_token: int) ->
     return (((x @ attn.W_V[head]) @ attn.W_O[head]) @ model.W_U)[0]  # [V]
 
 
+def direct_row(model: Transformer, token: int) -> Tensor:
+    """Row `token` of the direct path [d_vocab] (ln_final on that one row of W_E, then W_U)."""
+    _check_token(model, token)
+    x = model.W_E[[token]] if model.cfg.normalization_type is None else apply_ln_rows(model.ln_final, model.W_E[[token]])
+    return (x @ model.W_U)[0]  # [V]
+
+
 def full_qk_col(model: Transformer, layer: int, head: int, key_token: int) -> Tensor:
     """Column a of the full QK circuit [d_vocab]: the score of every query token on key token a."""
     check_head(model, layer, head)

@@ -12,6 +12,7 @@ otherwise dominate the global tables of the shipped toy models.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -63,7 +64,7 @@ def has_token_counts(loaded: LoadedModel) -> bool:
 
 def _top_view(
     loaded: LoadedModel,
-    fm: FactoredMatrix,
+    circuit_of: Callable[[], FactoredMatrix],
     circuit: Literal["ov", "qk", "direct"],
     head: str | None,
     token: str | None,
@@ -71,7 +72,10 @@ def _top_view(
     k: int,
     limits: Limits,
     min_count: int | None = None,
+    line_of: Callable[[int], Tensor] | None = None,
 ) -> CircuitTopView:
+    """circuit_of() builds the factored circuit (global top-k, or a token's line); line_of(t), when given,
+    reads a token's row/column straight from the weights instead (no [d_vocab, d_head] factors: ms on GPT-2)."""
     rows_label, cols_label = LABELS[circuit]
     vocab = frequent_tokens(loaded, min_count)  # [n] or None: all tokens
     n_vocab = None if vocab is None else int(vocab.numel())
@@ -84,6 +88,7 @@ def _top_view(
 
     with torch.no_grad():
         if token is None:
+            fm = circuit_of()
             k = check_k(k, limits, fm.ldim * fm.rdim if n_vocab is None else n_vocab**2)
             values, rows, cols = fm.topk_global(k, budget_bytes=limits.matrix_budget_bytes, rows=vocab, cols=vocab)  # [k] each
             entries = [
@@ -92,8 +97,12 @@ def _top_view(
             ]
             return view(k, entries)
         t = resolve_token(loaded, token)
-        line: Tensor = (fm.rows([t]) if side == "row" else fm.cols([t]))[0]  # [d_vocab]
-        own = float(line[t]) if fm.ldim == fm.rdim else None
+        if line_of is not None:
+            line: Tensor = line_of(t)  # [d_vocab]
+        else:
+            fm = circuit_of()
+            line = (fm.rows([t]) if side == "row" else fm.cols([t]))[0]  # [d_vocab]
+        own = float(line[t])  # every circuit here is [d_vocab, d_vocab]
         if vocab is not None:  # rank and list only the frequent tokens
             line = torch.full_like(line, float("-inf")).index_copy(0, vocab, line[vocab])
         k = check_k(k, limits, line.numel() if n_vocab is None else n_vocab)
@@ -112,21 +121,23 @@ def _top_view(
 def build_ov_view(loaded: LoadedModel, p: OVParams, limits: Limits) -> CircuitTopView:
     """Full OV circuit W_E W_V W_O W_U of a head: the token's row (the logits it raises), else global top-k."""
     layer, h = parse_head(p.head, loaded.model.cfg)
-    fm = circuits.full_ov_circuit(loaded.model, layer, h)
-    return _top_view(loaded, fm, "ov", p.head, p.token, "row", p.k, limits, p.min_count)
+    return _top_view(loaded, lambda: circuits.full_ov_circuit(loaded.model, layer, h), "ov", p.head, p.token, "row", p.k,
+                     limits, p.min_count, lambda t: circuits.full_ov_row(loaded.model, layer, h, t))
 
 
 def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTopView:
     """Full QK circuit W_E W_Q W_K^T W_E^T / s: as query, the keys a token attends to; as key, the queries attending to it."""
     layer, h = parse_head(p.head, loaded.model.cfg)
-    fm = circuits.full_qk_circuit(loaded.model, layer, h)
     side: Literal["row", "column"] = "row" if p.side == "query" else "column"
-    return _top_view(loaded, fm, "qk", p.head, p.token, side, p.k, limits, p.min_count)
+    column = (lambda t: circuits.full_qk_col(loaded.model, layer, h, t)) if side == "column" else None
+    return _top_view(loaded, lambda: circuits.full_qk_circuit(loaded.model, layer, h), "qk", p.head, p.token, side, p.k,
+                     limits, p.min_count, column)
 
 
 def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> CircuitTopView:
     """Direct path W_E W_U (the bigram table): top next tokens for a current token, else global top-k."""
-    return _top_view(loaded, circuits.direct_path(loaded.model), "direct", None, p.token, "row", p.k, limits, p.min_count)
+    return _top_view(loaded, lambda: circuits.direct_path(loaded.model), "direct", None, p.token, "row", p.k, limits,
+                     p.min_count, lambda t: circuits.direct_row(loaded.model, t))
 
 
 def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits) -> Cost:

@@ -11,6 +11,8 @@ W_E is the LN-applied embedding of circuits_core.circuits (row convention, x @ W
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from app.analysis import Analysis
@@ -40,10 +42,6 @@ TOP_PAIRS = 10
 ENGINE_KIND: dict[CompositionKindName, CompositionKind] = {"Q": "q", "K": "k", "V": "v"}  # API name -> engine key
 
 
-def _nullable(value: float | torch.Tensor, keep: bool) -> float | None:
-    return float(value) if keep else None
-
-
 def build_composition_view(loaded: LoadedModel, p: CompositionParams, limits: Limits | None = None) -> CompositionView:
     """Raw and baseline-subtracted `kind`-composition scores: rows earlier heads, columns later heads."""
     kind = p.kind
@@ -52,13 +50,15 @@ def build_composition_view(loaded: LoadedModel, p: CompositionParams, limits: Li
     if L < 2:
         raise InvalidInputError(f"composition needs at least 2 layers; model {loaded.path.name!r} has {L}")
     with torch.no_grad():
-        comp = composition_scores(loaded.model)
-    key = ENGINE_KIND[kind]
+        key = ENGINE_KIND[kind]
+        comp = composition_scores(loaded.model, kinds=(key,))  # only the kind asked for
     raw, minus, mask = comp.raw[key].double(), comp.minus_baseline[key].double(), comp.mask  # [L, H, L, H]
     src = [(l1, h1) for l1 in range(L - 1) for h1 in range(H)]
     dst = [(l2, h2) for l2 in range(1, L) for h2 in range(H)]
-    scores = [[_nullable(raw[s + d], bool(mask[s + d])) for d in dst] for s in src]
-    minus_bl = [[_nullable(minus[s + d], bool(mask[s + d])) for d in dst] for s in src]
+    shown = (slice(0, L - 1), slice(None), slice(1, L), slice(None))  # earlier-layer rows x later-layer columns
+    as_table = lambda t: torch.where(mask, t, torch.nan)[shown].reshape(len(src), len(dst)).tolist()  # noqa: E731
+    scores = [[None if math.isnan(x) else x for x in row] for row in as_table(raw)]  # null unless l1 < l2
+    minus_bl = [[None if math.isnan(x) else x for x in row] for row in as_table(minus)]
     flat = torch.where(mask, raw, torch.full_like(raw, -1.0)).flatten()
     n_valid = int(mask.sum())
     pairs = []

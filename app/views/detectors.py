@@ -14,12 +14,12 @@ from app.analysis import Analysis, split_heads
 from app.params import DetectorParams
 from app.schemas import DetectorInput, DetectorsView, HeadPattern, LossByPosition
 from app.settings import Limits
-from app.views.heads import bos_id, detector_table, head_scores, num, parse_heads, repeated_input, run_patterns
+from app.views.heads import bos_id, head_scores, num, parse_heads, repeated_input
 from app.views.inputs import model_ref, resolve_prompt, token_refs
 from circuits_core import heads
 from circuits_core.config import head_name
 from circuits_core.cost import Cost
-from circuits_core.model import next_token_losses
+from circuits_core.heads import detector_run
 from circuits_core.weights import LoadedModel
 
 DETECTOR_NAMES = ("previous_token", "induction", "duplicate_token", "current_token", "first_token")
@@ -39,9 +39,9 @@ def _best_heads(detectors: dict[str, Tensor]) -> list[tuple[int, int]]:
     return picked
 
 
-def _losses(logits: Tensor, tokens: Tensor, seq_len: int | None, has_bos: bool) -> LossByPosition:
-    # logits [batch, n, d_vocab], tokens [batch, n] -> loss per position [n - 1], mean over the batch
-    losses = next_token_losses(logits.double(), tokens).mean(0)
+def _losses(per_sequence: Tensor, seq_len: int | None, has_bos: bool) -> LossByPosition:
+    # per_sequence [batch, n - 1] next-token losses -> loss per position [n - 1], mean over the batch
+    losses = per_sequence.mean(0)
     per_pos: list[float | None] = [num(v) for v in losses.tolist()] + [None]
     if seq_len is None:
         return LossByPosition(loss=per_pos)
@@ -63,14 +63,15 @@ def build_detectors_view(loaded: LoadedModel, p: DetectorParams, limits: Limits)
     else:
         run_tokens, meta = repeated_input(loaded, seq_len, batch, seed)
         repeat_len = seq_len
-    with torch.no_grad():
-        logits, patterns = run_patterns(loaded, run_tokens)
-        detectors = detector_table(patterns, run_tokens)
-        chosen = parse_heads(heads, loaded, limits.max_heads) if heads else _best_heads(detectors)
-        head_patterns = [
-            HeadPattern(head=head_name(layer, h), pattern=patterns[layer][0, h].double().tolist()) for layer, h in chosen
-        ]
-        loss = _losses(logits, run_tokens, repeat_len, meta.bos is not None)
+    chosen = parse_heads(heads, loaded, limits.max_heads) if heads else None
+    run = detector_run(loaded.model, run_tokens, budget_bytes=limits.peak_bytes, with_loss=True)  # chunked
+    detectors = run.scores
+    chosen = chosen if chosen is not None else _best_heads(detectors)
+    head_patterns = [
+        HeadPattern(head=head_name(layer, h), pattern=run.first_patterns[layer, h].double().tolist()) for layer, h in chosen
+    ]
+    assert run.losses is not None
+    loss = _losses(run.losses, repeat_len, meta.bos is not None)
     return DetectorsView(
         model=model_ref(loaded),
         detector_input=meta,
@@ -88,7 +89,8 @@ def detectors_cost(loaded: LoadedModel, p: DetectorParams, limits: Limits) -> Co
         n, batch = len(resolve_prompt(loaded, p.prompt, p.tokens, limits)), 1
     else:
         n, batch = 2 * p.seq_len + (bos_id(loaded) is not None), p.batch
-    cost = heads.detectors_cost(loaded.model, n, batch, logits=True)
+    chunk = heads.detector_chunk(loaded.model, n, batch, limits.peak_bytes, logits=True)
+    cost = heads.detectors_cost(loaded.model, n, chunk, logits=True)
     shown = len(split_heads(p.heads)) or len(DETECTOR_NAMES)
     return cost.with_answer(numbers=shown * n * n + 2 * n, labels=n)
 

@@ -21,13 +21,7 @@ from circuits_core import circuits, heads
 from circuits_core.config import head_name, parse_head
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
-from circuits_core.heads import (
-    STANDARD_BATCH,
-    STANDARD_SEQ_LEN,
-    induction_view,
-    pattern_detector_scores,
-    repeated_random_tokens,
-)
+from circuits_core.heads import STANDARD_BATCH, STANDARD_SEQ_LEN, HeadTable, head_table, repeated_random_tokens
 from circuits_core.weights import LoadedModel
 
 STANDARD_SEED = 0  # the standard input's shape (STANDARD_SEQ_LEN, STANDARD_BATCH) is the engine's
@@ -65,30 +59,17 @@ def standard_input(loaded: LoadedModel) -> tuple[Tensor, DetectorInput]:
     return repeated_input(loaded, seq_len, STANDARD_BATCH, STANDARD_SEED)
 
 
-def run_patterns(loaded: LoadedModel, tokens: Tensor) -> tuple[Tensor, list[Tensor]]:
-    """Logits [batch, n, d_vocab] and each layer's pattern [batch, n_heads, n, n] from one forward pass."""
-    model = loaded.model
-    with torch.no_grad():
-        logits, cache = model.run(tokens, names=lambda n: n.endswith("hook_pattern"))
-    return logits, [cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(model.cfg.n_layers)]
-
-
-def detector_table(patterns: list[Tensor], tokens: Tensor) -> dict[str, Tensor]:
-    """{detector: [n_layers, n_heads]} from the patterns of one run."""
-    per_layer = [pattern_detector_scores(p, tokens) for p in patterns]
-    if not per_layer:
-        return {}
-    return {name: torch.stack([scores[name] for scores in per_layer]) for name in per_layer[0]}
-
-
-def head_scores(loaded: LoadedModel, detectors: dict[str, Tensor], k_comp: dict[str, Tensor] | None = None) -> list[HeadScores]:
-    """One HeadScores per head, in layer-major order (K-composition positivity when `k_comp` is given)."""
+def head_scores(loaded: LoadedModel, detectors: dict[str, Tensor], table: HeadTable | None = None) -> list[HeadScores]:
+    """One HeadScores per head, in layer-major order; copying scores and K-composition positivity from the
+    heads table when given (else the copying scores are computed here)."""
     model = loaded.model
     cfg = model.cfg
     if cfg.n_layers == 0:
         return []
-    ov = circuits.ov_copying_scores(model)  # [L, H]
-    qk = circuits.qk_copying_scores(model)  # [L, H]
+    ov = circuits.ov_copying_scores(model) if table is None else table.ov_copying  # [L, H]
+    qk = circuits.qk_copying_scores(model) if table is None else table.qk_copying  # [L, H]
+    iv = table.induction if table is not None else None
+    k_comp = {"one_hot": iv.qk_k_composition, "weighted": iv.qk_weighted} if iv is not None else None
     out = []
     for layer in range(cfg.n_layers):
         for h in range(cfg.n_heads):
@@ -114,20 +95,17 @@ def head_scores(loaded: LoadedModel, detectors: dict[str, Tensor], k_comp: dict[
 
 
 def build_heads_view(loaded: LoadedModel, p: NoParams | None = None, limits: Limits | None = None) -> HeadsView:
-    """Copying scores and detector scores of every head on the standard repeated-random-token input."""
+    """Copying scores and detector scores of every head on the standard repeated-random-token input: one
+    detector pass (its previous-token scores also pick the 2-D view's partner), each Gram formed once."""
     tokens, meta = standard_input(loaded)
-    with torch.no_grad():
-        _, patterns = run_patterns(loaded, tokens)
-        detectors = detector_table(patterns, tokens)
-        if loaded.model.cfg.n_layers == 0:
-            return HeadsView(model=model_ref(loaded), detector_input=meta, heads=[])
-        iv = induction_view(loaded.model, tokens)  # the 2-D view, previous-token head chosen on the same input
-    k_comp = {"one_hot": iv.qk_k_composition, "weighted": iv.qk_weighted}
+    table = head_table(loaded.model, tokens, budget_bytes=limits.peak_bytes if limits is not None else None)
+    if table.induction is None:
+        return HeadsView(model=model_ref(loaded), detector_input=meta, heads=[])
     return HeadsView(
         model=model_ref(loaded),
         detector_input=meta,
-        heads=head_scores(loaded, detectors, k_comp),
-        previous_token_head=iv.previous_token_head,
+        heads=head_scores(loaded, table.detectors, table),
+        previous_token_head=table.induction.previous_token_head,
     )
 
 
@@ -201,7 +179,7 @@ def parse_heads(names: list[str], loaded: LoadedModel, max_heads: int) -> list[t
 def heads_cost(loaded: LoadedModel, p: AnalysisParams, limits: Limits) -> Cost:
     """The heads table on the standard input (the head view needs it too, when not cached)."""
     meta = standard_input(loaded)[1]
-    return heads.head_table_cost(loaded.model, meta.n_tokens, meta.batch, limits.matrix_budget_bytes)
+    return heads.head_table_cost(loaded.model, meta.n_tokens, meta.batch, limits.peak_bytes)
 
 
 def copying_cost(loaded: LoadedModel, p: CopyingParams, limits: Limits) -> Cost:

@@ -16,7 +16,6 @@ from app.schemas.analyses import ChainView, SourceContribution
 from app.settings import Limits
 from app.views.composition import VIRTUAL_LABELS, parse_chain, token_circuit, virtual_ov_circuit
 from app.views.inputs import model_ref, resolve_prompt, resolve_token, token_ref, token_refs
-from app.views.prompt import check_path_budget
 from circuits_core import frozen, paths
 from circuits_core.config import head_name
 from circuits_core.cost import Cost
@@ -37,8 +36,6 @@ def build_path_view(loaded: LoadedModel, p: ChainParams, limits: Limits) -> Chai
         raise LimitExceededError(f"a chain of {len(chain)} heads is a path of order {len(chain)}; max_order is {limits.max_order}")
     names = tuple(head_name(*c) for c in chain)
     ids = resolve_prompt(loaded, prompt, tokens, limits)
-    n = len(ids)
-    check_path_budget(loaded, len(chain), n, limits, q=n)
     run_tokens = torch.tensor(ids, dtype=torch.long, device=model.device)
     with torch.no_grad():
         run = frozen_run(model, run_tokens)

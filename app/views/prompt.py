@@ -9,8 +9,6 @@ k largest terms and sums the rest into one 'other' term, so the listed terms alw
 
 from __future__ import annotations
 
-from math import comb
-
 import torch
 
 from app.analysis import Analysis, split_heads
@@ -63,32 +61,6 @@ def build_prompt_view(loaded: LoadedModel, p: PromptParams, limits: Limits) -> P
 
 
 # -- logit path expansion ----------------------------------------------------------------------------------
-def n_path_terms(loaded: LoadedModel, max_order: int) -> tuple[int, int]:
-    """(suffixes, terms) of an expansion: head tuples with increasing layers of length <= max_order, and the
-    terms they make with every source that can enter them (an upper bound: embedding, biases, MLPs)."""
-    cfg = loaded.model.cfg
-    L, H = cfg.n_layers, cfg.n_heads
-    suffixes = sum(comb(L, k) * H**k for k in range(min(max_order, L) + 1))
-    sources = 1 + L * (1 if cfg.attn_only else 2)
-    return suffixes, suffixes * sources + 1
-
-
-def path_bytes(loaded: LoadedModel, max_order: int, n: int, q: int = 1) -> int:
-    """Working memory of expand_logits: a [q, n] coefficient per suffix plus a [q, n] term per (source, suffix)."""
-    suffixes, terms = n_path_terms(loaded, max_order)
-    itemsize = torch.finfo(loaded.model.dtype).bits // 8
-    return (suffixes + terms) * q * n * itemsize
-
-
-def check_path_budget(loaded: LoadedModel, max_order: int, n: int, limits: Limits, q: int = 1) -> None:
-    need = path_bytes(loaded, max_order, n, q)
-    if need > limits.matrix_budget_bytes:
-        raise LimitExceededError(
-            f"the path expansion up to order {max_order} on {n} tokens needs about {need} bytes; the budget "
-            f"(matrix_budget_bytes) is {limits.matrix_budget_bytes}: lower max_order or shorten the prompt"
-        )
-
-
 def term_kind(path: tuple[str, ...]) -> TermKind:
     if not path:
         return "direct"
@@ -115,7 +87,6 @@ def build_paths_view(loaded: LoadedModel, p: PathsParams, limits: Limits) -> Pat
     n = len(ids)
     pos = check_position(position, n)
     k = check_k(k, limits, 10**9)
-    check_path_budget(loaded, max_order, n, limits)
     run_tokens = torch.tensor(ids, dtype=torch.long, device=model.device)
     with torch.no_grad():
         run = frozen_run(model, run_tokens)

@@ -18,25 +18,9 @@ from app.views.inputs import check_k, model_ref, resolve_prompt, token_refs
 from circuits_core import qk_paths
 from circuits_core.config import head_name, parse_head
 from circuits_core.cost import Cost
-from circuits_core.errors import LimitExceededError
 from circuits_core.frozen import frozen_run
 from circuits_core.qk_paths import expand_scores
 from circuits_core.weights import LoadedModel
-
-
-def n_components(loaded: LoadedModel, layer: int) -> int:
-    """How many input components head in `layer` has (the sides of the std matrix)."""
-    cfg = loaded.model.cfg
-    per_layer = cfg.n_heads + (0 if cfg.attn_only else 1)
-    return 1 + (cfg.positional_embedding_type == "standard") + layer * per_layer + 1 + (cfg.positional_embedding_type == "shortformer") + 1
-
-
-def qk_paths_bytes(loaded: LoadedModel, layer: int, n: int, k: int) -> int:
-    """Working memory: per-component residual parts, q/k parts, one row of C terms, and the k listed terms."""
-    cfg = loaded.model.cfg
-    C = n_components(loaded, layer)
-    itemsize = torch.finfo(loaded.model.dtype).bits // 8
-    return (C * n * cfg.d_model * 2 + 2 * C * n * cfg.d_head + (C + k) * n * n) * itemsize
 
 
 def build_qk_paths_view(loaded: LoadedModel, p: QKPathsParams, limits: Limits) -> QKPathsView:
@@ -46,14 +30,8 @@ def build_qk_paths_view(loaded: LoadedModel, p: QKPathsParams, limits: Limits) -
     layer, h = parse_head(head, model.cfg)
     ids = resolve_prompt(loaded, prompt, tokens, limits)
     n = len(ids)
-    C = n_components(loaded, layer)
+    C = qk_paths.n_components(model, layer)
     k = check_k(k, limits, C * C)
-    need = qk_paths_bytes(loaded, layer, n, k)
-    if need > limits.matrix_budget_bytes:
-        raise LimitExceededError(
-            f"the QK decomposition of {head} on {n} tokens needs about {need} bytes; the budget "
-            f"(matrix_budget_bytes) is {limits.matrix_budget_bytes}: shorten the prompt or lower k"
-        )
     run_tokens = torch.tensor(ids, dtype=torch.long, device=model.device)
     with torch.no_grad():
         run = frozen_run(model, run_tokens)

@@ -44,7 +44,7 @@ def roomy(settings: Settings) -> Iterator[TestClient]:
 
 @pytest.fixture(scope="module")
 def tight(settings: Settings) -> Iterator[TestClient]:
-    yield from _client(settings, matrix_budget_bytes=1024)
+    yield from _client(settings, matrix_budget_bytes=1024, peak_bytes=1024)  # every priced request is over it
 
 
 def run(tiny: LoadedModel, ids: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -391,7 +391,7 @@ def test_tour_on_toy_models_matches_the_full_views(toy_client: TestClient) -> No
     assert f9["total"] == pytest.approx(f9["value"], abs=1e-9)
     assert figs["F10"]["link"].startswith("/models/toy-1l/heads/L0H") and "/ov?" in figs["F10"]["api"]
     same = {"F6": "direct", "F9": "paths", "F10": "ov", "F11": "skip_trigrams", "F14": "qk", "F19": "paths", "F21": "K",
-            "F22": "prompt", "F23": "path", "F24": "detectors", "F25": "pair", "F29": "path"}
+            "F22": "prompt", "F24": "detectors", "F25": "pair", "F29": "path"}
     for fig_id, part in same.items():  # the tour's data is exactly its full view's JSON
         assert figs[fig_id]["data"][part] == toy_client.get(figs[fig_id]["api"]).json(), fig_id
 

@@ -216,9 +216,9 @@ def test_a_request_over_the_peak_or_answer_budget_is_refused_before_compute(sett
 
     async def scenario(ac: httpx.AsyncClient) -> None:
         over_peak = await ac.get("/api/v1/test/priced", params={"peak": 3 * 2**20, "answer": 10})
-        assert_problem(over_peak, 422, "3.0 MiB of working memory", "peak_bytes", "1.0 MiB", "lower n or peak")
+        assert_problem(over_peak, 422, "3145728 bytes (3.0 MiB) of working memory", "peak_bytes", "1.0 MiB", "lower n or peak")
         over_answer = await ac.get("/api/v1/test/priced", params={"peak": 10, "answer": 50_000})
-        assert_problem(over_answer, 422, "48.8 KiB of JSON", "max_answer_bytes", "4.0 KiB", "lower n or peak")
+        assert_problem(over_answer, 422, "(48.8 KiB) of JSON", "max_answer_bytes", "4096 bytes", "lower n or peak")
         assert calls == [] and service(app).stats.completed == 0  # nothing ran
         # under-priced: the real encoded answer is checked inside the slot and refused all the same
         big = await ac.get("/api/v1/test/priced", params={"peak": 10, "answer": 10, "n": 1000})
@@ -239,7 +239,6 @@ def test_a_request_over_the_peak_or_answer_budget_is_refused_before_compute(sett
         ("/api/v1/models/tiny-2l/detectors?heads=L0H0,L0H1,L0H2,L0H3,L1H0", ("5 heads", "at most 4")),
         ("/api/v1/models/tiny-2l/paths?tokens=0,5,6&max_order=4", ("max_order",)),
         ("/api/v1/models/tiny-2l/detectors?batch=9", ("batch",)),
-        (f"/api/v1/models/tiny-2l/term-importance?tokens={','.join(['5'] * 40)}", ("bytes", "budget")),
         ("/api/v1/test/dense?nbytes=1000000000", ("1000000000 bytes", "65536 bytes")),
         ("/api/v1/test/priced?peak=100000000000&answer=1", ("93.1 GiB", "peak_bytes")),
     ],
@@ -255,6 +254,28 @@ def test_each_limit_is_refused_with_problem_json(client: TestClient, url: str, n
     assert client.get("/api/v1/models/tiny-2l/direct?k=3").status_code == 200  # nothing else broke
 
 
+@pytest.mark.parametrize(
+    ("url", "needles"),
+    [
+        (f"/api/v1/models/tiny-2l/term-importance?tokens={','.join(['5'] * 40)}", ("MiB) of working memory", "peak_bytes")),
+        (f"/api/v1/models/tiny-2l/qk-paths?head=L1H0&k=50&tokens={','.join(['5'] * 40)}", ("peak_bytes", "lower", "k")),
+        (f"/api/v1/models/tiny-2l/prompt?tokens={','.join(['5'] * 40)}", ("KiB) of JSON", "max_answer_bytes", "lower")),
+    ],
+)
+def test_real_analyses_over_budget_are_refused_before_a_slot(settings: Settings, url: str, needles: tuple[str, ...]) -> None:
+    """The engine's own cost of these requests (term importance on 40 tokens: about 1.04 MiB; the QK terms of 50
+    pairs: 1.5 MiB; 4 patterns of 40 x 40: 140 KiB of JSON) is over a 1 MiB / 64 KiB budget."""
+    limits = settings.limits.model_copy(update={"peak_bytes": 2**20, "max_answer_bytes": 64 * 1024})
+    app = serving_app(settings, limits=limits)
+    with TestClient(app) as c:
+        assert c.get("/api/v1/models/tiny-2l/tokenize?tokens=5").status_code == 200  # the model is loaded
+        done = service(app).stats.completed
+        assert_problem(c.get(url), 422, *needles)
+        assert service(app).stats.completed == done and service(app).slots.in_use == 0  # refused before a slot
+        small = url.replace(",".join(["5"] * 40), "5,6,7").replace("k=50", "k=2")
+        assert c.get(small).status_code == 200, c.get(small).text  # the same analysis, smaller, is answered
+
+
 def test_limits_are_written_into_the_openapi_schema(client: TestClient) -> None:
     spec = client.get("/openapi.json").json()
 
@@ -263,8 +284,8 @@ def test_limits_are_written_into_the_openapi_schema(client: TestClient) -> None:
 
     assert param("/api/v1/models/{model}/direct", "k")["schema"]["maximum"] == 50
     assert param("/api/v1/models/{model}/paths", "max_order")["schema"]["maximum"] == 3
-    assert "at most 4" in param("/api/v1/models/{model}/detectors", "heads")["description"]
-    assert "40" in param("/api/v1/models/{model}/tokenize", "prompt")["description"]
+    assert "max length 48" in param("/api/v1/models/{model}/detectors", "heads")["description"]  # 4 heads x 12
+    assert "max length 2560" in param("/api/v1/models/{model}/tokenize", "prompt")["description"]  # 40 tokens x 64
     assert {"/healthz", "/readyz"} <= spec["paths"].keys()
 
 
