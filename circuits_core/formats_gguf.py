@@ -23,6 +23,7 @@ with the rotate-half layout still runs and gives plausible but wrong numbers (Sm
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -242,8 +243,12 @@ def gguf_tokenizer(meta: _Metadata, bos_token_id: int | None) -> Tokenizer | Non
     )  # fmt: skip
 
 
-def read_gguf(path: Path) -> tuple[ModelConfig, State, dict[str, str], Tokenizer | None]:
-    """(config, TransformerLens state dict in float32, key -> file name, tokenizer) of one GGUF file."""
+def read_gguf(
+    path: Path, check: Callable[[ModelConfig], None] | None = None
+) -> tuple[ModelConfig, State, dict[str, str], Tokenizer | None]:
+    """(config, TransformerLens state dict in float32, key -> file name, tokenizer) of one GGUF file.
+
+    `check(cfg)` runs once the config is known, before any tensor is dequantised (a price check may refuse)."""
     reader = _reader(path)
     meta, tensors = _Metadata(reader, path.name), _Tensors(reader, path.name)
     embed = tensors.raw.get("token_embd.weight")
@@ -251,6 +256,8 @@ def read_gguf(path: Path) -> tuple[ModelConfig, State, dict[str, str], Tokenizer
         raise CheckpointError(f"{path.name}: missing tensor token_embd.weight")
     d_vocab = int(embed.shape[-1])  # ggml shape [d_model, d_vocab]
     cfg = gguf_config(meta, d_vocab)
+    if check is not None:
+        check(cfg)
     tokenizer = gguf_tokenizer(meta, cfg.bos_token_id)
     if tokenizer is not None and tokenizer.vocab_size > d_vocab:
         raise CheckpointError(f"{path.name}: tokenizer has {tokenizer.vocab_size} tokens, the model only {d_vocab}")

@@ -7,6 +7,8 @@ Formats (REGISTRY, keyed by `Format`):
   .safetensors, .pth or .pt (buffers such as blocks.{l}.attn.mask / IGNORE are dropped).
 - "gpt2", "gpt_neox": Hugging Face folders (see formats_hf.py).
 - "llama", "mistral", "qwen2": Hugging Face Llama-family folders, sharded safetensors (formats_llama.py).
+- "gguf": a folder without config.json holding one `.gguf` file (llama.cpp, ollama), named after the folder;
+  config, tensors and tokenizer all come from that file (formats_gguf.py).
 
 Every loader builds the whole state dict, `statedict.build_model` checks every key and shape, and only then is
 the model constructed (float32 by default, float64 on request), optionally processed (processing.py:
@@ -35,6 +37,7 @@ from torch import Tensor
 
 from circuits_core.config import ConfigReader, ModelConfig
 from circuits_core.errors import CheckpointError, InvalidInputError
+from circuits_core.formats_gguf import gguf_file, read_gguf
 from circuits_core.formats_hf import load_gpt2, load_gpt_neox
 from circuits_core.formats_llama import load_llama
 from circuits_core.model import Transformer
@@ -53,7 +56,7 @@ from circuits_core.statedict import (
 )
 from circuits_core.tokenizer import Tokenizer
 
-Format = Literal["qkov", "transformer_lens", "gpt2", "gpt_neox", "llama", "mistral", "qwen2"]
+Format = Literal["qkov", "transformer_lens", "gpt2", "gpt_neox", "gguf", "llama", "mistral", "qwen2"]
 FORMATS: tuple[str, ...] = get_args(Format)
 QKOV_FORMAT_VERSION = 1
 # A loader turns (folder, parsed config.json) into (config, TransformerLens state dict, key -> file, files).
@@ -95,6 +98,8 @@ def detect_format(folder: str | Path) -> Format:
     if not folder.is_dir():
         raise CheckpointError(f"checkpoint folder {folder.name!r} not found")
     if not folder_file(folder, "config.json").is_file():
+        if gguf_file(folder) is not None:  # a folder holding one .gguf file (llama.cpp, ollama) is a model
+            return "gguf"
         raise CheckpointError(f"no config.json (found: {folder_listing(folder)}); formats: {', '.join(FORMATS)}")
     data = read_json_object(folder, "config.json")
     if "model_type" in data:
@@ -264,24 +269,36 @@ def load_checkpoint(
     folder = Path(folder)
     check_contained(folder)
     fmt = detect_format(folder)
-    data = read_json_object(folder, "config.json")
+    data = read_json_object(folder, "config.json") if fmt != "gguf" else {}
     if max_bytes is not None:
         on_disk = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
         if on_disk > max_bytes:
             raise CheckpointError(f"the folder holds {on_disk} bytes of files, over the limit of {max_bytes} bytes")
     if process is None:
         process = load_options(folder) or True
-    cfg, state, origin, files = REGISTRY[fmt](folder, data, dtype)
-    if max_bytes is not None and (price := load_bytes(cfg, dtype)) > max_bytes:
-        raise CheckpointError(
-            f"config.json describes a model of {price} bytes in {str(dtype).removeprefix('torch.')} "
-            f"({cfg.n_layers} layers, d_model={cfg.d_model}, d_vocab={cfg.d_vocab}), over the limit of {max_bytes} bytes"
-        )
+
+    def check_price(cfg: ModelConfig) -> None:
+        if max_bytes is not None and (price := load_bytes(cfg, dtype)) > max_bytes:
+            raise CheckpointError(
+                f"{'the GGUF metadata' if fmt == 'gguf' else 'config.json'} describes a model of {price} bytes in "
+                f"{str(dtype).removeprefix('torch.')} ({cfg.n_layers} layers, d_model={cfg.d_model}, "
+                f"d_vocab={cfg.d_vocab}), over the limit of {max_bytes} bytes"
+            )
+
+    tokenizer: Tokenizer | None = None
+    if fmt == "gguf":  # one pass over the file: its metadata holds the tokenizer too; priced before dequantising
+        path = folder_file(folder, gguf_file(folder) or "")
+        cfg, state, origin, tokenizer = read_gguf(path, check=check_price)
+        files = [path]
+    else:
+        cfg, state, origin, files = REGISTRY[fmt](folder, data, dtype)
+        check_price(cfg)
     answer_files = [folder_file(folder, name) for name in ANSWER_FILES if folder_file(folder, name).is_file()]
     # The digest reads every byte again: hash in a thread (hashlib releases the GIL) while torch processes.
     with ThreadPoolExecutor(max_workers=1) as pool:
-        digest_job = pool.submit(files_digest, [folder_file(folder, "config.json"), *files, *answer_files])
-        loaded = _build(folder, fmt, data, cfg, state, origin, dtype, process)
+        config_file = [folder_file(folder, "config.json")] if fmt != "gguf" else []
+        digest_job = pool.submit(files_digest, [*config_file, *files, *answer_files])
+        loaded = _build(folder, fmt, data, cfg, state, origin, dtype, process, tokenizer)
         digest = digest_job.result()
     options = loaded.options
     if options != ProcessingOptions():
@@ -306,9 +323,12 @@ def _build(
     origin: dict[str, str],
     dtype: torch.dtype,
     process: bool | ProcessingOptions,
+    tokenizer: Tokenizer | None = None,
 ) -> _Built:
-    """Tokenizer, checks, processing and the model, from a state dict just read."""
-    tokenizer = Tokenizer.from_folder(folder, bos_token_id=cfg.bos_token_id)
+    """Tokenizer (the folder's unless the loader read one), checks, processing and the model, from a state dict
+    just read."""
+    if tokenizer is None:
+        tokenizer = Tokenizer.from_folder(folder, bos_token_id=cfg.bos_token_id)
     if tokenizer is not None:
         if tokenizer.vocab_size > cfg.d_vocab:
             raise CheckpointError(

@@ -18,9 +18,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from circuits_core import formats_gguf
 from circuits_core.errors import CheckpointError
 from circuits_core.formats_gguf import read_gguf
-from circuits_core.statedict import build_model
+from circuits_core.statedict import build_model, load_bytes
 from circuits_core.weights import detect_format, load_checkpoint
 from tests.bpe import EOT, train_bpe
 
@@ -248,3 +249,19 @@ def test_a_truncated_file_is_refused(tmp_path):
     (folder / "m.gguf").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError):
         load_checkpoint(folder)
+
+
+def test_a_model_over_the_byte_limit_is_refused_before_any_tensor_is_dequantised(tmp_path, monkeypatch):
+    folder = tmp_path / "big"
+    folder.mkdir()
+    write_gguf(folder / "m.gguf")
+    on_disk = (folder / "m.gguf").stat().st_size
+    cfg = load_checkpoint(folder).model.cfg
+    assert load_bytes(cfg, torch.float32) > on_disk + 1  # so the price, not the file size, refuses it
+
+    def no_dequantise(*args):
+        raise AssertionError("a tensor was dequantised before the price check")
+
+    monkeypatch.setattr(formats_gguf, "dequantize", no_dequantise)
+    with pytest.raises(CheckpointError, match="GGUF metadata describes a model of"):
+        load_checkpoint(folder, max_bytes=on_disk + 1)
