@@ -74,11 +74,24 @@ def _source_factors(model: Transformer, dtype: torch.dtype) -> Tensor:
     return R_V.repeat_interleave(model.cfg.group_size, dim=1) @ W_O  # [L, H, dh, d]
 
 
-def _gram_inner(M: Tensor, X: Tensor) -> Tensor:
-    """<M[a, b], X[b, δ]> for M [A, B, dh, dh], X [B, n, dh, dh] -> [A, B, n], one matmul per b."""
-    A, B, dh, _ = M.shape
-    out = torch.bmm(M.permute(1, 0, 2, 3).reshape(B, A, dh * dh), X.reshape(B, -1, dh * dh).transpose(1, 2))
-    return out.permute(1, 0, 2)  # [A, B, n]
+def _packed(M: Tensor, weighted: bool) -> Tensor:
+    """The upper triangle [..., dh (dh + 1) / 2] of symmetric M [..., dh, dh], off-diagonal entries doubled when
+    `weighted`: <A, B> = packed(A, True) . packed(B, False) for symmetric A, B (half the multiply-adds)."""
+    dh = M.shape[-1]
+    i, j = torch.triu_indices(dh, dh, device=M.device)
+    packed = M[..., i, j]
+    return packed * torch.where(i == j, 1.0, 2.0).to(M.dtype) if weighted else packed
+
+
+def _rotated_grams(model: Transformer, G: Tensor, delta: Tensor, transpose_side: bool) -> Tensor:
+    """R(δ) G R(δ)^T (transpose_side False) or R(δ)^T G R(δ) (True) for G [N, dh, dh]: [N, n, dh, dh].
+
+    x R(δ) is model.rotate(x, δ), applied to the rows, then to the columns (O(dh^2) per offset)."""
+    N, dh, _ = G.shape
+    signed = delta if transpose_side else -delta  # R(-δ) = R(δ)^T
+    pos = signed[:, None]  # [n, 1] against [N, n, dh]
+    GR = model.rotate(G[:, None].expand(N, delta.numel(), dh, dh), pos)  # G R(±δ)
+    return model.rotate(GR.transpose(-2, -1), pos).transpose(-2, -1)  # R(±δ)^T G R(±δ)
 
 
 def composition_profiles(
@@ -100,25 +113,28 @@ def composition_profiles(
         W_Q, W_K = model.W_Q.to(dtype), model.W_K_groups.to(dtype)  # [L, H, d, dh], [L, G, d, dh]
         F = _source_factors(model, dtype)  # [L, H, dh, d]
         src = F.pow(2).sum((-2, -1)).sqrt()  # [L, H] ||W_OV||
-        R = rotation(model, delta, dtype=dtype)  # [n, dh, dh]
         G_Q = W_Q.transpose(-2, -1) @ W_Q  # [L, H, dh, dh]
-        G_K = (W_K.transpose(-2, -1) @ W_K).repeat_interleave(cfg.group_size, dim=1)  # [L, H, dh, dh] per query head
-        group = torch.arange(H, device=model.device) // cfg.group_size  # [H]
+        G_K = W_K.transpose(-2, -1) @ W_K  # [L, G, dh, dh] per key/value group
+        gs, d = cfg.group_size, cfg.d_model
         for l2 in range(1, L):
             check_stop(what="composition profiles")
-            X_Q = R @ G_K[l2][:, None] @ R.transpose(-2, -1)  # [H, n, dh, dh]: R G_K R^T
-            X_K = R.transpose(-2, -1) @ G_Q[l2][:, None] @ R  # [H, n, dh, dh]: R^T G_Q R
-            omega_sq = (G_Q[l2][:, None] * X_Q).sum((-2, -1))  # [H, n] ||Ω_B(δ)||^2
-            sources = F[:l2].reshape(l2 * H * dh, cfg.d_model)  # [Ns dh, d]
-            P = (sources @ W_Q[l2].permute(1, 0, 2).reshape(cfg.d_model, H * dh)).view(l2 * H, dh, H, dh)
-            P = P.permute(0, 2, 1, 3)  # [Ns, H, dh, dh]
-            num_q = _gram_inner(P.transpose(-2, -1) @ P, X_Q)  # [Ns, H, n]
-            P2 = (sources @ W_K[l2].permute(1, 0, 2).reshape(cfg.d_model, G * dh)).view(l2 * H, dh, G, dh)
-            P2 = P2.permute(0, 2, 1, 3)  # [Ns, G, dh, dh]
-            num_k = _gram_inner((P2.transpose(-2, -1) @ P2)[:, group], X_K)  # [Ns, H, n]
-            den = src[:l2].reshape(-1)[:, None, None] * omega_sq.clamp_min(0).sqrt()[None]  # [Ns, H, n]
-            q[:l2, :, l2] = (num_q.clamp_min(0).sqrt() / den).view(l2, H, H, n)
-            k[:l2, :, l2] = (num_k.clamp_min(0).sqrt() / den).view(l2, H, H, n)
+            A = l2 * H  # sources: every head of layers < l2
+            X_Q = _rotated_grams(model, G_K[l2], delta, transpose_side=False)  # [G, n, dh, dh]: R G_K R^T
+            X_K = _rotated_grams(model, G_Q[l2], delta, transpose_side=True)  # [H, n, dh, dh]: R^T G_Q R
+            omega_sq = (G_Q[l2].view(G, gs, 1, dh, dh) * X_Q[:, None]).sum((-2, -1)).view(H, n)  # ||Ω_B(δ)||^2
+            XQ, XK = _packed(X_Q, False), _packed(X_K, False).view(G, gs * n, -1)  # [G, n, T], [G, gs n, T]
+            sources = F[:l2].reshape(A * dh, d)  # [A dh, d]
+            P = (sources @ W_Q[l2].permute(1, 0, 2).reshape(d, H * dh)).view(A, dh, H, dh)
+            P = P.permute(2, 0, 1, 3).contiguous()  # [H, A, dh, dh]: P = F_A W_Q^B
+            MQ = _packed(P.transpose(-2, -1) @ P, True)  # [H, A, T]
+            num_q = torch.bmm(MQ.view(G, gs * A, -1), XQ.transpose(1, 2)).view(H, A, n)  # head b uses X_Q of its group
+            P2 = (sources @ W_K[l2].permute(1, 0, 2).reshape(d, G * dh)).view(A, dh, G, dh)
+            P2 = P2.permute(2, 0, 1, 3).contiguous()  # [G, A, dh, dh]: P' = F_A W_K^g
+            MK = _packed(P2.transpose(-2, -1) @ P2, True)  # [G, A, T]
+            num_k = torch.bmm(MK, XK.transpose(1, 2)).view(G, A, gs, n).permute(0, 2, 1, 3).reshape(H, A, n)
+            den = src[:l2].reshape(1, A, 1) * omega_sq.clamp_min(0).sqrt()[:, None]  # [H, A, n]
+            q[:l2, :, l2] = (num_q.clamp_min(0).sqrt() / den).permute(1, 0, 2).reshape(l2, H, H, n)
+            k[:l2, :, l2] = (num_k.clamp_min(0).sqrt() / den).permute(1, 0, 2).reshape(l2, H, H, n)
         v = raw_composition_scores(model.W_Q.to(dtype), model.W_K.to(dtype), model.W_V.to(dtype),
                                    model.W_O.to(dtype), kinds=("v",))[0]  # [L, H, L, H]
     layer = torch.arange(L, device=model.device)
