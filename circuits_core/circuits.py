@@ -443,7 +443,7 @@ def copying_cost(model: Transformer, k: int, budget_bytes: int) -> Cost:
     cfg, size = model.cfg, model.W_E.element_size()
     rows = max(1, min(cfg.d_vocab, budget_bytes // max(1, cfg.d_vocab * size)))
     block = rows * cfg.d_vocab * size + rows * k * 8
-    return (factors_cost(model) + Cost(block + cfg.d_vocab * (size + 8))).with_answer(numbers=12)
+    return (factors_cost(model) + Cost(block + cfg.d_vocab * (size + 8))).with_answer(numbers=12, labels=6)
 
 
 def skip_trigrams_cost(model: Transformer, k: int, budget_bytes: int, token: bool) -> Cost:
@@ -452,3 +452,14 @@ def skip_trigrams_cost(model: Transformer, k: int, budget_bytes: int, token: boo
     lines = factors_cost(model).then(Cost(4 * cfg.d_vocab * size + k * k * (size + 8)))
     search = top_cost(model, 1, budget_bytes, line=False) if not token else Cost(0)
     return search.then(lines).with_answer(numbers=3 * k + 2 * k * k, labels=2 * k + 3 * k * k)
+
+
+def head_spectra_cost(model: Transformer, n_positions: int) -> Cost:
+    """One head's summary: OV/QK eigenvalues of every head (the [L, H, d_model, d_head] products), the two Grams,
+    singular values, and positional_qk on n_positions (scores and pattern [n, n]); answer: 2 complex spectra,
+    2 singular-value lists, the [n, n] pattern."""
+    cfg, size = model.cfg, model.W_E.element_size()
+    products = 2 * cfg.n_layers * cfg.n_heads * cfg.d_model * cfg.d_head * size
+    grams = (2 * cfg.d_model**2 + 2 * EMBED_CHUNK * cfg.d_model) * size
+    positional = 3 * n_positions * max(n_positions, cfg.d_model) * size
+    return Cost(products + grams + positional).with_answer(numbers=6 * cfg.d_head + n_positions**2, labels=10)

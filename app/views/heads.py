@@ -182,6 +182,12 @@ def heads_cost(loaded: LoadedModel, p: AnalysisParams, limits: Limits) -> Cost:
     return heads.head_table_cost(loaded.model, meta.n_tokens, meta.batch, limits.peak_bytes)
 
 
+def head_cost(loaded: LoadedModel, p: HeadParams, limits: Limits) -> Cost:
+    """The heads table (when not cached), then the head's spectra and positional pattern."""
+    n = min(loaded.model.cfg.n_ctx, POSITIONAL_MAX_N)
+    return heads_cost(loaded, p, limits).then(circuits.head_spectra_cost(loaded.model, n))
+
+
 def copying_cost(loaded: LoadedModel, p: CopyingParams, limits: Limits) -> Cost:
     return circuits.copying_cost(loaded.model, p.k, limits.matrix_budget_bytes)
 
@@ -191,7 +197,7 @@ HEADS = Analysis(
     summary="Scores of every head", tags=["heads"],
 )
 HEAD = Analysis(
-    name="head", path="heads/{head}", params=HeadParams, view=HeadView, build=build_head_view, cost=heads_cost,
+    name="head", path="heads/{head}", params=HeadParams, view=HeadView, build=build_head_view, cost=head_cost,
     summary="One head: spectra, positional pattern", tags=["heads"],
 )
 COPYING = Analysis(
