@@ -10,7 +10,7 @@ from typing import Any
 from app import charts
 from app.catalog import TOUR
 from app.routers.rendering import Page, PageCall
-from app.schemas import CircuitTopView, DetectorsView, SkipTrigramView
+from app.schemas import CircuitTopView, DetectorsView, SkipTrigramView, TokenRef
 from app.schemas.analyses import (
     ChainView,
     CompositionPairView,
@@ -71,6 +71,12 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
         else:
             add(charts.bars(charts.token_labels(cv.tokens), cv.contribution,
                             title=f"{' → '.join(cv.heads)}: effect on logit({charts.visible(cv.target.text)}) by position"))
+    if "next_token_effect" in d:  # F23 as in the paper: each position's effect on its own next token
+        e = d["next_token_effect"]
+        toks = [TokenRef.model_validate(t) for t in e["tokens"]]
+        labels = [f"{charts.visible(a.text)} → {charts.visible(b.text)}" for a, b in zip(toks[:-1], toks[1:], strict=True)]
+        add(charts.bars(labels, e["effects"], title=f"{e['head']}: effect on the logit of the actual next token, by position",
+                        y_title="logit"))
     if "detectors" in d:
         dv = DetectorsView.model_validate(d["detectors"])
         add(charts.lines(list(range(len(dv.loss.loss))), {"loss (nats)": dv.loss.loss}, title="loss by position on BOS + r + r",

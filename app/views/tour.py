@@ -1,7 +1,8 @@
 """The paper tour: figures F6-F30 of paper-math section 3 computed on the shipped toy models.
 
 Each figure names the model it uses (toy-0l, toy-1l or toy-2l in checkpoints/), the paper anchor, one
-sentence of what to look for, the dashboard page and JSON API URLs of the full view, and the data, which
+general sentence of what to look for followed, for a computed figure, by a sentence generated from the values
+measured on that model (tour_claims.py; tests/app/test_claims.py recomputes them independently), the dashboard page and JSON API URLs of the full view, and the data, which
 comes from the same builders as those views (so the tour and the views cannot disagree). A model that is
 not installed or cannot be loaded, or a figure whose computation fails, yields `available: false` with the
 reason; the other figures are still computed. Static figures (diagrams, equations) carry no data.
@@ -22,6 +23,7 @@ from app.registry import ModelRegistry
 from app.schemas.analyses import TourFigure, TourView
 from app.settings import Limits
 from app.views import tour_figures as figs
+from app.views.tour_claims import CLAIMS
 from circuits_core.errors import QkovError
 from circuits_core.weights import LoadedModel
 
@@ -47,77 +49,64 @@ class Figure:
 
 FIGURES: tuple[Figure, ...] = (
     Figure("F6", "Zero-layer transformer: the direct path W_E W_U", "#zero-layer-transformers",
-           "The top entries are bigrams: each row's best next token is a common continuation in the training code.",
-           "toy-0l", figs.direct_path),
+           "The direct path is a bigram table: row = current token, entries = next-token logits.", "toy-0l", figs.direct_path),
     Figure("F7", "One-layer attention-only transformer", "#onel-path-expansion",
            "Embedding, one attention layer, unembedding: every path goes through at most one head.", static_view="/models/toy-1l"),
     Figure("F8", "Path expansion, product form", "#onel-path-expansion",
            "T = (Id (x) W_U)(Id + sum_h A^h (x) W_OV^h)(Id (x) W_E): multiplying out gives the direct path plus one term per head."),
     Figure("F9", "Path expansion of a logit, one layer", "#onel-path-expansion",
-           "The direct term and the head terms add up exactly to the model's logit at the position.",
-           "toy-1l", figs.paths_order1),
+           "With the attention patterns frozen, the direct term and one term per head add up to the logit.", "toy-1l", figs.paths_order1),
     Figure("F10", "QK and OV circuits of a head", "#splitting-attention-head-terms-into-circuits",
-           "A copying head puts the source token itself among a row's top outputs. In toy-1l the largest raw entries are mostly "
-           "not diagonal (a few source tokens dominate the top-k): its copying shows in the eigenvalues (F17, F18) more than here.",
-           "toy-1l", figs.ov_circuit),
+           "A copying head puts the source token itself among a row's top outputs.", "toy-1l", figs.ov_circuit),
     Figure("F11", "Copying skip-trigrams", "#interpretation-as-skip-trigrams",
-           "Copying skip-trigrams repeat the source ([b] ... [a] -> [b]): compare the -> out column with the source. toy-1l "
-           "copies weakly at the token level (model card: at most 29 % of a head's top skip-trigrams copy), so often they differ.", "toy-1l", figs.skip_trigrams),
+           "Copying skip-trigrams repeat the source ([b] ... [a] -> [b]): compare the -> out column with the source.",
+           "toy-1l", figs.skip_trigrams),
     Figure("F12", "Split-token copying", "#interpretation-as-skip-trigrams",
-           "Outputs that continue the source's word fragment rather than repeat it (' cre' ... -> 'ates'). This head's "
-           "strongest source mostly predicts closing punctuation; in toy-1l split-token entries top L0H7's OV circuit.", "toy-1l", figs.skip_trigrams_second),
+           "In the paper, outputs continue the source's word fragment rather than repeat it (' Ralph' / 'R' -> 'alph').",
+           "toy-1l", figs.skip_trigrams_second),
     Figure("F13", "Abstract copying patterns", "#interpretation-as-skip-trigrams",
            "A summary diagram of the copying motifs (static)."),
     Figure("F14", "Head dump: largest QK entries", "#interpretation-as-skip-trigrams",
-           "Which (query token, key token) pairs the most-copying head attends between most strongly.", "toy-1l", figs.qk_circuit),
+           "Which (query token, key token) pairs a head scores highest, as in the paper's head dumps.", "toy-1l", figs.qk_circuit),
     Figure("F15", "A primarily positional head", "#interpretation-as-skip-trigrams",
-           "The positional pattern concentrates on the diagonal or the sub-diagonal (present or previous token).",
-           "toy-1l", figs.positional),
+           "The pattern of position-only inputs, softmax(mask(W_pos W_QK W_pos^T / s)).", "toy-1l", figs.positional),
     Figure("F16", "Skip-trigram 'bugs'", "#interpretation-as-skip-trigrams",
-           "The grid of top destinations x top outputs contains combinations the head cannot avoid predicting.",
-           "toy-1l", figs.skip_trigrams),
+           "F11's table read as a grid: a head raises the same outputs for every destination that attends to a source, so "
+           "it also predicts the combinations the paper calls bugs (keep... in -> bay). The grid is the skip-trigram view's "
+           "trigram list (destinations x outs).", static_view="/models/toy-1l"),
     Figure("F17", "OV eigenvalues of every head", "#summarizing-ovqk-matrices",
-           "Copying heads have mostly positive real eigenvalues.", "toy-1l", figs.ov_spectra),
+           "Copying shows as eigenvalues with a positive real part.", "toy-1l", figs.ov_spectra),
     Figure("F18", "Copying scores", "#summarizing-ovqk-matrices",
-           "Most heads have an OV copying score sum(eig)/sum(|eig|) near +1.", "toy-1l", figs.copying_scores),
+           "The OV copying score sum(eig)/sum(|eig|) per head, beside a random-weights baseline and token-level shares.",
+           "toy-1l", figs.copying_scores),
     Figure("F19", "Two-layer path expansion of a logit", "#path-expansion-of-logits",
-           "Direct, first-order and virtual-head terms sum exactly to the logit; on the second copy the induction head and "
-           "chains ending in it are among the largest terms (a head resting on BOS adds a large near-constant term too).",
-           "toy-2l", figs.paths_order2),
+           "Direct, first-order and virtual-head terms of a logit on repeated code.", "toy-2l", figs.paths_order2),
     Figure("F20", "Two-layer QK expansion", "#path-expansion-of-attention-scores-qk-circuit",
-           "For the induction head, after the purely positional pos_embed x pos_embed term, the largest spread is the "
-           "K-composition term: token embedding on the query side, previous-token head on the key side.",
+           "The induction head's attention scores split into query-side x key-side terms (token, position, earlier heads).",
            "toy-2l", figs.qk_decomposition),
     Figure("F21", "Q-, K- and V-composition", "#analyzing-a-two-layer-model",
-           "In K-composition one row stands out: the induction heads read the previous-token head in their keys. "
-           "Q-composition is as large here, but spread over many pairs rather than one circuit.",
-           "toy-2l", figs.composition),
+           "Composition scores between every layer-0 and layer-1 head, minus the random baseline.", "toy-2l", figs.composition),
     Figure("F22", "Value-weighted attention", "#analyzing-a-two-layer-model",
-           "Induction heads show off-diagonal stripes on repeated text; resting positions shrink when weighted.",
-           "toy-2l", figs.value_weighted),
+           "Attention weights scaled by the norm of the value vector at the source position.", "toy-2l", figs.value_weighted),
     Figure("F23", "An induction head's logit effect", "#analyzing-a-two-layer-model",
-           "On the second copy the induction head raises the logit of the token that came next the first time.",
-           "toy-2l", figs.induction_effect),
+           "As in the paper: the head's effect on the logit of each position's actual next token.", "toy-2l", figs.induction_effect),
     Figure("F24", "Repeated random tokens", "#analyzing-a-two-layer-model",
-           "A stripe at offset -T+1 in the induction head, and a lower loss on the second repeat.", "toy-2l", figs.repeated_tokens),
+           "A stripe at offset -T+1 in the induction head, and the loss on each repeat.", "toy-2l", figs.repeated_tokens),
     Figure("F25", "Induction QK expanded in tokens", "#analyzing-a-two-layer-model",
-           "The K-composition token circuit is largest on its diagonal: a query matches keys whose previous token is the same.",
-           "toy-2l", figs.k_composition),
+           "The K-composition token circuit: query token against the key's previous token.", "toy-2l", figs.k_composition),
     Figure("F26", "Eigenvalue positivity of OV and QK (K-composition term)", "#checking-the-mechanistic-theory",
-           "Induction heads sit in the corner where both the OV copying score and the K-composition positivity are near +1 "
-           "(necessary, not sufficient: other copying heads can sit near it; compare their induction scores).",
-           "toy-2l", figs.positivity_scatter),
+           "Induction heads should sit in the corner where both the OV copying score and the K-composition positivity are "
+           "near +1.", "toy-2l", figs.positivity_scatter),
     Figure("F27", "Term importance by path order", "#term-importance-analysis",
-           "The direct path and first-order terms carry most of the loss reduction; virtual heads add little.",
-           "toy-2l", figs.term_importance),
+           "Loss with the paths up to each order (patterns frozen).", "toy-2l", figs.term_importance),
     Figure("F28", "First-order terms by layer", "#term-importance-analysis",
-           "The later layer's head terms matter more than the first layer's.", "toy-2l", figs.term_importance_by_layer),
+           "Which layer's single-head terms reduce the loss more.", "toy-2l", figs.term_importance_by_layer),
     Figure("F29", "Virtual attention heads", "#virtual-attention-heads",
            "The pattern of a chain is the product of patterns; its OV circuit is the product of OV circuits.",
            "toy-2l", figs.virtual_head),
     Figure("F30", "Correction: composition, computed", "#analyzing-a-two-layer-model",
-           "This is the corrected quantity: the published original diagram under-reported composition.",
-           "toy-2l", figs.composition),
+           "The paper's published composition diagram was wrong (see its Comments section); F21 above is computed from the "
+           "weights, so it is the corrected quantity.", static_view="/models/toy-2l/composition?kind=K"),
 )
 
 
@@ -140,8 +129,8 @@ def _as_data(data: dict[str, Any]) -> dict[str, Any]:
 
 def _figure(fig: Figure, models: dict[str, LoadedModel | str], limits: Limits) -> TourFigure:
     def figure(available: bool, link: str | None = None, api: str | None = None, detail: str | None = None,
-               data: dict[str, Any] | None = None) -> TourFigure:
-        return TourFigure(id=fig.id, title=fig.title, anchor=f"{PAPER}{fig.anchor}", look_for=fig.look_for, model=fig.model,
+               data: dict[str, Any] | None = None, look_for: str | None = None) -> TourFigure:
+        return TourFigure(id=fig.id, title=fig.title, anchor=f"{PAPER}{fig.anchor}", look_for=look_for or fig.look_for, model=fig.model,
                           link=link, api=api, available=available, detail=detail, data=data)
 
     if fig.compute is None or fig.model is None:
@@ -149,13 +138,18 @@ def _figure(fig: Figure, models: dict[str, LoadedModel | str], limits: Limits) -
     loaded = models[fig.model]
     if isinstance(loaded, str):
         return figure(False, detail=loaded)
+    look_for = fig.look_for
     try:
         data, path, params = fig.compute(loaded, limits)
+        claim = CLAIMS.get(fig.id)
+        if claim is not None:  # the measured sentence (tour_claims.py), its values kept in the JSON twin
+            sentence, values = claim(loaded, data)
+            look_for, data = f"{fig.look_for} Measured: {sentence}", {**data, "claim": values}
     except QkovError as exc:
         log.info("tour figure %s on %s not available: %s", fig.id, fig.model, exc)
         return figure(False, detail=str(exc))
     link, api = _links(fig.model, path, params)
-    return figure(True, link=link, api=api, data=_as_data(data))
+    return figure(True, link=link, api=api, data=_as_data(data), look_for=look_for)
 
 
 def _load(registry: ModelRegistry, model_id: str) -> LoadedModel | str:

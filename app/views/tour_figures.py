@@ -8,7 +8,11 @@ scores on repeated random tokens).
 
 from __future__ import annotations
 
+import math
 from typing import Any
+
+import torch
+from torch import Tensor
 
 from app.params import (
     ChainParams,
@@ -27,17 +31,28 @@ from app.params import (
 )
 from app.schemas import HeadScores
 from app.settings import Limits
-from app.views.circuits import build_direct_view, build_ov_view, build_qk_view, build_skip_trigrams_view
+from app.views.circuits import (
+    build_direct_view,
+    build_ov_view,
+    build_qk_view,
+    build_skip_trigrams_view,
+    frequent_tokens,
+    has_token_counts,
+)
 from app.views.composition import build_composition_pair_view, build_composition_view
 from app.views.detectors import build_detectors_view
 from app.views.heads import build_head_view, build_heads_view
+from app.views.inputs import resolve_prompt, token_refs
 from app.views.path import build_path_view
 from app.views.prompt import build_paths_view, build_prompt_view
 from app.views.qk_paths import build_qk_paths_view
 from app.views.term_importance import BUILTIN_TEXT, build_term_importance_view
+from app.views.tour_claims import induction_mass, self_copy_and_baseline
 from circuits_core import circuits
 from circuits_core.config import head_name, parse_head
 from circuits_core.errors import InvalidInputError
+from circuits_core.frozen import readout
+from circuits_core.phenomena import MIN_TRAIN_COUNT
 from circuits_core.qk_paths import k_composition_positivity
 from circuits_core.weights import LoadedModel
 
@@ -91,9 +106,15 @@ def _prompt(limits: Limits, text: str) -> str:
 
 
 # -- one layer and zero layers -----------------------------------------------------------------------
+def _min_count(loaded: LoadedModel) -> int | None:
+    """Frequent tokens by default where the model has training counts (rare tokens dominate raw top entries)."""
+    return MIN_TRAIN_COUNT if has_token_counts(loaded) else None
+
+
 def direct_path(loaded: LoadedModel, limits: Limits) -> Result:
-    k = _k(limits)
-    return {"direct": build_direct_view(loaded, DirectParams(k=k), limits)}, "/direct", {"k": k}
+    k, mc = _k(limits), _min_count(loaded)
+    view = build_direct_view(loaded, DirectParams(k=k, min_count=mc), limits)
+    return {"direct": view, "min_count": mc}, "/direct", {"k": k, "min_count": mc}
 
 
 def paths_order1(loaded: LoadedModel, limits: Limits) -> Result:
@@ -118,8 +139,32 @@ def _skip(loaded: LoadedModel, limits: Limits, rank: int) -> Result:
     return {"skip_trigrams": build_skip_trigrams_view(loaded, SkipTrigramParams(head=head, k=_k(limits)), limits)}, f"/heads/{head}/skip-trigrams", {"k": _k(limits)}
 
 
+def copying_source(loaded: LoadedModel, head: str, vocab: Tensor) -> tuple[int, float]:
+    """(the source token among `vocab` whose own logit is the largest of its OV row, by the widest margin over the
+    runner-up; the share of `vocab` tokens that raise their own logit most) for `head`'s full OV circuit."""
+    layer, h = parse_head(head, loaded.model.cfg)
+    M = circuits.full_ov_circuit(loaded.model, layer, h)
+    block = (M.A[vocab] @ M.B[:, vocab]).double()  # [n, n] among the frequent tokens
+    top2 = block.topk(2, dim=1)
+    own = torch.arange(len(vocab))
+    copies = top2.indices[:, 0] == own
+    if not bool(copies.any()):
+        raise InvalidInputError(f"no frequent source token of {head} raises its own logit most")
+    margin = torch.where(copies, top2.values[:, 0] - top2.values[:, 1], torch.tensor(-math.inf, dtype=torch.float64))
+    return int(vocab[int(margin.argmax())]), float(copies.double().mean())
+
+
 def skip_trigrams(loaded: LoadedModel, limits: Limits) -> Result:
-    return _skip(loaded, limits, 0)
+    """The most-copying head at a source token that copies (frequent tokens, where the model has counts)."""
+    head, k, mc = _copying_heads(loaded)[0], _k(limits), _min_count(loaded)
+    if mc is None:
+        return _skip(loaded, limits, 0)
+    vocab = frequent_tokens(loaded, mc)
+    assert vocab is not None
+    source, share = copying_source(loaded, head, vocab)
+    view = build_skip_trigrams_view(loaded, SkipTrigramParams(head=head, token=str(source), k=k, min_count=mc), limits)
+    return ({"skip_trigrams": view, "min_count": mc, "share": share}, f"/heads/{head}/skip-trigrams",
+            {"token": source, "k": k, "min_count": mc})
 
 
 def skip_trigrams_second(loaded: LoadedModel, limits: Limits) -> Result:
@@ -143,7 +188,8 @@ def ov_spectra(loaded: LoadedModel, limits: Limits) -> Result:
 
 
 def copying_scores(loaded: LoadedModel, limits: Limits) -> Result:
-    return {"ov_copying": {h.head: h.ov_copying for h in _heads(loaded)}}, "/heads", {}
+    self_copy, baseline = self_copy_and_baseline(loaded)
+    return {"ov_copying": {h.head: h.ov_copying for h in _heads(loaded)}, "self_copy": self_copy, "baseline": baseline}, "/heads", {}
 
 
 # -- two layers ----------------------------------------------------------------------------------------
@@ -170,20 +216,30 @@ def value_weighted(loaded: LoadedModel, limits: Limits) -> Result:
     prev, induction = _induction_pair(loaded)
     heads = list(dict.fromkeys([prev, induction]))[: limits.max_heads]
     view = build_prompt_view(loaded, PromptParams(prompt=prompt, heads=",".join(heads), weighted=True), limits)
-    return {"prompt": view}, "/prompt", {"prompt": prompt, "heads": ",".join(heads), "weighted": "true"}
+    plain = build_prompt_view(loaded, PromptParams(prompt=prompt, heads=induction), limits)
+    mass, rows = induction_mass([t.id for t in plain.tokens], torch.tensor(plain.heads[0].pattern))
+    return ({"prompt": view, "induction_head": induction, "induction_mass": mass, "induction_rows": rows}, "/prompt",
+            {"prompt": prompt, "heads": ",".join(heads), "weighted": "true"})
 
 
 def induction_effect(loaded: LoadedModel, limits: Limits) -> Result:
+    """The paper's figure: the induction head's direct effect on the logit of each position's actual next token,
+    (r^h W_U)[p, t_{p+1}] with r^h = z^h W_O^h the head's output (through the frozen final LayerNorm, if any)."""
     _, induction = _induction_pair(loaded)
     prompt = _prompt(limits, REPEATED)
-    view = build_path_view(loaded, ChainParams(heads=induction, prompt=prompt, k=_k(limits)), limits)
-    return {"path": view}, "/path", {"heads": induction, "prompt": prompt, "k": _k(limits)}
+    model = loaded.model
+    ids = resolve_prompt(loaded, prompt, None, limits)  # the prompt views' tokens (BOS first when the model has one)
+    effects = head_next_token_effect(model, torch.tensor([ids], device=model.device), *parse_head(induction, model.cfg))
+    data = {"head": induction, "tokens": [t.model_dump() for t in token_refs(loaded, ids)], "effects": effects.tolist(),
+            "second_copy_start": second_copy_start(ids)}
+    return {"next_token_effect": data}, "/path", {"heads": induction, "prompt": prompt, "k": _k(limits)}
 
 
 def repeated_tokens(loaded: LoadedModel, limits: Limits) -> Result:
+    """The standard detector input (the overview's and the model card's), shortened only for a short context."""
     n_ctx = loaded.model.cfg.n_ctx
-    seq_len = max(1, min(20, limits.max_seq_len, (n_ctx - 1) // 2))
-    batch = min(4, limits.max_batch)
+    seq_len = max(1, min(DetectorParams().seq_len, limits.max_seq_len, (n_ctx - 1) // 2))
+    batch = min(DetectorParams().batch, limits.max_batch)
     view = build_detectors_view(loaded, DetectorParams(seq_len=seq_len, batch=batch, seed=0), limits)
     return {"detectors": view}, "/detectors", {"seq_len": seq_len, "batch": batch}
 
@@ -210,7 +266,8 @@ def positivity_scatter(loaded: LoadedModel, limits: Limits) -> Result:
 
 def term_importance(loaded: LoadedModel, limits: Limits) -> Result:
     view = build_term_importance_view(loaded, TermImportanceParams(), limits)
-    return {"term_importance": view.model_copy(update={"tokens": []})}, "/term-importance", {}
+    return ({"term_importance": view.model_copy(update={"tokens": []}), "token_ids": [t.id for t in view.tokens]},
+            "/term-importance", {})
 
 
 def term_importance_by_layer(loaded: LoadedModel, limits: Limits) -> Result:
@@ -223,3 +280,26 @@ def virtual_head(loaded: LoadedModel, limits: Limits) -> Result:
     prompt = _prompt(limits, REPEATED)
     view = build_path_view(loaded, ChainParams(heads=f"{prev},{induction}", prompt=prompt, k=_k(limits)), limits)
     return {"path": view}, "/path", {"heads": f"{prev},{induction}", "prompt": prompt, "k": _k(limits)}
+
+
+def second_copy_start(ids: list[int]) -> int:
+    """First index p (of the per-position effects: p predicts ids[p + 1]) of the second copy: the longest suffix
+    ids[n-L:] that also occurs earlier, ending before it starts; from p = n - L on, the current token and the
+    next one both repeat the earlier copy (the induction positions). n - 1 (none) when nothing repeats."""
+    n = len(ids)
+    for L in range(n // 2, 1, -1):
+        suffix = ids[n - L:]
+        if any(ids[j:j + L] == suffix for j in range(n - 2 * L + 1)):
+            return n - L
+    return n - 1
+
+
+def head_next_token_effect(model, tokens: Tensor, layer: int, head: int) -> Tensor:
+    """[n - 1]: the head's output at position p dotted with the unembedding of tokens[p + 1] (final LN frozen)."""
+    with torch.no_grad():
+        _, cache = model.run(tokens, names=lambda nm: nm in (f"blocks.{layer}.attn.hook_z", "ln_final.hook_scale"))
+        out = cache[f"blocks.{layer}.attn.hook_z"][0, :, head] @ model.W_O[layer, head]  # [n, d_model]
+        scale = cache["ln_final.hook_scale"][0, :, 0] if "ln_final.hook_scale" in cache else torch.ones(out.shape[0], dtype=out.dtype)
+        nxt = tokens[0, 1:]
+        effects = torch.stack([(out[p] @ readout(model, int(nxt[p]))[0]) / scale[p] for p in range(len(nxt))])
+    return effects.double()

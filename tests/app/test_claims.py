@@ -1,0 +1,335 @@
+"""Every tour sentence about a shipped model is true: each measured value is recomputed here independently.
+
+The tour (app/views/tour.py) is built as the app serves it (float32, the registry's processing) on the shipped
+toy models in checkpoints/. The references below read the raw safetensors in float64 and use dense matrices
+and plain forward passes -- none of the engine's factored circuits, path expansion or detectors. A sentence
+whose value changes (retrained weights, a changed figure, a bug) fails here.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from app.registry import ModelRegistry
+from app.settings import Settings
+from app.views.tour import build_tour_view
+from circuits_core.phenomena import MIN_TRAIN_COUNT, EvalData
+from circuits_core.weights import load_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
+TOYS = ("toy-0l", "toy-1l", "toy-2l")
+
+
+@pytest.fixture(scope="module")
+def served() -> tuple[dict[str, Any], ModelRegistry]:
+    torch.set_num_threads(1)
+    settings = Settings(store_url="off")
+    registry = ModelRegistry(settings)
+    view = build_tour_view(registry, settings.limits)
+    return {f.id: f for f in view.figures}, registry
+
+
+@pytest.fixture(scope="module")
+def tour(served):
+    return served[0]
+
+
+@pytest.fixture(scope="module")
+def raw() -> dict[str, Any]:
+    """The shipped weights exactly as stored, float64, no processing."""
+    return {name: load_checkpoint(ROOT / name, dtype=torch.float64, process=False).model for name in TOYS}
+
+
+@pytest.fixture(scope="module")
+def data() -> EvalData:
+    return EvalData.load(ROOT / "eval_data.npz")
+
+
+def claim(tour, fig_id: str) -> tuple[str, dict[str, Any]]:
+    fig = tour[fig_id]
+    assert fig.available, fig.detail
+    return fig.look_for, fig.data["claim"]
+
+
+def frequent(data: EvalData) -> torch.Tensor:
+    return torch.from_numpy(np.flatnonzero(data.train_counts >= MIN_TRAIN_COUNT)).long()
+
+
+def dense_ov(m, layer: int, h: int) -> torch.Tensor:
+    return m.W_E @ m.W_V[layer, h] @ m.W_O[layer, h] @ m.W_U  # [V, V] (no LayerNorm in the toys)
+
+
+def copying_scores(m) -> dict[str, float]:
+    """Eigenvalue copying score of every head from the dense [d, d] W_V W_O W_U W_E (its d_head largest eigenvalues)."""
+    out = {}
+    for layer in range(m.cfg.n_layers):
+        for h in range(m.cfg.n_heads):
+            eig = torch.linalg.eigvals(m.W_V[layer, h] @ m.W_O[layer, h] @ m.W_U @ m.W_E)
+            eig = eig[eig.abs().argsort(descending=True)[: m.cfg.d_head]]
+            out[f"L{layer}H{h}"] = float(eig.sum().real / eig.abs().sum())
+    return out
+
+
+def forward(m, ids: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    logits, cache = m.run(torch.tensor([ids]), names=lambda n: True)
+    return logits[0], {k: v[0] for k, v in cache.items()}
+
+
+# -- one basis ------------------------------------------------------------------------------------------------
+def test_the_three_toys_are_served_on_the_raw_basis(served, raw):
+    _, registry = served
+    for name in TOYS:
+        served_model = registry.get(name).model
+        for attr in ("W_E", "W_U") + (("W_Q", "W_K", "W_V", "W_O") if raw[name].cfg.n_layers else ()):
+            torch.testing.assert_close(getattr(served_model, attr).double(), getattr(raw[name], attr), atol=1e-6, rtol=0)
+
+
+# -- zero and one layer ---------------------------------------------------------------------------------------
+def test_f6_direct_path_top_entries_and_held_out_bigrams(tour, raw, data):
+    sentence, values = claim(tour, "F6")
+    m, vocab = raw["toy-0l"], frequent(data)
+    block = (m.W_E[vocab] @ m.W_U[:, vocab])  # [F, F] dense, frequent tokens only
+    top = block.flatten().topk(len(values["pairs"])).indices
+    want = [(int(vocab[i // len(vocab)]), int(vocab[i % len(vocab)])) for i in top.tolist()]
+    assert [tuple(p) for p in values["pairs"]] == want
+    a, b = data.val[:-1].astype(np.int64), data.val[1:].astype(np.int64)
+    counts = [int(((a == x) & (b == y) & (a != data.eot)).sum()) for x, y in want]
+    assert values["held_out_counts"] == counts
+    assert f"{sum(c > 0 for c in counts)} of them occur as bigrams" in sentence and "raw weights" in sentence
+
+
+def test_f9_terms_sum_to_the_real_logit(tour, raw):
+    sentence, values = claim(tour, "F9")
+    paths = tour["F9"].data["paths"]
+    logits, _ = forward(raw["toy-1l"], paths["tokens"])
+    assert values["value"] == pytest.approx(float(logits[-1, values["target"]]), abs=1e-4)
+    assert values["total"] == pytest.approx(float(logits[-1, values["target"]]), abs=1e-4)
+    assert f"{values['value']:.4f}" in sentence
+
+
+def test_f10_f12_f14_heads_and_token_level_copying(tour, raw):
+    m = raw["toy-1l"]
+    scores = copying_scores(m)
+    ranked = sorted(scores, key=lambda h: -scores[h])
+    sentence, values = claim(tour, "F10")
+    assert values["head"] == ranked[0] and claim(tour, "F14")[1]["head"] == ranked[0]
+    assert claim(tour, "F12")[1]["head"] == ranked[1]
+    M = dense_ov(m, 0, int(ranked[0][3:]))
+    own = torch.arange(M.shape[0])
+    top1 = float((M.argmax(1) == own).double().mean())
+    top10 = float((M.topk(10, dim=1).indices == own[:, None]).any(1).double().mean())
+    assert values["top1"] == pytest.approx(top1, abs=1e-9) and values["top10"] == pytest.approx(top10, abs=1e-9)
+    flat = M.flatten().topk(10).indices
+    assert values["diagonal"] == int((flat // M.shape[1] == flat % M.shape[1]).sum())
+    assert f"only {top1:.2%}" in sentence and f"top-10: {top10:.2%}" in sentence
+    assert values["score"] == pytest.approx(scores[ranked[0]], abs=1e-4)
+
+
+def test_f11_copying_source(tour, raw, data):
+    sentence, values = claim(tour, "F11")
+    vocab = frequent(data)
+    m = raw["toy-1l"]
+    block = dense_ov(m, 0, int(values["head"][3:]))[vocab][:, vocab]  # [F, F]
+    row = int((vocab == values["source"]).nonzero()[0, 0])
+    assert int(vocab[int(block[row].argmax())]) == values["source"] == values["top_out"]  # it copies
+    share = float((block.argmax(1) == torch.arange(len(vocab))).double().mean())
+    assert values["share"] == pytest.approx(share, abs=1e-9) and f"{share:.1%}" in sentence
+
+
+def test_f15_positional_head(tour, raw):
+    sentence, values = claim(tour, "F15")
+    m = raw["toy-1l"]
+    tokens = torch.cat([torch.zeros(10, 1, dtype=torch.long), (r := torch.randint(0, m.cfg.d_vocab, (10, 50),
+                       generator=torch.Generator().manual_seed(0))), r], dim=1)  # the standard input
+    _, cache = m.run(tokens, names=lambda n: n.endswith("hook_pattern"))
+    A = cache["blocks.0.attn.hook_pattern"]
+    prev = torch.stack([A[:, :, i, i - 1] for i in range(1, tokens.shape[1])], -1).mean((0, 2))
+    head = int(prev.argmax())
+    assert values["head"] == f"L0H{head}"
+    n = m.cfg.n_ctx
+    scores = m.W_pos @ m.W_Q[0, head] @ m.W_K[0, head].T @ m.W_pos.T / math.sqrt(m.cfg.d_head)
+    pattern = torch.softmax(scores.masked_fill(torch.ones(n, n).triu(1).bool(), -math.inf), -1)
+    assert values["previous"] == pytest.approx(float(pattern.diagonal(-1).mean()), abs=1e-4)
+    assert values["current"] == pytest.approx(float(pattern.diagonal().mean()), abs=1e-4)
+
+
+def test_f17_positive_eigenvalues(tour, raw):
+    sentence, values = claim(tour, "F17")
+    m = raw["toy-1l"]
+    for h in range(m.cfg.n_heads):
+        eig = torch.linalg.eigvals(m.W_V[0, h] @ m.W_O[0, h] @ m.W_U @ m.W_E)
+        eig = eig[eig.abs().argsort(descending=True)[: m.cfg.d_head]]
+        count = int((eig.real > 0).sum())
+        assert values["positive"][f"L0H{h}"] == count and f"L0H{h} {count}/{m.cfg.d_head}" in sentence
+
+
+def test_f18_copying_scores_baseline_and_self_copy(tour, raw):
+    sentence, values = claim(tour, "F18")
+    m = raw["toy-1l"]
+    scores = copying_scores(m)
+    assert values["positive"] == sum(s > 0 for s in scores.values()) and values["n"] == len(scores)
+    assert values["low"] == pytest.approx(min(scores.values()), abs=1e-4)
+    assert values["high"] == pytest.approx(max(scores.values()), abs=1e-4)
+    gen = torch.Generator().manual_seed(0)  # copying.random_ov_weights' documented stream
+    W_V = torch.randn(200, m.cfg.d_model, m.cfg.d_head, generator=gen, dtype=torch.float64)
+    W_O = torch.randn(200, m.cfg.d_head, m.cfg.d_model, generator=gen, dtype=torch.float64)
+    base = []
+    for i in range(200):
+        eig = torch.linalg.eigvals(W_V[i] @ W_O[i] @ m.W_U @ m.W_E)
+        eig = eig[eig.abs().argsort(descending=True)[: m.cfg.d_head]]
+        base.append(float(eig.sum().real / eig.abs().sum()))
+    assert values["baseline_mean"] == pytest.approx(float(np.mean(base)), abs=1e-3)
+    assert values["baseline_std"] == pytest.approx(float(np.std(base, ddof=1)), abs=1e-3)
+    own = torch.arange(m.cfg.d_vocab)
+    top1 = max(float((dense_ov(m, 0, h).argmax(1) == own).double().mean()) for h in range(m.cfg.n_heads))
+    assert values["max_top1"] == pytest.approx(top1, abs=1e-9) and f"{top1:.2%}" in sentence
+    assert abs(values["baseline_mean"]) + 2 * values["baseline_std"] < values["high"]
+
+
+# -- two layers -----------------------------------------------------------------------------------------------
+def _ids(tour, fig_id: str, key: str) -> list[int]:
+    return [t["id"] for t in tour[fig_id].data[key]["tokens"]]
+
+
+def _term(m, cache, path: list[str], pos: int, target: int) -> float:
+    """A path term of an attention-only model without LayerNorm or biases, densely: A_k ... A_1 X0 W_OV_1 ... W_U."""
+    X = cache["hook_embed"]
+    for name in path:
+        layer, h = int(name[1]), int(name[3:])
+        X = cache[f"blocks.{layer}.attn.hook_pattern"][h] @ X @ m.W_V[layer, h] @ m.W_O[layer, h]
+    return float(X[pos] @ m.W_U[:, target])
+
+
+def test_f19_largest_terms(tour, raw):
+    sentence, values = claim(tour, "F19")
+    m = raw["toy-2l"]
+    paths = tour["F19"].data["paths"]
+    logits, cache = forward(m, paths["tokens"])
+    pos, target = paths["position"], paths["target"]
+    assert values["value"] == pytest.approx(float(logits[pos, target]), abs=1e-4)
+    for path, value in values["top"]:
+        assert value == pytest.approx(_term(m, cache, path, pos, target), abs=1e-4), path
+
+
+def test_f20_qk_terms(tour, raw):
+    sentence, values = claim(tour, "F20")
+    m = raw["toy-2l"]
+    ids = _ids(tour, "F20", "qk_paths")
+    _, cache = forward(m, ids)
+    n = len(ids)
+    causal = torch.ones(n, n).tril().bool()
+    head = int(tour["F20"].data["qk_paths"]["head"][3:])
+    sides = {"pos_embed": m.W_pos[:n], "embed": cache["hook_embed"]}
+    for h in range(m.cfg.n_heads):
+        sides[f"L0H{h}"] = cache["blocks.0.attn.hook_pattern"][h] @ cache["hook_embed"] @ m.W_V[0, h] @ m.W_O[0, h]
+    for name, std in values["top"]:
+        q_name, k_name = name.split(" × ")
+        term = (sides[q_name] @ m.W_Q[1, head]) @ (sides[k_name] @ m.W_K[1, head]).T / math.sqrt(m.cfg.d_head)
+        assert std == pytest.approx(float(term[causal].std()), rel=1e-3), name
+
+
+def test_f21_top_composition_pairs(tour, raw):
+    sentence, values = claim(tour, "F21")
+    m = raw["toy-2l"]
+    OV = [[m.W_V[lay, h] @ m.W_O[lay, h] for h in range(m.cfg.n_heads)] for lay in range(2)]
+    QK = [m.W_Q[1, h] @ m.W_K[1, h].T for h in range(m.cfg.n_heads)]
+    for kind in ("K", "Q", "V"):  # row convention, as tests/app/test_api_analyses.py: A = W_OV of layer 0
+        best = max((float((OV[0][i] @ B).norm() / (OV[0][i].norm() * B.norm())), f"L0H{i}", f"L1H{j}")
+                   for i in range(m.cfg.n_heads) for j in range(m.cfg.n_heads)
+                   for B in [{"Q": QK[j], "K": QK[j].T, "V": OV[1][j]}[kind]])
+        source, target, score = values[kind]
+        assert (source, target) == (best[1], best[2]) and score == pytest.approx(best[0], abs=1e-4), kind
+    assert values["baseline"] == pytest.approx(1 / math.sqrt(m.cfg.d_model))
+
+
+def test_f22_f23_induction_head_on_repeated_code(tour, raw):
+    m = raw["toy-2l"]
+    sentence, values = claim(tour, "F22")
+    ids = _ids(tour, "F22", "prompt")
+    _, cache = forward(m, ids)
+    head = int(values["head"][3:])
+    A = cache["blocks.1.attn.hook_pattern"][head]
+    masses = [float(A[i, [j + 1 for j in range(i) if ids[j] == t]].sum()) for i, t in enumerate(ids) if t in ids[:i]]
+    assert values["mass"] == pytest.approx(float(np.mean(masses)), abs=1e-4)
+    sentence, values = claim(tour, "F23")
+    e = tour["F23"].data["next_token_effect"]
+    ids = [t["id"] for t in e["tokens"]]
+    _, cache = forward(m, ids)
+    out = cache["blocks.1.attn.hook_pattern"][head] @ cache["blocks.1.hook_resid_pre"] @ m.W_V[1, head] @ m.W_O[1, head]
+    effects = [float(out[p] @ m.W_U[:, ids[p + 1]]) for p in range(len(ids) - 1)]
+    assert np.allclose(e["effects"], effects, atol=1e-4)
+    start, n = e["second_copy_start"], len(ids)
+    L = n - start
+    assert any(ids[j:j + L] == ids[start:] for j in range(n - 2 * L + 1))  # from here on the text repeats an earlier copy
+    assert not any(ids[j:j + L + 1] == ids[start - 1:] for j in range(n - 2 * L - 1))  # and it is the longest such suffix
+    second = effects[start:]
+    assert values["positive"] == sum(v > 0 for v in second) == len(second) >= 10
+    assert f"{min(second):+.2f} to {max(second):+.2f}" in sentence
+
+
+def test_f24_standard_input_equals_the_card(tour):
+    sentence, values = claim(tour, "F24")
+    import json
+
+    card = json.loads((ROOT / "toy-2l" / "model_card.json").read_text())["phenomena"]  # checked independently in
+    inp = tour["F24"].data["detectors"]["detector_input"]  # tests/core/test_shipped_models.py
+    assert (inp["seq_len"], inp["batch"], inp["seed"]) == (card["detector_input"]["seq_len"], card["detector_input"]["batch"],
+                                                           card["detector_input"]["seed"])
+    assert values["rep1"] == pytest.approx(card["rep1_loss"], abs=1e-3)
+    assert values["rep2"] == pytest.approx(card["rep2_loss"], abs=1e-3)
+    assert values["head"] == card["induction_head"] and values["induction"] == pytest.approx(card["induction_score"], abs=1e-4)
+
+
+def test_f25_k_composition_token_circuit_diagonal(tour, raw):
+    sentence, values = claim(tour, "F25")
+    m = raw["toy-2l"]
+    pair = tour["F25"].data["pair"]
+    s, t = int(pair["source"][3:]), int(pair["target"][3:])
+    K = (m.W_E @ m.W_Q[1, t]) @ (m.W_E @ m.W_V[0, s] @ m.W_O[0, s] @ m.W_K[1, t]).T  # [V, V] query x key's previous token
+    flat = K.flatten().topk(values["k"]).indices
+    assert values["diagonal"] == int((flat // K.shape[1] == flat % K.shape[1]).sum())
+
+
+def test_f26_positivity(tour, raw):
+    sentence, values = claim(tour, "F26")
+    m = raw["toy-2l"]
+    scores = copying_scores(m)
+    prev = int(tour["F26"].data["previous_token_head"][3:])
+    G = m.W_E.T @ m.W_E
+    for head, ov, qk in values["points"]:
+        h = int(head[3:])
+        assert ov == pytest.approx(scores[head], abs=1e-4)
+        eig = torch.linalg.eigvals(m.W_Q[1, h] @ m.W_K[1, h].T @ (m.W_V[0, prev] @ m.W_O[0, prev]).T @ G)
+        eig = eig[eig.abs().argsort(descending=True)[: m.cfg.d_head]]
+        assert qk == pytest.approx(float(eig.sum().real / eig.abs().sum()), abs=1e-4), head
+
+
+def test_f27_f28_losses_by_order(tour, raw):
+    m = raw["toy-2l"]
+    sentence, values = claim(tour, "F27")
+    ids = tour["F27"].data["token_ids"]
+    logits, cache = forward(m, ids)
+    x0 = cache["hook_embed"]
+    A = [cache[f"blocks.{lay}.attn.hook_pattern"] for lay in range(2)]
+
+    def heads_of(layers):
+        return sum(A[lay][h] @ x0 @ m.W_V[lay, h] @ m.W_O[lay, h] for lay in layers for h in range(m.cfg.n_heads))
+
+    def loss(resid):
+        return float(F.cross_entropy((resid @ m.W_U)[:-1], torch.tensor(ids[1:])))
+
+    l0, l1, l2 = loss(x0), loss(x0 + heads_of([0, 1])), float(F.cross_entropy(logits[:-1], torch.tensor(ids[1:])))
+    assert values["losses"] == pytest.approx([l0, l1, l2], abs=1e-4)
+    uniform = math.log(m.cfg.d_vocab)
+    assert (uniform - l0) < (l0 - l1) and (l1 - l2) < (l0 - l1)  # "first-order terms carry most, the direct path little"
+    assert f"{l0:.2f}" in sentence and f"{uniform:.2f}" in sentence
+    sentence, values = claim(tour, "F28")
+    gains = [l0 - loss(x0 + heads_of([lay])) for lay in range(2)]
+    assert values["gains"] == pytest.approx(gains, abs=1e-4)
