@@ -21,17 +21,23 @@ Weights (nn.Linear stores [d_out, d_in], so each is transposed into `x @ W` form
     lm_head.weight [V, d] (absent when tied)             -> unembed.W_U [d, V] (W_E^T when tied)
 Hugging Face rotates halves (rotate-half layout, rotary_adjacent_pairs False), so Q and K rows keep their
 order. Reading: safetensors only (the index `model.safetensors.index.json` names the shards; every file name
-is resolved inside the folder); files are memory-mapped and each tensor is converted to the compute dtype as
-it is read and laid out, so the peak is about one compute-dtype copy of the model plus one tensor.
+is resolved inside the folder). Files are memory-mapped; each tensor is converted to the compute dtype and laid
+out in one copy, and the file pages it was read from are released (madvise), so the peak is about one
+compute-dtype copy of the model plus one tensor. (safetensors' safe_open would keep every page it touched
+resident until the handle closes: a second, stored-dtype copy of the model by the end of the load.)
 """
 
 from __future__ import annotations
 
+import json
+import math
+import mmap
+import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from circuits_core.config import ConfigReader, ModelConfig
@@ -45,10 +51,67 @@ LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "llama3")
 INDEX = "model.safetensors.index.json"
 _IGNORED = (".rotary_emb.inv_freq",)
+HEADER_MAX_BYTES = 100_000_000  # safetensors' own limit on the JSON header
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_PAGE = mmap.PAGESIZE
+
+
+class _MappedFile:
+    """One .safetensors file, memory-mapped by us (not safe_open, which keeps every page it touched resident
+    until the handle closes): each tensor is copied out in the compute dtype and its pages are released."""
+
+    def __init__(self, path: Path, name: str):
+        self.name = name
+        try:
+            with path.open("rb") as handle:
+                self.map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never written back
+            (size,) = struct.unpack("<Q", self.map[:8])
+            if not 0 < size <= len(self.map) - 8 or size > HEADER_MAX_BYTES:
+                raise ValueError(f"header length {size} does not fit the file of {len(self.map)} bytes")
+            header = json.loads(self.map[8 : 8 + size])
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+        except (OSError, ValueError, struct.error) as exc:  # json.JSONDecodeError is a ValueError
+            raise CheckpointError(f"{name}: not a readable safetensors file ({exc})") from exc
+        self.base = 8 + size
+        self.entries = {k: v for k, v in header.items() if k != "__metadata__"}
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        entry = self.entries[key]
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise CheckpointError(f"{self.name}: tensor {key}: malformed shape {shape!r}")
+        return tuple(shape)
+
+    def read(self, key: str, dtype: torch.dtype, layout: Callable[[Tensor], Tensor]) -> Tensor:
+        """layout(tensor) copied once into a new `dtype` tensor; the file pages it came from are released."""
+        entry, shape = self.entries[key], self.shape(key)
+        source = _DTYPES.get(entry.get("dtype"))
+        if source is None:
+            raise CheckpointError(f"{self.name}: tensor {key}: dtype {entry.get('dtype')!r} is not a float type "
+                                  f"({', '.join(_DTYPES)})")
+        offsets = entry.get("data_offsets")
+        numel = math.prod(shape)
+        nbytes = numel * source.itemsize
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or offsets[1] - offsets[0] != nbytes or offsets[0] < 0 or self.base + offsets[1] > len(self.map)):
+            raise CheckpointError(f"{self.name}: tensor {key}: data offsets {offsets!r} do not hold {nbytes} bytes")
+        start = self.base + offsets[0]
+        view = torch.frombuffer(self.map, dtype=source, count=numel, offset=start).view(shape) if numel else (
+            torch.empty(shape, dtype=source))
+        arranged = layout(view)
+        out = torch.empty(arranged.shape, dtype=dtype).copy_(arranged)  # one pass: convert + lay out
+        del view, arranged
+        first = start - start % _PAGE
+        if nbytes:
+            self.map.madvise(mmap.MADV_DONTNEED, first, start + nbytes - first)  # drop the pages read
+        return out
 
 
 class _Shards:
-    """The tensors of a safetensors checkpoint, read one at a time (memory-mapped) and converted to `dtype`."""
+    """The tensors of a (sharded) safetensors checkpoint, read one at a time and converted to `dtype`."""
 
     def __init__(self, folder: Path, dtype: torch.dtype):
         self.dtype = dtype
@@ -66,16 +129,12 @@ class _Shards:
                 "reads safetensors only"
             )
         self.files = [folder_file(folder, name) for name in names]
-        self.handles: dict[str, Any] = {}
+        self.maps: dict[str, _MappedFile] = {}
         for name, path in zip(names, self.files, strict=True):
             if not path.is_file():
                 raise CheckpointError(f"{name}: shard named by {INDEX} not found (found: {folder_listing(folder)})")
-            try:
-                handle = safe_open(str(path), framework="pt", device="cpu")
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise CheckpointError(f"{name}: not a readable safetensors file ({exc})") from exc
-            self.handles[name] = handle
-            for key in handle.keys():
+            self.maps[name] = _MappedFile(path, name)
+            for key in self.maps[name].entries:
                 if key in self.where:
                     raise CheckpointError(f"{name}: tensor {key!r} is also in {self.where[key]}")
                 self.where[key] = name
@@ -84,21 +143,18 @@ class _Shards:
     def has(self, key: str) -> bool:
         return key in self.where
 
-    def take(self, key: str, shape: tuple[int, ...]) -> Tensor:
-        """The tensor `key`, shape-checked before it is read, in the compute dtype."""
+    def take(self, key: str, shape: tuple[int, ...], layout: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
+        """layout(tensor `key`) in the compute dtype; its stored shape is checked before anything is read."""
         if key not in self.where:
             raise CheckpointError(
                 f"{', '.join(sorted(set(self.where.values())))}: missing tensor {key} (expected shape {list(shape)})"
             )
-        handle = self.handles[self.where[key]]
-        given = tuple(handle.get_slice(key).get_shape())
+        mapped = self.maps[self.where[key]]
+        given = mapped.shape(key)
         if given != shape:
             raise CheckpointError(f"{self.where[key]}: tensor {key}: expected shape {list(shape)}, given {list(given)}")
-        tensor = handle.get_tensor(key)
-        if not tensor.is_floating_point():
-            raise CheckpointError(f"{self.where[key]}: tensor {key}: expected floating point, given {tensor.dtype}")
         self.left.discard(key)
-        return tensor.to(self.dtype)
+        return mapped.read(key, self.dtype, layout)
 
     def finish(self) -> None:
         if self.left:
@@ -169,6 +225,23 @@ def llama_config(hf: dict[str, Any]) -> ModelConfig:
     )  # fmt: skip
 
 
+def _T(W: Tensor) -> Tensor:
+    """nn.Linear's [d_out, d_in] as TransformerLens's [d_in, d_out] (x @ W)."""
+    return W.T
+
+
+def _per_head(heads: int, dh: int, d: int | None = None) -> Callable[[Tensor], Tensor]:
+    """q/k/v_proj [heads * d_head, d_model] -> [heads, d_model, d_head]; a bias (d None) -> [heads, d_head]."""
+    if d is None:
+        return lambda b: b.view(heads, dh)
+    return lambda W: W.view(heads, dh, d).transpose(1, 2)
+
+
+def _output_heads(heads: int, dh: int, d: int) -> Callable[[Tensor], Tensor]:
+    """o_proj [d_model, heads * d_head] -> W_O [heads, d_head, d_model]."""
+    return lambda W: W.T.view(heads, dh, d)
+
+
 def load_llama(folder: Path, hf: dict[str, Any], dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, State, dict[str, str], list[Path]]:
     """(config, TransformerLens state dict in `dtype`, tensor -> shard file, weight files)."""
     cfg = llama_config(hf)
@@ -182,29 +255,28 @@ def load_llama(folder: Path, hf: dict[str, Any], dtype: torch.dtype = torch.floa
         sd[f"{p}.ln1.w"] = src.take(f"{h}.input_layernorm.weight", (d,))
         sd[f"{p}.ln2.w"] = src.take(f"{h}.post_attention_layernorm.weight", (d,))
         for x, proj, heads in (("Q", "q_proj", H), ("K", "k_proj", G), ("V", "v_proj", G)):
-            W = src.take(f"{h}.self_attn.{proj}.weight", (heads * dh, d))  # [heads * d_head, d_model]
-            sd[f"{p}.attn.{attn_param(cfg, 'W_' + x)}"] = W.view(heads, dh, d).transpose(1, 2).contiguous()
+            # [heads * d_head, d_model] -> [heads, d_model, d_head]; bias [heads * d_head] -> [heads, d_head]
+            weight, bias = f"{h}.self_attn.{proj}.weight", f"{h}.self_attn.{proj}.bias"
+            sd[f"{p}.attn.{attn_param(cfg, 'W_' + x)}"] = src.take(weight, (heads * dh, d), _per_head(heads, dh, d))
             if cfg.use_bias:
-                b = src.take(f"{h}.self_attn.{proj}.bias", (heads * dh,))
-                sd[f"{p}.attn.{attn_param(cfg, 'b_' + x)}"] = b.view(heads, dh)
-        W_O = src.take(f"{h}.self_attn.o_proj.weight", (d, H * dh))  # [d_model, n_heads * d_head]
-        sd[f"{p}.attn.W_O"] = W_O.T.reshape(H, dh, d).contiguous()
+                sd[f"{p}.attn.{attn_param(cfg, 'b_' + x)}"] = src.take(bias, (heads * dh,), _per_head(heads, dh))
+        # o_proj [d_model, n_heads * d_head] -> W_O [n_heads, d_head, d_model]
+        sd[f"{p}.attn.W_O"] = src.take(f"{h}.self_attn.o_proj.weight", (d, H * dh), _output_heads(H, dh, d))
         if cfg.use_bias:
             has_o_bias = not qwen2
             sd[f"{p}.attn.b_O"] = src.take(f"{h}.self_attn.o_proj.bias", (d,)) if has_o_bias else torch.zeros(d, dtype=dtype)
             sd[f"{p}.mlp.b_in"] = torch.zeros(d_mlp, dtype=dtype)
             sd[f"{p}.mlp.b_out"] = torch.zeros(d, dtype=dtype)
-        sd[f"{p}.mlp.W_gate"] = src.take(f"{h}.mlp.gate_proj.weight", (d_mlp, d)).T.contiguous()  # [d_model, d_mlp]
-        sd[f"{p}.mlp.W_in"] = src.take(f"{h}.mlp.up_proj.weight", (d_mlp, d)).T.contiguous()
-        sd[f"{p}.mlp.W_out"] = src.take(f"{h}.mlp.down_proj.weight", (d, d_mlp)).T.contiguous()  # [d_mlp, d_model]
+        sd[f"{p}.mlp.W_gate"] = src.take(f"{h}.mlp.gate_proj.weight", (d_mlp, d), _T)  # [d_model, d_mlp]
+        sd[f"{p}.mlp.W_in"] = src.take(f"{h}.mlp.up_proj.weight", (d_mlp, d), _T)
+        sd[f"{p}.mlp.W_out"] = src.take(f"{h}.mlp.down_proj.weight", (d, d_mlp), _T)  # [d_mlp, d_model]
     sd["ln_final.w"] = src.take("model.norm.weight", (d,))
     tied = ConfigReader(hf).flag("tie_word_embeddings", default=False)
     if src.has("lm_head.weight"):
-        lm_head = src.take("lm_head.weight", (V, d))
-        if tied and not torch.equal(lm_head, sd["embed.W_E"]):
+        sd["unembed.W_U"] = src.take("lm_head.weight", (V, d), _T)  # [d_model, d_vocab]
+        if tied and not torch.equal(sd["unembed.W_U"], sd["embed.W_E"].T):
             raise CheckpointError(f"{src.where['lm_head.weight']}: lm_head.weight differs from embed_tokens.weight "
                                   "but the config ties them (tie_word_embeddings)")
-        sd["unembed.W_U"] = lm_head.T.contiguous()  # [d_model, d_vocab]
     elif tied:
         sd["unembed.W_U"] = sd["embed.W_E"].T.contiguous()
     else:

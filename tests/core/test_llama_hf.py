@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 
 from circuits_core.errors import CheckpointError
 from circuits_core.frozen import attention
@@ -203,3 +204,26 @@ def test_unsupported_configs_are_refused_by_name(
     (folder / "config.json").write_text(json.dumps({**config, **edit}))
     with pytest.raises(CheckpointError, match=message):
         load_checkpoint(folder)
+
+
+def test_damaged_safetensors_are_refused(tmp_path: Path, world: dict[str, tuple[Path, Any]]) -> None:
+    """qkov maps the shards itself (to release pages per tensor), so it checks what safe_open would."""
+    source = world["qwen2_gqa_bias_tied"][0]
+    for damage, message in (("truncate", "do not hold"), ("header", "not a readable safetensors"),
+                            ("int", "not a float type")):  # fmt: skip
+        folder = tmp_path / damage
+        folder.mkdir()
+        for item in source.iterdir():
+            (folder / item.name).write_bytes(item.read_bytes())
+        weights = folder / "model.safetensors"
+        data = weights.read_bytes()
+        if damage == "truncate":
+            weights.write_bytes(data[: len(data) // 2])
+        elif damage == "header":
+            weights.write_bytes((10**12).to_bytes(8, "little") + data[8:])
+        else:
+            state = load_file(str(weights))
+            state["model.norm.weight"] = state["model.norm.weight"].to(torch.int32)
+            save_file(state, str(weights))
+        with pytest.raises(CheckpointError, match=message):
+            load_checkpoint(folder)
