@@ -79,7 +79,8 @@ def _validation_detail(exc: RequestValidationError) -> tuple[str, list[dict[str,
         loc = [str(p) for p in err.get("loc", ())]
         where = f"{loc[0]} parameter {'.'.join(loc[1:])}" if len(loc) > 1 else ".".join(loc) or "request"
         given = err.get("input")
-        msg = f"{where}: {err.get('msg', 'invalid')}" + (f" (got {given!r})" if given is not None and not isinstance(given, dict) else "")
+        shown = repr(given) if len(repr(given)) <= 80 else repr(given)[:60] + f"... ({len(str(given))} characters)"
+        msg = f"{where}: {err.get('msg', 'invalid')}" + (f" (got {shown})" if given is not None and not isinstance(given, dict) else "")
         parts.append(msg)
         errors.append({"loc": loc, "msg": err.get("msg"), "type": err.get("type")})
     return "; ".join(parts) or "invalid request", errors
