@@ -33,6 +33,9 @@ Tokens = Annotated[str | None, Field(description="comma-separated token ids, use
 Heads = Annotated[str | None, Field(description="comma-separated head names L{layer}H{head}"),
                   Limit("max_heads", "max_length", 12), HeadsField()]
 Head = Annotated[str, Field(max_length=16, description=HEAD_DOC), HeadField()]
+Offset = Annotated[int, Field(ge=0, le=1_000_000, description=(
+    "query-key offset δ = i - j of a rotary model: its QK circuit there is W_Q R(δ) W_Kᵀ (0: TransformerLens's QK); "
+    "below n_ctx; other models take 0 only"))]
 Seed = Annotated[int, Field(ge=0, le=2**31 - 1, description="seed of the random tokens")]
 SeqLen = Annotated[int, Field(ge=1, description="length T of the random segment r in BOS + r + r"), Limit("max_seq_len")]
 Batch = Annotated[int, Field(ge=1, description="number of random sequences"), Limit("max_batch")]
@@ -74,6 +77,7 @@ class OVParams(HeadParams):
 
 class QKParams(OVParams):
     side: Annotated[Literal["query", "key"], Field(description="whether token is the query (its row) or the key (its column)")] = "query"
+    offset: Offset = 0
 
 
 class SkipTrigramParams(OVParams):
@@ -96,6 +100,7 @@ class DetectorParams(PromptInput):
 # -- composition, prompts, paths -----------------------------------------------------------------------------
 class CompositionParams(AnalysisParams):
     kind: Annotated[Literal["Q", "K", "V"], Field(description="Q, K or V composition (paper-math 2.9)")] = "K"
+    offset: Offset = 0
 
 
 class CompositionPairParams(AnalysisParams):

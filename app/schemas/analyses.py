@@ -31,6 +31,8 @@ class CompositionView(BaseModel):
     sampled_baseline: float = Field(description="mean score of ARENA's random generator (check of the analytic baseline)")
     sampled_std: float = Field(description="standard deviation of the sampled random scores")
     top_pairs: list[CompositionPair] = Field(description="the strongest pairs, largest raw score first")
+    offset: int | None = Field(default=None, description="rotary models: the query-key offset δ of the Q/K scores "
+                               "(Ω_B(δ) = W_Q R(δ) W_Kᵀ); None for other models and for V")
 
 
 class CompositionPair(BaseModel):

@@ -37,6 +37,8 @@ class CircuitTopView(BaseModel):
         default=None, description="only tokens seen at least this often in training were ranked (None: every token)"
     )
     n_tokens: int | None = Field(default=None, description="how many tokens min_count kept (None without min_count)")
+    offset: int | None = Field(default=None, description="QK of a rotary model: the query-key offset δ of W_Q R(δ) W_Kᵀ "
+                               "(None: the model has no rotary positions)")
 
 
 class SkipTrigram(BaseModel):

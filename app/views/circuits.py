@@ -24,7 +24,8 @@ from app.params import DirectParams, OVParams, QKParams, SkipTrigramParams
 from app.schemas import CircuitTopView, MatrixEntry, ScoredToken, SkipTrigram, SkipTrigramView
 from app.settings import Limits
 from app.views.inputs import check_k, model_ref, resolve_token, token_ref
-from circuits_core import circuits
+from app.views.rotary import check_offset, is_rotary
+from circuits_core import circuits, rotary
 from circuits_core.config import head_name, parse_head
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
@@ -126,9 +127,18 @@ def build_ov_view(loaded: LoadedModel, p: OVParams, limits: Limits) -> CircuitTo
 
 
 def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTopView:
-    """Full QK circuit W_E W_Q W_K^T W_E^T / s: as query, the keys a token attends to; as key, the queries attending to it."""
+    """Full QK circuit W_E W_Q W_K^T W_E^T / s: as query, the keys a token attends to; as key, the queries attending to it.
+
+    Rotary models: at the query-key offset δ, W_E W_Q R(δ) W_K^T W_E^T / s (circuits_core.rotary)."""
     layer, h = parse_head(p.head, loaded.model.cfg)
     side: Literal["row", "column"] = "row" if p.side == "query" else "column"
+    check_offset(loaded, p.offset)
+    if is_rotary(loaded):
+        model, offset = loaded.model, p.offset
+        line = rotary.full_qk_col_at if side == "column" else rotary.full_qk_row_at
+        view = _top_view(loaded, lambda: rotary.full_qk_circuit_at(model, layer, h, offset), "qk", p.head, p.token, side,
+                         p.k, limits, p.min_count, lambda t: line(model, layer, h, t, offset))
+        return view.model_copy(update={"offset": offset})
     column = (lambda t: circuits.full_qk_col(loaded.model, layer, h, t)) if side == "column" else None
     return _top_view(loaded, lambda: circuits.full_qk_circuit(loaded.model, layer, h), "qk", p.head, p.token, side, p.k,
                      limits, p.min_count, column)

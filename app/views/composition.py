@@ -29,8 +29,10 @@ from app.schemas.analyses import (
 from app.settings import Limits
 from app.views.heads import parse_heads
 from app.views.inputs import check_k, model_ref, token_ref
+from app.views.rotary import rotary_offset
 from circuits_core import circuits, composition
 from circuits_core.composition import CompositionKind, composition_scores
+from circuits_core.composition_rotary import composition_at
 from circuits_core.config import head_name
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
@@ -49,10 +51,14 @@ def build_composition_view(loaded: LoadedModel, p: CompositionParams, limits: Li
     L, H = cfg.n_layers, cfg.n_heads
     if L < 2:
         raise InvalidInputError(f"composition needs at least 2 layers; model {loaded.path.name!r} has {L}")
+    key = ENGINE_KIND[kind]
+    offset = rotary_offset(loaded, key, p.offset)  # None unless a rotary model's Q/K
     with torch.no_grad():
-        key = ENGINE_KIND[kind]
         comp = composition_scores(loaded.model, kinds=(key,))  # only the kind asked for
     raw, minus, mask = comp.raw[key].double(), comp.minus_baseline[key].double(), comp.mask  # [L, H, L, H]
+    if offset:  # Q/K at δ: Ω_B(δ) = W_Q R(δ) W_K^T in place of W_QK (the same baseline: rotation-invariant)
+        raw = composition_at(loaded.model, key, offset).double()
+        minus = torch.where(mask, raw - comp.baseline, torch.zeros_like(raw))
     src = [(l1, h1) for l1 in range(L - 1) for h1 in range(H)]
     dst = [(l2, h2) for l2 in range(1, L) for h2 in range(H)]
     shown = (slice(0, L - 1), slice(None), slice(1, L), slice(None))  # earlier-layer rows x later-layer columns
@@ -74,7 +80,7 @@ def build_composition_view(loaded: LoadedModel, p: CompositionParams, limits: Li
         model=model_ref(loaded), kind=kind,
         sources=[head_name(*s) for s in src], targets=[head_name(*d) for d in dst],
         scores=scores, minus_baseline=minus_bl, baseline=comp.baseline,
-        sampled_baseline=comp.sampled_baseline, sampled_std=comp.sampled_std, top_pairs=pairs,
+        sampled_baseline=comp.sampled_baseline, sampled_std=comp.sampled_std, top_pairs=pairs, offset=offset,
     )
 
 

@@ -161,6 +161,19 @@ PROFILE = Analysis(
 )
 
 ANALYSES = [POSITIONAL, BANDS, PROFILE]
+def is_rotary(loaded: LoadedModel) -> bool:
+    return loaded.model.cfg.positional_embedding_type == "rotary"
+
+
+def rotary_offset(loaded: LoadedModel, kind: str, offset: int) -> int | None:
+    """The offset of a Q/K composition of a rotary model (checked); None for V or a model without rotary positions,
+    where only 0 is accepted."""
+    if kind == "v" and offset:
+        raise InvalidInputError("V-composition does not depend on the offset (values are not rotated); use offset=0")
+    check_offset(loaded, offset)
+    return offset if is_rotary(loaded) and kind in ("q", "k") else None
+
+
 def check_offset(loaded: LoadedModel, offset: int) -> None:
     """An offset other than 0 needs rotary positions; it must be below n_ctx."""
     if offset != 0 and loaded.model.cfg.positional_embedding_type != "rotary":

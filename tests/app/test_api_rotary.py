@@ -112,3 +112,43 @@ def test_openapi_documents_the_rotary_routes(client: TestClient):
         assert path in paths
     params = {p["name"]: p for p in paths["/api/v1/models/{model}/heads/{head}/positional"]["get"]["parameters"]}
     assert params["max_offset"]["schema"]["maximum"] == 4096
+
+
+def dense_qk(loaded: LoadedModel, layer: int, h: int, delta: int) -> torch.Tensor:
+    """[V, V] W_E_eff W_Q R(δ) W_K^T W_E_eff^T / s with the layer-0 RMS norm written by hand."""
+    model = loaded.model
+    E = normed(model, model.W_E, 0)
+    attn = model.blocks[layer].attn
+    return E @ attn.W_Q[h] @ rotation(model, [delta])[0] @ attn._W_K[h // 2].T @ E.T / model.cfg.scale
+
+
+@pytest.mark.parametrize("delta", [0, 3])
+def test_qk_at_offset_vs_dense(client: TestClient, rope: LoadedModel, delta: int):
+    dense = dense_qk(rope, 1, 3, delta)
+    top = client.get(f"{API}/rope/heads/L1H3/qk", params={"offset": delta, "k": 5}).json()
+    assert top["offset"] == delta
+    values = dense.flatten().topk(5).values.tolist()
+    assert max(abs(e["value"] - v) for e, v in zip(top["entries"], values, strict=True)) < 1e-10
+    row = client.get(f"{API}/rope/heads/L1H3/qk", params={"offset": delta, "k": 4, "token": "7"}).json()
+    assert [e["col"]["id"] for e in row["entries"]] == dense[7].topk(4).indices.tolist()
+    col = client.get(f"{API}/rope/heads/L1H3/qk", params={"offset": delta, "k": 4, "token": "7", "side": "key"}).json()
+    assert [e["row"]["id"] for e in col["entries"]] == dense[:, 7].topk(4).indices.tolist()
+
+
+def test_composition_at_offset_matches_the_profile(client: TestClient):
+    matrix = client.get(f"{API}/rope/composition", params={"kind": "Q", "offset": 5}).json()
+    assert matrix["offset"] == 5
+    profile = client.get(f"{API}/rope/composition/L0H3/L2H1/profile", params={"kind": "Q", "max_offset": 8}).json()
+    score = matrix["scores"][matrix["sources"].index("L0H3")][matrix["targets"].index("L2H1")]
+    assert abs(score - profile["scores"][5]) < 1e-10
+    zero = client.get(f"{API}/rope/composition", params={"kind": "Q"}).json()
+    assert zero["offset"] == 0
+    assert abs(zero["scores"][matrix["sources"].index("L0H3")][matrix["targets"].index("L2H1")] - profile["scores"][0]) < 1e-10
+
+
+def test_offset_refusals(client: TestClient):
+    assert_problem(client.get(f"{API}/short/heads/L1H0/qk", params={"offset": 1}), 422, "rotary")
+    assert_problem(client.get(f"{API}/short/composition", params={"kind": "K", "offset": 2}), 422, "rotary")
+    assert_problem(client.get(f"{API}/rope/composition", params={"kind": "V", "offset": 2}), 422, "offset")
+    assert_problem(client.get(f"{API}/rope/heads/L1H0/qk", params={"offset": 96}), 422, "n_ctx")
+    assert client.get(f"{API}/short/heads/L1H0/qk").json()["offset"] is None
