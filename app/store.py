@@ -264,12 +264,14 @@ class StoreTier:
         """None when this process holds the claim and should compute; else the answer another process put."""
         while True:
             claimed = await asyncio.to_thread(self._safe, self.store.claim, key, self.claim_ttl_s)
-            if claimed is None or claimed:  # claimed, or the store failed: compute here
-                return None
             body = await asyncio.to_thread(self._safe, self.store.get, key)
-            if body is not None:
+            if body is not None:  # put by another process, perhaps just before it released its claim
+                if claimed:
+                    await asyncio.to_thread(self.release, key)
                 self.waited += 1
                 return body  # type: ignore[no-any-return]
+            if claimed is None or claimed:  # claimed, or the store failed: compute here
+                return None
             if stopped():
                 return None
             await asyncio.sleep(self.poll_s)
