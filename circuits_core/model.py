@@ -15,8 +15,8 @@ stores blocks.{l}.attn._W_K/_W_V [n_kv_heads, d_model, d_head], _b_K/_b_V [n_kv_
 and the stacked model.W_K stay per query head); gated MLPs add blocks.{l}.mlp.W_gate [d_model, d_mlp].
 
 Positions: `standard` adds W_pos to the residual stream; `shortformer` (the paper's models) adds it to the
-query and key inputs only, after ln1; `rotary` rotates q and k by position (`rotate`: the first rotary_dim
-dimensions, rotate-half or adjacent pairs, with the config's rope scaling); `none` has no positions.
+query and key inputs only, after ln1; `rotary` rotates q and k by position (rope.py's `rotate`: the first
+rotary_dim dimensions, rotate-half or adjacent pairs, with the config's rope scaling); `none` has no positions.
 Under GQA the hooks hook_k and hook_v hold one entry per *query* head (TransformerLens's
 `ungroup_grouped_query_attention`), and hook_q / hook_k are after the rotation (TransformerLens's hook_rot_q).
 
@@ -28,7 +28,6 @@ patterns" trick) -- the path expansions stand on this.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -38,6 +37,10 @@ from torch import Tensor, nn
 
 from circuits_core.config import ModelConfig
 from circuits_core.errors import InvalidInputError
+from circuits_core.rope import rotary_angles as rotary_angles  # rope.py, re-exported (announced names)
+from circuits_core.rope import rotary_inv_freq as rotary_inv_freq
+from circuits_core.rope import rotary_pairs as rotary_pairs
+from circuits_core.rope import rotate as rotate
 
 # A name filter: None keeps nothing, a callable or a set of names keeps those.
 NameFilter = Callable[[str], bool] | Iterable[str] | None
@@ -131,83 +134,6 @@ class LayerNorm(nn.Module):
         if self.cfg.normalization_type == "LN":
             x = x + self.b
         return rec(f"{self.name}.hook_normalized", x)
-
-
-# -- rotary positions ---------------------------------------------------------------------------------
-def rotary_inv_freq(cfg: ModelConfig) -> Tensor:
-    """theta_k [rotary_dim / 2] (float64): the angle per position of pair k, after the config's rope scaling.
-
-    default: theta_k = base^(-2k / rotary_dim); linear: theta_k / factor; llama3 (Llama 3.1): wavelengths
-    2 pi / theta_k longer than original_max / low_freq_factor are divided by factor, shorter than
-    original_max / high_freq_factor kept, and the ones between interpolated smoothly.
-    """
-    rd = cfg.rotary_dim or cfg.d_head
-    inv_freq = 1.0 / (cfg.rotary_base ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd))
-    if cfg.rope_type == "linear":
-        return inv_freq / cfg.rope_factor
-    if cfg.rope_type == "llama3":
-        old, low, high = cfg.rope_original_max_position_embeddings, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old / low, inv_freq / cfg.rope_factor, inv_freq)
-        mid = (1 - smooth) * inv_freq / cfg.rope_factor + smooth * inv_freq
-        return torch.where((wavelen <= old / low) & (wavelen >= old / high), mid, scaled)
-    if cfg.rope_type != "default":  # the config refuses other types; this guards a bypassed check
-        raise InvalidInputError(f"rope scaling type {cfg.rope_type!r} is not supported")
-    return inv_freq
-
-
-def rotary_angles(cfg: ModelConfig, positions: Tensor) -> Tensor:
-    """p * theta_k [..., rotary_dim / 2] (float64) for positions [...] (any integers, negative too)."""
-    return positions.to(torch.float64)[..., None] * rotary_inv_freq(cfg).to(positions.device)
-
-
-def rotary_pairs(cfg: ModelConfig) -> tuple[Tensor, Tensor]:
-    """(first [K], second [K]): the d_head indices of each rotated pair k, K = rotary_dim / 2.
-
-    Rotate-half (Hugging Face files): (k, k + K); adjacent pairs (GGUF files): (2k, 2k + 1). Dims from
-    rotary_dim on are not rotated (partial rotary)."""
-    K = (cfg.rotary_dim or cfg.d_head) // 2
-    k = torch.arange(K)
-    return (2 * k, 2 * k + 1) if cfg.rotary_adjacent_pairs else (k, k + K)
-
-
-def rotate(cfg: ModelConfig, x: Tensor, positions: Tensor) -> Tensor:
-    """x R(p): rotate x [..., d_head] (row vectors) by position p in the model's layout.
-
-    positions broadcasts against x.shape[:-1] (e.g. [pos, 1] for x [batch, pos, heads, d_head]); any integer
-    (negative too: R(a) R(b)^T = R(a - b), so rotate(x, -d) applies R(d)^T). With (i, j) = rotary_pairs(cfg)[k]
-    and a = p theta_k (rotary_angles): x_i' = x_i cos a - x_j sin a, x_j' = x_j cos a + x_i sin a. The
-    rotation matrix for row vectors is rotate(cfg, eye(d_head), p). Angles are computed in float64.
-    """
-    first, second = (idx.to(x.device) for idx in rotary_pairs(cfg))
-    angles = rotary_angles(cfg, positions.to(x.device))  # [..., K]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    a, b = x[..., first], x[..., second]  # [..., K]
-    out = x.clone()
-    out[..., first] = a * cos - b * sin
-    out[..., second] = b * cos + a * sin
-    return out
-
-
-def rotary_tables(cfg: ModelConfig, n: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and sin tables [n, rotary_dim] for positions 0..n-1, rotate-half layout only (for apply_rotary;
-    `rotate` serves every layout)."""
-    if cfg.rotary_adjacent_pairs:
-        raise InvalidInputError("rotary_tables/apply_rotary are rotate-half only; use model.rotate for adjacent pairs")
-    angles = rotary_angles(cfg, torch.arange(n))  # [n, rd/2]
-    angles = torch.cat([angles, angles], dim=-1).to(device)  # [n, rd]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the first rotary_dim dims of x [batch, pos, n_heads, d_head] by position (rotate-half layout)."""
-    rd = cos.shape[-1]
-    rot, keep = x[..., :rd], x[..., rd:]
-    half = rd // 2
-    rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    cos_b, sin_b = cos[None, :, None, :], sin[None, :, None, :]
-    return torch.cat([rot * cos_b + rotated * sin_b, keep], dim=-1)
 
 
 def attn_param(cfg: ModelConfig, name: str) -> str:
