@@ -28,11 +28,13 @@ from app.params import (
     HeadParams,
     K,
     NoParams,
+    Offset,
     OVParams,
     QKParams,
     SkipTrigramParams,
 )
 from app.routers import pages_analyses, pages_tour
+from app.routers.pages_rotary import head_rotary_context, rotary_enabled
 from app.routers.rendering import Page, PageCall, attempt, is_fragment, model_nav, page_context, render
 from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
 from app.views.circuits import DIRECT, OV, QK, SKIP_TRIGRAMS, has_token_counts
@@ -184,6 +186,7 @@ async def overview_page(request: Request, registry: RegistryDep, loaded: LoadedM
 # -- one head: its spectra and its circuits ---------------------------------------------------------------------
 class HeadPageParams(OVParams):
     k: K = 10
+    offset: Offset = 0  # rotary models: the QK tables at this query-key offset
 
 
 async def head_context(call: PageCall) -> dict[str, Any]:
@@ -192,10 +195,11 @@ async def head_context(call: PageCall) -> dict[str, Any]:
     fragment_only = is_fragment(call.request) and call.request.headers.get("HX-Target") == "circuits"
     view: HeadView | None = None if fragment_only else await call.run(HEAD, HeadParams(head=name))
     ov: CircuitTopView = await call.run(OV, OVParams(head=name, token=p.token, k=p.k, min_count=p.min_count))
-    qk_q: CircuitTopView = await call.run(QK, QKParams(head=name, token=p.token, k=p.k, side="query", min_count=p.min_count))
+    qk_q: CircuitTopView = await call.run(QK, QKParams(head=name, token=p.token, k=p.k, side="query", min_count=p.min_count,
+                                                       offset=p.offset))
     qk_k = None
     if p.token is not None:
-        qk_k = await call.run(QK, QKParams(head=name, token=p.token, k=p.k, side="key", min_count=p.min_count))
+        qk_k = await call.run(QK, QKParams(head=name, token=p.token, k=p.k, side="key", min_count=p.min_count, offset=p.offset))
     skip = await call.run(SKIP_TRIGRAMS, SkipTrigramParams(head=name, token=p.token, k=p.k, min_count=p.min_count))
     partners = await composition_partners(call, name) if view is not None else []
     all_heads = [head_name(a, b) for a in range(cfg.n_layers) for b in range(cfg.n_heads)]
@@ -206,7 +210,8 @@ async def head_context(call: PageCall) -> dict[str, Any]:
         "figs": head_charts(view) if view is not None else {}, "max_k": call.limits.max_k, "partners": partners,
         "prev_head": all_heads[i - 1] if i > 0 else None, "next_head": all_heads[i + 1] if i + 1 < len(all_heads) else None,
         "base_url": f"/models/{model}/heads/{name}", "min_count": p.min_count, "has_counts": has_token_counts(call.model),
-        "min_count_choices": MIN_COUNT_CHOICES,
+        "min_count_choices": MIN_COUNT_CHOICES, "offset": p.offset or None, "is_rotary": rotary_enabled(call), "n_ctx": cfg.n_ctx,
+        **(await head_rotary_context(call, name) if view is not None else {"rotary": None}),
     }
 
 

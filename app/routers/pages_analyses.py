@@ -27,6 +27,7 @@ from app.params import (
     QKPathsParams,
     target_token,
 )
+from app.routers.pages_rotary import pair_rotary_context, rotary_enabled
 from app.routers.rendering import Page, PageCall, url
 from app.views.composition import COMPOSITION, COMPOSITION_PAIR
 from app.views.heads import HEADS
@@ -65,7 +66,8 @@ async def composition_context(call: PageCall) -> dict[str, Any]:
     view, error = await call.attempt(COMPOSITION, call.params)
     kind = call.params.kind
     call.title = f"{kind}-composition · {call.model_id}"
-    return {"view": view, "error": error, "kind": kind, "fig": charts.composition_heatmap(view, call.model_id or "") if view else None}
+    return {"view": view, "error": error, "kind": kind, "fig": charts.composition_heatmap(view, call.model_id or "") if view else None,
+            "offset": call.params.offset or None, "is_rotary": rotary_enabled(call), "n_ctx": call.model.model.cfg.n_ctx if call.model else 0}
 
 
 async def pair_context(call: PageCall) -> dict[str, Any]:
@@ -77,7 +79,8 @@ async def pair_context(call: PageCall) -> dict[str, Any]:
         "v_eig": charts.complex_scatter(charts.complex_points(view.virtual_head.ov.eigenvalues),
                                         title="eigenvalues of the virtual head's OV circuit"),
     }
-    return {"view": view, "k": call.params.k, "figs": figs, "max_k": call.limits.max_k}
+    rotary = await pair_rotary_context(call, view.source, view.target)
+    return {"view": view, "k": call.params.k, "figs": figs, "max_k": call.limits.max_k, **rotary}
 
 
 # -- prompt: tokens, patterns, logit path expansion ------------------------------------------------------------

@@ -9,7 +9,7 @@ store behind it) under ("rotary-reference", digest), so every head's kernel and 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import Field
@@ -160,7 +160,7 @@ PROFILE = Analysis(
     summary="Q- or K-composition of one pair as a function of the query-key offset δ",
 )
 
-ANALYSES = [POSITIONAL, BANDS, PROFILE]
+ANALYSES: list[Analysis[Any, Any]] = [POSITIONAL, BANDS, PROFILE]
 def is_rotary(loaded: LoadedModel) -> bool:
     return loaded.model.cfg.positional_embedding_type == "rotary"
 

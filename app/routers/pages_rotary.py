@@ -1,0 +1,58 @@
+"""Page parts of rotary models (issue 11.5): the head page's positional kernel and band energies, the pair
+page's δ profiles. Each runs the declared analysis (app/views/rotary.py) through `call.run` (priced and
+cached like its API route) and draws its chart; the templates include them only for rotary models."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from app import charts
+from app.analysis import json_url
+from app.params import HeadParams
+from app.routers.rendering import PageCall
+from app.schemas.rotary import BandsView, CompositionProfileView, PositionalView
+from app.views.rotary import BANDS, POSITIONAL, PROFILE, PositionalParams, ProfileParams, is_rotary
+
+
+def rotary_enabled(call: PageCall) -> bool:
+    return call.model is not None and is_rotary(call.model)
+
+
+async def head_rotary_context(call: PageCall, head: str) -> dict[str, Any]:
+    """The positional kernel f(δ) and the energy per rotary band of one head, with their charts."""
+    if not rotary_enabled(call):
+        return {"rotary": None}
+    model = call.model_id or ""
+    positional: PositionalView = await call.run(POSITIONAL, PositionalParams(head=head))
+    bands: BandsView = await call.run(BANDS, HeadParams(head=head))
+    kernel = charts.lines(positional.offsets, {"f(δ)": positional.kernel}, x_title="δ = query position − key position",
+                          y_title="score (μ Ω(δ) μᵀ / √d_head)", vlines=[positional.peak_offset],
+                          title=f"positional kernel of {head}: peak at δ = {positional.peak_offset}")
+    labels = [f"k={k} (λ={w:.3g})" for k, w in enumerate(bands.wavelength)]
+    energy = charts.bars(labels, bands.share, title=f"share of {head}'s QK energy per rotary band (band 0 fastest)",
+                         x_title="band k (wavelength 2π/θ_k in positions)", y_title="share of ||Ω||² energy")
+    return {"rotary": {
+        "positional": positional, "bands": bands, "kernel_fig": kernel, "bands_fig": energy,
+        "positional_json": json_url(POSITIONAL, model, PositionalParams(head=head)),
+        "bands_json": json_url(BANDS, model, HeadParams(head=head)),
+    }}
+
+
+async def pair_rotary_context(call: PageCall, source: str, target: str) -> dict[str, Any]:
+    """The pair's Q- and K-composition profiles over δ = 0..64, with the random baseline."""
+    if not rotary_enabled(call):
+        return {"rotary": None}
+    model = call.model_id or ""
+    profiles: dict[str, CompositionProfileView] = {}
+    kinds: tuple[Literal["Q", "K"], ...] = ("Q", "K")
+    for kind in kinds:
+        profiles[kind] = await call.run(PROFILE, ProfileParams(source=source, target=target, kind=kind))
+    first = profiles["K"]
+    series: dict[str, list[float | None]] = {f"{k}-composition": list(v.scores) for k, v in profiles.items()}
+    series["random baseline"] = [first.baseline] * len(first.offsets)
+    fig = charts.lines(first.offsets, series, x_title="δ = query position − key position", y_title="composition score",
+                       title=f"{source} → {target}: Q and K composition over the offset δ")
+    return {"rotary": {
+        "profiles": profiles, "profile_fig": fig,
+        "profile_json": {k: json_url(PROFILE, model, ProfileParams(source=source, target=target, kind=k)) for k in kinds},
+    }}

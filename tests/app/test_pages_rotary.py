@@ -1,0 +1,55 @@
+"""Rotary parts of the pages (issue 11.5): the head page's offset control, positional kernel and band energies,
+the pair page's δ profiles, the composition page at an offset; absent for models without rotary positions."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from fastapi.testclient import TestClient
+
+from tests.app.test_api_rotary import client, folders, rope  # noqa: F401  (module fixtures)
+
+API = "/api/v1/models"
+
+
+def charts_in(html: str) -> dict[str, dict]:
+    """The plotly figures of a page by their data-name."""
+    found = re.findall(r'data-name="([^"]+)">\s*<script type="application/json">(.*?)</script>', html, re.S)
+    return {name: json.loads(body) for name, body in found}
+
+
+def test_head_page_of_a_rotary_model(client: TestClient):  # noqa: F811
+    page = client.get("/models/rope/heads/L1H3", params={"offset": 3, "k": 5})
+    assert page.status_code == 200, page.text
+    html = page.text
+    assert 'id="offset-input"' in html and 'value="3"' in html and 'max="95"' in html
+    assert "QK: query attends to key at δ = 3" in html
+    figs = charts_in(html)
+    kernel = figs["rope-L1H3-positional-kernel"]["data"][0]
+    api = client.get(f"{API}/rope/heads/L1H3/positional").json()
+    assert kernel["x"] == api["offsets"] and kernel["y"] == api["kernel"]
+    bands = figs["rope-L1H3-rotary-bands"]["data"][0]
+    assert (bands.get("y") or bands.get("x")) == client.get(f"{API}/rope/heads/L1H3/bands").json()["share"]
+    qk = client.get(f"{API}/rope/heads/L1H3/qk", params={"offset": 3, "k": 5}).json()
+    first = qk["entries"][0]
+    assert f'{first["value"]:.3f}'.rstrip("0") in html or f'{first["value"]:.4f}' in html
+    assert "offset=3" in html  # token links keep the offset
+
+
+def test_pair_and_composition_pages_of_a_rotary_model(client: TestClient):  # noqa: F811
+    html = client.get("/models/rope/composition/L0H1/L2H2").text
+    fig = charts_in(html)["rope-L0H1-L2H2-profile"]
+    series = {d["name"]: d["y"] for d in fig["data"]}
+    api = client.get(f"{API}/rope/composition/L0H1/L2H2/profile", params={"kind": "K"}).json()
+    assert series["K-composition"] == api["scores"] and series["random baseline"][0] == api["baseline"]
+    assert f'offset={api["peak_offset"]}' in html
+    comp = client.get("/models/rope/composition", params={"kind": "K", "offset": 4})
+    assert comp.status_code == 200 and "at offset δ = 4" in comp.text and 'id="offset-input"' in comp.text
+
+
+def test_pages_of_a_model_without_rotary_positions(client: TestClient):  # noqa: F811
+    html = client.get("/models/short/heads/L1H0").text
+    assert "offset-input" not in html and "Positional kernel" not in html
+    assert "Composition over the offset" not in client.get("/models/short/composition/L0H0/L1H1").text
+    assert client.get("/models/short/heads/L1H0", params={"offset": 2}).status_code == 422
