@@ -239,7 +239,7 @@ async def detectors_context(call: PageCall) -> dict[str, Any]:
     seq_len = p.seq_len
     if seq_len is None:  # the standard input, shortened to fit the model's context (BOS + r + r)
         seq_len = max(1, min(50, call.limits.max_seq_len, (call.model.model.cfg.n_ctx - 1) // 2))
-    params = DetectorParams(seq_len=seq_len, batch=p.batch, seed=p.seed, prompt=p.prompt, heads=p.heads)
+    params = DetectorParams(seq_len=seq_len, batch=p.batch, seed=p.seed, prompt=p.prompt, tokens=p.tokens, heads=p.heads)
     view = await call.run(DETECTORS, params)
     call.json_params = params
     return {"view": view, "figs": detector_charts(view, call.model_id or ""), "seq_len": seq_len, "batch": p.batch,

@@ -7,12 +7,12 @@ through `call.run` / `call.attempt` and chart their views. Page URLs mirror the 
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 from pydantic import Field
 
 from app import charts
-from app.analysis import AnalysisParams, HeadField, json_url
+from app.analysis import HeadField, json_url
 from app.params import (
     HEAD_DOC,
     ChainParams,
@@ -22,7 +22,7 @@ from app.params import (
     NoParams,
     PathsParams,
     Position,
-    Prompt,
+    PromptInput,
     PromptParams,
     QKPathsParams,
     target_token,
@@ -39,6 +39,18 @@ from app.views.tour_figures import REPEATED
 
 # The prompt a page starts with: repeated code, where induction heads have something to do.
 DEFAULT_PROMPT = REPEATED
+
+
+class HasText(Protocol):
+    @property
+    def prompt(self) -> str | None: ...
+    @property
+    def tokens(self) -> str | None: ...
+
+
+def text_of(p: HasText) -> tuple[str | None, str | None]:
+    """(prompt, tokens) of a page: as given (both given: the analysis refuses), else DEFAULT_PROMPT."""
+    return (p.prompt, p.tokens) if p.prompt is not None or p.tokens is not None else (DEFAULT_PROMPT, None)
 
 
 def default_heads(n_layers: int, n_heads: int, count: int) -> list[str]:
@@ -84,10 +96,9 @@ async def pair_context(call: PageCall) -> dict[str, Any]:
 
 
 # -- prompt: tokens, patterns, logit path expansion ------------------------------------------------------------
-class PromptPageParams(AnalysisParams):
+class PromptPageParams(PromptInput):
     """The prompt page: the patterns (PromptParams) and the path expansion (PathsParams) of one prompt."""
 
-    prompt: Prompt = None
     heads: Heads = None
     weighted: bool = False
     position: Position = None
@@ -100,13 +111,13 @@ class PromptPageParams(AnalysisParams):
 async def prompt_context(call: PageCall) -> dict[str, Any]:
     p: PromptPageParams = call.params
     model = call.model_id
-    prompt = p.prompt or DEFAULT_PROMPT
+    prompt, tokens = text_of(p)
     heads_str = p.heads or ",".join(await suggested_heads(call, call.limits.max_heads))
-    state = {"prompt": prompt, "heads": heads_str, "weighted": "true" if p.weighted else None, "position": p.position,
+    state = {"prompt": prompt, "tokens": tokens, "heads": heads_str, "weighted": "true" if p.weighted else None, "position": p.position,
              "target": p.target, "contrast": p.contrast, "max_order": p.max_order, "k": p.k}
     block = call.request.headers.get("HX-Target")
-    patterns = PromptParams(prompt=prompt, heads=heads_str or None, weighted=p.weighted)
-    expansion = PathsParams(prompt=prompt, position=p.position, target=p.target, contrast=p.contrast, max_order=p.max_order,
+    patterns = PromptParams(prompt=prompt, tokens=tokens, heads=heads_str or None, weighted=p.weighted)
+    expansion = PathsParams(prompt=prompt, tokens=tokens, position=p.position, target=p.target, contrast=p.contrast, max_order=p.max_order,
                             by_source=True, k=p.k)
     pview = patterns_error = paths = paths_error = None
     if block != "paths_panel":
@@ -120,7 +131,7 @@ async def prompt_context(call: PageCall) -> dict[str, Any]:
         figs["patterns"] = [(hp.head, charts.attention_heatmap(pview.tokens, hp.pattern, f"{hp.head} {'value-weighted ' if p.weighted else ''}attention",
                                                                weighted=p.weighted, height=380)) for hp in pview.heads]
     if paths is not None:
-        links = [url(f"/models/{model}/path", heads=",".join(t.path), prompt=prompt, target=paths.target)
+        links = [url(f"/models/{model}/path", heads=",".join(t.path), prompt=prompt, tokens=tokens, target=paths.target)
                  if t.kind == "head" else None for t in paths.terms]
         figs["waterfall"] = charts.paths_waterfall(paths, links)
         figs["by_source"] = charts.paths_by_source(paths)
@@ -138,9 +149,9 @@ class ChainPageParams(ChainParams):
 
 async def chain_context(call: PageCall) -> dict[str, Any]:
     p: ChainPageParams = call.params
-    prompt = p.prompt or DEFAULT_PROMPT
+    prompt, tokens = text_of(p)
     heads = p.heads or ",".join(await suggested_heads(call, min(2, call.limits.max_order)))
-    params = ChainParams(heads=heads, prompt=prompt, target=p.target, k=p.k)
+    params = ChainParams(heads=heads, prompt=prompt, tokens=tokens, target=p.target, k=p.k)
     view, error = await call.attempt(PATH, params)
     heads_str = ",".join(view.heads) if view else heads
     call.json_params = params.model_copy(update={"heads": heads_str})
@@ -169,11 +180,11 @@ class QKPathsPageParams(QKPathsParams):
 async def qk_paths_context(call: PageCall) -> dict[str, Any]:
     p: QKPathsPageParams = call.params
     cfg = call.model.model.cfg
-    prompt = p.prompt or DEFAULT_PROMPT
+    prompt, tokens = text_of(p)
     head = p.head  # default: the induction head of a 2+ layer model, else H0 of the last layer
     if not head:
         head = (await suggested_heads(call, 2))[-1] if cfg.n_layers else "L0H0"
-    params = QKPathsParams(head=head, prompt=prompt, k=p.k)
+    params = QKPathsParams(head=head, prompt=prompt, tokens=tokens, k=p.k)
     view, error = await call.attempt(QK_PATHS, params)
     call.json_params = params
     call.title = f"QK paths of {head} · {call.model_id}"
