@@ -90,6 +90,7 @@ def embed_eff_rows(model: Transformer, tokens: Tensor | list[int] | slice) -> Te
 
 def _embed_eff_chunks(model: Transformer) -> Iterator[tuple[slice, Tensor]]:
     for start in range(0, model.cfg.d_vocab, EMBED_CHUNK):
+        check_stop(what="LN(W_E)")
         rows = slice(start, min(start + EMBED_CHUNK, model.cfg.d_vocab))
         yield rows, embed_eff_rows(model, rows)  # [chunk, d_model]
 

@@ -96,7 +96,7 @@ def build_paths_view(loaded: LoadedModel, p: PathsParams, limits: Limits) -> Pat
         itemsize = torch.finfo(model.dtype).bits // 8
         exp = expand_logits(
             model, run_tokens, goal, positions=pos, max_order=max_order, by_source=by_source, run=run,
-            max_elements=max(1, limits.matrix_budget_bytes // itemsize),
+            max_elements=max(1, limits.peak_bytes // itemsize),  # the same budget the request was priced against
         )
         values = exp.values[:, 0].double()  # [T]
         order = values.abs().argsort(descending=True)
