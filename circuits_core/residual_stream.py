@@ -303,3 +303,12 @@ def erasure(model: Transformer, energy: float = ENERGY, threshold_z: float = ERA
                                                    k / d, sorted(eig.tolist(), key=lambda c: c.real)))
     candidates.sort(key=lambda c: -c.score)
     return Erasure([w.name for w in ws], [h.name for h in heads], score, z, share, mask, candidates, threshold_z, energy)
+
+
+def erasure_cost(model: Transformer) -> Cost:
+    """erasure: the spectra (as usage_cost) and, per writer, U^T W_V and W_O U for every head ([L H, k, d_head]
+    twice, k <= d_model); answer: three [Nw, L H] tables and the candidates."""
+    cfg = model.cfg
+    LH, Nw = cfg.n_layers * cfg.n_heads, len(writers(model))
+    numbers = 2 * LH * cfg.d_model * cfg.d_head + 3 * Nw * LH
+    return usage_cost(model).then(Cost(numbers * itemsize(_dtype(model)))).with_answer(numbers=3 * Nw * LH, labels=Nw + LH)

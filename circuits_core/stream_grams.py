@@ -9,6 +9,8 @@ dimension for projectors) or, for the vocabulary sides, as the d x d Gram itself
 Gram one column block at a time for all sides at once and multiplies the blocks of every left side with the
 same blocks of every right side: the upper block triangle only (the Grams are symmetric, off-diagonal blocks
 count twice; composition.py's blocks), so no Gram is ever held whole and no d x d product is formed per pair.
+The blocks are read from views of the factors (no copies), and a right side that only needs a prefix of the
+left sides (a reader sees only the writers before it) multiplies only that prefix.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from circuits_core.composition import _column_blocks, block_pairs, gram_block_size
+from circuits_core.composition import block_pairs, gram_block_size
 from circuits_core.cost import check_stop
 
 
@@ -53,38 +55,39 @@ def whole(G: Tensor) -> GramSide:
     return GramSide(G=G)
 
 
-class _Blocks:
-    """A GramSide's factors split into column blocks once: block(a, b) [N, s, s] = F[:, :, a]^T F2[:, :, b]."""
-
-    def __init__(self, side: GramSide, size: int):
-        self.side, self.size = side, size
-        if side.G is None:
-            assert side.F is not None and side.F2 is not None
-            self.Fb = _column_blocks(side.F, size, transpose=False)  # [nb, N, r, s]
-            self.F2b = self.Fb if side.F2 is side.F else _column_blocks(side.F2, size, transpose=False)
-
-    def block(self, a: int, b: int) -> Tensor:
-        s = self.size
-        if self.side.G is not None:
-            return self.side.G[:, a * s : (a + 1) * s, b * s : (b + 1) * s]
-        return self.Fb[a].transpose(-2, -1) @ self.F2b[b]
+def _block(side: GramSide, a: int, b: int, s: int) -> Tensor:
+    """Block (a, b) [N, s, s] of every Gram of a side: F[:, :, a]^T F2[:, :, b] from column slices (views, no
+    copies: a transposed factor such as W_U^T slices rows of W_U)."""
+    if side.G is not None:
+        return side.G[:, a * s : (a + 1) * s, b * s : (b + 1) * s]
+    assert side.F is not None and side.F2 is not None
+    return side.F[..., a * s : (a + 1) * s].transpose(-2, -1) @ side.F2[..., b * s : (b + 1) * s]
 
 
 def inner_products(left: list[GramSide], right: list[GramSide], should_stop: Callable[[], bool] | None = None,
-                   what: str = "Gram inner products") -> Tensor:
-    """<G_i, H_j>_F for every left Gram i and right Gram j: [sum of left N, sum of right N]."""
+                   what: str = "Gram inner products", limits: list[int] | None = None) -> Tensor:
+    """<G_i, H_j>_F for every left Gram i and right Gram j: [sum of left N, sum of right N].
+
+    limits (optional, one per right row, non-decreasing): right row j needs only the first limits[j] left rows
+    (a reader only sees the writers before it); the other entries are left 0.
+    """
     ref = next(s.G if s.G is not None else s.F for s in left + right)
     assert ref is not None
     d = int(ref.shape[-1])
     size = gram_block_size(d)
     pairs, weights = block_pairs(d, size)
-    L = [_Blocks(s, size) for s in left]
-    R = [_Blocks(s, size) for s in right]
     NL, NR = sum(s.n for s in left), sum(s.n for s in right)
+    lim = torch.tensor(limits if limits is not None else [NL] * NR)
+    if lim.numel() != NR or (lim[1:] < lim[:-1]).any():
+        raise ValueError("limits must give one non-decreasing count per right row")
+    starts = [0] + [j for j in range(1, NR) if lim[j] != lim[j - 1]] + [NR]  # runs of equal limits
     out = ref.new_zeros(NL, NR)
     for p, (a, b) in enumerate(pairs):
         check_stop(should_stop, what)
-        S = torch.cat([x.block(a, b).reshape(x.side.n, size * size) for x in L])  # [NL, s^2]
-        T = torch.cat([x.block(a, b).reshape(x.side.n, size * size) for x in R])  # [NR, s^2]
-        out.addmm_(S, T.T, alpha=float(weights[p]))
+        S = torch.cat([_block(x, a, b, size).reshape(x.n, size * size) for x in left])  # [NL, s^2]
+        T = torch.cat([_block(x, a, b, size).reshape(x.n, size * size) for x in right])  # [NR, s^2]
+        for j0, j1 in zip(starts[:-1], starts[1:], strict=True):
+            n = int(lim[j0])
+            if n:
+                out[:n, j0:j1].addmm_(S[:n], T[j0:j1].T, alpha=float(weights[p]))
     return out

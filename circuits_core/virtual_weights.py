@@ -7,7 +7,8 @@ listed in stream_components.py.
 
 The virtual weight of a pair is W_w W_r [n_in, n_out] (the paper's W_I^{l2} W_O^{l1} with each side's own other
 factor kept), a FactoredMatrix through the smallest inner dimension. Its score ||W_w W_r||_F / (||W_w||_F
-||W_r||_F) is in [0, 1]; head -> head Q/K/V scores are composition.py's Q/K/V composition scores. Rotary Q/K readers are read at query-key offset 0 unless an offset is chosen.
+||W_r||_F) is in [0, 1]; head -> head Q/K/V scores are composition.py's Q/K/V composition scores. Rotary Q/K
+readers are read at query-key offset 0 unless an offset is chosen.
 
 Random baseline (composition.py's): for a random side whose row space is rotation invariant,
 E||W_w W_r||^2 = ||W_w||^2 ||W_r||^2 / d_model whatever the ranks, so the expected score is about
@@ -189,43 +190,40 @@ def _weights_dtype(model: Transformer) -> torch.dtype:
 
 
 def writer_groups(model: Transformer) -> list[tuple[list[Writer], GramSide]]:
-    """The writers' Grams G_w = W_w^T W_w, grouped by kind (embed, pos, all heads, all MLPs)."""
+    """The writers' Grams G_w = W_w^T W_w in the order of `writers` (embed, pos, then per layer heads and MLP)."""
     cfg, dt = model.cfg, _weights_dtype(model)
-    L, H = cfg.n_layers, cfg.n_heads
     groups = [([Writer("embed")], whole(embed_gram(model).to(dt)[None]))]
     if has_pos_writer(model):
         assert model.W_pos is not None
         groups.append(([Writer("pos")], factors(model.W_pos.to(dt)[None])))
-    if L:
-        W_V, W_O = model.W_V.flatten(0, 1).to(dt), model.W_O.flatten(0, 1).to(dt)  # [LH, d, dh], [LH, dh, d]
-        heads = [Writer("head", layer, h) for layer in range(L) for h in range(H)]
+    for layer in range(cfg.n_layers):
+        attn = block(model, layer).attn
+        W_V, W_O = attn.W_V.to(dt), attn.W_O.to(dt)  # [H, d, dh], [H, dh, d]
+        heads = [Writer("head", layer, h) for h in range(cfg.n_heads)]
         groups.append((heads, factors(W_O, (W_V.transpose(-2, -1) @ W_V) @ W_O)))  # W_O^T (W_V^T W_V) W_O
-    if L and not cfg.attn_only:
-        W_out = torch.stack([block(model, layer).mlp.W_out for layer in range(L)]).to(dt)  # [L, d_mlp, d]
-        groups.append(([Writer("mlp", layer) for layer in range(L)], factors(W_out)))
+        if not cfg.attn_only:
+            groups.append(([Writer("mlp", layer)], factors(block(model, layer).mlp.W_out.to(dt)[None])))
     return groups
 
 
 def reader_groups(model: Transformer, offset: int = 0) -> list[tuple[list[Reader], GramSide]]:
-    """The readers' Grams H_r = W_r W_r^T, grouped by role (Q, K, V of all heads, MLP inputs, unembed)."""
+    """The readers' Grams H_r = W_r W_r^T in the order of `readers` (per layer Q, K, V heads, MLP inputs; W_U)."""
     cfg, dt = model.cfg, _weights_dtype(model)
-    L, H = cfg.n_layers, cfg.n_heads
     groups: list[tuple[list[Reader], GramSide]] = []
-    if L:
-        R = rotation(model, offset).to(dt)  # [dh, dh]
-        W_Q, W_K = model.W_Q.flatten(0, 1).to(dt), model.W_K.flatten(0, 1).to(dt)  # [LH, d, dh]
-        W_V, W_O = model.W_V.flatten(0, 1).to(dt), model.W_O.flatten(0, 1).to(dt)
-        QQ, KK = W_Q.transpose(-2, -1) @ W_Q, W_K.transpose(-2, -1) @ W_K  # [LH, dh, dh]
+    R = rotation(model, offset).to(dt)  # [dh, dh]
+    for layer in range(cfg.n_layers):
+        attn = block(model, layer).attn
+        W_Q, W_K, W_V, W_O = (w.to(dt) for w in (attn.W_Q, attn.W_K, attn.W_V, attn.W_O))  # [H, d, dh] / [H, dh, d]
+        QQ, KK = W_Q.transpose(-2, -1) @ W_Q, W_K.transpose(-2, -1) @ W_K  # [H, dh, dh]
         # role -> (A, B B^T) of the reader A B: Q = W_Q (R W_K^T), K = W_K (R^T W_Q^T), V = W_V W_O
         parts = {"Q": (W_Q, R @ KK @ R.T), "K": (W_K, R.T @ QQ @ R), "V": (W_V, W_O @ W_O.transpose(-2, -1))}
         for role, (A, BBt) in parts.items():
-            At = A.transpose(-2, -1)  # [LH, dh, d]
-            groups.append(([Reader(role, layer, h) for layer in range(L) for h in range(H)], factors(At, BBt @ At)))  # type: ignore[arg-type]
+            At = A.transpose(-2, -1)  # [H, dh, d]
+            groups.append(([Reader(role, layer, h) for h in range(cfg.n_heads)], factors(At, BBt @ At)))  # type: ignore[arg-type]
         for role in mlp_roles(model):
-            W = torch.stack([mlp_input(model, Reader(role, layer)) for layer in range(L)]).to(dt)  # [L, d, d_mlp]
-            groups.append(([Reader(role, layer) for layer in range(L)], factors(W.transpose(-2, -1))))
-    W_U = model.W_U.to(dt)
-    groups.append(([Reader("unembed")], whole((W_U @ W_U.T)[None])))
+            W = mlp_input(model, Reader(role, layer)).to(dt)  # [d, d_mlp]
+            groups.append(([Reader(role, layer)], factors(W.T[None])))  # blocks are row slices of W
+    groups.append(([Reader("unembed")], factors(model.W_U.to(dt).T[None])))  # blocks are row slices of W_U
     return groups
 
 
@@ -244,24 +242,30 @@ class VirtualWeightScores:
     offset: int
 
 
-def _order(canonical: list, grouped: list) -> Tensor:  # type: ignore[type-arg]
-    """Index of each canonical item in the grouped order."""
-    where = {item: i for i, item in enumerate(grouped)}
-    return torch.tensor([where[item] for item in canonical], dtype=torch.long)
+def reach_mask(model: Transformer, ws: list[Writer], rs: list[Reader]) -> Tensor:
+    """[Nw, Nr] bool: stream_components.reaches for every pair, from the slots."""
+    w_slot = torch.tensor([w.slot() for w in ws])
+    r_slot = torch.tensor([r.slot(model) for r in rs])
+    mask = w_slot[:, None] < r_slot[None, :]
+    for i, w in enumerate(ws):
+        if w.kind == "pos":  # shortformer positions reach only Q and K
+            mask[i] = torch.tensor([reaches(model, w, r) for r in rs], dtype=torch.bool)
+    return mask
 
 
 def all_scores(model: Transformer, offset: int = 0, should_stop: Callable[[], bool] | None = None) -> VirtualWeightScores:
     """Scores of every writer x reader pair from blocked d x d Grams (see the module docstring)."""
+    ws, rs = writers(model), readers(model)
+    slots = [w.slot() for w in ws]  # non-decreasing
+    limits = [sum(s < r.slot(model) for s in slots) for r in rs]  # writers written before the reader reads
     with torch.no_grad():
         wg, rg = writer_groups(model), reader_groups(model, offset)
-        num_sq = inner_products([s for _, s in wg], [s for _, s in rg], should_stop, "virtual weight scores")
+        assert [w for g, _ in wg for w in g] == ws and [r for g, _ in rg for r in g] == rs
+        num_sq = inner_products([s for _, s in wg], [s for _, s in rg], should_stop, "virtual weight scores", limits)
         w_sq = torch.cat([s.traces() for _, s in wg])
         r_sq = torch.cat([s.traces() for _, s in rg])
-        ws, rs = writers(model), readers(model)
-        wi, ri = _order(ws, [w for g, _ in wg for w in g]), _order(rs, [r for g, _ in rg for r in g])
         raw = num_sq.clamp_min(0).sqrt() / (w_sq[:, None].sqrt() * r_sq[None, :].sqrt())
-        raw = raw[wi][:, ri]
-    mask = torch.tensor([[reaches(model, w, r) for r in rs] for w in ws], dtype=torch.bool)
+    mask = reach_mask(model, ws, rs)
     raw = torch.where(mask, raw, torch.zeros_like(raw))
     baseline = analytic_baseline(model)
     sampled, std = random_baseline(model.cfg.d_model, model.cfg.d_head)
@@ -270,8 +274,8 @@ def all_scores(model: Transformer, offset: int = 0, should_stop: Callable[[], bo
 
 
 def all_scores_cost(model: Transformer) -> Cost:
-    """all_scores: the writers' and readers' factors and their column-block copies, one block of every Gram,
-    the vocabulary Grams and the [Nw, Nr] tables; answer: raw and minus-baseline tables plus the names."""
+    """all_scores: the heads' d_head-sized factors (read in place: only the (W_V^T W_V) W_O-like products are new),
+    the embedding Gram, one block of every Gram and the [Nw, Nr] tables; answer: two tables plus the names."""
     cfg = model.cfg
     L, H, d, dh = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
     size = gram_block_size(d)
@@ -279,6 +283,20 @@ def all_scores_cost(model: Transformer) -> Cost:
     roles = len(mlp_roles(model))
     Nw, Nr = len(writers(model)), len(readers(model))
     n_ctx = cfg.n_ctx if has_pos_writer(model) else 0
-    factor_numbers = 2 * (2 * L * H * dh * d) + 2 * (3 * 2 * L * H * dh * d) + 2 * (1 + roles) * n_mlp * d + 2 * n_ctx * d
-    numbers = factor_numbers + 4 * d * d + (Nw + Nr) * size * size + 3 * Nw * Nr
+    factor_numbers = 4 * L * H * dh * d  # one layer's products at a time would do; all are kept
+    dtype_copies = 0 if model.dtype == _weights_dtype(model) else (4 * L * H * dh * d + (1 + roles) * n_mlp * d + n_ctx * d)
+    numbers = factor_numbers + dtype_copies + 2 * d * d + 2 * (Nw + Nr) * size * size + 3 * Nw * Nr
     return Cost(numbers * itemsize(_weights_dtype(model))).with_answer(numbers=2 * Nw * Nr, labels=Nw + Nr)
+
+
+def pair_cost(model: Transformer, writer: Writer, reader: Reader, k: int, n_top: int) -> Cost:
+    """pair_report: the two factors of the virtual weight (the outer sides at most d_vocab x d_model), their r x r
+    Grams, eigenvectors and core SVD, k directions on each side; answer: every singular value and 4 k n_top entries."""
+    cfg = model.cfg
+    sizes = {"embed": cfg.d_vocab, "pos": cfg.n_ctx, "mlp": len(writer.neurons or ()) or (cfg.d_mlp or 0),
+             "unembed": cfg.d_vocab, **dict.fromkeys(("in", "gate", "up"), len(reader.neurons or ()) or (cfg.d_mlp or 0))}
+    n_in = sizes.get(writer.kind, cfg.d_model)
+    n_out = sizes.get(reader.role, cfg.d_model)
+    r = cfg.d_head if writer.kind == "head" or reader.role in ("Q", "K", "V") else cfg.d_model
+    numbers = (n_in + n_out) * (r + k) + 8 * r * r + (n_in * cfg.d_model if writer.kind == "embed" else 0)
+    return Cost(numbers * itemsize(_weights_dtype(model))).with_answer(numbers=r + 4 * k * n_top, labels=4 * k * n_top)
