@@ -12,7 +12,7 @@ from app.schemas.analyses import TourView
 from app.settings import Limits
 from app.views import circuits, composition, detectors, heads, models, path, prompt, qk_paths, rotary, term_importance
 from app.views.attention_entropy import ATTENTION_ENTROPY
-from app.views.residual import ANALYSES as RESIDUAL_ANALYSES
+from app.views.copying import COPYING_ALL
 from app.views.tour import build_tour_view
 from circuits_core.cost import Cost
 
@@ -33,7 +33,7 @@ TOUR = Analysis(
 
 ANALYSES: list[Analysis[Any, Any]] = [
     models.TOKENIZE,
-    heads.HEADS, heads.HEAD, heads.COPYING,
+    heads.HEADS, heads.HEAD, heads.COPYING, COPYING_ALL,
     circuits.OV, circuits.QK, circuits.SKIP_TRIGRAMS, circuits.DIRECT,
     detectors.DETECTORS,
     composition.COMPOSITION, composition.COMPOSITION_PAIR,
@@ -41,6 +41,5 @@ ANALYSES: list[Analysis[Any, Any]] = [
     term_importance.TERM_IMPORTANCE,
     *rotary.ANALYSES,
     ATTENTION_ENTROPY,
-    *RESIDUAL_ANALYSES,
     TOUR,
 ]

@@ -30,7 +30,7 @@ from circuits_core.circuits import (
     full_ov_circuit,
     unembed_embed_gram,
 )
-from circuits_core.cost import check_stop
+from circuits_core.cost import Cost, check_stop
 from circuits_core.errors import InvalidInputError
 from circuits_core.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
 from circuits_core.model import Transformer
@@ -83,7 +83,7 @@ def self_copy(model: Transformer, k: int = 10, vocab: Tensor | None = None, budg
         for layer in range(cfg.n_layers):
             for h in range(cfg.n_heads):
                 m = copying_metrics(_restrict(full_ov_circuit(model, layer, h), vocab), k, budget_bytes)
-                out[:, layer, h] = torch.tensor([m.top1, m.topk, m.diagonal_positive, float(m.diagonal_quantiles[2])])
+                out[:, layer, h] = torch.tensor([m.top1, m.topk, m.diagonal_positive, float(m.diagonal_quantiles[2])], dtype=torch.float64)
     return SelfCopy(out[0], out[1], out[2], out[3], k, n)
 
 
@@ -116,5 +116,18 @@ def random_baseline(
             check_stop(what="random copying baseline")
             M = FactoredMatrix(embed_eff_matmul(model, W_V[i]), W_O[i] @ model.W_U)  # [V, V] factored
             m = copying_metrics(_restrict(M, vocab), k, budget_bytes)
-            tops[:, i] = torch.tensor([m.top1, m.topk, m.diagonal_positive])
+            tops[:, i] = torch.tensor([m.top1, m.topk, m.diagonal_positive], dtype=torch.float64)
     return CopyingBaseline(copying_score(eig), tops[0], tops[1], tops[2], k, n)
+
+
+def cost(model: Transformer, k: int, n_samples: int, n_top_samples: int, budget_bytes: int, n_tokens: int | None = None) -> Cost:
+    """self_copy over every head then random_baseline: one head's factors and row block at a time (as
+    circuits.copying_cost) plus the random weights and their [n_samples, d_head, d_head] spectra; answer: per
+    head 5 numbers, per sample 4."""
+    cfg, size = model.cfg, model.W_E.element_size()
+    n = cfg.d_vocab if n_tokens is None else n_tokens
+    rows = max(1, min(n, budget_bytes // max(1, n * size)))
+    one_head = Cost(2 * n * cfg.d_head * size + rows * n * size + rows * k * 8 + n * (size + 8))
+    weights = Cost(2 * n_samples * cfg.d_model * cfg.d_head * 8 + n_samples * cfg.d_head * cfg.d_head * 16)
+    heads = cfg.n_layers * cfg.n_heads
+    return (one_head + weights).with_answer(numbers=5 * heads + 4 * n_samples, labels=heads)

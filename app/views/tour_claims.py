@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from app.views.copying import basis
 from circuits_core import circuits, copying
 from circuits_core.config import parse_head
 from circuits_core.phenomena import EvalData
@@ -24,20 +25,6 @@ from circuits_core.weights import LoadedModel
 
 Claim = tuple[str, dict[str, Any]]
 BASELINE_SAMPLES, BASELINE_TOP_SAMPLES = 200, 2
-
-
-def basis(loaded: LoadedModel) -> str:
-    """Which weights the circuit numbers use: raw, centred unembedding, folded LayerNorm."""
-    done = loaded.model.processing
-    cfg = loaded.model.cfg
-    parts = []
-    if done.get("fold_ln") and cfg.normalization_type is not None:
-        parts.append("LayerNorm folded into the reading weights")
-    if done.get("center_writing_weights") and cfg.normalization_type is not None:
-        parts.append("writing weights centred")
-    if done.get("center_unembed"):
-        parts.append("unembedding centred (W_U minus its mean over the vocabulary)")
-    return "processed weights: " + ", ".join(parts) if parts else "raw weights, as stored"
 
 
 def eval_data(loaded: LoadedModel) -> EvalData | None:

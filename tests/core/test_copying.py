@@ -18,7 +18,7 @@ def dense_stats(M: torch.Tensor, k: int) -> torch.Tensor:
     top = M.topk(k, dim=1).indices
     diag = M.diagonal()
     return torch.tensor([float((M.argmax(1) == own).double().mean()), float((top == own[:, None]).any(1).double().mean()),
-                         float((diag > 0).double().mean()), float(diag.median()) if diag.numel() % 2 else float(diag.quantile(0.5))])
+                         float((diag > 0).double().mean()), float(diag.median()) if diag.numel() % 2 else float(diag.quantile(0.5))], dtype=torch.float64)
 
 
 @pytest.mark.parametrize("norm", [None, "LN"])
@@ -34,8 +34,8 @@ def test_self_copy_equals_dense(norm, vocab):
             if vocab is not None:
                 M = M[vocab][:, vocab]
             want = dense_stats(M, k)
-            have = torch.tensor([got.top1[layer, h], got.topk[layer, h], got.diagonal_positive[layer, h], got.diagonal_median[layer, h]])
-            torch.testing.assert_close(have, want.double(), atol=1e-12, rtol=0)
+            have = torch.stack([got.top1[layer, h], got.topk[layer, h], got.diagonal_positive[layer, h], got.diagonal_median[layer, h]])
+            torch.testing.assert_close(have.double(), want, atol=1e-12, rtol=0)
     assert got.n_tokens == (37 if vocab is None else 10)
 
 
