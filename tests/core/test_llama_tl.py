@@ -7,8 +7,9 @@ configurations cover grouped-query attention (TL's `_W_K`/`_W_V`/`_b_K`/`_b_V`),
 (`rotary_adjacent_pairs`), partial rotary, rope scaling (TL's `rotary_scaling_factor` = linear,
 `use_NTK_by_parts_rope` = llama3), silu and gelu gates, and an RMSPre checkpoint written after TL's
 `process_weights_()`. Compared: logits, attention patterns and RMS scales (unprocessed, float64), the
-processed weights parameter by parameter, and per-head direct logit attribution (TL's
-`stack_head_results` + `apply_ln_to_stack`) against the sum of qkov's path-expansion terms ending at each head.
+processed weights parameter by parameter, per-head direct logit attribution (TL's `stack_head_results` +
+`apply_ln_to_stack`) against the sum of qkov's path-expansion terms ending at each head, and the weight circuits
+(composition scores, full OV/QK token circuits, OV copying scores) under grouped-query attention.
 
 Tolerances: TIGHT 1e-10 where both sides compute in float64. TransformerLens computes the llama3 (NTK-by-parts)
 frequencies in float32 even for float64 models and casts weights to float32 while it processes them, so those
@@ -26,6 +27,8 @@ import pytest
 import torch
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
+from circuits_core.circuits import full_ov_circuit, full_qk_circuit, ov_copying_scores
+from circuits_core.composition import composition_scores
 from circuits_core.config import head_name
 from circuits_core.errors import CheckpointError
 from circuits_core.frozen import attention
@@ -217,3 +220,28 @@ def test_rms_config_over_layernorm_weights_is_refused(world: dict[str, dict[str,
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"blocks\.0\.ln1\.b"):
         load_checkpoint(folder, process=False)
+
+
+@pytest.mark.parametrize("name", ["gqa_half", "gqa1_adjacent_partial", RMSPRE])
+def test_weight_circuits_match_tl_under_gqa(world: dict[str, dict[str, Any]], name: str) -> None:
+    """Composition scores (Q, K, V), full OV / QK token circuits and OV copying scores use TL's per-query-head
+    W_K / W_V (repeated over each group). W_E is layer 0's ln1 (RMS) applied to the rows of W_E, computed with
+    TL's own module (qkov's LN(W_E) convention, as in test_vs_transformer_lens)."""
+    ref = world[name]["tl"]
+    model = _load(world, name, process=False)
+    ours = composition_scores(model).raw
+    for kind in "QKV":
+        theirs = ref.all_composition_scores(kind)
+        assert theirs.abs().max() > 0.05
+        _close(ours[kind.lower()], theirs, TIGHT, f"{kind}-composition")
+    W_E = ref.blocks[0].ln1(ref.W_E[None])[0]  # [d_vocab, d_model]
+    copying = torch.zeros(model.cfg.n_layers, model.cfg.n_heads, dtype=torch.float64)
+    for layer in range(model.cfg.n_layers):
+        for h in range(model.cfg.n_heads):
+            tl_ov = W_E @ ref.OV[layer, h] @ ref.W_U
+            eig = tl_ov.eigenvalues
+            copying[layer, h] = eig.sum().real / eig.abs().sum()
+            _close(full_ov_circuit(model, layer, h).AB, tl_ov.AB, TIGHT, f"full OV L{layer}H{h}")
+            tl_qk = (W_E @ ref.QK[layer, h] @ W_E.T).AB / ref.cfg.attn_scale
+            _close(full_qk_circuit(model, layer, h).AB, tl_qk, TIGHT, f"full QK L{layer}H{h}")
+    _close(ov_copying_scores(model), copying, TIGHT, "OV copying scores")
