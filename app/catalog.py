@@ -13,6 +13,7 @@ from app.settings import Limits
 from app.views import circuits, composition, detectors, heads, models, path, prompt, qk_paths, rotary, term_importance
 from app.views.attention_entropy import ATTENTION_ENTROPY
 from app.views.copying import COPYING_ALL
+from app.views.residual import ANALYSES as RESIDUAL_ANALYSES
 from app.views.tour import build_tour_view
 from circuits_core.cost import Cost
 
@@ -41,5 +42,6 @@ ANALYSES: list[Analysis[Any, Any]] = [
     term_importance.TERM_IMPORTANCE,
     *rotary.ANALYSES,
     ATTENTION_ENTROPY,
+    *RESIDUAL_ANALYSES,
     TOUR,
 ]
