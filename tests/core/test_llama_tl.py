@@ -230,10 +230,10 @@ def test_weight_circuits_match_tl_under_gqa(world: dict[str, dict[str, Any]], na
     ref = world[name]["tl"]
     model = _load(world, name, process=False)
     ours = composition_scores(model).raw
-    for kind in "QKV":
+    for kind, key in (("Q", "q"), ("K", "k"), ("V", "v")):
         theirs = ref.all_composition_scores(kind)
         assert theirs.abs().max() > 0.05
-        _close(ours[kind.lower()], theirs, TIGHT, f"{kind}-composition")
+        _close(ours[key], theirs, TIGHT, f"{kind}-composition")
     W_E = ref.blocks[0].ln1(ref.W_E[None])[0]  # [d_vocab, d_model]
     copying = torch.zeros(model.cfg.n_layers, model.cfg.n_heads, dtype=torch.float64)
     for layer in range(model.cfg.n_layers):
