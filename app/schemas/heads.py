@@ -39,6 +39,10 @@ class HeadScores(BaseModel):
     qk_k_composition_weighted: float | None = Field(
         default=None, description="the same with every earlier head weighted by its previous-token score (Olsson et al.)"
     )
+    kernel_peak_offset: int | None = Field(
+        default=None, description="rotary models: the offset δ in 0..64 where the positional kernel μ Ω(δ) μᵀ / √d_head "
+        "peaks (μ: mean normalised residual on the reference text, see .../heads/{head}/positional); None otherwise",
+    )
 
 
 class HeadsView(BaseModel):

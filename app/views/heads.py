@@ -17,6 +17,7 @@ from app.params import CopyingParams, HeadParams, NoParams
 from app.schemas import Complex, CopyingMetricsView, DetectorInput, HeadScores, HeadsView, HeadView, PositionalQK
 from app.settings import Limits
 from app.views.inputs import check_k, model_ref
+from app.views.rotary import kernel_peak_offsets
 from circuits_core import circuits, heads
 from circuits_core.config import head_name, parse_head
 from circuits_core.cost import Cost
@@ -101,10 +102,14 @@ def build_heads_view(loaded: LoadedModel, p: NoParams | None = None, limits: Lim
     table = head_table(loaded.model, tokens, budget_bytes=limits.peak_bytes if limits is not None else None)
     if table.induction is None:
         return HeadsView(model=model_ref(loaded), detector_input=meta, heads=[])
+    scores = head_scores(loaded, table.detectors, table)
+    peaks = kernel_peak_offsets(loaded)  # [L, H] for rotary models
+    if peaks is not None:
+        scores = [s.model_copy(update={"kernel_peak_offset": int(peaks[s.layer, s.index])}) for s in scores]
     return HeadsView(
         model=model_ref(loaded),
         detector_input=meta,
-        heads=head_scores(loaded, table.detectors, table),
+        heads=scores,
         previous_token_head=table.induction.previous_token_head,
     )
 

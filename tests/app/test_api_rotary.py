@@ -152,3 +152,14 @@ def test_offset_refusals(client: TestClient):
     assert_problem(client.get(f"{API}/rope/composition", params={"kind": "V", "offset": 2}), 422, "offset")
     assert_problem(client.get(f"{API}/rope/heads/L1H0/qk", params={"offset": 96}), 422, "n_ctx")
     assert client.get(f"{API}/short/heads/L1H0/qk").json()["offset"] is None
+
+
+def test_heads_table_kernel_peaks(client: TestClient, rope: LoadedModel):
+    """Each head's kernel_peak_offset is the argmax of its positional kernel over δ = 0..64 (API answer)."""
+    heads = {s["head"]: s for s in client.get(f"{API}/rope/heads").json()["heads"]}
+    for name in ("L0H0", "L1H2", "L2H3"):
+        kernel = client.get(f"{API}/rope/heads/{name}/positional", params={"max_offset": 64}).json()
+        assert heads[name]["kernel_peak_offset"] == kernel["peak_offset"]
+    assert all(s["kernel_peak_offset"] is None for s in client.get(f"{API}/short/heads").json()["heads"])
+    html = client.get("/models/rope").text
+    assert "kernel peak δ" in html and "kernel peak δ" not in client.get("/models/short").text
