@@ -10,7 +10,7 @@ from typing import Annotated
 
 from fastapi import Depends, Path, Request
 
-from app.compute import compute
+from app.compute import cheap, compute
 from app.registry import ModelEntry, ModelRegistry
 from app.settings import Limits, Settings
 from circuits_core.weights import LoadedModel
@@ -45,7 +45,7 @@ async def get_model(model: Annotated[str, MODEL_PATH], registry: RegistryDep) ->
 
 
 async def get_model_entry(model: Annotated[str, MODEL_PATH], registry: RegistryDep) -> ModelEntry:
-    return await compute(registry.entry, model)
+    return await cheap(registry.entry, model)
 
 
 LoadedModelDep = Annotated[LoadedModel, Depends(get_model)]

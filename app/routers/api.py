@@ -7,22 +7,31 @@ from fastapi import APIRouter
 
 from app import schemas
 from app.analysis import API
-from app.compute import compute
+from app.compute import cheap, compute
 from app.deps import LoadedModelDep, ModelEntryDep, RegistryDep
+from app.registry import ModelRegistry
 from app.views.models import build_model_view, build_models_view
 
 router = APIRouter(prefix=API)
 
 
+async def models_view(registry: ModelRegistry) -> schemas.ModelListView:
+    """The listing without a compute slot when every model is loaded or known broken; else loading them takes one."""
+    entries = await cheap(registry.entries)
+    if all(e.error is not None or registry.is_loaded(e.id) for e in entries):
+        return await cheap(build_models_view, registry)
+    return await compute(build_models_view, registry)
+
+
 @router.get("/models", response_model=list[schemas.ModelSummary], tags=["models"], summary="List the models")
 async def list_models(registry: RegistryDep) -> list[schemas.ModelSummary]:
-    return (await compute(build_models_view, registry)).models
+    return (await models_view(registry)).models
 
 
 @router.get("/unavailable-models", response_model=list[schemas.UnavailableModel], tags=["models"],
             summary="Folders in the models directories that hold no loadable checkpoint, with the reason")
 async def list_unavailable(registry: RegistryDep) -> list[schemas.UnavailableModel]:
-    return (await compute(build_models_view, registry)).unavailable
+    return (await models_view(registry)).unavailable
 
 
 @router.get("/models/{model}", response_model=schemas.ModelSummary, tags=["models"], summary="One model and its card")

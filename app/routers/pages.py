@@ -19,7 +19,6 @@ from starlette.types import Scope
 
 from app import charts
 from app.analysis import API, Limit, json_url, run
-from app.compute import compute
 from app.deps import LimitsDep, LoadedModelDep, ModelEntryDep, RegistryDep
 from app.params import (
     CompositionParams,
@@ -34,6 +33,7 @@ from app.params import (
     SkipTrigramParams,
 )
 from app.routers import pages_analyses, pages_tour
+from app.routers.api import models_view
 from app.routers.pages_rotary import head_rotary_context, rotary_enabled
 from app.routers.rendering import Page, PageCall, attempt, is_fragment, model_nav, page_context, render
 from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
@@ -41,7 +41,7 @@ from app.views.circuits import DIRECT, OV, QK, SKIP_TRIGRAMS, has_token_counts
 from app.views.composition import COMPOSITION
 from app.views.detectors import DETECTORS
 from app.views.heads import HEAD, HEADS
-from app.views.models import build_model_view, build_models_view
+from app.views.models import build_model_view
 from app.views.tour_figures import positivity_scatter
 from circuits_core.config import head_name
 from circuits_core.weights import LoadedModel
@@ -150,7 +150,7 @@ router = APIRouter(include_in_schema=False)
 
 @router.get("/")
 async def models_page(request: Request, registry: RegistryDep) -> Response:
-    view = await compute(build_models_view, registry)
+    view = await models_view(registry)
     ctx = await page_context(request, registry, "Models", f"{API}/models")
     return render(request, "models.html", {**ctx, "view": view})
 

@@ -20,7 +20,7 @@ from jinja2_fragments.fastapi import Jinja2Blocks
 
 from app import charts
 from app.analysis import API, Analysis, AnalysisParams, json_url, run, validate
-from app.compute import compute
+from app.compute import cheap, compute
 from app.deps import get_model
 from app.errors import kind_of
 from app.registry import ModelRegistry
@@ -61,7 +61,7 @@ def is_fragment(request: Request) -> bool:
 
 
 async def model_ids(registry: ModelRegistry) -> list[str]:
-    return [e.id for e in await compute(registry.entries)]
+    return [e.id for e in await cheap(registry.entries)]
 
 
 def refusal(exc: QkovError) -> dict[str, Any]:
