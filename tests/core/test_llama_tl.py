@@ -28,7 +28,7 @@ import torch
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
 from circuits_core.circuits import full_ov_circuit, full_qk_circuit, ov_copying_scores
-from circuits_core.composition import composition_scores
+from circuits_core.composition import CompositionKind, composition_scores
 from circuits_core.config import head_name
 from circuits_core.errors import CheckpointError
 from circuits_core.frozen import attention
@@ -230,7 +230,8 @@ def test_weight_circuits_match_tl_under_gqa(world: dict[str, dict[str, Any]], na
     ref = world[name]["tl"]
     model = _load(world, name, process=False)
     ours = composition_scores(model).raw
-    for kind, key in (("Q", "q"), ("K", "k"), ("V", "v")):
+    kinds: tuple[tuple[str, CompositionKind], ...] = (("Q", "q"), ("K", "k"), ("V", "v"))
+    for kind, key in kinds:
         theirs = ref.all_composition_scores(kind)
         assert theirs.abs().max() > 0.05
         _close(ours[key], theirs, TIGHT, f"{kind}-composition")
