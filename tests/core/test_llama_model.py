@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from circuits_core.model import Frozen, Transformer, random_model, rotary_inv_fr
 from circuits_core.paths import expand_logits
 from circuits_core.processing import process_weights
 from circuits_core.statedict import build_model
+from circuits_core.weights import load_checkpoint, save_checkpoint
 
 F64 = torch.float64
 LLAMA = ModelConfig(
@@ -178,3 +180,16 @@ def test_processing_keeps_log_probs_and_reports_rms_choices() -> None:
     err = (processed(TOKENS).log_softmax(-1) - model(TOKENS).log_softmax(-1)).abs().max()
     assert err < 1e-12
     assert (processed(TOKENS) - model(TOKENS)).abs().max() > 1e-3  # logits move (W_U centred), log-probs do not
+
+
+def test_qkov_format_round_trip(tmp_path: Path) -> None:
+    """save_checkpoint writes the new config fields and the grouped `_W_K` keys; load_checkpoint reads them back."""
+    model = _noisy(LLAMA, seed=4)
+    save_checkpoint(model, tmp_path / "raw")
+    loaded = load_checkpoint(tmp_path / "raw", dtype=F64, process=False)
+    assert loaded.format == "qkov" and loaded.model.cfg == LLAMA
+    assert torch.equal(loaded.model(TOKENS), model(TOKENS))
+    save_checkpoint(process_weights(model), tmp_path / "processed")
+    again = load_checkpoint(tmp_path / "processed", dtype=F64)
+    assert again.model.cfg.normalization_type == "RMSPre" and again.model.processing["fold_ln"] is True
+    assert (again.model(TOKENS).log_softmax(-1) - model(TOKENS).log_softmax(-1)).abs().max() < 1e-12
