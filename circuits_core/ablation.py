@@ -164,9 +164,10 @@ def head_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[], 
 
 
 def cost(model: Transformer, n: int, batch: int = 1) -> Cost:
-    """order_ablation then head_ablation on `batch` sequences of n tokens: the frozen patterns of every layer
-    (and a copy of one), LayerNorm scales, MLP outputs, the residual streams of one rerun, the clean and the
-    per-order logits; answer: the per-order and per-layer losses and one loss change per head."""
+    """order_ablation then head_ablation twice (patterns frozen, then recomputed) on `batch` sequences of n
+    tokens: the frozen patterns of every layer (and a copy of one), LayerNorm scales, MLP outputs, the residual
+    streams of one rerun, the clean and the per-order logits; answer: the per-order and per-layer losses and two
+    loss changes per head."""
     cfg = model.cfg
     b = batch
     resid = (4 if cfg.attn_only else 5) * cfg.n_layers * b * n * cfg.d_model
@@ -175,4 +176,4 @@ def cost(model: Transformer, n: int, batch: int = 1) -> Cost:
     layer = b * n * (4 * cfg.d_model + 4 * cfg.n_heads * cfg.d_head + (0 if cfg.attn_only else 3 * (cfg.d_mlp or 4 * cfg.d_model)))
     peak = (patterns + resid + logits + layer) * itemsize(model.dtype) + 2 * b * n * cfg.d_vocab * 8  # float64 loss
     L, H = cfg.n_layers, cfg.n_heads
-    return Cost(peak).with_answer(numbers=3 * (L + 1) + L + H * L, labels=L * H + n)
+    return Cost(peak).with_answer(numbers=3 * (L + 1) + L + 2 * H * L, labels=L * H + n)  # two head ablations

@@ -223,6 +223,9 @@ async def term_importance_context(call: PageCall) -> dict[str, Any]:
         "heads": charts.bars([h.head for h in view.heads], [h.loss_change for h in view.heads],
                              title="loss increase when one head is removed (patterns frozen)", y_title="Δ loss (nats)",
                              links=[f"/models/{model}/heads/{h.head}" for h in view.heads]),
+        "heads_recomputed": charts.bars([h.head for h in view.heads], [h.loss_change_recomputed for h in view.heads],
+                                        title="loss increase when one head is removed (later patterns recomputed)",
+                                        y_title="Δ loss (nats)", links=[f"/models/{model}/heads/{h.head}" for h in view.heads]),
     }
     return ctx
 

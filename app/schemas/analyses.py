@@ -166,6 +166,9 @@ class HeadAblation(BaseModel):
     loss_change: float = Field(
         description="loss with the head's output removed, patterns frozen (MLPs and LayerNorm recomputed), minus the clean loss"
     )
+    loss_change_recomputed: float = Field(
+        description="the same with the later layers' patterns recomputed from the ablated stream, so Q-/K-composition act"
+    )
 
 
 class TermImportanceView(BaseModel):

@@ -72,13 +72,15 @@ def build_term_importance_view(loaded: LoadedModel, p: TermImportanceParams, lim
     seq = torch.tensor([ids], dtype=torch.long, device=model.device)  # [1, n]
     with torch.no_grad():
         orders = order_ablation(model, seq)
-        heads = head_ablation(model, seq)  # [L, H]
+        heads = head_ablation(model, seq)  # [L, H], patterns frozen (Olsson)
+        recomputed = head_ablation(model, seq, recompute_patterns=True)  # [L, H], later patterns recomputed
     return TermImportanceView(
         model=model_ref(loaded), text_source=source, tokens=token_refs(loaded, ids), clean_loss=orders.clean_loss,
         loss_by_order=orders.losses.tolist(), marginal_by_order=orders.marginal.tolist(),
         first_order_by_layer=orders.first_order_gain.tolist(),
         heads=[
-            HeadAblation(head=head_name(layer, h), loss_change=float(heads[layer, h]))
+            HeadAblation(head=head_name(layer, h), loss_change=float(heads[layer, h]),
+                         loss_change_recomputed=float(recomputed[layer, h]))
             for layer in range(cfg.n_layers) for h in range(cfg.n_heads)
         ],
     )

@@ -333,3 +333,30 @@ def test_f27_f28_losses_by_order(tour, raw):
     sentence, values = claim(tour, "F28")
     gains = [l0 - loss(x0 + heads_of([lay])) for lay in range(2)]
     assert values["gains"] == pytest.approx(gains, abs=1e-4)
+
+
+def test_term_importance_shows_both_head_ablations(raw):
+    """The page's two columns: L0H5 removed with later patterns recomputed == the weight-edited model run plainly."""
+    import copy
+
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    with TestClient(create_app(Settings(store_url="off"))) as c:
+        body = c.get("/api/v1/models/toy-2l/term-importance").json()
+        page = c.get("/models/toy-2l/term-importance")
+    assert "later patterns recomputed" in page.text and "patterns frozen (Olsson)" in page.text
+    ids = torch.tensor([[t["id"] for t in body["tokens"]]])
+    m = raw["toy-2l"]
+    edited = copy.deepcopy(m)
+    with torch.no_grad():
+        edited.blocks[0].attn.W_O[5] = 0
+
+    def loss(model) -> float:
+        logits = model.run(ids)[0][0]
+        return float(F.cross_entropy(logits[:-1], ids[0, 1:]))
+
+    row = next(h for h in body["heads"] if h["head"] == "L0H5")
+    assert row["loss_change_recomputed"] == pytest.approx(loss(edited) - loss(m), abs=1e-4)
+    assert row["loss_change_recomputed"] > row["loss_change"]
