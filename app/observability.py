@@ -21,6 +21,7 @@ gauges stay per process (labelled by pid).
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
 import logging
@@ -62,6 +63,7 @@ REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 UNMETERED = ("/healthz", "/readyz", "/metrics", "/static/")
 BUSY = ProblemKind(503, "busy", "Server busy")
 RATE_LIMITED = ProblemKind(429, "rate-limited", "Too many requests")
+SHUTTING_DOWN = ProblemKind(503, "shutting-down", "Server shutting down")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -299,9 +301,12 @@ class ServingMiddleware:
         limit_headers: dict[str, str] = {}
         metered = not path.startswith(UNMETERED)
 
+        started = False
+
         async def send_wrapper(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
             if message["type"] == "http.response.start":
+                started = True
                 status = message["status"]
                 headers = MutableHeaders(scope=message)
                 headers["X-Request-ID"] = rid
@@ -328,6 +333,15 @@ class ServingMiddleware:
                     await response(scope, receive, send_wrapper)
                     return
             await self.app(scope, receive, send_wrapper)
+        except asyncio.CancelledError:
+            # uvicorn cancels the requests still running when the shutdown drain runs out (app/serve.py): they
+            # get a 503 saying so instead of uvicorn's bare 500, and the task ends normally.
+            if started:
+                raise
+            detail = "the server is shutting down and this request did not finish in time; retry it"
+            response = problem_response(request, SHUTTING_DOWN, detail)
+            response.headers["Retry-After"] = "1"
+            await response(scope, receive, send_wrapper)
         except Exception:
             status = 500
             raise

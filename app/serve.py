@@ -118,10 +118,12 @@ def _hard_exit() -> None:
     os._exit(0)
 
 
-def config(host: str, port: int, workers: int, settings: Settings) -> uvicorn.Config:
+def config(host: str, port: int, workers: int, settings: Settings, app: str = "app.main:app",
+           factory: bool = False) -> uvicorn.Config:
     HeaderTimeout.header_timeout_s = settings.header_timeout_s
     return uvicorn.Config(
-        "app.main:app",
+        app,
+        factory=factory,
         host=host,
         port=port,
         workers=workers,
@@ -137,8 +139,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
     parser.add_argument("--workers", type=int, default=int(os.environ.get("UVICORN_WORKERS", "1")))
+    parser.add_argument("--app", default="app.main:app", help="ASGI app import string (default app.main:app)")
+    parser.add_argument("--factory", action="store_true", help="--app names a function returning the app")
     args = parser.parse_args(argv)
-    cfg = config(args.host, args.port, args.workers, Settings())
+    cfg = config(args.host, args.port, args.workers, Settings(), args.app, args.factory)
     server = DrainingServer(cfg)
     if cfg.workers > 1:
         Multiprocess(cfg, sockets=[cfg.bind_socket()]).run()  # workers drain as uvicorn does (no hard exit)

@@ -1,21 +1,37 @@
 """Safety of a public demo: model ids name only folders of the models directory (no traversal, no symlink
 escape, no odd bytes), a malicious pickle in a models-dir folder is refused without running, token text with
 markup is escaped on pages and served as JSON data by the API, and a new folder shows up without a restart.
+
+Over a real server (`python -m app.serve`, the production launcher, on 127.0.0.1): a client that never
+finishes its request head is cut off after QKOV_HEADER_TIMEOUT_S, and SIGTERM drains within
+QKOV_SHUTDOWN_DRAIN_S even when a computation that cannot be stopped is still running (issue 9.9).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import select
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
+from app.compute import compute
 from app.main import create_app
-from app.settings import Settings
+from app.settings import REPO_ROOT, Settings
 from circuits_core.config import ModelConfig
 from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer
 
@@ -115,3 +131,136 @@ def test_a_new_folder_is_served_without_a_restart(safe_client: TestClient, roots
         assert "fresh" in {m["id"] for m in safe_client.get("/api/v1/models").json()}
     finally:
         shutil.rmtree(models / "fresh")
+
+
+# -- a real server: header timeout and drain ------------------------------------------------------------
+def sleep_without_stopping(seconds: float) -> float:
+    """A computation that never polls its stop flag (an engine loop without should_stop)."""
+    time.sleep(seconds)
+    return seconds
+
+
+def make_slow_app() -> FastAPI:
+    """The app of Settings() (QKOV_* variables) plus a route that holds a compute slot for `seconds`."""
+    app = create_app(Settings())
+
+    @app.get("/api/v1/test/sleep")
+    async def sleep_route(seconds: float) -> dict[str, float]:
+        return {"slept": await compute(sleep_without_stopping, seconds)}
+
+    return app
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def served(model_dirs: tuple[Path, Path]) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """`python -m app.serve` with a 1 s header timeout and a 2 s drain, two compute slots."""
+    port = free_port()
+    env = {**os.environ, "QKOV_SHIPPED_DIR": str(model_dirs[0]), "QKOV_COMPUTE_SLOTS": "2", "QKOV_TORCH_THREADS": "1",
+           "QKOV_HEADER_TIMEOUT_S": "1", "QKOV_SHUTDOWN_DRAIN_S": "2", "QKOV_STORE_URL": "off",
+           "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.serve", "--app", "tests.app.test_serving_safety:make_slow_app", "--factory",
+         "--host", "127.0.0.1", "--port", str(port)],
+        cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "server exited"
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.1)
+    yield proc, port
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(10)
+
+
+def closed_by_server(conn: socket.socket, within_s: float, drip: bytes = b"") -> bool:
+    """Whether the server closes `conn` within `within_s` (optionally while we send `drip` a byte at a time)."""
+    end = time.monotonic() + within_s
+    for i in range(10_000):
+        if time.monotonic() > end:
+            return False
+        readable, _, _ = select.select([conn], [], [], 0.2)
+        if readable:
+            try:
+                return conn.recv(4096) == b""
+            except ConnectionError:
+                return True
+        if i < len(drip):
+            try:
+                conn.sendall(drip[i : i + 1])
+            except (BrokenPipeError, ConnectionResetError):
+                return True
+    return False
+
+
+@pytest.mark.xdist_group("uvicorn")
+def test_header_timeout_cuts_off_clients_that_never_finish_their_headers(
+        served: tuple[subprocess.Popen[bytes], int]) -> None:
+    _, port = served
+    with socket.create_connection(("127.0.0.1", port)) as silent:  # connects, sends nothing
+        assert closed_by_server(silent, within_s=8)
+    with socket.create_connection(("127.0.0.1", port)) as partial:  # a head without its blank line
+        partial.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        assert closed_by_server(partial, within_s=8)
+    with socket.create_connection(("127.0.0.1", port)) as drip:  # slowloris: a header byte every 0.2 s
+        head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * 100 + b"\r\n\r\n"
+        assert closed_by_server(drip, within_s=8, drip=head)
+    with socket.create_connection(("127.0.0.1", port)) as normal:  # a whole request is served, and kept alive
+        for _ in range(2):
+            normal.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            answer = b""
+            while b'"ok"' not in answer:
+                chunk = normal.recv(4096)
+                assert chunk, "closed"
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200")
+        time.sleep(0.5)
+        normal.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")  # idle 0.5 s < timeout: served
+        assert normal.recv(4096).startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.xdist_group("uvicorn")
+def test_sigterm_drains_within_the_setting_even_with_unstoppable_work(
+        served: tuple[subprocess.Popen[bytes], int]) -> None:
+    proc, port = served
+    base = f"http://127.0.0.1:{port}"
+    with ThreadPoolExecutor(2) as pool:
+        stuck = pool.submit(httpx.get, f"{base}/api/v1/test/sleep", params={"seconds": 60}, timeout=90)
+        short = pool.submit(httpx.get, f"{base}/api/v1/test/sleep", params={"seconds": 1}, timeout=90)
+        end = time.monotonic() + 60  # generous: the machine may be loaded
+        while not re.search(r"^qkov_compute_slots_in_use\S* 2", httpx.get(f"{base}/metrics").text, re.M):
+            assert time.monotonic() < end, "the two requests never took their slots"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        try:
+            code = proc.wait(30)  # without the cut, the 60 s sleep would keep the interpreter alive
+        except subprocess.TimeoutExpired:
+            pytest.fail("the server did not exit within 30 s of SIGTERM")
+        took = time.monotonic() - sent
+        assert short.result().status_code == 200  # in-flight work shorter than the drain finishes
+        cut = stuck.result()  # the 60 s one was cut off at the drain, and told so
+        assert cut.status_code == 503 and cut.headers["Retry-After"] == "1" and "shutting down" in cut.json()["detail"]
+    assert code in (0, -signal.SIGTERM)  # uvicorn re-raises the signal after its shutdown; the cut exits 0
+    assert took < 2 + 0.5 + 3  # drain + the exit grace + slack for a loaded machine (never the 60 s)
+
+
+def test_docker_and_docs_agree_on_the_drain() -> None:
+    """Docker's stop timeout is 10 s: the default drain (8 s) fits it, and the image and docs say so."""
+    assert Settings().shutdown_drain_s == 8.0
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
+    assert "app.serve" in dockerfile and "QKOV_SHUTDOWN_DRAIN_S" in dockerfile
+    docs = (REPO_ROOT / "docs" / "serving.md").read_text()
+    assert "QKOV_SHUTDOWN_DRAIN_S" in docs and "8 s" in docs and "QKOV_HEADER_TIMEOUT_S" in docs
