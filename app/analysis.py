@@ -134,6 +134,9 @@ class Analysis(Generic[P, V]):
         return self.cache(params) if callable(self.cache) else self.cache
 
 
+SAID = {"le": "at most {}", "lt": "below {}", "ge": "at least {}", "max_length": "max length {}"}
+
+
 def bounded(params: type[P], limits: Limits) -> type[P]:
     """`params` with every `Limit` turned into its constraint from `limits` (defaults clipped to the bound)."""
     overrides: dict[str, Any] = {}
@@ -145,8 +148,8 @@ def bounded(params: type[P], limits: Limits) -> type[P]:
         default = info.default
         if "le" in bounds and isinstance(default, int) and not isinstance(default, bool):
             default = min(default, bounds["le"])
-        said = ", ".join(f"{c.replace('_', ' ')} {v}" for c, v in bounds.items())
-        description = f"{info.description or name} ({said}, from the server's limits)"
+        said = ", ".join(SAID[c].format(v) for c, v in bounds.items())
+        description = f"{with_limits(info.description or name, limits)} [server limit: {said}]"
         kept = [m for m in info.metadata if not isinstance(m, Limit)]
         annotation = Annotated[(info.annotation, *kept, Field(description=description, **bounds))]  # type: ignore[valid-type,name-defined]
         overrides[name] = (annotation, ... if info.is_required() else default)
@@ -154,6 +157,13 @@ def bounded(params: type[P], limits: Limits) -> type[P]:
         return params
     model: type[P] = create_model(params.__name__, __base__=params, __module__=params.__module__, **overrides)
     return model
+
+
+def with_limits(text: str, limits: Limits) -> str:
+    """`text` with each `{limit_name}` replaced by the limit's value (other braces, e.g. L{layer}H{head}, kept)."""
+    for limit, value in limits.model_dump().items():
+        text = text.replace("{" + limit + "}", str(value))
+    return text
 
 
 def validate(params: type[P], raw: dict[str, Any]) -> P:

@@ -26,11 +26,11 @@ MinCount = Annotated[int | None, Field(
     "token_counts.npy; 422 for a model without it). Without it every token is ranked",
 )]
 Prompt = Annotated[str | None, Field(
-    description="text, tokenised with the model's tokenizer, BOS prepended (at most min(n_ctx, max_prompt_tokens) tokens)"
+    description="text, tokenised with the model's tokenizer, BOS prepended (at most min(n_ctx, {max_prompt_tokens}) tokens)"
 ), Limit("max_prompt_tokens", "max_length", 64)]
-Tokens = Annotated[str | None, Field(description="comma-separated token ids, used as given (instead of prompt)"),
+Tokens = Annotated[str | None, Field(description="comma-separated token ids, used as given (instead of prompt; at most {max_prompt_tokens})"),
                    Limit("max_prompt_tokens", "max_length", 64)]
-Heads = Annotated[str | None, Field(description="comma-separated head names L{layer}H{head}"),
+Heads = Annotated[str | None, Field(description="comma-separated head names L{layer}H{head}, at most {max_heads}"),
                   Limit("max_heads", "max_length", 12), HeadsField()]
 Head = Annotated[str, Field(max_length=16, description=HEAD_DOC), HeadField()]
 Offset = Annotated[int, Field(ge=0, le=1_000_000, description=(
