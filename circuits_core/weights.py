@@ -41,6 +41,7 @@ from circuits_core.formats_gguf import gguf_file, read_gguf
 from circuits_core.formats_hf import load_gpt2, load_gpt_neox
 from circuits_core.formats_llama import load_llama
 from circuits_core.model import Transformer
+from circuits_core.model_summary import load_summary
 from circuits_core.processing import SWITCHES, ProcessingOptions, own_tensors, process_state
 from circuits_core.statedict import (
     PICKLE_SUFFIXES,
@@ -348,6 +349,7 @@ def _build(
     del state
     model.processing = record
     card = read_json_object(folder, "model_card.json") if folder_file(folder, "model_card.json").is_file() else {}
+    card = card or load_summary(folder) or {}  # a pretrained model's measured summary, while it is current
     return _Built(model=model, tokenizer=tokenizer, card=card, options=options)
 
 

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from circuits_core import formats_gguf
 from circuits_core.errors import CheckpointError
 from circuits_core.formats_gguf import read_gguf
+from circuits_core.model_summary import SUMMARY_FILE, ensure_summary, load_summary, measure
 from circuits_core.statedict import build_model, load_bytes
 from circuits_core.weights import detect_format, load_checkpoint
 from tests.bpe import EOT, train_bpe
@@ -265,3 +266,19 @@ def test_a_model_over_the_byte_limit_is_refused_before_any_tensor_is_dequantised
     monkeypatch.setattr(formats_gguf, "dequantize", no_dequantise)
     with pytest.raises(CheckpointError, match="GGUF metadata describes a model of"):
         load_checkpoint(folder, max_bytes=on_disk + 1)
+
+
+def test_the_stored_summary_is_the_card_until_the_weights_change(tmp_path):
+    folder = tmp_path / "summarised"
+    folder.mkdir()
+    write_gguf(folder / "m.gguf")
+    summary, fresh = ensure_summary(folder)
+    assert fresh and (folder / SUMMARY_FILE).is_file()
+    assert load_checkpoint(folder).card == summary == load_summary(folder)
+    assert ensure_summary(folder) == (summary, False)
+    loaded = load_checkpoint(folder, process=False)
+    assert summary["loss_first_copy"] == round(measure(loaded)["loss_first_copy"], 4)
+    write_gguf(folder / "m.gguf", seed=1)  # other weights, same name
+    assert load_summary(folder) is None and load_checkpoint(folder).card == {}
+    again, fresh = ensure_summary(folder)
+    assert fresh and again["source"] != summary["source"] and load_checkpoint(folder).card == again
