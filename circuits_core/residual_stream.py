@@ -149,7 +149,7 @@ def overlaps(left: list[Tensor], right: list[Tensor], should_stop: Callable[[], 
         return groups, small + big
     lg, lo = sides(left)
     rg, ro = sides(right)
-    raw = inner_products(lg, rg, should_stop, "subspace overlaps")
+    raw = inner_products(lg, rg, should_stop, "subspace overlaps")[0]
     out = torch.empty_like(raw)
     out[torch.tensor(lo)[:, None], torch.tensor(ro)[None, :]] = raw
     return out

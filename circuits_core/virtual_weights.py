@@ -21,8 +21,8 @@ All pairs at once: ||W_w W_r||_F^2 = <G_w, H_r>_F with G_w = W_w^T W_w and H_r =
 ever held whole: each is formed one column block at a time from its d_head- or d_mlp-sized factors (a head
 writer's G = W_O^T (W_V^T W_V) W_O from the d_head Gram W_V^T W_V; an MLP's G = W_out^T W_out), the blocks of
 all writers against the same blocks of all readers are one matmul, and only the upper block triangle is formed
-(the Grams are symmetric; off-diagonal blocks count twice), as composition.py does. Vocabulary sides use the
-d x d Grams W_E_eff^T W_E_eff (circuits.embed_gram) and W_U W_U^T.
+(the Grams are symmetric; off-diagonal blocks count twice), as composition.py does. The vocabulary sides are
+factors like the others: W_E_eff [d_vocab, d] (materialised once, the LN applied row by row) and W_U^T.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from circuits_core.circuits import embed_gram
+from circuits_core.circuits import embed_eff
 from circuits_core.composition import gram_block_size, random_baseline
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
@@ -57,7 +57,7 @@ from circuits_core.stream_components import (
     writer_chain,
     writers,
 )
-from circuits_core.stream_grams import GramSide, factors, inner_products, whole
+from circuits_core.stream_grams import GramSide, factors, inner_products
 
 
 def virtual_weight(model: Transformer, writer: Writer, reader: Reader, offset: int = 0) -> FactoredMatrix:
@@ -192,7 +192,8 @@ def _weights_dtype(model: Transformer) -> torch.dtype:
 def writer_groups(model: Transformer) -> list[tuple[list[Writer], GramSide]]:
     """The writers' Grams G_w = W_w^T W_w in the order of `writers` (embed, pos, then per layer heads and MLP)."""
     cfg, dt = model.cfg, _weights_dtype(model)
-    groups = [([Writer("embed")], whole(embed_gram(model).to(dt)[None]))]
+    # W_E_eff materialised [d_vocab, d] (LN rows); its Gram's blocks come from column slices like any factor
+    groups = [([Writer("embed")], factors(embed_eff(model).to(dt)[None]))]
     if has_pos_writer(model):
         assert model.W_pos is not None
         groups.append(([Writer("pos")], factors(model.W_pos.to(dt)[None])))
@@ -261,9 +262,8 @@ def all_scores(model: Transformer, offset: int = 0, should_stop: Callable[[], bo
     with torch.no_grad():
         wg, rg = writer_groups(model), reader_groups(model, offset)
         assert [w for g, _ in wg for w in g] == ws and [r for g, _ in rg for r in g] == rs
-        num_sq = inner_products([s for _, s in wg], [s for _, s in rg], should_stop, "virtual weight scores", limits)
-        w_sq = torch.cat([s.traces() for _, s in wg])
-        r_sq = torch.cat([s.traces() for _, s in rg])
+        num_sq, w_sq, r_sq = inner_products([s for _, s in wg], [s for _, s in rg], should_stop,
+                                            "virtual weight scores", limits)  # traces: ||W_w||^2, ||W_r||^2
         raw = num_sq.clamp_min(0).sqrt() / (w_sq[:, None].sqrt() * r_sq[None, :].sqrt())
     mask = reach_mask(model, ws, rs)
     raw = torch.where(mask, raw, torch.zeros_like(raw))
@@ -275,7 +275,7 @@ def all_scores(model: Transformer, offset: int = 0, should_stop: Callable[[], bo
 
 def all_scores_cost(model: Transformer) -> Cost:
     """all_scores: the heads' d_head-sized factors (read in place: only the (W_V^T W_V) W_O-like products are new),
-    the embedding Gram, one block of every Gram and the [Nw, Nr] tables; answer: two tables plus the names."""
+    W_E_eff, one block of every Gram and the [Nw, Nr] tables; answer: two tables plus the names."""
     cfg = model.cfg
     L, H, d, dh = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
     size = gram_block_size(d)
@@ -285,7 +285,7 @@ def all_scores_cost(model: Transformer) -> Cost:
     n_ctx = cfg.n_ctx if has_pos_writer(model) else 0
     factor_numbers = 4 * L * H * dh * d  # one layer's products at a time would do; all are kept
     dtype_copies = 0 if model.dtype == _weights_dtype(model) else (4 * L * H * dh * d + (1 + roles) * n_mlp * d + n_ctx * d)
-    numbers = factor_numbers + dtype_copies + 2 * d * d + 2 * (Nw + Nr) * size * size + 3 * Nw * Nr
+    numbers = factor_numbers + dtype_copies + cfg.d_vocab * d + 2 * (Nw + Nr) * size * size + 3 * Nw * Nr
     return Cost(numbers * itemsize(_weights_dtype(model))).with_answer(numbers=2 * Nw * Nr, labels=Nw + Nr)
 
 
