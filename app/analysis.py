@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Generic, Literal, Self, TypeVar
 from urllib.parse import quote, urlencode
 
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from app.compute import cached_build, compute, compute_json
@@ -168,8 +169,6 @@ def with_limits(text: str, limits: Limits) -> str:
 
 def validate(params: type[P], raw: dict[str, Any]) -> P:
     """Parse raw values (query strings...) into `params`; errors raise FastAPI's RequestValidationError (422)."""
-    from fastapi.exceptions import RequestValidationError
-
     try:
         return params.model_validate(raw)
     except ValidationError as exc:
@@ -231,8 +230,8 @@ def build_cached(analysis: Analysis[P, V], loaded: LoadedModel, model_id: str, p
 
 
 @dataclass
-class Registry:
-    """The declared analyses of an app, with their params bound to the app's limits (made in create_app)."""
+class BoundAnalyses:
+    """The declared analyses of an app, with their params bound to the app's limits (made once in create_app)."""
 
     analyses: list[Analysis[Any, Any]]
     limits: Limits

@@ -16,7 +16,7 @@ import anyio.to_thread
 from fastapi import FastAPI
 from fastapi.middleware.gzip import GZipMiddleware
 
-from app.analysis import Registry
+from app.analysis import BoundAnalyses
 from app.catalog import ANALYSES
 from app.errors import install_error_handlers
 from app.observability import install_serving
@@ -59,7 +59,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     static = REPO_ROOT / "static"
     if static.is_dir():
         app.mount("/static", CachedStaticFiles(directory=static), name="static")
-    declared = Registry(ANALYSES, settings.limits)  # every analysis's params, bound to this app's limits
+    declared = BoundAnalyses(ANALYSES, settings.limits)  # every analysis's params, bound to this app's limits
     app.state.analyses = declared
     app.include_router(api.router)  # listings
     app.include_router(analyses.api_router(declared))  # one route per declared analysis

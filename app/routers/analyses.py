@@ -17,7 +17,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
 
-from app.analysis import Analysis, AnalysisParams, HeadField, HeadsField, Limit, Registry, run_json, validate
+from app.analysis import Analysis, AnalysisParams, BoundAnalyses, HeadField, HeadsField, Limit, run_json, validate
 from app.deps import MODEL_PATH, LimitsDep, LoadedModelDep, RegistryDep
 from app.routers.rendering import Page, serve_page
 
@@ -63,12 +63,12 @@ def api_endpoint(analysis: Analysis[Any, Any], params: type[AnalysisParams]) -> 
     return endpoint
 
 
-def api_router(registry: Registry) -> APIRouter:
+def api_router(declared: BoundAnalyses) -> APIRouter:
     """GET /api/v1/... for every declared analysis."""
     router = APIRouter()
-    for analysis in registry.analyses:
+    for analysis in declared.analyses:
         router.add_api_route(
-            analysis.api_path, api_endpoint(analysis, registry.bound(analysis)), methods=["GET"],
+            analysis.api_path, api_endpoint(analysis, declared.bound(analysis)), methods=["GET"],
             response_model=analysis.view, tags=list(analysis.tags), summary=analysis.summary, name=analysis.name,
             openapi_extra={"x-qkov-analysis": analysis.name},
         )
@@ -83,12 +83,12 @@ def page_endpoint(page: Page, params: type[AnalysisParams]) -> Any:
     return endpoint
 
 
-def page_router(registry: Registry, pages: list[Page]) -> APIRouter:
+def page_router(declared: BoundAnalyses, pages: list[Page]) -> APIRouter:
     """GET /models/{model}/... for every page: the declared pages, then every analysis with a template."""
     router = APIRouter(include_in_schema=False)
-    declared = {p.route for p in pages}
-    simple = [Page(a, a.template) for a in registry.analyses if a.template and a.page_path not in declared]
+    routes = {p.route for p in pages}
+    simple = [Page(a, a.template) for a in declared.analyses if a.template and a.page_path not in routes]
     for page in [*pages, *simple]:
-        params = registry.bound(page.analysis) if page.params is None else registry.bound_params(page.params)
+        params = declared.bound(page.analysis) if page.params is None else declared.bound_params(page.params)
         router.add_api_route(page.route, page_endpoint(page, params), methods=["GET"], name=f"page:{page.route}")
     return router

@@ -10,7 +10,7 @@ when the page declares it, else the page's first block. Every answer sends `Vary
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
@@ -169,7 +169,6 @@ class Page:
     title: str = "{name} · {model}"
     nav: str | None = None  # the navigation entry shown as current (default: the analysis's name)
     path: str | None = None  # the page's route (default: the analysis's page path)
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def route(self) -> str:
@@ -195,4 +194,4 @@ async def serve_page(page: Page, params: type[AnalysisParams], request: Request,
     title = call.title or page.title.format(name=analysis.summary, model=model_id, **typed.model_dump())
     frame = await page_context(request, registry, title, json_url(analysis, model_id, twin), model_id,
                                page.nav or analysis.name)
-    return render(request, page.template, {**frame, **page.extra, "limits": limits, **context}, blocks=page.blocks)
+    return render(request, page.template, {**frame, "limits": limits, **context}, blocks=page.blocks)
