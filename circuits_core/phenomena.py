@@ -88,6 +88,38 @@ class EvalData:
         np.savez_compressed(path, val=self.val, train_counts=self.train_counts, eot=np.int64(self.eot))
 
 
+EVAL_DATA_FILE = "eval_data.npz"  # the shipped toys' held-out corpus, beside their folders (checkpoints/)
+
+
+def find_eval_data(folder: Path) -> EvalData | None:
+    """The held-out corpus of a model: folder/eval_data.npz, else the parent's (the shipped toys share one)."""
+    for path in (Path(folder) / EVAL_DATA_FILE, Path(folder).parent / EVAL_DATA_FILE):
+        if path.is_file():
+            return EvalData.load(path)
+    return None
+
+
+class HeldOutBigrams:
+    """Counts of (current, next) token pairs in the held-out stream (pairs across a file boundary excluded)."""
+
+    def __init__(self, data: EvalData):
+        a, b = data.val[:-1].astype(np.int64), data.val[1:].astype(np.int64)
+        keep = a != data.eot
+        self._shift = int(max(int(data.val.max()) + 1, len(data.train_counts))).bit_length()
+        keys, counts = np.unique((a[keep] << self._shift) + b[keep], return_counts=True)
+        self.pairs = dict(zip(keys.tolist(), counts.tolist(), strict=True))
+        self.rows = np.bincount(a[keep], minlength=len(data.train_counts))  # [V]: how often each token has a successor
+        self.n_tokens = int(keep.sum())
+
+    def count(self, a: int, b: int) -> int:
+        return int(self.pairs.get((a << self._shift) + b, 0))
+
+    def prob(self, a: int, b: int) -> float | None:
+        """Held-out P(b | a); None when a never occurs with a successor."""
+        rows = int(self.rows[a]) if 0 <= a < len(self.rows) else 0
+        return self.count(a, b) / rows if rows else None
+
+
 def token_losses(model: Transformer, tokens: Tensor, batch: int = 64) -> Tensor:
     """[b, n-1] cross-entropy of predicting tokens[:, i+1] at position i (model.run, no grad)."""
     out = []

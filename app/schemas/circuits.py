@@ -33,6 +33,8 @@ class CircuitTopView(BaseModel):
     diagonal_rank: int | None = Field(
         default=None, description="rank of the token's own entry in its row/column (1 = top; among the kept tokens with min_count)"
     )
+    basis: str | None = Field(default=None, description="which weights the values come from: raw, or which processing")
+    corpus: str | None = Field(default=None, description="direct path: the held-out corpus of corpus_prob / corpus_count, if any")
     min_count: int | None = Field(
         default=None, description="only tokens seen at least this often in training were ranked (None: every token)"
     )

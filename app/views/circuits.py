@@ -23,6 +23,7 @@ from app.analysis import Analysis
 from app.params import DirectParams, OVParams, QKParams, SkipTrigramParams
 from app.schemas import CircuitTopView, MatrixEntry, ScoredToken, SkipTrigram, SkipTrigramView
 from app.settings import Limits
+from app.views.basis import basis
 from app.views.inputs import check_k, model_ref, resolve_token, token_ref
 from app.views.rotary import check_offset, is_rotary
 from circuits_core import circuits, rotary
@@ -30,7 +31,7 @@ from circuits_core.config import head_name, parse_head
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.factored import FactoredMatrix
-from circuits_core.phenomena import TOKEN_COUNTS_FILE, load_token_counts
+from circuits_core.phenomena import TOKEN_COUNTS_FILE, HeldOutBigrams, find_eval_data, load_token_counts
 from circuits_core.weights import LoadedModel
 
 LABELS = {
@@ -84,7 +85,7 @@ def _top_view(
     def view(k: int, entries: list[MatrixEntry], **found: Any) -> CircuitTopView:
         return CircuitTopView(
             model=model_ref(loaded), circuit=circuit, head=head, row_label=rows_label, col_label=cols_label,
-            k=k, entries=entries, min_count=min_count, n_tokens=n_vocab, **found,
+            k=k, entries=entries, min_count=min_count, n_tokens=n_vocab, basis=basis(loaded), **found,
         )
 
     with torch.no_grad():
@@ -145,9 +146,27 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
 
 
 def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> CircuitTopView:
-    """Direct path W_E W_U (the bigram table): top next tokens for a current token, else global top-k."""
-    return _top_view(loaded, lambda: circuits.direct_path(loaded.model), "direct", None, p.token, "row", p.k, limits,
+    """Direct path W_E W_U (the bigram table): top next tokens for a current token, else global top-k; each entry
+    with the model's probability (softmax of its row) and, where the model has a held-out corpus, the corpus's."""
+    view = _top_view(loaded, lambda: circuits.direct_path(loaded.model), "direct", None, p.token, "row", p.k, limits,
                      p.min_count, lambda t: circuits.direct_row(loaded.model, t))
+    model = loaded.model
+    data = find_eval_data(loaded.path)
+    bigrams = HeldOutBigrams(data) if data is not None else None
+    log_probs: dict[int, Tensor] = {}
+    with torch.no_grad():
+        for e in view.entries:
+            a, b = e.row.id, e.col.id
+            if a not in log_probs:
+                row = circuits.direct_row(model, a)  # [V]
+                if model.cfg.use_bias and model.b_U is not None:
+                    row = row + model.b_U
+                log_probs[a] = torch.log_softmax(row.double(), -1)
+            e.prob = float(log_probs[a][b].exp())
+            if bigrams is not None:
+                e.corpus_prob, e.corpus_count = bigrams.prob(a, b), bigrams.count(a, b)
+    corpus = None if bigrams is None else f"held-out split of the training corpus ({bigrams.n_tokens} bigrams)"
+    return view.model_copy(update={"corpus": corpus})
 
 
 def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits) -> Cost:

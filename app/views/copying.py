@@ -16,6 +16,7 @@ from app.analysis import Analysis, AnalysisParams
 from app.params import K, MinCount
 from app.schemas import ModelRef
 from app.settings import Limits
+from app.views.basis import basis
 from app.views.circuits import frequent_tokens
 from app.views.inputs import check_k, model_ref
 from circuits_core import circuits, copying
@@ -25,21 +26,6 @@ from circuits_core.errors import InvalidInputError
 from circuits_core.weights import LoadedModel
 
 N_TOP_SAMPLES = 2  # random circuits whose self-copy shares are measured (each a full [V, V] row stream)
-
-
-def basis(loaded: LoadedModel) -> str:
-    """Which weights the circuit numbers use: raw, centred unembedding, folded LayerNorm."""
-    done = loaded.model.processing
-    cfg = loaded.model.cfg
-    parts = []
-    if done.get("fold_ln") and cfg.normalization_type is not None:
-        parts.append("LayerNorm folded into the reading weights")
-    if done.get("center_writing_weights") and cfg.normalization_type is not None:
-        parts.append("writing weights centred")
-    if done.get("center_unembed"):
-        parts.append("unembedding centred (W_U minus its mean over the vocabulary)")
-    return "processed weights: " + ", ".join(parts) if parts else "raw weights, as stored"
-
 
 
 class CopyingAllParams(AnalysisParams):

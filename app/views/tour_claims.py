@@ -11,46 +11,30 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from app.views.copying import basis
+from app.views.basis import basis
 from circuits_core import circuits, copying
 from circuits_core.config import parse_head
-from circuits_core.phenomena import EvalData
+from circuits_core.phenomena import HeldOutBigrams, find_eval_data
 from circuits_core.weights import LoadedModel
 
 Claim = tuple[str, dict[str, Any]]
 BASELINE_SAMPLES, BASELINE_TOP_SAMPLES = 200, 2
 
 
-def eval_data(loaded: LoadedModel) -> EvalData | None:
-    """The held-out corpus of the shipped toys (checkpoints/eval_data.npz beside the model folder), if any."""
-    path = Path(loaded.path).parent / "eval_data.npz"
-    return EvalData.load(path) if path.is_file() else None
-
-
-def held_out_bigram_counts(data: EvalData, pairs: list[tuple[int, int]]) -> list[int]:
-    """How often each (current, next) pair occurs in the held-out stream (not across a file boundary)."""
-    a, b = data.val[:-1].astype(np.int64), data.val[1:].astype(np.int64)
-    keep = a != data.eot
-    keys, counts = np.unique(a[keep] * (1 << 20) + b[keep], return_counts=True)
-    found = dict(zip(keys.tolist(), counts.tolist(), strict=True))
-    return [int(found.get(x * (1 << 20) + y, 0)) for x, y in pairs]
-
-
 def f6(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     entries = d["direct"].entries
     pairs = [(e.row.id, e.col.id) for e in entries]
-    data = eval_data(loaded)
+    data = find_eval_data(loaded.path)
     where = f" among tokens seen at least {d['min_count']} times in training" if d.get("min_count") else ""
     sentence = f"Basis: {basis(loaded)}. Shown: the {len(pairs)} largest entries{where}."
     values: dict[str, Any] = {"pairs": pairs, "min_count": d.get("min_count")}
     if data is not None:
-        counts = held_out_bigram_counts(data, pairs)
+        bigrams = HeldOutBigrams(data)
+        counts = [bigrams.count(a, b) for a, b in pairs]
         seen = sum(c > 0 for c in counts)
         values.update(held_out_counts=counts, seen=seen)
         sentence += f" {seen} of them occur as bigrams (current token, next token) in the held-out code."
