@@ -96,6 +96,7 @@ class ModelRegistry:
         self._loaded: dict[str, LoadedModel] = {}
         self._prints: dict[str, Fingerprint] = {}  # fingerprint of each loaded folder when it was loaded
         self._failed: dict[str, tuple[Fingerprint, str]] = {}  # id -> (fingerprint, reason) of failed loads
+        self._scans: dict[Path, tuple[Fingerprint, ModelEntry]] = {}  # folder -> (fingerprint, detected entry)
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
@@ -112,15 +113,22 @@ class ModelRegistry:
         if folder.resolve().parent != folder.parent.resolve():  # a symlink leading out of the models folder
             log.warning("skipping %s: it links outside %s", folder, folder.parent)
             return None
+        stamp = fingerprint(folder)
+        known = self._scans.get(folder)
+        if known is not None and known[0] == stamp and known[1].shipped == shipped:
+            return known[1]  # detection reads config.json: once per version of the folder, not per listing
         entry = ModelEntry(folder.name, folder, "unknown", shipped)
         try:
-            return ModelEntry(folder.name, folder, str(detect_format(folder)), shipped)
+            entry = ModelEntry(folder.name, folder, str(detect_format(folder)), shipped)
         except CheckpointError as exc:
-            return ModelEntry(folder.name, folder, "unknown", shipped, error=public_message(str(exc), entry))
+            entry = ModelEntry(folder.name, folder, "unknown", shipped, error=public_message(str(exc), entry))
         except Exception as exc:  # noqa: BLE001 - a hostile folder must never break the listing
             log.exception("model folder %s: unexpected error while detecting its format", folder)
             reason = public_message(f"unreadable checkpoint ({type(exc).__name__}: {exc})", entry)
-            return ModelEntry(folder.name, folder, "unknown", shipped, error=reason[:500])
+            entry = ModelEntry(folder.name, folder, "unknown", shipped, error=reason[:500])
+        with self._guard:
+            self._scans[folder] = (stamp, entry)
+        return entry
 
     def entries(self) -> list[ModelEntry]:
         """Every model folder, rescanned now, sorted by id."""

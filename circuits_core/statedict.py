@@ -39,9 +39,7 @@ SAFE_SUFFIXES = (".safetensors",)
 PICKLE_SUFFIXES = (".bin", ".pth", ".pt")
 # Common wrappers around a state dict in torch.save files (training scripts save {"model": state_dict}).
 _WRAPPER_KEYS = ("state_dict", "model", "model_state_dict")
-JSON_MAX_BYTES = (
-    64 * 1024 * 1024
-)  # config.json, qkov.json, shard indexes, model cards (tokenizer.json has its own reader)
+JSON_MAX_BYTES = 16 * 1024 * 1024  # config.json, qkov.json, shard indexes, cards (tokenizer.json: its own reader)
 JSON_MAX_DEPTH = 64  # nesting of any JSON a checkpoint carries (real configs nest 3-4 deep)
 CONTAINED_MAX_ENTRIES = 10_000  # entries of a model folder walked by check_contained
 
@@ -55,7 +53,11 @@ def folder_file(folder: Path, name: str | os.PathLike[str]) -> Path:
     if not isinstance(name, str | os.PathLike) or not str(name) or "\0" in str(name):
         raise CheckpointError(f"a file name in the checkpoint is not a usable name: {str(name)[:80]!r}")
     rel = PurePosixPath(str(name))
-    if rel.is_absolute() or ".." in rel.parts or str(name).startswith("\\"):
+    if rel.is_absolute() or str(name).startswith("\\"):  # shown by its last part only: never a server path
+        raise CheckpointError(
+            f"an absolute path (.../{rel.name[:80]}): files named by a checkpoint must lie inside its folder"
+        )
+    if ".." in rel.parts:
         raise CheckpointError(f"{str(name)[:80]!r}: files named by a checkpoint must lie inside its folder")
     root = folder.resolve()
     resolved = (root / rel).resolve()
