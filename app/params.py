@@ -69,10 +69,16 @@ class CopyingParams(HeadParams):
     k: K = 5
 
 
-class OVParams(HeadParams):
+class DirectParams(AnalysisParams):
+    """A token circuit's row (or column) for a token, else its global top-k."""
+
     token: Token = None
     k: K = 20
     min_count: MinCount = None
+
+
+class OVParams(DirectParams):
+    head: Head
 
 
 class QKParams(OVParams):
@@ -82,12 +88,6 @@ class QKParams(OVParams):
 
 class SkipTrigramParams(OVParams):
     k: K = 10
-
-
-class DirectParams(AnalysisParams):
-    token: Token = None
-    k: K = 20
-    min_count: MinCount = None
 
 
 class DetectorParams(PromptInput):
