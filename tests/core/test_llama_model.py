@@ -8,6 +8,7 @@
 - The frozen-attention path expansion sums to the real logit (1e-9) with RMS, GQA, rotary, gated MLPs and
   biases together; terms above max_order equal the remainder of a lower-order expansion.
 - Processing (fold RMS weights, centre W_U, fold value biases) keeps the log-probs.
+- The QK path expansion sums to the real rotated scores; the order ablation's full rerun gives the logits.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from typing import Any
 import pytest
 import torch
 
+from circuits_core.ablation import order_logits
 from circuits_core.config import ModelConfig
 from circuits_core.errors import InvalidInputError
 from circuits_core.frozen import attention, frozen_run
 from circuits_core.model import Frozen, Transformer, random_model, rotary_inv_freq, rotary_pairs, rotate
 from circuits_core.paths import expand_logits
 from circuits_core.processing import process_weights
+from circuits_core.qk_paths import expand_scores
 from circuits_core.statedict import build_model
 from circuits_core.weights import load_checkpoint, save_checkpoint
 
@@ -193,3 +196,20 @@ def test_qkov_format_round_trip(tmp_path: Path) -> None:
     again = load_checkpoint(tmp_path / "processed", dtype=F64)
     assert again.model.cfg.normalization_type == "RMSPre" and again.model.processing["fold_ln"] is True
     assert (again.model(TOKENS).log_softmax(-1) - model(TOKENS).log_softmax(-1)).abs().max() < 1e-12
+
+
+def test_frozen_machinery_on_the_llama_model() -> None:
+    """The QK path expansion's terms sum to the real (rotated, grouped) pre-softmax scores, and the order
+    ablation's full-order rerun (every value path through frozen patterns) gives back the logits."""
+    model = _noisy(LLAMA, seed=6)
+    tokens = TOKENS[:1]
+    _, cache = model.run(tokens, names={"blocks.2.attn.hook_attn_scores"})
+    expansion = expand_scores(model, tokens[0], (2, 4), keep_terms=True)
+    assert expansion.terms is not None
+    causal = torch.ones(13, 13, dtype=torch.bool).tril()
+    real = cache["blocks.2.attn.hook_attn_scores"][0, 4]
+    assert (expansion.terms.sum((0, 1))[causal] - real[causal]).abs().max() < 1e-12
+    assert real[causal].abs().max() > 0.5
+    reruns = order_logits(model, tokens)
+    assert (reruns[-1] - model(tokens)).abs().max() < 1e-12
+    assert (reruns[0] - model(tokens)).abs().max() > 1e-2  # lower orders really drop paths
