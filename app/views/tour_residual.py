@@ -1,0 +1,139 @@
+"""The tour's "residual stream as a communication channel" section (paper-math section 3, F2-F4) on toy-2l.
+
+Three figures, each a general sentence and a sentence generated from values measured on the shipped model
+(never written by hand); tests/app/test_residual_tour.py recomputes every value independently (dense float64
+products and SVDs of the served weights) and fails when a sentence stops being true:
+  F2  the channel: how many writer x reader pairs there are and how many head -> head pairs read more than the
+      random baseline, and the strongest pair;
+  F3  virtual weights: the strongest reader of the token embedding and its top singular direction as tokens;
+  F4  subspaces and bandwidth: the writers' 90 % subspaces against d_model, the most crowded direction, and the
+      strongest erasure (memory-management) candidate.
+`residual_chapter(registry, limits)` returns the figures; without the model they say so (`available: false`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from app.registry import ModelRegistry
+from app.schemas.analyses import TourFigure
+from app.settings import Limits
+from app.views.inputs import token_text
+from app.views.residual import ignored_note
+from circuits_core import residual_stream as rs
+from circuits_core import stream_components as sc
+from circuits_core import virtual_weights as vw
+from circuits_core.errors import QkovError
+from circuits_core.weights import LoadedModel
+
+log = logging.getLogger("qkov.tour")
+
+PAPER = "https://transformer-circuits.pub/2021/framework/index.html"
+TOUR_MODEL = "toy-2l"
+N_TOKENS = 5
+SPECS = (
+    ("F2", "The residual stream as a communication channel", "#residual-comms",
+     "Every layer reads from the residual stream and writes to it through linear maps; a reader can only use what an "
+     "earlier writer put there, in the subspace it reads."),
+    ("F3", "Virtual weights", "#residual-comms",
+     "The product W_w W_r of a writer's output map and a later reader's input map (the paper's W_I W_O) says how much, "
+     "and what, the reader reads of what the writer wrote; head -> head it is the composition score."),
+    ("F4", "Subspaces and residual stream bandwidth", "#residual-comms",
+     "Writers share d_model: where their subspaces overlap they interact, where they are disjoint they stay independent, "
+     "and a head that reads a subspace and writes back its negative erases it (memory management)."),
+)
+
+
+def channel(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
+    s = vw.all_scores(loaded.model)
+    heads = [(i, j) for i, w in enumerate(s.writers) for j, r in enumerate(s.readers)
+             if w.kind == "head" and r.role in ("Q", "K", "V") and bool(s.mask[i, j])]
+    above = sum(float(s.raw[i, j]) > s.baseline for i, j in heads)
+    best = int(torch.where(s.mask, s.raw, torch.full_like(s.raw, -1.0)).argmax())
+    bi, bj = divmod(best, len(s.readers))
+    w, r, score = s.writers[bi].name, s.readers[bj].name, float(s.raw[bi, bj])
+    sentence = (f"{TOUR_MODEL} has {len(s.writers)} writers and {len(s.readers)} readers ({int(s.mask.sum())} pairs where the "
+                f"reader sees the writer); {above} of its {len(heads)} head -> head Q/K/V pairs score above the random "
+                f"baseline {s.baseline:.4f} (1/sqrt(d_model)); the strongest pair is {w} -> {r} ({score:.3f}).")
+    return sentence, {"writers": len(s.writers), "readers": len(s.readers), "pairs": int(s.mask.sum()),
+                      "head_pairs": len(heads), "above": above, "baseline": s.baseline, "best": [w, r, score]}
+
+
+def embedding_reader(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
+    s = vw.all_scores(loaded.model)
+    e = [w.name for w in s.writers].index("embed")
+    j = int(torch.where(s.mask[e], s.raw[e], torch.full_like(s.raw[e], -1.0)).argmax())
+    reader = s.readers[j]
+    rep = vw.pair_report(loaded.model, sc.Writer("embed"), reader, k=1, n_top=N_TOKENS)
+    d = rep.directions[0]
+    assert d.input_top is not None and d.input_bottom is not None
+    top = [token_text(loaded, t) for t, _ in d.input_top]
+    bottom = [token_text(loaded, t) for t, _ in d.input_bottom]
+    sentence = (f"The token embedding's strongest reader is {reader.name} (score {rep.score:.3f}, baseline "
+                f"{rep.baseline:.4f}); its top singular direction (sigma {d.value:.3f}) weighs the tokens "
+                f"{', '.join(map(repr, top))} against {', '.join(map(repr, bottom))}. {ignored_note(loaded.model)}")
+    return sentence, {"reader": reader.name, "score": rep.score, "sigma": d.value,
+                      "top": [t for t, _ in d.input_top], "bottom": [t for t, _ in d.input_bottom]}
+
+
+def bandwidth(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
+    u = rs.stream_usage(loaded.model)
+    er = rs.erasure(loaded.model)
+    bw = u.bandwidth
+    load, sharers = bw.crowded[0]
+    sentence = (f"The writers' {100 * rs.ENERGY:.0f} % subspaces add up to {bw.total_dims} dimensions in d_model = "
+                f"{bw.d_model} ({bw.uniform_load:.2f} per direction if spread evenly); they use {bw.used_dims:.1f} "
+                f"effective directions, and the most crowded one carries {load:.2f} writer subspaces, mostly "
+                f"{sharers[0][0]} and {sharers[1][0]}.")
+    values: dict[str, Any] = {"total_dims": bw.total_dims, "d_model": bw.d_model, "used_dims": bw.used_dims,
+                              "crowded_load": load, "crowded_writers": [sharers[0][0], sharers[1][0]]}
+    if er.candidates:
+        c = er.candidates[0]
+        sentence += (f" Strongest erasure candidate: {c.eraser} reads {c.writer}'s subspace and writes back its negative "
+                     f"(erasure score {c.score:.3f}, z {c.z:.1f} against random heads, read share {c.read_share:.2f} vs "
+                     f"{c.random_share:.2f} for a random subspace) -- weights only: whether it attends to the same "
+                     "position is not checked.")
+        values["erasure"] = [c.writer, c.eraser, c.score, c.z]
+    else:
+        sentence += f" No head writes back the negative of an earlier writer's subspace beyond z = {er.threshold_z:.0f}."
+        values["erasure"] = None
+    return sentence, values
+
+
+MEASURE = {"F2": (channel, "residual"), "F3": (embedding_reader, "residual/embed/{reader}"),
+           "F4": (bandwidth, "residual/usage")}
+
+
+def residual_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure]:
+    """F2-F4 on toy-2l; `available: false` with the reason when the model or a figure cannot be computed."""
+    try:
+        loaded: LoadedModel | None = registry.get(TOUR_MODEL)
+        missing = None
+    except QkovError as exc:
+        loaded, missing = None, f"model {TOUR_MODEL!r} is not available: {exc}"
+    figures = []
+    for fid, title, anchor, look_for in SPECS:
+        def figure(available: bool, look: str = look_for, detail: str | None = None, path: str | None = None,
+                   data: dict[str, Any] | None = None, fid: str = fid, title: str = title, anchor: str = anchor) -> TourFigure:
+            return TourFigure(id=fid, title=title, anchor=f"{PAPER}{anchor}", look_for=look, model=TOUR_MODEL,
+                              link=f"/models/{TOUR_MODEL}/{path}" if path else None,
+                              api=f"/api/v1/models/{TOUR_MODEL}/{path}" if path else None,
+                              available=available, detail=detail, data=data)
+
+        if loaded is None:
+            figures.append(figure(False, detail=missing))
+            continue
+        measure, path = MEASURE[fid]
+        try:
+            with torch.no_grad():
+                sentence, values = measure(loaded)
+        except QkovError as exc:
+            log.info("tour figure %s not available: %s", fid, exc)
+            figures.append(figure(False, detail=str(exc)))
+            continue
+        figures.append(figure(True, look=f"{look_for} Measured: {sentence}",
+                              path=path.format(reader=values.get("reader", "")), data={"claim": values}))
+    return figures
