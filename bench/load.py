@@ -68,8 +68,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(models: Path, port: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "QKOV_SHIPPED_DIR": str(models), "QKOV_LOG_FORMAT": "text"}
+def start_server(models: Path, port: int, **settings: str) -> subprocess.Popen[bytes]:
+    """uvicorn app.main:app on 127.0.0.1:port serving `models`; `settings` become QKOV_<NAME> variables."""
+    env = {**os.environ, "QKOV_SHIPPED_DIR": str(models), "QKOV_LOG_FORMAT": "text", "QKOV_STORE_URL": "off",
+           **{f"QKOV_{k.upper()}": v for k, v in settings.items()}}
     return subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "app.main:app", "--host", HOST, "--port", str(port), "--no-access-log",
          "--log-level", "warning"],

@@ -1,0 +1,167 @@
+"""Speed through HTTP (section `http` of `make bench`, issue 9.10): the GPT-2-small-shaped checkpoint served
+by a real uvicorn on 127.0.0.1, next to TransformerLens 3.9.0 on the same weights in the same run.
+
+The checkpoint is bench.engine's random GPT-2-small-shaped model (12 layers x 12 heads, d_model 768, d_head 64,
+d_vocab 50,257) written in TransformerLens format (config.json + model.safetensors) with `qkov.json`
+{"processing": false}, so the server holds exactly TransformerLens's weights. The server runs with the default
+slots and threads, the result cache and store off (every request computes: "cold" in the compute sense), and
+the model preloaded. Figures: the first answer (true cold: lazy kernel set-up included) and the median of the
+next repeats, for
+    GET /heads                      the heads table (detectors on 10 x 101 tokens, copying scores, 2-D view)
+    GET /heads/L5H1/ov?token=1234&k=20   one row of the full OV circuit, top 20
+    GET /composition?kind=K        one composition kind, every head pair
+TransformerLens, in this process: `W_E[t] @ OV[l, h] @ W_U` then topk(20) for the row (its FactoredMatrix),
+`all_composition_scores("K")` (skipped when free memory cannot hold its ~8 GiB of broadcast operands), and
+`run_with_cache` on the same 10 x 101 detector input (the forward pass the heads table needs; TransformerLens
+has no heads table). The machine is shared: the load average is printed; ratios are what to compare.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from safetensors.torch import save_file
+
+from bench import fmt_time, row
+from bench.engine import GPT2_SMALL, gpt2_shaped_model, tl_model
+from bench.load import HOST, free_port, rss_bytes, start_server
+
+MODEL_ID = "gpt2-small-random"
+LAYER, HEAD, TOKEN, K = 5, 1, 1234, 20
+GiB = 2**30
+
+
+def write_tl_checkpoint(folder: Path) -> Path:
+    """The random GPT-2-small-shaped model as a TransformerLens checkpoint folder (weights as stored)."""
+    model = gpt2_shaped_model()
+    c = GPT2_SMALL
+    target = folder / MODEL_ID
+    target.mkdir(parents=True)
+    config = {"n_layers": c.n_layers, "d_model": c.d_model, "n_heads": c.n_heads, "d_head": c.d_head,
+              "d_vocab": c.d_vocab, "n_ctx": c.n_ctx, "d_mlp": c.d_mlp, "act_fn": c.act_fn,
+              "normalization_type": c.normalization_type, "positional_embedding_type": c.positional_embedding_type}
+    (target / "config.json").write_text(json.dumps(config))
+    (target / "qkov.json").write_text(json.dumps({"processing": False}))
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(target / "model.safetensors"))
+    return target
+
+
+def wait_ready(base: str, proc: Any) -> None:
+    end = time.monotonic() + 300
+    while True:
+        try:
+            if httpx.get(f"{base}/readyz", timeout=30).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > end:
+            raise RuntimeError("uvicorn did not become ready")
+        time.sleep(0.5)
+
+
+def timed_get(client: httpx.Client, url: str, repeats: int) -> tuple[float, float, httpx.Response]:
+    """(first answer's seconds, median of the next `repeats`, last response); each answer must be 200."""
+    times = []
+    answer = None
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        answer = client.get(url)
+        times.append(time.perf_counter() - t0)
+        if answer.status_code != 200:
+            raise RuntimeError(f"GET {url}: {answer.status_code} {answer.text[:300]}")
+    assert answer is not None
+    return times[0], statistics.median(times[1:]), answer
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def tl_figures(rep_tokens: torch.Tensor) -> dict[str, float]:
+    """TransformerLens timings on the same weights: OV row, one composition kind, run_with_cache."""
+    tl = tl_model()
+    if tl is None:
+        return {}
+    out: dict[str, float] = {}
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        row_tl = tl.W_E[TOKEN] @ tl.OV[LAYER, HEAD] @ tl.W_U  # [d_vocab]: a vector through the FactoredMatrix
+        row_tl.topk(K)
+        times.append(time.perf_counter() - t0)
+    out["ov_row"] = statistics.median(times)
+    with torch.no_grad():
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            tl.run_with_cache(rep_tokens, names_filter=lambda n: n.endswith("hook_pattern"))
+            times.append(time.perf_counter() - t0)
+        out["run_with_cache"] = statistics.median(times)
+    gc.collect()
+    c = GPT2_SMALL
+    need = int(2 * (c.n_layers * c.n_heads) ** 2 * c.d_head * c.d_model * 4 * 1.2)
+    if mem_available() > need + 3 * GiB:
+        t0 = time.perf_counter()
+        tl.all_composition_scores("K")
+        out["composition"] = time.perf_counter() - t0
+    else:
+        print(f"  TL all_composition_scores skipped: {mem_available() / GiB:.1f} GiB free, it needs ~{need / GiB:.1f} GiB + 3 GiB margin")
+    gc.collect()
+    return out
+
+
+def http() -> None:
+    from circuits_core.heads import standard_tokens
+
+    tmp = Path(tempfile.mkdtemp(prefix="qkov-bench-http-"))
+    write_tl_checkpoint(tmp)
+    port = free_port()
+    proc = start_server(tmp, port, cache_bytes="0", preload="true")
+    base = f"http://{HOST}:{port}"
+    m = f"/api/v1/models/{MODEL_ID}"
+    try:
+        t0 = time.perf_counter()
+        wait_ready(base, proc)
+        print(f"  server ready (model loaded, one forward pass) in {time.perf_counter() - t0:.1f} s; "
+              f"RSS {rss_bytes(proc.pid) / GiB:.2f} GiB; result cache and store off: every request computes")
+        with httpx.Client(base_url=base, timeout=600) as client:
+            heads_first, heads_med, _ = timed_get(client, f"{m}/heads", 3)
+            row_first, row_med, ov = timed_get(client, f"{m}/heads/L{LAYER}H{HEAD}/ov?token={TOKEN}&k={K}", 7)
+            comp_first, comp_med, comp = timed_get(client, f"{m}/composition?kind=K", 3)
+        print("  through HTTP (first answer; median of the repeats after it):")
+        row("GET /heads (10 x 101 detector input)", heads_med, "< 2 s", f"first {fmt_time(heads_first).strip()}")
+        row(f"GET /heads/L{LAYER}H{HEAD}/ov?token={TOKEN}&k={K}", row_med, "< 50 ms", f"first {fmt_time(row_first).strip()}")
+        row("GET /composition?kind=K", comp_med, "< 1 s", f"first {fmt_time(comp_first).strip()}")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except Exception:  # noqa: BLE001 - a stuck server is killed
+            proc.kill()
+    tl = tl_figures(standard_tokens(gpt2_shaped_model()))
+    if not tl:
+        return
+    print("  TransformerLens 3.9.0, same weights, in this process (median):")
+    row_ids = [e["col"]["id"] for e in ov.json()["entries"]]
+    hooked = tl_model()
+    assert hooked is not None
+    tl_row = (hooked.W_E[TOKEN] @ hooked.OV[LAYER, HEAD] @ hooked.W_U).topk(K).indices.tolist()
+    row("TL W_E[t] @ OV @ W_U row, topk(20)", tl["ov_row"], "",
+        f"HTTP/TL {row_med / tl['ov_row']:.2f}; same top-20 ids: {row_ids == tl_row}")
+    row("TL run_with_cache(10 x 101 tokens), patterns", tl["run_with_cache"], "",
+        f"HTTP /heads (whole table) / TL forward pass {heads_med / tl['run_with_cache']:.2f}")
+    if "composition" in tl:
+        row("TL all_composition_scores('K')", tl["composition"], "",
+            f"TL/HTTP {tl['composition'] / comp_med:.1f}x (HTTP includes JSON of {len(comp.content) / 1024:.0f} KiB)")
+
+
+SECTIONS = {"http": http}
