@@ -295,11 +295,12 @@ NOTES = {
     "toy-0l": "No positional embedding: with no attention layer it would be unused. The bigram numbers compare the "
     "direct path with the empirical bigram distribution of the held-out text (sparse: 26 files), so even a perfect "
     "bigram model of the training text would not reach top-1 agreement 1.",
-    "toy-1l": "Batch 8 forms copying heads in fewer tokens than batch 32 (8/8 positive OV copying scores at step 800 "
-    "vs 2,500).",
+    "toy-1l": "Trained with batch 8: all 8 heads had a positive OV copying score at step 800 (see history); an earlier "
+    "batch-32 run, not shipped, needed 2,500 steps.",
     "toy-2l": "Training data is NOT text alone: 25 % of the rows are BOS + r + r + ... with r 8-63 random tokens "
     "drawn from the tokens seen >= 50 times in training (the induction task made explicit). With text alone the "
-    "same recipe reached induction 0.33 (previous-token head 0.93) after 60,000 steps, below the 0.6 threshold. "
+    "same recipe reached induction 0.33 (previous-token head 0.93) after 60,000 steps, below the 0.6 threshold "
+    "(an earlier run, not shipped). "
     "The shipped weights were trained on a GPU (see training.device) with six other runs sharing it, so "
     "'minutes' are shared-GPU wall time; `make models` retrains the same recipe on the CPU (not bit-identical). "
     "history and first_crossed come from the training monitor (64 repeats of frequent tokens, seed 1); the phenomena "

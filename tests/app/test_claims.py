@@ -360,3 +360,28 @@ def test_term_importance_shows_both_head_ablations(raw):
     row = next(h for h in body["heads"] if h["head"] == "L0H5")
     assert row["loss_change_recomputed"] == pytest.approx(loss(edited) - loss(m), abs=1e-4)
     assert row["loss_change_recomputed"] > row["loss_change"]
+
+
+def test_detectors_page_defaults_and_overview_reproduce_the_card():
+    """One standard input: the detectors analysis with its default parameters and the heads table (overview) show
+    the model card's numbers (which tests/core/test_shipped_models.py re-measures independently)."""
+    import json
+
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    card = json.loads((ROOT / "toy-2l" / "model_card.json").read_text())["phenomena"]
+    with TestClient(create_app(Settings(store_url="off"))) as c:
+        det = c.get("/api/v1/models/toy-2l/detectors").json()
+        heads = c.get("/api/v1/models/toy-2l/heads").json()
+    inp = card["detector_input"]
+    assert (det["detector_input"]["seq_len"], det["detector_input"]["batch"], det["detector_input"]["seed"]) == (
+        inp["seq_len"], inp["batch"], inp["seed"])
+    assert det["loss"]["first_repeat"] == pytest.approx(card["rep1_loss"], abs=1e-3)
+    assert det["loss"]["second_repeat"] == pytest.approx(card["rep2_loss"], abs=1e-3)
+    for table in (det["heads"], heads["heads"]):
+        by_name = {h["head"]: h for h in table}
+        for layer, row in enumerate(card["induction_scores"]):
+            for h, value in enumerate(row):
+                assert by_name[f"L{layer}H{h}"]["induction"] == pytest.approx(value, abs=2e-4)

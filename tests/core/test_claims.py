@@ -60,3 +60,59 @@ def test_removing_the_previous_token_head_breaks_induction_only_when_patterns_re
     losses = head_ablation(toy2l, tokens, recompute_patterns=True)
     frozen = head_ablation(toy2l, tokens)
     assert float(losses[0, 5]) > 10 * abs(float(frozen[0, 5]))
+
+
+def _card(name: str) -> dict:
+    import json
+
+    return json.loads((ROOT / name / "model_card.json").read_text())
+
+
+def _copying_scores(m) -> torch.Tensor:
+    """[L, H] eigenvalue copying scores from the dense [d, d] W_V W_O W_U W_E (its d_head largest eigenvalues)."""
+    out = torch.zeros(m.cfg.n_layers, m.cfg.n_heads, dtype=torch.float64)
+    for layer in range(m.cfg.n_layers):
+        for h in range(m.cfg.n_heads):
+            eig = torch.linalg.eigvals(m.W_V[layer, h] @ m.W_O[layer, h] @ m.W_U @ m.W_E)
+            eig = eig[eig.abs().argsort(descending=True)[: m.cfg.d_head]]
+            out[layer, h] = eig.sum().real / eig.abs().sum()
+    return out
+
+
+def test_card_sentences_of_toy_0l():
+    """'No positional embedding'; 'the held-out text (sparse: 26 files)'; 'approximates bigram statistics'."""
+    card = _card("toy-0l")
+    m = load_checkpoint(ROOT / "toy-0l", dtype=torch.float64, process=False).model
+    assert m.cfg.positional_embedding_type == "none" and m.W_pos is None
+    assert "26 files" in card["notes"] and card["data"]["val_files"] == 26
+    assert "approximates bigram statistics" in card["description"] and card["thresholds"]["kl_ratio"]["met"]
+
+
+def test_card_sentences_of_toy_1l():
+    """'every head's OV circuit has a positive eigenvalue copying score, yet few tokens raise their own logit most';
+    'all 8 heads had a positive OV copying score at step 800 (see history)'."""
+    card = _card("toy-1l")
+    m = load_checkpoint(ROOT / "toy-1l", dtype=torch.float64, process=False).model
+    assert "every head's OV circuit has a positive eigenvalue copying score" in card["description"]
+    assert (_copying_scores(m) > 0).all()
+    own = torch.arange(m.cfg.d_vocab)
+    top1 = [float(((m.W_E @ m.W_V[0, h] @ m.W_O[0, h] @ m.W_U).argmax(1) == own).double().mean()) for h in range(m.cfg.n_heads)]
+    assert max(top1) < 0.01  # "few tokens": under 1 % in every head
+    assert "all 8 heads had a positive OV copying score at step 800" in card["notes"]
+    first = next(row["step"] for row in card["history"] if row.get("copying_positive_fraction") == 1.0)
+    assert first == 800 and m.cfg.n_heads == 8
+
+
+def test_card_sentences_of_toy_2l(toy2l):
+    """'25 % of the rows are BOS + r + r + ... with r 8-63 random tokens drawn from the tokens seen >= 50 times';
+    'an induction head in layer 1 K-composes with a previous-token head in layer 0'."""
+    card = _card("toy-2l")
+    recipe = card["recipe"]
+    assert "25 % of the rows" in card["notes"] and recipe["repeat_frac"] == 0.25
+    assert "r 8-63 random tokens" in card["notes"] and (recipe["repeat_min"], recipe["repeat_max"]) == (8, 63)
+    from circuits_core.phenomena import MIN_TRAIN_COUNT
+
+    assert "seen >= 50 times" in card["notes"] and MIN_TRAIN_COUNT == 50
+    ph = card["phenomena"]  # the numbers themselves are re-measured in tests/core/test_shipped_models.py
+    assert ph["induction_head"].startswith("L1") and ph["k_composition_partner"].startswith("L0")
+    assert ph["induction_score"] >= 0.6 and ph["partner_previous_token_score"] >= 0.5
