@@ -281,14 +281,16 @@ def erasure(model: Transformer, energy: float = ENERGY, threshold_z: float = ERA
         W_V, W_O = model.W_V.flatten(0, 1).to(dt), model.W_O.flatten(0, 1).to(dt)  # [LH, d, dh], [LH, dh, d]
         OO = W_O @ W_O.transpose(-2, -1)  # [LH, dh, dh]
         ov_sq = ((W_V.transpose(-2, -1) @ W_V) * OO).sum((-2, -1))  # ||W_OV||^2 [LH]
+        W_V_all = W_V.permute(1, 0, 2).reshape(d, L * H * cfg.d_head)  # [d, LH dh]: every head in one matmul
+        W_O_all = W_O.reshape(L * H * cfg.d_head, d)  # [LH dh, d]
         for i, w in enumerate(ws):
             check_stop(should_stop, "erasure scores")
             if not mask[i].any():
                 continue
             U = w_spec[w.name].subspace(energy).to(dt)  # [d, k]
             k = U.shape[1]
-            X = U.T @ W_V  # [LH, k, dh]
-            Y = W_O @ U  # [LH, dh, k]
+            X = (U.T @ W_V_all).reshape(k, L * H, cfg.d_head).transpose(0, 1)  # U^T W_V [LH, k, dh]
+            Y = (W_O_all @ U).reshape(L * H, cfg.d_head, k)  # W_O U [LH, dh, k]
             trace = (X * Y.transpose(-2, -1)).sum((-2, -1))  # tr(U^T W_OV U)
             read_sq = ((X.transpose(-2, -1) @ X) * OO).sum((-2, -1))  # ||U^T W_OV||^2
             s = -trace / (math.sqrt(k) * read_sq.clamp_min(torch.finfo(dt).tiny).sqrt())
