@@ -1,0 +1,214 @@
+"""The tour's real-model chapter (issue 11.6): the paper's induction story on SmolLM2-135M, a rotary,
+grouped-query Llama-family model (models/smollm2-135m, `make smollm2`).
+
+Three figures, each with a general sentence and a sentence generated from values measured on the model (never
+written by hand); tests/app/test_tour_rotary.py recomputes every value independently on the real model (plain
+forward passes, dense float64 matrices, rotations at absolute positions) and fails when a sentence stops being
+true:
+  R1  its induction heads and the previous-token heads feeding them: detector scores, each previous-token head's
+      positional-kernel peak, and the K-composition profile over δ of each induction head's strongest source;
+  R2  the path expansion of a repeated token's logit (orders 0, 1 and the rest);
+  R3  the QK path expansion of the strongest induction head's score on its induction target.
+Without the model the figures say so (`available: false`); the rest of the tour is unaffected.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+from urllib.parse import urlencode
+
+import torch
+
+from app.params import NoParams
+from app.registry import ModelRegistry
+from app.schemas.analyses import TourFigure
+from app.settings import Limits
+from app.views.heads import build_heads_view
+from circuits_core import composition_rotary
+from circuits_core.config import head_name, parse_head
+from circuits_core.errors import QkovError
+from circuits_core.frozen import frozen_run
+from circuits_core.paths import expand_logits
+from circuits_core.qk_paths import expand_scores
+from circuits_core.rotary import KERNEL_WINDOW
+from circuits_core.weights import LoadedModel
+
+log = logging.getLogger("qkov.tour")
+
+TOUR_MODEL = "smollm2-135m"
+THRESHOLD = 0.4  # a head "is" a previous-token / induction head above this detector score
+REPEAT = 20  # R2/R3 input: BOS + r + r, r = REPEAT token ids drawn uniformly (seed 0)
+PAPER = "https://transformer-circuits.pub/2021/framework/index.html"
+API = "/api/v1"
+
+
+def repeated_tokens(loaded: LoadedModel) -> torch.Tensor:
+    """[1 + 2 REPEAT] BOS + r + r with r drawn uniformly from the vocabulary (seed 0)."""
+    cfg = loaded.model.cfg
+    r = torch.randint(0, cfg.d_vocab, (REPEAT,), generator=torch.Generator().manual_seed(0))
+    bos = cfg.bos_token_id if cfg.bos_token_id is not None else 0
+    return torch.cat([torch.tensor([bos]), r, r])
+
+
+def _fmt_heads(rows: list[tuple[str, float]]) -> str:
+    return ", ".join(f"{h} ({v:.2f})" for h, v in rows)
+
+
+# -- R1: induction heads and their previous-token sources ------------------------------------------------
+def induction_circuit(loaded: LoadedModel, limits: Limits) -> tuple[str, dict[str, Any]]:
+    model = loaded.model
+    heads = build_heads_view(loaded, NoParams(), limits)
+    inp = heads.detector_input
+    induction = sorted(((s.head, s.induction or 0.0) for s in heads.heads if (s.induction or 0.0) > THRESHOLD), key=lambda x: -x[1])
+    previous = sorted(((s.head, s.previous_token or 0.0) for s in heads.heads if (s.previous_token or 0.0) > THRESHOLD),
+                      key=lambda x: -x[1])
+    peaks = {s.head: s.kernel_peak_offset for s in heads.heads}
+    prev_peaks = {h: peaks[h] for h, _ in previous}
+    offsets = torch.arange(KERNEL_WINDOW + 1)
+    sources = []
+    for target, _ in induction:
+        lt = parse_head(target, model.cfg)[0]
+        best: tuple[str, torch.Tensor] | None = None
+        for source, _ in previous:
+            if parse_head(source, model.cfg)[0] < lt:
+                prof = composition_rotary.pair_profile(model, source, target, "k", offsets)  # [65]
+                if best is None or float(prof.max()) > float(best[1].max()):
+                    best = (source, prof)
+        if best is not None:
+            sources.append({"target": target, "source": best[0], "min": float(best[1].min()), "max": float(best[1].max()),
+                            "peak_offset": int(best[1].argmax())})
+    cfg = model.cfg
+    baseline, _ = composition_rotary.random_baseline(cfg.d_model, cfg.d_head, cfg.group_size)
+    same_peak = sorted({p for p in prev_peaks.values() if p is not None})
+    sentence = (
+        f"On {inp.batch} sequences of BOS + r + r ({inp.seq_len} random tokens repeated, seed {inp.seed}), "
+        f"{len(induction)} heads have an induction score above {THRESHOLD}: {_fmt_heads(induction)}. "
+        f"{len(previous)} heads have a previous-token score above {THRESHOLD}: {_fmt_heads(previous)}; "
+        + (f"the positional kernel of every one of them peaks at δ = {same_peak[0]}. " if len(same_peak) == 1 else
+           f"their positional kernels peak at δ = {', '.join(str(prev_peaks[h]) for h, _ in previous)}. ")
+    )
+    if sources:
+        parts = [f"{s['target']} ← {s['source']} ({s['min']:.3f}–{s['max']:.3f})" for s in sources]
+        sentence += (f"The strongest K-composition source of each induction head among these previous-token heads, "
+                     f"with C_K over δ = 0–{KERNEL_WINDOW} (random baseline {baseline:.3f}): {'; '.join(parts)}.")
+    values = {"induction": induction, "previous_token": previous, "kernel_peaks": prev_peaks, "k_sources": sources,
+              "baseline": baseline, "input": inp.model_dump(mode="json")}
+    return sentence, values
+
+
+# -- R2: path expansion of a repeated token's logit --------------------------------------------------------
+def repeated_logit(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
+    model = loaded.model
+    tokens = repeated_tokens(loaded)
+    p = 2 * REPEAT - 1  # in the second copy; the next token repeats the one REPEAT positions earlier
+    target = int(tokens[p + 1])
+    run = frozen_run(model, tokens)
+    exp = expand_logits(model, tokens, target, positions=p, max_order=1, by_source=False, run=run)
+    totals = exp.order_totals()[:, 0]  # [2]
+    value = float(exp.value[0])
+    rank = int((run.logits[p] > run.logits[p, target]).sum()) + 1
+    heads = [(path, float(v)) for path, o, v in zip(exp.paths, exp.orders.tolist(), exp.values[:, 0].tolist(), strict=True) if o == 1]
+    top_path, top_value = max(heads, key=lambda x: abs(x[1]))
+    sentence = (
+        f"On BOS + r + r ({REPEAT} random tokens, seed 0), position {p} holds a repeated token; the logit of the token "
+        f"that followed it the first time is {value:.2f} (rank {rank} of {model.cfg.d_vocab}). With the attention patterns "
+        f"and norm scales frozen it splits into order 0 (embedding and MLP outputs read by the unembedding) "
+        f"{float(totals[0]):.2f}, order 1 (through one head) {float(totals[1]):.2f} and longer paths "
+        f"{float(exp.remainder[0]):.2f}; the largest single order-1 term is {' → '.join(top_path)} ({top_value:+.2f})."
+    )
+    values = {"tokens": tokens.tolist(), "position": p, "target": target, "value": value, "rank": rank,
+              "order0": float(totals[0]), "order1": float(totals[1]), "remainder": float(exp.remainder[0]),
+              "top_path": list(top_path), "top_value": top_value}
+    return sentence, values
+
+
+# -- R3: QK path expansion of an induction head's score ----------------------------------------------------
+def induction_score_terms(loaded: LoadedModel, head: str) -> tuple[str, dict[str, Any]]:
+    model = loaded.model
+    tokens = repeated_tokens(loaded)
+    layer, h = parse_head(head, model.cfg)
+    p = 2 * REPEAT - 1
+    j = p - REPEAT + 1  # the token after the previous occurrence of the query's token: the induction target
+    run = frozen_run(model, tokens)
+    exp = expand_scores(model, tokens, (layer, h), run=run)
+    terms = exp.q_parts[:, p] @ exp.k_parts[:, j].T / exp.scale  # [C, C]
+    C = len(exp.components)
+    order = terms.flatten().abs().argsort(descending=True)[:3].tolist()
+    top = [(exp.components[i // C], exp.components[i % C], float(terms.flatten()[i])) for i in order]
+    score, attention = float(exp.scores[p, j]), float(run.patterns[layer, h, p, j])
+    first = top[0]
+    sentence = (
+        f"{head_name(layer, h)}'s score from the query at position {p} to its induction target {j} (the token after the "
+        f"query token's previous occurrence) is {score:.2f}, attention {attention:.2f}. Split into query-side × key-side "
+        f"components of the residual stream, each rotated at its own position, the largest term is "
+        f"({first[0]} query, {first[1]} key) = {first[2]:+.2f}; the next are "
+        + "; ".join(f"({a}, {b}) = {v:+.2f}" for a, b, v in top[1:]) + "."
+    )
+    values = {"head": head_name(layer, h), "query": p, "key": j, "score": score, "attention": attention, "top_terms": top}
+    return sentence, values
+
+
+# -- the chapter -------------------------------------------------------------------------------------------
+def _links(path: str, params: dict[str, Any], api_path: str | None = None) -> tuple[str, str]:
+    """(page URL, API URL) of a figure's full view; the API path defaults to the page's."""
+    query = f"?{urlencode(params)}" if params else ""
+    return f"/models/{TOUR_MODEL}{path}{query}", f"{API}/models/{TOUR_MODEL}{api_path if api_path is not None else path}{query}"
+
+
+SPECS = (
+    ("R1", "SmolLM2: induction heads and the previous-token heads feeding them", "#analyzing-a-two-layer-model",
+     "Induction heads attend to the token after the previous occurrence of the current token; they find it through "
+     "K-composition with a previous-token head, whose positional kernel peaks at δ = 1."),
+    ("R2", "SmolLM2: path expansion of a repeated token's logit", "#path-expansion-of-logits",
+     "With patterns and norm scales frozen the logit is a sum of path terms, here grouped by order."),
+    ("R3", "SmolLM2: QK path expansion of an induction head's score", "#path-expansion-of-attention-scores-qk-circuit",
+     "The score splits into (query component, key component) terms; K-composition shows as a key-side term read "
+     "through a previous-token head."),
+)
+
+
+def _measure(fid: str, loaded: LoadedModel, limits: Limits, strongest: str | None) -> tuple[str, dict[str, Any], str, str]:
+    """(sentence, values, page URL, API URL) of one figure."""
+    if fid == "R1":
+        sentence, values = induction_circuit(loaded, limits)
+        return sentence, values, _links("", {})[0], f"{API}/models/{TOUR_MODEL}/heads"
+    if fid == "R2":
+        sentence, values = repeated_logit(loaded)
+        params = {"tokens": ",".join(map(str, values["tokens"])), "position": values["position"], "target": values["target"],
+                  "max_order": 1}
+        return (sentence, values, *_links("/prompt", params, "/paths"))
+    if strongest is None:
+        raise QkovError("no induction head above the threshold (figure R1)")
+    sentence, values = induction_score_terms(loaded, strongest)
+    tokens = ",".join(map(str, repeated_tokens(loaded).tolist()))
+    return (sentence, values, *_links("/qk-paths", {"head": strongest, "tokens": tokens}))
+
+
+def rotary_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure]:
+    """The three SmolLM2 figures; `available: false` with the reason when the model or a figure cannot be computed."""
+    try:
+        loaded: LoadedModel | None = registry.get(TOUR_MODEL)
+        missing = None
+    except QkovError as exc:
+        loaded, missing = None, f"model {TOUR_MODEL!r} is not available (make smollm2): {exc}"
+    figures: list[TourFigure] = []
+    strongest: str | None = None
+    for fid, title, anchor, look_for in SPECS:
+        base: dict[str, Any] = {"id": fid, "title": title, "anchor": f"{PAPER}{anchor}", "model": TOUR_MODEL, "link": None, "api": None,
+                "data": None, "look_for": look_for}
+        if loaded is None:
+            figures.append(TourFigure(**{**base, "available": False, "detail": missing}))
+            continue
+        try:
+            with torch.no_grad():
+                sentence, values, link, api = _measure(fid, loaded, limits, strongest)
+        except QkovError as exc:
+            log.info("tour figure %s not available: %s", fid, exc)
+            figures.append(TourFigure(**{**base, "available": False, "detail": str(exc)}))
+            continue
+        if fid == "R1" and values["induction"]:
+            strongest = values["induction"][0][0]
+        figures.append(TourFigure(**{**base, "available": True, "look_for": f"{look_for} Measured: {sentence}", "link": link,
+                                     "api": api, "data": {"claim": values}}))
+    return figures
