@@ -227,3 +227,21 @@ def test_damaged_safetensors_are_refused(tmp_path: Path, world: dict[str, tuple[
             save_file(state, str(weights))
         with pytest.raises(CheckpointError, match=message):
             load_checkpoint(folder)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_headdim", "llama_bias_linear_tied"])
+def test_transformers_4_config_layout(tmp_path: Path, world: dict[str, tuple[Path, Any]], name: str) -> None:
+    """Hub configs written by transformers 4.x (e.g. Llama-3.2-1B) carry `rope_scaling` (`type` or `rope_type`) and
+    a top-level `rope_theta` instead of `rope_parameters`: the same model loads."""
+    source, hf = world[name]
+    folder = tmp_path / "v4"
+    folder.mkdir()
+    for item in source.iterdir():
+        (folder / item.name).write_bytes(item.read_bytes())
+    config = json.loads((source / "config.json").read_text())
+    rope = dict(config.pop("rope_parameters"))
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = {"type": rope.pop("rope_type"), **rope} if "linear" in name else {**rope, "rope_type": "llama3"}
+    (folder / "config.json").write_text(json.dumps(config))
+    loaded = load_checkpoint(folder, dtype=torch.float32, process=False).model
+    assert (loaded(TOKENS) - _logits(hf, TOKENS)).abs().max() <= 1e-4
