@@ -18,6 +18,7 @@ from __future__ import annotations
 import html
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -114,11 +115,21 @@ def problem_response(request: Request, kind: ProblemKind, detail: str, **extra: 
     return _html("error.html", {**context, "request": request}, kind.status, fragment=False)
 
 
+def without_server_paths(detail: str, request: Request) -> str:
+    """An engine message with the server's folders removed (model folder paths become `<model id>/...`)."""
+    settings = getattr(request.app.state, "settings", None)
+    folders = [getattr(settings, "models_dir", None), getattr(settings, "shipped_dir", None), REPO_ROOT]
+    roots = {str(p) for folder in folders if isinstance(folder, Path) for p in (folder, folder.resolve())}
+    for root in sorted(roots, key=len, reverse=True):  # the deepest first: a model's folder keeps its id
+        detail = detail.replace(root + "/", "").replace(root, "<server folder>")
+    return detail
+
+
 async def _qkov_error(request: Request, exc: Exception) -> Response:
     kind = kind_of(exc)
     if kind.status >= 500:
         log.warning("%s %s: %s", request.method, request.url.path, exc)
-    return problem_response(request, kind, str(exc))
+    return problem_response(request, kind, without_server_paths(str(exc), request))
 
 
 async def _validation_error(request: Request, exc: Exception) -> Response:

@@ -50,9 +50,11 @@ def load_token_counts(folder: Path, d_vocab: int) -> np.ndarray | None:
     try:
         counts = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{path}: not a readable .npy array ({exc})") from exc
+        raise CheckpointError(f"{TOKEN_COUNTS_FILE}: not a readable .npy array ({type(exc).__name__})") from exc
     if counts.shape != (d_vocab,) or counts.dtype.kind not in "iu" or (counts < 0).any():
-        raise CheckpointError(f"{path}: expected [{d_vocab}] non-negative integer counts, got {counts.shape} {counts.dtype}")
+        raise CheckpointError(
+            f"{TOKEN_COUNTS_FILE}: expected [{d_vocab}] non-negative integer counts, got {counts.shape} {counts.dtype}"
+        )
     return counts.astype(np.int64)
 
 

@@ -294,6 +294,18 @@ def test_same_weights_other_tokenizer_or_counts_never_share_answers(own_dirs: tu
     assert top_toy["entries"] != top_counts["entries"]  # other counts, other frequent tokens
 
 
+def test_request_time_errors_show_no_server_path(own_dirs: tuple[Path, Path]) -> None:
+    """token_counts.npy is read per request: a broken one is a 422 naming the file, not the server's folder."""
+    shipped, models = own_dirs
+    shutil.copytree(shipped / "tiny-2l", models / "badcounts")
+    np.save(models / "badcounts" / TOKEN_COUNTS_FILE, np.array([-1, 2, 3]))
+    with TestClient(create_app(Settings(shipped_dir=shipped, models_dir=models, limits=LIMITS))) as c:
+        body = assert_problem(c.get("/api/v1/models/badcounts/direct", params={"min_count": 1}), 422, TOKEN_COUNTS_FILE)
+        page = c.get("/models/badcounts/direct", params={"min_count": 1})
+    for text in (body["detail"], page.text):
+        assert str(models) not in text and str(models.resolve()) not in text and "/tmp/" not in text
+
+
 def test_fingerprint_follows_the_files(tmp_path: Path) -> None:
     (tmp_path / "a").write_text("1")
     before = registry_module.fingerprint(tmp_path)
