@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import anyio.to_thread
+import torch
 from pydantic import BaseModel
 
 from app.cache import ResultCache
@@ -296,12 +297,15 @@ def _takes_should_stop(fn: Callable[..., Any]) -> bool:
         return False
 
 
-def default_torch_threads(slots: int) -> int:
+def available_cores() -> int:
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // slots)
+        return os.cpu_count() or 1
+
+
+def default_torch_threads(slots: int) -> int:
+    return max(1, available_cores() // slots)
 
 
 class ComputeService:
@@ -309,8 +313,9 @@ class ComputeService:
 
     def __init__(self, slots: int = 2, slot_wait_s: float = 30.0, cache_bytes: int = 0,
                  request_timeout_s: float | None = None, dense_budget_bytes: int | None = None,
-                 budgets: Budgets | None = None, store: StoreTier | None = None):
+                 budgets: Budgets | None = None, store: StoreTier | None = None, torch_threads: int | None = None):
         self.slots = Slots(slots)
+        self.torch_threads = torch_threads  # None: each computation gets the cores // computations running
         self.store = store  # the second level behind the cache (app/store.py): disk or Redis, shared by processes
         self.slot_wait_s = slot_wait_s
         self.request_timeout_s = request_timeout_s
@@ -452,6 +457,8 @@ class ComputeService:
     def _call(self, flight: Flight, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
               lower: str, what: str) -> None:
         """In a worker thread, holding a slot: run fn, encode and check its answer, cache it, release, settle."""
+        # torch's intra-op thread count is per thread: a computation running alone gets every core, two share them
+        torch.set_num_threads(self.torch_threads or max(1, available_cores() // max(1, self.slots.in_use)))
         start = time.perf_counter()
         try:
             with stopping(flight.should_stop):
@@ -473,8 +480,11 @@ class ComputeService:
         self.stats.ewma_seconds = 0.8 * self.stats.ewma_seconds + 0.2 * elapsed
         if flight.key is not None and body is not None:
             self.cache.put(flight.key, body)
-            if self.store is not None:
+        if flight.key is not None and self.store is not None:  # keep the answer (if JSON) and free the claim
+            if body is not None:
                 self.store.save(flight.key, body)
+            else:
+                self.store.release(flight.key)
         self.slots.release()
         self._settle(flight, value=Answer(value, body))
 

@@ -1,58 +1,59 @@
-"""Fill the result store with every weight-derived table a model's pages read, before traffic arrives.
+"""Fill the result store with everything a model's pages read, before traffic arrives.
 
-    python -m app.precompute toy-2l                # heads table, Q/K/V composition, each head's page tables
-    python -m app.precompute gpt2 --heads L0H1,L5H5  # only these heads' tables (the model-wide ones too)
+    python -m app.precompute toy-2l                 # every page of the model, each head's page, the API defaults
+    python -m app.precompute gpt2 --heads L0H1,L5H5   # only these heads' pages (the model-wide pages too)
 
-The store is the one the settings name (`QKOV_STORE_URL`: the disk store by default, or Redis shared by
-replicas), and every answer goes in under exactly the key the server derives (app/analysis.py `cache_key`:
-model id, answer digest, analysis name, normalised params), encoded as the server encodes it, so a page asking
-for it later is a store hit. Keys already in the store are skipped, so an interrupted run resumes where it
-stopped. Progress is a tqdm bar on stderr; the last line says what was computed, skipped and how long it took.
+It opens each page of the model at its default parameters through the app itself (in process, no socket),
+so every table a page reads (the heads table, Q/K/V composition, each head's circuits, the default prompt's
+analyses...) goes into the store the settings name (`QKOV_STORE_URL`: the disk store by default, or Redis
+shared by replicas) under exactly the key and encoding the server uses: a visitor's request later is a store
+hit. Keys already in the store are store hits here too, so an interrupted run resumes where it stopped.
+Progress is a tqdm bar on stderr; the last line says how many computations ran, how many answers came from
+the store, and how long it took. A page that answers 4xx for this model (e.g. composition on a 1-layer model)
+is listed, not fatal.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
+from fastapi.testclient import TestClient
 from tqdm import tqdm
 
-from app.analysis import Analysis, AnalysisParams, cache_key
-from app.compute import ComputeService, bind, encode, key_text
-from app.params import CompositionParams, HeadParams, NoParams, OVParams, QKParams, SkipTrigramParams
-from app.registry import ModelRegistry
-from app.routers.pages import HeadPageParams
+from app.main import create_app
+from app.params import HeadParams
+from app.routers.pages import PAGES
 from app.settings import Settings
-from app.store import open_store
-from app.views.circuits import OV, QK, SKIP_TRIGRAMS
-from app.views.composition import COMPOSITION
-from app.views.heads import HEAD, HEADS
 from circuits_core.config import head_name
 from circuits_core.errors import QkovError
 from circuits_core.weights import LoadedModel
 
-Job = tuple[Analysis[Any, Any], AnalysisParams]
-PAGE_K = HeadPageParams.model_fields["k"].default  # the head page's top-k
+HEAD_APIS = ("heads/{head}/ov", "heads/{head}/qk")  # the API twins a notebook asks first
 
 
-def jobs(loaded: LoadedModel, heads: list[str]) -> Iterator[Job]:
-    """What the model's pages read from the weights alone: model-wide tables first, then each head's."""
-    yield HEADS, NoParams()
-    if loaded.model.cfg.n_layers >= 2:
-        for kind in ("Q", "K", "V"):
-            yield COMPOSITION, CompositionParams(kind=kind)
-    for head in heads:
-        yield HEAD, HeadParams(head=head)
-        for k in sorted({PAGE_K, OVParams.model_fields["k"].default}):  # the page's and the API's default
-            yield OV, OVParams(head=head, k=k)
-            yield QK, QKParams(head=head, k=k, side="query")
-        yield SKIP_TRIGRAMS, SkipTrigramParams(head=head, k=PAGE_K)
+def page_urls(app: Any, model: str) -> tuple[list[str], list[str]]:
+    """(the model-wide pages, the per-head page templates with `{head}`) of this app."""
+    declared = {p.route for p in PAGES}
+    routes = sorted(declared | {a.page_path for a in app.state.analyses.analyses if a.template and a.scope == "model"})
+    model_wide = [f"/models/{model}"]
+    per_head = [f"/api/v1/models/{model}/{path}" for path in HEAD_APIS]
+    for route in routes:
+        if not route.startswith("/models/{model}"):
+            continue  # server-wide pages (the tour) are not one model's
+        url = route.replace("{model}", model)
+        fields = url.count("{")
+        if fields == 0:
+            model_wide.append(url)
+        elif fields == 1 and "{head}" in url:
+            per_head.append(url)
+    return model_wide, per_head
 
 
-def all_heads(loaded: LoadedModel, only: str | None) -> list[str]:
+def heads_of(loaded: LoadedModel, only: str | None) -> list[str]:
     cfg = loaded.model.cfg
     if only:
         return [HeadParams(head=h.strip()).normalised(loaded).head for h in only.split(",") if h.strip()]
@@ -66,30 +67,30 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     settings = Settings()
-    store = open_store(settings.store_url, settings.store_dir, settings.store_bytes, settings.store_ttl_s)
-    if store is None:
+    if settings.store_url == "off":
         parser.error("the result store is off (QKOV_STORE_URL=off): nothing to fill")
-    try:
-        loaded = ModelRegistry(settings).get(args.model)
-        heads = all_heads(loaded, args.heads)
-    except QkovError as exc:
-        parser.error(str(exc))
-    bind(ComputeService(cache_bytes=settings.cache_bytes), None)  # tables built inside others (heads table) once
-    todo = list(jobs(loaded, heads))
-    computed = skipped = 0
-    start = time.perf_counter()
-    for analysis, params in tqdm(todo, desc=f"precompute {args.model}", unit="table", file=sys.stderr, mininterval=1.0):
-        typed = params.normalised(loaded)
-        key = key_text(cache_key(analysis, args.model, loaded, typed))
-        if store.get(key) is not None:
-            skipped += 1
-            continue
-        body = encode(analysis.build(loaded, typed, settings.limits))
-        if body is not None:
-            store.put(key, body)
-            computed += 1
-    took = time.perf_counter() - start
-    print(f"{args.model}: {computed} tables computed, {skipped} already in the {store.name} store, {took:.1f} s")
+    app = create_app(settings)
+    logging.getLogger("qkov.access").setLevel(logging.WARNING)  # the bar says where it is; no line per page
+    with TestClient(app) as client:
+        try:
+            loaded = app.state.registry.get(args.model)
+            heads = heads_of(loaded, args.heads)
+        except QkovError as exc:
+            parser.error(str(exc))
+        model_wide, per_head = page_urls(app, args.model)
+        urls = model_wide + [u.replace("{head}", h) for h in heads for u in per_head]
+        service, refused = app.state.compute, []
+        before, start = service.stats.completed, time.perf_counter()
+        for url in tqdm(urls, desc=f"precompute {args.model}", unit="page", file=sys.stderr, mininterval=1.0):
+            status = client.get(url, headers={"Accept-Encoding": "identity"}).status_code
+            if status >= 400:
+                refused.append(f"{url} ({status})")
+        took = time.perf_counter() - start
+        store = service.store
+        print(f"{args.model}: {len(urls)} pages, {service.stats.completed - before} computations, "
+              f"{store.hits if store else 0} answers already in the {settings.store_url.split(':')[0]} store, {took:.1f} s")
+        if refused:
+            print("not available for this model: " + ", ".join(refused))
     return 0
 
 

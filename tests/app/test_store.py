@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -11,8 +12,9 @@ from pathlib import Path
 import diskcache
 import pytest
 
+from app.compute import ComputeService, bind, compute
 from app.ratelimit import RateLimiter
-from app.store import DiskStore, RedisStore, open_store, wait_for
+from app.store import DiskStore, RedisStore, StoreTier, open_store, wait_for
 from tests.app.redis_server import RedisServer, running_redis
 
 
@@ -88,6 +90,19 @@ def test_wait_for_returns_the_answer_another_process_puts(tmp_path: Path) -> Non
 
     threading.Timer(0.2, finish).start()
     assert wait_for(b, "k", ttl_s=10) == b"done"
+
+
+def test_a_keyed_answer_that_is_not_json_still_frees_its_claim(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path / "s", 2**24)
+    service = ComputeService(slots=1, cache_bytes=2**20, store=StoreTier(store, claim_ttl_s=60))
+
+    async def ask() -> int:
+        bind(service, None)
+        return await compute(lambda: 42, key=("k",))
+
+    assert asyncio.run(ask()) == 42
+    assert DiskStore(tmp_path / "s", 2**24).claim("k", 60)  # another process may compute it at once
+    service.close()
 
 
 # -- redis -----------------------------------------------------------------------------------------------
