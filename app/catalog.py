@@ -15,6 +15,7 @@ from app.views.attention_entropy import ATTENTION_ENTROPY
 from app.views.copying import COPYING_ALL
 from app.views.residual import ANALYSES as RESIDUAL_ANALYSES
 from app.views.tour import build_tour_view
+from app.views.tour import tour_cost as tour_view_cost
 from circuits_core.cost import Cost
 
 
@@ -23,8 +24,8 @@ def build_tour(registry: ModelRegistry, p: NoParams, limits: Limits) -> TourView
 
 
 def tour_cost(registry: ModelRegistry, p: NoParams, limits: Limits) -> Cost:
-    """Provisional: the tour's figures run on the small shipped models; their own estimate is still to come."""
-    return Cost(0)
+    """The tour's figures priced by the engine cost functions of what they compute (app.views.tour.tour_cost)."""
+    return tour_view_cost(registry, limits)
 
 
 TOUR = Analysis(

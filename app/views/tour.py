@@ -23,7 +23,9 @@ from app.registry import ModelRegistry
 from app.schemas.analyses import TourFigure, TourView
 from app.settings import Limits
 from app.views import tour_figures as figs
-from app.views.tour_claims import CLAIMS
+from app.views.tour_claims import BASELINE_SAMPLES, BASELINE_TOP_SAMPLES, CLAIMS
+from circuits_core import ablation, circuits, composition, copying, heads, paths, qk_paths
+from circuits_core.cost import Cost
 from circuits_core.errors import QkovError
 from circuits_core.weights import LoadedModel
 
@@ -167,3 +169,26 @@ def build_tour_view(registry: ModelRegistry, limits: Limits) -> TourView:
         models={m: not isinstance(v, str) for m, v in models.items()},
         figures=[_figure(fig, models, limits) for fig in FIGURES],
     )
+
+
+def tour_cost(registry: ModelRegistry, limits: Limits) -> Cost:
+    """The figures run one after another on each installed toy: the largest working memory among the engine cost
+    functions of what they compute (circuit top-k, copying with its baseline, the detector pass, paths, term
+    importance, composition, QK terms), answers added. Loads the toys, as the tour itself does."""
+    total = Cost(0)
+    for name in TOUR_MODELS:
+        loaded = _load(registry, name)
+        if isinstance(loaded, str):
+            continue
+        m, b = loaded.model, limits.matrix_budget_bytes
+        n = min(m.cfg.n_ctx, limits.max_prompt_tokens)
+        rep = min(2 * heads.STANDARD_SEQ_LEN + 1, m.cfg.n_ctx)
+        parts = [circuits.top_cost(m, limits.max_k, b, line=False)]
+        if m.cfg.n_layers >= 1:
+            parts += [copying.cost(m, 10, BASELINE_SAMPLES, BASELINE_TOP_SAMPLES, b), heads.head_table_cost(m, rep, heads.STANDARD_BATCH, b),
+                      heads.detectors_cost(m, rep, heads.STANDARD_BATCH, logits=True), paths.cost(m, n, min(2, m.cfg.n_layers))]
+        if m.cfg.n_layers >= 2:
+            parts += [ablation.cost(m, n), composition.cost(m, ("k",)), qk_paths.cost(m, m.cfg.n_layers - 1, n, 6)]
+        for part in parts:
+            total = total.then(part)
+    return total
