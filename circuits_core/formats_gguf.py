@@ -154,7 +154,9 @@ def dequantize(tensor: Any, name: str) -> Tensor:
             f"{name}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf library cannot "
             f"dequantise ({exc})"
         ) from exc
-    return torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
+    if array.base is not None or not array.flags.writeable or array.dtype != np.float32:  # a view of the file
+        array = np.array(array, dtype=np.float32)
+    return torch.from_numpy(array)
 
 
 class _Tensors:
@@ -198,17 +200,18 @@ def gguf_state(cfg: ModelConfig, tensors: _Tensors) -> State:
         sd[f"{p}.ln1.w"] = tensors.need(f"{b}.attn_norm.weight", (d,))
         sd[f"{p}.ln2.w"] = tensors.need(f"{b}.ffn_norm.weight", (d,))
         W_Q = tensors.need(f"{b}.attn_q.weight", (H * dh, d))  # rows (head, d_head) in adjacent-pairs order
-        sd[f"{p}.attn.W_Q"] = W_Q.reshape(H, dh, d).transpose(1, 2)  # [n_heads, d_model, d_head]
+        sd[f"{p}.attn.W_Q"] = W_Q.reshape(H, dh, d).transpose(1, 2).contiguous()  # [n_heads, d_model, d_head]
         for x in "KV":
             W = tensors.need(f"{b}.attn_{x.lower()}.weight", (n_kv * dh, d))
-            sd[f"{p}.attn._W_{x}"] = W.reshape(n_kv, dh, d).transpose(1, 2)  # [n_kv, d_model, d_head]
+            sd[f"{p}.attn._W_{x}"] = W.reshape(n_kv, dh, d).transpose(1, 2).contiguous()  # [n_kv, d_model, d_head]
         W_O = tensors.need(f"{b}.attn_output.weight", (d, H * dh))  # [d_model(out), n_heads * d_head(in)]
-        sd[f"{p}.attn.W_O"] = W_O.T.reshape(H, dh, d)  # [n_heads, d_head, d_model]
-        sd[f"{p}.mlp.W_gate"] = tensors.need(f"{b}.ffn_gate.weight", (d_mlp, d)).T  # [d_model, d_mlp]
-        sd[f"{p}.mlp.W_in"] = tensors.need(f"{b}.ffn_up.weight", (d_mlp, d)).T  # [d_model, d_mlp]
-        sd[f"{p}.mlp.W_out"] = tensors.need(f"{b}.ffn_down.weight", (d, d_mlp)).T  # [d_mlp, d_model]
+        sd[f"{p}.attn.W_O"] = W_O.T.reshape(H, dh, d)  # [n_heads, d_head, d_model] (reshape copies: W_O.T is strided)
+        # Each tensor made contiguous as it is read, so its file-order copy is freed at once (peak: one tensor).
+        sd[f"{p}.mlp.W_gate"] = tensors.need(f"{b}.ffn_gate.weight", (d_mlp, d)).T.contiguous()  # [d_model, d_mlp]
+        sd[f"{p}.mlp.W_in"] = tensors.need(f"{b}.ffn_up.weight", (d_mlp, d)).T.contiguous()  # [d_model, d_mlp]
+        sd[f"{p}.mlp.W_out"] = tensors.need(f"{b}.ffn_down.weight", (d, d_mlp)).T.contiguous()  # [d_mlp, d_model]
     output = tensors.take("output.weight", (d_vocab, d), optional=True)
-    sd["unembed.W_U"] = (output if output is not None else W_E).T  # [d_model, d_vocab]
+    sd["unembed.W_U"] = output.T.contiguous() if output is not None else W_E.T  # [d_model, d_vocab] (tied: a view)
     tensors.finish()
     return sd
 
