@@ -27,6 +27,7 @@ from fastapi.testclient import TestClient
 import app.registry as registry_module
 from app.main import create_app
 from app.observability import client_address, proxy_networks
+from app.ratelimit import RateLimiter
 from app.settings import Settings
 from circuits_core.phenomena import TOKEN_COUNTS_FILE
 from tests.app.conftest import LIMITS, assert_problem, train_tokenizer
@@ -218,6 +219,17 @@ def test_rotating_forwarded_for_does_not_escape_the_rate_limit(settings: Setting
         codes = [c.get("/api/v1/models", headers={"X-Forwarded-For": f"198.51.100.{i}"}).status_code
                  for i in range(5)]
     assert codes == [200] * 5  # behind a configured proxy, each forwarded client has its own window
+
+
+def test_the_per_client_table_stays_bounded() -> None:
+    """The issue: the table grew without bound as forwarded addresses rotated. 5,000 clients, room for 100."""
+    limiter = RateLimiter(limit=2, window_s=60, max_clients=100)
+    for i in range(5000):
+        limiter.hit(f"198.51.{i // 256}.{i % 256}")
+    storage = vars(limiter._memory)
+    assert max(len(storage["events"]), len(storage["locks"])) <= 100
+    recent = "198.51.19.135"  # client 4999, remembered: its earlier hit counts
+    assert [limiter.hit(recent)[0] for _ in range(2)] == [True, False]
 
 
 @pytest.fixture()
