@@ -39,7 +39,7 @@ from circuits_core.config import ConfigReader, ModelConfig
 from circuits_core.errors import CheckpointError, InvalidInputError
 from circuits_core.formats_gguf import gguf_file, read_gguf
 from circuits_core.formats_hf import load_gpt2, load_gpt_neox
-from circuits_core.formats_llama import load_llama
+from circuits_core.formats_llama import LLAMA_MODEL_TYPES, llama_config, load_llama
 from circuits_core.model import Transformer
 from circuits_core.model_summary import load_summary
 from circuits_core.processing import SWITCHES, ProcessingOptions, own_tensors, process_state
@@ -292,6 +292,8 @@ def load_checkpoint(
         cfg, state, origin, tokenizer = read_gguf(path, check=check_price)
         files = [path]
     else:
+        if fmt in LLAMA_MODEL_TYPES:
+            check_price(llama_config(data))  # priced from config.json before any tensor is read
         cfg, state, origin, files = REGISTRY[fmt](folder, data, dtype)
         check_price(cfg)
     answer_files = [folder_file(folder, name) for name in ANSWER_FILES if folder_file(folder, name).is_file()]

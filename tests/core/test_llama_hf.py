@@ -245,3 +245,17 @@ def test_transformers_4_config_layout(tmp_path: Path, world: dict[str, tuple[Pat
     (folder / "config.json").write_text(json.dumps(config))
     loaded = load_checkpoint(folder, dtype=torch.float32, process=False).model
     assert (loaded(TOKENS) - _logits(hf, TOKENS)).abs().max() <= 1e-4
+
+
+def test_priced_from_config_before_any_tensor_is_read(tmp_path: Path) -> None:
+    """A bf16 checkpoint loaded as float32 costs twice its files: refused by `max_bytes` from config.json alone
+    (the damaged shard shows that no tensor was read first)."""
+    hf = _hf_model("llama", CASES["llama_gqa_default_untied"][1], seed=6).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path / "bf16")
+    weights = tmp_path / "bf16" / "model.safetensors"
+    size = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[: size - 64])  # truncated: reading it would fail differently
+    with pytest.raises(CheckpointError, match="config.json describes a model of"):
+        load_checkpoint(tmp_path / "bf16", dtype=torch.float32, max_bytes=int(1.5 * size))
+    with pytest.raises(CheckpointError, match="do not hold"):  # within the price: the damage is found
+        load_checkpoint(tmp_path / "bf16", dtype=torch.float32, max_bytes=4 * size)
