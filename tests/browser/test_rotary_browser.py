@@ -1,0 +1,72 @@
+"""The rotary controls in a real browser (issue 11.5): the head page's offset control swaps the circuits panel
+without a page load, pushes the URL and captions the QK tables with δ; the kernel and band charts draw; the
+composition page's offset control and the pair page's δ profile chart work; nothing leaves 127.0.0.1."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from playwright.sync_api import Page, expect
+
+from app.settings import Limits, Settings
+from circuits_core.config import ModelConfig
+from tests.app.conftest import save_qkov, train_tokenizer
+from tests.browser.conftest import CHROMIUM, checked_page, serve
+from tests.browser.test_pages_browser import charts_drawn, mark_document, same_document, settled
+
+
+@pytest.fixture(scope="module")
+def rotary_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from pathlib import Path
+
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"browser tests need {CHROMIUM} (make browser-deps)")
+    root = tmp_path_factory.mktemp("rotary-browser")
+    tok = train_tokenizer()
+    cfg = ModelConfig(n_layers=3, d_model=16, n_heads=4, d_head=8, d_vocab=tok.get_vocab_size(), n_ctx=64, attn_only=False,
+                      d_mlp=24, gated_mlp=True, act_fn="silu", normalization_type="RMS", positional_embedding_type="rotary",
+                      rotary_base=100.0, n_key_value_heads=2)
+    save_qkov(root / "rope", cfg, tok, seed=3)
+    limits = Limits(max_prompt_tokens=64, max_k=50, max_heads=4, max_batch=8, max_seq_len=30, matrix_budget_bytes=16 * 2**20)
+    yield from serve(Settings(shipped_dir=root, dtype="float32", limits=limits, store_url="off"))
+
+
+@pytest.fixture
+def rpage(browser, rotary_server: str) -> Iterator[Page]:  # noqa: ANN001
+    for pg in checked_page(browser, rotary_server):
+        pg.set_default_timeout(90_000)  # a cold head page computes a dozen analyses; the machine is shared
+        yield pg
+
+
+def test_head_page_offset_control(rpage: Page) -> None:
+    rpage.goto("/models/rope/heads/L1H3", wait_until="load")
+    charts_drawn(rpage, 2)
+    titles = rpage.evaluate("() => [...document.querySelectorAll('.js-plotly-plot')].map(g => g.layout.title.text)")
+    assert any("positional kernel of L1H3" in t for t in titles) and any("rotary band" in t for t in titles)
+    expect(rpage.locator("#qk-query-table").locator("xpath=..").locator("h3")).to_contain_text("at δ = 0")
+    mark_document(rpage)
+    rpage.fill("#offset-input", "4")
+    rpage.locator("#circuits form button.primary").click()
+    settled(rpage)
+    expect(rpage.locator("#circuits h3").first).to_be_visible()
+    expect(rpage.locator("#qk-query-table").locator("xpath=..").locator("h3")).to_contain_text("at δ = 4")
+    assert "offset=4" in rpage.url and same_document(rpage)
+    rpage.reload(wait_until="load")
+    expect(rpage.locator("#qk-query-table").locator("xpath=..").locator("h3")).to_contain_text("at δ = 4")
+    expect(rpage.locator("#offset-input")).to_have_value("4")
+
+
+def test_composition_offset_and_pair_profile(rpage: Page) -> None:
+    rpage.goto("/models/rope/composition?kind=K", wait_until="load")
+    charts_drawn(rpage)
+    rpage.fill("#offset-input", "3")
+    rpage.locator("#composition_panel form button.primary").click()
+    settled(rpage)
+    expect(rpage.locator("#composition_panel")).to_contain_text("at offset δ = 3")
+    assert "offset=3" in rpage.url
+    rpage.goto("/models/rope/composition/L0H1/L2H2", wait_until="load")
+    charts_drawn(rpage)
+    expect(rpage.locator("#rotary-profile")).to_contain_text("K peak")
+    n = rpage.evaluate("() => document.querySelector('#rotary-profile .js-plotly-plot').data.length")
+    assert n == 3  # Q, K and the baseline
