@@ -1,0 +1,261 @@
+"""Modern checkpoints (section `modern` of `make bench`, issue 10.5): load time, peak memory and HTTP answers.
+
+1. SmolLM2-135M (models/smollm2-135m, `make smollm2`): `load_checkpoint` of the Q4_1 GGUF (dequantised to
+   float32, processed), each load in a fresh subprocess: median wall time of the load and the process's peak
+   RSS (ru_maxrss: interpreter, torch and the model together). Goals: < 3 s, < 1.5 GiB. Side by side:
+   transformers' own GGUF reader on the same file (`from_pretrained(folder, gguf_file=...)`), the only other
+   reader of it here; TransformerLens cannot read GGUF.
+2. A Llama-3.2-1B-shaped random checkpoint in bf16, written here as Hugging Face files (config.json
+   model_type llama, two safetensors shards + index; 16 layers, d_model 2048, 32 heads, 8 key/value heads,
+   d_head 64, d_mlp 8192, vocabulary 128,256, tied embeddings, llama3 rope scaling) and kept in
+   .cache/bench/ for later runs: qkov's load (float32) in a subprocess, goals < 10 s and < 6 GiB peak RSS;
+   transformers' LlamaForCausalLM.from_pretrained (float32) side by side. TransformerLens 3.9 builds Llama
+   models only from the Hugging Face hub's configs (no network here), so it is not timed on these weights.
+3. The same checkpoint served by a real uvicorn on 127.0.0.1 (result cache and store off, model preloaded):
+   a 128-token order-2 path expansion (GET .../paths?tokens=...&max_order=2; goal < 10 s), and the
+   composition, copying and top-k views, each answered within the byte budget (the server's peak RSS during
+   the request is printed beside Limits.peak_bytes; a dense vocab x vocab float32 matrix would be 61 GiB).
+
+The machine is shared (2 cores, ~8 workers): the load average is printed; figures are indicative.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from bench import fmt_time, row
+from bench.http import mem_available, timed_get, wait_ready
+from bench.load import HOST, RssSampler, free_port, rss_bytes, start_server
+
+REPO = Path(__file__).resolve().parent.parent
+SMOLLM2 = REPO / "models" / "smollm2-135m"
+CACHE = REPO / ".cache" / "bench"
+LLAMA_ID = "llama-3.2-1b-shaped-random"
+GiB = 2**30
+LLAMA_1B = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "intermediate_size": 8192,
+    "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
+    "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "hidden_act": "silu",
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "attention_bias": False, "mlp_bias": False,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
+}  # fmt: skip
+WRITTEN_MARK = "written.ok"  # the checkpoint folder is complete (a run stopped while writing leaves none)
+
+
+# -- the checkpoint ----------------------------------------------------------------------------------------
+def llama_1b_folder() -> Path:
+    """The Llama-3.2-1B-shaped random bf16 checkpoint (written once: ~2.5 GB in .cache/bench/)."""
+    from safetensors.torch import save_file
+
+    folder = CACHE / LLAMA_ID
+    if (folder / WRITTEN_MARK).is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+    c = LLAMA_1B
+    d, L, dh = c["hidden_size"], c["num_hidden_layers"], c["head_dim"]
+    H, G, F, V = c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"], c["vocab_size"]
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int) -> torch.Tensor:  # N(0, 0.02^2), made in float32 one tensor at a time
+        return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    weight_map: dict[str, str] = {}
+    shards = [
+        ("model-00001-of-00002.safetensors", range(0, L // 2)),
+        ("model-00002-of-00002.safetensors", range(L // 2, L)),
+    ]
+    for index, (name, layers) in enumerate(shards):
+        tensors: dict[str, torch.Tensor] = {}
+        if index == 0:
+            tensors["model.embed_tokens.weight"] = rand(V, d)
+        for layer in layers:
+            p = f"model.layers.{layer}"
+            tensors |= {
+                f"{p}.input_layernorm.weight": torch.ones(d, dtype=torch.bfloat16),
+                f"{p}.post_attention_layernorm.weight": torch.ones(d, dtype=torch.bfloat16),
+                f"{p}.self_attn.q_proj.weight": rand(H * dh, d), f"{p}.self_attn.k_proj.weight": rand(G * dh, d),
+                f"{p}.self_attn.v_proj.weight": rand(G * dh, d), f"{p}.self_attn.o_proj.weight": rand(d, H * dh),
+                f"{p}.mlp.gate_proj.weight": rand(F, d), f"{p}.mlp.up_proj.weight": rand(F, d),
+                f"{p}.mlp.down_proj.weight": rand(d, F),
+            }  # fmt: skip
+        if index == len(shards) - 1:
+            tensors["model.norm.weight"] = torch.ones(d, dtype=torch.bfloat16)
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(tensors, name)
+        del tensors
+    total = sum((folder / name).stat().st_size for name, _ in shards)
+    index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=1))
+    (folder / "config.json").write_text(json.dumps(LLAMA_1B, indent=1))
+    (folder / "qkov.json").write_text(json.dumps({"processing": False}))  # weights as stored, as transformers
+    (folder / WRITTEN_MARK).write_text("")
+    return folder
+
+
+# -- loads in a fresh process ------------------------------------------------------------------------------
+def _child(kind: str, folder: str) -> None:
+    """Run in a subprocess: load once, print {"seconds", "peak_rss", "base_rss"} as JSON (ru_maxrss in KiB)."""
+    torch.set_num_threads(int(os.environ.get("QKOV_BENCH_THREADS", "2")))
+    if kind == "qkov":
+        from circuits_core.weights import load_checkpoint
+
+        def load() -> object:
+            return load_checkpoint(folder)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        gguf = sorted(p.name for p in Path(folder).glob("*.gguf"))
+        kwargs = {"gguf_file": gguf[0]} if gguf else {}
+
+        def load() -> object:
+            return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
+
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t0 = time.perf_counter()
+    model = load()
+    seconds = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    del model
+    print(json.dumps({"seconds": seconds, "peak_rss": peak, "base_rss": base}))
+
+
+def measure_load(kind: str, folder: Path, repeats: int) -> tuple[float, int, int]:
+    """(median seconds, largest peak RSS, largest RSS before the load) over `repeats` fresh processes."""
+    results = []
+    for _ in range(repeats):
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.modern", "--child", kind, str(folder)],
+            cwd=REPO, capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if out.returncode != 0:
+            raise RuntimeError(f"{kind} load of {folder.name} failed: {out.stderr.strip()[-600:]}")
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    return (
+        statistics.median(r["seconds"] for r in results),
+        max(r["peak_rss"] for r in results),
+        max(r["base_rss"] for r in results),
+    )
+
+
+def _load_row(label: str, kind: str, folder: Path, repeats: int, goal_s: str, goal_rss: float | None) -> float:
+    seconds, peak, base = measure_load(kind, folder, repeats)
+    goal = f" (goal < {goal_rss:g} GiB)" if goal_rss is not None else ""
+    row(label, seconds, goal_s, f"peak RSS {peak / GiB:.2f} GiB{goal}, {base / GiB:.2f} before the load")
+    return seconds
+
+
+def smollm2() -> None:
+    if not (SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file():
+        raise RuntimeError(f"{SMOLLM2} has no GGUF: run `make smollm2` first")
+    print(f"  {SMOLLM2.relative_to(REPO)}: Q4_1 GGUF {sum(p.stat().st_size for p in SMOLLM2.glob('*.gguf')) / 2**20:.0f} MiB; "
+          "each load in a fresh process (median of 3)")  # fmt: skip
+    ours = _load_row("qkov load_checkpoint (float32, processed)", "qkov", SMOLLM2, 3, "< 3 s", 1.5)
+    theirs = _load_row("transformers from_pretrained(gguf_file=...)", "transformers", SMOLLM2, 1, "", None)
+    print(f"  load time transformers / qkov: {theirs / ours:.1f}x (transformers: one load)")
+
+
+def llama_1b() -> Path:
+    t0 = time.perf_counter()
+    folder = llama_1b_folder()
+    size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    print(f"  {folder.relative_to(REPO)}: {size / GiB:.2f} GiB of bf16 safetensors in 2 shards "
+          f"(ready in {time.perf_counter() - t0:.1f} s); each load in a fresh process")  # fmt: skip
+    if mem_available() < 12 * GiB:
+        print(f"  skipped the loads: {mem_available() / GiB:.1f} GiB available, a float32 copy needs ~5 GiB each")
+        return folder
+    ours = _load_row("qkov load_checkpoint (float32, weights as stored)", "qkov", folder, 2, "< 10 s", 6.0)
+    theirs = _load_row("transformers LlamaForCausalLM.from_pretrained (float32)", "transformers", folder, 1, "", None)
+    print(f"  load time transformers / qkov: {theirs / ours:.1f}x (transformers: one load)")
+    return folder
+
+
+# -- through HTTP --------------------------------------------------------------------------------------------
+def _peak_during(proc: subprocess.Popen[bytes], client: httpx.Client, url: str) -> tuple[float, int, httpx.Response]:
+    """(seconds, the server's peak RSS during the request minus before it, response) of one GET."""
+    before = rss_bytes(proc.pid)
+    sampler = RssSampler(proc.pid, every_s=0.05)
+    sampler.start()
+    t0 = time.perf_counter()
+    answer = client.get(url)
+    seconds = time.perf_counter() - t0
+    sampler.stopped.set()
+    sampler.join()
+    return seconds, max(sampler.peak, rss_bytes(proc.pid)) - before, answer
+
+
+def served(folder: Path) -> None:
+    from app.settings import Limits
+
+    if mem_available() < 12 * GiB:
+        print(f"  skipped: {mem_available() / GiB:.1f} GiB available; the server holds ~5 GiB of float32 weights")
+        return
+    budget = Limits().peak_bytes
+    port = free_port()
+    proc = start_server(folder.parent, port, cache_bytes="0", store_url="off", preload="true",
+                        max_model_bytes=str(16 * GiB), request_timeout_s="600")  # fmt: skip
+    base, m = f"http://{HOST}:{port}", f"/api/v1/models/{LLAMA_ID}"
+    try:
+        t0 = time.perf_counter()
+        wait_ready(base, proc)
+        print(f"  server ready (model preloaded) in {time.perf_counter() - t0:.1f} s, RSS "
+              f"{rss_bytes(proc.pid) / GiB:.2f} GiB; result cache and store off: every request computes")  # fmt: skip
+        tokens = torch.randint(0, LLAMA_1B["vocab_size"], (128,), generator=torch.Generator().manual_seed(0))
+        ids = ",".join(str(int(t)) for t in tokens)
+        with httpx.Client(base_url=base, timeout=900) as client:
+            first, median, answer = timed_get(client, f"{m}/paths?tokens={ids}&max_order=2&k=30", 2)
+            n_terms = len(answer.json().get("terms", []))
+            row("GET /paths, 128 tokens, max_order=2 (HTTP)", median, "< 10 s",
+                f"first {fmt_time(first).strip()}; {n_terms} terms listed")  # fmt: skip
+            print(f"  views on the 1B shape, one request each (server peak RSS above its RSS before; budget "
+                  f"Limits.peak_bytes = {budget / GiB:.2f} GiB):")  # fmt: skip
+            views = [
+                ("composition?kind=K", "all 512 x 512 head pairs"),
+                ("heads/L8H3/copying", "OV copying of one head"),
+                ("copying?k=10", "copying overview, every head"),
+                ("heads/L8H3/ov?token=1234&k=20", "one row of the full OV circuit"),
+                ("heads/L8H3/qk?token=1234&k=20", "one row of the full QK circuit"),
+                ("heads/L8H3/ov?k=20", "global top-20 of the 128k x 128k OV circuit"),
+            ]
+            for path, what in views:
+                seconds, extra, answer = _peak_during(proc, client, f"{m}/{path}")
+                within = "within" if extra <= budget else "OVER"
+                status = (
+                    answer.status_code if answer.status_code == 200 else f"{answer.status_code} {answer.text[:160]}"
+                )
+                row(f"GET /{path}", seconds, "", f"{status}; +{extra / GiB:.2f} GiB ({within} budget): {what}")
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def modern() -> None:
+    print("-- SmolLM2-135M (GGUF) --")
+    smollm2()
+    print("-- Llama-3.2-1B shape, random bf16 Hugging Face checkpoint --")
+    folder = llama_1b()
+    served(folder)
+
+
+SECTIONS = {"modern": modern}
+
+
+if __name__ == "__main__":  # the subprocess of measure_load
+    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+        _child(sys.argv[2], sys.argv[3])
+    else:
+        modern()
