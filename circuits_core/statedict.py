@@ -60,7 +60,10 @@ def folder_file(folder: Path, name: str | os.PathLike[str]) -> Path:
     if ".." in rel.parts:
         raise CheckpointError(f"{str(name)[:80]!r}: files named by a checkpoint must lie inside its folder")
     root = folder.resolve()
-    resolved = (root / rel).resolve()
+    try:
+        resolved = (root / rel).resolve()
+    except (RuntimeError, OSError) as exc:  # a symlink loop
+        raise CheckpointError(f"{rel}: a symlink loop; refused") from exc
     if not resolved.is_relative_to(root):
         raise CheckpointError(f"{rel}: a symlink leading outside the model folder; refused")
     return resolved
@@ -77,7 +80,11 @@ def check_contained(folder: Path) -> None:
                 if seen > CONTAINED_MAX_ENTRIES:
                     raise CheckpointError(f"the model folder holds more than {CONTAINED_MAX_ENTRIES} entries")
                 path = Path(entry.path)
-                if entry.is_symlink() and not path.resolve().is_relative_to(root):
+                try:
+                    target = path.resolve() if entry.is_symlink() else path
+                except (RuntimeError, OSError) as exc:  # a symlink loop
+                    raise CheckpointError(f"{path.relative_to(root)}: a symlink loop; refused") from exc
+                if not target.is_relative_to(root):
                     raise CheckpointError(
                         f"{path.relative_to(root)}: a symlink leading outside the model folder; refused"
                     )

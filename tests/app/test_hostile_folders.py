@@ -200,6 +200,10 @@ CASES: dict[str, tuple[Builder, str]] = {
     "symlink-weights": (link_out("model.safetensors"), "symlink"),
     "symlink-tokenizer": (link_out("tokenizer.json"), "symlink"),
     "symlink-subfolder": (link_out("extra"), "symlink"),
+    "symlink-loop": (copy_then(lambda f: (f / "loop.json").symlink_to(f / "loop.json")), "symlink loop"),
+    "symlink-loop-tokenizer": (copy_then(lambda f: ((f / "tokenizer.json").unlink(),
+                                                    (f / "tokenizer.json").symlink_to(f / "tokenizer.json"))),
+                               "symlink loop"),
     # weights and side files that do not fit
     "weights-missing": (copy_then(lambda f: (f / "model.safetensors").unlink()), "model.safetensors"),
     "weights-truncated": (copy_then(write("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{")), "safetensors"),
