@@ -73,8 +73,9 @@ class _MappedFile:
             header = json.loads(self.map[8 : 8 + size])
             if not isinstance(header, dict):
                 raise ValueError("the header is not a JSON object")
-        except (OSError, ValueError, struct.error) as exc:  # json.JSONDecodeError is a ValueError
-            raise CheckpointError(f"{name}: not a readable safetensors file ({exc})") from exc
+        except (OSError, ValueError, struct.error, RecursionError) as exc:  # JSONDecodeError is a ValueError
+            detail = "header nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise CheckpointError(f"{name}: not a readable safetensors file ({detail})") from exc
         self.base = 8 + size
         self.entries = {k: v for k, v in header.items() if k != "__metadata__"}
 

@@ -210,7 +210,7 @@ def test_damaged_safetensors_are_refused(tmp_path: Path, world: dict[str, tuple[
     """qkov maps the shards itself (to release pages per tensor), so it checks what safe_open would."""
     source = world["qwen2_gqa_bias_tied"][0]
     for damage, message in (("truncate", "do not hold"), ("header", "not a readable safetensors"),
-                            ("int", "not a float type")):  # fmt: skip
+                            ("int", "not a float type"), ("nested", "nested too deeply")):  # fmt: skip
         folder = tmp_path / damage
         folder.mkdir()
         for item in source.iterdir():
@@ -221,6 +221,9 @@ def test_damaged_safetensors_are_refused(tmp_path: Path, world: dict[str, tuple[
             weights.write_bytes(data[: len(data) // 2])
         elif damage == "header":
             weights.write_bytes((10**12).to_bytes(8, "little") + data[8:])
+        elif damage == "nested":
+            header = b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+            weights.write_bytes(len(header).to_bytes(8, "little") + header)
         else:
             state = load_file(str(weights))
             state["model.norm.weight"] = state["model.norm.weight"].to(torch.int32)
