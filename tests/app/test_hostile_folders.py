@@ -136,6 +136,13 @@ def _set(state: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
     state[key] = value
 
 
+def bigger_tokenizer() -> str:
+    """The models' tokenizer with 50 more tokens than their d_vocab."""
+    tok = train_tokenizer()
+    tok.add_tokens([f"<extra-{i}>" for i in range(50)])
+    return str(tok.to_str())
+
+
 # id -> (builder, a phrase the reason must contain)
 CASES: dict[str, tuple[Builder, str]] = {
     # config.json that is not a readable object
@@ -149,6 +156,7 @@ CASES: dict[str, tuple[Builder, str]] = {
     "config-empty": (copy_then(write("config.json", "")), "not readable JSON"),
     "config-binary": (copy_then(write("config.json", b"\xff\xfe\x00garbage")), "not readable JSON"),
     "config-no-format": (copy_then(write("config.json", '{"hello": 1}')), "not a known checkpoint format"),
+    "config-5000-digit-int": (copy_then(write("config.json", '{"n_layers": ' + "9" * 5000 + "}")), "config.json"),
     # wrong-typed or absurd fields of a qkov / TransformerLens config
     "bos-string": (fields(bos_token_id="x"), "bos_token_id"),
     "bos-negative": (fields(bos_token_id=-3), "bos_token_id"),
@@ -182,6 +190,7 @@ CASES: dict[str, tuple[Builder, str]] = {
     "gpt2-bos-string": (hf({**GPT2, "bos_token_id": "x"}), "bos_token_id"),
     "gpt2-eps-list": (hf({**GPT2, "layer_norm_epsilon": [1]}), "layer_norm_epsilon"),
     "gpt2-n-layer-100000": (hf({**GPT2, "n_layer": 100000}), "n_layers"),
+    "gpt2-huge-dims": (hf({**GPT2, "n_embd": 2**20, "n_head": 1, "vocab_size": 2**20}), "wte.weight"),
     "neox-rope-linear": (hf({**NEOX, "rope_scaling": "linear"}), "rope_scaling"),
     "neox-rope-type": (hf({**NEOX, "rope_scaling": {"type": "linear", "factor": 2.0}}), "rope_type"),
     "neox-rotary-pct": (hf({**NEOX, "rotary_pct": 5}), "rotary_pct"),
@@ -214,6 +223,7 @@ CASES: dict[str, tuple[Builder, str]] = {
     "pickle-object": (pickle_bomb, "unpickle"),
     "two-weight-files": (two_weight_files, "several weight files"),
     "tokenizer-garbage": (copy_then(write("tokenizer.json", "{not json")), "tokenizer"),
+    "tokenizer-too-big": (copy_then(lambda f: write("tokenizer.json", bigger_tokenizer())(f)), "tokenizer has"),
     "tokenizer-config-deep": (copy_then(write("tokenizer_config.json", DEEP)), "tokenizer_config.json"),
     "card-deep": (copy_then(write("model_card.json", NESTED_200)), "model_card.json"),
     "card-array": (copy_then(write("model_card.json", "[]")), "model_card.json"),
