@@ -136,6 +136,11 @@ def _set(state: dict[str, torch.Tensor], key: str, value: torch.Tensor) -> None:
     state[key] = value
 
 
+def loop_tokenizer(folder: Path) -> None:
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer.json").symlink_to(folder / "tokenizer.json")
+
+
 def bigger_tokenizer() -> str:
     """The models' tokenizer with 50 more tokens than their d_vocab."""
     tok = train_tokenizer()
@@ -210,9 +215,7 @@ CASES: dict[str, tuple[Builder, str]] = {
     "symlink-tokenizer": (link_out("tokenizer.json"), "symlink"),
     "symlink-subfolder": (link_out("extra"), "symlink"),
     "symlink-loop": (copy_then(lambda f: (f / "loop.json").symlink_to(f / "loop.json")), "symlink loop"),
-    "symlink-loop-tokenizer": (copy_then(lambda f: ((f / "tokenizer.json").unlink(),
-                                                    (f / "tokenizer.json").symlink_to(f / "tokenizer.json"))),
-                               "symlink loop"),
+    "symlink-loop-tokenizer": (copy_then(loop_tokenizer), "symlink loop"),
     # weights and side files that do not fit
     "weights-missing": (copy_then(lambda f: (f / "model.safetensors").unlink()), "model.safetensors"),
     "weights-truncated": (copy_then(write("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{")), "safetensors"),
