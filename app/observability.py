@@ -3,7 +3,8 @@
 `install_serving(app, settings)` (called once by create_app) adds:
 
 - the app's ComputeService (app/compute.py: bounded slots, result cache, single-flight, stop flags) and the
-  torch intra-op thread count (`settings.torch_threads`, default cores // compute_slots);
+  torch intra-op thread count of each computation (`settings.torch_threads`; by default cores // the computations
+  running when it starts, so a computation alone uses every core);
 - a middleware that gives every request an id (`X-Request-ID` in, echoed out; a fresh one otherwise), binds
   the request to compute (client-disconnect polling, deadline `settings.request_timeout_s`), applies the
   optional per-client rate limit (app/ratelimit.py), adds `Retry-After` to every 503, counts requests by
@@ -379,6 +380,7 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
         dense_budget_bytes=settings.limits.matrix_budget_bytes,
         budgets=Budgets(settings.limits.peak_bytes, settings.limits.max_answer_bytes, settings.request_timeout_s),
         store=open_store_tier(settings),
+        torch_threads=settings.torch_threads,
     )
     torch.set_num_threads(settings.torch_threads or default_torch_threads(settings.compute_slots))
     configure_logging(settings)

@@ -31,8 +31,11 @@ from circuits_core.errors import CancelledError
 
 # One number in a JSON answer: a float64 repr ("-0.12345678901234568") and its separator.
 JSON_NUMBER_BYTES = 22
-# A short string in a JSON answer (a token text or head name with its quotes, key and separators).
-JSON_LABEL_BYTES = 40
+# A short labelled item in a JSON answer (a token reference {"id": 1234, "text": "..."} or a head name, with
+# its key and separators).
+JSON_LABEL_BYTES = 64
+# The rest of an answer: the model reference (id, digest), parameter echoes, labels and descriptions.
+JSON_ENVELOPE_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,8 @@ class Cost:
                     _add_seconds(self.seconds, other.seconds))
 
     def with_answer(self, numbers: int = 0, labels: int = 0) -> Cost:
-        """This cost with an answer of `numbers` JSON numbers and `labels` short strings added."""
-        extra = numbers * JSON_NUMBER_BYTES + labels * JSON_LABEL_BYTES
+        """This cost with an answer of `numbers` JSON numbers and `labels` labelled items (and its envelope) added."""
+        extra = numbers * JSON_NUMBER_BYTES + labels * JSON_LABEL_BYTES + JSON_ENVELOPE_BYTES
         return Cost(self.peak_bytes, self.answer_bytes + extra, self.seconds)
 
 
@@ -72,8 +75,8 @@ def itemsize(dtype: torch.dtype) -> int:
 
 
 def answer_numbers(numbers: int, labels: int = 0) -> int:
-    """Encoded bytes of an answer of `numbers` JSON numbers and `labels` short strings."""
-    return numbers * JSON_NUMBER_BYTES + labels * JSON_LABEL_BYTES
+    """Encoded bytes of an answer of `numbers` JSON numbers and `labels` labelled items (and its envelope)."""
+    return numbers * JSON_NUMBER_BYTES + labels * JSON_LABEL_BYTES + JSON_ENVELOPE_BYTES
 
 
 # -- the stop flag ---------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from app.analysis import Analysis, Registry
+from app.analysis import Analysis, BoundAnalyses
 from app.main import create_app
 from app.settings import Settings
 from circuits_core.cost import Cost
@@ -22,7 +22,7 @@ from circuits_core.cost import Cost
 LISTINGS = {"/api/v1/models", "/api/v1/unavailable-models", "/api/v1/models/{model}"}
 MODEL = "tiny-2l"
 TOKENS = "5,6,7,8,5,6,7,8,9"
-PATH_VALUES = {"model": MODEL, "head": "L1H0", "source": "L0H1", "target": "L1H2"}
+PATH_VALUES = {"model": MODEL, "head": "L1H0", "source": "L0H1", "target": "L1H2", "writer": "L0H1", "reader": "L1H0.K"}
 QUERY_VALUES = {"tokens": TOKENS, "heads": "L0H1,L1H2", "head": "L1H0", "k": 7}
 ROTARY_ONLY = {"positional", "rotary-bands", "composition-profile"}  # 422 on this (learned-position) model
 
@@ -34,8 +34,8 @@ def app_and_client(settings: Settings) -> Any:
         yield app, c
 
 
-def declared(app: Any) -> Registry:
-    registry: Registry = app.state.analyses
+def declared(app: Any) -> BoundAnalyses:
+    registry: BoundAnalyses = app.state.analyses
     return registry
 
 
@@ -59,6 +59,8 @@ def test_every_api_route_is_a_priced_analysis_or_a_listing(app_and_client: Any) 
 
 def _request(analysis: Analysis[Any, Any]) -> tuple[str, dict[str, Any]]:
     path = analysis.api_path
+    missing = [n for n in analysis.path_fields() if n not in PATH_VALUES]
+    assert not missing, f"add an example value for the path parameter(s) {missing} of {analysis.name} to PATH_VALUES"
     for name, value in PATH_VALUES.items():
         path = path.replace("{" + name + "}", value)
     fields = analysis.params.model_fields

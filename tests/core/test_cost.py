@@ -81,7 +81,7 @@ def test_costs_grow_with_what_they_price(model: Transformer) -> None:
 def test_cost_arithmetic() -> None:
     a, b = Cost(10, 1, 2.0), Cost(4, 3)
     assert a.then(b) == Cost(10, 4, 2.0) and a + b == Cost(14, 4, 2.0)
-    assert Cost(1).with_answer(numbers=2, labels=1) == Cost(1, 2 * 22 + 40)
+    assert Cost(1).with_answer(numbers=2, labels=1) == Cost(1, 2 * 22 + 64 + 1024)
 
 
 def test_a_polled_forward_pass_stops_between_hooks(model: Transformer) -> None:
