@@ -82,7 +82,7 @@ def measure(loaded: LoadedModel, seed: int = SEED) -> dict[str, Any]:
     ]
     return {
         "summary_version": SUMMARY_VERSION,
-        "source": {"model": loaded.path.name, "weights": _weights_source(loaded.path)},
+        "source": {"model": loaded.path.name, "weights": _weights_source(loaded.path), "stat": _stat(loaded.path)},
         "basis": basis,
         "input": {"seq_len": t, "batch": int(tokens.shape[0]), "seed": seed, "bos": int(tokens[0, 0])},
         "loss_first_copy": round(first, 4),
@@ -99,15 +99,23 @@ def measure(loaded: LoadedModel, seed: int = SEED) -> dict[str, Any]:
     }
 
 
-def _weights_source(folder: Path) -> dict[str, str]:
-    """{file name: sha256} of the weight files the summary depends on (the .gguf of a GGUF folder, else the
-    safetensors / torch files and config.json)."""
+def _weight_names(folder: Path) -> list[str]:
+    """The files a summary depends on: the .gguf of a GGUF folder, else the weight files and config.json."""
     names = sorted(
         p.name for p in folder.iterdir() if p.is_file() and p.suffix in (".gguf", ".safetensors", ".bin", ".pth", ".pt")
     )
-    if (folder / "config.json").is_file():
-        names.append("config.json")
-    return {name: file_sha256(folder_file(folder, name)) for name in names}
+    return names + (["config.json"] if (folder / "config.json").is_file() else [])
+
+
+def _weights_source(folder: Path) -> dict[str, str]:
+    """{file name: sha256} of the files the summary depends on."""
+    return {name: file_sha256(folder_file(folder, name)) for name in _weight_names(folder)}
+
+
+def _stat(folder: Path) -> dict[str, list[int]]:
+    """{file name: [size, mtime_ns]}: while these are unchanged the files are not hashed again on each load."""
+    stats = {name: folder_file(folder, name).stat() for name in _weight_names(folder)}
+    return {name: [st.st_size, st.st_mtime_ns] for name, st in stats.items()}
 
 
 def load_summary(folder: str | Path) -> dict[str, Any] | None:
@@ -123,9 +131,12 @@ def load_summary(folder: str | Path) -> dict[str, Any] | None:
         return None
     if not isinstance(summary, dict) or summary.get("summary_version") != SUMMARY_VERSION:
         return None
-    if summary.get("source", {}).get("weights") != _weights_source(folder):
+    source = summary.get("source")
+    if not isinstance(source, dict):
         return None
-    return summary
+    if source.get("stat") == _stat(folder) and list(source.get("weights", {})) == _weight_names(folder):
+        return summary  # the same files, untouched since the measurement (size and modification time)
+    return summary if source.get("weights") == _weights_source(folder) else None
 
 
 def ensure_summary(folder: str | Path) -> tuple[dict[str, Any], bool]:
@@ -133,6 +144,9 @@ def ensure_summary(folder: str | Path) -> tuple[dict[str, Any], bool]:
     folder = Path(folder)
     current = load_summary(folder)
     if current is not None:
+        if current["source"].get("stat") != _stat(folder):  # same bytes, touched: record the new times
+            current["source"]["stat"] = _stat(folder)
+            (folder / SUMMARY_FILE).write_text(json.dumps(current, indent=1) + "\n")
         return current, False
     from circuits_core.weights import load_checkpoint
 

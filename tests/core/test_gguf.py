@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import gguf
@@ -276,6 +277,11 @@ def test_the_stored_summary_is_the_card_until_the_weights_change(tmp_path):
     assert fresh and (folder / SUMMARY_FILE).is_file()
     assert load_checkpoint(folder).card == summary == load_summary(folder)
     assert ensure_summary(folder) == (summary, False)
+    os.utime(folder / "m.gguf", ns=(1, 1))  # same bytes, other time: still current (by its sha256), re-stamped
+    assert load_summary(folder) == summary
+    restamped, fresh = ensure_summary(folder)
+    assert not fresh and restamped["source"]["stat"]["m.gguf"][1] == 1 and load_summary(folder) == restamped
+    summary = restamped
     loaded = load_checkpoint(folder, process=False)
     assert summary["loss_first_copy"] == round(measure(loaded)["loss_first_copy"], 4)
     write_gguf(folder / "m.gguf", seed=1)  # other weights, same name
