@@ -6,10 +6,11 @@ models without monkeypatching. Nested limits read `QKOV_LIMITS__MAX_K=100` style
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -67,3 +68,14 @@ class Settings(BaseSettings):
     shutdown_drain_s: float = Field(default=8.0, gt=0, description="on SIGTERM, in-flight requests get this long to finish (app/serve.py)")
     log_format: Literal["json", "text"] = Field(default="json", description="JSON lines or plain text logs")
     metrics_multiprocess: bool = Field(default=False, description="aggregate metrics of uvicorn workers (PROMETHEUS_MULTIPROC_DIR)")
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        """Each entry an IP address or CIDR network (a typo would silently trust nothing, or the wrong peer)."""
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry.strip(), strict=False)
+            except ValueError as exc:
+                raise ValueError(f"trusted_proxies: {entry!r} is not an IP address or network ({exc})") from exc
+        return value

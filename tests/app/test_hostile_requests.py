@@ -208,6 +208,12 @@ def test_forwarded_address_believed_only_from_trusted_proxies(peer: str, forward
     assert client_address(scope, proxy_networks(trusted)) == expected
 
 
+def test_trusted_proxies_must_be_addresses_or_networks() -> None:
+    with pytest.raises(ValueError, match="localhost"):
+        Settings(trusted_proxies=["localhost"])
+    assert Settings(trusted_proxies=["10.0.0.0/8", "::1"]).trusted_proxies == ["10.0.0.0/8", "::1"]
+
+
 def test_rotating_forwarded_for_does_not_escape_the_rate_limit(settings: Settings) -> None:
     limited = settings.model_copy(update={"rate_limit": 3, "rate_window_s": 60.0})
     with TestClient(create_app(limited), client=("127.0.0.1", 5000)) as c:
