@@ -106,7 +106,7 @@ class _MappedFile:
         out = torch.empty(arranged.shape, dtype=dtype).copy_(arranged)  # one pass: convert + lay out
         del view, arranged
         first = start - start % _PAGE
-        if nbytes:
+        if nbytes and hasattr(mmap, "MADV_DONTNEED"):  # (not on Windows)
             self.map.madvise(mmap.MADV_DONTNEED, first, start + nbytes - first)  # drop the pages read
         return out
 
