@@ -22,6 +22,9 @@ from circuits_core.weights import LoadedModel, load_checkpoint
 REPO = Path(__file__).resolve().parents[2]
 FOLDER = REPO / "models" / "smollm2-135m"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# One worker loads the model and the reference once (make test runs xdist with --dist loadgroup); `make test-fast`
+# leaves these out, `make test` (which fetches the file first) and CI run them.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]
 
 
 @pytest.fixture(scope="module")
