@@ -2,7 +2,7 @@
 
 1. SmolLM2-135M (models/smollm2-135m, `make smollm2`): `load_checkpoint` of the Q4_1 GGUF (dequantised to
    float32, processed), each load in a fresh subprocess: median wall time of the load and the process's peak
-   RSS (ru_maxrss: interpreter, torch and the model together). Goals: < 3 s, < 1.5 GiB. Side by side:
+   RSS (VmHWM: interpreter, torch and the model together). Goals: < 3 s, < 1.5 GiB. Side by side:
    transformers' own GGUF reader on the same file (`from_pretrained(folder, gguf_file=...)`), the only other
    reader of it here; TransformerLens cannot read GGUF.
 2. A Llama-3.2-1B-shaped random checkpoint in bf16, written here as Hugging Face files (config.json
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -105,8 +104,15 @@ def llama_1b_folder() -> Path:
 
 
 # -- loads in a fresh process ------------------------------------------------------------------------------
+def _high_water() -> int:
+    """This process's peak RSS in bytes: VmHWM of its own memory map (ru_maxrss would also count the parent's
+    RSS at fork time, which Linux carries across exec)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def _child(kind: str, folder: str) -> None:
-    """Run in a subprocess: load once, print {"seconds", "peak_rss", "base_rss"} as JSON (ru_maxrss in KiB)."""
+    """Run in a subprocess: load once, print {"seconds", "peak_rss", "base_rss"} as JSON (bytes)."""
     torch.set_num_threads(int(os.environ.get("QKOV_BENCH_THREADS", "2")))
     if kind == "qkov":
         from circuits_core.weights import load_checkpoint
@@ -122,11 +128,11 @@ def _child(kind: str, folder: str) -> None:
         def load() -> object:
             return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kwargs)
 
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = _high_water()
     t0 = time.perf_counter()
     model = load()
     seconds = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _high_water()
     del model
     print(json.dumps({"seconds": seconds, "peak_rss": peak, "base_rss": base}))
 
