@@ -95,9 +95,11 @@ if importlib.util.find_spec("httptools") is not None:
         pass
 
 
-def http_protocol() -> type:
+def http_protocol(choice: str = "auto") -> type:
     """httptools when installed (uvicorn's "auto" choice), else h11; both with the header timeout."""
-    return HttpToolsWithHeaderTimeout if importlib.util.find_spec("httptools") is not None else H11WithHeaderTimeout
+    if choice == "h11" or (choice == "auto" and importlib.util.find_spec("httptools") is None):
+        return H11WithHeaderTimeout
+    return HttpToolsWithHeaderTimeout
 
 
 class DrainingServer(uvicorn.Server):
@@ -119,7 +121,7 @@ def _hard_exit() -> None:
 
 
 def config(host: str, port: int, workers: int, settings: Settings, app: str = "app.main:app",
-           factory: bool = False) -> uvicorn.Config:
+           factory: bool = False, http: str = "auto") -> uvicorn.Config:
     HeaderTimeout.header_timeout_s = settings.header_timeout_s
     return uvicorn.Config(
         app,
@@ -127,7 +129,7 @@ def config(host: str, port: int, workers: int, settings: Settings, app: str = "a
         host=host,
         port=port,
         workers=workers,
-        http=http_protocol(),
+        http=http_protocol(http),
         proxy_headers=False,
         timeout_graceful_shutdown=max(1, round(settings.shutdown_drain_s)),
         access_log=False,
@@ -141,8 +143,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=int(os.environ.get("UVICORN_WORKERS", "1")))
     parser.add_argument("--app", default="app.main:app", help="ASGI app import string (default app.main:app)")
     parser.add_argument("--factory", action="store_true", help="--app names a function returning the app")
+    parser.add_argument("--http", choices=("auto", "h11", "httptools"), default="auto", help="HTTP parser")
     args = parser.parse_args(argv)
-    cfg = config(args.host, args.port, args.workers, Settings(), args.app, args.factory)
+    cfg = config(args.host, args.port, args.workers, Settings(), args.app, args.factory, args.http)
     server = DrainingServer(cfg)
     if cfg.workers > 1:
         Multiprocess(cfg, sockets=[cfg.bind_socket()]).run()  # workers drain as uvicorn does (no hard exit)

@@ -157,8 +157,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def served(model_dirs: tuple[Path, Path]) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+def start_server(model_dirs: tuple[Path, Path], http: str) -> tuple[subprocess.Popen[bytes], int]:
     """`python -m app.serve` with a 1 s header timeout and a 2 s drain, two compute slots."""
     port = free_port()
     env = {**os.environ, "QKOV_SHIPPED_DIR": str(model_dirs[0]), "QKOV_COMPUTE_SLOTS": "2", "QKOV_TORCH_THREADS": "1",
@@ -166,7 +165,7 @@ def served(model_dirs: tuple[Path, Path]) -> Iterator[tuple[subprocess.Popen[byt
            "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "app.serve", "--app", "tests.app.test_serving_safety:make_slow_app", "--factory",
-         "--host", "127.0.0.1", "--port", str(port)],
+         "--host", "127.0.0.1", "--port", str(port), "--http", http],
         cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
     deadline = time.monotonic() + 60
@@ -179,6 +178,13 @@ def served(model_dirs: tuple[Path, Path]) -> Iterator[tuple[subprocess.Popen[byt
         assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "server exited"
         assert time.monotonic() < deadline, "the server did not start"
         time.sleep(0.1)
+    return proc, port
+
+
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def served(request: pytest.FixtureRequest, model_dirs: tuple[Path, Path]) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+    """The launcher with either HTTP parser (the header timeout is a mixin on each)."""
+    proc, port = start_server(model_dirs, request.param)
     yield proc, port
     if proc.poll() is None:
         proc.kill()
