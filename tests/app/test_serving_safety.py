@@ -237,9 +237,9 @@ def test_header_timeout_cuts_off_clients_that_never_finish_their_headers(
         assert normal.recv(4096).startswith(b"HTTP/1.1 200")
     with httpx.Client(base_url=f"http://127.0.0.1:{port}") as client:  # HEAD over the real server, kept alive
         for path in ("/healthz", "/api/v1/models", "/models/tiny-2l"):
-            head, get = client.head(path), client.get(path, headers={"Accept-Encoding": "identity"})
-            assert head.status_code == get.status_code == 200 and head.content == b"", path
-            assert head.headers["content-length"] == str(len(get.content)), path
+            head, full = client.head(path), client.get(path, headers={"Accept-Encoding": "identity"})
+            assert head.status_code == full.status_code == 200 and head.content == b"", path
+            assert head.headers["content-length"] == str(len(full.content)), path
 
 
 @pytest.mark.xdist_group("uvicorn")
