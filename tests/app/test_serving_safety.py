@@ -221,8 +221,8 @@ def test_header_timeout_cuts_off_clients_that_never_finish_their_headers(
         partial.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
         assert closed_by_server(partial, within_s=8)
     with socket.create_connection(("127.0.0.1", port)) as drip:  # slowloris: a header byte every 0.2 s
-        head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * 100 + b"\r\n\r\n"
-        assert closed_by_server(drip, within_s=8, drip=head)
+        slow_head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * 100 + b"\r\n\r\n"
+        assert closed_by_server(drip, within_s=8, drip=slow_head)
     with socket.create_connection(("127.0.0.1", port)) as normal:  # a whole request is served, and kept alive
         for _ in range(2):
             normal.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
