@@ -6,7 +6,9 @@ W_U (`[d_model, d_vocab]`). Positions in every metric assume the BOS token at po
 `prepend_bos=True` default), so `encode` prepends it unless told not to.
 
 Byte-level BPE stores a leading space as 'Ġ' and a newline as 'Ċ'; `token_str` shows the decoded text
-(' the', '\\n') so charts and JSON read naturally.
+(' the', '\\n') so charts and JSON read naturally. A token holding only part of a UTF-8 character ('Ã' is
+the byte 0xC3, the first half of 'é') is shown as its bytes ('\\xc3'), never as the byte alphabet's letters;
+in a sequence (`token_strs`) the character is shown whole on the token that completes it (`readable_pieces`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,55 @@ from circuits_core.errors import CheckpointError, InvalidInputError, NotFoundErr
 from circuits_core.statedict import read_json_object
 
 DEFAULT_BOS = "<|endoftext|>"
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table of byte-level BPE (printable Latin-1 bytes map to
+    themselves, the other 68 bytes to U+0100 onwards, in byte order)."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {b: chr(b) for b in kept}, 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def byte_level_bytes(entry: str) -> bytes | None:
+    """The bytes a byte-level BPE vocabulary entry stands for ('Ã©' -> b'\\xc3\\xa9'); None if it is not one."""
+    try:
+        return bytes(BYTE_OF_CHAR[c] for c in entry)
+    except KeyError:
+        return None
+
+
+def _unfinished(data: bytes) -> int:
+    """Where an unfinished UTF-8 character at the end of `data` starts (len(data) when the end is complete)."""
+    for back in range(1, min(4, len(data)) + 1):
+        b = data[-back]
+        if b & 0xC0 != 0x80:  # ASCII or a start byte: how many bytes its character needs
+            need = 2 if b & 0xE0 == 0xC0 else 3 if b & 0xF0 == 0xE0 else 4 if b & 0xF8 == 0xF0 else 1
+            return len(data) - back if need > back else len(data)
+    return len(data)
+
+
+def readable_pieces(pieces: list[bytes]) -> list[str]:
+    """The text of consecutive tokens given their bytes: each character on the token that completes it; a
+    token that completes no character shows its own bytes as escapes ('\\xc3'), as do invalid bytes. Without
+    split characters the pieces concatenate back to the decoded text."""
+    out: list[str] = []
+    pending = b""  # the start of a character begun by earlier tokens
+    for piece in pieces:
+        data = pending + piece
+        cut = _unfinished(data)
+        text, pending = data[:cut].decode("utf-8", errors="backslashreplace"), data[cut:]
+        out.append(text or piece.decode("utf-8", errors="backslashreplace"))
+    if pending and out and out[-1] != pieces[-1].decode("utf-8", errors="backslashreplace"):
+        out[-1] += pending.decode("utf-8", errors="backslashreplace")  # the text ends inside a character
+    return out
 
 
 def _special_token_name(value: object) -> str | None:
@@ -154,14 +205,16 @@ class Tokenizer:
     def token_str(self, token_id: int) -> str:
         """Readable text of one token: ' the' for 'Ġthe', '\\n' for 'Ċ', '<|endoftext|>' for specials."""
         token_id = self._check_id(token_id)
-        text = self.hf.decode([token_id], skip_special_tokens=False)
-        if text == "" or "\ufffd" in text:  # a partial UTF-8 sequence: show the raw vocabulary entry
-            raw = self.hf.id_to_token(token_id)
-            return raw if raw is not None else text
-        return text
+        return self.token_strs([token_id])[0]
 
     def token_strs(self, ids: list[int]) -> list[str]:
-        return [self.token_str(i) for i in ids]
+        """Readable text of consecutive tokens (a prompt): a character split over tokens ('é' = 'Ã' + '©' in
+        byte-level BPE) is shown whole on the token that completes it (`readable_pieces`)."""
+        texts = [self.hf.decode([self._check_id(i)], skip_special_tokens=False) for i in ids]
+        pieces = [byte_level_bytes(self.hf.id_to_token(i) or "") for i in ids]
+        if all("\ufffd" not in t for t in texts) or any(p is None for p in pieces):
+            return texts
+        return readable_pieces([p for p in pieces if p is not None])
 
     def lookup(self, token: str | int) -> int:
         """The id of a single token, given as its id, its text (' the') or its vocabulary entry ('Ġthe')."""

@@ -50,7 +50,13 @@ def token_ref(loaded: LoadedModel, token_id: int) -> TokenRef:
 
 
 def token_refs(loaded: LoadedModel, ids: list[int]) -> list[TokenRef]:
-    return [token_ref(loaded, int(i)) for i in ids]
+    """Consecutive tokens (a prompt): a character split over byte-level tokens ('é' = 0xC3 + 0xA9) is shown
+    whole on the token that completes it (Tokenizer.token_strs); independent tokens go through `token_ref`."""
+    tok = loaded.tokenizer
+    ids = [int(i) for i in ids]
+    if tok is None or not all(0 <= i < tok.vocab_size for i in ids):
+        return [token_ref(loaded, i) for i in ids]
+    return [TokenRef(id=i, text=text) for i, text in zip(ids, tok.token_strs(ids), strict=True)]
 
 
 def check_token_id(loaded: LoadedModel, token_id: int) -> int:

@@ -56,7 +56,7 @@ def build_prompt_view(loaded: LoadedModel, p: PromptParams, limits: Limits) -> P
         top = logits[0].argmax(-1).tolist()  # [n]
     return PromptView(
         model=model_ref(loaded), tokens=token_refs(loaded, ids), weighted=weighted, heads=patterns,
-        top_predictions=token_refs(loaded, top),
+        top_predictions=[token_ref(loaded, i) for i in top],  # independent tokens, not a sequence
     )
 
 
