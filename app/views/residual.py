@@ -251,12 +251,12 @@ def usage_cost(loaded: LoadedModel, p: UsageParams, limits: Limits) -> Cost:
 
 RESIDUAL = Analysis(
     name="residual", path="residual", params=ResidualParams, view=ResidualView, build=build_residual_view,
-    cost=residual_cost, summary="Residual stream: every writer x reader virtual-weight score", tags=["residual stream"],
+    cost=residual_cost, summary="Residual stream (virtual weights)", tags=["residual stream"],
     template="residual.html",
 )
 RESIDUAL_USAGE = Analysis(
     name="residual-usage", path="residual/usage", params=UsageParams, view=UsageView, build=build_usage_view,
-    cost=usage_cost, summary="Residual stream usage: ranks, overlaps, bandwidth, erasure", tags=["residual stream"],
+    cost=usage_cost, summary="Residual stream usage", tags=["residual stream"],
     template="residual_usage.html",
 )
 RESIDUAL_PAIR = Analysis(
