@@ -34,7 +34,7 @@ from circuits_core.composition import raw_composition_scores
 from circuits_core.config import head_name, parse_head
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError
-from circuits_core.model import Transformer
+from circuits_core.model import Transformer, rotary_angles, rotary_pairs
 from circuits_core.rotary import KERNEL_WINDOW, check_offsets, check_rotary, rotation
 
 PROFILE_OFFSETS = tuple(range(KERNEL_WINDOW + 1))  # δ = 0..64
@@ -74,24 +74,32 @@ def _source_factors(model: Transformer, dtype: torch.dtype) -> Tensor:
     return R_V.repeat_interleave(model.cfg.group_size, dim=1) @ W_O  # [L, H, dh, d]
 
 
-def _packed(M: Tensor, weighted: bool) -> Tensor:
-    """The upper triangle [..., dh (dh + 1) / 2] of symmetric M [..., dh, dh], off-diagonal entries doubled when
-    `weighted`: <A, B> = packed(A, True) . packed(B, False) for symmetric A, B (half the multiply-adds)."""
-    dh = M.shape[-1]
-    i, j = torch.triu_indices(dh, dh, device=M.device)
-    packed = M[..., i, j]
-    return packed * torch.where(i == j, 1.0, 2.0).to(M.dtype) if weighted else packed
+def _pair_order(model: Transformer) -> Tensor:
+    """A permutation of the d_head dims putting the rotary pairs' first dims, then their second dims, then the
+    unrotated ones: in that basis R(δ) acts on halves (rotate-half layout) whatever the model's layout. Inner
+    products <M, X> are unchanged when both are permuted alike."""
+    first, second = rotary_pairs(model.cfg)
+    rest = [i for i in range(model.cfg.d_head) if i not in set(first.tolist()) | set(second.tolist())]
+    return torch.cat([first, second, torch.tensor(rest, dtype=torch.long)]).to(model.device)
 
 
-def _rotated_grams(model: Transformer, G: Tensor, delta: Tensor, transpose_side: bool) -> Tensor:
-    """R(δ) G R(δ)^T (transpose_side False) or R(δ)^T G R(δ) (True) for G [N, dh, dh]: [N, n, dh, dh].
+def _rotated_grams(G: Tensor, cos: Tensor, sin: Tensor, transpose_side: bool) -> Tensor:
+    """R(δ) G R(δ)^T (transpose_side False) or R(δ)^T G R(δ) (True) for G [N, dh, dh] in the pair order of
+    _pair_order, cos/sin [n, K] of δ θ_k: [N, n, dh, dh], by rotating columns then rows (O(dh^2) per offset).
 
-    x R(δ) is model.rotate(x, δ), applied to the rows, then to the columns (O(dh^2) per offset)."""
-    N, dh, _ = G.shape
-    signed = delta if transpose_side else -delta  # R(-δ) = R(δ)^T
-    pos = signed[:, None]  # [n, 1] against [N, n, dh]
-    GR = model.rotate(G[:, None].expand(N, delta.numel(), dh, dh), pos)  # G R(±δ)
-    return model.rotate(GR.transpose(-2, -1), pos).transpose(-2, -1)  # R(±δ)^T G R(±δ)
+    x R(δ) turns pair k: x_f' = x_f cos - x_s sin, x_s' = x_s cos + x_f sin (model.rotate); R(δ)^T = R(-δ)."""
+    K = cos.shape[-1]
+    s = sin if transpose_side else -sin  # R^T G R: columns by R(δ); R G R^T: columns by R(-δ)
+
+    def right(X: Tensor) -> Tensor:  # X [..., dh] rows, each times R(±δ): [..., n, dh]
+        f, sec, rest = X[..., None, :K], X[..., None, K:2 * K], X[..., None, 2 * K:]
+        a, b = f * cos - sec * s, sec * cos + f * s  # [..., n, K]
+        return torch.cat([a, b, rest.expand(*a.shape[:-1], rest.shape[-1])], -1)
+
+    GR = right(G).transpose(-3, -2)  # [N, n, dh (rows of G), dh]: G R(±δ)
+    c2, s2 = cos[:, :, None], s[:, :, None]  # [n, K, 1]: the same turn applied to rows
+    f, sec, rest = GR[..., :K, :], GR[..., K:2 * K, :], GR[..., 2 * K:, :]
+    return torch.cat([f * c2 - sec * s2, sec * c2 + f * s2, rest], -2)  # R(±δ)^T G R(±δ)
 
 
 def composition_profiles(
@@ -115,22 +123,27 @@ def composition_profiles(
         src = F.pow(2).sum((-2, -1)).sqrt()  # [L, H] ||W_OV||
         G_Q = W_Q.transpose(-2, -1) @ W_Q  # [L, H, dh, dh]
         G_K = W_K.transpose(-2, -1) @ W_K  # [L, G, dh, dh] per key/value group
+        order = _pair_order(model)  # every d_head x d_head matrix below in this basis
+        G_Q, G_K = G_Q[..., order][..., order, :], G_K[..., order][..., order, :]
+        angles = rotary_angles(cfg, delta.to(model.device))  # [n, K] δ θ_k
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
         gs, d = cfg.group_size, cfg.d_model
+        W_Qo, W_Ko = W_Q[..., order], W_K[..., order]
         for l2 in range(1, L):
             check_stop(what="composition profiles")
             A = l2 * H  # sources: every head of layers < l2
-            X_Q = _rotated_grams(model, G_K[l2], delta, transpose_side=False)  # [G, n, dh, dh]: R G_K R^T
-            X_K = _rotated_grams(model, G_Q[l2], delta, transpose_side=True)  # [H, n, dh, dh]: R^T G_Q R
+            X_Q = _rotated_grams(G_K[l2], cos, sin, transpose_side=False)  # [G, n, dh, dh]: R G_K R^T
+            X_K = _rotated_grams(G_Q[l2], cos, sin, transpose_side=True)  # [H, n, dh, dh]: R^T G_Q R
             omega_sq = (G_Q[l2].view(G, gs, 1, dh, dh) * X_Q[:, None]).sum((-2, -1)).view(H, n)  # ||Ω_B(δ)||^2
-            XQ, XK = _packed(X_Q, False), _packed(X_K, False).view(G, gs * n, -1)  # [G, n, T], [G, gs n, T]
+            XQ, XK = X_Q.reshape(G, n, dh * dh), X_K.reshape(G, gs * n, dh * dh)
             sources = F[:l2].reshape(A * dh, d)  # [A dh, d]
-            P = (sources @ W_Q[l2].permute(1, 0, 2).reshape(d, H * dh)).view(A, dh, H, dh)
+            P = (sources @ W_Qo[l2].permute(1, 0, 2).reshape(d, H * dh)).view(A, dh, H, dh)
             P = P.permute(2, 0, 1, 3).contiguous()  # [H, A, dh, dh]: P = F_A W_Q^B
-            MQ = _packed(P.transpose(-2, -1) @ P, True)  # [H, A, T]
-            num_q = torch.bmm(MQ.view(G, gs * A, -1), XQ.transpose(1, 2)).view(H, A, n)  # head b uses X_Q of its group
-            P2 = (sources @ W_K[l2].permute(1, 0, 2).reshape(d, G * dh)).view(A, dh, G, dh)
+            MQ = (P.transpose(-2, -1) @ P).view(G, gs * A, dh * dh)  # head b uses X_Q of its group
+            num_q = torch.bmm(MQ, XQ.transpose(1, 2)).view(H, A, n)
+            P2 = (sources @ W_Ko[l2].permute(1, 0, 2).reshape(d, G * dh)).view(A, dh, G, dh)
             P2 = P2.permute(2, 0, 1, 3).contiguous()  # [G, A, dh, dh]: P' = F_A W_K^g
-            MK = _packed(P2.transpose(-2, -1) @ P2, True)  # [G, A, T]
+            MK = (P2.transpose(-2, -1) @ P2).view(G, A, dh * dh)
             num_k = torch.bmm(MK, XK.transpose(1, 2)).view(G, A, gs, n).permute(0, 2, 1, 3).reshape(H, A, n)
             den = src[:l2].reshape(1, A, 1) * omega_sq.clamp_min(0).sqrt()[:, None]  # [H, A, n]
             q[:l2, :, l2] = (num_q.clamp_min(0).sqrt() / den).permute(1, 0, 2).reshape(l2, H, H, n)
