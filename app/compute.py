@@ -35,6 +35,7 @@ import concurrent.futures
 import contextvars
 import functools
 import inspect
+import json
 import logging
 import math
 import os
@@ -141,9 +142,15 @@ def check_answer(size: int, budgets: Budgets, lower: str = "", what: str = "this
 
 
 def encode(value: Any) -> bytes | None:
-    """The JSON bytes of a pydantic answer (None for anything else: not cached, returned as is)."""
+    """The JSON bytes of a pydantic answer or of plain JSON data (dicts, lists, numbers, strings); None for
+    anything else (a loaded model, a tensor): not cached, returned as is."""
     if isinstance(value, BaseModel):
         return value.__pydantic_serializer__.to_json(value)
+    if isinstance(value, dict | list | str | int | float) and not isinstance(value, bool):
+        try:
+            return json.dumps(value, allow_nan=False, separators=(",", ":")).encode()
+        except (TypeError, ValueError):  # not plain JSON data (a tensor inside, NaN): not cached
+            return None
     return None
 
 
@@ -164,10 +171,9 @@ class Answer:
     body: bytes | None
 
     def as_value(self, view: type[BaseModel] | None) -> Any:
+        """The value; from the JSON when only that is known (the view type's model, else plain JSON data)."""
         if self.value is None and self.body is not None:
-            if view is None:
-                raise TypeError("a cached answer needs its view type to be decoded: pass view=")
-            return view.model_validate_json(self.body)
+            return view.model_validate_json(self.body) if view is not None else json.loads(self.body)
         return self.value
 
     def as_json(self) -> bytes:

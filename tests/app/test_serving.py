@@ -79,6 +79,14 @@ def add_test_routes(app: FastAPI, calls: list[str] | None = None) -> None:
         body = await compute_json(work, key=("priced", peak, answer, n), cost=Cost(peak, answer), lower="n or peak")
         return Response(body, media_type="application/json")
 
+    @app.get("/api/v1/test/plain")
+    async def plain_route(tag: str) -> dict[str, Any]:
+        def work() -> dict[str, Any]:
+            calls.append(f"plain {tag}")
+            return {"tag": tag, "points": [{"x": 0.5, "y": [1, 2]}]}
+
+        return await compute(work, key=("plain", tag))
+
     @app.get("/api/v1/test/threads")
     async def threads_route() -> dict[str, int]:
         return await compute(lambda: {"threads": torch.get_num_threads()})
@@ -193,6 +201,15 @@ def test_result_cache_keeps_within_its_byte_budget() -> None:
     assert cache.hit_rate == 0.5
     with pytest.raises(TypeError, match="bytes"):
         cache.put("object", {"not": "encoded"})  # type: ignore[arg-type]
+
+
+def test_plain_json_data_is_cached_too(settings: Settings) -> None:
+    calls: list[str] = []
+    app = serving_app(settings, calls)
+    with TestClient(app) as c:
+        first, again = (c.get("/api/v1/test/plain", params={"tag": "p"}).json() for _ in range(2))
+    assert first == again == {"tag": "p", "points": [{"x": 0.5, "y": [1, 2]}]} and calls == ["plain p"]
+    assert service(app).cache.peek("plain|p") == b'{"tag":"p","points":[{"x":0.5,"y":[1,2]}]}'
 
 
 def test_cached_answers_are_their_json_bytes(settings: Settings) -> None:
