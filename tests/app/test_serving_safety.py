@@ -10,14 +10,12 @@ QKOV_SHUTDOWN_DRAIN_S even when a computation that cannot be stopped is still ru
 from __future__ import annotations
 
 import json
-import os
 import re
 import select
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +32,7 @@ from app.main import create_app
 from app.settings import REPO_ROOT, Settings
 from circuits_core.config import ModelConfig
 from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer
+from tests.app.live_server import free_port, start
 
 XSS = "<script>alert(1)</script>"
 
@@ -151,34 +150,14 @@ def make_slow_app() -> FastAPI:
     return app
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_server(model_dirs: tuple[Path, Path], http: str) -> tuple[subprocess.Popen[bytes], int]:
     """`python -m app.serve` with a 1 s header timeout and a 2 s drain, two compute slots."""
     port = free_port()
-    env = {**os.environ, "QKOV_SHIPPED_DIR": str(model_dirs[0]), "QKOV_COMPUTE_SLOTS": "2", "QKOV_TORCH_THREADS": "1",
-           "QKOV_HEADER_TIMEOUT_S": "1", "QKOV_SHUTDOWN_DRAIN_S": "2", "QKOV_STORE_URL": "off",
-           "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.serve", "--app", "tests.app.test_serving_safety:make_slow_app", "--factory",
-         "--host", "127.0.0.1", "--port", str(port), "--http", http],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "server exited"
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.1)
-    return proc, port
+    env = {"QKOV_SHIPPED_DIR": str(model_dirs[0]), "QKOV_COMPUTE_SLOTS": "2", "QKOV_TORCH_THREADS": "1",
+           "QKOV_HEADER_TIMEOUT_S": "1", "QKOV_SHUTDOWN_DRAIN_S": "2", "QKOV_STORE_URL": "off"}
+    args = ["-m", "app.serve", "--app", "tests.app.test_serving_safety:make_slow_app", "--factory",
+            "--host", "127.0.0.1", "--port", str(port), "--http", http]
+    return start(args, port, env), port
 
 
 @pytest.fixture(scope="module", params=["httptools", "h11"])
