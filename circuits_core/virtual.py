@@ -8,6 +8,8 @@ order (earlier head first): for h1 in an earlier layer than h2,
                  from lambda(W_O^{h1} W_V^{h2} W_O^{h2} G W_V^{h1}) with G = W_U W_E [d, d] (d_head x d_head)
     virtual pattern  A^{h2} A^{h1} [n, n] (row-stochastic, lower triangular)
 Rankings: by V-composition score (composition.py) and by the order-2 term on a prompt (paths.py).
+On a prompt, `chain_next_token_terms` gives a chain's path term (embedding, h1, ..., hk) on the logit of each
+position's *actual* next token -- the paper's induction-head figure (its F23) -- rather than on one fixed token.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from circuits_core.composition import composition_scores
 from circuits_core.config import head_name
 from circuits_core.errors import CancelledError, InvalidInputError
 from circuits_core.factored import FactoredMatrix
-from circuits_core.frozen import FrozenRun, attention
+from circuits_core.frozen import FrozenRun, attention, embed_source, ln_linear, readout
 from circuits_core.model import Transformer
 from circuits_core.paths import PathExpansion
 
@@ -93,3 +95,24 @@ def rank_by_contribution(expansion: PathExpansion, k: int = 20, position: int = 
     rows = [(p, float(v)) for p, o, v in zip(expansion.paths, expansion.orders.tolist(), expansion.values[:, position].tolist(), strict=True)
             if o == 2 and not p[0].startswith(("bias:", "mlp:"))]
     return sorted(rows, key=lambda r: -abs(r[1]))[:k]
+
+
+def chain_next_token_terms(model: Transformer, run: FrozenRun, chain: list[Head]) -> Tensor:
+    """[n - 1]: the path term (embedding, h1, ..., hk) of the logit of tokens[p + 1] at each position p.
+
+    With the clean run's patterns and LayerNorm scales frozen (paths.py's bookkeeping), the chain carries
+    Y = A^{hk} D ... A^{h1} D x_0 C diag(w) W_OV^{h1} ... C diag(w) W_OV^{hk}  [n, d_model]
+    and its term on target t at p is inv_f[p] (Y[p] . r_t), r_t the centred, ln_final-weighted W_U column."""
+    layers = [layer for layer, _ in chain]
+    if not chain or layers != sorted(set(layers)):
+        raise InvalidInputError(f"a chain needs heads in strictly increasing layers, got {[head_name(*c) for c in chain]}")
+    for layer, h in chain:
+        check_head(model, layer, h)
+    Y = embed_source(model, run)  # [n, d]
+    for layer, h in chain:
+        attn = attention(model, layer)
+        X = ln_linear(model, f"blocks.{layer}.ln1", Y, run.inv_scale(f"blocks.{layer}.ln1"))  # D (Y C) diag(w)
+        Y = run.patterns[layer, h] @ (X @ attn.W_V[h] @ attn.W_O[h])  # [n, d]
+    nxt = run.tokens[1:].tolist()
+    R = torch.stack([readout(model, int(t))[0] for t in nxt]) if nxt else Y.new_zeros(0, Y.shape[1])  # [n-1, d]
+    return run.inv_scale("ln_final")[:-1] * (Y[:-1] * R).sum(-1)

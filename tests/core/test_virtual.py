@@ -1,5 +1,6 @@
 """Virtual heads: factored virtual OV vs dense, copying score vs the [V, V] eigenvalues, virtual patterns."""
 
+import pytest
 import torch
 from engine2_models import small_model, tokens_for
 
@@ -8,6 +9,7 @@ from circuits_core.composition import composition_scores
 from circuits_core.frozen import frozen_run
 from circuits_core.paths import expand_logits
 from circuits_core.virtual import (
+    chain_next_token_terms,
     rank_by_contribution,
     rank_by_v_composition,
     virtual_copying_scores,
@@ -46,3 +48,19 @@ def test_virtual_pattern_and_rankings():
     ranked = rank_by_contribution(exp, k=4)
     assert len(ranked) == 4 and all(len(p) == 2 for p, _ in ranked)
     assert abs(ranked[0][1]) >= abs(ranked[-1][1])
+
+
+@pytest.mark.parametrize("case", [dict(n_layers=2), dict(n_layers=3, ln="LN", pos="standard"), dict(n_layers=2, ln="LN", mlp=True)])
+def test_chain_next_token_terms_equal_the_path_expansion(case):
+    """At each position, the chain's term on its actual next token == paths.expand_logits' term for that target."""
+    model = small_model(**case)
+    tokens = tokens_for(model, n=9)
+    run = frozen_run(model, tokens)
+    for chain in ([(0, 1)], [(0, 2), (1, 0)]):
+        got = chain_next_token_terms(model, run, chain)
+        names = tuple(f"L{layer}H{h}" for layer, h in chain)
+        for p in range(len(tokens) - 1):
+            exp = expand_logits(model, tokens, int(tokens[p + 1]), positions=p, max_order=len(chain), run=run, by_source=False)
+            assert abs(float(got[p]) - float(exp.term(names).value[0])) < 1e-10, (chain, p)
+    with pytest.raises(Exception, match="increasing layers"):
+        chain_next_token_terms(model, run, [(1, 0), (0, 1)])
