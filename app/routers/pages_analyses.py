@@ -165,6 +165,8 @@ async def chain_context(call: PageCall) -> dict[str, Any]:
         "pattern": charts.attention_heatmap(view.tokens, view.pattern, f"pattern of the chain {' → '.join(view.heads)}"),
         "contribution": charts.bars(labels, view.contribution, title=f"contribution to logit({charts.visible(view.target.text)}) by position",
                                     x_title="destination position"),
+        "next_token": charts.bars([f"{a} → {b}" for a, b in zip(labels[:-1], labels[1:], strict=True)], view.next_token_contribution,
+                                  title="contribution to the logit of each position's actual next token", x_title="position → next token"),
         "by_source": charts.lines(list(range(len(labels))), {s.source: s.values for s in view.by_source},
                                   title="the same chain entered from each source", x_title="position", y_title="logit"),
         "ov_eig": charts.complex_scatter(charts.complex_points(view.ov.eigenvalues), title="eigenvalues of the chain's OV circuit"),

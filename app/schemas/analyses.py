@@ -135,6 +135,11 @@ class ChainView(BaseModel):
     ov: TokenCircuit
     contribution: list[float] = Field(description="the path term (embedding source) of the target logit at each position")
     by_source: list[SourceContribution] = Field(description="the same head chain started from every source that can enter it")
+    next_token_contribution: list[float] = Field(
+        default_factory=list,
+        description="the path term (embedding source) on the logit of each position's actual next token, positions 0..n-2 "
+        "(the paper's induction-head figure)",
+    )
 
 
 # -- QK path expansion ------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from circuits_core.cost import Cost
 from circuits_core.errors import LimitExceededError
 from circuits_core.frozen import frozen_run
 from circuits_core.paths import expand_logits
+from circuits_core.virtual import chain_next_token_terms
 from circuits_core.weights import LoadedModel
 
 SOURCES = ("bias:", "mlp:")
@@ -55,9 +56,12 @@ def build_path_view(loaded: LoadedModel, p: ChainParams, limits: Limits) -> Chai
         ]
         ov = token_circuit(loaded, virtual_ov_circuit(loaded, chain), k, limits, VIRTUAL_LABELS)
     contribution = next(s.values for s in by_source if s.source == "embed")
+    with torch.no_grad():
+        next_token = chain_next_token_terms(model, run, chain)  # [n - 1]: each position's own next token
     return ChainView(
         model=model_ref(loaded), heads=list(names), tokens=token_refs(loaded, ids), target=token_ref(loaded, t),
         pattern=pattern.double().tolist(), ov=ov, contribution=contribution, by_source=by_source,
+        next_token_contribution=next_token.double().tolist(),
     )
 
 

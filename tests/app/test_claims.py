@@ -385,3 +385,23 @@ def test_detectors_page_defaults_and_overview_reproduce_the_card():
         for layer, row in enumerate(card["induction_scores"]):
             for h, value in enumerate(row):
                 assert by_name[f"L{layer}H{h}"]["induction"] == pytest.approx(value, abs=2e-4)
+
+
+def test_chain_page_shows_each_positions_actual_next_token(raw):
+    """The chain (virtual head) view plots its path term on each position's own next token, as the paper's figure."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from app.views.tour_figures import REPEATED
+
+    with TestClient(create_app(Settings(store_url="off"))) as c:
+        body = c.get("/api/v1/models/toy-2l/path", params={"heads": "L0H5,L1H2", "prompt": REPEATED}).json()
+        page = c.get("/models/toy-2l/path", params={"heads": "L0H5,L1H2", "prompt": REPEATED})
+    assert "actual next token" in page.text
+    m = raw["toy-2l"]
+    ids = [t["id"] for t in body["tokens"]]
+    _, cache = forward(m, ids)
+    A0, A1 = cache["blocks.0.attn.hook_pattern"][5], cache["blocks.1.attn.hook_pattern"][2]
+    Y = A1 @ A0 @ cache["hook_embed"] @ m.W_V[0, 5] @ m.W_O[0, 5] @ m.W_V[1, 2] @ m.W_O[1, 2]  # [n, d]
+    want = [float(Y[p] @ m.W_U[:, ids[p + 1]]) for p in range(len(ids) - 1)]
+    assert np.allclose(body["next_token_contribution"], want, atol=1e-4)
