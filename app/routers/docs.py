@@ -1,4 +1,5 @@
-"""A self-contained API docs page at /docs, generated from the app's OpenAPI schema (no CDN, no JS).
+"""The API docs page at /docs, generated from the app's OpenAPI schema (no CDN), inside the dashboard's frame
+(top bar, model picker) like every other page.
 
 FastAPI's default /docs loads Swagger UI from a CDN, which fails offline; this page lists every operation
 with its parameters, constraints (the configured limits) and response schema. /openapi.json stays.
@@ -11,13 +12,11 @@ import json
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, Response
+from markupsafe import Markup
 
-_STYLE = """body{font:15px/1.45 system-ui,sans-serif;max-width:70rem;margin:2rem auto;padding:0 1rem;color:#222}
-code,pre{font-family:ui-monospace,monospace;font-size:13px}pre{background:#f6f6f6;padding:.6rem;overflow:auto}
-table{border-collapse:collapse;width:100%;margin:.4rem 0}td,th{border:1px solid #ddd;padding:.25rem .5rem;
-text-align:left;vertical-align:top}th{background:#fafafa}.op{border-top:1px solid #ccc;padding-top:.6rem}
-.method{font-weight:700;color:#05a}"""
+from app.deps import RegistryDep
+from app.routers.rendering import page_context, render
 
 _CONSTRAINTS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern", "enum")
 
@@ -66,6 +65,7 @@ def _operation(path: str, method: str, op: dict[str, Any]) -> str:
 
 
 def render_docs(spec: dict[str, Any]) -> str:
+    """The body of the docs page (HTML, every value escaped): the endpoints, then the schemas."""
     ops = "".join(_operation(path, method, op) for path, item in spec.get("paths", {}).items() for method, op in item.items())
     schemas = "".join(
         f'<details id="schema-{_esc(name)}"><summary><code>{_esc(name)}</code></summary><pre>{_esc(json.dumps(s, indent=2))}</pre></details>'
@@ -73,13 +73,11 @@ def render_docs(spec: dict[str, Any]) -> str:
     )
     info = spec.get("info", {})
     return (
-        f'<!doctype html><html lang="en"><head><meta charset="utf-8"><link rel="icon" href="data:,"><title>{_esc(info.get("title", "API"))} API</title>'
-        f'<meta name="viewport" content="width=device-width, initial-scale=1"><style>{_STYLE}</style></head><body>'
-        f'<h1>{_esc(info.get("title", ""))} API <small>v{_esc(info.get("version", ""))}</small></h1>'
-        f'<p>{_esc(info.get("description", ""))}</p>'
+        f'<div class="page-head"><h1>{_esc(info.get("title", ""))} API <span class="note mono">v{_esc(info.get("version", ""))}</span></h1>'
+        f'<p class="lede">{_esc(info.get("description", ""))}</p></div>'
         '<p>Machine-readable schema: <a href="/openapi.json">/openapi.json</a>. Errors are '
         "<code>application/problem+json</code> (RFC 9457) with <code>type, title, status, detail, instance</code>.</p>"
-        f"<h2>Endpoints</h2>{ops}<h2>Schemas</h2>{schemas}</body></html>"
+        f'<div class="api-docs"><h2>Endpoints</h2>{ops}<h2>Schemas</h2>{schemas}</div>'
     )
 
 
@@ -87,5 +85,6 @@ router = APIRouter()
 
 
 @router.get("/docs", include_in_schema=False, response_class=HTMLResponse)
-async def api_docs(request: Request) -> HTMLResponse:
-    return HTMLResponse(render_docs(request.app.openapi()))
+async def api_docs(request: Request, registry: RegistryDep) -> Response:
+    ctx = await page_context(request, registry, "API", "/openapi.json", nav="docs")
+    return render(request, "docs.html", {**ctx, "body": Markup(render_docs(request.app.openapi()))})

@@ -10,6 +10,7 @@ app/charts.py and hands them to the template. Never circuits_core, never tensors
 from __future__ import annotations
 
 from typing import Annotated, Any
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse, Response
@@ -19,7 +20,7 @@ from starlette.types import Scope
 
 from app import charts
 from app.analysis import API, Limit, json_url, run
-from app.deps import LimitsDep, LoadedModelDep, ModelEntryDep, RegistryDep
+from app.deps import LimitsDep, LoadedModelDep, ModelEntryDep, RegistryDep, get_model
 from app.params import (
     CompositionParams,
     DetectorParams,
@@ -35,7 +36,7 @@ from app.params import (
 from app.routers import pages_analyses, pages_tour
 from app.routers.api import models_view
 from app.routers.pages_rotary import head_rotary_context, rotary_enabled
-from app.routers.rendering import Page, PageCall, attempt, is_fragment, model_nav, page_context, render
+from app.routers.rendering import Page, PageCall, applies, attempt, is_fragment, model_nav, page_context, render, url
 from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
 from app.views.circuits import DIRECT, OV, QK, SKIP_TRIGRAMS, has_token_counts
 from app.views.composition import COMPOSITION
@@ -43,7 +44,8 @@ from app.views.detectors import DETECTORS
 from app.views.heads import HEAD, HEADS
 from app.views.models import build_model_view
 from app.views.tour_figures import positivity_scatter
-from circuits_core.config import head_name
+from circuits_core.config import ModelConfig, head_name, parse_head
+from circuits_core.errors import QkovError
 from circuits_core.weights import LoadedModel
 
 # The head scores the overview heatmap can show: key -> (label, signed)
@@ -155,11 +157,55 @@ async def models_page(request: Request, registry: RegistryDep) -> Response:
     return render(request, "models.html", {**ctx, "view": view})
 
 
+# Query parameters the model picker carries to another model: they mean the same there (token ids,
+# positions and token strings may not, so they are left behind; head names are kept when the head exists).
+KEPT_ON_SWITCH = ("prompt", "k", "max_order", "weighted", "kind", "score", "seq_len", "batch", "seed", "offset")
+HEAD_PARAMS = ("head", "heads", "source", "target")
+
+
+def switched(here: str, old: str, cfg: ModelConfig, model: str, views: dict[str, str], view: str) -> str:
+    """The URL of the page `here` (a path + query on model `old`) for `model`: the same view, the state that
+    still applies; a head page whose head the model lacks, or a view it lacks, falls back to its overview."""
+    parts = urlsplit(here)
+    prefix = f"/models/{old}"
+    base = f"/models/{quote(model, safe='')}"
+    sub = parts.path[len(prefix):] if parts.path == prefix or parts.path.startswith(prefix + "/") else views.get(view, "")
+    segments = [s for s in sub.split("/") if s]
+    if segments[:1] == ["heads"] and len(segments) >= 2 and not all(has_head(h, cfg) for h in segments[1:2]):
+        sub = ""
+    if segments[:1] == ["composition"] and len(segments) >= 3 and not all(has_head(h, cfg) for h in segments[1:3]):
+        sub = "/composition"
+    if not applies(view, cfg.n_layers) and sub == views.get(view, ""):
+        sub = ""
+    query: dict[str, str] = {}
+    for key, value in parse_qsl(parts.query):
+        if key in KEPT_ON_SWITCH:
+            query[key] = value
+        elif key in HEAD_PARAMS:
+            kept = [h for h in value.split(",") if has_head(h.strip(), cfg)]
+            if kept:
+                query[key] = ",".join(kept)
+    return url(base + sub, **query)
+
+
+def has_head(name: str, cfg: ModelConfig) -> bool:
+    try:
+        parse_head(name, cfg)
+        return True
+    except QkovError:
+        return False
+
+
 @router.get("/go")
-async def go(request: Request, model: str = Query(..., max_length=128), view: str = Query("overview", max_length=32)) -> Response:
-    """The model picker (a GET form): to the same view of the chosen model."""
-    sub = dict((k, s) for k, _, s in model_nav(request)).get(view, "")
-    return RedirectResponse(f"/models/{model}{sub}", status_code=303)
+async def go(request: Request, registry: RegistryDep, model: str = Query(..., max_length=128),
+             view: str = Query("overview", max_length=32), here: str = Query("", max_length=8192)) -> Response:
+    """The model picker (a GET form): to the same view of the chosen model, keeping the state that applies
+    there (`here` is the page it was used on: its prompt, and its head when the new model has it)."""
+    views = dict((k, s) for k, _, s in model_nav(request))
+    loaded = await get_model(model, registry)
+    old = urlsplit(here).path.split("/")[2] if here.startswith("/models/") and here.count("/") >= 2 else ""
+    target = switched(here, unquote(old), loaded.model.cfg, model, views, view) if old else f"/models/{quote(model, safe='')}{views.get(view, '')}"
+    return RedirectResponse(target, status_code=303)
 
 
 @router.get("/models/{model}")

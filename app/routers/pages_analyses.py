@@ -130,6 +130,8 @@ async def prompt_context(call: PageCall) -> dict[str, Any]:
     if pview is not None:
         figs["patterns"] = [(hp.head, charts.attention_heatmap(pview.tokens, hp.pattern, f"{hp.head} {'value-weighted ' if p.weighted else ''}attention",
                                                                weighted=p.weighted, height=380)) for hp in pview.heads]
+    if pview is not None:
+        figs["text"] = charts.attention_text(pview.tokens, pview.heads, paths.terms if paths is not None else ())
     if paths is not None:
         links = [url(f"/models/{model}/path", heads=",".join(t.path), prompt=prompt, tokens=tokens, target=paths.target)
                  if t.kind == "head" else None for t in paths.terms]

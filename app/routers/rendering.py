@@ -25,6 +25,7 @@ from app.deps import get_model
 from app.errors import kind_of
 from app.registry import ModelRegistry
 from app.settings import REPO_ROOT, Limits
+from app.views.inputs import max_prompt_tokens
 from circuits_core.errors import QkovError
 from circuits_core.weights import LoadedModel
 
@@ -47,6 +48,29 @@ MODEL_NAV: list[tuple[str, str, str]] = [
     ("term-importance", "Term importance", "/term-importance"),
     ("direct", "Direct path", "/direct"),
 ]
+
+
+# Views that need attention layers: the navigation of a model with fewer leaves them out and says why in one
+# line (`nav_note`); such a page, opened anyway, shows that line above its answer.
+NEEDS_LAYERS: dict[str, int] = {
+    "composition": 2, "qk-paths": 2, "path": 1, "detectors": 1, "term-importance": 1, "attention-entropy": 1, "copying-all": 1,
+}
+
+
+def applies(key: str, n_layers: int) -> bool:
+    return n_layers >= NEEDS_LAYERS.get(key, 0)
+
+
+def nav_note(model_id: str, n_layers: int, hidden: list[str]) -> str | None:
+    """One line saying why the `hidden` views are not offered for this model."""
+    if not hidden:
+        return None
+    names = ", ".join(hidden[:-1]) + (" and " if len(hidden) > 1 else "") + hidden[-1]
+    if n_layers == 0:
+        return (f"{model_id} has no attention layers (its logits are the direct path W_E W_U alone), so the views of "
+                f"heads are not shown: {names}.")
+    return (f"{model_id} has {n_layers} attention layer{'s' if n_layers != 1 else ''} and no head reads another's output, "
+            f"so {names} (views of composition between layers) {'are' if len(hidden) > 1 else 'is'} not shown.")
 
 
 def url(path: str, **params: Any) -> str:
@@ -102,8 +126,15 @@ async def page_context(request: Request, registry: ModelRegistry, title: str, js
     ctx: dict[str, Any] = {"title": title, "json_url": json_link, "model_id": model_id, "nav": nav}
     if not is_fragment(request):
         ctx["models"] = await model_ids(registry)
+        ctx["here"] = request.url.path + (f"?{request.url.query}" if request.url.query else "")
         if model_id:
-            ctx["model_nav"] = [(key, label, f"/models/{model_id}{sub}") for key, label, sub in model_nav(request)]
+            n_layers = (await cheap(registry.get, model_id)).model.cfg.n_layers  # loaded already by the page's route
+            views = model_nav(request)
+            ctx["model_nav"] = [(key, label, f"/models/{model_id}{sub}") for key, label, sub in views if applies(key, n_layers)]
+            hidden = [label for key, label, _ in views if not applies(key, n_layers)]
+            ctx["nav_note"] = nav_note(model_id, n_layers, hidden)
+            if nav is not None and not applies(nav, n_layers):
+                ctx["view_note"] = nav_note(model_id, n_layers, [label for key, label, _ in views if key == nav])
     return ctx
 
 
@@ -179,12 +210,20 @@ async def serve_page(page: Page, params: type[AnalysisParams], request: Request,
                      limits: Limits) -> Response:
     """Parse the query (empty form fields are absent), normalise, build the page's context, render."""
     analysis = page.analysis
-    raw: dict[str, Any] = {k: v for k, v in request.query_params.items() if v != ""}
+    query = request.query_params
+    raw: dict[str, Any] = {k: v for k, v in query.items() if v != ""}
+    if "prompt" in params.model_fields and query.get("prompt") == "" and not query.get("tokens"):
+        raw["prompt"] = ""  # an empty prompt is refused in its panel, not replaced by the default text
     raw.update({k: v for k, v in request.path_params.items() if k != "model"})
     model_id: str | None = request.path_params.get("model")
     loaded = None
     if analysis.scope == "model":  # the same loading (404 / 422) as the API's LoadedModelDep
         loaded = await get_model(model_id or "", registry)
+    cut = None
+    if loaded is not None and "prompt" in params.model_fields and raw.get("prompt"):
+        raw["prompt"], cut = cut_prompt(loaded, raw["prompt"], limits)
+        if cut is not None:
+            cut["continue_url"] = url(request.url.path, **{**dict(query), "prompt": cut.pop("rest")})
     typed = validate(params, raw)
     if loaded is not None:
         typed = typed.normalised(loaded)
@@ -194,4 +233,30 @@ async def serve_page(page: Page, params: type[AnalysisParams], request: Request,
     title = call.title or page.title.format(name=analysis.summary, model=model_id, **typed.model_dump())
     frame = await page_context(request, registry, title, json_url(analysis, model_id, twin), model_id,
                                page.nav or analysis.name)
-    return render(request, page.template, {**frame, "limits": limits, **context}, blocks=page.blocks)
+    return render(request, page.template, {**frame, "limits": limits, "prompt_cut": cut, "fragment": is_fragment(request),
+                                               **context}, blocks=page.blocks)
+
+
+CONTINUE_CHARS = 4000  # the next part of a cut prompt carried in the "continue" link (the URL stays short)
+
+
+def cut_prompt(loaded: LoadedModel, prompt: str, limits: Limits) -> tuple[str, dict[str, Any] | None]:
+    """A page's prompt cut to the tokens the model takes (min(n_ctx, max_prompt_tokens), BOS included), and
+    what was cut (None when nothing was): the page shows the first part and offers to continue with the next,
+    instead of refusing the whole prompt."""
+    tok = loaded.tokenizer
+    if tok is None:
+        return prompt, None
+    cap = max_prompt_tokens(loaded, limits)
+    bos = tok.bos_token_id is not None
+    text = prompt[: limits.max_prompt_tokens * 64]  # the Prompt field's own bound, far above cap tokens
+    encoding = tok.hf.encode(text, add_special_tokens=False)
+    if len(encoding.ids) + bos <= cap and len(text) == len(prompt):
+        return prompt, None
+    keep = max(1, cap - bos)  # prompt tokens kept
+    end = encoding.offsets[min(keep, len(encoding.ids)) - 1][1]
+    while end > 0 and len(tok.encode(text[:end], prepend_bos=bos)) > cap:  # re-tokenised, it must still fit
+        end -= 1
+    return prompt[:end], {"kept": len(tok.encode(prompt[:end], prepend_bos=bos)), "cap": cap,
+                          "n_tokens": len(encoding.ids) + bos, "more": len(text) < len(prompt),
+                          "rest": prompt[end:end + CONTINUE_CHARS]}

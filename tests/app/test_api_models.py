@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 from fastapi.testclient import TestClient
@@ -104,7 +106,9 @@ def test_docs_page_is_self_contained(client: TestClient) -> None:
     page = client.get("/docs")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "/api/v1/models/{model}/heads/{head}/qk" in page.text and "maximum=50" in page.text
-    assert "cdn" not in page.text.lower() and "<script" not in page.text
+    assert "cdn" not in page.text.lower()
+    assert re.findall(r'<script src="([^"]+)"', page.text) and all(s.startswith("/static/") for s in re.findall(r'<script src="([^"]+)"', page.text))
+    assert 'class="topbar"' in page.text and 'id="model-picker"' in page.text  # the dashboard's frame and navigation
     assert client.get("/redoc").status_code == 404
 
 
