@@ -276,6 +276,11 @@ class StoreTier:
                 return None
             await asyncio.sleep(self.poll_s)
 
+    async def put(self, key: str, body: bytes) -> None:
+        """Keep an answer computed outside the compute pool (a rendered page): no claim to free."""
+        await asyncio.to_thread(self._safe, self.store.put, key, body)
+        self.puts += 1
+
     def save(self, key: str, body: bytes) -> None:
         """In the worker thread, after computing: keep the answer, then free the claim."""
         self._safe(self.store.put, key, body)

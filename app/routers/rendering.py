@@ -227,14 +227,20 @@ async def serve_page(page: Page, params: type[AnalysisParams], request: Request,
     typed = validate(params, raw)
     if loaded is not None:
         typed = typed.normalised(loaded)
+    key = await page_key(request, registry, loaded, page) if loaded is not None else None
+    if key is not None and (body := await cached_page(request, key)) is not None:
+        return html_page(body)
     call = PageCall(page, request, registry, limits, model_id, loaded, typed)
     context = await page.context(call)
     twin = call.json_params or analysis.params.model_validate(typed.model_dump())
     title = call.title or page.title.format(name=analysis.summary, model=model_id, **typed.model_dump())
     frame = await page_context(request, registry, title, json_url(analysis, model_id, twin), model_id,
                                page.nav or analysis.name)
-    return render(request, page.template, {**frame, "limits": limits, "prompt_cut": cut, "fragment": is_fragment(request),
+    response = render(request, page.template, {**frame, "limits": limits, "prompt_cut": cut, "fragment": is_fragment(request),
                                                **context}, blocks=page.blocks)
+    if key is not None and response.status_code == 200:
+        await keep_page(request, key, bytes(response.body))
+    return response
 
 
 CONTINUE_CHARS = 4000  # the next part of a cut prompt carried in the "continue" link (the URL stays short)
@@ -260,3 +266,32 @@ def cut_prompt(loaded: LoadedModel, prompt: str, limits: Limits) -> tuple[str, d
     return prompt[:end], {"kept": len(tok.encode(prompt[:end], prepend_bos=bos)), "cap": cap,
                           "n_tokens": len(encoding.ids) + bos, "more": len(text) < len(prompt),
                           "rest": prompt[end:end + CONTINUE_CHARS]}
+
+
+# -- rendered pages, kept like answers ---------------------------------------------------------------------------
+async def page_key(request: Request, registry: ModelRegistry, loaded: LoadedModel, page: Page) -> str:
+    """A rendered page depends on the model's files (digest), the URL (path and query), whether htmx asked for a
+    block (and which), and the models in the picker; the same string keys it in the cache and the store."""
+    query = "&".join(sorted(f"{k}={v}" for k, v in request.query_params.multi_items()))
+    fragment = f"{request.headers.get('HX-Request', '')}:{request.headers.get('HX-Target', '')}"
+    models = ",".join(await model_ids(registry))
+    return "|".join(("page", str(loaded.digest), page.route, request.url.path, query, fragment, models))
+
+
+async def cached_page(request: Request, key: str) -> bytes | None:
+    service = request.app.state.compute
+    body: bytes | None = service.cache.get(key)
+    if body is None and service.store is not None and (body := await service.store.get(key)) is not None:
+        service.cache.put(key, body)
+    return body
+
+
+async def keep_page(request: Request, key: str, body: bytes) -> None:
+    service = request.app.state.compute
+    service.cache.put(key, body)
+    if service.store is not None:
+        await service.store.put(key, body)
+
+
+def html_page(body: bytes) -> Response:
+    return Response(body, media_type="text/html; charset=utf-8", headers={"Vary": "HX-Request"})

@@ -73,5 +73,5 @@ def path_cost(loaded: LoadedModel, p: ChainParams, limits: Limits) -> Cost:
 
 PATH = Analysis(
     name="path", path="path", params=ChainParams, view=ChainView, build=build_path_view, cost=path_cost,
-    summary="A chain of heads (virtual head) on a prompt", tags=["prompts"], cache=False,
+    summary="A chain of heads (virtual head) on a prompt", tags=["prompts"],
 )

@@ -136,9 +136,9 @@ def paths_cost(loaded: LoadedModel, p: PathsParams, limits: Limits) -> Cost:
 
 PROMPT = Analysis(
     name="prompt", path="prompt", params=PromptParams, view=PromptView, build=build_prompt_view, cost=prompt_cost,
-    summary="Tokens and attention patterns of chosen heads", tags=["prompts"], cache=False,
+    summary="Tokens and attention patterns of chosen heads", tags=["prompts"],
 )
 PATHS = Analysis(
     name="paths", path="paths", params=PathsParams, view=PathsView, build=build_paths_view, cost=paths_cost,
-    summary="Path expansion of a logit on a prompt", tags=["prompts"], cache=False,
+    summary="Path expansion of a logit on a prompt", tags=["prompts"],
 )

@@ -56,5 +56,5 @@ def qk_paths_cost(loaded: LoadedModel, p: QKPathsParams, limits: Limits) -> Cost
 
 QK_PATHS = Analysis(
     name="qk-paths", path="qk-paths", params=QKPathsParams, view=QKPathsView, build=build_qk_paths_view, cost=qk_paths_cost,
-    summary="Decomposition of a head's attention scores", tags=["prompts"], cache=False,
+    summary="Decomposition of a head's attention scores", tags=["prompts"],
 )
