@@ -5,6 +5,8 @@ What plain `uvicorn app.main:app` lacks, added here (settings in app/settings.py
 - **Header-read timeout** (`QKOV_HEADER_TIMEOUT_S`, default 10 s): a connection that has not sent a whole
   request head that long after it opened, or after it started its next request, is closed (uvicorn only
   times out idle keep-alive connections; a client trickling header bytes would hold a connection forever).
+- **Head size**: a connection that sends more than MAX_HEAD_BYTES (64 KiB) without completing a request
+  head gets 431 and is closed (uvicorn's httptools parser, its default, buffers heads of any size).
 - **Drain within `QKOV_SHUTDOWN_DRAIN_S`** (default 8 s, under Docker's 10 s stop timeout): on SIGTERM,
   uvicorn stops accepting, closes idle connections and lets in-flight requests finish for that long
   (`timeout_graceful_shutdown`), then cancels them. A computation still running in a compute thread cannot be
@@ -36,10 +38,13 @@ from app.settings import Settings
 
 log = logging.getLogger("qkov.serve")
 EXIT_GRACE_S = 0.5  # after the drain, how long the interpreter gets to exit by itself
+MAX_HEAD_BYTES = 64 * 1024  # a request head larger than this is refused (httptools alone sets no bound)
+TOO_LARGE = b"HTTP/1.1 431 Request Header Fields Too Large\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 
 
 class HeaderTimeout:
-    """Mixin for a uvicorn HTTP protocol: close a connection whose request head is not complete in time.
+    """Mixin for a uvicorn HTTP protocol: close a connection whose request head is not complete in time, or
+    that has sent more than MAX_HEAD_BYTES without completing one (431).
 
     The clock starts when the connection opens and again when data arrives with no request in progress;
     it stops when a new request cycle exists (the protocol parsed a whole head).
@@ -54,10 +59,12 @@ class HeaderTimeout:
         super().connection_made(transport)  # type: ignore[misc]
         self._head_cycle = None
         self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0
         self._arm()
 
     def _arm(self) -> None:
         if self._head_timer is None:
+            self._head_bytes = 0
             self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timed_out)
 
     def _disarm(self) -> None:
@@ -74,10 +81,14 @@ class HeaderTimeout:
     def data_received(self, data: bytes) -> None:
         if self.cycle is None or self.cycle.response_complete:
             self._arm()
+        self._head_bytes += len(data)
         super().data_received(data)  # type: ignore[misc]
         if self.cycle is not self._head_cycle:  # a whole request head was parsed
             self._head_cycle = self.cycle
             self._disarm()
+        elif self._head_timer is not None and self._head_bytes > MAX_HEAD_BYTES and not self.transport.is_closing():
+            self.transport.write(TOO_LARGE)
+            self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()

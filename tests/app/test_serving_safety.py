@@ -202,6 +202,15 @@ def test_header_timeout_cuts_off_clients_that_never_finish_their_headers(
     with socket.create_connection(("127.0.0.1", port)) as drip:  # slowloris: a header byte every 0.2 s
         slow_head = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Pad: " + b"a" * 100 + b"\r\n\r\n"
         assert closed_by_server(drip, within_s=8, drip=slow_head)
+    with socket.create_connection(("127.0.0.1", port)) as huge:  # a complete head of 1 MiB: refused, never served
+        answer = b""
+        try:
+            huge.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n")
+            huge.settimeout(8)
+            answer = huge.recv(4096)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        assert not answer.startswith(b"HTTP/1.1 200"), answer[:80]
     with socket.create_connection(("127.0.0.1", port)) as normal:  # a whole request is served, and kept alive
         for _ in range(2):
             normal.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
