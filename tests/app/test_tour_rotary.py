@@ -159,3 +159,23 @@ def test_r3_induction_score_terms(smol: LoadedModel, r1: dict):
         assert abs(float(q @ k) / model.cfg.scale - value) < 1e-3
     assert v["top_terms"][0][1] in {name for name, _ in r1["previous_token"]}  # key side: a previous-token head
     assert f"{v['score']:.2f}" in sentence
+
+
+def test_virtual_head_on_smollm2(smol: LoadedModel, r1: dict):
+    """Virtual heads under GQA on the real model: the factored virtual OV circuit of (strongest source, strongest
+    induction head) equals the dense product with each head's group W_V, and its copying score equals the
+    spectrum of the dense d_model x d_model matrix W_OV1 W_OV2 W_U W_E."""
+    from circuits_core.virtual import factors_copying_score, virtual_ov
+
+    model = smol.model
+    s = r1["k_sources"][0]
+    (l1, h1), (l2, h2) = parse_head(s["source"], model.cfg), parse_head(s["target"], model.cfg)
+    a, b = model.blocks[l1].attn, model.blocks[l2].attn
+    gs = model.cfg.group_size
+    dense = (a._W_V[h1 // gs] @ a.W_O[h1] @ b._W_V[h2 // gs] @ b.W_O[h2]).double()  # [d, d]
+    fm = virtual_ov(model, (l1, h1), (l2, h2))
+    assert float((fm.AB.double() - dense).abs().max()) < 1e-5 * float(dense.abs().max())
+    G = (model.W_U @ model.W_E).double()  # [d, d]
+    lam = torch.linalg.eigvals(dense @ G)  # nonzero eigenvalues of W_E W_OV1 W_OV2 W_U
+    score = float(lam.sum().real / lam.abs().sum())
+    assert abs(float(factors_copying_score(fm.A.double(), fm.B.double(), G)) - score) < 1e-6
