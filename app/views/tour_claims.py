@@ -85,10 +85,15 @@ def f12(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
 
 
 def f14(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    head = d["qk"].head
-    return (f"Shown: {head}, the most-copying head. Raw QK entries compare keys for one query (the softmax runs over "
-            f"a row); across queries, as in this global list, they are not comparable: a large entry can still be "
-            f"a small attention weight.", {"head": head})
+    qk = d["qk"]
+    if qk.token is None:
+        return (f"Shown: {qk.head}, the most-copying head, largest raw QK entries over all (query, key) pairs. Entries of "
+                f"different queries are not comparable (each query's softmax runs over its own row): read each against its "
+                f"own row.", {"head": qk.head, "query": None})
+    keys = ", ".join(repr(e.col.text) for e in qk.entries[:3])
+    return (f"Shown: the keys that query {qk.token.text!r} scores highest in {qk.head} (the most-copying head), one "
+            f"query's row, so the entries compete in one softmax and are comparable: {keys}, ...",
+            {"head": qk.head, "query": qk.token.id, "keys": [e.col.id for e in qk.entries]})
 
 
 def f15(loaded: LoadedModel, d: dict[str, Any]) -> Claim:

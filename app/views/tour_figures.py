@@ -129,8 +129,18 @@ def ov_circuit(loaded: LoadedModel, limits: Limits) -> Result:
 
 
 def qk_circuit(loaded: LoadedModel, limits: Limits) -> Result:
-    head, k = _copying_heads(loaded)[0], _k(limits)
-    return {"qk": build_qk_view(loaded, QKParams(head=head, k=k), limits), "ov": build_ov_view(loaded, OVParams(head=head, k=k), limits)}, f"/heads/{head}/qk", {"k": k}
+    """The most-copying head's QK row of one query token (its keys compete in one softmax, so they are comparable;
+    entries of different queries are not): F11's copying source among frequent tokens, else the global top-k."""
+    head, k, mc = _copying_heads(loaded)[0], _k(limits), _min_count(loaded)
+    if mc is None:
+        return ({"qk": build_qk_view(loaded, QKParams(head=head, k=k), limits),
+                 "ov": build_ov_view(loaded, OVParams(head=head, k=k), limits)}, f"/heads/{head}/qk", {"k": k})
+    vocab = frequent_tokens(loaded, mc)
+    assert vocab is not None
+    query, _ = copying_source(loaded, head, vocab)
+    qk = build_qk_view(loaded, QKParams(head=head, token=str(query), k=k, side="query", min_count=mc), limits)
+    ov = build_ov_view(loaded, OVParams(head=head, token=str(query), k=k, min_count=mc), limits)
+    return {"qk": qk, "ov": ov}, f"/heads/{head}/qk", {"token": query, "k": k, "side": "query", "min_count": mc}
 
 
 def _skip(loaded: LoadedModel, limits: Limits, rank: int) -> Result:

@@ -120,6 +120,12 @@ def test_f10_f12_f14_heads_and_token_level_copying(tour, raw):
     ranked = sorted(scores, key=lambda h: -scores[h])
     sentence, values = claim(tour, "F10")
     assert values["head"] == ranked[0] and claim(tour, "F14")[1]["head"] == ranked[0]
+    f14 = claim(tour, "F14")[1]  # one query's row of the full QK circuit, among frequent tokens
+    counts = np.load(ROOT / "toy-1l" / "token_counts.npy")
+    vocab = torch.from_numpy(np.flatnonzero(counts >= MIN_TRAIN_COUNT)).long()
+    h = int(ranked[0][3:])
+    row = (m.W_E[f14["query"]] @ m.W_Q[0, h]) @ (m.W_E[vocab] @ m.W_K[0, h]).T / math.sqrt(m.cfg.d_head)
+    assert f14["keys"] == vocab[row.topk(len(f14["keys"])).indices].tolist()
     assert claim(tour, "F12")[1]["head"] == ranked[1]
     M = dense_ov(m, 0, int(ranked[0][3:]))
     own = torch.arange(M.shape[0])
