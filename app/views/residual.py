@@ -10,7 +10,7 @@ Three declarations (page + JSON each):
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import BaseModel, Field
@@ -264,4 +264,4 @@ RESIDUAL_PAIR = Analysis(
     build=build_residual_pair_view, cost=residual_pair_cost, summary="One virtual weight: writer -> reader",
     tags=["residual stream"], template="residual_pair.html",
 )
-ANALYSES = [RESIDUAL, RESIDUAL_USAGE, RESIDUAL_PAIR]
+ANALYSES: list[Analysis[Any, Any]] = [RESIDUAL, RESIDUAL_USAGE, RESIDUAL_PAIR]
