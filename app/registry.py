@@ -213,6 +213,14 @@ class ModelRegistry:
         loaded = self._loaded.get(model_id)
         return loaded is not None and self._fresh(model_id, loaded)
 
+    def settled(self, entry: ModelEntry) -> bool:
+        """get() answers without loading (cheap work, no compute slot): the model is loaded, or its folder cannot
+        be read (detection failed), or its failed load is remembered for the folder as it is now."""
+        if entry.error is not None or self.is_loaded(entry.id):
+            return True
+        failed = self._failed.get(entry.id)
+        return failed is not None and failed[0] == fingerprint(entry.path)
+
     def preload(self) -> None:
         """Load every model now (settings.preload); a model that fails is logged, not fatal."""
         for entry in self.entries():

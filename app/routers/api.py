@@ -16,9 +16,10 @@ router = APIRouter(prefix=API)
 
 
 async def models_view(registry: ModelRegistry) -> schemas.ModelListView:
-    """The listing without a compute slot when every model is loaded or known broken; else loading them takes one."""
+    """The listing without a compute slot when every model is loaded or known broken (registry.settled); else
+    loading them takes one."""
     entries = await cheap(registry.entries)
-    if all(e.error is not None or registry.is_loaded(e.id) for e in entries):
+    if all(registry.settled(e) for e in entries):  # loaded, or known broken: nothing to load
         return await cheap(build_models_view, registry)
     return await compute(build_models_view, registry)
 

@@ -141,6 +141,29 @@ def test_all_slots_busy_past_the_wait_gives_503_with_retry_after(settings: Setti
     run(scenario, app)
 
 
+def test_cheap_work_never_waits_for_a_slot(settings: Settings) -> None:
+    """With every slot held by a long computation and a 0.2 s slot wait, anything that needed a slot would get
+    503: listings, the model summary, health, static files, cached API answers and pages whose panels are cached."""
+    app = serving_app(settings, compute_slots=2, slot_wait_s=0.2)
+    m = "/api/v1/models/tiny-2l"
+    cheap = ["/healthz", "/api/v1/models", "/api/v1/unavailable-models", m, "/static/qkov.css", f"{m}/heads",
+             f"{m}/heads/L1H0/ov?k=5", "/models/tiny-2l/heads/L1H0", "/", "/models/tiny-2l/direct"]
+
+    async def scenario(ac: httpx.AsyncClient) -> None:
+        for url in cheap:  # warm: models loaded (or known broken), answers cached
+            await ac.get(url)
+        held = [asyncio.create_task(ac.get("/api/v1/test/slow", params={"seconds": 30})) for _ in range(2)]
+        await wait_for(lambda: service(app).slots.in_use == 2)
+        answers = {url: (await ac.get(url)).status_code for url in cheap}
+        assert answers == {url: 200 for url in cheap}
+        assert service(app).stats.rejected_busy == 0
+        for task in held:
+            task.cancel()
+        await asyncio.gather(*held, return_exceptions=True)
+
+    run(scenario, app)
+
+
 def test_deadline_sets_the_stop_flag_and_frees_the_slot(settings: Settings) -> None:
     app = serving_app(settings, compute_slots=1, slot_wait_s=5.0, request_timeout_s=0.3)
 
