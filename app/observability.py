@@ -65,6 +65,7 @@ UNMETERED = ("/healthz", "/readyz", "/metrics", "/static/")
 BUSY = ProblemKind(503, "busy", "Server busy")
 RATE_LIMITED = ProblemKind(429, "rate-limited", "Too many requests")
 SHUTTING_DOWN = ProblemKind(503, "shutting-down", "Server shutting down")
+DRAINING = threading.Event()  # set by app/serve.py when SIGTERM starts the shutdown drain
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -336,8 +337,9 @@ class ServingMiddleware:
             await self.app(scope, receive, send_wrapper)
         except asyncio.CancelledError:
             # uvicorn cancels the requests still running when the shutdown drain runs out (app/serve.py): they
-            # get a 503 saying so instead of uvicorn's bare 500, and the task ends normally.
-            if started:
+            # get a 503 saying so instead of uvicorn's bare 500, and the task ends normally. Any other
+            # cancellation (not draining) is left as it was.
+            if started or not DRAINING.is_set():
                 raise
             detail = "the server is shutting down and this request did not finish in time; retry it"
             response = problem_response(request, SHUTTING_DOWN, detail)

@@ -34,6 +34,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.supervisors import Multiprocess
 
+from app.observability import DRAINING
 from app.settings import Settings
 
 log = logging.getLogger("qkov.serve")
@@ -117,6 +118,7 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's server, plus a hard exit EXIT_GRACE_S after the graceful drain has run out."""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        DRAINING.set()  # requests cut at the end of the drain are told why (app/observability.py)
         if not self.should_exit:
             drain = float(self.config.timeout_graceful_shutdown or 0)
             timer = threading.Timer(drain + EXIT_GRACE_S, _hard_exit)

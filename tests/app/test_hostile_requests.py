@@ -261,16 +261,21 @@ def test_a_failed_load_is_remembered_until_the_folder_changes(own_dirs: tuple[Pa
 
     monkeypatch.setattr(registry_module, "load_checkpoint", counting)
     with TestClient(create_app(Settings(shipped_dir=shipped, models_dir=models, limits=LIMITS))) as c:
+        registry = c.app.state.registry  # type: ignore[attr-defined]
+        assert not registry.settled(registry.entry("flaky"))  # never tried: a request would load it
         for _ in range(3):
             assert c.get("/api/v1/models").status_code == 200
             assert c.get("/readyz").status_code == 200
             assert_problem(c.get("/api/v1/models/flaky/heads"), 422, "n_layers")
         assert [p.name for p in calls].count("flaky") == 1  # tried once, remembered
+        assert registry.settled(registry.entry("flaky"))  # the remembered failure answers without loading
         (models / "flaky" / "config.json").write_text(json.dumps(config))  # fixed: the files changed
+        assert not registry.settled(registry.entry("flaky"))
         assert c.get("/api/v1/models/flaky/heads").status_code == 200
         assert [p.name for p in calls].count("flaky") == 2
         assert c.get("/api/v1/models/flaky/heads").status_code == 200
         assert [p.name for p in calls].count("flaky") == 2  # loaded and fresh: not loaded again
+        assert registry.settled(registry.entry("flaky"))
 
 
 def test_a_model_priced_over_the_limit_is_refused_before_loading(own_dirs: tuple[Path, Path]) -> None:
