@@ -35,6 +35,24 @@ def matches(if_none_match: str, etag: str) -> bool:
     return "*" in tags or any(t.removeprefix("W/") == etag.removeprefix("W/") for t in tags)
 
 
+def weaken(send: Send) -> Send:
+    """A sender that turns a strong ETag set downstream (StaticFiles) into a weak one and adds Vary:
+    Accept-Encoding, so the gzip-coded and plain bodies never carry one strong tag (their 304s included)."""
+
+    async def sender(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = MutableHeaders(scope=message)
+            etag = headers.get("etag")
+            if etag is not None:
+                if not etag.startswith("W/"):
+                    headers["ETag"] = "W/" + etag
+                if "accept-encoding" not in headers.get("vary", "").lower():
+                    headers.add_vary_header("Accept-Encoding")
+        await send(message)
+
+    return sender
+
+
 class HeadMiddleware:
     """HEAD = GET without the body, for every route (FastAPI routes declare GET only)."""
 
@@ -61,8 +79,11 @@ class ETagMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in ("GET", "HEAD") or not scope["path"].startswith(API_PREFIX):
+        if scope["type"] != "http" or scope["method"] not in ("GET", "HEAD"):
             await self.app(scope, receive, send)
+            return
+        if not scope["path"].startswith(API_PREFIX):
+            await self.app(scope, receive, weaken(send))  # static files tag themselves (strong): made weak here
             return
         start: Message | None = None
         chunks: list[bytes] = []

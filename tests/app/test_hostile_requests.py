@@ -175,6 +175,17 @@ def test_head_on_every_get_route(hclient: TestClient) -> None:
     assert failures == []
 
 
+def test_static_etags_are_weak_and_304s_vary_on_encoding(hclient: TestClient) -> None:
+    url = "/static/charts.js"
+    plain = hclient.get(url, headers={"Accept-Encoding": "identity"})
+    zipped = hclient.get(url, headers={"Accept-Encoding": "gzip"})
+    assert zipped.headers.get("content-encoding") == "gzip" and "content-encoding" not in plain.headers
+    assert plain.headers["ETag"].startswith('W/"') and zipped.headers["ETag"].startswith('W/"')
+    for tag in (plain.headers["ETag"], plain.headers["ETag"].removeprefix("W/")):
+        again = hclient.get(url, headers={"If-None-Match": tag, "Accept-Encoding": "gzip"})
+        assert again.status_code == 304 and "accept-encoding" in again.headers["Vary"].lower()
+
+
 def test_etags_are_weak_and_304s_vary_on_encoding(hclient: TestClient) -> None:
     url = "/api/v1/models/tiny-2l/heads"
     plain = hclient.get(url, headers={"Accept-Encoding": "identity"})
