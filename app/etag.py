@@ -9,6 +9,9 @@ the tag); the model listing, which changes when folders are added, carries `no-c
 time). The body is still computed for a conditional request (the result cache makes that cheap); the
 304 saves the transfer.
 
+Elsewhere (static files, which tag themselves from their stat) a strong ETag is made weak the same way and
+gets the same Vary.
+
 `HeadMiddleware` answers HEAD on every GET route, generated ones included: the request runs as a GET and
 the body is dropped (headers, Content-Length included, are the GET's).
 """
