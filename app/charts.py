@@ -92,13 +92,13 @@ def heatmap(
     trace["hovertemplate"] = (hover or "%{y} · %{x}<br>%{z:.4f}") + "<extra></extra>"
     if text_in_cells:
         trace.update(texttemplate="%{z:.2f}", textfont={"size": 11})
-    # numbered axes (positions) of many categories: a tick every few, so the numbers do not run together
-    x_step = {"dtick": -(-len(x) // 16)} if len(x) > 24 and all(label.isdigit() for label in x) else {}
-    y_step = {"dtick": -(-len(y) // 16)} if len(y) > 24 and all(label.isdigit() for label in y) else {}
+    # numbered axes (positions) of many categories: a tick every few, so the numbers do not run together;
+    # named axes (tokens, heads) label every category while there is room (EVERY_LABEL_MAX, smaller type)
+    x_step, y_step = _ticks(x), _ticks(y)
     layout: dict[str, Any] = {
         "title": {"text": title, "x": 0, "font": {"size": 13}},
-        "xaxis": _axis(x_title, type="category", side="bottom", tickangle=-45 if len(x) > 6 and max(map(len, x), default=0) > 2 else 0,
-                       **x_step),
+        "xaxis": _axis(x_title, type="category", side="bottom",
+                       tickangle=(-90 if len(x) > 24 else -45) if len(x) > 6 and max(map(len, x), default=0) > 2 else 0, **x_step),
         "yaxis": _axis(y_title, type="category", autorange="reversed" if reversed_y else True, **y_step),
     }
     if height:
@@ -107,6 +107,22 @@ def heatmap(
     if links is not None:
         fig["links"] = {"0": links}
     return fig
+
+
+EVERY_LABEL_MAX = 64  # up to this many named categories, every one is labelled (the figure grows to fit them)
+
+
+def _ticks(labels: Sequence[str]) -> dict[str, Any]:
+    if len(labels) > 24 and all(label.isdigit() for label in labels):
+        return {"dtick": -(-len(labels) // 16)}
+    if len(labels) <= EVERY_LABEL_MAX:
+        return {"dtick": 1, "tickfont": {"size": 12 if len(labels) <= 24 else 10}}
+    return {}
+
+
+def label_room(n: int, height: int) -> int:
+    """A heatmap height with room for one label per row (about 13 px each at 10 px type, plus the margins)."""
+    return max(height, 13 * n + 170) if n <= EVERY_LABEL_MAX else height
 
 
 def bars(
@@ -205,14 +221,15 @@ def scatter(
     x: Sequence[float], y: Sequence[float], labels: Sequence[str], *, title: str = "", x_title: str = "", y_title: str = "",
     links: Sequence[str | None] | None = None, highlight: Sequence[bool] | None = None,
 ) -> Figure:
-    """Labelled points (heads), e.g. the paper's OV-copying vs K-composition positivity scatter."""
+    """Points (heads), e.g. the paper's OV-copying vs K-composition positivity scatter. Only the outlying points
+    whose labels cannot collide are labelled (`shown_labels`); every point names itself on hover."""
     colors = [NEG_COLOR if h else POS_COLOR for h in highlight] if highlight else POS_COLOR
     fig: Figure = {
         "data": [{
-            "type": "scatter", "mode": "markers+text", "x": list(x), "y": list(y), "text": list(labels),
-            "textposition": "top center", "textfont": {"size": 10, "color": GREY},
+            "type": "scatter", "mode": "markers+text", "x": list(x), "y": list(y), "text": shown_labels(x, y, labels),
+            "customdata": list(labels), "textposition": "top center", "textfont": {"size": 10, "color": GREY},
             "marker": {"size": 10, "color": colors, "line": {"width": 0.5, "color": "#fff"}},
-            "hovertemplate": "%{text}<br>x %{x:.3f}<br>y %{y:.3f}<extra></extra>",
+            "hovertemplate": "%{customdata}<br>x %{x:.3f}<br>y %{y:.3f}<extra></extra>",
         }],
         "layout": {
             "title": {"text": title, "x": 0, "font": {"size": 13}},
@@ -224,6 +241,25 @@ def scatter(
     if links is not None:
         fig["links"] = {"0": list(links)}
     return fig
+
+
+def shown_labels(x: Sequence[float], y: Sequence[float], labels: Sequence[str], most: int = 10) -> list[str]:
+    """The labels drawn on a scatter: the points farthest from the centre first, each kept only when no kept
+    label's point lies within a label's box of it (in fractions of the axis ranges), at most `most`."""
+    if not labels:
+        return []
+    span_x = (max(x) - min(x)) or 1.0
+    span_y = (max(y) - min(y)) or 1.0
+    cx, cy = sum(x) / len(x), sum(y) / len(y)
+    order = sorted(range(len(labels)), key=lambda i: -(((x[i] - cx) / span_x) ** 2 + ((y[i] - cy) / span_y) ** 2))
+    kept: list[int] = []
+    for i in order:
+        if len(kept) == most:
+            break
+        box_x = 0.12 * max(1, len(labels[i])) / 4  # a label is about 12 % of the width per four characters
+        if all(abs(x[i] - x[j]) / span_x > box_x or abs(y[i] - y[j]) / span_y > 0.09 for j in kept):
+            kept.append(i)
+    return [labels[i] if i in kept else "" for i in range(len(labels))]
 
 
 def grouped_bars(categories: Sequence[str], series: Mapping[str, Sequence[float]], *, title: str = "", y_title: str = "",
@@ -272,7 +308,7 @@ def attention_heatmap(tokens: Sequence[Any], pattern: Sequence[Sequence[float]],
     zmax = None if weighted else 1.0
     return heatmap(pattern, labels, labels, title=title, x_title="key (source)", y_title="query (destination)", signed=False,
                    zmax=zmax, hover="query %{y}<br>key %{x}<br>%{z:.3f}", colorbar="A·‖v‖" if weighted else "attention",
-                   height=height, digits=3)
+                   height=label_room(len(labels), height), digits=3)
 
 
 def paths_waterfall(view: Any, links: Sequence[str | None] | None = None) -> Figure:
@@ -297,17 +333,19 @@ def paths_by_source(view: Any) -> Figure | None:
                    hover="%{y} from %{x}<br>%{z:+.4f}", colorbar="logit", height=max(260, 22 * len(rows) + 140))
 
 
-def composition_heatmap(view: Any, model_id: str) -> Figure:
-    """score − baseline of every (earlier, later) pair on RdBu; raw score on hover; a click opens the pair."""
+def composition_heatmap(view: Any, model_id: str, zmax: float | None = None) -> Figure:
+    """score − baseline of every (earlier, later) pair on RdBu; raw score on hover; a click opens the pair.
+    `zmax`: the colour range ±zmax, shared by the Q, K and V views of a model so their colours compare."""
     custom = [[[raw] for raw in row] for row in view.scores]
     links = [[f"/models/{model_id}/composition/{s}/{t}" if view.scores[i][j] is not None else None
               for j, t in enumerate(view.targets)] for i, s in enumerate(view.sources)]
     return heatmap(
         view.minus_baseline, view.targets, view.sources,
-        title=f"{view.kind}-composition − baseline {view.baseline:.3f} (click a pair)", x_title="later head (reads)",
-        y_title="earlier head (writes)", signed=True, customdata=custom,
+        title=f"{view.kind}-composition − baseline {view.baseline:.3f} (click a pair)"
+              + (f" · colour scale ±{zmax:.3f}, shared by Q, K and V" if zmax else ""), x_title="later head (reads)",
+        y_title="earlier head (writes)", signed=True, customdata=custom, zmax=zmax,
         hover="%{y} → %{x}<br>" + view.kind + "-composition %{customdata[0]:.4f}<br>minus baseline %{z:+.4f}",
-        links=links, colorbar="score − baseline", height=max(280, 26 * len(view.sources) + 140),
+        links=links, colorbar="score − baseline", height=label_room(len(view.sources), max(280, 26 * len(view.sources) + 140)),
     )
 
 

@@ -122,11 +122,12 @@
     var out = el.querySelector(".attn-tokens");
     var caption = el.querySelector(".attn-caption");
     var pinned = null;
+    var hovered = null;
     var wanted = param("attn_term") !== null ? "term:" + param("attn_term") : "head:" + (param("attn_head") || heads[0] || "");
     if (mode && Array.prototype.some.call(mode.options, function (o) { return o.value === wanted; })) mode.value = wanted;
     var spans = data.tokens.map(function (t, i) {
       var s = document.createElement("span");
-      s.className = "attn-tok";
+      s.className = /^(\\x[0-9a-f]{2})+$/.test(t.text) ? "attn-tok bytes" : "attn-tok";  // the first bytes of a split character
       s.textContent = t.text;
       s.dataset.pos = String(i);
       s.title = "position " + i + " · token " + t.id;
@@ -150,7 +151,7 @@
       var pattern = data.heads[choice.slice(5)];
       if (!pattern) return;
       if (dest === null) {
-        caption.textContent = "hover a token (click to pin it): the others are coloured by the attention it pays them under " + choice.slice(5);
+        caption.textContent = "hover a token (click to pin it): the tokens before it are coloured by the attention it pays them under " + choice.slice(5) + " (white 0 to dark blue 1)";
         return;
       }
       var row = pattern[dest];
@@ -164,9 +165,10 @@
 
     out.addEventListener("mouseover", function (ev) {
       var s = ev.target.closest(".attn-tok");
-      if (s && pinned === null) paint(Number(s.dataset.pos));
+      if (s) hovered = Number(s.dataset.pos);
+      if (s && pinned === null) paint(hovered);
     });
-    out.addEventListener("mouseleave", function () { if (pinned === null) paint(null); });
+    out.addEventListener("mouseleave", function () { hovered = null; if (pinned === null) paint(null); });
     out.addEventListener("click", function (ev) {
       var s = ev.target.closest(".attn-tok");
       if (!s) return;
@@ -180,7 +182,7 @@
       mode.addEventListener("change", function () {
         var v = mode.value;
         setParams(v.indexOf("term:") === 0 ? { attn_term: v.slice(5), attn_head: null } : { attn_head: v.slice(5), attn_term: null });
-        paint(pinned);
+        paint(pinned !== null ? pinned : hovered);
       });
     }
     var start = param("attn_token");

@@ -78,7 +78,12 @@ async def composition_context(call: PageCall) -> dict[str, Any]:
     view, error = await call.attempt(COMPOSITION, call.params)
     kind = call.params.kind
     call.title = f"{kind}-composition · {call.model_id}"
-    return {"view": view, "error": error, "kind": kind, "fig": charts.composition_heatmap(view, call.model_id or "") if view else None,
+    zmax = None
+    if view is not None:  # one colour scale for Q, K and V (the other kinds' answers are cached like this one)
+        views = [view] + [v for k in ("Q", "K", "V") if k != kind
+                          for v, _ in [await call.attempt(COMPOSITION, call.params.model_copy(update={"kind": k}))] if v is not None]
+        zmax = max((abs(x) for v in views for row in v.minus_baseline for x in row if x is not None), default=0.0) or None
+    return {"view": view, "error": error, "kind": kind, "fig": charts.composition_heatmap(view, call.model_id or "", zmax) if view else None,
             "offset": call.params.offset or None, "is_rotary": rotary_enabled(call), "n_ctx": call.model.model.cfg.n_ctx if call.model else 0}
 
 
@@ -202,7 +207,7 @@ async def qk_paths_context(call: PageCall) -> dict[str, Any]:
                               x_title="key-side component", y_title="query-side component", signed=False,
                               hover="query %{y} · key %{x}<br>std %{z:.4f}", colorbar="std", height=max(300, 40 * len(view.components) + 140)),
         "scores": charts.heatmap(view.scores, labels, labels, title=f"real attention scores of {view.head}", x_title="key",
-                                 y_title="query", signed=True, colorbar="score", height=420),
+                                 y_title="query", signed=True, colorbar="score", height=charts.label_room(len(labels), 420)),
         "terms": [(name, charts.heatmap(z, labels, labels, title=name.replace("|", " · "), x_title="key", y_title="query",
                                         signed=True, colorbar="score", height=380)) for name, z in view.terms.items()],
     }
