@@ -283,25 +283,29 @@ def erasure(model: Transformer, energy: float = ENERGY, threshold_z: float = ERA
         ov_sq = ((W_V.transpose(-2, -1) @ W_V) * OO).sum((-2, -1))  # ||W_OV||^2 [LH]
         W_V_all = W_V.permute(1, 0, 2).reshape(d, L * H * cfg.d_head)  # [d, LH dh]: every head in one matmul
         W_O_all = W_O.reshape(L * H * cfg.d_head, d)  # [LH dh, d]
+        dh = cfg.d_head
         for i, w in enumerate(ws):
             check_stop(should_stop, "erasure scores")
             if not mask[i].any():
                 continue
+            j0 = int(mask[i].nonzero()[0])  # heads are in layer order: the later heads are a suffix
+            assert bool(mask[i, j0:].all())
+            n = L * H - j0
             U = w_spec[w.name].subspace(energy).to(dt)  # [d, k]
             k = U.shape[1]
-            X = (U.T @ W_V_all).reshape(k, L * H, cfg.d_head).transpose(0, 1)  # U^T W_V [LH, k, dh]
-            Y = (W_O_all @ U).reshape(L * H, cfg.d_head, k)  # W_O U [LH, dh, k]
+            X = (U.T @ W_V_all[:, j0 * dh :]).reshape(k, n, dh).transpose(0, 1)  # U^T W_V [n, k, dh]
+            Y = (W_O_all[j0 * dh :] @ U).reshape(n, dh, k)  # W_O U [n, dh, k]
             trace = (X * Y.transpose(-2, -1)).sum((-2, -1))  # tr(U^T W_OV U)
-            read_sq = ((X.transpose(-2, -1) @ X) * OO).sum((-2, -1))  # ||U^T W_OV||^2
+            read_sq = ((X.transpose(-2, -1) @ X) * OO[j0:]).sum((-2, -1))  # ||U^T W_OV||^2
             s = -trace / (math.sqrt(k) * read_sq.clamp_min(torch.finfo(dt).tiny).sqrt())
-            mean, std = erasure_null(d, cfg.d_head, k)
+            mean, std = erasure_null(d, dh, k)
             zs = (s - mean) / std
-            sh = read_sq / ov_sq
-            score[i], z[i], share[i] = s * mask[i], zs * mask[i], sh * mask[i]
-            for j in torch.nonzero(mask[i] & (zs > threshold_z) & (sh > k / d)).flatten().tolist():
+            sh = read_sq / ov_sq[j0:]
+            score[i, j0:], z[i, j0:], share[i, j0:] = s, zs, sh
+            for j in torch.nonzero((zs > threshold_z) & (sh > k / d)).flatten().tolist():
                 # eigenvalues of X Y = U^T W_OV U [k, k], through the smaller of X Y and Y X (same nonzero ones)
-                eig = torch.linalg.eigvals((X[j] @ Y[j] if k <= cfg.d_head else Y[j] @ X[j]).double())
-                candidates.append(ErasureCandidate(w.name, heads[j].name, float(s[j]), float(zs[j]), float(sh[j]),
+                eig = torch.linalg.eigvals((X[j] @ Y[j] if k <= dh else Y[j] @ X[j]).double())
+                candidates.append(ErasureCandidate(w.name, heads[j0 + j].name, float(s[j]), float(zs[j]), float(sh[j]),
                                                    k / d, sorted(eig.tolist(), key=lambda c: c.real)))
     candidates.sort(key=lambda c: -c.score)
     return Erasure([w.name for w in ws], [h.name for h in heads], score, z, share, mask, candidates, threshold_z, energy)

@@ -135,6 +135,16 @@ def test_planted_erasure_is_found():
     dense = -torch.trace(U.T @ W_OV @ U) / (math.sqrt(U.shape[1]) * (U.T @ W_OV).norm())
     assert found.score[i, j].item() == pytest.approx(float(dense), rel=1e-10)
     assert not found.mask[found.writers.index("L1H0"), found.erasers.index("L1H1")]  # same layer: not read
+    spectra = rs.spectra(model)[0]
+    for i, w in enumerate(found.writers):  # every (writer, later head) entry against the dense definition
+        U = spectra[w].subspace()
+        for j, h in enumerate(found.erasers):
+            if not found.mask[i, j]:
+                assert found.score[i, j] == 0
+                continue
+            W = dense_writer(model, sc.parse_writer(model, h))
+            expected = -torch.trace(U.T @ W @ U) / (math.sqrt(U.shape[1]) * (U.T @ W).norm())
+            assert found.score[i, j].item() == pytest.approx(float(expected), rel=1e-9, abs=1e-12)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
