@@ -17,7 +17,8 @@ Layouts (ggml stores a linear layer like nn.Linear, [d_out, d_in] rows; Transfor
 Rotary layout, the classic trap: llama.cpp's converter permutes the Q and K rows of "llama" models so that
 ADJACENT dims (2i, 2i+1) form the rotary pairs (Hugging Face files pair i with i + d_head/2). Reading a GGUF
 with the rotate-half layout still runs and gives plausible but wrong numbers (SmolLM2: 12.9 nats instead of
-3.0 on the repeated half of a random sequence), so the config says `rotary_adjacent_pairs=True`.
+3.0 on the repeated half of a random sequence), so the config says `rotary_adjacent_pairs=True`. "qwen2"
+files are not permuted (rotate-half) and add blk.l.attn_q/k/v.bias -> b_Q [n_heads, d_head], _b_K/_b_V.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from circuits_core.tokenizer import Tokenizer
 State = dict[str, Tensor]
 GGUF_SUFFIX = ".gguf"
 # architecture (general.architecture) -> its Q/K rows are in adjacent-pairs order. llama.cpp writes Llama,
-# Mistral and SmolLM models as "llama"; other families are refused by name.
-ARCHITECTURES: dict[str, bool] = {"llama": True}
+# Mistral and SmolLM models as "llama" (Q/K rows permuted); Qwen2 files keep Hugging Face's rotate-half rows
+# (llama.cpp runs them with its NEOX rope) and carry q/k/v biases. Other families are refused by name.
+ARCHITECTURES: dict[str, bool] = {"llama": True, "qwen2": False}
 # tokenizer.ggml.pre -> split every digit before byte-level BPE (llama.cpp's pre-tokenizer regexes: the
 # "smollm"/"starcoder" group adds \p{N} before GPT-2's pattern, the "gpt-2" group is GPT-2's pattern alone).
 PRE_TOKENIZERS: dict[str, bool] = {
@@ -108,8 +110,9 @@ class _Metadata:
         return float(value)
 
 
-def gguf_config(meta: _Metadata, d_vocab: int) -> ModelConfig:
-    """ModelConfig of a Llama-family GGUF from its metadata (`{arch}.block_count`, ...)."""
+def gguf_config(meta: _Metadata, d_vocab: int, attention_bias: bool = False) -> ModelConfig:
+    """ModelConfig of a Llama-family GGUF from its metadata (`{arch}.block_count`, ...). `attention_bias`: the
+    file has q/k/v biases (Qwen2); the model's other biases (b_O, MLP, b_U) are then zero."""
     arch = meta.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise CheckpointError(
@@ -132,7 +135,7 @@ def gguf_config(meta: _Metadata, d_vocab: int) -> ModelConfig:
             d_vocab=d_vocab, n_ctx=meta.int(f"{arch}.context_length"), d_mlp=meta.int(f"{arch}.feed_forward_length"),
             attn_only=False, normalization_type="RMS", positional_embedding_type="rotary", act_fn="silu",
             gated_mlp=True, n_key_value_heads=n_kv, eps=meta.float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
-            use_bias=False, rotary_dim=meta.int(f"{arch}.rope.dimension_count", d_head),
+            use_bias=attention_bias, rotary_dim=meta.int(f"{arch}.rope.dimension_count", d_head),
             rotary_base=meta.float(f"{arch}.rope.freq_base", 10000.0), rotary_adjacent_pairs=ARCHITECTURES[arch],
             bos_token_id=_token_id(meta, "tokenizer.ggml.bos_token_id", d_vocab),
         )  # fmt: skip
@@ -204,6 +207,15 @@ def gguf_state(cfg: ModelConfig, tensors: _Tensors) -> State:
         for x in "KV":
             W = tensors.need(f"{b}.attn_{x.lower()}.weight", (n_kv * dh, d))
             sd[f"{p}.attn._W_{x}"] = W.reshape(n_kv, dh, d).transpose(1, 2).contiguous()  # [n_kv, d_model, d_head]
+        if cfg.use_bias:  # q/k/v biases [heads * d_head] -> [heads, d_head]; the rest of the model has none
+            sd[f"{p}.attn.b_Q"] = tensors.need(f"{b}.attn_q.bias", (H * dh,)).reshape(H, dh)
+            sd[f"{p}.attn._b_K"] = tensors.need(f"{b}.attn_k.bias", (n_kv * dh,)).reshape(n_kv, dh)
+            sd[f"{p}.attn._b_V"] = tensors.need(f"{b}.attn_v.bias", (n_kv * dh,)).reshape(n_kv, dh)
+            sd[f"{p}.attn.b_O"], sd[f"{p}.mlp.b_in"], sd[f"{p}.mlp.b_out"] = (
+                torch.zeros(d),
+                torch.zeros(d_mlp),
+                torch.zeros(d),
+            )
         W_O = tensors.need(f"{b}.attn_output.weight", (d, H * dh))  # [d_model(out), n_heads * d_head(in)]
         sd[f"{p}.attn.W_O"] = W_O.T.reshape(H, dh, d)  # [n_heads, d_head, d_model] (reshape copies: W_O.T is strided)
         # Each tensor made contiguous as it is read, so its file-order copy is freed at once (peak: one tensor).
@@ -212,6 +224,8 @@ def gguf_state(cfg: ModelConfig, tensors: _Tensors) -> State:
         sd[f"{p}.mlp.W_out"] = tensors.need(f"{b}.ffn_down.weight", (d, d_mlp)).T.contiguous()  # [d_mlp, d_model]
     output = tensors.take("output.weight", (d_vocab, d), optional=True)
     sd["unembed.W_U"] = output.T.contiguous() if output is not None else W_E.T  # [d_model, d_vocab] (tied: a view)
+    if cfg.use_bias:
+        sd["unembed.b_U"] = torch.zeros(d_vocab)
     tensors.finish()
     return sd
 
@@ -258,7 +272,7 @@ def read_gguf(
     if embed is None:
         raise CheckpointError(f"{path.name}: missing tensor token_embd.weight")
     d_vocab = int(embed.shape[-1])  # ggml shape [d_model, d_vocab]
-    cfg = gguf_config(meta, d_vocab)
+    cfg = gguf_config(meta, d_vocab, attention_bias="blk.0.attn_q.bias" in tensors.raw)
     if check is not None:
         check(cfg)
     tokenizer = gguf_tokenizer(meta, cfg.bos_token_id)

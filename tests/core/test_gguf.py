@@ -73,6 +73,9 @@ def write_gguf(
         hf["output.weight"] = rand(d_vocab, D_MODEL)
     for layer in range(N_LAYERS):
         b = f"blk.{layer}"
+        if arch == "qwen2":  # Qwen2 has q/k/v biases
+            hf |= {f"{b}.attn_q.bias": rand(N_HEADS * D_HEAD), f"{b}.attn_k.bias": rand(N_KV * D_HEAD),
+                   f"{b}.attn_v.bias": rand(N_KV * D_HEAD)}  # fmt: skip
         hf |= {
             f"{b}.attn_norm.weight": 1 + rand(D_MODEL), f"{b}.ffn_norm.weight": 1 + rand(D_MODEL),
             f"{b}.attn_q.weight": rand(N_HEADS * D_HEAD, D_MODEL), f"{b}.attn_k.weight": rand(N_KV * D_HEAD, D_MODEL),
@@ -101,7 +104,7 @@ def write_gguf(
     for key, value in (extra_kv or {}).items():
         writer.add_string(key, value)
     for name, value in hf.items():
-        if name.endswith(("attn_q.weight", "attn_k.weight")):
+        if name.endswith(("attn_q.weight", "attn_k.weight")) and arch != "qwen2":  # Qwen2's rows stay rotate-half
             value = llama_permute(value, N_HEADS if "attn_q" in name else N_KV)
         if value.ndim == 1:
             writer.add_tensor(name, value)  # F32
@@ -116,13 +119,15 @@ def write_gguf(
 
 
 @pytest.fixture(
-    scope="module", params=[(Q.Q8_0, True), (Q.Q4_1, False), (Q.F32, True)], ids=["q8_0-tied", "q4_1-untied", "f32"]
+    scope="module",
+    params=[(Q.Q8_0, True, "llama"), (Q.Q4_1, False, "llama"), (Q.F32, True, "llama"), (Q.Q8_0, False, "qwen2")],
+    ids=["q8_0-tied", "q4_1-untied", "f32", "qwen2-biases"],
 )
 def tiny(request, tmp_path_factory):
-    matrix_type, tied = request.param
-    folder = tmp_path_factory.mktemp("gguf") / "tiny-llama"
+    matrix_type, tied, arch = request.param
+    folder = tmp_path_factory.mktemp("gguf") / f"tiny-{arch}"
     folder.mkdir()
-    written = write_gguf(folder / "tiny.gguf", matrix_type=matrix_type, tied=tied)
+    written = write_gguf(folder / "tiny.gguf", arch=arch, matrix_type=matrix_type, tied=tied)
     hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny.gguf", dtype=torch.float32).eval()
     return folder, written, hf, matrix_type
 
@@ -136,7 +141,8 @@ def test_logits_equal_transformers_reading_the_same_file(tiny):
     loaded = load_checkpoint(folder, process=False)
     assert loaded.format == "gguf" and detect_format(folder) == "gguf"
     cfg = loaded.model.cfg
-    assert (cfg.n_heads, cfg.n_key_value_heads, cfg.rotary_adjacent_pairs) == (N_HEADS, N_KV, True)
+    assert (cfg.n_heads, cfg.n_key_value_heads) == (N_HEADS, N_KV)
+    assert cfg.rotary_adjacent_pairs == (folder.name == "tiny-llama") and cfg.use_bias == (folder.name == "tiny-qwen2")
     tokens = _tokens(cfg.d_vocab)
     with torch.no_grad():
         expected = hf(tokens).logits
@@ -153,7 +159,8 @@ def test_the_rotate_half_layout_on_a_gguf_gives_other_logits(tiny):
     """The trap the layout switch guards against: the same weights read as rotate-half still run, wrongly."""
     folder, _, hf, _ = tiny
     cfg, state, origin, _ = read_gguf(folder / "tiny.gguf")
-    wrong = build_model(dataclasses.replace(cfg, rotary_adjacent_pairs=False), state, torch.float32, origin)
+    wrong_layout = dataclasses.replace(cfg, rotary_adjacent_pairs=not cfg.rotary_adjacent_pairs)
+    wrong = build_model(wrong_layout, state, torch.float32, origin)
     tokens = _tokens(cfg.d_vocab)
     with torch.no_grad():
         expected = hf(tokens).logits
@@ -185,10 +192,15 @@ def test_tensors_round_trip(tiny):
         assert err.max() > 0  # really quantised
     assert torch.equal(got, hf_state["model.layers.0.mlp.gate_proj.weight"])
     assert torch.equal(state["blocks.1.mlp.W_out"].T, hf_state["model.layers.1.mlp.down_proj.weight"])
-    # Q rows: the file holds them permuted; undoing llama.cpp's permutation gives transformers' q_proj.
-    W_Q = state["blocks.0.attn.W_Q"]  # [n_heads, d_model, d_head], adjacent-pairs order
-    rows = W_Q.transpose(1, 2).reshape(N_HEADS, D_HEAD // 2, 2, D_MODEL).transpose(1, 2).reshape(-1, D_MODEL)
+    # Q rows: a llama file holds them permuted; undoing llama.cpp's permutation gives transformers' q_proj.
+    W_Q = state["blocks.0.attn.W_Q"]  # [n_heads, d_model, d_head], the file's order
+    rows = W_Q.transpose(1, 2).reshape(-1, D_MODEL)
+    if folder.name == "tiny-llama":
+        rows = rows.reshape(N_HEADS, D_HEAD // 2, 2, D_MODEL).transpose(1, 2).reshape(-1, D_MODEL)
     assert torch.equal(rows, hf_state["model.layers.0.self_attn.q_proj.weight"])
+    if folder.name == "tiny-qwen2":
+        assert torch.equal(state["blocks.1.attn._b_K"].flatten(), hf_state["model.layers.1.self_attn.k_proj.bias"])
+        assert torch.equal(state["blocks.1.attn.b_Q"].flatten(), torch.from_numpy(written["blk.1.attn_q.bias"]))
 
 
 def test_tokenizer_from_the_metadata_matches_the_trained_one_and_transformers(tiny):
