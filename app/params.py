@@ -74,6 +74,9 @@ class DirectParams(AnalysisParams):
 
     token: Token = None
     k: K = 20
+    basis: Annotated[Literal["served", "raw"], Field(description=(
+        "which weights: 'served' (processed as the model is served: folded LayerNorm, centred unembedding, as the view's "
+        "`basis` says) or 'raw' (the checkpoint as stored, loaded once more without processing)"))] = "served"
     min_count: MinCount = None
 
 

@@ -7,7 +7,50 @@ which weights it used, next to the numbers.
 
 from __future__ import annotations
 
-from circuits_core.weights import LoadedModel
+import dataclasses
+import threading
+from typing import Literal
+
+from circuits_core.cost import Cost
+from circuits_core.statedict import load_bytes
+from circuits_core.weights import LoadedModel, load_checkpoint
+
+Basis = Literal["served", "raw"]
+_RAW: dict[tuple[str, str, str], LoadedModel] = {}  # (folder, digest, dtype) -> the same checkpoint, unprocessed
+_RAW_KEEP = 2  # raw copies kept (each a second copy of a model's weights)
+_LOCK = threading.Lock()
+
+
+def changes_weights(loaded: LoadedModel) -> bool:
+    """Whether the served weights differ from the stored ones (a processing step that changed something)."""
+    return basis(loaded) != RAW
+
+
+def with_basis(loaded: LoadedModel, which: Basis) -> LoadedModel:
+    """The model as served, or (which="raw") the same checkpoint loaded without processing, kept for reuse."""
+    if which == "served" or not changes_weights(loaded):
+        return loaded
+    key = (str(loaded.path), loaded.digest, str(loaded.model.dtype))
+    with _LOCK:
+        raw = _RAW.get(key)
+    if raw is None:
+        raw = load_checkpoint(loaded.path, dtype=loaded.model.dtype, process=False)
+        raw = dataclasses.replace(raw, card=loaded.card)
+        with _LOCK:
+            if len(_RAW) >= _RAW_KEEP:
+                _RAW.pop(next(iter(_RAW)))
+            _RAW[key] = raw
+    return raw
+
+
+RAW = "raw weights, as stored"
+
+
+def raw_copy_cost(loaded: LoadedModel, which: Basis) -> Cost:
+    """Memory of the unprocessed copy with_basis loads (0 when served, identical, or already kept)."""
+    if which == "served" or not changes_weights(loaded) or (str(loaded.path), loaded.digest, str(loaded.model.dtype)) in _RAW:
+        return Cost(0)
+    return Cost(load_bytes(loaded.model.cfg, loaded.model.dtype))
 
 
 def basis(loaded: LoadedModel) -> str:
@@ -21,4 +64,4 @@ def basis(loaded: LoadedModel) -> str:
         parts.append("writing weights centred")
     if done.get("center_unembed"):
         parts.append("unembedding centred (W_U minus its mean over the vocabulary)")
-    return "processed weights: " + ", ".join(parts) if parts else "raw weights, as stored"
+    return "processed weights: " + ", ".join(parts) if parts else RAW

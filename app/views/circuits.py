@@ -23,7 +23,7 @@ from app.analysis import Analysis
 from app.params import DirectParams, OVParams, QKParams, SkipTrigramParams
 from app.schemas import CircuitTopView, MatrixEntry, ScoredToken, SkipTrigram, SkipTrigramView
 from app.settings import Limits
-from app.views.basis import basis
+from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import check_k, model_ref, resolve_token, token_ref
 from app.views.rotary import check_offset, is_rotary
 from circuits_core import circuits, rotary
@@ -122,6 +122,7 @@ def _top_view(
 
 def build_ov_view(loaded: LoadedModel, p: OVParams, limits: Limits) -> CircuitTopView:
     """Full OV circuit W_E W_V W_O W_U of a head: the token's row (the logits it raises), else global top-k."""
+    loaded = with_basis(loaded, p.basis)
     layer, h = parse_head(p.head, loaded.model.cfg)
     return _top_view(loaded, lambda: circuits.full_ov_circuit(loaded.model, layer, h), "ov", p.head, p.token, "row", p.k,
                      limits, p.min_count, lambda t: circuits.full_ov_row(loaded.model, layer, h, t))
@@ -131,6 +132,7 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
     """Full QK circuit W_E W_Q W_K^T W_E^T / s: as query, the keys a token attends to; as key, the queries attending to it.
 
     Rotary models: at the query-key offset δ, W_E W_Q R(δ) W_K^T W_E^T / s (circuits_core.rotary)."""
+    loaded = with_basis(loaded, p.basis)
     layer, h = parse_head(p.head, loaded.model.cfg)
     side: Literal["row", "column"] = "row" if p.side == "query" else "column"
     check_offset(loaded, p.offset)
@@ -148,6 +150,7 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
 def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> CircuitTopView:
     """Direct path W_E W_U (the bigram table): top next tokens for a current token, else global top-k; each entry
     with the model's probability (softmax of its row) and, where the model has a held-out corpus, the corpus's."""
+    loaded = with_basis(loaded, p.basis)
     view = _top_view(loaded, lambda: circuits.direct_path(loaded.model), "direct", None, p.token, "row", p.k, limits,
                      p.min_count, lambda t: circuits.direct_row(loaded.model, t))
     model = loaded.model
@@ -172,7 +175,8 @@ def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> C
 def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits) -> Cost:
     """A token's row or column, else the global top-k (on the frequent tokens only with min_count)."""
     n = None if p.min_count is None else int(frequent_tokens(loaded, p.min_count).numel())  # type: ignore[union-attr]
-    return circuits.top_cost(loaded.model, p.k, limits.matrix_budget_bytes, line=p.token is not None, n_tokens=n)
+    cost = circuits.top_cost(loaded.model, p.k, limits.matrix_budget_bytes, line=p.token is not None, n_tokens=n)
+    return cost + raw_copy_cost(loaded, p.basis)
 
 
 def _strongest_source(loaded: LoadedModel, layer: int, h: int, limits: Limits, vocab: Tensor | None) -> int:
@@ -186,6 +190,7 @@ def build_skip_trigrams_view(loaded: LoadedModel, p: SkipTrigramParams, limits: 
     """[source] ... [destination] -> [out] through one head; without a token, the source of the largest OV entry.
 
     With min_count, destinations, outs and the default source are frequent tokens only."""
+    loaded = with_basis(loaded, p.basis)
     head, token, k, min_count = p.head, p.token, p.k, p.min_count
     layer, h = parse_head(head, loaded.model.cfg)
     vocab = frequent_tokens(loaded, min_count)  # [n] or None
@@ -224,7 +229,8 @@ QK = Analysis(
 
 
 def skip_trigrams_cost(loaded: LoadedModel, p: SkipTrigramParams, limits: Limits) -> Cost:
-    return circuits.skip_trigrams_cost(loaded.model, p.k, limits.matrix_budget_bytes, token=p.token is not None)
+    return circuits.skip_trigrams_cost(loaded.model, p.k, limits.matrix_budget_bytes, token=p.token is not None) + raw_copy_cost(
+        loaded, p.basis)
 
 
 SKIP_TRIGRAMS = Analysis(
