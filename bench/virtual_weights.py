@@ -102,7 +102,7 @@ def _tl_pairs(tl, scores: vw.VirtualWeightScores, t_qkov: float) -> None:  # typ
     rng = random.Random(1)
     L, H = tl.cfg.n_layers, tl.cfg.n_heads
     sample: list[tuple[int, int, int, int]] = []
-    while len(sample) < 100:
+    while len(sample) < 20:
         l1, l2 = sorted(rng.sample(range(L), 2))
         sample.append((l1, rng.randrange(H), l2, rng.randrange(H)))
 
@@ -119,7 +119,7 @@ def _tl_pairs(tl, scores: vw.VirtualWeightScores, t_qkov: float) -> None:  # typ
     diff = max(abs(a - b) for a, b in zip(theirs, ours, strict=True))
     n_pairs = int(scores.mask.sum())
     est = t / len(sample) * n_pairs
-    row("    TL FactoredMatrix per pair, 100 head->head Q pairs", t, "",
+    row(f"    TL FactoredMatrix per pair, {len(sample)} head->head Q pairs", t, "",
         f"{t / len(sample) * 1e3:.1f} ms/pair; x {n_pairs} pairs = ~{fmt_time(est).strip()} (extrapolated); "
         f"ratio TL/qkov ~{est / t_qkov:.0f}; max |diff| {diff:.1e}")
 
