@@ -3,8 +3,9 @@
 `install_serving(app, settings)` (called once by create_app) adds:
 
 - the app's ComputeService (app/compute.py: bounded slots, result cache, single-flight, stop flags) and the
-  torch intra-op thread count of each computation (`settings.torch_threads`; by default cores // the computations
-  running when it starts, so a computation alone uses every core);
+  torch intra-op thread count of each computation, set in its worker thread (`settings.torch_threads`, default
+  cores // compute_slots: on a machine shared with other processes, 2 threads per computation on 2 busy cores made
+  the detector pass 2.8x slower than 1, so a lone computation does not take every core by default);
 - a middleware that gives every request an id (`X-Request-ID` in, echoed out; a fresh one otherwise), binds
   the request to compute (client-disconnect polling, deadline `settings.request_timeout_s`), applies the
   optional per-client rate limit (app/ratelimit.py), adds `Retry-After` to every 503, counts requests by
@@ -382,7 +383,7 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
         dense_budget_bytes=settings.limits.matrix_budget_bytes,
         budgets=Budgets(settings.limits.peak_bytes, settings.limits.max_answer_bytes, settings.request_timeout_s),
         store=open_store_tier(settings),
-        torch_threads=settings.torch_threads,
+        torch_threads=settings.torch_threads or default_torch_threads(settings.compute_slots),
     )
     torch.set_num_threads(settings.torch_threads or default_torch_threads(settings.compute_slots))
     configure_logging(settings)

@@ -252,13 +252,18 @@ def test_cached_answers_are_their_json_bytes(settings: Settings) -> None:
     run(scenario, app)
 
 
-def test_a_computation_alone_gets_every_core(settings: Settings) -> None:
-    from app.compute import available_cores
+def test_each_computation_runs_with_the_configured_threads(settings: Settings) -> None:
+    from app.compute import ComputeService, available_cores, default_torch_threads
 
-    with TestClient(serving_app(settings, compute_slots=2)) as c:
-        assert c.get("/api/v1/test/threads").json() == {"threads": available_cores()}
-    with TestClient(serving_app(settings, compute_slots=2, torch_threads=1)) as c:
-        assert c.get("/api/v1/test/threads").json() == {"threads": 1}
+    with TestClient(serving_app(settings, compute_slots=2)) as c:  # default: cores // slots, set in the worker
+        assert c.get("/api/v1/test/threads").json() == {"threads": default_torch_threads(2)}
+    with TestClient(serving_app(settings, compute_slots=2, torch_threads=3)) as c:
+        assert c.get("/api/v1/test/threads").json() == {"threads": 3}
+
+    async def alone() -> int:  # without a fixed count: cores // computations running (here one)
+        return await ComputeService(slots=2, torch_threads=None).run(torch.get_num_threads, (), {}, None)
+
+    assert asyncio.run(alone()) == available_cores()
 
 
 # -- pricing: refused before a slot, answer bounded inside it -------------------------------------------------
