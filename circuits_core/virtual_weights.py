@@ -91,6 +91,8 @@ def factored_svd(fm: FactoredMatrix, k: int) -> FactoredSVD:
     Squaring costs precision: singular values below r sqrt(eps) s_max are reported as 0.
     """
     A, B = fm.A, fm.B
+    if A.dtype in (torch.float16, torch.bfloat16):  # eigh and svd need float32 or better
+        A, B = A.float(), B.float()
     ea, Ea = torch.linalg.eigh(A.T @ A)
     eb, Eb = torch.linalg.eigh(B @ B.T)
     a, b = ea.clamp_min(0).sqrt(), eb.clamp_min(0).sqrt()
