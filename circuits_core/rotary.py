@@ -193,8 +193,8 @@ def reference_means(model: Transformer, tokens: Tensor) -> Tensor:
         raise InvalidInputError("the reference text needs at least 2 tokens (the first is left out)")
     names = {f"blocks.{layer}.ln1.hook_normalized" for layer in range(model.cfg.n_layers)}
     names |= {f"blocks.{layer}.hook_resid_pre" for layer in range(model.cfg.n_layers)}
-    with torch.no_grad():
-        _, cache = model.run(tokens, names=names)
+    with torch.no_grad():  # stop at the last layer's pattern: no last MLP, final norm or unembedding
+        cache = model.run_until(tokens, f"blocks.{model.cfg.n_layers - 1}.attn.hook_pattern", names=names)
     means = []
     for layer in range(model.cfg.n_layers):
         x = cache.get(f"blocks.{layer}.ln1.hook_normalized", cache[f"blocks.{layer}.hook_resid_pre"])  # no norm
