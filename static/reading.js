@@ -5,7 +5,7 @@
  * by their cell's data-value) and, from 8 rows on, a filter box above it (rows whose text contains it).
  *
  * Attention text view: <div class="attn-text" data-attn-text> holding
- *   <script type="application/json">{"tokens": [...], "heads": {"L1H2": [[n x n]]}, "terms": [{"label", "values"}]}</script>
+ *   <script type="application/x-qkov-text+json">{"tokens": [...], "heads": {"L1H2": [[n x n]]}, "terms": [{"label", "values"}]}</script>
  * draws the prompt as text; hovering (or clicking, which pins it) a token colours every token by the attention
  * that token pays to it under the chosen head; a path term colours each source token by its signed
  * contribution. The chosen head / term and the pinned token live in the URL (attn_head, attn_term, attn_token).
@@ -112,7 +112,7 @@
 
   function drawText(el) {
     if (el.dataset.drawn === "1") return;
-    var script = el.querySelector('script[type="application/json"]');
+    var script = el.querySelector('script[type="application/x-qkov-text+json"]');
     if (!script) return;
     el.dataset.drawn = "1";
     var data = JSON.parse(script.textContent);

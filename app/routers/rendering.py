@@ -126,7 +126,7 @@ async def page_context(request: Request, registry: ModelRegistry, title: str, js
     ctx: dict[str, Any] = {"title": title, "json_url": json_link, "model_id": model_id, "nav": nav}
     if not is_fragment(request):
         ctx["models"] = await model_ids(registry)
-        ctx["here"] = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        ctx["here"] = request.url.path  # the model picker's script puts the current URL (htmx pushes) here
         if model_id:
             n_layers = (await cheap(registry.get, model_id)).model.cfg.n_layers  # loaded already by the page's route
             views = model_nav(request)
