@@ -411,3 +411,18 @@ def test_chain_page_shows_each_positions_actual_next_token(raw):
     Y = A1 @ A0 @ cache["hook_embed"] @ m.W_V[0, 5] @ m.W_O[0, 5] @ m.W_V[1, 2] @ m.W_O[1, 2]  # [n, d]
     want = [float(Y[p] @ m.W_U[:, ids[p + 1]]) for p in range(len(ids) - 1)]
     assert np.allclose(body["next_token_contribution"], want, atol=1e-4)
+
+
+def test_tour_page_shows_every_measured_sentence(tour):
+    import html
+
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+
+    with TestClient(create_app(Settings(store_url="off"))) as c:
+        page = html.unescape(c.get("/tour").text)
+    measured = [f for f in tour.values() if " Measured: " in f.look_for]
+    assert len(measured) >= 19
+    for fig in measured:
+        assert fig.look_for.split(" Measured: ", 1)[1] in page, fig.id
