@@ -91,6 +91,7 @@ class QKParams(OVParams):
 
 class SkipTrigramParams(OVParams):
     k: K = 10
+    offset: Offset = 0
 
 
 class DetectorParams(PromptInput):

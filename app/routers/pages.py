@@ -246,7 +246,7 @@ async def head_context(call: PageCall) -> dict[str, Any]:
     qk_k = None
     if p.token is not None:
         qk_k = await call.run(QK, QKParams(head=name, token=p.token, k=p.k, side="key", min_count=p.min_count, offset=p.offset))
-    skip = await call.run(SKIP_TRIGRAMS, SkipTrigramParams(head=name, token=p.token, k=p.k, min_count=p.min_count))
+    skip = await call.run(SKIP_TRIGRAMS, SkipTrigramParams(head=name, token=p.token, k=p.k, min_count=p.min_count, offset=p.offset))
     partners = await composition_partners(call, name) if view is not None else []
     all_heads = [head_name(a, b) for a in range(cfg.n_layers) for b in range(cfg.n_heads)]
     i = all_heads.index(name)

@@ -69,3 +69,5 @@ class SkipTrigramView(BaseModel):
     min_count: int | None = Field(
         default=None, description="destinations, outs (and the default source) were tokens seen at least this often in training"
     )
+    offset: int | None = Field(default=None, description="rotary models: destinations ranked by the QK circuit at this "
+                               "query-key offset δ (the source δ positions before the destination); None otherwise")

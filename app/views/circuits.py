@@ -197,7 +197,10 @@ def build_skip_trigrams_view(loaded: LoadedModel, p: SkipTrigramParams, limits: 
     k = check_k(k, limits, loaded.model.cfg.d_vocab if vocab is None else int(vocab.numel()))
     with torch.no_grad():
         source = resolve_token(loaded, token) if token is not None else _strongest_source(loaded, layer, h, limits, vocab)
-        st = circuits.skip_trigrams(loaded.model, layer, h, source, k, vocab)
+        check_offset(loaded, p.offset)
+        offset = p.offset if is_rotary(loaded) else None  # rotary: destinations from the QK column at δ
+        col = rotary.full_qk_col_at(loaded.model, layer, h, source, offset) if offset is not None else None
+        st = circuits.skip_trigrams(loaded.model, layer, h, source, k, vocab, qk_col=col)
     dest = [ScoredToken(token=token_ref(loaded, t), value=float(v)) for t, v in zip(st.dest_tokens.tolist(), st.dest_scores.tolist(), strict=True)]
     outs = [ScoredToken(token=token_ref(loaded, t), value=float(v)) for t, v in zip(st.out_tokens.tolist(), st.out_scores.tolist(), strict=True)]
     qk = dict(zip(st.dest_tokens.tolist(), st.dest_scores.tolist(), strict=True))
@@ -209,7 +212,7 @@ def build_skip_trigrams_view(loaded: LoadedModel, p: SkipTrigramParams, limits: 
     ]
     return SkipTrigramView(
         model=model_ref(loaded), head=head_name(layer, h), source=src, k=k, copying=st.copying, min_count=min_count,
-        destinations=dest, outs=outs, trigrams=trigrams,
+        destinations=dest, outs=outs, trigrams=trigrams, offset=offset,
     )
 
 

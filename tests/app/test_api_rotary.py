@@ -163,3 +163,11 @@ def test_heads_table_kernel_peaks(client: TestClient, rope: LoadedModel):
     assert all(s["kernel_peak_offset"] is None for s in client.get(f"{API}/short/heads").json()["heads"])
     html = client.get("/models/rope").text
     assert "kernel peak δ" in html and "kernel peak δ" not in client.get("/models/short").text
+
+
+def test_skip_trigrams_at_offset_vs_dense(client: TestClient, rope: LoadedModel):
+    dense = dense_qk(rope, 2, 1, 6)  # [V, V] at δ = 6
+    body = client.get(f"{API}/rope/heads/L2H1/skip-trigrams", params={"token": "11", "k": 5, "offset": 6}).json()
+    assert body["offset"] == 6
+    assert [d["token"]["id"] for d in body["destinations"]] == dense[:, 11].topk(5).indices.tolist()
+    assert client.get(f"{API}/short/heads/L1H0/skip-trigrams", params={"offset": 1}).status_code == 422
