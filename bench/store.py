@@ -1,0 +1,143 @@
+"""The result store (section `store` of `make bench`, issue 13): cold against precomputed page times, the
+precompute time of the GPT-2-small-shaped checkpoint, and the hit ratio of two replicas sharing Redis.
+
+1. toy-2l: `python -m app.precompute toy-2l` into a fresh disk store (timed), then a fresh uvicorn (empty
+   in-memory cache) on that store answers every page of the model once; the same pages on a fresh uvicorn
+   with the store off are the cold figures. Goal: every precomputed page under 50 ms.
+2. The GPT-2-small-shaped random checkpoint (bench.http's, TransformerLens format): precompute time, goal under
+   2 minutes on this 2-core machine.
+3. Two uvicorn replicas on one real redis-server (Debian's, started here on loopback), 16 threads asking 24
+   distinct OV rows 192 times at random replicas: computations counted by /metrics, store hits, hit ratio.
+Only 127.0.0.1 is a target. The machine is shared: the load average is printed by `python -m bench`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from bench import fmt_time
+from bench.http import MODEL_ID as GPT2_ID
+from bench.http import write_tl_checkpoint
+from bench.load import HOST, REPO, free_port, start_server
+
+MODEL = "toy-2l"
+
+
+def wait_healthy(base: str, proc: subprocess.Popen[bytes]) -> None:
+    end = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(base + "/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > end:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.2)
+
+
+def precompute(model: str, env: dict[str, str]) -> tuple[float, str]:
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "app.precompute", model], cwd=REPO, env={**os.environ, **env},
+                         capture_output=True, text=True, check=True).stdout
+    return time.perf_counter() - start, out.strip().splitlines()[0]
+
+
+def metric(base: str, name: str) -> float:
+    text = httpx.get(base + "/metrics", timeout=10).text
+    return sum(float(v) for v in re.findall(rf"^{name}(?:_total)?\{{[^}}]*\}} ([0-9.e+-]+)$", text, re.M))
+
+
+def page_times(models: Path, store: dict[str, str], urls: list[str]) -> list[float]:
+    port = free_port()
+    proc = start_server(models, port, **store)
+    base = f"http://{HOST}:{port}"
+    try:
+        wait_healthy(base, proc)
+        httpx.get(f"{base}/api/v1/models/{MODEL}", timeout=120)  # load the model: not a page's time
+        times = []
+        for url in urls:
+            t0 = time.perf_counter()
+            status = httpx.get(base + url, timeout=300).status_code
+            times.append(time.perf_counter() - t0)
+            if status != 200:
+                print(f"    {url}: HTTP {status}")
+        return times
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def store_figures() -> None:
+    from app.main import create_app
+    from app.precompute import page_urls
+    from app.settings import Settings
+
+    tmp = Path(tempfile.mkdtemp(prefix="qkov-bench-store-"))
+    disk = {"store_url": "disk", "store_dir": str(tmp / "toy")}
+    took, said = precompute(MODEL, {"QKOV_STORE_URL": "disk", "QKOV_STORE_DIR": disk["store_dir"], "QKOV_LOG_FORMAT": "text"})
+    print(f"  precompute {MODEL}: {fmt_time(took)} ({said})")
+    wide, per_head = page_urls(create_app(Settings(store_url="off")), MODEL)
+    urls = [u for u in wide] + [u.replace("{head}", "L1H2") for u in per_head if u.startswith("/models/")]
+    cold = page_times(REPO / "checkpoints", {"store_url": "off"}, urls)
+    warm = page_times(REPO / "checkpoints", disk, urls)
+    print(f"  {'page':<46} {'cold':>9} {'precomputed':>12}")
+    for url, c, w in zip(urls, cold, warm, strict=True):
+        print(f"  {url:<46} {fmt_time(c):>9} {fmt_time(w):>12}{'' if w < 0.05 else '  (over 50 ms)'}")
+    print(f"  median over {len(urls)} pages: cold {fmt_time(statistics.median(cold))}, precomputed "
+          f"{fmt_time(statistics.median(warm))}; slowest precomputed {fmt_time(max(warm))} (goal < 50 ms each)")
+
+    gpt2 = tmp / "gpt2"
+    write_tl_checkpoint(gpt2)
+    took, said = precompute(GPT2_ID, {"QKOV_STORE_URL": "disk", "QKOV_STORE_DIR": str(tmp / "gpt2-store"),
+                                      "QKOV_MODELS_DIR": str(gpt2), "QKOV_LOG_FORMAT": "text"})
+    print(f"  precompute {GPT2_ID} (12 x 12 heads, vocab 50,257): {fmt_time(took)} (goal < 2 min; {said})")
+
+    replicas()
+
+
+def replicas() -> None:
+    from tests.app.redis_server import running_redis
+
+    tmp = Path(tempfile.mkdtemp(prefix="qkov-bench-redis-"))
+    with running_redis(tmp) as redis:
+        procs, bases = [], []
+        for name in ("a", "b"):
+            port = free_port()
+            procs.append(start_server(REPO / "checkpoints", port, store_url=redis.url, store_dir=str(tmp / name),
+                                      compute_slots="1", torch_threads="1"))
+            bases.append(f"http://{HOST}:{port}")
+        try:
+            for base, proc in zip(bases, procs, strict=True):
+                wait_healthy(base, proc)
+                httpx.get(f"{base}/api/v1/models/{MODEL}", timeout=120)
+            before = sum(metric(b, "qkov_compute_completed") for b in bases)
+            keys = [f"/api/v1/models/{MODEL}/heads/L1H2/ov?token={t}&k=5" for t in range(200, 224)]
+            rng = random.Random(0)
+            jobs = [(rng.choice(bases), rng.choice(keys)) for _ in range(16 * 12)]
+            with ThreadPoolExecutor(16) as pool:
+                statuses = list(pool.map(lambda j: httpx.get(j[0] + j[1], timeout=120).status_code, jobs))
+            computed = sum(metric(b, "qkov_compute_completed") for b in bases) - before
+            hits = sum(metric(b, "qkov_store_hits") + metric(b, "qkov_store_waited") for b in bases)
+            memory = sum(metric(b, "qkov_cache_hits") for b in bases)
+            print(f"  two replicas on Redis, 16 clients, {len(jobs)} requests for {len(keys)} keys: {computed:.0f} "
+                  f"computations, {hits:.0f} answers from the other replica via Redis, {memory:.0f} from memory; "
+                  f"statuses {sorted(set(statuses))}; cross-replica hit ratio {1 - computed / len(jobs):.2f}")
+        finally:
+            for proc in procs:
+                proc.terminate()
+                proc.wait(30)
+
+
+SECTIONS = {"store": store_figures}
