@@ -353,12 +353,13 @@ def complex_points(values: Sequence[Any]) -> list[tuple[float, float]]:
     return [(c.re, c.im) for c in values]
 
 
-def attention_text(tokens: Sequence[Any], heads: Sequence[Any], terms: Sequence[Any] = ()) -> dict[str, Any]:
-    """The data of the attention text view (static/reading.js): the prompt's tokens as text, each shown head's
-    pattern (rows: destination, columns: source) and each listed path term's contribution per source token."""
+def attention_text(tokens: Sequence[Any], patterns: Mapping[str, Sequence[Sequence[float]]], terms: Sequence[Any] = ()) -> dict[str, Any]:
+    """The data of the attention text view (static/reading.js): the prompt's tokens as text, each named pattern
+    (a head's or a chain's; rows: destination, columns: source) and each listed path term's contribution per
+    source token."""
     return {
         "tokens": [{"id": t.id, "text": t.text} for t in tokens],
-        "heads": {hp.head: rounded(hp.pattern, 4) for hp in heads},
+        "heads": {name: rounded(pattern, 4) for name, pattern in patterns.items()},
         "terms": [{"label": term_label(t.path, t.kind), "values": [round(v, 5) for v in t.by_source]}
                   for t in terms if t.by_source is not None],
     }

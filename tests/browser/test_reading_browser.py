@@ -267,3 +267,15 @@ def test_scatter_labels_do_not_overlap(shipped_page: Page) -> None:
     names = scatter.evaluate("g => g.data[0].customdata")
     assert sorted(names) == sorted(h["head"] for h in heads if h["layer"] == last)  # every head is a point, named on hover
     screenshot(page, "reading-scatter-labels")
+
+
+def test_chain_page_reuses_the_text_view_with_the_chains_pattern(page: Page) -> None:
+    page.goto(f"/models/{M}/path?heads={HEADS}&prompt=" + PROMPT.replace(" ", "+"))
+    twin = api(page, f"/api/v1/models/{M}/path", heads=HEADS, prompt=PROMPT)
+    tokens = page.locator("#chain_text .attn-tok")
+    expect(tokens.first).to_be_visible()
+    tokens.nth(15).hover()
+    shown = page.eval_on_selector_all("#chain_text .attn-tok", "els => els.map(e => e.dataset.weight)")
+    for j, w in enumerate(shown[:16]):
+        assert float(w) == pytest.approx(twin["pattern"][15][j], abs=1e-4)
+    assert all(w == "" for w in shown[16:])
