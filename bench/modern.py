@@ -51,6 +51,7 @@ LLAMA_1B = {
                      "original_max_position_embeddings": 8192},
     "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
 }  # fmt: skip
+REQUEST_TIMEOUT_S = 300  # the bench server's deadline per request (default 120 s)
 PATHS_PEAK_BYTES = 2 * GiB  # the bench server's Limits.peak_bytes (default 1 GiB)
 WRITTEN_MARK = "written.ok"  # the checkpoint folder is complete (a run stopped while writing leaves none)
 
@@ -237,7 +238,7 @@ def served(folder: Path) -> None:
     # The 128-token order-2 expansion is priced at ~1.3 GiB on this shape, over the default peak_bytes (1 GiB):
     # the server runs with PATHS_PEAK_BYTES, and each view's measured peak is compared with the default budget.
     proc = start_server(folder.parent, port, cache_bytes="0", store_url="off", preload="true",
-                        max_model_bytes=str(16 * GiB), request_timeout_s="600",
+                        max_model_bytes=str(16 * GiB), request_timeout_s=str(REQUEST_TIMEOUT_S),
                         limits__peak_bytes=str(PATHS_PEAK_BYTES))  # fmt: skip
     base, m = f"http://{HOST}:{port}", f"/api/v1/models/{LLAMA_ID}"
     try:
@@ -254,13 +255,13 @@ def served(folder: Path) -> None:
                 f"first {fmt_time(first).strip()}; {n_terms} terms listed; peak_bytes {PATHS_PEAK_BYTES / GiB:.0f} GiB")  # fmt: skip
             print(f"  views on the 1B shape, one request each (server peak RSS above its RSS before, against the "
                   f"default Limits.peak_bytes = {budget / GiB:.2f} GiB; this server allows {PATHS_PEAK_BYTES / GiB:.0f}):")  # fmt: skip
-            views = [
-                ("composition?kind=K", "all 512 x 512 head pairs"),
-                ("heads/L8H3/copying", "OV copying of one head"),
-                ("copying?k=10", "copying overview, every head"),
+            views = [  # cheapest first; a view over the server's request timeout answers 503
                 ("heads/L8H3/ov?token=1234&k=20", "one row of the full OV circuit"),
                 ("heads/L8H3/qk?token=1234&k=20", "one row of the full QK circuit"),
+                ("heads/L8H3/copying", "OV copying of one head"),
+                ("composition?kind=K", "all 512 x 512 head pairs"),
                 ("heads/L8H3/ov?k=20", "global top-20 of the 128k x 128k OV circuit"),
+                ("copying?k=10", "copying overview, every head"),
             ]
             for path, what in views:
                 seconds, extra, answer = _peak_during(proc, client, f"{m}/{path}")
