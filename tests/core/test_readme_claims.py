@@ -1,0 +1,44 @@
+"""The README's table of shipped models states measured facts; each must equal its model card (which
+tests/core/test_shipped_models.py checks against an independent re-measurement), so the README cannot drift."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def row(model: str) -> str:
+    text = (REPO / "README.md").read_text()
+    match = re.search(rf"^\| `{model}` \|.*$", text, re.M)
+    assert match is not None, f"README has no row for {model}"
+    return match[0]
+
+
+def card(model: str) -> dict:  # type: ignore[type-arg]
+    return json.loads((REPO / "checkpoints" / model / "model_card.json").read_text())["phenomena"]  # type: ignore[no-any-return]
+
+
+def test_toy_0l_row() -> None:
+    r, c = row("toy-0l"), card("toy-0l")
+    assert f"KL to validation bigrams {c['kl_ratio']:.2f} of the unigram KL" in r
+    assert f"top-1 agreement {c['top1_agreement']:.2f}" in r
+
+
+def test_toy_1l_row() -> None:
+    r, c = row("toy-1l"), card("toy-1l")
+    scores = [s for layer in c["ov_copying_scores"] for s in layer]
+    assert f"{sum(s > 0 for s in scores)}/{len(scores)} heads with positive OV eigenvalue copying score" in r
+    best = c["skip_trigrams"]["examples"][0]
+    assert f"`{best['source']} … {best['destination']} → {best['boosted']}`" in r
+
+
+def test_toy_2l_row() -> None:
+    r, c = row("toy-2l"), card("toy-2l")
+    assert f"induction head {c['induction_head']} (score {c['induction_score']:.2f})" in r
+    assert f"previous-token head {c['k_composition_partner']} ({c['partner_previous_token_score']:.2f})" in r
+    assert f"repeat loss {c['rep1_loss']:.2f} → {c['rep2_loss']:.2f} nats" in r
+    input_ = c["detector_input"]
+    assert f"BOS + {input_['seq_len']} uniform random tokens repeated twice, {input_['batch']} sequences, seed {input_['seed']}" in (REPO / "README.md").read_text()
