@@ -353,11 +353,15 @@ def complex_points(values: Sequence[Any]) -> list[tuple[float, float]]:
     return [(c.re, c.im) for c in values]
 
 
-def attention_text(tokens: Sequence[Any], patterns: Mapping[str, Sequence[Sequence[float]]], terms: Sequence[Any] = ()) -> dict[str, Any]:
+def attention_text(tokens: Sequence[Any], patterns: Mapping[str, Sequence[Sequence[float]]], paths: Any = None) -> dict[str, Any]:
     """The data of the attention text view (static/reading.js): the prompt's tokens as text, each named pattern
-    (a head's or a chain's; rows: destination, columns: source) and each listed path term's contribution per
-    source token."""
+    (a head's or a chain's; rows: destination, columns: source) and, given a path expansion (PathsView), each
+    listed term's contribution per source token, with the position and logit it expands."""
+    terms = paths.terms if paths is not None else ()
     return {
+        "position": paths.position if paths is not None else None,
+        "logit": f"logit({paths.target_token.text!r})" + (f" − logit({paths.contrast_token.text!r})" if paths.contrast_token else "")
+        if paths is not None else None,
         "tokens": [{"id": t.id, "text": t.text} for t in tokens],
         "heads": {name: rounded(pattern, 4) for name, pattern in patterns.items()},
         "terms": [{"label": term_label(t.path, t.kind), "values": [round(v, 5) for v in t.by_source]}

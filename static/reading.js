@@ -144,8 +144,9 @@
         if (!term) return;
         var m = Math.max.apply(null, term.values.map(Math.abs)) || 1;
         term.values.forEach(function (v, j) { spans[j].style.backgroundColor = colour(v, m, true); spans[j].dataset.weight = String(v); });
-        caption.textContent = "each source token coloured by its contribution to the term " + term.label +
-          " (blue raises the logit, red lowers it; strongest " + m.toFixed(3) + ")";
+        if (data.position !== null && spans[data.position]) spans[data.position].classList.add("dest");
+        caption.textContent = "each source token coloured by its contribution through " + term.label + " to " + data.logit +
+          " at position " + data.position + " (outlined; blue raises it, red lowers it; strongest " + m.toFixed(3) + ")";
         return;
       }
       var pattern = data.heads[choice.slice(5)];

@@ -136,8 +136,7 @@ async def prompt_context(call: PageCall) -> dict[str, Any]:
         figs["patterns"] = [(hp.head, charts.attention_heatmap(pview.tokens, hp.pattern, f"{hp.head} {'value-weighted ' if p.weighted else ''}attention",
                                                                weighted=p.weighted, height=380)) for hp in pview.heads]
     if pview is not None:
-        figs["text"] = charts.attention_text(pview.tokens, {hp.head: hp.pattern for hp in pview.heads},
-                                             paths.terms if paths is not None else ())
+        figs["text"] = charts.attention_text(pview.tokens, {hp.head: hp.pattern for hp in pview.heads}, paths)
     if paths is not None:
         links = [url(f"/models/{model}/path", heads=",".join(t.path), prompt=prompt, tokens=tokens, target=paths.target)
                  if t.kind == "head" else None for t in paths.terms]

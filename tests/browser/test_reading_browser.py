@@ -95,6 +95,8 @@ def test_attention_text_view_colours_sources_by_a_path_term(page: Page) -> None:
             assert tok["bg"].startswith("rgba(33, 102, 172" if v > 0 else "rgba(178, 24, 43")
     assert parse_qs(urlsplit(page.url).query)["attn_term"] == [str(index)]
     expect(page.locator("#attn_text .attn-caption")).to_contain_text(term["path"][0])
+    expect(page.locator("#attn_text .attn-caption")).to_contain_text(f"at position {paths['position']}")
+    expect(page.locator("#attn_text .attn-tok.dest")).to_have_attribute("data-pos", str(paths["position"]))
     screenshot(page, "reading-attention-text-term")
 
 
