@@ -102,7 +102,7 @@ def heatmap(
         "yaxis": _axis(y_title, type="category", autorange="reversed" if reversed_y else True, **y_step),
     }
     if height:
-        layout["height"] = height
+        layout["height"] = label_room(len(y), height) if y_step.get("dtick") == 1 else height  # room for every row label
     fig: Figure = {"data": [trace], "layout": layout}
     if links is not None:
         fig["links"] = {"0": links}
@@ -347,6 +347,11 @@ def composition_heatmap(view: Any, model_id: str, zmax: float | None = None) -> 
         hover="%{y} → %{x}<br>" + view.kind + "-composition %{customdata[0]:.4f}<br>minus baseline %{z:+.4f}",
         links=links, colorbar="score − baseline", height=label_room(len(view.sources), max(280, 26 * len(view.sources) + 140)),
     )
+
+
+def shared_range(matrices: Sequence[Sequence[Sequence[float | None]]]) -> float | None:
+    """One symmetric colour range for several signed heatmaps (e.g. Q, K and V composition): the largest |value|."""
+    return max((abs(v) for z in matrices for row in z for v in row if v is not None), default=0.0) or None
 
 
 def complex_points(values: Sequence[Any]) -> list[tuple[float, float]]:

@@ -82,7 +82,7 @@ async def composition_context(call: PageCall) -> dict[str, Any]:
     if view is not None:  # one colour scale for Q, K and V (the other kinds' answers are cached like this one)
         views = [view] + [v for k in ("Q", "K", "V") if k != kind
                           for v, _ in [await call.attempt(COMPOSITION, call.params.model_copy(update={"kind": k}))] if v is not None]
-        zmax = max((abs(x) for v in views for row in v.minus_baseline for x in row if x is not None), default=0.0) or None
+        zmax = charts.shared_range([v.minus_baseline for v in views])
     return {"view": view, "error": error, "kind": kind, "fig": charts.composition_heatmap(view, call.model_id or "", zmax) if view else None,
             "offset": call.params.offset or None, "is_rotary": rotary_enabled(call), "n_ctx": call.model.model.cfg.n_ctx if call.model else 0}
 

@@ -56,9 +56,10 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
         qkv = QKPathsView.model_validate(d["qk_paths"])
         add(charts.heatmap(qkv.std, qkv.components, qkv.components, title=f"{qkv.head}: std of each (query, key) term", signed=False,
                            x_title="key side", y_title="query side"))
-    for kind in ("Q", "K", "V"):
-        if kind in d:
-            add(charts.composition_heatmap(CompositionView.model_validate(d[kind]), model))
+    compositions = [CompositionView.model_validate(d[kind]) for kind in ("Q", "K", "V") if kind in d]
+    shared = charts.shared_range([c.minus_baseline for c in compositions]) if len(compositions) > 1 else None
+    for composition in compositions:  # Q, K and V on one colour range
+        add(charts.composition_heatmap(composition, model, shared))
     if "prompt" in d:
         pv = PromptView.model_validate(d["prompt"])
         for php in pv.heads:
