@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from circuits_core.config import head_name
+from circuits_core.errors import CheckpointError
 from circuits_core.heads import detector_scores, standard_tokens
 from circuits_core.phenomena import repeat_losses
-from circuits_core.statedict import folder_file
+from circuits_core.statedict import folder_file, read_json_object
 
 if TYPE_CHECKING:  # weights.py reads stored summaries (load_summary) as the card of a folder without one
     from circuits_core.weights import LoadedModel
@@ -122,12 +123,11 @@ def load_summary(folder: str | Path) -> dict[str, Any] | None:
     """The stored summary of a model folder; None when there is none, it is of another version, or the weights it
     was measured on have changed since."""
     folder = Path(folder)
-    path = folder_file(folder, SUMMARY_FILE)
-    if not path.is_file():
+    if not folder_file(folder, SUMMARY_FILE).is_file():
         return None
     try:
-        summary = json.loads(path.read_text())
-    except (OSError, ValueError):
+        summary = read_json_object(folder, SUMMARY_FILE)  # bounded size and nesting, like every checkpoint JSON
+    except CheckpointError:
         return None
     if not isinstance(summary, dict) or summary.get("summary_version") != SUMMARY_VERSION:
         return None

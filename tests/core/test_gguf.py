@@ -300,3 +300,13 @@ def test_the_stored_summary_is_the_card_until_the_weights_change(tmp_path):
     assert load_summary(folder) is None and load_checkpoint(folder).card == {}
     again, fresh = ensure_summary(folder)
     assert fresh and again["source"] != summary["source"] and load_checkpoint(folder).card == again
+
+
+def test_a_broken_summary_file_is_ignored_not_fatal(tmp_path):
+    folder = tmp_path / "broken"
+    folder.mkdir()
+    write_gguf(folder / "m.gguf")
+    for text in ["not json", "[" * 100_000 + "]" * 100_000, '{"summary_version": 1, "source": []}', "[]"]:
+        (folder / SUMMARY_FILE).write_text(text)
+        assert load_summary(folder) is None
+        assert load_checkpoint(folder).card == {}
