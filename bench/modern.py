@@ -145,16 +145,17 @@ def _child(kind: str, folder: str) -> None:
             )
 
     base = _high_water()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     model = load()
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = _high_water()
     del model
-    print(json.dumps({"seconds": seconds, "peak_rss": peak, "base_rss": base}))
+    print(json.dumps({"seconds": seconds, "cpu": cpu, "peak_rss": peak, "base_rss": base}))
 
 
-def measure_load(kind: str, folder: Path, repeats: int) -> tuple[float, int, int]:
-    """(median seconds, largest peak RSS, largest RSS before the load) over `repeats` fresh processes."""
+def measure_load(kind: str, folder: Path, repeats: int) -> tuple[float, float, int, int]:
+    """(median seconds, median CPU seconds of all threads, largest peak RSS, largest RSS before the load) over
+    `repeats` fresh processes. CPU time is what a quiet machine's wall time would be, roughly (no contention)."""
     results = []
     for _ in range(repeats):
         out = subprocess.run(
@@ -166,15 +167,21 @@ def measure_load(kind: str, folder: Path, repeats: int) -> tuple[float, int, int
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     return (
         statistics.median(r["seconds"] for r in results),
+        statistics.median(r["cpu"] for r in results),
         max(r["peak_rss"] for r in results),
         max(r["base_rss"] for r in results),
     )
 
 
 def _load_row(label: str, kind: str, folder: Path, repeats: int, goal_s: str, goal_rss: float | None) -> float:
-    seconds, peak, base = measure_load(kind, folder, repeats)
+    seconds, cpu, peak, base = measure_load(kind, folder, repeats)
     goal = f" (goal < {goal_rss:g} GiB)" if goal_rss is not None else ""
-    row(label, seconds, goal_s, f"peak RSS {peak / GiB:.2f} GiB{goal}, {base / GiB:.2f} before the load")
+    row(
+        label,
+        seconds,
+        goal_s,
+        f"CPU {cpu:.2f} s; peak RSS {peak / GiB:.2f} GiB{goal}, {base / GiB:.2f} before the load",
+    )
     return seconds
 
 
