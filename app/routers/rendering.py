@@ -212,8 +212,9 @@ async def serve_page(page: Page, params: type[AnalysisParams], request: Request,
     analysis = page.analysis
     query = request.query_params
     raw: dict[str, Any] = {k: v for k, v in query.items() if v != ""}
-    if "prompt" in params.model_fields and query.get("prompt") == "" and not query.get("tokens"):
-        raw["prompt"] = ""  # an empty prompt is refused in its panel, not replaced by the default text
+    fields = params.model_fields
+    if "prompt" in fields and "seq_len" not in fields and query.get("prompt") == "" and not query.get("tokens"):
+        raw["prompt"] = ""  # refused in its panel, not replaced by the default text (with seq_len: random tokens instead)
     raw.update({k: v for k, v in request.path_params.items() if k != "model"})
     model_id: str | None = request.path_params.get("model")
     loaded = None
