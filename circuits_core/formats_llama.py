@@ -148,7 +148,7 @@ class _Shards:
         """layout(tensor `key`) in the compute dtype; its stored shape is checked before anything is read."""
         if key not in self.where:
             raise CheckpointError(
-                f"{', '.join(sorted(set(self.where.values())))}: missing tensor {key} (expected shape {list(shape)})"
+                f"{', '.join(self.maps)}: missing tensor {key} (expected shape {list(shape)})"
             )
         mapped = self.maps[self.where[key]]
         given = mapped.shape(key)

@@ -106,7 +106,7 @@ BROKEN: dict[str, tuple[Callable[[Path], None], str]] = {
     "llama-act-unknown": (llama(hidden_act="relu6"), "relu6"),
     "llama-partial-rotary": (llama(partial_rotary_factor=0.3), "partial_rotary_factor"),
     "mistral-window-negative": (llama(model_type="mistral", sliding_window=-4), "sliding_window"),
-    "llama-no-tensors": (llama(), "model.embed_tokens.weight"),
+    "llama-no-tensors": (llama(), "model.safetensors: missing tensor model.embed_tokens.weight"),
 }
 
 
