@@ -4,11 +4,11 @@ cache, single-flight and stop flags (design.md, "Cheap work and heavy work").
 `await compute(fn, *args, key=..., cost=..., lower=..., **kwargs)` runs `fn(*args, **kwargs)` in a worker thread
 and returns its result; `await compute_json(...)` (same arguments) returns the answer's encoded JSON bytes:
 
-- **Priced before it runs**: `cost` (a circuits_core.cost.Cost from the engine's own estimate) is compared with
+- **Priced before it runs** (app/pricing.py): `cost` (a circuits_core.cost.Cost from the engine's own estimate) is compared with
   the budgets before a slot is taken: peak working memory with `limits.peak_bytes`, the encoded answer with
   `limits.max_answer_bytes`, the estimated seconds with the request deadline. Over budget: LimitExceededError
   (HTTP 422) naming the size, the limit and `lower`, the parameters to lower.
-- **Bounded**: at most `settings.compute_slots` calls run at once, each on its own thread. A call waits at most
+- **Bounded**: at most `settings.compute_slots` calls run at once (app/slots.py), each on its own thread. A call waits at most
   `settings.slot_wait_s` for a slot, then raises `BusyError` (HTTP 503 with Retry-After). The answer (a pydantic
   model) is encoded to JSON inside the slot, so encoding is part of the bounded work, and its real size is
   checked against `limits.max_answer_bytes` there too.
@@ -35,15 +35,12 @@ import concurrent.futures
 import contextvars
 import functools
 import inspect
-import json
 import logging
 import math
 import os
 import threading
 import time
-import typing
-from collections import deque
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -52,15 +49,16 @@ import torch
 from pydantic import BaseModel
 
 from app.cache import ResultCache
+from app.pricing import Answer, Budgets, Key, check_answer, check_cost, check_dense_bytes, encode, key_text, view_type
+from app.slots import Slots
 from app.store import StoreTier
 from circuits_core.cost import Cost, ambient_should_stop, stopping
-from circuits_core.errors import CancelledError, LimitExceededError
+from circuits_core.errors import CancelledError
 
 log = logging.getLogger("qkov.compute")
 
 T = TypeVar("T")
 V = TypeVar("V", bound=BaseModel)
-Key = tuple[Hashable, ...] | str
 POLL_S = 0.05  # how often a waiting request checks its client and deadline
 
 
@@ -70,167 +68,6 @@ class BusyError(Exception):
     def __init__(self, message: str, retry_after: int):
         super().__init__(message)
         self.retry_after = retry_after
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
-def check_dense_bytes(needed: int, budget: int, what: str = "this request") -> None:
-    """LimitExceededError (422) when a dense intermediate of `needed` bytes is over `budget`."""
-    if needed > budget:
-        raise LimitExceededError(
-            f"{what} needs about {needed} bytes ({format_bytes(needed)}) of dense working memory; "
-            f"the budget is {budget} bytes ({format_bytes(budget)}): ask for fewer tokens, sequences or heads"
-        )
-
-
-def key_text(key: Key) -> str:
-    """The cache (and store) key: a string as it is, a tuple joined with "|"."""
-    return key if isinstance(key, str) else "|".join(map(str, key))
-
-
-@dataclass(frozen=True)
-class Budgets:
-    """What one request may spend (from settings.limits and request_timeout_s); None: unchecked."""
-
-    peak_bytes: int | None = None
-    answer_bytes: int | None = None
-    seconds: float | None = None
-
-
-def _hint(lower: str) -> str:
-    """': lower k, max_order' from 'k, max_order' (or from 'lower k, max_order')."""
-    return f": lower {lower.removeprefix('lower ')}" if lower else ": ask for less"
-
-
-def check_cost(cost: Cost, budgets: Budgets, lower: str = "", what: str = "this request") -> None:
-    """LimitExceededError (422) when the priced cost is over a budget: names the size, the limit and `lower`."""
-    hint = _hint(lower)
-    if budgets.peak_bytes is not None and cost.peak_bytes > budgets.peak_bytes:
-        raise LimitExceededError(
-            f"{what} needs about {_size(cost.peak_bytes)} of working memory; the budget (peak_bytes) is "
-            f"{_size(budgets.peak_bytes)}{hint}"
-        )
-    if budgets.answer_bytes is not None and cost.answer_bytes > budgets.answer_bytes:
-        raise LimitExceededError(
-            f"{what} would answer about {_size(cost.answer_bytes)} of JSON; the budget (max_answer_bytes) is "
-            f"{_size(budgets.answer_bytes)}{hint}"
-        )
-    if budgets.seconds is not None and cost.seconds is not None and cost.seconds > budgets.seconds:
-        raise LimitExceededError(
-            f"{what} would take about {cost.seconds:.0f} s; the request deadline is {budgets.seconds:g} s{hint}"
-        )
-
-
-def _size(n: int) -> str:
-    return f"{n} bytes ({format_bytes(n)})"
-
-
-def check_answer(size: int, budgets: Budgets, lower: str = "", what: str = "this request") -> None:
-    """The real size of an encoded answer against max_answer_bytes (checked inside the slot)."""
-    if budgets.answer_bytes is not None and size > budgets.answer_bytes:
-        hint = _hint(lower)
-        raise LimitExceededError(
-            f"{what} answered {_size(size)} of JSON; the budget (max_answer_bytes) is "
-            f"{_size(budgets.answer_bytes)}{hint}"
-        )
-
-
-def encode(value: Any) -> bytes | None:
-    """The JSON bytes of a pydantic answer or of plain JSON data (dicts, lists, numbers, strings); None for
-    anything else (a loaded model, a tensor): not cached, returned as is."""
-    if isinstance(value, BaseModel):
-        return value.__pydantic_serializer__.to_json(value)
-    if isinstance(value, dict | list | str | int | float) and not isinstance(value, bool):
-        try:
-            return json.dumps(value, allow_nan=False, separators=(",", ":")).encode()
-        except (TypeError, ValueError):  # not plain JSON data (a tensor inside, NaN): not cached
-            return None
-    return None
-
-
-def view_type(fn: Callable[..., Any]) -> type[BaseModel] | None:
-    """The pydantic model `fn` returns (its return annotation), to decode cached bytes."""
-    try:
-        hint = typing.get_type_hints(fn).get("return")
-    except Exception:  # noqa: BLE001 - unresolvable annotations: no decoding
-        return None
-    return hint if isinstance(hint, type) and issubclass(hint, BaseModel) else None
-
-
-@dataclass
-class Answer:
-    """A computation's result: the value (None when only bytes are known, e.g. from the cache) and its JSON."""
-
-    value: Any
-    body: bytes | None
-
-    def as_value(self, view: type[BaseModel] | None) -> Any:
-        """The value; from the JSON when only that is known (the view type's model, else plain JSON data)."""
-        if self.value is None and self.body is not None:
-            return view.model_validate_json(self.body) if view is not None else json.loads(self.body)
-        return self.value
-
-    def as_json(self) -> bytes:
-        if self.body is None:
-            raise TypeError(f"compute_json needs a pydantic answer, got {type(self.value).__name__}")
-        return self.body
-
-
-# -- slots -------------------------------------------------------------------------------------------------
-class Slots:
-    """A FIFO counting semaphore awaitable from any event loop and released from any thread."""
-
-    def __init__(self, n: int):
-        self.n = n
-        self.in_use = 0
-        self._lock = threading.Lock()
-        self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = deque()
-
-    @property
-    def waiting(self) -> int:
-        return len(self._waiters)
-
-    async def acquire(self, timeout: float) -> None:
-        """Take a slot, waiting at most `timeout` seconds (TimeoutError)."""
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            if self.in_use < self.n and not self._waiters:
-                self.in_use += 1
-                return
-            entry = (loop, loop.create_future())
-            self._waiters.append(entry)
-        try:
-            await asyncio.wait_for(entry[1], timeout)
-        except BaseException:
-            with self._lock:
-                granted = entry not in self._waiters
-                if not granted:
-                    self._waiters.remove(entry)
-            if granted:  # the slot was handed over as we gave up: pass it on
-                self.release()
-            raise
-
-    def release(self) -> None:
-        with self._lock:
-            while self._waiters:
-                loop, fut = self._waiters.popleft()
-                try:  # hand the slot over directly (in_use unchanged)
-                    loop.call_soon_threadsafe(_grant, fut)
-                    return
-                except RuntimeError:  # that waiter's loop is closed
-                    continue
-            self.in_use -= 1
-
-
-def _grant(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 # -- per-request context -----------------------------------------------------------------------------------
