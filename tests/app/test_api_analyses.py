@@ -190,9 +190,12 @@ def test_paths_remainder_contrast_position_by_source(client: TestClient, tiny: L
 def test_paths_total_in_float32(settings: Settings, tiny: LoadedModel) -> None:
     s32 = settings.model_copy(update={"dtype": "float32", "limits": LIMITS.model_copy(update={"matrix_budget_bytes": 16 * MiB})})
     with TestClient(create_app(s32)) as c:
-        body = c.get(f"{API}/paths", params={"prompt": PROMPT, "max_order": 1}).json()
+        body = c.get(f"{API}/paths", params={"prompt": PROMPT, "max_order": 2}).json()
     logits, _ = run(tiny, ids_of(tiny))
+    # max_order = n_layers: no remainder (defined as value - terms), so the total is a sum of explicit float32 terms
+    assert not any(t["kind"] == "remainder" for t in body["terms"])
     assert body["total"] == pytest.approx(body["value"], abs=1e-5)
+    assert body["total"] == pytest.approx(float(logits[-1, body["target"]]), abs=1e-4)
     assert body["value"] == pytest.approx(float(logits[-1, body["target"]]), abs=1e-4)
 
 
