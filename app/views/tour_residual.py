@@ -26,6 +26,7 @@ from app.views.residual import ignored_note
 from circuits_core import residual_stream as rs
 from circuits_core import stream_components as sc
 from circuits_core import virtual_weights as vw
+from circuits_core.cost import Cost
 from circuits_core.errors import QkovError
 from circuits_core.weights import LoadedModel
 
@@ -137,3 +138,15 @@ def residual_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure
         figures.append(figure(True, look=f"{look_for} Measured: {sentence}",
                               path=path.format(reader=values.get("reader", "")), data={"claim": values}))
     return figures
+
+
+def residual_chapter_cost(registry: ModelRegistry, limits: Limits) -> Cost:
+    """F2-F4 one after another on toy-2l: the all-pairs scores (twice), one embedding pair report (priced as the
+    largest one, embed -> unembed), the usage scan and the erasure scan; nothing when the model is missing."""
+    try:
+        m = registry.get(TOUR_MODEL).model
+    except QkovError:
+        return Cost(0)
+    scores = vw.all_scores_cost(m)
+    pair = vw.pair_cost(m, sc.Writer("embed"), sc.Reader("unembed"), 1, N_TOKENS)
+    return scores.then(scores).then(pair).then(rs.usage_cost(m)).then(rs.erasure_cost(m))

@@ -13,6 +13,7 @@ import torch
 from app.registry import ModelRegistry
 from app.settings import Settings
 from app.views import tour_residual
+from circuits_core import residual_stream, virtual_weights
 from circuits_core import stream_components as sc
 from circuits_core.weights import LoadedModel, load_checkpoint
 from tests.app.conftest import LIMITS
@@ -98,3 +99,13 @@ def test_f4_bandwidth_and_erasure(chapter: dict, toy: LoadedModel, dense: dict) 
         expected = -torch.trace(U.T @ W_OV @ U) / (math.sqrt(U.shape[1]) * (U.T @ W_OV).norm())
         assert score == pytest.approx(float(expected), rel=1e-8) and score > 0 and z > 5
         assert f"{eraser} reads {writer}'s subspace" in chapter["F4"].look_for
+
+
+def test_the_section_is_priced_by_the_engine_costs(toy: LoadedModel) -> None:
+    registry = ModelRegistry(Settings(shipped_dir=CHECKPOINTS, models_dir=CHECKPOINTS / "none", dtype="float64", limits=LIMITS))
+    cost = tour_residual.residual_chapter_cost(registry, LIMITS)
+    m = registry.get("toy-2l").model
+    assert cost.peak_bytes >= max(virtual_weights.all_scores_cost(m).peak_bytes, residual_stream.erasure_cost(m).peak_bytes)
+    assert cost.answer_bytes > 0
+    empty = ModelRegistry(Settings(shipped_dir=CHECKPOINTS / "none", models_dir=CHECKPOINTS / "none", dtype="float64", limits=LIMITS))
+    assert tour_residual.residual_chapter_cost(empty, LIMITS).peak_bytes == 0
