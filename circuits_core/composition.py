@@ -233,14 +233,17 @@ def random_baseline(d_model: int, d_head: int, n_samples: int = 300, seed: int =
 
 
 def cost(model: Transformer, kinds: tuple[CompositionKind, ...] = KINDS) -> Cost:
-    """composition_scores for `kinds`: the d_head Grams, the column blocks of the source and target factors,
-    one Gram block of every source and target head, the pair sums and the [K, L, H, L, H] scores; answer:
-    two [sources x targets] tables (raw, minus baseline) and the top pairs, per kind."""
+    """composition_scores for `kinds`: the stacked W_Q, W_K, W_V, W_O [L, H, ...] the model builds (per query head,
+    so repeated under GQA), the d_head Grams, the column blocks of the source and target factors with their
+    temporaries, one Gram block of every source and target head, the pair sums and the [K, L, H, L, H] scores;
+    answer: two [sources x targets] tables (raw, minus baseline) and the top pairs, per kind."""
     cfg = model.cfg
     L, H, d, dh, K = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head, len(kinds)
     size = gram_block_size(d)
     Ns, Nt = max(0, L - 1) * H, max(0, L - 1) * K * H
-    numbers = 4 * L * H * dh * dh + 2 * Ns * d * dh + 2 * Nt * d * dh + (Ns + Nt) * size * size + Ns * Nt + 2 * K * (L * H) ** 2
+    stacked = 4 * L * H * d * dh
+    factors = 3 * Ns * d * dh + 3 * Nt * d * dh  # column blocks of both factors and the products they come from
+    numbers = stacked + 4 * L * H * dh * dh + factors + (Ns + Nt) * size * size + Ns * Nt + 2 * K * (L * H) ** 2
     per_kind = 2 * Ns * (Ns if L > 1 else 0) + 30
     return Cost(numbers * itemsize(torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype)).with_answer(
         numbers=K * per_kind, labels=K * (2 * Ns + 20))
