@@ -94,7 +94,7 @@ def heatmap(
         trace.update(texttemplate="%{z:.2f}", textfont={"size": 11})
     # numbered axes (positions) of many categories: a tick every few, so the numbers do not run together;
     # named axes (tokens, heads) label every category while there is room (EVERY_LABEL_MAX, smaller type)
-    x_step, y_step = _ticks(x), _ticks(y)
+    x_step, y_step = _ticks(x, EVERY_COLUMN_MAX), _ticks(y, EVERY_LABEL_MAX)
     layout: dict[str, Any] = {
         "title": {"text": title, "x": 0, "font": {"size": 13}},
         "xaxis": _axis(x_title, type="category", side="bottom",
@@ -109,13 +109,14 @@ def heatmap(
     return fig
 
 
-EVERY_LABEL_MAX = 64  # up to this many named categories, every one is labelled (the figure grows to fit them)
+EVERY_LABEL_MAX = 64  # up to this many named rows, every one is labelled (the figure grows to fit them)
+EVERY_COLUMN_MAX = 24  # columns: a half-width chart has room for about this many vertical labels; beyond, plotly thins them
 
 
-def _ticks(labels: Sequence[str]) -> dict[str, Any]:
+def _ticks(labels: Sequence[str], every_max: int) -> dict[str, Any]:
     if len(labels) > 24 and all(label.isdigit() for label in labels):
         return {"dtick": -(-len(labels) // 16)}
-    if len(labels) <= EVERY_LABEL_MAX:
+    if len(labels) <= every_max:
         return {"dtick": 1, "tickfont": {"size": 12 if len(labels) <= 24 else 10}}
     return {}
 
