@@ -24,6 +24,7 @@ from app.schemas.analyses import TourFigure, TourView
 from app.settings import Limits
 from app.views import tour_figures as figs
 from app.views.tour_claims import BASELINE_SAMPLES, BASELINE_TOP_SAMPLES, CLAIMS
+from app.views.tour_residual import residual_chapter, residual_chapter_cost
 from circuits_core import ablation, circuits, composition, copying, heads, paths, qk_paths
 from circuits_core.cost import Cost
 from circuits_core.errors import QkovError
@@ -168,7 +169,7 @@ def build_tour_view(registry: ModelRegistry, limits: Limits) -> TourView:
     models = {m: _load(registry, m) for m in TOUR_MODELS}
     return TourView(
         models={m: not isinstance(v, str) for m, v in models.items()},
-        figures=[_figure(fig, models, limits) for fig in FIGURES],
+        figures=[*residual_chapter(registry, limits), *(_figure(fig, models, limits) for fig in FIGURES)],
     )
 
 
@@ -192,4 +193,4 @@ def tour_cost(registry: ModelRegistry, limits: Limits) -> Cost:
             parts += [ablation.cost(m, n), composition.cost(m, ("k",)), qk_paths.cost(m, m.cfg.n_layers - 1, n, 6)]
         for part in parts:
             total = total.then(part)
-    return total
+    return total.then(residual_chapter_cost(registry, limits))  # the residual-stream section (tour_residual.py)
