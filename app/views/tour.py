@@ -25,6 +25,7 @@ from app.settings import Limits
 from app.views import tour_figures as figs
 from app.views.tour_claims import BASELINE_SAMPLES, BASELINE_TOP_SAMPLES, CLAIMS
 from app.views.tour_residual import residual_chapter, residual_chapter_cost
+from app.views.tour_rotary import chapter_cost, rotary_chapter
 from circuits_core import ablation, circuits, composition, copying, heads, paths, qk_paths
 from circuits_core.cost import Cost
 from circuits_core.errors import QkovError
@@ -169,7 +170,8 @@ def build_tour_view(registry: ModelRegistry, limits: Limits) -> TourView:
     models = {m: _load(registry, m) for m in TOUR_MODELS}
     return TourView(
         models={m: not isinstance(v, str) for m, v in models.items()},
-        figures=[*residual_chapter(registry, limits), *(_figure(fig, models, limits) for fig in FIGURES)],
+        figures=[*residual_chapter(registry, limits), *(_figure(fig, models, limits) for fig in FIGURES),
+                 *rotary_chapter(registry, limits)],
     )
 
 
@@ -193,4 +195,5 @@ def tour_cost(registry: ModelRegistry, limits: Limits) -> Cost:
             parts += [ablation.cost(m, n), composition.cost(m, ("k",)), qk_paths.cost(m, m.cfg.n_layers - 1, n, 6)]
         for part in parts:
             total = total.then(part)
-    return total.then(residual_chapter_cost(registry, limits))  # the residual-stream section (tour_residual.py)
+    # the residual-stream section (tour_residual.py) and the SmolLM2 chapter (tour_rotary.py)
+    return total.then(residual_chapter_cost(registry, limits)).then(chapter_cost(registry, limits))

@@ -25,8 +25,9 @@ from app.registry import ModelRegistry
 from app.schemas.analyses import TourFigure
 from app.settings import Limits
 from app.views.heads import build_heads_view
-from circuits_core import composition_rotary
+from circuits_core import composition_rotary, heads, paths, qk_paths, rotary
 from circuits_core.config import head_name, parse_head
+from circuits_core.cost import Cost
 from circuits_core.errors import QkovError
 from circuits_core.frozen import frozen_run
 from circuits_core.paths import expand_logits
@@ -58,12 +59,12 @@ def _fmt_heads(rows: list[tuple[str, float]]) -> str:
 # -- R1: induction heads and their previous-token sources ------------------------------------------------
 def induction_circuit(loaded: LoadedModel, limits: Limits) -> tuple[str, dict[str, Any]]:
     model = loaded.model
-    heads = build_heads_view(loaded, NoParams(), limits)
-    inp = heads.detector_input
-    induction = sorted(((s.head, s.induction or 0.0) for s in heads.heads if (s.induction or 0.0) > THRESHOLD), key=lambda x: -x[1])
-    previous = sorted(((s.head, s.previous_token or 0.0) for s in heads.heads if (s.previous_token or 0.0) > THRESHOLD),
+    table = build_heads_view(loaded, NoParams(), limits)
+    inp = table.detector_input
+    induction = sorted(((s.head, s.induction or 0.0) for s in table.heads if (s.induction or 0.0) > THRESHOLD), key=lambda x: -x[1])
+    previous = sorted(((s.head, s.previous_token or 0.0) for s in table.heads if (s.previous_token or 0.0) > THRESHOLD),
                       key=lambda x: -x[1])
-    peaks = {s.head: s.kernel_peak_offset for s in heads.heads}
+    peaks = {s.head: s.kernel_peak_offset for s in table.heads}
     prev_peaks = {h: peaks[h] for h, _ in previous}
     offsets = torch.arange(KERNEL_WINDOW + 1)
     sources = []
@@ -212,3 +213,22 @@ def rotary_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure]:
         figures.append(TourFigure(**{**base, "available": True, "look_for": f"{look_for} Measured: {sentence}", "link": link,
                                      "api": api, "data": {"claim": values}}))
     return figures
+
+
+def chapter_cost(registry: ModelRegistry, limits: Limits) -> Cost:
+    """The chapter's engine costs, one after another: the heads table (detectors, copying, kernel peaks), the K
+    profiles of every (previous-token, induction) pair, the order-1 path expansion and the QK terms (free when the
+    model is not installed). Loads the model, as the chapter itself does."""
+    try:
+        model = registry.get(TOUR_MODEL).model
+    except QkovError:
+        return Cost(0)
+    n, rep = 1 + 2 * REPEAT, min(2 * heads.STANDARD_SEQ_LEN + 1, model.cfg.n_ctx)
+    parts = [heads.head_table_cost(model, rep, heads.STANDARD_BATCH, limits.matrix_budget_bytes),
+             rotary.kernel_cost(model, KERNEL_WINDOW + 1, min(len(rotary.REFERENCE_TEXT), model.cfg.n_ctx)),
+             composition_rotary.pair_profile_cost(model, KERNEL_WINDOW + 1), paths.cost(model, n, 1),
+             qk_paths.cost(model, model.cfg.n_layers - 1, n, 3)]
+    total = Cost(0)
+    for part in parts:
+        total = total.then(part)
+    return total
