@@ -21,6 +21,7 @@ Redis `SET NX PX`). The process that gets it computes and `put`s; the others wai
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import threading
@@ -221,6 +222,21 @@ def wait_for(store: ResultStore, key: str, ttl_s: float, poll_s: float = 0.05,
     return None
 
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CODE_ROOTS = ("app", "circuits_core", "templates", "static")
+CODE_SUFFIXES = (".py", ".html", ".js", ".css")
+
+
+def code_version(root: Path = REPO_ROOT) -> str:
+    """A digest of the code and templates that compute and render answers (16 hex digits)."""
+    digest = hashlib.sha256()
+    for top in CODE_ROOTS:
+        for path in sorted((root / top).rglob("*")):
+            if path.suffix in CODE_SUFFIXES and path.is_file():
+                digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def open_store(url: str, directory: Path, budget_bytes: int, ttl_s: float) -> ResultStore | None:
     """The store a Settings names: "off", "disk" or a redis:// URL (with the disk store as its fallback)."""
     if url == "off":
@@ -240,11 +256,16 @@ class StoreTier:
     while this one waited for its claim, `puts` answers written, `errors` store operations that failed.
     """
 
-    def __init__(self, store: ResultStore, claim_ttl_s: float, poll_s: float = 0.05):
+    def __init__(self, store: ResultStore, claim_ttl_s: float, poll_s: float = 0.05, code: str | None = None):
         self.store = store
         self.claim_ttl_s = claim_ttl_s
         self.poll_s = poll_s
+        self.code = code_version() if code is None else code
         self.hits = self.waited = self.puts = self.errors = 0
+
+    def _key(self, key: str) -> str:
+        """Keys outlive the process: the code that computed an answer is part of its key (a deploy changes it)."""
+        return f"{self.code}|{key}"
 
     def _safe(self, op: Any, *args: Any) -> Any:
         try:
@@ -255,7 +276,7 @@ class StoreTier:
             return None
 
     async def get(self, key: str) -> bytes | None:
-        body = await asyncio.to_thread(self._safe, self.store.get, key)
+        body = await asyncio.to_thread(self._safe, self.store.get, self._key(key))
         if body is not None:
             self.hits += 1
         return body  # type: ignore[no-any-return]
@@ -263,8 +284,8 @@ class StoreTier:
     async def claim_or_wait(self, key: str, stopped: Any) -> bytes | None:
         """None when this process holds the claim and should compute; else the answer another process put."""
         while True:
-            claimed = await asyncio.to_thread(self._safe, self.store.claim, key, self.claim_ttl_s)
-            body = await asyncio.to_thread(self._safe, self.store.get, key)
+            claimed = await asyncio.to_thread(self._safe, self.store.claim, self._key(key), self.claim_ttl_s)
+            body = await asyncio.to_thread(self._safe, self.store.get, self._key(key))
             if body is not None:  # put by another process, perhaps just before it released its claim
                 if claimed:
                     await asyncio.to_thread(self.release, key)
@@ -278,17 +299,17 @@ class StoreTier:
 
     async def put(self, key: str, body: bytes) -> None:
         """Keep an answer computed outside the compute pool (a rendered page): no claim to free."""
-        await asyncio.to_thread(self._safe, self.store.put, key, body)
+        await asyncio.to_thread(self._safe, self.store.put, self._key(key), body)
         self.puts += 1
 
     def save(self, key: str, body: bytes) -> None:
         """In the worker thread, after computing: keep the answer, then free the claim."""
-        self._safe(self.store.put, key, body)
+        self._safe(self.store.put, self._key(key), body)
         self.puts += 1
-        self._safe(self.store.release, key)
+        self._safe(self.store.release, self._key(key))
 
     def release(self, key: str) -> None:
-        self._safe(self.store.release, key)
+        self._safe(self.store.release, self._key(key))
 
     def status(self) -> dict[str, Any]:
         return self._safe(self.store.status) or {"store": self.store.name, "ok": False, "detail": "status failed"}  # type: ignore[no-any-return]

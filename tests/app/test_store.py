@@ -14,7 +14,7 @@ import pytest
 
 from app.compute import ComputeService, bind, compute
 from app.ratelimit import RateLimiter
-from app.store import DiskStore, RedisStore, StoreTier, open_store, wait_for
+from app.store import DiskStore, RedisStore, StoreTier, code_version, open_store, wait_for
 from tests.app.redis_server import RedisServer, running_redis
 
 
@@ -103,6 +103,29 @@ def test_a_keyed_answer_that_is_not_json_still_frees_its_claim(tmp_path: Path) -
     assert asyncio.run(ask()) == 42
     assert DiskStore(tmp_path / "s", 2**24).claim("k", 60)  # another process may compute it at once
     service.close()
+
+
+def test_answers_of_other_code_are_not_served(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path / "s", 2**24)
+    old, new = StoreTier(store, 60, code="old"), StoreTier(store, 60, code="new")
+
+    async def put_then_get() -> tuple[bytes | None, bytes | None]:
+        await old.put("k", b"computed by the old code")
+        return await new.get("k"), await old.get("k")
+
+    assert asyncio.run(put_then_get()) == (None, b"computed by the old code")
+
+
+def test_the_code_version_follows_the_code(tmp_path: Path) -> None:
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "views.py").write_text("x = 1\n")
+    (tmp_path / "app" / "notes.txt").write_text("not code")
+    first = code_version(tmp_path)
+    (tmp_path / "app" / "notes.txt").write_text("still not code")
+    assert code_version(tmp_path) == first
+    (tmp_path / "app" / "views.py").write_text("x = 2\n")
+    assert code_version(tmp_path) != first
+    assert code_version() != first  # the real tree
 
 
 # -- redis -----------------------------------------------------------------------------------------------
