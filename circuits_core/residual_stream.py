@@ -227,17 +227,26 @@ def usage_cost(model: Transformer) -> Cost:
 
 
 # -- erasure --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=2)
+def _null_W_O(d_model: int, d_head: int, n_samples: int, seed: int) -> tuple[Tensor, Tensor]:
+    """Gaussian W_O samples [S, d_head, d_model] and their Grams W_O W_O^T [S, d_head, d_head], shared by every k."""
+    W_O = torch.randn(n_samples, d_head, d_model, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    return W_O, W_O @ W_O.transpose(-2, -1)
+
+
 @functools.lru_cache(maxsize=256)
 def erasure_null(d_model: int, d_head: int, k: int, n_samples: int = NULL_SAMPLES, seed: int = 0) -> tuple[float, float]:
     """(mean, std) of the erasure score of a random head (Gaussian W_V [d, dh], W_O [dh, d]) on a k-dim subspace.
 
-    A Gaussian head is rotation invariant, so the subspace can be the first k coordinates.
+    A Gaussian head is rotation invariant, so the subspace can be the first k coordinates: with X = W_V[:k] [k, dh],
+    tr(U^T W_OV U) = <X, W_O[:, :k]^T> and ||U^T W_OV||^2 = <X^T X, W_O W_O^T>, all through d_head-sized matrices.
     """
-    gen = torch.Generator().manual_seed(seed)
-    W_V = torch.randn(n_samples, k, d_head, generator=gen, dtype=torch.float64)  # rows of the subspace only
-    W_O = torch.randn(n_samples, d_head, d_model, generator=gen, dtype=torch.float64)
-    read = W_V @ W_O  # U^T W_OV [S, k, d]
-    score = -read[:, :, :k].diagonal(dim1=-2, dim2=-1).sum(-1) / (math.sqrt(k) * read.flatten(1).norm(dim=1))
+    W_O, OO = _null_W_O(d_model, d_head, n_samples, seed)
+    gen = torch.Generator().manual_seed(seed + 1 + k)
+    X = torch.randn(n_samples, k, d_head, generator=gen, dtype=torch.float64)  # rows of the subspace only
+    trace = (X * W_O[:, :, :k].transpose(-2, -1)).sum((-2, -1))
+    read = ((X.transpose(-2, -1) @ X) * OO).sum((-2, -1)).sqrt()
+    score = -trace / (math.sqrt(k) * read)
     return float(score.mean()), float(score.std())
 
 
@@ -313,8 +322,10 @@ def erasure(model: Transformer, energy: float = ENERGY, threshold_z: float = ERA
 
 def erasure_cost(model: Transformer) -> Cost:
     """erasure: the spectra (as usage_cost) and, per writer, U^T W_V and W_O U for every head ([L H, k, d_head]
-    twice, k <= d_model); answer: three [Nw, L H] tables and the candidates."""
+    twice, k <= d_model), plus the null's Gaussian W_O samples; answer: three [Nw, L H] tables and the candidates."""
     cfg = model.cfg
     LH, Nw = cfg.n_layers * cfg.n_heads, len(writers(model))
     numbers = 2 * LH * cfg.d_model * cfg.d_head + 3 * Nw * LH
-    return usage_cost(model).then(Cost(numbers * itemsize(_dtype(model)))).with_answer(numbers=3 * Nw * LH, labels=Nw + LH)
+    null = NULL_SAMPLES * cfg.d_head * (cfg.d_model + cfg.d_head) * 8  # the null's W_O samples and Grams (float64)
+    scan = Cost(numbers * itemsize(_dtype(model)) + null)
+    return usage_cost(model).then(scan).with_answer(numbers=3 * Nw * LH, labels=Nw + LH)
