@@ -216,8 +216,16 @@ def detectors_cost(model: Transformer, n: int, batch: int, logits: bool = False)
                                                              labels=cfg.n_layers * cfg.n_heads)
 
 
+# With logits, a chunk's unembedding and float64 loss run between two polls of the stop flag: at most this many
+# logits per chunk (64 MiB in float32) keeps that stretch short (~0.1 s for a 400-token GPT-2 sequence alone).
+CHUNK_LOGITS = 2**24
+
+
 def detector_chunk(model: Transformer, n: int, batch: int, budget_bytes: int, logits: bool = False) -> int:
-    """The most sequences (<= batch, >= 1) whose detectors_cost peak fits budget_bytes."""
+    """The most sequences (<= batch, >= 1) whose detectors_cost peak fits budget_bytes (and, with logits, whose
+    logits stay within CHUNK_LOGITS, so the stop flag is polled often)."""
+    if logits:
+        batch = max(1, min(batch, CHUNK_LOGITS // max(1, n * model.cfg.d_vocab)))
     for c in range(batch, 1, -1):
         if detectors_cost(model, n, c, logits).peak_bytes <= budget_bytes:
             return c

@@ -15,10 +15,7 @@ of a full OV circuit ~4 s, detectors on 32 x 400 tokens ~90 s, the order-3 expan
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 
@@ -27,10 +24,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from app.settings import REPO_ROOT
 from circuits_core.config import ModelConfig
 from circuits_core.model import random_model
-from tests.app.test_serving_uvicorn import free_port
+from tests.app.live_server import free_port, start
 
 pytestmark = pytest.mark.xdist_group("uvicorn")
 SLOW = ModelConfig(n_layers=8, d_model=128, n_heads=8, d_head=16, d_vocab=50257, n_ctx=512, d_mlp=512, attn_only=False,
@@ -48,23 +44,11 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps({"format": "qkov", **SLOW.to_dict()}))
     port = free_port()
-    env = {**os.environ, "QKOV_SHIPPED_DIR": str(root), "QKOV_COMPUTE_SLOTS": "1", "QKOV_SLOT_WAIT_S": "30",
-           "QKOV_TORCH_THREADS": "1", "QKOV_PRELOAD": "true", "QKOV_STORE_URL": "off", "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+    env = {"QKOV_SHIPPED_DIR": str(root), "QKOV_COMPUTE_SLOTS": "1", "QKOV_SLOT_WAIT_S": "30",
+           "QKOV_TORCH_THREADS": "1", "QKOV_PRELOAD": "true", "QKOV_STORE_URL": "off"}
+    proc = start(["-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
+                 port, env, timeout_s=90)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "server exited"
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.1)
     yield base
     proc.kill()
     proc.wait(10)
@@ -87,6 +71,10 @@ def metric(base: str, name: str) -> float:
 def test_a_disconnect_stops_the_engine_loop_and_frees_the_slot(server: str, url: str) -> None:
     base = server
     port = int(base.rsplit(":", 1)[1])
+    end = time.monotonic() + 120
+    while metric(base, "qkov_compute_slots_in_use") > 0:  # whatever an earlier case left running has stopped
+        assert time.monotonic() < end, "the slot never came free"
+        time.sleep(0.05)
     cancelled, completed = metric(base, "qkov_compute_cancelled_total"), metric(base, "qkov_compute_completed_total")
     with socket.create_connection(("127.0.0.1", port)) as raw:
         raw.sendall(f"GET {url} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
@@ -94,7 +82,7 @@ def test_a_disconnect_stops_the_engine_loop_and_frees_the_slot(server: str, url:
         while metric(base, "qkov_compute_slots_in_use") < 1:
             assert time.monotonic() < end, "the request never took its slot"
             time.sleep(0.02)
-        time.sleep(0.5)  # well inside the engine loop
+        time.sleep(0.2)  # inside the engine loop (the shortest case, the path expansion, runs ~1-2 s)
         left = time.monotonic()
     while metric(base, "qkov_compute_slots_in_use") > 0:
         assert time.monotonic() - left < STOP_WITHIN_S, f"the slot was still held {STOP_WITHIN_S} s after the disconnect"

@@ -41,6 +41,7 @@ def server(model_dirs: tuple[Path, Path]) -> Iterator[tuple[str, int]]:
     env = {**os.environ, "QKOV_SHIPPED_DIR": str(model_dirs[0]), "QKOV_MODELS_DIR": str(model_dirs[1]),
            "QKOV_CACHE_BYTES": str(CACHE_BYTES), "QKOV_STORE_URL": "off", "QKOV_PRELOAD": "true",
            "QKOV_SLOT_WAIT_S": "60", "PYTHONPATH": str(REPO_ROOT)}
+    # not tests/app/live_server.start: its stderr pipe, never read, would fill with thousands of access-log lines
     proc = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
         cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
