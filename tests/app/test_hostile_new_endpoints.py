@@ -93,6 +93,7 @@ BROKEN: dict[str, tuple[Callable[[Path], None], str]] = {
     "gguf-rope-dim-over-head": (gguf_with(add_rope_dimension_count=64), "rotary_dim"),
     "gguf-rope-base-negative": (gguf_with(add_rope_freq_base=-1.0), "rotary_base"),
     "gguf-eps-negative": (gguf_with(add_layer_norm_rms_eps=-1.0), "eps"),
+    "gguf-embd-huge": (gguf_with(add_embedding_length=2**20, add_feed_forward_length=2**20), "describes a model of"),
     "llama-kv-3": (llama(num_key_value_heads=3), "num_key_value_heads"),
     "llama-kv-0": (llama(num_key_value_heads=0), "num_key_value_heads"),
     "llama-head-dim-odd": (llama(head_dim=5), "rotary_dim"),
