@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from app.analysis import Analysis
-from app.params import NoParams
+from app.params import TourParams
 from app.registry import ModelRegistry
 from app.schemas.analyses import TourView
 from app.settings import Limits
@@ -19,17 +19,17 @@ from app.views.tour import tour_cost as tour_view_cost
 from circuits_core.cost import Cost
 
 
-def build_tour(registry: ModelRegistry, p: NoParams, limits: Limits) -> TourView:
-    return build_tour_view(registry, limits)
+def build_tour(registry: ModelRegistry, p: TourParams, limits: Limits) -> TourView:
+    return build_tour_view(registry, limits, p.chapter)
 
 
-def tour_cost(registry: ModelRegistry, p: NoParams, limits: Limits) -> Cost:
+def tour_cost(registry: ModelRegistry, p: TourParams, limits: Limits) -> Cost:
     """The tour's figures priced by the engine cost functions of what they compute (app.views.tour.tour_cost)."""
-    return tour_view_cost(registry, limits)
+    return tour_view_cost(registry, limits, p.chapter)
 
 
 TOUR = Analysis(
-    name="tour", path="/tour", params=NoParams, view=TourView, build=build_tour, cost=tour_cost, scope="server",
+    name="tour", path="/tour", params=TourParams, view=TourView, build=build_tour, cost=tour_cost, scope="server",
     summary="The paper's figures on the shipped models", tags=["tour"],
 )
 

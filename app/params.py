@@ -54,6 +54,12 @@ class NoParams(AnalysisParams):
     """An analysis without parameters."""
 
 
+class TourParams(AnalysisParams):
+    chapter: Annotated[Literal["paper", "smollm2"], Field(
+        description="'paper': the paper's figures on the shipped toy models (and the residual stream as a channel); "
+                    "'smollm2': the rotary/GQA chapter on the real SmolLM2-135M (make smollm2)")] = "paper"
+
+
 class PromptInput(AnalysisParams):
     """A prompt as text or as token ids."""
 

@@ -109,8 +109,8 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
 async def tour_context(call: PageCall) -> dict[str, Any]:
     view = await call.run(TOUR, call.params)
     parts = [(fig, figure_parts(fig) if fig.available and fig.data else None) for fig in view.figures]
-    call.title = "Paper tour"
-    return {"view": view, "parts": parts}
+    call.title = "Paper tour" if call.params.chapter == "paper" else "Tour: SmolLM2-135M"
+    return {"view": view, "parts": parts, "params": call.params}
 
 
 PAGES: list[Page] = [Page(TOUR, "tour.html", tour_context)]

@@ -165,20 +165,26 @@ def _load(registry: ModelRegistry, model_id: str) -> LoadedModel | str:
         return f"model {model_id!r} is not available: {exc}"
 
 
-def build_tour_view(registry: ModelRegistry, limits: Limits) -> TourView:
-    """Every figure of the tour; missing models and failing figures are reported, never raised."""
+def build_tour_view(registry: ModelRegistry, limits: Limits, chapter: str = "paper") -> TourView:
+    """Every figure of one chapter of the tour: "paper" (the paper's figures on the toys, with the residual stream
+    as a channel) or "smollm2" (rotary circuits on the real model, a page of its own so that the paper chapter
+    does not wait for a 135M-parameter model); missing models and failing figures are reported, never raised."""
+    if chapter == "smollm2":
+        figures = rotary_chapter(registry, limits)
+        return TourView(models={f.model: f.available for f in figures[:1] if f.model}, figures=figures)
     models = {m: _load(registry, m) for m in TOUR_MODELS}
     return TourView(
         models={m: not isinstance(v, str) for m, v in models.items()},
-        figures=[*residual_chapter(registry, limits), *(_figure(fig, models, limits) for fig in FIGURES),
-                 *rotary_chapter(registry, limits)],
+        figures=[*residual_chapter(registry, limits), *(_figure(fig, models, limits) for fig in FIGURES)],
     )
 
 
-def tour_cost(registry: ModelRegistry, limits: Limits) -> Cost:
+def tour_cost(registry: ModelRegistry, limits: Limits, chapter: str = "paper") -> Cost:
     """The figures run one after another on each installed toy: the largest working memory among the engine cost
     functions of what they compute (circuit top-k, copying with its baseline, the detector pass, paths, term
     importance, composition, QK terms), answers added. Loads the toys, as the tour itself does."""
+    if chapter == "smollm2":
+        return chapter_cost(registry, limits)
     total = Cost(0)
     for name in TOUR_MODELS:
         loaded = _load(registry, name)
@@ -195,5 +201,4 @@ def tour_cost(registry: ModelRegistry, limits: Limits) -> Cost:
             parts += [ablation.cost(m, n), composition.cost(m, ("k",)), qk_paths.cost(m, m.cfg.n_layers - 1, n, 6)]
         for part in parts:
             total = total.then(part)
-    # the residual-stream section (tour_residual.py) and the SmolLM2 chapter (tour_rotary.py)
-    return total.then(residual_chapter_cost(registry, limits)).then(chapter_cost(registry, limits))
+    return total.then(residual_chapter_cost(registry, limits))  # the residual-stream section (tour_residual.py)

@@ -370,6 +370,16 @@ def test_tour_degrades_without_the_shipped_models(client: TestClient) -> None:
             assert fig["available"] and fig["data"] is None  # static figures
 
 
+def test_the_smollm2_chapter_is_its_own_page_and_degrades_without_the_model(client: TestClient) -> None:
+    paper = [f["id"] for f in client.get("/api/v1/tour").json()["figures"]]
+    body = client.get("/api/v1/tour", params={"chapter": "smollm2"}).json()
+    assert [f["id"] for f in body["figures"]] == ["R1", "R2", "R3"] and not set(paper) & {"R1", "R2", "R3"}
+    assert all(not f["available"] and "make smollm2" in f["detail"] for f in body["figures"])
+    page = client.get("/tour", params={"chapter": "smollm2"})
+    assert page.status_code == 200 and page.text.count('class="tour-step"') == 3 and "SmolLM2-135M" in page.text
+    assert client.get("/api/v1/tour", params={"chapter": "gpt5"}).status_code == 422
+
+
 @pytest.fixture(scope="module")
 def toy_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     """Tiny stand-ins for the shipped toy-0l, toy-1l and toy-2l."""
