@@ -33,6 +33,19 @@ from circuits_core.errors import InvalidInputError, LimitExceededError
 DEFAULT_BUDGET_BYTES = 256 * 2**20
 
 
+def batch_broadcast(a: torch.Size, b: torch.Size) -> torch.Size:
+    """NumPy broadcasting of two batch shapes, written out: torch.broadcast_shapes imports torch's symbolic-shape
+    machinery (sympy) on first use, about 1 s on the first request of a process."""
+    n = max(len(a), len(b))
+    left, right = (1,) * (n - len(a)) + tuple(a), (1,) * (n - len(b)) + tuple(b)
+    out = []
+    for x, y in zip(left, right, strict=True):
+        if x != y and 1 not in (x, y):
+            raise InvalidInputError(f"batch shapes {tuple(a)} and {tuple(b)} do not broadcast")
+        out.append(y if x == 1 else x)
+    return torch.Size(out)
+
+
 class FactoredMatrix:
     """The matrix `A @ B` [..., ldim, rdim] stored as A [..., ldim, mdim] and B [..., mdim, rdim]."""
 
@@ -42,7 +55,7 @@ class FactoredMatrix:
         if A.shape[-1] != B.shape[-2]:
             raise InvalidInputError(f"inner dimensions differ: A {tuple(A.shape)} @ B {tuple(B.shape)}")
         self.A, self.B = A, B
-        self.batch_shape = torch.broadcast_shapes(A.shape[:-2], B.shape[:-2])
+        self.batch_shape = batch_broadcast(A.shape[:-2], B.shape[:-2])
 
     # -- shape ---------------------------------------------------------------------------------------
     @property

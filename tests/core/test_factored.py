@@ -300,3 +300,22 @@ def test_iter_row_blocks_cover_the_matrix():
     blocks = list(fm.iter_row_blocks(budget_bytes=2 * 5 * 11 * 8))  # 5 rows of both batch entries
     assert [b.shape[-2] for _, b in blocks] == [5, 5, 5, 5, 3]
     assert torch.allclose(torch.cat([b for _, b in blocks], dim=-2), dense(fm))
+
+
+def test_batch_broadcast_agrees_with_torch_broadcast_shapes() -> None:
+    import random
+
+    from circuits_core.errors import InvalidInputError
+    from circuits_core.factored import batch_broadcast
+
+    rng = random.Random(0)
+    for _ in range(500):
+        a = torch.Size(rng.choice([1, 2, 3]) for _ in range(rng.randint(0, 3)))
+        b = torch.Size(rng.choice([1, 2, 3]) for _ in range(rng.randint(0, 3)))
+        try:
+            want = torch.broadcast_shapes(a, b)
+        except RuntimeError:
+            with pytest.raises(InvalidInputError):
+                batch_broadcast(a, b)
+            continue
+        assert batch_broadcast(a, b) == want
