@@ -324,3 +324,13 @@ def test_a_malformed_checkpoint_answers_422_on_the_new_endpoints(client: TestCli
         assert_problem(client.get(f"{API}/{name}/{path}"), 422, BROKEN[name][1])
     page = client.get(f"/models/{name}/residual")
     assert page.status_code == 422 and page.headers["content-type"].startswith("text/html")
+
+
+@pytest.mark.parametrize("chapter", ["smollm2", "paper", "", "SMOLLM2", "x" * 10000, "../etc", "smollm2\x00"])
+def test_tour_chapters_never_get_a_server_error(client: TestClient, chapter: str) -> None:
+    no_5xx(client.get("/api/v1/tour", params={"chapter": chapter}))
+    page = client.get("/tour", params={"chapter": chapter})
+    assert page.status_code < 500 and page.headers["content-type"].startswith("text/html"), page.status_code
+    if chapter == "smollm2":  # SmolLM2 is not among this app's models: each figure says how to get it
+        figures = client.get("/api/v1/tour", params={"chapter": chapter}).json()["figures"]
+        assert figures and all(not f["available"] and "make smollm2" in f["detail"] for f in figures)
