@@ -272,6 +272,28 @@ def test_new_pages_never_get_a_server_error(client: TestClient, model: str) -> N
         assert answer.headers["content-type"].startswith("text/html"), page
 
 
+HX = [{"HX-Request": "true"}, {"HX-Request": "true", "HX-Target": "main"}]
+
+
+@pytest.mark.parametrize("model", ["rope", "zero", "one", "rope1"])
+def test_new_page_fragments_never_get_a_server_error(client: TestClient, model: str) -> None:
+    """The same pages asked by htmx (a fragment: the page's block rendered alone)."""
+    for page in PAGES:
+        if page.startswith("/residual/") and not page.startswith("/residual/usage"):
+            continue  # the one-pair page: see the xfail below
+        for headers in HX:
+            answer = client.get(f"/models/{model}{page}", headers=headers)
+            assert answer.status_code < 500, (page, headers, answer.status_code, answer.text[:300])
+
+
+@pytest.mark.xfail(strict=True, reason="reported to V on the board: residual_pair.html's `side` macro is defined "
+                   "outside the block, so an htmx request (the block rendered alone) raises UndefinedError: 500")
+@pytest.mark.parametrize("page", ["/models/rope/residual/L0H0/unembed", "/models/one/residual/embed/L0H0.V"])
+def test_the_virtual_weight_page_renders_as_an_htmx_fragment(client: TestClient, page: str) -> None:
+    for headers in HX:
+        assert client.get(page, headers=headers).status_code == 200
+
+
 def test_rotary_pages_on_a_shortformer_model_say_why(client: TestClient) -> None:
     answer = client.get("/models/one/heads/L0H0?offset=5")
     assert answer.status_code == 422 and "rotary models only" in answer.text
