@@ -193,12 +193,16 @@ def bandwidth(names: list[str], bases: list[Tensor], d_model: int, n_crowded: in
     return Bandwidth(d_model, total, total / d_model, lam.tolist(), used, crowded)
 
 
+Spectra = tuple[dict[str, Spectrum], dict[str, Spectrum]]
+
+
 def stream_usage(model: Transformer, energy: float = ENERGY, offset: int = 0,
-                 should_stop: Callable[[], bool] | None = None) -> StreamUsage:
-    """Effective ranks, subspace overlaps of every writer with every writer and reader, and the bandwidth."""
+                 should_stop: Callable[[], bool] | None = None, spec: Spectra | None = None) -> StreamUsage:
+    """Effective ranks, subspace overlaps of every writer with every writer and reader, and the bandwidth.
+    `spec`: spectra(model, offset) when already computed (erasure uses the same writers' spectra)."""
     if not 0 < energy <= 1:
         raise InvalidInputError(f"energy must be in (0, 1], got {energy}")
-    w_spec, r_spec = spectra(model, offset)
+    w_spec, r_spec = spectra(model, offset) if spec is None else spec
     wn, rn = [w.name for w in writers(model)], [r.name for r in readers(model)]
     w_sub = [w_spec[n].subspace(energy) for n in wn]
     r_sub = [r_spec[n].subspace(energy) for n in rn]
@@ -275,11 +279,11 @@ class Erasure:
 
 
 def erasure(model: Transformer, energy: float = ENERGY, threshold_z: float = ERASURE_Z,
-            should_stop: Callable[[], bool] | None = None) -> Erasure:
+            should_stop: Callable[[], bool] | None = None, spec: Spectra | None = None) -> Erasure:
     """Erasure scores of every (earlier writer, later head) pair and the candidates (module docstring)."""
     cfg, dt = model.cfg, _dtype(model)
     L, H, d = cfg.n_layers, cfg.n_heads, cfg.d_model
-    w_spec, _ = spectra(model)
+    w_spec = (spectra(model) if spec is None else spec)[0]  # writers' spectra do not depend on the Q/K offset
     ws = writers(model)
     heads = [Writer("head", i // H, i % H) for i in range(L * H)]
     shape = (len(ws), L * H)

@@ -228,8 +228,9 @@ class UsageView(BaseModel):
 
 def build_usage_view(loaded: LoadedModel, p: UsageParams, limits: Limits) -> UsageView:
     model = loaded.model
-    u = rs.stream_usage(model, energy=p.energy, offset=p.offset)
-    er = rs.erasure(model, energy=p.energy)
+    spec = rs.spectra(model, p.offset)  # computed once for both scans
+    u = rs.stream_usage(model, energy=p.energy, offset=p.offset, spec=spec)
+    er = rs.erasure(model, energy=p.energy, spec=spec)
     bw = u.bandwidth
     z = er.z[er.mask]
     return UsageView(

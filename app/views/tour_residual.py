@@ -81,8 +81,9 @@ def embedding_reader(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
 
 
 def bandwidth(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
-    u = rs.stream_usage(loaded.model)
-    er = rs.erasure(loaded.model)
+    spec = rs.spectra(loaded.model)
+    u = rs.stream_usage(loaded.model, spec=spec)
+    er = rs.erasure(loaded.model, spec=spec)
     bw = u.bandwidth
     load, sharers = bw.crowded[0]
     sentence = (f"The writers' {100 * rs.ENERGY:.0f} % subspaces add up to {bw.total_dims} dimensions in d_model = "
