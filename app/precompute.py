@@ -70,7 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     if settings.store_url == "off":
         parser.error("the result store is off (QKOV_STORE_URL=off): nothing to fill")
     app = create_app(settings)
-    logging.getLogger("qkov.access").setLevel(logging.WARNING)  # the bar says where it is; no line per page
+    access = logging.getLogger("qkov.access")
+    level = access.level
+    access.setLevel(logging.WARNING)  # the bar says where it is; no line per page
+    try:
+        return crawl(app, args, parser, settings)
+    finally:
+        access.setLevel(level)
+
+
+def crawl(app: Any, args: argparse.Namespace, parser: argparse.ArgumentParser, settings: Settings) -> int:
     with TestClient(app) as client:
         try:
             loaded = app.state.registry.get(args.model)
