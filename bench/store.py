@@ -28,23 +28,10 @@ import httpx
 
 from bench import fmt_time
 from bench.http import MODEL_ID as GPT2_ID
-from bench.http import write_tl_checkpoint
+from bench.http import wait_ready, write_tl_checkpoint
 from bench.load import HOST, REPO, free_port, start_server
 
 MODEL = "toy-2l"
-
-
-def wait_healthy(base: str, proc: subprocess.Popen[bytes]) -> None:
-    end = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(base + "/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > end:
-            raise RuntimeError("uvicorn did not start")
-        time.sleep(0.2)
 
 
 def precompute(model: str, env: dict[str, str]) -> tuple[float, str]:
@@ -64,7 +51,7 @@ def page_times(models: Path, store: dict[str, str], urls: list[str]) -> list[flo
     proc = start_server(models, port, **store)
     base = f"http://{HOST}:{port}"
     try:
-        wait_healthy(base, proc)
+        wait_ready(base, proc)
         httpx.get(f"{base}/api/v1/models/{MODEL}", timeout=120)  # load the model: not a page's time
         times = []
         for url in urls:
@@ -120,7 +107,7 @@ def replicas() -> None:
             bases.append(f"http://{HOST}:{port}")
         try:
             for base, proc in zip(bases, procs, strict=True):
-                wait_healthy(base, proc)
+                wait_ready(base, proc)
                 httpx.get(f"{base}/api/v1/models/{MODEL}", timeout=120)
             before = sum(metric(b, "qkov_compute_completed") for b in bases)
             keys = [f"/api/v1/models/{MODEL}/heads/L1H2/ov?token={t}&k=5" for t in range(200, 224)]

@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from app.settings import REPO_ROOT
-from tests.app.redis_server import RedisServer, free_port, running_redis
+from tests.app.live_server import free_port
+from tests.app.redis_server import RedisServer, running_redis
 
 pytestmark = pytest.mark.xdist_group("uvicorn")
 MODEL = "toy-2l"
