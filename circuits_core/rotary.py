@@ -275,7 +275,8 @@ def qk_at_cost(model: Transformer, k: int, budget_bytes: int, line: bool) -> Cos
 
 def kernel_cost(model: Transformer, n_offsets: int, n_tokens: int) -> Cost:
     """reference_means on n_tokens (the cached ln1 outputs and residuals) then the kernel: R(δ) for each
-    offset and q, k per head; answer: the offsets and one kernel value per offset."""
+    offset and q, k per head; answer: the offsets and one kernel value per offset. Rotary models only."""
+    check_rotary(model)
     cfg = model.cfg
     run = 2 * cfg.n_layers * n_tokens * cfg.d_model * itemsize(model.dtype) + factors_cost(model).peak_bytes
     kernel = (n_offsets * cfg.d_head**2 + 2 * cfg.n_layers * cfg.n_heads * (cfg.d_head + n_offsets)) * 8
@@ -283,7 +284,9 @@ def kernel_cost(model: Transformer, n_offsets: int, n_tokens: int) -> Cost:
 
 
 def bands_cost(model: Transformer) -> Cost:
-    """band_energies: the float64 weights and their d_head x d_head Grams; answer 3 numbers per band."""
+    """band_energies: the float64 weights and their d_head x d_head Grams; answer 3 numbers per band. Rotary
+    models only."""
+    check_rotary(model)
     cfg = model.cfg
     L, H, d, dh = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
     return Cost((2 * L * H * d * dh + 2 * L * H * dh * dh) * 8).with_answer(numbers=3 * dh // 2 + 1)

@@ -64,6 +64,9 @@ def virtual_weight(model: Transformer, writer: Writer, reader: Reader, offset: i
     """W_w W_r [n_in, n_out]: what `reader` reads of what `writer` wrote, through the smallest inner dimension."""
     if not reaches(model, writer, reader):
         raise InvalidInputError(f"{reader.name} does not read what {writer.name} writes (it reads earlier or not at all)")
+    if offset != 0 and reader.role not in ("Q", "K"):
+        raise InvalidInputError(f"offset {offset}: only Q and K readers are read at a query-key offset (rotary models); "
+                                f"{reader.name} is not rotated, so ask for it at offset 0")
     return factored(model, writer_chain(model, writer) + reader_chain(model, reader, offset))
 
 

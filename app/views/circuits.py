@@ -174,6 +174,7 @@ def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> C
 
 def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits) -> Cost:
     """A token's row or column, else the global top-k (on the frequent tokens only with min_count)."""
+    check_offset(loaded, getattr(p, "offset", 0))  # a request the model cannot answer is refused before its price
     n = None if p.min_count is None else int(frequent_tokens(loaded, p.min_count).numel())  # type: ignore[union-attr]
     cost = circuits.top_cost(loaded.model, p.k, limits.matrix_budget_bytes, line=p.token is not None, n_tokens=n)
     return cost + raw_copy_cost(loaded, p.basis)
@@ -232,6 +233,7 @@ QK = Analysis(
 
 
 def skip_trigrams_cost(loaded: LoadedModel, p: SkipTrigramParams, limits: Limits) -> Cost:
+    check_offset(loaded, p.offset)
     return circuits.skip_trigrams_cost(loaded.model, p.k, limits.matrix_budget_bytes, token=p.token is not None) + raw_copy_cost(
         loaded, p.basis)
 

@@ -279,15 +279,11 @@ HX = [{"HX-Request": "true"}, {"HX-Request": "true", "HX-Target": "main"}]
 def test_new_page_fragments_never_get_a_server_error(client: TestClient, model: str) -> None:
     """The same pages asked by htmx (a fragment: the page's block rendered alone)."""
     for page in PAGES:
-        if page.startswith("/residual/") and not page.startswith("/residual/usage"):
-            continue  # the one-pair page: see the xfail below
         for headers in HX:
             answer = client.get(f"/models/{model}{page}", headers=headers)
             assert answer.status_code < 500, (page, headers, answer.status_code, answer.text[:300])
 
 
-@pytest.mark.xfail(strict=True, reason="reported to V on the board: residual_pair.html's `side` macro is defined "
-                   "outside the block, so an htmx request (the block rendered alone) raises UndefinedError: 500")
 @pytest.mark.parametrize("page", ["/models/rope/residual/L0H0/unembed", "/models/one/residual/embed/L0H0.V"])
 def test_the_virtual_weight_page_renders_as_an_htmx_fragment(client: TestClient, page: str) -> None:
     for headers in HX:
@@ -311,11 +307,6 @@ def test_every_new_endpoint_is_priced_before_it_runs(poor: TestClient, path: str
     assert body["type"].endswith("limit-exceeded")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reported to R on the board: a rotary-only analysis is priced before the "
-    "model's positions are checked, so a shortformer model gets a price instead of 'needs rotary'",
-)
 @pytest.mark.parametrize("path", ["heads/L0H0/positional", "heads/L0H0/bands", "heads/L0H0/qk?offset=3"])
 def test_a_rotary_request_on_a_shortformer_model_is_refused_for_its_positions_not_its_price(
     poor: TestClient, path: str
@@ -323,11 +314,9 @@ def test_a_rotary_request_on_a_shortformer_model_is_refused_for_its_positions_no
     assert_problem(poor.get(f"{API}/one/{path}"), 422, "rotary")
 
 
-@pytest.mark.xfail(strict=True, reason="reported to V on the board: a V reader at offset 3 is answered 200 stating "
-                   "offset 3 (values are not rotated), where composition?kind=V&offset=2 is a 422")
-def test_a_value_reader_at_an_offset_is_refused_or_states_offset_zero(client: TestClient) -> None:
-    answer = client.get(f"{API}/rope/residual/L0H0/L1H1.V", params={"offset": 3})
-    assert answer.status_code == 422 or answer.json()["offset"] in (0, None), answer.text[:200]
+def test_a_value_reader_at_an_offset_is_refused(client: TestClient) -> None:
+    assert_problem(client.get(f"{API}/rope/residual/L0H0/L1H1.V", params={"offset": 3}), 422, "only Q and K readers")
+    assert client.get(f"{API}/rope/residual/L0H0/L1H1.K", params={"offset": 3}).status_code == 200
 
 
 def test_malformed_checkpoints_are_listed_unavailable_naming_the_fault(client: TestClient) -> None:
