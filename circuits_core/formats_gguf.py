@@ -144,8 +144,14 @@ def gguf_config(meta: _Metadata, d_vocab: int, attention_bias: bool = False) -> 
 
 
 def _token_id(meta: _Metadata, key: str, d_vocab: int) -> int | None:
+    """The token id the metadata names under `key` (None when absent); an id outside the vocabulary is refused,
+    since every answer would otherwise start from another BOS than the file says."""
     value = meta.get(key)
-    return value if isinstance(value, int) and 0 <= value < d_vocab else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < d_vocab:
+        raise CheckpointError(f"{key} {value!r} is not a token id (vocabulary {d_vocab})")
+    return value
 
 
 def dequantize(tensor: Any, name: str) -> Tensor:

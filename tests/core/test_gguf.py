@@ -56,6 +56,7 @@ def write_gguf(
     pre: str = "gpt-2",
     extra_kv: dict[str, str] | None = None,
     seed: int = 0,
+    bos_token_id: int | None = None,
 ) -> dict[str, np.ndarray]:
     """A tiny Llama-family GGUF; returns the float32 tensors written (HF layout, before permutation/quantisation)."""
     rng = np.random.default_rng(seed)
@@ -99,7 +100,7 @@ def write_gguf(
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t == EOT else 1 for t in tokens])
     writer.add_token_merges(merges)
-    writer.add_bos_token_id(eot)
+    writer.add_bos_token_id(eot if bos_token_id is None else bos_token_id)
     writer.add_eos_token_id(eot)
     for key, value in (extra_kv or {}).items():
         writer.add_string(key, value)
@@ -239,6 +240,11 @@ def test_an_unsupported_tokenizer_is_refused_by_name(tmp_path):
 def test_an_unknown_pre_tokenizer_is_refused_by_name(tmp_path):
     message = _refusal(tmp_path, pre="made-up-pre")
     assert "'made-up-pre'" in message
+
+
+def test_a_bos_id_outside_the_vocabulary_is_refused_by_name(tmp_path):
+    message = _refusal(tmp_path, bos_token_id=10**6)
+    assert "tokenizer.ggml.bos_token_id 1000000 is not a token id" in message
 
 
 def test_rope_scaling_types_not_implemented_are_refused(tmp_path):
