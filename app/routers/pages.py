@@ -36,7 +36,21 @@ from app.params import (
 from app.routers import pages_analyses, pages_tour
 from app.routers.api import models_view
 from app.routers.pages_rotary import head_rotary_context, rotary_enabled
-from app.routers.rendering import Page, PageCall, applies, attempt, is_fragment, model_nav, page_context, render, url
+from app.routers.rendering import (
+    Page,
+    PageCall,
+    applies,
+    attempt,
+    cached_page,
+    html_page,
+    is_fragment,
+    keep_page,
+    model_nav,
+    page_context,
+    page_key,
+    render,
+    url,
+)
 from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
 from app.views.circuits import DIRECT, OV, QK, SKIP_TRIGRAMS, has_token_counts
 from app.views.composition import COMPOSITION
@@ -211,6 +225,9 @@ async def go(request: Request, registry: RegistryDep, model: str = Query(..., ma
 @router.get("/models/{model}")
 async def overview_page(request: Request, registry: RegistryDep, loaded: LoadedModelDep, entry: ModelEntryDep, limits: LimitsDep,
                         score: str = Query("induction", pattern="^(" + "|".join(SCORES) + ")$")) -> Response:
+    key = await page_key(request, registry, loaded, "/models/{model}")
+    if (body := await cached_page(request, key)) is not None:
+        return html_page(body)
     summary = build_model_view(loaded, entry)
     heads: HeadsView = await run(HEADS, loaded, entry.id, NoParams(), limits)
     ctx = await page_context(request, registry, entry.id, json_url(HEADS, entry.id, NoParams()), entry.id, "overview")
@@ -224,9 +241,12 @@ async def overview_page(request: Request, registry: RegistryDep, loaded: LoadedM
                 [p["ov_copying"] or 0.0 for p in pts], [p["k_composition_positivity"] for p in pts], [p["head"] for p in pts],
                 title=f"OV copying vs K-composition positivity with previous-token head {data['previous_token_head']}",
                 x_title="OV copying score (Σλ/Σ|λ|)", y_title="K-composition positivity", links=[f"/models/{entry.id}/heads/{p['head']}" for p in pts])
-    return render(request, "overview.html", {**ctx, "summary": summary, "heads": heads, "score": score, "scores": SCORES,
-                                             "fig": fig, "scatter": scatter, "card_fig": training_curve(summary.card)},
-                  blocks=("heads_panel",))
+    response = render(request, "overview.html", {**ctx, "summary": summary, "heads": heads, "score": score, "scores": SCORES,
+                                                 "fig": fig, "scatter": scatter, "card_fig": training_curve(summary.card)},
+                      blocks=("heads_panel",))
+    if response.status_code == 200 and (scatter is not None or loaded.model.cfg.n_layers < 2 or is_fragment(request)):
+        await keep_page(request, key, bytes(response.body))  # not a page whose scatter failed this time
+    return response
 
 
 # -- one head: its spectra and its circuits ---------------------------------------------------------------------

@@ -228,7 +228,7 @@ async def serve_page(page: Page, params: type[AnalysisParams], request: Request,
     typed = validate(params, raw)
     if loaded is not None:
         typed = typed.normalised(loaded)
-    key = await page_key(request, registry, loaded, page) if loaded is not None else None
+    key = await page_key(request, registry, loaded, page.route) if loaded is not None else None
     if key is not None and (body := await cached_page(request, key)) is not None:
         return html_page(body)
     call = PageCall(page, request, registry, limits, model_id, loaded, typed)
@@ -270,13 +270,13 @@ def cut_prompt(loaded: LoadedModel, prompt: str, limits: Limits) -> tuple[str, d
 
 
 # -- rendered pages, kept like answers ---------------------------------------------------------------------------
-async def page_key(request: Request, registry: ModelRegistry, loaded: LoadedModel, page: Page) -> str:
+async def page_key(request: Request, registry: ModelRegistry, loaded: LoadedModel, route: str) -> str:
     """A rendered page depends on the model's files (digest), the URL (path and query), whether htmx asked for a
     block (and which), and the models in the picker; the same string keys it in the cache and the store."""
     query = "&".join(sorted(f"{k}={v}" for k, v in request.query_params.multi_items()))
     fragment = f"{request.headers.get('HX-Request', '')}:{request.headers.get('HX-Target', '')}"
     models = ",".join(await model_ids(registry))
-    return "|".join(("page", str(loaded.digest), page.route, request.url.path, query, fragment, models))
+    return "|".join(("page", str(loaded.digest), route, request.url.path, query, fragment, models))
 
 
 async def cached_page(request: Request, key: str) -> bytes | None:
