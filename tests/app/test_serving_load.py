@@ -11,10 +11,6 @@ routes' p99 under the same kind of load.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,9 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.settings import REPO_ROOT
 from bench.load import rss_bytes
-from tests.app.test_serving_uvicorn import free_port
+from tests.app.live_server import free_port, start
 
 pytestmark = pytest.mark.xdist_group("uvicorn")
 MiB = 2**20
@@ -38,24 +33,12 @@ V = 300  # token ids below the test tokenizer's vocabulary size (320)
 @pytest.fixture(scope="module")
 def server(model_dirs: tuple[Path, Path]) -> Iterator[tuple[str, int]]:
     port = free_port()
-    env = {**os.environ, "QKOV_SHIPPED_DIR": str(model_dirs[0]), "QKOV_MODELS_DIR": str(model_dirs[1]),
-           "QKOV_CACHE_BYTES": str(CACHE_BYTES), "QKOV_STORE_URL": "off", "QKOV_PRELOAD": "true",
-           "QKOV_SLOT_WAIT_S": "60", "PYTHONPATH": str(REPO_ROOT)}
-    # not tests/app/live_server.start: its stderr pipe, never read, would fill with thousands of access-log lines
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
+    env = {"QKOV_SHIPPED_DIR": str(model_dirs[0]), "QKOV_MODELS_DIR": str(model_dirs[1]),
+           "QKOV_CACHE_BYTES": str(CACHE_BYTES), "QKOV_STORE_URL": "off", "QKOV_PRELOAD": "true", "QKOV_SLOT_WAIT_S": "60"}
+    # quiet: thousands of access-log lines would fill a stderr pipe nobody reads
+    proc = start(["-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
+                 port, env, timeout_s=90, quiet=True)
     base = f"http://127.0.0.1:{port}"
-    end = time.monotonic() + 90
-    while True:
-        try:
-            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.monotonic() < end, "uvicorn did not start"
-        time.sleep(0.1)
     yield base, proc.pid
     proc.kill()
     proc.wait(10)

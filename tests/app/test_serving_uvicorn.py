@@ -7,11 +7,9 @@ production) plus one test route that holds a compute slot for `seconds` unless s
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +21,8 @@ from fastapi import FastAPI
 
 from app.compute import compute
 from app.main import create_app
-from app.settings import REPO_ROOT, Settings
+from app.settings import Settings
+from tests.app.live_server import free_port, start
 from tests.app.test_serving import slow
 
 
@@ -37,36 +36,17 @@ def make_app() -> FastAPI:
     return app
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 pytestmark = pytest.mark.xdist_group("uvicorn")  # one server for the module, on one worker, tests in file order
 
 
 @pytest.fixture(scope="module")
 def server(model_dirs: tuple[Path, Path]) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     port = free_port()
-    env = {**os.environ, "QKOV_SHIPPED_DIR": str(model_dirs[0]), "QKOV_COMPUTE_SLOTS": "1", "QKOV_SLOT_WAIT_S": "10",
-           "QKOV_TORCH_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "--factory", "tests.app.test_serving_uvicorn:make_app",
-         "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )
+    env = {"QKOV_SHIPPED_DIR": str(model_dirs[0]), "QKOV_COMPUTE_SLOTS": "1", "QKOV_SLOT_WAIT_S": "10",
+           "QKOV_TORCH_THREADS": "1"}
+    proc = start(["-m", "uvicorn", "--factory", "tests.app.test_serving_uvicorn:make_app",
+                  "--host", "127.0.0.1", "--port", str(port), "--no-access-log"], port, env)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{base}/healthz", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else "server exited"
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.1)
     yield proc, base
     if proc.poll() is None:
         proc.kill()

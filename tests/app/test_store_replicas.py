@@ -4,13 +4,10 @@ mid-test, and the embedded disk store surviving a restart. Computations are coun
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import signal
 import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -20,7 +17,7 @@ import httpx
 import pytest
 
 from app.settings import REPO_ROOT
-from tests.app.live_server import free_port
+from tests.app.live_server import free_port, start
 from tests.app.redis_server import RedisServer, running_redis
 
 pytestmark = pytest.mark.xdist_group("uvicorn")
@@ -30,25 +27,11 @@ MODEL = "toy-2l"
 @contextmanager
 def replica(env_extra: dict[str, str]) -> Iterator[str]:
     port = free_port()
-    env = {**os.environ, "QKOV_SHIPPED_DIR": str(REPO_ROOT / "checkpoints"), "QKOV_COMPUTE_SLOTS": "1",
-           "QKOV_TORCH_THREADS": "1", "PYTHONPATH": str(REPO_ROOT), **env_extra}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
-        cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
+    env = {"QKOV_SHIPPED_DIR": str(REPO_ROOT / "checkpoints"), "QKOV_COMPUTE_SLOTS": "1", "QKOV_TORCH_THREADS": "1", **env_extra}
+    proc = start(["-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
+                 port, env, quiet=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(base + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.1)
-        yield base
+        yield f"http://127.0.0.1:{port}"
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
