@@ -15,7 +15,7 @@ shared store: `RawDisk` refuses any row diskcache would unpickle, so a hostile r
 
 Single-flight across processes: `claim(key)` is an atomic "set if absent, with expiry" lock (diskcache `add`,
 Redis `SET NX PX`). The process that gets it computes and `put`s; the others wait for the answer to appear
-(`wait_for`), and compute themselves only if the lock expires first (its holder died).
+(`StoreTier.claim_or_wait`), and compute themselves only if the lock expires first (its holder died).
 """
 
 from __future__ import annotations
@@ -165,11 +165,6 @@ class RedisStore:
         self._recovered()
         return True, result
 
-    @property
-    def up(self) -> bool:
-        with self._guard:
-            return self._down_since is None
-
     # -- the store -------------------------------------------------------------------------------------
     def get(self, key: str) -> bytes | None:
         ok, blob = self._call("get", KEY_PREFIX + key)
@@ -203,23 +198,6 @@ class RedisStore:
 
 
 _RELEASE_LUA = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
-
-
-def wait_for(store: ResultStore, key: str, ttl_s: float, poll_s: float = 0.05,
-             should_stop: Any = None) -> bytes | None:
-    """Poll for the answer another process is computing; None when its lock expired or we were stopped."""
-    deadline = time.monotonic() + ttl_s
-    while time.monotonic() < deadline:
-        body = store.get(key)
-        if body is not None:
-            return body
-        if should_stop is not None and should_stop():
-            return None
-        if store.claim(key, ttl_s):  # the holder is gone (lock expired or released without an answer)
-            store.release(key)
-            return store.get(key)
-        time.sleep(poll_s)
-    return None
 
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -14,7 +14,7 @@ import pytest
 
 from app.compute import ComputeService, bind, compute
 from app.ratelimit import RateLimiter
-from app.store import DiskStore, RedisStore, StoreTier, code_version, open_store, wait_for
+from app.store import DiskStore, RedisStore, StoreTier, code_version, open_store
 from tests.app.redis_server import RedisServer, running_redis
 
 
@@ -80,16 +80,17 @@ def test_disk_claim_is_a_lock_between_processes_with_expiry(tmp_path: Path) -> N
     assert a.claim("k", ttl_s=30)  # b's lock expired
 
 
-def test_wait_for_returns_the_answer_another_process_puts(tmp_path: Path) -> None:
-    a, b = DiskStore(tmp_path / "s", 2**24), DiskStore(tmp_path / "s", 2**24)
-    assert a.claim("k", ttl_s=10)
+def test_claim_or_wait_returns_the_answer_another_process_puts(tmp_path: Path) -> None:
+    a = StoreTier(DiskStore(tmp_path / "s", 2**24), claim_ttl_s=10, code="c")
+    b = StoreTier(DiskStore(tmp_path / "s", 2**24), claim_ttl_s=10, code="c")  # another worker, same folder
 
-    def finish() -> None:
-        a.put("k", b"done")
-        a.release("k")
+    async def a_claims() -> bytes | None:
+        return await a.claim_or_wait("k", stopped=lambda: False)
 
-    threading.Timer(0.2, finish).start()
-    assert wait_for(b, "k", ttl_s=10) == b"done"
+    assert asyncio.run(a_claims()) is None  # a holds the claim: it computes
+    threading.Timer(0.2, a.save, ("k", b"done")).start()  # a's answer, then its claim freed
+    assert asyncio.run(b.claim_or_wait("k", stopped=lambda: False)) == b"done"
+    assert b.waited == 1
 
 
 def test_a_keyed_answer_that_is_not_json_still_frees_its_claim(tmp_path: Path) -> None:
