@@ -84,8 +84,15 @@ def is_fragment(request: Request) -> bool:
     return h.get("HX-Request") == "true" and h.get("HX-History-Restore-Request") != "true" and h.get("HX-Boosted") != "true"
 
 
-async def model_ids(registry: ModelRegistry) -> list[str]:
-    return [e.id for e in await cheap(registry.entries)]
+async def model_ids(registry: ModelRegistry, request: Request | None = None) -> list[str]:
+    """The models of the picker: one rescan of the folders per request (kept on `request.state`, since the page
+    key and the page frame both need them)."""
+    kept: list[str] | None = getattr(request.state, "model_ids", None) if request is not None else None
+    if kept is None:
+        kept = [e.id for e in await cheap(registry.entries)]
+        if request is not None:
+            request.state.model_ids = kept
+    return kept
 
 
 def refusal(exc: QkovError) -> dict[str, Any]:
@@ -125,7 +132,7 @@ async def page_context(request: Request, registry: ModelRegistry, title: str, js
     """What base.html needs: the title, the JSON twin, the model picker and the model's navigation."""
     ctx: dict[str, Any] = {"title": title, "json_url": json_link, "model_id": model_id, "nav": nav}
     if not is_fragment(request):
-        ctx["models"] = await model_ids(registry)
+        ctx["models"] = await model_ids(registry, request)
         ctx["here"] = request.url.path  # the model picker's script puts the current URL (htmx pushes) here
         if model_id:
             n_layers = (await cheap(registry.get, model_id)).model.cfg.n_layers  # loaded already by the page's route
@@ -275,7 +282,7 @@ async def page_key(request: Request, registry: ModelRegistry, loaded: LoadedMode
     block (and which), and the models in the picker; the same string keys it in the cache and the store."""
     query = "&".join(sorted(f"{k}={v}" for k, v in request.query_params.multi_items()))
     fragment = f"{request.headers.get('HX-Request', '')}:{request.headers.get('HX-Target', '')}"
-    models = ",".join(await model_ids(registry))
+    models = ",".join(await model_ids(registry, request))
     return "|".join(("page", str(loaded.digest), route, request.url.path, query, fragment, models))
 
 
