@@ -119,6 +119,9 @@ class Analysis(Generic[P, V]):
     cache: bool | Callable[[P], bool] = True  # keep answers in the result cache (per params when callable)
     scope: Literal["model", "server"] = "model"
     description: str | None = None
+    # scope "server": (registry, params) -> the digests of the models the answer reads, part of its cache key
+    # (so a model whose files change, or that appears or goes, never gets another version's answer)
+    reads: Callable[..., tuple[str, ...]] | None = None
 
     @property
     def api_path(self) -> str:
@@ -186,6 +189,13 @@ def cache_key(analysis: Analysis[Any, Any], model_id: str, loaded: LoadedModel, 
     return (model_id, str(loaded.digest), analysis.name, canonical(params))
 
 
+def server_key(analysis: Analysis[Any, Any], registry: Any, params: AnalysisParams) -> tuple[str, ...]:
+    """A server-wide analysis: its name, the digests of the models it reads, normalised params."""
+    if analysis.reads is None:
+        raise ValueError(f"server-scope analysis {analysis.name!r} must declare `reads` (the models in its cache key)")
+    return (analysis.name, *analysis.reads(registry, params), canonical(params))
+
+
 def json_url(analysis: Analysis[Any, Any], model_id: str | None, params: AnalysisParams) -> str:
     """The API twin of a page: path parameters filled in, the set query parameters (None and '' left out)."""
     values = params.model_dump(mode="json")
@@ -206,7 +216,7 @@ def _priced(analysis: Analysis[P, V], subject: Any, model_id: str | None, params
     """The keyword arguments of compute: the cost (the engine's estimate), the cache key, what to lower."""
     key: tuple[str, ...] | None = None
     if analysis.cached(params):
-        key = cache_key(analysis, model_id or "", subject, params) if analysis.scope == "model" else (analysis.name, canonical(params))
+        key = cache_key(analysis, model_id or "", subject, params) if analysis.scope == "model" else server_key(analysis, subject, params)
     return {"cost": analysis.cost(subject, params, limits), "key": key, "lower": lower_hint(analysis)}
 
 

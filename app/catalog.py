@@ -14,7 +14,7 @@ from app.views import circuits, composition, detectors, heads, models, path, pro
 from app.views.attention_entropy import ATTENTION_ENTROPY
 from app.views.copying import COPYING_ALL
 from app.views.residual import ANALYSES as RESIDUAL_ANALYSES
-from app.views.tour import build_tour_view
+from app.views.tour import build_tour_view, digest_or_dash, tour_models
 from app.views.tour import tour_cost as tour_view_cost
 from circuits_core.cost import Cost
 
@@ -28,8 +28,13 @@ def tour_cost(registry: ModelRegistry, p: TourParams, limits: Limits) -> Cost:
     return tour_view_cost(registry, limits, p.chapter)
 
 
+def tour_reads(registry: ModelRegistry, p: TourParams) -> tuple[str, ...]:
+    """Each model the chapter reads, as `id=digest` (`id=-` when it is not available): the tour's cache key."""
+    return tuple(f"{m}={digest_or_dash(registry, m)}" for m in tour_models(p.chapter))
+
+
 TOUR = Analysis(
-    name="tour", path="/tour", params=TourParams, view=TourView, build=build_tour, cost=tour_cost, scope="server",
+    name="tour", path="/tour", params=TourParams, view=TourView, build=build_tour, cost=tour_cost, scope="server", reads=tour_reads,
     summary="The paper's figures on the shipped models", tags=["tour"],
 )
 

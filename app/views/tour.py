@@ -24,7 +24,9 @@ from app.schemas.analyses import TourFigure, TourView
 from app.settings import Limits
 from app.views import tour_figures as figs
 from app.views.tour_claims import BASELINE_SAMPLES, BASELINE_TOP_SAMPLES, CLAIMS
+from app.views.tour_residual import TOUR_MODEL as RESIDUAL_MODEL
 from app.views.tour_residual import residual_chapter, residual_chapter_cost
+from app.views.tour_rotary import TOUR_MODEL as ROTARY_MODEL
 from app.views.tour_rotary import chapter_cost, rotary_chapter
 from circuits_core import ablation, circuits, composition, copying, heads, paths, qk_paths
 from circuits_core.cost import Cost
@@ -163,6 +165,19 @@ def _load(registry: ModelRegistry, model_id: str) -> LoadedModel | str:
         return registry.get(model_id)
     except QkovError as exc:
         return f"model {model_id!r} is not available: {exc}"
+
+
+def tour_models(chapter: str) -> tuple[str, ...]:
+    """The models a chapter of the tour reads."""
+    if chapter == "smollm2":
+        return (ROTARY_MODEL,)
+    return tuple(dict.fromkeys((*TOUR_MODELS, RESIDUAL_MODEL)))
+
+
+def digest_or_dash(registry: ModelRegistry, model_id: str) -> str:
+    """The digest of the model's answer-changing files (loading it, as the tour does), or "-" when unavailable."""
+    loaded = _load(registry, model_id)
+    return "-" if isinstance(loaded, str) else str(loaded.digest)
 
 
 def build_tour_view(registry: ModelRegistry, limits: Limits, chapter: str = "paper") -> TourView:

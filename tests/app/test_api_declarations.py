@@ -131,3 +131,33 @@ def test_the_page_links_its_json_twin(client: TestClient) -> None:
     assert 'href="/api/v1/models/tiny-2l/direct?k=7&amp;basis=served"' in html  # every param, defaults too
     html = client.get("/models/tiny-2l/composition/L00H1/L1H0", params={"k": 5}).text
     assert 'href="/api/v1/models/tiny-2l/composition/L0H1/L1H0?k=5"' in html
+
+
+def test_the_tour_cache_key_names_the_digest_of_each_model_it_reads(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A server-wide answer (the tour) is keyed by what it reads: a toy whose files change, or that appears, gets a
+    new key, so a stored tour of other weights is never served (the model-scope key's digest rule, server-wide)."""
+    import shutil
+
+    import numpy as np
+
+    from app.analysis import server_key
+    from app.params import TourParams
+    from app.registry import ModelRegistry
+    from app.settings import Settings
+    from circuits_core.weights import load_checkpoint
+
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    shutil.copytree("checkpoints/toy-2l", shipped / "toy-2l")
+    registry = ModelRegistry(Settings(shipped_dir=shipped, models_dir=None, dtype="float64", limits=LIMITS))
+    tour = BY_NAME["tour"]
+    key = server_key(tour, registry, TourParams())
+    digest = load_checkpoint(shipped / "toy-2l", dtype=__import__("torch").float64).digest  # computed independently
+    assert f"toy-2l={digest}" in key and "toy-0l=-" in key and "toy-1l=-" in key
+    counts = np.load(shipped / "toy-2l" / "token_counts.npy")
+    np.save(shipped / "toy-2l" / "token_counts.npy", counts + 1)  # an answer-changing file (frequent tokens)
+    changed = server_key(tour, registry, TourParams())
+    assert changed != key and f"toy-2l={digest}" not in changed
+    shutil.copytree("checkpoints/toy-0l", shipped / "toy-0l")
+    assert "toy-0l=-" not in server_key(tour, registry, TourParams())
+    assert server_key(tour, registry, TourParams(chapter="smollm2")) == ("tour", "smollm2-135m=-", canonical(TourParams(chapter="smollm2")))
