@@ -41,6 +41,7 @@ from urllib.parse import quote, urlencode
 
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from starlette.concurrency import run_in_threadpool
 
 from app.compute import cached_build, compute, compute_json
 from app.settings import Limits
@@ -220,15 +221,23 @@ def _priced(analysis: Analysis[P, V], subject: Any, model_id: str | None, params
     return {"cost": analysis.cost(subject, params, limits), "key": key, "lower": lower_hint(analysis)}
 
 
+async def _price(analysis: Analysis[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> dict[str, Any]:
+    """`_priced`; a server-wide analysis in a thread, since its price and key load the models it reads (a model
+    load must never hold the event loop that answers health checks and cached pages)."""
+    if analysis.scope == "server":
+        return await run_in_threadpool(_priced, analysis, subject, model_id, params, limits)
+    return _priced(analysis, subject, model_id, params, limits)
+
+
 async def run(analysis: Analysis[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> V:
     """Price, then build through a compute slot (cached under `cache_key` when the analysis says so): the view."""
-    kw = _priced(analysis, subject, model_id, params, limits)
+    kw = await _price(analysis, subject, model_id, params, limits)
     return await compute(analysis.build, subject, params, limits, view=analysis.view, **kw)
 
 
 async def run_json(analysis: Analysis[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> bytes:
     """Like `run`, the answer encoded as JSON inside the slot (the API's answer)."""
-    kw = _priced(analysis, subject, model_id, params, limits)
+    kw = await _price(analysis, subject, model_id, params, limits)
     return await compute_json(analysis.build, subject, params, limits, **kw)
 
 
