@@ -29,6 +29,7 @@ effect on the pattern is only the per-key term b_Q W_K^T x, paper-math 1.4).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -88,11 +89,59 @@ def embed_eff_rows(model: Transformer, tokens: Tensor | list[int] | slice) -> Te
     return apply_ln_rows(_block(model, 0).ln1, W_E)
 
 
+@dataclass
+class EmbedNorm:
+    """Layer 0's ln1 on every row of W_E, kept as per-token statistics: W_E_eff[t] = (W_E[t] - mean_t) * inv_scale_t
+    * w + b (mean 0 for RMS norms, w / b absent for the Pre variants). Formed once per model and weights version."""
+
+    inv_scale: Tensor  # [d_vocab] 1 / sigma_t (1 / rms_t)
+    mean: Tensor | None  # [d_vocab] row means of W_E (centred norms only)
+    w: Tensor | None  # [d_model]
+    b: Tensor | None  # [d_model]
+
+
+_embed_norms: weakref.WeakKeyDictionary[Transformer, tuple[tuple[object, ...], EmbedNorm]] = weakref.WeakKeyDictionary()
+
+
+def _version(t: Tensor | None) -> tuple[object, ...]:
+    return () if t is None else (t.data_ptr(), t._version, t.dtype, t.device)
+
+
+def embed_norm(model: Transformer) -> EmbedNorm:
+    """The cached EmbedNorm of the model (recomputed when W_E or ln1's weights change, in place or replaced)."""
+    ln = _block(model, 0).ln1
+    w, b = getattr(ln, "w", None), getattr(ln, "b", None)
+    key = (*_version(model.W_E), *_version(w), *_version(b), model.cfg.eps)
+    hit = _embed_norms.get(model)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    with torch.no_grad():
+        inv_scale = torch.empty(model.cfg.d_vocab, dtype=model.W_E.dtype, device=model.W_E.device)
+        mean = torch.empty_like(inv_scale) if ln.centred else None
+        for start in range(0, model.cfg.d_vocab, EMBED_CHUNK):  # statistics in float64, one chunk at a time
+            check_stop(what="LN(W_E) statistics")
+            x = model.W_E[start : start + EMBED_CHUNK].double()  # [chunk, d_model]
+            if mean is not None:
+                m = x.mean(-1, keepdim=True)
+                mean[start : start + EMBED_CHUNK] = m[:, 0]
+                x = x - m
+            inv_scale[start : start + EMBED_CHUNK] = (x.pow(2).mean(-1) + model.cfg.eps).rsqrt()
+    norm = EmbedNorm(inv_scale, mean, None if w is None else w.detach(), None if b is None else b.detach())
+    _embed_norms[model] = (key, norm)
+    return norm
+
+
 def _embed_eff_chunks(model: Transformer) -> Iterator[tuple[slice, Tensor]]:
+    """W_E_eff in row chunks [chunk, d_model] from the cached statistics (embed_norm)."""
+    norm = embed_norm(model)
     for start in range(0, model.cfg.d_vocab, EMBED_CHUNK):
         check_stop(what="LN(W_E)")
         rows = slice(start, min(start + EMBED_CHUNK, model.cfg.d_vocab))
-        yield rows, embed_eff_rows(model, rows)  # [chunk, d_model]
+        x = model.W_E[rows] if norm.mean is None else model.W_E[rows] - norm.mean[rows, None]
+        x = x * norm.inv_scale[rows, None]
+        if norm.w is not None:
+            x = x * norm.w
+        yield rows, x if norm.b is None else x + norm.b  # [chunk, d_model]
 
 
 def embed_eff(model: Transformer) -> Tensor:
@@ -103,13 +152,17 @@ def embed_eff(model: Transformer) -> Tensor:
 
 
 def embed_eff_matmul(model: Transformer, W: Tensor) -> Tensor:
-    """W_E_eff @ W [d_vocab, n] for W [d_model, n], without materialising W_E_eff."""
+    """W_E_eff @ W [d_vocab, n] for W [d_model, n], without materialising W_E_eff: with the cached statistics,
+    diag(inv_scale) (W_E (w * W) - mean (w W)) + b W, one product with the raw W_E."""
     if model.cfg.n_layers == 0 or model.cfg.normalization_type is None:
         return model.W_E @ W
-    out = torch.empty(model.cfg.d_vocab, W.shape[-1], dtype=torch.result_type(model.W_E, W), device=W.device)
-    for rows, chunk in _embed_eff_chunks(model):
-        torch.matmul(chunk, W, out=out[rows])
-    return out
+    norm = embed_norm(model)
+    W_w = W if norm.w is None else norm.w[:, None] * W  # [d_model, n]
+    out = model.W_E @ W_w  # [d_vocab, n]
+    if norm.mean is not None:
+        out -= norm.mean[:, None] * W_w.sum(0)
+    out *= norm.inv_scale[:, None]
+    return out if norm.b is None else out + norm.b @ W
 
 
 def embed_pos_basis(model: Transformer) -> Tensor:
@@ -348,8 +401,8 @@ def ov_eigenvalues(model: Transformer, G: Tensor | None = None) -> Tensor:
     lambda(W_E W_V W_O W_U) \\ {0} = lambda(W_O (W_U W_E) W_V) = lambda(W_O G W_V), d_head x d_head.
     """
     G = unembed_embed_gram(model) if G is None else G  # [d, d]
-    GW_V = torch.einsum("de,lhef->lhdf", G, model.W_V)  # [L, H, d, d_h]
-    return _spectrum(model.W_O @ GW_V)  # eig of [L, H, d_h, d_h]
+    GW_V = G @ model.W_V_groups  # [L, n_kv, d, d_h]: once per key/value head, shared by its group
+    return _spectrum(model.W_O @ GW_V.repeat_interleave(model.cfg.group_size, dim=1))  # eig of [L, H, d_h, d_h]
 
 
 def qk_eigenvalues(model: Transformer, G_E: Tensor | None = None) -> Tensor:
@@ -358,8 +411,9 @@ def qk_eigenvalues(model: Transformer, G_E: Tensor | None = None) -> Tensor:
     lambda(W_E W_Q W_K^T W_E^T / s) \\ {0} = lambda(W_K^T (W_E^T W_E) W_Q) / s.
     """
     G_E = embed_gram(model) if G_E is None else G_E  # [d, d]
-    GW_Q = torch.einsum("de,lhef->lhdf", G_E, model.W_Q)  # [L, H, d, d_h]
-    return _spectrum(model.W_K.transpose(-2, -1) @ GW_Q / model.cfg.scale)
+    GW_K = G_E @ model.W_K_groups  # [L, n_kv, d, d_h]: (W_K^T G_E W_Q)^T = W_Q^T G_E W_K, same spectrum
+    KGQ = model.W_Q.transpose(-2, -1) @ GW_K.repeat_interleave(model.cfg.group_size, dim=1)  # [L, H, d_h, d_h]
+    return _spectrum(KGQ.transpose(-2, -1) / model.cfg.scale)
 
 
 def copying_score(eigenvalues: Tensor) -> Tensor:

@@ -1,0 +1,87 @@
+"""The cached per-token norm statistics behind W_E_eff products (circuits.embed_norm) and the group-aware copying
+spectra, against dense float64 computations on small rotary/GQA models (RMS, LN, and the Pre variants)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from circuits_core import circuits as C
+from circuits_core.model import random_model
+from tests.core.rotary_models import rotary_model
+
+NORMS = {
+    "rms-gqa": dict(n_key_value_heads=2),
+    "rmspre-mqa": dict(normalization_type="RMSPre", n_key_value_heads=1),
+    "ln": dict(normalization_type="LN", gated_mlp=False, act_fn="gelu_new"),
+    "lnpre-gqa": dict(normalization_type="LNPre", gated_mlp=False, act_fn="gelu_new", n_key_value_heads=2),
+}
+
+
+def dense_ln1(model):
+    """Layer 0's ln1 on every row of W_E, written out independently (float64)."""
+    x = model.W_E.double()
+    ln, kind = model.blocks[0].ln1, model.cfg.normalization_type
+    if kind in ("LN", "LNPre"):
+        x = x - x.mean(-1, keepdim=True)
+    x = x / (x.pow(2).mean(-1, keepdim=True) + model.cfg.eps).sqrt()
+    if kind in ("LN", "RMS"):
+        x = x * ln.w
+    return x + ln.b if kind == "LN" else x
+
+
+@pytest.fixture(params=list(NORMS))
+def model(request):
+    m = rotary_model(seed=3, **NORMS[request.param])
+    with torch.no_grad():  # row means far from 0, so that centring is exercised
+        m.W_E.add_(torch.linspace(-2, 3, m.cfg.d_vocab, dtype=torch.float64)[:, None])
+    return m
+
+
+def test_embed_eff_products_equal_dense_ln(model, monkeypatch):
+    monkeypatch.setattr(C, "EMBED_CHUNK", 7)  # several chunks, the last one partial (d_vocab = 40)
+    W_E = dense_ln1(model)
+    W = torch.randn(model.cfg.d_model, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(C.embed_eff_matmul(model, W), W_E @ W, rtol=0, atol=1e-12)
+    torch.testing.assert_close(C.embed_eff(model), W_E, rtol=0, atol=1e-12)
+    torch.testing.assert_close(C.embed_gram(model), W_E.T @ W_E, rtol=0, atol=1e-10)
+    torch.testing.assert_close(C.unembed_embed_gram(model), model.W_U @ W_E, rtol=0, atol=1e-10)
+    torch.testing.assert_close(C.embed_eff_rows(model, [0, 17, 39]), W_E[[0, 17, 39]], rtol=0, atol=1e-12)
+
+
+def test_cached_statistics_follow_weight_changes(model):
+    W = torch.randn(model.cfg.d_model, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    before = C.embed_eff_matmul(model, W)
+    assert C.embed_norm(model) is C.embed_norm(model)  # formed once
+    with torch.no_grad():
+        model.W_E[5].add_(torch.arange(model.cfg.d_model, dtype=torch.float64))  # in place: a new weights version
+        if model.cfg.normalization_type in ("LN", "RMS"):
+            model.blocks[0].ln1.w.mul_(0.5)
+    after = C.embed_eff_matmul(model, W)
+    torch.testing.assert_close(after, dense_ln1(model) @ W, rtol=0, atol=1e-12)
+    assert not torch.allclose(after, before)
+    model.embed.W_E = torch.nn.Parameter(model.W_E.detach() * 2)  # replaced
+    torch.testing.assert_close(C.embed_eff_matmul(model, W), dense_ln1(model) @ W, rtol=0, atol=1e-12)
+
+
+def test_copying_spectra_under_gqa_equal_dense(model):
+    cfg = model.cfg
+    W_E = dense_ln1(model)
+    ov, qk = C.ov_eigenvalues(model), C.qk_eigenvalues(model)  # [L, H, d_head]
+    for layer in range(cfg.n_layers):
+        for h in range(cfg.n_heads):
+            g = h // cfg.group_size
+            W_Q, W_K = model.blocks[layer].attn.W_Q[h], model.blocks[layer].attn.grouped("W_K")[g]
+            W_V, W_O = model.blocks[layer].attn.grouped("W_V")[g], model.blocks[layer].attn.W_O[h]
+            for small, full in [(ov[layer, h], W_E @ W_V @ W_O @ model.W_U), (qk[layer, h], W_E @ W_Q @ W_K.T @ W_E.T / cfg.scale)]:
+                dense = torch.linalg.eigvals(full)
+                top = dense[dense.abs().argsort(descending=True)[: cfg.d_head]]
+                key = lambda z: (round(z.real.item(), 6), round(z.imag.item(), 6))  # noqa: E731
+                assert torch.allclose(torch.stack(sorted(small, key=key)), torch.stack(sorted(top, key=key)), atol=1e-8)
+
+
+def test_no_norm_model_uses_W_E_directly():
+    m = random_model(rotary_model().cfg.__class__(**{**rotary_model().cfg.__dict__, "normalization_type": None}),
+                     seed=0, dtype=torch.float64)
+    W = torch.randn(m.cfg.d_model, 2, dtype=torch.float64)
+    torch.testing.assert_close(C.embed_eff_matmul(m, W), m.W_E @ W, rtol=0, atol=0)
