@@ -8,11 +8,13 @@ L{layer}H{head} before the cache key, the builder and the JSON link see them.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
 from pydantic import Field
 
 from app.analysis import AnalysisParams, HeadField, HeadsField, Limit
+from circuits_core.heads import STANDARD_BATCH, STANDARD_SEQ_LEN
+from circuits_core.weights import LoadedModel
 
 TOKEN_DOC = "a token id (e.g. 464) or a single-token string (e.g. ' the'); a numeral meant as text goes in double quotes"
 HEAD_DOC = "head name L{layer}H{head}, e.g. L1H4"
@@ -101,10 +103,22 @@ class SkipTrigramParams(OVParams):
 
 
 class DetectorParams(PromptInput):
-    seq_len: SeqLen = 50
-    batch: Batch = 10
+    seq_len: Annotated[int | None, Field(ge=1, description=f"length T of the random segment r in BOS + r + r (default: "
+                                         f"the standard {STANDARD_SEQ_LEN}, shortened to fit the model's n_ctx)"),
+                       Limit("max_seq_len")] = None
+    batch: Batch = STANDARD_BATCH
     seed: Seed = 0
     heads: Heads = None
+
+    def normalised(self, loaded: LoadedModel) -> Self:
+        """seq_len None: the standard input, shortened to fit the context (BOS + r + r <= n_ctx) and this server's
+        max_seq_len (the bound `bounded` put on the field)."""
+        done = super().normalised(loaded)
+        if self.seq_len is not None:
+            return done
+        bounds = [m.le for m in type(self).model_fields["seq_len"].metadata if getattr(m, "le", None) is not None]
+        fitted = min(STANDARD_SEQ_LEN, (loaded.model.cfg.n_ctx - 1) // 2, *bounds)
+        return done.model_copy(update={"seq_len": max(1, fitted)})
 
 
 # -- composition, prompts, paths -----------------------------------------------------------------------------

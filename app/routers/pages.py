@@ -9,17 +9,16 @@ app/charts.py and hands them to the template. Never circuits_core, never tensors
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
-from pydantic import Field
 from starlette.types import Scope
 
 from app import charts
-from app.analysis import API, Limit, json_url, run
+from app.analysis import API, json_url, run
 from app.deps import LimitsDep, LoadedModelDep, ModelEntryDep, RegistryDep, get_model
 from app.params import (
     CompositionParams,
@@ -295,20 +294,10 @@ async def direct_context(call: PageCall) -> dict[str, Any]:
 
 
 # -- detectors ----------------------------------------------------------------------------------------------------
-class DetectorPageParams(DetectorParams):
-    seq_len: Annotated[int | None, Field(ge=1, description="length T of the random segment r (default: 50, shortened to fit n_ctx)"),
-                       Limit("max_seq_len")] = None  # type: ignore[assignment]
-
-
 async def detectors_context(call: PageCall) -> dict[str, Any]:
-    p: DetectorPageParams = call.params
-    seq_len = p.seq_len
-    if seq_len is None:  # the standard input, shortened to fit the model's context (BOS + r + r)
-        seq_len = max(1, min(50, call.limits.max_seq_len, (call.model.model.cfg.n_ctx - 1) // 2))
-    params = DetectorParams(seq_len=seq_len, batch=p.batch, seed=p.seed, prompt=p.prompt, tokens=p.tokens, heads=p.heads)
-    view = await call.run(DETECTORS, params)
-    call.json_params = params
-    return {"view": view, "figs": detector_charts(view, call.model_id or ""), "seq_len": seq_len, "batch": p.batch,
+    p: DetectorParams = call.params  # normalised: seq_len is the standard input fitted to the model when not given
+    view = await call.run(DETECTORS, p)
+    return {"view": view, "figs": detector_charts(view, call.model_id or ""), "seq_len": p.seq_len, "batch": p.batch,
             "seed": p.seed, "prompt": p.prompt, "heads": p.heads}
 
 
@@ -337,7 +326,7 @@ def detector_charts(view: Any, model_id: str) -> dict[str, Any]:
 PAGES: list[Page] = [
     Page(HEAD, "head.html", head_context, params=HeadPageParams, blocks=("circuits",), title="{head} · {model}", nav="overview"),
     Page(DIRECT, "direct.html", direct_context, blocks=("direct_panel",), title="Direct path · {model}"),
-    Page(DETECTORS, "detectors.html", detectors_context, params=DetectorPageParams, blocks=("detectors_panel",),
+    Page(DETECTORS, "detectors.html", detectors_context, blocks=("detectors_panel",),
          title="Detectors · {model}"),
     *pages_analyses.PAGES,
     *pages_tour.PAGES,

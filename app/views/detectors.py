@@ -54,6 +54,8 @@ def _losses(per_sequence: Tensor, seq_len: int | None, has_bos: bool) -> LossByP
 def build_detectors_view(loaded: LoadedModel, p: DetectorParams, limits: Limits) -> DetectorsView:
     """Detector scores of every head on BOS + r + r (or on a prompt), patterns of `heads` (default: the best
     head of each detector) on the first sequence, and the per-position loss."""
+    p = p.normalised(loaded)  # seq_len fitted to the context when not given
+    assert p.seq_len is not None
     seq_len, batch, seed, prompt, tokens, heads = p.seq_len, p.batch, p.seed, p.prompt, p.tokens, split_heads(p.heads)
     if prompt is not None or tokens is not None:
         ids = resolve_prompt(loaded, prompt, tokens, limits)
@@ -85,6 +87,8 @@ def build_detectors_view(loaded: LoadedModel, p: DetectorParams, limits: Limits)
 
 def detectors_cost(loaded: LoadedModel, p: DetectorParams, limits: Limits) -> Cost:
     """One pass with logits on the prompt (1 sequence) or on batch x (BOS + 2 seq_len) tokens."""
+    p = p.normalised(loaded)
+    assert p.seq_len is not None
     if p.prompt is not None or p.tokens is not None:
         n, batch = len(resolve_prompt(loaded, p.prompt, p.tokens, limits)), 1
     else:

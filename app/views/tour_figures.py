@@ -247,8 +247,9 @@ def induction_effect(loaded: LoadedModel, limits: Limits) -> Result:
 
 def repeated_tokens(loaded: LoadedModel, limits: Limits) -> Result:
     """The standard detector input (the overview's and the model card's), shortened only for a short context."""
-    n_ctx = loaded.model.cfg.n_ctx
-    seq_len = max(1, min(DetectorParams().seq_len, limits.max_seq_len, (n_ctx - 1) // 2))
+    fitted = DetectorParams().normalised(loaded).seq_len  # the standard length, fitted to the context
+    assert fitted is not None
+    seq_len = min(fitted, limits.max_seq_len)
     batch = min(DetectorParams().batch, limits.max_batch)
     view = build_detectors_view(loaded, DetectorParams(seq_len=seq_len, batch=batch, seed=0), limits)
     return {"detectors": view}, "/detectors", {"seq_len": seq_len, "batch": batch}

@@ -119,6 +119,21 @@ def test_detector_refusals(client: TestClient) -> None:
     assert_problem(client.get("/api/v1/models/tiny-ln/detectors", params={"seq_len": 20}), 422, "context", "at most 15")
 
 
+def test_detectors_default_input_fits_a_short_context(client: TestClient, tiny_ln: LoadedModel) -> None:
+    """tiny-ln has n_ctx 32: the default (the standard T = 50) is shortened to the longest BOS + r + r that fits
+    (T = 15), on the API as on the page, and the answer says so; a T given explicitly is never changed."""
+    body = client.get("/api/v1/models/tiny-ln/detectors", params={"batch": 2}).json()
+    fits = (tiny_ln.model.cfg.n_ctx - 1) // 2
+    assert body["detector_input"]["seq_len"] == fits == 15
+    tokens = repeated_random_tokens(tiny_ln.model.cfg.d_vocab, fits, 2, seed=0, bos=tiny_ln.tokenizer.bos_token_id)
+    assert [t["id"] for t in body["tokens"]] == tokens[0].tolist()
+    expected = detector_scores(tiny_ln.model, tokens)
+    assert body["heads"][1]["previous_token"] == pytest.approx(float(expected["previous_token"][0, 1]), abs=1e-9)
+    page = client.get("/models/tiny-ln/detectors", params={"batch": 2})
+    assert page.status_code == 200 and 'name="seq_len" value="15"' in page.text.replace("'", '"')
+    assert_problem(client.get("/api/v1/models/tiny-ln/detectors", params={"seq_len": 50}), 422, "context")
+
+
 def test_heads_table_k_composition_scatter(heads: dict, tiny: LoadedModel) -> None:
     """y axis of the paper's 2-D view: positivity of the dense K-composition token circuit with the previous-token head."""
     model = tiny.model
