@@ -189,7 +189,9 @@ def k_composition_positivity(model: Transformer, weights: Tensor, G_E: Tensor | 
     For head h in layer l: M_K = W_E W_Q^h W_K^{hT} (sum_{h' in layers < l} w_{h'} W_V^{h'} W_O^{h'})^T W_E^T,
     whose nonzero eigenvalues are those of W_K^{hT} W_sum^T G_E W_Q^h [d_head, d_head] (G_E = W_E^T W_E).
     weights [L, H]: one-hot on a previous-token head (the paper's 2-D view) or previous-token scores
-    (Olsson et al.'s weighted version). Layer-0 heads (nothing earlier) get 0.
+    (Olsson et al.'s weighted version). Layer-0 heads (nothing earlier) get 0. When the weighted heads' d_head
+    columns number fewer than d_model (one-hot: d_head), W_sum = sum_j w_j W_V^j W_O^j stays factored and
+    M = sum_j (W_O^j W_K^h)^T (w_j W_V^{jT} G_E W_Q^h): d_head x d_model products instead of d_model^2 ones.
     """
     cfg = model.cfg
     L, H = cfg.n_layers, cfg.n_heads
@@ -198,6 +200,19 @@ def k_composition_positivity(model: Transformer, weights: Tensor, G_E: Tensor | 
     G_E = (embed_gram(model) if G_E is None else G_E).double()  # [d, d]
     W_Q, W_K, W_V, W_O = (w.double() for w in (model.W_Q, model.W_K, model.W_V, model.W_O))
     out = torch.zeros(L, H, dtype=torch.float64, device=model.device)
+    earlier = (weights[:-1] != 0).nonzero()  # [r, 2]: (layer, head) of every weighted head that can be earlier
+    if len(earlier) * cfg.d_head < cfg.d_model:  # W_sum has rank < d_model: stay in its factors
+        lay, hd = earlier[:, 0], earlier[:, 1]
+        w = weights[lay, hd].double()  # [r]
+        VG = (W_V[lay, hd] * w[:, None, None]).transpose(-2, -1) @ G_E  # [r, dh, d]: w W_V^T G_E
+        for layer in range(1, L):
+            sel = lay < layer
+            if not bool(sel.any()):
+                continue  # nothing earlier: W_sum = 0, score 0 as below
+            left = W_O[lay[sel], hd[sel]].flatten(0, 1) @ W_K[layer]  # [H, r dh, dh]: W_O^{h'} W_K^h stacked
+            right = VG[sel].flatten(0, 1) @ W_Q[layer]  # [H, r dh, dh]: w W_V^{h'T} G_E W_Q^h stacked
+            out[layer] = copying_score(torch.linalg.eigvals(left.transpose(-2, -1) @ right / cfg.scale))
+        return out
     W_sum = torch.zeros(cfg.d_model, cfg.d_model, dtype=torch.float64, device=model.device)
     for layer in range(1, L):
         w = weights[layer - 1].double()

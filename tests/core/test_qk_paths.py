@@ -75,6 +75,22 @@ def test_k_composition_positivity_small_vs_dense(ln):
     assert (got_w[0] == 0).all()
 
 
+def test_k_composition_positivity_sparse_weights_across_layers_vs_dense():
+    """A few weighted heads in several layers (3 x d_head < d_model: the factored route, summed over layers)
+    against the dense V x V token circuit with W_sum formed explicitly."""
+    model = small_model(n_layers=4, ln="LN", seed=2)
+    W_E = embed_eff(model)
+    w = torch.zeros(4, 3, dtype=torch.float64)
+    w[0, 1], w[1, 2], w[2, 0], w[3, 1] = 0.7, -1.3, 0.4, 5.0  # the last layer's weight is never "earlier"
+    got = k_composition_positivity(model, w)
+    for layer in (1, 2, 3):
+        W_sum = sum(w[lay, h] * model.W_V[lay, h] @ model.W_O[lay, h] for lay in range(layer) for h in range(3))
+        for h in range(3):
+            M = W_E @ model.W_Q[layer, h] @ model.W_K[layer, h].T @ W_sum.T @ W_E.T  # [V, V] dense
+            assert abs(float(got[layer, h]) - float(copying_score(torch.linalg.eigvals(M)))) < 1e-8
+    assert (got[0] == 0).all()
+
+
 def test_errors():
     model = small_model(n_layers=2)
     tokens = tokens_for(model)
