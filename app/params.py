@@ -38,6 +38,9 @@ Head = Annotated[str, Field(max_length=16, description=HEAD_DOC), HeadField()]
 Offset = Annotated[int, Field(ge=0, le=1_000_000, description=(
     "query-key offset δ = i - j of a rotary model: its QK circuit there is W_Q R(δ) W_Kᵀ (0: TransformerLens's QK); "
     "below n_ctx; other models take 0 only"))]
+BasisChoice = Annotated[Literal["served", "raw"], Field(description=(
+    "which weights: 'served' (processed as the model is served: folded LayerNorm, centred unembedding, as the view's "
+    "`basis` says) or 'raw' (the checkpoint as stored, loaded once more without processing)"))]
 Seed = Annotated[int, Field(ge=0, le=2**31 - 1, description="seed of the random tokens")]
 SeqLen = Annotated[int, Field(ge=1, description="length T of the random segment r in BOS + r + r"), Limit("max_seq_len")]
 Batch = Annotated[int, Field(ge=1, description="number of random sequences"), Limit("max_batch")]
@@ -82,9 +85,7 @@ class DirectParams(AnalysisParams):
 
     token: Token = None
     k: K = 20
-    basis: Annotated[Literal["served", "raw"], Field(description=(
-        "which weights: 'served' (processed as the model is served: folded LayerNorm, centred unembedding, as the view's "
-        "`basis` says) or 'raw' (the checkpoint as stored, loaded once more without processing)"))] = "served"
+    basis: BasisChoice = "served"
     min_count: MinCount = None
 
 
@@ -125,12 +126,14 @@ class DetectorParams(PromptInput):
 class CompositionParams(AnalysisParams):
     kind: Annotated[Literal["Q", "K", "V"], Field(description="Q, K or V composition (paper-math 2.9)")] = "K"
     offset: Offset = 0
+    basis: BasisChoice = "served"
 
 
 class CompositionPairParams(AnalysisParams):
     source: Annotated[str, Field(max_length=16, description=f"the earlier {HEAD_DOC}"), HeadField()]
     target: Annotated[str, Field(max_length=16, description=f"the later {HEAD_DOC}"), HeadField()]
     k: K = 10
+    basis: BasisChoice = "served"
 
 
 class PromptParams(PromptInput):

@@ -9,12 +9,13 @@ app/charts.py and hands them to the template. Never circuits_core, never tensors
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
+from pydantic import Field
 from starlette.types import Scope
 
 from app import charts
@@ -59,6 +60,7 @@ from app.views.models import build_model_view
 from app.views.tour_figures import positivity_scatter
 from circuits_core.config import ModelConfig, head_name, parse_head
 from circuits_core.errors import QkovError
+from circuits_core.phenomena import MIN_TRAIN_COUNT
 from circuits_core.weights import LoadedModel
 
 # The head scores the overview heatmap can show: key -> (label, signed)
@@ -259,13 +261,16 @@ async def head_context(call: PageCall) -> dict[str, Any]:
     cfg, name, model = call.model.model.cfg, p.head, call.model_id
     fragment_only = is_fragment(call.request) and call.request.headers.get("HX-Target") == "circuits"
     view: HeadView | None = None if fragment_only else await call.run(HEAD, HeadParams(head=name))
-    ov: CircuitTopView = await call.run(OV, OVParams(head=name, token=p.token, k=p.k, min_count=p.min_count))
+    b = p.basis  # every table of the circuits panel on the weights chosen (issue 12.2)
+    ov: CircuitTopView = await call.run(OV, OVParams(head=name, token=p.token, k=p.k, min_count=p.min_count, basis=b))
     qk_q: CircuitTopView = await call.run(QK, QKParams(head=name, token=p.token, k=p.k, side="query", min_count=p.min_count,
-                                                       offset=p.offset))
+                                                       offset=p.offset, basis=b))
     qk_k = None
     if p.token is not None:
-        qk_k = await call.run(QK, QKParams(head=name, token=p.token, k=p.k, side="key", min_count=p.min_count, offset=p.offset))
-    skip = await call.run(SKIP_TRIGRAMS, SkipTrigramParams(head=name, token=p.token, k=p.k, min_count=p.min_count, offset=p.offset))
+        qk_k = await call.run(QK, QKParams(head=name, token=p.token, k=p.k, side="key", min_count=p.min_count, offset=p.offset,
+                                           basis=b))
+    skip = await call.run(SKIP_TRIGRAMS, SkipTrigramParams(head=name, token=p.token, k=p.k, min_count=p.min_count, offset=p.offset,
+                                                           basis=b))
     partners = await composition_partners(call, name) if view is not None else []
     all_heads = [head_name(a, b) for a in range(cfg.n_layers) for b in range(cfg.n_heads)]
     i = all_heads.index(name)
@@ -276,21 +281,44 @@ async def head_context(call: PageCall) -> dict[str, Any]:
         "prev_head": all_heads[i - 1] if i > 0 else None, "next_head": all_heads[i + 1] if i + 1 < len(all_heads) else None,
         "base_url": f"/models/{model}/heads/{name}", "min_count": p.min_count, "has_counts": has_token_counts(call.model),
         "min_count_choices": MIN_COUNT_CHOICES, "offset": p.offset or None, "is_rotary": rotary_enabled(call), "n_ctx": cfg.n_ctx,
+        **pages_analyses.basis_choice(call),
         **(await head_rotary_context(call, name) if view is not None else {"rotary": None}),
     }
 
 
 # -- the direct path ----------------------------------------------------------------------------------------------
+class DirectPageParams(DirectParams):
+    """The direct page: min_count absent means frequent tokens where the model has training counts (issue 12.3),
+    'all' means every token."""
+
+    min_count: Annotated[Annotated[int, Field(ge=1, le=10**9)] | Literal["all"] | None, Field(
+        description=f"tokens seen at least this often in training; 'all': every token (default {MIN_TRAIN_COUNT} where the "
+                    "model has token counts)")] = None  # type: ignore[assignment]
+
+
+def direct_min_count(call: PageCall, asked: int | str | None) -> int | None:
+    """The min_count the direct page uses: as asked, 'all' -> None, absent -> MIN_TRAIN_COUNT where there are counts."""
+    if asked is None:
+        return MIN_TRAIN_COUNT if has_token_counts(call.model) else None
+    return None if asked == "all" else int(asked)
+
+
 async def direct_context(call: PageCall) -> dict[str, Any]:
-    p: DirectParams = call.params
-    view: CircuitTopView = await call.run(DIRECT, p)
+    p: DirectPageParams = call.params
+    shown = direct_min_count(call, p.min_count)
+    params = DirectParams(token=p.token, k=p.k, basis=p.basis, min_count=shown)
+    call.json_params = params
+    view: CircuitTopView = await call.run(DIRECT, params)
     fig = None
     if view.token is not None:
         fig = charts.bars([charts.visible(e.col.text) for e in view.entries], [e.value for e in view.entries], horizontal=True,
                           title=f"top next tokens after {charts.visible(view.token.text)} (W_E W_U row)",
                           height=max(260, 22 * len(view.entries) + 80))
-    return {"view": view, "token": p.token, "k": p.k, "fig": fig, "max_k": call.limits.max_k, "min_count": p.min_count,
-            "has_counts": has_token_counts(call.model), "min_count_choices": MIN_COUNT_CHOICES}
+    has_counts = has_token_counts(call.model)
+    return {"view": view, "token": p.token, "k": p.k, "fig": fig, "max_k": call.limits.max_k,
+            "min_count": shown if shown is not None else ("all" if has_counts else None), "has_counts": has_counts,
+            "default_min_count": MIN_TRAIN_COUNT if has_counts else None, "min_count_choices": MIN_COUNT_CHOICES,
+            **pages_analyses.basis_choice(call)}
 
 
 # -- detectors ----------------------------------------------------------------------------------------------------
@@ -325,7 +353,7 @@ def detector_charts(view: Any, model_id: str) -> dict[str, Any]:
 
 PAGES: list[Page] = [
     Page(HEAD, "head.html", head_context, params=HeadPageParams, blocks=("circuits",), title="{head} · {model}", nav="overview"),
-    Page(DIRECT, "direct.html", direct_context, blocks=("direct_panel",), title="Direct path · {model}"),
+    Page(DIRECT, "direct.html", direct_context, params=DirectPageParams, blocks=("direct_panel",), title="Direct path · {model}"),
     Page(DETECTORS, "detectors.html", detectors_context, blocks=("detectors_panel",),
          title="Detectors · {model}"),
     *pages_analyses.PAGES,

@@ -29,6 +29,7 @@ from app.params import (
 )
 from app.routers.pages_rotary import pair_rotary_context, rotary_enabled
 from app.routers.rendering import Page, PageCall, url
+from app.views.basis import changes_weights
 from app.views.composition import COMPOSITION, COMPOSITION_PAIR
 from app.views.heads import HEADS
 from app.views.path import PATH
@@ -84,7 +85,14 @@ async def composition_context(call: PageCall) -> dict[str, Any]:
                           for v, _ in [await call.attempt(COMPOSITION, call.params.model_copy(update={"kind": k}))] if v is not None]
         zmax = charts.shared_range([v.minus_baseline for v in views])
     return {"view": view, "error": error, "kind": kind, "fig": charts.composition_heatmap(view, call.model_id or "", zmax) if view else None,
-            "offset": call.params.offset or None, "is_rotary": rotary_enabled(call), "n_ctx": call.model.model.cfg.n_ctx if call.model else 0}
+            "offset": call.params.offset or None, "is_rotary": rotary_enabled(call), "n_ctx": call.model.model.cfg.n_ctx if call.model else 0,
+            **basis_choice(call)}
+
+
+def basis_choice(call: PageCall) -> dict[str, Any]:
+    """The basis picker's state: the weights asked for (None: as served) and whether raw ones differ (issue 12.2)."""
+    b = call.params.basis
+    return {"basis": b if b != "served" else None, "basis_differs": changes_weights(call.model)}
 
 
 async def pair_context(call: PageCall) -> dict[str, Any]:
@@ -97,7 +105,7 @@ async def pair_context(call: PageCall) -> dict[str, Any]:
                                         title="eigenvalues of the virtual head's OV circuit"),
     }
     rotary = await pair_rotary_context(call, view.source, view.target)
-    return {"view": view, "k": call.params.k, "figs": figs, "max_k": call.limits.max_k, **rotary}
+    return {"view": view, "k": call.params.k, "figs": figs, "max_k": call.limits.max_k, **rotary, **basis_choice(call)}
 
 
 # -- prompt: tokens, patterns, logit path expansion ------------------------------------------------------------

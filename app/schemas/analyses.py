@@ -23,6 +23,7 @@ class CompositionView(BaseModel):
 
     model: ModelRef
     kind: CompositionKindName
+    basis: str = Field(description="which weights the scores come from: raw, or which processing (folded LayerNorm, centred writers)")
     sources: list[str] = Field(description="row heads: every head that has a later layer (earlier heads)")
     targets: list[str] = Field(description="column heads: every head that has an earlier layer (later heads)")
     scores: list[list[float | None]] = Field(description="raw scores in [0, 1], [source][target]; null unless source layer < target layer")
@@ -65,6 +66,7 @@ class CompositionPairView(BaseModel):
     model: ModelRef
     source: str
     target: str
+    basis: str = Field(description="which weights the scores come from: raw, or which processing (folded LayerNorm, centred writers)")
     scores: dict[str, float] = Field(description="raw Q, K, V composition scores")
     minus_baseline: dict[str, float]
     baseline: float

@@ -27,6 +27,7 @@ from app.schemas.analyses import (
     VirtualHeadCircuit,
 )
 from app.settings import Limits
+from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.heads import parse_heads
 from app.views.inputs import check_k, model_ref, token_ref
 from app.views.rotary import rotary_offset
@@ -47,6 +48,7 @@ ENGINE_KIND: dict[CompositionKindName, CompositionKind] = {"Q": "q", "K": "k", "
 def build_composition_view(loaded: LoadedModel, p: CompositionParams, limits: Limits | None = None) -> CompositionView:
     """Raw and baseline-subtracted `kind`-composition scores: rows earlier heads, columns later heads."""
     kind = p.kind
+    loaded = with_basis(loaded, p.basis)
     cfg = loaded.model.cfg
     L, H = cfg.n_layers, cfg.n_heads
     if L < 2:
@@ -77,7 +79,7 @@ def build_composition_view(loaded: LoadedModel, p: CompositionParams, limits: Li
             )
         )
     return CompositionView(
-        model=model_ref(loaded), kind=kind,
+        model=model_ref(loaded), kind=kind, basis=basis(loaded),
         sources=[head_name(*s) for s in src], targets=[head_name(*d) for d in dst],
         scores=scores, minus_baseline=minus_bl, baseline=comp.baseline,
         sampled_baseline=comp.sampled_baseline, sampled_std=comp.sampled_std, top_pairs=pairs, offset=offset,
@@ -129,6 +131,7 @@ K_LABELS = ("query token (destination)", "token read by the source head at the k
 def build_composition_pair_view(loaded: LoadedModel, p: CompositionPairParams, limits: Limits) -> CompositionPairView:
     """One pair: the three scores, the K-composition token circuit and the virtual head source -> target."""
     k = p.k
+    loaded = with_basis(loaded, p.basis)
     chain = parse_chain(loaded, [p.source, p.target], max(2, limits.max_heads))
     (l1, h1), (l2, h2) = chain
     with torch.no_grad():
@@ -136,7 +139,7 @@ def build_composition_pair_view(loaded: LoadedModel, p: CompositionPairParams, l
         k_circuit = token_circuit(loaded, k_composition_circuit(loaded.model, chain[1], chain[0]), k, limits, K_LABELS)
         virtual = token_circuit(loaded, virtual_ov_circuit(loaded, chain), k, limits, VIRTUAL_LABELS)
     return CompositionPairView(
-        model=model_ref(loaded), source=head_name(l1, h1), target=head_name(l2, h2),
+        model=model_ref(loaded), source=head_name(l1, h1), target=head_name(l2, h2), basis=basis(loaded),
         scores={kind.upper(): float(comp.raw[kind][l1, h1, l2, h2]) for kind in comp.raw},
         minus_baseline={kind.upper(): float(comp.minus_baseline[kind][l1, h1, l2, h2]) for kind in comp.minus_baseline},
         baseline=comp.baseline, k_composition=k_circuit,
@@ -145,13 +148,13 @@ def build_composition_pair_view(loaded: LoadedModel, p: CompositionPairParams, l
 
 
 def composition_cost(loaded: LoadedModel, p: CompositionParams, limits: Limits) -> Cost:
-    return composition.cost(loaded.model, (p.kind.lower(),))  # type: ignore[arg-type]
+    return composition.cost(loaded.model, (p.kind.lower(),)) + raw_copy_cost(loaded, p.basis)  # type: ignore[arg-type]
 
 
 def pair_cost(loaded: LoadedModel, p: CompositionPairParams, limits: Limits) -> Cost:
     """The three kinds' scores, then two token circuits' global top-k."""
     top = circuits.top_cost(loaded.model, p.k, limits.matrix_budget_bytes, line=False)
-    return composition.cost(loaded.model).then(top).then(top)
+    return (composition.cost(loaded.model).then(top).then(top)) + raw_copy_cost(loaded, p.basis)
 
 
 COMPOSITION = Analysis(

@@ -8,12 +8,14 @@ import re
 from html.parser import HTMLParser
 from pathlib import Path
 
+import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
 from circuits_core.config import ModelConfig
+from circuits_core.phenomena import MIN_TRAIN_COUNT, TOKEN_COUNTS_FILE
 from tests.app.conftest import LIMITS, save_qkov, train_tokenizer
 
 M = "tiny-2l"
@@ -253,7 +255,28 @@ def test_min_count_picker_round_trips_in_the_url(client: TestClient) -> None:
             assert f"token={e['row']['id']}&amp;k=5&amp;min_count=500" in html
         odd = client.get(page, params={"min_count": 321}).text  # a value typed into the URL stays selected
         assert '<option value="321" selected>' in odd
-        plain = client.get(page, params={"min_count": ""}).text  # "all": every token, as without the parameter
-        assert '<option value="" selected>' in plain and "min_count=" not in plain
+    plain = client.get(f"/models/{M}/heads/L1H0", params={"min_count": ""}).text  # head page: "all" is the default
+    assert '<option value="" selected>' in plain and "min_count=" not in plain
     assert 'name="min_count"' not in client.get("/models/tiny-ln/direct").text  # no counts: no picker
+
+
+def test_direct_page_defaults_to_frequent_tokens_where_the_model_has_counts(client: TestClient, tiny) -> None:
+    """Absent min_count: the tokens seen >= MIN_TRAIN_COUNT times (counts read here from the file, not through the app);
+    'all' ranks every token; a model without counts ranks every token and shows no picker."""
+    counts = np.load(tiny.path / TOKEN_COUNTS_FILE)
+    frequent = set(np.flatnonzero(counts >= MIN_TRAIN_COUNT).tolist())
+    assert 0 < len(frequent) < len(counts)  # the check below can fail: some tokens are rare
+    html = client.get(f"/models/{M}/direct", params={"k": 40}).text
+    assert f'<option value="{MIN_TRAIN_COUNT}" selected>' in html and f"tokens seen at least {MIN_TRAIN_COUNT} times" in html
+    assert f"min_count={MIN_TRAIN_COUNT}" in html  # the JSON twin and the token links say what was ranked
+    rows = re.findall(r"<tr>(.*?)</tr>", html.split('id="direct-table"')[1].split("<tbody>")[1].split("</tbody>")[0], re.S)
+    cells = [[int(i) for i in re.findall(r"token=(\d+)&amp;", r)] for r in rows]
+    assert cells and all(c and set(c) <= frequent for c in cells), cells
+    every = client.get(f"/models/{M}/direct", params={"k": 40, "min_count": "all"}).text
+    assert '<option value="all" selected>' in every and not re.search(r"min_count=\d", every)  # links keep min_count=all
+    api_all = client.get(f"/api/v1/models/{M}/direct", params={"k": 40}).json()["entries"]
+    assert {e["row"]["id"] for e in api_all} - frequent  # the global top-40 over all tokens holds rare ones: 'all' differs
+    for e in api_all:
+        assert f'href="/models/{M}/direct?token={e["row"]["id"]}&amp;k=40&amp;min_count=all"' in every
+    assert 'name="min_count"' not in client.get("/models/tiny-ln/direct").text
     assert client.get("/models/tiny-ln/direct", params={"min_count": 5}).status_code == 422
