@@ -19,7 +19,7 @@ from app.main import create_app
 from app.settings import Settings
 from circuits_core import circuits
 from circuits_core.ablation import head_ablation, lm_loss, order_logits
-from circuits_core.composition import composition_scores
+from circuits_core.composition import BASELINE_SAMPLES, composition_scores
 from circuits_core.config import ModelConfig
 from circuits_core.paths import expand_logits
 from circuits_core.qk_paths import expand_scores
@@ -73,7 +73,7 @@ def top_entries(M: torch.Tensor, k: int) -> list[float]:
 
 
 # -- composition ----------------------------------------------------------------------------------------
-def arena_baseline(d_model: int, d_head: int, n_samples: int = 300, seed: int = 0) -> tuple[float, float]:
+def arena_baseline(d_model: int, d_head: int, n_samples: int = BASELINE_SAMPLES, seed: int = 0) -> tuple[float, float]:
     """(mean, std) of ARENA's random composition score, densely: W_A = A_l A_r^T, W_B = B_l B_r^T [d, d] from the
     same uniform stream (chunks of 32 draws of 4 [d_model, d_head] matrices, seeded), ||W_A W_B|| / (||W_A|| ||W_B||)."""
     gen = torch.Generator().manual_seed(seed)
