@@ -28,69 +28,23 @@ patterns" trick) -- the path expansions stand on this.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from circuits_core.attention import Attention as Attention  # attention.py, re-exported (announced names)
+from circuits_core.attention import attn_param as attn_param
 from circuits_core.config import ModelConfig
 from circuits_core.errors import InvalidInputError
+from circuits_core.hooks import Frozen as Frozen  # hooks.py, re-exported (announced names)
+from circuits_core.hooks import NameFilter, Recorder, StopRun
+from circuits_core.mlp import MLP
 from circuits_core.rope import rotary_angles as rotary_angles  # rope.py, re-exported (announced names)
 from circuits_core.rope import rotary_inv_freq as rotary_inv_freq
 from circuits_core.rope import rotary_pairs as rotary_pairs
 from circuits_core.rope import rotate as rotate
 
-# A name filter: None keeps nothing, a callable or a set of names keeps those.
-NameFilter = Callable[[str], bool] | Iterable[str] | None
-
-
-@dataclass
-class Frozen:
-    """Values to use instead of computing them (keys are TransformerLens hook names).
-
-    patterns:  {"blocks.{l}.attn.hook_pattern": Tensor[batch, n_heads, q_pos, k_pos]}
-    ln_scales: {"blocks.{l}.ln1.hook_scale" | "blocks.{l}.ln2.hook_scale" | "ln_final.hook_scale":
-                Tensor[batch, pos, 1]}
-    value_resid: {layer: Tensor[batch, pos, d_model]}: residual stream that layer l's *values* read
-                 (the term-importance rerun); queries and keys still read the current residual stream.
-    mlp_out: {layer: Tensor[batch, pos, d_model]}: layer l's MLP output (`hook_mlp_out`), used instead of
-             computing it (ln2 and the MLP are skipped, their hooks are not recorded): an MLP as a fixed node,
-             as in paths.py.
-    """
-
-    patterns: dict[str, Tensor] = field(default_factory=dict)
-    ln_scales: dict[str, Tensor] = field(default_factory=dict)
-    value_resid: dict[int, Tensor] = field(default_factory=dict)
-    mlp_out: dict[int, Tensor] = field(default_factory=dict)
-
-
-class _StopRun(Exception):
-    """Raised by the recorder right after it saw the `stop_after` hook (Transformer.run_until)."""
-
-
-class _Recorder:
-    def __init__(self, names: NameFilter, stop_after: str | None = None):
-        self.cache: dict[str, Tensor] = {}
-        self.stop_after = stop_after
-        if names is None:
-            self._keep: Callable[[str], bool] = lambda _name: False
-        elif callable(names):
-            self._keep = names
-        else:
-            wanted = set(names)
-            self._keep = wanted.__contains__
-
-    def wants(self, name: str) -> bool:
-        return self._keep(name)
-
-    def __call__(self, name: str, value: Tensor) -> Tensor:
-        if self._keep(name):
-            self.cache[name] = value
-        if name == self.stop_after:
-            raise _StopRun
-        return value
+_Recorder = Recorder  # the name circuits.py imports
 
 
 class LayerNorm(nn.Module):
@@ -109,7 +63,7 @@ class LayerNorm(nn.Module):
         if cfg.normalization_type == "LN":
             self.b = nn.Parameter(torch.zeros(cfg.d_model))
 
-    def forward(self, x: Tensor, rec: _Recorder, frozen: Frozen | None) -> Tensor:
+    def forward(self, x: Tensor, rec: Recorder, frozen: Frozen | None) -> Tensor:
         # x: [batch, pos, d_model]
         if self.cfg.normalization_type is None:
             return x
@@ -136,141 +90,6 @@ class LayerNorm(nn.Module):
         return rec(f"{self.name}.hook_normalized", x)
 
 
-def attn_param(cfg: ModelConfig, name: str) -> str:
-    """The stored name of an attention parameter: "_W_K", "_W_V", "_b_K", "_b_V" under grouped-query attention
-    (n_key_value_heads set, as TransformerLens's GroupedQueryAttention), else the name itself."""
-    if cfg.n_key_value_heads is not None and name in ("W_K", "W_V", "b_K", "b_V"):
-        return "_" + name
-    return name
-
-
-class Attention(nn.Module):
-    """Attention heads. Under grouped-query attention the stored K/V weights are per key/value head
-    (`_W_K`, `_W_V` [n_kv, d_model, d_head], `_b_K`, `_b_V` [n_kv, d_head]) and `W_K`, `W_V`, `b_K`, `b_V`
-    are per query head (repeated over each group), as in TransformerLens."""
-
-    # Per query head (stored parameters, or under GQA computed by __getattr__ from the grouped ones).
-    W_K: Tensor
-    W_V: Tensor
-    b_K: Tensor
-    b_V: Tensor
-
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__()
-        self.cfg, self.layer = cfg, layer
-        h, g, d, dh = cfg.n_heads, cfg.n_kv_heads, cfg.d_model, cfg.d_head
-        self.W_Q = nn.Parameter(torch.empty(h, d, dh))
-        self.register_parameter(attn_param(cfg, "W_K"), nn.Parameter(torch.empty(g, d, dh)))
-        self.register_parameter(attn_param(cfg, "W_V"), nn.Parameter(torch.empty(g, d, dh)))
-        self.W_O = nn.Parameter(torch.empty(h, dh, d))
-        if cfg.use_bias:
-            self.b_Q = nn.Parameter(torch.zeros(h, dh))
-            self.register_parameter(attn_param(cfg, "b_K"), nn.Parameter(torch.zeros(g, dh)))
-            self.register_parameter(attn_param(cfg, "b_V"), nn.Parameter(torch.zeros(g, dh)))
-            self.b_O = nn.Parameter(torch.zeros(d))
-
-    def grouped(self, name: str) -> Tensor:
-        """W_K, W_V [n_kv, d_model, d_head] or b_K, b_V [n_kv, d_head] as stored (per key/value head)."""
-        value = getattr(self, attn_param(self.cfg, name)) if name[0] == "W" or self.cfg.use_bias else None
-        if not isinstance(value, Tensor):
-            raise InvalidInputError(f"the model has no {name}")
-        return value
-
-    def per_head(self, value: Tensor, dim: int = 0) -> Tensor:
-        """Repeat a per-key/value-head tensor over its group of query heads along `dim` (a no-op without GQA)."""
-        return value if self.cfg.group_size == 1 else value.repeat_interleave(self.cfg.group_size, dim=dim)
-
-    def __getattr__(self, name: str) -> Tensor | nn.Module:
-        # W_K, W_V, b_K, b_V per query head under grouped-query attention (nn.Module keeps parameters in a dict,
-        # so this is only reached for names that are not stored).
-        if name in ("W_K", "W_V", "b_K", "b_V") and self.cfg.n_key_value_heads is not None:
-            return self.per_head(self.grouped(name))
-        return super().__getattr__(name)
-
-    def bias(self, name: str) -> Tensor | None:
-        return getattr(self, name) if self.cfg.use_bias else None
-
-    def forward(
-        self, q_in: Tensor, k_in: Tensor, v_in: Tensor, rec: _Recorder, frozen: Frozen | None
-    ) -> Tensor:
-        # q_in, k_in, v_in: [batch, pos, d_model] -> attn_out [batch, pos, d_model]
-        cfg, prefix = self.cfg, f"blocks.{self.layer}.attn"
-        n = q_in.shape[1]
-        q = torch.einsum("bpd,hde->bphe", q_in, self.W_Q)  # [batch, pos, n_heads, d_head]
-        k = torch.einsum("bpd,gde->bpge", k_in, self.grouped("W_K"))  # [batch, pos, n_kv, d_head]
-        v = torch.einsum("bpd,gde->bpge", v_in, self.grouped("W_V"))
-        if cfg.use_bias:
-            q, k, v = q + self.b_Q, k + self.grouped("b_K"), v + self.grouped("b_V")
-        if cfg.positional_embedding_type == "rotary":
-            positions = torch.arange(n, device=q.device)[:, None]  # [pos, 1]
-            q, k = rotate(cfg, q, positions), rotate(cfg, k, positions)
-        k, v = self.per_head(k, dim=2), self.per_head(v, dim=2)  # [batch, pos, n_heads, d_head]
-        rec(f"{prefix}.hook_q", q), rec(f"{prefix}.hook_k", k), rec(f"{prefix}.hook_v", v)
-        pattern_key = f"{prefix}.hook_pattern"
-        if frozen is not None and pattern_key in frozen.patterns:
-            pattern = frozen.patterns[pattern_key]  # [batch, n_heads, q_pos, k_pos]
-            if pattern.shape[-1] != n:
-                raise InvalidInputError(f"frozen pattern for layer {self.layer} has {pattern.shape[-1]} positions, input has {n}")
-        else:
-            scores = torch.einsum("bqhe,bkhe->bhqk", q, k) / cfg.scale  # [batch, n_heads, q_pos, k_pos]
-            causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            scores = scores.masked_fill(~causal, float("-inf"))
-            rec(f"{prefix}.hook_attn_scores", scores)
-            pattern = scores.softmax(dim=-1)
-        rec(pattern_key, pattern)
-        z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)  # [batch, pos, n_heads, d_head]
-        rec(f"{prefix}.hook_z", z)
-        result_key = f"{prefix}.hook_result"
-        if rec.wants(result_key):
-            result = rec(result_key, torch.einsum("bqhe,hed->bqhd", z, self.W_O))  # [batch, pos, n_heads, d_model]
-            out = result.sum(2)
-        else:
-            out = torch.einsum("bqhe,hed->bqd", z, self.W_O)
-        if cfg.use_bias:
-            out = out + self.b_O
-        return out
-
-
-def activation(name: str | None, x: Tensor) -> Tensor:
-    if name == "relu":
-        return F.relu(x)
-    if name == "gelu":
-        return F.gelu(x)
-    if name in ("gelu_new", "gelu_pytorch_tanh"):
-        return F.gelu(x, approximate="tanh")
-    if name == "silu":
-        return F.silu(x)
-    raise InvalidInputError(f"unknown act_fn {name!r}")
-
-
-class MLP(nn.Module):
-    """act(x W_in + b_in) W_out + b_out, or gated (TransformerLens GatedMLP, SwiGLU when act_fn is silu):
-    (act(x W_gate) * (x W_in) + b_in) W_out + b_out (hook_pre = x W_gate, hook_pre_linear = x W_in)."""
-
-    def __init__(self, cfg: ModelConfig, layer: int):
-        super().__init__()
-        assert cfg.d_mlp is not None
-        self.cfg, self.layer = cfg, layer
-        self.W_in = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
-        if cfg.gated_mlp:
-            self.W_gate = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
-        self.W_out = nn.Parameter(torch.empty(cfg.d_mlp, cfg.d_model))
-        if cfg.use_bias:
-            self.b_in = nn.Parameter(torch.zeros(cfg.d_mlp))
-            self.b_out = nn.Parameter(torch.zeros(cfg.d_model))
-
-    def forward(self, x: Tensor, rec: _Recorder) -> Tensor:
-        # x: [batch, pos, d_model] -> [batch, pos, d_model]
-        p = f"blocks.{self.layer}.mlp"
-        b_in = self.b_in if self.cfg.use_bias else 0
-        if self.cfg.gated_mlp:
-            gate = activation(self.cfg.act_fn, rec(f"{p}.hook_pre", x @ self.W_gate))  # [batch, pos, d_mlp]
-            post = rec(f"{p}.hook_post", gate * rec(f"{p}.hook_pre_linear", x @ self.W_in) + b_in)
-        else:
-            post = rec(f"{p}.hook_post", activation(self.cfg.act_fn, rec(f"{p}.hook_pre", x @ self.W_in + b_in)))
-        return post @ self.W_out + (self.b_out if self.cfg.use_bias else 0)
-
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -281,7 +100,7 @@ class Block(nn.Module):
             self.ln2 = LayerNorm(cfg, f"blocks.{layer}.ln2")
             self.mlp = MLP(cfg, layer)
 
-    def forward(self, resid: Tensor, pos: Tensor | None, rec: _Recorder, frozen: Frozen | None) -> Tensor:
+    def forward(self, resid: Tensor, pos: Tensor | None, rec: Recorder, frozen: Frozen | None) -> Tensor:
         # resid: [batch, pos, d_model]; pos: [pos, d_model] (shortformer only)
         cfg, p = self.cfg, f"blocks.{self.layer}"
         rec(f"{p}.hook_resid_pre", resid)
@@ -289,7 +108,7 @@ class Block(nn.Module):
         qk_in = normed if pos is None else normed + pos
         v_in = normed
         if frozen is not None and self.layer in frozen.value_resid:
-            v_in = self.ln1(frozen.value_resid[self.layer], _Recorder(None), frozen)
+            v_in = self.ln1(frozen.value_resid[self.layer], Recorder(None), frozen)
         attn_out = rec(f"{p}.hook_attn_out", self.attn(qk_in, qk_in, v_in, rec, frozen))
         if cfg.attn_only:
             return rec(f"{p}.hook_resid_post", resid + attn_out)
@@ -300,7 +119,7 @@ class Block(nn.Module):
         mlp_out = rec(f"{p}.hook_mlp_out", self._mlp(mid, rec, frozen))
         return rec(f"{p}.hook_resid_post", mid + mlp_out)
 
-    def _mlp(self, x: Tensor, rec: _Recorder, frozen: Frozen | None) -> Tensor:
+    def _mlp(self, x: Tensor, rec: Recorder, frozen: Frozen | None) -> Tensor:
         # x: [batch, pos, d_model] -> [batch, pos, d_model]; a frozen output replaces ln2 and the MLP
         if frozen is not None and self.layer in frozen.mlp_out:
             out = frozen.mlp_out[self.layer]
@@ -427,7 +246,7 @@ class Transformer(nn.Module):
         `embeddings` replaces W_E[tokens] (x_0 before positions are added); with frozen patterns and
         LayerNorm scales the logits are an affine function of it.
         """
-        rec = _Recorder(names)
+        rec = Recorder(names)
         return self._forward(tokens, rec, frozen, embeddings), rec.cache
 
     def run_until(
@@ -443,14 +262,14 @@ class Transformer(nn.Module):
         E.g. stop_after="blocks.{L-1}.attn.hook_pattern" gives every pattern without the last layer's values
         output, its MLP, ln_final and the unembedding. An unknown hook name is an error (after a full run).
         """
-        rec = _Recorder(names, stop_after=stop_after)
+        rec = Recorder(names, stop_after=stop_after)
         try:
             self._forward(tokens, rec, frozen, embeddings)
-        except _StopRun:
+        except StopRun:
             return rec.cache
         raise InvalidInputError(f"no hook {stop_after!r} in this model's run")
 
-    def _forward(self, tokens: Tensor, rec: _Recorder, frozen: Frozen | None, embeddings: Tensor | None) -> Tensor:
+    def _forward(self, tokens: Tensor, rec: Recorder, frozen: Frozen | None, embeddings: Tensor | None) -> Tensor:
         tokens = self.check_tokens(tokens)
         x0, pos = self.embed_tokens(tokens)
         if embeddings is not None:
