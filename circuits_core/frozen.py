@@ -149,22 +149,27 @@ def layer_bias(model: Transformer, layer: int) -> Tensor:
     return beta + b_O if b_O is not None else beta
 
 
-def head_ov_apply(model: Transformer, layer: int, w: Tensor, W_V_eff: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def head_o_apply(model: Transformer, layer: int, w: Tensor) -> Tensor:
+    """Readout vectors w [P, d_model] pulled back through every head's W_O: g [H, P, d_head] = W_O w."""
+    return torch.matmul(w, attention(model, layer).W_O.transpose(-2, -1))
+
+
+def head_ov_apply(model: Transformer, layer: int, w: Tensor) -> tuple[Tensor, Tensor]:
     """Pull readout vectors back through every head of a layer (column side of W_OV).
 
     w [P, d_model] -> (g [H, P, d_head] = W_O w, w' [H, P, d_model] = C diag(w_ln) W_V g): for any source
-    rows X, (X C diag(w_ln) W_V W_O) . w = X . w'. W_V_eff: reading_weights(model, layer, "W_V") if known;
-    otherwise the LayerNorm weight scales w' (cheaper than scaling W_V when P is small).
+    rows X, (X C diag(w_ln) W_V W_O) . w = X . w'. Under grouped-query attention W_V is applied per key/value
+    group (query head h reads group h // group_size), never repeated over the group.
     """
-    attn = attention(model, layer)
-    g = torch.matmul(w, attn.W_O.transpose(-2, -1))  # [H, P, dh]
-    if W_V_eff is None:
-        w_new = torch.matmul(g, attn.W_V.transpose(-2, -1))  # [H, P, d]
-        ln_w = ln_weight(model, f"blocks.{layer}.ln1")
-        if ln_w is not None:
-            w_new.mul_(ln_w)
-    else:
-        w_new = torch.matmul(g, W_V_eff.transpose(-2, -1))
+    cfg = model.cfg
+    G, P = cfg.n_kv_heads, w.shape[0]
+    g = head_o_apply(model, layer, w)  # [H, P, dh]
+    grouped = g.reshape(G, cfg.group_size * P, cfg.d_head)  # [G, group * P, dh]: head h = gi * group + j
+    w_new = torch.matmul(grouped, attention(model, layer).grouped("W_V").transpose(-2, -1))  # [G, group * P, d]
+    w_new = w_new.view(cfg.n_heads, P, cfg.d_model)
+    ln_w = ln_weight(model, f"blocks.{layer}.ln1")
+    if ln_w is not None:
+        w_new.mul_(ln_w)
     if has_ln(model):
         w_new.sub_(w_new.mean(-1, keepdim=True))  # centre
     return g, w_new

@@ -41,6 +41,7 @@ from circuits_core.frozen import (
     centre,
     embed_source,
     frozen_run,
+    head_o_apply,
     head_ov_apply,
     layer_bias,
     ln_weight,
@@ -48,6 +49,7 @@ from circuits_core.frozen import (
     run_cost,
 )
 from circuits_core.model import Transformer
+from circuits_core.path_names import PathNames
 
 Target = int | tuple[int, int]
 
@@ -67,7 +69,7 @@ class PathExpansion:
     positions: Tensor  # [q]
     target: Target
     max_order: int
-    paths: list[tuple[str, ...]]  # [T]
+    paths: Sequence[tuple[str, ...]]  # [T] (a PathNames: each path built when asked for)
     orders: Tensor  # [T]
     values: Tensor  # [T, q]
     by_source: Tensor | None  # [T, q, n]
@@ -146,8 +148,8 @@ class _Expander:
     def __init__(self, model: Transformer, run: FrozenRun, sources: list[_Source], by_source: bool, max_order: int,
                  q: int):
         self.model, self.run, self.sources, self.by_source = model, run, sources, by_source
-        self.paths: list[tuple[str, ...]] = []
-        self.orders: list[int] = []
+        self.paths = PathNames()
+        self.block_orders: list[tuple[int, int]] = []  # (order, number of terms) per block of self.paths
         entries = [src.entry for src in sources]
         if entries != sorted(entries):
             raise AssertionError("path sources must be ordered by entry layer")
@@ -162,40 +164,65 @@ class _Expander:
         self.X_const = torch.stack([sources[s].X[0] for s in self.const]) if self.const else None  # [S', d]
         self._values_cache: dict[int, Tensor] = {}
 
+    def _values(self, layer: int, X: Tensor) -> Tensor:
+        """X C diag(w_ln1) W_V^g: rows X [m, d] read by each key/value group g of `layer`, [n_kv_heads, m, d_head]."""
+        w = ln_weight(self.model, f"blocks.{layer}.ln1")
+        X = centre(self.model, X)
+        return torch.matmul(X * w if w is not None else X, attention(self.model, layer).grouped("W_V"))
+
     def layer_values(self, layer: int, count: int) -> Tensor:
-        """(X_s C diag(w_ln) W_V^h) of the first `count` sequence sources, [H, count * n, d_head], cached."""
+        """The values of the first `count` sequence sources, [n_kv_heads, count * n, d_head], cached per layer."""
         if layer not in self._values_cache or self._values_cache[layer].shape[1] < count * self.run.n:
-            X = centre(self.model, self.X_seq[:count]).flatten(0, 1)  # [count*n, d]
-            w = ln_weight(self.model, f"blocks.{layer}.ln1")
-            self._values_cache[layer] = torch.matmul(X * w if w is not None else X, attention(self.model, layer).W_V)
+            self._values_cache[layer] = self._values(layer, self.X_seq[:count].flatten(0, 1))
         return self._values_cache[layer][:, : count * self.run.n]
 
-    def emit(self, order: int, first_layer: int, names: list[tuple[str, ...]], coef: Tensor, w: Tensor,
-             g: Tensor | None = None) -> None:
-        """Terms of every source that can start these suffixes. coef [P, q, n], w [P, d]; g [H, P0, d_head]
-        (W_O w before the heads of `first_layer` were prepended, P = H * P0) enables the cheap dot."""
+    def _through_values(self, g: Tensor, V: Tensor) -> Tensor:
+        """g [H, P0, dh] (W_O w per head) . V [G, m, dh] (values of m rows per group) -> [H, P0, m]: query head h
+        reads group h // group_size, so the heads of a group are one matmul (never repeated per head)."""
+        cfg = self.model.cfg
+        H, P0, m = g.shape[0], g.shape[1], V.shape[1]
+        grouped = g.reshape(cfg.n_kv_heads, cfg.group_size * P0, cfg.d_head)  # [G, group * P0, dh]
+        return torch.matmul(grouped, V.transpose(-2, -1)).view(H, P0, m)
+
+    def emit(self, order: int, first_layer: int, heads: list[tuple[str, ...]], rests: list[tuple[str, ...]],
+             coef: Tensor, w: Tensor | None, g: Tensor | None = None) -> None:
+        """Terms of every source that can start the suffixes head + rest (head-major). coef [P, q, n], w [P, d]
+        (None when only g is known); g [H, P0, d_head] (W_O w before the heads of `first_layer` were prepended,
+        P = H * P0) enables the dot through the values of the first head, cheaper when P0 > d_head."""
         valid = [s for s, src in enumerate(self.sources) if src.entry <= first_layer]
         seq = [i for i, s in enumerate(valid) if s not in self.const]
         const = [i for i, s in enumerate(valid) if s in self.const]
         P, q, n = coef.shape
         out = self.values[self.offset : self.offset + len(valid) * P].view(len(valid), P, *self.values.shape[1:])
         self.offset += len(valid) * P
+        through_values = g is not None and (w is None or g.shape[1] > g.shape[2])
         if seq:
             S = len(seq)
-            if g is not None and g.shape[1] > g.shape[2]:  # through the values of the first head (d_head < P0)
-                V = self.layer_values(first_layer, S)  # [H, S*n, dh]
-                H, P0 = g.shape[0], g.shape[1]
-                dots = torch.matmul(g, V.transpose(-2, -1)).view(H, P0, S, n).permute(2, 0, 1, 3).flatten(1, 2)
+            if through_values:
+                assert g is not None
+                dots = self._through_values(g, self.layer_values(first_layer, S))  # [H, P0, S*n]
+                dots = dots.unflatten(2, (S, n)).permute(2, 0, 1, 3).flatten(1, 2)  # [S, P, n]
             else:
+                assert w is not None
                 dots = (self.X_seq[:S].flatten(0, 1) @ w.T).view(S, n, P).transpose(1, 2)  # [S, P, n]
             self._terms(coef, dots, out, seq)
         if const:
             assert self.X_const is not None
-            dots_c = (self.X_const[: len(const)] @ w.T)[:, :, None]  # [S', P, 1]
+            if w is not None:
+                dots_c = (self.X_const[: len(const)] @ w.T)[:, :, None]  # [S', P, 1]
+            else:  # (beta C diag(w_ln) W_V^h) . g[h, p]
+                assert g is not None
+                V_c = self._values(first_layer, self.X_const[: len(const)])  # [G, S', dh]
+                dots_c = self._through_values(g, V_c).permute(2, 0, 1).flatten(1, 2)[:, :, None]  # [S', P, 1]
             self._terms(coef, dots_c, out, const)
-        for s in valid:
-            self.paths.extend(self.sources[s].name + nm for nm in names)
-        self.orders.extend([order] * (len(names) * len(valid)))
+        size = self.paths.add([self.sources[s].name for s in valid], heads, rests)
+        self.block_orders.append((order, size))
+
+    def orders(self) -> Tensor:
+        """[T]: the order of every term emitted so far."""
+        orders = torch.tensor([o for o, _ in self.block_orders], dtype=torch.long, device=self.model.device)
+        sizes = torch.tensor([c for _, c in self.block_orders], dtype=torch.long, device=self.model.device)
+        return orders.repeat_interleave(sizes)
 
     def _terms(self, coef: Tensor, dots: Tensor, out: Tensor, rows: list[int]) -> None:
         """out[rows] = coef [P, q, n] * dots [S, P, n or 1] (summed over sources positions unless by_source)."""
@@ -242,18 +269,20 @@ def expand_logits(
     if n_terms * q * (n if by_source else 1) > max_elements:
         raise LimitExceededError(f"about {n_terms} terms x {q} positions x {n if by_source else 1} sources is over the "
                                  f"budget of {max_elements} numbers; lower max_order, positions or by_source")
+    heads_of: list[list[tuple[str, ...]]] = [[(head_name(layer, h),) for h in range(H)] for layer in range(L)]
     with torch.no_grad():
         r, const = readout(model, target)
         inv_f = run.inv_scale("ln_final")
         exp = _Expander(model, run, path_sources(model, run), by_source, max_order, q)
         coef0 = torch.zeros(1, q, n, dtype=model.dtype, device=model.device)
         coef0[0, torch.arange(q), dest] = inv_f[dest]
-        exp.emit(0, L, [()], coef0, r[None])
+        exp.emit(0, L, [()], [()], coef0, r[None])
         # Suffixes of the previous order, concatenated in decreasing order of their first layer, so the ones that
         # start after `layer` are a prefix: names, coef [P, q, n], w [P, d], and the first layer of each.
         names_prev: list[tuple[str, ...]] = [()]
         coef_prev, w_prev, first_prev = coef0, r[None], [L]
         for order in range(1, max_order + 1):
+            last = order == max_order  # the new suffixes end terms only: their readouts w are never needed
             names_new_all: list[tuple[str, ...]] = []
             coefs, ws, firsts = [], [], []
             for layer in range(L - 1, -1, -1):
@@ -265,14 +294,16 @@ def expand_logits(
                 A = run.patterns[layer]  # [H, n, n]
                 inv = run.inv_scale(f"blocks.{layer}.ln1")  # [n]
                 coef_new = torch.matmul(coef.reshape(P0 * q, n), A).mul_(inv).view(H * P0, q, n)  # [H*P0, q, n]
+                if last:
+                    exp.emit(order, layer, heads_of[layer], names, coef_new, None, head_o_apply(model, layer, w))
+                    continue
                 g, w_new = head_ov_apply(model, layer, w)  # [H, P0, dh], [H, P0, d]
-                names_new = [(head_name(layer, h),) + nm for h in range(H) for nm in names]
                 w_new = w_new.flatten(0, 1)
-                exp.emit(order, layer, names_new, coef_new, w_new, g)
-                names_new_all += names_new
+                exp.emit(order, layer, heads_of[layer], names, coef_new, w_new, g)
+                names_new_all += [head + nm for head in heads_of[layer] for nm in names]
                 coefs.append(coef_new)
                 ws.append(w_new)
-                firsts += [layer] * len(names_new)
+                firsts += [layer] * (H * P0)
             if not coefs:
                 break
             names_prev, first_prev = names_new_all, firsts
@@ -286,11 +317,11 @@ def expand_logits(
         else:
             values = values_all
             values[-1] = const
-        paths = exp.paths + [("bias:unembed",)]
-        orders = torch.tensor(exp.orders + [0], dtype=torch.long, device=model.device)
+        exp.paths.add([("bias:unembed",)], [()], [()])
+        exp.block_orders.append((0, 1))
         actual = _actual_value(run.logits[dest], target)
         remainder = actual - values.sum(0)
-    return PathExpansion(dest, target, max_order, paths, orders, values, values_all if by_source else None,
+    return PathExpansion(dest, target, max_order, exp.paths, exp.orders(), values, values_all if by_source else None,
                          actual, remainder)
 
 
