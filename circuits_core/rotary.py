@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits import (
+    EMBED_CHUNK,
     SkipTrigrams,
     _attn,
     check_head,
@@ -169,15 +170,28 @@ def skip_trigrams_at(
     return skip_trigrams(model, layer, head, source_token, k=k, vocab=vocab, qk_col=col)
 
 
+def _qk_small(model: Transformer, W_Q: Tensor, W_K: Tensor, G_E: Tensor | None) -> Tensor:
+    """W_K^T G_E W_Q / s [..., d_head, d_head] (float64) for W_Q, W_K [..., d_model, d_head]: times R(δ), its
+    eigenvalues are the nonzero ones of the full QK circuit W_E_eff W_Q R(δ) W_K^T W_E_eff^T / s."""
+    G_E = (embed_gram(model) if G_E is None else G_E).double()  # [d, d]
+    return W_K.double().transpose(-2, -1) @ (G_E @ W_Q.double()) / model.cfg.scale
+
+
 def qk_eigenvalues_at(model: Transformer, offset: int, G_E: Tensor | None = None) -> Tensor:
     """[n_layers, n_heads, d_head] complex: the nonzero eigenvalues of each full QK circuit at offset δ,
     those of W_K^{gT} G_E W_Q^h R(δ) / s [d_head, d_head] (float64)."""
     check_rotary(model)
-    G_E = (embed_gram(model) if G_E is None else G_E).double()  # [d, d]
     R = rotation(model, [offset])[0]  # [dh, dh] float64
-    W_Q, W_K = model.W_Q.double(), model.W_K.double()  # [L, H, d, dh] (W_K per query head)
-    M = W_K.transpose(-2, -1) @ torch.einsum("de,lhef->lhdf", G_E, W_Q) @ R / model.cfg.scale
-    return torch.linalg.eigvals(M)
+    return torch.linalg.eigvals(_qk_small(model, model.W_Q, model.W_K, G_E) @ R)  # W_K per query head
+
+
+def head_qk_eigenvalues_at(model: Transformer, layer: int, head: int, offsets: Sequence[int] | Tensor,
+                           G_E: Tensor | None = None) -> Tensor:
+    """[n_offsets, d_head] complex: one head's full-QK eigenvalues at each offset (qk_eigenvalues_at for one head)."""
+    check_rotary(model)
+    W_Q, W_K = query_key_weights(model, layer, head)
+    R = rotation(model, offsets)  # [n, dh, dh] float64
+    return torch.linalg.eigvals(_qk_small(model, W_Q, W_K, G_E) @ R)
 
 
 def qk_copying_scores_at(model: Transformer, offset: int, G_E: Tensor | None = None) -> Tensor:
@@ -271,6 +285,17 @@ def qk_at_cost(model: Transformer, k: int, budget_bytes: int, line: bool) -> Cos
     cfg = model.cfg
     rotated = Cost(cfg.d_vocab * cfg.d_head * itemsize(model.dtype))
     return top_cost(model, k, budget_bytes, line=line) + rotated
+
+
+def qk_copying_at_cost(model: Transformer, n_offsets: int) -> Cost:
+    """head_qk_eigenvalues_at: the vocabulary Gram G_E (embed_gram: one LN chunk at a time), the float64
+    d_model x d_head products, R(δ) and the d_head x d_head product per offset; answer: d_head complex
+    eigenvalues at one offset and one score per offset."""
+    cfg = model.cfg
+    d, dh = cfg.d_model, cfg.d_head
+    gram = (d * d + 2 * EMBED_CHUNK * d) * itemsize(model.dtype)
+    small = (d * d + 3 * d * dh + 3 * n_offsets * dh * dh) * 8
+    return Cost(gram).then(Cost(small)).with_answer(numbers=2 * dh + 2 * n_offsets + 1)
 
 
 def kernel_cost(model: Transformer, n_offsets: int, n_tokens: int) -> Cost:

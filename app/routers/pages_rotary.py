@@ -1,6 +1,7 @@
-"""Page parts of rotary models (issue 11.5): the head page's positional kernel and band energies, the pair
-page's δ profiles. Each runs the declared analysis (app/views/rotary.py) through `call.run` (priced and
-cached like its API route) and draws its chart; the templates include them only for rotary models."""
+"""Page parts of rotary models (issue 11.5): the head page's positional kernel, band energies and QK eigenvalue
+copying over δ (its eigenvalues at the page's offset), the pair page's δ profiles. Each runs the declared analysis
+(app/views/rotary.py) through `call.run` (priced and cached like its API route) and draws its chart; the templates
+include them only for rotary models."""
 
 from __future__ import annotations
 
@@ -10,8 +11,17 @@ from app import charts
 from app.analysis import json_url
 from app.params import HeadParams
 from app.routers.rendering import PageCall
-from app.schemas.rotary import BandsView, CompositionProfileView, PositionalView
-from app.views.rotary import BANDS, POSITIONAL, PROFILE, PositionalParams, ProfileParams, is_rotary
+from app.schemas.rotary import BandsView, CompositionProfileView, PositionalView, QKCopyingView
+from app.views.rotary import (
+    BANDS,
+    POSITIONAL,
+    PROFILE,
+    QK_COPYING,
+    PositionalParams,
+    ProfileParams,
+    QKCopyingParams,
+    is_rotary,
+)
 
 
 def rotary_enabled(call: PageCall) -> bool:
@@ -25,6 +35,13 @@ async def head_rotary_context(call: PageCall, head: str) -> dict[str, Any]:
     model = call.model_id or ""
     positional: PositionalView = await call.run(POSITIONAL, PositionalParams(head=head))
     bands: BandsView = await call.run(BANDS, HeadParams(head=head))
+    qk_params = QKCopyingParams(head=head, offset=getattr(call.params, "offset", 0))  # the head page's offset δ
+    qk_copying: QKCopyingView = await call.run(QK_COPYING, qk_params)
+    qk_fig = charts.lines(qk_copying.offsets, {"QK copying Σλ/Σ|λ|": qk_copying.scores}, vlines=[qk_copying.offset],
+                          x_title="δ = query position − key position", y_title="eigenvalue copying score",
+                          title=f"QK eigenvalue copying of {head} over δ: largest at δ = {qk_copying.peak_offset}")
+    qk_eig = charts.complex_scatter([(c.re, c.im) for c in qk_copying.eigenvalues],
+                                    title=f"eigenvalues of W_E Ω(δ) W_Eᵀ / √d_head at δ = {qk_copying.offset} · {qk_copying.score:+.3f}")
     kernel = charts.lines(positional.offsets, {"f(δ)": positional.kernel}, x_title="δ = query position − key position",
                           y_title="score (μ Ω(δ) μᵀ / √d_head)", vlines=[positional.peak_offset],
                           title=f"positional kernel of {head}: peak at δ = {positional.peak_offset}")
@@ -35,6 +52,8 @@ async def head_rotary_context(call: PageCall, head: str) -> dict[str, Any]:
         "positional": positional, "bands": bands, "kernel_fig": kernel, "bands_fig": energy,
         "positional_json": json_url(POSITIONAL, model, PositionalParams(head=head)),
         "bands_json": json_url(BANDS, model, HeadParams(head=head)),
+        "qk_copying": qk_copying, "qk_copying_fig": qk_fig, "qk_eig_fig": qk_eig,
+        "qk_copying_json": json_url(QK_COPYING, model, qk_params),
     }}
 
 

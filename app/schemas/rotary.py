@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from app.schemas.common import ModelRef
+from app.schemas.common import Complex, ModelRef
 
 
 class ReferenceText(BaseModel):
@@ -66,3 +66,18 @@ class CompositionProfileView(BaseModel):
     peak: float
     peak_offset: int
     basis: str
+
+
+class QKCopyingView(BaseModel):
+    """The eigenvalue copying score of a rotary head's full QK circuit W_E Ω_h(δ) W_Eᵀ / √d_head at each offset δ,
+    and its nonzero eigenvalues (those of W_Kᵀ W_Eᵀ W_E W_Q R(δ) / √d_head, d_head x d_head) at the chosen offset."""
+
+    model: ModelRef
+    head: str
+    offset: int = Field(description="the offset δ of `eigenvalues` and `score`")
+    eigenvalues: list[Complex] = Field(description="the d_head nonzero eigenvalues of the full QK circuit at δ = offset")
+    score: float = Field(description="Σλ / Σ|λ| at δ = offset, in [-1, 1] (+1: every query attends to its own token)")
+    offsets: list[int] = Field(description="δ = 0..max_offset")
+    scores: list[float] = Field(description="Σλ / Σ|λ| at each of `offsets`")
+    peak_offset: int = Field(description="the offset of `offsets` with the largest score")
+    basis: str = Field(description="which weights and embedding the numbers come from")

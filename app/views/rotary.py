@@ -1,5 +1,5 @@
-"""Rotary-model analyses (issue 11): a head's positional kernel and energy per rotary band, a pair's Q/K
-composition profile over δ; helpers the QK, composition and heads views call for rotary models.
+"""Rotary-model analyses (issue 11): a head's positional kernel, energy per rotary band and QK eigenvalue
+copying over δ, a pair's Q/K composition profile over δ; helpers the QK, composition and heads views call for rotary models.
 
 The kernel needs μ_l, the mean ln1 output entering each layer on a reference text (circuits_core/rotary.py
 REFERENCE_TEXT, tokenised with the model's tokenizer; seeded random token ids for a model without one). μ is
@@ -16,11 +16,20 @@ from pydantic import Field
 
 from app.analysis import Analysis, AnalysisParams, HeadField
 from app.compute import cached_build
-from app.params import HEAD_DOC, HeadParams
-from app.schemas.rotary import BandsView, CompositionProfileView, PositionalView, ReferenceMeans, ReferenceText
+from app.params import HEAD_DOC, HeadParams, Offset
+from app.schemas.common import Complex
+from app.schemas.rotary import (
+    BandsView,
+    CompositionProfileView,
+    PositionalView,
+    QKCopyingView,
+    ReferenceMeans,
+    ReferenceText,
+)
 from app.settings import Limits
 from app.views.inputs import model_ref
 from circuits_core import composition_rotary, rotary
+from circuits_core.circuits import copying_score
 from circuits_core.config import head_name, parse_head
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
@@ -160,7 +169,41 @@ PROFILE = Analysis(
     summary="Q- or K-composition of one pair as a function of the query-key offset δ",
 )
 
-ANALYSES: list[Analysis[Any, Any]] = [POSITIONAL, BANDS, PROFILE]
+# -- QK eigenvalue copying at an offset ---------------------------------------------------------------------
+class QKCopyingParams(HeadParams):
+    offset: Offset = 0
+    max_offset: MaxOffset = rotary.KERNEL_WINDOW
+
+
+def build_qk_copying_view(loaded: LoadedModel, p: QKCopyingParams, limits: Limits) -> QKCopyingView:
+    """Σλ / Σ|λ| of W_E_eff Ω_h(δ) W_E_eff^T / s for δ = 0..max_offset, and its eigenvalues at δ = offset."""
+    model = loaded.model
+    layer, h = parse_head(p.head, model.cfg)
+    offsets = _offsets(loaded, p.max_offset)
+    rotary.check_offsets(model, [p.offset])
+    with torch.no_grad():
+        eig = rotary.head_qk_eigenvalues_at(model, layer, h, torch.cat([offsets, torch.tensor([p.offset])]))  # [n + 1, dh]
+    scores = copying_score(eig[:-1])  # [n]
+    return QKCopyingView(
+        model=model_ref(loaded), head=head_name(layer, h), offset=p.offset,
+        eigenvalues=[Complex(re=float(z.real), im=float(z.imag)) for z in eig[-1]], score=float(copying_score(eig[-1])),
+        offsets=offsets.tolist(), scores=scores.tolist(), peak_offset=int(offsets[scores.argmax()]),
+        basis=f"{WEIGHTS_BASIS}; tokens as W_E with layer 0's norm applied to each row (W_E_eff), positions by R(δ) only",
+    )
+
+
+def qk_copying_cost(loaded: LoadedModel, p: QKCopyingParams, limits: Limits) -> Cost:
+    rotary.check_offsets(loaded.model, [p.offset])  # refused before it is priced
+    return rotary.qk_copying_at_cost(loaded.model, min(p.max_offset, loaded.model.cfg.n_ctx - 1) + 2)
+
+
+QK_COPYING = Analysis(
+    name="qk-copying-offset", path="heads/{head}/qk-copying", params=QKCopyingParams, view=QKCopyingView,
+    build=build_qk_copying_view, cost=qk_copying_cost, tags=["rotary"],
+    summary="QK eigenvalue copying of a rotary head's full QK circuit at each query-key offset δ",
+)
+
+ANALYSES: list[Analysis[Any, Any]] = [POSITIONAL, BANDS, PROFILE, QK_COPYING]
 def is_rotary(loaded: LoadedModel) -> bool:
     return loaded.model.cfg.positional_embedding_type == "rotary"
 

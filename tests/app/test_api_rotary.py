@@ -135,6 +135,48 @@ def test_qk_at_offset_vs_dense(client: TestClient, rope: LoadedModel, delta: int
     assert [e["row"]["id"] for e in col["entries"]] == dense[:, 7].topk(4).indices.tolist()
 
 
+def sorted_spectrum(z: torch.Tensor) -> torch.Tensor:
+    return z[sorted(range(z.numel()), key=lambda i: (round(float(z[i].real), 7), round(float(z[i].imag), 7)))]
+
+
+def test_qk_copying_at_offset_vs_real_attention_scores(client: TestClient, rope: LoadedModel):
+    """Layer 0: the V x V full QK circuit at δ = 3 read off real hook_attn_scores (query token b at position 3, key
+    token a at position 0, for every (a, b)), its dense float64 spectrum vs the API's d_head eigenvalues and score."""
+    model, V, dh, delta = rope.model, rope.model.cfg.d_vocab, rope.model.cfg.d_head, 3
+    a, b = torch.cartesian_prod(torch.arange(V), torch.arange(V)).T  # [V^2] each
+    tokens = torch.stack([a, torch.zeros_like(a), torch.zeros_like(a), b], dim=1)  # [V^2, 4]: key at 0, query at 3
+    scores = []
+    for chunk in tokens.split(8192):
+        _, cache = model.run(chunk, names={"blocks.0.attn.hook_attn_scores"})
+        scores.append(cache["blocks.0.attn.hook_attn_scores"][:, 3, delta, 0])  # head L0H3
+    dense = torch.cat(scores).view(V, V).T  # [query b, key a]
+    eig = torch.linalg.eigvals(dense)
+    top = eig[eig.abs().argsort(descending=True)[:dh]]
+    body = client.get(f"{API}/rope/heads/L0H3/qk-copying", params={"offset": delta, "max_offset": 5}).json()
+    got = torch.tensor([complex(z["re"], z["im"]) for z in body["eigenvalues"]], dtype=torch.complex128)
+    assert body["offset"] == delta and body["offsets"] == list(range(6))
+    assert torch.allclose(sorted_spectrum(got), sorted_spectrum(top), atol=1e-9)
+    assert abs(body["score"] - float(eig.sum().real / eig.abs().sum())) < 1e-9
+    assert body["scores"][delta] == body["score"]
+
+
+def test_qk_copying_curve_vs_dense(client: TestClient, rope: LoadedModel):
+    body = client.get(f"{API}/rope/heads/L2H1/qk-copying", params={"max_offset": 12}).json()
+    expected = []
+    for d in range(13):
+        eig = torch.linalg.eigvals(dense_qk(rope, 2, 1, d))
+        expected.append(float(eig.sum().real / eig.abs().sum()))
+    assert max(abs(x - y) for x, y in zip(body["scores"], expected, strict=True)) < 1e-9
+    assert body["peak_offset"] == max(range(13), key=lambda d: expected[d]) and body["offset"] == 0
+    assert_problem(client.get(f"{API}/short/heads/L1H0/qk-copying"), 422, "rotary")
+    assert_problem(client.get(f"{API}/rope/heads/L1H0/qk-copying", params={"offset": 96}), 422, "n_ctx")
+    assert client.get(f"{API}/rope/heads/L1H0/qk-copying", params={"offset": -1}).status_code == 422
+    assert client.get(f"{API}/rope/heads/L7H0/qk-copying").status_code == 404
+    params = {p["name"] for p in client.get("/openapi.json").json()["paths"][
+        "/api/v1/models/{model}/heads/{head}/qk-copying"]["get"]["parameters"]}
+    assert {"offset", "max_offset"} <= params
+
+
 def test_composition_at_offset_matches_the_profile(client: TestClient):
     matrix = client.get(f"{API}/rope/composition", params={"kind": "Q", "offset": 5}).json()
     assert matrix["offset"] == 5

@@ -35,6 +35,11 @@ def test_head_page_of_a_rotary_model(client: TestClient):  # noqa: F811
     first = qk["entries"][0]
     assert f'{first["value"]:.3f}'.rstrip("0") in html or f'{first["value"]:.4f}' in html
     assert "offset=3" in html  # token links keep the offset
+    api_qk = client.get(f"{API}/rope/heads/L1H3/qk-copying", params={"offset": 3}).json()
+    curve, eig = figs["rope-L1H3-qk-copying-offsets"]["data"][0], figs["rope-L1H3-qk-eigenvalues-offset"]["data"][-1]
+    assert curve["x"] == api_qk["offsets"] and curve["y"] == api_qk["scores"]
+    assert eig["x"] == [z["re"] for z in api_qk["eigenvalues"]] and eig["y"] == [z["im"] for z in api_qk["eigenvalues"]]
+    assert f'{api_qk["score"]:+.3f} at δ = 3' in html and 'id="qk-copying-offset"' in html
 
 
 def test_pair_and_composition_pages_of_a_rotary_model(client: TestClient):  # noqa: F811
@@ -50,6 +55,6 @@ def test_pair_and_composition_pages_of_a_rotary_model(client: TestClient):  # no
 
 def test_pages_of_a_model_without_rotary_positions(client: TestClient):  # noqa: F811
     html = client.get("/models/short/heads/L1H0").text
-    assert "offset-input" not in html and "Positional kernel" not in html
+    assert "offset-input" not in html and "Positional kernel" not in html and "QK eigenvalue copying over δ" not in html
     assert "Composition over the offset" not in client.get("/models/short/composition/L0H0/L1H1").text
     assert client.get("/models/short/heads/L1H0", params={"offset": 2}).status_code == 422
