@@ -3,21 +3,29 @@
 The eigenvalue score sum(lambda)/sum(|lambda|) can be near +1 while almost no token raises its own logit most,
 so the page shows it beside the top-1 / top-k self-copy shares and the diagonal of each full OV circuit, and
 beside what random OV weights of the model's shapes score through its own W_E and W_U.
+
+Cost: the exact shares rank every row of a [V, V] circuit per head (~1.8 s a head on GPT-2's 50k vocabulary), so
+on vocabularies over FULL_ROWS_MAX tokens the shares and diagonal are measured on SAMPLE_ROWS source tokens drawn
+at random (seeded; each row still ranked against every column) unless `rows` asks otherwise, and the answer says
+so (`n_rows`, `sample`, a standard error per share). `heads` restricts the answer to some heads (the head page's
+panel). It is its own analysis, loaded by the overview and head pages as a panel of its own: never part of /heads.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Annotated
 
 import torch
 from pydantic import BaseModel, Field
 
-from app.analysis import Analysis, AnalysisParams
-from app.params import K, MinCount
+from app.analysis import Analysis, AnalysisParams, split_heads
+from app.params import Heads, K, MinCount
 from app.schemas import ModelRef
 from app.settings import Limits
 from app.views.basis import basis
 from app.views.circuits import frequent_tokens
+from app.views.heads import parse_heads
 from app.views.inputs import check_k, model_ref
 from circuits_core import circuits, copying
 from circuits_core.config import head_name
@@ -26,12 +34,19 @@ from circuits_core.errors import InvalidInputError
 from circuits_core.weights import LoadedModel
 
 N_TOP_SAMPLES = 2  # random circuits whose self-copy shares are measured (each a full [V, V] row stream)
+FULL_ROWS_MAX = 8192  # vocabularies up to this size: every source token (the shipped toys: 4096)
+SAMPLE_ROWS = 1024  # larger ones: this many source tokens, drawn at random (seed SAMPLE_SEED), unless `rows` is given
+SAMPLE_SEED = 0
 
 
 class CopyingAllParams(AnalysisParams):
     k: K = 10
     min_count: MinCount = None
     samples: Annotated[int, Field(ge=N_TOP_SAMPLES, le=1000, description="random OV circuits drawn for the baseline")] = 200
+    heads: Heads = None
+    rows: Annotated[int | None, Field(ge=1, le=10**7, description=(
+        f"source tokens measured for the shares and the diagonal, drawn at random (seed {SAMPLE_SEED}); at least the "
+        f"number of tokens ranked: every one. Default: every token up to {FULL_ROWS_MAX} tokens ranked, else {SAMPLE_ROWS}"))] = None
 
 
 class HeadCopying(BaseModel):
@@ -39,6 +54,8 @@ class HeadCopying(BaseModel):
     ov_copying: float = Field(description="eigenvalue copying score sum(eig)/sum(|eig|) of the full OV circuit")
     top1: float = Field(description="share of source tokens whose own logit is the largest of their OV row")
     topk: float = Field(description="share of source tokens whose own logit is among the k largest of their row")
+    top1_stderr: float = Field(description="standard error of top1 from sampling the rows (0 when every row is measured)")
+    topk_stderr: float = Field(description="standard error of topk from sampling the rows")
     diagonal_positive: float = Field(description="share of tokens a with M[a, a] > 0")
     diagonal_median: float = Field(description="median of the diagonal M[a, a] (logits)")
 
@@ -60,10 +77,24 @@ class CopyingOverview(BaseModel):
     basis: str = Field(description="which weights: raw, or which processing (centred unembedding, folded LayerNorm)")
     k: int
     n_tokens: int = Field(description="tokens ranked: the vocabulary, or those seen >= min_count times")
+    n_rows: int = Field(description="source tokens measured (rows): n_tokens, or a random sample of them")
+    sample: str = Field(description="which source tokens the shares and diagonal are measured on, in words")
     min_count: int | None
     heads: list[HeadCopying]
     baseline: CopyingBaselineView = Field(description="random W_V, W_O of the model's shapes (standard normal, seeded) "
                                           "through its own W_E and W_U, the same summaries")
+
+
+def default_rows(n_tokens: int, rows: int | None) -> int | None:
+    """Source rows measured: as asked, else every token up to FULL_ROWS_MAX ranked tokens, else SAMPLE_ROWS (None: all)."""
+    if rows is not None:
+        return rows if rows < n_tokens else None
+    return None if n_tokens <= FULL_ROWS_MAX else SAMPLE_ROWS
+
+
+def stderr(p: float, r: int, n: int) -> float:
+    """Standard error of a share p measured on r of n rows drawn without replacement (0 when r = n)."""
+    return 0.0 if r >= n else math.sqrt(p * (1 - p) / r * (n - r) / max(1, n - 1))
 
 
 def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Limits) -> CopyingOverview:
@@ -73,29 +104,39 @@ def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Lim
     vocab = frequent_tokens(loaded, p.min_count)
     n = model.cfg.d_vocab if vocab is None else int(vocab.numel())
     k = check_k(p.k, limits, n)
+    rows = default_rows(n, p.rows)
+    todo = parse_heads(split_heads(p.heads), loaded, limits.max_heads) if p.heads else None
     with torch.no_grad():
         eig = circuits.ov_copying_scores(model)  # [L, H]
-        sc = copying.self_copy(model, k=k, vocab=vocab, budget_bytes=limits.matrix_budget_bytes)
+        sc = copying.self_copy(model, k=k, vocab=vocab, budget_bytes=limits.matrix_budget_bytes, rows=rows, seed=SAMPLE_SEED,
+                               heads=todo)
         base = copying.random_baseline(model, n_samples=p.samples, n_top_samples=N_TOP_SAMPLES, k=k, vocab=vocab,
-                                       budget_bytes=limits.matrix_budget_bytes)
+                                       budget_bytes=limits.matrix_budget_bytes, rows=rows)
+    r = sc.n_rows
     heads = [
         HeadCopying(head=head_name(layer, h), ov_copying=float(eig[layer, h]), top1=float(sc.top1[layer, h]),
                     topk=float(sc.topk[layer, h]), diagonal_positive=float(sc.diagonal_positive[layer, h]),
-                    diagonal_median=float(sc.diagonal_median[layer, h]))
-        for layer in range(model.cfg.n_layers) for h in range(model.cfg.n_heads)
+                    diagonal_median=float(sc.diagonal_median[layer, h]), top1_stderr=stderr(float(sc.top1[layer, h]), r, n),
+                    topk_stderr=stderr(float(sc.topk[layer, h]), r, n))
+        for layer, h in (todo or [(a, b) for a in range(model.cfg.n_layers) for b in range(model.cfg.n_heads)])
     ]
     s = base.ov_copying
     baseline = CopyingBaselineView(ov_copying_mean=float(s.mean()), ov_copying_std=float(s.std()), ov_copying_min=float(s.min()),
                                    ov_copying_max=float(s.max()), top1_mean=float(base.top1.mean()),
                                    topk_mean=float(base.topk.mean()), n_samples=p.samples, n_top_samples=N_TOP_SAMPLES)
-    return CopyingOverview(model=model_ref(loaded), basis=basis(loaded), k=k, n_tokens=n, min_count=p.min_count,
-                           heads=heads, baseline=baseline)
+    ranked = "tokens" if vocab is None else f"tokens seen at least {p.min_count} times in training"
+    sample = (f"every one of the {n} {ranked} as source" if r == n else
+              f"{r} of the {n} {ranked} as sources, drawn at random (seed {SAMPLE_SEED}), each ranked against all {n}")
+    return CopyingOverview(model=model_ref(loaded), basis=basis(loaded), k=k, n_tokens=n, n_rows=r, sample=sample,
+                           min_count=p.min_count, heads=heads, baseline=baseline)
 
 
 def copying_overview_cost(loaded: LoadedModel, p: CopyingAllParams, limits: Limits) -> Cost:
     vocab = frequent_tokens(loaded, p.min_count)
-    return copying.cost(loaded.model, p.k, p.samples, N_TOP_SAMPLES, limits.matrix_budget_bytes,
-                        None if vocab is None else int(vocab.numel()))
+    n = loaded.model.cfg.d_vocab if vocab is None else int(vocab.numel())
+    n_heads = len(parse_heads(split_heads(p.heads), loaded, limits.max_heads)) if p.heads else None
+    return copying.cost(loaded.model, p.k, p.samples, N_TOP_SAMPLES, limits.matrix_budget_bytes, n,
+                        rows=default_rows(n, p.rows), n_heads=n_heads)
 
 
 COPYING_ALL = Analysis(

@@ -47,3 +47,47 @@ def test_copying_page_and_refusals(client):
     assert page.status_code == 200 and 'id="copying-table"' in page.text and "random weights" in page.text
     assert client.get("/api/v1/models/toy-0l/copying").status_code == 422  # no attention layer
     assert client.get("/api/v1/models/toy-1l/copying", params={"samples": 1}).status_code == 422
+
+
+def sampled_rows_dense(M: torch.Tensor, n_rows: int, seed: int, k: int) -> tuple[float, float, float]:
+    """top-1, top-k and diagonal > 0 shares over the documented sample: torch.randperm(n, manual_seed(seed))[:n_rows]."""
+    picked = torch.randperm(M.shape[0], generator=torch.Generator().manual_seed(seed))[:n_rows]
+    rows = M[picked]
+    top = rows.topk(k, dim=1).indices
+    return (float((top[:, 0] == picked).double().mean()), float((top == picked[:, None]).any(1).double().mean()),
+            float((rows[torch.arange(n_rows), picked] > 0).double().mean()))
+
+
+def test_one_head_on_sampled_rows_equals_dense(client):
+    """The head page's panel: heads=one head, rows=a sample; each sampled row ranked against the whole vocabulary."""
+    body = client.get("/api/v1/models/toy-1l/copying", params={"k": 10, "heads": "L00H3", "rows": 300, "samples": 10}).json()
+    m = load_checkpoint(ROOT / "toy-1l", dtype=torch.float64, process=False).model
+    M = m.W_E @ m.W_V[0, 3] @ m.W_O[0, 3] @ m.W_U  # [V, V]
+    (row,) = body["heads"]
+    assert row["head"] == "L0H3" and body["n_rows"] == 300 and body["n_tokens"] == m.cfg.d_vocab
+    top1, topk, diag = sampled_rows_dense(M, 300, 0, 10)
+    assert [row["top1"], row["topk"], row["diagonal_positive"]] == pytest.approx([top1, topk, diag], abs=1e-9)
+    n = m.cfg.d_vocab
+    assert 0 < topk < 1  # so the standard error below is not 0 by default
+    assert row["topk_stderr"] == pytest.approx((topk * (1 - topk) / 300 * (n - 300) / (n - 1)) ** 0.5, rel=1e-9)
+    assert "300 of the 4096 tokens as sources, drawn at random (seed 0)" in body["sample"]
+    full = client.get("/api/v1/models/toy-1l/copying", params={"heads": "L0H3", "samples": 10}).json()
+    assert full["n_rows"] == 4096 and full["heads"][0]["top1_stderr"] == 0 and full["sample"].startswith("every one of the 4096")
+
+
+def test_big_vocabularies_are_sampled_by_default(tmp_path):
+    """Over FULL_ROWS_MAX tokens the default measures SAMPLE_ROWS rows (the answer says so), against dense rows."""
+    from app.views.copying import FULL_ROWS_MAX, SAMPLE_ROWS
+    from circuits_core.config import ModelConfig
+    from tests.app.conftest import save_qkov, train_tokenizer
+
+    V = FULL_ROWS_MAX + 100
+    cfg = ModelConfig(n_layers=1, d_model=8, n_heads=1, d_head=4, d_vocab=V, n_ctx=16, positional_embedding_type="shortformer")
+    save_qkov(tmp_path / "wide", cfg, train_tokenizer(), seed=3)
+    with TestClient(create_app(Settings(shipped_dir=tmp_path, dtype="float64", store_url="off"))) as c:
+        body = c.get("/api/v1/models/wide/copying", params={"k": 3, "samples": 4}).json()
+    m = load_checkpoint(tmp_path / "wide", dtype=torch.float64).model
+    M = m.W_E @ m.W_V[0, 0] @ m.W_O[0, 0] @ m.W_U
+    assert body["n_rows"] == SAMPLE_ROWS and body["n_tokens"] == V and f"{SAMPLE_ROWS} of the {V} tokens" in body["sample"]
+    row = body["heads"][0]
+    assert [row["top1"], row["topk"], row["diagonal_positive"]] == pytest.approx(list(sampled_rows_dense(M, SAMPLE_ROWS, 0, 3)), abs=1e-12)

@@ -64,3 +64,53 @@ def test_errors():
         copying.self_copy(model, k=1, vocab=torch.tensor([0, 99]))
     with pytest.raises(InvalidInputError, match="n_top_samples"):
         copying.random_baseline(model, n_samples=2, n_top_samples=3)
+
+
+@pytest.mark.parametrize("vocab", [None, VOCAB], ids=["all", "subset"])
+def test_sampled_rows_equal_dense_rows(vocab):
+    """rows=r: the shares over r seeded source rows, each ranked against every (ranked) column, against the dense
+    [V, V] circuit's rows picked by the same documented draw (torch.randperm from manual_seed(seed), first r)."""
+    model = make_model(n_layers=2, norm="LN")
+    k, r, seed = 3, 7, 5
+    n = 37 if vocab is None else 10
+    got = copying.self_copy(model, k=k, vocab=vocab, rows=r, seed=seed, budget_bytes=3 * 37 * 8, heads=[(1, 0), (0, 1)])
+    picked = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:r]
+    E = dense_embed(model)
+    for layer, h in [(1, 0), (0, 1)]:
+        M = E @ model.W_V[layer, h] @ model.W_O[layer, h] @ model.W_U  # [V, V]
+        if vocab is not None:
+            M = M[vocab][:, vocab]
+        rows = M[picked]  # [r, n]: row i belongs to token picked[i]
+        top = rows.topk(k, dim=1).indices
+        diag = rows[torch.arange(r), picked]
+        want = [float((top[:, 0] == picked).double().mean()), float((top == picked[:, None]).any(1).double().mean()),
+                float((diag > 0).double().mean()), float(diag.quantile(0.5))]
+        have = [float(t[layer, h]) for t in (got.top1, got.topk, got.diagonal_positive, got.diagonal_median)]
+        assert have == pytest.approx(want, abs=1e-12)
+    assert torch.isnan(got.top1[0, 0]) and torch.isnan(got.top1[1, 1])  # heads not asked for are not measured
+    assert (got.n_rows, got.n_tokens, got.seed) == (r, n, seed)
+    full = copying.self_copy(model, k=k, vocab=vocab, rows=n + 5)  # more rows than tokens: every row, no seed
+    assert full.n_rows == n and full.seed is None
+
+
+def test_sampled_baseline_uses_the_same_rows():
+    model = make_model(n_layers=1, norm="LN")
+    base = copying.random_baseline(model, n_samples=3, n_top_samples=1, k=2, seed=4, rows=9)
+    gen = torch.Generator().manual_seed(4)
+    W_V = torch.randn(3, 16, 4, generator=gen, dtype=torch.float64)
+    W_O = torch.randn(3, 4, 16, generator=gen, dtype=torch.float64)
+    picked = torch.randperm(37, generator=torch.Generator().manual_seed(4))[:9]
+    rows = (dense_embed(model) @ W_V[0] @ W_O[0] @ model.W_U)[picked]  # [9, V]
+    top = rows.topk(2, dim=1).indices
+    assert float(base.top1[0]) == pytest.approx(float((top[:, 0] == picked).double().mean()), abs=1e-12)
+    assert float(base.topk[0]) == pytest.approx(float((top == picked[:, None]).any(1).double().mean()), abs=1e-12)
+    assert base.n_rows == 9
+
+
+def test_sample_sources():
+    s = copying.sample_sources(100, 30, seed=1)
+    assert s.tolist() == sorted(set(s.tolist())) and len(s) == 30 and 0 <= int(s.min()) and int(s.max()) < 100
+    assert copying.sample_sources(100, 30, seed=2).tolist() != s.tolist()
+    assert copying.sample_sources(10, None).tolist() == list(range(10)) == copying.sample_sources(10, 10).tolist()
+    with pytest.raises(InvalidInputError, match="rows"):
+        copying.sample_sources(10, 0)
