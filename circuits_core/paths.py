@@ -333,16 +333,25 @@ def _actual_value(logits: Tensor, target: Target) -> Tensor:
     return logits[:, a] - logits[:, b]
 
 
+def _schedule(L: int, H: int, max_order: int) -> list[tuple[int, int, int]]:
+    """(order, layer, P0) of every step of expand_logits: the heads of `layer` are prepended to the P0 suffixes of
+    order - 1 that start after it, making H * P0 suffixes of `order` (layers in decreasing order within an order)."""
+    steps, prev = [], {L: 1}  # prev: first layer -> number of suffixes of the previous order
+    for order in range(1, max_order + 1):
+        new = {}
+        for layer in range(L - 1, -1, -1):
+            P0 = sum(c for f, c in prev.items() if f > layer)
+            if P0:
+                steps.append((order, layer, P0))
+                new[layer] = H * P0
+        prev = new
+    return steps
+
+
 def _term_count(entries: list[int], L: int, H: int, max_order: int) -> int:
     """Exact number of (source, suffix) terms: sources enter at `entries`, suffixes up to max_order heads."""
-    total = len(entries)  # order 0: every source
-    prev = {L: 1}  # first layer -> number of suffixes of the previous order
-    for _ in range(max_order):
-        new = {layer: H * sum(c for f, c in prev.items() if f > layer) for layer in range(L)}
-        new = {layer: c for layer, c in new.items() if c}
-        total += sum(c * sum(1 for e in entries if e <= layer) for layer, c in new.items())
-        prev = new
-    return total
+    later = sum(H * P0 * sum(1 for e in entries if e <= layer) for _, layer, P0 in _schedule(L, H, max_order))
+    return len(entries) + later  # order 0: every source
 
 
 def _count_suffixes(L: int, H: int, max_order: int) -> int:
@@ -354,15 +363,33 @@ def _count_suffixes(L: int, H: int, max_order: int) -> int:
 
 
 def cost(model: Transformer, n: int, max_order: int, by_source: bool = False, q: int = 1, k: int | None = None) -> Cost:
-    """expand_logits on n tokens at q positions: the frozen run, a [q, n] coefficient and a [d_model] direction
-    per suffix, one value per (source, suffix) term (x n with by_source); answer: the k listed terms (all
-    when k is None), each with its path of up to max_order heads (and n source values with by_source)."""
+    """expand_logits on n tokens at q positions; answer: the k listed terms (all when k is None), each with its
+    path of up to max_order heads (and n source values with by_source).
+
+    Held throughout: the frozen run, one value per term (x n with by_source), the suffixes of every order below
+    the last (a [q, n] coefficient and a [d_model] readout each, the newest order twice while it is
+    concatenated) and the first heads' values of the sequence sources ([n_kv_heads, S n, d_head] per layer).
+    Plus the largest step (`_schedule`): the new coefficients [H P0, q, n], g [H, P0, d_head], the new readouts
+    [H P0, d_model] (not at the last order: its suffixes only end terms), the dots [S, H P0, n] and the terms."""
     cfg = model.cfg
     L, H = cfg.n_layers, cfg.n_heads
     order = max(0, min(max_order, L))
-    suffixes = _count_suffixes(L, H, order)
-    terms = suffixes * (1 + (1 if cfg.attn_only else 2) * L) + 1
-    work = (suffixes * (q * n + cfg.d_model + cfg.d_head) + terms * q * (n if by_source else 1)) * itemsize(model.dtype)
+    entries = [0] + [layer + 1 for layer in range(L) for _ in range(1 if cfg.attn_only else 2)]
+    terms = _term_count(entries, L, H, order) + 1
+    per_term = q * (n if by_source else 1)
+    steps = _schedule(L, H, order)
+
+    def n_seq(layer: int) -> int:  # sequence sources read at `layer`: the embedding and the earlier MLPs
+        return 1 + (0 if cfg.attn_only else layer)
+
+    suffix = q * n + cfg.d_model  # a coefficient and a readout
+    kept = sum(H * P0 for o, _, P0 in steps if o < order) + sum(H * P0 for o, _, P0 in steps if o == order - 1)
+    values = cfg.n_kv_heads * n * cfg.d_head * sum(n_seq(layer) for layer in {layer for _, layer, _ in steps})
+    step = max(
+        [H * P0 * (q * n + cfg.d_head + (cfg.d_model if o < order else 0) + n_seq(layer) * (n + per_term))
+         for o, layer, P0 in steps] + [len(entries) * (n + per_term)]
+    )  # fmt: skip
+    work = (terms * (per_term + q) + kept * suffix + values + step) * itemsize(model.dtype)
     listed = terms if k is None else min(k, terms) + 2
     return (run_cost(model, n) + Cost(work)).with_answer(
         numbers=listed * (2 + (n if by_source else 0)) + (order + 1) + 3 * n, labels=listed * (order + 1) + n

@@ -1,0 +1,149 @@
+"""The logit path expansion on grouped-query models, its term names, and its price against its measured memory.
+
+- Each term of a truncated expansion (its last order computed without readouts, through the first head's
+  values per key/value group) equals the same term of the full expansion (computed with readouts), float64,
+  on an RMS + GQA + rotary + gated-MLP + biases model.
+- The term names (built on demand) equal a brute-force enumeration of (source, heads) in emission order.
+- paths.cost is never below the peak of the tensors the frozen run and the expansion actually hold (counted
+  op by op by a dispatch mode), and the 1B-shaped order-2 request of issue 10 is priced within the default
+  budget.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from app.settings import Limits
+from circuits_core import paths
+from circuits_core.config import ModelConfig, head_name
+from circuits_core.formats_llama import llama_config
+from circuits_core.frozen import frozen_run
+from circuits_core.model import Transformer, random_model
+from circuits_core.paths import expand_logits
+
+F64 = torch.float64
+GQA = ModelConfig(
+    n_layers=3, d_model=24, n_heads=6, d_head=4, d_vocab=37, n_ctx=24, d_mlp=20, attn_only=False,
+    normalization_type="RMS", positional_embedding_type="rotary", act_fn="silu", gated_mlp=True,
+    n_key_value_heads=2, use_bias=True,
+)  # fmt: skip
+LN_ATTN_ONLY = ModelConfig(
+    n_layers=3, d_model=16, n_heads=4, d_head=4, d_vocab=30, n_ctx=24, attn_only=True,
+    normalization_type="LN", positional_embedding_type="standard", use_bias=True,
+)  # fmt: skip
+
+
+def _noisy(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    model = random_model(cfg, seed=seed, dtype=F64, std_embed=1.0)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            leaf = name.rsplit(".", 1)[-1].lstrip("_")
+            if leaf in ("w", "b") or leaf.startswith("b_"):
+                p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=F64))
+    return model
+
+
+def _tokens(cfg: ModelConfig, n: int) -> torch.Tensor:
+    return torch.randint(0, cfg.d_vocab, (n,), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("cfg", [GQA, LN_ATTN_ONLY], ids=["rms-gqa-rotary-mlp", "ln-attn-only"])
+def test_truncated_terms_equal_full_terms_and_names_enumerate_paths(cfg: ModelConfig) -> None:
+    model = _noisy(cfg)
+    tokens = _tokens(cfg, 11)
+    run = frozen_run(model, tokens)
+    full = expand_logits(model, tokens, (4, 9), positions=None, max_order=cfg.n_layers, run=run, by_source=False)
+    logits = model(tokens[None])[0]
+    torch.testing.assert_close(full.values.sum(0), logits[:, 4] - logits[:, 9], atol=1e-9, rtol=0)
+    index = {p: i for i, p in enumerate(full.paths)}
+    for order in range(cfg.n_layers):
+        part = expand_logits(model, tokens, (4, 9), positions=[2, 10], max_order=order, run=run, by_source=True)
+        assert len(part.paths) == int((full.orders <= order).sum())
+        rows = torch.tensor([index[p] for p in part.paths])
+        assert (full.orders[rows] == part.orders).all()
+        torch.testing.assert_close(part.values, full.values[rows][:, [2, 10]], atol=1e-10, rtol=0)
+        torch.testing.assert_close(part.by_source.sum(-1), part.values, atol=1e-12, rtol=0)  # type: ignore[union-attr]
+    # names: every source x every chain of heads in increasing layers, each exactly once, in emission order
+    sources = [(), *[(f"{kind}:L{layer}",) for layer in range(cfg.n_layers) for kind in (
+        ("bias",) if cfg.attn_only else ("bias", "mlp"))]]  # fmt: skip
+    entry = {(): 0} | {s: int(s[0].rsplit("L", 1)[1]) + 1 for s in sources[1:]}
+    heads = [(layer, h) for layer in range(cfg.n_layers) for h in range(cfg.n_heads)]
+    want = {("bias:unembed",)}
+    for k in range(cfg.n_layers + 1):
+        for chain in itertools.combinations(heads, k):
+            if len({layer for layer, _ in chain}) == k:
+                first = chain[0][0] if chain else cfg.n_layers
+                names = tuple(head_name(*c) for c in chain)
+                want |= {s + names for s in sources if entry[s] <= first}
+    assert len(full.paths) == len(want) == len(set(full.paths)) and set(full.paths) == want
+    assert list(full.paths) == [full.paths[i] for i in range(len(full.paths))] == full.paths[:]
+    assert full.paths[-1] == ("bias:unembed",) and full.paths[-len(full.paths)] == full.paths[0]
+
+
+class _HeldBytes(TorchDispatchMode):
+    """The peak bytes of the storages that tensors made inside the mode keep alive (pre-existing ones, such as
+    the model's weights, excluded), checked after every operation."""
+
+    def __init__(self, existing: list[torch.Tensor]):
+        super().__init__()
+        self.skip = {t.untyped_storage().data_ptr() for t in existing}
+        self.storages: dict[int, tuple[int, list[weakref.ref[torch.Tensor]]]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key in self.skip or storage.nbytes() == 0:
+                    continue
+                nbytes, refs = self.storages.get(key, (storage.nbytes(), []))
+                self.storages[key] = (max(nbytes, storage.nbytes()), [*refs, weakref.ref(t)])
+        held = 0
+        for key, (nbytes, refs) in list(self.storages.items()):
+            alive = [r for r in refs if r() is not None]
+            if alive:
+                self.storages[key] = (nbytes, alive)
+                held += nbytes
+            else:
+                del self.storages[key]
+        self.peak = max(self.peak, held)
+        return out
+
+
+@pytest.mark.parametrize(
+    ("cfg", "n", "max_order", "by_source", "positions"),
+    [(GQA, 12, 2, False, -1), (GQA, 12, 3, True, -1), (GQA, 9, 2, False, None), (LN_ATTN_ONLY, 16, 3, False, -1),
+     (LN_ATTN_ONLY, 16, 2, True, None)],
+)  # fmt: skip
+def test_price_covers_the_measured_peak(cfg: ModelConfig, n: int, max_order: int, by_source: bool,
+                                        positions: int | None) -> None:
+    model = _noisy(cfg)
+    tokens = _tokens(cfg, n)
+    existing = [*model.parameters(), *model.buffers(), tokens]
+    with torch.no_grad(), _HeldBytes(existing) as held:
+        exp = expand_logits(model, tokens, 5, positions=positions, max_order=max_order, by_source=by_source)
+    q = exp.positions.numel()
+    priced = paths.cost(model, n, max_order, by_source, q=q).peak_bytes
+    assert held.peak > 0 and held.peak <= priced, (held.peak, priced)
+    assert priced < 2 * held.peak, (held.peak, priced)  # priced from the same steps, not a blanket bound
+
+
+def test_one_billion_shape_order_two_is_within_the_default_budget() -> None:
+    """Issue 10: a 128-token order-2 expansion on the Llama-3.2-1B shape (16 layers, 32 heads, 8 key/value
+    heads, d_model 2048, vocabulary 128,256), priced on a model built without memory."""
+    from bench.modern import LLAMA_1B
+
+    with torch.device("meta"):
+        model = Transformer(llama_config(LLAMA_1B))
+    price = paths.cost(model, 128, 2, by_source=False, q=1, k=30)
+    assert price.peak_bytes <= Limits().peak_bytes, price
