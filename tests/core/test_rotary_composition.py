@@ -6,8 +6,10 @@ from rotary_models import CASES, rotary_model
 
 from circuits_core.composition import composition_scores
 from circuits_core.composition_rotary import (
+    _pair_scores,
     composition_at,
     composition_profiles,
+    dense_baseline_scores,
     pair_profile,
     random_baseline,
 )
@@ -79,21 +81,51 @@ def test_bad_pairs_and_kinds_are_refused():
         composition_at(model, "v", 1)
 
 
-def test_random_baseline_gram_route_vs_dense_and_independent_of_the_offset():
-    """The baseline's Gram formulas reproduce dense norms on the same Gaussian draws; rotating the key factor
-    (an offset) leaves the mean within sampling error (the Gaussian distribution is rotation-invariant)."""
+def dense_draw_scores(W_V, W_O, W_Q, W_K):
+    """Q and K scores of Gaussian draws from dense d_model x d_model products (the definition)."""
+    W_OV = (W_V @ W_O)[:, None]  # [n, 1, d, d]
+    Om = W_Q @ W_K[:, None].transpose(-2, -1)  # [n, g, d, d], the group shares W_K
+    den = W_OV.norm(dim=(-2, -1)) * Om.norm(dim=(-2, -1))
+    return torch.cat([((W_OV @ Om).norm(dim=(-2, -1)) / den).flatten(),
+                      ((W_OV @ Om.transpose(-2, -1)).norm(dim=(-2, -1)) / den).flatten()])
+
+
+def test_baseline_gram_route_and_its_d_head_reduction_vs_dense_norms():
+    """On the same Gaussian draws: the dense sampler's Gram formulas, and the reduction the fast sampler draws from
+    (F = T_V T_O^T, Z = Q_O^T W_Q, W_Q^T W_Q), reproduce the dense norms."""
     d, dh, g, n = 12, 4, 3, 32
-    mean, std = random_baseline(d, dh, g, n_samples=n, seed=5)
+    scores = dense_baseline_scores(d, dh, g, n, seed=5)
     gen = torch.Generator().manual_seed(5)
     W_V, W_K = torch.randn(2, n, d, dh, generator=gen, dtype=torch.float64)
     W_O = torch.randn(n, dh, d, generator=gen, dtype=torch.float64)
     W_Q = torch.randn(n, g, d, dh, generator=gen, dtype=torch.float64)
-    W_OV = (W_V @ W_O)[:, None]  # [n, 1, d, d]
-    Om = W_Q @ W_K[:, None].transpose(-2, -1)  # [n, g, d, d], the group shares W_K
-    den = W_OV.norm(dim=(-2, -1)) * Om.norm(dim=(-2, -1))
-    scores = torch.cat([((W_OV @ Om).norm(dim=(-2, -1)) / den).flatten(),
-                        ((W_OV @ Om.transpose(-2, -1)).norm(dim=(-2, -1)) / den).flatten()])
-    assert abs(mean - float(scores.mean())) < 1e-12 and abs(std - float(scores.std())) < 1e-12
+    dense = dense_draw_scores(W_V, W_O, W_Q, W_K)
+    torch.testing.assert_close(scores, dense, rtol=0, atol=1e-12)
+    T_V = torch.linalg.qr(W_V)[1]
+    Q_O, T_O = torch.linalg.qr(W_O.transpose(-2, -1))  # [n, d, dh], [n, dh, dh]
+    F = T_V @ T_O.transpose(-2, -1)  # [n, dh, dh]
+    Z_Q, Z_K = Q_O.transpose(-2, -1)[:, None] @ W_Q, Q_O.transpose(-2, -1) @ W_K
+    reduced = _pair_scores(F[:, None] @ Z_Q, W_Q.transpose(-2, -1) @ W_Q, (F @ Z_K)[:, None],
+                           (W_K.transpose(-2, -1) @ W_K)[:, None], F.pow(2).sum((-2, -1))[:, None])
+    torch.testing.assert_close(reduced, dense, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(24, 6, 2), (20, 4, 1)])
+def test_reduced_baseline_sampler_has_the_dense_distribution(shape):
+    """random_baseline (d_head x d_head Bartlett draws) vs dense Gaussian factors: means and stds agree within
+    sampling error (standard errors from 12 independent replicates of each)."""
+    d, dh, g = shape
+    fast = torch.tensor([random_baseline(d, dh, g, n_samples=100, seed=s) for s in range(12)])  # [12, 2]
+    dense = torch.stack([torch.stack([x.mean(), x.std()]) for x in
+                         (dense_baseline_scores(d, dh, g, 100, seed=100 + s) for s in range(12))])
+    diff = fast.mean(0) - dense.mean(0)
+    se = (fast.var(0) / 12 + dense.var(0) / 12).sqrt()
+    assert (diff.abs() < 4 * se).all(), (diff, se)
+    assert random_baseline(d, dh, g, n_samples=100, seed=3) == random_baseline(d, dh, g, n_samples=100, seed=3)
+    assert random_baseline(d, 2 * d, g, n_samples=4)[0] == float(dense_baseline_scores(d, 2 * d, g, 4).mean())
+
+
+def test_random_baseline_does_not_depend_on_the_offset():
     big = 320
     m0, s0 = random_baseline(32, 8, 3, n_samples=big, seed=1)
     m1, s1 = random_baseline(32, 8, 3, n_samples=big, seed=2, offset_angle=1.3)
