@@ -91,3 +91,19 @@ def test_big_vocabularies_are_sampled_by_default(tmp_path):
     assert body["n_rows"] == SAMPLE_ROWS and body["n_tokens"] == V and f"{SAMPLE_ROWS} of the {V} tokens" in body["sample"]
     row = body["heads"][0]
     assert [row["top1"], row["topk"], row["diagonal_positive"]] == pytest.approx(list(sampled_rows_dense(M, SAMPLE_ROWS, 0, 3)), abs=1e-12)
+
+
+def test_overview_and_head_pages_load_the_copying_panel(client):
+    """The overview and head pages load /copying as a panel of its own (hx-get on load, never inside /heads); the
+    fragment htmx receives holds the table whose cells are the API's numbers."""
+    over = client.get("/models/toy-1l").text
+    assert 'hx-get="/models/toy-1l/copying"' in over and 'hx-select="#copying"' in over
+    head = client.get("/models/toy-1l/heads/L0H3").text
+    assert 'hx-get="/models/toy-1l/copying?heads=L0H3"' in head
+    frag = client.get("/models/toy-1l/copying", params={"heads": "L0H3"}, headers={"HX-Request": "true"}).text
+    api = client.get("/api/v1/models/toy-1l/copying", params={"heads": "L0H3"}).json()
+    assert 'id="copying"' in frag and api["sample"] in frag
+    row = api["heads"][0]
+    for key in ("ov_copying", "top1", "topk", "diagonal_positive", "diagonal_median"):
+        assert f'data-value="{row[key]}"' in frag, key
+    assert 'id="copying-lazy"' not in client.get("/models/toy-0l").text  # no heads, no panel

@@ -1,0 +1,111 @@
+"""The views researchers asked for in issue 12, in a real browser: the basis picker (head, direct, composition and
+pair pages), the direct page's frequent-token default, and the copying panel the overview and head pages load on
+their own (top-1 / top-k self-copy shares beside the eigenvalue score)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Page, expect
+
+from app.settings import Limits, Settings
+from circuits_core.config import ModelConfig
+from tests.app.conftest import save_qkov, train_tokenizer
+from tests.browser.conftest import CHROMIUM, checked_page, serve
+from tests.browser.test_pages_browser import mark_document, same_document, settled
+
+
+def test_head_page_basis_picker_swaps_the_circuits_panel(page: Page) -> None:
+    """toy-1l of the browser server has learned positions, so its unembedding is centred when served."""
+    page.goto("/models/toy-1l/heads/L0H0?k=5")
+    expect(page.locator("#circuits")).to_contain_text("unembedding centred")
+    mark_document(page)
+    page.select_option("#basis-select", "raw")
+    page.locator("#circuits form button[type=submit]").click()
+    page.wait_for_url("**basis=raw**")
+    settled(page)
+    expect(page.locator("#circuits")).to_contain_text("Basis: raw weights, as stored")
+    assert same_document(page)  # an htmx swap of the panel, not a page load
+    href = page.locator("#ov-table tbody a.tok").first.get_attribute("href") or ""
+    assert "basis=raw" in href  # a token's row stays on the raw weights
+    page.reload()
+    expect(page.locator("#basis-select")).to_have_value("raw")
+
+
+def test_direct_page_basis_picker(page: Page) -> None:
+    page.goto("/models/toy-1l/direct?k=5")
+    before = page.locator("#direct-table tbody td.num").first.get_attribute("data-value")
+    page.select_option("#basis-select", "raw")
+    page.locator("#direct_panel form button[type=submit]").click()
+    page.wait_for_url("**basis=raw**")
+    settled(page)
+    expect(page.locator("#direct_panel")).to_contain_text("Basis: raw weights, as stored")
+    assert page.locator("#direct-table tbody td.num").first.get_attribute("data-value") != before
+
+
+def test_plain_models_have_no_basis_picker(page: Page) -> None:
+    page.goto("/models/toy-2l/heads/L1H0")
+    expect(page.locator("#circuits")).to_contain_text("the stored weights are the only basis")
+    expect(page.locator("#basis-select")).to_have_count(0)
+
+
+@pytest.fixture(scope="module")
+def ln_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A 2-layer LayerNorm model (processed when served), so the composition pages offer the raw weights."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"browser tests need {CHROMIUM} (make browser-deps)")
+    root = tmp_path_factory.mktemp("browser-ln")
+    tok = train_tokenizer()
+    save_qkov(root / "ln-2l", ModelConfig(n_layers=2, d_model=16, n_heads=2, d_head=4, d_vocab=tok.get_vocab_size(), n_ctx=32,
+                                          positional_embedding_type="standard", normalization_type="LN"), tok, seed=7)
+    yield from serve(Settings(shipped_dir=root, dtype="float32", limits=Limits(max_k=50, max_heads=4)))
+
+
+def test_composition_basis_picker_and_pair_page(browser, ln_server: str) -> None:  # noqa: ANN001
+    for page in checked_page(browser, ln_server):
+        page.goto("/models/ln-2l/composition?kind=K")
+        expect(page.locator("#composition_panel")).to_contain_text("processed weights: LayerNorm folded")
+        page.select_option("#basis-select", "raw")
+        page.locator("#basis-form button[type=submit]").click()
+        page.wait_for_url("**basis=raw**")
+        settled(page)
+        expect(page.locator("#composition_panel")).to_contain_text("Basis: raw weights, as stored")
+        page.locator("#composition_panel .seg a", has_text="Q").click()  # the kind switch keeps the basis
+        page.wait_for_url("**kind=Q**")
+        assert "basis=raw" in page.url
+        settled(page)
+        page.locator("#pairs-table a", has_text="pair →").first.click()
+        page.wait_for_url("**/composition/L0H*/L1H*?basis=raw")
+        expect(page.locator("#basis-select")).to_have_value("raw")
+        expect(page.locator(".page-head")).to_contain_text("Basis: raw weights, as stored")
+        page.select_option("#basis-select", "served")
+        page.locator("#basis-form button[type=submit]").click()
+        page.wait_for_url("**basis=served**")
+        expect(page.locator(".page-head")).to_contain_text("processed weights")
+
+
+def test_overview_and_head_pages_load_the_copying_panel(page: Page) -> None:
+    page.goto("/models/toy-2l")
+    rows = page.locator("#copying #copying-table tbody tr")
+    expect(rows).to_have_count(2 * 4 + 1)  # every head and the random-weights row
+    expect(page.locator("#copying-sample")).to_contain_text("every one of the")
+    expect(page.locator("#copying-table thead")).to_contain_text("top-1 self-copy")
+    page.goto("/models/toy-2l/heads/L1H2")
+    expect(page.locator("#copying #copying-table tbody tr")).to_have_count(2)
+    expect(page.locator("#copying-table tbody tr").first).to_contain_text("L1H2")
+
+
+def test_direct_page_defaults_to_frequent_tokens(shipped_page: Page) -> None:
+    """The shipped toys carry token counts: the direct page ranks tokens seen >= 50 times unless asked for all."""
+    page = shipped_page
+    page.goto("/models/toy-0l/direct?k=10")
+    expect(page.locator("#min-count")).to_have_value("50")
+    expect(page.locator("#direct_panel")).to_contain_text("tokens seen at least 50 times in training")
+    page.select_option("#min-count", "all")
+    page.locator("#direct_panel form button[type=submit]").click()
+    page.wait_for_url("**min_count=all**")
+    settled(page)
+    expect(page.locator("#direct_panel")).not_to_contain_text("tokens seen at least 50 times")
+    expect(page.locator("#min-count")).to_have_value("all")
