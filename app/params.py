@@ -41,6 +41,12 @@ Offset = Annotated[int, Field(ge=0, le=1_000_000, description=(
 BasisChoice = Annotated[Literal["served", "raw"], Field(description=(
     "which weights: 'served' (processed as the model is served: folded LayerNorm, centred unembedding, as the view's "
     "`basis` says) or 'raw' (the checkpoint as stored, loaded once more without processing)"))]
+DEFAULT_VOCAB = 8192  # larger vocabularies: the global tables rank this many tokens unless vocab=all
+Vocab = Annotated[Literal["default", "all"], Field(description=(
+    f"which tokens a global table (no token given) and the default skip-trigram source rank: 'default' -- every token "
+    f"of a vocabulary up to {DEFAULT_VOCAB:,} tokens; of a larger one, its {DEFAULT_VOCAB:,} most frequent tokens (the "
+    f"folder's token_counts.npy) or else its {DEFAULT_VOCAB:,} lowest ids (the answer's `token_set` says which); 'all' -- "
+    "every token (on a 50,257-token vocabulary about 38x the entries). min_count, when given, chooses the tokens instead"))]
 Seed = Annotated[int, Field(ge=0, le=2**31 - 1, description="seed of the random tokens")]
 SeqLen = Annotated[int, Field(ge=1, description="length T of the random segment r in BOS + r + r"), Limit("max_seq_len")]
 Batch = Annotated[int, Field(ge=1, description="number of random sequences"), Limit("max_batch")]
@@ -87,6 +93,7 @@ class DirectParams(AnalysisParams):
     k: K = 20
     basis: BasisChoice = "served"
     min_count: MinCount = None
+    vocab: Vocab = "default"
 
 
 class OVParams(DirectParams):

@@ -22,6 +22,7 @@ from app import charts
 from app.analysis import API, json_url, run
 from app.deps import LimitsDep, LoadedModelDep, ModelEntryDep, RegistryDep, get_model
 from app.params import (
+    DEFAULT_VOCAB,
     CompositionParams,
     DetectorParams,
     DirectParams,
@@ -261,16 +262,16 @@ async def head_context(call: PageCall) -> dict[str, Any]:
     cfg, name, model = call.model.model.cfg, p.head, call.model_id
     fragment_only = is_fragment(call.request) and call.request.headers.get("HX-Target") == "circuits"
     view: HeadView | None = None if fragment_only else await call.run(HEAD, HeadParams(head=name))
-    b = p.basis  # every table of the circuits panel on the weights chosen (issue 12.2)
-    ov: CircuitTopView = await call.run(OV, OVParams(head=name, token=p.token, k=p.k, min_count=p.min_count, basis=b))
+    b, v = p.basis, p.vocab  # every table of the circuits panel on the weights (issue 12.2) and token set chosen
+    ov: CircuitTopView = await call.run(OV, OVParams(head=name, token=p.token, k=p.k, min_count=p.min_count, basis=b, vocab=v))
     qk_q: CircuitTopView = await call.run(QK, QKParams(head=name, token=p.token, k=p.k, side="query", min_count=p.min_count,
-                                                       offset=p.offset, basis=b))
+                                                       offset=p.offset, basis=b, vocab=v))
     qk_k = None
     if p.token is not None:
         qk_k = await call.run(QK, QKParams(head=name, token=p.token, k=p.k, side="key", min_count=p.min_count, offset=p.offset,
-                                           basis=b))
+                                           basis=b, vocab=v))
     skip = await call.run(SKIP_TRIGRAMS, SkipTrigramParams(head=name, token=p.token, k=p.k, min_count=p.min_count, offset=p.offset,
-                                                           basis=b))
+                                                           basis=b, vocab=v))
     partners = await composition_partners(call, name) if view is not None else []
     all_heads = [head_name(a, b) for a in range(cfg.n_layers) for b in range(cfg.n_heads)]
     i = all_heads.index(name)
@@ -281,7 +282,8 @@ async def head_context(call: PageCall) -> dict[str, Any]:
         "prev_head": all_heads[i - 1] if i > 0 else None, "next_head": all_heads[i + 1] if i + 1 < len(all_heads) else None,
         "base_url": f"/models/{model}/heads/{name}", "min_count": p.min_count, "has_counts": has_token_counts(call.model),
         "min_count_choices": MIN_COUNT_CHOICES, "offset": p.offset or None, "is_rotary": rotary_enabled(call), "n_ctx": cfg.n_ctx,
-        **pages_analyses.basis_choice(call),
+        "vocab": p.vocab if p.vocab == "all" and cfg.d_vocab > DEFAULT_VOCAB else None, "n_vocab": cfg.d_vocab,
+        "default_vocab": DEFAULT_VOCAB, **pages_analyses.basis_choice(call),
         **(await head_rotary_context(call, name) if view is not None else {"rotary": None}),
     }
 
@@ -306,7 +308,8 @@ def direct_min_count(call: PageCall, asked: int | str | None) -> int | None:
 async def direct_context(call: PageCall) -> dict[str, Any]:
     p: DirectPageParams = call.params
     shown = direct_min_count(call, p.min_count)
-    params = DirectParams(token=p.token, k=p.k, basis=p.basis, min_count=shown)
+    vocab = "all" if p.min_count == "all" else p.vocab  # the picker's 'all' ranks every token, a large vocabulary's too
+    params = DirectParams(token=p.token, k=p.k, basis=p.basis, min_count=shown, vocab=vocab)
     call.json_params = params
     view: CircuitTopView = await call.run(DIRECT, params)
     fig = None
@@ -318,7 +321,8 @@ async def direct_context(call: PageCall) -> dict[str, Any]:
     return {"view": view, "token": p.token, "k": p.k, "fig": fig, "max_k": call.limits.max_k,
             "min_count": shown if shown is not None else ("all" if has_counts else None), "has_counts": has_counts,
             "default_min_count": MIN_TRAIN_COUNT if has_counts else None, "min_count_choices": MIN_COUNT_CHOICES,
-            **pages_analyses.basis_choice(call)}
+            "vocab": vocab if vocab == "all" and call.model.model.cfg.d_vocab > DEFAULT_VOCAB else None,
+            "n_vocab": call.model.model.cfg.d_vocab, "default_vocab": DEFAULT_VOCAB, **pages_analyses.basis_choice(call)}
 
 
 # -- detectors ----------------------------------------------------------------------------------------------------

@@ -38,7 +38,9 @@ class CircuitTopView(BaseModel):
     min_count: int | None = Field(
         default=None, description="only tokens seen at least this often in training were ranked (None: every token)"
     )
-    n_tokens: int | None = Field(default=None, description="how many tokens min_count kept (None without min_count)")
+    n_tokens: int | None = Field(default=None, description="how many tokens were ranked: those min_count kept, or the default set "
+                                 "of a large vocabulary (None: every token)")
+    token_set: str | None = Field(default=None, description="which tokens a global table ranked, in words (None: every token)")
     offset: int | None = Field(default=None, description="QK of a rotary model: the query-key offset δ of W_Q R(δ) W_Kᵀ "
                                "(None: the model has no rotary positions)")
 
@@ -69,5 +71,7 @@ class SkipTrigramView(BaseModel):
     min_count: int | None = Field(
         default=None, description="destinations, outs (and the default source) were tokens seen at least this often in training"
     )
+    token_set: str | None = Field(default=None, description="without a token: which tokens the default source (the largest "
+                                  "full-OV entry) was chosen among, in words (None: every token)")
     offset: int | None = Field(default=None, description="rotary models: destinations ranked by the QK circuit at this "
                                "query-key offset δ (the source δ positions before the destination); None otherwise")

@@ -8,19 +8,31 @@ row (or, for QK keys, its column) from the factors, without one the global top-k
 `token_counts.npy` (circuits_core.phenomena.load_token_counts): the global top-k runs on the factors restricted
 to those rows and columns, a token's row or column lists only those tokens. Rare, under-trained tokens
 otherwise dominate the global tables of the shipped toy models.
+
+Without min_count, a global table of a vocabulary over DEFAULT_VOCAB tokens ranks a stated set (`token_set`):
+its DEFAULT_VOCAB most frequent tokens, or else its lowest ids; `vocab=all` ranks every token. On GPT-2's
+50,257 tokens a whole-vocabulary table has ~38x the entries of the default one (seconds per head), and the head
+page reads two. A token's own row or column is cheap and always ranks every token (or min_count's).
+
+Each global table is computed once per (circuit, head, weights, offset, token set) at k = max(k, SHARED_K) and
+kept in the result cache (`global_top`): the head page's k=10 tables, the API's k=20 defaults and the
+skip-trigram default source (the OV table's first row) all read the same one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import torch
+from pydantic import BaseModel
 from torch import Tensor
 
 from app.analysis import Analysis
-from app.params import DirectParams, OVParams, QKParams, SkipTrigramParams
+from app.compute import cached_build
+from app.params import DEFAULT_VOCAB, DirectParams, OVParams, QKParams, SkipTrigramParams
 from app.schemas import CircuitTopView, MatrixEntry, ScoredToken, SkipTrigram, SkipTrigramView
 from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
@@ -64,6 +76,65 @@ def has_token_counts(loaded: LoadedModel) -> bool:
     return (loaded.path / TOKEN_COUNTS_FILE).is_file()
 
 
+@dataclass(frozen=True)
+class TokenSet:
+    """The tokens a global table ranks (rows and columns alike)."""
+
+    ids: Tensor | None  # [n] sorted token ids; None: every token
+    n: int
+    said: str | None  # in words, for the page and the answer (None: every token)
+    name: str  # in the shared table's cache key
+
+
+def token_set(loaded: LoadedModel, min_count: int | None, vocab: Literal["default", "all"]) -> TokenSet:
+    """min_count's frequent tokens when given; else every token of a vocabulary up to DEFAULT_VOCAB tokens (or with
+    vocab="all"); else the DEFAULT_VOCAB most frequent tokens by token_counts.npy (ties: lower id first), or else the
+    DEFAULT_VOCAB lowest ids."""
+    d_vocab = loaded.model.cfg.d_vocab
+    if min_count is not None:
+        ids = frequent_tokens(loaded, min_count)
+        assert ids is not None
+        n = int(ids.numel())
+        return TokenSet(ids, n, f"the {n:,} tokens seen at least {min_count:,} times in training", f"min_count={min_count}")
+    if vocab == "all" or d_vocab <= DEFAULT_VOCAB:
+        return TokenSet(None, d_vocab, None, "all")
+    counts = load_token_counts(loaded.path, d_vocab)
+    if counts is not None:
+        top = np.sort(np.argsort(-counts, kind="stable")[:DEFAULT_VOCAB])
+        return TokenSet(torch.from_numpy(top).long(), DEFAULT_VOCAB,
+                        f"the {DEFAULT_VOCAB:,} most frequent of the {d_vocab:,} tokens (training counts)", "frequent")
+    return TokenSet(torch.arange(DEFAULT_VOCAB), DEFAULT_VOCAB,
+                    f"the {DEFAULT_VOCAB:,} lowest ids of the {d_vocab:,} tokens (the model has no training counts; in a BPE "
+                    "vocabulary the earliest merges, roughly the most frequent)", "lowest-ids")
+
+
+SHARED_K = 20  # the largest k the app asks a global table for by default: the API's 20 (head page 10, skip source 1)
+
+
+class GlobalTop(BaseModel):
+    """A global top-k table, kept in the result cache for every request that reads a prefix of it."""
+
+    values: list[float]
+    rows: list[int]
+    cols: list[int]
+
+
+def global_top(loaded: LoadedModel, circuit_of: Callable[[], FactoredMatrix], table: tuple[str, ...], k: int,
+               tokens: TokenSet, limits: Limits) -> GlobalTop:
+    """The k largest entries of circuit_of() among tokens x tokens: the first k of one shared top-max(k, SHARED_K)
+    table, cached under (model digest, weights, `table` = circuit, head, offset, token set, its k)."""
+    shared = max(k, min(SHARED_K, tokens.n**2))
+    key = ("global-top", str(loaded.digest), basis(loaded), *table, tokens.name, str(shared))
+
+    def build() -> GlobalTop:
+        values, rows, cols = circuit_of().topk_global(shared, budget_bytes=limits.matrix_budget_bytes, rows=tokens.ids,
+                                                      cols=tokens.ids)  # [shared] each
+        return GlobalTop(values=values.tolist(), rows=rows.tolist(), cols=cols.tolist())
+
+    top = cached_build(key, GlobalTop, build)
+    return GlobalTop(values=top.values[:k], rows=top.rows[:k], cols=top.cols[:k])
+
+
 def _top_view(
     loaded: LoadedModel,
     circuit_of: Callable[[], FactoredMatrix],
@@ -75,29 +146,31 @@ def _top_view(
     limits: Limits,
     min_count: int | None = None,
     line_of: Callable[[int], Tensor] | None = None,
+    vocab: Literal["default", "all"] = "default",
+    offset: int = 0,
 ) -> CircuitTopView:
     """circuit_of() builds the factored circuit (global top-k, or a token's line); line_of(t), when given,
     reads a token's row/column straight from the weights instead (no [d_vocab, d_head] factors: ms on GPT-2)."""
     rows_label, cols_label = LABELS[circuit]
-    vocab = frequent_tokens(loaded, min_count)  # [n] or None: all tokens
-    n_vocab = None if vocab is None else int(vocab.numel())
+    ranked = token_set(loaded, min_count, vocab if token is None else "all")  # a token's line: every token or min_count's
+    n_vocab = None if ranked.ids is None else ranked.n
 
     def view(k: int, entries: list[MatrixEntry], **found: Any) -> CircuitTopView:
         return CircuitTopView(
             model=model_ref(loaded), circuit=circuit, head=head, row_label=rows_label, col_label=cols_label,
-            k=k, entries=entries, min_count=min_count, n_tokens=n_vocab, basis=basis(loaded), **found,
+            k=k, entries=entries, min_count=min_count, n_tokens=n_vocab, token_set=ranked.said, basis=basis(loaded), **found,
         )
 
     with torch.no_grad():
         if token is None:
-            fm = circuit_of()
-            k = check_k(k, limits, fm.ldim * fm.rdim if n_vocab is None else n_vocab**2)
-            values, rows, cols = fm.topk_global(k, budget_bytes=limits.matrix_budget_bytes, rows=vocab, cols=vocab)  # [k] each
+            k = check_k(k, limits, ranked.n**2)
+            top = global_top(loaded, circuit_of, (circuit, head or "", str(offset)), k, ranked, limits)
             entries = [
-                MatrixEntry(row=token_ref(loaded, r), col=token_ref(loaded, c), value=float(v))
-                for v, r, c in zip(values.tolist(), rows.tolist(), cols.tolist(), strict=True)
+                MatrixEntry(row=token_ref(loaded, r), col=token_ref(loaded, c), value=v)
+                for v, r, c in zip(top.values, top.rows, top.cols, strict=True)
             ]
             return view(k, entries)
+        vocab_ids = ranked.ids
         t = resolve_token(loaded, token)
         if line_of is not None:
             line: Tensor = line_of(t)  # [d_vocab]
@@ -105,8 +178,8 @@ def _top_view(
             fm = circuit_of()
             line = (fm.rows([t]) if side == "row" else fm.cols([t]))[0]  # [d_vocab]
         own = float(line[t])  # every circuit here is [d_vocab, d_vocab]
-        if vocab is not None:  # rank and list only the frequent tokens
-            line = torch.full_like(line, float("-inf")).index_copy(0, vocab, line[vocab])
+        if vocab_ids is not None:  # rank and list only the frequent tokens
+            line = torch.full_like(line, float("-inf")).index_copy(0, vocab_ids, line[vocab_ids])
         k = check_k(k, limits, line.numel() if n_vocab is None else n_vocab)
         values, idx = line.topk(k)
         ref = token_ref(loaded, t)
@@ -125,7 +198,7 @@ def build_ov_view(loaded: LoadedModel, p: OVParams, limits: Limits) -> CircuitTo
     loaded = with_basis(loaded, p.basis)
     layer, h = parse_head(p.head, loaded.model.cfg)
     return _top_view(loaded, lambda: circuits.full_ov_circuit(loaded.model, layer, h), "ov", p.head, p.token, "row", p.k,
-                     limits, p.min_count, lambda t: circuits.full_ov_row(loaded.model, layer, h, t))
+                     limits, p.min_count, lambda t: circuits.full_ov_row(loaded.model, layer, h, t), p.vocab)
 
 
 def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTopView:
@@ -140,11 +213,11 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
         model, offset = loaded.model, p.offset
         line = rotary.full_qk_col_at if side == "column" else rotary.full_qk_row_at
         view = _top_view(loaded, lambda: rotary.full_qk_circuit_at(model, layer, h, offset), "qk", p.head, p.token, side,
-                         p.k, limits, p.min_count, lambda t: line(model, layer, h, t, offset))
+                         p.k, limits, p.min_count, lambda t: line(model, layer, h, t, offset), p.vocab, offset)
         return view.model_copy(update={"offset": offset})
     column = (lambda t: circuits.full_qk_col(loaded.model, layer, h, t)) if side == "column" else None
     return _top_view(loaded, lambda: circuits.full_qk_circuit(loaded.model, layer, h), "qk", p.head, p.token, side, p.k,
-                     limits, p.min_count, column)
+                     limits, p.min_count, column, p.vocab)
 
 
 def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> CircuitTopView:
@@ -152,7 +225,7 @@ def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> C
     with the model's probability (softmax of its row) and, where the model has a held-out corpus, the corpus's."""
     loaded = with_basis(loaded, p.basis)
     view = _top_view(loaded, lambda: circuits.direct_path(loaded.model), "direct", None, p.token, "row", p.k, limits,
-                     p.min_count, lambda t: circuits.direct_row(loaded.model, t))
+                     p.min_count, lambda t: circuits.direct_row(loaded.model, t), p.vocab)
     model = loaded.model
     data = find_eval_data(loaded.path)
     bigrams = HeldOutBigrams(data) if data is not None else None
@@ -172,19 +245,30 @@ def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> C
     return view.model_copy(update={"corpus": corpus})
 
 
+def _search_cost(loaded: LoadedModel, p: DirectParams, limits: Limits) -> Cost:
+    """The global table a request without a token reads: top max(k, SHARED_K) among its token set."""
+    ranked = token_set(loaded, p.min_count, p.vocab)
+    return circuits.top_cost(loaded.model, max(p.k, min(SHARED_K, ranked.n**2)), limits.matrix_budget_bytes, line=False,
+                             n_tokens=ranked.n)
+
+
 def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits) -> Cost:
     """A token's row or column, else the global top-k (on the frequent tokens only with min_count)."""
     check_offset(loaded, getattr(p, "offset", 0))  # a request the model cannot answer is refused before its price
-    n = None if p.min_count is None else int(frequent_tokens(loaded, p.min_count).numel())  # type: ignore[union-attr]
-    cost = circuits.top_cost(loaded.model, p.k, limits.matrix_budget_bytes, line=p.token is not None, n_tokens=n)
+    if p.token is None:
+        cost = _search_cost(loaded, p, limits)
+    else:
+        n = None if p.min_count is None else token_set(loaded, p.min_count, "all").n
+        cost = circuits.top_cost(loaded.model, p.k, limits.matrix_budget_bytes, line=True, n_tokens=n)
     return cost + raw_copy_cost(loaded, p.basis)
 
 
-def _strongest_source(loaded: LoadedModel, layer: int, h: int, limits: Limits, vocab: Tensor | None) -> int:
-    """The source token of the largest full-OV entry (among vocab x vocab): the default skip-trigram source."""
-    fm = circuits.full_ov_circuit(loaded.model, layer, h)
-    _, rows, _ = fm.topk_global(1, budget_bytes=limits.matrix_budget_bytes, rows=vocab, cols=vocab)
-    return int(rows[0])
+def _strongest_source(loaded: LoadedModel, layer: int, h: int, limits: Limits, ranked: TokenSet) -> int:
+    """The source token of the largest full-OV entry (among the ranked tokens): the default skip-trigram source, the
+    first row of the OV circuit's shared global table."""
+    top = global_top(loaded, lambda: circuits.full_ov_circuit(loaded.model, layer, h), ("ov", head_name(layer, h), "0"), 1,
+                     ranked, limits)
+    return top.rows[0]
 
 
 def build_skip_trigrams_view(loaded: LoadedModel, p: SkipTrigramParams, limits: Limits) -> SkipTrigramView:
@@ -195,9 +279,10 @@ def build_skip_trigrams_view(loaded: LoadedModel, p: SkipTrigramParams, limits: 
     head, token, k, min_count = p.head, p.token, p.k, p.min_count
     layer, h = parse_head(head, loaded.model.cfg)
     vocab = frequent_tokens(loaded, min_count)  # [n] or None
+    ranked = token_set(loaded, min_count, p.vocab)  # the default source's candidates
     k = check_k(k, limits, loaded.model.cfg.d_vocab if vocab is None else int(vocab.numel()))
     with torch.no_grad():
-        source = resolve_token(loaded, token) if token is not None else _strongest_source(loaded, layer, h, limits, vocab)
+        source = resolve_token(loaded, token) if token is not None else _strongest_source(loaded, layer, h, limits, ranked)
         check_offset(loaded, p.offset)
         offset = p.offset if is_rotary(loaded) else None  # rotary: destinations from the QK column at δ
         col = rotary.full_qk_col_at(loaded.model, layer, h, source, offset) if offset is not None else None
@@ -213,7 +298,7 @@ def build_skip_trigrams_view(loaded: LoadedModel, p: SkipTrigramParams, limits: 
     ]
     return SkipTrigramView(
         model=model_ref(loaded), head=head_name(layer, h), source=src, k=k, copying=st.copying, min_count=min_count,
-        destinations=dest, outs=outs, trigrams=trigrams, offset=offset,
+        destinations=dest, outs=outs, trigrams=trigrams, offset=offset, token_set=ranked.said if token is None else None,
     )
 
 
@@ -234,8 +319,9 @@ QK = Analysis(
 
 def skip_trigrams_cost(loaded: LoadedModel, p: SkipTrigramParams, limits: Limits) -> Cost:
     check_offset(loaded, p.offset)
-    return circuits.skip_trigrams_cost(loaded.model, p.k, limits.matrix_budget_bytes, token=p.token is not None) + raw_copy_cost(
-        loaded, p.basis)
+    lines = circuits.skip_trigrams_cost(loaded.model, p.k, limits.matrix_budget_bytes, token=True)
+    search = Cost(0) if p.token is not None else _search_cost(loaded, p.model_copy(update={"k": 1}), limits)
+    return search.then(lines) + raw_copy_cost(loaded, p.basis)
 
 
 SKIP_TRIGRAMS = Analysis(

@@ -129,7 +129,7 @@ def test_pair_path_parameters_fill_the_link(tiny: LoadedModel) -> None:
 def test_the_page_links_its_json_twin(client: TestClient) -> None:
     html = client.get("/models/tiny-2l/direct", params={"k": 7}).text
     # every param, defaults too (the direct page ranks frequent tokens by default where the model has counts)
-    assert 'href="/api/v1/models/tiny-2l/direct?k=7&amp;basis=served&amp;min_count=50"' in html
+    assert 'href="/api/v1/models/tiny-2l/direct?k=7&amp;basis=served&amp;min_count=50&amp;vocab=default"' in html
     html = client.get("/models/tiny-2l/composition/L00H1/L1H0", params={"k": 5}).text
     assert 'href="/api/v1/models/tiny-2l/composition/L0H1/L1H0?k=5&amp;basis=served"' in html
 
