@@ -10,9 +10,11 @@ from __future__ import annotations
 import math
 
 import torch
+from pydantic import BaseModel
 from torch import Tensor
 
 from app.analysis import Analysis, AnalysisParams, build_cached
+from app.compute import cached_build
 from app.params import CopyingParams, HeadParams, NoParams
 from app.schemas import Complex, CopyingMetricsView, DetectorInput, HeadScores, HeadsView, HeadView, PositionalQK
 from app.settings import Limits
@@ -127,11 +129,6 @@ def build_copying_view(loaded: LoadedModel, p: CopyingParams, limits: Limits) ->
     )
 
 
-def _complex(values: Tensor) -> list[Complex]:
-    order = values.abs().argsort(descending=True)
-    return [Complex(re=float(values[i].real), im=float(values[i].imag)) for i in order.tolist()]
-
-
 def _positional(loaded: LoadedModel, layer: int, h: int) -> PositionalQK | None:
     cfg = loaded.model.cfg
     if loaded.model.W_pos is None or cfg.positional_embedding_type not in ("standard", "shortformer") or cfg.n_ctx < 2:
@@ -143,6 +140,32 @@ def _positional(loaded: LoadedModel, layer: int, h: int) -> PositionalQK | None:
     )
 
 
+class Spectra(BaseModel):
+    """Every head's full OV and QK eigenvalues, each head's d_head sorted by |lambda| (flat [n_layers * n_heads *
+    d_head], layer-major): both come from one pass over all heads, so they are computed once per model and kept in
+    the result cache for every head view (on GPT-2 small ~4 s a pass, which each of 144 head views repeated)."""
+
+    ov_re: list[float]
+    ov_im: list[float]
+    qk_re: list[float]
+    qk_im: list[float]
+
+    def head(self, which: str, index: int, d_head: int) -> list[Complex]:
+        re, im = getattr(self, f"{which}_re"), getattr(self, f"{which}_im")
+        part = slice(index * d_head, (index + 1) * d_head)
+        return [Complex(re=a, im=b) for a, b in zip(re[part], im[part], strict=True)]
+
+
+def spectra(loaded: LoadedModel) -> Spectra:
+    def build() -> Spectra:
+        with torch.no_grad():
+            ov, qk = circuits.ov_eigenvalues(loaded.model), circuits.qk_eigenvalues(loaded.model)  # [L, H, d_head] complex
+        ov, qk = (e.gather(-1, e.abs().sort(stable=True, dim=-1, descending=True).indices).flatten() for e in (ov, qk))
+        return Spectra(ov_re=ov.real.tolist(), ov_im=ov.imag.tolist(), qk_re=qk.real.tolist(), qk_im=qk.imag.tolist())
+
+    return cached_build(("head-spectra", str(loaded.digest)), Spectra, build)
+
+
 def build_head_view(loaded: LoadedModel, p: HeadParams, limits: Limits) -> HeadView:
     """One head: its scores (from the heads table, cached), OV/QK spectra (eigenvalues by |lambda|, singular
     values) and positional pattern."""
@@ -151,9 +174,8 @@ def build_head_view(loaded: LoadedModel, p: HeadParams, limits: Limits) -> HeadV
     name = head_name(layer, h)
     table = build_cached(HEADS, loaded, loaded.path.name, NoParams(), limits)
     scores = next(s for s in table.heads if s.head == name)
+    every, index, d_head = spectra(loaded), layer * model.cfg.n_heads + h, model.cfg.d_head
     with torch.no_grad():
-        ov_eig = circuits.ov_eigenvalues(model)[layer, h]  # [d_head] complex
-        qk_eig = circuits.qk_eigenvalues(model)[layer, h]  # [d_head] complex
         ov_s = circuits.ov_circuit(model, layer, h).S  # [d_head]
         qk_s = circuits.qk_circuit(model, layer, h).S  # [d_head]
         positional = _positional(loaded, layer, h)
@@ -163,8 +185,8 @@ def build_head_view(loaded: LoadedModel, p: HeadParams, limits: Limits) -> HeadV
         layer=layer,
         index=h,
         scores=scores,
-        ov_eigenvalues=_complex(ov_eig),
-        qk_eigenvalues=_complex(qk_eig),
+        ov_eigenvalues=every.head("ov", index, d_head),
+        qk_eigenvalues=every.head("qk", index, d_head),
         ov_singular_values=[float(s) for s in ov_s],
         qk_singular_values=[float(s) for s in qk_s],
         positional=positional,
