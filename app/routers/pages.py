@@ -58,6 +58,7 @@ from app.views.composition import COMPOSITION
 from app.views.detectors import DETECTORS
 from app.views.heads import HEAD, HEADS
 from app.views.models import build_model_view
+from app.views.page_claims import loss_sentence, scatter_sentence
 from app.views.tour_figures import positivity_scatter
 from circuits_core.config import ModelConfig, head_name, parse_head
 from circuits_core.errors import QkovError
@@ -234,7 +235,7 @@ async def overview_page(request: Request, registry: RegistryDep, loaded: LoadedM
     heads: HeadsView = await run(HEADS, loaded, entry.id, NoParams(), limits)
     ctx = await page_context(request, registry, entry.id, json_url(HEADS, entry.id, NoParams()), entry.id, "overview")
     fig = heads_grid(loaded, heads.heads, score, entry.id) if heads.heads else None
-    scatter = None
+    scatter, scatter_claim = None, None
     if loaded.model.cfg.n_layers >= 2 and not is_fragment(request):
         data, _ = await attempt(lambda: positivity_scatter(loaded, limits)[0], key=(entry.id, loaded.digest, "positivity"))
         if data:
@@ -243,8 +244,10 @@ async def overview_page(request: Request, registry: RegistryDep, loaded: LoadedM
                 [p["ov_copying"] or 0.0 for p in pts], [p["k_composition_positivity"] for p in pts], [p["head"] for p in pts],
                 title=f"OV copying vs K-composition positivity with previous-token head {data['previous_token_head']}",
                 x_title="OV copying score (Σλ/Σ|λ|)", y_title="K-composition positivity", links=[f"/models/{entry.id}/heads/{p['head']}" for p in pts])
+            scatter_claim = scatter_sentence(pts, heads)
     response = render(request, "overview.html", {**ctx, "summary": summary, "heads": heads, "score": score, "scores": SCORES,
-                                                 "fig": fig, "scatter": scatter, "card_fig": training_curve(summary.card)},
+                                                 "fig": fig, "scatter": scatter, "scatter_claim": scatter_claim,
+                                                 "card_fig": training_curve(summary.card)},
                       blocks=("heads_panel",))
     if response.status_code == 200 and (scatter is not None or loaded.model.cfg.n_layers < 2 or is_fragment(request)):
         await keep_page(request, key, bytes(response.body))  # not a page whose scatter failed this time
@@ -330,6 +333,7 @@ async def detectors_context(call: PageCall) -> dict[str, Any]:
     p: DetectorParams = call.params  # normalised: seq_len is the standard input fitted to the model when not given
     view = await call.run(DETECTORS, p)
     return {"view": view, "figs": detector_charts(view, call.model_id or ""), "seq_len": p.seq_len, "batch": p.batch,
+            "claim": loss_sentence(view.loss.first_repeat, view.loss.second_repeat),
             "seed": p.seed, "prompt": p.prompt, "heads": p.heads}
 
 

@@ -32,6 +32,7 @@ from app.routers.rendering import Page, PageCall, url
 from app.views.basis import changes_weights
 from app.views.composition import COMPOSITION, COMPOSITION_PAIR
 from app.views.heads import HEADS
+from app.views.page_claims import ablation_sentence, composition_sentence
 from app.views.path import PATH
 from app.views.prompt import PATHS, PROMPT
 from app.views.qk_paths import QK_PATHS
@@ -79,14 +80,17 @@ async def composition_context(call: PageCall) -> dict[str, Any]:
     view, error = await call.attempt(COMPOSITION, call.params)
     kind = call.params.kind
     call.title = f"{kind}-composition · {call.model_id}"
-    zmax = None
+    zmax, claim = None, None
     if view is not None:  # one colour scale for Q, K and V (the other kinds' answers are cached like this one)
         views = [view] + [v for k in ("Q", "K", "V") if k != kind
                           for v, _ in [await call.attempt(COMPOSITION, call.params.model_copy(update={"kind": k}))] if v is not None]
         zmax = charts.shared_range([v.minus_baseline for v in views])
+        k_view = next((v for v in views if v.kind == "K"), None)
+        if not call.params.offset:  # what this model shows (detector scores on the standard input, cached)
+            claim = composition_sentence(call.model_id or "", (await call.attempt(HEADS, NoParams()))[0], k_view)
     return {"view": view, "error": error, "kind": kind, "fig": charts.composition_heatmap(view, call.model_id or "", zmax) if view else None,
             "offset": call.params.offset or None, "is_rotary": rotary_enabled(call), "n_ctx": call.model.model.cfg.n_ctx if call.model else 0,
-            **basis_choice(call)}
+            "claim": claim, **basis_choice(call)}
 
 
 def basis_choice(call: PageCall) -> dict[str, Any]:
@@ -230,6 +234,7 @@ async def term_importance_context(call: PageCall) -> dict[str, Any]:
     ctx = {"view": view, "error": error, "figs": {}, "prompt": prompt}
     if view is None:
         return ctx
+    ctx["claim"] = ablation_sentence(view, (await call.attempt(HEADS, NoParams()))[0])
     n = len(view.loss_by_order)
     ctx["figs"] = {
         "by_order": charts.bars([f"order ≤ {i}" for i in range(n)], view.loss_by_order, title="mean loss keeping paths up to each order",
