@@ -11,6 +11,7 @@ import asyncio
 import io
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,7 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from app.cache import ENTRY_OVERHEAD, ResultCache
-from app.compute import ComputeService, compute, compute_json
+from app.compute import ComputeService, cheap, compute, compute_json
 from app.main import create_app
 from app.observability import JsonFormatter
 from app.settings import Settings
@@ -264,6 +265,43 @@ def test_each_computation_runs_with_the_configured_threads(settings: Settings) -
         return await ComputeService(slots=2, torch_threads=None).run(torch.get_num_threads, (), {}, None)
 
     assert asyncio.run(alone()) == available_cores()
+
+
+def thread_nice(tid: int) -> int:
+    """A thread's nice value from /proc (field 19 of its stat line), independent of os.getpriority."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.skipif(not hasattr(os, "setpriority") or not os.path.isdir("/proc/self/task"), reason="Linux only")
+def test_computations_run_nicer_than_cheap_work_and_their_torch_threads_too() -> None:
+    """Compute threads (and the torch intra-op threads they start) run `nice` steps nicer than the process, so
+    the event loop and cheap work get a core first; cheap work keeps the process's priority."""
+    import threading
+
+    base = thread_nice(threading.get_native_id())
+
+    def heavy() -> dict[str, Any]:
+        before = set(os.listdir("/proc/self/task"))
+        torch.set_num_threads(2)
+        a = torch.randn(512, 512)
+        (a @ a).sum()  # starts this thread's intra-op workers, if it has none yet
+        started = set(os.listdir("/proc/self/task")) - before
+        return {"self": thread_nice(threading.get_native_id()), "started": [thread_nice(int(t)) for t in started]}
+
+    async def scenario() -> tuple[dict[str, Any], int]:
+        service = ComputeService(slots=1, nice=7)
+        try:
+            got = await service.run(heavy, (), {}, None)
+            return got, await cheap(lambda: thread_nice(threading.get_native_id()))
+        finally:
+            service.close()
+
+    got, cheap_nice = asyncio.run(scenario())
+    assert got["self"] == min(19, base + 7)
+    assert all(n == min(19, base + 7) for n in got["started"]), got
+    assert cheap_nice == base
+    assert thread_nice(threading.get_native_id()) == base  # the caller is untouched
 
 
 # -- pricing: refused before a slot, answer bounded inside it -------------------------------------------------
