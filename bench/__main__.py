@@ -19,7 +19,8 @@ from collections.abc import Callable
 
 import torch
 
-SECTION_MODULES = ("bench.engine", "bench.engine2", "bench.load", "bench.http", "bench.virtual_weights", "bench.store", "bench.modern", "bench.rotary")
+SECTION_MODULES = ("bench.engine", "bench.engine2", "bench.load", "bench.http", "bench.virtual_weights", "bench.store", "bench.modern", "bench.rotary",
+                   "bench.copying")
 
 
 def collect() -> dict[str, Callable[[], None]]:

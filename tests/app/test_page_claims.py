@@ -193,11 +193,12 @@ def test_overview_scatter_places_the_induction_head(client, toy2l, card2l):
 
 
 @pytest.mark.skipif(not SMOLLM2.exists(), reason="SmolLM2-135M not fetched (make smollm2)")
-def test_smollm2_detectors_page_loss_sentence(client):
+def test_smollm2_detectors_page_loss_sentence():
     """The fetched model: the detectors page's sentence agrees with its measured summary (model_summary.json,
     checked against transformers in tests/core/test_smollm2.py)."""
     summary = json.loads((SMOLLM2 / "model_summary.json").read_text())
-    said = sentence(client.get("/models/smollm2-135m/detectors").text, "loss-claim")
+    with TestClient(create_app(Settings(store_url="off", models_dir=SMOLLM2.parent))) as c:
+        said = sentence(c.get("/models/smollm2-135m/detectors").text, "loss-claim")
     found = re.search(rf"drops by {NUM} nats", said)
     assert found, said
     assert float(found.group(1)) == pytest.approx(summary["loss_first_copy"] - summary["loss_second_copy"], abs=0.02)
