@@ -70,3 +70,20 @@ def test_composition_offset_and_pair_profile(rpage: Page) -> None:
     expect(rpage.locator("#rotary-profile")).to_contain_text("K peak")
     n = rpage.evaluate("() => document.querySelector('#rotary-profile .js-plotly-plot').data.length")
     assert n == 3  # Q, K and the baseline
+
+
+def test_head_page_qk_copying_offset(rpage: Page) -> None:
+    """The QK eigenvalue copying panel: its curve over δ and its eigenvalue chart draw; its own offset form loads
+    the page at that δ (eigenvalue chart, note and the circuits panel's offset follow)."""
+    rpage.goto("/models/rope/heads/L2H1", wait_until="load")
+    charts_drawn(rpage, 4)
+    panel = rpage.locator("#rotary-qk-copying")
+    expect(panel.locator("header .note")).to_contain_text("at δ = 0")
+    rpage.fill("#qk-copying-offset", "5")
+    panel.locator("form button").click()
+    rpage.wait_for_url("**offset=5**")
+    charts_drawn(rpage, 4)
+    expect(panel.locator("header .note")).to_contain_text("at δ = 5")
+    titles = rpage.evaluate("() => [...document.querySelectorAll('#rotary-qk-copying .js-plotly-plot')].map(g => g.layout.title.text)")
+    assert any("QK eigenvalue copying of L2H1 over δ" in t for t in titles) and any("at δ = 5" in t for t in titles)
+    expect(rpage.locator("#offset-input")).to_have_value("5")
