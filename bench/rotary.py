@@ -14,10 +14,12 @@ Section `rotary`:
       The values are compared with qkov's on TL's basis (raw W_E, `G = W_U W_E`).
   (c) one row of Ω(δ)'s full QK circuit, top 20 (goal < 30 ms). TL has no Ω(δ); its closest is a row of
       `W_E @ QK @ W_E.T` at δ = 0.
+      The per-token ln1 scales of W_E are formed once per model (circuits.embed_norm) and printed beside it.
   (d) global top 100 of a full QK circuit at δ = 5, 49,152 x 49,152 (goal < 3 s). TL would materialise the
       9.7 GB matrix: not run.
   (e) the heads table, cold (detectors on 10 x (BOS + 2 x 50), copying scores, kernel peaks on the reference
       text; goal < 5 s). TL reference in the same run: a 128-token run_with_cache.
+  (f) QK eigenvalue copying of one head over δ = 0..64 (the heads/{head}/qk-copying analysis), vocabulary Gram included.
 Each figure comes with the fp32 GFLOP/s of a reference matmul around it and an idle-machine estimate (bench.engine2),
 since the 2-core machine is shared. Medians of a few repeats; nothing asserts on time.
 """
@@ -94,9 +96,14 @@ def run_rotary() -> None:
     def qk_row() -> Any:
         return rotary.full_qk_row_at(model, 17, 4, 1234, 5).topk(20)
 
+    t_norm, _ = median_time(lambda: circuits.embed_norm(_fresh_copy(model)), repeats=1)  # the first call's extra work
     qk_row()
     t_row, g, _ = timed(qk_row, repeats=5)
-    row("(c) Ω(δ = 5) full QK row, top 20", t_row, "< 30 ms", f"token 1234, L17H4; {normalised(t_row, g)}")
+    row("(c) Ω(δ = 5) full QK row, top 20", t_row, "< 30 ms", f"token 1234, L17H4; {normalised(t_row, g)}; "
+        f"+ {fmt_time(t_norm).strip()} once per model for ln1's per-token scales of W_E (circuits.embed_norm)")
+    # (f) QK eigenvalue copying over δ of one head (heads/{head}/qk-copying)
+    t_qkc, g, _ = timed(lambda: rotary.head_qk_eigenvalues_at(model, 17, 4, range(65)), repeats=3)
+    row("(f) QK eigenvalue copying of one head, δ 0..64", t_qkc, "", f"L17H4, vocabulary Gram included; {normalised(t_qkc, g)}")
     # (d) global top 100 at δ
     factors = rotary.full_qk_factors(model, 17, 4)
     t_top, g, top = timed(lambda: rotary.full_qk_circuit_at(model, 17, 4, 5, factors).topk_global(100), repeats=2)
@@ -117,6 +124,13 @@ def run_rotary() -> None:
     tl.run_with_cache(tokens)
     t_tl, _ = median_time(lambda: tl.run_with_cache(tokens), repeats=3)
     row("    TL (e) run_with_cache, 128 tokens (reference)", t_tl, "", f"qkov heads table cold {fmt_time(t_heads).strip()}")
+
+
+def _fresh_copy(model: Transformer) -> Transformer:
+    """A model object sharing the weights but none of the derived data cached on the object (a cold start)."""
+    fresh = Transformer(model.cfg)
+    fresh.load_state_dict(model.state_dict(), assign=True)
+    return fresh
 
 
 def _heads_table(model: Transformer) -> float:
