@@ -56,7 +56,7 @@ HEADER_MAX_BYTES = 100_000_000  # safetensors' own limit on the JSON header
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _PAGE = mmap.PAGESIZE
-SLAB_BYTES = 1 << 16  # stored bytes per slab of a transposing copy (fits the L1/L2 caches with its output)
+SLAB_BYTES = 1 << 18  # stored bytes per slab of a transposing copy (fits the L2 cache with its output)
 
 
 class _MappedFile:
@@ -103,7 +103,7 @@ class _MappedFile:
         start = self.base + offsets[0]
         view = torch.frombuffer(self.map, dtype=source, count=numel, offset=start).view(shape) if numel else (
             torch.empty(shape, dtype=source))
-        out = _laid_out(layout(view), dtype)
+        out = laid_out(layout(view), dtype)
         del view
         first = start - start % _PAGE
         if nbytes and hasattr(mmap, "MADV_DONTNEED"):  # (not on Windows)
@@ -111,7 +111,7 @@ class _MappedFile:
         return out
 
 
-def _laid_out(arranged: Tensor, dtype: torch.dtype) -> Tensor:
+def laid_out(arranged: Tensor, dtype: torch.dtype) -> Tensor:
     """A strided view (a transpose of the stored tensor) copied into a new contiguous `dtype` tensor: converted and
     laid out in one pass, slab by slab along the view's outermost stored dimension, so each slab's reads and
     writes stay in cache (one pass over a whole transposed matrix misses the cache on every other read: 2-3x
@@ -295,7 +295,7 @@ def load_llama(folder: Path, hf: dict[str, Any], dtype: torch.dtype = torch.floa
             raise CheckpointError(f"{src.where['lm_head.weight']}: lm_head.weight differs from embed_tokens.weight "
                                   "but the config ties them (tie_word_embeddings)")
     elif tied:
-        sd["unembed.W_U"] = _laid_out(sd["embed.W_E"].T, dtype)  # [d_model, d_vocab], its own copy
+        sd["unembed.W_U"] = laid_out(sd["embed.W_E"].T, dtype)  # [d_model, d_vocab], its own copy
     else:
         raise CheckpointError(f"missing tensor lm_head.weight (tie_word_embeddings is false); found: {folder_listing(folder)}")
     if cfg.use_bias:

@@ -1,4 +1,4 @@
-"""The slab-by-slab layout copy of the Llama-family reader (formats_llama._laid_out) against a plain one-pass copy.
+"""The slab-by-slab layout copy of the Llama-family reader (formats_llama.laid_out) against a plain one-pass copy.
 
 The loader's own tests use tiny checkpoints, whose tensors fit one slab; here the slab is made small so every
 layout (nn.Linear transpose, per-head Q/K/V, per-head O) is copied in many slabs, uneven last one included.
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from circuits_core import formats_llama
-from circuits_core.formats_llama import _T, _laid_out, _output_heads, _per_head
+from circuits_core.formats_llama import _T, _output_heads, _per_head, laid_out
 
 
 @pytest.mark.parametrize("slab", [1, 96, 1 << 16])
@@ -24,13 +24,13 @@ def test_slab_copy_equals_one_pass_copy(monkeypatch: pytest.MonkeyPatch, slab: i
     for stored, layout in cases:
         for dtype in (torch.float32, torch.float64):
             want = torch.empty(layout(stored).shape, dtype=dtype).copy_(layout(stored))  # one pass
-            got = _laid_out(layout(stored), dtype)
+            got = laid_out(layout(stored), dtype)
             assert got.is_contiguous() and got.dtype == dtype
             assert torch.equal(got, want)
     # the per-head layouts are the documented reshapes: W_Q[h] = q_proj rows h*dh..(h+1)*dh, transposed
-    got = _laid_out(_per_head(6, 8, 35)(W), torch.float64)
+    got = laid_out(_per_head(6, 8, 35)(W), torch.float64)
     for h in range(6):
         assert torch.equal(got[h], W[h * 8 : (h + 1) * 8].double().T)
-    got = _laid_out(_output_heads(6, 8, 35)(W_O), torch.float64)
+    got = laid_out(_output_heads(6, 8, 35)(W_O), torch.float64)
     for h in range(6):
         assert torch.equal(got[h], W_O[:, h * 8 : (h + 1) * 8].double().T)
