@@ -58,7 +58,7 @@ from app.views.composition import COMPOSITION
 from app.views.detectors import DETECTORS
 from app.views.heads import HEAD, HEADS
 from app.views.models import build_model_view
-from app.views.page_claims import loss_sentence, scatter_sentence
+from app.views.page_claims import loss_sentence, rare_entries_sentence, scatter_sentence
 from app.views.tour_figures import positivity_scatter
 from circuits_core.config import ModelConfig, head_name, parse_head
 from circuits_core.errors import QkovError
@@ -322,6 +322,7 @@ async def direct_context(call: PageCall) -> dict[str, Any]:
                           height=max(260, 22 * len(view.entries) + 80))
     has_counts = has_token_counts(call.model)
     return {"view": view, "token": p.token, "k": p.k, "fig": fig, "max_k": call.limits.max_k,
+            "rare_claim": rare_entries_sentence(call.model, view.entries, MIN_TRAIN_COUNT) if view.token is None and shown is None else None,
             "min_count": shown if shown is not None else ("all" if has_counts else None), "has_counts": has_counts,
             "default_min_count": MIN_TRAIN_COUNT if has_counts else None, "min_count_choices": MIN_COUNT_CHOICES,
             "vocab": vocab if vocab == "all" and call.model.model.cfg.d_vocab > DEFAULT_VOCAB else None,

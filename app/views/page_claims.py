@@ -10,8 +10,10 @@ forward passes) and fails when a sentence stops saying what they show.
 
 from __future__ import annotations
 
-from app.schemas import HeadScores, HeadsView
+from app.schemas import HeadScores, HeadsView, MatrixEntry
 from app.schemas.analyses import CompositionView, TermImportanceView
+from circuits_core.phenomena import load_token_counts
+from circuits_core.weights import LoadedModel
 
 
 def _best(heads: list[HeadScores], score: str, layers: range | None = None) -> HeadScores | None:
@@ -75,3 +77,15 @@ def scatter_sentence(points: list[dict[str, float | str | None]], heads: HeadsVi
             for axis in ("ov_copying", "k_composition_positivity")}
     return (f"The strongest induction head, {induction.head} (induction score {induction.induction:.2f}), ranks "
             f"{rank['k_composition_positivity']} of {len(points)} on K-composition positivity and {rank['ov_copying']} on OV copying.")
+
+
+def rare_entries_sentence(loaded: LoadedModel, entries: list[MatrixEntry], threshold: int) -> str | None:
+    """How many distinct tokens of a circuit table were seen fewer than `threshold` times in training (None when the
+    model folder has no token counts)."""
+    counts = load_token_counts(loaded.path, loaded.model.cfg.d_vocab)
+    if counts is None or not entries:
+        return None
+    tokens = {t.id for e in entries for t in (e.row, e.col)}
+    rare = sum(int(counts[t]) < threshold for t in tokens)
+    return (f"Of the {len(tokens)} distinct tokens in this table, {rare} {'was' if rare == 1 else 'were'} seen fewer than "
+            f"{threshold} times in training.")

@@ -202,3 +202,23 @@ def test_smollm2_detectors_page_loss_sentence():
     found = re.search(rf"drops by {NUM} nats", said)
     assert found, said
     assert float(found.group(1)) == pytest.approx(summary["loss_first_copy"] - summary["loss_second_copy"], abs=0.02)
+
+
+def test_direct_page_counts_the_rare_tokens_of_its_table(client):
+    """All tokens ranked on toy-0l: the sentence counts the table's tokens seen < 50 times in training, checked with
+    the dense float64 W_E W_U of the stored weights and the counts file."""
+    import numpy as np
+
+    from circuits_core.phenomena import MIN_TRAIN_COUNT
+
+    m = load_checkpoint(ROOT / "toy-0l", dtype=torch.float64, process=False).model
+    k = 20
+    flat = (m.W_E @ m.W_U).flatten().topk(k).indices
+    tokens = {int(i) for i in flat // m.cfg.d_vocab} | {int(i) for i in flat % m.cfg.d_vocab}
+    counts = np.load(ROOT / "toy-0l" / "token_counts.npy")
+    rare = sum(int(counts[t]) < MIN_TRAIN_COUNT for t in tokens)
+    assert 0 < rare < len(tokens)  # some, not all: the sentence's count is not 0 (or all) by default
+    said = html.unescape(re.search(r'id="rare-claim">(.*?)</span>', client.get(
+        "/models/toy-0l/direct", params={"k": k, "min_count": "all"}).text).group(1))
+    assert said == f"Of the {len(tokens)} distinct tokens in this table, {rare} were seen fewer than {MIN_TRAIN_COUNT} times in training."
+    assert 'id="rare-claim"' not in client.get("/models/toy-0l/direct", params={"k": k}).text  # frequent tokens: no such line
