@@ -8,6 +8,7 @@ the self-contained API docs at /docs; /openapi.json is FastAPI's schema. No page
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -41,6 +42,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if settings.preload:
             await anyio.to_thread.run_sync(registry.preload)
+        # The ~250k objects of the imports (torch, fastapi, pydantic) and the preloaded models live as long as the
+        # process: frozen, a full collection no longer walks them (it paused every thread for 0.1-0.4 s under load).
+        gc.collect()
+        gc.freeze()
         yield
 
     app = FastAPI(
@@ -55,7 +60,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.registry = registry
     install_error_handlers(app)
     install_serving(app, settings)  # compute pool + cache, request ids, metrics, ETags, /healthz /readyz /metrics
-    app.add_middleware(GZipMiddleware, minimum_size=1024)
+    # Compression runs on the event loop: level 4 took 19 ms for a 365 KB answer where the default 9 took 131 ms
+    # (3 % larger output), time every other request waited.
+    app.add_middleware(GZipMiddleware, minimum_size=1024, compresslevel=4)
     static = REPO_ROOT / "static"
     if static.is_dir():
         app.mount("/static", CachedStaticFiles(directory=static), name="static")

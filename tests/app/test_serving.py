@@ -304,6 +304,25 @@ def test_computations_run_nicer_than_cheap_work_and_their_torch_threads_too() ->
     assert thread_nice(threading.get_native_id()) == base  # the caller is untouched
 
 
+def test_startup_freezes_the_long_lived_heap_and_gzip_runs_below_its_slowest_level(settings: Settings) -> None:
+    """After start-up the import-time objects are frozen (full collections skip them); a gzip answer is the same
+    JSON, compressed below level 9 (gzip's XFL header byte: 2 marks the slowest level, 0 the middle ones)."""
+    import gc
+    import gzip
+
+    gc.unfreeze()
+    assert gc.get_freeze_count() == 0
+    with TestClient(serving_app(settings)) as c:
+        assert gc.get_freeze_count() > 10_000
+        url = "/api/v1/models/tiny-2l/composition?kind=K"
+        plain = c.get(url, headers={"Accept-Encoding": "identity"})
+        with c.stream("GET", url, headers={"Accept-Encoding": "gzip"}) as r:
+            raw = b"".join(r.iter_raw())
+            assert r.headers["content-encoding"] == "gzip"
+    assert raw[:2] == b"\x1f\x8b" and raw[8] == 0
+    assert json.loads(gzip.decompress(raw)) == plain.json()
+
+
 # -- pricing: refused before a slot, answer bounded inside it -------------------------------------------------
 def test_a_request_over_the_peak_or_answer_budget_is_refused_before_compute(settings: Settings) -> None:
     calls: list[str] = []
