@@ -295,7 +295,7 @@ def qk_copying_at_cost(model: Transformer, n_offsets: int) -> Cost:
     d, dh = cfg.d_model, cfg.d_head
     gram = (d * d + 2 * EMBED_CHUNK * d) * itemsize(model.dtype)
     small = (d * d + 3 * d * dh + 3 * n_offsets * dh * dh) * 8
-    return Cost(gram).then(Cost(small)).with_answer(numbers=2 * dh + 2 * n_offsets + 1)
+    return Cost(gram).then(Cost(small)).with_answer(numbers=2 * dh + 2 * n_offsets + 1, labels=dh)  # {re, im} each
 
 
 def kernel_cost(model: Transformer, n_offsets: int, n_tokens: int) -> Cost:

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
-from app.views.rotary import reference_tokens
+from app.views.rotary import QKCopyingParams, qk_copying_cost, reference_tokens
 from circuits_core.config import ModelConfig
 from circuits_core.rotary import REFERENCE_NAME, rotation
 from circuits_core.weights import LoadedModel, load_checkpoint
@@ -168,6 +168,9 @@ def test_qk_copying_curve_vs_dense(client: TestClient, rope: LoadedModel):
         expected.append(float(eig.sum().real / eig.abs().sum()))
     assert max(abs(x - y) for x, y in zip(body["scores"], expected, strict=True)) < 1e-9
     assert body["peak_offset"] == max(range(13), key=lambda d: expected[d]) and body["offset"] == 0
+    for params in ({"max_offset": 1}, {"max_offset": 4096, "offset": 95}):  # the priced answer bounds the real one
+        answer = client.get(f"{API}/rope/heads/L2H1/qk-copying", params=params)
+        assert len(answer.content) <= qk_copying_cost(rope, QKCopyingParams(head="L2H1", **params), LIMITS).answer_bytes
     assert_problem(client.get(f"{API}/short/heads/L1H0/qk-copying"), 422, "rotary")
     assert_problem(client.get(f"{API}/rope/heads/L1H0/qk-copying", params={"offset": 96}), 422, "n_ctx")
     assert client.get(f"{API}/rope/heads/L1H0/qk-copying", params={"offset": -1}).status_code == 422

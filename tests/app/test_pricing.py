@@ -24,7 +24,7 @@ MODEL = "tiny-2l"
 TOKENS = "5,6,7,8,5,6,7,8,9"
 PATH_VALUES = {"model": MODEL, "head": "L1H0", "source": "L0H1", "target": "L1H2", "writer": "L0H1", "reader": "L1H0.K"}
 QUERY_VALUES = {"tokens": TOKENS, "heads": "L0H1,L1H2", "head": "L1H0", "k": 7}
-ROTARY_ONLY = {"positional", "rotary-bands", "composition-profile"}  # 422 on this (learned-position) model
+ROTARY_ONLY = {"positional", "rotary-bands", "composition-profile", "qk-copying-offset"}  # 422 on this (learned-position) model
 
 
 @pytest.fixture(scope="module")
