@@ -204,27 +204,34 @@ def ov_circuit(model: Transformer, layer: int, head: int) -> FactoredMatrix:
     return FactoredMatrix(attn.W_V[head], attn.W_O[head])
 
 
-def full_qk_circuit(model: Transformer, layer: int, head: int) -> FactoredMatrix:
+def full_qk_circuit(model: Transformer, layer: int, head: int, tokens: Tensor | None = None) -> FactoredMatrix:
     """W_E_eff W_Q W_K^T W_E_eff^T / attn_scale [d_vocab, d_vocab]: rows query token, cols key token.
 
     Entry [b, a] is the attention score (as in hook_attn_scores) of a query token b on a key token a,
-    token part only: positional and bias terms are not included.
+    token part only: positional and bias terms are not included. With `tokens` (ids [n]): the [n, n] submatrix
+    of those rows and columns, its factors formed on those tokens only.
     """
     check_head(model, layer, head)
     attn = _attn(model, layer)
+    if tokens is not None:
+        W_E = embed_eff_rows(model, tokens)  # [n, d_model]
+        return FactoredMatrix(W_E @ attn.W_Q[head] / model.cfg.scale, (W_E @ attn.W_K[head]).T)
     W_Q = embed_eff_matmul(model, attn.W_Q[head])  # [V, d_h]
     W_K = embed_eff_matmul(model, attn.W_K[head])  # [V, d_h]
     return FactoredMatrix(W_Q / model.cfg.scale, W_K.T)
 
 
-def full_ov_circuit(model: Transformer, layer: int, head: int) -> FactoredMatrix:
+def full_ov_circuit(model: Transformer, layer: int, head: int, tokens: Tensor | None = None) -> FactoredMatrix:
     """W_E_eff W_V W_O W_U [d_vocab, d_vocab]: rows source (attended) token, cols output logit.
 
     Entry [a, c] is how much attending to token a raises the logit of token c (ignoring the LayerNorms
-    after the head).
+    after the head). With `tokens` (ids [n]): the [n, n] submatrix of those rows and columns, its factors
+    formed on those tokens only.
     """
     check_head(model, layer, head)
     attn = _attn(model, layer)
+    if tokens is not None:
+        return FactoredMatrix(embed_eff_rows(model, tokens) @ attn.W_V[head], attn.W_O[head] @ model.W_U[:, tokens])
     return FactoredMatrix(embed_eff_matmul(model, attn.W_V[head]), attn.W_O[head] @ model.W_U)
 
 

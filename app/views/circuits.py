@@ -119,16 +119,26 @@ class GlobalTop(BaseModel):
     cols: list[int]
 
 
-def global_top(loaded: LoadedModel, circuit_of: Callable[[], FactoredMatrix], table: tuple[str, ...], k: int,
-               tokens: TokenSet, limits: Limits) -> GlobalTop:
-    """The k largest entries of circuit_of() among tokens x tokens: the first k of one shared top-max(k, SHARED_K)
-    table, cached under (model digest, weights, `table` = circuit, head, offset, token set, its k)."""
+CircuitOf = Callable[[Tensor | None], FactoredMatrix]  # token ids [n] (None: all) -> the circuit's [n, n] submatrix
+
+
+def restricted(fm: FactoredMatrix, ids: Tensor | None) -> FactoredMatrix:
+    """The submatrix of fm's rows and columns `ids` (fm itself for None), for circuits built whole."""
+    return fm if ids is None else FactoredMatrix(fm.A[ids], fm.B[:, ids])
+
+
+def global_top(loaded: LoadedModel, circuit_of: CircuitOf, table: tuple[str, ...], k: int, tokens: TokenSet,
+               limits: Limits) -> GlobalTop:
+    """The k largest entries of the circuit among tokens x tokens: the first k of one shared top-max(k, SHARED_K)
+    table, cached under (model digest, weights, `table` = circuit, head, offset, token set, its k). The circuit is
+    built on the token set only (circuit_of(ids)), so a large vocabulary's whole factors are never formed."""
     shared = max(k, min(SHARED_K, tokens.n**2))
     key = ("global-top", str(loaded.digest), basis(loaded), *table, tokens.name, str(shared))
 
     def build() -> GlobalTop:
-        values, rows, cols = circuit_of().topk_global(shared, budget_bytes=limits.matrix_budget_bytes, rows=tokens.ids,
-                                                      cols=tokens.ids)  # [shared] each
+        values, rows, cols = circuit_of(tokens.ids).topk_global(shared, budget_bytes=limits.matrix_budget_bytes)  # [shared]
+        if tokens.ids is not None:  # positions in the set -> token ids
+            rows, cols = tokens.ids[rows], tokens.ids[cols]
         return GlobalTop(values=values.tolist(), rows=rows.tolist(), cols=cols.tolist())
 
     top = cached_build(key, GlobalTop, build)
@@ -137,7 +147,7 @@ def global_top(loaded: LoadedModel, circuit_of: Callable[[], FactoredMatrix], ta
 
 def _top_view(
     loaded: LoadedModel,
-    circuit_of: Callable[[], FactoredMatrix],
+    circuit_of: CircuitOf,
     circuit: Literal["ov", "qk", "direct"],
     head: str | None,
     token: str | None,
@@ -149,7 +159,7 @@ def _top_view(
     vocab: Literal["default", "all"] = "default",
     offset: int = 0,
 ) -> CircuitTopView:
-    """circuit_of() builds the factored circuit (global top-k, or a token's line); line_of(t), when given,
+    """circuit_of(ids) builds the factored circuit (global top-k, or a token's line); line_of(t), when given,
     reads a token's row/column straight from the weights instead (no [d_vocab, d_head] factors: ms on GPT-2)."""
     rows_label, cols_label = LABELS[circuit]
     ranked = token_set(loaded, min_count, vocab if token is None else "all")  # a token's line: every token or min_count's
@@ -175,7 +185,7 @@ def _top_view(
         if line_of is not None:
             line: Tensor = line_of(t)  # [d_vocab]
         else:
-            fm = circuit_of()
+            fm = circuit_of(None)
             line = (fm.rows([t]) if side == "row" else fm.cols([t]))[0]  # [d_vocab]
         own = float(line[t])  # every circuit here is [d_vocab, d_vocab]
         if vocab_ids is not None:  # rank and list only the frequent tokens
@@ -197,7 +207,7 @@ def build_ov_view(loaded: LoadedModel, p: OVParams, limits: Limits) -> CircuitTo
     """Full OV circuit W_E W_V W_O W_U of a head: the token's row (the logits it raises), else global top-k."""
     loaded = with_basis(loaded, p.basis)
     layer, h = parse_head(p.head, loaded.model.cfg)
-    return _top_view(loaded, lambda: circuits.full_ov_circuit(loaded.model, layer, h), "ov", p.head, p.token, "row", p.k,
+    return _top_view(loaded, lambda ids: circuits.full_ov_circuit(loaded.model, layer, h, ids), "ov", p.head, p.token, "row", p.k,
                      limits, p.min_count, lambda t: circuits.full_ov_row(loaded.model, layer, h, t), p.vocab)
 
 
@@ -212,11 +222,11 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
     if is_rotary(loaded):
         model, offset = loaded.model, p.offset
         line = rotary.full_qk_col_at if side == "column" else rotary.full_qk_row_at
-        view = _top_view(loaded, lambda: rotary.full_qk_circuit_at(model, layer, h, offset), "qk", p.head, p.token, side,
+        view = _top_view(loaded, lambda ids: restricted(rotary.full_qk_circuit_at(model, layer, h, offset), ids), "qk", p.head, p.token, side,
                          p.k, limits, p.min_count, lambda t: line(model, layer, h, t, offset), p.vocab, offset)
         return view.model_copy(update={"offset": offset})
     column = (lambda t: circuits.full_qk_col(loaded.model, layer, h, t)) if side == "column" else None
-    return _top_view(loaded, lambda: circuits.full_qk_circuit(loaded.model, layer, h), "qk", p.head, p.token, side, p.k,
+    return _top_view(loaded, lambda ids: circuits.full_qk_circuit(loaded.model, layer, h, ids), "qk", p.head, p.token, side, p.k,
                      limits, p.min_count, column, p.vocab)
 
 
@@ -224,7 +234,7 @@ def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> C
     """Direct path W_E W_U (the bigram table): top next tokens for a current token, else global top-k; each entry
     with the model's probability (softmax of its row) and, where the model has a held-out corpus, the corpus's."""
     loaded = with_basis(loaded, p.basis)
-    view = _top_view(loaded, lambda: circuits.direct_path(loaded.model), "direct", None, p.token, "row", p.k, limits,
+    view = _top_view(loaded, lambda ids: restricted(circuits.direct_path(loaded.model), ids), "direct", None, p.token, "row", p.k, limits,
                      p.min_count, lambda t: circuits.direct_row(loaded.model, t), p.vocab)
     model = loaded.model
     data = find_eval_data(loaded.path)
@@ -266,8 +276,8 @@ def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits) ->
 def _strongest_source(loaded: LoadedModel, layer: int, h: int, limits: Limits, ranked: TokenSet) -> int:
     """The source token of the largest full-OV entry (among the ranked tokens): the default skip-trigram source, the
     first row of the OV circuit's shared global table."""
-    top = global_top(loaded, lambda: circuits.full_ov_circuit(loaded.model, layer, h), ("ov", head_name(layer, h), "0"), 1,
-                     ranked, limits)
+    top = global_top(loaded, lambda ids: circuits.full_ov_circuit(loaded.model, layer, h, ids), ("ov", head_name(layer, h), "0"),
+                     1, ranked, limits)
     return top.rows[0]
 
 
