@@ -5,6 +5,8 @@ embedding rows go through layer 0's ln1) and a model without norms."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from circuits_core.model import random_model
 
 
 @pytest.mark.parametrize("norm", [None, "LN", "RMS"])
-def test_a_token_subset_of_a_full_circuit_is_the_dense_submatrix(norm: str | None) -> None:
+def test_a_token_subset_of_a_full_circuit_is_the_dense_submatrix(norm: Literal["LN", "RMS"] | None) -> None:
     cfg = ModelConfig(n_layers=2, d_model=24, n_heads=3, d_head=8, d_vocab=90, n_ctx=16, normalization_type=norm)
     model = random_model(cfg, seed=5, dtype=torch.float64, std_embed=0.7)
     ids = torch.tensor([0, 3, 4, 17, 40, 41, 89])
@@ -32,10 +34,9 @@ def test_the_whole_circuit_is_the_dense_product_of_the_weights() -> None:
     """Anchors the reference above to the weights (no norm): W_E W_V W_O W_U and W_E W_Q W_K^T W_E^T / sqrt(d_head)."""
     cfg = ModelConfig(n_layers=1, d_model=16, n_heads=2, d_head=4, d_vocab=50, n_ctx=8)
     model = random_model(cfg, seed=6, dtype=torch.float64)
-    a = model.blocks[0].attn
-    W_E = model.W_E
+    W_E, W_Q, W_K, W_V, W_O = model.W_E, model.W_Q[0, 1], model.W_K[0, 1], model.W_V[0, 1], model.W_O[0, 1]  # stacked [L, H, ...]
     ids = torch.tensor([1, 2, 30])
-    ov = (W_E @ a.W_V[1] @ a.W_O[1] @ model.W_U)[ids][:, ids]
-    qk = (W_E @ a.W_Q[1] @ a.W_K[1].T @ W_E.T / 2.0)[ids][:, ids]
+    ov = (W_E @ W_V @ W_O @ model.W_U)[ids][:, ids]
+    qk = (W_E @ W_Q @ W_K.T @ W_E.T / 2.0)[ids][:, ids]
     torch.testing.assert_close(circuits.full_ov_circuit(model, 0, 1, ids).AB, ov, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(circuits.full_qk_circuit(model, 0, 1, ids).AB, qk, rtol=1e-12, atol=1e-12)
