@@ -5,7 +5,7 @@ so the page shows it beside the top-1 / top-k self-copy shares and the diagonal 
 beside what random OV weights of the model's shapes score through its own W_E and W_U.
 
 Cost: the exact shares rank every row of a [V, V] circuit per head (~1.8 s a head on GPT-2's 50k vocabulary), so
-on vocabularies over FULL_ROWS_MAX tokens the shares and diagonal are measured on SAMPLE_ROWS source tokens drawn
+on vocabularies over FULL_ROWS_MAX tokens the shares and diagonal are measured on a sample of source tokens drawn
 at random (seeded; each row still ranked against every column) unless `rows` asks otherwise, and the answer says
 so (`n_rows`, `sample`, a standard error per share). `heads` restricts the answer to some heads (the head page's
 panel). It is its own analysis, loaded by the overview and head pages as a panel of its own: never part of /heads.
@@ -35,7 +35,9 @@ from circuits_core.weights import LoadedModel
 
 N_TOP_SAMPLES = 2  # random circuits whose self-copy shares are measured (each a full [V, V] row stream)
 FULL_ROWS_MAX = 8192  # vocabularies up to this size: every source token (the shipped toys: 4096)
-SAMPLE_ROWS = 1024  # larger ones: this many source tokens, drawn at random (seed SAMPLE_SEED), unless `rows` is given
+# Larger ones: HEAD_ROWS // (heads measured) source tokens, within [MIN_ROWS, MAX_ROWS], drawn at random (seed
+# SAMPLE_SEED), unless `rows` is given: one head (its page) 1024 rows, every head of GPT-2 small (the overview) 256.
+HEAD_ROWS, MIN_ROWS, MAX_ROWS = 16384, 256, 1024
 SAMPLE_SEED = 0
 
 
@@ -46,7 +48,8 @@ class CopyingAllParams(AnalysisParams):
     heads: Heads = None
     rows: Annotated[int | None, Field(ge=1, le=10**7, description=(
         f"source tokens measured for the shares and the diagonal, drawn at random (seed {SAMPLE_SEED}); at least the "
-        f"number of tokens ranked: every one. Default: every token up to {FULL_ROWS_MAX} tokens ranked, else {SAMPLE_ROWS}"))] = None
+        f"number of tokens ranked: every one. Default: every token up to {FULL_ROWS_MAX} tokens ranked, else {HEAD_ROWS} / "
+        f"(heads measured), within [{MIN_ROWS}, {MAX_ROWS}]"))] = None
 
 
 class HeadCopying(BaseModel):
@@ -85,11 +88,12 @@ class CopyingOverview(BaseModel):
                                           "through its own W_E and W_U, the same summaries")
 
 
-def default_rows(n_tokens: int, rows: int | None) -> int | None:
-    """Source rows measured: as asked, else every token up to FULL_ROWS_MAX ranked tokens, else SAMPLE_ROWS (None: all)."""
+def default_rows(n_tokens: int, rows: int | None, n_heads: int) -> int | None:
+    """Source rows measured (None: all): as asked, else every token up to FULL_ROWS_MAX ranked tokens, else
+    HEAD_ROWS // n_heads within [MIN_ROWS, MAX_ROWS]."""
     if rows is not None:
         return rows if rows < n_tokens else None
-    return None if n_tokens <= FULL_ROWS_MAX else SAMPLE_ROWS
+    return None if n_tokens <= FULL_ROWS_MAX else max(MIN_ROWS, min(MAX_ROWS, HEAD_ROWS // max(1, n_heads)))
 
 
 def stderr(p: float, r: int, n: int) -> float:
@@ -104,8 +108,8 @@ def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Lim
     vocab = frequent_tokens(loaded, p.min_count)
     n = model.cfg.d_vocab if vocab is None else int(vocab.numel())
     k = check_k(p.k, limits, n)
-    rows = default_rows(n, p.rows)
     todo = parse_heads(split_heads(p.heads), loaded, limits.max_heads) if p.heads else None
+    rows = default_rows(n, p.rows, len(todo) if todo else model.cfg.n_layers * model.cfg.n_heads)
     with torch.no_grad():
         eig = circuits.ov_copying_scores(model)  # [L, H]
         sc = copying.self_copy(model, k=k, vocab=vocab, budget_bytes=limits.matrix_budget_bytes, rows=rows, seed=SAMPLE_SEED,
@@ -134,9 +138,10 @@ def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Lim
 def copying_overview_cost(loaded: LoadedModel, p: CopyingAllParams, limits: Limits) -> Cost:
     vocab = frequent_tokens(loaded, p.min_count)
     n = loaded.model.cfg.d_vocab if vocab is None else int(vocab.numel())
-    n_heads = len(parse_heads(split_heads(p.heads), loaded, limits.max_heads)) if p.heads else None
-    return copying.cost(loaded.model, p.k, p.samples, N_TOP_SAMPLES, limits.matrix_budget_bytes, n,
-                        rows=default_rows(n, p.rows), n_heads=n_heads)
+    cfg = loaded.model.cfg
+    n_heads = len(parse_heads(split_heads(p.heads), loaded, limits.max_heads)) if p.heads else cfg.n_layers * cfg.n_heads
+    return copying.cost(loaded.model, p.k, p.samples, N_TOP_SAMPLES, min(limits.matrix_budget_bytes, copying.BLOCK_BYTES), n,
+                        rows=default_rows(n, p.rows, n_heads), n_heads=n_heads)
 
 
 COPYING_ALL = Analysis(

@@ -76,8 +76,9 @@ def test_one_head_on_sampled_rows_equals_dense(client):
 
 
 def test_big_vocabularies_are_sampled_by_default(tmp_path):
-    """Over FULL_ROWS_MAX tokens the default measures SAMPLE_ROWS rows (the answer says so), against dense rows."""
-    from app.views.copying import FULL_ROWS_MAX, SAMPLE_ROWS
+    """Over FULL_ROWS_MAX tokens the default measures a sample of rows (MAX_ROWS for one head; the answer says so),
+    against dense rows."""
+    from app.views.copying import FULL_ROWS_MAX, MAX_ROWS
     from circuits_core.config import ModelConfig
     from tests.app.conftest import save_qkov, train_tokenizer
 
@@ -88,9 +89,9 @@ def test_big_vocabularies_are_sampled_by_default(tmp_path):
         body = c.get("/api/v1/models/wide/copying", params={"k": 3, "samples": 4}).json()
     m = load_checkpoint(tmp_path / "wide", dtype=torch.float64).model
     M = m.W_E @ m.W_V[0, 0] @ m.W_O[0, 0] @ m.W_U
-    assert body["n_rows"] == SAMPLE_ROWS and body["n_tokens"] == V and f"{SAMPLE_ROWS} of the {V} tokens" in body["sample"]
+    assert body["n_rows"] == MAX_ROWS and body["n_tokens"] == V and f"{MAX_ROWS} of the {V} tokens" in body["sample"]
     row = body["heads"][0]
-    assert [row["top1"], row["topk"], row["diagonal_positive"]] == pytest.approx(list(sampled_rows_dense(M, SAMPLE_ROWS, 0, 3)), abs=1e-12)
+    assert [row["top1"], row["topk"], row["diagonal_positive"]] == pytest.approx(list(sampled_rows_dense(M, MAX_ROWS, 0, 3)), abs=1e-12)
 
 
 def test_overview_and_head_pages_load_the_copying_panel(client):

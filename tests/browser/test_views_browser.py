@@ -17,15 +17,20 @@ from tests.browser.conftest import CHROMIUM, checked_page, serve
 from tests.browser.test_pages_browser import mark_document, same_document, settled
 
 
+def choose(page: Page, select: str, value: str, submit: str, url: str) -> None:
+    """Pick `value` in a select, submit its form, wait for the URL and for htmx to settle."""
+    page.select_option(select, value)
+    page.locator(submit).click()
+    page.wait_for_url(url)
+    settled(page)
+
+
 def test_head_page_basis_picker_swaps_the_circuits_panel(page: Page) -> None:
     """toy-1l of the browser server has learned positions, so its unembedding is centred when served."""
     page.goto("/models/toy-1l/heads/L0H0?k=5")
     expect(page.locator("#circuits")).to_contain_text("unembedding centred")
     mark_document(page)
-    page.select_option("#basis-select", "raw")
-    page.locator("#circuits form button[type=submit]").click()
-    page.wait_for_url("**basis=raw**")
-    settled(page)
+    choose(page, "#basis-select", "raw", "#circuits form button[type=submit]", "**basis=raw**")
     expect(page.locator("#circuits")).to_contain_text("Basis: raw weights, as stored")
     assert same_document(page)  # an htmx swap of the panel, not a page load
     href = page.locator("#ov-table tbody a.tok").first.get_attribute("href") or ""
@@ -37,10 +42,7 @@ def test_head_page_basis_picker_swaps_the_circuits_panel(page: Page) -> None:
 def test_direct_page_basis_picker(page: Page) -> None:
     page.goto("/models/toy-1l/direct?k=5")
     before = page.locator("#direct-table tbody td.num").first.get_attribute("data-value")
-    page.select_option("#basis-select", "raw")
-    page.locator("#direct_panel form button[type=submit]").click()
-    page.wait_for_url("**basis=raw**")
-    settled(page)
+    choose(page, "#basis-select", "raw", "#direct_panel form button[type=submit]", "**basis=raw**")
     expect(page.locator("#direct_panel")).to_contain_text("Basis: raw weights, as stored")
     assert page.locator("#direct-table tbody td.num").first.get_attribute("data-value") != before
 
@@ -67,10 +69,7 @@ def test_composition_basis_picker_and_pair_page(browser, ln_server: str) -> None
     for page in checked_page(browser, ln_server):
         page.goto("/models/ln-2l/composition?kind=K")
         expect(page.locator("#composition_panel")).to_contain_text("processed weights: LayerNorm folded")
-        page.select_option("#basis-select", "raw")
-        page.locator("#basis-form button[type=submit]").click()
-        page.wait_for_url("**basis=raw**")
-        settled(page)
+        choose(page, "#basis-select", "raw", "#basis-form button[type=submit]", "**basis=raw**")
         expect(page.locator("#composition_panel")).to_contain_text("Basis: raw weights, as stored")
         page.locator("#composition_panel .seg a", has_text="Q").click()  # the kind switch keeps the basis
         page.wait_for_url("**kind=Q**")
@@ -80,9 +79,7 @@ def test_composition_basis_picker_and_pair_page(browser, ln_server: str) -> None
         page.wait_for_url("**/composition/L0H*/L1H*?basis=raw")
         expect(page.locator("#basis-select")).to_have_value("raw")
         expect(page.locator(".page-head")).to_contain_text("Basis: raw weights, as stored")
-        page.select_option("#basis-select", "served")
-        page.locator("#basis-form button[type=submit]").click()
-        page.wait_for_url("**basis=served**")
+        choose(page, "#basis-select", "served", "#basis-form button[type=submit]", "**basis=served**")
         expect(page.locator(".page-head")).to_contain_text("processed weights")
 
 
@@ -103,9 +100,6 @@ def test_direct_page_defaults_to_frequent_tokens(shipped_page: Page) -> None:
     page.goto("/models/toy-0l/direct?k=10")
     expect(page.locator("#min-count")).to_have_value("50")
     expect(page.locator("#direct_panel")).to_contain_text("tokens seen at least 50 times in training")
-    page.select_option("#min-count", "all")
-    page.locator("#direct_panel form button[type=submit]").click()
-    page.wait_for_url("**min_count=all**")
-    settled(page)
+    choose(page, "#min-count", "all", "#direct_panel form button[type=submit]", "**min_count=all**")
     expect(page.locator("#direct_panel")).not_to_contain_text("tokens seen at least 50 times")
     expect(page.locator("#min-count")).to_have_value("all")
