@@ -12,10 +12,11 @@
    transformers' LlamaForCausalLM.from_pretrained (float32) and TransformerLens 3.9's
    from_pretrained_no_processing("meta-llama/Llama-3.2-1B", hf_model=...) (its built-in config of that name, the
    weights from transformers' load of these files; two float32 copies, so only with >= 14 GiB available).
-3. The same checkpoint served by a real uvicorn on 127.0.0.1 (result cache and store off, model preloaded):
-   a 128-token order-2 path expansion (GET .../paths?tokens=...&max_order=2; goal < 10 s), and the
-   composition, copying and top-k views, each answered within the byte budget (the server's peak RSS during
-   the request is printed beside Limits.peak_bytes; a dense vocab x vocab float32 matrix would be 61 GiB).
+3. The same checkpoint served by a real uvicorn on 127.0.0.1 with the default limits (result cache and store
+   off, model preloaded): a 128-token order-2 path expansion (GET .../paths?tokens=...&max_order=2; goal
+   < 10 s, priced by paths.cost within the default Limits.peak_bytes), and the composition, copying and top-k
+   views, each answered within the byte budget (the server's peak RSS during the request is printed beside
+   Limits.peak_bytes; a dense vocab x vocab float32 matrix would be 61 GiB).
 
 The machine is shared (2 cores, ~8 workers): the load average is printed; figures are indicative.
 """
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import torch
@@ -37,12 +39,15 @@ from bench import fmt_time, row
 from bench.http import mem_available, timed_get, wait_ready
 from bench.load import HOST, RssSampler, free_port, rss_bytes, start_server
 
+if TYPE_CHECKING:
+    from circuits_core.model import Transformer
+
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM2 = REPO / "models" / "smollm2-135m"
 CACHE = REPO / ".cache" / "bench"
 LLAMA_ID = "llama-3.2-1b-shaped-random"
 GiB = 2**30
-LLAMA_1B = {
+LLAMA_1B: dict[str, Any] = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "intermediate_size": 8192,
     "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
     "vocab_size": 128256, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "hidden_act": "silu",
@@ -52,11 +57,18 @@ LLAMA_1B = {
     "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
 }  # fmt: skip
 REQUEST_TIMEOUT_S = 300  # the bench server's deadline per request (default 120 s)
-PATHS_PEAK_BYTES = 2 * GiB  # the bench server's Limits.peak_bytes (default 1 GiB)
 WRITTEN_MARK = "written.ok"  # the checkpoint folder is complete (a run stopped while writing leaves none)
 
 
 # -- the checkpoint ----------------------------------------------------------------------------------------
+def _meta_model() -> Transformer:
+    """A Transformer of the LLAMA_1B config on the current (meta) device: no memory, for pricing."""
+    from circuits_core.formats_llama import llama_config
+    from circuits_core.model import Transformer
+
+    return Transformer(llama_config(LLAMA_1B))
+
+
 def llama_1b_folder() -> Path:
     """The Llama-3.2-1B-shaped random bf16 checkpoint (written once: ~2.5 GB in .cache/bench/)."""
     from safetensors.torch import save_file
@@ -240,13 +252,12 @@ def served(folder: Path) -> None:
     if mem_available() < 12 * GiB:
         print(f"  skipped: {mem_available() / GiB:.1f} GiB available; the server holds ~5 GiB of float32 weights")
         return
+    from circuits_core import paths
+
     budget = Limits().peak_bytes
     port = free_port()
-    # The 128-token order-2 expansion is priced at ~1.3 GiB on this shape, over the default peak_bytes (1 GiB):
-    # the server runs with PATHS_PEAK_BYTES, and each view's measured peak is compared with the default budget.
     proc = start_server(folder.parent, port, cache_bytes="0", store_url="off", preload="true",
-                        max_model_bytes=str(16 * GiB), request_timeout_s=str(REQUEST_TIMEOUT_S),
-                        limits__peak_bytes=str(PATHS_PEAK_BYTES))  # fmt: skip
+                        max_model_bytes=str(16 * GiB), request_timeout_s=str(REQUEST_TIMEOUT_S))  # fmt: skip
     base, m = f"http://{HOST}:{port}", f"/api/v1/models/{LLAMA_ID}"
     try:
         t0 = time.perf_counter()
@@ -256,12 +267,19 @@ def served(folder: Path) -> None:
         tokens = torch.randint(0, LLAMA_1B["vocab_size"], (128,), generator=torch.Generator().manual_seed(0))
         ids = ",".join(str(int(t)) for t in tokens)
         with httpx.Client(base_url=base, timeout=900) as client:
-            first, median, answer = timed_get(client, f"{m}/paths?tokens={ids}&max_order=2&k=30", 2)
-            n_terms = len(answer.json().get("terms", []))
+            with torch.device("meta"):
+                priced = paths.cost(_meta_model(), 128, 2, by_source=False, q=1, k=30).peak_bytes
+            url = f"{m}/paths?tokens={ids}&max_order=2&k=30"
+            first, median, answer = timed_get(client, url, 2)
+            seconds, extra, _ = _peak_during(proc, client, url)
+            body = answer.json()
+            status = answer.status_code if answer.status_code == 200 else f"{answer.status_code} {answer.text[:160]}"
             row("GET /paths, 128 tokens, max_order=2 (HTTP)", median, "< 10 s",
-                f"first {fmt_time(first).strip()}; {n_terms} terms listed; peak_bytes {PATHS_PEAK_BYTES / GiB:.0f} GiB")  # fmt: skip
+                f"{status}; first {fmt_time(first).strip()}; {body.get('n_terms')} terms, {len(body.get('terms', []))} "
+                f"listed; priced {priced / GiB:.2f} GiB, server +{extra / GiB:.2f} GiB during it "
+                f"(Limits.peak_bytes {budget / GiB:.0f} GiB)")  # fmt: skip
             print(f"  views on the 1B shape, one request each (server peak RSS above its RSS before, against the "
-                  f"default Limits.peak_bytes = {budget / GiB:.2f} GiB; this server allows {PATHS_PEAK_BYTES / GiB:.0f}):")  # fmt: skip
+                  f"default Limits.peak_bytes = {budget / GiB:.2f} GiB):")  # fmt: skip
             views = [  # cheapest first; a view over the server's request timeout answers 503
                 ("heads/L8H3/ov?token=1234&k=20", "one row of the full OV circuit"),
                 ("heads/L8H3/qk?token=1234&k=20", "one row of the full QK circuit"),

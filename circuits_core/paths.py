@@ -22,6 +22,10 @@ source positions coef [q, n] (e_p^T A^{h_k} D ... A^{h_m} D) and a residual read
 (C W_OV^{h_m} ... C W_OV^{h_k} r). Prepending all heads of layer l to all suffixes starting later is two
 einsums (coef @ A^l, W_OV^l w via W_O then W_V, never d_model x d_model). A source X_s ends a suffix:
 term[j] = coef[j] * (X_s[j] . w), or, when many suffixes share the first layer, (X_s C W_V^l)[j] . (W_O w).
+The suffixes of the last order only end terms, so their readouts w are never formed: their terms always go
+through the first head's values, computed once per layer and key/value group (grouped-query attention), and
+g = W_O w ([H, P0, d_head]). Term names are built on demand (path_names.PathNames). `cost` walks the same
+steps (`_schedule`) and prices what each holds.
 """
 
 from __future__ import annotations
