@@ -197,13 +197,15 @@ def k_composition_positivity(model: Transformer, weights: Tensor, G_E: Tensor | 
     L, H = cfg.n_layers, cfg.n_heads
     if weights.shape != (L, H):
         raise InvalidInputError(f"weights must be [n_layers, n_heads] = [{L}, {H}], got {tuple(weights.shape)}")
-    G_E = (embed_gram(model) if G_E is None else G_E).double()  # [d, d]
-    W_Q, W_K, W_V, W_O = (w.double() for w in (model.W_Q, model.W_K, model.W_V, model.W_O))
+    # Products in the weights' precision (float32 for half models), eigenvalues in float64, as circuits' spectra.
+    dt = torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype
+    G_E = (embed_gram(model) if G_E is None else G_E).to(dt)  # [d, d]
+    W_Q, W_K, W_V, W_O = (w.to(dt) for w in (model.W_Q, model.W_K, model.W_V, model.W_O))
     out = torch.zeros(L, H, dtype=torch.float64, device=model.device)
     earlier = (weights[:-1] != 0).nonzero()  # [r, 2]: (layer, head) of every weighted head that can be earlier
     if len(earlier) * cfg.d_head < cfg.d_model:  # W_sum has rank < d_model: stay in its factors
         lay, hd = earlier[:, 0], earlier[:, 1]
-        w = weights[lay, hd].double()  # [r]
+        w = weights[lay, hd].to(dt)  # [r]
         VG = (W_V[lay, hd] * w[:, None, None]).transpose(-2, -1) @ G_E  # [r, dh, d]: w W_V^T G_E
         for layer in range(1, L):
             sel = lay < layer
@@ -211,16 +213,16 @@ def k_composition_positivity(model: Transformer, weights: Tensor, G_E: Tensor | 
                 continue  # nothing earlier: W_sum = 0, score 0 as below
             left = W_O[lay[sel], hd[sel]].flatten(0, 1) @ W_K[layer]  # [H, r dh, dh]: W_O^{h'} W_K^h stacked
             right = VG[sel].flatten(0, 1) @ W_Q[layer]  # [H, r dh, dh]: w W_V^{h'T} G_E W_Q^h stacked
-            out[layer] = copying_score(torch.linalg.eigvals(left.transpose(-2, -1) @ right / cfg.scale))
+            out[layer] = copying_score(torch.linalg.eigvals((left.transpose(-2, -1) @ right / cfg.scale).double()))
         return out
-    W_sum = torch.zeros(cfg.d_model, cfg.d_model, dtype=torch.float64, device=model.device)
+    W_sum = torch.zeros(cfg.d_model, cfg.d_model, dtype=dt, device=model.device)
     for layer in range(1, L):
-        w = weights[layer - 1].double()
+        w = weights[layer - 1].to(dt)
         if bool((w != 0).any()):
             W_sum = W_sum + torch.einsum("h,hde,hef->df", w, W_V[layer - 1], W_O[layer - 1])  # [d, d]
         T = W_sum.T @ G_E  # [d, d]
         M = W_K[layer].transpose(-2, -1) @ T @ W_Q[layer] / cfg.scale  # [H, dh, dh]
-        out[layer] = copying_score(torch.linalg.eigvals(M))
+        out[layer] = copying_score(torch.linalg.eigvals(M.double()))
     return out
 
 

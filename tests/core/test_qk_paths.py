@@ -1,5 +1,7 @@
 """QK path expansion: terms sum to the real attention scores; K-composition circuit vs dense (float64)."""
 
+import copy
+
 import pytest
 import torch
 from engine2_models import small_model, tokens_for
@@ -89,6 +91,23 @@ def test_k_composition_positivity_sparse_weights_across_layers_vs_dense():
             M = W_E @ model.W_Q[layer, h] @ model.W_K[layer, h].T @ W_sum.T @ W_E.T  # [V, V] dense
             assert abs(float(got[layer, h]) - float(copying_score(torch.linalg.eigvals(M)))) < 1e-8
     assert (got[0] == 0).all()
+
+
+def test_k_composition_positivity_of_a_float32_model_tracks_float64():
+    """Products run in the weights' precision (eigenvalues in float64): the float32 copy of a model gives the
+    float64 model's positivities to float32 accuracy, on both routes (one-hot: factored; weighted: dense)."""
+    model = small_model(n_layers=3, ln="LN", seed=4)
+    single = copy.deepcopy(model).float()
+    assert single.dtype == torch.float32
+    one_hot = torch.zeros(3, 3, dtype=torch.float64)
+    one_hot[0, 2] = 1.0
+    weighted = torch.rand(3, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for w in (one_hot, weighted):
+        want = k_composition_positivity(model, w)
+        got = k_composition_positivity(single, w.float())
+        assert got.dtype == torch.float64
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        assert (got[1:] != 0).all()
 
 
 def test_errors():
