@@ -223,10 +223,12 @@ def positional_kernel(model: Transformer, means: Tensor, offsets: Sequence[int] 
     if means.shape != (cfg.n_layers, cfg.d_model):
         raise InvalidInputError(f"means must be [n_layers, d_model] = [{cfg.n_layers}, {cfg.d_model}], got {tuple(means.shape)}")
     mu = means.double()
-    q = torch.einsum("ld,lhde->lhe", mu, model.W_Q.double())  # [L, H, dh]
-    k = torch.einsum("ld,lhde->lhe", mu, model.W_K.double())  # [L, H, dh] (the group's key weights)
-    R = rotation(model, offsets)  # [n, dh, dh]
-    return torch.einsum("lhe,nef,lhf->lhn", q, R, k) / cfg.scale
+    q = (mu[:, None, None, :] @ model.W_Q.double())[:, :, 0]  # [L, H, dh]
+    k = (mu[:, None, None, :] @ model.W_K_groups.double())[:, :, 0]  # [L, n_kv, dh]
+    k = k.repeat_interleave(cfg.group_size, dim=1)  # [L, H, dh]: each head's group key
+    delta = check_offsets(model, offsets).to(model.device)  # [n]
+    qR = model.rotate(q[:, :, None, :].expand(*q.shape[:2], delta.numel(), q.shape[-1]), delta)  # [L, H, n, dh]
+    return (qR * k[:, :, None, :]).sum(-1) / cfg.scale  # [L, H, n]: q R(δ) k^T
 
 
 def kernel_peaks(kernel: Tensor, offsets: Tensor) -> Tensor:
