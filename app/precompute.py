@@ -2,6 +2,7 @@
 
     python -m app.precompute toy-2l                 # every page of the model, each head's page, the API defaults
     python -m app.precompute gpt2 --heads L0H1,L5H5   # only these heads' pages (the model-wide pages too)
+    python -m app.precompute gpt2 --full            # also the whole-vocabulary tables (vocab=all) of a large vocabulary
 
 It opens each page of the model at its default parameters through the app itself (in process, no socket),
 so every table a page reads (the heads table, Q/K/V composition, each head's circuits, the default prompt's
@@ -11,21 +12,31 @@ hit. Keys already in the store are store hits here too, so an interrupted run re
 Progress is a tqdm bar on stderr; the last line says how many computations ran, how many answers came from
 the store, and how long it took. A page that answers 4xx for this model (e.g. composition on a 1-layer model)
 is listed, not fatal.
+
+Pages are asked `compute_slots` at a time (each computation gets cores // slots torch threads): first the
+model-wide pages, then the first head's (which computes what every head view shares: the heads table, the
+spectra of all heads, the composition partners), then the other heads. On a vocabulary over DEFAULT_VOCAB
+tokens a page's global tables rank the default token set (app/views/circuits.py); `--full` also fills each
+head's and the direct path's whole-vocabulary tables (`vocab=all`), ~38x the work per table on GPT-2.
 """
 
 from __future__ import annotations
 
 import argparse
+import html
 import logging
+import re
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi.testclient import TestClient
 from tqdm import tqdm
 
 from app.main import create_app
-from app.params import HeadParams
+from app.params import DEFAULT_VOCAB, HeadParams
 from app.routers.pages import PAGES
 from app.settings import Settings
 from circuits_core.config import head_name
@@ -33,6 +44,13 @@ from circuits_core.errors import QkovError
 from circuits_core.weights import LoadedModel
 
 HEAD_APIS = ("heads/{head}/ov", "heads/{head}/qk")  # the API twins a notebook asks first
+# A panel a page loads after itself (templates/_macros.html lazy_panel): htmx asks its hx-get with its own id as target.
+LAZY_PANEL = re.compile(r'<[^>]*\bid="([^"]+)"[^>]*\bhx-get="([^"]+)"[^>]*\bhx-trigger="load"')
+
+
+def lazy_panels(page: str) -> list[tuple[str, str]]:
+    """(url, element id) of each panel the page loads after itself."""
+    return [(html.unescape(src), target) for target, src in LAZY_PANEL.findall(page)]
 
 
 def page_urls(app: Any, model: str) -> tuple[list[str], list[str]]:
@@ -64,9 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.precompute", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="model id (a folder name, as in the URLs)")
     parser.add_argument("--heads", help="comma-separated heads (L1H4,...); default: every head")
+    parser.add_argument("--full", action="store_true",
+                        help=f"also the whole-vocabulary tables (vocab=all) of a vocabulary over {DEFAULT_VOCAB:,} tokens")
     args = parser.parse_args(argv)
 
-    settings = Settings()
+    settings = Settings().model_copy(update={"request_timeout_s": None})  # a batch job waits for every table
     if settings.store_url == "off":
         parser.error("the result store is off (QKOV_STORE_URL=off): nothing to fill")
     app = create_app(settings)
@@ -79,6 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         access.setLevel(level)
 
 
+def full_urls(loaded: LoadedModel, model: str, per_head: list[str]) -> list[str]:
+    """With --full on a large vocabulary: the per-head circuit pages and API twins, and the direct path, at vocab=all."""
+    if loaded.model.cfg.d_vocab <= DEFAULT_VOCAB:
+        return []  # the default tables already rank every token
+    circuits = [u for u in per_head if u.endswith(("/ov", "/qk")) or u.endswith("/heads/{head}")]
+    return [f"/models/{model}/direct?vocab=all", *(f"{u}?vocab=all" for u in circuits)]
+
+
 def crawl(app: Any, args: argparse.Namespace, parser: argparse.ArgumentParser, settings: Settings) -> int:
     with TestClient(app) as client:
         try:
@@ -87,19 +115,42 @@ def crawl(app: Any, args: argparse.Namespace, parser: argparse.ArgumentParser, s
         except QkovError as exc:
             parser.error(str(exc))
         model_wide, per_head = page_urls(app, args.model)
-        urls = model_wide + [u.replace("{head}", h) for h in heads for u in per_head]
+        if args.full:
+            extra = full_urls(loaded, args.model, per_head)
+            model_wide += [u for u in extra if "{head}" not in u]
+            per_head += [u for u in extra if "{head}" in u]
+        phases = [model_wide, *([u.replace("{head}", h) for u in per_head] for h in heads[:1]),
+                  [u.replace("{head}", h) for h in heads[1:] for u in per_head]]
         service, refused = app.state.compute, []
         before, start = service.stats.completed, time.perf_counter()
-        for url in tqdm(urls, desc=f"precompute {args.model}", unit="page", file=sys.stderr, mininterval=1.0):
-            status = client.get(url, headers={"Accept-Encoding": "identity"}).status_code
-            if status >= 400:
-                refused.append(f"{url} ({status})")
+        bar = tqdm(total=sum(map(len, phases)), desc=f"precompute {args.model}", unit="page", file=sys.stderr, mininterval=1.0)
+
+        seen, lock = set(), threading.Lock()
+
+        def visit(url: str, headers: dict[str, str] | None = None) -> None:
+            response = client.get(url, headers={"Accept-Encoding": "identity", **(headers or {})})
+            if response.status_code >= 400:
+                refused.append(f"{url} ({response.status_code})")
+            if headers is None:
+                bar.update()
+            if response.headers.get("content-type", "").startswith("text/html"):
+                for src, target in lazy_panels(response.text):  # as htmx asks them, so the page cache key matches
+                    with lock:
+                        if (src, target) in seen:
+                            continue
+                        seen.add((src, target))
+                    visit(src, {"HX-Request": "true", "HX-Target": target})
+
+        with ThreadPoolExecutor(settings.compute_slots) as pool:
+            for urls in phases:  # a phase's pages at once; the next phase reads what this one shares
+                list(pool.map(visit, urls))
+        bar.close()
         took = time.perf_counter() - start
         store = service.store
-        print(f"{args.model}: {len(urls)} pages, {service.stats.completed - before} computations, "
+        print(f"{args.model}: {bar.total} pages, {service.stats.completed - before} computations, "
               f"{store.hits if store else 0} answers already in the {settings.store_url.split(':')[0]} store, {took:.1f} s")
         if refused:
-            print("not available for this model: " + ", ".join(refused))
+            print("not available for this model: " + ", ".join(sorted(refused)))
     return 0
 
 

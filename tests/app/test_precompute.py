@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.main import create_app
-from app.precompute import main
+from app.precompute import lazy_panels, main
 from app.settings import REPO_ROOT, Settings
 
 MODEL = "toy-2l"
@@ -41,8 +41,13 @@ def test_precomputed_tables_are_store_hits_and_a_rerun_skips_them(tmp_path: Path
                 f"/api/v1/models/{MODEL}/heads/L1H2/ov", f"/models/{MODEL}/composition")
         for url in urls:
             assert client.get(url).status_code == 200, url
+        # the panels the head page loads after itself (the copying panel), asked as htmx asks them
+        panels = lazy_panels(client.get(urls[0]).text)
+        assert panels, "the head page names no lazy panel: this check would test nothing"
+        for src, target in panels:
+            assert client.get(src, headers={"HX-Request": "true", "HX-Target": target}).status_code == 200, src
         assert service.stats.completed == loads  # every answer came from the store
-        assert service.store is not None and service.store.hits == len(urls)  # one stored answer (or page) each
+        assert service.store is not None and service.store.hits == len(urls) + len(panels)  # one stored answer (or page) each
 
     assert main([MODEL, "--heads", "L1H2"]) == 0
     again, hits = figures(capsys.readouterr().out)

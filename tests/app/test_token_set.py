@@ -200,3 +200,29 @@ def test_vocab_is_in_the_openapi_schema(client: TestClient) -> None:
     schema = params["vocab"]["schema"]
     assert schema.get("enum", schema.get("anyOf")) is not None and schema["default"] == "default"
     assert "most frequent" in params["vocab"]["description"]
+
+
+def test_precompute_full_also_stores_the_whole_vocabulary_tables(models: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import app.precompute as precompute
+
+    for module in (views, pages, precompute):
+        monkeypatch.setattr(module, "DEFAULT_VOCAB", SMALL)
+    env = {"QKOV_STORE_URL": "disk", "QKOV_STORE_DIR": str(tmp_path / "store"), "QKOV_SHIPPED_DIR": str(models / "none"),
+           "QKOV_MODELS_DIR": str(models), "QKOV_DTYPE": "float64"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    urls = [f"{API}/wide/heads/L0H1/ov?vocab=all", f"{API}/wide/heads/L0H1/qk?vocab=all", "/models/wide/heads/L0H1?vocab=all"]
+
+    def computed_after(args: list[str]) -> int:
+        assert precompute.main(["wide", "--heads", "L0H1", *args]) == 0
+        app = create_app(Settings())
+        with TestClient(app) as c:
+            c.get(f"{API}/wide")  # loads the model
+            before = app.state.compute.stats.completed
+            for url in urls:
+                assert c.get(url).status_code == 200, url
+            return app.state.compute.stats.completed - before
+
+    assert computed_after([]) > 0  # the default run leaves the whole-vocabulary tables to the first visitor
+    assert computed_after(["--full"]) == 0  # --full stored them
