@@ -103,3 +103,13 @@ def test_direct_page_defaults_to_frequent_tokens(shipped_page: Page) -> None:
     choose(page, "#min-count", "all", "#direct_panel form button[type=submit]", "**min_count=all**")
     expect(page.locator("#direct_panel")).not_to_contain_text("tokens seen at least 50 times")
     expect(page.locator("#min-count")).to_have_value("all")
+
+
+def test_copying_page_rows_input_samples_source_tokens(page: Page) -> None:
+    page.goto("/models/toy-2l/copying?samples=10")
+    expect(page.locator("#copying-sample")).to_contain_text("every one of the")
+    page.fill("#copying input[name=rows]", "40")
+    page.locator("#copying form button[type=submit]").click()
+    page.wait_for_url("**rows=40**")
+    expect(page.locator("#copying-sample")).to_contain_text("40 of the")
+    expect(page.locator("#copying-table tbody tr").first).to_contain_text("±")  # sampled shares carry their standard error
