@@ -29,7 +29,7 @@ from app.params import (
 )
 from app.routers.pages_rotary import pair_rotary_context, rotary_enabled
 from app.routers.rendering import Page, PageCall, url
-from app.views.basis import changes_weights
+from app.views.basis import basis, changes_weights
 from app.views.composition import COMPOSITION, COMPOSITION_PAIR
 from app.views.heads import HEADS
 from app.views.page_claims import ablation_sentence, composition_sentence
@@ -96,7 +96,7 @@ async def composition_context(call: PageCall) -> dict[str, Any]:
 def basis_choice(call: PageCall) -> dict[str, Any]:
     """The basis picker's state: the weights asked for (None: as served) and whether raw ones differ (issue 12.2)."""
     b = call.params.basis
-    return {"basis": b if b != "served" else None, "basis_differs": changes_weights(call.model)}
+    return {"basis": b if b != "served" else None, "basis_differs": changes_weights(call.model), "served_basis": basis(call.model)}
 
 
 async def pair_context(call: PageCall) -> dict[str, Any]:

@@ -73,6 +73,8 @@ def test_head_page_raw_basis_shows_the_stored_weights(client: TestClient, stored
     assert "Basis: raw weights, as stored." in raw_html and "Basis: processed weights: LayerNorm folded" in served_html
     assert re.search(r'href="/models/ln-2l/heads/L1H1\?token=\d+&amp;k=5&amp;basis=raw"', raw_html)  # token links keep it
     assert "/ov?k=5&amp;basis=raw" in raw_html  # and the tables' JSON links
+    # the lede's scores and the spectra stay on the served weights, and say so
+    assert re.search(r'id="scores-basis">\(scores and spectra: processed weights: LayerNorm folded', raw_html)
 
 
 def test_direct_page_raw_basis(client: TestClient, stored: dict[str, torch.Tensor]) -> None:
