@@ -305,6 +305,9 @@ class FactoredMatrix:
 # Tile of the product computed at once by topk_global (64 MiB in fp32): few large GEMM calls (small ones
 # suffer most from thread contention), yet column tiles the norm bound can skip.
 TILE_ROWS, TILE_COLS = 1024, 16384
+# The first row block is only SEED_ROWS rows (computed exactly): it yields the k-th value that lets every later
+# tile be screened (and bounded), instead of a whole exact TILE_ROWS block ranked row by row.
+SEED_ROWS = 32
 # Screening: once k values are known, tiles of matrices with at least SCREEN_MIN_ENTRIES entries are first
 # computed in bfloat16 (about 3x faster on CPUs with bf16 GEMM). With bf16 inputs (unit roundoff u = 2^-9)
 # and fp32 accumulation, |approx - exact| <= (3u + O(u^2)) ||A_i|| ||B_:,j|| (the output rounding included);
@@ -373,8 +376,9 @@ def _topk_global_2d(A: Tensor, B: Tensor, k: int, step: int, largest: bool,
     best_v = torch.empty(0, dtype=buf.dtype, device=A.device)  # [<= k], sorted descending
     best_r = torch.empty(0, dtype=torch.long, device=A.device)  # positions in row_order
     best_c = torch.empty(0, dtype=torch.long, device=A.device)  # positions in col_order
-    for r0 in range(0, ldim, tile_rows):
-        r1 = min(r0 + tile_rows, ldim)
+    seed = min(SEED_ROWS, tile_rows)
+    for r0 in [0, *range(seed, ldim, tile_rows)]:
+        r1 = min(r0 + (seed if r0 == 0 else tile_rows), ldim)
         for t, tile_B in enumerate(tiles):
             check_stop(should_stop, "global top-k")
             c0, tc = t * tile_cols, tile_B.shape[1]

@@ -197,6 +197,26 @@ def test_topk_global_matches_dense(shape, budget_rows, tile_cols, screen, larges
         assert torch.allclose(flat.gather(-1, r * rdim + c), v)
 
 
+@pytest.mark.parametrize("seed_rows,tile_rows", [(1, 6), (2, 5), (3, 64), (64, 4)])
+@pytest.mark.parametrize("screen", [True, False])
+def test_topk_global_with_a_small_seed_block_matches_dense(seed_rows, tile_rows, screen, monkeypatch):
+    """The first row block is SEED_ROWS rows (then TILE_ROWS): k larger than the seed block's entries, equal to
+    them, and smaller; float64 against the dense product."""
+    monkeypatch.setattr(factored, "SEED_ROWS", seed_rows)
+    monkeypatch.setattr(factored, "TILE_ROWS", tile_rows)
+    monkeypatch.setattr(factored, "TILE_COLS", 7)
+    monkeypatch.setattr(factored, "SCREEN_MIN_ENTRIES", 0 if screen else 2**62)
+    gen = torch.Generator().manual_seed(11)
+    fm = FactoredMatrix(torch.randn(41, 5, generator=gen, dtype=torch.float64), torch.randn(5, 23, generator=gen, dtype=torch.float64))
+    M = fm.A @ fm.B
+    for k in (1, 7, 14, 60):
+        for largest in (True, False):
+            v, r, c = fm.topk_global(k, largest=largest)
+            ref_v, ref_r, ref_c = dense_topk_global(M, k, largest)
+            torch.testing.assert_close(v, ref_v, rtol=1e-12, atol=1e-12)
+            assert torch.equal(r, ref_r) and torch.equal(c, ref_c)  # random data: no ties
+
+
 @pytest.mark.parametrize("tile_cols", [4096, 9])
 def test_topk_global_bound_skips_rows_without_changing_the_answer(tile_cols, monkeypatch):
     monkeypatch.setattr(factored, "TILE_COLS", tile_cols)
