@@ -116,7 +116,8 @@ def embed_norm(model: Transformer) -> EmbedNorm:
     if hit is not None and hit[0] == key:
         return hit[1]
     with torch.no_grad():
-        inv_scale = torch.empty(model.cfg.d_vocab, dtype=model.W_E.dtype, device=model.W_E.device)
+        dtype = torch.float32 if model.W_E.dtype in (torch.float16, torch.bfloat16) else model.W_E.dtype  # stats at >= fp32
+        inv_scale = torch.empty(model.cfg.d_vocab, dtype=dtype, device=model.W_E.device)
         mean = torch.empty_like(inv_scale) if ln.centred else None
         for start in range(0, model.cfg.d_vocab, EMBED_CHUNK):  # statistics in float64, one chunk at a time
             check_stop(what="LN(W_E) statistics")
@@ -141,7 +142,7 @@ def _embed_eff_chunks(model: Transformer) -> Iterator[tuple[slice, Tensor]]:
         x = x * norm.inv_scale[rows, None]
         if norm.w is not None:
             x = x * norm.w
-        yield rows, x if norm.b is None else x + norm.b  # [chunk, d_model]
+        yield rows, (x if norm.b is None else x + norm.b).to(model.W_E.dtype)  # [chunk, d_model]
 
 
 def embed_eff(model: Transformer) -> Tensor:
