@@ -54,7 +54,7 @@ from app.cache import ResultCache
 from app.pricing import Answer, Budgets, Key, check_answer, check_cost, check_dense_bytes, encode, key_text, view_type
 from app.slots import Slots
 from app.store import StoreTier
-from circuits_core.cost import Cost, ambient_should_stop, stopping
+from circuits_core.cost import Cost, ambient_should_stop, available_cores, stopping
 from circuits_core.errors import CancelledError
 
 log = logging.getLogger("qkov.compute")
@@ -140,13 +140,6 @@ def _takes_should_stop(fn: Callable[..., Any]) -> bool:
         return "should_stop" in inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return False
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def default_torch_threads(slots: int) -> int:

@@ -30,7 +30,7 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
-from bench import fmt_time, row
+from bench import fmt_time, median_time, row
 from bench.engine import GPT2_SMALL, gpt2_shaped_model, tl_model
 from bench.load import HOST, free_port, rss_bytes, start_server
 
@@ -119,6 +119,44 @@ def tl_figures(rep_tokens: torch.Tensor) -> dict[str, float]:
     return out
 
 
+def heads_breakdown(model: Any) -> None:
+    """Where a cold heads table's time goes (issue 9.10), in this process with the torch threads the server gives one
+    computation: the detector pass, the two d_model x d_model Grams over the vocabulary, the 2 x 144 spectra and
+    the 2-D induction view's K-composition positivities (one-hot, then weighted), each once, cold."""
+    from app.compute import available_cores, default_torch_threads
+    from app.settings import Settings
+    from circuits_core import circuits, heads
+
+    settings = Settings()
+    threads = settings.torch_threads or default_torch_threads(settings.compute_slots)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    tokens = heads.standard_tokens(model)
+    try:
+        with torch.no_grad():
+            t_det, det = median_time(lambda: heads.detector_scores(model, tokens, budget_bytes=settings.limits.peak_bytes), 1)
+            t_g, G = median_time(lambda: circuits.unembed_embed_gram(model), 1)
+            t_ge, G_E = median_time(lambda: circuits.embed_gram(model), 1)
+            t_ov, ov = median_time(lambda: circuits.ov_copying_scores(model, G), 1)
+            t_qk, _ = median_time(lambda: circuits.qk_copying_scores(model, G_E), 1)
+            t_iv, _ = median_time(lambda: heads.induction_view(model, tokens, det["previous_token"], ov, G_E), 1)
+            t_all, _ = median_time(lambda: heads.head_table(model, tokens, budget_bytes=settings.limits.peak_bytes), 1)
+            torch.set_num_threads(available_cores())  # what a lone computation would get with QKOV_TORCH_THREADS=cores
+            t_cores, _ = median_time(lambda: heads.head_table(model, tokens, budget_bytes=settings.limits.peak_bytes), 1)
+    finally:
+        torch.set_num_threads(before)
+    parts = t_det + t_g + t_ge + t_ov + t_qk + t_iv
+    print(f"  where the heads table's time goes (in process, {threads} torch thread(s) as one server computation):")
+    for label, t in [(f"detector pass ({tokens.shape[0]} x {tokens.shape[1]} tokens, patterns only)", t_det),
+                     ("Gram W_U W_E_eff over the vocabulary [d, d]", t_g), ("Gram W_E_eff^T W_E_eff [d, d]", t_ge),
+                     ("OV spectra (144 x d_head eigenvalues)", t_ov), ("QK spectra (144 x d_head eigenvalues)", t_qk),
+                     ("induction view: K-composition one-hot + weighted", t_iv)]:
+        row(f"  {label}", t, "", f"{100 * t / parts:4.0f} % of the parts")
+    row("  heads.head_table, all parts in one call", t_all, "", f"parts sum {fmt_time(parts).strip()}")
+    row(f"  heads.head_table with {available_cores()} torch threads", t_cores, "",
+        f"{t_all / t_cores:.2f}x the {threads}-thread call")
+
+
 def http() -> None:
     from circuits_core.heads import standard_tokens
 
@@ -147,6 +185,7 @@ def http() -> None:
             proc.wait(30)
         except Exception:  # noqa: BLE001 - a stuck server is killed
             proc.kill()
+    heads_breakdown(gpt2_shaped_model())
     tl = tl_figures(standard_tokens(gpt2_shaped_model()))
     if not tl:
         return

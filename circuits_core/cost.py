@@ -20,6 +20,7 @@ its slot within one step.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -67,6 +68,14 @@ FREE = Cost(0)
 
 def _add_seconds(a: float | None, b: float | None) -> float | None:
     return None if a is None and b is None else (a or 0.0) + (b or 0.0)
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity), which bound how much of a computation runs at once."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def itemsize(dtype: torch.dtype) -> int:

@@ -18,7 +18,9 @@ Attention-pattern detectors (all in [0, 1], averaged over the batch):
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
@@ -33,7 +35,7 @@ from circuits_core.circuits import (
     unembed_embed_gram,
 )
 from circuits_core.config import head_name
-from circuits_core.cost import Cost, check_stop, itemsize, polled
+from circuits_core.cost import Cost, available_cores, check_stop, itemsize, polled
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.frozen import attention, forward_cost, ln_linear
 from circuits_core.model import Transformer, next_token_losses
@@ -348,26 +350,51 @@ class HeadTable:
 def head_table(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None,
                budget_bytes: int | None = None) -> HeadTable:
     """The heads table: one detector pass on `tokens` (its previous-token scores reused by the induction view),
-    and the full-circuit spectra from the two d_model x d_model Grams, each formed once."""
-    detectors = detector_scores(model, tokens, should_stop, budget_bytes)
+    and the full-circuit spectra from the two d_model x d_model Grams, each formed once.
+
+    The two independent branches (the detector pass; the Grams and spectra) run at once when the caller's torch
+    threads leave a core idle (a server computation gets one thread per slot): the second in a helper thread with
+    the same thread count, so a lone request uses two cores without an OpenMP team spanning busy ones."""
     if model.cfg.n_layers == 0:
         empty = torch.zeros(0, model.cfg.n_heads, dtype=torch.float64)
-        return HeadTable(detectors, empty, empty, None)
+        return HeadTable(detector_scores(model, tokens, should_stop, budget_bytes), empty, empty, None)
+    threads = torch.get_num_threads()
+    if budget_bytes is not None:  # the detector chunks leave room for the Grams held beside them
+        budget_bytes = max(1, budget_bytes - _spectra_cost(model).peak_bytes)
+
+    def spectra() -> tuple[Tensor, Tensor, Tensor]:
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            G, G_E = unembed_embed_gram(model), embed_gram(model)  # [d, d] each
+            check_stop(should_stop, "heads table")
+            return ov_copying_scores(model, G), qk_copying_scores(model, G_E), G_E
+
+    if 2 * threads > available_cores():
+        detectors = detector_scores(model, tokens, should_stop, budget_bytes)
+        ov, qk, G_E = spectra()
+    else:
+        with ThreadPoolExecutor(1, thread_name_prefix="qkov-heads-spectra") as pool:
+            branch = pool.submit(contextvars.copy_context().run, spectra)  # the ambient stop flag goes along
+            detectors = detector_scores(model, tokens, should_stop, budget_bytes)
+            ov, qk, G_E = branch.result()
     check_stop(should_stop, "heads table")
     with torch.no_grad():
-        G, G_E = unembed_embed_gram(model), embed_gram(model)  # [d, d] each
-        ov, qk = ov_copying_scores(model, G), qk_copying_scores(model, G_E)
-        check_stop(should_stop, "heads table")
         iv = induction_view(model, tokens, detectors["previous_token"], ov, G_E)
     return HeadTable(detectors, ov, qk, iv)
 
 
 def head_table_cost(model: Transformer, n: int, batch: int, budget_bytes: int | None = None) -> Cost:
-    """head_table on `batch` sequences of n tokens: the detector pass (in chunks under budget_bytes), then the
-    Grams (one LayerNorm chunk of W_E at a time) and the [L, H, d_model, d_head] products of the spectra."""
+    """head_table on `batch` sequences of n tokens: the detector pass (in chunks under budget_bytes, less the
+    spectra's share) beside the Grams and spectra (_spectra_cost), which may run at the same time."""
     cfg = model.cfg
-    chunk = batch if budget_bytes is None else detector_chunk(model, n, batch, budget_bytes)
-    grams = (2 * cfg.d_model**2 + 2 * EMBED_CHUNK * cfg.d_model) * itemsize(model.dtype)
-    spectra = 2 * cfg.n_layers * cfg.n_heads * cfg.d_model * cfg.d_head * 8 + 4 * cfg.d_model**2 * 8
-    return detectors_cost(model, n, chunk).then(Cost(grams + spectra)).with_answer(
+    spectra = _spectra_cost(model)
+    chunk = batch if budget_bytes is None else detector_chunk(model, n, batch, max(1, budget_bytes - spectra.peak_bytes))
+    return (detectors_cost(model, n, chunk) + spectra).with_answer(  # the branches may run at once
         numbers=7 * cfg.n_layers * cfg.n_heads, labels=2 * cfg.n_layers * cfg.n_heads)
+
+
+def _spectra_cost(model: Transformer) -> Cost:
+    """The Grams (one LayerNorm chunk of W_E at a time) and the [L, H, d_model, d_head] products of the spectra."""
+    cfg = model.cfg
+    grams = (2 * cfg.d_model**2 + 2 * EMBED_CHUNK * cfg.d_model) * itemsize(model.dtype)
+    return Cost(grams + 2 * cfg.n_layers * cfg.n_heads * cfg.d_model * cfg.d_head * 8 + 4 * cfg.d_model**2 * 8)

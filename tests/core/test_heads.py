@@ -126,3 +126,53 @@ def test_detectors_stop_early_and_match_the_full_run():
         torch.testing.assert_close(scores, expected, atol=1e-12, rtol=0, equal_nan=True)
     with pytest.raises(InvalidInputError):
         model.run_until(tokens, "blocks.9.attn.hook_nothing")
+
+
+def test_head_table_equals_its_parts_whether_its_branches_run_at_once_or_in_turn():
+    """head_table runs the detector pass beside the Grams + spectra when a core is idle (one torch thread here),
+    in turn otherwise: both give exactly the parts computed one by one."""
+    from circuits_core.circuits import ov_copying_scores, qk_copying_scores
+    from circuits_core.cost import available_cores
+    from circuits_core.heads import head_table
+
+    model = small_model(n_layers=3, ln="LN", mlp=True)
+    tokens = standard_tokens(model, seed=2)
+    det = detector_scores(model, tokens)
+    ov, qk = ov_copying_scores(model), qk_copying_scores(model)
+    iv = induction_view(model, tokens, det["previous_token"])
+    before = torch.get_num_threads()
+    try:
+        for threads in sorted({1, available_cores()}):
+            torch.set_num_threads(threads)
+            table = head_table(model, tokens, budget_bytes=2**30)
+            assert table.detectors.keys() == det.keys()
+            assert all(torch.equal(table.detectors[k], det[k]) for k in det)
+            assert torch.equal(table.ov_copying, ov) and torch.equal(table.qk_copying, qk)
+            assert table.induction is not None and table.induction.previous_token_head == iv.previous_token_head
+            assert torch.equal(table.induction.qk_k_composition, iv.qk_k_composition)
+            assert torch.equal(table.induction.qk_weighted, iv.qk_weighted)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_head_table_spectra_branch_sees_the_ambient_stop_flag():
+    """The helper thread of head_table polls the request's stop flag too: a flag raised only there stops it."""
+    import threading
+
+    import pytest
+
+    from circuits_core.cost import available_cores, stopping
+    from circuits_core.errors import CancelledError
+    from circuits_core.heads import head_table
+
+    if available_cores() < 2:
+        pytest.skip("one core: the branches run in turn")
+    model = small_model(n_layers=2, ln="LN")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with stopping(lambda: threading.current_thread().name.startswith("qkov-heads-spectra")):
+            with pytest.raises(CancelledError):
+                head_table(model, standard_tokens(model))
+    finally:
+        torch.set_num_threads(before)
