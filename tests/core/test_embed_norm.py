@@ -85,3 +85,17 @@ def test_no_norm_model_uses_W_E_directly():
                      seed=0, dtype=torch.float64)
     W = torch.randn(m.cfg.d_model, 2, dtype=torch.float64)
     torch.testing.assert_close(C.embed_eff_matmul(m, W), m.W_E @ W, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_within_their_rounding(dtype):
+    """A half-precision model's W_E_eff products and Grams come back in its dtype, within its rounding of float64."""
+    ref = rotary_model(seed=4, n_key_value_heads=2)
+    m = rotary_model(seed=4, n_key_value_heads=2).to(dtype)
+    W_E = dense_ln1(ref)
+    W = torch.randn(ref.cfg.d_model, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    eps = torch.finfo(dtype).eps
+    for got, want in [(C.embed_eff_matmul(m, W.to(dtype)), W_E @ W), (C.embed_gram(m), W_E.T @ W_E),
+                      (C.unembed_embed_gram(m), ref.W_U @ W_E)]:
+        assert got.dtype == dtype
+        assert (got.double() - want).abs().max() < 4 * eps * want.abs().max()  # measured <= 0.83 eps
