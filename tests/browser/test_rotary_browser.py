@@ -61,7 +61,7 @@ def test_composition_offset_and_pair_profile(rpage: Page) -> None:
     rpage.goto("/models/rope/composition?kind=K", wait_until="load")
     charts_drawn(rpage)
     rpage.fill("#offset-input", "3")
-    rpage.locator("#composition_panel form button.primary").click()
+    rpage.locator("#offset-input").locator("xpath=ancestor::form").locator("button.primary").click()  # not the basis form
     settled(rpage)
     expect(rpage.locator("#composition_panel")).to_contain_text("at offset δ = 3")
     assert "offset=3" in rpage.url
