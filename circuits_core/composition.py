@@ -35,7 +35,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from circuits_core.cost import Cost, check_stop, itemsize
+from circuits_core.cost import Cost, check_stop, itemsize, side_by_side
 from circuits_core.errors import InvalidInputError
 from circuits_core.model import Transformer
 
@@ -200,11 +200,12 @@ def composition_scores(
     dtype = torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype
     with torch.no_grad():
         W_Q, W_K, W_V, W_O = (w.to(dtype) for w in (model.W_Q, model.W_K, model.W_V, model.W_O))
-        raw = raw_composition_scores(W_Q, W_K, W_V, W_O, kinds=kinds, should_stop=should_stop)  # [K, L, H, L, H]
+        raw, (sampled, std) = side_by_side(  # the sampled baseline (model-independent) beside the scores
+            lambda: raw_composition_scores(W_Q, W_K, W_V, W_O, kinds=kinds, should_stop=should_stop),  # [K, L, H, L, H]
+            lambda: random_baseline(cfg.d_model, cfg.d_head, n_samples=n_samples, seed=seed), "qkov-baseline")
     layer = torch.arange(L, device=model.device)
     mask = (layer[:, None, None, None] < layer[None, None, :, None]).expand(L, H, L, H)
     baseline = 1.0 / math.sqrt(cfg.d_model)
-    sampled, std = random_baseline(cfg.d_model, cfg.d_head, n_samples=n_samples, seed=seed)
     raw_d = {kind: raw[i] for i, kind in enumerate(kinds)}
     minus = {kind: torch.where(mask, s - baseline, torch.zeros_like(s)) for kind, s in raw_d.items()}
     return CompositionScores(raw_d, minus, baseline, sampled, std, mask)
@@ -249,5 +250,12 @@ def cost(model: Transformer, kinds: tuple[CompositionKind, ...] = KINDS) -> Cost
     factors = 3 * Ns * d * dh + 3 * Nt * d * dh  # column blocks of both factors and the products they come from
     numbers = stacked + 4 * L * H * dh * dh + factors + (Ns + Nt) * size * size + Ns * Nt + 2 * K * (L * H) ** 2
     per_kind = 2 * Ns * (Ns if L > 1 else 0) + 30
-    return Cost(numbers * itemsize(torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype)).with_answer(
+    scores = Cost(numbers * itemsize(torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype))
+    return (scores + random_baseline_cost(d, dh)).with_answer(  # the baseline may be sampled beside the scores
         numbers=K * per_kind, labels=K * (2 * Ns + 20))
+
+
+def random_baseline_cost(d_model: int, d_head: int) -> Cost:
+    """random_baseline's working memory (float64): one chunk of 4 x 32 [d_model, d_head] draws, their four
+    d_head Grams, M and the two products of the score."""
+    return Cost(8 * (4 * 32 * d_model * d_head + 7 * 32 * d_head * d_head))

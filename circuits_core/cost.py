@@ -22,13 +22,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from contextvars import ContextVar
+from contextvars import ContextVar, copy_context
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from circuits_core.errors import CancelledError
+
+A = TypeVar("A")
+B = TypeVar("B")
 
 # One number in a JSON answer: a float64 repr ("-0.12345678901234568") and its separator.
 JSON_NUMBER_BYTES = 22
@@ -76,6 +81,25 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return os.cpu_count() or 1
+
+
+def side_by_side(main: Callable[[], A], side: Callable[[], B], name: str = "qkov-side") -> tuple[A, B]:
+    """(main(), side()) for two independent computations: side in a helper thread (named `name`, with the caller's
+    torch thread count and stop flag) while main runs here, when the caller's torch threads leave a core idle (a
+    server computation has one thread per slot); one after the other otherwise. A lone request then uses two cores
+    without an OpenMP team, which stalls at every barrier when its threads share busy cores."""
+    threads = torch.get_num_threads()
+    if 2 * threads > available_cores():
+        return main(), side()
+
+    def in_helper() -> B:
+        torch.set_num_threads(threads)
+        return side()
+
+    with ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
+        branch = pool.submit(copy_context().run, in_helper)  # the ambient stop flag goes along
+        first = main()
+        return first, branch.result()
 
 
 def itemsize(dtype: torch.dtype) -> int:

@@ -18,9 +18,7 @@ Attention-pattern detectors (all in [0, 1], averaged over the batch):
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Literal
 
@@ -35,7 +33,7 @@ from circuits_core.circuits import (
     unembed_embed_gram,
 )
 from circuits_core.config import head_name
-from circuits_core.cost import Cost, available_cores, check_stop, itemsize, polled
+from circuits_core.cost import Cost, check_stop, itemsize, polled, side_by_side
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.frozen import attention, forward_cost, ln_linear
 from circuits_core.model import Transformer, next_token_losses
@@ -352,31 +350,22 @@ def head_table(model: Transformer, tokens: Tensor, should_stop: Callable[[], boo
     """The heads table: one detector pass on `tokens` (its previous-token scores reused by the induction view),
     and the full-circuit spectra from the two d_model x d_model Grams, each formed once.
 
-    The two independent branches (the detector pass; the Grams and spectra) run at once when the caller's torch
-    threads leave a core idle (a server computation gets one thread per slot): the second in a helper thread with
-    the same thread count, so a lone request uses two cores without an OpenMP team spanning busy ones."""
+    The two independent branches (the detector pass; the Grams and spectra) run side by side (cost.side_by_side)
+    when the caller's torch threads leave a core idle."""
     if model.cfg.n_layers == 0:
         empty = torch.zeros(0, model.cfg.n_heads, dtype=torch.float64)
         return HeadTable(detector_scores(model, tokens, should_stop, budget_bytes), empty, empty, None)
-    threads = torch.get_num_threads()
     if budget_bytes is not None:  # the detector chunks leave room for the Grams held beside them
         budget_bytes = max(1, budget_bytes - _spectra_cost(model).peak_bytes)
 
     def spectra() -> tuple[Tensor, Tensor, Tensor]:
-        torch.set_num_threads(threads)
         with torch.no_grad():
             G, G_E = unembed_embed_gram(model), embed_gram(model)  # [d, d] each
             check_stop(should_stop, "heads table")
             return ov_copying_scores(model, G), qk_copying_scores(model, G_E), G_E
 
-    if 2 * threads > available_cores():
-        detectors = detector_scores(model, tokens, should_stop, budget_bytes)
-        ov, qk, G_E = spectra()
-    else:
-        with ThreadPoolExecutor(1, thread_name_prefix="qkov-heads-spectra") as pool:
-            branch = pool.submit(contextvars.copy_context().run, spectra)  # the ambient stop flag goes along
-            detectors = detector_scores(model, tokens, should_stop, budget_bytes)
-            ov, qk, G_E = branch.result()
+    detectors, (ov, qk, G_E) = side_by_side(lambda: detector_scores(model, tokens, should_stop, budget_bytes),
+                                            spectra, "qkov-heads-spectra")
     check_stop(should_stop, "heads table")
     with torch.no_grad():
         iv = induction_view(model, tokens, detectors["previous_token"], ov, G_E)

@@ -97,3 +97,51 @@ def test_a_polled_forward_pass_stops_between_hooks(model: Transformer) -> None:
     with pytest.raises(CancelledError, match="forward pass cancelled"):
         model.run(torch.tensor([[0, 5, 6]]), names=polled(keep, flag))
     assert asked[-1].startswith("blocks.1.") and "ln_final.hook_scale" not in asked  # stopped mid-way
+
+
+def test_side_by_side_runs_the_side_branch_in_a_helper_thread_only_when_a_core_is_idle() -> None:
+    import threading
+
+    from circuits_core.cost import available_cores, side_by_side
+
+    def where() -> tuple[str, int]:
+        return threading.current_thread().name, torch.get_num_threads()
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(available_cores())  # no idle core: one after the other, here
+        (m, s) = side_by_side(where, where, "qkov-test-side")
+        assert m == s == (threading.current_thread().name, available_cores())
+        if available_cores() >= 2:
+            torch.set_num_threads(1)
+            (m, s) = side_by_side(where, where, "qkov-test-side")
+            assert m == (threading.current_thread().name, 1)
+            assert s[0].startswith("qkov-test-side") and s[1] == 1  # the caller's thread count goes along
+
+        def boom() -> None:
+            raise ValueError("side failed")
+
+        with pytest.raises(ValueError, match="side failed"):
+            side_by_side(lambda: 1, boom)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_composition_scores_with_the_baseline_sampled_beside_them_equal_the_parts() -> None:
+    """With one torch thread on a machine with an idle core, the sampled baseline runs in a helper thread: the
+    scores and the baseline are exactly those computed on their own (the baseline recomputed, not cached)."""
+    from circuits_core.composition import BASELINE_SAMPLES, composition_scores, random_baseline, raw_composition_scores
+
+    cfg = ModelConfig(n_layers=3, d_model=48, n_heads=4, d_head=8, d_vocab=50, n_ctx=16, attn_only=True)
+    model = random_model(cfg, seed=3, dtype=torch.float64)
+    want_raw = raw_composition_scores(model.W_Q, model.W_K, model.W_V, model.W_O, kinds=("k",))[0]
+    want = random_baseline.__wrapped__(48, 8, BASELINE_SAMPLES, 0)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        random_baseline.cache_clear()
+        got = composition_scores(model, kinds=("k",))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got.raw["k"], want_raw)
+    assert (got.sampled_baseline, got.sampled_std) == want
