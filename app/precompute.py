@@ -15,7 +15,9 @@ is listed, not fatal.
 
 Pages are asked `compute_slots` at a time (each computation gets cores // slots torch threads): first the
 model-wide pages, then the first head's (which computes what every head view shares: the heads table, the
-spectra of all heads, the composition partners), then the other heads. On a vocabulary over DEFAULT_VOCAB
+spectra of all heads, the composition partners), then the other heads, then the panels those pages load after
+themselves (hx-trigger="load": the copying panels), asked as htmx asks them; the last line gives each phase's
+time. On a vocabulary over DEFAULT_VOCAB
 tokens a page's global tables rank the default token set (app/views/circuits.py); `--full` also fills each
 head's and the direct path's whole-vocabulary tables (`vocab=all`), ~38x the work per table on GPT-2.
 """
@@ -27,7 +29,6 @@ import html
 import logging
 import re
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -119,36 +120,40 @@ def crawl(app: Any, args: argparse.Namespace, parser: argparse.ArgumentParser, s
             extra = full_urls(loaded, args.model, per_head)
             model_wide += [u for u in extra if "{head}" not in u]
             per_head += [u for u in extra if "{head}" in u]
-        phases = [model_wide, *([u.replace("{head}", h) for u in per_head] for h in heads[:1]),
-                  [u.replace("{head}", h) for h in heads[1:] for u in per_head]]
+        phases = {"model-wide pages": model_wide,
+                  "first head": [u.replace("{head}", h) for h in heads[:1] for u in per_head],
+                  "other heads": [u.replace("{head}", h) for h in heads[1:] for u in per_head]}
         service, refused = app.state.compute, []
+        panels: dict[tuple[str, str], None] = {}  # (url, target) -> None: the panels found, in order, each once
         before, start = service.stats.completed, time.perf_counter()
-        bar = tqdm(total=sum(map(len, phases)), desc=f"precompute {args.model}", unit="page", file=sys.stderr, mininterval=1.0)
-
-        seen, lock = set(), threading.Lock()
+        bar = tqdm(total=sum(map(len, phases.values())), desc=f"precompute {args.model}", unit="page", file=sys.stderr,
+                   mininterval=1.0)
 
         def visit(url: str, headers: dict[str, str] | None = None) -> None:
             response = client.get(url, headers={"Accept-Encoding": "identity", **(headers or {})})
             if response.status_code >= 400:
                 refused.append(f"{url} ({response.status_code})")
-            if headers is None:
-                bar.update()
-            if response.headers.get("content-type", "").startswith("text/html"):
-                for src, target in lazy_panels(response.text):  # as htmx asks them, so the page cache key matches
-                    with lock:
-                        if (src, target) in seen:
-                            continue
-                        seen.add((src, target))
-                    visit(src, {"HX-Request": "true", "HX-Target": target})
+            bar.update()
+            if headers is None and response.headers.get("content-type", "").startswith("text/html"):
+                for src, target in lazy_panels(response.text):
+                    panels.setdefault((src, target), None)
 
+        took: dict[str, float] = {}
         with ThreadPoolExecutor(settings.compute_slots) as pool:
-            for urls in phases:  # a phase's pages at once; the next phase reads what this one shares
+            for name, urls in phases.items():  # a phase's pages at once; the next phase reads what this one shares
+                t0 = time.perf_counter()
                 list(pool.map(visit, urls))
+                took[name] = time.perf_counter() - t0
+            # then the panels the pages load after themselves, asked as htmx asks them (so the page cache key matches)
+            t0, asked = time.perf_counter(), list(panels)
+            bar.total += len(asked)
+            list(pool.map(lambda panel: visit(panel[0], {"HX-Request": "true", "HX-Target": panel[1]}), asked))
+            took[f"{len(asked)} panels"] = time.perf_counter() - t0
         bar.close()
-        took = time.perf_counter() - start
         store = service.store
         print(f"{args.model}: {bar.total} pages, {service.stats.completed - before} computations, "
-              f"{store.hits if store else 0} answers already in the {settings.store_url.split(':')[0]} store, {took:.1f} s")
+              f"{store.hits if store else 0} answers already in the {settings.store_url.split(':')[0]} store, "
+              f"{time.perf_counter() - start:.1f} s ({', '.join(f'{n} {t:.1f} s' for n, t in took.items())})")
         if refused:
             print("not available for this model: " + ", ".join(sorted(refused)))
     return 0
