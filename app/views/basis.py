@@ -54,12 +54,13 @@ def raw_copy_cost(loaded: LoadedModel, which: Basis) -> Cost:
 
 
 def basis(loaded: LoadedModel) -> str:
-    """Which weights the circuit numbers use: raw, centred unembedding, folded LayerNorm."""
+    """Which weights the circuit numbers use: raw, centred unembedding, folded LayerNorm (or RMSNorm)."""
     done = loaded.model.processing
     cfg = loaded.model.cfg
     parts = []
     if done.get("fold_ln") and cfg.normalization_type is not None:
-        parts.append("LayerNorm folded into the reading weights")
+        norm = "RMSNorm" if cfg.normalization_type.startswith("RMS") else "LayerNorm"
+        parts.append(f"{norm} folded into the reading weights")
     if done.get("center_writing_weights") and cfg.normalization_type is not None:
         parts.append("writing weights centred")
     if done.get("center_unembed"):

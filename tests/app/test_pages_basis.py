@@ -124,3 +124,14 @@ def test_no_picker_where_the_stored_weights_are_served(client: TestClient, folde
         for page in ("/models/plain/heads/L1H0", "/models/plain/direct", "/models/plain/composition"):
             html = c.get(page).text
             assert "the stored weights are the only basis" in html and 'name="basis"' not in html, page
+
+
+def test_an_rms_model_names_its_norm(tmp_path: Path) -> None:
+    """RMSNorm weights are folded too; the basis line names the norm the model has."""
+    tok = train_tokenizer()
+    cfg = ModelConfig(n_layers=1, d_model=16, n_heads=2, d_head=4, d_vocab=tok.get_vocab_size(), n_ctx=32,
+                      positional_embedding_type="standard", normalization_type="RMS")
+    save_qkov(tmp_path / "rms", cfg, tok, seed=9)
+    with TestClient(create_app(Settings(shipped_dir=tmp_path, dtype="float64", limits=LIMITS))) as c:
+        html = c.get("/models/rms/heads/L0H0").text
+    assert "RMSNorm folded into the reading weights" in html and "LayerNorm folded" not in html
