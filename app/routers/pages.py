@@ -53,6 +53,7 @@ from app.routers.rendering import (
     url,
 )
 from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
+from app.views.basis import basis
 from app.views.circuits import DIRECT, OV, QK, SKIP_TRIGRAMS, has_token_counts
 from app.views.composition import COMPOSITION
 from app.views.detectors import DETECTORS
@@ -246,7 +247,7 @@ async def overview_page(request: Request, registry: RegistryDep, loaded: LoadedM
                 x_title="OV copying score (Σλ/Σ|λ|)", y_title="K-composition positivity", links=[f"/models/{entry.id}/heads/{p['head']}" for p in pts])
             scatter_claim = scatter_sentence(pts, heads)
     response = render(request, "overview.html", {**ctx, "summary": summary, "heads": heads, "score": score, "scores": SCORES,
-                                                 "fig": fig, "scatter": scatter, "scatter_claim": scatter_claim,
+                                                 "fig": fig, "scatter": scatter, "scatter_claim": scatter_claim, "served_basis": basis(loaded),
                                                  "card_fig": training_curve(summary.card)},
                       blocks=("heads_panel",))
     if response.status_code == 200 and (scatter is not None or loaded.model.cfg.n_layers < 2 or is_fragment(request)):

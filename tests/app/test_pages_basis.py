@@ -135,3 +135,8 @@ def test_an_rms_model_names_its_norm(tmp_path: Path) -> None:
     with TestClient(create_app(Settings(shipped_dir=tmp_path, dtype="float64", limits=LIMITS))) as c:
         html = c.get("/models/rms/heads/L0H0").text
     assert "RMSNorm folded into the reading weights" in html and "LayerNorm folded" not in html
+
+
+def test_overview_names_the_basis_of_its_copying_scores(client: TestClient) -> None:
+    html = client.get(f"/models/{M}").text
+    assert re.search(r'id="heads-basis">processed weights: LayerNorm folded into the reading weights', html)
