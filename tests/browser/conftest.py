@@ -64,6 +64,15 @@ def serve(settings: Settings) -> Iterator[str]:
     thread.join(timeout=10)
 
 
+def serve_model(tmp_path_factory: pytest.TempPathFactory, name: str, cfg: ModelConfig, seed: int, limits: Limits) -> Iterator[str]:
+    """A live server on one random model `name` of shape `cfg` (qkov format, the test tokenizer), float32, no store."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"browser tests need {CHROMIUM} (make browser-deps)")
+    root = tmp_path_factory.mktemp(f"browser-{name}")
+    save_qkov(root / name, cfg, train_tokenizer(), seed=seed)
+    yield from serve(Settings(shipped_dir=root, dtype="float32", limits=limits, store_url="off"))
+
+
 @pytest.fixture(scope="session")
 def shipped_server() -> Iterator[str]:
     """A live server on the real shipped checkpoints (default settings), for the screenshot pass."""

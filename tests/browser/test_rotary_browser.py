@@ -9,27 +9,20 @@ from collections.abc import Iterator
 import pytest
 from playwright.sync_api import Page, expect
 
-from app.settings import Limits, Settings
+from app.settings import Limits
 from circuits_core.config import ModelConfig
-from tests.app.conftest import save_qkov, train_tokenizer
-from tests.browser.conftest import CHROMIUM, checked_page, serve
+from tests.app.conftest import train_tokenizer
+from tests.browser.conftest import checked_page, serve_model
 from tests.browser.test_pages_browser import charts_drawn, mark_document, same_document, settled
 
 
 @pytest.fixture(scope="module")
 def rotary_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from pathlib import Path
-
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"browser tests need {CHROMIUM} (make browser-deps)")
-    root = tmp_path_factory.mktemp("rotary-browser")
-    tok = train_tokenizer()
-    cfg = ModelConfig(n_layers=3, d_model=16, n_heads=4, d_head=8, d_vocab=tok.get_vocab_size(), n_ctx=64, attn_only=False,
+    cfg = ModelConfig(n_layers=3, d_model=16, n_heads=4, d_head=8, d_vocab=train_tokenizer().get_vocab_size(), n_ctx=64, attn_only=False,
                       d_mlp=24, gated_mlp=True, act_fn="silu", normalization_type="RMS", positional_embedding_type="rotary",
                       rotary_base=100.0, n_key_value_heads=2)
-    save_qkov(root / "rope", cfg, tok, seed=3)
     limits = Limits(max_prompt_tokens=64, max_k=50, max_heads=4, max_batch=8, max_seq_len=30, matrix_budget_bytes=16 * 2**20)
-    yield from serve(Settings(shipped_dir=root, dtype="float32", limits=limits, store_url="off"))
+    yield from serve_model(tmp_path_factory, "rope", cfg, 3, limits)
 
 
 @pytest.fixture

@@ -5,15 +5,14 @@ their own (top-1 / top-k self-copy shares beside the eigenvalue score)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from playwright.sync_api import Page, expect
 
-from app.settings import Limits, Settings
+from app.settings import Limits
 from circuits_core.config import ModelConfig
-from tests.app.conftest import save_qkov, train_tokenizer
-from tests.browser.conftest import CHROMIUM, checked_page, serve
+from tests.app.conftest import train_tokenizer
+from tests.browser.conftest import checked_page, serve_model
 from tests.browser.test_pages_browser import mark_document, same_document, settled
 
 
@@ -56,13 +55,9 @@ def test_plain_models_have_no_basis_picker(page: Page) -> None:
 @pytest.fixture(scope="module")
 def ln_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A 2-layer LayerNorm model (processed when served), so the composition pages offer the raw weights."""
-    if not Path(CHROMIUM).exists():
-        pytest.skip(f"browser tests need {CHROMIUM} (make browser-deps)")
-    root = tmp_path_factory.mktemp("browser-ln")
-    tok = train_tokenizer()
-    save_qkov(root / "ln-2l", ModelConfig(n_layers=2, d_model=16, n_heads=2, d_head=4, d_vocab=tok.get_vocab_size(), n_ctx=32,
-                                          positional_embedding_type="standard", normalization_type="LN"), tok, seed=7)
-    yield from serve(Settings(shipped_dir=root, dtype="float32", limits=Limits(max_k=50, max_heads=4)))
+    cfg = ModelConfig(n_layers=2, d_model=16, n_heads=2, d_head=4, d_vocab=train_tokenizer().get_vocab_size(), n_ctx=32,
+                      positional_embedding_type="standard", normalization_type="LN")
+    yield from serve_model(tmp_path_factory, "ln-2l", cfg, 7, Limits(max_k=50, max_heads=4))
 
 
 def test_composition_basis_picker_and_pair_page(browser, ln_server: str) -> None:  # noqa: ANN001
