@@ -1,0 +1,464 @@
+"""Hostile pass over the parameters and endpoints that session 3 added or changed: `vocab=default|all` on the
+OV/QK/direct/skip-trigram tables, `rows=` and `heads=` on /copying, /heads/{head}/qk-copying?offset=&max_offset=,
+`basis=raw|served` on /composition and its pair route, `min_count=all` on the direct page, the detectors' default
+seq_len (fitted to n_ctx), the lazily loaded copying panels and precompute's command line.
+
+Every bad value must be a 4xx problem+json whose detail names the field -- never a 5xx, another model's answer, or
+an answer larger than priced; a server with 1 KiB of working memory must refuse each new request by its price; the
+OpenAPI schema must carry each new bound; the JSON twin of each page with a new parameter must answer 200. The
+same refusals are checked once more over real HTTP (uvicorn on loopback).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+import app.routers.pages as pages
+import app.views.circuits as circuit_views
+from app.main import create_app
+from app.params import DetectorParams
+from app.precompute import lazy_panels
+from app.precompute import main as precompute
+from app.settings import Settings
+from circuits_core.config import ModelConfig
+from circuits_core.model import random_model
+from circuits_core.phenomena import TOKEN_COUNTS_FILE
+from circuits_core.weights import save_checkpoint
+from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer
+from tests.app.live_server import free_port, start
+
+API = "/api/v1/models"
+WIDE_V, SMALL_DEFAULT = 700, 256  # the "wide" model is a large vocabulary once DEFAULT_VOCAB is lowered to 256
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """shipped/two (shortformer, token counts), user/: twin (two's files under another id), ln (standard positions,
+    LayerNorm: served processed), rope (rotary, RMS, GQA), ctx2/ctx3 (n_ctx 2 and 3), zero (no layers), wide
+    (700 tokens, token counts, processing off)."""
+    root = tmp_path_factory.mktemp("hostile-s3")
+    tok = train_tokenizer()
+    V = tok.get_vocab_size()
+    shipped, user = root / "shipped", root / "user"
+    two = ModelConfig(n_layers=2, d_model=16, n_heads=2, d_head=8, d_vocab=V, n_ctx=32, positional_embedding_type="shortformer")
+    for folder in (shipped / "two", user / "twin"):
+        save_qkov(folder, two, tok, seed=1)
+        np.save(folder / TOKEN_COUNTS_FILE, np.random.default_rng(0).integers(0, 100, V))
+    save_qkov(user / "ln", ModelConfig(n_layers=2, d_model=16, n_heads=2, d_head=8, d_vocab=V, n_ctx=32,
+                                       positional_embedding_type="standard", normalization_type="LN"), tok, seed=2)
+    save_qkov(user / "rope", ModelConfig(n_layers=2, d_model=16, n_heads=4, d_head=8, d_vocab=V, n_ctx=32, normalization_type="RMS",
+                                         positional_embedding_type="rotary", n_key_value_heads=2), tok, seed=3)
+    for n in (2, 3):
+        save_qkov(user / f"ctx{n}", ModelConfig(n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=V, n_ctx=n), tok, seed=4)
+    save_qkov(user / "zero", ModelConfig(n_layers=0, d_model=16, n_heads=2, d_head=8, d_vocab=V, n_ctx=32), tok, seed=5)
+    wide = random_model(ModelConfig(n_layers=1, d_model=16, n_heads=2, d_head=4, d_vocab=WIDE_V, n_ctx=16), seed=6,
+                        dtype=torch.float64, std_embed=0.5)
+    save_checkpoint(wide, user / "wide")
+    (user / "wide" / "qkov.json").write_text(json.dumps({"processing": False}))
+    np.save(user / "wide" / TOKEN_COUNTS_FILE, np.random.default_rng(1).permutation(WIDE_V) * 3 + 1)
+    return shipped, user
+
+
+def _settings(folders: tuple[Path, Path], **limits: int) -> Settings:
+    return Settings(shipped_dir=folders[0], models_dir=folders[1], dtype="float64", store_url="off",
+                    limits=LIMITS.model_copy(update=limits), max_model_bytes=10**9)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def small_default() -> Iterator[None]:
+    patch = pytest.MonkeyPatch()
+    patch.setattr(circuit_views, "DEFAULT_VOCAB", SMALL_DEFAULT)
+    patch.setattr(pages, "DEFAULT_VOCAB", SMALL_DEFAULT)
+    yield
+    patch.undo()
+
+
+@pytest.fixture(scope="module")
+def app_client(folders: tuple[Path, Path], small_default: None) -> Iterator[tuple[Any, TestClient]]:
+    app = create_app(_settings(folders))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield app, c
+
+
+@pytest.fixture(scope="module")
+def client(app_client: tuple[Any, TestClient]) -> TestClient:
+    return app_client[1]
+
+
+@pytest.fixture(scope="module")
+def poor(folders: tuple[Path, Path], small_default: None) -> Iterator[TestClient]:
+    """The same models with 1 KiB of working memory per request: every computation is refused by its price."""
+    with TestClient(create_app(_settings(folders, peak_bytes=1024, matrix_budget_bytes=1024)), raise_server_exceptions=False) as c:
+        yield c
+
+
+def no_5xx(response: Any) -> None:
+    assert response.status_code < 500, (str(response.request.url), response.status_code, response.text[:300])
+    if response.status_code >= 400 and response.request.url.path.startswith("/api/"):
+        assert response.headers["content-type"].startswith("application/problem+json"), response.text[:300]
+        assert response.json()["detail"]
+
+
+# -- 1. every bad value of a new parameter is a 422 naming the field ---------------------------------------------
+BAD_VOCAB = ["ALL", "all ", "", "none", "Default", "all\x00", "1", "x" * 5000]
+VOCAB_ROUTES = ["two/heads/L0H0/ov", "two/heads/L0H0/qk", "two/direct", "two/heads/L0H0/skip-trigrams", "wide/direct"]
+BAD_FIELDS: list[tuple[str, str, list[str]]] = [  # (route under /api/v1/models, field, values)
+    *((route, "vocab", BAD_VOCAB) for route in VOCAB_ROUTES),
+    ("two/copying", "rows", ["0", "-1", "", "abc", "1e3", "1.5", "10000001", "99999999999999999999999"]),
+    ("two/copying", "heads", ["l0h0", "L0H0;L1H0", "x" * 100, "L0H0," * 5, "L0H0.5"]),
+    ("rope/heads/L0H0/qk-copying", "offset", ["-1", "1.5", "abc", "", "1000001", "32", "99999999999999999999999"]),
+    ("rope/heads/L0H0/qk-copying", "max_offset", ["0", "-1", "4097", "", "abc", "2.5"]),
+    ("ln/composition", "basis", ["RAW", "", "stored", "served ", "raw\x00"]),
+    ("ln/composition/L0H0/L1H1", "basis", ["RAW", "", "processed"]),
+    ("two/detectors", "seq_len", ["0", "-1", "", "null", "None", "16", "61", "abc"]),
+    ("two/direct", "min_count", ["all", "ALL", "0", "-1", "", "1e3", "1000000001"]),
+]
+
+
+@pytest.mark.parametrize(("route", "field", "values"), BAD_FIELDS, ids=[f"{r}-{f}" for r, f, _ in BAD_FIELDS])
+def test_bad_values_are_422_naming_the_field(client: TestClient, route: str, field: str, values: list[str]) -> None:
+    for value in values:
+        answer = client.get(f"{API}/{route}", params={field: value})
+        body = assert_problem(answer, answer.status_code)
+        assert answer.status_code in (404, 422), (value, answer.status_code)
+        needle = "head" if field == "heads" else field
+        # the field's name, or (values that parse but the model cannot take) the model bound they break
+        assert needle in body["detail"] or "n_ctx" in body["detail"] or "context" in body["detail"], (value, body["detail"])
+
+
+def test_huge_head_lists_are_refused_by_the_limit(client: TestClient) -> None:
+    assert_problem(client.get(f"{API}/two/copying", params={"heads": "L0H0,L0H1,L1H0,L1H1,L0H0"}), 422, "at most 4")
+    assert_problem(client.get(f"{API}/two/copying", params={"heads": "L9H0"}), 404, "L9H0")
+    assert_problem(client.get(f"{API}/zero/copying", params={"heads": "L0H0"}), 404, "0 layers")
+
+
+@pytest.mark.parametrize("model", ["two", "ln", "ctx2", "zero", "wide"])
+def test_qk_copying_off_rotary_models_says_rotary_or_names_the_head(client: TestClient, model: str) -> None:
+    answer = client.get(f"{API}/{model}/heads/L0H0/qk-copying", params={"offset": 0})
+    assert_problem(answer, answer.status_code, "0 layers" if model == "zero" else "rotary")
+
+
+@pytest.mark.parametrize("head", ["L2H0", "L0H4", "x", "L-1H0", "L0H0x", "L" + "9" * 30 + "H0", "%00"])
+def test_qk_copying_bad_heads_are_refused(client: TestClient, head: str) -> None:
+    answer = client.get(f"{API}/rope/heads/{head}/qk-copying")
+    assert answer.status_code in (404, 422), answer.text
+    assert_problem(answer, answer.status_code)
+
+
+# -- 2. edge models never get a server error -----------------------------------------------------------------------
+EDGE_MODELS = ["two", "ln", "rope", "ctx2", "ctx3", "wide", "nope"]
+NEW_REQUESTS = ["heads/L0H0/qk-copying", "heads/L0H0/qk-copying?offset=1&max_offset=4096", "copying?heads=L0H0&rows=1&samples=2",
+                "copying?rows=10000000&samples=2", "heads/L0H0/ov?vocab=all", "heads/L0H0/qk?vocab=all&side=key",
+                "heads/L0H0/skip-trigrams?vocab=all", "direct?vocab=all", "direct?vocab=all&min_count=5",
+                "composition?basis=raw", "composition?basis=raw&kind=Q&offset=3", "composition/L0H0/L1H1?basis=raw",
+                "detectors", "detectors?heads=L0H0", "detectors?seq_len=1"]  # fmt: skip
+
+
+@pytest.mark.parametrize("model", EDGE_MODELS)
+def test_new_requests_never_get_a_server_error(client: TestClient, model: str) -> None:
+    for request in NEW_REQUESTS:
+        no_5xx(client.get(f"{API}/{model}/{request}"))
+
+
+@pytest.mark.xfail(strict=True, reason="0-layer model: detector_run returns losses=None, build_detectors_view asserts -> 500 "
+                   "(owner: lead, detectors view; heads.detector_run)")
+@pytest.mark.parametrize("url", [f"{API}/zero/detectors", f"{API}/zero/detectors?prompt=the%20cat", "/models/zero/detectors"])
+def test_detectors_on_a_model_without_layers(client: TestClient, url: str) -> None:
+    answer = client.get(url)
+    assert answer.status_code in (200, 422), (answer.status_code, answer.text[:200])
+
+
+def test_zero_layer_model_new_requests(client: TestClient) -> None:
+    for request in NEW_REQUESTS:
+        if not request.startswith("detectors"):  # those: test_detectors_on_a_model_without_layers
+            no_5xx(client.get(f"{API}/zero/{request}"))
+
+
+# -- 3. the detectors' default seq_len ---------------------------------------------------------------------------
+def test_default_seq_len_fits_tiny_contexts_or_says_why(client: TestClient) -> None:
+    assert_problem(client.get(f"{API}/ctx2/detectors"), 422, "seq_len", "context is 2")  # BOS + r + r needs 3 tokens
+    fitted = client.get(f"{API}/ctx3/detectors")
+    assert fitted.status_code == 200 and fitted.json()["detector_input"]["seq_len"] == 1
+    page = client.get("/models/ctx2/detectors")
+    assert page.status_code == 422 and "context" in page.text
+
+
+def test_default_seq_len_is_the_fitted_one_and_an_explicit_one_is_kept(app_client: tuple[Any, TestClient]) -> None:
+    """n_ctx 32 with BOS: the standard T = 50 shortened to (32 - 1) // 2 = 15, the same answer as seq_len=15 asked;
+    an explicit 14 is never changed, and an explicit 16 (33 tokens) is refused, not shortened."""
+    app, client = app_client
+    default, asked = client.get(f"{API}/two/detectors").json(), client.get(f"{API}/two/detectors?seq_len=15").json()
+    assert default["detector_input"]["seq_len"] == 15 and default == asked
+    assert client.get(f"{API}/two/detectors?seq_len=14").json()["detector_input"]["seq_len"] == 14
+    assert_problem(client.get(f"{API}/two/detectors?seq_len=16"), 422, "seq_len=16", "32")
+    loaded = app.state.registry.get("two")
+    assert DetectorParams(seq_len=None).normalised(loaded).seq_len == 15  # independent of the route
+
+
+# -- 4. another model's answer, another basis's answer, another token set's answer -------------------------------
+def test_a_model_with_the_same_files_under_another_id_gets_its_own_id(client: TestClient) -> None:
+    for request in ("copying?heads=L1H1&rows=3&samples=2", "heads/L0H0/ov?vocab=all", "detectors", "composition?basis=raw"):
+        a, b = client.get(f"{API}/two/{request}").json(), client.get(f"{API}/twin/{request}").json()
+        assert a["model"]["id"] == "two" and b["model"]["id"] == "twin", request
+        assert {k: v for k, v in a.items() if k != "model"} == {k: v for k, v in b.items() if k != "model"}, request
+
+
+@pytest.mark.parametrize("route", ["composition", "composition/L0H0/L1H1", "heads/L0H0/ov", "direct"])
+def test_raw_and_served_never_share_an_answer(client: TestClient, route: str) -> None:
+    """ln is served processed (folded LayerNorm, centred weights): raw asked first must not be served as the
+    processed answer (nor the reverse), and each names its basis."""
+    raw = client.get(f"{API}/ln/{route}", params={"basis": "raw"}).json()
+    served = client.get(f"{API}/ln/{route}", params={"basis": "served"}).json()
+    again = client.get(f"{API}/ln/{route}", params={"basis": "raw"}).json()
+    assert raw["basis"].startswith("raw") and served["basis"].startswith("processed"), (raw["basis"], served["basis"])
+    assert raw == again
+    numbers = lambda v: re.findall(r"-?\d+\.\d{6,}", json.dumps({k: x for k, x in v.items() if k not in ("basis", "model")}))  # noqa: E731
+    assert numbers(raw) != numbers(served)
+
+
+def test_vocab_all_and_default_are_different_tables_on_a_large_vocabulary(client: TestClient) -> None:
+    """Lowered DEFAULT_VOCAB (256 of 700): default ranks the 256 most frequent tokens, all ranks 700; asking one first
+    must not serve it for the other, and every default entry's tokens lie in the frequent set."""
+    counts = np.load(client.app.state.registry.get("wide").path / TOKEN_COUNTS_FILE)  # type: ignore[attr-defined]
+    frequent = set(np.argsort(-counts, kind="stable")[:SMALL_DEFAULT].tolist())
+    for route in ("heads/L0H1/ov", "heads/L0H1/qk", "direct"):
+        every = client.get(f"{API}/wide/{route}", params={"vocab": "all", "k": 50}).json()
+        default = client.get(f"{API}/wide/{route}", params={"k": 50}).json()
+        assert every["token_set"] is None and every["n_tokens"] is None, route
+        assert default["n_tokens"] == SMALL_DEFAULT and "most frequent" in default["token_set"], route
+        assert all(e["row"]["id"] in frequent and e["col"]["id"] in frequent for e in default["entries"]), route
+        top_all, top_default = every["entries"][0]["value"], default["entries"][0]["value"]
+        assert top_all >= top_default, route  # a superset's maximum
+        outside = [e for e in every["entries"] if e["row"]["id"] not in frequent or e["col"]["id"] not in frequent]
+        assert outside, f"{route}: every top-50 entry over 700 tokens lies in the 256 frequent ones; this check proves nothing"
+
+
+def test_min_count_wins_over_vocab(client: TestClient) -> None:
+    a = client.get(f"{API}/wide/heads/L0H0/ov", params={"min_count": 1500, "vocab": "all"}).json()
+    b = client.get(f"{API}/wide/heads/L0H0/ov", params={"min_count": 1500}).json()
+    assert a["entries"] == b["entries"] and a["n_tokens"] == b["n_tokens"] < WIDE_V
+
+
+def test_copying_answers_exactly_the_heads_and_rows_asked(client: TestClient) -> None:
+    body = client.get(f"{API}/two/copying", params={"heads": "L01H001,L0H0", "rows": 7, "samples": 2}).json()
+    assert [h["head"] for h in body["heads"]] == ["L1H1", "L0H0"] and body["n_rows"] == 7
+    every = client.get(f"{API}/two/copying", params={"rows": 7, "samples": 2}).json()
+    by_head = {h["head"]: h for h in every["heads"]}
+    for h in body["heads"]:  # the same seeded rows: a head's shares do not depend on which other heads were asked
+        assert h == by_head[h["head"]]
+
+
+@pytest.mark.xfail(strict=True, reason="heads=L0H0,L0H0 measures and lists L0H0 twice (parse_heads keeps duplicates; "
+                   "owner: C3, app/views/copying.py)")
+def test_copying_lists_a_repeated_head_once(client: TestClient) -> None:
+    body = client.get(f"{API}/two/copying", params={"heads": "L0H0,L0H0", "samples": 2}).json()
+    assert [h["head"] for h in body["heads"]] == ["L0H0"]
+
+
+# -- 5. priced before it runs, and the answer within its price ---------------------------------------------------
+PRICED = ["rope/heads/L0H0/qk-copying", "rope/heads/L0H0/qk-copying?offset=5&max_offset=4096",
+          "two/copying?heads=L0H0&rows=1", "two/copying?heads=L1H1", "wide/heads/L0H0/ov?vocab=all",
+          "wide/heads/L0H0/qk?vocab=all", "wide/direct?vocab=all", "wide/heads/L0H0/skip-trigrams?vocab=all",
+          "wide/heads/L0H0/ov", "ln/composition?basis=raw", "ln/composition/L0H0/L1H1?basis=raw",
+          "rope/composition?basis=raw&offset=2", "two/detectors", "ctx3/detectors"]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", PRICED)
+def test_every_new_request_is_priced_before_it_runs(poor: TestClient, path: str) -> None:
+    body = assert_problem(poor.get(f"{API}/{path}"), 422, "peak_bytes")
+    assert body["type"].endswith("limit-exceeded")
+
+
+@pytest.mark.xfail(strict=True, reason="qk_copying_cost prices a non-rotary model (check_offsets passes offset 0) before "
+                   "the rotary check: 'exceeds peak_bytes' instead of 'needs rotary positions' (owner: R3, app/views/rotary.py)")
+def test_qk_copying_on_a_shortformer_model_is_refused_for_its_positions_not_its_price(poor: TestClient) -> None:
+    assert_problem(poor.get(f"{API}/two/heads/L0H0/qk-copying"), 422, "rotary")
+
+
+@pytest.mark.parametrize("path", [p for p in PRICED if "?" in p or "detectors" in p])
+def test_the_priced_answer_bounds_the_real_one(app_client: tuple[Any, TestClient], path: str) -> None:
+    app, client = app_client
+    answer = client.get(f"{API}/{path}")
+    assert answer.status_code == 200, answer.text
+    route, _, query = path.partition("?")
+    model, _, rest = route.partition("/")
+    analyses = app.state.analyses
+    analysis = next(a for a in analyses.analyses if a.api_path != a.page_path and re.fullmatch(
+        re.sub(r"\\\{[^}]+\\\}", "[^/]+", re.escape(a.api_path)), f"{API}/{route}"))
+    values = dict(kv.split("=") for kv in query.split("&") if kv)
+    names = re.findall(r"\{(\w+)\}", analysis.api_path)
+    values |= {n: v for n, v in zip(names, [model, *re.findall(r"L\d+H\d+", rest)], strict=False) if n != "model"}
+    loaded = app.state.registry.get(model)
+    params = analyses.bound(analysis).model_validate(values).normalised(loaded)
+    cost = analysis.cost(loaded, params, app.state.settings.limits)
+    assert len(answer.content) <= cost.answer_bytes, f"{path}: answered {len(answer.content)} bytes, priced {cost.answer_bytes}"
+
+
+def test_vocab_all_is_priced_above_the_default_set(app_client: tuple[Any, TestClient]) -> None:
+    """The price follows the token set: 700 x 700 entries searched vs 256 x 256 (the engine's own top_cost)."""
+    app, _ = app_client
+    loaded, limits = app.state.registry.get("wide"), app.state.settings.limits
+    from app.params import OVParams
+
+    every = circuit_views.top_cost(loaded, OVParams(head="L0H0", vocab="all"), limits)
+    default = circuit_views.top_cost(loaded, OVParams(head="L0H0"), limits)
+    assert every.peak_bytes > default.peak_bytes
+
+
+# -- 6. every new bound is in the OpenAPI schema ------------------------------------------------------------------
+def _param(schema: dict[str, Any], path: str, name: str) -> dict[str, Any]:
+    op = schema["paths"][f"{API}/{{model}}/{path}"]["get"]
+    found = next(p["schema"] for p in op["parameters"] if p["name"] == name)
+    alternatives = found.get("anyOf", [found])
+    return next(a for a in alternatives if a.get("type") != "null")
+
+
+def test_openapi_carries_every_new_bound(client: TestClient) -> None:
+    schema = client.get("/openapi.json").json()
+    for path in ("heads/{head}/ov", "heads/{head}/qk", "direct", "heads/{head}/skip-trigrams"):
+        assert _param(schema, path, "vocab")["enum"] == ["default", "all"], path
+    for path in ("composition", "composition/{source}/{target}"):
+        assert _param(schema, path, "basis")["enum"] == ["served", "raw"], path
+    rows = _param(schema, "copying", "rows")
+    assert rows["minimum"] == 1 and rows["maximum"] == 10**7
+    assert _param(schema, "copying", "heads")["maxLength"] == LIMITS.max_heads * 12
+    offset, max_offset = _param(schema, "heads/{head}/qk-copying", "offset"), _param(schema, "heads/{head}/qk-copying", "max_offset")
+    assert (offset["minimum"], offset["maximum"], max_offset["minimum"], max_offset["maximum"]) == (0, 10**6, 1, 4096)
+    seq_len = _param(schema, "detectors", "seq_len")
+    assert seq_len["minimum"] == 1 and seq_len["maximum"] == LIMITS.max_seq_len
+    assert _param(schema, "direct", "min_count")["maximum"] == 10**9
+
+
+# -- 7. pages: min_count=all, JSON twins, the lazy copying panels --------------------------------------------------
+BAD_PAGES = ["/models/two/direct?min_count=ALL", "/models/two/direct?min_count=0", "/models/two/direct?min_count=-1",
+             "/models/two/direct?min_count=1e3", "/models/two/direct?vocab=x", "/models/two/heads/L0H0?vocab=ALL",
+             "/models/two/heads/L0H0?basis=RAW", "/models/ln/composition?basis=x", "/models/ln/composition/L0H0/L1H1?basis=processed",
+             "/models/two/copying?rows=0", "/models/two/copying?heads=l0h0", "/models/rope/heads/L0H0?offset=32",
+             "/models/ln/direct?min_count=50"]  # fmt: skip
+
+
+@pytest.mark.parametrize("url", BAD_PAGES)
+def test_bad_page_parameters_are_a_4xx_page(client: TestClient, url: str) -> None:
+    answer = client.get(url)
+    assert 400 <= answer.status_code < 500 and answer.headers["content-type"].startswith("text/html"), (url, answer.status_code)
+
+
+GOOD_PAGES = ["/models/two/direct?min_count=all", "/models/two/direct", "/models/two/direct?min_count=5",
+              "/models/wide/direct?min_count=all", "/models/wide/direct?vocab=all", "/models/wide/heads/L0H1?vocab=all",
+              "/models/ln/heads/L0H0?basis=raw", "/models/ln/composition?basis=raw", "/models/ln/composition/L0H0/L1H1?basis=raw",
+              "/models/ln/direct?basis=raw&min_count=all", "/models/two/copying?heads=L0H1&rows=5&samples=2",
+              "/models/rope/heads/L0H0?offset=3", "/models/ctx3/detectors", "/models/two/detectors?seq_len=4"]  # fmt: skip
+
+
+@pytest.mark.parametrize("url", GOOD_PAGES)
+def test_each_pages_json_links_answer_and_keep_its_parameters(client: TestClient, url: str) -> None:
+    """Every /api/v1 link on the page (its JSON twin, each panel's JSON button) answers 200, and each new parameter of
+    the page's URL travels in at least one of them."""
+    page = client.get(url)
+    assert page.status_code == 200, (url, page.text[:300])
+    links = sorted({h.replace("&amp;", "&") for h in re.findall(r'href="(/api/v1/[^"]+)"', page.text)})
+    assert links and re.search(r'id="json-link"', page.text), url
+    for link in links:
+        answer = client.get(link)
+        assert answer.status_code == 200, (url, link, answer.text[:300])
+    for name, value in re.findall(r"[?&](vocab|basis|rows|heads|seq_len)=([^&]+)", url):
+        assert any(f"{name}={value}" in link for link in links), (url, name, links)
+
+
+def test_direct_page_min_count_all_ranks_every_token(client: TestClient) -> None:
+    """The page's 'all' is the API without min_count (every token), its default is min_count=50 (counts present)."""
+    twin = re.search(r'id="json-link"[^>]*href="([^"]+)"', client.get("/models/two/direct?min_count=all").text)
+    assert twin and "min_count" not in twin[1].split("?", 1)[-1].replace("min_count=all", "")
+    default = re.search(r'id="json-link"[^>]*href="([^"]+)"', client.get("/models/two/direct").text)
+    assert default and "min_count=50" in default[1]
+
+
+@pytest.mark.parametrize("page", ["/models/two", "/models/two/heads/L0H1", "/models/two/heads/L01H001", "/models/wide",
+                                  "/models/rope/heads/L1H3", "/models/zero", "/models/ln/heads/L1H0?basis=raw"])
+def test_lazy_panels_answer_for_the_same_model_and_head(client: TestClient, page: str) -> None:
+    answer = client.get(page)
+    assert answer.status_code < 500, (page, answer.status_code)
+    if answer.status_code != 200:
+        return
+    model = page.split("/")[2]
+    panels = lazy_panels(answer.text)
+    if model != "zero" and "/heads/" in page or page in ("/models/two", "/models/wide"):
+        assert panels, f"{page} names no lazy panel"
+    for src, target in panels:
+        assert src.startswith(f"/models/{model}/"), (page, src)
+        if "/heads/" in page:
+            head = page.split("/heads/")[1].split("?")[0]
+            normal = "L{}H{}".format(*(int(x) for x in re.findall(r"\d+", head)))
+            assert f"heads={normal}" in src, (page, src)
+        for headers in ({"HX-Request": "true", "HX-Target": target}, {}):
+            panel = client.get(src, headers=headers)
+            assert panel.status_code == 200, (page, src, panel.status_code, panel.text[:300])
+            assert f'id="{target}"' in panel.text or "hx-select" in answer.text, (page, src)
+
+
+# -- 8. precompute's command line --------------------------------------------------------------------------------
+@pytest.fixture
+def store_env(tmp_path: Path, folders: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in {"QKOV_STORE_URL": "disk", "QKOV_STORE_DIR": str(tmp_path / "store"), "QKOV_SHIPPED_DIR": str(folders[0]),
+                       "QKOV_MODELS_DIR": str(folders[1]), "QKOV_DTYPE": "float64"}.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.mark.parametrize(("argv", "needle"), [(["nope"], "unknown model"), (["two", "--heads", "L9H0"], "L9H0"),
+                                              (["two", "--heads", "x"], "not of the form"), (["zero", "--heads", "L0H0"], "0 layers")])
+def test_precompute_refuses_bad_arguments_by_name(store_env: None, capsys: pytest.CaptureFixture[str], argv: list[str],
+                                                  needle: str) -> None:  # fmt: skip
+    with pytest.raises(SystemExit) as stop:
+        precompute(argv)
+    assert stop.value.code == 2 and needle in capsys.readouterr().err
+
+
+@pytest.mark.xfail(strict=True, reason="precompute --heads with a name over 16 characters: HeadParams raises a pydantic "
+                   "ValidationError, not caught (a traceback, not a usage error; owner: P3, app/precompute.py heads_of)")
+def test_precompute_refuses_an_overlong_head_name(store_env: None, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        precompute(["two", "--heads", "L" + "0" * 20 + "H0"])
+    assert stop.value.code == 2 and "head" in capsys.readouterr().err
+
+
+# -- 9. the same over real HTTP ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(folders: tuple[Path, Path]) -> Iterator[str]:
+    port = free_port()
+    env = {"QKOV_SHIPPED_DIR": str(folders[0]), "QKOV_MODELS_DIR": str(folders[1]), "QKOV_STORE_URL": "off",
+           "QKOV_DTYPE": "float64", "QKOV_COMPUTE_SLOTS": "1", "QKOV_TORCH_THREADS": "1", "QKOV_MAX_MODEL_BYTES": str(10**9)}
+    proc: subprocess.Popen[bytes] = start(["-m", "app.serve", "--port", str(port)], port, env, quiet=True)
+    yield f"http://127.0.0.1:{port}"
+    proc.kill()
+    proc.wait(10)
+
+
+RAW_HTTP = [("two/heads/L0H0/ov?vocab=ALL", 422, "vocab"), ("two/copying?rows=0", 422, "rows"),
+            ("two/copying?heads=" + "%2C".join(["L0H0"] * 17), 422, "at most"), ("two/copying?rows=%00", 422, "rows"),
+            ("rope/heads/L0H0/qk-copying?max_offset=4097", 422, "max_offset"), ("rope/heads/L0H0/qk-copying?offset=32", 422, "32"),
+            ("two/heads/L0H0/qk-copying", 422, "rotary"), ("ln/composition?basis=%F0%9F%92%A9", 422, "basis"),
+            ("ctx2/detectors", 422, "seq_len"), ("two/direct?min_count=all", 422, "min_count"),
+            ("rope/heads/L0H0/qk-copying?offset=3&max_offset=8", 200, "eigenvalues")]  # fmt: skip
+
+
+def test_over_real_http(server: str) -> None:
+    with httpx.Client(base_url=server, timeout=60) as http:
+        for path, status, needle in RAW_HTTP:
+            answer = http.get(f"{API}/{path}")
+            assert answer.status_code == status, (path, answer.status_code, answer.text[:300])
+            assert needle in answer.text, (path, answer.text[:300])
+            if status >= 400:
+                assert answer.headers["content-type"].startswith("application/problem+json"), path
+        body = http.get(f"{API}/rope/heads/L0H0/qk-copying?offset=3&max_offset=8").json()
+        assert body["offset"] == 3 and body["offsets"] == list(range(9)) and len(body["eigenvalues"]) == 8
