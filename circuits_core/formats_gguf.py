@@ -35,7 +35,7 @@ from torch import Tensor
 
 from circuits_core.config import ModelConfig
 from circuits_core.errors import CheckpointError, InvalidInputError
-from circuits_core.formats_llama import laid_out
+from circuits_core.formats_llama import laid_out, one_thread
 from circuits_core.tokenizer import Tokenizer
 
 State = dict[str, Tensor]
@@ -52,11 +52,7 @@ PRE_TOKENIZERS: dict[str, bool] = {
     "smollm": True, "starcoder": True, "refact": True, "command-r": True, "codeshell": True, "exaone": True,
     "minerva-7b": True,
 }  # fmt: skip
-CONTROL_TOKEN, USER_DEFINED_TOKEN = 3, 4
-# SERIAL_DEQUANTISE: the tensors are decoded and laid out on the calling thread alone. A GGUF holds thousands of
-# small per-layer tensors (SmolLM2: 272, ~10 torch ops each); each parallel region costs a wake-up of the other
-# threads, and on a shared 2-core machine a descheduled worker stalls it: SmolLM2 loaded in 1.2-2.6 s on one
-# thread and 8-9 s on two (4x the CPU time) at load average ~7.  # tokenizer.ggml.token_type values that encode as themselves
+CONTROL_TOKEN, USER_DEFINED_TOKEN = 3, 4  # tokenizer.ggml.token_type values that encode as themselves
 
 
 def gguf_file(folder: Path) -> str | None:
@@ -372,10 +368,6 @@ def read_gguf(
     tokenizer = gguf_tokenizer(meta, cfg.bos_token_id)
     if tokenizer is not None and tokenizer.vocab_size > d_vocab:
         raise CheckpointError(f"{path.name}: tokenizer has {tokenizer.vocab_size} tokens, the model only {d_vocab}")
-    threads = torch.get_num_threads()  # this thread's intra-op setting (OpenMP: per calling thread)
-    torch.set_num_threads(1)  # see SERIAL_DEQUANTISE
-    try:
+    with one_thread():  # thousands of short ops: see formats_llama.one_thread
         state = gguf_state(cfg, tensors)
-    finally:
-        torch.set_num_threads(threads)
     return cfg, state, dict.fromkeys(state, path.name), tokenizer
