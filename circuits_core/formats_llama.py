@@ -114,11 +114,13 @@ class _MappedFile:
 
 @contextmanager
 def one_thread() -> Iterator[None]:
-    """Within the block, torch ops of this thread run on it alone (the intra-op setting is per calling thread
-    under OpenMP; restored after). Loaders decode and lay out tensors this way: the copies are memory-bound, and
-    they come as thousands of short parallel regions (a slab each), each stalled by a descheduled worker on a
-    shared 2-core machine: the 1B-shaped checkpoint loaded in 82 s wall, 43 s CPU on two threads and 18 s wall,
-    8 s CPU on one (load average ~8); SmolLM2's GGUF in 8-9 s vs 1.2-2.6 s."""
+    """Within the block torch runs one intra-op thread (restored after). Loaders decode and lay out tensors this
+    way: the copies are memory-bound and come as thousands of short parallel regions (a slab each), each stalled
+    by a descheduled worker on a shared 2-core machine: the 1B-shaped checkpoint loaded in 82 s wall, 43 s CPU
+    on two threads and 18 s wall, 8 s CPU on one (load average ~8); SmolLM2's GGUF in 8-9 s vs 1.2-2.6 s.
+    The setting is process-wide (OpenMP's, set from a thread outside any parallel region), so a computation
+    running beside a load also runs on one thread until the load ends; the app's compute service sets its own
+    count when each computation starts."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

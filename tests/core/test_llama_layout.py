@@ -34,3 +34,17 @@ def test_slab_copy_equals_one_pass_copy(monkeypatch: pytest.MonkeyPatch, slab: i
     got = laid_out(_output_heads(6, 8, 35)(W_O), torch.float64)
     for h in range(6):
         assert torch.equal(got[h], W_O[:, h * 8 : (h + 1) * 8].double().T)
+
+
+def test_one_thread_restores_the_thread_count() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with formats_llama.one_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ValueError), formats_llama.one_thread():
+            raise ValueError("a failed load")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
