@@ -157,7 +157,7 @@ def test_qk_copying_bad_heads_are_refused(client: TestClient, head: str) -> None
 
 
 # -- 2. edge models never get a server error -----------------------------------------------------------------------
-EDGE_MODELS = ["two", "ln", "rope", "ctx2", "ctx3", "wide", "nope"]
+EDGE_MODELS = ["two", "ln", "rope", "ctx2", "ctx3", "wide", "nope", "zero"]
 NEW_REQUESTS = ["heads/L0H0/qk-copying", "heads/L0H0/qk-copying?offset=1&max_offset=4096", "copying?heads=L0H0&rows=1&samples=2",
                 "copying?rows=10000000&samples=2", "heads/L0H0/ov?vocab=all", "heads/L0H0/qk?vocab=all&side=key",
                 "heads/L0H0/skip-trigrams?vocab=all", "direct?vocab=all", "direct?vocab=all&min_count=5",
@@ -168,7 +168,8 @@ NEW_REQUESTS = ["heads/L0H0/qk-copying", "heads/L0H0/qk-copying?offset=1&max_off
 @pytest.mark.parametrize("model", EDGE_MODELS)
 def test_new_requests_never_get_a_server_error(client: TestClient, model: str) -> None:
     for request in NEW_REQUESTS:
-        no_5xx(client.get(f"{API}/{model}/{request}"))
+        if model != "zero" or not request.startswith("detectors"):  # zero's: test_detectors_on_a_model_without_layers
+            no_5xx(client.get(f"{API}/{model}/{request}"))
 
 
 @pytest.mark.xfail(strict=True, reason="0-layer model: detector_run returns losses=None, build_detectors_view asserts -> 500 "
@@ -177,12 +178,6 @@ def test_new_requests_never_get_a_server_error(client: TestClient, model: str) -
 def test_detectors_on_a_model_without_layers(client: TestClient, url: str) -> None:
     answer = client.get(url)
     assert answer.status_code in (200, 422), (answer.status_code, answer.text[:200])
-
-
-def test_zero_layer_model_new_requests(client: TestClient) -> None:
-    for request in NEW_REQUESTS:
-        if not request.startswith("detectors"):  # those: test_detectors_on_a_model_without_layers
-            no_5xx(client.get(f"{API}/zero/{request}"))
 
 
 # -- 3. the detectors' default seq_len ---------------------------------------------------------------------------
@@ -305,17 +300,6 @@ def test_the_priced_answer_bounds_the_real_one(app_client: tuple[Any, TestClient
     assert len(answer.content) <= cost.answer_bytes, f"{path}: answered {len(answer.content)} bytes, priced {cost.answer_bytes}"
 
 
-def test_vocab_all_is_priced_above_the_default_set(app_client: tuple[Any, TestClient]) -> None:
-    """The price follows the token set: 700 x 700 entries searched vs 256 x 256 (the engine's own top_cost)."""
-    app, _ = app_client
-    loaded, limits = app.state.registry.get("wide"), app.state.settings.limits
-    from app.params import OVParams
-
-    every = circuit_views.top_cost(loaded, OVParams(head="L0H0", vocab="all"), limits)
-    default = circuit_views.top_cost(loaded, OVParams(head="L0H0"), limits)
-    assert every.peak_bytes > default.peak_bytes
-
-
 # -- 6. every new bound is in the OpenAPI schema ------------------------------------------------------------------
 def _param(schema: dict[str, Any], path: str, name: str) -> dict[str, Any]:
     op = schema["paths"][f"{API}/{{model}}/{path}"]["get"]
@@ -374,14 +358,6 @@ def test_each_pages_json_links_answer_and_keep_its_parameters(client: TestClient
         assert answer.status_code == 200, (url, link, answer.text[:300])
     for name, value in re.findall(r"[?&](vocab|basis|rows|heads|seq_len)=([^&]+)", url):
         assert any(f"{name}={value}" in link for link in links), (url, name, links)
-
-
-def test_direct_page_min_count_all_ranks_every_token(client: TestClient) -> None:
-    """The page's 'all' is the API without min_count (every token), its default is min_count=50 (counts present)."""
-    twin = re.search(r'id="json-link"[^>]*href="([^"]+)"', client.get("/models/two/direct?min_count=all").text)
-    assert twin and "min_count" not in twin[1].split("?", 1)[-1].replace("min_count=all", "")
-    default = re.search(r'id="json-link"[^>]*href="([^"]+)"', client.get("/models/two/direct").text)
-    assert default and "min_count=50" in default[1]
 
 
 @pytest.mark.parametrize("page", ["/models/two", "/models/two/heads/L0H1", "/models/two/heads/L01H001", "/models/wide",
