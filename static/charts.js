@@ -115,6 +115,9 @@
     var asker = d.requestConfig && d.requestConfig.elt && d.requestConfig.elt.closest ? d.requestConfig.elt.closest(".panel") : null;
     var body = (asker && asker.querySelector(".panel-body")) || d.target.querySelector(".panel-body");
     if (body) { d.target = body; d.swapOverride = "innerHTML"; }
+    /* a lazily loaded panel selects its own block from the answer (hx-select): an error fragment has none, so
+     * select the error itself, or the panel would empty (a 503 "busy" used to leave nothing) */
+    if (String(d.serverResponse).indexOf('class="error"') !== -1) d.selectOverride = ".error";
   });
   document.addEventListener("htmx:sendError", function (ev) {
     var elt = ev.detail && ev.detail.target;

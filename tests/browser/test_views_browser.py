@@ -108,3 +108,15 @@ def test_copying_page_rows_input_samples_source_tokens(page: Page) -> None:
     page.wait_for_url("**rows=40**")
     expect(page.locator("#copying-sample")).to_contain_text("40 of the")
     expect(page.locator("#copying-table tbody tr").first).to_contain_text("±")  # sampled shares carry their standard error
+
+
+def test_a_lazy_panel_shows_the_servers_refusal_instead_of_emptying(page: Page) -> None:
+    """The copying panel loads after the page with hx-select of its own block; an error answer has no such block.
+    Its request is rerouted to an invalid `rows` so the real server refuses it (422 problem fragment): the panel
+    keeps its header and shows the refusal (its body used to be emptied, as on a 503 'busy')."""
+    page.route("**/copying?*", lambda route: route.continue_(url=route.request.url + "&rows=0"))
+    page.goto("/models/toy-2l/heads/L1H2")
+    panel = page.locator("#copying-lazy")  # the lazy panel keeps its id: no #copying block came back
+    expect(panel.locator(".error")).to_contain_text("422")
+    expect(panel.locator(".error")).to_contain_text("rows")
+    expect(panel.locator("header h2")).to_be_visible()
