@@ -167,9 +167,15 @@ def detector_run(model: Transformer, tokens: Tensor, should_stop: Callable[[], b
     L = cfg.n_layers
     tokens = model.check_tokens(tokens)
     b, n = tokens.shape
-    if L == 0:
-        return DetectorRun({}, torch.zeros(0, cfg.n_heads, n, n, dtype=model.dtype), None)
     chunk = b if budget_bytes is None else detector_chunk(model, n, b, budget_bytes, with_loss)
+    if L == 0:  # no head to score; the loss (the direct path's predictions) is still the model's
+        direct: list[Tensor] = []
+        with torch.no_grad():
+            for start in range(0, b if with_loss else 0, chunk):
+                check_stop(should_stop, "head detectors")
+                part = tokens[start : start + chunk]  # [c, n]
+                direct.append(next_token_losses(model.run(part)[0].double(), part))  # [c, n - 1]
+        return DetectorRun({}, torch.zeros(0, cfg.n_heads, n, n, dtype=model.dtype), torch.cat(direct) if with_loss else None)
     sums: dict[str, Tensor] = {}
     weights: dict[str, Tensor] = {}
     first: list[Tensor] = []

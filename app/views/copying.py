@@ -101,6 +101,11 @@ def stderr(p: float, r: int, n: int) -> float:
     return 0.0 if r >= n else math.sqrt(p * (1 - p) / r * (n - r) / max(1, n - 1))
 
 
+def chosen_heads(loaded: LoadedModel, p: CopyingAllParams, limits: Limits) -> list[tuple[int, int]] | None:
+    """The heads `heads` names, each once (in the order first named); None: every head."""
+    return list(dict.fromkeys(parse_heads(split_heads(p.heads), loaded, limits.max_heads))) if p.heads else None
+
+
 def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Limits) -> CopyingOverview:
     model = loaded.model
     if model.cfg.n_layers == 0:
@@ -108,7 +113,7 @@ def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Lim
     vocab = frequent_tokens(loaded, p.min_count)
     n = model.cfg.d_vocab if vocab is None else int(vocab.numel())
     k = check_k(p.k, limits, n)
-    todo = parse_heads(split_heads(p.heads), loaded, limits.max_heads) if p.heads else None
+    todo = chosen_heads(loaded, p, limits)
     rows = default_rows(n, p.rows, len(todo) if todo else model.cfg.n_layers * model.cfg.n_heads)
     with torch.no_grad():
         eig = circuits.ov_copying_scores(model)  # [L, H]
@@ -139,7 +144,8 @@ def copying_overview_cost(loaded: LoadedModel, p: CopyingAllParams, limits: Limi
     vocab = frequent_tokens(loaded, p.min_count)
     n = loaded.model.cfg.d_vocab if vocab is None else int(vocab.numel())
     cfg = loaded.model.cfg
-    n_heads = len(parse_heads(split_heads(p.heads), loaded, limits.max_heads)) if p.heads else cfg.n_layers * cfg.n_heads
+    todo = chosen_heads(loaded, p, limits)
+    n_heads = len(todo) if todo is not None else cfg.n_layers * cfg.n_heads
     return copying.cost(loaded.model, p.k, p.samples, N_TOP_SAMPLES, min(limits.matrix_budget_bytes, copying.BLOCK_BYTES), n,
                         rows=default_rows(n, p.rows, n_heads), n_heads=n_heads)
 

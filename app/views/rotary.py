@@ -193,7 +193,8 @@ def build_qk_copying_view(loaded: LoadedModel, p: QKCopyingParams, limits: Limit
 
 
 def qk_copying_cost(loaded: LoadedModel, p: QKCopyingParams, limits: Limits) -> Cost:
-    rotary.check_offsets(loaded.model, [p.offset])  # refused before it is priced
+    rotary.check_rotary(loaded.model)  # refused for its positions, then its offset, before it is priced
+    rotary.check_offsets(loaded.model, [p.offset])
     return rotary.qk_copying_at_cost(loaded.model, min(p.max_offset, loaded.model.cfg.n_ctx - 1) + 2)
 
 

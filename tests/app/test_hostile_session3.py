@@ -172,8 +172,6 @@ def test_new_requests_never_get_a_server_error(client: TestClient, model: str) -
             no_5xx(client.get(f"{API}/{model}/{request}"))
 
 
-@pytest.mark.xfail(strict=True, reason="0-layer model: detector_run returns losses=None, build_detectors_view asserts -> 500 "
-                   "(owner: lead, detectors view; heads.detector_run)")
 @pytest.mark.parametrize("url", [f"{API}/zero/detectors", f"{API}/zero/detectors?prompt=the%20cat", "/models/zero/detectors"])
 def test_detectors_on_a_model_without_layers(client: TestClient, url: str) -> None:
     answer = client.get(url)
@@ -254,8 +252,6 @@ def test_copying_answers_exactly_the_heads_and_rows_asked(client: TestClient) ->
         assert h == by_head[h["head"]]
 
 
-@pytest.mark.xfail(strict=True, reason="heads=L0H0,L0H0 measures and lists L0H0 twice (parse_heads keeps duplicates; "
-                   "owner: C3, app/views/copying.py)")
 def test_copying_lists_a_repeated_head_once(client: TestClient) -> None:
     body = client.get(f"{API}/two/copying", params={"heads": "L0H0,L0H0", "samples": 2}).json()
     assert [h["head"] for h in body["heads"]] == ["L0H0"]
@@ -275,8 +271,6 @@ def test_every_new_request_is_priced_before_it_runs(poor: TestClient, path: str)
     assert body["type"].endswith("limit-exceeded")
 
 
-@pytest.mark.xfail(strict=True, reason="qk_copying_cost prices a non-rotary model (check_offsets passes offset 0) before "
-                   "the rotary check: 'exceeds peak_bytes' instead of 'needs rotary positions' (owner: R3, app/views/rotary.py)")
 def test_qk_copying_on_a_shortformer_model_is_refused_for_its_positions_not_its_price(poor: TestClient) -> None:
     assert_problem(poor.get(f"{API}/two/heads/L0H0/qk-copying"), 422, "rotary")
 

@@ -176,3 +176,23 @@ def test_head_table_spectra_branch_sees_the_ambient_stop_flag():
                 head_table(model, standard_tokens(model))
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_model_without_layers_has_no_head_scores_but_its_real_loss() -> None:
+    """n_layers 0: nothing to score, and the per-position loss is the direct path's, W_E[t] W_U + b_U written out
+    (chunked by a small budget, as the server runs it)."""
+    import torch.nn.functional as F
+
+    from circuits_core.config import ModelConfig
+    from circuits_core.heads import detector_run
+    from circuits_core.model import random_model
+
+    cfg = ModelConfig(n_layers=0, d_model=16, n_heads=2, d_head=8, d_vocab=50, n_ctx=32, normalization_type=None)
+    model = random_model(cfg, seed=3, dtype=torch.float64, std_embed=0.5)
+    tokens = torch.randint(0, 50, (5, 9), generator=torch.Generator().manual_seed(0))
+    run = detector_run(model, tokens, budget_bytes=20_000, with_loss=True)
+    assert run.scores == {} and run.first_patterns.shape == (0, 2, 9, 9)
+    logits = model.W_E[tokens] @ model.W_U + (model.b_U if model.b_U is not None else 0)  # [5, 9, 50]
+    expected = F.cross_entropy(logits[:, :-1].reshape(-1, 50), tokens[:, 1:].reshape(-1), reduction="none").view(5, 8)
+    assert run.losses is not None and torch.allclose(run.losses, expected, atol=1e-12)
+    assert detector_run(model, tokens).losses is None
