@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi.testclient import TestClient
+from pydantic import ValidationError
 from tqdm import tqdm
 
 from app.main import create_app
@@ -115,6 +116,8 @@ def crawl(app: Any, args: argparse.Namespace, parser: argparse.ArgumentParser, s
             heads = heads_of(loaded, args.heads)
         except QkovError as exc:
             parser.error(str(exc))
+        except ValidationError as exc:  # a head name the params refuse before parsing it (e.g. over 16 characters)
+            parser.error("--heads: " + "; ".join(f"{e['input']!r}: {e['msg']}" for e in exc.errors()))
         model_wide, per_head = page_urls(app, args.model)
         if args.full:
             extra = full_urls(loaded, args.model, per_head)

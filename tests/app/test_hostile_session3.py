@@ -394,8 +394,6 @@ def test_precompute_refuses_bad_arguments_by_name(store_env: None, capsys: pytes
     assert stop.value.code == 2 and needle in capsys.readouterr().err
 
 
-@pytest.mark.xfail(strict=True, reason="precompute --heads with a name over 16 characters: HeadParams raises a pydantic "
-                   "ValidationError, not caught (a traceback, not a usage error; owner: P3, app/precompute.py heads_of)")
 def test_precompute_refuses_an_overlong_head_name(store_env: None, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as stop:
         precompute(["two", "--heads", "L" + "0" * 20 + "H0"])
