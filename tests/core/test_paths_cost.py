@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine2_models import small_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -25,39 +26,23 @@ from circuits_core import paths
 from circuits_core.config import ModelConfig, head_name
 from circuits_core.formats_llama import llama_config
 from circuits_core.frozen import frozen_run
-from circuits_core.model import Transformer, random_model
+from circuits_core.model import Transformer
 from circuits_core.paths import expand_logits
 
-F64 = torch.float64
-GQA = ModelConfig(
-    n_layers=3, d_model=24, n_heads=6, d_head=4, d_vocab=37, n_ctx=24, d_mlp=20, attn_only=False,
-    normalization_type="RMS", positional_embedding_type="rotary", act_fn="silu", gated_mlp=True,
-    n_key_value_heads=2, use_bias=True,
-)  # fmt: skip
-LN_ATTN_ONLY = ModelConfig(
-    n_layers=3, d_model=16, n_heads=4, d_head=4, d_vocab=30, n_ctx=24, attn_only=True,
-    normalization_type="LN", positional_embedding_type="standard", use_bias=True,
-)  # fmt: skip
-
-
-def _noisy(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    model = random_model(cfg, seed=seed, dtype=F64, std_embed=1.0)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            leaf = name.rsplit(".", 1)[-1].lstrip("_")
-            if leaf in ("w", "b") or leaf.startswith("b_"):
-                p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=F64))
-    return model
+# small float64 models with random biases and norm weights: RMS + GQA (3 query heads, 1 key/value head) + rotary
+# + gated MLP, and LayerNorm attention-only with standard positions
+GQA = dict(n_layers=3, ln="RMS", pos="rotary", mlp=True, n_key_value_heads=1, gated_mlp=True, n_ctx=24)
+LN_ATTN_ONLY = dict(n_layers=3, ln="LN", pos="standard", n_ctx=24)
 
 
 def _tokens(cfg: ModelConfig, n: int) -> torch.Tensor:
     return torch.randint(0, cfg.d_vocab, (n,), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.mark.parametrize("cfg", [GQA, LN_ATTN_ONLY], ids=["rms-gqa-rotary-mlp", "ln-attn-only"])
-def test_truncated_terms_equal_full_terms_and_names_enumerate_paths(cfg: ModelConfig) -> None:
-    model = _noisy(cfg)
+@pytest.mark.parametrize("case", [GQA, LN_ATTN_ONLY], ids=["rms-gqa-rotary-mlp", "ln-attn-only"])
+def test_truncated_terms_equal_full_terms_and_names_enumerate_paths(case: dict[str, Any]) -> None:
+    model = small_model(**case)
+    cfg = model.cfg
     tokens = _tokens(cfg, 11)
     run = frozen_run(model, tokens)
     full = expand_logits(model, tokens, (4, 9), positions=None, max_order=cfg.n_layers, run=run, by_source=False)
@@ -121,14 +106,14 @@ class _HeldBytes(TorchDispatchMode):
 
 
 @pytest.mark.parametrize(
-    ("cfg", "n", "max_order", "by_source", "positions"),
+    ("case", "n", "max_order", "by_source", "positions"),
     [(GQA, 12, 2, False, -1), (GQA, 12, 3, True, -1), (GQA, 9, 2, False, None), (LN_ATTN_ONLY, 16, 3, False, -1),
      (LN_ATTN_ONLY, 16, 2, True, None)],
 )  # fmt: skip
-def test_price_covers_the_measured_peak(cfg: ModelConfig, n: int, max_order: int, by_source: bool,
+def test_price_covers_the_measured_peak(case: dict[str, Any], n: int, max_order: int, by_source: bool,
                                         positions: int | None) -> None:
-    model = _noisy(cfg)
-    tokens = _tokens(cfg, n)
+    model = small_model(**case)
+    tokens = _tokens(model.cfg, n)
     existing = [*model.parameters(), *model.buffers(), tokens]
     with torch.no_grad(), _HeldBytes(existing) as held:
         exp = expand_logits(model, tokens, 5, positions=positions, max_order=max_order, by_source=by_source)
