@@ -197,6 +197,34 @@ def test_topk_global_matches_dense(shape, budget_rows, tile_cols, screen, larges
         assert torch.allclose(flat.gather(-1, r * rdim + c), v)
 
 
+@pytest.mark.parametrize("shift", [0.0, -3.0, 3.0])  # k-th values of both signs, rows without a positive entry
+def test_topk_global_screen_row_maxima_on_bits_and_values_match_dense(shift, monkeypatch):
+    """The bfloat16 screen's row maxima (on the int16 bits once the threshold is positive, else on the values) keep
+    every row that holds a top-k entry: float64 vs dense, matrices mostly positive, mixed, mostly negative."""
+    monkeypatch.setattr(factored, "SEED_ROWS", 2)
+    monkeypatch.setattr(factored, "TILE_ROWS", 5)
+    monkeypatch.setattr(factored, "SCREEN_MIN_ENTRIES", 0)
+    gen = torch.Generator().manual_seed(12)
+    A = torch.cat([torch.randn(37, 6, generator=gen, dtype=torch.float64), torch.ones(37, 1, dtype=torch.float64)], 1)
+    B = torch.cat([torch.randn(6, 29, generator=gen, dtype=torch.float64), torch.full((1, 29), shift, dtype=torch.float64)])
+    M = A @ B  # every entry shifted by `shift`
+    for k in (1, 9, 40):
+        for largest in (True, False):
+            v, r, c = FactoredMatrix(A, B).topk_global(k, largest=largest)
+            ref_v, ref_r, ref_c = dense_topk_global(M, k, largest)
+            torch.testing.assert_close(v, ref_v, rtol=1e-12, atol=1e-12)
+            assert torch.equal(r, ref_r) and torch.equal(c, ref_c)
+
+
+def test_row_max_on_bits_is_the_maximum_where_a_row_has_a_positive_entry():
+    x = torch.randn(300, 50, generator=torch.Generator().manual_seed(3)).to(factored.SCREEN_DTYPE)
+    x[:40] = -x[:40].abs()  # rows without a positive entry
+    bits, values = factored._row_max(x, positive=True), factored._row_max(x, positive=False)
+    assert torch.equal(values, x.amax(1))
+    has = (x > 0).any(1)
+    assert torch.equal(bits[has], values[has]) and bool((bits[~has] <= 0).all())
+
+
 @pytest.mark.parametrize("seed_rows,tile_rows", [(1, 6), (2, 5), (3, 64), (64, 4)])
 @pytest.mark.parametrize("screen", [True, False])
 def test_topk_global_with_a_small_seed_block_matches_dense(seed_rows, tile_rows, screen, monkeypatch):
