@@ -271,6 +271,16 @@ def test_every_new_request_is_priced_before_it_runs(poor: TestClient, path: str)
     assert body["type"].endswith("limit-exceeded")
 
 
+@pytest.mark.parametrize("page", ["/models/two/copying?heads=L0H0", "/models/two/copying", "/models/ln/composition?basis=raw",
+                                  "/models/rope/heads/L0H0?offset=3"])
+def test_pages_and_lazy_panels_are_priced_too(poor: TestClient, page: str) -> None:
+    """A page (or the panel htmx asks for) past the budget is a 4xx page naming the budget, not a computation."""
+    for headers in ({}, {"HX-Request": "true", "HX-Target": "copying-lazy"}):
+        answer = poor.get(page, headers=headers)
+        assert answer.status_code == 422 and answer.headers["content-type"].startswith("text/html"), (page, answer.status_code)
+        assert "peak_bytes" in answer.text, page
+
+
 def test_qk_copying_on_a_shortformer_model_is_refused_for_its_positions_not_its_price(poor: TestClient) -> None:
     assert_problem(poor.get(f"{API}/two/heads/L0H0/qk-copying"), 422, "rotary")
 
