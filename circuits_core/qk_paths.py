@@ -200,10 +200,11 @@ def k_composition_positivity(model: Transformer, weights: Tensor, G_E: Tensor | 
     # Products in the weights' precision (float32 for half models), eigenvalues in float64, as circuits' spectra.
     dt = torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype
     G_E = (embed_gram(model) if G_E is None else G_E).to(dt)  # [d, d]
-    W_Q, W_K, W_V, W_O = (w.to(dt) for w in (model.W_Q, model.W_K, model.W_V, model.W_O))
+    W_Q, W_O = model.W_Q.to(dt), model.W_O.to(dt)  # [L, H, d, dh], [L, H, dh, d]
     out = torch.zeros(L, H, dtype=torch.float64, device=model.device)
     earlier = (weights[:-1] != 0).nonzero()  # [r, 2]: (layer, head) of every weighted head that can be earlier
     if len(earlier) * cfg.d_head < cfg.d_model:  # W_sum has rank < d_model: stay in its factors
+        W_K, W_V = model.W_K.to(dt), model.W_V.to(dt)  # [L, H, d, dh] (each query head's group)
         lay, hd = earlier[:, 0], earlier[:, 1]
         w = weights[lay, hd].to(dt)  # [r]
         VG = (W_V[lay, hd] * w[:, None, None]).transpose(-2, -1) @ G_E  # [r, dh, d]: w W_V^T G_E
@@ -215,13 +216,19 @@ def k_composition_positivity(model: Transformer, weights: Tensor, G_E: Tensor | 
             right = VG[sel].flatten(0, 1) @ W_Q[layer]  # [H, r dh, dh]: w W_V^{h'T} G_E W_Q^h stacked
             out[layer] = copying_score(torch.linalg.eigvals((left.transpose(-2, -1) @ right / cfg.scale).double()))
         return out
-    W_sum = torch.zeros(cfg.d_model, cfg.d_model, dtype=dt, device=model.device)
+    # Dense route, per key/value group g (GQA shares W_V^g, W_K^g within a group of query heads):
+    # T_l = W_sum^T G_E = T_{l-1} + sum_g (sum_{h in g} w_h W_O^h)^T (W_V^{gT} G_E), M_h = (W_K^{gT} T_l) W_Q^h.
+    n_kv, group = H // cfg.group_size, cfg.group_size
+    W_Kg, W_Vg = (w.to(dt) for w in (model.W_K_groups, model.W_V_groups))  # [L, n_kv, d, dh]
+    T = torch.zeros(cfg.d_model, cfg.d_model, dtype=dt, device=model.device)
     for layer in range(1, L):
         w = weights[layer - 1].to(dt)
         if bool((w != 0).any()):
-            W_sum = W_sum + torch.einsum("h,hde,hef->df", w, W_V[layer - 1], W_O[layer - 1])  # [d, d]
-        T = W_sum.T @ G_E  # [d, d]
-        M = W_K[layer].transpose(-2, -1) @ T @ W_Q[layer] / cfg.scale  # [H, dh, dh]
+            O_w = (W_O[layer - 1] * w[:, None, None]).unflatten(0, (n_kv, group)).sum(1)  # [n_kv, dh, d]
+            VG = W_Vg[layer - 1].transpose(-2, -1) @ G_E  # [n_kv, dh, d]: W_V^{gT} G_E
+            T = T + O_w.flatten(0, 1).T @ VG.flatten(0, 1)  # [d, d]
+        KT = W_Kg[layer].transpose(-2, -1) @ T  # [n_kv, dh, d]
+        M = KT.repeat_interleave(group, dim=0) @ W_Q[layer] / cfg.scale  # [H, dh, dh]
         out[layer] = copying_score(torch.linalg.eigvals(M.double()))
     return out
 

@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 from engine2_models import small_model, tokens_for
+from rotary_models import rotary_model
 
 from circuits_core.circuits import copying_score, embed_eff
 from circuits_core.errors import CancelledError, InvalidInputError
@@ -88,6 +89,23 @@ def test_k_composition_positivity_sparse_weights_across_layers_vs_dense():
     for layer in (1, 2, 3):
         W_sum = sum(w[lay, h] * model.W_V[lay, h] @ model.W_O[lay, h] for lay in range(layer) for h in range(3))
         for h in range(3):
+            M = W_E @ model.W_Q[layer, h] @ model.W_K[layer, h].T @ W_sum.T @ W_E.T  # [V, V] dense
+            assert abs(float(got[layer, h]) - float(copying_score(torch.linalg.eigvals(M)))) < 1e-8
+    assert (got[0] == 0).all()
+
+
+@pytest.mark.parametrize("n_kv", [1, 2])
+def test_k_composition_positivity_under_gqa_vs_dense(n_kv):
+    """Grouped-query attention (query heads share their group's W_K, W_V): the dense route works per key/value
+    group; every head's positivity equals the dense V x V token circuit with each head's expanded W_K, W_V."""
+    model = rotary_model(seed=3, n_layers=3, n_key_value_heads=n_kv)
+    W_E = embed_eff(model)
+    w = torch.rand(3, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64) - 0.3
+    assert 4 * model.cfg.d_head >= model.cfg.d_model  # one layer's weighted heads already take the dense route
+    got = k_composition_positivity(model, w)
+    for layer in (1, 2):
+        W_sum = sum(w[lay, h] * model.W_V[lay, h] @ model.W_O[lay, h] for lay in range(layer) for h in range(4))
+        for h in range(4):
             M = W_E @ model.W_Q[layer, h] @ model.W_K[layer, h].T @ W_sum.T @ W_E.T  # [V, V] dense
             assert abs(float(got[layer, h]) - float(copying_score(torch.linalg.eigvals(M)))) < 1e-8
     assert (got[0] == 0).all()
