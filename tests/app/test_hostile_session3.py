@@ -444,6 +444,16 @@ def test_precompute_refuses_an_overlong_head_name(store_env: None, capsys: pytes
     assert stop.value.code == 2 and "head" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("model", ["zero", "ctx2", "rope", "wide"])
+def test_precompute_crawls_edge_models_without_a_server_error(store_env: None, capsys: pytest.CaptureFixture[str],
+                                                              model: str) -> None:  # fmt: skip
+    """Every page, API twin and lazy panel precompute asks of an edge model is answered or refused with a 4xx."""
+    assert precompute([model]) == 0
+    out = capsys.readouterr().out
+    assert f"{model}: " in out and " pages, " in out, out
+    assert not re.search(r"\(5\d\d\)", out), out
+
+
 # -- 10. the same over real HTTP ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(folders: tuple[Path, Path]) -> Iterator[str]:
