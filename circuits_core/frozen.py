@@ -14,34 +14,50 @@ the reading weights here, so processed (LNPre) and unprocessed (LN) models are b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
 
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
+from circuits_core.hooks import Recorder
 from circuits_core.model import Attention, Block, Transformer
 
 
 @dataclass
 class FrozenRun:
-    """One clean run of a single sequence (batch dimension removed)."""
+    """One clean run of a single sequence (batch dimension removed). The unembedding is applied only where it is
+    read (`logits_at`): on a 128k vocabulary it is a fifth of the forward pass, and an expansion reads one row."""
 
     tokens: Tensor  # [n]
-    logits: Tensor  # [n, d_vocab]
+    final: Tensor  # [n, d_model]: the residual stream after ln_final, which the unembedding reads
     cache: dict[str, Tensor]  # TransformerLens names, batch dimension removed
     patterns: Tensor  # [n_layers, n_heads, n (query), n (key)]
+    W_U: Tensor  # [d_model, d_vocab]
+    b_U: Tensor | None  # [d_vocab]
 
     @property
     def n(self) -> int:
         return int(self.tokens.shape[0])
 
+    def logits_at(self, positions: Tensor | Sequence[int]) -> Tensor:
+        """[q, d_vocab]: the logits at these positions (final @ W_U + b_U, as the model's forward pass)."""
+        logits = self.final[torch.as_tensor(positions, dtype=torch.long, device=self.final.device)] @ self.W_U
+        return logits + self.b_U if self.b_U is not None else logits
+
+    @cached_property
+    def logits(self) -> Tensor:
+        """[n, d_vocab]: the logits at every position (computed when first read)."""
+        return self.logits_at(range(self.n))
+
     def inv_scale(self, ln_name: str) -> Tensor:
         """1/sigma per position [n] of a LayerNorm ("blocks.0.ln1", "ln_final"); ones without LN."""
         key = f"{ln_name}.hook_scale"
         if key not in self.cache:
-            return torch.ones(self.n, dtype=self.logits.dtype, device=self.logits.device)
+            return torch.ones(self.n, dtype=self.final.dtype, device=self.final.device)
         return 1.0 / self.cache[key][:, 0]
 
 
@@ -50,16 +66,23 @@ _CACHED = ("hook_pattern", "hook_scale", "hook_mlp_out", "hook_attn_scores", "ho
 
 
 def frozen_run(model: Transformer, tokens: Tensor) -> FrozenRun:
-    """Run one sequence ([n] or [1, n]) and keep what the frozen-linear view needs."""
+    """Run one sequence ([n] or [1, n]) up to ln_final and keep what the frozen-linear view needs."""
     tokens = model.check_tokens(tokens)
     if tokens.shape[0] != 1:
         raise InvalidInputError(f"path expansions take one sequence, got a batch of {tokens.shape[0]}")
+
+    def keep(name: str) -> bool:
+        return name.endswith(_CACHED)
+
     with torch.no_grad():
-        logits, cache = model.run(tokens, names=lambda name: name.endswith(_CACHED))
+        cache = model.run_until(tokens, "hook_resid_final", names=keep)
+        final_norm = Recorder(keep)  # ln_final's scale, recorded as the full run records it
+        final = model.ln_final(cache["hook_resid_final"], final_norm, None)  # [1, n, d_model]
+        cache |= final_norm.cache
     cache = {k: v[0] for k, v in cache.items()}
     L = model.cfg.n_layers
-    patterns = torch.stack([cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(L)]) if L else logits.new_zeros(0)
-    return FrozenRun(tokens[0], logits[0], cache, patterns)
+    patterns = torch.stack([cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(L)]) if L else final.new_zeros(0)
+    return FrozenRun(tokens[0], final[0], cache, patterns, model.W_U, model.b_U)
 
 
 def forward_cost(model: Transformer, n: int, batch: int = 1, kept_per_layer: int = 0, logits: bool = True) -> Cost:

@@ -323,7 +323,7 @@ def expand_logits(
             values[-1] = const
         exp.paths.add([("bias:unembed",)], [()], [()])
         exp.block_orders.append((0, 1))
-        actual = _actual_value(run.logits[dest], target)
+        actual = _actual_value(run.logits_at(dest), target)
         remainder = actual - values.sum(0)
     return PathExpansion(dest, target, max_order, exp.paths, exp.orders(), values, values_all if by_source else None,
                          actual, remainder)

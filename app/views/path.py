@@ -40,7 +40,7 @@ def build_path_view(loaded: LoadedModel, p: ChainParams, limits: Limits) -> Chai
     run_tokens = torch.tensor(ids, dtype=torch.long, device=model.device)
     with torch.no_grad():
         run = frozen_run(model, run_tokens)
-        t = resolve_token(loaded, target) if target is not None else int(run.logits[-1].argmax())
+        t = resolve_token(loaded, target) if target is not None else int(run.logits_at([run.n - 1])[0].argmax())
         pattern = run.patterns[chain[0][0], chain[0][1]]  # [n, n]
         for layer, h in chain[1:]:
             pattern = run.patterns[layer, h] @ pattern  # A^{h_i} (A^{h_{i-1}} ... A^{h1})

@@ -90,7 +90,7 @@ def build_paths_view(loaded: LoadedModel, p: PathsParams, limits: Limits) -> Pat
     run_tokens = torch.tensor(ids, dtype=torch.long, device=model.device)
     with torch.no_grad():
         run = frozen_run(model, run_tokens)
-        t = resolve_token(loaded, target) if target is not None else int(run.logits[pos].argmax())
+        t = resolve_token(loaded, target) if target is not None else int(run.logits_at([pos])[0].argmax())
         c = resolve_token(loaded, contrast) if contrast is not None else None
         goal: Target = t if c is None else (t, c)
         itemsize = torch.finfo(model.dtype).bits // 8
