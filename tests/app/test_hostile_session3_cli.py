@@ -1,0 +1,124 @@
+"""Hostile pass over session 3, outside the in-process API (test_hostile_session3.py has the requests): precompute's
+command line and its crawl of edge models (pages, API twins, lazy panels), the new refusals over real HTTP (uvicorn
+on loopback), and the term-importance page's ablation sentence on the measured previous-token scores of toy-2l's card
+and SmolLM2's summary (a weak layer-0 head must not be called a previous-token head). Same model folders.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.precompute import main as precompute
+from tests.app.live_server import free_port, start
+from tests.app.test_hostile_session3 import API, build_folders
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return build_folders(tmp_path_factory.mktemp("hostile-s3-cli"))
+
+
+# -- 8. a page sentence on a model whose layer 0 has no previous-token head -----------------------------------
+SMOLLM2_SUMMARY = Path(__file__).resolve().parents[2] / "models" / "smollm2-135m" / "model_summary.json"
+TOY2L_CARD = Path(__file__).resolve().parents[2] / "checkpoints" / "toy-2l" / "model_card.json"
+
+
+def _ablation_sentence_on(scores: list[list[float]]) -> tuple[str | None, float]:
+    """ablation_sentence with a model's measured previous-token scores [L][H] (every head's ablation row present);
+    returns the sentence and the largest layer-0 score."""
+    from app.schemas import HeadScores, HeadsView
+    from app.schemas.analyses import HeadAblation, TermImportanceView
+    from app.views.page_claims import ablation_sentence
+
+    heads = [HeadScores.model_construct(head=f"L{layer}H{h}", layer=layer, index=h, previous_token=s)
+             for layer, row in enumerate(scores) for h, s in enumerate(row)]  # fmt: skip
+    rows = [HeadAblation(head=x.head, loss_change=0.01, loss_change_recomputed=0.5) for x in heads]
+    said = ablation_sentence(TermImportanceView.model_construct(heads=rows), HeadsView.model_construct(heads=heads))
+    return said, max(scores[0])
+
+
+def test_the_ablation_sentence_names_toy_2ls_previous_token_head() -> None:
+    said, best = _ablation_sentence_on(json.loads(TOY2L_CARD.read_text())["phenomena"]["previous_token_scores"])
+    assert best > 0.9 and said is not None and "previous-token head L0H5" in said  # the card's L0H5 (0.97)
+
+
+@pytest.mark.skipif(not SMOLLM2_SUMMARY.exists(), reason="SmolLM2-135M not fetched (make smollm2)")
+@pytest.mark.xfail(strict=True, reason="page_claims.ablation_sentence calls layer 0's best head 'the previous-token head' with "
+                   "no threshold: on SmolLM2 that is L0H3 at 0.11 (the summary's threshold is 0.4; owner: C3)")
+def test_the_ablation_sentence_calls_no_weak_head_a_previous_token_head_on_smollm2() -> None:
+    summary = json.loads(SMOLLM2_SUMMARY.read_text())
+    said, best = _ablation_sentence_on(summary["previous_token_scores"])
+    assert best < summary["head_threshold"]  # layer 0 of SmolLM2 has no previous-token head
+    assert said is None or "previous-token head" not in said, said
+
+
+# -- 9. precompute's command line --------------------------------------------------------------------------------
+@pytest.fixture
+def store_env(tmp_path: Path, folders: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    for key, value in {"QKOV_STORE_URL": "disk", "QKOV_STORE_DIR": str(tmp_path / "store"), "QKOV_SHIPPED_DIR": str(folders[0]),
+                       "QKOV_MODELS_DIR": str(folders[1]), "QKOV_DTYPE": "float64"}.items():
+        monkeypatch.setenv(key, value)
+
+
+@pytest.mark.parametrize(("argv", "needle"), [(["nope"], "unknown model"), (["two", "--heads", "L9H0"], "L9H0"),
+                                              (["two", "--heads", "x"], "not of the form"), (["zero", "--heads", "L0H0"], "0 layers")])
+def test_precompute_refuses_bad_arguments_by_name(store_env: None, capsys: pytest.CaptureFixture[str], argv: list[str],
+                                                  needle: str) -> None:  # fmt: skip
+    with pytest.raises(SystemExit) as stop:
+        precompute(argv)
+    assert stop.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_precompute_refuses_an_overlong_head_name(store_env: None, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        precompute(["two", "--heads", "L" + "0" * 20 + "H0"])
+    assert stop.value.code == 2 and "head" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["zero", "ctx2", "rope", "wide"])
+def test_precompute_crawls_edge_models_without_a_server_error(store_env: None, capsys: pytest.CaptureFixture[str],
+                                                              model: str) -> None:  # fmt: skip
+    """Every page, API twin and lazy panel precompute asks of an edge model is answered or refused with a 4xx."""
+    assert precompute([model]) == 0
+    out = capsys.readouterr().out
+    assert f"{model}: " in out and " pages, " in out, out
+    assert not re.search(r"\(5\d\d\)", out), out
+
+
+# -- 10. the same over real HTTP ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(folders: tuple[Path, Path]) -> Iterator[str]:
+    port = free_port()
+    env = {"QKOV_SHIPPED_DIR": str(folders[0]), "QKOV_MODELS_DIR": str(folders[1]), "QKOV_STORE_URL": "off",
+           "QKOV_DTYPE": "float64", "QKOV_COMPUTE_SLOTS": "1", "QKOV_TORCH_THREADS": "1", "QKOV_MAX_MODEL_BYTES": str(10**9)}
+    proc: subprocess.Popen[bytes] = start(["-m", "app.serve", "--port", str(port)], port, env, quiet=True)
+    yield f"http://127.0.0.1:{port}"
+    proc.kill()
+    proc.wait(10)
+
+
+RAW_HTTP = [("two/heads/L0H0/ov?vocab=ALL", 422, "vocab"), ("two/copying?rows=0", 422, "rows"),
+            ("two/copying?heads=" + "%2C".join(["L0H0"] * 17), 422, "at most"), ("two/copying?rows=%00", 422, "rows"),
+            ("rope/heads/L0H0/qk-copying?max_offset=4097", 422, "max_offset"), ("rope/heads/L0H0/qk-copying?offset=32", 422, "32"),
+            ("two/heads/L0H0/qk-copying", 422, "rotary"), ("ln/composition?basis=%F0%9F%92%A9", 422, "basis"),
+            ("ctx2/detectors", 422, "seq_len"), ("two/direct?min_count=all", 422, "min_count"),
+            ("rope/heads/L0H0/qk-copying?offset=3&max_offset=8", 200, "eigenvalues")]  # fmt: skip
+
+
+def test_over_real_http(server: str) -> None:
+    with httpx.Client(base_url=server, timeout=60) as http:
+        for path, status, needle in RAW_HTTP:
+            answer = http.get(f"{API}/{path}")
+            assert answer.status_code == status, (path, answer.status_code, answer.text[:300])
+            assert needle in answer.text, (path, answer.text[:300])
+            if status >= 400:
+                assert answer.headers["content-type"].startswith("application/problem+json"), path
+        body = http.get(f"{API}/rope/heads/L0H0/qk-copying?offset=3&max_offset=8").json()
+        assert body["offset"] == 3 and body["offsets"] == list(range(9)) and len(body["eigenvalues"]) == 8
