@@ -38,6 +38,7 @@ from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.frozen import attention, forward_cost, ln_linear
 from circuits_core.model import Transformer, next_token_losses
 from circuits_core.qk_paths import k_composition_positivity
+from circuits_core.rotary import KERNEL_WINDOW, kernel_cost, kernel_peak_offsets
 
 PatternDetector = Literal["previous_token", "current_token", "first_token", "duplicate_token", "induction"]
 
@@ -123,11 +124,7 @@ def pattern_detector_scores(
 
 def _single_detector(name: str) -> Callable[[Tensor, Tensor], Tensor]:
     """One entry of pattern_detector_scores as its own function: (pattern, tokens) -> [head]."""
-
-    def score(pattern: Tensor, tokens: Tensor) -> Tensor:
-        return pattern_detector_scores(pattern, tokens)[name]
-
-    return score
+    return lambda pattern, tokens: pattern_detector_scores(pattern, tokens)[name]
 
 
 PATTERN_DETECTORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
@@ -343,53 +340,63 @@ def induction_view(model: Transformer, tokens: Tensor | None = None, prev_scores
 
 @dataclass
 class HeadTable:
-    """Every head's detector scores on one input, eigenvalue copying scores and the 2-D induction view."""
+    """Every head's detector scores on one input, copying scores, 2-D induction view and kernel peak offset."""
 
     detectors: dict[str, Tensor]  # {name: [L, H]}
     ov_copying: Tensor  # [L, H] circuits.ov_copying_scores
     qk_copying: Tensor  # [L, H] circuits.qk_copying_scores
     induction: InductionView | None  # None for a model without layers
+    kernel_peak_offset: Tensor | None = None  # [L, H] rotary.kernel_peak_offsets (rotary models, `means` given)
 
 
 def head_table(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None,
-               budget_bytes: int | None = None) -> HeadTable:
+               budget_bytes: int | None = None, means: Callable[[], Tensor] | None = None,
+               reference_tokens: int | None = None) -> HeadTable:
     """The heads table: one detector pass on `tokens` (its previous-token scores reused by the induction view),
-    and the full-circuit spectra from the two d_model x d_model Grams, each formed once.
+    and the full-circuit spectra from the two d_model x d_model Grams, each formed once; `means` (rotary models):
+    gives μ [L, d_model] (stored, or measured on at most `reference_tokens` tokens) for the kernel peak offsets.
 
-    The two independent branches (the detector pass; the Grams and spectra) run side by side (cost.side_by_side)
-    when the caller's torch threads leave a core idle."""
+    The two independent branches (the detector pass; the Grams, spectra and kernel peaks) run side by side
+    (cost.side_by_side) when the caller's torch threads leave a core idle."""
     if model.cfg.n_layers == 0:
         empty = torch.zeros(0, model.cfg.n_heads, dtype=torch.float64)
         return HeadTable(detector_scores(model, tokens, should_stop, budget_bytes), empty, empty, None)
     if budget_bytes is not None:  # the detector chunks leave room for the Grams held beside them
-        budget_bytes = max(1, budget_bytes - _spectra_cost(model).peak_bytes)
+        budget_bytes = max(1, budget_bytes - _spectra_cost(model, reference_tokens if means else None).peak_bytes)
 
-    def spectra() -> tuple[Tensor, Tensor, Tensor]:
+    def spectra() -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         with torch.no_grad():
             G, G_E = unembed_embed_gram(model), embed_gram(model)  # [d, d] each
             check_stop(should_stop, "heads table")
-            return ov_copying_scores(model, G), qk_copying_scores(model, G_E), G_E
+            ov, qk = ov_copying_scores(model, G), qk_copying_scores(model, G_E)
+            check_stop(should_stop, "heads table")
+            return ov, qk, G_E, None if means is None else kernel_peak_offsets(model, means())
 
-    detectors, (ov, qk, G_E) = side_by_side(lambda: detector_scores(model, tokens, should_stop, budget_bytes),
-                                            spectra, "qkov-heads-spectra")
+    detectors, (ov, qk, G_E, peaks) = side_by_side(lambda: detector_scores(model, tokens, should_stop, budget_bytes),
+                                                   spectra, "qkov-heads-spectra")
     check_stop(should_stop, "heads table")
     with torch.no_grad():
         iv = induction_view(model, tokens, detectors["previous_token"], ov, G_E)
-    return HeadTable(detectors, ov, qk, iv)
+    return HeadTable(detectors, ov, qk, iv, peaks)
 
 
-def head_table_cost(model: Transformer, n: int, batch: int, budget_bytes: int | None = None) -> Cost:
+def head_table_cost(model: Transformer, n: int, batch: int, budget_bytes: int | None = None,
+                    reference_tokens: int | None = None) -> Cost:
     """head_table on `batch` sequences of n tokens: the detector pass (in chunks under budget_bytes, less the
-    spectra's share) beside the Grams and spectra (_spectra_cost), which may run at the same time."""
+    spectra's share) beside the Grams, spectra and (`reference_tokens` given) kernel peaks, maybe at once."""
     cfg = model.cfg
-    spectra = _spectra_cost(model)
+    spectra = _spectra_cost(model, reference_tokens)
     chunk = batch if budget_bytes is None else detector_chunk(model, n, batch, max(1, budget_bytes - spectra.peak_bytes))
     return (detectors_cost(model, n, chunk) + spectra).with_answer(  # the branches may run at once
-        numbers=7 * cfg.n_layers * cfg.n_heads, labels=2 * cfg.n_layers * cfg.n_heads)
+        numbers=8 * cfg.n_layers * cfg.n_heads, labels=2 * cfg.n_layers * cfg.n_heads)
 
 
-def _spectra_cost(model: Transformer) -> Cost:
-    """The Grams (one LayerNorm chunk of W_E at a time) and the [L, H, d_model, d_head] products of the spectra."""
+def _spectra_cost(model: Transformer, reference_tokens: int | None = None) -> Cost:
+    """The Grams (one LN chunk of W_E at a time), the spectra's [L, H, d_model, d_head] products, then μ's pass on
+    `reference_tokens` tokens and the kernel (rotary.kernel_cost)."""
     cfg = model.cfg
     grams = (2 * cfg.d_model**2 + 2 * EMBED_CHUNK * cfg.d_model) * itemsize(model.dtype)
-    return Cost(grams + 2 * cfg.n_layers * cfg.n_heads * cfg.d_model * cfg.d_head * 8 + 4 * cfg.d_model**2 * 8)
+    spectra = Cost(grams + 2 * cfg.n_layers * cfg.n_heads * cfg.d_model * cfg.d_head * 8 + 4 * cfg.d_model**2 * 8)
+    if reference_tokens is None:
+        return spectra
+    return spectra.then(kernel_cost(model, min(KERNEL_WINDOW, cfg.n_ctx - 1) + 1, reference_tokens))

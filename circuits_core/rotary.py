@@ -236,6 +236,12 @@ def kernel_peaks(kernel: Tensor, offsets: Tensor) -> Tensor:
     return offsets.to(kernel.device)[kernel.argmax(dim=-1)]
 
 
+def kernel_peak_offsets(model: Transformer, means: Tensor, window: int = KERNEL_WINDOW) -> Tensor:
+    """[L, H] each head's kernel peak offset over δ = 0..window (clipped to n_ctx - 1), μ = means [L, d_model]."""
+    offsets = torch.arange(min(window, model.cfg.n_ctx - 1) + 1)
+    return kernel_peaks(positional_kernel(model, means, offsets), offsets)
+
+
 # -- energy per rotary band ----------------------------------------------------------------------------
 @dataclass
 class BandEnergies:

@@ -19,7 +19,7 @@ from app.params import CopyingParams, HeadParams, NoParams
 from app.schemas import Complex, CopyingMetricsView, DetectorInput, HeadScores, HeadsView, HeadView, PositionalQK
 from app.settings import Limits
 from app.views.inputs import check_k, model_ref
-from app.views.rotary import kernel_peak_offsets
+from app.views.rotary import reference_means, reference_tokens_bound
 from circuits_core import circuits, heads
 from circuits_core.config import head_name, parse_head
 from circuits_core.cost import Cost
@@ -101,11 +101,14 @@ def build_heads_view(loaded: LoadedModel, p: NoParams | None = None, limits: Lim
     """Copying scores and detector scores of every head on the standard repeated-random-token input: one
     detector pass (its previous-token scores also pick the 2-D view's partner), each Gram formed once."""
     tokens, meta = standard_input(loaded)
-    table = head_table(loaded.model, tokens, budget_bytes=limits.peak_bytes if limits is not None else None)
+    rotary_model = loaded.model.cfg.positional_embedding_type == "rotary"
+    table = head_table(loaded.model, tokens, budget_bytes=limits.peak_bytes if limits is not None else None,
+                       means=(lambda: reference_means(loaded)[0]) if rotary_model else None,
+                       reference_tokens=reference_tokens_bound(loaded) if rotary_model else None)
     if table.induction is None:
         return HeadsView(model=model_ref(loaded), detector_input=meta, heads=[])
     scores = head_scores(loaded, table.detectors, table)
-    peaks = kernel_peak_offsets(loaded)  # [L, H] for rotary models
+    peaks = table.kernel_peak_offset  # [L, H] for rotary models: μ from the result store, else measured once
     if peaks is not None:
         scores = [s.model_copy(update={"kernel_peak_offset": int(peaks[s.layer, s.index])}) for s in scores]
     return HeadsView(
@@ -205,8 +208,9 @@ def parse_heads(names: list[str], loaded: LoadedModel, max_heads: int) -> list[t
 # -- declarations (app/analysis.py) ----------------------------------------------------------------------
 def heads_cost(loaded: LoadedModel, p: AnalysisParams, limits: Limits) -> Cost:
     """The heads table on the standard input (the head view needs it too, when not cached)."""
-    meta = standard_input(loaded)[1]
-    return heads.head_table_cost(loaded.model, meta.n_tokens, meta.batch, limits.peak_bytes)
+    meta, rotary_model = standard_input(loaded)[1], loaded.model.cfg.positional_embedding_type == "rotary"
+    return heads.head_table_cost(loaded.model, meta.n_tokens, meta.batch, limits.peak_bytes,
+                                 reference_tokens_bound(loaded) if rotary_model else None)
 
 
 def head_cost(loaded: LoadedModel, p: HeadParams, limits: Limits) -> Cost:

@@ -67,13 +67,9 @@ def reference_means(loaded: LoadedModel) -> tuple[torch.Tensor, ReferenceText]:
     return torch.tensor(stored.means, dtype=torch.float64, device=loaded.model.device), stored.reference
 
 
-def kernel_peak_offsets(loaded: LoadedModel, window: int = rotary.KERNEL_WINDOW) -> torch.Tensor | None:
-    """[L, H] each head's kernel peak offset in δ = 0..window (None for a model without rotary positions)."""
-    if loaded.model.cfg.positional_embedding_type != "rotary":
-        return None
-    mu, _ = reference_means(loaded)
-    offsets = torch.arange(min(window, loaded.model.cfg.n_ctx - 1) + 1)
-    return rotary.kernel_peaks(rotary.positional_kernel(loaded.model, mu, offsets), offsets)
+def reference_tokens_bound(loaded: LoadedModel) -> int:
+    """The most tokens μ is measured on (reference_tokens), for its price."""
+    return min(max(len(rotary.REFERENCE_TEXT), RANDOM_REFERENCE_TOKENS), loaded.model.cfg.n_ctx)
 
 
 # -- the positional kernel -----------------------------------------------------------------------------
@@ -101,7 +97,7 @@ def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limi
 
 
 def positional_cost(loaded: LoadedModel, p: PositionalParams, limits: Limits) -> Cost:
-    return rotary.kernel_cost(loaded.model, p.max_offset + 1, min(len(rotary.REFERENCE_TEXT), loaded.model.cfg.n_ctx))
+    return rotary.kernel_cost(loaded.model, p.max_offset + 1, reference_tokens_bound(loaded))
 
 
 POSITIONAL = Analysis(

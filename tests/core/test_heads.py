@@ -196,3 +196,31 @@ def test_a_model_without_layers_has_no_head_scores_but_its_real_loss() -> None:
     expected = F.cross_entropy(logits[:, :-1].reshape(-1, 50), tokens[:, 1:].reshape(-1), reduction="none").view(5, 8)
     assert run.losses is not None and torch.allclose(run.losses, expected, atol=1e-12)
     assert detector_run(model, tokens).losses is None
+
+
+def test_head_table_kernel_peaks_vs_omega_written_out_in_both_branch_modes():
+    """A rotary model given μ: each head's kernel peak offset is the argmax over δ = 0..min(64, n_ctx - 1) of
+    μ_l Ω_h(δ) μ_l^T / s with Ω_h(δ) = W_Q^h R(-δ) W_K^{gT} formed densely (rotary.omega), whether the spectra
+    branch (which measures μ) runs beside the detector pass or after it; without μ there are no peaks."""
+    from rotary_models import rotary_model
+
+    from circuits_core.cost import available_cores
+    from circuits_core.heads import head_table
+    from circuits_core.rotary import omega
+
+    model = rotary_model(seed=5, n_layers=2, n_key_value_heads=2)
+    mu = torch.randn(2, model.cfg.d_model, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    offsets = range(min(64, model.cfg.n_ctx - 1) + 1)
+    want = torch.tensor([[max(offsets, key=lambda d: float(mu[layer] @ omega(model, layer, h, [d]).AB[0] @ mu[layer]))
+                          for h in range(model.cfg.n_heads)] for layer in range(2)])
+    assert len(set(want.flatten().tolist())) > 1  # the heads peak at different offsets
+    tokens = standard_tokens(model)
+    before = torch.get_num_threads()
+    try:
+        for threads in sorted({1, available_cores()}):
+            torch.set_num_threads(threads)
+            table = head_table(model, tokens, budget_bytes=2**30, means=lambda: mu, reference_tokens=32)
+            assert table.kernel_peak_offset is not None and torch.equal(table.kernel_peak_offset, want)
+    finally:
+        torch.set_num_threads(before)
+    assert head_table(model, tokens).kernel_peak_offset is None
