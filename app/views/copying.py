@@ -20,17 +20,19 @@ import torch
 from pydantic import BaseModel, Field
 
 from app.analysis import Analysis, AnalysisParams, split_heads
+from app.compute import cached_build
 from app.params import Heads, K, MinCount
 from app.schemas import ModelRef
 from app.settings import Limits
 from app.views.basis import basis
 from app.views.circuits import frequent_tokens
-from app.views.heads import parse_heads
+from app.views.heads import parse_heads, spectra
 from app.views.inputs import check_k, model_ref
 from circuits_core import circuits, copying
 from circuits_core.config import head_name
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
+from circuits_core.model import Transformer
 from circuits_core.weights import LoadedModel
 
 N_TOP_SAMPLES = 2  # random circuits whose self-copy shares are measured (each a full [V, V] row stream)
@@ -106,6 +108,17 @@ def chosen_heads(loaded: LoadedModel, p: CopyingAllParams, limits: Limits) -> li
     return list(dict.fromkeys(parse_heads(split_heads(p.heads), loaded, limits.max_heads))) if p.heads else None
 
 
+def _baseline(model: Transformer, p: CopyingAllParams, k: int, vocab: torch.Tensor | None, rows: int | None,
+              limits: Limits) -> CopyingBaselineView:
+    with torch.no_grad():
+        base = copying.random_baseline(model, n_samples=p.samples, n_top_samples=N_TOP_SAMPLES, k=k, vocab=vocab,
+                                       budget_bytes=limits.matrix_budget_bytes, rows=rows)
+    s = base.ov_copying
+    return CopyingBaselineView(ov_copying_mean=float(s.mean()), ov_copying_std=float(s.std()), ov_copying_min=float(s.min()),
+                               ov_copying_max=float(s.max()), top1_mean=float(base.top1.mean()),
+                               topk_mean=float(base.topk.mean()), n_samples=p.samples, n_top_samples=N_TOP_SAMPLES)
+
+
 def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Limits) -> CopyingOverview:
     model = loaded.model
     if model.cfg.n_layers == 0:
@@ -115,12 +128,16 @@ def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Lim
     k = check_k(p.k, limits, n)
     todo = chosen_heads(loaded, p, limits)
     rows = default_rows(n, p.rows, len(todo) if todo else model.cfg.n_layers * model.cfg.n_heads)
+    cfg = model.cfg
+    every = spectra(loaded)  # every head's OV eigenvalues, kept once per model (app/views/heads.py)
+    eig = circuits.copying_score(torch.complex(torch.tensor(every.ov_re, dtype=torch.float64), torch.tensor(every.ov_im, dtype=torch.float64)).view(
+        cfg.n_layers, cfg.n_heads, cfg.d_head))  # [L, H]
     with torch.no_grad():
-        eig = circuits.ov_copying_scores(model)  # [L, H]
         sc = copying.self_copy(model, k=k, vocab=vocab, budget_bytes=limits.matrix_budget_bytes, rows=rows, seed=SAMPLE_SEED,
                                heads=todo)
-        base = copying.random_baseline(model, n_samples=p.samples, n_top_samples=N_TOP_SAMPLES, k=k, vocab=vocab,
-                                       budget_bytes=limits.matrix_budget_bytes, rows=rows)
+    # the baseline does not depend on `heads`: one per (weights, k, samples, rows, tokens), kept for every panel
+    key = ("copying-baseline", str(loaded.digest), basis(loaded), k, p.samples, rows, p.min_count)
+    baseline = cached_build(key, CopyingBaselineView, lambda: _baseline(model, p, k, vocab, rows, limits))
     r = sc.n_rows
     heads = [
         HeadCopying(head=head_name(layer, h), ov_copying=float(eig[layer, h]), top1=float(sc.top1[layer, h]),
@@ -129,10 +146,6 @@ def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Lim
                     topk_stderr=stderr(float(sc.topk[layer, h]), r, n))
         for layer, h in (todo or [(a, b) for a in range(model.cfg.n_layers) for b in range(model.cfg.n_heads)])
     ]
-    s = base.ov_copying
-    baseline = CopyingBaselineView(ov_copying_mean=float(s.mean()), ov_copying_std=float(s.std()), ov_copying_min=float(s.min()),
-                                   ov_copying_max=float(s.max()), top1_mean=float(base.top1.mean()),
-                                   topk_mean=float(base.topk.mean()), n_samples=p.samples, n_top_samples=N_TOP_SAMPLES)
     ranked = "tokens" if vocab is None else f"tokens seen at least {p.min_count} times in training"
     sample = (f"every one of the {n} {ranked} as source" if r == n else
               f"{r} of the {n} {ranked} as sources, drawn at random (seed {SAMPLE_SEED}), each ranked against all {n}")
