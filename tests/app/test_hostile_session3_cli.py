@@ -6,14 +6,17 @@ and SmolLM2's summary (a weak layer-0 head must not be called a previous-token h
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from app.precompute import main as precompute
 from tests.app.live_server import free_port, start
@@ -57,6 +60,54 @@ def test_the_ablation_sentence_calls_no_weak_head_a_previous_token_head_on_smoll
     said, best = _ablation_sentence_on(summary["previous_token_scores"])
     assert best < summary["head_threshold"]  # layer 0 of SmolLM2 has no previous-token head
     assert said is None or "previous-token head" not in said, said
+
+
+def k_composition_gram(m: Any, src: tuple[int, int], dst: tuple[int, int]) -> float:
+    """‖W_OV W_QKᵀ‖_F / (‖W_OV‖_F ‖W_QK‖_F), row convention, written out through d_head x d_head Grams (float64):
+    ‖W_V M W_Qᵀ‖² = tr(Mᵀ (W_VᵀW_V) M (W_QᵀW_Q)) with M = W_O W_K, ‖W_V W_O‖² = tr(W_VᵀW_V W_O W_Oᵀ)."""
+    W_V, W_O, W_Q, W_K = m.W_V[src], m.W_O[src], m.W_Q[dst], m.W_K[dst]
+    M, G_V, G_Q = W_O @ W_K, W_V.T @ W_V, W_Q.T @ W_Q
+    num = torch.trace(M.T @ G_V @ M @ G_Q)
+    return float((num / (torch.trace(G_V @ W_O @ W_O.T) * torch.trace(G_Q @ W_K.T @ W_K))).sqrt())
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("smollm2")
+@pytest.mark.skipif(not SMOLLM2_SUMMARY.exists(), reason="SmolLM2-135M not fetched (make smollm2)")
+def test_smollm2_composition_page_sentence() -> None:
+    """The composition page's measured sentence on SmolLM2: its induction and previous-token heads and scores agree
+    with model_summary.json (checked against transformers in tests/core/test_smollm2.py), its K-composition partner
+    is the best earlier head by score minus 1/√d_model, computed here from the served (processed) weights."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from app.settings import Settings
+    from circuits_core.weights import load_checkpoint
+
+    summary = json.loads(SMOLLM2_SUMMARY.read_text())
+    with TestClient(create_app(Settings(store_url="off", models_dir=SMOLLM2_SUMMARY.parent.parent))) as c:
+        page = c.get("/models/smollm2-135m/composition", params={"kind": "K"}).text
+    said = html.unescape(re.search(r'id="composition-claim">(.*?)</p>', page, re.S)[1])  # type: ignore[index]
+    num = r"([+-]?\d+\.\d+)"
+    found = re.search(rf"strongest induction head is L(\d+)H(\d+) \(induction score {num} on 10 sequences of BOS \+ r \+ r\); "
+                      rf"its strongest K-composition partner is L(\d+)H(\d+) \({num}, {num} over the baseline\)[,;] the strongest "
+                      rf"previous-token head of the earlier layers (?:is L(\d+)H(\d+) )?\(score {num}\)", said)
+    assert found, said
+    layer, head = int(found[1]), int(found[2])
+    induction = summary["induction_scores"]
+    best = max(((lay, h) for lay in range(1, len(induction)) for h in range(len(induction[lay]))), key=lambda x: induction[x[0]][x[1]])
+    assert (layer, head) == best and float(found[3]) == pytest.approx(induction[layer][head], abs=0.006)
+    prev = summary["previous_token_scores"]
+    best_prev = max(((lay, h) for lay in range(layer) for h in range(len(prev[lay]))), key=lambda x: prev[x[0]][x[1]])
+    named = (int(found[8]), int(found[9])) if found[8] else (int(found[4]), int(found[5]))  # ", the strongest ..." names the partner
+    assert named == best_prev and float(found[10]) == pytest.approx(prev[best_prev[0]][best_prev[1]], abs=0.006)
+    m = load_checkpoint(SMOLLM2_SUMMARY.parent, dtype=torch.float64).model
+    with torch.no_grad():
+        scores = {(lay, h): k_composition_gram(m, (lay, h), (layer, head)) for lay in range(layer) for h in range(m.cfg.n_heads)}
+    partner = max(scores, key=lambda s: scores[s])
+    assert (int(found[4]), int(found[5])) == partner, (said, partner)
+    assert float(found[6]) == pytest.approx(scores[partner], abs=1e-3)
+    assert float(found[7]) == pytest.approx(scores[partner] - m.cfg.d_model**-0.5, abs=1e-3)
 
 
 # -- 9. precompute's command line --------------------------------------------------------------------------------
