@@ -334,8 +334,9 @@ def induction_view(model: Transformer, tokens: Tensor | None = None, prev_scores
     one_hot[layer, head] = 1.0
     ov = ov_copying_scores(model) if ov_copying is None else ov_copying
     G_E = embed_gram(model) if G_E is None else G_E  # [d, d], shared by both positivities
-    return InductionView(ov, k_composition_positivity(model, one_hot, G_E),
-                         k_composition_positivity(model, prev, G_E), head_name(layer, head), prev)
+    one, weighted = side_by_side(lambda: k_composition_positivity(model, one_hot, G_E),  # independent: at once
+                                 lambda: k_composition_positivity(model, prev, G_E), "qkov-heads-positivity")
+    return InductionView(ov, one, weighted, head_name(layer, head), prev)
 
 
 @dataclass
