@@ -46,7 +46,8 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 def build_folders(root: Path) -> tuple[Path, Path]:
     """shipped/two (shortformer, token counts), user/: twin (two's files under another id), ln (standard positions,
     LayerNorm: served processed), rope (rotary, RMS, GQA), ctx2/ctx3 (n_ctx 2 and 3), zero (no layers), wide
-    (700 tokens, token counts, processing off)."""
+    (700 tokens, token counts, processing off); float-counts, short-counts, object-counts (wide with a malformed
+    token_counts.npy: floats, 10 entries, a pickled object array)."""
     tok = train_tokenizer()
     V = tok.get_vocab_size()
     shipped, user = root / "shipped", root / "user"
@@ -66,6 +67,11 @@ def build_folders(root: Path) -> tuple[Path, Path]:
     save_checkpoint(wide, user / "wide")
     (user / "wide" / "qkov.json").write_text(json.dumps({"processing": False}))
     np.save(user / "wide" / TOKEN_COUNTS_FILE, np.random.default_rng(1).permutation(WIDE_V) * 3 + 1)
+    for name, counts in {"float-counts": np.random.default_rng(2).random(WIDE_V), "short-counts": np.arange(10),
+                         "object-counts": np.array([{"a": 1}] * WIDE_V, dtype=object)}.items():  # fmt: skip
+        save_checkpoint(wide, user / name)
+        (user / name / "qkov.json").write_text(json.dumps({"processing": False}))
+        np.save(user / name / TOKEN_COUNTS_FILE, counts, allow_pickle=True)
     return shipped, user
 
 
@@ -254,6 +260,17 @@ def test_copying_answers_exactly_the_heads_and_rows_asked(client: TestClient) ->
 def test_copying_lists_a_repeated_head_once(client: TestClient) -> None:
     body = client.get(f"{API}/two/copying", params={"heads": "L0H0,L0H0", "samples": 2}).json()
     assert [h["head"] for h in body["heads"]] == ["L0H0"]
+
+
+@pytest.mark.parametrize("model", ["float-counts", "short-counts", "object-counts"])
+def test_a_malformed_counts_file_refuses_the_default_token_set_by_name(client: TestClient, model: str) -> None:
+    """Over DEFAULT_VOCAB the default set is read from token_counts.npy: a malformed file is a 422 naming it (never
+    unpickled, never a 500), and vocab=all, which does not read it, still answers."""
+    for request in ("heads/L0H0/ov", "heads/L0H0/qk?side=key", "direct", "heads/L0H0/skip-trigrams"):
+        assert_problem(client.get(f"{API}/{model}/{request}"), 422, TOKEN_COUNTS_FILE)
+    assert client.get(f"{API}/{model}/heads/L0H0/ov", params={"vocab": "all"}).status_code == 200
+    page = client.get(f"/models/{model}/direct")
+    assert page.status_code == 422 and TOKEN_COUNTS_FILE in page.text
 
 
 # -- 5. priced before it runs, and the answer within its price ---------------------------------------------------
