@@ -13,11 +13,11 @@ Progress is a tqdm bar on stderr; the last line says how many computations ran, 
 the store, and how long it took. A page that answers 4xx for this model (e.g. composition on a 1-layer model)
 is listed, not fatal.
 
-Pages are asked `compute_slots` at a time (each computation gets cores // slots torch threads): first the
-model-wide pages, then the first head's (which computes what every head view shares: the heads table, the
-spectra of all heads, the composition partners), then the other heads, then the panels those pages load after
-themselves (hx-trigger="load": the copying panels), asked as htmx asks them; the last line gives each phase's
-time. On a vocabulary over DEFAULT_VOCAB
+Pages are asked `compute_slots` at a time (each computation gets cores // slots torch threads), in order: the
+model-wide pages, the first head's (which computes what every head view shares: the heads table, the spectra
+of all heads, the composition partners; the other heads are queued once it is done), the other heads, then the
+panels those pages load after themselves (hx-trigger="load": the copying panels), asked as htmx asks them, the
+first alone. The last line says when each group was done. On a vocabulary over DEFAULT_VOCAB
 tokens a page's global tables rank the default token set (app/views/circuits.py); `--full` also fills each
 head's and the direct path's whole-vocabulary tables (`vocab=all`), ~38x the work per table on GPT-2.
 """
@@ -30,7 +30,7 @@ import logging
 import re
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from fastapi.testclient import TestClient
@@ -141,22 +141,34 @@ def crawl(app: Any, args: argparse.Namespace, parser: argparse.ArgumentParser, s
                 for src, target in lazy_panels(response.text):
                     panels.setdefault((src, target), None)
 
-        took: dict[str, float] = {}
+        done: dict[str, float] = {}  # phase -> seconds from the start until its last page answered
+
+        def run(name: str, jobs: list[Future[None]]) -> None:
+            for job in jobs:
+                job.result()
+            done[name] = time.perf_counter() - start
+
+        def ask_panel(panel: tuple[str, str]) -> None:  # as htmx asks it, so the page cache key matches
+            visit(panel[0], {"HX-Request": "true", "HX-Target": panel[1]})
+
         with ThreadPoolExecutor(settings.compute_slots) as pool:
-            for name, urls in phases.items():  # a phase's pages at once; the next phase reads what this one shares
-                t0 = time.perf_counter()
-                list(pool.map(visit, urls))
-                took[name] = time.perf_counter() - t0
-            # then the panels the pages load after themselves, asked as htmx asks them (so the page cache key matches)
-            t0, asked = time.perf_counter(), list(panels)
+            # Queued in order; only the first head, and then the first panel, are waited for before what follows is
+            # queued (they compute what the others share: the heads table, every head's spectra, the copying
+            # baseline), so no core idles while the last model-wide pages finish.
+            model_pages = [pool.submit(visit, u) for u in phases["model-wide pages"]]
+            run("first head", [pool.submit(visit, u) for u in phases["first head"]])
+            head_pages = [pool.submit(visit, u) for u in phases["other heads"]]
+            run("model-wide pages", model_pages)
+            run("heads", head_pages)
+            asked = list(panels)
             bar.total += len(asked)
-            list(pool.map(lambda panel: visit(panel[0], {"HX-Request": "true", "HX-Target": panel[1]}), asked))
-            took[f"{len(asked)} panels"] = time.perf_counter() - t0
+            run("first panel", [pool.submit(ask_panel, p) for p in asked[:1]])
+            run(f"{len(asked)} panels", [pool.submit(ask_panel, p) for p in asked[1:]])
         bar.close()
         store = service.store
         print(f"{args.model}: {bar.total} pages, {service.stats.completed - before} computations, "
               f"{store.hits if store else 0} answers already in the {settings.store_url.split(':')[0]} store, "
-              f"{time.perf_counter() - start:.1f} s ({', '.join(f'{n} {t:.1f} s' for n, t in took.items())})")
+              f"{time.perf_counter() - start:.1f} s (done after: {', '.join(f'{n} {t:.1f} s' for n, t in done.items())})")
         if refused:
             print("not available for this model: " + ", ".join(sorted(refused)))
     return 0
