@@ -133,6 +133,24 @@ def test_smollm2_overview_scatter_uses_a_previous_token_head(smollm2: Any) -> No
     assert score >= summary["head_threshold"], f"L{found[1]}H{found[2]} scores {score} as a previous-token head"
 
 
+def test_default_seq_len_also_fits_this_servers_max_seq_len(folders: tuple[Path, Path]) -> None:
+    """A server with max_seq_len 5: the default is shortened to 5 (not the 15 n_ctx allows), an explicit 6 is refused
+    naming the bound, and the page agrees."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from app.settings import Settings
+    from tests.app.conftest import LIMITS, assert_problem
+
+    settings = Settings(shipped_dir=folders[0], models_dir=folders[1], dtype="float64", store_url="off",
+                        limits=LIMITS.model_copy(update={"max_seq_len": 5}))  # fmt: skip
+    with TestClient(create_app(settings)) as c:
+        assert c.get(f"{API}/two/detectors").json()["detector_input"]["seq_len"] == 5
+        assert_problem(c.get(f"{API}/two/detectors", params={"seq_len": 6}), 422, "seq_len", "5")
+        page = c.get("/models/two/detectors")
+        assert page.status_code == 200 and 'name="seq_len" value="5"' in page.text.replace("'", '"')
+
+
 # -- 9. precompute's command line --------------------------------------------------------------------------------
 @pytest.fixture
 def store_env(tmp_path: Path, folders: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
