@@ -85,16 +85,17 @@ def available_cores() -> int:
 
 def side_by_side(main: Callable[[], A], side: Callable[[], B], name: str = "qkov-side") -> tuple[A, B]:
     """(main(), side()) for two independent computations: side in a helper thread (named `name`, with the caller's
-    torch thread count and stop flag) while main runs here, when the caller's torch threads leave a core idle (a
+    torch thread count, grad mode and stop flag) while main runs here, when the caller's torch threads leave a core idle (a
     server computation has one thread per slot); one after the other otherwise. A lone request then uses two cores
     without an OpenMP team, which stalls at every barrier when its threads share busy cores."""
-    threads = torch.get_num_threads()
+    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
     if 2 * threads > available_cores():
         return main(), side()
 
     def in_helper() -> B:
         torch.set_num_threads(threads)
-        return side()
+        with torch.set_grad_enabled(grad):  # grad mode is per thread: the caller's no_grad goes along
+            return side()
 
     with ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
         branch = pool.submit(copy_context().run, in_helper)  # the ambient stop flag goes along

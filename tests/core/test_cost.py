@@ -117,6 +117,9 @@ def test_side_by_side_runs_the_side_branch_in_a_helper_thread_only_when_a_core_i
             (m, s) = side_by_side(where, where, "qkov-test-side")
             assert m == (threading.current_thread().name, 1)
             assert s[0].startswith("qkov-test-side") and s[1] == 1  # the caller's thread count goes along
+            for grad in (False, True):  # and its grad mode (thread-local in torch)
+                with torch.set_grad_enabled(grad):
+                    assert side_by_side(torch.is_grad_enabled, torch.is_grad_enabled) == (grad, grad)
 
         def boom() -> None:
             raise ValueError("side failed")
