@@ -125,17 +125,23 @@ def tl_figures(rep_tokens: torch.Tensor) -> dict[str, float]:
 
 def heads_breakdown(model: Any) -> None:
     """Where a cold heads table's time goes (issue 9.10), in this process with the torch threads the server gives one
-    computation: the detector pass, the two d_model x d_model Grams over the vocabulary, the 2 x 144 spectra and
-    the 2-D induction view's K-composition positivities (one-hot, then weighted), each once, cold."""
+    computation: the detector pass, the two d_model x d_model Grams over the vocabulary, the 2 x (L x H) spectra,
+    the 2-D induction view's K-composition positivities (one-hot and weighted) and, on a rotary model, μ's pass on
+    the reference (app.views.rotary.reference_tokens: seeded random ids, as for any model without a tokenizer) and the kernel peaks, each once, cold."""
     from app.compute import available_cores, default_torch_threads
     from app.settings import Settings
-    from circuits_core import circuits, heads
+    from app.views.rotary import reference_tokens
+    from circuits_core import circuits, heads, rotary
+    from circuits_core.weights import LoadedModel
 
     settings = Settings()
     threads = settings.torch_threads or default_torch_threads(settings.compute_slots)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     tokens = heads.standard_tokens(model)
+    is_rotary = model.cfg.positional_embedding_type == "rotary"
+    ref = reference_tokens(LoadedModel(model=model, tokenizer=None, format="qkov", digest="bench", path=Path("bench")))[0]
+    kw: dict[str, Any] = dict(means=lambda: rotary.reference_means(model, ref), reference_tokens=ref.shape[1]) if is_rotary else {}
     try:
         with torch.no_grad():
             t_det, det = median_time(lambda: heads.detector_scores(model, tokens, budget_bytes=settings.limits.peak_bytes), 1)
@@ -144,19 +150,27 @@ def heads_breakdown(model: Any) -> None:
             t_ov, ov = median_time(lambda: circuits.ov_copying_scores(model, G), 1)
             t_qk, _ = median_time(lambda: circuits.qk_copying_scores(model, G_E), 1)
             t_iv, _ = median_time(lambda: heads.induction_view(model, tokens, det["previous_token"], ov, G_E), 1)
-            t_all, _ = median_time(lambda: heads.head_table(model, tokens, budget_bytes=settings.limits.peak_bytes), 1)
+            t_mu, mu = median_time(lambda: rotary.reference_means(model, ref), 1) if is_rotary else (0.0, ref)
+            t_k, _ = median_time(lambda: rotary.kernel_peak_offsets(model, mu), 1) if is_rotary else (0.0, None)
+            t_all, _ = median_time(lambda: heads.head_table(model, tokens, budget_bytes=settings.limits.peak_bytes, **kw), 1)
             torch.set_num_threads(available_cores())  # what a lone computation would get with QKOV_TORCH_THREADS=cores
-            t_cores, _ = median_time(lambda: heads.head_table(model, tokens, budget_bytes=settings.limits.peak_bytes), 1)
+            t_cores, _ = median_time(lambda: heads.head_table(model, tokens, budget_bytes=settings.limits.peak_bytes, **kw), 1)
     finally:
         torch.set_num_threads(before)
-    parts = t_det + t_g + t_ge + t_ov + t_qk + t_iv
+    heads_n = model.cfg.n_layers * model.cfg.n_heads
+    rows = [(f"detector pass ({tokens.shape[0]} x {tokens.shape[1]} tokens, patterns only)", t_det),
+            ("Gram W_U W_E_eff over the vocabulary [d, d]", t_g), ("Gram W_E_eff^T W_E_eff [d, d]", t_ge),
+            (f"OV spectra ({heads_n} x d_head eigenvalues)", t_ov), (f"QK spectra ({heads_n} x d_head eigenvalues)", t_qk),
+            ("induction view: K-composition one-hot + weighted (side by side when a core is idle)", t_iv)]
+    if is_rotary:
+        rows += [(f"μ: pass on the reference ({ref.shape[1]} tokens; once per model: kept in the result store)", t_mu),
+                 ("kernel peak offsets, δ 0..64", t_k)]
+    parts = sum(t for _, t in rows)
     print(f"  where the heads table's time goes (in process, {threads} torch thread(s) as one server computation):")
-    for label, t in [(f"detector pass ({tokens.shape[0]} x {tokens.shape[1]} tokens, patterns only)", t_det),
-                     ("Gram W_U W_E_eff over the vocabulary [d, d]", t_g), ("Gram W_E_eff^T W_E_eff [d, d]", t_ge),
-                     ("OV spectra (144 x d_head eigenvalues)", t_ov), ("QK spectra (144 x d_head eigenvalues)", t_qk),
-                     ("induction view: K-composition one-hot + weighted", t_iv)]:
+    for label, t in rows:
         row(f"  {label}", t, "", f"{100 * t / parts:4.0f} % of the parts")
-    row("  heads.head_table, all parts in one call", t_all, "", f"parts sum {fmt_time(parts).strip()}")
+    row("  heads.head_table, all parts in one call" + (" (μ measured)" if is_rotary else ""), t_all, "",
+        f"parts sum {fmt_time(parts).strip()}")
     row(f"  heads.head_table with {available_cores()} torch threads", t_cores, "",
         f"{t_all / t_cores:.2f}x the {threads}-thread call")
 
