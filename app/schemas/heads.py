@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from app.schemas.common import Complex, ModelRef
+from app.schemas.rotary import ReferenceText
 
 
 class DetectorInput(BaseModel):
@@ -51,6 +52,9 @@ class HeadsView(BaseModel):
     heads: list[HeadScores]
     previous_token_head: str | None = Field(
         default=None, description="the layer-0 head with the largest previous-token score (K-composition partner of the 2-D view)"
+    )
+    kernel_reference: ReferenceText | None = Field(
+        default=None, description="rotary models: the text μ of the kernel peak offsets was measured on; None otherwise"
     )
 
 

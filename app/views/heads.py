@@ -101,9 +101,15 @@ def build_heads_view(loaded: LoadedModel, p: NoParams | None = None, limits: Lim
     """Copying scores and detector scores of every head on the standard repeated-random-token input: one
     detector pass (its previous-token scores also pick the 2-D view's partner), each Gram formed once."""
     tokens, meta = standard_input(loaded)
-    rotary_model = loaded.model.cfg.positional_embedding_type == "rotary"
+    rotary_model, reference = loaded.model.cfg.positional_embedding_type == "rotary", []
+
+    def means() -> Tensor:  # μ [L, d_model] from the result store (else measured there), in the spectra branch
+        mu, text = reference_means(loaded)
+        reference.append(text)
+        return mu
+
     table = head_table(loaded.model, tokens, budget_bytes=limits.peak_bytes if limits is not None else None,
-                       means=(lambda: reference_means(loaded)[0]) if rotary_model else None,
+                       means=means if rotary_model else None,
                        reference_tokens=reference_tokens_bound(loaded) if rotary_model else None)
     if table.induction is None:
         return HeadsView(model=model_ref(loaded), detector_input=meta, heads=[])
@@ -116,6 +122,7 @@ def build_heads_view(loaded: LoadedModel, p: NoParams | None = None, limits: Lim
         detector_input=meta,
         heads=scores,
         previous_token_head=table.induction.previous_token_head,
+        kernel_reference=reference[0] if reference else None,
     )
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from fastapi.testclient import TestClient
+from markupsafe import escape as html_escape
 
 from app.main import create_app
 from app.settings import Settings
@@ -201,13 +202,17 @@ def test_offset_refusals(client: TestClient):
 
 def test_heads_table_kernel_peaks(client: TestClient, rope: LoadedModel):
     """Each head's kernel_peak_offset is the argmax of its positional kernel over δ = 0..64 (API answer)."""
-    heads = {s["head"]: s for s in client.get(f"{API}/rope/heads").json()["heads"]}
+    table = client.get(f"{API}/rope/heads").json()
+    heads = {s["head"]: s for s in table["heads"]}
     for name in ("L0H0", "L1H2", "L2H3"):
         kernel = client.get(f"{API}/rope/heads/{name}/positional", params={"max_offset": 64}).json()
         assert heads[name]["kernel_peak_offset"] == kernel["peak_offset"]
-    assert all(s["kernel_peak_offset"] is None for s in client.get(f"{API}/short/heads").json()["heads"])
+        assert table["kernel_reference"] == kernel["reference"]  # the text μ came from
+    short = client.get(f"{API}/short/heads").json()
+    assert all(s["kernel_peak_offset"] is None for s in short["heads"]) and short["kernel_reference"] is None
     html = client.get("/models/rope").text
     assert "kernel peak δ" in html and "kernel peak δ" not in client.get("/models/short").text
+    assert str(html_escape(table["kernel_reference"]["name"])) in html  # named under the table (as Jinja escapes it)
 
 
 def test_skip_trigrams_at_offset_vs_dense(client: TestClient, rope: LoadedModel):
