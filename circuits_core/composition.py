@@ -10,11 +10,15 @@ than h2:
 are 0, as in TransformerLens's `all_composition_scores`.
 
 All pairs through Gram matrices: ||W_1 W_2||_F^2 = <W_1^T W_1, W_2 W_2^T>_F. Every head gets one d_model x
-d_model Gram per role (source W_OV^T W_OV = W_O^T (W_V^T W_V) W_O, targets A (B B^T) A^T for the later matrix
-A B), and the squared numerators of all (source, target) pairs are one matmul over the flattened Grams:
-d_model^2 multiply-adds per pair instead of d_head^2 d_model for the product of the collapsed factors (5x fewer
-for GPT-2). The Grams are symmetric, so only their upper block triangle is formed and multiplied (off-diagonal
-blocks counted twice), one block of all heads at a time, which bounds the memory to the factors plus one block.
+d_model Gram per role, formed from a collapsed factor of d_head rows: source W_OV^T W_OV = F^T F with F = R_V W_O
+(R_V the QR factor of W_V, so R_V^T R_V = W_V^T W_V), target M M^T = P P^T with P = A R^T for the later matrix
+M = A B (R the QR factor of B^T). The squared numerators of all (source, target) pairs are one matmul over the
+flattened Grams: d_model^2 multiply-adds per pair instead of d_head^2 d_model for the product of the collapsed
+factors (5x fewer for GPT-2). The Grams are symmetric, so only their upper block triangle is formed and
+multiplied (off-diagonal blocks counted twice), one block of all heads at a time. The weights are read one layer
+at a time, W_K and W_V per key/value group as stored (never repeated per query head), and the target heads go
+in chunks of layers, the fewest whose working set fits the caller's byte budget (`cost` prices the same steps):
+on the Llama-3.2-1B shape one kind fits the default 1 GiB in one chunk, all three in two.
 The per-pair QR collapse (TL's trick: A1 = Q1 R1, B2^T = Q2 R2, ||A1 B1 A2 B2|| = ||(R1 B1)(A2 R2^T)||) stays as
 `pair_scores`, the independent reference.
 
@@ -37,7 +41,7 @@ from torch import Tensor
 
 from circuits_core.cost import Cost, check_stop, itemsize, side_by_side
 from circuits_core.errors import InvalidInputError
-from circuits_core.model import Transformer
+from circuits_core.model import Block, Transformer
 
 CompositionKind = Literal["q", "k", "v"]
 KINDS: tuple[CompositionKind, ...] = ("q", "k", "v")
@@ -121,11 +125,118 @@ def block_pairs(d: int, size: int) -> tuple[list[tuple[int, int]], Tensor]:
     return pairs, torch.tensor([1.0 if a == b else 2.0 for a, b in pairs], dtype=torch.float64)
 
 
-def _column_blocks(M: Tensor, size: int, transpose: bool) -> Tensor:
-    """M [..., k, d] split into its d / size column blocks: [nb, ..., k, size], or [nb, ..., size, k] transposed."""
-    *lead, k, d = M.shape
-    blocks = M.reshape(*lead, k, d // size, size).movedim(-2, 0)  # [nb, ..., k, size]
-    return (blocks.transpose(-2, -1) if transpose else blocks).contiguous()
+def _column_blocks(M: Tensor, size: int) -> Tensor:
+    """M [N, r, d] as its d / size column blocks [nb, N, r, size] (a view; copied once into a block buffer)."""
+    n, r, d = M.shape
+    return M.view(n, r, d // size, size).permute(2, 0, 1, 3)
+
+
+def _row_blocks(M: Tensor, size: int) -> Tensor:
+    """M [N, d, r] as its d / size row blocks [nb, N, size, r] (a view)."""
+    n, d, r = M.shape
+    return M.view(n, d // size, size, r).transpose(0, 1)
+
+
+# Weights of one layer, as the computation reads them: name (W_Q, W_O per query head; W_K, W_V per key/value
+# group) -> [heads or groups, d, dh] ([H, dh, d] for W_O), in the compute dtype.
+LayerWeight = Callable[[int, str], Tensor]
+
+
+def source_factor(weight: LayerWeight, layer: int, group_size: int) -> Tensor:
+    """F = R_V W_O [H, k, d] of every head of `layer` (left_collapsed; R_V of its key/value group's W_V, k = min(d,
+    dh)), so that F^T F = W_O^T W_V^T W_V W_O = W_OV^T W_OV, the source Gram."""
+    W_O = weight(layer, "W_O")  # [H, dh, d]
+    H, dh, d = W_O.shape
+    return left_collapsed(weight(layer, "W_V")[:, None], W_O.view(-1, group_size, dh, d)).view(H, -1, d)
+
+
+def target_factor(weight: LayerWeight, layer: int, kind: CompositionKind, group_size: int) -> Tensor:
+    """P = A R_{B^T}^T [H, d, k] of the later matrix A B of every head of `layer` (right_collapsed of
+    _right_factors), so that P P^T = A B B^T A^T = M M^T, the target Gram; W_K, W_V per key/value group
+    [G, 1, ...], broadcast against W_Q, W_O per query head [G, group_size, ...]."""
+    def per_head(name: str) -> Tensor:  # [G, gs, d, dh] or [G, gs, dh, d]
+        W = weight(layer, name)
+        return W.view(-1, group_size, *W.shape[1:])
+
+    if kind == "q":  # A = W_Q, B = W_K^T
+        P = right_collapsed(per_head("W_Q"), weight(layer, "W_K")[:, None].transpose(-2, -1))
+    elif kind == "k":  # A = W_K, B = W_Q^T
+        P = right_collapsed(weight(layer, "W_K")[:, None], per_head("W_Q").transpose(-2, -1))
+    elif kind == "v":  # A = W_V, B = W_O
+        P = right_collapsed(weight(layer, "W_V")[:, None], per_head("W_O"))
+    else:
+        raise InvalidInputError(f"composition kind must be one of {KINDS}, got {kind!r}")
+    return P.flatten(0, 1)  # [H, d, k]
+
+
+def chunk_bounds(n_layers: int, layers_per_chunk: int | None) -> list[tuple[int, int]]:
+    """Target layers 1..L-1 in chunks of `layers_per_chunk` consecutive layers (all of them when None)."""
+    m = max(1, n_layers - 1) if layers_per_chunk is None else max(1, layers_per_chunk)
+    return [(t0, min(t0 + m, n_layers)) for t0 in range(1, n_layers, m)]
+
+
+def layer_scores(
+    weight: LayerWeight,
+    shape: tuple[int, int, int, int, int],
+    like: Tensor,
+    kinds: tuple[CompositionKind, ...] = KINDS,
+    should_stop: Callable[[], bool] | None = None,
+    block: int = GRAM_BLOCK,
+    layers_per_chunk: int | None = None,
+) -> Tensor:
+    """[K, L, H, L, H] scores reading the weights one layer at a time; shape = (L, H, group_size, d, dh), `like` a
+    tensor of the compute dtype and device. 0 unless l1 < l2.
+
+    num^2 = ||W_OV^{h1} M^{h2}||_F^2 = <F^T F, P P^T>_F with the collapsed factors F [k, d] (source) and P [d, k]
+    (target): all (source, target) pairs of all kinds are one matmul over the d x d Gram matrices. The Grams are
+    symmetric, so only their upper block triangle is formed ((a, b) blocks with a <= b, off-diagonal ones counted
+    twice), one block (a, b) of all heads at a time. The target heads go in chunks of consecutive layers: each
+    chunk pairs with the sources of the layers before its last one, and re-forms their Gram blocks. Memory: the
+    source factors, one chunk's target factors and one Gram block of each (`cost` prices the same steps).
+    """
+    L, H, gs, d, dh = shape
+    K = len(kinds)
+    raw = like.new_zeros(K, L, H, L, H)
+    if L < 2:
+        return raw
+    size = gram_block_size(d, block)
+    pairs, weights = block_pairs(d, size)
+    nb, k = d // size, min(d, dh)
+    F = like.new_empty(nb, (L - 1) * H, k, size)  # source factors of layers 0..L-2 as column blocks
+    src_sq = like.new_empty((L - 1) * H)  # ||W_OV||_F^2 = ||F||_F^2
+    for l1 in range(L - 1):
+        _check_stop(should_stop)
+        F_l = source_factor(weight, l1, gs)  # [H, k, d]
+        F[:, l1 * H:(l1 + 1) * H] = _column_blocks(F_l, size)
+        src_sq[l1 * H:(l1 + 1) * H] = torch.linalg.vector_norm(F_l, dim=(-2, -1)).square()
+        del F_l
+    for t0, t1 in chunk_bounds(L, layers_per_chunk):
+        ns, nt = (t1 - 1) * H, (t1 - t0) * K * H  # sources: layers 0..t1-2; targets: layers t0..t1-1, all kinds
+        P = like.new_empty(nb, nt, size, k)  # target factors as row blocks, rows ordered (layer, kind, head)
+        tgt_sq = like.new_empty(nt)
+        for j, (l2, kind) in enumerate((l2, kind) for l2 in range(t0, t1) for kind in kinds):
+            _check_stop(should_stop)
+            P_l = target_factor(weight, l2, kind, gs)  # [H, d, k]
+            P[:, j * H:(j + 1) * H] = _row_blocks(P_l, size)
+            tgt_sq[j * H:(j + 1) * H] = torch.linalg.vector_norm(P_l, dim=(-2, -1)).square()
+            del P_l
+        S = like.new_empty(ns, size, size)  # one block of every source Gram
+        T = like.new_empty(nt, size, size)  # the same block of every target Gram
+        num_sq = like.new_zeros(ns, nt)
+        for p, (a, b) in enumerate(pairs):  # one large matmul per block is faster than skipping l1 >= l2 pairs
+            _check_stop(should_stop)
+            torch.bmm(F[a, :ns].transpose(-2, -1), F[b, :ns], out=S)
+            torch.bmm(P[a], P[b].transpose(-2, -1), out=T)
+            num_sq.addmm_(S.view(ns, size * size), T.view(nt, size * size).T, alpha=float(weights[p]))
+        del S, T, P
+        num_sq = num_sq.view(t1 - 1, H, t1 - t0, K, H)  # [l1 = 0..t1-2, h1, l2 = t0..t1-1, kind, h2]
+        den = src_sq[:ns].view(t1 - 1, H, 1, 1, 1).sqrt() * tgt_sq.view(1, 1, t1 - t0, K, H).sqrt()
+        layer1, layer2 = torch.arange(t1 - 1, device=like.device), torch.arange(t0, t1, device=like.device)
+        later = (layer1[:, None] < layer2[None, :])[:, None, :, None, None]  # l1 < l2
+        scores = torch.where(later, num_sq.clamp_min_(0).sqrt_().div_(den), torch.zeros((), dtype=like.dtype))
+        raw[:, :t1 - 1, :, t0:t1, :] = scores.permute(3, 0, 1, 2, 4)
+        del num_sq, den, scores
+    return raw
 
 
 def raw_composition_scores(
@@ -136,55 +247,30 @@ def raw_composition_scores(
     kinds: tuple[CompositionKind, ...] = KINDS,
     should_stop: Callable[[], bool] | None = None,
     block: int = GRAM_BLOCK,
+    layers_per_chunk: int | None = None,
 ) -> Tensor:
-    """[K, L, H, L, H] scores from stacked weights (W_Q/K/V [L, H, d, dh], W_O [L, H, dh, d]); 0 unless l1 < l2.
+    """[K, L, H, L, H] scores from stacked weights (W_Q/K/V [L, H, d, dh], W_O [L, H, dh, d], per query head); 0
+    unless l1 < l2 (`layer_scores`, reading each layer as a view of the stacks)."""
+    stacked = {"W_Q": W_Q, "W_K": W_K, "W_V": W_V, "W_O": W_O}
+    L, H, d, dh = W_V.shape
+    return layer_scores(lambda layer, name: stacked[name][layer], (L, H, 1, d, dh), W_V, kinds, should_stop, block,
+                        layers_per_chunk)
 
-    num^2 = ||W_OV^{h1} M^{h2}||_F^2 = <W_OV^{h1 T} W_OV^{h1}, M^{h2} M^{h2 T}>_F: with the d x d Gram matrices of
-    every head as rows, all (earlier layers, target layer l2) pairs of all kinds are one matmul. The Grams are
-    symmetric, so only their upper block triangle is formed ((a, b) blocks with a <= b, off-diagonal ones counted
-    twice), one block (a, b) of all heads at a time: the memory is the d x d_head factors plus one block.
-    """
-    L, H, d = W_V.shape[0], W_V.shape[1], W_V.shape[2]
-    K = len(kinds)
-    raw = W_V.new_zeros(K, L, H, L, H)
-    if L < 2:
-        return raw
-    size = gram_block_size(d, block)
-    pairs, weights = block_pairs(d, size)
-    nb, dh = d // size, W_V.shape[-1]
-    # The four d_head x d_head Grams; kind -> (A, A^T A, B B^T) of its later-head matrix A B (_right_factors).
-    QQ, KK = W_Q.transpose(-2, -1) @ W_Q, W_K.transpose(-2, -1) @ W_K  # [L, H, dh, dh]
-    VV, OO = W_V.transpose(-2, -1) @ W_V, W_O @ W_O.transpose(-2, -1)
-    rights = [{"q": (W_Q, QQ, KK), "k": (W_K, KK, QQ), "v": (W_V, VV, OO)}[kind] for kind in kinds]
-    src_sq = (VV * OO).sum((-2, -1))  # [L, H]: ||W_OV||_F^2 = <W_V^T W_V, W_O W_O^T>
-    tgt_sq = torch.stack([(AtA * BBt).sum((-2, -1)) for _, AtA, BBt in rights])  # [K, L, H]
-    # Source Grams W_OV^T W_OV = W_O^T (W_V^T W_V) W_O, heads of layers 0..L-2, as column blocks of both factors.
-    src_F = _column_blocks(W_O[:-1].flatten(0, 1), size, transpose=True)  # [nb, Ns, s, dh]
-    src_G = _column_blocks((VV[:-1] @ W_O[:-1]).flatten(0, 1), size, transpose=False)  # [nb, Ns, dh, s]
-    # Target Grams M M^T = A (B B^T) A^T, heads of layers 1..L-1, rows ordered (layer, kind, head).
-    tgt_F = W_V.new_empty(nb, L - 1, K, H, size, dh)
-    tgt_G = W_V.new_empty(nb, L - 1, K, H, dh, size)
-    for i, (A, _, BBt) in enumerate(rights):
-        tgt_F[:, :, i] = A[1:].reshape(L - 1, H, nb, size, dh).movedim(2, 0)
-        tgt_G[:, :, i] = (BBt[1:] @ A[1:].transpose(-2, -1)).reshape(L - 1, H, dh, nb, size).movedim(3, 0)
-    tgt_F, tgt_G = tgt_F.flatten(1, 3), tgt_G.flatten(1, 3)  # [nb, Nt, s, dh], [nb, Nt, dh, s]
-    Ns, Nt = src_F.shape[1], tgt_F.shape[1]
-    S = W_V.new_empty(Ns, size, size)  # one block of every source Gram
-    T = W_V.new_empty(Nt, size, size)  # the same block of every target Gram
-    # All source x target pairs per block: one large matmul is faster than skipping the l1 >= l2 pairs.
-    num_sq = W_V.new_zeros(Ns, Nt)
-    for p, (a, b) in enumerate(pairs):
-        _check_stop(should_stop)
-        torch.bmm(src_F[a], src_G[b], out=S)
-        torch.bmm(tgt_F[a], tgt_G[b], out=T)
-        num_sq.addmm_(S.view(Ns, size * size), T.view(Nt, size * size).T, alpha=float(weights[p]))
-    num_sq = num_sq.view(L - 1, H, L - 1, K, H)  # [l1 = 0..L-2, h1, l2 = 1..L-1, kind, h2]
-    den = src_sq[:-1, :, None, None, None].sqrt() * tgt_sq[:, 1:].sqrt().permute(1, 0, 2)[None, None]
-    layer = torch.arange(L - 1, device=W_V.device)
-    later = (layer[:, None] < layer[None, :] + 1)[:, None, :, None, None]  # l1 < l2
-    scores = torch.where(later, num_sq.clamp_min(0).sqrt() / den, torch.zeros((), dtype=W_V.dtype, device=W_V.device))
-    raw[:, :-1, :, 1:, :] = scores.permute(3, 0, 1, 2, 4)
-    return raw
+
+def model_weight(model: Transformer, dtype: torch.dtype) -> LayerWeight:
+    """A layer's weights read from the model in `dtype` (W_K, W_V per key/value group as stored, no repeat)."""
+    attns = [block.attn for block in model.blocks if isinstance(block, Block)]
+
+    def weight(layer: int, name: str) -> Tensor:
+        attn = attns[layer]
+        return (attn.grouped(name) if name in ("W_K", "W_V") else getattr(attn, name)).to(dtype)
+
+    return weight
+
+
+def compute_dtype(model: Transformer) -> torch.dtype:
+    """float32 for half-precision weights, else the model's dtype."""
+    return torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype
 
 
 def composition_scores(
@@ -193,15 +279,21 @@ def composition_scores(
     n_samples: int = BASELINE_SAMPLES,
     seed: int = 0,
     should_stop: Callable[[], bool] | None = None,
+    budget_bytes: int | None = None,
 ) -> CompositionScores:
-    """Q-, K- and V-composition scores of every (earlier head, later head) pair, with the random baseline."""
+    """Q-, K- and V-composition scores of every (earlier head, later head) pair, with the random baseline. The
+    target heads go in the fewest chunks of layers whose working set `cost` prices within `budget_bytes` (all at
+    once when None)."""
     cfg = model.cfg
     L, H = cfg.n_layers, cfg.n_heads
-    dtype = torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype
+    dtype = compute_dtype(model)
+    chunk = layers_per_chunk(model, kinds, budget_bytes)
+    shape = (L, H, cfg.group_size, cfg.d_model, cfg.d_head)
+    like = torch.empty((), dtype=dtype, device=model.device)
     with torch.no_grad():
-        W_Q, W_K, W_V, W_O = (w.to(dtype) for w in (model.W_Q, model.W_K, model.W_V, model.W_O))
         raw, (sampled, std) = side_by_side(  # the sampled baseline (model-independent) beside the scores
-            lambda: raw_composition_scores(W_Q, W_K, W_V, W_O, kinds=kinds, should_stop=should_stop),  # [K, L, H, L, H]
+            lambda: layer_scores(model_weight(model, dtype), shape, like, kinds, should_stop,
+                                 layers_per_chunk=chunk),  # [K, L, H, L, H]
             lambda: random_baseline(cfg.d_model, cfg.d_head, n_samples=n_samples, seed=seed), "qkov-baseline")
     layer = torch.arange(L, device=model.device)
     mask = (layer[:, None, None, None] < layer[None, None, :, None]).expand(L, H, L, H)
@@ -237,22 +329,58 @@ def random_baseline(d_model: int, d_head: int, n_samples: int = BASELINE_SAMPLES
     return float(scores.mean()), float(scores.std()) if n_samples > 1 else 0.0
 
 
-def cost(model: Transformer, kinds: tuple[CompositionKind, ...] = KINDS) -> Cost:
-    """composition_scores for `kinds`: the stacked W_Q, W_K, W_V, W_O [L, H, ...] the model builds (per query head,
-    so repeated under GQA), the d_head Grams, the column blocks of the source and target factors with their
-    temporaries, one Gram block of every source and target head, the pair sums and the [K, L, H, L, H] scores;
-    answer: two [sources x targets] tables (raw, minus baseline) and the top pairs, per kind."""
+def scores_numbers(model: Transformer, kinds: tuple[CompositionKind, ...], layers_per_chunk: int | None) -> int:
+    """Peak numbers (compute dtype) layer_scores holds beyond the model's weights, from the same steps: the scores,
+    the source factors, then per chunk the larger of (a) its target factors while one layer's are formed (the
+    layer's weights converted, a QR's copy of its input and R), (b) its target factors and one Gram block of each
+    head with the pair sums, (c) the pair sums, denominators and scores; each source layer's formation before it."""
     cfg = model.cfg
-    L, H, d, dh, K = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head, len(kinds)
-    size = gram_block_size(d)
-    Ns, Nt = max(0, L - 1) * H, max(0, L - 1) * K * H
-    stacked = 4 * L * H * d * dh
-    factors = 3 * Ns * d * dh + 3 * Nt * d * dh  # column blocks of both factors and the products they come from
-    numbers = stacked + 4 * L * H * dh * dh + factors + (Ns + Nt) * size * size + Ns * Nt + 2 * K * (L * H) ** 2
+    L, H, G, d, dh, K = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_model, cfg.d_head, len(kinds)
+    out = K * (L * H) ** 2
+    if L < 2:
+        return out
+    size, k = gram_block_size(d), min(d, dh)
+    layer, group = H * d * dh, G * d * dh  # one layer's W_Q or W_O, W_K or W_V
+    F = (L - 1) * H * (k * d + 1)  # source factors and norms
+    source = layer + 2 * group + G * k * dh + H * k * d  # W_O, W_V and the QR's copy of it, R_V, F of one layer
+    peak, n_pairs = out + F + source, len(block_pairs(d, size)[0])
+    for t0, t1 in chunk_bounds(L, layers_per_chunk):
+        ns, nt = (t1 - 1) * H, (t1 - t0) * K * H
+        P = nt * (d * k + 1)
+        forming = 3 * layer + H * k * dh + H * d * k  # A, B^T and the QR's copy of it, R, P of one layer
+        blocks = (ns + nt) * size * size + ns * nt
+        small = 2 * (ns + nt) + n_pairs + 4 * L + 8  # norms' roots, block weights, masks
+        peak = max(peak, out + F + P + max(forming, blocks) + small, out + F + 3 * ns * nt + small)
+    return peak
+
+
+def layers_per_chunk(model: Transformer, kinds: tuple[CompositionKind, ...], budget_bytes: int | None) -> int | None:
+    """The most target layers per chunk (the fewest chunks) whose `cost` fits `budget_bytes`; one layer when none
+    fits (then the price says so); None (all at once) without a budget."""
+    if budget_bytes is None:
+        return None
+    for m in range(max(1, model.cfg.n_layers - 1), 1, -1):
+        if _priced(model, kinds, m).peak_bytes <= budget_bytes:
+            return m
+    return 1
+
+
+def cost(model: Transformer, kinds: tuple[CompositionKind, ...] = KINDS, budget_bytes: int | None = None) -> Cost:
+    """composition_scores for `kinds` in the chunks it chooses for `budget_bytes` (`scores_numbers`), the
+    baseline-subtracted copies and the mask, the random baseline sampled beside them; answer: two [sources x
+    targets] tables (raw, minus baseline) and the top pairs, per kind."""
+    cfg = model.cfg
+    L, H, K = cfg.n_layers, cfg.n_heads, len(kinds)
+    Ns = max(0, L - 1) * H
     per_kind = 2 * Ns * (Ns if L > 1 else 0) + 30
-    scores = Cost(numbers * itemsize(torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype))
-    return (scores + random_baseline_cost(d, dh)).with_answer(  # the baseline may be sampled beside the scores
+    return _priced(model, kinds, layers_per_chunk(model, kinds, budget_bytes)).with_answer(
         numbers=K * per_kind, labels=K * (2 * Ns + 20))
+
+
+def _priced(model: Transformer, kinds: tuple[CompositionKind, ...], layers_per_chunk: int | None) -> Cost:
+    L, H, K = model.cfg.n_layers, model.cfg.n_heads, len(kinds)
+    numbers = scores_numbers(model, kinds, layers_per_chunk) + 2 * K * (L * H) ** 2  # + minus baseline, mask
+    return Cost(numbers * itemsize(compute_dtype(model))) + random_baseline_cost(model.cfg.d_model, model.cfg.d_head)
 
 
 def random_baseline_cost(d_model: int, d_head: int) -> Cost:

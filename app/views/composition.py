@@ -56,7 +56,8 @@ def build_composition_view(loaded: LoadedModel, p: CompositionParams, limits: Li
     key = ENGINE_KIND[kind]
     offset = rotary_offset(loaded, key, p.offset)  # None unless a rotary model's Q/K
     with torch.no_grad():
-        comp = composition_scores(loaded.model, kinds=(key,))  # only the kind asked for
+        budget = limits.peak_bytes if limits is not None else None  # the fewest chunks within it (composition.cost)
+        comp = composition_scores(loaded.model, kinds=(key,), budget_bytes=budget)  # only the kind asked for
     raw, minus, mask = comp.raw[key].double(), comp.minus_baseline[key].double(), comp.mask  # [L, H, L, H]
     if offset:  # Q/K at δ: Ω_B(δ) = W_Q R(δ) W_K^T in place of W_QK (the same baseline: rotation-invariant)
         raw = composition_at(loaded.model, key, offset).double()
@@ -135,7 +136,7 @@ def build_composition_pair_view(loaded: LoadedModel, p: CompositionPairParams, l
     chain = parse_chain(loaded, [p.source, p.target], max(2, limits.max_heads))
     (l1, h1), (l2, h2) = chain
     with torch.no_grad():
-        comp = composition_scores(loaded.model)
+        comp = composition_scores(loaded.model, budget_bytes=limits.peak_bytes)
         k_circuit = token_circuit(loaded, k_composition_circuit(loaded.model, chain[1], chain[0]), k, limits, K_LABELS)
         virtual = token_circuit(loaded, virtual_ov_circuit(loaded, chain), k, limits, VIRTUAL_LABELS)
     return CompositionPairView(
@@ -148,13 +149,15 @@ def build_composition_pair_view(loaded: LoadedModel, p: CompositionPairParams, l
 
 
 def composition_cost(loaded: LoadedModel, p: CompositionParams, limits: Limits) -> Cost:
-    return composition.cost(loaded.model, (p.kind.lower(),)) + raw_copy_cost(loaded, p.basis)  # type: ignore[arg-type]
+    kind = (p.kind.lower(),)
+    return composition.cost(loaded.model, kind, limits.peak_bytes) + raw_copy_cost(loaded, p.basis)  # type: ignore[arg-type]
 
 
 def pair_cost(loaded: LoadedModel, p: CompositionPairParams, limits: Limits) -> Cost:
     """The three kinds' scores, then two token circuits' global top-k."""
     top = circuits.top_cost(loaded.model, p.k, limits.matrix_budget_bytes, line=False)
-    return (composition.cost(loaded.model).then(top).then(top)) + raw_copy_cost(loaded, p.basis)
+    scores = composition.cost(loaded.model, budget_bytes=limits.peak_bytes)
+    return scores.then(top).then(top) + raw_copy_cost(loaded, p.basis)
 
 
 COMPOSITION = Analysis(
