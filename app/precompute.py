@@ -16,8 +16,8 @@ is listed, not fatal.
 Pages are asked `compute_slots` at a time (each computation gets cores // slots torch threads), in order: the
 model-wide pages, the first head's (which computes what every head view shares: the heads table, the spectra
 of all heads, the composition partners; the other heads are queued once it is done), the other heads, then the
-panels those pages load after themselves (hx-trigger="load": the copying panels), asked as htmx asks them, the
-first alone. The last line says when each group was done. On a vocabulary over DEFAULT_VOCAB
+panels those pages load after themselves (hx-trigger="load": the copying panels), asked as htmx asks them (the
+first head's right after it). The last line says when each group was done. On a vocabulary over DEFAULT_VOCAB
 tokens a page's global tables rank the default token set (app/views/circuits.py); `--full` also fills each
 head's and the direct path's whole-vocabulary tables (`vocab=all`), ~38x the work per table on GPT-2.
 """
@@ -152,18 +152,20 @@ def crawl(app: Any, args: argparse.Namespace, parser: argparse.ArgumentParser, s
             visit(panel[0], {"HX-Request": "true", "HX-Target": panel[1]})
 
         with ThreadPoolExecutor(settings.compute_slots) as pool:
-            # Queued in order; only the first head, and then the first panel, are waited for before what follows is
-            # queued (they compute what the others share: the heads table, every head's spectra, the copying
-            # baseline), so no core idles while the last model-wide pages finish.
+            # Queued in order; only the first head and its panels are waited for before the other heads are queued
+            # (they compute what the others share: the heads table, every head's spectra, the copying baseline),
+            # so no core idles while the last model-wide pages finish.
             model_pages = [pool.submit(visit, u) for u in phases["model-wide pages"]]
             run("first head", [pool.submit(visit, u) for u in phases["first head"]])
+            first = list(panels)  # the first head's panels (and those of the model-wide pages done by then)
+            bar.total += len(first)
+            run("its panels", [pool.submit(ask_panel, p) for p in first])
             head_pages = [pool.submit(visit, u) for u in phases["other heads"]]
             run("model-wide pages", model_pages)
             run("heads", head_pages)
-            asked = list(panels)
-            bar.total += len(asked)
-            run("first panel", [pool.submit(ask_panel, p) for p in asked[:1]])
-            run(f"{len(asked)} panels", [pool.submit(ask_panel, p) for p in asked[1:]])
+            rest = [p for p in panels if p not in set(first)]
+            bar.total += len(rest)
+            run(f"{len(first) + len(rest)} panels", [pool.submit(ask_panel, p) for p in rest])
         bar.close()
         store = service.store
         print(f"{args.model}: {bar.total} pages, {service.stats.completed - before} computations, "
