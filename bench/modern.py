@@ -252,7 +252,7 @@ def served(folder: Path) -> None:
     if mem_available() < 12 * GiB:
         print(f"  skipped: {mem_available() / GiB:.1f} GiB available; the server holds ~5 GiB of float32 weights")
         return
-    from circuits_core import paths
+    from circuits_core import composition, paths
 
     budget = Limits().peak_bytes
     port = free_port()
@@ -288,13 +288,16 @@ def served(folder: Path) -> None:
                 ("heads/L8H3/ov?k=20", "global top-20 of the 128k x 128k OV circuit"),
                 ("copying?k=10", "copying overview, every head"),
             ]
+            with torch.device("meta"):  # the composition view's price, by the engine's cost (fewest chunks within budget)
+                prices = {"composition?kind=K": composition.cost(_meta_model(), ("k",), budget).peak_bytes}
             for path, what in views:
                 seconds, extra, answer = _peak_during(proc, client, f"{m}/{path}")
                 within = "within" if extra <= budget else "OVER"
                 status = (
                     answer.status_code if answer.status_code == 200 else f"{answer.status_code} {answer.text[:160]}"
                 )
-                row(f"GET /{path}", seconds, "", f"{status}; +{extra / GiB:.2f} GiB ({within} budget): {what}")
+                priced = f"priced {prices[path] / GiB:.2f} GiB, " if path in prices else ""
+                row(f"GET /{path}", seconds, "", f"{status}; {priced}+{extra / GiB:.2f} GiB ({within} budget): {what}")
     finally:
         proc.terminate()
         try:
