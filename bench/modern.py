@@ -296,8 +296,8 @@ def served(folder: Path) -> None:
                 status = (
                     answer.status_code if answer.status_code == 200 else f"{answer.status_code} {answer.text[:160]}"
                 )
-                priced = f"priced {prices[path] / GiB:.2f} GiB, " if path in prices else ""
-                row(f"GET /{path}", seconds, "", f"{status}; {priced}+{extra / GiB:.2f} GiB ({within} budget): {what}")
+                price_note = f"priced {prices[path] / GiB:.2f} GiB, " if path in prices else ""
+                row(f"GET /{path}", seconds, "", f"{status}; {price_note}+{extra / GiB:.2f} GiB ({within} budget): {what}")
     finally:
         proc.terminate()
         try:
