@@ -236,9 +236,9 @@ async def overview_page(request: Request, registry: RegistryDep, loaded: LoadedM
     heads: HeadsView = await run(HEADS, loaded, entry.id, NoParams(), limits)
     ctx = await page_context(request, registry, entry.id, json_url(HEADS, entry.id, NoParams()), entry.id, "overview")
     fig = heads_grid(loaded, heads.heads, score, entry.id) if heads.heads else None
-    scatter, scatter_claim = None, None
+    scatter, scatter_claim, scatter_error = None, None, None
     if loaded.model.cfg.n_layers >= 2 and not is_fragment(request):
-        data, _ = await attempt(lambda: positivity_scatter(loaded, limits)[0], key=(entry.id, loaded.digest, "positivity"))
+        data, scatter_error = await attempt(lambda: positivity_scatter(loaded, limits)[0], key=(entry.id, loaded.digest, "positivity"))
         if data:
             pts = data["points"]
             scatter = charts.scatter(
@@ -248,10 +248,12 @@ async def overview_page(request: Request, registry: RegistryDep, loaded: LoadedM
             scatter_claim = scatter_sentence(pts, heads)
     response = render(request, "overview.html", {**ctx, "summary": summary, "heads": heads, "score": score, "scores": SCORES,
                                                  "fig": fig, "scatter": scatter, "scatter_claim": scatter_claim, "served_basis": basis(loaded),
+                                                 "scatter_refused": scatter_error["detail"] if scatter_error and scatter_error["status"] == 422 else None,
                                                  "card_fig": training_curve(summary.card)},
                       blocks=("heads_panel",))
-    if response.status_code == 200 and (scatter is not None or loaded.model.cfg.n_layers < 2 or is_fragment(request)):
-        await keep_page(request, key, bytes(response.body))  # not a page whose scatter failed this time
+    settled = scatter is not None or (scatter_error is not None and scatter_error["status"] == 422)  # computed, or refused for good
+    if response.status_code == 200 and (settled or loaded.model.cfg.n_layers < 2 or is_fragment(request)):
+        await keep_page(request, key, bytes(response.body))  # not a page whose scatter failed this time (busy, timeout)
     return response
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from app.schemas import HeadScores, HeadsView, MatrixEntry
 from app.schemas.analyses import CompositionView, TermImportanceView
+from circuits_core.model_summary import HEAD_THRESHOLD
 from circuits_core.phenomena import load_token_counts
 from circuits_core.weights import LoadedModel
 
@@ -55,13 +56,14 @@ def loss_sentence(first: float | None, second: float | None) -> str | None:
 
 
 def ablation_sentence(view: TermImportanceView | None, heads: HeadsView | None) -> str | None:
-    """Removing the strongest layer-0 previous-token head, patterns frozen against later patterns recomputed."""
+    """Removing the strongest previous-token head below the last layer (scoring at least HEAD_THRESHOLD), patterns
+    frozen against later patterns recomputed."""
     if view is None or heads is None or not heads.heads or max(h.layer for h in heads.heads) < 1:
         return None
-    prev = _best(heads.heads, "previous_token", range(0, 1))
+    prev = _best(heads.heads, "previous_token", range(0, max(h.layer for h in heads.heads)))  # below the last layer
     row = next((r for r in view.heads if prev is not None and r.head == prev.head), None)
-    if prev is None or row is None:
-        return None
+    if prev is None or row is None or (prev.previous_token or 0.0) < HEAD_THRESHOLD:
+        return None  # no previous-token head (model_summary's threshold): no sentence calls a head one that is none
     return (f"Here, removing the previous-token head {prev.head} changes the loss by {row.loss_change:+.3f} nats with every "
             f"other pattern frozen and by {row.loss_change_recomputed:+.3f} with the later patterns recomputed.")
 

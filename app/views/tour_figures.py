@@ -52,6 +52,7 @@ from circuits_core import circuits
 from circuits_core.config import head_name, parse_head
 from circuits_core.errors import InvalidInputError
 from circuits_core.frozen import readout
+from circuits_core.model_summary import HEAD_THRESHOLD
 from circuits_core.phenomena import MIN_TRAIN_COUNT
 from circuits_core.qk_paths import k_composition_positivity
 from circuits_core.weights import LoadedModel
@@ -93,12 +94,22 @@ def _copying_heads(loaded: LoadedModel) -> list[str]:
 
 
 def _induction_pair(loaded: LoadedModel) -> tuple[str, str]:
-    """(previous-token head in layer 0, induction head in the last layer)."""
+    """(the strongest previous-token head of a layer below the strongest induction head, that induction head) on the
+    standard input. Each must score at least HEAD_THRESHOLD (model_summary's rule for listing a head as one), so no
+    figure or sentence calls a head an induction or previous-token head that is none."""
     heads = _heads(loaded)
-    last = loaded.model.cfg.n_layers - 1
-    if last < 1:
+    if loaded.model.cfg.n_layers < 2:
         raise InvalidInputError("induction needs at least 2 layers")
-    return _best(heads, "previous_token", 0), _best(heads, "induction", last)
+    induction = max((h for h in heads if h.layer >= 1 and h.induction is not None), key=lambda h: h.induction or 0.0)
+    if (induction.induction or 0.0) < HEAD_THRESHOLD:
+        raise InvalidInputError(f"no induction head: the strongest, {induction.head}, scores {induction.induction:.2f} "
+                                f"(< {HEAD_THRESHOLD}) on the standard input")
+    earlier = [h for h in heads if h.layer < induction.layer and h.previous_token is not None]
+    prev = max(earlier, key=lambda h: h.previous_token or 0.0)
+    if (prev.previous_token or 0.0) < HEAD_THRESHOLD:
+        raise InvalidInputError(f"no previous-token head below the induction head {induction.head}: the strongest, "
+                                f"{prev.head}, scores {prev.previous_token:.2f} (< {HEAD_THRESHOLD}) on the standard input")
+    return prev.head, induction.head
 
 
 def _prompt(limits: Limits, text: str) -> str:

@@ -3,6 +3,7 @@ errors land in the panel, and token / prompt text is escaped everywhere (tiny ra
 
 from __future__ import annotations
 
+import html
 import json
 import re
 from html.parser import HTMLParser
@@ -280,3 +281,19 @@ def test_direct_page_defaults_to_frequent_tokens_where_the_model_has_counts(clie
         assert f'href="/models/{M}/direct?token={e["row"]["id"]}&amp;k=40&amp;min_count=all"' in every
     assert 'name="min_count"' not in client.get("/models/tiny-ln/direct").text
     assert client.get("/models/tiny-ln/direct", params={"min_count": 5}).status_code == 422
+
+
+def test_overview_scatter_is_not_drawn_without_an_induction_head(client: TestClient) -> None:
+    """tiny-2l (random weights) has no head scoring HEAD_THRESHOLD as induction head on the standard input: the
+    overview says why it draws no scatter, naming the strongest head and its score from the heads table."""
+    from circuits_core.model_summary import HEAD_THRESHOLD
+
+    heads = client.get("/api/v1/models/tiny-2l/heads").json()["heads"]
+    best = max((h for h in heads if h["layer"] >= 1), key=lambda h: h["induction"])
+    assert best["induction"] < HEAD_THRESHOLD  # the premise: no induction head here
+    page = client.get("/models/tiny-2l").text
+    assert 'id="scatter-claim"' not in page and "positivity-scatter" not in page
+    found = re.search(r'id="scatter-refused">(.*?)</p>', page, re.S)
+    assert found, "no #scatter-refused on the page"
+    said = html.unescape(found.group(1))
+    assert f"the strongest, {best['head']}, scores {best['induction']:.2f}" in said
