@@ -98,7 +98,7 @@ def test_overview_and_head_pages_load_the_copying_panel(client):
     """The overview and head pages load /copying as a panel of its own (hx-get on load, never inside /heads); the
     fragment htmx receives holds the table whose cells are the API's numbers."""
     over = client.get("/models/toy-1l").text
-    assert 'hx-get="/models/toy-1l/copying"' in over and 'hx-select="#copying"' in over
+    assert 'hx-get="/models/toy-1l/copying"' in over and 'hx-select="#copying"' in over and 'id="copying-lazy"' in over
     head = client.get("/models/toy-1l/heads/L0H3").text
     assert 'hx-get="/models/toy-1l/copying?heads=L0H3"' in head
     frag = client.get("/models/toy-1l/copying", params={"heads": "L0H3"}, headers={"HX-Request": "true"}).text
