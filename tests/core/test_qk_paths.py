@@ -60,7 +60,6 @@ def test_k_composition_term_equals_token_circuit():
 @pytest.mark.parametrize("ln", [None, "LN"])
 def test_k_composition_positivity_small_vs_dense(ln):
     model = small_model(n_layers=3, ln=ln)
-    W_E = embed_eff(model)
     weights = torch.zeros(3, 3, dtype=torch.float64)
     weights[0, 1] = 1.0
     got = k_composition_positivity(model, weights)
@@ -71,26 +70,30 @@ def test_k_composition_positivity_small_vs_dense(ln):
     w = torch.rand(3, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     got_w = k_composition_positivity(model, w)
     for layer in (1, 2):
-        W_sum = sum(w[lay, h] * model.W_V[lay, h] @ model.W_O[lay, h] for lay in range(layer) for h in range(3))
         for h in range(3):
-            M = W_E @ model.W_Q[layer, h] @ model.W_K[layer, h].T @ W_sum.T @ W_E.T  # [V, V] dense
-            assert abs(float(got_w[layer, h]) - float(copying_score(torch.linalg.eigvals(M)))) < 1e-8
+            assert abs(float(got_w[layer, h]) - dense_weighted_positivity(model, w, layer, h)) < 1e-8
     assert (got_w[0] == 0).all()
+
+
+def dense_weighted_positivity(model, w, layer, h):
+    """Positivity of W_E W_Q^h W_K^{hT} W_sum^T W_E^T [V, V] written out densely, W_sum = sum_{l' < layer, j}
+    w_j W_V^j W_O^j formed explicitly (W_K, W_V per query head: its group's under GQA)."""
+    W_E, H = embed_eff(model), model.cfg.n_heads
+    W_sum = sum(w[lay, j] * model.W_V[lay, j] @ model.W_O[lay, j] for lay in range(layer) for j in range(H))
+    M = W_E @ model.W_Q[layer, h] @ model.W_K[layer, h].T @ W_sum.T @ W_E.T  # [V, V] dense
+    return float(copying_score(torch.linalg.eigvals(M)))
 
 
 def test_k_composition_positivity_sparse_weights_across_layers_vs_dense():
     """A few weighted heads in several layers (3 x d_head < d_model: the factored route, summed over layers)
     against the dense V x V token circuit with W_sum formed explicitly."""
     model = small_model(n_layers=4, ln="LN", seed=2)
-    W_E = embed_eff(model)
     w = torch.zeros(4, 3, dtype=torch.float64)
     w[0, 1], w[1, 2], w[2, 0], w[3, 1] = 0.7, -1.3, 0.4, 5.0  # the last layer's weight is never "earlier"
     got = k_composition_positivity(model, w)
     for layer in (1, 2, 3):
-        W_sum = sum(w[lay, h] * model.W_V[lay, h] @ model.W_O[lay, h] for lay in range(layer) for h in range(3))
         for h in range(3):
-            M = W_E @ model.W_Q[layer, h] @ model.W_K[layer, h].T @ W_sum.T @ W_E.T  # [V, V] dense
-            assert abs(float(got[layer, h]) - float(copying_score(torch.linalg.eigvals(M)))) < 1e-8
+            assert abs(float(got[layer, h]) - dense_weighted_positivity(model, w, layer, h)) < 1e-8
     assert (got[0] == 0).all()
 
 
@@ -99,15 +102,12 @@ def test_k_composition_positivity_under_gqa_vs_dense(n_kv):
     """Grouped-query attention (query heads share their group's W_K, W_V): the dense route works per key/value
     group; every head's positivity equals the dense V x V token circuit with each head's expanded W_K, W_V."""
     model = rotary_model(seed=3, n_layers=3, n_key_value_heads=n_kv)
-    W_E = embed_eff(model)
     w = torch.rand(3, 4, generator=torch.Generator().manual_seed(2), dtype=torch.float64) - 0.3
     assert 4 * model.cfg.d_head >= model.cfg.d_model  # one layer's weighted heads already take the dense route
     got = k_composition_positivity(model, w)
     for layer in (1, 2):
-        W_sum = sum(w[lay, h] * model.W_V[lay, h] @ model.W_O[lay, h] for lay in range(layer) for h in range(4))
         for h in range(4):
-            M = W_E @ model.W_Q[layer, h] @ model.W_K[layer, h].T @ W_sum.T @ W_E.T  # [V, V] dense
-            assert abs(float(got[layer, h]) - float(copying_score(torch.linalg.eigvals(M)))) < 1e-8
+            assert abs(float(got[layer, h]) - dense_weighted_positivity(model, w, layer, h)) < 1e-8
     assert (got[0] == 0).all()
 
 
