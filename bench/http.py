@@ -169,8 +169,10 @@ def heads_breakdown(model: Any) -> None:
     print(f"  where the heads table's time goes (in process, {threads} torch thread(s) as one server computation):")
     for label, t in rows:
         row(f"  {label}", t, "", f"{100 * t / parts:4.0f} % of the parts")
+    branches = max(t_det, t_g + t_ge + t_ov + t_qk + t_mu + t_k) + t_iv  # the two branches at once, then the 2-D view
     row("  heads.head_table, all parts in one call" + (" (μ measured)" if is_rotary else ""), t_all, "",
-        f"parts sum {fmt_time(parts).strip()}")
+        f"parts sum {fmt_time(parts).strip()}; with a core idle for each branch ~{fmt_time(branches).strip()} "
+        "(max of the two branches' parts + the 2-D view: an estimate, not a measurement)")
     row(f"  heads.head_table with {available_cores()} torch threads", t_cores, "",
         f"{t_all / t_cores:.2f}x the {threads}-thread call")
 
