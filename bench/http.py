@@ -164,7 +164,7 @@ def heads_breakdown(model: Any) -> None:
             ("induction view: K-composition one-hot + weighted (side by side when a core is idle)", t_iv)]
     if is_rotary:
         rows += [(f"μ: pass on the reference ({ref.shape[1]} tokens; once per model: kept in the result store)", t_mu),
-                 ("kernel peak offsets, δ 0..64", t_k)]
+                 (f"kernel peak offsets, δ 0..{min(rotary.KERNEL_WINDOW, model.cfg.n_ctx - 1)}", t_k)]
     parts = sum(t for _, t in rows)
     print(f"  where the heads table's time goes (in process, {threads} torch thread(s) as one server computation):")
     for label, t in rows:
