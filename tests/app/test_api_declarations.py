@@ -24,7 +24,7 @@ BY_FIELD = {"head": "L1H0", "heads": "L0H1,L1H0", "source": "L0H1", "target": "L
             "writer": "L0H1", "reader": "unembed"}
 # analyses tiny-2l (shortformer positions) cannot answer: refused while pricing, a 422 before any compute; they are
 # priced on a rotary model in test_api_rotary.py and test_hostile_new_endpoints.py
-ROTARY_ONLY = {"positional", "rotary-bands", "composition-profile"}
+ROTARY_ONLY = {"positional", "rotary-bands", "composition-profile", "qk-copying-offset"}
 REQUIRED: dict[str, dict[str, Any]] = {
     "head": {"head": "L1H0"}, "copying": {"head": "L1H0"}, "ov": {"head": "L1H0"}, "qk": {"head": "L1H0"},
     "skip-trigrams": {"head": "L1H0"}, "composition-pair": {"source": "L0H1", "target": "L1H0"},

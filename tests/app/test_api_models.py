@@ -94,7 +94,8 @@ def test_openapi_contains_limits(client: TestClient) -> None:
     params = {p["name"]: p["schema"] for p in spec["paths"]["/api/v1/models/{model}/heads/{head}/ov"]["get"]["parameters"]}
     assert params["k"]["maximum"] == LIMITS.max_k and params["k"]["minimum"] == 1
     det = {p["name"]: p["schema"] for p in spec["paths"]["/api/v1/models/{model}/detectors"]["get"]["parameters"]}
-    assert det["batch"]["maximum"] == LIMITS.max_batch and det["seq_len"]["maximum"] == LIMITS.max_seq_len
+    seq_len = next(s for s in det["seq_len"].get("anyOf", [det["seq_len"]]) if s.get("type") == "integer")  # optional: int | None
+    assert det["batch"]["maximum"] == LIMITS.max_batch and seq_len["maximum"] == LIMITS.max_seq_len
     for path, item in spec["paths"].items():
         if not path.startswith("/api/v1/"):
             continue
