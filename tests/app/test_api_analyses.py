@@ -397,8 +397,15 @@ def test_tour_on_toy_models_matches_the_full_views(toy_client: TestClient) -> No
     body = toy_client.get("/api/v1/tour").json()
     assert body["models"] == {"toy-0l": True, "toy-1l": True, "toy-2l": True}
     figs = {f["id"]: f for f in body["figures"]}
-    missing = [f"{f['id']}: {f['detail']}" for f in body["figures"] if not f["available"]]
-    assert not missing
+    # These toys have random weights: no head of toy-2l reaches the 0.4 induction score, so the figures that name
+    # "the induction head" are refused and say which head came closest (its score from the heads table), never drawn.
+    heads = toy_client.get("/api/v1/models/toy-2l/heads").json()["heads"]
+    best = max((h for h in heads if h["layer"] >= 1), key=lambda h: h["induction"])
+    assert best["induction"] < 0.4
+    refused = f"no induction head: the strongest, {best['head']}, scores {best['induction']:.2f} (< 0.4) on the standard input"
+    missing = {f["id"]: f["detail"] for f in body["figures"] if not f["available"]}
+    assert missing and all(detail == refused for detail in missing.values()), missing
+    assert set(missing) <= {"F20", "F22", "F23", "F25", "F26", "F29"}  # the figures of the induction circuit only
     f21 = figs["F21"]
     assert f21["link"] == "/models/toy-2l/composition?kind=K" and f21["api"] == "/api/v1/models/toy-2l/composition?kind=K"
     f9 = figs["F9"]["data"]["paths"]
@@ -407,7 +414,10 @@ def test_tour_on_toy_models_matches_the_full_views(toy_client: TestClient) -> No
     same = {"F6": "direct", "F9": "paths", "F10": "ov", "F11": "skip_trigrams", "F14": "qk", "F19": "paths", "F21": "K",
             "F22": "prompt", "F24": "detectors", "F25": "pair", "F29": "path"}
     for fig_id, part in same.items():  # the tour's data is exactly its full view's JSON
+        if fig_id in missing:
+            continue
         assert figs[fig_id]["data"][part] == toy_client.get(figs[fig_id]["api"]).json(), fig_id
+    assert len(set(same) - set(missing)) >= 8
 
 
 def test_openapi_has_the_limits(client: TestClient) -> None:
