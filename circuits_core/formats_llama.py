@@ -145,24 +145,27 @@ def laid_out(arranged: Tensor, dtype: torch.dtype) -> Tensor:
     return out
 
 
+def shard_names(folder: Path) -> list[str]:
+    """The safetensors files of a Llama-family folder: the shards its index names (sorted), else model.safetensors."""
+    if folder_file(folder, INDEX).is_file():
+        weight_map = read_json_object(folder, INDEX).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{INDEX}: not a shard index (weight_map must map tensor names to file names)")
+        return sorted(set(weight_map.values()))
+    if folder_file(folder, "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise CheckpointError(
+        f"no model.safetensors or {INDEX} (found: {folder_listing(folder)}); the Llama-family loader reads safetensors only"
+    )
+
+
 class _Shards:
     """The tensors of a (sharded) safetensors checkpoint, read one at a time and converted to `dtype`."""
 
     def __init__(self, folder: Path, dtype: torch.dtype):
         self.dtype = dtype
         self.where: dict[str, str] = {}  # tensor name -> shard file name
-        if folder_file(folder, INDEX).is_file():
-            weight_map = read_json_object(folder, INDEX).get("weight_map")
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise CheckpointError(f"{INDEX}: not a shard index (weight_map must map tensor names to file names)")
-            names = sorted(set(weight_map.values()))
-        elif folder_file(folder, "model.safetensors").is_file():
-            names = ["model.safetensors"]
-        else:
-            raise CheckpointError(
-                f"no model.safetensors or {INDEX} (found: {folder_listing(folder)}); the Llama-family loader "
-                "reads safetensors only"
-            )
+        names = shard_names(folder)
         self.files = [folder_file(folder, name) for name in names]
         self.maps: dict[str, _MappedFile] = {}
         for name, path in zip(names, self.files, strict=True):

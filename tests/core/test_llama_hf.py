@@ -262,3 +262,28 @@ def test_priced_from_config_before_any_tensor_is_read(tmp_path: Path) -> None:
         load_checkpoint(tmp_path / "bf16", dtype=torch.float32, max_bytes=int(1.5 * size))
     with pytest.raises(CheckpointError, match="do not hold"):  # within the price: the damage is found
         load_checkpoint(tmp_path / "bf16", dtype=torch.float32, max_bytes=4 * size)
+
+
+def test_the_digest_covers_config_and_every_shard(tmp_path: Path, world: dict[str, tuple[Path, Any]]) -> None:
+    """The sharded checkpoint's cache key (hashed while the tensors are read): sha256 over name + NUL + bytes of
+    config.json, each shard the index names and the answer files present, in name order, written out here; one
+    byte changed in the last shard changes it."""
+    import hashlib
+    import shutil
+
+    from circuits_core.weights import ANSWER_FILES
+
+    folder = tmp_path / "sharded"
+    shutil.copytree(world["llama_gqa_default_untied"][0], folder)
+    shards = sorted(set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values()))
+    named = ["config.json", *shards, *(n for n in ANSWER_FILES if (folder / n).is_file())]
+    expected = hashlib.sha256()
+    for name in sorted(named):
+        expected.update(name.encode() + b"\0" + (folder / name).read_bytes())
+    first = load_checkpoint(folder).digest  # default processing: no switches folded into the key
+    assert first == expected.hexdigest()
+    last = folder / shards[-1]
+    data = bytearray(last.read_bytes())
+    data[-1] ^= 1  # a tensor byte (the data follow the header)
+    last.write_bytes(bytes(data))
+    assert load_checkpoint(folder).digest not in (first, "")
