@@ -16,9 +16,10 @@ import torch
 from pydantic import BaseModel, Field
 
 from app.analysis import Analysis, AnalysisParams
-from app.params import K
+from app.params import BasisChoice, K
 from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
+from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import model_ref, token_ref
 from circuits_core import residual_stream as rs
 from circuits_core import stream_components as sc
@@ -48,14 +49,10 @@ def ignored_note(model: Transformer) -> str:
             "layer 0's norm, row by row (exact only when positions are not added to the stream).")
 
 
-def basis_note(model: Transformer) -> str:
-    applied = [k for k, v in model.processing.items() if v is True]
-    return "weights as served; processing applied: " + (", ".join(applied) if applied else "none")
-
-
 # -- all pairs --------------------------------------------------------------------------------------------
 class ResidualParams(AnalysisParams):
     offset: Offset = 0
+    basis: BasisChoice = "served"
 
 
 class ResidualView(BaseModel):
@@ -82,6 +79,7 @@ def _table(t: torch.Tensor, mask: torch.Tensor) -> list[list[float | None]]:
 
 
 def build_residual_view(loaded: LoadedModel, p: ResidualParams, limits: Limits) -> ResidualView:
+    loaded = with_basis(loaded, p.basis)
     model = loaded.model
     s = vw.all_scores(model, offset=p.offset)
     return ResidualView(
@@ -90,12 +88,12 @@ def build_residual_view(loaded: LoadedModel, p: ResidualParams, limits: Limits) 
         reader_layers=[model.cfg.n_layers if r.role == "unembed" else r.layer for r in s.readers],
         scores=_table(s.raw, s.mask), minus_baseline=_table(s.minus_baseline, s.mask), baseline=s.baseline,
         sampled_baseline=s.sampled_baseline, sampled_std=s.sampled_std, offset=p.offset,
-        basis=basis_note(model), ignored=ignored_note(model),
+        basis=basis(loaded), ignored=ignored_note(model),
     )
 
 
 def residual_cost(loaded: LoadedModel, p: ResidualParams, limits: Limits) -> Cost:
-    return vw.all_scores_cost(loaded.model)
+    return vw.all_scores_cost(loaded.model) + raw_copy_cost(loaded, p.basis)
 
 
 # -- one pair ---------------------------------------------------------------------------------------------
@@ -106,6 +104,7 @@ class ResidualPairParams(AnalysisParams):
     offset: Offset = 0
     k: K = 5
     n_top: K = 10
+    basis: BasisChoice = "served"
 
 
 class DirectionEntry(BaseModel):
@@ -161,6 +160,7 @@ def _links(model_id: str, writer: sc.Writer, reader: sc.Reader) -> dict[str, str
 
 
 def build_residual_pair_view(loaded: LoadedModel, p: ResidualPairParams, limits: Limits) -> ResidualPairView:
+    loaded = with_basis(loaded, p.basis)
     model = loaded.model
     writer, reader = sc.parse_writer(model, p.writer), sc.parse_reader(model, p.reader)
     rep = vw.pair_report(model, writer, reader, k=p.k, n_top=p.n_top, offset=p.offset)
@@ -173,19 +173,21 @@ def build_residual_pair_view(loaded: LoadedModel, p: ResidualPairParams, limits:
         model=model_ref(loaded), writer=rep.writer, reader=rep.reader, input_space=rep.input_space,  # type: ignore[arg-type]
         output_space=rep.output_space, score=rep.score, baseline=rep.baseline,  # type: ignore[arg-type]
         minus_baseline=rep.score - rep.baseline, singular_values=rep.singular_values, directions=dirs,
-        links=_links(loaded.path.name, writer, reader), offset=p.offset, basis=basis_note(model), ignored=ignored_note(model),
+        links=_links(loaded.path.name, writer, reader), offset=p.offset, basis=basis(loaded), ignored=ignored_note(model),
     )
 
 
 def residual_pair_cost(loaded: LoadedModel, p: ResidualPairParams, limits: Limits) -> Cost:
     model = loaded.model
-    return vw.pair_cost(model, sc.parse_writer(model, p.writer), sc.parse_reader(model, p.reader), p.k, p.n_top)
+    return vw.pair_cost(model, sc.parse_writer(model, p.writer), sc.parse_reader(model, p.reader), p.k, p.n_top) + raw_copy_cost(
+        loaded, p.basis)
 
 
 # -- usage ------------------------------------------------------------------------------------------------
 class UsageParams(AnalysisParams):
     energy: Energy = rs.ENERGY
     offset: Offset = 0
+    basis: BasisChoice = "served"
 
 
 class CrowdedDirection(BaseModel):
@@ -227,6 +229,7 @@ class UsageView(BaseModel):
 
 
 def build_usage_view(loaded: LoadedModel, p: UsageParams, limits: Limits) -> UsageView:
+    loaded = with_basis(loaded, p.basis)
     model = loaded.model
     spec = rs.spectra(model, p.offset)  # computed once for both scans
     u = rs.stream_usage(model, energy=p.energy, offset=p.offset, spec=spec)
@@ -242,12 +245,12 @@ def build_usage_view(loaded: LoadedModel, p: UsageParams, limits: Limits) -> Usa
         erasure=[ErasureEntry(writer=c.writer, eraser=c.eraser, score=c.score, z=c.z, read_share=c.read_share,
                               random_share=c.random_share, eigenvalues=[(e.real, e.imag) for e in c.eigenvalues])
                  for c in er.candidates[:ERASURE_SHOWN]],
-        basis=basis_note(model), ignored=ignored_note(model),
+        basis=basis(loaded), ignored=ignored_note(model),
     )
 
 
 def usage_cost(loaded: LoadedModel, p: UsageParams, limits: Limits) -> Cost:
-    return rs.usage_cost(loaded.model).then(rs.erasure_cost(loaded.model))
+    return rs.usage_cost(loaded.model).then(rs.erasure_cost(loaded.model)) + raw_copy_cost(loaded, p.basis)
 
 
 RESIDUAL = Analysis(

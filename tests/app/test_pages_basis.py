@@ -140,3 +140,23 @@ def test_an_rms_model_names_its_norm(tmp_path: Path) -> None:
 def test_overview_names_the_basis_of_its_copying_scores(client: TestClient) -> None:
     html = client.get(f"/models/{M}").text
     assert re.search(r'id="heads-basis">processed weights: LayerNorm folded into the reading weights', html)
+
+
+def test_the_residual_stream_pages_take_the_raw_basis(client: TestClient, stored: dict[str, torch.Tensor]) -> None:
+    """Virtual weights on the stored weights: the pair L0H1 -> L1H0.V with basis=raw is ‖W_OV⁰ W_OV¹‖ / (‖W_OV⁰‖
+    ‖W_OV¹‖) of the safetensors weights (no folded LayerNorm, no centring), the all-pairs table holds the same cell,
+    usage answers on them too, and each page offers the picker (this model is served processed)."""
+    W_OV = [stored[f"blocks.{layer}.attn.W_V"][h] @ stored[f"blocks.{layer}.attn.W_O"][h] for layer, h in ((0, 1), (1, 0))]
+    expected = float(torch.linalg.norm(W_OV[0] @ W_OV[1]) / (torch.linalg.norm(W_OV[0]) * torch.linalg.norm(W_OV[1])))
+    raw = client.get(f"/api/v1/models/{M}/residual/L0H1/L1H0.V", params={"basis": "raw"}).json()
+    served = client.get(f"/api/v1/models/{M}/residual/L0H1/L1H0.V").json()
+    assert raw["score"] == pytest.approx(expected, abs=1e-12) and raw["basis"] != served["basis"]
+    assert "raw" in raw["basis"] and abs(served["score"] - expected) > 1e-6  # the folded LayerNorm changes it
+    table = client.get(f"/api/v1/models/{M}/residual", params={"basis": "raw"}).json()
+    cell = table["scores"][table["writers"].index("L0H1")][table["readers"].index("L1H0.V")]
+    assert cell == pytest.approx(expected, abs=1e-12)
+    assert client.get(f"/api/v1/models/{M}/residual/usage", params={"basis": "raw"}).json()["basis"] == raw["basis"]
+    for path in ("residual", "residual/usage", "residual/L0H1/L1H0.V"):
+        page = client.get(f"/models/{M}/{path}", params={"basis": "raw"}).text
+        assert 'id="basis-select"' in page and '<option value="raw" selected>' in page, path
+        assert raw["basis"] in page, path

@@ -149,7 +149,7 @@ def test_usage_ranks_and_overlaps_from_dense_singular_values(rclient: TestClient
 def test_pages_and_json_twins(rclient: TestClient) -> None:
     page = rclient.get("/models/gpt2ish/residual")
     assert page.status_code == 200 and "data-plotly" in page.text
-    assert 'href="/api/v1/models/gpt2ish/residual?offset=0"' in page.text
+    assert 'href="/api/v1/models/gpt2ish/residual?offset=0&amp;basis=served"' in page.text
     assert "LayerNorm between layers is ignored" in page.text and "folded" in page.text
     assert "/models/gpt2ish/residual/L0H0/L1H1.Q" in page.text  # a cell's link to its virtual weight
     assert 'hx-get="/models/gpt2ish/residual/usage"' in page.text

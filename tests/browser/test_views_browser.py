@@ -120,3 +120,18 @@ def test_a_lazy_panel_shows_the_servers_refusal_instead_of_emptying(page: Page) 
     expect(panel.locator(".error")).to_contain_text("422")
     expect(panel.locator(".error")).to_contain_text("rows")
     expect(panel.locator("header h2")).to_be_visible()
+
+
+def test_residual_stream_pages_basis_picker(browser, ln_server: str) -> None:  # noqa: ANN001
+    """The residual-stream table, a virtual weight and the usage page take the raw weights from their picker."""
+    for page in checked_page(browser, ln_server):
+        page.goto("/models/ln-2l/residual")
+        expect(page.locator("#residual_panel")).to_contain_text("processed weights: LayerNorm folded")
+        choose(page, "#basis-select", "raw", "#residual_panel form button[type=submit]", "**basis=raw**")
+        expect(page.locator("#residual_panel")).to_contain_text("Basis: raw weights, as stored")
+        page.goto("/models/ln-2l/residual/L0H1/L1H0.V")
+        choose(page, "#basis-select", "raw", "#basis-form button[type=submit]", "**basis=raw**")
+        expect(page.locator("#pair_panel")).to_contain_text("Basis: raw weights, as stored")
+        page.goto("/models/ln-2l/residual/usage?basis=raw")
+        expect(page.locator("#basis-select")).to_have_value("raw")
+        expect(page.locator("#usage_panel")).to_contain_text("Basis: raw weights, as stored")
