@@ -9,14 +9,15 @@ from typing import Any, Literal
 
 from app import charts
 from app.analysis import json_url
-from app.params import HeadParams
 from app.routers.rendering import PageCall
 from app.schemas.rotary import BandsView, CompositionProfileView, PositionalView, QKCopyingView
+from app.views.basis import Basis
 from app.views.rotary import (
     BANDS,
     POSITIONAL,
     PROFILE,
     QK_COPYING,
+    BandsParams,
     PositionalParams,
     ProfileParams,
     QKCopyingParams,
@@ -33,9 +34,10 @@ async def head_rotary_context(call: PageCall, head: str) -> dict[str, Any]:
     if not rotary_enabled(call):
         return {"rotary": None}
     model = call.model_id or ""
-    positional: PositionalView = await call.run(POSITIONAL, PositionalParams(head=head))
-    bands: BandsView = await call.run(BANDS, HeadParams(head=head))
-    qk_params = QKCopyingParams(head=head, offset=getattr(call.params, "offset", 0))  # the head page's offset δ
+    b: Basis = getattr(call.params, "basis", "served")  # the page's weights (its basis picker)
+    positional: PositionalView = await call.run(POSITIONAL, PositionalParams(head=head, basis=b))
+    bands: BandsView = await call.run(BANDS, BandsParams(head=head, basis=b))
+    qk_params = QKCopyingParams(head=head, offset=getattr(call.params, "offset", 0), basis=b)  # the head page's offset δ
     qk_copying: QKCopyingView = await call.run(QK_COPYING, qk_params)
     qk_fig = charts.lines(qk_copying.offsets, {"QK copying Σλ/Σ|λ|": qk_copying.scores}, vlines=[qk_copying.offset],
                           x_title="δ = query position − key position", y_title="eigenvalue copying score",
@@ -50,8 +52,8 @@ async def head_rotary_context(call: PageCall, head: str) -> dict[str, Any]:
                          x_title="band k (wavelength 2π/θ_k in positions)", y_title="share of ||Ω||² energy")
     return {"rotary": {
         "positional": positional, "bands": bands, "kernel_fig": kernel, "bands_fig": energy,
-        "positional_json": json_url(POSITIONAL, model, PositionalParams(head=head)),
-        "bands_json": json_url(BANDS, model, HeadParams(head=head)),
+        "positional_json": json_url(POSITIONAL, model, PositionalParams(head=head, basis=b)),
+        "bands_json": json_url(BANDS, model, BandsParams(head=head, basis=b)),
         "qk_copying": qk_copying, "qk_copying_fig": qk_fig, "qk_eig_fig": qk_eig,
         "qk_copying_json": json_url(QK_COPYING, model, qk_params),
     }}
@@ -62,10 +64,11 @@ async def pair_rotary_context(call: PageCall, source: str, target: str) -> dict[
     if not rotary_enabled(call):
         return {"rotary": None}
     model = call.model_id or ""
+    b: Basis = getattr(call.params, "basis", "served")  # the page's weights (its basis picker)
     profiles: dict[str, CompositionProfileView] = {}
     kinds: tuple[Literal["Q", "K"], ...] = ("Q", "K")
     for kind in kinds:
-        profiles[kind] = await call.run(PROFILE, ProfileParams(source=source, target=target, kind=kind))
+        profiles[kind] = await call.run(PROFILE, ProfileParams(source=source, target=target, kind=kind, basis=b))
     first = profiles["K"]
     series: dict[str, list[float | None]] = {f"{k}-composition": list(v.scores) for k, v in profiles.items()}
     series["random baseline"] = [first.baseline] * len(first.offsets)
@@ -73,5 +76,5 @@ async def pair_rotary_context(call: PageCall, source: str, target: str) -> dict[
                        title=f"{source} → {target}: Q and K composition over the offset δ")
     return {"rotary": {
         "profiles": profiles, "profile_fig": fig,
-        "profile_json": {k: json_url(PROFILE, model, ProfileParams(source=source, target=target, kind=k)) for k in kinds},
+        "profile_json": {k: json_url(PROFILE, model, ProfileParams(source=source, target=target, kind=k, basis=b)) for k in kinds},
     }}

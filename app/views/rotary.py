@@ -16,7 +16,7 @@ from pydantic import Field
 
 from app.analysis import Analysis, AnalysisParams, HeadField
 from app.compute import cached_build
-from app.params import HEAD_DOC, HeadParams, Offset
+from app.params import HEAD_DOC, BasisChoice, HeadParams, Offset
 from app.schemas.common import Complex
 from app.schemas.rotary import (
     BandsView,
@@ -27,6 +27,7 @@ from app.schemas.rotary import (
     ReferenceText,
 )
 from app.settings import Limits
+from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import model_ref
 from circuits_core import composition_rotary, rotary
 from circuits_core.circuits import copying_score
@@ -37,7 +38,11 @@ from circuits_core.weights import LoadedModel
 
 RANDOM_REFERENCE_TOKENS = 256  # length of the seeded random reference for a model without a tokenizer
 MaxOffset = Annotated[int, Field(ge=1, le=4096, description="offsets δ = 0..max_offset (clipped to n_ctx - 1)")]
-WEIGHTS_BASIS = "the checkpoint's weights as loaded (norm gains folded into W_Q, W_K when processed); biases not included"
+
+
+def weights_basis(loaded: LoadedModel) -> str:
+    """Which weights a rotary view's numbers come from (app.views.basis), and what they leave out."""
+    return f"{basis(loaded)}; biases not included"
 
 
 # -- the reference text and μ ------------------------------------------------------------------------------
@@ -75,6 +80,7 @@ def reference_tokens_bound(loaded: LoadedModel) -> int:
 # -- the positional kernel -----------------------------------------------------------------------------
 class PositionalParams(HeadParams):
     max_offset: MaxOffset = rotary.KERNEL_WINDOW
+    basis: BasisChoice = "served"
 
 
 def _offsets(loaded: LoadedModel, max_offset: int) -> torch.Tensor:
@@ -85,6 +91,7 @@ def _offsets(loaded: LoadedModel, max_offset: int) -> torch.Tensor:
 
 def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limits) -> PositionalView:
     """f_h(δ) = μ_l Ω_h(δ) μ_l^T / s for δ = 0..max_offset, and where it peaks."""
+    loaded = with_basis(loaded, p.basis)
     layer, h = parse_head(p.head, loaded.model.cfg)
     offsets = _offsets(loaded, p.max_offset)
     mu, ref = reference_means(loaded)
@@ -92,12 +99,12 @@ def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limi
     return PositionalView(
         model=model_ref(loaded), head=head_name(layer, h), offsets=offsets.tolist(), kernel=kernel.tolist(),
         peak_offset=int(offsets[kernel.argmax()]), reference=ref,
-        basis=f"{WEIGHTS_BASIS}; μ_l = mean ln1 output entering layer {layer} on the reference text, first token left out",
+        basis=f"{weights_basis(loaded)}; μ_l = mean ln1 output entering layer {layer} on the reference text, first token left out",
     )
 
 
 def positional_cost(loaded: LoadedModel, p: PositionalParams, limits: Limits) -> Cost:
-    return rotary.kernel_cost(loaded.model, p.max_offset + 1, reference_tokens_bound(loaded))
+    return rotary.kernel_cost(loaded.model, p.max_offset + 1, reference_tokens_bound(loaded)) + raw_copy_cost(loaded, p.basis)
 
 
 POSITIONAL = Analysis(
@@ -108,7 +115,12 @@ POSITIONAL = Analysis(
 
 
 # -- energy per rotary band ----------------------------------------------------------------------------
-def build_bands_view(loaded: LoadedModel, p: HeadParams, limits: Limits) -> BandsView:
+class BandsParams(HeadParams):
+    basis: BasisChoice = "served"
+
+
+def build_bands_view(loaded: LoadedModel, p: BandsParams, limits: Limits) -> BandsView:
+    loaded = with_basis(loaded, p.basis)
     layer, h = parse_head(p.head, loaded.model.cfg)
     with torch.no_grad():
         bands = rotary.band_energies(loaded.model)
@@ -118,16 +130,16 @@ def build_bands_view(loaded: LoadedModel, p: HeadParams, limits: Limits) -> Band
         model=model_ref(loaded), head=head_name(layer, h), theta=bands.theta.tolist(), wavelength=bands.wavelength.tolist(),
         cos_part=bands.cos_part[layer, h].tolist(), sin_part=bands.sin_part[layer, h].tolist(), energy=energy.tolist(),
         unrotated=float(bands.unrotated[layer, h]), share=(energy / total if total > 0 else energy).tolist(),
-        basis=WEIGHTS_BASIS,
+        basis=weights_basis(loaded),
     )
 
 
-def bands_cost(loaded: LoadedModel, p: HeadParams, limits: Limits) -> Cost:
-    return rotary.bands_cost(loaded.model)
+def bands_cost(loaded: LoadedModel, p: BandsParams, limits: Limits) -> Cost:
+    return rotary.bands_cost(loaded.model) + raw_copy_cost(loaded, p.basis)
 
 
 BANDS = Analysis(
-    name="rotary-bands", path="heads/{head}/bands", params=HeadParams, view=BandsView, build=build_bands_view,
+    name="rotary-bands", path="heads/{head}/bands", params=BandsParams, view=BandsView, build=build_bands_view,
     cost=bands_cost, tags=["rotary"], summary="QK energy of a rotary head per frequency band",
 )
 
@@ -138,10 +150,12 @@ class ProfileParams(AnalysisParams):
     target: Annotated[str, Field(max_length=16, description=f"the later {HEAD_DOC}"), HeadField()]
     kind: Annotated[Literal["Q", "K"], Field(description="Q or K composition")] = "K"
     max_offset: MaxOffset = rotary.KERNEL_WINDOW
+    basis: BasisChoice = "served"
 
 
 def build_profile_view(loaded: LoadedModel, p: ProfileParams, limits: Limits) -> CompositionProfileView:
     """C_Q(δ) or C_K(δ) = ||W_OV^A Ω_B(δ)^(T)|| / (||W_OV^A|| ||Ω_B(δ)||) for δ = 0..max_offset."""
+    loaded = with_basis(loaded, p.basis)
     model = loaded.model
     offsets = _offsets(loaded, p.max_offset)
     scores = composition_rotary.pair_profile(model, p.source, p.target, p.kind.lower(), offsets)  # [n]
@@ -151,12 +165,12 @@ def build_profile_view(loaded: LoadedModel, p: ProfileParams, limits: Limits) ->
     return CompositionProfileView(
         model=model_ref(loaded), source=p.source, target=p.target, kind=p.kind, offsets=offsets.tolist(),
         scores=scores.tolist(), baseline=mean, baseline_std=std, peak=float(scores[i]), peak_offset=int(offsets[i]),
-        basis=WEIGHTS_BASIS,
+        basis=weights_basis(loaded),
     )
 
 
 def profile_cost(loaded: LoadedModel, p: ProfileParams, limits: Limits) -> Cost:
-    return composition_rotary.pair_profile_cost(loaded.model, p.max_offset + 1)
+    return composition_rotary.pair_profile_cost(loaded.model, p.max_offset + 1) + raw_copy_cost(loaded, p.basis)
 
 
 PROFILE = Analysis(
@@ -169,10 +183,12 @@ PROFILE = Analysis(
 class QKCopyingParams(HeadParams):
     offset: Offset = 0
     max_offset: MaxOffset = rotary.KERNEL_WINDOW
+    basis: BasisChoice = "served"
 
 
 def build_qk_copying_view(loaded: LoadedModel, p: QKCopyingParams, limits: Limits) -> QKCopyingView:
     """Σλ / Σ|λ| of W_E_eff Ω_h(δ) W_E_eff^T / s for δ = 0..max_offset, and its eigenvalues at δ = offset."""
+    loaded = with_basis(loaded, p.basis)
     model = loaded.model
     layer, h = parse_head(p.head, model.cfg)
     offsets = _offsets(loaded, p.max_offset)
@@ -184,14 +200,15 @@ def build_qk_copying_view(loaded: LoadedModel, p: QKCopyingParams, limits: Limit
         model=model_ref(loaded), head=head_name(layer, h), offset=p.offset,
         eigenvalues=[Complex(re=float(z.real), im=float(z.imag)) for z in eig[-1]], score=float(copying_score(eig[-1])),
         offsets=offsets.tolist(), scores=scores.tolist(), peak_offset=int(offsets[scores.argmax()]),
-        basis=f"{WEIGHTS_BASIS}; tokens as W_E with layer 0's norm applied to each row (W_E_eff), positions by R(δ) only",
+        basis=f"{weights_basis(loaded)}; tokens as W_E with layer 0's norm applied to each row (W_E_eff), positions by R(δ) only",
     )
 
 
 def qk_copying_cost(loaded: LoadedModel, p: QKCopyingParams, limits: Limits) -> Cost:
     rotary.check_rotary(loaded.model)  # refused for its positions, then its offset, before it is priced
     rotary.check_offsets(loaded.model, [p.offset])
-    return rotary.qk_copying_at_cost(loaded.model, min(p.max_offset, loaded.model.cfg.n_ctx - 1) + 2)
+    return rotary.qk_copying_at_cost(loaded.model, min(p.max_offset, loaded.model.cfg.n_ctx - 1) + 2) + raw_copy_cost(
+        loaded, p.basis)
 
 
 QK_COPYING = Analysis(

@@ -221,3 +221,42 @@ def test_skip_trigrams_at_offset_vs_dense(client: TestClient, rope: LoadedModel)
     assert body["offset"] == 6
     assert [d["token"]["id"] for d in body["destinations"]] == dense[:, 11].topk(5).indices.tolist()
     assert client.get(f"{API}/short/heads/L1H0/skip-trigrams", params={"offset": 1}).status_code == 422
+
+
+def test_rotary_views_take_the_raw_basis(folders: tuple[Path, Path], tmp_path: Path) -> None:
+    """basis=raw on the positional kernel, the band energies, QK copying over δ and a composition profile equals
+    the same checkpoint served unprocessed by its folder (qkov.json {"processing": false}: another loading route),
+    and differs from the processed answer (RMS gains folded into W_Q, W_K)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shipped = tmp_path / "shipped"
+    shutil.copytree(folders[0] / "rope", shipped / "rope")
+    weights = load_file(str(shipped / "rope" / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    for name in [n for n in weights if n.endswith(("ln1.w", "ln2.w", "ln_final.w"))]:  # gains that processing folds
+        weights[name] = weights[name] * (0.5 + torch.rand(weights[name].shape, generator=gen, dtype=weights[name].dtype))
+    save_file(weights, str(shipped / "rope" / "model.safetensors"))
+    shutil.copytree(shipped / "rope", shipped / "stored")
+    (shipped / "stored" / "qkov.json").write_text(json.dumps({"processing": False}))
+    settings = Settings(shipped_dir=shipped, models_dir=None, dtype="float64", limits=LIMITS, store_url="off")
+    with TestClient(create_app(settings)) as c:
+        for path in ("heads/L1H2/positional", "heads/L1H2/bands", "heads/L1H2/qk-copying?offset=3",
+                     "composition/L0H1/L2H3/profile?kind=K"):
+            sep = "&" if "?" in path else "?"
+            raw = c.get(f"/api/v1/models/rope/{path}{sep}basis=raw").json()
+            stored = c.get(f"/api/v1/models/stored/{path}").json()
+            served = c.get(f"/api/v1/models/rope/{path}").json()
+            for key in ("kernel", "energy", "scores"):
+                if key in raw:
+                    assert raw[key] == pytest.approx(stored[key], abs=1e-12), (path, key)
+                    moved = max(abs(a - b) for a, b in zip(raw[key], served[key], strict=True))
+                    if key == "kernel":  # μ Ω(δ) μᵀ: the gain moves from μ (raw) into W_Q, W_K (folded): invariant
+                        assert moved < 1e-12, (path, moved)
+                    else:
+                        assert moved > 1e-6, (path, moved)
+            assert "raw weights" in raw["basis"] and "raw weights" not in served["basis"], path
+        page = c.get("/models/rope/heads/L1H2", params={"basis": "raw"}).text
+        assert page.count("raw weights, as stored") >= 3  # the circuits panel and the rotary panels follow the picker
