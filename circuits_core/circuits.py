@@ -116,7 +116,7 @@ def embed_norm(model: Transformer) -> EmbedNorm:
     if hit is not None and hit[0] == key:
         return hit[1]
     with torch.no_grad():
-        dtype = torch.float32 if model.W_E.dtype in (torch.float16, torch.bfloat16) else model.W_E.dtype  # stats at >= fp32
+        dtype = model.compute_dtype  # statistics kept in at least float32
         inv_scale = torch.empty(model.cfg.d_vocab, dtype=dtype, device=model.W_E.device)
         mean = torch.empty_like(inv_scale) if ln.centred else None
         for start in range(0, model.cfg.d_vocab, EMBED_CHUNK):  # statistics in float64, one chunk at a time

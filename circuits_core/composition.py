@@ -268,11 +268,6 @@ def model_weight(model: Transformer, dtype: torch.dtype) -> LayerWeight:
     return weight
 
 
-def compute_dtype(model: Transformer) -> torch.dtype:
-    """float32 for half-precision weights, else the model's dtype."""
-    return torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype
-
-
 def composition_scores(
     model: Transformer,
     kinds: tuple[CompositionKind, ...] = KINDS,
@@ -286,7 +281,7 @@ def composition_scores(
     once when None)."""
     cfg = model.cfg
     L, H = cfg.n_layers, cfg.n_heads
-    dtype = compute_dtype(model)
+    dtype = model.compute_dtype
     chunk = layers_per_chunk(model, kinds, budget_bytes)
     shape = (L, H, cfg.group_size, cfg.d_model, cfg.d_head)
     like = torch.empty((), dtype=dtype, device=model.device)
@@ -380,7 +375,7 @@ def cost(model: Transformer, kinds: tuple[CompositionKind, ...] = KINDS, budget_
 def _priced(model: Transformer, kinds: tuple[CompositionKind, ...], layers_per_chunk: int | None) -> Cost:
     L, H, K = model.cfg.n_layers, model.cfg.n_heads, len(kinds)
     numbers = scores_numbers(model, kinds, layers_per_chunk) + 2 * K * (L * H) ** 2  # + minus baseline, mask
-    return Cost(numbers * itemsize(compute_dtype(model))) + random_baseline_cost(model.cfg.d_model, model.cfg.d_head)
+    return Cost(numbers * itemsize(model.compute_dtype)) + random_baseline_cost(model.cfg.d_model, model.cfg.d_head)
 
 
 def random_baseline_cost(d_model: int, d_head: int) -> Cost:

@@ -116,7 +116,7 @@ def composition_profiles(
     L, H, G, dh = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_head
     delta = check_offsets(model, offsets)
     n = delta.numel()
-    dtype = torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype
+    dtype = model.compute_dtype
     q = torch.zeros(L, H, L, H, n, dtype=dtype, device=model.device)
     k = torch.zeros_like(q)
     with torch.no_grad():
@@ -167,7 +167,7 @@ def pair_profile(model: Transformer, source: str, target: str, kind: str,
         raise InvalidInputError(f"{head_name(l1, h1)} must be in an earlier layer than {head_name(l2, h2)}")
     if kind not in ("q", "k"):
         raise InvalidInputError(f"composition profiles are for kind q or k, got {kind!r}")
-    dtype = torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype
+    dtype = model.compute_dtype
     with torch.no_grad():
         F = _source_factors(model, dtype)[l1, h1]  # [dh, d]
         W_Q = model.W_Q[l2, h2].to(dtype)  # [d, dh]
@@ -187,7 +187,7 @@ def composition_at(model: Transformer, kind: str, offset: int) -> Tensor:
     check_rotary(model)
     if kind not in ("q", "k"):
         raise InvalidInputError(f"composition at an offset is for kind q or k, got {kind!r}")
-    dtype = torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype
+    dtype = model.compute_dtype
     with torch.no_grad():
         R = rotation(model, [offset], dtype=dtype)[0]  # [dh, dh]
         W_Q = model.W_Q.to(dtype) @ R  # [L, H, d, dh]
@@ -290,7 +290,7 @@ def profiles_cost(model: Transformer, n_offsets: int) -> Cost:
     their Grams [Ns, H, d_head, d_head] and the rotated Grams [H, n, d_head, d_head]; V-composition after."""
     cfg = model.cfg
     L, H, dh, d = cfg.n_layers, cfg.n_heads, cfg.d_head, cfg.d_model
-    size = itemsize(torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype)
+    size = itemsize(model.compute_dtype)
     results = 2 * L * H * L * H * n_offsets * size
     weights = (3 * L * H * d * dh + 2 * L * H * dh * dh) * size
     Ns = max(L - 1, 0) * H

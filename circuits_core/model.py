@@ -299,6 +299,11 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.W_E.dtype
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype circuit computations on these weights run in: float32 for half-precision weights, else theirs."""
+        return torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
+
 
 def next_token_losses(logits: Tensor, tokens: Tensor) -> Tensor:
     """Cross-entropy of predicting tokens[:, i + 1] from logits[:, i]: logits [batch, n, d_vocab], tokens

@@ -198,7 +198,7 @@ def k_composition_positivity(model: Transformer, weights: Tensor, G_E: Tensor | 
     if weights.shape != (L, H):
         raise InvalidInputError(f"weights must be [n_layers, n_heads] = [{L}, {H}], got {tuple(weights.shape)}")
     # Products in the weights' precision (float32 for half models), eigenvalues in float64, as circuits' spectra.
-    dt = torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype
+    dt = model.compute_dtype
     G_E = (embed_gram(model) if G_E is None else G_E).to(dt)  # [d, d]
     W_Q, W_O = model.W_Q.to(dt), model.W_O.to(dt)  # [L, H, d, dh], [L, H, dh, d]
     out = torch.zeros(L, H, dtype=torch.float64, device=model.device)

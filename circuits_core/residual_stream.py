@@ -79,13 +79,9 @@ def _eigh_spectrum(G: Tensor) -> Spectrum:
     return Spectrum(S, E.flip(1))
 
 
-def _dtype(model: Transformer) -> torch.dtype:
-    return torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype
-
-
 def spectra(model: Transformer, offset: int = 0) -> tuple[dict[str, Spectrum], dict[str, Spectrum]]:
     """Stream-side spectra of every writer and reader, keyed by name."""
-    cfg, dt = model.cfg, _dtype(model)
+    cfg, dt = model.cfg, model.compute_dtype
     L, H = cfg.n_layers, cfg.n_heads
     w_out: dict[str, Spectrum] = {}
     r_out: dict[str, Spectrum] = {}
@@ -226,7 +222,7 @@ def usage_cost(model: Transformer) -> Cost:
     Nw, Nr = len(writers(model)), len(readers(model))
     d, dh = cfg.d_model, cfg.d_head
     numbers = (Nw + Nr) * (d * dh + 128 * 128) + 8 * d * d + 3 * Nw * (Nw + Nr) + cfg.n_layers * cfg.n_heads * 4 * d * dh
-    return Cost(numbers * itemsize(_dtype(model))).with_answer(numbers=3 * Nw * (Nw + Nr) + 2 * (Nw + Nr) + d,
+    return Cost(numbers * itemsize(model.compute_dtype)).with_answer(numbers=3 * Nw * (Nw + Nr) + 2 * (Nw + Nr) + d,
                                                                 labels=Nw + Nr)
 
 
@@ -281,7 +277,7 @@ class Erasure:
 def erasure(model: Transformer, energy: float = ENERGY, threshold_z: float = ERASURE_Z,
             should_stop: Callable[[], bool] | None = None, spec: Spectra | None = None) -> Erasure:
     """Erasure scores of every (earlier writer, later head) pair and the candidates (module docstring)."""
-    cfg, dt = model.cfg, _dtype(model)
+    cfg, dt = model.cfg, model.compute_dtype
     L, H, d = cfg.n_layers, cfg.n_heads, cfg.d_model
     w_spec = (spectra(model) if spec is None else spec)[0]  # writers' spectra do not depend on the Q/K offset
     ws = writers(model)
@@ -331,5 +327,5 @@ def erasure_cost(model: Transformer) -> Cost:
     LH, Nw = cfg.n_layers * cfg.n_heads, len(writers(model))
     numbers = 2 * LH * cfg.d_model * cfg.d_head + 3 * Nw * LH
     null = NULL_SAMPLES * cfg.d_head * (cfg.d_model + cfg.d_head) * 8  # the null's W_O samples and Grams (float64)
-    scan = Cost(numbers * itemsize(_dtype(model)) + null)
+    scan = Cost(numbers * itemsize(model.compute_dtype) + null)
     return usage_cost(model).then(scan).with_answer(numbers=3 * Nw * LH, labels=Nw + LH)

@@ -190,13 +190,9 @@ def neuron_embed_reads(model: Transformer, layer: int, neuron: int, role: Reader
 
 
 # -- every pair at once -------------------------------------------------------------------------------
-def _weights_dtype(model: Transformer) -> torch.dtype:
-    return torch.float32 if model.dtype in (torch.float16, torch.bfloat16) else model.dtype
-
-
 def writer_groups(model: Transformer) -> list[tuple[list[Writer], GramSide]]:
     """The writers' Grams G_w = W_w^T W_w in the order of `writers` (embed, pos, then per layer heads and MLP)."""
-    cfg, dt = model.cfg, _weights_dtype(model)
+    cfg, dt = model.cfg, model.compute_dtype
     # W_E_eff materialised [d_vocab, d] (LN rows); its Gram's blocks come from column slices like any factor
     groups = [([Writer("embed")], factors(embed_eff(model).to(dt)[None]))]
     if has_pos_writer(model):
@@ -214,7 +210,7 @@ def writer_groups(model: Transformer) -> list[tuple[list[Writer], GramSide]]:
 
 def reader_groups(model: Transformer, offset: int = 0) -> list[tuple[list[Reader], GramSide]]:
     """The readers' Grams H_r = W_r W_r^T in the order of `readers` (per layer Q, K, V heads, MLP inputs; W_U)."""
-    cfg, dt = model.cfg, _weights_dtype(model)
+    cfg, dt = model.cfg, model.compute_dtype
     groups: list[tuple[list[Reader], GramSide]] = []
     R = rotation(model, offset).to(dt)  # [dh, dh]
     for layer in range(cfg.n_layers):
@@ -289,9 +285,9 @@ def all_scores_cost(model: Transformer) -> Cost:
     Nw, Nr = len(writers(model)), len(readers(model))
     n_ctx = cfg.n_ctx if has_pos_writer(model) else 0
     factor_numbers = 4 * L * H * dh * d  # one layer's products at a time would do; all are kept
-    dtype_copies = 0 if model.dtype == _weights_dtype(model) else (4 * L * H * dh * d + (1 + roles) * n_mlp * d + n_ctx * d)
+    dtype_copies = 0 if model.dtype == model.compute_dtype else (4 * L * H * dh * d + (1 + roles) * n_mlp * d + n_ctx * d)
     numbers = factor_numbers + dtype_copies + cfg.d_vocab * d + 2 * (Nw + Nr) * size * size + 3 * Nw * Nr
-    return Cost(numbers * itemsize(_weights_dtype(model))).with_answer(numbers=2 * Nw * Nr, labels=Nw + Nr)
+    return Cost(numbers * itemsize(model.compute_dtype)).with_answer(numbers=2 * Nw * Nr, labels=Nw + Nr)
 
 
 def pair_cost(model: Transformer, writer: Writer, reader: Reader, k: int, n_top: int) -> Cost:
@@ -304,4 +300,4 @@ def pair_cost(model: Transformer, writer: Writer, reader: Reader, k: int, n_top:
     n_out = sizes.get(reader.role, cfg.d_model)
     r = cfg.d_head if writer.kind == "head" or reader.role in ("Q", "K", "V") else cfg.d_model
     numbers = (n_in + n_out) * (r + k) + 8 * r * r + (n_in * cfg.d_model if writer.kind == "embed" else 0)
-    return Cost(numbers * itemsize(_weights_dtype(model))).with_answer(numbers=r + 4 * k * n_top, labels=4 * k * n_top)
+    return Cost(numbers * itemsize(model.compute_dtype)).with_answer(numbers=r + 4 * k * n_top, labels=4 * k * n_top)
