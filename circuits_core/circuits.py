@@ -39,7 +39,8 @@ from torch import Tensor
 from circuits_core.cost import Cost, check_stop
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix, topk_global_cost
-from circuits_core.model import Attention, Block, LayerNorm, Transformer, _Recorder
+from circuits_core.hooks import Recorder
+from circuits_core.model import Attention, Block, LayerNorm, Transformer
 
 EMBED_CHUNK = 4096  # rows of W_E normalised at a time, so LN temporaries stay ~ EMBED_CHUNK x d_model
 
@@ -74,10 +75,10 @@ def apply_ln_rows(ln: LayerNorm, X: Tensor) -> Tensor:
     Long inputs (all of W_E) go in chunks of EMBED_CHUNK rows, so LN temporaries stay small.
     """
     if X.shape[0] <= EMBED_CHUNK:
-        return ln(X[None], _Recorder(None), None)[0]  # [n, d_model]
+        return ln(X[None], Recorder(None), None)[0]  # [n, d_model]
     out = torch.empty_like(X)
     for start in range(0, X.shape[0], EMBED_CHUNK):
-        out[start : start + EMBED_CHUNK] = ln(X[None, start : start + EMBED_CHUNK], _Recorder(None), None)[0]
+        out[start : start + EMBED_CHUNK] = ln(X[None, start : start + EMBED_CHUNK], Recorder(None), None)[0]
     return out
 
 

@@ -44,8 +44,6 @@ from circuits_core.rope import rotary_inv_freq as rotary_inv_freq
 from circuits_core.rope import rotary_pairs as rotary_pairs
 from circuits_core.rope import rotate as rotate
 
-_Recorder = Recorder  # the name circuits.py imports
-
 
 class LayerNorm(nn.Module):
     """The model's norm, with TransformerLens's `hook_scale` (one class for both families):
