@@ -42,6 +42,7 @@ from app.routers.rendering import (
     PageCall,
     applies,
     attempt,
+    basis_choice,
     cached_page,
     html_page,
     is_fragment,
@@ -289,7 +290,7 @@ async def head_context(call: PageCall) -> dict[str, Any]:
         "base_url": f"/models/{model}/heads/{name}", "min_count": p.min_count, "has_counts": has_token_counts(call.model),
         "min_count_choices": MIN_COUNT_CHOICES, "offset": p.offset or None, "is_rotary": rotary_enabled(call), "n_ctx": cfg.n_ctx,
         "vocab": p.vocab if p.vocab == "all" and cfg.d_vocab > DEFAULT_VOCAB else None, "n_vocab": cfg.d_vocab,
-        "default_vocab": DEFAULT_VOCAB, **pages_analyses.basis_choice(call),
+        "default_vocab": DEFAULT_VOCAB, **basis_choice(call),
         **(await head_rotary_context(call, name) if view is not None else {"rotary": None}),
     }
 
@@ -329,7 +330,7 @@ async def direct_context(call: PageCall) -> dict[str, Any]:
             "min_count": shown if shown is not None else ("all" if has_counts else None), "has_counts": has_counts,
             "default_min_count": MIN_TRAIN_COUNT if has_counts else None, "min_count_choices": MIN_COUNT_CHOICES,
             "vocab": vocab if vocab == "all" and call.model.model.cfg.d_vocab > DEFAULT_VOCAB else None,
-            "n_vocab": call.model.model.cfg.d_vocab, "default_vocab": DEFAULT_VOCAB, **pages_analyses.basis_choice(call)}
+            "n_vocab": call.model.model.cfg.d_vocab, "default_vocab": DEFAULT_VOCAB, **basis_choice(call)}
 
 
 # -- detectors ----------------------------------------------------------------------------------------------------

@@ -28,8 +28,7 @@ from app.params import (
     target_token,
 )
 from app.routers.pages_rotary import pair_rotary_context, rotary_enabled
-from app.routers.rendering import Page, PageCall, url
-from app.views.basis import basis, changes_weights
+from app.routers.rendering import Page, PageCall, basis_choice, url
 from app.views.composition import COMPOSITION, COMPOSITION_PAIR
 from app.views.heads import HEADS
 from app.views.page_claims import ablation_sentence, composition_sentence
@@ -91,12 +90,6 @@ async def composition_context(call: PageCall) -> dict[str, Any]:
     return {"view": view, "error": error, "kind": kind, "fig": charts.composition_heatmap(view, call.model_id or "", zmax) if view else None,
             "offset": call.params.offset or None, "is_rotary": rotary_enabled(call), "n_ctx": call.model.model.cfg.n_ctx if call.model else 0,
             "claim": claim, **basis_choice(call)}
-
-
-def basis_choice(call: PageCall) -> dict[str, Any]:
-    """The basis picker's state: the weights asked for (None: as served) and whether raw ones differ (issue 12.2)."""
-    b = call.params.basis
-    return {"basis": b if b != "served" else None, "basis_differs": changes_weights(call.model), "served_basis": basis(call.model)}
 
 
 async def pair_context(call: PageCall) -> dict[str, Any]:

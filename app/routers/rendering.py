@@ -25,7 +25,7 @@ from app.deps import get_model
 from app.errors import kind_of
 from app.registry import ModelRegistry
 from app.settings import REPO_ROOT, Limits
-from app.views.basis import changes_weights
+from app.views.basis import basis, changes_weights
 from app.views.inputs import max_prompt_tokens
 from circuits_core.errors import QkovError
 from circuits_core.weights import LoadedModel
@@ -193,10 +193,14 @@ class PageCall:
 async def default_context(call: PageCall) -> dict[str, Any]:
     """The page of a simple analysis: its view (or the refusal) and its params."""
     view, error = await call.attempt(call.page.analysis, call.params)
-    context: dict[str, Any] = {"view": view, "error": error, "params": call.params}
-    if "basis" in type(call.params).model_fields and call.model is not None:  # the basis picker's state (issue 12.2)
-        context["basis_differs"] = changes_weights(call.model)
-    return context
+    picker = basis_choice(call) if "basis" in type(call.params).model_fields and call.model is not None else {}
+    return {"view": view, "error": error, "params": call.params, **picker}
+
+
+def basis_choice(call: PageCall) -> dict[str, Any]:
+    """The basis picker's state: the weights asked for (None: as served) and whether raw ones differ (issue 12.2)."""
+    b = call.params.basis
+    return {"basis": b if b != "served" else None, "basis_differs": changes_weights(call.model), "served_basis": basis(call.model)}
 
 
 @dataclass(frozen=True)
