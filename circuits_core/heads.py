@@ -165,14 +165,9 @@ def detector_run(model: Transformer, tokens: Tensor, should_stop: Callable[[], b
     tokens = model.check_tokens(tokens)
     b, n = tokens.shape
     chunk = b if budget_bytes is None else detector_chunk(model, n, b, budget_bytes, with_loss)
-    if L == 0:  # no head to score; the loss (the direct path's predictions) is still the model's
-        direct: list[Tensor] = []
-        with torch.no_grad():
-            for start in range(0, b if with_loss else 0, chunk):
-                check_stop(should_stop, "head detectors")
-                part = tokens[start : start + chunk]  # [c, n]
-                direct.append(next_token_losses(model.run(part)[0].double(), part))  # [c, n - 1]
-        return DetectorRun({}, torch.zeros(0, cfg.n_heads, n, n, dtype=model.dtype), torch.cat(direct) if with_loss else None)
+    no_heads = torch.zeros(0, cfg.n_heads, n, n, dtype=model.dtype)  # first_patterns of a model without layers
+    if L == 0 and not with_loss:
+        return DetectorRun({}, no_heads, None)
     sums: dict[str, Tensor] = {}
     weights: dict[str, Tensor] = {}
     first: list[Tensor] = []
@@ -200,9 +195,10 @@ def detector_run(model: Transformer, tokens: Tensor, should_stop: Callable[[], b
                     sums.setdefault(name, value.new_zeros(L, value.shape[0]))[layer] += contrib
                     weights.setdefault(name, value.new_zeros(L, 1))[layer] += w
             del cache
+    # no layers: no head to score, and the loss is the direct path's predictions (the model's all the same)
     scores = {name: torch.where(weights[name] > 0, sums[name] / weights[name].clamp_min(1), float("nan"))
-              for name in PATTERN_DETECTORS}
-    return DetectorRun(scores, torch.stack(first), torch.cat(losses) if with_loss else None)
+              for name in PATTERN_DETECTORS} if L else {}
+    return DetectorRun(scores, torch.stack(first) if L else no_heads, torch.cat(losses) if with_loss else None)
 
 
 def detectors_cost(model: Transformer, n: int, batch: int, logits: bool = False) -> Cost:
