@@ -163,7 +163,8 @@ def crawl(app: Any, args: argparse.Namespace, parser: argparse.ArgumentParser, s
             head_pages = [pool.submit(visit, u) for u in phases["other heads"]]
             run("model-wide pages", model_pages)
             run("heads", head_pages)
-            rest = [p for p in panels if p not in set(first)]
+            asked = set(first)
+            rest = [p for p in panels if p not in asked]
             bar.total += len(rest)
             run(f"{len(first) + len(rest)} panels", [pool.submit(ask_panel, p) for p in rest])
         bar.close()

@@ -307,14 +307,13 @@ def load_checkpoint(
     with ThreadPoolExecutor(max_workers=1) as pool:
         early = weight_files_known_before_reading(folder, fmt)
         digest_job = pool.submit(files_digest, [*config_file, *early, *answer_files]) if early is not None else None
-        if fmt == "gguf":  # one pass over the file: its metadata holds the tokenizer too; priced before dequantising
-            path = folder_file(folder, gguf_file(folder) or "")
-            cfg, state, origin, tokenizer = read_gguf(path, check=check_price)
-            files = [path]
+        if fmt == "gguf" and early is not None:  # (early is the one .gguf file)
+            files = early  # one pass over it: its metadata holds the tokenizer too; priced before dequantising
+            cfg, state, origin, tokenizer = read_gguf(files[0], check=check_price)
         else:
             cfg, state, origin, files = REGISTRY[fmt](folder, data, dtype)
             check_price(cfg)
-        if digest_job is None or early is None or sorted(early) != sorted(files):  # (a loader read other files)
+        if digest_job is None or sorted(early or []) != sorted(files):  # (a loader read other files)
             digest_job = pool.submit(files_digest, [*config_file, *files, *answer_files])
         loaded = _build(folder, fmt, data, cfg, state, origin, dtype, process, tokenizer)
         digest = digest_job.result()

@@ -19,7 +19,7 @@ from app.params import CopyingParams, HeadParams, NoParams
 from app.schemas import Complex, CopyingMetricsView, DetectorInput, HeadScores, HeadsView, HeadView, PositionalQK
 from app.settings import Limits
 from app.views.inputs import check_k, model_ref
-from app.views.rotary import reference_means, reference_tokens_bound
+from app.views.rotary import is_rotary, reference_means, reference_tokens_bound
 from circuits_core import circuits, heads
 from circuits_core.config import head_name, parse_head
 from circuits_core.cost import Cost
@@ -101,7 +101,7 @@ def build_heads_view(loaded: LoadedModel, p: NoParams | None = None, limits: Lim
     """Copying scores and detector scores of every head on the standard repeated-random-token input: one
     detector pass (its previous-token scores also pick the 2-D view's partner), each Gram formed once."""
     tokens, meta = standard_input(loaded)
-    rotary_model, reference = loaded.model.cfg.positional_embedding_type == "rotary", []
+    rotary_model, reference = is_rotary(loaded), []
 
     def means() -> Tensor:  # μ [L, d_model] from the result store (else measured there), in the spectra branch
         mu, text = reference_means(loaded)
@@ -215,7 +215,7 @@ def parse_heads(names: list[str], loaded: LoadedModel, max_heads: int) -> list[t
 # -- declarations (app/analysis.py) ----------------------------------------------------------------------
 def heads_cost(loaded: LoadedModel, p: AnalysisParams, limits: Limits) -> Cost:
     """The heads table on the standard input (the head view needs it too, when not cached)."""
-    meta, rotary_model = standard_input(loaded)[1], loaded.model.cfg.positional_embedding_type == "rotary"
+    meta, rotary_model = standard_input(loaded)[1], is_rotary(loaded)
     return heads.head_table_cost(loaded.model, meta.n_tokens, meta.batch, limits.peak_bytes,
                                  reference_tokens_bound(loaded) if rotary_model else None)
 
