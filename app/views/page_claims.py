@@ -17,7 +17,8 @@ from circuits_core.phenomena import load_token_counts
 from circuits_core.weights import LoadedModel
 
 
-def _best(heads: list[HeadScores], score: str, layers: range | None = None) -> HeadScores | None:
+def strongest(heads: list[HeadScores], score: str, layers: range | None = None) -> HeadScores | None:
+    """The head with the highest `score` (optionally within `layers`), None when no head has one."""
     scored = [h for h in heads if getattr(h, score) is not None and (layers is None or h.layer in layers)]
     return max(scored, key=lambda h: getattr(h, score)) if scored else None
 
@@ -27,14 +28,14 @@ def composition_sentence(model_id: str, heads: HeadsView | None, k_view: Composi
     strongest previous-token head of an earlier layer (detector scores on the standard input)."""
     if heads is None or k_view is None or not heads.heads:
         return None
-    induction = _best(heads.heads, "induction", range(1, max(h.layer for h in heads.heads) + 1))
+    induction = strongest(heads.heads, "induction", range(1, max(h.layer for h in heads.heads) + 1))
     if induction is None or induction.head not in k_view.targets:
         return None
     j = k_view.targets.index(induction.head)
     partners = [(k_view.minus_baseline[i][j], src) for i, src in enumerate(k_view.sources) if k_view.minus_baseline[i][j] is not None]
     over, partner = max(partners)
     i = k_view.sources.index(partner)
-    prev = _best(heads.heads, "previous_token", range(0, induction.layer))
+    prev = strongest(heads.heads, "previous_token", range(0, induction.layer))
     if induction.induction is None or prev is None or prev.previous_token is None:
         return None
     where = f"on {heads.detector_input.batch} sequences of BOS + r + r" if heads.detector_input.seq_len else "on its input"
@@ -60,7 +61,7 @@ def ablation_sentence(view: TermImportanceView | None, heads: HeadsView | None) 
     frozen against later patterns recomputed."""
     if view is None or heads is None or not heads.heads or max(h.layer for h in heads.heads) < 1:
         return None
-    prev = _best(heads.heads, "previous_token", range(0, max(h.layer for h in heads.heads)))  # below the last layer
+    prev = strongest(heads.heads, "previous_token", range(0, max(h.layer for h in heads.heads)))  # below the last layer
     row = next((r for r in view.heads if prev is not None and r.head == prev.head), None)
     if prev is None or row is None or (prev.previous_token or 0.0) < HEAD_THRESHOLD:
         return None  # no previous-token head (model_summary's threshold): no sentence calls a head one that is none
@@ -71,7 +72,7 @@ def ablation_sentence(view: TermImportanceView | None, heads: HeadsView | None) 
 def scatter_sentence(points: list[dict[str, float | str | None]], heads: HeadsView) -> str | None:
     """Where the strongest induction head sits among the later-layer heads: its rank on each axis of the scatter."""
     names = {str(p["head"]) for p in points}
-    induction = _best([h for h in heads.heads if h.head in names], "induction")
+    induction = strongest([h for h in heads.heads if h.head in names], "induction")
     if induction is None or induction.induction is None:
         return None
     me = next(p for p in points if p["head"] == induction.head)

@@ -43,6 +43,7 @@ from app.views.composition import build_composition_pair_view, build_composition
 from app.views.detectors import build_detectors_view
 from app.views.heads import build_head_view, build_heads_view
 from app.views.inputs import resolve_prompt, token_refs
+from app.views.page_claims import strongest
 from app.views.path import build_path_view
 from app.views.prompt import build_paths_view, build_prompt_view
 from app.views.qk_paths import build_qk_paths_view
@@ -65,14 +66,6 @@ REPEATED = "def add(self, name, value):\n    self.name = name\n" * 2
 
 def _k(limits: Limits) -> int:
     return min(K, limits.max_k)
-
-
-def _best(heads: list[HeadScores], field: str, layer: int | None = None) -> str:
-    """The head with the highest score `field` (optionally within one layer)."""
-    pool = [h for h in heads if (layer is None or h.layer == layer) and getattr(h, field) is not None]
-    if not pool:
-        raise InvalidInputError(f"no head with a {field} score" + (f" in layer {layer}" if layer is not None else ""))
-    return max(pool, key=lambda h: getattr(h, field)).head
 
 
 # The head scores of the last models seen: one tour asks for them in 7 figures per model (detector runs).
@@ -100,12 +93,15 @@ def _induction_pair(loaded: LoadedModel) -> tuple[str, str]:
     heads = _heads(loaded)
     if loaded.model.cfg.n_layers < 2:
         raise InvalidInputError("induction needs at least 2 layers")
-    induction = max((h for h in heads if h.layer >= 1 and h.induction is not None), key=lambda h: h.induction or 0.0)
+    induction = strongest(heads, "induction", range(1, loaded.model.cfg.n_layers))
+    if induction is None:
+        raise InvalidInputError("no head of layers >= 1 has an induction score on the standard input")
     if (induction.induction or 0.0) < HEAD_THRESHOLD:
         raise InvalidInputError(f"no induction head: the strongest, {induction.head}, scores {induction.induction:.2f} "
                                 f"(< {HEAD_THRESHOLD}) on the standard input")
-    earlier = [h for h in heads if h.layer < induction.layer and h.previous_token is not None]
-    prev = max(earlier, key=lambda h: h.previous_token or 0.0)
+    prev = strongest(heads, "previous_token", range(0, induction.layer))
+    if prev is None:
+        raise InvalidInputError(f"no head below the induction head {induction.head} has a previous-token score")
     if (prev.previous_token or 0.0) < HEAD_THRESHOLD:
         raise InvalidInputError(f"no previous-token head below the induction head {induction.head}: the strongest, "
                                 f"{prev.head}, scores {prev.previous_token:.2f} (< {HEAD_THRESHOLD}) on the standard input")
@@ -193,7 +189,10 @@ def skip_trigrams_second(loaded: LoadedModel, limits: Limits) -> Result:
 
 
 def positional(loaded: LoadedModel, limits: Limits) -> Result:
-    head = _best(_heads(loaded), "previous_token")
+    best = strongest(_heads(loaded), "previous_token")
+    if best is None:
+        raise InvalidInputError("no head with a previous_token score")
+    head = best.head
     view = build_head_view(loaded, HeadParams(head=head), limits)
     return {"head": head, "positional": view.positional}, f"/heads/{head}", {}
 
