@@ -131,7 +131,7 @@ def heads_breakdown(model: Any) -> None:
     from app.compute import available_cores, default_torch_threads
     from app.settings import Settings
     from app.views.rotary import reference_tokens
-    from circuits_core import circuits, heads, rotary
+    from circuits_core import circuits, head_table, heads, rotary
     from circuits_core.weights import LoadedModel
 
     settings = Settings()
@@ -149,12 +149,12 @@ def heads_breakdown(model: Any) -> None:
             t_ge, G_E = median_time(lambda: circuits.embed_gram(model), 1)
             t_ov, ov = median_time(lambda: circuits.ov_copying_scores(model, G), 1)
             t_qk, _ = median_time(lambda: circuits.qk_copying_scores(model, G_E), 1)
-            t_iv, _ = median_time(lambda: heads.induction_view(model, tokens, det["previous_token"], ov, G_E), 1)
+            t_iv, _ = median_time(lambda: head_table.induction_view(model, tokens, det["previous_token"], ov, G_E), 1)
             t_mu, mu = median_time(lambda: rotary.reference_means(model, ref), 1) if is_rotary else (0.0, ref)
             t_k, _ = median_time(lambda: rotary.kernel_peak_offsets(model, mu), 1) if is_rotary else (0.0, None)
-            t_all, _ = median_time(lambda: heads.head_table(model, tokens, budget_bytes=settings.limits.peak_bytes, **kw), 1)
+            t_all, _ = median_time(lambda: head_table.head_table(model, tokens, budget_bytes=settings.limits.peak_bytes, **kw), 1)
             torch.set_num_threads(available_cores())  # what a lone computation would get with QKOV_TORCH_THREADS=cores
-            t_cores, _ = median_time(lambda: heads.head_table(model, tokens, budget_bytes=settings.limits.peak_bytes, **kw), 1)
+            t_cores, _ = median_time(lambda: head_table.head_table(model, tokens, budget_bytes=settings.limits.peak_bytes, **kw), 1)
     finally:
         torch.set_num_threads(before)
     heads_n = model.cfg.n_layers * model.cfg.n_heads

@@ -379,24 +379,50 @@ def head_dump(
 
 
 # -- copying: eigenvalues of every head through d_head x d_head matrices ------------------------------
+GRAM_BLOCKS = 4  # column blocks of the symmetric G_E: the 10 of 16 blocks on and above the diagonal are formed
+
+
+def _embed_rows(model: Transformer) -> Iterator[tuple[slice, Tensor]]:
+    """W_E_eff in row chunks [chunk, d_model] (W_E's own rows, uncopied, for a model without a layer-0 norm)."""
+    if model.cfg.n_layers == 0 or model.cfg.normalization_type is None:
+        for start in range(0, model.cfg.d_vocab, EMBED_CHUNK):
+            check_stop(what="Gram over the vocabulary")
+            rows = slice(start, min(start + EMBED_CHUNK, model.cfg.d_vocab))
+            yield rows, model.W_E[rows]
+        return
+    yield from _embed_eff_chunks(model)
+
+
+def _grams(model: Transformer, unembed: bool, embed: bool) -> tuple[Tensor, Tensor]:
+    """(G, G_E) [d_model, d_model] each (zeros where not asked) from one pass over the chunks of W_E_eff."""
+    d = model.cfg.d_model
+    edges = [d * i // GRAM_BLOCKS for i in range(GRAM_BLOCKS + 1)]
+    blocks = [(a, b) for a, b in zip(edges, edges[1:], strict=False) if b > a]
+    G, G_E = (torch.zeros(d, d, dtype=model.W_E.dtype, device=model.W_E.device) for _ in range(2))
+    for rows, X in _embed_rows(model):  # X [chunk, d]
+        if unembed:
+            G.addmm_(model.W_U[:, rows], X)
+        for a, b in blocks if embed else ():  # G_E[blk, a:] += X[:, blk]^T X[:, a:]: blocks on and above the diagonal
+            G_E[a:b, a:].addmm_(X[:, a:b].T, X[:, a:])
+    return G, G_E.triu() + G_E.triu(1).T  # G_E's upper triangle (diagonal blocks included) mirrored
+
+
+def embed_grams(model: Transformer) -> tuple[Tensor, Tensor]:
+    """(G = W_U @ W_E_eff, G_E = W_E_eff^T @ W_E_eff), each [d_model, d_model], from one pass over the chunks of
+    W_E_eff (each chunk normalised once). G_E is symmetric: only its column blocks on and above the diagonal are
+    formed (GRAM_BLOCKS = 4: 10 of 16 blocks), the rest is their mirror."""
+    return _grams(model, unembed=True, embed=True)
+
+
 def unembed_embed_gram(model: Transformer) -> Tensor:
     """G = W_U @ W_E_eff [d_model, d_model], formed once per model for all full OV spectra."""
-    if model.cfg.n_layers == 0 or model.cfg.normalization_type is None:
-        return model.W_U @ model.W_E
-    G = torch.zeros(model.cfg.d_model, model.cfg.d_model, dtype=model.W_E.dtype, device=model.W_E.device)
-    for rows, chunk in _embed_eff_chunks(model):
-        G += model.W_U[:, rows] @ chunk
-    return G
+    return _grams(model, unembed=True, embed=False)[0]
 
 
 def embed_gram(model: Transformer) -> Tensor:
-    """G_E = W_E_eff^T @ W_E_eff [d_model, d_model], formed once per model for all full QK spectra."""
-    if model.cfg.n_layers == 0 or model.cfg.normalization_type is None:
-        return model.W_E.T @ model.W_E
-    G_E = torch.zeros(model.cfg.d_model, model.cfg.d_model, dtype=model.W_E.dtype, device=model.W_E.device)
-    for _, chunk in _embed_eff_chunks(model):
-        G_E += chunk.T @ chunk
-    return G_E
+    """G_E = W_E_eff^T @ W_E_eff [d_model, d_model], formed once per model for all full QK spectra (upper blocks
+    mirrored, as embed_grams)."""
+    return _grams(model, unembed=False, embed=True)[1]
 
 
 def _spectrum(M: Tensor) -> Tensor:
@@ -414,15 +440,20 @@ def ov_eigenvalues(model: Transformer, G: Tensor | None = None) -> Tensor:
     return _spectrum(model.W_O @ GW_V.repeat_interleave(model.cfg.group_size, dim=1))  # eig of [L, H, d_h, d_h]
 
 
-def qk_eigenvalues(model: Transformer, G_E: Tensor | None = None) -> Tensor:
+def gram_queries(model: Transformer, G_E: Tensor | None = None) -> Tensor:
+    """G_E W_Q [n_layers, n_heads, d_model, d_head]: the query side of every full QK circuit (qk_eigenvalues), which
+    the K-composition positivities read too (qk_paths.k_composition_positivity)."""
+    G_E = embed_gram(model) if G_E is None else G_E  # [d, d]
+    return G_E @ model.W_Q
+
+
+def qk_eigenvalues(model: Transformer, G_E: Tensor | None = None, G_E_W_Q: Tensor | None = None) -> Tensor:
     """[n_layers, n_heads, d_head] complex: nonzero eigenvalues of each full QK circuit (scaled by 1/s).
 
-    lambda(W_E W_Q W_K^T W_E^T / s) \\ {0} = lambda(W_K^T (W_E^T W_E) W_Q) / s.
+    lambda(W_E W_Q W_K^T W_E^T / s) \\ {0} = lambda(W_K^T (W_E^T W_E) W_Q) / s; G_E_W_Q: gram_queries when given.
     """
-    G_E = embed_gram(model) if G_E is None else G_E  # [d, d]
-    GW_K = G_E @ model.W_K_groups  # [L, n_kv, d, d_h]: (W_K^T G_E W_Q)^T = W_Q^T G_E W_K, same spectrum
-    KGQ = model.W_Q.transpose(-2, -1) @ GW_K.repeat_interleave(model.cfg.group_size, dim=1)  # [L, H, d_h, d_h]
-    return _spectrum(KGQ.transpose(-2, -1) / model.cfg.scale)
+    GW_Q = gram_queries(model, G_E) if G_E_W_Q is None else G_E_W_Q  # [L, H, d, d_h]
+    return _spectrum(model.W_K.transpose(-2, -1) @ GW_Q / model.cfg.scale)  # eig of [L, H, d_h, d_h]
 
 
 def copying_score(eigenvalues: Tensor) -> Tensor:
@@ -436,9 +467,9 @@ def ov_copying_scores(model: Transformer, G: Tensor | None = None) -> Tensor:
     return copying_score(ov_eigenvalues(model, G))
 
 
-def qk_copying_scores(model: Transformer, G_E: Tensor | None = None) -> Tensor:
+def qk_copying_scores(model: Transformer, G_E: Tensor | None = None, G_E_W_Q: Tensor | None = None) -> Tensor:
     """[n_layers, n_heads] eigenvalue positivity of every full QK circuit (same-token matching, float64)."""
-    return copying_score(qk_eigenvalues(model, G_E))
+    return copying_score(qk_eigenvalues(model, G_E, G_E_W_Q))
 
 
 @dataclass

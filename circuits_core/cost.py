@@ -10,7 +10,10 @@ A Cost counts bytes, not numbers:
     peak_bytes    the largest extra working memory held at once (beyond the loaded weights)
     answer_bytes  the size of the answer once encoded as JSON (numbers x JSON_NUMBER_BYTES, roughly)
     seconds       an optional time estimate where one helps (None: not estimated)
-`a.then(b)` is b run after a (peaks do not add), `a + b` is both held at once (peaks add).
+    flops         the arithmetic it will do (floating-point operations of its matrix products, 2 per multiply-add;
+                  0: not counted): machine-independent, so the app turns it into time with the server's stated
+                  rate (settings.compute_flops_per_s) and compares that with the request deadline
+`a.then(b)` is b run after a (peaks do not add), `a + b` is both held at once (peaks add); times and FLOPs add.
 
 Stopping: a long loop calls `check_stop(should_stop, what)` between its steps. It raises CancelledError when
 the explicit flag or the ambient one (`stopping(flag)`, set by the app's compute service for the thread
@@ -21,6 +24,7 @@ its slot within one step.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -46,26 +50,27 @@ JSON_ENVELOPE_BYTES = 1024
 
 @dataclass(frozen=True)
 class Cost:
-    """Peak extra bytes, encoded answer bytes and (optionally) seconds of one computation."""
+    """Peak extra bytes, encoded answer bytes, (optionally) seconds and FLOPs of one computation."""
 
     peak_bytes: int
     answer_bytes: int = 0
     seconds: float | None = None
+    flops: int = 0
 
     def then(self, other: Cost) -> Cost:
         """`self` then `other`, the first's working memory freed: the larger peak, answers and times added."""
         return Cost(max(self.peak_bytes, other.peak_bytes), self.answer_bytes + other.answer_bytes,
-                    _add_seconds(self.seconds, other.seconds))
+                    _add_seconds(self.seconds, other.seconds), self.flops + other.flops)
 
     def __add__(self, other: Cost) -> Cost:
         """Both held at once: peaks, answers and times added."""
         return Cost(self.peak_bytes + other.peak_bytes, self.answer_bytes + other.answer_bytes,
-                    _add_seconds(self.seconds, other.seconds))
+                    _add_seconds(self.seconds, other.seconds), self.flops + other.flops)
 
     def with_answer(self, numbers: int = 0, labels: int = 0) -> Cost:
         """This cost with an answer of `numbers` JSON numbers and `labels` labelled items (and its envelope) added."""
         extra = numbers * JSON_NUMBER_BYTES + labels * JSON_LABEL_BYTES + JSON_ENVELOPE_BYTES
-        return Cost(self.peak_bytes, self.answer_bytes + extra, self.seconds)
+        return Cost(self.peak_bytes, self.answer_bytes + extra, self.seconds, self.flops)
 
 
 FREE = Cost(0)
@@ -101,6 +106,20 @@ def side_by_side(main: Callable[[], A], side: Callable[[], B], name: str = "qkov
         branch = pool.submit(copy_context().run, in_helper)  # the ambient stop flag goes along
         first = main()
         return first, branch.result()
+
+
+def shared_chunks(total: int, chunk: int) -> Callable[[], slice | None]:
+    """A queue of the slices [start, start + chunk) covering range(total), shared by threads: each call takes the next
+    one (None when none is left), so side_by_side's branches split a chunked loop and finish it together."""
+    chunk = max(1, chunk)
+    starts, lock = iter(range(0, total, chunk)), threading.Lock()
+
+    def take() -> slice | None:
+        with lock:
+            start = next(starts, None)
+        return None if start is None else slice(start, min(start + chunk, total))
+
+    return take
 
 
 def itemsize(dtype: torch.dtype) -> int:

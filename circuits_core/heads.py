@@ -19,26 +19,16 @@ Attention-pattern detectors (all in [0, 1], averaged over the batch):
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from circuits_core.circuits import (
-    EMBED_CHUNK,
-    embed_gram,
-    ov_copying_scores,
-    qk_copying_scores,
-    unembed_embed_gram,
-)
-from circuits_core.config import head_name
-from circuits_core.cost import Cost, check_stop, itemsize, polled, side_by_side
+from circuits_core.cost import Cost, check_stop, itemsize, polled
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.frozen import attention, forward_cost, ln_linear
 from circuits_core.model import Transformer, next_token_losses
-from circuits_core.qk_paths import k_composition_positivity
-from circuits_core.rotary import KERNEL_WINDOW, kernel_cost, kernel_peak_offsets
 
 PatternDetector = Literal["previous_token", "current_token", "first_token", "duplicate_token", "induction"]
 
@@ -152,6 +142,69 @@ class DetectorRun:
     losses: Tensor | None  # [batch, n - 1] float64: loss of predicting token i + 1 at position i
 
 
+@dataclass
+class DetectorSums:
+    """The pattern detectors of some sequences times their weights (sequences, or eligible queries for the masked
+    detectors), and the weights: the sums over the chunks of a batch give the batch's means (scores())."""
+
+    sums: dict[str, Tensor] = field(default_factory=dict)  # {name: [L, H]}
+    weights: dict[str, Tensor] = field(default_factory=dict)  # {name: [L, 1]}
+
+    def add_chunk(self, patterns: list[Tensor], part: Tensor) -> None:
+        """Add one chunk's scores: patterns, one [c, H, n, n] per layer, on tokens part [c, n]."""
+        L, targets = len(patterns), (duplicate_targets(part), induction_targets(part))
+        eligible = {"duplicate_token": targets[0].any(-1).sum(), "induction": targets[1].any(-1).sum()}
+        for layer, pattern in enumerate(patterns):
+            for name, value in pattern_detector_scores(pattern, part, targets).items():  # value [H]
+                w = eligible.get(name, torch.tensor(part.shape[0])).to(value.dtype)
+                contrib = torch.where(w > 0, value * w, torch.zeros_like(value))
+                self.sums.setdefault(name, value.new_zeros(L, value.shape[0]))[layer] += contrib
+                self.weights.setdefault(name, value.new_zeros(L, 1))[layer] += w
+
+    def merge(self, other: DetectorSums) -> DetectorSums:
+        """Both parts' sums (a part that scored no sequence adds nothing)."""
+        if not self.sums or not other.sums:
+            return self if other.sums == {} else other
+        return DetectorSums({k: v + other.sums[k] for k, v in self.sums.items()},
+                            {k: v + other.weights[k] for k, v in self.weights.items()})
+
+    def scores(self) -> dict[str, Tensor]:
+        """{name: [L, H]}: the weighted means (NaN where no query was eligible); {} for a model without layers."""
+        return {name: torch.where(self.weights[name] > 0, self.sums[name] / self.weights[name].clamp_min(1), float("nan"))
+                for name in PATTERN_DETECTORS} if self.sums else {}
+
+
+def _chunk_pass(model: Transformer, part: Tensor, totals: DetectorSums, should_stop: Callable[[], bool] | None,
+                with_loss: bool) -> tuple[list[Tensor], Tensor | None]:
+    """One chunk part [c, n] (under no_grad): its patterns' detectors added to `totals`; returns its patterns (one
+    [c, H, n, n] per layer) and, `with_loss`, its next-token losses [c, n - 1] (a full pass; else the pass stops at
+    the last layer's pattern)."""
+    L = model.cfg.n_layers
+    check_stop(should_stop, "head detectors")
+    keep = polled(lambda nm: nm.endswith("hook_pattern"), should_stop, "head detectors")  # polls per hook
+    losses = None
+    if with_loss:
+        logits, cache = model.run(part, names=keep)  # [c, n, d_vocab]
+        losses = next_token_losses(logits.double(), part)  # [c, n - 1]
+        del logits
+    else:
+        cache = model.run_until(part, f"blocks.{L - 1}.attn.hook_pattern", names=keep)
+    patterns = [cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(L)]
+    totals.add_chunk(patterns, part)
+    return patterns, losses
+
+
+def detector_sums(model: Transformer, tokens: Tensor, take: Callable[[], slice | None],
+                  should_stop: Callable[[], bool] | None = None) -> DetectorSums:
+    """The detectors of the chunks of tokens [b, n] that `take` hands out (row slices) until it gives None: several
+    threads sharing one `take` (cost.shared_chunks) split a batch, and their DetectorSums merge to its scores."""
+    totals = DetectorSums()
+    with torch.no_grad():
+        while (rows := take()) is not None:
+            _chunk_pass(model, tokens[rows], totals, should_stop, with_loss=False)
+    return totals
+
+
 def detector_run(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None,
                  budget_bytes: int | None = None, with_loss: bool = False) -> DetectorRun:
     """detector_scores, the first sequence's patterns and, `with_loss`, the per-position losses (a full pass).
@@ -161,44 +214,22 @@ def detector_run(model: Transformer, tokens: Tensor, should_stop: Callable[[], b
     result is the same mean. The stop flag is polled between chunks.
     """
     cfg = model.cfg
-    L = cfg.n_layers
     tokens = model.check_tokens(tokens)
     b, n = tokens.shape
     chunk = b if budget_bytes is None else detector_chunk(model, n, b, budget_bytes, with_loss)
     no_heads = torch.zeros(0, cfg.n_heads, n, n, dtype=model.dtype)  # first_patterns of a model without layers
-    if L == 0 and not with_loss:
+    if cfg.n_layers == 0 and not with_loss:
         return DetectorRun({}, no_heads, None)
-    sums: dict[str, Tensor] = {}
-    weights: dict[str, Tensor] = {}
-    first: list[Tensor] = []
-    losses: list[Tensor] = []
+    totals, first, losses = DetectorSums(), no_heads, []
     with torch.no_grad():
         for start in range(0, b, chunk):
-            check_stop(should_stop, "head detectors")
-            part = tokens[start : start + chunk]  # [c, n]
-            keep = polled(lambda nm: nm.endswith("hook_pattern"), should_stop, "head detectors")  # polls per hook
-            if with_loss:
-                logits, cache = model.run(part, names=keep)  # [c, n, d_vocab]
-                losses.append(next_token_losses(logits.double(), part))  # [c, n - 1]
-                del logits
-            else:
-                cache = model.run_until(part, f"blocks.{L - 1}.attn.hook_pattern", names=keep)
-            if start == 0:
-                first = [cache[f"blocks.{layer}.attn.hook_pattern"][0] for layer in range(L)]  # [H, n, n] each
-            targets = (duplicate_targets(part), induction_targets(part))
-            eligible = {"duplicate_token": targets[0].any(-1).sum(), "induction": targets[1].any(-1).sum()}
-            for layer in range(L):
-                scores = pattern_detector_scores(cache[f"blocks.{layer}.attn.hook_pattern"], part, targets)
-                for name, value in scores.items():  # value [H]
-                    w = eligible.get(name, torch.tensor(part.shape[0])).to(value.dtype)
-                    contrib = torch.where(w > 0, value * w, torch.zeros_like(value))
-                    sums.setdefault(name, value.new_zeros(L, value.shape[0]))[layer] += contrib
-                    weights.setdefault(name, value.new_zeros(L, 1))[layer] += w
-            del cache
+            patterns, loss = _chunk_pass(model, tokens[start : start + chunk], totals, should_stop, with_loss)
+            if start == 0 and patterns:
+                first = torch.stack([p[0] for p in patterns])  # [L, H, n, n]
+            if loss is not None:
+                losses.append(loss)
     # no layers: no head to score, and the loss is the direct path's predictions (the model's all the same)
-    scores = {name: torch.where(weights[name] > 0, sums[name] / weights[name].clamp_min(1), float("nan"))
-              for name in PATTERN_DETECTORS} if L else {}
-    return DetectorRun(scores, torch.stack(first) if L else no_heads, torch.cat(losses) if with_loss else None)
+    return DetectorRun(totals.scores(), first, torch.cat(losses) if with_loss else None)
 
 
 def detectors_cost(model: Transformer, n: int, batch: int, logits: bool = False) -> Cost:
@@ -303,97 +334,3 @@ def previous_token_head(model: Transformer, prev_scores: Tensor | None = None) -
     """The layer-0 head with the largest previous-token score (on standard_tokens by default)."""
     prev = detector_scores(model, standard_tokens(model))["previous_token"] if prev_scores is None else prev_scores
     return 0, int(prev[0].argmax())
-
-
-@dataclass
-class InductionView:
-    """The paper's 2-D view (Image 22): OV copying vs positivity of the K-composition term, per head [L, H]."""
-
-    ov_copying: Tensor  # [L, H] eigenvalue copying score of the full OV circuit (circuits.ov_copying_scores)
-    qk_k_composition: Tensor  # [L, H] positivity with the previous-token head (0 for layer 0)
-    qk_weighted: Tensor  # [L, H] Olsson's version: earlier heads weighted by previous-token score
-    previous_token_head: str
-    previous_token_scores: Tensor  # [L, H]
-
-
-def induction_view(model: Transformer, tokens: Tensor | None = None, prev_scores: Tensor | None = None,
-                   ov_copying: Tensor | None = None, G_E: Tensor | None = None) -> InductionView:
-    """Every head's (OV copying, QK K-composition positivity) point, previous-token head auto-chosen.
-
-    prev_scores [L, H], ov_copying [L, H], G_E [d, d]: the previous-token scores on `tokens`,
-    ov_copying_scores and embed_gram when the caller has them already (head_table), so none is computed twice."""
-    if prev_scores is None:
-        prev_scores = detector_scores(model, standard_tokens(model) if tokens is None else tokens)["previous_token"]
-    prev = prev_scores
-    layer, head = previous_token_head(model, prev)
-    one_hot = torch.zeros_like(prev)
-    one_hot[layer, head] = 1.0
-    ov = ov_copying_scores(model) if ov_copying is None else ov_copying
-    G_E = embed_gram(model) if G_E is None else G_E  # [d, d], shared by both positivities
-    one, weighted = side_by_side(lambda: k_composition_positivity(model, one_hot, G_E),  # independent: at once
-                                 lambda: k_composition_positivity(model, prev, G_E), "qkov-heads-positivity")
-    return InductionView(ov, one, weighted, head_name(layer, head), prev)
-
-
-@dataclass
-class HeadTable:
-    """Every head's detector scores on one input, copying scores, 2-D induction view and kernel peak offset."""
-
-    detectors: dict[str, Tensor]  # {name: [L, H]}
-    ov_copying: Tensor  # [L, H] circuits.ov_copying_scores
-    qk_copying: Tensor  # [L, H] circuits.qk_copying_scores
-    induction: InductionView | None  # None for a model without layers
-    kernel_peak_offset: Tensor | None = None  # [L, H] rotary.kernel_peak_offsets (rotary models, `means` given)
-
-
-def head_table(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None,
-               budget_bytes: int | None = None, means: Callable[[], Tensor] | None = None,
-               reference_tokens: int | None = None) -> HeadTable:
-    """The heads table: one detector pass on `tokens` (its previous-token scores reused by the induction view),
-    and the full-circuit spectra from the two d_model x d_model Grams, each formed once; `means` (rotary models):
-    gives μ [L, d_model] (stored, or measured on at most `reference_tokens` tokens) for the kernel peak offsets.
-
-    The two independent branches (the detector pass; the Grams, spectra and kernel peaks) run side by side
-    (cost.side_by_side) when the caller's torch threads leave a core idle."""
-    if model.cfg.n_layers == 0:
-        empty = torch.zeros(0, model.cfg.n_heads, dtype=torch.float64)
-        return HeadTable(detector_scores(model, tokens, should_stop, budget_bytes), empty, empty, None)
-    if budget_bytes is not None:  # the detector chunks leave room for the Grams held beside them
-        budget_bytes = max(1, budget_bytes - _spectra_cost(model, reference_tokens if means else None).peak_bytes)
-
-    def spectra() -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        with torch.no_grad():
-            G, G_E = unembed_embed_gram(model), embed_gram(model)  # [d, d] each
-            check_stop(should_stop, "heads table")
-            ov, qk = ov_copying_scores(model, G), qk_copying_scores(model, G_E)
-            check_stop(should_stop, "heads table")
-            return ov, qk, G_E, None if means is None else kernel_peak_offsets(model, means())
-
-    detectors, (ov, qk, G_E, peaks) = side_by_side(lambda: detector_scores(model, tokens, should_stop, budget_bytes),
-                                                   spectra, "qkov-heads-spectra")
-    check_stop(should_stop, "heads table")
-    with torch.no_grad():
-        iv = induction_view(model, tokens, detectors["previous_token"], ov, G_E)
-    return HeadTable(detectors, ov, qk, iv, peaks)
-
-
-def head_table_cost(model: Transformer, n: int, batch: int, budget_bytes: int | None = None,
-                    reference_tokens: int | None = None) -> Cost:
-    """head_table on `batch` sequences of n tokens: the detector pass (in chunks under budget_bytes, less the
-    spectra's share) beside the Grams, spectra and (`reference_tokens` given) kernel peaks, maybe at once."""
-    cfg = model.cfg
-    spectra = _spectra_cost(model, reference_tokens)
-    chunk = batch if budget_bytes is None else detector_chunk(model, n, batch, max(1, budget_bytes - spectra.peak_bytes))
-    return (detectors_cost(model, n, chunk) + spectra).with_answer(  # the branches may run at once
-        numbers=8 * cfg.n_layers * cfg.n_heads, labels=2 * cfg.n_layers * cfg.n_heads)
-
-
-def _spectra_cost(model: Transformer, reference_tokens: int | None = None) -> Cost:
-    """The Grams (one LN chunk of W_E at a time), the spectra's [L, H, d_model, d_head] products, then μ's pass on
-    `reference_tokens` tokens and the kernel (rotary.kernel_cost)."""
-    cfg = model.cfg
-    grams = (2 * cfg.d_model**2 + 2 * EMBED_CHUNK * cfg.d_model) * itemsize(model.dtype)
-    spectra = Cost(grams + 2 * cfg.n_layers * cfg.n_heads * cfg.d_model * cfg.d_head * 8 + 4 * cfg.d_model**2 * 8)
-    if reference_tokens is None:
-        return spectra
-    return spectra.then(kernel_cost(model, min(KERNEL_WINDOW, cfg.n_ctx - 1) + 1, reference_tokens))

@@ -183,7 +183,8 @@ def k_composition_circuit(model: Transformer, head: tuple[int, int], earlier: tu
     return FactoredMatrix(left, right)
 
 
-def k_composition_positivity(model: Transformer, weights: Tensor, G_E: Tensor | None = None) -> Tensor:
+def k_composition_positivity(model: Transformer, weights: Tensor, G_E: Tensor | None = None,
+                             G_E_W_Q: Tensor | None = None) -> Tensor:
     """[L, H]: sum(eig)/sum(|eig|) of each head's K-composition token circuit with weighted earlier heads.
 
     For head h in layer l: M_K = W_E W_Q^h W_K^{hT} (sum_{h' in layers < l} w_{h'} W_V^{h'} W_O^{h'})^T W_E^T,
@@ -192,7 +193,17 @@ def k_composition_positivity(model: Transformer, weights: Tensor, G_E: Tensor | 
     (Olsson et al.'s weighted version). Layer-0 heads (nothing earlier) get 0. When the weighted heads' d_head
     columns number fewer than d_model (one-hot: d_head), W_sum = sum_j w_j W_V^j W_O^j stays factored and
     M = sum_j (W_O^j W_K^h)^T (w_j W_V^{jT} G_E W_Q^h): d_head x d_model products instead of d_model^2 ones.
+    G_E_W_Q [L, H, d_model, d_head]: G_E W_Q when the caller has it (circuits.gram_queries, shared with the QK
+    spectra), else formed here layer by layer.
     """
+    M = k_composition_matrices(model, weights, G_E, G_E_W_Q)  # [L, H, dh, dh]
+    return copying_score(torch.linalg.eigvals(M.double()))  # layer 0 (nothing earlier): M = 0, score 0
+
+
+def k_composition_matrices(model: Transformer, weights: Tensor, G_E: Tensor | None = None,
+                           G_E_W_Q: Tensor | None = None) -> Tensor:
+    """[L, H, d_head, d_head]: M_h = W_K^{hT} W_sum^T G_E W_Q^h / s of k_composition_positivity (0 where no weighted
+    head is earlier), weights per layer read from the blocks (no stacked copies of all layers)."""
     cfg = model.cfg
     L, H = cfg.n_layers, cfg.n_heads
     if weights.shape != (L, H):
@@ -200,37 +211,34 @@ def k_composition_positivity(model: Transformer, weights: Tensor, G_E: Tensor | 
     # Products in the weights' precision (float32 for half models), eigenvalues in float64, as circuits' spectra.
     dt = model.compute_dtype
     G_E = (embed_gram(model) if G_E is None else G_E).to(dt)  # [d, d]
-    W_Q, W_O = model.W_Q.to(dt), model.W_O.to(dt)  # [L, H, d, dh], [L, H, dh, d]
-    out = torch.zeros(L, H, dtype=torch.float64, device=model.device)
-    earlier = (weights[:-1] != 0).nonzero()  # [r, 2]: (layer, head) of every weighted head that can be earlier
+    M = torch.zeros(L, H, cfg.d_head, cfg.d_head, dtype=dt, device=model.device)
+
+    def G_E_W_Q_at(layer: int) -> Tensor:  # [H, d, dh]
+        return G_E @ attention(model, layer).W_Q.to(dt) if G_E_W_Q is None else G_E_W_Q[layer].to(dt)
+
+    earlier = [(int(lay), int(h)) for lay, h in (weights[:-1] != 0).nonzero()]  # weighted heads that can be earlier
     if len(earlier) * cfg.d_head < cfg.d_model:  # W_sum has rank < d_model: stay in its factors
-        W_K, W_V = model.W_K.to(dt), model.W_V.to(dt)  # [L, H, d, dh] (each query head's group)
-        lay, hd = earlier[:, 0], earlier[:, 1]
-        w = weights[lay, hd].to(dt)  # [r]
-        VG = (W_V[lay, hd] * w[:, None, None]).transpose(-2, -1) @ G_E  # [r, dh, d]: w W_V^T G_E
+        W_Os = torch.stack([attention(model, lay).W_O[h] for lay, h in earlier]).to(dt)  # [r, dh, d]
+        VW = torch.stack([weights[lay, h] * attention(model, lay).W_V[h].T for lay, h in earlier]).to(dt)  # [r, dh, d]
         for layer in range(1, L):
-            sel = lay < layer
-            if not bool(sel.any()):
-                continue  # nothing earlier: W_sum = 0, score 0 as below
-            left = W_O[lay[sel], hd[sel]].flatten(0, 1) @ W_K[layer]  # [H, r dh, dh]: W_O^{h'} W_K^h stacked
-            right = VG[sel].flatten(0, 1) @ W_Q[layer]  # [H, r dh, dh]: w W_V^{h'T} G_E W_Q^h stacked
-            out[layer] = copying_score(torch.linalg.eigvals((left.transpose(-2, -1) @ right / cfg.scale).double()))
-        return out
+            sel = [i for i, (lay, _) in enumerate(earlier) if lay < layer]
+            if sel:  # else nothing earlier: W_sum = 0
+                left = W_Os[sel].flatten(0, 1) @ attention(model, layer).W_K.to(dt)  # [H, r dh, dh]: W_O^{h'} W_K^h
+                right = VW[sel].flatten(0, 1) @ G_E_W_Q_at(layer)  # [H, r dh, dh]: w W_V^{h'T} G_E W_Q^h
+                M[layer] = left.transpose(-2, -1) @ right / cfg.scale
+        return M
     # Dense route, per key/value group g (GQA shares W_V^g, W_K^g within a group of query heads):
-    # T_l = W_sum^T G_E = T_{l-1} + sum_g (sum_{h in g} w_h W_O^h)^T (W_V^{gT} G_E), M_h = (W_K^{gT} T_l) W_Q^h.
+    # S_l = W_sum^T = S_{l-1} + sum_g (sum_{h in g} w_h W_O^h)^T W_V^{gT}   [d, d],   M_h = (W_K^{gT} S_l) (G_E W_Q^h).
     n_kv, group = H // cfg.group_size, cfg.group_size
-    W_Kg, W_Vg = (w.to(dt) for w in (model.W_K_groups, model.W_V_groups))  # [L, n_kv, d, dh]
-    T = torch.zeros(cfg.d_model, cfg.d_model, dtype=dt, device=model.device)
+    S = torch.zeros(cfg.d_model, cfg.d_model, dtype=dt, device=model.device)
     for layer in range(1, L):
-        w = weights[layer - 1].to(dt)
+        before, attn, w = attention(model, layer - 1), attention(model, layer), weights[layer - 1].to(dt)
         if bool((w != 0).any()):
-            O_w = (W_O[layer - 1] * w[:, None, None]).unflatten(0, (n_kv, group)).sum(1)  # [n_kv, dh, d]
-            VG = W_Vg[layer - 1].transpose(-2, -1) @ G_E  # [n_kv, dh, d]: W_V^{gT} G_E
-            T = T + O_w.flatten(0, 1).T @ VG.flatten(0, 1)  # [d, d]
-        KT = W_Kg[layer].transpose(-2, -1) @ T  # [n_kv, dh, d]
-        M = KT.repeat_interleave(group, dim=0) @ W_Q[layer] / cfg.scale  # [H, dh, dh]
-        out[layer] = copying_score(torch.linalg.eigvals(M.double()))
-    return out
+            O_w = (before.W_O.to(dt) * w[:, None, None]).unflatten(0, (n_kv, group)).sum(1)  # [n_kv, dh, d]
+            S = S.addmm(O_w.flatten(0, 1).T, before.grouped("W_V").to(dt).transpose(-2, -1).flatten(0, 1))  # [d, d]
+        KS = attn.grouped("W_K").to(dt).transpose(-2, -1) @ S  # [n_kv, dh, d]: W_K^{gT} S_l
+        M[layer] = KS.repeat_interleave(group, dim=0) @ G_E_W_Q_at(layer) / cfg.scale  # [H, dh, dh]
+    return M
 
 
 def circuit_positivity(fm: FactoredMatrix) -> float:

@@ -20,11 +20,12 @@ from app.schemas import Complex, CopyingMetricsView, DetectorInput, HeadScores, 
 from app.settings import Limits
 from app.views.inputs import check_k, model_ref
 from app.views.rotary import is_rotary, reference_means, reference_tokens_bound
-from circuits_core import circuits, heads
+from circuits_core import circuits
 from circuits_core.config import head_name, parse_head
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
-from circuits_core.heads import STANDARD_BATCH, STANDARD_SEQ_LEN, HeadTable, head_table, repeated_random_tokens
+from circuits_core.head_table import HeadTable, head_table, head_table_cost
+from circuits_core.heads import STANDARD_BATCH, STANDARD_SEQ_LEN, repeated_random_tokens
 from circuits_core.weights import LoadedModel
 
 STANDARD_SEED = 0  # the standard input's shape (STANDARD_SEQ_LEN, STANDARD_BATCH) is the engine's
@@ -216,7 +217,7 @@ def parse_heads(names: list[str], loaded: LoadedModel, max_heads: int) -> list[t
 def heads_cost(loaded: LoadedModel, p: AnalysisParams, limits: Limits) -> Cost:
     """The heads table on the standard input (the head view needs it too, when not cached)."""
     meta, rotary_model = standard_input(loaded)[1], is_rotary(loaded)
-    return heads.head_table_cost(loaded.model, meta.n_tokens, meta.batch, limits.peak_bytes,
+    return head_table_cost(loaded.model, meta.n_tokens, meta.batch, limits.peak_bytes,
                                  reference_tokens_bound(loaded) if rotary_model else None)
 
 

@@ -28,7 +28,7 @@ from app.views.tour_residual import TOUR_MODEL as RESIDUAL_MODEL
 from app.views.tour_residual import residual_chapter, residual_chapter_cost
 from app.views.tour_rotary import TOUR_MODEL as ROTARY_MODEL
 from app.views.tour_rotary import chapter_cost, rotary_chapter
-from circuits_core import ablation, circuits, composition, copying, heads, paths, qk_paths
+from circuits_core import ablation, circuits, composition, copying, head_table, heads, paths, qk_paths
 from circuits_core.cost import Cost
 from circuits_core.errors import QkovError
 from circuits_core.weights import LoadedModel
@@ -210,7 +210,7 @@ def tour_cost(registry: ModelRegistry, limits: Limits, chapter: str = "paper") -
         rep = min(2 * heads.STANDARD_SEQ_LEN + 1, m.cfg.n_ctx)
         parts = [circuits.top_cost(m, limits.max_k, b, line=False)]
         if m.cfg.n_layers >= 1:
-            parts += [copying.cost(m, 10, BASELINE_SAMPLES, BASELINE_TOP_SAMPLES, b), heads.head_table_cost(m, rep, heads.STANDARD_BATCH, b),
+            parts += [copying.cost(m, 10, BASELINE_SAMPLES, BASELINE_TOP_SAMPLES, b), head_table.head_table_cost(m, rep, heads.STANDARD_BATCH, b),
                       heads.detectors_cost(m, rep, heads.STANDARD_BATCH, logits=True), paths.cost(m, n, min(2, m.cfg.n_layers))]
         if m.cfg.n_layers >= 2:
             parts += [ablation.cost(m, n), composition.cost(m, ("k",)), qk_paths.cost(m, m.cfg.n_layers - 1, n, 6)]

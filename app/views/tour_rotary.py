@@ -25,7 +25,7 @@ from app.registry import ModelRegistry
 from app.schemas.analyses import TourFigure
 from app.settings import Limits
 from app.views.heads import build_heads_view
-from circuits_core import composition_rotary, heads, paths, qk_paths, rotary
+from circuits_core import composition_rotary, head_table, heads, paths, qk_paths, rotary
 from circuits_core.config import head_name, parse_head
 from circuits_core.cost import Cost
 from circuits_core.errors import QkovError
@@ -224,7 +224,7 @@ def chapter_cost(registry: ModelRegistry, limits: Limits) -> Cost:
     except QkovError:
         return Cost(0)
     n, rep = 1 + 2 * REPEAT, min(2 * heads.STANDARD_SEQ_LEN + 1, model.cfg.n_ctx)
-    parts = [heads.head_table_cost(model, rep, heads.STANDARD_BATCH, limits.matrix_budget_bytes),
+    parts = [head_table.head_table_cost(model, rep, heads.STANDARD_BATCH, limits.matrix_budget_bytes),
              rotary.kernel_cost(model, KERNEL_WINDOW + 1, min(len(rotary.REFERENCE_TEXT), model.cfg.n_ctx)),
              composition_rotary.pair_profile_cost(model, KERNEL_WINDOW + 1), paths.cost(model, n, 1),
              qk_paths.cost(model, model.cfg.n_layers - 1, n, 3)]

@@ -4,10 +4,10 @@ import torch
 from engine2_models import small_model
 
 from circuits_core.frozen import ln_linear
+from circuits_core.head_table import induction_view
 from circuits_core.heads import (
     copying_scores,
     detector_scores,
-    induction_view,
     olsson_tokens,
     pattern_detector_scores,
     prefix_matching_scores,
@@ -129,30 +129,81 @@ def test_detectors_stop_early_and_match_the_full_run():
 
 
 def test_head_table_equals_its_parts_whether_its_branches_run_at_once_or_in_turn():
-    """head_table runs the detector pass beside the Grams + spectra when a core is idle (one torch thread here),
-    in turn otherwise: both give exactly the parts computed one by one."""
+    """head_table shares the detector chunks between this thread and the one forming the Grams + spectra when a core
+    is idle (one torch thread here), in turn otherwise: both give the parts computed one by one (one detector pass,
+    the spectra from their own Grams, the 2-D view from its own G_E), up to float64 rounding (the chunk sums add in
+    another order)."""
     from circuits_core.circuits import ov_copying_scores, qk_copying_scores
     from circuits_core.cost import available_cores
-    from circuits_core.heads import head_table
+    from circuits_core.head_table import head_table
 
     model = small_model(n_layers=3, ln="LN", mlp=True)
     tokens = standard_tokens(model, seed=2)
     det = detector_scores(model, tokens)
     ov, qk = ov_copying_scores(model), qk_copying_scores(model)
     iv = induction_view(model, tokens, det["previous_token"])
+
+    def close(a: torch.Tensor, b: torch.Tensor) -> None:
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, equal_nan=True)
+
     before = torch.get_num_threads()
     try:
         for threads in sorted({1, available_cores()}):
             torch.set_num_threads(threads)
             table = head_table(model, tokens, budget_bytes=2**30)
             assert table.detectors.keys() == det.keys()
-            assert all(torch.equal(table.detectors[k], det[k]) for k in det)
-            assert torch.equal(table.ov_copying, ov) and torch.equal(table.qk_copying, qk)
+            for k in det:
+                close(table.detectors[k], det[k])
+            close(table.ov_copying, ov)
+            close(table.qk_copying, qk)
             assert table.induction is not None and table.induction.previous_token_head == iv.previous_token_head
-            assert torch.equal(table.induction.qk_k_composition, iv.qk_k_composition)
-            assert torch.equal(table.induction.qk_weighted, iv.qk_weighted)
+            close(table.induction.qk_k_composition, iv.qk_k_composition)
+            close(table.induction.qk_weighted, iv.qk_weighted)
     finally:
         torch.set_num_threads(before)
+
+
+def test_detector_chunks_shared_by_two_workers_give_the_one_pass_scores():
+    """Two workers taking chunks from one shared queue (cost.shared_chunks): their merged DetectorSums equal the
+    detectors of one unchunked forward pass, scored layer by layer with pattern_detector_scores (float64)."""
+    from circuits_core.cost import shared_chunks
+    from circuits_core.heads import detector_sums
+
+    model = small_model(n_layers=2, ln="LN", mlp=True)
+    tokens = standard_tokens(model, seed=5, batch=7)  # 4 chunks of 2 sequences, the last one short
+    take = shared_chunks(tokens.shape[0], 2)
+    handed = [take(), take()]  # the first worker's share
+    first = detector_sums(model, tokens, lambda: handed.pop(0) if handed else None)
+    second = detector_sums(model, tokens, take)  # the rest of the queue
+    assert float(first.weights["previous_token"][0, 0]) == 4 and float(second.weights["previous_token"][0, 0]) == 3
+    got = first.merge(second).scores()
+    _, cache = model.run(tokens, names=lambda n: n.endswith("hook_pattern"))
+    for layer in range(2):
+        want = pattern_detector_scores(cache[f"blocks.{layer}.attn.hook_pattern"], tokens)
+        for name, value in want.items():
+            torch.testing.assert_close(got[name][layer], value, rtol=0, atol=1e-12, equal_nan=True)
+
+
+def test_shared_chunks_hand_out_each_slice_once_across_threads():
+    """Four threads draining one queue: the slices they got cover range(total) exactly once."""
+    import threading
+
+    from circuits_core.cost import shared_chunks
+
+    take = shared_chunks(1003, 7)
+    got: list[list[slice]] = [[] for _ in range(4)]
+
+    def drain(mine: list[slice]) -> None:
+        while (s := take()) is not None:
+            mine.append(s)
+
+    workers = [threading.Thread(target=drain, args=(g,)) for g in got]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    covered = sorted(i for g in got for s in g for i in range(s.start, s.stop))
+    assert covered == list(range(1003)) and take() is None
 
 
 def test_head_table_spectra_branch_sees_the_ambient_stop_flag():
@@ -163,7 +214,7 @@ def test_head_table_spectra_branch_sees_the_ambient_stop_flag():
 
     from circuits_core.cost import available_cores, stopping
     from circuits_core.errors import CancelledError
-    from circuits_core.heads import head_table
+    from circuits_core.head_table import head_table
 
     if available_cores() < 2:
         pytest.skip("one core: the branches run in turn")
@@ -205,7 +256,7 @@ def test_head_table_kernel_peaks_vs_omega_written_out_in_both_branch_modes():
     from rotary_models import rotary_model
 
     from circuits_core.cost import available_cores
-    from circuits_core.heads import head_table
+    from circuits_core.head_table import head_table
     from circuits_core.rotary import omega
 
     model = rotary_model(seed=5, n_layers=2, n_key_value_heads=2)

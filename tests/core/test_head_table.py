@@ -1,0 +1,90 @@
+"""The heads table's shared work: both Grams from one pass (G_E from its upper blocks, mirrored) against W_E_eff
+written out in float64, G_E W_Q shared by the QK spectra and the K-composition positivities against their own
+products, and the table's byte price against the bytes it holds."""
+
+import pytest
+import torch
+from engine2_models import small_model
+from test_paths_cost import _HeldBytes
+
+from circuits_core import circuits as C
+from circuits_core.config import ModelConfig
+from circuits_core.cost import available_cores
+from circuits_core.head_table import head_table, head_table_cost, table_chunk
+from circuits_core.heads import standard_tokens
+from circuits_core.model import random_model
+from circuits_core.qk_paths import k_composition_positivity
+
+
+def _ln_model(normalization_type: str | None) -> torch.nn.Module:
+    # d_model 30: GRAM_BLOCKS = 4 column blocks of unequal widths (7, 8, 7, 8); rows far from zero mean
+    cfg = ModelConfig(n_layers=2, d_model=30, n_heads=3, d_head=10, d_vocab=37, n_ctx=16,
+                      normalization_type=normalization_type, positional_embedding_type="shortformer")
+    model = random_model(cfg, seed=7, dtype=torch.float64, std_embed=0.8)
+    gen = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        model.W_E.add_(torch.linspace(-2, 3, cfg.d_vocab, dtype=torch.float64)[:, None])
+        if normalization_type == "LN":
+            model.blocks[0].ln1.w.copy_(1 + 0.3 * torch.randn(30, generator=gen, dtype=torch.float64))
+            model.blocks[0].ln1.b.copy_(0.3 * torch.randn(30, generator=gen, dtype=torch.float64))
+    return model
+
+
+def _W_E_eff(model: torch.nn.Module) -> torch.Tensor:
+    """Layer 0's ln1 applied to each row of W_E, written out (no norm: W_E itself)."""
+    if model.cfg.normalization_type is None:
+        return model.W_E
+    x = model.W_E - model.W_E.mean(-1, keepdim=True)
+    x = x / (x.pow(2).mean(-1, keepdim=True) + model.cfg.eps).sqrt()
+    return x * model.blocks[0].ln1.w + model.blocks[0].ln1.b
+
+
+@pytest.mark.parametrize("norm", ["LN", None])
+def test_both_grams_from_one_pass_equal_dense_products(norm: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(C, "EMBED_CHUNK", 5)  # 8 chunks, the last one partial (d_vocab = 37)
+    model = _ln_model(norm)
+    W_E = _W_E_eff(model)  # [V, d]
+    G, G_E = C.embed_grams(model)
+    torch.testing.assert_close(G, model.W_U @ W_E, rtol=0, atol=1e-10)
+    torch.testing.assert_close(G_E, W_E.T @ W_E, rtol=0, atol=1e-10)
+    assert torch.equal(G_E, G_E.T)  # the mirror is exact
+    assert torch.equal(C.embed_gram(model), G_E) and torch.equal(C.unembed_embed_gram(model), G)
+
+
+def test_shared_gram_queries_give_the_same_spectra_and_positivities() -> None:
+    """qk_eigenvalues and the dense K-composition route fed G_E W_Q from gram_queries equal those forming their own
+    products from W_E_eff written out (G_E = W_E_eff^T W_E_eff, float64)."""
+    model = small_model(n_layers=3, ln="LN", seed=3)
+    W_E = _W_E_eff(model)
+    G_E = W_E.T @ W_E
+    GQ = C.gram_queries(model, G_E)  # [L, H, d, dh]
+    torch.testing.assert_close(GQ[2, 1], G_E @ model.W_Q[2, 1], rtol=0, atol=1e-12)
+    dense_qk = torch.stack([torch.stack([torch.linalg.eigvals(model.W_K[layer, h].T @ G_E @ model.W_Q[layer, h])
+                                         for h in range(3)]) for layer in range(3)]) / model.cfg.scale
+    key = lambda e: e.real * 1e3 + e.imag  # noqa: E731 - a total order on each head's d_head eigenvalues
+    got = C.qk_eigenvalues(model, G_E, GQ)
+    torch.testing.assert_close(got.gather(-1, key(got).argsort()), dense_qk.gather(-1, key(dense_qk).argsort()),
+                               rtol=0, atol=1e-9)
+    w = torch.rand(3, 3, generator=torch.Generator().manual_seed(4), dtype=torch.float64)  # dense route
+    torch.testing.assert_close(k_composition_positivity(model, w, G_E, GQ), k_composition_positivity(model, w, G_E),
+                               rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("budget", [None, 200_000])
+def test_head_table_price_covers_the_measured_peak(budget: int | None) -> None:
+    """The bytes head_table holds (run in turn, so every operation is seen by this thread) stay within
+    head_table_cost, which counts two detector chunks at once; the small budget forces one-sequence chunks."""
+    model = small_model(n_layers=3, ln="LN", mlp=True)
+    tokens = standard_tokens(model, seed=1)
+    b, n = tokens.shape
+    if budget is not None:
+        assert table_chunk(model, n, b, budget) == 1
+    before = torch.get_num_threads()
+    torch.set_num_threads(available_cores())  # no idle core: the branches run in turn, in this thread
+    try:
+        with torch.no_grad(), _HeldBytes([*model.parameters(), *model.buffers(), tokens]) as held:
+            head_table(model, tokens, budget_bytes=budget)
+    finally:
+        torch.set_num_threads(before)
+    priced = head_table_cost(model, n, b, budget).peak_bytes
+    assert 0 < held.peak <= priced, (held.peak, priced)
