@@ -216,16 +216,20 @@ class ComputeService:
         answer = await self._wait(flight, _REQUEST.get())
         return answer.as_json() if want == "json" else answer.as_value(view or view_type(fn))
 
+    def cached(self, key: Key, view: type[V]) -> V | None:
+        """Inside a computation: another answer from the cache when there, else None (nothing is built)."""
+        body = self.cache.get(key_text(key))
+        return None if body is None else view.model_validate_json(body)
+
     def cached_build(self, key: Key, view: type[V], build: Callable[[], V]) -> V:
         """Inside a computation: another answer from the cache when there, else built here, encoded and kept."""
-        text = key_text(key)
-        body = self.cache.get(text)
-        if body is not None:
-            return view.model_validate_json(body)
+        hit = self.cached(key, view)
+        if hit is not None:
+            return hit
         value = build()
         encoded = encode(value)
         if encoded is not None:
-            self.cache.put(text, encoded)
+            self.cache.put(key_text(key), encoded)
         return value
 
     # -- internals -----------------------------------------------------------------------------------------
@@ -393,6 +397,11 @@ async def compute_json(fn: Callable[..., BaseModel], *args: Any, key: Key | None
                        lower: str = "", **kwargs: Any) -> bytes:
     """Like compute, but the answer's JSON bytes, encoded inside the slot (a cache hit is returned as is)."""
     return await current_service().run(fn, args, kwargs, key, None, cost, lower, None, "json")  # type: ignore[no-any-return]
+
+
+def cached(key: Key, view: type[V]) -> V | None:
+    """Inside a computation: another analysis's answer from the cache, else None."""
+    return current_service().cached(key, view)
 
 
 def cached_build(key: Key, view: type[V], build: Callable[[], V]) -> V:

@@ -17,7 +17,8 @@ Pages are asked `compute_slots` at a time (each computation gets cores // slots 
 model-wide pages, the first head's (which computes what every head view shares: the heads table, the spectra
 of all heads, the composition partners; the other heads are queued once it is done), the other heads, then the
 panels those pages load after themselves (hx-trigger="load": the copying panels), asked as htmx asks them (the
-first head's right after it). The last line says when each group was done. On a vocabulary over DEFAULT_VOCAB
+first head's right after it), and last the pages assembled from what those panels measured (ASSEMBLED: the copying
+overview reads each head's rows off its panel's entry). The last line says when each group was done. On a vocabulary over DEFAULT_VOCAB
 tokens a page's global tables rank the default token set (app/views/circuits.py); `--full` also fills each
 head's and the direct path's whole-vocabulary tables (`vocab=all`), ~38x the work per table on GPT-2.
 """
@@ -32,6 +33,7 @@ import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
@@ -41,11 +43,15 @@ from app.main import create_app
 from app.params import DEFAULT_VOCAB, HeadParams
 from app.routers.pages import PAGES
 from app.settings import Settings
+from app.views.copying import COPYING_ALL
 from circuits_core.config import head_name
 from circuits_core.errors import QkovError
 from circuits_core.weights import LoadedModel
 
 HEAD_APIS = ("heads/{head}/ov", "heads/{head}/qk")  # the API twins a notebook asks first
+# Analyses whose model-wide answer (no `heads=`) is assembled from entries the head pages' panels keep in the cache
+# (app/views/copying.py circuit_rows): asked after those panels, they measure nothing again.
+ASSEMBLED = (COPYING_ALL,)
 # A panel a page loads after itself (templates/_macros.html lazy_panel): htmx asks its hx-get with its own id as target.
 LAZY_PANEL = re.compile(r'<[^>]*\bid="([^"]+)"[^>]*\bhx-get="([^"]+)"[^>]*\bhx-trigger="load"')
 
@@ -127,6 +133,7 @@ def crawl(app: Any, args: argparse.Namespace, parser: argparse.ArgumentParser, s
                   "first head": [u.replace("{head}", h) for h in heads[:1] for u in per_head],
                   "other heads": [u.replace("{head}", h) for h in heads[1:] for u in per_head]}
         service, refused = app.state.compute, []
+        assembled = {f"/models/{args.model}/{a.path}" for a in ASSEMBLED}
         panels: dict[tuple[str, str], None] = {}  # (url, target) -> None: the panels found, in order, each once
         before, start = service.stats.completed, time.perf_counter()
         bar = tqdm(total=sum(map(len, phases.values())), desc=f"precompute {args.model}", unit="page", file=sys.stderr,
@@ -151,22 +158,32 @@ def crawl(app: Any, args: argparse.Namespace, parser: argparse.ArgumentParser, s
         def ask_panel(panel: tuple[str, str]) -> None:  # as htmx asks it, so the page cache key matches
             visit(panel[0], {"HX-Request": "true", "HX-Target": panel[1]})
 
+        def last(url: str) -> bool:  # a model-wide answer assembled from what the head pages' panels measure
+            parts = urlsplit(url)
+            return parts.path in assembled and "heads" not in parse_qs(parts.query)
+
         with ThreadPoolExecutor(settings.compute_slots) as pool:
             # Queued in order; only the first head and its panels are waited for before the other heads are queued
             # (they compute what the others share: the heads table, every head's spectra, the copying baseline),
-            # so no core idles while the last model-wide pages finish.
-            model_pages = [pool.submit(visit, u) for u in phases["model-wide pages"]]
+            # so no core idles while the last model-wide pages finish. Pages assembled from the per-head panels' entries
+            # (ASSEMBLED) come last, when those entries are in the cache.
+            model_pages = [pool.submit(visit, u) for u in phases["model-wide pages"] if not last(u)]
             run("first head", [pool.submit(visit, u) for u in phases["first head"]])
-            first = list(panels)  # the first head's panels (and those of the model-wide pages done by then)
+            first = [p for p in panels if not last(p[0])]  # the first head's panels (and those of the model-wide pages done by then)
             bar.total += len(first)
             run("its panels", [pool.submit(ask_panel, p) for p in first])
             head_pages = [pool.submit(visit, u) for u in phases["other heads"]]
             run("model-wide pages", model_pages)
             run("heads", head_pages)
             asked = set(first)
-            rest = [p for p in panels if p not in asked]
+            rest = [p for p in panels if p not in asked and not last(p[0])]
             bar.total += len(rest)
             run(f"{len(first) + len(rest)} panels", [pool.submit(ask_panel, p) for p in rest])
+            final = [u for u in phases["model-wide pages"] if last(u)]
+            late = [p for p in panels if last(p[0])]
+            bar.total += len(late)
+            run(f"{len(final) + len(late)} assembled pages and panels",
+                [*(pool.submit(visit, u) for u in final), *(pool.submit(ask_panel, p) for p in late)])
         bar.close()
         store = service.store
         print(f"{args.model}: {bar.total} pages, {service.stats.completed - before} computations, "

@@ -13,14 +13,16 @@ panel). It is its own analysis, loaded by the overview and head pages as a panel
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from typing import Annotated
 
 import torch
 from pydantic import BaseModel, Field
 
 from app.analysis import Analysis, AnalysisParams, split_heads
-from app.compute import cached_build
+from app.compute import cached, cached_build
 from app.params import Heads, K, MinCount
 from app.schemas import ModelRef
 from app.settings import Limits
@@ -30,7 +32,7 @@ from app.views.heads import parse_heads, spectra
 from app.views.inputs import check_k, model_ref
 from circuits_core import circuits, copying
 from circuits_core.config import head_name
-from circuits_core.cost import Cost
+from circuits_core.cost import Cost, check_stop
 from circuits_core.errors import InvalidInputError
 from circuits_core.model import Transformer
 from circuits_core.weights import LoadedModel
@@ -108,15 +110,78 @@ def chosen_heads(loaded: LoadedModel, p: CopyingAllParams, limits: Limits) -> li
     return list(dict.fromkeys(parse_heads(split_heads(p.heads), loaded, limits.max_heads))) if p.heads else None
 
 
-def _baseline(model: Transformer, p: CopyingAllParams, k: int, vocab: torch.Tensor | None, rows: int | None,
+class CircuitRows(BaseModel):
+    """One OV circuit's copying.RowRanks (a head's or a random one's), kept in the result cache: the overview and
+    each head page's panel read the same entry (a head's rows are computed once per sample, not once per page)."""
+
+    above: list[int]
+    diag: list[float]
+    k: int
+
+    def ranks(self) -> copying.RowRanks:
+        return copying.RowRanks(torch.tensor(self.above), torch.tensor(self.diag, dtype=torch.float64), self.k)
+
+
+class RandomScores(BaseModel):
+    scores: list[float]  # eigenvalue copying scores of the random circuits, in drawing order
+
+
+def circuit_rows(loaded: LoadedModel, p: CopyingAllParams, k: int, vocab: torch.Tensor | None, rows: int | None,
+                 circuit: str, W: Callable[[], tuple[torch.Tensor, torch.Tensor]], limits: Limits) -> copying.RowRanks:
+    """The source rows of one circuit (W: its W_V, W_O) from the result cache, else measured and kept. A sample smaller
+    than a one-head panel's is the first rows of the panel's draw (copying.sample_order): read off its entry when
+    cached (precompute asks the panels first), so the overview measures no row twice."""
+    n = loaded.model.cfg.d_vocab if vocab is None else int(vocab.numel())
+
+    def key(r: int | None) -> tuple[object, ...]:
+        return ("copying-rows", str(loaded.digest), basis(loaded), k, p.min_count, SAMPLE_SEED, r, circuit)
+
+    wide = default_rows(n, None, 1)
+    if rows is not None and wide is not None and rows < wide:
+        hit = cached(key(wide), CircuitRows)
+        if hit is not None:
+            return hit.ranks().first(rows)
+
+    def build() -> CircuitRows:
+        W_V, W_O = W()
+        with torch.no_grad():
+            ranks = copying.row_ranks(loaded.model, W_V, W_O, k, copying.sample_order(n, rows, SAMPLE_SEED), vocab,
+                                      limits.matrix_budget_bytes)
+        return CircuitRows(above=ranks.above.tolist(), diag=ranks.diag.tolist(), k=k)
+
+    return cached_build(key(rows), CircuitRows, build).ranks()
+
+
+def _head(model: Transformer, layer: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ov = circuits.ov_circuit(model, layer, h)
+    return ov.A, ov.B  # W_V [d, d_head], W_O [d_head, d]
+
+
+def _sample(weights: Callable[[], tuple[torch.Tensor, torch.Tensor]], i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    W_V, W_O = weights()
+    return W_V[i], W_O[i]  # the i-th random circuit's W_V [d, d_head], W_O [d_head, d]
+
+
+def _baseline(loaded: LoadedModel, p: CopyingAllParams, k: int, vocab: torch.Tensor | None, rows: int | None,
               limits: Limits) -> CopyingBaselineView:
-    with torch.no_grad():
-        base = copying.random_baseline(model, n_samples=p.samples, n_top_samples=N_TOP_SAMPLES, k=k, vocab=vocab,
-                                       budget_bytes=limits.matrix_budget_bytes, rows=rows)
-    s = base.ov_copying
+    """Random W_V, W_O of the model's shapes: eigenvalue scores kept once per (weights, samples), each of the first
+    N_TOP_SAMPLES circuits' rows once per sample (circuit_rows)."""
+    model = loaded.model
+    copying.check_baseline(model, p.samples, N_TOP_SAMPLES)
+    weights = functools.cache(lambda: copying.random_ov_weights(model, p.samples, SAMPLE_SEED))  # drawn when needed
+
+    def eig() -> RandomScores:
+        with torch.no_grad():
+            return RandomScores(scores=copying.random_eig_scores(model, *weights()).tolist())
+
+    key = ("copying-random-scores", str(loaded.digest), basis(loaded), p.samples, SAMPLE_SEED)
+    s = torch.tensor(cached_build(key, RandomScores, eig).scores, dtype=torch.float64)
+    tops = torch.stack([circuit_rows(loaded, p, k, vocab, rows, f"random {i} of {p.samples}",
+                                     functools.partial(_sample, weights, i), limits).shares()
+                        for i in range(N_TOP_SAMPLES)])  # [N_TOP_SAMPLES, 4]
     return CopyingBaselineView(ov_copying_mean=float(s.mean()), ov_copying_std=float(s.std()), ov_copying_min=float(s.min()),
-                               ov_copying_max=float(s.max()), top1_mean=float(base.top1.mean()),
-                               topk_mean=float(base.topk.mean()), n_samples=p.samples, n_top_samples=N_TOP_SAMPLES)
+                               ov_copying_max=float(s.max()), top1_mean=float(tops[:, 0].mean()),
+                               topk_mean=float(tops[:, 1].mean()), n_samples=p.samples, n_top_samples=N_TOP_SAMPLES)
 
 
 def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Limits) -> CopyingOverview:
@@ -126,26 +191,23 @@ def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Lim
     vocab = frequent_tokens(loaded, p.min_count)
     n = model.cfg.d_vocab if vocab is None else int(vocab.numel())
     k = check_k(p.k, limits, n)
-    todo = chosen_heads(loaded, p, limits)
-    rows = default_rows(n, p.rows, len(todo) if todo else model.cfg.n_layers * model.cfg.n_heads)
     cfg = model.cfg
+    todo = chosen_heads(loaded, p, limits) or [(a, b) for a in range(cfg.n_layers) for b in range(cfg.n_heads)]
+    rows = default_rows(n, p.rows, len(todo))
     every = spectra(loaded)  # every head's OV eigenvalues, kept once per model (app/views/heads.py)
     eig = circuits.copying_score(torch.complex(torch.tensor(every.ov_re, dtype=torch.float64), torch.tensor(every.ov_im, dtype=torch.float64)).view(
         cfg.n_layers, cfg.n_heads, cfg.d_head))  # [L, H]
-    with torch.no_grad():
-        sc = copying.self_copy(model, k=k, vocab=vocab, budget_bytes=limits.matrix_budget_bytes, rows=rows, seed=SAMPLE_SEED,
-                               heads=todo)
-    # the baseline does not depend on `heads`: one per (weights, k, samples, rows, tokens), kept for every panel
-    key = ("copying-baseline", str(loaded.digest), basis(loaded), k, p.samples, rows, p.min_count)
-    baseline = cached_build(key, CopyingBaselineView, lambda: _baseline(model, p, k, vocab, rows, limits))
-    r = sc.n_rows
-    heads = [
-        HeadCopying(head=head_name(layer, h), ov_copying=float(eig[layer, h]), top1=float(sc.top1[layer, h]),
-                    topk=float(sc.topk[layer, h]), diagonal_positive=float(sc.diagonal_positive[layer, h]),
-                    diagonal_median=float(sc.diagonal_median[layer, h]), top1_stderr=stderr(float(sc.top1[layer, h]), r, n),
-                    topk_stderr=stderr(float(sc.topk[layer, h]), r, n))
-        for layer, h in (todo or [(a, b) for a in range(model.cfg.n_layers) for b in range(model.cfg.n_heads)])
-    ]
+    heads = []
+    for layer, h in todo:
+        check_stop(what="OV self-copy shares")
+        top1, topk, positive, median = circuit_rows(loaded, p, k, vocab, rows, head_name(layer, h),
+                                                    functools.partial(_head, model, layer, h), limits).shares().tolist()
+        r = n if rows is None else rows
+        heads.append(HeadCopying(head=head_name(layer, h), ov_copying=float(eig[layer, h]), top1=top1, topk=topk,
+                                 diagonal_positive=positive, diagonal_median=median, top1_stderr=stderr(top1, r, n),
+                                 topk_stderr=stderr(topk, r, n)))
+    baseline = _baseline(loaded, p, k, vocab, rows, limits)  # does not depend on `heads`: its entries serve every panel
+    r = n if rows is None else rows
     ranked = "tokens" if vocab is None else f"tokens seen at least {p.min_count} times in training"
     sample = (f"every one of the {n} {ranked} as source" if r == n else
               f"{r} of the {n} {ranked} as sources, drawn at random (seed {SAMPLE_SEED}), each ranked against all {n}")

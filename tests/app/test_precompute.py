@@ -52,3 +52,50 @@ def test_precomputed_tables_are_store_hits_and_a_rerun_skips_them(tmp_path: Path
     assert main([MODEL, "--heads", "L1H2"]) == 0
     again, hits = figures(capsys.readouterr().out)
     assert again == 0 and hits >= 8  # everything was stored: a rerun computes nothing
+
+
+def test_the_copying_overview_is_assembled_from_the_head_panels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """On a vocabulary over FULL_ROWS_MAX tokens with more than 16 heads the overview samples fewer rows per head than
+    a head's panel: precompute asks the panels first and the overview reads its rows off their entries, so each circuit
+    (every head, the baseline's random ones) is measured once. The stored overview equals one computed cold."""
+    import torch
+
+    import app.views.copying as copying_view
+    from circuits_core.config import ModelConfig
+    from tests.app.conftest import save_qkov, train_tokenizer
+
+    cfg = ModelConfig(n_layers=2, d_model=8, n_heads=12, d_head=4, d_vocab=copying_view.FULL_ROWS_MAX + 100, n_ctx=16,
+                      positional_embedding_type="shortformer")
+    save_qkov(tmp_path / "models" / "wide", cfg, train_tokenizer(), seed=5)
+    n_heads = cfg.n_layers * cfg.n_heads
+    overview_rows, panel_rows = (copying_view.default_rows(cfg.d_vocab, None, n) for n in (n_heads, 1))
+    assert overview_rows is not None and panel_rows is not None and overview_rows < panel_rows  # (else: one key)
+    env = {"QKOV_STORE_URL": "disk", "QKOV_STORE_DIR": str(tmp_path / "store"), "QKOV_SHIPPED_DIR": str(tmp_path / "models"),
+           "QKOV_DTYPE": "float64"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    calls: list[int] = []
+    inner = copying_view.copying.row_ranks
+
+    def counted(*args: object, **kwargs: object) -> object:
+        calls.append(1)
+        return inner(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(copying_view.copying, "row_ranks", counted)
+    torch.set_num_threads(1)
+    assert main(["wide"]) == 0
+    assert "assembled pages and panels" in capsys.readouterr().out
+    assert len(calls) == n_heads + copying_view.N_TOP_SAMPLES  # each circuit once: the panels' rows, read by the overview
+
+    with TestClient(create_app(Settings())) as client:
+        stored = client.get("/api/v1/models/wide/copying").json()
+        assert client.app.state.compute.store.hits == 1  # type: ignore[attr-defined]
+    with TestClient(create_app(Settings(store_url="off"))) as client:
+        cold = client.get("/api/v1/models/wide/copying").json()
+    assert stored["n_rows"] == cold["n_rows"] == overview_rows
+    assert [h["head"] for h in stored["heads"]] == [h["head"] for h in cold["heads"]]
+    for got, want in zip(stored["heads"], cold["heads"], strict=True):
+        assert {k: v for k, v in got.items() if k != "head"} == pytest.approx({k: v for k, v in want.items() if k != "head"},
+                                                                             rel=1e-12, abs=1e-12)
+    assert stored["baseline"] == pytest.approx(cold["baseline"], rel=1e-12, abs=1e-12)

@@ -114,3 +114,20 @@ def test_sample_sources():
     assert copying.sample_sources(10, None).tolist() == list(range(10)) == copying.sample_sources(10, 10).tolist()
     with pytest.raises(InvalidInputError, match="rows"):
         copying.sample_sources(10, 0)
+
+
+def test_a_smaller_sample_is_the_first_rows_of_a_larger_one():
+    """sample_order(n, r) is the first r of sample_order(n, R) (r < R < n), so RowRanks.first(r) of the larger draw
+    equals the rows measured on the smaller one; both against the dense rows of the documented draw."""
+    model = make_model(n_layers=1, norm="LN")
+    n, r, R, k, seed = 37, 9, 20, 3, 2
+    assert copying.sample_order(n, R, seed)[:r].tolist() == copying.sample_order(n, r, seed).tolist()
+    W_V, W_O = model.W_V[0, 1], model.W_O[0, 1]
+    big = copying.row_ranks(model, W_V, W_O, k, copying.sample_order(n, R, seed), budget_bytes=4 * n * 8).first(r)
+    small = copying.row_ranks(model, W_V, W_O, k, copying.sample_order(n, r, seed))
+    picked = torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:r]
+    M = (dense_embed(model) @ W_V @ W_O @ model.W_U)[picked]  # [r, V]
+    above = (M > M[torch.arange(r), picked][:, None]).sum(1).clamp_max(k)
+    for got in (big, small):
+        assert got.above.tolist() == above.tolist()
+        torch.testing.assert_close(got.diag, M[torch.arange(r), picked], atol=1e-12, rtol=0)
