@@ -84,8 +84,15 @@ def induction_view(model: Transformer, tokens: Tensor | None = None, prev_scores
     one_hot[layer, head] = 1.0
     ov = ov_copying_scores(model) if ov_copying is None else ov_copying
     G_E = embed_gram(model) if G_E is None else G_E  # [d, d], shared by both positivities
-    weighted, one = side_by_side(lambda: k_composition_positivity(model, prev, G_E, G_E_W_Q),  # independent: at once
-                                 lambda: k_composition_positivity(model, one_hot, G_E, G_E_W_Q), "qkov-heads-positivity")
+    # Two independent halves for two threads: the one-hot positivity (factored: cheap products, L x H eigenvalue
+    # problems) and the weighted one's low layers; the weighted one's upper layers (its S_l chain runs through them).
+    split = 1 + (model.cfg.n_layers - 1) * 2 // 5
+    (one, low), high = side_by_side(
+        lambda: (k_composition_positivity(model, one_hot, G_E, G_E_W_Q),
+                 k_composition_positivity(model, prev, G_E, G_E_W_Q, range(1, split))),
+        lambda: k_composition_positivity(model, prev, G_E, G_E_W_Q, range(split, model.cfg.n_layers)),
+        "qkov-heads-positivity")
+    weighted = low + high  # each 0 outside its layers
     return InductionView(ov, one, weighted, head_name(layer, head), prev)
 
 

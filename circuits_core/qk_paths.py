@@ -184,7 +184,7 @@ def k_composition_circuit(model: Transformer, head: tuple[int, int], earlier: tu
 
 
 def k_composition_positivity(model: Transformer, weights: Tensor, G_E: Tensor | None = None,
-                             G_E_W_Q: Tensor | None = None) -> Tensor:
+                             G_E_W_Q: Tensor | None = None, layers: range | None = None) -> Tensor:
     """[L, H]: sum(eig)/sum(|eig|) of each head's K-composition token circuit with weighted earlier heads.
 
     For head h in layer l: M_K = W_E W_Q^h W_K^{hT} (sum_{h' in layers < l} w_{h'} W_V^{h'} W_O^{h'})^T W_E^T,
@@ -194,16 +194,22 @@ def k_composition_positivity(model: Transformer, weights: Tensor, G_E: Tensor | 
     columns number fewer than d_model (one-hot: d_head), W_sum = sum_j w_j W_V^j W_O^j stays factored and
     M = sum_j (W_O^j W_K^h)^T (w_j W_V^{jT} G_E W_Q^h): d_head x d_model products instead of d_model^2 ones.
     G_E_W_Q [L, H, d_model, d_head]: G_E W_Q when the caller has it (circuits.gram_queries, shared with the QK
-    spectra), else formed here layer by layer.
+    spectra), else formed here layer by layer. `layers`: only those layers' heads (the others' rows stay 0), so two
+    threads can share the work (head_table.induction_view).
     """
-    M = k_composition_matrices(model, weights, G_E, G_E_W_Q)  # [L, H, dh, dh]
-    return copying_score(torch.linalg.eigvals(M.double()))  # layer 0 (nothing earlier): M = 0, score 0
+    layers = range(1, model.cfg.n_layers) if layers is None else layers
+    out = torch.zeros(weights.shape, dtype=torch.float64, device=model.device)
+    M = k_composition_matrices(model, weights, G_E, G_E_W_Q, layers)  # [len(layers), H, dh, dh]
+    if len(layers):
+        out[layers.start : layers.stop] = copying_score(torch.linalg.eigvals(M.double()))  # M = 0: score 0
+    return out
 
 
 def k_composition_matrices(model: Transformer, weights: Tensor, G_E: Tensor | None = None,
-                           G_E_W_Q: Tensor | None = None) -> Tensor:
-    """[L, H, d_head, d_head]: M_h = W_K^{hT} W_sum^T G_E W_Q^h / s of k_composition_positivity (0 where no weighted
-    head is earlier), weights per layer read from the blocks (no stacked copies of all layers)."""
+                           G_E_W_Q: Tensor | None = None, layers: range | None = None) -> Tensor:
+    """[len(layers), H, d_head, d_head]: M_h = W_K^{hT} W_sum^T G_E W_Q^h / s of k_composition_positivity for the heads
+    of `layers` (consecutive, default 1..L-1; 0 where no weighted head is earlier), weights per layer read from the
+    blocks (no stacked copies of all layers)."""
     cfg = model.cfg
     L, H = cfg.n_layers, cfg.n_heads
     if weights.shape != (L, H):
@@ -211,7 +217,10 @@ def k_composition_matrices(model: Transformer, weights: Tensor, G_E: Tensor | No
     # Products in the weights' precision (float32 for half models), eigenvalues in float64, as circuits' spectra.
     dt = model.compute_dtype
     G_E = (embed_gram(model) if G_E is None else G_E).to(dt)  # [d, d]
-    M = torch.zeros(L, H, cfg.d_head, cfg.d_head, dtype=dt, device=model.device)
+    layers = range(1, L) if layers is None else layers
+    if layers.step != 1 or (len(layers) and not 0 <= layers.start < layers.stop <= L):
+        raise InvalidInputError(f"layers must be consecutive layers of 0..{L - 1}, got {layers}")
+    M = torch.zeros(len(layers), H, cfg.d_head, cfg.d_head, dtype=dt, device=model.device)
 
     def G_E_W_Q_at(layer: int) -> Tensor:  # [H, d, dh]
         return G_E @ attention(model, layer).W_Q.to(dt) if G_E_W_Q is None else G_E_W_Q[layer].to(dt)
@@ -220,24 +229,25 @@ def k_composition_matrices(model: Transformer, weights: Tensor, G_E: Tensor | No
     if len(earlier) * cfg.d_head < cfg.d_model:  # W_sum has rank < d_model: stay in its factors
         W_Os = torch.stack([attention(model, lay).W_O[h] for lay, h in earlier]).to(dt)  # [r, dh, d]
         VW = torch.stack([weights[lay, h] * attention(model, lay).W_V[h].T for lay, h in earlier]).to(dt)  # [r, dh, d]
-        for layer in range(1, L):
-            sel = [i for i, (lay, _) in enumerate(earlier) if lay < layer]
+        for i, layer in enumerate(layers):
+            sel = [j for j, (lay, _) in enumerate(earlier) if lay < layer]
             if sel:  # else nothing earlier: W_sum = 0
                 left = W_Os[sel].flatten(0, 1) @ attention(model, layer).W_K.to(dt)  # [H, r dh, dh]: W_O^{h'} W_K^h
                 right = VW[sel].flatten(0, 1) @ G_E_W_Q_at(layer)  # [H, r dh, dh]: w W_V^{h'T} G_E W_Q^h
-                M[layer] = left.transpose(-2, -1) @ right / cfg.scale
+                M[i] = left.transpose(-2, -1) @ right / cfg.scale
         return M
     # Dense route, per key/value group g (GQA shares W_V^g, W_K^g within a group of query heads):
     # S_l = W_sum^T = S_{l-1} + sum_g (sum_{h in g} w_h W_O^h)^T W_V^{gT}   [d, d],   M_h = (W_K^{gT} S_l) (G_E W_Q^h).
     n_kv, group = H // cfg.group_size, cfg.group_size
     S = torch.zeros(cfg.d_model, cfg.d_model, dtype=dt, device=model.device)
-    for layer in range(1, L):
-        before, attn, w = attention(model, layer - 1), attention(model, layer), weights[layer - 1].to(dt)
+    for layer in range(1, layers.stop if len(layers) else 1):  # S_l for every layer up to the last asked
+        before, w = attention(model, layer - 1), weights[layer - 1].to(dt)
         if bool((w != 0).any()):
             O_w = (before.W_O.to(dt) * w[:, None, None]).unflatten(0, (n_kv, group)).sum(1)  # [n_kv, dh, d]
             S = S.addmm(O_w.flatten(0, 1).T, before.grouped("W_V").to(dt).transpose(-2, -1).flatten(0, 1))  # [d, d]
-        KS = attn.grouped("W_K").to(dt).transpose(-2, -1) @ S  # [n_kv, dh, d]: W_K^{gT} S_l
-        M[layer] = KS.repeat_interleave(group, dim=0) @ G_E_W_Q_at(layer) / cfg.scale  # [H, dh, dh]
+        if layer in layers:
+            KS = attention(model, layer).grouped("W_K").to(dt).transpose(-2, -1) @ S  # [n_kv, dh, d]: W_K^{gT} S_l
+            M[layer - layers.start] = KS.repeat_interleave(group, dim=0) @ G_E_W_Q_at(layer) / cfg.scale  # [H, dh, dh]
     return M
 
 

@@ -88,3 +88,23 @@ def test_head_table_price_covers_the_measured_peak(budget: int | None) -> None:
         torch.set_num_threads(before)
     priced = head_table_cost(model, n, b, budget).peak_bytes
     assert 0 < held.peak <= priced, (held.peak, priced)
+
+
+@pytest.mark.parametrize("one_hot", [True, False])
+def test_positivity_split_by_layers_adds_up_to_the_whole(one_hot: bool) -> None:
+    """induction_view's two threads: the positivity of layers [1, k) plus that of [k, L) equals the whole (dense
+    route: each half runs its own S_l chain; factored route: one-hot), and each half is 0 outside its layers."""
+    from circuits_core.errors import InvalidInputError
+
+    model = small_model(n_layers=4, ln="LN", seed=6)
+    if one_hot:
+        w = torch.zeros(4, 3, dtype=torch.float64)
+        w[0, 2] = 1.0
+    else:
+        w = torch.rand(4, 3, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    whole = k_composition_positivity(model, w)
+    low, high = k_composition_positivity(model, w, layers=range(1, 3)), k_composition_positivity(model, w, layers=range(3, 4))
+    assert (low[3] == 0).all() and (high[:3] == 0).all() and (whole[1:] != 0).all()
+    torch.testing.assert_close(low + high, whole, rtol=0, atol=1e-12)
+    with pytest.raises(InvalidInputError, match="consecutive"):
+        k_composition_positivity(model, w, layers=range(1, 5))
