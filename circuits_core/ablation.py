@@ -22,19 +22,36 @@ K-composition) then looks unimportant. Recomputed: later layers compute their pa
 residual stream, so composition acts. Either way LayerNorm scales and downstream MLPs are recomputed on the
 ablated residual stream (a causal intervention, not a path decomposition), so in MLP models the change also
 includes the MLPs' reaction to the missing head.
+
+Speed, with the same numbers as one full rerun per order and per head (tests/core/test_ablation.py checks them
+against weight-edited models and paths.py in float64):
+- a rerun starts at the first layer whose input changes, from the clean run's stream entering it (`run_from`):
+  rerun k of the order ablation reproduces the clean stream up to layer k (the paths through the first k layers
+  have order <= k), a head ablation changes nothing before the head's layer;
+- the heads of one layer are ablated together, one batch row (block of rows) each, their losses unembedded in
+  chunks of rows (`_row_losses`);
+- the frozen and the recomputed head ablations run side by side (cost.side_by_side) when a core is idle.
+`cost` prices it all, FLOPs included (the app compares them with the request deadline).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from circuits_core.cost import Cost, check_stop, itemsize
+from circuits_core.config import ModelConfig
+from circuits_core.cost import Cost, check_stop, itemsize, side_by_side
 from circuits_core.errors import InvalidInputError
+from circuits_core.hooks import Recorder
 from circuits_core.model import Frozen, Transformer, next_token_losses
+
+# Working memory of one chunk of rerun rows (the heads of a layer ablated together), and of one block of
+# unembedded logits with their float64 copy: bounds the peak on long prompts and big vocabularies.
+CHUNK_BYTES = 128 * 2**20
+LOSS_CHUNK_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -46,19 +63,31 @@ class OrderAblation:
     first_order_gain: Tensor  # [n_layers]: losses[0] - first_order_by_layer
 
 
+@dataclass
+class CleanRun:
+    """What the reruns take from the clean run."""
+
+    logits: Tensor  # [b, n, V]
+    frozen: Frozen  # its patterns, LayerNorm scales and MLP outputs
+    resid_pre: list[Tensor]  # [n_layers + 1] x [b, n, d_model]: the stream entering each layer; last: after the last
+
+
 def lm_loss(logits: Tensor, tokens: Tensor) -> Tensor:
     """Mean next-token cross-entropy: logits [b, n, V], tokens [b, n]."""
     return next_token_losses(logits.double(), tokens).mean()
 
 
-def _clean_frozen(model: Transformer, tokens: Tensor) -> tuple[Tensor, Frozen]:
-    """Clean logits [b, n, V] and the clean run's patterns, LayerNorm scales and MLP outputs."""
+def clean_run(model: Transformer, tokens: Tensor) -> CleanRun:
+    """The clean run of `tokens` [b, n] with everything a rerun needs from it."""
+    L = model.cfg.n_layers
+    wanted = ("hook_pattern", "hook_scale", "hook_mlp_out", "hook_resid_pre", "hook_resid_final")
     with torch.no_grad():
-        logits, cache = model.run(tokens, names=lambda n: n.endswith(("hook_pattern", "hook_scale", "hook_mlp_out")))
+        logits, cache = model.run(tokens, names=lambda n: n.endswith(wanted))
     patterns = {k: v for k, v in cache.items() if k.endswith("hook_pattern")}
     scales = {k: v for k, v in cache.items() if k.endswith("hook_scale")}
-    mlp_out = {layer: cache[f"blocks.{layer}.hook_mlp_out"] for layer in range(model.cfg.n_layers) if not model.cfg.attn_only}
-    return logits, Frozen(patterns, scales, mlp_out=mlp_out)
+    mlp_out = {layer: cache[f"blocks.{layer}.hook_mlp_out"] for layer in range(L) if not model.cfg.attn_only}
+    resid = [cache[f"blocks.{layer}.hook_resid_pre"] for layer in range(L)] + [cache["hook_resid_final"]]
+    return CleanRun(logits, Frozen(patterns, scales, mlp_out=mlp_out), resid)
 
 
 def _rerun(frozen: Frozen, value_resid: dict[int, Tensor]) -> Frozen:
@@ -73,69 +102,112 @@ def _check(model: Transformer, tokens: Tensor) -> Tensor:
     return tokens
 
 
+def _loss_block(cfg: ModelConfig, tokens: int) -> int:
+    """Vocabulary columns unembedded at once for `tokens` positions: the logits and their exponentials within
+    LOSS_CHUNK_BYTES."""
+    return max(256, LOSS_CHUNK_BYTES // (16 * max(1, tokens)))
+
+
+LOSS_TOKENS = 2048  # positions unembedded at once: enough rows for a matrix product near the machine's peak
+
+
+def _row_losses(model: Transformer, final: Tensor, tokens: Tensor, ln_scale: Tensor | None = None) -> Tensor:
+    """[R] mean next-token loss of each row: final [R, n, d_model] (the stream after the last layer), tokens [R, n],
+    ln_scale [R, n, 1] (ln_final's frozen scale; None: computed). Only the positions with a next token are
+    unembedded, LOSS_TOKENS of them (from every row) at a time against a block of the vocabulary, the log-sum-exp
+    accumulated over blocks in float64: the cross-entropy of next_token_losses on the whole logits."""
+    R, n = tokens.shape
+    frozen = Frozen(ln_scales={"ln_final.hook_scale": ln_scale}) if ln_scale is not None else None
+    x = model.ln_final(final, Recorder(None), frozen)[:, :-1].reshape(-1, model.cfg.d_model)  # [R*(n-1), d_model]
+    targets = tokens[:, 1:].reshape(-1)  # [R*(n-1)]
+    W_U, b_U = model.W_U, model.b_U  # [d_model, V], [V]
+    V = model.cfg.d_vocab
+    out = []
+    for i in range(0, x.shape[0], LOSS_TOKENS):
+        xs, ts = x[i:i + LOSS_TOKENS], targets[i:i + LOSS_TOKENS]
+        lse = torch.full((xs.shape[0],), float("-inf"), dtype=torch.float64, device=x.device)
+        target = torch.zeros(xs.shape[0], dtype=torch.float64, device=x.device)
+        step = _loss_block(model.cfg, xs.shape[0])
+        for v in range(0, V, step):
+            logits = xs @ W_U[:, v:v + step]  # [t, block]
+            if b_U is not None:
+                logits = logits + b_U[v:v + step]
+            lse = torch.logaddexp(lse, logits.logsumexp(-1).double())  # in the logits' dtype: float32 sums
+            # with a float64 result differ from a float64 log-sum-exp by ~1e-6 nats (measured on SmolLM2)
+            here = (ts >= v) & (ts < v + step)
+            target[here] = logits[here, ts[here] - v].double()
+        out.append(lse - target)
+    return torch.cat(out).view(R, n - 1).mean(1)
+
+
 def order_logits(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None) -> list[Tensor]:
     """[logits with paths of order <= k for k = 0..n_layers], each [b, n, V]; the last equals the clean logits."""
     tokens = _check(model, tokens)
-    _, frozen = _clean_frozen(model, tokens)
-    return _order_logits(model, tokens, frozen, should_stop)
-
-
-def _order_logits(model: Transformer, tokens: Tensor, frozen: Frozen, should_stop: Callable[[], bool] | None) -> list[Tensor]:
-    L = model.cfg.n_layers
-    b, n = tokens.shape
-    zero = torch.zeros(b, n, model.cfg.d_model, dtype=model.dtype, device=model.device)
-    value_resid = {layer: zero for layer in range(L)}
-    out = []
+    clean = clean_run(model, tokens)
+    finals, _ = _order_finals(model, clean, should_stop)
     with torch.no_grad():
-        for _k in range(L + 1):
+        return [model.unembed_resid(f, frozen=clean.frozen) for f in finals]
+
+
+def _order_finals(model: Transformer, clean: CleanRun,
+                  should_stop: Callable[[], bool] | None) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """The stream after the last layer of rerun k = 0..n_layers (paths of order <= k), and rerun 0's cache.
+
+    Rerun k's values read rerun k-1's stream (zero for k = 0). The paths through the first k layers have order <= k,
+    so rerun k's stream equals the clean one up to layer k: it starts there, from the clean stream (run_from)."""
+    L = model.cfg.n_layers
+    zero = torch.zeros_like(clean.resid_pre[0])
+    value_resid = dict.fromkeys(range(L), zero)
+    finals: list[Tensor] = []
+    first: dict[str, Tensor] = {}
+    with torch.no_grad():
+        for k in range(L + 1):
             check_stop(should_stop, "order ablation")
-            logits, cache = model.run(tokens, names=lambda nm: nm.endswith("hook_resid_pre"),
-                                      frozen=_rerun(frozen, value_resid))
-            out.append(logits)
-            value_resid = {layer: cache[f"blocks.{layer}.hook_resid_pre"] for layer in range(L)}
-    return out
+            final, cache = model.run_from(clean.resid_pre[k], k, names=lambda nm: nm.endswith("hook_resid_pre"),
+                                          frozen=_rerun(clean.frozen, value_resid))
+            finals.append(final)
+            first = first or cache
+            value_resid = {layer: cache[f"blocks.{layer}.hook_resid_pre"] for layer in range(k, L)}
+    return finals, first
 
 
-def order_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None) -> OrderAblation:
+def order_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None,
+                   clean: CleanRun | None = None) -> OrderAblation:
     """Losses on `tokens` [b, n] with paths up to each order, marginal effects, first-order terms by layer."""
     tokens = _check(model, tokens)
-    clean_logits, frozen = _clean_frozen(model, tokens)
-    per_order = _order_logits(model, tokens, frozen, should_stop)
-    scale = clean_logits.abs().max().clamp_min(1.0)
-    tol = 1e-9 if model.dtype == torch.float64 else 1e-4
-    if not torch.allclose(per_order[-1], clean_logits, atol=float(tol * scale), rtol=0):
-        raise AssertionError("order-n_layers rerun does not reproduce the model's logits")
-    losses = torch.stack([lm_loss(lg, tokens) for lg in per_order])
-    clean = float(lm_loss(clean_logits, tokens))
-    # first-order terms of one layer: its values read the order-0 residual, every other layer reads zero
+    clean = clean or clean_run(model, tokens)
     L = model.cfg.n_layers
-    b, n = tokens.shape
-    zero = torch.zeros(b, n, model.cfg.d_model, dtype=model.dtype, device=model.device)
+    b = tokens.shape[0]
+    finals, order0 = _order_finals(model, clean, should_stop)
+    # first-order terms of one layer: its values read the order-0 stream, every other layer's read zero; the layers
+    # before it then run as in rerun 0, so it starts at that layer from rerun 0's stream
+    zero = torch.zeros_like(clean.resid_pre[0])
     with torch.no_grad():
-        _, cache0 = model.run(tokens, names=lambda nm: nm.endswith("hook_resid_pre"),
-                              frozen=_rerun(frozen, {layer: zero for layer in range(L)}))
-        by_layer = []
         for layer in range(L):
             check_stop(should_stop, "order ablation")
-            vr = {other: zero for other in range(L)}
-            vr[layer] = cache0[f"blocks.{layer}.hook_resid_pre"]
-            logits, _ = model.run(tokens, frozen=_rerun(frozen, vr))
-            by_layer.append(lm_loss(logits, tokens))
-    first = torch.stack(by_layer) if by_layer else losses.new_zeros(0)
-    return OrderAblation(losses, losses[:-1] - losses[1:], clean, first, losses[0] - first)
+            start = order0[f"blocks.{layer}.hook_resid_pre"]
+            vr = {other: zero for other in range(layer + 1, L)} | {layer: start}
+            finals.append(model.run_from(start, layer, frozen=_rerun(clean.frozen, vr))[0])
+        runs = len(finals)  # (n_layers + 1) orders, then n_layers single layers
+        scale = clean.frozen.ln_scales.get("ln_final.hook_scale")
+        losses = _row_losses(model, torch.cat(finals), tokens.repeat(runs, 1),
+                             None if scale is None else scale.repeat(runs, 1, 1)).view(runs, b).mean(1)
+    by_order, first = losses[: L + 1], losses[L + 1:]
+    clean_loss = float(lm_loss(clean.logits, tokens))
+    return OrderAblation(by_order, by_order[:-1] - by_order[1:], clean_loss, first, by_order[0] - first)
 
 
 def ablate_head(model: Transformer, tokens: Tensor, layer: int, head: int, recompute_patterns: bool,
                 names: Callable[[str], bool] | None = None, frozen: Frozen | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-    """Logits [b, n, V] and the cache of `names` with head (layer, head)'s result zeroed.
+    """Logits [b, n, V] and the cache of `names` with head (layer, head)'s result zeroed, one full run.
 
     recompute_patterns=False (Olsson's ablation): every attention pattern is frozen at the clean run, so a head
     that only matters through later heads' queries or keys (a previous-token head feeding an induction head by
     K-composition) shows almost no effect. recompute_patterns=True: only this head's output is removed; every
     later layer computes its patterns from the ablated residual stream, so Q- and K-composition act.
-    `frozen`: the clean run's Frozen (from _clean_frozen) when the caller already has it."""
+    `frozen`: the clean run's Frozen (clean_run(...).frozen) when the caller already has it."""
     if frozen is None:
-        frozen = _clean_frozen(model, tokens)[1]
+        frozen = clean_run(model, tokens).frozen
     key = f"blocks.{layer}.attn.hook_pattern"
     pattern = frozen.patterns[key].clone()  # layer's clean pattern: its input is not changed by the ablation
     pattern[:, head] = 0  # z = A v = 0, so the head's result (b_V share included) is zero
@@ -144,36 +216,129 @@ def ablate_head(model: Transformer, tokens: Tensor, layer: int, head: int, recom
         return model.run(tokens, names=names, frozen=Frozen(patterns))
 
 
-def head_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None,
-                  recompute_patterns: bool = False) -> Tensor:
-    """[n_layers, n_heads]: loss change when a head's result is zeroed (ablate_head), with every pattern frozen
-    (Olsson, the default) or with later patterns recomputed (`recompute_patterns`).
+def _chunk_heads(cfg: ModelConfig, n: int, b: int) -> int:
+    """How many heads of one layer are ablated in one batch (each b rows), within CHUNK_BYTES."""
+    return max(1, min(cfg.n_heads, CHUNK_BYTES // max(1, _row_bytes(cfg, n) * b)))
 
-    LayerNorm scales and MLPs are recomputed either way (see the module docstring)."""
-    tokens = model.check_tokens(tokens)
-    clean_logits, frozen = _clean_frozen(model, tokens)
-    clean = lm_loss(clean_logits, tokens)
+
+def _row_bytes(cfg: ModelConfig, n: int) -> int:
+    """Working bytes of one rerun row of n tokens inside a layer (float32): the stream and its norm, q/k/v/z, the
+    scores and pattern of every head, the MLP's hidden activations."""
+    d_mlp = 0 if cfg.attn_only else (cfg.d_mlp or 4 * cfg.d_model) * (3 if cfg.gated_mlp else 2)
+    return 4 * n * (4 * cfg.d_model + 4 * cfg.n_heads * cfg.d_head + 3 * cfg.n_heads * n + d_mlp)
+
+
+def head_ablations(model: Transformer, tokens: Tensor, heads: Sequence[tuple[int, int]], recompute_patterns: bool = False,
+                   should_stop: Callable[[], bool] | None = None, clean: CleanRun | None = None) -> Tensor:
+    """[len(heads)]: the loss change when each head (layer, head)'s result is zeroed (ablate_head), with every
+    pattern frozen (Olsson) or the later ones recomputed. The heads of a layer are ablated together (head i in
+    rows i*b..(i+1)*b-1), each batch starting at that layer from the clean stream; the layers before it do not change."""
+    tokens = _check(model, tokens)
+    clean = clean or clean_run(model, tokens)
     cfg = model.cfg
-    out = torch.zeros(cfg.n_layers, cfg.n_heads, dtype=torch.float64, device=model.device)
-    for layer in range(cfg.n_layers):
-        for h in range(cfg.n_heads):
+    b, n = tokens.shape
+    clean_loss = lm_loss(clean.logits, tokens)
+    out = torch.zeros(len(heads), dtype=torch.float64, device=model.device)
+    step = _chunk_heads(cfg, n, b)
+    for layer in sorted({lay for lay, _ in heads}):
+        where = [i for i, (lay, _) in enumerate(heads) if lay == layer]
+        for s in range(0, len(where), step):
             check_stop(should_stop, "head ablation")
-            logits, _ = ablate_head(model, tokens, layer, h, recompute_patterns, frozen=frozen)
-            out[layer, h] = lm_loss(logits, tokens) - clean
+            chunk = where[s:s + step]
+            c = len(chunk)
+            key = f"blocks.{layer}.attn.hook_pattern"
+            pattern = clean.frozen.patterns[key].repeat(c, 1, 1, 1)  # [c*b, H, n, n]
+            for row, i in enumerate(chunk):
+                pattern[row * b:(row + 1) * b, heads[i][1]] = 0  # z = A v = 0: the head's result is zero
+            patterns = {key: pattern}
+            if not recompute_patterns:  # later layers keep the clean patterns ([b, ...] broadcasts when b == 1)
+                patterns |= {f"blocks.{lay}.attn.hook_pattern": _rows(clean.frozen.patterns[f"blocks.{lay}.attn.hook_pattern"], c)
+                             for lay in range(layer + 1, cfg.n_layers)}
+            with torch.no_grad():
+                final, _ = model.run_from(_rows(clean.resid_pre[layer], c, expand=True), layer, frozen=Frozen(patterns))
+                losses = _row_losses(model, final, tokens.repeat(c, 1)).view(c, b).mean(1)
+            out[torch.tensor(chunk)] = losses - clean_loss
     return out
 
 
-def cost(model: Transformer, n: int, batch: int = 1) -> Cost:
-    """order_ablation then head_ablation twice (patterns frozen, then recomputed) on `batch` sequences of n
-    tokens: the frozen patterns of every layer (and a copy of one), LayerNorm scales, MLP outputs, the residual
-    streams of one rerun, the clean and the per-order logits; answer: the per-order and per-layer losses and two
-    loss changes per head."""
+def _rows(x: Tensor, c: int, expand: bool = False) -> Tensor:
+    """x [b, ...] for c copies of the batch: itself when b == 1 (it broadcasts), else repeated to [c*b, ...]
+    (`expand`: always [c*b, ...], a view when b == 1)."""
+    if x.shape[0] == 1:
+        return x.expand(c, *x.shape[1:]) if expand else x
+    return x.repeat(c, *([1] * (x.dim() - 1)))
+
+
+def all_heads(cfg: ModelConfig) -> list[tuple[int, int]]:
+    return [(layer, h) for layer in range(cfg.n_layers) for h in range(cfg.n_heads)]
+
+
+def head_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None,
+                  recompute_patterns: bool = False) -> Tensor:
+    """[n_layers, n_heads]: head_ablations of every head, patterns frozen (Olsson, the default) or recomputed.
+
+    LayerNorm scales and MLPs are recomputed either way (see the module docstring)."""
     cfg = model.cfg
-    b = batch
-    resid = (4 if cfg.attn_only else 5) * cfg.n_layers * b * n * cfg.d_model
-    patterns = cfg.n_layers * cfg.n_heads * b * n * n * 2
-    logits = (cfg.n_layers + 3) * b * n * cfg.d_vocab  # clean, one per order, the rerun in flight
-    layer = b * n * (4 * cfg.d_model + 4 * cfg.n_heads * cfg.d_head + (0 if cfg.attn_only else 3 * (cfg.d_mlp or 4 * cfg.d_model)))
-    peak = (patterns + resid + logits + layer) * itemsize(model.dtype) + 2 * b * n * cfg.d_vocab * 8  # float64 loss
-    L, H = cfg.n_layers, cfg.n_heads
-    return Cost(peak).with_answer(numbers=3 * (L + 1) + L + 2 * H * L, labels=L * H + n)  # two head ablations
+    return head_ablations(model, tokens, all_heads(cfg), recompute_patterns, should_stop).view(cfg.n_layers, cfg.n_heads)
+
+
+def term_importance(model: Transformer, tokens: Tensor, heads: Sequence[tuple[int, int]],
+                    should_stop: Callable[[], bool] | None = None) -> tuple[OrderAblation, Tensor, Tensor]:
+    """order_ablation and both head_ablations of `heads` ([len(heads)] frozen, [len(heads)] recomputed) from one clean
+    run; the order reruns run side by side with the head ablations when a core is idle (about equal work on SmolLM2's
+    default: 61 unembeddings of the text against 2 x 16 ablated heads)."""
+    tokens = _check(model, tokens)
+    clean = clean_run(model, tokens)
+
+    def ablations() -> tuple[Tensor, Tensor]:
+        return (head_ablations(model, tokens, heads, False, should_stop, clean),
+                head_ablations(model, tokens, heads, True, should_stop, clean))
+
+    (frozen, recomputed), orders = side_by_side(ablations, lambda: order_ablation(model, tokens, should_stop, clean),
+                                                name="qkov-ablation")
+    return orders, frozen, recomputed
+
+
+# -- the price ----------------------------------------------------------------------------------------------------
+def layer_flops(cfg: ModelConfig, rows: int, n: int, pattern: bool, mlp: bool) -> int:
+    """FLOPs of one layer on `rows` sequences of n tokens (matrix products, 2 per multiply-add), as Attention and MLP
+    compute them: the q, k, v projections (q and k even when the pattern is frozen), the scores and softmax when the
+    pattern is computed (`pattern`), z = A v, the output W_O, and the MLP when it is computed (`mlp`)."""
+    tok = rows * n
+    H, G, dh, d = cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_model
+    flops = 2 * tok * d * dh * (H + 2 * G) + 2 * tok * H * dh * d + 2 * rows * H * n * n * dh * (2 if pattern else 1)
+    if mlp and not cfg.attn_only:
+        flops += 2 * tok * d * (cfg.d_mlp or 4 * d) * (3 if cfg.gated_mlp else 2)
+    return flops
+
+
+def unembed_flops(cfg: ModelConfig, rows: int, n: int) -> int:
+    return 2 * rows * n * cfg.d_model * cfg.d_vocab
+
+
+def cost(model: Transformer, n: int, batch: int = 1, heads: Sequence[tuple[int, int]] | None = None) -> Cost:
+    """term_importance on `batch` sequences of n tokens ablating `heads` (default every head): the clean run, the order
+    reruns (each from its start layer; patterns, norms and MLPs frozen), the frozen and the recomputed head
+    ablations (from each head's layer; MLPs and norms computed) side by side, with their FLOPs.
+
+    Peak: the clean run's patterns, streams, MLP outputs and logits, the order reruns' streams and one loss chunk,
+    then two batches of ablated rows in flight (one per kind) with a loss chunk each; answer: the per-order and
+    per-layer losses and two loss changes per head."""
+    cfg = model.cfg
+    L, b, d, size = cfg.n_layers, batch, cfg.d_model, itemsize(model.dtype)
+    heads = all_heads(cfg) if heads is None else heads
+    mlp = not cfg.attn_only
+    loss_chunk = min(LOSS_CHUNK_BYTES, b * (2 * L + 1) * n * cfg.d_vocab * 16)
+    clean = (L * cfg.n_heads * b * n * n + (3 * L + 1) * b * n * d + b * n * cfg.d_vocab) * size
+    orders = (4 * L + 1) * b * n * d * size + loss_chunk
+    c = _chunk_heads(cfg, n, b)
+    in_flight = c * b * _row_bytes(cfg, n) // 4 * size + (L * cfg.n_heads * c * b * n * n * size if b > 1 else 0)
+    ablations = 2 * (in_flight + min(LOSS_CHUNK_BYTES, c * b * n * cfg.d_vocab * 16))
+    unembed = unembed_flops(cfg, b, n - 1)  # a rerun's loss unembeds the positions with a next token
+    flops = L * layer_flops(cfg, b, n, True, mlp) + unembed_flops(cfg, b, n)  # the clean run
+    flops += L * (L + 1) * layer_flops(cfg, b, n, False, False) + (2 * L + 1) * unembed  # order reruns, layer terms
+    for layer, _ in heads:
+        flops += (L - layer) * layer_flops(cfg, b, n, False, mlp) + unembed  # patterns frozen
+        flops += layer_flops(cfg, b, n, False, mlp) + (L - layer - 1) * layer_flops(cfg, b, n, True, mlp) + unembed
+    return Cost(clean + max(orders, ablations), flops=flops).with_answer(
+        numbers=3 * (L + 1) + L + 2 * len(heads), labels=len(heads) + n)

@@ -277,14 +277,34 @@ class Transformer(nn.Module):
             rec("hook_pos_embed", pos[None].expand(x0.shape[0], -1, -1))
         if self.cfg.positional_embedding_type == "standard" and pos is not None:
             resid = resid + pos
-        qk_pos = pos if self.cfg.positional_embedding_type == "shortformer" else None
-        for block in self.blocks:
-            resid = block(resid, qk_pos, rec, frozen)
+        resid = self._layers(resid, 0, rec, frozen)
         rec("hook_resid_final", resid)
-        logits = self.ln_final(resid, rec, frozen) @ self.W_U
-        if self.cfg.use_bias:
-            logits = logits + self.unembed.b_U
-        return logits
+        return self.unembed_resid(resid, rec, frozen)
+
+    def _layers(self, resid: Tensor, start: int, rec: Recorder, frozen: Frozen | None) -> Tensor:
+        # resid: [batch, pos, d_model] entering layer `start` -> the stream after the last layer
+        W_pos = self.W_pos if self.cfg.positional_embedding_type == "shortformer" else None
+        qk_pos = W_pos[: resid.shape[1]] if W_pos is not None else None
+        for block in self.blocks[start:]:
+            resid = block(resid, qk_pos, rec, frozen)
+        return resid
+
+    def run_from(self, resid: Tensor, start: int, names: NameFilter = None,
+                 frozen: Frozen | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """The stream after the last layer [batch, pos, d_model] (hook_resid_final, before ln_final) and the cache of
+        `names`, running only layers start..n_layers-1 from `resid`, the stream entering layer `start` (its
+        hook_resid_pre) [batch, pos, d_model]: the layers before it are not run (reruns that change nothing before
+        `start`). Positions come from the sequence length (shortformer rows, rotary angles), as in `run`."""
+        if not 0 <= start <= self.cfg.n_layers:
+            raise InvalidInputError(f"start layer {start} is outside 0..{self.cfg.n_layers}")
+        rec = Recorder(names)
+        return self._layers(resid, start, rec, frozen), rec.cache
+
+    def unembed_resid(self, resid: Tensor, rec: Recorder | None = None, frozen: Frozen | None = None) -> Tensor:
+        """Logits [batch, pos, d_vocab] of the stream after the last layer [batch, pos, d_model]: ln_final (its frozen
+        scale when `frozen` has one), W_U, b_U."""
+        logits = self.ln_final(resid, rec or Recorder(None), frozen) @ self.W_U
+        return logits + self.unembed.b_U if self.cfg.use_bias else logits
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.run(tokens)[0]

@@ -6,7 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from engine2_models import small_model
+from rotary_models import CASES as ROTARY_CASES
+from rotary_models import rotary_model, tokens_for
+from torch.utils.flop_counter import FlopCounterMode
 
+from circuits_core import ablation
 from circuits_core.ablation import ablate_head, head_ablation, lm_loss, order_ablation, order_logits
 from circuits_core.errors import CancelledError, InvalidInputError
 from circuits_core.model import Frozen
@@ -167,3 +171,104 @@ def test_errors():
         order_ablation(model, _tokens(model), should_stop=lambda: True)
     with pytest.raises(CancelledError):
         head_ablation(model, _tokens(model), should_stop=lambda: True)
+
+
+# -- the batched, start-at-layer ablations against one full rerun per head ------------------------------------------
+def _zeroed_head_losses(model, tokens, layer, h):
+    """(frozen, recomputed) loss change of a model whose W_O[h] in `layer` is zeroed: a full forward pass with every
+    clean pattern frozen, and a plain forward pass (nothing from ablation.py)."""
+    clean_logits, cache = model.run(tokens, names=lambda n: n.endswith("hook_pattern"))
+    clean = _ce(clean_logits, tokens)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.blocks[layer].attn.W_O[h] = 0
+    frozen = _ce(other.run(tokens, frozen=Frozen(cache))[0], tokens) - clean
+    return frozen, _ce(other.run(tokens)[0], tokens) - clean
+
+
+BATCHED = {
+    "llama-gqa": lambda: rotary_model(n_layers=3, n_key_value_heads=2),
+    "llama-gqa1-adjacent": lambda: rotary_model(n_layers=2, n_key_value_heads=1, rotary_adjacent_pairs=True, rotary_dim=6),
+    "ln-mlp-standard": lambda: small_model(n_layers=3, ln="LN", mlp=True, pos="standard"),
+    "parallel-shortformer": lambda: small_model(n_layers=2, ln="LN", mlp=True, pos="shortformer", parallel=True),
+}
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("name", BATCHED)
+def test_batched_head_ablations_equal_one_zeroed_model_per_head(name, batch, monkeypatch):
+    """Every head, both ways, float64: head_ablations (heads of a layer in one batch, started at their layer, losses
+    unembedded in vocabulary blocks) == a weight-edited model run in full; chunks of 2 heads force several batches
+    per layer, and the losses are unembedded 7 positions at a time."""
+    model = BATCHED[name]()
+    tokens = tokens_for(model, n=9, batch=batch)
+    cfg = model.cfg
+    monkeypatch.setattr(ablation, "CHUNK_BYTES", 2 * batch * ablation._row_bytes(cfg, 9))  # 2 heads per batch
+    monkeypatch.setattr(ablation, "LOSS_TOKENS", 7)
+    heads = ablation.all_heads(cfg)
+    frozen = ablation.head_ablations(model, tokens, heads, recompute_patterns=False)
+    recomputed = ablation.head_ablations(model, tokens, heads, recompute_patterns=True)
+    for i, (layer, h) in enumerate(heads):
+        want_frozen, want_recomputed = _zeroed_head_losses(model, tokens, layer, h)
+        assert abs(float(frozen[i]) - want_frozen) < 1e-10, (layer, h)
+        assert abs(float(recomputed[i]) - want_recomputed) < 1e-10, (layer, h)
+    assert frozen.abs().min() > 1e-6 and (frozen - recomputed)[: cfg.n_heads].abs().max() > 1e-4  # not vacuous
+
+
+def test_vocabulary_blocks_give_the_whole_vocabulary_loss(monkeypatch):
+    """_row_losses over blocks of 16 of 40 tokens (uneven last block) and chunks of 5 positions == cross-entropy of
+    the whole logits (torch), float64, with and without a frozen final norm scale."""
+    model = rotary_model(n_layers=1)
+    tokens = tokens_for(model, n=8, batch=3)
+    monkeypatch.setattr(ablation, "LOSS_TOKENS", 5)
+    monkeypatch.setattr(ablation, "_loss_block", lambda cfg, t: 16)
+    logits, cache = model.run(tokens, names={"hook_resid_final", "ln_final.hook_scale"})
+    want = torch.tensor([_ce(logits[i:i + 1], tokens[i:i + 1]) for i in range(3)], dtype=torch.float64)
+    torch.testing.assert_close(ablation._row_losses(model, cache["hook_resid_final"], tokens), want, atol=1e-12, rtol=0)
+    scaled = ablation._row_losses(model, 2 * cache["hook_resid_final"], tokens, cache["ln_final.hook_scale"])
+    doubled = model.unembed_resid(2 * cache["hook_resid_final"], frozen=Frozen(ln_scales={"ln_final.hook_scale": cache["ln_final.hook_scale"]}))
+    torch.testing.assert_close(scaled, torch.tensor([_ce(doubled[i:i + 1], tokens[i:i + 1]) for i in range(3)],
+                                                    dtype=torch.float64), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("case", ["gqa", "gqa-adjacent-partial-linear"])
+def test_orders_on_rotary_gqa_models_match_paths(case):
+    """Order reruns that start at layer k (rotary, GQA, gated MLPs as fixed sources) == paths.py's order totals."""
+    model = rotary_model(n_layers=3, **ROTARY_CASES[case])
+    tokens = tokens_for(model, n=10)
+    per_order = order_logits(model, tokens)
+    exp = expand_logits(model, tokens[0], 5, positions=None, max_order=3)
+    cumulative = exp.order_totals().cumsum(0)  # [L + 1, n]
+    for k, logits in enumerate(per_order):
+        torch.testing.assert_close(logits[0, :, 5], cumulative[k], atol=1e-9, rtol=0)
+    assert (cumulative[1] - cumulative[0]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("name", ["llama-gqa", "ln-mlp-standard"])
+def test_the_flop_price_is_what_torch_counts(name, batch):
+    """ablation.cost's FLOPs == torch's FlopCounterMode over the clean run, the order reruns and both head ablations
+    (an independent count of every matrix product the engine runs)."""
+    model = BATCHED[name]()
+    tokens = tokens_for(model, n=11, batch=batch)
+    heads = [(0, 1), (1, 0), (2, 2)]
+    with FlopCounterMode(display=False) as counter:
+        clean = ablation.clean_run(model, tokens)
+        ablation.order_ablation(model, tokens, clean=clean)
+        ablation.head_ablations(model, tokens, heads, False, clean=clean)
+        ablation.head_ablations(model, tokens, heads, True, clean=clean)
+    assert ablation.cost(model, 11, batch, heads).flops == counter.get_total_flops()
+    assert ablation.cost(model, 11, batch).flops > ablation.cost(model, 11, batch, heads).flops  # every head costs more
+
+
+def test_term_importance_is_its_parts():
+    """term_importance (order reruns beside the two head ablations) == the parts run one by one."""
+    model = BATCHED["llama-gqa"]()
+    tokens = tokens_for(model, n=9)
+    heads = [(2, 3), (0, 0)]
+    orders, frozen, recomputed = ablation.term_importance(model, tokens, heads)
+    alone = order_ablation(model, tokens)
+    torch.testing.assert_close(orders.losses, alone.losses, atol=1e-12, rtol=0)
+    torch.testing.assert_close(orders.first_order_gain, alone.first_order_gain, atol=1e-12, rtol=0)
+    torch.testing.assert_close(frozen, ablation.head_ablations(model, tokens, heads), atol=1e-12, rtol=0)
+    torch.testing.assert_close(recomputed, ablation.head_ablations(model, tokens, heads, True), atol=1e-12, rtol=0)
