@@ -34,7 +34,7 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
-from bench import fmt_time, median_time, row
+from bench import fmt_time, row
 from bench.engine import GPT2_SMALL, gpt2_shaped_model, tl_model
 from bench.load import HOST, free_port, rss_bytes, start_server
 
@@ -123,11 +123,22 @@ def tl_figures(rep_tokens: torch.Tensor) -> dict[str, float]:
     return out
 
 
+def _timed(fn: Any) -> tuple[float, float, Any]:
+    """(wall seconds, CPU seconds of this process: every thread, result) of one call."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - w0, time.process_time() - c0, out
+
+
 def heads_breakdown(model: Any) -> None:
     """Where a cold heads table's time goes (issue 9.10), in this process with the torch threads the server gives one
-    computation: the detector pass, the two d_model x d_model Grams over the vocabulary, the 2 x (L x H) spectra,
-    the 2-D induction view's K-composition positivities (one-hot and weighted) and, on a rotary model, μ's pass on
-    the reference (app.views.rotary.reference_tokens: seeded random ids, as for any model without a tokenizer) and the kernel peaks, each once, cold."""
+    computation: the detector pass, both d_model x d_model Grams from one pass over the vocabulary, G_E W_Q, the
+    2 x (L x H) spectra, the 2-D induction view's K-composition positivities (one-hot and weighted, split over two
+    threads when a core is idle) and, on a rotary model, μ's pass on the reference (app.views.rotary.reference_tokens:
+    seeded random ids, as for any model without a tokenizer) and the kernel peaks, each once, cold. Wall and CPU
+    seconds (all threads) side by side: on a busy machine the CPU seconds are the steadier figure."""
+    import os
+
     from app.compute import available_cores, default_torch_threads
     from app.settings import Settings
     from app.views.rotary import reference_tokens
@@ -142,39 +153,44 @@ def heads_breakdown(model: Any) -> None:
     is_rotary = model.cfg.positional_embedding_type == "rotary"
     ref = reference_tokens(LoadedModel(model=model, tokenizer=None, format="qkov", digest="bench", path=Path("bench")))[0]
     kw: dict[str, Any] = dict(means=lambda: rotary.reference_means(model, ref), reference_tokens=ref.shape[1]) if is_rotary else {}
+    budget = settings.limits.peak_bytes
+    heads_n = model.cfg.n_layers * model.cfg.n_heads
     try:
         with torch.no_grad():
-            t_det, det = median_time(lambda: heads.detector_scores(model, tokens, budget_bytes=settings.limits.peak_bytes), 1)
-            t_g, G = median_time(lambda: circuits.unembed_embed_gram(model), 1)
-            t_ge, G_E = median_time(lambda: circuits.embed_gram(model), 1)
-            t_ov, ov = median_time(lambda: circuits.ov_copying_scores(model, G), 1)
-            t_qk, _ = median_time(lambda: circuits.qk_copying_scores(model, G_E), 1)
-            t_iv, _ = median_time(lambda: head_table.induction_view(model, tokens, det["previous_token"], ov, G_E), 1)
-            t_mu, mu = median_time(lambda: rotary.reference_means(model, ref), 1) if is_rotary else (0.0, ref)
-            t_k, _ = median_time(lambda: rotary.kernel_peak_offsets(model, mu), 1) if is_rotary else (0.0, None)
-            t_all, _ = median_time(lambda: head_table.head_table(model, tokens, budget_bytes=settings.limits.peak_bytes, **kw), 1)
+            det = _timed(lambda: heads.detector_scores(model, tokens, budget_bytes=budget))
+            grams = _timed(lambda: circuits.embed_grams(model))
+            G, G_E = grams[2]
+            gq = _timed(lambda: circuits.gram_queries(model, G_E))
+            ov = _timed(lambda: circuits.ov_copying_scores(model, G))
+            qk = _timed(lambda: circuits.qk_copying_scores(model, G_E, gq[2]))
+            iv = _timed(lambda: head_table.induction_view(model, tokens, det[2]["previous_token"], ov[2], G_E, gq[2]))
+            rows = [(f"detector pass ({tokens.shape[0]} x {tokens.shape[1]} tokens, patterns only)", det),
+                    ("Grams W_U W_E_eff and W_E_eff^T W_E_eff, one pass over the vocabulary", grams),
+                    ("G_E W_Q (QK spectra and weighted K-composition)", gq),
+                    (f"OV spectra ({heads_n} x d_head eigenvalues)", ov), (f"QK spectra ({heads_n} x d_head eigenvalues)", qk),
+                    ("induction view: K-composition one-hot + weighted (two threads when a core is idle)", iv)]
+            if is_rotary:
+                mu = _timed(lambda: rotary.reference_means(model, ref))
+                rows += [(f"μ: pass on the reference ({ref.shape[1]} tokens; once per model: kept in the result store)", mu),
+                         (f"kernel peak offsets, δ 0..{min(rotary.KERNEL_WINDOW, model.cfg.n_ctx - 1)}",
+                          _timed(lambda: rotary.kernel_peak_offsets(model, mu[2])))]
+            whole = [_timed(lambda: head_table.head_table(model, tokens, budget_bytes=budget, **kw)) for _ in range(3)]
             torch.set_num_threads(available_cores())  # what a lone computation would get with QKOV_TORCH_THREADS=cores
-            t_cores, _ = median_time(lambda: head_table.head_table(model, tokens, budget_bytes=settings.limits.peak_bytes, **kw), 1)
+            t_cores = _timed(lambda: head_table.head_table(model, tokens, budget_bytes=budget, **kw))[0]
     finally:
         torch.set_num_threads(before)
-    heads_n = model.cfg.n_layers * model.cfg.n_heads
-    rows = [(f"detector pass ({tokens.shape[0]} x {tokens.shape[1]} tokens, patterns only)", t_det),
-            ("Gram W_U W_E_eff over the vocabulary [d, d]", t_g), ("Gram W_E_eff^T W_E_eff [d, d]", t_ge),
-            (f"OV spectra ({heads_n} x d_head eigenvalues)", t_ov), (f"QK spectra ({heads_n} x d_head eigenvalues)", t_qk),
-            ("induction view: K-composition one-hot + weighted (side by side when a core is idle)", t_iv)]
-    if is_rotary:
-        rows += [(f"μ: pass on the reference ({ref.shape[1]} tokens; once per model: kept in the result store)", t_mu),
-                 (f"kernel peak offsets, δ 0..{min(rotary.KERNEL_WINDOW, model.cfg.n_ctx - 1)}", t_k)]
-    parts = sum(t for _, t in rows)
-    print(f"  where the heads table's time goes (in process, {threads} torch thread(s) as one server computation):")
-    for label, t in rows:
-        row(f"  {label}", t, "", f"{100 * t / parts:4.0f} % of the parts")
-    branches = max(t_det, t_g + t_ge + t_ov + t_qk + t_mu + t_k) + t_iv  # the two branches at once, then the 2-D view
-    row("  heads.head_table, all parts in one call" + (" (μ measured)" if is_rotary else ""), t_all, "",
-        f"parts sum {fmt_time(parts).strip()}; with a core idle for each branch ~{fmt_time(branches).strip()} "
-        "(max of the two branches' parts + the 2-D view: an estimate, not a measurement)")
-    row(f"  heads.head_table with {available_cores()} torch threads", t_cores, "",
-        f"{t_all / t_cores:.2f}x the {threads}-thread call")
+    cpu = sum(r[1] for _, r in rows)
+    print(f"  where the heads table's time goes (in process, {threads} torch thread(s) as one server computation; "
+          f"load average {os.getloadavg()[0]:.2f}):")
+    for label, (wall, c, _) in rows:
+        row(f"  {label}", wall, "", f"CPU {fmt_time(c).strip()}, {100 * c / cpu:4.0f} % of the parts' CPU")
+    wall_med = statistics.median(w for w, _, _ in whole)
+    cpu_med = statistics.median(c for _, c, _ in whole)
+    row("  head_table.head_table, all parts in one call (median of 3)" + (" (μ measured)" if is_rotary else ""), wall_med,
+        "", f"CPU {fmt_time(cpu_med).strip()}; parts' CPU {fmt_time(cpu).strip()}, half of it "
+        f"{fmt_time(cpu / 2).strip()} (both cores busy all along: the floor of the two-thread schedule)")
+    row(f"  head_table.head_table with {available_cores()} torch threads", t_cores, "",
+        f"{wall_med / t_cores:.2f}x the {threads}-thread call")
 
 
 def http() -> None:

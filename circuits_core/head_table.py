@@ -16,8 +16,8 @@ The work, on GPT-2 small's shape and its standard input (10 x 101 tokens):
 When the caller's torch threads leave a core idle (cost.side_by_side), two threads share it:
     this thread     detector chunks ........................................ | weighted positivity
     helper thread   Grams, spectra (, kernel peaks) then detector chunks ..... | one-hot positivity
-The detector chunks come from one queue (cost.shared_chunks), small enough that both threads finish the pass at
-about the same time; chunk sums are combined with their weights (heads.DetectorSums), so the scores are the same
+The detector chunks come from one queue (cost.shared_chunks: large ones first, single sequences at the end), so both
+threads finish the pass at about the same time; chunk sums are combined with their weights (heads.DetectorSums), so the scores are the same
 means as one pass.
 """
 
@@ -51,10 +51,6 @@ from circuits_core.heads import (
 from circuits_core.model import Transformer
 from circuits_core.qk_paths import k_composition_positivity
 from circuits_core.rotary import KERNEL_WINDOW, kernel_cost, kernel_peak_offsets
-
-# The detector batch goes in at least this many chunks, so that the thread that also forms the Grams and spectra
-# still finds chunks to take when it is done (GPT-2 small: 2 sequences, ~0.35 s of one core, per chunk).
-BALANCE_CHUNKS = 5
 
 
 @dataclass
@@ -155,9 +151,9 @@ def head_table(model: Transformer, tokens: Tensor, should_stop: Callable[[], boo
 
 def table_chunk(model: Transformer, n: int, batch: int, budget_bytes: int | None,
                 reference_tokens: int | None = None) -> int:
-    """Sequences per detector chunk of head_table: batch / BALANCE_CHUNKS (rounded up), fewer when two chunks (one
-    per thread) and the spectra held beside them would not fit budget_bytes."""
-    chunk = -(-batch // BALANCE_CHUNKS)
+    """The most sequences in one detector chunk of head_table: the first slice of cost.shared_chunks (a quarter of the
+    batch, rounded up), fewer when two chunks (one per thread) and the spectra held beside them would not fit."""
+    chunk = -(-batch // 4)
     if budget_bytes is None:
         return chunk
     room = max(1, (budget_bytes - _spectra_cost(model, reference_tokens).peak_bytes) // 2)

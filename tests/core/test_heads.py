@@ -185,7 +185,8 @@ def test_detector_chunks_shared_by_two_workers_give_the_one_pass_scores():
 
 
 def test_shared_chunks_hand_out_each_slice_once_across_threads():
-    """Four threads draining one queue: the slices they got cover range(total) exactly once."""
+    """Four threads draining one queue: the slices they got cover range(total) exactly once, capped at `chunk`, then
+    shrinking to single items (so the threads finish together)."""
     import threading
 
     from circuits_core.cost import shared_chunks
@@ -204,6 +205,10 @@ def test_shared_chunks_hand_out_each_slice_once_across_threads():
         w.join()
     covered = sorted(i for g in got for s in g for i in range(s.start, s.stop))
     assert covered == list(range(1003)) and take() is None
+    sizes = [s.stop - s.start for s in sorted((s for g in got for s in g), key=lambda s: s.start)]
+    assert sizes[0] == 7 and sizes[-1] == 1 and sizes == sorted(sizes, reverse=True)  # capped, then shrinking
+    one = shared_chunks(10, 10)  # the heads table's 10 sequences: a quarter of what is left each time
+    assert [s.stop - s.start for s in iter(one, None)] == [3, 2, 2, 1, 1, 1]
 
 
 def test_head_table_spectra_branch_sees_the_ambient_stop_flag():
