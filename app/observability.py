@@ -303,7 +303,8 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
         cache_bytes=settings.cache_bytes,
         request_timeout_s=settings.request_timeout_s,
         dense_budget_bytes=settings.limits.matrix_budget_bytes,
-        budgets=Budgets(settings.limits.peak_bytes, settings.limits.max_answer_bytes, settings.request_timeout_s),
+        budgets=Budgets(settings.limits.peak_bytes, settings.limits.max_answer_bytes, settings.request_timeout_s,
+                        settings.compute_flops_per_s),
         store=open_store_tier(settings),
         torch_threads=settings.torch_threads or default_torch_threads(settings.compute_slots),
     )

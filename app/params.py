@@ -8,11 +8,14 @@ L{layer}H{head} before the cache key, the builder and the JSON link see them.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal, Self
 
 from pydantic import Field
 
-from app.analysis import AnalysisParams, HeadField, HeadsField, Limit
+from app.analysis import AnalysisParams, HeadField, HeadsField, Limit, split_heads
+from circuits_core.config import ModelConfig, head_name, parse_head
+from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.heads import STANDARD_BATCH, STANDARD_SEQ_LEN
 from circuits_core.weights import LoadedModel
 
@@ -41,6 +44,7 @@ Offset = Annotated[int, Field(ge=0, le=1_000_000, description=(
 BasisChoice = Annotated[Literal["served", "raw"], Field(description=(
     "which weights: 'served' (processed as the model is served: folded LayerNorm, centred unembedding, as the view's "
     "`basis` says) or 'raw' (the checkpoint as stored, loaded once more without processing)"))]
+DEFAULT_ALL_HEADS = 64  # term importance ablates every head by default up to this many
 DEFAULT_VOCAB = 8192  # larger vocabularies: the global tables rank this many tokens unless vocab=all
 Vocab = Annotated[Literal["default", "all"], Field(description=(
     f"which tokens a global table (no token given) and the default skip-trigram source rank: 'default' -- every token "
@@ -171,5 +175,50 @@ class QKPathsParams(PromptInput):
     k: K = 6
 
 
+AblatedHeads = Annotated[str | None, Field(description=(
+    "the heads the head ablations remove, one at a time: 'all', 'none', or comma-separated head names (L3H1) and "
+    "layers (L3: every head of layer 3; L0-L9: of layers 0 to 9). Default: every head on a model of at most "
+    f"{DEFAULT_ALL_HEADS} heads; on a larger one the induction and previous-token heads of its measured summary "
+    "(model_summary.json), else none. Priced before it runs: a head of layer l reruns layers l.. twice (patterns "
+    "frozen, then recomputed), so the FLOPs grow with the heads and their depth, against the request deadline"
+)), Limit("max_heads", "max_length", 12)]
+
+
 class TermImportanceParams(PromptInput):
     """Without a prompt: the built-in text (cached)."""
+
+    heads: AblatedHeads = None
+
+    def normalised(self, loaded: LoadedModel) -> Self:
+        """`heads` canonical (L01H2 -> L1H2, l3 -> L3, ALL -> all; '' -> the default), checked against the model."""
+        if self.heads is None:
+            return self
+        text = ",".join(item for item, _ in head_selection(self.heads, loaded.model.cfg)) or None
+        return self.model_copy(update={"heads": text})
+
+
+_LAYERS = re.compile(r"^L(\d+)(?:-L?(\d+))?$", re.IGNORECASE)
+
+
+def head_selection(text: str, cfg: ModelConfig) -> list[tuple[str, list[tuple[int, int]]]]:
+    """The items of a `heads` selection, each canonical with its (layer, head) pairs: 'all', 'none', head names,
+    layers 'L3' and layer ranges 'L0-L9' (NotFoundError / InvalidInputError naming a bad item)."""
+    items = split_heads(text)
+    if [i.lower() for i in items] in (["all"], ["none"]):
+        word = items[0].lower()
+        return [(word, [(layer, h) for layer in range(cfg.n_layers) for h in range(cfg.n_heads)] if word == "all" else [])]
+    out = []
+    for item in items:
+        match = _LAYERS.match(item)
+        if match is None:
+            layer, h = parse_head(item, cfg)
+            out.append((head_name(layer, h), [(layer, h)]))
+            continue
+        first, last = int(match.group(1)), int(match.group(2) or match.group(1))
+        if last < first:
+            raise InvalidInputError(f"layer range {item!r} runs backwards: write L{last}-L{first}")
+        if last >= cfg.n_layers:
+            raise NotFoundError(f"layer {last} in {item!r} out of range: the model has {cfg.n_layers} layers")
+        name = f"L{first}" if first == last else f"L{first}-L{last}"
+        out.append((name, [(layer, h) for layer in range(first, last + 1) for h in range(cfg.n_heads)]))
+    return out

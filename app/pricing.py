@@ -51,6 +51,12 @@ class Budgets:
     peak_bytes: int | None = None
     answer_bytes: int | None = None
     seconds: float | None = None
+    flops_per_second: float | None = None  # the rate that turns a Cost's FLOPs into time (settings.compute_flops_per_s)
+
+    def estimated_seconds(self, cost: Cost) -> float | None:
+        """The cost's time: its own estimate plus its FLOPs at `flops_per_second` (None when it has neither)."""
+        from_flops = cost.flops / self.flops_per_second if cost.flops and self.flops_per_second else None
+        return None if cost.seconds is None and from_flops is None else (cost.seconds or 0.0) + (from_flops or 0.0)
 
 
 def _hint(lower: str) -> str:
@@ -71,9 +77,13 @@ def check_cost(cost: Cost, budgets: Budgets, lower: str = "", what: str = "this 
             f"{what} would answer about {_size(cost.answer_bytes)} of JSON; the budget (max_answer_bytes) is "
             f"{_size(budgets.answer_bytes)}{hint}"
         )
-    if budgets.seconds is not None and cost.seconds is not None and cost.seconds > budgets.seconds:
+    seconds = budgets.estimated_seconds(cost)
+    if budgets.seconds is not None and seconds is not None and seconds > budgets.seconds:
+        work = f" ({cost.flops / 1e9:,.0f} GFLOP at {budgets.flops_per_second / 1e9:g} GFLOP/s, compute_flops_per_s)" \
+            if cost.flops and budgets.flops_per_second else ""
         raise LimitExceededError(
-            f"{what} would take about {cost.seconds:.0f} s; the request deadline is {budgets.seconds:g} s{hint}"
+            f"{what} would take about {seconds:.0f} s{work}; the request deadline (request_timeout_s) is "
+            f"{budgets.seconds:g} s{hint}"
         )
 
 

@@ -58,6 +58,12 @@ class Settings(BaseSettings):
     request_timeout_s: float | None = Field(
         default=120.0, gt=0, description="a request waiting longer for its computation gets 503 and the computation stops"
     )
+    compute_flops_per_s: float = Field(
+        default=20e9, gt=0,
+        description="arithmetic rate assumed for one computation when pricing its time: a request whose engine-counted "
+        "FLOPs / this exceeds request_timeout_s is refused (422) before it runs. 20 GFLOP/s: about a third of one core's "
+        "float32 matrix products on the 2-core development machine, which a computation shares with others",
+    )
     rate_limit: int | None = Field(default=None, ge=1, description="requests per client per rate_window_s (None: off)")
     rate_window_s: float = Field(default=60.0, gt=0, description="window of the per-client rate limit")
     trusted_proxies: list[str] = Field(

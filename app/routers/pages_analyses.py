@@ -224,7 +224,7 @@ async def qk_paths_context(call: PageCall) -> dict[str, Any]:
 async def term_importance_context(call: PageCall) -> dict[str, Any]:
     view, error = await call.attempt(TERM_IMPORTANCE, call.params)
     prompt, model = call.params.prompt, call.model_id
-    ctx = {"view": view, "error": error, "figs": {}, "prompt": prompt}
+    ctx = {"view": view, "error": error, "figs": {}, "prompt": prompt, "heads": call.params.heads}
     if view is None:
         return ctx
     ctx["claim"] = ablation_sentence(view, (await call.attempt(HEADS, NoParams()))[0])

@@ -193,7 +193,10 @@ class TermImportanceView(BaseModel):
     )
     marginal_by_order: list[float] = Field(description="loss[k-1] - loss[k]: what the order-k terms add, k = 1..n_layers")
     first_order_by_layer: list[float] = Field(description="loss drop over the direct path from adding layer l's first-order terms alone")
-    heads: list[HeadAblation]
+    heads_asked: str = Field(description="the `heads` selection answered: 'default', 'all', 'none' or the canonical list")
+    heads_note: str = Field(description="which heads `heads` holds, in one sentence (the default differs by model size)")
+    all_heads_gflop: float = Field(description="the engine's FLOP count (GFLOP) of this answer with every head ablated (heads=all)")
+    heads: list[HeadAblation] = Field(description="the ablated heads, in layer order")
 
 
 # -- the paper tour --------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Term importance by path order and pattern-preserving head ablation (paper-math 2.13), from
 circuits_core.ablation: losses with paths up to each order (patterns and LayerNorm scales frozen, values
 reading the previous rerun), the marginal effect of each order, first-order terms by layer, and the loss
-change when one head's result is zeroed with every pattern frozen (Olsson et al.).
+change when one head's result is zeroed with every pattern frozen (Olsson et al.) and with the later patterns
+recomputed, for the heads asked (`heads`; the default is every head on a small model, the heads a big model's measured
+summary names otherwise: `ablated_heads`, said on the page).
 
 MLP models follow paths.py's convention: an MLP is a fixed node whose clean output is an order-0 path source
 (like the embedding), so every order rerun keeps each MLP's clean output and only head paths are truncated;
@@ -16,15 +18,16 @@ from __future__ import annotations
 import torch
 
 from app.analysis import Analysis
-from app.params import PromptInput, TermImportanceParams
+from app.params import DEFAULT_ALL_HEADS, PromptInput, TermImportanceParams, head_selection
 from app.schemas.analyses import HeadAblation, TermImportanceView
 from app.settings import Limits
 from app.views.inputs import max_prompt_tokens, model_ref, resolve_prompt, token_refs
 from circuits_core import ablation
-from circuits_core.ablation import head_ablation, order_ablation
-from circuits_core.config import head_name
+from circuits_core.ablation import term_importance
+from circuits_core.config import ModelConfig, head_name, parse_head
 from circuits_core.cost import Cost
-from circuits_core.errors import InvalidInputError
+from circuits_core.errors import InvalidInputError, QkovError
+from circuits_core.model_summary import HEAD_THRESHOLD, load_summary
 from circuits_core.weights import LoadedModel
 
 BUILTIN_TEXT = (
@@ -61,33 +64,65 @@ def prompt_or_default(loaded: LoadedModel, p: PromptInput, limits: Limits) -> tu
     return resolve_prompt(loaded, p.prompt, p.tokens, limits), "prompt" if p.prompt is not None else "tokens"
 
 
+def ablated_heads(loaded: LoadedModel, p: TermImportanceParams) -> tuple[list[tuple[int, int]], str, str]:
+    """(heads removed in turn, the selection as asked ('all', 'none', 'L16H0,L2' or 'default'), a sentence saying which
+    heads these are). Default: every head on a model of at most DEFAULT_ALL_HEADS heads; on a larger one the induction
+    and previous-token heads of its measured summary (model_summary.json), else none."""
+    cfg = loaded.model.cfg
+    total = cfg.n_layers * cfg.n_heads
+    if p.heads is not None:
+        heads = sorted({pair for _, pairs in head_selection(p.heads, cfg) for pair in pairs})
+        return heads, p.heads, f"The {len(heads)} of {total} heads asked for (heads={p.heads})."
+    if total <= DEFAULT_ALL_HEADS:
+        return [(layer, h) for layer in range(cfg.n_layers) for h in range(cfg.n_heads)], "default", f"Every head ({total})."
+    summary = load_summary(loaded.path) or {}
+    named = [e.get("head") for key in ("induction_heads", "previous_token_heads") for e in summary.get(key) or []
+             if isinstance(e, dict)]
+    heads = sorted({parse_head(h, cfg) for h in named if isinstance(h, str) and _is_head(h, cfg)})
+    if not heads:
+        return [], "default", (f"No head: on a model of more than {DEFAULT_ALL_HEADS} heads without a measured summary, "
+                               f"none is removed unless asked (heads=L0 for one layer, a list of heads, or heads=all).")
+    threshold = summary.get("head_threshold", HEAD_THRESHOLD)
+    return heads, "default", (f"The {len(heads)} of {total} heads that the model's measured summary (model_summary.json) "
+                              f"names as induction or previous-token heads (score >= {threshold} on random sequences "
+                              f"repeated once, BOS + r + r); heads=all removes every head.")
+
+
+def _is_head(name: str, cfg: ModelConfig) -> bool:
+    try:
+        parse_head(name, cfg)
+    except QkovError:
+        return False
+    return True
+
+
 def build_term_importance_view(loaded: LoadedModel, p: TermImportanceParams, limits: Limits) -> TermImportanceView:
     """Loss by max path order, marginal effect of each order, first-order terms by layer, per-head ablations."""
     model = loaded.model
-    cfg = model.cfg
     ids, source = prompt_or_default(loaded, p, limits)
     n = len(ids)
     if n < 2:
         raise InvalidInputError(f"term importance needs at least 2 tokens (a next-token loss), got {n}")
+    heads, asked, note = ablated_heads(loaded, p)
     seq = torch.tensor([ids], dtype=torch.long, device=model.device)  # [1, n]
     with torch.no_grad():
-        orders = order_ablation(model, seq)
-        heads = head_ablation(model, seq)  # [L, H], patterns frozen (Olsson)
-        recomputed = head_ablation(model, seq, recompute_patterns=True)  # [L, H], later patterns recomputed
+        orders, frozen, recomputed = term_importance(model, seq, heads)  # frozen: Olsson's; recomputed: later patterns
+    every = ablation.cost(model, n).flops
     return TermImportanceView(
         model=model_ref(loaded), text_source=source, tokens=token_refs(loaded, ids), clean_loss=orders.clean_loss,
         loss_by_order=orders.losses.tolist(), marginal_by_order=orders.marginal.tolist(),
-        first_order_by_layer=orders.first_order_gain.tolist(),
+        first_order_by_layer=orders.first_order_gain.tolist(), heads_asked=asked, heads_note=note,
+        all_heads_gflop=every / 1e9,
         heads=[
-            HeadAblation(head=head_name(layer, h), loss_change=float(heads[layer, h]),
-                         loss_change_recomputed=float(recomputed[layer, h]))
-            for layer in range(cfg.n_layers) for h in range(cfg.n_heads)
+            HeadAblation(head=head_name(layer, h), loss_change=float(frozen[i]), loss_change_recomputed=float(recomputed[i]))
+            for i, (layer, h) in enumerate(heads)
         ],
     )
 
 
 def term_importance_cost(loaded: LoadedModel, p: TermImportanceParams, limits: Limits) -> Cost:
-    return ablation.cost(loaded.model, len(prompt_or_default(loaded, p, limits)[0]))
+    """The engine's price of the ablations asked (FLOPs included: the app compares them with the request deadline)."""
+    return ablation.cost(loaded.model, len(prompt_or_default(loaded, p, limits)[0]), heads=ablated_heads(loaded, p)[0])
 
 
 TERM_IMPORTANCE = Analysis(
