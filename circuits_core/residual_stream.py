@@ -97,15 +97,17 @@ def spectra(model: Transformer, offset: int = 0) -> tuple[dict[str, Spectrum], d
                 w_out[w.name] = _eigh_spectrum(W_out.T @ W_out)
         if L:
             W_Q, W_K, W_V, W_O = (x.flatten(0, 1).to(dt) for x in (model.W_Q, model.W_K, model.W_V, model.W_O))
-            _, S, V = FactoredMatrix(W_V, W_O).svd()  # W_OV = U S V^T: V is the side written into the stream
-            for i in range(L * H):
-                w_out[Writer("head", i // H, i % H).name] = Spectrum(S[i], V[i])
             R = rotation(model, offset).to(dt)
-            for role, fm in (("Q", FactoredMatrix(W_Q, R @ W_K.transpose(-2, -1))),
-                             ("K", FactoredMatrix(W_K, R.T @ W_Q.transpose(-2, -1))), ("V", FactoredMatrix(W_V, W_O))):
-                U, S, _ = fm.svd()  # U: the side read from the stream
-                for i in range(L * H):
-                    r_out[Reader(role, i // H, i % H).name] = Spectrum(S[i], U[i])  # type: ignore[arg-type]
+            # W_OV = U S V^T: U is the side the V input reads from the stream, V the side the head writes into it.
+            # W_QK = W_Q R W_K^T = U S V^T: U is read by the query; the key reads through W_QK^T = W_K R^T W_Q^T, whose
+            # left singular vectors are W_QK's right ones: one SVD per circuit serves both of its sides.
+            U_ov, S_ov, V_ov = FactoredMatrix(W_V, W_O).svd()  # [LH, d, dh], [LH, dh], [LH, d, dh]
+            U_qk, S_qk, V_qk = FactoredMatrix(W_Q, R @ W_K.transpose(-2, -1)).svd()
+            for i in range(L * H):
+                layer, h = i // H, i % H
+                w_out[Writer("head", layer, h).name] = Spectrum(S_ov[i], V_ov[i])
+                for role, S, side in (("Q", S_qk, U_qk), ("K", S_qk, V_qk), ("V", S_ov, U_ov)):
+                    r_out[Reader(role, layer, h).name] = Spectrum(S[i], side[i])  # type: ignore[arg-type]
         for r in readers(model):
             if r.role in ("in", "gate", "up"):
                 W = mlp_input(model, r).to(dt)

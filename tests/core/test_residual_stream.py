@@ -56,10 +56,12 @@ def test_effective_rank_is_the_participation_ratio():
     assert rs.Spectrum(S, torch.eye(3)).effective_rank() == pytest.approx(14**2 / 98)
 
 
-@pytest.mark.parametrize("make", [_model, lambda: rotary_model(n_key_value_heads=2)])
-def test_spectra_are_the_dense_singular_values_and_stream_sides(make):
+@pytest.mark.parametrize("make, offset", [(_model, 0), (lambda: rotary_model(n_key_value_heads=2), 0),
+                                          (lambda: rotary_model(n_key_value_heads=2), 3)])
+def test_spectra_are_the_dense_singular_values_and_stream_sides(make, offset):
+    """Every side against the dense writer or reader (the key's W_K R^T W_Q^T at a query-key offset too)."""
     model = make()
-    w_spec, r_spec = rs.spectra(model)
+    w_spec, r_spec = rs.spectra(model, offset)
     for w in sc.writers(model):
         W = dense_writer(model, w)  # [n_in, d]: the stream side is its row space
         S = torch.linalg.svdvals(W)
@@ -69,7 +71,7 @@ def test_spectra_are_the_dense_singular_values_and_stream_sides(make):
         top = got.basis[:, :1]  # the top stream direction is W's top right singular vector
         assert float((W @ top).norm()) == pytest.approx(float(S[0]), rel=1e-8)
     for r in sc.readers(model):
-        R = dense_reader(model, r)  # [d, n_out]: the stream side is its column space
+        R = dense_reader(model, r, offset)  # [d, n_out]: the stream side is its column space
         S = torch.linalg.svdvals(R)
         got = r_spec[r.name]
         n = min(S.shape[0], got.S.shape[0])
