@@ -66,8 +66,8 @@ class CopyingBaseline:
     n_rows: int
 
 
-BLOCK_BYTES = 8 * 2**20  # a row block of logits at most this big: it stays in cache for the compare that follows (on the
-# GPT-2-small shape 8 MiB blocks of 40 rows beat 4 MiB (-20 %) and 256 MiB (2x))
+BLOCK_BYTES = 12 * 2**20  # a block of logits at most this big, compared right after it is formed (on the GPT-2-small
+# shape 62 source rows: -25 % against 4 MiB blocks of row-major logits, 2x against 256 MiB)
 
 
 def sample_order(n: int, rows: int | None, seed: int = 0) -> Tensor:
@@ -108,21 +108,22 @@ class RowRanks:
 def row_ranks(model: Transformer, W_V: Tensor, W_O: Tensor, k: int, order: Tensor, vocab: Tensor | None = None,
               budget_bytes: int = DEFAULT_BUDGET_BYTES) -> RowRanks:
     """The rows `order` (positions into the ranked tokens: vocab, or all) of M = W_E_eff W_V W_O W_U, each ranked
-    against every ranked column. Rows streamed in blocks through the [d_head, n] factor W_O W_U."""
+    against every ranked column. Rows streamed in blocks through the [n, d_head] factor (W_O W_U)^T."""
     ids = order if vocab is None else vocab[order]  # [r] token ids of the source rows
-    B = W_O @ (model.W_U if vocab is None else model.W_U[:, vocab])  # [d_head, n]
-    n = B.shape[1]
-    step = max(1, min(budget_bytes, BLOCK_BYTES) // max(1, n * B.element_size()))
+    W_U = model.W_U if vocab is None else model.W_U[:, vocab]  # [d_model, n]
+    Bt = W_U.T @ W_O.T  # [n, d_head]: (W_O W_U)^T, so a block of logits is [n, b] (a column per source row, 25 % faster)
+    n = Bt.shape[0]
+    step = max(1, min(budget_bytes, BLOCK_BYTES) // max(1, n * Bt.element_size()))
     above = torch.empty(len(order), dtype=torch.int64)  # [r]
     diag = torch.empty(len(order), dtype=torch.float64)  # [r]
     for start in range(0, len(order), step):
         check_stop(what="OV self-copy shares")
-        own = order[start:start + step].to(B.device)  # [b] columns of the rows' own tokens
-        block = (embed_eff_rows(model, ids[start:start + step]) @ W_V) @ B  # [b, n]
-        mine = block.gather(1, own[:, None])  # [b, 1] each row's own logit
+        own = order[start:start + step].to(Bt.device)  # [b] the rows' own tokens, as columns
+        block = Bt @ (embed_eff_rows(model, ids[start:start + step]) @ W_V).T  # [n, b] logits of row a in column a
+        mine = block.gather(0, own[None, :])  # [1, b] each row's own logit
         # columns ranked above it: a compare and a count (cheaper than topk)
-        above[start:start + len(own)] = torch.gt(block, mine).sum(-1, dtype=torch.int32).clamp_max(k).cpu()
-        diag[start:start + len(own)] = mine[:, 0].double().cpu()
+        above[start:start + len(own)] = torch.gt(block, mine).sum(0, dtype=torch.int32).clamp_max(k).cpu()
+        diag[start:start + len(own)] = mine[0].double().cpu()
     return RowRanks(above, diag, k)
 
 
