@@ -38,6 +38,7 @@ import torch
 from bench import fmt_time, row
 from bench.http import mem_available, timed_get, wait_ready
 from bench.load import HOST, RssSampler, free_port, rss_bytes, start_server
+from bench.term_importance import term_importance_smollm2
 
 if TYPE_CHECKING:
     from circuits_core.model import Transformer
@@ -309,6 +310,7 @@ def served(folder: Path) -> None:
 def modern() -> None:
     print("-- SmolLM2-135M (GGUF) --")
     smollm2()
+    term_importance_smollm2()
     print("-- Llama-3.2-1B shape, random bf16 Hugging Face checkpoint --")
     folder = llama_1b()
     served(folder)

@@ -70,6 +70,7 @@ def tl_model(model: Transformer) -> Any | None:
         d_mlp=c.d_mlp, act_fn=str(c.act_fn), normalization_type=c.normalization_type, gated_mlp=True,
         positional_embedding_type="rotary", rotary_base=int(c.rotary_base), rotary_dim=c.d_head,
         n_key_value_heads=c.n_key_value_heads, eps=c.eps, init_weights=False, device="cpu", dtype=torch.float32,
+        rotary_adjacent_pairs=c.rotary_adjacent_pairs,  # a GGUF checkpoint (SmolLM2) pairs adjacent dims
     )
     tl = HookedTransformer(cfg)
     missing, unexpected = tl.load_state_dict(model.state_dict(), strict=False)
