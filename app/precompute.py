@@ -163,16 +163,17 @@ def crawl(app: Any, args: argparse.Namespace, parser: argparse.ArgumentParser, s
             return parts.path in assembled and "heads" not in parse_qs(parts.query)
 
         with ThreadPoolExecutor(settings.compute_slots) as pool:
-            # Queued in order; only the first head and its panels are waited for before the other heads are queued
-            # (they compute what the others share: the heads table, every head's spectra, the copying baseline),
-            # so no core idles while the last model-wide pages finish. Pages assembled from the per-head panels' entries
-            # (ASSEMBLED) come last, when those entries are in the cache.
+            # Queued in order; only the first head is waited for before its panels and the other heads are queued
+            # (it computes what the others share: the heads table, every head's spectra; its panel the copying
+            # baseline's rows, done before any other panel is queued), so no core idles while the last model-wide
+            # pages finish. Pages assembled from the per-head panels' entries (ASSEMBLED) come last.
             model_pages = [pool.submit(visit, u) for u in phases["model-wide pages"] if not last(u)]
             run("first head", [pool.submit(visit, u) for u in phases["first head"]])
             first = [p for p in panels if not last(p[0])]  # the first head's panels (and those of the model-wide pages done by then)
             bar.total += len(first)
-            run("its panels", [pool.submit(ask_panel, p) for p in first])
+            first_panels = [pool.submit(ask_panel, p) for p in first]  # ahead of the other heads (the baseline's rows)
             head_pages = [pool.submit(visit, u) for u in phases["other heads"]]
+            run("its panels", first_panels)
             run("model-wide pages", model_pages)
             run("heads", head_pages)
             asked = set(first)
