@@ -30,13 +30,13 @@ effect on the pattern is only the per-key term b_Q W_K^T x, paper-math 1.4).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from circuits_core.cost import Cost, check_stop
+from circuits_core.cost import Cost, check_stop, shared_chunks
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix, topk_global_cost
 from circuits_core.hooks import Recorder
@@ -139,11 +139,16 @@ def _embed_eff_chunks(model: Transformer) -> Iterator[tuple[slice, Tensor]]:
     for start in range(0, model.cfg.d_vocab, EMBED_CHUNK):
         check_stop(what="LN(W_E)")
         rows = slice(start, min(start + EMBED_CHUNK, model.cfg.d_vocab))
-        x = model.W_E[rows] if norm.mean is None else model.W_E[rows] - norm.mean[rows, None]
-        x = x * norm.inv_scale[rows, None]
-        if norm.w is not None:
-            x = x * norm.w
-        yield rows, (x if norm.b is None else x + norm.b).to(model.W_E.dtype)  # [chunk, d_model]
+        yield rows, _normalised(model, norm, rows)
+
+
+def _normalised(model: Transformer, norm: EmbedNorm, rows: slice) -> Tensor:
+    """W_E_eff[rows] [chunk, d_model] from the statistics `norm`."""
+    x = model.W_E[rows] if norm.mean is None else model.W_E[rows] - norm.mean[rows, None]
+    x = x * norm.inv_scale[rows, None]
+    if norm.w is not None:
+        x = x * norm.w
+    return (x if norm.b is None else x + norm.b).to(model.W_E.dtype)  # [chunk, d_model]
 
 
 def embed_eff(model: Transformer) -> Tensor:
@@ -382,24 +387,24 @@ def head_dump(
 GRAM_BLOCKS = 4  # column blocks of the symmetric G_E: the 10 of 16 blocks on and above the diagonal are formed
 
 
-def _embed_rows(model: Transformer) -> Iterator[tuple[slice, Tensor]]:
-    """W_E_eff in row chunks [chunk, d_model] (W_E's own rows, uncopied, for a model without a layer-0 norm)."""
-    if model.cfg.n_layers == 0 or model.cfg.normalization_type is None:
-        for start in range(0, model.cfg.d_vocab, EMBED_CHUNK):
-            check_stop(what="Gram over the vocabulary")
-            rows = slice(start, min(start + EMBED_CHUNK, model.cfg.d_vocab))
-            yield rows, model.W_E[rows]
-        return
-    yield from _embed_eff_chunks(model)
+def _embed_rows(model: Transformer, take: Callable[[], slice | None] | None) -> Iterator[tuple[slice, Tensor]]:
+    """W_E_eff in the row chunks [chunk, d_model] that `take` hands out (default: all, EMBED_CHUNK rows each; W_E's own
+    rows, uncopied, for a model without a layer-0 norm)."""
+    take = shared_chunks(model.cfg.d_vocab, EMBED_CHUNK) if take is None else take
+    norm = None if model.cfg.n_layers == 0 or model.cfg.normalization_type is None else embed_norm(model)
+    while (rows := take()) is not None:
+        check_stop(what="Gram over the vocabulary")
+        yield rows, model.W_E[rows] if norm is None else _normalised(model, norm, rows)
 
 
-def _grams(model: Transformer, unembed: bool, embed: bool) -> tuple[Tensor, Tensor]:
+def _grams(model: Transformer, unembed: bool, embed: bool,
+           take: Callable[[], slice | None] | None = None) -> tuple[Tensor, Tensor]:
     """(G, G_E) [d_model, d_model] each (zeros where not asked) from one pass over the chunks of W_E_eff."""
     d = model.cfg.d_model
     edges = [d * i // GRAM_BLOCKS for i in range(GRAM_BLOCKS + 1)]
     blocks = [(a, b) for a, b in zip(edges, edges[1:], strict=False) if b > a]
     G, G_E = (torch.zeros(d, d, dtype=model.W_E.dtype, device=model.W_E.device) for _ in range(2))
-    for rows, X in _embed_rows(model):  # X [chunk, d]
+    for rows, X in _embed_rows(model, take):  # X [chunk, d]
         if unembed:
             G.addmm_(model.W_U[:, rows], X)
         for a, b in blocks if embed else ():  # G_E[blk, a:] += X[:, blk]^T X[:, a:]: blocks on and above the diagonal
@@ -407,11 +412,12 @@ def _grams(model: Transformer, unembed: bool, embed: bool) -> tuple[Tensor, Tens
     return G, G_E.triu() + G_E.triu(1).T  # G_E's upper triangle (diagonal blocks included) mirrored
 
 
-def embed_grams(model: Transformer) -> tuple[Tensor, Tensor]:
+def embed_grams(model: Transformer, take: Callable[[], slice | None] | None = None) -> tuple[Tensor, Tensor]:
     """(G = W_U @ W_E_eff, G_E = W_E_eff^T @ W_E_eff), each [d_model, d_model], from one pass over the chunks of
     W_E_eff (each chunk normalised once). G_E is symmetric: only its column blocks on and above the diagonal are
-    formed (GRAM_BLOCKS = 4: 10 of 16 blocks), the rest is their mirror."""
-    return _grams(model, unembed=True, embed=True)
+    formed (GRAM_BLOCKS = 4: 10 of 16 blocks), the rest is their mirror. `take`: only the vocabulary rows it hands
+    out (cost.shared_chunks shared by several threads: their Grams add up to the whole)."""
+    return _grams(model, unembed=True, embed=True, take=take)
 
 
 def unembed_embed_gram(model: Transformer) -> Tensor:

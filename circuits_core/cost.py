@@ -108,18 +108,16 @@ def side_by_side(main: Callable[[], A], side: Callable[[], B], name: str = "qkov
         return first, branch.result()
 
 
-def shared_chunks(total: int, chunk: int, workers: int = 2) -> Callable[[], slice | None]:
-    """A queue of consecutive slices covering range(total), shared by `workers` threads: each call takes the next one
-    (None when none is left), of at most `chunk` items and, so that the threads finish together, about a quarter of
-    what is left per worker (ceil(left / (2 workers)): large slices first, single items at the end)."""
-    lock, state = threading.Lock(), {"next": 0}
+def shared_chunks(total: int, chunk: int) -> Callable[[], slice | None]:
+    """A queue of the slices [start, start + chunk) covering range(total), shared by threads: each call takes the next
+    one (None when none is left), so side_by_side's branches split a chunked loop and finish it together."""
+    chunk = max(1, chunk)
+    starts, lock = iter(range(0, total, chunk)), threading.Lock()
 
     def take() -> slice | None:
         with lock:
-            start = state["next"]
-            size = min(max(1, chunk), -(-(total - start) // (2 * workers)))
-            state["next"] = start + size
-        return slice(start, start + size) if size > 0 else None
+            start = next(starts, None)
+        return None if start is None else slice(start, min(start + chunk, total))
 
     return take
 

@@ -6,19 +6,17 @@ K-composition term with the previous-token head) and the eigenvalue copying anal
 Row-vector convention; the pieces are heads.py (detectors), circuits.py (Grams, spectra) and qk_paths.py
 (K-composition positivity).
 
-The work, on GPT-2 small's shape and its standard input (10 x 101 tokens):
-    detector pass      every layer's pattern, chunks of sequences                        ~165 GFLOP
-    Grams              G = W_U W_E_eff, G_E = W_E_eff^T W_E_eff, one pass over the vocabulary
-                       (G_E by its blocks on and above the diagonal)                       ~95 GFLOP
-    spectra            G W_V and G_E W_Q (shared with the positivity), 2 x L x H eigenvalue problems
-    positivities       one-hot (previous-token head) and weighted (previous-token scores): they need the
-                       detector pass's previous-token scores, so they come last
-When the caller's torch threads leave a core idle (cost.side_by_side), two threads share it:
-    this thread     detector chunks ........................................ | weighted positivity
-    helper thread   Grams, spectra (, kernel peaks) then detector chunks ..... | one-hot positivity
-The detector chunks come from one queue (cost.shared_chunks: large ones first, single sequences at the end), so both
-threads finish the pass at about the same time; chunk sums are combined with their weights (heads.DetectorSums), so the scores are the same
-means as one pass.
+The work, on GPT-2 small's shape and its standard input (10 x 101 tokens), in four steps; when the caller's torch
+threads leave a core idle (cost.side_by_side) two threads share each step, else one thread does both halves:
+    1  detector pass    every layer's pattern; half the sequences each                        ~165 GFLOP
+    2  Grams            G = W_U W_E_eff, G_E = W_E_eff^T W_E_eff (G_E by its blocks on and above the
+                        diagonal), the vocabulary's row chunks taken from one queue (cost.shared_chunks):
+                        whichever thread finished its detector half first takes more; partial Grams add up  ~95 GFLOP
+    3  spectra          G_E W_Q (shared with the positivities) and the QK spectra | G W_V and the OV spectra
+                        (| μ and the kernel peaks, rotary models)                              ~25 GFLOP
+    4  positivities     one-hot (previous-token head) + the weighted one's low layers | its upper layers  ~20 GFLOP
+Detector chunks of whole sequences add up with their weights (heads.DetectorSums): the scores are the same means as
+one pass, and chunks of half the batch keep the GEMMs as efficient as one pass (one-sequence chunks cost ~20 % more).
 """
 
 from __future__ import annotations
@@ -33,6 +31,7 @@ from circuits_core.circuits import (
     EMBED_CHUNK,
     embed_gram,
     embed_grams,
+    embed_norm,
     gram_queries,
     ov_copying_scores,
     qk_copying_scores,
@@ -103,57 +102,50 @@ class HeadTable:
     kernel_peak_offset: Tensor | None = None  # [L, H] rotary.kernel_peak_offsets (rotary models, `means` given)
 
 
-@dataclass
-class _Spectra:
-    ov: Tensor  # [L, H] OV copying scores
-    qk: Tensor  # [L, H] QK copying scores
-    G_E: Tensor  # [d, d]
-    G_E_W_Q: Tensor  # [L, H, d, d_head]
-    peaks: Tensor | None  # [L, H] kernel peak offsets (rotary models, μ given)
-
-
 def head_table(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None,
                budget_bytes: int | None = None, means: Callable[[], Tensor] | None = None,
                reference_tokens: int | None = None) -> HeadTable:
     """The heads table: one detector pass on `tokens` (its previous-token scores reused by the induction view),
     and the full-circuit spectra from the two d_model x d_model Grams, each formed once; `means` (rotary models):
     gives μ [L, d_model] (stored, or measured on at most `reference_tokens` tokens) for the kernel peak offsets.
-
-    With a core idle, the helper thread forms the Grams and spectra, then takes detector chunks from the queue this
-    thread works through (see the module docstring); one after the other otherwise."""
+    Each step is shared by two threads when a core is idle (see the module docstring)."""
     if model.cfg.n_layers == 0:
         empty = torch.zeros(0, model.cfg.n_heads, dtype=torch.float64)
         return HeadTable(detector_scores(model, tokens, should_stop, budget_bytes), empty, empty, None)
     tokens = model.check_tokens(tokens)
     b, n = tokens.shape
-    take = shared_chunks(b, table_chunk(model, n, b, budget_bytes, reference_tokens if means else None))
+    sequences = shared_chunks(b, table_chunk(model, n, b, budget_bytes, reference_tokens if means else None))
+    vocabulary = shared_chunks(model.cfg.d_vocab, EMBED_CHUNK)
+    if model.cfg.normalization_type is not None:
+        embed_norm(model)  # W_E's LN statistics, cached: formed once here, not by both threads at once
 
-    def detect() -> DetectorSums:
-        return detector_sums(model, tokens, take, should_stop)
-
-    def spectra_then_detect() -> tuple[_Spectra, DetectorSums]:
+    def detectors_then_grams() -> tuple[DetectorSums, tuple[Tensor, Tensor]]:  # steps 1 and 2 of one thread
+        sums = detector_sums(model, tokens, sequences, should_stop)
         with torch.no_grad():
-            G, G_E = embed_grams(model)  # [d, d] each
-            check_stop(should_stop, "heads table")
-            G_E_W_Q = gram_queries(model, G_E)  # [L, H, d, d_head]
-            ov, qk = ov_copying_scores(model, G), qk_copying_scores(model, G_E, G_E_W_Q)
-            check_stop(should_stop, "heads table")
-            peaks = None if means is None else kernel_peak_offsets(model, means())
-        return _Spectra(ov, qk, G_E, G_E_W_Q, peaks), detect()
+            return sums, embed_grams(model, vocabulary)  # partial (G, G_E) [d, d]: the rows this thread took
 
-    mine, (spectra, theirs) = side_by_side(detect, spectra_then_detect, "qkov-heads-spectra")
+    (mine, (G, G_E)), (theirs, (G_b, G_E_b)) = side_by_side(detectors_then_grams, detectors_then_grams,
+                                                            "qkov-heads-table")
+    G, G_E = G + G_b, G_E + G_E_b  # [d, d] each
     detectors = mine.merge(theirs).scores()
     check_stop(should_stop, "heads table")
+
+    def query_side() -> tuple[Tensor, Tensor, Tensor | None]:
+        G_E_W_Q = gram_queries(model, G_E)  # [L, H, d, d_head]
+        return G_E_W_Q, qk_copying_scores(model, G_E, G_E_W_Q), None if means is None else kernel_peak_offsets(model, means())
+
     with torch.no_grad():
-        iv = induction_view(model, tokens, detectors["previous_token"], spectra.ov, spectra.G_E, spectra.G_E_W_Q)
-    return HeadTable(detectors, spectra.ov, spectra.qk, iv, spectra.peaks)
+        (G_E_W_Q, qk, peaks), ov = side_by_side(query_side, lambda: ov_copying_scores(model, G), "qkov-heads-table")
+        check_stop(should_stop, "heads table")
+        iv = induction_view(model, tokens, detectors["previous_token"], ov, G_E, G_E_W_Q)
+    return HeadTable(detectors, ov, qk, iv, peaks)
 
 
 def table_chunk(model: Transformer, n: int, batch: int, budget_bytes: int | None,
                 reference_tokens: int | None = None) -> int:
-    """The most sequences in one detector chunk of head_table: the first slice of cost.shared_chunks (a quarter of the
-    batch, rounded up), fewer when two chunks (one per thread) and the spectra held beside them would not fit."""
-    chunk = -(-batch // 4)
+    """Sequences per detector chunk of head_table: half the batch (rounded up), fewer when two chunks (one per
+    thread) and the Grams and spectra held beside them would not fit budget_bytes."""
+    chunk = -(-batch // 2)
     if budget_bytes is None:
         return chunk
     room = max(1, (budget_bytes - _spectra_cost(model, reference_tokens).peak_bytes) // 2)
@@ -162,8 +154,8 @@ def table_chunk(model: Transformer, n: int, batch: int, budget_bytes: int | None
 
 def head_table_cost(model: Transformer, n: int, batch: int, budget_bytes: int | None = None,
                     reference_tokens: int | None = None) -> Cost:
-    """head_table on `batch` sequences of n tokens: two detector chunks (one per thread) held beside the Grams,
-    spectra and (`reference_tokens` given) kernel peaks."""
+    """head_table on `batch` sequences of n tokens: two detector chunks (one per thread) held beside the Grams (one
+    thread may start them while the other still runs its chunk), spectra and (`reference_tokens` given) kernel peaks."""
     cfg = model.cfg
     chunk = detectors_cost(model, n, table_chunk(model, n, batch, budget_bytes, reference_tokens))
     return (chunk + chunk + _spectra_cost(model, reference_tokens)).with_answer(
@@ -171,11 +163,11 @@ def head_table_cost(model: Transformer, n: int, batch: int, budget_bytes: int | 
 
 
 def _spectra_cost(model: Transformer, reference_tokens: int | None = None) -> Cost:
-    """The Grams (one LN chunk of W_E at a time), G_E W_Q and the spectra's [L, H, d_model, d_head] products, then
-    μ's pass on `reference_tokens` tokens and the kernel (rotary.kernel_cost)."""
+    """Two threads' partial Grams (each with one LN chunk of W_E at a time), G_E W_Q and the spectra's
+    [L, H, d_model, d_head] products, then μ's pass on `reference_tokens` tokens and the kernel (rotary.kernel_cost)."""
     cfg = model.cfg
     size, per_head = itemsize(model.dtype), cfg.n_layers * cfg.n_heads * cfg.d_model * cfg.d_head
-    grams = (2 * cfg.d_model**2 + 2 * EMBED_CHUNK * cfg.d_model) * size
+    grams = 2 * (2 * cfg.d_model**2 + 2 * EMBED_CHUNK * cfg.d_model) * size
     spectra = Cost(grams + per_head * size + 2 * per_head * 8 + 4 * cfg.d_model**2 * 8)
     if reference_tokens is None:
         return spectra
