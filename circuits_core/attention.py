@@ -76,19 +76,26 @@ class Attention(nn.Module):
         # q_in, k_in, v_in: [batch, pos, d_model] -> attn_out [batch, pos, d_model]
         cfg, prefix = self.cfg, f"blocks.{self.layer}.attn"
         n = q_in.shape[1]
-        q = torch.einsum("bpd,hde->bphe", q_in, self.W_Q)  # [batch, pos, n_heads, d_head]
-        k = torch.einsum("bpd,gde->bpge", k_in, self.grouped("W_K"))  # [batch, pos, n_kv, d_head]
-        v = torch.einsum("bpd,gde->bpge", v_in, self.grouped("W_V"))
-        if cfg.use_bias:
-            q, k, v = q + self.b_Q, k + self.grouped("b_K"), v + self.grouped("b_V")
-        if cfg.positional_embedding_type == "rotary":
-            positions = torch.arange(n, device=q.device)[:, None]  # [pos, 1]
-            q, k = rotate(cfg, q, positions), rotate(cfg, k, positions)
-        k, v = self.per_head(k, dim=2), self.per_head(v, dim=2)  # [batch, pos, n_heads, d_head]
-        rec(f"{prefix}.hook_q", q), rec(f"{prefix}.hook_k", k), rec(f"{prefix}.hook_v", v)
         pattern_key = f"{prefix}.hook_pattern"
-        if frozen is not None and pattern_key in frozen.patterns:
-            pattern = frozen.patterns[pattern_key]  # [batch, n_heads, q_pos, k_pos]
+        frozen_pattern = frozen.patterns.get(pattern_key) if frozen is not None else None
+        v = torch.einsum("bpd,gde->bpge", v_in, self.grouped("W_V"))  # [batch, pos, n_kv, d_head]
+        if cfg.use_bias:
+            v = v + self.grouped("b_V")
+        v = self.per_head(v, dim=2)  # [batch, pos, n_heads, d_head]
+        # queries and keys only where they are used: a frozen pattern needs neither unless their hooks are asked for
+        if frozen_pattern is None or rec.wants(f"{prefix}.hook_q") or rec.wants(f"{prefix}.hook_k"):
+            q = torch.einsum("bpd,hde->bphe", q_in, self.W_Q)  # [batch, pos, n_heads, d_head]
+            k = torch.einsum("bpd,gde->bpge", k_in, self.grouped("W_K"))  # [batch, pos, n_kv, d_head]
+            if cfg.use_bias:
+                q, k = q + self.b_Q, k + self.grouped("b_K")
+            if cfg.positional_embedding_type == "rotary":
+                positions = torch.arange(n, device=q.device)[:, None]  # [pos, 1]
+                q, k = rotate(cfg, q, positions), rotate(cfg, k, positions)
+            k = self.per_head(k, dim=2)  # [batch, pos, n_heads, d_head]
+            rec(f"{prefix}.hook_q", q), rec(f"{prefix}.hook_k", k)
+        rec(f"{prefix}.hook_v", v)
+        if frozen_pattern is not None:
+            pattern = frozen_pattern  # [batch, n_heads, q_pos, k_pos]
             if pattern.shape[-1] != n:
                 raise InvalidInputError(f"frozen pattern for layer {self.layer} has {pattern.shape[-1]} positions, input has {n}")
         else:
