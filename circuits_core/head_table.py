@@ -12,8 +12,9 @@ threads leave a core idle (cost.side_by_side) two threads share each step, else 
     2  Grams            G = W_U W_E_eff, G_E = W_E_eff^T W_E_eff (G_E by its blocks on and above the
                         diagonal), the vocabulary's row chunks taken from one queue (cost.shared_chunks):
                         whichever thread finished its detector half first takes more; partial Grams add up  ~95 GFLOP
+                        (rotary models: that thread first measures μ and the kernel peaks)
     3  spectra          G_E W_Q (shared with the positivities) and the QK spectra | G W_V and the OV spectra
-                        (| μ and the kernel peaks, rotary models)                              ~25 GFLOP
+                                                                                              ~25 GFLOP
     4  positivities     one-hot (previous-token head) + the weighted one's low layers | its upper layers  ~20 GFLOP
 Detector chunks of whole sequences add up with their weights (heads.DetectorSums): the scores are the same means as
 one pass, and chunks of half the batch keep the GEMMs as efficient as one pass (one-sequence chunks cost ~20 % more).
@@ -119,23 +120,26 @@ def head_table(model: Transformer, tokens: Tensor, should_stop: Callable[[], boo
     if model.cfg.normalization_type is not None:
         embed_norm(model)  # W_E's LN statistics, cached: formed once here, not by both threads at once
 
-    def detectors_then_grams() -> tuple[DetectorSums, tuple[Tensor, Tensor]]:  # steps 1 and 2 of one thread
-        sums = detector_sums(model, tokens, sequences, should_stop)
-        with torch.no_grad():
-            return sums, embed_grams(model, vocabulary)  # partial (G, G_E) [d, d]: the rows this thread took
+    kernel = shared_chunks(1 if means is not None else 0, 1)  # one task: μ and the kernel peaks (rotary models)
 
-    (mine, (G, G_E)), (theirs, (G_b, G_E_b)) = side_by_side(detectors_then_grams, detectors_then_grams,
-                                                            "qkov-heads-table")
-    G, G_E = G + G_b, G_E + G_E_b  # [d, d] each
+    def detectors_then_grams() -> tuple[DetectorSums, Tensor | None, tuple[Tensor, Tensor]]:  # steps 1, 2 of a thread
+        sums = detector_sums(model, tokens, sequences, should_stop)
+        with torch.no_grad():  # the first thread done with its detector half measures μ, then both take Gram rows
+            peaks = kernel_peak_offsets(model, means()) if means is not None and kernel() is not None else None
+            return sums, peaks, embed_grams(model, vocabulary)  # partial (G, G_E) [d, d]: the rows this thread took
+
+    (mine, peaks, (G, G_E)), (theirs, peaks_b, (G_b, G_E_b)) = side_by_side(detectors_then_grams,
+                                                                            detectors_then_grams, "qkov-heads-table")
+    G, G_E, peaks = G + G_b, G_E + G_E_b, peaks if peaks is not None else peaks_b  # [d, d], [d, d], [L, H]
     detectors = mine.merge(theirs).scores()
     check_stop(should_stop, "heads table")
 
-    def query_side() -> tuple[Tensor, Tensor, Tensor | None]:
+    def query_side() -> tuple[Tensor, Tensor]:
         G_E_W_Q = gram_queries(model, G_E)  # [L, H, d, d_head]
-        return G_E_W_Q, qk_copying_scores(model, G_E, G_E_W_Q), None if means is None else kernel_peak_offsets(model, means())
+        return G_E_W_Q, qk_copying_scores(model, G_E, G_E_W_Q)
 
     with torch.no_grad():
-        (G_E_W_Q, qk, peaks), ov = side_by_side(query_side, lambda: ov_copying_scores(model, G), "qkov-heads-table")
+        (G_E_W_Q, qk), ov = side_by_side(query_side, lambda: ov_copying_scores(model, G), "qkov-heads-table")
         check_stop(should_stop, "heads table")
         iv = induction_view(model, tokens, detectors["previous_token"], ov, G_E, G_E_W_Q)
     return HeadTable(detectors, ov, qk, iv, peaks)
@@ -158,17 +162,18 @@ def head_table_cost(model: Transformer, n: int, batch: int, budget_bytes: int | 
     thread may start them while the other still runs its chunk), spectra and (`reference_tokens` given) kernel peaks."""
     cfg = model.cfg
     chunk = detectors_cost(model, n, table_chunk(model, n, batch, budget_bytes, reference_tokens))
-    return (chunk + chunk + _spectra_cost(model, reference_tokens)).with_answer(
+    return (chunk + chunk + _spectra_cost(model, reference_tokens)).with_answer(  # μ's pass beside a chunk: added
         numbers=8 * cfg.n_layers * cfg.n_heads, labels=2 * cfg.n_layers * cfg.n_heads)
 
 
 def _spectra_cost(model: Transformer, reference_tokens: int | None = None) -> Cost:
     """Two threads' partial Grams (each with one LN chunk of W_E at a time), G_E W_Q and the spectra's
-    [L, H, d_model, d_head] products, then μ's pass on `reference_tokens` tokens and the kernel (rotary.kernel_cost)."""
+    [L, H, d_model, d_head] products, and μ's pass on `reference_tokens` tokens and the kernel (rotary.kernel_cost),
+    which one thread may run while the other still holds a detector chunk or partial Grams."""
     cfg = model.cfg
     size, per_head = itemsize(model.dtype), cfg.n_layers * cfg.n_heads * cfg.d_model * cfg.d_head
     grams = 2 * (2 * cfg.d_model**2 + 2 * EMBED_CHUNK * cfg.d_model) * size
     spectra = Cost(grams + per_head * size + 2 * per_head * 8 + 4 * cfg.d_model**2 * 8)
     if reference_tokens is None:
         return spectra
-    return spectra.then(kernel_cost(model, min(KERNEL_WINDOW, cfg.n_ctx - 1) + 1, reference_tokens))
+    return spectra + kernel_cost(model, min(KERNEL_WINDOW, cfg.n_ctx - 1) + 1, reference_tokens)
