@@ -51,6 +51,23 @@ def test_both_grams_from_one_pass_equal_dense_products(norm: str | None, monkeyp
     assert torch.equal(C.embed_gram(model), G_E) and torch.equal(C.unembed_embed_gram(model), G)
 
 
+def test_grams_of_two_workers_sharing_the_vocabulary_add_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    """head_table's step 2: two workers taking the vocabulary's row chunks from one queue form partial Grams that add
+    up to the dense products (float64)."""
+    from circuits_core.cost import shared_chunks
+
+    monkeypatch.setattr(C, "EMBED_CHUNK", 5)
+    model = _ln_model("LN")
+    W_E = _W_E_eff(model)
+    take = shared_chunks(model.cfg.d_vocab, 5)
+    handed = [take(), take(), take()]  # the first worker's rows 0..14; the second takes the rest
+    G_a, G_E_a = C.embed_grams(model, lambda: handed.pop(0) if handed else None)
+    G_b, G_E_b = C.embed_grams(model, take)
+    torch.testing.assert_close(G_a, model.W_U[:, :15] @ W_E[:15], rtol=0, atol=1e-10)
+    torch.testing.assert_close(G_a + G_b, model.W_U @ W_E, rtol=0, atol=1e-10)
+    torch.testing.assert_close(G_E_a + G_E_b, W_E.T @ W_E, rtol=0, atol=1e-10)
+
+
 def test_shared_gram_queries_give_the_same_spectra_and_positivities() -> None:
     """qk_eigenvalues and the dense K-composition route fed G_E W_Q from gram_queries equal those forming their own
     products from W_E_eff written out (G_E = W_E_eff^T W_E_eff, float64)."""
