@@ -15,31 +15,40 @@ Exactly through d_head x d_head Gram matrices, ||X R Y||^2 = <X^T X, R (Y^T Y) R
 so a whole profile costs one d_head x d_model x d_head product per pair (per key/value group for K) plus
 d_head^2 per offset. The offset window is PROFILE_OFFSETS (δ = 0..64) unless given.
 
-Random baseline: for Gaussian factors the distribution of W_K R(δ)^T is that of W_K, so the expected score
-does not depend on δ. `random_baseline` samples it with Gaussian factors of the model's shapes, one key
-factor shared by the group_size query heads of a group, as grouped-query attention shares it (drawn directly
-as d_head x d_head pieces with the same distribution: see its docstring).
+Random baseline: rotary_baseline.random_baseline (rotation-invariant: one value for every δ; under GQA one key
+factor shared by the group's query heads).
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from circuits_core.composition import (
+    LayerWeight,
+    layer_scores,
+    model_weight,
+    raw_composition_scores,
+    scores_numbers,
+    source_factor,
+)
 from circuits_core.composition import cost as composition_cost
-from circuits_core.composition import raw_composition_scores
 from circuits_core.config import head_name, parse_head
-from circuits_core.cost import Cost, check_stop, itemsize
+from circuits_core.cost import Cost, check_stop, itemsize, shared_chunks, side_by_side
 from circuits_core.errors import InvalidInputError
 from circuits_core.model import Transformer, rotary_angles, rotary_pairs
 from circuits_core.rotary import KERNEL_WINDOW, check_offsets, check_rotary, rotation
+from circuits_core.rotary_baseline import baseline_cost, random_baseline
 
 PROFILE_OFFSETS = tuple(range(KERNEL_WINDOW + 1))  # δ = 0..64
+# Source heads per product F W_T: P [96 d_head, (H + G) d_head] and its Grams stay in cache (~33 MB per worker on
+# SmolLM2's shape), and the product is still a large matmul.
+SOURCE_CHUNK = 96
 
 
 @dataclass
@@ -69,13 +78,6 @@ class CompositionProfiles:
         return self.q if kind == "q" else self.k
 
 
-def _source_factors(model: Transformer, dtype: torch.dtype) -> Tensor:
-    """F [L, H, d_head, d_model] = R_V W_O: ||W_OV Z||_F = ||F Z||_F for any Z (R_V from the group's W_V)."""
-    W_V, W_O = model.W_V_groups.to(dtype), model.W_O.to(dtype)  # [L, G, d, dh], [L, H, dh, d]
-    R_V = torch.linalg.qr(W_V, mode="r")[1]  # [L, G, dh, dh]
-    return R_V.repeat_interleave(model.cfg.group_size, dim=1) @ W_O  # [L, H, dh, d]
-
-
 def _pair_order(model: Transformer) -> Tensor:
     """A permutation of the d_head dims putting the rotary pairs' first dims, then their second dims, then the
     unrotated ones: in that basis R(δ) acts on halves (rotate-half layout) whatever the model's layout. Inner
@@ -85,23 +87,128 @@ def _pair_order(model: Transformer) -> Tensor:
     return torch.cat([first, second, torch.tensor(rest, dtype=torch.long)]).to(model.device)
 
 
-def _rotated_grams(G: Tensor, cos: Tensor, sin: Tensor, transpose_side: bool) -> Tensor:
-    """R(δ) G R(δ)^T (transpose_side False) or R(δ)^T G R(δ) (True) for G [N, dh, dh] in the pair order of
-    _pair_order, cos/sin [n, K] of δ θ_k: [N, n, dh, dh], by rotating columns then rows (O(dh^2) per offset).
+def _term_weights(model: Transformer, delta: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The offset weights of the four terms of R(δ)^T G R(δ) in the pair order, packed (_packed): ([4, h dh, n],
+    [4, (dh - h)^2, n]); the first part's off-diagonal block (columns >= h) doubled, as the packed inner product
+    counts it twice. Terms: c c^T, c s^T, s c^T, s s^T with c = cos δθ_k and s = sin δθ_k on both dims of pair k
+    (1 and 0 on the unrotated dims)."""
+    dh, K = model.cfg.d_head, rotary_pairs(model.cfg)[0].numel()
+    angles = rotary_angles(model.cfg, delta.to(model.device))  # [n, K] δ θ_k
+    c = torch.ones(delta.numel(), dh, dtype=dtype, device=model.device)
+    s = torch.zeros_like(c)
+    c[:, :2 * K], s[:, :2 * K] = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+    W = torch.stack([c[:, :, None] * c[:, None, :], c[:, :, None] * s[:, None, :], s[:, :, None] * c[:, None, :],
+                     s[:, :, None] * s[:, None, :]]).permute(0, 2, 3, 1)  # [4, dh, dh, n]
+    h = dh // 2
+    W[:, :h, h:] *= 2
+    return W[:, :h].reshape(4, h * dh, -1).contiguous(), W[:, h:, h:].reshape(4, (dh - h) ** 2, -1).contiguous()
 
-    x R(δ) turns pair k: x_f' = x_f cos - x_s sin, x_s' = x_s cos + x_f sin (model.rotate); R(δ)^T = R(-δ)."""
-    K = cos.shape[-1]
-    s = sin if transpose_side else -sin  # R^T G R: columns by R(δ); R G R^T: columns by R(-δ)
 
-    def right(X: Tensor) -> Tensor:  # X [..., dh] rows, each times R(±δ): [..., n, dh]
-        f, sec, rest = X[..., None, :K], X[..., None, K:2 * K], X[..., None, 2 * K:]
-        a, b = f * cos - sec * s, sec * cos + f * s  # [..., n, K]
-        return torch.cat([a, b, rest.expand(*a.shape[:-1], rest.shape[-1])], -1)
+def _packed(M: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric M [..., dh, dh] as (its first h = dh // 2 rows [..., h dh], its last block [..., (dh - h)^2]):
+    <M, X> = <first rows, first rows of X with columns >= h doubled> + <last blocks> for symmetric M, X."""
+    h = M.shape[-1] // 2
+    return M[..., :h, :].flatten(-2), M[..., h:, h:].flatten(-2)
 
-    GR = right(G).transpose(-3, -2)  # [N, n, dh (rows of G), dh]: G R(±δ)
-    c2, s2 = cos[:, :, None], s[:, :, None]  # [n, K, 1]: the same turn applied to rows
-    f, sec, rest = GR[..., :K, :], GR[..., K:2 * K, :], GR[..., 2 * K:, :]
-    return torch.cat([f * c2 - sec * s2, sec * c2 + f * s2, rest], -2)  # R(±δ)^T G R(±δ)
+
+def _rotated_tables(G: Tensor, weights: tuple[Tensor, Tensor], swap: Tensor, turn: int) -> list[Tensor]:
+    """R(δ)^T G R(δ) (turn 1) or R(δ) G R(δ)^T (turn -1) for G [N, dh, dh] in the pair order and every offset,
+    packed and weighted for <M, X> (_term_weights): [[N, h dh, n], [N, (dh - h)^2, n]].
+
+    R(δ) = C + S J in the pair order (C = diag(c), S = diag(s), J[f_k, s_k] = 1, J[s_k, f_k] = -1: x R turns pair
+    k as model.rotate does), so R^T G R = c c^T∘G + c s^T∘(G J) + s c^T∘(J^T G) + s s^T∘(J^T G J), and R G R^T
+    the same with s -> -s. `swap` [dh] holds J's column signs: (G J)[:, j] = swap_j G[:, partner(j)]."""
+    K = int((swap != 0).sum()) // 2
+    partner = torch.cat([torch.arange(K, 2 * K), torch.arange(K), torch.arange(2 * K, G.shape[-1])]).to(G.device)
+    GJ = G[..., partner] * swap  # G J
+    JG = G[..., partner, :] * swap[:, None]  # J^T G
+    terms = (G, turn * GJ, turn * JG, JG[..., partner] * swap)  # [N, dh, dh] each
+    tables = []
+    for part, W in enumerate(weights):  # W [4, E, n]
+        B = [_packed(t)[part] for t in terms]  # [N, E] each
+        X = torch.mul(B[0][..., None], W[0])
+        for t in range(1, 4):
+            X.addcmul_(B[t][..., None], W[t])
+        tables.append(X)  # [N, E, n]
+    return tables
+
+
+def _swap_signs(model: Transformer, dtype: torch.dtype) -> Tensor:
+    """[dh] the column signs of J in the pair order: -1 on the pairs' first dims, 1 on their second, 0 elsewhere."""
+    K, dh = rotary_pairs(model.cfg)[0].numel(), model.cfg.d_head
+    return torch.cat([-torch.ones(K), torch.ones(K), torch.zeros(dh - 2 * K)]).to(dtype=dtype, device=model.device)
+
+
+class _Workspace:
+    """One worker's reusable buffers: fresh 10-50 MB products per target layer would each cost their page faults."""
+
+    def __init__(self, like: Tensor) -> None:
+        self.like, self.buffers = like, dict[str, Tensor]()
+
+    def take(self, name: str, *shape: int) -> Tensor:
+        size = math.prod(shape)
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.numel() < size:
+            buffer = self.buffers[name] = self.like.new_empty(size)
+        return buffer[:size].view(*shape)
+
+
+@dataclass
+class _Factors:
+    """The pieces every target layer reads: the source factors and the rotation's d_head-sized tables."""
+
+    weight: LayerWeight  # composition.model_weight: one layer's W_Q [H, d, dh], W_K [G, d, dh], ... in the compute dtype
+    F: Tensor  # [L H, k, d] source factors R_V W_O (composition.source_factor, k = min(d, dh)), layer-major
+    src: Tensor  # [L H] ||W_OV||_F = ||F||_F
+    order: Tensor  # [dh] _pair_order
+    weights: tuple[Tensor, Tensor]  # _term_weights
+    swap: Tensor  # [dh] _swap_signs
+
+
+def _factors(model: Transformer, delta: Tensor, dtype: torch.dtype) -> _Factors:
+    weight = model_weight(model, dtype)
+    F = torch.cat([source_factor(weight, layer, model.cfg.group_size) for layer in range(model.cfg.n_layers - 1)])
+    return _Factors(weight, F, F.pow(2).sum((-2, -1)).sqrt(), _pair_order(model), _term_weights(model, delta, dtype),
+                    _swap_signs(model, dtype))
+
+
+def _target_layer(model: Transformer, f: _Factors, l2: int, q: Tensor, k: Tensor, ws: _Workspace, chunk: int) -> None:
+    """q[:l2, :, l2], k[:l2, :, l2]: the profiles of every pair (source in layers < l2, target in l2), sources in
+    chunks of `chunk` heads: P = F W_T [chunk k, (H + G) dh] in one product, the packed Grams of its d_head x d_head
+    blocks (P^T P for each query head and key/value group), their inner products with the rotated Grams."""
+    check_stop(what="composition profiles")
+    cfg = model.cfg
+    H, G, gs, dh, d = cfg.n_heads, cfg.n_kv_heads, cfg.group_size, cfg.d_head, cfg.d_model
+    C, h, n, k_ = H + G, dh // 2, f.weights[0].shape[-1], f.F.shape[1]
+    E = (h * dh, (dh - h) ** 2)  # packed sizes
+    W_Qt = f.weight(l2, "W_Q").transpose(-2, -1)[:, f.order]  # [H, dh, d], rows in the pair order
+    W_Kt = f.weight(l2, "W_K").transpose(-2, -1)[:, f.order]  # [G, dh, d]
+    W_T = torch.cat([W_Qt, W_Kt]).view(C * dh, d)  # every query head, then every key/value group
+    G_Q, G_K = W_Qt @ W_Qt.transpose(-2, -1), W_Kt @ W_Kt.transpose(-2, -1)  # [H | G, dh, dh]
+    X_Q = _rotated_tables(G_K, f.weights, f.swap, -1)  # [G, E, n]: R G_K R^T, shared by the group's heads
+    X_K = [X.view(G, gs, e, n).transpose(1, 2).reshape(G, e, gs * n)  # [G, E, gs n]: R^T G_Q R of each head
+           for X, e in zip(_rotated_tables(G_Q, f.weights, f.swap, 1), E, strict=True)]
+    omega_sq = sum(torch.bmm(g.view(G, gs, e), X) for g, X, e in zip(_packed(G_Q), X_Q, E, strict=True))
+    omega = omega_sq.view(H, n).clamp_min(0).sqrt()  # type: ignore[union-attr]  # [H, n] ||Ω_B(δ)||_F
+    q_rows, k_rows = q.view(-1, *q.shape[2:]), k.view(-1, *k.shape[2:])  # [L H (sources), L, H, n]
+    for a0 in range(0, l2 * H, chunk):
+        a1 = min(a0 + chunk, l2 * H)
+        A = a1 - a0
+        P = ws.take("P", A * k_, C * dh)
+        torch.mm(f.F[a0:a1].view(A * k_, d), W_T.T, out=P)
+        blocks = P.view(A, k_, C, dh)
+        M = (ws.take("M0", C, A, h, dh), ws.take("M1", C, A, dh - h, dh - h))  # packed Grams (_packed)
+        for c in range(C):
+            Pc = blocks[:, :, c]  # [A, k, dh]
+            torch.bmm(Pc[..., :h].transpose(1, 2), Pc, out=M[0][c])
+            torch.bmm(Pc[..., h:].transpose(1, 2), Pc[..., h:], out=M[1][c])
+        num_q = sum(torch.bmm(m[:H].view(G, gs * A, e), X) for m, X, e in zip(M, X_Q, E, strict=True))
+        num_k = sum(torch.bmm(m[H:].view(G, A, e), X) for m, X, e in zip(M, X_K, E, strict=True))
+        num_q = num_q.view(H, A, n)  # type: ignore[union-attr]
+        num_k = num_k.view(G, A, gs, n).transpose(1, 2).reshape(H, A, n)  # type: ignore[union-attr]
+        den = f.src[a0:a1, None] * omega[:, None]  # [H, A, n]
+        q_rows[a0:a1, l2] = (num_q.clamp_min(0).sqrt() / den).transpose(0, 1)
+        k_rows[a0:a1, l2] = (num_k.clamp_min(0).sqrt() / den).transpose(0, 1)
 
 
 def composition_profiles(
@@ -109,53 +216,47 @@ def composition_profiles(
     offsets: Sequence[int] | Tensor = PROFILE_OFFSETS,
     n_samples: int = 200,
     seed: int = 0,
+    source_chunk: int = SOURCE_CHUNK,
 ) -> CompositionProfiles:
-    """All pairs' Q/K profiles over the offsets and V-composition, exactly from d_head x d_head Grams."""
+    """All pairs' Q/K profiles over the offsets and V-composition, exactly from d_head x d_head Grams.
+
+    The work goes in tasks from one queue, longest first (V-composition, the random baseline, then the target
+    layers from the last): two workers take them side by side (cost.side_by_side: in parallel when the caller's
+    torch threads leave a core idle, one after the other otherwise)."""
     check_rotary(model)
     cfg = model.cfg
-    L, H, G, dh = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+    L, H = cfg.n_layers, cfg.n_heads
     delta = check_offsets(model, offsets)
-    n = delta.numel()
     dtype = model.compute_dtype
-    q = torch.zeros(L, H, L, H, n, dtype=dtype, device=model.device)
+    q = torch.zeros(L, H, L, H, delta.numel(), dtype=dtype, device=model.device)
     k = torch.zeros_like(q)
+    found: dict[str, Any] = {}
     with torch.no_grad():
-        W_Q, W_K = model.W_Q.to(dtype), model.W_K_groups.to(dtype)  # [L, H, d, dh], [L, G, d, dh]
-        F = _source_factors(model, dtype)  # [L, H, dh, d]
-        src = F.pow(2).sum((-2, -1)).sqrt()  # [L, H] ||W_OV||
-        G_Q = W_Q.transpose(-2, -1) @ W_Q  # [L, H, dh, dh]
-        G_K = W_K.transpose(-2, -1) @ W_K  # [L, G, dh, dh] per key/value group
-        order = _pair_order(model)  # every d_head x d_head matrix below in this basis
-        G_Q, G_K = G_Q[..., order][..., order, :], G_K[..., order][..., order, :]
-        angles = rotary_angles(cfg, delta.to(model.device))  # [n, K] δ θ_k
-        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-        gs, d = cfg.group_size, cfg.d_model
-        W_Qo, W_Ko = W_Q[..., order], W_K[..., order]
-        for l2 in range(1, L):
-            check_stop(what="composition profiles")
-            A = l2 * H  # sources: every head of layers < l2
-            X_Q = _rotated_grams(G_K[l2], cos, sin, transpose_side=False)  # [G, n, dh, dh]: R G_K R^T
-            X_K = _rotated_grams(G_Q[l2], cos, sin, transpose_side=True)  # [H, n, dh, dh]: R^T G_Q R
-            omega_sq = (G_Q[l2].view(G, gs, 1, dh, dh) * X_Q[:, None]).sum((-2, -1)).view(H, n)  # ||Ω_B(δ)||^2
-            XQ, XK = X_Q.reshape(G, n, dh * dh), X_K.reshape(G, gs * n, dh * dh)
-            sources = F[:l2].reshape(A * dh, d)  # [A dh, d]
-            P = (sources @ W_Qo[l2].permute(1, 0, 2).reshape(d, H * dh)).view(A, dh, H, dh)
-            P = P.permute(2, 0, 1, 3).contiguous()  # [H, A, dh, dh]: P = F_A W_Q^B
-            MQ = (P.transpose(-2, -1) @ P).view(G, gs * A, dh * dh)  # head b uses X_Q of its group
-            num_q = torch.bmm(MQ, XQ.transpose(1, 2)).view(H, A, n)
-            P2 = (sources @ W_Ko[l2].permute(1, 0, 2).reshape(d, G * dh)).view(A, dh, G, dh)
-            P2 = P2.permute(2, 0, 1, 3).contiguous()  # [G, A, dh, dh]: P' = F_A W_K^g
-            MK = (P2.transpose(-2, -1) @ P2).view(G, A, dh * dh)
-            num_k = torch.bmm(MK, XK.transpose(1, 2)).view(G, A, gs, n).permute(0, 2, 1, 3).reshape(H, A, n)
-            den = src[:l2].reshape(1, A, 1) * omega_sq.clamp_min(0).sqrt()[:, None]  # [H, A, n]
-            q[:l2, :, l2] = (num_q.clamp_min(0).sqrt() / den).permute(1, 0, 2).reshape(l2, H, H, n)
-            k[:l2, :, l2] = (num_k.clamp_min(0).sqrt() / den).permute(1, 0, 2).reshape(l2, H, H, n)
-        v = raw_composition_scores(model.W_Q.to(dtype), model.W_K.to(dtype), model.W_V.to(dtype),
-                                   model.W_O.to(dtype), kinds=("v",))[0]  # [L, H, L, H]
-    layer = torch.arange(L, device=model.device)
-    mask = (layer[:, None, None, None] < layer[None, None, :, None]).expand(L, H, L, H)
-    mean, std = random_baseline(cfg.d_model, dh, cfg.group_size, n_samples=n_samples, seed=seed)
-    return CompositionProfiles(delta, q, k, v, mean, std, mask)
+        f = _factors(model, delta, dtype)
+
+        def v_composition(ws: _Workspace) -> None:
+            shape = (L, H, cfg.group_size, cfg.d_model, cfg.d_head)
+            found["v"] = layer_scores(f.weight, shape, q, kinds=("v",))[0]  # [L, H, L, H], composition.py's
+
+        def baseline(ws: _Workspace) -> None:
+            found["baseline"] = random_baseline(cfg.d_model, cfg.d_head, cfg.group_size, n_samples=n_samples, seed=seed)
+
+        def layer(l2: int) -> Callable[[_Workspace], None]:
+            return lambda ws: _target_layer(model, f, l2, q, k, ws, max(1, source_chunk))
+
+        tasks = [v_composition, baseline, *(layer(l2) for l2 in range(L - 1, 0, -1))]
+        take = shared_chunks(len(tasks), 1)
+
+        def worker() -> None:
+            ws = _Workspace(q)
+            while (task := take()) is not None:
+                tasks[task.start](ws)
+
+        side_by_side(worker, worker, "qkov-profiles")
+    layer_ = torch.arange(L, device=model.device)
+    mask = (layer_[:, None, None, None] < layer_[None, None, :, None]).expand(L, H, L, H)
+    mean, std = found["baseline"]
+    return CompositionProfiles(delta, q, k, found["v"], mean, std, mask)
 
 
 def pair_profile(model: Transformer, source: str, target: str, kind: str,
@@ -169,7 +270,7 @@ def pair_profile(model: Transformer, source: str, target: str, kind: str,
         raise InvalidInputError(f"composition profiles are for kind q or k, got {kind!r}")
     dtype = model.compute_dtype
     with torch.no_grad():
-        F = _source_factors(model, dtype)[l1, h1]  # [dh, d]
+        F = source_factor(model_weight(model, dtype), l1, model.cfg.group_size)[h1]  # [k, d]
         W_Q = model.W_Q[l2, h2].to(dtype)  # [d, dh]
         W_K = model.W_K_groups[l2, h2 // model.cfg.group_size].to(dtype)
         R = rotation(model, offsets, dtype=dtype)  # [n, dh, dh]
@@ -195,108 +296,28 @@ def composition_at(model: Transformer, kind: str, offset: int) -> Tensor:
                                       kinds=(kind,))[0]  # type: ignore[arg-type]
 
 
-def _pair_scores(F_Z: Tensor, G_Q: Tensor, F_K: Tensor, G_K: Tensor, F_sq: Tensor) -> Tensor:
-    """Q and K scores [2 m g] of sampled heads from their d_head x d_head pieces: F_Z = F W_Q [m, g, dh, dh] (g query
-    heads per key factor), G_Q = W_Q^T W_Q [m, g, dh, dh], F_K = F W_K [m, 1, dh, dh], G_K = W_K^T W_K [m, 1, dh, dh],
-    F_sq = ||F||^2 = ||W_OV||^2 [m, 1] (the Gram formulas of the module docstring)."""
-    num_q = ((F_Z.transpose(-2, -1) @ F_Z) * G_K).sum((-2, -1))  # [m, g]
-    num_k = ((F_K.transpose(-2, -1) @ F_K) * G_Q).sum((-2, -1))
-    den = F_sq * (G_Q * G_K).sum((-2, -1))
-    return torch.cat([(num_q / den).sqrt().flatten(), (num_k / den).sqrt().flatten()])
-
-
-def _normal(gen: torch.Generator, *shape: int) -> Tensor:
-    """Standard normal draws as float64 (drawn in float32: 5x faster, and a Monte Carlo baseline needs no more)."""
-    return torch.randn(*shape, generator=gen).double()
-
-
-def _bartlett(dof: int, m: int, dh: int, gen: torch.Generator) -> Tensor:
-    """[m, dh, dh] upper-triangular T with T^T T ~ Wishart(dof, I_dh) (Bartlett): T_ii = sqrt(chi^2 of dof - i),
-    T_ij ~ N(0, 1) above the diagonal. T is distributed as the R factor of the QR of a Gaussian [dof, dh] matrix."""
-    df = torch.arange(dof, dof - dh, -1, dtype=torch.float64)  # [dh], dof >= dh
-    seed = int(torch.randint(0, 2**62, (1,), generator=gen))
-    with torch.random.fork_rng(devices=[]):  # torch's gamma sampler reads the global generator: a private seeded one
-        torch.manual_seed(seed)
-        diag = torch.distributions.Chi2(df).sample((m,)).sqrt()  # [m, dh]
-    T = _normal(gen, m, dh, dh).triu(1)
-    return T + torch.diag_embed(diag)
-
-
-def _rotation_of(d_head: int, angle: float) -> Tensor:
-    """[dh, dh] R: every rotate-half pair (k, k + dh/2) turned by `angle` (the key factor of an offset)."""
-    c, s = math.cos(angle), math.sin(angle)
-    half = d_head // 2
-    R = torch.eye(d_head, dtype=torch.float64)
-    R[:half, :half], R[half:2 * half, half:2 * half] = c * torch.eye(half), c * torch.eye(half)
-    R[:half, half:2 * half], R[half:2 * half, :half] = s * torch.eye(half), -s * torch.eye(half)
-    return R
-
-
-def dense_baseline_scores(d_model: int, d_head: int, group_size: int, n_samples: int, seed: int = 0,
-                          offset_angle: float = 0.0) -> Tensor:
-    """The baseline's scores [2 n g] from dense Gaussian factors W_V, W_K [d, dh], W_O [dh, d], W_Q [g, d, dh] (the
-    reference random_baseline's reduced sampler is tested against, and its route when d_model < 2 d_head)."""
-    gen = torch.Generator().manual_seed(seed)
-    R = _rotation_of(d_head, offset_angle)
-    scores = []
-    for start in range(0, n_samples, 32):
-        m = min(32, n_samples - start)
-        W_V, W_K = torch.randn(2, m, d_model, d_head, generator=gen, dtype=torch.float64)
-        W_O = torch.randn(m, d_head, d_model, generator=gen, dtype=torch.float64)
-        W_Q = torch.randn(m, group_size, d_model, d_head, generator=gen, dtype=torch.float64)
-        F = torch.linalg.qr(W_V, mode="r")[1] @ W_O  # [m, dh, d]: ||W_OV Z|| = ||F Z||
-        W_K = W_K @ R.T  # [m, d, dh]: W_K R(δ)^T, Ω = W_Q R(δ) W_K^T
-        scores.append(_pair_scores(F[:, None] @ W_Q, W_Q.transpose(-2, -1) @ W_Q, (F @ W_K)[:, None],
-                                   (W_K.transpose(-2, -1) @ W_K)[:, None], F.pow(2).sum((-2, -1))[:, None]))
-    return torch.cat(scores)
-
-
-@functools.lru_cache(maxsize=16)
-def random_baseline(d_model: int, d_head: int, group_size: int = 1, n_samples: int = 200, seed: int = 0,
-                    offset_angle: float = 0.0) -> tuple[float, float]:
-    """(mean, std) of the Q- and K-composition scores of Gaussian factors of the model's shapes.
-
-    Each sample is a source (W_V, W_O), one key factor W_K and group_size query factors W_Q that share it, as
-    grouped-query attention shares it; each query head is scored (both kinds). `offset_angle` rotates every
-    rotary pair of the key factor by that angle (tests use it to see that the baseline does not depend on δ).
-
-    Drawn in d_head x d_head pieces, with the distribution of dense Gaussian factors (dense_baseline_scores):
-    W_V = Q_V T_V and W_O^T = Q_O T_O (QR; T Bartlett-distributed, Q independent), so F = T_V T_O^T Q_O^T; in an
-    orthonormal basis [Q_O, Q_perp] of the d_model space a Gaussian W_Q independent of W_O has independent
-    Gaussian coordinates Z = Q_O^T W_Q [dh, dh] and Q_perp^T W_Q, whose Gram is Wishart(d_model - d_head) = T^T T.
-    So F W_Q = T_V T_O^T Z and W_Q^T W_Q = Z^T Z + T^T T: O(d_head^3) per sample instead of O(d_model d_head^2).
-    """
-    if n_samples < 1:
-        raise InvalidInputError(f"n_samples must be >= 1, got {n_samples}")
-    if d_model < 2 * d_head:  # the Bartlett factor of Q_perp^T W_Q needs d_model - d_head >= d_head
-        scores = dense_baseline_scores(d_model, d_head, group_size, n_samples, seed, offset_angle)
-    else:
-        gen = torch.Generator().manual_seed(seed)
-        R = _rotation_of(d_head, offset_angle)
-        g, dh, m = group_size, d_head, n_samples
-        T_V, T_O = _bartlett(d_model, m, dh, gen), _bartlett(d_model, m, dh, gen)
-        F = T_V @ T_O.transpose(-2, -1)  # [m, dh, dh]: F Q_O
-        Z = _normal(gen, m, g + 1, dh, dh)  # Q_O^T W_Q (g heads), Q_O^T W_K
-        T_perp = _bartlett(d_model - d_head, m * (g + 1), dh, gen).view(m, g + 1, dh, dh)
-        grams = Z.transpose(-2, -1) @ Z + T_perp.transpose(-2, -1) @ T_perp  # [m, g + 1, dh, dh]
-        Z_K, G_K = Z[:, g:] @ R.T, R @ grams[:, g:] @ R.T  # the key factor W_K R(δ)^T
-        scores = _pair_scores(F[:, None] @ Z[:, :g], grams[:, :g], F[:, None] @ Z_K, G_K, F.pow(2).sum((-2, -1))[:, None])
-    return float(scores.mean()), float(scores.std()) if scores.numel() > 1 else 0.0
-
-
 # -- costs (circuits_core.cost) ------------------------------------------------------------------------
-def profiles_cost(model: Transformer, n_offsets: int) -> Cost:
-    """composition_profiles: the [L, H, L, H, n] results, then per target layer the products P, P' and
-    their Grams [Ns, H, d_head, d_head] and the rotated Grams [H, n, d_head, d_head]; V-composition after."""
+def profiles_cost(model: Transformer, n_offsets: int, source_chunk: int = SOURCE_CHUNK, n_samples: int = 200) -> Cost:
+    """composition_profiles, from its steps: the q and k results, the source factors and the offset weights held
+    throughout, plus the two largest of the tasks two workers may run at once (side by side): a target layer
+    (_target_layer: the layer's rows of W_Q and W_K and their Grams, the rotated tables, one source chunk's product P,
+    its packed Grams and the [H, chunk, n] sums; each worker's own), V-composition (composition.scores_numbers)
+    and the random baseline (baseline_cost)."""
     cfg = model.cfg
-    L, H, dh, d = cfg.n_layers, cfg.n_heads, cfg.d_head, cfg.d_model
+    L, H, G, dh, d, n = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_model, n_offsets
+    C, k, h = H + G, min(d, dh), dh // 2
+    E = h * dh + (dh - h) ** 2  # packed Gram entries
+    chunk = max(1, min(source_chunk, (L - 1) * H))
     size = itemsize(model.compute_dtype)
-    results = 2 * L * H * L * H * n_offsets * size
-    weights = (3 * L * H * d * dh + 2 * L * H * dh * dh) * size
-    Ns = max(L - 1, 0) * H
-    per_layer = (4 * Ns * H * dh * dh + 2 * Ns * H * n_offsets + 3 * H * n_offsets * dh * dh) * size
+    held = 2 * (L * H) ** 2 * n + (L - 1) * H * (k * d + 1) + 4 * E * n + 2 * n * dh
+    weights_formed = 8 * n * dh * dh  # _term_weights' [4, n, dh, dh] terms and their permuted copy, before any task
+    layer = 2 * C * dh * d + C * dh * dh + 6 * H * dh * dh + (G + 2 * H) * E * n  # weights, Grams, tables
+    worker = layer + chunk * k * C * dh + C * chunk * E + 10 * H * chunk * n
+    tasks = sorted([worker * size, worker * size, scores_numbers(model, ("v",), None) * size,
+                    baseline_cost(dh, cfg.group_size, n_samples).peak_bytes])
     pairs = L * H * L * H // 2
-    return Cost(results + weights + per_layer).then(composition_cost(model, ("v",))).with_answer(
+    flops = 2 * sum(l2 * H * (k * d * C * dh + C * k * E + 2 * H * E * n) for l2 in range(1, L))
+    return Cost(held * size + max(weights_formed * size, tasks[-1] + tasks[-2]), flops=flops).with_answer(
         numbers=pairs * (2 * n_offsets + 1), labels=L * H)
 
 

@@ -3,19 +3,24 @@
 import pytest
 import torch
 from rotary_models import CASES, rotary_model
+from test_paths_cost import _HeldBytes
 
 from circuits_core.composition import composition_scores
 from circuits_core.composition_rotary import (
-    _pair_scores,
+    _pair_order,
+    _rotated_tables,
+    _swap_signs,
+    _term_weights,
     composition_at,
     composition_profiles,
-    dense_baseline_scores,
     pair_profile,
-    random_baseline,
+    profiles_cost,
 )
 from circuits_core.config import head_name
+from circuits_core.cost import available_cores
 from circuits_core.errors import InvalidInputError
 from circuits_core.rotary import rotation
+from circuits_core.rotary_baseline import _pair_scores, baseline_cost, dense_baseline_scores, random_baseline
 
 
 def dense_scores(model, l1, h1, l2, h2, delta):
@@ -52,6 +57,83 @@ def test_profiles_match_dense_brute_force(case):
     assert torch.equal(where, torch.tensor(offsets)[prof.k.argmax(-1)])
     # the profile is not flat: the rotation matters for Q and K composition
     assert float((prof.k[0, 0, 2, 1] - prof.k[0, 0, 2, 1, 0]).abs().max()) > 1e-3
+
+
+@pytest.mark.parametrize("threads", [1, 2], ids=["side-by-side", "one-after-the-other"])
+@pytest.mark.parametrize("case", [
+    dict(n_key_value_heads=2, rotary_adjacent_pairs=True),
+    dict(n_key_value_heads=1, d_head=5, rotary_dim=4, rope_type="linear", rope_factor=2.0),  # odd d_head: unequal halves
+], ids=["gqa-adjacent", "odd-d_head-partial-gqa"])
+def test_profiles_in_source_chunks_and_two_workers_match_dense(case, threads):
+    """The target layers split between two workers (side by side at 1 torch thread on >= 2 cores, in turn at 2) and
+    the sources in chunks of 1, 3 and all heads (the chunk boundaries fall inside layers) give the dense scores."""
+    model = rotary_model(n_layers=4, **case)
+    offsets = [0, 1, 4, 9, 30]
+    L, H = 4, model.cfg.n_heads
+    dense = torch.zeros(3, L, H, L, H, len(offsets), dtype=torch.float64)
+    for l1 in range(L):
+        for l2 in range(l1 + 1, L):
+            for h1 in range(H):
+                for h2 in range(H):
+                    for n, delta in enumerate(offsets):
+                        dense[:, l1, h1, l2, h2, n] = torch.stack(dense_scores(model, l1, h1, l2, h2, delta))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for chunk in (1, 3, L * H):
+            prof = composition_profiles(model, offsets, n_samples=4, source_chunk=chunk)
+            torch.testing.assert_close(prof.q, dense[0], atol=1e-12, rtol=0)
+            torch.testing.assert_close(prof.k, dense[1], atol=1e-12, rtol=0)
+            torch.testing.assert_close(prof.v, dense[2, ..., 0], atol=1e-12, rtol=0)
+    finally:
+        torch.set_num_threads(before)
+    assert random_baseline(model.cfg.d_model, model.cfg.d_head, model.cfg.group_size, n_samples=4) == (
+        prof.baseline, prof.baseline_std)
+
+
+@pytest.mark.parametrize(("case", "chunk", "n_samples"), [("gqa", 5, 50), ("half", 100, 20), ("odd", 3, 40)])
+def test_profiles_price_covers_the_held_peak(case, chunk, n_samples):
+    """profiles_cost is never below the peak of the tensors composition_profiles holds (counted op by op; the
+    tasks run in this thread, one after the other, so the dispatch mode sees them all), within 3x of it although
+    it prices two workers and every task at once; the baseline's own price covers both of its sampling routes."""
+    overrides = dict(d_head=5, rotary_dim=4, n_key_value_heads=2) if case == "odd" else CASES[case]
+    model = rotary_model(n_layers=4, **overrides)
+    offsets = list(range(0, 24, 2))
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, available_cores()))  # 2 x threads > cores: side_by_side runs its branches in turn
+    try:
+        random_baseline.cache_clear()
+        with torch.no_grad(), _HeldBytes(list(model.parameters())) as held:
+            composition_profiles(model, offsets, n_samples=n_samples, source_chunk=chunk)
+    finally:
+        torch.set_num_threads(before)
+    priced = profiles_cost(model, len(offsets), chunk, n_samples).peak_bytes
+    assert 0 < held.peak <= priced < 3 * held.peak, (held.peak, priced)
+    for d_model in (2 * 6, 2 * 6 - 1):  # the reduced route (d_model >= 2 d_head) and the dense one
+        random_baseline.cache_clear()
+        with _HeldBytes([]) as held:
+            random_baseline(d_model, 6, 3, n_samples=n_samples)
+        assert 0 < held.peak <= baseline_cost(6, 3, n_samples).peak_bytes, (d_model, held.peak)
+
+
+def test_rotated_gram_tables_are_the_dense_rotations():
+    """_rotated_tables' four-term form, unpacked, is R(δ)^T G R(δ) and R(δ) G R(δ)^T with R(δ) from rope.py's
+    rotation (both layouts, partial rotary), on a non-symmetric G so that every term's orientation is checked."""
+    for case in ("half", "adjacent", "partial"):
+        model = rotary_model(**CASES[case])
+        dh, offsets = model.cfg.d_head, [0, 1, 3, 17]
+        order = _pair_order(model)
+        R = rotation(model, offsets)[:, order][:, :, order]  # [n, dh, dh] in the pair order
+        G = torch.randn(3, dh, dh, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+        weights = _term_weights(model, torch.tensor(offsets), torch.float64)
+        for turn, want in ((1, R.transpose(-2, -1)[None] @ G[:, None] @ R[None]),
+                           (-1, R[None] @ G[:, None] @ R.transpose(-2, -1)[None])):  # [3, n, dh, dh]
+            first, last = _rotated_tables(G, weights, _swap_signs(model, torch.float64), turn)  # [3, E, n]
+            h = dh // 2
+            doubled = torch.ones(h, dh, dtype=torch.float64)
+            doubled[:, h:] = 2
+            torch.testing.assert_close(first, (want[:, :, :h] * doubled).flatten(-2).transpose(1, 2), atol=1e-13, rtol=0)
+            torch.testing.assert_close(last, want[:, :, h:, h:].flatten(-2).transpose(1, 2), atol=1e-13, rtol=0)
 
 
 def test_offset_zero_is_composition_py_and_single_offsets_agree():
