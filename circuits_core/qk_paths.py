@@ -226,6 +226,8 @@ def k_composition_matrices(model: Transformer, weights: Tensor, G_E: Tensor | No
         return G_E @ attention(model, layer).W_Q.to(dt) if G_E_W_Q is None else G_E_W_Q[layer].to(dt)
 
     earlier = [(int(lay), int(h)) for lay, h in (weights[:-1] != 0).nonzero()]  # weighted heads that can be earlier
+    if not earlier:  # W_sum = 0 (one layer, or no weight on an earlier head)
+        return M
     if len(earlier) * cfg.d_head < cfg.d_model:  # W_sum has rank < d_model: stay in its factors
         W_Os = torch.stack([attention(model, lay).W_O[h] for lay, h in earlier]).to(dt)  # [r, dh, d]
         VW = torch.stack([weights[lay, h] * attention(model, lay).W_V[h].T for lay, h in earlier]).to(dt)  # [r, dh, d]

@@ -125,3 +125,17 @@ def test_positivity_split_by_layers_adds_up_to_the_whole(one_hot: bool) -> None:
     torch.testing.assert_close(low + high, whole, rtol=0, atol=1e-12)
     with pytest.raises(InvalidInputError, match="consecutive"):
         k_composition_positivity(model, w, layers=range(1, 5))
+
+
+def test_positivity_without_an_earlier_weighted_head_is_zero() -> None:
+    """One layer (nothing earlier), or weights only on the last layer: every positivity is 0, as is the heads
+    table's 2-D view of a one-layer model."""
+    one = small_model(n_layers=1, ln="LN")
+    assert (k_composition_positivity(one, torch.ones(1, 3, dtype=torch.float64)) == 0).all()
+    two = small_model(n_layers=2, ln="LN")
+    last = torch.zeros(2, 3, dtype=torch.float64)
+    last[1] = 1.0
+    assert (k_composition_positivity(two, last) == 0).all()
+    table = head_table(one, standard_tokens(one))
+    assert table.induction is not None and (table.induction.qk_k_composition == 0).all()
+    assert (table.induction.qk_weighted == 0).all()
