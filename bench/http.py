@@ -14,10 +14,10 @@ TransformerLens, in this process: `W_E[t] @ OV[l, h] @ W_U` then topk(20) for th
 `all_composition_scores("K")` (skipped when free memory cannot hold its ~8 GiB of broadcast operands), and
 `run_with_cache` on the same 10 x 101 detector input (the forward pass the heads table needs; TransformerLens
 has no heads table). Then, in this process, where a cold heads table's time goes (detector pass, the two Grams
-over the vocabulary, the spectra, the induction view's K-composition), head_table against the sum of its parts
-(its two branches run side by side when a core is idle) and head_table with every core as torch threads (an
-OpenMP team per computation: slower than one thread on a busy machine). The machine is shared: the load average
-is printed; ratios are what to compare.
+from one pass over the vocabulary, G_E W_Q, the spectra, the induction view's K-composition), wall and CPU seconds,
+head_table against half its parts' CPU (its steps are shared by two threads when a core is idle: the floor of that
+schedule) and head_table with every core as torch threads (an OpenMP team per computation: slower than one thread
+on a busy machine). The machine is shared: the load average is printed; ratios and CPU seconds are what to compare.
 """
 
 from __future__ import annotations
