@@ -4,7 +4,8 @@ TransformerLens 3.9.0 on the same weights in the same run.
 
 Section `rotary`:
   (a) Q/K/V composition of all 270 heads with Q and K profiles over δ = 0..64 (composition_rotary.
-      composition_profiles), peak extra memory (goal < 3 s, < 1 GiB). TL: `utils.composition_scores` of
+      composition_profiles, random baseline sampled cold), peak extra memory (goal < 3 s, < 1 GiB), at one server
+      computation's torch threads (its two workers side by side) and at the bench's threads; CPU core-seconds. TL: `utils.composition_scores` of
       K-composition (the computation of `all_composition_scores("K")`, at δ = 0 only: TL has no offset) on a
       SUBSET of pairs (sources in layers 0-2, targets in layers 3-5: 729 pairs), time per pair extrapolated to
       the 35,235 earlier->later pairs; TL's all-pairs run (30.8 s, 22.7 GiB measured outside) is NOT run on this
@@ -28,6 +29,8 @@ since the 2-core machine is shared. Medians of a few repeats; nothing asserts on
 
 from __future__ import annotations
 
+import statistics
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -86,12 +89,7 @@ def run_rotary() -> None:
     model = smollm2_shaped_model()
     L, H = model.cfg.n_layers, model.cfg.n_heads
     n_pairs = sum(layer * H * H for layer in range(L))
-    # (a) all composition with δ profiles
-    composition_rotary.composition_profiles(model, offsets=[0, 1], n_samples=8)  # warm-up
-    with PeakRSS() as mem:
-        t, g, prof = timed(lambda: composition_rotary.composition_profiles(model), repeats=1)
-    row("(a) Q/K/V composition, 270 heads, Q/K profiles δ 0..64", t, "< 3 s",
-        f"{n_pairs} pairs x 65 offsets x 2 kinds + V; peak +{mem.delta / MiB:.0f} MiB (goal < 1024); {normalised(t, g)}")
+    t, prof = _profiles(model, n_pairs)  # (a) all composition with δ profiles
     # (b) OV copying
     circuits.ov_copying_scores(model)
     t_ov, g, ov = timed(lambda: circuits.ov_copying_scores(model))
@@ -130,6 +128,44 @@ def run_rotary() -> None:
     tl.run_with_cache(tokens)
     t_tl, _ = median_time(lambda: tl.run_with_cache(tokens), repeats=3)
     row("    TL (e) run_with_cache, 128 tokens (reference)", t_tl, "", f"qkov heads table cold {fmt_time(t_heads).strip()}")
+
+
+def _profiles(model: Transformer, n_pairs: int) -> tuple[float, composition_rotary.CompositionProfiles]:
+    """(a) at one server computation's torch threads (1 on 2 cores: composition_profiles' two workers side by side),
+    then at the bench's own threads when they differ (an OpenMP team, the tasks in turn). Each run is cold for the
+    random baseline (its cache cleared: it is one of the tasks); CPU = process time of both workers (core-seconds)."""
+    from app.compute import default_torch_threads
+    from app.settings import Settings
+
+    settings, before = Settings(), torch.get_num_threads()
+    server = settings.torch_threads or default_torch_threads(settings.compute_slots)
+    priced = composition_rotary.profiles_cost(model, len(composition_rotary.PROFILE_OFFSETS)).peak_bytes
+    composition_rotary.composition_profiles(model, offsets=[0, 1], n_samples=8)  # warm-up
+    cpu: list[float] = []
+
+    def cold() -> composition_rotary.CompositionProfiles:
+        composition_rotary.random_baseline.cache_clear()
+        start = time.process_time()
+        result = composition_rotary.composition_profiles(model)
+        cpu.append(time.process_time() - start)
+        return result
+
+    figures = []
+    for threads in dict.fromkeys((server, before)):
+        torch.set_num_threads(threads)
+        cpu.clear()
+        try:
+            with PeakRSS() as mem:
+                t, g, prof = timed(cold, repeats=3 if threads == server else 1)
+            estimate = normalised(t, g)
+        finally:
+            torch.set_num_threads(before)
+        how = "as a server computation, 2 workers side by side" if threads == server else "one OpenMP team, tasks in turn"
+        row(f"(a) Q/K/V composition, 270 heads, Q/K profiles δ 0..64, {threads} torch thread(s) {how}", t, "< 3 s",
+            f"{n_pairs} pairs x 65 offsets x 2 kinds + V; CPU {statistics.median(cpu):.2f} core-s; peak "
+            f"+{mem.delta / MiB:.0f} MiB (goal < 1024, priced {priced / MiB:.0f}); {estimate}")
+        figures.append((t, prof))
+    return figures[0]
 
 
 def _fresh_copy(model: Transformer) -> Transformer:

@@ -21,6 +21,7 @@ factor shared by the group's query heads).
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -220,9 +221,10 @@ def composition_profiles(
 ) -> CompositionProfiles:
     """All pairs' Q/K profiles over the offsets and V-composition, exactly from d_head x d_head Grams.
 
-    The work goes in tasks from one queue, longest first (V-composition, the random baseline, then the target
-    layers from the last): two workers take them side by side (cost.side_by_side: in parallel when the caller's
-    torch threads leave a core idle, one after the other otherwise)."""
+    The work goes in tasks from one queue, longest first (V-composition, then the target layers from the last, the
+    random baseline once half of the pairs are queued: the two largest holders of memory, V-composition and the
+    baseline, do not run at once unless V outlasts half of the layers): two workers take them side by side
+    (cost.side_by_side: in parallel when the caller's torch threads leave a core idle, in turn otherwise)."""
     check_rotary(model)
     cfg = model.cfg
     L, H = cfg.n_layers, cfg.n_heads
@@ -244,7 +246,9 @@ def composition_profiles(
         def layer(l2: int) -> Callable[[_Workspace], None]:
             return lambda ws: _target_layer(model, f, l2, q, k, ws, max(1, source_chunk))
 
-        tasks = [v_composition, baseline, *(layer(l2) for l2 in range(L - 1, 0, -1))]
+        layers = [layer(l2) for l2 in range(L - 1, 0, -1)]  # sources: l2 H heads each
+        half = 1 + sum(2 * done < L * (L - 1) // 2 for done in itertools.accumulate(range(L - 1, 0, -1)))
+        tasks = [v_composition, *layers[:half], baseline, *layers[half:]]
         take = shared_chunks(len(tasks), 1)
 
         def worker() -> None:
