@@ -318,7 +318,7 @@ def profiles_cost(model: Transformer, n_offsets: int, source_chunk: int = SOURCE
     layer = 2 * C * dh * d + C * dh * dh + 6 * H * dh * dh + (G + 2 * H) * E * n  # weights, Grams, tables
     worker = layer + chunk * k * C * dh + C * chunk * E + 10 * H * chunk * n
     tasks = sorted([worker * size, worker * size, scores_numbers(model, ("v",), None) * size,
-                    baseline_cost(dh, cfg.group_size, n_samples).peak_bytes])
+                    baseline_cost(d, dh, cfg.group_size, n_samples).peak_bytes])
     pairs = L * H * L * H // 2
     flops = 2 * sum(l2 * H * (k * d * C * dh + C * k * E + 2 * H * E * n) for l2 in range(1, L))
     return Cost(held * size + max(weights_formed * size, tasks[-1] + tasks[-2]), flops=flops).with_answer(

@@ -20,6 +20,8 @@ from torch import Tensor
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
 
+BASELINE_CHUNK = 50  # draws whose d_head x d_head products are formed at once (the draws themselves all at once)
+
 
 def _pair_scores(F_Z: Tensor, G_Q: Tensor, F_K: Tensor, G_K: Tensor, F_sq: Tensor) -> Tensor:
     """Q and K scores [2 m g] of sampled heads from their d_head x d_head pieces: F_Z = F W_Q [m, g, dh, dh] (g query
@@ -44,8 +46,9 @@ def _bartlett(dof: int, m: int, dh: int, gen: torch.Generator) -> Tensor:
     with torch.random.fork_rng(devices=[]):  # torch's gamma sampler reads the global generator: a private seeded one
         torch.manual_seed(seed)
         diag = torch.distributions.Chi2(df).sample((m,)).sqrt()  # [m, dh]
-    T = _normal(gen, m, dh, dh).triu(1)
-    return T + torch.diag_embed(diag)
+    T = _normal(gen, m, dh, dh).triu_(1)
+    T.diagonal(dim1=-2, dim2=-1).copy_(diag)
+    return T
 
 
 def _rotation_of(d_head: int, angle: float) -> Tensor:
@@ -104,16 +107,27 @@ def random_baseline(d_model: int, d_head: int, group_size: int = 1, n_samples: i
         F = T_V @ T_O.transpose(-2, -1)  # [m, dh, dh]: F Q_O
         Z = _normal(gen, m, g + 1, dh, dh)  # Q_O^T W_Q (g heads), Q_O^T W_K
         T_perp = _bartlett(d_model - d_head, m * (g + 1), dh, gen).view(m, g + 1, dh, dh)
-        grams = Z.transpose(-2, -1) @ Z + T_perp.transpose(-2, -1) @ T_perp  # [m, g + 1, dh, dh]
-        Z_K, G_K = Z[:, g:] @ R.T, R @ grams[:, g:] @ R.T  # the key factor W_K R(δ)^T
-        scores = _pair_scores(F[:, None] @ Z[:, :g], grams[:, :g], F[:, None] @ Z_K, G_K, F.pow(2).sum((-2, -1))[:, None])
+        q_parts, k_parts = [], []
+        for i in range(0, m, BASELINE_CHUNK):  # the draws above at once (one random stream), their products in chunks
+            s = slice(i, i + BASELINE_CHUNK)
+            grams = Z[s].transpose(-2, -1) @ Z[s] + T_perp[s].transpose(-2, -1) @ T_perp[s]  # [c, g + 1, dh, dh]
+            Z_K, G_K = Z[s, g:] @ R.T, R @ grams[:, g:] @ R.T  # the key factor W_K R(δ)^T
+            F_s = F[s, None]
+            q, k = _pair_scores(F_s @ Z[s, :g], grams[:, :g], F_s @ Z_K, G_K, F_s.pow(2).sum((-2, -1))).chunk(2)
+            q_parts.append(q)
+            k_parts.append(k)
+        scores = torch.cat(q_parts + k_parts)  # Q scores of every draw, then K scores, as one _pair_scores call
     return float(scores.mean()), float(scores.std()) if scores.numel() > 1 else 0.0
 
 
-def baseline_cost(d_head: int, group_size: int, n_samples: int) -> Cost:
-    """random_baseline's working memory (float64), from its steps: T_V, T_O and F [m, dh, dh], the draws Z and the
-    Bartlett factors T_perp [m, g + 1, dh, dh], their Grams and products, the rotated key factor and the pair scores'
-    Grams [m, g, dh, dh] (the dense route draws chunks of 32 d_model x d_head factors: priced by the same count when
-    d_model < 2 d_head, its chunk being smaller than these pieces for any shape that takes it)."""
-    m, g = n_samples, group_size
-    return Cost(8 * m * d_head * d_head * (6 + 6 * (g + 1) + 3 * g))
+def baseline_cost(d_model: int, d_head: int, group_size: int, n_samples: int) -> Cost:
+    """random_baseline's working memory (float64), from its steps. Reduced route: the draws held throughout (T_V, T_O,
+    F [m, dh, dh], Z and T_perp [m, g + 1, dh, dh], T_perp's float32 normals while it is formed), then one chunk's
+    Grams, products and pair-score terms [c, g + 1, dh, dh]. Dense route (d_model < 2 d_head): one chunk of 32 draws
+    of [d_model, d_head] factors (W_V, W_K, W_O, g W_Q and their QR copies) and the same pair-score terms."""
+    m, g, dh = n_samples, group_size, d_head
+    if d_model < 2 * d_head:
+        c = min(32, m)
+        return Cost(8 * c * (2 * d_model * dh * (3 + g) + dh * dh * (8 * g + 8)))
+    c = min(BASELINE_CHUNK, m)
+    return Cost(8 * dh * dh * (3 * m + 5 * m * (g + 1) // 2 + c * (8 * g + 8)))
