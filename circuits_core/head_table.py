@@ -13,9 +13,11 @@ threads leave a core idle (cost.side_by_side) two threads share each step, else 
                         diagonal), the vocabulary's row chunks taken from one queue (cost.shared_chunks):
                         whichever thread finished its detector half first takes more; partial Grams add up  ~95 GFLOP
                         (rotary models: that thread first measures μ and the kernel peaks)
-    3  spectra          G_E W_Q (shared with the positivities) and the QK spectra | G W_V and the OV spectra
-                                                                                              ~25 GFLOP
-    4  positivities     one-hot (previous-token head) + the weighted one's low layers | its upper layers  ~20 GFLOP
+    3  spectra (1)      G_E W_Q (read by the QK spectra and both positivities), then the one-hot
+                        K-composition positivity (previous-token head) | G W_V and the OV spectra  ~25 GFLOP
+    4  spectra (2)      the QK spectra + the weighted positivity's low layers | its upper layers    ~20 GFLOP
+Each spectrum or positivity is L x H eigenvalue problems (d_head x d_head, float64; ~0.09 s on GPT-2 small): four in
+all, about two per thread.
 Detector chunks of whole sequences add up with their weights (heads.DetectorSums): the scores are the same means as
 one pass, and chunks of half the batch keep the GEMMs as efficient as one pass (one-sequence chunks cost ~20 % more).
 """
@@ -75,21 +77,31 @@ def induction_view(model: Transformer, tokens: Tensor | None = None, prev_scores
     if prev_scores is None:
         prev_scores = detector_scores(model, standard_tokens(model) if tokens is None else tokens)["previous_token"]
     prev = prev_scores
+    one_hot, partner = _one_hot(model, prev)
+    ov = ov_copying_scores(model) if ov_copying is None else ov_copying
+    G_E = embed_gram(model) if G_E is None else G_E  # [d, d], shared by both positivities
+    low, high = _weighted_halves(model)
+    (one, weighted_low), weighted_high = side_by_side(
+        lambda: (k_composition_positivity(model, one_hot, G_E, G_E_W_Q),
+                 k_composition_positivity(model, prev, G_E, G_E_W_Q, low)),
+        lambda: k_composition_positivity(model, prev, G_E, G_E_W_Q, high), "qkov-heads-positivity")
+    return InductionView(ov, one, weighted_low + weighted_high, partner, prev)  # the halves are 0 outside their layers
+
+
+def _one_hot(model: Transformer, prev: Tensor) -> tuple[Tensor, str]:
+    """Weights [L, H] on the previous-token head alone (the paper's 2-D view), and its name."""
     layer, head = previous_token_head(model, prev)
     one_hot = torch.zeros_like(prev)
     one_hot[layer, head] = 1.0
-    ov = ov_copying_scores(model) if ov_copying is None else ov_copying
-    G_E = embed_gram(model) if G_E is None else G_E  # [d, d], shared by both positivities
-    # Two independent halves for two threads: the one-hot positivity (factored: cheap products, L x H eigenvalue
-    # problems) and the weighted one's low layers; the weighted one's upper layers (its S_l chain runs through them).
+    return one_hot, head_name(layer, head)
+
+
+def _weighted_halves(model: Transformer) -> tuple[range, range]:
+    """The weighted positivity's layers in two halves of about equal work for two threads, the second a bit smaller
+    in layers: its S_l chain runs through every layer below its last (qk_paths.k_composition_matrices), and the first
+    shares its thread with ~L x H eigenvalue problems more (the one-hot positivity, or the QK spectra)."""
     split = 1 + (model.cfg.n_layers - 1) * 2 // 5
-    (one, low), high = side_by_side(
-        lambda: (k_composition_positivity(model, one_hot, G_E, G_E_W_Q),
-                 k_composition_positivity(model, prev, G_E, G_E_W_Q, range(1, split))),
-        lambda: k_composition_positivity(model, prev, G_E, G_E_W_Q, range(split, model.cfg.n_layers)),
-        "qkov-heads-positivity")
-    weighted = low + high  # each 0 outside its layers
-    return InductionView(ov, one, weighted, head_name(layer, head), prev)
+    return range(1, split), range(split, model.cfg.n_layers)
 
 
 @dataclass
@@ -134,14 +146,21 @@ def head_table(model: Transformer, tokens: Tensor, should_stop: Callable[[], boo
     detectors = mine.merge(theirs).scores()
     check_stop(should_stop, "heads table")
 
-    def query_side() -> tuple[Tensor, Tensor]:
+    prev = detectors["previous_token"]  # [L, H]
+    one_hot, partner = _one_hot(model, prev)
+    low, high = _weighted_halves(model)
+
+    def query_side() -> tuple[Tensor, Tensor]:  # step 3 of this thread: G_E W_Q, then the one-hot positivity
         G_E_W_Q = gram_queries(model, G_E)  # [L, H, d, d_head]
-        return G_E_W_Q, qk_copying_scores(model, G_E, G_E_W_Q)
+        return G_E_W_Q, k_composition_positivity(model, one_hot, G_E, G_E_W_Q)
 
     with torch.no_grad():
-        (G_E_W_Q, qk), ov = side_by_side(query_side, lambda: ov_copying_scores(model, G), "qkov-heads-table")
+        (G_E_W_Q, one), ov = side_by_side(query_side, lambda: ov_copying_scores(model, G), "qkov-heads-table")
         check_stop(should_stop, "heads table")
-        iv = induction_view(model, tokens, detectors["previous_token"], ov, G_E, G_E_W_Q)
+        (qk, weighted_low), weighted_high = side_by_side(  # step 4
+            lambda: (qk_copying_scores(model, G_E, G_E_W_Q), k_composition_positivity(model, prev, G_E, G_E_W_Q, low)),
+            lambda: k_composition_positivity(model, prev, G_E, G_E_W_Q, high), "qkov-heads-table")
+    iv = InductionView(ov, one, weighted_low + weighted_high, partner, prev)  # the halves are 0 outside their layers
     return HeadTable(detectors, ov, qk, iv, peaks)
 
 
