@@ -114,61 +114,91 @@ LOSS_TOKENS = 2048  # positions unembedded at once: enough rows for a matrix pro
 def _row_losses(model: Transformer, final: Tensor, tokens: Tensor, ln_scale: Tensor | None = None) -> Tensor:
     """[R] mean next-token loss of each row: final [R, n, d_model] (the stream after the last layer), tokens [R, n],
     ln_scale [R, n, 1] (ln_final's frozen scale; None: computed). Only the positions with a next token are
-    unembedded, LOSS_TOKENS of them (from every row) at a time against a block of the vocabulary, the log-sum-exp
+    unembedded, the rows of about LOSS_TOKENS positions at a time against a block of the vocabulary, the log-sum-exp
     accumulated over blocks in float64: the cross-entropy of next_token_losses on the whole logits."""
     R, n = tokens.shape
-    frozen = Frozen(ln_scales={"ln_final.hook_scale": ln_scale}) if ln_scale is not None else None
-    x = model.ln_final(final, Recorder(None), frozen)[:, :-1].reshape(-1, model.cfg.d_model)  # [R*(n-1), d_model]
-    targets = tokens[:, 1:].reshape(-1)  # [R*(n-1)]
     W_U, b_U = model.W_U, model.b_U  # [d_model, V], [V]
     V = model.cfg.d_vocab
+    rows = max(1, LOSS_TOKENS // (n - 1))
     out = []
-    for i in range(0, x.shape[0], LOSS_TOKENS):
-        xs, ts = x[i:i + LOSS_TOKENS], targets[i:i + LOSS_TOKENS]
-        lse = torch.full((xs.shape[0],), float("-inf"), dtype=torch.float64, device=x.device)
-        target = torch.zeros(xs.shape[0], dtype=torch.float64, device=x.device)
-        step = _loss_block(model.cfg, xs.shape[0])
+    for i in range(0, R, rows):
+        scale = ln_scale[i:i + rows] if ln_scale is not None else None
+        frozen = Frozen(ln_scales={"ln_final.hook_scale": scale}) if scale is not None else None
+        x = model.ln_final(final[i:i + rows], Recorder(None), frozen)[:, :-1].reshape(-1, model.cfg.d_model)  # [t, d]
+        ts = tokens[i:i + rows, 1:].reshape(-1)  # [t]
+        lse = torch.full((x.shape[0],), float("-inf"), dtype=torch.float64, device=x.device)
+        target = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
+        step = _loss_block(model.cfg, x.shape[0])
         for v in range(0, V, step):
-            logits = xs @ W_U[:, v:v + step]  # [t, block]
+            logits = x @ W_U[:, v:v + step]  # [t, block]
             if b_U is not None:
                 logits = logits + b_U[v:v + step]
             lse = torch.logaddexp(lse, logits.logsumexp(-1).double())  # in the logits' dtype: float32 sums
-            # with a float64 result differ from a float64 log-sum-exp by ~1e-6 nats (measured on SmolLM2)
+            # with a float64 result differ from a float64 log-sum-exp by ~1e-7 nats (measured on SmolLM2)
             here = (ts >= v) & (ts < v + step)
             target[here] = logits[here, ts[here] - v].double()
-        out.append(lse - target)
-    return torch.cat(out).view(R, n - 1).mean(1)
+        out.append((lse - target).view(-1, n - 1).mean(1))
+    return torch.cat(out)
 
 
 def order_logits(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None) -> list[Tensor]:
     """[logits with paths of order <= k for k = 0..n_layers], each [b, n, V]; the last equals the clean logits."""
     tokens = _check(model, tokens)
     clean = clean_run(model, tokens)
-    finals, _ = _order_finals(model, clean, should_stop)
+    finals: list[Tensor] = []
+    _order_finals(model, clean, finals.append, should_stop)
     with torch.no_grad():
         return [model.unembed_resid(f, frozen=clean.frozen) for f in finals]
 
 
-def _order_finals(model: Transformer, clean: CleanRun,
-                  should_stop: Callable[[], bool] | None) -> tuple[list[Tensor], dict[str, Tensor]]:
-    """The stream after the last layer of rerun k = 0..n_layers (paths of order <= k), and rerun 0's cache.
+def _order_finals(model: Transformer, clean: CleanRun, keep: Callable[[Tensor], None],
+                  should_stop: Callable[[], bool] | None) -> dict[str, Tensor]:
+    """`keep`s the stream after the last layer of rerun k = 0..n_layers (paths of order <= k); rerun 0's cache.
 
     Rerun k's values read rerun k-1's stream (zero for k = 0). The paths through the first k layers have order <= k,
     so rerun k's stream equals the clean one up to layer k: it starts there, from the clean stream (run_from)."""
     L = model.cfg.n_layers
     zero = torch.zeros_like(clean.resid_pre[0])
     value_resid = dict.fromkeys(range(L), zero)
-    finals: list[Tensor] = []
     first: dict[str, Tensor] = {}
     with torch.no_grad():
         for k in range(L + 1):
             check_stop(should_stop, "order ablation")
             final, cache = model.run_from(clean.resid_pre[k], k, names=lambda nm: nm.endswith("hook_resid_pre"),
                                           frozen=_rerun(clean.frozen, value_resid))
-            finals.append(final)
+            keep(final)
             first = first or cache
             value_resid = {layer: cache[f"blocks.{layer}.hook_resid_pre"] for layer in range(k, L)}
-    return finals, first
+    return first
+
+
+class _Losses:
+    """Reruns' final streams [b, n, d_model] waiting for their mean losses, unembedded together (_row_losses) once
+    they hold LOSS_TOKENS positions, so that neither the matrix products nor the memory held depend on their count."""
+
+    def __init__(self, model: Transformer, tokens: Tensor, ln_scale: Tensor | None):
+        self.model, self.tokens, self.ln_scale = model, tokens, ln_scale  # [b, n], [b, n, 1]
+        self.pending: list[Tensor] = []
+        self.losses: list[Tensor] = []
+
+    def add(self, final: Tensor) -> None:
+        self.pending.append(final)
+        b, n = self.tokens.shape
+        if len(self.pending) * b * (n - 1) >= LOSS_TOKENS:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        c, b = len(self.pending), self.tokens.shape[0]
+        scale = None if self.ln_scale is None else self.ln_scale.repeat(c, 1, 1)
+        rows = _row_losses(self.model, torch.cat(self.pending), self.tokens.repeat(c, 1), scale)  # [c*b]
+        self.losses.append(rows.view(c, b).mean(1))
+        self.pending = []
+
+    def result(self) -> Tensor:
+        self.flush()
+        return torch.cat(self.losses)
 
 
 def order_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None,
@@ -177,8 +207,8 @@ def order_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[],
     tokens = _check(model, tokens)
     clean = clean or clean_run(model, tokens)
     L = model.cfg.n_layers
-    b = tokens.shape[0]
-    finals, order0 = _order_finals(model, clean, should_stop)
+    queue = _Losses(model, tokens, clean.frozen.ln_scales.get("ln_final.hook_scale"))
+    order0 = _order_finals(model, clean, queue.add, should_stop)
     # first-order terms of one layer: its values read the order-0 stream, every other layer's read zero; the layers
     # before it then run as in rerun 0, so it starts at that layer from rerun 0's stream
     zero = torch.zeros_like(clean.resid_pre[0])
@@ -187,11 +217,8 @@ def order_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[],
             check_stop(should_stop, "order ablation")
             start = order0[f"blocks.{layer}.hook_resid_pre"]
             vr = {other: zero for other in range(layer + 1, L)} | {layer: start}
-            finals.append(model.run_from(start, layer, frozen=_rerun(clean.frozen, vr))[0])
-        runs = len(finals)  # (n_layers + 1) orders, then n_layers single layers
-        scale = clean.frozen.ln_scales.get("ln_final.hook_scale")
-        losses = _row_losses(model, torch.cat(finals), tokens.repeat(runs, 1),
-                             None if scale is None else scale.repeat(runs, 1, 1)).view(runs, b).mean(1)
+            queue.add(model.run_from(start, layer, frozen=_rerun(clean.frozen, vr))[0])
+        losses = queue.result()  # (n_layers + 1) orders, then n_layers single layers
     by_order, first = losses[: L + 1], losses[L + 1:]
     clean_loss = float(lm_loss(clean.logits, tokens))
     return OrderAblation(by_order, by_order[:-1] - by_order[1:], clean_loss, first, by_order[0] - first)
@@ -322,24 +349,24 @@ def cost(model: Transformer, n: int, batch: int = 1, heads: Sequence[tuple[int, 
     reruns (each from its start layer; patterns, norms and MLPs frozen), the frozen and the recomputed head
     ablations (from each head's layer; MLPs and norms computed) side by side, with their FLOPs.
 
-    Peak: the clean run's patterns, streams, MLP outputs and logits, the order reruns' streams and one loss chunk,
-    then two batches of ablated rows in flight (one per kind) with a loss chunk each; answer: the per-order and
-    per-layer losses and two loss changes per head."""
+    Peak: the clean run's patterns, streams, MLP outputs and logits, the order reruns' streams and one loss block,
+    and beside them (side by side) one batch of ablated rows with its loss block (the two kinds run in turn); answer:
+    the per-order and per-layer losses and two loss changes per head."""
     cfg = model.cfg
     L, b, d, size = cfg.n_layers, batch, cfg.d_model, itemsize(model.dtype)
     heads = all_heads(cfg) if heads is None else heads
     mlp = not cfg.attn_only
-    loss_chunk = min(LOSS_CHUNK_BYTES, b * (2 * L + 1) * n * cfg.d_vocab * 16)
+    loss_chunk = min(LOSS_CHUNK_BYTES, b * (2 * L + 1) * n * cfg.d_vocab * 16) + 3 * LOSS_TOKENS * d * size
     clean = (L * cfg.n_heads * b * n * n + (3 * L + 1) * b * n * d + b * n * cfg.d_vocab) * size
-    orders = (4 * L + 1) * b * n * d * size + loss_chunk
+    orders = 3 * L * b * n * d * size + 2 * (LOSS_TOKENS + b * n) * d * size + loss_chunk  # values x 2, rerun 0's, queue
     c = _chunk_heads(cfg, n, b)
     in_flight = c * b * _row_bytes(cfg, n) // 4 * size + (L * cfg.n_heads * c * b * n * n * size if b > 1 else 0)
-    ablations = 2 * (in_flight + min(LOSS_CHUNK_BYTES, c * b * n * cfg.d_vocab * 16))
+    ablations = in_flight + min(LOSS_CHUNK_BYTES, c * b * n * cfg.d_vocab * 16)  # one kind at a time
     unembed = unembed_flops(cfg, b, n - 1)  # a rerun's loss unembeds the positions with a next token
     flops = L * layer_flops(cfg, b, n, True, mlp) + unembed_flops(cfg, b, n)  # the clean run
     flops += L * (L + 1) * layer_flops(cfg, b, n, False, False) + (2 * L + 1) * unembed  # order reruns, layer terms
     for layer, _ in heads:
         flops += (L - layer) * layer_flops(cfg, b, n, False, mlp) + unembed  # patterns frozen
         flops += layer_flops(cfg, b, n, False, mlp) + (L - layer - 1) * layer_flops(cfg, b, n, True, mlp) + unembed
-    return Cost(clean + max(orders, ablations), flops=flops).with_answer(
+    return Cost(clean + orders + ablations, flops=flops).with_answer(
         numbers=3 * (L + 1) + L + 2 * len(heads), labels=len(heads) + n)

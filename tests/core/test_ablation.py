@@ -272,3 +272,17 @@ def test_term_importance_is_its_parts():
     torch.testing.assert_close(orders.first_order_gain, alone.first_order_gain, atol=1e-12, rtol=0)
     torch.testing.assert_close(frozen, ablation.head_ablations(model, tokens, heads), atol=1e-12, rtol=0)
     torch.testing.assert_close(recomputed, ablation.head_ablations(model, tokens, heads, True), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("loss_tokens", [7, 40])
+def test_order_losses_in_groups_of_reruns(loss_tokens, monkeypatch):
+    """The order reruns' losses unembedded a few reruns at a time (uneven groups) == the torch cross-entropy of the
+    rerun logits (order_logits) and of the per-layer terms, float64."""
+    model = small_model(n_layers=3, ln="LN", mlp=True, pos="standard")
+    tokens = _tokens(model)
+    want = [_ce(logits, tokens) for logits in order_logits(model, tokens)]
+    whole = order_ablation(model, tokens)
+    monkeypatch.setattr(ablation, "LOSS_TOKENS", loss_tokens)
+    grouped = order_ablation(model, tokens)
+    torch.testing.assert_close(grouped.losses, torch.tensor(want, dtype=torch.float64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(grouped.first_order_by_layer, whole.first_order_by_layer, atol=1e-12, rtol=0)
