@@ -31,14 +31,14 @@ import torch
 from torch import Tensor
 
 from circuits_core.composition import (
+    CompositionKind,
     LayerWeight,
     layer_scores,
+    layers_per_chunk,
     model_weight,
-    raw_composition_scores,
     scores_numbers,
     source_factor,
 )
-from circuits_core.composition import cost as composition_cost
 from circuits_core.config import head_name, parse_head
 from circuits_core.cost import Cost, check_stop, itemsize, shared_chunks, side_by_side
 from circuits_core.errors import InvalidInputError
@@ -286,18 +286,25 @@ def pair_profile(model: Transformer, source: str, target: str, kind: str,
         return num_sq.clamp_min(0).sqrt() / (F.norm() * omega_sq.clamp_min(0).sqrt())
 
 
-def composition_at(model: Transformer, kind: str, offset: int) -> Tensor:
-    """All pairs' Q- or K-composition at one offset [L, H, L, H], composition.py's d x d Gram computation
-    with W_Q^B R(δ) in place of W_Q^B (its Q target W_Q W_K^T becomes Ω_B(δ), its K target Ω_B(δ)^T)."""
+def composition_at(model: Transformer, kind: str, offset: int, budget_bytes: int | None = None) -> Tensor:
+    """All pairs' Q- or K-composition at one offset [L, H, L, H]: composition.py's layer-by-layer Gram computation
+    (layer_scores) with W_Q^B R(δ) in place of W_Q^B (its Q target W_Q W_K^T becomes Ω_B(δ), its K target Ω_B(δ)^T),
+    W_K and W_V read per key/value group, the target layers in the fewest chunks whose price fits `budget_bytes`."""
     check_rotary(model)
     if kind not in ("q", "k"):
         raise InvalidInputError(f"composition at an offset is for kind q or k, got {kind!r}")
-    dtype = model.compute_dtype
+    cfg, dtype = model.cfg, model.compute_dtype
     with torch.no_grad():
         R = rotation(model, [offset], dtype=dtype)[0]  # [dh, dh]
-        W_Q = model.W_Q.to(dtype) @ R  # [L, H, d, dh]
-        return raw_composition_scores(W_Q, model.W_K.to(dtype), model.W_V.to(dtype), model.W_O.to(dtype),
-                                      kinds=(kind,))[0]  # type: ignore[arg-type]
+        weight = model_weight(model, dtype)
+
+        def rotated(layer: int, name: str) -> Tensor:  # W_Q [H, d, dh] of the layer turned by R(δ)
+            return weight(layer, name) @ R if name == "W_Q" else weight(layer, name)
+
+        kinds: tuple[CompositionKind, ...] = (kind,)  # type: ignore[assignment]
+        shape = (cfg.n_layers, cfg.n_heads, cfg.group_size, cfg.d_model, cfg.d_head)
+        like = torch.empty((), dtype=dtype, device=model.device)
+        return layer_scores(rotated, shape, like, kinds, layers_per_chunk=layers_per_chunk(model, kinds, budget_bytes))[0]
 
 
 # -- costs (circuits_core.cost) ------------------------------------------------------------------------
@@ -331,7 +338,11 @@ def pair_profile_cost(model: Transformer, n_offsets: int) -> Cost:
     return Cost((3 * n_offsets * dh * dh + 4 * cfg.d_model * dh) * 8).with_answer(numbers=3 * n_offsets + 1)
 
 
-def composition_at_cost(model: Transformer) -> Cost:
-    """composition.py's all-pairs computation for one kind (the rotated W_Q is one more copy of W_Q)."""
+def composition_at_cost(model: Transformer, kind: str, budget_bytes: int | None = None) -> Cost:
+    """composition_at: layer_scores in the chunks `budget_bytes` chooses (composition.scores_numbers), one layer's
+    rotated W_Q [H, d, dh] beside it while that layer's target factors form, and R(δ)."""
     cfg = model.cfg
-    return composition_cost(model, ("q",)) + Cost(cfg.n_layers * cfg.n_heads * cfg.d_model * cfg.d_head * itemsize(model.dtype))
+    kinds: tuple[CompositionKind, ...] = (kind,)  # type: ignore[assignment]
+    chunk = layers_per_chunk(model, kinds, budget_bytes)
+    numbers = scores_numbers(model, kinds, chunk) + cfg.n_heads * cfg.d_model * cfg.d_head + cfg.d_head**2
+    return Cost(numbers * itemsize(model.compute_dtype))

@@ -33,7 +33,7 @@ from app.views.inputs import check_k, model_ref, token_ref
 from app.views.rotary import rotary_offset
 from circuits_core import circuits, composition
 from circuits_core.composition import CompositionKind, composition_scores
-from circuits_core.composition_rotary import composition_at
+from circuits_core.composition_rotary import composition_at, composition_at_cost
 from circuits_core.config import head_name
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
@@ -60,7 +60,7 @@ def build_composition_view(loaded: LoadedModel, p: CompositionParams, limits: Li
         comp = composition_scores(loaded.model, kinds=(key,), budget_bytes=budget)  # only the kind asked for
     raw, minus, mask = comp.raw[key].double(), comp.minus_baseline[key].double(), comp.mask  # [L, H, L, H]
     if offset:  # Q/K at δ: Ω_B(δ) = W_Q R(δ) W_K^T in place of W_QK (the same baseline: rotation-invariant)
-        raw = composition_at(loaded.model, key, offset).double()
+        raw = composition_at(loaded.model, key, offset, budget).double()
         minus = torch.where(mask, raw - comp.baseline, torch.zeros_like(raw))
     src = [(l1, h1) for l1 in range(L - 1) for h1 in range(H)]
     dst = [(l2, h2) for l2 in range(1, L) for h2 in range(H)]
@@ -149,8 +149,12 @@ def build_composition_pair_view(loaded: LoadedModel, p: CompositionPairParams, l
 
 
 def composition_cost(loaded: LoadedModel, p: CompositionParams, limits: Limits) -> Cost:
-    kind = (p.kind.lower(),)
-    return composition.cost(loaded.model, kind, limits.peak_bytes) + raw_copy_cost(loaded, p.basis)  # type: ignore[arg-type]
+    key = ENGINE_KIND[p.kind]
+    cost = composition.cost(loaded.model, (key,), limits.peak_bytes)
+    if rotary_offset(loaded, key, p.offset):  # then Q/K at δ (composition_rotary.composition_at), the scores held
+        held = Cost(3 * 8 * (loaded.model.cfg.n_layers * loaded.model.cfg.n_heads) ** 2)  # raw, minus, mask tables
+        cost = cost.then(composition_at_cost(loaded.model, key, limits.peak_bytes) + held)
+    return cost + raw_copy_cost(loaded, p.basis)
 
 
 def pair_cost(loaded: LoadedModel, p: CompositionPairParams, limits: Limits) -> Cost:

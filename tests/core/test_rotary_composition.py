@@ -5,6 +5,7 @@ import torch
 from rotary_models import CASES, rotary_model
 from test_paths_cost import _HeldBytes
 
+from circuits_core import composition
 from circuits_core.composition import composition_scores
 from circuits_core.composition_rotary import (
     _pair_order,
@@ -12,6 +13,7 @@ from circuits_core.composition_rotary import (
     _swap_signs,
     _term_weights,
     composition_at,
+    composition_at_cost,
     composition_profiles,
     pair_profile,
     profiles_cost,
@@ -19,6 +21,7 @@ from circuits_core.composition_rotary import (
 from circuits_core.config import head_name
 from circuits_core.cost import available_cores
 from circuits_core.errors import InvalidInputError
+from circuits_core.model import Transformer
 from circuits_core.rotary import rotation
 from circuits_core.rotary_baseline import _pair_scores, baseline_cost, dense_baseline_scores, random_baseline
 
@@ -151,6 +154,37 @@ def test_offset_zero_is_composition_py_and_single_offsets_agree():
             torch.testing.assert_close(composition_at(model, kind, delta), prof.profile(kind)[..., delta], atol=1e-12, rtol=0)
         p = pair_profile(model, head_name(0, 3), head_name(2, 1), kind, offsets)
         torch.testing.assert_close(p, prof.profile(kind)[0, 3, 2, 1], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["q", "k"])
+def test_composition_at_in_budgeted_chunks_prices_its_held_peak(kind):
+    """composition_at in the chunks a budget picks (1 and 2 target layers per chunk, all at once without one) gives
+    the profiles' scores at that offset, holds no more than composition_at_cost and within 2x of it."""
+    model = rotary_model(n_layers=5, **CASES["gqa-adjacent-partial-linear"])
+    want = composition_profiles(model, [6], n_samples=4).profile(kind)[..., 0]
+    kinds = (kind,)
+    for chunk in (1, 2, None):
+        budget = None if chunk is None else composition._priced(model, kinds, chunk).peak_bytes
+        assert composition.layers_per_chunk(model, kinds, budget) == chunk
+        with torch.no_grad(), _HeldBytes(list(model.parameters())) as held:
+            got = composition_at(model, kind, 6, budget_bytes=budget)
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+        priced = composition_at_cost(model, kind, budget).peak_bytes
+        assert 0 < held.peak <= priced < 2 * held.peak, (chunk, held.peak, priced)
+
+
+def test_composition_at_on_the_one_billion_shape_fits_the_default_budget():
+    """Issue 10.5 / 11.5: Q- and K-composition at an offset on the Llama-3.2-1B shape (16 layers, 32 heads, 8
+    key/value heads, rotary) priced within Limits().peak_bytes, on a model built without memory."""
+    from app.settings import Limits
+    from bench.modern import LLAMA_1B
+    from circuits_core.formats_llama import llama_config
+
+    with torch.device("meta"):
+        model = Transformer(llama_config(LLAMA_1B))
+    budget = Limits().peak_bytes
+    for kind in ("q", "k"):
+        assert composition_at_cost(model, kind, budget).peak_bytes <= budget
 
 
 def test_bad_pairs_and_kinds_are_refused():
