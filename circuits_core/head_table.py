@@ -132,7 +132,7 @@ def head_table(model: Transformer, tokens: Tensor, should_stop: Callable[[], boo
     if model.cfg.normalization_type is not None:
         embed_norm(model)  # W_E's LN statistics, cached: formed once here, not by both threads at once
 
-    kernel = shared_chunks(1 if means is not None else 0, 1)  # one task: μ and the kernel peaks (rotary models)
+    kernel = shared_chunks(1, 1)  # one task: μ and the kernel peaks (rotary models), for the first thread asking
 
     def detectors_then_grams() -> tuple[DetectorSums, Tensor | None, tuple[Tensor, Tensor]]:  # steps 1, 2 of a thread
         sums = detector_sums(model, tokens, sequences, should_stop)
