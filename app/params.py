@@ -204,9 +204,11 @@ def head_selection(text: str, cfg: ModelConfig) -> list[tuple[str, list[tuple[in
     """The items of a `heads` selection, each canonical with its (layer, head) pairs: 'all', 'none', head names,
     layers 'L3' and layer ranges 'L0-L9' (NotFoundError / InvalidInputError naming a bad item)."""
     items = split_heads(text)
-    if [i.lower() for i in items] in (["all"], ["none"]):
-        word = items[0].lower()
-        return [(word, [(layer, h) for layer in range(cfg.n_layers) for h in range(cfg.n_heads)] if word == "all" else [])]
+    words = [i.lower() for i in items if i.lower() in ("all", "none")]
+    if words and len(items) > 1:
+        raise InvalidInputError(f"'{words[0]}' stands alone in heads, got {text!r}")
+    if words:
+        return [(words[0], [(layer, h) for layer in range(cfg.n_layers) for h in range(cfg.n_heads)] if words[0] == "all" else [])]
     out = []
     for item in items:
         match = _LAYERS.match(item)

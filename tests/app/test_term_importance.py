@@ -81,6 +81,7 @@ def test_bad_selections_are_refused(app_client: TestClient) -> None:
     assert_problem(app_client.get(API, params={"heads": "L1-L0"}), 422, "backwards")
     assert_problem(app_client.get(API, params={"heads": "L0H9"}), 404, "out of range")
     assert_problem(app_client.get(API, params={"heads": "cats"}), 422, "L<layer>H<head>")
+    assert_problem(app_client.get(API, params={"heads": "all,L1"}), 422, "'all' stands alone")
     assert_problem(app_client.get(API, params={"heads": "L0," * 40}), 422)  # over max_length (max_heads x 12)
     schema = app_client.get("/openapi.json").json()["paths"]["/api/v1/models/{model}/term-importance"]["get"]
     field = next(p for p in schema["parameters"] if p["name"] == "heads")
