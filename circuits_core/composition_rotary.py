@@ -12,8 +12,9 @@ Exactly through d_head x d_head Gram matrices, ||X R Y||^2 = <X^T X, R (Y^T Y) R
 (R_V^A the R factor of W_V^A's QR, so ||W_OV^A Z|| = ||F_A Z||), P = F_A W_Q^B and P' = F_A W_K^g [d_head, d_head]:
     num_Q(δ)^2 = <P^T P, R(δ) G_K^g R(δ)^T>       num_K(δ)^2 = <P'^T P', R(δ)^T G_Q^B R(δ)>
     ||Ω_B(δ)||^2 = <G_Q^B, R(δ) G_K^g R(δ)^T>      (G_Q = W_Q^T W_Q, G_K = W_K^T W_K)
-so a whole profile costs one d_head x d_model x d_head product per pair (per key/value group for K) plus
-d_head^2 per offset. The offset window is PROFILE_OFFSETS (δ = 0..64) unless given.
+so a whole profile costs one d_head x d_model x d_head product per pair (per key/value group for K), a d_head^3
+Gram and 3/4 d_head^2 per offset (the symmetric Grams packed, _packed); the rotated Grams of all offsets come from
+a four-term form (_rotated_tables). The offset window is PROFILE_OFFSETS (δ = 0..64) unless given.
 
 Random baseline: rotary_baseline.random_baseline (rotation-invariant: one value for every δ; under GQA one key
 factor shared by the group's query heads).
@@ -168,7 +169,8 @@ class _Factors:
 
 def _factors(model: Transformer, delta: Tensor, dtype: torch.dtype) -> _Factors:
     weight = model_weight(model, dtype)
-    F = torch.cat([source_factor(weight, layer, model.cfg.group_size) for layer in range(model.cfg.n_layers - 1)])
+    sources = range(max(1, model.cfg.n_layers - 1))  # every layer but the last (layer 0 of a 1-layer model: no pairs)
+    F = torch.cat([source_factor(weight, layer, model.cfg.group_size) for layer in sources])
     return _Factors(weight, F, F.pow(2).sum((-2, -1)).sqrt(), _pair_order(model), _term_weights(model, delta, dtype),
                     _swap_signs(model, dtype))
 
@@ -180,7 +182,7 @@ def _target_layer(model: Transformer, f: _Factors, l2: int, q: Tensor, k: Tensor
     check_stop(what="composition profiles")
     cfg = model.cfg
     H, G, gs, dh, d = cfg.n_heads, cfg.n_kv_heads, cfg.group_size, cfg.d_head, cfg.d_model
-    C, h, n, k_ = H + G, dh // 2, f.weights[0].shape[-1], f.F.shape[1]
+    C, h, n, rows = H + G, dh // 2, f.weights[0].shape[-1], f.F.shape[1]
     E = (h * dh, (dh - h) ** 2)  # packed sizes
     W_Qt = f.weight(l2, "W_Q").transpose(-2, -1)[:, f.order]  # [H, dh, d], rows in the pair order
     W_Kt = f.weight(l2, "W_K").transpose(-2, -1)[:, f.order]  # [G, dh, d]
@@ -195,9 +197,9 @@ def _target_layer(model: Transformer, f: _Factors, l2: int, q: Tensor, k: Tensor
     for a0 in range(0, l2 * H, chunk):
         a1 = min(a0 + chunk, l2 * H)
         A = a1 - a0
-        P = ws.take("P", A * k_, C * dh)
-        torch.mm(f.F[a0:a1].view(A * k_, d), W_T.T, out=P)
-        blocks = P.view(A, k_, C, dh)
+        P = ws.take("P", A * rows, C * dh)
+        torch.mm(f.F[a0:a1].view(A * rows, d), W_T.T, out=P)
+        blocks = P.view(A, rows, C, dh)
         M = (ws.take("M0", C, A, h, dh), ws.take("M1", C, A, dh - h, dh - h))  # packed Grams (_packed)
         for c in range(C):
             Pc = blocks[:, :, c]  # [A, k, dh]

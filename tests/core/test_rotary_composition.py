@@ -187,6 +187,11 @@ def test_composition_at_on_the_one_billion_shape_fits_the_default_budget():
         assert composition_at_cost(model, kind, budget).peak_bytes <= budget
 
 
+def test_one_layer_model_has_no_pairs():
+    prof = composition_profiles(rotary_model(n_layers=1), [0, 2], n_samples=4)
+    assert prof.q.shape == (1, 4, 1, 4, 2) and not prof.q.any() and not prof.k.any() and not prof.v.any()
+
+
 def test_bad_pairs_and_kinds_are_refused():
     model = rotary_model(n_layers=2)
     with pytest.raises(InvalidInputError, match="earlier layer"):
