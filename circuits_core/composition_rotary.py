@@ -312,10 +312,10 @@ def composition_at(model: Transformer, kind: str, offset: int, budget_bytes: int
 # -- costs (circuits_core.cost) ------------------------------------------------------------------------
 def profiles_cost(model: Transformer, n_offsets: int, source_chunk: int = SOURCE_CHUNK, n_samples: int = 200) -> Cost:
     """composition_profiles, from its steps: the q and k results, the source factors and the offset weights held
-    throughout, plus the two largest of the tasks two workers may run at once (side by side): a target layer
-    (_target_layer: the layer's rows of W_Q and W_K and their Grams, the rotated tables, one source chunk's product P,
-    its packed Grams and the [H, chunk, n] sums; each worker's own), V-composition (composition.scores_numbers)
-    and the random baseline (baseline_cost)."""
+    throughout, plus every task at once (two workers take them in any order, each keeping its buffers between its
+    tasks, and freed memory is not always returned at once): two target layers (_target_layer: the layer's rows of
+    W_Q and W_K and their Grams, the rotated tables, one source chunk's product P, its packed Grams and the
+    [H, chunk, n] sums), V-composition (composition.scores_numbers) and the random baseline (baseline_cost)."""
     cfg = model.cfg
     L, H, G, dh, d, n = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_model, n_offsets
     C, k, h = H + G, min(d, dh), dh // 2
@@ -326,11 +326,10 @@ def profiles_cost(model: Transformer, n_offsets: int, source_chunk: int = SOURCE
     weights_formed = 8 * n * dh * dh  # _term_weights' [4, n, dh, dh] terms and their permuted copy, before any task
     layer = 2 * C * dh * d + C * dh * dh + 6 * H * dh * dh + (G + 2 * H) * E * n  # weights, Grams, tables
     worker = layer + chunk * k * C * dh + C * chunk * E + 10 * H * chunk * n
-    tasks = sorted([worker * size, worker * size, scores_numbers(model, ("v",), None) * size,
-                    baseline_cost(d, dh, cfg.group_size, n_samples).peak_bytes])
+    tasks = (2 * worker + scores_numbers(model, ("v",), None)) * size + baseline_cost(d, dh, cfg.group_size, n_samples).peak_bytes
     pairs = L * H * L * H // 2
     flops = 2 * sum(l2 * H * (k * d * C * dh + C * k * E + 2 * H * E * n) for l2 in range(1, L))
-    return Cost(held * size + max(weights_formed * size, tasks[-1] + tasks[-2]), flops=flops).with_answer(
+    return Cost(held * size + max(weights_formed * size, tasks), flops=flops).with_answer(
         numbers=pairs * (2 * n_offsets + 1), labels=L * H)
 
 
