@@ -244,8 +244,8 @@ def ablate_head(model: Transformer, tokens: Tensor, layer: int, head: int, recom
 
 
 def _chunk_heads(cfg: ModelConfig, n: int, b: int) -> int:
-    """How many heads of one layer are ablated in one batch (each b rows), within CHUNK_BYTES."""
-    return max(1, min(cfg.n_heads, CHUNK_BYTES // max(1, _row_bytes(cfg, n) * b)))
+    """How many heads are ablated in one batch (each b rows), within CHUNK_BYTES."""
+    return max(1, CHUNK_BYTES // max(1, _row_bytes(cfg, n) * b))
 
 
 def _row_bytes(cfg: ModelConfig, n: int) -> int:
@@ -258,33 +258,43 @@ def _row_bytes(cfg: ModelConfig, n: int) -> int:
 def head_ablations(model: Transformer, tokens: Tensor, heads: Sequence[tuple[int, int]], recompute_patterns: bool = False,
                    should_stop: Callable[[], bool] | None = None, clean: CleanRun | None = None) -> Tensor:
     """[len(heads)]: the loss change when each head (layer, head)'s result is zeroed (ablate_head), with every
-    pattern frozen (Olsson) or the later ones recomputed. The heads of a layer are ablated together (head i in
-    rows i*b..(i+1)*b-1), each batch starting at that layer from the clean stream; the layers before it do not change."""
+    pattern frozen (Olsson) or the later ones recomputed.
+
+    The heads go in batches of rows (head i: b rows) in layer order; a head's rows join the batch at its layer, from
+    the clean stream entering it (nothing before it changes), that layer run for them with the head's pattern
+    zeroed; the rows already in the batch run every layer together (clean patterns, or recomputed ones)."""
     tokens = _check(model, tokens)
     clean = clean or clean_run(model, tokens)
     cfg = model.cfg
     b, n = tokens.shape
     clean_loss = lm_loss(clean.logits, tokens)
     out = torch.zeros(len(heads), dtype=torch.float64, device=model.device)
+    order = sorted(range(len(heads)), key=lambda i: heads[i])
     step = _chunk_heads(cfg, n, b)
-    for layer in sorted({lay for lay, _ in heads}):
-        where = [i for i, (lay, _) in enumerate(heads) if lay == layer]
-        for s in range(0, len(where), step):
-            check_stop(should_stop, "head ablation")
-            chunk = where[s:s + step]
-            c = len(chunk)
-            key = f"blocks.{layer}.attn.hook_pattern"
-            pattern = clean.frozen.patterns[key].repeat(c, 1, 1, 1)  # [c*b, H, n, n]
-            for row, i in enumerate(chunk):
-                pattern[row * b:(row + 1) * b, heads[i][1]] = 0  # z = A v = 0: the head's result is zero
-            patterns = {key: pattern}
-            if not recompute_patterns:  # later layers keep the clean patterns ([b, ...] broadcasts when b == 1)
-                patterns |= {f"blocks.{lay}.attn.hook_pattern": _rows(clean.frozen.patterns[f"blocks.{lay}.attn.hook_pattern"], c)
-                             for lay in range(layer + 1, cfg.n_layers)}
-            with torch.no_grad():
-                final, _ = model.run_from(_rows(clean.resid_pre[layer], c, expand=True), layer, frozen=Frozen(patterns))
-                losses = _row_losses(model, final, tokens.repeat(c, 1)).view(c, b).mean(1)
-            out[torch.tensor(chunk)] = losses - clean_loss
+    for s in range(0, len(order), step):
+        group = order[s:s + step]
+        active: Tensor | None = None  # [len(members)*b, n, d_model]: the stream entering `layer`
+        members: list[int] = []
+        with torch.no_grad():
+            for layer in range(heads[group[0]][0], cfg.n_layers):
+                check_stop(should_stop, "head ablation")
+                key = f"blocks.{layer}.attn.hook_pattern"
+                parts = []
+                if active is not None:  # later patterns: the clean ones ([b, ...] broadcasts when b == 1) or computed
+                    later = {key: _rows(clean.frozen.patterns[key], len(members))} if not recompute_patterns else {}
+                    parts.append(model.run_from(active, layer, frozen=Frozen(later), stop=layer + 1)[0])
+                joining = [i for i in group if heads[i][0] == layer]
+                if joining:
+                    pattern = clean.frozen.patterns[key].repeat(len(joining), 1, 1, 1)  # [c*b, H, n, n]
+                    for row, i in enumerate(joining):
+                        pattern[row * b:(row + 1) * b, heads[i][1]] = 0  # z = A v = 0: the head's result is zero
+                    start = _rows(clean.resid_pre[layer], len(joining), expand=True)
+                    parts.append(model.run_from(start, layer, frozen=Frozen({key: pattern}), stop=layer + 1)[0])
+                    members += joining
+                active = parts[0] if len(parts) == 1 else torch.cat(parts)
+            assert active is not None
+            losses = _row_losses(model, active, tokens.repeat(len(members), 1)).view(len(members), b).mean(1)
+        out[torch.tensor(members)] = losses - clean_loss
     return out
 
 
@@ -360,7 +370,7 @@ def cost(model: Transformer, n: int, batch: int = 1, heads: Sequence[tuple[int, 
     clean = (L * cfg.n_heads * b * n * n + (3 * L + 1) * b * n * d + b * n * cfg.d_vocab) * size
     orders = 3 * L * b * n * d * size + 2 * (LOSS_TOKENS + b * n) * d * size + loss_chunk  # values x 2, rerun 0's, queue
     c = _chunk_heads(cfg, n, b)
-    in_flight = c * b * _row_bytes(cfg, n) // 4 * size + (L * cfg.n_heads * c * b * n * n * size if b > 1 else 0)
+    in_flight = c * b * (_row_bytes(cfg, n) // 4 + 2 * cfg.n_heads * n * n + n * d) * size  # + one layer's patterns, cat
     ablations = in_flight + min(LOSS_CHUNK_BYTES, c * b * n * cfg.d_vocab * 16)  # one kind at a time
     unembed = unembed_flops(cfg, b, n - 1)  # a rerun's loss unembeds the positions with a next token
     flops = L * layer_flops(cfg, b, n, True, mlp) + unembed_flops(cfg, b, n)  # the clean run

@@ -281,24 +281,26 @@ class Transformer(nn.Module):
         rec("hook_resid_final", resid)
         return self.unembed_resid(resid, rec, frozen)
 
-    def _layers(self, resid: Tensor, start: int, rec: Recorder, frozen: Frozen | None) -> Tensor:
-        # resid: [batch, pos, d_model] entering layer `start` -> the stream after the last layer
+    def _layers(self, resid: Tensor, start: int, rec: Recorder, frozen: Frozen | None, stop: int | None = None) -> Tensor:
+        # resid: [batch, pos, d_model] entering layer `start` -> the stream entering layer `stop` (None: after the last)
         W_pos = self.W_pos if self.cfg.positional_embedding_type == "shortformer" else None
         qk_pos = W_pos[: resid.shape[1]] if W_pos is not None else None
-        for block in self.blocks[start:]:
+        for block in self.blocks[start:stop]:
             resid = block(resid, qk_pos, rec, frozen)
         return resid
 
-    def run_from(self, resid: Tensor, start: int, names: NameFilter = None,
-                 frozen: Frozen | None = None) -> tuple[Tensor, dict[str, Tensor]]:
-        """The stream after the last layer [batch, pos, d_model] (hook_resid_final, before ln_final) and the cache of
-        `names`, running only layers start..n_layers-1 from `resid`, the stream entering layer `start` (its
-        hook_resid_pre) [batch, pos, d_model]: the layers before it are not run (reruns that change nothing before
-        `start`). Positions come from the sequence length (shortformer rows, rotary angles), as in `run`."""
-        if not 0 <= start <= self.cfg.n_layers:
-            raise InvalidInputError(f"start layer {start} is outside 0..{self.cfg.n_layers}")
+    def run_from(self, resid: Tensor, start: int, names: NameFilter = None, frozen: Frozen | None = None,
+                 stop: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """The stream after the last layer [batch, pos, d_model] (hook_resid_final, before ln_final; with `stop`: the
+        stream entering layer `stop`) and the cache of `names`, running only layers start..n_layers-1 (..stop-1) from
+        `resid`, the stream entering layer `start` (its hook_resid_pre) [batch, pos, d_model]: the layers before it
+        are not run (reruns that change nothing before `start`). Positions come from the sequence length
+        (shortformer rows, rotary angles), as in `run`."""
+        last = self.cfg.n_layers if stop is None else stop
+        if not 0 <= start <= last <= self.cfg.n_layers:
+            raise InvalidInputError(f"layers {start}..{last} are outside 0..{self.cfg.n_layers}")
         rec = Recorder(names)
-        return self._layers(resid, start, rec, frozen), rec.cache
+        return self._layers(resid, start, rec, frozen, stop), rec.cache
 
     def unembed_resid(self, resid: Tensor, rec: Recorder | None = None, frozen: Frozen | None = None) -> Tensor:
         """Logits [batch, pos, d_vocab] of the stream after the last layer [batch, pos, d_model]: ln_final (its frozen
