@@ -28,9 +28,9 @@ against weight-edited models and paths.py in float64):
 - a rerun starts at the first layer whose input changes, from the clean run's stream entering it (`run_from`):
   rerun k of the order ablation reproduces the clean stream up to layer k (the paths through the first k layers
   have order <= k), a head ablation changes nothing before the head's layer;
-- the heads of one layer are ablated together, one batch row (block of rows) each, their losses unembedded in
-  chunks of rows (`_row_losses`);
-- the frozen and the recomputed head ablations run side by side (cost.side_by_side) when a core is idle.
+- the ablated heads share one batch, a block of rows each, joining it at their layer (`head_ablations`); losses
+  unembed only the positions with a next token, a group of rows against a block of the vocabulary (`_row_losses`);
+- the order reruns run side by side with the two head ablations (cost.side_by_side) when a core is idle.
 `cost` prices it all, FLOPs included (the app compares them with the request deadline).
 """
 
