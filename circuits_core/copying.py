@@ -66,8 +66,8 @@ class CopyingBaseline:
     n_rows: int
 
 
-BLOCK_BYTES = 12 * 2**20  # a block of logits at most this big, compared right after it is formed (on the GPT-2-small
-# shape 62 source rows: -25 % against 4 MiB blocks of row-major logits, 2x against 256 MiB)
+BLOCK_BYTES = 16 * 2**20  # a block of logits at most this big, compared in place right after it is formed (on the
+# GPT-2-small shape 83 source rows: ~-30 % against 4 MiB blocks of row-major logits, 2x against 256 MiB)
 
 
 def sample_order(n: int, rows: int | None, seed: int = 0) -> Tensor:
@@ -120,10 +120,11 @@ def row_ranks(model: Transformer, W_V: Tensor, W_O: Tensor, k: int, order: Tenso
         check_stop(what="OV self-copy shares")
         own = order[start:start + step].to(Bt.device)  # [b] the rows' own tokens, as columns
         block = Bt @ (embed_eff_rows(model, ids[start:start + step]) @ W_V).T  # [n, b] logits of row a in column a
-        mine = block.gather(0, own[None, :])  # [1, b] each row's own logit
-        # columns ranked above it: a compare and a count (cheaper than topk)
-        above[start:start + len(own)] = torch.gt(block, mine).sum(0, dtype=torch.int32).clamp_max(k).cpu()
+        mine = block.gather(0, own[None, :])  # [1, b] each row's own logit (a copy)
         diag[start:start + len(own)] = mine[0].double().cpu()
+        # columns ranked above it: a compare in place (1.0 / 0.0) counted in float32 (exact below 2^24 columns); a
+        # float sum down the columns is vectorised where a bool one is not (2x), and cheaper than topk
+        above[start:start + len(own)] = block.gt_(mine).sum(0, dtype=torch.float32).clamp_max(k).long().cpu()
     return RowRanks(above, diag, k)
 
 
@@ -197,15 +198,15 @@ def random_baseline(
 def cost(model: Transformer, k: int, n_samples: int, n_top_samples: int, budget_bytes: int, n_tokens: int | None = None,
          rows: int | None = None, n_heads: int | None = None) -> Cost:
     """self_copy over every head (or n_heads of them) then random_baseline (row_ranks): one head's W_O W_U [d_head, n]
-    (through W_U's [d_model, n] ranked columns when not all), a block of source rows ([b, d_model] LN rows, [b, n]
-    logits and their [b, n] compare) and the [r] ranks and diagonal, plus the random weights and their
+    (through W_U's [d_model, n] ranked columns when not all), a block of source rows ([b, d_model] LN rows, [n, b]
+    logits, compared in place) and the [r] ranks and diagonal, plus the random weights and their
     [n_samples, d_head, d_head] spectra; answer: per head 5 numbers, per sample 4."""
     cfg, size = model.cfg, model.W_E.element_size()
     n = cfg.d_vocab if n_tokens is None else n_tokens
     r = n if rows is None else min(rows, n)
     b = max(1, min(r, budget_bytes // max(1, n * size)))
     columns = cfg.d_model * n * size if n != cfg.d_vocab else 0
-    one_head = Cost(cfg.d_head * n * size + columns + b * (2 * cfg.d_model + cfg.d_head + n) * size + b * n + r * 16)
+    one_head = Cost(cfg.d_head * n * size + columns + b * (2 * cfg.d_model + cfg.d_head + n) * size + r * 16)
     weights = Cost(2 * n_samples * cfg.d_model * cfg.d_head * 8 + n_samples * cfg.d_head * cfg.d_head * 16)
     heads = cfg.n_layers * cfg.n_heads if n_heads is None else n_heads
     return (one_head + weights).with_answer(numbers=5 * heads + 4 * n_samples, labels=heads)
