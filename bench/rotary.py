@@ -162,7 +162,8 @@ def _profiles(model: Transformer, n_pairs: int) -> tuple[float, composition_rota
             torch.set_num_threads(before)
         how = "as a server computation, 2 workers side by side" if threads == server else "one OpenMP team, tasks in turn"
         row(f"(a) Q/K/V composition, 270 heads, Q/K profiles δ 0..64, {threads} torch thread(s) {how}", t, "< 3 s",
-            f"{n_pairs} pairs x 65 offsets x 2 kinds + V; CPU {statistics.median(cpu):.2f} core-s; peak "
+            f"{n_pairs} pairs x 65 offsets x 2 kinds + V; CPU {statistics.median(cpu):.2f} core-s"
+            f"{f' (/ 2 = {statistics.median(cpu) / 2:.2f} s on two free cores)' if threads == server else ''}; peak "
             f"+{mem.delta / MiB:.0f} MiB (goal < 1024, priced {priced / MiB:.0f}); {estimate}")
         figures.append((t, prof))
     return figures[0]
