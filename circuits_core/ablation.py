@@ -48,10 +48,12 @@ from circuits_core.errors import InvalidInputError
 from circuits_core.hooks import Recorder
 from circuits_core.model import Frozen, Transformer, next_token_losses
 
-# Working memory of one chunk of rerun rows (the heads of a layer ablated together), and of one block of
-# unembedded logits with their float64 copy: bounds the peak on long prompts and big vocabularies.
+# Working memory of one batch of rerun rows (the ablated heads' rows run together), and of one block of unembedded
+# logits with their exponentials: bounds the peak on long prompts and big vocabularies. LOSS_TOKENS: positions
+# unembedded at once, enough rows for a matrix product near the machine's peak.
 CHUNK_BYTES = 128 * 2**20
 LOSS_CHUNK_BYTES = 64 * 2**20
+LOSS_TOKENS = 2048
 
 
 @dataclass
@@ -107,8 +109,6 @@ def _loss_block(cfg: ModelConfig, tokens: int) -> int:
     LOSS_CHUNK_BYTES."""
     return max(256, LOSS_CHUNK_BYTES // (16 * max(1, tokens)))
 
-
-LOSS_TOKENS = 2048  # positions unembedded at once: enough rows for a matrix product near the machine's peak
 
 
 def _row_losses(model: Transformer, final: Tensor, tokens: Tensor, ln_scale: Tensor | None = None) -> Tensor:
