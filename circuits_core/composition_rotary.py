@@ -170,7 +170,13 @@ class _Factors:
 def _factors(model: Transformer, delta: Tensor, dtype: torch.dtype) -> _Factors:
     weight = model_weight(model, dtype)
     sources = range(max(1, model.cfg.n_layers - 1))  # every layer but the last (layer 0 of a 1-layer model: no pairs)
-    F = torch.cat([source_factor(weight, layer, model.cfg.group_size) for layer in sources])
+    mid = len(sources) // 2
+
+    def factors_of(layers: range) -> list[Tensor]:
+        return [source_factor(weight, layer, model.cfg.group_size) for layer in layers]
+
+    first, second = side_by_side(lambda: factors_of(sources[:mid]), lambda: factors_of(sources[mid:]), "qkov-profiles")
+    F = torch.cat(first + second)
     return _Factors(weight, F, F.pow(2).sum((-2, -1)).sqrt(), _pair_order(model), _term_weights(model, delta, dtype),
                     _swap_signs(model, dtype))
 
