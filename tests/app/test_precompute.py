@@ -65,7 +65,7 @@ def test_the_copying_overview_is_assembled_from_the_head_panels(tmp_path: Path, 
     from circuits_core.config import ModelConfig
     from tests.app.conftest import save_qkov, train_tokenizer
 
-    cfg = ModelConfig(n_layers=2, d_model=8, n_heads=12, d_head=4, d_vocab=copying_view.FULL_ROWS_MAX + 100, n_ctx=16,
+    cfg = ModelConfig(n_layers=2, d_model=8, n_heads=9, d_head=4, d_vocab=copying_view.FULL_ROWS_MAX + 100, n_ctx=16,
                       positional_embedding_type="shortformer")
     save_qkov(tmp_path / "models" / "wide", cfg, train_tokenizer(), seed=5)
     n_heads = cfg.n_layers * cfg.n_heads
