@@ -13,7 +13,8 @@ Progress is a tqdm bar on stderr; the last line says how many computations ran, 
 the store, and how long it took. A page that answers 4xx for this model (e.g. composition on a 1-layer model)
 is listed, not fatal.
 
-Pages are asked `compute_slots` at a time (each computation gets cores // slots torch threads), in order: the
+Pages are asked 2 x `compute_slots` at a time (the slots still bound the computations, each with cores // slots
+torch threads; the second page per slot renders or waits while the first computes), in order: the
 model-wide pages, the first head's (which computes what every head view shares: the heads table, the spectra
 of all heads, the composition partners; the other heads are queued once it is done), the other heads, then the
 panels those pages load after themselves (hx-trigger="load": the copying panels), asked as htmx asks them (the
@@ -52,6 +53,10 @@ HEAD_APIS = ("heads/{head}/ov", "heads/{head}/qk")  # the API twins a notebook a
 # Analyses whose model-wide answer (no `heads=`) is assembled from entries the head pages' panels keep in the cache
 # (app/views/copying.py circuit_rows): asked after those panels, they measure nothing again.
 ASSEMBLED = (COPYING_ALL,)
+# Pages in flight per compute slot: while one renders its page or waits between its computations (Python, one event
+# loop), another's computation keeps the slot busy; the slots still bound the heavy work.
+REQUESTS_PER_SLOT = 2
+SLOT_WAIT_S = 24 * 3600.0
 # A panel a page loads after itself (templates/_macros.html lazy_panel): htmx asks its hx-get with its own id as target.
 LAZY_PANEL = re.compile(r'<[^>]*\bid="([^"]+)"[^>]*\bhx-get="([^"]+)"[^>]*\bhx-trigger="load"')
 
@@ -94,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"also the whole-vocabulary tables (vocab=all) of a vocabulary over {DEFAULT_VOCAB:,} tokens")
     args = parser.parse_args(argv)
 
-    settings = Settings().model_copy(update={"request_timeout_s": None})  # a batch job waits for every table
+    # a batch job waits for every table, and for a compute slot however long the pages ahead of it take
+    settings = Settings().model_copy(update={"request_timeout_s": None, "slot_wait_s": SLOT_WAIT_S})
     if settings.store_url == "off":
         parser.error("the result store is off (QKOV_STORE_URL=off): nothing to fill")
     app = create_app(settings)
@@ -162,7 +168,7 @@ def crawl(app: Any, args: argparse.Namespace, parser: argparse.ArgumentParser, s
             parts = urlsplit(url)
             return parts.path in assembled and "heads" not in parse_qs(parts.query)
 
-        with ThreadPoolExecutor(settings.compute_slots) as pool:
+        with ThreadPoolExecutor(REQUESTS_PER_SLOT * settings.compute_slots) as pool:
             # Queued in order; only the first head is waited for before its panels and the other heads are queued
             # (it computes what the others share: the heads table, every head's spectra; its panel the copying
             # baseline's rows, done before any other panel is queued), so no core idles while the last model-wide
