@@ -174,6 +174,7 @@ def crawl(app: Any, args: argparse.Namespace, parser: argparse.ArgumentParser, s
             # baseline's rows, done before any other panel is queued), so no core idles while the last model-wide
             # pages finish. Pages assembled from the per-head panels' entries (ASSEMBLED) come last.
             model_pages = [pool.submit(visit, u) for u in phases["model-wide pages"] if not last(u)]
+            model_pages[0].result()  # the overview: its heads table is what a head page reads first (built once)
             run("first head", [pool.submit(visit, u) for u in phases["first head"]])
             first = [p for p in panels if not last(p[0])]  # the first head's panels (and those of the model-wide pages done by then)
             bar.total += len(first)
