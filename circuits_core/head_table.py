@@ -161,9 +161,10 @@ def head_table(model: Transformer, tokens: Tensor, should_stop: Callable[[], boo
     with torch.no_grad():
         (G_E_W_Q, one), ov = side_by_side(query_side, lambda: ov_copying_scores(model, G), "qkov-heads-table")
         check_stop(should_stop, "heads table")
-        (qk, weighted_low), weighted_high = side_by_side(  # step 4
+        weighted_high, (qk, weighted_low) = side_by_side(  # step 4 (the helper had the longer half of step 3)
+            lambda: k_composition_positivity(model, prev, G_E, G_E_W_Q, high),
             lambda: (qk_copying_scores(model, G_E, G_E_W_Q), k_composition_positivity(model, prev, G_E, G_E_W_Q, low)),
-            lambda: k_composition_positivity(model, prev, G_E, G_E_W_Q, high), "qkov-heads-table")
+            "qkov-heads-table")
     iv = InductionView(ov, one, weighted_low + weighted_high, partner, prev)  # the halves are 0 outside their layers
     return HeadTable(detectors, ov, qk, iv, peaks)
 
