@@ -6,16 +6,16 @@ K-composition term with the previous-token head) and the eigenvalue copying anal
 Row-vector convention; the pieces are heads.py (detectors), circuits.py (Grams, spectra) and qk_paths.py
 (K-composition positivity).
 
-The work, on GPT-2 small's shape and its standard input (10 x 101 tokens), in four steps; when the caller's torch
+The work, on GPT-2 small's shape and its standard input (10 x 101 tokens), in three steps; when the caller's torch
 threads leave a core idle (cost.side_by_side) two threads share each step, else one thread does both halves:
     1  detector pass    every layer's pattern; half the sequences each                        ~165 GFLOP
     2  Grams            G = W_U W_E_eff, G_E = W_E_eff^T W_E_eff (G_E by its blocks on and above the
                         diagonal), the vocabulary's row chunks taken from one queue (cost.shared_chunks):
                         whichever thread finished its detector half first takes more; partial Grams add up  ~95 GFLOP
                         (rotary models: that thread first measures μ and the kernel peaks)
-    3  spectra (1)      G_E W_Q (read by the QK spectra and both positivities), then the one-hot
-                        K-composition positivity (previous-token head) | G W_V and the OV spectra  ~25 GFLOP
-    4  spectra (2)      the QK spectra + the weighted positivity's low layers | its upper layers    ~20 GFLOP
+    3  spectra          G_E W_Q (read by the QK spectra and both positivities), the one-hot K-composition
+                        positivity (previous-token head), the weighted one's upper layers | G W_V and
+                        the OV spectra, then the QK spectra and the weighted positivity's low layers  ~45 GFLOP
 Each spectrum or positivity is L x H eigenvalue problems (d_head x d_head, float64; ~0.09 s on GPT-2 small): four in
 all, about two per thread.
 Detector chunks of whole sequences add up with their weights (heads.DetectorSums): the scores are the same means as
@@ -25,6 +25,7 @@ one pass, and chunks of half the batch keep the GEMMs as efficient as one pass (
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -154,17 +155,24 @@ def head_table(model: Transformer, tokens: Tensor, should_stop: Callable[[], boo
     one_hot, partner = _one_hot(model, prev)
     low, high = _weighted_halves(model)
 
-    def query_side() -> tuple[Tensor, Tensor]:  # step 3 of this thread: G_E W_Q, then the one-hot positivity
-        G_E_W_Q = gram_queries(model, G_E)  # [L, H, d, d_head]
-        return G_E_W_Q, k_composition_positivity(model, one_hot, G_E, G_E_W_Q)
+    queries: Future[Tensor] = Future()  # G_E W_Q [L, H, d, d_head], formed by this thread, read by both
 
-    with torch.no_grad():
-        (G_E_W_Q, one), ov = side_by_side(query_side, lambda: ov_copying_scores(model, G), "qkov-heads-table")
-        check_stop(should_stop, "heads table")
-        weighted_high, (qk, weighted_low) = side_by_side(  # step 4 (the helper had the longer half of step 3)
-            lambda: k_composition_positivity(model, prev, G_E, G_E_W_Q, high),
-            lambda: (qk_copying_scores(model, G_E, G_E_W_Q), k_composition_positivity(model, prev, G_E, G_E_W_Q, low)),
-            "qkov-heads-table")
+    def query_side() -> tuple[Tensor, Tensor]:  # this thread: G_E W_Q, the one-hot positivity, the weighted upper half
+        try:
+            queries.set_result(gram_queries(model, G_E))
+        except BaseException as error:  # the helper must not wait for it forever
+            queries.set_exception(error)
+            raise
+        return (k_composition_positivity(model, one_hot, G_E, queries.result()),
+                k_composition_positivity(model, prev, G_E, queries.result(), high))
+
+    def value_side() -> tuple[Tensor, Tensor, Tensor]:  # helper: OV spectra, then (G_E W_Q ready by then) QK, low half
+        ov = ov_copying_scores(model, G)
+        return ov, qk_copying_scores(model, G_E, queries.result()), k_composition_positivity(
+            model, prev, G_E, queries.result(), low)
+
+    with torch.no_grad():  # steps 3 and 4 without a barrier between them: ~0.47 s each on GPT-2 small
+        (one, weighted_high), (ov, qk, weighted_low) = side_by_side(query_side, value_side, "qkov-heads-table")
     iv = InductionView(ov, one, weighted_low + weighted_high, partner, prev)  # the halves are 0 outside their layers
     return HeadTable(detectors, ov, qk, iv, peaks)
 
