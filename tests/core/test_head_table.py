@@ -139,3 +139,36 @@ def test_positivity_without_an_earlier_weighted_head_is_zero() -> None:
     table = head_table(one, standard_tokens(one))
     assert table.induction is not None and (table.induction.qk_k_composition == 0).all()
     assert (table.induction.qk_weighted == 0).all()
+
+
+def test_head_table_raises_instead_of_waiting_when_G_E_W_Q_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The helper thread waits for G_E W_Q from this thread: when forming it fails, head_table raises that error
+    (in both thread modes) instead of leaving the helper waiting."""
+    import threading
+
+    import circuits_core.head_table as HT
+
+    def boom(*args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("G_E W_Q failed")
+
+    monkeypatch.setattr(HT, "gram_queries", boom)
+    model = small_model(n_layers=2, ln="LN")
+    tokens = standard_tokens(model)
+    before = torch.get_num_threads()
+    try:
+        for threads in sorted({1, available_cores()}):
+            torch.set_num_threads(threads)
+            got: list[BaseException] = []
+
+            def run(got: list[BaseException]) -> None:
+                try:
+                    HT.head_table(model, tokens)
+                except BaseException as error:  # noqa: BLE001 - the test inspects it
+                    got.append(error)
+
+            worker = threading.Thread(target=run, args=(got,), daemon=True)
+            worker.start()
+            worker.join(60)
+            assert not worker.is_alive() and len(got) == 1 and "G_E W_Q failed" in str(got[0])
+    finally:
+        torch.set_num_threads(before)
