@@ -15,8 +15,8 @@ TransformerLens, in this process: `W_E[t] @ OV[l, h] @ W_U` then topk(20) for th
 `run_with_cache` on the same 10 x 101 detector input (the forward pass the heads table needs; TransformerLens
 has no heads table). Then, in this process, where a cold heads table's time goes (detector pass, the two Grams
 from one pass over the vocabulary, G_E W_Q, the spectra, the induction view's K-composition), wall and CPU seconds,
-head_table against half its parts' CPU (its steps are shared by two threads when a core is idle: the floor of that
-schedule) and head_table with every core as torch threads (an OpenMP team per computation: slower than one thread
+head_table against half its parts' CPU (its steps are shared by two threads when a core is idle: half the parts'
+CPU estimates both cores busy all along) and head_table with every core as torch threads (an OpenMP team per computation: slower than one thread
 on a busy machine). The machine is shared: the load average is printed; ratios and CPU seconds are what to compare.
 """
 
@@ -188,7 +188,7 @@ def heads_breakdown(model: Any) -> None:
     cpu_med = statistics.median(c for _, c, _ in whole)
     row("  head_table.head_table, all parts in one call (median of 3)" + (" (μ measured)" if is_rotary else ""), wall_med,
         "", f"CPU {fmt_time(cpu_med).strip()}; parts' CPU {fmt_time(cpu).strip()}, half of it "
-        f"{fmt_time(cpu / 2).strip()} (both cores busy all along: the floor of the two-thread schedule)")
+        f"{fmt_time(cpu / 2).strip()} (both cores busy all along, from the parts timed one by one: an estimate)")
     row(f"  head_table.head_table with {available_cores()} torch threads", t_cores, "",
         f"{wall_med / t_cores:.2f}x the {threads}-thread call")
 
