@@ -16,8 +16,8 @@ TransformerLens, in this process: `W_E[t] @ OV[l, h] @ W_U` then topk(20) for th
 has no heads table). Then, in this process, where a cold heads table's time goes (detector pass, the two Grams
 from one pass over the vocabulary, G_E W_Q, the spectra, the induction view's K-composition), wall and CPU seconds,
 head_table against half its parts' CPU (its steps are shared by two threads when a core is idle: half the parts'
-CPU estimates both cores busy all along) and head_table with every core as torch threads (an OpenMP team per computation: slower than one thread
-on a busy machine). The machine is shared: the load average is printed; ratios and CPU seconds are what to compare.
+CPU estimates both cores busy all along) and head_table with every core as torch threads (an OpenMP team per
+computation: slower than one thread on a busy machine). The machine is shared: the load average is printed; ratios and CPU seconds are what to compare.
 """
 
 from __future__ import annotations
