@@ -45,14 +45,20 @@ TOP_PAIRS = 10
 ENGINE_KIND: dict[CompositionKindName, CompositionKind] = {"Q": "q", "K": "k", "V": "v"}  # API name -> engine key
 
 
+def check_layers(loaded: LoadedModel) -> None:
+    """Composition pairs a head with a later layer's: a model needs two layers (the first fault named, before any
+    other check of the request)."""
+    if loaded.model.cfg.n_layers < 2:
+        raise InvalidInputError(f"composition needs at least 2 layers; model {loaded.path.name!r} has {loaded.model.cfg.n_layers}")
+
+
 def build_composition_view(loaded: LoadedModel, p: CompositionParams, limits: Limits | None = None) -> CompositionView:
     """Raw and baseline-subtracted `kind`-composition scores: rows earlier heads, columns later heads."""
     kind = p.kind
     loaded = with_basis(loaded, p.basis)
+    check_layers(loaded)
     cfg = loaded.model.cfg
     L, H = cfg.n_layers, cfg.n_heads
-    if L < 2:
-        raise InvalidInputError(f"composition needs at least 2 layers; model {loaded.path.name!r} has {L}")
     key = ENGINE_KIND[kind]
     offset = rotary_offset(loaded, key, p.offset)  # None unless a rotary model's Q/K
     with torch.no_grad():
@@ -149,6 +155,7 @@ def build_composition_pair_view(loaded: LoadedModel, p: CompositionPairParams, l
 
 
 def composition_cost(loaded: LoadedModel, p: CompositionParams, limits: Limits) -> Cost:
+    check_layers(loaded)
     key = ENGINE_KIND[p.kind]
     cost = composition.cost(loaded.model, (key,), limits.peak_bytes)
     if rotary_offset(loaded, key, p.offset):  # then Q/K at δ (composition_rotary.composition_at), the scores held
