@@ -286,3 +286,24 @@ def test_order_losses_in_groups_of_reruns(loss_tokens, monkeypatch):
     grouped = order_ablation(model, tokens)
     torch.testing.assert_close(grouped.losses, torch.tensor(want, dtype=torch.float64), atol=1e-12, rtol=0)
     torch.testing.assert_close(grouped.first_order_by_layer, whole.first_order_by_layer, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize(("name", "n", "batch"), [("llama-gqa", 3, 1), ("llama-gqa", 30, 2), ("ln-mlp-standard", 3, 1),
+                                                 ("ln-mlp-standard", 25, 2), ("parallel-shortformer", 12, 1)])
+def test_the_byte_price_covers_the_held_peak(name, n, batch):
+    """ablation.cost's peak is never below the bytes the clean run, the order reruns and both head ablations hold
+    (storages counted op by op), from prompts far shorter than the loss queue's LOSS_TOKENS up; the parts run one
+    after the other here (the price allows them side by side), so the price stays under 3x the held peak."""
+    from test_paths_cost import _HeldBytes
+
+    model = BATCHED[name]()
+    tokens = tokens_for(model, n=n, batch=batch)
+    heads = [(0, 1), (1, 0)]
+    with torch.no_grad(), _HeldBytes([*model.parameters(), *model.buffers(), tokens]) as held:
+        clean = ablation.clean_run(model, tokens)
+        ablation.order_ablation(model, tokens, clean=clean)
+        ablation.head_ablations(model, tokens, heads, False, clean=clean)
+        ablation.head_ablations(model, tokens, heads, True, clean=clean)
+        del clean
+    priced = ablation.cost(model, n, batch, heads).peak_bytes
+    assert 0 < held.peak <= priced < 3 * held.peak, (held.peak, priced)
