@@ -133,15 +133,6 @@ def embed_norm(model: Transformer) -> EmbedNorm:
     return norm
 
 
-def _embed_eff_chunks(model: Transformer) -> Iterator[tuple[slice, Tensor]]:
-    """W_E_eff in row chunks [chunk, d_model] from the cached statistics (embed_norm)."""
-    norm = embed_norm(model)
-    for start in range(0, model.cfg.d_vocab, EMBED_CHUNK):
-        check_stop(what="LN(W_E)")
-        rows = slice(start, min(start + EMBED_CHUNK, model.cfg.d_vocab))
-        yield rows, _normalised(model, norm, rows)
-
-
 def _normalised(model: Transformer, norm: EmbedNorm, rows: slice) -> Tensor:
     """W_E_eff[rows] [chunk, d_model] from the statistics `norm` (one new tensor, then in place: a fresh temporary per
     operation cost ~2x the time on GPT-2's vocabulary)."""
@@ -154,11 +145,21 @@ def _normalised(model: Transformer, norm: EmbedNorm, rows: slice) -> Tensor:
     return x.to(model.W_E.dtype)  # [chunk, d_model]
 
 
+def _embed_rows(model: Transformer, take: Callable[[], slice | None] | None) -> Iterator[tuple[slice, Tensor]]:
+    """W_E_eff in the row chunks [chunk, d_model] that `take` hands out (default: all, EMBED_CHUNK rows each; W_E's own
+    rows, uncopied, for a model without a layer-0 norm)."""
+    take = shared_chunks(model.cfg.d_vocab, EMBED_CHUNK) if take is None else take
+    norm = None if model.cfg.n_layers == 0 or model.cfg.normalization_type is None else embed_norm(model)
+    while (rows := take()) is not None:
+        check_stop(what="LN(W_E)")
+        yield rows, model.W_E[rows] if norm is None else _normalised(model, norm, rows)
+
+
 def embed_eff(model: Transformer) -> Tensor:
     """W_E_eff [d_vocab, d_model]: W_E with layer 0's ln1 applied row by row (W_E without LN)."""
     if model.cfg.n_layers == 0 or model.cfg.normalization_type is None:
         return model.W_E
-    return torch.cat([chunk for _, chunk in _embed_eff_chunks(model)])
+    return torch.cat([chunk for _, chunk in _embed_rows(model, None)])
 
 
 def embed_eff_matmul(model: Transformer, W: Tensor) -> Tensor:
@@ -388,16 +389,6 @@ def head_dump(
 
 # -- copying: eigenvalues of every head through d_head x d_head matrices ------------------------------
 GRAM_BLOCKS = 4  # column blocks of the symmetric G_E: the 10 of 16 blocks on and above the diagonal are formed
-
-
-def _embed_rows(model: Transformer, take: Callable[[], slice | None] | None) -> Iterator[tuple[slice, Tensor]]:
-    """W_E_eff in the row chunks [chunk, d_model] that `take` hands out (default: all, EMBED_CHUNK rows each; W_E's own
-    rows, uncopied, for a model without a layer-0 norm)."""
-    take = shared_chunks(model.cfg.d_vocab, EMBED_CHUNK) if take is None else take
-    norm = None if model.cfg.n_layers == 0 or model.cfg.normalization_type is None else embed_norm(model)
-    while (rows := take()) is not None:
-        check_stop(what="Gram over the vocabulary")
-        yield rows, model.W_E[rows] if norm is None else _normalised(model, norm, rows)
 
 
 def _grams(model: Transformer, unembed: bool, embed: bool,
