@@ -14,6 +14,7 @@ from typing import Annotated, Literal, Self
 from pydantic import Field
 
 from app.analysis import AnalysisParams, HeadField, HeadsField, Limit, split_heads
+from circuits_core.ablation import all_heads
 from circuits_core.config import ModelConfig, head_name, parse_head
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.heads import STANDARD_BATCH, STANDARD_SEQ_LEN
@@ -208,7 +209,7 @@ def head_selection(text: str, cfg: ModelConfig) -> list[tuple[str, list[tuple[in
     if words and len(items) > 1:
         raise InvalidInputError(f"'{words[0]}' stands alone in heads, got {text!r}")
     if words:
-        return [(words[0], [(layer, h) for layer in range(cfg.n_layers) for h in range(cfg.n_heads)] if words[0] == "all" else [])]
+        return [(words[0], all_heads(cfg) if words[0] == "all" else [])]
     out = []
     for item in items:
         match = _LAYERS.match(item)

@@ -69,7 +69,7 @@ class OrderAblation:
 class CleanRun:
     """What the reruns take from the clean run."""
 
-    logits: Tensor  # [b, n, V]
+    loss: Tensor  # [] float64: the clean run's mean next-token loss (lm_loss of its logits, which are not kept)
     frozen: Frozen  # its patterns, LayerNorm scales and MLP outputs
     resid_pre: list[Tensor]  # [n_layers + 1] x [b, n, d_model]: the stream entering each layer; last: after the last
 
@@ -89,7 +89,7 @@ def clean_run(model: Transformer, tokens: Tensor) -> CleanRun:
     scales = {k: v for k, v in cache.items() if k.endswith("hook_scale")}
     mlp_out = {layer: cache[f"blocks.{layer}.hook_mlp_out"] for layer in range(L) if not model.cfg.attn_only}
     resid = [cache[f"blocks.{layer}.hook_resid_pre"] for layer in range(L)] + [cache["hook_resid_final"]]
-    return CleanRun(logits, Frozen(patterns, scales, mlp_out=mlp_out), resid)
+    return CleanRun(lm_loss(logits, tokens), Frozen(patterns, scales, mlp_out=mlp_out), resid)
 
 
 def _rerun(frozen: Frozen, value_resid: dict[int, Tensor]) -> Frozen:
@@ -104,7 +104,7 @@ def _check(model: Transformer, tokens: Tensor) -> Tensor:
     return tokens
 
 
-def _loss_block(cfg: ModelConfig, tokens: int) -> int:
+def _loss_block(tokens: int) -> int:
     """Vocabulary columns unembedded at once for `tokens` positions: the logits and their exponentials within
     LOSS_CHUNK_BYTES."""
     return max(256, LOSS_CHUNK_BYTES // (16 * max(1, tokens)))
@@ -128,7 +128,7 @@ def _row_losses(model: Transformer, final: Tensor, tokens: Tensor, ln_scale: Ten
         ts = tokens[i:i + rows, 1:].reshape(-1)  # [t]
         lse = torch.full((x.shape[0],), float("-inf"), dtype=torch.float64, device=x.device)
         target = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
-        step = _loss_block(model.cfg, x.shape[0])
+        step = _loss_block(x.shape[0])
         for v in range(0, V, step):
             logits = x @ W_U[:, v:v + step]  # [t, block]
             if b_U is not None:
@@ -220,7 +220,7 @@ def order_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[],
             queue.add(model.run_from(start, layer, frozen=_rerun(clean.frozen, vr))[0])
         losses = queue.result()  # (n_layers + 1) orders, then n_layers single layers
     by_order, first = losses[: L + 1], losses[L + 1:]
-    clean_loss = float(lm_loss(clean.logits, tokens))
+    clean_loss = float(clean.loss)
     return OrderAblation(by_order, by_order[:-1] - by_order[1:], clean_loss, first, by_order[0] - first)
 
 
@@ -267,7 +267,7 @@ def head_ablations(model: Transformer, tokens: Tensor, heads: Sequence[tuple[int
     clean = clean or clean_run(model, tokens)
     cfg = model.cfg
     b, n = tokens.shape
-    clean_loss = lm_loss(clean.logits, tokens)
+    clean_loss = clean.loss
     out = torch.zeros(len(heads), dtype=torch.float64, device=model.device)
     order = sorted(range(len(heads)), key=lambda i: heads[i])
     step = _chunk_heads(cfg, n, b)

@@ -75,7 +75,7 @@ def ablated_heads(loaded: LoadedModel, p: TermImportanceParams) -> tuple[list[tu
         return heads, p.heads, f"The {len(heads)} of {total} heads asked for (heads={p.heads})."
     if total <= DEFAULT_ALL_HEADS:
         every = f"Every head ({total})." if total else "None: the model has no attention heads."
-        return [(layer, h) for layer in range(cfg.n_layers) for h in range(cfg.n_heads)], "default", every
+        return ablation.all_heads(cfg), "default", every
     summary = load_summary(loaded.path) or {}
     named = [e.get("head") for key in ("induction_heads", "previous_token_heads") for e in summary.get(key) or []
              if isinstance(e, dict)]

@@ -221,7 +221,7 @@ def test_vocabulary_blocks_give_the_whole_vocabulary_loss(monkeypatch):
     model = rotary_model(n_layers=1)
     tokens = tokens_for(model, n=8, batch=3)
     monkeypatch.setattr(ablation, "LOSS_TOKENS", 5)
-    monkeypatch.setattr(ablation, "_loss_block", lambda cfg, t: 16)
+    monkeypatch.setattr(ablation, "_loss_block", lambda t: 16)
     logits, cache = model.run(tokens, names={"hook_resid_final", "ln_final.hook_scale"})
     want = torch.tensor([_ce(logits[i:i + 1], tokens[i:i + 1]) for i in range(3)], dtype=torch.float64)
     torch.testing.assert_close(ablation._row_losses(model, cache["hook_resid_final"], tokens), want, atol=1e-12, rtol=0)
@@ -259,6 +259,13 @@ def test_the_flop_price_is_what_torch_counts(name, batch):
         ablation.head_ablations(model, tokens, heads, True, clean=clean)
     assert ablation.cost(model, 11, batch, heads).flops == counter.get_total_flops()
     assert ablation.cost(model, 11, batch).flops > ablation.cost(model, 11, batch, heads).flops  # every head costs more
+    every = ablation.all_heads(model.cfg)  # the default on small models, and the figure the page quotes for heads=all
+    with FlopCounterMode(display=False) as counter:
+        clean = ablation.clean_run(model, tokens)
+        ablation.order_ablation(model, tokens, clean=clean)
+        ablation.head_ablations(model, tokens, every, False, clean=clean)
+        ablation.head_ablations(model, tokens, every, True, clean=clean)
+    assert ablation.cost(model, 11, batch).flops == counter.get_total_flops()
 
 
 def test_term_importance_is_its_parts():
