@@ -183,9 +183,11 @@ def layer_scores(
     should_stop: Callable[[], bool] | None = None,
     block: int = GRAM_BLOCK,
     layers_per_chunk: int | None = None,
+    sources: Tensor | None = None,
 ) -> Tensor:
     """[K, L, H, L, H] scores reading the weights one layer at a time; shape = (L, H, group_size, d, dh), `like` a
-    tensor of the compute dtype and device. 0 unless l1 < l2.
+    tensor of the compute dtype and device. 0 unless l1 < l2. `sources` [(L - 1) H, k, d]: the source factors of
+    layers 0..L-2 (source_factor, layer-major) when the caller has formed them already.
 
     num^2 = ||W_OV^{h1} M^{h2}||_F^2 = <F^T F, P P^T>_F with the collapsed factors F [k, d] (source) and P [d, k]
     (target): all (source, target) pairs of all kinds are one matmul over the d x d Gram matrices. The Grams are
@@ -206,7 +208,7 @@ def layer_scores(
     src_sq = like.new_empty((L - 1) * H)  # ||W_OV||_F^2 = ||F||_F^2
     for l1 in range(L - 1):
         _check_stop(should_stop)
-        F_l = source_factor(weight, l1, gs)  # [H, k, d]
+        F_l = source_factor(weight, l1, gs) if sources is None else sources[l1 * H:(l1 + 1) * H]  # [H, k, d]
         F[:, l1 * H:(l1 + 1) * H] = _column_blocks(F_l, size)
         src_sq[l1 * H:(l1 + 1) * H] = torch.linalg.vector_norm(F_l, dim=(-2, -1)).square()
         del F_l

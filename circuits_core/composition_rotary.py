@@ -246,7 +246,7 @@ def composition_profiles(
 
         def v_composition(ws: _Workspace) -> None:
             shape = (L, H, cfg.group_size, cfg.d_model, cfg.d_head)
-            found["v"] = layer_scores(f.weight, shape, q, kinds=("v",))[0]  # [L, H, L, H], composition.py's
+            found["v"] = layer_scores(f.weight, shape, q, kinds=("v",), sources=f.F)[0]  # [L, H, L, H], composition.py's
 
         def baseline(ws: _Workspace) -> None:
             found["baseline"] = random_baseline(cfg.d_model, cfg.d_head, cfg.group_size, n_samples=n_samples, seed=seed)
