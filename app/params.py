@@ -14,8 +14,7 @@ from typing import Annotated, Literal, Self
 from pydantic import Field
 
 from app.analysis import AnalysisParams, HeadField, HeadsField, Limit, split_heads
-from circuits_core.ablation import all_heads
-from circuits_core.config import ModelConfig, head_name, parse_head
+from circuits_core.config import ModelConfig, all_heads, head_name, parse_head
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.heads import STANDARD_BATCH, STANDARD_SEQ_LEN
 from circuits_core.weights import LoadedModel

@@ -45,7 +45,7 @@ from app.params import DEFAULT_VOCAB, HeadParams
 from app.routers.pages import PAGES
 from app.settings import Settings
 from app.views.copying import COPYING_ALL
-from circuits_core.config import head_name
+from circuits_core.config import all_heads, head_name
 from circuits_core.errors import QkovError
 from circuits_core.weights import LoadedModel
 
@@ -88,7 +88,7 @@ def heads_of(loaded: LoadedModel, only: str | None) -> list[str]:
     cfg = loaded.model.cfg
     if only:
         return [HeadParams(head=h.strip()).normalised(loaded).head for h in only.split(",") if h.strip()]
-    return [head_name(layer, h) for layer in range(cfg.n_layers) for h in range(cfg.n_heads)]
+    return [head_name(*pair) for pair in all_heads(cfg)]
 
 
 def main(argv: list[str] | None = None) -> int:

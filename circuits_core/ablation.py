@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from circuits_core.config import ModelConfig
+from circuits_core.config import ModelConfig, all_heads
 from circuits_core.cost import Cost, check_stop, itemsize, side_by_side
 from circuits_core.errors import InvalidInputError
 from circuits_core.hooks import Recorder
@@ -304,10 +304,6 @@ def _rows(x: Tensor, c: int, expand: bool = False) -> Tensor:
     if x.shape[0] == 1:
         return x.expand(c, *x.shape[1:]) if expand else x
     return x.repeat(c, *([1] * (x.dim() - 1)))
-
-
-def all_heads(cfg: ModelConfig) -> list[tuple[int, int]]:
-    return [(layer, h) for layer in range(cfg.n_layers) for h in range(cfg.n_heads)]
 
 
 def head_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None,

@@ -316,6 +316,11 @@ def head_name(layer: int, head: int) -> str:
     return f"L{layer}H{head}"
 
 
+def all_heads(cfg: ModelConfig) -> list[tuple[int, int]]:
+    """Every (layer, head) of the model, layer-major."""
+    return [(layer, h) for layer in range(cfg.n_layers) for h in range(cfg.n_heads)]
+
+
 def parse_head(name: str, cfg: ModelConfig) -> tuple[int, int]:
     """`"L1H4"` -> (1, 4), checked against the model's shape."""
     match = _HEAD_RE.match(name.strip()) if isinstance(name, str) else None

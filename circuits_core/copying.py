@@ -33,6 +33,7 @@ from circuits_core.circuits import (
     ov_circuit,
     unembed_embed_gram,
 )
+from circuits_core.config import all_heads
 from circuits_core.cost import Cost, check_stop
 from circuits_core.errors import InvalidInputError
 from circuits_core.factored import DEFAULT_BUDGET_BYTES
@@ -79,11 +80,6 @@ def sample_order(n: int, rows: int | None, seed: int = 0) -> Tensor:
     if rows < 1:
         raise InvalidInputError(f"rows must be >= 1 (source tokens sampled), got {rows}")
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:rows]
-
-
-def sample_sources(n: int, rows: int | None, seed: int = 0) -> Tensor:
-    """sample_order's positions, sorted."""
-    return sample_order(n, rows, seed).sort().values
 
 
 @dataclass
@@ -145,7 +141,7 @@ def self_copy(model: Transformer, k: int = 10, vocab: Tensor | None = None, budg
     cfg = model.cfg
     order = sample_order(n, rows, seed)  # [r]
     out = torch.full((4, cfg.n_layers, cfg.n_heads), float("nan"), dtype=torch.float64)  # top1, topk, diag > 0, diag median
-    todo = heads if heads is not None else [(layer, h) for layer in range(cfg.n_layers) for h in range(cfg.n_heads)]
+    todo = heads if heads is not None else all_heads(cfg)
     with torch.no_grad():
         for layer, h in todo:
             ov = ov_circuit(model, layer, h)  # W_V [d, d_head], W_O [d_head, d]

@@ -62,7 +62,7 @@ from app.views.heads import HEAD, HEADS
 from app.views.models import build_model_view
 from app.views.page_claims import loss_sentence, rare_entries_sentence, scatter_sentence
 from app.views.tour_figures import positivity_scatter
-from circuits_core.config import ModelConfig, head_name, parse_head
+from circuits_core.config import ModelConfig, all_heads, head_name, parse_head
 from circuits_core.errors import QkovError
 from circuits_core.phenomena import MIN_TRAIN_COUNT
 from circuits_core.weights import LoadedModel
@@ -280,13 +280,13 @@ async def head_context(call: PageCall) -> dict[str, Any]:
     skip = await call.run(SKIP_TRIGRAMS, SkipTrigramParams(head=name, token=p.token, k=p.k, min_count=p.min_count, offset=p.offset,
                                                            basis=b, vocab=v))
     partners = await composition_partners(call, name) if view is not None else []
-    all_heads = [head_name(a, b) for a in range(cfg.n_layers) for b in range(cfg.n_heads)]
-    i = all_heads.index(name)
+    every_head = [head_name(*pair) for pair in all_heads(cfg)]
+    i = every_head.index(name)
     call.json_params = HeadParams(head=name)
     return {
         "head": name, "view": view, "ov": ov, "qk_q": qk_q, "qk_k": qk_k, "skip": skip, "token": p.token, "k": p.k,
         "figs": head_charts(view) if view is not None else {}, "max_k": call.limits.max_k, "partners": partners,
-        "prev_head": all_heads[i - 1] if i > 0 else None, "next_head": all_heads[i + 1] if i + 1 < len(all_heads) else None,
+        "prev_head": every_head[i - 1] if i > 0 else None, "next_head": every_head[i + 1] if i + 1 < len(every_head) else None,
         "base_url": f"/models/{model}/heads/{name}", "min_count": p.min_count, "has_counts": has_token_counts(call.model),
         "min_count_choices": MIN_COUNT_CHOICES, "offset": p.offset or None, "is_rotary": rotary_enabled(call), "n_ctx": cfg.n_ctx,
         "vocab": p.vocab if p.vocab == "all" and cfg.d_vocab > DEFAULT_VOCAB else None, "n_vocab": cfg.d_vocab,

@@ -31,7 +31,7 @@ from app.views.circuits import frequent_tokens
 from app.views.heads import parse_heads, spectra
 from app.views.inputs import check_k, model_ref
 from circuits_core import circuits, copying
-from circuits_core.config import head_name
+from circuits_core.config import all_heads, head_name
 from circuits_core.cost import Cost, check_stop
 from circuits_core.errors import InvalidInputError
 from circuits_core.model import Transformer
@@ -192,22 +192,21 @@ def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Lim
     n = model.cfg.d_vocab if vocab is None else int(vocab.numel())
     k = check_k(p.k, limits, n)
     cfg = model.cfg
-    todo = chosen_heads(loaded, p, limits) or [(a, b) for a in range(cfg.n_layers) for b in range(cfg.n_heads)]
+    todo = chosen_heads(loaded, p, limits) or all_heads(cfg)
     rows = default_rows(n, p.rows, len(todo))
     every = spectra(loaded)  # every head's OV eigenvalues, kept once per model (app/views/heads.py)
     eig = circuits.copying_score(torch.complex(torch.tensor(every.ov_re, dtype=torch.float64), torch.tensor(every.ov_im, dtype=torch.float64)).view(
         cfg.n_layers, cfg.n_heads, cfg.d_head))  # [L, H]
+    r = n if rows is None else rows  # source rows measured per circuit
     heads = []
     for layer, h in todo:
         check_stop(what="OV self-copy shares")
         top1, topk, positive, median = circuit_rows(loaded, p, k, vocab, rows, head_name(layer, h),
                                                     functools.partial(_head, model, layer, h), limits).shares().tolist()
-        r = n if rows is None else rows
         heads.append(HeadCopying(head=head_name(layer, h), ov_copying=float(eig[layer, h]), top1=top1, topk=topk,
                                  diagonal_positive=positive, diagonal_median=median, top1_stderr=stderr(top1, r, n),
                                  topk_stderr=stderr(topk, r, n)))
     baseline = _baseline(loaded, p, k, vocab, rows, limits)  # does not depend on `heads`: its entries serve every panel
-    r = n if rows is None else rows
     ranked = "tokens" if vocab is None else f"tokens seen at least {p.min_count} times in training"
     sample = (f"every one of the {n} {ranked} as source" if r == n else
               f"{r} of the {n} {ranked} as sources, drawn at random (seed {SAMPLE_SEED}), each ranked against all {n}")

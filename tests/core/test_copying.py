@@ -107,13 +107,13 @@ def test_sampled_baseline_uses_the_same_rows():
     assert base.n_rows == 9
 
 
-def test_sample_sources():
-    s = copying.sample_sources(100, 30, seed=1)
+def test_sample_order():
+    s = copying.sample_order(100, 30, seed=1).sort().values  # the distinct positions drawn, sorted
     assert s.tolist() == sorted(set(s.tolist())) and len(s) == 30 and 0 <= int(s.min()) and int(s.max()) < 100
-    assert copying.sample_sources(100, 30, seed=2).tolist() != s.tolist()
-    assert copying.sample_sources(10, None).tolist() == list(range(10)) == copying.sample_sources(10, 10).tolist()
+    assert copying.sample_order(100, 30, seed=2).sort().values.tolist() != s.tolist()
+    assert copying.sample_order(10, None).tolist() == list(range(10)) == copying.sample_order(10, 10).tolist()
     with pytest.raises(InvalidInputError, match="rows"):
-        copying.sample_sources(10, 0)
+        copying.sample_order(10, 0)
 
 
 def test_a_smaller_sample_is_the_first_rows_of_a_larger_one():
