@@ -64,6 +64,7 @@ def test_the_copying_overview_is_assembled_from_the_head_panels(tmp_path: Path, 
     import app.views.copying as copying_view
     from circuits_core.config import ModelConfig
     from tests.app.conftest import save_qkov, train_tokenizer
+    from tests.app.test_copying_shared import counting
 
     cfg = ModelConfig(n_layers=2, d_model=8, n_heads=9, d_head=4, d_vocab=copying_view.FULL_ROWS_MAX + 100, n_ctx=16,
                       positional_embedding_type="shortformer")
@@ -75,16 +76,13 @@ def test_the_copying_overview_is_assembled_from_the_head_panels(tmp_path: Path, 
            "QKOV_DTYPE": "float64"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    calls: list[int] = []
-    inner = copying_view.copying.row_ranks
-
-    def counted(*args: object, **kwargs: object) -> object:
-        calls.append(1)
-        return inner(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(copying_view.copying, "row_ranks", counted)
+    calls = counting(monkeypatch, "row_ranks")
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
-    assert main(["wide"]) == 0
+    try:
+        assert main(["wide"]) == 0
+    finally:
+        torch.set_num_threads(before)  # process-wide: the later tests keep theirs
     assert "assembled pages and panels" in capsys.readouterr().out
     assert len(calls) == n_heads + copying_view.N_TOP_SAMPLES  # each circuit once: the panels' rows, read by the overview
 
