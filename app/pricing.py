@@ -54,9 +54,8 @@ class Budgets:
     flops_per_second: float | None = None  # the rate that turns a Cost's FLOPs into time (settings.compute_flops_per_s)
 
     def estimated_seconds(self, cost: Cost) -> float | None:
-        """The cost's time: its own estimate plus its FLOPs at `flops_per_second` (None when it has neither)."""
-        from_flops = cost.flops / self.flops_per_second if cost.flops and self.flops_per_second else None
-        return None if cost.seconds is None and from_flops is None else (cost.seconds or 0.0) + (from_flops or 0.0)
+        """The cost's time: its FLOPs at `flops_per_second` (None when it counts none, or no rate is set)."""
+        return cost.flops / self.flops_per_second if cost.flops and self.flops_per_second else None
 
 
 def _hint(lower: str) -> str:

@@ -9,11 +9,10 @@ app only compares a Cost with its budgets (app/compute.py); it never recounts te
 A Cost counts bytes, not numbers:
     peak_bytes    the largest extra working memory held at once (beyond the loaded weights)
     answer_bytes  the size of the answer once encoded as JSON (numbers x JSON_NUMBER_BYTES, roughly)
-    seconds       an optional time estimate where one helps (None: not estimated)
     flops         the arithmetic it will do (floating-point operations of its matrix products, 2 per multiply-add;
                   0: not counted): machine-independent, so the app turns it into time with the server's stated
                   rate (settings.compute_flops_per_s) and compares that with the request deadline
-`a.then(b)` is b run after a (peaks do not add), `a + b` is both held at once (peaks add); times and FLOPs add.
+`a.then(b)` is b run after a (peaks do not add), `a + b` is both held at once (peaks add); FLOPs add.
 
 Stopping: a long loop calls `check_stop(should_stop, what)` between its steps. It raises CancelledError when
 the explicit flag or the ambient one (`stopping(flag)`, set by the app's compute service for the thread
@@ -50,34 +49,27 @@ JSON_ENVELOPE_BYTES = 1024
 
 @dataclass(frozen=True)
 class Cost:
-    """Peak extra bytes, encoded answer bytes, (optionally) seconds and FLOPs of one computation."""
+    """Peak extra bytes, encoded answer bytes and FLOPs of one computation."""
 
     peak_bytes: int
     answer_bytes: int = 0
-    seconds: float | None = None
     flops: int = 0
 
     def then(self, other: Cost) -> Cost:
-        """`self` then `other`, the first's working memory freed: the larger peak, answers and times added."""
-        return Cost(max(self.peak_bytes, other.peak_bytes), self.answer_bytes + other.answer_bytes,
-                    _add_seconds(self.seconds, other.seconds), self.flops + other.flops)
+        """`self` then `other`, the first's working memory freed: the larger peak, answers and FLOPs added."""
+        return Cost(max(self.peak_bytes, other.peak_bytes), self.answer_bytes + other.answer_bytes, self.flops + other.flops)
 
     def __add__(self, other: Cost) -> Cost:
-        """Both held at once: peaks, answers and times added."""
-        return Cost(self.peak_bytes + other.peak_bytes, self.answer_bytes + other.answer_bytes,
-                    _add_seconds(self.seconds, other.seconds), self.flops + other.flops)
+        """Both held at once: peaks, answers and FLOPs added."""
+        return Cost(self.peak_bytes + other.peak_bytes, self.answer_bytes + other.answer_bytes, self.flops + other.flops)
 
     def with_answer(self, numbers: int = 0, labels: int = 0) -> Cost:
         """This cost with an answer of `numbers` JSON numbers and `labels` labelled items (and its envelope) added."""
         extra = numbers * JSON_NUMBER_BYTES + labels * JSON_LABEL_BYTES + JSON_ENVELOPE_BYTES
-        return Cost(self.peak_bytes, self.answer_bytes + extra, self.seconds, self.flops)
+        return Cost(self.peak_bytes, self.answer_bytes + extra, self.flops)
 
 
 FREE = Cost(0)
-
-
-def _add_seconds(a: float | None, b: float | None) -> float | None:
-    return None if a is None and b is None else (a or 0.0) + (b or 0.0)
 
 
 def available_cores() -> int:

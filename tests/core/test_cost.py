@@ -79,8 +79,8 @@ def test_costs_grow_with_what_they_price(model: Transformer) -> None:
 
 
 def test_cost_arithmetic() -> None:
-    a, b = Cost(10, 1, 2.0), Cost(4, 3)
-    assert a.then(b) == Cost(10, 4, 2.0) and a + b == Cost(14, 4, 2.0)
+    a, b = Cost(10, 1, flops=2), Cost(4, 3, flops=5)
+    assert a.then(b) == Cost(10, 4, flops=7) and a + b == Cost(14, 4, flops=7)
     assert Cost(1).with_answer(numbers=2, labels=1) == Cost(1, 2 * 22 + 64 + 1024)
 
 
