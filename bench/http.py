@@ -17,7 +17,9 @@ has no heads table). Then, in this process, where a cold heads table's time goes
 from one pass over the vocabulary, G_E W_Q, the spectra, the induction view's K-composition), wall and CPU seconds,
 head_table against half its parts' CPU (its steps are shared by two threads when a core is idle: half the parts'
 CPU estimates both cores busy all along) and head_table with every core as torch threads (an OpenMP team per
-computation: slower than one thread on a busy machine). The machine is shared: the load average is printed; ratios and CPU seconds are what to compare.
+computation: slower than one thread on a busy machine), and the detector pass plus Grams with their products by
+oneDNN (circuits_core/linear.py) against MKL's alone, alternated. The machine is shared: the load average is printed;
+ratios and CPU seconds are what to compare.
 """
 
 from __future__ import annotations
@@ -175,6 +177,8 @@ def heads_breakdown(model: Any) -> None:
                          (f"kernel peak offsets, δ 0..{min(rotary.KERNEL_WINDOW, model.cfg.n_ctx - 1)}",
                           _timed(lambda: rotary.kernel_peak_offsets(model, mu[2])))]
             whole = [_timed(lambda: head_table.head_table(model, tokens, budget_bytes=budget, **kw)) for _ in range(3)]
+            libraries = _onednn_against_mkl(lambda: (heads.detector_scores(model, tokens, budget_bytes=budget),
+                                                     circuits.embed_grams(model)))
             torch.set_num_threads(available_cores())  # what a lone computation would get with QKOV_TORCH_THREADS=cores
             t_cores = _timed(lambda: head_table.head_table(model, tokens, budget_bytes=budget, **kw))[0]
     finally:
@@ -191,6 +195,29 @@ def heads_breakdown(model: Any) -> None:
         f"{fmt_time(cpu / 2).strip()} (both cores busy all along, from the parts timed one by one: an estimate)")
     row(f"  head_table.head_table with {available_cores()} torch threads", t_cores, "",
         f"{wall_med / t_cores:.2f}x the {threads}-thread call")
+    if libraries:
+        dnn, mkl = (statistics.median(libraries[name]) for name in ("oneDNN", "MKL"))
+        row("  detector pass + Grams, products by oneDNN (linear.py)", dnn, "",
+            f"CPU; by MKL alone (oneDNN off): {fmt_time(mkl).strip()}, {mkl / dnn:.2f}x (alternated, medians of 3)")
+
+
+def _onednn_against_mkl(work: Any) -> dict[str, list[float]]:
+    """CPU seconds of `work` with linear.py's oneDNN products and with MKL's alone (linear._ONEDNN_LINEAR off),
+    alternated three times so both see the same machine; {} when this torch has no oneDNN linear."""
+    from circuits_core import linear
+
+    real = linear._ONEDNN_LINEAR
+    if real is None:
+        return {}
+    cpu: dict[str, list[float]] = {"oneDNN": [], "MKL": []}
+    try:
+        for _ in range(3):
+            for name, product in (("oneDNN", real), ("MKL", None)):
+                linear._ONEDNN_LINEAR = product
+                cpu[name].append(_timed(work)[1])
+    finally:
+        linear._ONEDNN_LINEAR = real
+    return cpu
 
 
 def http() -> None:

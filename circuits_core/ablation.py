@@ -250,9 +250,9 @@ def _chunk_heads(cfg: ModelConfig, n: int, b: int) -> int:
 
 def _row_bytes(cfg: ModelConfig, n: int) -> int:
     """Working bytes of one rerun row of n tokens inside a layer (float32): the stream and its norm, q/k/v/z, the
-    scores and pattern of every head, the MLP's hidden activations."""
+    scores (scaled and masked in place) and pattern of every head, the MLP's hidden activations."""
     d_mlp = 0 if cfg.attn_only else (cfg.d_mlp or 4 * cfg.d_model) * (3 if cfg.gated_mlp else 2)
-    return 4 * n * (4 * cfg.d_model + 4 * cfg.n_heads * cfg.d_head + 3 * cfg.n_heads * n + d_mlp)
+    return 4 * n * (4 * cfg.d_model + 4 * cfg.n_heads * cfg.d_head + 2 * cfg.n_heads * n + d_mlp)
 
 
 def head_ablations(model: Transformer, tokens: Tensor, heads: Sequence[tuple[int, int]], recompute_patterns: bool = False,

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from circuits_core.config import ModelConfig
 from circuits_core.errors import InvalidInputError
 from circuits_core.hooks import Frozen, Recorder
+from circuits_core.linear import affine
 from circuits_core.rope import rotate
 
 
@@ -70,6 +71,14 @@ class Attention(nn.Module):
     def bias(self, name: str) -> Tensor | None:
         return getattr(self, name) if self.cfg.use_bias else None
 
+    def project(self, x: Tensor, name: str) -> Tensor:
+        """x W + b per stored head: x [batch, pos, d_model], name "W_Q", "W_K" or "W_V" -> [batch, pos, heads, d_head]
+        (n_kv heads for K and V under GQA), all heads as one product with the bias added inside it (linear.affine)."""
+        W = self.grouped(name) if name != "W_Q" else self.W_Q  # [heads, d_model, d_head]
+        heads, d, dh = W.shape
+        b = (self.grouped("b" + name[1:]) if name != "W_Q" else self.b_Q).reshape(-1) if self.cfg.use_bias else None
+        return affine(x, W.permute(1, 0, 2).reshape(d, heads * dh), b).view(*x.shape[:-1], heads, dh)
+
     def forward(
         self, q_in: Tensor, k_in: Tensor, v_in: Tensor, rec: Recorder, frozen: Frozen | None
     ) -> Tensor:
@@ -78,41 +87,35 @@ class Attention(nn.Module):
         n = q_in.shape[1]
         pattern_key = f"{prefix}.hook_pattern"
         frozen_pattern = frozen.patterns.get(pattern_key) if frozen is not None else None
-        v = torch.einsum("bpd,gde->bpge", v_in, self.grouped("W_V"))  # [batch, pos, n_kv, d_head]
-        if cfg.use_bias:
-            v = v + self.grouped("b_V")
-        v = self.per_head(v, dim=2)  # [batch, pos, n_heads, d_head]
         # queries and keys only where they are used: a frozen pattern needs neither unless their hooks are asked for
         if frozen_pattern is None or rec.wants(f"{prefix}.hook_q") or rec.wants(f"{prefix}.hook_k"):
-            q = torch.einsum("bpd,hde->bphe", q_in, self.W_Q)  # [batch, pos, n_heads, d_head]
-            k = torch.einsum("bpd,gde->bpge", k_in, self.grouped("W_K"))  # [batch, pos, n_kv, d_head]
-            if cfg.use_bias:
-                q, k = q + self.b_Q, k + self.grouped("b_K")
+            q = self.project(q_in, "W_Q")  # [batch, pos, n_heads, d_head]
+            k = self.project(k_in, "W_K")  # [batch, pos, n_kv, d_head]
             if cfg.positional_embedding_type == "rotary":
                 positions = torch.arange(n, device=q.device)[:, None]  # [pos, 1]
                 q, k = rotate(cfg, q, positions), rotate(cfg, k, positions)
             k = self.per_head(k, dim=2)  # [batch, pos, n_heads, d_head]
             rec(f"{prefix}.hook_q", q), rec(f"{prefix}.hook_k", k)
-        rec(f"{prefix}.hook_v", v)
         if frozen_pattern is not None:
             pattern = frozen_pattern  # [batch, n_heads, q_pos, k_pos]
             if pattern.shape[-1] != n:
                 raise InvalidInputError(f"frozen pattern for layer {self.layer} has {pattern.shape[-1]} positions, input has {n}")
         else:
-            scores = torch.einsum("bqhe,bkhe->bhqk", q, k) / cfg.scale  # [batch, n_heads, q_pos, k_pos]
+            scores = torch.einsum("bqhe,bkhe->bhqk", q, k).div_(cfg.scale)  # [batch, n_heads, q_pos, k_pos], fresh
             causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            scores = scores.masked_fill(~causal, float("-inf"))
+            scores.masked_fill_(~causal, float("-inf"))
             rec(f"{prefix}.hook_attn_scores", scores)
             pattern = scores.softmax(dim=-1)
         rec(pattern_key, pattern)
+        # values after the pattern: a run that stops at the last layer's pattern (heads.detector_scores) skips them
+        v = self.per_head(self.project(v_in, "W_V"), dim=2)  # [batch, pos, n_heads, d_head]
+        rec(f"{prefix}.hook_v", v)
         z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)  # [batch, pos, n_heads, d_head]
         rec(f"{prefix}.hook_z", z)
         result_key = f"{prefix}.hook_result"
         if rec.wants(result_key):
             result = rec(result_key, torch.einsum("bqhe,hed->bqhd", z, self.W_O))  # [batch, pos, n_heads, d_model]
             out = result.sum(2)
-        else:
-            out = torch.einsum("bqhe,hed->bqd", z, self.W_O)
-        if cfg.use_bias:
-            out = out + self.b_O
-        return out
+            return out + self.b_O if cfg.use_bias else out
+        W_O = self.W_O.reshape(-1, self.W_O.shape[-1])  # [n_heads d_head, d_model]
+        return affine(z.reshape(*z.shape[:2], -1), W_O, self.bias("b_O"))  # [batch, pos, d_model]

@@ -3,24 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from circuits_core.config import ModelConfig
-from circuits_core.errors import InvalidInputError
 from circuits_core.hooks import Recorder
-
-
-def activation(name: str | None, x: Tensor) -> Tensor:
-    if name == "relu":
-        return F.relu(x)
-    if name == "gelu":
-        return F.gelu(x)
-    if name in ("gelu_new", "gelu_pytorch_tanh"):
-        return F.gelu(x, approximate="tanh")
-    if name == "silu":
-        return F.silu(x)
-    raise InvalidInputError(f"unknown act_fn {name!r}")
+from circuits_core.linear import activation, affine
 
 
 class MLP(nn.Module):
@@ -42,10 +29,15 @@ class MLP(nn.Module):
     def forward(self, x: Tensor, rec: Recorder) -> Tensor:
         # x: [batch, pos, d_model] -> [batch, pos, d_model]
         p = f"blocks.{self.layer}.mlp"
-        b_in = self.b_in if self.cfg.use_bias else 0
+        b_in, b_out = (self.b_in, self.b_out) if self.cfg.use_bias else (None, None)
         if self.cfg.gated_mlp:
-            gate = activation(self.cfg.act_fn, rec(f"{p}.hook_pre", x @ self.W_gate))  # [batch, pos, d_mlp]
-            post = rec(f"{p}.hook_post", gate * rec(f"{p}.hook_pre_linear", x @ self.W_in) + b_in)
+            gate = activation(self.cfg.act_fn, rec(f"{p}.hook_pre", affine(x, self.W_gate)))  # [batch, pos, d_mlp]
+            linear = rec(f"{p}.hook_pre_linear", affine(x, self.W_in))
+            post = rec(f"{p}.hook_post", gate * linear if b_in is None else torch.addcmul(b_in, gate, linear))
         else:
-            post = rec(f"{p}.hook_post", activation(self.cfg.act_fn, rec(f"{p}.hook_pre", x @ self.W_in + b_in)))
-        return post @ self.W_out + (self.b_out if self.cfg.use_bias else 0)
+            if rec.wants(f"{p}.hook_pre"):  # [batch, pos, d_mlp]
+                post = activation(self.cfg.act_fn, rec(f"{p}.hook_pre", affine(x, self.W_in, b_in)))
+            else:  # the activation applied by the product itself (linear.py)
+                post = affine(x, self.W_in, b_in, self.cfg.act_fn)
+            rec(f"{p}.hook_post", post)
+        return affine(post, self.W_out, b_out)

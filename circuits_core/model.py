@@ -38,6 +38,7 @@ from circuits_core.config import ModelConfig
 from circuits_core.errors import InvalidInputError
 from circuits_core.hooks import Frozen as Frozen  # hooks.py, re-exported (announced names)
 from circuits_core.hooks import NameFilter, Recorder, StopRun
+from circuits_core.linear import affine
 from circuits_core.mlp import MLP
 from circuits_core.rope import rotary_angles as rotary_angles  # rope.py, re-exported (announced names)
 from circuits_core.rope import rotary_inv_freq as rotary_inv_freq
@@ -305,8 +306,7 @@ class Transformer(nn.Module):
     def unembed_resid(self, resid: Tensor, rec: Recorder | None = None, frozen: Frozen | None = None) -> Tensor:
         """Logits [batch, pos, d_vocab] of the stream after the last layer [batch, pos, d_model]: ln_final (its frozen
         scale when `frozen` has one), W_U, b_U."""
-        logits = self.ln_final(resid, rec or Recorder(None), frozen) @ self.W_U
-        return logits + self.unembed.b_U if self.cfg.use_bias else logits
+        return affine(self.ln_final(resid, rec or Recorder(None), frozen), self.W_U, self.b_U)  # [batch, pos, d_vocab]
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.run(tokens)[0]

@@ -300,7 +300,9 @@ def test_order_losses_in_groups_of_reruns(loss_tokens, monkeypatch):
 def test_the_byte_price_covers_the_held_peak(name, n, batch):
     """ablation.cost's peak is never below the bytes the clean run, the order reruns and both head ablations hold
     (storages counted op by op), from prompts far shorter than the loss queue's LOSS_TOKENS up; the parts run one
-    after the other here (the price allows them side by side), so the price stays under 3x the held peak."""
+    after the other here (the price allows them side by side), so the price stays under 3.5x the held peak (2.4x to
+    2.5x here from 12 tokens up; 3.3x at 3 tokens on the GQA model, whose attention holds no values beside its
+    scores and masks them in place)."""
     from test_paths_cost import _HeldBytes
 
     model = BATCHED[name]()
@@ -313,4 +315,4 @@ def test_the_byte_price_covers_the_held_peak(name, n, batch):
         ablation.head_ablations(model, tokens, heads, True, clean=clean)
         del clean
     priced = ablation.cost(model, n, batch, heads).peak_bytes
-    assert 0 < held.peak <= priced < 3 * held.peak, (held.peak, priced)
+    assert 0 < held.peak <= priced < 3.5 * held.peak, (held.peak, priced)

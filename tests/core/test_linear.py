@@ -1,0 +1,140 @@
+"""linear.affine: oneDNN's float32 product (bias and activation in its epilogue) against float64 addmm, which path
+each case takes, and the model's forward pass through it against the same weights in float64 (MKL's addmm)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from circuits_core import circuits, linear
+from circuits_core.config import ModelConfig
+from circuits_core.cost import shared_chunks
+from circuits_core.linear import activation, affine
+from circuits_core.model import random_model
+
+needs_onednn = pytest.mark.skipif(linear._ONEDNN_LINEAR is None, reason="this torch has no oneDNN linear")
+ACTS = [None, "relu", "gelu", "gelu_new", "silu"]
+
+
+@pytest.fixture
+def onednn_calls(monkeypatch):
+    """Counts the products oneDNN computes."""
+    calls = []
+    real = linear._ONEDNN_LINEAR
+
+    def counted(*args):
+        calls.append(tuple(args[0].shape))
+        return real(*args)
+
+    monkeypatch.setattr(linear, "_ONEDNN_LINEAR", counted)
+    return calls
+
+
+def _layout(shape: tuple[int, int], kind: str, gen: torch.Generator) -> torch.Tensor:
+    """A float32 [r, c] tensor stored contiguous, transposed, as a slice of wider rows or of a taller transposed one."""
+    r, c = shape
+    if kind == "contiguous":
+        return torch.randn(r, c, generator=gen)
+    if kind == "transposed":
+        return torch.randn(c, r, generator=gen).t()
+    if kind == "row-slice":
+        return torch.randn(r, c + 7, generator=gen)[:, :c]
+    return torch.randn(c, r + 5, generator=gen)[:, :r].t()  # "transposed-slice"
+
+
+def _reference(x, W, b, act):
+    ref = x.double() @ W.double() + (0 if b is None else b.double())
+    return ref if act is None else activation(act, ref)
+
+
+@needs_onednn
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize(("rows", "n_in", "n_out"), [(300, 256, 384), (5, 7, 3)])
+def test_affine_equals_float64_addmm_for_every_layout(act, rows, n_in, n_out, onednn_calls):
+    """Every layout of x and W, with and without bias: within float32 rounding of the float64 product (max error
+    relative to the output's scale), whichever library computes it; the big float32 products go through oneDNN
+    (except a W made of slices of wider rows, left to MKL), the small ones and SiLU's product do not."""
+    gen = torch.Generator().manual_seed(rows + n_out)
+    kinds = ["contiguous", "transposed", "row-slice", "transposed-slice"]
+    for x_kind, W_kind, bias in itertools.product(kinds, kinds, (False, True)):
+        x = _layout((rows, n_in), x_kind, gen)
+        W = _layout((n_in, n_out), W_kind, gen) / n_in**0.5
+        b = torch.randn(n_out, generator=gen) if bias else None
+        before = len(onednn_calls)
+        got = affine(x[None], W, b, act)  # [1, rows, n_out]: leading dimensions kept
+        ref = _reference(x, W, b, act)
+        assert got.shape == (1, rows, n_out) and got.dtype == torch.float32
+        assert (got[0].double() - ref).abs().max() <= 2e-6 * ref.abs().max(), (x_kind, W_kind, bias)
+        big = rows * n_in * n_out >= linear.ONEDNN_MIN_MACS
+        dense_W = W.is_contiguous() or W.t().is_contiguous()
+        want = big and dense_W and x.stride(-1) == 1 and act != "silu"
+        assert (len(onednn_calls) > before) == want, (x_kind, W_kind, act)
+
+
+@needs_onednn
+def test_float64_and_autograd_stay_with_addmm(onednn_calls):
+    """float64 operands, and float32 ones that autograd tracks, take torch.addmm; the gradient through the activation
+    (not applied in place there) equals the float64 one."""
+    gen = torch.Generator().manual_seed(1)
+    x, W, b = torch.randn(300, 256, generator=gen), torch.randn(256, 384, generator=gen) / 16, torch.randn(384, generator=gen)
+    affine(x.double(), W.double(), b.double(), "gelu_new")
+    W32 = W.clone().requires_grad_(True)
+    affine(x, W32, b, "gelu_new").sum().backward()
+    W64 = W.double().requires_grad_(True)
+    F.gelu(x.double() @ W64 + b.double(), approximate="tanh").sum().backward()
+    assert onednn_calls == []
+    assert W32.grad is not None and W64.grad is not None
+    assert (W32.grad.double() - W64.grad).abs().max() <= 1e-5 * W64.grad.abs().max()
+
+
+def _model(act_fn: str, dtype: torch.dtype, gated: bool = False):
+    cfg = ModelConfig(n_layers=2, d_model=128, n_heads=4, d_head=32, d_vocab=600, n_ctx=64, d_mlp=512, act_fn=act_fn, attn_only=False,
+                      normalization_type="LN", positional_embedding_type="standard", gated_mlp=gated,
+                      use_bias=not gated)
+    model = random_model(cfg, seed=3, std_embed=0.5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.rsplit(".", 1)[-1].startswith("b"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    return model.to(dtype)
+
+
+@needs_onednn
+@pytest.mark.parametrize(("act_fn", "gated"), [("gelu_new", False), ("gelu", False), ("relu", False), ("silu", True)])
+def test_the_float32_forward_through_onednn_equals_the_float64_forward(act_fn, gated, onednn_calls):
+    """A float32 model's logits and every hook (through oneDNN: q/k/v, W_O, the MLP with its activation in the
+    product, W_U) equal the same weights' float64 run (MKL addmm) to float32 rounding; asking for hook_pre keeps
+    the pre-activation (the activation is then not applied over it) and hook_post is act(hook_pre)."""
+    model32 = _model(act_fn, torch.float32, gated)
+    model64 = _model(act_fn, torch.float64, gated)
+    tokens = torch.randint(0, 600, (3, 40), generator=torch.Generator().manual_seed(0))
+    hooks = ["blocks.1.attn.hook_q", "blocks.1.attn.hook_v", "blocks.1.hook_attn_out", "blocks.0.mlp.hook_pre",
+             "blocks.0.mlp.hook_post", "blocks.1.hook_mlp_out"]
+    with torch.no_grad():
+        plain = model32.run(tokens)[0]
+        assert len(onednn_calls) > 0
+        logits32, cache32 = model32.run(tokens, names=hooks)
+        logits64, cache64 = model64.run(tokens, names=hooks)
+    assert (logits32.double() - logits64).abs().max() <= 1e-5 * logits64.abs().max()
+    assert (plain.double() - logits64).abs().max() <= 1e-5 * logits64.abs().max()
+    for name in hooks:
+        assert (cache32[name].double() - cache64[name]).abs().max() <= 1e-5 * cache64[name].abs().max(), name
+    if not gated:
+        pre, post = cache32["blocks.0.mlp.hook_pre"], cache32["blocks.0.mlp.hook_post"]
+        assert torch.equal(post, activation(act_fn, pre)) and not torch.equal(pre, post)
+
+
+@needs_onednn
+def test_float32_grams_through_onednn_equal_float64(onednn_calls):
+    """embed_grams in float32 (G's chunks through oneDNN, G_E's blocks through MKL, each LN chunk written over the
+    last) against W_U @ W_E_eff and W_E_eff^T @ W_E_eff formed densely in float64, over uneven chunks."""
+    model32, model64 = _model("gelu_new", torch.float32), _model("gelu_new", torch.float64)
+    G, G_E = circuits.embed_grams(model32, shared_chunks(600, 512))  # chunks of 512 rows (oneDNN) and 88 (MKL)
+    E = circuits.embed_eff(model64)  # [V, d] float64
+    want_G, want_G_E = model64.W_U @ E, E.T @ E
+    assert len(onednn_calls) > 0
+    assert (G.double() - want_G).abs().max() <= 2e-6 * want_G.abs().max()
+    assert (G_E.double() - want_G_E).abs().max() <= 2e-6 * want_G_E.abs().max()
