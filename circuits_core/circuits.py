@@ -454,15 +454,21 @@ def ov_eigenvalues(model: Transformer, G: Tensor | None = None) -> Tensor:
     lambda(W_E W_V W_O W_U) \\ {0} = lambda(W_O (W_U W_E) W_V) = lambda(W_O G W_V), d_head x d_head.
     """
     G = unembed_embed_gram(model) if G is None else G  # [d, d]
-    GW_V = G @ model.W_V_groups  # [L, n_kv, d, d_h]: once per key/value head, shared by its group
-    return _spectrum(model.W_O @ GW_V.repeat_interleave(model.cfg.group_size, dim=1))  # eig of [L, H, d_h, d_h]
+    # layer by layer (no stacked [L, H, d, d_h] copies of W_V, W_O and G W_V: ~110 MiB of fresh pages on GPT-2 small);
+    # G W_V once per key/value head, shared by its group
+    return _spectrum(torch.stack([_attn(model, layer).W_O @ _attn(model, layer).per_head(G @ _attn(model, layer).grouped("W_V"))
+                                  for layer in range(model.cfg.n_layers)]))  # eig of [L, H, d_h, d_h]
 
 
 def gram_queries(model: Transformer, G_E: Tensor | None = None) -> Tensor:
     """G_E W_Q [n_layers, n_heads, d_model, d_head]: the query side of every full QK circuit (qk_eigenvalues), which
     the K-composition positivities read too (qk_paths.k_composition_positivity)."""
     G_E = embed_gram(model) if G_E is None else G_E  # [d, d]
-    return G_E @ model.W_Q
+    cfg = model.cfg
+    out = torch.empty(cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head, dtype=G_E.dtype, device=G_E.device)
+    for layer in range(cfg.n_layers):  # into one tensor, layer by layer: no stacked copy of W_Q
+        torch.matmul(G_E, _attn(model, layer).W_Q, out=out[layer])
+    return out
 
 
 def qk_eigenvalues(model: Transformer, G_E: Tensor | None = None, G_E_W_Q: Tensor | None = None) -> Tensor:
@@ -471,7 +477,8 @@ def qk_eigenvalues(model: Transformer, G_E: Tensor | None = None, G_E_W_Q: Tenso
     lambda(W_E W_Q W_K^T W_E^T / s) \\ {0} = lambda(W_K^T (W_E^T W_E) W_Q) / s; G_E_W_Q: gram_queries when given.
     """
     GW_Q = gram_queries(model, G_E) if G_E_W_Q is None else G_E_W_Q  # [L, H, d, d_h]
-    return _spectrum(model.W_K.transpose(-2, -1) @ GW_Q / model.cfg.scale)  # eig of [L, H, d_h, d_h]
+    return _spectrum(torch.stack([_attn(model, layer).W_K.transpose(-2, -1) @ GW_Q[layer]  # layer by layer: no stacked W_K
+                                  for layer in range(model.cfg.n_layers)]) / model.cfg.scale)  # eig of [L, H, d_h, d_h]
 
 
 def copying_score(eigenvalues: Tensor) -> Tensor:
