@@ -53,7 +53,9 @@ class Recorder:
             self._keep = wanted.__contains__
 
     def wants(self, name: str) -> bool:
-        return self._keep(name)
+        """Whether the value of hook `name` is asked for: kept, or the hook a run stops after (the layers' fast paths,
+        which skip a hook's value, skip neither)."""
+        return self._keep(name) or name == self.stop_after
 
     def __call__(self, name: str, value: Tensor) -> Tensor:
         if self._keep(name):

@@ -48,6 +48,22 @@ def test_recording_and_freezing_do_not_change_the_logits(cfg: ModelConfig) -> No
         assert "ln_final.hook_scale" in cache
 
 
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if not c.attn_only and c.normalization_type == "LN"],
+                         ids=lambda c: c.positional_embedding_type)
+def test_run_until_stops_at_every_hook(cfg: ModelConfig) -> None:
+    """run_until(stop_after=name) stops at every hook a full recording run fills, including those the layers' fast
+    paths skip when nothing asks for them (LayerNorm hook_scale, the MLP's hook_pre, hook_result), with or without
+    `names`; the stopped run's value equals the full run's (float64; to 1e-12: recording every hook takes the explicit
+    LayerNorm maths, recording one the fused kernel)."""
+    model = random_model(cfg, seed=4, dtype=torch.float64, std_embed=1.0)
+    tokens = torch.randint(0, cfg.d_vocab, (2, cfg.n_ctx), generator=torch.Generator().manual_seed(1))
+    _, cache = model.run(tokens, names=lambda name: True)
+    assert {"blocks.0.ln1.hook_scale", "blocks.1.mlp.hook_pre", "blocks.1.attn.hook_result"} <= set(cache)
+    for name, value in cache.items():
+        assert model.run_until(tokens, name) == {}  # stops there: no "no hook" error after a full run
+        torch.testing.assert_close(model.run_until(tokens, name, names=[name])[name], value, rtol=0, atol=1e-12)
+
+
 def test_token_checks() -> None:
     model = random_model(CONFIGS[0])
     with pytest.raises(InvalidInputError, match="context"):
