@@ -122,7 +122,8 @@ def embed_norm(model: Transformer) -> EmbedNorm:
         inv_scale = torch.empty(model.cfg.d_vocab, dtype=dtype, device=model.W_E.device)
         mean = torch.empty_like(inv_scale) if ln.centred else None
         # statistics in float64, one chunk at a time in one buffer (in place: a fresh float64 chunk per operation
-        # took 0.30 s on GPT-2 small's vocabulary in a new process, its page faults included; this, 0.03 s)
+        # took 0.30 s on GPT-2 small's vocabulary as a new process's first use, its page faults included; this,
+        # 0.07 s there and 0.03 s once the process has its memory)
         buffer = torch.empty(min(EMBED_CHUNK, model.cfg.d_vocab), model.cfg.d_model, dtype=torch.float64,
                              device=model.W_E.device)
         for start in range(0, model.cfg.d_vocab, EMBED_CHUNK):
@@ -144,6 +145,7 @@ def _normalised(model: Transformer, norm: EmbedNorm, rows: slice, out: Tensor | 
     chunk's rows, reused chunk after chunk: a fresh 6 MiB tensor per chunk costs ~3 ms of page faults), then in place
     (a fresh temporary per operation cost ~2x the time on GPT-2's vocabulary)."""
     W_E = model.W_E[rows]  # [chunk, d_model], the weights themselves: never written
+    assert out is None or len(out) >= len(W_E), "the buffer holds at most as many rows as the largest chunk so far"
     buffer = None if out is None else out[: W_E.shape[0]]
     scale = norm.inv_scale[rows, None]  # [chunk, 1]
     x = torch.mul(W_E, scale, out=buffer) if norm.mean is None else torch.sub(W_E, norm.mean[rows, None], out=buffer).mul_(scale)
@@ -168,8 +170,11 @@ def _embed_rows(model: Transformer, take: Callable[[], slice | None] | None,
             yield rows, model.W_E[rows]
             continue
         X = _normalised(model, norm, rows, buffer)
-        if reuse and model.W_E.dtype == X.dtype and (buffer is None or len(X) > len(buffer)):
-            buffer = X  # the largest chunk so far: later chunks are written into it
+        # the largest chunk so far: later chunks are written into it (not for half-precision W_E, whose chunks are
+        # normalised in float32 and rounded once: normalised inside a half-precision buffer they would round at
+        # every step)
+        if reuse and model.W_E.dtype == model.compute_dtype and (buffer is None or len(X) > len(buffer)):
+            buffer = X
         yield rows, X
 
 
@@ -454,10 +459,10 @@ def ov_eigenvalues(model: Transformer, G: Tensor | None = None) -> Tensor:
     lambda(W_E W_V W_O W_U) \\ {0} = lambda(W_O (W_U W_E) W_V) = lambda(W_O G W_V), d_head x d_head.
     """
     G = unembed_embed_gram(model) if G is None else G  # [d, d]
-    # layer by layer (no stacked [L, H, d, d_h] copies of W_V, W_O and G W_V: ~110 MiB of fresh pages on GPT-2 small);
-    # G W_V once per key/value head, shared by its group
-    return _spectrum(torch.stack([_attn(model, layer).W_O @ _attn(model, layer).per_head(G @ _attn(model, layer).grouped("W_V"))
-                                  for layer in range(model.cfg.n_layers)]))  # eig of [L, H, d_h, d_h]
+    # layer by layer (no stacked [L, H, d, d_h] copies of W_V, W_O and G W_V: ~110 MiB of fresh pages on GPT-2 small)
+    attns = [_attn(model, layer) for layer in range(model.cfg.n_layers)]
+    # W_O G W_V [H, d_h, d_h] per layer, G W_V once per key/value head (shared by its group)
+    return _spectrum(torch.stack([a.W_O @ a.per_head(G @ a.grouped("W_V")) for a in attns]))  # eig of [L, H, d_h, d_h]
 
 
 def gram_queries(model: Transformer, G_E: Tensor | None = None) -> Tensor:
@@ -575,11 +580,11 @@ def skip_trigrams_cost(model: Transformer, k: int, budget_bytes: int, token: boo
 
 
 def head_spectra_cost(model: Transformer, n_positions: int) -> Cost:
-    """One head's summary: OV/QK eigenvalues of every head (the [L, H, d_model, d_head] products), the two Grams,
-    singular values, and positional_qk on n_positions (scores and pattern [n, n]); answer: 2 complex spectra,
-    2 singular-value lists, the [n, n] pattern."""
+    """One head's summary: OV/QK eigenvalues of every head (G_E W_Q [L, H, d_model, d_head], one layer's G W_V at a
+    time), the two Grams, singular values, and positional_qk on n_positions (scores and pattern [n, n]); answer: 2
+    complex spectra, 2 singular-value lists, the [n, n] pattern."""
     cfg, size = model.cfg, model.W_E.element_size()
-    products = 2 * cfg.n_layers * cfg.n_heads * cfg.d_model * cfg.d_head * size
+    products = (cfg.n_layers + 1) * cfg.n_heads * cfg.d_model * cfg.d_head * size
     grams = (2 * cfg.d_model**2 + 2 * EMBED_CHUNK * cfg.d_model) * size
     positional = 3 * n_positions * max(n_positions, cfg.d_model) * size
     return Cost(products + grams + positional).with_answer(numbers=6 * cfg.d_head + n_positions**2, labels=10)

@@ -88,12 +88,14 @@ def frozen_run(model: Transformer, tokens: Tensor) -> FrozenRun:
 def forward_cost(model: Transformer, n: int, batch: int = 1, kept_per_layer: int = 0, logits: bool = True) -> Cost:
     """A forward pass of `batch` sequences of n tokens: one layer's activations at a time (residual stream,
     q/k/v/z, scores (scaled and masked in place) and pattern, MLP hidden), `kept_per_layer` numbers cached per layer,
-    and the logits."""
+    the logits, and the [d_model, n_heads d_head] copy of W_Q, W_K or W_V that Attention.project multiplies by
+    (the peak on short prompts)."""
     cfg = model.cfg
     mlp = 0 if cfg.attn_only else 3 * (cfg.d_mlp or 4 * cfg.d_model)  # hidden, activation (and gate)
     layer = n * (4 * cfg.d_model + 4 * cfg.n_heads * cfg.d_head + mlp) + 2 * cfg.n_heads * n * n
     out = n * cfg.d_vocab if logits else 0
-    return Cost(batch * (layer + cfg.n_layers * kept_per_layer + out) * itemsize(model.dtype))
+    weights = cfg.d_model * cfg.n_heads * cfg.d_head
+    return Cost((batch * (layer + cfg.n_layers * kept_per_layer + out) + weights) * itemsize(model.dtype))
 
 
 def run_cost(model: Transformer, n: int) -> Cost:

@@ -199,13 +199,15 @@ def head_table_cost(model: Transformer, n: int, batch: int, budget_bytes: int | 
 
 
 def _spectra_cost(model: Transformer, reference_tokens: int | None = None) -> Cost:
-    """Two threads' partial Grams (each with one LN chunk of W_E at a time), G_E W_Q and the spectra's
-    [L, H, d_model, d_head] products, and μ's pass on `reference_tokens` tokens and the kernel (rotary.kernel_cost),
-    which one thread may run while the other still holds a detector chunk or partial Grams."""
+    """Two threads' partial Grams (each with one LN chunk of W_E at a time), G_E W_Q [L, H, d_model, d_head], on each
+    thread one layer's [H, d_model, d_head] products (the spectra and the K-composition go layer by layer) and one
+    spectrum's float64 [L, H, d_head, d_head] matrices, and μ's pass on `reference_tokens` tokens and the kernel
+    (rotary.kernel_cost), which one thread may run while the other still holds a detector chunk or partial Grams."""
     cfg = model.cfg
-    size, per_head = itemsize(model.dtype), cfg.n_layers * cfg.n_heads * cfg.d_model * cfg.d_head
+    size, per_layer = itemsize(model.dtype), cfg.n_heads * cfg.d_model * cfg.d_head
     grams = 2 * (2 * cfg.d_model**2 + 2 * GRAM_ROWS * cfg.d_model) * size
-    spectra = Cost(grams + per_head * size + 2 * per_head * 8 + 4 * cfg.d_model**2 * 8)
+    spectrum = cfg.n_layers * cfg.n_heads * cfg.d_head**2 * 8
+    spectra = Cost(grams + cfg.n_layers * per_layer * size + 2 * (per_layer * size + spectrum) + 4 * cfg.d_model**2 * 8)
     if reference_tokens is None:
         return spectra
     return spectra + kernel_cost(model, min(KERNEL_WINDOW, cfg.n_ctx - 1) + 1, reference_tokens)

@@ -12,7 +12,10 @@ from circuits_core.linear import activation, affine
 
 class MLP(nn.Module):
     """act(x W_in + b_in) W_out + b_out, or gated (TransformerLens GatedMLP, SwiGLU when act_fn is silu):
-    (act(x W_gate) * (x W_in) + b_in) W_out + b_out (hook_pre = x W_gate, hook_pre_linear = x W_in)."""
+    (act(x W_gate) * (x W_in) + b_in) W_out + b_out (hook_pre = x W_gate, hook_pre_linear = x W_in).
+
+    Unless hook_pre is recorded (or stopped at), act is applied by the product itself (linear.affine): in float32 a
+    run that records hook_pre can differ from one that does not by rounding (~1e-6 of the logits' scale)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()

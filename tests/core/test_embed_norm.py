@@ -99,3 +99,19 @@ def test_half_precision_models_within_their_rounding(dtype):
                       (C.unembed_embed_gram(m), ref.W_U @ W_E)]:
         assert got.dtype == dtype
         assert (got.double() - want).abs().max() < 4 * eps * want.abs().max()  # measured <= 0.83 eps
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_reused_chunk_buffer_gives_the_fresh_chunks(dtype):
+    """W_E_eff's chunks written over one buffer (the Gram pass's reuse=True; uneven chunks 16, 16, 8) equal each
+    chunk normalised afresh, bit for bit; a half-precision model keeps fresh chunks (normalised in float32, rounded
+    once), since rounding at every step inside a half-precision buffer doubled their error."""
+    m = rotary_model(seed=4, n_key_value_heads=2).to(dtype)
+    norm = C.embed_norm(m)
+    seen = []
+    for rows, X in C._embed_rows(m, C.shared_chunks(m.cfg.d_vocab, 16), reuse=True):
+        assert torch.equal(X, C._normalised(m, norm, rows)), rows
+        seen.append((rows, X))  # kept alive: a fresh chunk's memory cannot come back as the next one
+    assert [r for r, _ in seen] == [slice(0, 16), slice(16, 32), slice(32, 40)]
+    shared = len({X.data_ptr() for _, X in seen}) == 1  # one buffer for every chunk
+    assert shared == (dtype in (torch.float64, torch.float32))

@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from circuits_core import circuits, linear
 from circuits_core.config import ModelConfig
 from circuits_core.cost import shared_chunks
-from circuits_core.linear import activation, affine
+from circuits_core.linear import affine
 from circuits_core.model import random_model
 
 needs_onednn = pytest.mark.skipif(linear._ONEDNN_LINEAR is None, reason="this torch has no oneDNN linear")
 ACTS = [None, "relu", "gelu", "gelu_new", "silu"]
+TORCH_ACTS = {"relu": F.relu, "gelu": F.gelu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu}
 
 
 @pytest.fixture
@@ -26,7 +27,7 @@ def onednn_calls(monkeypatch):
     real = linear._ONEDNN_LINEAR
 
     def counted(*args):
-        calls.append(tuple(args[0].shape))
+        calls.append((tuple(args[1].shape), args[3]))  # (W.t() [n_out, n_in], epilogue)
         return real(*args)
 
     monkeypatch.setattr(linear, "_ONEDNN_LINEAR", counted)
@@ -47,7 +48,7 @@ def _layout(shape: tuple[int, int], kind: str, gen: torch.Generator) -> torch.Te
 
 def _reference(x, W, b, act):
     ref = x.double() @ W.double() + (0 if b is None else b.double())
-    return ref if act is None else activation(act, ref)
+    return ref if act is None else TORCH_ACTS[act](ref)
 
 
 @needs_onednn
@@ -75,25 +76,34 @@ def test_affine_equals_float64_addmm_for_every_layout(act, rows, n_in, n_out, on
 
 
 @needs_onednn
-def test_float64_and_autograd_stay_with_addmm(onednn_calls):
-    """float64 operands, and float32 ones that autograd tracks, take torch.addmm; the gradient through the activation
-    (not applied in place there) equals the float64 one."""
+@pytest.mark.parametrize("grad_of", ["W", "x"])
+def test_float64_half_and_autograd_stay_with_addmm(grad_of, onednn_calls):
+    """float64 and half-precision operands, and float32 ones that autograd tracks (the weight's or only the input's
+    gradient), take torch.addmm; the gradient through the activation (not applied in place there) equals the float64
+    one."""
     gen = torch.Generator().manual_seed(1)
     x, W, b = torch.randn(300, 256, generator=gen), torch.randn(256, 384, generator=gen) / 16, torch.randn(384, generator=gen)
     affine(x.double(), W.double(), b.double(), "gelu_new")
-    W32 = W.clone().requires_grad_(True)
-    affine(x, W32, b, "gelu_new").sum().backward()
-    W64 = W.double().requires_grad_(True)
-    F.gelu(x.double() @ W64 + b.double(), approximate="tanh").sum().backward()
+    half = affine(x.bfloat16(), W.bfloat16(), b.bfloat16(), "gelu_new")
+    assert half.dtype == torch.bfloat16 and onednn_calls == []
+    leaf32, leaf64 = (W.clone(), W.double()) if grad_of == "W" else (x.clone(), x.double())
+    leaf32.requires_grad_(True), leaf64.requires_grad_(True)
+    args32, args64 = ((x, leaf32), (x.double(), leaf64)) if grad_of == "W" else ((leaf32, W), (leaf64, W.double()))
+    affine(*args32, b, "gelu_new").sum().backward()
+    F.gelu(args64[0] @ args64[1] + b.double(), approximate="tanh").sum().backward()
     assert onednn_calls == []
-    assert W32.grad is not None and W64.grad is not None
-    assert (W32.grad.double() - W64.grad).abs().max() <= 1e-5 * W64.grad.abs().max()
+    assert leaf32.grad is not None and leaf64.grad is not None
+    assert (leaf32.grad.double() - leaf64.grad).abs().max() <= 1e-5 * leaf64.grad.abs().max()
 
 
 def _model(act_fn: str, dtype: torch.dtype, gated: bool = False):
-    cfg = ModelConfig(n_layers=2, d_model=128, n_heads=4, d_head=32, d_vocab=600, n_ctx=64, d_mlp=512, act_fn=act_fn, attn_only=False,
-                      normalization_type="LN", positional_embedding_type="standard", gated_mlp=gated,
-                      use_bias=not gated)
+    """d_model 256, 4 heads of 64, d_mlp 1024: on 4 x 64 tokens every product of the forward pass reaches
+    ONEDNN_MIN_MACS (K and V of 2 key/value heads exactly). Gated: a Llama-shaped layer (RMS norms, rotary positions,
+    2 key/value heads, no biases)."""
+    llama = dict(normalization_type="RMS", positional_embedding_type="rotary", n_key_value_heads=2, use_bias=False)
+    gpt2 = dict(normalization_type="LN", positional_embedding_type="standard", use_bias=True)
+    cfg = ModelConfig(n_layers=2, d_model=256, n_heads=4, d_head=64, d_vocab=600, n_ctx=64, d_mlp=1024, act_fn=act_fn,
+                      attn_only=False, gated_mlp=gated, **(llama if gated else gpt2))
     model = random_model(cfg, seed=3, std_embed=0.5)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -105,17 +115,22 @@ def _model(act_fn: str, dtype: torch.dtype, gated: bool = False):
 @needs_onednn
 @pytest.mark.parametrize(("act_fn", "gated"), [("gelu_new", False), ("gelu", False), ("relu", False), ("silu", True)])
 def test_the_float32_forward_through_onednn_equals_the_float64_forward(act_fn, gated, onednn_calls):
-    """A float32 model's logits and every hook (through oneDNN: q/k/v, W_O, the MLP with its activation in the
-    product, W_U) equal the same weights' float64 run (MKL addmm) to float32 rounding; asking for hook_pre keeps
-    the pre-activation (the activation is then not applied over it) and hook_post is act(hook_pre)."""
+    """A float32 model's logits and hooks, every product through oneDNN (q, k, v, W_O, the MLP with its activation
+    in the product's epilogue, W_U: counted by weight shape), equal the same weights' float64 run (MKL addmm) to
+    float32 rounding; asking for hook_pre keeps the pre-activation (the activation is then not applied over it) and
+    hook_post is act(hook_pre)."""
     model32 = _model(act_fn, torch.float32, gated)
     model64 = _model(act_fn, torch.float64, gated)
-    tokens = torch.randint(0, 600, (3, 40), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 600, (4, 64), generator=torch.Generator().manual_seed(0))
     hooks = ["blocks.1.attn.hook_q", "blocks.1.attn.hook_v", "blocks.1.hook_attn_out", "blocks.0.mlp.hook_pre",
              "blocks.0.mlp.hook_post", "blocks.1.hook_mlp_out"]
+    epilogue = {"gelu_new": "gelu", "gelu": "gelu", "relu": "relu"}.get(act_fn)
+    kv = 2 * 64 if gated else 256  # key/value heads x d_head
+    per_layer = [((256, 256), "none"), ((kv, 256), "none"), ((kv, 256), "none"), ((256, 256), "none"),  # Q K V O
+                 *([((1024, 256), "none")] * 2 if gated else [((1024, 256), epilogue)]), ((256, 1024), "none")]
     with torch.no_grad():
         plain = model32.run(tokens)[0]
-        assert len(onednn_calls) > 0
+        assert sorted(onednn_calls) == sorted(per_layer * 2 + [((600, 256), "none")])  # and the unembedding
         logits32, cache32 = model32.run(tokens, names=hooks)
         logits64, cache64 = model64.run(tokens, names=hooks)
     assert (logits32.double() - logits64).abs().max() <= 1e-5 * logits64.abs().max()
@@ -124,7 +139,7 @@ def test_the_float32_forward_through_onednn_equals_the_float64_forward(act_fn, g
         assert (cache32[name].double() - cache64[name]).abs().max() <= 1e-5 * cache64[name].abs().max(), name
     if not gated:
         pre, post = cache32["blocks.0.mlp.hook_pre"], cache32["blocks.0.mlp.hook_post"]
-        assert torch.equal(post, activation(act_fn, pre)) and not torch.equal(pre, post)
+        assert torch.equal(post, TORCH_ACTS[act_fn](pre)) and not torch.equal(pre, post)
 
 
 @needs_onednn
