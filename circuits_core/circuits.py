@@ -141,12 +141,11 @@ def embed_norm(model: Transformer) -> EmbedNorm:
 
 
 def _normalised(model: Transformer, norm: EmbedNorm, rows: slice, out: Tensor | None = None) -> Tensor:
-    """W_E_eff[rows] [chunk, d_model] from the statistics `norm`: one new tensor (or `out`, a buffer of at least the
-    chunk's rows, reused chunk after chunk: a fresh 6 MiB tensor per chunk costs ~3 ms of page faults), then in place
-    (a fresh temporary per operation cost ~2x the time on GPT-2's vocabulary)."""
+    """W_E_eff[rows] [chunk, d_model] from the statistics `norm`: one new tensor (or `out`, a buffer reused chunk after
+    chunk when it has the rows: a fresh 6 MiB tensor per chunk costs ~3 ms of page faults), then in place (a fresh
+    temporary per operation cost ~2x the time on GPT-2's vocabulary)."""
     W_E = model.W_E[rows]  # [chunk, d_model], the weights themselves: never written
-    assert out is None or len(out) >= len(W_E), "the buffer holds at most as many rows as the largest chunk so far"
-    buffer = None if out is None else out[: W_E.shape[0]]
+    buffer = out[: len(W_E)] if out is not None and len(out) >= len(W_E) else None  # too small: a fresh tensor
     scale = norm.inv_scale[rows, None]  # [chunk, 1]
     x = torch.mul(W_E, scale, out=buffer) if norm.mean is None else torch.sub(W_E, norm.mean[rows, None], out=buffer).mul_(scale)
     if norm.w is not None:

@@ -4,7 +4,7 @@ On CPU in float32 without autograd, the product goes through oneDNN (torch.ops.m
 kernel torch's own compiler emits for linear layers), with the bias and a GELU or ReLU applied by the product's
 epilogue instead of passes over its output. The arithmetic is the same float32 GEMM; only the summation order
 inside it differs from MKL's, as between any two BLAS libraries. On GPT-2 small's shapes, one thread, products
-alternated in one process (load ~1): 101-106 GFLOP/s against MKL's 93-99, and the MLP's first product with its
+alternated in one process (load ~1): 97-104 GFLOP/s against MKL's 93-99, and the MLP's first product with its
 tanh GELU at 91-101 against 69-78 for MKL's plus a separate GELU. `python -m bench http` prints the heads table's
 detector pass and Grams both ways (1.05x to 1.20x in favour of oneDNN, quiet to busy machine: MKL suffers more
 from a busy neighbour). Elsewhere (float64, half precision, CUDA, gradients, a torch without oneDNN) it is

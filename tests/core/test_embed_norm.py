@@ -115,3 +115,16 @@ def test_reused_chunk_buffer_gives_the_fresh_chunks(dtype):
     assert [r for r, _ in seen] == [slice(0, 16), slice(16, 32), slice(32, 40)]
     shared = len({X.data_ptr() for _, X in seen}) == 1  # one buffer for every chunk
     assert shared == (dtype in (torch.float64, torch.float32))
+
+
+def test_a_larger_chunk_after_a_smaller_one_gets_its_own_buffer():
+    """Chunks handed out smallest first (8, then 16, 16 rows): the 8-row buffer cannot hold the next chunk, which is
+    normalised afresh and becomes the buffer; every chunk equals a fresh one."""
+    m = rotary_model(seed=4, n_key_value_heads=2).to(torch.float32)
+    norm = C.embed_norm(m)
+    order = iter([slice(32, 40), slice(0, 16), slice(16, 32)])
+    seen = []
+    for rows, X in C._embed_rows(m, lambda: next(order, None), reuse=True):
+        assert torch.equal(X, C._normalised(m, norm, rows)), rows
+        seen.append(X)
+    assert seen[0].data_ptr() != seen[1].data_ptr() == seen[2].data_ptr()
