@@ -96,7 +96,7 @@ class AnalysisParams(BaseModel):
 
 
 def split_heads(heads: str | None) -> list[str]:
-    """"L0H1, L1H2" -> ["L0H1", "L1H2"] (empty items dropped)."""
+    """ "L0H1, L1H2" -> ["L0H1", "L1H2"] (empty items dropped)."""
     return [h.strip() for h in heads.split(",") if h.strip()] if heads else []
 
 
@@ -176,7 +176,9 @@ def validate(params: type[P], raw: dict[str, Any]) -> P:
     try:
         return params.model_validate(raw)
     except ValidationError as exc:
-        raise RequestValidationError([{**e, "loc": ("query", *e["loc"])} for e in exc.errors(include_url=False)]) from exc
+        raise RequestValidationError(
+            [{**e, "loc": ("query", *e["loc"])} for e in exc.errors(include_url=False)]
+        ) from exc
 
 
 # -- derived: cache key, JSON link, running ------------------------------------------------------------------
@@ -185,7 +187,9 @@ def canonical(params: AnalysisParams) -> str:
     return json.dumps(params.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
 
 
-def cache_key(analysis: Analysis[Any, Any], model_id: str, loaded: LoadedModel, params: AnalysisParams) -> tuple[str, ...]:
+def cache_key(
+    analysis: Analysis[Any, Any], model_id: str, loaded: LoadedModel, params: AnalysisParams
+) -> tuple[str, ...]:
     """Model id, digest of every answer-changing file, analysis name, normalised params."""
     return (model_id, str(loaded.digest), analysis.name, canonical(params))
 
@@ -203,7 +207,11 @@ def json_url(analysis: Analysis[Any, Any], model_id: str | None, params: Analysi
     path = analysis.api_path.replace("{model}", quote(model_id or "", safe=""))
     for name in analysis.path_fields():
         path = path.replace("{" + name + "}", quote(str(values.pop(name)), safe=""))
-    query = {k: ("true" if v is True else "false" if v is False else v) for k, v in values.items() if v is not None and v != ""}
+    query = {
+        k: ("true" if v is True else "false" if v is False else v)
+        for k, v in values.items()
+        if v is not None and v != ""
+    }
     return f"{path}?{urlencode(query)}" if query else path
 
 
@@ -217,11 +225,17 @@ def _priced(analysis: Analysis[P, V], subject: Any, model_id: str | None, params
     """The keyword arguments of compute: the cost (the engine's estimate), the cache key, what to lower."""
     key: tuple[str, ...] | None = None
     if analysis.cached(params):
-        key = cache_key(analysis, model_id or "", subject, params) if analysis.scope == "model" else server_key(analysis, subject, params)
+        key = (
+            cache_key(analysis, model_id or "", subject, params)
+            if analysis.scope == "model"
+            else server_key(analysis, subject, params)
+        )
     return {"cost": analysis.cost(subject, params, limits), "key": key, "lower": lower_hint(analysis)}
 
 
-async def _price(analysis: Analysis[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> dict[str, Any]:
+async def _price(
+    analysis: Analysis[P, V], subject: Any, model_id: str | None, params: P, limits: Limits
+) -> dict[str, Any]:
     """`_priced`; a server-wide analysis in a thread, since its price and key load the models it reads (a model
     load must never hold the event loop that answers health checks and cached pages)."""
     if analysis.scope == "server":

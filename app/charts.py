@@ -30,8 +30,13 @@ LEGEND_TOP = {"orientation": "h", "x": 1, "xanchor": "right", "y": 1.0, "yanchor
 # Whitespace and control characters drawn visibly: · space, ⏎ newline, ⇥ tab, and an ASCII escape (\r, \x0c,
 # \x7f, \x85, \xa0) for every other control character and the no-break space (the Unicode control pictures
 # are missing from common monospace fonts and would show as empty boxes).
-VISIBLE = {" ": "·", "\n": "⏎", "\t": "⇥", "\r": "\\r",
-           **{chr(c): f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA1)] if chr(c) not in "\n\t\r"}}
+VISIBLE = {
+    " ": "·",
+    "\n": "⏎",
+    "\t": "⇥",
+    "\r": "\\r",
+    **{chr(c): f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA1)] if chr(c) not in "\n\t\r"},
+}
 VISIBLE_TABLE = str.maketrans(VISIBLE)
 
 
@@ -80,13 +85,21 @@ def heatmap(
 ) -> Figure:
     """A heatmap of rows y by columns x; signed values on RdBu centred on 0 with a symmetric range."""
     z = rounded(z, digits)
-    trace: dict[str, Any] = {"type": "heatmap", "z": z, "x": list(x), "y": list(y), "colorbar": {"title": {"text": colorbar}, "thickness": 12}}
+    trace: dict[str, Any] = {
+        "type": "heatmap",
+        "z": z,
+        "x": list(x),
+        "y": list(y),
+        "colorbar": {"title": {"text": colorbar}, "thickness": 12},
+    }
     values = [v for row in z for v in row if v is not None]
     if signed:
         bound = zmax if zmax is not None else max((abs(v) for v in values), default=1.0) or 1.0
         trace.update(colorscale=SIGNED_SCALE, zmid=0, zmin=-bound, zmax=bound)
     else:
-        trace.update(colorscale=UNSIGNED_SCALE, zmin=0, zmax=zmax if zmax is not None else max(values, default=1.0) or 1.0)
+        trace.update(
+            colorscale=UNSIGNED_SCALE, zmin=0, zmax=zmax if zmax is not None else max(values, default=1.0) or 1.0
+        )
     if customdata is not None:
         trace["customdata"] = customdata
     trace["hovertemplate"] = (hover or "%{y} · %{x}<br>%{z:.4f}") + "<extra></extra>"
@@ -97,12 +110,19 @@ def heatmap(
     x_step, y_step = _ticks(x, EVERY_COLUMN_MAX), _ticks(y, EVERY_LABEL_MAX)
     layout: dict[str, Any] = {
         "title": {"text": title, "x": 0, "font": {"size": 13}},
-        "xaxis": _axis(x_title, type="category", side="bottom",
-                       tickangle=(-90 if len(x) > 24 else -45) if len(x) > 6 and max(map(len, x), default=0) > 2 else 0, **x_step),
+        "xaxis": _axis(
+            x_title,
+            type="category",
+            side="bottom",
+            tickangle=(-90 if len(x) > 24 else -45) if len(x) > 6 and max(map(len, x), default=0) > 2 else 0,
+            **x_step,
+        ),
         "yaxis": _axis(y_title, type="category", autorange="reversed" if reversed_y else True, **y_step),
     }
     if height:
-        layout["height"] = label_room(len(y), height) if y_step.get("dtick") == 1 else height  # room for every row label
+        layout["height"] = (
+            label_room(len(y), height) if y_step.get("dtick") == 1 else height
+        )  # room for every row label
     fig: Figure = {"data": [trace], "layout": layout}
     if links is not None:
         fig["links"] = {"0": links}
@@ -110,7 +130,9 @@ def heatmap(
 
 
 EVERY_LABEL_MAX = 64  # up to this many named rows, every one is labelled (the figure grows to fit them)
-EVERY_COLUMN_MAX = 24  # columns: a half-width chart has room for about this many vertical labels; beyond, plotly thins them
+EVERY_COLUMN_MAX = (
+    24  # columns: a half-width chart has room for about this many vertical labels; beyond, plotly thins them
+)
 
 
 def _ticks(labels: Sequence[str], every_max: int) -> dict[str, Any]:
@@ -150,7 +172,9 @@ def bars(
     layout: dict[str, Any] = {
         "title": {"text": title, "x": 0, "font": {"size": 13}},
         "xaxis": _axis(x_title, type="category" if not horizontal else "linear"),
-        "yaxis": _axis(y_title, type="category" if horizontal else "linear", autorange="reversed" if horizontal else True),
+        "yaxis": _axis(
+            y_title, type="category" if horizontal else "linear", autorange="reversed" if horizontal else True
+        ),
         "showlegend": False,
     }
     if height:
@@ -161,8 +185,16 @@ def bars(
     return fig
 
 
-def waterfall(labels: Sequence[str], values: Sequence[float], total: float, *, title: str = "", total_label: str = "total",
-              y_title: str = "logit", links: Sequence[str | None] | None = None) -> Figure:
+def waterfall(
+    labels: Sequence[str],
+    values: Sequence[float],
+    total: float,
+    *,
+    title: str = "",
+    total_label: str = "total",
+    y_title: str = "logit",
+    links: Sequence[str | None] | None = None,
+) -> Figure:
     """A waterfall drawn with bars on a running `base` (the cartesian bundle has no waterfall trace): each
     term starts where the previous one ended, and the last bar is the model's own value, so the chart visibly
     sums to it."""
@@ -173,7 +205,10 @@ def waterfall(labels: Sequence[str], values: Sequence[float], total: float, *, t
     x = list(labels) + [total_label]
     colors = [POS_COLOR if v >= 0 else NEG_COLOR for v in values] + ["#444"]
     trace = {
-        "type": "bar", "x": x, "y": list(values) + [total], "base": bases + [0.0],
+        "type": "bar",
+        "x": x,
+        "y": list(values) + [total],
+        "base": bases + [0.0],
         "marker": {"color": colors},
         "customdata": [[b, b + v] for b, v in zip(bases, values, strict=True)] + [[0.0, total]],
         "hovertemplate": "%{x}<br>term %{y:+.4f}<br>running sum %{customdata[1]:.4f}<extra></extra>",
@@ -184,8 +219,17 @@ def waterfall(labels: Sequence[str], values: Sequence[float], total: float, *, t
             "title": {"text": title, "x": 0, "font": {"size": 13}},
             "xaxis": _axis(None, type="category", tickangle=-45 if len(x) > 10 else 0),
             "yaxis": _axis(y_title, zeroline=True),
-            "shapes": [{"type": "line", "xref": "paper", "x0": 0, "x1": 1, "y0": total, "y1": total,
-                        "line": {"color": "#444", "dash": "dot", "width": 1}}],
+            "shapes": [
+                {
+                    "type": "line",
+                    "xref": "paper",
+                    "x0": 0,
+                    "x1": 1,
+                    "y0": total,
+                    "y1": total,
+                    "line": {"color": "#444", "dash": "dot", "width": 1},
+                }
+            ],
             "showlegend": False,
         },
     }
@@ -194,19 +238,39 @@ def waterfall(labels: Sequence[str], values: Sequence[float], total: float, *, t
     return fig
 
 
-def complex_scatter(points: Sequence[tuple[float, float]], *, title: str = "", null: Sequence[tuple[float, float]] | None = None) -> Figure:
+def complex_scatter(
+    points: Sequence[tuple[float, float]], *, title: str = "", null: Sequence[tuple[float, float]] | None = None
+) -> Figure:
     """Eigenvalues in the complex plane (paper Fig. "Detecting copying"): blue Re>0, red Re<0; optional
     random-init null in grey."""
     data: list[dict[str, Any]] = []
     if null:
-        data.append({"type": "scatter", "mode": "markers", "name": "random init", "x": [p[0] for p in null], "y": [p[1] for p in null],
-                     "marker": {"color": "#c9ced6", "size": 6}, "hovertemplate": "null %{x:.3g} %{y:+.3g}i<extra></extra>"})
-    data.append({
-        "type": "scatter", "mode": "markers", "name": "eigenvalues",
-        "x": [p[0] for p in points], "y": [p[1] for p in points],
-        "marker": {"color": [POS_COLOR if p[0] >= 0 else NEG_COLOR for p in points], "size": 8, "line": {"width": 0.5, "color": "#fff"}},
-        "hovertemplate": "λ = %{x:.4g} %{y:+.4g}i<extra></extra>",
-    })
+        data.append(
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "name": "random init",
+                "x": [p[0] for p in null],
+                "y": [p[1] for p in null],
+                "marker": {"color": "#c9ced6", "size": 6},
+                "hovertemplate": "null %{x:.3g} %{y:+.3g}i<extra></extra>",
+            }
+        )
+    data.append(
+        {
+            "type": "scatter",
+            "mode": "markers",
+            "name": "eigenvalues",
+            "x": [p[0] for p in points],
+            "y": [p[1] for p in points],
+            "marker": {
+                "color": [POS_COLOR if p[0] >= 0 else NEG_COLOR for p in points],
+                "size": 8,
+                "line": {"width": 0.5, "color": "#fff"},
+            },
+            "hovertemplate": "λ = %{x:.4g} %{y:+.4g}i<extra></extra>",
+        }
+    )
     return {
         "data": data,
         "layout": {
@@ -219,19 +283,34 @@ def complex_scatter(points: Sequence[tuple[float, float]], *, title: str = "", n
 
 
 def scatter(
-    x: Sequence[float], y: Sequence[float], labels: Sequence[str], *, title: str = "", x_title: str = "", y_title: str = "",
-    links: Sequence[str | None] | None = None, highlight: Sequence[bool] | None = None,
+    x: Sequence[float],
+    y: Sequence[float],
+    labels: Sequence[str],
+    *,
+    title: str = "",
+    x_title: str = "",
+    y_title: str = "",
+    links: Sequence[str | None] | None = None,
+    highlight: Sequence[bool] | None = None,
 ) -> Figure:
     """Points (heads), e.g. the paper's OV-copying vs K-composition positivity scatter. Only the outlying points
     whose labels cannot collide are labelled (`shown_labels`); every point names itself on hover."""
     colors = [NEG_COLOR if h else POS_COLOR for h in highlight] if highlight else POS_COLOR
     fig: Figure = {
-        "data": [{
-            "type": "scatter", "mode": "markers+text", "x": list(x), "y": list(y), "text": shown_labels(x, y, labels),
-            "customdata": list(labels), "textposition": "top center", "textfont": {"size": 10, "color": GREY},
-            "marker": {"size": 10, "color": colors, "line": {"width": 0.5, "color": "#fff"}},
-            "hovertemplate": "%{customdata}<br>x %{x:.3f}<br>y %{y:.3f}<extra></extra>",
-        }],
+        "data": [
+            {
+                "type": "scatter",
+                "mode": "markers+text",
+                "x": list(x),
+                "y": list(y),
+                "text": shown_labels(x, y, labels),
+                "customdata": list(labels),
+                "textposition": "top center",
+                "textfont": {"size": 10, "color": GREY},
+                "marker": {"size": 10, "color": colors, "line": {"width": 0.5, "color": "#fff"}},
+                "hovertemplate": "%{customdata}<br>x %{x:.3f}<br>y %{y:.3f}<extra></extra>",
+            }
+        ],
         "layout": {
             "title": {"text": title, "x": 0, "font": {"size": 13}},
             "xaxis": _axis(x_title, zeroline=True, zerolinecolor="#bbb"),
@@ -263,29 +342,81 @@ def shown_labels(x: Sequence[float], y: Sequence[float], labels: Sequence[str], 
     return [labels[i] if i in kept else "" for i in range(len(labels))]
 
 
-def grouped_bars(categories: Sequence[str], series: Mapping[str, Sequence[float]], *, title: str = "", y_title: str = "",
-                 x_title: str | None = None) -> Figure:
+def grouped_bars(
+    categories: Sequence[str],
+    series: Mapping[str, Sequence[float]],
+    *,
+    title: str = "",
+    y_title: str = "",
+    x_title: str | None = None,
+) -> Figure:
     """Several named series over the same categories (e.g. detector scores per head)."""
     data = [
-        {"type": "bar", "name": name, "x": list(categories), "y": list(vals), "marker": {"color": PALETTE[i % len(PALETTE)]},
-         "hovertemplate": f"{name}<br>%{{x}}: %{{y:.4f}}<extra></extra>"}
+        {
+            "type": "bar",
+            "name": name,
+            "x": list(categories),
+            "y": list(vals),
+            "marker": {"color": PALETTE[i % len(PALETTE)]},
+            "hovertemplate": f"{name}<br>%{{x}}: %{{y:.4f}}<extra></extra>",
+        }
         for i, (name, vals) in enumerate(series.items())
     ]
-    return {"data": data, "layout": {"title": {"text": title, "x": 0, "font": {"size": 13}}, "barmode": "group",
-                                     "xaxis": _axis(x_title, type="category"), "yaxis": _axis(y_title),
-                                     "legend": LEGEND_TOP if x_title else {"orientation": "h", "y": -0.25}}}
+    return {
+        "data": data,
+        "layout": {
+            "title": {"text": title, "x": 0, "font": {"size": 13}},
+            "barmode": "group",
+            "xaxis": _axis(x_title, type="category"),
+            "yaxis": _axis(y_title),
+            "legend": LEGEND_TOP if x_title else {"orientation": "h", "y": -0.25},
+        },
+    }
 
 
-def lines(x: Sequence[float], series: Mapping[str, Sequence[float | None]], *, title: str = "", x_title: str = "", y_title: str = "",
-          vlines: Sequence[float] = ()) -> Figure:
+def lines(
+    x: Sequence[float],
+    series: Mapping[str, Sequence[float | None]],
+    *,
+    title: str = "",
+    x_title: str = "",
+    y_title: str = "",
+    vlines: Sequence[float] = (),
+) -> Figure:
     """Line chart of named series (e.g. per-position loss), with optional vertical markers."""
-    data = [{"type": "scatter", "mode": "lines", "name": name, "x": list(x), "y": list(vals),
-             "line": {"color": PALETTE[i % len(PALETTE)], "width": 1.5}}
-            for i, (name, vals) in enumerate(series.items())]
-    shapes = [{"type": "line", "x0": v, "x1": v, "yref": "paper", "y0": 0, "y1": 1, "line": {"color": "#999", "dash": "dot", "width": 1}}
-              for v in vlines]
-    return {"data": data, "layout": {"title": {"text": title, "x": 0, "font": {"size": 13}}, "xaxis": _axis(x_title),
-                                     "yaxis": _axis(y_title), "shapes": shapes, "legend": LEGEND_TOP if x_title else {"orientation": "h", "y": -0.2}}}
+    data = [
+        {
+            "type": "scatter",
+            "mode": "lines",
+            "name": name,
+            "x": list(x),
+            "y": list(vals),
+            "line": {"color": PALETTE[i % len(PALETTE)], "width": 1.5},
+        }
+        for i, (name, vals) in enumerate(series.items())
+    ]
+    shapes = [
+        {
+            "type": "line",
+            "x0": v,
+            "x1": v,
+            "yref": "paper",
+            "y0": 0,
+            "y1": 1,
+            "line": {"color": "#999", "dash": "dot", "width": 1},
+        }
+        for v in vlines
+    ]
+    return {
+        "data": data,
+        "layout": {
+            "title": {"text": title, "x": 0, "font": {"size": 13}},
+            "xaxis": _axis(x_title),
+            "yaxis": _axis(y_title),
+            "shapes": shapes,
+            "legend": LEGEND_TOP if x_title else {"orientation": "h", "y": -0.2},
+        },
+    }
 
 
 # -- figures of whole views (shared by the pages and the paper tour) -------------------------------------
@@ -303,13 +434,25 @@ def term_label(path: Sequence[str], kind: str, n_terms: int | None = None) -> st
     return "→".join(path) if path else "direct"
 
 
-def attention_heatmap(tokens: Sequence[Any], pattern: Sequence[Sequence[float]], title: str, *, weighted: bool = False,
-                      height: int = 420) -> Figure:
+def attention_heatmap(
+    tokens: Sequence[Any], pattern: Sequence[Sequence[float]], title: str, *, weighted: bool = False, height: int = 420
+) -> Figure:
     labels = token_labels(tokens)
     zmax = None if weighted else 1.0
-    return heatmap(pattern, labels, labels, title=title, x_title="key (source)", y_title="query (destination)", signed=False,
-                   zmax=zmax, hover="query %{y}<br>key %{x}<br>%{z:.3f}", colorbar="A·‖v‖" if weighted else "attention",
-                   height=label_room(len(labels), height), digits=3)
+    return heatmap(
+        pattern,
+        labels,
+        labels,
+        title=title,
+        x_title="key (source)",
+        y_title="query (destination)",
+        signed=False,
+        zmax=zmax,
+        hover="query %{y}<br>key %{x}<br>%{z:.3f}",
+        colorbar="A·‖v‖" if weighted else "attention",
+        height=label_room(len(labels), height),
+        digits=3,
+    )
 
 
 def paths_waterfall(view: Any, links: Sequence[str | None] | None = None) -> Figure:
@@ -318,9 +461,15 @@ def paths_waterfall(view: Any, links: Sequence[str | None] | None = None) -> Fig
     what = f"logit({visible(view.target_token.text)})" + (
         f" − logit({visible(view.contrast_token.text)})" if view.contrast_token else ""
     )
-    return waterfall(labels, [t.value for t in view.terms], view.value, total_label="model value",
-                     title=f"{what} at position {view.position}: Σ terms = {view.total:.4f}, model = {view.value:.4f}",
-                     y_title="logit" if view.contrast is None else "logit difference", links=links)
+    return waterfall(
+        labels,
+        [t.value for t in view.terms],
+        view.value,
+        total_label="model value",
+        title=f"{what} at position {view.position}: Σ terms = {view.total:.4f}, model = {view.value:.4f}",
+        y_title="logit" if view.contrast is None else "logit difference",
+        links=links,
+    )
 
 
 def paths_by_source(view: Any) -> Figure | None:
@@ -329,24 +478,46 @@ def paths_by_source(view: Any) -> Figure | None:
     if not rows:
         return None
     z = [t.by_source for t in rows]
-    return heatmap(z, token_labels(view.prompt_tokens), [term_label(t.path, t.kind) for t in rows],
-                   title="terms by source token", x_title="source token", y_title="path", signed=True,
-                   hover="%{y} from %{x}<br>%{z:+.4f}", colorbar="logit", height=max(260, 22 * len(rows) + 140))
+    return heatmap(
+        z,
+        token_labels(view.prompt_tokens),
+        [term_label(t.path, t.kind) for t in rows],
+        title="terms by source token",
+        x_title="source token",
+        y_title="path",
+        signed=True,
+        hover="%{y} from %{x}<br>%{z:+.4f}",
+        colorbar="logit",
+        height=max(260, 22 * len(rows) + 140),
+    )
 
 
 def composition_heatmap(view: Any, model_id: str, zmax: float | None = None) -> Figure:
     """score − baseline of every (earlier, later) pair on RdBu; raw score on hover; a click opens the pair.
     `zmax`: the colour range ±zmax, shared by the Q, K and V views of a model so their colours compare."""
     custom = [[[raw] for raw in row] for row in view.scores]
-    links = [[f"/models/{model_id}/composition/{s}/{t}" if view.scores[i][j] is not None else None
-              for j, t in enumerate(view.targets)] for i, s in enumerate(view.sources)]
+    links = [
+        [
+            f"/models/{model_id}/composition/{s}/{t}" if view.scores[i][j] is not None else None
+            for j, t in enumerate(view.targets)
+        ]
+        for i, s in enumerate(view.sources)
+    ]
     return heatmap(
-        view.minus_baseline, view.targets, view.sources,
+        view.minus_baseline,
+        view.targets,
+        view.sources,
         title=f"{view.kind}-composition − baseline {view.baseline:.3f} (click a pair)"
-              + (f" · colour scale ±{zmax:.3f}, shared by Q, K and V" if zmax else ""), x_title="later head (reads)",
-        y_title="earlier head (writes)", signed=True, customdata=custom, zmax=zmax,
+        + (f" · colour scale ±{zmax:.3f}, shared by Q, K and V" if zmax else ""),
+        x_title="later head (reads)",
+        y_title="earlier head (writes)",
+        signed=True,
+        customdata=custom,
+        zmax=zmax,
         hover="%{y} → %{x}<br>" + view.kind + "-composition %{customdata[0]:.4f}<br>minus baseline %{z:+.4f}",
-        links=links, colorbar="score − baseline", height=label_room(len(view.sources), max(280, 26 * len(view.sources) + 140)),
+        links=links,
+        colorbar="score − baseline",
+        height=label_room(len(view.sources), max(280, 26 * len(view.sources) + 140)),
     )
 
 
@@ -359,17 +530,24 @@ def complex_points(values: Sequence[Any]) -> list[tuple[float, float]]:
     return [(c.re, c.im) for c in values]
 
 
-def attention_text(tokens: Sequence[Any], patterns: Mapping[str, Sequence[Sequence[float]]], paths: Any = None) -> dict[str, Any]:
+def attention_text(
+    tokens: Sequence[Any], patterns: Mapping[str, Sequence[Sequence[float]]], paths: Any = None
+) -> dict[str, Any]:
     """The data of the attention text view (static/reading.js): the prompt's tokens as text, each named pattern
     (a head's or a chain's; rows: destination, columns: source) and, given a path expansion (PathsView), each
     listed term's contribution per source token, with the position and logit it expands."""
     terms = paths.terms if paths is not None else ()
     return {
         "position": paths.position if paths is not None else None,
-        "logit": f"logit({paths.target_token.text!r})" + (f" − logit({paths.contrast_token.text!r})" if paths.contrast_token else "")
-        if paths is not None else None,
+        "logit": f"logit({paths.target_token.text!r})"
+        + (f" − logit({paths.contrast_token.text!r})" if paths.contrast_token else "")
+        if paths is not None
+        else None,
         "tokens": [{"id": t.id, "text": t.text} for t in tokens],
         "heads": {name: rounded(pattern, 4) for name, pattern in patterns.items()},
-        "terms": [{"label": term_label(t.path, t.kind), "values": [round(v, 5) for v in t.by_source]}
-                  for t in terms if t.by_source is not None],
+        "terms": [
+            {"label": term_label(t.path, t.kind), "values": [round(v, 5) for v in t.by_source]}
+            for t in terms
+            if t.by_source is not None
+        ],
     }

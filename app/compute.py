@@ -165,10 +165,18 @@ def lower_thread_priority(nice: int) -> None:
 class ComputeService:
     """The bounded pool, encoded-answer cache and in-flight table of one app."""
 
-    def __init__(self, slots: int = 2, slot_wait_s: float = 30.0, cache_bytes: int = 0,
-                 request_timeout_s: float | None = None, dense_budget_bytes: int | None = None,
-                 budgets: Budgets | None = None, store: StoreTier | None = None, torch_threads: int | None = None,
-                 nice: int = COMPUTE_NICE):
+    def __init__(
+        self,
+        slots: int = 2,
+        slot_wait_s: float = 30.0,
+        cache_bytes: int = 0,
+        request_timeout_s: float | None = None,
+        dense_budget_bytes: int | None = None,
+        budgets: Budgets | None = None,
+        store: StoreTier | None = None,
+        torch_threads: int | None = None,
+        nice: int = COMPUTE_NICE,
+    ):
         self.slots = Slots(slots)
         self.torch_threads = torch_threads  # None: each computation gets the cores // computations running
         self.store = store  # the second level behind the cache (app/store.py): disk or Redis, shared by processes
@@ -181,8 +189,9 @@ class ComputeService:
         self._flights: dict[str, Flight] = {}
         self._lock = threading.Lock()
         self.nice = nice
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=slots, thread_name_prefix="qkov-compute",
-                                                               initializer=lower_thread_priority, initargs=(nice,))
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=slots, thread_name_prefix="qkov-compute", initializer=lower_thread_priority, initargs=(nice,)
+        )
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -193,9 +202,18 @@ class ComputeService:
         return int(min(60, max(1, math.ceil(self.stats.ewma_seconds * ahead / self.slots.n))))
 
     # -- the public entry points ---------------------------------------------------------------------------
-    async def run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], key: Key | None,
-                  dense_bytes: int | None = None, cost: Cost | None = None, lower: str = "",
-                  view: type[BaseModel] | None = None, want: Literal["value", "json"] = "value") -> Any:
+    async def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        key: Key | None,
+        dense_bytes: int | None = None,
+        cost: Cost | None = None,
+        lower: str = "",
+        view: type[BaseModel] | None = None,
+        want: Literal["value", "json"] = "value",
+    ) -> Any:
         if dense_bytes is not None and self.dense_budget_bytes is not None:
             check_dense_bytes(dense_bytes, self.dense_budget_bytes)
         what = _what(fn)
@@ -233,8 +251,15 @@ class ComputeService:
         return value
 
     # -- internals -----------------------------------------------------------------------------------------
-    def _join(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], key: str | None,
-              lower: str, what: str) -> Flight:
+    def _join(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        key: str | None,
+        lower: str,
+        what: str,
+    ) -> Flight:
         with self._lock:
             flight = self._flights.get(key) if key is not None else None
             if flight is None and key is not None:
@@ -280,8 +305,15 @@ class ComputeService:
             self._withdraw(flight)
             raise
 
-    async def _launch(self, flight: Flight, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                      lower: str, what: str) -> None:
+    async def _launch(
+        self,
+        flight: Flight,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        lower: str,
+        what: str,
+    ) -> None:
         if flight.key is not None and self.store is not None:  # one computation per key across processes
             body = await self.store.claim_or_wait(flight.key, flight.stop.is_set)
             if body is not None:
@@ -292,10 +324,13 @@ class ComputeService:
             await self.slots.acquire(self.slot_wait_s)
         except TimeoutError:
             self.stats.rejected_busy += 1
-            self._settle(flight, exc=BusyError(
-                f"all {self.slots.n} compute slots stayed busy for {self.slot_wait_s:g} s; retry later",
-                self.retry_after(),
-            ))
+            self._settle(
+                flight,
+                exc=BusyError(
+                    f"all {self.slots.n} compute slots stayed busy for {self.slot_wait_s:g} s; retry later",
+                    self.retry_after(),
+                ),
+            )
             return
         except asyncio.CancelledError:
             self.stats.cancelled += 1
@@ -315,8 +350,15 @@ class ComputeService:
             self.slots.release()
             self._settle(flight, exc=BusyError(f"the server is shutting down: {exc}", 5))
 
-    def _call(self, flight: Flight, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-              lower: str, what: str) -> None:
+    def _call(
+        self,
+        flight: Flight,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        lower: str,
+        what: str,
+    ) -> None:
         """In a worker thread, holding a slot: run fn, encode and check its answer, cache it, release, settle."""
         # torch's intra-op thread count is per thread: a computation running alone gets every core, two share them
         torch.set_num_threads(self.torch_threads or max(1, available_cores() // max(1, self.slots.in_use)))
@@ -386,15 +428,29 @@ def current_service() -> ComputeService:
         return _default
 
 
-async def compute(fn: Callable[..., T], *args: Any, key: Key | None = None, dense_bytes: int | None = None,
-                  cost: Cost | None = None, lower: str = "", view: type[BaseModel] | None = None, **kwargs: Any) -> T:
+async def compute(
+    fn: Callable[..., T],
+    *args: Any,
+    key: Key | None = None,
+    dense_bytes: int | None = None,
+    cost: Cost | None = None,
+    lower: str = "",
+    view: type[BaseModel] | None = None,
+    **kwargs: Any,
+) -> T:
     """Price, then run `fn(*args, **kwargs)` on a compute slot; cached and shared under `key` (None: not
     cached). Returns fn's value (decoded from the cache's JSON on a hit, with `view` or fn's return type)."""
     return await current_service().run(fn, args, kwargs, key, dense_bytes, cost, lower, view, "value")  # type: ignore[no-any-return]
 
 
-async def compute_json(fn: Callable[..., BaseModel], *args: Any, key: Key | None = None, cost: Cost | None = None,
-                       lower: str = "", **kwargs: Any) -> bytes:
+async def compute_json(
+    fn: Callable[..., BaseModel],
+    *args: Any,
+    key: Key | None = None,
+    cost: Cost | None = None,
+    lower: str = "",
+    **kwargs: Any,
+) -> bytes:
     """Like compute, but the answer's JSON bytes, encoded inside the slot (a cache hit is returned as is)."""
     return await current_service().run(fn, args, kwargs, key, None, cost, lower, None, "json")  # type: ignore[no-any-return]
 

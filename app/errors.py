@@ -81,7 +81,9 @@ def _validation_detail(exc: RequestValidationError) -> tuple[str, list[dict[str,
         where = f"{loc[0]} parameter {'.'.join(loc[1:])}" if len(loc) > 1 else ".".join(loc) or "request"
         given = err.get("input")
         shown = repr(given) if len(repr(given)) <= 80 else repr(given)[:60] + f"... ({len(str(given))} characters)"
-        msg = f"{where}: {err.get('msg', 'invalid')}" + (f" (got {shown})" if given is not None and not isinstance(given, dict) else "")
+        msg = f"{where}: {err.get('msg', 'invalid')}" + (
+            f" (got {shown})" if given is not None and not isinstance(given, dict) else ""
+        )
         parts.append(msg)
         errors.append({"loc": loc, "msg": err.get("msg"), "type": err.get("type")})
     return "; ".join(parts) or "invalid request", errors
@@ -98,7 +100,11 @@ def _html(template: str, context: dict[str, Any], status: int, fragment: bool) -
             f'<div class="error" role="alert"><strong>{context["status"]} {html.escape(context["title"])}</strong>'
             f"<p>{html.escape(context['detail'])}</p></div>"
         )
-        body = inner if fragment else f"<!doctype html><title>{context['status']} {html.escape(context['title'])}</title>{inner}"
+        body = (
+            inner
+            if fragment
+            else f"<!doctype html><title>{context['status']} {html.escape(context['title'])}</title>{inner}"
+        )
     headers = {"Vary": "HX-Request"}
     if fragment:  # an error shown in its panel is not a state to push to the address bar (pages' hx-push-url)
         headers["HX-Push-Url"] = "false"
@@ -107,7 +113,13 @@ def _html(template: str, context: dict[str, Any], status: int, fragment: bool) -
 
 def problem_response(request: Request, kind: ProblemKind, detail: str, **extra: Any) -> Response:
     """The answer for an error of `kind`: problem+json, htmx fragment or full page, by who asked."""
-    context = {"type": kind.type, "title": kind.title, "status": kind.status, "detail": detail, "instance": str(request.url.path)}
+    context = {
+        "type": kind.type,
+        "title": kind.title,
+        "status": kind.status,
+        "detail": detail,
+        "instance": str(request.url.path),
+    }
     if request.url.path.startswith("/api/") or request.url.path == "/openapi.json":
         return JSONResponse({**context, **extra}, status_code=kind.status, media_type=PROBLEM_JSON)
     if request.headers.get("HX-Request") == "true":

@@ -47,7 +47,9 @@ class ServiceCollector(Collector):
         yield counter("qkov_compute_completed", "computations finished", s.stats.completed)
         yield counter("qkov_compute_failed", "computations that raised an error", s.stats.failed)
         yield counter("qkov_compute_cancelled", "computations stopped by their stop flag", s.stats.cancelled)
-        yield counter("qkov_compute_rejected", "requests refused with 503: no slot within slot_wait_s", s.stats.rejected_busy)
+        yield counter(
+            "qkov_compute_rejected", "requests refused with 503: no slot within slot_wait_s", s.stats.rejected_busy
+        )
         yield counter("qkov_compute_shared", "requests that joined an identical computation in flight", s.stats.shared)
         yield counter("qkov_compute_seconds", "seconds spent computing", s.stats.compute_seconds)
         yield gauge("qkov_cache_bytes", "estimated bytes held by the result cache", c.bytes)
@@ -61,7 +63,9 @@ class ServiceCollector(Collector):
             yield counter("qkov_store_hits", "answers found in the shared result store", s.store.hits)
             yield counter("qkov_store_waited", "answers another process computed while this one waited", s.store.waited)
             yield counter("qkov_store_puts", "answers written to the shared result store", s.store.puts)
-            yield counter("qkov_store_errors", "result store operations that failed (the answer was computed)", s.store.errors)
+            yield counter(
+                "qkov_store_errors", "result store operations that failed (the answer was computed)", s.store.errors
+            )
         yield gauge("qkov_models_loaded", "models loaded in this process", len(getattr(self.registry, "_loaded", {})))
 
 
@@ -70,12 +74,17 @@ class Metrics:
         self.multiprocess = multiprocess
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
-            "qkov_http_requests", "HTTP requests by route template and status", ["method", "route", "status"],
+            "qkov_http_requests",
+            "HTTP requests by route template and status",
+            ["method", "route", "status"],
             registry=self.registry,
         )
         self.latency = Histogram(
-            "qkov_http_request_duration_seconds", "HTTP request latency by route template", ["method", "route"],
-            buckets=LATENCY_BUCKETS, registry=self.registry,
+            "qkov_http_request_duration_seconds",
+            "HTTP request latency by route template",
+            ["method", "route"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
         )
         self.service_collector = ServiceCollector(service, registry)
         self.registry.register(self.service_collector)

@@ -91,8 +91,10 @@ def configure_logging(settings: Settings) -> None:
     """Give the `qkov` loggers one stderr handler (JSON lines or plain text), once per process."""
     root = logging.getLogger("qkov")
     root.setLevel(logging.INFO)
-    formatter: logging.Formatter = JsonFormatter() if settings.log_format == "json" else logging.Formatter(
-        "%(asctime)s %(levelname)s %(name)s %(message)s"
+    formatter: logging.Formatter = (
+        JsonFormatter()
+        if settings.log_format == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
     )
     for handler in root.handlers:
         if getattr(handler, "_qkov", False):
@@ -111,7 +113,9 @@ class Health(BaseModel):
 class ReadinessReport(BaseModel):
     status: Literal["ready", "not ready"]
     models: dict[str, str] = Field(description="model id -> 'ok' or 'error: <why>'")
-    store: dict[str, Any] | None = Field(default=None, description="the result store: kind, ok, and why not (Redis down: the local store serves)")
+    store: dict[str, Any] | None = Field(
+        default=None, description="the result store: kind, ok, and why not (Redis down: the local store serves)"
+    )
 
 
 # -- readiness -------------------------------------------------------------------------------------------
@@ -197,8 +201,15 @@ def _route_template(scope: Scope) -> str:
 class ServingMiddleware:
     """Request id, compute binding (disconnect + deadline), rate limit, Retry-After on 503, metrics, access log."""
 
-    def __init__(self, app: ASGIApp, service: ComputeService, metrics: Metrics, limiter: RateLimiter | None,
-                 request_timeout_s: float | None, trusted_proxies: list[Network] | None = None):
+    def __init__(
+        self,
+        app: ASGIApp,
+        service: ComputeService,
+        metrics: Metrics,
+        limiter: RateLimiter | None,
+        request_timeout_s: float | None,
+        trusted_proxies: list[Network] | None = None,
+    ):
         self.app = app
         self.trusted_proxies = trusted_proxies or []
         self.service = service
@@ -252,8 +263,10 @@ class ServingMiddleware:
                 }
                 if not allowed:
                     limit_headers["Retry-After"] = str(reset)
-                    detail = (f"more than {self.limiter.limit} requests in {self.limiter.window_s:g} s from this client; "
-                              f"retry in {reset} s")
+                    detail = (
+                        f"more than {self.limiter.limit} requests in {self.limiter.window_s:g} s from this client; "
+                        f"retry in {reset} s"
+                    )
                     response = problem_response(request, RATE_LIMITED, detail)
                     await response(scope, receive, send_wrapper)
                     return
@@ -278,12 +291,21 @@ class ServingMiddleware:
             self.metrics.latency.labels(method, route).observe(elapsed)
             if metered:
                 access_log.info(
-                    "%s %s %d", method, path, status,
-                    extra={"request_id": rid, "fields": {
-                        "method": method, "path": path, "route": route, "status": status,
-                        "duration_ms": round(elapsed * 1000, 2),
-                        "client": client_address(scope, self.trusted_proxies),
-                    }},
+                    "%s %s %d",
+                    method,
+                    path,
+                    status,
+                    extra={
+                        "request_id": rid,
+                        "fields": {
+                            "method": method,
+                            "path": path,
+                            "route": route,
+                            "status": status,
+                            "duration_ms": round(elapsed * 1000, 2),
+                            "client": client_address(scope, self.trusted_proxies),
+                        },
+                    },
                 )
 
 
@@ -303,8 +325,12 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
         cache_bytes=settings.cache_bytes,
         request_timeout_s=settings.request_timeout_s,
         dense_budget_bytes=settings.limits.matrix_budget_bytes,
-        budgets=Budgets(settings.limits.peak_bytes, settings.limits.max_answer_bytes, settings.request_timeout_s,
-                        settings.compute_flops_per_s),
+        budgets=Budgets(
+            settings.limits.peak_bytes,
+            settings.limits.max_answer_bytes,
+            settings.request_timeout_s,
+            settings.compute_flops_per_s,
+        ),
         store=open_store_tier(settings),
         torch_threads=settings.torch_threads or default_torch_threads(settings.compute_slots),
     )
@@ -327,14 +353,20 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
     async def healthz() -> Health:
         return Health(status="ok")
 
-    @app.get("/readyz", tags=["operations"], summary="Readiness: models load and run a forward pass",
-             response_model=ReadinessReport,
-             responses={503: {"model": ReadinessReport, "description": "not ready: a shipped model fails, or no model"}})
+    @app.get(
+        "/readyz",
+        tags=["operations"],
+        summary="Readiness: models load and run a forward pass",
+        response_model=ReadinessReport,
+        responses={503: {"model": ReadinessReport, "description": "not ready: a shipped model fails, or no model"}},
+    )
     async def readyz() -> JSONResponse:
         ready, report = await anyio.to_thread.run_sync(readiness.check)
         store = await anyio.to_thread.run_sync(service.store.status) if service.store is not None else None
         body = ReadinessReport(status="ready" if ready else "not ready", models=report, store=store)
-        return JSONResponse(body.model_dump(), status_code=200 if ready else 503, headers={} if ready else {"Retry-After": "5"})
+        return JSONResponse(
+            body.model_dump(), status_code=200 if ready else 503, headers={} if ready else {"Retry-After": "5"}
+        )
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics() -> Response:
@@ -343,8 +375,13 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
     redis_url = settings.store_url if settings.store_url.startswith(("redis", "unix")) else "memory://"
     limiter = RateLimiter(settings.rate_limit, settings.rate_window_s, redis_url) if settings.rate_limit else None
     app.add_middleware(ETagMiddleware)
-    app.add_middleware(ServingMiddleware, service=service, metrics=metrics, limiter=limiter,
-                       request_timeout_s=settings.request_timeout_s,
-                       trusted_proxies=proxy_networks(settings.trusted_proxies))
+    app.add_middleware(
+        ServingMiddleware,
+        service=service,
+        metrics=metrics,
+        limiter=limiter,
+        request_timeout_s=settings.request_timeout_s,
+        trusted_proxies=proxy_networks(settings.trusted_proxies),
+    )
     app.add_middleware(HeadMiddleware)  # outside the others: they all see a GET
     return service

@@ -19,45 +19,91 @@ from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.heads import STANDARD_BATCH, STANDARD_SEQ_LEN
 from circuits_core.weights import LoadedModel
 
-TOKEN_DOC = "a token id (e.g. 464) or a single-token string (e.g. ' the'); a numeral meant as text goes in double quotes"
+TOKEN_DOC = (
+    "a token id (e.g. 464) or a single-token string (e.g. ' the'); a numeral meant as text goes in double quotes"
+)
 HEAD_DOC = "head name L{layer}H{head}, e.g. L1H4"
 
 # -- shared field types --------------------------------------------------------------------------------------
 Token = Annotated[str | None, Field(max_length=256, description=TOKEN_DOC)]
 K = Annotated[int, Field(ge=1, description="how many entries"), Limit("max_k")]
-MinCount = Annotated[int | None, Field(
-    ge=1, le=10**9,
-    description="frequent tokens only: keep tokens seen at least this often in training (the model folder's "
-    "token_counts.npy; 422 for a model without it). Without it every token is ranked",
-)]
-Prompt = Annotated[str | None, Field(
-    description="text, tokenised with the model's tokenizer, BOS prepended (at most min(n_ctx, {max_prompt_tokens}) tokens)"
-), Limit("max_prompt_tokens", "max_length", 64)]
-Tokens = Annotated[str | None, Field(description="comma-separated token ids, used as given (instead of prompt; at most {max_prompt_tokens})"),
-                   Limit("max_prompt_tokens", "max_length", 64)]
-Heads = Annotated[str | None, Field(description="comma-separated head names L{layer}H{head}, at most {max_heads}"),
-                  Limit("max_heads", "max_length", 12), HeadsField()]
+MinCount = Annotated[
+    int | None,
+    Field(
+        ge=1,
+        le=10**9,
+        description="frequent tokens only: keep tokens seen at least this often in training (the model folder's "
+        "token_counts.npy; 422 for a model without it). Without it every token is ranked",
+    ),
+]
+Prompt = Annotated[
+    str | None,
+    Field(
+        description="text, tokenised with the model's tokenizer, BOS prepended (at most min(n_ctx, {max_prompt_tokens}) tokens)"
+    ),
+    Limit("max_prompt_tokens", "max_length", 64),
+]
+Tokens = Annotated[
+    str | None,
+    Field(description="comma-separated token ids, used as given (instead of prompt; at most {max_prompt_tokens})"),
+    Limit("max_prompt_tokens", "max_length", 64),
+]
+Heads = Annotated[
+    str | None,
+    Field(description="comma-separated head names L{layer}H{head}, at most {max_heads}"),
+    Limit("max_heads", "max_length", 12),
+    HeadsField(),
+]
 Head = Annotated[str, Field(max_length=16, description=HEAD_DOC), HeadField()]
-Offset = Annotated[int, Field(ge=0, le=1_000_000, description=(
-    "query-key offset δ = i - j of a rotary model: its QK circuit there is W_Q R(δ) W_Kᵀ (0: TransformerLens's QK); "
-    "below n_ctx; other models take 0 only"))]
-BasisChoice = Annotated[Literal["served", "raw"], Field(description=(
-    "which weights: 'served' (processed as the model is served: folded LayerNorm, centred unembedding, as the view's "
-    "`basis` says) or 'raw' (the checkpoint as stored, loaded once more without processing)"))]
+Offset = Annotated[
+    int,
+    Field(
+        ge=0,
+        le=1_000_000,
+        description=(
+            "query-key offset δ = i - j of a rotary model: its QK circuit there is W_Q R(δ) W_Kᵀ (0: TransformerLens's QK); "
+            "below n_ctx; other models take 0 only"
+        ),
+    ),
+]
+BasisChoice = Annotated[
+    Literal["served", "raw"],
+    Field(
+        description=(
+            "which weights: 'served' (processed as the model is served: folded LayerNorm, centred unembedding, as the view's "
+            "`basis` says) or 'raw' (the checkpoint as stored, loaded once more without processing)"
+        )
+    ),
+]
 DEFAULT_ALL_HEADS = 64  # term importance ablates every head by default up to this many
 DEFAULT_VOCAB = 8192  # larger vocabularies: the global tables rank this many tokens unless vocab=all
-Vocab = Annotated[Literal["default", "all"], Field(description=(
-    f"which tokens a global table (no token given) and the default skip-trigram source rank: 'default' -- every token "
-    f"of a vocabulary up to {DEFAULT_VOCAB:,} tokens; of a larger one, its {DEFAULT_VOCAB:,} most frequent tokens (the "
-    f"folder's token_counts.npy) or else its {DEFAULT_VOCAB:,} lowest ids (the answer's `token_set` says which); 'all' -- "
-    "every token (on a 50,257-token vocabulary about 38x the entries). min_count, when given, chooses the tokens instead"))]
+Vocab = Annotated[
+    Literal["default", "all"],
+    Field(
+        description=(
+            f"which tokens a global table (no token given) and the default skip-trigram source rank: 'default' -- every token "
+            f"of a vocabulary up to {DEFAULT_VOCAB:,} tokens; of a larger one, its {DEFAULT_VOCAB:,} most frequent tokens (the "
+            f"folder's token_counts.npy) or else its {DEFAULT_VOCAB:,} lowest ids (the answer's `token_set` says which); 'all' -- "
+            "every token (on a 50,257-token vocabulary about 38x the entries). min_count, when given, chooses the tokens instead"
+        )
+    ),
+]
 Seed = Annotated[int, Field(ge=0, le=2**31 - 1, description="seed of the random tokens")]
-SeqLen = Annotated[int, Field(ge=1, description="length T of the random segment r in BOS + r + r"), Limit("max_seq_len")]
+SeqLen = Annotated[
+    int, Field(ge=1, description="length T of the random segment r in BOS + r + r"), Limit("max_seq_len")
+]
 Batch = Annotated[int, Field(ge=1, description="number of random sequences"), Limit("max_batch")]
-MaxOrder = Annotated[int, Field(ge=0, description="highest path order listed explicitly; the rest is the remainder term"),
-                     Limit("max_order")]
-Position = Annotated[int | None, Field(description="destination position (default: the last; negative counts from the end)"),
-                     Limit("max_prompt_tokens", "lt"), Limit("max_prompt_tokens", "ge", -1)]
+MaxOrder = Annotated[
+    int,
+    Field(ge=0, description="highest path order listed explicitly; the rest is the remainder term"),
+    Limit("max_order"),
+]
+Position = Annotated[
+    int | None,
+    Field(description="destination position (default: the last; negative counts from the end)"),
+    Limit("max_prompt_tokens", "lt"),
+    Limit("max_prompt_tokens", "ge", -1),
+]
 
 
 def target_token(what: str) -> object:
@@ -70,9 +116,13 @@ class NoParams(AnalysisParams):
 
 
 class TourParams(AnalysisParams):
-    chapter: Annotated[Literal["paper", "smollm2"], Field(
-        description="'paper': the paper's figures on the shipped toy models (and the residual stream as a channel); "
-                    "'smollm2': the rotary/GQA chapter on the real SmolLM2-135M (make smollm2)")] = "paper"
+    chapter: Annotated[
+        Literal["paper", "smollm2"],
+        Field(
+            description="'paper': the paper's figures on the shipped toy models (and the residual stream as a channel); "
+            "'smollm2': the rotary/GQA chapter on the real SmolLM2-135M (make smollm2)"
+        ),
+    ] = "paper"
 
 
 class PromptInput(AnalysisParams):
@@ -105,7 +155,9 @@ class OVParams(DirectParams):
 
 
 class QKParams(OVParams):
-    side: Annotated[Literal["query", "key"], Field(description="whether token is the query (its row) or the key (its column)")] = "query"
+    side: Annotated[
+        Literal["query", "key"], Field(description="whether token is the query (its row) or the key (its column)")
+    ] = "query"
     offset: Offset = 0
 
 
@@ -115,9 +167,15 @@ class SkipTrigramParams(OVParams):
 
 
 class DetectorParams(PromptInput):
-    seq_len: Annotated[int | None, Field(ge=1, description=f"length T of the random segment r in BOS + r + r (default: "
-                                         f"the standard {STANDARD_SEQ_LEN}, shortened to fit the model's n_ctx)"),
-                       Limit("max_seq_len")] = None
+    seq_len: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            description=f"length T of the random segment r in BOS + r + r (default: "
+            f"the standard {STANDARD_SEQ_LEN}, shortened to fit the model's n_ctx)",
+        ),
+        Limit("max_seq_len"),
+    ] = None
     batch: Batch = STANDARD_BATCH
     seed: Seed = 0
     heads: Heads = None
@@ -162,11 +220,17 @@ class PathsParams(PromptInput):
 
 
 class ChainParams(AnalysisParams):
-    heads: Annotated[str, Field(description="comma-separated heads in increasing layers"),
-                     Limit("max_heads", "max_length", 12), HeadsField()]
+    heads: Annotated[
+        str,
+        Field(description="comma-separated heads in increasing layers"),
+        Limit("max_heads", "max_length", 12),
+        HeadsField(),
+    ]
     prompt: Prompt = None
     tokens: Tokens = None
-    target: str | None = target_token("the logit the contribution is measured on (default: top prediction at the last position)")  # type: ignore[assignment]
+    target: str | None = target_token(
+        "the logit the contribution is measured on (default: top prediction at the last position)"
+    )  # type: ignore[assignment]
     k: K = 20
 
 
@@ -175,13 +239,19 @@ class QKPathsParams(PromptInput):
     k: K = 6
 
 
-AblatedHeads = Annotated[str | None, Field(description=(
-    "the heads the head ablations remove, one at a time: 'all', 'none', or comma-separated head names (L3H1) and "
-    "layers (L3: every head of layer 3; L0-L9: of layers 0 to 9). Default: every head on a model of at most "
-    f"{DEFAULT_ALL_HEADS} heads; on a larger one the induction and previous-token heads of its measured summary "
-    "(model_summary.json), else none. Priced before it runs: a head of layer l reruns layers l.. twice (patterns "
-    "frozen, then recomputed), so the FLOPs grow with the heads and their depth, against the request deadline"
-)), Limit("max_heads", "max_length", 12)]
+AblatedHeads = Annotated[
+    str | None,
+    Field(
+        description=(
+            "the heads the head ablations remove, one at a time: 'all', 'none', or comma-separated head names (L3H1) and "
+            "layers (L3: every head of layer 3; L0-L9: of layers 0 to 9). Default: every head on a model of at most "
+            f"{DEFAULT_ALL_HEADS} heads; on a larger one the induction and previous-token heads of its measured summary "
+            "(model_summary.json), else none. Priced before it runs: a head of layer l reruns layers l.. twice (patterns "
+            "frozen, then recomputed), so the FLOPs grow with the heads and their depth, against the request deadline"
+        )
+    ),
+    Limit("max_heads", "max_length", 12),
+]
 
 
 class TermImportanceParams(PromptInput):

@@ -95,8 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.precompute", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="model id (a folder name, as in the URLs)")
     parser.add_argument("--heads", help="comma-separated heads (L1H4,...); default: every head")
-    parser.add_argument("--full", action="store_true",
-                        help=f"also the whole-vocabulary tables (vocab=all) of a vocabulary over {DEFAULT_VOCAB:,} tokens")
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help=f"also the whole-vocabulary tables (vocab=all) of a vocabulary over {DEFAULT_VOCAB:,} tokens",
+    )
     args = parser.parse_args(argv)
 
     # a batch job waits for every table, and for a compute slot however long the pages ahead of it take
@@ -135,15 +138,22 @@ def crawl(app: Any, args: argparse.Namespace, parser: argparse.ArgumentParser, s
             extra = full_urls(loaded, args.model, per_head)
             model_wide += [u for u in extra if "{head}" not in u]
             per_head += [u for u in extra if "{head}" in u]
-        phases = {"model-wide pages": model_wide,
-                  "first head": [u.replace("{head}", h) for h in heads[:1] for u in per_head],
-                  "other heads": [u.replace("{head}", h) for h in heads[1:] for u in per_head]}
+        phases = {
+            "model-wide pages": model_wide,
+            "first head": [u.replace("{head}", h) for h in heads[:1] for u in per_head],
+            "other heads": [u.replace("{head}", h) for h in heads[1:] for u in per_head],
+        }
         service, refused = app.state.compute, []
         assembled = {f"/models/{args.model}/{a.path}" for a in ASSEMBLED}
         panels: dict[tuple[str, str], None] = {}  # (url, target) -> None: the panels found, in order, each once
         before, start = service.stats.completed, time.perf_counter()
-        bar = tqdm(total=sum(map(len, phases.values())), desc=f"precompute {args.model}", unit="page", file=sys.stderr,
-                   mininterval=1.0)
+        bar = tqdm(
+            total=sum(map(len, phases.values())),
+            desc=f"precompute {args.model}",
+            unit="page",
+            file=sys.stderr,
+            mininterval=1.0,
+        )
 
         def visit(url: str, headers: dict[str, str] | None = None) -> None:
             response = client.get(url, headers={"Accept-Encoding": "identity", **(headers or {})})
@@ -176,7 +186,9 @@ def crawl(app: Any, args: argparse.Namespace, parser: argparse.ArgumentParser, s
             model_pages = [pool.submit(visit, u) for u in phases["model-wide pages"] if not last(u)]
             model_pages[0].result()  # the overview: its heads table is what a head page reads first (built once)
             run("first head", [pool.submit(visit, u) for u in phases["first head"]])
-            first = [p for p in panels if not last(p[0])]  # the first head's panels (and those of the model-wide pages done by then)
+            first = [
+                p for p in panels if not last(p[0])
+            ]  # the first head's panels (and those of the model-wide pages done by then)
             bar.total += len(first)
             first_panels = [pool.submit(ask_panel, p) for p in first]  # ahead of the other heads (the baseline's rows)
             head_pages = [pool.submit(visit, u) for u in phases["other heads"]]
@@ -190,13 +202,17 @@ def crawl(app: Any, args: argparse.Namespace, parser: argparse.ArgumentParser, s
             final = [u for u in phases["model-wide pages"] if last(u)]
             late = [p for p in panels if last(p[0])]
             bar.total += len(late)
-            run(f"{len(final) + len(late)} assembled pages and panels",
-                [*(pool.submit(visit, u) for u in final), *(pool.submit(ask_panel, p) for p in late)])
+            run(
+                f"{len(final) + len(late)} assembled pages and panels",
+                [*(pool.submit(visit, u) for u in final), *(pool.submit(ask_panel, p) for p in late)],
+            )
         bar.close()
         store = service.store
-        print(f"{args.model}: {bar.total} pages, {service.stats.completed - before} computations, "
-              f"{store.hits if store else 0} answers already in the {settings.store_url.split(':')[0]} store, "
-              f"{time.perf_counter() - start:.1f} s (done after: {', '.join(f'{n} {t:.1f} s' for n, t in done.items())})")
+        print(
+            f"{args.model}: {bar.total} pages, {service.stats.completed - before} computations, "
+            f"{store.hits if store else 0} answers already in the {settings.store_url.split(':')[0]} store, "
+            f"{time.perf_counter() - start:.1f} s (done after: {', '.join(f'{n} {t:.1f} s' for n, t in done.items())})"
+        )
         if refused:
             print("not available for this model: " + ", ".join(sorted(refused)))
     return 0

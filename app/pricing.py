@@ -78,8 +78,11 @@ def check_cost(cost: Cost, budgets: Budgets, lower: str = "", what: str = "this 
         )
     seconds = budgets.estimated_seconds(cost)
     if budgets.seconds is not None and seconds is not None and seconds > budgets.seconds:
-        work = f" ({cost.flops / 1e9:,.0f} GFLOP at {budgets.flops_per_second / 1e9:g} GFLOP/s, compute_flops_per_s)" \
-            if cost.flops and budgets.flops_per_second else ""
+        work = (
+            f" ({cost.flops / 1e9:,.0f} GFLOP at {budgets.flops_per_second / 1e9:g} GFLOP/s, compute_flops_per_s)"
+            if cost.flops and budgets.flops_per_second
+            else ""
+        )
         raise LimitExceededError(
             f"{what} would take about {seconds:.0f} s{work}; the request deadline (request_timeout_s) is "
             f"{budgets.seconds:g} s{hint}"

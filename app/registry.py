@@ -149,7 +149,9 @@ class ModelRegistry:
     def entry(self, model_id: str) -> ModelEntry:
         """The folder of one model; NotFoundError for a malformed or unknown id (never a path)."""
         if not isinstance(model_id, str) or not MODEL_ID_RE.match(model_id):
-            raise NotFoundError(f"unknown model {model_id!r}: model ids are folder names of letters, digits, '.', '_' and '-'")
+            raise NotFoundError(
+                f"unknown model {model_id!r}: model ids are folder names of letters, digits, '.', '_' and '-'"
+            )
         for root, shipped in self._roots():
             entry = self._scan_one(root / model_id, shipped)
             if entry is not None:

@@ -133,8 +133,15 @@ def _hard_exit() -> None:
     os._exit(0)
 
 
-def config(host: str, port: int, workers: int, settings: Settings, app: str = "app.main:app",
-           factory: bool = False, http: str = "auto") -> uvicorn.Config:
+def config(
+    host: str,
+    port: int,
+    workers: int,
+    settings: Settings,
+    app: str = "app.main:app",
+    factory: bool = False,
+    http: str = "auto",
+) -> uvicorn.Config:
     HeaderTimeout.header_timeout_s = settings.header_timeout_s
     return uvicorn.Config(
         app,

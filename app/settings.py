@@ -27,14 +27,18 @@ class Limits(BaseModel):
     max_batch: int = Field(default=32, ge=1, description="most sequences in a detector run")
     max_seq_len: int = Field(default=200, ge=1, description="longest repeated segment in a detector run")
     matrix_budget_bytes: int = Field(default=256 * MiB, ge=1024, description="working memory of a streamed top-k")
-    peak_bytes: int = Field(default=1024 * MiB, ge=1024, description="working memory of one request, priced before it runs")
+    peak_bytes: int = Field(
+        default=1024 * MiB, ge=1024, description="working memory of one request, priced before it runs"
+    )
     max_answer_bytes: int = Field(default=16 * MiB, ge=1024, description="largest encoded JSON answer")
 
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="QKOV_", env_nested_delimiter="__", extra="ignore")
 
-    models_dir: Path | None = Field(default=None, description="folder whose sub-folders holding a checkpoint are models")
+    models_dir: Path | None = Field(
+        default=None, description="folder whose sub-folders holding a checkpoint are models"
+    )
     shipped_dir: Path = Field(default=REPO_ROOT / "checkpoints", description="the shipped toy models")
     dtype: Literal["float32", "float64"] = "float32"
     limits: Limits = Field(default_factory=Limits)
@@ -42,11 +46,14 @@ class Settings(BaseSettings):
     slot_wait_s: float = Field(default=30.0, gt=0, description="how long a request waits for a compute slot")
     cache_bytes: int = Field(default=256 * MiB, ge=0, description="byte budget of the result cache")
     store_url: str = Field(
-        default="disk", pattern=r"^(off|disk|(redis|rediss|unix)://.+)$",
+        default="disk",
+        pattern=r"^(off|disk|(redis|rediss|unix)://.+)$",
         description="second-level result store: 'disk' (diskcache folder shared by this machine's workers, kept across restarts), a redis:// URL (shared by replicas, disk as fallback) or 'off'",
     )
     store_dir: Path = Field(default=REPO_ROOT / ".store", description="folder of the disk store")
-    store_bytes: int = Field(default=1024 * MiB, ge=MiB, description="byte budget of the disk store (least recently used evicted)")
+    store_bytes: int = Field(
+        default=1024 * MiB, ge=MiB, description="byte budget of the disk store (least recently used evicted)"
+    )
     store_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0, description="how long Redis keeps an answer")
     preload: bool = Field(default=False, description="load every model at start-up instead of on first use")
     max_model_bytes: int = Field(
@@ -56,10 +63,13 @@ class Settings(BaseSettings):
     # serving (app/compute.py, app/observability.py, app/ratelimit.py)
     torch_threads: int | None = Field(default=None, ge=1, description="torch threads (default: cores // compute_slots)")
     request_timeout_s: float | None = Field(
-        default=120.0, gt=0, description="a request waiting longer for its computation gets 503 and the computation stops"
+        default=120.0,
+        gt=0,
+        description="a request waiting longer for its computation gets 503 and the computation stops",
     )
     compute_flops_per_s: float = Field(
-        default=20e9, gt=0,
+        default=20e9,
+        gt=0,
         description="arithmetic rate assumed for one computation when pricing its time: a request whose engine-counted "
         "FLOPs / this exceeds request_timeout_s is refused (422) before it runs. 20 GFLOP/s: about a third of one core's "
         "float32 matrix products on the 2-core development machine, which a computation shares with others",
@@ -70,10 +80,18 @@ class Settings(BaseSettings):
         default_factory=list,
         description="addresses or networks (CIDR) of reverse proxies whose X-Forwarded-For is believed; empty: none",
     )
-    header_timeout_s: float = Field(default=10.0, gt=0, description="a connection that has not sent a whole request head by then is closed (app/serve.py)")
-    shutdown_drain_s: float = Field(default=8.0, gt=0, description="on SIGTERM, in-flight requests get this long to finish (app/serve.py)")
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        description="a connection that has not sent a whole request head by then is closed (app/serve.py)",
+    )
+    shutdown_drain_s: float = Field(
+        default=8.0, gt=0, description="on SIGTERM, in-flight requests get this long to finish (app/serve.py)"
+    )
     log_format: Literal["json", "text"] = Field(default="json", description="JSON lines or plain text logs")
-    metrics_multiprocess: bool = Field(default=False, description="aggregate metrics of uvicorn workers (PROMETHEUS_MULTIPROC_DIR)")
+    metrics_multiprocess: bool = Field(
+        default=False, description="aggregate metrics of uvicorn workers (PROMETHEUS_MULTIPROC_DIR)"
+    )
 
     @field_validator("trusted_proxies")
     @classmethod

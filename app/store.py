@@ -83,8 +83,12 @@ class DiskStore:
         self.directory = directory
         self.budget_bytes = budget_bytes
         self._cache = diskcache.Cache(
-            str(directory), size_limit=budget_bytes, eviction_policy="least-recently-used", disk=RawDisk,
-            cull_limit=10, statistics=False,
+            str(directory),
+            size_limit=budget_bytes,
+            eviction_policy="least-recently-used",
+            disk=RawDisk,
+            cull_limit=10,
+            statistics=False,
         )
         self._owner = f"{os.getpid()}-{uuid.uuid4().hex}"
 
@@ -143,7 +147,9 @@ class RedisStore:
     def _failed(self, exc: Exception) -> None:
         with self._guard:
             if self._down_since is None:
-                log.warning("redis store unreachable (%s): answers go to the local store until it is back", type(exc).__name__)
+                log.warning(
+                    "redis store unreachable (%s): answers go to the local store until it is back", type(exc).__name__
+                )
             self._down_since = time.monotonic()
             self._last_error = f"{type(exc).__name__}: {exc}"[:200]
 
@@ -193,7 +199,11 @@ class RedisStore:
         up = self._call("ping")[0]
         out: dict[str, Any] = {"store": self.name, "ok": up}
         if not up:
-            out["detail"] = f"redis unreachable ({self._last_error}); using the local store" if self.fallback else "redis unreachable"
+            out["detail"] = (
+                f"redis unreachable ({self._last_error}); using the local store"
+                if self.fallback
+                else "redis unreachable"
+            )
         return out
 
 

@@ -19,8 +19,17 @@ from collections.abc import Callable
 
 import torch
 
-SECTION_MODULES = ("bench.engine", "bench.engine2", "bench.load", "bench.http", "bench.virtual_weights", "bench.store", "bench.modern", "bench.rotary",
-                   "bench.copying")
+SECTION_MODULES = (
+    "bench.engine",
+    "bench.engine2",
+    "bench.load",
+    "bench.http",
+    "bench.virtual_weights",
+    "bench.store",
+    "bench.modern",
+    "bench.rotary",
+    "bench.copying",
+)
 
 
 def collect() -> dict[str, Callable[[], None]]:

@@ -51,9 +51,18 @@ def write_tl_checkpoint(folder: Path) -> Path:
     c = GPT2_SMALL
     target = folder / MODEL_ID
     target.mkdir(parents=True)
-    config = {"n_layers": c.n_layers, "d_model": c.d_model, "n_heads": c.n_heads, "d_head": c.d_head,
-              "d_vocab": c.d_vocab, "n_ctx": c.n_ctx, "d_mlp": c.d_mlp, "act_fn": c.act_fn,
-              "normalization_type": c.normalization_type, "positional_embedding_type": c.positional_embedding_type}
+    config = {
+        "n_layers": c.n_layers,
+        "d_model": c.d_model,
+        "n_heads": c.n_heads,
+        "d_head": c.d_head,
+        "d_vocab": c.d_vocab,
+        "n_ctx": c.n_ctx,
+        "d_mlp": c.d_mlp,
+        "act_fn": c.act_fn,
+        "normalization_type": c.normalization_type,
+        "positional_embedding_type": c.positional_embedding_type,
+    }
     (target / "config.json").write_text(json.dumps(config))
     (target / "qkov.json").write_text(json.dumps({"processing": False}))
     save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(target / "model.safetensors"))
@@ -120,7 +129,9 @@ def tl_figures(rep_tokens: torch.Tensor) -> dict[str, float]:
         tl.all_composition_scores("K")
         out["composition"] = time.perf_counter() - t0
     else:
-        print(f"  TL all_composition_scores skipped: {mem_available() / GiB:.1f} GiB free, it needs ~{need / GiB:.1f} GiB + 3 GiB margin")
+        print(
+            f"  TL all_composition_scores skipped: {mem_available() / GiB:.1f} GiB free, it needs ~{need / GiB:.1f} GiB + 3 GiB margin"
+        )
     gc.collect()
     return out
 
@@ -153,8 +164,12 @@ def heads_breakdown(model: Any) -> None:
     torch.set_num_threads(threads)
     tokens = heads.standard_tokens(model)
     is_rotary = model.cfg.positional_embedding_type == "rotary"
-    ref = reference_tokens(LoadedModel(model=model, tokenizer=None, format="qkov", digest="bench", path=Path("bench")))[0]
-    kw: dict[str, Any] = dict(means=lambda: rotary.reference_means(model, ref), reference_tokens=ref.shape[1]) if is_rotary else {}
+    ref = reference_tokens(LoadedModel(model=model, tokenizer=None, format="qkov", digest="bench", path=Path("bench")))[
+        0
+    ]
+    kw: dict[str, Any] = (
+        dict(means=lambda: rotary.reference_means(model, ref), reference_tokens=ref.shape[1]) if is_rotary else {}
+    )
     budget = settings.limits.peak_bytes
     heads_n = model.cfg.n_layers * model.cfg.n_heads
     try:
@@ -166,39 +181,61 @@ def heads_breakdown(model: Any) -> None:
             ov = _timed(lambda: circuits.ov_copying_scores(model, G))
             qk = _timed(lambda: circuits.qk_copying_scores(model, G_E, gq[2]))
             iv = _timed(lambda: head_table.induction_view(model, tokens, det[2]["previous_token"], ov[2], G_E, gq[2]))
-            rows = [(f"detector pass ({tokens.shape[0]} x {tokens.shape[1]} tokens, patterns only)", det),
-                    ("Grams W_U W_E_eff and W_E_eff^T W_E_eff, one pass over the vocabulary", grams),
-                    ("G_E W_Q (QK spectra and weighted K-composition)", gq),
-                    (f"OV spectra ({heads_n} x d_head eigenvalues)", ov), (f"QK spectra ({heads_n} x d_head eigenvalues)", qk),
-                    ("induction view: K-composition one-hot + weighted (two threads when a core is idle)", iv)]
+            rows = [
+                (f"detector pass ({tokens.shape[0]} x {tokens.shape[1]} tokens, patterns only)", det),
+                ("Grams W_U W_E_eff and W_E_eff^T W_E_eff, one pass over the vocabulary", grams),
+                ("G_E W_Q (QK spectra and weighted K-composition)", gq),
+                (f"OV spectra ({heads_n} x d_head eigenvalues)", ov),
+                (f"QK spectra ({heads_n} x d_head eigenvalues)", qk),
+                ("induction view: K-composition one-hot + weighted (two threads when a core is idle)", iv),
+            ]
             if is_rotary:
                 mu = _timed(lambda: rotary.reference_means(model, ref))
-                rows += [(f"μ: pass on the reference ({ref.shape[1]} tokens; once per model: kept in the result store)", mu),
-                         (f"kernel peak offsets, δ 0..{min(rotary.KERNEL_WINDOW, model.cfg.n_ctx - 1)}",
-                          _timed(lambda: rotary.kernel_peak_offsets(model, mu[2])))]
+                rows += [
+                    (f"μ: pass on the reference ({ref.shape[1]} tokens; once per model: kept in the result store)", mu),
+                    (
+                        f"kernel peak offsets, δ 0..{min(rotary.KERNEL_WINDOW, model.cfg.n_ctx - 1)}",
+                        _timed(lambda: rotary.kernel_peak_offsets(model, mu[2])),
+                    ),
+                ]
             whole = [_timed(lambda: head_table.head_table(model, tokens, budget_bytes=budget, **kw)) for _ in range(3)]
-            libraries = _onednn_against_mkl(lambda: (heads.detector_scores(model, tokens, budget_bytes=budget),
-                                                     circuits.embed_grams(model)))
+            libraries = _onednn_against_mkl(
+                lambda: (heads.detector_scores(model, tokens, budget_bytes=budget), circuits.embed_grams(model))
+            )
             torch.set_num_threads(available_cores())  # what a lone computation would get with QKOV_TORCH_THREADS=cores
             t_cores = _timed(lambda: head_table.head_table(model, tokens, budget_bytes=budget, **kw))[0]
     finally:
         torch.set_num_threads(before)
     cpu = sum(r[1] for _, r in rows)
-    print(f"  where the heads table's time goes (in process, {threads} torch thread(s) as one server computation; "
-          f"load average {os.getloadavg()[0]:.2f}):")
+    print(
+        f"  where the heads table's time goes (in process, {threads} torch thread(s) as one server computation; "
+        f"load average {os.getloadavg()[0]:.2f}):"
+    )
     for label, (wall, c, _) in rows:
         row(f"  {label}", wall, "", f"CPU {fmt_time(c).strip()}, {100 * c / cpu:4.0f} % of the parts' CPU")
     wall_med = statistics.median(w for w, _, _ in whole)
     cpu_med = statistics.median(c for _, c, _ in whole)
-    row("  head_table.head_table, all parts in one call (median of 3)" + (" (μ measured)" if is_rotary else ""), wall_med,
-        "", f"CPU {fmt_time(cpu_med).strip()}; parts' CPU {fmt_time(cpu).strip()}, half of it "
-        f"{fmt_time(cpu / 2).strip()} (both cores busy all along, from the parts timed one by one: an estimate)")
-    row(f"  head_table.head_table with {available_cores()} torch threads", t_cores, "",
-        f"{wall_med / t_cores:.2f}x the {threads}-thread call")
+    row(
+        "  head_table.head_table, all parts in one call (median of 3)" + (" (μ measured)" if is_rotary else ""),
+        wall_med,
+        "",
+        f"CPU {fmt_time(cpu_med).strip()}; parts' CPU {fmt_time(cpu).strip()}, half of it "
+        f"{fmt_time(cpu / 2).strip()} (both cores busy all along, from the parts timed one by one: an estimate)",
+    )
+    row(
+        f"  head_table.head_table with {available_cores()} torch threads",
+        t_cores,
+        "",
+        f"{wall_med / t_cores:.2f}x the {threads}-thread call",
+    )
     if libraries:
         dnn, mkl = (statistics.median(libraries[name]) for name in ("oneDNN", "MKL"))
-        row("  detector pass + Grams, products by oneDNN (linear.py)", dnn, "",
-            f"CPU; by MKL alone (oneDNN off): {fmt_time(mkl).strip()}, {mkl / dnn:.2f}x (alternated, medians of 3)")
+        row(
+            "  detector pass + Grams, products by oneDNN (linear.py)",
+            dnn,
+            "",
+            f"CPU; by MKL alone (oneDNN off): {fmt_time(mkl).strip()}, {mkl / dnn:.2f}x (alternated, medians of 3)",
+        )
 
 
 def _onednn_against_mkl(work: Any) -> dict[str, list[float]]:
@@ -232,15 +269,22 @@ def http() -> None:
     try:
         t0 = time.perf_counter()
         wait_ready(base, proc)
-        print(f"  server ready (model loaded, one forward pass) in {time.perf_counter() - t0:.1f} s; "
-              f"RSS {rss_bytes(proc.pid) / GiB:.2f} GiB; result cache and store off: every request computes")
+        print(
+            f"  server ready (model loaded, one forward pass) in {time.perf_counter() - t0:.1f} s; "
+            f"RSS {rss_bytes(proc.pid) / GiB:.2f} GiB; result cache and store off: every request computes"
+        )
         with httpx.Client(base_url=base, timeout=600) as client:
             heads_first, heads_med, _ = timed_get(client, f"{m}/heads", 3)
             row_first, row_med, ov = timed_get(client, f"{m}/heads/L{LAYER}H{HEAD}/ov?token={TOKEN}&k={K}", 7)
             comp_first, comp_med, comp = timed_get(client, f"{m}/composition?kind=K", 3)
         print("  through HTTP (first answer; median of the repeats after it):")
         row("GET /heads (10 x 101 detector input)", heads_med, "< 2 s", f"first {fmt_time(heads_first).strip()}")
-        row(f"GET /heads/L{LAYER}H{HEAD}/ov?token={TOKEN}&k={K}", row_med, "< 50 ms", f"first {fmt_time(row_first).strip()}")
+        row(
+            f"GET /heads/L{LAYER}H{HEAD}/ov?token={TOKEN}&k={K}",
+            row_med,
+            "< 50 ms",
+            f"first {fmt_time(row_first).strip()}",
+        )
         row("GET /composition?kind=K", comp_med, "< 1 s", f"first {fmt_time(comp_first).strip()}")
     finally:
         proc.terminate()
@@ -257,13 +301,25 @@ def http() -> None:
     hooked = tl_model()
     assert hooked is not None
     tl_row = (hooked.W_E[TOKEN] @ hooked.OV[LAYER, HEAD] @ hooked.W_U).topk(K).indices.tolist()
-    row("TL W_E[t] @ OV @ W_U row, topk(20)", tl["ov_row"], "",
-        f"HTTP/TL {row_med / tl['ov_row']:.2f}; same top-20 ids: {row_ids == tl_row}")
-    row("TL run_with_cache(10 x 101 tokens), patterns", tl["run_with_cache"], "",
-        f"HTTP /heads (whole table) / TL forward pass {heads_med / tl['run_with_cache']:.2f}")
+    row(
+        "TL W_E[t] @ OV @ W_U row, topk(20)",
+        tl["ov_row"],
+        "",
+        f"HTTP/TL {row_med / tl['ov_row']:.2f}; same top-20 ids: {row_ids == tl_row}",
+    )
+    row(
+        "TL run_with_cache(10 x 101 tokens), patterns",
+        tl["run_with_cache"],
+        "",
+        f"HTTP /heads (whole table) / TL forward pass {heads_med / tl['run_with_cache']:.2f}",
+    )
     if "composition" in tl:
-        row("TL all_composition_scores('K')", tl["composition"], "",
-            f"TL/HTTP {tl['composition'] / comp_med:.1f}x (HTTP includes JSON of {len(comp.content) / 1024:.0f} KiB)")
+        row(
+            "TL all_composition_scores('K')",
+            tl["composition"],
+            "",
+            f"TL/HTTP {tl['composition'] / comp_med:.1f}x (HTTP includes JSON of {len(comp.content) / 1024:.0f} KiB)",
+        )
 
 
 SECTIONS = {"http": http}

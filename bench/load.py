@@ -56,8 +56,9 @@ def model_root() -> tuple[Path, str]:
     from circuits_core.weights import save_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="qkov-bench-"))
-    cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, d_head=16, d_vocab=2048, n_ctx=256,
-                      positional_embedding_type="shortformer")
+    cfg = ModelConfig(
+        n_layers=2, d_model=64, n_heads=4, d_head=16, d_vocab=2048, n_ctx=256, positional_embedding_type="shortformer"
+    )
     with torch.no_grad():
         save_checkpoint(random_model(cfg, seed=0, std_embed=0.5), tmp / "random-2l")
     return tmp, "no shipped models yet: a seeded random 2-layer model (d_vocab 2048)"
@@ -71,12 +72,31 @@ def free_port() -> int:
 
 def start_server(models: Path, port: int, **settings: str) -> subprocess.Popen[bytes]:
     """uvicorn app.main:app on 127.0.0.1:port serving `models`; `settings` become QKOV_<NAME> variables."""
-    env = {**os.environ, "QKOV_SHIPPED_DIR": str(models), "QKOV_LOG_FORMAT": "text", "QKOV_STORE_URL": "off",
-           **{f"QKOV_{k.upper()}": v for k, v in settings.items()}}
+    env = {
+        **os.environ,
+        "QKOV_SHIPPED_DIR": str(models),
+        "QKOV_LOG_FORMAT": "text",
+        "QKOV_STORE_URL": "off",
+        **{f"QKOV_{k.upper()}": v for k, v in settings.items()},
+    }
     return subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "app.main:app", "--host", HOST, "--port", str(port), "--no-access-log",
-         "--log-level", "warning"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "app.main:app",
+            "--host",
+            HOST,
+            "--port",
+            str(port),
+            "--no-access-log",
+            "--log-level",
+            "warning",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
 
 
@@ -129,13 +149,22 @@ def mix(model: str, d_vocab: int, heads: list[str]) -> list[tuple[str, Callable[
     head = heads[-1]
     m = f"/api/v1/models/{model}"
     cheap = [
-        ("cheap", "/healthz"), ("cheap", "/api/v1/models"), ("cheap", f"{m}"), ("cheap", "/static/qkov.css"),
-        ("cheap", "/"), ("cheap", f"/models/{model}"), ("cheap", f"/models/{model}/heads/{head}"),
+        ("cheap", "/healthz"),
+        ("cheap", "/api/v1/models"),
+        ("cheap", f"{m}"),
+        ("cheap", "/static/qkov.css"),
+        ("cheap", "/"),
+        ("cheap", f"/models/{model}"),
+        ("cheap", f"/models/{model}/heads/{head}"),
         ("cheap", f"/models/{model}/direct"),
     ]
     cached = [
-        ("cached", f"{m}/heads"), ("cached", f"{m}/heads/{head}"), ("cached", f"{m}/heads/{head}/ov?k=20"),
-        ("cached", f"{m}/heads/{head}/qk?k=20"), ("cached", f"{m}/direct?k=20"), ("cached", f"{m}/detectors"),
+        ("cached", f"{m}/heads"),
+        ("cached", f"{m}/heads/{head}"),
+        ("cached", f"{m}/heads/{head}/ov?k=20"),
+        ("cached", f"{m}/heads/{head}/qk?k=20"),
+        ("cached", f"{m}/direct?k=20"),
+        ("cached", f"{m}/detectors"),
         ("cached", f"{m}/composition"),
     ]
     out: list[tuple[str, Callable[[], str]]] = [(kind, (lambda u=url: u)) for kind, url in cheap + cached]
@@ -154,8 +183,15 @@ def mix(model: str, d_vocab: int, heads: list[str]) -> list[tuple[str, Callable[
 async def engine_figures(base: str, model: str, heads: list[str]) -> None:
     head = heads[-1]
     m = f"/api/v1/models/{model}"
-    urls = [f"{m}/heads", f"{m}/heads/{head}", f"{m}/heads/{head}/ov?k=50", f"{m}/heads/{head}/qk?k=50",
-            f"{m}/direct?k=50", f"{m}/detectors", f"{m}/composition"]
+    urls = [
+        f"{m}/heads",
+        f"{m}/heads/{head}",
+        f"{m}/heads/{head}/ov?k=50",
+        f"{m}/heads/{head}/qk?k=50",
+        f"{m}/direct?k=50",
+        f"{m}/detectors",
+        f"{m}/composition",
+    ]
     print(f"  engine figures through HTTP ({model}, {head}): cold = first answer, cached = median of 5")
     async with httpx.AsyncClient(base_url=base, timeout=120) as c:
         for url in urls:
@@ -167,11 +203,19 @@ async def engine_figures(base: str, model: str, heads: list[str]) -> None:
                 t0 = time.perf_counter()
                 await c.get(url)
                 warm.append(time.perf_counter() - t0)
-            print(f"    {url.removeprefix(m) or '/':34s} {r.status_code}  cold {cold * 1e3:8.1f} ms   cached {statistics.median(warm) * 1e3:7.2f} ms")
+            print(
+                f"    {url.removeprefix(m) or '/':34s} {r.status_code}  cold {cold * 1e3:8.1f} ms   cached {statistics.median(warm) * 1e3:7.2f} ms"
+            )
 
 
-async def client_loop(base: str, urls: list[tuple[str, Callable[[], str]]], end: float, budget: list[int],
-                      results: list[tuple[str, int, float, str]], seed: int) -> None:
+async def client_loop(
+    base: str,
+    urls: list[tuple[str, Callable[[], str]]],
+    end: float,
+    budget: list[int],
+    results: list[tuple[str, int, float, str]],
+    seed: int,
+) -> None:
     rng = random.Random(seed)
     async with httpx.AsyncClient(base_url=base, timeout=60) as c:
         while time.monotonic() < end and budget[0] > 0:
@@ -215,19 +259,27 @@ async def run_load(base: str, pid: int) -> None:
     lat = [r[2] for r in results]
     statuses = Counter(r[1] for r in results)
     print(f"  load: {CLIENTS} clients, {elapsed:.1f} s, {len(results)} requests -> {len(results) / elapsed:.1f} req/s")
-    print(f"    latency p50 {pct(lat, 0.5) * 1e3:.1f} ms, p99 {pct(lat, 0.99) * 1e3:.1f} ms, max {max(lat) * 1e3:.1f} ms")
+    print(
+        f"    latency p50 {pct(lat, 0.5) * 1e3:.1f} ms, p99 {pct(lat, 0.99) * 1e3:.1f} ms, max {max(lat) * 1e3:.1f} ms"
+    )
     for kind in ("cheap", "cached", "heavy"):
         ks = [r[2] for r in results if r[0] == kind]
         goal = "  (goal p99 < 100 ms: never waits for a compute slot)" if kind == "cheap" else ""
         if ks:
-            print(f"    {kind:7s} n={len(ks):6d}  p50 {pct(ks, 0.5) * 1e3:7.1f} ms  p99 {pct(ks, 0.99) * 1e3:7.1f} ms{goal}")
+            print(
+                f"    {kind:7s} n={len(ks):6d}  p50 {pct(ks, 0.5) * 1e3:7.1f} ms  p99 {pct(ks, 0.99) * 1e3:7.1f} ms{goal}"
+            )
     cheap_urls = sorted({r[3] for r in results if r[0] == "cheap"})
     for url in cheap_urls:
         ks = [r[2] for r in results if r[3] == url]
-        print(f"      cheap {url:44s} n={len(ks):5d}  p50 {pct(ks, 0.5) * 1e3:7.1f} ms  p99 {pct(ks, 0.99) * 1e3:7.1f} ms")
+        print(
+            f"      cheap {url:44s} n={len(ks):5d}  p50 {pct(ks, 0.5) * 1e3:7.1f} ms  p99 {pct(ks, 0.99) * 1e3:7.1f} ms"
+        )
     print(f"    statuses: {', '.join(f'{s}: {n}' for s, n in sorted(statuses.items()))}")
     mib = 1024 * 1024
-    print(f"    server RSS: after warm-up {rss_warm / mib:.0f} MiB, end {rss_end / mib:.0f} MiB, peak {max(sampler.peak, rss_end) / mib:.0f} MiB")
+    print(
+        f"    server RSS: after warm-up {rss_warm / mib:.0f} MiB, end {rss_end / mib:.0f} MiB, peak {max(sampler.peak, rss_end) / mib:.0f} MiB"
+    )
     async with httpx.AsyncClient(base_url=base, timeout=10) as c:
         metrics = (await c.get("/metrics")).text
     wanted = ("qkov_cache_hit_ratio", "qkov_cache_bytes", "qkov_compute_rejected_total", "qkov_compute_shared_total")

@@ -289,7 +289,9 @@ def served(folder: Path) -> None:
                 ("heads/L8H3/ov?k=20", "global top-20 of the 128k x 128k OV circuit"),
                 ("copying?k=10", "copying overview, every head"),
             ]
-            with torch.device("meta"):  # the composition view's price, by the engine's cost (fewest chunks within budget)
+            with torch.device(
+                "meta"
+            ):  # the composition view's price, by the engine's cost (fewest chunks within budget)
                 prices = {"composition?kind=K": composition.cost(_meta_model(), ("k",), budget).peak_bytes}
             for path, what in views:
                 seconds, extra, answer = _peak_during(proc, client, f"{m}/{path}")
@@ -298,7 +300,12 @@ def served(folder: Path) -> None:
                     answer.status_code if answer.status_code == 200 else f"{answer.status_code} {answer.text[:160]}"
                 )
                 price_note = f"priced {prices[path] / GiB:.2f} GiB, " if path in prices else ""
-                row(f"GET /{path}", seconds, "", f"{status}; {price_note}+{extra / GiB:.2f} GiB ({within} budget): {what}")
+                row(
+                    f"GET /{path}",
+                    seconds,
+                    "",
+                    f"{status}; {price_note}+{extra / GiB:.2f} GiB ({within} budget): {what}",
+                )
     finally:
         proc.terminate()
         try:

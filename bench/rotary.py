@@ -46,9 +46,21 @@ from circuits_core.model import Transformer, random_model
 
 MiB = 2**20
 SMOLLM2 = ModelConfig(
-    n_layers=30, d_model=576, n_heads=9, d_head=64, d_vocab=49152, n_ctx=2048, attn_only=False, d_mlp=1536,
-    gated_mlp=True, act_fn="silu", normalization_type="RMS", positional_embedding_type="rotary", rotary_base=1e5,
-    n_key_value_heads=3, eps=1e-5,
+    n_layers=30,
+    d_model=576,
+    n_heads=9,
+    d_head=64,
+    d_vocab=49152,
+    n_ctx=2048,
+    attn_only=False,
+    d_mlp=1536,
+    gated_mlp=True,
+    act_fn="silu",
+    normalization_type="RMS",
+    positional_embedding_type="rotary",
+    rotary_base=1e5,
+    n_key_value_heads=3,
+    eps=1e-5,
 )
 _model: Transformer | None = None
 
@@ -69,17 +81,35 @@ def tl_model(model: Transformer) -> Any | None:
         return None
     c = model.cfg
     cfg = HookedTransformerConfig(
-        n_layers=c.n_layers, d_model=c.d_model, n_heads=c.n_heads, d_head=c.d_head, d_vocab=c.d_vocab, n_ctx=c.n_ctx,
-        d_mlp=c.d_mlp, act_fn=str(c.act_fn), normalization_type=c.normalization_type, gated_mlp=True,
-        positional_embedding_type="rotary", rotary_base=int(c.rotary_base), rotary_dim=c.d_head,
-        n_key_value_heads=c.n_key_value_heads, eps=c.eps, init_weights=False, device="cpu", dtype=torch.float32,
+        n_layers=c.n_layers,
+        d_model=c.d_model,
+        n_heads=c.n_heads,
+        d_head=c.d_head,
+        d_vocab=c.d_vocab,
+        n_ctx=c.n_ctx,
+        d_mlp=c.d_mlp,
+        act_fn=str(c.act_fn),
+        normalization_type=c.normalization_type,
+        gated_mlp=True,
+        positional_embedding_type="rotary",
+        rotary_base=int(c.rotary_base),
+        rotary_dim=c.d_head,
+        n_key_value_heads=c.n_key_value_heads,
+        eps=c.eps,
+        init_weights=False,
+        device="cpu",
+        dtype=torch.float32,
         rotary_adjacent_pairs=c.rotary_adjacent_pairs,  # a GGUF checkpoint (SmolLM2) pairs adjacent dims
     )
     tl = HookedTransformer(cfg)
     missing, unexpected = tl.load_state_dict(model.state_dict(), strict=False)
     # TL always holds biases (zeros here: qkov's model has none) and its rotary tables as buffers
-    missing = [k for k in missing if not k.endswith((".mask", ".IGNORE", "rotary_sin", "rotary_cos"))
-               and not k.rsplit(".", 1)[-1].lstrip("_").startswith("b_")]
+    missing = [
+        k
+        for k in missing
+        if not k.endswith((".mask", ".IGNORE", "rotary_sin", "rotary_cos"))
+        and not k.rsplit(".", 1)[-1].lstrip("_").startswith("b_")
+    ]
     if missing or unexpected:
         raise RuntimeError(f"TransformerLens state dict mismatch: missing {missing}, unexpected {unexpected}")
     return tl.requires_grad_(False)
@@ -94,6 +124,7 @@ def run_rotary() -> None:
     circuits.ov_copying_scores(model)
     t_ov, g, ov = timed(lambda: circuits.ov_copying_scores(model))
     row("(b) OV copying scores, 270 heads", t_ov, "< 1 s", normalised(t_ov, g))
+
     # (c) one row of Ω(δ)'s full QK circuit
     def qk_row() -> Any:
         return rotary.full_qk_row_at(model, 17, 4, 1234, 5).topk(20)
@@ -102,17 +133,31 @@ def run_rotary() -> None:
     t_norm, _ = median_time(lambda: circuits.embed_norm(fresh), repeats=1)  # the first call's extra work
     qk_row()
     t_row, g, _ = timed(qk_row, repeats=5)
-    row("(c) Ω(δ = 5) full QK row, top 20", t_row, "< 30 ms", f"token 1234, L17H4; {normalised(t_row, g)}; "
-        f"+ {fmt_time(t_norm).strip()} once per model for ln1's per-token scales of W_E (circuits.embed_norm)")
+    row(
+        "(c) Ω(δ = 5) full QK row, top 20",
+        t_row,
+        "< 30 ms",
+        f"token 1234, L17H4; {normalised(t_row, g)}; "
+        f"+ {fmt_time(t_norm).strip()} once per model for ln1's per-token scales of W_E (circuits.embed_norm)",
+    )
     # (f) QK eigenvalue copying over δ of one head (heads/{head}/qk-copying)
     t_qkc, g, _ = timed(lambda: rotary.head_qk_eigenvalues_at(model, 17, 4, range(65)), repeats=3)
-    row("(f) QK eigenvalue copying of one head, δ 0..64", t_qkc, "", f"L17H4, vocabulary Gram included; {normalised(t_qkc, g)}")
+    row(
+        "(f) QK eigenvalue copying of one head, δ 0..64",
+        t_qkc,
+        "",
+        f"L17H4, vocabulary Gram included; {normalised(t_qkc, g)}",
+    )
     # (d) global top 100 at δ
     factors = rotary.full_qk_factors(model, 17, 4)
     t_top, g, top = timed(lambda: rotary.full_qk_circuit_at(model, 17, 4, 5, factors).topk_global(100), repeats=2)
     t_f, _ = median_time(lambda: rotary.full_qk_factors(model, 17, 4), repeats=2)
-    row("(d) global top-100 of W_E Ω(5) W_E^T / s, 49152^2", t_top + t_f, "< 3 s",
-        f"factors {fmt_time(t_f).strip()} + search {fmt_time(t_top).strip()}; {normalised(t_top + t_f, g)}")
+    row(
+        "(d) global top-100 of W_E Ω(5) W_E^T / s, 49152^2",
+        t_top + t_f,
+        "< 3 s",
+        f"factors {fmt_time(t_f).strip()} + search {fmt_time(t_top).strip()}; {normalised(t_top + t_f, g)}",
+    )
     # (e) heads table, cold
     t_heads = _heads_table(model)
     heads_breakdown(model)  # where its time goes, and one server computation's threads vs every core
@@ -122,12 +167,19 @@ def run_rotary() -> None:
     _tl_composition(tl, prof, n_pairs, t)
     _tl_copying(tl, model, ov, t_ov)
     _tl_row(tl, t_row)
-    print("    TL (d): no streaming global top-k; W_E QK W_E^T would be a dense 49152 x 49152 float32 matrix (9.7 GB): not run",
-          flush=True)
+    print(
+        "    TL (d): no streaming global top-k; W_E QK W_E^T would be a dense 49152 x 49152 float32 matrix (9.7 GB): not run",
+        flush=True,
+    )
     tokens = torch.randint(0, model.cfg.d_vocab, (1, 128), generator=torch.Generator().manual_seed(0))
     tl.run_with_cache(tokens)
     t_tl, _ = median_time(lambda: tl.run_with_cache(tokens), repeats=3)
-    row("    TL (e) run_with_cache, 128 tokens (reference)", t_tl, "", f"qkov heads table cold {fmt_time(t_heads).strip()}")
+    row(
+        "    TL (e) run_with_cache, 128 tokens (reference)",
+        t_tl,
+        "",
+        f"qkov heads table cold {fmt_time(t_heads).strip()}",
+    )
 
 
 def _profiles(model: Transformer, n_pairs: int) -> tuple[float, composition_rotary.CompositionProfiles]:
@@ -160,11 +212,17 @@ def _profiles(model: Transformer, n_pairs: int) -> tuple[float, composition_rota
             estimate = normalised(t, g)
         finally:
             torch.set_num_threads(before)
-        how = "as a server computation, 2 workers side by side" if threads == server else "one OpenMP team, tasks in turn"
-        row(f"(a) Q/K/V composition, 270 heads, Q/K profiles δ 0..64, {threads} torch thread(s) {how}", t, "< 3 s",
+        how = (
+            "as a server computation, 2 workers side by side" if threads == server else "one OpenMP team, tasks in turn"
+        )
+        row(
+            f"(a) Q/K/V composition, 270 heads, Q/K profiles δ 0..64, {threads} torch thread(s) {how}",
+            t,
+            "< 3 s",
             f"{n_pairs} pairs x 65 offsets x 2 kinds + V; CPU {statistics.median(cpu):.2f} core-s"
             f"{f' (/ 2 = {statistics.median(cpu) / 2:.2f} s on two free cores)' if threads == server else ''}; peak "
-            f"+{mem.delta / MiB:.0f} MiB (goal < 1024, priced {priced / MiB:.0f}); {estimate}")
+            f"+{mem.delta / MiB:.0f} MiB (goal < 1024, priced {priced / MiB:.0f}); {estimate}",
+        )
         figures.append((t, prof))
     return figures[0]
 
@@ -198,9 +256,13 @@ def _heads_table(model: Transformer) -> float:
     finally:
         torch.set_num_threads(before)
     peaks = [s.kernel_peak_offset for s in view.heads]
-    row(f"(e) heads table, cold, {threads} torch thread(s) as a server computation", t, "< 5 s",
+    row(
+        f"(e) heads table, cold, {threads} torch thread(s) as a server computation",
+        t,
+        "< 5 s",
         f"detectors, copying, 2-D view, kernel peaks with μ measured; {len(view.heads)} heads, "
-        f"{sum(p == 1 for p in peaks)} kernel peaks at δ = 1; {estimate}")
+        f"{sum(p == 1 for p in peaks)} kernel peaks at δ = 1; {estimate}",
+    )
     return t
 
 
@@ -220,9 +282,13 @@ def _tl_composition(tl: Any, prof: composition_rotary.CompositionProfiles, n_pai
     mine = prof.k[:S, :, T0:T1, :, 0]  # δ = 0
     diff = float((theirs - mine).abs().max())
     t_all = t_sub / pairs * n_pairs
-    row(f"    TL (a) K-composition, {pairs} of {n_pairs} pairs, δ = 0 only", t_sub, "",
+    row(
+        f"    TL (a) K-composition, {pairs} of {n_pairs} pairs, δ = 0 only",
+        t_sub,
+        "",
         f"peak +{mem.delta / MiB:.0f} MiB; max |diff| vs qkov {diff:.1e}; extrapolated to all pairs {t_all:.1f} s "
-        f"(one kind, one offset) vs qkov {t_qkov:.2f} s (3 kinds, 65 offsets): ratio {t_all / t_qkov:.1f}")
+        f"(one kind, one offset) vs qkov {t_qkov:.2f} s (3 kinds, 65 offsets): ratio {t_all / t_qkov:.1f}",
+    )
 
 
 def _tl_copying(tl: Any, model: Transformer, ov: torch.Tensor, t_qkov: float) -> None:
@@ -238,9 +304,13 @@ def _tl_copying(tl: Any, model: Transformer, ov: torch.Tensor, t_qkov: float) ->
     same_basis = circuits.ov_copying_scores(model, G=model.W_U @ model.W_E)[:layers]  # raw W_E as TL
     diff = float((theirs.double() - same_basis).abs().max())
     t_all = t_sub * model.cfg.n_layers / layers
-    row(f"    TL (b) OV copying, {layers * model.cfg.n_heads} heads", t_sub, "",
+    row(
+        f"    TL (b) OV copying, {layers * model.cfg.n_heads} heads",
+        t_sub,
+        "",
         f"peak +{mem.delta / MiB:.0f} MiB; x{model.cfg.n_layers // layers} = {t_all:.1f} s for 270 heads vs qkov "
-        f"{t_qkov:.2f} s: ratio {t_all / t_qkov:.0f}; max |diff| {diff:.1e} (raw W_E basis)")
+        f"{t_qkov:.2f} s: ratio {t_all / t_qkov:.0f}; max |diff| {diff:.1e} (raw W_E basis)",
+    )
 
 
 def _tl_row(tl: Any, t_qkov: float) -> None:
@@ -250,7 +320,12 @@ def _tl_row(tl: Any, t_qkov: float) -> None:
 
     tl_row()
     t, _ = median_time(tl_row, repeats=3)
-    row("    TL (c) W_E QK W_E^T row (δ = 0), top 20", t, "", f"qkov Ω(5) row {fmt_time(t_qkov).strip()}: ratio {t / t_qkov:.1f}")
+    row(
+        "    TL (c) W_E QK W_E^T row (δ = 0), top 20",
+        t,
+        "",
+        f"qkov Ω(5) row {fmt_time(t_qkov).strip()}: ratio {t / t_qkov:.1f}",
+    )
 
 
 SECTIONS = {"rotary": run_rotary}

@@ -45,8 +45,14 @@ FULL_HEADS = ("L0H0", "L6H6", "L11H11")
 def precompute(model: str, env: dict[str, str], *args: str) -> tuple[float, float, str]:
     """(wall seconds, CPU seconds of the child, its summary line)."""
     start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    out = subprocess.run([sys.executable, "-m", "app.precompute", model, *args], cwd=REPO, env={**os.environ, **env},
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "app.precompute", model, *args],
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
     return time.perf_counter() - start, cpu, out.strip().splitlines()[0]
@@ -88,14 +94,19 @@ def store_figures() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="qkov-bench-store-"))
     disk = {"store_url": "disk", "store_dir": str(tmp / "toy")}
-    took, cpu, said = precompute(MODEL, {"QKOV_STORE_URL": "disk", "QKOV_STORE_DIR": disk["store_dir"], "QKOV_LOG_FORMAT": "text"})
+    took, cpu, said = precompute(
+        MODEL, {"QKOV_STORE_URL": "disk", "QKOV_STORE_DIR": disk["store_dir"], "QKOV_LOG_FORMAT": "text"}
+    )
     print(f"  precompute {MODEL}: {fmt_time(took)}, {cpu:.0f} CPU s ({said})")
     app = create_app(Settings(store_url="off"))
     wide, per_head = page_urls(app, MODEL)
     pages = [u for u in wide] + [u.replace("{head}", "L1H2") for u in per_head if u.startswith("/models/")]
     with TestClient(app) as client:  # the panels the overview and the head page load after themselves
-        panels = [(src, {"HX-Request": "true", "HX-Target": target}) for page in (pages[0], pages[-1])
-                  for src, target in lazy_panels(client.get(page).text)]
+        panels = [
+            (src, {"HX-Request": "true", "HX-Target": target})
+            for page in (pages[0], pages[-1])
+            for src, target in lazy_panels(client.get(page).text)
+        ]
     urls: list[tuple[str, dict[str, str]]] = [(u, {}) for u in pages] + panels
     cold = page_times(REPO / "checkpoints", {"store_url": "off"}, urls)
     warm = page_times(REPO / "checkpoints", disk, urls)
@@ -103,20 +114,30 @@ def store_figures() -> None:
     for (url, headers), c, w in zip(urls, cold, warm, strict=True):
         label = url + (" (panel)" if headers else "")
         print(f"  {label:<54} {fmt_time(c):>9} {fmt_time(w):>12}{'' if w < 0.05 else '  (over 50 ms)'}")
-    print(f"  median over {len(urls)} pages and panels: cold {fmt_time(statistics.median(cold))}, precomputed "
-          f"{fmt_time(statistics.median(warm))}; slowest precomputed {fmt_time(max(warm))} (goal < 50 ms each)")
+    print(
+        f"  median over {len(urls)} pages and panels: cold {fmt_time(statistics.median(cold))}, precomputed "
+        f"{fmt_time(statistics.median(warm))}; slowest precomputed {fmt_time(max(warm))} (goal < 50 ms each)"
+    )
 
     gpt2 = tmp / "gpt2"
     write_tl_checkpoint(gpt2)
-    env = {"QKOV_STORE_URL": "disk", "QKOV_STORE_DIR": str(tmp / "gpt2-store"), "QKOV_MODELS_DIR": str(gpt2),
-           "QKOV_LOG_FORMAT": "text"}
+    env = {
+        "QKOV_STORE_URL": "disk",
+        "QKOV_STORE_DIR": str(tmp / "gpt2-store"),
+        "QKOV_MODELS_DIR": str(gpt2),
+        "QKOV_LOG_FORMAT": "text",
+    }
     took, cpu, said = precompute(GPT2_ID, env)
-    print(f"  precompute {GPT2_ID} (12 x 12 heads, vocab 50,257): {fmt_time(took)}, {cpu:.0f} CPU s (goal < 2 min; {said})")
+    print(
+        f"  precompute {GPT2_ID} (12 x 12 heads, vocab 50,257): {fmt_time(took)}, {cpu:.0f} CPU s (goal < 2 min; {said})"
+    )
     took, cpu, said = precompute(GPT2_ID, env, "--full", "--heads", ",".join(FULL_HEADS))
     a_head = took / len(FULL_HEADS)  # the direct path's vocab=all table is in it once: an upper bound per head
-    print(f"  then --full (vocab=all tables) for {len(FULL_HEADS)} heads: {fmt_time(took)}, {cpu:.0f} CPU s; at most "
-          f"{fmt_time(a_head)} a head, so at most ~{fmt_time(a_head * 144)} for all 144 (extrapolated; answers already in "
-          f"the store should be the default run's, else the code changed in between: {said})")
+    print(
+        f"  then --full (vocab=all tables) for {len(FULL_HEADS)} heads: {fmt_time(took)}, {cpu:.0f} CPU s; at most "
+        f"{fmt_time(a_head)} a head, so at most ~{fmt_time(a_head * 144)} for all 144 (extrapolated; answers already in "
+        f"the store should be the default run's, else the code changed in between: {said})"
+    )
 
     replicas()
 
@@ -129,8 +150,16 @@ def replicas() -> None:
         procs, bases = [], []
         for name in ("a", "b"):
             port = free_port()
-            procs.append(start_server(REPO / "checkpoints", port, store_url=redis.url, store_dir=str(tmp / name),
-                                      compute_slots="1", torch_threads="1"))
+            procs.append(
+                start_server(
+                    REPO / "checkpoints",
+                    port,
+                    store_url=redis.url,
+                    store_dir=str(tmp / name),
+                    compute_slots="1",
+                    torch_threads="1",
+                )
+            )
             bases.append(f"http://{HOST}:{port}")
         try:
             for base, proc in zip(bases, procs, strict=True):
@@ -145,9 +174,11 @@ def replicas() -> None:
             computed = sum(metric(b, "qkov_compute_completed") for b in bases) - before
             hits = sum(metric(b, "qkov_store_hits") + metric(b, "qkov_store_waited") for b in bases)
             memory = sum(metric(b, "qkov_cache_hits") for b in bases)
-            print(f"  two replicas on Redis, 16 clients, {len(jobs)} requests for {len(keys)} keys: {computed:.0f} "
-                  f"computations, {hits:.0f} answers from the other replica via Redis, {memory:.0f} from memory; "
-                  f"statuses {sorted(set(statuses))}; cross-replica hit ratio {1 - computed / len(jobs):.2f}")
+            print(
+                f"  two replicas on Redis, 16 clients, {len(jobs)} requests for {len(keys)} keys: {computed:.0f} "
+                f"computations, {hits:.0f} answers from the other replica via Redis, {memory:.0f} from memory; "
+                f"statuses {sorted(set(statuses))}; cross-replica hit ratio {1 - computed / len(jobs):.2f}"
+            )
         finally:
             for proc in procs:
                 proc.terminate()

@@ -43,7 +43,9 @@ def _load() -> str:
     return f"load {os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else ""
 
 
-def loop(model: Transformer, seq: torch.Tensor, heads: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def loop(
+    model: Transformer, seq: torch.Tensor, heads: list[tuple[int, int]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(order losses [L + 1], frozen [len(heads)], recomputed [len(heads)]): one full model.run per rerun and head."""
     L = model.cfg.n_layers
     clean = ablation.clean_run(model, seq)
@@ -51,24 +53,39 @@ def loop(model: Transformer, seq: torch.Tensor, heads: list[tuple[int, int]]) ->
     value_resid, losses = dict.fromkeys(range(L), zero), []
     with torch.no_grad():
         for _ in range(L + 1):
-            logits, cache = model.run(seq, names=lambda n: n.endswith("hook_resid_pre"),
-                                      frozen=Frozen(clean.frozen.patterns, clean.frozen.ln_scales, value_resid, clean.frozen.mlp_out))
+            logits, cache = model.run(
+                seq,
+                names=lambda n: n.endswith("hook_resid_pre"),
+                frozen=Frozen(clean.frozen.patterns, clean.frozen.ln_scales, value_resid, clean.frozen.mlp_out),
+            )
             losses.append(ablation.lm_loss(logits, seq))
             value_resid = {layer: cache[f"blocks.{layer}.hook_resid_pre"] for layer in range(L)}
         for layer in range(L):  # the per-layer first-order terms: one full run each, as before
-            model.run(seq, frozen=Frozen(clean.frozen.patterns, clean.frozen.ln_scales, {layer: zero}, clean.frozen.mlp_out))
+            model.run(
+                seq, frozen=Frozen(clean.frozen.patterns, clean.frozen.ln_scales, {layer: zero}, clean.frozen.mlp_out)
+            )
         base = ablation.lm_loss(clean.logits, seq)
-        kinds = [torch.stack([ablation.lm_loss(ablation.ablate_head(model, seq, lay, h, rec, frozen=clean.frozen)[0], seq) - base
-                              for lay, h in heads]) for rec in (False, True)]
+        kinds = [
+            torch.stack(
+                [
+                    ablation.lm_loss(ablation.ablate_head(model, seq, lay, h, rec, frozen=clean.frozen)[0], seq) - base
+                    for lay, h in heads
+                ]
+            )
+            for rec in (False, True)
+        ]
     return torch.stack(losses), kinds[0], kinds[1]
 
 
 def tl_ablations(tl: Any, seq: torch.Tensor, heads: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """(frozen, recomputed) loss changes with TransformerLens hooks."""
     with torch.no_grad():
-        clean_loss, cache = tl.run_with_cache(seq, return_type="loss", names_filter=lambda n: n.endswith("hook_pattern"))
+        clean_loss, cache = tl.run_with_cache(
+            seq, return_type="loss", names_filter=lambda n: n.endswith("hook_pattern")
+        )
         out: list[list[float]] = [[], []]
         for layer, h in heads:
+
             def zero_head(z: torch.Tensor, hook: Any, h: int = h) -> torch.Tensor:
                 z[:, :, h] = 0
                 return z
@@ -98,24 +115,38 @@ def term_importance_smollm2() -> None:
     rate = Settings().compute_flops_per_s
     ablation.term_importance(model, seq, heads[:1])  # warm-up
     wall, cpu, (orders, frozen, recomputed) = _clock(lambda: ablation.term_importance(model, seq, heads))
-    row(f"term importance, default ({seq.shape[1]} tokens, {len(heads)} heads)", wall, "< 20 s",
+    row(
+        f"term importance, default ({seq.shape[1]} tokens, {len(heads)} heads)",
+        wall,
+        "< 20 s",
         f"CPU {cpu:.1f} s; priced {price.flops / 1e9:,.0f} GFLOP ({price.flops / 1e9 / cpu:.0f} GFLOP/CPU-s achieved, "
         f"{price.flops / rate:.0f} s at the server's {rate / 1e9:g} GFLOP/s); peak {price.peak_bytes / 2**20:.0f} MiB priced; "
-        f"{torch.get_num_threads()} thread(s); {_load()}")
+        f"{torch.get_num_threads()} thread(s); {_load()}",
+    )
     every = ablation.cost(model, seq.shape[1]).flops
     cfg, n = model.cfg, seq.shape[1]
     full_pass = cfg.n_layers * ablation.layer_flops(cfg, 1, n, True, True) + ablation.unembed_flops(cfg, 1, n)
     passes = 2 * cfg.n_layers + 1 + 2 * cfg.n_layers * cfg.n_heads  # the loop: orders, layer terms, 2 per head
     deadline = Settings().request_timeout_s or float("inf")  # None: no deadline
     verdict = "refused under" if every / rate > deadline else "within"
-    print(f"    heads=all ({cfg.n_layers * cfg.n_heads} heads) priced {every / 1e9:,.0f} GFLOP = {every / rate:.0f} s at "
-          f"{rate / 1e9:g} GFLOP/s: {verdict} the {deadline:g} s deadline; the loop's {passes} full passes would be "
-          f"{passes * full_pass / 1e9:,.0f} GFLOP ({passes * full_pass / every:.1f}x)", flush=True)
+    print(
+        f"    heads=all ({cfg.n_layers * cfg.n_heads} heads) priced {every / 1e9:,.0f} GFLOP = {every / rate:.0f} s at "
+        f"{rate / 1e9:g} GFLOP/s: {verdict} the {deadline:g} s deadline; the loop's {passes} full passes would be "
+        f"{passes * full_pass / 1e9:,.0f} GFLOP ({passes * full_pass / every:.1f}x)",
+        flush=True,
+    )
     lw, lc, (l_orders, l_frozen, l_rec) = _clock(lambda: loop(model, seq, heads))
-    diff = max(float((orders.losses - l_orders).abs().max()), float((frozen - l_frozen).abs().max()),
-               float((recomputed - l_rec).abs().max()))
-    row("  one full forward pass per rerun (the loop it replaced)", lw, "",
-        f"CPU {lc:.1f} s; qkov {lw / wall:.1f}x faster (wall), {lc / cpu:.1f}x (CPU); largest difference {diff:.1e} nats; {_load()}")
+    diff = max(
+        float((orders.losses - l_orders).abs().max()),
+        float((frozen - l_frozen).abs().max()),
+        float((recomputed - l_rec).abs().max()),
+    )
+    row(
+        "  one full forward pass per rerun (the loop it replaced)",
+        lw,
+        "",
+        f"CPU {lc:.1f} s; qkov {lw / wall:.1f}x faster (wall), {lc / cpu:.1f}x (CPU); largest difference {diff:.1e} nats; {_load()}",
+    )
     from bench.rotary import tl_model
 
     with warnings.catch_warnings():
@@ -124,8 +155,14 @@ def term_importance_smollm2() -> None:
     if tl is None:
         return
     tw, tc, (t_frozen, t_rec) = _clock(lambda: tl_ablations(tl, seq, heads))
-    qw, qc, _ = _clock(lambda: (ablation.head_ablations(model, seq, heads), ablation.head_ablations(model, seq, heads, True)))
+    qw, qc, _ = _clock(
+        lambda: (ablation.head_ablations(model, seq, heads), ablation.head_ablations(model, seq, heads, True))
+    )
     tdiff = max(float((t_frozen - frozen).abs().max()), float((t_rec - recomputed).abs().max()))
-    row("  TransformerLens 3.9 hooks, the same 2 x 16 head ablations", tw, "",
+    row(
+        "  TransformerLens 3.9 hooks, the same 2 x 16 head ablations",
+        tw,
+        "",
         f"CPU {tc:.1f} s; qkov's head ablations alone {fmt_time(qw).strip()} (CPU {qc:.1f} s): {tw / qw:.1f}x; "
-        f"largest difference {tdiff:.1e} nats; {_load()}")
+        f"largest difference {tdiff:.1e} nats; {_load()}",
+    )

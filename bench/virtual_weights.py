@@ -60,18 +60,29 @@ def _run(extra: bool) -> None:
     with PeakRSS() as mem:
         t_cold, g, scores = timed(cold, repeats=1)
     Nw, Nr = len(scores.writers), len(scores.readers)
-    row(f"(a) all {Nw} x {Nr} writer x reader scores, cold", t_cold, "< 3 s",
-        f"peak +{mem.delta / MiB:.0f} MiB (goal < 1024); {normalised(t_cold, g)}")
+    row(
+        f"(a) all {Nw} x {Nr} writer x reader scores, cold",
+        t_cold,
+        "< 3 s",
+        f"peak +{mem.delta / MiB:.0f} MiB (goal < 1024); {normalised(t_cold, g)}",
+    )
     with PeakRSS() as mem:
         t_warm, g, scores = timed(lambda: vw.all_scores(model))
-    row("    warm (random baseline cached)", t_warm, "< 3 s",
+    row(
+        "    warm (random baseline cached)",
+        t_warm,
+        "< 3 s",
         f"peak +{mem.delta / MiB:.0f} MiB; {normalised(t_warm, g)}; {int(scores.mask.sum())} reachable pairs; "
-        f"cost estimate {vw.all_scores_cost(model).peak_bytes / MiB:.0f} MiB")
+        f"cost estimate {vw.all_scores_cost(model).peak_bytes / MiB:.0f} MiB",
+    )
     if not extra:
         return
     rng = random.Random(0)
-    reach = [(i, j) for i, j in scores.mask.nonzero().tolist()
-             if scores.writers[i].kind in ("head", "mlp") and scores.readers[j].role != "unembed"]
+    reach = [
+        (i, j)
+        for i, j in scores.mask.nonzero().tolist()
+        if scores.writers[i].kind in ("head", "mlp") and scores.readers[j].role != "unembed"
+    ]
     diffs = []
     for i, j in rng.sample(reach, 20):
         w, r = scores.writers[i], scores.readers[j]
@@ -84,12 +95,17 @@ def _run(extra: bool) -> None:
     if tl is not None:
         _tl_pairs(tl, scores, t_warm)
 
-    t, g, rep = timed(lambda: vw.pair_report(model, stream_components.Writer("embed"),
-                                             stream_components.Reader("unembed")), repeats=1)
+    t, g, rep = timed(
+        lambda: vw.pair_report(model, stream_components.Writer("embed"), stream_components.Reader("unembed")), repeats=1
+    )
     row("(c) one pair: embed -> unembed SVD + token directions", t, "", normalised(t, g))
     t, g, usage = timed(lambda: residual_stream.stream_usage(model), repeats=1)
-    row("(d) usage: spectra, 90 % subspaces, all overlaps, bandwidth", t, "",
-        f"{normalised(t, g)}; used dims {usage.bandwidth.used_dims:.0f} of {model.cfg.d_model}")
+    row(
+        "(d) usage: spectra, 90 % subspaces, all overlaps, bandwidth",
+        t,
+        "",
+        f"{normalised(t, g)}; used dims {usage.bandwidth.used_dims:.0f} of {model.cfg.d_model}",
+    )
     t, g, er = timed(lambda: residual_stream.erasure(model), repeats=1)
     row("    erasure scan (every writer x later head)", t, "", f"{normalised(t, g)}; {len(er.candidates)} candidates")
 
@@ -119,9 +135,13 @@ def _tl_pairs(tl, scores: vw.VirtualWeightScores, t_qkov: float) -> None:  # typ
     diff = max(abs(a - b) for a, b in zip(theirs, ours, strict=True))
     n_pairs = int(scores.mask.sum())
     est = t / len(sample) * n_pairs
-    row(f"    TL FactoredMatrix per pair, {len(sample)} head->head Q pairs", t, "",
+    row(
+        f"    TL FactoredMatrix per pair, {len(sample)} head->head Q pairs",
+        t,
+        "",
         f"{t / len(sample) * 1e3:.1f} ms/pair; x {n_pairs} pairs = ~{fmt_time(est).strip()} (extrapolated); "
-        f"ratio TL/qkov ~{est / t_qkov:.0f}; max |diff| {diff:.1e}")
+        f"ratio TL/qkov ~{est / t_qkov:.0f}; max |diff| {diff:.1e}",
+    )
 
 
 SECTIONS = {"virtual_weights": run_virtual_weights}

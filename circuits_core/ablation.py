@@ -110,7 +110,6 @@ def _loss_block(tokens: int) -> int:
     return max(256, LOSS_CHUNK_BYTES // (16 * max(1, tokens)))
 
 
-
 def _row_losses(model: Transformer, final: Tensor, tokens: Tensor, ln_scale: Tensor | None = None) -> Tensor:
     """[R] mean next-token loss of each row: final [R, n, d_model] (the stream after the last layer), tokens [R, n],
     ln_scale [R, n, 1] (ln_final's frozen scale; None: computed). Only the positions with a next token are
@@ -122,17 +121,17 @@ def _row_losses(model: Transformer, final: Tensor, tokens: Tensor, ln_scale: Ten
     rows = max(1, LOSS_TOKENS // (n - 1))
     out = []
     for i in range(0, R, rows):
-        scale = ln_scale[i:i + rows] if ln_scale is not None else None
+        scale = ln_scale[i : i + rows] if ln_scale is not None else None
         frozen = Frozen(ln_scales={"ln_final.hook_scale": scale}) if scale is not None else None
-        x = model.ln_final(final[i:i + rows], Recorder(None), frozen)[:, :-1].reshape(-1, model.cfg.d_model)  # [t, d]
-        ts = tokens[i:i + rows, 1:].reshape(-1)  # [t]
+        x = model.ln_final(final[i : i + rows], Recorder(None), frozen)[:, :-1].reshape(-1, model.cfg.d_model)  # [t, d]
+        ts = tokens[i : i + rows, 1:].reshape(-1)  # [t]
         lse = torch.full((x.shape[0],), float("-inf"), dtype=torch.float64, device=x.device)
         target = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
         step = _loss_block(x.shape[0])
         for v in range(0, V, step):
-            logits = x @ W_U[:, v:v + step]  # [t, block]
+            logits = x @ W_U[:, v : v + step]  # [t, block]
             if b_U is not None:
-                logits = logits + b_U[v:v + step]
+                logits = logits + b_U[v : v + step]
             lse = torch.logaddexp(lse, logits.logsumexp(-1).double())  # in the logits' dtype: float32 sums
             # with a float64 result differ from a float64 log-sum-exp by ~1e-7 nats (measured on SmolLM2)
             here = (ts >= v) & (ts < v + step)
@@ -151,8 +150,9 @@ def order_logits(model: Transformer, tokens: Tensor, should_stop: Callable[[], b
         return [model.unembed_resid(f, frozen=clean.frozen) for f in finals]
 
 
-def _order_finals(model: Transformer, clean: CleanRun, keep: Callable[[Tensor], None],
-                  should_stop: Callable[[], bool] | None) -> dict[str, Tensor]:
+def _order_finals(
+    model: Transformer, clean: CleanRun, keep: Callable[[Tensor], None], should_stop: Callable[[], bool] | None
+) -> dict[str, Tensor]:
     """`keep`s the stream after the last layer of rerun k = 0..n_layers (paths of order <= k); rerun 0's cache.
 
     Rerun k's values read rerun k-1's stream (zero for k = 0). The paths through the first k layers have order <= k,
@@ -164,8 +164,12 @@ def _order_finals(model: Transformer, clean: CleanRun, keep: Callable[[Tensor], 
     with torch.no_grad():
         for k in range(L + 1):
             check_stop(should_stop, "order ablation")
-            final, cache = model.run_from(clean.resid_pre[k], k, names=lambda nm: nm.endswith("hook_resid_pre"),
-                                          frozen=_rerun(clean.frozen, value_resid))
+            final, cache = model.run_from(
+                clean.resid_pre[k],
+                k,
+                names=lambda nm: nm.endswith("hook_resid_pre"),
+                frozen=_rerun(clean.frozen, value_resid),
+            )
             keep(final)
             first = first or cache
             value_resid = {layer: cache[f"blocks.{layer}.hook_resid_pre"] for layer in range(k, L)}
@@ -201,8 +205,9 @@ class _Losses:
         return torch.cat(self.losses)
 
 
-def order_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None,
-                   clean: CleanRun | None = None) -> OrderAblation:
+def order_ablation(
+    model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None, clean: CleanRun | None = None
+) -> OrderAblation:
     """Losses on `tokens` [b, n] with paths up to each order, marginal effects, first-order terms by layer."""
     tokens = _check(model, tokens)
     clean = clean or clean_run(model, tokens)
@@ -219,13 +224,20 @@ def order_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[],
             vr = {other: zero for other in range(layer + 1, L)} | {layer: start}
             queue.add(model.run_from(start, layer, frozen=_rerun(clean.frozen, vr))[0])
         losses = queue.result()  # (n_layers + 1) orders, then n_layers single layers
-    by_order, first = losses[: L + 1], losses[L + 1:]
+    by_order, first = losses[: L + 1], losses[L + 1 :]
     clean_loss = float(clean.loss)
     return OrderAblation(by_order, by_order[:-1] - by_order[1:], clean_loss, first, by_order[0] - first)
 
 
-def ablate_head(model: Transformer, tokens: Tensor, layer: int, head: int, recompute_patterns: bool,
-                names: Callable[[str], bool] | None = None, frozen: Frozen | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+def ablate_head(
+    model: Transformer,
+    tokens: Tensor,
+    layer: int,
+    head: int,
+    recompute_patterns: bool,
+    names: Callable[[str], bool] | None = None,
+    frozen: Frozen | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
     """Logits [b, n, V] and the cache of `names` with head (layer, head)'s result zeroed, one full run.
 
     recompute_patterns=False (Olsson's ablation): every attention pattern is frozen at the clean run, so a head
@@ -255,8 +267,14 @@ def _row_bytes(cfg: ModelConfig, n: int) -> int:
     return 4 * n * (4 * cfg.d_model + 4 * cfg.n_heads * cfg.d_head + 2 * cfg.n_heads * n + d_mlp)
 
 
-def head_ablations(model: Transformer, tokens: Tensor, heads: Sequence[tuple[int, int]], recompute_patterns: bool = False,
-                   should_stop: Callable[[], bool] | None = None, clean: CleanRun | None = None) -> Tensor:
+def head_ablations(
+    model: Transformer,
+    tokens: Tensor,
+    heads: Sequence[tuple[int, int]],
+    recompute_patterns: bool = False,
+    should_stop: Callable[[], bool] | None = None,
+    clean: CleanRun | None = None,
+) -> Tensor:
     """[len(heads)]: the loss change when each head (layer, head)'s result is zeroed (ablate_head), with every
     pattern frozen (Olsson) or the later ones recomputed.
 
@@ -272,7 +290,7 @@ def head_ablations(model: Transformer, tokens: Tensor, heads: Sequence[tuple[int
     order = sorted(range(len(heads)), key=lambda i: heads[i])
     step = _chunk_heads(cfg, n, b)
     for s in range(0, len(order), step):
-        group = order[s:s + step]
+        group = order[s : s + step]
         active: Tensor | None = None  # [len(members)*b, n, d_model]: the stream entering `layer`
         members: list[int] = []
         with torch.no_grad():
@@ -287,7 +305,7 @@ def head_ablations(model: Transformer, tokens: Tensor, heads: Sequence[tuple[int
                 if joining:
                     pattern = clean.frozen.patterns[key].repeat(len(joining), 1, 1, 1)  # [c*b, H, n, n]
                     for row, i in enumerate(joining):
-                        pattern[row * b:(row + 1) * b, heads[i][1]] = 0  # z = A v = 0: the head's result is zero
+                        pattern[row * b : (row + 1) * b, heads[i][1]] = 0  # z = A v = 0: the head's result is zero
                     start = _rows(clean.resid_pre[layer], len(joining), expand=True)
                     parts.append(model.run_from(start, layer, frozen=Frozen({key: pattern}), stop=layer + 1)[0])
                     members += joining
@@ -306,17 +324,21 @@ def _rows(x: Tensor, c: int, expand: bool = False) -> Tensor:
     return x.repeat(c, *([1] * (x.dim() - 1)))
 
 
-def head_ablation(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None,
-                  recompute_patterns: bool = False) -> Tensor:
+def head_ablation(
+    model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None, recompute_patterns: bool = False
+) -> Tensor:
     """[n_layers, n_heads]: head_ablations of every head, patterns frozen (Olsson, the default) or recomputed.
 
     LayerNorm scales and MLPs are recomputed either way (see the module docstring)."""
     cfg = model.cfg
-    return head_ablations(model, tokens, all_heads(cfg), recompute_patterns, should_stop).view(cfg.n_layers, cfg.n_heads)
+    return head_ablations(model, tokens, all_heads(cfg), recompute_patterns, should_stop).view(
+        cfg.n_layers, cfg.n_heads
+    )
 
 
-def term_importance(model: Transformer, tokens: Tensor, heads: Sequence[tuple[int, int]],
-                    should_stop: Callable[[], bool] | None = None) -> tuple[OrderAblation, Tensor, Tensor]:
+def term_importance(
+    model: Transformer, tokens: Tensor, heads: Sequence[tuple[int, int]], should_stop: Callable[[], bool] | None = None
+) -> tuple[OrderAblation, Tensor, Tensor]:
     """order_ablation and both head_ablations of `heads` ([len(heads)] frozen, [len(heads)] recomputed) from one clean
     run; the order reruns run side by side with the head ablations when a core is idle (about equal work on SmolLM2's
     default: 61 unembeddings of the text against 2 x 16 ablated heads)."""
@@ -324,11 +346,14 @@ def term_importance(model: Transformer, tokens: Tensor, heads: Sequence[tuple[in
     clean = clean_run(model, tokens)
 
     def ablations() -> tuple[Tensor, Tensor]:
-        return (head_ablations(model, tokens, heads, False, should_stop, clean),
-                head_ablations(model, tokens, heads, True, should_stop, clean))
+        return (
+            head_ablations(model, tokens, heads, False, should_stop, clean),
+            head_ablations(model, tokens, heads, True, should_stop, clean),
+        )
 
-    (frozen, recomputed), orders = side_by_side(ablations, lambda: order_ablation(model, tokens, should_stop, clean),
-                                                name="qkov-ablation")
+    (frozen, recomputed), orders = side_by_side(
+        ablations, lambda: order_ablation(model, tokens, should_stop, clean), name="qkov-ablation"
+    )
     return orders, frozen, recomputed
 
 
@@ -368,7 +393,9 @@ def cost(model: Transformer, n: int, batch: int = 1, heads: Sequence[tuple[int, 
     clean = (L * cfg.n_heads * b * n * n + (3 * L + 1) * b * n * d + b * n * cfg.d_vocab) * size
     orders = 3 * L * b * n * d * size + 2 * queued * d * size + loss_chunk  # values x 2, rerun 0's, queue
     c = min(_chunk_heads(cfg, n, b), max(1, len(heads)))  # heads in one batch
-    in_flight = c * b * (_row_bytes(cfg, n) // 4 + 2 * cfg.n_heads * n * n + n * d) * size  # + one layer's patterns, cat
+    in_flight = (
+        c * b * (_row_bytes(cfg, n) // 4 + 2 * cfg.n_heads * n * n + n * d) * size
+    )  # + one layer's patterns, cat
     ablations = in_flight + min(LOSS_CHUNK_BYTES, c * b * n * cfg.d_vocab * 16)  # one kind at a time
     unembed = unembed_flops(cfg, b, n - 1)  # a rerun's loss unembeds the positions with a next token
     flops = L * layer_flops(cfg, b, n, True, mlp) + unembed_flops(cfg, b, n)  # the clean run
@@ -377,4 +404,5 @@ def cost(model: Transformer, n: int, batch: int = 1, heads: Sequence[tuple[int, 
         flops += (L - layer) * layer_flops(cfg, b, n, False, mlp) + unembed  # patterns frozen
         flops += layer_flops(cfg, b, n, False, mlp) + (L - layer - 1) * layer_flops(cfg, b, n, True, mlp) + unembed
     return Cost(clean + orders + ablations, flops=flops).with_answer(
-        numbers=3 * (L + 1) + L + 2 * len(heads), labels=len(heads) + n)
+        numbers=3 * (L + 1) + L + 2 * len(heads), labels=len(heads) + n
+    )

@@ -79,9 +79,7 @@ class Attention(nn.Module):
         b = (self.grouped("b" + name[1:]) if name != "W_Q" else self.b_Q).reshape(-1) if self.cfg.use_bias else None
         return affine(x, W.permute(1, 0, 2).reshape(d, heads * dh), b).view(*x.shape[:-1], heads, dh)
 
-    def forward(
-        self, q_in: Tensor, k_in: Tensor, v_in: Tensor, rec: Recorder, frozen: Frozen | None
-    ) -> Tensor:
+    def forward(self, q_in: Tensor, k_in: Tensor, v_in: Tensor, rec: Recorder, frozen: Frozen | None) -> Tensor:
         # q_in, k_in, v_in: [batch, pos, d_model] -> attn_out [batch, pos, d_model]
         cfg, prefix = self.cfg, f"blocks.{self.layer}.attn"
         n = q_in.shape[1]
@@ -99,7 +97,9 @@ class Attention(nn.Module):
         if frozen_pattern is not None:
             pattern = frozen_pattern  # [batch, n_heads, q_pos, k_pos]
             if pattern.shape[-1] != n:
-                raise InvalidInputError(f"frozen pattern for layer {self.layer} has {pattern.shape[-1]} positions, input has {n}")
+                raise InvalidInputError(
+                    f"frozen pattern for layer {self.layer} has {pattern.shape[-1]} positions, input has {n}"
+                )
         else:
             scores = torch.einsum("bqhe,bkhe->bhqk", q, k).div_(cfg.scale)  # [batch, n_heads, q_pos, k_pos], fresh
             causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()

@@ -28,7 +28,11 @@ def head_entropies(model: Transformer, tokens: Tensor) -> Tensor:
     with torch.no_grad():
         _, cache = model.run(tokens[None], names=lambda name: name.endswith("hook_pattern"))
     patterns = [cache[f"blocks.{layer}.attn.hook_pattern"][0] for layer in range(model.cfg.n_layers)]  # [H, n, n] each
-    return torch.stack([entropy(p.double()) for p in patterns]) if patterns else torch.zeros(0, model.cfg.n_heads, len(tokens))
+    return (
+        torch.stack([entropy(p.double()) for p in patterns])
+        if patterns
+        else torch.zeros(0, model.cfg.n_heads, len(tokens))
+    )
 
 
 def normalised(entropies: Tensor) -> Tensor:
@@ -43,4 +47,6 @@ def cost(model: Transformer, n: int) -> Cost:
     cfg = model.cfg
     kept = cfg.n_heads * n * n
     copies = Cost(cfg.n_layers * cfg.n_heads * n * n * (8 + itemsize(model.dtype)))
-    return forward_cost(model, n, 1, kept).then(copies).with_answer(numbers=cfg.n_layers * cfg.n_heads * (n + 2), labels=n)
+    return (
+        forward_cost(model, n, 1, kept).then(copies).with_answer(numbers=cfg.n_layers * cfg.n_heads * (n + 2), labels=n)
+    )

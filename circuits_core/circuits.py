@@ -124,8 +124,9 @@ def embed_norm(model: Transformer) -> EmbedNorm:
         # statistics in float64, one chunk at a time in one buffer (in place: a fresh float64 chunk per operation
         # took 0.30 s on GPT-2 small's vocabulary as a new process's first use, its page faults included; this,
         # 0.07 s there and 0.03 s once the process has its memory)
-        buffer = torch.empty(min(EMBED_CHUNK, model.cfg.d_vocab), model.cfg.d_model, dtype=torch.float64,
-                             device=model.W_E.device)
+        buffer = torch.empty(
+            min(EMBED_CHUNK, model.cfg.d_vocab), model.cfg.d_model, dtype=torch.float64, device=model.W_E.device
+        )
         for start in range(0, model.cfg.d_vocab, EMBED_CHUNK):
             check_stop(what="LN(W_E) statistics")
             rows = model.W_E[start : start + EMBED_CHUNK]
@@ -147,7 +148,11 @@ def _normalised(model: Transformer, norm: EmbedNorm, rows: slice, out: Tensor | 
     W_E = model.W_E[rows]  # [chunk, d_model], the weights themselves: never written
     buffer = out[: len(W_E)] if out is not None and len(out) >= len(W_E) else None  # too small: a fresh tensor
     scale = norm.inv_scale[rows, None]  # [chunk, 1]
-    x = torch.mul(W_E, scale, out=buffer) if norm.mean is None else torch.sub(W_E, norm.mean[rows, None], out=buffer).mul_(scale)
+    x = (
+        torch.mul(W_E, scale, out=buffer)
+        if norm.mean is None
+        else torch.sub(W_E, norm.mean[rows, None], out=buffer).mul_(scale)
+    )
     if norm.w is not None:
         x = x.mul_(norm.w) if norm.b is None else torch.addcmul(norm.b, x, norm.w, out=x)
     elif norm.b is not None:
@@ -155,8 +160,9 @@ def _normalised(model: Transformer, norm: EmbedNorm, rows: slice, out: Tensor | 
     return x.to(model.W_E.dtype)  # [chunk, d_model]
 
 
-def _embed_rows(model: Transformer, take: Callable[[], slice | None] | None,
-                reuse: bool = False) -> Iterator[tuple[slice, Tensor]]:
+def _embed_rows(
+    model: Transformer, take: Callable[[], slice | None] | None, reuse: bool = False
+) -> Iterator[tuple[slice, Tensor]]:
     """W_E_eff in the row chunks [chunk, d_model] that `take` hands out (default: all, EMBED_CHUNK rows each; W_E's own
     rows, uncopied, for a model without a layer-0 norm). `reuse`: every chunk is written over the previous one (for a
     caller done with each chunk before it asks for the next)."""
@@ -281,7 +287,11 @@ def full_ov_row(model: Transformer, layer: int, head: int, source_token: int) ->
 def direct_row(model: Transformer, token: int) -> Tensor:
     """Row `token` of the direct path [d_vocab] (ln_final on that one row of W_E, then W_U)."""
     _check_token(model, token)
-    x = model.W_E[[token]] if model.cfg.normalization_type is None else apply_ln_rows(model.ln_final, model.W_E[[token]])
+    x = (
+        model.W_E[[token]]
+        if model.cfg.normalization_type is None
+        else apply_ln_rows(model.ln_final, model.W_E[[token]])
+    )
     return (x @ model.W_U)[0]  # [V]
 
 
@@ -360,7 +370,12 @@ class SkipTrigrams:
 
 
 def skip_trigrams(
-    model: Transformer, layer: int, head: int, source_token: int, k: int = 10, vocab: Tensor | None = None,
+    model: Transformer,
+    layer: int,
+    head: int,
+    source_token: int,
+    k: int = 10,
+    vocab: Tensor | None = None,
     qk_col: Tensor | None = None,
 ) -> SkipTrigrams:
     """qk_col [d_vocab]: the QK column to rank destinations by instead of full_qk_col (rotary.skip_trigrams_at
@@ -413,8 +428,9 @@ def head_dump(
 GRAM_BLOCKS = 4  # column blocks of the symmetric G_E: the 10 of 16 blocks on and above the diagonal are formed
 
 
-def _grams(model: Transformer, unembed: bool, embed: bool,
-           take: Callable[[], slice | None] | None = None) -> tuple[Tensor, Tensor]:
+def _grams(
+    model: Transformer, unembed: bool, embed: bool, take: Callable[[], slice | None] | None = None
+) -> tuple[Tensor, Tensor]:
     """(G, G_E) [d_model, d_model] each (zeros where not asked) from one pass over the chunks of W_E_eff."""
     d = model.cfg.d_model
     edges = [d * i // GRAM_BLOCKS for i in range(GRAM_BLOCKS + 1)]
@@ -481,8 +497,15 @@ def qk_eigenvalues(model: Transformer, G_E: Tensor | None = None, G_E_W_Q: Tenso
     lambda(W_E W_Q W_K^T W_E^T / s) \\ {0} = lambda(W_K^T (W_E^T W_E) W_Q) / s; G_E_W_Q: gram_queries when given.
     """
     GW_Q = gram_queries(model, G_E) if G_E_W_Q is None else G_E_W_Q  # [L, H, d, d_h]
-    return _spectrum(torch.stack([_attn(model, layer).W_K.transpose(-2, -1) @ GW_Q[layer]  # layer by layer: no stacked W_K
-                                  for layer in range(model.cfg.n_layers)]) / model.cfg.scale)  # eig of [L, H, d_h, d_h]
+    return _spectrum(
+        torch.stack(
+            [
+                _attn(model, layer).W_K.transpose(-2, -1) @ GW_Q[layer]  # layer by layer: no stacked W_K
+                for layer in range(model.cfg.n_layers)
+            ]
+        )
+        / model.cfg.scale
+    )  # eig of [L, H, d_h, d_h]
 
 
 def copying_score(eigenvalues: Tensor) -> Tensor:

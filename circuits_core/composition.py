@@ -154,6 +154,7 @@ def target_factor(weight: LayerWeight, layer: int, kind: CompositionKind, group_
     """P = A R_{B^T}^T [H, d, k] of the later matrix A B of every head of `layer` (right_collapsed of
     _right_factors), so that P P^T = A B B^T A^T = M M^T, the target Gram; W_K, W_V per key/value group
     [G, 1, ...], broadcast against W_Q, W_O per query head [G, group_size, ...]."""
+
     def per_head(name: str) -> Tensor:  # [G, gs, d, dh] or [G, gs, dh, d]
         W = weight(layer, name)
         return W.view(-1, group_size, *W.shape[1:])
@@ -208,9 +209,9 @@ def layer_scores(
     src_sq = like.new_empty((L - 1) * H)  # ||W_OV||_F^2 = ||F||_F^2
     for l1 in range(L - 1):
         _check_stop(should_stop)
-        F_l = source_factor(weight, l1, gs) if sources is None else sources[l1 * H:(l1 + 1) * H]  # [H, k, d]
-        F[:, l1 * H:(l1 + 1) * H] = _column_blocks(F_l, size)
-        src_sq[l1 * H:(l1 + 1) * H] = torch.linalg.vector_norm(F_l, dim=(-2, -1)).square()
+        F_l = source_factor(weight, l1, gs) if sources is None else sources[l1 * H : (l1 + 1) * H]  # [H, k, d]
+        F[:, l1 * H : (l1 + 1) * H] = _column_blocks(F_l, size)
+        src_sq[l1 * H : (l1 + 1) * H] = torch.linalg.vector_norm(F_l, dim=(-2, -1)).square()
         del F_l
     for t0, t1 in chunk_bounds(L, layers_per_chunk):
         ns, nt = (t1 - 1) * H, (t1 - t0) * K * H  # sources: layers 0..t1-2; targets: layers t0..t1-1, all kinds
@@ -219,8 +220,8 @@ def layer_scores(
         for j, (l2, kind) in enumerate((l2, kind) for l2 in range(t0, t1) for kind in kinds):
             _check_stop(should_stop)
             P_l = target_factor(weight, l2, kind, gs)  # [H, d, k]
-            P[:, j * H:(j + 1) * H] = _row_blocks(P_l, size)
-            tgt_sq[j * H:(j + 1) * H] = torch.linalg.vector_norm(P_l, dim=(-2, -1)).square()
+            P[:, j * H : (j + 1) * H] = _row_blocks(P_l, size)
+            tgt_sq[j * H : (j + 1) * H] = torch.linalg.vector_norm(P_l, dim=(-2, -1)).square()
             del P_l
         S = like.new_empty(ns, size, size)  # one block of every source Gram
         T = like.new_empty(nt, size, size)  # the same block of every target Gram
@@ -236,7 +237,7 @@ def layer_scores(
         layer1, layer2 = torch.arange(t1 - 1, device=like.device), torch.arange(t0, t1, device=like.device)
         later = (layer1[:, None] < layer2[None, :])[:, None, :, None, None]  # l1 < l2
         scores = torch.where(later, num_sq.clamp_min_(0).sqrt_().div_(den), torch.zeros((), dtype=like.dtype))
-        raw[:, :t1 - 1, :, t0:t1, :] = scores.permute(3, 0, 1, 2, 4)
+        raw[:, : t1 - 1, :, t0:t1, :] = scores.permute(3, 0, 1, 2, 4)
         del num_sq, den, scores
     return raw
 
@@ -255,8 +256,9 @@ def raw_composition_scores(
     unless l1 < l2 (`layer_scores`, reading each layer as a view of the stacks)."""
     stacked = {"W_Q": W_Q, "W_K": W_K, "W_V": W_V, "W_O": W_O}
     L, H, d, dh = W_V.shape
-    return layer_scores(lambda layer, name: stacked[name][layer], (L, H, 1, d, dh), W_V, kinds, should_stop, block,
-                        layers_per_chunk)
+    return layer_scores(
+        lambda layer, name: stacked[name][layer], (L, H, 1, d, dh), W_V, kinds, should_stop, block, layers_per_chunk
+    )
 
 
 def model_weight(model: Transformer, dtype: torch.dtype) -> LayerWeight:
@@ -289,9 +291,12 @@ def composition_scores(
     like = torch.empty((), dtype=dtype, device=model.device)
     with torch.no_grad():
         raw, (sampled, std) = side_by_side(  # the sampled baseline (model-independent) beside the scores
-            lambda: layer_scores(model_weight(model, dtype), shape, like, kinds, should_stop,
-                                 layers_per_chunk=chunk),  # [K, L, H, L, H]
-            lambda: random_baseline(cfg.d_model, cfg.d_head, n_samples=n_samples, seed=seed), "qkov-baseline")
+            lambda: layer_scores(
+                model_weight(model, dtype), shape, like, kinds, should_stop, layers_per_chunk=chunk
+            ),  # [K, L, H, L, H]
+            lambda: random_baseline(cfg.d_model, cfg.d_head, n_samples=n_samples, seed=seed),
+            "qkov-baseline",
+        )
     layer = torch.arange(L, device=model.device)
     mask = (layer[:, None, None, None] < layer[None, None, :, None]).expand(L, H, L, H)
     baseline = 1.0 / math.sqrt(cfg.d_model)
@@ -371,7 +376,8 @@ def cost(model: Transformer, kinds: tuple[CompositionKind, ...] = KINDS, budget_
     Ns = max(0, L - 1) * H
     per_kind = 2 * Ns * (Ns if L > 1 else 0) + 30
     return _priced(model, kinds, layers_per_chunk(model, kinds, budget_bytes)).with_answer(
-        numbers=K * per_kind, labels=K * (2 * Ns + 20))
+        numbers=K * per_kind, labels=K * (2 * Ns + 20)
+    )
 
 
 def _priced(model: Transformer, kinds: tuple[CompositionKind, ...], layers_per_chunk: int | None) -> Cost:

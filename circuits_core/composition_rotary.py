@@ -98,9 +98,15 @@ def _term_weights(model: Transformer, delta: Tensor, dtype: torch.dtype) -> tupl
     angles = rotary_angles(model.cfg, delta.to(model.device))  # [n, K] δ θ_k
     c = torch.ones(delta.numel(), dh, dtype=dtype, device=model.device)
     s = torch.zeros_like(c)
-    c[:, :2 * K], s[:, :2 * K] = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
-    W = torch.stack([c[:, :, None] * c[:, None, :], c[:, :, None] * s[:, None, :], s[:, :, None] * c[:, None, :],
-                     s[:, :, None] * s[:, None, :]]).permute(0, 2, 3, 1)  # [4, dh, dh, n]
+    c[:, : 2 * K], s[:, : 2 * K] = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+    W = torch.stack(
+        [
+            c[:, :, None] * c[:, None, :],
+            c[:, :, None] * s[:, None, :],
+            s[:, :, None] * c[:, None, :],
+            s[:, :, None] * s[:, None, :],
+        ]
+    ).permute(0, 2, 3, 1)  # [4, dh, dh, n]
     h = dh // 2
     W[:, :h, h:] *= 2
     return W[:, :h].reshape(4, h * dh, -1).contiguous(), W[:, h:, h:].reshape(4, (dh - h) ** 2, -1).contiguous()
@@ -159,7 +165,9 @@ class _Workspace:
 class _Factors:
     """The pieces every target layer reads: the source factors and the rotation's d_head-sized tables."""
 
-    weight: LayerWeight  # composition.model_weight: one layer's W_Q [H, d, dh], W_K [G, d, dh], ... in the compute dtype
+    weight: (
+        LayerWeight  # composition.model_weight: one layer's W_Q [H, d, dh], W_K [G, d, dh], ... in the compute dtype
+    )
     F: Tensor  # [L H, k, d] source factors R_V W_O (composition.source_factor, k = min(d, dh)), layer-major
     src: Tensor  # [L H] ||W_OV||_F = ||F||_F
     order: Tensor  # [dh] _pair_order
@@ -177,8 +185,14 @@ def _factors(model: Transformer, delta: Tensor, dtype: torch.dtype) -> _Factors:
 
     first, second = side_by_side(lambda: factors_of(sources[:mid]), lambda: factors_of(sources[mid:]), "qkov-profiles")
     F = torch.cat(first + second)
-    return _Factors(weight, F, F.pow(2).sum((-2, -1)).sqrt(), _pair_order(model), _term_weights(model, delta, dtype),
-                    _swap_signs(model, dtype))
+    return _Factors(
+        weight,
+        F,
+        F.pow(2).sum((-2, -1)).sqrt(),
+        _pair_order(model),
+        _term_weights(model, delta, dtype),
+        _swap_signs(model, dtype),
+    )
 
 
 def _target_layer(model: Transformer, f: _Factors, l2: int, q: Tensor, k: Tensor, ws: _Workspace, chunk: int) -> None:
@@ -195,8 +209,10 @@ def _target_layer(model: Transformer, f: _Factors, l2: int, q: Tensor, k: Tensor
     W_T = torch.cat([W_Qt, W_Kt]).view(C * dh, d)  # every query head, then every key/value group
     G_Q, G_K = W_Qt @ W_Qt.transpose(-2, -1), W_Kt @ W_Kt.transpose(-2, -1)  # [H | G, dh, dh]
     X_Q = _rotated_tables(G_K, f.weights, f.swap, -1)  # [G, E, n]: R G_K R^T, shared by the group's heads
-    X_K = [X.view(G, gs, e, n).transpose(1, 2).reshape(G, e, gs * n)  # [G, E, gs n]: R^T G_Q R of each head
-           for X, e in zip(_rotated_tables(G_Q, f.weights, f.swap, 1), E, strict=True)]
+    X_K = [
+        X.view(G, gs, e, n).transpose(1, 2).reshape(G, e, gs * n)  # [G, E, gs n]: R^T G_Q R of each head
+        for X, e in zip(_rotated_tables(G_Q, f.weights, f.swap, 1), E, strict=True)
+    ]
     omega_sq = sum(torch.bmm(g.view(G, gs, e), X) for g, X, e in zip(_packed(G_Q), X_Q, E, strict=True))
     omega = omega_sq.view(H, n).clamp_min(0).sqrt()  # type: ignore[union-attr]  # [H, n] ||Ω_B(δ)||_F
     q_rows, k_rows = q.view(-1, *q.shape[2:]), k.view(-1, *k.shape[2:])  # [L H (sources), L, H, n]
@@ -246,7 +262,9 @@ def composition_profiles(
 
         def v_composition(ws: _Workspace) -> None:
             shape = (L, H, cfg.group_size, cfg.d_model, cfg.d_head)
-            found["v"] = layer_scores(f.weight, shape, q, kinds=("v",), sources=f.F)[0]  # [L, H, L, H], composition.py's
+            found["v"] = layer_scores(f.weight, shape, q, kinds=("v",), sources=f.F)[
+                0
+            ]  # [L, H, L, H], composition.py's
 
         def baseline(ws: _Workspace) -> None:
             found["baseline"] = random_baseline(cfg.d_model, cfg.d_head, cfg.group_size, n_samples=n_samples, seed=seed)
@@ -271,8 +289,9 @@ def composition_profiles(
     return CompositionProfiles(delta, q, k, found["v"], mean, std, mask)
 
 
-def pair_profile(model: Transformer, source: str, target: str, kind: str,
-                 offsets: Sequence[int] | Tensor = PROFILE_OFFSETS) -> Tensor:
+def pair_profile(
+    model: Transformer, source: str, target: str, kind: str, offsets: Sequence[int] | Tensor = PROFILE_OFFSETS
+) -> Tensor:
     """One pair's profile [n_offsets] (kind q or k), source head earlier than target head."""
     check_rotary(model)
     (l1, h1), (l2, h2) = parse_head(source, model.cfg), parse_head(target, model.cfg)
@@ -312,7 +331,9 @@ def composition_at(model: Transformer, kind: str, offset: int, budget_bytes: int
         kinds: tuple[CompositionKind, ...] = (kind,)  # type: ignore[assignment]
         shape = (cfg.n_layers, cfg.n_heads, cfg.group_size, cfg.d_model, cfg.d_head)
         like = torch.empty((), dtype=dtype, device=model.device)
-        return layer_scores(rotated, shape, like, kinds, layers_per_chunk=layers_per_chunk(model, kinds, budget_bytes))[0]
+        return layer_scores(rotated, shape, like, kinds, layers_per_chunk=layers_per_chunk(model, kinds, budget_bytes))[
+            0
+        ]
 
 
 # -- costs (circuits_core.cost) ------------------------------------------------------------------------
@@ -332,11 +353,14 @@ def profiles_cost(model: Transformer, n_offsets: int, source_chunk: int = SOURCE
     weights_formed = 8 * n * dh * dh  # _term_weights' [4, n, dh, dh] terms and their permuted copy, before any task
     layer = 2 * C * dh * d + C * dh * dh + 6 * H * dh * dh + (G + 2 * H) * E * n  # weights, Grams, tables
     worker = layer + chunk * k * C * dh + C * chunk * E + 10 * H * chunk * n
-    tasks = (2 * worker + scores_numbers(model, ("v",), None)) * size + baseline_cost(d, dh, cfg.group_size, n_samples).peak_bytes
+    tasks = (2 * worker + scores_numbers(model, ("v",), None)) * size + baseline_cost(
+        d, dh, cfg.group_size, n_samples
+    ).peak_bytes
     pairs = L * H * L * H // 2
     flops = 2 * sum(l2 * H * (k * d * C * dh + C * k * E + 2 * H * E * n) for l2 in range(1, L))
     return Cost(held * size + max(weights_formed * size, tasks), flops=flops).with_answer(
-        numbers=pairs * (2 * n_offsets + 1), labels=L * H)
+        numbers=pairs * (2 * n_offsets + 1), labels=L * H
+    )
 
 
 def pair_profile_cost(model: Transformer, n_offsets: int) -> Cost:

@@ -96,8 +96,7 @@ class ModelConfig:
             )
         if self.positional_embedding_type not in POSITIONAL_TYPES:
             raise InvalidInputError(
-                f"positional_embedding_type must be one of {POSITIONAL_TYPES}, "
-                f"got {self.positional_embedding_type!r}"
+                f"positional_embedding_type must be one of {POSITIONAL_TYPES}, got {self.positional_embedding_type!r}"
             )
         if not self.attn_only:
             if not self.d_mlp or self.d_mlp < 1:
@@ -113,9 +112,7 @@ class ModelConfig:
     def _check_llama_fields(self) -> None:
         """Cross-field rules of the Llama-family fields (types and bounds are checked by check_fields)."""
         if self.n_key_value_heads is not None and self.n_heads % self.n_key_value_heads:
-            raise InvalidInputError(
-                f"n_key_value_heads={self.n_key_value_heads} must divide n_heads={self.n_heads}"
-            )
+            raise InvalidInputError(f"n_key_value_heads={self.n_key_value_heads} must divide n_heads={self.n_heads}")
         if self.gated_mlp and self.attn_only:
             raise InvalidInputError("gated_mlp=true needs MLPs (attn_only=false, d_mlp >= 1)")
         if self.rope_type == "default" and self.rope_factor != 1.0:
@@ -233,7 +230,9 @@ def check_fields(obj: Any) -> None:
             for bound, holds in (("ge", conformed.__ge__), ("gt", conformed.__gt__), ("le", conformed.__le__)):
                 if bound in f.metadata and not holds(f.metadata[bound]):
                     sign = {"ge": ">=", "gt": ">", "le": "<="}[bound]
-                    raise InvalidInputError(f"config field {f.name} must be {sign} {f.metadata[bound]}, got {_show(conformed)}")
+                    raise InvalidInputError(
+                        f"config field {f.name} must be {sign} {f.metadata[bound]}, got {_show(conformed)}"
+                    )
 
 
 _REQUIRED: Any = object()
@@ -250,7 +249,9 @@ class ConfigReader:
 
     def __init__(self, data: Any, source: str = "config.json", prefix: str = ""):
         if not isinstance(data, Mapping):
-            raise CheckpointError(f"{source}: {prefix.rstrip('.') or 'the config'} must be a JSON object, got {_show(data)}")
+            raise CheckpointError(
+                f"{source}: {prefix.rstrip('.') or 'the config'} must be a JSON object, got {_show(data)}"
+            )
         self.data, self.source, self.prefix = data, source, prefix
 
     def has(self, name: str) -> bool:
@@ -281,8 +282,14 @@ class ConfigReader:
             raise self._fail(name, "an integer", value)
         return self._bounded(name, value, "an integer", ge, None, le)
 
-    def number(self, name: str, default: Any = _REQUIRED, ge: float | None = None, gt: float | None = None,
-               le: float | None = None) -> Any:
+    def number(
+        self,
+        name: str,
+        default: Any = _REQUIRED,
+        ge: float | None = None,
+        gt: float | None = None,
+        le: float | None = None,
+    ) -> Any:
         given, value = self._get(name, default)
         if not given:
             return value

@@ -97,50 +97,79 @@ class RowRanks:
     def shares(self) -> Tensor:
         """[top1, topk, diag > 0, diag median] float64 over these rows."""
         r = len(self.above)
-        return torch.tensor([int((self.above == 0).sum()) / r, int((self.above < self.k).sum()) / r,
-                             float((self.diag > 0).double().mean()), float(self.diag.quantile(0.5))], dtype=torch.float64)
+        return torch.tensor(
+            [
+                int((self.above == 0).sum()) / r,
+                int((self.above < self.k).sum()) / r,
+                float((self.diag > 0).double().mean()),
+                float(self.diag.quantile(0.5)),
+            ],
+            dtype=torch.float64,
+        )
 
 
-def row_ranks(model: Transformer, W_V: Tensor, W_O: Tensor, k: int, order: Tensor, vocab: Tensor | None = None,
-              budget_bytes: int = DEFAULT_BUDGET_BYTES) -> RowRanks:
+def row_ranks(
+    model: Transformer,
+    W_V: Tensor,
+    W_O: Tensor,
+    k: int,
+    order: Tensor,
+    vocab: Tensor | None = None,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+) -> RowRanks:
     """The rows `order` (positions into the ranked tokens: vocab, or all) of M = W_E_eff W_V W_O W_U, each ranked
     against every ranked column. Rows streamed in blocks through the [n, d_head] factor (W_O W_U)^T."""
     ids = order if vocab is None else vocab[order]  # [r] token ids of the source rows
     W_U = model.W_U if vocab is None else model.W_U[:, vocab]  # [d_model, n]
-    Bt = W_U.T @ W_O.T  # [n, d_head]: (W_O W_U)^T, so a block of logits is [n, b] (a column per source row, 25 % faster)
+    Bt = (
+        W_U.T @ W_O.T
+    )  # [n, d_head]: (W_O W_U)^T, so a block of logits is [n, b] (a column per source row, 25 % faster)
     n = Bt.shape[0]
     step = max(1, min(budget_bytes, BLOCK_BYTES) // max(1, n * Bt.element_size()))
     above = torch.empty(len(order), dtype=torch.int64)  # [r]
     diag = torch.empty(len(order), dtype=torch.float64)  # [r]
     for start in range(0, len(order), step):
         check_stop(what="OV self-copy shares")
-        own = order[start:start + step].to(Bt.device)  # [b] the rows' own tokens, as columns
-        block = Bt @ (embed_eff_rows(model, ids[start:start + step]) @ W_V).T  # [n, b] logits of row a in column a
+        own = order[start : start + step].to(Bt.device)  # [b] the rows' own tokens, as columns
+        block = Bt @ (embed_eff_rows(model, ids[start : start + step]) @ W_V).T  # [n, b] logits of row a in column a
         mine = block.gather(0, own[None, :])  # [1, b] each row's own logit (a copy)
-        diag[start:start + len(own)] = mine[0].double().cpu()
+        diag[start : start + len(own)] = mine[0].double().cpu()
         # columns ranked above it: a compare in place (1.0 / 0.0) counted in float32 (exact below 2^24 columns); a
         # float sum down the columns is vectorised where a bool one is not (2x), and cheaper than topk
-        above[start:start + len(own)] = block.gt_(mine).sum(0, dtype=torch.float32).clamp_max(k).long().cpu()
+        above[start : start + len(own)] = block.gt_(mine).sum(0, dtype=torch.float32).clamp_max(k).long().cpu()
     return RowRanks(above, diag, k)
 
 
 def _check_vocab(model: Transformer, vocab: Tensor | None, k: int) -> int:
     n = model.cfg.d_vocab if vocab is None else int(vocab.numel())
-    if vocab is not None and (vocab.dim() != 1 or n == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= model.cfg.d_vocab):
-        raise InvalidInputError(f"vocab must be a non-empty 1-D list of token ids in [0, {model.cfg.d_vocab}), got {tuple(vocab.shape)}")
+    if vocab is not None and (
+        vocab.dim() != 1 or n == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= model.cfg.d_vocab
+    ):
+        raise InvalidInputError(
+            f"vocab must be a non-empty 1-D list of token ids in [0, {model.cfg.d_vocab}), got {tuple(vocab.shape)}"
+        )
     if not 1 <= k <= n:
         raise InvalidInputError(f"k must be in [1, {n}] (the tokens ranked), got {k}")
     return n
 
 
-def self_copy(model: Transformer, k: int = 10, vocab: Tensor | None = None, budget_bytes: int = DEFAULT_BUDGET_BYTES,
-              rows: int | None = None, seed: int = 0, heads: list[tuple[int, int]] | None = None) -> SelfCopy:
+def self_copy(
+    model: Transformer,
+    k: int = 10,
+    vocab: Tensor | None = None,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    rows: int | None = None,
+    seed: int = 0,
+    heads: list[tuple[int, int]] | None = None,
+) -> SelfCopy:
     """Top-1 / top-k self-copy shares and diagonal statistics of every head's full OV circuit (or of `heads` only:
     the others are NaN), over every source token or a seeded sample of `rows` of them."""
     n = _check_vocab(model, vocab, k)
     cfg = model.cfg
     order = sample_order(n, rows, seed)  # [r]
-    out = torch.full((4, cfg.n_layers, cfg.n_heads), float("nan"), dtype=torch.float64)  # top1, topk, diag > 0, diag median
+    out = torch.full(
+        (4, cfg.n_layers, cfg.n_heads), float("nan"), dtype=torch.float64
+    )  # top1, topk, diag > 0, diag median
     todo = heads if heads is not None else all_heads(cfg)
     with torch.no_grad():
         for layer, h in todo:
@@ -172,8 +201,14 @@ def check_baseline(model: Transformer, n_samples: int, n_top_samples: int) -> No
 
 
 def random_baseline(
-    model: Transformer, n_samples: int = 200, n_top_samples: int = 4, k: int = 10, vocab: Tensor | None = None,
-    seed: int = 0, budget_bytes: int = DEFAULT_BUDGET_BYTES, rows: int | None = None,
+    model: Transformer,
+    n_samples: int = 200,
+    n_top_samples: int = 4,
+    k: int = 10,
+    vocab: Tensor | None = None,
+    seed: int = 0,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    rows: int | None = None,
 ) -> CopyingBaseline:
     """Eigenvalue scores of n_samples random OV circuits W_E_eff W_V W_O W_U (through d_head x d_head matrices),
     and self-copy shares of the first n_top_samples of them (each a full [V, V] row stream, hence fewer), over the
@@ -191,8 +226,16 @@ def random_baseline(
     return CopyingBaseline(scores, tops[0], tops[1], tops[2], k, n, len(order))
 
 
-def cost(model: Transformer, k: int, n_samples: int, n_top_samples: int, budget_bytes: int, n_tokens: int | None = None,
-         rows: int | None = None, n_heads: int | None = None) -> Cost:
+def cost(
+    model: Transformer,
+    k: int,
+    n_samples: int,
+    n_top_samples: int,
+    budget_bytes: int,
+    n_tokens: int | None = None,
+    rows: int | None = None,
+    n_heads: int | None = None,
+) -> Cost:
     """self_copy over every head (or n_heads of them) then random_baseline (row_ranks): one head's W_O W_U [d_head, n]
     (through W_U's [d_model, n] ranked columns when not all), a block of source rows ([b, d_model] LN rows, [n, b]
     logits, compared in place) and the [r] ranks and diagonal, plus the random weights and their

@@ -133,17 +133,24 @@ def build_corpus(root: Path | None = None, vocab_size: int = 4096) -> Corpus:
     val_texts: list[str] = []
     for rel in corpus_files(root):
         data = (root / rel).read_bytes()
-        manifest.append({"path": rel, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "val": is_val(rel)})
+        manifest.append(
+            {"path": rel, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data), "val": is_val(rel)}
+        )
         text = data.decode("utf-8", errors="replace")
         (val_texts if is_val(rel) else train_texts).append(text)
     tok = train_tokenizer(train_texts, vocab_size)
-    return Corpus(encode_files(tok, train_texts), encode_files(tok, val_texts), tok, manifest, source=source_label(root))
+    return Corpus(
+        encode_files(tok, train_texts), encode_files(tok, val_texts), tok, manifest, source=source_label(root)
+    )
 
 
 def source_label(root: Path) -> str:
     """What the corpus is, without the training machine's paths: 'CPython 3.11.7 standard library (python3.11)'."""
-    return f"CPython {platform.python_version()} standard library ({Path(root).name})" if Path(root) == stdlib_root() \
+    return (
+        f"CPython {platform.python_version()} standard library ({Path(root).name})"
+        if Path(root) == stdlib_root()
         else f"Python sources ({Path(root).name})"
+    )
 
 
 def save_corpus(corpus: Corpus, folder: Path) -> None:

@@ -57,11 +57,15 @@ class Cost:
 
     def then(self, other: Cost) -> Cost:
         """`self` then `other`, the first's working memory freed: the larger peak, answers and FLOPs added."""
-        return Cost(max(self.peak_bytes, other.peak_bytes), self.answer_bytes + other.answer_bytes, self.flops + other.flops)
+        return Cost(
+            max(self.peak_bytes, other.peak_bytes), self.answer_bytes + other.answer_bytes, self.flops + other.flops
+        )
 
     def __add__(self, other: Cost) -> Cost:
         """Both held at once: peaks, answers and FLOPs added."""
-        return Cost(self.peak_bytes + other.peak_bytes, self.answer_bytes + other.answer_bytes, self.flops + other.flops)
+        return Cost(
+            self.peak_bytes + other.peak_bytes, self.answer_bytes + other.answer_bytes, self.flops + other.flops
+        )
 
     def with_answer(self, numbers: int = 0, labels: int = 0) -> Cost:
         """This cost with an answer of `numbers` JSON numbers and `labels` labelled items (and its envelope) added."""
@@ -150,8 +154,9 @@ def check_stop(should_stop: Callable[[], bool] | None = None, what: str = "compu
         raise CancelledError(f"{what} cancelled: its result is no longer wanted")
 
 
-def polled(names: Callable[[str], bool], should_stop: Callable[[], bool] | None = None,
-           what: str = "forward pass") -> Callable[[str], bool]:
+def polled(
+    names: Callable[[str], bool], should_stop: Callable[[], bool] | None = None, what: str = "forward pass"
+) -> Callable[[str], bool]:
     """A hook-name filter for Transformer.run that also polls the stop flag at every hook it is asked about,
     so a long forward pass (big batch, big vocabulary) stops within one hook, not one whole pass."""
 

@@ -198,12 +198,19 @@ class FactoredMatrix:
         device = self.A.device
         if index is None:
             return torch.arange(size, device=device)
-        if not isinstance(index, Tensor) or index.dim() != 1 or index.dtype.is_floating_point or index.dtype == torch.bool:
+        if (
+            not isinstance(index, Tensor)
+            or index.dim() != 1
+            or index.dtype.is_floating_point
+            or index.dtype == torch.bool
+        ):
             raise InvalidInputError(f"{what} subset must be a 1-D integer tensor of indices, got {index!r}")
         if index.numel() == 0:
             raise InvalidInputError(f"{what} subset is empty")
         if int(index.min()) < 0 or int(index.max()) >= size:
-            raise InvalidInputError(f"{what} subset indices must be in [0, {size}), got [{int(index.min())}, {int(index.max())}]")
+            raise InvalidInputError(
+                f"{what} subset indices must be in [0, {size}), got [{int(index.min())}, {int(index.max())}]"
+            )
         if index.unique().numel() != index.numel():
             raise InvalidInputError(f"{what} subset indices must be distinct")
         return index.to(device=device, dtype=torch.long)
@@ -295,11 +302,19 @@ class FactoredMatrix:
         shape = (*self.batch_shape, k)
         return values.reshape(shape), rows.reshape(shape), cols.reshape(shape)
 
-    def topk_global_cost(self, k: int, budget_bytes: int = DEFAULT_BUDGET_BYTES, rows: int | None = None,
-                         cols: int | None = None) -> Cost:
+    def topk_global_cost(
+        self, k: int, budget_bytes: int = DEFAULT_BUDGET_BYTES, rows: int | None = None, cols: int | None = None
+    ) -> Cost:
         """The Cost of topk_global(k, budget_bytes) on `rows` x `cols` of this matrix (default all)."""
-        return topk_global_cost(self.ldim if rows is None else rows, self.mdim, self.rdim if cols is None else cols, k,
-                                budget_bytes, self.A.element_size(), math.prod(self.batch_shape))
+        return topk_global_cost(
+            self.ldim if rows is None else rows,
+            self.mdim,
+            self.rdim if cols is None else cols,
+            k,
+            budget_bytes,
+            self.A.element_size(),
+            math.prod(self.batch_shape),
+        )
 
 
 # Tile of the product computed at once by topk_global (64 MiB in fp32): few large GEMM calls (small ones
@@ -318,8 +333,9 @@ SCREEN_DTYPE, SCREEN_MARGIN, SCREEN_MIN_ENTRIES = torch.bfloat16, 2.0**-6, 2**24
 _screen_ok: dict[torch.device, bool] = {}
 
 
-def topk_global_cost(ldim: int, mdim: int, rdim: int, k: int, budget_bytes: int, element_size: int,
-                     batch: int = 1) -> Cost:
+def topk_global_cost(
+    ldim: int, mdim: int, rdim: int, k: int, budget_bytes: int, element_size: int, batch: int = 1
+) -> Cost:
     """Cost of FactoredMatrix.topk_global on [batch] matrices [ldim, mdim] @ [mdim, rdim] (one at a time).
 
     Peak: the norm-sorted copy of A and the column tiles of B, their bfloat16 copies when screened, the 4
@@ -355,8 +371,9 @@ def _row_max(approx: Tensor, positive: bool) -> Tensor:
     return approx.amax(dim=1)
 
 
-def _topk_global_2d(A: Tensor, B: Tensor, k: int, step: int, largest: bool,
-                    should_stop: Callable[[], bool] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def _topk_global_2d(
+    A: Tensor, B: Tensor, k: int, step: int, largest: bool, should_stop: Callable[[], bool] | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Global top-k of A [ldim, mdim] @ B [mdim, rdim] (see topk_global).
 
     Rows (by ||A_i||) and columns (by ||B_:,j||) are visited in descending norm order, in tiles of at most

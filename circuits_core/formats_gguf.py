@@ -84,7 +84,10 @@ class _Reader(gguf.GGUFReader):
         data = self._plain
         if self.byte_order != "I" or raw_type != ARRAY or orig_offs + 12 > len(data):
             return super()._get_field_parts(orig_offs, raw_type)  # type: ignore[no-any-return]
-        raw_itype, alen = data[orig_offs : orig_offs + 4].view(np.uint32), data[orig_offs + 4 : orig_offs + 12].view(np.uint64)
+        raw_itype, alen = (
+            data[orig_offs : orig_offs + 4].view(np.uint32),
+            data[orig_offs + 4 : orig_offs + 12].view(np.uint64),
+        )
         itype, count = int(raw_itype[0]), int(alen[0])
         nptype = self.gguf_scalar_to_np.get(gguf.GGUFValueType(itype)) if itype != STRING else None
         if itype != STRING and nptype is None:  # arrays of arrays: the library's own recursion
@@ -111,7 +114,12 @@ class _Reader(gguf.GGUFReader):
             parts += (values[i : i + 1] for i in range(count))
             idxs += range(2, 2 + count)
             offs += width * count
-        return offs - orig_offs, parts, idxs, [gguf.GGUFValueType(raw_type)] + ([gguf.GGUFValueType(itype)] if count else [])
+        return (
+            offs - orig_offs,
+            parts,
+            idxs,
+            [gguf.GGUFValueType(raw_type)] + ([gguf.GGUFValueType(itype)] if count else []),
+        )
 
 
 def _reader(path: Path) -> Any:

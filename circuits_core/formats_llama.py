@@ -93,17 +93,27 @@ class _MappedFile:
         entry, shape = self.entries[key], self.shape(key)
         source = _DTYPES.get(entry.get("dtype"))
         if source is None:
-            raise CheckpointError(f"{self.name}: tensor {key}: dtype {entry.get('dtype')!r} is not a float type "
-                                  f"({', '.join(_DTYPES)})")
+            raise CheckpointError(
+                f"{self.name}: tensor {key}: dtype {entry.get('dtype')!r} is not a float type ({', '.join(_DTYPES)})"
+            )
         offsets = entry.get("data_offsets")
         numel = math.prod(shape)
         nbytes = numel * source.itemsize
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
-                or offsets[1] - offsets[0] != nbytes or offsets[0] < 0 or self.base + offsets[1] > len(self.map)):
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) for o in offsets)
+            or offsets[1] - offsets[0] != nbytes
+            or offsets[0] < 0
+            or self.base + offsets[1] > len(self.map)
+        ):
             raise CheckpointError(f"{self.name}: tensor {key}: data offsets {offsets!r} do not hold {nbytes} bytes")
         start = self.base + offsets[0]
-        view = torch.frombuffer(self.map, dtype=source, count=numel, offset=start).view(shape) if numel else (
-            torch.empty(shape, dtype=source))
+        view = (
+            torch.frombuffer(self.map, dtype=source, count=numel, offset=start).view(shape)
+            if numel
+            else (torch.empty(shape, dtype=source))
+        )
         out = laid_out(layout(view), dtype)
         del view
         first = start - start % _PAGE
@@ -184,9 +194,7 @@ class _Shards:
     def take(self, key: str, shape: tuple[int, ...], layout: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
         """layout(tensor `key`) in the compute dtype; its stored shape is checked before anything is read."""
         if key not in self.where:
-            raise CheckpointError(
-                f"{', '.join(self.maps)}: missing tensor {key} (expected shape {list(shape)})"
-            )
+            raise CheckpointError(f"{', '.join(self.maps)}: missing tensor {key} (expected shape {list(shape)})")
         mapped = self.maps[self.where[key]]
         given = mapped.shape(key)
         if given != shape:
@@ -208,7 +216,9 @@ def _rope(r: ConfigReader, name: str) -> dict[str, Any]:
     rope = r.section("rope_parameters") if r.has("rope_parameters") else r.section("rope_scaling")
     kind = rope.text("rope_type", default=None) or rope.text("type", default="default")
     if kind not in ROPE_TYPES:
-        raise CheckpointError(f"{name}: rope scaling type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+        raise CheckpointError(
+            f"{name}: rope scaling type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+        )
     base = rope.number("rope_theta", default=None, gt=0) or r.number("rope_theta", default=10000.0, gt=0)
     fields: dict[str, Any] = {"rotary_base": base, "rope_type": kind}
     if kind in ("linear", "llama3"):
@@ -217,7 +227,9 @@ def _rope(r: ConfigReader, name: str) -> dict[str, Any]:
         fields["rope_low_freq_factor"] = rope.number("low_freq_factor", gt=0)
         fields["rope_high_freq_factor"] = rope.number("high_freq_factor", gt=0)
         fields["rope_original_max_position_embeddings"] = rope.integer("original_max_position_embeddings", ge=1)
-    factor = rope.number("partial_rotary_factor", default=None, gt=0) or r.number("partial_rotary_factor", default=1.0, gt=0)
+    factor = rope.number("partial_rotary_factor", default=None, gt=0) or r.number(
+        "partial_rotary_factor", default=1.0, gt=0
+    )
     if factor != 1.0:
         raise CheckpointError(f"{name}: partial_rotary_factor={factor} is not supported for Llama-family files")
     return fields
@@ -249,7 +261,9 @@ def llama_config(hf: dict[str, Any]) -> ModelConfig:
             raise CheckpointError(f"{path.name}: hidden_size={d} is not divisible by num_attention_heads={n_heads}")
         dh = d // n_heads
     if r.flag("mlp_bias", default=False):
-        raise CheckpointError(f"{path.name}: mlp_bias=true is not supported (the gated MLP has one bias, after the gate)")
+        raise CheckpointError(
+            f"{path.name}: mlp_bias=true is not supported (the gated MLP has one bias, after the gate)"
+        )
     attention_bias = {"llama": r.flag("attention_bias", default=False), "mistral": False, "qwen2": True}[model_type]
     d_vocab, n_ctx = r.integer("vocab_size", ge=1), r.integer("max_position_embeddings", ge=1)
     window = _window(r, model_type)
@@ -280,13 +294,17 @@ def _output_heads(heads: int, dh: int, d: int) -> Callable[[Tensor], Tensor]:
     return lambda W: W.T.view(heads, dh, d)
 
 
-def load_llama(folder: Path, hf: dict[str, Any], dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, State, dict[str, str], list[Path]]:
+def load_llama(
+    folder: Path, hf: dict[str, Any], dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, State, dict[str, str], list[Path]]:
     """(config, TransformerLens state dict in `dtype`, tensor -> shard file, weight files)."""
     with one_thread():
         return _load_llama(folder, hf, dtype)
 
 
-def _load_llama(folder: Path, hf: dict[str, Any], dtype: torch.dtype) -> tuple[ModelConfig, State, dict[str, str], list[Path]]:
+def _load_llama(
+    folder: Path, hf: dict[str, Any], dtype: torch.dtype
+) -> tuple[ModelConfig, State, dict[str, str], list[Path]]:
     cfg = llama_config(hf)
     src = _Shards(folder, dtype)
     d, H, G, dh, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_vocab
@@ -307,7 +325,9 @@ def _load_llama(folder: Path, hf: dict[str, Any], dtype: torch.dtype) -> tuple[M
         sd[f"{p}.attn.W_O"] = src.take(f"{h}.self_attn.o_proj.weight", (d, H * dh), _output_heads(H, dh, d))
         if cfg.use_bias:
             has_o_bias = not qwen2
-            sd[f"{p}.attn.b_O"] = src.take(f"{h}.self_attn.o_proj.bias", (d,)) if has_o_bias else torch.zeros(d, dtype=dtype)
+            sd[f"{p}.attn.b_O"] = (
+                src.take(f"{h}.self_attn.o_proj.bias", (d,)) if has_o_bias else torch.zeros(d, dtype=dtype)
+            )
             sd[f"{p}.mlp.b_in"] = torch.zeros(d_mlp, dtype=dtype)
             sd[f"{p}.mlp.b_out"] = torch.zeros(d, dtype=dtype)
         sd[f"{p}.mlp.W_gate"] = src.take(f"{h}.mlp.gate_proj.weight", (d_mlp, d), _T)  # [d_model, d_mlp]
@@ -318,12 +338,16 @@ def _load_llama(folder: Path, hf: dict[str, Any], dtype: torch.dtype) -> tuple[M
     if src.has("lm_head.weight"):
         sd["unembed.W_U"] = src.take("lm_head.weight", (V, d), _T)  # [d_model, d_vocab]
         if tied and not torch.equal(sd["unembed.W_U"], sd["embed.W_E"].T):
-            raise CheckpointError(f"{src.where['lm_head.weight']}: lm_head.weight differs from embed_tokens.weight "
-                                  "but the config ties them (tie_word_embeddings)")
+            raise CheckpointError(
+                f"{src.where['lm_head.weight']}: lm_head.weight differs from embed_tokens.weight "
+                "but the config ties them (tie_word_embeddings)"
+            )
     elif tied:
         sd["unembed.W_U"] = laid_out(sd["embed.W_E"].T, dtype)  # [d_model, d_vocab], its own copy
     else:
-        raise CheckpointError(f"missing tensor lm_head.weight (tie_word_embeddings is false); found: {folder_listing(folder)}")
+        raise CheckpointError(
+            f"missing tensor lm_head.weight (tie_word_embeddings is false); found: {folder_listing(folder)}"
+        )
     if cfg.use_bias:
         sd["unembed.b_U"] = torch.zeros(V, dtype=dtype)
     src.finish()

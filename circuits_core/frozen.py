@@ -61,8 +61,18 @@ class FrozenRun:
         return 1.0 / self.cache[key][:, 0]
 
 
-_CACHED = ("hook_pattern", "hook_scale", "hook_mlp_out", "hook_attn_scores", "hook_embed", "hook_pos_embed",
-           "hook_resid_pre", "hook_resid_final", "hook_q", "hook_k")
+_CACHED = (
+    "hook_pattern",
+    "hook_scale",
+    "hook_mlp_out",
+    "hook_attn_scores",
+    "hook_embed",
+    "hook_pos_embed",
+    "hook_resid_pre",
+    "hook_resid_final",
+    "hook_q",
+    "hook_k",
+)
 
 
 def frozen_run(model: Transformer, tokens: Tensor) -> FrozenRun:
@@ -81,7 +91,9 @@ def frozen_run(model: Transformer, tokens: Tensor) -> FrozenRun:
         cache |= final_norm.cache
     cache = {k: v[0] for k, v in cache.items()}
     L = model.cfg.n_layers
-    patterns = torch.stack([cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(L)]) if L else final.new_zeros(0)
+    patterns = (
+        torch.stack([cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(L)]) if L else final.new_zeros(0)
+    )
     return FrozenRun(tokens[0], final[0], cache, patterns, model.W_U, model.b_U)
 
 

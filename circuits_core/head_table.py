@@ -71,9 +71,14 @@ class InductionView:
     previous_token_scores: Tensor  # [L, H]
 
 
-def induction_view(model: Transformer, tokens: Tensor | None = None, prev_scores: Tensor | None = None,
-                   ov_copying: Tensor | None = None, G_E: Tensor | None = None,
-                   G_E_W_Q: Tensor | None = None) -> InductionView:
+def induction_view(
+    model: Transformer,
+    tokens: Tensor | None = None,
+    prev_scores: Tensor | None = None,
+    ov_copying: Tensor | None = None,
+    G_E: Tensor | None = None,
+    G_E_W_Q: Tensor | None = None,
+) -> InductionView:
     """Every head's (OV copying, QK K-composition positivity) point, previous-token head auto-chosen.
 
     prev_scores [L, H], ov_copying [L, H], G_E [d, d], G_E_W_Q [L, H, d, d_head]: the previous-token scores on
@@ -87,9 +92,13 @@ def induction_view(model: Transformer, tokens: Tensor | None = None, prev_scores
     G_E = embed_gram(model) if G_E is None else G_E  # [d, d], shared by both positivities
     low, high = _weighted_halves(model)
     (one, weighted_low), weighted_high = side_by_side(
-        lambda: (k_composition_positivity(model, one_hot, G_E, G_E_W_Q),
-                 k_composition_positivity(model, prev, G_E, G_E_W_Q, low)),
-        lambda: k_composition_positivity(model, prev, G_E, G_E_W_Q, high), "qkov-heads-positivity")
+        lambda: (
+            k_composition_positivity(model, one_hot, G_E, G_E_W_Q),
+            k_composition_positivity(model, prev, G_E, G_E_W_Q, low),
+        ),
+        lambda: k_composition_positivity(model, prev, G_E, G_E_W_Q, high),
+        "qkov-heads-positivity",
+    )
     return InductionView(ov, one, weighted_low + weighted_high, partner, prev)  # the halves are 0 outside their layers
 
 
@@ -120,9 +129,14 @@ class HeadTable:
     kernel_peak_offset: Tensor | None = None  # [L, H] rotary.kernel_peak_offsets (rotary models, `means` given)
 
 
-def head_table(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None,
-               budget_bytes: int | None = None, means: Callable[[], Tensor] | None = None,
-               reference_tokens: int | None = None) -> HeadTable:
+def head_table(
+    model: Transformer,
+    tokens: Tensor,
+    should_stop: Callable[[], bool] | None = None,
+    budget_bytes: int | None = None,
+    means: Callable[[], Tensor] | None = None,
+    reference_tokens: int | None = None,
+) -> HeadTable:
     """The heads table: one detector pass on `tokens` (its previous-token scores reused by the induction view),
     and the full-circuit spectra from the two d_model x d_model Grams, each formed once; `means` (rotary models):
     gives μ [L, d_model] (stored, or measured on at most `reference_tokens` tokens) for the kernel peak offsets.
@@ -145,8 +159,9 @@ def head_table(model: Transformer, tokens: Tensor, should_stop: Callable[[], boo
             peaks = kernel_peak_offsets(model, means()) if means is not None and kernel() is not None else None
             return sums, peaks, embed_grams(model, vocabulary)  # partial (G, G_E) [d, d]: the rows this thread took
 
-    (mine, peaks, (G, G_E)), (theirs, peaks_b, (G_b, G_E_b)) = side_by_side(detectors_then_grams,
-                                                                            detectors_then_grams, "qkov-heads-table")
+    (mine, peaks, (G, G_E)), (theirs, peaks_b, (G_b, G_E_b)) = side_by_side(
+        detectors_then_grams, detectors_then_grams, "qkov-heads-table"
+    )
     G, G_E, peaks = G + G_b, G_E + G_E_b, peaks if peaks is not None else peaks_b  # [d, d], [d, d], [L, H]
     detectors = mine.merge(theirs).scores()
     check_stop(should_stop, "heads table")
@@ -163,13 +178,18 @@ def head_table(model: Transformer, tokens: Tensor, should_stop: Callable[[], boo
         except BaseException as error:  # the helper must not wait for it forever
             queries.set_exception(error)
             raise
-        return (k_composition_positivity(model, one_hot, G_E, queries.result()),
-                k_composition_positivity(model, prev, G_E, queries.result(), high))
+        return (
+            k_composition_positivity(model, one_hot, G_E, queries.result()),
+            k_composition_positivity(model, prev, G_E, queries.result(), high),
+        )
 
     def value_side() -> tuple[Tensor, Tensor, Tensor]:  # helper: OV spectra, then (G_E W_Q ready by then) QK, low half
         ov = ov_copying_scores(model, G)
-        return ov, qk_copying_scores(model, G_E, queries.result()), k_composition_positivity(
-            model, prev, G_E, queries.result(), low)
+        return (
+            ov,
+            qk_copying_scores(model, G_E, queries.result()),
+            k_composition_positivity(model, prev, G_E, queries.result(), low),
+        )
 
     with torch.no_grad():  # steps 3 and 4 without a barrier between them: ~0.47 s each on GPT-2 small
         (one, weighted_high), (ov, qk, weighted_low) = side_by_side(query_side, value_side, "qkov-heads-table")
@@ -177,8 +197,9 @@ def head_table(model: Transformer, tokens: Tensor, should_stop: Callable[[], boo
     return HeadTable(detectors, ov, qk, iv, peaks)
 
 
-def table_chunk(model: Transformer, n: int, batch: int, budget_bytes: int | None,
-                reference_tokens: int | None = None) -> int:
+def table_chunk(
+    model: Transformer, n: int, batch: int, budget_bytes: int | None, reference_tokens: int | None = None
+) -> int:
     """Sequences per detector chunk of head_table: half the batch (rounded up), fewer when two chunks (one per
     thread) and the Grams and spectra held beside them would not fit budget_bytes."""
     chunk = -(-batch // 2)
@@ -188,14 +209,16 @@ def table_chunk(model: Transformer, n: int, batch: int, budget_bytes: int | None
     return min(chunk, detector_chunk(model, n, batch, room))
 
 
-def head_table_cost(model: Transformer, n: int, batch: int, budget_bytes: int | None = None,
-                    reference_tokens: int | None = None) -> Cost:
+def head_table_cost(
+    model: Transformer, n: int, batch: int, budget_bytes: int | None = None, reference_tokens: int | None = None
+) -> Cost:
     """head_table on `batch` sequences of n tokens: two detector chunks (one per thread) held beside the Grams (one
     thread may start them while the other still runs its chunk), spectra and (`reference_tokens` given) kernel peaks."""
     cfg = model.cfg
     chunk = detectors_cost(model, n, table_chunk(model, n, batch, budget_bytes, reference_tokens))
     return (chunk + chunk + _spectra_cost(model, reference_tokens)).with_answer(  # μ's pass beside a chunk: added
-        numbers=8 * cfg.n_layers * cfg.n_heads, labels=2 * cfg.n_layers * cfg.n_heads)
+        numbers=8 * cfg.n_layers * cfg.n_heads, labels=2 * cfg.n_layers * cfg.n_heads
+    )
 
 
 def _spectra_cost(model: Transformer, reference_tokens: int | None = None) -> Cost:

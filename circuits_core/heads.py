@@ -123,8 +123,9 @@ PATTERN_DETECTORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 }
 
 
-def detector_scores(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None,
-                    budget_bytes: int | None = None) -> dict[str, Tensor]:
+def detector_scores(
+    model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None, budget_bytes: int | None = None
+) -> dict[str, Tensor]:
     """Every pattern detector for every head from one forward pass: {name: [n_layers, n_heads]}.
 
     The pass stops at the last layer's pattern (no last MLP, final LayerNorm or unembedding) and keeps only
@@ -165,17 +166,28 @@ class DetectorSums:
         """Both parts' sums (a part that scored no sequence adds nothing)."""
         if not self.sums or not other.sums:
             return self if other.sums == {} else other
-        return DetectorSums({k: v + other.sums[k] for k, v in self.sums.items()},
-                            {k: v + other.weights[k] for k, v in self.weights.items()})
+        return DetectorSums(
+            {k: v + other.sums[k] for k, v in self.sums.items()},
+            {k: v + other.weights[k] for k, v in self.weights.items()},
+        )
 
     def scores(self) -> dict[str, Tensor]:
         """{name: [L, H]}: the weighted means (NaN where no query was eligible); {} for a model without layers."""
-        return {name: torch.where(self.weights[name] > 0, self.sums[name] / self.weights[name].clamp_min(1), float("nan"))
-                for name in PATTERN_DETECTORS} if self.sums else {}
+        return (
+            {
+                name: torch.where(
+                    self.weights[name] > 0, self.sums[name] / self.weights[name].clamp_min(1), float("nan")
+                )
+                for name in PATTERN_DETECTORS
+            }
+            if self.sums
+            else {}
+        )
 
 
-def _chunk_pass(model: Transformer, part: Tensor, totals: DetectorSums, should_stop: Callable[[], bool] | None,
-                with_loss: bool) -> tuple[list[Tensor], Tensor | None]:
+def _chunk_pass(
+    model: Transformer, part: Tensor, totals: DetectorSums, should_stop: Callable[[], bool] | None, with_loss: bool
+) -> tuple[list[Tensor], Tensor | None]:
     """One chunk part [c, n] (under no_grad): its patterns' detectors added to `totals`; returns its patterns (one
     [c, H, n, n] per layer) and, `with_loss`, its next-token losses [c, n - 1] (a full pass; else the pass stops at
     the last layer's pattern)."""
@@ -194,8 +206,9 @@ def _chunk_pass(model: Transformer, part: Tensor, totals: DetectorSums, should_s
     return patterns, losses
 
 
-def detector_sums(model: Transformer, tokens: Tensor, take: Callable[[], slice | None],
-                  should_stop: Callable[[], bool] | None = None) -> DetectorSums:
+def detector_sums(
+    model: Transformer, tokens: Tensor, take: Callable[[], slice | None], should_stop: Callable[[], bool] | None = None
+) -> DetectorSums:
     """The detectors of the chunks of tokens [b, n] that `take` hands out (row slices) until it gives None: several
     threads sharing one `take` (cost.shared_chunks) split a batch, and their DetectorSums merge to its scores."""
     totals = DetectorSums()
@@ -205,8 +218,13 @@ def detector_sums(model: Transformer, tokens: Tensor, take: Callable[[], slice |
     return totals
 
 
-def detector_run(model: Transformer, tokens: Tensor, should_stop: Callable[[], bool] | None = None,
-                 budget_bytes: int | None = None, with_loss: bool = False) -> DetectorRun:
+def detector_run(
+    model: Transformer,
+    tokens: Tensor,
+    should_stop: Callable[[], bool] | None = None,
+    budget_bytes: int | None = None,
+    with_loss: bool = False,
+) -> DetectorRun:
     """detector_scores, the first sequence's patterns and, `with_loss`, the per-position losses (a full pass).
 
     With `budget_bytes`, the batch runs in chunks of sequences whose cost (detectors_cost) fits it; chunk
@@ -242,8 +260,9 @@ def detectors_cost(model: Transformer, n: int, batch: int, logits: bool = False)
     scoring = batch * n * n * (2 + cfg.n_heads * size)
     run = forward_cost(model, n, batch, logits=False)
     out = Cost(batch * n * cfg.d_vocab * (size + 2 * 8)) if logits else Cost(0)
-    return (Cost(patterns + scoring) + run + out).with_answer(numbers=5 * cfg.n_layers * cfg.n_heads,
-                                                             labels=cfg.n_layers * cfg.n_heads)
+    return (Cost(patterns + scoring) + run + out).with_answer(
+        numbers=5 * cfg.n_layers * cfg.n_heads, labels=cfg.n_layers * cfg.n_heads
+    )
 
 
 # With logits, a chunk's unembedding and float64 loss run between two polls of the stop flag: at most this many
@@ -283,7 +302,9 @@ STANDARD_SEQ_LEN, STANDARD_BATCH = 50, 10
 OLSSON_SEQ_LEN, OLSSON_REPEATS = 25, 4
 
 
-def standard_tokens(model: Transformer, seed: int = 0, seq_len: int = STANDARD_SEQ_LEN, batch: int = STANDARD_BATCH) -> Tensor:
+def standard_tokens(
+    model: Transformer, seed: int = 0, seq_len: int = STANDARD_SEQ_LEN, batch: int = STANDARD_BATCH
+) -> Tensor:
     """[batch, 1 + 2 seq_len]: BOS (cfg.bos_token_id, else 0) + r + r with r uniform random tokens.
 
     seq_len shrinks to fit a short context: min(seq_len, (n_ctx - 1) // 2).
@@ -297,7 +318,9 @@ def olsson_tokens(model: Transformer, seed: int = 0, vocab: Tensor | None = None
     """[10, 1 + 4 x 25]: Olsson et al.'s input. `vocab`: allowed ids (e.g. without the most/least common)."""
     bos = model.cfg.bos_token_id if model.cfg.bos_token_id is not None else 0
     seq_len = min(OLSSON_SEQ_LEN, (model.cfg.n_ctx - 1) // OLSSON_REPEATS)
-    return repeated_random_tokens(model.cfg.d_vocab, seq_len, STANDARD_BATCH, seed, bos=bos, vocab=vocab, repeats=OLSSON_REPEATS)
+    return repeated_random_tokens(
+        model.cfg.d_vocab, seq_len, STANDARD_BATCH, seed, bos=bos, vocab=vocab, repeats=OLSSON_REPEATS
+    )
 
 
 def prefix_matching_scores(model: Transformer, tokens: Tensor | None = None, seed: int = 0) -> Tensor:
@@ -312,7 +335,11 @@ def copying_scores(model: Transformer, tokens: Tensor | None = None, seed: int =
     with torch.no_grad():
         _, cache = model.run(tokens, names=lambda n: n.endswith(("hook_pattern", "hook_z", "ln_final.hook_scale")))
         b, n = tokens.shape
-        inv_f = 1.0 / cache["ln_final.hook_scale"][..., 0] if "ln_final.hook_scale" in cache else torch.ones(b, n, dtype=model.dtype)
+        inv_f = (
+            1.0 / cache["ln_final.hook_scale"][..., 0]
+            if "ln_final.hook_scale" in cache
+            else torch.ones(b, n, dtype=model.dtype)
+        )
         U_seq = model.W_U[:, tokens].permute(1, 0, 2)  # [b, d, n]: logit direction of each position's token
         U_mean = model.W_U.mean(1)  # [d]
         first = torch.ones(b, n, dtype=torch.bool)  # first occurrence of each distinct token

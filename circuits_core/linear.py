@@ -22,10 +22,15 @@ from torch import Tensor
 from circuits_core.errors import InvalidInputError
 
 # act_fn -> oneDNN epilogue (attr, algorithm); the others run after the product.
-_EPILOGUES = {"relu": ("relu", ""), "gelu": ("gelu", "none"), "gelu_new": ("gelu", "tanh"),
-              "gelu_pytorch_tanh": ("gelu", "tanh")}
-_ONEDNN_LINEAR: Callable[..., Tensor] | None = (getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-                                                 if torch.backends.mkldnn.is_available() else None)
+_EPILOGUES = {
+    "relu": ("relu", ""),
+    "gelu": ("gelu", "none"),
+    "gelu_new": ("gelu", "tanh"),
+    "gelu_pytorch_tanh": ("gelu", "tanh"),
+}
+_ONEDNN_LINEAR: Callable[..., Tensor] | None = (
+    getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+)
 # Below this many multiply-adds oneDNN's fixed cost per call (~20 us) outweighs its faster kernel (measured: a
 # 10 x 64 x 256 product 30 us against MKL's 12 us; even at 50 x 128 x 512; 8 % faster at 100 x 256 x 1024).
 ONEDNN_MIN_MACS = 2**23
@@ -49,9 +54,16 @@ def _onednn(x: Tensor, W: Tensor, b: Tensor | None) -> bool:
     ~1,000x slower: 16 s for a 512 x 2048 x 576 product; MKL takes those)."""
     dense_W = W.is_contiguous() or W.t().is_contiguous()
     grad = torch.is_grad_enabled() and (x.requires_grad or W.requires_grad or (b is not None and b.requires_grad))
-    return (_ONEDNN_LINEAR is not None and x.device.type == W.device.type == "cpu" and x.dtype == W.dtype == torch.float32
-            and (b is None or (b.dtype == torch.float32 and b.is_contiguous())) and x.stride(-1) == 1
-            and dense_W and x.shape[0] * W.shape[0] * W.shape[1] >= ONEDNN_MIN_MACS and not grad)
+    return (
+        _ONEDNN_LINEAR is not None
+        and x.device.type == W.device.type == "cpu"
+        and x.dtype == W.dtype == torch.float32
+        and (b is None or (b.dtype == torch.float32 and b.is_contiguous()))
+        and x.stride(-1) == 1
+        and dense_W
+        and x.shape[0] * W.shape[0] * W.shape[1] >= ONEDNN_MIN_MACS
+        and not grad
+    )
 
 
 def affine(x: Tensor, W: Tensor, b: Tensor | None = None, act: str | None = None) -> Tensor:

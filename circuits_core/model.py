@@ -123,8 +123,10 @@ class Block(nn.Module):
         if frozen is not None and self.layer in frozen.mlp_out:
             out = frozen.mlp_out[self.layer]
             if out.shape != x.shape:
-                raise InvalidInputError(f"frozen MLP output for layer {self.layer} has shape {tuple(out.shape)}, "
-                                        f"the residual stream has {tuple(x.shape)}")
+                raise InvalidInputError(
+                    f"frozen MLP output for layer {self.layer} has shape {tuple(out.shape)}, "
+                    f"the residual stream has {tuple(x.shape)}"
+                )
             return out
         return self.mlp(self.ln2(x, rec, frozen), rec)
 
@@ -218,12 +220,16 @@ class Transformer(nn.Module):
         if tokens.dim() == 1:
             tokens = tokens[None]
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
-            raise InvalidInputError(f"tokens must be an integer tensor [batch, pos], got {tuple(tokens.shape)} {tokens.dtype}")
+            raise InvalidInputError(
+                f"tokens must be an integer tensor [batch, pos], got {tuple(tokens.shape)} {tokens.dtype}"
+            )
         n = tokens.shape[1]
         if n < 1 or n > self.cfg.n_ctx:
             raise InvalidInputError(f"sequence of {n} tokens does not fit the context of {self.cfg.n_ctx}")
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.d_vocab):
-            raise InvalidInputError(f"token ids must be in [0, {self.cfg.d_vocab}), got {int(tokens.min())}..{int(tokens.max())}")
+            raise InvalidInputError(
+                f"token ids must be in [0, {self.cfg.d_vocab}), got {int(tokens.min())}..{int(tokens.max())}"
+            )
         return tokens.long()
 
     def embed_tokens(self, tokens: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -282,7 +288,9 @@ class Transformer(nn.Module):
         rec("hook_resid_final", resid)
         return self.unembed_resid(resid, rec, frozen)
 
-    def _layers(self, resid: Tensor, start: int, rec: Recorder, frozen: Frozen | None, stop: int | None = None) -> Tensor:
+    def _layers(
+        self, resid: Tensor, start: int, rec: Recorder, frozen: Frozen | None, stop: int | None = None
+    ) -> Tensor:
         # resid: [batch, pos, d_model] entering layer `start` -> the stream entering layer `stop` (None: after the last)
         W_pos = self.W_pos if self.cfg.positional_embedding_type == "shortformer" else None
         qk_pos = W_pos[: resid.shape[1]] if W_pos is not None else None
@@ -290,8 +298,9 @@ class Transformer(nn.Module):
             resid = block(resid, qk_pos, rec, frozen)
         return resid
 
-    def run_from(self, resid: Tensor, start: int, names: NameFilter = None, frozen: Frozen | None = None,
-                 stop: int | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    def run_from(
+        self, resid: Tensor, start: int, names: NameFilter = None, frozen: Frozen | None = None, stop: int | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         """The stream after the last layer [batch, pos, d_model] (hook_resid_final, before ln_final; with `stop`: the
         stream entering layer `stop`) and the cache of `names`, running only layers start..n_layers-1 (..stop-1) from
         `resid`, the stream entering layer `start` (its hook_resid_pre) [batch, pos, d_model]: the layers before it
@@ -362,7 +371,9 @@ def init_weights(model: Transformer, seed: int = 0, std_embed: float = 0.02) -> 
     return model
 
 
-def random_model(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, std_embed: float = 0.02) -> Transformer:
+def random_model(
+    cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, std_embed: float = 0.02
+) -> Transformer:
     """A seeded random model (tests, benchmarks)."""
     model = init_weights(Transformer(cfg), seed=seed, std_embed=std_embed)
     return model.to(dtype).requires_grad_(False)

@@ -97,7 +97,9 @@ class PathExpansion:
         if path not in self._index:
             raise InvalidInputError(f"no term {path!r} in this expansion (max_order {self.max_order})")
         i = self._index[path]
-        return PathTerm(path, int(self.orders[i]), self.values[i], None if self.by_source is None else self.by_source[i])
+        return PathTerm(
+            path, int(self.orders[i]), self.values[i], None if self.by_source is None else self.by_source[i]
+        )
 
     def terms(self) -> list[PathTerm]:
         return [self.term(p) for p in self.paths]
@@ -136,7 +138,9 @@ def _positions(positions: int | Sequence[int] | None, n: int, device: torch.devi
 
 def _as_slice(idx: list[int]) -> slice | list[int]:
     """An arithmetic progression of indices as a slice (a view when indexing), else the list."""
-    if len(idx) == 1 or (len(idx) > 1 and all(b - a == idx[1] - idx[0] > 0 for a, b in zip(idx, idx[1:], strict=False))):
+    if len(idx) == 1 or (
+        len(idx) > 1 and all(b - a == idx[1] - idx[0] > 0 for a, b in zip(idx, idx[1:], strict=False))
+    ):
         return slice(idx[0], idx[-1] + 1, idx[1] - idx[0] if len(idx) > 1 else 1)
     return idx
 
@@ -149,8 +153,9 @@ class _Expander:
     they enter, so the sources that can start suffixes at a layer are a prefix of each stack.
     """
 
-    def __init__(self, model: Transformer, run: FrozenRun, sources: list[_Source], by_source: bool, max_order: int,
-                 q: int):
+    def __init__(
+        self, model: Transformer, run: FrozenRun, sources: list[_Source], by_source: bool, max_order: int, q: int
+    ):
         self.model, self.run, self.sources, self.by_source = model, run, sources, by_source
         self.paths = PathNames()
         self.block_orders: list[tuple[int, int]] = []  # (order, number of terms) per block of self.paths
@@ -188,8 +193,16 @@ class _Expander:
         grouped = g.reshape(cfg.n_kv_heads, cfg.group_size * P0, cfg.d_head)  # [G, group * P0, dh]
         return torch.matmul(grouped, V.transpose(-2, -1)).view(H, P0, m)
 
-    def emit(self, order: int, first_layer: int, heads: list[tuple[str, ...]], rests: list[tuple[str, ...]],
-             coef: Tensor, w: Tensor | None, g: Tensor | None = None) -> None:
+    def emit(
+        self,
+        order: int,
+        first_layer: int,
+        heads: list[tuple[str, ...]],
+        rests: list[tuple[str, ...]],
+        coef: Tensor,
+        w: Tensor | None,
+        g: Tensor | None = None,
+    ) -> None:
         """Terms of every source that can start the suffixes head + rest (head-major). coef [P, q, n], w [P, d]
         (None when only g is known); g [H, P0, d_head] (W_O w before the heads of `first_layer` were prepended,
         P = H * P0) enables the dot through the values of the first head, cheaper when P0 > d_head."""
@@ -271,8 +284,10 @@ def expand_logits(
     n_suffixes = _count_suffixes(L, H, max_order)
     n_terms = n_suffixes * (1 + (1 if cfg.attn_only else 2) * L)
     if n_terms * q * (n if by_source else 1) > max_elements:
-        raise LimitExceededError(f"about {n_terms} terms x {q} positions x {n if by_source else 1} sources is over the "
-                                 f"budget of {max_elements} numbers; lower max_order, positions or by_source")
+        raise LimitExceededError(
+            f"about {n_terms} terms x {q} positions x {n if by_source else 1} sources is over the "
+            f"budget of {max_elements} numbers; lower max_order, positions or by_source"
+        )
     heads_of: list[list[tuple[str, ...]]] = [[(head_name(layer, h),) for h in range(H)] for layer in range(L)]
     with torch.no_grad():
         r, const = readout(model, target)
@@ -325,8 +340,9 @@ def expand_logits(
         exp.block_orders.append((0, 1))
         actual = _actual_value(run.logits_at(dest), target)
         remainder = actual - values.sum(0)
-    return PathExpansion(dest, target, max_order, exp.paths, exp.orders(), values, values_all if by_source else None,
-                         actual, remainder)
+    return PathExpansion(
+        dest, target, max_order, exp.paths, exp.orders(), values, values_all if by_source else None, actual, remainder
+    )
 
 
 def _actual_value(logits: Tensor, target: Target) -> Tensor:

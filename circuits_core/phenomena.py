@@ -185,13 +185,17 @@ def bigram_report(model: Transformer, val: np.ndarray, eot: int) -> dict[str, fl
     b = torch.from_numpy(val[1:].astype(np.int64))
     keep = a != eot  # the token after EOT starts a new file
     a, b = a[keep], b[keep]
-    counts = torch.zeros(d_vocab, d_vocab, dtype=torch.float64).index_put_((a, b), torch.ones(len(a), dtype=torch.float64), accumulate=True)
+    counts = torch.zeros(d_vocab, d_vocab, dtype=torch.float64).index_put_(
+        (a, b), torch.ones(len(a), dtype=torch.float64), accumulate=True
+    )
     rows = counts.sum(1)  # [V]
     seen = rows > 0
     P = counts[seen] / rows[seen, None]  # [A, V]
     w = rows[seen] / rows.sum()  # [A]
     with torch.no_grad():
-        logq = torch.log_softmax((model.W_E.double()[seen.nonzero().squeeze(1).to(model.device)] @ model.W_U.double()).cpu(), -1)
+        logq = torch.log_softmax(
+            (model.W_E.double()[seen.nonzero().squeeze(1).to(model.device)] @ model.W_U.double()).cpu(), -1
+        )
     plogp = torch.where(P > 0, P * P.clamp_min(1e-300).log(), torch.zeros_like(P)).sum(1)
     kl = float((w * (plogp - (P * logq).sum(1))).sum())
     uni = counts.sum(0) / counts.sum()
@@ -202,7 +206,9 @@ def bigram_report(model: Transformer, val: np.ndarray, eot: int) -> dict[str, fl
     return {"bigram_kl": kl, "unigram_kl": unigram_kl, "top1_agreement": float((w * agree.double()).sum())}
 
 
-def skip_trigram_report(model: Transformer, tokenizer, windows: Tensor, layer: int = 0, top: int = 12, k: int = 10) -> dict[str, object]:
+def skip_trigram_report(
+    model: Transformer, tokenizer, windows: Tensor, layer: int = 0, top: int = 12, k: int = 10
+) -> dict[str, object]:
     """Skip-trigrams of each head of `layer` on held-out code.
 
     For every query position: source = the most-attended key (BOS excluded), boosted = the k tokens whose
@@ -228,7 +234,9 @@ def skip_trigram_report(model: Transformer, tokenizer, windows: Tensor, layer: i
         s, dh = s[word], dh[word]
         uniq, inverse = s.unique(return_inverse=True)
         top_ids = ((W_E[uniq] @ W_OV[h]) @ W_U).topk(k, dim=-1).indices  # [u, k]
-        copies_u = torch.tensor([norm[int(t)] in {norm[int(x)] for x in row} for t, row in zip(uniq, top_ids, strict=True)])
+        copies_u = torch.tensor(
+            [norm[int(t)] in {norm[int(x)] for x in row} for t, row in zip(uniq, top_ids, strict=True)]
+        )
         fractions.append(float(copies_u[inverse].double().mean()))
         listings.append((s, dh, top_ids[inverse, 0], copies_u[inverse]))
     best = int(np.argmax(fractions))
@@ -240,7 +248,12 @@ def skip_trigram_report(model: Transformer, tokenizer, windows: Tensor, layer: i
             triples[key] = triples.get(key, 0) + 1
         common = sorted(triples.items(), key=lambda kv: -kv[1])[:top]
         return [
-            {"source": tokenizer.decode([a]), "destination": tokenizer.decode([b]), "boosted": tokenizer.decode([e]), "count": n}
+            {
+                "source": tokenizer.decode([a]),
+                "destination": tokenizer.decode([b]),
+                "boosted": tokenizer.decode([e]),
+                "count": n,
+            }
             for (a, b, e), n in common
         ]
 
@@ -259,7 +272,12 @@ def skip_trigram_report(model: Transformer, tokenizer, windows: Tensor, layer: i
 THRESHOLDS: dict[int, dict[str, tuple[str, float]]] = {
     0: {"top1_agreement": (">=", 0.3), "kl_ratio": ("<=", 0.6)},
     1: {"copying_positive_fraction": (">=", 0.75), "skip_trigram_copying": (">=", 0.2)},
-    2: {"induction_score": (">=", 0.6), "partner_previous_token_score": (">=", 0.5), "repeat_gain": (">=", 2.0), "icl_score": ("<", 0.0)},
+    2: {
+        "induction_score": (">=", 0.6),
+        "partner_previous_token_score": (">=", 0.5),
+        "repeat_gain": (">=", 2.0),
+        "icl_score": ("<", 0.0),
+    },
 }
 
 
@@ -291,19 +309,29 @@ def _copying(model: Transformer) -> _CopyingReport:
 def detector_input(model: Transformer) -> tuple[Tensor, dict[str, object]]:
     """The standard detector input (heads.standard_tokens, seed STANDARD_SEED) and its description for the card."""
     tokens = standard_tokens(model, seed=STANDARD_SEED)
-    info = {"kind": "repeated_random", "r": "uniform over the vocabulary", "seq_len": (tokens.shape[1] - 1) // 2,
-            "batch": STANDARD_BATCH, "seed": STANDARD_SEED, "bos": int(tokens[0, 0])}
+    info = {
+        "kind": "repeated_random",
+        "r": "uniform over the vocabulary",
+        "seq_len": (tokens.shape[1] - 1) // 2,
+        "batch": STANDARD_BATCH,
+        "seed": STANDARD_SEED,
+        "bos": int(tokens[0, 0]),
+    }
     return tokens, info
 
 
 def quick_metrics(model: Transformer, data: EvalData, windows: int = 64, repeats: int = 64) -> dict[str, float]:
     """The scalar metrics tracked during training (small samples)."""
     with torch.no_grad():
-        out: dict[str, float] = {k: round(v, 4) for k, v in text_report(model, data.windows(model.cfg.n_ctx, windows)).items()}
+        out: dict[str, float] = {
+            k: round(v, 4) for k, v in text_report(model, data.windows(model.cfg.n_ctx, windows)).items()
+        }
         n_layers = model.cfg.n_layers
         if n_layers == 0:
             big = bigram_report(model, data.val, data.eot)
-            out.update(top1_agreement=round(big["top1_agreement"], 4), kl_ratio=round(big["bigram_kl"] / big["unigram_kl"], 4))
+            out.update(
+                top1_agreement=round(big["top1_agreement"], 4), kl_ratio=round(big["bigram_kl"] / big["unigram_kl"], 4)
+            )
         if n_layers >= 1:
             out["copying_positive_fraction"] = round(_copying(model)["copying_positive_fraction"], 4)
         if n_layers >= 2:
@@ -311,7 +339,8 @@ def quick_metrics(model: Transformer, data: EvalData, windows: int = 64, repeats
             losses = repeat_losses(model, rep)
             ind = induction_report(model, rep)
             out.update(
-                rep1_loss=round(losses["rep1_loss"], 4), rep2_loss=round(losses["rep2_loss"], 4),
+                rep1_loss=round(losses["rep1_loss"], 4),
+                rep2_loss=round(losses["rep2_loss"], 4),
                 repeat_gain=round(losses["rep1_loss"] - losses["rep2_loss"], 4),
                 induction_score=round(float(ind["induction_score"]), 4),  # type: ignore[arg-type]
                 partner_previous_token_score=round(float(ind["partner_previous_token_score"]), 4),  # type: ignore[arg-type]

@@ -205,7 +205,9 @@ def own_tensors(sd: State) -> State:
     return owned
 
 
-def process_state(cfg: ModelConfig, sd: State, options: ProcessingOptions, record: dict[str, bool | str]) -> ModelConfig:
+def process_state(
+    cfg: ModelConfig, sd: State, options: ProcessingOptions, record: dict[str, bool | str]
+) -> ModelConfig:
     """Apply the chosen rewrites to a checked state dict in place: large tensors are modified in place, so
     the caller must own them (no storage shared with a live model or between entries: see `own_tensors`).
 

@@ -77,7 +77,9 @@ def residual_components(model: Transformer, run: FrozenRun, layer: int) -> tuple
         parts.append(embed_source(model, run) - run.cache["hook_embed"])
     bias = torch.zeros(model.cfg.d_model, dtype=model.dtype, device=model.device)
     for lay in range(layer):
-        x = ln_linear(model, f"blocks.{lay}.ln1", run.cache[f"blocks.{lay}.hook_resid_pre"], run.inv_scale(f"blocks.{lay}.ln1"))
+        x = ln_linear(
+            model, f"blocks.{lay}.ln1", run.cache[f"blocks.{lay}.hook_resid_pre"], run.inv_scale(f"blocks.{lay}.ln1")
+        )
         v = torch.einsum("nd,hde->hne", x, attention(model, lay).W_V)  # [H, n, dh] (LN weight already applied)
         outs = torch.einsum("hqk,hke,hed->hqd", run.patterns[lay], v, attention(model, lay).W_O)  # [H, n, d]
         names += [head_name(lay, h) for h in range(model.cfg.n_heads)]
@@ -109,7 +111,9 @@ def expand_scores(
     n = run.n
     with torch.no_grad():
         names, parts = residual_components(model, run, layer)  # [C0, n, d]
-        normed = centre(model, parts) * run.inv_scale(f"blocks.{layer}.ln1")[:, None]  # D (y C); w is in reading_weights
+        normed = (
+            centre(model, parts) * run.inv_scale(f"blocks.{layer}.ln1")[:, None]
+        )  # D (y C); w is in reading_weights
         sides = []
         for W, b in (("W_Q", "Q"), ("W_K", "K")):
             weights = reading_weights(model, layer, W)[h]  # [d, dh]
@@ -183,8 +187,13 @@ def k_composition_circuit(model: Transformer, head: tuple[int, int], earlier: tu
     return FactoredMatrix(left, right)
 
 
-def k_composition_positivity(model: Transformer, weights: Tensor, G_E: Tensor | None = None,
-                             G_E_W_Q: Tensor | None = None, layers: range | None = None) -> Tensor:
+def k_composition_positivity(
+    model: Transformer,
+    weights: Tensor,
+    G_E: Tensor | None = None,
+    G_E_W_Q: Tensor | None = None,
+    layers: range | None = None,
+) -> Tensor:
     """[L, H]: sum(eig)/sum(|eig|) of each head's K-composition token circuit with weighted earlier heads.
 
     For head h in layer l: M_K = W_E W_Q^h W_K^{hT} (sum_{h' in layers < l} w_{h'} W_V^{h'} W_O^{h'})^T W_E^T,
@@ -205,8 +214,13 @@ def k_composition_positivity(model: Transformer, weights: Tensor, G_E: Tensor | 
     return out
 
 
-def k_composition_matrices(model: Transformer, weights: Tensor, G_E: Tensor | None = None,
-                           G_E_W_Q: Tensor | None = None, layers: range | None = None) -> Tensor:
+def k_composition_matrices(
+    model: Transformer,
+    weights: Tensor,
+    G_E: Tensor | None = None,
+    G_E_W_Q: Tensor | None = None,
+    layers: range | None = None,
+) -> Tensor:
     """[len(layers), H, d_head, d_head]: M_h = W_K^{hT} W_sum^T G_E W_Q^h / s of k_composition_positivity for the heads
     of `layers` (consecutive, default 1..L-1; 0 where no weighted head is earlier), weights per layer read from the
     blocks (no stacked copies of all layers)."""

@@ -140,11 +140,15 @@ def _padded(bases: list[Tensor]) -> Tensor:
 
 def overlaps(left: list[Tensor], right: list[Tensor], should_stop: Callable[[], bool] | None = None) -> Tensor:
     """||U_i^T U_j||_F^2 for all pairs via blocked projector Grams (stream_grams), bases grouped by dimension."""
+
     def sides(bases: list[Tensor]) -> tuple[list, list[int]]:  # type: ignore[type-arg]
         small = [i for i, b in enumerate(bases) if b.shape[1] <= 128]  # heads: pad to d_head together
         big = [i for i in range(len(bases)) if i not in set(small)]
-        groups = ([factors(_padded([bases[i] for i in small]))] if small else []) + [factors(bases[i].T[None]) for i in big]
+        groups = ([factors(_padded([bases[i] for i in small]))] if small else []) + [
+            factors(bases[i].T[None]) for i in big
+        ]
         return groups, small + big
+
     lg, lo = sides(left)
     rg, ro = sides(right)
     raw = inner_products(lg, rg, should_stop, "subspace overlaps")[0]
@@ -186,7 +190,12 @@ def bandwidth(names: list[str], bases: list[Tensor], d_model: int, n_crowded: in
     for i in range(min(n_crowded, d_model)):
         shares = torch.stack([(b.T @ E[:, i]).pow(2).sum() for b in bases])
         top = shares.topk(min(n_writers, len(bases)))
-        crowded.append((float(lam[i]), [(names[j], float(v)) for v, j in zip(top.values.tolist(), top.indices.tolist(), strict=True)]))
+        crowded.append(
+            (
+                float(lam[i]),
+                [(names[j], float(v)) for v, j in zip(top.values.tolist(), top.indices.tolist(), strict=True)],
+            )
+        )
     used = float(lam.sum() ** 2 / lam.pow(2).sum()) if lam.sum() > 0 else 0.0
     return Bandwidth(d_model, total, total / d_model, lam.tolist(), used, crowded)
 
@@ -194,8 +203,13 @@ def bandwidth(names: list[str], bases: list[Tensor], d_model: int, n_crowded: in
 Spectra = tuple[dict[str, Spectrum], dict[str, Spectrum]]
 
 
-def stream_usage(model: Transformer, energy: float = ENERGY, offset: int = 0,
-                 should_stop: Callable[[], bool] | None = None, spec: Spectra | None = None) -> StreamUsage:
+def stream_usage(
+    model: Transformer,
+    energy: float = ENERGY,
+    offset: int = 0,
+    should_stop: Callable[[], bool] | None = None,
+    spec: Spectra | None = None,
+) -> StreamUsage:
     """Effective ranks, subspace overlaps of every writer with every writer and reader, and the bandwidth.
     `spec`: spectra(model, offset) when already computed (erasure uses the same writers' spectra)."""
     if not 0 < energy <= 1:
@@ -223,9 +237,12 @@ def usage_cost(model: Transformer) -> Cost:
     cfg = model.cfg
     Nw, Nr = len(writers(model)), len(readers(model))
     d, dh = cfg.d_model, cfg.d_head
-    numbers = (Nw + Nr) * (d * dh + 128 * 128) + 8 * d * d + 3 * Nw * (Nw + Nr) + cfg.n_layers * cfg.n_heads * 4 * d * dh
-    return Cost(numbers * itemsize(model.compute_dtype)).with_answer(numbers=3 * Nw * (Nw + Nr) + 2 * (Nw + Nr) + d,
-                                                                labels=Nw + Nr)
+    numbers = (
+        (Nw + Nr) * (d * dh + 128 * 128) + 8 * d * d + 3 * Nw * (Nw + Nr) + cfg.n_layers * cfg.n_heads * 4 * d * dh
+    )
+    return Cost(numbers * itemsize(model.compute_dtype)).with_answer(
+        numbers=3 * Nw * (Nw + Nr) + 2 * (Nw + Nr) + d, labels=Nw + Nr
+    )
 
 
 # -- erasure --------------------------------------------------------------------------------------------
@@ -237,7 +254,9 @@ def _null_W_O(d_model: int, d_head: int, n_samples: int, seed: int) -> tuple[Ten
 
 
 @functools.lru_cache(maxsize=256)
-def erasure_null(d_model: int, d_head: int, k: int, n_samples: int = NULL_SAMPLES, seed: int = 0) -> tuple[float, float]:
+def erasure_null(
+    d_model: int, d_head: int, k: int, n_samples: int = NULL_SAMPLES, seed: int = 0
+) -> tuple[float, float]:
     """(mean, std) of the erasure score of a random head (Gaussian W_V [d, dh], W_O [dh, d]) on a k-dim subspace.
 
     A Gaussian head is rotation invariant, so the subspace can be the first k coordinates: with X = W_V[:k] [k, dh],
@@ -276,8 +295,13 @@ class Erasure:
     energy: float
 
 
-def erasure(model: Transformer, energy: float = ENERGY, threshold_z: float = ERASURE_Z,
-            should_stop: Callable[[], bool] | None = None, spec: Spectra | None = None) -> Erasure:
+def erasure(
+    model: Transformer,
+    energy: float = ENERGY,
+    threshold_z: float = ERASURE_Z,
+    should_stop: Callable[[], bool] | None = None,
+    spec: Spectra | None = None,
+) -> Erasure:
     """Erasure scores of every (earlier writer, later head) pair and the candidates (module docstring)."""
     cfg, dt = model.cfg, model.compute_dtype
     L, H, d = cfg.n_layers, cfg.n_heads, cfg.d_model
@@ -286,7 +310,9 @@ def erasure(model: Transformer, energy: float = ENERGY, threshold_z: float = ERA
     heads = [Writer("head", i // H, i % H) for i in range(L * H)]
     shape = (len(ws), L * H)
     score, z, share = torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt)
-    mask = torch.tensor([[reaches(model, w, Reader("V", h.layer, h.head)) for h in heads] for w in ws], dtype=torch.bool)
+    mask = torch.tensor(
+        [[reaches(model, w, Reader("V", h.layer, h.head)) for h in heads] for w in ws], dtype=torch.bool
+    )
     candidates = []
     if L:
         W_V, W_O = model.W_V.flatten(0, 1).to(dt), model.W_O.flatten(0, 1).to(dt)  # [LH, d, dh], [LH, dh, d]
@@ -316,10 +342,21 @@ def erasure(model: Transformer, energy: float = ENERGY, threshold_z: float = ERA
             for j in torch.nonzero((zs > threshold_z) & (sh > k / d)).flatten().tolist():
                 # eigenvalues of X Y = U^T W_OV U [k, k], through the smaller of X Y and Y X (same nonzero ones)
                 eig = torch.linalg.eigvals((X[j] @ Y[j] if k <= dh else Y[j] @ X[j]).double())
-                candidates.append(ErasureCandidate(w.name, heads[j0 + j].name, float(s[j]), float(zs[j]), float(sh[j]),
-                                                   k / d, sorted(eig.tolist(), key=lambda c: c.real)))
+                candidates.append(
+                    ErasureCandidate(
+                        w.name,
+                        heads[j0 + j].name,
+                        float(s[j]),
+                        float(zs[j]),
+                        float(sh[j]),
+                        k / d,
+                        sorted(eig.tolist(), key=lambda c: c.real),
+                    )
+                )
     candidates.sort(key=lambda c: -c.score)
-    return Erasure([w.name for w in ws], [h.name for h in heads], score, z, share, mask, candidates, threshold_z, energy)
+    return Erasure(
+        [w.name for w in ws], [h.name for h in heads], score, z, share, mask, candidates, threshold_z, energy
+    )
 
 
 def erasure_cost(model: Transformer) -> Cost:

@@ -57,12 +57,12 @@ REFERENCE_NAME = "Alice's Adventures in Wonderland, opening paragraphs (Lewis Ca
 REFERENCE_TEXT = (
     "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do: "
     "once or twice she had peeped into the book her sister was reading, but it had no pictures or "
-    "conversations in it, \"and what is the use of a book,\" thought Alice \"without pictures or "
-    "conversations?\" So she was considering in her own mind (as well as she could, for the hot day made her "
+    'conversations in it, "and what is the use of a book," thought Alice "without pictures or '
+    'conversations?" So she was considering in her own mind (as well as she could, for the hot day made her '
     "feel very sleepy and stupid), whether the pleasure of making a daisy-chain would be worth the trouble of "
     "getting up and picking the daisies, when suddenly a White Rabbit with pink eyes ran close by her. There "
     "was nothing so very remarkable in that; nor did Alice think it so very much out of the way to hear the "
-    "Rabbit say to itself, \"Oh dear! Oh dear! I shall be late!\" (when she thought it over afterwards, it "
+    'Rabbit say to itself, "Oh dear! Oh dear! I shall be late!" (when she thought it over afterwards, it '
     "occurred to her that she ought to have wondered at this, but at the time it all seemed quite natural); "
     "but when the Rabbit actually took a watch out of its waistcoat-pocket, and looked at it, and then "
     "hurried on, Alice started to her feet, for it flashed across her mind that she had never before seen a "
@@ -134,7 +134,9 @@ def full_qk_factors(model: Transformer, layer: int, head: int) -> QKFactors:
     return QKFactors(layer, head, embed_eff_matmul(model, W_Q) / model.cfg.scale, embed_eff_matmul(model, W_K))
 
 
-def full_qk_circuit_at(model: Transformer, layer: int, head: int, offset: int, factors: QKFactors | None = None) -> FactoredMatrix:
+def full_qk_circuit_at(
+    model: Transformer, layer: int, head: int, offset: int, factors: QKFactors | None = None
+) -> FactoredMatrix:
     """W_E_eff Ω_h(δ) W_E_eff^T / s [d_vocab, d_vocab] (inner d_head): rows the query token at position i,
     columns the key token at i - δ; entry [b, a] is the token part of hook_attn_scores at that offset."""
     check_rotary(model)
@@ -185,8 +187,9 @@ def qk_eigenvalues_at(model: Transformer, offset: int, G_E: Tensor | None = None
     return torch.linalg.eigvals(_qk_small(model, model.W_Q, model.W_K, G_E) @ R)  # W_K per query head
 
 
-def head_qk_eigenvalues_at(model: Transformer, layer: int, head: int, offsets: Sequence[int] | Tensor,
-                           G_E: Tensor | None = None) -> Tensor:
+def head_qk_eigenvalues_at(
+    model: Transformer, layer: int, head: int, offsets: Sequence[int] | Tensor, G_E: Tensor | None = None
+) -> Tensor:
     """[n_offsets, d_head] complex: one head's full-QK eigenvalues at each offset (qk_eigenvalues_at for one head)."""
     check_rotary(model)
     W_Q, W_K = query_key_weights(model, layer, head)
@@ -221,7 +224,9 @@ def positional_kernel(model: Transformer, means: Tensor, offsets: Sequence[int] 
     check_rotary(model)
     cfg = model.cfg
     if means.shape != (cfg.n_layers, cfg.d_model):
-        raise InvalidInputError(f"means must be [n_layers, d_model] = [{cfg.n_layers}, {cfg.d_model}], got {tuple(means.shape)}")
+        raise InvalidInputError(
+            f"means must be [n_layers, d_model] = [{cfg.n_layers}, {cfg.d_model}], got {tuple(means.shape)}"
+        )
     mu = means.double()
     q = (mu[:, None, None, :] @ model.W_Q.double())[:, :, 0]  # [L, H, dh]
     k = (mu[:, None, None, :] @ model.W_K_groups.double())[:, :, 0]  # [L, n_kv, dh]
@@ -281,8 +286,11 @@ def band_energies(model: Transformer) -> BandEnergies:
     rd = 2 * first.numel()
     rest = torch.ones(model.cfg.d_head, dtype=torch.bool, device=W_Q.device)
     rest[first], rest[second] = False, False
-    unrotated = (G_Q[..., rest][..., rest, :] * G_K[..., rest][..., rest, :]).sum((-2, -1)) if rd < model.cfg.d_head \
+    unrotated = (
+        (G_Q[..., rest][..., rest, :] * G_K[..., rest][..., rest, :]).sum((-2, -1))
+        if rd < model.cfg.d_head
         else W_Q.new_zeros(W_Q.shape[:2])
+    )
     return BandEnergies(rotary_inv_freq(model.cfg), cos_part, sin_part, unrotated)
 
 

@@ -56,13 +56,14 @@ def _rotation_of(d_head: int, angle: float) -> Tensor:
     c, s = math.cos(angle), math.sin(angle)
     half = d_head // 2
     R = torch.eye(d_head, dtype=torch.float64)
-    R[:half, :half], R[half:2 * half, half:2 * half] = c * torch.eye(half), c * torch.eye(half)
-    R[:half, half:2 * half], R[half:2 * half, :half] = s * torch.eye(half), -s * torch.eye(half)
+    R[:half, :half], R[half : 2 * half, half : 2 * half] = c * torch.eye(half), c * torch.eye(half)
+    R[:half, half : 2 * half], R[half : 2 * half, :half] = s * torch.eye(half), -s * torch.eye(half)
     return R
 
 
-def dense_baseline_scores(d_model: int, d_head: int, group_size: int, n_samples: int, seed: int = 0,
-                          offset_angle: float = 0.0) -> Tensor:
+def dense_baseline_scores(
+    d_model: int, d_head: int, group_size: int, n_samples: int, seed: int = 0, offset_angle: float = 0.0
+) -> Tensor:
     """The baseline's scores [2 n g] from dense Gaussian factors W_V, W_K [d, dh], W_O [dh, d], W_Q [g, d, dh] (the
     reference random_baseline's reduced sampler is tested against, and its route when d_model < 2 d_head)."""
     gen = torch.Generator().manual_seed(seed)
@@ -75,14 +76,22 @@ def dense_baseline_scores(d_model: int, d_head: int, group_size: int, n_samples:
         W_Q = torch.randn(m, group_size, d_model, d_head, generator=gen, dtype=torch.float64)
         F = torch.linalg.qr(W_V, mode="r")[1] @ W_O  # [m, dh, d]: ||W_OV Z|| = ||F Z||
         W_K = W_K @ R.T  # [m, d, dh]: W_K R(δ)^T, Ω = W_Q R(δ) W_K^T
-        scores.append(_pair_scores(F[:, None] @ W_Q, W_Q.transpose(-2, -1) @ W_Q, (F @ W_K)[:, None],
-                                   (W_K.transpose(-2, -1) @ W_K)[:, None], F.pow(2).sum((-2, -1))[:, None]))
+        scores.append(
+            _pair_scores(
+                F[:, None] @ W_Q,
+                W_Q.transpose(-2, -1) @ W_Q,
+                (F @ W_K)[:, None],
+                (W_K.transpose(-2, -1) @ W_K)[:, None],
+                F.pow(2).sum((-2, -1))[:, None],
+            )
+        )
     return torch.cat(scores)
 
 
 @functools.lru_cache(maxsize=16)
-def random_baseline(d_model: int, d_head: int, group_size: int = 1, n_samples: int = 200, seed: int = 0,
-                    offset_angle: float = 0.0) -> tuple[float, float]:
+def random_baseline(
+    d_model: int, d_head: int, group_size: int = 1, n_samples: int = 200, seed: int = 0, offset_angle: float = 0.0
+) -> tuple[float, float]:
     """(mean, std) of the Q- and K-composition scores of Gaussian factors of the model's shapes.
 
     Each sample is a source (W_V, W_O), one key factor W_K and group_size query factors W_Q that share it, as

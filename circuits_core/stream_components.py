@@ -208,7 +208,8 @@ def rotation(model: Transformer, offset: int) -> Tensor:
     if model.cfg.positional_embedding_type != "rotary":
         if offset:
             raise InvalidInputError(
-                f"offset applies to rotary models only; this one has {model.cfg.positional_embedding_type!r} positions")
+                f"offset applies to rotary models only; this one has {model.cfg.positional_embedding_type!r} positions"
+            )
         return torch.eye(model.cfg.d_head, dtype=model.dtype, device=model.device)
     return rotary.rotation(model, [offset], dtype=model.dtype)[0]
 
@@ -283,7 +284,7 @@ def factored(model: Transformer, chain: Chain) -> FactoredMatrix:
 def chain_norm(model: Transformer, chain: Chain) -> Tensor:
     """||product||_F from the factors: <A^T A, B B^T> for two factors."""
     if len(chain) == 1:
-        return (embed_gram(model).trace().sqrt() if isinstance(chain[0], str) else chain[0].norm())
+        return embed_gram(model).trace().sqrt() if isinstance(chain[0], str) else chain[0].norm()
     A, B = chain
     assert isinstance(A, Tensor) and isinstance(B, Tensor)
     return ((A.T @ A) * (B @ B.T)).sum().clamp_min(0).sqrt()

@@ -48,8 +48,13 @@ def _block_into(side: GramSide, a: int, b: int, s: int, out: Tensor) -> None:
     torch.bmm(side.F[..., a * s : (a + 1) * s].transpose(-2, -1), side.F2[..., b * s : (b + 1) * s], out=out)
 
 
-def inner_products(left: list[GramSide], right: list[GramSide], should_stop: Callable[[], bool] | None = None,
-                   what: str = "Gram inner products", limits: list[int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+def inner_products(
+    left: list[GramSide],
+    right: list[GramSide],
+    should_stop: Callable[[], bool] | None = None,
+    what: str = "Gram inner products",
+    limits: list[int] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """(<G_i, H_j>_F [sum of left N, sum of right N], tr(G_i) [left N], tr(H_j) [right N]).
 
     The traces come from the diagonal blocks on the way. limits (optional, one per right row, non-decreasing):

@@ -65,8 +65,16 @@ class Recipe:
 
     def model_config(self, d_vocab: int, bos: int) -> ModelConfig:
         return ModelConfig(
-            n_layers=self.n_layers, d_model=self.d_model, n_heads=self.n_heads, d_head=self.d_head, d_vocab=d_vocab,
-            n_ctx=self.n_ctx, attn_only=True, normalization_type=None, use_bias=False, bos_token_id=bos,
+            n_layers=self.n_layers,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            d_head=self.d_head,
+            d_vocab=d_vocab,
+            n_ctx=self.n_ctx,
+            attn_only=True,
+            normalization_type=None,
+            use_bias=False,
+            bos_token_id=bos,
             # Positions only enter attention, so a model without layers has none.
             positional_embedding_type="shortformer" if self.n_layers else "none",
         )
@@ -104,7 +112,12 @@ def training_logits(model: Transformer, tokens: Tensor) -> Tensor:
     other architectures fall back to `model.run`.
     """
     cfg = model.cfg
-    if not cfg.attn_only or cfg.normalization_type is not None or cfg.use_bias or cfg.positional_embedding_type not in ("shortformer", "none"):
+    if (
+        not cfg.attn_only
+        or cfg.normalization_type is not None
+        or cfg.use_bias
+        or cfg.positional_embedding_type not in ("shortformer", "none")
+    ):
         return model.run(tokens)[0]
     x = model.W_E[tokens]  # [b, n, d]
     pos = model.W_pos[: tokens.shape[1]] if model.W_pos is not None else 0.0
@@ -159,7 +172,9 @@ def train(
     no_decay = [p for n, p in model.named_parameters() if n.startswith(("embed.", "pos_embed."))]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=recipe.lr, betas=(0.9, recipe.beta2), fused=device.startswith("cuda"),
+        lr=recipe.lr,
+        betas=(0.9, recipe.beta2),
+        fused=device.startswith("cuda"),
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / recipe.warmup))
     batches = Batches(corpus.train, recipe, corpus.eot, eval_data.rep_vocab().numpy())
@@ -187,7 +202,12 @@ def train(
         bar.update(1)
         if is_eval:
             minutes = (time.perf_counter() - start) / 60
-            row = {"step": step, "minutes": round(minutes, 3), "train_loss": round(loss_avg, 4), **quick_metrics(model, eval_data)}
+            row = {
+                "step": step,
+                "minutes": round(minutes, 3),
+                "train_loss": round(loss_avg, 4),
+                **quick_metrics(model, eval_data),
+            }
             checks = check_thresholds(recipe.n_layers, row)
             row["met"] = bool(checks) and all(checks.values())
             history.append(row)
@@ -197,7 +217,9 @@ def train(
             if snapshots and row["met"] and (met_step is None or step >= 2 * met_step) and tag not in saved:
                 saved.add(tag)
                 met_step = met_step or step
-                _finish(name, recipe, model, corpus, eval_data, out / f"{name}-{tag}", step, start, device, history, first)
+                _finish(
+                    name, recipe, model, corpus, eval_data, out / f"{name}-{tag}", step, start, device, history, first
+                )
             if timed_out:
                 break
     bar.close()
@@ -210,11 +232,15 @@ def _bar(total: int, name: str, enabled: bool):
     except ImportError:  # pragma: no cover - tqdm is a dependency
         enabled = False
     if not enabled:
+
         class _Quiet:
             def update(self, n): ...
             def set_postfix(self, **kw): ...
-            def write(self, s): print(s, file=sys.stderr, flush=True)
+            def write(self, s):
+                print(s, file=sys.stderr, flush=True)
+
             def close(self): ...
+
         return _Quiet()
     return tqdm(total=total, desc=name, mininterval=2.0, file=sys.stderr)
 
@@ -230,7 +256,9 @@ def _finish(name, recipe, model, corpus, eval_data, folder: Path, step, start, d
             "steps": step,
             "tokens_seen": step * recipe.batch * recipe.n_ctx,
             "wall_seconds": round(wall, 1),
-            "device": torch.cuda.get_device_name(0) if device.startswith("cuda") else f"cpu ({torch.get_num_threads()} threads)",
+            "device": torch.cuda.get_device_name(0)
+            if device.startswith("cuda")
+            else f"cpu ({torch.get_num_threads()} threads)",
             "torch": torch.__version__,
             "final_train_loss": history[-1]["train_loss"] if history else None,
         },
@@ -274,8 +302,11 @@ def remeasure(folder: Path) -> dict:
     eval_data = EvalData.load(folder.parent / "eval_data.npz")
     card["phenomena"] = measure(model, tokenizer, eval_data)
     card["description"], card["notes"] = DESCRIPTIONS.get(card["name"], ""), NOTES.get(card["name"], "")
-    card["data"]["source"] = card["data"]["source"] if not str(card["data"].get("source", "")).startswith("/") else \
-        source_label(Path(card["data"]["source"]))  # never the training machine's absolute path
+    card["data"]["source"] = (
+        card["data"]["source"]
+        if not str(card["data"].get("source", "")).startswith("/")
+        else source_label(Path(card["data"]["source"]))
+    )  # never the training machine's absolute path
     card["thresholds"] = check_thresholds(model.cfg.n_layers, card["phenomena"], detail=True)
     card["first_crossed"] = first_crossings(card.get("history", []), model.cfg.n_layers)
     (folder / "model_card.json").write_text(json.dumps(card, indent=1) + "\n")
@@ -337,12 +368,27 @@ def main(argv: list[str] | None = None) -> int:
         overrides = {k: v for k, v in (s.split("=", 1) for s in args.set)}
         fields = {f.name: f.type for f in dataclasses.fields(Recipe)}
         # Field names come from the command line, so the values can only be typed per field at run time.
-        parsed: dict[str, Any] = {k: (float(v) if fields[k] == "float" else int(v) if fields[k] == "int" else v) for k, v in overrides.items()}
+        parsed: dict[str, Any] = {
+            k: (float(v) if fields[k] == "float" else int(v) if fields[k] == "int" else v) for k, v in overrides.items()
+        }
         recipe = dataclasses.replace(recipe, **parsed)
         if args.steps:
             recipe = dataclasses.replace(recipe, steps=args.steps)
-        card = train(args.save_as or name, recipe, corpus, args.out, args.device, args.max_minutes, args.snapshots, not args.no_progress)
-        print(json.dumps({"name": card["name"], "phenomena": card["phenomena"], "first_crossed": card["first_crossed"]}, indent=1))
+        card = train(
+            args.save_as or name,
+            recipe,
+            corpus,
+            args.out,
+            args.device,
+            args.max_minutes,
+            args.snapshots,
+            not args.no_progress,
+        )
+        print(
+            json.dumps(
+                {"name": card["name"], "phenomena": card["phenomena"], "first_crossed": card["first_crossed"]}, indent=1
+            )
+        )
     return 0
 
 

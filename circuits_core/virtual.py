@@ -53,8 +53,9 @@ def factors_copying_score(left: Tensor, right: Tensor, G: Tensor) -> Tensor:
     return copying_score(torch.linalg.eigvals((right @ G @ left).double()))
 
 
-def virtual_copying_scores(model: Transformer, G: Tensor | None = None,
-                           should_stop: Callable[[], bool] | None = None) -> Tensor:
+def virtual_copying_scores(
+    model: Transformer, G: Tensor | None = None, should_stop: Callable[[], bool] | None = None
+) -> Tensor:
     """[L, H, L, H]: copying score of every full virtual OV circuit (h1 earlier, h2 later); 0 elsewhere."""
     cfg = model.cfg
     L, H = cfg.n_layers, cfg.n_heads
@@ -85,15 +86,27 @@ def rank_by_v_composition(model: Transformer, k: int = 20) -> list[tuple[str, st
     idx = flat.argsort(descending=True)[:k]
     out = []
     for i in idx.tolist():
-        l1, h1, l2, h2 = i // (H * model.cfg.n_layers * H), (i // (model.cfg.n_layers * H)) % H, (i // H) % model.cfg.n_layers, i % H
+        l1, h1, l2, h2 = (
+            i // (H * model.cfg.n_layers * H),
+            (i // (model.cfg.n_layers * H)) % H,
+            (i // H) % model.cfg.n_layers,
+            i % H,
+        )
         out.append((head_name(l1, h1), head_name(l2, h2), float(flat[i])))
     return out
 
 
-def rank_by_contribution(expansion: PathExpansion, k: int = 20, position: int = 0) -> list[tuple[tuple[str, ...], float]]:
+def rank_by_contribution(
+    expansion: PathExpansion, k: int = 20, position: int = 0
+) -> list[tuple[tuple[str, ...], float]]:
     """The k order-2 embedding-sourced terms (virtual heads) of a path expansion with the largest |value|."""
-    rows = [(p, float(v)) for p, o, v in zip(expansion.paths, expansion.orders.tolist(), expansion.values[:, position].tolist(), strict=True)
-            if o == 2 and not p[0].startswith(("bias:", "mlp:"))]
+    rows = [
+        (p, float(v))
+        for p, o, v in zip(
+            expansion.paths, expansion.orders.tolist(), expansion.values[:, position].tolist(), strict=True
+        )
+        if o == 2 and not p[0].startswith(("bias:", "mlp:"))
+    ]
     return sorted(rows, key=lambda r: -abs(r[1]))[:k]
 
 
@@ -105,7 +118,9 @@ def chain_next_token_terms(model: Transformer, run: FrozenRun, chain: list[Head]
     and its term on target t at p is inv_f[p] (Y[p] . r_t), r_t the centred, ln_final-weighted W_U column."""
     layers = [layer for layer, _ in chain]
     if not chain or layers != sorted(set(layers)):
-        raise InvalidInputError(f"a chain needs heads in strictly increasing layers, got {[head_name(*c) for c in chain]}")
+        raise InvalidInputError(
+            f"a chain needs heads in strictly increasing layers, got {[head_name(*c) for c in chain]}"
+        )
     for layer, h in chain:
         check_head(model, layer, h)
     Y = embed_source(model, run)  # [n, d]

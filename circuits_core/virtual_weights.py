@@ -63,10 +63,14 @@ from circuits_core.stream_grams import GramSide, factors, inner_products
 def virtual_weight(model: Transformer, writer: Writer, reader: Reader, offset: int = 0) -> FactoredMatrix:
     """W_w W_r [n_in, n_out]: what `reader` reads of what `writer` wrote, through the smallest inner dimension."""
     if not reaches(model, writer, reader):
-        raise InvalidInputError(f"{reader.name} does not read what {writer.name} writes (it reads earlier or not at all)")
+        raise InvalidInputError(
+            f"{reader.name} does not read what {writer.name} writes (it reads earlier or not at all)"
+        )
     if offset != 0 and reader.role not in ("Q", "K"):
-        raise InvalidInputError(f"offset {offset}: only Q and K readers are read at a query-key offset (rotary models); "
-                                f"{reader.name} is not rotated, so ask for it at offset 0")
+        raise InvalidInputError(
+            f"offset {offset}: only Q and K readers are read at a query-key offset (rotary models); "
+            f"{reader.name} is not rotated, so ask for it at offset 0"
+        )
     return factored(model, writer_chain(model, writer) + reader_chain(model, reader, offset))
 
 
@@ -139,8 +143,15 @@ class VirtualWeightReport:
 
 
 def _space(kind: str) -> str:
-    return {"embed": "tokens", "pos": "positions", "mlp": "neurons", "unembed": "tokens", "in": "neurons",
-            "gate": "neurons", "up": "neurons"}.get(kind, "d_model")
+    return {
+        "embed": "tokens",
+        "pos": "positions",
+        "mlp": "neurons",
+        "unembed": "tokens",
+        "in": "neurons",
+        "gate": "neurons",
+        "up": "neurons",
+    }.get(kind, "d_model")
 
 
 def _extremes(v: Tensor, n: int, space: str, largest: bool) -> list[tuple[int, float]] | None:
@@ -156,8 +167,9 @@ def _neuron_ids(neurons: tuple[int, ...] | None, idx: list[tuple[int, float]] | 
     return [(neurons[i], x) for i, x in idx]
 
 
-def pair_report(model: Transformer, writer: Writer, reader: Reader, k: int = 5, n_top: int = 10,
-                offset: int = 0) -> VirtualWeightReport:
+def pair_report(
+    model: Transformer, writer: Writer, reader: Reader, k: int = 5, n_top: int = 10, offset: int = 0
+) -> VirtualWeightReport:
     """Score, baseline, every singular value and the top-k singular directions of one virtual weight."""
     with torch.no_grad():
         fm = virtual_weight(model, writer, reader, offset)
@@ -169,14 +181,19 @@ def pair_report(model: Transformer, writer: Writer, reader: Reader, k: int = 5, 
     dirs = []
     for i in range(svd.U.shape[1]):
         u, v = svd.U[:, i], svd.V[:, i]
-        dirs.append(Direction(float(svd.S[i]),
-                              _neuron_ids(writer.neurons, _extremes(u, n_top, ins, True)),
-                              _neuron_ids(writer.neurons, _extremes(u, n_top, ins, False)),
-                              _neuron_ids(reader.neurons, _extremes(v, n_top, outs, True)),
-                              _neuron_ids(reader.neurons, _extremes(v, n_top, outs, False))))
+        dirs.append(
+            Direction(
+                float(svd.S[i]),
+                _neuron_ids(writer.neurons, _extremes(u, n_top, ins, True)),
+                _neuron_ids(writer.neurons, _extremes(u, n_top, ins, False)),
+                _neuron_ids(reader.neurons, _extremes(v, n_top, outs, True)),
+                _neuron_ids(reader.neurons, _extremes(v, n_top, outs, False)),
+            )
+        )
     sampled, _ = random_baseline(model.cfg.d_model, model.cfg.d_head)
-    return VirtualWeightReport(writer.name, reader.name, ins, outs, score, analytic_baseline(model), sampled,
-                               svd.S.tolist(), dirs, offset)
+    return VirtualWeightReport(
+        writer.name, reader.name, ins, outs, score, analytic_baseline(model), sampled, svd.S.tolist(), dirs, offset
+    )
 
 
 def neuron_logits(model: Transformer, layer: int, neuron: int) -> Tensor:
@@ -255,7 +272,9 @@ def reach_mask(model: Transformer, ws: list[Writer], rs: list[Reader]) -> Tensor
     return mask
 
 
-def all_scores(model: Transformer, offset: int = 0, should_stop: Callable[[], bool] | None = None) -> VirtualWeightScores:
+def all_scores(
+    model: Transformer, offset: int = 0, should_stop: Callable[[], bool] | None = None
+) -> VirtualWeightScores:
     """Scores of every writer x reader pair from blocked d x d Grams (see the module docstring)."""
     ws, rs = writers(model), readers(model)
     slots = [w.slot() for w in ws]  # non-decreasing
@@ -263,8 +282,9 @@ def all_scores(model: Transformer, offset: int = 0, should_stop: Callable[[], bo
     with torch.no_grad():
         wg, rg = writer_groups(model), reader_groups(model, offset)
         assert [w for g, _ in wg for w in g] == ws and [r for g, _ in rg for r in g] == rs
-        num_sq, w_sq, r_sq = inner_products([s for _, s in wg], [s for _, s in rg], should_stop,
-                                            "virtual weight scores", limits)  # traces: ||W_w||^2, ||W_r||^2
+        num_sq, w_sq, r_sq = inner_products(
+            [s for _, s in wg], [s for _, s in rg], should_stop, "virtual weight scores", limits
+        )  # traces: ||W_w||^2, ||W_r||^2
         raw = num_sq.clamp_min(0).sqrt() / (w_sq[:, None].sqrt() * r_sq[None, :].sqrt())
     mask = reach_mask(model, ws, rs)
     raw = torch.where(mask, raw, torch.zeros_like(raw))
@@ -285,7 +305,9 @@ def all_scores_cost(model: Transformer) -> Cost:
     Nw, Nr = len(writers(model)), len(readers(model))
     n_ctx = cfg.n_ctx if has_pos_writer(model) else 0
     factor_numbers = 4 * L * H * dh * d  # one layer's products at a time would do; all are kept
-    dtype_copies = 0 if model.dtype == model.compute_dtype else (4 * L * H * dh * d + (1 + roles) * n_mlp * d + n_ctx * d)
+    dtype_copies = (
+        0 if model.dtype == model.compute_dtype else (4 * L * H * dh * d + (1 + roles) * n_mlp * d + n_ctx * d)
+    )
     numbers = factor_numbers + dtype_copies + cfg.d_vocab * d + 2 * (Nw + Nr) * size * size + 3 * Nw * Nr
     return Cost(numbers * itemsize(model.compute_dtype)).with_answer(numbers=2 * Nw * Nr, labels=Nw + Nr)
 
@@ -294,8 +316,13 @@ def pair_cost(model: Transformer, writer: Writer, reader: Reader, k: int, n_top:
     """pair_report: the two factors of the virtual weight (the outer sides at most d_vocab x d_model), their r x r
     Grams, eigenvectors and core SVD, k directions on each side; answer: every singular value and 4 k n_top entries."""
     cfg = model.cfg
-    sizes = {"embed": cfg.d_vocab, "pos": cfg.n_ctx, "mlp": len(writer.neurons or ()) or (cfg.d_mlp or 0),
-             "unembed": cfg.d_vocab, **dict.fromkeys(("in", "gate", "up"), len(reader.neurons or ()) or (cfg.d_mlp or 0))}
+    sizes = {
+        "embed": cfg.d_vocab,
+        "pos": cfg.n_ctx,
+        "mlp": len(writer.neurons or ()) or (cfg.d_mlp or 0),
+        "unembed": cfg.d_vocab,
+        **dict.fromkeys(("in", "gate", "up"), len(reader.neurons or ()) or (cfg.d_mlp or 0)),
+    }
     n_in = sizes.get(writer.kind, cfg.d_model)
     n_out = sizes.get(reader.role, cfg.d_model)
     r = cfg.d_head if writer.kind == "head" or reader.role in ("Q", "K", "V") else cfg.d_model

@@ -62,7 +62,9 @@ FORMATS: tuple[str, ...] = get_args(Format)
 QKOV_FORMAT_VERSION = 1
 # A loader turns (folder, parsed config.json) into (config, TransformerLens state dict, key -> file, files).
 # The compute dtype is passed so a loader may convert each tensor as it reads it (peak: one copy + one tensor).
-Loader = Callable[[Path, dict[str, Any], torch.dtype], tuple[ModelConfig, dict[str, Tensor], dict[str, str], list[Path]]]
+Loader = Callable[
+    [Path, dict[str, Any], torch.dtype], tuple[ModelConfig, dict[str, Tensor], dict[str, str], list[Path]]
+]
 HF_MODEL_TYPES: dict[str, Format] = {
     "gpt2": "gpt2", "gpt_neox": "gpt_neox", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
 }  # fmt: skip
@@ -320,7 +322,9 @@ def load_checkpoint(
     options = loaded.options
     if options != ProcessingOptions():
         digest = hashlib.sha256(f"{digest} {dataclasses.asdict(options)}".encode()).hexdigest()
-    return LoadedModel(model=loaded.model, tokenizer=loaded.tokenizer, format=fmt, card=loaded.card, digest=digest, path=folder)
+    return LoadedModel(
+        model=loaded.model, tokenizer=loaded.tokenizer, format=fmt, card=loaded.card, digest=digest, path=folder
+    )
 
 
 @dataclass

@@ -24,7 +24,9 @@ from app.routers.rendering import Page, serve_page
 MARKERS = (Limit, HeadField, HeadsField)
 
 
-def _signature(analysis: Analysis[Any, Any], params: type[AnalysisParams], context: list[inspect.Parameter]) -> inspect.Signature:
+def _signature(
+    analysis: Analysis[Any, Any], params: type[AnalysisParams], context: list[inspect.Parameter]
+) -> inspect.Signature:
     """The endpoint's signature: the context dependencies, then one parameter per params field."""
     fields = []
     path_fields = analysis.path_fields()
@@ -42,8 +44,11 @@ def _context(analysis: Analysis[Any, Any]) -> list[inspect.Parameter]:
     ctx = [inspect.Parameter("limits", kw, annotation=LimitsDep)]
     if analysis.scope == "server":
         return [*ctx, inspect.Parameter("registry", kw, annotation=RegistryDep)]
-    return [*ctx, inspect.Parameter("model", kw, annotation=Annotated[str, MODEL_PATH]),
-            inspect.Parameter("loaded", kw, annotation=LoadedModelDep)]
+    return [
+        *ctx,
+        inspect.Parameter("model", kw, annotation=Annotated[str, MODEL_PATH]),
+        inspect.Parameter("loaded", kw, annotation=LoadedModelDep),
+    ]
 
 
 def api_endpoint(analysis: Analysis[Any, Any], params: type[AnalysisParams]) -> Any:
@@ -68,8 +73,13 @@ def api_router(declared: BoundAnalyses) -> APIRouter:
     router = APIRouter()
     for analysis in declared.analyses:
         router.add_api_route(
-            analysis.api_path, api_endpoint(analysis, declared.bound(analysis)), methods=["GET"],
-            response_model=analysis.view, tags=list(analysis.tags), summary=analysis.summary, name=analysis.name,
+            analysis.api_path,
+            api_endpoint(analysis, declared.bound(analysis)),
+            methods=["GET"],
+            response_model=analysis.view,
+            tags=list(analysis.tags),
+            summary=analysis.summary,
+            name=analysis.name,
             openapi_extra={"x-qkov-analysis": analysis.name},
         )
     return router

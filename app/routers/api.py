@@ -29,8 +29,12 @@ async def list_models(registry: RegistryDep) -> list[schemas.ModelSummary]:
     return (await models_view(registry)).models
 
 
-@router.get("/unavailable-models", response_model=list[schemas.UnavailableModel], tags=["models"],
-            summary="Folders in the models directories that hold no loadable checkpoint, with the reason")
+@router.get(
+    "/unavailable-models",
+    response_model=list[schemas.UnavailableModel],
+    tags=["models"],
+    summary="Folders in the models directories that hold no loadable checkpoint, with the reason",
+)
 async def list_unavailable(registry: RegistryDep) -> list[schemas.UnavailableModel]:
     return (await models_view(registry)).unavailable
 

@@ -18,7 +18,16 @@ from markupsafe import Markup
 from app.deps import RegistryDep
 from app.routers.rendering import page_context, render
 
-_CONSTRAINTS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern", "enum")
+_CONSTRAINTS = (
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "enum",
+)
 
 
 def _esc(value: Any) -> str:
@@ -56,7 +65,11 @@ def _operation(path: str, method: str, op: dict[str, Any]) -> str:
         else ""
     )
     ok = op.get("responses", {}).get("200", {}).get("content", {}).get("application/json", {}).get("schema", {})
-    returns = f'<p>Returns <a href="#schema-{_esc(_schema_type(ok))}"><code>{_esc(_schema_type(ok))}</code></a></p>' if ok else ""
+    returns = (
+        f'<p>Returns <a href="#schema-{_esc(_schema_type(ok))}"><code>{_esc(_schema_type(ok))}</code></a></p>'
+        if ok
+        else ""
+    )
     doc = f"<p>{_esc(op['description'])}</p>" if op.get("description") else ""
     return (
         f'<section class="op" id="{_esc(op.get("operationId", path))}"><h3><span class="method">{method.upper()}</span> '
@@ -66,7 +79,9 @@ def _operation(path: str, method: str, op: dict[str, Any]) -> str:
 
 def render_docs(spec: dict[str, Any]) -> str:
     """The body of the docs page (HTML, every value escaped): the endpoints, then the schemas."""
-    ops = "".join(_operation(path, method, op) for path, item in spec.get("paths", {}).items() for method, op in item.items())
+    ops = "".join(
+        _operation(path, method, op) for path, item in spec.get("paths", {}).items() for method, op in item.items()
+    )
     schemas = "".join(
         f'<details id="schema-{_esc(name)}"><summary><code>{_esc(name)}</code></summary><pre>{_esc(json.dumps(s, indent=2))}</pre></details>'
         for name, s in sorted(spec.get("components", {}).get("schemas", {}).items())

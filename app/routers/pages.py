@@ -106,10 +106,20 @@ def heads_grid(loaded: LoadedModel, heads: list[HeadScores], score: str, model_i
         z[s.layer][s.index] = getattr(s, score)
     links = [[f"/models/{model_id}/heads/{n}" for n in row] for row in names]
     return charts.heatmap(
-        z, [f"H{h}" for h in range(cfg.n_heads)], [f"L{layer}" for layer in range(cfg.n_layers)],
-        title=f"{label} score per head (click a head to open it)", x_title="head", y_title="layer", signed=signed,
-        zmax=1.0, customdata=names, hover="%{customdata}<br>" + label + " %{z:.3f}", links=links, colorbar=label,
-        text_in_cells=cfg.n_layers * cfg.n_heads <= 64, height=max(220, 70 * cfg.n_layers + 120),
+        z,
+        [f"H{h}" for h in range(cfg.n_heads)],
+        [f"L{layer}" for layer in range(cfg.n_layers)],
+        title=f"{label} score per head (click a head to open it)",
+        x_title="head",
+        y_title="layer",
+        signed=signed,
+        zmax=1.0,
+        customdata=names,
+        hover="%{customdata}<br>" + label + " %{z:.3f}",
+        links=links,
+        colorbar=label,
+        text_in_cells=cfg.n_layers * cfg.n_heads <= 64,
+        height=max(220, 70 * cfg.n_layers + 120),
     )
 
 
@@ -126,42 +136,80 @@ async def composition_partners(call: PageCall, name: str, top: int = 6) -> list[
             for j, dst in enumerate(view.targets):
                 value = view.minus_baseline[i][j]
                 if value is not None and name in (src, dst):
-                    rows.append({"kind": kind, "source": src, "target": dst, "score": view.scores[i][j], "minus_baseline": value,
-                                 "partner": dst if src == name else src, "role": "writes to" if src == name else "reads from"})
+                    rows.append(
+                        {
+                            "kind": kind,
+                            "source": src,
+                            "target": dst,
+                            "score": view.scores[i][j],
+                            "minus_baseline": value,
+                            "partner": dst if src == name else src,
+                            "role": "writes to" if src == name else "reads from",
+                        }
+                    )
     return sorted(rows, key=lambda r: -r["minus_baseline"])[:top]
 
 
 def training_curve(card: dict[str, Any] | None) -> dict[str, Any] | None:
     """The model card's evaluation history as loss curves (train and validation loss against the step)."""
     history = (card or {}).get("history")
-    if not isinstance(history, list) or not all(isinstance(r, dict) and "step" in r for r in history) or len(history) < 2:
+    if (
+        not isinstance(history, list)
+        or not all(isinstance(r, dict) and "step" in r for r in history)
+        or len(history) < 2
+    ):
         return None
-    series = {name: [r.get(key) for r in history] for key, name in (("train_loss", "train loss"), ("val_loss", "validation loss"))
-              if any(isinstance(r.get(key), (int, float)) for r in history)}
+    series = {
+        name: [r.get(key) for r in history]
+        for key, name in (("train_loss", "train loss"), ("val_loss", "validation loss"))
+        if any(isinstance(r.get(key), (int, float)) for r in history)
+    }
     if not series:
         return None
-    return charts.lines([r["step"] for r in history], series, title="training curve (model card history)", x_title="step",
-                        y_title="loss (nats)")
+    return charts.lines(
+        [r["step"] for r in history],
+        series,
+        title="training curve (model card history)",
+        x_title="step",
+        y_title="loss (nats)",
+    )
 
 
 def head_charts(view: HeadView) -> dict[str, Any]:
     figs: dict[str, Any] = {
-        "ov_eig": charts.complex_scatter([(c.re, c.im) for c in view.ov_eigenvalues],
-                                         title=f"OV eigenvalues of W_E W_OV W_U · copying {view.scores.ov_copying:+.3f}"
-                                         if view.scores.ov_copying is not None else "OV eigenvalues"),
-        "qk_eig": charts.complex_scatter([(c.re, c.im) for c in view.qk_eigenvalues],
-                                         title=f"QK eigenvalues of W_E W_QK W_E^T · {view.scores.qk_copying:+.3f}"
-                                         if view.scores.qk_copying is not None else "QK eigenvalues"),
-        "svals": charts.grouped_bars([str(i) for i in range(len(view.ov_singular_values))],
-                                     {"W_OV": view.ov_singular_values, "W_QK": view.qk_singular_values},
-                                     title="singular values of W_OV and W_QK", x_title="index"),
+        "ov_eig": charts.complex_scatter(
+            [(c.re, c.im) for c in view.ov_eigenvalues],
+            title=f"OV eigenvalues of W_E W_OV W_U · copying {view.scores.ov_copying:+.3f}"
+            if view.scores.ov_copying is not None
+            else "OV eigenvalues",
+        ),
+        "qk_eig": charts.complex_scatter(
+            [(c.re, c.im) for c in view.qk_eigenvalues],
+            title=f"QK eigenvalues of W_E W_QK W_E^T · {view.scores.qk_copying:+.3f}"
+            if view.scores.qk_copying is not None
+            else "QK eigenvalues",
+        ),
+        "svals": charts.grouped_bars(
+            [str(i) for i in range(len(view.ov_singular_values))],
+            {"W_OV": view.ov_singular_values, "W_QK": view.qk_singular_values},
+            title="singular values of W_OV and W_QK",
+            x_title="index",
+        ),
     }
     if view.positional is not None:
         n = min(view.positional.n_positions, POSITIONAL_SHOWN)
         figs["positional"] = charts.heatmap(
-            [row[:n] for row in view.positional.pattern[:n]], [str(i) for i in range(n)], [str(i) for i in range(n)], digits=3,
-            title="softmax(W_pos W_QK W_pos^T / √d_head), causal", x_title="key position", y_title="query position",
-            signed=False, zmax=1.0, hover="query %{y} → key %{x}<br>%{z:.3f}", colorbar="attention",
+            [row[:n] for row in view.positional.pattern[:n]],
+            [str(i) for i in range(n)],
+            [str(i) for i in range(n)],
+            digits=3,
+            title="softmax(W_pos W_QK W_pos^T / √d_head), causal",
+            x_title="key position",
+            y_title="query position",
+            signed=False,
+            zmax=1.0,
+            hover="query %{y} → key %{x}<br>%{z:.3f}",
+            colorbar="attention",
         )
     return figs
 
@@ -188,7 +236,11 @@ def switched(here: str, old: str, cfg: ModelConfig, model: str, views: dict[str,
     parts = urlsplit(here)
     prefix = f"/models/{old}"
     base = f"/models/{quote(model, safe='')}"
-    sub = parts.path[len(prefix):] if parts.path == prefix or parts.path.startswith(prefix + "/") else views.get(view, "")
+    sub = (
+        parts.path[len(prefix) :]
+        if parts.path == prefix or parts.path.startswith(prefix + "/")
+        else views.get(view, "")
+    )
     segments = [s for s in sub.split("/") if s]
     if segments[:1] == ["heads"] and len(segments) >= 2 and not all(has_head(h, cfg) for h in segments[1:2]):
         sub = ""
@@ -216,20 +268,35 @@ def has_head(name: str, cfg: ModelConfig) -> bool:
 
 
 @router.get("/go")
-async def go(request: Request, registry: RegistryDep, model: str = Query(..., max_length=128),
-             view: str = Query("overview", max_length=32), here: str = Query("", max_length=8192)) -> Response:
+async def go(
+    request: Request,
+    registry: RegistryDep,
+    model: str = Query(..., max_length=128),
+    view: str = Query("overview", max_length=32),
+    here: str = Query("", max_length=8192),
+) -> Response:
     """The model picker (a GET form): to the same view of the chosen model, keeping the state that applies
     there (`here` is the page it was used on: its prompt, and its head when the new model has it)."""
     views = dict((k, s) for k, _, s in model_nav(request))
     loaded = await get_model(model, registry)
     old = urlsplit(here).path.split("/")[2] if here.startswith("/models/") and here.count("/") >= 2 else ""
-    target = switched(here, unquote(old), loaded.model.cfg, model, views, view) if old else f"/models/{quote(model, safe='')}{views.get(view, '')}"
+    target = (
+        switched(here, unquote(old), loaded.model.cfg, model, views, view)
+        if old
+        else f"/models/{quote(model, safe='')}{views.get(view, '')}"
+    )
     return RedirectResponse(target, status_code=303)
 
 
 @router.get("/models/{model}")
-async def overview_page(request: Request, registry: RegistryDep, loaded: LoadedModelDep, entry: ModelEntryDep, limits: LimitsDep,
-                        score: str = Query("induction", pattern="^(" + "|".join(SCORES) + ")$")) -> Response:
+async def overview_page(
+    request: Request,
+    registry: RegistryDep,
+    loaded: LoadedModelDep,
+    entry: ModelEntryDep,
+    limits: LimitsDep,
+    score: str = Query("induction", pattern="^(" + "|".join(SCORES) + ")$"),
+) -> Response:
     key = await page_key(request, registry, loaded, "/models/{model}")
     if (body := await cached_page(request, key)) is not None:
         return html_page(body)
@@ -239,20 +306,42 @@ async def overview_page(request: Request, registry: RegistryDep, loaded: LoadedM
     fig = heads_grid(loaded, heads.heads, score, entry.id) if heads.heads else None
     scatter, scatter_claim, scatter_error = None, None, None
     if loaded.model.cfg.n_layers >= 2 and not is_fragment(request):
-        data, scatter_error = await attempt(lambda: positivity_scatter(loaded, limits)[0], key=(entry.id, loaded.digest, "positivity"))
+        data, scatter_error = await attempt(
+            lambda: positivity_scatter(loaded, limits)[0], key=(entry.id, loaded.digest, "positivity")
+        )
         if data:
             pts = data["points"]
             scatter = charts.scatter(
-                [p["ov_copying"] or 0.0 for p in pts], [p["k_composition_positivity"] for p in pts], [p["head"] for p in pts],
+                [p["ov_copying"] or 0.0 for p in pts],
+                [p["k_composition_positivity"] for p in pts],
+                [p["head"] for p in pts],
                 title=f"OV copying vs K-composition positivity with previous-token head {data['previous_token_head']}",
-                x_title="OV copying score (Σλ/Σ|λ|)", y_title="K-composition positivity", links=[f"/models/{entry.id}/heads/{p['head']}" for p in pts])
+                x_title="OV copying score (Σλ/Σ|λ|)",
+                y_title="K-composition positivity",
+                links=[f"/models/{entry.id}/heads/{p['head']}" for p in pts],
+            )
             scatter_claim = scatter_sentence(pts, heads)
-    response = render(request, "overview.html", {**ctx, "summary": summary, "heads": heads, "score": score, "scores": SCORES,
-                                                 "fig": fig, "scatter": scatter, "scatter_claim": scatter_claim, "served_basis": basis(loaded),
-                                                 "scatter_refused": scatter_error["detail"] if scatter_error and scatter_error["status"] == 422 else None,
-                                                 "card_fig": training_curve(summary.card)},
-                      blocks=("heads_panel",))
-    settled = scatter is not None or (scatter_error is not None and scatter_error["status"] == 422)  # computed, or refused for good
+    response = render(
+        request,
+        "overview.html",
+        {
+            **ctx,
+            "summary": summary,
+            "heads": heads,
+            "score": score,
+            "scores": SCORES,
+            "fig": fig,
+            "scatter": scatter,
+            "scatter_claim": scatter_claim,
+            "served_basis": basis(loaded),
+            "scatter_refused": scatter_error["detail"] if scatter_error and scatter_error["status"] == 422 else None,
+            "card_fig": training_curve(summary.card),
+        },
+        blocks=("heads_panel",),
+    )
+    settled = scatter is not None or (
+        scatter_error is not None and scatter_error["status"] == 422
+    )  # computed, or refused for good
     if response.status_code == 200 and (settled or loaded.model.cfg.n_layers < 2 or is_fragment(request)):
         await keep_page(request, key, bytes(response.body))  # not a page whose scatter failed this time (busy, timeout)
     return response
@@ -270,27 +359,56 @@ async def head_context(call: PageCall) -> dict[str, Any]:
     fragment_only = is_fragment(call.request) and call.request.headers.get("HX-Target") == "circuits"
     view: HeadView | None = None if fragment_only else await call.run(HEAD, HeadParams(head=name))
     b, v = p.basis, p.vocab  # every table of the circuits panel on the weights (issue 12.2) and token set chosen
-    ov: CircuitTopView = await call.run(OV, OVParams(head=name, token=p.token, k=p.k, min_count=p.min_count, basis=b, vocab=v))
-    qk_q: CircuitTopView = await call.run(QK, QKParams(head=name, token=p.token, k=p.k, side="query", min_count=p.min_count,
-                                                       offset=p.offset, basis=b, vocab=v))
+    ov: CircuitTopView = await call.run(
+        OV, OVParams(head=name, token=p.token, k=p.k, min_count=p.min_count, basis=b, vocab=v)
+    )
+    qk_q: CircuitTopView = await call.run(
+        QK,
+        QKParams(
+            head=name, token=p.token, k=p.k, side="query", min_count=p.min_count, offset=p.offset, basis=b, vocab=v
+        ),
+    )
     qk_k = None
     if p.token is not None:
-        qk_k = await call.run(QK, QKParams(head=name, token=p.token, k=p.k, side="key", min_count=p.min_count, offset=p.offset,
-                                           basis=b, vocab=v))
-    skip = await call.run(SKIP_TRIGRAMS, SkipTrigramParams(head=name, token=p.token, k=p.k, min_count=p.min_count, offset=p.offset,
-                                                           basis=b, vocab=v))
+        qk_k = await call.run(
+            QK,
+            QKParams(
+                head=name, token=p.token, k=p.k, side="key", min_count=p.min_count, offset=p.offset, basis=b, vocab=v
+            ),
+        )
+    skip = await call.run(
+        SKIP_TRIGRAMS,
+        SkipTrigramParams(head=name, token=p.token, k=p.k, min_count=p.min_count, offset=p.offset, basis=b, vocab=v),
+    )
     partners = await composition_partners(call, name) if view is not None else []
     every_head = [head_name(*pair) for pair in all_heads(cfg)]
     i = every_head.index(name)
     call.json_params = HeadParams(head=name)
     return {
-        "head": name, "view": view, "ov": ov, "qk_q": qk_q, "qk_k": qk_k, "skip": skip, "token": p.token, "k": p.k,
-        "figs": head_charts(view) if view is not None else {}, "max_k": call.limits.max_k, "partners": partners,
-        "prev_head": every_head[i - 1] if i > 0 else None, "next_head": every_head[i + 1] if i + 1 < len(every_head) else None,
-        "base_url": f"/models/{model}/heads/{name}", "min_count": p.min_count, "has_counts": has_token_counts(call.model),
-        "min_count_choices": MIN_COUNT_CHOICES, "offset": p.offset or None, "is_rotary": rotary_enabled(call), "n_ctx": cfg.n_ctx,
-        "vocab": p.vocab if p.vocab == "all" and cfg.d_vocab > DEFAULT_VOCAB else None, "n_vocab": cfg.d_vocab,
-        "default_vocab": DEFAULT_VOCAB, **basis_choice(call),
+        "head": name,
+        "view": view,
+        "ov": ov,
+        "qk_q": qk_q,
+        "qk_k": qk_k,
+        "skip": skip,
+        "token": p.token,
+        "k": p.k,
+        "figs": head_charts(view) if view is not None else {},
+        "max_k": call.limits.max_k,
+        "partners": partners,
+        "prev_head": every_head[i - 1] if i > 0 else None,
+        "next_head": every_head[i + 1] if i + 1 < len(every_head) else None,
+        "base_url": f"/models/{model}/heads/{name}",
+        "min_count": p.min_count,
+        "has_counts": has_token_counts(call.model),
+        "min_count_choices": MIN_COUNT_CHOICES,
+        "offset": p.offset or None,
+        "is_rotary": rotary_enabled(call),
+        "n_ctx": cfg.n_ctx,
+        "vocab": p.vocab if p.vocab == "all" and cfg.d_vocab > DEFAULT_VOCAB else None,
+        "n_vocab": cfg.d_vocab,
+        "default_vocab": DEFAULT_VOCAB,
+        **basis_choice(call),
         **(await head_rotary_context(call, name) if view is not None else {"rotary": None}),
     }
 
@@ -300,9 +418,13 @@ class DirectPageParams(DirectParams):
     """The direct page: min_count absent means frequent tokens where the model has training counts (issue 12.3),
     'all' means every token."""
 
-    min_count: Annotated[Annotated[int, Field(ge=1, le=10**9)] | Literal["all"] | None, Field(
-        description=f"tokens seen at least this often in training; 'all': every token (default {MIN_TRAIN_COUNT} where the "
-                    "model has token counts)")] = None  # type: ignore[assignment]
+    min_count: Annotated[
+        Annotated[int, Field(ge=1, le=10**9)] | Literal["all"] | None,
+        Field(
+            description=f"tokens seen at least this often in training; 'all': every token (default {MIN_TRAIN_COUNT} where the "
+            "model has token counts)"
+        ),
+    ] = None  # type: ignore[assignment]
 
 
 def direct_min_count(call: PageCall, asked: int | str | None) -> int | None:
@@ -321,54 +443,114 @@ async def direct_context(call: PageCall) -> dict[str, Any]:
     view: CircuitTopView = await call.run(DIRECT, params)
     fig = None
     if view.token is not None:
-        fig = charts.bars([charts.visible(e.col.text) for e in view.entries], [e.value for e in view.entries], horizontal=True,
-                          title=f"top next tokens after {charts.visible(view.token.text)} (W_E W_U row)",
-                          height=max(260, 22 * len(view.entries) + 80))
+        fig = charts.bars(
+            [charts.visible(e.col.text) for e in view.entries],
+            [e.value for e in view.entries],
+            horizontal=True,
+            title=f"top next tokens after {charts.visible(view.token.text)} (W_E W_U row)",
+            height=max(260, 22 * len(view.entries) + 80),
+        )
     has_counts = has_token_counts(call.model)
-    return {"view": view, "token": p.token, "k": p.k, "fig": fig, "max_k": call.limits.max_k,
-            "rare_claim": rare_entries_sentence(call.model, view.entries, MIN_TRAIN_COUNT) if view.token is None and shown is None else None,
-            "min_count": shown if shown is not None else ("all" if has_counts else None), "has_counts": has_counts,
-            "default_min_count": MIN_TRAIN_COUNT if has_counts else None, "min_count_choices": MIN_COUNT_CHOICES,
-            "vocab": vocab if vocab == "all" and call.model.model.cfg.d_vocab > DEFAULT_VOCAB else None,
-            "n_vocab": call.model.model.cfg.d_vocab, "default_vocab": DEFAULT_VOCAB, **basis_choice(call)}
+    return {
+        "view": view,
+        "token": p.token,
+        "k": p.k,
+        "fig": fig,
+        "max_k": call.limits.max_k,
+        "rare_claim": rare_entries_sentence(call.model, view.entries, MIN_TRAIN_COUNT)
+        if view.token is None and shown is None
+        else None,
+        "min_count": shown if shown is not None else ("all" if has_counts else None),
+        "has_counts": has_counts,
+        "default_min_count": MIN_TRAIN_COUNT if has_counts else None,
+        "min_count_choices": MIN_COUNT_CHOICES,
+        "vocab": vocab if vocab == "all" and call.model.model.cfg.d_vocab > DEFAULT_VOCAB else None,
+        "n_vocab": call.model.model.cfg.d_vocab,
+        "default_vocab": DEFAULT_VOCAB,
+        **basis_choice(call),
+    }
 
 
 # -- detectors ----------------------------------------------------------------------------------------------------
 async def detectors_context(call: PageCall) -> dict[str, Any]:
     p: DetectorParams = call.params  # normalised: seq_len is the standard input fitted to the model when not given
     view = await call.run(DETECTORS, p)
-    return {"view": view, "figs": detector_charts(view, call.model_id or ""), "seq_len": p.seq_len, "batch": p.batch,
-            "claim": loss_sentence(view.loss.first_repeat, view.loss.second_repeat),
-            "seed": p.seed, "prompt": p.prompt, "heads": p.heads}
+    return {
+        "view": view,
+        "figs": detector_charts(view, call.model_id or ""),
+        "seq_len": p.seq_len,
+        "batch": p.batch,
+        "claim": loss_sentence(view.loss.first_repeat, view.loss.second_repeat),
+        "seed": p.seed,
+        "prompt": p.prompt,
+        "heads": p.heads,
+    }
 
 
 def detector_charts(view: Any, model_id: str) -> dict[str, Any]:
     """Per-head detector scores, the per-position loss and the attention pattern of each selected head."""
     names = [s.head for s in view.heads]
-    series = {SCORES[k][0]: [getattr(s, k) or 0.0 for s in view.heads] for k in
-              ("previous_token", "duplicate_token", "induction", "current_token", "first_token")}
-    figs: dict[str, Any] = {"scores": charts.grouped_bars(names, series, title="detector scores per head", y_title="score")}
+    series = {
+        SCORES[k][0]: [getattr(s, k) or 0.0 for s in view.heads]
+        for k in ("previous_token", "duplicate_token", "induction", "current_token", "first_token")
+    }
+    figs: dict[str, Any] = {
+        "scores": charts.grouped_bars(names, series, title="detector scores per head", y_title="score")
+    }
     labels = charts.unique_labels([charts.visible(t.text) for t in view.tokens])
     positions = list(range(len(view.loss.loss)))
     seg = view.detector_input.seq_len
     marks = [seg + (view.detector_input.bos is not None) - 0.5] if seg else []
-    figs["loss"] = charts.lines(positions, {"loss (nats)": view.loss.loss}, title="next-token loss by position (mean over the batch)",
-                                x_title="position", y_title="loss", vlines=marks)
+    figs["loss"] = charts.lines(
+        positions,
+        {"loss (nats)": view.loss.loss},
+        title="next-token loss by position (mean over the batch)",
+        x_title="position",
+        y_title="loss",
+        vlines=marks,
+    )
     figs["patterns"] = [
-        (hp.head, charts.heatmap(hp.pattern, labels, labels, title=f"{hp.head} attention (first sequence)", x_title="key",
-                                 y_title="query", signed=False, zmax=1.0, hover="query %{y}<br>key %{x}<br>%{z:.3f}",
-                                 colorbar="attention", height=420, digits=3))
+        (
+            hp.head,
+            charts.heatmap(
+                hp.pattern,
+                labels,
+                labels,
+                title=f"{hp.head} attention (first sequence)",
+                x_title="key",
+                y_title="query",
+                signed=False,
+                zmax=1.0,
+                hover="query %{y}<br>key %{x}<br>%{z:.3f}",
+                colorbar="attention",
+                height=420,
+                digits=3,
+            ),
+        )
         for hp in view.patterns
     ]
     return figs
 
 
-
 PAGES: list[Page] = [
-    Page(HEAD, "head.html", head_context, params=HeadPageParams, blocks=("circuits",), title="{head} · {model}", nav="overview"),
-    Page(DIRECT, "direct.html", direct_context, params=DirectPageParams, blocks=("direct_panel",), title="Direct path · {model}"),
-    Page(DETECTORS, "detectors.html", detectors_context, blocks=("detectors_panel",),
-         title="Detectors · {model}"),
+    Page(
+        HEAD,
+        "head.html",
+        head_context,
+        params=HeadPageParams,
+        blocks=("circuits",),
+        title="{head} · {model}",
+        nav="overview",
+    ),
+    Page(
+        DIRECT,
+        "direct.html",
+        direct_context,
+        params=DirectPageParams,
+        blocks=("direct_panel",),
+        title="Direct path · {model}",
+    ),
+    Page(DETECTORS, "detectors.html", detectors_context, blocks=("detectors_panel",), title="Detectors · {model}"),
     *pages_analyses.PAGES,
     *pages_tour.PAGES,
 ]

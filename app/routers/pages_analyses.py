@@ -81,25 +81,42 @@ async def composition_context(call: PageCall) -> dict[str, Any]:
     call.title = f"{kind}-composition · {call.model_id}"
     zmax, claim = None, None
     if view is not None:  # one colour scale for Q, K and V (the other kinds' answers are cached like this one)
-        views = [view] + [v for k in ("Q", "K", "V") if k != kind
-                          for v, _ in [await call.attempt(COMPOSITION, call.params.model_copy(update={"kind": k}))] if v is not None]
+        views = [view] + [
+            v
+            for k in ("Q", "K", "V")
+            if k != kind
+            for v, _ in [await call.attempt(COMPOSITION, call.params.model_copy(update={"kind": k}))]
+            if v is not None
+        ]
         zmax = charts.shared_range([v.minus_baseline for v in views])
         k_view = next((v for v in views if v.kind == "K"), None)
         if not call.params.offset:  # what this model shows (detector scores on the standard input, cached)
             claim = composition_sentence(call.model_id or "", (await call.attempt(HEADS, NoParams()))[0], k_view)
-    return {"view": view, "error": error, "kind": kind, "fig": charts.composition_heatmap(view, call.model_id or "", zmax) if view else None,
-            "offset": call.params.offset or None, "is_rotary": rotary_enabled(call), "n_ctx": call.model.model.cfg.n_ctx if call.model else 0,
-            "claim": claim, **basis_choice(call)}
+    return {
+        "view": view,
+        "error": error,
+        "kind": kind,
+        "fig": charts.composition_heatmap(view, call.model_id or "", zmax) if view else None,
+        "offset": call.params.offset or None,
+        "is_rotary": rotary_enabled(call),
+        "n_ctx": call.model.model.cfg.n_ctx if call.model else 0,
+        "claim": claim,
+        **basis_choice(call),
+    }
 
 
 async def pair_context(call: PageCall) -> dict[str, Any]:
     view = await call.run(COMPOSITION_PAIR, call.params)
     call.title = f"{view.source} → {view.target} · {call.model_id}"
     figs = {
-        "k_eig": charts.complex_scatter(charts.complex_points(view.k_composition.eigenvalues),
-                                        title="eigenvalues of the K-composition token circuit"),
-        "v_eig": charts.complex_scatter(charts.complex_points(view.virtual_head.ov.eigenvalues),
-                                        title="eigenvalues of the virtual head's OV circuit"),
+        "k_eig": charts.complex_scatter(
+            charts.complex_points(view.k_composition.eigenvalues),
+            title="eigenvalues of the K-composition token circuit",
+        ),
+        "v_eig": charts.complex_scatter(
+            charts.complex_points(view.virtual_head.ov.eigenvalues),
+            title="eigenvalues of the virtual head's OV circuit",
+        ),
     }
     rotary = await pair_rotary_context(call, view.source, view.target)
     return {"view": view, "k": call.params.k, "figs": figs, "max_k": call.limits.max_k, **rotary, **basis_choice(call)}
@@ -123,12 +140,29 @@ async def prompt_context(call: PageCall) -> dict[str, Any]:
     model = call.model_id
     prompt, tokens = text_of(p)
     heads_str = p.heads or ",".join(await suggested_heads(call, call.limits.max_heads))
-    state = {"prompt": prompt, "tokens": tokens, "heads": heads_str, "weighted": "true" if p.weighted else None, "position": p.position,
-             "target": p.target, "contrast": p.contrast, "max_order": p.max_order, "k": p.k}
+    state = {
+        "prompt": prompt,
+        "tokens": tokens,
+        "heads": heads_str,
+        "weighted": "true" if p.weighted else None,
+        "position": p.position,
+        "target": p.target,
+        "contrast": p.contrast,
+        "max_order": p.max_order,
+        "k": p.k,
+    }
     block = call.request.headers.get("HX-Target")
     patterns = PromptParams(prompt=prompt, tokens=tokens, heads=heads_str or None, weighted=p.weighted)
-    expansion = PathsParams(prompt=prompt, tokens=tokens, position=p.position, target=p.target, contrast=p.contrast, max_order=p.max_order,
-                            by_source=True, k=p.k)
+    expansion = PathsParams(
+        prompt=prompt,
+        tokens=tokens,
+        position=p.position,
+        target=p.target,
+        contrast=p.contrast,
+        max_order=p.max_order,
+        by_source=True,
+        k=p.k,
+    )
     pview = patterns_error = paths = paths_error = None
     if block != "paths_panel":
         pview, patterns_error = await call.attempt(PROMPT, patterns)
@@ -138,18 +172,41 @@ async def prompt_context(call: PageCall) -> dict[str, Any]:
     call.title = f"Prompt · {model}"
     figs: dict[str, Any] = {}
     if pview is not None:
-        figs["patterns"] = [(hp.head, charts.attention_heatmap(pview.tokens, hp.pattern, f"{hp.head} {'value-weighted ' if p.weighted else ''}attention",
-                                                               weighted=p.weighted, height=380)) for hp in pview.heads]
+        figs["patterns"] = [
+            (
+                hp.head,
+                charts.attention_heatmap(
+                    pview.tokens,
+                    hp.pattern,
+                    f"{hp.head} {'value-weighted ' if p.weighted else ''}attention",
+                    weighted=p.weighted,
+                    height=380,
+                ),
+            )
+            for hp in pview.heads
+        ]
     if pview is not None:
         figs["text"] = charts.attention_text(pview.tokens, {hp.head: hp.pattern for hp in pview.heads}, paths)
     if paths is not None:
-        links = [url(f"/models/{model}/path", heads=",".join(t.path), prompt=prompt, tokens=tokens, target=paths.target)
-                 if t.kind == "head" else None for t in paths.terms]
+        links = [
+            url(f"/models/{model}/path", heads=",".join(t.path), prompt=prompt, tokens=tokens, target=paths.target)
+            if t.kind == "head"
+            else None
+            for t in paths.terms
+        ]
         figs["waterfall"] = charts.paths_waterfall(paths, links)
         figs["by_source"] = charts.paths_by_source(paths)
     return {
-        "pview": pview, "paths": paths, "figs": figs, "patterns_error": patterns_error, "paths_error": paths_error, "state": state,
-        "base": f"/models/{model}/prompt", "prompt": prompt, "heads": heads_str, "weighted": p.weighted,
+        "pview": pview,
+        "paths": paths,
+        "figs": figs,
+        "patterns_error": patterns_error,
+        "paths_error": paths_error,
+        "state": state,
+        "base": f"/models/{model}/prompt",
+        "prompt": prompt,
+        "heads": heads_str,
+        "weighted": p.weighted,
         "patterns_json": json_url(PROMPT, model, patterns),
     }
 
@@ -168,21 +225,46 @@ async def chain_context(call: PageCall) -> dict[str, Any]:
     heads_str = ",".join(view.heads) if view else heads
     call.json_params = params.model_copy(update={"heads": heads_str})
     call.title = f"{heads_str.replace(',', ' → ')} · {call.model_id}"
-    ctx = {"view": view, "error": error, "figs": {}, "prompt": prompt, "heads": heads_str, "target": p.target, "k": p.k,
-           "max_k": call.limits.max_k}
+    ctx = {
+        "view": view,
+        "error": error,
+        "figs": {},
+        "prompt": prompt,
+        "heads": heads_str,
+        "target": p.target,
+        "k": p.k,
+        "max_k": call.limits.max_k,
+    }
     if view is None:
         return ctx
     labels = charts.token_labels(view.tokens)
     ctx["figs"] = {
         "text": charts.attention_text(view.tokens, {" → ".join(view.heads): view.pattern}),
-        "pattern": charts.attention_heatmap(view.tokens, view.pattern, f"pattern of the chain {' → '.join(view.heads)}"),
-        "contribution": charts.bars(labels, view.contribution, title=f"contribution to logit({charts.visible(view.target.text)}) by position",
-                                    x_title="destination position"),
-        "next_token": charts.bars([f"{a} → {b}" for a, b in zip(labels[:-1], labels[1:], strict=True)], view.next_token_contribution,
-                                  title="contribution to the logit of each position's actual next token", x_title="position → next token"),
-        "by_source": charts.lines(list(range(len(labels))), {s.source: s.values for s in view.by_source},
-                                  title="the same chain entered from each source", x_title="position", y_title="logit"),
-        "ov_eig": charts.complex_scatter(charts.complex_points(view.ov.eigenvalues), title="eigenvalues of the chain's OV circuit"),
+        "pattern": charts.attention_heatmap(
+            view.tokens, view.pattern, f"pattern of the chain {' → '.join(view.heads)}"
+        ),
+        "contribution": charts.bars(
+            labels,
+            view.contribution,
+            title=f"contribution to logit({charts.visible(view.target.text)}) by position",
+            x_title="destination position",
+        ),
+        "next_token": charts.bars(
+            [f"{a} → {b}" for a, b in zip(labels[:-1], labels[1:], strict=True)],
+            view.next_token_contribution,
+            title="contribution to the logit of each position's actual next token",
+            x_title="position → next token",
+        ),
+        "by_source": charts.lines(
+            list(range(len(labels))),
+            {s.source: s.values for s in view.by_source},
+            title="the same chain entered from each source",
+            x_title="position",
+            y_title="logit",
+        ),
+        "ov_eig": charts.complex_scatter(
+            charts.complex_points(view.ov.eigenvalues), title="eigenvalues of the chain's OV circuit"
+        ),
     }
     return ctx
 
@@ -203,19 +285,60 @@ async def qk_paths_context(call: PageCall) -> dict[str, Any]:
     view, error = await call.attempt(QK_PATHS, params)
     call.json_params = params
     call.title = f"QK paths of {head} · {call.model_id}"
-    ctx = {"view": view, "error": error, "head": head, "figs": {}, "prompt": prompt, "k": p.k, "max_k": call.limits.max_k}
+    ctx = {
+        "view": view,
+        "error": error,
+        "head": head,
+        "figs": {},
+        "prompt": prompt,
+        "k": p.k,
+        "max_k": call.limits.max_k,
+    }
     if view is None:
         return ctx
     labels = charts.token_labels(view.tokens)
     ctx["head"] = view.head
     ctx["figs"] = {
-        "std": charts.heatmap(view.std, view.components, view.components, title="std of each term's scores over (query, key) positions",
-                              x_title="key-side component", y_title="query-side component", signed=False,
-                              hover="query %{y} · key %{x}<br>std %{z:.4f}", colorbar="std", height=max(300, 40 * len(view.components) + 140)),
-        "scores": charts.heatmap(view.scores, labels, labels, title=f"real attention scores of {view.head}", x_title="key",
-                                 y_title="query", signed=True, colorbar="score", height=charts.label_room(len(labels), 420)),
-        "terms": [(name, charts.heatmap(z, labels, labels, title=name.replace("|", " · "), x_title="key", y_title="query",
-                                        signed=True, colorbar="score", height=380)) for name, z in view.terms.items()],
+        "std": charts.heatmap(
+            view.std,
+            view.components,
+            view.components,
+            title="std of each term's scores over (query, key) positions",
+            x_title="key-side component",
+            y_title="query-side component",
+            signed=False,
+            hover="query %{y} · key %{x}<br>std %{z:.4f}",
+            colorbar="std",
+            height=max(300, 40 * len(view.components) + 140),
+        ),
+        "scores": charts.heatmap(
+            view.scores,
+            labels,
+            labels,
+            title=f"real attention scores of {view.head}",
+            x_title="key",
+            y_title="query",
+            signed=True,
+            colorbar="score",
+            height=charts.label_room(len(labels), 420),
+        ),
+        "terms": [
+            (
+                name,
+                charts.heatmap(
+                    z,
+                    labels,
+                    labels,
+                    title=name.replace("|", " · "),
+                    x_title="key",
+                    y_title="query",
+                    signed=True,
+                    colorbar="score",
+                    height=380,
+                ),
+            )
+            for name, z in view.terms.items()
+        ],
     }
     return ctx
 
@@ -230,18 +353,38 @@ async def term_importance_context(call: PageCall) -> dict[str, Any]:
     ctx["claim"] = ablation_sentence(view, (await call.attempt(HEADS, NoParams()))[0])
     n = len(view.loss_by_order)
     ctx["figs"] = {
-        "by_order": charts.bars([f"order ≤ {i}" for i in range(n)], view.loss_by_order, title="mean loss keeping paths up to each order",
-                                y_title="loss (nats)"),
-        "marginal": charts.bars([f"order {i + 1}" for i in range(len(view.marginal_by_order))], view.marginal_by_order,
-                                title="loss reduction added by each order", y_title="Δ loss (nats)"),
-        "by_layer": charts.bars([f"layer {i}" for i in range(len(view.first_order_by_layer))], view.first_order_by_layer,
-                                title="first-order terms of each layer alone (over the direct path)", y_title="Δ loss (nats)"),
-        "heads": charts.bars([h.head for h in view.heads], [h.loss_change for h in view.heads],
-                             title="loss increase when one head is removed (patterns frozen)", y_title="Δ loss (nats)",
-                             links=[f"/models/{model}/heads/{h.head}" for h in view.heads]),
-        "heads_recomputed": charts.bars([h.head for h in view.heads], [h.loss_change_recomputed for h in view.heads],
-                                        title="loss increase when one head is removed (later patterns recomputed)",
-                                        y_title="Δ loss (nats)", links=[f"/models/{model}/heads/{h.head}" for h in view.heads]),
+        "by_order": charts.bars(
+            [f"order ≤ {i}" for i in range(n)],
+            view.loss_by_order,
+            title="mean loss keeping paths up to each order",
+            y_title="loss (nats)",
+        ),
+        "marginal": charts.bars(
+            [f"order {i + 1}" for i in range(len(view.marginal_by_order))],
+            view.marginal_by_order,
+            title="loss reduction added by each order",
+            y_title="Δ loss (nats)",
+        ),
+        "by_layer": charts.bars(
+            [f"layer {i}" for i in range(len(view.first_order_by_layer))],
+            view.first_order_by_layer,
+            title="first-order terms of each layer alone (over the direct path)",
+            y_title="Δ loss (nats)",
+        ),
+        "heads": charts.bars(
+            [h.head for h in view.heads],
+            [h.loss_change for h in view.heads],
+            title="loss increase when one head is removed (patterns frozen)",
+            y_title="Δ loss (nats)",
+            links=[f"/models/{model}/heads/{h.head}" for h in view.heads],
+        ),
+        "heads_recomputed": charts.bars(
+            [h.head for h in view.heads],
+            [h.loss_change_recomputed for h in view.heads],
+            title="loss increase when one head is removed (later patterns recomputed)",
+            y_title="Δ loss (nats)",
+            links=[f"/models/{model}/heads/{h.head}" for h in view.heads],
+        ),
     }
     return ctx
 
@@ -249,11 +392,30 @@ async def term_importance_context(call: PageCall) -> dict[str, Any]:
 PAGES: list[Page] = [
     Page(COMPOSITION, "composition.html", composition_context, blocks=("composition_panel",), nav="composition"),
     Page(COMPOSITION_PAIR, "pair.html", pair_context, blocks=("pair_panel",), nav="composition"),
-    Page(PATHS, "prompt.html", prompt_context, params=PromptPageParams, path="/models/{model}/prompt", nav="prompt",
-         blocks=("prompt_main", "patterns_panel", "paths_panel")),
-    Page(PATHS, "prompt.html", prompt_context, params=PromptPageParams, nav="prompt",  # the tour's link for F9/F19
-         blocks=("prompt_main", "patterns_panel", "paths_panel")),
+    Page(
+        PATHS,
+        "prompt.html",
+        prompt_context,
+        params=PromptPageParams,
+        path="/models/{model}/prompt",
+        nav="prompt",
+        blocks=("prompt_main", "patterns_panel", "paths_panel"),
+    ),
+    Page(
+        PATHS,
+        "prompt.html",
+        prompt_context,
+        params=PromptPageParams,
+        nav="prompt",  # the tour's link for F9/F19
+        blocks=("prompt_main", "patterns_panel", "paths_panel"),
+    ),
     Page(PATH, "chain.html", chain_context, params=ChainPageParams, blocks=("chain_panel",)),
     Page(QK_PATHS, "qk_paths.html", qk_paths_context, params=QKPathsPageParams, blocks=("qk_panel",)),
-    Page(TERM_IMPORTANCE, "term_importance.html", term_importance_context, blocks=("ti_panel",), title="Term importance · {model}"),
+    Page(
+        TERM_IMPORTANCE,
+        "term_importance.html",
+        term_importance_context,
+        blocks=("ti_panel",),
+        title="Term importance · {model}",
+    ),
 ]

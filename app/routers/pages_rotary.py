@@ -37,26 +37,52 @@ async def head_rotary_context(call: PageCall, head: str) -> dict[str, Any]:
     b: Basis = getattr(call.params, "basis", "served")  # the page's weights (its basis picker)
     positional: PositionalView = await call.run(POSITIONAL, PositionalParams(head=head, basis=b))
     bands: BandsView = await call.run(BANDS, BandsParams(head=head, basis=b))
-    qk_params = QKCopyingParams(head=head, offset=getattr(call.params, "offset", 0), basis=b)  # the head page's offset δ
+    qk_params = QKCopyingParams(
+        head=head, offset=getattr(call.params, "offset", 0), basis=b
+    )  # the head page's offset δ
     qk_copying: QKCopyingView = await call.run(QK_COPYING, qk_params)
-    qk_fig = charts.lines(qk_copying.offsets, {"QK copying Σλ/Σ|λ|": qk_copying.scores}, vlines=[qk_copying.offset],
-                          x_title="δ = query position − key position", y_title="eigenvalue copying score",
-                          title=f"QK eigenvalue copying of {head} over δ: largest at δ = {qk_copying.peak_offset}")
-    qk_eig = charts.complex_scatter([(c.re, c.im) for c in qk_copying.eigenvalues],
-                                    title=f"eigenvalues of W_E Ω(δ) W_Eᵀ / √d_head at δ = {qk_copying.offset} · {qk_copying.score:+.3f}")
-    kernel = charts.lines(positional.offsets, {"f(δ)": positional.kernel}, x_title="δ = query position − key position",
-                          y_title="score (μ Ω(δ) μᵀ / √d_head)", vlines=[positional.peak_offset],
-                          title=f"positional kernel of {head}: peak at δ = {positional.peak_offset}")
+    qk_fig = charts.lines(
+        qk_copying.offsets,
+        {"QK copying Σλ/Σ|λ|": qk_copying.scores},
+        vlines=[qk_copying.offset],
+        x_title="δ = query position − key position",
+        y_title="eigenvalue copying score",
+        title=f"QK eigenvalue copying of {head} over δ: largest at δ = {qk_copying.peak_offset}",
+    )
+    qk_eig = charts.complex_scatter(
+        [(c.re, c.im) for c in qk_copying.eigenvalues],
+        title=f"eigenvalues of W_E Ω(δ) W_Eᵀ / √d_head at δ = {qk_copying.offset} · {qk_copying.score:+.3f}",
+    )
+    kernel = charts.lines(
+        positional.offsets,
+        {"f(δ)": positional.kernel},
+        x_title="δ = query position − key position",
+        y_title="score (μ Ω(δ) μᵀ / √d_head)",
+        vlines=[positional.peak_offset],
+        title=f"positional kernel of {head}: peak at δ = {positional.peak_offset}",
+    )
     labels = [f"k={k} (λ={w:.3g})" for k, w in enumerate(bands.wavelength)]
-    energy = charts.bars(labels, bands.share, title=f"share of {head}'s QK energy per rotary band (band 0 fastest)",
-                         x_title="band k (wavelength 2π/θ_k in positions)", y_title="share of ||Ω||² energy")
-    return {"rotary": {
-        "positional": positional, "bands": bands, "kernel_fig": kernel, "bands_fig": energy,
-        "positional_json": json_url(POSITIONAL, model, PositionalParams(head=head, basis=b)),
-        "bands_json": json_url(BANDS, model, BandsParams(head=head, basis=b)),
-        "qk_copying": qk_copying, "qk_copying_fig": qk_fig, "qk_eig_fig": qk_eig,
-        "qk_copying_json": json_url(QK_COPYING, model, qk_params),
-    }}
+    energy = charts.bars(
+        labels,
+        bands.share,
+        title=f"share of {head}'s QK energy per rotary band (band 0 fastest)",
+        x_title="band k (wavelength 2π/θ_k in positions)",
+        y_title="share of ||Ω||² energy",
+    )
+    return {
+        "rotary": {
+            "positional": positional,
+            "bands": bands,
+            "kernel_fig": kernel,
+            "bands_fig": energy,
+            "positional_json": json_url(POSITIONAL, model, PositionalParams(head=head, basis=b)),
+            "bands_json": json_url(BANDS, model, BandsParams(head=head, basis=b)),
+            "qk_copying": qk_copying,
+            "qk_copying_fig": qk_fig,
+            "qk_eig_fig": qk_eig,
+            "qk_copying_json": json_url(QK_COPYING, model, qk_params),
+        }
+    }
 
 
 async def pair_rotary_context(call: PageCall, source: str, target: str) -> dict[str, Any]:
@@ -72,9 +98,19 @@ async def pair_rotary_context(call: PageCall, source: str, target: str) -> dict[
     first = profiles["K"]
     series: dict[str, list[float | None]] = {f"{k}-composition": list(v.scores) for k, v in profiles.items()}
     series["random baseline"] = [first.baseline] * len(first.offsets)
-    fig = charts.lines(first.offsets, series, x_title="δ = query position − key position", y_title="composition score",
-                       title=f"{source} → {target}: Q and K composition over the offset δ")
-    return {"rotary": {
-        "profiles": profiles, "profile_fig": fig,
-        "profile_json": {k: json_url(PROFILE, model, ProfileParams(source=source, target=target, kind=k, basis=b)) for k in kinds},
-    }}
+    fig = charts.lines(
+        first.offsets,
+        series,
+        x_title="δ = query position − key position",
+        y_title="composition score",
+        title=f"{source} → {target}: Q and K composition over the offset δ",
+    )
+    return {
+        "rotary": {
+            "profiles": profiles,
+            "profile_fig": fig,
+            "profile_json": {
+                k: json_url(PROFILE, model, ProfileParams(source=source, target=target, kind=k, basis=b)) for k in kinds
+            },
+        }
+    }

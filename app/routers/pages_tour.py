@@ -33,7 +33,9 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
     for key, caption in (("direct", "direct path W_E W_U"), ("ov", "OV circuit"), ("qk", "QK circuit")):
         if key in d:
             top = CircuitTopView.model_validate(d[key])
-            out["tables"].append((f"{caption}{' of ' + top.head if top.head else ''}", top.entries, top.row_label, top.col_label))
+            out["tables"].append(
+                (f"{caption}{' of ' + top.head if top.head else ''}", top.entries, top.row_label, top.col_label)
+            )
     if "skip_trigrams" in d:
         out["trigrams"] = SkipTrigramView.model_validate(d["skip_trigrams"])
     if "paths" in d:
@@ -41,21 +43,64 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
     if "positional" in d and d["positional"]:
         pat = [row[:POSITIONS] for row in d["positional"]["pattern"][:POSITIONS]]
         labels = [str(i) for i in range(len(pat))]
-        add(charts.heatmap(pat, labels, labels, title=f"positional pattern of {d.get('head')}", x_title="key position",
-                           y_title="query position", signed=False, zmax=1.0, digits=3))
+        add(
+            charts.heatmap(
+                pat,
+                labels,
+                labels,
+                title=f"positional pattern of {d.get('head')}",
+                x_title="key position",
+                y_title="query position",
+                signed=False,
+                zmax=1.0,
+                digits=3,
+            )
+        )
     if "eigenvalues" in d:
-        traces = [{"type": "scatter", "mode": "markers", "name": head, "x": [p[0] for p in pts], "y": [p[1] for p in pts],
-                   "hovertemplate": head + " λ = %{x:.3g} %{y:+.3g}i<extra></extra>"} for head, pts in d["eigenvalues"].items()]
-        add({"data": traces, "layout": {"title": {"text": "OV eigenvalues of every head", "x": 0, "font": {"size": 13}},
-                                        "xaxis": {"title": {"text": "Re λ"}, "zeroline": True}, "yaxis": {"title": {"text": "Im λ"}, "zeroline": True}}})
+        traces = [
+            {
+                "type": "scatter",
+                "mode": "markers",
+                "name": head,
+                "x": [p[0] for p in pts],
+                "y": [p[1] for p in pts],
+                "hovertemplate": head + " λ = %{x:.3g} %{y:+.3g}i<extra></extra>",
+            }
+            for head, pts in d["eigenvalues"].items()
+        ]
+        add(
+            {
+                "data": traces,
+                "layout": {
+                    "title": {"text": "OV eigenvalues of every head", "x": 0, "font": {"size": 13}},
+                    "xaxis": {"title": {"text": "Re λ"}, "zeroline": True},
+                    "yaxis": {"title": {"text": "Im λ"}, "zeroline": True},
+                },
+            }
+        )
     if "ov_copying" in d:
         heads = list(d["ov_copying"])
-        add(charts.bars(heads, [d["ov_copying"][h] or 0.0 for h in heads], title="OV copying score Σλ/Σ|λ| per head",
-                        links=[f"/models/{model}/heads/{h}" for h in heads]))
+        add(
+            charts.bars(
+                heads,
+                [d["ov_copying"][h] or 0.0 for h in heads],
+                title="OV copying score Σλ/Σ|λ| per head",
+                links=[f"/models/{model}/heads/{h}" for h in heads],
+            )
+        )
     if "qk_paths" in d:
         qkv = QKPathsView.model_validate(d["qk_paths"])
-        add(charts.heatmap(qkv.std, qkv.components, qkv.components, title=f"{qkv.head}: std of each (query, key) term", signed=False,
-                           x_title="key side", y_title="query side"))
+        add(
+            charts.heatmap(
+                qkv.std,
+                qkv.components,
+                qkv.components,
+                title=f"{qkv.head}: std of each (query, key) term",
+                signed=False,
+                x_title="key side",
+                y_title="query side",
+            )
+        )
     compositions = [CompositionView.model_validate(d[kind]) for kind in ("Q", "K", "V") if kind in d]
     shared = charts.shared_range([c.minus_baseline for c in compositions]) if len(compositions) > 1 else None
     for composition in compositions:  # Q, K and V on one colour range
@@ -63,46 +108,103 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
     if "prompt" in d:
         pv = PromptView.model_validate(d["prompt"])
         for php in pv.heads:
-            add(charts.attention_heatmap(pv.tokens, php.pattern, f"{php.head} {'value-weighted ' if pv.weighted else ''}attention",
-                                         weighted=pv.weighted, height=380))
+            add(
+                charts.attention_heatmap(
+                    pv.tokens,
+                    php.pattern,
+                    f"{php.head} {'value-weighted ' if pv.weighted else ''}attention",
+                    weighted=pv.weighted,
+                    height=380,
+                )
+            )
     if "path" in d:
         cv = ChainView.model_validate(d["path"])
         if fig.id == "F29":
             add(charts.attention_heatmap(cv.tokens, cv.pattern, f"pattern of {' → '.join(cv.heads)}", height=380))
         else:
-            add(charts.bars(charts.token_labels(cv.tokens), cv.contribution,
-                            title=f"{' → '.join(cv.heads)}: effect on logit({charts.visible(cv.target.text)}) by position"))
+            add(
+                charts.bars(
+                    charts.token_labels(cv.tokens),
+                    cv.contribution,
+                    title=f"{' → '.join(cv.heads)}: effect on logit({charts.visible(cv.target.text)}) by position",
+                )
+            )
     if "next_token_effect" in d:  # F23 as in the paper: each position's effect on its own next token
         e = d["next_token_effect"]
         toks = [TokenRef.model_validate(t) for t in e["tokens"]]
-        labels = [f"{charts.visible(a.text)} → {charts.visible(b.text)}" for a, b in zip(toks[:-1], toks[1:], strict=True)]
-        add(charts.bars(labels, e["effects"], title=f"{e['head']}: effect on the logit of the actual next token, by position",
-                        y_title="logit"))
+        labels = [
+            f"{charts.visible(a.text)} → {charts.visible(b.text)}" for a, b in zip(toks[:-1], toks[1:], strict=True)
+        ]
+        add(
+            charts.bars(
+                labels,
+                e["effects"],
+                title=f"{e['head']}: effect on the logit of the actual next token, by position",
+                y_title="logit",
+            )
+        )
     if "detectors" in d:
         dv = DetectorsView.model_validate(d["detectors"])
-        add(charts.lines(list(range(len(dv.loss.loss))), {"loss (nats)": dv.loss.loss}, title="loss by position on BOS + r + r",
-                         x_title="position", y_title="loss"))
+        add(
+            charts.lines(
+                list(range(len(dv.loss.loss))),
+                {"loss (nats)": dv.loss.loss},
+                title="loss by position on BOS + r + r",
+                x_title="position",
+                y_title="loss",
+            )
+        )
         # the induction stripe: the pattern of the shown head with the highest induction score
         induction = {h.head: h.induction or 0.0 for h in dv.heads}
         for dhp in sorted(dv.patterns, key=lambda hp: -induction.get(hp.head, 0.0))[:1]:
-            add(charts.attention_heatmap(dv.tokens, dhp.pattern, f"{dhp.head} attention (induction {induction.get(dhp.head, 0.0):.2f})",
-                                         height=380))
+            add(
+                charts.attention_heatmap(
+                    dv.tokens,
+                    dhp.pattern,
+                    f"{dhp.head} attention (induction {induction.get(dhp.head, 0.0):.2f})",
+                    height=380,
+                )
+            )
     if "pair" in d:
         pair = CompositionPairView.model_validate(d["pair"])
-        out["tables"].append((f"K-composition {pair.source} → {pair.target}", pair.k_composition.entries, pair.k_composition.row_label,
-                              pair.k_composition.col_label))
+        out["tables"].append(
+            (
+                f"K-composition {pair.source} → {pair.target}",
+                pair.k_composition.entries,
+                pair.k_composition.row_label,
+                pair.k_composition.col_label,
+            )
+        )
     if "points" in d:
         pts = d["points"]
-        add(charts.scatter([p["ov_copying"] or 0.0 for p in pts], [p["k_composition_positivity"] for p in pts], [p["head"] for p in pts],
-                           title=f"OV copying vs K-composition positivity (previous-token head {d.get('previous_token_head')})",
-                           x_title="OV copying score", y_title="K-composition positivity",
-                           links=[f"/models/{model}/heads/{p['head']}" for p in pts]))
+        add(
+            charts.scatter(
+                [p["ov_copying"] or 0.0 for p in pts],
+                [p["k_composition_positivity"] for p in pts],
+                [p["head"] for p in pts],
+                title=f"OV copying vs K-composition positivity (previous-token head {d.get('previous_token_head')})",
+                x_title="OV copying score",
+                y_title="K-composition positivity",
+                links=[f"/models/{model}/heads/{p['head']}" for p in pts],
+            )
+        )
     if "term_importance" in d:
         m = d["term_importance"]["marginal_by_order"]
-        add(charts.bars([f"order {i + 1}" for i in range(len(m))], m, title="loss reduction added by each order", y_title="Δ loss"))
+        add(
+            charts.bars(
+                [f"order {i + 1}" for i in range(len(m))],
+                m,
+                title="loss reduction added by each order",
+                y_title="Δ loss",
+            )
+        )
     if "first_order_by_layer" in d:
         v2 = d["first_order_by_layer"]
-        add(charts.bars([f"layer {i}" for i in range(len(v2))], v2, title="first-order terms by layer", y_title="Δ loss"))
+        add(
+            charts.bars(
+                [f"layer {i}" for i in range(len(v2))], v2, title="first-order terms by layer", y_title="Δ loss"
+            )
+        )
     return out
 
 

@@ -54,7 +54,13 @@ MODEL_NAV: list[tuple[str, str, str]] = [
 # Views that need attention layers: the navigation of a model with fewer leaves them out and says why in one
 # line (`nav_note`); such a page, opened anyway, shows that line above its answer.
 NEEDS_LAYERS: dict[str, int] = {
-    "composition": 2, "qk-paths": 2, "path": 1, "detectors": 1, "term-importance": 1, "attention-entropy": 1, "copying-all": 1,
+    "composition": 2,
+    "qk-paths": 2,
+    "path": 1,
+    "detectors": 1,
+    "term-importance": 1,
+    "attention-entropy": 1,
+    "copying-all": 1,
 }
 
 
@@ -68,10 +74,14 @@ def nav_note(model_id: str, n_layers: int, hidden: list[str]) -> str | None:
         return None
     names = ", ".join(hidden[:-1]) + (" and " if len(hidden) > 1 else "") + hidden[-1]
     if n_layers == 0:
-        return (f"{model_id} has no attention layers (its logits are the direct path W_E W_U alone), so the views of "
-                f"heads are not shown: {names}.")
-    return (f"{model_id} has {n_layers} attention layer{'s' if n_layers != 1 else ''} and no head reads another's output, "
-            f"so {names} (views of composition between layers) {'are' if len(hidden) > 1 else 'is'} not shown.")
+        return (
+            f"{model_id} has no attention layers (its logits are the direct path W_E W_U alone), so the views of "
+            f"heads are not shown: {names}."
+        )
+    return (
+        f"{model_id} has {n_layers} attention layer{'s' if n_layers != 1 else ''} and no head reads another's output, "
+        f"so {names} (views of composition between layers) {'are' if len(hidden) > 1 else 'is'} not shown."
+    )
 
 
 def url(path: str, **params: Any) -> str:
@@ -82,7 +92,11 @@ def url(path: str, **params: Any) -> str:
 
 def is_fragment(request: Request) -> bool:
     h = request.headers
-    return h.get("HX-Request") == "true" and h.get("HX-History-Restore-Request") != "true" and h.get("HX-Boosted") != "true"
+    return (
+        h.get("HX-Request") == "true"
+        and h.get("HX-History-Restore-Request") != "true"
+        and h.get("HX-Boosted") != "true"
+    )
 
 
 async def model_ids(registry: ModelRegistry, request: Request | None = None) -> list[str]:
@@ -128,8 +142,14 @@ def render(request: Request, template: str, context: dict[str, Any], blocks: Seq
     return response
 
 
-async def page_context(request: Request, registry: ModelRegistry, title: str, json_link: str, model_id: str | None = None,
-                       nav: str | None = None) -> dict[str, Any]:
+async def page_context(
+    request: Request,
+    registry: ModelRegistry,
+    title: str,
+    json_link: str,
+    model_id: str | None = None,
+    nav: str | None = None,
+) -> dict[str, Any]:
     """What base.html needs: the title, the JSON twin, the model picker and the model's navigation."""
     ctx: dict[str, Any] = {"title": title, "json_url": json_link, "model_id": model_id, "nav": nav}
     if not is_fragment(request):
@@ -138,7 +158,9 @@ async def page_context(request: Request, registry: ModelRegistry, title: str, js
         if model_id:
             n_layers = (await cheap(registry.get, model_id)).model.cfg.n_layers  # loaded already by the page's route
             views = model_nav(request)
-            ctx["model_nav"] = [(key, label, f"/models/{model_id}{sub}") for key, label, sub in views if applies(key, n_layers)]
+            ctx["model_nav"] = [
+                (key, label, f"/models/{model_id}{sub}") for key, label, sub in views if applies(key, n_layers)
+            ]
             hidden = [label for key, label, _ in views if not applies(key, n_layers)]
             ctx["nav_note"] = nav_note(model_id, n_layers, hidden)
             if nav is not None and not applies(nav, n_layers):
@@ -149,7 +171,9 @@ async def page_context(request: Request, registry: ModelRegistry, title: str, js
 def model_nav(request: Request) -> list[tuple[str, str, str]]:
     """MODEL_NAV, then the simple pages of the declared analyses (app.state.analyses, made in create_app)."""
     declared = request.app.state.analyses.analyses
-    simple = [(a.name, a.summary, "/" + a.path) for a in declared if a.template and a.scope == "model" and "{" not in a.path]
+    simple = [
+        (a.name, a.summary, "/" + a.path) for a in declared if a.template and a.scope == "model" and "{" not in a.path
+    ]
     return [*MODEL_NAV, *simple]
 
 
@@ -200,7 +224,11 @@ async def default_context(call: PageCall) -> dict[str, Any]:
 def basis_choice(call: PageCall) -> dict[str, Any]:
     """The basis picker's state: the weights asked for (None: as served) and whether raw ones differ (issue 12.2)."""
     b = call.params.basis
-    return {"basis": b if b != "served" else None, "basis_differs": changes_weights(call.model), "served_basis": basis(call.model)}
+    return {
+        "basis": b if b != "served" else None,
+        "basis_differs": changes_weights(call.model),
+        "served_basis": basis(call.model),
+    }
 
 
 @dataclass(frozen=True)
@@ -221,15 +249,18 @@ class Page:
         return self.path or self.analysis.page_path
 
 
-async def serve_page(page: Page, params: type[AnalysisParams], request: Request, registry: ModelRegistry,
-                     limits: Limits) -> Response:
+async def serve_page(
+    page: Page, params: type[AnalysisParams], request: Request, registry: ModelRegistry, limits: Limits
+) -> Response:
     """Parse the query (empty form fields are absent), normalise, build the page's context, render."""
     analysis = page.analysis
     query = request.query_params
     raw: dict[str, Any] = {k: v for k, v in query.items() if v != ""}
     fields = params.model_fields
     if "prompt" in fields and "seq_len" not in fields and query.get("prompt") == "" and not query.get("tokens"):
-        raw["prompt"] = ""  # refused in its panel, not replaced by the default text (with seq_len: random tokens instead)
+        raw["prompt"] = (
+            ""  # refused in its panel, not replaced by the default text (with seq_len: random tokens instead)
+        )
     raw.update({k: v for k, v in request.path_params.items() if k != "model"})
     model_id: str | None = request.path_params.get("model")
     loaded = None
@@ -250,10 +281,15 @@ async def serve_page(page: Page, params: type[AnalysisParams], request: Request,
     context = await page.context(call)
     twin = call.json_params or analysis.params.model_validate(typed.model_dump())
     title = call.title or page.title.format(name=analysis.summary, model=model_id, **typed.model_dump())
-    frame = await page_context(request, registry, title, json_url(analysis, model_id, twin), model_id,
-                               page.nav or analysis.name)
-    response = render(request, page.template, {**frame, "limits": limits, "prompt_cut": cut, "fragment": is_fragment(request),
-                                               **context}, blocks=page.blocks)
+    frame = await page_context(
+        request, registry, title, json_url(analysis, model_id, twin), model_id, page.nav or analysis.name
+    )
+    response = render(
+        request,
+        page.template,
+        {**frame, "limits": limits, "prompt_cut": cut, "fragment": is_fragment(request), **context},
+        blocks=page.blocks,
+    )
     if key is not None and response.status_code == 200:
         await keep_page(request, key, bytes(response.body))
     return response
@@ -279,9 +315,13 @@ def cut_prompt(loaded: LoadedModel, prompt: str, limits: Limits) -> tuple[str, d
     end = encoding.offsets[min(keep, len(encoding.ids)) - 1][1]
     while end > 0 and len(tok.encode(text[:end], prepend_bos=bos)) > cap:  # re-tokenised, it must still fit
         end -= 1
-    return prompt[:end], {"kept": len(tok.encode(prompt[:end], prepend_bos=bos)), "cap": cap,
-                          "n_tokens": len(encoding.ids) + bos, "more": len(text) < len(prompt),
-                          "rest": prompt[end:end + CONTINUE_CHARS]}
+    return prompt[:end], {
+        "kept": len(tok.encode(prompt[:end], prepend_bos=bos)),
+        "cap": cap,
+        "n_tokens": len(encoding.ids) + bos,
+        "more": len(text) < len(prompt),
+        "rest": prompt[end : end + CONTINUE_CHARS],
+    }
 
 
 # -- rendered pages, kept like answers ---------------------------------------------------------------------------

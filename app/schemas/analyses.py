@@ -23,17 +23,30 @@ class CompositionView(BaseModel):
 
     model: ModelRef
     kind: CompositionKindName
-    basis: str = Field(description="which weights the scores come from: raw, or which processing (folded LayerNorm, centred writers)")
+    basis: str = Field(
+        description="which weights the scores come from: raw, or which processing (folded LayerNorm, centred writers)"
+    )
     sources: list[str] = Field(description="row heads: every head that has a later layer (earlier heads)")
     targets: list[str] = Field(description="column heads: every head that has an earlier layer (later heads)")
-    scores: list[list[float | None]] = Field(description="raw scores in [0, 1], [source][target]; null unless source layer < target layer")
-    minus_baseline: list[list[float | None]] = Field(description="scores minus `baseline` (the paper's default), null like `scores`")
-    baseline: float = Field(description="expected score of random matrices of the same shapes, 1/sqrt(d_model) (subtracted)")
-    sampled_baseline: float = Field(description="mean score of ARENA's random generator (check of the analytic baseline)")
+    scores: list[list[float | None]] = Field(
+        description="raw scores in [0, 1], [source][target]; null unless source layer < target layer"
+    )
+    minus_baseline: list[list[float | None]] = Field(
+        description="scores minus `baseline` (the paper's default), null like `scores`"
+    )
+    baseline: float = Field(
+        description="expected score of random matrices of the same shapes, 1/sqrt(d_model) (subtracted)"
+    )
+    sampled_baseline: float = Field(
+        description="mean score of ARENA's random generator (check of the analytic baseline)"
+    )
     sampled_std: float = Field(description="standard deviation of the sampled random scores")
     top_pairs: list[CompositionPair] = Field(description="the strongest pairs, largest raw score first")
-    offset: int | None = Field(default=None, description="rotary models: the query-key offset δ of the Q/K scores "
-                               "(Ω_B(δ) = W_Q R(δ) W_Kᵀ); None for other models and for V")
+    offset: int | None = Field(
+        default=None,
+        description="rotary models: the query-key offset δ of the Q/K scores "
+        "(Ω_B(δ) = W_Q R(δ) W_Kᵀ); None for other models and for V",
+    )
 
 
 class CompositionPair(BaseModel):
@@ -50,7 +63,9 @@ class TokenCircuit(BaseModel):
     col_label: str
     entries: list[MatrixEntry] = Field(description="global top-k entries, largest first")
     eigenvalues: list[Complex] = Field(description="the nonzero eigenvalues (from the d_head x d_head factor product)")
-    copying: float | None = Field(description="sum(eig)/sum(|eig|) in [-1, 1]: +1 means 'same token' (copying / matching)")
+    copying: float | None = Field(
+        description="sum(eig)/sum(|eig|) in [-1, 1]: +1 means 'same token' (copying / matching)"
+    )
 
 
 class VirtualHeadCircuit(BaseModel):
@@ -66,7 +81,9 @@ class CompositionPairView(BaseModel):
     model: ModelRef
     source: str
     target: str
-    basis: str = Field(description="which weights the scores come from: raw, or which processing (folded LayerNorm, centred writers)")
+    basis: str = Field(
+        description="which weights the scores come from: raw, or which processing (folded LayerNorm, centred writers)"
+    )
     scores: dict[str, float] = Field(description="raw Q, K, V composition scores")
     minus_baseline: dict[str, float]
     baseline: float
@@ -83,7 +100,9 @@ class PathTermView(BaseModel):
     kind: TermKind
     order: int | None = Field(description="number of heads in the path; null for remainder / other")
     value: float
-    by_source: list[float] | None = Field(default=None, description="the value split over source positions (sums to value)")
+    by_source: list[float] | None = Field(
+        default=None, description="the value split over source positions (sums to value)"
+    )
     n_terms: int | None = Field(default=None, description="for 'other': how many small terms it sums")
 
 
@@ -100,7 +119,9 @@ class PathsView(BaseModel):
     contrast_token: TokenRef | None
     value: float = Field(description="logit of target at position (minus the logit of contrast)")
     max_order: int
-    terms: list[PathTermView] = Field(description="largest |value| first; includes 'remainder' (orders > max_order) and 'other'")
+    terms: list[PathTermView] = Field(
+        description="largest |value| first; includes 'remainder' (orders > max_order) and 'other'"
+    )
     total: float = Field(description="sum of every term's value: equals `value`")
     order_totals: list[float] = Field(description="sum of the explicit terms of each order 0..max_order")
     n_terms: int = Field(description="number of explicit terms of the expansion")
@@ -135,8 +156,12 @@ class ChainView(BaseModel):
     target: TokenRef = Field(description="the logit the contribution is measured on")
     pattern: list[list[float]] = Field(description="A^{hk} ... A^{h1}, [query][key] (row-stochastic, causal)")
     ov: TokenCircuit
-    contribution: list[float] = Field(description="the path term (embedding source) of the target logit at each position")
-    by_source: list[SourceContribution] = Field(description="the same head chain started from every source that can enter it")
+    contribution: list[float] = Field(
+        description="the path term (embedding source) of the target logit at each position"
+    )
+    by_source: list[SourceContribution] = Field(
+        description="the same head chain started from every source that can enter it"
+    )
     next_token_contribution: list[float] = Field(
         default_factory=list,
         description="the path term (embedding source) on the logit of each position's actual next token, positions 0..n-2 "
@@ -148,7 +173,9 @@ class ChainView(BaseModel):
 class QKPair(BaseModel):
     query: str
     key: str
-    std: float = Field(description="standard deviation of this pair's score term over the causal (query, key) positions")
+    std: float = Field(
+        description="standard deviation of this pair's score term over the causal (query, key) positions"
+    )
 
 
 class QKPathsView(BaseModel):
@@ -191,11 +218,21 @@ class TermImportanceView(BaseModel):
     loss_by_order: list[float] = Field(
         description="mean loss keeping paths of order <= k (k heads; an MLP's clean output is an order-0 source), k = 0..n_layers (last = clean)"
     )
-    marginal_by_order: list[float] = Field(description="loss[k-1] - loss[k]: what the order-k terms add, k = 1..n_layers")
-    first_order_by_layer: list[float] = Field(description="loss drop over the direct path from adding layer l's first-order terms alone")
-    heads_asked: str = Field(description="the `heads` selection answered: 'default', 'all', 'none' or the canonical list")
-    heads_note: str = Field(description="which heads `heads` holds, in one sentence (the default differs by model size)")
-    all_heads_gflop: float = Field(description="the engine's FLOP count (GFLOP) of this answer with every head ablated (heads=all)")
+    marginal_by_order: list[float] = Field(
+        description="loss[k-1] - loss[k]: what the order-k terms add, k = 1..n_layers"
+    )
+    first_order_by_layer: list[float] = Field(
+        description="loss drop over the direct path from adding layer l's first-order terms alone"
+    )
+    heads_asked: str = Field(
+        description="the `heads` selection answered: 'default', 'all', 'none' or the canonical list"
+    )
+    heads_note: str = Field(
+        description="which heads `heads` holds, in one sentence (the default differs by model size)"
+    )
+    all_heads_gflop: float = Field(
+        description="the engine's FLOP count (GFLOP) of this answer with every head ablated (heads=all)"
+    )
     heads: list[HeadAblation] = Field(description="the ablated heads, in layer order")
 
 

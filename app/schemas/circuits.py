@@ -25,24 +25,39 @@ class CircuitTopView(BaseModel):
     head: str | None = Field(default=None, description="L{layer}H{head}; None for the direct path")
     row_label: str = Field(description="what the rows are (e.g. 'source token')")
     col_label: str = Field(description="what the columns are (e.g. 'output token')")
-    token: TokenRef | None = Field(default=None, description="the token whose row or column was read; None: global top-k")
+    token: TokenRef | None = Field(
+        default=None, description="the token whose row or column was read; None: global top-k"
+    )
     side: Side | None = Field(default=None, description="whether `token` is the row or the column")
     k: int
     entries: list[MatrixEntry] = Field(description="sorted by value, largest first")
-    diagonal: float | None = Field(default=None, description="the token's own entry (copying signature), when a token is given")
+    diagonal: float | None = Field(
+        default=None, description="the token's own entry (copying signature), when a token is given"
+    )
     diagonal_rank: int | None = Field(
-        default=None, description="rank of the token's own entry in its row/column (1 = top; among the kept tokens with min_count)"
+        default=None,
+        description="rank of the token's own entry in its row/column (1 = top; among the kept tokens with min_count)",
     )
     basis: str | None = Field(default=None, description="which weights the values come from: raw, or which processing")
-    corpus: str | None = Field(default=None, description="direct path: the held-out corpus of corpus_prob / corpus_count, if any")
+    corpus: str | None = Field(
+        default=None, description="direct path: the held-out corpus of corpus_prob / corpus_count, if any"
+    )
     min_count: int | None = Field(
         default=None, description="only tokens seen at least this often in training were ranked (None: every token)"
     )
-    n_tokens: int | None = Field(default=None, description="how many tokens were ranked: those min_count kept, or the default set "
-                                 "of a large vocabulary (None: every token)")
-    token_set: str | None = Field(default=None, description="which tokens a global table ranked, in words (None: every token)")
-    offset: int | None = Field(default=None, description="QK of a rotary model: the query-key offset δ of W_Q R(δ) W_Kᵀ "
-                               "(None: the model has no rotary positions)")
+    n_tokens: int | None = Field(
+        default=None,
+        description="how many tokens were ranked: those min_count kept, or the default set "
+        "of a large vocabulary (None: every token)",
+    )
+    token_set: str | None = Field(
+        default=None, description="which tokens a global table ranked, in words (None: every token)"
+    )
+    offset: int | None = Field(
+        default=None,
+        description="QK of a rotary model: the query-key offset δ of W_Q R(δ) W_Kᵀ "
+        "(None: the model has no rotary positions)",
+    )
 
 
 class SkipTrigram(BaseModel):
@@ -69,9 +84,16 @@ class SkipTrigramView(BaseModel):
     )
     copying: bool = Field(description="whether the source is among its own top-k outs")
     min_count: int | None = Field(
-        default=None, description="destinations, outs (and the default source) were tokens seen at least this often in training"
+        default=None,
+        description="destinations, outs (and the default source) were tokens seen at least this often in training",
     )
-    token_set: str | None = Field(default=None, description="without a token: which tokens the default source (the largest "
-                                  "full-OV entry) was chosen among, in words (None: every token)")
-    offset: int | None = Field(default=None, description="rotary models: destinations ranked by the QK circuit at this "
-                               "query-key offset δ (the source δ positions before the destination); None otherwise")
+    token_set: str | None = Field(
+        default=None,
+        description="without a token: which tokens the default source (the largest "
+        "full-OV entry) was chosen among, in words (None: every token)",
+    )
+    offset: int | None = Field(
+        default=None,
+        description="rotary models: destinations ranked by the QK circuit at this "
+        "query-key offset δ (the source δ positions before the destination); None otherwise",
+    )

@@ -23,11 +23,16 @@ class MatrixEntry(BaseModel):
     row: TokenRef
     col: TokenRef
     value: float
-    prob: float | None = Field(default=None, description="direct path only: softmax of the row (+ b_U), the model's P(col | row)")
-    corpus_prob: float | None = Field(
-        default=None, description="direct path only: P(col | row) in the held-out corpus, when the model has one (None: row unseen)"
+    prob: float | None = Field(
+        default=None, description="direct path only: softmax of the row (+ b_U), the model's P(col | row)"
     )
-    corpus_count: int | None = Field(default=None, description="direct path only: held-out count of the bigram (row, col)")
+    corpus_prob: float | None = Field(
+        default=None,
+        description="direct path only: P(col | row) in the held-out corpus, when the model has one (None: row unseen)",
+    )
+    corpus_count: int | None = Field(
+        default=None, description="direct path only: held-out count of the bigram (row, col)"
+    )
 
 
 class Complex(BaseModel):

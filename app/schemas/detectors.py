@@ -14,9 +14,13 @@ class HeadPattern(BaseModel):
 
 
 class LossByPosition(BaseModel):
-    loss: list[float | None] = Field(description="mean next-token loss (nats) at each position, averaged over the batch; last is None")
+    loss: list[float | None] = Field(
+        description="mean next-token loss (nats) at each position, averaged over the batch; last is None"
+    )
     first_repeat: float | None = Field(default=None, description="mean loss over the first copy of r")
-    second_repeat: float | None = Field(default=None, description="mean loss over the second copy of r (in-context copying lowers it)")
+    second_repeat: float | None = Field(
+        default=None, description="mean loss over the second copy of r (in-context copying lowers it)"
+    )
 
 
 class DetectorsView(BaseModel):

@@ -38,10 +38,12 @@ class HeadScores(BaseModel):
         "head (the paper's 2-D induction view, y axis; 0 in layer 0)",
     )
     qk_k_composition_weighted: float | None = Field(
-        default=None, description="the same with every earlier head weighted by its previous-token score (Olsson et al.)"
+        default=None,
+        description="the same with every earlier head weighted by its previous-token score (Olsson et al.)",
     )
     kernel_peak_offset: int | None = Field(
-        default=None, description="rotary models: the offset δ in 0..64 where the positional kernel μ Ω(δ) μᵀ / √d_head "
+        default=None,
+        description="rotary models: the offset δ in 0..64 where the positional kernel μ Ω(δ) μᵀ / √d_head "
         "peaks (μ: mean normalised residual on the reference text, see .../heads/{head}/positional); None otherwise",
     )
 
@@ -51,7 +53,8 @@ class HeadsView(BaseModel):
     detector_input: DetectorInput
     heads: list[HeadScores]
     previous_token_head: str | None = Field(
-        default=None, description="the layer-0 head with the largest previous-token score (K-composition partner of the 2-D view)"
+        default=None,
+        description="the layer-0 head with the largest previous-token score (K-composition partner of the 2-D view)",
     )
     kernel_reference: ReferenceText | None = Field(
         default=None, description="rotary models: the text μ of the kernel peak offsets was measured on; None otherwise"
@@ -86,8 +89,12 @@ class HeadView(BaseModel):
     layer: int
     index: int
     scores: HeadScores
-    ov_eigenvalues: list[Complex] = Field(description="the d_head eigenvalues of W_O W_U W_E W_V (nonzero spectrum of the full OV circuit)")
-    qk_eigenvalues: list[Complex] = Field(description="the d_head eigenvalues of W_K^T W_E^T W_E W_Q (token-token QK circuit)")
+    ov_eigenvalues: list[Complex] = Field(
+        description="the d_head eigenvalues of W_O W_U W_E W_V (nonzero spectrum of the full OV circuit)"
+    )
+    qk_eigenvalues: list[Complex] = Field(
+        description="the d_head eigenvalues of W_K^T W_E^T W_E W_Q (token-token QK circuit)"
+    )
     ov_singular_values: list[float] = Field(description="singular values of the residual-space W_OV = W_V W_O")
     qk_singular_values: list[float] = Field(description="singular values of the residual-space W_QK = W_Q W_K^T")
     positional: PositionalQK | None = Field(default=None, description="absent when the model has no learned positions")

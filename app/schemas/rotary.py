@@ -75,7 +75,9 @@ class QKCopyingView(BaseModel):
     model: ModelRef
     head: str
     offset: int = Field(description="the offset δ of `eigenvalues` and `score`")
-    eigenvalues: list[Complex] = Field(description="the d_head nonzero eigenvalues of the full QK circuit at δ = offset")
+    eigenvalues: list[Complex] = Field(
+        description="the d_head nonzero eigenvalues of the full QK circuit at δ = offset"
+    )
     score: float = Field(description="Σλ / Σ|λ| at δ = offset, in [-1, 1] (+1: every query attends to its own token)")
     offsets: list[int] = Field(description="δ = 0..max_offset")
     scores: list[float] = Field(description="Σλ / Σ|λ| at each of `offsets`")

@@ -21,7 +21,9 @@ class EntropyView(BaseModel):
     tokens: list[TokenRef]
     text_source: str = Field(description="prompt, tokens, or the default text: card (held-out sample) or builtin")
     mean: list[list[float]] = Field(description="[layer][head] mean over query positions of H_i (nats)")
-    normalised: list[list[float | None]] = Field(description="[layer][head] mean of H_i / log(i + 1) over i >= 1: 0 one key, 1 uniform")
+    normalised: list[list[float | None]] = Field(
+        description="[layer][head] mean of H_i / log(i + 1) over i >= 1: 0 one key, 1 uniform"
+    )
     per_position: list[list[list[float]]] = Field(description="[layer][head][i] entropy H_i of query position i (nats)")
 
 
@@ -29,8 +31,14 @@ def build_entropy_view(loaded: LoadedModel, p: PromptInput, limits: Limits) -> E
     ids, source = prompt_or_default(loaded, p, limits)
     H = attention_entropy.head_entropies(loaded.model, torch.tensor(ids, device=loaded.model.device))  # [L, heads, n]
     norm = attention_entropy.normalised(H).mean(-1) if len(ids) > 1 else torch.full(H.shape[:2], float("nan"))
-    return EntropyView(model=model_ref(loaded), tokens=token_refs(loaded, ids), text_source=source, mean=H.mean(-1).tolist(),
-                       normalised=[[None if v != v else v for v in row] for row in norm.tolist()], per_position=H.tolist())
+    return EntropyView(
+        model=model_ref(loaded),
+        tokens=token_refs(loaded, ids),
+        text_source=source,
+        mean=H.mean(-1).tolist(),
+        normalised=[[None if v != v else v for v in row] for row in norm.tolist()],
+        per_position=H.tolist(),
+    )
 
 
 def entropy_cost(loaded: LoadedModel, p: PromptInput, limits: Limits) -> Cost:
@@ -38,7 +46,14 @@ def entropy_cost(loaded: LoadedModel, p: PromptInput, limits: Limits) -> Cost:
 
 
 ATTENTION_ENTROPY = Analysis(
-    name="attention-entropy", path="attention-entropy", params=PromptInput, view=EntropyView, build=build_entropy_view,
-    cost=entropy_cost, summary="Attention entropy of every head", tags=["prompts"], template="attention_entropy.html",
+    name="attention-entropy",
+    path="attention-entropy",
+    params=PromptInput,
+    view=EntropyView,
+    build=build_entropy_view,
+    cost=entropy_cost,
+    summary="Attention entropy of every head",
+    tags=["prompts"],
+    template="attention_entropy.html",
     cache=lambda p: p.prompt is None and p.tokens is None,  # the default text only
 )

@@ -48,7 +48,11 @@ RAW = "raw weights, as stored"
 
 def raw_copy_cost(loaded: LoadedModel, which: Basis) -> Cost:
     """Memory of the unprocessed copy with_basis loads (0 when served, identical, or already kept)."""
-    if which == "served" or not changes_weights(loaded) or (str(loaded.path), loaded.digest, str(loaded.model.dtype)) in _RAW:
+    if (
+        which == "served"
+        or not changes_weights(loaded)
+        or (str(loaded.path), loaded.digest, str(loaded.model.dtype)) in _RAW
+    ):
         return Cost(0)
     return Cost(load_bytes(loaded.model.cfg, loaded.model.dtype))
 

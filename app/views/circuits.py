@@ -67,7 +67,9 @@ def frequent_tokens(loaded: LoadedModel, min_count: int | None) -> Tensor | None
         )
     ids = np.flatnonzero(counts >= min_count)
     if ids.size == 0:
-        raise InvalidInputError(f"no token was seen min_count={min_count} times in training (the most frequent: {int(counts.max())})")
+        raise InvalidInputError(
+            f"no token was seen min_count={min_count} times in training (the most frequent: {int(counts.max())})"
+        )
     return torch.from_numpy(ids).long()
 
 
@@ -95,17 +97,27 @@ def token_set(loaded: LoadedModel, min_count: int | None, vocab: Literal["defaul
         ids = frequent_tokens(loaded, min_count)
         assert ids is not None
         n = int(ids.numel())
-        return TokenSet(ids, n, f"the {n:,} tokens seen at least {min_count:,} times in training", f"min_count={min_count}")
+        return TokenSet(
+            ids, n, f"the {n:,} tokens seen at least {min_count:,} times in training", f"min_count={min_count}"
+        )
     if vocab == "all" or d_vocab <= DEFAULT_VOCAB:
         return TokenSet(None, d_vocab, None, "all")
     counts = load_token_counts(loaded.path, d_vocab)
     if counts is not None:
         top = np.sort(np.argsort(-counts, kind="stable")[:DEFAULT_VOCAB])
-        return TokenSet(torch.from_numpy(top).long(), DEFAULT_VOCAB,
-                        f"the {DEFAULT_VOCAB:,} most frequent of the {d_vocab:,} tokens (training counts)", "frequent")
-    return TokenSet(torch.arange(DEFAULT_VOCAB), DEFAULT_VOCAB,
-                    f"the {DEFAULT_VOCAB:,} lowest ids of the {d_vocab:,} tokens (the model has no training counts; in a BPE "
-                    "vocabulary the earliest merges, roughly the most frequent)", "lowest-ids")
+        return TokenSet(
+            torch.from_numpy(top).long(),
+            DEFAULT_VOCAB,
+            f"the {DEFAULT_VOCAB:,} most frequent of the {d_vocab:,} tokens (training counts)",
+            "frequent",
+        )
+    return TokenSet(
+        torch.arange(DEFAULT_VOCAB),
+        DEFAULT_VOCAB,
+        f"the {DEFAULT_VOCAB:,} lowest ids of the {d_vocab:,} tokens (the model has no training counts; in a BPE "
+        "vocabulary the earliest merges, roughly the most frequent)",
+        "lowest-ids",
+    )
 
 
 SHARED_K = 20  # the largest k the app asks a global table for by default: the API's 20 (head page 10, skip source 1)
@@ -127,8 +139,9 @@ def restricted(fm: FactoredMatrix, ids: Tensor | None) -> FactoredMatrix:
     return fm if ids is None else FactoredMatrix(fm.A[ids], fm.B[:, ids])
 
 
-def global_top(loaded: LoadedModel, circuit_of: CircuitOf, table: tuple[str, ...], k: int, tokens: TokenSet,
-               limits: Limits) -> GlobalTop:
+def global_top(
+    loaded: LoadedModel, circuit_of: CircuitOf, table: tuple[str, ...], k: int, tokens: TokenSet, limits: Limits
+) -> GlobalTop:
     """The k largest entries of the circuit among tokens x tokens: the first k of one shared top-max(k, SHARED_K)
     table, cached under (model digest, weights, `table` = circuit, head, offset, token set, its k). The circuit is
     built on the token set only (circuit_of(ids)), so a large vocabulary's whole factors are never formed."""
@@ -136,7 +149,9 @@ def global_top(loaded: LoadedModel, circuit_of: CircuitOf, table: tuple[str, ...
     key = ("global-top", str(loaded.digest), basis(loaded), *table, tokens.name, str(shared))
 
     def build() -> GlobalTop:
-        values, rows, cols = circuit_of(tokens.ids).topk_global(shared, budget_bytes=limits.matrix_budget_bytes)  # [shared]
+        values, rows, cols = circuit_of(tokens.ids).topk_global(
+            shared, budget_bytes=limits.matrix_budget_bytes
+        )  # [shared]
         if tokens.ids is not None:  # positions in the set -> token ids
             rows, cols = tokens.ids[rows], tokens.ids[cols]
         return GlobalTop(values=values.tolist(), rows=rows.tolist(), cols=cols.tolist())
@@ -162,13 +177,25 @@ def _top_view(
     """circuit_of(ids) builds the factored circuit (global top-k, or a token's line); line_of(t), when given,
     reads a token's row/column straight from the weights instead (no [d_vocab, d_head] factors: ms on GPT-2)."""
     rows_label, cols_label = LABELS[circuit]
-    ranked = token_set(loaded, min_count, vocab if token is None else "all")  # a token's line: every token or min_count's
+    ranked = token_set(
+        loaded, min_count, vocab if token is None else "all"
+    )  # a token's line: every token or min_count's
     n_vocab = None if ranked.ids is None else ranked.n
 
     def view(k: int, entries: list[MatrixEntry], **found: Any) -> CircuitTopView:
         return CircuitTopView(
-            model=model_ref(loaded), circuit=circuit, head=head, row_label=rows_label, col_label=cols_label,
-            k=k, entries=entries, min_count=min_count, n_tokens=n_vocab, token_set=ranked.said, basis=basis(loaded), **found,
+            model=model_ref(loaded),
+            circuit=circuit,
+            head=head,
+            row_label=rows_label,
+            col_label=cols_label,
+            k=k,
+            entries=entries,
+            min_count=min_count,
+            n_tokens=n_vocab,
+            token_set=ranked.said,
+            basis=basis(loaded),
+            **found,
         )
 
     with torch.no_grad():
@@ -207,8 +234,19 @@ def build_ov_view(loaded: LoadedModel, p: OVParams, limits: Limits) -> CircuitTo
     """Full OV circuit W_E W_V W_O W_U of a head: the token's row (the logits it raises), else global top-k."""
     loaded = with_basis(loaded, p.basis)
     layer, h = parse_head(p.head, loaded.model.cfg)
-    return _top_view(loaded, lambda ids: circuits.full_ov_circuit(loaded.model, layer, h, ids), "ov", p.head, p.token, "row", p.k,
-                     limits, p.min_count, lambda t: circuits.full_ov_row(loaded.model, layer, h, t), p.vocab)
+    return _top_view(
+        loaded,
+        lambda ids: circuits.full_ov_circuit(loaded.model, layer, h, ids),
+        "ov",
+        p.head,
+        p.token,
+        "row",
+        p.k,
+        limits,
+        p.min_count,
+        lambda t: circuits.full_ov_row(loaded.model, layer, h, t),
+        p.vocab,
+    )
 
 
 def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTopView:
@@ -222,20 +260,54 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
     if is_rotary(loaded):
         model, offset = loaded.model, p.offset
         line = rotary.full_qk_col_at if side == "column" else rotary.full_qk_row_at
-        view = _top_view(loaded, lambda ids: restricted(rotary.full_qk_circuit_at(model, layer, h, offset), ids), "qk", p.head, p.token, side,
-                         p.k, limits, p.min_count, lambda t: line(model, layer, h, t, offset), p.vocab, offset)
+        view = _top_view(
+            loaded,
+            lambda ids: restricted(rotary.full_qk_circuit_at(model, layer, h, offset), ids),
+            "qk",
+            p.head,
+            p.token,
+            side,
+            p.k,
+            limits,
+            p.min_count,
+            lambda t: line(model, layer, h, t, offset),
+            p.vocab,
+            offset,
+        )
         return view.model_copy(update={"offset": offset})
     column = (lambda t: circuits.full_qk_col(loaded.model, layer, h, t)) if side == "column" else None
-    return _top_view(loaded, lambda ids: circuits.full_qk_circuit(loaded.model, layer, h, ids), "qk", p.head, p.token, side, p.k,
-                     limits, p.min_count, column, p.vocab)
+    return _top_view(
+        loaded,
+        lambda ids: circuits.full_qk_circuit(loaded.model, layer, h, ids),
+        "qk",
+        p.head,
+        p.token,
+        side,
+        p.k,
+        limits,
+        p.min_count,
+        column,
+        p.vocab,
+    )
 
 
 def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> CircuitTopView:
     """Direct path W_E W_U (the bigram table): top next tokens for a current token, else global top-k; each entry
     with the model's probability (softmax of its row) and, where the model has a held-out corpus, the corpus's."""
     loaded = with_basis(loaded, p.basis)
-    view = _top_view(loaded, lambda ids: restricted(circuits.direct_path(loaded.model), ids), "direct", None, p.token, "row", p.k, limits,
-                     p.min_count, lambda t: circuits.direct_row(loaded.model, t), p.vocab)
+    view = _top_view(
+        loaded,
+        lambda ids: restricted(circuits.direct_path(loaded.model), ids),
+        "direct",
+        None,
+        p.token,
+        "row",
+        p.k,
+        limits,
+        p.min_count,
+        lambda t: circuits.direct_row(loaded.model, t),
+        p.vocab,
+    )
     model = loaded.model
     data = find_eval_data(loaded.path)
     bigrams = HeldOutBigrams(data) if data is not None else None
@@ -258,8 +330,9 @@ def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> C
 def _search_cost(loaded: LoadedModel, p: DirectParams, limits: Limits) -> Cost:
     """The global table a request without a token reads: top max(k, SHARED_K) among its token set."""
     ranked = token_set(loaded, p.min_count, p.vocab)
-    return circuits.top_cost(loaded.model, max(p.k, min(SHARED_K, ranked.n**2)), limits.matrix_budget_bytes, line=False,
-                             n_tokens=ranked.n)
+    return circuits.top_cost(
+        loaded.model, max(p.k, min(SHARED_K, ranked.n**2)), limits.matrix_budget_bytes, line=False, n_tokens=ranked.n
+    )
 
 
 def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits) -> Cost:
@@ -276,8 +349,14 @@ def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits) ->
 def _strongest_source(loaded: LoadedModel, layer: int, h: int, limits: Limits, ranked: TokenSet) -> int:
     """The source token of the largest full-OV entry (among the ranked tokens): the default skip-trigram source, the
     first row of the OV circuit's shared global table."""
-    top = global_top(loaded, lambda ids: circuits.full_ov_circuit(loaded.model, layer, h, ids), ("ov", head_name(layer, h), "0"),
-                     1, ranked, limits)
+    top = global_top(
+        loaded,
+        lambda ids: circuits.full_ov_circuit(loaded.model, layer, h, ids),
+        ("ov", head_name(layer, h), "0"),
+        1,
+        ranked,
+        limits,
+    )
     return top.rows[0]
 
 
@@ -292,38 +371,75 @@ def build_skip_trigrams_view(loaded: LoadedModel, p: SkipTrigramParams, limits: 
     ranked = token_set(loaded, min_count, p.vocab)  # the default source's candidates
     k = check_k(k, limits, loaded.model.cfg.d_vocab if vocab is None else int(vocab.numel()))
     with torch.no_grad():
-        source = resolve_token(loaded, token) if token is not None else _strongest_source(loaded, layer, h, limits, ranked)
+        source = (
+            resolve_token(loaded, token) if token is not None else _strongest_source(loaded, layer, h, limits, ranked)
+        )
         check_offset(loaded, p.offset)
         offset = p.offset if is_rotary(loaded) else None  # rotary: destinations from the QK column at δ
         col = rotary.full_qk_col_at(loaded.model, layer, h, source, offset) if offset is not None else None
         st = circuits.skip_trigrams(loaded.model, layer, h, source, k, vocab, qk_col=col)
-    dest = [ScoredToken(token=token_ref(loaded, t), value=float(v)) for t, v in zip(st.dest_tokens.tolist(), st.dest_scores.tolist(), strict=True)]
-    outs = [ScoredToken(token=token_ref(loaded, t), value=float(v)) for t, v in zip(st.out_tokens.tolist(), st.out_scores.tolist(), strict=True)]
+    dest = [
+        ScoredToken(token=token_ref(loaded, t), value=float(v))
+        for t, v in zip(st.dest_tokens.tolist(), st.dest_scores.tolist(), strict=True)
+    ]
+    outs = [
+        ScoredToken(token=token_ref(loaded, t), value=float(v))
+        for t, v in zip(st.out_tokens.tolist(), st.out_scores.tolist(), strict=True)
+    ]
     qk = dict(zip(st.dest_tokens.tolist(), st.dest_scores.tolist(), strict=True))
     ov = dict(zip(st.out_tokens.tolist(), st.out_scores.tolist(), strict=True))
     src = token_ref(loaded, source)
     trigrams = [
-        SkipTrigram(source=src, destination=token_ref(loaded, b), out=token_ref(loaded, c), qk=qk[b], ov=ov[c], joint=joint)
+        SkipTrigram(
+            source=src, destination=token_ref(loaded, b), out=token_ref(loaded, c), qk=qk[b], ov=ov[c], joint=joint
+        )
         for b, c, joint in st.triples[:k]
     ]
     return SkipTrigramView(
-        model=model_ref(loaded), head=head_name(layer, h), source=src, k=k, copying=st.copying, min_count=min_count,
-        destinations=dest, outs=outs, trigrams=trigrams, offset=offset, token_set=ranked.said if token is None else None,
+        model=model_ref(loaded),
+        head=head_name(layer, h),
+        source=src,
+        k=k,
+        copying=st.copying,
+        min_count=min_count,
+        destinations=dest,
+        outs=outs,
+        trigrams=trigrams,
+        offset=offset,
+        token_set=ranked.said if token is None else None,
     )
 
 
 # -- declarations (app/analysis.py) ----------------------------------------------------------------------
 DIRECT = Analysis(
-    name="direct", path="direct", params=DirectParams, view=CircuitTopView, build=build_direct_view, cost=top_cost,
-    summary="Direct path (bigram table)", tags=["circuits"],
+    name="direct",
+    path="direct",
+    params=DirectParams,
+    view=CircuitTopView,
+    build=build_direct_view,
+    cost=top_cost,
+    summary="Direct path (bigram table)",
+    tags=["circuits"],
 )
 OV = Analysis(
-    name="ov", path="heads/{head}/ov", params=OVParams, view=CircuitTopView, build=build_ov_view, cost=top_cost,
-    summary="Top entries of the full OV circuit", tags=["circuits"],
+    name="ov",
+    path="heads/{head}/ov",
+    params=OVParams,
+    view=CircuitTopView,
+    build=build_ov_view,
+    cost=top_cost,
+    summary="Top entries of the full OV circuit",
+    tags=["circuits"],
 )
 QK = Analysis(
-    name="qk", path="heads/{head}/qk", params=QKParams, view=CircuitTopView, build=build_qk_view, cost=top_cost,
-    summary="Top entries of the full QK circuit", tags=["circuits"],
+    name="qk",
+    path="heads/{head}/qk",
+    params=QKParams,
+    view=CircuitTopView,
+    build=build_qk_view,
+    cost=top_cost,
+    summary="Top entries of the full QK circuit",
+    tags=["circuits"],
 )
 
 
@@ -335,6 +451,12 @@ def skip_trigrams_cost(loaded: LoadedModel, p: SkipTrigramParams, limits: Limits
 
 
 SKIP_TRIGRAMS = Analysis(
-    name="skip-trigrams", path="heads/{head}/skip-trigrams", params=SkipTrigramParams, view=SkipTrigramView,
-    build=build_skip_trigrams_view, cost=skip_trigrams_cost, summary="Skip-trigrams of a source token", tags=["circuits"],
+    name="skip-trigrams",
+    path="heads/{head}/skip-trigrams",
+    params=SkipTrigramParams,
+    view=SkipTrigramView,
+    build=build_skip_trigrams_view,
+    cost=skip_trigrams_cost,
+    summary="Skip-trigrams of a source token",
+    tags=["circuits"],
 )

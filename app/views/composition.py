@@ -49,7 +49,9 @@ def check_layers(loaded: LoadedModel) -> None:
     """Composition pairs a head with a later layer's: a model needs two layers (the first fault named, before any
     other check of the request)."""
     if loaded.model.cfg.n_layers < 2:
-        raise InvalidInputError(f"composition needs at least 2 layers; model {loaded.path.name!r} has {loaded.model.cfg.n_layers}")
+        raise InvalidInputError(
+            f"composition needs at least 2 layers; model {loaded.path.name!r} has {loaded.model.cfg.n_layers}"
+        )
 
 
 def build_composition_view(loaded: LoadedModel, p: CompositionParams, limits: Limits | None = None) -> CompositionView:
@@ -81,15 +83,25 @@ def build_composition_view(loaded: LoadedModel, p: CompositionParams, limits: Li
         l1, h1, l2, h2 = (int(x) for x in torch.unravel_index(torch.tensor(i), raw.shape))
         pairs.append(
             CompositionPair(
-                source=head_name(l1, h1), target=head_name(l2, h2),
-                score=float(raw[l1, h1, l2, h2]), minus_baseline=float(minus[l1, h1, l2, h2]),
+                source=head_name(l1, h1),
+                target=head_name(l2, h2),
+                score=float(raw[l1, h1, l2, h2]),
+                minus_baseline=float(minus[l1, h1, l2, h2]),
             )
         )
     return CompositionView(
-        model=model_ref(loaded), kind=kind, basis=basis(loaded),
-        sources=[head_name(*s) for s in src], targets=[head_name(*d) for d in dst],
-        scores=scores, minus_baseline=minus_bl, baseline=comp.baseline,
-        sampled_baseline=comp.sampled_baseline, sampled_std=comp.sampled_std, top_pairs=pairs, offset=offset,
+        model=model_ref(loaded),
+        kind=kind,
+        basis=basis(loaded),
+        sources=[head_name(*s) for s in src],
+        targets=[head_name(*d) for d in dst],
+        scores=scores,
+        minus_baseline=minus_bl,
+        baseline=comp.baseline,
+        sampled_baseline=comp.sampled_baseline,
+        sampled_std=comp.sampled_std,
+        top_pairs=pairs,
+        offset=offset,
     )
 
 
@@ -114,7 +126,9 @@ def virtual_ov_circuit(loaded: LoadedModel, chain: list[tuple[int, int]]) -> Fac
     return (circuits.embed_eff(model) @ ov) @ model.W_U
 
 
-def token_circuit(loaded: LoadedModel, fm: FactoredMatrix, k: int, limits: Limits, labels: tuple[str, str]) -> TokenCircuit:
+def token_circuit(
+    loaded: LoadedModel, fm: FactoredMatrix, k: int, limits: Limits, labels: tuple[str, str]
+) -> TokenCircuit:
     """Global top-k entries (streamed under the matrix budget) and the eigenvalue statistic of a token circuit."""
     k = check_k(k, limits, fm.ldim * fm.rdim)
     with torch.no_grad():
@@ -126,8 +140,11 @@ def token_circuit(loaded: LoadedModel, fm: FactoredMatrix, k: int, limits: Limit
         for v, r, c in zip(values.tolist(), rows.tolist(), cols.tolist(), strict=True)
     ]
     return TokenCircuit(
-        row_label=labels[0], col_label=labels[1], entries=entries,
-        eigenvalues=[Complex(re=float(z.real), im=float(z.imag)) for z in eig.tolist()], copying=copying,
+        row_label=labels[0],
+        col_label=labels[1],
+        entries=entries,
+        eigenvalues=[Complex(re=float(z.real), im=float(z.imag)) for z in eig.tolist()],
+        copying=copying,
     )
 
 
@@ -146,10 +163,14 @@ def build_composition_pair_view(loaded: LoadedModel, p: CompositionPairParams, l
         k_circuit = token_circuit(loaded, k_composition_circuit(loaded.model, chain[1], chain[0]), k, limits, K_LABELS)
         virtual = token_circuit(loaded, virtual_ov_circuit(loaded, chain), k, limits, VIRTUAL_LABELS)
     return CompositionPairView(
-        model=model_ref(loaded), source=head_name(l1, h1), target=head_name(l2, h2), basis=basis(loaded),
+        model=model_ref(loaded),
+        source=head_name(l1, h1),
+        target=head_name(l2, h2),
+        basis=basis(loaded),
         scores={kind.upper(): float(comp.raw[kind][l1, h1, l2, h2]) for kind in comp.raw},
         minus_baseline={kind.upper(): float(comp.minus_baseline[kind][l1, h1, l2, h2]) for kind in comp.minus_baseline},
-        baseline=comp.baseline, k_composition=k_circuit,
+        baseline=comp.baseline,
+        k_composition=k_circuit,
         virtual_head=VirtualHeadCircuit(heads=[head_name(l1, h1), head_name(l2, h2)], ov=virtual),
     )
 
@@ -172,11 +193,22 @@ def pair_cost(loaded: LoadedModel, p: CompositionPairParams, limits: Limits) -> 
 
 
 COMPOSITION = Analysis(
-    name="composition", path="composition", params=CompositionParams, view=CompositionView, build=build_composition_view,
-    cost=composition_cost, summary="Q/K/V composition scores of every head pair", tags=["composition"],
+    name="composition",
+    path="composition",
+    params=CompositionParams,
+    view=CompositionView,
+    build=build_composition_view,
+    cost=composition_cost,
+    summary="Q/K/V composition scores of every head pair",
+    tags=["composition"],
 )
 COMPOSITION_PAIR = Analysis(
-    name="composition-pair", path="composition/{source}/{target}", params=CompositionPairParams, view=CompositionPairView,
-    build=build_composition_pair_view, cost=pair_cost, summary="One head pair: K-composition circuit and virtual head",
+    name="composition-pair",
+    path="composition/{source}/{target}",
+    params=CompositionPairParams,
+    view=CompositionPairView,
+    build=build_composition_pair_view,
+    cost=pair_cost,
+    summary="One head pair: K-composition circuit and virtual head",
     tags=["composition"],
 )

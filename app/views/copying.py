@@ -48,12 +48,22 @@ SAMPLE_SEED = 0
 class CopyingAllParams(AnalysisParams):
     k: K = 10
     min_count: MinCount = None
-    samples: Annotated[int, Field(ge=N_TOP_SAMPLES, le=1000, description="random OV circuits drawn for the baseline")] = 200
+    samples: Annotated[
+        int, Field(ge=N_TOP_SAMPLES, le=1000, description="random OV circuits drawn for the baseline")
+    ] = 200
     heads: Heads = None
-    rows: Annotated[int | None, Field(ge=1, le=10**7, description=(
-        f"source tokens measured for the shares and the diagonal, drawn at random (seed {SAMPLE_SEED}); at least the "
-        f"number of tokens ranked: every one. Default: every token up to {FULL_ROWS_MAX} tokens ranked, else {HEAD_ROWS} / "
-        f"(heads measured), within [{MIN_ROWS}, {MAX_ROWS}]"))] = None
+    rows: Annotated[
+        int | None,
+        Field(
+            ge=1,
+            le=10**7,
+            description=(
+                f"source tokens measured for the shares and the diagonal, drawn at random (seed {SAMPLE_SEED}); at least the "
+                f"number of tokens ranked: every one. Default: every token up to {FULL_ROWS_MAX} tokens ranked, else {HEAD_ROWS} / "
+                f"(heads measured), within [{MIN_ROWS}, {MAX_ROWS}]"
+            ),
+        ),
+    ] = None
 
 
 class HeadCopying(BaseModel):
@@ -61,7 +71,9 @@ class HeadCopying(BaseModel):
     ov_copying: float = Field(description="eigenvalue copying score sum(eig)/sum(|eig|) of the full OV circuit")
     top1: float = Field(description="share of source tokens whose own logit is the largest of their OV row")
     topk: float = Field(description="share of source tokens whose own logit is among the k largest of their row")
-    top1_stderr: float = Field(description="standard error of top1 from sampling the rows (0 when every row is measured)")
+    top1_stderr: float = Field(
+        description="standard error of top1 from sampling the rows (0 when every row is measured)"
+    )
     topk_stderr: float = Field(description="standard error of topk from sampling the rows")
     diagonal_positive: float = Field(description="share of tokens a with M[a, a] > 0")
     diagonal_median: float = Field(description="median of the diagonal M[a, a] (logits)")
@@ -88,8 +100,10 @@ class CopyingOverview(BaseModel):
     sample: str = Field(description="which source tokens the shares and diagonal are measured on, in words")
     min_count: int | None
     heads: list[HeadCopying]
-    baseline: CopyingBaselineView = Field(description="random W_V, W_O of the model's shapes (standard normal, seeded) "
-                                          "through its own W_E and W_U, the same summaries")
+    baseline: CopyingBaselineView = Field(
+        description="random W_V, W_O of the model's shapes (standard normal, seeded) "
+        "through its own W_E and W_U, the same summaries"
+    )
 
 
 def default_rows(n_tokens: int, rows: int | None, n_heads: int) -> int | None:
@@ -126,8 +140,16 @@ class RandomScores(BaseModel):
     scores: list[float]  # eigenvalue copying scores of the random circuits, in drawing order
 
 
-def circuit_rows(loaded: LoadedModel, p: CopyingAllParams, k: int, vocab: torch.Tensor | None, rows: int | None,
-                 circuit: str, W: Callable[[], tuple[torch.Tensor, torch.Tensor]], limits: Limits) -> copying.RowRanks:
+def circuit_rows(
+    loaded: LoadedModel,
+    p: CopyingAllParams,
+    k: int,
+    vocab: torch.Tensor | None,
+    rows: int | None,
+    circuit: str,
+    W: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    limits: Limits,
+) -> copying.RowRanks:
     """The source rows of one circuit (W: its W_V, W_O) from the result cache, else measured and kept. A sample smaller
     than a one-head panel's is the first rows of the panel's draw (copying.sample_order): read off its entry when
     cached (precompute asks the panels first), so the overview measures no row twice."""
@@ -145,8 +167,9 @@ def circuit_rows(loaded: LoadedModel, p: CopyingAllParams, k: int, vocab: torch.
     def build() -> CircuitRows:
         W_V, W_O = W()
         with torch.no_grad():
-            ranks = copying.row_ranks(loaded.model, W_V, W_O, k, copying.sample_order(n, rows, SAMPLE_SEED), vocab,
-                                      limits.matrix_budget_bytes)
+            ranks = copying.row_ranks(
+                loaded.model, W_V, W_O, k, copying.sample_order(n, rows, SAMPLE_SEED), vocab, limits.matrix_budget_bytes
+            )
         return CircuitRows(above=ranks.above.tolist(), diag=ranks.diag.tolist(), k=k)
 
     return cached_build(key(rows), CircuitRows, build).ranks()
@@ -162,8 +185,9 @@ def _sample(weights: Callable[[], tuple[torch.Tensor, torch.Tensor]], i: int) ->
     return W_V[i], W_O[i]  # the i-th random circuit's W_V [d, d_head], W_O [d_head, d]
 
 
-def _baseline(loaded: LoadedModel, p: CopyingAllParams, k: int, vocab: torch.Tensor | None, rows: int | None,
-              limits: Limits) -> CopyingBaselineView:
+def _baseline(
+    loaded: LoadedModel, p: CopyingAllParams, k: int, vocab: torch.Tensor | None, rows: int | None, limits: Limits
+) -> CopyingBaselineView:
     """Random W_V, W_O of the model's shapes: eigenvalue scores kept once per (weights, samples), each of the first
     N_TOP_SAMPLES circuits' rows once per sample (circuit_rows)."""
     model = loaded.model
@@ -176,12 +200,24 @@ def _baseline(loaded: LoadedModel, p: CopyingAllParams, k: int, vocab: torch.Ten
 
     key = ("copying-random-scores", str(loaded.digest), basis(loaded), p.samples, SAMPLE_SEED)
     s = torch.tensor(cached_build(key, RandomScores, eig).scores, dtype=torch.float64)
-    tops = torch.stack([circuit_rows(loaded, p, k, vocab, rows, f"random {i} of {p.samples}",
-                                     functools.partial(_sample, weights, i), limits).shares()
-                        for i in range(N_TOP_SAMPLES)])  # [N_TOP_SAMPLES, 4]
-    return CopyingBaselineView(ov_copying_mean=float(s.mean()), ov_copying_std=float(s.std()), ov_copying_min=float(s.min()),
-                               ov_copying_max=float(s.max()), top1_mean=float(tops[:, 0].mean()),
-                               topk_mean=float(tops[:, 1].mean()), n_samples=p.samples, n_top_samples=N_TOP_SAMPLES)
+    tops = torch.stack(
+        [
+            circuit_rows(
+                loaded, p, k, vocab, rows, f"random {i} of {p.samples}", functools.partial(_sample, weights, i), limits
+            ).shares()
+            for i in range(N_TOP_SAMPLES)
+        ]
+    )  # [N_TOP_SAMPLES, 4]
+    return CopyingBaselineView(
+        ov_copying_mean=float(s.mean()),
+        ov_copying_std=float(s.std()),
+        ov_copying_min=float(s.min()),
+        ov_copying_max=float(s.max()),
+        top1_mean=float(tops[:, 0].mean()),
+        topk_mean=float(tops[:, 1].mean()),
+        n_samples=p.samples,
+        n_top_samples=N_TOP_SAMPLES,
+    )
 
 
 def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Limits) -> CopyingOverview:
@@ -195,23 +231,52 @@ def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Lim
     todo = chosen_heads(loaded, p, limits) or all_heads(cfg)
     rows = default_rows(n, p.rows, len(todo))
     every = spectra(loaded)  # every head's OV eigenvalues, kept once per model (app/views/heads.py)
-    eig = circuits.copying_score(torch.complex(torch.tensor(every.ov_re, dtype=torch.float64), torch.tensor(every.ov_im, dtype=torch.float64)).view(
-        cfg.n_layers, cfg.n_heads, cfg.d_head))  # [L, H]
+    eig = circuits.copying_score(
+        torch.complex(
+            torch.tensor(every.ov_re, dtype=torch.float64), torch.tensor(every.ov_im, dtype=torch.float64)
+        ).view(cfg.n_layers, cfg.n_heads, cfg.d_head)
+    )  # [L, H]
     r = n if rows is None else rows  # source rows measured per circuit
     heads = []
     for layer, h in todo:
         check_stop(what="OV self-copy shares")
-        top1, topk, positive, median = circuit_rows(loaded, p, k, vocab, rows, head_name(layer, h),
-                                                    functools.partial(_head, model, layer, h), limits).shares().tolist()
-        heads.append(HeadCopying(head=head_name(layer, h), ov_copying=float(eig[layer, h]), top1=top1, topk=topk,
-                                 diagonal_positive=positive, diagonal_median=median, top1_stderr=stderr(top1, r, n),
-                                 topk_stderr=stderr(topk, r, n)))
+        top1, topk, positive, median = (
+            circuit_rows(
+                loaded, p, k, vocab, rows, head_name(layer, h), functools.partial(_head, model, layer, h), limits
+            )
+            .shares()
+            .tolist()
+        )
+        heads.append(
+            HeadCopying(
+                head=head_name(layer, h),
+                ov_copying=float(eig[layer, h]),
+                top1=top1,
+                topk=topk,
+                diagonal_positive=positive,
+                diagonal_median=median,
+                top1_stderr=stderr(top1, r, n),
+                topk_stderr=stderr(topk, r, n),
+            )
+        )
     baseline = _baseline(loaded, p, k, vocab, rows, limits)  # does not depend on `heads`: its entries serve every panel
     ranked = "tokens" if vocab is None else f"tokens seen at least {p.min_count} times in training"
-    sample = (f"every one of the {n} {ranked} as source" if r == n else
-              f"{r} of the {n} {ranked} as sources, drawn at random (seed {SAMPLE_SEED}), each ranked against all {n}")
-    return CopyingOverview(model=model_ref(loaded), basis=basis(loaded), k=k, n_tokens=n, n_rows=r, sample=sample,
-                           min_count=p.min_count, heads=heads, baseline=baseline)
+    sample = (
+        f"every one of the {n} {ranked} as source"
+        if r == n
+        else f"{r} of the {n} {ranked} as sources, drawn at random (seed {SAMPLE_SEED}), each ranked against all {n}"
+    )
+    return CopyingOverview(
+        model=model_ref(loaded),
+        basis=basis(loaded),
+        k=k,
+        n_tokens=n,
+        n_rows=r,
+        sample=sample,
+        min_count=p.min_count,
+        heads=heads,
+        baseline=baseline,
+    )
 
 
 def copying_overview_cost(loaded: LoadedModel, p: CopyingAllParams, limits: Limits) -> Cost:
@@ -220,12 +285,26 @@ def copying_overview_cost(loaded: LoadedModel, p: CopyingAllParams, limits: Limi
     cfg = loaded.model.cfg
     todo = chosen_heads(loaded, p, limits)
     n_heads = len(todo) if todo is not None else cfg.n_layers * cfg.n_heads
-    return copying.cost(loaded.model, p.k, p.samples, N_TOP_SAMPLES, min(limits.matrix_budget_bytes, copying.BLOCK_BYTES), n,
-                        rows=default_rows(n, p.rows, n_heads), n_heads=n_heads)
+    return copying.cost(
+        loaded.model,
+        p.k,
+        p.samples,
+        N_TOP_SAMPLES,
+        min(limits.matrix_budget_bytes, copying.BLOCK_BYTES),
+        n,
+        rows=default_rows(n, p.rows, n_heads),
+        n_heads=n_heads,
+    )
 
 
 COPYING_ALL = Analysis(
-    name="copying-all", path="copying", params=CopyingAllParams, view=CopyingOverview, build=build_copying_overview,
-    cost=copying_overview_cost, summary="Copying of every head: eigenvalue score, self-copy shares, random baseline",
-    tags=["heads"], template="copying.html",
+    name="copying-all",
+    path="copying",
+    params=CopyingAllParams,
+    view=CopyingOverview,
+    build=build_copying_overview,
+    cost=copying_overview_cost,
+    summary="Copying of every head: eigenvalue score, self-copy shares, random baseline",
+    tags=["heads"],
+    template="copying.html",
 )

@@ -70,7 +70,8 @@ def build_detectors_view(loaded: LoadedModel, p: DetectorParams, limits: Limits)
     detectors = run.scores
     chosen = chosen if chosen is not None else _best_heads(detectors)
     head_patterns = [
-        HeadPattern(head=head_name(layer, h), pattern=run.first_patterns[layer, h].double().tolist()) for layer, h in chosen
+        HeadPattern(head=head_name(layer, h), pattern=run.first_patterns[layer, h].double().tolist())
+        for layer, h in chosen
     ]
     assert run.losses is not None
     loss = _losses(run.losses, repeat_len, meta.bos is not None)
@@ -100,6 +101,12 @@ def detectors_cost(loaded: LoadedModel, p: DetectorParams, limits: Limits) -> Co
 
 
 DETECTORS = Analysis(
-    name="detectors", path="detectors", params=DetectorParams, view=DetectorsView, build=build_detectors_view,
-    cost=detectors_cost, summary="Head detectors on repeated random tokens", tags=["detectors"],
+    name="detectors",
+    path="detectors",
+    params=DetectorParams,
+    view=DetectorsView,
+    build=build_detectors_view,
+    cost=detectors_cost,
+    summary="Head detectors on repeated random tokens",
+    tags=["detectors"],
 )

@@ -109,9 +109,13 @@ def build_heads_view(loaded: LoadedModel, p: NoParams | None = None, limits: Lim
         reference.append(text)
         return mu
 
-    table = head_table(loaded.model, tokens, budget_bytes=limits.peak_bytes if limits is not None else None,
-                       means=means if rotary_model else None,
-                       reference_tokens=reference_tokens_bound(loaded) if rotary_model else None)
+    table = head_table(
+        loaded.model,
+        tokens,
+        budget_bytes=limits.peak_bytes if limits is not None else None,
+        means=means if rotary_model else None,
+        reference_tokens=reference_tokens_bound(loaded) if rotary_model else None,
+    )
     if table.induction is None:
         return HeadsView(model=model_ref(loaded), detector_input=meta, heads=[])
     scores = head_scores(loaded, table.detectors, table)
@@ -135,8 +139,14 @@ def build_copying_view(loaded: LoadedModel, p: CopyingParams, limits: Limits) ->
         m = circuits.ov_copying_metrics(loaded.model, layer, h, k=k, budget_bytes=limits.matrix_budget_bytes)
         score = circuits.ov_copying_scores(loaded.model)[layer, h]
     return CopyingMetricsView(
-        model=model_ref(loaded), head=head_name(layer, h), ov_copying=num(score), diagonal_positive=m.diagonal_positive,
-        diagonal_quantiles=[float(q) for q in m.diagonal_quantiles], top1=m.top1, topk=m.topk, k=m.k,
+        model=model_ref(loaded),
+        head=head_name(layer, h),
+        ov_copying=num(score),
+        diagonal_positive=m.diagonal_positive,
+        diagonal_quantiles=[float(q) for q in m.diagonal_quantiles],
+        top1=m.top1,
+        topk=m.topk,
+        k=m.k,
     )
 
 
@@ -170,7 +180,10 @@ class Spectra(BaseModel):
 def spectra(loaded: LoadedModel) -> Spectra:
     def build() -> Spectra:
         with torch.no_grad():
-            ov, qk = circuits.ov_eigenvalues(loaded.model), circuits.qk_eigenvalues(loaded.model)  # [L, H, d_head] complex
+            ov, qk = (
+                circuits.ov_eigenvalues(loaded.model),
+                circuits.qk_eigenvalues(loaded.model),
+            )  # [L, H, d_head] complex
         ov, qk = (e.gather(-1, e.abs().sort(stable=True, dim=-1, descending=True).indices).flatten() for e in (ov, qk))
         return Spectra(ov_re=ov.real.tolist(), ov_im=ov.imag.tolist(), qk_re=qk.real.tolist(), qk_im=qk.imag.tolist())
 
@@ -217,8 +230,13 @@ def parse_heads(names: list[str], loaded: LoadedModel, max_heads: int) -> list[t
 def heads_cost(loaded: LoadedModel, p: AnalysisParams, limits: Limits) -> Cost:
     """The heads table on the standard input (the head view needs it too, when not cached)."""
     meta, rotary_model = standard_input(loaded)[1], is_rotary(loaded)
-    return head_table_cost(loaded.model, meta.n_tokens, meta.batch, limits.peak_bytes,
-                                 reference_tokens_bound(loaded) if rotary_model else None)
+    return head_table_cost(
+        loaded.model,
+        meta.n_tokens,
+        meta.batch,
+        limits.peak_bytes,
+        reference_tokens_bound(loaded) if rotary_model else None,
+    )
 
 
 def head_cost(loaded: LoadedModel, p: HeadParams, limits: Limits) -> Cost:
@@ -232,14 +250,32 @@ def copying_cost(loaded: LoadedModel, p: CopyingParams, limits: Limits) -> Cost:
 
 
 HEADS = Analysis(
-    name="heads", path="heads", params=NoParams, view=HeadsView, build=build_heads_view, cost=heads_cost,
-    summary="Scores of every head", tags=["heads"],
+    name="heads",
+    path="heads",
+    params=NoParams,
+    view=HeadsView,
+    build=build_heads_view,
+    cost=heads_cost,
+    summary="Scores of every head",
+    tags=["heads"],
 )
 HEAD = Analysis(
-    name="head", path="heads/{head}", params=HeadParams, view=HeadView, build=build_head_view, cost=head_cost,
-    summary="One head: spectra, positional pattern", tags=["heads"],
+    name="head",
+    path="heads/{head}",
+    params=HeadParams,
+    view=HeadView,
+    build=build_head_view,
+    cost=head_cost,
+    summary="One head: spectra, positional pattern",
+    tags=["heads"],
 )
 COPYING = Analysis(
-    name="copying", path="heads/{head}/copying", params=CopyingParams, view=CopyingMetricsView, build=build_copying_view,
-    cost=copying_cost, summary="Copying metrics of the full OV circuit", tags=["heads"],
+    name="copying",
+    path="heads/{head}/copying",
+    params=CopyingParams,
+    view=CopyingMetricsView,
+    build=build_copying_view,
+    cost=copying_cost,
+    summary="Copying metrics of the full OV circuit",
+    tags=["heads"],
 )

@@ -75,6 +75,13 @@ def tokenize_cost(loaded: LoadedModel, p: PromptInput, limits: Limits) -> Cost:
 
 
 TOKENIZE = Analysis(
-    name="tokenize", path="tokenize", params=PromptInput, view=TokenizeView, build=build_tokenize_view, cost=tokenize_cost,
-    summary="Tokenise a prompt", tags=["models"], cache=False,
+    name="tokenize",
+    path="tokenize",
+    params=PromptInput,
+    view=TokenizeView,
+    build=build_tokenize_view,
+    cost=tokenize_cost,
+    summary="Tokenise a prompt",
+    tags=["models"],
+    cache=False,
 )

@@ -32,19 +32,32 @@ def composition_sentence(model_id: str, heads: HeadsView | None, k_view: Composi
     if induction is None or induction.head not in k_view.targets:
         return None
     j = k_view.targets.index(induction.head)
-    partners = [(k_view.minus_baseline[i][j], src) for i, src in enumerate(k_view.sources) if k_view.minus_baseline[i][j] is not None]
+    partners = [
+        (k_view.minus_baseline[i][j], src)
+        for i, src in enumerate(k_view.sources)
+        if k_view.minus_baseline[i][j] is not None
+    ]
     over, partner = max(partners)
     i = k_view.sources.index(partner)
     prev = strongest(heads.heads, "previous_token", range(0, induction.layer))
     if induction.induction is None or prev is None or prev.previous_token is None:
         return None
-    where = f"on {heads.detector_input.batch} sequences of BOS + r + r" if heads.detector_input.seq_len else "on its input"
-    sentence = (f"On {model_id}: the strongest induction head is {induction.head} (induction score {induction.induction:.2f} "
-                f"{where}); its strongest K-composition partner is {partner} ({k_view.scores[i][j]:.3f}, "
-                f"{over:+.3f} over the baseline)")
+    where = (
+        f"on {heads.detector_input.batch} sequences of BOS + r + r" if heads.detector_input.seq_len else "on its input"
+    )
+    sentence = (
+        f"On {model_id}: the strongest induction head is {induction.head} (induction score {induction.induction:.2f} "
+        f"{where}); its strongest K-composition partner is {partner} ({k_view.scores[i][j]:.3f}, "
+        f"{over:+.3f} over the baseline)"
+    )
     if partner == prev.head:
-        return sentence + f", the strongest previous-token head of the earlier layers (score {prev.previous_token:.2f})."
-    return sentence + f"; the strongest previous-token head of the earlier layers is {prev.head} (score {prev.previous_token:.2f})."
+        return (
+            sentence + f", the strongest previous-token head of the earlier layers (score {prev.previous_token:.2f})."
+        )
+    return (
+        sentence
+        + f"; the strongest previous-token head of the earlier layers is {prev.head} (score {prev.previous_token:.2f})."
+    )
 
 
 def loss_sentence(first: float | None, second: float | None) -> str | None:
@@ -65,8 +78,10 @@ def ablation_sentence(view: TermImportanceView | None, heads: HeadsView | None) 
     row = next((r for r in view.heads if prev is not None and r.head == prev.head), None)
     if prev is None or row is None or (prev.previous_token or 0.0) < HEAD_THRESHOLD:
         return None  # no previous-token head (model_summary's threshold): no sentence calls a head one that is none
-    return (f"Here, removing the previous-token head {prev.head} changes the loss by {row.loss_change:+.3f} nats with every "
-            f"other pattern frozen and by {row.loss_change_recomputed:+.3f} with the later patterns recomputed.")
+    return (
+        f"Here, removing the previous-token head {prev.head} changes the loss by {row.loss_change:+.3f} nats with every "
+        f"other pattern frozen and by {row.loss_change_recomputed:+.3f} with the later patterns recomputed."
+    )
 
 
 def scatter_sentence(points: list[dict[str, float | str | None]], heads: HeadsView) -> str | None:
@@ -76,10 +91,14 @@ def scatter_sentence(points: list[dict[str, float | str | None]], heads: HeadsVi
     if induction is None or induction.induction is None:
         return None
     me = next(p for p in points if p["head"] == induction.head)
-    rank = {axis: 1 + sum(float(p[axis] or 0.0) > float(me[axis] or 0.0) for p in points)
-            for axis in ("ov_copying", "k_composition_positivity")}
-    return (f"The strongest induction head, {induction.head} (induction score {induction.induction:.2f}), ranks "
-            f"{rank['k_composition_positivity']} of {len(points)} on K-composition positivity and {rank['ov_copying']} on OV copying.")
+    rank = {
+        axis: 1 + sum(float(p[axis] or 0.0) > float(me[axis] or 0.0) for p in points)
+        for axis in ("ov_copying", "k_composition_positivity")
+    }
+    return (
+        f"The strongest induction head, {induction.head} (induction score {induction.induction:.2f}), ranks "
+        f"{rank['k_composition_positivity']} of {len(points)} on K-composition positivity and {rank['ov_copying']} on OV copying."
+    )
 
 
 def rare_entries_sentence(loaded: LoadedModel, entries: list[MatrixEntry], threshold: int) -> str | None:
@@ -90,5 +109,7 @@ def rare_entries_sentence(loaded: LoadedModel, entries: list[MatrixEntry], thres
         return None
     tokens = {t.id for e in entries for t in (e.row, e.col)}
     rare = sum(int(counts[t]) < threshold for t in tokens)
-    return (f"Of the {len(tokens)} distinct tokens in this table, {rare} {'was' if rare == 1 else 'were'} seen fewer than "
-            f"{threshold} times in training.")
+    return (
+        f"Of the {len(tokens)} distinct tokens in this table, {rare} {'was' if rare == 1 else 'were'} seen fewer than "
+        f"{threshold} times in training."
+    )

@@ -34,7 +34,9 @@ def build_path_view(loaded: LoadedModel, p: ChainParams, limits: Limits) -> Chai
     model = loaded.model
     chain = parse_chain(loaded, heads, limits.max_heads)
     if len(chain) > limits.max_order:
-        raise LimitExceededError(f"a chain of {len(chain)} heads is a path of order {len(chain)}; max_order is {limits.max_order}")
+        raise LimitExceededError(
+            f"a chain of {len(chain)} heads is a path of order {len(chain)}; max_order is {limits.max_order}"
+        )
     names = tuple(head_name(*c) for c in chain)
     ids = resolve_prompt(loaded, prompt, tokens, limits)
     run_tokens = torch.tensor(ids, dtype=torch.long, device=model.device)
@@ -46,21 +48,34 @@ def build_path_view(loaded: LoadedModel, p: ChainParams, limits: Limits) -> Chai
             pattern = run.patterns[layer, h] @ pattern  # A^{h_i} (A^{h_{i-1}} ... A^{h1})
         itemsize = torch.finfo(model.dtype).bits // 8
         exp = expand_logits(
-            model, run_tokens, t, positions=None, max_order=len(chain), by_source=False, run=run,
+            model,
+            run_tokens,
+            t,
+            positions=None,
+            max_order=len(chain),
+            by_source=False,
+            run=run,
             max_elements=max(1, limits.matrix_budget_bytes // itemsize),
         )
         by_source = [
             SourceContribution(source=p[0] if len(p) > len(names) else "embed", values=exp.values[i].double().tolist())
             for i, p in enumerate(exp.paths)
-            if p[-len(names):] == names and (len(p) == len(names) or (len(p) == len(names) + 1 and p[0].startswith(SOURCES)))
+            if p[-len(names) :] == names
+            and (len(p) == len(names) or (len(p) == len(names) + 1 and p[0].startswith(SOURCES)))
         ]
         ov = token_circuit(loaded, virtual_ov_circuit(loaded, chain), k, limits, VIRTUAL_LABELS)
     contribution = next(s.values for s in by_source if s.source == "embed")
     with torch.no_grad():
         next_token = chain_next_token_terms(model, run, chain)  # [n - 1]: each position's own next token
     return ChainView(
-        model=model_ref(loaded), heads=list(names), tokens=token_refs(loaded, ids), target=token_ref(loaded, t),
-        pattern=pattern.double().tolist(), ov=ov, contribution=contribution, by_source=by_source,
+        model=model_ref(loaded),
+        heads=list(names),
+        tokens=token_refs(loaded, ids),
+        target=token_ref(loaded, t),
+        pattern=pattern.double().tolist(),
+        ov=ov,
+        contribution=contribution,
+        by_source=by_source,
         next_token_contribution=next_token.double().tolist(),
     )
 
@@ -68,10 +83,20 @@ def build_path_view(loaded: LoadedModel, p: ChainParams, limits: Limits) -> Chai
 def path_cost(loaded: LoadedModel, p: ChainParams, limits: Limits) -> Cost:
     """The frozen run and the expansion up to the chain's order at every position (q = n)."""
     n, order = len(resolve_prompt(loaded, p.prompt, p.tokens, limits)), len(split_heads(p.heads))
-    return frozen.run_cost(loaded.model, n).then(paths.cost(loaded.model, n, order, q=n)).with_answer(numbers=n * n + 3 * n * order)
+    return (
+        frozen.run_cost(loaded.model, n)
+        .then(paths.cost(loaded.model, n, order, q=n))
+        .with_answer(numbers=n * n + 3 * n * order)
+    )
 
 
 PATH = Analysis(
-    name="path", path="path", params=ChainParams, view=ChainView, build=build_path_view, cost=path_cost,
-    summary="A chain of heads (virtual head) on a prompt", tags=["prompts"],
+    name="path",
+    path="path",
+    params=ChainParams,
+    view=ChainView,
+    build=build_path_view,
+    cost=path_cost,
+    summary="A chain of heads (virtual head) on a prompt",
+    tags=["prompts"],
 )

@@ -31,7 +31,9 @@ def check_position(position: int | None, n: int) -> int:
     if position is None:
         return n - 1
     if not -n <= position < n:
-        raise InvalidInputError(f"position {position} is outside the prompt of {n} tokens: give 0..{n - 1} (or -1 for the last)")
+        raise InvalidInputError(
+            f"position {position} is outside the prompt of {n} tokens: give 0..{n - 1} (or -1 for the last)"
+        )
     return position % n
 
 
@@ -41,9 +43,11 @@ def build_prompt_view(loaded: LoadedModel, p: PromptParams, limits: Limits) -> P
     model = loaded.model
     ids = resolve_prompt(loaded, prompt, tokens, limits)
     cfg = model.cfg
-    chosen = parse_heads(heads, loaded, limits.max_heads) if heads else [
-        (layer, h) for layer in range(cfg.n_layers) for h in range(cfg.n_heads)
-    ][: limits.max_heads]
+    chosen = (
+        parse_heads(heads, loaded, limits.max_heads)
+        if heads
+        else [(layer, h) for layer in range(cfg.n_layers) for h in range(cfg.n_heads)][: limits.max_heads]
+    )
     run_tokens = torch.tensor([ids], dtype=torch.long, device=model.device)
     with torch.no_grad():
         logits, cache = model.run(run_tokens, names=lambda n: n.endswith(("hook_pattern", "attn.hook_v")))
@@ -55,7 +59,10 @@ def build_prompt_view(loaded: LoadedModel, p: PromptParams, limits: Limits) -> P
             patterns.append(PromptHeadPattern(head=head_name(layer, h), pattern=A.double().tolist()))
         top = logits[0].argmax(-1).tolist()  # [n]
     return PromptView(
-        model=model_ref(loaded), tokens=token_refs(loaded, ids), weighted=weighted, heads=patterns,
+        model=model_ref(loaded),
+        tokens=token_refs(loaded, ids),
+        weighted=weighted,
+        heads=patterns,
         top_predictions=[token_ref(loaded, i) for i in top],  # independent tokens, not a sequence
     )
 
@@ -95,7 +102,13 @@ def build_paths_view(loaded: LoadedModel, p: PathsParams, limits: Limits) -> Pat
         goal: Target = t if c is None else (t, c)
         itemsize = torch.finfo(model.dtype).bits // 8
         exp = expand_logits(
-            model, run_tokens, goal, positions=pos, max_order=max_order, by_source=by_source, run=run,
+            model,
+            run_tokens,
+            goal,
+            positions=pos,
+            max_order=max_order,
+            by_source=by_source,
+            run=run,
             max_elements=max(1, limits.peak_bytes // itemsize),  # the same budget the request was priced against
         )
         values = exp.values[:, 0].double()  # [T]
@@ -103,21 +116,38 @@ def build_paths_view(loaded: LoadedModel, p: PathsParams, limits: Limits) -> Pat
         listed, rest = order[:k].tolist(), order[k:]
         terms = [
             PathTermView(
-                path=list(exp.paths[i]), kind=term_kind(exp.paths[i]), order=int(exp.orders[i]), value=float(values[i]),
+                path=list(exp.paths[i]),
+                kind=term_kind(exp.paths[i]),
+                order=int(exp.orders[i]),
+                value=float(values[i]),
                 by_source=exp.by_source[i, 0].double().tolist() if exp.by_source is not None else None,
             )
             for i in listed
         ]
         if rest.numel():
-            terms.append(PathTermView(path=["other"], kind="other", order=None, value=float(values[rest].sum()), n_terms=int(rest.numel())))
+            terms.append(
+                PathTermView(
+                    path=["other"], kind="other", order=None, value=float(values[rest].sum()), n_terms=int(rest.numel())
+                )
+            )
         if exp.max_order < model.cfg.n_layers:
             terms.append(PathTermView(path=["remainder"], kind="remainder", order=None, value=float(exp.remainder[0])))
         order_totals = exp.order_totals()[:, 0].double().tolist()
     return PathsView(
-        model=model_ref(loaded), tokens=ids, prompt_tokens=token_refs(loaded, ids), position=pos, target=t,
-        target_token=token_ref(loaded, t), contrast=c, contrast_token=token_ref(loaded, c) if c is not None else None,
-        value=float(exp.value[0]), max_order=exp.max_order,
-        terms=terms, total=float(sum(term.value for term in terms)), order_totals=order_totals, n_terms=len(exp.paths),
+        model=model_ref(loaded),
+        tokens=ids,
+        prompt_tokens=token_refs(loaded, ids),
+        position=pos,
+        target=t,
+        target_token=token_ref(loaded, t),
+        contrast=c,
+        contrast_token=token_ref(loaded, c) if c is not None else None,
+        value=float(exp.value[0]),
+        max_order=exp.max_order,
+        terms=terms,
+        total=float(sum(term.value for term in terms)),
+        order_totals=order_totals,
+        n_terms=len(exp.paths),
     )
 
 
@@ -135,10 +165,22 @@ def paths_cost(loaded: LoadedModel, p: PathsParams, limits: Limits) -> Cost:
 
 
 PROMPT = Analysis(
-    name="prompt", path="prompt", params=PromptParams, view=PromptView, build=build_prompt_view, cost=prompt_cost,
-    summary="Tokens and attention patterns of chosen heads", tags=["prompts"],
+    name="prompt",
+    path="prompt",
+    params=PromptParams,
+    view=PromptView,
+    build=build_prompt_view,
+    cost=prompt_cost,
+    summary="Tokens and attention patterns of chosen heads",
+    tags=["prompts"],
 )
 PATHS = Analysis(
-    name="paths", path="paths", params=PathsParams, view=PathsView, build=build_paths_view, cost=paths_cost,
-    summary="Path expansion of a logit on a prompt", tags=["prompts"],
+    name="paths",
+    path="paths",
+    params=PathsParams,
+    view=PathsView,
+    build=build_paths_view,
+    cost=paths_cost,
+    summary="Path expansion of a logit on a prompt",
+    tags=["prompts"],
 )

@@ -43,9 +43,15 @@ def build_qk_paths_view(loaded: LoadedModel, p: QKPathsParams, limits: Limits) -
         terms = {f"{a}|{b}": exp.term(a, b).masked_fill(~causal, 0.0).double().tolist() for a, b, _ in pairs}
         scores = [[float(exp.scores[i, j]) if j <= i else None for j in range(n)] for i in range(n)]
     return QKPathsView(
-        model=model_ref(loaded), head=head_name(layer, h), tokens=token_refs(loaded, ids), components=exp.components,
-        std=exp.std.double().tolist(), top_pairs=[QKPair(query=a, key=b, std=s) for a, b, s in pairs],
-        terms=terms, scores=scores, max_abs_error=error,
+        model=model_ref(loaded),
+        head=head_name(layer, h),
+        tokens=token_refs(loaded, ids),
+        components=exp.components,
+        std=exp.std.double().tolist(),
+        top_pairs=[QKPair(query=a, key=b, std=s) for a, b, s in pairs],
+        terms=terms,
+        scores=scores,
+        max_abs_error=error,
     )
 
 
@@ -55,6 +61,12 @@ def qk_paths_cost(loaded: LoadedModel, p: QKPathsParams, limits: Limits) -> Cost
 
 
 QK_PATHS = Analysis(
-    name="qk-paths", path="qk-paths", params=QKPathsParams, view=QKPathsView, build=build_qk_paths_view, cost=qk_paths_cost,
-    summary="Decomposition of a head's attention scores", tags=["prompts"],
+    name="qk-paths",
+    path="qk-paths",
+    params=QKPathsParams,
+    view=QKPathsView,
+    build=build_qk_paths_view,
+    cost=qk_paths_cost,
+    summary="Decomposition of a head's attention scores",
+    tags=["prompts"],
 )

@@ -28,10 +28,21 @@ from circuits_core.cost import Cost
 from circuits_core.model import Transformer
 from circuits_core.weights import LoadedModel
 
-Offset = Annotated[int, Field(ge=0, le=1_000_000, description=(
-    "rotary models: query position - key position at which Q/K readers are read (0: W_Q W_K^T; must be < n_ctx); "
-    "other models: 0 only"))]
-Energy = Annotated[float, Field(gt=0, le=1, description="a component's subspace = its top singular directions holding this share of sum s^2")]
+Offset = Annotated[
+    int,
+    Field(
+        ge=0,
+        le=1_000_000,
+        description=(
+            "rotary models: query position - key position at which Q/K readers are read (0: W_Q W_K^T; must be < n_ctx); "
+            "other models: 0 only"
+        ),
+    ),
+]
+Energy = Annotated[
+    float,
+    Field(gt=0, le=1, description="a component's subspace = its top singular directions holding this share of sum s^2"),
+]
 ERASURE_SHOWN = 20
 
 
@@ -42,11 +53,16 @@ def ignored_note(model: Transformer) -> str:
         return "This model has no norm between layers, so nothing is left out: these are the exact linear maps."
     name = "RMSNorm" if kind.startswith("RMS") else "LayerNorm"
     folded = kind.endswith("Pre") or bool(model.processing.get("fold_ln"))
-    weight = ("its weight (and, for LayerNorm, its centring) is folded into these weights" if folded
-              else "its weight is not folded into these weights and is left out too")
-    return (f"As in the paper, the {name} between layers is ignored: {weight}; its per-token scale depends on the "
-            "input and is left out (the path pages freeze it on a prompt instead). The token embedding is W_E after "
-            "layer 0's norm, row by row (exact only when positions are not added to the stream).")
+    weight = (
+        "its weight (and, for LayerNorm, its centring) is folded into these weights"
+        if folded
+        else "its weight is not folded into these weights and is left out too"
+    )
+    return (
+        f"As in the paper, the {name} between layers is ignored: {weight}; its per-token scale depends on the "
+        "input and is left out (the path pages freeze it on a prompt instead). The token embedding is W_E after "
+        "layer 0's norm, row by row (exact only when positions are not added to the stream)."
+    )
 
 
 # -- all pairs --------------------------------------------------------------------------------------------
@@ -59,11 +75,15 @@ class ResidualView(BaseModel):
     model: ModelRef
     writers: list[str] = Field(description="rows: embed, pos, then per layer its heads (W_OV) and its MLP (W_out)")
     writer_layers: list[int] = Field(description="layer of each writer (-1: embed, pos)")
-    readers: list[str] = Field(description="columns: per layer every head's Q (W_QK), K (W_QK^T), V (W_OV), the MLP "
-                               "input(s) (in, or gate and up), then unembed (W_U)")
+    readers: list[str] = Field(
+        description="columns: per layer every head's Q (W_QK), K (W_QK^T), V (W_OV), the MLP "
+        "input(s) (in, or gate and up), then unembed (W_U)"
+    )
     reader_layers: list[int] = Field(description="layer of each reader (n_layers: unembed)")
-    scores: list[list[float | None]] = Field(description="[writer][reader] ||W_w W_r||_F / (||W_w||_F ||W_r||_F); "
-                                             "null where the reader does not see the writer")
+    scores: list[list[float | None]] = Field(
+        description="[writer][reader] ||W_w W_r||_F / (||W_w||_F ||W_r||_F); "
+        "null where the reader does not see the writer"
+    )
     minus_baseline: list[list[float | None]]
     baseline: float = Field(description="1/sqrt(d_model), composition's random baseline")
     sampled_baseline: float = Field(description="composition's sampled baseline (ARENA's generator)")
@@ -74,8 +94,10 @@ class ResidualView(BaseModel):
 
 
 def _table(t: torch.Tensor, mask: torch.Tensor) -> list[list[float | None]]:
-    return [[float(v) if m else None for v, m in zip(row, mrow, strict=True)]
-            for row, mrow in zip(t.tolist(), mask.tolist(), strict=True)]
+    return [
+        [float(v) if m else None for v, m in zip(row, mrow, strict=True)]
+        for row, mrow in zip(t.tolist(), mask.tolist(), strict=True)
+    ]
 
 
 def build_residual_view(loaded: LoadedModel, p: ResidualParams, limits: Limits) -> ResidualView:
@@ -83,12 +105,19 @@ def build_residual_view(loaded: LoadedModel, p: ResidualParams, limits: Limits) 
     model = loaded.model
     s = vw.all_scores(model, offset=p.offset)
     return ResidualView(
-        model=model_ref(loaded), writers=[w.name for w in s.writers], writer_layers=[w.layer for w in s.writers],
+        model=model_ref(loaded),
+        writers=[w.name for w in s.writers],
+        writer_layers=[w.layer for w in s.writers],
         readers=[r.name for r in s.readers],
         reader_layers=[model.cfg.n_layers if r.role == "unembed" else r.layer for r in s.readers],
-        scores=_table(s.raw, s.mask), minus_baseline=_table(s.minus_baseline, s.mask), baseline=s.baseline,
-        sampled_baseline=s.sampled_baseline, sampled_std=s.sampled_std, offset=p.offset,
-        basis=basis(loaded), ignored=ignored_note(model),
+        scores=_table(s.raw, s.mask),
+        minus_baseline=_table(s.minus_baseline, s.mask),
+        baseline=s.baseline,
+        sampled_baseline=s.sampled_baseline,
+        sampled_std=s.sampled_std,
+        offset=p.offset,
+        basis=basis(loaded),
+        ignored=ignored_note(model),
     )
 
 
@@ -99,8 +128,13 @@ def residual_cost(loaded: LoadedModel, p: ResidualParams, limits: Limits) -> Cos
 # -- one pair ---------------------------------------------------------------------------------------------
 class ResidualPairParams(AnalysisParams):
     writer: Annotated[str, Field(max_length=64, description="embed, pos, L{l}H{h}, L{l}.mlp or L{l}.mlp[n,...]")]
-    reader: Annotated[str, Field(max_length=64, description="L{l}H{h}.Q|K|V, L{l}.mlp.in (gated: .gate, .up), "
-                                 "optionally [n,...] neurons, or unembed")]
+    reader: Annotated[
+        str,
+        Field(
+            max_length=64,
+            description="L{l}H{h}.Q|K|V, L{l}.mlp.in (gated: .gate, .up), optionally [n,...] neurons, or unembed",
+        ),
+    ]
     offset: Offset = 0
     k: K = 5
     n_top: K = 10
@@ -115,8 +149,9 @@ class DirectionEntry(BaseModel):
 
 class DirectionView(BaseModel):
     singular_value: float
-    input_top: list[DirectionEntry] | None = Field(description="largest entries on the writer's input side "
-                                                   "(null: a d_model side)")
+    input_top: list[DirectionEntry] | None = Field(
+        description="largest entries on the writer's input side (null: a d_model side)"
+    )
     input_bottom: list[DirectionEntry] | None
     output_top: list[DirectionEntry] | None = Field(description="largest entries on the reader's output side")
     output_bottom: list[DirectionEntry] | None
@@ -132,8 +167,9 @@ class ResidualPairView(BaseModel):
     baseline: float
     minus_baseline: float
     singular_values: list[float]
-    directions: list[DirectionView] = Field(description="top singular directions; each (input, output) pair is "
-                                            "defined up to one common sign")
+    directions: list[DirectionView] = Field(
+        description="top singular directions; each (input, output) pair is defined up to one common sign"
+    )
     links: dict[str, str] = Field(description="existing pages for this pair or its heads")
     offset: int
     basis: str
@@ -143,7 +179,9 @@ class ResidualPairView(BaseModel):
 def _entries(loaded: LoadedModel, space: str, items: list[tuple[int, float]] | None) -> list[DirectionEntry] | None:
     if items is None:
         return None
-    return [DirectionEntry(index=i, token=token_ref(loaded, i) if space == "tokens" else None, value=v) for i, v in items]
+    return [
+        DirectionEntry(index=i, token=token_ref(loaded, i) if space == "tokens" else None, value=v) for i, v in items
+    ]
 
 
 def _links(model_id: str, writer: sc.Writer, reader: sc.Reader) -> dict[str, str]:
@@ -164,23 +202,39 @@ def build_residual_pair_view(loaded: LoadedModel, p: ResidualPairParams, limits:
     model = loaded.model
     writer, reader = sc.parse_writer(model, p.writer), sc.parse_reader(model, p.reader)
     rep = vw.pair_report(model, writer, reader, k=p.k, n_top=p.n_top, offset=p.offset)
-    dirs = [DirectionView(singular_value=d.value,
-                          input_top=_entries(loaded, rep.input_space, d.input_top),
-                          input_bottom=_entries(loaded, rep.input_space, d.input_bottom),
-                          output_top=_entries(loaded, rep.output_space, d.output_top),
-                          output_bottom=_entries(loaded, rep.output_space, d.output_bottom)) for d in rep.directions]
+    dirs = [
+        DirectionView(
+            singular_value=d.value,
+            input_top=_entries(loaded, rep.input_space, d.input_top),
+            input_bottom=_entries(loaded, rep.input_space, d.input_bottom),
+            output_top=_entries(loaded, rep.output_space, d.output_top),
+            output_bottom=_entries(loaded, rep.output_space, d.output_bottom),
+        )
+        for d in rep.directions
+    ]
     return ResidualPairView(
-        model=model_ref(loaded), writer=rep.writer, reader=rep.reader, input_space=rep.input_space,  # type: ignore[arg-type]
-        output_space=rep.output_space, score=rep.score, baseline=rep.baseline,  # type: ignore[arg-type]
-        minus_baseline=rep.score - rep.baseline, singular_values=rep.singular_values, directions=dirs,
-        links=_links(loaded.path.name, writer, reader), offset=p.offset, basis=basis(loaded), ignored=ignored_note(model),
+        model=model_ref(loaded),
+        writer=rep.writer,
+        reader=rep.reader,
+        input_space=rep.input_space,  # type: ignore[arg-type]
+        output_space=rep.output_space,
+        score=rep.score,
+        baseline=rep.baseline,  # type: ignore[arg-type]
+        minus_baseline=rep.score - rep.baseline,
+        singular_values=rep.singular_values,
+        directions=dirs,
+        links=_links(loaded.path.name, writer, reader),
+        offset=p.offset,
+        basis=basis(loaded),
+        ignored=ignored_note(model),
     )
 
 
 def residual_pair_cost(loaded: LoadedModel, p: ResidualPairParams, limits: Limits) -> Cost:
     model = loaded.model
-    return vw.pair_cost(model, sc.parse_writer(model, p.writer), sc.parse_reader(model, p.reader), p.k, p.n_top) + raw_copy_cost(
-        loaded, p.basis)
+    return vw.pair_cost(
+        model, sc.parse_writer(model, p.writer), sc.parse_reader(model, p.reader), p.k, p.n_top
+    ) + raw_copy_cost(loaded, p.basis)
 
 
 # -- usage ------------------------------------------------------------------------------------------------
@@ -212,9 +266,13 @@ class UsageView(BaseModel):
     readers: list[str]
     effective_rank: dict[str, float] = Field(description="(sum s^2)^2 / sum s^4 of each writer and reader")
     dims: dict[str, int] = Field(description="dimension k of each component's subspace at `energy`")
-    overlap: list[list[float]] = Field(description="[writer][writers, then readers] mean squared cosine of the principal "
-                                       "angles: 1 identical or nested, 0 orthogonal")
-    overlap_excess: list[list[float]] = Field(description="(overlap - random) / (1 - random), random = max(k1, k2) / d_model")
+    overlap: list[list[float]] = Field(
+        description="[writer][writers, then readers] mean squared cosine of the principal "
+        "angles: 1 identical or nested, 0 orthogonal"
+    )
+    overlap_excess: list[list[float]] = Field(
+        description="(overlap - random) / (1 - random), random = max(k1, k2) / d_model"
+    )
     d_model: int
     total_dims: int = Field(description="sum of the writers' subspace dimensions")
     uniform_load: float = Field(description="total_dims / d_model")
@@ -223,7 +281,9 @@ class UsageView(BaseModel):
     crowded: list[CrowdedDirection]
     erasure_threshold_z: float
     erasure_max_z: float | None = Field(description="largest z over every (earlier writer, later head) pair")
-    erasure: list[ErasureEntry] = Field(description=f"candidates (z > threshold and read share > random), best {ERASURE_SHOWN}")
+    erasure: list[ErasureEntry] = Field(
+        description=f"candidates (z > threshold and read share > random), best {ERASURE_SHOWN}"
+    )
     basis: str
     ignored: str
 
@@ -237,15 +297,36 @@ def build_usage_view(loaded: LoadedModel, p: UsageParams, limits: Limits) -> Usa
     bw = u.bandwidth
     z = er.z[er.mask]
     return UsageView(
-        model=model_ref(loaded), energy=p.energy, writers=u.writers, readers=u.readers, effective_rank=u.effective_rank,
-        dims=u.dims, overlap=u.overlap.tolist(), overlap_excess=u.overlap_excess.tolist(), d_model=bw.d_model,
-        total_dims=bw.total_dims, uniform_load=bw.uniform_load, load=bw.load, used_dims=bw.used_dims,
+        model=model_ref(loaded),
+        energy=p.energy,
+        writers=u.writers,
+        readers=u.readers,
+        effective_rank=u.effective_rank,
+        dims=u.dims,
+        overlap=u.overlap.tolist(),
+        overlap_excess=u.overlap_excess.tolist(),
+        d_model=bw.d_model,
+        total_dims=bw.total_dims,
+        uniform_load=bw.uniform_load,
+        load=bw.load,
+        used_dims=bw.used_dims,
         crowded=[CrowdedDirection(load=load, writers=ws) for load, ws in bw.crowded],
-        erasure_threshold_z=er.threshold_z, erasure_max_z=float(z.max()) if z.numel() else None,
-        erasure=[ErasureEntry(writer=c.writer, eraser=c.eraser, score=c.score, z=c.z, read_share=c.read_share,
-                              random_share=c.random_share, eigenvalues=[(e.real, e.imag) for e in c.eigenvalues])
-                 for c in er.candidates[:ERASURE_SHOWN]],
-        basis=basis(loaded), ignored=ignored_note(model),
+        erasure_threshold_z=er.threshold_z,
+        erasure_max_z=float(z.max()) if z.numel() else None,
+        erasure=[
+            ErasureEntry(
+                writer=c.writer,
+                eraser=c.eraser,
+                score=c.score,
+                z=c.z,
+                read_share=c.read_share,
+                random_share=c.random_share,
+                eigenvalues=[(e.real, e.imag) for e in c.eigenvalues],
+            )
+            for c in er.candidates[:ERASURE_SHOWN]
+        ],
+        basis=basis(loaded),
+        ignored=ignored_note(model),
     )
 
 
@@ -254,18 +335,36 @@ def usage_cost(loaded: LoadedModel, p: UsageParams, limits: Limits) -> Cost:
 
 
 RESIDUAL = Analysis(
-    name="residual", path="residual", params=ResidualParams, view=ResidualView, build=build_residual_view,
-    cost=residual_cost, summary="Residual stream (virtual weights)", tags=["residual stream"],
+    name="residual",
+    path="residual",
+    params=ResidualParams,
+    view=ResidualView,
+    build=build_residual_view,
+    cost=residual_cost,
+    summary="Residual stream (virtual weights)",
+    tags=["residual stream"],
     template="residual.html",
 )
 RESIDUAL_USAGE = Analysis(
-    name="residual-usage", path="residual/usage", params=UsageParams, view=UsageView, build=build_usage_view,
-    cost=usage_cost, summary="Residual stream usage", tags=["residual stream"],
+    name="residual-usage",
+    path="residual/usage",
+    params=UsageParams,
+    view=UsageView,
+    build=build_usage_view,
+    cost=usage_cost,
+    summary="Residual stream usage",
+    tags=["residual stream"],
     template="residual_usage.html",
 )
 RESIDUAL_PAIR = Analysis(
-    name="residual-pair", path="residual/{writer}/{reader}", params=ResidualPairParams, view=ResidualPairView,
-    build=build_residual_pair_view, cost=residual_pair_cost, summary="One virtual weight: writer -> reader",
-    tags=["residual stream"], template="residual_pair.html",
+    name="residual-pair",
+    path="residual/{writer}/{reader}",
+    params=ResidualPairParams,
+    view=ResidualPairView,
+    build=build_residual_pair_view,
+    cost=residual_pair_cost,
+    summary="One virtual weight: writer -> reader",
+    tags=["residual stream"],
+    template="residual_pair.html",
 )
 ANALYSES: list[Analysis[Any, Any]] = [RESIDUAL, RESIDUAL_USAGE, RESIDUAL_PAIR]

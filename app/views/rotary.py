@@ -97,19 +97,30 @@ def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limi
     mu, ref = reference_means(loaded)
     kernel = rotary.positional_kernel(loaded.model, mu, offsets)[layer, h]  # [n]
     return PositionalView(
-        model=model_ref(loaded), head=head_name(layer, h), offsets=offsets.tolist(), kernel=kernel.tolist(),
-        peak_offset=int(offsets[kernel.argmax()]), reference=ref,
+        model=model_ref(loaded),
+        head=head_name(layer, h),
+        offsets=offsets.tolist(),
+        kernel=kernel.tolist(),
+        peak_offset=int(offsets[kernel.argmax()]),
+        reference=ref,
         basis=f"{weights_basis(loaded)}; μ_l = mean ln1 output entering layer {layer} on the reference text, first token left out",
     )
 
 
 def positional_cost(loaded: LoadedModel, p: PositionalParams, limits: Limits) -> Cost:
-    return rotary.kernel_cost(loaded.model, p.max_offset + 1, reference_tokens_bound(loaded)) + raw_copy_cost(loaded, p.basis)
+    return rotary.kernel_cost(loaded.model, p.max_offset + 1, reference_tokens_bound(loaded)) + raw_copy_cost(
+        loaded, p.basis
+    )
 
 
 POSITIONAL = Analysis(
-    name="positional", path="heads/{head}/positional", params=PositionalParams, view=PositionalView,
-    build=build_positional_view, cost=positional_cost, tags=["rotary"],
+    name="positional",
+    path="heads/{head}/positional",
+    params=PositionalParams,
+    view=PositionalView,
+    build=build_positional_view,
+    cost=positional_cost,
+    tags=["rotary"],
     summary="Positional kernel f(δ) = μ Ω(δ) μᵀ / √d_head of a rotary head",
 )
 
@@ -127,9 +138,15 @@ def build_bands_view(loaded: LoadedModel, p: BandsParams, limits: Limits) -> Ban
     energy = bands.energy[layer, h]  # [K]
     total = float(energy.sum() + bands.unrotated[layer, h])
     return BandsView(
-        model=model_ref(loaded), head=head_name(layer, h), theta=bands.theta.tolist(), wavelength=bands.wavelength.tolist(),
-        cos_part=bands.cos_part[layer, h].tolist(), sin_part=bands.sin_part[layer, h].tolist(), energy=energy.tolist(),
-        unrotated=float(bands.unrotated[layer, h]), share=(energy / total if total > 0 else energy).tolist(),
+        model=model_ref(loaded),
+        head=head_name(layer, h),
+        theta=bands.theta.tolist(),
+        wavelength=bands.wavelength.tolist(),
+        cos_part=bands.cos_part[layer, h].tolist(),
+        sin_part=bands.sin_part[layer, h].tolist(),
+        energy=energy.tolist(),
+        unrotated=float(bands.unrotated[layer, h]),
+        share=(energy / total if total > 0 else energy).tolist(),
         basis=weights_basis(loaded),
     )
 
@@ -139,8 +156,14 @@ def bands_cost(loaded: LoadedModel, p: BandsParams, limits: Limits) -> Cost:
 
 
 BANDS = Analysis(
-    name="rotary-bands", path="heads/{head}/bands", params=BandsParams, view=BandsView, build=build_bands_view,
-    cost=bands_cost, tags=["rotary"], summary="QK energy of a rotary head per frequency band",
+    name="rotary-bands",
+    path="heads/{head}/bands",
+    params=BandsParams,
+    view=BandsView,
+    build=build_bands_view,
+    cost=bands_cost,
+    tags=["rotary"],
+    summary="QK energy of a rotary head per frequency band",
 )
 
 
@@ -163,8 +186,16 @@ def build_profile_view(loaded: LoadedModel, p: ProfileParams, limits: Limits) ->
     mean, std = composition_rotary.random_baseline(cfg.d_model, cfg.d_head, cfg.group_size)
     i = int(scores.argmax())
     return CompositionProfileView(
-        model=model_ref(loaded), source=p.source, target=p.target, kind=p.kind, offsets=offsets.tolist(),
-        scores=scores.tolist(), baseline=mean, baseline_std=std, peak=float(scores[i]), peak_offset=int(offsets[i]),
+        model=model_ref(loaded),
+        source=p.source,
+        target=p.target,
+        kind=p.kind,
+        offsets=offsets.tolist(),
+        scores=scores.tolist(),
+        baseline=mean,
+        baseline_std=std,
+        peak=float(scores[i]),
+        peak_offset=int(offsets[i]),
         basis=weights_basis(loaded),
     )
 
@@ -174,10 +205,16 @@ def profile_cost(loaded: LoadedModel, p: ProfileParams, limits: Limits) -> Cost:
 
 
 PROFILE = Analysis(
-    name="composition-profile", path="composition/{source}/{target}/profile", params=ProfileParams,
-    view=CompositionProfileView, build=build_profile_view, cost=profile_cost, tags=["rotary", "composition"],
+    name="composition-profile",
+    path="composition/{source}/{target}/profile",
+    params=ProfileParams,
+    view=CompositionProfileView,
+    build=build_profile_view,
+    cost=profile_cost,
+    tags=["rotary", "composition"],
     summary="Q- or K-composition of one pair as a function of the query-key offset δ",
 )
+
 
 # -- QK eigenvalue copying at an offset ---------------------------------------------------------------------
 class QKCopyingParams(HeadParams):
@@ -194,12 +231,19 @@ def build_qk_copying_view(loaded: LoadedModel, p: QKCopyingParams, limits: Limit
     offsets = _offsets(loaded, p.max_offset)
     rotary.check_offsets(model, [p.offset])
     with torch.no_grad():
-        eig = rotary.head_qk_eigenvalues_at(model, layer, h, torch.cat([offsets, torch.tensor([p.offset])]))  # [n + 1, dh]
+        eig = rotary.head_qk_eigenvalues_at(
+            model, layer, h, torch.cat([offsets, torch.tensor([p.offset])])
+        )  # [n + 1, dh]
     scores = copying_score(eig[:-1])  # [n]
     return QKCopyingView(
-        model=model_ref(loaded), head=head_name(layer, h), offset=p.offset,
-        eigenvalues=[Complex(re=float(z.real), im=float(z.imag)) for z in eig[-1]], score=float(copying_score(eig[-1])),
-        offsets=offsets.tolist(), scores=scores.tolist(), peak_offset=int(offsets[scores.argmax()]),
+        model=model_ref(loaded),
+        head=head_name(layer, h),
+        offset=p.offset,
+        eigenvalues=[Complex(re=float(z.real), im=float(z.imag)) for z in eig[-1]],
+        score=float(copying_score(eig[-1])),
+        offsets=offsets.tolist(),
+        scores=scores.tolist(),
+        peak_offset=int(offsets[scores.argmax()]),
         basis=f"{weights_basis(loaded)}; tokens as W_E with layer 0's norm applied to each row (W_E_eff), positions by R(δ) only",
     )
 
@@ -208,16 +252,24 @@ def qk_copying_cost(loaded: LoadedModel, p: QKCopyingParams, limits: Limits) -> 
     rotary.check_rotary(loaded.model)  # refused for its positions, then its offset, before it is priced
     rotary.check_offsets(loaded.model, [p.offset])
     return rotary.qk_copying_at_cost(loaded.model, min(p.max_offset, loaded.model.cfg.n_ctx - 1) + 2) + raw_copy_cost(
-        loaded, p.basis)
+        loaded, p.basis
+    )
 
 
 QK_COPYING = Analysis(
-    name="qk-copying-offset", path="heads/{head}/qk-copying", params=QKCopyingParams, view=QKCopyingView,
-    build=build_qk_copying_view, cost=qk_copying_cost, tags=["rotary"],
+    name="qk-copying-offset",
+    path="heads/{head}/qk-copying",
+    params=QKCopyingParams,
+    view=QKCopyingView,
+    build=build_qk_copying_view,
+    cost=qk_copying_cost,
+    tags=["rotary"],
     summary="QK eigenvalue copying of a rotary head's full QK circuit at each query-key offset δ",
 )
 
 ANALYSES: list[Analysis[Any, Any]] = [POSITIONAL, BANDS, PROFILE, QK_COPYING]
+
+
 def is_rotary(loaded: LoadedModel) -> bool:
     return loaded.model.cfg.positional_embedding_type == "rotary"
 

@@ -77,16 +77,32 @@ def ablated_heads(loaded: LoadedModel, p: TermImportanceParams) -> tuple[list[tu
         every = f"Every head ({total})." if total else "None: the model has no attention heads."
         return ablation.all_heads(cfg), "default", every
     summary = load_summary(loaded.path) or {}
-    named = [e.get("head") for key in ("induction_heads", "previous_token_heads") for e in summary.get(key) or []
-             if isinstance(e, dict)]
+    named = [
+        e.get("head")
+        for key in ("induction_heads", "previous_token_heads")
+        for e in summary.get(key) or []
+        if isinstance(e, dict)
+    ]
     heads = sorted({parse_head(h, cfg) for h in named if isinstance(h, str) and _is_head(h, cfg)})
     if not heads:
-        return [], "default", (f"No head: on a model of more than {DEFAULT_ALL_HEADS} heads without a measured summary, "
-                               f"none is removed unless asked (heads=L0 for one layer, a list of heads, or heads=all).")
+        return (
+            [],
+            "default",
+            (
+                f"No head: on a model of more than {DEFAULT_ALL_HEADS} heads without a measured summary, "
+                f"none is removed unless asked (heads=L0 for one layer, a list of heads, or heads=all)."
+            ),
+        )
     threshold = summary.get("head_threshold", HEAD_THRESHOLD)
-    return heads, "default", (f"The {len(heads)} of {total} heads that the model's measured summary (model_summary.json) "
-                              f"names as induction or previous-token heads (score >= {threshold} on random sequences "
-                              f"repeated once, BOS + r + r); heads=all removes every head.")
+    return (
+        heads,
+        "default",
+        (
+            f"The {len(heads)} of {total} heads that the model's measured summary (model_summary.json) "
+            f"names as induction or previous-token heads (score >= {threshold} on random sequences "
+            f"repeated once, BOS + r + r); heads=all removes every head."
+        ),
+    )
 
 
 def _is_head(name: str, cfg: ModelConfig) -> bool:
@@ -110,12 +126,20 @@ def build_term_importance_view(loaded: LoadedModel, p: TermImportanceParams, lim
         orders, frozen, recomputed = term_importance(model, seq, heads)  # frozen: Olsson's; recomputed: later patterns
     every = ablation.cost(model, n).flops
     return TermImportanceView(
-        model=model_ref(loaded), text_source=source, tokens=token_refs(loaded, ids), clean_loss=orders.clean_loss,
-        loss_by_order=orders.losses.tolist(), marginal_by_order=orders.marginal.tolist(),
-        first_order_by_layer=orders.first_order_gain.tolist(), heads_asked=asked, heads_note=note,
+        model=model_ref(loaded),
+        text_source=source,
+        tokens=token_refs(loaded, ids),
+        clean_loss=orders.clean_loss,
+        loss_by_order=orders.losses.tolist(),
+        marginal_by_order=orders.marginal.tolist(),
+        first_order_by_layer=orders.first_order_gain.tolist(),
+        heads_asked=asked,
+        heads_note=note,
         all_heads_gflop=every / 1e9,
         heads=[
-            HeadAblation(head=head_name(layer, h), loss_change=float(frozen[i]), loss_change_recomputed=float(recomputed[i]))
+            HeadAblation(
+                head=head_name(layer, h), loss_change=float(frozen[i]), loss_change_recomputed=float(recomputed[i])
+            )
             for i, (layer, h) in enumerate(heads)
         ],
     )
@@ -127,7 +151,13 @@ def term_importance_cost(loaded: LoadedModel, p: TermImportanceParams, limits: L
 
 
 TERM_IMPORTANCE = Analysis(
-    name="term-importance", path="term-importance", params=TermImportanceParams, view=TermImportanceView,
-    build=build_term_importance_view, cost=term_importance_cost, summary="Loss by path order and per-head ablations",
-    tags=["ablation"], cache=lambda p: p.prompt is None and p.tokens is None,  # the default text only
+    name="term-importance",
+    path="term-importance",
+    params=TermImportanceParams,
+    view=TermImportanceView,
+    build=build_term_importance_view,
+    cost=term_importance_cost,
+    summary="Loss by path order and per-head ablations",
+    tags=["ablation"],
+    cache=lambda p: p.prompt is None and p.tokens is None,  # the default text only
 )

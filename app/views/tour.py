@@ -54,66 +54,203 @@ class Figure:
 
 
 FIGURES: tuple[Figure, ...] = (
-    Figure("F6", "Zero-layer transformer: the direct path W_E W_U", "#zero-layer-transformers",
-           "The direct path is a bigram table: row = current token, entries = next-token logits.", "toy-0l", figs.direct_path),
-    Figure("F7", "One-layer attention-only transformer", "#onel-path-expansion",
-           "Embedding, one attention layer, unembedding: every path goes through at most one head.", static_view="/models/toy-1l"),
-    Figure("F8", "Path expansion, product form", "#onel-path-expansion",
-           "T = (Id (x) W_U)(Id + sum_h A^h (x) W_OV^h)(Id (x) W_E): multiplying out gives the direct path plus one term per head."),
-    Figure("F9", "Path expansion of a logit, one layer", "#onel-path-expansion",
-           "With the attention patterns frozen, the direct term and one term per head add up to the logit.", "toy-1l", figs.paths_order1),
-    Figure("F10", "QK and OV circuits of a head", "#splitting-attention-head-terms-into-circuits",
-           "A copying head puts the source token itself among a row's top outputs.", "toy-1l", figs.ov_circuit),
-    Figure("F11", "Copying skip-trigrams", "#interpretation-as-skip-trigrams",
-           "Copying skip-trigrams repeat the source ([b] ... [a] -> [b]): compare the -> out column with the source.",
-           "toy-1l", figs.skip_trigrams),
-    Figure("F12", "Split-token copying", "#interpretation-as-skip-trigrams",
-           "In the paper, outputs continue the source's word fragment rather than repeat it (' Ralph' / 'R' -> 'alph').",
-           "toy-1l", figs.skip_trigrams_second),
-    Figure("F13", "Abstract copying patterns", "#interpretation-as-skip-trigrams",
-           "A summary diagram of the copying motifs (static)."),
-    Figure("F14", "Head dump: largest QK entries", "#interpretation-as-skip-trigrams",
-           "The paper's head dumps list a head's largest QK and OV entries; here one query's row, the comparable reading.",
-           "toy-1l", figs.qk_circuit),
-    Figure("F15", "A primarily positional head", "#interpretation-as-skip-trigrams",
-           "The pattern of position-only inputs, softmax(mask(W_pos W_QK W_pos^T / s)).", "toy-1l", figs.positional),
-    Figure("F16", "Skip-trigram 'bugs'", "#interpretation-as-skip-trigrams",
-           "F11's table read as a grid: a head raises the same outputs for every destination that attends to a source, so "
-           "it also predicts the combinations the paper calls bugs (keep... in -> bay). The grid is the skip-trigram view's "
-           "trigram list (destinations x outs).", static_view="/models/toy-1l"),
-    Figure("F17", "OV eigenvalues of every head", "#summarizing-ovqk-matrices",
-           "Copying shows as eigenvalues with a positive real part.", "toy-1l", figs.ov_spectra),
-    Figure("F18", "Copying scores", "#summarizing-ovqk-matrices",
-           "The OV copying score sum(eig)/sum(|eig|) per head, beside a random-weights baseline and token-level shares.",
-           "toy-1l", figs.copying_scores),
-    Figure("F19", "Two-layer path expansion of a logit", "#path-expansion-of-logits",
-           "Direct, first-order and virtual-head terms of a logit on repeated code.", "toy-2l", figs.paths_order2),
-    Figure("F20", "Two-layer QK expansion", "#path-expansion-of-attention-scores-qk-circuit",
-           "The induction head's attention scores split into query-side x key-side terms (token, position, earlier heads).",
-           "toy-2l", figs.qk_decomposition),
-    Figure("F21", "Q-, K- and V-composition", "#analyzing-a-two-layer-model",
-           "Composition scores between every layer-0 and layer-1 head, minus the random baseline.", "toy-2l", figs.composition),
-    Figure("F22", "Value-weighted attention", "#analyzing-a-two-layer-model",
-           "Attention weights scaled by the norm of the value vector at the source position.", "toy-2l", figs.value_weighted),
-    Figure("F23", "An induction head's logit effect", "#analyzing-a-two-layer-model",
-           "As in the paper: the head's effect on the logit of each position's actual next token.", "toy-2l", figs.induction_effect),
-    Figure("F24", "Repeated random tokens", "#analyzing-a-two-layer-model",
-           "A stripe at offset -T+1 in the induction head, and the loss on each repeat.", "toy-2l", figs.repeated_tokens),
-    Figure("F25", "Induction QK expanded in tokens", "#analyzing-a-two-layer-model",
-           "The K-composition token circuit: query token against the key's previous token.", "toy-2l", figs.k_composition),
-    Figure("F26", "Eigenvalue positivity of OV and QK (K-composition term)", "#checking-the-mechanistic-theory",
-           "Induction heads should sit in the corner where both the OV copying score and the K-composition positivity are "
-           "near +1.", "toy-2l", figs.positivity_scatter),
-    Figure("F27", "Term importance by path order", "#term-importance-analysis",
-           "Loss with the paths up to each order (patterns frozen).", "toy-2l", figs.term_importance),
-    Figure("F28", "First-order terms by layer", "#term-importance-analysis",
-           "Which layer's single-head terms reduce the loss more.", "toy-2l", figs.term_importance_by_layer),
-    Figure("F29", "Virtual attention heads", "#virtual-attention-heads",
-           "The pattern of a chain is the product of patterns; its OV circuit is the product of OV circuits.",
-           "toy-2l", figs.virtual_head),
-    Figure("F30", "Correction: composition, computed", "#analyzing-a-two-layer-model",
-           "The paper's published composition diagram was wrong (see its Comments section); F21 above is computed from the "
-           "weights, so it is the corrected quantity.", static_view="/models/toy-2l/composition?kind=K"),
+    Figure(
+        "F6",
+        "Zero-layer transformer: the direct path W_E W_U",
+        "#zero-layer-transformers",
+        "The direct path is a bigram table: row = current token, entries = next-token logits.",
+        "toy-0l",
+        figs.direct_path,
+    ),
+    Figure(
+        "F7",
+        "One-layer attention-only transformer",
+        "#onel-path-expansion",
+        "Embedding, one attention layer, unembedding: every path goes through at most one head.",
+        static_view="/models/toy-1l",
+    ),
+    Figure(
+        "F8",
+        "Path expansion, product form",
+        "#onel-path-expansion",
+        "T = (Id (x) W_U)(Id + sum_h A^h (x) W_OV^h)(Id (x) W_E): multiplying out gives the direct path plus one term per head.",
+    ),
+    Figure(
+        "F9",
+        "Path expansion of a logit, one layer",
+        "#onel-path-expansion",
+        "With the attention patterns frozen, the direct term and one term per head add up to the logit.",
+        "toy-1l",
+        figs.paths_order1,
+    ),
+    Figure(
+        "F10",
+        "QK and OV circuits of a head",
+        "#splitting-attention-head-terms-into-circuits",
+        "A copying head puts the source token itself among a row's top outputs.",
+        "toy-1l",
+        figs.ov_circuit,
+    ),
+    Figure(
+        "F11",
+        "Copying skip-trigrams",
+        "#interpretation-as-skip-trigrams",
+        "Copying skip-trigrams repeat the source ([b] ... [a] -> [b]): compare the -> out column with the source.",
+        "toy-1l",
+        figs.skip_trigrams,
+    ),
+    Figure(
+        "F12",
+        "Split-token copying",
+        "#interpretation-as-skip-trigrams",
+        "In the paper, outputs continue the source's word fragment rather than repeat it (' Ralph' / 'R' -> 'alph').",
+        "toy-1l",
+        figs.skip_trigrams_second,
+    ),
+    Figure(
+        "F13",
+        "Abstract copying patterns",
+        "#interpretation-as-skip-trigrams",
+        "A summary diagram of the copying motifs (static).",
+    ),
+    Figure(
+        "F14",
+        "Head dump: largest QK entries",
+        "#interpretation-as-skip-trigrams",
+        "The paper's head dumps list a head's largest QK and OV entries; here one query's row, the comparable reading.",
+        "toy-1l",
+        figs.qk_circuit,
+    ),
+    Figure(
+        "F15",
+        "A primarily positional head",
+        "#interpretation-as-skip-trigrams",
+        "The pattern of position-only inputs, softmax(mask(W_pos W_QK W_pos^T / s)).",
+        "toy-1l",
+        figs.positional,
+    ),
+    Figure(
+        "F16",
+        "Skip-trigram 'bugs'",
+        "#interpretation-as-skip-trigrams",
+        "F11's table read as a grid: a head raises the same outputs for every destination that attends to a source, so "
+        "it also predicts the combinations the paper calls bugs (keep... in -> bay). The grid is the skip-trigram view's "
+        "trigram list (destinations x outs).",
+        static_view="/models/toy-1l",
+    ),
+    Figure(
+        "F17",
+        "OV eigenvalues of every head",
+        "#summarizing-ovqk-matrices",
+        "Copying shows as eigenvalues with a positive real part.",
+        "toy-1l",
+        figs.ov_spectra,
+    ),
+    Figure(
+        "F18",
+        "Copying scores",
+        "#summarizing-ovqk-matrices",
+        "The OV copying score sum(eig)/sum(|eig|) per head, beside a random-weights baseline and token-level shares.",
+        "toy-1l",
+        figs.copying_scores,
+    ),
+    Figure(
+        "F19",
+        "Two-layer path expansion of a logit",
+        "#path-expansion-of-logits",
+        "Direct, first-order and virtual-head terms of a logit on repeated code.",
+        "toy-2l",
+        figs.paths_order2,
+    ),
+    Figure(
+        "F20",
+        "Two-layer QK expansion",
+        "#path-expansion-of-attention-scores-qk-circuit",
+        "The induction head's attention scores split into query-side x key-side terms (token, position, earlier heads).",
+        "toy-2l",
+        figs.qk_decomposition,
+    ),
+    Figure(
+        "F21",
+        "Q-, K- and V-composition",
+        "#analyzing-a-two-layer-model",
+        "Composition scores between every layer-0 and layer-1 head, minus the random baseline.",
+        "toy-2l",
+        figs.composition,
+    ),
+    Figure(
+        "F22",
+        "Value-weighted attention",
+        "#analyzing-a-two-layer-model",
+        "Attention weights scaled by the norm of the value vector at the source position.",
+        "toy-2l",
+        figs.value_weighted,
+    ),
+    Figure(
+        "F23",
+        "An induction head's logit effect",
+        "#analyzing-a-two-layer-model",
+        "As in the paper: the head's effect on the logit of each position's actual next token.",
+        "toy-2l",
+        figs.induction_effect,
+    ),
+    Figure(
+        "F24",
+        "Repeated random tokens",
+        "#analyzing-a-two-layer-model",
+        "A stripe at offset -T+1 in the induction head, and the loss on each repeat.",
+        "toy-2l",
+        figs.repeated_tokens,
+    ),
+    Figure(
+        "F25",
+        "Induction QK expanded in tokens",
+        "#analyzing-a-two-layer-model",
+        "The K-composition token circuit: query token against the key's previous token.",
+        "toy-2l",
+        figs.k_composition,
+    ),
+    Figure(
+        "F26",
+        "Eigenvalue positivity of OV and QK (K-composition term)",
+        "#checking-the-mechanistic-theory",
+        "Induction heads should sit in the corner where both the OV copying score and the K-composition positivity are "
+        "near +1.",
+        "toy-2l",
+        figs.positivity_scatter,
+    ),
+    Figure(
+        "F27",
+        "Term importance by path order",
+        "#term-importance-analysis",
+        "Loss with the paths up to each order (patterns frozen).",
+        "toy-2l",
+        figs.term_importance,
+    ),
+    Figure(
+        "F28",
+        "First-order terms by layer",
+        "#term-importance-analysis",
+        "Which layer's single-head terms reduce the loss more.",
+        "toy-2l",
+        figs.term_importance_by_layer,
+    ),
+    Figure(
+        "F29",
+        "Virtual attention heads",
+        "#virtual-attention-heads",
+        "The pattern of a chain is the product of patterns; its OV circuit is the product of OV circuits.",
+        "toy-2l",
+        figs.virtual_head,
+    ),
+    Figure(
+        "F30",
+        "Correction: composition, computed",
+        "#analyzing-a-two-layer-model",
+        "The paper's published composition diagram was wrong (see its Comments section); F21 above is computed from the "
+        "weights, so it is the corrected quantity.",
+        static_view="/models/toy-2l/composition?kind=K",
+    ),
 )
 
 
@@ -135,10 +272,26 @@ def _as_data(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _figure(fig: Figure, models: dict[str, LoadedModel | str], limits: Limits) -> TourFigure:
-    def figure(available: bool, link: str | None = None, api: str | None = None, detail: str | None = None,
-               data: dict[str, Any] | None = None, look_for: str | None = None) -> TourFigure:
-        return TourFigure(id=fig.id, title=fig.title, anchor=f"{PAPER}{fig.anchor}", look_for=look_for or fig.look_for, model=fig.model,
-                          link=link, api=api, available=available, detail=detail, data=data)
+    def figure(
+        available: bool,
+        link: str | None = None,
+        api: str | None = None,
+        detail: str | None = None,
+        data: dict[str, Any] | None = None,
+        look_for: str | None = None,
+    ) -> TourFigure:
+        return TourFigure(
+            id=fig.id,
+            title=fig.title,
+            anchor=f"{PAPER}{fig.anchor}",
+            look_for=look_for or fig.look_for,
+            model=fig.model,
+            link=link,
+            api=api,
+            available=available,
+            detail=detail,
+            data=data,
+        )
 
     if fig.compute is None or fig.model is None:
         return figure(True, link=fig.static_view)
@@ -210,8 +363,12 @@ def tour_cost(registry: ModelRegistry, limits: Limits, chapter: str = "paper") -
         rep = min(2 * heads.STANDARD_SEQ_LEN + 1, m.cfg.n_ctx)
         parts = [circuits.top_cost(m, limits.max_k, b, line=False)]
         if m.cfg.n_layers >= 1:
-            parts += [copying.cost(m, 10, BASELINE_SAMPLES, BASELINE_TOP_SAMPLES, b), head_table.head_table_cost(m, rep, heads.STANDARD_BATCH, b),
-                      heads.detectors_cost(m, rep, heads.STANDARD_BATCH, logits=True), paths.cost(m, n, min(2, m.cfg.n_layers))]
+            parts += [
+                copying.cost(m, 10, BASELINE_SAMPLES, BASELINE_TOP_SAMPLES, b),
+                head_table.head_table_cost(m, rep, heads.STANDARD_BATCH, b),
+                heads.detectors_cost(m, rep, heads.STANDARD_BATCH, logits=True),
+                paths.cost(m, n, min(2, m.cfg.n_layers)),
+            ]
         if m.cfg.n_layers >= 2:
             parts += [ablation.cost(m, n), composition.cost(m, ("k",)), qk_paths.cost(m, m.cfg.n_layers - 1, n, 6)]
         for part in parts:

@@ -44,8 +44,11 @@ def f6(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
 def f9(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     p = d["paths"]
     total = sum(t.value for t in p.terms)
-    return (f"At the last position the {len(p.terms)} listed terms sum to {total:.4f}, the model's logit "
-            f"{p.value:.4f} for {p.target_token.text!r}.", {"total": total, "value": p.value, "target": p.target})
+    return (
+        f"At the last position the {len(p.terms)} listed terms sum to {total:.4f}, the model's logit "
+        f"{p.value:.4f} for {p.target_token.text!r}.",
+        {"total": total, "value": p.value, "target": p.target},
+    )
 
 
 def _self_copy_head(loaded: LoadedModel, head: str, k: int = 10) -> tuple[float, float, float]:
@@ -58,49 +61,71 @@ def f10(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     ov = d["ov"]
     score, top1, top10 = _self_copy_head(loaded, ov.head)
     diag = sum(e.row.id == e.col.id for e in ov.entries)
-    return (f"{ov.head} has the highest eigenvalue copying score ({score:.2f}), yet only {top1:.2%} of its source "
-            f"tokens raise their own logit most (top-10: {top10:.2%}), and {diag} of its {len(ov.entries)} largest "
-            f"entries are diagonal: the eigenvalue score and token-level copying measure different things.",
-            {"head": ov.head, "score": score, "top1": top1, "top10": top10, "diagonal": diag})
+    return (
+        f"{ov.head} has the highest eigenvalue copying score ({score:.2f}), yet only {top1:.2%} of its source "
+        f"tokens raise their own logit most (top-10: {top10:.2%}), and {diag} of its {len(ov.entries)} largest "
+        f"entries are diagonal: the eigenvalue score and token-level copying measure different things.",
+        {"head": ov.head, "score": score, "top1": top1, "top10": top10, "diagonal": diag},
+    )
 
 
 def f11(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     st = d["skip_trigrams"]
     src = st.source.text
     if "min_count" not in d:  # no training counts: the head's strongest source, as the skip-trigram view picks it
-        return (f"Source {src!r} of {st.head} (the most-copying head), its strongest source: it is "
-                f"{'' if st.copying else 'not '}among its own top-{st.k} outputs.", {"head": st.head, "copying": st.copying})
-    return (f"Source {src!r} of {st.head} (the most-copying head), among tokens seen at least {d['min_count']} times: "
-            f"its largest output is {st.outs[0].token.text!r}, itself -- a copying skip-trigram [b] ... [a] -> [b]. "
-            f"Among those tokens, {d['share']:.1%} raise their own logit most in this head.",
-            {"head": st.head, "source": st.source.id, "top_out": st.outs[0].token.id, "share": d["share"],
-             "min_count": d["min_count"]})
+        return (
+            f"Source {src!r} of {st.head} (the most-copying head), its strongest source: it is "
+            f"{'' if st.copying else 'not '}among its own top-{st.k} outputs.",
+            {"head": st.head, "copying": st.copying},
+        )
+    return (
+        f"Source {src!r} of {st.head} (the most-copying head), among tokens seen at least {d['min_count']} times: "
+        f"its largest output is {st.outs[0].token.text!r}, itself -- a copying skip-trigram [b] ... [a] -> [b]. "
+        f"Among those tokens, {d['share']:.1%} raise their own logit most in this head.",
+        {
+            "head": st.head,
+            "source": st.source.id,
+            "top_out": st.outs[0].token.id,
+            "share": d["share"],
+            "min_count": d["min_count"],
+        },
+    )
 
 
 def f12(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     st = d["skip_trigrams"]
-    return (f"Shown: {st.head}, the head with the second-highest eigenvalue copying score, and its strongest source "
-            f"{st.source.text!r}. qkov does not detect split tokens: compare the outputs with the source yourself.",
-            {"head": st.head})
+    return (
+        f"Shown: {st.head}, the head with the second-highest eigenvalue copying score, and its strongest source "
+        f"{st.source.text!r}. qkov does not detect split tokens: compare the outputs with the source yourself.",
+        {"head": st.head},
+    )
 
 
 def f14(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     qk = d["qk"]
     if qk.token is None:
-        return (f"Shown: {qk.head}, the most-copying head, largest raw QK entries over all (query, key) pairs. Entries of "
-                f"different queries are not comparable (each query's softmax runs over its own row): read each against its "
-                f"own row.", {"head": qk.head, "query": None})
+        return (
+            f"Shown: {qk.head}, the most-copying head, largest raw QK entries over all (query, key) pairs. Entries of "
+            f"different queries are not comparable (each query's softmax runs over its own row): read each against its "
+            f"own row.",
+            {"head": qk.head, "query": None},
+        )
     keys = ", ".join(repr(e.col.text) for e in qk.entries[:3])
-    return (f"Shown: the keys that query {qk.token.text!r} scores highest in {qk.head} (the most-copying head), one "
-            f"query's row, so the entries compete in one softmax and are comparable: {keys}, ...",
-            {"head": qk.head, "query": qk.token.id, "keys": [e.col.id for e in qk.entries]})
+    return (
+        f"Shown: the keys that query {qk.token.text!r} scores highest in {qk.head} (the most-copying head), one "
+        f"query's row, so the entries compete in one softmax and are comparable: {keys}, ...",
+        {"head": qk.head, "query": qk.token.id, "keys": [e.col.id for e in qk.entries]},
+    )
 
 
 def f15(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     pos = d["positional"]
-    return (f"{d['head']} (highest previous-token score): its purely positional pattern puts {pos.previous_token:.2f} "
-            f"on the previous position and {pos.current_token:.2f} on the present one, on average over "
-            f"{pos.n_positions} positions.", {"head": d["head"], "previous": pos.previous_token, "current": pos.current_token})
+    return (
+        f"{d['head']} (highest previous-token score): its purely positional pattern puts {pos.previous_token:.2f} "
+        f"on the previous position and {pos.current_token:.2f} on the present one, on average over "
+        f"{pos.n_positions} positions.",
+        {"head": d["head"], "previous": pos.previous_token, "current": pos.current_token},
+    )
 
 
 def f17(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
@@ -108,39 +133,60 @@ def f17(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     positive = {h: sum(p[0] > 0 for p in pts) for h, pts in eig.items()}
     n = len(next(iter(eig.values())))
     listing = ", ".join(f"{h} {c}/{n}" for h, c in positive.items())
-    return (f"Eigenvalues with a positive real part, per head: {listing}. A copying score near +1 needs most of the "
-            f"|λ| mass on the positive side, not most eigenvalues.", {"positive": positive, "n": n})
+    return (
+        f"Eigenvalues with a positive real part, per head: {listing}. A copying score near +1 needs most of the "
+        f"|λ| mass on the positive side, not most eigenvalues.",
+        {"positive": positive, "n": n},
+    )
 
 
 def f18(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     scores = {h: s for h, s in d["ov_copying"].items() if s is not None}
     base, sc = d["baseline"], d["self_copy"]
     pos = sum(s > 0 for s in scores.values())
-    values = {"positive": pos, "n": len(scores), "low": min(scores.values()), "high": max(scores.values()),
-              "baseline_mean": base["mean"], "baseline_std": base["std"], "max_top1": max(sc["top1"].values()),
-              "max_top10": max(sc["topk"].values())}
-    return (f"{pos} of {len(scores)} heads have a positive eigenvalue copying score ({values['low']:.2f} to "
-            f"{values['high']:.2f}); random OV weights of the same shapes through this model's embeddings score "
-            f"{base['mean']:+.2f} ± {base['std']:.2f} ({BASELINE_SAMPLES} draws). Token by token the copying is weak: "
-            f"in no head do more than {values['max_top1']:.2%} of source tokens raise their own logit most "
-            f"(top-10: {values['max_top10']:.2%}).", values)
+    values = {
+        "positive": pos,
+        "n": len(scores),
+        "low": min(scores.values()),
+        "high": max(scores.values()),
+        "baseline_mean": base["mean"],
+        "baseline_std": base["std"],
+        "max_top1": max(sc["top1"].values()),
+        "max_top10": max(sc["topk"].values()),
+    }
+    return (
+        f"{pos} of {len(scores)} heads have a positive eigenvalue copying score ({values['low']:.2f} to "
+        f"{values['high']:.2f}); random OV weights of the same shapes through this model's embeddings score "
+        f"{base['mean']:+.2f} ± {base['std']:.2f} ({BASELINE_SAMPLES} draws). Token by token the copying is weak: "
+        f"in no head do more than {values['max_top1']:.2%} of source tokens raise their own logit most "
+        f"(top-10: {values['max_top10']:.2%}).",
+        values,
+    )
 
 
 def f19(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     p = d["paths"]
     top = [t for t in p.terms if t.kind not in ("other", "remainder")][:3]
     listing = ", ".join(f"{'→'.join(t.path) or 'direct'} {t.value:+.2f}" for t in top)
-    return (f"Largest terms at the last position (logit of {p.target_token.text!r}): {listing}; all terms and the "
-            f"remainder sum to the logit {p.value:.3f}.", {"top": [(list(t.path), t.value) for t in top], "value": p.value})
+    return (
+        f"Largest terms at the last position (logit of {p.target_token.text!r}): {listing}; all terms and the "
+        f"remainder sum to the logit {p.value:.3f}.",
+        {"top": [(list(t.path), t.value) for t in top], "value": p.value},
+    )
 
 
 def f20(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     q = d["qk_paths"]
-    cells = sorted(((q.std[i][j], f"{a} × {b}") for i, a in enumerate(q.components) for j, b in enumerate(q.components)),
-                   reverse=True)[:3]
+    cells = sorted(
+        ((q.std[i][j], f"{a} × {b}") for i, a in enumerate(q.components) for j, b in enumerate(q.components)),
+        reverse=True,
+    )[:3]
     listing = ", ".join(f"{name} {s:.2f}" for s, name in cells)
-    return (f"Largest spreads (std over the prompt's causal query-key pairs) of {q.head}'s score terms, query side × key "
-            f"side: {listing}.", {"top": [(name, s) for s, name in cells]})
+    return (
+        f"Largest spreads (std over the prompt's causal query-key pairs) of {q.head}'s score terms, query side × key "
+        f"side: {listing}.",
+        {"top": [(name, s) for s, name in cells]},
+    )
 
 
 def f21(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
@@ -150,72 +196,109 @@ def f21(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
         values[kind] = (top.source, top.target, top.score)
         parts.append(f"{kind} {top.source} → {top.target} {top.score:.2f}")
     base = d["K"].baseline
-    return (f"Top pair of each kind: {'; '.join(parts)} (random baseline 1/√d_model = {base:.2f}).", {**values, "baseline": base})
+    return (
+        f"Top pair of each kind: {'; '.join(parts)} (random baseline 1/√d_model = {base:.2f}).",
+        {**values, "baseline": base},
+    )
 
 
 def f22(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    return (f"On the repeated prompt, {d['induction_head']} puts on average {d['induction_mass']:.2f} of its attention "
-            f"on the token after the previous occurrence of the current token ({d['induction_rows']} such positions).",
-            {"head": d["induction_head"], "mass": d["induction_mass"]})
+    return (
+        f"On the repeated prompt, {d['induction_head']} puts on average {d['induction_mass']:.2f} of its attention "
+        f"on the token after the previous occurrence of the current token ({d['induction_rows']} such positions).",
+        {"head": d["induction_head"], "mass": d["induction_mass"]},
+    )
 
 
 def f23(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     e = d["next_token_effect"]
-    second = e["effects"][e["second_copy_start"]:]
+    second = e["effects"][e["second_copy_start"] :]
     if not second:
-        return f"{e['head']}: the prompt has no repeated segment, so there is no second copy to measure.", {"head": e["head"], "n": 0}
+        return f"{e['head']}: the prompt has no repeated segment, so there is no second copy to measure.", {
+            "head": e["head"],
+            "n": 0,
+        }
     share = sum(v > 0 for v in second)
-    return (f"{e['head']}'s direct effect on the logit of each position's actual next token: positive at {share} of the "
-            f"{len(second)} positions of the second copy ({min(second):+.2f} to {max(second):+.2f}).",
-            {"head": e["head"], "positive": share, "n": len(second), "min": min(second), "max": max(second)})
+    return (
+        f"{e['head']}'s direct effect on the logit of each position's actual next token: positive at {share} of the "
+        f"{len(second)} positions of the second copy ({min(second):+.2f} to {max(second):+.2f}).",
+        {"head": e["head"], "positive": share, "n": len(second), "min": min(second), "max": max(second)},
+    )
 
 
 def f24(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     dv = d["detectors"]
     inp = dv.detector_input
     best = max(dv.heads, key=lambda h: h.induction or 0.0)
-    return (f"On the standard input (BOS + {inp.seq_len} uniform random tokens repeated, batch {inp.batch}, seed "
-            f"{inp.seed}; as on the model card and the overview): loss {dv.loss.first_repeat:.2f} nats on the first "
-            f"repeat, {dv.loss.second_repeat:.2f} on the second; induction score of {best.head} {best.induction:.3f}.",
-            {"rep1": dv.loss.first_repeat, "rep2": dv.loss.second_repeat, "head": best.head, "induction": best.induction})
+    return (
+        f"On the standard input (BOS + {inp.seq_len} uniform random tokens repeated, batch {inp.batch}, seed "
+        f"{inp.seed}; as on the model card and the overview): loss {dv.loss.first_repeat:.2f} nats on the first "
+        f"repeat, {dv.loss.second_repeat:.2f} on the second; induction score of {best.head} {best.induction:.3f}.",
+        {"rep1": dv.loss.first_repeat, "rep2": dv.loss.second_repeat, "head": best.head, "induction": best.induction},
+    )
 
 
 def f25(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     pair = d["pair"]
     entries = pair.k_composition.entries
     diag = sum(e.row.id == e.col.id for e in entries)
-    return (f"{diag} of the {len(entries)} largest entries of the {pair.source} → {pair.target} K-composition token "
-            f"circuit are on its diagonal (query token = the key's previous token).", {"diagonal": diag, "k": len(entries)})
+    return (
+        f"{diag} of the {len(entries)} largest entries of the {pair.source} → {pair.target} K-composition token "
+        f"circuit are on its diagonal (query token = the key's previous token).",
+        {"diagonal": diag, "k": len(entries)},
+    )
 
 
 def f26(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     pts = sorted(d["points"], key=lambda p: -(p["ov_copying"] or -2) - p["k_composition_positivity"])
     listing = ", ".join(f"{p['head']} ({p['ov_copying']:.2f}, {p['k_composition_positivity']:.2f})" for p in pts[:3])
-    return (f"(OV copying, K-composition positivity with {d['previous_token_head']}), the three heads nearest the "
-            f"corner: {listing}. Necessary, not sufficient: compare their induction scores.",
-            {"points": [(p["head"], p["ov_copying"], p["k_composition_positivity"]) for p in pts[:3]]})
+    return (
+        f"(OV copying, K-composition positivity with {d['previous_token_head']}), the three heads nearest the "
+        f"corner: {listing}. Necessary, not sufficient: compare their induction scores.",
+        {"points": [(p["head"], p["ov_copying"], p["k_composition_positivity"]) for p in pts[:3]]},
+    )
 
 
 def f27(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     ti = d["term_importance"]
     losses = ti.loss_by_order
     uniform = math.log(loaded.model.cfg.d_vocab)
-    return (f"On the built-in code snippet: a uniform guess costs ln V = {uniform:.2f} nats; the direct path alone "
-            f"{losses[0]:.2f}; with the first-order (single-head) terms {losses[1]:.2f}; with the virtual heads (the "
-            f"full model) {losses[-1]:.2f}. The first-order terms carry most of the reduction, the direct path little.",
-            {"losses": list(losses)})
+    return (
+        f"On the built-in code snippet: a uniform guess costs ln V = {uniform:.2f} nats; the direct path alone "
+        f"{losses[0]:.2f}; with the first-order (single-head) terms {losses[1]:.2f}; with the virtual heads (the "
+        f"full model) {losses[-1]:.2f}. The first-order terms carry most of the reduction, the direct path little.",
+        {"losses": list(losses)},
+    )
 
 
 def f28(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     gains = d["first_order_by_layer"]
     listing = ", ".join(f"layer {i} {g:.2f}" for i, g in enumerate(gains))
-    return (f"Loss reduction from the direct path alone when one layer's head terms are added (nats): {listing}.",
-            {"gains": list(gains)})
+    return (
+        f"Loss reduction from the direct path alone when one layer's head terms are added (nats): {listing}.",
+        {"gains": list(gains)},
+    )
 
 
 CLAIMS: dict[str, Callable[[LoadedModel, dict[str, Any]], Claim]] = {
-    "F6": f6, "F9": f9, "F10": f10, "F11": f11, "F12": f12, "F14": f14, "F15": f15, "F17": f17, "F18": f18,
-    "F19": f19, "F20": f20, "F21": f21, "F22": f22, "F23": f23, "F24": f24, "F25": f25, "F26": f26, "F27": f27,
+    "F6": f6,
+    "F9": f9,
+    "F10": f10,
+    "F11": f11,
+    "F12": f12,
+    "F14": f14,
+    "F15": f15,
+    "F17": f17,
+    "F18": f18,
+    "F19": f19,
+    "F20": f20,
+    "F21": f21,
+    "F22": f22,
+    "F23": f23,
+    "F24": f24,
+    "F25": f25,
+    "F26": f26,
+    "F27": f27,
     "F28": f28,
 }
 
@@ -228,9 +311,17 @@ def self_copy_and_baseline(loaded: LoadedModel, k: int = 10) -> tuple[dict[str, 
     base = copying.random_baseline(loaded.model, n_samples=BASELINE_SAMPLES, n_top_samples=BASELINE_TOP_SAMPLES, k=k)
     L, H = sc.top1.shape
     names = [head_name(layer, h) for layer in range(L) for h in range(H)]
-    per = {key: dict(zip(names, getattr(sc, key).flatten().tolist(), strict=True)) for key in ("top1", "topk", "diagonal_positive")}
-    baseline = {"mean": float(base.ov_copying.mean()), "std": float(base.ov_copying.std()),
-                "top1": float(base.top1.mean()), "topk": float(base.topk.mean()), "n_samples": BASELINE_SAMPLES}
+    per = {
+        key: dict(zip(names, getattr(sc, key).flatten().tolist(), strict=True))
+        for key in ("top1", "topk", "diagonal_positive")
+    }
+    baseline = {
+        "mean": float(base.ov_copying.mean()),
+        "std": float(base.ov_copying.std()),
+        "top1": float(base.top1.mean()),
+        "topk": float(base.topk.mean()),
+        "n_samples": BASELINE_SAMPLES,
+    }
     return {**per, "k": k}, baseline
 
 

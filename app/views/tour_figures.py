@@ -97,14 +97,18 @@ def _induction_pair(loaded: LoadedModel) -> tuple[str, str]:
     if induction is None:
         raise InvalidInputError("no head of layers >= 1 has an induction score on the standard input")
     if (induction.induction or 0.0) < HEAD_THRESHOLD:
-        raise InvalidInputError(f"no induction head: the strongest, {induction.head}, scores {induction.induction:.2f} "
-                                f"(< {HEAD_THRESHOLD}) on the standard input")
+        raise InvalidInputError(
+            f"no induction head: the strongest, {induction.head}, scores {induction.induction:.2f} "
+            f"(< {HEAD_THRESHOLD}) on the standard input"
+        )
     prev = strongest(heads, "previous_token", range(0, induction.layer))
     if prev is None:
         raise InvalidInputError(f"no head below the induction head {induction.head} has a previous-token score")
     if (prev.previous_token or 0.0) < HEAD_THRESHOLD:
-        raise InvalidInputError(f"no previous-token head below the induction head {induction.head}: the strongest, "
-                                f"{prev.head}, scores {prev.previous_token:.2f} (< {HEAD_THRESHOLD}) on the standard input")
+        raise InvalidInputError(
+            f"no previous-token head below the induction head {induction.head}: the strongest, "
+            f"{prev.head}, scores {prev.previous_token:.2f} (< {HEAD_THRESHOLD}) on the standard input"
+        )
     return prev.head, induction.head
 
 
@@ -126,7 +130,9 @@ def direct_path(loaded: LoadedModel, limits: Limits) -> Result:
 
 def paths_order1(loaded: LoadedModel, limits: Limits) -> Result:
     prompt = _prompt(limits, BUILTIN_TEXT)
-    view = build_paths_view(loaded, PathsParams(prompt=prompt, max_order=min(1, limits.max_order), k=_k(limits)), limits)
+    view = build_paths_view(
+        loaded, PathsParams(prompt=prompt, max_order=min(1, limits.max_order), k=_k(limits)), limits
+    )
     return {"paths": view}, "/paths", {"prompt": prompt, "max_order": view.max_order, "k": _k(limits)}
 
 
@@ -140,8 +146,14 @@ def qk_circuit(loaded: LoadedModel, limits: Limits) -> Result:
     entries of different queries are not): F11's copying source among frequent tokens, else the global top-k."""
     head, k, mc = _copying_heads(loaded)[0], _k(limits), _min_count(loaded)
     if mc is None:
-        return ({"qk": build_qk_view(loaded, QKParams(head=head, k=k), limits),
-                 "ov": build_ov_view(loaded, OVParams(head=head, k=k), limits)}, f"/heads/{head}/qk", {"k": k})
+        return (
+            {
+                "qk": build_qk_view(loaded, QKParams(head=head, k=k), limits),
+                "ov": build_ov_view(loaded, OVParams(head=head, k=k), limits),
+            },
+            f"/heads/{head}/qk",
+            {"k": k},
+        )
     vocab = frequent_tokens(loaded, mc)
     assert vocab is not None
     query, _ = copying_source(loaded, head, vocab)
@@ -153,7 +165,11 @@ def qk_circuit(loaded: LoadedModel, limits: Limits) -> Result:
 def _skip(loaded: LoadedModel, limits: Limits, rank: int) -> Result:
     heads = _copying_heads(loaded)
     head = heads[min(rank, len(heads) - 1)]
-    return {"skip_trigrams": build_skip_trigrams_view(loaded, SkipTrigramParams(head=head, k=_k(limits)), limits)}, f"/heads/{head}/skip-trigrams", {"k": _k(limits)}
+    return (
+        {"skip_trigrams": build_skip_trigrams_view(loaded, SkipTrigramParams(head=head, k=_k(limits)), limits)},
+        f"/heads/{head}/skip-trigrams",
+        {"k": _k(limits)},
+    )
 
 
 def copying_source(loaded: LoadedModel, head: str, vocab: Tensor) -> tuple[int, float]:
@@ -180,8 +196,11 @@ def skip_trigrams(loaded: LoadedModel, limits: Limits) -> Result:
     assert vocab is not None
     source, share = copying_source(loaded, head, vocab)
     view = build_skip_trigrams_view(loaded, SkipTrigramParams(head=head, token=str(source), k=k, min_count=mc), limits)
-    return ({"skip_trigrams": view, "min_count": mc, "share": share}, f"/heads/{head}/skip-trigrams",
-            {"token": source, "k": k, "min_count": mc})
+    return (
+        {"skip_trigrams": view, "min_count": mc, "share": share},
+        f"/heads/{head}/skip-trigrams",
+        {"token": source, "k": k, "min_count": mc},
+    )
 
 
 def skip_trigrams_second(loaded: LoadedModel, limits: Limits) -> Result:
@@ -202,20 +221,27 @@ def ov_spectra(loaded: LoadedModel, limits: Limits) -> Result:
     cfg = loaded.model.cfg
     data = {
         head_name(layer, h): [[float(z.real), float(z.imag)] for z in eig[layer, h].tolist()]
-        for layer in range(cfg.n_layers) for h in range(cfg.n_heads)
+        for layer in range(cfg.n_layers)
+        for h in range(cfg.n_heads)
     }
     return {"eigenvalues": data}, "/heads", {}
 
 
 def copying_scores(loaded: LoadedModel, limits: Limits) -> Result:
     self_copy, baseline = self_copy_and_baseline(loaded)
-    return {"ov_copying": {h.head: h.ov_copying for h in _heads(loaded)}, "self_copy": self_copy, "baseline": baseline}, "/heads", {}
+    return (
+        {"ov_copying": {h.head: h.ov_copying for h in _heads(loaded)}, "self_copy": self_copy, "baseline": baseline},
+        "/heads",
+        {},
+    )
 
 
 # -- two layers ----------------------------------------------------------------------------------------
 def paths_order2(loaded: LoadedModel, limits: Limits) -> Result:
     prompt = _prompt(limits, REPEATED)
-    view = build_paths_view(loaded, PathsParams(prompt=prompt, max_order=min(2, limits.max_order), k=_k(limits)), limits)
+    view = build_paths_view(
+        loaded, PathsParams(prompt=prompt, max_order=min(2, limits.max_order), k=_k(limits)), limits
+    )
     return {"paths": view}, "/paths", {"prompt": prompt, "max_order": view.max_order, "k": _k(limits)}
 
 
@@ -238,8 +264,11 @@ def value_weighted(loaded: LoadedModel, limits: Limits) -> Result:
     view = build_prompt_view(loaded, PromptParams(prompt=prompt, heads=",".join(heads), weighted=True), limits)
     plain = build_prompt_view(loaded, PromptParams(prompt=prompt, heads=induction), limits)
     mass, rows = induction_mass([t.id for t in plain.tokens], torch.tensor(plain.heads[0].pattern))
-    return ({"prompt": view, "induction_head": induction, "induction_mass": mass, "induction_rows": rows}, "/prompt",
-            {"prompt": prompt, "heads": ",".join(heads), "weighted": "true"})
+    return (
+        {"prompt": view, "induction_head": induction, "induction_mass": mass, "induction_rows": rows},
+        "/prompt",
+        {"prompt": prompt, "heads": ",".join(heads), "weighted": "true"},
+    )
 
 
 def induction_effect(loaded: LoadedModel, limits: Limits) -> Result:
@@ -250,8 +279,12 @@ def induction_effect(loaded: LoadedModel, limits: Limits) -> Result:
     model = loaded.model
     ids = resolve_prompt(loaded, prompt, None, limits)  # the prompt views' tokens (BOS first when the model has one)
     effects = head_next_token_effect(model, torch.tensor([ids], device=model.device), *parse_head(induction, model.cfg))
-    data = {"head": induction, "tokens": [t.model_dump() for t in token_refs(loaded, ids)], "effects": effects.tolist(),
-            "second_copy_start": second_copy_start(ids)}
+    data = {
+        "head": induction,
+        "tokens": [t.model_dump() for t in token_refs(loaded, ids)],
+        "effects": effects.tolist(),
+        "second_copy_start": second_copy_start(ids),
+    }
     return {"next_token_effect": data}, "/path", {"heads": induction, "prompt": prompt, "k": _k(limits)}
 
 
@@ -267,7 +300,9 @@ def repeated_tokens(loaded: LoadedModel, limits: Limits) -> Result:
 
 def k_composition(loaded: LoadedModel, limits: Limits) -> Result:
     prev, induction = _induction_pair(loaded)
-    view = build_composition_pair_view(loaded, CompositionPairParams(source=prev, target=induction, k=_k(limits)), limits)
+    view = build_composition_pair_view(
+        loaded, CompositionPairParams(source=prev, target=induction, k=_k(limits)), limits
+    )
     return {"pair": view}, f"/composition/{prev}/{induction}", {"k": _k(limits)}
 
 
@@ -280,20 +315,28 @@ def positivity_scatter(loaded: LoadedModel, limits: Limits) -> Result:
     qk = k_composition_positivity(model, weights)  # [L, H]
     points = [
         {"head": s.head, "ov_copying": s.ov_copying, "k_composition_positivity": float(qk[s.layer, s.index])}
-        for s in _heads(loaded) if s.layer > layer
+        for s in _heads(loaded)
+        if s.layer > layer
     ]
     return {"previous_token_head": prev, "points": points}, "/heads", {}
 
 
 def term_importance(loaded: LoadedModel, limits: Limits) -> Result:
     view = build_term_importance_view(loaded, TermImportanceParams(), limits)
-    return ({"term_importance": view.model_copy(update={"tokens": []}), "token_ids": [t.id for t in view.tokens]},
-            "/term-importance", {})
+    return (
+        {"term_importance": view.model_copy(update={"tokens": []}), "token_ids": [t.id for t in view.tokens]},
+        "/term-importance",
+        {},
+    )
 
 
 def term_importance_by_layer(loaded: LoadedModel, limits: Limits) -> Result:
     view = build_term_importance_view(loaded, TermImportanceParams(), limits)
-    return {"first_order_by_layer": view.first_order_by_layer, "loss_by_order": view.loss_by_order}, "/term-importance", {}
+    return (
+        {"first_order_by_layer": view.first_order_by_layer, "loss_by_order": view.loss_by_order},
+        "/term-importance",
+        {},
+    )
 
 
 def virtual_head(loaded: LoadedModel, limits: Limits) -> Result:
@@ -309,8 +352,8 @@ def second_copy_start(ids: list[int]) -> int:
     next one both repeat the earlier copy (the induction positions). n - 1 (none) when nothing repeats."""
     n = len(ids)
     for L in range(n // 2, 1, -1):
-        suffix = ids[n - L:]
-        if any(ids[j:j + L] == suffix for j in range(n - 2 * L + 1)):
+        suffix = ids[n - L :]
+        if any(ids[j : j + L] == suffix for j in range(n - 2 * L + 1)):
             return n - L
     return n - 1
 
@@ -320,7 +363,11 @@ def head_next_token_effect(model, tokens: Tensor, layer: int, head: int) -> Tens
     with torch.no_grad():
         _, cache = model.run(tokens, names=lambda nm: nm in (f"blocks.{layer}.attn.hook_z", "ln_final.hook_scale"))
         out = cache[f"blocks.{layer}.attn.hook_z"][0, :, head] @ model.W_O[layer, head]  # [n, d_model]
-        scale = cache["ln_final.hook_scale"][0, :, 0] if "ln_final.hook_scale" in cache else torch.ones(out.shape[0], dtype=out.dtype)
+        scale = (
+            cache["ln_final.hook_scale"][0, :, 0]
+            if "ln_final.hook_scale" in cache
+            else torch.ones(out.shape[0], dtype=out.dtype)
+        )
         nxt = tokens[0, 1:]
         effects = torch.stack([(out[p] @ readout(model, int(nxt[p]))[0]) / scale[p] for p in range(len(nxt))])
     return effects.double()

@@ -36,31 +36,56 @@ PAPER = "https://transformer-circuits.pub/2021/framework/index.html"
 TOUR_MODEL = "toy-2l"
 N_TOKENS = 5
 SPECS = (
-    ("F2", "The residual stream as a communication channel", "#residual-comms",
-     "Every layer reads from the residual stream and writes to it through linear maps; a reader can only use what an "
-     "earlier writer put there, in the subspace it reads."),
-    ("F3", "Virtual weights", "#residual-comms",
-     "The product W_w W_r of a writer's output map and a later reader's input map (the paper's W_I W_O) says how much, "
-     "and what, the reader reads of what the writer wrote; head -> head it is the composition score."),
-    ("F4", "Subspaces and residual stream bandwidth", "#residual-comms",
-     "Writers share d_model: where their subspaces overlap they interact, where they are disjoint they stay independent, "
-     "and a head that reads a subspace and writes back its negative erases it (memory management)."),
+    (
+        "F2",
+        "The residual stream as a communication channel",
+        "#residual-comms",
+        "Every layer reads from the residual stream and writes to it through linear maps; a reader can only use what an "
+        "earlier writer put there, in the subspace it reads.",
+    ),
+    (
+        "F3",
+        "Virtual weights",
+        "#residual-comms",
+        "The product W_w W_r of a writer's output map and a later reader's input map (the paper's W_I W_O) says how much, "
+        "and what, the reader reads of what the writer wrote; head -> head it is the composition score.",
+    ),
+    (
+        "F4",
+        "Subspaces and residual stream bandwidth",
+        "#residual-comms",
+        "Writers share d_model: where their subspaces overlap they interact, where they are disjoint they stay independent, "
+        "and a head that reads a subspace and writes back its negative erases it (memory management).",
+    ),
 )
 
 
 def channel(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
     s = vw.all_scores(loaded.model)
-    heads = [(i, j) for i, w in enumerate(s.writers) for j, r in enumerate(s.readers)
-             if w.kind == "head" and r.role in ("Q", "K", "V") and bool(s.mask[i, j])]
+    heads = [
+        (i, j)
+        for i, w in enumerate(s.writers)
+        for j, r in enumerate(s.readers)
+        if w.kind == "head" and r.role in ("Q", "K", "V") and bool(s.mask[i, j])
+    ]
     above = sum(float(s.raw[i, j]) > s.baseline for i, j in heads)
     best = int(torch.where(s.mask, s.raw, torch.full_like(s.raw, -1.0)).argmax())
     bi, bj = divmod(best, len(s.readers))
     w, r, score = s.writers[bi].name, s.readers[bj].name, float(s.raw[bi, bj])
-    sentence = (f"{TOUR_MODEL} has {len(s.writers)} writers and {len(s.readers)} readers ({int(s.mask.sum())} pairs where the "
-                f"reader sees the writer); {above} of its {len(heads)} head -> head Q/K/V pairs score above the random "
-                f"baseline {s.baseline:.4f} (1/sqrt(d_model)); the strongest pair is {w} -> {r} ({score:.3f}).")
-    return sentence, {"writers": len(s.writers), "readers": len(s.readers), "pairs": int(s.mask.sum()),
-                      "head_pairs": len(heads), "above": above, "baseline": s.baseline, "best": [w, r, score]}
+    sentence = (
+        f"{TOUR_MODEL} has {len(s.writers)} writers and {len(s.readers)} readers ({int(s.mask.sum())} pairs where the "
+        f"reader sees the writer); {above} of its {len(heads)} head -> head Q/K/V pairs score above the random "
+        f"baseline {s.baseline:.4f} (1/sqrt(d_model)); the strongest pair is {w} -> {r} ({score:.3f})."
+    )
+    return sentence, {
+        "writers": len(s.writers),
+        "readers": len(s.readers),
+        "pairs": int(s.mask.sum()),
+        "head_pairs": len(heads),
+        "above": above,
+        "baseline": s.baseline,
+        "best": [w, r, score],
+    }
 
 
 def embedding_reader(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
@@ -73,11 +98,18 @@ def embedding_reader(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
     assert d.input_top is not None and d.input_bottom is not None
     top = [token_text(loaded, t) for t, _ in d.input_top]
     bottom = [token_text(loaded, t) for t, _ in d.input_bottom]
-    sentence = (f"The token embedding's strongest reader is {reader.name} (score {rep.score:.3f}, baseline "
-                f"{rep.baseline:.4f}); its top singular direction (sigma {d.value:.3f}) weighs the tokens "
-                f"{', '.join(map(repr, top))} against {', '.join(map(repr, bottom))}. {ignored_note(loaded.model)}")
-    return sentence, {"reader": reader.name, "score": rep.score, "sigma": d.value,
-                      "top": [t for t, _ in d.input_top], "bottom": [t for t, _ in d.input_bottom]}
+    sentence = (
+        f"The token embedding's strongest reader is {reader.name} (score {rep.score:.3f}, baseline "
+        f"{rep.baseline:.4f}); its top singular direction (sigma {d.value:.3f}) weighs the tokens "
+        f"{', '.join(map(repr, top))} against {', '.join(map(repr, bottom))}. {ignored_note(loaded.model)}"
+    )
+    return sentence, {
+        "reader": reader.name,
+        "score": rep.score,
+        "sigma": d.value,
+        "top": [t for t, _ in d.input_top],
+        "bottom": [t for t, _ in d.input_bottom],
+    }
 
 
 def bandwidth(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
@@ -86,27 +118,41 @@ def bandwidth(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
     er = rs.erasure(loaded.model, spec=spec)
     bw = u.bandwidth
     load, sharers = bw.crowded[0]
-    sentence = (f"The writers' {100 * rs.ENERGY:.0f} % subspaces add up to {bw.total_dims} dimensions in d_model = "
-                f"{bw.d_model} ({bw.uniform_load:.2f} per direction if spread evenly); they use {bw.used_dims:.1f} "
-                f"effective directions, and the most crowded one carries {load:.2f} writer subspaces, mostly "
-                f"{sharers[0][0]} and {sharers[1][0]}.")
-    values: dict[str, Any] = {"total_dims": bw.total_dims, "d_model": bw.d_model, "used_dims": bw.used_dims,
-                              "crowded_load": load, "crowded_writers": [sharers[0][0], sharers[1][0]]}
+    sentence = (
+        f"The writers' {100 * rs.ENERGY:.0f} % subspaces add up to {bw.total_dims} dimensions in d_model = "
+        f"{bw.d_model} ({bw.uniform_load:.2f} per direction if spread evenly); they use {bw.used_dims:.1f} "
+        f"effective directions, and the most crowded one carries {load:.2f} writer subspaces, mostly "
+        f"{sharers[0][0]} and {sharers[1][0]}."
+    )
+    values: dict[str, Any] = {
+        "total_dims": bw.total_dims,
+        "d_model": bw.d_model,
+        "used_dims": bw.used_dims,
+        "crowded_load": load,
+        "crowded_writers": [sharers[0][0], sharers[1][0]],
+    }
     if er.candidates:
         c = er.candidates[0]
-        sentence += (f" Strongest erasure candidate: {c.eraser} reads {c.writer}'s subspace and writes back its negative "
-                     f"(erasure score {c.score:.3f}, z {c.z:.1f} against random heads, read share {c.read_share:.2f} vs "
-                     f"{c.random_share:.2f} for a random subspace) -- weights only: whether it attends to the same "
-                     "position is not checked.")
+        sentence += (
+            f" Strongest erasure candidate: {c.eraser} reads {c.writer}'s subspace and writes back its negative "
+            f"(erasure score {c.score:.3f}, z {c.z:.1f} against random heads, read share {c.read_share:.2f} vs "
+            f"{c.random_share:.2f} for a random subspace) -- weights only: whether it attends to the same "
+            "position is not checked."
+        )
         values["erasure"] = [c.writer, c.eraser, c.score, c.z]
     else:
-        sentence += f" No head writes back the negative of an earlier writer's subspace beyond z = {er.threshold_z:.0f}."
+        sentence += (
+            f" No head writes back the negative of an earlier writer's subspace beyond z = {er.threshold_z:.0f}."
+        )
         values["erasure"] = None
     return sentence, values
 
 
-MEASURE = {"F2": (channel, "residual"), "F3": (embedding_reader, "residual/embed/{reader}"),
-           "F4": (bandwidth, "residual/usage")}
+MEASURE = {
+    "F2": (channel, "residual"),
+    "F3": (embedding_reader, "residual/embed/{reader}"),
+    "F4": (bandwidth, "residual/usage"),
+}
 
 
 def residual_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure]:
@@ -118,12 +164,29 @@ def residual_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure
         loaded, missing = None, f"model {TOUR_MODEL!r} is not available: {exc}"
     figures = []
     for fid, title, anchor, look_for in SPECS:
-        def figure(available: bool, look: str = look_for, detail: str | None = None, path: str | None = None,
-                   data: dict[str, Any] | None = None, fid: str = fid, title: str = title, anchor: str = anchor) -> TourFigure:
-            return TourFigure(id=fid, title=title, anchor=f"{PAPER}{anchor}", look_for=look, model=TOUR_MODEL,
-                              link=f"/models/{TOUR_MODEL}/{path}" if path else None,
-                              api=f"/api/v1/models/{TOUR_MODEL}/{path}" if path else None,
-                              available=available, detail=detail, data=data)
+
+        def figure(
+            available: bool,
+            look: str = look_for,
+            detail: str | None = None,
+            path: str | None = None,
+            data: dict[str, Any] | None = None,
+            fid: str = fid,
+            title: str = title,
+            anchor: str = anchor,
+        ) -> TourFigure:
+            return TourFigure(
+                id=fid,
+                title=title,
+                anchor=f"{PAPER}{anchor}",
+                look_for=look,
+                model=TOUR_MODEL,
+                link=f"/models/{TOUR_MODEL}/{path}" if path else None,
+                api=f"/api/v1/models/{TOUR_MODEL}/{path}" if path else None,
+                available=available,
+                detail=detail,
+                data=data,
+            )
 
         if loaded is None:
             figures.append(figure(False, detail=missing))
@@ -136,8 +199,14 @@ def residual_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure
             log.info("tour figure %s not available: %s", fid, exc)
             figures.append(figure(False, detail=str(exc)))
             continue
-        figures.append(figure(True, look=f"{look_for} Measured: {sentence}",
-                              path=path.format(reader=values.get("reader", "")), data={"claim": values}))
+        figures.append(
+            figure(
+                True,
+                look=f"{look_for} Measured: {sentence}",
+                path=path.format(reader=values.get("reader", "")),
+                data={"claim": values},
+            )
+        )
     return figures
 
 

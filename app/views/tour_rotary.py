@@ -61,9 +61,13 @@ def induction_circuit(loaded: LoadedModel, limits: Limits) -> tuple[str, dict[st
     model = loaded.model
     table = build_heads_view(loaded, NoParams(), limits)
     inp = table.detector_input
-    induction = sorted(((s.head, s.induction or 0.0) for s in table.heads if (s.induction or 0.0) > THRESHOLD), key=lambda x: -x[1])
-    previous = sorted(((s.head, s.previous_token or 0.0) for s in table.heads if (s.previous_token or 0.0) > THRESHOLD),
-                      key=lambda x: -x[1])
+    induction = sorted(
+        ((s.head, s.induction or 0.0) for s in table.heads if (s.induction or 0.0) > THRESHOLD), key=lambda x: -x[1]
+    )
+    previous = sorted(
+        ((s.head, s.previous_token or 0.0) for s in table.heads if (s.previous_token or 0.0) > THRESHOLD),
+        key=lambda x: -x[1],
+    )
     peaks = {s.head: s.kernel_peak_offset for s in table.heads}
     prev_peaks = {h: peaks[h] for h, _ in previous}
     offsets = torch.arange(KERNEL_WINDOW + 1)
@@ -77,8 +81,15 @@ def induction_circuit(loaded: LoadedModel, limits: Limits) -> tuple[str, dict[st
                 if best is None or float(prof.max()) > float(best[1].max()):
                     best = (source, prof)
         if best is not None:
-            sources.append({"target": target, "source": best[0], "min": float(best[1].min()), "max": float(best[1].max()),
-                            "peak_offset": int(best[1].argmax())})
+            sources.append(
+                {
+                    "target": target,
+                    "source": best[0],
+                    "min": float(best[1].min()),
+                    "max": float(best[1].max()),
+                    "peak_offset": int(best[1].argmax()),
+                }
+            )
     cfg = model.cfg
     baseline, _ = composition_rotary.random_baseline(cfg.d_model, cfg.d_head, cfg.group_size)
     same_peak = sorted({p for p in prev_peaks.values() if p is not None})
@@ -86,15 +97,26 @@ def induction_circuit(loaded: LoadedModel, limits: Limits) -> tuple[str, dict[st
         f"On {inp.batch} sequences of BOS + r + r ({inp.seq_len} random tokens repeated, seed {inp.seed}), "
         f"{len(induction)} heads have an induction score above {THRESHOLD}: {_fmt_heads(induction)}. "
         f"{len(previous)} heads have a previous-token score above {THRESHOLD}: {_fmt_heads(previous)}; "
-        + (f"the positional kernel of every one of them peaks at δ = {same_peak[0]}. " if len(same_peak) == 1 else
-           f"their positional kernels peak at δ = {', '.join(str(prev_peaks[h]) for h, _ in previous)}. ")
+        + (
+            f"the positional kernel of every one of them peaks at δ = {same_peak[0]}. "
+            if len(same_peak) == 1
+            else f"their positional kernels peak at δ = {', '.join(str(prev_peaks[h]) for h, _ in previous)}. "
+        )
     )
     if sources:
         parts = [f"{s['target']} ← {s['source']} ({s['min']:.3f}–{s['max']:.3f})" for s in sources]
-        sentence += (f"The strongest K-composition source of each induction head among these previous-token heads, "
-                     f"with C_K over δ = 0–{KERNEL_WINDOW} (random baseline {baseline:.3f}): {'; '.join(parts)}.")
-    values = {"induction": induction, "previous_token": previous, "kernel_peaks": prev_peaks, "k_sources": sources,
-              "baseline": baseline, "input": inp.model_dump(mode="json")}
+        sentence += (
+            f"The strongest K-composition source of each induction head among these previous-token heads, "
+            f"with C_K over δ = 0–{KERNEL_WINDOW} (random baseline {baseline:.3f}): {'; '.join(parts)}."
+        )
+    values = {
+        "induction": induction,
+        "previous_token": previous,
+        "kernel_peaks": prev_peaks,
+        "k_sources": sources,
+        "baseline": baseline,
+        "input": inp.model_dump(mode="json"),
+    }
     return sentence, values
 
 
@@ -109,7 +131,11 @@ def repeated_logit(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
     totals = exp.order_totals()[:, 0]  # [2]
     value = float(exp.value[0])
     rank = int((run.logits[p] > run.logits[p, target]).sum()) + 1
-    heads = [(path, float(v)) for path, o, v in zip(exp.paths, exp.orders.tolist(), exp.values[:, 0].tolist(), strict=True) if o == 1]
+    heads = [
+        (path, float(v))
+        for path, o, v in zip(exp.paths, exp.orders.tolist(), exp.values[:, 0].tolist(), strict=True)
+        if o == 1
+    ]
     top_path, top_value = max(heads, key=lambda x: abs(x[1]))
     sentence = (
         f"On BOS + r + r ({REPEAT} random tokens, seed 0), position {p} holds a repeated token; the logit of the token "
@@ -118,9 +144,18 @@ def repeated_logit(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
         f"{float(totals[0]):.2f}, order 1 (through one head) {float(totals[1]):.2f} and longer paths "
         f"{float(exp.remainder[0]):.2f}; the largest single order-1 term is {' → '.join(top_path)} ({top_value:+.2f})."
     )
-    values = {"tokens": tokens.tolist(), "position": p, "target": target, "value": value, "rank": rank,
-              "order0": float(totals[0]), "order1": float(totals[1]), "remainder": float(exp.remainder[0]),
-              "top_path": list(top_path), "top_value": top_value}
+    values = {
+        "tokens": tokens.tolist(),
+        "position": p,
+        "target": target,
+        "value": value,
+        "rank": rank,
+        "order0": float(totals[0]),
+        "order1": float(totals[1]),
+        "remainder": float(exp.remainder[0]),
+        "top_path": list(top_path),
+        "top_value": top_value,
+    }
     return sentence, values
 
 
@@ -144,9 +179,17 @@ def induction_score_terms(loaded: LoadedModel, head: str) -> tuple[str, dict[str
         f"query token's previous occurrence) is {score:.2f}, attention {attention:.2f}. Split into query-side × key-side "
         f"components of the residual stream, each rotated at its own position, the largest term is "
         f"({first[0]} query, {first[1]} key) = {first[2]:+.2f}; the next are "
-        + "; ".join(f"({a}, {b}) = {v:+.2f}" for a, b, v in top[1:]) + "."
+        + "; ".join(f"({a}, {b}) = {v:+.2f}" for a, b, v in top[1:])
+        + "."
     )
-    values = {"head": head_name(layer, h), "query": p, "key": j, "score": score, "attention": attention, "top_terms": top}
+    values = {
+        "head": head_name(layer, h),
+        "query": p,
+        "key": j,
+        "score": score,
+        "attention": attention,
+        "top_terms": top,
+    }
     return sentence, values
 
 
@@ -154,30 +197,51 @@ def induction_score_terms(loaded: LoadedModel, head: str) -> tuple[str, dict[str
 def _links(path: str, params: dict[str, Any], api_path: str | None = None) -> tuple[str, str]:
     """(page URL, API URL) of a figure's full view; the API path defaults to the page's."""
     query = f"?{urlencode(params)}" if params else ""
-    return f"/models/{TOUR_MODEL}{path}{query}", f"{API}/models/{TOUR_MODEL}{api_path if api_path is not None else path}{query}"
+    return (
+        f"/models/{TOUR_MODEL}{path}{query}",
+        f"{API}/models/{TOUR_MODEL}{api_path if api_path is not None else path}{query}",
+    )
 
 
 SPECS = (
-    ("R1", "SmolLM2: induction heads and the previous-token heads feeding them", "#analyzing-a-two-layer-model",
-     "Induction heads attend to the token after the previous occurrence of the current token; they find it through "
-     "K-composition with a previous-token head, whose positional kernel peaks at δ = 1."),
-    ("R2", "SmolLM2: path expansion of a repeated token's logit", "#path-expansion-of-logits",
-     "With patterns and norm scales frozen the logit is a sum of path terms, here grouped by order."),
-    ("R3", "SmolLM2: QK path expansion of an induction head's score", "#path-expansion-of-attention-scores-qk-circuit",
-     "The score splits into (query component, key component) terms; K-composition shows as a key-side term read "
-     "through a previous-token head."),
+    (
+        "R1",
+        "SmolLM2: induction heads and the previous-token heads feeding them",
+        "#analyzing-a-two-layer-model",
+        "Induction heads attend to the token after the previous occurrence of the current token; they find it through "
+        "K-composition with a previous-token head, whose positional kernel peaks at δ = 1.",
+    ),
+    (
+        "R2",
+        "SmolLM2: path expansion of a repeated token's logit",
+        "#path-expansion-of-logits",
+        "With patterns and norm scales frozen the logit is a sum of path terms, here grouped by order.",
+    ),
+    (
+        "R3",
+        "SmolLM2: QK path expansion of an induction head's score",
+        "#path-expansion-of-attention-scores-qk-circuit",
+        "The score splits into (query component, key component) terms; K-composition shows as a key-side term read "
+        "through a previous-token head.",
+    ),
 )
 
 
-def _measure(fid: str, loaded: LoadedModel, limits: Limits, strongest: str | None) -> tuple[str, dict[str, Any], str, str]:
+def _measure(
+    fid: str, loaded: LoadedModel, limits: Limits, strongest: str | None
+) -> tuple[str, dict[str, Any], str, str]:
     """(sentence, values, page URL, API URL) of one figure."""
     if fid == "R1":
         sentence, values = induction_circuit(loaded, limits)
         return sentence, values, _links("", {})[0], f"{API}/models/{TOUR_MODEL}/heads"
     if fid == "R2":
         sentence, values = repeated_logit(loaded)
-        params = {"tokens": ",".join(map(str, values["tokens"])), "position": values["position"], "target": values["target"],
-                  "max_order": 1}
+        params = {
+            "tokens": ",".join(map(str, values["tokens"])),
+            "position": values["position"],
+            "target": values["target"],
+            "max_order": 1,
+        }
         return (sentence, values, *_links("/prompt", params, "/paths"))
     if strongest is None:
         raise QkovError("no induction head above the threshold (figure R1)")
@@ -196,8 +260,16 @@ def rotary_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure]:
     figures: list[TourFigure] = []
     strongest: str | None = None
     for fid, title, anchor, look_for in SPECS:
-        base: dict[str, Any] = {"id": fid, "title": title, "anchor": f"{PAPER}{anchor}", "model": TOUR_MODEL, "link": None, "api": None,
-                "data": None, "look_for": look_for}
+        base: dict[str, Any] = {
+            "id": fid,
+            "title": title,
+            "anchor": f"{PAPER}{anchor}",
+            "model": TOUR_MODEL,
+            "link": None,
+            "api": None,
+            "data": None,
+            "look_for": look_for,
+        }
         if loaded is None:
             figures.append(TourFigure(**{**base, "available": False, "detail": missing}))
             continue
@@ -210,8 +282,18 @@ def rotary_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure]:
             continue
         if fid == "R1" and values["induction"]:
             strongest = values["induction"][0][0]
-        figures.append(TourFigure(**{**base, "available": True, "look_for": f"{look_for} Measured: {sentence}", "link": link,
-                                     "api": api, "data": {"claim": values}}))
+        figures.append(
+            TourFigure(
+                **{
+                    **base,
+                    "available": True,
+                    "look_for": f"{look_for} Measured: {sentence}",
+                    "link": link,
+                    "api": api,
+                    "data": {"claim": values},
+                }
+            )
+        )
     return figures
 
 
@@ -224,10 +306,13 @@ def chapter_cost(registry: ModelRegistry, limits: Limits) -> Cost:
     except QkovError:
         return Cost(0)
     n, rep = 1 + 2 * REPEAT, min(2 * heads.STANDARD_SEQ_LEN + 1, model.cfg.n_ctx)
-    parts = [head_table.head_table_cost(model, rep, heads.STANDARD_BATCH, limits.matrix_budget_bytes),
-             rotary.kernel_cost(model, KERNEL_WINDOW + 1, min(len(rotary.REFERENCE_TEXT), model.cfg.n_ctx)),
-             composition_rotary.pair_profile_cost(model, KERNEL_WINDOW + 1), paths.cost(model, n, 1),
-             qk_paths.cost(model, model.cfg.n_layers - 1, n, 3)]
+    parts = [
+        head_table.head_table_cost(model, rep, heads.STANDARD_BATCH, limits.matrix_budget_bytes),
+        rotary.kernel_cost(model, KERNEL_WINDOW + 1, min(len(rotary.REFERENCE_TEXT), model.cfg.n_ctx)),
+        composition_rotary.pair_profile_cost(model, KERNEL_WINDOW + 1),
+        paths.cost(model, n, 1),
+        qk_paths.cost(model, model.cfg.n_layers - 1, n, 3),
+    ]
     total = Cost(0)
     for part in parts:
         total = total.then(part)

@@ -44,7 +44,9 @@ def train_tokenizer() -> Tokenizer:
 CARD = {"summary": "tiny random model for the API tests", "facts": {"seed": 1}}
 
 
-def save_qkov(folder: Path, cfg: ModelConfig, tok: Tokenizer, seed: int, drop: str | None = None, card: dict | None = None) -> None:
+def save_qkov(
+    folder: Path, cfg: ModelConfig, tok: Tokenizer, seed: int, drop: str | None = None, card: dict | None = None
+) -> None:
     """qkov format written by hand: config.json (format qkov) + model.safetensors + tokenizer.json (+ card)."""
     folder.mkdir(parents=True)
     model = random_model(cfg, seed=seed, std_embed=0.5)
@@ -62,12 +64,20 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     tok = train_tokenizer()
     V = tok.get_vocab_size()
     shipped, user = root / "shipped", root / "user"
-    two = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=V, n_ctx=128, positional_embedding_type="shortformer")
+    two = ModelConfig(
+        n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=V, n_ctx=128, positional_embedding_type="shortformer"
+    )
     save_qkov(shipped / "tiny-2l", two, tok, seed=1, card=CARD)
     np.save(shipped / "tiny-2l" / TOKEN_COUNTS_FILE, np.random.default_rng(0).integers(0, 1000, V))
     ln = ModelConfig(
-        n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=V, n_ctx=32,
-        positional_embedding_type="standard", normalization_type="LN",
+        n_layers=1,
+        d_model=16,
+        n_heads=2,
+        d_head=8,
+        d_vocab=V,
+        n_ctx=32,
+        positional_embedding_type="standard",
+        normalization_type="LN",
     )
     save_qkov(user / "tiny-ln", ln, tok, seed=2)
     save_qkov(user / "broken", two, tok, seed=3, drop="blocks.1.attn.W_K")

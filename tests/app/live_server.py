@@ -24,14 +24,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start(args: list[str], port: int, env: dict[str, str], timeout_s: float = 60.0,
-          quiet: bool = False) -> subprocess.Popen[bytes]:
+def start(
+    args: list[str], port: int, env: dict[str, str], timeout_s: float = 60.0, quiet: bool = False
+) -> subprocess.Popen[bytes]:
     """`python *args` with `env` added to the environment; returns once http://127.0.0.1:port/healthz is 200.
     `quiet` discards the server's stderr: for servers answering many requests, whose access lines would fill a
     pipe nobody reads (the price is no stderr in the error when it dies at start)."""
     proc = subprocess.Popen(
-        [sys.executable, *args], cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **env},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL if quiet else subprocess.PIPE,
+        [sys.executable, *args],
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **env},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL if quiet else subprocess.PIPE,
     )
     deadline = time.monotonic() + timeout_s
     while True:

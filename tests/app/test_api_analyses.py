@@ -159,21 +159,38 @@ def test_paths_sum_to_the_real_logit(client: TestClient, tiny: LoadedModel) -> N
     assert by_path[()]["value"] == pytest.approx(float(X0[pos] @ u), abs=1e-9) and by_path[()]["order"] == 0
     assert by_path[("L1H2",)]["value"] == pytest.approx(float((A[1][2] @ X0 @ W_OV(tiny, 1, 2))[pos] @ u), abs=1e-9)
     want = float((A[1][1] @ A[0][3] @ X0 @ W_OV(tiny, 0, 3) @ W_OV(tiny, 1, 1))[pos] @ u)
-    assert by_path[("L0H3", "L1H1")]["value"] == pytest.approx(want, abs=1e-9) and by_path[("L0H3", "L1H1")]["kind"] == "head"
-    assert body["order_totals"] == pytest.approx([sum(t["value"] for t in body["terms"] if t["order"] == k) for k in range(3)], abs=1e-9)
+    assert (
+        by_path[("L0H3", "L1H1")]["value"] == pytest.approx(want, abs=1e-9)
+        and by_path[("L0H3", "L1H1")]["kind"] == "head"
+    )
+    assert body["order_totals"] == pytest.approx(
+        [sum(t["value"] for t in body["terms"] if t["order"] == k) for k in range(3)], abs=1e-9
+    )
 
 
 def test_paths_remainder_contrast_position_by_source(client: TestClient, tiny: LoadedModel) -> None:
     ids = ids_of(tiny)
     logits, _ = run(tiny, ids)
-    params = {"tokens": ",".join(map(str, ids)), "position": 2, "target": 5, "contrast": 7, "max_order": 1, "by_source": "true", "k": 3}
+    params = {
+        "tokens": ",".join(map(str, ids)),
+        "position": 2,
+        "target": 5,
+        "contrast": 7,
+        "max_order": 1,
+        "by_source": "true",
+        "k": 3,
+    }
     body = client.get(f"{API}/paths", params=params).json()
     assert body["value"] == pytest.approx(float(logits[2, 5] - logits[2, 7]), abs=1e-9)
     # the remainder term is the order-2 (virtual-head) part, computed densely here: A1 A0 X0 W_OV0 W_OV1 (u5 - u7)
     _, cache = run(tiny, ids)
     X0, u = cache["hook_embed"], tiny.model.W_U[:, 5] - tiny.model.W_U[:, 7]
     A = [cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(2)]  # [H, n, n]
-    order2 = sum(float((A[1][h1] @ A[0][h0] @ X0 @ W_OV(tiny, 0, h0) @ W_OV(tiny, 1, h1))[2] @ u) for h0 in range(4) for h1 in range(4))
+    order2 = sum(
+        float((A[1][h1] @ A[0][h0] @ X0 @ W_OV(tiny, 0, h0) @ W_OV(tiny, 1, h1))[2] @ u)
+        for h0 in range(4)
+        for h1 in range(4)
+    )
     assert body["terms"][-1]["kind"] == "remainder" and body["terms"][-1]["value"] == pytest.approx(order2, abs=1e-9)
     assert abs(order2) > 1e-6
     kinds = [t["kind"] for t in body["terms"]]
@@ -188,7 +205,9 @@ def test_paths_remainder_contrast_position_by_source(client: TestClient, tiny: L
 
 
 def test_paths_total_in_float32(settings: Settings, tiny: LoadedModel) -> None:
-    s32 = settings.model_copy(update={"dtype": "float32", "limits": LIMITS.model_copy(update={"matrix_budget_bytes": 16 * MiB})})
+    s32 = settings.model_copy(
+        update={"dtype": "float32", "limits": LIMITS.model_copy(update={"matrix_budget_bytes": 16 * MiB})}
+    )
     with TestClient(create_app(s32)) as c:
         body = c.get(f"{API}/paths", params={"prompt": PROMPT, "max_order": 2}).json()
     logits, _ = run(tiny, ids_of(tiny))
@@ -201,7 +220,12 @@ def test_paths_total_in_float32(settings: Settings, tiny: LoadedModel) -> None:
 
 def test_paths_refusals(client: TestClient, tight: TestClient) -> None:
     url = f"{API}/paths"
-    assert_problem(client.get(url, params={"prompt": PROMPT, "max_order": LIMITS.max_order + 1}), 422, "max_order", f"less than or equal to {LIMITS.max_order}")
+    assert_problem(
+        client.get(url, params={"prompt": PROMPT, "max_order": LIMITS.max_order + 1}),
+        422,
+        "max_order",
+        f"less than or equal to {LIMITS.max_order}",
+    )
     assert_problem(client.get(url, params={"prompt": PROMPT, "position": 30}), 422, "position 30", "tokens")
     assert_problem(client.get(url, params={"prompt": PROMPT, "target": 99999}), 422, "99999")
     assert_problem(client.get(url, params={"prompt": PROMPT, "contrast": "the cat"}), 422)
@@ -229,7 +253,9 @@ def test_prompt_patterns_plain_and_value_weighted(client: TestClient, tiny: Load
 
 def test_prompt_refusals(client: TestClient) -> None:
     url = f"{API}/prompt"
-    assert_problem(client.get(url, params={"prompt": PROMPT, "heads": "L0H0,L0H1,L0H2,L0H3,L1H0"}), 422, "5 heads", "at most 4")
+    assert_problem(
+        client.get(url, params={"prompt": PROMPT, "heads": "L0H0,L0H1,L0H2,L0H3,L1H0"}), 422, "5 heads", "at most 4"
+    )
     assert_problem(client.get(url, params={"prompt": PROMPT, "heads": "L9H0"}), 404, "L9H0")
     assert_problem(client.get(url, params={"prompt": "the " * 60}), 422, "at most 40")
 
@@ -250,12 +276,16 @@ def test_path_chain_pattern_ov_and_contribution(roomy: TestClient, tiny: LoadedM
     virtual = tiny.model.W_E @ W_OV(tiny, 0, 1) @ W_OV(tiny, 1, 3) @ tiny.model.W_U
     assert [e["value"] for e in body["ov"]["entries"]] == pytest.approx(top_entries(virtual, 4), abs=1e-9)
     one = roomy.get(f"{API}/path", params={"prompt": PROMPT, "heads": "L1H0", "target": 3}).json()
-    assert close(one["contribution"], cache["blocks.1.attn.hook_pattern"][0] @ X0 @ W_OV(tiny, 1, 0) @ tiny.model.W_U[:, 3], 1e-9)
+    assert close(
+        one["contribution"], cache["blocks.1.attn.hook_pattern"][0] @ X0 @ W_OV(tiny, 1, 0) @ tiny.model.W_U[:, 3], 1e-9
+    )
 
 
 def test_path_refusals(client: TestClient) -> None:
     url = f"{API}/path"
-    assert_problem(client.get(url, params={"prompt": PROMPT, "heads": "L1H0,L0H1"}), 422, "strictly increasing", "L1H0, L0H1")
+    assert_problem(
+        client.get(url, params={"prompt": PROMPT, "heads": "L1H0,L0H1"}), 422, "strictly increasing", "L1H0, L0H1"
+    )
     assert_problem(client.get(url, params={"prompt": PROMPT, "heads": "L0H0,L0H1"}), 422, "strictly increasing")
     assert_problem(client.get(url, params={"prompt": PROMPT}), 422, "heads")
     assert_problem(client.get(url, params={"prompt": PROMPT, "heads": ","}), 422, "no heads")
@@ -312,7 +342,9 @@ def test_term_importance_losses(roomy: TestClient, tiny: LoadedModel) -> None:
     want = [loss(X0 @ model.W_U), loss((X0 + first[0] + first[1]) @ model.W_U), loss(logits)]
     assert body["loss_by_order"] == pytest.approx(want, abs=1e-9)
     assert body["marginal_by_order"] == pytest.approx([want[0] - want[1], want[1] - want[2]], abs=1e-9)
-    assert body["first_order_by_layer"] == pytest.approx([want[0] - loss((X0 + f) @ model.W_U) for f in first], abs=1e-9)
+    assert body["first_order_by_layer"] == pytest.approx(
+        [want[0] - loss((X0 + f) @ model.W_U) for f in first], abs=1e-9
+    )
     # a last-layer head has nothing downstream: ablating it removes exactly its result vector
     result = cache["blocks.1.attn.hook_pattern"][1] @ cache["blocks.1.attn.hook_v"][:, 1] @ W(tiny, "W_O", 1, 1)
     ablated = next(h for h in body["heads"] if h["head"] == "L1H1")
@@ -332,10 +364,23 @@ def test_term_importance_on_an_mlp_model(tmp_path_factory: pytest.TempPathFactor
     numbers are the engine's (order reruns, head ablations) and the order-n_layers loss is the real clean loss."""
     root = tmp_path_factory.mktemp("mlp")
     tok = train_tokenizer()
-    cfg = ModelConfig(n_layers=2, d_model=16, n_heads=2, d_head=8, d_vocab=tok.get_vocab_size(), n_ctx=32, attn_only=False,
-                      d_mlp=32, act_fn="gelu_new", normalization_type="LN", positional_embedding_type="standard")
+    cfg = ModelConfig(
+        n_layers=2,
+        d_model=16,
+        n_heads=2,
+        d_head=8,
+        d_vocab=tok.get_vocab_size(),
+        n_ctx=32,
+        attn_only=False,
+        d_mlp=32,
+        act_fn="gelu_new",
+        normalization_type="LN",
+        positional_embedding_type="standard",
+    )
     save_qkov(root / "tiny-mlp", cfg, tok, seed=5)
-    settings = Settings(shipped_dir=root, dtype="float64", limits=LIMITS.model_copy(update={"matrix_budget_bytes": 16 * MiB}))
+    settings = Settings(
+        shipped_dir=root, dtype="float64", limits=LIMITS.model_copy(update={"matrix_budget_bytes": 16 * MiB})
+    )
     with TestClient(create_app(settings)) as c:
         response = c.get("/api/v1/models/tiny-mlp/term-importance", params={"prompt": PROMPT})
     assert response.status_code == 200, response.text
@@ -388,7 +433,9 @@ def toy_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]
     for layers in (0, 1, 2):
         cfg = ModelConfig(n_layers=layers, d_model=16, n_heads=2, d_head=8, d_vocab=tok.get_vocab_size(), n_ctx=64)
         save_qkov(root / f"toy-{layers}l", cfg, tok, seed=10 + layers)
-    settings = Settings(shipped_dir=root, dtype="float64", limits=LIMITS.model_copy(update={"matrix_budget_bytes": 16 * MiB}))
+    settings = Settings(
+        shipped_dir=root, dtype="float64", limits=LIMITS.model_copy(update={"matrix_budget_bytes": 16 * MiB})
+    )
     with TestClient(create_app(settings)) as c:
         yield c
 
@@ -407,12 +454,25 @@ def test_tour_on_toy_models_matches_the_full_views(toy_client: TestClient) -> No
     assert missing and all(detail == refused for detail in missing.values()), missing
     assert set(missing) <= {"F20", "F22", "F23", "F25", "F26", "F29"}  # the figures of the induction circuit only
     f21 = figs["F21"]
-    assert f21["link"] == "/models/toy-2l/composition?kind=K" and f21["api"] == "/api/v1/models/toy-2l/composition?kind=K"
+    assert (
+        f21["link"] == "/models/toy-2l/composition?kind=K" and f21["api"] == "/api/v1/models/toy-2l/composition?kind=K"
+    )
     f9 = figs["F9"]["data"]["paths"]
     assert f9["total"] == pytest.approx(f9["value"], abs=1e-9)
     assert figs["F10"]["link"].startswith("/models/toy-1l/heads/L0H") and "/ov?" in figs["F10"]["api"]
-    same = {"F6": "direct", "F9": "paths", "F10": "ov", "F11": "skip_trigrams", "F14": "qk", "F19": "paths", "F21": "K",
-            "F22": "prompt", "F24": "detectors", "F25": "pair", "F29": "path"}
+    same = {
+        "F6": "direct",
+        "F9": "paths",
+        "F10": "ov",
+        "F11": "skip_trigrams",
+        "F14": "qk",
+        "F19": "paths",
+        "F21": "K",
+        "F22": "prompt",
+        "F24": "detectors",
+        "F25": "pair",
+        "F29": "path",
+    }
     for fig_id, part in same.items():  # the tour's data is exactly its full view's JSON
         if fig_id in missing:
             continue
@@ -430,14 +490,26 @@ def test_openapi_has_the_limits(client: TestClient) -> None:
     assert paths["max_order"]["maximum"] == LIMITS.max_order and paths["k"]["maximum"] == LIMITS.max_k
     assert params("/api/v1/models/{model}/prompt")["heads"]["anyOf"][0]["maxLength"] == LIMITS.max_heads * 12
     assert params("/api/v1/models/{model}/composition")["kind"]["enum"] == ["Q", "K", "V"]
-    for path in ("composition", "composition/{source}/{target}", "paths", "prompt", "path", "qk-paths", "term-importance"):
+    for path in (
+        "composition",
+        "composition/{source}/{target}",
+        "paths",
+        "prompt",
+        "path",
+        "qk-paths",
+        "term-importance",
+    ):
         assert f"/api/v1/models/{{model}}/{path}" in spec["paths"], path
     assert "/api/v1/tour" in spec["paths"]
 
 
 def test_unknown_model_is_404_everywhere(client: TestClient) -> None:
     for path in ("composition", "paths", "prompt", "path", "qk-paths", "term-importance"):
-        assert_problem(client.get(f"/api/v1/models/nope/{path}", params={"prompt": "x", "heads": "L0H0", "head": "L1H0"}), 404, "nope")
+        assert_problem(
+            client.get(f"/api/v1/models/nope/{path}", params={"prompt": "x", "heads": "L0H0", "head": "L1H0"}),
+            404,
+            "nope",
+        )
 
 
 def test_layernorm_model_paths_and_term_importance(roomy: TestClient, tiny_ln: LoadedModel) -> None:
@@ -449,4 +521,6 @@ def test_layernorm_model_paths_and_term_importance(roomy: TestClient, tiny_ln: L
     assert body["total"] == pytest.approx(body["value"], abs=1e-9)
     ti = roomy.get("/api/v1/models/tiny-ln/term-importance", params={"prompt": PROMPT}).json()
     clean = float(F.cross_entropy(logits[0, :-1], torch.tensor(ids[1:])))
-    assert ti["clean_loss"] == pytest.approx(clean, abs=1e-9) and ti["loss_by_order"][-1] == pytest.approx(clean, abs=1e-9)
+    assert ti["clean_loss"] == pytest.approx(clean, abs=1e-9) and ti["loss_by_order"][-1] == pytest.approx(
+        clean, abs=1e-9
+    )

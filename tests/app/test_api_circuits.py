@@ -31,7 +31,9 @@ def test_ov_row_and_global(client: TestClient, tiny: LoadedModel) -> None:
     assert body["circuit"] == "ov" and body["side"] == "row" and body["token"]["id"] == t
     _check_entries(body, M, 7, row=t)
     assert all(e["row"]["id"] == t for e in body["entries"])
-    assert body["diagonal"] == pytest.approx(float(M[t, t])) and body["diagonal_rank"] == int((M[t] > M[t, t]).sum()) + 1
+    assert (
+        body["diagonal"] == pytest.approx(float(M[t, t])) and body["diagonal_rank"] == int((M[t] > M[t, t]).sum()) + 1
+    )
     glob = client.get("/api/v1/models/tiny-2l/heads/L1H0/ov", params={"k": 30}).json()
     assert glob["token"] is None
     _check_entries(glob, M, 30)
@@ -124,7 +126,9 @@ def test_min_count_keeps_frequent_tokens_only(client: TestClient, tiny: LoadedMo
     # A token's row lists frequent tokens only; its rank counts only those above it.
     M = full_ov_dense(tiny.model, 1, 0)
     t = int(keep[3])
-    body = client.get("/api/v1/models/tiny-2l/heads/L1H0/ov", params={"token": str(t), "k": 6, "min_count": MIN_COUNT}).json()
+    body = client.get(
+        "/api/v1/models/tiny-2l/heads/L1H0/ov", params={"token": str(t), "k": 6, "min_count": MIN_COUNT}
+    ).json()
     ref = M[t, keep].topk(6)
     assert [e["col"]["id"] for e in body["entries"]] == keep[ref.indices].tolist()
     assert [e["value"] for e in body["entries"]] == pytest.approx(ref.values.tolist(), abs=1e-9)

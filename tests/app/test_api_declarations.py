@@ -20,16 +20,30 @@ from tests.app.conftest import LIMITS
 LISTINGS = {"/api/v1/models", "/api/v1/unavailable-models", "/api/v1/models/{model}"}
 BY_NAME = {a.name: a for a in ANALYSES}
 # Values for required fields by name, and per analysis (the others run on their defaults).
-BY_FIELD = {"head": "L1H0", "heads": "L0H1,L1H0", "source": "L0H1", "target": "L1H0", "tokens": "0,5,9,5,9",
-            "writer": "L0H1", "reader": "unembed"}
+BY_FIELD = {
+    "head": "L1H0",
+    "heads": "L0H1,L1H0",
+    "source": "L0H1",
+    "target": "L1H0",
+    "tokens": "0,5,9,5,9",
+    "writer": "L0H1",
+    "reader": "unembed",
+}
 # analyses tiny-2l (shortformer positions) cannot answer: refused while pricing, a 422 before any compute; they are
 # priced on a rotary model in test_api_rotary.py and test_hostile_new_endpoints.py
 ROTARY_ONLY = {"positional", "rotary-bands", "composition-profile", "qk-copying-offset"}
 REQUIRED: dict[str, dict[str, Any]] = {
-    "head": {"head": "L1H0"}, "copying": {"head": "L1H0"}, "ov": {"head": "L1H0"}, "qk": {"head": "L1H0"},
-    "skip-trigrams": {"head": "L1H0"}, "composition-pair": {"source": "L0H1", "target": "L1H0"},
-    "path": {"heads": "L0H1,L1H0", "tokens": "0,5,9,5,9"}, "qk-paths": {"head": "L1H0", "tokens": "0,5,9,5,9"},
-    "prompt": {"tokens": "0,5,9,5,9"}, "paths": {"tokens": "0,5,9,5,9"}, "tokenize": {"tokens": "0,5,9"},
+    "head": {"head": "L1H0"},
+    "copying": {"head": "L1H0"},
+    "ov": {"head": "L1H0"},
+    "qk": {"head": "L1H0"},
+    "skip-trigrams": {"head": "L1H0"},
+    "composition-pair": {"source": "L0H1", "target": "L1H0"},
+    "path": {"heads": "L0H1,L1H0", "tokens": "0,5,9,5,9"},
+    "qk-paths": {"head": "L1H0", "tokens": "0,5,9,5,9"},
+    "prompt": {"tokens": "0,5,9,5,9"},
+    "paths": {"tokens": "0,5,9,5,9"},
+    "tokenize": {"tokens": "0,5,9"},
     "detectors": {"seq_len": 5, "batch": 2},
 }
 
@@ -39,7 +53,9 @@ def spec(client: TestClient) -> dict[str, Any]:
     return client.get("/openapi.json").json()
 
 
-def test_every_api_route_is_a_listing_or_a_declared_analysis_with_a_cost(spec: dict[str, Any], tiny: LoadedModel) -> None:
+def test_every_api_route_is_a_listing_or_a_declared_analysis_with_a_cost(
+    spec: dict[str, Any], tiny: LoadedModel
+) -> None:
     declared, priced, refused, model_scope = set(), set(), set(), set()
     for path, item in spec["paths"].items():
         op = item["get"]
@@ -57,7 +73,9 @@ def test_every_api_route_is_a_listing_or_a_declared_analysis_with_a_cost(spec: d
             required = {n: BY_FIELD.get(n) for n, f in analysis.params.model_fields.items() if f.is_required()}
             assert None not in required.values() or analysis.name in REQUIRED, f"give {analysis.name}'s fields a value"
             try:
-                params = analysis.params.model_validate({**required, **REQUIRED.get(analysis.name, {})}).normalised(tiny)
+                params = analysis.params.model_validate({**required, **REQUIRED.get(analysis.name, {})}).normalised(
+                    tiny
+                )
                 cost = analysis.cost(tiny, params, LIMITS)
             except QkovError:  # an analysis this model cannot answer is refused while pricing: a 422 before compute
                 refused.add(analysis.name)
@@ -65,7 +83,16 @@ def test_every_api_route_is_a_listing_or_a_declared_analysis_with_a_cost(spec: d
             assert isinstance(cost, Cost) and cost.answer_bytes > 0, analysis.name
             priced.add(analysis.name)
     assert declared == set(BY_NAME)  # and every declaration has its route
-    assert {"heads", "head", "ov", "detectors", "composition", "paths", "term-importance", "attention-entropy"} <= priced
+    assert {
+        "heads",
+        "head",
+        "ov",
+        "detectors",
+        "composition",
+        "paths",
+        "term-importance",
+        "attention-entropy",
+    } <= priced
     assert refused <= ROTARY_ONLY and priced | refused == model_scope, (refused, model_scope - priced)  # none unpriced
 
 
@@ -77,7 +104,9 @@ def test_every_limit_is_a_bound_in_the_schema(spec: dict[str, Any]) -> None:
             for mark in (m for m in info.metadata if isinstance(m, Limit)):
                 schema = params[name]
                 options = schema.get("anyOf", [schema])
-                key = {"le": "maximum", "lt": "exclusiveMaximum", "ge": "minimum", "max_length": "maxLength"}[mark.constraint]
+                key = {"le": "maximum", "lt": "exclusiveMaximum", "ge": "minimum", "max_length": "maxLength"}[
+                    mark.constraint
+                ]
                 assert any(o.get(key) == mark.value(LIMITS) for o in options), (analysis.name, name, schema)
                 checked += 1
     assert checked >= 20  # k, prompt, tokens, heads, seq_len, batch, max_order, position... on many routes
@@ -122,7 +151,9 @@ def test_json_link_round_trips_to_the_same_answer(client: TestClient, tiny: Load
 
 
 def test_pair_path_parameters_fill_the_link(tiny: LoadedModel) -> None:
-    link = json_url(BY_NAME["composition-pair"], "tiny-2l", CompositionPairParams(source="L00H01", target="L1H0").normalised(tiny))
+    link = json_url(
+        BY_NAME["composition-pair"], "tiny-2l", CompositionPairParams(source="L00H01", target="L1H0").normalised(tiny)
+    )
     assert link == "/api/v1/models/tiny-2l/composition/L0H1/L1H0?k=10&basis=served"
 
 
@@ -161,4 +192,8 @@ def test_the_tour_cache_key_names_the_digest_of_each_model_it_reads(tmp_path) ->
     assert changed != key and f"toy-2l={digest}" not in changed
     shutil.copytree("checkpoints/toy-0l", shipped / "toy-0l")
     assert "toy-0l=-" not in server_key(tour, registry, TourParams())
-    assert server_key(tour, registry, TourParams(chapter="smollm2")) == ("tour", "smollm2-135m=-", canonical(TourParams(chapter="smollm2")))
+    assert server_key(tour, registry, TourParams(chapter="smollm2")) == (
+        "tour",
+        "smollm2-135m=-",
+        canonical(TourParams(chapter="smollm2")),
+    )

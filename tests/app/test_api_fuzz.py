@@ -32,7 +32,9 @@ def test_no_operation_answers_5xx_or_a_non_problem_error(settings: Settings) -> 
                 params["model"] = "tiny-2l"
             response = case.call()
             content_type = (response.headers.get("content-type") or [""])[0]
-            if response.status_code >= 500 or (response.status_code >= 400 and not content_type.startswith("application/problem+json")):
+            if response.status_code >= 500 or (
+                response.status_code >= 400 and not content_type.startswith("application/problem+json")
+            ):
                 failures.append((case.operation.path, params, case.query, response.status_code, response.text[:200]))
 
         check()

@@ -60,9 +60,13 @@ def test_head_summary_spectra(client: TestClient, tiny: LoadedModel) -> None:
     dense = torch.linalg.eigvals(full_ov_dense(model, 1, 2))
     top = dense[dense.abs().argsort(descending=True)][: model.cfg.d_head]
     assert torch.allclose(ov, top, atol=1e-6)
-    assert sum(e["re"] for e in body["ov_eigenvalues"]) == pytest.approx(float(torch.trace(full_ov_dense(model, 1, 2))), rel=1e-6)
+    assert sum(e["re"] for e in body["ov_eigenvalues"]) == pytest.approx(
+        float(torch.trace(full_ov_dense(model, 1, 2))), rel=1e-6
+    )
     W_OV = model.W_V[1, 2] @ model.W_O[1, 2]  # [d, d]
-    assert body["ov_singular_values"] == pytest.approx(torch.linalg.svdvals(W_OV)[: model.cfg.d_head].tolist(), abs=1e-9)
+    assert body["ov_singular_values"] == pytest.approx(
+        torch.linalg.svdvals(W_OV)[: model.cfg.d_head].tolist(), abs=1e-9
+    )
     assert body["scores"]["head"] == "L1H2"
     pos = body["positional"]
     n = pos["n_positions"]
@@ -91,7 +95,11 @@ def test_detectors_repeated_tokens_patterns_and_loss(client: TestClient, tiny: L
     assert body["heads"][5]["induction"] == pytest.approx(float(expected["induction"][1, 1]), abs=1e-9)
     logits, cache = model.run(tokens, names=lambda n: n.endswith("hook_pattern"))
     assert body["selected"] == ["L0H1", "L1H3"]
-    assert torch.allclose(torch.tensor(body["patterns"][1]["pattern"], dtype=torch.float64), cache["blocks.1.attn.hook_pattern"][0, 3], atol=1e-12)
+    assert torch.allclose(
+        torch.tensor(body["patterns"][1]["pattern"], dtype=torch.float64),
+        cache["blocks.1.attn.hook_pattern"][0, 3],
+        atol=1e-12,
+    )
     logprobs = logits.log_softmax(-1)[:, :-1].gather(-1, tokens[:, 1:, None])[..., 0]  # [batch, n-1]
     loss = -logprobs.mean(0)
     assert body["loss"]["loss"][:-1] == pytest.approx(loss.tolist(), abs=1e-9) and body["loss"]["loss"][-1] is None
@@ -108,7 +116,9 @@ def test_detectors_default_heads_and_prompt(client: TestClient, tiny: LoadedMode
     assert [t["id"] for t in prompt["tokens"]] == ids and prompt["detector_input"]["kind"] == "prompt"
     logits = tiny.model.run(torch.tensor([ids]))[0]
     ce = F.cross_entropy(logits[0, :-1], torch.tensor(ids[1:]), reduction="none")
-    assert prompt["loss"]["loss"][:-1] == pytest.approx(ce.tolist(), abs=1e-9) and prompt["loss"]["first_repeat"] is None
+    assert (
+        prompt["loss"]["loss"][:-1] == pytest.approx(ce.tolist(), abs=1e-9) and prompt["loss"]["first_repeat"] is None
+    )
 
 
 def test_detector_refusals(client: TestClient) -> None:

@@ -20,7 +20,17 @@ def test_models_lists_both_folders_and_reports_broken(client: TestClient, tiny: 
     assert ids == ["tiny-2l", "tiny-ln"]  # .hidden and empty are never models
     two = models[0]
     cfg = tiny.model.cfg
-    for field in ("n_layers", "n_heads", "d_model", "d_head", "d_vocab", "n_ctx", "attn_only", "positional_embedding_type", "normalization_type"):
+    for field in (
+        "n_layers",
+        "n_heads",
+        "d_model",
+        "d_head",
+        "d_vocab",
+        "n_ctx",
+        "attn_only",
+        "positional_embedding_type",
+        "normalization_type",
+    ):
         assert two[field] == getattr(cfg, field), field
     assert two["shipped"] is True and models[1]["shipped"] is False
     assert two["heads"] == cfg.head_names and two["format"] == tiny.format and two["digest"] == str(tiny.digest)
@@ -83,7 +93,9 @@ def test_prompt_refusals(client: TestClient) -> None:
 
 
 def test_validation_errors_are_problem_json(client: TestClient) -> None:
-    body = assert_problem(client.get("/api/v1/models/tiny-2l/direct", params={"k": 51}), 422, "k", "less than or equal to 50")
+    body = assert_problem(
+        client.get("/api/v1/models/tiny-2l/direct", params={"k": 51}), 422, "k", "less than or equal to 50"
+    )
     assert body["errors"][0]["loc"] == ["query", "k"]
     assert_problem(client.get("/api/v1/models/tiny-2l/direct", params={"k": "many"}), 422, "k")
     assert_problem(client.get("/api/v1/no-such-route"), 404, "/api/v1/no-such-route")
@@ -91,10 +103,14 @@ def test_validation_errors_are_problem_json(client: TestClient) -> None:
 
 def test_openapi_contains_limits(client: TestClient) -> None:
     spec = client.get("/openapi.json").json()
-    params = {p["name"]: p["schema"] for p in spec["paths"]["/api/v1/models/{model}/heads/{head}/ov"]["get"]["parameters"]}
+    params = {
+        p["name"]: p["schema"] for p in spec["paths"]["/api/v1/models/{model}/heads/{head}/ov"]["get"]["parameters"]
+    }
     assert params["k"]["maximum"] == LIMITS.max_k and params["k"]["minimum"] == 1
     det = {p["name"]: p["schema"] for p in spec["paths"]["/api/v1/models/{model}/detectors"]["get"]["parameters"]}
-    seq_len = next(s for s in det["seq_len"].get("anyOf", [det["seq_len"]]) if s.get("type") == "integer")  # optional: int | None
+    seq_len = next(
+        s for s in det["seq_len"].get("anyOf", [det["seq_len"]]) if s.get("type") == "integer"
+    )  # optional: int | None
     assert det["batch"]["maximum"] == LIMITS.max_batch and seq_len["maximum"] == LIMITS.max_seq_len
     for path, item in spec["paths"].items():
         if not path.startswith("/api/v1/"):
@@ -107,7 +123,9 @@ def test_docs_page_is_self_contained(client: TestClient) -> None:
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "/api/v1/models/{model}/heads/{head}/qk" in page.text and "maximum=50" in page.text
     assert "cdn" not in page.text.lower()
-    assert re.findall(r'<script src="([^"]+)"', page.text) and all(s.startswith("/static/") for s in re.findall(r'<script src="([^"]+)"', page.text))
+    assert re.findall(r'<script src="([^"]+)"', page.text) and all(
+        s.startswith("/static/") for s in re.findall(r'<script src="([^"]+)"', page.text)
+    )
     assert 'class="topbar"' in page.text and 'id="model-picker"' in page.text  # the dashboard's frame and navigation
     assert client.get("/redoc").status_code == 404
 

@@ -28,9 +28,22 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     tok = train_tokenizer()
     V = tok.get_vocab_size()
     rope = ModelConfig(
-        n_layers=3, d_model=16, n_heads=4, d_head=8, d_vocab=V, n_ctx=96, attn_only=False, d_mlp=24, gated_mlp=True,
-        act_fn="silu", normalization_type="RMS", positional_embedding_type="rotary", rotary_base=100.0,
-        n_key_value_heads=2, rotary_adjacent_pairs=True, rotary_dim=6,
+        n_layers=3,
+        d_model=16,
+        n_heads=4,
+        d_head=8,
+        d_vocab=V,
+        n_ctx=96,
+        attn_only=False,
+        d_mlp=24,
+        gated_mlp=True,
+        act_fn="silu",
+        normalization_type="RMS",
+        positional_embedding_type="rotary",
+        rotary_base=100.0,
+        n_key_value_heads=2,
+        rotary_adjacent_pairs=True,
+        rotary_dim=6,
     )
     save_qkov(root / "shipped" / "rope", rope, tok, seed=3)
     short = ModelConfig(n_layers=2, d_model=16, n_heads=2, d_head=8, d_vocab=V, n_ctx=32)
@@ -108,8 +121,11 @@ def test_refusals(client: TestClient):
 
 def test_openapi_documents_the_rotary_routes(client: TestClient):
     paths = client.get("/openapi.json").json()["paths"]
-    for path in ("/api/v1/models/{model}/heads/{head}/positional", "/api/v1/models/{model}/heads/{head}/bands",
-                 "/api/v1/models/{model}/composition/{source}/{target}/profile"):
+    for path in (
+        "/api/v1/models/{model}/heads/{head}/positional",
+        "/api/v1/models/{model}/heads/{head}/bands",
+        "/api/v1/models/{model}/composition/{source}/{target}/profile",
+    ):
         assert path in paths
     params = {p["name"]: p for p in paths["/api/v1/models/{model}/heads/{head}/positional"]["get"]["parameters"]}
     assert params["max_offset"]["schema"]["maximum"] == 4096
@@ -176,8 +192,12 @@ def test_qk_copying_curve_vs_dense(client: TestClient, rope: LoadedModel):
     assert_problem(client.get(f"{API}/rope/heads/L1H0/qk-copying", params={"offset": 96}), 422, "n_ctx")
     assert client.get(f"{API}/rope/heads/L1H0/qk-copying", params={"offset": -1}).status_code == 422
     assert client.get(f"{API}/rope/heads/L7H0/qk-copying").status_code == 404
-    params = {p["name"] for p in client.get("/openapi.json").json()["paths"][
-        "/api/v1/models/{model}/heads/{head}/qk-copying"]["get"]["parameters"]}
+    params = {
+        p["name"]
+        for p in client.get("/openapi.json").json()["paths"]["/api/v1/models/{model}/heads/{head}/qk-copying"]["get"][
+            "parameters"
+        ]
+    }
     assert {"offset", "max_offset"} <= params
 
 
@@ -189,7 +209,10 @@ def test_composition_at_offset_matches_the_profile(client: TestClient):
     assert abs(score - profile["scores"][5]) < 1e-10
     zero = client.get(f"{API}/rope/composition", params={"kind": "Q"}).json()
     assert zero["offset"] == 0
-    assert abs(zero["scores"][matrix["sources"].index("L0H3")][matrix["targets"].index("L2H1")] - profile["scores"][0]) < 1e-10
+    assert (
+        abs(zero["scores"][matrix["sources"].index("L0H3")][matrix["targets"].index("L2H1")] - profile["scores"][0])
+        < 1e-10
+    )
 
 
 def test_offset_refusals(client: TestClient):
@@ -237,14 +260,20 @@ def test_rotary_views_take_the_raw_basis(folders: tuple[Path, Path], tmp_path: P
     weights = load_file(str(shipped / "rope" / "model.safetensors"))
     gen = torch.Generator().manual_seed(5)
     for name in [n for n in weights if n.endswith(("ln1.w", "ln2.w", "ln_final.w"))]:  # gains that processing folds
-        weights[name] = weights[name] * (0.5 + torch.rand(weights[name].shape, generator=gen, dtype=weights[name].dtype))
+        weights[name] = weights[name] * (
+            0.5 + torch.rand(weights[name].shape, generator=gen, dtype=weights[name].dtype)
+        )
     save_file(weights, str(shipped / "rope" / "model.safetensors"))
     shutil.copytree(shipped / "rope", shipped / "stored")
     (shipped / "stored" / "qkov.json").write_text(json.dumps({"processing": False}))
     settings = Settings(shipped_dir=shipped, models_dir=None, dtype="float64", limits=LIMITS, store_url="off")
     with TestClient(create_app(settings)) as c:
-        for path in ("heads/L1H2/positional", "heads/L1H2/bands", "heads/L1H2/qk-copying?offset=3",
-                     "composition/L0H1/L2H3/profile?kind=K"):
+        for path in (
+            "heads/L1H2/positional",
+            "heads/L1H2/bands",
+            "heads/L1H2/qk-copying?offset=3",
+            "composition/L0H1/L2H3/profile?kind=K",
+        ):
             sep = "&" if "?" in path else "?"
             raw = c.get(f"/api/v1/models/rope/{path}{sep}basis=raw").json()
             stored = c.get(f"/api/v1/models/stored/{path}").json()

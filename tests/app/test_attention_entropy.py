@@ -28,8 +28,16 @@ def brute_force(model, tokens: list[int]) -> list[list[list[float]]]:
 
 @pytest.mark.parametrize("positional", ["standard", "shortformer"])
 def test_engine_matches_brute_force_float64(positional: str) -> None:
-    cfg = ModelConfig(n_layers=2, n_heads=3, d_model=24, d_head=8, d_vocab=50, n_ctx=16, attn_only=True,
-                      positional_embedding_type=positional)
+    cfg = ModelConfig(
+        n_layers=2,
+        n_heads=3,
+        d_model=24,
+        d_head=8,
+        d_vocab=50,
+        n_ctx=16,
+        attn_only=True,
+        positional_embedding_type=positional,
+    )
     model = random_model(cfg, seed=3, dtype=torch.float64, std_embed=1.0)  # large embeddings: peaked and flat heads
     tokens = [0, 7, 3, 3, 41, 7, 3, 9, 12, 3]
     H = attention_entropy.head_entropies(model, torch.tensor(tokens))
@@ -43,9 +51,13 @@ def test_uniform_and_one_hot_patterns() -> None:
     uniform = torch.tril(torch.ones(n, n, dtype=torch.float64))
     uniform = uniform / uniform.sum(-1, keepdim=True)
     one_hot = torch.eye(n, dtype=torch.float64)
-    torch.testing.assert_close(attention_entropy.entropy(uniform), torch.tensor([math.log(i + 1) for i in range(n)], dtype=torch.float64))
+    torch.testing.assert_close(
+        attention_entropy.entropy(uniform), torch.tensor([math.log(i + 1) for i in range(n)], dtype=torch.float64)
+    )
     assert attention_entropy.entropy(one_hot).abs().max() == 0
-    torch.testing.assert_close(attention_entropy.normalised(attention_entropy.entropy(uniform)), torch.ones(n - 1, dtype=torch.float64))
+    torch.testing.assert_close(
+        attention_entropy.normalised(attention_entropy.entropy(uniform)), torch.ones(n - 1, dtype=torch.float64)
+    )
 
 
 def test_cost_grows_with_the_prompt_and_counts_the_patterns() -> None:
@@ -53,7 +65,9 @@ def test_cost_grows_with_the_prompt_and_counts_the_patterns() -> None:
     model = random_model(cfg, dtype=torch.float32)
     small, big = attention_entropy.cost(model, 16), attention_entropy.cost(model, 256)
     assert big.peak_bytes > small.peak_bytes and big.answer_bytes > small.answer_bytes
-    assert big.peak_bytes >= cfg.n_layers * cfg.n_heads * 256 * 256 * (4 + 8)  # the kept patterns and their float64 copies
+    assert big.peak_bytes >= cfg.n_layers * cfg.n_heads * 256 * 256 * (
+        4 + 8
+    )  # the kept patterns and their float64 copies
 
 
 def test_api_answer_is_the_brute_force_entropy(client: TestClient, tiny: LoadedModel) -> None:
@@ -73,9 +87,15 @@ def test_default_text_page_and_refusals(client: TestClient) -> None:
     api = client.get("/api/v1/models/tiny-2l/attention-entropy").json()
     assert api["text_source"] in ("card", "builtin") and len(api["tokens"]) >= 2
     page = client.get("/models/tiny-2l/attention-entropy", params={"prompt": "def add(self"})
-    assert page.status_code == 200 and 'href="/api/v1/models/tiny-2l/attention-entropy?prompt=def+add%28self"' in page.text
-    assert 'href="/models/tiny-2l/heads/L1H0"' in page.text and 'data-plotly' in page.text
+    assert (
+        page.status_code == 200 and 'href="/api/v1/models/tiny-2l/attention-entropy?prompt=def+add%28self"' in page.text
+    )
+    assert 'href="/models/tiny-2l/heads/L1H0"' in page.text and "data-plotly" in page.text
     assert 'href="/models/tiny-2l/attention-entropy"' in client.get("/models/tiny-2l").text  # in the model's navigation
     assert_problem(client.get("/api/v1/models/tiny-2l/attention-entropy", params={"tokens": "1,x"}), 422, "tokens")
-    assert_problem(client.get("/api/v1/models/tiny-2l/attention-entropy", params={"prompt": "a", "tokens": "1"}), 422, "exactly one")
+    assert_problem(
+        client.get("/api/v1/models/tiny-2l/attention-entropy", params={"prompt": "a", "tokens": "1"}),
+        422,
+        "exactly one",
+    )
     assert client.get("/models/tiny-2l/attention-entropy", params={"tokens": "1,x"}).status_code == 422

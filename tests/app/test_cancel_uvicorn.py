@@ -29,8 +29,19 @@ from circuits_core.model import random_model
 from tests.app.live_server import free_port, start
 
 pytestmark = pytest.mark.xdist_group("uvicorn")
-SLOW = ModelConfig(n_layers=8, d_model=128, n_heads=8, d_head=16, d_vocab=50257, n_ctx=512, d_mlp=512, attn_only=False,
-                   act_fn="gelu", normalization_type="LN", positional_embedding_type="standard")
+SLOW = ModelConfig(
+    n_layers=8,
+    d_model=128,
+    n_heads=8,
+    d_head=16,
+    d_vocab=50257,
+    n_ctx=512,
+    d_mlp=512,
+    attn_only=False,
+    act_fn="gelu",
+    normalization_type="LN",
+    positional_embedding_type="standard",
+)
 STOP_WITHIN_S = 5.0  # the issue asks for about 1 s; generous for a shared 2-core machine
 TOKENS = ",".join(str((i * 7919) % 50257) for i in range(256))
 
@@ -44,10 +55,20 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps({"format": "qkov", **SLOW.to_dict()}))
     port = free_port()
-    env = {"QKOV_SHIPPED_DIR": str(root), "QKOV_COMPUTE_SLOTS": "1", "QKOV_SLOT_WAIT_S": "30",
-           "QKOV_TORCH_THREADS": "1", "QKOV_PRELOAD": "true", "QKOV_STORE_URL": "off"}
-    proc = start(["-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
-                 port, env, timeout_s=90)
+    env = {
+        "QKOV_SHIPPED_DIR": str(root),
+        "QKOV_COMPUTE_SLOTS": "1",
+        "QKOV_SLOT_WAIT_S": "30",
+        "QKOV_TORCH_THREADS": "1",
+        "QKOV_PRELOAD": "true",
+        "QKOV_STORE_URL": "off",
+    }
+    proc = start(
+        ["-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
+        port,
+        env,
+        timeout_s=90,
+    )
     base = f"http://127.0.0.1:{port}"
     yield base
     proc.kill()
@@ -82,10 +103,14 @@ def test_a_disconnect_stops_the_engine_loop_and_frees_the_slot(server: str, url:
         while metric(base, "qkov_compute_slots_in_use") < 1:
             assert time.monotonic() < end, "the request never took its slot"
             time.sleep(0.02)
-        time.sleep(0.05)  # inside the computation (the shortest case, the path expansion, runs ~0.6 s on a quiet machine)
+        time.sleep(
+            0.05
+        )  # inside the computation (the shortest case, the path expansion, runs ~0.6 s on a quiet machine)
         left = time.monotonic()
     while metric(base, "qkov_compute_slots_in_use") > 0:
-        assert time.monotonic() - left < STOP_WITHIN_S, f"the slot was still held {STOP_WITHIN_S} s after the disconnect"
+        assert time.monotonic() - left < STOP_WITHIN_S, (
+            f"the slot was still held {STOP_WITHIN_S} s after the disconnect"
+        )
         time.sleep(0.02)
     freed = time.monotonic() - left
     print(f"{url.split('?')[0]}: slot free {freed:.2f} s after the disconnect")

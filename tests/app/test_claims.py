@@ -88,14 +88,16 @@ def test_the_three_toys_are_served_on_the_raw_basis(served, raw):
     for name in TOYS:
         served_model = registry.get(name).model
         for attr in ("W_E", "W_U") + (("W_Q", "W_K", "W_V", "W_O") if raw[name].cfg.n_layers else ()):
-            torch.testing.assert_close(getattr(served_model, attr).double(), getattr(raw[name], attr), atol=1e-6, rtol=0)
+            torch.testing.assert_close(
+                getattr(served_model, attr).double(), getattr(raw[name], attr), atol=1e-6, rtol=0
+            )
 
 
 # -- zero and one layer ---------------------------------------------------------------------------------------
 def test_f6_direct_path_top_entries_and_held_out_bigrams(tour, raw, data):
     sentence, values = claim(tour, "F6")
     m, vocab = raw["toy-0l"], frequent(data)
-    block = (m.W_E[vocab] @ m.W_U[:, vocab])  # [F, F] dense, frequent tokens only
+    block = m.W_E[vocab] @ m.W_U[:, vocab]  # [F, F] dense, frequent tokens only
     top = block.flatten().topk(len(values["pairs"])).indices
     want = [(int(vocab[i // len(vocab)]), int(vocab[i % len(vocab)])) for i in top.tolist()]
     assert [tuple(p) for p in values["pairs"]] == want
@@ -152,8 +154,14 @@ def test_f11_copying_source(tour, raw, data):
 def test_f15_positional_head(tour, raw):
     sentence, values = claim(tour, "F15")
     m = raw["toy-1l"]
-    tokens = torch.cat([torch.zeros(10, 1, dtype=torch.long), (r := torch.randint(0, m.cfg.d_vocab, (10, 50),
-                       generator=torch.Generator().manual_seed(0))), r], dim=1)  # the standard input
+    tokens = torch.cat(
+        [
+            torch.zeros(10, 1, dtype=torch.long),
+            (r := torch.randint(0, m.cfg.d_vocab, (10, 50), generator=torch.Generator().manual_seed(0))),
+            r,
+        ],
+        dim=1,
+    )  # the standard input
     _, cache = m.run(tokens, names=lambda n: n.endswith("hook_pattern"))
     A = cache["blocks.0.attn.hook_pattern"]
     prev = torch.stack([A[:, :, i, i - 1] for i in range(1, tokens.shape[1])], -1).mean((0, 2))
@@ -247,9 +255,12 @@ def test_f21_top_composition_pairs(tour, raw):
     OV = [[m.W_V[lay, h] @ m.W_O[lay, h] for h in range(m.cfg.n_heads)] for lay in range(2)]
     QK = [m.W_Q[1, h] @ m.W_K[1, h].T for h in range(m.cfg.n_heads)]
     for kind in ("K", "Q", "V"):  # row convention, as tests/app/test_api_analyses.py: A = W_OV of layer 0
-        best = max((float((OV[0][i] @ B).norm() / (OV[0][i].norm() * B.norm())), f"L0H{i}", f"L1H{j}")
-                   for i in range(m.cfg.n_heads) for j in range(m.cfg.n_heads)
-                   for B in [{"Q": QK[j], "K": QK[j].T, "V": OV[1][j]}[kind]])
+        best = max(
+            (float((OV[0][i] @ B).norm() / (OV[0][i].norm() * B.norm())), f"L0H{i}", f"L1H{j}")
+            for i in range(m.cfg.n_heads)
+            for j in range(m.cfg.n_heads)
+            for B in [{"Q": QK[j], "K": QK[j].T, "V": OV[1][j]}[kind]]
+        )
         source, target, score = values[kind]
         assert (source, target) == (best[1], best[2]) and score == pytest.approx(best[0], abs=1e-4), kind
     assert values["baseline"] == pytest.approx(1 / math.sqrt(m.cfg.d_model))
@@ -273,8 +284,12 @@ def test_f22_f23_induction_head_on_repeated_code(tour, raw):
     assert np.allclose(e["effects"], effects, atol=1e-4)
     start, n = e["second_copy_start"], len(ids)
     L = n - start
-    assert any(ids[j:j + L] == ids[start:] for j in range(n - 2 * L + 1))  # from here on the text repeats an earlier copy
-    assert not any(ids[j:j + L + 1] == ids[start - 1:] for j in range(n - 2 * L - 1))  # and it is the longest such suffix
+    assert any(
+        ids[j : j + L] == ids[start:] for j in range(n - 2 * L + 1)
+    )  # from here on the text repeats an earlier copy
+    assert not any(
+        ids[j : j + L + 1] == ids[start - 1 :] for j in range(n - 2 * L - 1)
+    )  # and it is the longest such suffix
     second = effects[start:]
     assert values["positive"] == sum(v > 0 for v in second) == len(second) >= 10
     assert f"{min(second):+.2f} to {max(second):+.2f}" in sentence
@@ -286,11 +301,16 @@ def test_f24_standard_input_equals_the_card(tour):
 
     card = json.loads((ROOT / "toy-2l" / "model_card.json").read_text())["phenomena"]  # checked independently in
     inp = tour["F24"].data["detectors"]["detector_input"]  # tests/core/test_shipped_models.py
-    assert (inp["seq_len"], inp["batch"], inp["seed"]) == (card["detector_input"]["seq_len"], card["detector_input"]["batch"],
-                                                           card["detector_input"]["seed"])
+    assert (inp["seq_len"], inp["batch"], inp["seed"]) == (
+        card["detector_input"]["seq_len"],
+        card["detector_input"]["batch"],
+        card["detector_input"]["seed"],
+    )
     assert values["rep1"] == pytest.approx(card["rep1_loss"], abs=1e-3)
     assert values["rep2"] == pytest.approx(card["rep2_loss"], abs=1e-3)
-    assert values["head"] == card["induction_head"] and values["induction"] == pytest.approx(card["induction_score"], abs=1e-4)
+    assert values["head"] == card["induction_head"] and values["induction"] == pytest.approx(
+        card["induction_score"], abs=1e-4
+    )
 
 
 def test_f25_k_composition_token_circuit_diagonal(tour, raw):
@@ -298,7 +318,9 @@ def test_f25_k_composition_token_circuit_diagonal(tour, raw):
     m = raw["toy-2l"]
     pair = tour["F25"].data["pair"]
     s, t = int(pair["source"][3:]), int(pair["target"][3:])
-    K = (m.W_E @ m.W_Q[1, t]) @ (m.W_E @ m.W_V[0, s] @ m.W_O[0, s] @ m.W_K[1, t]).T  # [V, V] query x key's previous token
+    K = (m.W_E @ m.W_Q[1, t]) @ (
+        m.W_E @ m.W_V[0, s] @ m.W_O[0, s] @ m.W_K[1, t]
+    ).T  # [V, V] query x key's previous token
     flat = K.flatten().topk(values["k"]).indices
     assert values["diagonal"] == int((flat // K.shape[1] == flat % K.shape[1]).sum())
 
@@ -334,7 +356,9 @@ def test_f27_f28_losses_by_order(tour, raw):
     l0, l1, l2 = loss(x0), loss(x0 + heads_of([0, 1])), float(F.cross_entropy(logits[:-1], torch.tensor(ids[1:])))
     assert values["losses"] == pytest.approx([l0, l1, l2], abs=1e-4)
     uniform = math.log(m.cfg.d_vocab)
-    assert (uniform - l0) < (l0 - l1) and (l1 - l2) < (l0 - l1)  # "first-order terms carry most, the direct path little"
+    assert (uniform - l0) < (l0 - l1) and (l1 - l2) < (
+        l0 - l1
+    )  # "first-order terms carry most, the direct path little"
     assert f"{l0:.2f}" in sentence and f"{uniform:.2f}" in sentence
     sentence, values = claim(tour, "F28")
     gains = [l0 - loss(x0 + heads_of([lay])) for lay in range(2)]
@@ -383,7 +407,10 @@ def test_detectors_page_defaults_and_overview_reproduce_the_card():
         heads = c.get("/api/v1/models/toy-2l/heads").json()
     inp = card["detector_input"]
     assert (det["detector_input"]["seq_len"], det["detector_input"]["batch"], det["detector_input"]["seed"]) == (
-        inp["seq_len"], inp["batch"], inp["seed"])
+        inp["seq_len"],
+        inp["batch"],
+        inp["seed"],
+    )
     assert det["loss"]["first_repeat"] == pytest.approx(card["rep1_loss"], abs=1e-3)
     assert det["loss"]["second_repeat"] == pytest.approx(card["rep2_loss"], abs=1e-3)
     for table in (det["heads"], heads["heads"]):

@@ -33,11 +33,17 @@ def counting(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
     return calls
 
 
-def test_panels_and_overview_measure_each_circuit_once(model_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_panels_and_overview_measure_each_circuit_once(
+    model_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     rows, eig = counting(monkeypatch, "row_ranks"), counting(monkeypatch, "random_eig_scores")
-    settings = Settings(shipped_dir=model_dirs[0], models_dir=model_dirs[1], dtype="float64", store_url="off", limits=LIMITS)
+    settings = Settings(
+        shipped_dir=model_dirs[0], models_dir=model_dirs[1], dtype="float64", store_url="off", limits=LIMITS
+    )
     with TestClient(create_app(settings)) as c:
-        answers = [c.get("/api/v1/models/tiny-2l/copying", params={"heads": h, "samples": 20}).json() for h in ("L0H1", "L1H3")]
+        answers = [
+            c.get("/api/v1/models/tiny-2l/copying", params={"heads": h, "samples": 20}).json() for h in ("L0H1", "L1H3")
+        ]
         assert (len(rows), len(eig)) == (2 + copying_view.N_TOP_SAMPLES, 1)  # two heads, the baseline's circuits once
         overview = c.get("/api/v1/models/tiny-2l/copying", params={"samples": 20}).json()
     model = load_checkpoint(model_dirs[0] / "tiny-2l", dtype=torch.float64).model
@@ -48,8 +54,14 @@ def test_panels_and_overview_measure_each_circuit_once(model_dirs: tuple[Path, P
     assert answers[0]["heads"][0] == by_head["L0H1"] and answers[1]["heads"][0] == by_head["L1H3"]
 
     n = model.cfg.d_vocab  # the engine, uncached
-    base = copying.random_baseline(model, n_samples=20, n_top_samples=copying_view.N_TOP_SAMPLES, k=10,
-                                   rows=copying_view.default_rows(n, None, 1), budget_bytes=LIMITS.matrix_budget_bytes)
+    base = copying.random_baseline(
+        model,
+        n_samples=20,
+        n_top_samples=copying_view.N_TOP_SAMPLES,
+        k=10,
+        rows=copying_view.default_rows(n, None, 1),
+        budget_bytes=LIMITS.matrix_budget_bytes,
+    )
     assert answers[0]["baseline"]["ov_copying_mean"] == pytest.approx(float(base.ov_copying.mean()), rel=1e-12)
     assert answers[0]["baseline"]["ov_copying_std"] == pytest.approx(float(base.ov_copying.std()), rel=1e-12)
     assert answers[0]["baseline"]["top1_mean"] == pytest.approx(float(base.top1.mean()), abs=1e-12)
@@ -61,8 +73,14 @@ def test_panels_and_overview_measure_each_circuit_once(model_dirs: tuple[Path, P
             row = by_head[f"L{layer}H{h}"]
             assert row["ov_copying"] == pytest.approx(float(scores[layer, h]), abs=1e-12)
             assert [row["top1"], row["topk"], row["diagonal_positive"], row["diagonal_median"]] == pytest.approx(
-                [float(sc.top1[layer, h]), float(sc.topk[layer, h]), float(sc.diagonal_positive[layer, h]),
-                 float(sc.diagonal_median[layer, h])], abs=1e-12)
+                [
+                    float(sc.top1[layer, h]),
+                    float(sc.topk[layer, h]),
+                    float(sc.diagonal_positive[layer, h]),
+                    float(sc.diagonal_median[layer, h]),
+                ],
+                abs=1e-12,
+            )
 
 
 def test_a_smaller_sample_is_read_off_the_panels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -72,7 +90,9 @@ def test_a_smaller_sample_is_read_off_the_panels(tmp_path: Path, monkeypatch: py
     from tests.app.conftest import save_qkov, train_tokenizer
 
     V, r, k = copying_view.FULL_ROWS_MAX + 100, 300, 3
-    cfg = ModelConfig(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=V, n_ctx=16, positional_embedding_type="shortformer")
+    cfg = ModelConfig(
+        n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=V, n_ctx=16, positional_embedding_type="shortformer"
+    )
     save_qkov(tmp_path / "wide", cfg, train_tokenizer(), seed=3)
     rows = counting(monkeypatch, "row_ranks")
     with TestClient(create_app(Settings(shipped_dir=tmp_path, dtype="float64", store_url="off"))) as c:
@@ -81,15 +101,23 @@ def test_a_smaller_sample_is_read_off_the_panels(tmp_path: Path, monkeypatch: py
         body = c.get("/api/v1/models/wide/copying", params={"k": k, "samples": 4, "rows": r}).json()
     assert len(rows) == 2 + copying_view.N_TOP_SAMPLES  # only L0H0 measured: L0H1 and the baseline read off the panel's
     m = load_checkpoint(tmp_path / "wide", dtype=torch.float64).model
-    picked = torch.randperm(V, generator=torch.Generator().manual_seed(copying_view.SAMPLE_SEED))[:r]  # the documented draw
+    picked = torch.randperm(V, generator=torch.Generator().manual_seed(copying_view.SAMPLE_SEED))[
+        :r
+    ]  # the documented draw
     assert body["n_rows"] == r
     for h, row in enumerate(body["heads"]):
         M = (m.W_E @ m.W_V[0, h] @ m.W_O[0, h] @ m.W_U)[picked]  # [r, V] the dense rows of the draw
         top = M.topk(k, dim=1).indices
         diag = M[torch.arange(r), picked]
-        want = [float((top[:, 0] == picked).double().mean()), float((top == picked[:, None]).any(1).double().mean()),
-                float((diag > 0).double().mean()), float(diag.quantile(0.5))]
-        assert [row["top1"], row["topk"], row["diagonal_positive"], row["diagonal_median"]] == pytest.approx(want, abs=1e-12)
+        want = [
+            float((top[:, 0] == picked).double().mean()),
+            float((top == picked[:, None]).any(1).double().mean()),
+            float((diag > 0).double().mean()),
+            float(diag.quantile(0.5)),
+        ]
+        assert [row["top1"], row["topk"], row["diagonal_positive"], row["diagonal_median"]] == pytest.approx(
+            want, abs=1e-12
+        )
     base = copying.random_baseline(m, n_samples=4, n_top_samples=copying_view.N_TOP_SAMPLES, k=k, rows=r)
     assert body["baseline"]["top1_mean"] == pytest.approx(float(base.top1.mean()), abs=1e-12)
     assert body["baseline"]["topk_mean"] == pytest.approx(float(base.topk.mean()), abs=1e-12)

@@ -33,13 +33,18 @@ def test_copying_overview_equals_dense(client):
         M = (m.W_E @ m.W_V[0, h] @ m.W_O[0, h] @ m.W_U)[vocab][:, vocab]
         assert row["head"] == f"L0H{h}"
         assert row["top1"] == pytest.approx(float((M.argmax(1) == own).double().mean()), abs=1e-9)
-        assert row["topk"] == pytest.approx(float((M.topk(5, dim=1).indices == own[:, None]).any(1).double().mean()), abs=1e-9)
+        assert row["topk"] == pytest.approx(
+            float((M.topk(5, dim=1).indices == own[:, None]).any(1).double().mean()), abs=1e-9
+        )
         assert row["diagonal_positive"] == pytest.approx(float((M.diagonal() > 0).double().mean()), abs=1e-9)
         eig = torch.linalg.eigvals(m.W_V[0, h] @ m.W_O[0, h] @ m.W_U @ m.W_E)
         eig = eig[eig.abs().argsort(descending=True)[:16]]
         assert row["ov_copying"] == pytest.approx(float(eig.sum().real / eig.abs().sum()), abs=1e-4)
     base = body["baseline"]
-    assert base["n_samples"] == 20 and -1 <= base["ov_copying_min"] <= base["ov_copying_mean"] <= base["ov_copying_max"] <= 1
+    assert (
+        base["n_samples"] == 20
+        and -1 <= base["ov_copying_min"] <= base["ov_copying_mean"] <= base["ov_copying_max"] <= 1
+    )
 
 
 def test_copying_page_and_refusals(client):
@@ -54,13 +59,18 @@ def sampled_rows_dense(M: torch.Tensor, n_rows: int, seed: int, k: int) -> tuple
     picked = torch.randperm(M.shape[0], generator=torch.Generator().manual_seed(seed))[:n_rows]
     rows = M[picked]
     top = rows.topk(k, dim=1).indices
-    return (float((top[:, 0] == picked).double().mean()), float((top == picked[:, None]).any(1).double().mean()),
-            float((rows[torch.arange(n_rows), picked] > 0).double().mean()))
+    return (
+        float((top[:, 0] == picked).double().mean()),
+        float((top == picked[:, None]).any(1).double().mean()),
+        float((rows[torch.arange(n_rows), picked] > 0).double().mean()),
+    )
 
 
 def test_one_head_on_sampled_rows_equals_dense(client):
     """The head page's panel: heads=one head, rows=a sample; each sampled row ranked against the whole vocabulary."""
-    body = client.get("/api/v1/models/toy-1l/copying", params={"k": 10, "heads": "L00H3", "rows": 300, "samples": 10}).json()
+    body = client.get(
+        "/api/v1/models/toy-1l/copying", params={"k": 10, "heads": "L00H3", "rows": 300, "samples": 10}
+    ).json()
     m = load_checkpoint(ROOT / "toy-1l", dtype=torch.float64, process=False).model
     M = m.W_E @ m.W_V[0, 3] @ m.W_O[0, 3] @ m.W_U  # [V, V]
     (row,) = body["heads"]
@@ -72,7 +82,11 @@ def test_one_head_on_sampled_rows_equals_dense(client):
     assert row["topk_stderr"] == pytest.approx((topk * (1 - topk) / 300 * (n - 300) / (n - 1)) ** 0.5, rel=1e-9)
     assert "300 of the 4096 tokens as sources, drawn at random (seed 0)" in body["sample"]
     full = client.get("/api/v1/models/toy-1l/copying", params={"heads": "L0H3", "samples": 10}).json()
-    assert full["n_rows"] == 4096 and full["heads"][0]["top1_stderr"] == 0 and full["sample"].startswith("every one of the 4096")
+    assert (
+        full["n_rows"] == 4096
+        and full["heads"][0]["top1_stderr"] == 0
+        and full["sample"].startswith("every one of the 4096")
+    )
 
 
 def test_big_vocabularies_are_sampled_by_default(tmp_path):
@@ -83,7 +97,9 @@ def test_big_vocabularies_are_sampled_by_default(tmp_path):
     from tests.app.conftest import save_qkov, train_tokenizer
 
     V = FULL_ROWS_MAX + 100
-    cfg = ModelConfig(n_layers=1, d_model=8, n_heads=1, d_head=4, d_vocab=V, n_ctx=16, positional_embedding_type="shortformer")
+    cfg = ModelConfig(
+        n_layers=1, d_model=8, n_heads=1, d_head=4, d_vocab=V, n_ctx=16, positional_embedding_type="shortformer"
+    )
     save_qkov(tmp_path / "wide", cfg, train_tokenizer(), seed=3)
     with TestClient(create_app(Settings(shipped_dir=tmp_path, dtype="float64", store_url="off"))) as c:
         body = c.get("/api/v1/models/wide/copying", params={"k": 3, "samples": 4}).json()
@@ -91,7 +107,9 @@ def test_big_vocabularies_are_sampled_by_default(tmp_path):
     M = m.W_E @ m.W_V[0, 0] @ m.W_O[0, 0] @ m.W_U
     assert body["n_rows"] == MAX_ROWS and body["n_tokens"] == V and f"{MAX_ROWS} of the {V} tokens" in body["sample"]
     row = body["heads"][0]
-    assert [row["top1"], row["topk"], row["diagonal_positive"]] == pytest.approx(list(sampled_rows_dense(M, MAX_ROWS, 0, 3)), abs=1e-12)
+    assert [row["top1"], row["topk"], row["diagonal_positive"]] == pytest.approx(
+        list(sampled_rows_dense(M, MAX_ROWS, 0, 3)), abs=1e-12
+    )
 
 
 def test_overview_and_head_pages_load_the_copying_panel(client):

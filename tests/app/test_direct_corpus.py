@@ -52,7 +52,9 @@ def test_direct_entries_carry_model_and_held_out_probabilities(client, params):
 
 
 def test_ov_view_names_its_basis(client):
-    assert client.get("/api/v1/models/toy-1l/heads/L0H0/ov", params={"k": 3}).json()["basis"] == "raw weights, as stored"
+    assert (
+        client.get("/api/v1/models/toy-1l/heads/L0H0/ov", params={"k": 3}).json()["basis"] == "raw weights, as stored"
+    )
     page = client.get("/models/toy-1l/heads/L0H0", params={"k": 3})
     assert "Basis: raw weights, as stored" in page.text and "/models/toy-1l/copying" in page.text
 

@@ -32,8 +32,9 @@ NESTED_200 = json.dumps(json.loads("{" + '"a": {' * 199 + "}" * 200))  # parses,
 
 
 def good_cfg(d_vocab: int) -> ModelConfig:
-    return ModelConfig(n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=d_vocab, n_ctx=32,
-                       positional_embedding_type="standard")
+    return ModelConfig(
+        n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=d_vocab, n_ctx=32, positional_embedding_type="standard"
+    )
 
 
 def qkov_config(folder: Path, **changes: object) -> None:
@@ -44,8 +45,15 @@ def qkov_config(folder: Path, **changes: object) -> None:
 
 
 GPT2 = {"model_type": "gpt2", "n_embd": 16, "n_head": 2, "n_layer": 1, "vocab_size": 50, "n_positions": 32}
-NEOX = {"model_type": "gpt_neox", "hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1,
-        "vocab_size": 50, "max_position_embeddings": 32, "intermediate_size": 64}
+NEOX = {
+    "model_type": "gpt_neox",
+    "hidden_size": 16,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 1,
+    "vocab_size": 50,
+    "max_position_embeddings": 32,
+    "intermediate_size": 64,
+}
 
 
 def hf_folder(folder: Path, config: dict[str, object]) -> None:
@@ -220,8 +228,10 @@ CASES: dict[str, tuple[Builder, str]] = {
     "weights-missing": (copy_then(lambda f: (f / "model.safetensors").unlink()), "model.safetensors"),
     "weights-truncated": (copy_then(write("model.safetensors", b"\x10\x00\x00\x00\x00\x00\x00\x00{")), "safetensors"),
     "weights-wrong-shape": (tensor_edit(lambda s: _set(s, "embed.W_E", torch.zeros(3, 3))), "shape"),
-    "weights-integer": (tensor_edit(lambda s: _set(s, "embed.W_E", torch.zeros_like(s["embed.W_E"]).long())),
-                        "floating-point"),
+    "weights-integer": (
+        tensor_edit(lambda s: _set(s, "embed.W_E", torch.zeros_like(s["embed.W_E"]).long())),
+        "floating-point",
+    ),
     "weights-missing-key": (tensor_edit(lambda s: s.__delitem__("blocks.0.attn.W_Q")), "W_Q"),
     "pickle-object": (pickle_bomb, "unpickle"),
     "two-weight-files": (two_weight_files, "several weight files"),
@@ -281,8 +291,9 @@ def test_every_hostile_folder_is_listed_unavailable_and_the_rest_still_answers(
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_a_hostile_folder_answers_422_naming_the_fault(app_client: TestClient, hostile: tuple[Path, Path, Path],
-                                                       name: str) -> None:
+def test_a_hostile_folder_answers_422_naming_the_fault(
+    app_client: TestClient, hostile: tuple[Path, Path, Path], name: str
+) -> None:
     needle = CASES[name][1]
     body = assert_problem(app_client.get(f"/api/v1/models/{name}"), 422, needle)
     assert str(hostile[2]) not in body["detail"] and "/tmp/" not in body["detail"]

@@ -35,8 +35,25 @@ from tests.bpe import train_bpe
 
 # Token values from the issue and of the same kinds; whether one is valid (an id in range, or a single token of
 # the test tokenizer, e.g. "²" is the byte token 0xB2 there) is decided by `valid` below, independently of qkov.
-BAD_TOKENS = ["²", "①", "--1", "9" * 5000, "-9" + "9" * 4999, "١٢٣", "-5", "99999999", "0x10", "1e3", "\x00",
-              "a b c d e f g h", "x" * 5000, '""', "+-1", "٣", "𝟙"]
+BAD_TOKENS = [
+    "²",
+    "①",
+    "--1",
+    "9" * 5000,
+    "-9" + "9" * 4999,
+    "١٢٣",
+    "-5",
+    "99999999",
+    "0x10",
+    "1e3",
+    "\x00",
+    "a b c d e f g h",
+    "x" * 5000,
+    '""',
+    "+-1",
+    "٣",
+    "𝟙",
+]
 BAD_ID_LISTS = ["1,²", "--1", "9" * 5000, "1,,①", "0x1", "-1", "1e3", "1;2", "99999999"]
 TOKEN_PARAMS = ("token", "target", "contrast")
 PATH_VALUES = {"model": "tiny-2l", "head": "L0H1", "source": "L0H1", "target": "L1H2"}
@@ -82,8 +99,11 @@ def hclient(settings: Settings) -> Iterator[TestClient]:
 
 def query_params(client: TestClient) -> dict[str, set[str]]:
     spec = client.get("/openapi.json").json()
-    return {p: {q["name"] for q in op["get"].get("parameters", []) if q["in"] == "query"}
-            for p, op in spec["paths"].items() if "get" in op}
+    return {
+        p: {q["name"] for q in op["get"].get("parameters", []) if q["in"] == "query"}
+        for p, op in spec["paths"].items()
+        if "get" in op
+    }
 
 
 def token_cases(client: TestClient) -> list[tuple[str, dict[str, str]]]:
@@ -213,8 +233,9 @@ def test_etags_are_weak_and_304s_vary_on_encoding(hclient: TestClient) -> None:
         ("::1", "2001:db8::5", ["::1"], "2001:db8::5"),
     ],
 )
-def test_forwarded_address_believed_only_from_trusted_proxies(peer: str, forwarded: str, trusted: list[str],
-                                                              expected: str) -> None:
+def test_forwarded_address_believed_only_from_trusted_proxies(
+    peer: str, forwarded: str, trusted: list[str], expected: str
+) -> None:
     scope = {"client": (peer, 1234), "headers": [(b"x-forwarded-for", forwarded.encode())]}
     assert client_address(scope, proxy_networks(trusted)) == expected
 
@@ -228,13 +249,11 @@ def test_trusted_proxies_must_be_addresses_or_networks() -> None:
 def test_rotating_forwarded_for_does_not_escape_the_rate_limit(settings: Settings) -> None:
     limited = settings.model_copy(update={"rate_limit": 3, "rate_window_s": 60.0})
     with TestClient(create_app(limited), client=("127.0.0.1", 5000)) as c:
-        codes = [c.get("/api/v1/models", headers={"X-Forwarded-For": f"198.51.100.{i}"}).status_code
-                 for i in range(5)]
+        codes = [c.get("/api/v1/models", headers={"X-Forwarded-For": f"198.51.100.{i}"}).status_code for i in range(5)]
     assert codes == [200, 200, 200, 429, 429]
     proxied = settings.model_copy(update={"rate_limit": 3, "rate_window_s": 60.0, "trusted_proxies": ["127.0.0.1"]})
     with TestClient(create_app(proxied), client=("127.0.0.1", 5000)) as c:
-        codes = [c.get("/api/v1/models", headers={"X-Forwarded-For": f"198.51.100.{i}"}).status_code
-                 for i in range(5)]
+        codes = [c.get("/api/v1/models", headers={"X-Forwarded-For": f"198.51.100.{i}"}).status_code for i in range(5)]
     assert codes == [200] * 5  # behind a configured proxy, each forwarded client has its own window
 
 
@@ -257,8 +276,9 @@ def own_dirs(tmp_path: Path, model_dirs: tuple[Path, Path]) -> tuple[Path, Path]
     return shipped, models
 
 
-def test_a_failed_load_is_remembered_until_the_folder_changes(own_dirs: tuple[Path, Path],
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_load_is_remembered_until_the_folder_changes(
+    own_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     shipped, models = own_dirs
     shutil.copytree(shipped / "tiny-2l", models / "flaky")
     config = json.loads((models / "flaky" / "config.json").read_text())

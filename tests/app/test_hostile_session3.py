@@ -51,19 +51,54 @@ def build_folders(root: Path) -> tuple[Path, Path]:
     tok = train_tokenizer()
     V = tok.get_vocab_size()
     shipped, user = root / "shipped", root / "user"
-    two = ModelConfig(n_layers=2, d_model=16, n_heads=2, d_head=8, d_vocab=V, n_ctx=32, positional_embedding_type="shortformer")
+    two = ModelConfig(
+        n_layers=2, d_model=16, n_heads=2, d_head=8, d_vocab=V, n_ctx=32, positional_embedding_type="shortformer"
+    )
     for folder in (shipped / "two", user / "twin"):
         save_qkov(folder, two, tok, seed=1)
         np.save(folder / TOKEN_COUNTS_FILE, np.random.default_rng(0).integers(0, 100, V))
-    save_qkov(user / "ln", ModelConfig(n_layers=2, d_model=16, n_heads=2, d_head=8, d_vocab=V, n_ctx=32,
-                                       positional_embedding_type="standard", normalization_type="LN"), tok, seed=2)
-    save_qkov(user / "rope", ModelConfig(n_layers=2, d_model=16, n_heads=4, d_head=8, d_vocab=V, n_ctx=32, normalization_type="RMS",
-                                         positional_embedding_type="rotary", n_key_value_heads=2), tok, seed=3)
+    save_qkov(
+        user / "ln",
+        ModelConfig(
+            n_layers=2,
+            d_model=16,
+            n_heads=2,
+            d_head=8,
+            d_vocab=V,
+            n_ctx=32,
+            positional_embedding_type="standard",
+            normalization_type="LN",
+        ),
+        tok,
+        seed=2,
+    )
+    save_qkov(
+        user / "rope",
+        ModelConfig(
+            n_layers=2,
+            d_model=16,
+            n_heads=4,
+            d_head=8,
+            d_vocab=V,
+            n_ctx=32,
+            normalization_type="RMS",
+            positional_embedding_type="rotary",
+            n_key_value_heads=2,
+        ),
+        tok,
+        seed=3,
+    )
     for n in (2, 3):
-        save_qkov(user / f"ctx{n}", ModelConfig(n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=V, n_ctx=n), tok, seed=4)
+        save_qkov(
+            user / f"ctx{n}", ModelConfig(n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=V, n_ctx=n), tok, seed=4
+        )
     save_qkov(user / "zero", ModelConfig(n_layers=0, d_model=16, n_heads=2, d_head=8, d_vocab=V, n_ctx=32), tok, seed=5)
-    wide = random_model(ModelConfig(n_layers=1, d_model=16, n_heads=2, d_head=4, d_vocab=WIDE_V, n_ctx=16), seed=6,
-                        dtype=torch.float64, std_embed=0.5)
+    wide = random_model(
+        ModelConfig(n_layers=1, d_model=16, n_heads=2, d_head=4, d_vocab=WIDE_V, n_ctx=16),
+        seed=6,
+        dtype=torch.float64,
+        std_embed=0.5,
+    )
     save_checkpoint(wide, user / "wide")
     (user / "wide" / "qkov.json").write_text(json.dumps({"processing": False}))
     np.save(user / "wide" / TOKEN_COUNTS_FILE, np.random.default_rng(1).permutation(WIDE_V) * 3 + 1)
@@ -104,7 +139,9 @@ def client(app_client: tuple[Any, TestClient]) -> TestClient:
 @pytest.fixture(scope="module")
 def poor(folders: tuple[Path, Path], small_default: None) -> Iterator[TestClient]:
     """The same models with 1 KiB of working memory per request: every computation is refused by its price."""
-    with TestClient(create_app(_settings(folders, peak_bytes=1024, matrix_budget_bytes=1024)), raise_server_exceptions=False) as c:
+    with TestClient(
+        create_app(_settings(folders, peak_bytes=1024, matrix_budget_bytes=1024)), raise_server_exceptions=False
+    ) as c:
         yield c
 
 
@@ -139,7 +176,10 @@ def test_bad_values_are_422_naming_the_field(client: TestClient, route: str, fie
         assert answer.status_code in (404, 422), (value, answer.status_code)
         needle = "head" if field == "heads" else field
         # the field's name, or (values that parse but the model cannot take) the model bound they break
-        assert needle in body["detail"] or "n_ctx" in body["detail"] or "context" in body["detail"], (value, body["detail"])
+        assert needle in body["detail"] or "n_ctx" in body["detail"] or "context" in body["detail"], (
+            value,
+            body["detail"],
+        )
 
 
 def test_huge_head_lists_are_refused_by_the_limit(client: TestClient) -> None:
@@ -177,7 +217,9 @@ def test_new_requests_never_get_a_server_error(client: TestClient, model: str) -
             no_5xx(client.get(f"{API}/{model}/{request}"))
 
 
-@pytest.mark.parametrize("url", [f"{API}/zero/detectors", f"{API}/zero/detectors?prompt=the%20cat", "/models/zero/detectors"])
+@pytest.mark.parametrize(
+    "url", [f"{API}/zero/detectors", f"{API}/zero/detectors?prompt=the%20cat", "/models/zero/detectors"]
+)
 def test_detectors_on_a_model_without_layers(client: TestClient, url: str) -> None:
     answer = client.get(url)
     assert answer.status_code in (200, 422), (answer.status_code, answer.text[:200])
@@ -206,7 +248,12 @@ def test_default_seq_len_is_the_fitted_one_and_an_explicit_one_is_kept(app_clien
 
 # -- 4. another model's answer, another basis's answer, another token set's answer -------------------------------
 def test_a_model_with_the_same_files_under_another_id_gets_its_own_id(client: TestClient) -> None:
-    for request in ("copying?heads=L1H1&rows=3&samples=2", "heads/L0H0/ov?vocab=all", "detectors", "composition?basis=raw"):
+    for request in (
+        "copying?heads=L1H1&rows=3&samples=2",
+        "heads/L0H0/ov?vocab=all",
+        "detectors",
+        "composition?basis=raw",
+    ):
         a, b = client.get(f"{API}/two/{request}").json(), client.get(f"{API}/twin/{request}").json()
         assert a["model"]["id"] == "two" and b["model"]["id"] == "twin", request
         assert {k: v for k, v in a.items() if k != "model"} == {k: v for k, v in b.items() if k != "model"}, request
@@ -221,7 +268,9 @@ def test_raw_and_served_never_share_an_answer(client: TestClient, route: str) ->
     again = client.get(f"{API}/ln/{route}", params={"basis": "raw"}).json()
     assert raw["basis"].startswith("raw") and served["basis"].startswith("processed"), (raw["basis"], served["basis"])
     assert raw == again
-    numbers = lambda v: re.findall(r"-?\d+\.\d{6,}", json.dumps({k: x for k, x in v.items() if k not in ("basis", "model")}))  # noqa: E731
+    numbers = lambda v: re.findall(
+        r"-?\d+\.\d{6,}", json.dumps({k: x for k, x in v.items() if k not in ("basis", "model")})
+    )  # noqa: E731
     assert numbers(raw) != numbers(served)
 
 
@@ -239,7 +288,9 @@ def test_vocab_all_and_default_are_different_tables_on_a_large_vocabulary(client
         top_all, top_default = every["entries"][0]["value"], default["entries"][0]["value"]
         assert top_all >= top_default, route  # a superset's maximum
         outside = [e for e in every["entries"] if e["row"]["id"] not in frequent or e["col"]["id"] not in frequent]
-        assert outside, f"{route}: every top-50 entry over 700 tokens lies in the 256 frequent ones; this check proves nothing"
+        assert outside, (
+            f"{route}: every top-50 entry over 700 tokens lies in the 256 frequent ones; this check proves nothing"
+        )
 
 
 def test_min_count_wins_over_vocab(client: TestClient) -> None:
@@ -287,13 +338,23 @@ def test_every_new_request_is_priced_before_it_runs(poor: TestClient, path: str)
     assert body["type"].endswith("limit-exceeded")
 
 
-@pytest.mark.parametrize("page", ["/models/two/copying?heads=L0H0", "/models/two/copying", "/models/ln/composition?basis=raw",
-                                  "/models/rope/heads/L0H0?offset=3"])
+@pytest.mark.parametrize(
+    "page",
+    [
+        "/models/two/copying?heads=L0H0",
+        "/models/two/copying",
+        "/models/ln/composition?basis=raw",
+        "/models/rope/heads/L0H0?offset=3",
+    ],
+)
 def test_pages_and_lazy_panels_are_priced_too(poor: TestClient, page: str) -> None:
     """A page (or the panel htmx asks for) past the budget is a 4xx page naming the budget, not a computation."""
     for headers in ({}, {"HX-Request": "true", "HX-Target": "copying-lazy"}):
         answer = poor.get(page, headers=headers)
-        assert answer.status_code == 422 and answer.headers["content-type"].startswith("text/html"), (page, answer.status_code)
+        assert answer.status_code == 422 and answer.headers["content-type"].startswith("text/html"), (
+            page,
+            answer.status_code,
+        )
         assert "peak_bytes" in answer.text, page
 
 
@@ -309,15 +370,21 @@ def test_the_priced_answer_bounds_the_real_one(app_client: tuple[Any, TestClient
     route, _, query = path.partition("?")
     model, _, rest = route.partition("/")
     analyses = app.state.analyses
-    analysis = next(a for a in analyses.analyses if a.api_path != a.page_path and re.fullmatch(
-        re.sub(r"\\\{[^}]+\\\}", "[^/]+", re.escape(a.api_path)), f"{API}/{route}"))
+    analysis = next(
+        a
+        for a in analyses.analyses
+        if a.api_path != a.page_path
+        and re.fullmatch(re.sub(r"\\\{[^}]+\\\}", "[^/]+", re.escape(a.api_path)), f"{API}/{route}")
+    )
     values = dict(kv.split("=") for kv in query.split("&") if kv)
     names = re.findall(r"\{(\w+)\}", analysis.api_path)
     values |= {n: v for n, v in zip(names, [model, *re.findall(r"L\d+H\d+", rest)], strict=False) if n != "model"}
     loaded = app.state.registry.get(model)
     params = analyses.bound(analysis).model_validate(values).normalised(loaded)
     cost = analysis.cost(loaded, params, app.state.settings.limits)
-    assert len(answer.content) <= cost.answer_bytes, f"{path}: answered {len(answer.content)} bytes, priced {cost.answer_bytes}"
+    assert len(answer.content) <= cost.answer_bytes, (
+        f"{path}: answered {len(answer.content)} bytes, priced {cost.answer_bytes}"
+    )
 
 
 # -- 6. every new bound is in the OpenAPI schema ------------------------------------------------------------------
@@ -337,7 +404,10 @@ def test_openapi_carries_every_new_bound(client: TestClient) -> None:
     rows = _param(schema, "copying", "rows")
     assert rows["minimum"] == 1 and rows["maximum"] == 10**7
     assert _param(schema, "copying", "heads")["maxLength"] == LIMITS.max_heads * 12
-    offset, max_offset = _param(schema, "heads/{head}/qk-copying", "offset"), _param(schema, "heads/{head}/qk-copying", "max_offset")
+    offset, max_offset = (
+        _param(schema, "heads/{head}/qk-copying", "offset"),
+        _param(schema, "heads/{head}/qk-copying", "max_offset"),
+    )
     assert (offset["minimum"], offset["maximum"], max_offset["minimum"], max_offset["maximum"]) == (0, 10**6, 1, 4096)
     seq_len = _param(schema, "detectors", "seq_len")
     assert seq_len["minimum"] == 1 and seq_len["maximum"] == LIMITS.max_seq_len
@@ -355,7 +425,10 @@ BAD_PAGES = ["/models/two/direct?min_count=ALL", "/models/two/direct?min_count=0
 @pytest.mark.parametrize("url", BAD_PAGES)
 def test_bad_page_parameters_are_a_4xx_page(client: TestClient, url: str) -> None:
     answer = client.get(url)
-    assert 400 <= answer.status_code < 500 and answer.headers["content-type"].startswith("text/html"), (url, answer.status_code)
+    assert 400 <= answer.status_code < 500 and answer.headers["content-type"].startswith("text/html"), (
+        url,
+        answer.status_code,
+    )
 
 
 GOOD_PAGES = ["/models/two/direct?min_count=all", "/models/two/direct", "/models/two/direct?min_count=5",
@@ -380,8 +453,18 @@ def test_each_pages_json_links_answer_and_keep_its_parameters(client: TestClient
         assert any(f"{name}={value}" in link for link in links), (url, name, links)
 
 
-@pytest.mark.parametrize("page", ["/models/two", "/models/two/heads/L0H1", "/models/two/heads/L01H001", "/models/wide",
-                                  "/models/rope/heads/L1H3", "/models/zero", "/models/ln/heads/L1H0?basis=raw"])
+@pytest.mark.parametrize(
+    "page",
+    [
+        "/models/two",
+        "/models/two/heads/L0H1",
+        "/models/two/heads/L01H001",
+        "/models/wide",
+        "/models/rope/heads/L1H3",
+        "/models/zero",
+        "/models/ln/heads/L1H0?basis=raw",
+    ],
+)
 def test_lazy_panels_answer_for_the_same_model_and_head(client: TestClient, page: str) -> None:
     answer = client.get(page)
     assert answer.status_code < 500, (page, answer.status_code)

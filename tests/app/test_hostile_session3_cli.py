@@ -101,21 +101,33 @@ def test_smollm2_composition_page_sentence(smollm2: Any) -> None:
     page = smollm2.get("/models/smollm2-135m/composition", params={"kind": "K"}).text
     said = html.unescape(re.search(r'id="composition-claim">(.*?)</p>', page, re.S)[1])  # type: ignore[index]
     num = r"([+-]?\d+\.\d+)"
-    found = re.search(rf"strongest induction head is L(\d+)H(\d+) \(induction score {num} on 10 sequences of BOS \+ r \+ r\); "
-                      rf"its strongest K-composition partner is L(\d+)H(\d+) \({num}, {num} over the baseline\)[,;] the strongest "
-                      rf"previous-token head of the earlier layers (?:is L(\d+)H(\d+) )?\(score {num}\)", said)
+    found = re.search(
+        rf"strongest induction head is L(\d+)H(\d+) \(induction score {num} on 10 sequences of BOS \+ r \+ r\); "
+        rf"its strongest K-composition partner is L(\d+)H(\d+) \({num}, {num} over the baseline\)[,;] the strongest "
+        rf"previous-token head of the earlier layers (?:is L(\d+)H(\d+) )?\(score {num}\)",
+        said,
+    )
     assert found, said
     layer, head = int(found[1]), int(found[2])
     induction = summary["induction_scores"]
-    best = max(((lay, h) for lay in range(1, len(induction)) for h in range(len(induction[lay]))), key=lambda x: induction[x[0]][x[1]])
+    best = max(
+        ((lay, h) for lay in range(1, len(induction)) for h in range(len(induction[lay]))),
+        key=lambda x: induction[x[0]][x[1]],
+    )
     assert (layer, head) == best and float(found[3]) == pytest.approx(induction[layer][head], abs=0.006)
     prev = summary["previous_token_scores"]
     best_prev = max(((lay, h) for lay in range(layer) for h in range(len(prev[lay]))), key=lambda x: prev[x[0]][x[1]])
-    named = (int(found[8]), int(found[9])) if found[8] else (int(found[4]), int(found[5]))  # ", the strongest ..." names the partner
+    named = (
+        (int(found[8]), int(found[9])) if found[8] else (int(found[4]), int(found[5]))
+    )  # ", the strongest ..." names the partner
     assert named == best_prev and float(found[10]) == pytest.approx(prev[best_prev[0]][best_prev[1]], abs=0.006)
     m = load_checkpoint(SMOLLM2_SUMMARY.parent, dtype=torch.float64).model
     with torch.no_grad():
-        scores = {(lay, h): k_composition_gram(m, (lay, h), (layer, head)) for lay in range(layer) for h in range(m.cfg.n_heads)}
+        scores = {
+            (lay, h): k_composition_gram(m, (lay, h), (layer, head))
+            for lay in range(layer)
+            for h in range(m.cfg.n_heads)
+        }
     partner = max(scores, key=lambda s: scores[s])
     assert (int(found[4]), int(found[5])) == partner, (said, partner)
     assert float(found[6]) == pytest.approx(scores[partner], abs=1e-3)
@@ -155,13 +167,25 @@ def test_default_seq_len_also_fits_this_servers_max_seq_len(folders: tuple[Path,
 # -- 9. precompute's command line --------------------------------------------------------------------------------
 @pytest.fixture
 def store_env(tmp_path: Path, folders: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    for key, value in {"QKOV_STORE_URL": "disk", "QKOV_STORE_DIR": str(tmp_path / "store"), "QKOV_SHIPPED_DIR": str(folders[0]),
-                       "QKOV_MODELS_DIR": str(folders[1]), "QKOV_DTYPE": "float64"}.items():
+    for key, value in {
+        "QKOV_STORE_URL": "disk",
+        "QKOV_STORE_DIR": str(tmp_path / "store"),
+        "QKOV_SHIPPED_DIR": str(folders[0]),
+        "QKOV_MODELS_DIR": str(folders[1]),
+        "QKOV_DTYPE": "float64",
+    }.items():
         monkeypatch.setenv(key, value)
 
 
-@pytest.mark.parametrize(("argv", "needle"), [(["nope"], "unknown model"), (["two", "--heads", "L9H0"], "L9H0"),
-                                              (["two", "--heads", "x"], "not of the form"), (["zero", "--heads", "L0H0"], "0 layers")])
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["nope"], "unknown model"),
+        (["two", "--heads", "L9H0"], "L9H0"),
+        (["two", "--heads", "x"], "not of the form"),
+        (["zero", "--heads", "L0H0"], "0 layers"),
+    ],
+)
 def test_precompute_refuses_bad_arguments_by_name(store_env: None, capsys: pytest.CaptureFixture[str], argv: list[str],
                                                   needle: str) -> None:  # fmt: skip
     with pytest.raises(SystemExit) as stop:
@@ -189,8 +213,15 @@ def test_precompute_crawls_edge_models_without_a_server_error(store_env: None, c
 @pytest.fixture(scope="module")
 def server(folders: tuple[Path, Path]) -> Iterator[str]:
     port = free_port()
-    env = {"QKOV_SHIPPED_DIR": str(folders[0]), "QKOV_MODELS_DIR": str(folders[1]), "QKOV_STORE_URL": "off",
-           "QKOV_DTYPE": "float64", "QKOV_COMPUTE_SLOTS": "1", "QKOV_TORCH_THREADS": "1", "QKOV_MAX_MODEL_BYTES": str(10**9)}
+    env = {
+        "QKOV_SHIPPED_DIR": str(folders[0]),
+        "QKOV_MODELS_DIR": str(folders[1]),
+        "QKOV_STORE_URL": "off",
+        "QKOV_DTYPE": "float64",
+        "QKOV_COMPUTE_SLOTS": "1",
+        "QKOV_TORCH_THREADS": "1",
+        "QKOV_MAX_MODEL_BYTES": str(10**9),
+    }
     proc: subprocess.Popen[bytes] = start(["-m", "app.serve", "--port", str(port)], port, env, quiet=True)
     yield f"http://127.0.0.1:{port}"
     proc.kill()

@@ -56,7 +56,7 @@ def k_composition_minus_baseline(m, src: tuple[int, int], dst: tuple[int, int]) 
     W_OV = m.W_V[src] @ m.W_O[src]
     W_QK = m.W_Q[dst] @ m.W_K[dst].T
     score = float(torch.linalg.norm(W_OV @ W_QK.T) / (torch.linalg.norm(W_OV) * torch.linalg.norm(W_QK)))
-    return score, score - m.cfg.d_model ** -0.5
+    return score, score - m.cfg.d_model**-0.5
 
 
 def test_composition_page_names_the_induction_head_and_its_partner(client, toy2l, card2l):
@@ -70,17 +70,24 @@ def test_composition_page_names_the_induction_head_and_its_partner(client, toy2l
     prev = card2l["previous_token_scores"][0]
     best_prev = max(range(len(prev)), key=lambda h: prev[h])
     assert (head, partner, best_prev) == (2, 5, 5)  # the paper's induction circuit, as the card says
-    m = re.search(rf"strongest induction head is L1H{head} \(induction score {NUM} on 10 sequences of BOS \+ r \+ r\); "
-                  rf"its strongest K-composition partner is L0H{partner} \({NUM}, {NUM} over the baseline\), the strongest "
-                  rf"previous-token head of the earlier layers \(score {NUM}\)\.", said)
+    m = re.search(
+        rf"strongest induction head is L1H{head} \(induction score {NUM} on 10 sequences of BOS \+ r \+ r\); "
+        rf"its strongest K-composition partner is L0H{partner} \({NUM}, {NUM} over the baseline\), the strongest "
+        rf"previous-token head of the earlier layers \(score {NUM}\)\.",
+        said,
+    )
     assert m, said
     assert float(m.group(1)) == pytest.approx(layer1[head], abs=0.006)
     assert float(m.group(2)) == pytest.approx(partners[partner][0], abs=6e-4)
     assert float(m.group(3)) == pytest.approx(partners[partner][1], abs=6e-4)
     assert float(m.group(4)) == pytest.approx(prev[best_prev], abs=0.006)
     assert "In the paper, induction heads K-compose with a previous-token head" in page
-    assert 'id="composition-claim"' not in client.get("/models/toy-2l/composition", params={"kind": "K", "offset": 0}).text.split(
-        "composition_panel")[0]  # the sentence sits in the panel, under the heat map
+    assert (
+        'id="composition-claim"'
+        not in client.get("/models/toy-2l/composition", params={"kind": "K", "offset": 0}).text.split(
+            "composition_panel"
+        )[0]
+    )  # the sentence sits in the panel, under the heat map
 
 
 def bias(obj, name: str):  # noqa: ANN001, ANN201
@@ -102,7 +109,7 @@ def next_token_loss(m, tokens: torch.Tensor) -> torch.Tensor:
         q = torch.einsum("bnd,hde->bhne", qk_in, blk.W_Q) + (bias(blk, "b_Q")[None, :, None] if m.cfg.use_bias else 0.0)
         k = torch.einsum("bnd,hde->bhne", qk_in, blk.W_K) + (bias(blk, "b_K")[None, :, None] if m.cfg.use_bias else 0.0)
         v = torch.einsum("bnd,hde->bhne", resid, blk.W_V) + (bias(blk, "b_V")[None, :, None] if m.cfg.use_bias else 0.0)
-        scores = (q @ k.transpose(-1, -2)) / m.cfg.d_head ** 0.5
+        scores = (q @ k.transpose(-1, -2)) / m.cfg.d_head**0.5
         A = scores.masked_fill(~mask, float("-inf")).softmax(-1)
         resid = resid + torch.einsum("bhne,hed->bnd", A @ v, blk.W_O) + bias(blk, "b_O")
     logits = resid @ m.W_U + bias(m, "b_U")
@@ -116,9 +123,11 @@ def test_detectors_page_says_whether_the_loss_drops(client, name):
     said = sentence(page, "loss-claim")
     T = 50
     bos = json.loads(client.get(f"/api/v1/models/{name}").text)["bos_token_id"]
-    tokens = repeated_random_tokens(m.cfg.d_vocab, T, 10, seed=0, bos=bos)  # the standard input (its draw, not its maths)
+    tokens = repeated_random_tokens(
+        m.cfg.d_vocab, T, 10, seed=0, bos=bos
+    )  # the standard input (its draw, not its maths)
     losses = next_token_loss(m, tokens).mean(0)  # [2T]: with BOS, [0:T] predict the first copy
-    first, second = float(losses[:T].mean()), float(losses[T:2 * T].mean())
+    first, second = float(losses[:T].mean()), float(losses[T : 2 * T].mean())
     if name == "toy-2l":
         assert second < first - 5  # an induction head: the second copy is predicted
     if second < first:
@@ -147,9 +156,11 @@ def test_term_importance_page_reports_the_previous_token_head_ablation(client, t
         blk = m.blocks[l_].attn
         q = torch.einsum("nd,hde->hne", qk_in, blk.W_Q) + (bias(blk, "b_Q")[:, None] if m.cfg.use_bias else 0.0)
         k = torch.einsum("nd,hde->hne", qk_in, blk.W_K) + (bias(blk, "b_K")[:, None] if m.cfg.use_bias else 0.0)
-        A = (q @ k.transpose(-1, -2) / m.cfg.d_head ** 0.5).masked_fill(~mask, float("-inf")).softmax(-1)
+        A = (q @ k.transpose(-1, -2) / m.cfg.d_head**0.5).masked_fill(~mask, float("-inf")).softmax(-1)
         A = A if A_fixed is None else A_fixed
-        z = A @ (torch.einsum("nd,hde->hne", v_in, blk.W_V) + (bias(blk, "b_V")[:, None] if m.cfg.use_bias else 0.0))  # [H, n, d_head]
+        z = A @ (
+            torch.einsum("nd,hde->hne", v_in, blk.W_V) + (bias(blk, "b_V")[:, None] if m.cfg.use_bias else 0.0)
+        )  # [H, n, d_head]
         keep = torch.ones(m.cfg.n_heads, dtype=z.dtype)
         if drop is not None:
             keep[drop] = 0
@@ -162,9 +173,14 @@ def test_term_importance_page_reports_the_previous_token_head_ablation(client, t
     logits = (resid0 + out0 + out1) @ m.W_U + bias(m, "b_U")
     frozen = float(F.cross_entropy(logits[:-1], ids[0, 1:])) - float(clean)
     out1r, _ = layer(1, resid0 + out0 + pos, resid0 + out0, None)
-    recomputed = float(F.cross_entropy(((resid0 + out0 + out1r) @ m.W_U + bias(m, "b_U"))[:-1], ids[0, 1:])) - float(clean)
-    found = re.search(rf"removing the previous-token head L0H{h} changes the loss by {NUM} nats with every other pattern "
-                      rf"frozen and by {NUM} with the later patterns recomputed", said)
+    recomputed = float(F.cross_entropy(((resid0 + out0 + out1r) @ m.W_U + bias(m, "b_U"))[:-1], ids[0, 1:])) - float(
+        clean
+    )
+    found = re.search(
+        rf"removing the previous-token head L0H{h} changes the loss by {NUM} nats with every other pattern "
+        rf"frozen and by {NUM} with the later patterns recomputed",
+        said,
+    )
     assert found, said
     assert float(found.group(1)) == pytest.approx(frozen, abs=2e-3)
     assert float(found.group(2)) == pytest.approx(recomputed, abs=2e-3)
@@ -188,8 +204,10 @@ def test_overview_scatter_places_the_induction_head(client, toy2l, card2l):
     rank_pos = 1 + sum(pos[h] > pos[i] for h in pos)
     rank_ov = 1 + sum(ov[f"L1H{h}"] > ov[f"L1H{i}"] for h in pos)
     assert rank_pos == 1  # top on the paper's vertical axis
-    assert (f"The strongest induction head, L1H{i} (induction score {ind[i]:.2f}), ranks {rank_pos} of {m.cfg.n_heads} on "
-            f"K-composition positivity and {rank_ov} on OV copying.") == said
+    assert (
+        f"The strongest induction head, L1H{i} (induction score {ind[i]:.2f}), ranks {rank_pos} of {m.cfg.n_heads} on "
+        f"K-composition positivity and {rank_ov} on OV copying."
+    ) == said
 
 
 @pytest.mark.skipif(not SMOLLM2.exists(), reason="SmolLM2-135M not fetched (make smollm2)")
@@ -218,7 +236,16 @@ def test_direct_page_counts_the_rare_tokens_of_its_table(client):
     counts = np.load(ROOT / "toy-0l" / "token_counts.npy")
     rare = sum(int(counts[t]) < MIN_TRAIN_COUNT for t in tokens)
     assert 0 < rare < len(tokens)  # some, not all: the sentence's count is not 0 (or all) by default
-    said = html.unescape(re.search(r'id="rare-claim">(.*?)</span>', client.get(
-        "/models/toy-0l/direct", params={"k": k, "min_count": "all"}).text).group(1))
-    assert said == f"Of the {len(tokens)} distinct tokens in this table, {rare} were seen fewer than {MIN_TRAIN_COUNT} times in training."
-    assert 'id="rare-claim"' not in client.get("/models/toy-0l/direct", params={"k": k}).text  # frequent tokens: no such line
+    said = html.unescape(
+        re.search(
+            r'id="rare-claim">(.*?)</span>',
+            client.get("/models/toy-0l/direct", params={"k": k, "min_count": "all"}).text,
+        ).group(1)
+    )
+    assert (
+        said
+        == f"Of the {len(tokens)} distinct tokens in this table, {rare} were seen fewer than {MIN_TRAIN_COUNT} times in training."
+    )
+    assert (
+        'id="rare-claim"' not in client.get("/models/toy-0l/direct", params={"k": k}).text
+    )  # frequent tokens: no such line

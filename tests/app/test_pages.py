@@ -129,11 +129,17 @@ def test_heatmap_cells_open_their_heads(client: TestClient) -> None:
 
 
 def test_path_expansion_shows_the_sum_equal_to_the_model_value(client: TestClient) -> None:
-    page = client.get(f"/models/{M}/prompt", params={"prompt": "the cat sat on the mat", "position": 2, "max_order": 2}).text
-    twin = client.get(f"/api/v1/models/{M}/paths", params={"prompt": "the cat sat on the mat", "position": 2, "max_order": 2, "k": 20}).json()
+    page = client.get(
+        f"/models/{M}/prompt", params={"prompt": "the cat sat on the mat", "position": 2, "max_order": 2}
+    ).text
+    twin = client.get(
+        f"/api/v1/models/{M}/paths", params={"prompt": "the cat sat on the mat", "position": 2, "max_order": 2, "k": 20}
+    ).json()
     found = re.search(r'class="sum-check" data-total="([^"]+)" data-value="([^"]+)"', page)
     assert found
-    assert float(found.group(1)) == pytest.approx(twin["total"]) and float(found.group(2)) == pytest.approx(twin["value"])
+    assert float(found.group(1)) == pytest.approx(twin["total"]) and float(found.group(2)) == pytest.approx(
+        twin["value"]
+    )
     assert float(found.group(1)) == pytest.approx(float(found.group(2)), abs=1e-6)
     waterfall = next(json.loads(s) for s in parse(page).json_scripts if "model value" in s)
     bars = waterfall["data"][0]
@@ -141,17 +147,22 @@ def test_path_expansion_shows_the_sum_equal_to_the_model_value(client: TestClien
     assert sum(bars["y"][:-1]) == pytest.approx(twin["value"], abs=1e-6)  # the drawn terms add up to the drawn total
 
 
-@pytest.mark.parametrize("path,block", [
-    (f"/models/{M}/qk-paths?head=L0H1&prompt=the+cat", "qk_panel"),
-    (f"/models/{M}/path?heads=L1H0,L0H1&prompt=the+cat", "chain_panel"),
-    (f"/models/{M}/prompt?prompt=the+cat&position=20", "paths_panel"),
-    ("/models/tiny-ln/composition", "composition_panel"),
-])
+@pytest.mark.parametrize(
+    "path,block",
+    [
+        (f"/models/{M}/qk-paths?head=L0H1&prompt=the+cat", "qk_panel"),
+        (f"/models/{M}/path?heads=L1H0,L0H1&prompt=the+cat", "chain_panel"),
+        (f"/models/{M}/prompt?prompt=the+cat&position=20", "paths_panel"),
+        ("/models/tiny-ln/composition", "composition_panel"),
+    ],
+)
 def test_refused_analyses_keep_their_form(client: TestClient, path: str, block: str) -> None:
     for headers in ({}, {"HX-Request": "true", "HX-Target": block}):
         r = client.get(path, headers=headers)
         assert r.status_code == 422, r.text
-        assert f'id="{block}"' in r.text and ('<form' in r.text or 'class="seg"' in r.text) and 'class="error"' in r.text
+        assert (
+            f'id="{block}"' in r.text and ("<form" in r.text or 'class="seg"' in r.text) and 'class="error"' in r.text
+        )
         assert r.headers.get("HX-Push-Url") == "false"
 
 
@@ -202,8 +213,15 @@ def evil_client(tmp_path_factory: pytest.TempPathFactory) -> TestClient:
     root: Path = tmp_path_factory.mktemp("evil")
     tok = train_tokenizer()
     tok.add_tokens([EVIL])
-    cfg = ModelConfig(n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=tok.get_vocab_size(), n_ctx=64,
-                      positional_embedding_type="shortformer")
+    cfg = ModelConfig(
+        n_layers=1,
+        d_model=16,
+        n_heads=2,
+        d_head=8,
+        d_vocab=tok.get_vocab_size(),
+        n_ctx=64,
+        positional_embedding_type="shortformer",
+    )
     save_qkov(root / "evil", cfg, tok, seed=5)
     with TestClient(create_app(Settings(shipped_dir=root, dtype="float64", limits=LIMITS))) as c:
         yield c
@@ -248,7 +266,10 @@ def test_error_detail_is_escaped(evil_client: TestClient) -> None:
 
 
 def test_min_count_picker_round_trips_in_the_url(client: TestClient) -> None:
-    for page, api in ((f"/models/{M}/heads/L1H0", f"/api/v1/models/{M}/heads/L1H0/ov"), (f"/models/{M}/direct", f"/api/v1/models/{M}/direct")):
+    for page, api in (
+        (f"/models/{M}/heads/L1H0", f"/api/v1/models/{M}/heads/L1H0/ov"),
+        (f"/models/{M}/direct", f"/api/v1/models/{M}/direct"),
+    ):
         html = client.get(page, params={"k": 5, "min_count": 500}).text
         assert re.search(r'<select name="min_count"[^>]*>', html) and '<option value="500" selected>' in html
         assert "min_count=500" in html  # token links, "JSON" links carry the state
@@ -268,15 +289,24 @@ def test_direct_page_defaults_to_frequent_tokens_where_the_model_has_counts(clie
     frequent = set(np.flatnonzero(counts >= MIN_TRAIN_COUNT).tolist())
     assert 0 < len(frequent) < len(counts)  # the check below can fail: some tokens are rare
     html = client.get(f"/models/{M}/direct", params={"k": 40}).text
-    assert f'<option value="{MIN_TRAIN_COUNT}" selected>' in html and f"tokens seen at least {MIN_TRAIN_COUNT} times" in html
+    assert (
+        f'<option value="{MIN_TRAIN_COUNT}" selected>' in html
+        and f"tokens seen at least {MIN_TRAIN_COUNT} times" in html
+    )
     assert f"min_count={MIN_TRAIN_COUNT}" in html  # the JSON twin and the token links say what was ranked
-    rows = re.findall(r"<tr>(.*?)</tr>", html.split('id="direct-table"')[1].split("<tbody>")[1].split("</tbody>")[0], re.S)
+    rows = re.findall(
+        r"<tr>(.*?)</tr>", html.split('id="direct-table"')[1].split("<tbody>")[1].split("</tbody>")[0], re.S
+    )
     cells = [[int(i) for i in re.findall(r"token=(\d+)&amp;", r)] for r in rows]
     assert cells and all(c and set(c) <= frequent for c in cells), cells
     every = client.get(f"/models/{M}/direct", params={"k": 40, "min_count": "all"}).text
-    assert '<option value="all" selected>' in every and not re.search(r"min_count=\d", every)  # links keep min_count=all
+    assert '<option value="all" selected>' in every and not re.search(
+        r"min_count=\d", every
+    )  # links keep min_count=all
     api_all = client.get(f"/api/v1/models/{M}/direct", params={"k": 40}).json()["entries"]
-    assert {e["row"]["id"] for e in api_all} - frequent  # the global top-40 over all tokens holds rare ones: 'all' differs
+    assert {
+        e["row"]["id"] for e in api_all
+    } - frequent  # the global top-40 over all tokens holds rare ones: 'all' differs
     for e in api_all:
         assert f'href="/models/{M}/direct?token={e["row"]["id"]}&amp;k=40&amp;min_count=all"' in every
     assert 'name="min_count"' not in client.get("/models/tiny-ln/direct").text

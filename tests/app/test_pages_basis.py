@@ -27,8 +27,16 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer LayerNorm model with learned positions: served processed (folded LN, centred writers and W_U)."""
     root = tmp_path_factory.mktemp("basis-models")
     tok = train_tokenizer()
-    cfg = ModelConfig(n_layers=2, d_model=16, n_heads=2, d_head=4, d_vocab=tok.get_vocab_size(), n_ctx=32,
-                      positional_embedding_type="standard", normalization_type="LN")
+    cfg = ModelConfig(
+        n_layers=2,
+        d_model=16,
+        n_heads=2,
+        d_head=4,
+        d_vocab=tok.get_vocab_size(),
+        n_ctx=32,
+        positional_embedding_type="standard",
+        normalization_type="LN",
+    )
     save_qkov(root / M, cfg, tok, seed=7)
     return root
 
@@ -71,7 +79,9 @@ def test_head_page_raw_basis_shows_the_stored_weights(client: TestClient, stored
     assert table_values(served_html, "ov-table") != pytest.approx(expected_raw, rel=1e-6)
     assert '<option value="raw" selected>' in raw_html and '<option value="served" selected>' in served_html
     assert "Basis: raw weights, as stored." in raw_html and "Basis: processed weights: LayerNorm folded" in served_html
-    assert re.search(r'href="/models/ln-2l/heads/L1H1\?token=\d+&amp;k=5&amp;basis=raw"', raw_html)  # token links keep it
+    assert re.search(
+        r'href="/models/ln-2l/heads/L1H1\?token=\d+&amp;k=5&amp;basis=raw"', raw_html
+    )  # token links keep it
     assert "/ov?k=5&amp;basis=raw" in raw_html  # and the tables' JSON links
     # the lede's scores and the spectra stay on the served weights, and say so
     assert re.search(r'id="scores-basis">\(scores and spectra: processed weights: LayerNorm folded', raw_html)
@@ -117,8 +127,15 @@ def test_composition_pages_name_and_switch_their_basis(client: TestClient, store
 def test_no_picker_where_the_stored_weights_are_served(client: TestClient, folder: Path, tmp_path: Path) -> None:
     """A shortformer model without LayerNorm is served unchanged: the basis line says so and there is no picker."""
     tok = train_tokenizer()
-    cfg = ModelConfig(n_layers=2, d_model=16, n_heads=2, d_head=4, d_vocab=tok.get_vocab_size(), n_ctx=32,
-                      positional_embedding_type="shortformer")
+    cfg = ModelConfig(
+        n_layers=2,
+        d_model=16,
+        n_heads=2,
+        d_head=4,
+        d_vocab=tok.get_vocab_size(),
+        n_ctx=32,
+        positional_embedding_type="shortformer",
+    )
     save_qkov(tmp_path / "plain", cfg, tok, seed=8)
     with TestClient(create_app(Settings(shipped_dir=tmp_path, dtype="float64", limits=LIMITS))) as c:
         for page in ("/models/plain/heads/L1H0", "/models/plain/direct", "/models/plain/composition"):
@@ -129,8 +146,16 @@ def test_no_picker_where_the_stored_weights_are_served(client: TestClient, folde
 def test_an_rms_model_names_its_norm(tmp_path: Path) -> None:
     """RMSNorm weights are folded too; the basis line names the norm the model has."""
     tok = train_tokenizer()
-    cfg = ModelConfig(n_layers=1, d_model=16, n_heads=2, d_head=4, d_vocab=tok.get_vocab_size(), n_ctx=32,
-                      positional_embedding_type="standard", normalization_type="RMS")
+    cfg = ModelConfig(
+        n_layers=1,
+        d_model=16,
+        n_heads=2,
+        d_head=4,
+        d_vocab=tok.get_vocab_size(),
+        n_ctx=32,
+        positional_embedding_type="standard",
+        normalization_type="RMS",
+    )
     save_qkov(tmp_path / "rms", cfg, tok, seed=9)
     with TestClient(create_app(Settings(shipped_dir=tmp_path, dtype="float64", limits=LIMITS))) as c:
         html = c.get("/models/rms/heads/L0H0").text
@@ -146,7 +171,9 @@ def test_the_residual_stream_pages_take_the_raw_basis(client: TestClient, stored
     """Virtual weights on the stored weights: the pair L0H1 -> L1H0.V with basis=raw is ‖W_OV⁰ W_OV¹‖ / (‖W_OV⁰‖
     ‖W_OV¹‖) of the safetensors weights (no folded LayerNorm, no centring), the all-pairs table holds the same cell,
     usage answers on them too, and each page offers the picker (this model is served processed)."""
-    W_OV = [stored[f"blocks.{layer}.attn.W_V"][h] @ stored[f"blocks.{layer}.attn.W_O"][h] for layer, h in ((0, 1), (1, 0))]
+    W_OV = [
+        stored[f"blocks.{layer}.attn.W_V"][h] @ stored[f"blocks.{layer}.attn.W_O"][h] for layer, h in ((0, 1), (1, 0))
+    ]
     expected = float(torch.linalg.norm(W_OV[0] @ W_OV[1]) / (torch.linalg.norm(W_OV[0]) * torch.linalg.norm(W_OV[1])))
     raw = client.get(f"/api/v1/models/{M}/residual/L0H1/L1H0.V", params={"basis": "raw"}).json()
     served = client.get(f"/api/v1/models/{M}/residual/L0H1/L1H0.V").json()

@@ -26,7 +26,7 @@ def test_every_control_character_is_drawn_visibly(code: int) -> None:
 
 
 def heads_input(page: str, panel: str) -> str:
-    block = page[page.index(f'id="{panel}"'):]
+    block = page[page.index(f'id="{panel}"') :]
     match = re.search(r'name="(?:heads|head)" value="([^"]*)"', block)
     assert match, block[:2000]
     return html.unescape(match.group(1))
@@ -58,15 +58,19 @@ def test_model_card_is_a_card_not_a_json_dump(shipped: TestClient) -> None:
     card = json.loads((REPO_ROOT / "checkpoints" / "toy-2l" / "model_card.json").read_text())
     r = shipped.get("/models/toy-2l")
     assert r.status_code == 200
-    table = r.text[r.text.index('id="card-thresholds"'):]
-    table = table[:table.index("</table>")]
+    table = r.text[r.text.index('id="card-thresholds"') :]
+    table = table[: table.index("</table>")]
     assert table.count("<tr>") == 1 + len(card["thresholds"])
     assert table.count("✓") == sum(1 for t in card["thresholds"].values() if t["met"])
-    curve = [json.loads(s) for s in re.findall(r'data-name="toy-2l-training-curve">\s*<script type="application/json">(.*?)</script>',
-                                               r.text, re.S)]
+    curve = [
+        json.loads(s)
+        for s in re.findall(
+            r'data-name="toy-2l-training-curve">\s*<script type="application/json">(.*?)</script>', r.text, re.S
+        )
+    ]
     assert len(curve) == 1
     series = {t["name"]: t for t in curve[0]["data"]}
     assert series["train loss"]["x"] == [h["step"] for h in card["history"]]
     assert series["validation loss"]["y"] == [h["val_loss"] for h in card["history"]]
-    history = r.text[r.text.index("<summary>history"):]
+    history = r.text[r.text.index("<summary>history") :]
     assert history.index("</details>") > history.index('{"step"'), "the raw history is folded in its <details>"

@@ -33,13 +33,13 @@ def test_head_page_of_a_rotary_model(client: TestClient):  # noqa: F811
     assert (bands.get("y") or bands.get("x")) == client.get(f"{API}/rope/heads/L1H3/bands").json()["share"]
     qk = client.get(f"{API}/rope/heads/L1H3/qk", params={"offset": 3, "k": 5}).json()
     first = qk["entries"][0]
-    assert f'{first["value"]:.3f}'.rstrip("0") in html or f'{first["value"]:.4f}' in html
+    assert f"{first['value']:.3f}".rstrip("0") in html or f"{first['value']:.4f}" in html
     assert "offset=3" in html  # token links keep the offset
     api_qk = client.get(f"{API}/rope/heads/L1H3/qk-copying", params={"offset": 3}).json()
     curve, eig = figs["rope-L1H3-qk-copying-offsets"]["data"][0], figs["rope-L1H3-qk-eigenvalues-offset"]["data"][-1]
     assert curve["x"] == api_qk["offsets"] and curve["y"] == api_qk["scores"]
     assert eig["x"] == [z["re"] for z in api_qk["eigenvalues"]] and eig["y"] == [z["im"] for z in api_qk["eigenvalues"]]
-    assert f'{api_qk["score"]:+.3f} at δ = 3' in html and 'id="qk-copying-offset"' in html
+    assert f"{api_qk['score']:+.3f} at δ = 3" in html and 'id="qk-copying-offset"' in html
 
 
 def test_pair_and_composition_pages_of_a_rotary_model(client: TestClient):  # noqa: F811
@@ -48,7 +48,7 @@ def test_pair_and_composition_pages_of_a_rotary_model(client: TestClient):  # no
     series = {d["name"]: d["y"] for d in fig["data"]}
     api = client.get(f"{API}/rope/composition/L0H1/L2H2/profile", params={"kind": "K"}).json()
     assert series["K-composition"] == api["scores"] and series["random baseline"][0] == api["baseline"]
-    assert f'offset={api["peak_offset"]}' in html
+    assert f"offset={api['peak_offset']}" in html
     comp = client.get("/models/rope/composition", params={"kind": "K", "offset": 4})
     assert comp.status_code == 200 and "at offset δ = 4" in comp.text and 'id="offset-input"' in comp.text
 

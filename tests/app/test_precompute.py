@@ -23,9 +23,14 @@ def figures(out: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
-def test_precomputed_tables_are_store_hits_and_a_rerun_skips_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    env = {"QKOV_STORE_URL": "disk", "QKOV_STORE_DIR": str(tmp_path / "store"), "QKOV_SHIPPED_DIR": str(REPO_ROOT / "checkpoints")}
+def test_precomputed_tables_are_store_hits_and_a_rerun_skips_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env = {
+        "QKOV_STORE_URL": "disk",
+        "QKOV_STORE_DIR": str(tmp_path / "store"),
+        "QKOV_SHIPPED_DIR": str(REPO_ROOT / "checkpoints"),
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert main([MODEL, "--heads", "L1H2"]) == 0
@@ -37,8 +42,13 @@ def test_precomputed_tables_are_store_hits_and_a_rerun_skips_them(tmp_path: Path
         service = app.state.compute
         assert client.get(f"/api/v1/models/{MODEL}").status_code == 200  # loads the model
         loads = service.stats.completed
-        urls = (f"/models/{MODEL}/heads/L1H2", f"/api/v1/models/{MODEL}/heads", f"/api/v1/models/{MODEL}/composition?kind=V",
-                f"/api/v1/models/{MODEL}/heads/L1H2/ov", f"/models/{MODEL}/composition")
+        urls = (
+            f"/models/{MODEL}/heads/L1H2",
+            f"/api/v1/models/{MODEL}/heads",
+            f"/api/v1/models/{MODEL}/composition?kind=V",
+            f"/api/v1/models/{MODEL}/heads/L1H2/ov",
+            f"/models/{MODEL}/composition",
+        )
         for url in urls:
             assert client.get(url).status_code == 200, url
         # the panels the head page loads after itself (the copying panel), asked as htmx asks them
@@ -47,15 +57,18 @@ def test_precomputed_tables_are_store_hits_and_a_rerun_skips_them(tmp_path: Path
         for src, target in panels:
             assert client.get(src, headers={"HX-Request": "true", "HX-Target": target}).status_code == 200, src
         assert service.stats.completed == loads  # every answer came from the store
-        assert service.store is not None and service.store.hits == len(urls) + len(panels)  # one stored answer (or page) each
+        assert service.store is not None and service.store.hits == len(urls) + len(
+            panels
+        )  # one stored answer (or page) each
 
     assert main([MODEL, "--heads", "L1H2"]) == 0
     again, hits = figures(capsys.readouterr().out)
     assert again == 0 and hits >= 8  # everything was stored: a rerun computes nothing
 
 
-def test_the_copying_overview_is_assembled_from_the_head_panels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_copying_overview_is_assembled_from_the_head_panels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """On a vocabulary over FULL_ROWS_MAX tokens with more than 16 heads the overview samples fewer rows per head than
     a head's panel: precompute asks the panels first and the overview reads its rows off their entries, so each circuit
     (every head, the baseline's random ones) is measured once. The stored overview equals one computed cold."""
@@ -66,14 +79,25 @@ def test_the_copying_overview_is_assembled_from_the_head_panels(tmp_path: Path, 
     from tests.app.conftest import save_qkov, train_tokenizer
     from tests.app.test_copying_shared import counting
 
-    cfg = ModelConfig(n_layers=2, d_model=8, n_heads=9, d_head=4, d_vocab=copying_view.FULL_ROWS_MAX + 100, n_ctx=16,
-                      positional_embedding_type="shortformer")
+    cfg = ModelConfig(
+        n_layers=2,
+        d_model=8,
+        n_heads=9,
+        d_head=4,
+        d_vocab=copying_view.FULL_ROWS_MAX + 100,
+        n_ctx=16,
+        positional_embedding_type="shortformer",
+    )
     save_qkov(tmp_path / "models" / "wide", cfg, train_tokenizer(), seed=5)
     n_heads = cfg.n_layers * cfg.n_heads
     overview_rows, panel_rows = (copying_view.default_rows(cfg.d_vocab, None, n) for n in (n_heads, 1))
     assert overview_rows is not None and panel_rows is not None and overview_rows < panel_rows  # (else: one key)
-    env = {"QKOV_STORE_URL": "disk", "QKOV_STORE_DIR": str(tmp_path / "store"), "QKOV_SHIPPED_DIR": str(tmp_path / "models"),
-           "QKOV_DTYPE": "float64"}
+    env = {
+        "QKOV_STORE_URL": "disk",
+        "QKOV_STORE_DIR": str(tmp_path / "store"),
+        "QKOV_SHIPPED_DIR": str(tmp_path / "models"),
+        "QKOV_DTYPE": "float64",
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     calls = counting(monkeypatch, "row_ranks")
@@ -84,7 +108,9 @@ def test_the_copying_overview_is_assembled_from_the_head_panels(tmp_path: Path, 
     finally:
         torch.set_num_threads(before)  # process-wide: the later tests keep theirs
     assert "assembled pages and panels" in capsys.readouterr().out
-    assert len(calls) == n_heads + copying_view.N_TOP_SAMPLES  # each circuit once: the panels' rows, read by the overview
+    assert (
+        len(calls) == n_heads + copying_view.N_TOP_SAMPLES
+    )  # each circuit once: the panels' rows, read by the overview
 
     with TestClient(create_app(Settings())) as client:
         stored = client.get("/api/v1/models/wide/copying").json()
@@ -94,6 +120,7 @@ def test_the_copying_overview_is_assembled_from_the_head_panels(tmp_path: Path, 
     assert stored["n_rows"] == cold["n_rows"] == overview_rows
     assert [h["head"] for h in stored["heads"]] == [h["head"] for h in cold["heads"]]
     for got, want in zip(stored["heads"], cold["heads"], strict=True):
-        assert {k: v for k, v in got.items() if k != "head"} == pytest.approx({k: v for k, v in want.items() if k != "head"},
-                                                                             rel=1e-12, abs=1e-12)
+        assert {k: v for k, v in got.items() if k != "head"} == pytest.approx(
+            {k: v for k, v in want.items() if k != "head"}, rel=1e-12, abs=1e-12
+        )
     assert stored["baseline"] == pytest.approx(cold["baseline"], rel=1e-12, abs=1e-12)

@@ -24,7 +24,12 @@ MODEL = "tiny-2l"
 TOKENS = "5,6,7,8,5,6,7,8,9"
 PATH_VALUES = {"model": MODEL, "head": "L1H0", "source": "L0H1", "target": "L1H2", "writer": "L0H1", "reader": "L1H0.K"}
 QUERY_VALUES = {"tokens": TOKENS, "heads": "L0H1,L1H2", "head": "L1H0", "k": 7}
-ROTARY_ONLY = {"positional", "rotary-bands", "composition-profile", "qk-copying-offset"}  # 422 on this (learned-position) model
+ROTARY_ONLY = {
+    "positional",
+    "rotary-bands",
+    "composition-profile",
+    "qk-copying-offset",
+}  # 422 on this (learned-position) model
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +92,11 @@ def test_the_priced_answer_bounds_the_real_one(app_and_client: Any, analysis_nam
     registry = app.state.registry
     loaded = registry.get(MODEL)
     limits = app.state.settings.limits
-    params = declared(app).bound(analysis).model_validate({**query, **{k: v for k, v in PATH_VALUES.items() if k != "model"}})
+    params = (
+        declared(app)
+        .bound(analysis)
+        .model_validate({**query, **{k: v for k, v in PATH_VALUES.items() if k != "model"}})
+    )
     cost = analysis.cost(loaded, params.normalised(loaded), limits)
     assert isinstance(cost, Cost) and cost.peak_bytes >= 0
     real = len(answer.content)

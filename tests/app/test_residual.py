@@ -25,12 +25,45 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("residual-models")
     tok = train_tokenizer()
     V = tok.get_vocab_size()
-    save_qkov(root / "gpt2ish", ModelConfig(
-        n_layers=2, d_model=16, n_heads=2, d_head=8, d_vocab=V, n_ctx=32, attn_only=False, d_mlp=32, act_fn="gelu_new",
-        normalization_type="LN", positional_embedding_type="standard", use_bias=True), tok, seed=5)
-    save_qkov(root / "llamaish", ModelConfig(
-        n_layers=2, d_model=16, n_heads=4, d_head=4, d_vocab=V, n_ctx=32, attn_only=False, d_mlp=24, act_fn="silu",
-        gated_mlp=True, n_key_value_heads=2, normalization_type="RMS", positional_embedding_type="rotary"), tok, seed=6)
+    save_qkov(
+        root / "gpt2ish",
+        ModelConfig(
+            n_layers=2,
+            d_model=16,
+            n_heads=2,
+            d_head=8,
+            d_vocab=V,
+            n_ctx=32,
+            attn_only=False,
+            d_mlp=32,
+            act_fn="gelu_new",
+            normalization_type="LN",
+            positional_embedding_type="standard",
+            use_bias=True,
+        ),
+        tok,
+        seed=5,
+    )
+    save_qkov(
+        root / "llamaish",
+        ModelConfig(
+            n_layers=2,
+            d_model=16,
+            n_heads=4,
+            d_head=4,
+            d_vocab=V,
+            n_ctx=32,
+            attn_only=False,
+            d_mlp=24,
+            act_fn="silu",
+            gated_mlp=True,
+            n_key_value_heads=2,
+            normalization_type="RMS",
+            positional_embedding_type="rotary",
+        ),
+        tok,
+        seed=6,
+    )
     return root
 
 
@@ -65,7 +98,7 @@ def _check_scores(body: dict, model) -> int:  # type: ignore[no-untyped-def]
 def test_every_cell_is_the_dense_score(rclient: TestClient, folders: Path, name: str) -> None:
     model = _served(folders, name).model
     body = rclient.get(f"/api/v1/models/{name}/residual").json()
-    assert body["baseline"] == pytest.approx(model.cfg.d_model ** -0.5)
+    assert body["baseline"] == pytest.approx(model.cfg.d_model**-0.5)
     assert _check_scores(body, model) > 50
     readers = body["readers"]
     if name == "llamaish":
@@ -119,14 +152,17 @@ def test_pair_answer_is_the_dense_virtual_weight(rclient: TestClient, folders: P
     assert {e["index"] for e in neurons["directions"][0]["input_top"]} <= {2, 7}
 
 
-@pytest.mark.parametrize("path,status,needle", [
-    ("residual/L1H0/L0H0.Q", 422, "does not read"),
-    ("residual/L9H0/unembed", 404, "layers"),
-    ("residual/embed/L0H0.X", 422, "reader"),
-    ("residual/L0.mlp/L1.mlp.gate", 404, "MLP inputs"),
-    ("residual/embed/unembed?k=0", 422, "k"),
-    ("residual/usage?energy=0", 422, "energy"),
-])
+@pytest.mark.parametrize(
+    "path,status,needle",
+    [
+        ("residual/L1H0/L0H0.Q", 422, "does not read"),
+        ("residual/L9H0/unembed", 404, "layers"),
+        ("residual/embed/L0H0.X", 422, "reader"),
+        ("residual/L0.mlp/L1.mlp.gate", 404, "MLP inputs"),
+        ("residual/embed/unembed?k=0", 422, "k"),
+        ("residual/usage?energy=0", 422, "energy"),
+    ],
+)
 def test_refusals(rclient: TestClient, path: str, status: int, needle: str) -> None:
     assert_problem(rclient.get(f"/api/v1/models/gpt2ish/{path}"), status, needle)
 

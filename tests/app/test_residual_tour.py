@@ -29,7 +29,9 @@ def toy() -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def chapter() -> dict:
-    registry = ModelRegistry(Settings(shipped_dir=CHECKPOINTS, models_dir=CHECKPOINTS / "none", dtype="float64", limits=LIMITS))
+    registry = ModelRegistry(
+        Settings(shipped_dir=CHECKPOINTS, models_dir=CHECKPOINTS / "none", dtype="float64", limits=LIMITS)
+    )
     return {f.id: f for f in tour_residual.residual_chapter(registry, LIMITS)}
 
 
@@ -39,8 +41,12 @@ def dense(toy: LoadedModel) -> dict:
     m = toy.model
     W = {w.name: dense_writer(m, w) for w in sc.writers(m)}
     R = {r.name: dense_reader(m, r) for r in sc.readers(m)}
-    scores = {(w.name, r.name): float((W[w.name] @ R[r.name]).norm() / (W[w.name].norm() * R[r.name].norm()))
-              for w in sc.writers(m) for r in sc.readers(m) if sc.reaches(m, w, r)}
+    scores = {
+        (w.name, r.name): float((W[w.name] @ R[r.name]).norm() / (W[w.name].norm() * R[r.name].norm()))
+        for w in sc.writers(m)
+        for r in sc.readers(m)
+        if sc.reaches(m, w, r)
+    }
     return {"W": W, "scores": scores}
 
 
@@ -102,10 +108,16 @@ def test_f4_bandwidth_and_erasure(chapter: dict, toy: LoadedModel, dense: dict) 
 
 
 def test_the_section_is_priced_by_the_engine_costs(toy: LoadedModel) -> None:
-    registry = ModelRegistry(Settings(shipped_dir=CHECKPOINTS, models_dir=CHECKPOINTS / "none", dtype="float64", limits=LIMITS))
+    registry = ModelRegistry(
+        Settings(shipped_dir=CHECKPOINTS, models_dir=CHECKPOINTS / "none", dtype="float64", limits=LIMITS)
+    )
     cost = tour_residual.residual_chapter_cost(registry, LIMITS)
     m = registry.get("toy-2l").model
-    assert cost.peak_bytes >= max(virtual_weights.all_scores_cost(m).peak_bytes, residual_stream.erasure_cost(m).peak_bytes)
+    assert cost.peak_bytes >= max(
+        virtual_weights.all_scores_cost(m).peak_bytes, residual_stream.erasure_cost(m).peak_bytes
+    )
     assert cost.answer_bytes > 0
-    empty = ModelRegistry(Settings(shipped_dir=CHECKPOINTS / "none", models_dir=CHECKPOINTS / "none", dtype="float64", limits=LIMITS))
+    empty = ModelRegistry(
+        Settings(shipped_dir=CHECKPOINTS / "none", models_dir=CHECKPOINTS / "none", dtype="float64", limits=LIMITS)
+    )
     assert tour_residual.residual_chapter_cost(empty, LIMITS).peak_bytes == 0

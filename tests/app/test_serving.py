@@ -73,6 +73,7 @@ def add_test_routes(app: FastAPI, calls: list[str] | None = None) -> None:
     @app.get("/api/v1/test/priced")
     async def priced_route(peak: int, answer: int, n: int = 3) -> Response:
         """Priced at (peak, answer) bytes; actually answers n numbers."""
+
         def work() -> Numbers:
             calls.append(f"priced {n}")
             return Numbers(values=[0.123456789] * n)
@@ -147,8 +148,18 @@ def test_cheap_work_never_waits_for_a_slot(settings: Settings) -> None:
     503: listings, the model summary, health, static files, cached API answers and pages whose panels are cached."""
     app = serving_app(settings, compute_slots=2, slot_wait_s=0.2)
     m = "/api/v1/models/tiny-2l"
-    cheap = ["/healthz", "/api/v1/models", "/api/v1/unavailable-models", m, "/static/qkov.css", f"{m}/heads",
-             f"{m}/heads/L1H0/ov?k=5", "/models/tiny-2l/heads/L1H0", "/", "/models/tiny-2l/direct"]
+    cheap = [
+        "/healthz",
+        "/api/v1/models",
+        "/api/v1/unavailable-models",
+        m,
+        "/static/qkov.css",
+        f"{m}/heads",
+        f"{m}/heads/L1H0/ov?k=5",
+        "/models/tiny-2l/heads/L1H0",
+        "/",
+        "/models/tiny-2l/direct",
+    ]
 
     async def scenario(ac: httpx.AsyncClient) -> None:
         for url in cheap:  # warm: models loaded (or known broken), answers cached
@@ -331,7 +342,9 @@ def test_a_request_over_the_peak_or_answer_budget_is_refused_before_compute(sett
 
     async def scenario(ac: httpx.AsyncClient) -> None:
         over_peak = await ac.get("/api/v1/test/priced", params={"peak": 3 * 2**20, "answer": 10})
-        assert_problem(over_peak, 422, "3145728 bytes (3.0 MiB) of working memory", "peak_bytes", "1.0 MiB", "lower n or peak")
+        assert_problem(
+            over_peak, 422, "3145728 bytes (3.0 MiB) of working memory", "peak_bytes", "1.0 MiB", "lower n or peak"
+        )
         over_answer = await ac.get("/api/v1/test/priced", params={"peak": 10, "answer": 50_000})
         assert_problem(over_answer, 422, "(48.8 KiB) of JSON", "max_answer_bytes", "4096 bytes", "lower n or peak")
         assert calls == [] and service(app).stats.completed == 0  # nothing ran
@@ -372,12 +385,17 @@ def test_each_limit_is_refused_with_problem_json(client: TestClient, url: str, n
 @pytest.mark.parametrize(
     ("url", "needles"),
     [
-        (f"/api/v1/models/tiny-2l/term-importance?tokens={','.join(['5'] * 40)}", ("MiB) of working memory", "peak_bytes")),
+        (
+            f"/api/v1/models/tiny-2l/term-importance?tokens={','.join(['5'] * 40)}",
+            ("MiB) of working memory", "peak_bytes"),
+        ),
         (f"/api/v1/models/tiny-2l/qk-paths?head=L1H0&k=50&tokens={','.join(['5'] * 40)}", ("peak_bytes", "lower", "k")),
         (f"/api/v1/models/tiny-2l/prompt?tokens={','.join(['5'] * 40)}", ("KiB) of JSON", "max_answer_bytes", "lower")),
     ],
 )
-def test_real_analyses_over_budget_are_refused_before_a_slot(settings: Settings, url: str, needles: tuple[str, ...]) -> None:
+def test_real_analyses_over_budget_are_refused_before_a_slot(
+    settings: Settings, url: str, needles: tuple[str, ...]
+) -> None:
     """The engine's own cost of these requests (term importance on 40 tokens: about 1.04 MiB; the QK terms of 50
     pairs: 1.5 MiB; 4 patterns of 40 x 40: 140 KiB of JSON) is over a 1 MiB / 64 KiB budget."""
     limits = settings.limits.model_copy(update={"peak_bytes": 2**20, "max_answer_bytes": 64 * 1024})
@@ -428,7 +446,10 @@ def test_rate_limit_429_with_standard_headers(settings: Settings) -> None:
         refused = c.get("/api/v1/models/tiny-2l")
         assert_problem(refused, 429, "more than 3 requests")
         assert refused.headers["RateLimit-Limit"] == "3" and refused.headers["RateLimit-Remaining"] == "0"
-        assert 1 <= int(refused.headers["Retry-After"]) <= 60 and refused.headers["RateLimit-Reset"] == refused.headers["Retry-After"]
+        assert (
+            1 <= int(refused.headers["Retry-After"]) <= 60
+            and refused.headers["RateLimit-Reset"] == refused.headers["Retry-After"]
+        )
         page = c.get("/")
         assert page.status_code == 429 and page.headers["content-type"].startswith("text/html")
         assert c.get("/healthz").status_code == 200  # probes are not limited
@@ -454,7 +475,8 @@ def test_request_id_in_out_and_in_json_logs(client: TestClient) -> None:
     assert made.headers["X-Request-ID"] != "bad id <script>" and len(made.headers["X-Request-ID"]) == 32
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
     assert [(x["request_id"], x["status"], x["route"]) for x in lines] == [
-        ("abc-123", 200, "/api/v1/models"), (made.headers["X-Request-ID"], 200, "/api/v1/models")
+        ("abc-123", 200, "/api/v1/models"),
+        (made.headers["X-Request-ID"], 200, "/api/v1/models"),
     ]
 
 
@@ -467,8 +489,13 @@ def test_prometheus_metrics(settings: Settings) -> None:
     assert 'qkov_http_requests_total{method="GET",route="/api/v1/models/{model}/heads",status="200"} 2.0' in text
     assert 'route="/api/v1/models/{model}/heads",status="404"} 1.0' in text
     assert "qkov_http_request_duration_seconds_bucket" in text
-    for name in ("qkov_compute_slots_in_use", "qkov_cache_bytes", "qkov_cache_hit_ratio", "qkov_cache_hits_total",
-                 "process_resident_memory_bytes"):
+    for name in (
+        "qkov_compute_slots_in_use",
+        "qkov_cache_bytes",
+        "qkov_cache_hit_ratio",
+        "qkov_cache_hits_total",
+        "process_resident_memory_bytes",
+    ):
         assert name in text
     hits = next(line for line in text.splitlines() if line.startswith("qkov_cache_hits_total"))
     assert float(hits.split()[-1]) >= 1

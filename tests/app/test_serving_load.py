@@ -33,11 +33,22 @@ V = 300  # token ids below the test tokenizer's vocabulary size (320)
 @pytest.fixture(scope="module")
 def server(model_dirs: tuple[Path, Path]) -> Iterator[tuple[str, int]]:
     port = free_port()
-    env = {"QKOV_SHIPPED_DIR": str(model_dirs[0]), "QKOV_MODELS_DIR": str(model_dirs[1]),
-           "QKOV_CACHE_BYTES": str(CACHE_BYTES), "QKOV_STORE_URL": "off", "QKOV_PRELOAD": "true", "QKOV_SLOT_WAIT_S": "60"}
+    env = {
+        "QKOV_SHIPPED_DIR": str(model_dirs[0]),
+        "QKOV_MODELS_DIR": str(model_dirs[1]),
+        "QKOV_CACHE_BYTES": str(CACHE_BYTES),
+        "QKOV_STORE_URL": "off",
+        "QKOV_PRELOAD": "true",
+        "QKOV_SLOT_WAIT_S": "60",
+    }
     # quiet: thousands of access-log lines would fill a stderr pipe nobody reads
-    proc = start(["-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
-                 port, env, timeout_s=90, quiet=True)
+    proc = start(
+        ["-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
+        port,
+        env,
+        timeout_s=90,
+        quiet=True,
+    )
     base = f"http://127.0.0.1:{port}"
     yield base, proc.pid
     proc.kill()
@@ -68,8 +79,10 @@ def test_two_thousand_distinct_prompts_stay_within_the_cache_budget(server: tupl
     m = "/api/v1/models/tiny-2l"
 
     def prompts(start: int, count: int) -> list[str]:  # distinct token sequences: distinct cache keys
-        return [f"{m}/detectors?tokens={(i * 7) % V},{(i * 13) % V},{i % V},{(i // V) % V},{(i * 7) % V}"
-                for i in range(start, start + count)]
+        return [
+            f"{m}/detectors?tokens={(i * 7) % V},{(i * 13) % V},{i % V},{(i // V) % V},{(i * 7) % V}"
+            for i in range(start, start + count)
+        ]
 
     # runs first in this module (an empty cache); warm-up, 10 answers kept: arenas, kernels, models
     asyncio.run(fetch_all(base, prompts(10_000, 10) * 20))
@@ -80,8 +93,10 @@ def test_two_thousand_distinct_prompts_stay_within_the_cache_budget(server: tupl
     counted = cache_gauge(base)
     assert kept < CACHE_BYTES / 4 and CACHE_BYTES * 0.9 < counted <= CACHE_BYTES  # filled up to its budget, not over
     grown = after - before
-    print(f"RSS {before / MiB:.0f} -> {after / MiB:.0f} MiB (+{grown / MiB:.1f} MiB); cache counts {kept / MiB:.2f} -> "
-          f"{counted / MiB:.1f} MiB")
+    print(
+        f"RSS {before / MiB:.0f} -> {after / MiB:.0f} MiB (+{grown / MiB:.1f} MiB); cache counts {kept / MiB:.2f} -> "
+        f"{counted / MiB:.1f} MiB"
+    )
     assert grown <= CACHE_BYTES + FIXED_OVERHEAD, (
         f"RSS grew {grown / MiB:.1f} MiB over 2,000 prompts; bound: cache {CACHE_BYTES / MiB:.0f} MiB + fixed "
         f"{FIXED_OVERHEAD / MiB:.0f} MiB"
@@ -92,7 +107,9 @@ def test_sixteen_clients_mixing_heavy_and_cheap_work_get_no_5xx(server: tuple[st
     base, _ = server
     m = "/api/v1/models/tiny-2l"
     cheap = ["/healthz", "/api/v1/models", f"{m}", "/", "/static/qkov.css", f"{m}/heads"]
-    heavy = [f"{m}/heads/L1H{i % 4}/ov?k=20" for i in range(8)] + [f"{m}/detectors?seq_len=60&batch=8&seed={s}" for s in range(8)]
+    heavy = [f"{m}/heads/L1H{i % 4}/ov?k=20" for i in range(8)] + [
+        f"{m}/detectors?seq_len=60&batch=8&seed={s}" for s in range(8)
+    ]
     heavy += [f"{m}/paths?max_order=2&tokens={s},{s + 1},{s + 2},{s},{s + 1}" for s in range(8)]
     urls = (cheap * 20 + heavy) * 2
     statuses = asyncio.run(fetch_all(base, urls))

@@ -55,8 +55,15 @@ def roots(tmp_path_factory: pytest.TempPathFactory, model_dirs: tuple[Path, Path
     shutil.copytree(model_dirs[0] / "tiny-2l", shipped / "tiny-2l")
     tok = train_tokenizer()
     tok.add_tokens([XSS])
-    cfg = ModelConfig(n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=tok.get_vocab_size(), n_ctx=32,
-                      positional_embedding_type="standard")
+    cfg = ModelConfig(
+        n_layers=1,
+        d_model=16,
+        n_heads=2,
+        d_head=8,
+        d_vocab=tok.get_vocab_size(),
+        n_ctx=32,
+        positional_embedding_type="standard",
+    )
     save_qkov(models / "xss", cfg, tok, seed=5)
     save_qkov(outside / "secret", cfg, tok, seed=6)
     (models / "escape").symlink_to(outside / "secret", target_is_directory=True)
@@ -76,8 +83,23 @@ def safe_client(roots: tuple[Path, Path, Path]) -> Iterator[TestClient]:
 
 @pytest.mark.parametrize(
     "model_id",
-    ["..", "%2e%2e", "..%2F..%2Fetc", "%2Fetc%2Fpasswd", "%2F", "escape", "secret", "a%00b", "caf%C3%A9",
-     "tiny-2l%0A", "tiny-2l%20", ".hidden", "~root", "tiny-2l;ls", "%5C..%5Cx"],
+    [
+        "..",
+        "%2e%2e",
+        "..%2F..%2Fetc",
+        "%2Fetc%2Fpasswd",
+        "%2F",
+        "escape",
+        "secret",
+        "a%00b",
+        "caf%C3%A9",
+        "tiny-2l%0A",
+        "tiny-2l%20",
+        ".hidden",
+        "~root",
+        "tiny-2l;ls",
+        "%5C..%5Cx",
+    ],
 )
 def test_model_ids_never_reach_outside_the_models_directory(safe_client: TestClient, model_id: str) -> None:
     api = safe_client.get(f"/api/v1/models/{model_id}/heads")
@@ -114,14 +136,19 @@ def test_token_markup_is_data_in_json_and_escaped_on_pages(safe_client: TestClie
     assert page.status_code == 200, page.text
     assert "&lt;script&gt;" in page.text or "\\u003cscript" in page.text
     assert XSS not in page.text and "<script>alert" not in page.text
-    for path, status in ((f"/models/{XSS}", 404), (f"/models/xss/heads/{XSS}", 404), (f"/models/xss/direct?token={XSS}", 200)):
+    for path, status in (
+        (f"/models/{XSS}", 404),
+        (f"/models/xss/heads/{XSS}", 404),
+        (f"/models/xss/direct?token={XSS}", 200),
+    ):
         answer = safe_client.get(path)  # unknown model, no such URL, the token as a query (its page)
         assert answer.status_code == status and "<script>alert" not in answer.text, path
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in answer.text
 
 
-def test_a_new_folder_is_served_without_a_restart(safe_client: TestClient, roots: tuple[Path, Path, Path],
-                                                  model_dirs: tuple[Path, Path]) -> None:
+def test_a_new_folder_is_served_without_a_restart(
+    safe_client: TestClient, roots: tuple[Path, Path, Path], model_dirs: tuple[Path, Path]
+) -> None:
     models = roots[1]
     assert safe_client.get("/api/v1/models/fresh").status_code == 404
     shutil.copytree(model_dirs[1] / "tiny-ln", models / "fresh")
@@ -153,15 +180,34 @@ def make_slow_app() -> FastAPI:
 def start_server(model_dirs: tuple[Path, Path], http: str) -> tuple[subprocess.Popen[bytes], int]:
     """`python -m app.serve` with a 1 s header timeout and a 2 s drain, two compute slots."""
     port = free_port()
-    env = {"QKOV_SHIPPED_DIR": str(model_dirs[0]), "QKOV_COMPUTE_SLOTS": "2", "QKOV_TORCH_THREADS": "1",
-           "QKOV_HEADER_TIMEOUT_S": "1", "QKOV_SHUTDOWN_DRAIN_S": "2", "QKOV_STORE_URL": "off"}
-    args = ["-m", "app.serve", "--app", "tests.app.test_serving_safety:make_slow_app", "--factory",
-            "--host", "127.0.0.1", "--port", str(port), "--http", http]
+    env = {
+        "QKOV_SHIPPED_DIR": str(model_dirs[0]),
+        "QKOV_COMPUTE_SLOTS": "2",
+        "QKOV_TORCH_THREADS": "1",
+        "QKOV_HEADER_TIMEOUT_S": "1",
+        "QKOV_SHUTDOWN_DRAIN_S": "2",
+        "QKOV_STORE_URL": "off",
+    }
+    args = [
+        "-m",
+        "app.serve",
+        "--app",
+        "tests.app.test_serving_safety:make_slow_app",
+        "--factory",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--http",
+        http,
+    ]
     return start(args, port, env), port
 
 
 @pytest.fixture(scope="module", params=["httptools", "h11"])
-def served(request: pytest.FixtureRequest, model_dirs: tuple[Path, Path]) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+def served(
+    request: pytest.FixtureRequest, model_dirs: tuple[Path, Path]
+) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     """The launcher with either HTTP parser (the header timeout is a mixin on each)."""
     proc, port = start_server(model_dirs, request.param)
     yield proc, port
@@ -192,7 +238,8 @@ def closed_by_server(conn: socket.socket, within_s: float, drip: bytes = b"") ->
 
 @pytest.mark.xdist_group("uvicorn")
 def test_header_timeout_cuts_off_clients_that_never_finish_their_headers(
-        served: tuple[subprocess.Popen[bytes], int]) -> None:
+    served: tuple[subprocess.Popen[bytes], int],
+) -> None:
     _, port = served
     with socket.create_connection(("127.0.0.1", port)) as silent:  # connects, sends nothing
         assert closed_by_server(silent, within_s=8)
@@ -236,7 +283,8 @@ def test_header_timeout_cuts_off_clients_that_never_finish_their_headers(
 
 @pytest.mark.xdist_group("uvicorn")
 def test_sigterm_drains_within_the_setting_even_with_unstoppable_work(
-        served: tuple[subprocess.Popen[bytes], int]) -> None:
+    served: tuple[subprocess.Popen[bytes], int],
+) -> None:
     proc, port = served
     base = f"http://127.0.0.1:{port}"
     with ThreadPoolExecutor(2) as pool:

@@ -42,10 +42,27 @@ pytestmark = pytest.mark.xdist_group("uvicorn")  # one server for the module, on
 @pytest.fixture(scope="module")
 def server(model_dirs: tuple[Path, Path]) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     port = free_port()
-    env = {"QKOV_SHIPPED_DIR": str(model_dirs[0]), "QKOV_COMPUTE_SLOTS": "1", "QKOV_SLOT_WAIT_S": "10",
-           "QKOV_TORCH_THREADS": "1"}
-    proc = start(["-m", "uvicorn", "--factory", "tests.app.test_serving_uvicorn:make_app",
-                  "--host", "127.0.0.1", "--port", str(port), "--no-access-log"], port, env)
+    env = {
+        "QKOV_SHIPPED_DIR": str(model_dirs[0]),
+        "QKOV_COMPUTE_SLOTS": "1",
+        "QKOV_SLOT_WAIT_S": "10",
+        "QKOV_TORCH_THREADS": "1",
+    }
+    proc = start(
+        [
+            "-m",
+            "uvicorn",
+            "--factory",
+            "tests.app.test_serving_uvicorn:make_app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--no-access-log",
+        ],
+        port,
+        env,
+    )
     base = f"http://127.0.0.1:{port}"
     yield proc, base
     if proc.poll() is None:
@@ -66,7 +83,9 @@ def wait_until_busy(base: str) -> None:
         time.sleep(0.02)
 
 
-def test_client_disconnect_stops_the_computation_and_frees_the_slot(server: tuple[subprocess.Popen[bytes], str]) -> None:
+def test_client_disconnect_stops_the_computation_and_frees_the_slot(
+    server: tuple[subprocess.Popen[bytes], str],
+) -> None:
     _, base = server
     port = int(base.rsplit(":", 1)[1])
     with socket.create_connection(("127.0.0.1", port)) as raw:

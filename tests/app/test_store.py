@@ -155,7 +155,9 @@ def test_redis_store_compresses_what_it_keeps(redis_server: RedisServer, tmp_pat
     assert store.get("k") == text
 
 
-def test_a_killed_redis_falls_back_to_the_local_store_without_raising(redis_server: RedisServer, tmp_path: Path) -> None:
+def test_a_killed_redis_falls_back_to_the_local_store_without_raising(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
     store = RedisStore(redis_server.url, fallback=DiskStore(tmp_path / "local", 2**24), ttl_s=60)
     store.put("before", b"1")
     redis_server.kill()

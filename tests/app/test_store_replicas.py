@@ -27,9 +27,18 @@ MODEL = "toy-2l"
 @contextmanager
 def replica(env_extra: dict[str, str]) -> Iterator[str]:
     port = free_port()
-    env = {"QKOV_SHIPPED_DIR": str(REPO_ROOT / "checkpoints"), "QKOV_COMPUTE_SLOTS": "1", "QKOV_TORCH_THREADS": "1", **env_extra}
-    proc = start(["-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
-                 port, env, quiet=True)
+    env = {
+        "QKOV_SHIPPED_DIR": str(REPO_ROOT / "checkpoints"),
+        "QKOV_COMPUTE_SLOTS": "1",
+        "QKOV_TORCH_THREADS": "1",
+        **env_extra,
+    }
+    proc = start(
+        ["-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],
+        port,
+        env,
+        quiet=True,
+    )
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -64,7 +73,10 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 def test_a_key_computed_by_one_replica_is_served_by_the_other(redis_server: RedisServer, tmp_path: Path) -> None:
     env = {"QKOV_STORE_URL": redis_server.url}
-    with replica({**env, "QKOV_STORE_DIR": str(tmp_path / "a")}) as a, replica({**env, "QKOV_STORE_DIR": str(tmp_path / "b")}) as b:
+    with (
+        replica({**env, "QKOV_STORE_DIR": str(tmp_path / "a")}) as a,
+        replica({**env, "QKOV_STORE_DIR": str(tmp_path / "b")}) as b,
+    ):
         url = f"/api/v1/models/{MODEL}/composition?kind=K"
         a0, b0 = warm(a), warm(b)
         first = httpx.get(a + url, timeout=60)
@@ -79,7 +91,10 @@ def test_a_key_computed_by_one_replica_is_served_by_the_other(redis_server: Redi
 
 def test_sixteen_clients_on_two_replicas_compute_each_key_once(redis_server: RedisServer, tmp_path: Path) -> None:
     env = {"QKOV_STORE_URL": redis_server.url}
-    with replica({**env, "QKOV_STORE_DIR": str(tmp_path / "a")}) as a, replica({**env, "QKOV_STORE_DIR": str(tmp_path / "b")}) as b:
+    with (
+        replica({**env, "QKOV_STORE_DIR": str(tmp_path / "a")}) as a,
+        replica({**env, "QKOV_STORE_DIR": str(tmp_path / "b")}) as b,
+    ):
         keys = [ov_row(t) for t in range(100, 124)]  # 24 distinct answers
         rng = random.Random(0)
         jobs = [(rng.choice([a, b]), rng.choice(keys)) for _ in range(16 * 12)]  # every key asked ~8 times

@@ -28,7 +28,9 @@ MiB = 2**20
 
 @pytest.fixture(scope="module")
 def app_client(settings: Settings):
-    with TestClient(create_app(settings.model_copy(update={"limits": LIMITS.model_copy(update={"matrix_budget_bytes": 16 * MiB})}))) as c:
+    with TestClient(
+        create_app(settings.model_copy(update={"limits": LIMITS.model_copy(update={"matrix_budget_bytes": 16 * MiB})}))
+    ) as c:
         yield c
 
 
@@ -97,10 +99,14 @@ def test_the_time_price_refuses_before_running(settings: Settings, tiny: LoadedM
     deadline = 50.0
     rate = (every + none) / 2 / deadline
     limits = LIMITS.model_copy(update={"matrix_budget_bytes": 16 * MiB})
-    with TestClient(create_app(settings.model_copy(update={"limits": limits, "compute_flops_per_s": rate,
-                                                           "request_timeout_s": deadline}))) as c:
-        refused = assert_problem(c.get(API, params={"prompt": PROMPT, "heads": "all"}), 422, "request_timeout_s",
-                                 "heads", "GFLOP")
+    with TestClient(
+        create_app(
+            settings.model_copy(update={"limits": limits, "compute_flops_per_s": rate, "request_timeout_s": deadline})
+        )
+    ) as c:
+        refused = assert_problem(
+            c.get(API, params={"prompt": PROMPT, "heads": "all"}), 422, "request_timeout_s", "heads", "GFLOP"
+        )
         said = re.search(r"would take about (\d+) s \(([\d.,]+) GFLOP", refused["detail"])
         assert said is not None and float(said[2].replace(",", "")) == pytest.approx(every / 1e9, abs=0.5)
         assert int(said[1]) == round(every / rate)
@@ -111,8 +117,15 @@ def test_default_on_a_model_of_many_heads_without_a_summary(tmp_path_factory: py
     """More than 64 heads and no model_summary.json: no head by default, said so; a layer asked is answered."""
     root: Path = tmp_path_factory.mktemp("many-heads")
     tok = train_tokenizer()
-    cfg = ModelConfig(n_layers=9, d_model=16, n_heads=8, d_head=2, d_vocab=tok.get_vocab_size(), n_ctx=32,
-                      positional_embedding_type="shortformer")
+    cfg = ModelConfig(
+        n_layers=9,
+        d_model=16,
+        n_heads=8,
+        d_head=2,
+        d_vocab=tok.get_vocab_size(),
+        n_ctx=32,
+        positional_embedding_type="shortformer",
+    )
     save_qkov(root / "many", cfg, tok, seed=7)
     with TestClient(create_app(Settings(shipped_dir=root, dtype="float64", store_url="off", limits=LIMITS))) as c:
         body = c.get("/api/v1/models/many/term-importance", params={"prompt": PROMPT}).json()

@@ -62,20 +62,29 @@ def test_smollm2_default_term_importance_and_its_sentences(served: Any) -> None:
     model = loaded.model
     settings = Settings()
     every = ablation.cost(model, len(ids)).flops
-    assert every / settings.compute_flops_per_s > settings.request_timeout_s > ablation.cost(
-        model, len(ids), heads=[parse_head(h, model.cfg) for h in named]).flops / settings.compute_flops_per_s
+    assert (
+        every / settings.compute_flops_per_s
+        > settings.request_timeout_s
+        > ablation.cost(model, len(ids), heads=[parse_head(h, model.cfg) for h in named]).flops
+        / settings.compute_flops_per_s
+    )
     assert body["all_heads_gflop"] == pytest.approx(every / 1e9)
 
     page = html.unescape(served.get("/models/smollm2-135m/term-importance").text)
     note = re.search(r'id="ablated-heads">(.*?)</p>', page, re.S)
     assert note is not None and body["heads_note"] in note[1] and f"{every / 1e9:,.0f} GFLOP" in note[1]
-    claim = re.search(r'id="ablation-claim">Here, removing the previous-token head L(\d+)H(\d+) changes the loss by '
-                      r"([+-]\d+\.\d+) nats with every other pattern frozen and by ([+-]\d+\.\d+) with the later patterns "
-                      r"recomputed\.</p>", page)
-    assert claim is not None, page[page.find("sum-check"):][:600]
+    claim = re.search(
+        r'id="ablation-claim">Here, removing the previous-token head L(\d+)H(\d+) changes the loss by '
+        r"([+-]\d+\.\d+) nats with every other pattern frozen and by ([+-]\d+\.\d+) with the later patterns "
+        r"recomputed\.</p>",
+        page,
+    )
+    assert claim is not None, page[page.find("sum-check") :][:600]
     layer, h = int(claim[1]), int(claim[2])
     prev = summary["previous_token_scores"]
-    best = max(((lay, hh) for lay in range(len(prev) - 1) for hh in range(len(prev[lay]))), key=lambda x: prev[x[0]][x[1]])
+    best = max(
+        ((lay, hh) for lay in range(len(prev) - 1) for hh in range(len(prev[lay]))), key=lambda x: prev[x[0]][x[1]]
+    )
     assert (layer, h) == best and prev[layer][h] >= summary["head_threshold"]  # a previous-token head, the strongest
     seq = torch.tensor([ids])
     with torch.no_grad():

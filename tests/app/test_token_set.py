@@ -53,8 +53,13 @@ def client(models: Path) -> Iterator[TestClient]:
     patch = pytest.MonkeyPatch()
     patch.setattr(views, "DEFAULT_VOCAB", SMALL)
     patch.setattr(pages, "DEFAULT_VOCAB", SMALL)
-    settings = Settings(shipped_dir=models / "none", models_dir=models, dtype="float64", store_url="off",
-                        limits=Limits(max_k=50, matrix_budget_bytes=64 * 1024))
+    settings = Settings(
+        shipped_dir=models / "none",
+        models_dir=models,
+        dtype="float64",
+        store_url="off",
+        limits=Limits(max_k=50, matrix_budget_bytes=64 * 1024),
+    )
     with TestClient(create_app(settings)) as c:
         yield c
     patch.undo()
@@ -101,7 +106,9 @@ def assert_same(got: list[tuple[int, int, float]], want: list[tuple[int, int, fl
 
 @pytest.mark.parametrize("name", ["wide", "counted"])
 @pytest.mark.parametrize("circuit", ["ov", "qk"])
-def test_the_default_global_table_ranks_the_stated_set(client: TestClient, models: Path, name: str, circuit: str) -> None:
+def test_the_default_global_table_ranks_the_stated_set(
+    client: TestClient, models: Path, name: str, circuit: str
+) -> None:
     body = client.get(f"{API}/{name}/heads/L0H1/{circuit}", params={"k": 7}).json()
     ids = expected_ids(models, name)
     assert_same(entries(body), dense_top(dense(models, circuit, 1), ids, 7))
@@ -136,16 +143,18 @@ def test_min_count_chooses_the_tokens_instead(client: TestClient, models: Path) 
 
 
 @pytest.mark.parametrize("vocab", ["default", "all"])
-def test_the_default_skip_trigram_source_is_the_largest_ov_entry_of_the_set(client: TestClient, models: Path,
-                                                                           vocab: str) -> None:
+def test_the_default_skip_trigram_source_is_the_largest_ov_entry_of_the_set(
+    client: TestClient, models: Path, vocab: str
+) -> None:
     body = client.get(f"{API}/wide/heads/L0H1/skip-trigrams", params={"vocab": vocab}).json()
     ids = expected_ids(models, "wide") if vocab == "default" else None
     assert body["source"]["id"] == dense_top(dense(models, "ov", 1), ids, 1)[0][0]
     assert (body["token_set"] is None) == (vocab == "all")
 
 
-def test_each_global_table_is_computed_once_for_every_k_up_to_the_shared_one(models: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_each_global_table_is_computed_once_for_every_k_up_to_the_shared_one(
+    models: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(views, "DEFAULT_VOCAB", SMALL)
     monkeypatch.setattr(pages, "DEFAULT_VOCAB", SMALL)
     searches: list[int] = []
@@ -202,17 +211,27 @@ def test_vocab_is_in_the_openapi_schema(client: TestClient) -> None:
     assert "most frequent" in params["vocab"]["description"]
 
 
-def test_precompute_full_also_stores_the_whole_vocabulary_tables(models: Path, tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_precompute_full_also_stores_the_whole_vocabulary_tables(
+    models: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import app.precompute as precompute
 
     for module in (views, pages, precompute):
         monkeypatch.setattr(module, "DEFAULT_VOCAB", SMALL)
-    env = {"QKOV_STORE_URL": "disk", "QKOV_STORE_DIR": str(tmp_path / "store"), "QKOV_SHIPPED_DIR": str(models / "none"),
-           "QKOV_MODELS_DIR": str(models), "QKOV_DTYPE": "float64"}
+    env = {
+        "QKOV_STORE_URL": "disk",
+        "QKOV_STORE_DIR": str(tmp_path / "store"),
+        "QKOV_SHIPPED_DIR": str(models / "none"),
+        "QKOV_MODELS_DIR": str(models),
+        "QKOV_DTYPE": "float64",
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    urls = [f"{API}/wide/heads/L0H1/ov?vocab=all", f"{API}/wide/heads/L0H1/qk?vocab=all", "/models/wide/heads/L0H1?vocab=all"]
+    urls = [
+        f"{API}/wide/heads/L0H1/ov?vocab=all",
+        f"{API}/wide/heads/L0H1/qk?vocab=all",
+        "/models/wide/heads/L0H1?vocab=all",
+    ]
 
     def computed_after(args: list[str]) -> int:
         assert precompute.main(["wide", "--heads", "L0H1", *args]) == 0

@@ -116,7 +116,9 @@ def test_r2_repeated_logit(smol: LoadedModel):
     p, t = v["position"], v["target"]
     assert t == v["tokens"][p + 1 - tr.REPEAT] and v["tokens"][p] == v["tokens"][p - tr.REPEAT]  # a repeat
     with torch.no_grad():
-        logits, cache = model.run(tokens[None], names=lambda name: name.endswith(("hook_mlp_out", "hook_embed", "ln_final.hook_scale")))
+        logits, cache = model.run(
+            tokens[None], names=lambda name: name.endswith(("hook_mlp_out", "hook_embed", "ln_final.hook_scale"))
+        )
         by_order = order_logits(model, tokens[None])  # ablation.py reruns: paths of order <= k
     assert abs(float(logits[0, p, t]) - v["value"]) < 1e-4
     assert int((logits[0, p] > logits[0, p, t]).sum()) + 1 == v["rank"]
@@ -138,8 +140,12 @@ def test_r3_induction_score_terms(smol: LoadedModel, r1: dict):
     p, j = v["query"], v["key"]
     assert tokens[j - 1] == tokens[p] and j - 1 < p  # j follows the previous occurrence of the query's token
     with torch.no_grad():
-        _, cache = model.run(tokens[None], names=lambda name: name.endswith(
-            ("hook_attn_scores", "hook_pattern", "hook_mlp_out", "hook_result", "ln1.hook_scale", "hook_embed")))
+        _, cache = model.run(
+            tokens[None],
+            names=lambda name: name.endswith(
+                ("hook_attn_scores", "hook_pattern", "hook_mlp_out", "hook_result", "ln1.hook_scale", "hook_embed")
+            ),
+        )
     assert abs(float(cache[f"blocks.{layer}.attn.hook_attn_scores"][0, h, p, j]) - v["score"]) < 1e-3
     assert abs(float(cache[f"blocks.{layer}.attn.hook_pattern"][0, h, p, j]) - v["attention"]) < 1e-4
     scale = cache[f"blocks.{layer}.ln1.hook_scale"][0, :, 0]  # [n]

@@ -24,8 +24,16 @@ from circuits_core.config import ModelConfig
 from tests.app.conftest import save_qkov, train_tokenizer
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 SCREENSHOTS = ARTIFACTS / "screenshots"
 SHIPPED = ARTIFACTS.parent / "checkpoints"
@@ -64,7 +72,9 @@ def serve(settings: Settings) -> Iterator[str]:
     thread.join(timeout=10)
 
 
-def serve_model(tmp_path_factory: pytest.TempPathFactory, name: str, cfg: ModelConfig, seed: int, limits: Limits) -> Iterator[str]:
+def serve_model(
+    tmp_path_factory: pytest.TempPathFactory, name: str, cfg: ModelConfig, seed: int, limits: Limits
+) -> Iterator[str]:
     """A live server on one random model `name` of shape `cfg` (qkov format, the test tokenizer), float32, no store."""
     if not Path(CHROMIUM).exists():
         pytest.skip(f"browser tests need {CHROMIUM} (make browser-deps)")
@@ -92,13 +102,33 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("browser-models")
     tok = train_tokenizer()
     V = tok.get_vocab_size()
-    save_qkov(root / "toy-2l", ModelConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=V, n_ctx=64,
-                                            positional_embedding_type="shortformer"), tok, seed=1)
-    save_qkov(root / "toy-1l", ModelConfig(n_layers=1, d_model=32, n_heads=2, d_head=8, d_vocab=V, n_ctx=64,
-                                            positional_embedding_type="standard"), tok, seed=2)
-    save_qkov(root / "toy-0l", ModelConfig(n_layers=0, d_model=32, n_heads=2, d_head=8, d_vocab=V, n_ctx=64,
-                                            positional_embedding_type="standard"), tok, seed=3)
-    limits = Limits(max_prompt_tokens=64, max_k=50, max_heads=4, max_batch=8, max_seq_len=30, matrix_budget_bytes=16 * 2**20)
+    save_qkov(
+        root / "toy-2l",
+        ModelConfig(
+            n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=V, n_ctx=64, positional_embedding_type="shortformer"
+        ),
+        tok,
+        seed=1,
+    )
+    save_qkov(
+        root / "toy-1l",
+        ModelConfig(
+            n_layers=1, d_model=32, n_heads=2, d_head=8, d_vocab=V, n_ctx=64, positional_embedding_type="standard"
+        ),
+        tok,
+        seed=2,
+    )
+    save_qkov(
+        root / "toy-0l",
+        ModelConfig(
+            n_layers=0, d_model=32, n_heads=2, d_head=8, d_vocab=V, n_ctx=64, positional_embedding_type="standard"
+        ),
+        tok,
+        seed=3,
+    )
+    limits = Limits(
+        max_prompt_tokens=64, max_k=50, max_heads=4, max_batch=8, max_seq_len=30, matrix_budget_bytes=16 * 2**20
+    )
     yield from serve(Settings(shipped_dir=root, dtype="float32", limits=limits))
 
 

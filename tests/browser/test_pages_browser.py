@@ -46,7 +46,8 @@ def wait_chart_title(pg: Page, scope: str, text: str, present: bool = True) -> N
     pg.wait_for_function(
         """([s, t, present]) => { const g = document.querySelector(s + ' .js-plotly-plot');
              return !!(g && g.layout && g.layout.title) && g.layout.title.text.includes(t) === present; }""",
-        arg=[scope, text, present])
+        arg=[scope, text, present],
+    )
 
 
 def test_first_load_is_under_one_megabyte_and_cached_reload_is_fast(page: Page, server: str) -> None:
@@ -66,11 +67,22 @@ def test_first_load_is_under_one_megabyte_and_cached_reload_is_fast(page: Page, 
 
     page.reload(wait_until="load")  # warm: static files from the cache, the heads view from the server's cache
     charts_drawn(page)
-    nav = page.evaluate("() => { const n = performance.getEntriesByType('navigation')[0]; return {ttfb: n.responseStart - n.requestStart, load: n.loadEventEnd - n.startTime}; }")
+    nav = page.evaluate(
+        "() => { const n = performance.getEntriesByType('navigation')[0]; return {ttfb: n.responseStart - n.requestStart, load: n.loadEventEnd - n.startTime}; }"
+    )
     reload_sizes = sum(sizes.values()) - total
     ARTIFACTS.mkdir(exist_ok=True)
-    (ARTIFACTS / "browser-metrics.json").write_text(json.dumps(
-        {"first_load_bytes": total, "first_load_by_url": by_url, "cached_reload_ms": nav, "reload_bytes": reload_sizes}, indent=1))
+    (ARTIFACTS / "browser-metrics.json").write_text(
+        json.dumps(
+            {
+                "first_load_bytes": total,
+                "first_load_by_url": by_url,
+                "cached_reload_ms": nav,
+                "reload_bytes": reload_sizes,
+            },
+            indent=1,
+        )
+    )
     print(f"\nfirst load {total} bytes; cached reload {nav}")
 
 
@@ -261,18 +273,30 @@ def test_composition_kind_toggle_and_cell_click(page: Page) -> None:
 def test_tour_draws_its_figures(page: Page) -> None:
     page.goto("/tour")
     charts_drawn(page, 10)
-    expect(page.locator("article.tour-step")).to_have_count(len(page.request.get("/api/v1/tour").json()["figures"]))  # one per figure of the twin
+    expect(page.locator("article.tour-step")).to_have_count(
+        len(page.request.get("/api/v1/tour").json()["figures"])
+    )  # one per figure of the twin
     expect(page.locator("#F21 .js-plotly-plot")).to_have_count(3)
     screenshot(page, "14-tour")
     page.locator("#F6").get_by_role("link", name="Open the full view →").click()
     page.wait_for_url(re.compile(r"/models/toy-0l/direct"))
 
 
-@pytest.mark.parametrize("path,shot", [
-    ("/", None), (f"/models/{M}", None), (f"/models/{M}/heads/L0H0", None), (f"/models/{M}/direct", None),
-    (f"/models/{M}/detectors", None), (f"/models/{M}/path?heads=L0H1,L1H2", "11-chain"), (f"/models/{M}/qk-paths?head=L1H2", "12-qk-paths"),
-    (f"/models/{M}/term-importance", "13-term-importance"), ("/models/toy-1l", "15-overview-1l"), ("/models/toy-0l", None),
-])
+@pytest.mark.parametrize(
+    "path,shot",
+    [
+        ("/", None),
+        (f"/models/{M}", None),
+        (f"/models/{M}/heads/L0H0", None),
+        (f"/models/{M}/direct", None),
+        (f"/models/{M}/detectors", None),
+        (f"/models/{M}/path?heads=L0H1,L1H2", "11-chain"),
+        (f"/models/{M}/qk-paths?head=L1H2", "12-qk-paths"),
+        (f"/models/{M}/term-importance", "13-term-importance"),
+        ("/models/toy-1l", "15-overview-1l"),
+        ("/models/toy-0l", None),
+    ],
+)
 def test_pages_load_with_every_asset_local(page: Page, path: str, shot: str | None) -> None:
     response = page.goto(path)
     assert response is not None and response.ok

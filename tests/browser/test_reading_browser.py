@@ -32,7 +32,9 @@ def api(pg: Page, path: str, **params: object) -> dict:
 
 def token_colours(pg: Page) -> list[dict]:
     return pg.eval_on_selector_all(
-        "#attn_text .attn-tok", "els => els.map(e => ({bg: getComputedStyle(e).backgroundColor, w: e.dataset.weight, text: e.textContent}))")
+        "#attn_text .attn-tok",
+        "els => els.map(e => ({bg: getComputedStyle(e).backgroundColor, w: e.dataset.weight, text: e.textContent}))",
+    )
 
 
 def alpha(css: str) -> float:
@@ -107,8 +109,12 @@ def test_tables_sort_by_a_column_and_filter_rows(page: Page) -> None:
     expect(table).to_be_visible()
 
     def values() -> list[float]:
-        return [float(v) for v in table.locator("tbody tr:not([hidden]) td.num[data-value]").evaluate_all(
-            "els => els.map(e => e.dataset.value)")]
+        return [
+            float(v)
+            for v in table.locator("tbody tr:not([hidden]) td.num[data-value]").evaluate_all(
+                "els => els.map(e => e.dataset.value)"
+            )
+        ]
 
     before = values()
     assert len(before) >= 8
@@ -177,7 +183,7 @@ def test_long_prompt_is_cut_with_an_offer_to_continue(page: Page) -> None:
     note.locator("a.continue").click()
     page.wait_for_load_state()
     nxt = page.locator("#prompt_main textarea[name=prompt]").input_value()
-    assert nxt and long[len(kept):].startswith(nxt) and nxt != kept
+    assert nxt and long[len(kept) :].startswith(nxt) and nxt != kept
 
 
 def test_zero_layer_model_hides_the_views_of_heads_and_says_why(page: Page) -> None:
@@ -227,12 +233,16 @@ def test_byte_level_tokens_read_as_text(page: Page) -> None:
 
 def boxes_of(chart, selector: str) -> list[list[float]]:  # noqa: ANN001
     return chart.locator(selector).evaluate_all(
-        "els => els.map(e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; })")
+        "els => els.map(e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; })"
+    )
 
 
 def disjoint(boxes: list[list[float]]) -> bool:
-    return all(a[2] <= b[0] + 1 or b[2] <= a[0] + 1 or a[3] <= b[1] + 1 or b[3] <= a[1] + 1
-               for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    return all(
+        a[2] <= b[0] + 1 or b[2] <= a[0] + 1 or a[3] <= b[1] + 1 or b[3] <= a[1] + 1
+        for i, a in enumerate(boxes)
+        for b in boxes[i + 1 :]
+    )
 
 
 @pytest.mark.parametrize("prompt", ["the cat sat on the mat", PROMPT])
@@ -252,19 +262,29 @@ def test_heatmap_axes_label_every_token_where_there_is_room(page: Page, prompt: 
         assert disjoint(columns)
     else:  # slanted labels are parallel strips: apart when their spacing across the slant exceeds the type size
         centres = sorted((b[0] + b[2]) / 2 for b in columns)
-        assert min(b - a for a, b in zip(centres, centres[1:], strict=False)) * abs(math.sin(math.radians(angle))) >= 0.9 * size
+        assert (
+            min(b - a for a, b in zip(centres, centres[1:], strict=False)) * abs(math.sin(math.radians(angle)))
+            >= 0.9 * size
+        )
     chart.scroll_into_view_if_needed()
     screenshot(page, f"reading-heatmap-labels-{n}")
 
 
 def test_q_k_v_composition_share_one_colour_scale(page: Page) -> None:
-    bound = max(abs(v) for kind in "QKV" for row in api(page, f"/api/v1/models/{M}/composition", kind=kind)["minus_baseline"]
-                for v in row if v is not None)
+    bound = max(
+        abs(v)
+        for kind in "QKV"
+        for row in api(page, f"/api/v1/models/{M}/composition", kind=kind)["minus_baseline"]
+        for v in row
+        if v is not None
+    )
     ranges = []
     for kind in "QKV":
         page.goto(f"/models/{M}/composition?kind={kind}")
         charts_drawn(page)
-        trace = page.locator("#composition_panel .js-plotly-plot").first.evaluate("g => [g.data[0].zmin, g.data[0].zmax]")
+        trace = page.locator("#composition_panel .js-plotly-plot").first.evaluate(
+            "g => [g.data[0].zmin, g.data[0].zmax]"
+        )
         ranges.append(trace)
     assert all(r == pytest.approx([-bound, bound], rel=1e-6) for r in ranges), ranges
     screenshot(page, "reading-composition-shared-scale")
@@ -277,13 +297,16 @@ def test_scatter_labels_do_not_overlap(shipped_page: Page) -> None:
     scatter = page.locator(".js-plotly-plot").filter(has=page.locator(".scatterlayer .textpoint")).first
     scatter.scroll_into_view_if_needed()
     boxes = scatter.locator(".textpoint text").evaluate_all(
-        "els => els.filter(e => e.textContent).map(e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; })")
+        "els => els.filter(e => e.textContent).map(e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; })"
+    )
     assert boxes, "no labelled point"
     assert disjoint(boxes)
     heads = api(page, f"/api/v1/models/{M}/heads")["heads"]
     last = max(h["layer"] for h in heads)
     names = scatter.evaluate("g => g.data[0].customdata")
-    assert sorted(names) == sorted(h["head"] for h in heads if h["layer"] == last)  # every head is a point, named on hover
+    assert sorted(names) == sorted(
+        h["head"] for h in heads if h["layer"] == last
+    )  # every head is a point, named on hover
     screenshot(page, "reading-scatter-labels")
 
 

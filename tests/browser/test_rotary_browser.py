@@ -18,10 +18,25 @@ from tests.browser.test_pages_browser import charts_drawn, mark_document, same_d
 
 @pytest.fixture(scope="module")
 def rotary_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    cfg = ModelConfig(n_layers=3, d_model=16, n_heads=4, d_head=8, d_vocab=train_tokenizer().get_vocab_size(), n_ctx=64, attn_only=False,
-                      d_mlp=24, gated_mlp=True, act_fn="silu", normalization_type="RMS", positional_embedding_type="rotary",
-                      rotary_base=100.0, n_key_value_heads=2)
-    limits = Limits(max_prompt_tokens=64, max_k=50, max_heads=4, max_batch=8, max_seq_len=30, matrix_budget_bytes=16 * 2**20)
+    cfg = ModelConfig(
+        n_layers=3,
+        d_model=16,
+        n_heads=4,
+        d_head=8,
+        d_vocab=train_tokenizer().get_vocab_size(),
+        n_ctx=64,
+        attn_only=False,
+        d_mlp=24,
+        gated_mlp=True,
+        act_fn="silu",
+        normalization_type="RMS",
+        positional_embedding_type="rotary",
+        rotary_base=100.0,
+        n_key_value_heads=2,
+    )
+    limits = Limits(
+        max_prompt_tokens=64, max_k=50, max_heads=4, max_batch=8, max_seq_len=30, matrix_budget_bytes=16 * 2**20
+    )
     yield from serve_model(tmp_path_factory, "rope", cfg, 3, limits)
 
 
@@ -54,7 +69,9 @@ def test_composition_offset_and_pair_profile(rpage: Page) -> None:
     rpage.goto("/models/rope/composition?kind=K", wait_until="load")
     charts_drawn(rpage)
     rpage.fill("#offset-input", "3")
-    rpage.locator("#offset-input").locator("xpath=ancestor::form").locator("button.primary").click()  # not the basis form
+    rpage.locator("#offset-input").locator("xpath=ancestor::form").locator(
+        "button.primary"
+    ).click()  # not the basis form
     settled(rpage)
     expect(rpage.locator("#composition_panel")).to_contain_text("at offset δ = 3")
     assert "offset=3" in rpage.url
@@ -77,6 +94,8 @@ def test_head_page_qk_copying_offset(rpage: Page) -> None:
     rpage.wait_for_url("**offset=5**")
     charts_drawn(rpage, 4)
     expect(panel.locator("header .note")).to_contain_text("at δ = 5")
-    titles = rpage.evaluate("() => [...document.querySelectorAll('#rotary-qk-copying .js-plotly-plot')].map(g => g.layout.title.text)")
+    titles = rpage.evaluate(
+        "() => [...document.querySelectorAll('#rotary-qk-copying .js-plotly-plot')].map(g => g.layout.title.text)"
+    )
     assert any("QK eigenvalue copying of L2H1 over δ" in t for t in titles) and any("at δ = 5" in t for t in titles)
     expect(rpage.locator("#offset-input")).to_have_value("5")

@@ -55,8 +55,16 @@ def test_plain_models_have_no_basis_picker(page: Page) -> None:
 @pytest.fixture(scope="module")
 def ln_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A 2-layer LayerNorm model (processed when served), so the composition pages offer the raw weights."""
-    cfg = ModelConfig(n_layers=2, d_model=16, n_heads=2, d_head=4, d_vocab=train_tokenizer().get_vocab_size(), n_ctx=32,
-                      positional_embedding_type="standard", normalization_type="LN")
+    cfg = ModelConfig(
+        n_layers=2,
+        d_model=16,
+        n_heads=2,
+        d_head=4,
+        d_vocab=train_tokenizer().get_vocab_size(),
+        n_ctx=32,
+        positional_embedding_type="standard",
+        normalization_type="LN",
+    )
     yield from serve_model(tmp_path_factory, "ln-2l", cfg, 7, Limits(max_k=50, max_heads=4))
 
 
@@ -107,7 +115,9 @@ def test_copying_page_rows_input_samples_source_tokens(page: Page) -> None:
     page.locator("#copying form button[type=submit]").click()
     page.wait_for_url("**rows=40**")
     expect(page.locator("#copying-sample")).to_contain_text("40 of the")
-    expect(page.locator("#copying-table tbody tr").first).to_contain_text("±")  # sampled shares carry their standard error
+    expect(page.locator("#copying-table tbody tr").first).to_contain_text(
+        "±"
+    )  # sampled shares carry their standard error
 
 
 def test_a_lazy_panel_shows_the_servers_refusal_instead_of_emptying(page: Page) -> None:

@@ -11,8 +11,9 @@ CASES = {
     "adjacent": dict(rotary_adjacent_pairs=True),
     "partial": dict(rotary_dim=4),
     "gqa": dict(n_key_value_heads=2),
-    "gqa-adjacent-partial-linear": dict(n_key_value_heads=1, rotary_adjacent_pairs=True, rotary_dim=6,
-                                        rope_type="linear", rope_factor=2.0),
+    "gqa-adjacent-partial-linear": dict(
+        n_key_value_heads=1, rotary_adjacent_pairs=True, rotary_dim=6, rope_type="linear", rope_factor=2.0
+    ),
     "layernorm": dict(normalization_type="LN", gated_mlp=False, act_fn="gelu_new"),
 }
 
@@ -20,9 +21,20 @@ CASES = {
 def rotary_model(seed=0, n_layers=2, **overrides):
     """A Llama-shaped model (RMS norms with random gains, gated MLPs, no biases) in float64."""
     fields = dict(
-        n_layers=n_layers, d_model=16, n_heads=4, d_head=8, d_vocab=40, n_ctx=32, attn_only=False, d_mlp=24,
-        gated_mlp=True, act_fn="silu", normalization_type="RMS", positional_embedding_type="rotary",
-        rotary_base=100.0, use_bias=False,
+        n_layers=n_layers,
+        d_model=16,
+        n_heads=4,
+        d_head=8,
+        d_vocab=40,
+        n_ctx=32,
+        attn_only=False,
+        d_mlp=24,
+        gated_mlp=True,
+        act_fn="silu",
+        normalization_type="RMS",
+        positional_embedding_type="rotary",
+        rotary_base=100.0,
+        use_bias=False,
     )
     fields.update(overrides)
     model = random_model(ModelConfig(**fields), seed=seed, dtype=torch.float64, std_embed=0.5)

@@ -16,10 +16,19 @@ from circuits_core.errors import CancelledError, InvalidInputError
 from circuits_core.model import Frozen
 from circuits_core.paths import expand_logits
 
-CASES = [dict(n_layers=1), dict(n_layers=2, ln="LN"), dict(n_layers=3, ln="LN", pos="standard"), dict(n_layers=2, pos="rotary")]
+CASES = [
+    dict(n_layers=1),
+    dict(n_layers=2, ln="LN"),
+    dict(n_layers=3, ln="LN", pos="standard"),
+    dict(n_layers=2, pos="rotary"),
+]
 # MLP models: each MLP's clean output is an order-0 source (paths.py), frozen in every rerun
-MLP_CASES = [dict(n_layers=2, mlp=True), dict(n_layers=2, mlp=True, ln="LN", pos="standard"),
-             dict(n_layers=3, mlp=True, ln="LN"), dict(n_layers=2, mlp=True, pos="standard", parallel=True)]
+MLP_CASES = [
+    dict(n_layers=2, mlp=True),
+    dict(n_layers=2, mlp=True, ln="LN", pos="standard"),
+    dict(n_layers=3, mlp=True, ln="LN"),
+    dict(n_layers=2, mlp=True, pos="standard", parallel=True),
+]
 
 
 def _tokens(model, b=2, n=10, seed=4):
@@ -52,10 +61,16 @@ def test_orders_match_paths(case):
     pats = {k: v for k, v in cache.items() if k.endswith("pattern")}
     scales = {k: v for k, v in cache.items() if k.endswith("scale")}
     mlps = {lay: cache[f"blocks.{lay}.hook_mlp_out"] for lay in range(L) if not model.cfg.attn_only}
-    _, c0 = model.run(tokens, names=lambda nm: nm.endswith("resid_pre"), frozen=Frozen(pats, scales, dict.fromkeys(range(L), zero), mlps))
+    _, c0 = model.run(
+        tokens,
+        names=lambda nm: nm.endswith("resid_pre"),
+        frozen=Frozen(pats, scales, dict.fromkeys(range(L), zero), mlps),
+    )
     exp = expand_logits(model, seq, 5, positions=None, max_order=1)
     for layer in range(L):
-        keep = [o == 0 or (o == 1 and f"L{layer}H" in p[-1]) for p, o in zip(exp.paths, exp.orders.tolist(), strict=True)]
+        keep = [
+            o == 0 or (o == 1 and f"L{layer}H" in p[-1]) for p, o in zip(exp.paths, exp.orders.tolist(), strict=True)
+        ]
         want = exp.values[torch.tensor(keep)].sum(0)
         vr = dict.fromkeys(range(L), zero)
         vr[layer] = c0[f"blocks.{layer}.hook_resid_pre"]
@@ -82,7 +97,11 @@ def test_mlp_order_terms_are_sources(case):
     assert exp.remainder.abs().max() < 1e-9
     per_order = order_logits(model, seq)
     mlp_direct = sum(exp.term((f"mlp:L{lay}",)).value for lay in range(model.cfg.n_layers))
-    non_mlp = sum(exp.term(p).value for p, o in zip(exp.paths, exp.orders.tolist(), strict=True) if o == 0 and not (p and p[0].startswith("mlp:")))
+    non_mlp = sum(
+        exp.term(p).value
+        for p, o in zip(exp.paths, exp.orders.tolist(), strict=True)
+        if o == 0 and not (p and p[0].startswith("mlp:"))
+    )
     torch.testing.assert_close(per_order[0][0, :, 7], mlp_direct + non_mlp, atol=1e-9, rtol=0)
     assert mlp_direct.abs().max() > 1e-3
 
@@ -99,17 +118,22 @@ def test_frozen_mlp_out_replaces_the_mlp(parallel):
     with torch.no_grad():
         other.blocks[1].mlp.W_out.zero_()
         other.blocks[1].mlp.b_out.zero_()
-    zeroed, c2 = model.run(tokens, names=lambda n: "ln2" in n or "mlp" in n,
-                           frozen=Frozen(mlp_out={1: torch.zeros(2, 10, model.cfg.d_model, dtype=torch.float64)}))
+    zeroed, c2 = model.run(
+        tokens,
+        names=lambda n: "ln2" in n or "mlp" in n,
+        frozen=Frozen(mlp_out={1: torch.zeros(2, 10, model.cfg.d_model, dtype=torch.float64)}),
+    )
     torch.testing.assert_close(zeroed, other.run(tokens)[0], atol=1e-12, rtol=0)
     assert "blocks.1.mlp.hook_pre" not in c2 and "blocks.1.ln2.hook_scale" not in c2 and "blocks.0.mlp.hook_pre" in c2
     with pytest.raises(InvalidInputError, match="frozen MLP output"):
         model.run(tokens, frozen=Frozen(mlp_out={0: torch.zeros(1, 10, model.cfg.d_model, dtype=torch.float64)}))
 
 
-@pytest.mark.parametrize("case", [dict(n_layers=2, ln="LN"), dict(n_layers=2, ln="LN", mlp=True),
-                                  dict(n_layers=3, mlp=True, pos="standard")],
-                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize(
+    "case",
+    [dict(n_layers=2, ln="LN"), dict(n_layers=2, ln="LN", mlp=True), dict(n_layers=3, mlp=True, pos="standard")],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()),
+)
 def test_head_ablation_matches_zeroed_weights(case):
     """Only patterns frozen: LayerNorm scales and downstream MLPs recompute on the ablated stream (Olsson)."""
     model = small_model(**case)
@@ -125,9 +149,11 @@ def test_head_ablation_matches_zeroed_weights(case):
         assert abs(float(got[layer, h]) - float(ref)) < 1e-10
 
 
-@pytest.mark.parametrize("case", [dict(n_layers=2, ln="LN"), dict(n_layers=3, ln="LN", mlp=True, pos="standard"),
-                                  dict(n_layers=2, pos="rotary")],
-                         ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize(
+    "case",
+    [dict(n_layers=2, ln="LN"), dict(n_layers=3, ln="LN", mlp=True, pos="standard"), dict(n_layers=2, pos="rotary")],
+    ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()),
+)
 def test_recomputed_head_ablation_matches_zeroed_weights(case):
     """Recomputed patterns == a plain forward pass of the model with W_O[h] zeroed (nothing frozen at all)."""
     model = small_model(**case)
@@ -158,8 +184,12 @@ def test_ablate_head_patterns():
     _, clean = model.run(tokens, names=names)
     _, rec = ablate_head(model, tokens, 0, 2, recompute_patterns=True, names=names)
     _, frz = ablate_head(model, tokens, 0, 2, recompute_patterns=False, names=names)
-    torch.testing.assert_close(rec["blocks.1.attn.hook_pattern"], want["blocks.1.attn.hook_pattern"], atol=1e-12, rtol=0)
-    torch.testing.assert_close(frz["blocks.1.attn.hook_pattern"], clean["blocks.1.attn.hook_pattern"], atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        rec["blocks.1.attn.hook_pattern"], want["blocks.1.attn.hook_pattern"], atol=1e-12, rtol=0
+    )
+    torch.testing.assert_close(
+        frz["blocks.1.attn.hook_pattern"], clean["blocks.1.attn.hook_pattern"], atol=1e-12, rtol=0
+    )
     assert (rec["blocks.0.attn.hook_pattern"][:, 2] == 0).all()
 
 
@@ -188,7 +218,9 @@ def _zeroed_head_losses(model, tokens, layer, h):
 
 BATCHED = {
     "llama-gqa": lambda: rotary_model(n_layers=3, n_key_value_heads=2),
-    "llama-gqa1-adjacent": lambda: rotary_model(n_layers=2, n_key_value_heads=1, rotary_adjacent_pairs=True, rotary_dim=6),
+    "llama-gqa1-adjacent": lambda: rotary_model(
+        n_layers=2, n_key_value_heads=1, rotary_adjacent_pairs=True, rotary_dim=6
+    ),
     "ln-mlp-standard": lambda: small_model(n_layers=3, ln="LN", mlp=True, pos="standard"),
     "parallel-shortformer": lambda: small_model(n_layers=2, ln="LN", mlp=True, pos="shortformer", parallel=True),
 }
@@ -223,12 +255,18 @@ def test_vocabulary_blocks_give_the_whole_vocabulary_loss(monkeypatch):
     monkeypatch.setattr(ablation, "LOSS_TOKENS", 5)
     monkeypatch.setattr(ablation, "_loss_block", lambda t: 16)
     logits, cache = model.run(tokens, names={"hook_resid_final", "ln_final.hook_scale"})
-    want = torch.tensor([_ce(logits[i:i + 1], tokens[i:i + 1]) for i in range(3)], dtype=torch.float64)
+    want = torch.tensor([_ce(logits[i : i + 1], tokens[i : i + 1]) for i in range(3)], dtype=torch.float64)
     torch.testing.assert_close(ablation._row_losses(model, cache["hook_resid_final"], tokens), want, atol=1e-12, rtol=0)
     scaled = ablation._row_losses(model, 2 * cache["hook_resid_final"], tokens, cache["ln_final.hook_scale"])
-    doubled = model.unembed_resid(2 * cache["hook_resid_final"], frozen=Frozen(ln_scales={"ln_final.hook_scale": cache["ln_final.hook_scale"]}))
-    torch.testing.assert_close(scaled, torch.tensor([_ce(doubled[i:i + 1], tokens[i:i + 1]) for i in range(3)],
-                                                    dtype=torch.float64), atol=1e-12, rtol=0)
+    doubled = model.unembed_resid(
+        2 * cache["hook_resid_final"], frozen=Frozen(ln_scales={"ln_final.hook_scale": cache["ln_final.hook_scale"]})
+    )
+    torch.testing.assert_close(
+        scaled,
+        torch.tensor([_ce(doubled[i : i + 1], tokens[i : i + 1]) for i in range(3)], dtype=torch.float64),
+        atol=1e-12,
+        rtol=0,
+    )
 
 
 @pytest.mark.parametrize("case", ["gqa", "gqa-adjacent-partial-linear"])
@@ -295,8 +333,16 @@ def test_order_losses_in_groups_of_reruns(loss_tokens, monkeypatch):
     torch.testing.assert_close(grouped.first_order_by_layer, whole.first_order_by_layer, atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize(("name", "n", "batch"), [("llama-gqa", 3, 1), ("llama-gqa", 30, 2), ("ln-mlp-standard", 3, 1),
-                                                 ("ln-mlp-standard", 25, 2), ("parallel-shortformer", 12, 1)])
+@pytest.mark.parametrize(
+    ("name", "n", "batch"),
+    [
+        ("llama-gqa", 3, 1),
+        ("llama-gqa", 30, 2),
+        ("ln-mlp-standard", 3, 1),
+        ("ln-mlp-standard", 25, 2),
+        ("parallel-shortformer", 12, 1),
+    ],
+)
 def test_the_byte_price_covers_the_held_peak(name, n, batch):
     """ablation.cost's peak is never below the bytes the clean run, the order reruns and both head ablations hold
     (storages counted op by op), from prompts far shorter than the loss queue's LOSS_TOKENS up; the parts run one

@@ -31,7 +31,7 @@ def toy2l():
 def second_repeat_loss(logits: torch.Tensor, tokens: torch.Tensor) -> float:
     T = (tokens.shape[1] - 1) // 2
     V = logits.shape[-1]
-    return float(F.cross_entropy(logits[:, T:-1].reshape(-1, V), tokens[:, T + 1:].reshape(-1)))
+    return float(F.cross_entropy(logits[:, T:-1].reshape(-1, V), tokens[:, T + 1 :].reshape(-1)))
 
 
 def induction_target_attention(pattern: torch.Tensor, T: int) -> float:
@@ -96,7 +96,10 @@ def test_card_sentences_of_toy_1l():
     assert "every head's OV circuit has a positive eigenvalue copying score" in card["description"]
     assert (_copying_scores(m) > 0).all()
     own = torch.arange(m.cfg.d_vocab)
-    top1 = [float(((m.W_E @ m.W_V[0, h] @ m.W_O[0, h] @ m.W_U).argmax(1) == own).double().mean()) for h in range(m.cfg.n_heads)]
+    top1 = [
+        float(((m.W_E @ m.W_V[0, h] @ m.W_O[0, h] @ m.W_U).argmax(1) == own).double().mean())
+        for h in range(m.cfg.n_heads)
+    ]
     assert max(top1) < 0.01  # "few tokens": under 1 % in every head
     assert "all 8 heads had a positive OV copying score at step 800" in card["notes"]
     first = next(row["step"] for row in card["history"] if row.get("copying_positive_fraction") == 1.0)

@@ -39,10 +39,25 @@ def test_every_config_field_is_type_checked_by_name(name: str) -> None:
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("n_layers", True), ("n_layers", 1.0), ("n_layers", MAX_LAYERS + 1), ("n_layers", -1), ("d_model", "16"),
-     ("n_heads", 0), ("d_vocab", None), ("eps", "1e-5"), ("eps", 0.0), ("eps", float("nan")), ("attn_only", 1),
-     ("bos_token_id", "x"), ("bos_token_id", -1), ("normalization_type", "BatchNorm"), ("use_bias", "false"),
-     ("attn_scale", -1.0), ("rotary_base", float("inf"))],
+    [
+        ("n_layers", True),
+        ("n_layers", 1.0),
+        ("n_layers", MAX_LAYERS + 1),
+        ("n_layers", -1),
+        ("d_model", "16"),
+        ("n_heads", 0),
+        ("d_vocab", None),
+        ("eps", "1e-5"),
+        ("eps", 0.0),
+        ("eps", float("nan")),
+        ("attn_only", 1),
+        ("bos_token_id", "x"),
+        ("bos_token_id", -1),
+        ("normalization_type", "BatchNorm"),
+        ("use_bias", "false"),
+        ("attn_scale", -1.0),
+        ("rotary_base", float("inf")),
+    ],
 )
 def test_wrong_values_name_the_field(name: str, value: object) -> None:
     with pytest.raises(InvalidInputError, match=rf"\b{name}\b"):
@@ -63,12 +78,18 @@ def test_from_dict_refuses_non_objects_and_names_missing_fields() -> None:
 
 
 def test_config_reader_names_the_field() -> None:
-    r = ConfigReader({"n_head": 0, "eps": "x", "tie": 1, "act": 3, "rope_scaling": "linear", "ok": 5, "nul": None},
-                     "config.json")
+    r = ConfigReader(
+        {"n_head": 0, "eps": "x", "tie": 1, "act": 3, "rope_scaling": "linear", "ok": 5, "nul": None}, "config.json"
+    )
     assert r.integer("ok", ge=1) == 5 and r.integer("missing", default=7) == 7 and r.integer("nul", default=2) == 2
-    for call, field in ((lambda: r.integer("n_head", ge=1), "n_head"), (lambda: r.number("eps"), "eps"),
-                        (lambda: r.flag("tie"), "tie"), (lambda: r.text("act"), "act"),
-                        (lambda: r.section("rope_scaling"), "rope_scaling"), (lambda: r.integer("absent"), "absent")):
+    for call, field in (
+        (lambda: r.integer("n_head", ge=1), "n_head"),
+        (lambda: r.number("eps"), "eps"),
+        (lambda: r.flag("tie"), "tie"),
+        (lambda: r.text("act"), "act"),
+        (lambda: r.section("rope_scaling"), "rope_scaling"),
+        (lambda: r.integer("absent"), "absent"),
+    ):
         with pytest.raises(CheckpointError, match=rf"config.json: .*\b{field}\b"):
             call()
     nested = ConfigReader({"rope_scaling": {"factor": "big"}}).section("rope_scaling")
@@ -90,8 +111,15 @@ def test_folder_file_keeps_names_inside(tmp_path: Path) -> None:
     assert folder_file(model, "a.safetensors") == (model / "a.safetensors").resolve()
     assert folder_file(model, "sub/x.bin") == (model / "sub" / "x.bin").resolve()
     assert folder_file(model, "inner-link") == (model / "a.safetensors").resolve()  # a link that stays inside
-    for name in ("../outside/secret", "/etc/passwd", str(outside / "secret"), "sub/../../outside/secret", "",
-                 "outer-link", "a\x00b"):
+    for name in (
+        "../outside/secret",
+        "/etc/passwd",
+        str(outside / "secret"),
+        "sub/../../outside/secret",
+        "",
+        "outer-link",
+        "a\x00b",
+    ):
         with pytest.raises(CheckpointError) as refused:
             folder_file(model, name)
         assert str(tmp_path) not in str(refused.value)
@@ -116,8 +144,12 @@ def test_read_json_object_bounds(tmp_path: Path) -> None:
     (tmp_path / "nested.json").write_text(json.dumps(json.loads('{"a": ' * 100 + "1" + "}" * 100)))
     (tmp_path / "list.json").write_text("[]")
     (tmp_path / "ok.json").write_text('{"a": {"b": [1, 2]}}')
-    for name, needle in (("deep.json", "nested too deeply"), ("nested.json", "nested more than"),
-                         ("list.json", "JSON object"), ("missing.json", "not readable")):
+    for name, needle in (
+        ("deep.json", "nested too deeply"),
+        ("nested.json", "nested more than"),
+        ("list.json", "JSON object"),
+        ("missing.json", "not readable"),
+    ):
         with pytest.raises(CheckpointError, match=needle):
             read_json_object(tmp_path, name)
     assert read_json_object(tmp_path, "ok.json") == {"a": {"b": [1, 2]}}
@@ -126,8 +158,15 @@ def test_read_json_object_bounds(tmp_path: Path) -> None:
 CONFIGS = [
     ModelConfig(**BASE),  # type: ignore[arg-type]
     ModelConfig(**{**BASE, "n_layers": 0}),  # type: ignore[arg-type]
-    ModelConfig(**BASE, d_mlp=24, attn_only=False, act_fn="gelu", normalization_type="LN", use_bias=True,  # type: ignore[arg-type]
-                positional_embedding_type="standard"),
+    ModelConfig(
+        **BASE,
+        d_mlp=24,
+        attn_only=False,
+        act_fn="gelu",
+        normalization_type="LN",
+        use_bias=True,  # type: ignore[arg-type]
+        positional_embedding_type="standard",
+    ),
     ModelConfig(**BASE, positional_embedding_type="rotary", rotary_dim=2, normalization_type="LNPre"),  # type: ignore[arg-type]
 ]
 

@@ -34,7 +34,13 @@ def test_the_whole_circuit_is_the_dense_product_of_the_weights() -> None:
     """Anchors the reference above to the weights (no norm): W_E W_V W_O W_U and W_E W_Q W_K^T W_E^T / sqrt(d_head)."""
     cfg = ModelConfig(n_layers=1, d_model=16, n_heads=2, d_head=4, d_vocab=50, n_ctx=8)
     model = random_model(cfg, seed=6, dtype=torch.float64)
-    W_E, W_Q, W_K, W_V, W_O = model.W_E, model.W_Q[0, 1], model.W_K[0, 1], model.W_V[0, 1], model.W_O[0, 1]  # stacked [L, H, ...]
+    W_E, W_Q, W_K, W_V, W_O = (
+        model.W_E,
+        model.W_Q[0, 1],
+        model.W_K[0, 1],
+        model.W_V[0, 1],
+        model.W_O[0, 1],
+    )  # stacked [L, H, ...]
     ids = torch.tensor([1, 2, 30])
     ov = (W_E @ W_V @ W_O @ model.W_U)[ids][:, ids]
     qk = (W_E @ W_Q @ W_K.T @ W_E.T / 2.0)[ids][:, ids]

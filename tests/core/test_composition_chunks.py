@@ -62,8 +62,9 @@ def test_price_covers_the_held_peak_in_every_chunking(n_kv: int | None, kinds: t
     peaks = []
     for chunk in (1, 2, 3, None):
         with torch.no_grad(), _HeldBytes([*model.parameters(), like]) as held:
-            composition.layer_scores(composition.model_weight(model, torch.float64), shape, like, kinds,
-                                     layers_per_chunk=chunk)
+            composition.layer_scores(
+                composition.model_weight(model, torch.float64), shape, like, kinds, layers_per_chunk=chunk
+            )
         priced = 8 * composition.scores_numbers(model, kinds, chunk)
         assert 0 < held.peak <= priced < 2 * held.peak, (chunk, held.peak, priced)
         peaks.append(held.peak)
@@ -84,7 +85,10 @@ def test_the_budget_picks_the_fewest_chunks_that_fit() -> None:
     fewer = composition.chunk_bounds(6, chosen)
     torch.testing.assert_close(  # the scores do not depend on the chunking the budget chose
         composition_scores(model, kinds, n_samples=2, budget_bytes=prices[2]).raw["v"],
-        composition_scores(model, kinds, n_samples=2).raw["v"], atol=1e-12, rtol=0)
+        composition_scores(model, kinds, n_samples=2).raw["v"],
+        atol=1e-12,
+        rtol=0,
+    )
     assert len(fewer) > 1
 
 

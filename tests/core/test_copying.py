@@ -17,8 +17,15 @@ def dense_stats(M: torch.Tensor, k: int) -> torch.Tensor:
     own = torch.arange(M.shape[0])
     top = M.topk(k, dim=1).indices
     diag = M.diagonal()
-    return torch.tensor([float((M.argmax(1) == own).double().mean()), float((top == own[:, None]).any(1).double().mean()),
-                         float((diag > 0).double().mean()), float(diag.median()) if diag.numel() % 2 else float(diag.quantile(0.5))], dtype=torch.float64)
+    return torch.tensor(
+        [
+            float((M.argmax(1) == own).double().mean()),
+            float((top == own[:, None]).any(1).double().mean()),
+            float((diag > 0).double().mean()),
+            float(diag.median()) if diag.numel() % 2 else float(diag.quantile(0.5)),
+        ],
+        dtype=torch.float64,
+    )
 
 
 @pytest.mark.parametrize("norm", [None, "LN"])
@@ -34,7 +41,9 @@ def test_self_copy_equals_dense(norm, vocab):
             if vocab is not None:
                 M = M[vocab][:, vocab]
             want = dense_stats(M, k)
-            have = torch.stack([got.top1[layer, h], got.topk[layer, h], got.diagonal_positive[layer, h], got.diagonal_median[layer, h]])
+            have = torch.stack(
+                [got.top1[layer, h], got.topk[layer, h], got.diagonal_positive[layer, h], got.diagonal_median[layer, h]]
+            )
             torch.testing.assert_close(have.double(), want, atol=1e-12, rtol=0)
     assert got.n_tokens == (37 if vocab is None else 10)
 
@@ -52,7 +61,9 @@ def test_random_baseline_equals_dense():
         assert float(base.ov_copying[i]) == pytest.approx(float(eig.sum().real / eig.abs().sum()), abs=1e-8)
         if i < 2:
             want = dense_stats(M, 4)
-            assert [float(base.top1[i]), float(base.topk[i]), float(base.diagonal_positive[i])] == pytest.approx(want[:3].tolist(), abs=1e-12)
+            assert [float(base.top1[i]), float(base.topk[i]), float(base.diagonal_positive[i])] == pytest.approx(
+                want[:3].tolist(), abs=1e-12
+            )
     assert base.ov_copying.abs().max() < 1  # random circuits are not +1 copiers
 
 
@@ -83,8 +94,12 @@ def test_sampled_rows_equal_dense_rows(vocab):
         rows = M[picked]  # [r, n]: row i belongs to token picked[i]
         top = rows.topk(k, dim=1).indices
         diag = rows[torch.arange(r), picked]
-        want = [float((top[:, 0] == picked).double().mean()), float((top == picked[:, None]).any(1).double().mean()),
-                float((diag > 0).double().mean()), float(diag.quantile(0.5))]
+        want = [
+            float((top[:, 0] == picked).double().mean()),
+            float((top == picked[:, None]).any(1).double().mean()),
+            float((diag > 0).double().mean()),
+            float(diag.quantile(0.5)),
+        ]
         have = [float(t[layer, h]) for t in (got.top1, got.topk, got.diagonal_positive, got.diagonal_median)]
         assert have == pytest.approx(want, abs=1e-12)
     assert torch.isnan(got.top1[0, 0]) and torch.isnan(got.top1[1, 1])  # heads not asked for are not measured

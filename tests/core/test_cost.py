@@ -18,8 +18,19 @@ from circuits_core.errors import CancelledError
 from circuits_core.frozen import run_cost
 from circuits_core.model import Transformer, next_token_losses, random_model
 
-CFG = ModelConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=50, n_ctx=64, d_mlp=64, attn_only=False,
-                  act_fn="gelu", normalization_type="LN", positional_embedding_type="standard")
+CFG = ModelConfig(
+    n_layers=2,
+    d_model=32,
+    n_heads=4,
+    d_head=8,
+    d_vocab=50,
+    n_ctx=64,
+    d_mlp=64,
+    attn_only=False,
+    act_fn="gelu",
+    normalization_type="LN",
+    positional_embedding_type="standard",
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +56,9 @@ def test_chunked_detector_run_equals_one_pass(model: Transformer) -> None:
     torch.testing.assert_close(chunked.first_patterns[1], cache["blocks.1.attn.hook_pattern"][0], rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("loop", ["topk_global", "detectors", "paths", "qk_paths", "ablation", "composition", "copying"])
+@pytest.mark.parametrize(
+    "loop", ["topk_global", "detectors", "paths", "qk_paths", "ablation", "composition", "copying"]
+)
 def test_every_priced_loop_stops_on_the_ambient_flag(model: Transformer, loop: str) -> None:
     tokens = torch.tensor([0, 5, 6, 7, 5, 6])
     runs = {

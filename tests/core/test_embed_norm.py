@@ -73,7 +73,10 @@ def test_copying_spectra_under_gqa_equal_dense(model):
             g = h // cfg.group_size
             W_Q, W_K = model.blocks[layer].attn.W_Q[h], model.blocks[layer].attn.grouped("W_K")[g]
             W_V, W_O = model.blocks[layer].attn.grouped("W_V")[g], model.blocks[layer].attn.W_O[h]
-            for small, full in [(ov[layer, h], W_E @ W_V @ W_O @ model.W_U), (qk[layer, h], W_E @ W_Q @ W_K.T @ W_E.T / cfg.scale)]:
+            for small, full in [
+                (ov[layer, h], W_E @ W_V @ W_O @ model.W_U),
+                (qk[layer, h], W_E @ W_Q @ W_K.T @ W_E.T / cfg.scale),
+            ]:
                 dense = torch.linalg.eigvals(full)
                 top = dense[dense.abs().argsort(descending=True)[: cfg.d_head]]
                 key = lambda z: (round(z.real.item(), 6), round(z.imag.item(), 6))  # noqa: E731
@@ -81,8 +84,11 @@ def test_copying_spectra_under_gqa_equal_dense(model):
 
 
 def test_no_norm_model_uses_W_E_directly():
-    m = random_model(rotary_model().cfg.__class__(**{**rotary_model().cfg.__dict__, "normalization_type": None}),
-                     seed=0, dtype=torch.float64)
+    m = random_model(
+        rotary_model().cfg.__class__(**{**rotary_model().cfg.__dict__, "normalization_type": None}),
+        seed=0,
+        dtype=torch.float64,
+    )
     W = torch.randn(m.cfg.d_model, 2, dtype=torch.float64)
     torch.testing.assert_close(C.embed_eff_matmul(m, W), m.W_E @ W, rtol=0, atol=0)
 
@@ -95,8 +101,11 @@ def test_half_precision_models_within_their_rounding(dtype):
     W_E = dense_ln1(ref)
     W = torch.randn(ref.cfg.d_model, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     eps = torch.finfo(dtype).eps
-    for got, want in [(C.embed_eff_matmul(m, W.to(dtype)), W_E @ W), (C.embed_gram(m), W_E.T @ W_E),
-                      (C.unembed_embed_gram(m), ref.W_U @ W_E)]:
+    for got, want in [
+        (C.embed_eff_matmul(m, W.to(dtype)), W_E @ W),
+        (C.embed_gram(m), W_E.T @ W_E),
+        (C.unembed_embed_gram(m), ref.W_U @ W_E),
+    ]:
         assert got.dtype == dtype
         assert (got.double() - want).abs().max() < 4 * eps * want.abs().max()  # measured <= 0.83 eps
 

@@ -206,7 +206,9 @@ def test_topk_global_screen_row_maxima_on_bits_and_values_match_dense(shift, mon
     monkeypatch.setattr(factored, "SCREEN_MIN_ENTRIES", 0)
     gen = torch.Generator().manual_seed(12)
     A = torch.cat([torch.randn(37, 6, generator=gen, dtype=torch.float64), torch.ones(37, 1, dtype=torch.float64)], 1)
-    B = torch.cat([torch.randn(6, 29, generator=gen, dtype=torch.float64), torch.full((1, 29), shift, dtype=torch.float64)])
+    B = torch.cat(
+        [torch.randn(6, 29, generator=gen, dtype=torch.float64), torch.full((1, 29), shift, dtype=torch.float64)]
+    )
     M = A @ B  # every entry shifted by `shift`
     for k in (1, 9, 40):
         for largest in (True, False):
@@ -235,7 +237,9 @@ def test_topk_global_with_a_small_seed_block_matches_dense(seed_rows, tile_rows,
     monkeypatch.setattr(factored, "TILE_COLS", 7)
     monkeypatch.setattr(factored, "SCREEN_MIN_ENTRIES", 0 if screen else 2**62)
     gen = torch.Generator().manual_seed(11)
-    fm = FactoredMatrix(torch.randn(41, 5, generator=gen, dtype=torch.float64), torch.randn(5, 23, generator=gen, dtype=torch.float64))
+    fm = FactoredMatrix(
+        torch.randn(41, 5, generator=gen, dtype=torch.float64), torch.randn(5, 23, generator=gen, dtype=torch.float64)
+    )
     M = fm.A @ fm.B
     for k in (1, 7, 14, 60):
         for largest in (True, False):
@@ -328,7 +332,13 @@ def test_topk_global_on_a_subset_matches_the_dense_masked_topk(shape, largest, m
 
 def test_topk_global_subset_errors():
     fm = random_fm((), 6, 2, 5)
-    for rows in (torch.tensor([0, 6]), torch.tensor([1, 1]), torch.tensor([], dtype=torch.long), torch.tensor([0.0]), [0, 1]):
+    for rows in (
+        torch.tensor([0, 6]),
+        torch.tensor([1, 1]),
+        torch.tensor([], dtype=torch.long),
+        torch.tensor([0.0]),
+        [0, 1],
+    ):
         with pytest.raises(InvalidInputError):
             fm.topk_global(1, rows=rows)
     with pytest.raises(InvalidInputError):

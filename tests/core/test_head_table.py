@@ -18,8 +18,16 @@ from circuits_core.qk_paths import k_composition_positivity
 
 def _ln_model(normalization_type: str | None) -> torch.nn.Module:
     # d_model 30: GRAM_BLOCKS = 4 column blocks of unequal widths (7, 8, 7, 8); rows far from zero mean
-    cfg = ModelConfig(n_layers=2, d_model=30, n_heads=3, d_head=10, d_vocab=37, n_ctx=16,
-                      normalization_type=normalization_type, positional_embedding_type="shortformer")
+    cfg = ModelConfig(
+        n_layers=2,
+        d_model=30,
+        n_heads=3,
+        d_head=10,
+        d_vocab=37,
+        n_ctx=16,
+        normalization_type=normalization_type,
+        positional_embedding_type="shortformer",
+    )
     model = random_model(cfg, seed=7, dtype=torch.float64, std_embed=0.8)
     gen = torch.Generator().manual_seed(8)
     with torch.no_grad():
@@ -76,15 +84,24 @@ def test_shared_gram_queries_give_the_same_spectra_and_positivities() -> None:
     G_E = W_E.T @ W_E
     GQ = C.gram_queries(model, G_E)  # [L, H, d, dh]
     torch.testing.assert_close(GQ[2, 1], G_E @ model.W_Q[2, 1], rtol=0, atol=1e-12)
-    dense_qk = torch.stack([torch.stack([torch.linalg.eigvals(model.W_K[layer, h].T @ G_E @ model.W_Q[layer, h])
-                                         for h in range(3)]) for layer in range(3)]) / model.cfg.scale
+    dense_qk = (
+        torch.stack(
+            [
+                torch.stack([torch.linalg.eigvals(model.W_K[layer, h].T @ G_E @ model.W_Q[layer, h]) for h in range(3)])
+                for layer in range(3)
+            ]
+        )
+        / model.cfg.scale
+    )
     key = lambda e: e.real * 1e3 + e.imag  # noqa: E731 - a total order on each head's d_head eigenvalues
     got = C.qk_eigenvalues(model, G_E, GQ)
-    torch.testing.assert_close(got.gather(-1, key(got).argsort()), dense_qk.gather(-1, key(dense_qk).argsort()),
-                               rtol=0, atol=1e-9)
+    torch.testing.assert_close(
+        got.gather(-1, key(got).argsort()), dense_qk.gather(-1, key(dense_qk).argsort()), rtol=0, atol=1e-9
+    )
     w = torch.rand(3, 3, generator=torch.Generator().manual_seed(4), dtype=torch.float64)  # dense route
-    torch.testing.assert_close(k_composition_positivity(model, w, G_E, GQ), k_composition_positivity(model, w, G_E),
-                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        k_composition_positivity(model, w, G_E, GQ), k_composition_positivity(model, w, G_E), rtol=0, atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("budget", [None, 200_000])
@@ -120,7 +137,10 @@ def test_positivity_split_by_layers_adds_up_to_the_whole(one_hot: bool) -> None:
     else:
         w = torch.rand(4, 3, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     whole = k_composition_positivity(model, w)
-    low, high = k_composition_positivity(model, w, layers=range(1, 3)), k_composition_positivity(model, w, layers=range(3, 4))
+    low, high = (
+        k_composition_positivity(model, w, layers=range(1, 3)),
+        k_composition_positivity(model, w, layers=range(3, 4)),
+    )
     assert (low[3] == 0).all() and (high[:3] == 0).all() and (whole[1:] != 0).all()
     torch.testing.assert_close(low + high, whole, rtol=0, atol=1e-12)
     with pytest.raises(InvalidInputError, match="consecutive"):

@@ -121,8 +121,12 @@ def test_detectors_stop_early_and_match_the_full_run():
         torch.testing.assert_close(value, full[name], atol=0, rtol=0)
     got = detector_scores(model, tokens)
     for name, scores in got.items():
-        expected = torch.stack([pattern_detector_scores(full[f"blocks.{layer}.attn.hook_pattern"], tokens)[name]
-                                for layer in range(model.cfg.n_layers)])
+        expected = torch.stack(
+            [
+                pattern_detector_scores(full[f"blocks.{layer}.attn.hook_pattern"], tokens)[name]
+                for layer in range(model.cfg.n_layers)
+            ]
+        )
         torch.testing.assert_close(scores, expected, atol=1e-12, rtol=0, equal_nan=True)
     with pytest.raises(InvalidInputError):
         model.run_until(tokens, "blocks.9.attn.hook_nothing")
@@ -264,8 +268,15 @@ def test_head_table_kernel_peaks_vs_omega_written_out_in_both_branch_modes():
     model = rotary_model(seed=5, n_layers=2, n_key_value_heads=2)
     mu = torch.randn(2, model.cfg.d_model, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     offsets = range(min(64, model.cfg.n_ctx - 1) + 1)
-    want = torch.tensor([[max(offsets, key=lambda d: float(mu[layer] @ omega(model, layer, h, [d]).AB[0] @ mu[layer]))
-                          for h in range(model.cfg.n_heads)] for layer in range(2)])
+    want = torch.tensor(
+        [
+            [
+                max(offsets, key=lambda d: float(mu[layer] @ omega(model, layer, h, [d]).AB[0] @ mu[layer]))
+                for h in range(model.cfg.n_heads)
+            ]
+            for layer in range(2)
+        ]
+    )
     assert len(set(want.flatten().tolist())) > 1  # the heads peak at different offsets
     tokens = standard_tokens(model)
     before = torch.get_num_threads()

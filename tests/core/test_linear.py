@@ -82,7 +82,11 @@ def test_float64_half_and_autograd_stay_with_addmm(grad_of, onednn_calls):
     gradient), take torch.addmm; the gradient through the activation (not applied in place there) equals the float64
     one."""
     gen = torch.Generator().manual_seed(1)
-    x, W, b = torch.randn(300, 256, generator=gen), torch.randn(256, 384, generator=gen) / 16, torch.randn(384, generator=gen)
+    x, W, b = (
+        torch.randn(300, 256, generator=gen),
+        torch.randn(256, 384, generator=gen) / 16,
+        torch.randn(384, generator=gen),
+    )
     affine(x.double(), W.double(), b.double(), "gelu_new")
     half = affine(x.bfloat16(), W.bfloat16(), b.bfloat16(), "gelu_new")
     assert half.dtype == torch.bfloat16 and onednn_calls == []
@@ -102,8 +106,19 @@ def _model(act_fn: str, dtype: torch.dtype, gated: bool = False):
     2 key/value heads, no biases)."""
     llama = dict(normalization_type="RMS", positional_embedding_type="rotary", n_key_value_heads=2, use_bias=False)
     gpt2 = dict(normalization_type="LN", positional_embedding_type="standard", use_bias=True)
-    cfg = ModelConfig(n_layers=2, d_model=256, n_heads=4, d_head=64, d_vocab=600, n_ctx=64, d_mlp=1024, act_fn=act_fn,
-                      attn_only=False, gated_mlp=gated, **(llama if gated else gpt2))
+    cfg = ModelConfig(
+        n_layers=2,
+        d_model=256,
+        n_heads=4,
+        d_head=64,
+        d_vocab=600,
+        n_ctx=64,
+        d_mlp=1024,
+        act_fn=act_fn,
+        attn_only=False,
+        gated_mlp=gated,
+        **(llama if gated else gpt2),
+    )
     model = random_model(cfg, seed=3, std_embed=0.5)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -122,12 +137,24 @@ def test_the_float32_forward_through_onednn_equals_the_float64_forward(act_fn, g
     model32 = _model(act_fn, torch.float32, gated)
     model64 = _model(act_fn, torch.float64, gated)
     tokens = torch.randint(0, 600, (4, 64), generator=torch.Generator().manual_seed(0))
-    hooks = ["blocks.1.attn.hook_q", "blocks.1.attn.hook_v", "blocks.1.hook_attn_out", "blocks.0.mlp.hook_pre",
-             "blocks.0.mlp.hook_post", "blocks.1.hook_mlp_out"]
+    hooks = [
+        "blocks.1.attn.hook_q",
+        "blocks.1.attn.hook_v",
+        "blocks.1.hook_attn_out",
+        "blocks.0.mlp.hook_pre",
+        "blocks.0.mlp.hook_post",
+        "blocks.1.hook_mlp_out",
+    ]
     epilogue = {"gelu_new": "gelu", "gelu": "gelu", "relu": "relu"}.get(act_fn)
     kv = 2 * 64 if gated else 256  # key/value heads x d_head
-    per_layer = [((256, 256), "none"), ((kv, 256), "none"), ((kv, 256), "none"), ((256, 256), "none"),  # Q K V O
-                 *([((1024, 256), "none")] * 2 if gated else [((1024, 256), epilogue)]), ((256, 1024), "none")]
+    per_layer = [
+        ((256, 256), "none"),
+        ((kv, 256), "none"),
+        ((kv, 256), "none"),
+        ((256, 256), "none"),  # Q K V O
+        *([((1024, 256), "none")] * 2 if gated else [((1024, 256), epilogue)]),
+        ((256, 1024), "none"),
+    ]
     with torch.no_grad():
         plain = model32.run(tokens)[0]
         assert sorted(onednn_calls) == sorted(per_layer * 2 + [((600, 256), "none")])  # and the unembedding

@@ -143,7 +143,9 @@ def test_processed_log_probs_equal_unprocessed_float64(world: dict[str, tuple[Pa
     for name in CASES:
         raw = load_checkpoint(world[name][0], dtype=torch.float64, process=False).model
         processed = load_checkpoint(world[name][0], dtype=torch.float64, process=True).model
-        assert processed.processing["center_unembed"] is True and "center_writing_weights_skipped" in processed.processing
+        assert (
+            processed.processing["center_unembed"] is True and "center_writing_weights_skipped" in processed.processing
+        )
         assert not torch.equal(processed.W_U, raw.W_U)  # processing did change the weights
         err = (processed(TOKENS).log_softmax(-1) - raw(TOKENS).log_softmax(-1)).abs().max().item()
         assert err <= 1e-12, f"{name}: {err:.2e}"
@@ -244,7 +246,9 @@ def test_transformers_4_config_layout(tmp_path: Path, world: dict[str, tuple[Pat
     config = json.loads((source / "config.json").read_text())
     rope = dict(config.pop("rope_parameters"))
     config["rope_theta"] = rope.pop("rope_theta")
-    config["rope_scaling"] = {"type": rope.pop("rope_type"), **rope} if "linear" in name else {**rope, "rope_type": "llama3"}
+    config["rope_scaling"] = (
+        {"type": rope.pop("rope_type"), **rope} if "linear" in name else {**rope, "rope_type": "llama3"}
+    )
     (folder / "config.json").write_text(json.dumps(config))
     loaded = load_checkpoint(folder, dtype=torch.float32, process=False).model
     assert (loaded(TOKENS) - _logits(hf, TOKENS)).abs().max() <= 1e-4

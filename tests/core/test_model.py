@@ -19,7 +19,9 @@ CONFIGS = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: f"{c.normalization_type}-{c.positional_embedding_type}-{c.attn_only}")
+@pytest.mark.parametrize(
+    "cfg", CONFIGS, ids=lambda c: f"{c.normalization_type}-{c.positional_embedding_type}-{c.attn_only}"
+)
 def test_recording_and_freezing_do_not_change_the_logits(cfg: ModelConfig) -> None:
     """A run that records nothing (fused LayerNorm kernel) == one that records every activation (explicit
     LayerNorm maths) == a run with every pattern and LayerNorm scale frozen to the recorded values."""
@@ -48,8 +50,11 @@ def test_recording_and_freezing_do_not_change_the_logits(cfg: ModelConfig) -> No
         assert "ln_final.hook_scale" in cache
 
 
-@pytest.mark.parametrize("cfg", [c for c in CONFIGS if not c.attn_only and c.normalization_type == "LN"],
-                         ids=lambda c: c.positional_embedding_type)
+@pytest.mark.parametrize(
+    "cfg",
+    [c for c in CONFIGS if not c.attn_only and c.normalization_type == "LN"],
+    ids=lambda c: c.positional_embedding_type,
+)
 def test_run_until_stops_at_every_hook(cfg: ModelConfig) -> None:
     """run_until(stop_after=name) stops at every hook a full recording run fills, including those the layers' fast
     paths skip when nothing asks for them (LayerNorm hook_scale, the MLP's hook_pre, hook_result), with or without

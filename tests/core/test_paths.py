@@ -11,11 +11,19 @@ from circuits_core.frozen import frozen_run
 from circuits_core.paths import expand_logits
 
 CASES = [
-    dict(n_layers=1), dict(n_layers=2), dict(n_layers=3),
-    dict(n_layers=2, ln="LN"), dict(n_layers=3, ln="LN", pos="standard"), dict(n_layers=2, ln="LNPre"),
-    dict(n_layers=2, pos="standard"), dict(n_layers=2, ln="LN", pos="rotary"), dict(n_layers=1, pos="none"),
-    dict(n_layers=2, ln="LN", mlp=True), dict(n_layers=3, ln="LN", mlp=True, pos="standard"),
-    dict(n_layers=2, ln="LN", mlp=True, parallel=True), dict(n_layers=2, bias=False),
+    dict(n_layers=1),
+    dict(n_layers=2),
+    dict(n_layers=3),
+    dict(n_layers=2, ln="LN"),
+    dict(n_layers=3, ln="LN", pos="standard"),
+    dict(n_layers=2, ln="LNPre"),
+    dict(n_layers=2, pos="standard"),
+    dict(n_layers=2, ln="LN", pos="rotary"),
+    dict(n_layers=1, pos="none"),
+    dict(n_layers=2, ln="LN", mlp=True),
+    dict(n_layers=3, ln="LN", mlp=True, pos="standard"),
+    dict(n_layers=2, ln="LN", mlp=True, parallel=True),
+    dict(n_layers=2, bias=False),
 ]
 
 
@@ -69,7 +77,9 @@ def _dense_head_terms(model, run, target, p):
     return out
 
 
-@pytest.mark.parametrize("case", [dict(n_layers=2), dict(n_layers=3, ln="LN", pos="standard"), dict(n_layers=2, ln="LN", mlp=True)])
+@pytest.mark.parametrize(
+    "case", [dict(n_layers=2), dict(n_layers=3, ln="LN", pos="standard"), dict(n_layers=2, ln="LN", mlp=True)]
+)
 def test_terms_match_dense_brute_force(case):
     """Each head path's value and its split over source positions against the dense brute force."""
     model = small_model(**case)
@@ -99,8 +109,12 @@ def test_first_order_head_term_by_source_matches_pattern():
     r = r - r.mean()
     inv_f = 1.0 / run.cache["ln_final.hook_scale"][8, 0]
     D = 1.0 / run.cache["blocks.1.ln1.hook_scale"][:, 0]
-    want = torch.stack([run.patterns[1, 2, 8, j] * D[j] * ((centred[j] * ln1.w) @ model.W_V[1, 2] @ model.W_O[1, 2] @ r) * inv_f
-                        for j in range(9)])
+    want = torch.stack(
+        [
+            run.patterns[1, 2, 8, j] * D[j] * ((centred[j] * ln1.w) @ model.W_V[1, 2] @ model.W_O[1, 2] @ r) * inv_f
+            for j in range(9)
+        ]
+    )
     torch.testing.assert_close(term.by_source[0], want, atol=1e-10, rtol=0)
     assert want.abs().max() > 1e-3  # a non-trivial comparison
     direct = exp.term(()).by_source[0]

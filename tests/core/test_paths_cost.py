@@ -110,8 +110,9 @@ class _HeldBytes(TorchDispatchMode):
     [(GQA, 12, 2, False, -1), (GQA, 12, 3, True, -1), (GQA, 9, 2, False, None), (LN_ATTN_ONLY, 16, 3, False, -1),
      (LN_ATTN_ONLY, 16, 2, True, None)],
 )  # fmt: skip
-def test_price_covers_the_measured_peak(case: dict[str, Any], n: int, max_order: int, by_source: bool,
-                                        positions: int | None) -> None:
+def test_price_covers_the_measured_peak(
+    case: dict[str, Any], n: int, max_order: int, by_source: bool, positions: int | None
+) -> None:
     model = small_model(**case)
     tokens = _tokens(model.cfg, n)
     existing = [*model.parameters(), *model.buffers(), tokens]

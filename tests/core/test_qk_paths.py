@@ -18,9 +18,13 @@ from circuits_core.qk_paths import (
 )
 
 CASES = [
-    dict(n_layers=2), dict(n_layers=3, ln="LN"), dict(n_layers=2, ln="LN", pos="standard"),
-    dict(n_layers=2, ln="LNPre", pos="shortformer"), dict(n_layers=3, ln="LN", mlp=True),
-    dict(n_layers=2, ln="LN", mlp=True, parallel=True, pos="standard"), dict(n_layers=2, ln="LN", pos="rotary"),
+    dict(n_layers=2),
+    dict(n_layers=3, ln="LN"),
+    dict(n_layers=2, ln="LN", pos="standard"),
+    dict(n_layers=2, ln="LNPre", pos="shortformer"),
+    dict(n_layers=3, ln="LN", mlp=True),
+    dict(n_layers=2, ln="LN", mlp=True, parallel=True, pos="standard"),
+    dict(n_layers=2, ln="LN", pos="rotary"),
     dict(n_layers=2, bias=False, pos="none"),
 ]
 
@@ -37,7 +41,9 @@ def test_terms_sum_to_attention_scores(case):
         real = run.cache[f"blocks.{layer}.attn.hook_attn_scores"]
         torch.testing.assert_close(exp.terms.sum((0, 1))[causal], real[1][causal], atol=1e-9, rtol=0)
         if case.get("pos") != "rotary":
-            torch.testing.assert_close(exp.q_parts.sum(0), run.cache[f"blocks.{layer}.attn.hook_q"][:, 1], atol=1e-9, rtol=0)
+            torch.testing.assert_close(
+                exp.q_parts.sum(0), run.cache[f"blocks.{layer}.attn.hook_q"][:, 1], atol=1e-9, rtol=0
+            )
         a, b = exp.components[1], exp.components[-2]
         torch.testing.assert_close(exp.term(a, b), exp.terms[1, len(exp.components) - 2], atol=1e-12, rtol=0)
         i, j = 0, len(exp.components) - 1

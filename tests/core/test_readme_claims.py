@@ -41,4 +41,7 @@ def test_toy_2l_row() -> None:
     assert f"previous-token head {c['k_composition_partner']} ({c['partner_previous_token_score']:.2f})" in r
     assert f"repeat loss {c['rep1_loss']:.2f} → {c['rep2_loss']:.2f} nats" in r
     input_ = c["detector_input"]
-    assert f"BOS + {input_['seq_len']} uniform random tokens repeated twice, {input_['batch']} sequences, seed {input_['seed']}" in (REPO / "README.md").read_text()
+    assert (
+        f"BOS + {input_['seq_len']} uniform random tokens repeated twice, {input_['batch']} sequences, seed {input_['seed']}"
+        in (REPO / "README.md").read_text()
+    )

@@ -15,8 +15,19 @@ from tests.core.test_virtual_weights import dense_reader, dense_writer
 
 
 def _model(seed=0, **kw):
-    fields = dict(n_layers=2, d_model=16, n_heads=2, d_head=4, d_vocab=30, n_ctx=10, attn_only=False, d_mlp=24,
-                  act_fn="gelu", normalization_type="LN", positional_embedding_type="standard")
+    fields = dict(
+        n_layers=2,
+        d_model=16,
+        n_heads=2,
+        d_head=4,
+        d_vocab=30,
+        n_ctx=10,
+        attn_only=False,
+        d_mlp=24,
+        act_fn="gelu",
+        normalization_type="LN",
+        positional_embedding_type="standard",
+    )
     fields.update(kw)
     return random_model(ModelConfig(**fields), seed=seed, dtype=torch.float64, std_embed=0.5)
 
@@ -56,8 +67,10 @@ def test_effective_rank_is_the_participation_ratio():
     assert rs.Spectrum(S, torch.eye(3)).effective_rank() == pytest.approx(14**2 / 98)
 
 
-@pytest.mark.parametrize("make, offset", [(_model, 0), (lambda: rotary_model(n_key_value_heads=2), 0),
-                                          (lambda: rotary_model(n_key_value_heads=2), 3)])
+@pytest.mark.parametrize(
+    "make, offset",
+    [(_model, 0), (lambda: rotary_model(n_key_value_heads=2), 0), (lambda: rotary_model(n_key_value_heads=2), 3)],
+)
 def test_spectra_are_the_dense_singular_values_and_stream_sides(make, offset):
     """Every side against the dense writer or reader (the key's W_K R^T W_Q^T at a query-key offset too)."""
     model = make()
@@ -90,7 +103,9 @@ def test_stream_usage_overlaps_equal_the_per_pair_principal_angles():
             assert usage.overlap[i, j].item() == pytest.approx(rs.overlap(subs[a], subs[b]), rel=1e-9, abs=1e-12)
             rand = rs.random_overlap(subs[a].shape[1], subs[b].shape[1], model.cfg.d_model)
             assert usage.random_overlap[i, j].item() == pytest.approx(rand)
-    assert torch.allclose(usage.overlap[:, : len(usage.writers)].diagonal(), torch.ones(len(usage.writers), dtype=torch.float64))
+    assert torch.allclose(
+        usage.overlap[:, : len(usage.writers)].diagonal(), torch.ones(len(usage.writers), dtype=torch.float64)
+    )
     # the 80 % subspace holds at least 80 % of the energy, one direction fewer holds less
     for name, spec in w_spec.items():
         k, s2 = usage.dims[name], spec.S.pow(2)
@@ -115,7 +130,9 @@ def _plant_erasure(model, writer_layer=0, writer_head=0, eraser_layer=1, eraser_
     U = _orthonormal(d, dh, seed)  # S
     with torch.no_grad():
         w = model.blocks[writer_layer].attn
-        w.W_O[writer_head] = torch.randn(dh, dh, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64) @ U.T
+        w.W_O[writer_head] = (
+            torch.randn(dh, dh, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64) @ U.T
+        )
         e = model.blocks[eraser_layer].attn
         e.W_V[eraser_head] = U
         e.W_O[eraser_head] = -U.T
@@ -165,7 +182,9 @@ def test_erasure_null_matches_the_rotation_invariance_it_assumes():
     gen = torch.Generator().manual_seed(9)
     scores = []
     for _ in range(n):
-        W = torch.randn(d, dh, generator=gen, dtype=torch.float64) @ torch.randn(dh, d, generator=gen, dtype=torch.float64)
+        W = torch.randn(d, dh, generator=gen, dtype=torch.float64) @ torch.randn(
+            dh, d, generator=gen, dtype=torch.float64
+        )
         U = torch.linalg.qr(torch.randn(d, k, generator=gen, dtype=torch.float64))[0]
         scores.append(float(-torch.trace(U.T @ W @ U) / (math.sqrt(k) * (U.T @ W).norm())))
     s = torch.tensor(scores)

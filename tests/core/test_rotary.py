@@ -60,7 +60,9 @@ def test_omega_reproduces_attention_scores(case):
             real = cache[f"blocks.{layer}.attn.hook_attn_scores"][:, h, i, j]
             assert (pred - real).abs().max() < 1e-10
             # the sign of δ matters: R(j - i) instead of R(i - j) does not reproduce the scores
-            wrong = torch.einsum("bpd,pde,bpe->bp", x[:, i], omega(model, layer, h, j - i).AB, x[:, j]) / model.cfg.scale
+            wrong = (
+                torch.einsum("bpd,pde,bpe->bp", x[:, i], omega(model, layer, h, j - i).AB, x[:, j]) / model.cfg.scale
+            )
             assert (wrong - real).abs().max() > 1e-3
 
 
@@ -142,7 +144,7 @@ def test_qk_copying_at_offset_vs_dense_spectrum(case):
             lam = torch.linalg.eigvals(dense)  # [V]: d_head nonzero, the rest ~0
             assert abs(float(copying_score(lam)) - float(scores[layer, h])) < 1e-8
             big = lam[lam.abs() > 1e-8]
-            assert torch.allclose(big.abs().sort().values, eig[layer, h].abs().sort().values[-big.numel():], atol=1e-8)
+            assert torch.allclose(big.abs().sort().values, eig[layer, h].abs().sort().values[-big.numel() :], atol=1e-8)
 
 
 @pytest.mark.parametrize("case", ["gqa-adjacent-partial-linear", "layernorm"])
@@ -192,7 +194,9 @@ def test_band_energies_vs_least_squares_fit_over_offsets(case):
     theta = rotary_inv_freq(model.cfg)
     K = theta.numel()
     delta = torch.arange(30, dtype=torch.float64)
-    basis = torch.cat([(delta[:, None] * theta).cos(), (delta[:, None] * theta).sin(), torch.ones(30, 1, dtype=torch.float64)], 1)
+    basis = torch.cat(
+        [(delta[:, None] * theta).cos(), (delta[:, None] * theta).sin(), torch.ones(30, 1, dtype=torch.float64)], 1
+    )
     partial = (model.cfg.rotary_dim or model.cfg.d_head) < model.cfg.d_head
     if not partial:
         basis = basis[:, :-1]  # no C
@@ -200,7 +204,7 @@ def test_band_energies_vs_least_squares_fit_over_offsets(case):
         dense = omega(model, layer, h, torch.arange(30)).AB.flatten(1)  # [30, d*d]
         coef = torch.linalg.lstsq(basis, dense).solution  # [2K (+1), d*d]
         torch.testing.assert_close(coef[:K].pow(2).sum(-1), bands.cos_part[layer, h], atol=1e-8, rtol=1e-8)
-        torch.testing.assert_close(coef[K:2 * K].pow(2).sum(-1), bands.sin_part[layer, h], atol=1e-8, rtol=1e-8)
+        torch.testing.assert_close(coef[K : 2 * K].pow(2).sum(-1), bands.sin_part[layer, h], atol=1e-8, rtol=1e-8)
         C = float(coef[2 * K].pow(2).sum()) if partial else 0.0
         assert abs(C - float(bands.unrotated[layer, h])) < 1e-8
 

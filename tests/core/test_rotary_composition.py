@@ -63,10 +63,16 @@ def test_profiles_match_dense_brute_force(case):
 
 
 @pytest.mark.parametrize("threads", [1, 2], ids=["side-by-side", "one-after-the-other"])
-@pytest.mark.parametrize("case", [
-    dict(n_key_value_heads=2, rotary_adjacent_pairs=True),
-    dict(n_key_value_heads=1, d_head=5, rotary_dim=4, rope_type="linear", rope_factor=2.0),  # odd d_head: unequal halves
-], ids=["gqa-adjacent", "odd-d_head-partial-gqa"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(n_key_value_heads=2, rotary_adjacent_pairs=True),
+        dict(
+            n_key_value_heads=1, d_head=5, rotary_dim=4, rope_type="linear", rope_factor=2.0
+        ),  # odd d_head: unequal halves
+    ],
+    ids=["gqa-adjacent", "odd-d_head-partial-gqa"],
+)
 def test_profiles_in_source_chunks_and_two_workers_match_dense(case, threads):
     """The target layers split between two workers (side by side at 1 torch thread on >= 2 cores, in turn at 2) and
     the sources in chunks of 1, 3 and all heads (the chunk boundaries fall inside layers) give the dense scores."""
@@ -91,7 +97,9 @@ def test_profiles_in_source_chunks_and_two_workers_match_dense(case, threads):
     finally:
         torch.set_num_threads(before)
     assert random_baseline(model.cfg.d_model, model.cfg.d_head, model.cfg.group_size, n_samples=4) == (
-        prof.baseline, prof.baseline_std)
+        prof.baseline,
+        prof.baseline_std,
+    )
 
 
 @pytest.mark.parametrize(("case", "chunk", "n_samples"), [("gqa", 5, 50), ("half", 100, 20), ("odd", 3, 40)])
@@ -129,13 +137,17 @@ def test_rotated_gram_tables_are_the_dense_rotations():
         R = rotation(model, offsets)[:, order][:, :, order]  # [n, dh, dh] in the pair order
         G = torch.randn(3, dh, dh, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
         weights = _term_weights(model, torch.tensor(offsets), torch.float64)
-        for turn, want in ((1, R.transpose(-2, -1)[None] @ G[:, None] @ R[None]),
-                           (-1, R[None] @ G[:, None] @ R.transpose(-2, -1)[None])):  # [3, n, dh, dh]
+        for turn, want in (
+            (1, R.transpose(-2, -1)[None] @ G[:, None] @ R[None]),
+            (-1, R[None] @ G[:, None] @ R.transpose(-2, -1)[None]),
+        ):  # [3, n, dh, dh]
             first, last = _rotated_tables(G, weights, _swap_signs(model, torch.float64), turn)  # [3, E, n]
             h = dh // 2
             doubled = torch.ones(h, dh, dtype=torch.float64)
             doubled[:, h:] = 2
-            torch.testing.assert_close(first, (want[:, :, :h] * doubled).flatten(-2).transpose(1, 2), atol=1e-13, rtol=0)
+            torch.testing.assert_close(
+                first, (want[:, :, :h] * doubled).flatten(-2).transpose(1, 2), atol=1e-13, rtol=0
+            )
             torch.testing.assert_close(last, want[:, :, h:, h:].flatten(-2).transpose(1, 2), atol=1e-13, rtol=0)
 
 
@@ -151,7 +163,9 @@ def test_offset_zero_is_composition_py_and_single_offsets_agree():
     torch.testing.assert_close(prof.v, ref.raw["v"], atol=1e-12, rtol=0)
     for kind in ("q", "k"):
         for delta in (3, 8):
-            torch.testing.assert_close(composition_at(model, kind, delta), prof.profile(kind)[..., delta], atol=1e-12, rtol=0)
+            torch.testing.assert_close(
+                composition_at(model, kind, delta), prof.profile(kind)[..., delta], atol=1e-12, rtol=0
+            )
         p = pair_profile(model, head_name(0, 3), head_name(2, 1), kind, offsets)
         torch.testing.assert_close(p, prof.profile(kind)[0, 3, 2, 1], atol=1e-12, rtol=0)
 
@@ -207,8 +221,12 @@ def dense_draw_scores(W_V, W_O, W_Q, W_K):
     W_OV = (W_V @ W_O)[:, None]  # [n, 1, d, d]
     Om = W_Q @ W_K[:, None].transpose(-2, -1)  # [n, g, d, d], the group shares W_K
     den = W_OV.norm(dim=(-2, -1)) * Om.norm(dim=(-2, -1))
-    return torch.cat([((W_OV @ Om).norm(dim=(-2, -1)) / den).flatten(),
-                      ((W_OV @ Om.transpose(-2, -1)).norm(dim=(-2, -1)) / den).flatten()])
+    return torch.cat(
+        [
+            ((W_OV @ Om).norm(dim=(-2, -1)) / den).flatten(),
+            ((W_OV @ Om.transpose(-2, -1)).norm(dim=(-2, -1)) / den).flatten(),
+        ]
+    )
 
 
 def test_baseline_gram_route_and_its_d_head_reduction_vs_dense_norms():
@@ -226,8 +244,13 @@ def test_baseline_gram_route_and_its_d_head_reduction_vs_dense_norms():
     Q_O, T_O = torch.linalg.qr(W_O.transpose(-2, -1))  # [n, d, dh], [n, dh, dh]
     F = T_V @ T_O.transpose(-2, -1)  # [n, dh, dh]
     Z_Q, Z_K = Q_O.transpose(-2, -1)[:, None] @ W_Q, Q_O.transpose(-2, -1) @ W_K
-    reduced = _pair_scores(F[:, None] @ Z_Q, W_Q.transpose(-2, -1) @ W_Q, (F @ Z_K)[:, None],
-                           (W_K.transpose(-2, -1) @ W_K)[:, None], F.pow(2).sum((-2, -1))[:, None])
+    reduced = _pair_scores(
+        F[:, None] @ Z_Q,
+        W_Q.transpose(-2, -1) @ W_Q,
+        (F @ Z_K)[:, None],
+        (W_K.transpose(-2, -1) @ W_K)[:, None],
+        F.pow(2).sum((-2, -1))[:, None],
+    )
     torch.testing.assert_close(reduced, dense, rtol=0, atol=1e-12)
 
 
@@ -237,8 +260,12 @@ def test_reduced_baseline_sampler_has_the_dense_distribution(shape):
     sampling error (standard errors from 12 independent replicates of each)."""
     d, dh, g = shape
     fast = torch.tensor([random_baseline(d, dh, g, n_samples=100, seed=s) for s in range(12)])  # [12, 2]
-    dense = torch.stack([torch.stack([x.mean(), x.std()]) for x in
-                         (dense_baseline_scores(d, dh, g, 100, seed=100 + s) for s in range(12))])
+    dense = torch.stack(
+        [
+            torch.stack([x.mean(), x.std()])
+            for x in (dense_baseline_scores(d, dh, g, 100, seed=100 + s) for s in range(12))
+        ]
+    )
     diff = fast.mean(0) - dense.mean(0)
     se = (fast.var(0) / 12 + dense.var(0) / 12).sqrt()
     assert (diff.abs() < 4 * se).all(), (diff, se)

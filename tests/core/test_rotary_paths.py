@@ -32,8 +32,11 @@ def test_qk_path_terms_sum_to_real_scores(case):
         torch.testing.assert_close(exp.terms.sum((0, 1))[causal], real[causal], atol=1e-10, rtol=0)
         y = run.cache["hook_embed"] * run.inv_scale(f"blocks.{layer}.ln1")[:, None] * model.blocks[layer].ln1.w
         if model.cfg.normalization_type == "LN":
-            y = (run.cache["hook_embed"] - run.cache["hook_embed"].mean(-1, keepdim=True)) \
-                * run.inv_scale(f"blocks.{layer}.ln1")[:, None] * model.blocks[layer].ln1.w
+            y = (
+                (run.cache["hook_embed"] - run.cache["hook_embed"].mean(-1, keepdim=True))
+                * run.inv_scale(f"blocks.{layer}.ln1")[:, None]
+                * model.blocks[layer].ln1.w
+            )
         Om = omega(model, layer, h, torch.arange(10)).AB  # [n, d, d]
         expected = torch.einsum("pd,pde,pe->p", y[i], Om[i - j], y[j]) / model.cfg.scale
         torch.testing.assert_close(exp.term("embed", "embed")[causal], expected, atol=1e-10, rtol=0)

@@ -50,7 +50,9 @@ def _next_token_losses(model, tokens: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         logits = model.run(tokens)[0]  # [b, n, V]
     V = logits.shape[-1]
-    return F.cross_entropy(logits[:, :-1].reshape(-1, V), tokens[:, 1:].reshape(-1), reduction="none").view(tokens.shape[0], -1)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, V), tokens[:, 1:].reshape(-1), reduction="none").view(
+        tokens.shape[0], -1
+    )
 
 
 def _text_numbers(model, data: EvalData, n_windows: int) -> dict[str, float]:
@@ -85,7 +87,12 @@ def _bigram_numbers(model, data: EvalData) -> dict[str, float]:
     top = logq.argmax(1)
     lookup = dict(zip(pairs.tolist(), c.tolist(), strict=True))
     agree = np.array([lookup.get(int(x) * V + int(t), 0.0) >= m for x, t, m in zip(prev, top, best, strict=True)])
-    return {"bigram_kl": kl, "unigram_kl": unigram_kl, "top1_agreement": float((w * agree).sum()), "kl_ratio": kl / unigram_kl}
+    return {
+        "bigram_kl": kl,
+        "unigram_kl": unigram_kl,
+        "top1_agreement": float((w * agree).sum()),
+        "kl_ratio": kl / unigram_kl,
+    }
 
 
 def _copying_numbers(model) -> dict[str, object]:
@@ -125,11 +132,16 @@ def _detector_numbers(model, info: dict) -> dict[str, object]:
         prev[layer] = torch.stack([A[:, :, i, i - 1] for i in range(1, tokens.shape[1])], -1).mean((0, 2))
     last = L - 1
     head = int(induction[last].argmax())
-    return {"rep1_loss": float(losses[:, :T].mean()), "rep2_loss": float(losses[:, T:].mean()),
-            "repeat_gain": float(losses[:, :T].mean() - losses[:, T:].mean()),
-            "induction_head": f"L{last}H{head}", "induction_score": float(induction[last, head]),
-            "induction_scores": induction.tolist(), "previous_token_scores": prev.tolist(),
-            "best_previous_token_score": float(prev[last - 1].max())}
+    return {
+        "rep1_loss": float(losses[:, :T].mean()),
+        "rep2_loss": float(losses[:, T:].mean()),
+        "repeat_gain": float(losses[:, :T].mean() - losses[:, T:].mean()),
+        "induction_head": f"L{last}H{head}",
+        "induction_score": float(induction[last, head]),
+        "induction_scores": induction.tolist(),
+        "previous_token_scores": prev.tolist(),
+        "best_previous_token_score": float(prev[last - 1].max()),
+    }
 
 
 def _skip_trigram_numbers(model, tokenizer, data: EvalData, n_windows: int, k: int) -> dict[str, object]:
@@ -138,7 +150,9 @@ def _skip_trigram_numbers(model, tokenizer, data: EvalData, n_windows: int, k: i
     without leading spaces), computed position by position."""
     span = model.cfg.n_ctx - 1
     starts = np.linspace(0, len(data.val) - span - 1, n_windows).astype(np.int64)[:64]
-    rows = torch.from_numpy(np.stack([np.concatenate([[data.eot], data.val[o : o + span]]) for o in starts]).astype(np.int64))
+    rows = torch.from_numpy(
+        np.stack([np.concatenate([[data.eot], data.val[o : o + span]]) for o in starts]).astype(np.int64)
+    )
     with torch.no_grad():
         _, cache = model.run(rows, names=lambda n: n == "blocks.0.attn.hook_pattern")
     A = cache["blocks.0.attn.hook_pattern"][:, :, 1:, 1:]  # [b, H, q, k] without BOS
@@ -157,8 +171,11 @@ def _skip_trigram_numbers(model, tokenizer, data: EvalData, n_windows: int, k: i
                 copies[src] = s in {text.setdefault(t, tokenizer.decode([t]).lstrip(" ") or " ") for t in top}
             hits, total = hits + copies[src], total + 1
         fractions.append(hits / total)
-    return {"copying_fraction_per_head": fractions, "skip_trigram_copying": max(fractions),
-            "best_head": f"L0H{int(np.argmax(fractions))}"}
+    return {
+        "copying_fraction_per_head": fractions,
+        "skip_trigram_copying": max(fractions),
+        "best_head": f"L0H{int(np.argmax(fractions))}",
+    }
 
 
 @pytest.mark.parametrize("shipped", NAMES, indirect=True)
@@ -191,11 +208,19 @@ def test_card_matches_an_independent_measurement(shipped, eval_data):
             assert np.allclose(card_numbers[key], value, rtol=1e-3, atol=2e-4), (key, card_numbers[key], value)
     for key, verdict in card["thresholds"].items():
         assert verdict["value"] == pytest.approx(card_numbers[key])
-        assert verdict["met"] == {">=": want[key] >= verdict["threshold"], "<=": want[key] <= verdict["threshold"],
-                                  "<": want[key] < verdict["threshold"]}[verdict["op"]]
+        assert (
+            verdict["met"]
+            == {
+                ">=": want[key] >= verdict["threshold"],
+                "<=": want[key] <= verdict["threshold"],
+                "<": want[key] < verdict["threshold"],
+            }[verdict["op"]]
+        )
     checked = set(want) | {"eval_windows", "detector_input", "k_composition_partner", "partner_previous_token_score"}
     unchecked = set(card_numbers) - checked
-    assert unchecked <= {"skip_trigrams"}, unchecked  # its per-head fractions are checked above; its example listing in test_thresholds_met
+    assert unchecked <= {"skip_trigrams"}, (
+        unchecked
+    )  # its per-head fractions are checked above; its example listing in test_thresholds_met
     assert not str(card["data"]["source"]).startswith("/")  # no path of the training machine
 
 
@@ -222,9 +247,11 @@ def test_k_composition_partner_against_dense(shipped):
     name, model, card, now = shipped
     assert model.cfg.n_layers >= 2
     head = int(now["induction_head"][3:])
-    W_QK = (model.W_Q[1, head].double() @ model.W_K[1, head].double().T)  # [d, d]
+    W_QK = model.W_Q[1, head].double() @ model.W_K[1, head].double().T  # [d, d]
     W_OV = model.W_V[0].double() @ model.W_O[0].double()  # [H, d, d]
-    dense = torch.linalg.matrix_norm(W_QK @ W_OV.transpose(1, 2)) / (torch.linalg.matrix_norm(W_QK) * torch.linalg.matrix_norm(W_OV))
+    dense = torch.linalg.matrix_norm(W_QK @ W_OV.transpose(1, 2)) / (
+        torch.linalg.matrix_norm(W_QK) * torch.linalg.matrix_norm(W_OV)
+    )
     assert now["k_composition_partner"] == f"L0H{int(dense.argmax())}"
 
 
@@ -236,7 +263,9 @@ def test_card_records_recipe_data_and_training(shipped):
     assert recipe["batch"] == RECIPES[name].batch and recipe["repeat_frac"] == RECIPES[name].repeat_frac
     manifest = json.loads((ROOT / "corpus_manifest.json").read_text())
     assert card["data"]["manifest_sha256"] == manifest_digest(manifest["files"])
-    assert card["data"]["train_tokens"] > 1_000_000 and card["data"]["val_files"] == sum(f["val"] for f in manifest["files"])
+    assert card["data"]["train_tokens"] > 1_000_000 and card["data"]["val_files"] == sum(
+        f["val"] for f in manifest["files"]
+    )
     for key in ("wall_seconds", "device", "final_train_loss"):
         assert card["training"][key] is not None
     tracked = [key for key in THRESHOLDS[model.cfg.n_layers] if key in card["history"][-1]]  # measured during training

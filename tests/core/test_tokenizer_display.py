@@ -42,12 +42,14 @@ def test_every_character_is_shown_whole_on_the_token_that_completes_it(tok: Toke
         last = covering[-1]
         assert ch in shown[last], (ch, shown[last])
         for i in covering[:-1]:  # a token holding only the first bytes of a split character shows no letter
-            assert ch not in shown[i] or ch in TEXT[offsets[i][0]:offsets[i][1]] and len(covering) == 1
+            assert ch not in shown[i] or ch in TEXT[offsets[i][0] : offsets[i][1]] and len(covering) == 1
     assert not any(c in "".join(shown) for c in "ÃĠâ¯")  # no byte-alphabet letters leak into the display
     split = [i for i, t in enumerate(shown) if t.startswith("\\x")]
     assert split, "the text was meant to split a character over tokens"
     for i in split:  # such a token shows exactly its bytes
-        assert shown[i].encode().decode("unicode_escape").encode("latin-1") == byte_level_bytes(tok.hf.id_to_token(ids[i]) or "")
+        assert shown[i].encode().decode("unicode_escape").encode("latin-1") == byte_level_bytes(
+            tok.hf.id_to_token(ids[i]) or ""
+        )
 
 
 def test_pieces_concatenate_back_to_the_text_when_no_character_is_split() -> None:
@@ -60,4 +62,6 @@ def test_a_single_partial_token_shows_its_bytes(tok: Tokenizer) -> None:
     if len(ids) < 2:
         pytest.skip("é is one token in this vocabulary")
     first = tok.token_str(ids[0])
-    assert first == "".join(f"\\x{b:02x}" for b in "é".encode()[: len(byte_level_bytes(tok.hf.id_to_token(ids[0]) or "") or b"")])
+    assert first == "".join(
+        f"\\x{b:02x}" for b in "é".encode()[: len(byte_level_bytes(tok.hf.id_to_token(ids[0]) or "") or b"")]
+    )

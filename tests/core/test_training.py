@@ -55,7 +55,18 @@ def test_batches_rows():
 def test_tiny_training_learns_and_is_deterministic(tmp_path):
     torch.set_num_threads(1)
     corpus = _small_corpus()
-    recipe = Recipe(n_layers=2, steps=200, d_model=32, n_heads=2, d_head=16, n_ctx=32, batch=8, lr=3e-3, repeat_frac=0.25, eval_every=100)
+    recipe = Recipe(
+        n_layers=2,
+        steps=200,
+        d_model=32,
+        n_heads=2,
+        d_head=16,
+        n_ctx=32,
+        batch=8,
+        lr=3e-3,
+        repeat_frac=0.25,
+        eval_every=100,
+    )
     card = train("tiny", recipe, corpus, tmp_path, "cpu", progress=False)
     losses = [row["val_loss"] for row in card["history"]]
     assert card["training"]["steps"] == 200 and len(losses) == 2

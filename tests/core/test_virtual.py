@@ -50,7 +50,9 @@ def test_virtual_pattern_and_rankings():
     assert abs(ranked[0][1]) >= abs(ranked[-1][1])
 
 
-@pytest.mark.parametrize("case", [dict(n_layers=2), dict(n_layers=3, ln="LN", pos="standard"), dict(n_layers=2, ln="LN", mlp=True)])
+@pytest.mark.parametrize(
+    "case", [dict(n_layers=2), dict(n_layers=3, ln="LN", pos="standard"), dict(n_layers=2, ln="LN", mlp=True)]
+)
 def test_chain_next_token_terms_equal_the_path_expansion(case):
     """At each position, the chain's term on its actual next token == paths.expand_logits' term for that target."""
     model = small_model(**case)
@@ -60,7 +62,9 @@ def test_chain_next_token_terms_equal_the_path_expansion(case):
         got = chain_next_token_terms(model, run, chain)
         names = tuple(f"L{layer}H{h}" for layer, h in chain)
         for p in range(len(tokens) - 1):
-            exp = expand_logits(model, tokens, int(tokens[p + 1]), positions=p, max_order=len(chain), run=run, by_source=False)
+            exp = expand_logits(
+                model, tokens, int(tokens[p + 1]), positions=p, max_order=len(chain), run=run, by_source=False
+            )
             assert abs(float(got[p]) - float(exp.term(names).value[0])) < 1e-10, (chain, p)
     with pytest.raises(Exception, match="increasing layers"):
         chain_next_token_terms(model, run, [(1, 0), (0, 1)])

@@ -16,10 +16,24 @@ from tests.core.rotary_models import rotary_model
 
 CONFIGS = {
     "attn-only-shortformer": dict(n_layers=3, attn_only=True, positional_embedding_type="shortformer"),
-    "ln-standard-mlp-bias": dict(n_layers=2, attn_only=False, d_mlp=24, act_fn="gelu", normalization_type="LN",
-                                 positional_embedding_type="standard", use_bias=True),
-    "parallel-lnpre-none": dict(n_layers=2, attn_only=False, d_mlp=20, act_fn="relu", normalization_type="LNPre",
-                                positional_embedding_type="none", parallel_attn_mlp=True),
+    "ln-standard-mlp-bias": dict(
+        n_layers=2,
+        attn_only=False,
+        d_mlp=24,
+        act_fn="gelu",
+        normalization_type="LN",
+        positional_embedding_type="standard",
+        use_bias=True,
+    ),
+    "parallel-lnpre-none": dict(
+        n_layers=2,
+        attn_only=False,
+        d_mlp=20,
+        act_fn="relu",
+        normalization_type="LNPre",
+        positional_embedding_type="none",
+        parallel_attn_mlp=True,
+    ),
     "zero-layer": dict(n_layers=0, positional_embedding_type="standard"),
 }
 
@@ -212,7 +226,9 @@ def test_pair_report_tokens_are_the_extremes_of_the_dense_singular_vectors():
     dense = dense_writer(model, sc.Writer("embed")) @ model.unembed.W_U
     U, S, Vh = torch.linalg.svd(dense)
     assert rep.input_space == rep.output_space == "tokens"
-    assert rep.score == pytest.approx(_dense_score(dense_writer(model, sc.Writer("embed")), model.unembed.W_U), rel=1e-9)
+    assert rep.score == pytest.approx(
+        _dense_score(dense_writer(model, sc.Writer("embed")), model.unembed.W_U), rel=1e-9
+    )
     for i, d in enumerate(rep.directions):
         sign = 1.0 if U[d.input_top[0][0], i] > 0 else -1.0  # the pair (u, v) is defined up to one sign
         assert [t for t, _ in d.input_top] == (sign * U[:, i]).topk(4).indices.tolist()
@@ -225,13 +241,13 @@ def test_neuron_readouts():
     model = _model("ln-standard-mlp-bias")
     mlp = model.blocks[1].mlp
     torch.testing.assert_close(vw.neuron_logits(model, 1, 5), mlp.W_out[5] @ model.unembed.W_U)
-    torch.testing.assert_close(vw.neuron_embed_reads(model, 1, 7),
-                               _norm_rows(model, model.embed.W_E) @ mlp.W_in[:, 7])
+    torch.testing.assert_close(vw.neuron_embed_reads(model, 1, 7), _norm_rows(model, model.embed.W_E) @ mlp.W_in[:, 7])
     sel = vw.pair_report(model, sc.parse_writer(model, "L0.mlp[3,9,11]"), sc.Reader("unembed"), k=1, n_top=3)
     assert sel.input_space == "neurons" and {n for n, _ in sel.directions[0].input_top} <= {3, 9, 11}
     g = _model("llama-gqa")
-    torch.testing.assert_close(vw.neuron_embed_reads(g, 0, 2, role="gate"),
-                               _norm_rows(g, g.embed.W_E) @ g.blocks[0].mlp.W_gate[:, 2])
+    torch.testing.assert_close(
+        vw.neuron_embed_reads(g, 0, 2, role="gate"), _norm_rows(g, g.embed.W_E) @ g.blocks[0].mlp.W_gate[:, 2]
+    )
 
 
 @pytest.mark.parametrize("bad", ["L9H0", "L0H7", "L0.mlp[99]", "L0.mlp[1,1]"])

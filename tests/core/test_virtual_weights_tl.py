@@ -20,16 +20,29 @@ pytestmark = pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[HookedTransformer, object]:
-    cfg = HookedTransformerConfig(n_layers=2, d_model=16, n_heads=2, d_head=8, d_vocab=41, n_ctx=12, d_mlp=24,
-                                  act_fn="gelu_new", normalization_type="LN", positional_embedding_type="standard",
-                                  dtype=torch.float64, seed=3)
+    cfg = HookedTransformerConfig(
+        n_layers=2,
+        d_model=16,
+        n_heads=2,
+        d_head=8,
+        d_vocab=41,
+        n_ctx=12,
+        d_mlp=24,
+        act_fn="gelu_new",
+        normalization_type="LN",
+        positional_embedding_type="standard",
+        dtype=torch.float64,
+        seed=3,
+    )
     tl = HookedTransformer(cfg)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in tl.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float64)
-            p.copy_(1 + 0.3 * noise if leaf == "w" else 0.3 * noise if leaf.startswith("b") else noise / p.shape[-2] ** 0.5)
+            p.copy_(
+                1 + 0.3 * noise if leaf == "w" else 0.3 * noise if leaf.startswith("b") else noise / p.shape[-2] ** 0.5
+            )
     tl.process_weights_()  # fold LN, centre writers and the unembedding, fold value biases: TL's own processing
     folder = tmp_path_factory.mktemp("tl_vw")
     config = {k: str(v) if isinstance(v, torch.dtype | torch.device) else v for k, v in tl.cfg.to_dict().items()}
@@ -50,7 +63,11 @@ def test_scores_equal_transformer_lens_factored_products(pair) -> None:  # type:
     row = {w.name: i for i, w in enumerate(s.writers)}
     eye = torch.eye(tl.cfg.d_model, dtype=torch.float64)
     W_E_ln = tl.blocks[0].ln1(tl.W_E[None])[0]  # TL's LNPre on each embedding row
-    writers = {"embed": TLFactored(W_E_ln, eye), "pos": TLFactored(tl.W_pos, eye), "L0.mlp": TLFactored(tl.W_out[0], eye)}
+    writers = {
+        "embed": TLFactored(W_E_ln, eye),
+        "pos": TLFactored(tl.W_pos, eye),
+        "L0.mlp": TLFactored(tl.W_out[0], eye),
+    }
     writers |= {f"L{layer}H{h}": tl.OV[layer, h] for layer in range(2) for h in range(2)}
     readers = {"unembed": TLFactored(eye, tl.W_U), "L1.mlp.in": TLFactored(eye, tl.W_in[1])}
     for h in range(2):
