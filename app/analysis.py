@@ -45,9 +45,9 @@ from starlette.concurrency import run_in_threadpool
 
 from app.compute import cached_build, compute, compute_json
 from app.settings import Limits
-from circuits_core.config import head_name, parse_head
 from circuits_core.cost import Cost
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import head_name, parse_head
 
 API = "/api/v1"
 

@@ -13,7 +13,7 @@ from fastapi import Depends, Path, Request
 from app.compute import cheap, compute
 from app.registry import ModelEntry, ModelRegistry
 from app.settings import Limits, Settings
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
 
 MODEL_PATH = Path(description="model id: the name of its checkpoint folder (see GET /api/v1/models)")
 HEAD_PATH = Path(description="head name L{layer}H{head}, e.g. L1H4")

@@ -14,10 +14,10 @@ from typing import Annotated, Literal, Self
 from pydantic import Field
 
 from app.analysis import AnalysisParams, HeadField, HeadsField, Limit, split_heads
-from circuits_core.config import ModelConfig, all_heads, head_name, parse_head
 from circuits_core.errors import InvalidInputError, NotFoundError
-from circuits_core.heads import STANDARD_BATCH, STANDARD_SEQ_LEN
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import ModelConfig, all_heads, head_name, parse_head
+from circuits_core.prompt.detectors import STANDARD_BATCH, STANDARD_SEQ_LEN
 
 TOKEN_DOC = (
     "a token id (e.g. 464) or a single-token string (e.g. ' the'); a numeral meant as text goes in double quotes"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from bench import median_time, row
 from bench.engine import gpt2_shaped_model
-from circuits_core import copying
+from circuits_core.circuits import copying
 
 
 def run_copying(print_fn=print) -> None:  # noqa: ANN001

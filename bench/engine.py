@@ -1,7 +1,7 @@
 """Engine benchmark (paper-math 2.5-2.8) on a GPT-2-small-shaped model with random weights.
 
 12 layers, 12 heads, d_model 768, d_head 64, d_vocab 50257, n_ctx 1024, standard positions, LN, MLPs,
-biases (circuits_core.model.random_model, std_embed 0.02, float32). Sections:
+biases (circuits_core.model.transformer.random_model, std_embed 0.02, float32). Sections:
   engine      (a) all 144 OV copying scores, (b) one token's top-20 row of a full OV circuit, (c) the
               global top-100 of one head's full OV circuit (50257^2 entries) with its peak extra memory;
               each against TransformerLens on the same weights when transformer-lens is installed.
@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from bench import PeakRSS, median_time, row
-from circuits_core import circuits as C
-from circuits_core.config import ModelConfig
-from circuits_core.factored import FactoredMatrix
-from circuits_core.model import Transformer, random_model
+from circuits_core.circuits import head_circuits as C
+from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import Transformer, random_model
 
 GPT2_SMALL = ModelConfig(
     n_layers=12,
@@ -199,9 +199,9 @@ def run_engine() -> None:
 
 def run_checkpoint() -> None:
     try:
-        from circuits_core.weights import load_checkpoint, save_checkpoint
+        from circuits_core.formats.checkpoint import load_checkpoint, save_checkpoint
     except ImportError as exc:
-        print(f"  circuits_core.weights is not available ({exc}): skipped")
+        print(f"  circuits_core.formats.checkpoint is not available ({exc}): skipped")
         return
     model = gpt2_shaped_model()
     with tempfile.TemporaryDirectory() as folder:

@@ -40,11 +40,11 @@ import torch
 
 from bench import PeakRSS, fmt_time, median_time, row
 from bench.engine import gpt2_shaped_model, tl_model
-from circuits_core.composition import composition_scores, random_baseline, raw_composition_scores
-from circuits_core.config import head_name
-from circuits_core.frozen import frozen_run, ln_weight
-from circuits_core.heads import detector_scores, duplicate_targets, induction_targets, standard_tokens
-from circuits_core.paths import expand_logits
+from circuits_core.circuits.composition import composition_scores, random_baseline, raw_composition_scores
+from circuits_core.model.config import head_name
+from circuits_core.prompt.detectors import detector_scores, duplicate_targets, induction_targets, standard_tokens
+from circuits_core.prompt.frozen import frozen_run, ln_weight
+from circuits_core.prompt.paths import expand_logits
 
 MiB, GiB = 2**20, 2**30
 IDLE_GFLOPS = {2: 180.0, 1: 90.0}  # fp32 2048^3 matmul on this 2-core machine when idle, by thread count

@@ -18,7 +18,7 @@ from one pass over the vocabulary, G_E W_Q, the spectra, the induction view's K-
 head_table against half its parts' CPU (its steps are shared by two threads when a core is idle: half the parts'
 CPU estimates both cores busy all along) and head_table with every core as torch threads (an OpenMP team per
 computation: slower than one thread on a busy machine), and the detector pass plus Grams with their products by
-oneDNN (circuits_core/linear.py) against MKL's alone, alternated. The machine is shared: the load average is printed;
+oneDNN (circuits_core/model/linear.py) against MKL's alone, alternated. The machine is shared: the load average is printed;
 ratios and CPU seconds are what to compare.
 """
 
@@ -155,8 +155,11 @@ def heads_breakdown(model: Any) -> None:
     from app.compute import available_cores, default_torch_threads
     from app.settings import Settings
     from app.views.rotary import reference_tokens
-    from circuits_core import circuits, head_table, heads, rotary
-    from circuits_core.weights import LoadedModel
+    from circuits_core.circuits import head_circuits as circuits
+    from circuits_core.circuits import rotary
+    from circuits_core.formats.checkpoint import LoadedModel
+    from circuits_core.prompt import detectors as heads
+    from circuits_core.prompt import head_table
 
     settings = Settings()
     threads = settings.torch_threads or default_torch_threads(settings.compute_slots)
@@ -241,7 +244,7 @@ def heads_breakdown(model: Any) -> None:
 def _onednn_against_mkl(work: Any) -> dict[str, list[float]]:
     """CPU seconds of `work` with linear.py's oneDNN products and with MKL's alone (linear._ONEDNN_LINEAR off),
     alternated three times so both see the same machine; {} when this torch has no oneDNN linear."""
-    from circuits_core import linear
+    from circuits_core.model import linear
 
     real = linear._ONEDNN_LINEAR
     if real is None:
@@ -258,7 +261,7 @@ def _onednn_against_mkl(work: Any) -> dict[str, list[float]]:
 
 
 def http() -> None:
-    from circuits_core.heads import standard_tokens
+    from circuits_core.prompt.detectors import standard_tokens
 
     tmp = Path(tempfile.mkdtemp(prefix="qkov-bench-http-"))
     write_tl_checkpoint(tmp)

@@ -51,9 +51,9 @@ def model_root() -> tuple[Path, str]:
         return ckpt, f"checkpoints/: {', '.join(p.name for p in others)}"
     import torch
 
-    from circuits_core.config import ModelConfig
-    from circuits_core.model import random_model
-    from circuits_core.weights import save_checkpoint
+    from circuits_core.formats.checkpoint import save_checkpoint
+    from circuits_core.model.config import ModelConfig
+    from circuits_core.model.transformer import random_model
 
     tmp = Path(tempfile.mkdtemp(prefix="qkov-bench-"))
     cfg = ModelConfig(

@@ -41,7 +41,7 @@ from bench.load import HOST, RssSampler, free_port, rss_bytes, start_server
 from bench.term_importance import term_importance_smollm2
 
 if TYPE_CHECKING:
-    from circuits_core.model import Transformer
+    from circuits_core.model.transformer import Transformer
 
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM2 = REPO / "models" / "smollm2-135m"
@@ -64,8 +64,8 @@ WRITTEN_MARK = "written.ok"  # the checkpoint folder is complete (a run stopped 
 # -- the checkpoint ----------------------------------------------------------------------------------------
 def _meta_model() -> Transformer:
     """A Transformer of the LLAMA_1B config on the current (meta) device: no memory, for pricing."""
-    from circuits_core.formats_llama import llama_config
-    from circuits_core.model import Transformer
+    from circuits_core.formats.llama import llama_config
+    from circuits_core.model.transformer import Transformer
 
     return Transformer(llama_config(LLAMA_1B))
 
@@ -131,7 +131,7 @@ def _child(kind: str, folder: str) -> None:
     """Run in a subprocess: load once, print {"seconds", "peak_rss", "base_rss"} as JSON (bytes)."""
     torch.set_num_threads(int(os.environ.get("QKOV_BENCH_THREADS", "2")))
     if kind == "qkov":
-        from circuits_core.weights import load_checkpoint
+        from circuits_core.formats.checkpoint import load_checkpoint
 
         def load() -> object:
             return load_checkpoint(folder)
@@ -253,7 +253,8 @@ def served(folder: Path) -> None:
     if mem_available() < 12 * GiB:
         print(f"  skipped: {mem_available() / GiB:.1f} GiB available; the server holds ~5 GiB of float32 weights")
         return
-    from circuits_core import composition, paths
+    from circuits_core.circuits import composition
+    from circuits_core.prompt import paths
 
     budget = Limits().peak_bytes
     port = free_port()

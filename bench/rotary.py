@@ -40,9 +40,10 @@ import torch
 from bench import PeakRSS, fmt_time, median_time, row
 from bench.engine2 import normalised, timed
 from bench.http import heads_breakdown
-from circuits_core import circuits, composition_rotary, rotary
-from circuits_core.config import ModelConfig
-from circuits_core.model import Transformer, random_model
+from circuits_core.circuits import composition_rotary, rotary
+from circuits_core.circuits import head_circuits as circuits
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import Transformer, random_model
 
 MiB = 2**20
 SMOLLM2 = ModelConfig(
@@ -239,7 +240,7 @@ def _heads_table(model: Transformer) -> float:
     from app.params import NoParams
     from app.settings import Settings
     from app.views.heads import build_heads_view
-    from circuits_core.weights import LoadedModel
+    from circuits_core.formats.checkpoint import LoadedModel
 
     fresh = _fresh_copy(model)  # no derived data cached on the model object (built before the clock starts)
     settings, before = Settings(), torch.get_num_threads()

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 
 from bench import fmt_time, row
-from circuits_core import ablation
-from circuits_core.model import Frozen, Transformer
+from circuits_core.model.transformer import Frozen, Transformer
+from circuits_core.prompt import ablation
 
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM2 = REPO / "models" / "smollm2-135m"
@@ -101,7 +101,7 @@ def term_importance_smollm2() -> None:
     from app.params import TermImportanceParams
     from app.settings import Settings
     from app.views.term_importance import ablated_heads, default_text
-    from circuits_core.weights import load_checkpoint
+    from circuits_core.formats.checkpoint import load_checkpoint
 
     if not SMOLLM2.is_dir():
         print("  term importance: SmolLM2 not fetched (make smollm2): skipped", flush=True)

@@ -22,9 +22,9 @@ import torch
 from bench import PeakRSS, fmt_time, median_time, row
 from bench.engine import gpt2_shaped_model, tl_model
 from bench.engine2 import IDLE_GFLOPS, normalised, timed
-from circuits_core import residual_stream, stream_components
-from circuits_core import virtual_weights as vw
-from circuits_core.composition import random_baseline
+from circuits_core.circuits import residual_stream, stream_components
+from circuits_core.circuits import virtual_weights as vw
+from circuits_core.circuits.composition import random_baseline
 
 MiB = 2**20
 

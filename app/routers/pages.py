@@ -62,10 +62,10 @@ from app.views.heads import HEAD, HEADS
 from app.views.models import build_model_view
 from app.views.page_claims import loss_sentence, rare_entries_sentence, scatter_sentence
 from app.views.tour_figures import positivity_scatter
-from circuits_core.config import ModelConfig, all_heads, head_name, parse_head
 from circuits_core.errors import QkovError
-from circuits_core.phenomena import MIN_TRAIN_COUNT
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import ModelConfig, all_heads, head_name, parse_head
+from circuits_core.prompt.phenomena import MIN_TRAIN_COUNT
 
 # The head scores the overview heatmap can show: key -> (label, signed)
 SCORES: dict[str, tuple[str, bool]] = {

@@ -28,7 +28,7 @@ from app.settings import REPO_ROOT, Limits
 from app.views.basis import basis, changes_weights
 from app.views.inputs import max_prompt_tokens
 from circuits_core.errors import QkovError
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
 
 templates = Jinja2Blocks(directory=str(REPO_ROOT / "templates"))
 templates.env.policies["json.dumps_kwargs"] = {"separators": (",", ":")}  # compact figure JSON

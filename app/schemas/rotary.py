@@ -1,5 +1,5 @@
 """JSON answers of the rotary-model analyses: the positional kernel, the energy per rotary band and the
-composition profile over the query-key offset δ (circuits_core/rotary.py, composition_rotary.py)."""
+composition profile over the query-key offset δ (circuits_core/circuits/rotary.py, composition_rotary.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Attention entropy of every head on a prompt (circuits_core/attention_entropy.py): one declaration, page + JSON."""
+"""Attention entropy of every head on a prompt (circuits_core/prompt/attention_entropy.py): one declaration, page + JSON."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
 from app.views.inputs import model_ref, token_refs
 from app.views.term_importance import prompt_or_default
-from circuits_core import attention_entropy
 from circuits_core.cost import Cost
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.prompt import attention_entropy
 
 
 class EntropyView(BaseModel):

@@ -1,6 +1,6 @@
 """The basis of a model's circuit numbers, in words: which weights they come from (issue 12.3).
 
-Processing (circuits_core/processing.py) changes circuit numbers but not the model's outputs: centring W_U shifts
+Processing (circuits_core/formats/processing.py) changes circuit numbers but not the model's outputs: centring W_U shifts
 every full OV circuit by a rank-one term, folding LayerNorm scales the reading weights. Every circuit view says
 which weights it used, next to the numbers.
 """
@@ -12,8 +12,8 @@ import threading
 from typing import Literal
 
 from circuits_core.cost import Cost
-from circuits_core.statedict import load_bytes
-from circuits_core.weights import LoadedModel, load_checkpoint
+from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
+from circuits_core.formats.statedict import load_bytes
 
 Basis = Literal["served", "raw"]
 _RAW: dict[tuple[str, str, str], LoadedModel] = {}  # (folder, digest, dtype) -> the same checkpoint, unprocessed

@@ -1,11 +1,11 @@
 """Top entries of the full OV, QK and direct-path circuits, and skip-trigram tables (paper-math 2.2-2.6).
 
-Every circuit is a FactoredMatrix [d_vocab, d_vocab] from circuits_core.circuits; with a token we read its
+Every circuit is a FactoredMatrix [d_vocab, d_vocab] from circuits_core.circuits.head_circuits; with a token we read its
 row (or, for QK keys, its column) from the factors, without one the global top-k streams row blocks under
 `limits.matrix_budget_bytes`. Nothing sized d_vocab x d_vocab is allocated.
 
 `min_count` (optional) keeps only tokens seen at least that often in training, read from the model folder's
-`token_counts.npy` (circuits_core.phenomena.load_token_counts): the global top-k runs on the factors restricted
+`token_counts.npy` (circuits_core.prompt.phenomena.load_token_counts): the global top-k runs on the factors restricted
 to those rows and columns, a token's row or column lists only those tokens. Rare, under-trained tokens
 otherwise dominate the global tables of the shipped toy models.
 
@@ -38,13 +38,14 @@ from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import check_k, model_ref, resolve_token, token_ref
 from app.views.rotary import check_offset, is_rotary
-from circuits_core import circuits, rotary
-from circuits_core.config import head_name, parse_head
+from circuits_core.circuits import head_circuits as circuits
+from circuits_core.circuits import rotary
+from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
-from circuits_core.factored import FactoredMatrix
-from circuits_core.phenomena import TOKEN_COUNTS_FILE, HeldOutBigrams, find_eval_data, load_token_counts
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import head_name, parse_head
+from circuits_core.prompt.phenomena import TOKEN_COUNTS_FILE, HeldOutBigrams, find_eval_data, load_token_counts
 
 LABELS = {
     "ov": ("source token (attended to)", "output token (logit raised)"),
@@ -252,7 +253,7 @@ def build_ov_view(loaded: LoadedModel, p: OVParams, limits: Limits) -> CircuitTo
 def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTopView:
     """Full QK circuit W_E W_Q W_K^T W_E^T / s: as query, the keys a token attends to; as key, the queries attending to it.
 
-    Rotary models: at the query-key offset δ, W_E W_Q R(δ) W_K^T W_E^T / s (circuits_core.rotary)."""
+    Rotary models: at the query-key offset δ, W_E W_Q R(δ) W_K^T W_E^T / s (circuits_core.circuits.rotary)."""
     loaded = with_basis(loaded, p.basis)
     layer, h = parse_head(p.head, loaded.model.cfg)
     side: Literal["row", "column"] = "row" if p.side == "query" else "column"

@@ -1,12 +1,12 @@
 """Composition between heads (paper-math 2.9) and the token circuits of one (earlier, later) pair (2.10, 2.12).
 
-Scores come from circuits_core.composition (all pairs from d_head-sized factors). For one pair we read two
+Scores come from circuits_core.circuits.composition (all pairs from d_head-sized factors). For one pair we read two
 [d_vocab, d_vocab] token circuits as factored matrices with inner dimension d_head, never dense:
   K-composition   qk_paths.k_composition_circuit: W_E W_Q^t W_K^tT (W_V^s W_O^s)^T W_E^T / s, rows query
                   token, cols the token the source head reads at the key's position; its eigenvalue
                   statistic is the "same-token matching" of the Id (x) A^s (x) W term of paper-math 2.12
   virtual head    W_E W_V^{h1} W_O^{h1} ... W_V^{hk} W_O^{hk} W_U                   (paper-math 2.10)
-W_E is the LN-applied embedding of circuits_core.circuits (row convention, x @ W).
+W_E is the LN-applied embedding of circuits_core.circuits.head_circuits (row convention, x @ W).
 """
 
 from __future__ import annotations
@@ -31,15 +31,16 @@ from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.heads import parse_heads
 from app.views.inputs import check_k, model_ref, token_ref
 from app.views.rotary import rotary_offset
-from circuits_core import circuits, composition
-from circuits_core.composition import CompositionKind, composition_scores
-from circuits_core.composition_rotary import composition_at, composition_at_cost
-from circuits_core.config import head_name
+from circuits_core.circuits import composition
+from circuits_core.circuits import head_circuits as circuits
+from circuits_core.circuits.composition import CompositionKind, composition_scores
+from circuits_core.circuits.composition_rotary import composition_at, composition_at_cost
+from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
-from circuits_core.factored import FactoredMatrix
-from circuits_core.qk_paths import k_composition_circuit
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import head_name
+from circuits_core.prompt.qk_paths import k_composition_circuit
 
 TOP_PAIRS = 10
 ENGINE_KIND: dict[CompositionKindName, CompositionKind] = {"Q": "q", "K": "k", "V": "v"}  # API name -> engine key

@@ -1,4 +1,4 @@
-"""Copying of every head measured three ways, beside random weights of the same shapes (circuits_core/copying.py).
+"""Copying of every head measured three ways, beside random weights of the same shapes (circuits_core/circuits/copying.py).
 
 The eigenvalue score sum(lambda)/sum(|lambda|) can be near +1 while almost no token raises its own logit most,
 so the page shows it beside the top-1 / top-k self-copy shares and the diagonal of each full OV circuit, and
@@ -30,12 +30,13 @@ from app.views.basis import basis
 from app.views.circuits import frequent_tokens
 from app.views.heads import parse_heads, spectra
 from app.views.inputs import check_k, model_ref
-from circuits_core import circuits, copying
-from circuits_core.config import all_heads, head_name
+from circuits_core.circuits import copying
+from circuits_core.circuits import head_circuits as circuits
 from circuits_core.cost import Cost, check_stop
 from circuits_core.errors import InvalidInputError
-from circuits_core.model import Transformer
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import all_heads, head_name
+from circuits_core.model.transformer import Transformer
 
 N_TOP_SAMPLES = 2  # random circuits whose self-copy shares are measured (each a full [V, V] row stream)
 FULL_ROWS_MAX = 8192  # vocabularies up to this size: every source token (the shipped toys: 4096)

@@ -16,11 +16,11 @@ from app.schemas import DetectorInput, DetectorsView, HeadPattern, LossByPositio
 from app.settings import Limits
 from app.views.heads import bos_id, head_scores, num, parse_heads, repeated_input
 from app.views.inputs import model_ref, resolve_prompt, token_refs
-from circuits_core import heads
-from circuits_core.config import head_name
 from circuits_core.cost import Cost
-from circuits_core.heads import detector_run
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import head_name
+from circuits_core.prompt import detectors as heads
+from circuits_core.prompt.detectors import detector_run
 
 DETECTOR_NAMES = ("previous_token", "induction", "duplicate_token", "current_token", "first_token")
 

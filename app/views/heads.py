@@ -20,13 +20,13 @@ from app.schemas import Complex, CopyingMetricsView, DetectorInput, HeadScores, 
 from app.settings import Limits
 from app.views.inputs import check_k, model_ref
 from app.views.rotary import is_rotary, reference_means, reference_tokens_bound
-from circuits_core import circuits
-from circuits_core.config import head_name, parse_head
+from circuits_core.circuits import head_circuits as circuits
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
-from circuits_core.head_table import HeadTable, head_table, head_table_cost
-from circuits_core.heads import STANDARD_BATCH, STANDARD_SEQ_LEN, repeated_random_tokens
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import head_name, parse_head
+from circuits_core.prompt.detectors import STANDARD_BATCH, STANDARD_SEQ_LEN, repeated_random_tokens
+from circuits_core.prompt.head_table import HeadTable, head_table, head_table_cost
 
 STANDARD_SEED = 0  # the standard input's shape (STANDARD_SEQ_LEN, STANDARD_BATCH) is the engine's
 POSITIONAL_MAX_N = 128  # positions shown in the positional QK pattern

@@ -15,7 +15,7 @@ import re
 from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
 from circuits_core.errors import InvalidInputError, LimitExceededError, NotFoundError
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
 
 ID_RE = re.compile(r"[+-]?[0-9]+", re.ASCII)
 MAX_ID_DIGITS = 12  # no vocabulary has 10^12 tokens; longer numerals are refused before int() sees them

@@ -12,7 +12,7 @@ from app.settings import Limits
 from app.views.inputs import model_ref, resolve_prompt, token_refs
 from circuits_core.cost import Cost
 from circuits_core.errors import CheckpointError, QkovError
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
 
 
 def _card(loaded: LoadedModel) -> dict[str, Any] | None:

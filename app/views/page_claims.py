@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from app.schemas import HeadScores, HeadsView, MatrixEntry
 from app.schemas.analyses import CompositionView, TermImportanceView
-from circuits_core.model_summary import HEAD_THRESHOLD
-from circuits_core.phenomena import load_token_counts
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.prompt.model_summary import HEAD_THRESHOLD
+from circuits_core.prompt.phenomena import load_token_counts
 
 
 def strongest(heads: list[HeadScores], score: str, layers: range | None = None) -> HeadScores | None:

@@ -3,7 +3,7 @@
 On a prompt: its pattern A^{hk} ... A^{h1} (product of the clean run's patterns), its OV circuit
 W_E W_OV^{h1} ... W_OV^{hk} W_U (top entries and eigenvalue copying score, from d_head-sized factors), and
 its contribution to a chosen logit at every position: the path term (embed, h1, ..., hk) of the
-frozen-attention expansion (circuits_core.paths), also started from each bias / MLP source that can enter it.
+frozen-attention expansion (circuits_core.prompt.paths), also started from each bias / MLP source that can enter it.
 """
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from app.schemas.analyses import ChainView, SourceContribution
 from app.settings import Limits
 from app.views.composition import VIRTUAL_LABELS, parse_chain, token_circuit, virtual_ov_circuit
 from app.views.inputs import model_ref, resolve_prompt, resolve_token, token_ref, token_refs
-from circuits_core import frozen, paths
-from circuits_core.config import head_name
 from circuits_core.cost import Cost
 from circuits_core.errors import LimitExceededError
-from circuits_core.frozen import frozen_run
-from circuits_core.paths import expand_logits
-from circuits_core.virtual import chain_next_token_terms
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import head_name
+from circuits_core.prompt import frozen, paths
+from circuits_core.prompt.frozen import frozen_run
+from circuits_core.prompt.paths import expand_logits
+from circuits_core.prompt.virtual import chain_next_token_terms
 
 SOURCES = ("bias:", "mlp:")
 

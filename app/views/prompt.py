@@ -2,7 +2,7 @@
 frozen-attention path expansion of one logit (paper-math 2.11, 2.16).
 
 Value-weighted pattern (2.16): A[i, j] * ||v_j|| with v the head's value vectors (not renormalised).
-Path expansion: circuits_core.paths.expand_logits at one destination position; its terms, plus the
+Path expansion: circuits_core.prompt.paths.expand_logits at one destination position; its terms, plus the
 explicit remainder (orders > max_order), sum to the model's actual logit (difference). The answer lists the
 k largest terms and sums the rest into one 'other' term, so the listed terms always sum to the value.
 """
@@ -17,13 +17,13 @@ from app.schemas.analyses import PathsView, PathTermView, PromptHeadPattern, Pro
 from app.settings import Limits
 from app.views.heads import parse_heads
 from app.views.inputs import check_k, model_ref, resolve_prompt, resolve_token, token_ref, token_refs
-from circuits_core import frozen, paths
-from circuits_core.config import head_name
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
-from circuits_core.frozen import frozen_run
-from circuits_core.paths import Target, expand_logits
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import head_name
+from circuits_core.prompt import frozen, paths
+from circuits_core.prompt.frozen import frozen_run
+from circuits_core.prompt.paths import Target, expand_logits
 
 
 def check_position(position: int | None, n: int) -> int:

@@ -1,6 +1,6 @@
 """Component x component decomposition of a later head's attention scores on a prompt (paper-math 2.12).
 
-circuits_core.qk_paths.expand_scores splits the pre-softmax scores q k^T / s of head (layer >= 1) into terms
+circuits_core.prompt.qk_paths.expand_scores splits the pre-softmax scores q k^T / s of head (layer >= 1) into terms
 q_a k_b^T / s over the components a, b of its input (embedding, positions, each earlier head's output, MLPs,
 biases); the terms sum to the real scores. The summary is each term's std over causal positions (ARENA's
 `decompose_attn_scores` plot): an induction head's (embed, previous-token head) K-composition term stands out.
@@ -15,12 +15,12 @@ from app.params import QKPathsParams
 from app.schemas.analyses import QKPair, QKPathsView
 from app.settings import Limits
 from app.views.inputs import check_k, model_ref, resolve_prompt, token_refs
-from circuits_core import qk_paths
-from circuits_core.config import head_name, parse_head
 from circuits_core.cost import Cost
-from circuits_core.frozen import frozen_run
-from circuits_core.qk_paths import expand_scores
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import head_name, parse_head
+from circuits_core.prompt import qk_paths
+from circuits_core.prompt.frozen import frozen_run
+from circuits_core.prompt.qk_paths import expand_scores
 
 
 def build_qk_paths_view(loaded: LoadedModel, p: QKPathsParams, limits: Limits) -> QKPathsView:

@@ -1,5 +1,5 @@
 """The residual stream as a communication channel (issue 14): every writer against every reader, one virtual
-weight, and how the writers share d_model. Engine: circuits_core/virtual_weights.py, residual_stream.py.
+weight, and how the writers share d_model. Engine: circuits_core/circuits/virtual_weights.py, residual_stream.py.
 
 Three declarations (page + JSON each):
   residual                        writers x readers scores (score - baseline), grouped by layer
@@ -21,12 +21,12 @@ from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import model_ref, token_ref
-from circuits_core import residual_stream as rs
-from circuits_core import stream_components as sc
-from circuits_core import virtual_weights as vw
+from circuits_core.circuits import residual_stream as rs
+from circuits_core.circuits import stream_components as sc
+from circuits_core.circuits import virtual_weights as vw
 from circuits_core.cost import Cost
-from circuits_core.model import Transformer
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.transformer import Transformer
 
 Offset = Annotated[
     int,
@@ -217,7 +217,7 @@ def build_residual_pair_view(loaded: LoadedModel, p: ResidualPairParams, limits:
         writer=rep.writer,
         reader=rep.reader,
         input_space=rep.input_space,  # type: ignore[arg-type]
-        output_space=rep.output_space,
+        output_space=rep.output_space,  # type: ignore[arg-type]
         score=rep.score,
         baseline=rep.baseline,  # type: ignore[arg-type]
         minus_baseline=rep.score - rep.baseline,

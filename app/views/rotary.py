@@ -1,7 +1,7 @@
 """Rotary-model analyses (issue 11): a head's positional kernel, energy per rotary band and QK eigenvalue
 copying over δ, a pair's Q/K composition profile over δ; helpers the QK, composition and heads views call for rotary models.
 
-The kernel needs μ_l, the mean ln1 output entering each layer on a reference text (circuits_core/rotary.py
+The kernel needs μ_l, the mean ln1 output entering each layer on a reference text (circuits_core/circuits/rotary.py
 REFERENCE_TEXT, tokenised with the model's tokenizer; seeded random token ids for a model without one). μ is
 derived data of the checkpoint: it is computed once per answer digest and kept in the result cache (and the
 store behind it) under ("rotary-reference", digest), so every head's kernel and the heads table reuse it.
@@ -29,12 +29,12 @@ from app.schemas.rotary import (
 from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import model_ref
-from circuits_core import composition_rotary, rotary
-from circuits_core.circuits import copying_score
-from circuits_core.config import head_name, parse_head
+from circuits_core.circuits import composition_rotary, rotary
+from circuits_core.circuits.head_circuits import copying_score
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import head_name, parse_head
 
 RANDOM_REFERENCE_TOKENS = 256  # length of the seeded random reference for a model without a tokenizer
 MaxOffset = Annotated[int, Field(ge=1, le=4096, description="offsets δ = 0..max_offset (clipped to n_ctx - 1)")]

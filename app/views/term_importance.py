@@ -1,5 +1,5 @@
 """Term importance by path order and pattern-preserving head ablation (paper-math 2.13), from
-circuits_core.ablation: losses with paths up to each order (patterns and LayerNorm scales frozen, values
+circuits_core.prompt.ablation: losses with paths up to each order (patterns and LayerNorm scales frozen, values
 reading the previous rerun), the marginal effect of each order, first-order terms by layer, and the loss
 change when one head's result is zeroed with every pattern frozen (Olsson et al.) and with the later patterns
 recomputed, for the heads asked (`heads`; the default is every head on a small model, the heads a big model's measured
@@ -22,13 +22,13 @@ from app.params import DEFAULT_ALL_HEADS, PromptInput, TermImportanceParams, hea
 from app.schemas.analyses import HeadAblation, TermImportanceView
 from app.settings import Limits
 from app.views.inputs import max_prompt_tokens, model_ref, resolve_prompt, token_refs
-from circuits_core import ablation
-from circuits_core.ablation import term_importance
-from circuits_core.config import ModelConfig, head_name, parse_head
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, QkovError
-from circuits_core.model_summary import HEAD_THRESHOLD, load_summary
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import ModelConfig, head_name, parse_head
+from circuits_core.prompt import ablation
+from circuits_core.prompt.ablation import term_importance
+from circuits_core.prompt.model_summary import HEAD_THRESHOLD, load_summary
 
 BUILTIN_TEXT = (
     "class Stack(object):\n"

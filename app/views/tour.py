@@ -28,10 +28,13 @@ from app.views.tour_residual import TOUR_MODEL as RESIDUAL_MODEL
 from app.views.tour_residual import residual_chapter, residual_chapter_cost
 from app.views.tour_rotary import TOUR_MODEL as ROTARY_MODEL
 from app.views.tour_rotary import chapter_cost, rotary_chapter
-from circuits_core import ablation, circuits, composition, copying, head_table, heads, paths, qk_paths
+from circuits_core.circuits import composition, copying
+from circuits_core.circuits import head_circuits as circuits
 from circuits_core.cost import Cost
 from circuits_core.errors import QkovError
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.prompt import ablation, head_table, paths, qk_paths
+from circuits_core.prompt import detectors as heads
 
 log = logging.getLogger("qkov.tour")
 

@@ -16,10 +16,11 @@ from typing import Any
 import torch
 
 from app.views.basis import basis
-from circuits_core import circuits, copying
-from circuits_core.config import parse_head
-from circuits_core.phenomena import HeldOutBigrams, find_eval_data
-from circuits_core.weights import LoadedModel
+from circuits_core.circuits import copying
+from circuits_core.circuits import head_circuits as circuits
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import parse_head
+from circuits_core.prompt.phenomena import HeldOutBigrams, find_eval_data
 
 Claim = tuple[str, dict[str, Any]]
 BASELINE_SAMPLES, BASELINE_TOP_SAMPLES = 200, 2
@@ -305,7 +306,7 @@ CLAIMS: dict[str, Callable[[LoadedModel, dict[str, Any]], Claim]] = {
 
 def self_copy_and_baseline(loaded: LoadedModel, k: int = 10) -> tuple[dict[str, Any], dict[str, Any]]:
     """Per-head self-copy shares ({top1, topk, diagonal_positive: {head: value}}) and the random-weights baseline."""
-    from circuits_core.config import head_name
+    from circuits_core.model.config import head_name
 
     sc = copying.self_copy(loaded.model, k=k)
     base = copying.random_baseline(loaded.model, n_samples=BASELINE_SAMPLES, n_top_samples=BASELINE_TOP_SAMPLES, k=k)

@@ -49,14 +49,14 @@ from app.views.prompt import build_paths_view, build_prompt_view
 from app.views.qk_paths import build_qk_paths_view
 from app.views.term_importance import BUILTIN_TEXT, build_term_importance_view
 from app.views.tour_claims import induction_mass, self_copy_and_baseline
-from circuits_core import circuits
-from circuits_core.config import head_name, parse_head
+from circuits_core.circuits import head_circuits as circuits
 from circuits_core.errors import InvalidInputError
-from circuits_core.frozen import readout
-from circuits_core.model_summary import HEAD_THRESHOLD
-from circuits_core.phenomena import MIN_TRAIN_COUNT
-from circuits_core.qk_paths import k_composition_positivity
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import head_name, parse_head
+from circuits_core.prompt.frozen import readout
+from circuits_core.prompt.model_summary import HEAD_THRESHOLD
+from circuits_core.prompt.phenomena import MIN_TRAIN_COUNT
+from circuits_core.prompt.qk_paths import k_composition_positivity
 
 Result = tuple[dict[str, Any], str, dict[str, Any]]
 K = 10

@@ -23,12 +23,12 @@ from app.schemas.analyses import TourFigure
 from app.settings import Limits
 from app.views.inputs import token_text
 from app.views.residual import ignored_note
-from circuits_core import residual_stream as rs
-from circuits_core import stream_components as sc
-from circuits_core import virtual_weights as vw
+from circuits_core.circuits import residual_stream as rs
+from circuits_core.circuits import stream_components as sc
+from circuits_core.circuits import virtual_weights as vw
 from circuits_core.cost import Cost
 from circuits_core.errors import QkovError
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
 
 log = logging.getLogger("qkov.tour")
 

@@ -25,15 +25,17 @@ from app.registry import ModelRegistry
 from app.schemas.analyses import TourFigure
 from app.settings import Limits
 from app.views.heads import build_heads_view
-from circuits_core import composition_rotary, head_table, heads, paths, qk_paths, rotary
-from circuits_core.config import head_name, parse_head
+from circuits_core.circuits import composition_rotary, rotary
+from circuits_core.circuits.rotary import KERNEL_WINDOW
 from circuits_core.cost import Cost
 from circuits_core.errors import QkovError
-from circuits_core.frozen import frozen_run
-from circuits_core.paths import expand_logits
-from circuits_core.qk_paths import expand_scores
-from circuits_core.rotary import KERNEL_WINDOW
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import head_name, parse_head
+from circuits_core.prompt import detectors as heads
+from circuits_core.prompt import head_table, paths, qk_paths
+from circuits_core.prompt.frozen import frozen_run
+from circuits_core.prompt.paths import expand_logits
+from circuits_core.prompt.qk_paths import expand_scores
 
 log = logging.getLogger("qkov.tour")
 

@@ -24,10 +24,10 @@ from tokenizers import Tokenizer
 
 from app.main import create_app
 from app.settings import Limits, Settings
-from circuits_core.config import ModelConfig
-from circuits_core.model import random_model
-from circuits_core.phenomena import TOKEN_COUNTS_FILE
-from circuits_core.weights import LoadedModel, load_checkpoint
+from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import random_model
+from circuits_core.prompt.phenomena import TOKEN_COUNTS_FILE
 from tests.bpe import train_bpe
 
 TEXT = (

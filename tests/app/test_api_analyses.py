@@ -17,13 +17,13 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
-from circuits_core import circuits
-from circuits_core.ablation import head_ablation, lm_loss, order_logits
-from circuits_core.composition import BASELINE_SAMPLES, composition_scores
-from circuits_core.config import ModelConfig
-from circuits_core.paths import expand_logits
-from circuits_core.qk_paths import expand_scores
-from circuits_core.weights import LoadedModel, load_checkpoint
+from circuits_core.circuits import head_circuits as circuits
+from circuits_core.circuits.composition import BASELINE_SAMPLES, composition_scores
+from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
+from circuits_core.model.config import ModelConfig
+from circuits_core.prompt.ablation import head_ablation, lm_loss, order_logits
+from circuits_core.prompt.paths import expand_logits
+from circuits_core.prompt.qk_paths import expand_scores
 from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer
 
 MiB = 1024 * 1024

@@ -7,8 +7,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from circuits_core.phenomena import load_token_counts
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.prompt.phenomena import load_token_counts
 from tests.app.conftest import assert_problem
 from tests.app.test_api_heads import full_ov_dense, full_qk_dense
 

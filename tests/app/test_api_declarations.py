@@ -14,7 +14,7 @@ from app.catalog import ANALYSES
 from app.params import CompositionPairParams, OVParams
 from circuits_core.cost import Cost
 from circuits_core.errors import QkovError
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
 from tests.app.conftest import LIMITS
 
 LISTINGS = {"/api/v1/models", "/api/v1/unavailable-models", "/api/v1/models/{model}"}
@@ -176,7 +176,7 @@ def test_the_tour_cache_key_names_the_digest_of_each_model_it_reads(tmp_path) ->
     from app.params import TourParams
     from app.registry import ModelRegistry
     from app.settings import Settings
-    from circuits_core.weights import load_checkpoint
+    from circuits_core.formats.checkpoint import load_checkpoint
 
     shipped = tmp_path / "shipped"
     shipped.mkdir()

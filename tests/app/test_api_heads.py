@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from fastapi.testclient import TestClient
 
-from circuits_core.heads import detector_scores, repeated_random_tokens
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.prompt.detectors import detector_scores, repeated_random_tokens
 from tests.app.conftest import assert_problem
 
 

@@ -9,7 +9,7 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
 from tests.app.conftest import CARD, LIMITS, assert_problem, save_qkov, train_tokenizer
 
 
@@ -62,7 +62,7 @@ def test_new_folder_appears_on_next_listing(model_dirs: tuple[Path, Path], tmp_p
     settings = Settings(shipped_dir=shipped, models_dir=tmp_path, limits=LIMITS)
     with TestClient(create_app(settings)) as c:
         assert [m["id"] for m in c.get("/api/v1/models").json()] == ["tiny-2l"]
-        from circuits_core.config import ModelConfig
+        from circuits_core.model.config import ModelConfig
 
         tok = train_tokenizer()
         cfg = ModelConfig(n_layers=0, d_model=8, n_heads=1, d_head=8, d_vocab=tok.get_vocab_size(), n_ctx=8)

@@ -14,9 +14,9 @@ from markupsafe import escape as html_escape
 from app.main import create_app
 from app.settings import Settings
 from app.views.rotary import QKCopyingParams, qk_copying_cost, reference_tokens
-from circuits_core.config import ModelConfig
-from circuits_core.rotary import REFERENCE_NAME, rotation
-from circuits_core.weights import LoadedModel, load_checkpoint
+from circuits_core.circuits.rotary import REFERENCE_NAME, rotation
+from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
+from circuits_core.model.config import ModelConfig
 from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer
 
 API = "/api/v1/models"

@@ -1,4 +1,4 @@
-"""Attention entropy per head (circuits_core/attention_entropy.py, declared in app/views/attention_entropy.py):
+"""Attention entropy per head (circuits_core/prompt/attention_entropy.py, declared in app/views/attention_entropy.py):
 the engine against a brute-force loop over hook_pattern in float64, the API and the page against the same loop."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from circuits_core import attention_entropy
-from circuits_core.config import ModelConfig
-from circuits_core.model import random_model
-from circuits_core.weights import LoadedModel
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import random_model
+from circuits_core.prompt import attention_entropy
 from tests.app.conftest import assert_problem
 
 

@@ -24,8 +24,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from circuits_core.config import ModelConfig
-from circuits_core.model import random_model
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import random_model
 from tests.app.live_server import free_port, start
 
 pytestmark = pytest.mark.xdist_group("uvicorn")

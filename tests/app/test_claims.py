@@ -20,8 +20,8 @@ import torch.nn.functional as F
 from app.registry import ModelRegistry
 from app.settings import Settings
 from app.views.tour import build_tour_view
-from circuits_core.phenomena import MIN_TRAIN_COUNT, EvalData
-from circuits_core.weights import load_checkpoint
+from circuits_core.formats.checkpoint import load_checkpoint
+from circuits_core.prompt.phenomena import MIN_TRAIN_COUNT, EvalData
 
 ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
 TOYS = ("toy-0l", "toy-1l", "toy-2l")

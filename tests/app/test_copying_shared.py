@@ -16,8 +16,9 @@ from fastapi.testclient import TestClient
 import app.views.copying as copying_view
 from app.main import create_app
 from app.settings import Settings
-from circuits_core import circuits, copying
-from circuits_core.weights import load_checkpoint
+from circuits_core.circuits import copying
+from circuits_core.circuits import head_circuits as circuits
+from circuits_core.formats.checkpoint import load_checkpoint
 from tests.app.conftest import LIMITS
 
 
@@ -86,7 +87,7 @@ def test_panels_and_overview_measure_each_circuit_once(
 def test_a_smaller_sample_is_read_off_the_panels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Over FULL_ROWS_MAX tokens a head's panel measures MAX_ROWS sampled rows; an overview asking fewer rows reads the
     first of them (the same rows as its own draw) instead of measuring again, and equals the dense rows of its draw."""
-    from circuits_core.config import ModelConfig
+    from circuits_core.model.config import ModelConfig
     from tests.app.conftest import save_qkov, train_tokenizer
 
     V, r, k = copying_view.FULL_ROWS_MAX + 100, 300, 3

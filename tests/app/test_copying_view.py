@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
-from circuits_core.weights import load_checkpoint
+from circuits_core.formats.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
 
@@ -93,7 +93,7 @@ def test_big_vocabularies_are_sampled_by_default(tmp_path):
     """Over FULL_ROWS_MAX tokens the default measures a sample of rows (MAX_ROWS for one head; the answer says so),
     against dense rows."""
     from app.views.copying import FULL_ROWS_MAX, MAX_ROWS
-    from circuits_core.config import ModelConfig
+    from circuits_core.model.config import ModelConfig
     from tests.app.conftest import save_qkov, train_tokenizer
 
     V = FULL_ROWS_MAX + 100

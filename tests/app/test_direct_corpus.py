@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
-from circuits_core.weights import load_checkpoint
+from circuits_core.formats.checkpoint import load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
 

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 from app.main import create_app
 from app.settings import Settings
-from circuits_core.config import ModelConfig
+from circuits_core.model.config import ModelConfig
 from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer
 
 DEEP = "[" * 5000 + "]" * 5000  # the config.json: json.loads raises RecursionError

@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
-from circuits_core.config import ModelConfig
+from circuits_core.model.config import ModelConfig
 from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer
 from tests.core.test_gguf import write_gguf
 

@@ -29,7 +29,7 @@ from app.main import create_app
 from app.observability import client_address, proxy_networks
 from app.ratelimit import RateLimiter
 from app.settings import Settings
-from circuits_core.phenomena import TOKEN_COUNTS_FILE
+from circuits_core.prompt.phenomena import TOKEN_COUNTS_FILE
 from tests.app.conftest import LIMITS, assert_problem, train_tokenizer
 from tests.bpe import train_bpe
 

@@ -28,10 +28,10 @@ from app.main import create_app
 from app.params import DetectorParams
 from app.precompute import lazy_panels
 from app.settings import Settings
-from circuits_core.config import ModelConfig
-from circuits_core.model import random_model
-from circuits_core.phenomena import TOKEN_COUNTS_FILE
-from circuits_core.weights import save_checkpoint
+from circuits_core.formats.checkpoint import save_checkpoint
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import random_model
+from circuits_core.prompt.phenomena import TOKEN_COUNTS_FILE
 from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer
 
 API = "/api/v1/models"

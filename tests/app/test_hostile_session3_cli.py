@@ -95,7 +95,7 @@ def test_smollm2_composition_page_sentence(smollm2: Any) -> None:
     """The composition page's measured sentence on SmolLM2: its induction and previous-token heads and scores agree
     with model_summary.json (checked against transformers in tests/core/test_smollm2.py), its K-composition partner
     is the best earlier head by score minus 1/√d_model, computed here from the served (processed) weights."""
-    from circuits_core.weights import load_checkpoint
+    from circuits_core.formats.checkpoint import load_checkpoint
 
     summary = json.loads(SMOLLM2_SUMMARY.read_text())
     page = smollm2.get("/models/smollm2-135m/composition", params={"kind": "K"}).text

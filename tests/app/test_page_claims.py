@@ -19,8 +19,8 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
-from circuits_core.heads import repeated_random_tokens
-from circuits_core.weights import load_checkpoint
+from circuits_core.formats.checkpoint import load_checkpoint
+from circuits_core.prompt.detectors import repeated_random_tokens
 from tests.app.test_claims import copying_scores
 
 ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
@@ -227,7 +227,7 @@ def test_direct_page_counts_the_rare_tokens_of_its_table(client):
     the dense float64 W_E W_U of the stored weights and the counts file."""
     import numpy as np
 
-    from circuits_core.phenomena import MIN_TRAIN_COUNT
+    from circuits_core.prompt.phenomena import MIN_TRAIN_COUNT
 
     m = load_checkpoint(ROOT / "toy-0l", dtype=torch.float64, process=False).model
     k = 20

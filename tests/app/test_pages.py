@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
-from circuits_core.config import ModelConfig
-from circuits_core.phenomena import MIN_TRAIN_COUNT, TOKEN_COUNTS_FILE
+from circuits_core.model.config import ModelConfig
+from circuits_core.prompt.phenomena import MIN_TRAIN_COUNT, TOKEN_COUNTS_FILE
 from tests.app.conftest import LIMITS, save_qkov, train_tokenizer
 
 M = "tiny-2l"
@@ -316,7 +316,7 @@ def test_direct_page_defaults_to_frequent_tokens_where_the_model_has_counts(clie
 def test_overview_scatter_is_not_drawn_without_an_induction_head(client: TestClient) -> None:
     """tiny-2l (random weights) has no head scoring HEAD_THRESHOLD as induction head on the standard input: the
     overview says why it draws no scatter, naming the strongest head and its score from the heads table."""
-    from circuits_core.model_summary import HEAD_THRESHOLD
+    from circuits_core.prompt.model_summary import HEAD_THRESHOLD
 
     heads = client.get("/api/v1/models/tiny-2l/heads").json()["heads"]
     best = max((h for h in heads if h["layer"] >= 1), key=lambda h: h["induction"])

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from app.main import create_app
 from app.settings import Settings
-from circuits_core.config import ModelConfig
+from circuits_core.model.config import ModelConfig
 from tests.app.conftest import LIMITS, save_qkov, train_tokenizer
 
 M = "ln-2l"

@@ -75,7 +75,7 @@ def test_the_copying_overview_is_assembled_from_the_head_panels(
     import torch
 
     import app.views.copying as copying_view
-    from circuits_core.config import ModelConfig
+    from circuits_core.model.config import ModelConfig
     from tests.app.conftest import save_qkov, train_tokenizer
     from tests.app.test_copying_shared import counting
 

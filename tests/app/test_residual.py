@@ -13,9 +13,9 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
-from circuits_core import stream_components as sc
-from circuits_core.config import ModelConfig
-from circuits_core.weights import LoadedModel, load_checkpoint
+from circuits_core.circuits import stream_components as sc
+from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
+from circuits_core.model.config import ModelConfig
 from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer
 from tests.core.test_virtual_weights import dense_reader, dense_writer
 

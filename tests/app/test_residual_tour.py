@@ -13,9 +13,9 @@ import torch
 from app.registry import ModelRegistry
 from app.settings import Settings
 from app.views import tour_residual
-from circuits_core import residual_stream, virtual_weights
-from circuits_core import stream_components as sc
-from circuits_core.weights import LoadedModel, load_checkpoint
+from circuits_core.circuits import residual_stream, virtual_weights
+from circuits_core.circuits import stream_components as sc
+from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
 from tests.app.conftest import LIMITS
 from tests.core.test_virtual_weights import dense_reader, dense_writer
 

@@ -30,7 +30,7 @@ from fastapi.testclient import TestClient
 from app.compute import compute
 from app.main import create_app
 from app.settings import REPO_ROOT, Settings
-from circuits_core.config import ModelConfig
+from circuits_core.model.config import ModelConfig
 from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer
 from tests.app.live_server import free_port, start
 

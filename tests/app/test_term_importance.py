@@ -15,10 +15,10 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
-from circuits_core import ablation
-from circuits_core.config import ModelConfig
-from circuits_core.model import Frozen
-from circuits_core.weights import LoadedModel, load_checkpoint
+from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import Frozen
+from circuits_core.prompt import ablation
 from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer
 
 API = "/api/v1/models/tiny-2l/term-importance"

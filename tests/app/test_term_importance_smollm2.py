@@ -41,10 +41,10 @@ def _loss(logits: torch.Tensor, ids: list[int]) -> float:
 
 def test_smollm2_default_term_importance_and_its_sentences(served: Any) -> None:
     from app.settings import Settings
-    from circuits_core import ablation
-    from circuits_core.config import parse_head
-    from circuits_core.model import Frozen
-    from circuits_core.weights import load_checkpoint
+    from circuits_core.formats.checkpoint import load_checkpoint
+    from circuits_core.model.config import parse_head
+    from circuits_core.model.transformer import Frozen
+    from circuits_core.prompt import ablation
 
     response = served.get("/api/v1/models/smollm2-135m/term-importance")
     assert response.status_code == 200, response.text

@@ -25,11 +25,11 @@ import app.views.circuits as views
 from app.main import create_app
 from app.params import OVParams
 from app.settings import Limits, Settings
-from circuits_core.config import ModelConfig
-from circuits_core.factored import FactoredMatrix
-from circuits_core.model import random_model
-from circuits_core.phenomena import TOKEN_COUNTS_FILE
-from circuits_core.weights import load_checkpoint, save_checkpoint
+from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.formats.checkpoint import load_checkpoint, save_checkpoint
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import random_model
+from circuits_core.prompt.phenomena import TOKEN_COUNTS_FILE
 
 V, SMALL = 700, 256
 API = "/api/v1/models"

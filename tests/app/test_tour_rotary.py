@@ -15,9 +15,9 @@ from app.settings import Limits
 from app.views import tour_rotary as tr
 from app.views.heads import standard_input
 from app.views.rotary import reference_tokens
-from circuits_core.ablation import order_logits
-from circuits_core.config import parse_head
-from circuits_core.weights import LoadedModel, load_checkpoint
+from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
+from circuits_core.model.config import parse_head
+from circuits_core.prompt.ablation import order_logits
 
 FOLDER = Path(__file__).resolve().parents[2] / "models" / tr.TOUR_MODEL
 pytestmark = pytest.mark.skipif(not any(FOLDER.glob("*.gguf")), reason="SmolLM2 not fetched (make smollm2)")
@@ -171,7 +171,7 @@ def test_virtual_head_on_smollm2(smol: LoadedModel, r1: dict):
     """Virtual heads under GQA on the real model: the factored virtual OV circuit of (strongest source, strongest
     induction head) equals the dense product with each head's group W_V, and its copying score equals the
     spectrum of the dense d_model x d_model matrix W_OV1 W_OV2 W_U W_E."""
-    from circuits_core.virtual import factors_copying_score, virtual_ov
+    from circuits_core.prompt.virtual import factors_copying_score, virtual_ov
 
     model = smol.model
     s = r1["k_sources"][0]

@@ -20,7 +20,7 @@ import uvicorn
 
 from app.main import create_app
 from app.settings import Limits, Settings
-from circuits_core.config import ModelConfig
+from circuits_core.model.config import ModelConfig
 from tests.app.conftest import save_qkov, train_tokenizer
 
 CHROMIUM = "/usr/bin/chromium"

@@ -10,7 +10,7 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from app.settings import Limits
-from circuits_core.config import ModelConfig
+from circuits_core.model.config import ModelConfig
 from tests.app.conftest import train_tokenizer
 from tests.browser.conftest import checked_page, serve_model
 from tests.browser.test_pages_browser import charts_drawn, mark_document, same_document, settled

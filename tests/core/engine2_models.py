@@ -2,8 +2,8 @@
 
 import torch
 
-from circuits_core.config import ModelConfig
-from circuits_core.model import random_model
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import random_model
 
 
 def small_model(n_layers=2, ln=None, pos="shortformer", mlp=False, bias=True, seed=0, parallel=False, n_ctx=32, **kw):

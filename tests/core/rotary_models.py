@@ -2,8 +2,8 @@
 
 import torch
 
-from circuits_core.config import ModelConfig
-from circuits_core.model import random_model
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import random_model
 
 # name -> config overrides of `rotary_model` (each one differs from the default in what it tests)
 CASES = {

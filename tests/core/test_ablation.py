@@ -10,11 +10,11 @@ from rotary_models import CASES as ROTARY_CASES
 from rotary_models import rotary_model, tokens_for
 from torch.utils.flop_counter import FlopCounterMode
 
-from circuits_core import ablation
-from circuits_core.ablation import ablate_head, head_ablation, lm_loss, order_ablation, order_logits
 from circuits_core.errors import CancelledError, InvalidInputError
-from circuits_core.model import Frozen
-from circuits_core.paths import expand_logits
+from circuits_core.model.transformer import Frozen
+from circuits_core.prompt import ablation
+from circuits_core.prompt.ablation import ablate_head, head_ablation, lm_loss, order_ablation, order_logits
+from circuits_core.prompt.paths import expand_logits
 
 CASES = [
     dict(n_layers=1),

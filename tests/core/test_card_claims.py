@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from circuits_core.ablation import ablate_head, head_ablation
-from circuits_core.heads import standard_tokens
-from circuits_core.weights import load_checkpoint
+from circuits_core.formats.checkpoint import load_checkpoint
+from circuits_core.prompt.ablation import ablate_head, head_ablation
+from circuits_core.prompt.detectors import standard_tokens
 
 ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
 
@@ -113,7 +113,7 @@ def test_card_sentences_of_toy_2l(toy2l):
     recipe = card["recipe"]
     assert "25 % of the rows" in card["notes"] and recipe["repeat_frac"] == 0.25
     assert "r 8-63 random tokens" in card["notes"] and (recipe["repeat_min"], recipe["repeat_max"]) == (8, 63)
-    from circuits_core.phenomena import MIN_TRAIN_COUNT
+    from circuits_core.prompt.phenomena import MIN_TRAIN_COUNT
 
     assert "seen >= 50 times" in card["notes"] and MIN_TRAIN_COUNT == 50
     ph = card["phenomena"]  # the numbers themselves are re-measured in tests/core/test_shipped_models.py

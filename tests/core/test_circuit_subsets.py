@@ -10,9 +10,9 @@ from typing import Literal
 import pytest
 import torch
 
-from circuits_core import circuits
-from circuits_core.config import ModelConfig
-from circuits_core.model import random_model
+from circuits_core.circuits import head_circuits as circuits
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import random_model
 
 
 @pytest.mark.parametrize("norm", [None, "LN", "RMS"])

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from circuits_core import circuits as C
-from circuits_core.config import ModelConfig
+from circuits_core.circuits import head_circuits as C
 from circuits_core.errors import InvalidInputError, NotFoundError
-from circuits_core.model import random_model
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import random_model
 
 V, D, H, DH, N_CTX = 37, 16, 3, 4, 12
 

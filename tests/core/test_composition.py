@@ -5,11 +5,11 @@ import math
 import pytest
 import torch
 
-from circuits_core.composition import composition_scores, random_baseline
-from circuits_core.config import ModelConfig
+from circuits_core.circuits.composition import composition_scores, random_baseline
 from circuits_core.errors import CancelledError
-from circuits_core.model import random_model
-from circuits_core.processing import process_weights
+from circuits_core.formats.processing import process_weights
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import random_model
 
 
 def _cfg(**kw):
@@ -92,7 +92,7 @@ def test_random_baseline_matches_analytic():
     gen = torch.Generator().manual_seed(3)
     W = (torch.rand(4, 64, 8, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(8)
     A, B = W[0] @ W[1].T, W[2] @ W[3].T
-    from circuits_core.composition import left_collapsed, pair_scores, right_collapsed
+    from circuits_core.circuits.composition import left_collapsed, pair_scores, right_collapsed
 
     got = pair_scores(left_collapsed(W[0], W[1].T)[None], right_collapsed(W[2], W[3].T)[None])[0, 0]
     assert abs(float(got) - float((A @ B).norm() / (A.norm() * B.norm()))) < 1e-12
@@ -107,7 +107,7 @@ def test_should_stop_cancels():
 @pytest.mark.parametrize(("d_model", "block", "size"), [(48, 16, 16), (50, 16, 10), (31, 16, 31)])
 def test_gram_blocks_match_dense(d_model, block, size):
     """The block-triangular Gram computation (several blocks, a divisor block, one full block) vs dense."""
-    from circuits_core.composition import gram_block_size, raw_composition_scores
+    from circuits_core.circuits.composition import gram_block_size, raw_composition_scores
 
     assert gram_block_size(d_model, block) == size
     model = random_model(_cfg(d_model=d_model, n_layers=4), seed=3, dtype=torch.float64)

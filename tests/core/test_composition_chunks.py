@@ -18,11 +18,11 @@ from test_composition import _dense_scores
 from test_paths_cost import _HeldBytes
 
 from app.settings import Limits
-from circuits_core import composition
-from circuits_core.composition import CompositionKind, composition_scores, raw_composition_scores
-from circuits_core.config import ModelConfig
-from circuits_core.formats_llama import llama_config
-from circuits_core.model import Transformer, random_model
+from circuits_core.circuits import composition
+from circuits_core.circuits.composition import CompositionKind, composition_scores, raw_composition_scores
+from circuits_core.formats.llama import llama_config
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import Transformer, random_model
 
 
 def _model(n_kv: int | None, n_layers: int = 5, d_model: int = 40, seed: int = 7) -> Transformer:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from circuits_core import copying
+from circuits_core.circuits import copying
 from circuits_core.errors import InvalidInputError
 from tests.core.test_circuits import dense_embed, make_model
 

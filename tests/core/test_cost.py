@@ -11,12 +11,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from circuits_core import ablation, circuits, composition, heads, paths, qk_paths
-from circuits_core.config import ModelConfig
+from circuits_core.circuits import composition
+from circuits_core.circuits import head_circuits as circuits
 from circuits_core.cost import Cost, check_stop, polled, stopping
 from circuits_core.errors import CancelledError
-from circuits_core.frozen import run_cost
-from circuits_core.model import Transformer, next_token_losses, random_model
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import Transformer, next_token_losses, random_model
+from circuits_core.prompt import ablation, paths, qk_paths
+from circuits_core.prompt import detectors as heads
+from circuits_core.prompt.frozen import run_cost
 
 CFG = ModelConfig(
     n_layers=2,
@@ -146,7 +149,12 @@ def test_side_by_side_runs_the_side_branch_in_a_helper_thread_only_when_a_core_i
 def test_composition_scores_with_the_baseline_sampled_beside_them_equal_the_parts() -> None:
     """With one torch thread on a machine with an idle core, the sampled baseline runs in a helper thread: the
     scores and the baseline are exactly those computed on their own (the baseline recomputed, not cached)."""
-    from circuits_core.composition import BASELINE_SAMPLES, composition_scores, random_baseline, raw_composition_scores
+    from circuits_core.circuits.composition import (
+        BASELINE_SAMPLES,
+        composition_scores,
+        random_baseline,
+        raw_composition_scores,
+    )
 
     cfg = ModelConfig(n_layers=3, d_model=48, n_heads=4, d_head=8, d_vocab=50, n_ctx=16, attn_only=True)
     model = random_model(cfg, seed=3, dtype=torch.float64)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from circuits_core import circuits as C
-from circuits_core.model import random_model
+from circuits_core.circuits import head_circuits as C
+from circuits_core.model.transformer import random_model
 from tests.core.rotary_models import rotary_model
 
 NORMS = {

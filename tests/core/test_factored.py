@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from circuits_core import factored
+from circuits_core.circuits import factored
+from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.errors import InvalidInputError, LimitExceededError
-from circuits_core.factored import FactoredMatrix
 
 
 @pytest.fixture(autouse=True)
@@ -363,8 +363,8 @@ def test_iter_row_blocks_cover_the_matrix():
 def test_batch_broadcast_agrees_with_torch_broadcast_shapes() -> None:
     import random
 
+    from circuits_core.circuits.factored import batch_broadcast
     from circuits_core.errors import InvalidInputError
-    from circuits_core.factored import batch_broadcast
 
     rng = random.Random(0)
     for _ in range(500):

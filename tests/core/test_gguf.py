@@ -1,4 +1,4 @@
-"""GGUF checkpoints (circuits_core/formats_gguf.py) against transformers' own GGUF reader, on tiny files written
+"""GGUF checkpoints (circuits_core/formats/gguf.py) against transformers' own GGUF reader, on tiny files written
 here with the gguf library's GGUFWriter the way llama.cpp's converter writes them (Q/K rows permuted to the
 adjacent-pairs rotary layout, tied embeddings left out, F32 norms, quantised matrices).
 
@@ -19,12 +19,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from circuits_core import formats_gguf
 from circuits_core.errors import CheckpointError
-from circuits_core.formats_gguf import read_gguf
-from circuits_core.model_summary import SUMMARY_FILE, ensure_summary, load_summary, measure
-from circuits_core.statedict import build_model, load_bytes
-from circuits_core.weights import detect_format, load_checkpoint
+from circuits_core.formats import gguf as formats_gguf
+from circuits_core.formats.checkpoint import detect_format, load_checkpoint
+from circuits_core.formats.gguf import read_gguf
+from circuits_core.formats.statedict import build_model, load_bytes
+from circuits_core.prompt.model_summary import SUMMARY_FILE, ensure_summary, load_summary, measure
 from tests.bpe import EOT, train_bpe
 
 Q = gguf.GGMLQuantizationType

@@ -16,7 +16,7 @@ import gguf
 import numpy as np
 import pytest
 
-from circuits_core.formats_gguf import _TORCH_BLOCKS, _Reader, dequantize
+from circuits_core.formats.gguf import _TORCH_BLOCKS, _Reader, dequantize
 
 Q = gguf.GGMLQuantizationType
 SMOLLM2 = Path(__file__).resolve().parents[2] / "models" / "smollm2-135m" / "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -7,13 +7,13 @@ import torch
 from engine2_models import small_model
 from test_paths_cost import _HeldBytes
 
-from circuits_core import circuits as C
-from circuits_core.config import ModelConfig
+from circuits_core.circuits import head_circuits as C
 from circuits_core.cost import available_cores
-from circuits_core.head_table import head_table, head_table_cost, table_chunk
-from circuits_core.heads import standard_tokens
-from circuits_core.model import random_model
-from circuits_core.qk_paths import k_composition_positivity
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import random_model
+from circuits_core.prompt.detectors import standard_tokens
+from circuits_core.prompt.head_table import head_table, head_table_cost, table_chunk
+from circuits_core.prompt.qk_paths import k_composition_positivity
 
 
 def _ln_model(normalization_type: str | None) -> torch.nn.Module:
@@ -166,7 +166,7 @@ def test_head_table_raises_instead_of_waiting_when_G_E_W_Q_fails(monkeypatch: py
     (in both thread modes) instead of leaving the helper waiting."""
     import threading
 
-    import circuits_core.head_table as HT
+    import circuits_core.prompt.head_table as HT
 
     def boom(*args: object, **kwargs: object) -> torch.Tensor:
         raise RuntimeError("G_E W_Q failed")

@@ -3,9 +3,7 @@
 import torch
 from engine2_models import small_model
 
-from circuits_core.frozen import ln_linear
-from circuits_core.head_table import induction_view
-from circuits_core.heads import (
+from circuits_core.prompt.detectors import (
     copying_scores,
     detector_scores,
     olsson_tokens,
@@ -14,7 +12,9 @@ from circuits_core.heads import (
     previous_token_head,
     standard_tokens,
 )
-from circuits_core.qk_paths import circuit_positivity, k_composition_circuit
+from circuits_core.prompt.frozen import ln_linear
+from circuits_core.prompt.head_table import induction_view
+from circuits_core.prompt.qk_paths import circuit_positivity, k_composition_circuit
 
 
 def test_standard_inputs():
@@ -137,9 +137,9 @@ def test_head_table_equals_its_parts_whether_its_branches_run_at_once_or_in_turn
     is idle (one torch thread here), in turn otherwise: both give the parts computed one by one (one detector pass,
     the spectra from their own Grams, the 2-D view from its own G_E), up to float64 rounding (the chunk sums add in
     another order)."""
-    from circuits_core.circuits import ov_copying_scores, qk_copying_scores
+    from circuits_core.circuits.head_circuits import ov_copying_scores, qk_copying_scores
     from circuits_core.cost import available_cores
-    from circuits_core.head_table import head_table
+    from circuits_core.prompt.head_table import head_table
 
     model = small_model(n_layers=3, ln="LN", mlp=True)
     tokens = standard_tokens(model, seed=2)
@@ -171,7 +171,7 @@ def test_detector_chunks_shared_by_two_workers_give_the_one_pass_scores():
     """Two workers taking chunks from one shared queue (cost.shared_chunks): their merged DetectorSums equal the
     detectors of one unchunked forward pass, scored layer by layer with pattern_detector_scores (float64)."""
     from circuits_core.cost import shared_chunks
-    from circuits_core.heads import detector_sums
+    from circuits_core.prompt.detectors import detector_sums
 
     model = small_model(n_layers=2, ln="LN", mlp=True)
     tokens = standard_tokens(model, seed=5, batch=7)  # 4 chunks of 2 sequences, the last one short
@@ -220,7 +220,7 @@ def test_head_table_helper_thread_sees_the_ambient_stop_flag():
 
     from circuits_core.cost import available_cores, stopping
     from circuits_core.errors import CancelledError
-    from circuits_core.head_table import head_table
+    from circuits_core.prompt.head_table import head_table
 
     if available_cores() < 2:
         pytest.skip("one core: the branches run in turn")
@@ -240,9 +240,9 @@ def test_a_model_without_layers_has_no_head_scores_but_its_real_loss() -> None:
     (chunked by a small budget, as the server runs it)."""
     import torch.nn.functional as F
 
-    from circuits_core.config import ModelConfig
-    from circuits_core.heads import detector_run
-    from circuits_core.model import random_model
+    from circuits_core.model.config import ModelConfig
+    from circuits_core.model.transformer import random_model
+    from circuits_core.prompt.detectors import detector_run
 
     cfg = ModelConfig(n_layers=0, d_model=16, n_heads=2, d_head=8, d_vocab=50, n_ctx=32, normalization_type=None)
     model = random_model(cfg, seed=3, dtype=torch.float64, std_embed=0.5)
@@ -261,9 +261,9 @@ def test_head_table_kernel_peaks_vs_omega_written_out_in_both_branch_modes():
     branch (which measures μ) runs beside the detector pass or after it; without μ there are no peaks."""
     from rotary_models import rotary_model
 
+    from circuits_core.circuits.rotary import omega
     from circuits_core.cost import available_cores
-    from circuits_core.head_table import head_table
-    from circuits_core.rotary import omega
+    from circuits_core.prompt.head_table import head_table
 
     model = rotary_model(seed=5, n_layers=2, n_key_value_heads=2)
     mu = torch.randn(2, model.cfg.d_model, generator=torch.Generator().manual_seed(3), dtype=torch.float64)

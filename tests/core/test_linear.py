@@ -9,11 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from circuits_core import circuits, linear
-from circuits_core.config import ModelConfig
+from circuits_core.circuits import head_circuits as circuits
 from circuits_core.cost import shared_chunks
-from circuits_core.linear import affine
-from circuits_core.model import random_model
+from circuits_core.model import linear
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.linear import affine
+from circuits_core.model.transformer import random_model
 
 needs_onednn = pytest.mark.skipif(linear._ONEDNN_LINEAR is None, reason="this torch has no oneDNN linear")
 ACTS = [None, "relu", "gelu", "gelu_new", "silu"]

@@ -24,10 +24,10 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from circuits_core.errors import CheckpointError
-from circuits_core.frozen import attention
-from circuits_core.model import Transformer
-from circuits_core.statedict import build_model
-from circuits_core.weights import detect_format, load_checkpoint
+from circuits_core.formats.checkpoint import detect_format, load_checkpoint
+from circuits_core.formats.statedict import build_model
+from circuits_core.model.transformer import Transformer
+from circuits_core.prompt.frozen import attention
 from tests.bpe import train_bpe
 
 VOCAB, N = 61, 14
@@ -275,7 +275,7 @@ def test_the_digest_covers_config_and_every_shard(tmp_path: Path, world: dict[st
     import hashlib
     import shutil
 
-    from circuits_core.weights import ANSWER_FILES
+    from circuits_core.formats.checkpoint import ANSWER_FILES
 
     folder = tmp_path / "sharded"
     shutil.copytree(world["llama_gqa_default_untied"][0], folder)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from circuits_core import formats_llama
-from circuits_core.formats_llama import _T, _output_heads, _per_head, laid_out
+from circuits_core.formats import llama as formats_llama
+from circuits_core.formats.llama import _T, _output_heads, _per_head, laid_out
 
 
 @pytest.mark.parametrize("slab", [1, 96, 1 << 16])

@@ -20,16 +20,16 @@ from typing import Any
 import pytest
 import torch
 
-from circuits_core.ablation import order_logits
-from circuits_core.config import ModelConfig
 from circuits_core.errors import InvalidInputError
-from circuits_core.frozen import attention, frozen_run
-from circuits_core.model import Frozen, Transformer, random_model, rotary_inv_freq, rotary_pairs, rotate
-from circuits_core.paths import expand_logits
-from circuits_core.processing import process_weights
-from circuits_core.qk_paths import expand_scores
-from circuits_core.statedict import build_model
-from circuits_core.weights import load_checkpoint, save_checkpoint
+from circuits_core.formats.checkpoint import load_checkpoint, save_checkpoint
+from circuits_core.formats.processing import process_weights
+from circuits_core.formats.statedict import build_model
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import Frozen, Transformer, random_model, rotary_inv_freq, rotary_pairs, rotate
+from circuits_core.prompt.ablation import order_logits
+from circuits_core.prompt.frozen import attention, frozen_run
+from circuits_core.prompt.paths import expand_logits
+from circuits_core.prompt.qk_paths import expand_scores
 
 F64 = torch.float64
 LLAMA = ModelConfig(

@@ -27,14 +27,14 @@ import pytest
 import torch
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
-from circuits_core.circuits import full_ov_circuit, full_qk_circuit, ov_copying_scores
-from circuits_core.composition import CompositionKind, composition_scores
-from circuits_core.config import head_name
+from circuits_core.circuits.composition import CompositionKind, composition_scores
+from circuits_core.circuits.head_circuits import full_ov_circuit, full_qk_circuit, ov_copying_scores
 from circuits_core.errors import CheckpointError
-from circuits_core.frozen import attention
-from circuits_core.model import Transformer
-from circuits_core.paths import expand_logits
-from circuits_core.weights import TL_BUFFERS, load_checkpoint
+from circuits_core.formats.checkpoint import TL_BUFFERS, load_checkpoint
+from circuits_core.model.config import head_name
+from circuits_core.model.transformer import Transformer
+from circuits_core.prompt.frozen import attention
+from circuits_core.prompt.paths import expand_logits
 
 pytestmark = pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from circuits_core.config import ModelConfig
 from circuits_core.errors import InvalidInputError
-from circuits_core.model import Frozen, random_model
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import Frozen, random_model
 
 CONFIGS = [
     ModelConfig(n_layers=2, d_model=16, n_heads=2, d_head=8, d_vocab=40, n_ctx=12, normalization_type=norm,

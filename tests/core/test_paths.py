@@ -7,8 +7,8 @@ import torch
 from engine2_models import small_model, tokens_for
 
 from circuits_core.errors import CancelledError, InvalidInputError, LimitExceededError
-from circuits_core.frozen import frozen_run
-from circuits_core.paths import expand_logits
+from circuits_core.prompt.frozen import frozen_run
+from circuits_core.prompt.paths import expand_logits
 
 CASES = [
     dict(n_layers=1),

@@ -22,12 +22,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from app.settings import Limits
-from circuits_core import paths
-from circuits_core.config import ModelConfig, head_name
-from circuits_core.formats_llama import llama_config
-from circuits_core.frozen import frozen_run
-from circuits_core.model import Transformer
-from circuits_core.paths import expand_logits
+from circuits_core.formats.llama import llama_config
+from circuits_core.model.config import ModelConfig, head_name
+from circuits_core.model.transformer import Transformer
+from circuits_core.prompt import paths
+from circuits_core.prompt.frozen import frozen_run
+from circuits_core.prompt.paths import expand_logits
 
 # small float64 models with random biases and norm weights: RMS + GQA (3 query heads, 1 key/value head) + rotary
 # + gated MLP, and LayerNorm attention-only with standard positions

@@ -7,9 +7,9 @@ import itertools
 import pytest
 import torch
 
-from circuits_core.config import ModelConfig
-from circuits_core.model import Transformer, random_model
-from circuits_core.processing import ProcessingOptions, apply_options, process_weights
+from circuits_core.formats.processing import ProcessingOptions, apply_options, process_weights
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import Transformer, random_model
 
 POSITIONS = ("standard", "shortformer", "rotary", "none")
 

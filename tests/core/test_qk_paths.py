@@ -7,10 +7,10 @@ import torch
 from engine2_models import small_model, tokens_for
 from rotary_models import rotary_model
 
-from circuits_core.circuits import copying_score, embed_eff
+from circuits_core.circuits.head_circuits import copying_score, embed_eff
 from circuits_core.errors import CancelledError, InvalidInputError
-from circuits_core.frozen import frozen_run
-from circuits_core.qk_paths import (
+from circuits_core.prompt.frozen import frozen_run
+from circuits_core.prompt.qk_paths import (
     circuit_positivity,
     expand_scores,
     k_composition_circuit,

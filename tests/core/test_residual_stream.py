@@ -6,10 +6,10 @@ import math
 import pytest
 import torch
 
-from circuits_core import residual_stream as rs
-from circuits_core import stream_components as sc
-from circuits_core.config import ModelConfig
-from circuits_core.model import random_model
+from circuits_core.circuits import residual_stream as rs
+from circuits_core.circuits import stream_components as sc
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import random_model
 from tests.core.rotary_models import rotary_model
 from tests.core.test_virtual_weights import dense_reader, dense_writer
 

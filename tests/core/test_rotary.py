@@ -1,4 +1,4 @@
-"""Rotary QK circuits (circuits_core/rotary.py) against independent computations in float64.
+"""Rotary QK circuits (circuits_core/circuits/rotary.py) against independent computations in float64.
 
 Ω_h(δ) against the forward pass's hook_attn_scores; the full QK circuit at δ against dense matrices built
 from a hand-written norm; eigenvalues against dense spectra; the kernel against rotations at absolute
@@ -12,11 +12,8 @@ import pytest
 import torch
 from rotary_models import CASES, rotary_model, tokens_for
 
-from circuits_core.circuits import copying_score
-from circuits_core.config import ModelConfig
-from circuits_core.errors import InvalidInputError
-from circuits_core.model import random_model, rotary_inv_freq, rotary_pairs
-from circuits_core.rotary import (
+from circuits_core.circuits.head_circuits import copying_score
+from circuits_core.circuits.rotary import (
     band_energies,
     full_qk_circuit_at,
     full_qk_col_at,
@@ -30,6 +27,9 @@ from circuits_core.rotary import (
     rotation,
     skip_trigrams_at,
 )
+from circuits_core.errors import InvalidInputError
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import random_model, rotary_inv_freq, rotary_pairs
 
 IDS = list(CASES)
 

@@ -1,7 +1,7 @@
 """The rotary head page's sentence "Fast bands (short wavelengths) make positional heads, slow ones carry content"
 (templates/_rotary_head.html) checked on SmolLM2-135M, the rotary model qkov serves.
 
-Band energies are recomputed here without circuits_core.rotary: each rotary pair (i, j) and its frequency θ are
+Band energies are recomputed here without circuits_core.circuits.rotary: each rotary pair (i, j) and its frequency θ are
 found by rotating the basis vector e_i by one position with model.rotate (checked against transformers elsewhere),
 and a pair's QK energy is (||W_Q[:, i]||² + ||W_Q[:, j]||²)(||W_K[:, i]||² + ||W_K[:, j]||²) = ||A_k||² + ||B_k||²
 for Ω(δ) = Σ_k [cos(δθ_k) A_k + sin(δθ_k) B_k] + C. Positional and content heads are the previous-token and
@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from circuits_core.model_summary import load_summary
-from circuits_core.weights import LoadedModel, load_checkpoint
+from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
+from circuits_core.prompt.model_summary import load_summary
 from tests.core.test_smollm2 import FOLDER, GGUF
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]

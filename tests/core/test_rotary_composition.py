@@ -1,13 +1,13 @@
-"""Composition profiles over δ (circuits_core/composition_rotary.py) against dense brute force in float64."""
+"""Composition profiles over δ (circuits_core/circuits/composition_rotary.py) against dense brute force in float64."""
 
 import pytest
 import torch
 from rotary_models import CASES, rotary_model
 from test_paths_cost import _HeldBytes
 
-from circuits_core import composition
-from circuits_core.composition import composition_scores
-from circuits_core.composition_rotary import (
+from circuits_core.circuits import composition
+from circuits_core.circuits.composition import composition_scores
+from circuits_core.circuits.composition_rotary import (
     _pair_order,
     _rotated_tables,
     _swap_signs,
@@ -18,12 +18,12 @@ from circuits_core.composition_rotary import (
     pair_profile,
     profiles_cost,
 )
-from circuits_core.config import head_name
+from circuits_core.circuits.rotary import rotation
+from circuits_core.circuits.rotary_baseline import _pair_scores, baseline_cost, dense_baseline_scores, random_baseline
 from circuits_core.cost import available_cores
 from circuits_core.errors import InvalidInputError
-from circuits_core.model import Transformer
-from circuits_core.rotary import rotation
-from circuits_core.rotary_baseline import _pair_scores, baseline_cost, dense_baseline_scores, random_baseline
+from circuits_core.model.config import head_name
+from circuits_core.model.transformer import Transformer
 
 
 def dense_scores(model, l1, h1, l2, h2, delta):
@@ -192,7 +192,7 @@ def test_composition_at_on_the_one_billion_shape_fits_the_default_budget():
     key/value heads, rotary) priced within Limits().peak_bytes, on a model built without memory."""
     from app.settings import Limits
     from bench.modern import LLAMA_1B
-    from circuits_core.formats_llama import llama_config
+    from circuits_core.formats.llama import llama_config
 
     with torch.device("meta"):
         model = Transformer(llama_config(LLAMA_1B))

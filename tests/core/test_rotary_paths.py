@@ -5,14 +5,14 @@ import pytest
 import torch
 from rotary_models import CASES, rotary_model, tokens_for
 
-from circuits_core.ablation import ablate_head, order_logits
-from circuits_core.circuits import copying_score
-from circuits_core.frozen import frozen_run
-from circuits_core.heads import detector_scores
-from circuits_core.paths import expand_logits
-from circuits_core.qk_paths import expand_scores
-from circuits_core.rotary import omega
-from circuits_core.virtual import virtual_copying_scores, virtual_ov
+from circuits_core.circuits.head_circuits import copying_score
+from circuits_core.circuits.rotary import omega
+from circuits_core.prompt.ablation import ablate_head, order_logits
+from circuits_core.prompt.detectors import detector_scores
+from circuits_core.prompt.frozen import frozen_run
+from circuits_core.prompt.paths import expand_logits
+from circuits_core.prompt.qk_paths import expand_scores
+from circuits_core.prompt.virtual import virtual_copying_scores, virtual_ov
 
 IDS = list(CASES)
 

@@ -1,5 +1,5 @@
 """The committed toy models (checkpoints/) show the paper's phenomena, and their model cards say what the
-code measures now. Thresholds are the issue's; measurements come from circuits_core.phenomena."""
+code measures now. Thresholds are the issue's; measurements come from circuits_core.prompt.phenomena."""
 
 from __future__ import annotations
 
@@ -13,10 +13,9 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from circuits_core.corpus import manifest_digest
 from circuits_core.errors import CheckpointError
-from circuits_core.heads import standard_tokens
-from circuits_core.phenomena import (
+from circuits_core.prompt.detectors import standard_tokens
+from circuits_core.prompt.phenomena import (
     THRESHOLDS,
     TOKEN_COUNTS_FILE,
     EvalData,
@@ -24,7 +23,8 @@ from circuits_core.phenomena import (
     load_token_counts,
     measure,
 )
-from circuits_core.training import RECIPES, load_toy
+from circuits_core.training.corpus import manifest_digest
+from circuits_core.training.train import RECIPES, load_toy
 
 ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
 NAMES = ["toy-0l", "toy-1l", "toy-2l"]

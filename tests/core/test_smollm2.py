@@ -16,11 +16,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from circuits_core.heads import repeated_random_tokens
-from circuits_core.model import next_token_losses
-from circuits_core.model_summary import load_summary
-from circuits_core.statedict import build_model
-from circuits_core.weights import LoadedModel, load_checkpoint
+from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
+from circuits_core.formats.statedict import build_model
+from circuits_core.model.transformer import next_token_losses
+from circuits_core.prompt.detectors import repeated_random_tokens
+from circuits_core.prompt.model_summary import load_summary
 
 REPO = Path(__file__).resolve().parents[2]
 FOLDER = REPO / "models" / "smollm2-135m"

@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
 from circuits_core.errors import CheckpointError, InvalidInputError, NotFoundError
-from circuits_core.tokenizer import Tokenizer
+from circuits_core.formats.tokenizer import Tokenizer
 from tests.bpe import train_bpe
 
 CORPUS = [

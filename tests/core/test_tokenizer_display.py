@@ -1,6 +1,6 @@
 """Readable byte-level BPE tokens (issue 12.8): 'é' is shown as 'é', never as the byte alphabet's 'Ã©'.
 
-References independent of circuits_core.tokenizer's display code: Python's own UTF-8 codec on the text,
+References independent of circuits_core.formats.tokenizer's display code: Python's own UTF-8 codec on the text,
 and the HF tokenizer's character offsets of each token (which character each token's bytes belong to).
 """
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from circuits_core.tokenizer import Tokenizer, byte_level_bytes, readable_pieces
+from circuits_core.formats.tokenizer import Tokenizer, byte_level_bytes, readable_pieces
 
 SHIPPED = Path(__file__).resolve().parents[2] / "checkpoints" / "toy-2l"
 TEXT = "café naïve — ok 日本 déjà"

@@ -4,11 +4,11 @@ import pytest
 import torch
 from engine2_models import small_model, tokens_for
 
-from circuits_core.circuits import copying_score, embed_eff
-from circuits_core.composition import composition_scores
-from circuits_core.frozen import frozen_run
-from circuits_core.paths import expand_logits
-from circuits_core.virtual import (
+from circuits_core.circuits.composition import composition_scores
+from circuits_core.circuits.head_circuits import copying_score, embed_eff
+from circuits_core.prompt.frozen import frozen_run
+from circuits_core.prompt.paths import expand_logits
+from circuits_core.prompt.virtual import (
     chain_next_token_terms,
     rank_by_contribution,
     rank_by_v_composition,

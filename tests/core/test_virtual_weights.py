@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from circuits_core import stream_components as sc
-from circuits_core import virtual_weights as vw
-from circuits_core.composition import composition_scores, random_baseline
-from circuits_core.config import ModelConfig
+from circuits_core.circuits import stream_components as sc
+from circuits_core.circuits import virtual_weights as vw
+from circuits_core.circuits.composition import composition_scores, random_baseline
 from circuits_core.errors import CancelledError, InvalidInputError, NotFoundError
-from circuits_core.model import random_model
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import random_model
 from tests.core.rotary_models import rotary_model
 
 CONFIGS = {

@@ -12,8 +12,8 @@ import torch
 from transformer_lens import FactoredMatrix as TLFactored
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
-from circuits_core import virtual_weights as vw
-from circuits_core.weights import load_checkpoint
+from circuits_core.circuits import virtual_weights as vw
+from circuits_core.formats.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
 

@@ -39,15 +39,20 @@ from transformer_lens import FactoredMatrix as TLFactored  # the `test` extra pi
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 from transformer_lens import head_detector as tl_heads
 
-from circuits_core.circuits import full_ov_circuit, full_qk_circuit, ov_copying_scores
-from circuits_core.composition import composition_scores
-from circuits_core.config import head_name
+from circuits_core.circuits.composition import composition_scores
+from circuits_core.circuits.head_circuits import full_ov_circuit, full_qk_circuit, ov_copying_scores
 from circuits_core.errors import CheckpointError
-from circuits_core.heads import duplicate_targets, induction_targets, pattern_detector_scores, repeated_random_tokens
-from circuits_core.model import Transformer
-from circuits_core.paths import expand_logits
-from circuits_core.processing import ProcessingOptions
-from circuits_core.weights import TL_BUFFERS, load_checkpoint
+from circuits_core.formats.checkpoint import TL_BUFFERS, load_checkpoint
+from circuits_core.formats.processing import ProcessingOptions
+from circuits_core.model.config import head_name
+from circuits_core.model.transformer import Transformer
+from circuits_core.prompt.detectors import (
+    duplicate_targets,
+    induction_targets,
+    pattern_detector_scores,
+    repeated_random_tokens,
+)
+from circuits_core.prompt.paths import expand_logits
 
 pytestmark = pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from circuits_core.config import ModelConfig
 from circuits_core.errors import CheckpointError
-from circuits_core.model import Transformer, random_model
-from circuits_core.processing import ProcessingOptions, process_weights
-from circuits_core.weights import REGISTRY, detect_format, load_checkpoint, save_checkpoint
+from circuits_core.formats.checkpoint import REGISTRY, detect_format, load_checkpoint, save_checkpoint
+from circuits_core.formats.processing import ProcessingOptions, process_weights
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import Transformer, random_model
 
 CFG = ModelConfig(
     n_layers=2, d_model=12, n_heads=3, d_head=4, d_vocab=29, n_ctx=10, d_mlp=16, attn_only=False,

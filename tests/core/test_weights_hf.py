@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from circuits_core.errors import CheckpointError
-from circuits_core.weights import detect_format, load_checkpoint
+from circuits_core.formats.checkpoint import detect_format, load_checkpoint
 from tests.bpe import train_bpe
 
 transformers = pytest.importorskip("transformers")

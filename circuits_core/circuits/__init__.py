@@ -1,0 +1,1 @@
+"""The weight circuits: factored matrices, QK/OV circuits, copying, composition, virtual weights."""

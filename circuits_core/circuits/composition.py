@@ -1,0 +1,392 @@
+"""Composition scores: how much a later head's query, key or value reads what an earlier head wrote.
+
+Paper section: "Composition" (Elhage et al. 2021; paper-math 2.9). Row-vector (TransformerLens) convention,
+W_OV = W_V W_O and W_QK = W_Q W_K^T, both [d_model, d_model] of rank <= d_head. For h1 in an earlier layer
+than h2:
+    Q-composition  ||W_OV^{h1} W_QK^{h2}||_F   / (||W_OV^{h1}||_F ||W_QK^{h2}||_F)
+    K-composition  ||W_OV^{h1} W_QK^{h2 T}||_F / (||W_OV^{h1}||_F ||W_QK^{h2}||_F)
+    V-composition  ||W_OV^{h1} W_OV^{h2}||_F   / (||W_OV^{h1}||_F ||W_OV^{h2}||_F)
+(identical to the paper's column-convention formulas). Scores are in [0, 1]; same-layer and backward pairs
+are 0, as in TransformerLens's `all_composition_scores`.
+
+All pairs through Gram matrices: ||W_1 W_2||_F^2 = <W_1^T W_1, W_2 W_2^T>_F. Every head gets one d_model x
+d_model Gram per role, formed from a collapsed factor of d_head rows: source W_OV^T W_OV = F^T F with F = R_V W_O
+(R_V the QR factor of W_V, so R_V^T R_V = W_V^T W_V), target M M^T = P P^T with P = A R^T for the later matrix
+M = A B (R the QR factor of B^T). The squared numerators of all (source, target) pairs are one matmul over the
+flattened Grams: d_model^2 multiply-adds per pair instead of d_head^2 d_model for the product of the collapsed
+factors (5x fewer for GPT-2). The Grams are symmetric, so only their upper block triangle is formed and
+multiplied (off-diagonal blocks counted twice), one block of all heads at a time. The weights are read one layer
+at a time, W_K and W_V per key/value group as stored (never repeated per query head), and the target heads go
+in chunks of layers, the fewest whose working set fits the caller's byte budget (`cost` prices the same steps):
+on the Llama-3.2-1B shape one kind fits the default 1 GiB in one chunk, all three in two.
+The per-pair QR collapse (TL's trick: A1 = Q1 R1, B2^T = Q2 R2, ||A1 B1 A2 B2|| = ||(R1 B1)(A2 R2^T)||) stays as
+`pair_scores`, the independent reference.
+
+Random baseline: for independent random rank-d_head factors E||AB||^2 = ||A||^2 ||B||^2 / d_model, so the
+expected score is about 1/sqrt(d_model) (the paper subtracts "the empirical expected amount for random
+matrices of the same shapes"). `random_baseline` samples it with ARENA's generator (kaiming-uniform
+[d_model, d_head] factors, U(-1/sqrt(d_head), 1/sqrt(d_head))) as a check.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from circuits_core.cost import Cost, check_stop, itemsize, side_by_side
+from circuits_core.errors import InvalidInputError
+from circuits_core.model.transformer import Block, Transformer
+
+CompositionKind = Literal["q", "k", "v"]
+KINDS: tuple[CompositionKind, ...] = ("q", "k", "v")
+GRAM_BLOCK = 128  # column block of the d x d Gram matrices (upper block triangle: 21 of 36 blocks for d 768)
+# Draws of the sampled random baseline. The scores of random matrices concentrate (std ~1 % of the mean at GPT-2
+# small's shapes), so 64 draws fix the mean to ~0.15 %; sampling them is a cold request's cost (the uniform
+# stream alone took ~1.5 s for 300 draws at d_model 768), cached per shape afterwards.
+BASELINE_SAMPLES = 64
+
+
+@dataclass
+class CompositionScores:
+    """All pairs of a model. Tensors are [n_layers, n_heads (earlier), n_layers, n_heads (later)]."""
+
+    raw: dict[CompositionKind, Tensor]  # {"q"|"k"|"v": [L, H, L, H]}, 0 where layer1 >= layer2
+    minus_baseline: dict[CompositionKind, Tensor]  # raw - baseline on earlier->later pairs, 0 elsewhere
+    baseline: float  # analytic 1/sqrt(d_model), the one subtracted
+    sampled_baseline: float  # mean of ARENA's random generator (check of the analytic value)
+    sampled_std: float
+    mask: Tensor  # [L, H, L, H] bool: layer1 < layer2
+
+
+def _check_stop(should_stop: Callable[[], bool] | None) -> None:
+    check_stop(should_stop, "composition scores")
+
+
+def _r_factor(M: Tensor) -> Tensor:
+    """R of the thin QR of M [..., d_model, d_head] -> [..., d_head, d_head], so that ||M X|| = ||R X||."""
+    return torch.linalg.qr(M, mode="r")[1]
+
+
+def left_collapsed(A: Tensor, B: Tensor) -> Tensor:
+    """The earlier head's W_OV = A B (A [..., d, k], B [..., k, d]) as R_A B [..., k, d] (same Gram, same norms)."""
+    return _r_factor(A) @ B
+
+
+def right_collapsed(A: Tensor, B: Tensor) -> Tensor:
+    """The later head's matrix A B as A R_{B^T}^T [..., d, k]: ||X A B|| = ||X A R^T|| for any X."""
+    return A @ _r_factor(B.transpose(-2, -1)).transpose(-2, -1)
+
+
+def pair_scores(left: Tensor, right: Tensor) -> Tensor:
+    """Scores for every (left, right) pair: left [N1, k1, d] (collapsed), right [N2, d, k2] -> [N1, N2].
+
+    score = ||left_i @ right_j||_F / (||left_i||_F ||right_j||_F), one matmul for all pairs (the QR form; the
+    all-pairs computation below uses Gram matrices instead, this is the independent per-pair reference).
+    """
+    n1, k1, d = left.shape
+    n2, _, k2 = right.shape
+    core = left.reshape(n1 * k1, d) @ right.permute(1, 0, 2).reshape(d, n2 * k2)  # [N1*k1, N2*k2]
+    num = core.reshape(n1, k1, n2, k2).pow(2).sum(dim=(1, 3)).sqrt()  # [N1, N2]
+    den = left.flatten(1).norm(dim=1)[:, None] * right.flatten(1).norm(dim=1)[None, :]
+    return num / den
+
+
+def right_factors(model: Transformer, kind: CompositionKind) -> tuple[Tensor, Tensor]:
+    """(A, B) with A B the later head's matrix for `kind`: [L, H, d, d_head], [L, H, d_head, d]."""
+    return _right_factors(model.W_Q, model.W_K, model.W_V, model.W_O, kind)
+
+
+def _right_factors(W_Q: Tensor, W_K: Tensor, W_V: Tensor, W_O: Tensor, kind: CompositionKind) -> tuple[Tensor, Tensor]:
+    if kind == "q":  # W_QK = W_Q W_K^T
+        return W_Q, W_K.transpose(-2, -1)
+    if kind == "k":  # W_QK^T = W_K W_Q^T
+        return W_K, W_Q.transpose(-2, -1)
+    if kind == "v":  # W_OV = W_V W_O
+        return W_V, W_O
+    raise InvalidInputError(f"composition kind must be one of {KINDS}, got {kind!r}")
+
+
+def gram_block_size(d: int, target: int = GRAM_BLOCK) -> int:
+    """Largest divisor of d that is <= target; d itself (one block, the full Gram) when that divisor is tiny."""
+    size = max(s for s in range(1, min(d, target) + 1) if d % s == 0)
+    return size if size * 4 >= min(d, target) else d
+
+
+def block_pairs(d: int, size: int) -> tuple[list[tuple[int, int]], Tensor]:
+    """Blocks (a, b), a <= b, of the d x d matrices (row-major) and their weights [Pb]: 1 on, 2 off the diagonal."""
+    nb = d // size
+    pairs = [(a, b) for a in range(nb) for b in range(a, nb)]
+    return pairs, torch.tensor([1.0 if a == b else 2.0 for a, b in pairs], dtype=torch.float64)
+
+
+def _column_blocks(M: Tensor, size: int) -> Tensor:
+    """M [N, r, d] as its d / size column blocks [nb, N, r, size] (a view; copied once into a block buffer)."""
+    n, r, d = M.shape
+    return M.view(n, r, d // size, size).permute(2, 0, 1, 3)
+
+
+def _row_blocks(M: Tensor, size: int) -> Tensor:
+    """M [N, d, r] as its d / size row blocks [nb, N, size, r] (a view)."""
+    n, d, r = M.shape
+    return M.view(n, d // size, size, r).transpose(0, 1)
+
+
+# Weights of one layer, as the computation reads them: name (W_Q, W_O per query head; W_K, W_V per key/value
+# group) -> [heads or groups, d, dh] ([H, dh, d] for W_O), in the compute dtype.
+LayerWeight = Callable[[int, str], Tensor]
+
+
+def source_factor(weight: LayerWeight, layer: int, group_size: int) -> Tensor:
+    """F = R_V W_O [H, k, d] of every head of `layer` (left_collapsed; R_V of its key/value group's W_V, k = min(d,
+    dh)), so that F^T F = W_O^T W_V^T W_V W_O = W_OV^T W_OV, the source Gram."""
+    W_O = weight(layer, "W_O")  # [H, dh, d]
+    H, dh, d = W_O.shape
+    return left_collapsed(weight(layer, "W_V")[:, None], W_O.view(-1, group_size, dh, d)).view(H, -1, d)
+
+
+def target_factor(weight: LayerWeight, layer: int, kind: CompositionKind, group_size: int) -> Tensor:
+    """P = A R_{B^T}^T [H, d, k] of the later matrix A B of every head of `layer` (right_collapsed of
+    _right_factors), so that P P^T = A B B^T A^T = M M^T, the target Gram; W_K, W_V per key/value group
+    [G, 1, ...], broadcast against W_Q, W_O per query head [G, group_size, ...]."""
+
+    def per_head(name: str) -> Tensor:  # [G, gs, d, dh] or [G, gs, dh, d]
+        W = weight(layer, name)
+        return W.view(-1, group_size, *W.shape[1:])
+
+    if kind == "q":  # A = W_Q, B = W_K^T
+        P = right_collapsed(per_head("W_Q"), weight(layer, "W_K")[:, None].transpose(-2, -1))
+    elif kind == "k":  # A = W_K, B = W_Q^T
+        P = right_collapsed(weight(layer, "W_K")[:, None], per_head("W_Q").transpose(-2, -1))
+    elif kind == "v":  # A = W_V, B = W_O
+        P = right_collapsed(weight(layer, "W_V")[:, None], per_head("W_O"))
+    else:
+        raise InvalidInputError(f"composition kind must be one of {KINDS}, got {kind!r}")
+    return P.flatten(0, 1)  # [H, d, k]
+
+
+def chunk_bounds(n_layers: int, layers_per_chunk: int | None) -> list[tuple[int, int]]:
+    """Target layers 1..L-1 in chunks of `layers_per_chunk` consecutive layers (all of them when None)."""
+    m = max(1, n_layers - 1) if layers_per_chunk is None else max(1, layers_per_chunk)
+    return [(t0, min(t0 + m, n_layers)) for t0 in range(1, n_layers, m)]
+
+
+def layer_scores(
+    weight: LayerWeight,
+    shape: tuple[int, int, int, int, int],
+    like: Tensor,
+    kinds: tuple[CompositionKind, ...] = KINDS,
+    should_stop: Callable[[], bool] | None = None,
+    block: int = GRAM_BLOCK,
+    layers_per_chunk: int | None = None,
+    sources: Tensor | None = None,
+) -> Tensor:
+    """[K, L, H, L, H] scores reading the weights one layer at a time; shape = (L, H, group_size, d, dh), `like` a
+    tensor of the compute dtype and device. 0 unless l1 < l2. `sources` [(L - 1) H, k, d]: the source factors of
+    layers 0..L-2 (source_factor, layer-major) when the caller has formed them already.
+
+    num^2 = ||W_OV^{h1} M^{h2}||_F^2 = <F^T F, P P^T>_F with the collapsed factors F [k, d] (source) and P [d, k]
+    (target): all (source, target) pairs of all kinds are one matmul over the d x d Gram matrices. The Grams are
+    symmetric, so only their upper block triangle is formed ((a, b) blocks with a <= b, off-diagonal ones counted
+    twice), one block (a, b) of all heads at a time. The target heads go in chunks of consecutive layers: each
+    chunk pairs with the sources of the layers before its last one, and re-forms their Gram blocks. Memory: the
+    source factors, one chunk's target factors and one Gram block of each (`cost` prices the same steps).
+    """
+    L, H, gs, d, dh = shape
+    K = len(kinds)
+    raw = like.new_zeros(K, L, H, L, H)
+    if L < 2:
+        return raw
+    size = gram_block_size(d, block)
+    pairs, weights = block_pairs(d, size)
+    nb, k = d // size, min(d, dh)
+    F = like.new_empty(nb, (L - 1) * H, k, size)  # source factors of layers 0..L-2 as column blocks
+    src_sq = like.new_empty((L - 1) * H)  # ||W_OV||_F^2 = ||F||_F^2
+    for l1 in range(L - 1):
+        _check_stop(should_stop)
+        F_l = source_factor(weight, l1, gs) if sources is None else sources[l1 * H : (l1 + 1) * H]  # [H, k, d]
+        F[:, l1 * H : (l1 + 1) * H] = _column_blocks(F_l, size)
+        src_sq[l1 * H : (l1 + 1) * H] = torch.linalg.vector_norm(F_l, dim=(-2, -1)).square()
+        del F_l
+    for t0, t1 in chunk_bounds(L, layers_per_chunk):
+        ns, nt = (t1 - 1) * H, (t1 - t0) * K * H  # sources: layers 0..t1-2; targets: layers t0..t1-1, all kinds
+        P = like.new_empty(nb, nt, size, k)  # target factors as row blocks, rows ordered (layer, kind, head)
+        tgt_sq = like.new_empty(nt)
+        for j, (l2, kind) in enumerate((l2, kind) for l2 in range(t0, t1) for kind in kinds):
+            _check_stop(should_stop)
+            P_l = target_factor(weight, l2, kind, gs)  # [H, d, k]
+            P[:, j * H : (j + 1) * H] = _row_blocks(P_l, size)
+            tgt_sq[j * H : (j + 1) * H] = torch.linalg.vector_norm(P_l, dim=(-2, -1)).square()
+            del P_l
+        S = like.new_empty(ns, size, size)  # one block of every source Gram
+        T = like.new_empty(nt, size, size)  # the same block of every target Gram
+        num_sq = like.new_zeros(ns, nt)
+        for p, (a, b) in enumerate(pairs):  # one large matmul per block is faster than skipping l1 >= l2 pairs
+            _check_stop(should_stop)
+            torch.bmm(F[a, :ns].transpose(-2, -1), F[b, :ns], out=S)
+            torch.bmm(P[a], P[b].transpose(-2, -1), out=T)
+            num_sq.addmm_(S.view(ns, size * size), T.view(nt, size * size).T, alpha=float(weights[p]))
+        del S, T, P
+        num_sq = num_sq.view(t1 - 1, H, t1 - t0, K, H)  # [l1 = 0..t1-2, h1, l2 = t0..t1-1, kind, h2]
+        den = src_sq[:ns].view(t1 - 1, H, 1, 1, 1).sqrt() * tgt_sq.view(1, 1, t1 - t0, K, H).sqrt()
+        layer1, layer2 = torch.arange(t1 - 1, device=like.device), torch.arange(t0, t1, device=like.device)
+        later = (layer1[:, None] < layer2[None, :])[:, None, :, None, None]  # l1 < l2
+        scores = torch.where(later, num_sq.clamp_min_(0).sqrt_().div_(den), torch.zeros((), dtype=like.dtype))
+        raw[:, : t1 - 1, :, t0:t1, :] = scores.permute(3, 0, 1, 2, 4)
+        del num_sq, den, scores
+    return raw
+
+
+def raw_composition_scores(
+    W_Q: Tensor,
+    W_K: Tensor,
+    W_V: Tensor,
+    W_O: Tensor,
+    kinds: tuple[CompositionKind, ...] = KINDS,
+    should_stop: Callable[[], bool] | None = None,
+    block: int = GRAM_BLOCK,
+    layers_per_chunk: int | None = None,
+) -> Tensor:
+    """[K, L, H, L, H] scores from stacked weights (W_Q/K/V [L, H, d, dh], W_O [L, H, dh, d], per query head); 0
+    unless l1 < l2 (`layer_scores`, reading each layer as a view of the stacks)."""
+    stacked = {"W_Q": W_Q, "W_K": W_K, "W_V": W_V, "W_O": W_O}
+    L, H, d, dh = W_V.shape
+    return layer_scores(
+        lambda layer, name: stacked[name][layer], (L, H, 1, d, dh), W_V, kinds, should_stop, block, layers_per_chunk
+    )
+
+
+def model_weight(model: Transformer, dtype: torch.dtype) -> LayerWeight:
+    """A layer's weights read from the model in `dtype` (W_K, W_V per key/value group as stored, no repeat)."""
+    attns = [block.attn for block in model.blocks if isinstance(block, Block)]
+
+    def weight(layer: int, name: str) -> Tensor:
+        attn = attns[layer]
+        return (attn.grouped(name) if name in ("W_K", "W_V") else getattr(attn, name)).to(dtype)
+
+    return weight
+
+
+def composition_scores(
+    model: Transformer,
+    kinds: tuple[CompositionKind, ...] = KINDS,
+    n_samples: int = BASELINE_SAMPLES,
+    seed: int = 0,
+    should_stop: Callable[[], bool] | None = None,
+    budget_bytes: int | None = None,
+) -> CompositionScores:
+    """Q-, K- and V-composition scores of every (earlier head, later head) pair, with the random baseline. The
+    target heads go in the fewest chunks of layers whose working set `cost` prices within `budget_bytes` (all at
+    once when None)."""
+    cfg = model.cfg
+    L, H = cfg.n_layers, cfg.n_heads
+    dtype = model.compute_dtype
+    chunk = layers_per_chunk(model, kinds, budget_bytes)
+    shape = (L, H, cfg.group_size, cfg.d_model, cfg.d_head)
+    like = torch.empty((), dtype=dtype, device=model.device)
+    with torch.no_grad():
+        raw, (sampled, std) = side_by_side(  # the sampled baseline (model-independent) beside the scores
+            lambda: layer_scores(
+                model_weight(model, dtype), shape, like, kinds, should_stop, layers_per_chunk=chunk
+            ),  # [K, L, H, L, H]
+            lambda: random_baseline(cfg.d_model, cfg.d_head, n_samples=n_samples, seed=seed),
+            "qkov-baseline",
+        )
+    layer = torch.arange(L, device=model.device)
+    mask = (layer[:, None, None, None] < layer[None, None, :, None]).expand(L, H, L, H)
+    baseline = 1.0 / math.sqrt(cfg.d_model)
+    raw_d = {kind: raw[i] for i, kind in enumerate(kinds)}
+    minus = {kind: torch.where(mask, s - baseline, torch.zeros_like(s)) for kind, s in raw_d.items()}
+    return CompositionScores(raw_d, minus, baseline, sampled, std, mask)
+
+
+@functools.lru_cache(maxsize=16)
+def random_baseline(d_model: int, d_head: int, n_samples: int = BASELINE_SAMPLES, seed: int = 0) -> tuple[float, float]:
+    """(mean, std) of the composition score of random matrices with ARENA's generator (cached per arguments).
+
+    ARENA `generate_single_random_comp_score`: four [d_model, d_head] matrices with
+    kaiming_uniform_(a=sqrt(5)), i.e. U(-1/sqrt(d_head), 1/sqrt(d_head)); W_A = A_l A_r^T, W_B = B_l B_r^T.
+    Each score through d_head x d_head matrices (no QR): with G_x = X^T X and M = A_r^T B_l,
+    ||W_A W_B||^2 = <G_Al M, M G_Br>, ||W_A||^2 = <G_Al, G_Ar>, ||W_B||^2 = <G_Bl, G_Br>.
+    """
+    if n_samples < 1:
+        raise InvalidInputError(f"n_samples must be >= 1, got {n_samples}")
+    gen = torch.Generator().manual_seed(seed)
+    chunks = []
+    for start in range(0, n_samples, 32):  # chunks keep the memory at 4 x 32 x d_model x d_head
+        size = min(32, n_samples - start)
+        # U(-bound, bound) = 2 bound (U(0, 1) - 1/2); the score does not depend on the common factor 2 bound
+        W = torch.rand(4, size, d_model, d_head, generator=gen, dtype=torch.float64).sub_(0.5)
+        G_Al, G_Ar, G_Bl, G_Br = W.transpose(-2, -1) @ W  # [S, dh, dh] each
+        M = W[1].transpose(-2, -1) @ W[2]  # A_r^T B_l [S, dh, dh]
+        num_sq = ((G_Al @ M) * (M @ G_Br)).sum((-2, -1))
+        den_sq = (G_Al * G_Ar).sum((-2, -1)) * (G_Bl * G_Br).sum((-2, -1))
+        chunks.append((num_sq.clamp_min(0) / den_sq).sqrt())
+    scores = torch.cat(chunks)
+    return float(scores.mean()), float(scores.std()) if n_samples > 1 else 0.0
+
+
+def scores_numbers(model: Transformer, kinds: tuple[CompositionKind, ...], layers_per_chunk: int | None) -> int:
+    """Peak numbers (compute dtype) layer_scores holds beyond the model's weights, from the same steps: the scores,
+    the source factors, then per chunk the larger of (a) its target factors while one layer's are formed (the
+    layer's weights converted, a QR's copy of its input and R), (b) its target factors and one Gram block of each
+    head with the pair sums, (c) the pair sums, denominators and scores; each source layer's formation before it."""
+    cfg = model.cfg
+    L, H, G, d, dh, K = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_model, cfg.d_head, len(kinds)
+    out = K * (L * H) ** 2
+    if L < 2:
+        return out
+    size, k = gram_block_size(d), min(d, dh)
+    layer, group = H * d * dh, G * d * dh  # one layer's W_Q or W_O, W_K or W_V
+    F = (L - 1) * H * (k * d + 1)  # source factors and norms
+    source = layer + 2 * group + G * k * dh + H * k * d  # W_O, W_V and the QR's copy of it, R_V, F of one layer
+    peak, n_pairs = out + F + source, len(block_pairs(d, size)[0])
+    for t0, t1 in chunk_bounds(L, layers_per_chunk):
+        ns, nt = (t1 - 1) * H, (t1 - t0) * K * H
+        P = nt * (d * k + 1)
+        forming = 3 * layer + H * k * dh + H * d * k  # A, B^T and the QR's copy of it, R, P of one layer
+        blocks = (ns + nt) * size * size + ns * nt
+        small = 2 * (ns + nt) + n_pairs + 4 * L + 8  # norms' roots, block weights, masks
+        peak = max(peak, out + F + P + max(forming, blocks) + small, out + F + 3 * ns * nt + small)
+    return peak
+
+
+def layers_per_chunk(model: Transformer, kinds: tuple[CompositionKind, ...], budget_bytes: int | None) -> int | None:
+    """The most target layers per chunk (the fewest chunks) whose `cost` fits `budget_bytes`; one layer when none
+    fits (then the price says so); None (all at once) without a budget."""
+    if budget_bytes is None:
+        return None
+    for m in range(max(1, model.cfg.n_layers - 1), 1, -1):
+        if _priced(model, kinds, m).peak_bytes <= budget_bytes:
+            return m
+    return 1
+
+
+def cost(model: Transformer, kinds: tuple[CompositionKind, ...] = KINDS, budget_bytes: int | None = None) -> Cost:
+    """composition_scores for `kinds` in the chunks it chooses for `budget_bytes` (`scores_numbers`), the
+    baseline-subtracted copies and the mask, the random baseline sampled beside them; answer: two [sources x
+    targets] tables (raw, minus baseline) and the top pairs, per kind."""
+    cfg = model.cfg
+    L, H, K = cfg.n_layers, cfg.n_heads, len(kinds)
+    Ns = max(0, L - 1) * H
+    per_kind = 2 * Ns * (Ns if L > 1 else 0) + 30
+    return _priced(model, kinds, layers_per_chunk(model, kinds, budget_bytes)).with_answer(
+        numbers=K * per_kind, labels=K * (2 * Ns + 20)
+    )
+
+
+def _priced(model: Transformer, kinds: tuple[CompositionKind, ...], layers_per_chunk: int | None) -> Cost:
+    L, H, K = model.cfg.n_layers, model.cfg.n_heads, len(kinds)
+    numbers = scores_numbers(model, kinds, layers_per_chunk) + 2 * K * (L * H) ** 2  # + minus baseline, mask
+    return Cost(numbers * itemsize(model.compute_dtype)) + random_baseline_cost(model.cfg.d_model, model.cfg.d_head)
+
+
+def random_baseline_cost(d_model: int, d_head: int) -> Cost:
+    """random_baseline's working memory (float64): one chunk of 4 x 32 [d_model, d_head] draws, their four
+    d_head Grams, M and the two products of the score."""
+    return Cost(8 * (4 * 32 * d_model * d_head + 7 * 32 * d_head * d_head))

@@ -1,0 +1,379 @@
+"""Q- and K-composition of rotary models as profiles over the query-key offset δ; V-composition unchanged.
+
+Paper section: "Composition" (Elhage et al. 2021; paper-math 2.9) with the QK circuit at an offset of
+rotary.py: Ω_B(δ) = W_Q^B R(δ) W_K^{gT}. Row-vector convention, as composition.py. For an earlier head A
+(W_OV^A = W_V^A W_O^A) and a later head B:
+    C_Q(δ) = ||W_OV^A Ω_B(δ)||_F   / (||W_OV^A||_F ||Ω_B(δ)||_F)
+    C_K(δ) = ||W_OV^A Ω_B(δ)^T||_F / (||W_OV^A||_F ||Ω_B(δ)||_F)
+    C_V    = composition.py's V-composition (rotation does not touch values)
+At δ = 0 these are composition.py's scores (TransformerLens's QK is Ω(0)).
+
+Exactly through d_head x d_head Gram matrices, ||X R Y||^2 = <X^T X, R (Y^T Y) R^T>: with F_A = R_V^A W_O^A
+(R_V^A the R factor of W_V^A's QR, so ||W_OV^A Z|| = ||F_A Z||), P = F_A W_Q^B and P' = F_A W_K^g [d_head, d_head]:
+    num_Q(δ)^2 = <P^T P, R(δ) G_K^g R(δ)^T>       num_K(δ)^2 = <P'^T P', R(δ)^T G_Q^B R(δ)>
+    ||Ω_B(δ)||^2 = <G_Q^B, R(δ) G_K^g R(δ)^T>      (G_Q = W_Q^T W_Q, G_K = W_K^T W_K)
+so a whole profile costs one d_head x d_model x d_head product per pair (per key/value group for K), a d_head^3
+Gram and 3/4 d_head^2 per offset (the symmetric Grams packed, _packed); the rotated Grams of all offsets come from
+a four-term form (_rotated_tables). The offset window is PROFILE_OFFSETS (δ = 0..64) unless given.
+
+Random baseline: rotary_baseline.random_baseline (rotation-invariant: one value for every δ; under GQA one key
+factor shared by the group's query heads).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from circuits_core.circuits.composition import (
+    CompositionKind,
+    LayerWeight,
+    layer_scores,
+    layers_per_chunk,
+    model_weight,
+    scores_numbers,
+    source_factor,
+)
+from circuits_core.circuits.rotary import KERNEL_WINDOW, check_offsets, check_rotary, rotation
+from circuits_core.circuits.rotary_baseline import baseline_cost, random_baseline
+from circuits_core.cost import Cost, check_stop, itemsize, shared_chunks, side_by_side
+from circuits_core.errors import InvalidInputError
+from circuits_core.model.config import head_name, parse_head
+from circuits_core.model.transformer import Transformer, rotary_angles, rotary_pairs
+
+PROFILE_OFFSETS = tuple(range(KERNEL_WINDOW + 1))  # δ = 0..64
+# Source heads per product F W_T: P [96 d_head, (H + G) d_head] and its Grams stay in cache (~33 MB per worker on
+# SmolLM2's shape), and the product is still a large matmul.
+SOURCE_CHUNK = 96
+
+
+@dataclass
+class CompositionProfiles:
+    """Every (earlier head, later head) pair's Q and K profiles over `offsets`, and V-composition.
+
+    q, k: [L, H (earlier), L, H (later), n_offsets]; v: [L, H, L, H]; 0 unless layer1 < layer2.
+    """
+
+    offsets: Tensor  # [n]
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    baseline: float  # sampled mean score of random factors (rotation-invariant: one value for every δ)
+    baseline_std: float
+    mask: Tensor  # [L, H, L, H] bool: layer1 < layer2
+
+    def peak(self, kind: str) -> tuple[Tensor, Tensor]:
+        """(max over offsets [L, H, L, H], the offset where it is reached [L, H, L, H]) for kind q or k."""
+        scores = self.profile(kind)
+        values, where = scores.max(dim=-1)
+        return values, self.offsets.to(where.device)[where]
+
+    def profile(self, kind: str) -> Tensor:
+        if kind not in ("q", "k"):
+            raise InvalidInputError(f"composition profiles are for kind q or k, got {kind!r}")
+        return self.q if kind == "q" else self.k
+
+
+def _pair_order(model: Transformer) -> Tensor:
+    """A permutation of the d_head dims putting the rotary pairs' first dims, then their second dims, then the
+    unrotated ones: in that basis R(δ) acts on halves (rotate-half layout) whatever the model's layout. Inner
+    products <M, X> are unchanged when both are permuted alike."""
+    first, second = rotary_pairs(model.cfg)
+    rest = [i for i in range(model.cfg.d_head) if i not in set(first.tolist()) | set(second.tolist())]
+    return torch.cat([first, second, torch.tensor(rest, dtype=torch.long)]).to(model.device)
+
+
+def _term_weights(model: Transformer, delta: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The offset weights of the four terms of R(δ)^T G R(δ) in the pair order, packed (_packed): ([4, h dh, n],
+    [4, (dh - h)^2, n]); the first part's off-diagonal block (columns >= h) doubled, as the packed inner product
+    counts it twice. Terms: c c^T, c s^T, s c^T, s s^T with c = cos δθ_k and s = sin δθ_k on both dims of pair k
+    (1 and 0 on the unrotated dims)."""
+    dh, K = model.cfg.d_head, rotary_pairs(model.cfg)[0].numel()
+    angles = rotary_angles(model.cfg, delta.to(model.device))  # [n, K] δ θ_k
+    c = torch.ones(delta.numel(), dh, dtype=dtype, device=model.device)
+    s = torch.zeros_like(c)
+    c[:, : 2 * K], s[:, : 2 * K] = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
+    W = torch.stack(
+        [
+            c[:, :, None] * c[:, None, :],
+            c[:, :, None] * s[:, None, :],
+            s[:, :, None] * c[:, None, :],
+            s[:, :, None] * s[:, None, :],
+        ]
+    ).permute(0, 2, 3, 1)  # [4, dh, dh, n]
+    h = dh // 2
+    W[:, :h, h:] *= 2
+    return W[:, :h].reshape(4, h * dh, -1).contiguous(), W[:, h:, h:].reshape(4, (dh - h) ** 2, -1).contiguous()
+
+
+def _packed(M: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric M [..., dh, dh] as (its first h = dh // 2 rows [..., h dh], its last block [..., (dh - h)^2]):
+    <M, X> = <first rows, first rows of X with columns >= h doubled> + <last blocks> for symmetric M, X."""
+    h = M.shape[-1] // 2
+    return M[..., :h, :].flatten(-2), M[..., h:, h:].flatten(-2)
+
+
+def _rotated_tables(G: Tensor, weights: tuple[Tensor, Tensor], swap: Tensor, turn: int) -> list[Tensor]:
+    """R(δ)^T G R(δ) (turn 1) or R(δ) G R(δ)^T (turn -1) for G [N, dh, dh] in the pair order and every offset,
+    packed and weighted for <M, X> (_term_weights): [[N, h dh, n], [N, (dh - h)^2, n]].
+
+    R(δ) = C + S J in the pair order (C = diag(c), S = diag(s), J[f_k, s_k] = 1, J[s_k, f_k] = -1: x R turns pair
+    k as model.rotate does), so R^T G R = c c^T∘G + c s^T∘(G J) + s c^T∘(J^T G) + s s^T∘(J^T G J), and R G R^T
+    the same with s -> -s. `swap` [dh] holds J's column signs: (G J)[:, j] = swap_j G[:, partner(j)]."""
+    K = int((swap != 0).sum()) // 2
+    partner = torch.cat([torch.arange(K, 2 * K), torch.arange(K), torch.arange(2 * K, G.shape[-1])]).to(G.device)
+    GJ = G[..., partner] * swap  # G J
+    JG = G[..., partner, :] * swap[:, None]  # J^T G
+    terms = (G, turn * GJ, turn * JG, JG[..., partner] * swap)  # [N, dh, dh] each
+    tables = []
+    for part, W in enumerate(weights):  # W [4, E, n]
+        B = [_packed(t)[part] for t in terms]  # [N, E] each
+        X = torch.mul(B[0][..., None], W[0])
+        for t in range(1, 4):
+            X.addcmul_(B[t][..., None], W[t])
+        tables.append(X)  # [N, E, n]
+    return tables
+
+
+def _swap_signs(model: Transformer, dtype: torch.dtype) -> Tensor:
+    """[dh] the column signs of J in the pair order: -1 on the pairs' first dims, 1 on their second, 0 elsewhere."""
+    K, dh = rotary_pairs(model.cfg)[0].numel(), model.cfg.d_head
+    return torch.cat([-torch.ones(K), torch.ones(K), torch.zeros(dh - 2 * K)]).to(dtype=dtype, device=model.device)
+
+
+class _Workspace:
+    """One worker's reusable buffers: fresh 10-50 MB products per target layer would each cost their page faults."""
+
+    def __init__(self, like: Tensor) -> None:
+        self.like, self.buffers = like, dict[str, Tensor]()
+
+    def take(self, name: str, *shape: int) -> Tensor:
+        size = math.prod(shape)
+        buffer = self.buffers.get(name)
+        if buffer is None or buffer.numel() < size:
+            buffer = self.buffers[name] = self.like.new_empty(size)
+        return buffer[:size].view(*shape)
+
+
+@dataclass
+class _Factors:
+    """The pieces every target layer reads: the source factors and the rotation's d_head-sized tables."""
+
+    weight: (
+        LayerWeight  # composition.model_weight: one layer's W_Q [H, d, dh], W_K [G, d, dh], ... in the compute dtype
+    )
+    F: Tensor  # [L H, k, d] source factors R_V W_O (composition.source_factor, k = min(d, dh)), layer-major
+    src: Tensor  # [L H] ||W_OV||_F = ||F||_F
+    order: Tensor  # [dh] _pair_order
+    weights: tuple[Tensor, Tensor]  # _term_weights
+    swap: Tensor  # [dh] _swap_signs
+
+
+def _factors(model: Transformer, delta: Tensor, dtype: torch.dtype) -> _Factors:
+    weight = model_weight(model, dtype)
+    sources = range(max(1, model.cfg.n_layers - 1))  # every layer but the last (layer 0 of a 1-layer model: no pairs)
+    mid = len(sources) // 2
+
+    def factors_of(layers: range) -> list[Tensor]:
+        return [source_factor(weight, layer, model.cfg.group_size) for layer in layers]
+
+    first, second = side_by_side(lambda: factors_of(sources[:mid]), lambda: factors_of(sources[mid:]), "qkov-profiles")
+    F = torch.cat(first + second)
+    return _Factors(
+        weight,
+        F,
+        F.pow(2).sum((-2, -1)).sqrt(),
+        _pair_order(model),
+        _term_weights(model, delta, dtype),
+        _swap_signs(model, dtype),
+    )
+
+
+def _target_layer(model: Transformer, f: _Factors, l2: int, q: Tensor, k: Tensor, ws: _Workspace, chunk: int) -> None:
+    """q[:l2, :, l2], k[:l2, :, l2]: the profiles of every pair (source in layers < l2, target in l2), sources in
+    chunks of `chunk` heads: P = F W_T [chunk k, (H + G) dh] in one product, the packed Grams of its d_head x d_head
+    blocks (P^T P for each query head and key/value group), their inner products with the rotated Grams."""
+    check_stop(what="composition profiles")
+    cfg = model.cfg
+    H, G, gs, dh, d = cfg.n_heads, cfg.n_kv_heads, cfg.group_size, cfg.d_head, cfg.d_model
+    C, h, n, rows = H + G, dh // 2, f.weights[0].shape[-1], f.F.shape[1]
+    E = (h * dh, (dh - h) ** 2)  # packed sizes
+    W_Qt = f.weight(l2, "W_Q").transpose(-2, -1)[:, f.order]  # [H, dh, d], rows in the pair order
+    W_Kt = f.weight(l2, "W_K").transpose(-2, -1)[:, f.order]  # [G, dh, d]
+    W_T = torch.cat([W_Qt, W_Kt]).view(C * dh, d)  # every query head, then every key/value group
+    G_Q, G_K = W_Qt @ W_Qt.transpose(-2, -1), W_Kt @ W_Kt.transpose(-2, -1)  # [H | G, dh, dh]
+    X_Q = _rotated_tables(G_K, f.weights, f.swap, -1)  # [G, E, n]: R G_K R^T, shared by the group's heads
+    X_K = [
+        X.view(G, gs, e, n).transpose(1, 2).reshape(G, e, gs * n)  # [G, E, gs n]: R^T G_Q R of each head
+        for X, e in zip(_rotated_tables(G_Q, f.weights, f.swap, 1), E, strict=True)
+    ]
+    omega_sq = sum(torch.bmm(g.view(G, gs, e), X) for g, X, e in zip(_packed(G_Q), X_Q, E, strict=True))
+    omega = omega_sq.view(H, n).clamp_min(0).sqrt()  # type: ignore[union-attr]  # [H, n] ||Ω_B(δ)||_F
+    q_rows, k_rows = q.view(-1, *q.shape[2:]), k.view(-1, *k.shape[2:])  # [L H (sources), L, H, n]
+    for a0 in range(0, l2 * H, chunk):
+        a1 = min(a0 + chunk, l2 * H)
+        A = a1 - a0
+        P = ws.take("P", A * rows, C * dh)
+        torch.mm(f.F[a0:a1].view(A * rows, d), W_T.T, out=P)
+        blocks = P.view(A, rows, C, dh)
+        M = (ws.take("M0", C, A, h, dh), ws.take("M1", C, A, dh - h, dh - h))  # packed Grams (_packed)
+        for c in range(C):
+            Pc = blocks[:, :, c]  # [A, k, dh]
+            torch.bmm(Pc[..., :h].transpose(1, 2), Pc, out=M[0][c])
+            torch.bmm(Pc[..., h:].transpose(1, 2), Pc[..., h:], out=M[1][c])
+        num_q = sum(torch.bmm(m[:H].view(G, gs * A, e), X) for m, X, e in zip(M, X_Q, E, strict=True))
+        num_k = sum(torch.bmm(m[H:].view(G, A, e), X) for m, X, e in zip(M, X_K, E, strict=True))
+        num_q = num_q.view(H, A, n)  # type: ignore[union-attr]
+        num_k = num_k.view(G, A, gs, n).transpose(1, 2).reshape(H, A, n)  # type: ignore[union-attr]
+        den = f.src[a0:a1, None] * omega[:, None]  # [H, A, n]
+        q_rows[a0:a1, l2] = (num_q.clamp_min(0).sqrt() / den).transpose(0, 1)
+        k_rows[a0:a1, l2] = (num_k.clamp_min(0).sqrt() / den).transpose(0, 1)
+
+
+def composition_profiles(
+    model: Transformer,
+    offsets: Sequence[int] | Tensor = PROFILE_OFFSETS,
+    n_samples: int = 200,
+    seed: int = 0,
+    source_chunk: int = SOURCE_CHUNK,
+) -> CompositionProfiles:
+    """All pairs' Q/K profiles over the offsets and V-composition, exactly from d_head x d_head Grams.
+
+    The work goes in tasks from one queue, longest first (V-composition, then the target layers from the last, the
+    random baseline once half of the pairs are queued: the two largest holders of memory, V-composition and the
+    baseline, do not run at once unless V outlasts half of the layers): two workers take them side by side
+    (cost.side_by_side: in parallel when the caller's torch threads leave a core idle, in turn otherwise)."""
+    check_rotary(model)
+    cfg = model.cfg
+    L, H = cfg.n_layers, cfg.n_heads
+    delta = check_offsets(model, offsets)
+    dtype = model.compute_dtype
+    q = torch.zeros(L, H, L, H, delta.numel(), dtype=dtype, device=model.device)
+    k = torch.zeros_like(q)
+    found: dict[str, Any] = {}
+    with torch.no_grad():
+        f = _factors(model, delta, dtype)
+
+        def v_composition(ws: _Workspace) -> None:
+            shape = (L, H, cfg.group_size, cfg.d_model, cfg.d_head)
+            found["v"] = layer_scores(f.weight, shape, q, kinds=("v",), sources=f.F)[
+                0
+            ]  # [L, H, L, H], composition.py's
+
+        def baseline(ws: _Workspace) -> None:
+            found["baseline"] = random_baseline(cfg.d_model, cfg.d_head, cfg.group_size, n_samples=n_samples, seed=seed)
+
+        def layer(l2: int) -> Callable[[_Workspace], None]:
+            return lambda ws: _target_layer(model, f, l2, q, k, ws, max(1, source_chunk))
+
+        layers = [layer(l2) for l2 in range(L - 1, 0, -1)]  # sources: l2 H heads each
+        half = 1 + sum(2 * done < L * (L - 1) // 2 for done in itertools.accumulate(range(L - 1, 0, -1)))
+        tasks = [v_composition, *layers[:half], baseline, *layers[half:]]
+        take = shared_chunks(len(tasks), 1)
+
+        def worker() -> None:
+            ws = _Workspace(q)
+            while (task := take()) is not None:
+                tasks[task.start](ws)
+
+        side_by_side(worker, worker, "qkov-profiles")
+    layer_ = torch.arange(L, device=model.device)
+    mask = (layer_[:, None, None, None] < layer_[None, None, :, None]).expand(L, H, L, H)
+    mean, std = found["baseline"]
+    return CompositionProfiles(delta, q, k, found["v"], mean, std, mask)
+
+
+def pair_profile(
+    model: Transformer, source: str, target: str, kind: str, offsets: Sequence[int] | Tensor = PROFILE_OFFSETS
+) -> Tensor:
+    """One pair's profile [n_offsets] (kind q or k), source head earlier than target head."""
+    check_rotary(model)
+    (l1, h1), (l2, h2) = parse_head(source, model.cfg), parse_head(target, model.cfg)
+    if l1 >= l2:
+        raise InvalidInputError(f"{head_name(l1, h1)} must be in an earlier layer than {head_name(l2, h2)}")
+    if kind not in ("q", "k"):
+        raise InvalidInputError(f"composition profiles are for kind q or k, got {kind!r}")
+    dtype = model.compute_dtype
+    with torch.no_grad():
+        F = source_factor(model_weight(model, dtype), l1, model.cfg.group_size)[h1]  # [k, d]
+        W_Q = model.W_Q[l2, h2].to(dtype)  # [d, dh]
+        W_K = model.W_K_groups[l2, h2 // model.cfg.group_size].to(dtype)
+        R = rotation(model, offsets, dtype=dtype)  # [n, dh, dh]
+        G_Q, G_K = W_Q.T @ W_Q, W_K.T @ W_K
+        P = F @ (W_Q if kind == "q" else W_K)  # [dh, dh]
+        X = R @ G_K @ R.transpose(-2, -1) if kind == "q" else R.transpose(-2, -1) @ G_Q @ R  # [n, dh, dh]
+        num_sq = ((P.T @ P)[None] * X).sum((-2, -1))  # [n]
+        omega_sq = (G_Q[None] * (R @ G_K @ R.transpose(-2, -1))).sum((-2, -1))  # [n]
+        return num_sq.clamp_min(0).sqrt() / (F.norm() * omega_sq.clamp_min(0).sqrt())
+
+
+def composition_at(model: Transformer, kind: str, offset: int, budget_bytes: int | None = None) -> Tensor:
+    """All pairs' Q- or K-composition at one offset [L, H, L, H]: composition.py's layer-by-layer Gram computation
+    (layer_scores) with W_Q^B R(δ) in place of W_Q^B (its Q target W_Q W_K^T becomes Ω_B(δ), its K target Ω_B(δ)^T),
+    W_K and W_V read per key/value group, the target layers in the fewest chunks whose price fits `budget_bytes`."""
+    check_rotary(model)
+    if kind not in ("q", "k"):
+        raise InvalidInputError(f"composition at an offset is for kind q or k, got {kind!r}")
+    cfg, dtype = model.cfg, model.compute_dtype
+    with torch.no_grad():
+        R = rotation(model, [offset], dtype=dtype)[0]  # [dh, dh]
+        weight = model_weight(model, dtype)
+
+        def rotated(layer: int, name: str) -> Tensor:  # W_Q [H, d, dh] of the layer turned by R(δ)
+            return weight(layer, name) @ R if name == "W_Q" else weight(layer, name)
+
+        kinds: tuple[CompositionKind, ...] = (kind,)  # type: ignore[assignment]
+        shape = (cfg.n_layers, cfg.n_heads, cfg.group_size, cfg.d_model, cfg.d_head)
+        like = torch.empty((), dtype=dtype, device=model.device)
+        return layer_scores(rotated, shape, like, kinds, layers_per_chunk=layers_per_chunk(model, kinds, budget_bytes))[
+            0
+        ]
+
+
+# -- costs (circuits_core.cost) ------------------------------------------------------------------------
+def profiles_cost(model: Transformer, n_offsets: int, source_chunk: int = SOURCE_CHUNK, n_samples: int = 200) -> Cost:
+    """composition_profiles, from its steps: the q and k results, the source factors and the offset weights held
+    throughout, plus every task at once (two workers take them in any order, each keeping its buffers between its
+    tasks, and freed memory is not always returned at once): two target layers (_target_layer: the layer's rows of
+    W_Q and W_K and their Grams, the rotated tables, one source chunk's product P, its packed Grams and the
+    [H, chunk, n] sums), V-composition (composition.scores_numbers) and the random baseline (baseline_cost)."""
+    cfg = model.cfg
+    L, H, G, dh, d, n = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_model, n_offsets
+    C, k, h = H + G, min(d, dh), dh // 2
+    E = h * dh + (dh - h) ** 2  # packed Gram entries
+    chunk = max(1, min(source_chunk, (L - 1) * H))
+    size = itemsize(model.compute_dtype)
+    held = 2 * (L * H) ** 2 * n + (L - 1) * H * (k * d + 1) + 4 * E * n + 2 * n * dh
+    weights_formed = 8 * n * dh * dh  # _term_weights' [4, n, dh, dh] terms and their permuted copy, before any task
+    layer = 2 * C * dh * d + C * dh * dh + 6 * H * dh * dh + (G + 2 * H) * E * n  # weights, Grams, tables
+    worker = layer + chunk * k * C * dh + C * chunk * E + 10 * H * chunk * n
+    tasks = (2 * worker + scores_numbers(model, ("v",), None)) * size + baseline_cost(
+        d, dh, cfg.group_size, n_samples
+    ).peak_bytes
+    pairs = L * H * L * H // 2
+    flops = 2 * sum(l2 * H * (k * d * C * dh + C * k * E + 2 * H * E * n) for l2 in range(1, L))
+    return Cost(held * size + max(weights_formed * size, tasks), flops=flops).with_answer(
+        numbers=pairs * (2 * n_offsets + 1), labels=L * H
+    )
+
+
+def pair_profile_cost(model: Transformer, n_offsets: int) -> Cost:
+    cfg = model.cfg
+    dh = cfg.d_head
+    return Cost((3 * n_offsets * dh * dh + 4 * cfg.d_model * dh) * 8).with_answer(numbers=3 * n_offsets + 1)
+
+
+def composition_at_cost(model: Transformer, kind: str, budget_bytes: int | None = None) -> Cost:
+    """composition_at: layer_scores in the chunks `budget_bytes` chooses (composition.scores_numbers), one layer's
+    rotated W_Q [H, d, dh] beside it while that layer's target factors form, and R(δ)."""
+    cfg = model.cfg
+    kinds: tuple[CompositionKind, ...] = (kind,)  # type: ignore[assignment]
+    chunk = layers_per_chunk(model, kinds, budget_bytes)
+    numbers = scores_numbers(model, kinds, chunk) + cfg.n_heads * cfg.d_model * cfg.d_head + cfg.d_head**2
+    return Cost(numbers * itemsize(model.compute_dtype))

@@ -1,0 +1,251 @@
+"""Copying, measured three ways for every head, beside what random weights of the same shapes give.
+
+Paper section: "Detecting copying" and "Summarizing OV/QK matrices" (Elhage et al. 2021; paper-math 2.7,
+2.8). Row-vector convention: the full OV circuit of head h is M = W_E_eff W_V W_O W_U [V, V], row a = the
+logit effect of attending to token a (circuits.full_ov_circuit). Three summaries of "M copies":
+- the eigenvalue score sum(lambda) / sum(|lambda|) (circuits.ov_copying_scores), which can be near +1 while
+  almost no token raises its own logit most: it weighs the few large eigen-directions, not the tokens;
+- self-copy shares: the fraction of source tokens a whose own logit is the largest of row a (top-1) or
+  among its k largest (top-k);
+- the diagonal: the fraction of tokens with M[a, a] > 0 and its median.
+With `vocab` (token ids, e.g. the tokens seen often in training) rows and columns are restricted to those
+tokens: "among frequent tokens, does a raise a most?" (rare tokens are under-trained and dominate the rest).
+With `rows` (a number of source tokens) the shares and diagonal are measured on that many source tokens drawn
+uniformly without replacement (seeded), each row still ranked against every column: an unbiased estimate whose
+standard error is sqrt(p (1 - p) / rows) at most. A GPT-2-sized vocabulary costs a [50k, 50k] row stream per
+head for the exact shares (~1.8 s); 1024 rows cost ~1/50 of it, the factor W_O W_U [d_head, V] aside.
+
+The baseline: random W_V [d_model, d_head] and W_O [d_head, d_model] (standard normal; every summary above is
+invariant to their scale) through the model's own W_E_eff and W_U, so it answers "what would a head of these
+shapes that learned nothing about copying score on this model's embeddings?".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from circuits_core.circuits.factored import DEFAULT_BUDGET_BYTES
+from circuits_core.circuits.head_circuits import (
+    copying_score,
+    embed_eff_rows,
+    ov_circuit,
+    unembed_embed_gram,
+)
+from circuits_core.cost import Cost, check_stop
+from circuits_core.errors import InvalidInputError
+from circuits_core.model.config import all_heads
+from circuits_core.model.transformer import Transformer
+
+
+@dataclass
+class SelfCopy:
+    """Per-head self-copy shares and diagonal statistics of the full OV circuits, all [n_layers, n_heads]."""
+
+    top1: Tensor  # share of source tokens whose own logit is the largest of their row
+    topk: Tensor  # share of source tokens whose own logit is among the k largest of their row
+    diagonal_positive: Tensor  # share of tokens a with M[a, a] > 0
+    diagonal_median: Tensor  # median of M[a, a]
+    k: int
+    n_tokens: int  # tokens ranked (d_vocab, or len(vocab))
+    n_rows: int  # source tokens measured (n_tokens, or a seeded sample of `rows` of them)
+    seed: int | None  # the sample's seed (None: every source token)
+
+
+@dataclass
+class CopyingBaseline:
+    """The same summaries for random OV weights of the model's shapes (n samples each)."""
+
+    ov_copying: Tensor  # [n_samples] eigenvalue copying scores
+    top1: Tensor  # [n_top_samples]
+    topk: Tensor  # [n_top_samples]
+    diagonal_positive: Tensor  # [n_top_samples]
+    k: int
+    n_tokens: int
+    n_rows: int
+
+
+BLOCK_BYTES = 16 * 2**20  # a block of logits at most this big, compared in place right after it is formed (on the
+# GPT-2-small shape 83 source rows: ~-30 % against 4 MiB blocks of row-major logits, 2x against 256 MiB)
+
+
+def sample_order(n: int, rows: int | None, seed: int = 0) -> Tensor:
+    """Positions [r] (into the n ranked tokens) of the source rows measured, in the order drawn: all n in order when
+    rows is None or >= n, else the first `rows` of torch.randperm(n) from torch.Generator().manual_seed(seed). A smaller
+    sample of the same seed is a prefix of a larger one, so its rows can be read off the larger one's (RowRanks.first)."""
+    if rows is None or rows >= n:
+        return torch.arange(n)
+    if rows < 1:
+        raise InvalidInputError(f"rows must be >= 1 (source tokens sampled), got {rows}")
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:rows]
+
+
+@dataclass
+class RowRanks:
+    """One full OV circuit's source rows, in the order drawn (sample_order): where each row's own logit ranks."""
+
+    above: Tensor  # [r] int64: ranked columns whose logit is above the row's own, capped at k (a tie counts for it)
+    diag: Tensor  # [r] float64: the row's own logit M[a, a]
+    k: int
+
+    def first(self, r: int) -> RowRanks:
+        """The first r rows drawn: the same rows as a sample of r of the same seed."""
+        return RowRanks(self.above[:r], self.diag[:r], self.k)
+
+    def shares(self) -> Tensor:
+        """[top1, topk, diag > 0, diag median] float64 over these rows."""
+        r = len(self.above)
+        return torch.tensor(
+            [
+                int((self.above == 0).sum()) / r,
+                int((self.above < self.k).sum()) / r,
+                float((self.diag > 0).double().mean()),
+                float(self.diag.quantile(0.5)),
+            ],
+            dtype=torch.float64,
+        )
+
+
+def row_ranks(
+    model: Transformer,
+    W_V: Tensor,
+    W_O: Tensor,
+    k: int,
+    order: Tensor,
+    vocab: Tensor | None = None,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+) -> RowRanks:
+    """The rows `order` (positions into the ranked tokens: vocab, or all) of M = W_E_eff W_V W_O W_U, each ranked
+    against every ranked column. Rows streamed in blocks through the [n, d_head] factor (W_O W_U)^T."""
+    ids = order if vocab is None else vocab[order]  # [r] token ids of the source rows
+    W_U = model.W_U if vocab is None else model.W_U[:, vocab]  # [d_model, n]
+    Bt = (
+        W_U.T @ W_O.T
+    )  # [n, d_head]: (W_O W_U)^T, so a block of logits is [n, b] (a column per source row, 25 % faster)
+    n = Bt.shape[0]
+    step = max(1, min(budget_bytes, BLOCK_BYTES) // max(1, n * Bt.element_size()))
+    above = torch.empty(len(order), dtype=torch.int64)  # [r]
+    diag = torch.empty(len(order), dtype=torch.float64)  # [r]
+    for start in range(0, len(order), step):
+        check_stop(what="OV self-copy shares")
+        own = order[start : start + step].to(Bt.device)  # [b] the rows' own tokens, as columns
+        block = Bt @ (embed_eff_rows(model, ids[start : start + step]) @ W_V).T  # [n, b] logits of row a in column a
+        mine = block.gather(0, own[None, :])  # [1, b] each row's own logit (a copy)
+        diag[start : start + len(own)] = mine[0].double().cpu()
+        # columns ranked above it: a compare in place (1.0 / 0.0) counted in float32 (exact below 2^24 columns); a
+        # float sum down the columns is vectorised where a bool one is not (2x), and cheaper than topk
+        above[start : start + len(own)] = block.gt_(mine).sum(0, dtype=torch.float32).clamp_max(k).long().cpu()
+    return RowRanks(above, diag, k)
+
+
+def _check_vocab(model: Transformer, vocab: Tensor | None, k: int) -> int:
+    n = model.cfg.d_vocab if vocab is None else int(vocab.numel())
+    if vocab is not None and (
+        vocab.dim() != 1 or n == 0 or int(vocab.min()) < 0 or int(vocab.max()) >= model.cfg.d_vocab
+    ):
+        raise InvalidInputError(
+            f"vocab must be a non-empty 1-D list of token ids in [0, {model.cfg.d_vocab}), got {tuple(vocab.shape)}"
+        )
+    if not 1 <= k <= n:
+        raise InvalidInputError(f"k must be in [1, {n}] (the tokens ranked), got {k}")
+    return n
+
+
+def self_copy(
+    model: Transformer,
+    k: int = 10,
+    vocab: Tensor | None = None,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    rows: int | None = None,
+    seed: int = 0,
+    heads: list[tuple[int, int]] | None = None,
+) -> SelfCopy:
+    """Top-1 / top-k self-copy shares and diagonal statistics of every head's full OV circuit (or of `heads` only:
+    the others are NaN), over every source token or a seeded sample of `rows` of them."""
+    n = _check_vocab(model, vocab, k)
+    cfg = model.cfg
+    order = sample_order(n, rows, seed)  # [r]
+    out = torch.full(
+        (4, cfg.n_layers, cfg.n_heads), float("nan"), dtype=torch.float64
+    )  # top1, topk, diag > 0, diag median
+    todo = heads if heads is not None else all_heads(cfg)
+    with torch.no_grad():
+        for layer, h in todo:
+            ov = ov_circuit(model, layer, h)  # W_V [d, d_head], W_O [d_head, d]
+            out[:, layer, h] = row_ranks(model, ov.A, ov.B, k, order, vocab, budget_bytes).shares()
+    return SelfCopy(out[0], out[1], out[2], out[3], k, n, len(order), None if len(order) == n else seed)
+
+
+def random_ov_weights(model: Transformer, n: int, seed: int) -> tuple[Tensor, Tensor]:
+    """n random (W_V [n, d_model, d_head], W_O [n, d_head, d_model]), standard normal, in the model's dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    d, dh = model.cfg.d_model, model.cfg.d_head
+    W_V = torch.randn(n, d, dh, generator=gen, dtype=torch.float64)
+    W_O = torch.randn(n, dh, d, generator=gen, dtype=torch.float64)
+    return W_V.to(model.W_E.dtype).to(model.device), W_O.to(model.W_E.dtype).to(model.device)
+
+
+def random_eig_scores(model: Transformer, W_V: Tensor, W_O: Tensor) -> Tensor:
+    """[n] eigenvalue copying scores of the circuits W_E_eff W_V[i] W_O[i] W_U, through d_head x d_head matrices."""
+    G = unembed_embed_gram(model)  # [d, d]
+    return copying_score(torch.linalg.eigvals((W_O @ G @ W_V).double()))  # nonzero spectrum of W_E W_V W_O W_U [n, d_h]
+
+
+def check_baseline(model: Transformer, n_samples: int, n_top_samples: int) -> None:
+    if not 1 <= n_top_samples <= n_samples:
+        raise InvalidInputError(f"need 1 <= n_top_samples <= n_samples, got {n_top_samples} and {n_samples}")
+    if model.cfg.n_layers == 0:
+        raise InvalidInputError("a model without attention layers has no OV circuit")
+
+
+def random_baseline(
+    model: Transformer,
+    n_samples: int = 200,
+    n_top_samples: int = 4,
+    k: int = 10,
+    vocab: Tensor | None = None,
+    seed: int = 0,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    rows: int | None = None,
+) -> CopyingBaseline:
+    """Eigenvalue scores of n_samples random OV circuits W_E_eff W_V W_O W_U (through d_head x d_head matrices),
+    and self-copy shares of the first n_top_samples of them (each a full [V, V] row stream, hence fewer), over the
+    same source rows as the heads' (same seed)."""
+    n = _check_vocab(model, vocab, k)
+    check_baseline(model, n_samples, n_top_samples)
+    W_V, W_O = random_ov_weights(model, n_samples, seed)
+    with torch.no_grad():
+        scores = random_eig_scores(model, W_V, W_O)  # [n_samples]
+        order = sample_order(n, rows, seed)  # [r]
+        tops = torch.zeros(3, n_top_samples, dtype=torch.float64)
+        for i in range(n_top_samples):
+            check_stop(what="random copying baseline")
+            tops[:, i] = row_ranks(model, W_V[i], W_O[i], k, order, vocab, budget_bytes).shares()[:3]
+    return CopyingBaseline(scores, tops[0], tops[1], tops[2], k, n, len(order))
+
+
+def cost(
+    model: Transformer,
+    k: int,
+    n_samples: int,
+    n_top_samples: int,
+    budget_bytes: int,
+    n_tokens: int | None = None,
+    rows: int | None = None,
+    n_heads: int | None = None,
+) -> Cost:
+    """self_copy over every head (or n_heads of them) then random_baseline (row_ranks): one head's W_O W_U [d_head, n]
+    (through W_U's [d_model, n] ranked columns when not all), a block of source rows ([b, d_model] LN rows, [n, b]
+    logits, compared in place) and the [r] ranks and diagonal, plus the random weights and their
+    [n_samples, d_head, d_head] spectra; answer: per head 5 numbers, per sample 4."""
+    cfg, size = model.cfg, model.W_E.element_size()
+    n = cfg.d_vocab if n_tokens is None else n_tokens
+    r = n if rows is None else min(rows, n)
+    b = max(1, min(r, budget_bytes // max(1, n * size)))
+    columns = cfg.d_model * n * size if n != cfg.d_vocab else 0
+    one_head = Cost(cfg.d_head * n * size + columns + b * (2 * cfg.d_model + cfg.d_head + n) * size + r * 16)
+    weights = Cost(2 * n_samples * cfg.d_model * cfg.d_head * 8 + n_samples * cfg.d_head * cfg.d_head * 16)
+    heads = cfg.n_layers * cfg.n_heads if n_heads is None else n_heads
+    return (one_head + weights).with_answer(numbers=5 * heads + 4 * n_samples, labels=heads)

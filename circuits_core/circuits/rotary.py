@@ -1,0 +1,333 @@
+"""Rotary QK circuits: the QK circuit at a query-key offset, the positional kernel, the energy per rotary band.
+
+Paper section: "The QK circuit" (Elhage et al. 2021; paper-math 2.4, 2.6, 2.8) for models with rotary
+positions (rotary-circuits.md). Row-vector convention (`x @ W`). `model.rotate(x, p)` is x R(p), the row x
+rotated as the model rotates queries and keys at position p (its layout: rotate-half or adjacent pairs,
+partial rotary, rope scaling), and R(a) R(b)^T = R(a - b). For the query at position i and the key at j,
+δ = i - j, x̂ the ln1 output (norm gain included) and g = h // (n_heads / n_key_value_heads):
+
+    score_h(i, j) = (x̂_i W_Q^h R(i)) . (x̂_j W_K^g R(j)) / s = x̂_i Ω_h(δ) x̂_j^T / s
+    Ω_h(δ)        = W_Q^h R(δ) W_K^{gT}       [d_model, d_model], rank <= d_head (a FactoredMatrix)
+
+(s = attn_scale; attention biases, absent in Llama-family models, are left out). TransformerLens's `QK` is
+Ω_h(0). The full QK circuit at δ is W_E_eff Ω_h(δ) W_E_eff^T / s (circuits.py's W_E_eff), read through
+rows, columns and global top-k, never dense; its nonzero eigenvalues are those of W_K^{gT} G_E W_Q^h R(δ) / s
+(G_E = W_E_eff^T W_E_eff), whence the QK copying score at δ.
+
+Positional kernel: f_h(δ) = μ_l Ω_h(δ) μ_l^T / s, μ_l the mean ln1 output entering layer l measured on a
+reference text (REFERENCE_TEXT, first token left out: it is the attention sink, not typical text).
+
+Bands: R(δ) = Σ_k [cos(δθ_k) I_k + sin(δθ_k) J_k] + I_C over the rotary pairs k = (first_k, second_k)
+(I_k the identity on the pair, J_k[first, second] = 1, J_k[second, first] = -1, I_C the unrotated dims), so
+Ω_h(δ) = Σ_k [cos(δθ_k) A_k + sin(δθ_k) B_k] + C. The energy of band k is ||A_k||^2 + ||B_k||^2 (Barbero et
+al., arXiv 2410.06205: high frequencies make positional heads, low ones carry content); for each k it equals
+||W_Q[:, k]||^2 ||W_K[:, k]||^2, and the mean of ||Ω||^2 over independent uniform phases δθ_k is
+||C||^2 + Σ_k (||A_k||^2 + ||B_k||^2) / 2.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.head_circuits import (
+    EMBED_CHUNK,
+    SkipTrigrams,
+    _attn,
+    check_head,
+    copying_score,
+    embed_eff_matmul,
+    embed_eff_rows,
+    embed_gram,
+    factors_cost,
+    skip_trigrams,
+    top_cost,
+)
+from circuits_core.cost import Cost, itemsize
+from circuits_core.errors import InvalidInputError
+from circuits_core.model.transformer import Transformer, rotary_inv_freq, rotary_pairs
+
+# The reference text on which μ_l is measured (public domain: the opening of Lewis Carroll's "Alice's
+# Adventures in Wonderland", 1865), tokenised with the model's tokenizer, BOS prepended when it has one.
+REFERENCE_NAME = "Alice's Adventures in Wonderland, opening paragraphs (Lewis Carroll, 1865)"
+REFERENCE_TEXT = (
+    "Alice was beginning to get very tired of sitting by her sister on the bank, and of having nothing to do: "
+    "once or twice she had peeped into the book her sister was reading, but it had no pictures or "
+    'conversations in it, "and what is the use of a book," thought Alice "without pictures or '
+    'conversations?" So she was considering in her own mind (as well as she could, for the hot day made her '
+    "feel very sleepy and stupid), whether the pleasure of making a daisy-chain would be worth the trouble of "
+    "getting up and picking the daisies, when suddenly a White Rabbit with pink eyes ran close by her. There "
+    "was nothing so very remarkable in that; nor did Alice think it so very much out of the way to hear the "
+    'Rabbit say to itself, "Oh dear! Oh dear! I shall be late!" (when she thought it over afterwards, it '
+    "occurred to her that she ought to have wondered at this, but at the time it all seemed quite natural); "
+    "but when the Rabbit actually took a watch out of its waistcoat-pocket, and looked at it, and then "
+    "hurried on, Alice started to her feet, for it flashed across her mind that she had never before seen a "
+    "rabbit with either a waistcoat-pocket, or a watch to take out of it, and burning with curiosity, she ran "
+    "across the field after it, and fortunately was just in time to see it pop down a large rabbit-hole "
+    "under the hedge. In another moment down went Alice after it, never once considering how in the world "
+    "she was to get out again."
+)
+# Offsets shown by default (kernel plot, kernel peak, composition profiles): δ = 0..KERNEL_WINDOW.
+KERNEL_WINDOW = 64
+
+
+def check_rotary(model: Transformer) -> None:
+    if model.cfg.positional_embedding_type != "rotary":
+        raise InvalidInputError(
+            f"this analysis needs rotary positions; the model has {model.cfg.positional_embedding_type!r} positions"
+        )
+
+
+def check_offsets(model: Transformer, offsets: Sequence[int] | Tensor) -> Tensor:
+    """Offsets as a 1-D int64 tensor, each an integer with |δ| < n_ctx (a query and a key inside the context)."""
+    t = torch.as_tensor(offsets)
+    if t.dim() == 0:
+        t = t[None]
+    if t.dim() != 1 or t.numel() == 0 or t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise InvalidInputError(f"offsets must be a non-empty list of integers, got {offsets!r}")
+    n_ctx = model.cfg.n_ctx
+    if int(t.abs().max()) >= n_ctx:
+        raise InvalidInputError(f"offsets must lie in (-{n_ctx}, {n_ctx}) (n_ctx = {n_ctx}), got {int(t.abs().max())}")
+    return t.long()
+
+
+def rotation(model: Transformer, offsets: Sequence[int] | Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
+    """R(δ) [n, d_head, d_head] for each offset: x R(δ) is the model's own rotation of the row x (model.rotate)."""
+    check_rotary(model)
+    delta = check_offsets(model, offsets).to(model.device)
+    dh = model.cfg.d_head
+    eye = torch.eye(dh, dtype=torch.float64, device=model.device).expand(delta.numel(), dh, dh)
+    return model.rotate(eye, delta[:, None]).to(dtype)  # rows of R(δ) = the rotated basis vectors
+
+
+def query_key_weights(model: Transformer, layer: int, head: int) -> tuple[Tensor, Tensor]:
+    """(W_Q^h, W_K^g) [d_model, d_head] each: the head's query weights and its key/value group's key weights."""
+    check_head(model, layer, head)
+    attn = _attn(model, layer)
+    return attn.W_Q[head], attn.grouped("W_K")[head // model.cfg.group_size]
+
+
+# -- Ω and the full QK circuit at an offset ----------------------------------------------------------------
+def omega(model: Transformer, layer: int, head: int, offsets: Sequence[int] | Tensor) -> FactoredMatrix:
+    """Ω_h(δ) = W_Q^h R(δ) W_K^{gT} [n_offsets, d_model, d_model] (inner d_head), one per offset."""
+    W_Q, W_K = query_key_weights(model, layer, head)
+    R = rotation(model, offsets, dtype=W_Q.dtype)  # [n, dh, dh]
+    return FactoredMatrix(W_Q @ R, W_K.T)  # A [n, d, dh], B [dh, d]
+
+
+@dataclass
+class QKFactors:
+    """The unrotated factors of a head's full QK circuit: W_E_eff W_Q^h / s and W_E_eff W_K^g [d_vocab, d_head]."""
+
+    layer: int
+    head: int
+    query: Tensor  # [V, dh]
+    key: Tensor  # [V, dh]
+
+
+def full_qk_factors(model: Transformer, layer: int, head: int) -> QKFactors:
+    W_Q, W_K = query_key_weights(model, layer, head)
+    return QKFactors(layer, head, embed_eff_matmul(model, W_Q) / model.cfg.scale, embed_eff_matmul(model, W_K))
+
+
+def full_qk_circuit_at(
+    model: Transformer, layer: int, head: int, offset: int, factors: QKFactors | None = None
+) -> FactoredMatrix:
+    """W_E_eff Ω_h(δ) W_E_eff^T / s [d_vocab, d_vocab] (inner d_head): rows the query token at position i,
+    columns the key token at i - δ; entry [b, a] is the token part of hook_attn_scores at that offset."""
+    check_rotary(model)
+    f = factors if factors is not None else full_qk_factors(model, layer, head)
+    R = rotation(model, [offset], dtype=f.query.dtype)[0]  # [dh, dh]
+    return FactoredMatrix(f.query @ R, f.key.T)
+
+
+def full_qk_col_at(model: Transformer, layer: int, head: int, key_token: int, offset: int) -> Tensor:
+    """Column a of the full QK circuit at δ [d_vocab]: every query token's score on key token a, δ back."""
+    W_Q, W_K = query_key_weights(model, layer, head)
+    if isinstance(key_token, bool) or not isinstance(key_token, int) or not 0 <= key_token < model.cfg.d_vocab:
+        raise InvalidInputError(f"token id must be an integer in [0, {model.cfg.d_vocab}), got {key_token!r}")
+    k = embed_eff_rows(model, [key_token]) @ W_K  # [1, dh]
+    R = rotation(model, [offset], dtype=W_Q.dtype)[0]
+    return embed_eff_matmul(model, W_Q @ (R @ k.T))[:, 0] / model.cfg.scale  # [V]
+
+
+def full_qk_row_at(model: Transformer, layer: int, head: int, query_token: int, offset: int) -> Tensor:
+    """Row b of the full QK circuit at δ [d_vocab]: query token b's score on every key token, δ back."""
+    W_Q, W_K = query_key_weights(model, layer, head)
+    if isinstance(query_token, bool) or not isinstance(query_token, int) or not 0 <= query_token < model.cfg.d_vocab:
+        raise InvalidInputError(f"token id must be an integer in [0, {model.cfg.d_vocab}), got {query_token!r}")
+    q = embed_eff_rows(model, [query_token]) @ W_Q @ rotation(model, [offset], dtype=W_Q.dtype)[0]  # [1, dh]
+    return embed_eff_matmul(model, W_K @ q.T)[:, 0] / model.cfg.scale  # [V]
+
+
+def skip_trigrams_at(
+    model: Transformer, layer: int, head: int, source_token: int, offset: int, k: int = 10, vocab: Tensor | None = None
+) -> SkipTrigrams:
+    """circuits.skip_trigrams with the destinations ranked by the full QK column at offset δ."""
+    col = full_qk_col_at(model, layer, head, source_token, offset)
+    return skip_trigrams(model, layer, head, source_token, k=k, vocab=vocab, qk_col=col)
+
+
+def _qk_small(model: Transformer, W_Q: Tensor, W_K: Tensor, G_E: Tensor | None) -> Tensor:
+    """W_K^T G_E W_Q / s [..., d_head, d_head] (float64) for W_Q, W_K [..., d_model, d_head]: times R(δ), its
+    eigenvalues are the nonzero ones of the full QK circuit W_E_eff W_Q R(δ) W_K^T W_E_eff^T / s."""
+    G_E = (embed_gram(model) if G_E is None else G_E).double()  # [d, d]
+    return W_K.double().transpose(-2, -1) @ (G_E @ W_Q.double()) / model.cfg.scale
+
+
+def qk_eigenvalues_at(model: Transformer, offset: int, G_E: Tensor | None = None) -> Tensor:
+    """[n_layers, n_heads, d_head] complex: the nonzero eigenvalues of each full QK circuit at offset δ,
+    those of W_K^{gT} G_E W_Q^h R(δ) / s [d_head, d_head] (float64)."""
+    check_rotary(model)
+    R = rotation(model, [offset])[0]  # [dh, dh] float64
+    return torch.linalg.eigvals(_qk_small(model, model.W_Q, model.W_K, G_E) @ R)  # W_K per query head
+
+
+def head_qk_eigenvalues_at(
+    model: Transformer, layer: int, head: int, offsets: Sequence[int] | Tensor, G_E: Tensor | None = None
+) -> Tensor:
+    """[n_offsets, d_head] complex: one head's full-QK eigenvalues at each offset (qk_eigenvalues_at for one head)."""
+    check_rotary(model)
+    W_Q, W_K = query_key_weights(model, layer, head)
+    R = rotation(model, offsets)  # [n, dh, dh] float64
+    return torch.linalg.eigvals(_qk_small(model, W_Q, W_K, G_E) @ R)
+
+
+def qk_copying_scores_at(model: Transformer, offset: int, G_E: Tensor | None = None) -> Tensor:
+    """[n_layers, n_heads] eigenvalue positivity of every full QK circuit at offset δ (float64)."""
+    return copying_score(qk_eigenvalues_at(model, offset, G_E))
+
+
+# -- the positional kernel -----------------------------------------------------------------------------
+def reference_means(model: Transformer, tokens: Tensor) -> Tensor:
+    """μ [n_layers, d_model]: the mean ln1 output entering each layer over tokens[:, 1:] (float64)."""
+    tokens = model.check_tokens(tokens)
+    if tokens.shape[1] < 2:
+        raise InvalidInputError("the reference text needs at least 2 tokens (the first is left out)")
+    names = {f"blocks.{layer}.ln1.hook_normalized" for layer in range(model.cfg.n_layers)}
+    names |= {f"blocks.{layer}.hook_resid_pre" for layer in range(model.cfg.n_layers)}
+    with torch.no_grad():  # stop at the last layer's pattern: no last MLP, final norm or unembedding
+        cache = model.run_until(tokens, f"blocks.{model.cfg.n_layers - 1}.attn.hook_pattern", names=names)
+    means = []
+    for layer in range(model.cfg.n_layers):
+        x = cache.get(f"blocks.{layer}.ln1.hook_normalized", cache[f"blocks.{layer}.hook_resid_pre"])  # no norm
+        means.append(x[:, 1:].double().mean(dim=(0, 1)))
+    return torch.stack(means)  # [L, d]
+
+
+def positional_kernel(model: Transformer, means: Tensor, offsets: Sequence[int] | Tensor) -> Tensor:
+    """f_h(δ) = μ_l Ω_h(δ) μ_l^T / s for every head and offset: [n_layers, n_heads, n_offsets] (float64)."""
+    check_rotary(model)
+    cfg = model.cfg
+    if means.shape != (cfg.n_layers, cfg.d_model):
+        raise InvalidInputError(
+            f"means must be [n_layers, d_model] = [{cfg.n_layers}, {cfg.d_model}], got {tuple(means.shape)}"
+        )
+    mu = means.double()
+    q = (mu[:, None, None, :] @ model.W_Q.double())[:, :, 0]  # [L, H, dh]
+    k = (mu[:, None, None, :] @ model.W_K_groups.double())[:, :, 0]  # [L, n_kv, dh]
+    k = k.repeat_interleave(cfg.group_size, dim=1)  # [L, H, dh]: each head's group key
+    delta = check_offsets(model, offsets).to(model.device)  # [n]
+    qR = model.rotate(q[:, :, None, :].expand(*q.shape[:2], delta.numel(), q.shape[-1]), delta)  # [L, H, n, dh]
+    return (qR * k[:, :, None, :]).sum(-1) / cfg.scale  # [L, H, n]: q R(δ) k^T
+
+
+def kernel_peaks(kernel: Tensor, offsets: Tensor) -> Tensor:
+    """[L, H] the offset at which each head's kernel [L, H, n] is largest (first one on ties)."""
+    return offsets.to(kernel.device)[kernel.argmax(dim=-1)]
+
+
+def kernel_peak_offsets(model: Transformer, means: Tensor, window: int = KERNEL_WINDOW) -> Tensor:
+    """[L, H] each head's kernel peak offset over δ = 0..window (clipped to n_ctx - 1), μ = means [L, d_model]."""
+    offsets = torch.arange(min(window, model.cfg.n_ctx - 1) + 1)
+    return kernel_peaks(positional_kernel(model, means, offsets), offsets)
+
+
+# -- energy per rotary band ----------------------------------------------------------------------------
+@dataclass
+class BandEnergies:
+    """Ω_h(δ) = Σ_k [cos(δθ_k) A_k + sin(δθ_k) B_k] + C per head (module docstring)."""
+
+    theta: Tensor  # [K] radians per position of band k (θ_k, descending: band 0 is the fastest)
+    cos_part: Tensor  # [L, H, K] ||A_k||_F^2
+    sin_part: Tensor  # [L, H, K] ||B_k||_F^2
+    unrotated: Tensor  # [L, H] ||C||_F^2 (0 without partial rotary)
+
+    @property
+    def energy(self) -> Tensor:
+        """[L, H, K] ||A_k||^2 + ||B_k||^2."""
+        return self.cos_part + self.sin_part
+
+    @property
+    def wavelength(self) -> Tensor:
+        """[K] 2π / θ_k positions."""
+        return 2 * torch.pi / self.theta
+
+
+def band_energies(model: Transformer) -> BandEnergies:
+    """Each head's QK energy per rotary frequency band, from the 2 x 2 blocks of its d_head x d_head Grams (float64)."""
+    check_rotary(model)
+    first, second = (i.to(model.device) for i in rotary_pairs(model.cfg))  # [K]
+    W_Q, W_K = model.W_Q.double(), model.W_K.double()  # [L, H, d, dh]
+    G_Q, G_K = W_Q.transpose(-2, -1) @ W_Q, W_K.transpose(-2, -1) @ W_K  # [L, H, dh, dh]
+
+    def block(G: Tensor, a: Tensor, b: Tensor) -> Tensor:
+        return G[..., a, b]  # [L, H, K]: G[first or second, first or second] of every pair
+
+    qff, qss, qfs = block(G_Q, first, first), block(G_Q, second, second), block(G_Q, first, second)
+    kff, kss, kfs = block(G_K, first, first), block(G_K, second, second), block(G_K, first, second)
+    # A_k = Q_p K_p^T: ||A_k||^2 = <G_Q[p, p], G_K[p, p]>; B_k = Q_p J K_p^T: ||B_k||^2 = <J^T G_Q[p, p] J, G_K[p, p]>
+    cos_part = qff * kff + qss * kss + 2 * qfs * kfs
+    sin_part = qss * kff + qff * kss - 2 * qfs * kfs
+    rd = 2 * first.numel()
+    rest = torch.ones(model.cfg.d_head, dtype=torch.bool, device=W_Q.device)
+    rest[first], rest[second] = False, False
+    unrotated = (
+        (G_Q[..., rest][..., rest, :] * G_K[..., rest][..., rest, :]).sum((-2, -1))
+        if rd < model.cfg.d_head
+        else W_Q.new_zeros(W_Q.shape[:2])
+    )
+    return BandEnergies(rotary_inv_freq(model.cfg), cos_part, sin_part, unrotated)
+
+
+# -- costs (circuits_core.cost) ------------------------------------------------------------------------
+def qk_at_cost(model: Transformer, k: int, budget_bytes: int, line: bool) -> Cost:
+    """A full QK circuit at δ: its two [d_vocab, d_head] factors, the rotated query factor, then one row or
+    column ([d_vocab] values) or the global top k (FactoredMatrix.topk_global)."""
+    cfg = model.cfg
+    rotated = Cost(cfg.d_vocab * cfg.d_head * itemsize(model.dtype))
+    return top_cost(model, k, budget_bytes, line=line) + rotated
+
+
+def qk_copying_at_cost(model: Transformer, n_offsets: int) -> Cost:
+    """head_qk_eigenvalues_at: the vocabulary Gram G_E (embed_gram: one LN chunk at a time), the float64
+    d_model x d_head products, R(δ) and the d_head x d_head product per offset; answer: d_head complex
+    eigenvalues at one offset and one score per offset."""
+    cfg = model.cfg
+    d, dh = cfg.d_model, cfg.d_head
+    gram = (d * d + 2 * EMBED_CHUNK * d) * itemsize(model.dtype)
+    small = (d * d + 3 * d * dh + 3 * n_offsets * dh * dh) * 8
+    return Cost(gram).then(Cost(small)).with_answer(numbers=2 * dh + 2 * n_offsets + 1, labels=dh)  # {re, im} each
+
+
+def kernel_cost(model: Transformer, n_offsets: int, n_tokens: int) -> Cost:
+    """reference_means on n_tokens (the cached ln1 outputs and residuals) then the kernel: R(δ) for each
+    offset and q, k per head; answer: the offsets and one kernel value per offset. Rotary models only."""
+    check_rotary(model)
+    cfg = model.cfg
+    run = 2 * cfg.n_layers * n_tokens * cfg.d_model * itemsize(model.dtype) + factors_cost(model).peak_bytes
+    kernel = (n_offsets * cfg.d_head**2 + 2 * cfg.n_layers * cfg.n_heads * (cfg.d_head + n_offsets)) * 8
+    return Cost(run).then(Cost(kernel)).with_answer(numbers=2 * n_offsets + 1)
+
+
+def bands_cost(model: Transformer) -> Cost:
+    """band_energies: the float64 weights and their d_head x d_head Grams; answer 3 numbers per band. Rotary
+    models only."""
+    check_rotary(model)
+    cfg = model.cfg
+    L, H, d, dh = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
+    return Cost((2 * L * H * d * dh + 2 * L * H * dh * dh) * 8).with_answer(numbers=3 * dh // 2 + 1)

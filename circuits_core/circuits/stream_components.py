@@ -1,0 +1,290 @@
+"""The residual stream's writers and readers, each as the factors of its map into or out of the stream.
+
+Paper section: "The Residual Stream as a Communication Channel" (Elhage et al. 2021; paper-math 2.1). Row-vector
+(TransformerLens) convention, x @ W. A writer maps its input into the stream, W_w [n_in, d_model]; a reader
+maps the stream to its output, W_r [d_model, n_out]:
+
+    writer   W_w                                          reader     W_r
+    embed    W_E_eff [d_vocab, d]  (W_E after ln1 of L0)   L1H4.Q     W_QK   = W_Q R(offset) W_K^T [d, d]
+    pos      W_pos [n_ctx, d]                              L1H4.K     W_QK^T = W_K R(offset)^T W_Q^T
+    L0H3     W_OV = W_V W_O [d, d] (rank d_head)           L1H4.V     W_OV   = W_V W_O
+    L0.mlp   W_out [d_mlp, d] (or chosen neurons' rows)     L1.mlp.in  W_in [d, d_mlp]  (gated: .gate W_gate,
+                                                                                         .up W_in)
+                                                           unembed    W_U [d, d_vocab]
+
+A writer reaches a reader only when it writes before the reader reads (layer order; a parallel block's MLP
+does not see its own attention); shortformer positions are added to the query and key inputs after ln1 of
+every layer, so `pos` reaches only Q and K readers; rotary and position-free models have no `pos` writer.
+Rotary Q/K readers are read at query-key offset 0 (R = I) unless an offset is chosen. GQA: model.W_K / W_V are
+per query head. Weights are used as loaded (LN weight and centring inside them when processing folded them).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from circuits_core.circuits import rotary
+from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.head_circuits import embed_eff, embed_eff_matmul, embed_gram
+from circuits_core.errors import InvalidInputError, NotFoundError
+from circuits_core.model.config import head_name
+from circuits_core.model.transformer import Block, Transformer
+
+WriterKind = Literal["embed", "pos", "head", "mlp"]
+ReaderRole = Literal["Q", "K", "V", "in", "gate", "up", "unembed"]
+EMBED = "embed"  # marks W_E_eff in a factor chain (never materialised unless it is a factor itself)
+Chain = list[Tensor | str]
+
+
+@dataclass(frozen=True)
+class Writer:
+    """A component that writes into the residual stream. layer/head -1 where they do not apply."""
+
+    kind: WriterKind
+    layer: int = -1
+    head: int = -1
+    neurons: tuple[int, ...] | None = None  # MLP only: these rows of W_out
+
+    @property
+    def name(self) -> str:
+        if self.kind in ("embed", "pos"):
+            return self.kind
+        if self.kind == "head":
+            return head_name(self.layer, self.head)
+        sel = "" if self.neurons is None else "[" + ",".join(map(str, self.neurons)) + "]"
+        return f"L{self.layer}.mlp{sel}"
+
+    def slot(self) -> int:
+        """Where it writes: 0 before layer 0, 2l+1 after layer l's attention, 2l+2 after its MLP."""
+        return 0 if self.kind in ("embed", "pos") else 2 * self.layer + (1 if self.kind == "head" else 2)
+
+
+@dataclass(frozen=True)
+class Reader:
+    """A component that reads the residual stream."""
+
+    role: ReaderRole
+    layer: int = -1
+    head: int = -1
+    neurons: tuple[int, ...] | None = None  # MLP inputs only: these columns of W_in / W_gate
+
+    @property
+    def name(self) -> str:
+        if self.role == "unembed":
+            return "unembed"
+        if self.role in ("Q", "K", "V"):
+            return f"{head_name(self.layer, self.head)}.{self.role}"
+        sel = "" if self.neurons is None else "[" + ",".join(map(str, self.neurons)) + "]"
+        return f"L{self.layer}.mlp.{self.role}{sel}"
+
+    def slot(self, model: Transformer) -> int:
+        """Where it reads: layer l's attention at 2l+1, its MLP at 2l+2 (2l+1 in a parallel block), unembed last."""
+        cfg = model.cfg
+        if self.role == "unembed":
+            return 2 * cfg.n_layers + 1
+        if self.role in ("Q", "K", "V") or cfg.parallel_attn_mlp:
+            return 2 * self.layer + 1
+        return 2 * self.layer + 2
+
+
+def reaches(model: Transformer, writer: Writer, reader: Reader) -> bool:
+    """Does the reader see what the writer wrote (written earlier; shortformer positions only reach Q and K)?"""
+    if writer.kind == "pos" and model.cfg.positional_embedding_type == "shortformer":
+        return reader.role in ("Q", "K")
+    return writer.slot() < reader.slot(model)
+
+
+# -- the components of a model --------------------------------------------------------------------------
+def has_pos_writer(model: Transformer) -> bool:
+    return model.W_pos is not None
+
+
+def mlp_roles(model: Transformer) -> tuple[ReaderRole, ...]:
+    if model.cfg.attn_only:
+        return ()
+    return ("gate", "up") if getattr(model.cfg, "gated_mlp", False) else ("in",)
+
+
+def writers(model: Transformer) -> list[Writer]:
+    """embed, pos (learned positions only), then per layer its heads and its MLP."""
+    cfg = model.cfg
+    out = [Writer("embed")] + ([Writer("pos")] if has_pos_writer(model) else [])
+    for layer in range(cfg.n_layers):
+        out += [Writer("head", layer, h) for h in range(cfg.n_heads)]
+        if not cfg.attn_only:
+            out.append(Writer("mlp", layer))
+    return out
+
+
+def readers(model: Transformer) -> list[Reader]:
+    """Per layer: every head's Q, then K, then V, then the MLP input(s); the unembedding last."""
+    cfg = model.cfg
+    out: list[Reader] = []
+    for layer in range(cfg.n_layers):
+        for role in ("Q", "K", "V"):
+            out += [Reader(role, layer, h) for h in range(cfg.n_heads)]  # type: ignore[arg-type]
+        out += [Reader(role, layer) for role in mlp_roles(model)]
+    return out + [Reader("unembed")]
+
+
+_HEAD = r"L(\d{1,4})H(\d{1,4})"
+_NEURONS = r"(?:\[(\d{1,7}(?:,\d{1,7}){0,255})\])?"
+_WRITER_RE = re.compile(rf"^(?:(embed|pos)|{_HEAD}|L(\d{{1,4}})\.mlp{_NEURONS})$")
+_READER_RE = re.compile(rf"^(?:(unembed)|{_HEAD}\.(Q|K|V)|L(\d{{1,4}})\.mlp\.(in|gate|up){_NEURONS})$")
+
+
+def _neurons(model: Transformer, text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    idx = tuple(int(n) for n in text.split(","))
+    d_mlp = model.cfg.d_mlp or 0
+    if any(n >= d_mlp for n in idx) or len(set(idx)) != len(idx):
+        raise NotFoundError(f"neurons must be distinct and in [0, {d_mlp}), got {list(idx)}")
+    return idx
+
+
+def _check_layer(model: Transformer, layer: int, name: str) -> None:
+    if layer >= model.cfg.n_layers:
+        raise NotFoundError(f"{name}: the model has {model.cfg.n_layers} layers")
+
+
+def parse_writer(model: Transformer, name: str) -> Writer:
+    """'embed', 'pos', 'L0H3', 'L0.mlp' or 'L0.mlp[5,17]' -> Writer, checked against the model."""
+    m = _WRITER_RE.match(name.strip()) if isinstance(name, str) else None
+    if m is None:
+        raise InvalidInputError(f"writer {name!r} is not one of embed, pos, L<l>H<h>, L<l>.mlp, L<l>.mlp[n,...]")
+    if m.group(1):
+        if m.group(1) == "pos" and not has_pos_writer(model):
+            raise NotFoundError(f"the model has {model.cfg.positional_embedding_type!r} positions: no pos writer")
+        return Writer(m.group(1))  # type: ignore[arg-type]
+    if m.group(2):
+        layer, head = int(m.group(2)), int(m.group(3))
+        _check_layer(model, layer, name)
+        if head >= model.cfg.n_heads:
+            raise NotFoundError(f"{name}: the model has {model.cfg.n_heads} heads per layer")
+        return Writer("head", layer, head)
+    layer = int(m.group(4))
+    _check_layer(model, layer, name)
+    if model.cfg.attn_only:
+        raise NotFoundError(f"{name}: the model is attention-only (no MLPs)")
+    return Writer("mlp", layer, neurons=_neurons(model, m.group(5)))
+
+
+def parse_reader(model: Transformer, name: str) -> Reader:
+    """'unembed', 'L1H4.Q|K|V', 'L1.mlp.in' (gated: 'L1.mlp.gate' / 'L1.mlp.up'), optional '[n,...]' neurons."""
+    m = _READER_RE.match(name.strip()) if isinstance(name, str) else None
+    if m is None:
+        raise InvalidInputError(f"reader {name!r} is not one of unembed, L<l>H<h>.Q|K|V, L<l>.mlp.in|gate|up")
+    if m.group(1):
+        return Reader("unembed")
+    if m.group(2):
+        layer, head = int(m.group(2)), int(m.group(3))
+        _check_layer(model, layer, name)
+        if head >= model.cfg.n_heads:
+            raise NotFoundError(f"{name}: the model has {model.cfg.n_heads} heads per layer")
+        return Reader(m.group(4), layer, head)  # type: ignore[arg-type]
+    layer, role = int(m.group(5)), m.group(6)
+    _check_layer(model, layer, name)
+    if role not in mlp_roles(model):
+        raise NotFoundError(f"{name}: this model's MLP inputs are {list(mlp_roles(model)) or 'none (attention-only)'}")
+    return Reader(role, layer, neurons=_neurons(model, m.group(7)))  # type: ignore[arg-type]
+
+
+# -- the matrices ---------------------------------------------------------------------------------------
+def block(model: Transformer, layer: int) -> Block:
+    """Block `layer` (typed)."""
+    block = model.blocks[layer]
+    assert isinstance(block, Block)
+    return block
+
+
+def rotation(model: Transformer, offset: int) -> Tensor:
+    """R(offset) [d_head, d_head] with W_QK(offset) = W_Q R(offset) W_K^T (rotary.rotation; identity otherwise)."""
+    if model.cfg.positional_embedding_type != "rotary":
+        if offset:
+            raise InvalidInputError(
+                f"offset applies to rotary models only; this one has {model.cfg.positional_embedding_type!r} positions"
+            )
+        return torch.eye(model.cfg.d_head, dtype=model.dtype, device=model.device)
+    return rotary.rotation(model, [offset], dtype=model.dtype)[0]
+
+
+def mlp_input(model: Transformer, reader: Reader) -> Tensor:
+    mlp = block(model, reader.layer).mlp
+    W = mlp.W_gate if reader.role == "gate" else mlp.W_in  # [d, d_mlp]
+    return W if reader.neurons is None else W[:, list(reader.neurons)]
+
+
+def writer_chain(model: Transformer, writer: Writer) -> Chain:
+    """Factors whose product is W_w [n_in, d_model] (EMBED stands for W_E_eff)."""
+    if writer.kind == "embed":
+        return [EMBED]
+    if writer.kind == "pos":
+        assert model.W_pos is not None
+        return [model.W_pos]
+    if writer.kind == "head":
+        attn = block(model, writer.layer).attn
+        return [attn.W_V[writer.head], attn.W_O[writer.head]]
+    W_out = block(model, writer.layer).mlp.W_out  # [d_mlp, d]
+    return [W_out if writer.neurons is None else W_out[list(writer.neurons)]]
+
+
+def reader_chain(model: Transformer, reader: Reader, offset: int = 0) -> Chain:
+    """Factors whose product is W_r [d_model, n_out]."""
+    if reader.role == "unembed":
+        return [model.W_U]
+    if reader.role in ("in", "gate", "up"):
+        return [mlp_input(model, reader)]
+    attn, h = block(model, reader.layer).attn, reader.head
+    W_Q, W_K = attn.W_Q[h], attn.W_K[h]  # per query head (grouped-query K/V repeated)
+    if reader.role == "Q":
+        return [W_Q, rotation(model, offset) @ W_K.T]
+    if reader.role == "K":
+        return [W_K, rotation(model, offset).T @ W_Q.T]
+    return [attn.W_V[h], attn.W_O[h]]
+
+
+def _width(model: Transformer, factor: Tensor | str, side: int) -> int:
+    if isinstance(factor, str):
+        return model.cfg.d_vocab if side == 0 else model.cfg.d_model
+    return int(factor.shape[side])
+
+
+def _product(model: Transformer, chain: Chain) -> Tensor:
+    """The product of a chain, smallest factors first; a leading EMBED is applied last (in row chunks)."""
+    rest = [f for f in chain if isinstance(f, Tensor)]
+    if isinstance(chain[0], str):
+        return embed_eff(model) if not rest else embed_eff_matmul(model, _matmul_all(rest))
+    return _matmul_all(rest)
+
+
+def _matmul_all(factors: list[Tensor]) -> Tensor:
+    out = factors[-1]
+    for f in reversed(factors[:-1]):
+        out = f @ out
+    return out
+
+
+def factored(model: Transformer, chain: Chain) -> FactoredMatrix:
+    """The chain's product as a FactoredMatrix split at its smallest inner dimension."""
+    if len(chain) < 2:
+        raise InvalidInputError("a factored product needs at least two factors")
+    inner = [_width(model, f, 1) for f in chain[:-1]]
+    split = min(range(len(inner)), key=lambda i: (inner[i], -i)) + 1
+    left, right = chain[:split], chain[split:]
+    assert all(isinstance(f, Tensor) for f in right)
+    return FactoredMatrix(_product(model, left), _matmul_all(right))  # type: ignore[arg-type]
+
+
+def chain_norm(model: Transformer, chain: Chain) -> Tensor:
+    """||product||_F from the factors: <A^T A, B B^T> for two factors."""
+    if len(chain) == 1:
+        return embed_gram(model).trace().sqrt() if isinstance(chain[0], str) else chain[0].norm()
+    A, B = chain
+    assert isinstance(A, Tensor) and isinstance(B, Tensor)
+    return ((A.T @ A) * (B @ B.T)).sum().clamp_min(0).sqrt()

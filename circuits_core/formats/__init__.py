@@ -1,0 +1,1 @@
+"""Checkpoint formats: reading safetensors, GGUF and state dicts, weight processing, tokenizers."""

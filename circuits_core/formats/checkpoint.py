@@ -1,0 +1,395 @@
+"""Checkpoints: a model is a folder; detect its format, convert it to TransformerLens names, load it safely.
+
+Formats (REGISTRY, keyed by `Format`):
+- "qkov": qkov's own: config.json (ModelConfig fields + "format": "qkov") + model.safetensors
+  (+ tokenizer.json, model_card.json). Written by `save_checkpoint`.
+- "transformer_lens": config.json with HookedTransformerConfig fields + a TransformerLens state dict as
+  .safetensors, .pth or .pt (buffers such as blocks.{l}.attn.mask / IGNORE are dropped).
+- "gpt2", "gpt_neox": Hugging Face folders (see formats_hf.py).
+- "llama", "mistral", "qwen2": Hugging Face Llama-family folders, sharded safetensors (formats_llama.py).
+- "gguf": a folder without config.json holding one `.gguf` file (llama.cpp, ollama), named after the folder;
+  config, tensors and tokenizer all come from that file (formats_gguf.py).
+
+Every loader builds the whole state dict, `statedict.build_model` checks every key and shape, and only then is
+the model constructed (float32 by default, float64 on request), optionally processed (processing.py:
+TransformerLens's fold_ln / centring defaults). Pickle files are only read with torch.load(weights_only=True).
+
+Choosing the processing: `load_checkpoint(process=...)`, or, for callers that pass nothing (the app), a
+`qkov.json` next to config.json: `{"processing": false}` (weights as stored, e.g. to compare with
+`HookedTransformer.from_pretrained_no_processing`) or `{"processing": {"center_unembed": false}}` (switches not
+named stay on). What was applied, and what was skipped and why, is in `model.processing`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from circuits_core.errors import CheckpointError, InvalidInputError
+from circuits_core.formats.gguf import gguf_file, read_gguf
+from circuits_core.formats.hf import load_gpt2, load_gpt_neox
+from circuits_core.formats.llama import LLAMA_MODEL_TYPES, llama_config, load_llama, shard_names
+from circuits_core.formats.processing import SWITCHES, ProcessingOptions, own_tensors, process_state
+from circuits_core.formats.statedict import (
+    PICKLE_SUFFIXES,
+    build_model,
+    check_contained,
+    check_state_dict,
+    files_digest,
+    folder_file,
+    folder_listing,
+    load_bytes,
+    read_json_object,
+    read_weight_files,
+)
+from circuits_core.formats.summary_file import load_summary
+from circuits_core.formats.tokenizer import Tokenizer
+from circuits_core.model.config import ConfigReader, ModelConfig
+from circuits_core.model.transformer import Transformer
+
+Format = Literal["qkov", "transformer_lens", "gpt2", "gpt_neox", "gguf", "llama", "mistral", "qwen2"]
+FORMATS: tuple[str, ...] = get_args(Format)
+QKOV_FORMAT_VERSION = 1
+# A loader turns (folder, parsed config.json) into (config, TransformerLens state dict, key -> file, files).
+# The compute dtype is passed so a loader may convert each tensor as it reads it (peak: one copy + one tensor).
+Loader = Callable[
+    [Path, dict[str, Any], torch.dtype], tuple[ModelConfig, dict[str, Tensor], dict[str, str], list[Path]]
+]
+HF_MODEL_TYPES: dict[str, Format] = {
+    "gpt2": "gpt2", "gpt_neox": "gpt_neox", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
+}  # fmt: skip
+LOAD_OPTIONS_FILE = "qkov.json"  # per-checkpoint load options (processing), next to config.json
+# Files besides config.json and the weights that can change an answer, so they are part of the digest: the
+# processing choice, tokenizer files (tokenizer.py), token counts (phenomena.TOKEN_COUNTS_FILE), the card.
+ANSWER_FILES = (
+    LOAD_OPTIONS_FILE, "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json",
+    "special_tokens_map.json", "token_counts.npy", "model_card.json",
+)  # fmt: skip
+TL_BUFFERS = (".attn.mask", ".attn.IGNORE", ".attn.rotary_sin", ".attn.rotary_cos")
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer  # eval mode, requires_grad False
+    tokenizer: Tokenizer | None
+    format: Format
+    card: dict[str, Any] = field(default_factory=dict)  # model_card.json, {} when absent
+    digest: str = ""  # sha256 of every answer-changing file (config, weights, ANSWER_FILES): the cache key
+    path: Path = Path(".")
+
+
+def _model_config(data: dict[str, Any], path: Path, **overrides: Any) -> ModelConfig:
+    try:
+        return ModelConfig.from_dict({**data, **overrides})
+    except (InvalidInputError, TypeError) as exc:
+        raise CheckpointError(f"{path.name}: {exc}") from exc
+
+
+def detect_format(folder: str | Path) -> Format:
+    """Which loader reads this folder (from config.json); CheckpointError says what was found instead."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"checkpoint folder {folder.name!r} not found")
+    if not folder_file(folder, "config.json").is_file():
+        if gguf_file(folder) is not None:  # a folder holding one .gguf file (llama.cpp, ollama) is a model
+            return "gguf"
+        raise CheckpointError(f"no config.json (found: {folder_listing(folder)}); formats: {', '.join(FORMATS)}")
+    data = read_json_object(folder, "config.json")
+    if "model_type" in data:
+        model_type = ConfigReader(data).text("model_type")
+        if model_type in HF_MODEL_TYPES:
+            return HF_MODEL_TYPES[model_type]
+        raise CheckpointError(
+            f"config.json: unknown architecture model_type={model_type!r}; supported Hugging Face "
+            f"model types: {', '.join(HF_MODEL_TYPES)} (formats: {', '.join(FORMATS)}; found: {folder_listing(folder)})"
+        )
+    if data.get("format") == "qkov":
+        return "qkov"
+    # A bare ModelConfig.to_dict() (qkov fields only; "use_bias" is not a TransformerLens field).
+    qkov_fields = {f.name for f in dataclasses.fields(ModelConfig)} | {"format_version", "processing"}
+    if "use_bias" in data and set(data) <= qkov_fields and folder_file(folder, "model.safetensors").is_file():
+        return "qkov"
+    if "n_layers" in data and "d_model" in data:
+        return "transformer_lens"
+    raise CheckpointError(
+        f"config.json: not a known checkpoint format (formats: {', '.join(FORMATS)}); config.json has neither "
+        f"model_type nor n_layers/d_model (found: {folder_listing(folder)})"
+    )
+
+
+def _load_qkov(
+    folder: Path, data: dict[str, Any], dtype: torch.dtype
+) -> tuple[ModelConfig, dict[str, Tensor], dict[str, str], list[Path]]:
+    version = ConfigReader(data).integer("format_version", default=QKOV_FORMAT_VERSION, ge=1)
+    if version > QKOV_FORMAT_VERSION:
+        raise CheckpointError(f"config.json: format_version {version} is newer than this code ({QKOV_FORMAT_VERSION})")
+    weights = folder_file(folder, "model.safetensors")
+    if not weights.is_file():
+        raise CheckpointError(f"qkov checkpoint without model.safetensors (found: {folder_listing(folder)})")
+    state, origin = read_weight_files([weights])
+    return _model_config(data, folder / "config.json"), state, origin, [weights]
+
+
+def _positive(value: Any) -> bool:
+    """A TransformerLens soft cap is on when it is a number > 0 (the default is -1.0)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
+def _tl_check_supported(data: dict[str, Any], path: Path) -> None:
+    """Refuse HookedTransformerConfig features this model does not implement (before reading any weights)."""
+    unsupported = {
+        "normalization_type": data.get("normalization_type") not in ("LN", "LNPre", "RMS", "RMSPre", None),
+        "positional_embedding_type": data.get("positional_embedding_type", "standard")
+        not in ("standard", "shortformer", "rotary"),
+        # An RMS final norm after LayerNorm blocks (the norm family is one per model here).
+        "final_rms": bool(data.get("final_rms")) and data.get("normalization_type") in ("LN", "LNPre"),
+        "scale_attn_by_inverse_layer_idx": bool(data.get("scale_attn_by_inverse_layer_idx")),
+        "use_local_attn": bool(data.get("use_local_attn")),
+        "d_vocab_out": data.get("d_vocab_out", -1) not in (-1, None, data.get("d_vocab")),
+        # Same weights, different computation: loading these would silently give other logits.
+        "attention_dir": data.get("attention_dir", "causal") not in ("causal", None),
+        "attn_scores_soft_cap": _positive(data.get("attn_scores_soft_cap")),
+        "output_logits_soft_cap": _positive(data.get("output_logits_soft_cap")),
+        "clip_qkv": data.get("clip_qkv") is not None,
+        "use_logn_attn": bool(data.get("use_logn_attn")),
+        "use_dynamic_ntk_rope": bool(data.get("use_dynamic_ntk_rope")),
+        "use_yarn_rope": bool(data.get("use_yarn_rope")),
+        # A rope scaling named on a model without rotary positions (TL would ignore it: the config is inconsistent).
+        "use_NTK_by_parts_rope": bool(data.get("use_NTK_by_parts_rope"))
+        and data.get("positional_embedding_type") != "rotary",
+        "rotary_scaling_factor": data.get("positional_embedding_type") == "rotary"
+        and data.get("rotary_scaling_factor", 1.0) not in (1, None)
+        and bool(data.get("use_NTK_by_parts_rope")),
+        # Extra modules (their keys would also be refused by the state-dict check, this says why).
+        "use_qk_norm": bool(data.get("use_qk_norm")),
+        "post_embedding_ln": bool(data.get("post_embedding_ln")),
+        "use_normalization_before_and_after": bool(data.get("use_normalization_before_and_after")),
+        "use_attention_sinks": bool(data.get("use_attention_sinks")),
+        "num_experts": data.get("num_experts") not in (None, 0, 1),
+        "load_in_4bit": bool(data.get("load_in_4bit")),
+    }
+    bad = [f"{k}={data.get(k)!r}" for k, flag in unsupported.items() if flag]
+    if bad:
+        raise CheckpointError(f"{path.name}: TransformerLens features not supported here: {', '.join(bad)}")
+
+
+def _tl_config(data: dict[str, Any], path: Path, has_bias: bool) -> ModelConfig:
+    """HookedTransformerConfig fields -> ModelConfig (TL state dicts always carry biases: use_bias=True)."""
+    overrides: dict[str, Any] = {"use_bias": has_bias}
+    if data.get("use_attn_scale") is False:
+        overrides["attn_scale"] = 1.0
+    elif not _positive(data.get("attn_scale")):  # TL's unset default is -1.0 (meaning sqrt(d_head))
+        overrides["attn_scale"] = None
+    if data.get("attn_only") or not data.get("d_mlp"):
+        overrides.update(attn_only=True, act_fn=None)
+    if data.get("positional_embedding_type") == "rotary":  # TL's rope scalings -> rope_type (llama3, linear)
+        r = ConfigReader(data, path.name)
+        if r.flag("use_NTK_by_parts_rope", default=False):
+            overrides.update(
+                rope_type="llama3", rope_factor=r.number("NTK_by_parts_factor", gt=0),
+                rope_low_freq_factor=r.number("NTK_by_parts_low_freq_factor", gt=0),
+                rope_high_freq_factor=r.number("NTK_by_parts_high_freq_factor", gt=0),
+                rope_original_max_position_embeddings=r.integer("NTK_original_ctx_len", ge=1),
+            )  # fmt: skip
+        elif r.number("rotary_scaling_factor", default=1.0, gt=0) != 1.0:
+            overrides.update(rope_type="linear", rope_factor=r.number("rotary_scaling_factor", gt=0))
+    return _model_config(data, path, **overrides)
+
+
+def _tl_weight_files(folder: Path) -> list[Path]:
+    if folder_file(folder, "model.safetensors").is_file():
+        return [folder_file(folder, "model.safetensors")]
+    for suffixes in ((".safetensors",), PICKLE_SUFFIXES):
+        found = sorted(folder_file(folder, p.name) for p in folder.iterdir() if p.suffix in suffixes and p.is_file())
+        if len(found) == 1:
+            return found
+        if len(found) > 1:
+            raise CheckpointError(f"several weight files, which one? {', '.join(p.name for p in found)}")
+    raise CheckpointError(f"no .safetensors, .pth or .pt weight file (found: {folder_listing(folder)})")
+
+
+def _load_transformer_lens(
+    folder: Path, data: dict[str, Any], dtype: torch.dtype
+) -> tuple[ModelConfig, dict[str, Tensor], dict[str, str], list[Path]]:
+    _tl_check_supported(data, folder / "config.json")
+    files = _tl_weight_files(folder)
+    state, origin = read_weight_files(files)
+    state = {k: v for k, v in state.items() if not k.endswith(TL_BUFFERS)}
+    has_bias = "unembed.b_U" in state or "blocks.0.attn.b_Q" in state
+    return _tl_config(data, folder / "config.json", has_bias), state, origin, files
+
+
+REGISTRY: dict[Format, Loader] = {
+    "qkov": _load_qkov,
+    "transformer_lens": _load_transformer_lens,
+    "gpt2": load_gpt2,
+    "gpt_neox": load_gpt_neox,
+    "llama": load_llama,
+    "mistral": load_llama,
+    "qwen2": load_llama,
+}
+
+
+def load_options(folder: str | Path) -> ProcessingOptions | None:
+    """The processing chosen in the folder's `qkov.json` (`{"processing": false}` or `{"processing":
+    {"fold_ln": false}}`), None without that file. Unknown switches are errors, unknown top-level keys ignored."""
+    folder = Path(folder)
+    if not folder_file(folder, LOAD_OPTIONS_FILE).is_file():
+        return None
+    data = read_json_object(folder, LOAD_OPTIONS_FILE)
+    try:
+        return ProcessingOptions.from_json(data.get("processing", True))
+    except InvalidInputError as exc:
+        raise CheckpointError(f"{LOAD_OPTIONS_FILE}: {exc}") from exc
+
+
+def weight_files_known_before_reading(folder: Path, fmt: Format) -> list[Path] | None:
+    """The weight files a loader will read, where the folder names them before any tensor is read (GGUF: its one
+    file; the Llama family: its shards); None for the formats whose loaders find their files while reading."""
+    if fmt == "gguf":
+        return [folder_file(folder, gguf_file(folder) or "")]
+    if fmt in LLAMA_MODEL_TYPES:
+        return [folder_file(folder, name) for name in shard_names(folder)]
+    return None
+
+
+def load_checkpoint(
+    folder: str | Path,
+    dtype: torch.dtype = torch.float32,
+    process: bool | ProcessingOptions | None = None,
+    max_bytes: int | None = None,
+) -> LoadedModel:
+    """Load a checkpoint folder of any registered format and apply weight processing (processing.py).
+
+    `process`: True (TransformerLens's defaults, every switch on), False (weights as stored), ProcessingOptions,
+    or None: the folder's qkov.json if it has one, else True. The digest covers every file that can change an
+    answer (config.json, the weight files, ANSWER_FILES present: processing choice, tokenizer, token counts,
+    card) and, when they are not the defaults, the processing switches, so two folders differing in any of
+    them never share a cache key. `max_bytes`: refuse (CheckpointError, before allocating) weight files or a
+    model priced by its config (statedict.load_bytes) above this many bytes. Nothing is read from outside the
+    folder (statedict.check_contained, folder_file).
+    """
+    folder = Path(folder)
+    check_contained(folder)
+    fmt = detect_format(folder)
+    data = read_json_object(folder, "config.json") if fmt != "gguf" else {}
+    if max_bytes is not None:
+        on_disk = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        if on_disk > max_bytes:
+            raise CheckpointError(f"the folder holds {on_disk} bytes of files, over the limit of {max_bytes} bytes")
+    if process is None:
+        process = load_options(folder) or True
+
+    def check_price(cfg: ModelConfig) -> None:
+        if max_bytes is not None and (price := load_bytes(cfg, dtype)) > max_bytes:
+            raise CheckpointError(
+                f"{'the GGUF metadata' if fmt == 'gguf' else 'config.json'} describes a model of {price} bytes in "
+                f"{str(dtype).removeprefix('torch.')} ({cfg.n_layers} layers, d_model={cfg.d_model}, "
+                f"d_vocab={cfg.d_vocab}), over the limit of {max_bytes} bytes"
+            )
+
+    tokenizer: Tokenizer | None = None
+    if fmt in LLAMA_MODEL_TYPES:
+        check_price(llama_config(data))  # priced from config.json before any tensor is read
+    answer_files = [folder_file(folder, name) for name in ANSWER_FILES if folder_file(folder, name).is_file()]
+    config_file = [folder_file(folder, "config.json")] if fmt != "gguf" else []
+    # The digest reads every byte again: hash in a thread (hashlib releases the GIL) while torch reads and processes.
+    # GGUF and Llama-family folders name their weight files before any tensor is read, so their digest starts first
+    # (on the 1B-shaped checkpoint it used to run after the 6 s read, adding 1.7 s).
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        early = weight_files_known_before_reading(folder, fmt)
+        digest_job = pool.submit(files_digest, [*config_file, *early, *answer_files]) if early is not None else None
+        if fmt == "gguf" and early is not None:  # (early is the one .gguf file)
+            files = early  # one pass over it: its metadata holds the tokenizer too; priced before dequantising
+            cfg, state, origin, tokenizer = read_gguf(files[0], check=check_price)
+        else:
+            cfg, state, origin, files = REGISTRY[fmt](folder, data, dtype)
+            check_price(cfg)
+        if digest_job is None or sorted(early or []) != sorted(files):  # (a loader read other files)
+            digest_job = pool.submit(files_digest, [*config_file, *files, *answer_files])
+        loaded = _build(folder, fmt, data, cfg, state, origin, dtype, process, tokenizer)
+        digest = digest_job.result()
+    options = loaded.options
+    if options != ProcessingOptions():
+        digest = hashlib.sha256(f"{digest} {dataclasses.asdict(options)}".encode()).hexdigest()
+    return LoadedModel(
+        model=loaded.model, tokenizer=loaded.tokenizer, format=fmt, card=loaded.card, digest=digest, path=folder
+    )
+
+
+@dataclass
+class _Built:
+    model: Transformer
+    tokenizer: Tokenizer | None
+    card: dict[str, Any]
+    options: ProcessingOptions
+
+
+def _build(
+    folder: Path,
+    fmt: Format,
+    data: dict[str, Any],
+    cfg: ModelConfig,
+    state: dict[str, Tensor],
+    origin: dict[str, str],
+    dtype: torch.dtype,
+    process: bool | ProcessingOptions,
+    tokenizer: Tokenizer | None = None,
+) -> _Built:
+    """Tokenizer (the folder's unless the loader read one), checks, processing and the model, from a state dict
+    just read."""
+    if tokenizer is None:
+        tokenizer = Tokenizer.from_folder(folder, bos_token_id=cfg.bos_token_id)
+    if tokenizer is not None:
+        if tokenizer.vocab_size > cfg.d_vocab:
+            raise CheckpointError(
+                f"{tokenizer.source}: tokenizer has {tokenizer.vocab_size} tokens, the model only {cfg.d_vocab}"
+            )
+        if cfg.bos_token_id is None and tokenizer.bos_token_id is not None:
+            cfg = _model_config(cfg.to_dict(), folder / "config.json", bos_token_id=tokenizer.bos_token_id)
+    options = ProcessingOptions() if process is True else ProcessingOptions.none() if process is False else process
+    record: dict[str, bool | str] = {s: False for s in SWITCHES}
+    if fmt == "qkov" and isinstance(data.get("processing"), dict):
+        record.update({k: v for k, v in data["processing"].items() if isinstance(v, bool | str)})
+    # Check everything first, then process the state dict in place and build the model once (no copies).
+    check_state_dict(cfg, state, origin)
+    state = own_tensors({k: v.to(dtype=dtype) for k, v in state.items()})
+    cfg = process_state(cfg, state, options, record)
+    model = build_model(cfg, state, dtype=dtype, origin=origin)
+    del state
+    model.processing = record
+    card = read_json_object(folder, "model_card.json") if folder_file(folder, "model_card.json").is_file() else {}
+    card = card or load_summary(folder) or {}  # a pretrained model's measured summary, while it is current
+    return _Built(model=model, tokenizer=tokenizer, card=card, options=options)
+
+
+def save_checkpoint(
+    model: Transformer,
+    folder: str | Path,
+    tokenizer_json: str | Tokenizer | None = None,
+    card: dict[str, Any] | None = None,
+) -> Path:
+    """Write qkov's format: config.json + model.safetensors (+ tokenizer.json, model_card.json)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    processing = {k: v for k, v in model.processing.items() if k in SWITCHES or k.endswith("_skipped")}
+    config = {"format": "qkov", "format_version": QKOV_FORMAT_VERSION, **model.cfg.to_dict(), "processing": processing}
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if tokenizer_json is not None:
+        text = tokenizer_json.to_json() if isinstance(tokenizer_json, Tokenizer) else tokenizer_json
+        (folder / "tokenizer.json").write_text(text)
+    if card is not None:
+        (folder / "model_card.json").write_text(json.dumps(card, indent=2) + "\n")
+    return folder

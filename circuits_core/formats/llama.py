@@ -1,0 +1,354 @@
+"""Hugging Face Llama, Mistral and Qwen2 checkpoints, converted to TransformerLens names and shapes.
+
+Config (`model_type` llama, mistral or qwen2; transformers' field names):
+    hidden_size, num_attention_heads, num_key_value_heads (grouped-query attention), head_dim (default
+    hidden_size / heads), intermediate_size, num_hidden_layers, vocab_size, max_position_embeddings,
+    rms_norm_eps, hidden_act (silu: SwiGLU), tie_word_embeddings, bos_token_id; rope: `rope_parameters`
+    (transformers >= 5) or `rope_scaling` + `rope_theta`, types default, linear and llama3 (any other type is
+    refused, naming it); biases: Llama `attention_bias` (q, k, v, o), Qwen2 always q, k, v (o none), Mistral
+    none. A sliding window (Mistral `sliding_window`, Qwen2 `use_sliding_window`) never masks a sequence no
+    longer than the window, so the context is capped at the window and the model stays exact.
+Weights (nn.Linear stores [d_out, d_in], so each is transposed into `x @ W` form):
+    model.embed_tokens.weight [V, d]                     -> embed.W_E
+    model.layers.{l}.input_layernorm.weight [d]          -> blocks.{l}.ln1.w (RMS)
+    self_attn.q_proj.weight [H dh, d] rows (head, e)     -> attn.W_Q [H, d, dh]   (q_proj.bias -> b_Q [H, dh])
+    self_attn.k_proj / v_proj [G dh, d]                  -> attn._W_K / _W_V [G, d, dh] (G = key/value heads;
+                                                            W_K / W_V when G = H)
+    self_attn.o_proj.weight [d, H dh] columns (head, e)  -> attn.W_O [H, dh, d]
+    post_attention_layernorm.weight                      -> ln2.w
+    mlp.gate_proj / up_proj [d_mlp, d]                   -> mlp.W_gate / W_in [d, d_mlp]; down_proj -> W_out
+    model.norm.weight                                    -> ln_final.w
+    lm_head.weight [V, d] (absent when tied)             -> unembed.W_U [d, V] (W_E^T when tied)
+Hugging Face rotates halves (rotate-half layout, rotary_adjacent_pairs False), so Q and K rows keep their
+order. Reading: safetensors only (the index `model.safetensors.index.json` names the shards; every file name
+is resolved inside the folder). Files are memory-mapped; each tensor is converted to the compute dtype and laid
+out in one copy, and the file pages it was read from are released (madvise), so the peak is about one
+compute-dtype copy of the model plus one tensor. (safetensors' safe_open would keep every page it touched
+resident until the handle closes: a second, stored-dtype copy of the model by the end of the load.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import struct
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from circuits_core.errors import CheckpointError
+from circuits_core.formats.hf import _act_fn, _bos, _config
+from circuits_core.formats.statedict import folder_file, folder_listing, read_json_object
+from circuits_core.model.config import ConfigReader, ModelConfig
+from circuits_core.model.transformer import attn_param
+
+State = dict[str, Tensor]
+LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "llama3")
+INDEX = "model.safetensors.index.json"
+_IGNORED = (".rotary_emb.inv_freq",)
+HEADER_MAX_BYTES = 100_000_000  # safetensors' own limit on the JSON header
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_PAGE = mmap.PAGESIZE
+SLAB_BYTES = 1 << 18  # stored bytes per slab of a transposing copy (fits the L2 cache with its output)
+
+
+class _MappedFile:
+    """One .safetensors file, memory-mapped by us (not safe_open, which keeps every page it touched resident
+    until the handle closes): each tensor is copied out in the compute dtype and its pages are released."""
+
+    def __init__(self, path: Path, name: str):
+        self.name = name
+        try:
+            with path.open("rb") as handle:
+                self.map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never written back
+            (size,) = struct.unpack("<Q", self.map[:8])
+            if not 0 < size <= len(self.map) - 8 or size > HEADER_MAX_BYTES:
+                raise ValueError(f"header length {size} does not fit the file of {len(self.map)} bytes")
+            header = json.loads(self.map[8 : 8 + size])
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
+        except (OSError, ValueError, struct.error, RecursionError) as exc:  # JSONDecodeError is a ValueError
+            detail = "header nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise CheckpointError(f"{name}: not a readable safetensors file ({detail})") from exc
+        self.base = 8 + size
+        self.entries = {k: v for k, v in header.items() if k != "__metadata__"}
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        entry = self.entries[key]
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+            raise CheckpointError(f"{self.name}: tensor {key}: malformed shape {shape!r}")
+        return tuple(shape)
+
+    def read(self, key: str, dtype: torch.dtype, layout: Callable[[Tensor], Tensor]) -> Tensor:
+        """layout(tensor) copied once into a new `dtype` tensor; the file pages it came from are released."""
+        entry, shape = self.entries[key], self.shape(key)
+        source = _DTYPES.get(entry.get("dtype"))
+        if source is None:
+            raise CheckpointError(
+                f"{self.name}: tensor {key}: dtype {entry.get('dtype')!r} is not a float type ({', '.join(_DTYPES)})"
+            )
+        offsets = entry.get("data_offsets")
+        numel = math.prod(shape)
+        nbytes = numel * source.itemsize
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) for o in offsets)
+            or offsets[1] - offsets[0] != nbytes
+            or offsets[0] < 0
+            or self.base + offsets[1] > len(self.map)
+        ):
+            raise CheckpointError(f"{self.name}: tensor {key}: data offsets {offsets!r} do not hold {nbytes} bytes")
+        start = self.base + offsets[0]
+        view = (
+            torch.frombuffer(self.map, dtype=source, count=numel, offset=start).view(shape)
+            if numel
+            else (torch.empty(shape, dtype=source))
+        )
+        out = laid_out(layout(view), dtype)
+        del view
+        first = start - start % _PAGE
+        if nbytes and hasattr(mmap, "MADV_DONTNEED"):  # (not on Windows)
+            self.map.madvise(mmap.MADV_DONTNEED, first, start + nbytes - first)  # drop the pages read
+        return out
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Within the block torch runs one intra-op thread (restored after). Loaders decode and lay out tensors this
+    way: the copies are memory-bound and come as thousands of short parallel regions (a slab each), each stalled
+    by a descheduled worker on a shared 2-core machine: the 1B-shaped checkpoint loaded in 82 s wall, 43 s CPU
+    on two threads and 18 s wall, 8 s CPU on one (load average ~8); SmolLM2's GGUF in 8-9 s vs 1.2-2.6 s.
+    The setting is process-wide (OpenMP's, set from a thread outside any parallel region), so a computation
+    running beside a load also runs on one thread until the load ends; the app's compute service sets its own
+    count when each computation starts."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def laid_out(arranged: Tensor, dtype: torch.dtype) -> Tensor:
+    """A strided view (a transpose of the stored tensor) copied into a new contiguous `dtype` tensor: converted and
+    laid out in one pass, slab by slab along the view's outermost stored dimension, so each slab's reads and
+    writes stay in cache (one pass over a whole transposed matrix misses the cache on every other read: 2-3x
+    slower on a [8192, 2048] bf16 -> float32 copy)."""
+    out = torch.empty(arranged.shape, dtype=dtype)
+    if arranged.dim() < 2 or arranged.is_contiguous():
+        return out.copy_(arranged)
+    dim = max(range(arranged.dim()), key=arranged.stride)  # the stored tensor's rows run along this dimension
+    size, step = arranged.shape[dim], max(1, SLAB_BYTES // (arranged.stride(dim) * arranged.element_size()))
+    for start in range(0, size, step):
+        width = min(step, size - start)
+        out.narrow(dim, start, width).copy_(arranged.narrow(dim, start, width))
+    return out
+
+
+def shard_names(folder: Path) -> list[str]:
+    """The safetensors files of a Llama-family folder: the shards its index names (sorted), else model.safetensors."""
+    if folder_file(folder, INDEX).is_file():
+        weight_map = read_json_object(folder, INDEX).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{INDEX}: not a shard index (weight_map must map tensor names to file names)")
+        return sorted(set(weight_map.values()))
+    if folder_file(folder, "model.safetensors").is_file():
+        return ["model.safetensors"]
+    raise CheckpointError(
+        f"no model.safetensors or {INDEX} (found: {folder_listing(folder)}); the Llama-family loader reads safetensors only"
+    )
+
+
+class _Shards:
+    """The tensors of a (sharded) safetensors checkpoint, read one at a time and converted to `dtype`."""
+
+    def __init__(self, folder: Path, dtype: torch.dtype):
+        self.dtype = dtype
+        self.where: dict[str, str] = {}  # tensor name -> shard file name
+        names = shard_names(folder)
+        self.files = [folder_file(folder, name) for name in names]
+        self.maps: dict[str, _MappedFile] = {}
+        for name, path in zip(names, self.files, strict=True):
+            if not path.is_file():
+                raise CheckpointError(f"{name}: shard named by {INDEX} not found (found: {folder_listing(folder)})")
+            self.maps[name] = _MappedFile(path, name)
+            for key in self.maps[name].entries:
+                if key in self.where:
+                    raise CheckpointError(f"{name}: tensor {key!r} is also in {self.where[key]}")
+                self.where[key] = name
+        self.left = {k for k in self.where if not k.endswith(_IGNORED)}
+
+    def has(self, key: str) -> bool:
+        return key in self.where
+
+    def take(self, key: str, shape: tuple[int, ...], layout: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
+        """layout(tensor `key`) in the compute dtype; its stored shape is checked before anything is read."""
+        if key not in self.where:
+            raise CheckpointError(f"{', '.join(self.maps)}: missing tensor {key} (expected shape {list(shape)})")
+        mapped = self.maps[self.where[key]]
+        given = mapped.shape(key)
+        if given != shape:
+            raise CheckpointError(f"{self.where[key]}: tensor {key}: expected shape {list(shape)}, given {list(given)}")
+        self.left.discard(key)
+        return mapped.read(key, self.dtype, layout)
+
+    def finish(self) -> None:
+        if self.left:
+            extra = sorted(self.left)
+            raise CheckpointError(
+                f"{self.where[extra[0]]}: {len(extra)} tensor(s) this config has no place for: "
+                f"{', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''} (does config.json match the weights?)"
+            )
+
+
+def _rope(r: ConfigReader, name: str) -> dict[str, Any]:
+    """Rope fields for ModelConfig from `rope_parameters` (transformers >= 5) or `rope_scaling` + `rope_theta`."""
+    rope = r.section("rope_parameters") if r.has("rope_parameters") else r.section("rope_scaling")
+    kind = rope.text("rope_type", default=None) or rope.text("type", default="default")
+    if kind not in ROPE_TYPES:
+        raise CheckpointError(
+            f"{name}: rope scaling type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
+        )
+    base = rope.number("rope_theta", default=None, gt=0) or r.number("rope_theta", default=10000.0, gt=0)
+    fields: dict[str, Any] = {"rotary_base": base, "rope_type": kind}
+    if kind in ("linear", "llama3"):
+        fields["rope_factor"] = rope.number("factor", gt=0)
+    if kind == "llama3":
+        fields["rope_low_freq_factor"] = rope.number("low_freq_factor", gt=0)
+        fields["rope_high_freq_factor"] = rope.number("high_freq_factor", gt=0)
+        fields["rope_original_max_position_embeddings"] = rope.integer("original_max_position_embeddings", ge=1)
+    factor = rope.number("partial_rotary_factor", default=None, gt=0) or r.number(
+        "partial_rotary_factor", default=1.0, gt=0
+    )
+    if factor != 1.0:
+        raise CheckpointError(f"{name}: partial_rotary_factor={factor} is not supported for Llama-family files")
+    return fields
+
+
+def _window(r: ConfigReader, model_type: str) -> int | None:
+    """The sliding-window length when one applies (Mistral: `sliding_window`; Qwen2: `use_sliding_window`)."""
+    if model_type == "qwen2" and not r.flag("use_sliding_window", default=False):
+        return None
+    if model_type == "llama":
+        return None
+    return r.integer("sliding_window", default=None, ge=1)
+
+
+def llama_config(hf: dict[str, Any]) -> ModelConfig:
+    """ModelConfig of a Llama / Mistral / Qwen2 config.json (refusing what the model does not implement)."""
+    path = Path("config.json")
+    r = ConfigReader(hf, path.name)
+    model_type = r.text("model_type")
+    if model_type not in LLAMA_MODEL_TYPES:
+        raise CheckpointError(f"{path.name}: model_type {model_type!r} is not one of {', '.join(LLAMA_MODEL_TYPES)}")
+    d, n_heads = r.integer("hidden_size", ge=1), r.integer("num_attention_heads", ge=1)
+    n_kv = r.integer("num_key_value_heads", default=n_heads, ge=1)
+    if n_heads % n_kv:
+        raise CheckpointError(f"{path.name}: num_key_value_heads={n_kv} does not divide num_attention_heads={n_heads}")
+    dh = r.integer("head_dim", default=None, ge=1)
+    if dh is None:
+        if d % n_heads:
+            raise CheckpointError(f"{path.name}: hidden_size={d} is not divisible by num_attention_heads={n_heads}")
+        dh = d // n_heads
+    if r.flag("mlp_bias", default=False):
+        raise CheckpointError(
+            f"{path.name}: mlp_bias=true is not supported (the gated MLP has one bias, after the gate)"
+        )
+    attention_bias = {"llama": r.flag("attention_bias", default=False), "mistral": False, "qwen2": True}[model_type]
+    d_vocab, n_ctx = r.integer("vocab_size", ge=1), r.integer("max_position_embeddings", ge=1)
+    window = _window(r, model_type)
+    return _config(
+        path, n_layers=r.integer("num_hidden_layers", ge=0), d_model=d, n_heads=n_heads, d_head=dh,
+        d_vocab=d_vocab, n_ctx=min(n_ctx, window) if window else n_ctx, d_mlp=r.integer("intermediate_size", ge=1),
+        attn_only=False, normalization_type="RMS", positional_embedding_type="rotary", gated_mlp=True,
+        act_fn=_act_fn(r, "hidden_act", "silu"), eps=r.number("rms_norm_eps", default=1e-6, gt=0),
+        use_bias=attention_bias, n_key_value_heads=n_kv if n_kv != n_heads else None, rotary_dim=dh,
+        bos_token_id=_bos(r, d_vocab), **_rope(r, path.name),
+    )  # fmt: skip
+
+
+def _T(W: Tensor) -> Tensor:
+    """nn.Linear's [d_out, d_in] as TransformerLens's [d_in, d_out] (x @ W)."""
+    return W.T
+
+
+def _per_head(heads: int, dh: int, d: int | None = None) -> Callable[[Tensor], Tensor]:
+    """q/k/v_proj [heads * d_head, d_model] -> [heads, d_model, d_head]; a bias (d None) -> [heads, d_head]."""
+    if d is None:
+        return lambda b: b.view(heads, dh)
+    return lambda W: W.view(heads, dh, d).transpose(1, 2)
+
+
+def _output_heads(heads: int, dh: int, d: int) -> Callable[[Tensor], Tensor]:
+    """o_proj [d_model, heads * d_head] -> W_O [heads, d_head, d_model]."""
+    return lambda W: W.T.view(heads, dh, d)
+
+
+def load_llama(
+    folder: Path, hf: dict[str, Any], dtype: torch.dtype = torch.float32
+) -> tuple[ModelConfig, State, dict[str, str], list[Path]]:
+    """(config, TransformerLens state dict in `dtype`, tensor -> shard file, weight files)."""
+    with one_thread():
+        return _load_llama(folder, hf, dtype)
+
+
+def _load_llama(
+    folder: Path, hf: dict[str, Any], dtype: torch.dtype
+) -> tuple[ModelConfig, State, dict[str, str], list[Path]]:
+    cfg = llama_config(hf)
+    src = _Shards(folder, dtype)
+    d, H, G, dh, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_vocab
+    d_mlp = cfg.d_mlp or 0
+    qwen2 = hf.get("model_type") == "qwen2"
+    sd: State = {"embed.W_E": src.take("model.embed_tokens.weight", (V, d))}
+    for layer in range(cfg.n_layers):
+        h, p = f"model.layers.{layer}", f"blocks.{layer}"
+        sd[f"{p}.ln1.w"] = src.take(f"{h}.input_layernorm.weight", (d,))
+        sd[f"{p}.ln2.w"] = src.take(f"{h}.post_attention_layernorm.weight", (d,))
+        for x, proj, heads in (("Q", "q_proj", H), ("K", "k_proj", G), ("V", "v_proj", G)):
+            # [heads * d_head, d_model] -> [heads, d_model, d_head]; bias [heads * d_head] -> [heads, d_head]
+            weight, bias = f"{h}.self_attn.{proj}.weight", f"{h}.self_attn.{proj}.bias"
+            sd[f"{p}.attn.{attn_param(cfg, 'W_' + x)}"] = src.take(weight, (heads * dh, d), _per_head(heads, dh, d))
+            if cfg.use_bias:
+                sd[f"{p}.attn.{attn_param(cfg, 'b_' + x)}"] = src.take(bias, (heads * dh,), _per_head(heads, dh))
+        # o_proj [d_model, n_heads * d_head] -> W_O [n_heads, d_head, d_model]
+        sd[f"{p}.attn.W_O"] = src.take(f"{h}.self_attn.o_proj.weight", (d, H * dh), _output_heads(H, dh, d))
+        if cfg.use_bias:
+            has_o_bias = not qwen2
+            sd[f"{p}.attn.b_O"] = (
+                src.take(f"{h}.self_attn.o_proj.bias", (d,)) if has_o_bias else torch.zeros(d, dtype=dtype)
+            )
+            sd[f"{p}.mlp.b_in"] = torch.zeros(d_mlp, dtype=dtype)
+            sd[f"{p}.mlp.b_out"] = torch.zeros(d, dtype=dtype)
+        sd[f"{p}.mlp.W_gate"] = src.take(f"{h}.mlp.gate_proj.weight", (d_mlp, d), _T)  # [d_model, d_mlp]
+        sd[f"{p}.mlp.W_in"] = src.take(f"{h}.mlp.up_proj.weight", (d_mlp, d), _T)
+        sd[f"{p}.mlp.W_out"] = src.take(f"{h}.mlp.down_proj.weight", (d, d_mlp), _T)  # [d_mlp, d_model]
+    sd["ln_final.w"] = src.take("model.norm.weight", (d,))
+    tied = ConfigReader(hf).flag("tie_word_embeddings", default=False)
+    if src.has("lm_head.weight"):
+        sd["unembed.W_U"] = src.take("lm_head.weight", (V, d), _T)  # [d_model, d_vocab]
+        if tied and not torch.equal(sd["unembed.W_U"], sd["embed.W_E"].T):
+            raise CheckpointError(
+                f"{src.where['lm_head.weight']}: lm_head.weight differs from embed_tokens.weight "
+                "but the config ties them (tie_word_embeddings)"
+            )
+    elif tied:
+        sd["unembed.W_U"] = laid_out(sd["embed.W_E"].T, dtype)  # [d_model, d_vocab], its own copy
+    else:
+        raise CheckpointError(
+            f"missing tensor lm_head.weight (tie_word_embeddings is false); found: {folder_listing(folder)}"
+        )
+    if cfg.use_bias:
+        sd["unembed.b_U"] = torch.zeros(V, dtype=dtype)
+    src.finish()
+    return cfg, sd, dict(src.where), src.files

@@ -1,0 +1,1 @@
+"""The model: configuration, layers, hooks, rotary positions and the products they run."""

@@ -1,0 +1,46 @@
+"""The MLP layer: act(x W_in + b_in) W_out + b_out, or gated (SwiGLU and the gelu variants), row vectors."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.hooks import Recorder
+from circuits_core.model.linear import activation, affine
+
+
+class MLP(nn.Module):
+    """act(x W_in + b_in) W_out + b_out, or gated (TransformerLens GatedMLP, SwiGLU when act_fn is silu):
+    (act(x W_gate) * (x W_in) + b_in) W_out + b_out (hook_pre = x W_gate, hook_pre_linear = x W_in).
+
+    Unless hook_pre is recorded (or stopped at), act is applied by the product itself (linear.affine): in float32 a
+    run that records hook_pre can differ from one that does not by rounding (~1e-6 of the logits' scale)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        assert cfg.d_mlp is not None
+        self.cfg, self.layer = cfg, layer
+        self.W_in = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
+        if cfg.gated_mlp:
+            self.W_gate = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
+        self.W_out = nn.Parameter(torch.empty(cfg.d_mlp, cfg.d_model))
+        if cfg.use_bias:
+            self.b_in = nn.Parameter(torch.zeros(cfg.d_mlp))
+            self.b_out = nn.Parameter(torch.zeros(cfg.d_model))
+
+    def forward(self, x: Tensor, rec: Recorder) -> Tensor:
+        # x: [batch, pos, d_model] -> [batch, pos, d_model]
+        p = f"blocks.{self.layer}.mlp"
+        b_in, b_out = (self.b_in, self.b_out) if self.cfg.use_bias else (None, None)
+        if self.cfg.gated_mlp:
+            gate = activation(self.cfg.act_fn, rec(f"{p}.hook_pre", affine(x, self.W_gate)))  # [batch, pos, d_mlp]
+            linear = rec(f"{p}.hook_pre_linear", affine(x, self.W_in))
+            post = rec(f"{p}.hook_post", gate * linear if b_in is None else torch.addcmul(b_in, gate, linear))
+        else:
+            if rec.wants(f"{p}.hook_pre"):  # [batch, pos, d_mlp]
+                post = activation(self.cfg.act_fn, rec(f"{p}.hook_pre", affine(x, self.W_in, b_in)))
+            else:  # the activation applied by the product itself (linear.py)
+                post = affine(x, self.W_in, b_in, self.cfg.act_fn)
+            rec(f"{p}.hook_post", post)
+        return affine(post, self.W_out, b_out)

@@ -1,0 +1,1 @@
+"""Prompt-dependent analyses: frozen runs, path expansions, detectors, ablations, model summaries."""

@@ -1,0 +1,236 @@
+"""The heads table: every head's detector scores, full-circuit copying scores and the paper's 2-D induction view,
+and how that work is shared by two cores.
+
+Paper sections (Elhage et al. 2021): "Induction Heads" (Image 22: OV copying vs the positivity of the
+K-composition term with the previous-token head) and the eigenvalue copying analysis (paper-math 2.8, 2.15).
+Row-vector convention; the pieces are heads.py (detectors), circuits.py (Grams, spectra) and qk_paths.py
+(K-composition positivity).
+
+The work, on GPT-2 small's shape and its standard input (10 x 101 tokens), in three steps; when the caller's torch
+threads leave a core idle (cost.side_by_side) two threads share each step, else one thread does both halves:
+    1  detector pass    every layer's pattern; half the sequences each                        ~165 GFLOP
+    2  Grams            G = W_U W_E_eff, G_E = W_E_eff^T W_E_eff (G_E by its blocks on and above the
+                        diagonal), the vocabulary's row chunks taken from one queue (cost.shared_chunks):
+                        whichever thread finished its detector half first takes more; partial Grams add up  ~95 GFLOP
+                        (rotary models: that thread first measures μ and the kernel peaks)
+    3  spectra          G_E W_Q (read by the QK spectra and both positivities), the one-hot K-composition
+                        positivity (previous-token head), the weighted one's upper layers | G W_V and
+                        the OV spectra, then the QK spectra and the weighted positivity's low layers  ~45 GFLOP
+Each spectrum or positivity is L x H eigenvalue problems (d_head x d_head, float64; ~0.09 s on GPT-2 small): four in
+all, about two per thread.
+Detector chunks of whole sequences add up with their weights (heads.DetectorSums): the scores are the same means as
+one pass, and chunks of half the batch keep the GEMMs as efficient as one pass (one-sequence chunks cost ~20 % more).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from circuits_core.circuits.head_circuits import (
+    embed_gram,
+    embed_grams,
+    embed_norm,
+    gram_queries,
+    ov_copying_scores,
+    qk_copying_scores,
+)
+from circuits_core.circuits.rotary import KERNEL_WINDOW, kernel_cost, kernel_peak_offsets
+from circuits_core.cost import Cost, check_stop, itemsize, shared_chunks, side_by_side
+from circuits_core.model.config import head_name
+from circuits_core.model.transformer import Transformer
+from circuits_core.prompt.detectors import (
+    DetectorSums,
+    detector_chunk,
+    detector_scores,
+    detector_sums,
+    detectors_cost,
+    previous_token_head,
+    standard_tokens,
+)
+from circuits_core.prompt.qk_paths import k_composition_positivity
+
+# Vocabulary rows per Gram chunk in step 2: two threads' chunks (W_E_eff rows and W_U columns, ~6 MiB each on GPT-2)
+# stay within the shared L3 cache; at EMBED_CHUNK (4096 rows) the two threads' Grams took ~12 % more CPU (0.60 vs
+# 0.53 s wall on GPT-2 small, quiet machine).
+GRAM_ROWS = 2048
+
+
+@dataclass
+class InductionView:
+    """The paper's 2-D view (Image 22): OV copying vs positivity of the K-composition term, per head [L, H]."""
+
+    ov_copying: Tensor  # [L, H] eigenvalue copying score of the full OV circuit (circuits.ov_copying_scores)
+    qk_k_composition: Tensor  # [L, H] positivity with the previous-token head (0 for layer 0)
+    qk_weighted: Tensor  # [L, H] Olsson's version: earlier heads weighted by previous-token score
+    previous_token_head: str
+    previous_token_scores: Tensor  # [L, H]
+
+
+def induction_view(
+    model: Transformer,
+    tokens: Tensor | None = None,
+    prev_scores: Tensor | None = None,
+    ov_copying: Tensor | None = None,
+    G_E: Tensor | None = None,
+    G_E_W_Q: Tensor | None = None,
+) -> InductionView:
+    """Every head's (OV copying, QK K-composition positivity) point, previous-token head auto-chosen.
+
+    prev_scores [L, H], ov_copying [L, H], G_E [d, d], G_E_W_Q [L, H, d, d_head]: the previous-token scores on
+    `tokens`, ov_copying_scores, embed_gram and gram_queries when the caller has them already (head_table), so none
+    is computed twice."""
+    if prev_scores is None:
+        prev_scores = detector_scores(model, standard_tokens(model) if tokens is None else tokens)["previous_token"]
+    prev = prev_scores
+    one_hot, partner = _one_hot(model, prev)
+    ov = ov_copying_scores(model) if ov_copying is None else ov_copying
+    G_E = embed_gram(model) if G_E is None else G_E  # [d, d], shared by both positivities
+    low, high = _weighted_halves(model)
+    (one, weighted_low), weighted_high = side_by_side(
+        lambda: (
+            k_composition_positivity(model, one_hot, G_E, G_E_W_Q),
+            k_composition_positivity(model, prev, G_E, G_E_W_Q, low),
+        ),
+        lambda: k_composition_positivity(model, prev, G_E, G_E_W_Q, high),
+        "qkov-heads-positivity",
+    )
+    return InductionView(ov, one, weighted_low + weighted_high, partner, prev)  # the halves are 0 outside their layers
+
+
+def _one_hot(model: Transformer, prev: Tensor) -> tuple[Tensor, str]:
+    """Weights [L, H] on the previous-token head alone (the paper's 2-D view), and its name."""
+    layer, head = previous_token_head(model, prev)
+    one_hot = torch.zeros_like(prev)
+    one_hot[layer, head] = 1.0
+    return one_hot, head_name(layer, head)
+
+
+def _weighted_halves(model: Transformer) -> tuple[range, range]:
+    """The weighted positivity's layers in two halves of about equal work for two threads, the second a bit smaller
+    in layers: its S_l chain runs through every layer below its last (qk_paths.k_composition_matrices), and the first
+    shares its thread with ~L x H eigenvalue problems more (the one-hot positivity, or the QK spectra)."""
+    split = 1 + (model.cfg.n_layers - 1) * 2 // 5
+    return range(1, split), range(split, model.cfg.n_layers)
+
+
+@dataclass
+class HeadTable:
+    """Every head's detector scores on one input, copying scores, 2-D induction view and kernel peak offset."""
+
+    detectors: dict[str, Tensor]  # {name: [L, H]}
+    ov_copying: Tensor  # [L, H] circuits.ov_copying_scores
+    qk_copying: Tensor  # [L, H] circuits.qk_copying_scores
+    induction: InductionView | None  # None for a model without layers
+    kernel_peak_offset: Tensor | None = None  # [L, H] rotary.kernel_peak_offsets (rotary models, `means` given)
+
+
+def head_table(
+    model: Transformer,
+    tokens: Tensor,
+    should_stop: Callable[[], bool] | None = None,
+    budget_bytes: int | None = None,
+    means: Callable[[], Tensor] | None = None,
+    reference_tokens: int | None = None,
+) -> HeadTable:
+    """The heads table: one detector pass on `tokens` (its previous-token scores reused by the induction view),
+    and the full-circuit spectra from the two d_model x d_model Grams, each formed once; `means` (rotary models):
+    gives μ [L, d_model] (stored, or measured on at most `reference_tokens` tokens) for the kernel peak offsets.
+    Each step is shared by two threads when a core is idle (see the module docstring)."""
+    if model.cfg.n_layers == 0:
+        empty = torch.zeros(0, model.cfg.n_heads, dtype=torch.float64)
+        return HeadTable(detector_scores(model, tokens, should_stop, budget_bytes), empty, empty, None)
+    tokens = model.check_tokens(tokens)
+    b, n = tokens.shape
+    sequences = shared_chunks(b, table_chunk(model, n, b, budget_bytes, reference_tokens if means else None))
+    vocabulary = shared_chunks(model.cfg.d_vocab, GRAM_ROWS)
+    if model.cfg.normalization_type is not None:
+        embed_norm(model)  # W_E's LN statistics, cached: formed once here, not by both threads at once
+
+    kernel = shared_chunks(1, 1)  # one task: μ and the kernel peaks (rotary models), for the first thread asking
+
+    def detectors_then_grams() -> tuple[DetectorSums, Tensor | None, tuple[Tensor, Tensor]]:  # steps 1, 2 of a thread
+        sums = detector_sums(model, tokens, sequences, should_stop)
+        with torch.no_grad():  # the first thread done with its detector half measures μ, then both take Gram rows
+            peaks = kernel_peak_offsets(model, means()) if means is not None and kernel() is not None else None
+            return sums, peaks, embed_grams(model, vocabulary)  # partial (G, G_E) [d, d]: the rows this thread took
+
+    (mine, peaks, (G, G_E)), (theirs, peaks_b, (G_b, G_E_b)) = side_by_side(
+        detectors_then_grams, detectors_then_grams, "qkov-heads-table"
+    )
+    G, G_E, peaks = G + G_b, G_E + G_E_b, peaks if peaks is not None else peaks_b  # [d, d], [d, d], [L, H]
+    detectors = mine.merge(theirs).scores()
+    check_stop(should_stop, "heads table")
+
+    prev = detectors["previous_token"]  # [L, H]
+    one_hot, partner = _one_hot(model, prev)
+    low, high = _weighted_halves(model)
+
+    queries: Future[Tensor] = Future()  # G_E W_Q [L, H, d, d_head], formed by this thread, read by both
+
+    def query_side() -> tuple[Tensor, Tensor]:  # this thread: G_E W_Q, the one-hot positivity, the weighted upper half
+        try:
+            queries.set_result(gram_queries(model, G_E))
+        except BaseException as error:  # the helper must not wait for it forever
+            queries.set_exception(error)
+            raise
+        return (
+            k_composition_positivity(model, one_hot, G_E, queries.result()),
+            k_composition_positivity(model, prev, G_E, queries.result(), high),
+        )
+
+    def value_side() -> tuple[Tensor, Tensor, Tensor]:  # helper: OV spectra, then (G_E W_Q ready by then) QK, low half
+        ov = ov_copying_scores(model, G)
+        return (
+            ov,
+            qk_copying_scores(model, G_E, queries.result()),
+            k_composition_positivity(model, prev, G_E, queries.result(), low),
+        )
+
+    with torch.no_grad():  # steps 3 and 4 without a barrier between them: ~0.47 s each on GPT-2 small
+        (one, weighted_high), (ov, qk, weighted_low) = side_by_side(query_side, value_side, "qkov-heads-table")
+    iv = InductionView(ov, one, weighted_low + weighted_high, partner, prev)  # the halves are 0 outside their layers
+    return HeadTable(detectors, ov, qk, iv, peaks)
+
+
+def table_chunk(
+    model: Transformer, n: int, batch: int, budget_bytes: int | None, reference_tokens: int | None = None
+) -> int:
+    """Sequences per detector chunk of head_table: half the batch (rounded up), fewer when two chunks (one per
+    thread) and the Grams and spectra held beside them would not fit budget_bytes."""
+    chunk = -(-batch // 2)
+    if budget_bytes is None:
+        return chunk
+    room = max(1, (budget_bytes - _spectra_cost(model, reference_tokens).peak_bytes) // 2)
+    return min(chunk, detector_chunk(model, n, batch, room))
+
+
+def head_table_cost(
+    model: Transformer, n: int, batch: int, budget_bytes: int | None = None, reference_tokens: int | None = None
+) -> Cost:
+    """head_table on `batch` sequences of n tokens: two detector chunks (one per thread) held beside the Grams (one
+    thread may start them while the other still runs its chunk), spectra and (`reference_tokens` given) kernel peaks."""
+    cfg = model.cfg
+    chunk = detectors_cost(model, n, table_chunk(model, n, batch, budget_bytes, reference_tokens))
+    return (chunk + chunk + _spectra_cost(model, reference_tokens)).with_answer(  # μ's pass beside a chunk: added
+        numbers=8 * cfg.n_layers * cfg.n_heads, labels=2 * cfg.n_layers * cfg.n_heads
+    )
+
+
+def _spectra_cost(model: Transformer, reference_tokens: int | None = None) -> Cost:
+    """Two threads' partial Grams (each with one LN chunk of W_E at a time), G_E W_Q [L, H, d_model, d_head], on each
+    thread one layer's [H, d_model, d_head] products (the spectra and the K-composition go layer by layer) and one
+    spectrum's float64 [L, H, d_head, d_head] matrices, and μ's pass on `reference_tokens` tokens and the kernel
+    (rotary.kernel_cost), which one thread may run while the other still holds a detector chunk or partial Grams."""
+    cfg = model.cfg
+    size, per_layer = itemsize(model.dtype), cfg.n_heads * cfg.d_model * cfg.d_head
+    grams = 2 * (2 * cfg.d_model**2 + 2 * GRAM_ROWS * cfg.d_model) * size
+    spectrum = cfg.n_layers * cfg.n_heads * cfg.d_head**2 * 8
+    spectra = Cost(grams + cfg.n_layers * per_layer * size + 2 * (per_layer * size + spectrum) + 4 * cfg.d_model**2 * 8)
+    if reference_tokens is None:
+        return spectra
+    return spectra + kernel_cost(model, min(KERNEL_WINDOW, cfg.n_ctx - 1) + 1, reference_tokens)

@@ -1,0 +1,133 @@
+"""Virtual attention heads: products of an earlier and a later head (V-composition).
+
+Paper section: "Virtual Attention Heads" (Elhage et al. 2021; paper-math 2.10). Row-vector convention, TL
+order (earlier head first): for h1 in an earlier layer than h2,
+    virtual OV   W_V^{h1} W_O^{h1} W_V^{h2} W_O^{h2}   [d_model, d_model], kept as FactoredMatrix
+                 (W_V^{h1} [d, d_head], W_O^{h1} W_V^{h2} W_O^{h2} [d_head, d]): inner dimension d_head
+    full virtual OV  W_E W_V^{h1} W_O^{h1} W_V^{h2} W_O^{h2} W_U; its copying score sum(eig)/sum(|eig|)
+                 from lambda(W_O^{h1} W_V^{h2} W_O^{h2} G W_V^{h1}) with G = W_U W_E [d, d] (d_head x d_head)
+    virtual pattern  A^{h2} A^{h1} [n, n] (row-stochastic, lower triangular)
+Rankings: by V-composition score (composition.py) and by the order-2 term on a prompt (paths.py).
+On a prompt, `chain_next_token_terms` gives a chain's path term (embedding, h1, ..., hk) on the logit of each
+position's *actual* next token -- the paper's induction-head figure (its F23) -- rather than on one fixed token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from circuits_core.circuits.composition import composition_scores
+from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.head_circuits import check_head, copying_score, unembed_embed_gram
+from circuits_core.errors import CancelledError, InvalidInputError
+from circuits_core.model.config import head_name
+from circuits_core.model.transformer import Transformer
+from circuits_core.prompt.frozen import FrozenRun, attention, embed_source, ln_linear, readout
+from circuits_core.prompt.paths import PathExpansion
+
+Head = tuple[int, int]
+
+
+def _check_pair(model: Transformer, h1: Head, h2: Head) -> None:
+    check_head(model, *h1)
+    check_head(model, *h2)
+    if h1[0] >= h2[0]:
+        raise InvalidInputError(f"{head_name(*h1)} must be in an earlier layer than {head_name(*h2)}")
+
+
+def virtual_ov(model: Transformer, h1: Head, h2: Head) -> FactoredMatrix:
+    """W_V^{h1} W_O^{h1} W_V^{h2} W_O^{h2} [d_model, d_model] (inner d_head)."""
+    _check_pair(model, h1, h2)
+    a, b = attention(model, h1[0]), attention(model, h2[0])
+    return FactoredMatrix(a.W_V[h1[1]], (a.W_O[h1[1]] @ b.W_V[h2[1]]) @ b.W_O[h2[1]])
+
+
+def factors_copying_score(left: Tensor, right: Tensor, G: Tensor) -> Tensor:
+    """Copying score of W_E left right W_U from its factors: left [..., d, k], right [..., k, d], G = W_U W_E.
+
+    Nonzero eigenvalues of the [V, V] circuit are those of right G left [..., k, k].
+    """
+    return copying_score(torch.linalg.eigvals((right @ G @ left).double()))
+
+
+def virtual_copying_scores(
+    model: Transformer, G: Tensor | None = None, should_stop: Callable[[], bool] | None = None
+) -> Tensor:
+    """[L, H, L, H]: copying score of every full virtual OV circuit (h1 earlier, h2 later); 0 elsewhere."""
+    cfg = model.cfg
+    L, H = cfg.n_layers, cfg.n_heads
+    G = unembed_embed_gram(model) if G is None else G  # [d, d]
+    out = torch.zeros(L, H, L, H, dtype=torch.float64, device=model.device)
+    for l1 in range(L - 1):
+        if should_stop is not None and should_stop():
+            raise CancelledError("virtual copying scores cancelled")
+        W_V1, W_O1 = model.W_V[l1], model.W_O[l1]  # [H, d, dh], [H, dh, d]
+        OG2 = model.W_O[l1 + 1 :] @ G  # [L', H, dh, d]: W_O^{h2} G
+        right = torch.einsum("hed,mgdf,mgfc->hmgec", W_O1, model.W_V[l1 + 1 :], OG2)  # [H, L', H, dh, d]
+        out[l1, :, l1 + 1 :] = factors_copying_score(W_V1[:, None, None], right, torch.eye(cfg.d_model, dtype=G.dtype))
+    return out
+
+
+def virtual_pattern(run: FrozenRun, h1: Head, h2: Head) -> Tensor:
+    """A^{h2} A^{h1} [n, n] from a clean run (frozen.frozen_run)."""
+    if h1[0] >= h2[0]:
+        raise InvalidInputError(f"{head_name(*h1)} must be in an earlier layer than {head_name(*h2)}")
+    return run.patterns[h2[0], h2[1]] @ run.patterns[h1[0], h1[1]]
+
+
+def rank_by_v_composition(model: Transformer, k: int = 20) -> list[tuple[str, str, float]]:
+    """The k virtual heads (h1, h2, V-composition score minus baseline) with the largest score."""
+    scores = composition_scores(model, kinds=("v",), n_samples=32).minus_baseline["v"]  # [L, H, L, H]
+    H = model.cfg.n_heads
+    flat = scores.flatten()
+    idx = flat.argsort(descending=True)[:k]
+    out = []
+    for i in idx.tolist():
+        l1, h1, l2, h2 = (
+            i // (H * model.cfg.n_layers * H),
+            (i // (model.cfg.n_layers * H)) % H,
+            (i // H) % model.cfg.n_layers,
+            i % H,
+        )
+        out.append((head_name(l1, h1), head_name(l2, h2), float(flat[i])))
+    return out
+
+
+def rank_by_contribution(
+    expansion: PathExpansion, k: int = 20, position: int = 0
+) -> list[tuple[tuple[str, ...], float]]:
+    """The k order-2 embedding-sourced terms (virtual heads) of a path expansion with the largest |value|."""
+    rows = [
+        (p, float(v))
+        for p, o, v in zip(
+            expansion.paths, expansion.orders.tolist(), expansion.values[:, position].tolist(), strict=True
+        )
+        if o == 2 and not p[0].startswith(("bias:", "mlp:"))
+    ]
+    return sorted(rows, key=lambda r: -abs(r[1]))[:k]
+
+
+def chain_next_token_terms(model: Transformer, run: FrozenRun, chain: list[Head]) -> Tensor:
+    """[n - 1]: the path term (embedding, h1, ..., hk) of the logit of tokens[p + 1] at each position p.
+
+    With the clean run's patterns and LayerNorm scales frozen (paths.py's bookkeeping), the chain carries
+    Y = A^{hk} D ... A^{h1} D x_0 C diag(w) W_OV^{h1} ... C diag(w) W_OV^{hk}  [n, d_model]
+    and its term on target t at p is inv_f[p] (Y[p] . r_t), r_t the centred, ln_final-weighted W_U column."""
+    layers = [layer for layer, _ in chain]
+    if not chain or layers != sorted(set(layers)):
+        raise InvalidInputError(
+            f"a chain needs heads in strictly increasing layers, got {[head_name(*c) for c in chain]}"
+        )
+    for layer, h in chain:
+        check_head(model, layer, h)
+    Y = embed_source(model, run)  # [n, d]
+    for layer, h in chain:
+        attn = attention(model, layer)
+        X = ln_linear(model, f"blocks.{layer}.ln1", Y, run.inv_scale(f"blocks.{layer}.ln1"))  # D (Y C) diag(w)
+        Y = run.patterns[layer, h] @ (X @ attn.W_V[h] @ attn.W_O[h])  # [n, d]
+    nxt = run.tokens[1:].tolist()
+    R = torch.stack([readout(model, int(t))[0] for t in nxt]) if nxt else Y.new_zeros(0, Y.shape[1])  # [n-1, d]
+    return run.inv_scale("ln_final")[:-1] * (Y[:-1] * R).sum(-1)

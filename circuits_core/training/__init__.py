@@ -1,0 +1,1 @@
+"""The shipped models' training code: corpus and training loop."""
