@@ -1,6 +1,6 @@
 """What a computation will cost, priced before it runs, and the stop flag its loops poll.
 
-design.md, "Cheap work and heavy work": every request is priced before it runs, and a cost is computed by
+docs/design.md §3: every request is priced before it runs, and a cost is computed by
 the engine code that will spend it, so it cannot drift from it. Each engine module therefore publishes a
 cost function beside the computation it prices (`FactoredMatrix.topk_global_cost`, `composition.cost`,
 `heads.detectors_cost`, `paths.cost`, `qk_paths.cost`, `ablation.cost`, `copying.copying_metrics_cost`, ...). The

@@ -1,6 +1,6 @@
 """Composition scores: how much a later head's query, key or value reads what an earlier head wrote.
 
-Paper section: "Composition" (Elhage et al. 2021; paper-math 2.9). Row-vector (TransformerLens) convention,
+Paper section: "Composition" (Elhage et al. 2021; docs/maths.md §2.9). Row-vector (TransformerLens) convention,
 W_OV = W_V W_O and W_QK = W_Q W_K^T, both [d_model, d_model] of rank <= d_head. For h1 in an earlier layer
 than h2:
     Q-composition  ||W_OV^{h1} W_QK^{h2}||_F   / (||W_OV^{h1}||_F ||W_QK^{h2}||_F)

@@ -1,7 +1,7 @@
 """Rotary QK circuits: the QK circuit at a query-key offset, the positional kernel, the energy per rotary band.
 
-Paper section: "The QK circuit" (Elhage et al. 2021; paper-math 2.4, 2.6, 2.8) for models with rotary
-positions (rotary-circuits.md). Row-vector convention (`x @ W`). `model.rotate(x, p)` is x R(p), the row x
+Paper section: "The QK circuit" (Elhage et al. 2021; docs/maths.md §2.4, §2.6, 2.8) for models with rotary
+positions (docs/maths.md §6). Row-vector convention (`x @ W`). `model.rotate(x, p)` is x R(p), the row x
 rotated as the model rotates queries and keys at position p (its layout: rotate-half or adjacent pairs,
 partial rotary, rope scaling), and R(a) R(b)^T = R(a - b). For the query at position i and the key at j,
 δ = i - j, x̂ the ln1 output (norm gain included) and g = h // (n_heads / n_key_value_heads):
