@@ -105,6 +105,7 @@ bench: install
 
 lint: install
 	$(BIN)/ruff check circuits_core app tests bench
+	$(BIN)/ruff format --check circuits_core app tests bench
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
