@@ -67,17 +67,9 @@ class Cost:
         return Cost(self.peak_bytes, self.answer_bytes + extra, self.flops)
 
 
-FREE = Cost(0)
-
-
 def itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of a floating dtype."""
     return torch.finfo(dtype).bits // 8
-
-
-def answer_numbers(numbers: int, labels: int = 0) -> int:
-    """Encoded bytes of an answer of `numbers` JSON numbers and `labels` labelled items (and its envelope)."""
-    return numbers * JSON_NUMBER_BYTES + labels * JSON_LABEL_BYTES + JSON_ENVELOPE_BYTES
 
 
 # -- the stop flag ---------------------------------------------------------------------------------------

@@ -98,21 +98,6 @@ def pair_scores(left: Tensor, right: Tensor) -> Tensor:
     return num / den
 
 
-def right_factors(model: Transformer, kind: CompositionKind) -> tuple[Tensor, Tensor]:
-    """(A, B) with A B the later head's matrix for `kind`: [L, H, d, d_head], [L, H, d_head, d]."""
-    return _right_factors(model.W_Q, model.W_K, model.W_V, model.W_O, kind)
-
-
-def _right_factors(W_Q: Tensor, W_K: Tensor, W_V: Tensor, W_O: Tensor, kind: CompositionKind) -> tuple[Tensor, Tensor]:
-    if kind == "q":  # W_QK = W_Q W_K^T
-        return W_Q, W_K.transpose(-2, -1)
-    if kind == "k":  # W_QK^T = W_K W_Q^T
-        return W_K, W_Q.transpose(-2, -1)
-    if kind == "v":  # W_OV = W_V W_O
-        return W_V, W_O
-    raise InvalidInputError(f"composition kind must be one of {KINDS}, got {kind!r}")
-
-
 def gram_block_size(d: int, target: int = GRAM_BLOCK) -> int:
     """Largest divisor of d that is <= target; d itself (one block, the full Gram) when that divisor is tiny."""
     size = max(s for s in range(1, min(d, target) + 1) if d % s == 0)
@@ -152,8 +137,8 @@ def source_factor(weight: LayerWeight, layer: int, group_size: int) -> Tensor:
 
 
 def target_factor(weight: LayerWeight, layer: int, kind: CompositionKind, group_size: int) -> Tensor:
-    """P = A R_{B^T}^T [H, d, k] of the later matrix A B of every head of `layer` (right_collapsed of
-    _right_factors), so that P P^T = A B B^T A^T = M M^T, the target Gram; W_K, W_V per key/value group
+    """P = A R_{B^T}^T [H, d, k] of the later matrix A B of every head of `layer` (right_collapsed
+    of the (A, B) below), so that P P^T = A B B^T A^T = M M^T, the target Gram; W_K, W_V per key/value group
     [G, 1, ...], broadcast against W_Q, W_O per query head [G, group_size, ...]."""
 
     def per_head(name: str) -> Tensor:  # [G, gs, d, dh] or [G, gs, dh, d]

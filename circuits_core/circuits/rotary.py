@@ -42,7 +42,6 @@ from circuits_core.circuits.head_circuits import (
     check_head,
     factors_cost,
     skip_trigrams,
-    top_cost,
 )
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
@@ -292,14 +291,6 @@ def band_energies(model: Transformer) -> BandEnergies:
 
 
 # -- costs (circuits_core.cost) ------------------------------------------------------------------------
-def qk_at_cost(model: Transformer, k: int, budget_bytes: int, line: bool) -> Cost:
-    """A full QK circuit at δ: its two [d_vocab, d_head] factors, the rotated query factor, then one row or
-    column ([d_vocab] values) or the global top k (FactoredMatrix.topk_global)."""
-    cfg = model.cfg
-    rotated = Cost(cfg.d_vocab * cfg.d_head * itemsize(model.dtype))
-    return top_cost(model, k, budget_bytes, line=line) + rotated
-
-
 def qk_copying_at_cost(model: Transformer, n_offsets: int) -> Cost:
     """head_qk_eigenvalues_at: the vocabulary Gram G_E (embed_gram: one LN chunk at a time), the float64
     d_model x d_head products, R(δ) and the d_head x d_head product per offset; answer: d_head complex

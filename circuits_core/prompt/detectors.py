@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.cost import Cost, check_stop, itemsize, polled
-from circuits_core.errors import InvalidInputError, NotFoundError
+from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer, next_token_losses
 from circuits_core.prompt.frozen import attention, forward_cost, ln_linear
 
@@ -279,12 +279,6 @@ def detector_chunk(model: Transformer, n: int, batch: int, budget_bytes: int, lo
         if detectors_cost(model, n, c, logits).peak_bytes <= budget_bytes:
             return c
     return 1
-
-
-def get_detector(name: str) -> Callable[[Tensor, Tensor], Tensor]:
-    if name not in PATTERN_DETECTORS:
-        raise NotFoundError(f"unknown detector {name!r}; valid: {', '.join(PATTERN_DETECTORS)}")
-    return PATTERN_DETECTORS[name]
 
 
 # -- standard inputs, Olsson et al.'s evaluators and the paper's 2-D induction view --------------------
