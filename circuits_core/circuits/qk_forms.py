@@ -83,6 +83,16 @@ def token_rho(
     return out
 
 
+def token_scale(
+    model: Transformer, layer: int, head: int, side: Literal["query", "key"], tokens: Tensor | list[int] | None = None
+) -> Tensor:
+    """1 / rho of query head `head` (side "query") or of its key/value group ("key") for these tokens (every token when
+    None) [n]: the exact "cosine" form's row or column scaling."""
+    rho = token_rho(model, layer, side, tokens)  # [n, heads or 1]
+    index = head if side == "query" else head // model.cfg.group_size
+    return 1.0 / rho[:, index if rho.shape[1] > 1 else 0]
+
+
 def head_token_scales(
     model: Transformer, layer: int, head: int, tokens: Tensor | list[int] | None = None
 ) -> tuple[Tensor, Tensor] | None:
@@ -90,8 +100,4 @@ def head_token_scales(
     scalings that make a factored token table exact ("cosine" form); None without QK-norm."""
     if model.cfg.qk_norm is None:
         return None
-    group = head // model.cfg.group_size
-    rho_q, rho_k = token_rho(model, layer, "query", tokens), token_rho(model, layer, "key", tokens)
-    q = rho_q[:, head if rho_q.shape[1] > 1 else 0]
-    k = rho_k[:, group if rho_k.shape[1] > 1 else 0]
-    return 1.0 / q, 1.0 / k
+    return token_scale(model, layer, head, "query", tokens), token_scale(model, layer, head, "key", tokens)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -37,6 +36,7 @@ from torch import Tensor
 from circuits_core.circuits.copying_spectra import copying_score, embed_gram
 from circuits_core.circuits.embedding import EMBED_CHUNK, embed_eff_matmul, embed_eff_rows
 from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.folded import stacked_weights
 from circuits_core.circuits.head_circuits import (
     SkipTrigrams,
     attention,
@@ -45,7 +45,7 @@ from circuits_core.circuits.head_circuits import (
     skip_trigrams,
     top_cost,
 )
-from circuits_core.circuits.qk_forms import QKForm, folded_query_key, head_token_scales, qk_form, token_rho
+from circuits_core.circuits.qk_forms import QKForm, folded_query_key, head_token_scales, qk_form, token_scale
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.qk_norm import qk_scale
@@ -167,7 +167,7 @@ def full_qk_col_at(model: Transformer, layer: int, head: int, key_token: int, of
     col = embed_eff_matmul(model, W_Q @ (R @ k.T))[:, 0] / model.cfg.scale  # [V]
     if model.cfg.qk_norm is None:
         return col
-    return col * _token_scale(model, layer, head, "query") * _token_scale(model, layer, head, "key", [key_token])
+    return col * token_scale(model, layer, head, "query") * token_scale(model, layer, head, "key", [key_token])
 
 
 def full_qk_row_at(model: Transformer, layer: int, head: int, query_token: int, offset: int) -> Tensor:
@@ -181,16 +181,7 @@ def full_qk_row_at(model: Transformer, layer: int, head: int, query_token: int, 
     row = embed_eff_matmul(model, W_K @ q.T)[:, 0] / model.cfg.scale  # [V]
     if model.cfg.qk_norm is None:
         return row
-    return row * _token_scale(model, layer, head, "key") * _token_scale(model, layer, head, "query", [query_token])
-
-
-def _token_scale(
-    model: Transformer, layer: int, head: int, side: Literal["query", "key"], tokens: list[int] | None = None
-) -> Tensor:
-    """1 / rho of the head's side for these tokens (every token when None) [n]: the exact "cosine" form's scaling."""
-    rho = token_rho(model, layer, side, tokens)  # [n, heads or 1]
-    index = head if side == "query" else head // model.cfg.group_size
-    return 1.0 / rho[:, index if rho.shape[1] > 1 else 0]
+    return row * token_scale(model, layer, head, "key") * token_scale(model, layer, head, "query", [query_token])
 
 
 def skip_trigrams_at(
@@ -330,7 +321,7 @@ def band_energies(model: Transformer) -> BandEnergies:
     """Each head's QK energy per rotary frequency band, from the 2 x 2 blocks of its d_head x d_head Grams (float64)."""
     check_rotary(model)
     first, second = (i.to(model.device) for i in rotary_pairs(model.cfg))  # [K]
-    W_Q, W_K = model.W_Q.double(), model.W_K.double()  # [L, H, d, dh]
+    W_Q, W_K = stacked_weights(model, "W_Q").double(), stacked_weights(model, "W_K").double()  # [L, H, d, dh], folded
     G_Q, G_K = W_Q.transpose(-2, -1) @ W_Q, W_K.transpose(-2, -1) @ W_K  # [L, H, dh, dh]
 
     def block(G: Tensor, a: Tensor, b: Tensor) -> Tensor:
