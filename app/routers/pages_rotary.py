@@ -47,7 +47,7 @@ async def head_rotary_context(call: PageCall, head: str) -> dict[str, Any]:
         vlines=[qk_copying.offset],
         x_title="δ = query position − key position",
         y_title="eigenvalue copying score",
-        title=f"QK eigenvalue copying of {head} over δ: largest at δ = {qk_copying.peak_offset}",
+        title=f"QK eigenvalue copying of {head} over δ: {qk_copying.shape.summary}",
     )
     qk_eig = charts.complex_scatter(
         [(c.re, c.im) for c in qk_copying.eigenvalues],
@@ -58,8 +58,8 @@ async def head_rotary_context(call: PageCall, head: str) -> dict[str, Any]:
         {"f(δ)": positional.kernel},
         x_title="δ = query position − key position",
         y_title="score (μ Ω(δ) μᵀ / √d_head)",
-        vlines=[positional.peak_offset],
-        title=f"positional kernel of {head}: peak at δ = {positional.peak_offset}",
+        vlines=[] if positional.shape.flat else [positional.peak_offset],
+        title=f"positional kernel of {head}: {positional.shape.summary}",
     )
     labels = [f"k={k} (λ={w:.3g})" for k, w in enumerate(bands.wavelength)]
     energy = charts.bars(
