@@ -21,8 +21,6 @@ from app.schemas.analyses import (
     TourFigure,
 )
 
-POSITIONS = 32  # positions of the positional pattern drawn in the tour
-
 
 def figure_parts(fig: TourFigure) -> dict[str, Any]:
     """{charts: [figure dicts], tables: [(caption, entries, row label, col label)], trigrams: view | None}."""
@@ -41,7 +39,7 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
     if "paths" in d:
         add(charts.paths_waterfall(PathsView.model_validate(d["paths"])))
     if "positional" in d and d["positional"]:
-        pat = [row[:POSITIONS] for row in d["positional"]["pattern"][:POSITIONS]]
+        pat = d["positional"]["pattern"]  # every position the sentence averages over
         labels = [str(i) for i in range(len(pat))]
         add(
             charts.heatmap(
@@ -132,9 +130,9 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
     if "next_token_effect" in d:  # F23 as in the paper: each position's effect on its own next token
         e = d["next_token_effect"]
         toks = [TokenRef.model_validate(t) for t in e["tokens"]]
-        labels = [
-            f"{charts.visible(a.text)} → {charts.visible(b.text)}" for a, b in zip(toks[:-1], toks[1:], strict=True)
-        ]
+        labels = charts.unique_labels(  # a repeated pair would otherwise stack its bars on one category
+            [f"{charts.visible(a.text)} → {charts.visible(b.text)}" for a, b in zip(toks[:-1], toks[1:], strict=True)]
+        )
         add(
             charts.bars(
                 labels,
@@ -186,6 +184,7 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
                 x_title="OV copying score",
                 y_title="K-composition positivity",
                 links=[f"/models/{model}/heads/{p['head']}" for p in pts],
+                named=[p[0] for p in d.get("claim", {}).get("points", [])],  # the heads the caption names
             )
         )
     if "term_importance" in d:
