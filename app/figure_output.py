@@ -13,7 +13,9 @@ from typing import Any
 
 Figure = dict[str, Any]
 
-MAX_HEIGHT = 900  # px: no figure is taller; a heatmap with more rows than fit shows layer blocks (app/block_heatmaps.py)
+MAX_HEIGHT = (
+    900  # px: no figure is taller; a heatmap with more rows than fit shows layer blocks (app/block_heatmaps.py)
+)
 PLOTLY_ESCAPES = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;"})
 TEXT_KEYS = ("x", "y", "text", "customdata", "name", "ticktext")
 

@@ -540,7 +540,7 @@ PAGES: list[Page] = [
         params=HeadPageParams,
         blocks=("circuits",),
         title="{head} · {model}",
-        nav="overview",
+        nav="head",  # no sidebar item is a head page, so none is highlighted; the picker falls back to the overview
     ),
     Page(
         DIRECT,

@@ -31,6 +31,7 @@ from app.routers.pages_rotary import pair_rotary_context, rotary_enabled
 from app.routers.rendering import Page, PageCall, basis_choice, url
 from app.views.composition import COMPOSITION, COMPOSITION_PAIR
 from app.views.heads import HEADS
+from app.views.inputs import spelling_variants
 from app.views.page_claims import ablation_sentence, composition_sentence
 from app.views.path import PATH
 from app.views.prompt import PATHS, PROMPT
@@ -50,8 +51,14 @@ class HasText(Protocol):
 
 
 def text_of(p: HasText) -> tuple[str | None, str | None]:
-    """(prompt, tokens) of a page: as given (both given: the analysis refuses), else DEFAULT_PROMPT."""
-    return (p.prompt, p.tokens) if p.prompt is not None or p.tokens is not None else (DEFAULT_PROMPT, None)
+    """(prompt, tokens) of a page. A page opened with token ids (a tour link) keeps them in a hidden field beside
+    its prompt box, so its form sends both: text typed in the box wins, an empty box keeps the ids. Neither given:
+    DEFAULT_PROMPT."""
+    if p.prompt:
+        return p.prompt, None
+    if p.tokens is not None:
+        return None, p.tokens
+    return (p.prompt, None) if p.prompt is not None else (DEFAULT_PROMPT, None)
 
 
 def default_heads(n_layers: int, n_heads: int, count: int) -> list[str]:
@@ -197,6 +204,9 @@ async def prompt_context(call: PageCall) -> dict[str, Any]:
         figs["waterfall"] = charts.paths_waterfall(paths, links)
         figs["by_source"] = charts.paths_by_source(paths)
     return {
+        "target_spelling": spelling_variants(
+            call.model, p.target
+        ),  # 'Paris' is not ' Paris': say which, offer the other
         "pview": pview,
         "paths": paths,
         "figs": figs,
@@ -230,6 +240,7 @@ async def chain_context(call: PageCall) -> dict[str, Any]:
         "error": error,
         "figs": {},
         "prompt": prompt,
+        "tokens": tokens,
         "heads": heads_str,
         "target": p.target,
         "k": p.k,
@@ -291,6 +302,7 @@ async def qk_paths_context(call: PageCall) -> dict[str, Any]:
         "head": head,
         "figs": {},
         "prompt": prompt,
+        "tokens": tokens,
         "k": p.k,
         "max_k": call.limits.max_k,
     }
