@@ -84,12 +84,15 @@ def composition_block_map(view: Any, zmax: float | None, block_url: Callable[[in
     return fig
 
 
-def composition_block(view: Any, model_id: str, zmax: float | None, source_layer: int, target_layer: int) -> Any:
-    """The heads of one earlier layer x the heads of one later layer, values in the cells; a click opens the pair."""
+def composition_block(
+    view: Any, model_id: str, zmax: float | None, source_layer: int, target_layer: int
+) -> charts.Figure | None:
+    """The heads of one earlier layer x the heads of one later layer, values in the cells; a click opens the pair.
+    None when the block holds no pair."""
     rows = [i for i, s in enumerate(view.sources) if layer_of(s) == source_layer]
     cols = [j for j, t in enumerate(view.targets) if layer_of(t) == target_layer]
-    if not rows or not cols:
-        return None
+    if not any(view.scores[i][j] is not None for i in rows for j in cols):
+        return None  # no pair: the earlier layer is not below the later one, or a layer is outside the model
     sources = [view.sources[i] for i in rows]
     targets = [view.targets[j] for j in cols]
     z = [[view.minus_baseline[i][j] for j in cols] for i in rows]

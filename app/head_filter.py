@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from app.schemas.heads import HeadScores
 from circuits_core.errors import InvalidInputError
+from circuits_core.prompt.model_summary import HEAD_THRESHOLD
 
 FIELDS: dict[str, str] = {  # the name a reader types -> the HeadScores attribute
     "layer": "layer",
@@ -96,3 +97,15 @@ class HeadFilter:
     def apply(self, heads: Sequence[H]) -> list[H]:
         """The heads every clause holds for, in their order."""
         return [s for s in heads if self.keeps(s)]
+
+
+def labelled_heads(heads: Sequence[HeadScores], most: int = 4) -> list[str]:
+    """The heads a chart names on a model of any size: its strongest induction heads and previous-token heads
+    (scores of at least HEAD_THRESHOLD, the model summary's rule for calling a head one), `most` of each."""
+    named: list[str] = []
+    for key in ("induction", "previous_token"):
+        ranked = sorted(
+            (s for s in heads if (getattr(s, key) or 0.0) >= HEAD_THRESHOLD), key=lambda s: -getattr(s, key)
+        )
+        named += [s.head for s in ranked[:most] if s.head not in named]
+    return named

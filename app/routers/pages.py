@@ -21,6 +21,8 @@ from starlette.types import Scope
 from app import charts
 from app.analysis import API, json_url, run
 from app.deps import LimitsDep, LoadedModelDep, ModelEntryDep, RegistryDep, get_model
+from app.figure_output import MAX_HEIGHT
+from app.head_filter import MAX_FILTER_CHARS, HeadFilter, labelled_heads
 from app.params import (
     DEFAULT_VOCAB,
     CompositionParams,
@@ -96,14 +98,18 @@ class CachedStaticFiles(StaticFiles):
 MIN_COUNT_CHOICES = (50, 200, 500, 1000, 2000)
 
 
-def heads_grid(loaded: LoadedModel, heads: list[HeadScores], score: str, model_id: str) -> dict[str, Any]:
-    """The overview heatmap: layers x heads of one score; a click opens the head."""
+def heads_grid(
+    loaded: LoadedModel, heads: list[HeadScores], score: str, model_id: str, head_filter: HeadFilter | None = None
+) -> dict[str, Any]:
+    """The overview heatmap: layers x heads of one score, values in the cells when they fit; a click opens the
+    head. With a head filter only the heads it keeps are coloured (the others are blank)."""
     cfg = loaded.model.cfg
     label, signed = SCORES[score]
     z: list[list[float | None]] = [[None] * cfg.n_heads for _ in range(cfg.n_layers)]
     names = [[head_name(layer, h) for h in range(cfg.n_heads)] for layer in range(cfg.n_layers)]
     for s in heads:
-        z[s.layer][s.index] = getattr(s, score)
+        if head_filter is None or head_filter.keeps(s):
+            z[s.layer][s.index] = getattr(s, score)
     links = [[f"/models/{model_id}/heads/{n}" for n in row] for row in names]
     return charts.heatmap(
         z,
@@ -118,8 +124,8 @@ def heads_grid(loaded: LoadedModel, heads: list[HeadScores], score: str, model_i
         hover="%{customdata}<br>" + label + " %{z:.3f}",
         links=links,
         colorbar=label,
-        text_in_cells=cfg.n_layers * cfg.n_heads <= 64,
-        height=max(220, 70 * cfg.n_layers + 120),
+        text_in_cells=charts.cells_fit(cfg.n_layers, cfg.n_heads),
+        height=max(220, min(70 * cfg.n_layers + 120, MAX_HEIGHT)),
     )
 
 
@@ -296,21 +302,30 @@ async def overview_page(
     entry: ModelEntryDep,
     limits: LimitsDep,
     score: str = Query("induction", pattern="^(" + "|".join(SCORES) + ")$"),
+    filter_text: str = Query(
+        "",
+        alias="filter",
+        max_length=MAX_FILTER_CHARS,
+        description="head filter, e.g. 'induction > 0.4 and layer < 20'",
+    ),
 ) -> Response:
+    head_filter = HeadFilter.parse(filter_text)  # 422 with the syntax when unreadable
     key = await page_key(request, registry, loaded, "/models/{model}")
     if (body := await cached_page(request, key)) is not None:
         return html_page(body)
     summary = build_model_view(loaded, entry)
     heads: HeadsView = await run(HEADS, loaded, entry.id, NoParams(), limits)
     ctx = await page_context(request, registry, entry.id, json_url(HEADS, entry.id, NoParams()), entry.id, "overview")
-    fig = heads_grid(loaded, heads.heads, score, entry.id) if heads.heads else None
+    fig = heads_grid(loaded, heads.heads, score, entry.id, head_filter) if heads.heads else None
+    shown_heads = head_filter.apply(heads.heads)
     scatter, scatter_claim, scatter_error = None, None, None
     if loaded.model.cfg.n_layers >= 2 and not is_fragment(request):
         data, scatter_error = await attempt(
             lambda: positivity_scatter(loaded, limits)[0], key=(entry.id, loaded.digest, "positivity")
         )
         if data:
-            pts = data["points"]
+            kept = {s.head for s in shown_heads}
+            pts = [p for p in data["points"] if p["head"] in kept]
             scatter = charts.scatter(
                 [p["ov_copying"] or 0.0 for p in pts],
                 [p["k_composition_positivity"] for p in pts],
@@ -319,8 +334,9 @@ async def overview_page(
                 x_title="OV copying score (Σλ/Σ|λ|)",
                 y_title="K-composition positivity",
                 links=[f"/models/{entry.id}/heads/{p['head']}" for p in pts],
+                named=[*labelled_heads(heads.heads), data["previous_token_head"]],  # the heads that matter
             )
-            scatter_claim = scatter_sentence(pts, heads)
+            scatter_claim = scatter_sentence(data["points"], heads)
     response = render(
         request,
         "overview.html",
@@ -328,6 +344,9 @@ async def overview_page(
             **ctx,
             "summary": summary,
             "heads": heads,
+            "shown_heads": shown_heads,
+            "head_filter": str(head_filter),
+            "filter_text": filter_text,
             "score": score,
             "scores": SCORES,
             "fig": fig,
@@ -472,12 +491,29 @@ async def direct_context(call: PageCall) -> dict[str, Any]:
 
 
 # -- detectors ----------------------------------------------------------------------------------------------------
+class DetectorPageParams(DetectorParams):
+    filter: Annotated[
+        str | None,
+        Field(max_length=MAX_FILTER_CHARS, description="head filter of the chart and table, e.g. 'induction > 0.4'"),
+    ] = None
+
+
+TOP_CHARTED = 12  # heads in the detector chart: those with the largest score of any detector (the table has all)
+
+
 async def detectors_context(call: PageCall) -> dict[str, Any]:
-    p: DetectorParams = call.params  # normalised: seq_len is the standard input fitted to the model when not given
+    page: DetectorPageParams = call.params  # normalised: seq_len is the standard input fitted to the model
+    head_filter = HeadFilter.parse(page.filter)
+    p = DetectorParams(**page.model_dump(exclude={"filter"}))
+    call.json_params = p
     view = await call.run(DETECTORS, p)
+    shown = head_filter.apply(view.heads)
     return {
         "view": view,
-        "figs": detector_charts(view, call.model_id or ""),
+        "shown_heads": shown,
+        "head_filter": str(head_filter),
+        "filter_text": page.filter,
+        "figs": detector_charts(view, call.model_id or "", shown),
         "seq_len": p.seq_len,
         "batch": p.batch,
         "claim": loss_sentence(view.loss.first_repeat, view.loss.second_repeat),
@@ -487,15 +523,30 @@ async def detectors_context(call: PageCall) -> dict[str, Any]:
     }
 
 
-def detector_charts(view: Any, model_id: str) -> dict[str, Any]:
-    """Per-head detector scores, the per-position loss and the attention pattern of each selected head."""
-    names = [s.head for s in view.heads]
-    series = {
-        SCORES[k][0]: [getattr(s, k) or 0.0 for s in view.heads]
-        for k in ("previous_token", "duplicate_token", "induction", "current_token", "first_token")
-    }
+DETECTOR_KEYS = ("previous_token", "duplicate_token", "induction", "current_token", "first_token")
+
+
+def top_heads(heads: list[HeadScores], most: int = TOP_CHARTED) -> list[HeadScores]:
+    """The `most` heads with the largest score of any detector, in layer order (all of them when fewer)."""
+    best = sorted(heads, key=lambda s: -max((getattr(s, k) or 0.0) for k in DETECTOR_KEYS))[:most]
+    return sorted(best, key=lambda s: (s.layer, s.index))
+
+
+def detector_charts(view: Any, model_id: str, shown: list[HeadScores] | None = None) -> dict[str, Any]:
+    """The detector scores of the top heads (of `shown`: the head filter's), the per-position loss and the
+    attention pattern of each selected head. The table lists every shown head."""
+    charted = top_heads(view.heads if shown is None else shown)
+    names = [s.head for s in charted]
+    series = {SCORES[k][0]: [getattr(s, k) or 0.0 for s in charted] for k in DETECTOR_KEYS}
+    n_all = len(view.heads if shown is None else shown)
     figs: dict[str, Any] = {
-        "scores": charts.grouped_bars(names, series, title="detector scores per head", y_title="score")
+        "scores": charts.grouped_bars(
+            names,
+            series,
+            title=f"detector scores of the {len(charted)} heads with the largest score"
+            + (f" (of {n_all}; all in the table below)" if n_all > len(charted) else ""),
+            y_title="score",
+        )
     }
     labels = charts.unique_labels([charts.visible(t.text) for t in view.tokens])
     positions = list(range(len(view.loss.loss)))
@@ -550,7 +601,14 @@ PAGES: list[Page] = [
         blocks=("direct_panel",),
         title="Direct path · {model}",
     ),
-    Page(DETECTORS, "detectors.html", detectors_context, blocks=("detectors_panel",), title="Detectors · {model}"),
+    Page(
+        DETECTORS,
+        "detectors.html",
+        detectors_context,
+        params=DetectorPageParams,
+        blocks=("detectors_panel",),
+        title="Detectors · {model}",
+    ),
     *pages_analyses.PAGES,
     *pages_tour.PAGES,
 ]

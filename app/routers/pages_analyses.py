@@ -11,11 +11,12 @@ from typing import Annotated, Any, Protocol
 
 from pydantic import Field
 
-from app import charts
+from app import block_heatmaps, charts
 from app.analysis import HeadField, json_url
 from app.params import (
     HEAD_DOC,
     ChainParams,
+    CompositionParams,
     Heads,
     K,
     MaxOrder,
@@ -82,9 +83,21 @@ async def suggested_heads(call: PageCall, count: int) -> list[str]:
 
 
 # -- composition ------------------------------------------------------------------------------------------------
+class CompositionPageParams(CompositionParams):
+    """The composition page: the analysis's params and, on a model drawn as layer blocks, the block zoomed into."""
+
+    block: Annotated[
+        str | None,
+        Field(pattern=r"^\d{1,4}-\d{1,4}$", description="zoom into layer block 'a-b' (earlier layer a, later b)"),
+    ] = None
+
+
 async def composition_context(call: PageCall) -> dict[str, Any]:
-    view, error = await call.attempt(COMPOSITION, call.params)
-    kind = call.params.kind
+    page: CompositionPageParams = call.params
+    params = CompositionParams(**page.model_dump(exclude={"block"}))
+    call.json_params = params
+    view, error = await call.attempt(COMPOSITION, params)
+    kind = params.kind
     call.title = f"{kind}-composition · {call.model_id}"
     zmax, claim = None, None
     if view is not None:  # one colour scale for Q, K and V (the other kinds' answers are cached like this one)
@@ -92,19 +105,41 @@ async def composition_context(call: PageCall) -> dict[str, Any]:
             v
             for k in ("Q", "K", "V")
             if k != kind
-            for v, _ in [await call.attempt(COMPOSITION, call.params.model_copy(update={"kind": k}))]
+            for v, _ in [await call.attempt(COMPOSITION, params.model_copy(update={"kind": k}))]
             if v is not None
         ]
         zmax = charts.shared_range([v.minus_baseline for v in views])
         k_view = next((v for v in views if v.kind == "K"), None)
-        if not call.params.offset:  # what this model shows (detector scores on the standard input, cached)
+        if not params.offset:  # what this model shows (detector scores on the standard input, cached)
             claim = composition_sentence(call.model_id or "", (await call.attempt(HEADS, NoParams()))[0], k_view)
+    base = f"/models/{call.model_id}/composition"
+    state = {"kind": kind, "offset": params.offset or None, "basis": page.basis if page.basis != "served" else None}
+    fig = zoom = None
+    blocks = view is not None and block_heatmaps.needs_blocks(len(view.sources))
+    if view is not None and blocks:  # 30 layers x 9 heads: one cell per layer block, a click zooms in
+        fig = block_heatmaps.composition_block_map(view, zmax, lambda a, b: url(base, **state, block=f"{a}-{b}"))
+        if page.block:
+            a, b = (int(x) for x in page.block.split("-"))
+            zoom = block_heatmaps.composition_block(view, call.model_id or "", zmax, a, b)
+            if zoom is None:
+                error = {
+                    "status": 422,
+                    "title": "No such layer block",
+                    "detail": f"block {page.block}: layer {a} has no head writing to a head of layer {b} "
+                    f"(the earlier layer must be below the later one, both inside the model)",
+                }
+    elif view is not None:
+        fig = charts.composition_heatmap(view, call.model_id or "", zmax)
     return {
         "view": view,
         "error": error,
         "kind": kind,
-        "fig": charts.composition_heatmap(view, call.model_id or "", zmax) if view else None,
-        "offset": call.params.offset or None,
+        "fig": fig,
+        "blocks": blocks,
+        "block": page.block if zoom is not None else None,
+        "zoom": zoom,
+        "all_blocks_url": url(base, **state),
+        "offset": params.offset or None,
         "is_rotary": rotary_enabled(call),
         "n_ctx": call.model.model.cfg.n_ctx if call.model else 0,
         "claim": claim,
@@ -402,7 +437,14 @@ async def term_importance_context(call: PageCall) -> dict[str, Any]:
 
 
 PAGES: list[Page] = [
-    Page(COMPOSITION, "composition.html", composition_context, blocks=("composition_panel",), nav="composition"),
+    Page(
+        COMPOSITION,
+        "composition.html",
+        composition_context,
+        params=CompositionPageParams,
+        blocks=("composition_panel",),
+        nav="composition",
+    ),
     Page(COMPOSITION_PAIR, "pair.html", pair_context, blocks=("pair_panel",), nav="composition"),
     Page(
         PATHS,

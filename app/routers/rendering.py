@@ -24,7 +24,7 @@ from app.compute import cheap, compute
 from app.deps import get_model
 from app.errors import kind_of
 from app.figure_output import for_page
-from app.glossary import glossary_links, link_first_uses
+from app.glossary import term_anchors
 from app.registry import ModelRegistry
 from app.settings import REPO_ROOT, Limits
 from app.views.basis import basis, changes_weights
@@ -36,7 +36,7 @@ templates = Jinja2Blocks(directory=str(REPO_ROOT / "templates"))
 templates.env.policies["json.dumps_kwargs"] = {"separators": (",", ":")}  # compact figure JSON
 templates.env.filters["visible"] = charts.visible  # tokens shown with whitespace and control characters visible
 templates.env.filters["for_page"] = for_page  # a figure escaped for plotly and height-capped
-templates.env.filters["glossary_links"] = glossary_links  # first uses of glossary terms linked
+templates.env.globals["glossary_terms"] = term_anchors  # base.html embeds them for static/glossary.js
 templates.env.globals["charts"] = charts  # a template may draw its view's charts itself
 # The shared macros as a global `m`: a top-level {% import %} is not run when a single block is rendered.
 templates.env.globals["m"] = templates.env.get_template("_macros.html").module
@@ -137,8 +137,6 @@ def render(request: Request, template: str, context: dict[str, Any], blocks: Seq
         target = request.headers.get("HX-Target", "")
         block = target if target in blocks else blocks[0]
         response = templates.TemplateResponse(request, template, context, block_name=block)
-        response.body = link_first_uses(bytes(response.body).decode()).encode()  # as in the page (base.html's)
-        response.headers["content-length"] = str(len(response.body))
     else:
         response = templates.TemplateResponse(request, template, context)
     response.headers["Vary"] = "HX-Request"

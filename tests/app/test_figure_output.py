@@ -87,7 +87,8 @@ def test_block_zoom_writes_values_in_its_cells_and_links_pairs() -> None:
     i, j = view.sources.index("L16H0"), view.targets.index("L18H6")
     assert trace["z"][0][6] == pytest.approx(view.minus_baseline[i][j], abs=5e-5)
     assert fig["links"]["0"][0][6] == "/models/m/composition/L16H0/L18H6"
-    assert block_heatmaps.composition_block(view, "m", None, 18, 16) is not None  # (no pair: all cells empty)
+    assert block_heatmaps.composition_block(view, "m", None, 18, 16) is None  # no pair: layer 18 is not below 16
+    assert block_heatmaps.composition_block(view, "m", None, 40, 41) is None  # outside the model
     assert fig["layout"]["height"] <= MAX_HEIGHT
 
 

@@ -1,14 +1,15 @@
-"""The glossary page defines every term it lists, pages link the first use of each term there (once per term, never
-inside links, scripts, code or sortable headers), and markdown (the glossary, the API descriptions of /docs) is
-rendered with raw HTML escaped."""
+"""The glossary page defines every term it lists (those the pages used undefined among them), every page embeds
+the terms its first uses link to, and markdown (the glossary, the API descriptions of /docs) is rendered with raw
+HTML escaped."""
 
 from __future__ import annotations
 
+import json
 import re
 
 from fastapi.testclient import TestClient
 
-from app.glossary import glossary, link_first_uses, slug
+from app.glossary import glossary
 
 ISSUE_TERMS = ("K-composition positivity", "icl score", "subspace energy", "erasure score", "participation ratio")
 
@@ -26,40 +27,22 @@ def test_glossary_page_defines_every_term(client: TestClient) -> None:
         # a heading with the anchor, and a definition paragraph after it
         block = html.split(f'id="{t.anchor}"', 1)[1].split("<h", 1)[0]
         assert len(re.sub(r"<[^>]+>", "", block).strip()) > 40, t.name
-    assert 'class="term"' not in html  # the glossary does not link to itself
 
 
-def test_first_use_only_and_never_inside_skipped_elements() -> None:
-    html = (
-        '<h1>Erasure score</h1><th>icl score</th><a href="/x">erasure score</a><code>icl score</code>'
-        '<script type="application/json">{"t": "erasure score"}</script>'
-        "<p>The erasure score of a head; again the erasure score. Its icl score, and the participation ratio.</p>"
-        "<p>K-composition positivity differs from positivity.</p>"
-    )
-    out = str(link_first_uses(html))
-    links = re.findall(r'<a class="term" href="/glossary#([^"]+)"[^>]*>([^<]+)</a>', out)
-    assert links == [
-        (slug("Erasure score"), "erasure score"),
-        (slug("icl score"), "icl score"),
-        (slug("Effective rank"), "participation ratio"),
-        (slug("K-composition positivity"), "K-composition positivity"),
-    ]
-    assert '<h1>Erasure score</h1><th>icl score</th><a href="/x">erasure score</a><code>icl score</code>' in out
-    assert '{"t": "erasure score"}' in out
-    again = str(link_first_uses("<p>erasure score</p><section><p>erasure score, erasure score</p></section>"))
-    assert again.count('class="term"') == 2  # the page head and the panel each link their first use
-
-
-def test_pages_link_their_first_uses(client: TestClient) -> None:
-    html = client.get("/models/tiny-2l").text
-    main = html.split('<main id="main">', 1)[1]
-    anchors = re.findall(r'<a class="term" href="/glossary#([^"]+)"', main)
-    for part in re.split(r"<section\b|<article\b", main):  # each term linked once in the head and in each panel
-        found = re.findall(r'<a class="term" href="/glossary#([^"]+)"', part)
-        assert len(found) == len(set(found))
-    assert slug("Induction score") in anchors and slug("Copying score") in anchors
-    for anchor in anchors:  # every link lands on a definition
-        assert f'id="{anchor}"' in client.get("/glossary").text
+def test_pages_embed_the_terms_their_links_point_to(client: TestClient) -> None:
+    """Every page carries the term -> anchor table static/glossary.js links first uses with (the browser test
+    tests/browser/test_realui_browser.py follows the links); every anchor lands on a definition."""
+    glossary_html = client.get("/glossary").text
+    for path in ("/models/tiny-2l", "/models/tiny-2l/composition", "/tour"):
+        page = client.get(path).text
+        found = re.search(r'<script type="application/json" id="glossary-terms">(.*?)</script>', page, re.S)
+        assert found, path
+        table = json.loads(found.group(1))
+        for term in ISSUE_TERMS:
+            assert term.lower() in table, (path, term)
+        for anchor in set(table.values()):
+            assert f'id="{anchor}"' in glossary_html
+    assert 'id="glossary-terms"' not in glossary_html  # the glossary page does not link to itself
 
 
 def test_docs_render_markdown_and_escape_html(client: TestClient) -> None:
