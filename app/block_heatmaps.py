@@ -69,8 +69,7 @@ def composition_block_map(view: Any, zmax: float | None, block_url: Callable[[in
         z,
         [f"L{b}" for b in dst_layers],
         [f"L{a}" for a in src_layers],
-        title=f"{view.kind}-composition − baseline {view.baseline:.3f}, strongest pair of each layer block "
-        "(click a block to zoom in)",
+        title=f"{view.kind}-composition − baseline, strongest pair per layer block (click one)",
         x_title="later layer (reads)",
         y_title="earlier layer (writes)",
         signed=True,
@@ -79,7 +78,7 @@ def composition_block_map(view: Any, zmax: float | None, block_url: Callable[[in
         hover="%{y} → %{x}: strongest pair %{customdata[0]} → %{customdata[1]}<br>minus baseline %{z:+.4f}",
         links=links,
         colorbar="score − baseline",
-        height=MAX_HEIGHT,
+        height=min(MAX_HEIGHT, max(320, 30 * len(src_layers) + 170)),
     )
     return fig
 
@@ -108,7 +107,7 @@ def composition_block(
         z,
         targets,
         sources,
-        title=f"{view.kind}-composition − baseline, layer {source_layer} → layer {target_layer} (click a pair)",
+        title=f"layer {source_layer} → layer {target_layer}: {view.kind}-composition − baseline (click a pair)",
         x_title="later head (reads)",
         y_title="earlier head (writes)",
         signed=True,
@@ -118,6 +117,6 @@ def composition_block(
         links=links,
         colorbar="score − baseline",
         text_in_cells=charts.cells_fit(len(sources), len(targets)),
-        cell_format="%{z:+.3f}",
+        cell_format="%{z:.2f}",
         height=max(280, 40 * len(sources) + 160),
     )

@@ -107,7 +107,7 @@ def heatmap(
         trace["customdata"] = customdata
     trace["hovertemplate"] = (hover or "%{y} · %{x}<br>%{z:.4f}") + "<extra></extra>"
     if text_in_cells:
-        trace.update(texttemplate=cell_format, textfont={"size": 11 if len(y) <= 16 else 9})
+        trace.update(texttemplate=cell_format, textfont={"size": 11 if len(y) <= 16 and len(x) <= 6 else 9})
     # numbered axes (positions) of many categories: a tick every few, so the numbers do not run together;
     # named axes (tokens, heads) label every category while there is room (EVERY_LABEL_MAX, smaller type)
     x_step, y_step = _ticks(x, EVERY_COLUMN_MAX), _ticks(y, EVERY_LABEL_MAX)

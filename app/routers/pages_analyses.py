@@ -39,6 +39,7 @@ from app.views.prompt import PATHS, PROMPT
 from app.views.qk_paths import QK_PATHS
 from app.views.term_importance import TERM_IMPORTANCE
 from app.views.tour_figures import REPEATED
+from circuits_core.errors import InvalidInputError
 
 # The prompt a page starts with: repeated code, where induction heads have something to do.
 DEFAULT_PROMPT = REPEATED
@@ -169,6 +170,9 @@ class PromptPageParams(PromptInput):
     """The prompt page: the patterns (PromptParams) and the path expansion (PathsParams) of one prompt."""
 
     heads: Heads = None
+    layer: Annotated[
+        int | None, Field(ge=0, le=10_000, description="all heads of this layer, as small multiples (instead of heads)")
+    ] = None
     weighted: bool = False
     position: Position = None
     target: str | None = target_token("the logit to expand")  # type: ignore[assignment]
@@ -181,11 +185,18 @@ async def prompt_context(call: PageCall) -> dict[str, Any]:
     p: PromptPageParams = call.params
     model = call.model_id
     prompt, tokens = text_of(p)
-    heads_str = p.heads or ",".join(await suggested_heads(call, call.limits.max_heads))
+    cfg = call.model.model.cfg
+    if p.layer is not None:  # every head of one layer (as many as one request takes), drawn as small multiples
+        if p.layer >= cfg.n_layers:
+            raise InvalidInputError(f"layer {p.layer} out of range: the model has {cfg.n_layers} layers")
+        heads_str = ",".join(f"L{p.layer}H{h}" for h in range(min(cfg.n_heads, call.limits.max_heads)))
+    else:
+        heads_str = p.heads or ",".join(await suggested_heads(call, call.limits.max_heads))
     state = {
         "prompt": prompt,
         "tokens": tokens,
-        "heads": heads_str,
+        "heads": heads_str if p.layer is None else None,
+        "layer": p.layer,
         "weighted": "true" if p.weighted else None,
         "position": p.position,
         "target": p.target,
@@ -229,6 +240,9 @@ async def prompt_context(call: PageCall) -> dict[str, Any]:
         ]
     if pview is not None:
         figs["text"] = charts.attention_text(pview.tokens, {hp.head: hp.pattern for hp in pview.heads}, paths)
+    if pview is not None and p.layer is not None:
+        figs["layer"] = charts.attention_text(pview.tokens, {hp.head: hp.pattern for hp in pview.heads})
+        figs["patterns"] = []  # the small multiples replace the one-head heat maps
     if paths is not None:
         links = [
             url(f"/models/{model}/path", heads=",".join(t.path), prompt=prompt, tokens=tokens, target=paths.target)
@@ -251,6 +265,10 @@ async def prompt_context(call: PageCall) -> dict[str, Any]:
         "base": f"/models/{model}/prompt",
         "prompt": prompt,
         "heads": heads_str,
+        "layer": p.layer,
+        "n_layers": cfg.n_layers,
+        "n_heads_shown": min(cfg.n_heads, call.limits.max_heads),
+        "n_heads": cfg.n_heads,
         "weighted": p.weighted,
         "patterns_json": json_url(PROMPT, model, patterns),
     }
