@@ -168,10 +168,13 @@ def bars(
     horizontal: bool = False,
     hover: str | None = None,
     height: int | None = None,
+    customdata: Sequence[Any] | None = None,
 ) -> Figure:
     """Signed bars: blue positive, red negative."""
     colors = [POS_COLOR if v >= 0 else NEG_COLOR for v in values]
     trace: dict[str, Any] = {"type": "bar", "marker": {"color": colors}}
+    if customdata is not None:
+        trace["customdata"] = list(customdata)
     if horizontal:
         trace.update(x=list(values), y=list(labels), orientation="h")
         trace["hovertemplate"] = (hover or "%{y}: %{x:.4f}") + "<extra></extra>"

@@ -61,13 +61,14 @@ async def head_rotary_context(call: PageCall, head: str) -> dict[str, Any]:
         vlines=[] if positional.shape.flat else [positional.peak_offset],
         title=f"positional kernel of {head}: {positional.shape.summary}",
     )
-    labels = [f"k={k} (λ={w:.3g})" for k, w in enumerate(bands.wavelength)]
-    energy = charts.bars(
-        labels,
+    energy = charts.bars(  # short tick labels (the band index): "k=0 (λ=6.28)" ran off the chart at 32 bands
+        [str(k) for k in range(len(bands.wavelength))],
         bands.share,
         title=f"share of {head}'s QK energy per rotary band (band 0 fastest)",
-        x_title="band k (wavelength 2π/θ_k in positions)",
+        x_title="band k (hover: wavelength 2π/θ_k in positions)",
         y_title="share of ||Ω||² energy",
+        customdata=[round(w, 4) for w in bands.wavelength],
+        hover="band %{x}, wavelength %{customdata:.3g} positions<br>share %{y:.4f}",
     )
     return {
         "rotary": {

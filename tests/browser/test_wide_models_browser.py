@@ -187,3 +187,55 @@ def test_attention_text_view_shows_the_hovered_weight(page: Page) -> None:
     caption = page.locator("#attn_text .attn-caption").text_content() or ""
     assert f"weight {pattern[q][1]:.3f} from the pinned position {q}" in caption
     assert f"attention from position {q}: {pattern[q][1]:.3f}" in (toks.nth(1).get_attribute("title") or "")
+
+
+@pytest.fixture(scope="module")
+def bands_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A rotary model with SmolLM2's d_head = 64: 32 rotary bands on one chart."""
+    cfg = ModelConfig(
+        n_layers=1,
+        d_model=64,
+        n_heads=2,
+        d_head=64,
+        d_vocab=train_tokenizer().get_vocab_size(),
+        n_ctx=64,
+        normalization_type="RMS",
+        positional_embedding_type="rotary",
+        rotary_base=10000.0,
+    )
+    yield from serve_model(tmp_path_factory, "bands", cfg, 7, Limits(max_seq_len=30, max_batch=4))
+
+
+def test_rotary_band_ticks_are_inside_the_chart(browser, bands_server: str) -> None:  # noqa: ANN001
+    """32 bands: every tick label lies inside the chart (the 'k=0 (λ=6.28)' labels ran off its bottom)."""
+    for pg in checked_page(browser, bands_server):
+        pg.set_default_timeout(90_000)
+        pg.goto("/models/bands/heads/L0H1")
+        chart = pg.locator('[data-name="bands-L0H1-rotary-bands"]')
+        pg.wait_for_function(
+            "() => document.querySelectorAll('[data-name=\"bands-L0H1-rotary-bands\"] .xtick text').length > 0"
+        )
+        svg = chart.locator(".main-svg").first.bounding_box()
+        ticks = chart.locator(".xtick text")
+        assert svg is not None and ticks.count() >= 16
+        for i in range(ticks.count()):
+            box = ticks.nth(i).bounding_box()
+            assert box is not None
+            assert svg["y"] <= box["y"] and box["y"] + box["height"] <= svg["y"] + svg["height"] + 1, i
+            assert svg["x"] - 1 <= box["x"] and box["x"] + box["width"] <= svg["x"] + svg["width"] + 1, i
+        screenshot(pg, "rotary-bands-32")
+
+
+def test_toolbar_offers_a_link_to_the_chart_not_a_dead_share_button(wide: Page) -> None:
+    wide.goto(f"/models/{W}")
+    charts_drawn(wide, 1)
+    chart = wide.locator(f'[data-name="{W}-induction"]')
+    chart.hover()
+    assert chart.locator('.modebar-btn[data-title="Share chart..."]').count() == 0
+    chart.locator('.modebar-btn[data-title="Link to this chart"]').click()
+    link = chart.locator(".chart-link a")
+    expect(link).to_be_visible()
+    href = link.get_attribute("href") or ""
+    assert href.endswith(f"#chart-{W}-induction")
+    wide.goto(href)
+    assert wide.evaluate(f"() => document.getElementById('chart-{W}-induction') !== null")
