@@ -344,7 +344,7 @@ async def qk_paths_context(call: PageCall) -> dict[str, Any]:
     head = p.head  # default: the induction head of a 2+ layer model, else H0 of the last layer
     if not head:
         head = (await suggested_heads(call, 2))[-1] if cfg.n_layers else "L0H0"
-    params = QKPathsParams(head=head, prompt=prompt, tokens=tokens, k=p.k)
+    params = QKPathsParams(head=head, prompt=prompt, tokens=tokens, k=p.k, query=p.query, key=p.key)
     view, error = await call.attempt(QK_PATHS, params)
     call.json_params = params
     call.title = f"QK paths of {head} · {call.model_id}"
@@ -355,6 +355,8 @@ async def qk_paths_context(call: PageCall) -> dict[str, Any]:
         "figs": {},
         "prompt": prompt,
         "tokens": tokens,
+        "query": p.query,
+        "key": p.key,
         "k": p.k,
         "max_k": call.limits.max_k,
     }

@@ -8,6 +8,7 @@ from __future__ import annotations
 import html as htmllib
 import re
 
+import pytest
 from fastapi.testclient import TestClient
 
 from tests.app.conftest import train_tokenizer
@@ -71,3 +72,35 @@ def test_head_pages_highlight_no_sidebar_item(client: TestClient) -> None:
     assert re.search(r'class="item active" href="[^"]*">Overview<', overview)
     composition = client.get("/models/tiny-2l/composition").text
     assert re.search(r'class="item active" href="[^"]*">Composition<', composition)
+
+
+def test_qk_paths_lists_the_terms_of_one_score(client: TestClient) -> None:
+    """The QK paths page splits the score at (query, key) into its terms (the tour's R3 sentence names them):
+    with every term listed they add up to the real score, which a plain forward pass gives."""
+    import torch
+
+    from circuits_core.formats.checkpoint import load_checkpoint
+    from tests.app.conftest import LIMITS  # noqa: F401  (the client's limits: k up to 50)
+
+    prompt = "the cat sat on the mat"
+    body = client.get(
+        f"{API}/qk-paths", params={"prompt": prompt, "head": "L1H2", "query": 5, "key": 2, "k": 50}
+    ).json()
+    at = body["at"]
+    C = len(body["components"])
+    assert len(at["terms"]) == min(50, C * C)
+    if C * C <= 50:
+        assert sum(t["value"] for t in at["terms"]) == pytest.approx(at["score"], abs=1e-9)
+    ids = [t["id"] for t in body["tokens"]]
+    folder = client.app.state.registry.entry("tiny-2l").path  # the served checkpoint, read again
+    model = load_checkpoint(folder, dtype=torch.float64).model
+    _, cache = model.run(torch.tensor([ids]), names=lambda n: n.endswith(("hook_attn_scores", "hook_pattern")))
+    assert at["score"] == pytest.approx(float(cache["blocks.1.attn.hook_attn_scores"][0, 2, 5, 2]), abs=1e-9)
+    assert at["attention"] == pytest.approx(float(cache["blocks.1.attn.hook_pattern"][0, 2, 5, 2]), abs=1e-9)
+    values = [abs(t["value"]) for t in at["terms"]]
+    assert values == sorted(values, reverse=True)
+    page = client.get("/models/tiny-2l/qk-paths", params={"prompt": prompt, "head": "L1H2", "query": 5, "key": 2})
+    assert f'id="at-score">{at["score"]:.2f}<' in page.text and 'id="score-terms-table"' in page.text
+    for bad in ({"query": 2, "key": 5}, {"query": 5}, {"query": 99, "key": 0}):
+        r = client.get(f"{API}/qk-paths", params={"prompt": prompt, "head": "L1H2", **bad})
+        assert r.status_code == 422, bad
