@@ -125,6 +125,11 @@
   document.addEventListener("click", function (ev) {
     var button = ev.target.closest && ev.target.closest("button[data-csv]");
     if (button) { ev.preventDefault(); exportCsv(button); }
+    var copy = ev.target.closest && ev.target.closest("button[data-copy]");  // "copy as Python"
+    var code = copy && document.getElementById(copy.dataset.copy);
+    if (code && navigator.clipboard) {
+      navigator.clipboard.writeText(code.textContent).then(function () { copy.textContent = "Copied"; }, function () {});
+    }
   });
 
   /* Forms that submit themselves when a picker changes (the submit button stays for no-JS use). */

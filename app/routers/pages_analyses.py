@@ -7,12 +7,14 @@ through `call.run` / `call.attempt` and chart their views. Page URLs mirror the 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, Protocol
 
 from pydantic import Field
 
-from app import block_heatmaps, charts
+from app import block_heatmaps, charts, snippets
 from app.analysis import HeadField, json_url
+from app.compute import cheap
 from app.params import (
     HEAD_DOC,
     ChainParams,
@@ -50,6 +52,12 @@ class HasText(Protocol):
     def prompt(self) -> str | None: ...
     @property
     def tokens(self) -> str | None: ...
+
+
+async def snippet_source(call: PageCall) -> tuple[Path, str]:
+    """The folder and dtype a panel's "copy as Python" snippet loads the model from (as this server does)."""
+    entry = await cheap(call.registry.entry, call.model_id or "")
+    return entry.path, str(call.registry.dtype).removeprefix("torch.")
 
 
 def text_of(p: HasText) -> tuple[str | None, str | None]:
@@ -131,9 +139,13 @@ async def composition_context(call: PageCall) -> dict[str, Any]:
                 }
     elif view is not None:
         fig = charts.composition_heatmap(view, call.model_id or "", zmax)
+    snippet = (
+        snippets.composition(*await snippet_source(call), kind) if view is not None and not params.offset else None
+    )
     return {
         "view": view,
         "error": error,
+        "snippet": snippet,
         "kind": kind,
         "fig": fig,
         "blocks": blocks,
@@ -251,6 +263,14 @@ async def prompt_context(call: PageCall) -> dict[str, Any]:
         ]
         figs["waterfall"] = charts.paths_waterfall(paths, links)
         figs["by_source"] = charts.paths_by_source(paths)
+        if paths.contrast_token is None:
+            figs["snippet"] = snippets.logit_paths(
+                *await snippet_source(call),
+                [t.id for t in paths.prompt_tokens],
+                paths.position,
+                paths.target_token.id,
+                paths.max_order,
+            )
     return {
         "target_spelling": spelling_variants(
             call.model, p.target
@@ -364,6 +384,15 @@ async def qk_paths_context(call: PageCall) -> dict[str, Any]:
         return ctx
     labels = charts.token_labels(view.tokens)
     ctx["head"] = view.head
+    if view.at is not None:
+        ctx["snippet"] = snippets.qk_score_terms(
+            *await snippet_source(call),
+            view.head,
+            [t.id for t in view.tokens],
+            view.at.query,
+            view.at.key,
+            len(view.at.terms),
+        )
     ctx["figs"] = {
         "std": charts.heatmap(
             view.std,

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from app import charts
+from app import charts, snippets
 from app.analysis import json_url
+from app.compute import cheap
 from app.routers.rendering import PageCall
 from app.schemas.rotary import BandsView, CompositionProfileView, PositionalView, QKCopyingView
 from app.views.basis import Basis
@@ -106,10 +107,15 @@ async def pair_rotary_context(call: PageCall, source: str, target: str) -> dict[
         y_title="composition score",
         title=f"{source} → {target}: Q and K composition over the offset δ",
     )
+    entry = await cheap(call.registry.entry, model)
+    snippet = snippets.composition_profile(
+        entry.path, str(call.registry.dtype).removeprefix("torch."), source, target, "K", len(first.offsets)
+    )
     return {
         "rotary": {
             "profiles": profiles,
             "profile_fig": fig,
+            "snippet": snippet,
             "profile_json": {
                 k: json_url(PROFILE, model, ProfileParams(source=source, target=target, kind=k, basis=b)) for k in kinds
             },

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 from fastapi.testclient import TestClient
 
 from tests.app.test_api_rotary import client, folders, rope  # noqa: F401  (module fixtures)
@@ -89,3 +90,13 @@ def test_pair_page_reads_each_profile(client: TestClient):  # noqa: F811
     for max_offset in (4, 40):  # a short open window whose kernel can end high, and a longer one
         api = client.get(f"{API}/rope/heads/L1H3/positional", params={"max_offset": max_offset}).json()
         assert _reading(api["kernel"], api["offsets"], n_ctx) in api["shape"]["summary"]
+
+
+def test_pair_profile_snippet(client: TestClient):  # noqa: F811
+    """The pair page's "copy as Python" snippet, run as a notebook would, gives the K profile of its JSON twin."""
+    from tests.app.test_snippets import run, snippets_in
+
+    page = client.get("/models/rope/composition/L0H1/L2H2").text
+    result = run(snippets_in(page)["profile-python"])
+    api = client.get(f"{API}/rope/composition/L0H1/L2H2/profile", params={"kind": "K"}).json()
+    assert result["scores"] == pytest.approx(api["scores"], abs=1e-9)
