@@ -23,6 +23,8 @@ from app.analysis import API, Analysis, AnalysisParams, Declared, json_url, run,
 from app.compute import cheap, compute
 from app.deps import get_model
 from app.errors import kind_of
+from app.figure_output import for_page
+from app.glossary import term_anchors
 from app.registry import ModelRegistry
 from app.settings import REPO_ROOT, Limits
 from app.views.basis import basis, changes_weights
@@ -33,6 +35,8 @@ from circuits_core.formats.checkpoint import LoadedModel
 templates = Jinja2Blocks(directory=str(REPO_ROOT / "templates"))
 templates.env.policies["json.dumps_kwargs"] = {"separators": (",", ":")}  # compact figure JSON
 templates.env.filters["visible"] = charts.visible  # tokens shown with whitespace and control characters visible
+templates.env.filters["for_page"] = for_page  # a figure escaped for plotly and height-capped
+templates.env.globals["glossary_terms"] = term_anchors  # base.html embeds them for static/glossary.js
 templates.env.globals["charts"] = charts  # a template may draw its view's charts itself
 # The shared macros as a global `m`: a top-level {% import %} is not run when a single block is rendered.
 templates.env.globals["m"] = templates.env.get_template("_macros.html").module

@@ -229,9 +229,19 @@ def value_weighted(loaded: LoadedModel, limits: Limits) -> Result:
     heads = list(dict.fromkeys([prev, induction]))[: limits.max_heads]
     view = build_prompt_view(loaded, PromptParams(prompt=prompt, heads=",".join(heads), weighted=True), limits)
     plain = build_prompt_view(loaded, PromptParams(prompt=prompt, heads=induction), limits)
-    mass, rows = induction_mass([t.id for t in plain.tokens], torch.tensor(plain.heads[0].pattern))
+    ids = [t.id for t in plain.tokens]
+    mass, rows = induction_mass(ids, torch.tensor(plain.heads[0].pattern))
+    weighted = torch.tensor(next(hp.pattern for hp in view.heads if hp.head == induction))  # [n, n] A·‖v‖
+    share = weighted / weighted.sum(-1, keepdim=True).clamp_min(1e-30)  # each row's share of the drawn weight
+    weighted_mass, _ = induction_mass(ids, share)
     return (
-        {"prompt": view, "induction_head": induction, "induction_mass": mass, "induction_rows": rows},
+        {
+            "prompt": view,
+            "induction_head": induction,
+            "induction_mass": mass,
+            "induction_weighted_mass": weighted_mass,
+            "induction_rows": rows,
+        },
         "/prompt",
         {"prompt": prompt, "heads": ",".join(heads), "weighted": "true"},
     )

@@ -39,9 +39,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from circuits_core.circuits.folded import circuit_weight
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError
-from circuits_core.model.transformer import Block, Transformer
+from circuits_core.model.transformer import Transformer
 from circuits_core.schedule import side_by_side
 
 CompositionKind = Literal["q", "k", "v"]
@@ -248,12 +249,11 @@ def raw_composition_scores(
 
 
 def model_weight(model: Transformer, dtype: torch.dtype) -> LayerWeight:
-    """A layer's weights read from the model in `dtype` (W_K, W_V per key/value group as stored, no repeat)."""
-    attns = [block.attn for block in model.blocks if isinstance(block, Block)]
+    """A layer's weights read from the model in `dtype` (W_K, W_V per key/value group as stored, no repeat), with the
+    gains the forward pass keeps apart folded in (QK-norm, output norms: folded.py's weight-level form)."""
 
     def weight(layer: int, name: str) -> Tensor:
-        attn = attns[layer]
-        return (attn.grouped(name) if name in ("W_K", "W_V") else getattr(attn, name)).to(dtype)
+        return circuit_weight(model, layer, name).to(dtype)
 
     return weight
 
