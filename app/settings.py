@@ -48,7 +48,8 @@ class Settings(BaseSettings):
     store_url: str = Field(
         default="disk",
         pattern=r"^(off|disk|(redis|rediss|unix)://.+)$",
-        description="second-level result store: 'disk' (diskcache folder shared by this machine's workers, kept across restarts), a redis:// URL (shared by replicas, disk as fallback) or 'off'",
+        description="second-level result store: 'disk' (diskcache folder shared by this machine's workers, kept across "
+        "restarts), a redis:// URL (shared by replicas, disk as fallback) or 'off'",
     )
     store_dir: Path = Field(default=REPO_ROOT / ".store", description="folder of the disk store")
     store_bytes: int = Field(
@@ -58,7 +59,8 @@ class Settings(BaseSettings):
     preload: bool = Field(default=False, description="load every model at start-up instead of on first use")
     max_model_bytes: int = Field(
         default=4096 * MiB, ge=MiB,
-        description="largest model served: bytes of its files and of its parameters priced from config.json before loading",
+        description="largest model served: bytes of its files and of its parameters priced from config.json before "
+                    "loading",
     )  # fmt: skip
     # serving (app/compute.py, app/observability.py, app/ratelimit.py)
     torch_threads: int | None = Field(default=None, ge=1, description="torch threads (default: cores // compute_slots)")
@@ -71,8 +73,8 @@ class Settings(BaseSettings):
         default=20e9,
         gt=0,
         description="arithmetic rate assumed for one computation when pricing its time: a request whose engine-counted "
-        "FLOPs / this exceeds request_timeout_s is refused (422) before it runs. 20 GFLOP/s: about a third of one core's "
-        "float32 matrix products on the 2-core development machine, which a computation shares with others",
+        "FLOPs / this exceeds request_timeout_s is refused (422) before it runs. 20 GFLOP/s: about a third of one "
+        "core's float32 matrix products on the 2-core development machine, which a computation shares with others",
     )
     rate_limit: int | None = Field(default=None, ge=1, description="requests per client per rate_window_s (None: off)")
     rate_window_s: float = Field(default=60.0, gt=0, description="window of the per-client rate limit")

@@ -5,7 +5,8 @@ The induction head and its previous-token head come from the heads table on the 
 the strongest induction head of layers >= 1, and the strongest previous-token head below it; each must score at
 least HEAD_THRESHOLD (model_summary's rule for listing a head as one), so no figure or sentence calls a head an
 induction or previous-token head that is none. The positivity is sum(eig)/sum(|eig|) of the token circuit
-W_E W_Q^h W_K^{hT} (W_V^{p} W_O^{p})^T W_E^T of head h with the previous-token head p (circuits_core/prompt/qk_paths.py).
+W_E W_Q^h W_K^{hT} (W_V^{p} W_O^{p})^T W_E^T of head h with the previous-token head p
+(circuits_core/prompt/qk_paths.py).
 """
 
 from __future__ import annotations

@@ -166,7 +166,8 @@ def shard_names(folder: Path) -> list[str]:
     if folder_file(folder, "model.safetensors").is_file():
         return ["model.safetensors"]
     raise CheckpointError(
-        f"no model.safetensors or {INDEX} (found: {folder_listing(folder)}); the Llama-family loader reads safetensors only"
+        f"no model.safetensors or {INDEX} (found: {folder_listing(folder)}); the Llama-family loader reads safetensors "
+        f"only"
     )
 
 
