@@ -1,5 +1,5 @@
 """One declaration per analysis; the API route, the page route, the OpenAPI constraints, the cache key and the
-JSON-twin link are all derived from it (design.md, "Declare an analysis once").
+JSON-twin link are all derived from it (docs/design.md §2).
 
 An analysis is declared once, beside its builder in app/views/<topic>.py (app/views/attention_entropy.py):
 

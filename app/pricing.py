@@ -1,4 +1,4 @@
-"""Every request priced before it runs, and its answer bounded (design.md, "Cheap work and heavy work").
+"""Every request priced before it runs, and its answer bounded (docs/design.md §3).
 
 A circuits_core.cost.Cost (the engine's own estimate) is compared with the request's `Budgets` before a compute
 slot is taken (`check_cost`: 422 naming the size, the budget and what to lower); the answer is encoded to JSON

@@ -204,12 +204,6 @@ class ModelRegistry:
             log.info("loaded model %s (%s)", model_id, entry.format)
         return loaded
 
-    def forget(self, model_id: str) -> None:
-        """Drop a loaded model and any remembered failure (the next request loads the folder again)."""
-        with self._lock(model_id):
-            self._loaded.pop(model_id, None)
-            self._failed.pop(model_id, None)
-
     def is_loaded(self, model_id: str) -> bool:
         """Loaded, and its folder unchanged since (get() returns it without loading)."""
         loaded = self._loaded.get(model_id)

@@ -21,7 +21,7 @@ import torch
 
 SECTION_MODULES = (
     "bench.engine",
-    "bench.engine2",
+    "bench.composition_paths",
     "bench.load",
     "bench.http",
     "bench.virtual_weights",

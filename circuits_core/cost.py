@@ -1,6 +1,6 @@
 """What a computation will cost, priced before it runs, and the stop flag its loops poll.
 
-design.md, "Cheap work and heavy work": every request is priced before it runs, and a cost is computed by
+docs/design.md §3: every request is priced before it runs, and a cost is computed by
 the engine code that will spend it, so it cannot drift from it. Each engine module therefore publishes a
 cost function beside the computation it prices (`FactoredMatrix.topk_global_cost`, `composition.cost`,
 `heads.detectors_cost`, `paths.cost`, `qk_paths.cost`, `ablation.cost`, `copying.copying_metrics_cost`, ...). The
@@ -67,17 +67,9 @@ class Cost:
         return Cost(self.peak_bytes, self.answer_bytes + extra, self.flops)
 
 
-FREE = Cost(0)
-
-
 def itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of a floating dtype."""
     return torch.finfo(dtype).bits // 8
-
-
-def answer_numbers(numbers: int, labels: int = 0) -> int:
-    """Encoded bytes of an answer of `numbers` JSON numbers and `labels` labelled items (and its envelope)."""
-    return numbers * JSON_NUMBER_BYTES + labels * JSON_LABEL_BYTES + JSON_ENVELOPE_BYTES
 
 
 # -- the stop flag ---------------------------------------------------------------------------------------

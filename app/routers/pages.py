@@ -150,7 +150,7 @@ async def go(
 
 # -- the direct path ----------------------------------------------------------------------------------------------
 class DirectPageParams(DirectParams):
-    """The direct page: min_count absent means frequent tokens where the model has training counts (issue 12.3),
+    """The direct page: min_count absent means frequent tokens where the model has training counts,
     'all' means every token."""
 
     min_count: Annotated[

@@ -252,7 +252,7 @@ async def head_context(call: PageCall) -> dict[str, Any]:
     cfg, name, model = call.model.model.cfg, p.head, call.model_id
     fragment_only = is_fragment(call.request) and call.request.headers.get("HX-Target") == "circuits"
     view: HeadView | None = None if fragment_only else await call.run(HEAD, HeadParams(head=name))
-    b, v = p.basis, p.vocab  # every table of the circuits panel on the weights (issue 12.2) and token set chosen
+    b, v = p.basis, p.vocab  # every table of the circuits panel on the weights and token set chosen
     ov: CircuitTopView = await call.run(
         OV, OVParams(head=name, token=p.token, k=p.k, min_count=p.min_count, basis=b, vocab=v)
     )

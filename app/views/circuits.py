@@ -1,4 +1,4 @@
-"""Top entries of the full OV, QK and direct-path circuits, and skip-trigram tables (paper-math 2.2-2.6).
+"""Top entries of the full OV, QK and direct-path circuits, and skip-trigram tables (docs/maths.md §2.2-2.6).
 
 Every circuit is a FactoredMatrix [d_vocab, d_vocab] from circuits_core.circuits.head_circuits; with a token we read its
 row (or, for QK keys, its column) from the factors, without one the global top-k streams row blocks under

@@ -1,11 +1,11 @@
-"""Composition between heads (paper-math 2.9) and the token circuits of one (earlier, later) pair (2.10, 2.12).
+"""Composition between heads (docs/maths.md §2.9) and the token circuits of one (earlier, later) pair (2.10, 2.12).
 
 Scores come from circuits_core.circuits.composition (all pairs from d_head-sized factors). For one pair we read two
 [d_vocab, d_vocab] token circuits as factored matrices with inner dimension d_head, never dense:
   K-composition   qk_paths.k_composition_circuit: W_E W_Q^t W_K^tT (W_V^s W_O^s)^T W_E^T / s, rows query
                   token, cols the token the source head reads at the key's position; its eigenvalue
-                  statistic is the "same-token matching" of the Id (x) A^s (x) W term of paper-math 2.12
-  virtual head    W_E W_V^{h1} W_O^{h1} ... W_V^{hk} W_O^{hk} W_U                   (paper-math 2.10)
+                  statistic is the "same-token matching" of the Id (x) A^s (x) W term of docs/maths.md §2.12
+  virtual head    W_E W_V^{h1} W_O^{h1} ... W_V^{hk} W_O^{hk} W_U                   (docs/maths.md §2.10)
 W_E is the LN-applied embedding of circuits_core.circuits.head_circuits (row convention, x @ W).
 """
 
@@ -119,7 +119,7 @@ def parse_chain(loaded: LoadedModel, heads: list[str], max_heads: int) -> list[t
 
 
 def virtual_ov_circuit(loaded: LoadedModel, chain: list[tuple[int, int]]) -> FactoredMatrix:
-    """W_E W_OV^{h1} ... W_OV^{hk} W_U [d_vocab, d_vocab], inner dimension d_head (paper-math 2.10)."""
+    """W_E W_OV^{h1} ... W_OV^{hk} W_U [d_vocab, d_vocab], inner dimension d_head (docs/maths.md §2.10)."""
     model = loaded.model
     ov = circuits.ov_circuit(model, *chain[0])
     for layer, h in chain[1:]:

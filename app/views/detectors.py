@@ -2,7 +2,7 @@
 
 Input: BOS + r + r repeated random tokens (seq_len, batch, seed), or one prompt. On the repeated input the
 loss of the second copy of r falls below the first when the model copies in context (induction heads;
-paper "Induction Heads", paper-math 2.15). losses[i] is the loss of predicting token i + 1 at position i.
+paper "Induction Heads", docs/maths.md §2.15). losses[i] is the loss of predicting token i + 1 at position i.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The heads table (copying scores + behavioural detectors) and the one-head summary.
 
-Detectors run on the standard input of paper-math 2.15: BOS + r + r, r = 50 uniform random tokens,
+Detectors run on the standard input of docs/maths.md §2.15: BOS + r + r, r = 50 uniform random tokens,
 batch 10, fixed seed (shorter r when the context is short). Copying scores are the eigenvalue statistic
-sum(lambda)/sum(|lambda|) of the full OV and token-token QK circuits (paper-math 2.8).
+sum(lambda)/sum(|lambda|) of the full OV and token-token QK circuits (docs/maths.md §2.8).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A chain of heads h1 -> ... -> hk in increasing layers, i.e. a virtual attention head (paper-math 2.10).
+"""A chain of heads h1 -> ... -> hk in increasing layers, i.e. a virtual attention head (docs/maths.md §2.10).
 
 On a prompt: its pattern A^{hk} ... A^{h1} (product of the clean run's patterns), its OV circuit
 W_E W_OV^{h1} ... W_OV^{hk} W_U (top entries and eigenvalue copying score, from d_head-sized factors), and

@@ -1,4 +1,4 @@
-"""Component x component decomposition of a later head's attention scores on a prompt (paper-math 2.12).
+"""Component x component decomposition of a later head's attention scores on a prompt (docs/maths.md §2.12).
 
 circuits_core.prompt.qk_paths.expand_scores splits the pre-softmax scores q k^T / s of head (layer >= 1) into terms
 q_a k_b^T / s over the components a, b of its input (embedding, positions, each earlier head's output, MLPs,

@@ -1,4 +1,4 @@
-"""The residual stream as a communication channel (issue 14): every writer against every reader, one virtual
+"""The residual stream as a communication channel: every writer against every reader, one virtual
 weight, and how the writers share d_model. Engine: circuits_core/circuits/virtual_weights.py, residual_stream.py.
 
 Three declarations (page + JSON each):

@@ -1,4 +1,4 @@
-"""Rotary-model analyses (issue 11): a head's positional kernel, energy per rotary band and QK eigenvalue
+"""Rotary-model analyses: a head's positional kernel, energy per rotary band and QK eigenvalue
 copying over δ, a pair's Q/K composition profile over δ; helpers the QK, composition and heads views call for rotary models.
 
 The kernel needs μ_l, the mean ln1 output entering each layer on a reference text (circuits_core/circuits/rotary.py

@@ -1,6 +1,6 @@
 """Copying, measured three ways for every head, beside what random weights of the same shapes give.
 
-Paper section: "Detecting copying" and "Summarizing OV/QK matrices" (Elhage et al. 2021; paper-math 2.7,
+Paper section: "Detecting copying" and "Summarizing OV/QK matrices" (Elhage et al. 2021; docs/maths.md §2.7,
 2.8). Row-vector convention: the full OV circuit of head h is M = W_E_eff W_V W_O W_U [V, V], row a = the
 logit effect of attending to token a (circuits.full_ov_circuit). Three summaries of "M copies":
 - the eigenvalue score sum(lambda) / sum(|lambda|) (circuits.ov_copying_scores), which can be near +1 while

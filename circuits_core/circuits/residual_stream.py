@@ -1,7 +1,7 @@
 """How the residual stream's bandwidth is used: ranks, shared subspaces, crowding and erasure.
 
 Paper section: "The Residual Stream as a Communication Channel" and "Subspaces and Residual Stream
-Bottlenecks" (Elhage et al. 2021; paper-math 2.1). Row-vector convention. Every writer W_w [n_in, d_model] writes
+Bottlenecks" (Elhage et al. 2021; docs/maths.md §2.1). Row-vector convention. Every writer W_w [n_in, d_model] writes
 into the row space of W_w; every reader W_r [d_model, n_out] reads the column space of W_r (components in
 stream_components.py). With stream-side singular values s_i and vectors u_i of a component:
 

@@ -1,7 +1,7 @@
 """Virtual weights: what every reader of the residual stream reads of what every writer wrote into it.
 
 Paper section: "Virtual Weights and the Residual Stream as a Communication Channel" (Elhage et al. 2021;
-paper-math 2.1, 2.9). Row-vector (TransformerLens) convention, x @ W. Writers W_w [n_in, d_model] (embed, pos,
+docs/maths.md §2.1, §2.9). Row-vector (TransformerLens) convention, x @ W. Writers W_w [n_in, d_model] (embed, pos,
 heads' W_OV, MLPs' W_out) and readers W_r [d_model, n_out] (heads' W_QK, W_QK^T, W_OV, MLP inputs, W_U) are
 listed in stream_components.py.
 

@@ -1,6 +1,6 @@
 """Term importance: the paper's path-order ablation, and Olsson et al.'s pattern-preserving head ablation.
 
-Paper section: "Term importance analysis" (Elhage et al. 2021; paper-math 2.13). With the clean run's
+Paper section: "Term importance analysis" (Elhage et al. 2021; docs/maths.md §2.13). With the clean run's
 attention patterns and LayerNorm scales frozen, rerun the model so that every layer's *values* read the
 residual stream of the previous rerun (`Frozen(value_resid=...)` in model.run; queries and keys keep the
 clean patterns). Starting from value inputs of zero (only biases pass), rerun k contains exactly the paths

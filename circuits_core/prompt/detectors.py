@@ -11,7 +11,7 @@ Attention-pattern detectors (all in [0, 1], averaged over the batch):
                   occurrences of the same token
   induction       mean, over queries whose token occurred before at j (j + 1 <= i), of the attention
                   on the positions j + 1 that followed an earlier occurrence. On BOS + r + r it equals the
-                  clean definition of paper-math 2.15, mean_{i=T+1..2T} A[i, i-T+1] (second repeat only),
+                  clean definition of docs/maths.md §2.15, mean_{i=T+1..2T} A[i, i-T+1] (second repeat only),
                   only when r has no repeated token and does not contain BOS's id: a token repeated inside r
                   makes first-copy queries eligible and gives second-copy queries several targets.
 """
@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.cost import Cost, check_stop, itemsize, polled
-from circuits_core.errors import InvalidInputError, NotFoundError
+from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer, next_token_losses
 from circuits_core.prompt.frozen import attention, forward_cost, ln_linear
 
@@ -281,14 +281,8 @@ def detector_chunk(model: Transformer, n: int, batch: int, budget_bytes: int, lo
     return 1
 
 
-def get_detector(name: str) -> Callable[[Tensor, Tensor], Tensor]:
-    if name not in PATTERN_DETECTORS:
-        raise NotFoundError(f"unknown detector {name!r}; valid: {', '.join(PATTERN_DETECTORS)}")
-    return PATTERN_DETECTORS[name]
-
-
 # -- standard inputs, Olsson et al.'s evaluators and the paper's 2-D induction view --------------------
-# Prefix matching (Olsson et al. appendix, paper-math 2.15): on BOS + 25 random tokens repeated 4 times, the
+# Prefix matching (Olsson et al. appendix, docs/maths.md §2.15): on BOS + 25 random tokens repeated 4 times, the
 # mean attention mass from each token to the tokens that followed the same token in earlier repeats -- the
 # `induction` pattern detector evaluated on that input.
 # Copying (Olsson et al.): the head's direct logit effect at each query position i (its output through the

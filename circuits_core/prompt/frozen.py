@@ -1,6 +1,6 @@
 """The frozen-attention linear view of a model: the clean run's patterns and LayerNorm scales, held fixed.
 
-Paper section: "Path expansion" with "freezing the attention patterns" (Elhage et al. 2021; paper-math 1.5,
+Paper section: "Path expansion" with "freezing the attention patterns" (Elhage et al. 2021; docs/maths.md §1.5,
 2.11). Row-vector convention. With patterns A^{l,h} [n, n] and LayerNorm scales frozen at the clean run,
 each layer is affine in its input residual stream X [n, d_model]:
     LN_l(X)      = D_l (X C) diag(w_l) + 1 b_l^T      C = I - 11^T/d_model (identity without LN),

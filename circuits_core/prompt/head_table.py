@@ -2,7 +2,7 @@
 and how that work is shared by two cores.
 
 Paper sections (Elhage et al. 2021): "Induction Heads" (Image 22: OV copying vs the positivity of the
-K-composition term with the previous-token head) and the eigenvalue copying analysis (paper-math 2.8, 2.15).
+K-composition term with the previous-token head) and the eigenvalue copying analysis (docs/maths.md §2.8, §2.15).
 Row-vector convention; the pieces are heads.py (detectors), circuits.py (Grams, spectra) and qk_paths.py
 (K-composition positivity).
 

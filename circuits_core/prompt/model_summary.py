@@ -1,6 +1,6 @@
 """A measured summary of a pretrained model (its card, computed by code, never typed by hand).
 
-For a model qkov did not train (SmolLM2-135M from its GGUF file, issue 10), the summary reports what the
+For a model qkov did not train (SmolLM2-135M from its GGUF file), the summary reports what the
 paper's two-layer phenomena look like in it, measured on one stated input:
 - the input: heads.standard_tokens (the app's standard detector input): BOS + r + r, r = 50 token ids drawn
   uniformly from the whole vocabulary, 10 sequences, seed 0;

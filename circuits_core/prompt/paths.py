@@ -1,6 +1,6 @@
 """Frozen-attention path expansion of a logit (or a logit difference) into direct, head and virtual-head terms.
 
-Paper section: "Two-layer path expansion" and "Virtual attention heads" (Elhage et al. 2021; paper-math 2.3,
+Paper section: "Two-layer path expansion" and "Virtual attention heads" (Elhage et al. 2021; docs/maths.md §2.3,
 2.10, 2.11). Row-vector convention. With the clean run's attention patterns and LayerNorm scales frozen
 (frozen.py), the final residual stream is a sum over paths p = (source, h_1, ..., h_k), l_1 < ... < l_k:
     x_L ⊇ A^{h_k} D_{l_k} ... A^{h_1} D_{l_1} X_s C W_OV^{h_1} C ... C W_OV^{h_k}

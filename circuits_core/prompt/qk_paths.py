@@ -1,6 +1,6 @@
 """Path expansion of a later head's attention scores, and the token-space K-composition circuit.
 
-Paper section: "Two-layer path expansion of the QK circuit" (Elhage et al. 2021; paper-math 2.12, 2.14).
+Paper section: "Two-layer path expansion of the QK circuit" (Elhage et al. 2021; docs/maths.md §2.12, §2.14).
 Row-vector convention. With the clean run's patterns and LayerNorm scales frozen (frozen.py), the residual
 stream read by layer l is a sum of components y_a [n, d_model]:
     "embed" (W_E[t]), "pos_embed" (standard positions: W_pos in the residual stream), each earlier head's
@@ -214,7 +214,7 @@ def k_composition_circuit(model: Transformer, head: tuple[int, int], earlier: tu
 
     Rows: the query (destination) token; columns: the token at the position head h' reads from (for a
     previous-token h', the token before the key). W_E is A's W_E_eff (layer-0 LN applied row by row), and
-    the LN at layer l is ignored (paper-math 2.8: weight-only analyses ignore D).
+    the LN at layer l is ignored (docs/maths.md §2.8: weight-only analyses ignore D).
     """
     (layer, h), (lay2, h2) = head, earlier
     check_head(model, layer, h)

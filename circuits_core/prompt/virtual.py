@@ -1,6 +1,6 @@
 """Virtual attention heads: products of an earlier and a later head (V-composition).
 
-Paper section: "Virtual Attention Heads" (Elhage et al. 2021; paper-math 2.10). Row-vector convention, TL
+Paper section: "Virtual Attention Heads" (Elhage et al. 2021; docs/maths.md §2.10). Row-vector convention, TL
 order (earlier head first): for h1 in an earlier layer than h2,
     virtual OV   W_V^{h1} W_O^{h1} W_V^{h2} W_O^{h2}   [d_model, d_model], kept as FactoredMatrix
                  (W_V^{h1} [d, d_head], W_O^{h1} W_V^{h2} W_O^{h2} [d_head, d]): inner dimension d_head

@@ -30,7 +30,7 @@ BY_FIELD = {
     "reader": "unembed",
 }
 # analyses tiny-2l (shortformer positions) cannot answer: refused while pricing, a 422 before any compute; they are
-# priced on a rotary model in test_api_rotary.py and test_hostile_new_endpoints.py
+# priced on a rotary model in test_api_rotary.py and test_hostile_rotary_residual_endpoints.py
 ROTARY_ONLY = {"positional", "rotary-bands", "composition-profile", "qk-copying-offset"}
 REQUIRED: dict[str, dict[str, Any]] = {
     "head": {"head": "L1H0"},

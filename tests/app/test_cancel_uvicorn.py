@@ -1,4 +1,4 @@
-"""Cancellation that works (issue 9.4), on a real uvicorn on 127.0.0.1 with one compute slot.
+"""Cancellation that works, on a real uvicorn on 127.0.0.1 with one compute slot.
 
 For a long global top-k, a detector run and a path expansion, a client sends the request over a raw socket,
 waits until the computation holds the slot and the engine loop has started, and disconnects. The middleware

@@ -1,4 +1,4 @@
-"""Hostile battery, part 2: requests (issue 9.7, 9.9) and what a failed or changed folder does (9.2, 9.1's key).
+"""Hostile battery, part 2: requests and what a failed or changed folder does (9.2, 9.1's key).
 
 - Token parameters that are not a valid id or a single token (`²`, `①`, `--1`, a 5,000-digit number, ...) are a
   422 problem+json on every API route that takes one, and never a 5xx on any page (routes found from the app).

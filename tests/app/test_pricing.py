@@ -1,4 +1,4 @@
-"""Every request is priced before it runs (issue 9.3): a walk over the OpenAPI routes.
+"""Every request is priced before it runs: a walk over the OpenAPI routes.
 
 Each GET route under /api/v1 is either a declared analysis (app/catalog.py) whose cost comes from the engine,
 or one of the listing routes that do no heavy work. For every analysis, the engine's estimate of the answer is

@@ -426,7 +426,7 @@ def test_limits_are_written_into_the_openapi_schema(client: TestClient) -> None:
 def test_weak_etag_and_304(client: TestClient) -> None:
     url = "/api/v1/models/tiny-2l/heads"
     first = client.get(url)
-    etag = first.headers["ETag"]  # weak: the same JSON goes out gzip-coded or plain (issue 9.9)
+    etag = first.headers["ETag"]  # weak: the same JSON goes out gzip-coded or plain
     assert first.status_code == 200 and etag.startswith('W/"')
     assert first.headers["Cache-Control"] == "public, max-age=60"
     again = client.get(url, headers={"If-None-Match": etag})

@@ -4,7 +4,7 @@ markup is escaped on pages and served as JSON data by the API, and a new folder 
 
 Over a real server (`python -m app.serve`, the production launcher, on 127.0.0.1): a client that never
 finishes its request head is cut off after QKOV_HEADER_TIMEOUT_S, and SIGTERM drains within
-QKOV_SHUTDOWN_DRAIN_S even when a computation that cannot be stopped is still running (issue 9.9).
+QKOV_SHUTDOWN_DRAIN_S even when a computation that cannot be stopped is still running.
 """
 
 from __future__ import annotations

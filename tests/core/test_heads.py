@@ -1,7 +1,7 @@
 """Head detectors: pattern detectors on synthetic patterns, Olsson's evaluators vs looped references (float64)."""
 
 import torch
-from engine2_models import small_model
+from biased_models import small_model
 
 from circuits_core.prompt.detectors import (
     copying_scores,

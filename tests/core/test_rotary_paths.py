@@ -1,4 +1,4 @@
-"""The frozen-attention machinery on rotary / GQA models (issue 11.3): QK path terms, logit path terms, order
+"""The frozen-attention machinery on rotary / GQA models: QK path terms, logit path terms, order
 and head ablation, detectors and virtual heads, each against an independent computation in float64."""
 
 import pytest

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from engine2_models import small_model, tokens_for
+from biased_models import small_model, tokens_for
 
 from circuits_core.circuits.composition import composition_scores
 from circuits_core.circuits.copying_spectra import copying_score
