@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from app import charts
+from app.analysis import Analysis
 from app.compute import cheap
 from app.figure_output import MAX_HEIGHT
 from app.head_filter import MAX_FILTER_CHARS, HeadFilter, labelled_heads
@@ -244,7 +245,7 @@ async def overview_context(call: PageCall) -> dict[str, Any]:
     }
 
 
-def applies_to(analysis: Any, loaded: LoadedModel) -> bool:
+def applies_to(analysis: Analysis[Any, Any], loaded: LoadedModel) -> bool:
     return loaded.model.cfg.n_layers >= analysis.needs_layers
 
 

@@ -55,6 +55,7 @@ from circuits_core.circuits import head_circuits as circuits
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import head_name, parse_head
+from circuits_core.model.transformer import Transformer
 from circuits_core.prompt.frozen import readout
 from circuits_core.prompt.phenomena import MIN_TRAIN_COUNT
 
@@ -324,7 +325,7 @@ def second_copy_start(ids: list[int]) -> int:
     return n - 1
 
 
-def head_next_token_effect(model, tokens: Tensor, layer: int, head: int) -> Tensor:
+def head_next_token_effect(model: Transformer, tokens: Tensor, layer: int, head: int) -> Tensor:
     """[n - 1]: the head's output at position p dotted with the unembedding of tokens[p + 1] (final LN frozen)."""
     with torch.no_grad():
         _, cache = model.run(tokens, names=lambda nm: nm in (f"blocks.{layer}.attn.hook_z", "ln_final.hook_scale"))
