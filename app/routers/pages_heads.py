@@ -37,6 +37,8 @@ from app.views.heads import HEAD, HEADS
 from app.views.models import build_model_view
 from app.views.page_claims import scatter_sentence
 from app.views.positivity import POSITIVITY
+from circuits_core.circuits.profile_shape import near_edge
+from circuits_core.circuits.rotary import KERNEL_WINDOW
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import all_heads, head_name
 
@@ -224,6 +226,12 @@ async def overview_context(call: PageCall) -> dict[str, Any]:
         "summary": summary,
         "heads": heads,
         "shown_heads": shown_heads,
+        "kernel_window": KERNEL_WINDOW,
+        "kernel_edge": lambda offset: (
+            offset is not None  # the kernel peak column flags a window edge (61..64)
+            and KERNEL_WINDOW < loaded.model.cfg.n_ctx - 1
+            and near_edge(offset, 0, KERNEL_WINDOW)
+        ),
         "head_filter": str(head_filter),
         "filter_text": call.params.filter,
         "score": score,

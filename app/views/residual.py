@@ -155,6 +155,14 @@ class DirectionView(BaseModel):
     input_bottom: list[DirectionEntry] | None
     output_top: list[DirectionEntry] | None = Field(description="largest entries on the reader's output side")
     output_bottom: list[DirectionEntry] | None
+    input_tokens_top: list[DirectionEntry] | None = Field(
+        default=None, description="a d_model input side read in tokens (input_read): largest"
+    )
+    input_tokens_bottom: list[DirectionEntry] | None = None
+    output_tokens_top: list[DirectionEntry] | None = Field(
+        default=None, description="a d_model output side read in tokens (output_read): largest"
+    )
+    output_tokens_bottom: list[DirectionEntry] | None = None
 
 
 class ResidualPairView(BaseModel):
@@ -174,6 +182,15 @@ class ResidualPairView(BaseModel):
     offset: int
     basis: str
     ignored: str
+    input_read: str | None = Field(
+        default=None,
+        description="a d_model input side is read in tokens as W_E u (which tokens, embedded, point along u)",
+    )
+    output_read: str | None = Field(
+        default=None,
+        description="a d_model output side read in tokens: 'W_E' (a Q/K reader's other side) or 'W_U' (v W_U: the "
+        "logits a V reader's output raises); norms not applied",
+    )
 
 
 def _entries(loaded: LoadedModel, space: str, items: list[tuple[int, float]] | None) -> list[DirectionEntry] | None:
@@ -209,6 +226,10 @@ def build_residual_pair_view(loaded: LoadedModel, p: ResidualPairParams, limits:
             input_bottom=_entries(loaded, rep.input_space, d.input_bottom),
             output_top=_entries(loaded, rep.output_space, d.output_top),
             output_bottom=_entries(loaded, rep.output_space, d.output_bottom),
+            input_tokens_top=_entries(loaded, "tokens", d.input_tokens_top),
+            input_tokens_bottom=_entries(loaded, "tokens", d.input_tokens_bottom),
+            output_tokens_top=_entries(loaded, "tokens", d.output_tokens_top),
+            output_tokens_bottom=_entries(loaded, "tokens", d.output_tokens_bottom),
         )
         for d in rep.directions
     ]
@@ -221,6 +242,8 @@ def build_residual_pair_view(loaded: LoadedModel, p: ResidualPairParams, limits:
         score=rep.score,
         baseline=rep.baseline,  # type: ignore[arg-type]
         minus_baseline=rep.score - rep.baseline,
+        input_read=rep.input_read,
+        output_read=rep.output_read,
         singular_values=rep.singular_values,
         directions=dirs,
         links=_links(loaded.path.name, writer, reader),
