@@ -101,7 +101,7 @@ def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limi
         head=head_name(layer, h),
         offsets=offsets.tolist(),
         kernel=kernel.tolist(),
-        peak_offset=int(offsets[kernel.argmax()]),
+        peak_offset=int(offsets[int(kernel.argmax())]),
         reference=ref,
         basis=f"{weights_basis(loaded)}; μ_l = mean ln1 output entering layer {layer} on the reference text, first token left out",
     )
@@ -243,7 +243,7 @@ def build_qk_copying_view(loaded: LoadedModel, p: QKCopyingParams, limits: Limit
         score=float(copying_score(eig[-1])),
         offsets=offsets.tolist(),
         scores=scores.tolist(),
-        peak_offset=int(offsets[scores.argmax()]),
+        peak_offset=int(offsets[int(scores.argmax())]),
         basis=f"{weights_basis(loaded)}; tokens as W_E with layer 0's norm applied to each row (W_E_eff), positions by R(δ) only",
     )
 
