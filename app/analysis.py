@@ -47,6 +47,7 @@ from app.compute import cached_build, compute, compute_json
 from app.settings import Limits
 from circuits_core.cost import Cost
 from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.formats.lazy_mlp import check_deferred_load
 from circuits_core.model.config import head_name, parse_head
 
 API = "/api/v1"
@@ -119,6 +120,9 @@ class Analysis(Generic[P, V]):
     template: str | None = None  # a page rendering `view` (None: API only, or a Page declared in app/routers)
     cache: bool | Callable[[P], bool] = True  # keep answers in the result cache (per params when callable)
     scope: Literal["model", "server"] = "model"
+    # "attention": reads only the attention, norm, embedding and unembedding weights (never a deferred MLP weight,
+    # formats/lazy_mlp.py; checked by tests/app/test_device_clean.py); "all": priced with the MLP weights it would load
+    weights: Literal["attention", "all"] = "all"
     description: str | None = None
     # scope "server": (registry, params) -> the digests of the models the answer reads, part of its cache key
     # (so a model whose files change, or that appears or goes, never gets another version's answer)
@@ -230,6 +234,8 @@ def _priced(analysis: Analysis[P, V], subject: Any, model_id: str | None, params
             if analysis.scope == "model"
             else server_key(analysis, subject, params)
         )
+    if analysis.scope == "model" and analysis.weights == "all":
+        check_deferred_load(subject.model)  # MLP weights it would read first: priced before they are
     return {"cost": analysis.cost(subject, params, limits), "key": key, "lower": lower_hint(analysis)}
 
 

@@ -31,6 +31,10 @@ class ModelSummary(BaseModel):
     bos_token_id: int | None
     heads: list[str] = Field(description="head names L{layer}H{head}")
     card: dict[str, Any] | None = Field(default=None, description="model card: measured facts about the checkpoint")
+    computed_on: dict[str, str] = Field(
+        default_factory=dict,
+        description="device, weights' dtype, compute dtype and whether the MLP weights are read yet (LoadedModel.provenance)",
+    )
 
 
 class UnavailableModel(BaseModel):

@@ -271,6 +271,7 @@ HEAD = Analysis(
 )
 COPYING = Analysis(
     name="copying",
+    weights="attention",
     path="heads/{head}/copying",
     params=CopyingParams,
     view=CopyingMetricsView,

@@ -50,6 +50,7 @@ def build_model_view(loaded: LoadedModel, entry: ModelEntry) -> ModelSummary:
         bos_token_id=tok.bos_token_id if tok is not None else cfg.bos_token_id,
         heads=cfg.head_names,
         card=_card(loaded),
+        computed_on=loaded.provenance(),
     )
 
 
@@ -76,6 +77,7 @@ def tokenize_cost(loaded: LoadedModel, p: PromptInput, limits: Limits) -> Cost:
 
 TOKENIZE = Analysis(
     name="tokenize",
+    weights="attention",
     path="tokenize",
     params=PromptInput,
     view=TokenizeView,

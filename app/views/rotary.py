@@ -157,6 +157,7 @@ def bands_cost(loaded: LoadedModel, p: BandsParams, limits: Limits) -> Cost:
 
 BANDS = Analysis(
     name="rotary-bands",
+    weights="attention",
     path="heads/{head}/bands",
     params=BandsParams,
     view=BandsView,
@@ -206,6 +207,7 @@ def profile_cost(loaded: LoadedModel, p: ProfileParams, limits: Limits) -> Cost:
 
 PROFILE = Analysis(
     name="composition-profile",
+    weights="attention",
     path="composition/{source}/{target}/profile",
     params=ProfileParams,
     view=CompositionProfileView,
@@ -258,6 +260,7 @@ def qk_copying_cost(loaded: LoadedModel, p: QKCopyingParams, limits: Limits) -> 
 
 QK_COPYING = Analysis(
     name="qk-copying-offset",
+    weights="attention",
     path="heads/{head}/qk-copying",
     params=QKCopyingParams,
     view=QKCopyingView,

@@ -56,6 +56,7 @@ HEADER_MAX_BYTES = 100_000_000  # safetensors' own limit on the JSON header
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 _PAGE = mmap.PAGESIZE
 SLAB_BYTES = 1 << 18  # stored bytes per slab of a transposing copy (fits the L2 cache with its output)
 
@@ -193,6 +194,20 @@ class _Shards:
 
     def take(self, key: str, shape: tuple[int, ...], layout: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
         """layout(tensor `key`) in the compute dtype; its stored shape is checked before anything is read."""
+        self.check(key, shape)
+        return self.maps[self.where[key]].read(key, self.dtype, layout)
+
+    def defer(self, key: str, shape: tuple[int, ...], layout: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
+        """A meta placeholder of layout(tensor `key`) (its shape checked, nothing read): formats/lazy_mlp.py."""
+        self.check(key, shape)
+        return layout(torch.empty(shape, dtype=self.dtype, device="meta"))
+
+    def stored(self, key: str) -> torch.dtype | None:
+        """The dtype tensor `key` is stored in (None: absent or not a float type)."""
+        entry = self.maps[self.where[key]].entries[key] if key in self.where else None
+        return _DTYPES.get(str(entry.get("dtype"))) if isinstance(entry, dict) else None
+
+    def check(self, key: str, shape: tuple[int, ...]) -> None:
         if key not in self.where:
             raise CheckpointError(f"{', '.join(self.maps)}: missing tensor {key} (expected shape {list(shape)})")
         mapped = self.maps[self.where[key]]
@@ -200,7 +215,6 @@ class _Shards:
         if given != shape:
             raise CheckpointError(f"{self.where[key]}: tensor {key}: expected shape {list(shape)}, given {list(given)}")
         self.left.discard(key)
-        return mapped.read(key, self.dtype, layout)
 
     def finish(self) -> None:
         if self.left:
@@ -294,16 +308,34 @@ def _output_heads(heads: int, dh: int, d: int) -> Callable[[Tensor], Tensor]:
     return lambda W: W.T.view(heads, dh, d)
 
 
+def stored_dtype(folder: Path) -> torch.dtype | None:
+    """The dtype the embedding of a Llama-family folder is stored in (headers only; None: not a float type)."""
+    return _Shards(folder, torch.float32).stored("model.embed_tokens.weight")
+
+
+def mlp_tensors(src: _Shards, cfg: ModelConfig, layer: int, defer: bool = False) -> State:
+    """One layer's gate/up/down projections as TransformerLens's W_gate, W_in [d_model, d_mlp] and W_out [d_mlp,
+    d_model] (`defer`: meta placeholders of those shapes, nothing read)."""
+    d, d_mlp, h = cfg.d_model, cfg.d_mlp or 0, f"model.layers.{layer}.mlp"
+    take = src.defer if defer else src.take
+    return {
+        "W_gate": take(f"{h}.gate_proj.weight", (d_mlp, d), _T),
+        "W_in": take(f"{h}.up_proj.weight", (d_mlp, d), _T),
+        "W_out": take(f"{h}.down_proj.weight", (d, d_mlp), _T),
+    }
+
+
 def load_llama(
-    folder: Path, hf: dict[str, Any], dtype: torch.dtype = torch.float32
+    folder: Path, hf: dict[str, Any], dtype: torch.dtype = torch.float32, defer_mlp: bool = False
 ) -> tuple[ModelConfig, State, dict[str, str], list[Path]]:
-    """(config, TransformerLens state dict in `dtype`, tensor -> shard file, weight files)."""
+    """(config, TransformerLens state dict in `dtype`, tensor -> shard file, weight files). `defer_mlp`: the MLP
+    weights are meta placeholders, their shapes checked and nothing read (formats/lazy_mlp.py reads them later)."""
     with one_thread():
-        return _load_llama(folder, hf, dtype)
+        return _load_llama(folder, hf, dtype, defer_mlp)
 
 
 def _load_llama(
-    folder: Path, hf: dict[str, Any], dtype: torch.dtype
+    folder: Path, hf: dict[str, Any], dtype: torch.dtype, defer_mlp: bool
 ) -> tuple[ModelConfig, State, dict[str, str], list[Path]]:
     cfg = llama_config(hf)
     src = _Shards(folder, dtype)
@@ -330,9 +362,8 @@ def _load_llama(
             )
             sd[f"{p}.mlp.b_in"] = torch.zeros(d_mlp, dtype=dtype)
             sd[f"{p}.mlp.b_out"] = torch.zeros(d, dtype=dtype)
-        sd[f"{p}.mlp.W_gate"] = src.take(f"{h}.mlp.gate_proj.weight", (d_mlp, d), _T)  # [d_model, d_mlp]
-        sd[f"{p}.mlp.W_in"] = src.take(f"{h}.mlp.up_proj.weight", (d_mlp, d), _T)
-        sd[f"{p}.mlp.W_out"] = src.take(f"{h}.mlp.down_proj.weight", (d, d_mlp), _T)  # [d_mlp, d_model]
+        for name, W in mlp_tensors(src, cfg, layer, defer_mlp).items():
+            sd[f"{p}.mlp.{name}"] = W
     sd["ln_final.w"] = src.take("model.norm.weight", (d,))
     tied = ConfigReader(hf).flag("tie_word_embeddings", default=False)
     if src.has("lm_head.weight"):
