@@ -343,7 +343,6 @@ RESIDUAL = Analysis(
     cost=residual_cost,
     summary="Residual stream (virtual weights)",
     tags=["residual stream"],
-    template="residual.html",
 )
 RESIDUAL_USAGE = Analysis(
     name="residual-usage",
@@ -354,7 +353,6 @@ RESIDUAL_USAGE = Analysis(
     cost=usage_cost,
     summary="Residual stream usage",
     tags=["residual stream"],
-    template="residual_usage.html",
 )
 RESIDUAL_PAIR = Analysis(
     name="residual-pair",
@@ -365,6 +363,5 @@ RESIDUAL_PAIR = Analysis(
     cost=residual_pair_cost,
     summary="One virtual weight: writer -> reader",
     tags=["residual stream"],
-    template="residual_pair.html",
 )
 ANALYSES: list[Analysis[Any, Any]] = [RESIDUAL, RESIDUAL_USAGE, RESIDUAL_PAIR]

@@ -37,8 +37,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from circuits_core.circuits.copying_spectra import embed_gram
 from circuits_core.circuits.factored import FactoredMatrix
-from circuits_core.circuits.head_circuits import embed_gram
+from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.circuits.stream_components import (
     Reader,
     Writer,
@@ -350,7 +351,7 @@ def erasure(
             score[i, j0:], z[i, j0:], share[i, j0:] = s, zs, sh
             for j in torch.nonzero((zs > threshold_z) & (sh > k / d)).flatten().tolist():
                 # eigenvalues of X Y = U^T W_OV U [k, k], through the smaller of X Y and Y X (same nonzero ones)
-                eig = torch.linalg.eigvals((X[j] @ Y[j] if k <= dh else Y[j] @ X[j]).double())
+                eig = eigvals((X[j] @ Y[j] if k <= dh else Y[j] @ X[j]).double())
                 candidates.append(
                     ErasureCandidate(
                         w.name,

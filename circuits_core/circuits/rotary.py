@@ -33,20 +33,18 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from circuits_core.circuits.copying_spectra import copying_score, embed_gram
+from circuits_core.circuits.embedding import EMBED_CHUNK, embed_eff_matmul, embed_eff_rows
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.head_circuits import (
-    EMBED_CHUNK,
     SkipTrigrams,
-    _attn,
+    attention,
     check_head,
-    copying_score,
-    embed_eff_matmul,
-    embed_eff_rows,
-    embed_gram,
     factors_cost,
     skip_trigrams,
     top_cost,
 )
+from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer, rotary_inv_freq, rotary_pairs
@@ -107,7 +105,7 @@ def rotation(model: Transformer, offsets: Sequence[int] | Tensor, dtype: torch.d
 def query_key_weights(model: Transformer, layer: int, head: int) -> tuple[Tensor, Tensor]:
     """(W_Q^h, W_K^g) [d_model, d_head] each: the head's query weights and its key/value group's key weights."""
     check_head(model, layer, head)
-    attn = _attn(model, layer)
+    attn = attention(model, layer)
     return attn.W_Q[head], attn.grouped("W_K")[head // model.cfg.group_size]
 
 
@@ -184,7 +182,7 @@ def qk_eigenvalues_at(model: Transformer, offset: int, G_E: Tensor | None = None
     those of W_K^{gT} G_E W_Q^h R(δ) / s [d_head, d_head] (float64)."""
     check_rotary(model)
     R = rotation(model, [offset])[0]  # [dh, dh] float64
-    return torch.linalg.eigvals(_qk_small(model, model.W_Q, model.W_K, G_E) @ R)  # W_K per query head
+    return eigvals(_qk_small(model, model.W_Q, model.W_K, G_E) @ R)  # W_K per query head
 
 
 def head_qk_eigenvalues_at(
@@ -194,7 +192,7 @@ def head_qk_eigenvalues_at(
     check_rotary(model)
     W_Q, W_K = query_key_weights(model, layer, head)
     R = rotation(model, offsets)  # [n, dh, dh] float64
-    return torch.linalg.eigvals(_qk_small(model, W_Q, W_K, G_E) @ R)
+    return eigvals(_qk_small(model, W_Q, W_K, G_E) @ R)
 
 
 def qk_copying_scores_at(model: Transformer, offset: int, G_E: Tensor | None = None) -> Tensor:

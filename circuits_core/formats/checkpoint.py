@@ -26,8 +26,8 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -64,6 +64,7 @@ from circuits_core.formats.summary_file import load_summary
 from circuits_core.formats.tokenizer import Tokenizer
 from circuits_core.model.config import ConfigReader, ModelConfig
 from circuits_core.model.transformer import Transformer
+from circuits_core.schedule import in_background
 
 Format = Literal["qkov", "transformer_lens", "gpt2", "gpt_neox", "gguf", "llama", "mistral", "qwen2"]
 FORMATS: tuple[str, ...] = get_args(Format)
@@ -347,10 +348,14 @@ def load_checkpoint(
     # The digest reads every byte again: hash in a thread (hashlib releases the GIL) while torch reads and processes.
     # GGUF and Llama-family folders name their weight files before any tensor is read, so their digest starts first
     # (on the 1B-shaped checkpoint it used to run after the 6 s read, adding 1.7 s).
-    with ThreadPoolExecutor(max_workers=1) as pool:
+    with in_background() as background:
         deferred: DeferredMLP | None = None
         early = weight_files_known_before_reading(folder, fmt)
-        digest_job = pool.submit(files_digest, [*config_file, *early, *answer_files]) if early is not None else None
+        digest_job = (
+            background.start(partial(files_digest, [*config_file, *early, *answer_files]))
+            if early is not None
+            else None
+        )
         if fmt == "gguf" and early is not None:  # (early is the one .gguf file)
             files = early  # one pass over it: its metadata holds the tokenizer too; priced before dequantising
             cfg, state, origin, tokenizer = read_gguf(files[0], check=check_price)
@@ -361,7 +366,7 @@ def load_checkpoint(
                 cfg, state, origin, files = REGISTRY[fmt](folder, data, dtype)
             check_price(cfg, deferred is not None)
         if digest_job is None or sorted(early or []) != sorted(files):  # (a loader read other files)
-            digest_job = pool.submit(files_digest, [*config_file, *files, *answer_files])
+            digest_job = background.start(partial(files_digest, [*config_file, *files, *answer_files]))
         if keep_half and fmt not in LLAMA_MODEL_TYPES and state["embed.W_E"].dtype in HALF_DTYPES:
             dtype = state["embed.W_E"].dtype  # the whole model in the embedding's stored half dtype
         loaded = _build(folder, fmt, data, cfg, state, origin, dtype, process, tokenizer, torch.device(device))

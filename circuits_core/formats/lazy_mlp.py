@@ -10,6 +10,8 @@ W_gate and W_in by ln2's weight; nothing else touches them), and moves them to t
 
 Supported where the processing of MLP weights is that fold or nothing: RMS norms (centring applies to LayerNorm
 models only, processing.py); `lazy_mlp_supported` says so, and load_checkpoint loads eagerly otherwise.
+Until every layer is read, model.parameters() and state_dict() hold the meta placeholders: the app never saves or
+reprocesses a served model, and code that does must load it eagerly.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ mixing them with a tensor created without the model's device fails as it would o
 on the same device"), while every value is still computed, eigenvalues and SVDs included. Each analysis of
 app/catalog.py runs, through its declared builder and its price, on three models between them covering every
 feature an analysis branches on: shortformer positions without norms (tiny-2l), LayerNorm with standard positions
-(tiny-ln), and a Llama-like model (RMS norm, rotary, grouped-query attention, gated MLP). An analysis a model does
+(tiny-ln), a Llama-like model (RMS norm, rotary, grouped-query attention, gated MLP), and the shipped toy-2l, whose
+trained induction head the analyses built around one need. An analysis a model does
 not support (rotary-only views on a learned-position model) may refuse it with a 4xx error; every analysis must run
 clean on at least one model, and must have read the model's tensors there.
 """
@@ -20,10 +21,11 @@ import torch
 
 from app.analysis import Analysis, BoundAnalyses
 from app.catalog import ANALYSES
-from circuits_core.cost import available_cores
+from app.settings import REPO_ROOT
 from circuits_core.errors import InvalidInputError, LimitExceededError, NotFoundError
 from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
 from circuits_core.model.config import ModelConfig
+from circuits_core.schedule import available_cores
 from tests.app.conftest import LIMITS, save_qkov, train_tokenizer
 from tests.foreign_device import DeviceMixError, ForeignDevice
 
@@ -49,7 +51,13 @@ def models(model_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFacto
     save_qkov(folder, llama_like(tok.get_vocab_size()), tok, seed=5)
     shipped, user = model_dirs
     out = {}
-    for name, path in (("tiny-2l", shipped / "tiny-2l"), ("tiny-ln", user / "tiny-ln"), ("tiny-llama", folder)):
+    toy = REPO_ROOT / "checkpoints" / "toy-2l"  # trained: it has the induction head some analyses need
+    for name, path in (
+        ("tiny-2l", shipped / "tiny-2l"),
+        ("tiny-ln", user / "tiny-ln"),
+        ("tiny-llama", folder),
+        ("toy-2l", toy),
+    ):
         loaded = load_checkpoint(path, dtype=torch.float64)
         out[name] = (loaded, ForeignDevice(loaded.model))
     return out
@@ -82,6 +90,8 @@ def run_on_foreign_device(analysis: Analysis[Any, Any], loaded: LoadedModel, mod
 def test_every_analysis_keeps_to_the_models_device(models: dict[str, Any], analysis: Analysis[Any, Any]) -> None:
     ran, refused = {}, {}
     for name, (loaded, mode) in models.items():
+        if name == "toy-2l" and ran:  # the trained model (a 4x larger vocabulary) only where the random ones refuse
+            continue
         try:
             ran[name] = run_on_foreign_device(analysis, loaded, mode)
         except DeviceMixError as exc:
@@ -110,3 +120,43 @@ def test_the_check_fails_on_a_host_tensor_mixed_in() -> None:
         with pytest.raises(DeviceMixError, match="same device"):
             W.cpu() @ W.T  # .cpu() is the host
     assert mode.foreign_ops > 0
+
+
+# -- on a real GPU (bench/gpu_check.sh runs these; skipped where torch sees none) ------------------------------------
+def close(a: Any, b: Any, where: str = "") -> None:
+    """Two JSON-like answers equal, numbers to 1e-9 (relative to their size, at least 1)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            close(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list | tuple):
+        assert isinstance(b, list | tuple) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            close(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and not isinstance(a, bool):
+        assert abs(a - b) <= 1e-9 * max(1.0, abs(a)), f"{where}: {a} (CPU) vs {b} (GPU)"
+    else:
+        assert a == b, f"{where}: {a!r} (CPU) vs {b!r} (GPU)"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.sh)")
+@pytest.mark.parametrize("analysis", MODEL_ANALYSES, ids=[a.name for a in MODEL_ANALYSES])
+def test_every_analysis_gives_the_cpus_answer_on_cuda(models: dict[str, Any], analysis: Analysis[Any, Any]) -> None:
+    bound = BoundAnalyses(MODEL_ANALYSES, LIMITS)
+    ran = 0
+    for name, (loaded, _) in models.items():
+        on_gpu = load_checkpoint(loaded.path, dtype=torch.float64, device="cuda")
+        assert on_gpu.provenance()["device"].startswith("cuda")
+        answers = []
+        for subject in (loaded, on_gpu):
+            path_fields = analysis.path_fields()
+            raw = {k: v for k, v in QUERY_VALUES.items() if k in analysis.params.model_fields and k not in path_fields}
+            raw |= {k: PATH_VALUES[k] for k in path_fields}
+            try:
+                params = bound.bound(analysis).model_validate(raw).normalised(subject)
+                answers.append(analysis.build(subject, params, LIMITS).model_dump(mode="json"))
+            except REFUSALS as exc:
+                answers.append(("refused", type(exc).__name__))
+        close(answers[0], answers[1], f"{analysis.name} on {name}")
+        ran += answers[0][0] != "refused" if isinstance(answers[0], tuple) else 1
+    assert ran, f"{analysis.name} ran on no model"

@@ -29,3 +29,12 @@ def test_virtual_weight_scores_stay_on_the_models_device(cfg: ModelConfig, offse
         scores = virtual_weights.all_scores(model, offset=offset)
         assert mode.is_foreign(scores.raw) and mode.place(scores.mask) != "host"
     torch.testing.assert_close(scores.raw, host.raw, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.sh)")
+@pytest.mark.parametrize(("cfg", "offset"), [(LLAMA_LIKE, 0), (LLAMA_LIKE, 3), (SHORTFORMER, 0)])
+def test_virtual_weight_scores_on_cuda_equal_the_cpus(cfg: ModelConfig, offset: int) -> None:
+    host = virtual_weights.all_scores(random_model(cfg, seed=3, dtype=torch.float64), offset=offset)
+    gpu = virtual_weights.all_scores(random_model(cfg, seed=3, dtype=torch.float64).to("cuda"), offset=offset)
+    assert gpu.raw.device.type == "cuda"
+    torch.testing.assert_close(gpu.raw.cpu(), host.raw, rtol=1e-12, atol=1e-12)

@@ -21,7 +21,7 @@ import torch
 import transformers
 
 from circuits_core.circuits import composition, virtual_weights
-from circuits_core.circuits.head_circuits import ov_copying_scores
+from circuits_core.circuits.copying_spectra import ov_copying_scores
 from circuits_core.formats import llama
 from circuits_core.formats.checkpoint import load_checkpoint
 
