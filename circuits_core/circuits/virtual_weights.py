@@ -37,11 +37,12 @@ from torch import Tensor
 from circuits_core.circuits.composition import gram_block_size, random_baseline
 from circuits_core.circuits.embedding import embed_eff
 from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.folded import layer_weights as stacked
+from circuits_core.circuits.folded import mlp_output_weight
 from circuits_core.circuits.stream_components import (
     Reader,
     ReaderRole,
     Writer,
-    block,
     chain_norm,
     factored,
     has_pos_writer,
@@ -89,31 +90,44 @@ class FactoredSVD:
     V: Tensor  # [rdim, k]
 
 
+GRAM_ROWS = 4096  # rows of a factor upcast to float64 at a time when forming its Gram
+
+
+def gram64(X: Tensor) -> Tensor:
+    """X^T X [c, c] in float64 for X [n, c], formed GRAM_ROWS rows at a time (no float64 copy of X)."""
+    G = torch.zeros(X.shape[1], X.shape[1], dtype=torch.float64, device=X.device)
+    for i in range(0, X.shape[0], GRAM_ROWS):
+        chunk = X[i : i + GRAM_ROWS].double()
+        G.addmm_(chunk.T, chunk)
+    return G
+
+
 def factored_svd(fm: FactoredMatrix, k: int) -> FactoredSVD:
     """SVD of A B (A [n, r], B [r, m]) through the r x r Grams: O((n + m) r^2), never an n x m or n x r SVD.
 
     A^T A = E_a diag(a^2) E_a^T and B B^T = E_b diag(b^2) E_b^T give A = Q_a diag(a) E_a^T and
     B = E_b diag(b) Q_b^T with orthonormal Q_a, Q_b, so A B = Q_a C Q_b^T with the r x r core
     C = diag(a) E_a^T E_b diag(b); its SVD C = U_c S V_c^T gives U = A E_a diag(1/a) U_c, V = B^T E_b diag(1/b) V_c.
-    Squaring costs precision: singular values below r sqrt(eps) s_max are reported as 0.
+    Squaring costs precision: an eigenvalue of a Gram is known to about r eps a_max^2, so a singular value to about
+    sqrt(r eps) s_max. The Grams, their eigenvectors and the core are therefore float64 whatever the weights' dtype
+    (the products of float32 or half-precision entries are exact in float64), and only values below
+    sqrt(r eps_64) s_max (about 4e-7 s_max for r = 576) are reported as 0. S is float64; U and V are in A's dtype.
     """
     A, B = fm.A, fm.B
-    if A.dtype in (torch.float16, torch.bfloat16):  # eigh and svd need float32 or better
-        A, B = A.float(), B.float()
-    ea, Ea = torch.linalg.eigh(A.T @ A)
-    eb, Eb = torch.linalg.eigh(B @ B.T)
+    r = A.shape[1]
+    ea, Ea = torch.linalg.eigh(gram64(A))
+    eb, Eb = torch.linalg.eigh(gram64(B.T))
     a, b = ea.clamp_min(0).sqrt(), eb.clamp_min(0).sqrt()
-    core = (a[:, None] * Ea.T) @ (Eb * b[None, :])  # [r, r]
+    core = (a[:, None] * Ea.T) @ (Eb * b[None, :])  # [r, r] float64
     Uc, S, Vch = torch.linalg.svd(core)
-    # Through the Grams, singular values below sqrt(eps) s_max are rounding noise: report them as 0.
-    S = torch.where(S > S[0] * S.shape[0] * torch.finfo(S.dtype).eps ** 0.5, S, torch.zeros_like(S))
+    noise = (r * torch.finfo(torch.float64).eps) ** 0.5
+    S = torch.where(S > S[0] * noise, S, torch.zeros_like(S))
     k = min(k, S.shape[0])
-    tol_a = a.max() * a.shape[0] * torch.finfo(a.dtype).eps
-    tol_b = b.max() * b.shape[0] * torch.finfo(b.dtype).eps
-    inv_a = torch.where(a > tol_a, 1 / a.clamp_min(tol_a), torch.zeros_like(a))
-    inv_b = torch.where(b > tol_b, 1 / b.clamp_min(tol_b), torch.zeros_like(b))
-    U = A @ (Ea @ (inv_a[:, None] * Uc[:, :k]))
-    V = B.T @ (Eb @ (inv_b[:, None] * Vch[:k].T))
+    inv_a = torch.where(a > a.max() * noise, 1 / a.clamp_min(torch.finfo(a.dtype).tiny), torch.zeros_like(a))
+    inv_b = torch.where(b > b.max() * noise, 1 / b.clamp_min(torch.finfo(b.dtype).tiny), torch.zeros_like(b))
+    dt = A.dtype if A.dtype in (torch.float32, torch.float64) else torch.float32
+    U = A.to(dt) @ (Ea @ (inv_a[:, None] * Uc[:, :k])).to(dt)
+    V = B.T.to(dt) @ (Eb @ (inv_b[:, None] * Vch[:k].T)).to(dt)
     return FactoredSVD(S, U, V)
 
 
@@ -216,12 +230,11 @@ def writer_groups(model: Transformer) -> list[tuple[list[Writer], GramSide]]:
         assert model.W_pos is not None
         groups.append(([Writer("pos")], factors(model.W_pos.to(dt)[None])))
     for layer in range(cfg.n_layers):
-        attn = block(model, layer).attn
-        W_V, W_O = attn.W_V.to(dt), attn.W_O.to(dt)  # [H, d, dh], [H, dh, d]
+        W_V, W_O = (stacked(model, layer, name).to(dt) for name in ("W_V", "W_O"))  # [H, d, dh], [H, dh, d]
         heads = [Writer("head", layer, h) for h in range(cfg.n_heads)]
         groups.append((heads, factors(W_O, (W_V.transpose(-2, -1) @ W_V) @ W_O)))  # W_O^T (W_V^T W_V) W_O
         if not cfg.attn_only:
-            groups.append(([Writer("mlp", layer)], factors(block(model, layer).mlp.W_out.to(dt)[None])))
+            groups.append(([Writer("mlp", layer)], factors(mlp_output_weight(model, layer).to(dt)[None])))
     return groups
 
 
@@ -229,10 +242,9 @@ def reader_groups(model: Transformer, offset: int = 0) -> list[tuple[list[Reader
     """The readers' Grams H_r = W_r W_r^T in the order of `readers` (per layer Q, K, V heads, MLP inputs; W_U)."""
     cfg, dt = model.cfg, model.compute_dtype
     groups: list[tuple[list[Reader], GramSide]] = []
-    R = rotation(model, offset).to(dt)  # [dh, dh]
     for layer in range(cfg.n_layers):
-        attn = block(model, layer).attn
-        W_Q, W_K, W_V, W_O = (w.to(dt) for w in (attn.W_Q, attn.W_K, attn.W_V, attn.W_O))  # [H, d, dh] / [H, dh, d]
+        R = rotation(model, offset, layer).to(dt)  # [dh, dh], the layer's own rope
+        W_Q, W_K, W_V, W_O = (stacked(model, layer, n).to(dt) for n in ("W_Q", "W_K", "W_V", "W_O"))  # gains folded
         QQ, KK = W_Q.transpose(-2, -1) @ W_Q, W_K.transpose(-2, -1) @ W_K  # [H, dh, dh]
         # role -> (A, B B^T) of the reader A B: Q = W_Q (R W_K^T), K = W_K (R^T W_Q^T), V = W_V W_O
         parts = {"Q": (W_Q, R @ KK @ R.T), "K": (W_K, R.T @ QQ @ R), "V": (W_V, W_O @ W_O.transpose(-2, -1))}

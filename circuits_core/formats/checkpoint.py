@@ -7,6 +7,8 @@ Formats (REGISTRY, keyed by `Format`):
   .safetensors, .pth or .pt (buffers such as blocks.{l}.attn.mask / IGNORE are dropped).
 - "gpt2", "gpt_neox": Hugging Face folders (see formats_hf.py).
 - "llama", "mistral", "qwen2": Hugging Face Llama-family folders, sharded safetensors (formats_llama.py).
+- "gemma2", "gemma3_text", "gemma3" (its text tower), "qwen3", "olmo2", "olmo3": the same layout with the newest
+  attention (llama_variants.py: QK-norm, soft caps, sliding windows, sandwich and output norms).
 - "gguf": a folder without config.json holding one `.gguf` file (llama.cpp, ollama), named after the folder;
   config, tensors and tokenizer all come from that file (formats_gguf.py).
 
@@ -36,7 +38,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from circuits_core.errors import CheckpointError, InvalidInputError
-from circuits_core.formats.gguf import gguf_file, read_gguf
+from circuits_core.formats.gguf import Defaulted, gguf_file, read_gguf
 from circuits_core.formats.hf import load_gpt2, load_gpt_neox
 from circuits_core.formats.lazy_mlp import DeferredMLP, lazy_mlp_supported, load_llama_lazy, mlp_bytes
 from circuits_core.formats.llama import (
@@ -47,6 +49,7 @@ from circuits_core.formats.llama import (
     shard_names,
     stored_dtype,
 )
+from circuits_core.formats.llama_variants import REFUSED_MODEL_TYPES, VARIANT_MODEL_TYPES, load_variant, variant_config
 from circuits_core.formats.processing import SWITCHES, ProcessingOptions, own_tensors, process_state
 from circuits_core.formats.statedict import (
     PICKLE_SUFFIXES,
@@ -66,7 +69,10 @@ from circuits_core.model.config import ConfigReader, ModelConfig
 from circuits_core.model.transformer import Transformer
 from circuits_core.schedule import in_background
 
-Format = Literal["qkov", "transformer_lens", "gpt2", "gpt_neox", "gguf", "llama", "mistral", "qwen2"]
+Format = Literal[
+    "qkov", "transformer_lens", "gpt2", "gpt_neox", "gguf", "llama", "mistral", "qwen2",
+    "gemma2", "gemma3_text", "gemma3", "qwen3", "olmo2", "olmo3",
+]  # fmt: skip
 FORMATS: tuple[str, ...] = get_args(Format)
 QKOV_FORMAT_VERSION = 1
 # A loader turns (folder, parsed config.json) into (config, TransformerLens state dict, key -> file, files).
@@ -76,7 +82,10 @@ Loader = Callable[
 ]
 HF_MODEL_TYPES: dict[str, Format] = {
     "gpt2": "gpt2", "gpt_neox": "gpt_neox", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
+    "gemma2": "gemma2", "gemma3_text": "gemma3_text", "gemma3": "gemma3", "qwen3": "qwen3", "olmo2": "olmo2",
+    "olmo3": "olmo3",
 }  # fmt: skip
+SAFETENSORS_FAMILIES = (*LLAMA_MODEL_TYPES, *VARIANT_MODEL_TYPES)  # read shard by shard (llama.py's reader)
 LOAD_OPTIONS_FILE = "qkov.json"  # per-checkpoint load options (processing), next to config.json
 # Files besides config.json and the weights that can change an answer, so they are part of the digest: the
 # processing choice, tokenizer files (tokenizer.py), token counts (phenomena.TOKEN_COUNTS_FILE), the card.
@@ -95,6 +104,7 @@ class LoadedModel:
     card: dict[str, Any] = field(default_factory=dict)  # model_card.json, {} when absent
     digest: str = ""  # sha256 of every answer-changing file (config, weights, ANSWER_FILES): the cache key
     path: Path = Path(".")
+    defaulted: list[Defaulted] = field(default_factory=list)  # config values the file lacks, and their sources
 
     def provenance(self) -> dict[str, str]:
         """Where and in which dtypes this model's answers are computed: the device, the weights' dtype (as kept:
@@ -136,6 +146,10 @@ def detect_format(folder: str | Path) -> Format:
         model_type = ConfigReader(data).text("model_type")
         if model_type in HF_MODEL_TYPES:
             return HF_MODEL_TYPES[model_type]
+        if model_type in REFUSED_MODEL_TYPES:
+            raise CheckpointError(
+                f"config.json: model_type {model_type!r} is not supported yet: {REFUSED_MODEL_TYPES[model_type]}"
+            )
         raise CheckpointError(
             f"config.json: unknown architecture model_type={model_type!r}; supported Hugging Face "
             f"model types: {', '.join(HF_MODEL_TYPES)} (formats: {', '.join(FORMATS)}; found: {folder_listing(folder)})"
@@ -264,6 +278,12 @@ REGISTRY: dict[Format, Loader] = {
     "llama": load_llama,
     "mistral": load_llama,
     "qwen2": load_llama,
+    "gemma2": load_variant,
+    "gemma3_text": load_variant,
+    "gemma3": load_variant,
+    "qwen3": load_variant,
+    "olmo2": load_variant,
+    "olmo3": load_variant,
 }
 
 
@@ -285,7 +305,7 @@ def weight_files_known_before_reading(folder: Path, fmt: Format) -> list[Path] |
     file; the Llama family: its shards); None for the formats whose loaders find their files while reading."""
     if fmt == "gguf":
         return [folder_file(folder, gguf_file(folder) or "")]
-    if fmt in LLAMA_MODEL_TYPES:
+    if fmt in SAFETENSORS_FAMILIES:
         return [folder_file(folder, name) for name in shard_names(folder)]
     return None
 
@@ -339,10 +359,13 @@ def load_checkpoint(
             )
 
     tokenizer: Tokenizer | None = None
+    defaulted: list[Defaulted] = []
     if fmt in LLAMA_MODEL_TYPES:
         if keep_half and (stored := stored_dtype(folder)) in HALF_DTYPES:
             dtype = stored  # read, laid out and kept in the stored half dtype
         check_price(llama_config(data), lazy_mlp)  # priced from config.json before any tensor is read
+    elif fmt in VARIANT_MODEL_TYPES:
+        check_price(variant_config(data))
     answer_files = [folder_file(folder, name) for name in ANSWER_FILES if folder_file(folder, name).is_file()]
     config_file = [folder_file(folder, "config.json")] if fmt != "gguf" else []
     # The digest reads every byte again: hash in a thread (hashlib releases the GIL) while torch reads and processes.
@@ -358,7 +381,8 @@ def load_checkpoint(
         )
         if fmt == "gguf" and early is not None:  # (early is the one .gguf file)
             files = early  # one pass over it: its metadata holds the tokenizer too; priced before dequantising
-            cfg, state, origin, tokenizer = read_gguf(files[0], check=check_price)
+            read = read_gguf(files[0], check=check_price)
+            cfg, state, origin, tokenizer, defaulted = read.cfg, read.state, read.origin, read.tokenizer, read.defaulted
         else:
             if fmt in LLAMA_MODEL_TYPES and lazy_mlp:
                 cfg, state, origin, files, deferred = load_llama_lazy(folder, data, dtype, max_bytes)
@@ -377,7 +401,13 @@ def load_checkpoint(
     if options != ProcessingOptions():
         digest = hashlib.sha256(f"{digest} {dataclasses.asdict(options)}".encode()).hexdigest()
     return LoadedModel(
-        model=loaded.model, tokenizer=loaded.tokenizer, format=fmt, card=loaded.card, digest=digest, path=folder
+        model=loaded.model,
+        tokenizer=loaded.tokenizer,
+        format=fmt,
+        card=loaded.card,
+        digest=digest,
+        path=folder,
+        defaulted=defaulted,
     )
 
 

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from circuits_core.errors import LimitExceededError
-from circuits_core.formats.llama import _Shards, load_llama, mlp_tensors, one_thread
+from circuits_core.formats.llama import _Shards, load_llama, one_thread, take_gated_mlp
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.mlp import MLP
 from circuits_core.model.transformer import Block, Transformer
@@ -71,8 +71,10 @@ class DeferredMLP:
         with self.lock, torch.no_grad(), one_thread():
             if not mlp.deferred:
                 return
-            weights = mlp_tensors(_Shards(self.folder, self.dtype), self.cfg, mlp.layer)
-            for name, W in weights.items():
+            weights: dict[str, Tensor] = {}
+            take_gated_mlp(_Shards(self.folder, self.dtype), self.cfg, f"model.layers.{mlp.layer}", "", weights)
+            for key, W in weights.items():  # ".mlp.W_gate" ...
+                name = key.rsplit(".", 1)[-1]
                 W = W.to(self.device)
                 if self.fold and name in ("W_gate", "W_in"):
                     W.mul_(self.ln2[mlp.layer].to(self.device, W.dtype)[:, None])  # processing's RMS fold
