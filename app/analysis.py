@@ -49,6 +49,7 @@ from app.registry import ModelRegistry
 from app.settings import Limits
 from circuits_core.cost import Cost
 from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.formats.lazy_mlp import check_deferred_load
 from circuits_core.model.config import head_name, parse_head
 
 API = "/api/v1"
@@ -154,11 +155,16 @@ class Analysis(Declared[P, V]):
     # the model's attention layers the analysis needs: a model with fewer leaves its page out of the navigation and
     # says why (app/routers/rendering.py nav_note)
     needs_layers: int = 0
+    # "attention": reads only the attention, norm, embedding and unembedding weights (never a deferred MLP weight,
+    # formats/lazy_mlp.py; checked by tests/app/test_lazy_weights.py); "all": priced with the MLP weights it would load
+    weights: Literal["attention", "all"] = "all"
 
     def built(self, subject: LoadedModel, params: P, limits: Limits) -> V:
         return self.build(subject, params, limits)
 
     def priced(self, subject: LoadedModel, params: P, limits: Limits) -> Cost:
+        if self.weights == "all":
+            check_deferred_load(subject.model)  # the MLP weights it would read first: refused before they are
         return self.cost(subject, params, limits)
 
 

@@ -30,6 +30,7 @@ SECTION_MODULES = (
     "bench.rotary",
     "bench.copying",
     "bench.gemma3",
+    "bench.big_models",
 )
 
 

@@ -433,6 +433,7 @@ def build_skip_trigrams_view(loaded: LoadedModel, p: SkipTrigramParams, limits: 
 # -- declarations (app/analysis.py) ----------------------------------------------------------------------
 DIRECT = Analysis(
     name="direct",
+    weights="attention",
     path="direct",
     params=DirectParams,
     view=CircuitTopView,
@@ -443,6 +444,7 @@ DIRECT = Analysis(
 )
 OV = Analysis(
     name="ov",
+    weights="attention",
     path="heads/{head}/ov",
     params=OVParams,
     view=CircuitTopView,
@@ -453,6 +455,7 @@ OV = Analysis(
 )
 QK = Analysis(
     name="qk",
+    weights="attention",
     path="heads/{head}/qk",
     params=QKParams,
     view=CircuitTopView,
@@ -472,6 +475,7 @@ def skip_trigrams_cost(loaded: LoadedModel, p: SkipTrigramParams, limits: Limits
 
 SKIP_TRIGRAMS = Analysis(
     name="skip-trigrams",
+    weights="attention",
     path="heads/{head}/skip-trigrams",
     params=SkipTrigramParams,
     view=SkipTrigramView,

@@ -195,6 +195,7 @@ def pair_cost(loaded: LoadedModel, p: CompositionPairParams, limits: Limits) -> 
 
 COMPOSITION = Analysis(
     name="composition",
+    weights="attention",
     path="composition",
     params=CompositionParams,
     view=CompositionView,
@@ -206,6 +207,7 @@ COMPOSITION = Analysis(
 )
 COMPOSITION_PAIR = Analysis(
     name="composition-pair",
+    weights="attention",
     path="composition/{source}/{target}",
     params=CompositionPairParams,
     view=CompositionPairView,

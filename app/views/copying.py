@@ -300,6 +300,7 @@ def copying_overview_cost(loaded: LoadedModel, p: CopyingAllParams, limits: Limi
 
 COPYING_ALL = Analysis(
     name="copying-all",
+    weights="attention",
     path="copying",
     params=CopyingAllParams,
     view=CopyingOverview,

@@ -272,6 +272,7 @@ HEAD = Analysis(
 )
 COPYING = Analysis(
     name="copying",
+    weights="attention",
     path="heads/{head}/copying",
     params=CopyingParams,
     view=CopyingMetricsView,

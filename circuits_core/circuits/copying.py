@@ -31,6 +31,7 @@ from circuits_core.circuits.copying_spectra import copying_score, unembed_embed_
 from circuits_core.circuits.embedding import embed_eff_rows
 from circuits_core.circuits.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
 from circuits_core.circuits.head_circuits import factors_cost, full_ov_circuit, ov_circuit
+from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.cost import Cost, check_stop
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.config import all_heads
@@ -187,7 +188,7 @@ def random_ov_weights(model: Transformer, n: int, seed: int) -> tuple[Tensor, Te
 def random_eig_scores(model: Transformer, W_V: Tensor, W_O: Tensor) -> Tensor:
     """[n] eigenvalue copying scores of the circuits W_E_eff W_V[i] W_O[i] W_U, through d_head x d_head matrices."""
     G = unembed_embed_gram(model)  # [d, d]
-    return copying_score(torch.linalg.eigvals((W_O @ G @ W_V).double()))  # nonzero spectrum of W_E W_V W_O W_U [n, d_h]
+    return copying_score(eigvals((W_O @ G @ W_V).double()))  # nonzero spectrum of W_E W_V W_O W_U [n, d_h]
 
 
 def check_baseline(model: Transformer, n_samples: int, n_top_samples: int) -> None:

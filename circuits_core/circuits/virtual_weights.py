@@ -313,14 +313,14 @@ class VirtualWeightScores:
 
 
 def reach_mask(model: Transformer, ws: list[Writer], rs: list[Reader]) -> Tensor:
-    """[Nw, Nr] bool: stream_components.reaches for every pair, from the slots."""
+    """[Nw, Nr] bool on the model's device: stream_components.reaches for every pair, from the slots."""
     w_slot = torch.tensor([w.slot() for w in ws])
     r_slot = torch.tensor([r.slot(model) for r in rs])
     mask = w_slot[:, None] < r_slot[None, :]
     for i, w in enumerate(ws):
         if w.kind == "pos":  # shortformer positions reach only Q and K
             mask[i] = torch.tensor([reaches(model, w, r) for r in rs], dtype=torch.bool)
-    return mask
+    return mask.to(model.device)
 
 
 def all_scores(

@@ -23,6 +23,7 @@ from circuits_core.circuits.composition import composition_scores
 from circuits_core.circuits.copying_spectra import copying_score, unembed_embed_gram
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.head_circuits import check_head
+from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.errors import CancelledError, InvalidInputError
 from circuits_core.model.config import head_name
 from circuits_core.model.transformer import Transformer
@@ -51,7 +52,7 @@ def factors_copying_score(left: Tensor, right: Tensor, G: Tensor) -> Tensor:
 
     Nonzero eigenvalues of the [V, V] circuit are those of right G left [..., k, k].
     """
-    return copying_score(torch.linalg.eigvals((right @ G @ left).double()))
+    return copying_score(eigvals((right @ G @ left).double()))
 
 
 def virtual_copying_scores(
