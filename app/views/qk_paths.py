@@ -15,6 +15,7 @@ from app.params import QKPathsParams
 from app.schemas.analyses import QKPair, QKPathsView
 from app.settings import Limits
 from app.views.inputs import check_k, model_ref, resolve_prompt, token_refs
+from circuits_core.circuits.qk_forms import qk_form
 from circuits_core.cost import Cost
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import head_name, parse_head
@@ -36,12 +37,14 @@ def build_qk_paths_view(loaded: LoadedModel, p: QKPathsParams, limits: Limits) -
     with torch.no_grad():
         run = frozen_run(model, run_tokens)
         exp = expand_scores(model, run_tokens, (layer, h), run=run)
-        causal = torch.ones(n, n, dtype=torch.bool, device=model.device).tril()
+        causal = exp.visible if exp.visible is not None else torch.ones(n, n, dtype=torch.bool).tril()
         total = exp.q_parts.sum(0) @ exp.k_parts.sum(0).T / exp.scale  # [n, n]: the sum of all C x C terms
+        if exp.cap_factor is not None:  # each term times its entry's frozen cap factor
+            total = total * exp.cap_factor
         error = float((total - exp.scores)[causal].abs().max())
         pairs = exp.top_pairs(k)
         terms = {f"{a}|{b}": exp.term(a, b).masked_fill(~causal, 0.0).double().tolist() for a, b, _ in pairs}
-        scores = [[float(exp.scores[i, j]) if j <= i else None for j in range(n)] for i in range(n)]
+        scores = [[float(exp.scores[i, j]) if causal[i, j] else None for j in range(n)] for i in range(n)]
     return QKPathsView(
         model=model_ref(loaded),
         head=head_name(layer, h),
@@ -52,6 +55,10 @@ def build_qk_paths_view(loaded: LoadedModel, p: QKPathsParams, limits: Limits) -
         terms=terms,
         scores=scores,
         max_abs_error=error,
+        qk_form=qk_form(model, "prompt"),
+        score_cap=model.cfg.attn_scores_soft_cap,
+        beyond_cap=exp.beyond_cap if model.cfg.attn_scores_soft_cap is not None else None,
+        window=model.cfg.layer_window(layer),
     )
 
 
