@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.analysis import Analysis
+from app.analysis import Declared, ServerAnalysis
 from app.params import TourParams
 from app.registry import ModelRegistry
 from app.schemas.analyses import TourView
@@ -13,6 +13,7 @@ from app.settings import Limits
 from app.views import circuits, composition, detectors, heads, models, path, prompt, qk_paths, rotary, term_importance
 from app.views.attention_entropy import ATTENTION_ENTROPY
 from app.views.copying import COPYING_ALL
+from app.views.positivity import POSITIVITY
 from app.views.residual import ANALYSES as RESIDUAL_ANALYSES
 from app.views.tour import build_tour_view, digest_or_dash, tour_models
 from app.views.tour import tour_cost as tour_view_cost
@@ -33,25 +34,25 @@ def tour_reads(registry: ModelRegistry, p: TourParams) -> tuple[str, ...]:
     return tuple(f"{m}={digest_or_dash(registry, m)}" for m in tour_models(p.chapter))
 
 
-TOUR = Analysis(
+TOUR = ServerAnalysis(
     name="tour",
     path="/tour",
     params=TourParams,
     view=TourView,
     build=build_tour,
     cost=tour_cost,
-    scope="server",
     reads=tour_reads,
     summary="The paper's figures on the shipped models",
     tags=["tour"],
 )
 
-ANALYSES: list[Analysis[Any, Any]] = [
+ANALYSES: list[Declared[Any, Any]] = [
     models.TOKENIZE,
     heads.HEADS,
     heads.HEAD,
     heads.COPYING,
     COPYING_ALL,
+    POSITIVITY,
     circuits.OV,
     circuits.QK,
     circuits.SKIP_TRIGRAMS,

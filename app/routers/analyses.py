@@ -17,7 +17,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
 
-from app.analysis import Analysis, AnalysisParams, BoundAnalyses, HeadField, HeadsField, Limit, run_json, validate
+from app.analysis import AnalysisParams, BoundAnalyses, Declared, HeadField, HeadsField, Limit, run_json, validate
 from app.deps import MODEL_PATH, LimitsDep, LoadedModelDep, RegistryDep
 from app.routers.rendering import Page, serve_page
 
@@ -25,7 +25,7 @@ MARKERS = (Limit, HeadField, HeadsField)
 
 
 def _signature(
-    analysis: Analysis[Any, Any], params: type[AnalysisParams], context: list[inspect.Parameter]
+    analysis: Declared[Any, Any], params: type[AnalysisParams], context: list[inspect.Parameter]
 ) -> inspect.Signature:
     """The endpoint's signature: the context dependencies, then one parameter per params field."""
     fields = []
@@ -39,7 +39,7 @@ def _signature(
     return inspect.Signature([*context, *fields])
 
 
-def _context(analysis: Analysis[Any, Any]) -> list[inspect.Parameter]:
+def _context(analysis: Declared[Any, Any]) -> list[inspect.Parameter]:
     kw = inspect.Parameter.KEYWORD_ONLY
     ctx = [inspect.Parameter("limits", kw, annotation=LimitsDep)]
     if analysis.scope == "server":
@@ -51,7 +51,7 @@ def _context(analysis: Analysis[Any, Any]) -> list[inspect.Parameter]:
     ]
 
 
-def api_endpoint(analysis: Analysis[Any, Any], params: type[AnalysisParams]) -> Any:
+def api_endpoint(analysis: Declared[Any, Any], params: type[AnalysisParams]) -> Any:
     """The API handler of one analysis (its signature generated from the bound params model)."""
 
     async def endpoint(**kw: Any) -> Any:
@@ -94,11 +94,9 @@ def page_endpoint(page: Page, params: type[AnalysisParams]) -> Any:
 
 
 def page_router(declared: BoundAnalyses, pages: list[Page]) -> APIRouter:
-    """GET /models/{model}/... for every page: the declared pages, then every analysis with a template."""
+    """GET /models/{model}/... (and the tour) for every page."""
     router = APIRouter(include_in_schema=False)
-    routes = {p.route for p in pages}
-    simple = [Page(a, a.template) for a in declared.analyses if a.template and a.page_path not in routes]
-    for page in [*pages, *simple]:
+    for page in pages:
         params = declared.bound(page.analysis) if page.params is None else declared.bound_params(page.params)
         router.add_api_route(page.route, page_endpoint(page, params), methods=["GET"], name=f"page:{page.route}")
     return router
