@@ -58,9 +58,9 @@ def test_qk_terms_snippet(client: TestClient) -> None:
 
 def test_every_offered_snippet_is_tested(client: TestClient) -> None:
     """The pages above are the only ones offering a snippet on this model (a new one needs a test here)."""
-    from app import snippets
-
     import inspect
+
+    from app import snippets
 
     offered = {
         name

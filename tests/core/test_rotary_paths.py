@@ -7,6 +7,7 @@ from rotary_models import CASES, NEWEST, rotary_model, tokens_for
 
 from circuits_core.circuits.copying_spectra import copying_score
 from circuits_core.circuits.rotary import omega
+from circuits_core.model.soft_cap import soft_cap
 from circuits_core.model.window import visible
 from circuits_core.prompt.ablation import ablate_head, order_logits
 from circuits_core.prompt.detectors import detector_scores
@@ -61,6 +62,10 @@ def test_logit_paths_and_order_ablation_reproduce_the_forward_pass(case):
     exp = expand_logits(model, tokens, target=5, positions=None, max_order=2)
     torch.testing.assert_close(exp.total, logits[:, 5], atol=1e-10, rtol=0)
     cumulative = exp.order_totals().cumsum(0)  # [3, n]: paths of order <= k, from paths.py
+    cap = model.cfg.output_logits_soft_cap
+    if cap is not None:  # the expansion freezes the full logit's cap factor g; a rerun caps its own truncated logit
+        g = logits[:, 5] / model.run(tokens, names={"hook_logits_uncapped"})[1]["hook_logits_uncapped"][0, :, 5]
+        cumulative = soft_cap(cumulative / g, cap)
     for k, per_order in enumerate(order_logits(model, tokens)):  # the reruns, another implementation
         torch.testing.assert_close(per_order[0, :, 5], cumulative[k], atol=1e-10, rtol=0)
 
