@@ -6,8 +6,9 @@ Config (`model_type` llama, mistral or qwen2; transformers' field names):
     rms_norm_eps, hidden_act (silu: SwiGLU), tie_word_embeddings, bos_token_id; rope: `rope_parameters`
     (transformers >= 5) or `rope_scaling` + `rope_theta`, types default, linear and llama3 (any other type is
     refused, naming it); biases: Llama `attention_bias` (q, k, v, o), Qwen2 always q, k, v (o none), Mistral
-    none. A sliding window (Mistral `sliding_window`, Qwen2 `use_sliding_window`) never masks a sequence no
-    longer than the window, so the context is capped at the window and the model stays exact.
+    none. Mistral's `sliding_window` masks every layer (ModelConfig.window_size, window.py). Qwen2's
+    (`use_sliding_window`) never masks a sequence no longer than the window, so its context is capped at the window
+    and the model stays exact.
 Weights (nn.Linear stores [d_out, d_in], so each is transposed into `x @ W` form):
     model.embed_tokens.weight [V, d]                     -> embed.W_E
     model.layers.{l}.input_layernorm.weight [d]          -> blocks.{l}.ln1.w (RMS)
@@ -297,7 +298,8 @@ def llama_config(hf: dict[str, Any]) -> ModelConfig:
     window = _window(r, model_type)
     return _config(
         path, n_layers=r.integer("num_hidden_layers", ge=0), d_model=d, n_heads=n_heads, d_head=dh,
-        d_vocab=d_vocab, n_ctx=min(n_ctx, window) if window else n_ctx, d_mlp=r.integer("intermediate_size", ge=1),
+        d_vocab=d_vocab, n_ctx=min(n_ctx, window) if window and model_type == "qwen2" else n_ctx,
+        window_size=window if model_type == "mistral" else None, d_mlp=r.integer("intermediate_size", ge=1),
         attn_only=False, normalization_type="RMS", positional_embedding_type="rotary", gated_mlp=True,
         act_fn=_act_fn(r, "hidden_act", "silu"), eps=r.number("rms_norm_eps", default=1e-6, gt=0),
         use_bias=attention_bias, n_key_value_heads=n_kv if n_kv != n_heads else None, rotary_dim=dh,
