@@ -23,7 +23,7 @@ and listed in app/analyses/__init__.py's ANALYSES. From it come:
   `bounded`), applied once per app in create_app, so every limit is visible in the schema;
 - the cache key (`cache_key`): model id, the digest of every answer-changing file (`loaded.digest`: weights,
   tokenizer, token counts, qkov.json), analysis name and the normalised params as canonical JSON;
-- the price check: `cost(loaded, params, limits)` runs before a compute slot is taken (app/compute.py compares it
+- the price check: `cost(loaded, params, limits)` runs before a compute slot is taken (app/scheduling.py compares it
   with the budget);
 - the JSON-twin link of the page (`json_url`).
 
@@ -43,7 +43,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from starlette.concurrency import run_in_threadpool
 
-from app.compute import cached_build, compute, compute_json
+from app.scheduling import cached_build, compute, compute_json
 from app.settings import Limits
 from circuits_core.cost import Cost
 from circuits_core.formats.checkpoint import LoadedModel

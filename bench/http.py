@@ -152,7 +152,7 @@ def heads_breakdown(model: Any) -> None:
     seconds (all threads) side by side: on a busy machine the CPU seconds are the steadier figure."""
     import os
 
-    from app.compute import available_cores, default_torch_threads
+    from app.scheduling import available_cores, default_torch_threads
     from app.settings import Settings
     from app.views.rotary import reference_tokens
     from circuits_core.circuits import head_circuits as circuits

@@ -22,8 +22,8 @@ import torch
 from pydantic import BaseModel, Field
 
 from app.analysis import Analysis, AnalysisParams, split_heads
-from app.compute import cached, cached_build
 from app.params import Heads, K, MinCount
+from app.scheduling import cached, cached_build
 from app.schemas import ModelRef
 from app.settings import Limits
 from app.views.basis import basis

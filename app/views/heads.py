@@ -13,9 +13,9 @@ import torch
 from pydantic import BaseModel
 from torch import Tensor
 
-from app.analysis import Analysis, AnalysisParams, build_cached
-from app.compute import cached_build
+from app.analysis import Analysis, AnalysisParams, build_cached, cache_key
 from app.params import CopyingParams, HeadParams, NoParams
+from app.scheduling import cached_build, is_cached
 from app.schemas import Complex, CopyingMetricsView, DetectorInput, HeadScores, HeadsView, HeadView, PositionalQK
 from app.settings import Limits
 from app.views.inputs import check_k, model_ref
@@ -242,7 +242,10 @@ def heads_cost(loaded: LoadedModel, p: AnalysisParams, limits: Limits) -> Cost:
 def head_cost(loaded: LoadedModel, p: HeadParams, limits: Limits) -> Cost:
     """The heads table (when not cached), then the head's spectra and positional pattern."""
     n = min(loaded.model.cfg.n_ctx, POSITIONAL_MAX_N)
-    return heads_cost(loaded, p, limits).then(circuits.head_spectra_cost(loaded.model, n))
+    own = circuits.head_spectra_cost(loaded.model, n)
+    if is_cached(cache_key(HEADS, loaded.path.name, loaded, NoParams())):
+        return own
+    return heads_cost(loaded, p, limits).then(own)
 
 
 def copying_cost(loaded: LoadedModel, p: CopyingParams, limits: Limits) -> Cost:

@@ -230,7 +230,14 @@ def _spectra_cost(model: Transformer, reference_tokens: int | None = None) -> Co
     size, per_layer = itemsize(model.dtype), cfg.n_heads * cfg.d_model * cfg.d_head
     grams = 2 * (2 * cfg.d_model**2 + 2 * GRAM_ROWS * cfg.d_model) * size
     spectrum = cfg.n_layers * cfg.n_heads * cfg.d_head**2 * 8
-    spectra = Cost(grams + cfg.n_layers * per_layer * size + 2 * (per_layer * size + spectrum) + 4 * cfg.d_model**2 * 8)
+    d, heads = cfg.d_model, cfg.n_layers * cfg.n_heads
+    # FLOPs: the two d_model x d_model Grams over the vocabulary, G_E W_Q, and per head the OV and QK spectra's and
+    # the K-composition positivities' d_model x d_head products (three of them)
+    flops = 4 * cfg.d_vocab * d * d + 2 * heads * d * d * cfg.d_head + 6 * heads * d * cfg.d_head * (d + cfg.d_head)
+    spectra = Cost(
+        grams + cfg.n_layers * per_layer * size + 2 * (per_layer * size + spectrum) + 4 * cfg.d_model**2 * 8,
+        flops=flops,
+    )
     if reference_tokens is None:
         return spectra
     return spectra + kernel_cost(model, min(KERNEL_WINDOW, cfg.n_ctx - 1) + 1, reference_tokens)
