@@ -50,15 +50,18 @@ from app.routers.rendering import (
     model_nav,
     page_context,
     page_key,
+    refusal,
     render,
     url,
 )
+from app.scheduling import JobPending
 from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
 from app.views.basis import basis
 from app.views.circuits import DIRECT, OV, QK, SKIP_TRIGRAMS, has_token_counts
 from app.views.composition import COMPOSITION
 from app.views.detectors import DETECTORS
 from app.views.heads import HEAD, HEADS
+from app.views.model_summary import summary_from_heads
 from app.views.models import build_model_view
 from app.views.page_claims import loss_sentence, rare_entries_sentence, scatter_sentence
 from app.views.tour_figures import positivity_scatter
@@ -301,11 +304,15 @@ async def overview_page(
     if (body := await cached_page(request, key)) is not None:
         return html_page(body)
     summary = build_model_view(loaded, entry)
-    heads: HeadsView = await run(HEADS, loaded, entry.id, NoParams(), limits)
+    try:  # the model's facts show at once; a heads table priced over the inline budget shows its job's progress
+        heads: HeadsView | None = await run(HEADS, loaded, entry.id, NoParams(), limits)
+        heads_job = None
+    except JobPending as exc:
+        heads, heads_job = None, refusal(exc)
     ctx = await page_context(request, registry, entry.id, json_url(HEADS, entry.id, NoParams()), entry.id, "overview")
-    fig = heads_grid(loaded, heads.heads, score, entry.id) if heads.heads else None
+    fig = heads_grid(loaded, heads.heads, score, entry.id) if heads is not None and heads.heads else None
     scatter, scatter_claim, scatter_error = None, None, None
-    if loaded.model.cfg.n_layers >= 2 and not is_fragment(request):
+    if heads is not None and loaded.model.cfg.n_layers >= 2 and not is_fragment(request):
         data, scatter_error = await attempt(
             lambda: positivity_scatter(loaded, limits)[0], key=(entry.id, loaded.digest, "positivity")
         )
@@ -336,13 +343,19 @@ async def overview_page(
             "served_basis": basis(loaded),
             "scatter_refused": scatter_error["detail"] if scatter_error and scatter_error["status"] == 422 else None,
             "card_fig": training_curve(summary.card),
+            "measured": summary_from_heads(loaded, heads)
+            if heads is not None and heads.heads and not summary.card
+            else None,
+            "heads_job": heads_job,
         },
         blocks=("heads_panel",),
     )
     settled = scatter is not None or (
         scatter_error is not None and scatter_error["status"] == 422
     )  # computed, or refused for good
-    if response.status_code == 200 and (settled or loaded.model.cfg.n_layers < 2 or is_fragment(request)):
+    if heads_job is not None:
+        response.status_code = 202  # not kept: the next visit shows the table
+    elif response.status_code == 200 and (settled or loaded.model.cfg.n_layers < 2 or is_fragment(request)):
         await keep_page(request, key, bytes(response.body))  # not a page whose scatter failed this time (busy, timeout)
     return response
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from app.analysis import build_cached
 from app.params import (
     ChainParams,
     CompositionPairParams,
@@ -21,6 +22,7 @@ from app.params import (
     DetectorParams,
     DirectParams,
     HeadParams,
+    NoParams,
     OVParams,
     PathsParams,
     PromptParams,
@@ -29,7 +31,7 @@ from app.params import (
     SkipTrigramParams,
     TermImportanceParams,
 )
-from app.schemas import HeadScores
+from app.schemas import HeadScores, HeadsView
 from app.settings import Limits
 from app.views.circuits import (
     build_direct_view,
@@ -41,7 +43,7 @@ from app.views.circuits import (
 )
 from app.views.composition import build_composition_pair_view, build_composition_view
 from app.views.detectors import build_detectors_view
-from app.views.heads import build_head_view, build_heads_view
+from app.views.heads import HEADS, build_head_view
 from app.views.inputs import resolve_prompt, token_refs
 from app.views.page_claims import strongest
 from app.views.path import build_path_view
@@ -56,7 +58,6 @@ from circuits_core.model.config import head_name, parse_head
 from circuits_core.prompt.frozen import readout
 from circuits_core.prompt.model_summary import HEAD_THRESHOLD
 from circuits_core.prompt.phenomena import MIN_TRAIN_COUNT
-from circuits_core.prompt.qk_paths import k_composition_positivity
 
 Result = tuple[dict[str, Any], str, dict[str, Any]]
 K = 10
@@ -68,17 +69,14 @@ def _k(limits: Limits) -> int:
     return min(K, limits.max_k)
 
 
-# The head scores of the last models seen: one tour asks for them in 7 figures per model (detector runs).
-_HEADS_SEEN: dict[int, tuple[LoadedModel, list[HeadScores]]] = {}
+def _heads_view(loaded: LoadedModel) -> HeadsView:
+    """The heads table (detector and copying scores, the heads that matter), from the result cache when there: the
+    overview and every tour figure read the same answer instead of running the detectors again."""
+    return build_cached(HEADS, loaded, loaded.path.name, NoParams(), Limits())
 
 
 def _heads(loaded: LoadedModel) -> list[HeadScores]:
-    seen = _HEADS_SEEN.get(id(loaded))
-    if seen is None or seen[0] is not loaded:  # the model object itself is kept, so its id cannot be reused
-        if len(_HEADS_SEEN) >= 8:
-            _HEADS_SEEN.clear()
-        seen = _HEADS_SEEN[id(loaded)] = (loaded, build_heads_view(loaded).heads)
-    return seen[1]
+    return _heads_view(loaded).heads
 
 
 def _copying_heads(loaded: LoadedModel) -> list[str]:
@@ -87,23 +85,23 @@ def _copying_heads(loaded: LoadedModel) -> list[str]:
 
 
 def _induction_pair(loaded: LoadedModel) -> tuple[str, str]:
-    """(the strongest previous-token head of a layer below the strongest induction head, that induction head) on the
-    standard input. Each must score at least HEAD_THRESHOLD (model_summary's rule for listing a head as one), so no
-    figure or sentence calls a head an induction or previous-token head that is none."""
-    heads = _heads(loaded)
+    """(previous-token head, induction head): the heads that matter (detectors.heads_that_matter, the heads view's
+    previous_token_head and induction_head) on the standard input. Each must score at least HEAD_THRESHOLD
+    (model_summary's rule for listing a head as one), so no figure or sentence calls a head an induction or
+    previous-token head that is none."""
     if loaded.model.cfg.n_layers < 2:
         raise InvalidInputError("induction needs at least 2 layers")
-    induction = strongest(heads, "induction", range(1, loaded.model.cfg.n_layers))
-    if induction is None:
+    view = _heads_view(loaded)
+    by_name = {h.head: h for h in view.heads}
+    induction = by_name.get(view.induction_head or "")
+    prev = by_name.get(view.previous_token_head or "")
+    if induction is None or prev is None:
         raise InvalidInputError("no head of layers >= 1 has an induction score on the standard input")
     if (induction.induction or 0.0) < HEAD_THRESHOLD:
         raise InvalidInputError(
             f"no induction head: the strongest, {induction.head}, scores {induction.induction:.2f} "
             f"(< {HEAD_THRESHOLD}) on the standard input"
         )
-    prev = strongest(heads, "previous_token", range(0, induction.layer))
-    if prev is None:
-        raise InvalidInputError(f"no head below the induction head {induction.head} has a previous-token score")
     if (prev.previous_token or 0.0) < HEAD_THRESHOLD:
         raise InvalidInputError(
             f"no previous-token head below the induction head {induction.head}: the strongest, "
@@ -307,16 +305,14 @@ def k_composition(loaded: LoadedModel, limits: Limits) -> Result:
 
 
 def positivity_scatter(loaded: LoadedModel, limits: Limits) -> Result:
+    """Every later head's (OV copying, K-composition positivity with the previous-token head that matters): the heads
+    table's own qk_k_composition column, measured against that head."""
     prev, _ = _induction_pair(loaded)
-    model = loaded.model
-    layer, h = parse_head(prev, model.cfg)
-    weights = model.W_Q.new_zeros(model.cfg.n_layers, model.cfg.n_heads)
-    weights[layer, h] = 1.0
-    qk = k_composition_positivity(model, weights)  # [L, H]
+    layer = parse_head(prev, loaded.model.cfg)[0]
     points = [
-        {"head": s.head, "ov_copying": s.ov_copying, "k_composition_positivity": float(qk[s.layer, s.index])}
+        {"head": s.head, "ov_copying": s.ov_copying, "k_composition_positivity": s.qk_k_composition}
         for s in _heads(loaded)
-        if s.layer > layer
+        if s.layer > layer and s.qk_k_composition is not None
     ]
     return {"previous_token_head": prev, "points": points}, "/heads", {}
 
