@@ -43,9 +43,10 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from starlette.concurrency import run_in_threadpool
 
-from app.scheduling import cached_build, compute, compute_json
+from app.scheduling import cached_build, compute, compute_json, current_service
 from app.settings import Limits
 from circuits_core.cost import Cost
+from circuits_core.errors import LimitExceededError, QkovError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import head_name, parse_head
 
@@ -246,13 +247,55 @@ async def _price(
 async def run(analysis: Analysis[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> V:
     """Price, then build through a compute slot (cached under `cache_key` when the analysis says so): the view."""
     kw = await _price(analysis, subject, model_id, params, limits)
-    return await compute(analysis.build, subject, params, limits, view=analysis.view, **kw)
+    try:
+        return await compute(analysis.build, subject, params, limits, view=analysis.view, **kw)
+    except LimitExceededError as exc:
+        raise with_advice(exc, analysis, subject, params, limits, kw) from None
 
 
 async def run_json(analysis: Analysis[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> bytes:
     """Like `run`, the answer encoded as JSON inside the slot (the API's answer)."""
     kw = await _price(analysis, subject, model_id, params, limits)
-    return await compute_json(analysis.build, subject, params, limits, **kw)
+    try:
+        return await compute_json(analysis.build, subject, params, limits, **kw)
+    except LimitExceededError as exc:
+        raise with_advice(exc, analysis, subject, params, limits, kw) from None
+
+
+def with_advice(
+    exc: LimitExceededError, analysis: Analysis[P, V], subject: Any, params: P, limits: Limits, kw: dict[str, Any]
+) -> LimitExceededError:
+    """A refusal of the request's price (not of its content) with the advice that makes it run: the first integer
+    parameter which, lowered to `at_most` (the largest value the same price check admits), gives an answer. The
+    advice is searched with the analysis's own cost function, so following it is never refused for its price."""
+    service = current_service()
+    if service.admits(kw["cost"], kw["key"] is not None):
+        return exc  # refused by the computation itself (its input), not by the price
+    for name, info in type(params).model_fields.items():
+        value = getattr(params, name)
+        if not isinstance(value, int) or isinstance(value, bool) or "{" + name + "}" in analysis.path:
+            continue
+        low = next((int(m.ge) for m in info.metadata if hasattr(m, "ge") and m.ge is not None), 1)
+
+        def fits(v: int, name: str = name) -> bool:
+            try:
+                lowered = params.model_copy(update={name: v})
+                return service.admits(analysis.cost(subject, lowered, limits), kw["key"] is not None)
+            except QkovError:
+                return False
+
+        if value <= low or not fits(low):
+            continue
+        lo, hi = low, value - 1  # fits(lo); find the largest that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        said = str(exc)
+        said = said[: said.rindex(": lower ")] if ": lower " in said else said  # the generic hint, replaced
+        refused = LimitExceededError(f"{said}: lower {name} to {lo} or less ({name}={lo} runs)")
+        refused.advice = {"parameter": name, "at_most": lo}  # type: ignore[attr-defined]
+        return refused
+    return exc
 
 
 def build_cached(analysis: Analysis[P, V], loaded: LoadedModel, model_id: str, params: P, limits: Limits) -> V:

@@ -146,7 +146,10 @@ async def _qkov_error(request: Request, exc: Exception) -> Response:
     kind = kind_of(exc)
     if kind.status >= 500:
         log.warning("%s %s: %s", request.method, request.url.path, exc)
-    return problem_response(request, kind, without_server_paths(str(exc), request))
+    advice = getattr(exc, "advice", None)  # a price refusal: the parameter which, lowered so, runs
+    return problem_response(
+        request, kind, without_server_paths(str(exc), request), **({"advice": advice} if advice else {})
+    )
 
 
 async def _validation_error(request: Request, exc: Exception) -> Response:

@@ -71,7 +71,7 @@ from app.pricing import (
 )
 from app.store import StoreTier
 from circuits_core.cost import Cost, ambient_should_stop, available_cores, progressing, stopping
-from circuits_core.errors import CancelledError
+from circuits_core.errors import CancelledError, LimitExceededError
 
 log = logging.getLogger("qkov.compute")
 
@@ -435,6 +435,17 @@ class ComputeService:
             raise JobPending(job.public())
         answer = await self._wait(flight, _REQUEST.get(), what)
         return answer.as_json() if want == "json" else answer.as_value(view or view_type(fn))
+
+    def admits(self, cost: Cost, kept: bool) -> bool:
+        """Whether a request of this price runs (inline or as a job) rather than being refused: within the memory,
+        answer and job budgets, and, when its answer is not kept (so it cannot be a job), the request deadline."""
+        try:
+            check_cost(cost, self.budgets)
+            if not kept and self.budgets.mode(cost) == "job":
+                check_request_time(cost, self.budgets, self.request_timeout_s)
+        except LimitExceededError:
+            return False
+        return True
 
     def cached(self, key: Key, view: type[V]) -> V | None:
         """Inside a computation: another answer from the cache when there, else None (nothing is built)."""

@@ -46,11 +46,10 @@ class ModelSummaryView(BaseModel):
     stored: str = Field(description="where this summary comes from")
 
 
-def _scores(heads: HeadsView, name: str) -> torch.Tensor:
+def _scores(loaded: LoadedModel, heads: HeadsView, name: str) -> torch.Tensor:
     """[L, H] float64 scores (NaN where a head has none) from the heads view."""
-    n_layers = 1 + max(h.layer for h in heads.heads)
-    n_heads = 1 + max(h.index for h in heads.heads)
-    out = torch.full((n_layers, n_heads), float("nan"), dtype=torch.float64)
+    cfg = loaded.model.cfg
+    out = torch.full((cfg.n_layers, cfg.n_heads), float("nan"), dtype=torch.float64)
     for h in heads.heads:
         value = getattr(h, name)
         if value is not None:
@@ -66,8 +65,8 @@ def summary_from_heads(loaded: LoadedModel, heads: HeadsView) -> ModelSummaryVie
     )
     first, second = heads.loss_first_copy, heads.loss_second_copy
     found = summarise(
-        _scores(heads, "induction"),
-        _scores(heads, "previous_token"),
+        _scores(loaded, heads, "induction"),
+        _scores(loaded, heads, "previous_token"),
         first or float("nan"),
         second or float("nan"),
         basis,
