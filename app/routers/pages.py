@@ -23,7 +23,6 @@ from app.analysis import API, json_url, run
 from app.deps import LimitsDep, LoadedModelDep, ModelEntryDep, RegistryDep, get_model
 from app.params import (
     DEFAULT_VOCAB,
-    CompositionParams,
     DetectorParams,
     DirectParams,
     HeadParams,
@@ -58,7 +57,7 @@ from app.scheduling import JobPending
 from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
 from app.views.basis import basis
 from app.views.circuits import DIRECT, OV, QK, SKIP_TRIGRAMS, has_token_counts
-from app.views.composition import COMPOSITION
+from app.views.composition import head_partners
 from app.views.detectors import DETECTORS
 from app.views.heads import HEAD, HEADS
 from app.views.model_summary import summary_from_heads
@@ -127,30 +126,15 @@ def heads_grid(loaded: LoadedModel, heads: list[HeadScores], score: str, model_i
 
 
 async def composition_partners(call: PageCall, name: str, top: int = 6) -> list[dict[str, Any]]:
-    """The heads this head composes with most (Q, K, V; score minus baseline), from the composition views."""
+    """The heads this head composes with most (Q, K, V; score minus baseline): only the pairs naming it
+    (views.composition.head_partners), not every pair of the model."""
     if call.loaded is None or call.loaded.model.cfg.n_layers < 2:
         return []
-    rows = []
-    for kind in ("Q", "K", "V"):
-        view, _ = await call.attempt(COMPOSITION, CompositionParams(kind=kind))
-        if view is None:
-            continue
-        for i, src in enumerate(view.sources):
-            for j, dst in enumerate(view.targets):
-                value = view.minus_baseline[i][j]
-                if value is not None and name in (src, dst):
-                    rows.append(
-                        {
-                            "kind": kind,
-                            "source": src,
-                            "target": dst,
-                            "score": view.scores[i][j],
-                            "minus_baseline": value,
-                            "partner": dst if src == name else src,
-                            "role": "writes to" if src == name else "reads from",
-                        }
-                    )
-    return sorted(rows, key=lambda r: -r["minus_baseline"])[:top]
+    loaded = call.loaded
+    rows, _ = await attempt(
+        head_partners, loaded, name, top, key=(loaded.path.name, loaded.digest, "partners", name, top)
+    )
+    return rows or []
 
 
 def training_curve(card: dict[str, Any] | None) -> dict[str, Any] | None:
