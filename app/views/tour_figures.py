@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from app.analysis import build_cached
 from app.params import (
     ChainParams,
     CompositionPairParams,
@@ -31,7 +30,6 @@ from app.params import (
     SkipTrigramParams,
     TermImportanceParams,
 )
-from app.schemas import HeadScores, HeadsView
 from app.settings import Limits
 from app.views.circuits import (
     build_direct_view,
@@ -43,20 +41,21 @@ from app.views.circuits import (
 )
 from app.views.composition import build_composition_pair_view, build_composition_view
 from app.views.detectors import build_detectors_view
-from app.views.heads import HEADS, build_head_view
+from app.views.heads import build_head_view
 from app.views.inputs import resolve_prompt, token_refs
 from app.views.page_claims import strongest
 from app.views.path import build_path_view
+from app.views.positivity import build_positivity_view, heads_seen, induction_pair
 from app.views.prompt import build_paths_view, build_prompt_view
 from app.views.qk_paths import build_qk_paths_view
 from app.views.term_importance import BUILTIN_TEXT, build_term_importance_view
 from app.views.tour_claims import induction_mass, self_copy_and_baseline
+from circuits_core.circuits import copying_spectra
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import head_name, parse_head
 from circuits_core.prompt.frozen import readout
-from circuits_core.prompt.model_summary import HEAD_THRESHOLD
 from circuits_core.prompt.phenomena import MIN_TRAIN_COUNT
 
 Result = tuple[dict[str, Any], str, dict[str, Any]]
@@ -69,45 +68,9 @@ def _k(limits: Limits) -> int:
     return min(K, limits.max_k)
 
 
-def _heads_view(loaded: LoadedModel) -> HeadsView:
-    """The heads table (detector and copying scores, the heads that matter), from the result cache when there: the
-    overview and every tour figure read the same answer instead of running the detectors again."""
-    return build_cached(HEADS, loaded, loaded.path.name, NoParams(), Limits())
-
-
-def _heads(loaded: LoadedModel) -> list[HeadScores]:
-    return _heads_view(loaded).heads
-
-
 def _copying_heads(loaded: LoadedModel) -> list[str]:
-    heads = sorted(_heads(loaded), key=lambda h: -(h.ov_copying or -2.0))
+    heads = sorted(heads_seen(loaded), key=lambda h: -(h.ov_copying or -2.0))
     return [h.head for h in heads]
-
-
-def _induction_pair(loaded: LoadedModel) -> tuple[str, str]:
-    """(previous-token head, induction head): the heads that matter (detectors.heads_that_matter, the heads view's
-    previous_token_head and induction_head) on the standard input. Each must score at least HEAD_THRESHOLD
-    (model_summary's rule for listing a head as one), so no figure or sentence calls a head an induction or
-    previous-token head that is none."""
-    if loaded.model.cfg.n_layers < 2:
-        raise InvalidInputError("induction needs at least 2 layers")
-    view = _heads_view(loaded)
-    by_name = {h.head: h for h in view.heads}
-    induction = by_name.get(view.induction_head or "")
-    prev = by_name.get(view.previous_token_head or "")
-    if induction is None or prev is None:
-        raise InvalidInputError("no head of layers >= 1 has an induction score on the standard input")
-    if (induction.induction or 0.0) < HEAD_THRESHOLD:
-        raise InvalidInputError(
-            f"no induction head: the strongest, {induction.head}, scores {induction.induction:.2f} "
-            f"(< {HEAD_THRESHOLD}) on the standard input"
-        )
-    if (prev.previous_token or 0.0) < HEAD_THRESHOLD:
-        raise InvalidInputError(
-            f"no previous-token head below the induction head {induction.head}: the strongest, "
-            f"{prev.head}, scores {prev.previous_token:.2f} (< {HEAD_THRESHOLD}) on the standard input"
-        )
-    return prev.head, induction.head
 
 
 def _prompt(limits: Limits, text: str) -> str:
@@ -206,7 +169,7 @@ def skip_trigrams_second(loaded: LoadedModel, limits: Limits) -> Result:
 
 
 def positional(loaded: LoadedModel, limits: Limits) -> Result:
-    best = strongest(_heads(loaded), "previous_token")
+    best = strongest(heads_seen(loaded), "previous_token")
     if best is None:
         raise InvalidInputError("no head with a previous_token score")
     head = best.head
@@ -215,7 +178,7 @@ def positional(loaded: LoadedModel, limits: Limits) -> Result:
 
 
 def ov_spectra(loaded: LoadedModel, limits: Limits) -> Result:
-    eig = circuits.ov_eigenvalues(loaded.model)  # [L, H, d_head] complex
+    eig = copying_spectra.ov_eigenvalues(loaded.model)  # [L, H, d_head] complex
     cfg = loaded.model.cfg
     data = {
         head_name(layer, h): [[float(z.real), float(z.imag)] for z in eig[layer, h].tolist()]
@@ -228,7 +191,11 @@ def ov_spectra(loaded: LoadedModel, limits: Limits) -> Result:
 def copying_scores(loaded: LoadedModel, limits: Limits) -> Result:
     self_copy, baseline = self_copy_and_baseline(loaded)
     return (
-        {"ov_copying": {h.head: h.ov_copying for h in _heads(loaded)}, "self_copy": self_copy, "baseline": baseline},
+        {
+            "ov_copying": {h.head: h.ov_copying for h in heads_seen(loaded)},
+            "self_copy": self_copy,
+            "baseline": baseline,
+        },
         "/heads",
         {},
     )
@@ -244,7 +211,7 @@ def paths_order2(loaded: LoadedModel, limits: Limits) -> Result:
 
 
 def qk_decomposition(loaded: LoadedModel, limits: Limits) -> Result:
-    _, induction = _induction_pair(loaded)
+    _, induction = induction_pair(loaded)
     prompt = _prompt(limits, REPEATED)
     view = build_qk_paths_view(loaded, QKPathsParams(head=induction, prompt=prompt, k=min(6, limits.max_k)), limits)
     return {"qk_paths": view.model_copy(update={"terms": {}})}, "/qk-paths", {"head": induction, "prompt": prompt}
@@ -257,7 +224,7 @@ def composition(loaded: LoadedModel, limits: Limits) -> Result:
 
 def value_weighted(loaded: LoadedModel, limits: Limits) -> Result:
     prompt = _prompt(limits, REPEATED)
-    prev, induction = _induction_pair(loaded)
+    prev, induction = induction_pair(loaded)
     heads = list(dict.fromkeys([prev, induction]))[: limits.max_heads]
     view = build_prompt_view(loaded, PromptParams(prompt=prompt, heads=",".join(heads), weighted=True), limits)
     plain = build_prompt_view(loaded, PromptParams(prompt=prompt, heads=induction), limits)
@@ -272,7 +239,7 @@ def value_weighted(loaded: LoadedModel, limits: Limits) -> Result:
 def induction_effect(loaded: LoadedModel, limits: Limits) -> Result:
     """The paper's figure: the induction head's direct effect on the logit of each position's actual next token,
     (r^h W_U)[p, t_{p+1}] with r^h = z^h W_O^h the head's output (through the frozen final LayerNorm, if any)."""
-    _, induction = _induction_pair(loaded)
+    _, induction = induction_pair(loaded)
     prompt = _prompt(limits, REPEATED)
     model = loaded.model
     ids = resolve_prompt(loaded, prompt, None, limits)  # the prompt views' tokens (BOS first when the model has one)
@@ -297,7 +264,7 @@ def repeated_tokens(loaded: LoadedModel, limits: Limits) -> Result:
 
 
 def k_composition(loaded: LoadedModel, limits: Limits) -> Result:
-    prev, induction = _induction_pair(loaded)
+    prev, induction = induction_pair(loaded)
     view = build_composition_pair_view(
         loaded, CompositionPairParams(source=prev, target=induction, k=_k(limits)), limits
     )
@@ -305,16 +272,9 @@ def k_composition(loaded: LoadedModel, limits: Limits) -> Result:
 
 
 def positivity_scatter(loaded: LoadedModel, limits: Limits) -> Result:
-    """Every later head's (OV copying, K-composition positivity with the previous-token head that matters): the heads
-    table's own qk_k_composition column, measured against that head."""
-    prev, _ = _induction_pair(loaded)
-    layer = parse_head(prev, loaded.model.cfg)[0]
-    points = [
-        {"head": s.head, "ov_copying": s.ov_copying, "k_composition_positivity": s.qk_k_composition}
-        for s in _heads(loaded)
-        if s.layer > layer and s.qk_k_composition is not None
-    ]
-    return {"previous_token_head": prev, "points": points}, "/heads", {}
+    view = build_positivity_view(loaded, NoParams(), limits)
+    points = [p.model_dump() for p in view.points]
+    return {"previous_token_head": view.previous_token_head, "points": points}, "/positivity", {}
 
 
 def term_importance(loaded: LoadedModel, limits: Limits) -> Result:
@@ -336,7 +296,7 @@ def term_importance_by_layer(loaded: LoadedModel, limits: Limits) -> Result:
 
 
 def virtual_head(loaded: LoadedModel, limits: Limits) -> Result:
-    prev, induction = _induction_pair(loaded)
+    prev, induction = induction_pair(loaded)
     prompt = _prompt(limits, REPEATED)
     view = build_path_view(loaded, ChainParams(heads=f"{prev},{induction}", prompt=prompt, k=_k(limits)), limits)
     return {"path": view}, "/path", {"heads": f"{prev},{induction}", "prompt": prompt, "k": _k(limits)}

@@ -215,7 +215,7 @@ def detector_sums(
     losses: dict[int, Tensor] | None = None,
 ) -> DetectorSums:
     """The detectors of the chunks of tokens [b, n] that `take` hands out (row slices) until it gives None: several
-    threads sharing one `take` (cost.shared_chunks) split a batch, and their DetectorSums merge to its scores. With
+    threads sharing one `take` (schedule.shared_chunks) split a batch, and their DetectorSums merge to its scores. With
     `losses`, each chunk runs the whole pass and puts its next-token losses [c, n - 1] there under its first row."""
     totals = DetectorSums()
     with torch.no_grad():
