@@ -21,7 +21,6 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.routers.pages_analyses import DEFAULT_PROMPT
-from app.routers.rendering import MODEL_NAV, applies
 from app.settings import Limits, Settings
 from tests.app.conftest import until_done
 
@@ -31,16 +30,21 @@ ROTARY_ONLY = ("/positional", "/bands", "/qk-copying", "/profile")
 
 
 def sidebar(app: Any, n_layers: int) -> list[str]:
-    """The model's navigation (rendering.model_nav): MODEL_NAV and the declared simple pages that apply to it."""
-    declared = app.state.analyses.analyses
-    simple = [(a.name, "/" + a.path) for a in declared if a.template and a.scope == "model" and "{" not in a.path]
-    return [sub for key, _, sub in MODEL_NAV if applies(key, n_layers)] + [
-        sub for key, sub in simple if applies(key, n_layers)
+    """The model's navigation (rendering.model_nav): every labelled model page that applies to its layers."""
+    prefix = "/models/{model}"
+    return [
+        p.route[len(prefix) :]
+        for p in app.state.pages
+        if p.label is not None
+        and p.route.startswith(prefix)
+        and "{" not in p.route[len(prefix) :]
+        and n_layers >= p.analysis.needs_layers
     ]
 
 
 def endpoints(app: Any, model: str, view: dict[str, Any]) -> list[str]:
-    """Every analysis endpoint of the model, path parameters filled with its heads that matter."""
+    """Every declared analysis endpoint of the model that applies to its layers, path parameters filled with its heads
+    that matter."""
     n_layers = 1 + max((h["layer"] for h in view["heads"]), default=-1)
     prev = view.get("previous_token_head") or "L0H0"
     induction = view.get("induction_head") or prev
@@ -52,29 +56,27 @@ def endpoints(app: Any, model: str, view: dict[str, Any]) -> list[str]:
         "{writer}": "embed",
         "{reader}": f"{induction}.V",
     }
+    # required inputs (the API has no default for them): a text (the pages' default prompt), the chain's heads,
+    # the QK-paths head
+    text = {"prompt": quote(DEFAULT_PROMPT)}
+    required = {
+        "/tokenize": text,
+        "/prompt": text,
+        "/paths": text,
+        "/path": {"heads": prev, **text},
+        "/qk-paths": {"head": induction, **text},
+    }
     out = []
-    for path, ops in app.openapi()["paths"].items():
-        if not path.startswith("/api/v1/models/{model}/") or "get" not in ops:
-            continue
-        if n_layers == 0 and "{" in path.removeprefix("/api/v1/models/{model}/"):
-            continue  # no head to name
-        first = path.removeprefix("/api/v1/models/{model}/").split("/")[0]
-        if (n_layers < 2 and "{source}" in path) or not applies(
-            "copying-all" if first == "copying" else first, n_layers
-        ):
+    for analysis in app.state.analyses.analyses:
+        path = analysis.api_path
+        if analysis.scope != "model" or n_layers < analysis.needs_layers:
             continue  # a view the model's navigation leaves out: it needs more layers than the model has
+        if (n_layers == 0 and "{" in path.removeprefix("/api/v1/models/{model}/")) or (
+            n_layers < 2 and "{source}" in path
+        ):
+            continue  # no head to name, or no pair of layers
         for k, v in fill.items():
             path = path.replace(k, v)
-        # required inputs (the API has no default for them): a text (the pages' default prompt), the chain's heads,
-        # the QK-paths head
-        text = {"prompt": quote(DEFAULT_PROMPT)}
-        required = {
-            "/tokenize": text,
-            "/prompt": text,
-            "/paths": text,
-            "/path": {"heads": prev, **text},
-            "/qk-paths": {"head": induction, **text},
-        }
         query = next((q for end, q in required.items() if path.endswith(end)), {})
         out.append(path + ("?" + "&".join(f"{k}={v}" for k, v in query.items()) if query else ""))
     return out
