@@ -66,6 +66,10 @@ class HeadsView(BaseModel):
     loss_second_copy: float | None = Field(
         default=None, description="the same on the second copy: lower when the model predicts it from the first"
     )
+    loss_by_position: list[float] | None = Field(
+        default=None,
+        description="mean next-token loss at each position of the detector input (column i predicts token i + 1)",
+    )
     heads_rule: str | None = Field(
         default=None, description="how previous_token_head and induction_head are chosen (every page's default heads)"
     )

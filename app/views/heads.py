@@ -8,6 +8,7 @@ sum(lambda)/sum(|lambda|) of the full OV and token-token QK circuits (paper-math
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from pydantic import BaseModel
@@ -144,14 +145,18 @@ def build_heads_view(loaded: LoadedModel, p: NoParams | None = None, limits: Lim
     )
 
 
-def copy_losses(table: HeadTable, meta: DetectorInput) -> dict[str, float]:
+def copy_losses(table: HeadTable, meta: DetectorInput) -> dict[str, Any]:
     """Mean next-token loss on the first and the second copy of r (losses [b, n - 1]: column i predicts token i + 1;
     with a BOS, columns 0 .. T - 1 predict the first copy's tokens 1 .. T and T .. 2T - 1 the second copy's)."""
     if table.losses is None or meta.seq_len is None:
         return {}
     cut = meta.seq_len if meta.bos is not None else meta.seq_len - 1  # the first column predicting the second copy
     first, second = table.losses[:, :cut], table.losses[:, cut:]
-    return {"loss_first_copy": float(first.mean()), "loss_second_copy": float(second.mean())}
+    return {
+        "loss_first_copy": float(first.mean()),
+        "loss_second_copy": float(second.mean()),
+        "loss_by_position": table.losses.mean(0).tolist(),
+    }
 
 
 def build_copying_view(loaded: LoadedModel, p: CopyingParams, limits: Limits) -> CopyingMetricsView:
