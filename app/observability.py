@@ -111,6 +111,22 @@ class Health(BaseModel):
     status: Literal["ok"]
 
 
+class JobState(BaseModel):
+    """A long computation's public state (app/scheduling.Job.public)."""
+
+    id: str
+    what: str
+    state: Literal["queued", "running", "done", "failed", "cancelled"]
+    progress: float = Field(
+        description="fraction done: the engine's own count where it reports one, else time / estimate"
+    )
+    elapsed_s: float
+    eta_s: float = Field(description="seconds left, from the progress (or the estimate)")
+    estimate_s: float = Field(description="the engine's price in seconds (FLOPs at compute_flops_per_s)")
+    status_url: str
+    error: str | None = None
+
+
 class ReadinessReport(BaseModel):
     status: Literal["ready", "not ready"]
     models: dict[str, str] = Field(description="model id -> 'ok' or 'error: <why>'")
@@ -385,6 +401,7 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
         "/api/v1/jobs/{job_id}",
         tags=["operations"],
         summary="A long computation's state: progress, seconds spent and left; its answer is then at result_url",
+        response_model=JobState,
     )
     async def job_state(job_id: str) -> JSONResponse:
         job = service.job(job_id)
