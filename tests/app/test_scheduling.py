@@ -196,3 +196,18 @@ def test_a_kept_computation_queued_too_long_becomes_a_job_not_a_503(settings: Se
         assert c.get(queued.json()["result_url"]).json()["tag"] == "patient"
         hold.join()
         assert ran == ["hog", "patient"]
+
+
+def test_the_overview_shows_the_model_at_once_and_its_heads_tables_progress(settings: Settings) -> None:
+    """A heads table priced over the inline budget: the overview answers at once (202, not kept) with the model's
+    facts and the job's progress bar; once the job is done the same URL is the full page (200)."""
+    rate = {"compute_flops_per_s": 1e6, "inline_budget_s": 0.5, "job_budget_s": 1e6}
+    app = create_app(settings.model_copy(update={"store_url": "off", **rate}))
+    with TestClient(app) as c:
+        first = c.get("/models/tiny-2l")
+        assert first.status_code == 202, first.text[:300]
+        assert "d_model 32" in first.text and 'data-job="' in first.text and "<progress" in first.text
+        job_id = first.text.split('data-job="')[1].split('"')[0]
+        poll(c, f"/api/v1/jobs/{job_id}", lambda s: s["state"] == "done")
+        full = c.get("/models/tiny-2l")
+        assert full.status_code == 200 and 'id="heads-table"' in full.text and "data-job" not in full.text
