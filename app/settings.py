@@ -93,7 +93,7 @@ class Settings(BaseSettings):
         default=4096 * MiB, ge=MiB,
         description="largest model served: bytes of its files and of its parameters priced from config.json before loading",
     )  # fmt: skip
-    # serving (app/compute.py, app/observability.py, app/ratelimit.py)
+    # serving (app/scheduling.py, app/observability.py, app/ratelimit.py)
     torch_threads: int | None = Field(default=None, ge=1, description="torch threads (default: cores // compute_slots)")
     request_timeout_s: float | None = Field(
         default=120.0,
@@ -103,9 +103,26 @@ class Settings(BaseSettings):
     compute_flops_per_s: float = Field(
         default=20e9,
         gt=0,
-        description="arithmetic rate assumed for one computation when pricing its time: a request whose engine-counted "
-        "FLOPs / this exceeds request_timeout_s is refused (422) before it runs. 20 GFLOP/s: about a third of one core's "
-        "float32 matrix products on the 2-core development machine, which a computation shares with others",
+        description="arithmetic rate assumed for one computation when pricing its time (engine-counted FLOPs / this): "
+        "20 GFLOP/s, about a third of one core's float32 matrix products on the 2-core development machine, which a "
+        "computation shares with others",
+    )
+    inline_budget_s: float = Field(
+        default=3.0,
+        gt=0,
+        description="a request priced at most this many seconds is answered within the request; a longer one runs as "
+        "a job that its page (or API client) polls for progress",
+    )
+    job_budget_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="the longest a computation may be priced at: a request over it is refused (422) before it runs, "
+        "naming the parameter to lower",
+    )
+    job_abandon_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="a job that no reader has polled for this long is stopped (the reader left)",
     )
     rate_limit: int | None = Field(default=None, ge=1, description="requests per client per rate_window_s (None: off)")
     rate_window_s: float = Field(default=60.0, gt=0, description="window of the per-client rate limit")

@@ -31,6 +31,7 @@ SECTION_MODULES = (
     "bench.copying",
     "bench.gemma3",
     "bench.big_models",
+    "bench.real_model",
 )
 
 

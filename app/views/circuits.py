@@ -32,8 +32,8 @@ from pydantic import BaseModel
 from torch import Tensor
 
 from app.analysis import Analysis
-from app.compute import cached_build
 from app.params import DEFAULT_VOCAB, DirectParams, OVParams, QKParams, SkipTrigramParams
+from app.scheduling import cached_build
 from app.schemas import CircuitTopView, MatrixEntry, ScoredToken, SkipTrigram, SkipTrigramView
 from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis

@@ -15,8 +15,8 @@ import torch
 from pydantic import Field
 
 from app.analysis import Analysis, AnalysisParams, HeadField
-from app.compute import cached_build
 from app.params import HEAD_DOC, BasisChoice, HeadParams, Offset
+from app.scheduling import cached_build
 from app.schemas.common import Complex
 from app.schemas.rotary import (
     BandsView,

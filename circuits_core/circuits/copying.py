@@ -243,10 +243,22 @@ def cost(
     r = n if rows is None else min(rows, n)
     b = max(1, min(r, budget_bytes // max(1, n * size)))
     columns = cfg.d_model * n * size if n != cfg.d_vocab else 0
-    one_head = Cost(cfg.d_head * n * size + columns + b * (2 * cfg.d_model + cfg.d_head + n) * size + r * 16)
-    weights = Cost(2 * n_samples * cfg.d_model * cfg.d_head * 8 + n_samples * cfg.d_head * cfg.d_head * 16)
     heads = cfg.n_layers * cfg.n_heads if n_heads is None else n_heads
+    one_head = Cost(
+        cfg.d_head * n * size + columns + b * (2 * cfg.d_model + cfg.d_head + n) * size + r * 16,
+        flops=row_ranks_flops(cfg.d_model, cfg.d_head, n, r) * (heads + n_top_samples),
+    )
+    weights = Cost(
+        2 * n_samples * cfg.d_model * cfg.d_head * 8 + n_samples * cfg.d_head * cfg.d_head * 16,
+        flops=2 * cfg.d_vocab * cfg.d_model**2 + n_samples * 2 * cfg.d_head * cfg.d_model * (cfg.d_model + cfg.d_head),
+    )
     return (one_head + weights).with_answer(numbers=5 * heads + 4 * n_samples, labels=heads)
+
+
+def row_ranks_flops(d_model: int, d_head: int, n: int, r: int) -> int:
+    """FLOPs of row_ranks on r source rows ranked against n columns: (W_O W_U)^T [n, d_head], the rows' W_E_eff W_V
+    [r, d_head], their logits [n, r] and the compare-and-count over them."""
+    return 2 * n * d_model * d_head + 2 * r * d_model * d_head + 2 * n * d_head * r + 2 * n * r
 
 
 # -- one head's copying metrics (any square token circuit) ------------------------------------------------

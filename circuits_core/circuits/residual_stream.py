@@ -241,17 +241,19 @@ def stream_usage(
     return StreamUsage(wn, rn, ranks, dims, energy, ov, rand, excess, bandwidth(wn, w_sub, d))
 
 
-def usage_cost(model: Transformer) -> Cost:
+def usage_cost(model: Transformer, rows: int | None = None) -> Cost:
     """stream_usage: every component's d x d Gram or d x d_head factors and bases, one Gram block per side, the
-    [Nw, Nw + Nr] tables; answer: three tables, the ranks and the load spectrum."""
+    [Nw, Nw + Nr] tables; answer: three tables (`rows` of their Nw writer rows: a page of them), the ranks and the
+    load spectrum."""
     cfg = model.cfg
     Nw, Nr = len(writers(model)), len(readers(model))
+    shown = Nw if rows is None else min(rows, Nw)
     d, dh = cfg.d_model, cfg.d_head
     numbers = (
         (Nw + Nr) * (d * dh + 128 * 128) + 8 * d * d + 3 * Nw * (Nw + Nr) + cfg.n_layers * cfg.n_heads * 4 * d * dh
     )
     return Cost(numbers * itemsize(model.compute_dtype)).with_answer(
-        numbers=3 * Nw * (Nw + Nr) + 2 * (Nw + Nr) + d, labels=Nw + Nr
+        numbers=3 * shown * (Nw + Nr) + 2 * (Nw + Nr) + d, labels=Nw + Nr
     )
 
 

@@ -23,6 +23,7 @@ import torch
 from fastapi.testclient import TestClient
 
 import app.routers.pages as pages
+import app.routers.pages_heads as pages_heads
 import app.views.circuits as circuit_views
 from app.main import create_app
 from app.params import DetectorParams
@@ -120,6 +121,7 @@ def small_default() -> Iterator[None]:
     patch = pytest.MonkeyPatch()
     patch.setattr(circuit_views, "DEFAULT_VOCAB", SMALL_DEFAULT)
     patch.setattr(pages, "DEFAULT_VOCAB", SMALL_DEFAULT)
+    patch.setattr(pages_heads, "DEFAULT_VOCAB", SMALL_DEFAULT)  # the head page's (app/routers/pages_heads.py)
     yield
     patch.undo()
 
