@@ -68,6 +68,9 @@ class Cost:
         return Cost(self.peak_bytes, self.answer_bytes + extra, self.flops)
 
 
+FREE = Cost(0)  # the price of work that reads only numbers already at hand
+
+
 def itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of a floating dtype."""
     return torch.finfo(dtype).bits // 8

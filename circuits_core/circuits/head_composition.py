@@ -1,6 +1,6 @@
 """One head's composition with every other head: the row and column of the all-pairs scores that name it.
 
-Paper section: "Composition" (Elhage et al. 2021; paper-math 2.9); the scores are composition.py's (Q, K and V
+Paper section: "Composition" (Elhage et al. 2021; docs/maths.md §2.9); the scores are composition.py's (Q, K and V
 composition, normalised Frobenius norms of W_OV^{h1} times the later head's matrix), computed here only for the pairs
 that have this head on one side: the earlier heads it reads from and the later heads it writes to. That is 2 (L H)
 pairs instead of (L H)^2: what a head's page shows (its strongest partners), at the cost of one head's view. Each
@@ -17,10 +17,22 @@ from circuits_core.circuits.composition import (
     left_collapsed,
     pair_scores,
     right_collapsed,
-    right_factors,
 )
 from circuits_core.cost import Cost, itemsize
+from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer
+
+
+def right_factors(model: Transformer, kind: CompositionKind) -> tuple[Tensor, Tensor]:
+    """(A, B) with A B the later head's matrix for `kind`: [L, H, d, d_head], [L, H, d_head, d]."""
+    W_Q, W_K, W_V, W_O = model.W_Q, model.W_K, model.W_V, model.W_O
+    if kind == "q":  # W_QK = W_Q W_K^T
+        return W_Q, W_K.transpose(-2, -1)
+    if kind == "k":  # W_QK^T = W_K W_Q^T
+        return W_K, W_Q.transpose(-2, -1)
+    if kind == "v":  # W_OV = W_V W_O
+        return W_V, W_O
+    raise InvalidInputError(f"composition kind must be one of q, k, v, got {kind!r}")
 
 
 def head_composition(model: Transformer, layer: int, head: int, kind: CompositionKind) -> tuple[Tensor, Tensor]:
