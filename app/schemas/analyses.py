@@ -208,6 +208,19 @@ class QKPathsView(BaseModel):
     )
     scores: list[list[float | None]] = Field(description="the real attention scores (null above the diagonal)")
     max_abs_error: float = Field(description="max |sum of all terms - real scores| over causal positions")
+    qk_form: str = Field(
+        default="exact",
+        description="'exact' (no QK-norm) or 'frozen-norm' (QK-norm: each token's query and key scale frozen at this "
+        "run's values, so the terms sum to the scores)",
+    )
+    score_cap: float | None = Field(
+        default=None, description="soft cap c of the scores (Gemma 2): each term is multiplied by its entry's frozen "
+        "factor c·tanh(s/c)/s, so the terms sum to the capped score",
+    )  # fmt: skip
+    beyond_cap: float | None = Field(default=None, description="share of the seen scores with |s| > c before the cap")
+    window: int | None = Field(
+        default=None, description="sliding window of the head's layer: keys at offsets ≥ window are not seen (null)"
+    )
     at: QKCell | None = Field(default=None, description="the terms of one score (params query and key), else null")
 
 

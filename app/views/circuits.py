@@ -32,8 +32,8 @@ from pydantic import BaseModel
 from torch import Tensor
 
 from app.analysis import Analysis
-from app.compute import cached_build
 from app.params import DEFAULT_VOCAB, DirectParams, OVParams, QKParams, SkipTrigramParams
+from app.scheduling import cached_build
 from app.schemas import CircuitTopView, MatrixEntry, ScoredToken, SkipTrigram, SkipTrigramView
 from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
@@ -434,6 +434,7 @@ def build_skip_trigrams_view(loaded: LoadedModel, p: SkipTrigramParams, limits: 
 # -- declarations (app/analysis.py) ----------------------------------------------------------------------
 DIRECT = Analysis(
     name="direct",
+    weights="attention",
     path="direct",
     params=DirectParams,
     view=CircuitTopView,
@@ -444,6 +445,7 @@ DIRECT = Analysis(
 )
 OV = Analysis(
     name="ov",
+    weights="attention",
     path="heads/{head}/ov",
     params=OVParams,
     view=CircuitTopView,
@@ -454,6 +456,7 @@ OV = Analysis(
 )
 QK = Analysis(
     name="qk",
+    weights="attention",
     path="heads/{head}/qk",
     params=QKParams,
     view=CircuitTopView,
@@ -473,6 +476,7 @@ def skip_trigrams_cost(loaded: LoadedModel, p: SkipTrigramParams, limits: Limits
 
 SKIP_TRIGRAMS = Analysis(
     name="skip-trigrams",
+    weights="attention",
     path="heads/{head}/skip-trigrams",
     params=SkipTrigramParams,
     view=SkipTrigramView,

@@ -369,7 +369,11 @@ def cost(model: Transformer, kinds: tuple[CompositionKind, ...] = KINDS, budget_
 def _priced(model: Transformer, kinds: tuple[CompositionKind, ...], layers_per_chunk: int | None) -> Cost:
     L, H, K = model.cfg.n_layers, model.cfg.n_heads, len(kinds)
     numbers = scores_numbers(model, kinds, layers_per_chunk) + 2 * K * (L * H) ** 2  # + minus baseline, mask
-    return Cost(numbers * itemsize(model.compute_dtype)) + random_baseline_cost(model.cfg.d_model, model.cfg.d_head)
+    d, dh = model.cfg.d_model, model.cfg.d_head
+    n_pairs = len(block_pairs(d, gram_block_size(d))[0]) * gram_block_size(d) ** 2  # Gram entries formed per head
+    # FLOPs: each head's factor Grams (per kind) and the pairs' inner products over the upper block triangle
+    flops = K * (2 * L * H * n_pairs * min(d, dh) + 2 * (L * H) ** 2 * n_pairs)
+    return Cost(numbers * itemsize(model.compute_dtype), flops=flops) + random_baseline_cost(d, dh)
 
 
 def random_baseline_cost(d_model: int, d_head: int) -> Cost:

@@ -44,6 +44,7 @@ from circuits_core.circuits.head_circuits import (
     factors_cost,
     skip_trigrams,
 )
+from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.circuits.qk_forms import QKForm, folded_query_key, head_token_scales, qk_form, token_scale
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
@@ -209,7 +210,7 @@ def qk_eigenvalues_at(model: Transformer, offset: int, G_E: Tensor | None = None
         W_Q, W_K = folded_query_key(model, layer)
         W_K = W_K.repeat_interleave(model.cfg.group_size, dim=0)  # per query head
         R = rotation(model, [offset], layer=layer)[0]  # [dh, dh] float64
-        out.append(torch.linalg.eigvals(_qk_small(model, W_Q, W_K, G_E) @ R))
+        out.append(eigvals(_qk_small(model, W_Q, W_K, G_E) @ R))
     return torch.stack(out)
 
 
@@ -220,7 +221,7 @@ def head_qk_eigenvalues_at(
     check_rotary(model)
     W_Q, W_K = query_key_weights(model, layer, head)
     R = rotation(model, offsets, layer=layer)  # [n, dh, dh] float64
-    return torch.linalg.eigvals(_qk_small(model, W_Q, W_K, G_E) @ R)
+    return eigvals(_qk_small(model, W_Q, W_K, G_E) @ R)
 
 
 def qk_copying_scores_at(model: Transformer, offset: int, G_E: Tensor | None = None) -> Tensor:

@@ -325,8 +325,8 @@ def expand_logits(
                 names, coef, w = names_prev[:P0], coef_prev[:P0], w_prev[:P0]  # [P0, q, n], [P0, d]
                 A = run.patterns[layer]  # [H, n, n]
                 inv = run.inv_scale(f"blocks.{layer}.ln1")  # [n]
-                # the output norm's 1 / rho at the heads' rows (ones without output norms)
-                written = coef * run.inv_scale(f"blocks.{layer}.ln1_post")
+                # the output norm's 1 / rho at the heads' rows
+                written = coef * run.inv_scale(f"blocks.{layer}.ln1_post") if cfg.post_norms else coef
                 coef_new = torch.matmul(written.reshape(P0 * q, n), A).mul_(inv).view(H * P0, q, n)  # [H*P0, q, n]
                 if last:
                     exp.emit(order, layer, heads_of[layer], names, coef_new, None, head_o_apply(model, layer, w))

@@ -31,6 +31,7 @@ from circuits_core.circuits.copying_spectra import copying_score, embed_gram
 from circuits_core.circuits.embedding import EMBED_CHUNK, embed_eff
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.head_circuits import check_head
+from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError, LimitExceededError
 from circuits_core.model.config import head_name
@@ -251,7 +252,7 @@ def k_composition_positivity(
     out = torch.zeros(weights.shape, dtype=torch.float64, device=model.device)
     M = k_composition_matrices(model, weights, G_E, G_E_W_Q, layers)  # [len(layers), H, dh, dh]
     if len(layers):
-        out[layers.start : layers.stop] = copying_score(torch.linalg.eigvals(M.double()))  # M = 0: score 0
+        out[layers.start : layers.stop] = copying_score(eigvals(M.double()))  # M = 0: score 0
     return out
 
 
@@ -322,4 +323,4 @@ def k_composition_matrices(
 
 def circuit_positivity(fm: FactoredMatrix) -> float:
     """sum(eig)/sum(|eig|) of a square FactoredMatrix through its small B A (e.g. a K-composition circuit)."""
-    return float(copying_score(torch.linalg.eigvals(fm.BA.double())))
+    return float(copying_score(eigvals(fm.BA.double())))

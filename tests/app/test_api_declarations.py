@@ -17,7 +17,7 @@ from circuits_core.errors import QkovError
 from circuits_core.formats.checkpoint import LoadedModel
 from tests.app.conftest import LIMITS
 
-LISTINGS = {"/api/v1/models", "/api/v1/unavailable-models", "/api/v1/models/{model}"}
+LISTINGS = {"/api/v1/models", "/api/v1/unavailable-models", "/api/v1/models/{model}", "/api/v1/jobs/{job_id}"}
 BY_NAME = {a.name: a for a in ANALYSES}
 # Values for required fields by name, and per analysis (the others run on their defaults).
 BY_FIELD = {

@@ -62,6 +62,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "QKOV_TORCH_THREADS": "1",
         "QKOV_PRELOAD": "true",
         "QKOV_STORE_URL": "off",
+        "QKOV_INLINE_BUDGET_S": "100000",  # every request inline: this is the cancellation of a request's own work
     }
     proc = start(
         ["-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],

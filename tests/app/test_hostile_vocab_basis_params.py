@@ -120,8 +120,8 @@ def _settings(folders: tuple[Path, Path], **limits: int) -> Settings:
 def small_default() -> Iterator[None]:
     patch = pytest.MonkeyPatch()
     patch.setattr(circuit_views, "DEFAULT_VOCAB", SMALL_DEFAULT)
-    patch.setattr(pages, "DEFAULT_VOCAB", SMALL_DEFAULT)  # the direct page
-    patch.setattr(pages_heads, "DEFAULT_VOCAB", SMALL_DEFAULT)  # the head page
+    patch.setattr(pages, "DEFAULT_VOCAB", SMALL_DEFAULT)
+    patch.setattr(pages_heads, "DEFAULT_VOCAB", SMALL_DEFAULT)  # the head page's (app/routers/pages_heads.py)
     yield
     patch.undo()
 

@@ -27,8 +27,8 @@ import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from app.compute import compute
 from app.main import create_app
+from app.scheduling import compute
 from app.settings import REPO_ROOT, Settings
 from circuits_core.model.config import ModelConfig
 from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer
