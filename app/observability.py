@@ -310,15 +310,28 @@ class ServingMiddleware:
 
 
 # -- install ---------------------------------------------------------------------------------------------
-def open_store_tier(settings: Settings) -> StoreTier | None:
-    """The second-level result store the settings name (app/store.py), or None when it is off."""
-    store = open_store(settings.store_url, settings.store_dir, settings.store_bytes, settings.store_ttl_s)
-    return None if store is None else StoreTier(store, claim_ttl_s=settings.request_timeout_s or 120.0)
+def open_store_tier(settings: Settings) -> tuple[StoreTier | None, dict[str, Any] | None]:
+    """The second-level result store the settings name (app/store.py), or None when it is off or cannot be
+    opened; then also what /readyz says about it. A store folder that cannot be created (a read-only root) or a
+    corrupt cache.db never stops the server: it runs without the store and says so in the log and on /readyz."""
+    try:
+        store = open_store(settings.store_url, settings.store_dir, settings.store_bytes, settings.store_ttl_s)
+    except ValueError:
+        raise  # a malformed store URL is a configuration error, refused at start
+    except Exception as exc:  # OSError, sqlite3.DatabaseError, diskcache's own errors
+        detail = f"not opened ({type(exc).__name__}: {str(exc)[:200]}); running without the result store"
+        log.error("result store at %s: %s", settings.store_dir, detail)
+        return None, {"store": settings.store_url, "ok": False, "detail": detail}
+    if store is None:
+        return None, None
+    return StoreTier(store, claim_ttl_s=settings.request_timeout_s or 120.0), None
 
 
 def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
     """Add the compute service, middleware and /healthz, /readyz, /metrics to an app (once, in create_app)."""
     registry: ModelRegistry = app.state.registry
+    configure_logging(settings)
+    store, store_problem = open_store_tier(settings)
     service = ComputeService(
         slots=settings.compute_slots,
         slot_wait_s=settings.slot_wait_s,
@@ -331,11 +344,10 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
             settings.request_timeout_s,
             settings.compute_flops_per_s,
         ),
-        store=open_store_tier(settings),
+        store=store,
         torch_threads=settings.torch_threads or default_torch_threads(settings.compute_slots),
     )
     torch.set_num_threads(settings.torch_threads or default_torch_threads(settings.compute_slots))
-    configure_logging(settings)
     metrics = Metrics(service, registry, settings.metrics_multiprocess)
     readiness = Readiness(registry)
     app.state.compute = service
@@ -362,7 +374,7 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
     )
     async def readyz() -> JSONResponse:
         ready, report = await anyio.to_thread.run_sync(readiness.check)
-        store = await anyio.to_thread.run_sync(service.store.status) if service.store is not None else None
+        store = await anyio.to_thread.run_sync(service.store.status) if service.store is not None else store_problem
         body = ReadinessReport(status="ready" if ready else "not ready", models=report, store=store)
         return JSONResponse(
             body.model_dump(), status_code=200 if ready else 503, headers={} if ready else {"Retry-After": "5"}

@@ -226,14 +226,19 @@ def code_version(root: Path = REPO_ROOT) -> str:
 
 
 def open_store(url: str, directory: Path, budget_bytes: int, ttl_s: float) -> ResultStore | None:
-    """The store a Settings names: "off", "disk" or a redis:// URL (with the disk store as its fallback)."""
+    """The store a Settings names: "off", "disk" or a redis:// URL (with the disk store as its fallback, or none
+    when the disk store cannot be opened). Raises what opening the disk store raised for "disk"."""
     if url == "off":
         return None
-    disk = DiskStore(directory, budget_bytes)
     if url == "disk":
-        return disk
+        return DiskStore(directory, budget_bytes)
     if url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisStore(url, fallback=disk, ttl_s=ttl_s)
+        try:
+            fallback: DiskStore | None = DiskStore(directory, budget_bytes)
+        except Exception as exc:  # an unwritable folder, a corrupt cache.db: Redis alone, no local fallback
+            log.error("disk fallback of the Redis store not opened (%s: %s)", type(exc).__name__, str(exc)[:200])
+            fallback = None
+        return RedisStore(url, fallback=fallback, ttl_s=ttl_s)
     raise ValueError(f"store URL {url!r} is not 'off', 'disk' or a redis:// URL")
 
 

@@ -49,7 +49,9 @@ def test_a_prompt_holding_a_query_string_does_not_poison_the_other_link(model_di
     """Opening prompt 'the cat sat&weighted=true' first must not make '?prompt=the cat sat&weighted=true' serve
     that page, in this process or in another one reading the same disk store."""
     shipped, user = model_dirs
-    settings = Settings(shipped_dir=shipped, models_dir=user, dtype="float64", limits=LIMITS, store_dir=tmp_path)
+    settings = Settings(
+        shipped_dir=shipped, models_dir=user, dtype="float64", limits=LIMITS, store_url="disk", store_dir=tmp_path
+    )
     poison = "/models/tiny-2l/prompt?prompt=the%20cat%20sat%26weighted%3Dtrue"
     honest = "/models/tiny-2l/prompt?prompt=the%20cat%20sat&weighted=true"
     with TestClient(create_app(settings)) as client:
