@@ -35,7 +35,8 @@ they reach the cache key, the builder and the JSON link, so the copies cannot dr
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Generic, Literal, Self, TypeVar
 from urllib.parse import quote, urlencode
@@ -47,6 +48,7 @@ from starlette.concurrency import run_in_threadpool
 from app.compute import cached_build, compute, compute_json
 from app.settings import Limits
 from circuits_core.cost import Cost
+from circuits_core.errors import CheckpointError, QkovError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import head_name, parse_head
 
@@ -249,13 +251,35 @@ async def _price(
 async def run(analysis: Analysis[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> V:
     """Price, then build through a compute slot (cached under `cache_key` when the analysis says so): the view."""
     kw = await _price(analysis, subject, model_id, params, limits)
-    return await compute(analysis.build, subject, params, limits, view=analysis.view, **kw)
+    with refused_on_nonfinite(subject):
+        return await compute(analysis.build, subject, params, limits, view=analysis.view, **kw)
 
 
 async def run_json(analysis: Analysis[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> bytes:
     """Like `run`, the answer encoded as JSON inside the slot (the API's answer)."""
     kw = await _price(analysis, subject, model_id, params, limits)
-    return await compute_json(analysis.build, subject, params, limits, **kw)
+    with refused_on_nonfinite(subject):
+        return await compute_json(analysis.build, subject, params, limits, **kw)
+
+
+@contextmanager
+def refused_on_nonfinite(subject: Any) -> Iterator[None]:
+    """On a model with NaN or inf weights, a computation that fails (an SVD or eigensolver that does not converge
+    on them, say) is a refusal of the model naming those tensors (422), not an internal error; an analysis whose
+    maths carries the NaN through answers with it."""
+    try:
+        yield
+    except QkovError:
+        raise
+    except Exception as exc:
+        bad = getattr(subject, "nonfinite", None)
+        if not bad:
+            raise
+        raise CheckpointError(
+            f"this analysis cannot run on the model's non-finite weights: {', '.join(bad[:5])}"
+            + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            + f" ({type(exc).__name__})"
+        ) from exc
 
 
 def build_cached(analysis: Analysis[P, V], loaded: LoadedModel, model_id: str, params: P, limits: Limits) -> V:
