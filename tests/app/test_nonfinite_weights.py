@@ -4,13 +4,10 @@ none gives a 5xx (linalg.svd's convergence error was a 500 on /heads/{head}, /re
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
-import torch
 from fastapi.testclient import TestClient
 from safetensors.torch import load_file, save_file
 
