@@ -76,6 +76,23 @@ class Settings(BaseSettings):
     )
     rate_limit: int | None = Field(default=None, ge=1, description="requests per client per rate_window_s (None: off)")
     rate_window_s: float = Field(default=60.0, gt=0, description="window of the per-client rate limit")
+    rate_limit_timeout_s: float = Field(
+        default=0.1,
+        gt=0,
+        description="longest a request waits for the rate limiter's storage (Redis); past it the request is let "
+        "through or refused as rate_limit_fail_open says. The wait runs off the event loop, so a stalled Redis never "
+        "stalls other requests",
+    )
+    rate_limit_fail_open: bool = Field(
+        default=True,
+        description="when the limiter's storage does not answer within rate_limit_timeout_s: true lets the request "
+        "through (availability first), false answers 503 with Retry-After (the limit first)",
+    )
+    metrics_networks: list[str] | None = Field(
+        default=None,
+        description="addresses or networks (CIDR) allowed to read /metrics; others get 404. None: public; "
+        "['127.0.0.1', '::1']: the machine itself only",
+    )
     trusted_proxies: list[str] = Field(
         default_factory=list,
         description="addresses or networks (CIDR) of reverse proxies whose X-Forwarded-For is believed; empty: none",
@@ -93,13 +110,13 @@ class Settings(BaseSettings):
         default=False, description="aggregate metrics of uvicorn workers (PROMETHEUS_MULTIPROC_DIR)"
     )
 
-    @field_validator("trusted_proxies")
+    @field_validator("trusted_proxies", "metrics_networks")
     @classmethod
-    def _networks(cls, value: list[str]) -> list[str]:
+    def _networks(cls, value: list[str] | None) -> list[str] | None:
         """Each entry an IP address or CIDR network (a typo would silently trust nothing, or the wrong peer)."""
-        for entry in value:
+        for entry in value or []:
             try:
                 ipaddress.ip_network(entry.strip(), strict=False)
             except ValueError as exc:
-                raise ValueError(f"trusted_proxies: {entry!r} is not an IP address or network ({exc})") from exc
+                raise ValueError(f"{entry!r} is not an IP address or network ({exc})") from exc
         return value
