@@ -388,7 +388,10 @@ def open_store_tier(settings: Settings) -> tuple[StoreTier | None, dict[str, Any
         return None, {"store": settings.store_url, "ok": False, "detail": detail}
     if store is None:
         return None, None
-    return StoreTier(store, claim_ttl_s=settings.request_timeout_s or 120.0), None
+    secret = settings.store_secret.get_secret_value().encode() if settings.store_secret is not None else None
+    if secret is None:
+        log.warning("result store rows are not authenticated: set QKOV_STORE_SECRET (docs/serving.md)")
+    return StoreTier(store, claim_ttl_s=settings.request_timeout_s or 120.0, secret=secret), None
 
 
 def install_serving(app: FastAPI, settings: Settings) -> ComputeService:

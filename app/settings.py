@@ -10,7 +10,7 @@ import ipaddress
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +53,14 @@ class Settings(BaseSettings):
     store_dir: Path = Field(default=REPO_ROOT / ".store", description="folder of the disk store")
     store_bytes: int = Field(
         default=1024 * MiB, ge=MiB, description="byte budget of the disk store (least recently used evicted)"
+    )
+    store_secret: SecretStr | None = Field(
+        default=None,
+        description="key of the HMAC-SHA256 that authenticates every answer and page kept in the result store "
+        "(QKOV_STORE_SECRET): the same on every replica and across restarts, at least 32 characters, never kept in "
+        "the store. A row failing the check is recomputed. Unset: rows are not authenticated (said on /readyz), so "
+        "whoever can write the store can change what is served",
+        min_length=32,
     )
     store_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0, description="how long Redis keeps an answer")
     preload: bool = Field(default=False, description="load every model at start-up instead of on first use")
