@@ -29,7 +29,9 @@ from circuits_core.circuits.rotary import (
 )
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.config import ModelConfig
+from circuits_core.model.soft_cap import soft_cap
 from circuits_core.model.transformer import random_model, rotary_inv_freq, rotary_pairs
+from circuits_core.model.window import visible
 
 IDS = list(CASES)
 
@@ -45,25 +47,39 @@ def normed(model, x, layer=0):
 
 @pytest.mark.parametrize("case", IDS)
 def test_omega_reproduces_attention_scores(case):
-    """x̂_i Ω_h(i - j) x̂_j^T / s == hook_attn_scores[h, i, j] for every head and causal (i, j), to 1e-10."""
+    """x̂_i Ω_h(i - j) x̂_j^T / s == hook_attn_scores[h, i, j] for every head and causal (i, j) the head sees, to 1e-10
+    (under QK-norm Ω is the gain-folded bilinear form read through the run's rho_q(i) rho_k(j); under a cap the
+    prediction is capped as the model caps it)."""
     model = rotary_model(**CASES[case])
+    cfg = model.cfg
     n = 12
     tokens = tokens_for(model, n=n, batch=2)
-    names = {f"blocks.{lay}.{hook}" for lay in range(2) for hook in ("ln1.hook_normalized", "attn.hook_attn_scores")}
-    _, cache = model.run(tokens, names=names)
-    i, j = torch.tril_indices(n, n)  # causal pairs, δ = i - j >= 0
-    for layer in range(model.cfg.n_layers):
-        x = cache[f"blocks.{layer}.ln1.hook_normalized"]  # [b, n, d]
-        for h in range(model.cfg.n_heads):
-            Om = omega(model, layer, h, torch.arange(n))  # [n, d, d]
-            pred = torch.einsum("bpd,pde,bpe->bp", x[:, i], Om.AB[i - j], x[:, j]) / model.cfg.scale
+    hooks = (
+        "ln1.hook_normalized",
+        "hook_resid_pre",
+        "attn.hook_attn_scores",
+        "attn.q_norm.hook_scale",
+        "attn.k_norm.hook_scale",
+    )
+    _, cache = model.run(tokens, names={f"blocks.{lay}.{hook}" for lay in range(2) for hook in hooks})
+    for layer in range(cfg.n_layers):
+        i, j = visible(n, cfg.layer_window(layer)).nonzero(as_tuple=True)  # δ = i - j >= 0, inside the window
+        x = cache.get(f"blocks.{layer}.ln1.hook_normalized", cache[f"blocks.{layer}.hook_resid_pre"])  # [b, n, d]
+        for h in range(cfg.n_heads):
+
+            def predict(offsets, h=h, x=x, i=i, j=j, layer=layer):
+                pred = torch.einsum("bpd,pde,bpe->bp", x[:, i], omega(model, layer, h, offsets).AB, x[:, j]) / cfg.scale
+                if cfg.qk_norm is not None:
+                    rho_q = cache[f"blocks.{layer}.attn.q_norm.hook_scale"]  # [b, n, heads or 1, 1]
+                    rho_k = cache[f"blocks.{layer}.attn.k_norm.hook_scale"]
+                    pred = pred / (rho_q[:, i, h if cfg.qk_norm == "head" else 0, 0])
+                    pred = pred / (rho_k[:, j, h // cfg.group_size if cfg.qk_norm == "head" else 0, 0])
+                return soft_cap(pred, cfg.attn_scores_soft_cap)
+
             real = cache[f"blocks.{layer}.attn.hook_attn_scores"][:, h, i, j]
-            assert (pred - real).abs().max() < 1e-10
+            assert (predict(i - j) - real).abs().max() < 1e-10
             # the sign of δ matters: R(j - i) instead of R(i - j) does not reproduce the scores
-            wrong = (
-                torch.einsum("bpd,pde,bpe->bp", x[:, i], omega(model, layer, h, j - i).AB, x[:, j]) / model.cfg.scale
-            )
-            assert (wrong - real).abs().max() > 1e-3
+            assert (predict(j - i) - real).abs().max() > 1e-3
 
 
 def test_omega_uses_the_group_key_weights():
