@@ -53,6 +53,7 @@ def build_model_view(loaded: LoadedModel, entry: ModelEntry) -> ModelSummary:
         card=_card(loaded),
         defaulted=[DefaultedValue(field=d.field, value=str(d.value), source=d.source) for d in loaded.defaulted],
         nonfinite_weights=list(loaded.nonfinite),
+        computed_on=loaded.provenance(),
     )
 
 
@@ -79,6 +80,7 @@ def tokenize_cost(loaded: LoadedModel, p: PromptInput, limits: Limits) -> Cost:
 
 TOKENIZE = Analysis(
     name="tokenize",
+    weights="attention",
     path="tokenize",
     params=PromptInput,
     view=TokenizeView,
