@@ -107,17 +107,6 @@ class LoadedModel:
     defaulted: list[Defaulted] = field(default_factory=list)  # config values the file lacks, and their sources
     nonfinite: list[str] = field(default_factory=list)  # stored tensors holding NaN or inf, with their counts
 
-
-def nonfinite_tensors(state: dict[str, Tensor]) -> list[str]:
-    """'name (n NaN, m inf of numel)' for every stored floating-point tensor that is not finite everywhere, read
-    before processing (folding a norm would spread one NaN over every weight it touches)."""
-    out = []
-    for name, t in state.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
-            out.append(f"{name} ({nan} NaN, {inf} inf of {t.numel()})")
-    return out
-
     def provenance(self) -> dict[str, str]:
         """Where and in which dtypes this model's answers are computed: the device, the weights' dtype (as kept:
         bf16/fp16 when a half-precision checkpoint keeps its stored dtype), the dtype the circuits compute in, and
@@ -135,6 +124,17 @@ def nonfinite_tensors(state: dict[str, Tensor]) -> list[str]:
             if deferred
             else "read",
         }
+
+
+def nonfinite_tensors(state: dict[str, Tensor]) -> list[str]:
+    """'name (n NaN, m inf of numel)' for every stored floating-point tensor that is not finite everywhere, read
+    before processing (folding a norm would spread one NaN over every weight it touches)."""
+    out = []
+    for name, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            out.append(f"{name} ({nan} NaN, {inf} inf of {t.numel()})")
+    return out
 
 
 def _model_config(data: dict[str, Any], path: Path, **overrides: Any) -> ModelConfig:
