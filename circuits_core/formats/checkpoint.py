@@ -7,6 +7,7 @@ Formats (REGISTRY, keyed by `Format`):
   .safetensors, .pth or .pt (buffers such as blocks.{l}.attn.mask / IGNORE are dropped).
 - "gpt2", "gpt_neox": Hugging Face folders (see formats_hf.py).
 - "llama", "mistral", "qwen2": Hugging Face Llama-family folders, sharded safetensors (formats_llama.py).
+- "gpt_oss": Hugging Face gpt-oss folders (sinks, mixture of experts, MXFP4 experts; gpt_oss.py).
 - "gguf": a folder without config.json holding one `.gguf` file (llama.cpp, ollama), named after the folder;
   config, tensors and tokenizer all come from that file (formats_gguf.py).
 
@@ -37,6 +38,7 @@ from torch import Tensor
 
 from circuits_core.errors import CheckpointError, InvalidInputError
 from circuits_core.formats.gguf import gguf_file, read_gguf
+from circuits_core.formats.gpt_oss import gpt_oss_config, load_gpt_oss
 from circuits_core.formats.hf import load_gpt2, load_gpt_neox
 from circuits_core.formats.llama import LLAMA_MODEL_TYPES, llama_config, load_llama, shard_names
 from circuits_core.formats.processing import SWITCHES, ProcessingOptions, own_tensors, process_state
@@ -57,7 +59,7 @@ from circuits_core.formats.tokenizer import Tokenizer
 from circuits_core.model.config import ConfigReader, ModelConfig
 from circuits_core.model.transformer import Transformer
 
-Format = Literal["qkov", "transformer_lens", "gpt2", "gpt_neox", "gguf", "llama", "mistral", "qwen2"]
+Format = Literal["qkov", "transformer_lens", "gpt2", "gpt_neox", "gguf", "llama", "mistral", "qwen2", "gpt_oss"]
 FORMATS: tuple[str, ...] = get_args(Format)
 QKOV_FORMAT_VERSION = 1
 # A loader turns (folder, parsed config.json) into (config, TransformerLens state dict, key -> file, files).
@@ -67,6 +69,7 @@ Loader = Callable[
 ]
 HF_MODEL_TYPES: dict[str, Format] = {
     "gpt2": "gpt2", "gpt_neox": "gpt_neox", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
+    "gpt_oss": "gpt_oss",
 }  # fmt: skip
 LOAD_OPTIONS_FILE = "qkov.json"  # per-checkpoint load options (processing), next to config.json
 # Files besides config.json and the weights that can change an answer, so they are part of the digest: the
@@ -75,6 +78,11 @@ ANSWER_FILES = (
     LOAD_OPTIONS_FILE, "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json",
     "special_tokens_map.json", "token_counts.npy", "model_card.json",
 )  # fmt: skip
+# Formats whose config.json prices the model and whose index names the shards before any tensor is read.
+CONFIG_READERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
+    **dict.fromkeys(LLAMA_MODEL_TYPES, llama_config),
+    "gpt_oss": gpt_oss_config,
+}
 TL_BUFFERS = (".attn.mask", ".attn.IGNORE", ".attn.rotary_sin", ".attn.rotary_cos")
 
 
@@ -237,6 +245,7 @@ REGISTRY: dict[Format, Loader] = {
     "llama": load_llama,
     "mistral": load_llama,
     "qwen2": load_llama,
+    "gpt_oss": load_gpt_oss,
 }
 
 
@@ -258,7 +267,7 @@ def weight_files_known_before_reading(folder: Path, fmt: Format) -> list[Path] |
     file; the Llama family: its shards); None for the formats whose loaders find their files while reading."""
     if fmt == "gguf":
         return [folder_file(folder, gguf_file(folder) or "")]
-    if fmt in LLAMA_MODEL_TYPES:
+    if fmt in CONFIG_READERS:
         return [folder_file(folder, name) for name in shard_names(folder)]
     return None
 
@@ -299,8 +308,8 @@ def load_checkpoint(
             )
 
     tokenizer: Tokenizer | None = None
-    if fmt in LLAMA_MODEL_TYPES:
-        check_price(llama_config(data))  # priced from config.json before any tensor is read
+    if fmt in CONFIG_READERS:
+        check_price(CONFIG_READERS[fmt](data))  # priced from config.json before any tensor is read
     answer_files = [folder_file(folder, name) for name in ANSWER_FILES if folder_file(folder, name).is_file()]
     config_file = [folder_file(folder, "config.json")] if fmt != "gguf" else []
     # The digest reads every byte again: hash in a thread (hashlib releases the GIL) while torch reads and processes.

@@ -4,8 +4,8 @@ Config (`model_type` llama, mistral or qwen2; transformers' field names):
     hidden_size, num_attention_heads, num_key_value_heads (grouped-query attention), head_dim (default
     hidden_size / heads), intermediate_size, num_hidden_layers, vocab_size, max_position_embeddings,
     rms_norm_eps, hidden_act (silu: SwiGLU), tie_word_embeddings, bos_token_id; rope: `rope_parameters`
-    (transformers >= 5) or `rope_scaling` + `rope_theta`, types default, linear and llama3 (any other type is
-    refused, naming it); biases: Llama `attention_bias` (q, k, v, o), Qwen2 always q, k, v (o none), Mistral
+    (transformers >= 5) or `rope_scaling` + `rope_theta`, types default, linear, llama3 and yarn
+    (rope_scaling.py; any other type is refused, naming it); biases: Llama `attention_bias` (q, k, v, o), Qwen2 always q, k, v (o none), Mistral
     none. A sliding window (Mistral `sliding_window`, Qwen2 `use_sliding_window`) never masks a sequence no
     longer than the window, so the context is capped at the window and the model stays exact.
 Weights (nn.Linear stores [d_out, d_in], so each is transposed into `x @ W` form):
@@ -43,13 +43,13 @@ from torch import Tensor
 
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.hf import _act_fn, _bos, _config
+from circuits_core.formats.rope_scaling import rope_fields
 from circuits_core.formats.statedict import folder_file, folder_listing, read_json_object
 from circuits_core.model.config import ConfigReader, ModelConfig
 from circuits_core.model.transformer import attn_param
 
 State = dict[str, Tensor]
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2")
-ROPE_TYPES = ("default", "linear", "llama3")
 INDEX = "model.safetensors.index.json"
 _IGNORED = (".rotary_emb.inv_freq",)
 HEADER_MAX_BYTES = 100_000_000  # safetensors' own limit on the JSON header
@@ -92,6 +92,8 @@ class _MappedFile:
         """layout(tensor) copied once into a new `dtype` tensor; the file pages it came from are released."""
         entry, shape = self.entries[key], self.shape(key)
         source = _DTYPES.get(entry.get("dtype"))
+        if dtype == torch.uint8 and entry.get("dtype") == "U8":  # packed bytes (MXFP4 blocks and scales), as stored
+            source = torch.uint8
         if source is None:
             raise CheckpointError(
                 f"{self.name}: tensor {key}: dtype {entry.get('dtype')!r} is not a float type ({', '.join(_DTYPES)})"
@@ -191,8 +193,15 @@ class _Shards:
     def has(self, key: str) -> bool:
         return key in self.where
 
-    def take(self, key: str, shape: tuple[int, ...], layout: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
-        """layout(tensor `key`) in the compute dtype; its stored shape is checked before anything is read."""
+    def take(
+        self,
+        key: str,
+        shape: tuple[int, ...],
+        layout: Callable[[Tensor], Tensor] = lambda t: t,
+        dtype: torch.dtype | None = None,
+    ) -> Tensor:
+        """layout(tensor `key`) in the compute dtype (or `dtype`: torch.uint8 reads packed bytes as stored); its
+        stored shape is checked before anything is read."""
         if key not in self.where:
             raise CheckpointError(f"{', '.join(self.maps)}: missing tensor {key} (expected shape {list(shape)})")
         mapped = self.maps[self.where[key]]
@@ -200,7 +209,7 @@ class _Shards:
         if given != shape:
             raise CheckpointError(f"{self.where[key]}: tensor {key}: expected shape {list(shape)}, given {list(given)}")
         self.left.discard(key)
-        return mapped.read(key, self.dtype, layout)
+        return mapped.read(key, dtype or self.dtype, layout)
 
     def finish(self) -> None:
         if self.left:
@@ -209,30 +218,6 @@ class _Shards:
                 f"{self.where[extra[0]]}: {len(extra)} tensor(s) this config has no place for: "
                 f"{', '.join(extra[:8])}{' ...' if len(extra) > 8 else ''} (does config.json match the weights?)"
             )
-
-
-def _rope(r: ConfigReader, name: str) -> dict[str, Any]:
-    """Rope fields for ModelConfig from `rope_parameters` (transformers >= 5) or `rope_scaling` + `rope_theta`."""
-    rope = r.section("rope_parameters") if r.has("rope_parameters") else r.section("rope_scaling")
-    kind = rope.text("rope_type", default=None) or rope.text("type", default="default")
-    if kind not in ROPE_TYPES:
-        raise CheckpointError(
-            f"{name}: rope scaling type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
-        )
-    base = rope.number("rope_theta", default=None, gt=0) or r.number("rope_theta", default=10000.0, gt=0)
-    fields: dict[str, Any] = {"rotary_base": base, "rope_type": kind}
-    if kind in ("linear", "llama3"):
-        fields["rope_factor"] = rope.number("factor", gt=0)
-    if kind == "llama3":
-        fields["rope_low_freq_factor"] = rope.number("low_freq_factor", gt=0)
-        fields["rope_high_freq_factor"] = rope.number("high_freq_factor", gt=0)
-        fields["rope_original_max_position_embeddings"] = rope.integer("original_max_position_embeddings", ge=1)
-    factor = rope.number("partial_rotary_factor", default=None, gt=0) or r.number(
-        "partial_rotary_factor", default=1.0, gt=0
-    )
-    if factor != 1.0:
-        raise CheckpointError(f"{name}: partial_rotary_factor={factor} is not supported for Llama-family files")
-    return fields
 
 
 def _window(r: ConfigReader, model_type: str) -> int | None:
@@ -273,7 +258,7 @@ def llama_config(hf: dict[str, Any]) -> ModelConfig:
         attn_only=False, normalization_type="RMS", positional_embedding_type="rotary", gated_mlp=True,
         act_fn=_act_fn(r, "hidden_act", "silu"), eps=r.number("rms_norm_eps", default=1e-6, gt=0),
         use_bias=attention_bias, n_key_value_heads=n_kv if n_kv != n_heads else None, rotary_dim=dh,
-        bos_token_id=_bos(r, d_vocab), **_rope(r, path.name),
+        bos_token_id=_bos(r, d_vocab), **rope_fields(r, path.name, dh),
     )  # fmt: skip
 
 
@@ -307,48 +292,65 @@ def _load_llama(
 ) -> tuple[ModelConfig, State, dict[str, str], list[Path]]:
     cfg = llama_config(hf)
     src = _Shards(folder, dtype)
-    d, H, G, dh, V = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_vocab
-    d_mlp = cfg.d_mlp or 0
-    qwen2 = hf.get("model_type") == "qwen2"
+    d, V, d_mlp = cfg.d_model, cfg.d_vocab, cfg.d_mlp or 0
     sd: State = {"embed.W_E": src.take("model.embed_tokens.weight", (V, d))}
     for layer in range(cfg.n_layers):
         h, p = f"model.layers.{layer}", f"blocks.{layer}"
-        sd[f"{p}.ln1.w"] = src.take(f"{h}.input_layernorm.weight", (d,))
-        sd[f"{p}.ln2.w"] = src.take(f"{h}.post_attention_layernorm.weight", (d,))
-        for x, proj, heads in (("Q", "q_proj", H), ("K", "k_proj", G), ("V", "v_proj", G)):
-            # [heads * d_head, d_model] -> [heads, d_model, d_head]; bias [heads * d_head] -> [heads, d_head]
-            weight, bias = f"{h}.self_attn.{proj}.weight", f"{h}.self_attn.{proj}.bias"
-            sd[f"{p}.attn.{attn_param(cfg, 'W_' + x)}"] = src.take(weight, (heads * dh, d), _per_head(heads, dh, d))
-            if cfg.use_bias:
-                sd[f"{p}.attn.{attn_param(cfg, 'b_' + x)}"] = src.take(bias, (heads * dh,), _per_head(heads, dh))
-        # o_proj [d_model, n_heads * d_head] -> W_O [n_heads, d_head, d_model]
-        sd[f"{p}.attn.W_O"] = src.take(f"{h}.self_attn.o_proj.weight", (d, H * dh), _output_heads(H, dh, d))
+        sd.update(take_attention(src, cfg, h, p, o_bias=hf.get("model_type") != "qwen2"))
         if cfg.use_bias:
-            has_o_bias = not qwen2
-            sd[f"{p}.attn.b_O"] = (
-                src.take(f"{h}.self_attn.o_proj.bias", (d,)) if has_o_bias else torch.zeros(d, dtype=dtype)
-            )
             sd[f"{p}.mlp.b_in"] = torch.zeros(d_mlp, dtype=dtype)
             sd[f"{p}.mlp.b_out"] = torch.zeros(d, dtype=dtype)
         sd[f"{p}.mlp.W_gate"] = src.take(f"{h}.mlp.gate_proj.weight", (d_mlp, d), _T)  # [d_model, d_mlp]
         sd[f"{p}.mlp.W_in"] = src.take(f"{h}.mlp.up_proj.weight", (d_mlp, d), _T)
         sd[f"{p}.mlp.W_out"] = src.take(f"{h}.mlp.down_proj.weight", (d, d_mlp), _T)  # [d_mlp, d_model]
-    sd["ln_final.w"] = src.take("model.norm.weight", (d,))
+    sd.update(take_unembedding(src, cfg, hf, sd["embed.W_E"], folder))
+    src.finish()
+    return cfg, sd, dict(src.where), src.files
+
+
+def take_attention(src: _Shards, cfg: ModelConfig, h: str, p: str, o_bias: bool) -> State:
+    """Layer `h`'s input norms and attention (q/k/v/o_proj, their biases when cfg.use_bias, o_proj.bias when
+    `o_bias`, else zeros; learned sinks when cfg.attn_sinks), under TransformerLens names prefixed `p`."""
+    d, H, G, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head
+    sd: State = {
+        f"{p}.ln1.w": src.take(f"{h}.input_layernorm.weight", (d,)),
+        f"{p}.ln2.w": src.take(f"{h}.post_attention_layernorm.weight", (d,)),
+    }
+    for x, proj, heads in (("Q", "q_proj", H), ("K", "k_proj", G), ("V", "v_proj", G)):
+        # [heads * d_head, d_model] -> [heads, d_model, d_head]; bias [heads * d_head] -> [heads, d_head]
+        weight, bias = f"{h}.self_attn.{proj}.weight", f"{h}.self_attn.{proj}.bias"
+        sd[f"{p}.attn.{attn_param(cfg, 'W_' + x)}"] = src.take(weight, (heads * dh, d), _per_head(heads, dh, d))
+        if cfg.use_bias:
+            sd[f"{p}.attn.{attn_param(cfg, 'b_' + x)}"] = src.take(bias, (heads * dh,), _per_head(heads, dh))
+    # o_proj [d_model, n_heads * d_head] -> W_O [n_heads, d_head, d_model]
+    sd[f"{p}.attn.W_O"] = src.take(f"{h}.self_attn.o_proj.weight", (d, H * dh), _output_heads(H, dh, d))
+    if cfg.use_bias:
+        sd[f"{p}.attn.b_O"] = (
+            src.take(f"{h}.self_attn.o_proj.bias", (d,)) if o_bias else torch.zeros(d, dtype=src.dtype)
+        )
+    if cfg.attn_sinks:
+        sd[f"{p}.attn.sinks"] = src.take(f"{h}.self_attn.sinks", (H,))  # [n_heads]
+    return sd
+
+
+def take_unembedding(src: _Shards, cfg: ModelConfig, hf: dict[str, Any], W_E: Tensor, folder: Path) -> State:
+    """ln_final.w, unembed.W_U (lm_head, or W_E^T when tied) and, when cfg.use_bias, a zero b_U."""
+    d, V = cfg.d_model, cfg.d_vocab
+    sd: State = {"ln_final.w": src.take("model.norm.weight", (d,))}
     tied = ConfigReader(hf).flag("tie_word_embeddings", default=False)
     if src.has("lm_head.weight"):
         sd["unembed.W_U"] = src.take("lm_head.weight", (V, d), _T)  # [d_model, d_vocab]
-        if tied and not torch.equal(sd["unembed.W_U"], sd["embed.W_E"].T):
+        if tied and not torch.equal(sd["unembed.W_U"], W_E.T):
             raise CheckpointError(
                 f"{src.where['lm_head.weight']}: lm_head.weight differs from embed_tokens.weight "
                 "but the config ties them (tie_word_embeddings)"
             )
     elif tied:
-        sd["unembed.W_U"] = laid_out(sd["embed.W_E"].T, dtype)  # [d_model, d_vocab], its own copy
+        sd["unembed.W_U"] = laid_out(W_E.T, src.dtype)  # [d_model, d_vocab], its own copy
     else:
         raise CheckpointError(
             f"missing tensor lm_head.weight (tie_word_embeddings is false); found: {folder_listing(folder)}"
         )
     if cfg.use_bias:
-        sd["unembed.b_U"] = torch.zeros(V, dtype=dtype)
-    src.finish()
-    return cfg, sd, dict(src.where), src.files
+        sd["unembed.b_U"] = torch.zeros(V, dtype=src.dtype)
+    return sd

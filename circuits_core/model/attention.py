@@ -1,7 +1,7 @@
 """Attention heads (Elhage et al. 2021, "Attention Heads are Independent and Additive"), row-vector convention:
 q = x W_Q, k = x W_K, v = x W_V per head, pattern = softmax(q kᵀ / √d_head) (causal), out = Σ_h pattern v W_O.
 
-Grouped-query attention stores K/V per key/value head, as TransformerLens 3.9's GroupedQueryAttention; rotary
+Learned sinks (gpt-oss) add one logit per head to every softmax row (`sink_softmax`). Grouped-query attention stores K/V per key/value head, as TransformerLens 3.9's GroupedQueryAttention; rotary
 models rotate q and k by position (rope.py) before the scores.
 """
 
@@ -23,6 +23,13 @@ def attn_param(cfg: ModelConfig, name: str) -> str:
     if cfg.n_key_value_heads is not None and name in ("W_K", "W_V", "b_K", "b_V"):
         return "_" + name
     return name
+
+
+def sink_softmax(scores: Tensor, sinks: Tensor) -> Tensor:
+    """softmax over [s_i1 .. s_in, b_h] without the sink's column: scores [batch, heads, q, k], sinks [heads] ->
+    pattern [batch, heads, q, k] whose rows sum to sigma(LSE_j s_ij - b_h) < 1 (the missing mass is the sink's)."""
+    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)  # [batch, heads, q, 1]
+    return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
 
 
 class Attention(nn.Module):
@@ -49,6 +56,8 @@ class Attention(nn.Module):
             self.register_parameter(attn_param(cfg, "b_K"), nn.Parameter(torch.zeros(g, dh)))
             self.register_parameter(attn_param(cfg, "b_V"), nn.Parameter(torch.zeros(g, dh)))
             self.b_O = nn.Parameter(torch.zeros(d))
+        if cfg.attn_sinks:
+            self.sinks = nn.Parameter(torch.zeros(h))  # b_h: one sink logit per query head
 
     def grouped(self, name: str) -> Tensor:
         """W_K, W_V [n_kv, d_model, d_head] or b_K, b_V [n_kv, d_head] as stored (per key/value head)."""
@@ -105,7 +114,7 @@ class Attention(nn.Module):
             causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
             scores.masked_fill_(~causal, float("-inf"))
             rec(f"{prefix}.hook_attn_scores", scores)
-            pattern = scores.softmax(dim=-1)
+            pattern = sink_softmax(scores, self.sinks) if cfg.attn_sinks else scores.softmax(dim=-1)
         rec(pattern_key, pattern)
         # values after the pattern: a run that stops at the last layer's pattern (heads.detector_scores) skips them
         v = self.per_head(self.project(v_in, "W_V"), dim=2)  # [batch, pos, n_heads, d_head]

@@ -13,6 +13,8 @@ Parameter names and shapes are TransformerLens's, so a TransformerLens state dic
 Llama family (TransformerLens 3.9 names): RMS norms have `w` only (RMSPre nothing); grouped-query attention
 stores blocks.{l}.attn._W_K/_W_V [n_kv_heads, d_model, d_head], _b_K/_b_V [n_kv_heads, d_head] (attn.W_K etc.
 and the stacked model.W_K stay per query head); gated MLPs add blocks.{l}.mlp.W_gate [d_model, d_mlp].
+Mixture-of-experts layers (moe.py) stack their experts: mlp.W_router [d_model, n_experts], mlp.W_gate / W_in
+[n_experts, d_model, d_mlp], W_out [n_experts, d_mlp, d_model]; learned sinks add blocks.{l}.attn.sinks [n_heads].
 
 Positions: `standard` adds W_pos to the residual stream; `shortformer` (the paper's models) adds it to the
 query and key inputs only, after ln1; `rotary` rotates q and k by position (rope.py's `rotate`: the first
@@ -40,6 +42,7 @@ from circuits_core.model.hooks import Frozen as Frozen  # hooks.py, re-exported 
 from circuits_core.model.hooks import NameFilter, Recorder, StopRun
 from circuits_core.model.linear import affine
 from circuits_core.model.mlp import MLP
+from circuits_core.model.moe import MoE
 from circuits_core.model.rope import rotary_angles as rotary_angles  # rope.py, re-exported (announced names)
 from circuits_core.model.rope import rotary_inv_freq as rotary_inv_freq
 from circuits_core.model.rope import rotary_pairs as rotary_pairs
@@ -97,7 +100,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer)
         if not cfg.attn_only:
             self.ln2 = LayerNorm(cfg, f"blocks.{layer}.ln2")
-            self.mlp = MLP(cfg, layer)
+            self.mlp: MLP | MoE = MoE(cfg, layer) if cfg.num_experts is not None else MLP(cfg, layer)
 
     def forward(self, resid: Tensor, pos: Tensor | None, rec: Recorder, frozen: Frozen | None) -> Tensor:
         # resid: [batch, pos, d_model]; pos: [pos, d_model] (shortformer only)
@@ -128,7 +131,8 @@ class Block(nn.Module):
                     f"the residual stream has {tuple(x.shape)}"
                 )
             return out
-        return self.mlp(self.ln2(x, rec, frozen), rec)
+        normed = self.ln2(x, rec, frozen)
+        return self.mlp(normed, rec, frozen) if isinstance(self.mlp, MoE) else self.mlp(normed, rec)
 
 
 class _Holder(nn.Module):
@@ -357,7 +361,7 @@ def init_weights(model: Transformer, seed: int = 0, std_embed: float = 0.02) -> 
             leaf = name.rsplit(".", 1)[-1].lstrip("_")  # _W_K, _W_V: grouped-query K/V
             if leaf in ("W_E", "W_pos"):
                 std = std_embed
-            elif leaf in ("W_O", "W_out"):
+            elif leaf in ("W_O", "W_out"):  # (a mixture-of-experts W_out [n_experts, d_mlp, d_model] too)
                 std = out_std
             elif leaf.startswith("W_"):
                 std = d**-0.5

@@ -9,6 +9,7 @@ and the target value at a destination position p is inv_f[p] (x_L[p] . r) + cons
 Sources (where a path starts):
     ()               the embedding x_0 (W_E[t], + W_pos for standard positions), enters layer 0
     ("bias:L3",)     beta_3, the constant output of attention layer 3 (b_O and folded b_V, b_ln1), enters layer 4
+                     (under learned sinks one row per position: frozen.layer_bias_rows)
     ("mlp:L3",)      the MLP of layer 3's actual output in the clean run, enters layer 4. An MLP is a node:
                      its inputs are NOT expanded further (the MLP is not linear), so every path through an MLP
                      starts at it.
@@ -48,7 +49,7 @@ from circuits_core.prompt.frozen import (
     frozen_run,
     head_o_apply,
     head_ov_apply,
-    layer_bias,
+    layer_bias_rows,
     ln_weight,
     readout,
     run_cost,
@@ -121,7 +122,7 @@ def path_sources(model: Transformer, run: FrozenRun) -> list[_Source]:
     """The embedding, each attention layer's bias and each MLP's output, with the layer where they enter."""
     out = [_Source((), 0, embed_source(model, run))]
     for layer in range(model.cfg.n_layers):
-        out.append(_Source((f"bias:L{layer}",), layer + 1, layer_bias(model, layer)[None]))
+        out.append(_Source((f"bias:L{layer}",), layer + 1, layer_bias_rows(model, run, layer)))
         if not model.cfg.attn_only:
             out.append(_Source((f"mlp:L{layer}",), layer + 1, run.cache[f"blocks.{layer}.hook_mlp_out"]))
     return out
@@ -167,7 +168,9 @@ class _Expander:
         shape = (self.n_terms + 1, q, run.n) if by_source else (self.n_terms + 1, q)
         self.values = torch.empty(shape, dtype=model.dtype, device=model.device)
         self.offset = 0
-        self.const = [s for s, src in enumerate(sources) if src.name and src.name[0].startswith("bias:")]
+        self.const = [  # constant rows (a bias; under learned sinks the attention biases are per position)
+            s for s, src in enumerate(sources) if src.name and src.name[0].startswith("bias:") and len(src.X) == 1
+        ]
         self.seq = [s for s in range(len(sources)) if s not in self.const]
         self.X_seq = torch.stack([sources[s].X for s in self.seq])  # [S, n, d]
         self.X_const = torch.stack([sources[s].X[0] for s in self.const]) if self.const else None  # [S', d]
@@ -399,8 +402,8 @@ def cost(model: Transformer, n: int, max_order: int, by_source: bool = False, q:
     per_term = q * (n if by_source else 1)
     steps = _schedule(L, H, order)
 
-    def n_seq(layer: int) -> int:  # sequence sources read at `layer`: the embedding and the earlier MLPs
-        return 1 + (0 if cfg.attn_only else layer)
+    def n_seq(layer: int) -> int:  # sequence sources read at `layer`: the embedding, the earlier MLPs (and biases)
+        return 1 + (0 if cfg.attn_only else layer) + (layer if cfg.attn_sinks else 0)
 
     suffix = q * n + cfg.d_model  # a coefficient and a readout
     kept = sum(H * P0 for o, _, P0 in steps if o < order) + sum(H * P0 for o, _, P0 in steps if o == order - 1)

@@ -5,7 +5,7 @@ Row-vector convention. With the clean run's patterns and LayerNorm scales frozen
 stream read by layer l is a sum of components y_a [n, d_model]:
     "embed" (W_E[t]), "pos_embed" (standard positions: W_pos in the residual stream), each earlier head's
     actual output "L0H3" = A D (x C) diag(w) W_V W_O (its linear part), "mlp:L0" (actual MLP outputs),
-    "bias" (sum of the earlier layers' constant outputs beta, frozen.layer_bias).
+    "bias" (sum of the earlier layers' constant outputs beta, frozen.layer_bias_rows: per position under sinks).
 Query-side vectors: q_a = D_l (y_a C) diag(w) W_Q^h, plus "pos_embed" = W_pos W_Q for shortformer positions
 (added after ln1: not centred, not scaled by D) and "b_Q" = b_ln1 W_Q + b_Q; keys alike. Then
     hook_attn_scores (before the mask) = sum_{a,b} q_a k_b^T / attn_scale      (rotary: rotate each q_a, k_b)
@@ -34,7 +34,7 @@ from circuits_core.prompt.frozen import (
     centre,
     embed_source,
     frozen_run,
-    layer_bias,
+    layer_bias_rows,
     ln_linear,
     qk_positions,
     reading_bias,
@@ -87,7 +87,7 @@ def residual_components(model: Transformer, run: FrozenRun, layer: int) -> tuple
         if not model.cfg.attn_only:
             names.append(f"mlp:L{lay}")
             parts.append(run.cache[f"blocks.{lay}.hook_mlp_out"])
-        bias = bias + layer_bias(model, lay)
+        bias = bias + layer_bias_rows(model, run, lay)  # [1 or n, d_model]
     names.append("bias")
     parts.append(bias.expand(run.n, -1))
     return names, torch.stack(parts)
