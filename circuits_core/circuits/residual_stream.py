@@ -42,8 +42,8 @@ from circuits_core.circuits.head_circuits import embed_gram
 from circuits_core.circuits.stream_components import (
     Reader,
     Writer,
-    block,
     mlp_input,
+    mlp_output,
     reaches,
     readers,
     rotation,
@@ -102,7 +102,7 @@ def spectra(model: Transformer, offset: int = 0) -> tuple[dict[str, Spectrum], d
                 assert model.W_pos is not None
                 w_out[w.name] = _eigh_spectrum(model.W_pos.T.to(dt) @ model.W_pos.to(dt))
             elif w.kind == "mlp":
-                W_out = block(model, w.layer).mlp.W_out.to(dt)
+                W_out = mlp_output(model, w).to(dt)  # [d_mlp, d] (this expert's)
                 w_out[w.name] = _eigh_spectrum(W_out.T @ W_out)
         if L:
             W_Q, W_K, W_V, W_O = (x.flatten(0, 1).to(dt) for x in (model.W_Q, model.W_K, model.W_V, model.W_O))
@@ -118,7 +118,7 @@ def spectra(model: Transformer, offset: int = 0) -> tuple[dict[str, Spectrum], d
                 for role, S, side in (("Q", S_qk, U_qk), ("K", S_qk, V_qk), ("V", S_ov, U_ov)):
                     r_out[Reader(role, layer, h).name] = Spectrum(S[i], side[i])  # type: ignore[arg-type]
         for r in readers(model):
-            if r.role in ("in", "gate", "up"):
+            if r.role in ("in", "gate", "up", "router"):
                 W = mlp_input(model, r).to(dt)
                 r_out[r.name] = _eigh_spectrum(W @ W.T)
             elif r.role == "unembed":

@@ -38,7 +38,7 @@ def randomise(model: Any, seed: int) -> None:
 
 
 def hf_model(config_name: str, model_name: str, fields: dict[str, Any], seed: int) -> Any:
-    config = getattr(transformers, config_name)(vocab_size=VOCAB, **fields)
+    config = getattr(transformers, config_name)(**{"vocab_size": VOCAB, **fields})
     config._attn_implementation = "eager"  # the reference: patterns as transformers' eager attention returns them
     model = getattr(transformers, model_name)(config).eval()
     randomise(model, seed)
