@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from bench import PeakRSS, median_time, row
+from circuits_core.circuits import copying_spectra, embedding
 from circuits_core.circuits import head_circuits as C
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.model.config import ModelConfig
@@ -106,11 +107,11 @@ def run_engine() -> None:
     n_heads = GPT2_SMALL.n_layers * GPT2_SMALL.n_heads
 
     print("(a) eigenvalue copying score of all 144 full OV circuits, via d_head x d_head W_O (W_U W_E) W_V")
-    t_all, scores = median_time(lambda: C.ov_copying_scores(model), repeats=5)
+    t_all, scores = median_time(lambda: copying_spectra.ov_copying_scores(model), repeats=5)
     row("ov_copying_scores(model), 144 heads", t_all, "< 0.6 s")
-    t_gram, G = median_time(lambda: C.unembed_embed_gram(model), repeats=3)
+    t_gram, G = median_time(lambda: copying_spectra.unembed_embed_gram(model), repeats=3)
     row("  of which G = W_U @ LN(W_E) [768, 768], once per model", t_gram)
-    t_heads, _ = median_time(lambda: C.ov_copying_scores(model, G=G), repeats=3)
+    t_heads, _ = median_time(lambda: copying_spectra.ov_copying_scores(model, G=G), repeats=3)
     row("  the 144 heads given G", t_heads)
     print(
         f"  scores: mean {scores.mean():+.4f}, std {scores.std():.4f}, max |.| {scores.abs().max():.4f} (random null ~ 0)"
@@ -147,7 +148,7 @@ def run_engine() -> None:
 
     print("TransformerLens 3.9.0 on the same weights (LN(W_E) from TL's own ln1, computed outside the timings)")
     W_E_eff = _tl_embed_eff(tl)  # [V, d]
-    print(f"  max |LN(W_E) qkov - TL| = {(W_E_eff - C.embed_eff(model)).abs().max():.2e}")
+    print(f"  max |LN(W_E) qkov - TL| = {(W_E_eff - embedding.embed_eff(model)).abs().max():.2e}")
 
     heads = list(range(4))  # L0H0-L0H3 only: the per-head TL route costs ~10 GFLOP a head
 

@@ -155,8 +155,7 @@ def heads_breakdown(model: Any) -> None:
     from app.compute import available_cores, default_torch_threads
     from app.settings import Settings
     from app.views.rotary import reference_tokens
-    from circuits_core.circuits import head_circuits as circuits
-    from circuits_core.circuits import rotary
+    from circuits_core.circuits import copying_spectra, rotary
     from circuits_core.formats.checkpoint import LoadedModel
     from circuits_core.prompt import detectors as heads
     from circuits_core.prompt import head_table
@@ -178,11 +177,11 @@ def heads_breakdown(model: Any) -> None:
     try:
         with torch.no_grad():
             det = _timed(lambda: heads.detector_scores(model, tokens, budget_bytes=budget))
-            grams = _timed(lambda: circuits.embed_grams(model))
+            grams = _timed(lambda: copying_spectra.embed_grams(model))
             G, G_E = grams[2]
-            gq = _timed(lambda: circuits.gram_queries(model, G_E))
-            ov = _timed(lambda: circuits.ov_copying_scores(model, G))
-            qk = _timed(lambda: circuits.qk_copying_scores(model, G_E, gq[2]))
+            gq = _timed(lambda: copying_spectra.gram_queries(model, G_E))
+            ov = _timed(lambda: copying_spectra.ov_copying_scores(model, G))
+            qk = _timed(lambda: copying_spectra.qk_copying_scores(model, G_E, gq[2]))
             iv = _timed(lambda: head_table.induction_view(model, tokens, det[2]["previous_token"], ov[2], G_E, gq[2]))
             rows = [
                 (f"detector pass ({tokens.shape[0]} x {tokens.shape[1]} tokens, patterns only)", det),
@@ -203,7 +202,7 @@ def heads_breakdown(model: Any) -> None:
                 ]
             whole = [_timed(lambda: head_table.head_table(model, tokens, budget_bytes=budget, **kw)) for _ in range(3)]
             libraries = _onednn_against_mkl(
-                lambda: (heads.detector_scores(model, tokens, budget_bytes=budget), circuits.embed_grams(model))
+                lambda: (heads.detector_scores(model, tokens, budget_bytes=budget), copying_spectra.embed_grams(model))
             )
             torch.set_num_threads(available_cores())  # what a lone computation would get with QKOV_TORCH_THREADS=cores
             t_cores = _timed(lambda: head_table.head_table(model, tokens, budget_bytes=budget, **kw))[0]

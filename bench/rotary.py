@@ -15,7 +15,7 @@ Section `rotary`:
       The values are compared with qkov's on TL's basis (raw W_E, `G = W_U W_E`).
   (c) one row of Ω(δ)'s full QK circuit, top 20 (goal < 30 ms). TL has no Ω(δ); its closest is a row of
       `W_E @ QK @ W_E.T` at δ = 0.
-      The per-token ln1 scales of W_E are formed once per model (circuits.embed_norm) and printed beside it.
+      The per-token ln1 scales of W_E are formed once per model (embedding.embed_norm) and printed beside it.
   (d) global top 100 of a full QK circuit at δ = 5, 49,152 x 49,152 (goal < 3 s). TL would materialise the
       9.7 GB matrix: not run.
   (e) the heads table, cold (detectors on 10 x (BOS + 2 x 50), copying scores, kernel peaks with μ measured on
@@ -40,8 +40,7 @@ import torch
 from bench import PeakRSS, fmt_time, median_time, row
 from bench.engine2 import normalised, timed
 from bench.http import heads_breakdown
-from circuits_core.circuits import composition_rotary, rotary
-from circuits_core.circuits import head_circuits as circuits
+from circuits_core.circuits import composition_rotary, copying_spectra, embedding, rotary
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Transformer, random_model
 
@@ -122,8 +121,8 @@ def run_rotary() -> None:
     n_pairs = sum(layer * H * H for layer in range(L))
     t, prof = _profiles(model, n_pairs)  # (a) all composition with δ profiles
     # (b) OV copying
-    circuits.ov_copying_scores(model)
-    t_ov, g, ov = timed(lambda: circuits.ov_copying_scores(model))
+    copying_spectra.ov_copying_scores(model)
+    t_ov, g, ov = timed(lambda: copying_spectra.ov_copying_scores(model))
     row("(b) OV copying scores, 270 heads", t_ov, "< 1 s", normalised(t_ov, g))
 
     # (c) one row of Ω(δ)'s full QK circuit
@@ -131,7 +130,7 @@ def run_rotary() -> None:
         return rotary.full_qk_row_at(model, 17, 4, 1234, 5).topk(20)
 
     fresh = _fresh_copy(model)
-    t_norm, _ = median_time(lambda: circuits.embed_norm(fresh), repeats=1)  # the first call's extra work
+    t_norm, _ = median_time(lambda: embedding.embed_norm(fresh), repeats=1)  # the first call's extra work
     qk_row()
     t_row, g, _ = timed(qk_row, repeats=5)
     row(
@@ -139,7 +138,7 @@ def run_rotary() -> None:
         t_row,
         "< 30 ms",
         f"token 1234, L17H4; {normalised(t_row, g)}; "
-        f"+ {fmt_time(t_norm).strip()} once per model for ln1's per-token scales of W_E (circuits.embed_norm)",
+        f"+ {fmt_time(t_norm).strip()} once per model for ln1's per-token scales of W_E (embedding.embed_norm)",
     )
     # (f) QK eigenvalue copying over δ of one head (heads/{head}/qk-copying)
     t_qkc, g, _ = timed(lambda: rotary.head_qk_eigenvalues_at(model, 17, 4, range(65)), repeats=3)
@@ -302,7 +301,7 @@ def _tl_copying(tl: Any, model: Transformer, ov: torch.Tensor, t_qkov: float) ->
 
     with PeakRSS() as mem:
         t_sub, theirs = median_time(tl_ov, repeats=1)
-    same_basis = circuits.ov_copying_scores(model, G=model.W_U @ model.W_E)[:layers]  # raw W_E as TL
+    same_basis = copying_spectra.ov_copying_scores(model, G=model.W_U @ model.W_E)[:layers]  # raw W_E as TL
     diff = float((theirs.double() - same_basis).abs().max())
     t_all = t_sub * model.cfg.n_layers / layers
     row(

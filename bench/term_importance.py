@@ -4,7 +4,7 @@ reruns) against one full forward pass per rerun (the straightforward loop this r
 TransformerLens 3.9.0 hooks on the same weights (bench.rotary.tl_model), with the engine's FLOP price.
 
   qkov       ablation.term_importance: reruns from the first layer they change, a layer's heads in one batch,
-             the order reruns beside the head ablations when a core is idle (cost.side_by_side)
+             the order reruns beside the head ablations when a core is idle (schedule.side_by_side)
   loop       the same numbers, one full model.run per order rerun, per layer term and per ablated head
   TL         the same head ablations (not the order reruns: TL has no frozen-value rerun) with run_with_hooks:
              hook_z of the head zeroed (later patterns recomputed) and, for the frozen kind, every hook_pattern

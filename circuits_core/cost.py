@@ -3,7 +3,7 @@
 design.md, "Cheap work and heavy work": every request is priced before it runs, and a cost is computed by
 the engine code that will spend it, so it cannot drift from it. Each engine module therefore publishes a
 cost function beside the computation it prices (`FactoredMatrix.topk_global_cost`, `composition.cost`,
-`heads.detectors_cost`, `paths.cost`, `qk_paths.cost`, `ablation.cost`, `circuits.copying_cost`, ...). The
+`heads.detectors_cost`, `paths.cost`, `qk_paths.cost`, `ablation.cost`, `copying.copying_metrics_cost`, ...). The
 app only compares a Cost with its budgets (app/compute.py); it never recounts terms.
 
 A Cost counts bytes, not numbers:
@@ -22,21 +22,15 @@ its slot within one step.
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from contextvars import ContextVar, copy_context
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
 from circuits_core.errors import CancelledError
-
-A = TypeVar("A")
-B = TypeVar("B")
+from circuits_core.schedule import available_cores as available_cores  # noqa: F401  (app.compute reads it here)
 
 # One number in a JSON answer: a float64 repr ("-0.12345678901234568") and its separator.
 JSON_NUMBER_BYTES = 22
@@ -74,48 +68,6 @@ class Cost:
 
 
 FREE = Cost(0)
-
-
-def available_cores() -> int:
-    """The cores this process may run on (its CPU affinity), which bound how much of a computation runs at once."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def side_by_side(main: Callable[[], A], side: Callable[[], B], name: str = "qkov-side") -> tuple[A, B]:
-    """(main(), side()) for two independent computations: side in a helper thread (named `name`, with the caller's
-    torch thread count, grad mode and stop flag) while main runs here, when the caller's torch threads leave a core idle (a
-    server computation has one thread per slot); one after the other otherwise. A lone request then uses two cores
-    without an OpenMP team, which stalls at every barrier when its threads share busy cores."""
-    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
-    if 2 * threads > available_cores():
-        return main(), side()
-
-    def in_helper() -> B:
-        torch.set_num_threads(threads)
-        with torch.set_grad_enabled(grad):  # grad mode is per thread: the caller's no_grad goes along
-            return side()
-
-    with ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
-        branch = pool.submit(copy_context().run, in_helper)  # the ambient stop flag goes along
-        first = main()
-        return first, branch.result()
-
-
-def shared_chunks(total: int, chunk: int) -> Callable[[], slice | None]:
-    """A queue of the slices [start, start + chunk) covering range(total), shared by threads: each call takes the next
-    one (None when none is left), so side_by_side's branches split a chunked loop and finish it together."""
-    chunk = max(1, chunk)
-    starts, lock = iter(range(0, total, chunk)), threading.Lock()
-
-    def take() -> slice | None:
-        with lock:
-            start = next(starts, None)
-        return None if start is None else slice(start, min(start + chunk, total))
-
-    return take
 
 
 def itemsize(dtype: torch.dtype) -> int:

@@ -31,7 +31,7 @@ from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.heads import parse_heads
 from app.views.inputs import check_k, model_ref, token_ref
 from app.views.rotary import rotary_offset
-from circuits_core.circuits import composition
+from circuits_core.circuits import composition, copying_spectra, embedding
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.circuits.composition import CompositionKind, composition_scores
 from circuits_core.circuits.composition_rotary import composition_at, composition_at_cost
@@ -124,7 +124,7 @@ def virtual_ov_circuit(loaded: LoadedModel, chain: list[tuple[int, int]]) -> Fac
     ov = circuits.ov_circuit(model, *chain[0])
     for layer, h in chain[1:]:
         ov = ov @ circuits.ov_circuit(model, layer, h)
-    return (circuits.embed_eff(model) @ ov) @ model.W_U
+    return (embedding.embed_eff(model) @ ov) @ model.W_U
 
 
 def token_circuit(
@@ -135,7 +135,7 @@ def token_circuit(
     with torch.no_grad():
         values, rows, cols = fm.topk_global(k, budget_bytes=limits.matrix_budget_bytes)  # [k] each
         eig = torch.linalg.eigvals(fm.BA.double())  # [d_head] complex
-        copying = float(circuits.copying_score(eig))
+        copying = float(copying_spectra.copying_score(eig))
     entries = [
         MatrixEntry(row=token_ref(loaded, r), col=token_ref(loaded, c), value=float(v))
         for v, r, c in zip(values.tolist(), rows.tolist(), cols.tolist(), strict=True)

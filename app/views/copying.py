@@ -30,7 +30,7 @@ from app.views.basis import basis
 from app.views.circuits import frequent_tokens
 from app.views.heads import parse_heads, spectra
 from app.views.inputs import check_k, model_ref
-from circuits_core.circuits import copying
+from circuits_core.circuits import copying, copying_spectra
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.cost import Cost, check_stop
 from circuits_core.errors import InvalidInputError
@@ -232,7 +232,7 @@ def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Lim
     todo = chosen_heads(loaded, p, limits) or all_heads(cfg)
     rows = default_rows(n, p.rows, len(todo))
     every = spectra(loaded)  # every head's OV eigenvalues, kept once per model (app/views/heads.py)
-    eig = circuits.copying_score(
+    eig = copying_spectra.copying_score(
         torch.complex(
             torch.tensor(every.ov_re, dtype=torch.float64), torch.tensor(every.ov_im, dtype=torch.float64)
         ).view(cfg.n_layers, cfg.n_heads, cfg.d_head)

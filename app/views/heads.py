@@ -20,6 +20,7 @@ from app.schemas import Complex, CopyingMetricsView, DetectorInput, HeadScores, 
 from app.settings import Limits
 from app.views.inputs import check_k, model_ref
 from app.views.rotary import is_rotary, reference_means, reference_tokens_bound
+from circuits_core.circuits import copying, copying_spectra
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
@@ -70,8 +71,8 @@ def head_scores(loaded: LoadedModel, detectors: dict[str, Tensor], table: HeadTa
     cfg = model.cfg
     if cfg.n_layers == 0:
         return []
-    ov = circuits.ov_copying_scores(model) if table is None else table.ov_copying  # [L, H]
-    qk = circuits.qk_copying_scores(model) if table is None else table.qk_copying  # [L, H]
+    ov = copying_spectra.ov_copying_scores(model) if table is None else table.ov_copying  # [L, H]
+    qk = copying_spectra.qk_copying_scores(model) if table is None else table.qk_copying  # [L, H]
     iv = table.induction if table is not None else None
     k_comp = {"one_hot": iv.qk_k_composition, "weighted": iv.qk_weighted} if iv is not None else None
     out = []
@@ -136,8 +137,8 @@ def build_copying_view(loaded: LoadedModel, p: CopyingParams, limits: Limits) ->
     layer, h = parse_head(p.head, loaded.model.cfg)
     k = check_k(p.k, limits, loaded.model.cfg.d_vocab)
     with torch.no_grad():
-        m = circuits.ov_copying_metrics(loaded.model, layer, h, k=k, budget_bytes=limits.matrix_budget_bytes)
-        score = circuits.ov_copying_scores(loaded.model)[layer, h]
+        m = copying.ov_copying_metrics(loaded.model, layer, h, k=k, budget_bytes=limits.matrix_budget_bytes)
+        score = copying_spectra.ov_copying_scores(loaded.model)[layer, h]
     return CopyingMetricsView(
         model=model_ref(loaded),
         head=head_name(layer, h),
@@ -181,8 +182,8 @@ def spectra(loaded: LoadedModel) -> Spectra:
     def build() -> Spectra:
         with torch.no_grad():
             ov, qk = (
-                circuits.ov_eigenvalues(loaded.model),
-                circuits.qk_eigenvalues(loaded.model),
+                copying_spectra.ov_eigenvalues(loaded.model),
+                copying_spectra.qk_eigenvalues(loaded.model),
             )  # [L, H, d_head] complex
         ov, qk = (e.gather(-1, e.abs().sort(stable=True, dim=-1, descending=True).indices).flatten() for e in (ov, qk))
         return Spectra(ov_re=ov.real.tolist(), ov_im=ov.imag.tolist(), qk_re=qk.real.tolist(), qk_im=qk.imag.tolist())
@@ -242,11 +243,11 @@ def heads_cost(loaded: LoadedModel, p: AnalysisParams, limits: Limits) -> Cost:
 def head_cost(loaded: LoadedModel, p: HeadParams, limits: Limits) -> Cost:
     """The heads table (when not cached), then the head's spectra and positional pattern."""
     n = min(loaded.model.cfg.n_ctx, POSITIONAL_MAX_N)
-    return heads_cost(loaded, p, limits).then(circuits.head_spectra_cost(loaded.model, n))
+    return heads_cost(loaded, p, limits).then(copying_spectra.head_spectra_cost(loaded.model, n))
 
 
 def copying_cost(loaded: LoadedModel, p: CopyingParams, limits: Limits) -> Cost:
-    return circuits.copying_cost(loaded.model, p.k, limits.matrix_budget_bytes)
+    return copying.copying_metrics_cost(loaded.model, p.k, limits.matrix_budget_bytes)
 
 
 HEADS = Analysis(

@@ -30,7 +30,7 @@ from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import model_ref
 from circuits_core.circuits import composition_rotary, rotary
-from circuits_core.circuits.head_circuits import copying_score
+from circuits_core.circuits.copying_spectra import copying_score
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel

@@ -16,8 +16,7 @@ from typing import Any
 import torch
 
 from app.views.basis import basis
-from circuits_core.circuits import copying
-from circuits_core.circuits import head_circuits as circuits
+from circuits_core.circuits import copying, copying_spectra
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import parse_head
 from circuits_core.prompt.phenomena import HeldOutBigrams, find_eval_data
@@ -54,8 +53,8 @@ def f9(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
 
 def _self_copy_head(loaded: LoadedModel, head: str, k: int = 10) -> tuple[float, float, float]:
     layer, h = parse_head(head, loaded.model.cfg)
-    m = circuits.ov_copying_metrics(loaded.model, layer, h, k=k)
-    return float(circuits.ov_copying_scores(loaded.model)[layer, h]), m.top1, m.topk
+    m = copying.ov_copying_metrics(loaded.model, layer, h, k=k)
+    return float(copying_spectra.ov_copying_scores(loaded.model)[layer, h]), m.top1, m.topk
 
 
 def f10(loaded: LoadedModel, d: dict[str, Any]) -> Claim:

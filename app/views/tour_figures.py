@@ -49,6 +49,7 @@ from app.views.prompt import build_paths_view, build_prompt_view
 from app.views.qk_paths import build_qk_paths_view
 from app.views.term_importance import BUILTIN_TEXT, build_term_importance_view
 from app.views.tour_claims import induction_mass, self_copy_and_baseline
+from circuits_core.circuits import copying_spectra
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
@@ -217,7 +218,7 @@ def positional(loaded: LoadedModel, limits: Limits) -> Result:
 
 
 def ov_spectra(loaded: LoadedModel, limits: Limits) -> Result:
-    eig = circuits.ov_eigenvalues(loaded.model)  # [L, H, d_head] complex
+    eig = copying_spectra.ov_eigenvalues(loaded.model)  # [L, H, d_head] complex
     cfg = loaded.model.cfg
     data = {
         head_name(layer, h): [[float(z.real), float(z.imag)] for z in eig[layer, h].tolist()]

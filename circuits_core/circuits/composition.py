@@ -39,9 +39,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from circuits_core.cost import Cost, check_stop, itemsize, side_by_side
+from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Block, Transformer
+from circuits_core.schedule import side_by_side
 
 CompositionKind = Literal["q", "k", "v"]
 KINDS: tuple[CompositionKind, ...] = ("q", "k", "v")

@@ -42,10 +42,11 @@ from circuits_core.circuits.composition import (
 )
 from circuits_core.circuits.rotary import KERNEL_WINDOW, check_offsets, check_rotary, rotation
 from circuits_core.circuits.rotary_baseline import baseline_cost, random_baseline
-from circuits_core.cost import Cost, check_stop, itemsize, shared_chunks, side_by_side
+from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.config import head_name, parse_head
 from circuits_core.model.transformer import Transformer, rotary_angles, rotary_pairs
+from circuits_core.schedule import shared_tasks, side_by_side
 
 PROFILE_OFFSETS = tuple(range(KERNEL_WINDOW + 1))  # δ = 0..64
 # Source heads per product F W_T: P [96 d_head, (H + G) d_head] and its Grams stay in cache (~33 MB per worker on
@@ -248,7 +249,7 @@ def composition_profiles(
     The work goes in tasks from one queue, longest first (V-composition, then the target layers from the last, the
     random baseline once half of the pairs are queued: the two largest holders of memory, V-composition and the
     baseline, do not run at once unless V outlasts half of the layers): two workers take them side by side
-    (cost.side_by_side: in parallel when the caller's torch threads leave a core idle, in turn otherwise)."""
+    (schedule.shared_tasks: in parallel when the caller's torch threads leave a core idle, in turn otherwise)."""
     check_rotary(model)
     cfg = model.cfg
     L, H = cfg.n_layers, cfg.n_heads
@@ -275,14 +276,7 @@ def composition_profiles(
         layers = [layer(l2) for l2 in range(L - 1, 0, -1)]  # sources: l2 H heads each
         half = 1 + sum(2 * done < L * (L - 1) // 2 for done in itertools.accumulate(range(L - 1, 0, -1)))
         tasks = [v_composition, *layers[:half], baseline, *layers[half:]]
-        take = shared_chunks(len(tasks), 1)
-
-        def worker() -> None:
-            ws = _Workspace(q)
-            while (task := take()) is not None:
-                tasks[task.start](ws)
-
-        side_by_side(worker, worker, "qkov-profiles")
+        shared_tasks(tasks, lambda: _Workspace(q), "qkov-profiles")
     layer_ = torch.arange(L, device=model.device)
     mask = (layer_[:, None, None, None] < layer_[None, None, :, None]).expand(L, H, L, H)
     mean, std = found["baseline"]

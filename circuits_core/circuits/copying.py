@@ -27,13 +27,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.factored import DEFAULT_BUDGET_BYTES
-from circuits_core.circuits.head_circuits import (
-    copying_score,
-    embed_eff_rows,
-    ov_circuit,
-    unembed_embed_gram,
-)
+from circuits_core.circuits.copying_spectra import copying_score, unembed_embed_gram
+from circuits_core.circuits.embedding import embed_eff_rows
+from circuits_core.circuits.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
+from circuits_core.circuits.head_circuits import factors_cost, full_ov_circuit, ov_circuit
 from circuits_core.cost import Cost, check_stop
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.config import all_heads
@@ -249,3 +246,55 @@ def cost(
     weights = Cost(2 * n_samples * cfg.d_model * cfg.d_head * 8 + n_samples * cfg.d_head * cfg.d_head * 16)
     heads = cfg.n_layers * cfg.n_heads if n_heads is None else n_heads
     return (one_head + weights).with_answer(numbers=5 * heads + 4 * n_samples, labels=heads)
+
+
+# -- one head's copying metrics (any square token circuit) ------------------------------------------------
+@dataclass
+class CopyingMetrics:
+    """The paper's alternative copying metrics for one head's full OV circuit M [V, V] (rows source a)."""
+
+    diagonal_positive: float  # fraction of tokens a with M[a, a] > 0
+    diagonal_quantiles: Tensor  # [5] quantiles 0, .25, .5, .75, 1 of the diagonal
+    top1: float  # fraction of tokens a whose own logit is the largest in row a (ARENA top_1_acc)
+    topk: float  # fraction of tokens a among the k largest of row a
+    k: int
+
+
+def ov_copying_metrics(
+    model: Transformer, layer: int, head: int, k: int = 5, budget_bytes: int = DEFAULT_BUDGET_BYTES
+) -> CopyingMetrics:
+    """Diagonal sign fraction and top-1 / top-k accuracy of the full OV circuit, rows streamed in blocks."""
+    return copying_metrics(full_ov_circuit(model, layer, head), k, budget_bytes)
+
+
+def copying_metrics(M: FactoredMatrix, k: int = 5, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> CopyingMetrics:
+    """The metrics of CopyingMetrics for any square token circuit M [n, n] (row i and column i: one token)."""
+    if M.ldim != M.rdim:
+        raise InvalidInputError(f"copying metrics need a square circuit, got {M.ldim} x {M.rdim}")
+    if not 1 <= k <= M.rdim:
+        raise InvalidInputError(f"k must be in [1, {M.rdim}], got {k}")
+    diag = M.diag()  # [V]
+    top1 = topk = 0
+    for rows, block in M.iter_row_blocks(budget_bytes):  # block [b, V]
+        check_stop(what="OV copying metrics")
+        own = torch.arange(rows.start, rows.stop, device=block.device)
+        top = block.topk(k, dim=-1).indices  # [b, k]
+        top1 += int((top[:, 0] == own).sum())
+        topk += int((top == own[:, None]).any(-1).sum())
+    qs = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0], dtype=torch.float64)
+    V = M.ldim
+    return CopyingMetrics(
+        diagonal_positive=float((diag > 0).double().mean()),
+        diagonal_quantiles=torch.quantile(diag.double(), qs.to(diag.device)),
+        top1=top1 / V,
+        topk=topk / V,
+        k=k,
+    )
+
+
+def copying_metrics_cost(model: Transformer, k: int, budget_bytes: int) -> Cost:
+    """ov_copying_metrics: the factors, one row block (at most budget_bytes) and its top-k indices."""
+    cfg, size = model.cfg, model.W_E.element_size()
+    rows = max(1, min(cfg.d_vocab, budget_bytes // max(1, cfg.d_vocab * size)))
+    block = rows * cfg.d_vocab * size + rows * k * 8
+    return (factors_cost(model) + Cost(block + cfg.d_vocab * (size + 8))).with_answer(numbers=12, labels=6)

@@ -9,10 +9,8 @@ Convention: row vectors as in TransformerLens. A: [..., ldim, mdim], B: [..., md
 (batch) dimensions such as [n_layers, n_heads] broadcast.
 
 Large matrices (a full OV circuit of GPT-2 is 50257 x 50257 = 10 GB in fp32) are only ever read through
-rows, columns, the diagonal, or dense row blocks sized by a byte budget (`iter_row_blocks`, `topk_global`).
-The global top-k visits tiles in descending row and column norm order and skips those that the
-Cauchy-Schwarz bound |A_i . B_:,j| <= ||A_i|| ||B_:,j|| rules out; large tiles are screened in bfloat16
-with a proven error margin and the surviving rows recomputed exactly.
+rows, columns, the diagonal, or dense row blocks sized by a byte budget (`iter_row_blocks`, `topk_global`,
+whose norm-bounded search is global_topk.py).
 """
 
 from __future__ import annotations
@@ -26,7 +24,8 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from circuits_core.cost import Cost, check_stop
+from circuits_core.circuits import global_topk
+from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
 
 # Default memory budget for streaming dense row blocks of a large circuit (bytes).
@@ -284,20 +283,20 @@ class FactoredMatrix:
             values, r, c = sub.topk_global(k, budget_bytes=budget_bytes, largest=largest, should_stop=should_stop)
             return values, row_idx[r], col_idx[c]
         self._check_k(k, self.ldim * self.rdim)
-        # One matrix at a time, in tiles of TILE_COLS columns; a tile lives in up to 4 buffers (fp32 product,
+        # One matrix at a time, in tiles of global_topk.TILE_COLS columns; a tile lives in up to 4 buffers (fp32 product,
         # bf16 screen, exact recomputation, selected rows).
-        per_row = 4 * min(TILE_COLS, self.rdim) * self.A.element_size()
+        per_row = 4 * min(global_topk.TILE_COLS, self.rdim) * self.A.element_size()
         step = int(budget_bytes) // per_row
         if step < 1:
             raise LimitExceededError(
-                f"one row of a {min(TILE_COLS, self.rdim)}-column tile in 4 working buffers needs {per_row} "
+                f"one row of a {min(global_topk.TILE_COLS, self.rdim)}-column tile in 4 working buffers needs {per_row} "
                 f"bytes, more than the memory budget of {int(budget_bytes)} bytes"
             )
         # Broadcast factors are indexed as views, never copied per batch entry.
         A = self.A.expand(*self.batch_shape, *self.A.shape[-2:])
         B = self.B.expand(*self.batch_shape, *self.B.shape[-2:])
         batch = itertools.product(*(range(n) for n in self.batch_shape))
-        results = [_topk_global_2d(A[idx], B[idx], k, step, largest, should_stop) for idx in batch]
+        results = [global_topk.topk_global_2d(A[idx], B[idx], k, step, largest, should_stop) for idx in batch]
         values, rows, cols = (torch.stack([r[n] for r in results]) for n in range(3))
         shape = (*self.batch_shape, k)
         return values.reshape(shape), rows.reshape(shape), cols.reshape(shape)
@@ -306,7 +305,7 @@ class FactoredMatrix:
         self, k: int, budget_bytes: int = DEFAULT_BUDGET_BYTES, rows: int | None = None, cols: int | None = None
     ) -> Cost:
         """The Cost of topk_global(k, budget_bytes) on `rows` x `cols` of this matrix (default all)."""
-        return topk_global_cost(
+        return global_topk.topk_global_cost(
             self.ldim if rows is None else rows,
             self.mdim,
             self.rdim if cols is None else cols,
@@ -315,128 +314,3 @@ class FactoredMatrix:
             self.A.element_size(),
             math.prod(self.batch_shape),
         )
-
-
-# Tile of the product computed at once by topk_global (64 MiB in fp32): few large GEMM calls (small ones
-# suffer most from thread contention), yet column tiles the norm bound can skip.
-TILE_ROWS, TILE_COLS = 1024, 16384
-# The first row block is only SEED_ROWS rows (computed exactly): it yields the k-th value that lets every later
-# tile be screened (and bounded), instead of a whole exact TILE_ROWS block ranked row by row.
-SEED_ROWS = 32
-# Screening: once k values are known, tiles of matrices with at least SCREEN_MIN_ENTRIES entries are first
-# computed in bfloat16 (about 3x faster on CPUs with bf16 GEMM). With bf16 inputs (unit roundoff u = 2^-9)
-# and fp32 accumulation, |approx - exact| <= (3u + O(u^2)) ||A_i|| ||B_:,j|| (the output rounding included);
-# SCREEN_MARGIN = 2^-6 = 8u leaves a factor > 2 of slack. Rows whose approximate maximum comes within the
-# margin of the k-th value are recomputed exactly, so the result is exact. Screening is only used where a
-# probe shows that bf16 products are accumulated in fp32.
-SCREEN_DTYPE, SCREEN_MARGIN, SCREEN_MIN_ENTRIES = torch.bfloat16, 2.0**-6, 2**24
-_screen_ok: dict[torch.device, bool] = {}
-
-
-def topk_global_cost(
-    ldim: int, mdim: int, rdim: int, k: int, budget_bytes: int, element_size: int, batch: int = 1
-) -> Cost:
-    """Cost of FactoredMatrix.topk_global on [batch] matrices [ldim, mdim] @ [mdim, rdim] (one at a time).
-
-    Peak: the norm-sorted copy of A and the column tiles of B, their bfloat16 copies when screened, the 4
-    tile buffers (at most budget_bytes) and the candidates; answer: batch x k (value, row, column).
-    """
-    tile_cols = min(TILE_COLS, rdim)
-    step = max(1, int(budget_bytes) // (4 * tile_cols * element_size))
-    tiles = 4 * min(step, TILE_ROWS, ldim) * tile_cols * element_size
-    factors = (ldim * mdim + mdim * rdim) * element_size
-    screen = (ldim * mdim + mdim * rdim) * 2 if ldim * rdim >= SCREEN_MIN_ENTRIES else 0
-    sorting = (ldim + rdim) * (element_size + 8)  # norms and orders
-    candidates = 2 * k * (min(step, TILE_ROWS, ldim) + 1) * (element_size + 16)
-    return Cost(factors + screen + tiles + sorting + candidates).with_answer(numbers=3 * k * batch)
-
-
-def _screening_accumulates_in_fp32(device: torch.device) -> bool:
-    if device not in _screen_ok:
-        # 1 + 63 * 2^-8 = 1.246 with fp32 accumulation (-> 1.25 in bf16); bf16 accumulation stays at 1.0.
-        a = torch.tensor([[1.0] + [2.0**-8] * 63], device=device).to(SCREEN_DTYPE).expand(8, 64)
-        b = torch.ones(64, 8, device=device, dtype=SCREEN_DTYPE)
-        _screen_ok[device] = bool(((a @ b).float() > 1.2).all())
-    return _screen_ok[device]
-
-
-def _row_max(approx: Tensor, positive: bool) -> Tensor:
-    """Row maxima [b] of a bfloat16 screen [b, c], read only against a threshold; `positive`: the threshold is > 0.
-
-    Then the maxima are taken on the bits as int16 (~3.5x faster than a bfloat16 amax on CPUs): the int16 order of
-    non-negative bfloat16 values is their order and every negative one is below them, so a row with a positive entry
-    gets its true maximum and a row without one a value <= 0, below the threshold as its true maximum is."""
-    if positive:
-        return approx.view(torch.int16).amax(dim=1).view(SCREEN_DTYPE)
-    return approx.amax(dim=1)
-
-
-def _topk_global_2d(
-    A: Tensor, B: Tensor, k: int, step: int, largest: bool, should_stop: Callable[[], bool] | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Global top-k of A [ldim, mdim] @ B [mdim, rdim] (see topk_global).
-
-    Rows (by ||A_i||) and columns (by ||B_:,j||) are visited in descending norm order, in tiles of at most
-    min(step, TILE_ROWS) x TILE_COLS entries. Every entry of a tile is bounded by ||A_first row|| * ||B_first col||, so
-    once that falls below the current k-th value the rest of the row block (and, for the first tile of a
-    block, all later blocks) is skipped. Inside a tile only rows whose maximum beats the k-th value are
-    ranked, their maximum first estimated in bfloat16 for large matrices (see SCREEN_MARGIN).
-    """
-    ldim, rdim = A.shape[0], B.shape[1]
-    B = B if largest else -B  # smallest entries of AB = largest of A(-B)
-    row_norms, row_order = A.norm(dim=-1).sort(descending=True)  # [ldim]
-    col_norms, col_order = B.norm(dim=0).sort(descending=True)  # [rdim]
-    A = A[row_order]  # [ldim, mdim], rows in descending norm
-    tile_cols = min(TILE_COLS, rdim)
-    tiles = [B[:, col_order[j : j + tile_cols]] for j in range(0, rdim, tile_cols)]  # contiguous [mdim, <=tile_cols]
-    tile_rows = min(step, TILE_ROWS)
-    dtype = torch.result_type(A, B)
-    buf = torch.empty(min(tile_rows, ldim) * tile_cols, dtype=dtype, device=A.device)
-    screen = (
-        SCREEN_DTYPE is not None
-        and ldim * rdim >= SCREEN_MIN_ENTRIES
-        and dtype in (torch.float32, torch.float64)
-        and _screening_accumulates_in_fp32(A.device)
-    )
-    if screen:
-        A_s, tiles_s = A.to(SCREEN_DTYPE), [t.to(SCREEN_DTYPE) for t in tiles]
-        buf_s = torch.empty(buf.numel(), dtype=SCREEN_DTYPE, device=A.device)
-    best_v = torch.empty(0, dtype=buf.dtype, device=A.device)  # [<= k], sorted descending
-    best_r = torch.empty(0, dtype=torch.long, device=A.device)  # positions in row_order
-    best_c = torch.empty(0, dtype=torch.long, device=A.device)  # positions in col_order
-    seed = min(SEED_ROWS, tile_rows)
-    for r0 in [0, *range(seed, ldim, tile_rows)]:
-        r1 = min(r0 + (seed if r0 == 0 else tile_rows), ldim)
-        for t, tile_B in enumerate(tiles):
-            check_stop(should_stop, "global top-k")
-            c0, tc = t * tile_cols, tile_B.shape[1]
-            full = best_v.numel() == k
-            if full and row_norms[r0] * col_norms[c0] < best_v[-1]:
-                break  # no entry of this tile, or of the later (smaller-norm) tiles of this block, can enter
-            rows = torch.arange(r0, r1, device=A.device)
-            if full and screen:
-                approx = torch.matmul(A_s[r0:r1], tiles_s[t], out=buf_s[: (r1 - r0) * tc].view(r1 - r0, tc))
-                margin = SCREEN_MARGIN * row_norms[r0] * col_norms[c0]
-                keep = _row_max(approx, positive=bool(best_v[-1] > margin)).to(dtype) + margin > best_v[-1]  # [b]
-                if not bool(keep.any()):
-                    continue
-                rows = rows[keep]
-                block = A[rows] @ tile_B  # [b', tc], exact
-            else:
-                block = torch.matmul(A[r0:r1], tile_B, out=buf[: (r1 - r0) * tc].view(r1 - r0, tc))  # [b, tc]
-            if full:
-                keep = block.amax(dim=1) > best_v[-1]  # [b]
-                if not bool(keep.any()):
-                    continue
-                block, rows = block[keep], rows[keep]
-            v, c = block.topk(min(k, tc), dim=1)  # [b', k']
-            cand_v = torch.cat([best_v, v.reshape(-1)])
-            cand_r = torch.cat([best_r, rows[:, None].expand_as(c).reshape(-1)])
-            cand_c = torch.cat([best_c, (c + c0).reshape(-1)])
-            best_v, pick = cand_v.topk(min(k, cand_v.numel()))
-            best_r, best_c = cand_r[pick], cand_c[pick]
-        else:
-            continue
-        if best_v.numel() == k and row_norms[r0] * col_norms[0] < best_v[-1]:
-            break  # even the first tile of this block was bounded out: so are all later blocks
-    return (best_v if largest else -best_v), row_order[best_r], col_order[best_c]

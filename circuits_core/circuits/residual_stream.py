@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from circuits_core.circuits.copying_spectra import embed_gram
 from circuits_core.circuits.factored import FactoredMatrix
-from circuits_core.circuits.head_circuits import embed_gram
 from circuits_core.circuits.stream_components import (
     Reader,
     Writer,

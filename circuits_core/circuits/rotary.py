@@ -33,16 +33,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from circuits_core.circuits.copying_spectra import copying_score, embed_gram
+from circuits_core.circuits.embedding import EMBED_CHUNK, embed_eff_matmul, embed_eff_rows
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.head_circuits import (
-    EMBED_CHUNK,
     SkipTrigrams,
-    _attn,
+    attention,
     check_head,
-    copying_score,
-    embed_eff_matmul,
-    embed_eff_rows,
-    embed_gram,
     factors_cost,
     skip_trigrams,
     top_cost,
@@ -107,7 +104,7 @@ def rotation(model: Transformer, offsets: Sequence[int] | Tensor, dtype: torch.d
 def query_key_weights(model: Transformer, layer: int, head: int) -> tuple[Tensor, Tensor]:
     """(W_Q^h, W_K^g) [d_model, d_head] each: the head's query weights and its key/value group's key weights."""
     check_head(model, layer, head)
-    attn = _attn(model, layer)
+    attn = attention(model, layer)
     return attn.W_Q[head], attn.grouped("W_K")[head // model.cfg.group_size]
 
 

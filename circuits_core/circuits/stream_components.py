@@ -32,8 +32,9 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits import rotary
+from circuits_core.circuits.copying_spectra import embed_gram
+from circuits_core.circuits.embedding import embed_eff, embed_eff_matmul
 from circuits_core.circuits.factored import FactoredMatrix
-from circuits_core.circuits.head_circuits import embed_eff, embed_eff_matmul, embed_gram
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.model.config import head_name
 from circuits_core.model.moe import MoE

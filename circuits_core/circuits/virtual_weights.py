@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits.composition import gram_block_size, random_baseline
+from circuits_core.circuits.embedding import embed_eff
 from circuits_core.circuits.factored import FactoredMatrix
-from circuits_core.circuits.head_circuits import embed_eff
 from circuits_core.circuits.stream_components import (
     Reader,
     ReaderRole,

@@ -7,6 +7,8 @@ Formats (REGISTRY, keyed by `Format`):
   .safetensors, .pth or .pt (buffers such as blocks.{l}.attn.mask / IGNORE are dropped).
 - "gpt2", "gpt_neox": Hugging Face folders (see formats_hf.py).
 - "llama", "mistral", "qwen2": Hugging Face Llama-family folders, sharded safetensors (formats_llama.py).
+- "gemma2", "gemma3_text", "gemma3" (its text tower), "qwen3", "olmo2", "olmo3": the same layout with the newest
+  attention (llama_variants.py: QK-norm, soft caps, sliding windows, sandwich and output norms).
 - "gpt_oss": Hugging Face gpt-oss folders (sinks, mixture of experts, MXFP4 experts; gpt_oss.py).
 - "gguf": a folder without config.json holding one `.gguf` file (llama.cpp, ollama), named after the folder;
   config, tensors and tokenizer all come from that file (formats_gguf.py).
@@ -27,8 +29,8 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -41,6 +43,7 @@ from circuits_core.formats.gguf import gguf_file, read_gguf
 from circuits_core.formats.gpt_oss import gpt_oss_config, load_gpt_oss
 from circuits_core.formats.hf import load_gpt2, load_gpt_neox
 from circuits_core.formats.llama import LLAMA_MODEL_TYPES, llama_config, load_llama, shard_names
+from circuits_core.formats.llama_variants import REFUSED_MODEL_TYPES, VARIANT_MODEL_TYPES, load_variant, variant_config
 from circuits_core.formats.processing import SWITCHES, ProcessingOptions, own_tensors, process_state
 from circuits_core.formats.statedict import (
     PICKLE_SUFFIXES,
@@ -58,8 +61,12 @@ from circuits_core.formats.summary_file import load_summary
 from circuits_core.formats.tokenizer import Tokenizer
 from circuits_core.model.config import ConfigReader, ModelConfig
 from circuits_core.model.transformer import Transformer
+from circuits_core.schedule import in_background
 
-Format = Literal["qkov", "transformer_lens", "gpt2", "gpt_neox", "gguf", "llama", "mistral", "qwen2", "gpt_oss"]
+Format = Literal[
+    "qkov", "transformer_lens", "gpt2", "gpt_neox", "gguf", "llama", "mistral", "qwen2",
+    "gemma2", "gemma3_text", "gemma3", "qwen3", "olmo2", "olmo3", "gpt_oss",
+]  # fmt: skip
 FORMATS: tuple[str, ...] = get_args(Format)
 QKOV_FORMAT_VERSION = 1
 # A loader turns (folder, parsed config.json) into (config, TransformerLens state dict, key -> file, files).
@@ -69,8 +76,10 @@ Loader = Callable[
 ]
 HF_MODEL_TYPES: dict[str, Format] = {
     "gpt2": "gpt2", "gpt_neox": "gpt_neox", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
-    "gpt_oss": "gpt_oss",
+    "gemma2": "gemma2", "gemma3_text": "gemma3_text", "gemma3": "gemma3", "qwen3": "qwen3", "olmo2": "olmo2",
+    "olmo3": "olmo3", "gpt_oss": "gpt_oss",
 }  # fmt: skip
+SAFETENSORS_FAMILIES = (*LLAMA_MODEL_TYPES, *VARIANT_MODEL_TYPES, "gpt_oss")  # read shard by shard (llama.py's reader)
 LOAD_OPTIONS_FILE = "qkov.json"  # per-checkpoint load options (processing), next to config.json
 # Files besides config.json and the weights that can change an answer, so they are part of the digest: the
 # processing choice, tokenizer files (tokenizer.py), token counts (phenomena.TOKEN_COUNTS_FILE), the card.
@@ -78,9 +87,10 @@ ANSWER_FILES = (
     LOAD_OPTIONS_FILE, "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json",
     "special_tokens_map.json", "token_counts.npy", "model_card.json",
 )  # fmt: skip
-# Formats whose config.json prices the model and whose index names the shards before any tensor is read.
+# Formats whose config.json prices the model before any tensor is read.
 CONFIG_READERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     **dict.fromkeys(LLAMA_MODEL_TYPES, llama_config),
+    **dict.fromkeys(VARIANT_MODEL_TYPES, variant_config),
     "gpt_oss": gpt_oss_config,
 }
 TL_BUFFERS = (".attn.mask", ".attn.IGNORE", ".attn.rotary_sin", ".attn.rotary_cos")
@@ -117,6 +127,10 @@ def detect_format(folder: str | Path) -> Format:
         model_type = ConfigReader(data).text("model_type")
         if model_type in HF_MODEL_TYPES:
             return HF_MODEL_TYPES[model_type]
+        if model_type in REFUSED_MODEL_TYPES:
+            raise CheckpointError(
+                f"config.json: model_type {model_type!r} is not supported yet: {REFUSED_MODEL_TYPES[model_type]}"
+            )
         raise CheckpointError(
             f"config.json: unknown architecture model_type={model_type!r}; supported Hugging Face "
             f"model types: {', '.join(HF_MODEL_TYPES)} (formats: {', '.join(FORMATS)}; found: {folder_listing(folder)})"
@@ -246,6 +260,12 @@ REGISTRY: dict[Format, Loader] = {
     "mistral": load_llama,
     "qwen2": load_llama,
     "gpt_oss": load_gpt_oss,
+    "gemma2": load_variant,
+    "gemma3_text": load_variant,
+    "gemma3": load_variant,
+    "qwen3": load_variant,
+    "olmo2": load_variant,
+    "olmo3": load_variant,
 }
 
 
@@ -267,7 +287,7 @@ def weight_files_known_before_reading(folder: Path, fmt: Format) -> list[Path] |
     file; the Llama family: its shards); None for the formats whose loaders find their files while reading."""
     if fmt == "gguf":
         return [folder_file(folder, gguf_file(folder) or "")]
-    if fmt in CONFIG_READERS:
+    if fmt in SAFETENSORS_FAMILIES:
         return [folder_file(folder, name) for name in shard_names(folder)]
     return None
 
@@ -315,9 +335,13 @@ def load_checkpoint(
     # The digest reads every byte again: hash in a thread (hashlib releases the GIL) while torch reads and processes.
     # GGUF and Llama-family folders name their weight files before any tensor is read, so their digest starts first
     # (on the 1B-shaped checkpoint it used to run after the 6 s read, adding 1.7 s).
-    with ThreadPoolExecutor(max_workers=1) as pool:
+    with in_background() as background:
         early = weight_files_known_before_reading(folder, fmt)
-        digest_job = pool.submit(files_digest, [*config_file, *early, *answer_files]) if early is not None else None
+        digest_job = (
+            background.start(partial(files_digest, [*config_file, *early, *answer_files]))
+            if early is not None
+            else None
+        )
         if fmt == "gguf" and early is not None:  # (early is the one .gguf file)
             files = early  # one pass over it: its metadata holds the tokenizer too; priced before dequantising
             cfg, state, origin, tokenizer = read_gguf(files[0], check=check_price)
@@ -325,7 +349,7 @@ def load_checkpoint(
             cfg, state, origin, files = REGISTRY[fmt](folder, data, dtype)
             check_price(cfg)
         if digest_job is None or sorted(early or []) != sorted(files):  # (a loader read other files)
-            digest_job = pool.submit(files_digest, [*config_file, *files, *answer_files])
+            digest_job = background.start(partial(files_digest, [*config_file, *files, *answer_files]))
         loaded = _build(folder, fmt, data, cfg, state, origin, dtype, process, tokenizer)
         digest = digest_job.result()
     options = loaded.options

@@ -1,6 +1,6 @@
 """Hugging Face gpt-oss checkpoints (`model_type: gpt_oss`), converted to TransformerLens names and shapes.
 
-Attention as the Llama family (llama.take_attention: q/k/v/o_proj with biases, grouped-query heads, rotate-half
+Attention as the Llama family (llama.take_projections: q/k/v/o_proj with biases, grouped-query heads, rotate-half
 rope) plus a learned sink per head (`self_attn.sinks` [n_heads] -> attn.sinks); YaRN rope scaling with its
 attention factor (rope_scaling.py). Every MLP is a mixture of experts (moe.py), stored as
     mlp.router.weight [E, d] -> mlp.W_router [d, E]        mlp.router.bias [E] -> mlp.b_router
@@ -11,9 +11,8 @@ or, in the released files (quantization_config.quant_method "mxfp4"), as MXFP4 `
 holding each expert projection as [d_out, d_in] (mxfp4.py), dequantised one expert at a time.
 Routing: softmax over the top-k router logits; experts: the clamped SwiGLU (swiglu_alpha, swiglu_limit).
 
-Sliding layers (`layer_types`, window `sliding_window`: 128 in the released models) mask keys at offsets
->= window. A sequence no longer than the window is never masked, so the context is capped at the window and the
-model stays exact (as for Mistral's window in llama.py).
+Sliding layers (`layer_types`, window `sliding_window`: 128 in the released models) are local layers: keys at
+offsets >= window are masked (window.py).
 """
 
 from __future__ import annotations
@@ -25,9 +24,9 @@ import torch
 
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.hf import _bos, _config
-from circuits_core.formats.llama import _T, State, _Shards, one_thread, take_attention, take_unembedding
+from circuits_core.formats.llama import _T, State, _Shards, one_thread, take_projections, take_unembedding
 from circuits_core.formats.mxfp4 import BLOCK, dequantize_mxfp4
-from circuits_core.formats.rope_scaling import rope_fields
+from circuits_core.formats.rope_scaling import rope_fields, rope_section
 from circuits_core.model.config import ConfigReader, ModelConfig
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -40,14 +39,17 @@ def _quantised(r: ConfigReader) -> bool:
     return method == "mxfp4"
 
 
-def _window(r: ConfigReader, n_layers: int) -> int | None:
-    """The sliding window when some layer slides (layer_types; transformers' default: even layers slide)."""
+def _windows(r: ConfigReader, n_layers: int) -> tuple[int | None, tuple[str, ...] | None]:
+    """(window_size, attn_types): sliding layers are local (layer_types; transformers' default: even layers slide)."""
     types = r.data.get("layer_types")
     if types is None:
         types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n_layers)]
     if not isinstance(types, list) or len(types) != n_layers or any(t not in LAYER_TYPES for t in types):
         raise CheckpointError(f"{r.source}: layer_types must list {n_layers} of {', '.join(LAYER_TYPES)}")
-    return r.integer("sliding_window", ge=1) if "sliding_attention" in types else None
+    if "sliding_attention" not in types:
+        return None, None
+    window = r.integer("sliding_window", ge=1)
+    return window, tuple("local" if t == "sliding_attention" else "global" for t in types)
 
 
 def gpt_oss_config(hf: dict[str, Any]) -> ModelConfig:
@@ -61,18 +63,19 @@ def gpt_oss_config(hf: dict[str, Any]) -> ModelConfig:
     if not r.flag("attention_bias", default=True):
         raise CheckpointError(f"{path.name}: attention_bias=false is not supported (gpt-oss has attention biases)")
     n_layers, d_vocab = r.integer("num_hidden_layers", ge=0), r.integer("vocab_size", ge=1)
-    n_ctx, window = r.integer("max_position_embeddings", ge=1), _window(r, n_layers)
+    window, attn_types = _windows(r, n_layers)
     _quantised(r)
     return _config(
         path, n_layers=n_layers, d_model=d, n_heads=n_heads, d_head=dh, d_vocab=d_vocab,
-        n_ctx=min(n_ctx, window) if window else n_ctx, d_mlp=r.integer("intermediate_size", ge=1), attn_only=False,
+        n_ctx=r.integer("max_position_embeddings", ge=1), window_size=window, attn_types=attn_types,
+        d_mlp=r.integer("intermediate_size", ge=1), attn_only=False,
         normalization_type="RMS", positional_embedding_type="rotary", gated_mlp=True, act_fn="silu",
         eps=r.number("rms_norm_eps", default=1e-5, gt=0), use_bias=True,
         n_key_value_heads=n_kv if n_kv != n_heads else None, rotary_dim=dh, bos_token_id=_bos(r, d_vocab),
         attn_sinks=True, num_experts=r.integer("num_local_experts", ge=1),
         experts_per_token=r.integer("num_experts_per_tok", ge=1), moe_norm_topk=True, clamped_swiglu=True,
         swiglu_alpha=r.number("swiglu_alpha", default=1.702, gt=0),
-        swiglu_limit=r.number("swiglu_limit", default=7.0, gt=0), **rope_fields(r, path.name, dh),
+        swiglu_limit=r.number("swiglu_limit", default=7.0, gt=0), **rope_fields(r, rope_section(r), d_head=dh),
     )  # fmt: skip
 
 
@@ -83,13 +86,21 @@ def load_gpt_oss(
     with one_thread():
         cfg = gpt_oss_config(hf)
         src = _Shards(folder, dtype)
-        sd: State = {"embed.W_E": src.take("model.embed_tokens.weight", (cfg.d_vocab, cfg.d_model))}
+        d, H = cfg.d_model, cfg.n_heads
+        sd: State = {"embed.W_E": src.take("model.embed_tokens.weight", (cfg.d_vocab, d))}
         quantised = _quantised(ConfigReader(hf))
         for layer in range(cfg.n_layers):
             h, p = f"model.layers.{layer}", f"blocks.{layer}"
-            sd.update(take_attention(src, cfg, h, p, o_bias=True))
+            sd[f"{p}.ln1.w"] = src.take(f"{h}.input_layernorm.weight", (d,))
+            sd[f"{p}.ln2.w"] = src.take(f"{h}.post_attention_layernorm.weight", (d,))
+            take_projections(src, cfg, h, p, sd)
+            sd[f"{p}.attn.b_O"] = src.take(f"{h}.self_attn.o_proj.bias", (d,))
+            sd[f"{p}.attn.sinks"] = src.take(f"{h}.self_attn.sinks", (H,))  # [n_heads]
             sd.update(_take_experts(src, cfg, f"{h}.mlp", f"{p}.mlp", quantised))
-        sd.update(take_unembedding(src, cfg, hf, sd["embed.W_E"], folder))
+        sd["ln_final.w"] = src.take("model.norm.weight", (d,))
+        tied = ConfigReader(hf).flag("tie_word_embeddings", default=False)
+        sd["unembed.W_U"] = take_unembedding(src, folder, sd["embed.W_E"], tied)
+        sd["unembed.b_U"] = torch.zeros(cfg.d_vocab, dtype=dtype)
         src.finish()
         return cfg, sd, dict(src.where), src.files
 

@@ -29,6 +29,7 @@ resident until the handle closes: a second, stored-dtype copy of the model by th
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import mmap
@@ -43,7 +44,8 @@ from torch import Tensor
 
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.hf import _act_fn, _bos, _config
-from circuits_core.formats.rope_scaling import rope_fields
+from circuits_core.formats.rope_scaling import rope_fields as rope_fields  # (re-exported: llama_variants reads it)
+from circuits_core.formats.rope_scaling import rope_section
 from circuits_core.formats.statedict import folder_file, folder_listing, read_json_object
 from circuits_core.model.config import ConfigReader, ModelConfig
 from circuits_core.model.transformer import attn_param
@@ -220,6 +222,11 @@ class _Shards:
             )
 
 
+def _rope(r: ConfigReader, d_head: int) -> dict[str, Any]:
+    """Rope fields for ModelConfig from `rope_parameters` (transformers >= 5) or `rope_scaling` + `rope_theta`."""
+    return rope_fields(r, rope_section(r), d_head=d_head)
+
+
 def _window(r: ConfigReader, model_type: str) -> int | None:
     """The sliding-window length when one applies (Mistral: `sliding_window`; Qwen2: `use_sliding_window`)."""
     if model_type == "qwen2" and not r.flag("use_sliding_window", default=False):
@@ -229,6 +236,20 @@ def _window(r: ConfigReader, model_type: str) -> int | None:
     return r.integer("sliding_window", default=None, ge=1)
 
 
+def head_shape(r: ConfigReader) -> tuple[int, int, int, int]:
+    """(d_model, n_heads, n_kv_heads, d_head) of a Llama-layout config (head_dim defaults to d_model / n_heads)."""
+    d, n_heads = r.integer("hidden_size", ge=1), r.integer("num_attention_heads", ge=1)
+    n_kv = r.integer("num_key_value_heads", default=n_heads, ge=1)
+    if n_heads % n_kv:
+        raise CheckpointError(f"{r.source}: num_key_value_heads={n_kv} does not divide num_attention_heads={n_heads}")
+    dh = r.integer("head_dim", default=None, ge=1)
+    if dh is None:
+        if d % n_heads:
+            raise CheckpointError(f"{r.source}: hidden_size={d} is not divisible by num_attention_heads={n_heads}")
+        dh = d // n_heads
+    return d, n_heads, n_kv, dh
+
+
 def llama_config(hf: dict[str, Any]) -> ModelConfig:
     """ModelConfig of a Llama / Mistral / Qwen2 config.json (refusing what the model does not implement)."""
     path = Path("config.json")
@@ -236,15 +257,7 @@ def llama_config(hf: dict[str, Any]) -> ModelConfig:
     model_type = r.text("model_type")
     if model_type not in LLAMA_MODEL_TYPES:
         raise CheckpointError(f"{path.name}: model_type {model_type!r} is not one of {', '.join(LLAMA_MODEL_TYPES)}")
-    d, n_heads = r.integer("hidden_size", ge=1), r.integer("num_attention_heads", ge=1)
-    n_kv = r.integer("num_key_value_heads", default=n_heads, ge=1)
-    if n_heads % n_kv:
-        raise CheckpointError(f"{path.name}: num_key_value_heads={n_kv} does not divide num_attention_heads={n_heads}")
-    dh = r.integer("head_dim", default=None, ge=1)
-    if dh is None:
-        if d % n_heads:
-            raise CheckpointError(f"{path.name}: hidden_size={d} is not divisible by num_attention_heads={n_heads}")
-        dh = d // n_heads
+    d, n_heads, n_kv, dh = head_shape(r)
     if r.flag("mlp_bias", default=False):
         raise CheckpointError(
             f"{path.name}: mlp_bias=true is not supported (the gated MLP has one bias, after the gate)"
@@ -258,7 +271,7 @@ def llama_config(hf: dict[str, Any]) -> ModelConfig:
         attn_only=False, normalization_type="RMS", positional_embedding_type="rotary", gated_mlp=True,
         act_fn=_act_fn(r, "hidden_act", "silu"), eps=r.number("rms_norm_eps", default=1e-6, gt=0),
         use_bias=attention_bias, n_key_value_heads=n_kv if n_kv != n_heads else None, rotary_dim=dh,
-        bos_token_id=_bos(r, d_vocab), **rope_fields(r, path.name, dh),
+        bos_token_id=_bos(r, d_vocab), **_rope(r, dh),
     )  # fmt: skip
 
 
@@ -279,78 +292,85 @@ def _output_heads(heads: int, dh: int, d: int) -> Callable[[Tensor], Tensor]:
     return lambda W: W.T.view(heads, dh, d)
 
 
-def load_llama(
-    folder: Path, hf: dict[str, Any], dtype: torch.dtype = torch.float32
-) -> tuple[ModelConfig, State, dict[str, str], list[Path]]:
+Loaded = tuple[ModelConfig, State, dict[str, str], list[Path]]
+
+
+def single_threaded(load: Callable[[Path, dict[str, Any], torch.dtype], Loaded]) -> Callable[..., Loaded]:
+    """A loader run within `one_thread` (see there why)."""
+
+    @functools.wraps(load)
+    def run(folder: Path, hf: dict[str, Any], dtype: torch.dtype = torch.float32) -> Loaded:
+        with one_thread():
+            return load(folder, hf, dtype)
+
+    return run
+
+
+@single_threaded
+def load_llama(folder: Path, hf: dict[str, Any], dtype: torch.dtype) -> Loaded:
     """(config, TransformerLens state dict in `dtype`, tensor -> shard file, weight files)."""
-    with one_thread():
-        return _load_llama(folder, hf, dtype)
-
-
-def _load_llama(
-    folder: Path, hf: dict[str, Any], dtype: torch.dtype
-) -> tuple[ModelConfig, State, dict[str, str], list[Path]]:
     cfg = llama_config(hf)
     src = _Shards(folder, dtype)
     d, V, d_mlp = cfg.d_model, cfg.d_vocab, cfg.d_mlp or 0
+    qwen2 = hf.get("model_type") == "qwen2"
     sd: State = {"embed.W_E": src.take("model.embed_tokens.weight", (V, d))}
     for layer in range(cfg.n_layers):
         h, p = f"model.layers.{layer}", f"blocks.{layer}"
-        sd.update(take_attention(src, cfg, h, p, o_bias=hf.get("model_type") != "qwen2"))
+        sd[f"{p}.ln1.w"] = src.take(f"{h}.input_layernorm.weight", (d,))
+        sd[f"{p}.ln2.w"] = src.take(f"{h}.post_attention_layernorm.weight", (d,))
+        take_projections(src, cfg, h, p, sd)
         if cfg.use_bias:
+            has_o_bias = not qwen2
+            sd[f"{p}.attn.b_O"] = (
+                src.take(f"{h}.self_attn.o_proj.bias", (d,)) if has_o_bias else torch.zeros(d, dtype=dtype)
+            )
             sd[f"{p}.mlp.b_in"] = torch.zeros(d_mlp, dtype=dtype)
             sd[f"{p}.mlp.b_out"] = torch.zeros(d, dtype=dtype)
-        sd[f"{p}.mlp.W_gate"] = src.take(f"{h}.mlp.gate_proj.weight", (d_mlp, d), _T)  # [d_model, d_mlp]
-        sd[f"{p}.mlp.W_in"] = src.take(f"{h}.mlp.up_proj.weight", (d_mlp, d), _T)
-        sd[f"{p}.mlp.W_out"] = src.take(f"{h}.mlp.down_proj.weight", (d, d_mlp), _T)  # [d_mlp, d_model]
-    sd.update(take_unembedding(src, cfg, hf, sd["embed.W_E"], folder))
+        take_gated_mlp(src, cfg, h, p, sd)
+    sd["ln_final.w"] = src.take("model.norm.weight", (d,))
+    tied = ConfigReader(hf).flag("tie_word_embeddings", default=False)
+    sd["unembed.W_U"] = take_unembedding(src, folder, sd["embed.W_E"], tied)
+    if cfg.use_bias:
+        sd["unembed.b_U"] = torch.zeros(V, dtype=dtype)
     src.finish()
     return cfg, sd, dict(src.where), src.files
 
 
-def take_attention(src: _Shards, cfg: ModelConfig, h: str, p: str, o_bias: bool) -> State:
-    """Layer `h`'s input norms and attention (q/k/v/o_proj, their biases when cfg.use_bias, o_proj.bias when
-    `o_bias`, else zeros; learned sinks when cfg.attn_sinks), under TransformerLens names prefixed `p`."""
+def take_projections(src: _Shards, cfg: ModelConfig, h: str, p: str, sd: State) -> None:
+    """Layer h's q/k/v_proj (and biases when cfg.use_bias) -> W_Q [H, d, dh], _W_K/_W_V [G, d, dh] (W_K / W_V when
+    G = H), o_proj [d_model, H d_head] -> W_O [H, d_head, d_model], into sd under the block prefix p."""
     d, H, G, dh = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_head
-    sd: State = {
-        f"{p}.ln1.w": src.take(f"{h}.input_layernorm.weight", (d,)),
-        f"{p}.ln2.w": src.take(f"{h}.post_attention_layernorm.weight", (d,)),
-    }
     for x, proj, heads in (("Q", "q_proj", H), ("K", "k_proj", G), ("V", "v_proj", G)):
         # [heads * d_head, d_model] -> [heads, d_model, d_head]; bias [heads * d_head] -> [heads, d_head]
         weight, bias = f"{h}.self_attn.{proj}.weight", f"{h}.self_attn.{proj}.bias"
         sd[f"{p}.attn.{attn_param(cfg, 'W_' + x)}"] = src.take(weight, (heads * dh, d), _per_head(heads, dh, d))
         if cfg.use_bias:
             sd[f"{p}.attn.{attn_param(cfg, 'b_' + x)}"] = src.take(bias, (heads * dh,), _per_head(heads, dh))
-    # o_proj [d_model, n_heads * d_head] -> W_O [n_heads, d_head, d_model]
     sd[f"{p}.attn.W_O"] = src.take(f"{h}.self_attn.o_proj.weight", (d, H * dh), _output_heads(H, dh, d))
-    if cfg.use_bias:
-        sd[f"{p}.attn.b_O"] = (
-            src.take(f"{h}.self_attn.o_proj.bias", (d,)) if o_bias else torch.zeros(d, dtype=src.dtype)
-        )
-    if cfg.attn_sinks:
-        sd[f"{p}.attn.sinks"] = src.take(f"{h}.self_attn.sinks", (H,))  # [n_heads]
-    return sd
 
 
-def take_unembedding(src: _Shards, cfg: ModelConfig, hf: dict[str, Any], W_E: Tensor, folder: Path) -> State:
-    """ln_final.w, unembed.W_U (lm_head, or W_E^T when tied) and, when cfg.use_bias, a zero b_U."""
-    d, V = cfg.d_model, cfg.d_vocab
-    sd: State = {"ln_final.w": src.take("model.norm.weight", (d,))}
-    tied = ConfigReader(hf).flag("tie_word_embeddings", default=False)
-    if src.has("lm_head.weight"):
-        sd["unembed.W_U"] = src.take("lm_head.weight", (V, d), _T)  # [d_model, d_vocab]
-        if tied and not torch.equal(sd["unembed.W_U"], W_E.T):
+def take_gated_mlp(src: _Shards, cfg: ModelConfig, h: str, p: str, sd: State) -> None:
+    """Layer h's gate/up/down_proj -> W_gate, W_in [d_model, d_mlp], W_out [d_mlp, d_model]."""
+    d, d_mlp = cfg.d_model, cfg.d_mlp or 0
+    sd[f"{p}.mlp.W_gate"] = src.take(f"{h}.mlp.gate_proj.weight", (d_mlp, d), _T)
+    sd[f"{p}.mlp.W_in"] = src.take(f"{h}.mlp.up_proj.weight", (d_mlp, d), _T)
+    sd[f"{p}.mlp.W_out"] = src.take(f"{h}.mlp.down_proj.weight", (d, d_mlp), _T)
+
+
+def take_unembedding(
+    src: _Shards, folder: Path, embedding: Tensor, tied: bool, lm_head: str = "lm_head.weight"
+) -> Tensor:
+    """W_U [d_model, d_vocab]: lm_head transposed, or (tied, no lm_head) a copy of embedding^T, the embedding as
+    stored ([d_vocab, d_model]; a stored lm_head must equal it when the config ties them)."""
+    V, d = embedding.shape
+    if src.has(lm_head):
+        W_U = src.take(lm_head, (V, d), _T)
+        if tied and not torch.equal(W_U, embedding.T):
             raise CheckpointError(
-                f"{src.where['lm_head.weight']}: lm_head.weight differs from embed_tokens.weight "
+                f"{src.where[lm_head]}: {lm_head} differs from embed_tokens.weight "
                 "but the config ties them (tie_word_embeddings)"
             )
-    elif tied:
-        sd["unembed.W_U"] = laid_out(W_E.T, src.dtype)  # [d_model, d_vocab], its own copy
-    else:
-        raise CheckpointError(
-            f"missing tensor lm_head.weight (tie_word_embeddings is false); found: {folder_listing(folder)}"
-        )
-    if cfg.use_bias:
-        sd["unembed.b_U"] = torch.zeros(V, dtype=src.dtype)
-    return sd
+        return W_U
+    if tied:
+        return laid_out(embedding.T, src.dtype)  # its own copy
+    raise CheckpointError(f"missing tensor {lm_head} (tie_word_embeddings is false); found: {folder_listing(folder)}")

@@ -12,7 +12,8 @@ False plus `"<switch>_skipped": reason`):
   hook_scale). A model without biases gets use_bias=True (zeros elsewhere) when some LN bias is non-zero.
   RMSNorm (x/rms * w, no bias): only w is folded, nothing is centred (RMSPre output does not have zero mean),
   and the norms become "RMSPre" (TransformerLens: fold_biases and center_weights off for RMS). Under
-  grouped-query attention w is folded into the stored per-group `_W_K`, `_W_V`.
+  grouped-query attention w is folded into the stored per-group `_W_K`, `_W_V`. Output norms (ln1_post, ln2_post)
+  and QK-norm gains are never folded: each divides by the RMS of what it reads, which a folded gain would change.
   Skipped for shortformer positions: W_pos is added *after* ln1 to the query/key inputs, so folding ln1.w
   into W_Q/W_K would also scale the positional path (TransformerLens skips it too). Skipped for a gated MLP
   whose ln2 has a non-zero bias: TransformerLens's gated MLP adds b_in after the gate product, so
@@ -21,7 +22,8 @@ False plus `"<switch>_skipped": reason`):
   W_out, b_out. Exact only because every reader of the residual stream is a LayerNorm that centres first;
   skipped for models without LayerNorm and for RMSNorm models (RMSNorm does not subtract the mean).
 - center_unembed: W_U <- W_U - mean over vocab, b_U likewise: every logit at a position moves by the same
-  amount, so log-probs are unchanged.
+  amount, so log-probs are unchanged. Skipped when the logits are soft-capped (Gemma 2): the cap is not
+  shift-equivariant.
 - Shortformer models (the paper's): like TransformerLens's from_pretrained, neither centring is applied.
   Both are exact for log-probs, but they change circuit numbers: centring W_U subtracts a rank-one term
   from every full OV circuit W_E W_OV W_U, which moves its eigenvalue copying score (on toy-2l, L0H0 goes
@@ -104,7 +106,10 @@ def _fold_ln(cfg: ModelConfig, sd: State, record: dict[str, bool | str]) -> Mode
         )
         return cfg
     rms = cfg.normalization_type == "RMS"
-    ln_names = [f"blocks.{layer}.ln{i}" for layer in range(cfg.n_layers) for i in ((1,) if cfg.attn_only else (1, 2))]
+    # Input norms only (OLMo 2 has none); output norms (ln1_post, ln2_post) keep their gains: nothing linear follows them
+    # before the residual add, and folding into W_O would change the RMS they divide by.
+    inputs = (1,) if cfg.attn_only else (1, 2)
+    ln_names = [f"blocks.{layer}.ln{i}" for layer in range(cfg.n_layers) for i in inputs] if cfg.pre_norms else []
     ln_names.append("ln_final")
     if cfg.gated_mlp and not rms and any(bool(sd[f"blocks.{layer}.ln2.b"].any()) for layer in range(cfg.n_layers)):
         record["fold_ln_skipped"] = (
@@ -127,7 +132,7 @@ def _fold_ln(cfg: ModelConfig, sd: State, record: dict[str, bool | str]) -> Mode
         if not rms:
             W.sub_(W.mean(dim=-2, keepdim=True))  # centre the reading weights over d_model
 
-    for layer in range(cfg.n_layers):
+    for layer in range(cfg.n_layers if cfg.pre_norms else 0):
         p = f"blocks.{layer}"
         for x in "QKV":
             fold(f"{p}.ln1", f"{p}.attn.{attn_param(cfg, 'W_' + x)}", f"{p}.attn.{attn_param(cfg, 'b_' + x)}")
@@ -177,6 +182,12 @@ def _center_writing_weights(cfg: ModelConfig, sd: State, record: dict[str, bool 
 def _center_unembed(cfg: ModelConfig, sd: State, record: dict[str, bool | str]) -> None:
     if cfg.positional_embedding_type == "shortformer":
         record["center_unembed_skipped"] = SHORTFORMER_SKIP
+        return
+    if cfg.output_logits_soft_cap is not None:
+        record["center_unembed_skipped"] = (
+            "the logits are soft-capped: c tanh((z - m) / c) is not c tanh(z / c) - m, so moving every logit by the "
+            "same amount before the cap would change the log-probs"
+        )
         return
     sd["unembed.W_U"].sub_(sd["unembed.W_U"].mean(dim=-1, keepdim=True))  # [d_model, d_vocab]
     if "unembed.b_U" in sd:

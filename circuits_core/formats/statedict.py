@@ -192,7 +192,8 @@ def load_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
 
     def count(n_layers: int) -> int:
         with torch.device("meta"):
-            skeleton = Transformer(dataclasses.replace(cfg, n_layers=n_layers))
+            types = cfg.attn_types[:n_layers] if cfg.attn_types is not None else None  # (one entry per layer)
+            skeleton = Transformer(dataclasses.replace(cfg, n_layers=n_layers, attn_types=types))
         return sum(t.numel() for t in (*skeleton.parameters(), *skeleton.buffers()))
 
     outer = count(0)

@@ -1,8 +1,11 @@
 """Attention heads (Elhage et al. 2021, "Attention Heads are Independent and Additive"), row-vector convention:
 q = x W_Q, k = x W_K, v = x W_V per head, pattern = softmax(q kᵀ / √d_head) (causal), out = Σ_h pattern v W_O.
 
-Learned sinks (gpt-oss) add one logit per head to every softmax row (`sink_softmax`). Grouped-query attention stores K/V per key/value head, as TransformerLens 3.9's GroupedQueryAttention; rotary
-models rotate q and k by position (rope.py) before the scores.
+Grouped-query attention stores K/V per key/value head, as TransformerLens 3.9's GroupedQueryAttention; rotary
+models rotate q and k by position (rope.py, each layer with its own rope: ModelConfig.layer_rope) before the scores.
+The newest attention: QK-norm before the rotation (qk_norm.py), soft-capped scores (soft_cap.py; hook_attn_scores
+holds the capped scores the softmax sees, hook_attn_scores_uncapped the scores before the cap) and sliding windows
+on local layers (window.py). Learned sinks (gpt-oss) add one logit per head to every softmax row (`sink_softmax`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,10 @@ from circuits_core.errors import InvalidInputError
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.hooks import Frozen, Recorder
 from circuits_core.model.linear import affine
+from circuits_core.model.qk_norm import QKNorm
 from circuits_core.model.rope import rotate
+from circuits_core.model.soft_cap import soft_cap
+from circuits_core.model.window import visible
 
 
 def attn_param(cfg: ModelConfig, name: str) -> str:
@@ -56,6 +62,9 @@ class Attention(nn.Module):
             self.register_parameter(attn_param(cfg, "b_K"), nn.Parameter(torch.zeros(g, dh)))
             self.register_parameter(attn_param(cfg, "b_V"), nn.Parameter(torch.zeros(g, dh)))
             self.b_O = nn.Parameter(torch.zeros(d))
+        if cfg.qk_norm is not None:
+            self.q_norm = QKNorm(cfg, f"blocks.{layer}.attn.q_norm", h)
+            self.k_norm = QKNorm(cfg, f"blocks.{layer}.attn.k_norm", g)
         if cfg.attn_sinks:
             self.sinks = nn.Parameter(torch.zeros(h))  # b_h: one sink logit per query head
 
@@ -98,9 +107,12 @@ class Attention(nn.Module):
         if frozen_pattern is None or rec.wants(f"{prefix}.hook_q") or rec.wants(f"{prefix}.hook_k"):
             q = self.project(q_in, "W_Q")  # [batch, pos, n_heads, d_head]
             k = self.project(k_in, "W_K")  # [batch, pos, n_kv, d_head]
+            if cfg.qk_norm is not None:
+                q, k = self.q_norm(q, rec, frozen), self.k_norm(k, rec, frozen)
             if cfg.positional_embedding_type == "rotary":
                 positions = torch.arange(n, device=q.device)[:, None]  # [pos, 1]
-                q, k = rotate(cfg, q, positions), rotate(cfg, k, positions)
+                rope = cfg.layer_rope(self.layer)
+                q, k = rotate(rope, q, positions), rotate(rope, k, positions)
             k = self.per_head(k, dim=2)  # [batch, pos, n_heads, d_head]
             rec(f"{prefix}.hook_q", q), rec(f"{prefix}.hook_k", k)
         if frozen_pattern is not None:
@@ -111,8 +123,11 @@ class Attention(nn.Module):
                 )
         else:
             scores = torch.einsum("bqhe,bkhe->bhqk", q, k).div_(cfg.scale)  # [batch, n_heads, q_pos, k_pos], fresh
-            causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-            scores.masked_fill_(~causal, float("-inf"))
+            if cfg.attn_scores_soft_cap is not None:
+                rec(f"{prefix}.hook_attn_scores_uncapped", scores.clone())
+                scores = soft_cap(scores, cfg.attn_scores_soft_cap)
+            seen = visible(n, cfg.layer_window(self.layer), q.device)  # causal (and within the window)
+            scores.masked_fill_(~seen, float("-inf"))
             rec(f"{prefix}.hook_attn_scores", scores)
             pattern = sink_softmax(scores, self.sinks) if cfg.attn_sinks else scores.softmax(dim=-1)
         rec(pattern_key, pattern)

@@ -28,6 +28,8 @@ NormalizationType = Literal["LN", "LNPre", "RMS", "RMSPre"] | None
 PositionalType = Literal["standard", "shortformer", "rotary", "none"]
 ActFn = Literal["gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu"]
 RopeType = Literal["default", "linear", "llama3", "yarn"]
+QKNormType = Literal["head", "layer"] | None
+AttnType = Literal["global", "local"]
 
 NORMALIZATION_TYPES: tuple[str | None, ...] = ("LN", "LNPre", "RMS", "RMSPre", None)
 POSITIONAL_TYPES: tuple[str, ...] = ("standard", "shortformer", "rotary", "none")
@@ -107,8 +109,28 @@ class ModelConfig:
     # Divisor of q.k; defaults to sqrt(d_head) (TransformerLens `attn_scale`).
     attn_scale: float | None = field(default=None, metadata={"gt": 0})
     bos_token_id: int | None = field(default=None, metadata={"ge": 0})
+    # The newest attention (attention_variants.py documents each; TransformerLens names where it has them).
+    # QK-norm: q and k RMS-normalised after projection, before the rotation, with gains attn.q_norm.w, attn.k_norm.w:
+    # "head" over each head's d_head (Qwen3, Gemma 3), "layer" over all heads of the layer (OLMo 2/3).
+    qk_norm: QKNormType = None
+    # Soft-capping s -> c tanh(s / c) of the scaled attention scores (before the mask) and of the logits (Gemma 2).
+    attn_scores_soft_cap: float | None = field(default=None, metadata={"gt": 0})
+    output_logits_soft_cap: float | None = field(default=None, metadata={"gt": 0})
+    # Sliding windows: on a "local" layer query i sees key j only when i - j < window_size. attn_types names each
+    # layer's kind; None with window_size set: every layer is local (Mistral v0.1).
+    window_size: int | None = field(default=None, metadata={"ge": 1})
+    attn_types: tuple[AttnType, ...] | None = None
+    # The rope base of local layers, which then rotate by plain rope (rope_type applies to global layers only:
+    # Gemma 3, OLMo 3); None: local layers rotate as global ones.
+    rotary_base_local: float | None = field(default=None, metadata={"gt": 0})
+    # Output norms (RMS, with weights, ln1_post / ln2_post) on the attention and MLP outputs before the residual add
+    # (Gemma 2/3's sandwich, OLMo 2/3); pre_norms False: no ln1 / ln2, attention and MLP read the raw stream (OLMo).
+    post_norms: bool = False
+    pre_norms: bool = True
 
     def __post_init__(self) -> None:
+        if isinstance(self.attn_types, list):  # from JSON
+            object.__setattr__(self, "attn_types", tuple(self.attn_types))
         check_fields(self)
         if self.normalization_type not in NORMALIZATION_TYPES:
             raise InvalidInputError(
@@ -131,6 +153,7 @@ class ModelConfig:
 
     def _check_llama_fields(self) -> None:
         """Cross-field rules of the Llama-family fields (types and bounds are checked by check_fields)."""
+        self._check_attention_variants()
         if self.n_key_value_heads is not None and self.n_heads % self.n_key_value_heads:
             raise InvalidInputError(f"n_key_value_heads={self.n_key_value_heads} must divide n_heads={self.n_heads}")
         if self.gated_mlp and self.attn_only:
@@ -150,6 +173,36 @@ class ModelConfig:
                 )
         elif self.clamped_swiglu:
             raise InvalidInputError("clamped_swiglu is an expert activation: it needs num_experts")
+
+    def _check_attention_variants(self) -> None:
+        """Cross-field rules of the newest attention's fields (QK-norm, windows, local rope, output norms)."""
+        if self.attn_types is not None:
+            if len(self.attn_types) != self.n_layers:
+                raise InvalidInputError(
+                    f"attn_types names {len(self.attn_types)} layers, the model has {self.n_layers}"
+                )
+            bad = [t for t in self.attn_types if t not in ("global", "local")]
+            if bad:
+                raise InvalidInputError(f"attn_types entries must be 'global' or 'local', got {_show(bad[0])}")
+            if "local" in self.attn_types and self.window_size is None:
+                raise InvalidInputError("attn_types has local layers but window_size is not set")
+        if self.rotary_base_local is not None and self.positional_embedding_type != "rotary":
+            raise InvalidInputError("rotary_base_local needs rotary positions")
+        if (self.post_norms or not self.pre_norms or self.qk_norm) and not self.uses_rms:
+            raise InvalidInputError("output norms, QK-norm and models without input norms are RMSNorm models here")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of a layer (keys with i - j < window), None on a global layer."""
+        if self.window_size is None:
+            return None
+        return self.window_size if self.attn_types is None or self.attn_types[layer] == "local" else None
+
+    def layer_rope(self, layer: int) -> ModelConfig:
+        """This config as seen by layer `layer`'s rotation: a local layer with rotary_base_local set rotates by plain
+        rope at that base (rope.py reads rotary_base and the rope_* fields)."""
+        if self.rotary_base_local is None or self.layer_window(layer) is None:
+            return self
+        return _local_rope(self)
 
     @property
     def scale(self) -> float:
@@ -193,6 +246,12 @@ class ModelConfig:
         if missing:
             raise InvalidInputError(f"config is missing required fields: {', '.join(missing)}")
         return cls(**kwargs)
+
+
+@functools.lru_cache(maxsize=64)
+def _local_rope(cfg: ModelConfig) -> ModelConfig:
+    assert cfg.rotary_base_local is not None
+    return dataclasses.replace(cfg, rotary_base=cfg.rotary_base_local, rope_type="default", rope_factor=1.0)
 
 
 def _required(f: dataclasses.Field[Any]) -> bool:

@@ -22,7 +22,8 @@ class Frozen:
 
     patterns:  {"blocks.{l}.attn.hook_pattern": Tensor[batch, n_heads, q_pos, k_pos]}
     ln_scales: {"blocks.{l}.ln1.hook_scale" | "blocks.{l}.ln2.hook_scale" | "ln_final.hook_scale":
-                Tensor[batch, pos, 1]}
+                Tensor[batch, pos, 1]}; also the output norms' ("blocks.{l}.ln1_post.hook_scale", "ln2_post") and
+                QK-norm's ("blocks.{l}.attn.q_norm.hook_scale" [batch, pos, heads or 1, 1], "k_norm")
     value_resid: {layer: Tensor[batch, pos, d_model]}: residual stream that layer l's *values* read
                  (the term-importance rerun); queries and keys still read the current residual stream.
     mlp_out: {layer: Tensor[batch, pos, d_model]}: layer l's MLP output (`hook_mlp_out`), used instead of

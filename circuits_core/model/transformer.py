@@ -13,6 +13,10 @@ Parameter names and shapes are TransformerLens's, so a TransformerLens state dic
 Llama family (TransformerLens 3.9 names): RMS norms have `w` only (RMSPre nothing); grouped-query attention
 stores blocks.{l}.attn._W_K/_W_V [n_kv_heads, d_model, d_head], _b_K/_b_V [n_kv_heads, d_head] (attn.W_K etc.
 and the stacked model.W_K stay per query head); gated MLPs add blocks.{l}.mlp.W_gate [d_model, d_mlp].
+The newest attention (Gemma 2/3, Qwen3, OLMo 2/3): QK-norm gains blocks.{l}.attn.q_norm.w / k_norm.w (qk_norm.py),
+output norms blocks.{l}.ln1_post.w / ln2_post.w (norm.py; hook_attn_out and hook_mlp_out are after them, what the
+stream receives), no ln1 / ln2 without input norms (OLMo), soft caps (soft_cap.py; hook_logits_uncapped holds the
+logits before the final cap), sliding windows and a rope per layer (window.py, ModelConfig.layer_rope).
 Mixture-of-experts layers (moe.py) stack their experts: mlp.W_router [d_model, n_experts], mlp.W_gate / W_in
 [n_experts, d_model, d_mlp], W_out [n_experts, d_mlp, d_model]; learned sinks add blocks.{l}.attn.sinks [n_heads].
 
@@ -43,64 +47,28 @@ from circuits_core.model.hooks import NameFilter, Recorder, StopRun
 from circuits_core.model.linear import affine
 from circuits_core.model.mlp import MLP
 from circuits_core.model.moe import MoE
+from circuits_core.model.norm import LayerNorm as LayerNorm  # norm.py, re-exported (announced names)
+from circuits_core.model.norm import input_norm, output_norm
 from circuits_core.model.rope import rotary_angles as rotary_angles  # rope.py, re-exported (announced names)
 from circuits_core.model.rope import rotary_inv_freq as rotary_inv_freq
 from circuits_core.model.rope import rotary_pairs as rotary_pairs
 from circuits_core.model.rope import rotate as rotate
-
-
-class LayerNorm(nn.Module):
-    """The model's norm, with TransformerLens's `hook_scale` (one class for both families):
-    "LN"  (x - mean) / sigma * w + b       "LNPre"  (x - mean) / sigma        sigma = sqrt(mean((x - mean)^2) + eps)
-    "RMS" x / rms * w                      "RMSPre" x / rms                   rms = sqrt(mean(x^2) + eps)
-    The Pre variants have no weight or bias (folded into the readers, processing.py)."""
-
-    def __init__(self, cfg: ModelConfig, name: str):
-        super().__init__()
-        self.cfg, self.name = cfg, name
-        self.centred = cfg.normalization_type in ("LN", "LNPre")
-        self.has_weights = cfg.normalization_type in ("LN", "RMS")
-        if self.has_weights:
-            self.w = nn.Parameter(torch.ones(cfg.d_model))
-        if cfg.normalization_type == "LN":
-            self.b = nn.Parameter(torch.zeros(cfg.d_model))
-
-    def forward(self, x: Tensor, rec: Recorder, frozen: Frozen | None) -> Tensor:
-        # x: [batch, pos, d_model]
-        if self.cfg.normalization_type is None:
-            return x
-        key = f"{self.name}.hook_scale"
-        computed = frozen is None or key not in frozen.ln_scales
-        w = self.w if self.has_weights else None
-        if computed and not rec.wants(key) and not rec.wants(f"{self.name}.hook_normalized"):
-            # Nothing to record or replace: the same maths as below, as torch's fused kernels.
-            if self.centred:
-                return F.layer_norm(x, x.shape[-1:], w, self.b if w is not None else None, self.cfg.eps)
-            return F.rms_norm(x, x.shape[-1:], w, self.cfg.eps)
-        if self.centred:
-            x = x - x.mean(-1, keepdim=True)
-        if frozen is not None and key in frozen.ln_scales:
-            scale = frozen.ln_scales[key]  # [batch, pos, 1]
-        else:
-            scale = (x.pow(2).mean(-1, keepdim=True) + self.cfg.eps).sqrt()
-        rec(key, scale)
-        x = x / scale
-        if w is not None:
-            x = x * w
-        if self.cfg.normalization_type == "LN":
-            x = x + self.b
-        return rec(f"{self.name}.hook_normalized", x)
+from circuits_core.model.soft_cap import soft_cap
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        self.ln1 = LayerNorm(cfg, f"blocks.{layer}.ln1")
+        self.ln1 = input_norm(cfg, f"blocks.{layer}.ln1")
         self.attn = Attention(cfg, layer)
+        if cfg.post_norms:
+            self.ln1_post = output_norm(cfg, f"blocks.{layer}.ln1_post")
         if not cfg.attn_only:
-            self.ln2 = LayerNorm(cfg, f"blocks.{layer}.ln2")
+            self.ln2 = input_norm(cfg, f"blocks.{layer}.ln2")
             self.mlp: MLP | MoE = MoE(cfg, layer) if cfg.num_experts is not None else MLP(cfg, layer)
+            if cfg.post_norms:
+                self.ln2_post = output_norm(cfg, f"blocks.{layer}.ln2_post")
 
     def forward(self, resid: Tensor, pos: Tensor | None, rec: Recorder, frozen: Frozen | None) -> Tensor:
         # resid: [batch, pos, d_model]; pos: [pos, d_model] (shortformer only)
@@ -111,7 +79,10 @@ class Block(nn.Module):
         v_in = normed
         if frozen is not None and self.layer in frozen.value_resid:
             v_in = self.ln1(frozen.value_resid[self.layer], Recorder(None), frozen)
-        attn_out = rec(f"{p}.hook_attn_out", self.attn(qk_in, qk_in, v_in, rec, frozen))
+        attn_out = self.attn(qk_in, qk_in, v_in, rec, frozen)
+        if cfg.post_norms:  # hook_attn_out: what is added to the stream (after the output norm, as TransformerLens)
+            attn_out = self.ln1_post(attn_out, rec, frozen)
+        attn_out = rec(f"{p}.hook_attn_out", attn_out)
         if cfg.attn_only:
             return rec(f"{p}.hook_resid_post", resid + attn_out)
         if cfg.parallel_attn_mlp:
@@ -132,7 +103,8 @@ class Block(nn.Module):
                 )
             return out
         normed = self.ln2(x, rec, frozen)
-        return self.mlp(normed, rec, frozen) if isinstance(self.mlp, MoE) else self.mlp(normed, rec)
+        out = self.mlp(normed, rec, frozen) if isinstance(self.mlp, MoE) else self.mlp(normed, rec)
+        return self.ln2_post(out, rec, frozen) if self.cfg.post_norms else out
 
 
 class _Holder(nn.Module):
@@ -216,9 +188,10 @@ class Transformer(nn.Module):
         """W_V per key/value head, as stored [n_layers, n_kv_heads, d_model, d_head] (= W_V without GQA)."""
         return self._stack("W_V", grouped=True)
 
-    def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x R(p) in this model's rotary layout (see the module-level `rotate`)."""
-        return rotate(self.cfg, x, positions)
+    def rotate(self, x: Tensor, positions: Tensor, layer: int | None = None) -> Tensor:
+        """x R(p) in this model's rotary layout (see the module-level `rotate`), with layer `layer`'s rope (its own base
+        on a local layer, ModelConfig.layer_rope); None: the global layers' rope."""
+        return rotate(self.cfg if layer is None else self.cfg.layer_rope(layer), x, positions)
 
     def check_tokens(self, tokens: Tensor) -> Tensor:
         if tokens.dim() == 1:
@@ -319,7 +292,12 @@ class Transformer(nn.Module):
     def unembed_resid(self, resid: Tensor, rec: Recorder | None = None, frozen: Frozen | None = None) -> Tensor:
         """Logits [batch, pos, d_vocab] of the stream after the last layer [batch, pos, d_model]: ln_final (its frozen
         scale when `frozen` has one), W_U, b_U."""
-        return affine(self.ln_final(resid, rec or Recorder(None), frozen), self.W_U, self.b_U)  # [batch, pos, d_vocab]
+        rec = rec or Recorder(None)
+        logits = affine(self.ln_final(resid, rec, frozen), self.W_U, self.b_U)  # [batch, pos, d_vocab]
+        if self.cfg.output_logits_soft_cap is None:
+            return logits
+        rec("hook_logits_uncapped", logits)
+        return soft_cap(logits, self.cfg.output_logits_soft_cap)
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.run(tokens)[0]

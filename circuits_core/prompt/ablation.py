@@ -30,7 +30,7 @@ against weight-edited models and paths.py in float64):
   have order <= k), a head ablation changes nothing before the head's layer;
 - the ablated heads share one batch, a block of rows each, joining it at their layer (`head_ablations`); losses
   unembed only the positions with a next token, a group of rows against a block of the vocabulary (`_row_losses`);
-- the order reruns run side by side with the two head ablations (cost.side_by_side) when a core is idle.
+- the order reruns run side by side with the two head ablations (schedule.side_by_side) when a core is idle.
 `cost` prices it all, FLOPs included (the app compares them with the request deadline).
 """
 
@@ -42,11 +42,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from circuits_core.cost import Cost, check_stop, itemsize, side_by_side
+from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.config import ModelConfig, all_heads
 from circuits_core.model.hooks import Recorder
 from circuits_core.model.transformer import Frozen, Transformer, next_token_losses
+from circuits_core.schedule import side_by_side
 
 # Working memory of one batch of rerun rows (the ablated heads' rows run together), and of one block of unembedded
 # logits with their exponentials: bounds the peak on long prompts and big vocabularies. LOSS_TOKENS: positions

@@ -210,7 +210,7 @@ def detector_sums(
     model: Transformer, tokens: Tensor, take: Callable[[], slice | None], should_stop: Callable[[], bool] | None = None
 ) -> DetectorSums:
     """The detectors of the chunks of tokens [b, n] that `take` hands out (row slices) until it gives None: several
-    threads sharing one `take` (cost.shared_chunks) split a batch, and their DetectorSums merge to its scores."""
+    threads sharing one `take` (schedule.shared_chunks) split a batch, and their DetectorSums merge to its scores."""
     totals = DetectorSums()
     with torch.no_grad():
         while (rows := take()) is not None:

@@ -7,10 +7,10 @@ Row-vector convention; the pieces are heads.py (detectors), circuits.py (Grams, 
 (K-composition positivity).
 
 The work, on GPT-2 small's shape and its standard input (10 x 101 tokens), in three steps; when the caller's torch
-threads leave a core idle (cost.side_by_side) two threads share each step, else one thread does both halves:
+threads leave a core idle (schedule.side_by_side) two threads share each step, else one thread does both halves:
     1  detector pass    every layer's pattern; half the sequences each                        ~165 GFLOP
     2  Grams            G = W_U W_E_eff, G_E = W_E_eff^T W_E_eff (G_E by its blocks on and above the
-                        diagonal), the vocabulary's row chunks taken from one queue (cost.shared_chunks):
+                        diagonal), the vocabulary's row chunks taken from one queue (schedule.shared_chunks):
                         whichever thread finished its detector half first takes more; partial Grams add up  ~95 GFLOP
                         (rotary models: that thread first measures μ and the kernel peaks)
     3  spectra          G_E W_Q (read by the QK spectra and both positivities), the one-hot K-composition
@@ -25,22 +25,21 @@ one pass, and chunks of half the batch keep the GEMMs as efficient as one pass (
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.head_circuits import (
+from circuits_core.circuits.copying_spectra import (
     embed_gram,
     embed_grams,
-    embed_norm,
     gram_queries,
     ov_copying_scores,
     qk_copying_scores,
 )
+from circuits_core.circuits.embedding import embed_norm
 from circuits_core.circuits.rotary import KERNEL_WINDOW, kernel_cost, kernel_peak_offsets
-from circuits_core.cost import Cost, check_stop, itemsize, shared_chunks, side_by_side
+from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.model.config import head_name
 from circuits_core.model.transformer import Transformer
 from circuits_core.prompt.detectors import (
@@ -53,6 +52,7 @@ from circuits_core.prompt.detectors import (
     standard_tokens,
 )
 from circuits_core.prompt.qk_paths import k_composition_positivity
+from circuits_core.schedule import Handoff, shared_chunks, side_by_side
 
 # Vocabulary rows per Gram chunk in step 2: two threads' chunks (W_E_eff rows and W_U columns, ~6 MiB each on GPT-2)
 # stay within the shared L3 cache; at EMBED_CHUNK (4096 rows) the two threads' Grams took ~12 % more CPU (0.60 vs
@@ -170,25 +170,21 @@ def head_table(
     one_hot, partner = _one_hot(model, prev)
     low, high = _weighted_halves(model)
 
-    queries: Future[Tensor] = Future()  # G_E W_Q [L, H, d, d_head], formed by this thread, read by both
+    queries: Handoff[Tensor] = Handoff()  # G_E W_Q [L, H, d, d_head], formed by this thread, read by both
 
     def query_side() -> tuple[Tensor, Tensor]:  # this thread: G_E W_Q, the one-hot positivity, the weighted upper half
-        try:
-            queries.set_result(gram_queries(model, G_E))
-        except BaseException as error:  # the helper must not wait for it forever
-            queries.set_exception(error)
-            raise
+        G_E_W_Q = queries.give(lambda: gram_queries(model, G_E))
         return (
-            k_composition_positivity(model, one_hot, G_E, queries.result()),
-            k_composition_positivity(model, prev, G_E, queries.result(), high),
+            k_composition_positivity(model, one_hot, G_E, G_E_W_Q),
+            k_composition_positivity(model, prev, G_E, G_E_W_Q, high),
         )
 
     def value_side() -> tuple[Tensor, Tensor, Tensor]:  # helper: OV spectra, then (G_E W_Q ready by then) QK, low half
         ov = ov_copying_scores(model, G)
         return (
             ov,
-            qk_copying_scores(model, G_E, queries.result()),
-            k_composition_positivity(model, prev, G_E, queries.result(), low),
+            qk_copying_scores(model, G_E, queries.take()),
+            k_composition_positivity(model, prev, G_E, queries.take(), low),
         )
 
     with torch.no_grad():  # steps 3 and 4 without a barrier between them: ~0.47 s each on GPT-2 small

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits.composition import composition_scores
-from circuits_core.circuits.head_circuits import ov_copying_scores
+from circuits_core.circuits.copying_spectra import ov_copying_scores
 from circuits_core.errors import CheckpointError
 from circuits_core.model.transformer import Transformer, next_token_losses
 from circuits_core.prompt.detectors import STANDARD_BATCH, detector_scores, repeated_random_tokens, standard_tokens

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from circuits_core.circuits.copying_spectra import copying_score, embed_gram
+from circuits_core.circuits.embedding import embed_eff
 from circuits_core.circuits.factored import FactoredMatrix
-from circuits_core.circuits.head_circuits import check_head, copying_score, embed_eff, embed_gram
+from circuits_core.circuits.head_circuits import check_head
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError, LimitExceededError
 from circuits_core.model.config import head_name

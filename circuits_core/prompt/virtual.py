@@ -20,8 +20,9 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits.composition import composition_scores
+from circuits_core.circuits.copying_spectra import copying_score, unembed_embed_gram
 from circuits_core.circuits.factored import FactoredMatrix
-from circuits_core.circuits.head_circuits import check_head, copying_score, unembed_embed_gram
+from circuits_core.circuits.head_circuits import check_head
 from circuits_core.errors import CancelledError, InvalidInputError
 from circuits_core.model.config import head_name
 from circuits_core.model.transformer import Transformer

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
-from circuits_core.circuits import head_circuits as circuits
+from circuits_core.circuits import embedding
 from circuits_core.circuits.composition import BASELINE_SAMPLES, composition_scores
 from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
 from circuits_core.model.config import ModelConfig
@@ -122,7 +122,7 @@ def test_composition_refusals(client: TestClient) -> None:
 def test_composition_pair_circuits_match_dense(client: TestClient, tiny: LoadedModel) -> None:
     body = client.get(f"{API}/composition/L0H2/L1H3", params={"k": 5}).json()
     model = tiny.model
-    E = circuits.embed_eff(model)  # no LN: W_E
+    E = embedding.embed_eff(model)  # no LN: W_E
     assert torch.equal(E, model.W_E)
     scores = composition_scores(model)
     assert body["scores"]["K"] == pytest.approx(float(scores.raw["k"][0, 2, 1, 3]), abs=1e-12)

@@ -16,8 +16,7 @@ from fastapi.testclient import TestClient
 import app.views.copying as copying_view
 from app.main import create_app
 from app.settings import Settings
-from circuits_core.circuits import copying
-from circuits_core.circuits import head_circuits as circuits
+from circuits_core.circuits import copying, copying_spectra
 from circuits_core.formats.checkpoint import load_checkpoint
 from tests.app.conftest import LIMITS
 
@@ -68,7 +67,7 @@ def test_panels_and_overview_measure_each_circuit_once(
     assert answers[0]["baseline"]["top1_mean"] == pytest.approx(float(base.top1.mean()), abs=1e-12)
     assert answers[0]["baseline"]["topk_mean"] == pytest.approx(float(base.topk.mean()), abs=1e-12)
     sc = copying.self_copy(model, k=10)
-    scores = circuits.ov_copying_scores(model)  # [L, H], straight from the weights
+    scores = copying_spectra.ov_copying_scores(model)  # [L, H], straight from the weights
     for layer in range(L):
         for h in range(H):
             row = by_head[f"L{layer}H{h}"]

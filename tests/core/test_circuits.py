@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from circuits_core.circuits import copying, copying_spectra, embedding
 from circuits_core.circuits import head_circuits as C
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.model.config import ModelConfig
@@ -102,7 +103,7 @@ def test_full_qk_plus_positional_terms_equal_real_attention_scores():
     tokens = torch.randint(0, V, (1, n), generator=torch.Generator().manual_seed(2))
     _, cache = model.run(tokens, names={"blocks.0.attn.hook_attn_scores"})
     real = cache["blocks.0.attn.hook_attn_scores"][0]  # [H, q, k]
-    X = C.embed_pos_basis(model)  # [V + n_ctx, d]
+    X = embedding.embed_pos_basis(model)  # [V + n_ctx, d]
     t = tokens[0]
     pos = torch.arange(n) + V
     causal = torch.ones(n, n, dtype=torch.bool).tril()
@@ -133,9 +134,9 @@ def sorted_complex(z):
 
 
 def test_copying_scores_from_small_matrices_equal_dense_spectra(model):
-    ov_eig = C.ov_eigenvalues(model)  # [L, H, d_h]
-    qk_eig = C.qk_eigenvalues(model)
-    ov_scores, qk_scores = C.ov_copying_scores(model), C.qk_copying_scores(model)
+    ov_eig = copying_spectra.ov_eigenvalues(model)  # [L, H, d_h]
+    qk_eig = copying_spectra.qk_eigenvalues(model)
+    ov_scores, qk_scores = copying_spectra.ov_copying_scores(model), copying_spectra.qk_copying_scores(model)
     assert ov_eig.shape == (model.cfg.n_layers, H, DH) and ov_scores.shape == (model.cfg.n_layers, H)
     W_E = dense_embed(model)
     for layer in range(model.cfg.n_layers):
@@ -164,9 +165,9 @@ def test_copying_scores_from_small_matrices_equal_dense_spectra(model):
 def test_copying_score_extremes():
     pos = torch.tensor([[1.0 + 0j, 2.0, 0.0]], dtype=torch.complex128)
     mixed = torch.tensor([[1.0 + 0j, -1.0, 1j, -1j]], dtype=torch.complex128)
-    assert torch.allclose(C.copying_score(pos), torch.tensor([1.0], dtype=torch.float64))
-    assert torch.allclose(C.copying_score(mixed), torch.tensor([0.0], dtype=torch.float64))
-    assert C.copying_score(torch.zeros(1, 3, dtype=torch.complex128)).item() == 0.0
+    assert torch.allclose(copying_spectra.copying_score(pos), torch.tensor([1.0], dtype=torch.float64))
+    assert torch.allclose(copying_spectra.copying_score(mixed), torch.tensor([0.0], dtype=torch.float64))
+    assert copying_spectra.copying_score(torch.zeros(1, 3, dtype=torch.complex128)).item() == 0.0
 
 
 def test_positional_qk_equals_the_attention_of_position_only_inputs():
@@ -235,7 +236,7 @@ def test_head_dump_equals_dense_global_topk(model):
 
 def test_ov_copying_metrics_equal_dense(model):
     for k in (1, 4):
-        m = C.ov_copying_metrics(model, 0, 2, k=k, budget_bytes=7 * V * 8)  # 7-row blocks
+        m = copying.ov_copying_metrics(model, 0, 2, k=k, budget_bytes=7 * V * 8)  # 7-row blocks
         M = C.full_ov_circuit(model, 0, 2).AB  # [V, V]
         own = torch.arange(V)
         diag = M.diagonal()
@@ -249,10 +250,10 @@ def test_chunked_embedding_products_equal_dense(model, monkeypatch):
     monkeypatch.setattr(C, "EMBED_CHUNK", 5)  # several chunks, the last one partial (V = 37)
     W_E = dense_embed(model)  # [V, d]
     W = torch.randn(D, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-    assert torch.allclose(C.embed_eff(model), W_E)
-    assert torch.allclose(C.embed_eff_matmul(model, W), W_E @ W)
-    assert torch.allclose(C.unembed_embed_gram(model), model.W_U @ W_E)
-    assert torch.allclose(C.embed_gram(model), W_E.T @ W_E)
+    assert torch.allclose(embedding.embed_eff(model), W_E)
+    assert torch.allclose(embedding.embed_eff_matmul(model, W), W_E @ W)
+    assert torch.allclose(copying_spectra.unembed_embed_gram(model), model.W_U @ W_E)
+    assert torch.allclose(copying_spectra.embed_gram(model), W_E.T @ W_E)
     layer = model.cfg.n_layers - 1
     for head in range(H):
         qk, ov = C.full_qk_circuit(model, layer, head).AB, C.full_ov_circuit(model, layer, head).AB

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from circuits_core.circuits import composition
+from circuits_core.circuits import composition, copying
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.cost import Cost, check_stop, polled, stopping
 from circuits_core.errors import CancelledError
@@ -71,7 +71,7 @@ def test_every_priced_loop_stops_on_the_ambient_flag(model: Transformer, loop: s
         "qk_paths": lambda: qk_paths.expand_scores(model, tokens, (1, 0)),
         "ablation": lambda: ablation.order_ablation(model, tokens[None]),
         "composition": lambda: composition.composition_scores(model),
-        "copying": lambda: circuits.ov_copying_metrics(model, 1, 0),
+        "copying": lambda: copying.ov_copying_metrics(model, 1, 0),
     }
     runs[loop]()  # runs to the end without a flag
     with stopping(lambda: True), pytest.raises(CancelledError, match="cancelled"):
@@ -113,37 +113,6 @@ def test_a_polled_forward_pass_stops_between_hooks(model: Transformer) -> None:
     with pytest.raises(CancelledError, match="forward pass cancelled"):
         model.run(torch.tensor([[0, 5, 6]]), names=polled(keep, flag))
     assert asked[-1].startswith("blocks.1.") and "ln_final.hook_scale" not in asked  # stopped mid-way
-
-
-def test_side_by_side_runs_the_side_branch_in_a_helper_thread_only_when_a_core_is_idle() -> None:
-    import threading
-
-    from circuits_core.cost import available_cores, side_by_side
-
-    def where() -> tuple[str, int]:
-        return threading.current_thread().name, torch.get_num_threads()
-
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(available_cores())  # no idle core: one after the other, here
-        (m, s) = side_by_side(where, where, "qkov-test-side")
-        assert m == s == (threading.current_thread().name, available_cores())
-        if available_cores() >= 2:
-            torch.set_num_threads(1)
-            (m, s) = side_by_side(where, where, "qkov-test-side")
-            assert m == (threading.current_thread().name, 1)
-            assert s[0].startswith("qkov-test-side") and s[1] == 1  # the caller's thread count goes along
-            for grad in (False, True):  # and its grad mode (thread-local in torch)
-                with torch.set_grad_enabled(grad):
-                    assert side_by_side(torch.is_grad_enabled, torch.is_grad_enabled) == (grad, grad)
-
-        def boom() -> None:
-            raise ValueError("side failed")
-
-        with pytest.raises(ValueError, match="side failed"):
-            side_by_side(lambda: 1, boom)
-    finally:
-        torch.set_num_threads(before)
 
 
 def test_composition_scores_with_the_baseline_sampled_beside_them_equal_the_parts() -> None:

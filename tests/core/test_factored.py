@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from circuits_core.circuits import factored
+from circuits_core.circuits import global_topk
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.errors import InvalidInputError, LimitExceededError
 
@@ -179,10 +179,10 @@ def dense_topk_global(M, k, largest):
 )
 @pytest.mark.parametrize("shape", [((), 40, 3, 30), ((2, 3), 25, 4, 20), ((), 33, 40, 17)])
 def test_topk_global_matches_dense(shape, budget_rows, tile_cols, screen, largest, monkeypatch):
-    monkeypatch.setattr(factored, "TILE_COLS", tile_cols)  # several column tiles, the last one partial
-    monkeypatch.setattr(factored, "TILE_ROWS", 4)
+    monkeypatch.setattr(global_topk, "TILE_COLS", tile_cols)  # several column tiles, the last one partial
+    monkeypatch.setattr(global_topk, "TILE_ROWS", 4)
     # bfloat16 screening (normally only for >= 2^24 entries), then exact recomputation of the kept rows
-    monkeypatch.setattr(factored, "SCREEN_MIN_ENTRIES", 0 if screen else 2**62)
+    monkeypatch.setattr(global_topk, "SCREEN_MIN_ENTRIES", 0 if screen else 2**62)
     fm = random_fm(*shape, seed=9)
     M = dense(fm)
     rdim = shape[-1]
@@ -201,9 +201,9 @@ def test_topk_global_matches_dense(shape, budget_rows, tile_cols, screen, larges
 def test_topk_global_screen_row_maxima_on_bits_and_values_match_dense(shift, monkeypatch):
     """The bfloat16 screen's row maxima (on the int16 bits once the threshold is positive, else on the values) keep
     every row that holds a top-k entry: float64 vs dense, matrices mostly positive, mixed, mostly negative."""
-    monkeypatch.setattr(factored, "SEED_ROWS", 2)
-    monkeypatch.setattr(factored, "TILE_ROWS", 5)
-    monkeypatch.setattr(factored, "SCREEN_MIN_ENTRIES", 0)
+    monkeypatch.setattr(global_topk, "SEED_ROWS", 2)
+    monkeypatch.setattr(global_topk, "TILE_ROWS", 5)
+    monkeypatch.setattr(global_topk, "SCREEN_MIN_ENTRIES", 0)
     gen = torch.Generator().manual_seed(12)
     A = torch.cat([torch.randn(37, 6, generator=gen, dtype=torch.float64), torch.ones(37, 1, dtype=torch.float64)], 1)
     B = torch.cat(
@@ -219,9 +219,9 @@ def test_topk_global_screen_row_maxima_on_bits_and_values_match_dense(shift, mon
 
 
 def test_row_max_on_bits_is_the_maximum_where_a_row_has_a_positive_entry():
-    x = torch.randn(300, 50, generator=torch.Generator().manual_seed(3)).to(factored.SCREEN_DTYPE)
+    x = torch.randn(300, 50, generator=torch.Generator().manual_seed(3)).to(global_topk.SCREEN_DTYPE)
     x[:40] = -x[:40].abs()  # rows without a positive entry
-    bits, values = factored._row_max(x, positive=True), factored._row_max(x, positive=False)
+    bits, values = global_topk._row_max(x, positive=True), global_topk._row_max(x, positive=False)
     assert torch.equal(values, x.amax(1))
     has = (x > 0).any(1)
     assert torch.equal(bits[has], values[has]) and bool((bits[~has] <= 0).all())
@@ -232,10 +232,10 @@ def test_row_max_on_bits_is_the_maximum_where_a_row_has_a_positive_entry():
 def test_topk_global_with_a_small_seed_block_matches_dense(seed_rows, tile_rows, screen, monkeypatch):
     """The first row block is SEED_ROWS rows (then TILE_ROWS): k larger than the seed block's entries, equal to
     them, and smaller; float64 against the dense product."""
-    monkeypatch.setattr(factored, "SEED_ROWS", seed_rows)
-    monkeypatch.setattr(factored, "TILE_ROWS", tile_rows)
-    monkeypatch.setattr(factored, "TILE_COLS", 7)
-    monkeypatch.setattr(factored, "SCREEN_MIN_ENTRIES", 0 if screen else 2**62)
+    monkeypatch.setattr(global_topk, "SEED_ROWS", seed_rows)
+    monkeypatch.setattr(global_topk, "TILE_ROWS", tile_rows)
+    monkeypatch.setattr(global_topk, "TILE_COLS", 7)
+    monkeypatch.setattr(global_topk, "SCREEN_MIN_ENTRIES", 0 if screen else 2**62)
     gen = torch.Generator().manual_seed(11)
     fm = FactoredMatrix(
         torch.randn(41, 5, generator=gen, dtype=torch.float64), torch.randn(5, 23, generator=gen, dtype=torch.float64)
@@ -251,7 +251,7 @@ def test_topk_global_with_a_small_seed_block_matches_dense(seed_rows, tile_rows,
 
 @pytest.mark.parametrize("tile_cols", [4096, 9])
 def test_topk_global_bound_skips_rows_without_changing_the_answer(tile_cols, monkeypatch):
-    monkeypatch.setattr(factored, "TILE_COLS", tile_cols)
+    monkeypatch.setattr(global_topk, "TILE_COLS", tile_cols)
     # A few rows with a much larger norm hold every top entry: the bound lets the scan stop early.
     gen = torch.Generator().manual_seed(10)
     A = torch.randn(500, 4, generator=gen) * 0.01
@@ -277,7 +277,7 @@ def test_topk_global_bound_skips_rows_without_changing_the_answer(tile_cols, mon
 
 
 def test_topk_global_bound_skips_column_tiles(monkeypatch):
-    monkeypatch.setattr(factored, "TILE_COLS", 9)
+    monkeypatch.setattr(global_topk, "TILE_COLS", 9)
     gen = torch.Generator().manual_seed(12)
     A = torch.randn(50, 4, generator=gen) * 0.01
     B = torch.randn(4, 60, generator=gen)
@@ -304,7 +304,7 @@ def test_topk_global_bound_skips_column_tiles(monkeypatch):
 @pytest.mark.parametrize("largest", [True, False])
 @pytest.mark.parametrize("shape", [((), 40, 3, 30), ((2, 3), 25, 4, 20)])
 def test_topk_global_on_a_subset_matches_the_dense_masked_topk(shape, largest, monkeypatch):
-    monkeypatch.setattr(factored, "TILE_COLS", 7)  # several column tiles of the restricted factors
+    monkeypatch.setattr(global_topk, "TILE_COLS", 7)  # several column tiles of the restricted factors
     batch, ldim, _, rdim = shape
     fm = random_fm(*shape, seed=13)
     M = dense(fm)

@@ -7,13 +7,14 @@ import torch
 from engine2_models import small_model
 from test_paths_cost import _HeldBytes
 
+from circuits_core.circuits import copying_spectra
 from circuits_core.circuits import head_circuits as C
-from circuits_core.cost import available_cores
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import random_model
 from circuits_core.prompt.detectors import standard_tokens
 from circuits_core.prompt.head_table import head_table, head_table_cost, table_chunk
 from circuits_core.prompt.qk_paths import k_composition_positivity
+from circuits_core.schedule import available_cores
 
 
 def _ln_model(normalization_type: str | None) -> torch.nn.Module:
@@ -52,25 +53,27 @@ def test_both_grams_from_one_pass_equal_dense_products(norm: str | None, monkeyp
     monkeypatch.setattr(C, "EMBED_CHUNK", 5)  # 8 chunks, the last one partial (d_vocab = 37)
     model = _ln_model(norm)
     W_E = _W_E_eff(model)  # [V, d]
-    G, G_E = C.embed_grams(model)
+    G, G_E = copying_spectra.embed_grams(model)
     torch.testing.assert_close(G, model.W_U @ W_E, rtol=0, atol=1e-10)
     torch.testing.assert_close(G_E, W_E.T @ W_E, rtol=0, atol=1e-10)
     assert torch.equal(G_E, G_E.T)  # the mirror is exact
-    assert torch.equal(C.embed_gram(model), G_E) and torch.equal(C.unembed_embed_gram(model), G)
+    assert torch.equal(copying_spectra.embed_gram(model), G_E) and torch.equal(
+        copying_spectra.unembed_embed_gram(model), G
+    )
 
 
 def test_grams_of_two_workers_sharing_the_vocabulary_add_up(monkeypatch: pytest.MonkeyPatch) -> None:
     """head_table's step 2: two workers taking the vocabulary's row chunks from one queue form partial Grams that add
     up to the dense products (float64)."""
-    from circuits_core.cost import shared_chunks
+    from circuits_core.schedule import shared_chunks
 
     monkeypatch.setattr(C, "EMBED_CHUNK", 5)
     model = _ln_model("LN")
     W_E = _W_E_eff(model)
     take = shared_chunks(model.cfg.d_vocab, 5)
     handed = [take(), take(), take()]  # the first worker's rows 0..14; the second takes the rest
-    G_a, G_E_a = C.embed_grams(model, lambda: handed.pop(0) if handed else None)
-    G_b, G_E_b = C.embed_grams(model, take)
+    G_a, G_E_a = copying_spectra.embed_grams(model, lambda: handed.pop(0) if handed else None)
+    G_b, G_E_b = copying_spectra.embed_grams(model, take)
     torch.testing.assert_close(G_a, model.W_U[:, :15] @ W_E[:15], rtol=0, atol=1e-10)
     torch.testing.assert_close(G_a + G_b, model.W_U @ W_E, rtol=0, atol=1e-10)
     torch.testing.assert_close(G_E_a + G_E_b, W_E.T @ W_E, rtol=0, atol=1e-10)
@@ -82,7 +85,7 @@ def test_shared_gram_queries_give_the_same_spectra_and_positivities() -> None:
     model = small_model(n_layers=3, ln="LN", seed=3)
     W_E = _W_E_eff(model)
     G_E = W_E.T @ W_E
-    GQ = C.gram_queries(model, G_E)  # [L, H, d, dh]
+    GQ = copying_spectra.gram_queries(model, G_E)  # [L, H, d, dh]
     torch.testing.assert_close(GQ[2, 1], G_E @ model.W_Q[2, 1], rtol=0, atol=1e-12)
     dense_qk = (
         torch.stack(
@@ -94,7 +97,7 @@ def test_shared_gram_queries_give_the_same_spectra_and_positivities() -> None:
         / model.cfg.scale
     )
     key = lambda e: e.real * 1e3 + e.imag  # noqa: E731 - a total order on each head's d_head eigenvalues
-    got = C.qk_eigenvalues(model, G_E, GQ)
+    got = copying_spectra.qk_eigenvalues(model, G_E, GQ)
     torch.testing.assert_close(
         got.gather(-1, key(got).argsort()), dense_qk.gather(-1, key(dense_qk).argsort()), rtol=0, atol=1e-9
     )

@@ -137,9 +137,9 @@ def test_head_table_equals_its_parts_whether_its_branches_run_at_once_or_in_turn
     is idle (one torch thread here), in turn otherwise: both give the parts computed one by one (one detector pass,
     the spectra from their own Grams, the 2-D view from its own G_E), up to float64 rounding (the chunk sums add in
     another order)."""
-    from circuits_core.circuits.head_circuits import ov_copying_scores, qk_copying_scores
-    from circuits_core.cost import available_cores
+    from circuits_core.circuits.copying_spectra import ov_copying_scores, qk_copying_scores
     from circuits_core.prompt.head_table import head_table
+    from circuits_core.schedule import available_cores
 
     model = small_model(n_layers=3, ln="LN", mlp=True)
     tokens = standard_tokens(model, seed=2)
@@ -168,10 +168,10 @@ def test_head_table_equals_its_parts_whether_its_branches_run_at_once_or_in_turn
 
 
 def test_detector_chunks_shared_by_two_workers_give_the_one_pass_scores():
-    """Two workers taking chunks from one shared queue (cost.shared_chunks): their merged DetectorSums equal the
+    """Two workers taking chunks from one shared queue (schedule.shared_chunks): their merged DetectorSums equal the
     detectors of one unchunked forward pass, scored layer by layer with pattern_detector_scores (float64)."""
-    from circuits_core.cost import shared_chunks
     from circuits_core.prompt.detectors import detector_sums
+    from circuits_core.schedule import shared_chunks
 
     model = small_model(n_layers=2, ln="LN", mlp=True)
     tokens = standard_tokens(model, seed=5, batch=7)  # 4 chunks of 2 sequences, the last one short
@@ -192,7 +192,7 @@ def test_shared_chunks_hand_out_each_slice_once_across_threads():
     """Four threads draining one queue: the slices they got cover range(total) exactly once, `chunk` items each."""
     import threading
 
-    from circuits_core.cost import shared_chunks
+    from circuits_core.schedule import shared_chunks
 
     take = shared_chunks(1003, 7)
     got: list[list[slice]] = [[] for _ in range(4)]
@@ -218,9 +218,10 @@ def test_head_table_helper_thread_sees_the_ambient_stop_flag():
 
     import pytest
 
-    from circuits_core.cost import available_cores, stopping
+    from circuits_core.cost import stopping
     from circuits_core.errors import CancelledError
     from circuits_core.prompt.head_table import head_table
+    from circuits_core.schedule import available_cores
 
     if available_cores() < 2:
         pytest.skip("one core: the branches run in turn")
@@ -262,8 +263,8 @@ def test_head_table_kernel_peaks_vs_omega_written_out_in_both_branch_modes():
     from rotary_models import rotary_model
 
     from circuits_core.circuits.rotary import omega
-    from circuits_core.cost import available_cores
     from circuits_core.prompt.head_table import head_table
+    from circuits_core.schedule import available_cores
 
     model = rotary_model(seed=5, n_layers=2, n_key_value_heads=2)
     mu = torch.randn(2, model.cfg.d_model, generator=torch.Generator().manual_seed(3), dtype=torch.float64)

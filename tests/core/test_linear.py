@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from circuits_core.circuits import head_circuits as circuits
-from circuits_core.cost import shared_chunks
+from circuits_core.circuits import copying_spectra, embedding
 from circuits_core.model import linear
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.linear import affine
 from circuits_core.model.transformer import random_model
+from circuits_core.schedule import shared_chunks
 
 needs_onednn = pytest.mark.skipif(linear._ONEDNN_LINEAR is None, reason="this torch has no oneDNN linear")
 ACTS = [None, "relu", "gelu", "gelu_new", "silu"]
@@ -175,8 +175,8 @@ def test_float32_grams_through_onednn_equal_float64(onednn_calls):
     """embed_grams in float32 (G's chunks through oneDNN, G_E's blocks through MKL, each LN chunk written over the
     last) against W_U @ W_E_eff and W_E_eff^T @ W_E_eff formed densely in float64, over uneven chunks."""
     model32, model64 = _model("gelu_new", torch.float32), _model("gelu_new", torch.float64)
-    G, G_E = circuits.embed_grams(model32, shared_chunks(600, 512))  # chunks of 512 rows (oneDNN) and 88 (MKL)
-    E = circuits.embed_eff(model64)  # [V, d] float64
+    G, G_E = copying_spectra.embed_grams(model32, shared_chunks(600, 512))  # chunks of 512 rows (oneDNN) and 88 (MKL)
+    E = embedding.embed_eff(model64)  # [V, d] float64
     want_G, want_G_E = model64.W_U @ E, E.T @ E
     assert len(onednn_calls) > 0
     assert (G.double() - want_G).abs().max() <= 2e-6 * want_G.abs().max()

@@ -7,7 +7,8 @@ import torch
 from engine2_models import small_model, tokens_for
 from rotary_models import rotary_model
 
-from circuits_core.circuits.head_circuits import copying_score, embed_eff
+from circuits_core.circuits.copying_spectra import copying_score
+from circuits_core.circuits.embedding import embed_eff
 from circuits_core.errors import CancelledError, InvalidInputError
 from circuits_core.prompt.frozen import frozen_run
 from circuits_core.prompt.qk_paths import (

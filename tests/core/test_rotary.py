@@ -12,7 +12,7 @@ import pytest
 import torch
 from rotary_models import CASES, rotary_model, tokens_for
 
-from circuits_core.circuits.head_circuits import copying_score
+from circuits_core.circuits.copying_spectra import copying_score
 from circuits_core.circuits.rotary import (
     band_energies,
     full_qk_circuit_at,

@@ -20,10 +20,10 @@ from circuits_core.circuits.composition_rotary import (
 )
 from circuits_core.circuits.rotary import rotation
 from circuits_core.circuits.rotary_baseline import _pair_scores, baseline_cost, dense_baseline_scores, random_baseline
-from circuits_core.cost import available_cores
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.config import head_name
 from circuits_core.model.transformer import Transformer
+from circuits_core.schedule import available_cores
 
 
 def dense_scores(model, l1, h1, l2, h2, delta):

@@ -5,7 +5,7 @@ import pytest
 import torch
 from rotary_models import CASES, rotary_model, tokens_for
 
-from circuits_core.circuits.head_circuits import copying_score
+from circuits_core.circuits.copying_spectra import copying_score
 from circuits_core.circuits.rotary import omega
 from circuits_core.prompt.ablation import ablate_head, order_logits
 from circuits_core.prompt.detectors import detector_scores

@@ -5,7 +5,8 @@ import torch
 from engine2_models import small_model, tokens_for
 
 from circuits_core.circuits.composition import composition_scores
-from circuits_core.circuits.head_circuits import copying_score, embed_eff
+from circuits_core.circuits.copying_spectra import copying_score
+from circuits_core.circuits.embedding import embed_eff
 from circuits_core.prompt.frozen import frozen_run
 from circuits_core.prompt.paths import expand_logits
 from circuits_core.prompt.virtual import (

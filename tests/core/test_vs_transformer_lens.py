@@ -40,7 +40,8 @@ from transformer_lens import HookedTransformer, HookedTransformerConfig
 from transformer_lens import head_detector as tl_heads
 
 from circuits_core.circuits.composition import composition_scores
-from circuits_core.circuits.head_circuits import full_ov_circuit, full_qk_circuit, ov_copying_scores
+from circuits_core.circuits.copying_spectra import ov_copying_scores
+from circuits_core.circuits.head_circuits import full_ov_circuit, full_qk_circuit
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.checkpoint import TL_BUFFERS, load_checkpoint
 from circuits_core.formats.processing import ProcessingOptions

@@ -1,0 +1,135 @@
+"""The eigenvalue copying analysis of every head, through d_head x d_head matrices and two d_model x d_model Grams.
+
+Paper section (Elhage et al. 2021): "Summarizing OV/QK matrices", copying and the eigenvalue analysis. The nonzero
+eigenvalues of AB equal those of BA, so each [d_vocab, d_vocab] full circuit's spectrum comes from a d_head x d_head
+matrix once the vocabulary is folded into a Gram (row-vector convention, s = attn_scale):
+
+    G   = W_U^T-side Gram  W_U @ W_E_eff          [d_model, d_model]  (full OV:  lambda(W_O G W_V))
+    G_E = W_E_eff^T @ W_E_eff                      [d_model, d_model]  (full QK:  lambda(W_K^T G_E W_Q) / s)
+
+Both are formed in one pass over the chunks of W_E_eff (embedding.embed_rows). The copying score of a spectrum is
+sum(lambda) / sum(|lambda|), in [-1, 1]; the small eigenproblems are solved in float64 (eig is ill-conditioned for
+non-symmetric matrices).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from circuits_core.circuits.embedding import EMBED_CHUNK, embed_rows
+from circuits_core.circuits.head_circuits import attention
+from circuits_core.cost import Cost
+from circuits_core.model.linear import affine
+from circuits_core.model.transformer import Transformer
+
+GRAM_BLOCKS = 4  # column blocks of the symmetric G_E: the 10 of 16 blocks on and above the diagonal are formed
+
+
+def _grams(
+    model: Transformer, unembed: bool, embed: bool, take: Callable[[], slice | None] | None = None
+) -> tuple[Tensor, Tensor]:
+    """(G, G_E) [d_model, d_model] each (zeros where not asked) from one pass over the chunks of W_E_eff."""
+    d = model.cfg.d_model
+    edges = [d * i // GRAM_BLOCKS for i in range(GRAM_BLOCKS + 1)]
+    blocks = [(a, b) for a, b in zip(edges, edges[1:], strict=False) if b > a]
+    G, G_E = (torch.zeros(d, d, dtype=model.W_E.dtype, device=model.W_E.device) for _ in range(2))
+    for rows, X in embed_rows(model, take, reuse=True):  # X [chunk, d], used up before the next chunk
+        if unembed:  # (linear.affine: oneDNN's product, ~15 % faster here than MKL's accumulating addmm_)
+            G += affine(model.W_U[:, rows], X)
+        for a, b in blocks if embed else ():  # G_E[blk, a:] += X[:, blk]^T X[:, a:]: blocks on and above the diagonal
+            G_E[a:b, a:].addmm_(X[:, a:b].T, X[:, a:])
+    return G, G_E.triu() + G_E.triu(1).T  # G_E's upper triangle (diagonal blocks included) mirrored
+
+
+def embed_grams(model: Transformer, take: Callable[[], slice | None] | None = None) -> tuple[Tensor, Tensor]:
+    """(G = W_U @ W_E_eff, G_E = W_E_eff^T @ W_E_eff), each [d_model, d_model], from one pass over the chunks of
+    W_E_eff (each chunk normalised once). G_E is symmetric: only its column blocks on and above the diagonal are
+    formed (GRAM_BLOCKS = 4: 10 of 16 blocks), the rest is their mirror. `take`: only the vocabulary rows it hands
+    out (schedule.shared_chunks shared by several threads: their Grams add up to the whole)."""
+    return _grams(model, unembed=True, embed=True, take=take)
+
+
+def unembed_embed_gram(model: Transformer) -> Tensor:
+    """G = W_U @ W_E_eff [d_model, d_model], formed once per model for all full OV spectra."""
+    return _grams(model, unembed=True, embed=False)[0]
+
+
+def embed_gram(model: Transformer) -> Tensor:
+    """G_E = W_E_eff^T @ W_E_eff [d_model, d_model], formed once per model for all full QK spectra (upper blocks
+    mirrored, as embed_grams)."""
+    return _grams(model, unembed=False, embed=True)[1]
+
+
+def _spectrum(M: Tensor) -> Tensor:
+    # eig is ill-conditioned for non-symmetric matrices: solve the small ones in float64.
+    return torch.linalg.eigvals(M.double())
+
+
+def ov_eigenvalues(model: Transformer, G: Tensor | None = None) -> Tensor:
+    """[n_layers, n_heads, d_head] complex: the nonzero eigenvalues of each full OV circuit.
+
+    lambda(W_E W_V W_O W_U) \\ {0} = lambda(W_O (W_U W_E) W_V) = lambda(W_O G W_V), d_head x d_head.
+    """
+    G = unembed_embed_gram(model) if G is None else G  # [d, d]
+    # layer by layer (no stacked [L, H, d, d_h] copies of W_V, W_O and G W_V: ~110 MiB of fresh pages on GPT-2 small)
+    attns = [attention(model, layer) for layer in range(model.cfg.n_layers)]
+    # W_O G W_V [H, d_h, d_h] per layer, G W_V once per key/value head (shared by its group)
+    return _spectrum(torch.stack([a.W_O @ a.per_head(G @ a.grouped("W_V")) for a in attns]))  # eig of [L, H, d_h, d_h]
+
+
+def gram_queries(model: Transformer, G_E: Tensor | None = None) -> Tensor:
+    """G_E W_Q [n_layers, n_heads, d_model, d_head]: the query side of every full QK circuit (qk_eigenvalues), which
+    the K-composition positivities read too (qk_paths.k_composition_positivity)."""
+    G_E = embed_gram(model) if G_E is None else G_E  # [d, d]
+    cfg = model.cfg
+    out = torch.empty(cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head, dtype=G_E.dtype, device=G_E.device)
+    for layer in range(cfg.n_layers):  # into one tensor, layer by layer: no stacked copy of W_Q
+        torch.matmul(G_E, attention(model, layer).W_Q, out=out[layer])
+    return out
+
+
+def qk_eigenvalues(model: Transformer, G_E: Tensor | None = None, G_E_W_Q: Tensor | None = None) -> Tensor:
+    """[n_layers, n_heads, d_head] complex: nonzero eigenvalues of each full QK circuit (scaled by 1/s).
+
+    lambda(W_E W_Q W_K^T W_E^T / s) \\ {0} = lambda(W_K^T (W_E^T W_E) W_Q) / s; G_E_W_Q: gram_queries when given.
+    """
+    GW_Q = gram_queries(model, G_E) if G_E_W_Q is None else G_E_W_Q  # [L, H, d, d_h]
+    return _spectrum(
+        torch.stack(
+            [
+                attention(model, layer).W_K.transpose(-2, -1) @ GW_Q[layer]  # layer by layer: no stacked W_K
+                for layer in range(model.cfg.n_layers)
+            ]
+        )
+        / model.cfg.scale
+    )  # eig of [L, H, d_h, d_h]
+
+
+def copying_score(eigenvalues: Tensor) -> Tensor:
+    """sum(lambda) / sum(|lambda|) over the last axis, in [-1, 1] (0 when every eigenvalue is 0)."""
+    total = eigenvalues.abs().sum(-1)
+    return torch.where(total > 0, eigenvalues.sum(-1).real / total.clamp_min(1e-300), 0.0)
+
+
+def ov_copying_scores(model: Transformer, G: Tensor | None = None) -> Tensor:
+    """[n_layers, n_heads] eigenvalue copying score of every full OV circuit (float64)."""
+    return copying_score(ov_eigenvalues(model, G))
+
+
+def qk_copying_scores(model: Transformer, G_E: Tensor | None = None, G_E_W_Q: Tensor | None = None) -> Tensor:
+    """[n_layers, n_heads] eigenvalue positivity of every full QK circuit (same-token matching, float64)."""
+    return copying_score(qk_eigenvalues(model, G_E, G_E_W_Q))
+
+
+def head_spectra_cost(model: Transformer, n_positions: int) -> Cost:
+    """One head's summary: OV/QK eigenvalues of every head (G_E W_Q [L, H, d_model, d_head], one layer's G W_V at a
+    time), the two Grams, singular values, and positional_qk on n_positions (scores and pattern [n, n]); answer: 2
+    complex spectra, 2 singular-value lists, the [n, n] pattern."""
+    cfg, size = model.cfg, model.W_E.element_size()
+    products = (cfg.n_layers + 1) * cfg.n_heads * cfg.d_model * cfg.d_head * size
+    grams = (2 * cfg.d_model**2 + 2 * EMBED_CHUNK * cfg.d_model) * size
+    positional = 3 * n_positions * max(n_positions, cfg.d_model) * size
+    return Cost(products + grams + positional).with_answer(numbers=6 * cfg.d_head + n_positions**2, labels=10)

@@ -1,0 +1,124 @@
+"""What runs beside what: the engine's one scheduling module.
+
+The maths modules say which two computations are independent and this module decides how they run:
+    side_by_side(main, side)   main here and side in a helper thread when the caller's torch threads leave a core
+                               idle (a server computation has one torch thread per compute slot), one after the
+                               other otherwise; the helper inherits the caller's torch thread count, grad mode and
+                               stop flag (circuits_core.cost.stopping)
+    shared_chunks(total, n)    a queue of slices that both branches of side_by_side take from, so they split one
+                               chunked loop and finish it together
+    shared_tasks(tasks)        the same queue over a list of tasks, longest first
+    Handoff                    a value one branch forms and the other waits for (an error reaches both)
+    in_background()            I/O beside the caller (a checkpoint's digest while torch reads its tensors)
+Two threads, never more: a lone request then uses two cores without an OpenMP team, which stalls at every barrier
+when its threads share busy cores. Cancellation is the stop flag's business (circuits_core.cost.check_stop).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import copy_context
+from typing import Generic, TypeVar
+
+import torch
+
+A = TypeVar("A")
+B = TypeVar("B")
+T = TypeVar("T")
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity), which bound how much of a computation runs at once."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def side_by_side(main: Callable[[], A], side: Callable[[], B], name: str = "qkov-side") -> tuple[A, B]:
+    """(main(), side()) for two independent computations: side in a helper thread (named `name`, with the caller's
+    torch thread count, grad mode and stop flag) while main runs here, when the caller's torch threads leave a core
+    idle; one after the other otherwise."""
+    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
+    if 2 * threads > available_cores():
+        return main(), side()
+
+    def in_helper() -> B:
+        torch.set_num_threads(threads)
+        with torch.set_grad_enabled(grad):  # grad mode is per thread: the caller's no_grad goes along
+            return side()
+
+    with ThreadPoolExecutor(1, thread_name_prefix=name) as pool:
+        branch = pool.submit(copy_context().run, in_helper)  # the ambient stop flag goes along
+        first = main()
+        return first, branch.result()
+
+
+def shared_chunks(total: int, chunk: int) -> Callable[[], slice | None]:
+    """A queue of the slices [start, start + chunk) covering range(total), shared by threads: each call takes the next
+    one (None when none is left), so side_by_side's branches split a chunked loop and finish it together."""
+    chunk = max(1, chunk)
+    starts, lock = iter(range(0, total, chunk)), threading.Lock()
+
+    def take() -> slice | None:
+        with lock:
+            start = next(starts, None)
+        return None if start is None else slice(start, min(start + chunk, total))
+
+    return take
+
+
+def shared_tasks(tasks: Sequence[Callable[[T], None]], workspace: Callable[[], T], name: str = "qkov-tasks") -> None:
+    """Run every task once, in order, by two workers side by side, each with its own workspace (workspace() once per
+    worker): a worker takes the next task when it finishes its last, so tasks listed longest first balance."""
+    take = shared_chunks(len(tasks), 1)
+
+    def worker() -> None:
+        space = workspace()
+        while (task := take()) is not None:
+            tasks[task.start](space)
+
+    side_by_side(worker, worker, name)
+
+
+class Handoff(Generic[T]):
+    """A value one branch of side_by_side forms (`give`) and the other waits for (`take`); an error in forming it is
+    raised in both, so the waiting branch never waits forever."""
+
+    def __init__(self) -> None:
+        self._future: Future[T] = Future()
+
+    def give(self, form: Callable[[], T]) -> T:
+        try:
+            value = form()
+        except BaseException as error:
+            self._future.set_exception(error)
+            raise
+        self._future.set_result(value)
+        return value
+
+    def take(self) -> T:
+        return self._future.result()
+
+
+class Background:
+    """One background thread for I/O beside the caller's own work (in_background)."""
+
+    def __init__(self, pool: ThreadPoolExecutor) -> None:
+        self._pool = pool
+
+    def start(self, job: Callable[[], T]) -> Future[T]:
+        """Run job in the background thread (after the jobs started before it); its Future."""
+        return self._pool.submit(job)
+
+
+@contextmanager
+def in_background() -> Iterator[Background]:
+    """Within the block, background.start(job) runs job in one background thread; the block waits for the jobs on
+    exit. For I/O beside torch's own work (hashlib releases the GIL), not for maths."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qkov-background") as pool:
+        yield Background(pool)

@@ -1,0 +1,120 @@
+"""The engine's scheduling module: which thread runs what, and that every branch's result (or error) comes back."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from circuits_core.schedule import Handoff, available_cores, in_background, shared_chunks, shared_tasks, side_by_side
+
+
+def test_side_by_side_runs_the_side_branch_in_a_helper_thread_only_when_a_core_is_idle() -> None:
+    def where() -> tuple[str, int]:
+        return threading.current_thread().name, torch.get_num_threads()
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(available_cores())  # no idle core: one after the other, here
+        (m, s) = side_by_side(where, where, "qkov-test-side")
+        assert m == s == (threading.current_thread().name, available_cores())
+        if available_cores() >= 2:
+            torch.set_num_threads(1)
+            (m, s) = side_by_side(where, where, "qkov-test-side")
+            assert m == (threading.current_thread().name, 1)
+            assert s[0].startswith("qkov-test-side") and s[1] == 1  # the caller's thread count goes along
+            for grad in (False, True):  # and its grad mode (thread-local in torch)
+                with torch.set_grad_enabled(grad):
+                    assert side_by_side(torch.is_grad_enabled, torch.is_grad_enabled) == (grad, grad)
+
+        def boom() -> None:
+            raise ValueError("side failed")
+
+        with pytest.raises(ValueError, match="side failed"):
+            side_by_side(lambda: 1, boom)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_shared_chunks_cover_the_range_once_between_two_threads() -> None:
+    take = shared_chunks(103, 10)
+    seen: list[list[int]] = [[], []]
+
+    def drain(i: int) -> None:
+        while (rows := take()) is not None:
+            seen[i].extend(range(rows.start, rows.stop))
+
+    threads = [threading.Thread(target=drain, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(seen[0] + seen[1]) == list(range(103))
+
+
+def test_shared_tasks_run_every_task_once_each_with_its_worker_workspace() -> None:
+    before = torch.get_num_threads()
+    ran: list[tuple[int, int]] = []
+    workspaces: list[list[int]] = []
+
+    def workspace() -> list[int]:
+        space: list[int] = []
+        workspaces.append(space)
+        return space
+
+    def task(i: int) -> Callable[[list[int]], None]:
+        def run(space: list[int]) -> None:
+            space.append(i)
+            ran.append((i, id(space)))
+
+        return run
+
+    try:
+        torch.set_num_threads(1)  # a core idle when the machine has two: two workers
+        shared_tasks([task(i) for i in range(9)], workspace)
+    finally:
+        torch.set_num_threads(before)
+    assert sorted(i for i, _ in ran) == list(range(9))
+    assert len(workspaces) == (2 if available_cores() >= 2 else 1) and sorted(sum(workspaces, [])) == list(range(9))
+    assert all(i in next(w for w in workspaces if id(w) == space) for i, space in ran)
+
+
+def test_a_handoff_reaches_the_waiting_branch_and_so_does_its_error() -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        value: Handoff[int] = Handoff()
+        assert side_by_side(lambda: value.give(lambda: 41) + 1, lambda: value.take()) == (42, 41)
+
+        failing: Handoff[int] = Handoff()
+
+        def form() -> int:
+            raise ValueError("formed badly")
+
+        waited: list[BaseException] = []
+
+        def wait() -> int:
+            try:
+                return failing.take()
+            except ValueError as error:
+                waited.append(error)
+                raise
+
+        with pytest.raises(ValueError, match="formed badly"):
+            side_by_side(lambda: failing.give(form), wait)
+        if available_cores() >= 2:  # side by side: the waiting branch got the error too, it did not hang
+            assert len(waited) == 1 and str(waited[0]) == "formed badly"
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_in_background_runs_beside_the_caller_and_waits_on_exit() -> None:
+    here = threading.current_thread().name
+    with in_background() as background:
+        job = background.start(lambda: threading.current_thread().name)
+        slow = background.start(lambda: time.sleep(0.05) or "done")
+    assert job.result() != here and job.result().startswith("qkov-background")
+    assert slow.done() and slow.result() == "done"
