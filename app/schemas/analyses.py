@@ -131,6 +131,11 @@ class PathsView(BaseModel):
 class PromptHeadPattern(BaseModel):
     head: str
     pattern: list[list[float]] = Field(description="[query][key]; value-weighted entries A[i, j] ||v_j|| when weighted")
+    sink_mass: list[float] | None = Field(
+        default=None,
+        description="learned sinks only: 1 - sum_j A[i, j] per query, the share the sink keeps (rows are never "
+        "renormalised)",
+    )
 
 
 class PromptView(BaseModel):

@@ -30,13 +30,17 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 def family_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
     root = tmp_path_factory.mktemp("families")
     tok = train_tokenizer()
+    references = {}
     for name, (config_cls, model_cls, fields) in FAMILIES.items():
         model = hf_model(config_cls, model_cls, {**fields, "vocab_size": tok.get_vocab_size()}, seed=3)
         model.save_pretrained(root / name)
         (root / name / "tokenizer.json").write_text(tok.to_str())
+        references[name] = model
     (root / "shipped").mkdir()
     settings = Settings(shipped_dir=root / "shipped", models_dir=root, dtype="float64", limits=LIMITS)
-    with TestClient(create_app(settings)) as client:
+    app = create_app(settings)
+    app.state.families_hf = references  # transformers' models, the reference the views are checked against
+    with TestClient(app) as client:
         yield client
 
 
@@ -69,3 +73,33 @@ def test_every_page_answers(family_client: TestClient, model: str) -> None:
         if answer.status_code != 200:
             failures.append(f"{url}: {answer.status_code} {answer.text[:300]}")
     assert not failures, "\n".join(failures)
+
+
+def test_qk_view_shows_which_pairs_beat_the_sink(family_client: TestClient) -> None:
+    """sink_attend of each listed pair at offset 1 against transformers' own eager pattern on the sequence [key, query]:
+    layer 0 sees the embeddings, so sigma(s_10 - b_h) = p_10 / (p_10 + p_sink), p_sink = 1 - p_10 - p_11."""
+    import torch
+
+    hf = family_client.app.state.families_hf["tiny-gpt-oss"]  # type: ignore[attr-defined]
+    body = family_client.get("/api/v1/models/tiny-gpt-oss/heads/L0H1/qk", params={"k": 6, "offset": 1}).json()
+    assert body["sink_logit"] == pytest.approx(float(hf.model.layers[0].self_attn.sinks[1].detach()), abs=1e-6)
+    assert len(body["sink_attend"]) == len(body["entries"]) == 6
+    for entry, attend in zip(body["entries"], body["sink_attend"], strict=True):
+        with torch.no_grad():
+            p = hf(torch.tensor([[entry["col"]["id"], entry["row"]["id"]]]), output_attentions=True).attentions[0]
+        p10, p11 = float(p[0, 1, 1, 0]), float(p[0, 1, 1, 1])
+        assert attend == pytest.approx(p10 / (1 - p11), abs=1e-5)
+    page = family_client.get("/models/tiny-gpt-oss/heads/L0H1?offset=1").text
+    assert "Learned sink b = " in page and "pairs listed beat the sink" in page
+
+
+def test_prompt_view_shows_the_sink_mass(family_client: TestClient) -> None:
+    import torch
+
+    hf = family_client.app.state.families_hf["tiny-gpt-oss"]  # type: ignore[attr-defined]
+    body = family_client.get("/api/v1/models/tiny-gpt-oss/prompt", params={"tokens": "5,6,7,8", "heads": "L1H2"}).json()
+    with torch.no_grad():
+        ref = hf(torch.tensor([[5, 6, 7, 8]]), output_attentions=True).attentions[1][0, 2]
+    assert body["heads"][0]["sink_mass"] == pytest.approx((1 - ref.sum(-1)).tolist(), abs=1e-5)
+    page = family_client.get("/models/tiny-gpt-oss/prompt", params={"tokens": "5,6,7,8", "heads": "L1H2"}).text
+    assert 'id="sink-mass"' in page

@@ -25,6 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from circuits_core.circuits import sinks
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.formats.mxfp4 import dequantize_mxfp4
@@ -218,3 +219,30 @@ def test_frozen_routing_replays_the_run(world: tuple[Path, Any]) -> None:
         ).abs().max() < 1e-12
     shifted = {layer: ((idx + 1) % 4, w) for layer, (idx, w) in routes.items()}
     assert (model.run(TOKENS, frozen=Frozen(routes=shifted))[0] - logits).abs().max() > 1e-2
+
+
+def test_sink_threshold_on_the_direct_path(world: tuple[Path, Any]) -> None:
+    """Layer 0 reads the embeddings, so its real scores are the direct-path scores sinks.direct_scores gives (q/k
+    biases and the rotation at each offset included; -inf beyond the local window), and a query with one key
+    attends with sigma(s - b_h), as transformers' pattern at position 0 says."""
+    folder, hf = world
+    model = load_checkpoint(folder, dtype=F64).model  # processed: RMS weights folded into W_Q, W_K
+    _, ref_patterns = hf_run(hf, TOKENS)
+    _, cache = model.run(TOKENS, names={"blocks.0.attn.hook_attn_scores"})
+    tokens = TOKENS[0]
+    i, j = torch.tril_indices(N, N)
+    for h in range(FIELDS["num_attention_heads"]):
+        real = cache["blocks.0.attn.hook_attn_scores"][0, h, i, j]
+        direct = torch.stack(
+            [
+                sinks.direct_scores(model, 0, h, tokens[a : a + 1], tokens[b : b + 1], int(a - b))[0]
+                for a, b in zip(i, j, strict=True)
+            ]
+        )
+        assert torch.equal(torch.isinf(direct), torch.isinf(real)) and torch.isinf(direct).any()  # the window
+        finite = ~torch.isinf(real)
+        assert (direct[finite] - real[finite]).abs().max() < 1e-12
+        alone = sinks.attends_alone(model, 0, h, direct[0:1])  # (0, 0): the first query's only key
+        assert abs(float(alone[0]) - float(ref_patterns[0][0, h, 0, 0])) < 1e-5
+    mass = sinks.sink_mass(ref_patterns[1].to(F64))
+    assert mass.min() > 0 and mass.max() < 1
