@@ -10,6 +10,7 @@ Formats (REGISTRY, keyed by `Format`):
 - "gemma2", "gemma3_text", "gemma3" (its text tower), "qwen3", "olmo2", "olmo3": the same layout with the newest
   attention (llama_variants.py: QK-norm, soft caps, sliding windows, sandwich and output norms).
 - "gpt_oss": Hugging Face gpt-oss folders (sinks, mixture of experts, MXFP4 experts; gpt_oss.py).
+- "mixtral", "qwen3_moe", "olmoe": the Llama layout with a mixture-of-experts MLP (moe_families.py).
 - "gguf": a folder without config.json holding one `.gguf` file (llama.cpp, ollama), named after the folder;
   config, tensors and tokenizer all come from that file (formats_gguf.py).
 
@@ -44,6 +45,7 @@ from circuits_core.formats.gpt_oss import gpt_oss_config, load_gpt_oss
 from circuits_core.formats.hf import load_gpt2, load_gpt_neox
 from circuits_core.formats.llama import LLAMA_MODEL_TYPES, llama_config, load_llama, shard_names
 from circuits_core.formats.llama_variants import REFUSED_MODEL_TYPES, VARIANT_MODEL_TYPES, load_variant, variant_config
+from circuits_core.formats.moe_families import MOE_MODEL_TYPES, load_moe, moe_config
 from circuits_core.formats.processing import SWITCHES, ProcessingOptions, own_tensors, process_state
 from circuits_core.formats.statedict import (
     PICKLE_SUFFIXES,
@@ -65,7 +67,7 @@ from circuits_core.schedule import in_background
 
 Format = Literal[
     "qkov", "transformer_lens", "gpt2", "gpt_neox", "gguf", "llama", "mistral", "qwen2",
-    "gemma2", "gemma3_text", "gemma3", "qwen3", "olmo2", "olmo3", "gpt_oss",
+    "gemma2", "gemma3_text", "gemma3", "qwen3", "olmo2", "olmo3", "gpt_oss", "mixtral", "qwen3_moe", "olmoe",
 ]  # fmt: skip
 FORMATS: tuple[str, ...] = get_args(Format)
 QKOV_FORMAT_VERSION = 1
@@ -77,9 +79,14 @@ Loader = Callable[
 HF_MODEL_TYPES: dict[str, Format] = {
     "gpt2": "gpt2", "gpt_neox": "gpt_neox", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
     "gemma2": "gemma2", "gemma3_text": "gemma3_text", "gemma3": "gemma3", "qwen3": "qwen3", "olmo2": "olmo2",
-    "olmo3": "olmo3", "gpt_oss": "gpt_oss",
+    "olmo3": "olmo3", "gpt_oss": "gpt_oss", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "olmoe": "olmoe",
 }  # fmt: skip
-SAFETENSORS_FAMILIES = (*LLAMA_MODEL_TYPES, *VARIANT_MODEL_TYPES, "gpt_oss")  # read shard by shard (llama.py's reader)
+SAFETENSORS_FAMILIES = (
+    *LLAMA_MODEL_TYPES,
+    *VARIANT_MODEL_TYPES,
+    "gpt_oss",
+    *MOE_MODEL_TYPES,
+)  # read shard by shard (llama.py's reader)
 LOAD_OPTIONS_FILE = "qkov.json"  # per-checkpoint load options (processing), next to config.json
 # Files besides config.json and the weights that can change an answer, so they are part of the digest: the
 # processing choice, tokenizer files (tokenizer.py), token counts (phenomena.TOKEN_COUNTS_FILE), the card.
@@ -92,6 +99,7 @@ CONFIG_READERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     **dict.fromkeys(LLAMA_MODEL_TYPES, llama_config),
     **dict.fromkeys(VARIANT_MODEL_TYPES, variant_config),
     "gpt_oss": gpt_oss_config,
+    **dict.fromkeys(MOE_MODEL_TYPES, moe_config),
 }
 TL_BUFFERS = (".attn.mask", ".attn.IGNORE", ".attn.rotary_sin", ".attn.rotary_cos")
 
@@ -260,6 +268,9 @@ REGISTRY: dict[Format, Loader] = {
     "mistral": load_llama,
     "qwen2": load_llama,
     "gpt_oss": load_gpt_oss,
+    "mixtral": load_moe,
+    "qwen3_moe": load_moe,
+    "olmoe": load_moe,
     "gemma2": load_variant,
     "gemma3_text": load_variant,
     "gemma3": load_variant,

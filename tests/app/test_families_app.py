@@ -1,5 +1,5 @@
 """Every analysis endpoint and page answers on tiny checkpoints of the families beyond Llama, written by
-transformers (gpt-oss: sinks, mixture of experts, YaRN), served as a user would serve them: a Hugging Face
+transformers (gpt-oss: sinks, mixture of experts, YaRN; Mixtral, Qwen3-MoE, OLMoE), served as a user would serve them: a Hugging Face
 folder with a tokenizer.json next to it."""
 
 from __future__ import annotations
@@ -23,6 +23,16 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64,
         "sliding_window": 32, "rope_parameters": {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0,
                                                   "original_max_position_embeddings": 16}}),
+    "tiny-mixtral": ("MixtralConfig", "MixtralForCausalLM", {
+        "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 24, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64}),
+    "tiny-qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "num_hidden_layers": 2, "hidden_size": 32, "moe_intermediate_size": 24, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64,
+        "head_dim": 8}),
+    "tiny-olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {
+        "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 24, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64}),
 }  # fmt: skip
 
 
