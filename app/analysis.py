@@ -1,24 +1,25 @@
 """One declaration per analysis; the API route, the page route, the OpenAPI constraints, the cache key and the
 JSON-twin link are all derived from it (design.md, "Declare an analysis once").
 
-An analysis is declared once, in app/analyses/<topic>.py:
+An analysis is declared once, beside its builder in app/views/<topic>.py (app/views/attention_entropy.py):
 
     class EntropyParams(AnalysisParams):
         prompt: Prompt = None
         tokens: Tokens = None
 
-    ENTROPY = Analysis(
+    ATTENTION_ENTROPY = Analysis(
         name="attention-entropy", path="attention-entropy", params=EntropyParams, view=EntropyView,
         build=build_entropy_view,        # (loaded, params, limits) -> view: calls the engine
         cost=entropy_cost,               # (loaded, params, limits) -> Cost: the engine's own estimate
-        summary="Attention entropy of every head", tags=["prompts"], template="entropy.html",
+        summary="Attention entropy of every head", tags=["prompts"],
+        needs_layers=1,                  # a model with fewer attention layers leaves its page out of the navigation
     )
 
-and listed in app/analyses/__init__.py's ANALYSES. From it come:
+and listed once in app/catalog.py's ANALYSES. From it come:
 - `GET /api/v1/models/{model}/<path>`: one query (or path, when `{name}` is in `path`) parameter per field of the
   params model, with the field's type, description and bounds in the OpenAPI schema;
-- `GET /models/{model}/<path>` when `template` is set (or a `Page` in app/routers/pages_*.py), full page or htmx
-  fragment;
+- its page `GET /models/{model}/<path>`, full or htmx fragment, when a `Page(ANALYSIS, "template.html", ...)` is
+  listed in app/routers/pages.py PAGES (the one way to make a page: app/routers/rendering.py);
 - bounds from the settings: a field annotated with `Limit("max_k")` gets `le=settings.limits.max_k` (see
   `bounded`), applied once per app in create_app, so every limit is visible in the schema;
 - the cache key (`cache_key`): model id, the digest of every answer-changing file (`loaded.digest`: weights,
@@ -116,7 +117,9 @@ class Analysis(Generic[P, V]):
     cost: Callable[..., Cost]  # (loaded, params, limits) -> Cost: the engine's estimate, priced before a slot is taken
     summary: str
     tags: list[str]
-    template: str | None = None  # a page rendering `view` (None: API only, or a Page declared in app/routers)
+    # the model's attention layers the analysis needs: a model with fewer leaves its page out of the navigation and
+    # says why (app/routers/rendering.py nav_note)
+    needs_layers: int = 0
     cache: bool | Callable[[P], bool] = True  # keep answers in the result cache (per params when callable)
     scope: Literal["model", "server"] = "model"
     description: str | None = None

@@ -13,6 +13,7 @@ from app.settings import Limits
 from app.views import circuits, composition, detectors, heads, models, path, prompt, qk_paths, rotary, term_importance
 from app.views.attention_entropy import ATTENTION_ENTROPY
 from app.views.copying import COPYING_ALL
+from app.views.positivity import POSITIVITY
 from app.views.residual import ANALYSES as RESIDUAL_ANALYSES
 from app.views.tour import build_tour_view, digest_or_dash, tour_models
 from app.views.tour import tour_cost as tour_view_cost
@@ -52,6 +53,7 @@ ANALYSES: list[Analysis[Any, Any]] = [
     heads.HEAD,
     heads.COPYING,
     COPYING_ALL,
+    POSITIVITY,
     circuits.OV,
     circuits.QK,
     circuits.SKIP_TRIGRAMS,

@@ -83,8 +83,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(api.router)  # listings
     app.include_router(analyses.api_router(declared))  # one route per declared analysis
     app.include_router(docs.router)
-    app.include_router(pages.router)  # models, overview
-    app.include_router(analyses.page_router(declared, PAGES))  # one page per declared page
+    app.state.pages = PAGES  # every page, in the navigation's order (app/routers/rendering.py model_nav)
+    app.include_router(pages.router)  # the models listing and the model picker
+    app.include_router(analyses.page_router(declared, PAGES))  # one route per page
     return app
 
 

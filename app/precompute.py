@@ -68,8 +68,7 @@ def lazy_panels(page: str) -> list[tuple[str, str]]:
 
 def page_urls(app: Any, model: str) -> tuple[list[str], list[str]]:
     """(the model-wide pages, the per-head page templates with `{head}`) of this app."""
-    declared = {p.route for p in PAGES}
-    routes = sorted(declared | {a.page_path for a in app.state.analyses.analyses if a.template and a.scope == "model"})
+    routes = sorted({p.route for p in PAGES} - {"/models/{model}"})
     model_wide = [f"/models/{model}"]
     per_head = [f"/api/v1/models/{model}/{path}" for path in HEAD_APIS]
     for route in routes:

@@ -94,11 +94,9 @@ def page_endpoint(page: Page, params: type[AnalysisParams]) -> Any:
 
 
 def page_router(declared: BoundAnalyses, pages: list[Page]) -> APIRouter:
-    """GET /models/{model}/... for every page: the declared pages, then every analysis with a template."""
+    """GET /models/{model}/... (and the tour) for every page."""
     router = APIRouter(include_in_schema=False)
-    routes = {p.route for p in pages}
-    simple = [Page(a, a.template) for a in declared.analyses if a.template and a.page_path not in routes]
-    for page in [*pages, *simple]:
+    for page in pages:
         params = declared.bound(page.analysis) if page.params is None else declared.bound_params(page.params)
         router.add_api_route(page.route, page_endpoint(page, params), methods=["GET"], name=f"page:{page.route}")
     return router

@@ -1,5 +1,7 @@
-"""The HTML dashboard: the models page and a model's overview (plain routes), and the pages of the analyses:
-one, head and detectors here, engine-2 analyses in pages_analyses.py, the tour in pages_tour.py (PAGES).
+"""The HTML dashboard: every page (PAGES, the one list; its labelled pages make a model's navigation, in order),
+the models listing and the model picker (plain routes: no analysis behind them), and the contexts of the direct path
+and the detectors (the overview's and one head's are in pages_heads.py, the prompt and composition pages' in
+pages_analyses.py, the tour's in pages_tour.py).
 
 A page is declared as `Page(analysis, template, context)` (app/routers/rendering.py): its route, params
 (the analysis's, or a page model extending them), JSON-twin link and frame are derived; its context runs
@@ -19,66 +21,43 @@ from pydantic import Field
 from starlette.types import Scope
 
 from app import charts
-from app.analysis import API, json_url, run
-from app.deps import LimitsDep, LoadedModelDep, ModelEntryDep, RegistryDep, get_model
+from app.analysis import API
+from app.deps import RegistryDep, get_model
 from app.params import (
     DEFAULT_VOCAB,
-    CompositionParams,
     DetectorParams,
     DirectParams,
-    HeadParams,
-    K,
-    NoParams,
-    Offset,
-    OVParams,
-    QKParams,
-    SkipTrigramParams,
 )
 from app.routers import pages_analyses, pages_tour
 from app.routers.api import models_view
-from app.routers.pages_rotary import head_rotary_context, rotary_enabled
+from app.routers.pages_heads import (
+    MIN_COUNT_CHOICES,
+    SCORES,
+    HeadPageParams,
+    OverviewParams,
+    head_context,
+    overview_context,
+)
 from app.routers.rendering import (
+    NavEntry,
     Page,
     PageCall,
-    applies,
-    attempt,
-    basis_choice,
-    cached_page,
-    html_page,
-    is_fragment,
-    keep_page,
     model_nav,
     page_context,
-    page_key,
     render,
     url,
 )
-from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
-from app.views.basis import basis
-from app.views.circuits import DIRECT, OV, QK, SKIP_TRIGRAMS, has_token_counts
-from app.views.composition import COMPOSITION
+from app.schemas import CircuitTopView
+from app.views.attention_entropy import ATTENTION_ENTROPY
+from app.views.circuits import DIRECT, has_token_counts
+from app.views.copying import COPYING_ALL
 from app.views.detectors import DETECTORS
 from app.views.heads import HEAD, HEADS
-from app.views.models import build_model_view
-from app.views.page_claims import loss_sentence, rare_entries_sentence, scatter_sentence
-from app.views.tour_figures import positivity_scatter
+from app.views.page_claims import loss_sentence, rare_entries_sentence
+from app.views.residual import RESIDUAL, RESIDUAL_PAIR, RESIDUAL_USAGE
 from circuits_core.errors import QkovError
-from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import ModelConfig, all_heads, head_name, parse_head
+from circuits_core.model.config import ModelConfig, parse_head
 from circuits_core.prompt.phenomena import MIN_TRAIN_COUNT
-
-# The head scores the overview heatmap can show: key -> (label, signed)
-SCORES: dict[str, tuple[str, bool]] = {
-    "induction": ("induction", False),
-    "previous_token": ("previous token", False),
-    "duplicate_token": ("duplicate token", False),
-    "current_token": ("current token", False),
-    "first_token": ("first token (BOS)", False),
-    "ov_copying": ("OV copying (Σλ/Σ|λ|)", True),
-    "qk_copying": ("QK copying (Σλ/Σ|λ|)", True),
-}
-
-POSITIONAL_SHOWN = 64  # first positions drawn in the positional QK heatmap (the JSON twin has them all)
 
 
 class CachedStaticFiles(StaticFiles):
@@ -90,128 +69,6 @@ class CachedStaticFiles(StaticFiles):
         immutable = "/vendor/" in str(scope.get("path", ""))
         response.headers["Cache-Control"] = "public, max-age=31536000, immutable" if immutable else "no-cache"
         return response
-
-
-# The page's "tokens" picker: every token, or those seen at least N times in training (the API's min_count).
-MIN_COUNT_CHOICES = (50, 200, 500, 1000, 2000)
-
-
-def heads_grid(loaded: LoadedModel, heads: list[HeadScores], score: str, model_id: str) -> dict[str, Any]:
-    """The overview heatmap: layers x heads of one score; a click opens the head."""
-    cfg = loaded.model.cfg
-    label, signed = SCORES[score]
-    z: list[list[float | None]] = [[None] * cfg.n_heads for _ in range(cfg.n_layers)]
-    names = [[head_name(layer, h) for h in range(cfg.n_heads)] for layer in range(cfg.n_layers)]
-    for s in heads:
-        z[s.layer][s.index] = getattr(s, score)
-    links = [[f"/models/{model_id}/heads/{n}" for n in row] for row in names]
-    return charts.heatmap(
-        z,
-        [f"H{h}" for h in range(cfg.n_heads)],
-        [f"L{layer}" for layer in range(cfg.n_layers)],
-        title=f"{label} score per head (click a head to open it)",
-        x_title="head",
-        y_title="layer",
-        signed=signed,
-        zmax=1.0,
-        customdata=names,
-        hover="%{customdata}<br>" + label + " %{z:.3f}",
-        links=links,
-        colorbar=label,
-        text_in_cells=cfg.n_layers * cfg.n_heads <= 64,
-        height=max(220, 70 * cfg.n_layers + 120),
-    )
-
-
-async def composition_partners(call: PageCall, name: str, top: int = 6) -> list[dict[str, Any]]:
-    """The heads this head composes with most (Q, K, V; score minus baseline), from the composition views."""
-    if call.loaded is None or call.loaded.model.cfg.n_layers < 2:
-        return []
-    rows = []
-    for kind in ("Q", "K", "V"):
-        view, _ = await call.attempt(COMPOSITION, CompositionParams(kind=kind))
-        if view is None:
-            continue
-        for i, src in enumerate(view.sources):
-            for j, dst in enumerate(view.targets):
-                value = view.minus_baseline[i][j]
-                if value is not None and name in (src, dst):
-                    rows.append(
-                        {
-                            "kind": kind,
-                            "source": src,
-                            "target": dst,
-                            "score": view.scores[i][j],
-                            "minus_baseline": value,
-                            "partner": dst if src == name else src,
-                            "role": "writes to" if src == name else "reads from",
-                        }
-                    )
-    return sorted(rows, key=lambda r: -r["minus_baseline"])[:top]
-
-
-def training_curve(card: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The model card's evaluation history as loss curves (train and validation loss against the step)."""
-    history = (card or {}).get("history")
-    if (
-        not isinstance(history, list)
-        or not all(isinstance(r, dict) and "step" in r for r in history)
-        or len(history) < 2
-    ):
-        return None
-    series = {
-        name: [r.get(key) for r in history]
-        for key, name in (("train_loss", "train loss"), ("val_loss", "validation loss"))
-        if any(isinstance(r.get(key), (int, float)) for r in history)
-    }
-    if not series:
-        return None
-    return charts.lines(
-        [r["step"] for r in history],
-        series,
-        title="training curve (model card history)",
-        x_title="step",
-        y_title="loss (nats)",
-    )
-
-
-def head_charts(view: HeadView) -> dict[str, Any]:
-    figs: dict[str, Any] = {
-        "ov_eig": charts.complex_scatter(
-            [(c.re, c.im) for c in view.ov_eigenvalues],
-            title=f"OV eigenvalues of W_E W_OV W_U · copying {view.scores.ov_copying:+.3f}"
-            if view.scores.ov_copying is not None
-            else "OV eigenvalues",
-        ),
-        "qk_eig": charts.complex_scatter(
-            [(c.re, c.im) for c in view.qk_eigenvalues],
-            title=f"QK eigenvalues of W_E W_QK W_E^T · {view.scores.qk_copying:+.3f}"
-            if view.scores.qk_copying is not None
-            else "QK eigenvalues",
-        ),
-        "svals": charts.grouped_bars(
-            [str(i) for i in range(len(view.ov_singular_values))],
-            {"W_OV": view.ov_singular_values, "W_QK": view.qk_singular_values},
-            title="singular values of W_OV and W_QK",
-            x_title="index",
-        ),
-    }
-    if view.positional is not None:
-        n = min(view.positional.n_positions, POSITIONAL_SHOWN)
-        figs["positional"] = charts.heatmap(
-            [row[:n] for row in view.positional.pattern[:n]],
-            [str(i) for i in range(n)],
-            [str(i) for i in range(n)],
-            digits=3,
-            title="softmax(W_pos W_QK W_pos^T / √d_head), causal",
-            x_title="key position",
-            y_title="query position",
-            signed=False,
-            zmax=1.0,
-            hover="query %{y} → key %{x}<br>%{z:.3f}",
-            colorbar="attention",
-        )
-    return figs
 
 
 router = APIRouter(include_in_schema=False)
@@ -230,9 +87,10 @@ KEPT_ON_SWITCH = ("prompt", "k", "max_order", "weighted", "kind", "score", "seq_
 HEAD_PARAMS = ("head", "heads", "source", "target")
 
 
-def switched(here: str, old: str, cfg: ModelConfig, model: str, views: dict[str, str], view: str) -> str:
+def switched(here: str, old: str, cfg: ModelConfig, model: str, nav: list[NavEntry], view: str) -> str:
     """The URL of the page `here` (a path + query on model `old`) for `model`: the same view, the state that
     still applies; a head page whose head the model lacks, or a view it lacks, falls back to its overview."""
+    views = {e.key: e.sub for e in nav}
     parts = urlsplit(here)
     prefix = f"/models/{old}"
     base = f"/models/{quote(model, safe='')}"
@@ -246,7 +104,7 @@ def switched(here: str, old: str, cfg: ModelConfig, model: str, views: dict[str,
         sub = ""
     if segments[:1] == ["composition"] and len(segments) >= 3 and not all(has_head(h, cfg) for h in segments[1:3]):
         sub = "/composition"
-    if not applies(view, cfg.n_layers) and sub == views.get(view, ""):
+    if not all(e.applies(cfg.n_layers) for e in nav if e.key == view) and sub == views.get(view, ""):
         sub = ""
     query: dict[str, str] = {}
     for key, value in parse_qsl(parts.query):
@@ -277,140 +135,16 @@ async def go(
 ) -> Response:
     """The model picker (a GET form): to the same view of the chosen model, keeping the state that applies
     there (`here` is the page it was used on: its prompt, and its head when the new model has it)."""
-    views = dict((k, s) for k, _, s in model_nav(request))
+    nav = model_nav(request)
+    views = {e.key: e.sub for e in nav}
     loaded = await get_model(model, registry)
     old = urlsplit(here).path.split("/")[2] if here.startswith("/models/") and here.count("/") >= 2 else ""
     target = (
-        switched(here, unquote(old), loaded.model.cfg, model, views, view)
+        switched(here, unquote(old), loaded.model.cfg, model, nav, view)
         if old
         else f"/models/{quote(model, safe='')}{views.get(view, '')}"
     )
     return RedirectResponse(target, status_code=303)
-
-
-@router.get("/models/{model}")
-async def overview_page(
-    request: Request,
-    registry: RegistryDep,
-    loaded: LoadedModelDep,
-    entry: ModelEntryDep,
-    limits: LimitsDep,
-    score: str = Query("induction", pattern="^(" + "|".join(SCORES) + ")$"),
-) -> Response:
-    key = await page_key(request, registry, loaded, "/models/{model}")
-    if (body := await cached_page(request, key)) is not None:
-        return html_page(body)
-    summary = build_model_view(loaded, entry)
-    heads: HeadsView = await run(HEADS, loaded, entry.id, NoParams(), limits)
-    ctx = await page_context(request, registry, entry.id, json_url(HEADS, entry.id, NoParams()), entry.id, "overview")
-    fig = heads_grid(loaded, heads.heads, score, entry.id) if heads.heads else None
-    scatter, scatter_claim, scatter_error = None, None, None
-    if loaded.model.cfg.n_layers >= 2 and not is_fragment(request):
-        data, scatter_error = await attempt(
-            lambda: positivity_scatter(loaded, limits)[0], key=(entry.id, loaded.digest, "positivity")
-        )
-        if data:
-            pts = data["points"]
-            scatter = charts.scatter(
-                [p["ov_copying"] or 0.0 for p in pts],
-                [p["k_composition_positivity"] for p in pts],
-                [p["head"] for p in pts],
-                title=f"OV copying vs K-composition positivity with previous-token head {data['previous_token_head']}",
-                x_title="OV copying score (Σλ/Σ|λ|)",
-                y_title="K-composition positivity",
-                links=[f"/models/{entry.id}/heads/{p['head']}" for p in pts],
-            )
-            scatter_claim = scatter_sentence(pts, heads)
-    response = render(
-        request,
-        "overview.html",
-        {
-            **ctx,
-            "summary": summary,
-            "heads": heads,
-            "score": score,
-            "scores": SCORES,
-            "fig": fig,
-            "scatter": scatter,
-            "scatter_claim": scatter_claim,
-            "served_basis": basis(loaded),
-            "scatter_refused": scatter_error["detail"] if scatter_error and scatter_error["status"] == 422 else None,
-            "card_fig": training_curve(summary.card),
-        },
-        blocks=("heads_panel",),
-    )
-    settled = scatter is not None or (
-        scatter_error is not None and scatter_error["status"] == 422
-    )  # computed, or refused for good
-    if response.status_code == 200 and (settled or loaded.model.cfg.n_layers < 2 or is_fragment(request)):
-        await keep_page(request, key, bytes(response.body))  # not a page whose scatter failed this time (busy, timeout)
-    return response
-
-
-# -- one head: its spectra and its circuits ---------------------------------------------------------------------
-class HeadPageParams(OVParams):
-    k: K = 10
-    offset: Offset = 0  # rotary models: the QK tables at this query-key offset
-
-
-async def head_context(call: PageCall) -> dict[str, Any]:
-    p: HeadPageParams = call.params
-    cfg, name, model = call.model.model.cfg, p.head, call.model_id
-    fragment_only = is_fragment(call.request) and call.request.headers.get("HX-Target") == "circuits"
-    view: HeadView | None = None if fragment_only else await call.run(HEAD, HeadParams(head=name))
-    b, v = p.basis, p.vocab  # every table of the circuits panel on the weights (issue 12.2) and token set chosen
-    ov: CircuitTopView = await call.run(
-        OV, OVParams(head=name, token=p.token, k=p.k, min_count=p.min_count, basis=b, vocab=v)
-    )
-    qk_q: CircuitTopView = await call.run(
-        QK,
-        QKParams(
-            head=name, token=p.token, k=p.k, side="query", min_count=p.min_count, offset=p.offset, basis=b, vocab=v
-        ),
-    )
-    qk_k = None
-    if p.token is not None:
-        qk_k = await call.run(
-            QK,
-            QKParams(
-                head=name, token=p.token, k=p.k, side="key", min_count=p.min_count, offset=p.offset, basis=b, vocab=v
-            ),
-        )
-    skip = await call.run(
-        SKIP_TRIGRAMS,
-        SkipTrigramParams(head=name, token=p.token, k=p.k, min_count=p.min_count, offset=p.offset, basis=b, vocab=v),
-    )
-    partners = await composition_partners(call, name) if view is not None else []
-    every_head = [head_name(*pair) for pair in all_heads(cfg)]
-    i = every_head.index(name)
-    call.json_params = HeadParams(head=name)
-    return {
-        "head": name,
-        "view": view,
-        "ov": ov,
-        "qk_q": qk_q,
-        "qk_k": qk_k,
-        "skip": skip,
-        "token": p.token,
-        "k": p.k,
-        "figs": head_charts(view) if view is not None else {},
-        "max_k": call.limits.max_k,
-        "partners": partners,
-        "prev_head": every_head[i - 1] if i > 0 else None,
-        "next_head": every_head[i + 1] if i + 1 < len(every_head) else None,
-        "base_url": f"/models/{model}/heads/{name}",
-        "min_count": p.min_count,
-        "has_counts": has_token_counts(call.model),
-        "min_count_choices": MIN_COUNT_CHOICES,
-        "offset": p.offset or None,
-        "is_rotary": rotary_enabled(call),
-        "n_ctx": cfg.n_ctx,
-        "vocab": p.vocab if p.vocab == "all" and cfg.d_vocab > DEFAULT_VOCAB else None,
-        "n_vocab": cfg.d_vocab,
-        "default_vocab": DEFAULT_VOCAB,
-        **basis_choice(call),
-        **(await head_rotary_context(call, name) if view is not None else {"rotary": None}),
-    }
 
 
 # -- the direct path ----------------------------------------------------------------------------------------------
@@ -467,7 +201,6 @@ async def direct_context(call: PageCall) -> dict[str, Any]:
         "vocab": vocab if vocab == "all" and call.model.model.cfg.d_vocab > DEFAULT_VOCAB else None,
         "n_vocab": call.model.model.cfg.d_vocab,
         "default_vocab": DEFAULT_VOCAB,
-        **basis_choice(call),
     }
 
 
@@ -532,7 +265,46 @@ def detector_charts(view: Any, model_id: str) -> dict[str, Any]:
     return figs
 
 
+# Every page, the one list: a labelled page is in a model's navigation, in this order.
 PAGES: list[Page] = [
+    Page(
+        HEADS,
+        "overview.html",
+        overview_context,
+        params=OverviewParams,
+        path="/models/{model}",
+        blocks=("heads_panel",),
+        title="{model}",
+        nav="overview",
+        label="Overview",
+    ),
+    pages_analyses.COMPOSITION_PAGE,
+    pages_analyses.PROMPT_PAGE,
+    pages_analyses.CHAIN_PAGE,
+    pages_analyses.QK_PATHS_PAGE,
+    Page(
+        DETECTORS,
+        "detectors.html",
+        detectors_context,
+        blocks=("detectors_panel",),
+        title="Detectors · {model}",
+        label="Detectors",
+    ),
+    pages_analyses.TERM_IMPORTANCE_PAGE,
+    Page(
+        DIRECT,
+        "direct.html",
+        direct_context,
+        params=DirectPageParams,
+        blocks=("direct_panel",),
+        title="Direct path · {model}",
+        label="Direct path",
+    ),
+    Page(COPYING_ALL, "copying.html", label=COPYING_ALL.summary),
+    Page(ATTENTION_ENTROPY, "attention_entropy.html", label=ATTENTION_ENTROPY.summary),
+    Page(RESIDUAL, "residual.html", label=RESIDUAL.summary),
+    Page(RESIDUAL_USAGE, "residual_usage.html", label=RESIDUAL_USAGE.summary),
+    Page(RESIDUAL_PAIR, "residual_pair.html"),
     Page(
         HEAD,
         "head.html",
@@ -542,15 +314,7 @@ PAGES: list[Page] = [
         title="{head} · {model}",
         nav="overview",
     ),
-    Page(
-        DIRECT,
-        "direct.html",
-        direct_context,
-        params=DirectPageParams,
-        blocks=("direct_panel",),
-        title="Direct path · {model}",
-    ),
-    Page(DETECTORS, "detectors.html", detectors_context, blocks=("detectors_panel",), title="Detectors · {model}"),
-    *pages_analyses.PAGES,
+    pages_analyses.PAIR_PAGE,
+    pages_analyses.PATHS_PAGE,
     *pages_tour.PAGES,
 ]

@@ -1,4 +1,4 @@
-"""Dashboard pages of the engine-2 analyses: composition and one pair, the prompt (tokens, attention patterns,
+"""Dashboard pages of the prompt and composition analyses: composition and one pair, the prompt (tokens, attention patterns,
 logit path expansion), a chain of heads, QK paths, term importance. Each is a `Page` (app/routers/rendering.py)
 of its analysis: route, params, JSON twin and frame are derived; the context functions here run the analyses
 through `call.run` / `call.attempt` and chart their views. Page URLs mirror the JSON API
@@ -28,7 +28,7 @@ from app.params import (
     target_token,
 )
 from app.routers.pages_rotary import pair_rotary_context, rotary_enabled
-from app.routers.rendering import Page, PageCall, basis_choice, url
+from app.routers.rendering import Page, PageCall, url
 from app.views.composition import COMPOSITION, COMPOSITION_PAIR
 from app.views.heads import HEADS
 from app.views.page_claims import ablation_sentence, composition_sentence
@@ -101,7 +101,6 @@ async def composition_context(call: PageCall) -> dict[str, Any]:
         "is_rotary": rotary_enabled(call),
         "n_ctx": call.model.model.cfg.n_ctx if call.model else 0,
         "claim": claim,
-        **basis_choice(call),
     }
 
 
@@ -119,7 +118,7 @@ async def pair_context(call: PageCall) -> dict[str, Any]:
         ),
     }
     rotary = await pair_rotary_context(call, view.source, view.target)
-    return {"view": view, "k": call.params.k, "figs": figs, "max_k": call.limits.max_k, **rotary, **basis_choice(call)}
+    return {"view": view, "k": call.params.k, "figs": figs, "max_k": call.limits.max_k, **rotary}
 
 
 # -- prompt: tokens, patterns, logit path expansion ------------------------------------------------------------
@@ -389,33 +388,44 @@ async def term_importance_context(call: PageCall) -> dict[str, Any]:
     return ctx
 
 
-PAGES: list[Page] = [
-    Page(COMPOSITION, "composition.html", composition_context, blocks=("composition_panel",), nav="composition"),
-    Page(COMPOSITION_PAIR, "pair.html", pair_context, blocks=("pair_panel",), nav="composition"),
-    Page(
-        PATHS,
-        "prompt.html",
-        prompt_context,
-        params=PromptPageParams,
-        path="/models/{model}/prompt",
-        nav="prompt",
-        blocks=("prompt_main", "patterns_panel", "paths_panel"),
-    ),
-    Page(
-        PATHS,
-        "prompt.html",
-        prompt_context,
-        params=PromptPageParams,
-        nav="prompt",  # the tour's link for F9/F19
-        blocks=("prompt_main", "patterns_panel", "paths_panel"),
-    ),
-    Page(PATH, "chain.html", chain_context, params=ChainPageParams, blocks=("chain_panel",)),
-    Page(QK_PATHS, "qk_paths.html", qk_paths_context, params=QKPathsPageParams, blocks=("qk_panel",)),
-    Page(
-        TERM_IMPORTANCE,
-        "term_importance.html",
-        term_importance_context,
-        blocks=("ti_panel",),
-        title="Term importance · {model}",
-    ),
-]
+COMPOSITION_PAGE = Page(
+    COMPOSITION,
+    "composition.html",
+    composition_context,
+    blocks=("composition_panel",),
+    nav="composition",
+    label="Composition",
+)
+PAIR_PAGE = Page(COMPOSITION_PAIR, "pair.html", pair_context, blocks=("pair_panel",), nav="composition")
+PROMPT_PAGE = Page(
+    PATHS,
+    "prompt.html",
+    prompt_context,
+    params=PromptPageParams,
+    path="/models/{model}/prompt",
+    nav="prompt",
+    blocks=("prompt_main", "patterns_panel", "paths_panel"),
+    label="Prompt & paths",
+)
+PATHS_PAGE = Page(
+    PATHS,
+    "prompt.html",
+    prompt_context,
+    params=PromptPageParams,
+    nav="prompt",  # the tour's link for F9/F19
+    blocks=("prompt_main", "patterns_panel", "paths_panel"),
+)
+CHAIN_PAGE = Page(
+    PATH, "chain.html", chain_context, params=ChainPageParams, blocks=("chain_panel",), label="Chain of heads"
+)
+QK_PATHS_PAGE = Page(
+    QK_PATHS, "qk_paths.html", qk_paths_context, params=QKPathsPageParams, blocks=("qk_panel",), label="QK paths"
+)
+TERM_IMPORTANCE_PAGE = Page(
+    TERM_IMPORTANCE,
+    "term_importance.html",
+    term_importance_context,
+    blocks=("ti_panel",),
+    title="Term importance · {model}",
+    label="Term importance",
+)

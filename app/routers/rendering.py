@@ -37,35 +37,18 @@ templates.env.globals["charts"] = charts  # a template may draw its view's chart
 # The shared macros as a global `m`: a top-level {% import %} is not run when a single block is rendered.
 templates.env.globals["m"] = templates.env.get_template("_macros.html").module
 
-# The left navigation of a model: (key, label, path below /models/{model}); every analysis declared with a
-# `template` (a simple page) is appended after these (`model_nav`).
-MODEL_NAV: list[tuple[str, str, str]] = [
-    ("overview", "Overview", ""),
-    ("composition", "Composition", "/composition"),
-    ("prompt", "Prompt & paths", "/prompt"),
-    ("path", "Chain of heads", "/path"),
-    ("qk-paths", "QK paths", "/qk-paths"),
-    ("detectors", "Detectors", "/detectors"),
-    ("term-importance", "Term importance", "/term-importance"),
-    ("direct", "Direct path", "/direct"),
-]
 
+@dataclass(frozen=True)
+class NavEntry:
+    """One entry of a model's left navigation, derived from a Page with a `label` (see `model_nav`)."""
 
-# Views that need attention layers: the navigation of a model with fewer leaves them out and says why in one
-# line (`nav_note`); such a page, opened anyway, shows that line above its answer.
-NEEDS_LAYERS: dict[str, int] = {
-    "composition": 2,
-    "qk-paths": 2,
-    "path": 1,
-    "detectors": 1,
-    "term-importance": 1,
-    "attention-entropy": 1,
-    "copying-all": 1,
-}
+    key: str  # the page's nav key (page.nav, else its analysis's name)
+    label: str
+    sub: str  # the page's path below /models/{model} ("" for the overview)
+    needs_layers: int  # its analysis's needs_layers: a model with fewer leaves it out (`nav_note` says why)
 
-
-def applies(key: str, n_layers: int) -> bool:
-    return n_layers >= NEEDS_LAYERS.get(key, 0)
+    def applies(self, n_layers: int) -> bool:
+        return n_layers >= self.needs_layers
 
 
 def nav_note(model_id: str, n_layers: int, hidden: list[str]) -> str | None:
@@ -158,23 +141,25 @@ async def page_context(
         if model_id:
             n_layers = (await cheap(registry.get, model_id)).model.cfg.n_layers  # loaded already by the page's route
             views = model_nav(request)
-            ctx["model_nav"] = [
-                (key, label, f"/models/{model_id}{sub}") for key, label, sub in views if applies(key, n_layers)
-            ]
-            hidden = [label for key, label, _ in views if not applies(key, n_layers)]
+            ctx["model_nav"] = [(e.key, e.label, f"/models/{model_id}{e.sub}") for e in views if e.applies(n_layers)]
+            hidden = [e.label for e in views if not e.applies(n_layers)]
             ctx["nav_note"] = nav_note(model_id, n_layers, hidden)
-            if nav is not None and not applies(nav, n_layers):
-                ctx["view_note"] = nav_note(model_id, n_layers, [label for key, label, _ in views if key == nav])
+            current = [e.label for e in views if e.key == nav and not e.applies(n_layers)]
+            if current:
+                ctx["view_note"] = nav_note(model_id, n_layers, current)
     return ctx
 
 
-def model_nav(request: Request) -> list[tuple[str, str, str]]:
-    """MODEL_NAV, then the simple pages of the declared analyses (app.state.analyses, made in create_app)."""
-    declared = request.app.state.analyses.analyses
-    simple = [
-        (a.name, a.summary, "/" + a.path) for a in declared if a.template and a.scope == "model" and "{" not in a.path
+def model_nav(request: Request) -> list[NavEntry]:
+    """The navigation of a model page: every model page with a `label`, in the order of the app's pages
+    (app.state.pages, set in create_app)."""
+    pages: list[Page] = request.app.state.pages
+    prefix = "/models/{model}"
+    return [
+        NavEntry(p.key, p.label, p.route[len(prefix) :], p.analysis.needs_layers)
+        for p in pages
+        if p.label is not None and p.route.startswith(prefix) and "{" not in p.route[len(prefix) :]
     ]
-    return [*MODEL_NAV, *simple]
 
 
 # -- the page of an analysis ---------------------------------------------------------------------------------
@@ -191,6 +176,7 @@ class PageCall:
     params: Any
     json_params: AnalysisParams | None = None  # the params of the JSON twin, when the page changed them
     title: str | None = None
+    keep: bool = True  # False: a part failed only this time (busy, timeout), so the rendered page is not kept
 
     @property
     def model(self) -> LoadedModel:
@@ -217,12 +203,12 @@ class PageCall:
 async def default_context(call: PageCall) -> dict[str, Any]:
     """The page of a simple analysis: its view (or the refusal) and its params."""
     view, error = await call.attempt(call.page.analysis, call.params)
-    picker = basis_choice(call) if "basis" in type(call.params).model_fields and call.model is not None else {}
-    return {"view": view, "error": error, "params": call.params, **picker}
+    return {"view": view, "error": error, "params": call.params}
 
 
 def basis_choice(call: PageCall) -> dict[str, Any]:
-    """The basis picker's state: the weights asked for (None: as served) and whether raw ones differ (issue 12.2)."""
+    """The basis picker's state: the weights asked for (None: as served) and whether raw ones differ; every page whose
+    params have a `basis` field gets it (serve_page)."""
     b = call.params.basis
     return {
         "basis": b if b != "served" else None,
@@ -233,7 +219,14 @@ def basis_choice(call: PageCall) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Page:
-    """The page of an analysis: a template, and `context` (default: the analysis's view as `view`)."""
+    """The page of an analysis, the one way to make a page: a template, and `context` (default: the analysis's
+    view as `view`, its refusal as `error`, the params as `params`). Every page is listed once in
+    app/routers/pages.py PAGES, whose order is the navigation's.
+
+    The template gets, beside the context: the frame (title, json_url, model_id, nav, and on full pages models,
+    here, model_nav, nav_note, view_note), `limits`, `prompt_cut` (what a too-long prompt lost), `fragment`
+    (an htmx block request), and where the params have a `basis` field the basis picker's state (basis,
+    basis_differs, served_basis: basis_choice)."""
 
     analysis: Analysis[Any, Any]
     template: str
@@ -243,10 +236,15 @@ class Page:
     title: str = "{name} · {model}"
     nav: str | None = None  # the navigation entry shown as current (default: the analysis's name)
     path: str | None = None  # the page's route (default: the analysis's page path)
+    label: str | None = None  # its entry in a model's navigation (None: not listed, e.g. one head's page)
 
     @property
     def route(self) -> str:
         return self.path or self.analysis.page_path
+
+    @property
+    def key(self) -> str:
+        return self.nav or self.analysis.name
 
 
 async def serve_page(
@@ -278,7 +276,8 @@ async def serve_page(
     if key is not None and (body := await cached_page(request, key)) is not None:
         return html_page(body)
     call = PageCall(page, request, registry, limits, model_id, loaded, typed)
-    context = await page.context(call)
+    picker = basis_choice(call) if loaded is not None and "basis" in params.model_fields else {}
+    context = {**picker, **await page.context(call)}
     twin = call.json_params or analysis.params.model_validate(typed.model_dump())
     title = call.title or page.title.format(name=analysis.summary, model=model_id, **typed.model_dump())
     frame = await page_context(
@@ -290,7 +289,7 @@ async def serve_page(
         {**frame, "limits": limits, "prompt_cut": cut, "fragment": is_fragment(request), **context},
         blocks=page.blocks,
     )
-    if key is not None and response.status_code == 200:
+    if key is not None and response.status_code == 200 and call.keep:
         await keep_page(request, key, bytes(response.body))
     return response
 

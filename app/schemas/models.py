@@ -9,6 +9,12 @@ from pydantic import BaseModel, Field
 from app.schemas.common import ModelRef, TokenRef
 
 
+class DefaultedValue(BaseModel):
+    field: str = Field(description="the config field (ModelConfig's name)")
+    value: str = Field(description="the value used")
+    source: str = Field(description="where the value comes from (the reference implementations that assume it)")
+
+
 class ModelSummary(BaseModel):
     id: str = Field(description="folder name of the checkpoint")
     format: str = Field(description="checkpoint format (qkov, transformer_lens, hf_gpt2, ...)")
@@ -31,6 +37,10 @@ class ModelSummary(BaseModel):
     bos_token_id: int | None
     heads: list[str] = Field(description="head names L{layer}H{head}")
     card: dict[str, Any] | None = Field(default=None, description="model card: measured facts about the checkpoint")
+    defaulted: list[DefaultedValue] = Field(
+        default_factory=list,
+        description="config values the checkpoint file does not carry, taken from a per-architecture default",
+    )
 
 
 class UnavailableModel(BaseModel):

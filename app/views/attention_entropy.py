@@ -54,6 +54,6 @@ ATTENTION_ENTROPY = Analysis(
     cost=entropy_cost,
     summary="Attention entropy of every head",
     tags=["prompts"],
-    template="attention_entropy.html",
     cache=lambda p: p.prompt is None and p.tokens is None,  # the default text only
+    needs_layers=1,
 )

@@ -202,6 +202,7 @@ COMPOSITION = Analysis(
     cost=composition_cost,
     summary="Q/K/V composition scores of every head pair",
     tags=["composition"],
+    needs_layers=2,
 )
 COMPOSITION_PAIR = Analysis(
     name="composition-pair",

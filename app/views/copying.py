@@ -307,5 +307,5 @@ COPYING_ALL = Analysis(
     cost=copying_overview_cost,
     summary="Copying of every head: eigenvalue score, self-copy shares, random baseline",
     tags=["heads"],
-    template="copying.html",
+    needs_layers=1,
 )

@@ -109,4 +109,5 @@ DETECTORS = Analysis(
     cost=detectors_cost,
     summary="Head detectors on repeated random tokens",
     tags=["detectors"],
+    needs_layers=1,
 )

@@ -50,6 +50,7 @@ def build_model_view(loaded: LoadedModel, entry: ModelEntry) -> ModelSummary:
         bos_token_id=tok.bos_token_id if tok is not None else cfg.bos_token_id,
         heads=cfg.head_names,
         card=_card(loaded),
+        defaulted=[{"field": d.field, "value": str(d.value), "source": d.source} for d in loaded.defaulted],
     )
 
 

@@ -99,4 +99,5 @@ PATH = Analysis(
     cost=path_cost,
     summary="A chain of heads (virtual head) on a prompt",
     tags=["prompts"],
+    needs_layers=1,
 )

@@ -69,4 +69,5 @@ QK_PATHS = Analysis(
     cost=qk_paths_cost,
     summary="Decomposition of a head's attention scores",
     tags=["prompts"],
+    needs_layers=2,
 )

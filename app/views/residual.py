@@ -253,7 +253,7 @@ class ErasureEntry(BaseModel):
     writer: str
     eraser: str = Field(description="a later head")
     score: float = Field(description="-tr(U^T W_OV U) / (sqrt(k) ||U^T W_OV||_F), in [-1, 1]")
-    z: float = Field(description="against sampled random heads on a subspace of the same dimension")
+    z: float = Field(description="against the same head on uniformly random subspaces of the same dimension (its own null)")
     read_share: float = Field(description="||U^T W_OV||^2 / ||W_OV||^2")
     random_share: float = Field(description="k / d_model: a random subspace's read share")
     eigenvalues: list[tuple[float, float]] = Field(description="(re, im) of the restricted virtual weight U^T W_OV U")
@@ -343,7 +343,6 @@ RESIDUAL = Analysis(
     cost=residual_cost,
     summary="Residual stream (virtual weights)",
     tags=["residual stream"],
-    template="residual.html",
 )
 RESIDUAL_USAGE = Analysis(
     name="residual-usage",
@@ -354,7 +353,6 @@ RESIDUAL_USAGE = Analysis(
     cost=usage_cost,
     summary="Residual stream usage",
     tags=["residual stream"],
-    template="residual_usage.html",
 )
 RESIDUAL_PAIR = Analysis(
     name="residual-pair",
@@ -365,6 +363,5 @@ RESIDUAL_PAIR = Analysis(
     cost=residual_pair_cost,
     summary="One virtual weight: writer -> reader",
     tags=["residual stream"],
-    template="residual_pair.html",
 )
 ANALYSES: list[Analysis[Any, Any]] = [RESIDUAL, RESIDUAL_USAGE, RESIDUAL_PAIR]

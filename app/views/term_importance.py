@@ -160,4 +160,5 @@ TERM_IMPORTANCE = Analysis(
     summary="Loss by path order and per-head ablations",
     tags=["ablation"],
     cache=lambda p: p.prompt is None and p.tokens is None,  # the default text only
+    needs_layers=1,
 )

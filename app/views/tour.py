@@ -258,8 +258,9 @@ FIGURES: tuple[Figure, ...] = (
 
 
 def page_path(api_path: str) -> str:
-    """The dashboard page of an API path: a head's circuits live on its page; the heads table on the overview."""
-    if api_path == "/heads":
+    """The dashboard page of an API path: a head's circuits live on its page; the heads table and the positivity
+    scatter on the overview."""
+    if api_path in ("/heads", "/positivity"):
         return ""
     return re.sub(r"^(/heads/[^/]+)/.+$", r"\1", api_path)
 

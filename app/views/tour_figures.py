@@ -21,6 +21,7 @@ from app.params import (
     DetectorParams,
     DirectParams,
     HeadParams,
+    NoParams,
     OVParams,
     PathsParams,
     PromptParams,
@@ -29,7 +30,6 @@ from app.params import (
     SkipTrigramParams,
     TermImportanceParams,
 )
-from app.schemas import HeadScores
 from app.settings import Limits
 from app.views.circuits import (
     build_direct_view,
@@ -41,10 +41,11 @@ from app.views.circuits import (
 )
 from app.views.composition import build_composition_pair_view, build_composition_view
 from app.views.detectors import build_detectors_view
-from app.views.heads import build_head_view, build_heads_view
+from app.views.heads import build_head_view
 from app.views.inputs import resolve_prompt, token_refs
 from app.views.page_claims import strongest
 from app.views.path import build_path_view
+from app.views.positivity import build_positivity_view, heads_seen, induction_pair
 from app.views.prompt import build_paths_view, build_prompt_view
 from app.views.qk_paths import build_qk_paths_view
 from app.views.term_importance import BUILTIN_TEXT, build_term_importance_view
@@ -55,9 +56,7 @@ from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import head_name, parse_head
 from circuits_core.prompt.frozen import readout
-from circuits_core.prompt.model_summary import HEAD_THRESHOLD
 from circuits_core.prompt.phenomena import MIN_TRAIN_COUNT
-from circuits_core.prompt.qk_paths import k_composition_positivity
 
 Result = tuple[dict[str, Any], str, dict[str, Any]]
 K = 10
@@ -69,48 +68,9 @@ def _k(limits: Limits) -> int:
     return min(K, limits.max_k)
 
 
-# The head scores of the last models seen: one tour asks for them in 7 figures per model (detector runs).
-_HEADS_SEEN: dict[int, tuple[LoadedModel, list[HeadScores]]] = {}
-
-
-def _heads(loaded: LoadedModel) -> list[HeadScores]:
-    seen = _HEADS_SEEN.get(id(loaded))
-    if seen is None or seen[0] is not loaded:  # the model object itself is kept, so its id cannot be reused
-        if len(_HEADS_SEEN) >= 8:
-            _HEADS_SEEN.clear()
-        seen = _HEADS_SEEN[id(loaded)] = (loaded, build_heads_view(loaded).heads)
-    return seen[1]
-
-
 def _copying_heads(loaded: LoadedModel) -> list[str]:
-    heads = sorted(_heads(loaded), key=lambda h: -(h.ov_copying or -2.0))
+    heads = sorted(heads_seen(loaded), key=lambda h: -(h.ov_copying or -2.0))
     return [h.head for h in heads]
-
-
-def _induction_pair(loaded: LoadedModel) -> tuple[str, str]:
-    """(the strongest previous-token head of a layer below the strongest induction head, that induction head) on the
-    standard input. Each must score at least HEAD_THRESHOLD (model_summary's rule for listing a head as one), so no
-    figure or sentence calls a head an induction or previous-token head that is none."""
-    heads = _heads(loaded)
-    if loaded.model.cfg.n_layers < 2:
-        raise InvalidInputError("induction needs at least 2 layers")
-    induction = strongest(heads, "induction", range(1, loaded.model.cfg.n_layers))
-    if induction is None:
-        raise InvalidInputError("no head of layers >= 1 has an induction score on the standard input")
-    if (induction.induction or 0.0) < HEAD_THRESHOLD:
-        raise InvalidInputError(
-            f"no induction head: the strongest, {induction.head}, scores {induction.induction:.2f} "
-            f"(< {HEAD_THRESHOLD}) on the standard input"
-        )
-    prev = strongest(heads, "previous_token", range(0, induction.layer))
-    if prev is None:
-        raise InvalidInputError(f"no head below the induction head {induction.head} has a previous-token score")
-    if (prev.previous_token or 0.0) < HEAD_THRESHOLD:
-        raise InvalidInputError(
-            f"no previous-token head below the induction head {induction.head}: the strongest, "
-            f"{prev.head}, scores {prev.previous_token:.2f} (< {HEAD_THRESHOLD}) on the standard input"
-        )
-    return prev.head, induction.head
 
 
 def _prompt(limits: Limits, text: str) -> str:
@@ -209,7 +169,7 @@ def skip_trigrams_second(loaded: LoadedModel, limits: Limits) -> Result:
 
 
 def positional(loaded: LoadedModel, limits: Limits) -> Result:
-    best = strongest(_heads(loaded), "previous_token")
+    best = strongest(heads_seen(loaded), "previous_token")
     if best is None:
         raise InvalidInputError("no head with a previous_token score")
     head = best.head
@@ -231,7 +191,11 @@ def ov_spectra(loaded: LoadedModel, limits: Limits) -> Result:
 def copying_scores(loaded: LoadedModel, limits: Limits) -> Result:
     self_copy, baseline = self_copy_and_baseline(loaded)
     return (
-        {"ov_copying": {h.head: h.ov_copying for h in _heads(loaded)}, "self_copy": self_copy, "baseline": baseline},
+        {
+            "ov_copying": {h.head: h.ov_copying for h in heads_seen(loaded)},
+            "self_copy": self_copy,
+            "baseline": baseline,
+        },
         "/heads",
         {},
     )
@@ -247,7 +211,7 @@ def paths_order2(loaded: LoadedModel, limits: Limits) -> Result:
 
 
 def qk_decomposition(loaded: LoadedModel, limits: Limits) -> Result:
-    _, induction = _induction_pair(loaded)
+    _, induction = induction_pair(loaded)
     prompt = _prompt(limits, REPEATED)
     view = build_qk_paths_view(loaded, QKPathsParams(head=induction, prompt=prompt, k=min(6, limits.max_k)), limits)
     return {"qk_paths": view.model_copy(update={"terms": {}})}, "/qk-paths", {"head": induction, "prompt": prompt}
@@ -260,7 +224,7 @@ def composition(loaded: LoadedModel, limits: Limits) -> Result:
 
 def value_weighted(loaded: LoadedModel, limits: Limits) -> Result:
     prompt = _prompt(limits, REPEATED)
-    prev, induction = _induction_pair(loaded)
+    prev, induction = induction_pair(loaded)
     heads = list(dict.fromkeys([prev, induction]))[: limits.max_heads]
     view = build_prompt_view(loaded, PromptParams(prompt=prompt, heads=",".join(heads), weighted=True), limits)
     plain = build_prompt_view(loaded, PromptParams(prompt=prompt, heads=induction), limits)
@@ -275,7 +239,7 @@ def value_weighted(loaded: LoadedModel, limits: Limits) -> Result:
 def induction_effect(loaded: LoadedModel, limits: Limits) -> Result:
     """The paper's figure: the induction head's direct effect on the logit of each position's actual next token,
     (r^h W_U)[p, t_{p+1}] with r^h = z^h W_O^h the head's output (through the frozen final LayerNorm, if any)."""
-    _, induction = _induction_pair(loaded)
+    _, induction = induction_pair(loaded)
     prompt = _prompt(limits, REPEATED)
     model = loaded.model
     ids = resolve_prompt(loaded, prompt, None, limits)  # the prompt views' tokens (BOS first when the model has one)
@@ -300,7 +264,7 @@ def repeated_tokens(loaded: LoadedModel, limits: Limits) -> Result:
 
 
 def k_composition(loaded: LoadedModel, limits: Limits) -> Result:
-    prev, induction = _induction_pair(loaded)
+    prev, induction = induction_pair(loaded)
     view = build_composition_pair_view(
         loaded, CompositionPairParams(source=prev, target=induction, k=_k(limits)), limits
     )
@@ -308,18 +272,9 @@ def k_composition(loaded: LoadedModel, limits: Limits) -> Result:
 
 
 def positivity_scatter(loaded: LoadedModel, limits: Limits) -> Result:
-    prev, _ = _induction_pair(loaded)
-    model = loaded.model
-    layer, h = parse_head(prev, model.cfg)
-    weights = model.W_Q.new_zeros(model.cfg.n_layers, model.cfg.n_heads)
-    weights[layer, h] = 1.0
-    qk = k_composition_positivity(model, weights)  # [L, H]
-    points = [
-        {"head": s.head, "ov_copying": s.ov_copying, "k_composition_positivity": float(qk[s.layer, s.index])}
-        for s in _heads(loaded)
-        if s.layer > layer
-    ]
-    return {"previous_token_head": prev, "points": points}, "/heads", {}
+    view = build_positivity_view(loaded, NoParams(), limits)
+    points = [p.model_dump() for p in view.points]
+    return {"previous_token_head": view.previous_token_head, "points": points}, "/positivity", {}
 
 
 def term_importance(loaded: LoadedModel, limits: Limits) -> Result:
@@ -341,7 +296,7 @@ def term_importance_by_layer(loaded: LoadedModel, limits: Limits) -> Result:
 
 
 def virtual_head(loaded: LoadedModel, limits: Limits) -> Result:
-    prev, induction = _induction_pair(loaded)
+    prev, induction = induction_pair(loaded)
     prompt = _prompt(limits, REPEATED)
     view = build_path_view(loaded, ChainParams(heads=f"{prev},{induction}", prompt=prompt, k=_k(limits)), limits)
     return {"path": view}, "/path", {"heads": f"{prev},{induction}", "prompt": prompt, "k": _k(limits)}

@@ -135,7 +135,7 @@ def bandwidth(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
         c = er.candidates[0]
         sentence += (
             f" Strongest erasure candidate: {c.eraser} reads {c.writer}'s subspace and writes back its negative "
-            f"(erasure score {c.score:.3f}, z {c.z:.1f} against random heads, read share {c.read_share:.2f} vs "
+            f"(erasure score {c.score:.3f}, z {c.z:.1f} against the same head on random subspaces of that size, read share {c.read_share:.2f} vs "
             f"{c.random_share:.2f} for a random subspace) -- weights only: whether it attends to the same "
             "position is not checked."
         )

@@ -40,7 +40,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from circuits_core.errors import CheckpointError, InvalidInputError
-from circuits_core.formats.gguf import gguf_file, read_gguf
+from circuits_core.formats.gguf import Defaulted, gguf_file, read_gguf
 from circuits_core.formats.gpt_oss import gpt_oss_config, load_gpt_oss
 from circuits_core.formats.hf import load_gpt2, load_gpt_neox
 from circuits_core.formats.llama import LLAMA_MODEL_TYPES, llama_config, load_llama, shard_names
@@ -112,6 +112,7 @@ class LoadedModel:
     card: dict[str, Any] = field(default_factory=dict)  # model_card.json, {} when absent
     digest: str = ""  # sha256 of every answer-changing file (config, weights, ANSWER_FILES): the cache key
     path: Path = Path(".")
+    defaulted: list[Defaulted] = field(default_factory=list)  # config values the file lacks, and their sources
 
 
 def _model_config(data: dict[str, Any], path: Path, **overrides: Any) -> ModelConfig:
@@ -339,6 +340,7 @@ def load_checkpoint(
             )
 
     tokenizer: Tokenizer | None = None
+    defaulted: list[Defaulted] = []
     if fmt in CONFIG_READERS:
         check_price(CONFIG_READERS[fmt](data))  # priced from config.json before any tensor is read
     answer_files = [folder_file(folder, name) for name in ANSWER_FILES if folder_file(folder, name).is_file()]
@@ -355,7 +357,8 @@ def load_checkpoint(
         )
         if fmt == "gguf" and early is not None:  # (early is the one .gguf file)
             files = early  # one pass over it: its metadata holds the tokenizer too; priced before dequantising
-            cfg, state, origin, tokenizer = read_gguf(files[0], check=check_price)
+            read = read_gguf(files[0], check=check_price)
+            cfg, state, origin, tokenizer, defaulted = read.cfg, read.state, read.origin, read.tokenizer, read.defaulted
         else:
             cfg, state, origin, files = REGISTRY[fmt](folder, data, dtype)
             check_price(cfg)
@@ -367,7 +370,13 @@ def load_checkpoint(
     if options != ProcessingOptions():
         digest = hashlib.sha256(f"{digest} {dataclasses.asdict(options)}".encode()).hexdigest()
     return LoadedModel(
-        model=loaded.model, tokenizer=loaded.tokenizer, format=fmt, card=loaded.card, digest=digest, path=folder
+        model=loaded.model,
+        tokenizer=loaded.tokenizer,
+        format=fmt,
+        card=loaded.card,
+        digest=digest,
+        path=folder,
+        defaulted=defaulted,
     )
 
 

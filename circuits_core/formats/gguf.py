@@ -1,39 +1,52 @@
-"""GGUF checkpoints (llama.cpp's single-file format) of the Llama family, read with the `gguf` library.
+"""GGUF checkpoints (llama.cpp's single-file format): Llama, Qwen2, Qwen3 and Gemma 3.
 
-A GGUF file carries the architecture and hyper-parameters as metadata (`llama.block_count`, ...), the tokenizer
-(`tokenizer.ggml.*`) and the tensors, many of them quantised (Q4_1, Q8_0, ...). `gguf.quants.dequantize`
-(the ggml project's own reference code) turns each tensor back into float32, one tensor at a time.
+The file carries the architecture and hyper-parameters as metadata (`{arch}.block_count`, ...), the tokenizer
+(`tokenizer.ggml.*`, gguf_tokenizer.py) and the tensors, most of them quantised (gguf_quants.py). The header is read
+lazily (gguf_header.py): only the keys read here are decoded.
 
 Layouts (ggml stores a linear layer like nn.Linear, [d_out, d_in] rows; TransformerLens uses x @ W):
-    token_embd.weight  [d_vocab, d_model]            -> embed.W_E
+    token_embd.weight  [d_vocab, d_model]            -> embed.W_E (Gemma: times sqrt(d_model), as Gemma embeds)
     blk.l.attn_q.weight [n_heads * d_head, d_model]  -> blocks.l.attn.W_Q  [n_heads, d_model, d_head]
     blk.l.attn_k/v      [n_kv * d_head, d_model]     -> blocks.l.attn._W_K/_W_V [n_kv, d_model, d_head]
     blk.l.attn_output   [d_model, n_heads * d_head]  -> blocks.l.attn.W_O  [n_heads, d_head, d_model]
+    blk.l.attn_q_norm/k_norm [d_head]                -> blocks.l.attn.q_norm.w / k_norm.w (QK-norm gains)
     blk.l.ffn_gate/up   [d_mlp, d_model]             -> blocks.l.mlp.W_gate / W_in [d_model, d_mlp]
     blk.l.ffn_down      [d_model, d_mlp]             -> blocks.l.mlp.W_out [d_mlp, d_model]
     blk.l.attn_norm, ffn_norm, output_norm           -> ln1.w, ln2.w, ln_final.w (RMSNorm gains)
-    output.weight       [d_vocab, d_model]           -> unembed.W_U = output.T (absent: tied, W_E.T)
+    blk.l.post_attention_norm, post_ffw_norm         -> ln1_post.w, ln2_post.w (Gemma's sandwich norms)
+    output.weight       [d_vocab, d_model]           -> unembed.W_U = output.T (absent: tied, token_embd.T)
 
-Rotary layout, the classic trap: llama.cpp's converter permutes the Q and K rows of "llama" models so that
-ADJACENT dims (2i, 2i+1) form the rotary pairs (Hugging Face files pair i with i + d_head/2). Reading a GGUF
-with the rotate-half layout still runs and gives plausible but wrong numbers (SmolLM2: 12.9 nats instead of
-3.0 on the repeated half of a random sequence), so the config says `rotary_adjacent_pairs=True`. "qwen2"
-files are not permuted (rotate-half) and add blk.l.attn_q/k/v.bias -> b_Q [n_heads, d_head], _b_K/_b_V.
+Per architecture (ARCHITECTURES):
+- Rotary layout, the classic trap: llama.cpp's converter permutes the Q and K rows of "llama" models so that
+  ADJACENT dims (2i, 2i+1) form the rotary pairs (Hugging Face files pair i with i + d_head/2). Reading a GGUF
+  with the rotate-half layout still runs and gives plausible but wrong numbers (SmolLM2: 12.9 nats instead of 3.0
+  on the repeated half of a random sequence), so the config says `rotary_adjacent_pairs=True`. "qwen2", "qwen3"
+  and "gemma3" rows are not permuted (llama.cpp runs them with its NEOX rope).
+- "qwen2" adds q/k/v biases; "qwen3" per-head QK-norm.
+- "gemma3": per-head QK-norm, sandwich norms, GeGLU (tanh GELU), the embedding times sqrt(d_model), tied
+  embeddings, a sliding window on local layers. Gemma applies every norm gain as (1 + w); llama.cpp's converter
+  stores 1 + w in the file (transformers subtracts 1 on reading and adds it back in the model), so the gains are
+  taken as stored, never shifted again.
+- Values a gemma3 file does not carry come from GEMMA3_DEFAULTS (what transformers and llama.cpp assume), each
+  with its source; `GGUFModel.defaulted` lists them and the model page shows them.
+Any other architecture is refused by name.
 """
 
 from __future__ import annotations
 
-import struct
+import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import gguf
-import numpy as np
 import torch
 from torch import Tensor
 
 from circuits_core.errors import CheckpointError, InvalidInputError
+from circuits_core.formats.gguf_header import GGUFHeader
+from circuits_core.formats.gguf_quants import dequantize
+from circuits_core.formats.gguf_tokenizer import gguf_tokenizer
 from circuits_core.formats.llama import laid_out, one_thread
 from circuits_core.formats.tokenizer import Tokenizer
 from circuits_core.model.config import ModelConfig
@@ -41,18 +54,60 @@ from circuits_core.model.config import ModelConfig
 State = dict[str, Tensor]
 F32 = torch.float32
 GGUF_SUFFIX = ".gguf"
-# architecture (general.architecture) -> its Q/K rows are in adjacent-pairs order. llama.cpp writes Llama,
-# Mistral and SmolLM models as "llama" (Q/K rows permuted); Qwen2 files keep Hugging Face's rotate-half rows
-# (llama.cpp runs them with its NEOX rope) and carry q/k/v biases. Other families are refused by name.
-ARCHITECTURES: dict[str, bool] = {"llama": True, "qwen2": False}
-# tokenizer.ggml.pre -> split every digit before byte-level BPE (llama.cpp's pre-tokenizer regexes: the
-# "smollm"/"starcoder" group adds \p{N} before GPT-2's pattern, the "gpt-2" group is GPT-2's pattern alone).
-PRE_TOKENIZERS: dict[str, bool] = {
-    "gpt-2": False, "gpt2": False, "mpt": False, "olmo": False, "jais": False,
-    "smollm": True, "starcoder": True, "refact": True, "command-r": True, "codeshell": True, "exaone": True,
-    "minerva-7b": True,
+
+
+@dataclass(frozen=True)
+class Architecture:
+    adjacent_pairs: bool  # Q/K rows permuted by llama.cpp's converter (adjacent rotary pairs)
+    qk_norm: bool = False  # per-head attn_q_norm / attn_k_norm
+    gemma: bool = False  # sandwich norms, GeGLU, embedding x sqrt(d_model), gains stored as 1 + w
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "llama": Architecture(adjacent_pairs=True),
+    "qwen2": Architecture(adjacent_pairs=False),
+    "qwen3": Architecture(adjacent_pairs=False, qk_norm=True),
+    "gemma3": Architecture(adjacent_pairs=False, qk_norm=True, gemma=True),
+}
+# Newer GGUF architectures llama.cpp writes that qkov does not run, with what they would need.
+REFUSED = {
+    "gemma3n": "per-layer embeddings, AltUp and laurel blocks", "gemma4": "per-layer-type head dims",
+    "qwen3moe": "mixture-of-experts MLPs", "qwen35": "linear-attention (Gated DeltaNet) layers",
+    "qwen3next": "linear-attention layers and mixture-of-experts MLPs",
 }  # fmt: skip
-CONTROL_TOKEN, USER_DEFINED_TOKEN = 3, 4  # tokenizer.ggml.token_type values that encode as themselves
+
+
+@dataclass(frozen=True)
+class Defaulted:
+    """A config value the file does not carry, the value used and where that value comes from."""
+
+    field: str
+    value: Any
+    source: str
+
+
+GEMMA3_LOCAL_ROPE_BASE = 10_000.0
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_SOURCES = {
+    "rotary_base_local": "transformers Gemma3TextConfig(rope_local_base_freq=10000.0); llama.cpp gemma3 "
+    "(freq_base_swa = 10000.0)",
+    "attn_types": "every 6th layer global, the others local: transformers Gemma3TextConfig(sliding_window_pattern=6); "
+    "llama.cpp gemma3 (set_swa_pattern(6))",
+    "attn_scale": "sqrt(query_pre_attn_scalar), query_pre_attn_scalar = key_length: llama.cpp gemma3 scales by "
+    "1/sqrt(key_length) for every size but 27B (62 layers: d_model / n_heads); transformers' Gemma3TextConfig "
+    "default is 256",
+}
+
+
+@dataclass
+class GGUFModel:
+    """What a GGUF file holds for qkov."""
+
+    cfg: ModelConfig
+    state: State
+    origin: dict[str, str]
+    tokenizer: Tokenizer | None
+    defaulted: list[Defaulted] = field(default_factory=list)
 
 
 def gguf_file(folder: Path) -> str | None:
@@ -64,85 +119,14 @@ def gguf_file(folder: Path) -> str | None:
     return found[0] if found else None
 
 
-class _Reader(gguf.GGUFReader):
-    """gguf's reader over a plain ndarray view of its memory map: the same bytes, but each slice skips
-    np.memmap's bookkeeping, which made parsing SmolLM2's 98k vocabulary and merge strings ~3x slower. Arrays of
-    strings and numbers (the vocabulary, merges, token types) are split in one pass with struct instead of one
-    recursive call per element; the parts, data indices and types are the library's own (tested field by field
-    against GGUFReader)."""
-
-    @property  # type: ignore[override]
-    def data(self) -> np.ndarray:
-        return self._plain
-
-    @data.setter
-    def data(self, value: np.ndarray) -> None:
-        self._plain = value.view(np.ndarray)  # still backed by the memory map (value stays its .base)
-
-    def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[np.ndarray], list[int], list[Any]]:
-        ARRAY, STRING = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
-        data = self._plain
-        if self.byte_order != "I" or raw_type != ARRAY or orig_offs + 12 > len(data):
-            return super()._get_field_parts(orig_offs, raw_type)  # type: ignore[no-any-return]
-        raw_itype, alen = (
-            data[orig_offs : orig_offs + 4].view(np.uint32),
-            data[orig_offs + 4 : orig_offs + 12].view(np.uint64),
-        )
-        itype, count = int(raw_itype[0]), int(alen[0])
-        nptype = self.gguf_scalar_to_np.get(gguf.GGUFValueType(itype)) if itype != STRING else None
-        if itype != STRING and nptype is None:  # arrays of arrays: the library's own recursion
-            return super()._get_field_parts(orig_offs, raw_type)  # type: ignore[no-any-return]
-        parts: list[np.ndarray] = [raw_itype, alen]
-        idxs: list[int] = []
-        offs = orig_offs + 12
-        if itype == STRING:
-            length = struct.Struct("<Q").unpack_from
-            buffer = data.data  # a memoryview of the same bytes
-            for _ in range(count):
-                (size,) = length(buffer, offs)
-                if offs + 8 + size > len(data):
-                    raise ValueError(f"string at offset {offs} runs past the end of the file")
-                parts += (data[offs : offs + 8].view(np.uint64), data[offs + 8 : offs + 8 + size])
-                idxs.append(len(parts) - 1)
-                offs += 8 + size
-        else:
-            assert nptype is not None
-            width = np.dtype(nptype).itemsize
-            if offs + width * count > len(data):
-                raise ValueError(f"array at offset {offs} runs past the end of the file")
-            values = data[offs : offs + width * count].view(nptype)
-            parts += (values[i : i + 1] for i in range(count))
-            idxs += range(2, 2 + count)
-            offs += width * count
-        return (
-            offs - orig_offs,
-            parts,
-            idxs,
-            [gguf.GGUFValueType(raw_type)] + ([gguf.GGUFValueType(itype)] if count else []),
-        )
-
-
-def _reader(path: Path) -> Any:
-    try:
-        return _Reader(path, "r")
-    except (OSError, ValueError, KeyError, IndexError, struct.error) as exc:
-        raise CheckpointError(f"{path.name}: not a readable GGUF file ({type(exc).__name__}: {exc})") from exc
-
-
 class _Metadata:
-    """The key/value fields of a GGUF file, read with checks; errors name the file and the key."""
+    """Typed reads of a GGUF header's scalars; errors name the file and the key."""
 
-    def __init__(self, reader: Any, name: str):
-        self.fields, self.name = reader.fields, name
+    def __init__(self, header: GGUFHeader):
+        self.header, self.name = header, header.name
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self.fields.get(key)
-        if field is None:
-            return default
-        try:
-            return field.contents()
-        except (ValueError, IndexError, UnicodeDecodeError) as exc:
-            raise CheckpointError(f"{self.name}: metadata {key} is not readable ({exc})") from exc
+        return self.header.value(key, default)
 
     def int(self, key: str, default: int | None = None) -> int:
         value = self.get(key, default)
@@ -150,44 +134,118 @@ class _Metadata:
             raise CheckpointError(f"{self.name}: metadata {key} must be a non-negative integer, got {value!r}")
         return value
 
-    def float(self, key: str, default: float) -> float:
+    def float(self, key: str, default: float | None = None) -> float:
         value = self.get(key, default)
         if not isinstance(value, int | float) or isinstance(value, bool):
             raise CheckpointError(f"{self.name}: metadata {key} must be a number, got {value!r}")
         return float(value)
 
 
-def gguf_config(meta: _Metadata, d_vocab: int, attention_bias: bool = False) -> ModelConfig:
-    """ModelConfig of a Llama-family GGUF from its metadata (`{arch}.block_count`, ...). `attention_bias`: the
-    file has q/k/v biases (Qwen2); the model's other biases (b_O, MLP, b_U) are then zero."""
+def _architecture(meta: _Metadata) -> tuple[str, Architecture]:
     arch = meta.get("general.architecture")
+    if arch in REFUSED:
+        raise CheckpointError(f"{meta.name}: architecture {arch!r} is not supported yet ({REFUSED[arch]})")
     if arch not in ARCHITECTURES:
         raise CheckpointError(
             f"{meta.name}: architecture {arch!r} is not supported; GGUF architectures read here: "
-            f"{', '.join(ARCHITECTURES)} (the Llama family)"
+            f"{', '.join(ARCHITECTURES)}"
         )
     if meta.get(f"{arch}.expert_count", 0):
         raise CheckpointError(f"{meta.name}: mixture-of-experts models ({arch}.expert_count) are not supported")
+    return arch, ARCHITECTURES[arch]
+
+
+def _rope_scaling(meta: _Metadata, arch: str, gemma: bool) -> dict[str, Any]:
+    """rope_type and rope_factor: none, or linear on Gemma 3's global layers (its larger sizes)."""
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    if scaling != "none":
-        raise CheckpointError(f"{meta.name}: rope scaling type {scaling!r} is not supported in GGUF files (none only)")
+    if scaling == "none":
+        return {}
+    if scaling == "linear" and gemma:
+        return {"rope_type": "linear", "rope_factor": meta.float(f"{arch}.rope.scaling.factor")}
+    raise CheckpointError(
+        f"{meta.name}: rope scaling type {scaling!r} is not supported for {arch} GGUF files "
+        f"({'none or linear' if gemma else 'none only'})"
+    )
+
+
+def _gemma_fields(
+    meta: _Metadata, arch: str, n_layers: int, d_head: int, d_model: int, n_heads: int
+) -> tuple[dict[str, Any], list[Defaulted]]:
+    """Gemma 3's window, layer kinds, local rope base and score scale: (fields, values defaulted)."""
+    defaulted: list[Defaulted] = []
+
+    def read_or_default(name: str, key: str, default: Any) -> Any:
+        if meta.header.has(key):
+            return meta.get(key)
+        defaulted.append(Defaulted(name, default, GEMMA3_SOURCES[name]))
+        return default
+
+    every = GEMMA3_GLOBAL_EVERY
+    if meta.header.has(f"{arch}.attention.sliding_window_pattern"):
+        every = meta.int(f"{arch}.attention.sliding_window_pattern")
+        if every < 1:
+            raise CheckpointError(f"{meta.name}: {arch}.attention.sliding_window_pattern must be at least 1")
+    else:
+        defaulted.append(Defaulted("attn_types", f"global every {every}th layer", GEMMA3_SOURCES["attn_types"]))
+    types = tuple("local" if (i + 1) % every else "global" for i in range(n_layers))
+    scalar = d_model / n_heads if n_layers == 62 else d_head
+    defaulted.append(Defaulted("attn_scale", math.sqrt(scalar), GEMMA3_SOURCES["attn_scale"]))
+    fields = {
+        "window_size": meta.int(f"{arch}.attention.sliding_window"),
+        "attn_types": types if "local" in types else None,
+        "rotary_base_local": float(
+            read_or_default("rotary_base_local", f"{arch}.rope.freq_base_swa", GEMMA3_LOCAL_ROPE_BASE)
+        ),
+        "attn_scale": math.sqrt(scalar),
+        "act_fn": "gelu_new",  # GeGLU: tanh GELU
+        "post_norms": True,
+    }
+    if meta.header.has(f"{arch}.final_logit_softcapping"):
+        fields["output_logits_soft_cap"] = meta.float(f"{arch}.final_logit_softcapping")
+    if meta.header.has(f"{arch}.attn_logit_softcapping"):
+        raise CheckpointError(
+            f"{meta.name}: {arch}.attn_logit_softcapping is set, but Gemma 3 never applies it (transformers, llama.cpp): "
+            "refused rather than run a cap the model does not have"
+        )
+    return fields, defaulted
+
+
+def gguf_config(header: GGUFHeader, d_vocab: int, attention_bias: bool = False) -> tuple[ModelConfig, list[Defaulted]]:
+    """ModelConfig of a GGUF from its metadata (`{arch}.block_count`, ...) and the values defaulted.
+    `attention_bias`: the file has q/k/v biases (Qwen2); the model's other biases (b_O, MLP, b_U) are then zero."""
+    meta = _Metadata(header)
+    arch, kind = _architecture(meta)
     d_model, n_heads = meta.int(f"{arch}.embedding_length"), meta.int(f"{arch}.attention.head_count")
-    if n_heads < 1 or d_model % n_heads:
+    if n_heads < 1:
+        raise CheckpointError(f"{meta.name}: {arch}.attention.head_count must be at least 1")
+    if not meta.header.has(f"{arch}.attention.key_length") and d_model % n_heads:
         raise CheckpointError(f"{meta.name}: embedding_length {d_model} is not divisible by head_count {n_heads}")
     d_head = meta.int(f"{arch}.attention.key_length", d_model // n_heads)
+    if meta.int(f"{arch}.attention.value_length", d_head) != d_head:
+        raise CheckpointError(f"{meta.name}: {arch}.attention.value_length differs from key_length (not supported)")
     n_kv = meta.int(f"{arch}.attention.head_count_kv", n_heads)
+    n_layers = meta.int(f"{arch}.block_count")
+    fields: dict[str, Any] = {}
+    defaulted: list[Defaulted] = []
+    if kind.gemma:
+        fields, defaulted = _gemma_fields(meta, arch, n_layers, d_head, d_model, n_heads)
+    if kind.qk_norm:
+        fields["qk_norm"] = "head"
     try:
-        return ModelConfig(
-            n_layers=meta.int(f"{arch}.block_count"), d_model=d_model, n_heads=n_heads, d_head=d_head,
+        cfg = ModelConfig(
+            n_layers=n_layers, d_model=d_model, n_heads=n_heads, d_head=d_head,
             d_vocab=d_vocab, n_ctx=meta.int(f"{arch}.context_length"), d_mlp=meta.int(f"{arch}.feed_forward_length"),
-            attn_only=False, normalization_type="RMS", positional_embedding_type="rotary", act_fn="silu",
-            gated_mlp=True, n_key_value_heads=n_kv, eps=meta.float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
-            use_bias=attention_bias, rotary_dim=meta.int(f"{arch}.rope.dimension_count", d_head),
-            rotary_base=meta.float(f"{arch}.rope.freq_base", 10000.0), rotary_adjacent_pairs=ARCHITECTURES[arch],
+            attn_only=False, normalization_type="RMS", positional_embedding_type="rotary",
+            act_fn=fields.pop("act_fn", "silu"), gated_mlp=True, n_key_value_heads=n_kv,
+            eps=meta.float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5), use_bias=attention_bias,
+            rotary_dim=meta.int(f"{arch}.rope.dimension_count", d_head),
+            rotary_base=meta.float(f"{arch}.rope.freq_base", 10000.0), rotary_adjacent_pairs=kind.adjacent_pairs,
             bos_token_id=_token_id(meta, "tokenizer.ggml.bos_token_id", d_vocab),
+            **_rope_scaling(meta, arch, kind.gemma), **fields,
         )  # fmt: skip
     except (InvalidInputError, TypeError) as exc:
         raise CheckpointError(f"{meta.name}: {exc}") from exc
+    return cfg, defaulted
 
 
 def _token_id(meta: _Metadata, key: str, d_vocab: int) -> int | None:
@@ -201,82 +259,22 @@ def _token_id(meta: _Metadata, key: str, d_vocab: int) -> int | None:
     return value
 
 
-def _scale(blocks: Tensor, start: int) -> Tensor:
-    """The fp16 numbers at bytes start, start + 1 of each block, [n, 1] float32, converted by numpy as the
-    reference is (torch turns a NaN scale into another NaN bit pattern)."""
-    return torch.from_numpy(blocks[:, start : start + 2].contiguous().numpy().view(np.float16).astype(np.float32))
-
-
-def _blocks_q8_0(blocks: Tensor) -> Tensor:
-    """Q8_0 blocks [n, 34] (fp16 scale d, 32 int8 q) -> [n, 32] float32 q * d."""
-    d = _scale(blocks, 0)  # [n, 1]
-    return blocks[:, 2:].view(torch.int8).float().mul_(d)
-
-
-def _nibbles(qs: Tensor) -> Tensor:
-    """[n, 16] bytes -> [n, 32] uint8: the 16 low nibbles, then the 16 high ones (ggml's Q4 order)."""
-    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
-
-
-def _blocks_q4_0(blocks: Tensor) -> Tensor:
-    """Q4_0 blocks [n, 18] (fp16 d, 16 bytes of nibbles q) -> [n, 32] float32 d * (q - 8)."""
-    d = _scale(blocks, 0)
-    return (_nibbles(blocks[:, 2:]).to(torch.int8) - 8).float().mul_(d)
-
-
-def _blocks_q4_1(blocks: Tensor) -> Tensor:
-    """Q4_1 blocks [n, 20] (fp16 d, fp16 m, 16 bytes of nibbles q) -> [n, 32] float32 d * q + m (two roundings,
-    as the reference: a multiply, then an add, never fused)."""
-    d, m = _scale(blocks, 0), _scale(blocks, 2)
-    return _nibbles(blocks[:, 4:]).float().mul_(d).add_(m)
-
-
-# The commonest block types, in torch (vectorised, multi-threaded; bit-identical to gguf.quants, tested):
-# type -> (bytes per block of 32 values, decoder). Every other type goes through gguf.quants.dequantize.
-_TORCH_BLOCKS: dict[Any, tuple[int, Callable[[Tensor], Tensor]]] = {
-    gguf.GGMLQuantizationType.Q8_0: (34, _blocks_q8_0),
-    gguf.GGMLQuantizationType.Q4_0: (18, _blocks_q4_0),
-    gguf.GGMLQuantizationType.Q4_1: (20, _blocks_q4_1),
-}
-
-
-def dequantize(tensor: Any, name: str) -> Tensor:
-    """One GGUF tensor as float32, in numpy's (row-major, reversed ggml) shape, owning its memory."""
-    fast = _TORCH_BLOCKS.get(tensor.tensor_type)
-    raw = tensor.data  # [rows, bytes per row] of the memory map (quantised types)
-    if fast is not None and raw.dtype == np.uint8 and raw.ndim >= 1 and raw.shape[-1] % fast[0] == 0:
-        size, decode = fast
-        blocks = torch.from_numpy(np.array(raw)).view(-1, size)  # a private copy of the (small) quantised bytes
-        return decode(blocks).view(*raw.shape[:-1], raw.shape[-1] // size * 32)
-    try:
-        array = gguf.quants.dequantize(raw, tensor.tensor_type)
-    except (NotImplementedError, ValueError) as exc:
-        raise CheckpointError(
-            f"{name}: tensor {tensor.name} has type {tensor.tensor_type.name}, which the gguf library cannot "
-            f"dequantise ({exc})"
-        ) from exc
-    if array.base is not None or not array.flags.writeable or array.dtype != np.float32:  # a view of the file
-        array = np.array(array, dtype=np.float32)
-    return torch.from_numpy(array)
-
-
 class _Tensors:
-    """The tensors of a GGUF file by name; `take` dequantises one and checks its shape."""
+    """The tensors of a GGUF file by name; `take` checks a tensor's shape, then dequantises it."""
 
-    def __init__(self, reader: Any, name: str):
-        self.raw = {t.name: t for t in reader.tensors}
-        self.name = name
+    def __init__(self, header: GGUFHeader):
+        self.header, self.name = header, header.name
+        self.raw = dict(header.tensors)
 
     def take(self, key: str, shape: tuple[int, ...], optional: bool = False) -> Tensor | None:
-        tensor = self.raw.pop(key, None)
-        if tensor is None:
+        info = self.raw.pop(key, None)
+        if info is None:
             if optional:
                 return None
             raise CheckpointError(f"{self.name}: missing tensor {key} (expected shape {list(shape)})")
-        value = dequantize(tensor, self.name)
-        if tuple(value.shape) != shape:
-            raise CheckpointError(f"{self.name}: tensor {key}: expected shape {list(shape)}, given {list(value.shape)}")
-        return value
+        if info.shape != shape:
+            raise CheckpointError(f"{self.name}: tensor {key}: expected shape {list(shape)}, given {list(info.shape)}")
+        return dequantize(self.header, info)
 
     def need(self, key: str, shape: tuple[int, ...]) -> Tensor:
         value = self.take(key, shape)
@@ -290,21 +288,33 @@ class _Tensors:
             raise CheckpointError(f"{self.name}: {len(names)} unexpected tensor(s): {', '.join(names[:8])}{why}")
 
 
-def gguf_state(cfg: ModelConfig, tensors: _Tensors) -> State:
-    """TransformerLens state dict of a Llama-family GGUF (see the module docstring for the layouts)."""
+def gguf_state(cfg: ModelConfig, kind: Architecture, tensors: _Tensors) -> State:
+    """TransformerLens state dict of a GGUF (see the module docstring for the layouts)."""
     d, H, dh, d_vocab = cfg.d_model, cfg.n_heads, cfg.d_head, cfg.d_vocab
     n_kv, d_mlp = cfg.n_key_value_heads or H, cfg.d_mlp or 0
-    W_E = tensors.need("token_embd.weight", (d_vocab, d))
-    sd: State = {"embed.W_E": W_E, "ln_final.w": tensors.need("output_norm.weight", (d,))}
+    gemma = kind.gemma
+    token_embd = tensors.need("token_embd.weight", (d_vocab, d))
+    output = tensors.take("output.weight", (d_vocab, d), optional=True)
+    sd: State = {"unembed.W_U": laid_out((output if output is not None else token_embd).T, F32)}  # [d_model, d_vocab]
+    if gemma:  # Gemma embeds x sqrt(d_model), rounded to float32 as transformers' Gemma3TextScaledWordEmbedding
+        token_embd.mul_(torch.tensor(d**0.5, dtype=F32))
+    sd["embed.W_E"] = token_embd
+    sd["ln_final.w"] = tensors.need("output_norm.weight", (d,))
+    norms = {"ln1": "attn_norm", "ln2": "ffn_norm"} | (
+        {"ln1_post": "post_attention_norm", "ln2_post": "post_ffw_norm"} if gemma else {}
+    )
     for layer in range(cfg.n_layers):
         b, p = f"blk.{layer}", f"blocks.{layer}"
-        sd[f"{p}.ln1.w"] = tensors.need(f"{b}.attn_norm.weight", (d,))
-        sd[f"{p}.ln2.w"] = tensors.need(f"{b}.ffn_norm.weight", (d,))
-        W_Q = tensors.need(f"{b}.attn_q.weight", (H * dh, d))  # rows (head, d_head) in adjacent-pairs order
+        for ours, theirs in norms.items():  # gains as stored (Gemma's files hold 1 + w already)
+            sd[f"{p}.{ours}.w"] = tensors.need(f"{b}.{theirs}.weight", (d,))
+        W_Q = tensors.need(f"{b}.attn_q.weight", (H * dh, d))  # rows (head, d_head)
         sd[f"{p}.attn.W_Q"] = laid_out(W_Q.view(H, dh, d).transpose(1, 2), F32)  # [n_heads, d_model, d_head]
         for x in "KV":
             W = tensors.need(f"{b}.attn_{x.lower()}.weight", (n_kv * dh, d))
             sd[f"{p}.attn._W_{x}"] = laid_out(W.view(n_kv, dh, d).transpose(1, 2), F32)  # [n_kv, d_model, d_head]
+        if kind.qk_norm:
+            sd[f"{p}.attn.q_norm.w"] = tensors.need(f"{b}.attn_q_norm.weight", (dh,))
+            sd[f"{p}.attn.k_norm.w"] = tensors.need(f"{b}.attn_k_norm.weight", (dh,))
         if cfg.use_bias:  # q/k/v biases [heads * d_head] -> [heads, d_head]; the rest of the model has none
             sd[f"{p}.attn.b_Q"] = tensors.need(f"{b}.attn_q.bias", (H * dh,)).reshape(H, dh)
             sd[f"{p}.attn._b_K"] = tensors.need(f"{b}.attn_k.bias", (n_kv * dh,)).reshape(n_kv, dh)
@@ -320,62 +330,26 @@ def gguf_state(cfg: ModelConfig, tensors: _Tensors) -> State:
         sd[f"{p}.mlp.W_gate"] = laid_out(tensors.need(f"{b}.ffn_gate.weight", (d_mlp, d)).T, F32)  # [d_model, d_mlp]
         sd[f"{p}.mlp.W_in"] = laid_out(tensors.need(f"{b}.ffn_up.weight", (d_mlp, d)).T, F32)  # [d_model, d_mlp]
         sd[f"{p}.mlp.W_out"] = laid_out(tensors.need(f"{b}.ffn_down.weight", (d, d_mlp)).T, F32)  # [d_mlp, d_model]
-    output = tensors.take("output.weight", (d_vocab, d), optional=True)
-    sd["unembed.W_U"] = laid_out((output if output is not None else W_E).T, F32)  # [d_model, d_vocab] (tied: a copy)
     if cfg.use_bias:
         sd["unembed.b_U"] = torch.zeros(d_vocab)
     tensors.finish()
     return sd
 
 
-def gguf_tokenizer(meta: _Metadata, bos_token_id: int | None) -> Tokenizer | None:
-    """The byte-level BPE described by `tokenizer.ggml.*`; None when the file has no tokenizer; CheckpointError
-    naming the tokenizer model or pre-tokenizer when it is one this code does not build."""
-    model = meta.get("tokenizer.ggml.model")
-    if model is None:
-        return None
-    if model != "gpt2":
-        raise CheckpointError(
-            f"{meta.name}: tokenizer.ggml.model {model!r} is not supported (byte-level BPE 'gpt2' only); "
-            f"convert the file's tokenizer to a tokenizer.json"
-        )
-    pre = meta.get("tokenizer.ggml.pre", "gpt-2")
-    if pre not in PRE_TOKENIZERS:
-        raise CheckpointError(
-            f"{meta.name}: tokenizer.ggml.pre {pre!r} is not supported; supported: {', '.join(sorted(PRE_TOKENIZERS))}"
-        )
-    tokens, merges = meta.get("tokenizer.ggml.tokens"), meta.get("tokenizer.ggml.merges", [])
-    types = meta.get("tokenizer.ggml.token_type", [])
-    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
-        raise CheckpointError(f"{meta.name}: tokenizer.ggml.tokens is not a list of strings")
-    pairs = [tuple(m.split(" ")) for m in merges] if isinstance(merges, list) else []
-    if len(pairs) != len(merges) or any(len(pair) != 2 for pair in pairs):
-        raise CheckpointError(f"{meta.name}: tokenizer.ggml.merges must be strings 'left right'")
-    special = [t for t, kind in zip(tokens, types, strict=False) if kind in (CONTROL_TOKEN, USER_DEFINED_TOKEN)]
-    return Tokenizer.from_bpe(
-        tokens, pairs, special, split_digits=PRE_TOKENIZERS[pre], bos_token_id=bos_token_id,  # type: ignore[arg-type]
-        source=f"{meta.name} (tokenizer.ggml.*)",
-    )  # fmt: skip
-
-
-def read_gguf(
-    path: Path, check: Callable[[ModelConfig], None] | None = None
-) -> tuple[ModelConfig, State, dict[str, str], Tokenizer | None]:
-    """(config, TransformerLens state dict in float32, key -> file name, tokenizer) of one GGUF file.
-
-    `check(cfg)` runs once the config is known, before any tensor is dequantised (a price check may refuse)."""
-    reader = _reader(path)
-    meta, tensors = _Metadata(reader, path.name), _Tensors(reader, path.name)
-    embed = tensors.raw.get("token_embd.weight")
-    if embed is None:
-        raise CheckpointError(f"{path.name}: missing tensor token_embd.weight")
-    d_vocab = int(embed.shape[-1])  # ggml shape [d_model, d_vocab]
-    cfg = gguf_config(meta, d_vocab, attention_bias="blk.0.attn_q.bias" in tensors.raw)
-    if check is not None:
-        check(cfg)
-    tokenizer = gguf_tokenizer(meta, cfg.bos_token_id)
-    if tokenizer is not None and tokenizer.vocab_size > d_vocab:
-        raise CheckpointError(f"{path.name}: tokenizer has {tokenizer.vocab_size} tokens, the model only {d_vocab}")
-    with one_thread():  # thousands of short ops: see formats_llama.one_thread
-        state = gguf_state(cfg, tensors)
-    return cfg, state, dict.fromkeys(state, path.name), tokenizer
+def read_gguf(path: Path, check: Callable[[ModelConfig], None] | None = None) -> GGUFModel:
+    """The config, TransformerLens state dict in float32, key -> file name, tokenizer and defaulted values of one
+    GGUF file. `check(cfg)` runs once the config is known, before any tensor is dequantised (a price check may
+    refuse) and before the tokenizer's arrays are decoded."""
+    with GGUFHeader(path) as header:
+        embed = header.tensors.get("token_embd.weight")
+        if embed is None:
+            raise CheckpointError(f"{path.name}: missing tensor token_embd.weight")
+        d_vocab = int(embed.shape[0])  # numpy shape [d_vocab, d_model]
+        cfg, defaulted = gguf_config(header, d_vocab, attention_bias="blk.0.attn_q.bias" in header.tensors)
+        if check is not None:
+            check(cfg)
+        arch = str(header.value("general.architecture"))
+        tokenizer = gguf_tokenizer(header, arch, d_vocab, cfg.bos_token_id)
+        with one_thread():  # thousands of short ops: see llama.one_thread
+            state = gguf_state(cfg, ARCHITECTURES[arch], _Tensors(header))
+    return GGUFModel(cfg, state, dict.fromkeys(state, path.name), tokenizer, defaulted)

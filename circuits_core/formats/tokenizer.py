@@ -9,11 +9,16 @@ Byte-level BPE stores a leading space as 'Ġ' and a newline as 'Ċ'; `token_str`
 (' the', '\\n') so charts and JSON read naturally. A token holding only part of a UTF-8 character ('Ã' is
 the byte 0xC3, the first half of 'é') is shown as its bytes ('\\xc3'), never as the byte alphabet's letters;
 in a sequence (`token_strs`) the character is shown whole on the token that completes it (`readable_pieces`).
+SentencePiece vocabularies (Gemma's) spell a space '▁' and fall back to byte pieces '<0xC3>'; `sentencepiece_bytes`
+reads those the same way.
 """
 
 from __future__ import annotations
 
 import operator
+import re
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -38,6 +43,8 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 BYTE_OF_CHAR = {c: b for b, c in _bytes_to_unicode().items()}
+SENTENCEPIECE_SPACE = "\u2581"  # '▁': SentencePiece's spelling of a space
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback piece of a SentencePiece vocabulary
 
 
 def byte_level_bytes(entry: str) -> bytes | None:
@@ -46,6 +53,15 @@ def byte_level_bytes(entry: str) -> bytes | None:
         return bytes(BYTE_OF_CHAR[c] for c in entry)
     except KeyError:
         return None
+
+
+def sentencepiece_bytes(entry: str) -> bytes | None:
+    """The bytes a SentencePiece vocabulary entry stands for: '<0xC3>' -> b'\\xc3' (byte fallback), '▁the' ->
+    b' the'."""
+    byte = _BYTE_PIECE.fullmatch(entry)
+    if byte is not None:
+        return bytes([int(byte.group(1), 16)])
+    return entry.replace(SENTENCEPIECE_SPACE, " ").encode("utf-8")
 
 
 def _unfinished(data: bytes) -> int:
@@ -86,13 +102,30 @@ def _special_token_name(value: object) -> str | None:
 class Tokenizer:
     """Encode text to token ids and show ids as readable strings."""
 
-    def __init__(self, hf: HFTokenizer, bos_token_id: int | None = None, source: str = ""):
-        self.hf, self.source = hf, source
+    def __init__(
+        self,
+        hf: HFTokenizer | Future[HFTokenizer],
+        bos_token_id: int | None = None,
+        source: str = "",
+        vocab_size: int | None = None,
+        piece_bytes: Callable[[str], bytes | None] = byte_level_bytes,
+    ):
+        """`hf` may be a Future (a tokenizer still being built, e.g. Gemma's 262k-entry vocabulary, built beside the
+        weights while they load): then `vocab_size` must be given, and the first use waits for it."""
+        self._hf, self.source, self.piece_bytes = hf, source, piece_bytes
+        self._vocab_size = vocab_size
         if bos_token_id is None:
-            bos_token_id = hf.token_to_id(DEFAULT_BOS)
+            bos_token_id = self.hf.token_to_id(DEFAULT_BOS)
         if bos_token_id is not None and not 0 <= bos_token_id < self.vocab_size:
             raise InvalidInputError(f"bos_token_id {bos_token_id} is outside the vocabulary of {self.vocab_size}")
         self.bos_token_id: int | None = bos_token_id
+
+    @property
+    def hf(self) -> HFTokenizer:
+        """The `tokenizers` tokenizer (waiting for it when it is still being built)."""
+        if isinstance(self._hf, Future):
+            self._hf = self._hf.result()
+        return self._hf
 
     # ---- construction -------------------------------------------------------------------------------------
 
@@ -186,7 +219,9 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self.hf.get_vocab_size(with_added_tokens=True)
+        if self._vocab_size is None:
+            self._vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
+        return self._vocab_size
 
     def encode(self, text: str, prepend_bos: bool = True) -> list[int]:
         """Token ids of `text`, with the BOS id first when `prepend_bos` (an error if there is no BOS)."""
@@ -211,7 +246,7 @@ class Tokenizer:
         """Readable text of consecutive tokens (a prompt): a character split over tokens ('é' = 'Ã' + '©' in
         byte-level BPE) is shown whole on the token that completes it (`readable_pieces`)."""
         texts = [self.hf.decode([self._check_id(i)], skip_special_tokens=False) for i in ids]
-        pieces = [byte_level_bytes(self.hf.id_to_token(i) or "") for i in ids]
+        pieces = [self.piece_bytes(self.hf.id_to_token(i) or "") for i in ids]
         if all("\ufffd" not in t for t in texts) or any(p is None for p in pieces):
             return texts
         return readable_pieces([p for p in pieces if p is not None])

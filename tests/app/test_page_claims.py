@@ -210,6 +210,33 @@ def test_overview_scatter_places_the_induction_head(client, toy2l, card2l):
     ) == said
 
 
+def test_positivity_analysis_equals_dense_eigenvalues_and_fits_its_price(client, toy2l, card2l):
+    """GET .../positivity (the overview's scatter): every layer-1 head's K-composition positivity with the
+    previous-token head equals the dense [d_model, d_model] eigenvalue computation, and the answer fits its price."""
+    from app.analysis import BoundAnalyses
+    from app.views.positivity import POSITIVITY
+
+    answer = client.get("/api/v1/models/toy-2l/positivity")
+    assert answer.status_code == 200, answer.text
+    got = answer.json()
+    prev = card2l["previous_token_scores"][0]
+    p = max(range(len(prev)), key=lambda i: prev[i])
+    assert got["previous_token_head"] == f"L0H{p}"
+    m = toy2l
+    G = m.W_E.T @ m.W_E  # toy-2l has no LayerNorm: W_E_eff = W_E
+    for point in got["points"]:
+        h = int(point["head"].split("H")[1])
+        eig = torch.linalg.eigvals(m.W_Q[1, h] @ m.W_K[1, h].T @ (m.W_V[0, p] @ m.W_O[0, p]).T @ G)
+        eig = eig[eig.abs().argsort(descending=True)[: m.cfg.d_head]]
+        assert point["k_composition_positivity"] == pytest.approx(float(eig.sum().real / eig.abs().sum()), abs=1e-4)
+    assert [pt["head"] for pt in got["points"]] == [f"L1H{h}" for h in range(m.cfg.n_heads)]
+    app = client.app
+    declared: BoundAnalyses = app.state.analyses
+    loaded = app.state.registry.get("toy-2l")
+    cost = POSITIVITY.cost(loaded, declared.bound(POSITIVITY).model_validate({}), app.state.settings.limits)
+    assert len(answer.content) <= cost.answer_bytes and cost.peak_bytes > 0 and cost.flops > 0
+
+
 @pytest.mark.skipif(not SMOLLM2.exists(), reason="SmolLM2-135M not fetched (make smollm2)")
 def test_smollm2_detectors_page_loss_sentence():
     """The fetched model: the detectors page's sentence agrees with its measured summary (model_summary.json,

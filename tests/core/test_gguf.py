@@ -57,11 +57,15 @@ def write_gguf(
     extra_kv: dict[str, str] | None = None,
     seed: int = 0,
     bos_token_id: int | None = None,
+    extra_arrays: dict[str, list] | None = None,
+    extra_tokens: int = 0,
 ) -> dict[str, np.ndarray]:
-    """A tiny Llama-family GGUF; returns the float32 tensors written (HF layout, before permutation/quantisation)."""
+    """A tiny Llama-family GGUF; returns the float32 tensors written (HF layout, before permutation/quantisation).
+    `extra_arrays`: metadata arrays qkov never reads; `extra_tokens`: vocabulary entries beyond the embedding's rows."""
     rng = np.random.default_rng(seed)
     tokens, merges, eot = _bpe()
     d_vocab = len(tokens)
+    tokens = tokens + [f"<extra{i}>" for i in range(extra_tokens)]
 
     def rand(*shape: int, std: float = 0.3) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(np.float32)
@@ -104,6 +108,8 @@ def write_gguf(
     writer.add_eos_token_id(eot)
     for key, value in (extra_kv or {}).items():
         writer.add_string(key, value)
+    for key, items in (extra_arrays or {}).items():
+        writer.add_array(key, items)
     for name, value in hf.items():
         if name.endswith(("attn_q.weight", "attn_k.weight")) and arch != "qwen2":  # Qwen2's rows stay rotate-half
             value = llama_permute(value, N_HEADS if "attn_q" in name else N_KV)
@@ -159,7 +165,8 @@ def test_logits_equal_transformers_reading_the_same_file(tiny):
 def test_the_rotate_half_layout_on_a_gguf_gives_other_logits(tiny):
     """The trap the layout switch guards against: the same weights read as rotate-half still run, wrongly."""
     folder, _, hf, _ = tiny
-    cfg, state, origin, _ = read_gguf(folder / "tiny.gguf")
+    read = read_gguf(folder / "tiny.gguf")
+    cfg, state, origin = read.cfg, read.state, read.origin
     wrong_layout = dataclasses.replace(cfg, rotary_adjacent_pairs=not cfg.rotary_adjacent_pairs)
     wrong = build_model(wrong_layout, state, torch.float32, origin)
     tokens = _tokens(cfg.d_vocab)
@@ -173,7 +180,7 @@ def test_tensors_round_trip(tiny):
     (Q8_0: half a step of max|block|/127; Q4_1: half a step of (max - min)/15 per block of 32; plus the float16
     rounding of the block's scale) and bit-equal to transformers' own dequantisation."""
     folder, written, hf, matrix_type = tiny
-    _, state, _, _ = read_gguf(folder / "tiny.gguf")
+    state = read_gguf(folder / "tiny.gguf").state
     hf_state = hf.state_dict()
     assert torch.equal(state["blocks.1.ln1.w"], torch.from_numpy(written["blk.1.attn_norm.weight"]))
     assert torch.equal(state["ln_final.w"], torch.from_numpy(written["output_norm.weight"]))

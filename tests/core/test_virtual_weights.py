@@ -1,6 +1,7 @@
 """Virtual weights (float64): factored products and all-pairs Gram scores vs dense matrices built here from the
 parameters, head -> head scores vs composition.py, the random baseline vs sampled random matrices."""
 
+import copy
 import math
 
 import pytest
@@ -314,3 +315,41 @@ def test_cost_counts_the_factor_copies():
     small, big = _model("attn-only-shortformer"), _model("ln-standard-mlp-bias")
     assert 0 < vw.all_scores_cost(small).peak_bytes
     assert vw.all_scores_cost(big).answer_bytes > 0
+
+
+def _graded_float32_model():
+    """A float32 model (d_model 64) whose W_U and layer-0 MLP output have singular values spread over three decades:
+    the small ones are genuine (exact float32 matrices), well above float32 rounding of the products."""
+    fields = dict(CONFIGS["ln-standard-mlp-bias"], d_model=64, d_head=8, n_heads=4, d_vocab=200, d_mlp=96)
+    model = random_model(ModelConfig(**{**dict(n_ctx=10), **fields}), seed=1, dtype=torch.float32, std_embed=0.5)
+    gen = torch.Generator().manual_seed(2)
+    s = torch.logspace(0, -3, 64, dtype=torch.float64)
+    with torch.no_grad():
+        for W in (model.unembed.W_U, model.blocks[0].mlp.W_out):
+            P = torch.linalg.qr(torch.randn(W.shape[0], 64, generator=gen, dtype=torch.float64))[0]
+            Q = torch.linalg.qr(torch.randn(W.shape[1], 64, generator=gen, dtype=torch.float64))[0]
+            W.copy_(((P * s) @ Q.T).float())
+    return model
+
+
+@pytest.mark.parametrize("pair", [("embed", "unembed"), ("L0.mlp", "unembed"), ("L0.mlp", "L1.mlp.in")])
+def test_pair_singular_values_in_float32_are_every_dense_float64_one(pair):
+    """On float32 weights every singular value of the pair (not only the top few) matches a dense float64 SVD of the
+    same float32 matrices, and the pair score matches the all-pairs table: a cut at r sqrt(eps_32) s_max zeroed
+    every value below 2 % of the largest."""
+    model = _graded_float32_model()
+    W, R = sc.parse_writer(model, pair[0]), sc.parse_reader(model, pair[1])
+    rep = vw.pair_report(model, W, R, k=3)
+    m64 = copy.deepcopy(model).double()  # the same float32 values, exactly, in float64
+    writer, reader = dense_writer(m64, W), dense_reader(m64, R)
+    dense = writer @ reader
+    S = torch.linalg.svdvals(dense)
+    got = torch.tensor(rep.singular_values, dtype=torch.float64)
+    n = min(S.shape[0], got.shape[0])
+    assert int(((S[:n] < 0.02 * S[0]) & (S[:n] > 1e-4 * S[0])).sum()) >= 10  # genuine values the old cut zeroed
+    torch.testing.assert_close(got[:n], S[:n], rtol=0, atol=1e-5 * float(S[0]))
+    assert rep.score == pytest.approx(_dense_score(writer, reader), rel=1e-5)
+    table = vw.all_scores(model)
+    i = [w.name for w in table.writers].index(W.name)
+    j = [r.name for r in table.readers].index(R.name)
+    assert rep.score == pytest.approx(float(table.raw[i, j]), rel=1e-4)

@@ -1,0 +1,287 @@
+"""The pages of a model's heads: the overview (the model's summary, the heads table as a heatmap, the paper's 2-D
+view of induction) and one head (its spectra, its circuits, the heads it composes with). Pages (app/routers/rendering.py),
+listed in app/routers/pages.py PAGES."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from app import charts
+from app.compute import cheap
+from app.params import (
+    DEFAULT_VOCAB,
+    CompositionParams,
+    HeadParams,
+    K,
+    NoParams,
+    Offset,
+    OVParams,
+    QKParams,
+    SkipTrigramParams,
+)
+from app.routers.pages_rotary import head_rotary_context, rotary_enabled
+from app.routers.rendering import (
+    PageCall,
+    is_fragment,
+)
+from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
+from app.views.basis import basis
+from app.views.circuits import OV, QK, SKIP_TRIGRAMS, has_token_counts
+from app.views.composition import COMPOSITION
+from app.views.heads import HEAD, HEADS
+from app.views.models import build_model_view
+from app.views.page_claims import scatter_sentence
+from app.views.positivity import POSITIVITY
+from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import all_heads, head_name
+
+# The head scores the overview heatmap can show: key -> (label, signed)
+SCORES: dict[str, tuple[str, bool]] = {
+    "induction": ("induction", False),
+    "previous_token": ("previous token", False),
+    "duplicate_token": ("duplicate token", False),
+    "current_token": ("current token", False),
+    "first_token": ("first token (BOS)", False),
+    "ov_copying": ("OV copying (Σλ/Σ|λ|)", True),
+    "qk_copying": ("QK copying (Σλ/Σ|λ|)", True),
+}
+
+POSITIONAL_SHOWN = 64  # first positions drawn in the positional QK heatmap (the JSON twin has them all)
+
+# The page's "tokens" picker: every token, or those seen at least N times in training (the API's min_count).
+MIN_COUNT_CHOICES = (50, 200, 500, 1000, 2000)
+
+
+def heads_grid(loaded: LoadedModel, heads: list[HeadScores], score: str, model_id: str) -> dict[str, Any]:
+    """The overview heatmap: layers x heads of one score; a click opens the head."""
+    cfg = loaded.model.cfg
+    label, signed = SCORES[score]
+    z: list[list[float | None]] = [[None] * cfg.n_heads for _ in range(cfg.n_layers)]
+    names = [[head_name(layer, h) for h in range(cfg.n_heads)] for layer in range(cfg.n_layers)]
+    for s in heads:
+        z[s.layer][s.index] = getattr(s, score)
+    links = [[f"/models/{model_id}/heads/{n}" for n in row] for row in names]
+    return charts.heatmap(
+        z,
+        [f"H{h}" for h in range(cfg.n_heads)],
+        [f"L{layer}" for layer in range(cfg.n_layers)],
+        title=f"{label} score per head (click a head to open it)",
+        x_title="head",
+        y_title="layer",
+        signed=signed,
+        zmax=1.0,
+        customdata=names,
+        hover="%{customdata}<br>" + label + " %{z:.3f}",
+        links=links,
+        colorbar=label,
+        text_in_cells=cfg.n_layers * cfg.n_heads <= 64,
+        height=max(220, 70 * cfg.n_layers + 120),
+    )
+
+
+async def composition_partners(call: PageCall, name: str, top: int = 6) -> list[dict[str, Any]]:
+    """The heads this head composes with most (Q, K, V; score minus baseline), from the composition views."""
+    if call.loaded is None or call.loaded.model.cfg.n_layers < 2:
+        return []
+    rows = []
+    for kind in ("Q", "K", "V"):
+        view, _ = await call.attempt(COMPOSITION, CompositionParams(kind=kind))
+        if view is None:
+            continue
+        for i, src in enumerate(view.sources):
+            for j, dst in enumerate(view.targets):
+                value = view.minus_baseline[i][j]
+                if value is not None and name in (src, dst):
+                    rows.append(
+                        {
+                            "kind": kind,
+                            "source": src,
+                            "target": dst,
+                            "score": view.scores[i][j],
+                            "minus_baseline": value,
+                            "partner": dst if src == name else src,
+                            "role": "writes to" if src == name else "reads from",
+                        }
+                    )
+    return sorted(rows, key=lambda r: -r["minus_baseline"])[:top]
+
+
+def training_curve(card: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The model card's evaluation history as loss curves (train and validation loss against the step)."""
+    history = (card or {}).get("history")
+    if (
+        not isinstance(history, list)
+        or not all(isinstance(r, dict) and "step" in r for r in history)
+        or len(history) < 2
+    ):
+        return None
+    series = {
+        name: [r.get(key) for r in history]
+        for key, name in (("train_loss", "train loss"), ("val_loss", "validation loss"))
+        if any(isinstance(r.get(key), (int, float)) for r in history)
+    }
+    if not series:
+        return None
+    return charts.lines(
+        [r["step"] for r in history],
+        series,
+        title="training curve (model card history)",
+        x_title="step",
+        y_title="loss (nats)",
+    )
+
+
+def head_charts(view: HeadView) -> dict[str, Any]:
+    figs: dict[str, Any] = {
+        "ov_eig": charts.complex_scatter(
+            [(c.re, c.im) for c in view.ov_eigenvalues],
+            title=f"OV eigenvalues of W_E W_OV W_U · copying {view.scores.ov_copying:+.3f}"
+            if view.scores.ov_copying is not None
+            else "OV eigenvalues",
+        ),
+        "qk_eig": charts.complex_scatter(
+            [(c.re, c.im) for c in view.qk_eigenvalues],
+            title=f"QK eigenvalues of W_E W_QK W_E^T · {view.scores.qk_copying:+.3f}"
+            if view.scores.qk_copying is not None
+            else "QK eigenvalues",
+        ),
+        "svals": charts.grouped_bars(
+            [str(i) for i in range(len(view.ov_singular_values))],
+            {"W_OV": view.ov_singular_values, "W_QK": view.qk_singular_values},
+            title="singular values of W_OV and W_QK",
+            x_title="index",
+        ),
+    }
+    if view.positional is not None:
+        n = min(view.positional.n_positions, POSITIONAL_SHOWN)
+        figs["positional"] = charts.heatmap(
+            [row[:n] for row in view.positional.pattern[:n]],
+            [str(i) for i in range(n)],
+            [str(i) for i in range(n)],
+            digits=3,
+            title="softmax(W_pos W_QK W_pos^T / √d_head), causal",
+            x_title="key position",
+            y_title="query position",
+            signed=False,
+            zmax=1.0,
+            hover="query %{y} → key %{x}<br>%{z:.3f}",
+            colorbar="attention",
+        )
+    return figs
+
+
+# -- a model's overview: its summary, the heads table and the paper's 2-D view of induction -------------------------
+class OverviewParams(NoParams):
+    score: Literal[
+        "induction", "previous_token", "duplicate_token", "current_token", "first_token", "ov_copying", "qk_copying"
+    ] = Field("induction", description="the head score the heatmap shows")
+
+
+async def overview_context(call: PageCall) -> dict[str, Any]:
+    loaded, model_id, score = call.model, call.model_id or "", call.params.score
+    summary = build_model_view(loaded, await cheap(call.registry.entry, model_id))
+    heads: HeadsView = await call.run(HEADS, NoParams())
+    call.title = model_id
+    fig = heads_grid(loaded, heads.heads, score, model_id) if heads.heads else None
+    scatter, scatter_claim, refused = None, None, None
+    if applies_to(POSITIVITY, loaded) and not is_fragment(call.request):
+        view, scatter_error = await call.attempt(POSITIVITY, NoParams())
+        if view is not None:
+            pts = [p.model_dump() for p in view.points]
+            scatter = charts.scatter(
+                [p["ov_copying"] or 0.0 for p in pts],
+                [p["k_composition_positivity"] for p in pts],
+                [p["head"] for p in pts],
+                title=f"OV copying vs K-composition positivity with previous-token head {view.previous_token_head}",
+                x_title="OV copying score (Σλ/Σ|λ|)",
+                y_title="K-composition positivity",
+                links=[f"/models/{model_id}/heads/{p['head']}" for p in pts],
+            )
+            scatter_claim = scatter_sentence(pts, heads)
+        elif scatter_error is not None and scatter_error["status"] == 422:
+            refused = scatter_error["detail"]  # refused for good: the page says why
+        else:
+            call.keep = False  # failed this time (busy, timeout): the page is not kept without its scatter
+    return {
+        "summary": summary,
+        "heads": heads,
+        "score": score,
+        "scores": SCORES,
+        "fig": fig,
+        "scatter": scatter,
+        "scatter_claim": scatter_claim,
+        "served_basis": basis(loaded),
+        "scatter_refused": refused,
+        "card_fig": training_curve(summary.card),
+    }
+
+
+def applies_to(analysis: Any, loaded: LoadedModel) -> bool:
+    return loaded.model.cfg.n_layers >= analysis.needs_layers
+
+
+# -- one head: its spectra and its circuits ---------------------------------------------------------------------
+class HeadPageParams(OVParams):
+    k: K = 10
+    offset: Offset = 0  # rotary models: the QK tables at this query-key offset
+
+
+async def head_context(call: PageCall) -> dict[str, Any]:
+    p: HeadPageParams = call.params
+    cfg, name, model = call.model.model.cfg, p.head, call.model_id
+    fragment_only = is_fragment(call.request) and call.request.headers.get("HX-Target") == "circuits"
+    view: HeadView | None = None if fragment_only else await call.run(HEAD, HeadParams(head=name))
+    b, v = p.basis, p.vocab  # every table of the circuits panel on the weights (issue 12.2) and token set chosen
+    ov: CircuitTopView = await call.run(
+        OV, OVParams(head=name, token=p.token, k=p.k, min_count=p.min_count, basis=b, vocab=v)
+    )
+    qk_q: CircuitTopView = await call.run(
+        QK,
+        QKParams(
+            head=name, token=p.token, k=p.k, side="query", min_count=p.min_count, offset=p.offset, basis=b, vocab=v
+        ),
+    )
+    qk_k = None
+    if p.token is not None:
+        qk_k = await call.run(
+            QK,
+            QKParams(
+                head=name, token=p.token, k=p.k, side="key", min_count=p.min_count, offset=p.offset, basis=b, vocab=v
+            ),
+        )
+    skip = await call.run(
+        SKIP_TRIGRAMS,
+        SkipTrigramParams(head=name, token=p.token, k=p.k, min_count=p.min_count, offset=p.offset, basis=b, vocab=v),
+    )
+    partners = await composition_partners(call, name) if view is not None else []
+    every_head = [head_name(*pair) for pair in all_heads(cfg)]
+    i = every_head.index(name)
+    call.json_params = HeadParams(head=name)
+    return {
+        "head": name,
+        "view": view,
+        "ov": ov,
+        "qk_q": qk_q,
+        "qk_k": qk_k,
+        "skip": skip,
+        "token": p.token,
+        "k": p.k,
+        "figs": head_charts(view) if view is not None else {},
+        "max_k": call.limits.max_k,
+        "partners": partners,
+        "prev_head": every_head[i - 1] if i > 0 else None,
+        "next_head": every_head[i + 1] if i + 1 < len(every_head) else None,
+        "base_url": f"/models/{model}/heads/{name}",
+        "min_count": p.min_count,
+        "has_counts": has_token_counts(call.model),
+        "min_count_choices": MIN_COUNT_CHOICES,
+        "offset": p.offset or None,
+        "is_rotary": rotary_enabled(call),
+        "n_ctx": cfg.n_ctx,
+        "vocab": p.vocab if p.vocab == "all" and cfg.d_vocab > DEFAULT_VOCAB else None,
+        "n_vocab": cfg.d_vocab,
+        "default_vocab": DEFAULT_VOCAB,
+        **(await head_rotary_context(call, name) if view is not None else {"rotary": None}),
+    }

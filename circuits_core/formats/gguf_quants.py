@@ -1,0 +1,147 @@
+"""GGUF tensor types to float32: ggml's block formats decoded in torch, every other type through `gguf.quants`.
+
+A quantised tensor is rows of blocks; each block holds `block` values in `type_size` bytes (gguf.GGML_QUANT_SIZES).
+The commonest types are decoded here in torch (vectorised, bit-identical to `gguf.quants.dequantize`, the ggml
+project's reference code: tests/core/test_gguf_quants.py checks every bit on random bytes, any fp16 scale included):
+    Q8_0 [34 B / 32]: fp16 d, 32 int8 q                        -> d q
+    Q4_0 [18 B / 32]: fp16 d, 16 bytes of nibbles q            -> d (q - 8)
+    Q4_1 [20 B / 32]: fp16 d, fp16 m, 16 bytes of nibbles q    -> d q + m
+    Q5_0 [22 B / 32]: fp16 d, 32 high bits qh, 16 bytes of nibbles -> d (q - 16), q = nibble | high bit << 4
+    Q4_K [144 B / 256]: fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins (8 each), 128 bytes of nibbles
+                        -> (d sc_j) q - (dmin m_j) for sub-block j of 32
+    Q6_K [210 B / 256]: 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales, fp16 d -> (d sc_j) (q - 32)
+Every other type the gguf library knows (Q2_K, Q3_K, Q5_K, IQ*, ...) goes through `gguf.quants.dequantize`
+(numpy), one chunk of rows at a time. Rows are read from the file in chunks of about CHUNK_BYTES, so the quantised
+bytes never sit in memory whole beside the float32 tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from torch import Tensor
+
+from circuits_core.errors import CheckpointError
+from circuits_core.formats.gguf_header import GGUFHeader, TensorInfo
+
+Q = gguf.GGMLQuantizationType
+CHUNK_BYTES = 8 << 20
+
+
+def _half(blocks: Tensor, start: int) -> Tensor:
+    """The fp16 numbers at bytes start, start + 1 of each block, [n, 1] float32, converted by numpy as the
+    reference is (torch turns a NaN scale into another NaN bit pattern)."""
+    return torch.from_numpy(blocks[:, start : start + 2].contiguous().numpy().view(np.float16).astype(np.float32))
+
+
+def _nibbles(qs: Tensor) -> Tensor:
+    """[n, k] bytes -> [n, 2k] uint8: the k low nibbles, then the k high ones (ggml's order within 32 values)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+
+
+def _q8_0(blocks: Tensor) -> Tensor:
+    """q d in one pass (numpy casts each int8 to float32 exactly, then one rounding: the reference's product)."""
+    out = np.empty((blocks.shape[0], 32), dtype=np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        np.multiply(blocks[:, 2:].numpy().view(np.int8), _half(blocks, 0).numpy(), out=out)
+    return torch.from_numpy(out)
+
+
+def _q4_0(blocks: Tensor) -> Tensor:
+    return (_nibbles(blocks[:, 2:]).to(torch.int8) - 8).float().mul_(_half(blocks, 0))
+
+
+def _q4_1(blocks: Tensor) -> Tensor:
+    """d q + m with two roundings, as the reference (a multiply, then an add, never fused)."""
+    return _nibbles(blocks[:, 4:]).float().mul_(_half(blocks, 0)).add_(_half(blocks, 2))
+
+
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def _q5_0(blocks: Tensor) -> Tensor:
+    qh = blocks[:, 2:6].contiguous().view(torch.int32)  # [n, 1] little-endian u32 of high bits
+    high = ((qh >> _BIT) & 1).to(torch.uint8)  # [n, 32]
+    q = _nibbles(blocks[:, 6:]) | (high << 4)
+    return (q.to(torch.int8) - 16).float().mul_(_half(blocks, 0))
+
+
+def _k_scales(scales: Tensor) -> tuple[Tensor, Tensor]:
+    """Q4_K's 12 bytes [n, 12] -> (sc, m) [n, 8] uint8: 6-bit scales and mins (ggml's get_scale_min_k4)."""
+    d, m, m_d = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=1)
+    mn = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=1)
+    return sc, mn
+
+
+def _q4_k(blocks: Tensor) -> Tensor:
+    n = blocks.shape[0]
+    sc, mn = _k_scales(blocks[:, 4:16])
+    d = (_half(blocks, 0) * sc.float()).view(n, 8, 1)  # [n, 8 sub-blocks, 1]
+    dm = (_half(blocks, 2) * mn.float()).view(n, 8, 1)
+    qs = blocks[:, 16:].reshape(n, 4, 1, 32)  # 4 groups of 32 bytes: low nibbles, then high, per group
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, 8, 32).float()
+    return (d * q - dm).view(n, 256)
+
+
+_SHIFT2 = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+
+
+def _q6_k(blocks: Tensor) -> Tensor:
+    n = blocks.shape[0]
+    ql = blocks[:, :128].reshape(n, 2, 1, 64)
+    ql = torch.cat([ql & 0x0F, ql >> 4], dim=2).reshape(n, 8, 32)
+    qh = ((blocks[:, 128:192].reshape(n, 2, 1, 32) >> _SHIFT2) & 0x03).reshape(n, 8, 32)
+    q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
+    d = (_half(blocks, 208) * scales).view(n, 16, 1)
+    return (d * q).view(n, 256)
+
+
+# type -> decoder of [n, type_size] uint8 blocks to [n, block] float32
+TORCH_DECODERS: dict[Any, Callable[[Tensor], Tensor]] = {
+    Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q4_K: _q4_k, Q.Q6_K: _q6_k,
+}  # fmt: skip
+_PLAIN = {Q.F32: np.float32, Q.F16: np.float16, Q.F64: np.float64}
+
+
+def decode_rows(raw: np.ndarray, ggml_type: Any) -> Tensor:
+    """[rows, bytes per row] uint8 of one type -> [rows, values per row] float32 (owning its memory)."""
+    rows = raw.shape[0]
+    type_size = gguf.GGML_QUANT_SIZES[ggml_type][1]
+    if ggml_type in _PLAIN:
+        return torch.from_numpy(raw.view(_PLAIN[ggml_type]).astype(np.float32)).view(rows, -1)
+    if ggml_type == Q.BF16:
+        return torch.from_numpy(raw).view(torch.bfloat16).float().view(rows, -1)
+    decode = TORCH_DECODERS.get(ggml_type)
+    if decode is not None:
+        return decode(torch.from_numpy(raw).view(-1, type_size)).view(rows, -1)
+    try:
+        values = gguf.quants.dequantize(raw, ggml_type)
+    except (NotImplementedError, ValueError) as exc:
+        raise CheckpointError(f"the gguf library cannot dequantise {ggml_type.name} ({exc})") from exc
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(rows, -1)
+
+
+def dequantize(header: GGUFHeader, info: TensorInfo) -> Tensor:
+    """One tensor of the file as float32 in numpy's shape, read and decoded a chunk of rows at a time."""
+    shape = info.shape
+    width = shape[-1]
+    rows = info.nbytes and int(np.prod(shape[:-1], dtype=np.int64))
+    out = torch.empty(int(np.prod(shape[:-1], dtype=np.int64)), width, dtype=torch.float32)
+    if not info.nbytes:
+        return out.view(shape)
+    row_bytes = info.nbytes // rows
+    step = max(1, CHUNK_BYTES // row_bytes)
+    for start in range(0, rows, step):
+        n = min(step, rows - start)
+        raw = header.read_bytes(info.offset + start * row_bytes, n * row_bytes).reshape(n, row_bytes)
+        try:
+            out[start : start + n] = decode_rows(raw, info.ggml_type)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{header.name}: tensor {info.name}: {exc}") from exc
+    return out.view(shape)

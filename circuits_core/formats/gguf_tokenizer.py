@@ -1,0 +1,142 @@
+"""The tokenizer a GGUF file describes in its `tokenizer.ggml.*` metadata, built with the `tokenizers` library.
+
+Two kinds (`tokenizer.ggml.model`):
+- "gpt2": byte-level BPE (SmolLM2, Qwen2, Qwen3): the vocabulary, the merges in rank order, and the pre-tokenizer
+  named by `tokenizer.ggml.pre` (PRE_TOKENIZERS: whether digits are split apart first).
+- "llama" on the Gemma architectures: SentencePiece's BPE with byte fallback, rebuilt from the vocabulary:
+  - spaces become '▁' before BPE (SentencePiece's normalisation; no prefix space is added, as Gemma's
+    tokenizer adds none), and the file's user-defined whitespace tokens ('  ', '   ', ...) are spelled with '▁'
+    so that BPE can reach them;
+  - the file has no merges: every split of an entry into two entries is a merge, ranked by the entry's place in
+    the vocabulary (SentencePiece keeps its pieces best-first: the file's scores are those places negated for
+    every normal token, and a placeholder -1000 for the control and user-defined ones), then longer left
+    piece first; this is how transformers rebuilds the same tokenizer from the same file;
+  - control tokens (type 3: `<bos>`, `<start_of_turn>`, ...) and user-defined ones (type 4: '\\n', '[multimodal]')
+    are matched whole in the text before BPE; byte pieces '<0x00>'..'<0xFF>' (type 6) are the fallback for
+    characters outside the vocabulary.
+  Gemma's 262,144 entries make about 515,000 merges: the tokenizer is built on a worker thread while the weights
+  are read, and its first use waits for it.
+Bounds: the vocabulary, its scores and token types hold at most one entry per row of the embedding, and the merges
+at most MERGES_PER_TOKEN per entry (Llama 3 lists 2.2 per entry); larger arrays are refused by name before they are
+decoded (gguf_header.GGUFHeader.strings).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from circuits_core.errors import CheckpointError
+from circuits_core.formats.gguf_header import GGUFHeader
+from circuits_core.formats.tokenizer import SENTENCEPIECE_SPACE, Tokenizer, sentencepiece_bytes
+
+# tokenizer.ggml.pre -> split every digit before byte-level BPE (llama.cpp's pre-tokenizer regexes: the
+# "smollm"/"starcoder" group adds \p{N} before GPT-2's pattern, the "gpt-2" group is GPT-2's pattern alone).
+PRE_TOKENIZERS: dict[str, bool] = {
+    "gpt-2": False, "gpt2": False, "mpt": False, "olmo": False, "jais": False,
+    "smollm": True, "starcoder": True, "refact": True, "command-r": True, "codeshell": True, "exaone": True,
+    "minerva-7b": True,
+}  # fmt: skip
+SENTENCEPIECE_ARCHITECTURES = ("gemma", "gemma2", "gemma3")  # SentencePiece BPE vocabularies read here
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type values
+MERGES_PER_TOKEN = 4
+_BUILDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qkov-tokenizer")
+
+
+def gguf_tokenizer(header: GGUFHeader, arch: str, d_vocab: int, bos_token_id: int | None) -> Tokenizer | None:
+    """The tokenizer of the file (None when it has none); CheckpointError naming the tokenizer model or
+    pre-tokenizer when it is one this code does not build, or an array larger than the model allows."""
+    model = header.value("tokenizer.ggml.model")
+    if model is None:
+        return None
+    name = header.name
+    tokens = header.strings("tokenizer.ggml.tokens", d_vocab)
+    if tokens is None:
+        raise CheckpointError(f"{name}: tokenizer.ggml.model is {model!r} but there is no tokenizer.ggml.tokens")
+    types = header.numbers("tokenizer.ggml.token_type", d_vocab)
+    if types is not None and len(types) != len(tokens):
+        raise CheckpointError(f"{name}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
+    kinds = types if types is not None else np.full(len(tokens), NORMAL)
+    if model == "gpt2":
+        return _byte_level(header, tokens, kinds, d_vocab, bos_token_id)
+    if model == "llama" and arch in SENTENCEPIECE_ARCHITECTURES:
+        scores = header.numbers("tokenizer.ggml.scores", d_vocab)
+        if scores is not None and len(scores) != len(tokens):
+            raise CheckpointError(f"{name}: tokenizer.ggml.scores has {len(scores)} entries for {len(tokens)} tokens")
+        unk = header.value("tokenizer.ggml.unknown_token_id")
+        unk_token = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
+        if len(set(tokens)) != len(tokens):
+            raise CheckpointError(f"{name}: tokenizer.ggml.tokens lists {len(tokens) - len(set(tokens))} entries twice")
+        job: Future[HFTokenizer] = _BUILDER.submit(sentencepiece_bpe, tokens, kinds, unk_token)
+        return Tokenizer(
+            job, bos_token_id, source=f"{name} (tokenizer.ggml.*, SentencePiece BPE)", vocab_size=len(tokens),
+            piece_bytes=sentencepiece_bytes,
+        )  # fmt: skip
+    kinds_read = "'gpt2' (byte-level BPE), or 'llama' (SentencePiece) on " + ", ".join(SENTENCEPIECE_ARCHITECTURES)
+    raise CheckpointError(
+        f"{name}: tokenizer.ggml.model {model!r} is not supported for architecture {arch!r} (read here: "
+        f"{kinds_read}); convert the file's tokenizer to a tokenizer.json"
+    )
+
+
+def _byte_level(
+    header: GGUFHeader, tokens: list[str], kinds: np.ndarray, d_vocab: int, bos_token_id: int | None
+) -> Tokenizer:
+    name = header.name
+    pre = header.value("tokenizer.ggml.pre", "gpt-2")
+    if pre not in PRE_TOKENIZERS:
+        raise CheckpointError(
+            f"{name}: tokenizer.ggml.pre {pre!r} is not supported; supported: {', '.join(sorted(PRE_TOKENIZERS))}"
+        )
+    merges = header.strings("tokenizer.ggml.merges", MERGES_PER_TOKEN * d_vocab) or []
+    pairs = [tuple(m.split(" ")) for m in merges]
+    if any(len(pair) != 2 for pair in pairs):
+        raise CheckpointError(f"{name}: tokenizer.ggml.merges must be strings 'left right'")
+    special = [t for t, kind in zip(tokens, kinds.tolist(), strict=True) if kind in (CONTROL, USER_DEFINED)]
+    return Tokenizer.from_bpe(
+        tokens, pairs, special, split_digits=PRE_TOKENIZERS[pre], bos_token_id=bos_token_id,  # type: ignore[arg-type]
+        source=f"{name} (tokenizer.ggml.*)",
+    )  # fmt: skip
+
+
+def sentencepiece_merges(spelled: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Every split of an entry into two entries, by the entry's place in the vocabulary, longer left piece first."""
+    merges = []
+    for entry in spelled:
+        for cut in range(len(entry) - 1, 0, -1):
+            left = entry[:cut]
+            if left in vocab:
+                right = entry[cut:]
+                if right in vocab:
+                    merges.append((left, right))
+    return merges
+
+
+def sentencepiece_bpe(tokens: list[str], kinds: np.ndarray, unk_token: str | None) -> HFTokenizer:
+    """SentencePiece's BPE with byte fallback over a Gemma vocabulary (see the module docstring)."""
+    spelled = [t.replace(" ", SENTENCEPIECE_SPACE) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {entry: i for i, entry in enumerate(spelled)}
+    bpe = models.BPE(
+        vocab=vocab, merges=sentencepiece_merges(spelled, vocab), unk_token=unk_token, fuse_unk=True, byte_fallback=True
+    )
+    hf = HFTokenizer(bpe)
+    hf.normalizer = normalizers.Replace(" ", SENTENCEPIECE_SPACE)
+    hf.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")  # (no space is left to split)
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace(SENTENCEPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    kind = kinds.tolist()
+    hf.add_special_tokens(
+        [AddedToken(t, normalized=False, special=True) for t, k in zip(tokens, kind, strict=True) if k == CONTROL]
+    )
+    hf.add_tokens(
+        [
+            AddedToken(t, normalized=False, special=False)
+            for t, s, k in zip(tokens, spelled, kind, strict=True)
+            if k == USER_DEFINED and t == s
+        ]
+    )
+    return hf
