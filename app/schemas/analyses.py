@@ -196,7 +196,9 @@ class QKPathsView(BaseModel):
         description="'query|key' -> [query][key] scores of the top pairs (masked entries are 0)"
     )
     scores: list[list[float | None]] = Field(description="the real attention scores (null above the diagonal)")
-    max_abs_error: float = Field(description="max |sum of all terms - real scores| over causal positions")
+    max_abs_error: float = Field(
+        description="max |sum of all terms (+ ALiBi's kernel -m_h (i - j)) - real scores| over causal positions"
+    )
 
 
 # -- term importance -------------------------------------------------------------------------------

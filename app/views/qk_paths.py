@@ -38,6 +38,8 @@ def build_qk_paths_view(loaded: LoadedModel, p: QKPathsParams, limits: Limits) -
         exp = expand_scores(model, run_tokens, (layer, h), run=run)
         causal = torch.ones(n, n, dtype=torch.bool, device=model.device).tril()
         total = exp.q_parts.sum(0) @ exp.k_parts.sum(0).T / exp.scale  # [n, n]: the sum of all C x C terms
+        if exp.positional is not None:  # ALiBi: + the linear kernel -m_h (i - j)
+            total = total + exp.positional
         error = float((total - exp.scores)[causal].abs().max())
         pairs = exp.top_pairs(k)
         terms = {f"{a}|{b}": exp.term(a, b).masked_fill(~causal, 0.0).double().tolist() for a, b, _ in pairs}

@@ -11,6 +11,7 @@ Formats (REGISTRY, keyed by `Format`):
   attention (llama_variants.py: QK-norm, soft caps, sliding windows, sandwich and output norms).
 - "gpt_oss": Hugging Face gpt-oss folders (sinks, mixture of experts, MXFP4 experts; gpt_oss.py).
 - "mixtral", "qwen3_moe", "olmoe": the Llama layout with a mixture-of-experts MLP (moe_families.py).
+- "bloom", "mpt": ALiBi models (alibi_families.py).
 - "gguf": a folder without config.json holding one `.gguf` file (llama.cpp, ollama), named after the folder;
   config, tensors and tokenizer all come from that file (formats_gguf.py).
 
@@ -40,6 +41,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from circuits_core.errors import CheckpointError, InvalidInputError
+from circuits_core.formats.alibi_families import ALIBI_MODEL_TYPES, alibi_config, load_alibi
 from circuits_core.formats.gguf import Defaulted, gguf_file, read_gguf
 from circuits_core.formats.gpt_oss import gpt_oss_config, load_gpt_oss
 from circuits_core.formats.hf import load_gpt2, load_gpt_neox
@@ -67,7 +69,7 @@ from circuits_core.schedule import in_background
 
 Format = Literal[
     "qkov", "transformer_lens", "gpt2", "gpt_neox", "gguf", "llama", "mistral", "qwen2",
-    "gemma2", "gemma3_text", "gemma3", "qwen3", "olmo2", "olmo3", "gpt_oss", "mixtral", "qwen3_moe", "olmoe",
+    "gemma2", "gemma3_text", "gemma3", "qwen3", "olmo2", "olmo3", "gpt_oss", "mixtral", "qwen3_moe", "olmoe", "bloom", "mpt",
 ]  # fmt: skip
 FORMATS: tuple[str, ...] = get_args(Format)
 QKOV_FORMAT_VERSION = 1
@@ -80,12 +82,14 @@ HF_MODEL_TYPES: dict[str, Format] = {
     "gpt2": "gpt2", "gpt_neox": "gpt_neox", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
     "gemma2": "gemma2", "gemma3_text": "gemma3_text", "gemma3": "gemma3", "qwen3": "qwen3", "olmo2": "olmo2",
     "olmo3": "olmo3", "gpt_oss": "gpt_oss", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "olmoe": "olmoe",
+    "bloom": "bloom", "mpt": "mpt",
 }  # fmt: skip
 SAFETENSORS_FAMILIES = (
     *LLAMA_MODEL_TYPES,
     *VARIANT_MODEL_TYPES,
     "gpt_oss",
     *MOE_MODEL_TYPES,
+    *ALIBI_MODEL_TYPES,
 )  # read shard by shard (llama.py's reader)
 LOAD_OPTIONS_FILE = "qkov.json"  # per-checkpoint load options (processing), next to config.json
 # Files besides config.json and the weights that can change an answer, so they are part of the digest: the
@@ -100,6 +104,7 @@ CONFIG_READERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     **dict.fromkeys(VARIANT_MODEL_TYPES, variant_config),
     "gpt_oss": gpt_oss_config,
     **dict.fromkeys(MOE_MODEL_TYPES, moe_config),
+    **dict.fromkeys(ALIBI_MODEL_TYPES, alibi_config),
 }
 TL_BUFFERS = (".attn.mask", ".attn.IGNORE", ".attn.rotary_sin", ".attn.rotary_cos")
 
@@ -272,6 +277,8 @@ REGISTRY: dict[Format, Loader] = {
     "mixtral": load_moe,
     "qwen3_moe": load_moe,
     "olmoe": load_moe,
+    "bloom": load_alibi,
+    "mpt": load_alibi,
     "gemma2": load_variant,
     "gemma3_text": load_variant,
     "gemma3": load_variant,

@@ -5,7 +5,8 @@ Grouped-query attention stores K/V per key/value head, as TransformerLens 3.9's 
 models rotate q and k by position (rope.py, each layer with its own rope: ModelConfig.layer_rope) before the scores.
 The newest attention: QK-norm before the rotation (qk_norm.py), soft-capped scores (soft_cap.py; hook_attn_scores
 holds the capped scores the softmax sees, hook_attn_scores_uncapped the scores before the cap) and sliding windows
-on local layers (window.py). Learned sinks (gpt-oss) add one logit per head to every softmax row (`sink_softmax`).
+on local layers (window.py). Learned sinks (gpt-oss) add one logit per head to every softmax row (`sink_softmax`); ALiBi (alibi.py) adds
+-m_h (i - j) to the scores.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from circuits_core.errors import InvalidInputError
+from circuits_core.model.alibi import alibi_kernel
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.hooks import Frozen, Recorder
 from circuits_core.model.linear import affine
@@ -126,6 +128,8 @@ class Attention(nn.Module):
             if cfg.attn_scores_soft_cap is not None:
                 rec(f"{prefix}.hook_attn_scores_uncapped", scores.clone())
                 scores = soft_cap(scores, cfg.attn_scores_soft_cap)
+            if cfg.alibi is not None:  # the linear positional kernel -m_h (i - j) (alibi.py)
+                scores = scores + alibi_kernel(cfg, n, scores.device).to(scores.dtype)
             seen = visible(n, cfg.layer_window(self.layer), q.device)  # causal (and within the window)
             scores.masked_fill_(~seen, float("-inf"))
             rec(f"{prefix}.hook_attn_scores", scores)

@@ -100,6 +100,10 @@ class ModelConfig:
     # chosen logits (Mixtral, gpt-oss), else the full softmax's top-k entries (OLMoE, Qwen3-MoE's default).
     # clamped_swiglu: gpt-oss's expert (gate clamped above at swiglu_limit, up clamped to +-swiglu_limit,
     # out = (up + 1) gate sigmoid(swiglu_alpha gate)) instead of silu(gate) up.
+    # ALiBi (alibi.py): no positions in the stream; head h adds -m_h (i - j) to its scores, with the slopes m_h by
+    # BLOOM's rule or MPT's (alibi_bias_max), which differ when n_heads is not a power of two.
+    alibi: Literal["bloom", "mpt"] | None = None
+    alibi_bias_max: float = field(default=8.0, metadata={"gt": 0})
     num_experts: int | None = field(default=None, metadata={"ge": 1})
     experts_per_token: int = field(default=1, metadata={"ge": 1})
     moe_norm_topk: bool = True
@@ -173,6 +177,8 @@ class ModelConfig:
                 )
         elif self.clamped_swiglu:
             raise InvalidInputError("clamped_swiglu is an expert activation: it needs num_experts")
+        if self.alibi is not None and self.positional_embedding_type != "none":
+            raise InvalidInputError("alibi models have no other positions: positional_embedding_type must be 'none'")
 
     def _check_attention_variants(self) -> None:
         """Cross-field rules of the newest attention's fields (QK-norm, windows, local rope, output norms)."""

@@ -8,7 +8,8 @@ stream read by layer l is a sum of components y_a [n, d_model]:
     "bias" (sum of the earlier layers' constant outputs beta, frozen.layer_bias_rows: per position under sinks).
 Query-side vectors: q_a = D_l (y_a C) diag(w) W_Q^h, plus "pos_embed" = W_pos W_Q for shortformer positions
 (added after ln1: not centred, not scaled by D) and "b_Q" = b_ln1 W_Q + b_Q; keys alike. Then
-    hook_attn_scores (before the mask) = sum_{a,b} q_a k_b^T / attn_scale      (rotary: rotate each q_a, k_b)
+    hook_attn_scores (before the mask) = sum_{a,b} q_a k_b^T / attn_scale      (rotary: rotate each q_a, k_b;
+                                                                                ALiBi: + -m_h (i - j), `positional`)
 (a, b) = (embed, embed) is no composition; (head, embed) Q-composition; (embed, head) K-composition.
 The summary is the std of each (a, b) term over the causal (query >= key) positions, as ARENA's
 `decompose_attn_scores` plot, where an induction head's (embed, previous-token head) K term stands out.
@@ -28,6 +29,7 @@ from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.head_circuits import check_head
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError, LimitExceededError
+from circuits_core.model.alibi import alibi_kernel
 from circuits_core.model.config import head_name
 from circuits_core.model.transformer import Transformer
 from circuits_core.prompt.frozen import (
@@ -57,6 +59,7 @@ class QKExpansion:
     scores: Tensor  # [n, n]: the model's actual scores q k^T / s (before the causal mask)
     terms: Tensor | None  # [C, C, n, n] when keep_terms
     scale: float  # attn_scale s
+    positional: Tensor | None = None  # [n, n] ALiBi's -m_h (i - j) (scores = sum of the terms + positional), else None
 
     def term(self, query_component: str, key_component: str) -> Tensor:
         """One (a, b) term [n, n] = q_a k_b^T / s."""
@@ -148,7 +151,11 @@ def expand_scores(
         q = run.cache[f"blocks.{layer}.attn.hook_q"][:, h]  # [n, dh]
         k = run.cache[f"blocks.{layer}.attn.hook_k"][:, h]
         scores = q @ k.T / s
-    return QKExpansion(head_name(layer, h), comps, q_parts, k_parts, std, scores, terms, s)
+        positional = None
+        if model.cfg.alibi is not None:  # the linear positional kernel, outside the bilinear terms
+            positional = alibi_kernel(model.cfg, n, model.device)[h].to(model.dtype)
+            scores = scores + positional
+    return QKExpansion(head_name(layer, h), comps, q_parts, k_parts, std, scores, terms, s, positional)
 
 
 def n_components(model: Transformer, layer: int) -> int:

@@ -1,5 +1,5 @@
 """Every analysis endpoint and page answers on tiny checkpoints of the families beyond Llama, written by
-transformers (gpt-oss: sinks, mixture of experts, YaRN; Mixtral, Qwen3-MoE, OLMoE), served as a user would serve them: a Hugging Face
+transformers (gpt-oss: sinks, mixture of experts, YaRN; Mixtral, Qwen3-MoE, OLMoE; BLOOM, MPT), served as a user would serve them: a Hugging Face
 folder with a tokenizer.json next to it."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from app.main import create_app
@@ -33,7 +34,11 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "tiny-olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {
         "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 24, "num_attention_heads": 4,
         "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64}),
+    "tiny-bloom": ("BloomConfig", "BloomForCausalLM", {"hidden_size": 24, "n_head": 6, "n_layer": 2}),
+    "tiny-mpt": ("MptConfig", "MptForCausalLM", {"d_model": 24, "n_heads": 6, "n_layers": 2, "max_seq_len": 64}),
 }  # fmt: skip
+# Rotary-only analyses: an ALiBi model answers its positional kernel and refuses these, saying why (422).
+ROTARY_ONLY = {"rotary-bands", "composition-profile", "qk-copying-offset"}
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +76,8 @@ def test_every_analysis_endpoint_answers(family_client: TestClient, model: str) 
         )
         if analysis.name in NEEDS_AN_INDUCTION_HEAD and answer.status_code == 422:
             assert "no induction head" in answer.json()["detail"]  # a random model has none: refused, saying why
+        elif analysis.name in ROTARY_ONLY and model in ("tiny-bloom", "tiny-mpt") and answer.status_code == 422:
+            assert "rotary" in answer.json()["detail"]
         elif answer.status_code != 200:
             failures.append(f"{analysis.name}: {answer.status_code} {answer.text[:200]}")
     assert not failures, "\n".join(failures)
@@ -115,3 +122,17 @@ def test_prompt_view_shows_the_sink_mass(family_client: TestClient) -> None:
     assert body["heads"][0]["sink_mass"] == pytest.approx((1 - ref.sum(-1)).tolist(), abs=1e-5)
     page = family_client.get("/models/tiny-gpt-oss/prompt", params={"tokens": "5,6,7,8", "heads": "L1H2"}).text
     assert 'id="sink-mass"' in page
+
+
+@pytest.mark.parametrize("model", ["tiny-bloom", "tiny-mpt"])
+def test_alibi_positional_kernel_is_the_content_constant_minus_the_slope(family_client: TestClient, model: str) -> None:
+    """f(δ) = c - m_h δ exactly: the differences between offsets are -m_h, with m_h by transformers' own slope
+    function (BLOOM's and MPT's agree at MPT's default alibi_bias_max)."""
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+
+    body = family_client.get(f"/api/v1/models/{model}/heads/L1H4/positional", params={"max_offset": 6}).json()
+    kernel = body["kernel"]
+    slope = float(_get_alibi_slopes(6, torch.device("cpu"))[4])
+    steps = [b - a for a, b in zip(kernel, kernel[1:], strict=False)]
+    assert steps == pytest.approx([-slope] * 6, abs=1e-6) and body["peak_offset"] == 0
+    assert "ALiBi" in body["basis"]
