@@ -12,6 +12,7 @@ Formats (REGISTRY, keyed by `Format`):
 - "gpt_oss": Hugging Face gpt-oss folders (sinks, mixture of experts, MXFP4 experts; gpt_oss.py).
 - "mixtral", "qwen3_moe", "olmoe": the Llama layout with a mixture-of-experts MLP (moe_families.py).
 - "bloom", "mpt": ALiBi models (alibi_families.py).
+- "phi3": the Llama layout with fused qkv and gate/up projections, split on load (phi3.py).
 - "gguf": a folder without config.json holding one `.gguf` file (llama.cpp, ollama), named after the folder;
   config, tensors and tokenizer all come from that file (formats_gguf.py).
 
@@ -48,6 +49,7 @@ from circuits_core.formats.hf import load_gpt2, load_gpt_neox
 from circuits_core.formats.llama import LLAMA_MODEL_TYPES, llama_config, load_llama, shard_names
 from circuits_core.formats.llama_variants import REFUSED_MODEL_TYPES, VARIANT_MODEL_TYPES, load_variant, variant_config
 from circuits_core.formats.moe_families import MOE_MODEL_TYPES, load_moe, moe_config
+from circuits_core.formats.phi3 import load_phi3, phi3_config
 from circuits_core.formats.processing import SWITCHES, ProcessingOptions, own_tensors, process_state
 from circuits_core.formats.statedict import (
     PICKLE_SUFFIXES,
@@ -69,7 +71,7 @@ from circuits_core.schedule import in_background
 
 Format = Literal[
     "qkov", "transformer_lens", "gpt2", "gpt_neox", "gguf", "llama", "mistral", "qwen2",
-    "gemma2", "gemma3_text", "gemma3", "qwen3", "olmo2", "olmo3", "gpt_oss", "mixtral", "qwen3_moe", "olmoe", "bloom", "mpt",
+    "gemma2", "gemma3_text", "gemma3", "qwen3", "olmo2", "olmo3", "gpt_oss", "mixtral", "qwen3_moe", "olmoe", "bloom", "mpt", "phi3",
 ]  # fmt: skip
 FORMATS: tuple[str, ...] = get_args(Format)
 QKOV_FORMAT_VERSION = 1
@@ -82,7 +84,7 @@ HF_MODEL_TYPES: dict[str, Format] = {
     "gpt2": "gpt2", "gpt_neox": "gpt_neox", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
     "gemma2": "gemma2", "gemma3_text": "gemma3_text", "gemma3": "gemma3", "qwen3": "qwen3", "olmo2": "olmo2",
     "olmo3": "olmo3", "gpt_oss": "gpt_oss", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "olmoe": "olmoe",
-    "bloom": "bloom", "mpt": "mpt",
+    "bloom": "bloom", "mpt": "mpt", "phi3": "phi3",
 }  # fmt: skip
 SAFETENSORS_FAMILIES = (
     *LLAMA_MODEL_TYPES,
@@ -90,6 +92,7 @@ SAFETENSORS_FAMILIES = (
     "gpt_oss",
     *MOE_MODEL_TYPES,
     *ALIBI_MODEL_TYPES,
+    "phi3",
 )  # read shard by shard (llama.py's reader)
 LOAD_OPTIONS_FILE = "qkov.json"  # per-checkpoint load options (processing), next to config.json
 # Files besides config.json and the weights that can change an answer, so they are part of the digest: the
@@ -105,6 +108,7 @@ CONFIG_READERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     "gpt_oss": gpt_oss_config,
     **dict.fromkeys(MOE_MODEL_TYPES, moe_config),
     **dict.fromkeys(ALIBI_MODEL_TYPES, alibi_config),
+    "phi3": phi3_config,
 }
 TL_BUFFERS = (".attn.mask", ".attn.IGNORE", ".attn.rotary_sin", ".attn.rotary_cos")
 
@@ -279,6 +283,7 @@ REGISTRY: dict[Format, Loader] = {
     "olmoe": load_moe,
     "bloom": load_alibi,
     "mpt": load_alibi,
+    "phi3": load_phi3,
     "gemma2": load_variant,
     "gemma3_text": load_variant,
     "gemma3": load_variant,

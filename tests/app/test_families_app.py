@@ -1,5 +1,5 @@
 """Every analysis endpoint and page answers on tiny checkpoints of the families beyond Llama, written by
-transformers (gpt-oss: sinks, mixture of experts, YaRN; Mixtral, Qwen3-MoE, OLMoE; BLOOM, MPT), served as a user would serve them: a Hugging Face
+transformers (gpt-oss: sinks, mixture of experts, YaRN; Mixtral, Qwen3-MoE, OLMoE; BLOOM, MPT; Phi-3), served as a user would serve them: a Hugging Face
 folder with a tokenizer.json next to it."""
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64}),
     "tiny-bloom": ("BloomConfig", "BloomForCausalLM", {"hidden_size": 24, "n_head": 6, "n_layer": 2}),
     "tiny-mpt": ("MptConfig", "MptForCausalLM", {"d_model": 24, "n_heads": 6, "n_layers": 2, "max_seq_len": 64}),
+    "tiny-phi3": ("Phi3Config", "Phi3ForCausalLM", {
+        "hidden_size": 32, "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 64, "pad_token_id": None, "eos_token_id": None,
+        "bos_token_id": None}),
 }  # fmt: skip
 # Rotary-only analyses: an ALiBi model answers its positional kernel and refuses these, saying why (422).
 ROTARY_ONLY = {"rotary-bands", "composition-profile", "qk-copying-offset"}
