@@ -18,7 +18,7 @@ from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.formats.statedict import build_model
 from circuits_core.prompt.paths import expand_logits
 from circuits_core.prompt.qk_paths import expand_scores
-from tests.core.hf_families import N, TOKENS, hf_model, hf_run, save
+from tests.core.hf_families import TOKENS, N, hf_model, hf_run, save
 
 F64 = torch.float64
 FIELDS = {"hidden_size": 32, "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,
