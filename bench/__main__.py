@@ -29,6 +29,7 @@ SECTION_MODULES = (
     "bench.modern",
     "bench.rotary",
     "bench.copying",
+    "bench.families",
 )
 
 
