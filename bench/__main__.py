@@ -29,6 +29,7 @@ SECTION_MODULES = (
     "bench.modern",
     "bench.rotary",
     "bench.copying",
+    "bench.gemma3",
     "bench.families",
 )
 

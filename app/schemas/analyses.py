@@ -183,6 +183,22 @@ class QKPair(BaseModel):
     )
 
 
+class QKTerm(BaseModel):
+    query: str = Field(description="query-side component")
+    key: str = Field(description="key-side component")
+    value: float = Field(description="q_a k_b^T / s at the chosen (query, key) positions")
+
+
+class QKCell(BaseModel):
+    """One score of the head split into its terms: the largest |term| first (they sum to `score`)."""
+
+    query: int
+    key: int
+    score: float = Field(description="the real pre-softmax score q k^T / s")
+    attention: float = Field(description="the head's attention weight there")
+    terms: list[QKTerm] = Field(description="the k largest |terms| of C x C")
+
+
 class QKPathsView(BaseModel):
     """Component x component decomposition of one head's attention scores (paper-math 2.12)."""
 
@@ -199,6 +215,7 @@ class QKPathsView(BaseModel):
     max_abs_error: float = Field(
         description="max |sum of all terms (+ ALiBi's kernel -m_h (i - j)) - real scores| over causal positions"
     )
+    at: QKCell | None = Field(default=None, description="the terms of one score (params query and key), else null")
 
 
 # -- term importance -------------------------------------------------------------------------------

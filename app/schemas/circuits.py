@@ -68,6 +68,20 @@ class CircuitTopView(BaseModel):
         description="QK of a rotary model: the query-key offset δ of W_Q R(δ) W_Kᵀ "
         "(None: the model has no rotary positions)",
     )
+    qk_form: str | None = Field(
+        default=None,
+        description="QK only: the form of the values (circuits_core.circuits.qk_forms): 'exact' (no QK-norm), "
+        "'cosine' (QK-norm: each token's own normalisation, the score the softmax sees)",
+    )
+    qk_form_note: str | None = Field(default=None, description="QK only: that form in words")
+    score_cap: float | None = Field(
+        default=None,
+        description="QK of a soft-capped model: the cap c; values are c·tanh(s/c), rankings unchanged (the cap is "
+        "monotone)",
+    )
+    window: int | None = Field(
+        default=None, description="QK of a sliding-window layer: the head never attends at offsets ≥ window"
+    )
 
 
 class SkipTrigram(BaseModel):

@@ -14,7 +14,7 @@ import re
 
 from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
-from circuits_core.errors import InvalidInputError, LimitExceededError, NotFoundError
+from circuits_core.errors import InvalidInputError, LimitExceededError, NotFoundError, QkovError
 from circuits_core.formats.checkpoint import LoadedModel
 
 ID_RE = re.compile(r"[+-]?[0-9]+", re.ASCII)
@@ -86,6 +86,29 @@ def resolve_token(loaded: LoadedModel, token: str | int) -> int:
         return check_token_id(loaded, int(loaded.tokenizer.lookup(text)))
     except NotFoundError as exc:  # multi-token or unknown string: a bad argument, not a missing resource
         raise InvalidInputError(str(exc)) from exc
+
+
+def spelling_variants(loaded: LoadedModel, token: str | None) -> tuple[tuple[str, int], list[tuple[str, int]]] | None:
+    """For a token given as text: (the token it resolved to (text, id), the other single tokens that differ from it
+    only by a leading space). 'Paris' and ' Paris' are different tokens; a page says which it used and offers the
+    other. None for an id, an unresolvable string or a model without a tokenizer."""
+    if token is None or _token_id(token.strip()) is not None or loaded.tokenizer is None:
+        return None
+    try:
+        chosen = resolve_token(loaded, token)
+    except QkovError:
+        return None
+    text = token[1:-1] if len(token) >= 2 and token[0] == token[-1] == '"' else token
+    bare = text.lstrip(" ")
+    others = []
+    for variant in dict.fromkeys((bare, " " + bare)):
+        if variant == text or not variant:
+            continue
+        try:
+            others.append((variant, resolve_token(loaded, variant)))
+        except QkovError:
+            continue
+    return (text, chosen), [(v, i) for v, i in others if i != chosen]
 
 
 def parse_token_ids(text: str) -> list[int]:

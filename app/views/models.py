@@ -8,6 +8,7 @@ from app.analysis import Analysis
 from app.params import PromptInput
 from app.registry import ModelEntry, ModelRegistry
 from app.schemas import ModelListView, ModelSummary, TokenizeView, UnavailableModel
+from app.schemas.models import DefaultedValue
 from app.settings import Limits
 from app.views.inputs import model_ref, resolve_prompt, token_refs
 from circuits_core.cost import Cost
@@ -50,7 +51,7 @@ def build_model_view(loaded: LoadedModel, entry: ModelEntry) -> ModelSummary:
         bos_token_id=tok.bos_token_id if tok is not None else cfg.bos_token_id,
         heads=cfg.head_names,
         card=_card(loaded),
-        defaulted=[{"field": d.field, "value": str(d.value), "source": d.source} for d in loaded.defaulted],
+        defaulted=[DefaultedValue(field=d.field, value=str(d.value), source=d.source) for d in loaded.defaulted],
     )
 
 

@@ -39,9 +39,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from circuits_core.circuits.folded import circuit_weight, stacked_weights
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError
-from circuits_core.model.transformer import Block, Transformer
+from circuits_core.model.transformer import Transformer
 from circuits_core.schedule import side_by_side
 
 CompositionKind = Literal["q", "k", "v"]
@@ -100,7 +101,8 @@ def pair_scores(left: Tensor, right: Tensor) -> Tensor:
 
 def right_factors(model: Transformer, kind: CompositionKind) -> tuple[Tensor, Tensor]:
     """(A, B) with A B the later head's matrix for `kind`: [L, H, d, d_head], [L, H, d_head, d]."""
-    return _right_factors(model.W_Q, model.W_K, model.W_V, model.W_O, kind)
+    W_Q, W_K, W_V, W_O = (stacked_weights(model, name) for name in ("W_Q", "W_K", "W_V", "W_O"))  # gains folded
+    return _right_factors(W_Q, W_K, W_V, W_O, kind)
 
 
 def _right_factors(W_Q: Tensor, W_K: Tensor, W_V: Tensor, W_O: Tensor, kind: CompositionKind) -> tuple[Tensor, Tensor]:
@@ -263,12 +265,11 @@ def raw_composition_scores(
 
 
 def model_weight(model: Transformer, dtype: torch.dtype) -> LayerWeight:
-    """A layer's weights read from the model in `dtype` (W_K, W_V per key/value group as stored, no repeat)."""
-    attns = [block.attn for block in model.blocks if isinstance(block, Block)]
+    """A layer's weights read from the model in `dtype` (W_K, W_V per key/value group as stored, no repeat), with the
+    gains the forward pass keeps apart folded in (QK-norm, output norms: folded.py's weight-level form)."""
 
     def weight(layer: int, name: str) -> Tensor:
-        attn = attns[layer]
-        return (attn.grouped(name) if name in ("W_K", "W_V") else getattr(attn, name)).to(dtype)
+        return circuit_weight(model, layer, name).to(dtype)
 
     return weight
 

@@ -40,12 +40,14 @@ from circuits_core.circuits.composition import (
     scores_numbers,
     source_factor,
 )
+from circuits_core.circuits.folded import head_weights
 from circuits_core.circuits.rotary import KERNEL_WINDOW, check_offsets, check_rotary, rotation
 from circuits_core.circuits.rotary_baseline import baseline_cost, random_baseline
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.config import head_name, parse_head
 from circuits_core.model.transformer import Transformer, rotary_angles, rotary_pairs
+from circuits_core.model.window import defined_offsets
 from circuits_core.schedule import shared_tasks, side_by_side
 
 PROFILE_OFFSETS = tuple(range(KERNEL_WINDOW + 1))  # δ = 0..64
@@ -58,7 +60,9 @@ SOURCE_CHUNK = 96
 class CompositionProfiles:
     """Every (earlier head, later head) pair's Q and K profiles over `offsets`, and V-composition.
 
-    q, k: [L, H (earlier), L, H (later), n_offsets]; v: [L, H, L, H]; 0 unless layer1 < layer2.
+    q, k: [L, H (earlier), L, H (later), n_offsets]; v: [L, H, L, H]; 0 unless layer1 < layer2. On a sliding-window
+    target layer the offsets at or beyond its window are computed but never attended (`defined`); peaks skip them.
+    Under QK-norm the later head's Ω is the weight-level form W_Q Γ_q R Γ_k W_K^T (qk_forms.py: "bilinear").
     """
 
     offsets: Tensor  # [n]
@@ -68,10 +72,13 @@ class CompositionProfiles:
     baseline: float  # sampled mean score of random factors (rotation-invariant: one value for every δ)
     baseline_std: float
     mask: Tensor  # [L, H, L, H] bool: layer1 < layer2
+    defined: Tensor | None = None  # [L (later layer), n_offsets] bool: offsets the later layer attends at
 
     def peak(self, kind: str) -> tuple[Tensor, Tensor]:
-        """(max over offsets [L, H, L, H], the offset where it is reached [L, H, L, H]) for kind q or k."""
+        """(max over the defined offsets [L, H, L, H], the offset where it is reached [L, H, L, H]) for kind q or k."""
         scores = self.profile(kind)
+        if self.defined is not None:
+            scores = scores.masked_fill(~self.defined[None, None, :, None, :].to(scores.device), float("-inf"))
         values, where = scores.max(dim=-1)
         return values, self.offsets.to(where.device)[where]
 
@@ -90,13 +97,16 @@ def _pair_order(model: Transformer) -> Tensor:
     return torch.cat([first, second, torch.tensor(rest, dtype=torch.long)]).to(model.device)
 
 
-def _term_weights(model: Transformer, delta: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def _term_weights(
+    model: Transformer, delta: Tensor, dtype: torch.dtype, layer: int | None = None
+) -> tuple[Tensor, Tensor]:
     """The offset weights of the four terms of R(δ)^T G R(δ) in the pair order, packed (_packed): ([4, h dh, n],
     [4, (dh - h)^2, n]); the first part's off-diagonal block (columns >= h) doubled, as the packed inner product
     counts it twice. Terms: c c^T, c s^T, s c^T, s s^T with c = cos δθ_k and s = sin δθ_k on both dims of pair k
-    (1 and 0 on the unrotated dims)."""
+    (1 and 0 on the unrotated dims); θ_k of layer `layer`'s rope (None: the global layers')."""
     dh, K = model.cfg.d_head, rotary_pairs(model.cfg)[0].numel()
-    angles = rotary_angles(model.cfg, delta.to(model.device))  # [n, K] δ θ_k
+    rope = model.cfg if layer is None else model.cfg.layer_rope(layer)
+    angles = rotary_angles(rope, delta.to(model.device))  # [n, K] δ θ_k
     c = torch.ones(delta.numel(), dh, dtype=dtype, device=model.device)
     s = torch.zeros_like(c)
     c[:, : 2 * K], s[:, : 2 * K] = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
@@ -174,6 +184,12 @@ class _Factors:
     order: Tensor  # [dh] _pair_order
     weights: tuple[Tensor, Tensor]  # _term_weights
     swap: Tensor  # [dh] _swap_signs
+    local_weights: tuple[Tensor, Tensor] | None = None  # _term_weights of the local layers' own rope, when it differs
+
+    def weights_of(self, model: Transformer, layer: int) -> tuple[Tensor, Tensor]:
+        """The term weights target layer `layer` rotates with."""
+        local = self.local_weights is not None and model.cfg.layer_window(layer) is not None
+        return self.local_weights if local and self.local_weights is not None else self.weights
 
 
 def _factors(model: Transformer, delta: Tensor, dtype: torch.dtype) -> _Factors:
@@ -193,7 +209,17 @@ def _factors(model: Transformer, delta: Tensor, dtype: torch.dtype) -> _Factors:
         _pair_order(model),
         _term_weights(model, delta, dtype),
         _swap_signs(model, dtype),
+        _local_term_weights(model, delta, dtype),
     )
+
+
+def _local_term_weights(model: Transformer, delta: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
+    """_term_weights of the local layers (their own rope base: ModelConfig.rotary_base_local), None when they rotate as
+    the global layers do."""
+    local = [layer for layer in range(model.cfg.n_layers) if model.cfg.layer_window(layer) is not None]
+    if model.cfg.rotary_base_local is None or not local:
+        return None
+    return _term_weights(model, delta, dtype, local[0])
 
 
 def _target_layer(model: Transformer, f: _Factors, l2: int, q: Tensor, k: Tensor, ws: _Workspace, chunk: int) -> None:
@@ -203,16 +229,17 @@ def _target_layer(model: Transformer, f: _Factors, l2: int, q: Tensor, k: Tensor
     check_stop(what="composition profiles")
     cfg = model.cfg
     H, G, gs, dh, d = cfg.n_heads, cfg.n_kv_heads, cfg.group_size, cfg.d_head, cfg.d_model
-    C, h, n, rows = H + G, dh // 2, f.weights[0].shape[-1], f.F.shape[1]
+    weights = f.weights_of(model, l2)
+    C, h, n, rows = H + G, dh // 2, weights[0].shape[-1], f.F.shape[1]
     E = (h * dh, (dh - h) ** 2)  # packed sizes
     W_Qt = f.weight(l2, "W_Q").transpose(-2, -1)[:, f.order]  # [H, dh, d], rows in the pair order
     W_Kt = f.weight(l2, "W_K").transpose(-2, -1)[:, f.order]  # [G, dh, d]
     W_T = torch.cat([W_Qt, W_Kt]).view(C * dh, d)  # every query head, then every key/value group
     G_Q, G_K = W_Qt @ W_Qt.transpose(-2, -1), W_Kt @ W_Kt.transpose(-2, -1)  # [H | G, dh, dh]
-    X_Q = _rotated_tables(G_K, f.weights, f.swap, -1)  # [G, E, n]: R G_K R^T, shared by the group's heads
+    X_Q = _rotated_tables(G_K, weights, f.swap, -1)  # [G, E, n]: R G_K R^T, shared by the group's heads
     X_K = [
         X.view(G, gs, e, n).transpose(1, 2).reshape(G, e, gs * n)  # [G, E, gs n]: R^T G_Q R of each head
-        for X, e in zip(_rotated_tables(G_Q, f.weights, f.swap, 1), E, strict=True)
+        for X, e in zip(_rotated_tables(G_Q, weights, f.swap, 1), E, strict=True)
     ]
     omega_sq = sum(torch.bmm(g.view(G, gs, e), X) for g, X, e in zip(_packed(G_Q), X_Q, E, strict=True))
     omega = omega_sq.view(H, n).clamp_min(0).sqrt()  # type: ignore[union-attr]  # [H, n] ||Ω_B(δ)||_F
@@ -280,7 +307,8 @@ def composition_profiles(
     layer_ = torch.arange(L, device=model.device)
     mask = (layer_[:, None, None, None] < layer_[None, None, :, None]).expand(L, H, L, H)
     mean, std = found["baseline"]
-    return CompositionProfiles(delta, q, k, found["v"], mean, std, mask)
+    defined = torch.stack([defined_offsets(cfg, layer, delta.to(model.device)) for layer in range(L)])
+    return CompositionProfiles(delta, q, k, found["v"], mean, std, mask, defined)
 
 
 def pair_profile(
@@ -296,9 +324,8 @@ def pair_profile(
     dtype = model.compute_dtype
     with torch.no_grad():
         F = source_factor(model_weight(model, dtype), l1, model.cfg.group_size)[h1]  # [k, d]
-        W_Q = model.W_Q[l2, h2].to(dtype)  # [d, dh]
-        W_K = model.W_K_groups[l2, h2 // model.cfg.group_size].to(dtype)
-        R = rotation(model, offsets, dtype=dtype)  # [n, dh, dh]
+        W_Q, W_K = (W.to(dtype) for W in head_weights(model, l2, h2)[:2])  # [d, dh] each, QK-norm gains folded
+        R = rotation(model, offsets, dtype=dtype, layer=l2)  # [n, dh, dh]
         G_Q, G_K = W_Q.T @ W_Q, W_K.T @ W_K
         P = F @ (W_Q if kind == "q" else W_K)  # [dh, dh]
         X = R @ G_K @ R.transpose(-2, -1) if kind == "q" else R.transpose(-2, -1) @ G_Q @ R  # [n, dh, dh]
@@ -316,10 +343,10 @@ def composition_at(model: Transformer, kind: str, offset: int, budget_bytes: int
         raise InvalidInputError(f"composition at an offset is for kind q or k, got {kind!r}")
     cfg, dtype = model.cfg, model.compute_dtype
     with torch.no_grad():
-        R = rotation(model, [offset], dtype=dtype)[0]  # [dh, dh]
         weight = model_weight(model, dtype)
 
-        def rotated(layer: int, name: str) -> Tensor:  # W_Q [H, d, dh] of the layer turned by R(δ)
+        def rotated(layer: int, name: str) -> Tensor:  # W_Q [H, d, dh] of the layer turned by its own R(δ)
+            R = rotation(model, [offset], dtype=dtype, layer=layer)[0]  # [dh, dh]
             return weight(layer, name) @ R if name == "W_Q" else weight(layer, name)
 
         kinds: tuple[CompositionKind, ...] = (kind,)  # type: ignore[assignment]

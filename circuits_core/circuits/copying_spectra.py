@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits.embedding import EMBED_CHUNK, embed_rows
+from circuits_core.circuits.folded import circuit_weight, layer_weights
 from circuits_core.circuits.head_circuits import attention
 from circuits_core.cost import Cost
 from circuits_core.model.linear import affine
@@ -75,9 +76,17 @@ def ov_eigenvalues(model: Transformer, G: Tensor | None = None) -> Tensor:
     """
     G = unembed_embed_gram(model) if G is None else G  # [d, d]
     # layer by layer (no stacked [L, H, d, d_h] copies of W_V, W_O and G W_V: ~110 MiB of fresh pages on GPT-2 small)
-    attns = [attention(model, layer) for layer in range(model.cfg.n_layers)]
-    # W_O G W_V [H, d_h, d_h] per layer, G W_V once per key/value head (shared by its group)
-    return _spectrum(torch.stack([a.W_O @ a.per_head(G @ a.grouped("W_V")) for a in attns]))  # eig of [L, H, d_h, d_h]
+    # W_O G W_V [H, d_h, d_h] per layer, G W_V once per key/value head (shared by its group); an output norm's gain
+    # folded into W_O (folded.py)
+    return _spectrum(
+        torch.stack(
+            [
+                circuit_weight(model, layer, "W_O")
+                @ attention(model, layer).per_head(G @ circuit_weight(model, layer, "W_V"))
+                for layer in range(model.cfg.n_layers)
+            ]
+        )
+    )  # eig of [L, H, d_h, d_h]
 
 
 def gram_queries(model: Transformer, G_E: Tensor | None = None) -> Tensor:
@@ -87,7 +96,7 @@ def gram_queries(model: Transformer, G_E: Tensor | None = None) -> Tensor:
     cfg = model.cfg
     out = torch.empty(cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head, dtype=G_E.dtype, device=G_E.device)
     for layer in range(cfg.n_layers):  # into one tensor, layer by layer: no stacked copy of W_Q
-        torch.matmul(G_E, attention(model, layer).W_Q, out=out[layer])
+        torch.matmul(G_E, circuit_weight(model, layer, "W_Q"), out=out[layer])  # QK-norm gain folded (folded.py)
     return out
 
 
@@ -100,7 +109,7 @@ def qk_eigenvalues(model: Transformer, G_E: Tensor | None = None, G_E_W_Q: Tenso
     return _spectrum(
         torch.stack(
             [
-                attention(model, layer).W_K.transpose(-2, -1) @ GW_Q[layer]  # layer by layer: no stacked W_K
+                layer_weights(model, layer, "W_K").transpose(-2, -1) @ GW_Q[layer]  # layer by layer: no stacked W_K
                 for layer in range(model.cfg.n_layers)
             ]
         )

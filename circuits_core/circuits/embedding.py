@@ -38,6 +38,11 @@ def first_norm(model: Transformer) -> LayerNorm:
     return block.ln1
 
 
+def unnormalised(model: Transformer) -> bool:
+    """Whether W_E_eff is W_E itself: no layers, or a first layer that reads the raw stream (no norm; OLMo 2)."""
+    return model.cfg.n_layers == 0 or first_norm(model).kind is None
+
+
 def apply_ln_rows(ln: LayerNorm, X: Tensor) -> Tensor:
     """A model LayerNorm applied to each row of X [n, d_model] as if it were one residual vector.
 
@@ -54,7 +59,7 @@ def apply_ln_rows(ln: LayerNorm, X: Tensor) -> Tensor:
 def embed_eff_rows(model: Transformer, tokens: Tensor | list[int] | slice) -> Tensor:
     """W_E_eff[tokens] [n, d_model]: layer 0's ln1 applied to these rows of W_E (W_E without LN)."""
     W_E = model.W_E[tokens]
-    if model.cfg.n_layers == 0 or model.cfg.normalization_type is None:
+    if unnormalised(model):
         return W_E
     return apply_ln_rows(first_norm(model), W_E)
 
@@ -135,7 +140,7 @@ def embed_rows(
     rows, uncopied, for a model without a layer-0 norm). `reuse`: every chunk is written over the previous one (for a
     caller done with each chunk before it asks for the next)."""
     take = shared_chunks(model.cfg.d_vocab, EMBED_CHUNK) if take is None else take
-    norm = None if model.cfg.n_layers == 0 or model.cfg.normalization_type is None else embed_norm(model)
+    norm = None if unnormalised(model) else embed_norm(model)
     buffer: Tensor | None = None
     while (rows := take()) is not None:
         check_stop(what="LN(W_E)")
@@ -153,7 +158,7 @@ def embed_rows(
 
 def embed_eff(model: Transformer) -> Tensor:
     """W_E_eff [d_vocab, d_model]: W_E with layer 0's ln1 applied row by row (W_E without LN)."""
-    if model.cfg.n_layers == 0 or model.cfg.normalization_type is None:
+    if unnormalised(model):
         return model.W_E
     return torch.cat([chunk for _, chunk in embed_rows(model, None)])
 
@@ -161,7 +166,7 @@ def embed_eff(model: Transformer) -> Tensor:
 def embed_eff_matmul(model: Transformer, W: Tensor) -> Tensor:
     """W_E_eff @ W [d_vocab, n] for W [d_model, n], without materialising W_E_eff: with the cached statistics,
     diag(inv_scale) (W_E (w * W) - mean (w W)) + b W, one product with the raw W_E."""
-    if model.cfg.n_layers == 0 or model.cfg.normalization_type is None:
+    if unnormalised(model):
         return model.W_E @ W
     norm = embed_norm(model)
     W_w = W if norm.w is None else norm.w[:, None] * W  # [d_model, n]

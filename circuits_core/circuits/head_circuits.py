@@ -38,7 +38,9 @@ from circuits_core.circuits.embedding import (
     embed_eff_rows,
 )
 from circuits_core.circuits.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
+from circuits_core.circuits.folded import head_weights
 from circuits_core.circuits.global_topk import topk_global_cost
+from circuits_core.circuits.qk_forms import head_token_scales, token_scale
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.model.transformer import Attention, Block, Transformer
@@ -83,15 +85,15 @@ def direct_path(model: Transformer) -> FactoredMatrix:
 def qk_circuit(model: Transformer, layer: int, head: int) -> FactoredMatrix:
     """W_QK = W_Q @ W_K^T [d_model, d_model] (inner d_head): rows query-side residual, cols key-side."""
     check_head(model, layer, head)
-    attn = attention(model, layer)
-    return FactoredMatrix(attn.W_Q[head], attn.W_K[head].T)
+    W_Q, W_K, _, _ = head_weights(model, layer, head)  # QK-norm gains folded (the weight-level "bilinear" form)
+    return FactoredMatrix(W_Q, W_K.T)
 
 
 def ov_circuit(model: Transformer, layer: int, head: int) -> FactoredMatrix:
     """W_V @ W_O [d_model, d_model] (inner d_head): rows the residual read at the source, cols written."""
     check_head(model, layer, head)
-    attn = attention(model, layer)
-    return FactoredMatrix(attn.W_V[head], attn.W_O[head])
+    _, _, W_V, W_O = head_weights(model, layer, head)  # an output norm's gain folded into W_O
+    return FactoredMatrix(W_V, W_O)
 
 
 def full_qk_circuit(model: Transformer, layer: int, head: int, tokens: Tensor | None = None) -> FactoredMatrix:
@@ -99,16 +101,20 @@ def full_qk_circuit(model: Transformer, layer: int, head: int, tokens: Tensor | 
 
     Entry [b, a] is the attention score (as in hook_attn_scores) of a query token b on a key token a,
     token part only: positional and bias terms are not included. With `tokens` (ids [n]): the [n, n] submatrix
-    of those rows and columns, its factors formed on those tokens only.
+    of those rows and columns, its factors formed on those tokens only. Under QK-norm the rows and columns carry each
+    token's own 1 / rho (the exact "cosine" form, qk_forms.py: the score the softmax sees, before any score cap).
     """
     check_head(model, layer, head)
-    attn = attention(model, layer)
+    W_Q, W_K, _, _ = head_weights(model, layer, head)
     if tokens is not None:
         W_E = embed_eff_rows(model, tokens)  # [n, d_model]
-        return FactoredMatrix(W_E @ attn.W_Q[head] / model.cfg.scale, (W_E @ attn.W_K[head]).T)
-    W_Q = embed_eff_matmul(model, attn.W_Q[head])  # [V, d_h]
-    W_K = embed_eff_matmul(model, attn.W_K[head])  # [V, d_h]
-    return FactoredMatrix(W_Q / model.cfg.scale, W_K.T)
+        query, key = W_E @ W_Q / model.cfg.scale, W_E @ W_K
+    else:
+        query, key = embed_eff_matmul(model, W_Q) / model.cfg.scale, embed_eff_matmul(model, W_K)  # [V, d_h]
+    scales = head_token_scales(model, layer, head, tokens)
+    if scales is not None:
+        query, key = query * scales[0][:, None], key * scales[1][:, None]
+    return FactoredMatrix(query, key.T)
 
 
 def full_ov_circuit(model: Transformer, layer: int, head: int, tokens: Tensor | None = None) -> FactoredMatrix:
@@ -119,10 +125,10 @@ def full_ov_circuit(model: Transformer, layer: int, head: int, tokens: Tensor | 
     formed on those tokens only.
     """
     check_head(model, layer, head)
-    attn = attention(model, layer)
+    _, _, W_V, W_O = head_weights(model, layer, head)  # under an output norm: exact up to its per-token scale
     if tokens is not None:
-        return FactoredMatrix(embed_eff_rows(model, tokens) @ attn.W_V[head], attn.W_O[head] @ model.W_U[:, tokens])
-    return FactoredMatrix(embed_eff_matmul(model, attn.W_V[head]), attn.W_O[head] @ model.W_U)
+        return FactoredMatrix(embed_eff_rows(model, tokens) @ W_V, W_O @ model.W_U[:, tokens])
+    return FactoredMatrix(embed_eff_matmul(model, W_V), W_O @ model.W_U)
 
 
 def full_ov_row(model: Transformer, layer: int, head: int, source_token: int) -> Tensor:
@@ -130,9 +136,9 @@ def full_ov_row(model: Transformer, layer: int, head: int, source_token: int) ->
     chain through the residual stream, no [V, d_head] factor)."""
     check_head(model, layer, head)
     check_token(model, source_token)
-    attn = attention(model, layer)
+    _, _, W_V, W_O = head_weights(model, layer, head)
     x = embed_eff_rows(model, [source_token])  # [1, d_model]
-    return (((x @ attn.W_V[head]) @ attn.W_O[head]) @ model.W_U)[0]  # [V]
+    return (((x @ W_V) @ W_O) @ model.W_U)[0]  # [V]
 
 
 def direct_row(model: Transformer, token: int) -> Tensor:
@@ -150,9 +156,12 @@ def full_qk_col(model: Transformer, layer: int, head: int, key_token: int) -> Te
     """Column a of the full QK circuit [d_vocab]: the score of every query token on key token a."""
     check_head(model, layer, head)
     check_token(model, key_token)
-    attn = attention(model, layer)
-    k = embed_eff_rows(model, [key_token]) @ attn.W_K[head]  # [1, d_h]
-    return embed_eff_matmul(model, attn.W_Q[head] @ k.T)[:, 0] / model.cfg.scale  # [V]
+    W_Q, W_K, _, _ = head_weights(model, layer, head)
+    k = embed_eff_rows(model, [key_token]) @ W_K  # [1, d_h]
+    col = embed_eff_matmul(model, W_Q @ k.T)[:, 0] / model.cfg.scale  # [V]
+    if model.cfg.qk_norm is None:
+        return col
+    return col * token_scale(model, layer, head, "query") * token_scale(model, layer, head, "key", [key_token])
 
 
 # -- positional QK ----------------------------------------------------------------------------------

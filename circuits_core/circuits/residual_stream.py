@@ -40,6 +40,7 @@ from torch import Tensor
 
 from circuits_core.circuits.copying_spectra import embed_gram
 from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.folded import stacked_weights
 from circuits_core.circuits.stream_components import (
     Reader,
     Writer,
@@ -102,11 +103,11 @@ def spectra(model: Transformer, offset: int = 0) -> tuple[dict[str, Spectrum], d
                 assert model.W_pos is not None
                 w_out[w.name] = _eigh_spectrum(model.W_pos.T.to(dt) @ model.W_pos.to(dt))
             elif w.kind == "mlp":
-                W_out = mlp_output(model, w).to(dt)  # [d_mlp, d] (this expert's)
+                W_out = mlp_output(model, w).to(dt)  # [d_mlp, d] (this expert's), output gain folded
                 w_out[w.name] = _eigh_spectrum(W_out.T @ W_out)
         if L:
-            W_Q, W_K, W_V, W_O = (x.flatten(0, 1).to(dt) for x in (model.W_Q, model.W_K, model.W_V, model.W_O))
-            R = rotation(model, offset).to(dt)
+            W_Q, W_K, W_V, W_O = (stacked_weights(model, n).flatten(0, 1).to(dt) for n in ("W_Q", "W_K", "W_V", "W_O"))
+            R = rotation(model, offset).to(dt)  # (the global layers' rope)
             # W_OV = U S V^T: U is the side the V input reads from the stream, V the side the head writes into it.
             # W_QK = W_Q R W_K^T = U S V^T: U is read by the query; the key reads through W_QK^T = W_K R^T W_Q^T, whose
             # left singular vectors are W_QK's right ones: one SVD per circuit serves both of its sides.

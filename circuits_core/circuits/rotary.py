@@ -36,6 +36,7 @@ from torch import Tensor
 from circuits_core.circuits.copying_spectra import copying_score, embed_gram
 from circuits_core.circuits.embedding import EMBED_CHUNK, embed_eff_matmul, embed_eff_rows
 from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.folded import stacked_weights
 from circuits_core.circuits.head_circuits import (
     SkipTrigrams,
     attention,
@@ -44,9 +45,12 @@ from circuits_core.circuits.head_circuits import (
     skip_trigrams,
     top_cost,
 )
+from circuits_core.circuits.qk_forms import QKForm, folded_query_key, head_token_scales, qk_form, token_scale
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
+from circuits_core.model.qk_norm import qk_scale
 from circuits_core.model.transformer import Transformer, rotary_inv_freq, rotary_pairs
+from circuits_core.model.window import defined_offsets
 
 # The reference text on which μ_l is measured (public domain: the opening of Lewis Carroll's "Alice's
 # Adventures in Wonderland", 1865), tokenised with the model's tokenizer, BOS prepended when it has one.
@@ -92,43 +96,54 @@ def check_offsets(model: Transformer, offsets: Sequence[int] | Tensor) -> Tensor
     return t.long()
 
 
-def rotation(model: Transformer, offsets: Sequence[int] | Tensor, dtype: torch.dtype = torch.float64) -> Tensor:
-    """R(δ) [n, d_head, d_head] for each offset: x R(δ) is the model's own rotation of the row x (model.rotate)."""
+def rotation(
+    model: Transformer, offsets: Sequence[int] | Tensor, dtype: torch.dtype = torch.float64, layer: int | None = None
+) -> Tensor:
+    """R(δ) [n, d_head, d_head] for each offset: x R(δ) is the model's own rotation of the row x (model.rotate), with
+    layer `layer`'s rope (a local layer's own base, ModelConfig.layer_rope; None: the global layers' rope)."""
     check_rotary(model)
     delta = check_offsets(model, offsets).to(model.device)
     dh = model.cfg.d_head
     eye = torch.eye(dh, dtype=torch.float64, device=model.device).expand(delta.numel(), dh, dh)
-    return model.rotate(eye, delta[:, None]).to(dtype)  # rows of R(δ) = the rotated basis vectors
+    return model.rotate(eye, delta[:, None], layer).to(dtype)  # rows of R(δ) = the rotated basis vectors
 
 
 def query_key_weights(model: Transformer, layer: int, head: int) -> tuple[Tensor, Tensor]:
-    """(W_Q^h, W_K^g) [d_model, d_head] each: the head's query weights and its key/value group's key weights."""
+    """(W_Q^h, W_K^g) [d_model, d_head] each: the head's query weights and its key/value group's key weights, with the
+    QK-norm gains folded in under QK-norm (the weight-level "bilinear" form, qk_forms.py)."""
     check_head(model, layer, head)
-    attn = attention(model, layer)
-    return attn.W_Q[head], attn.grouped("W_K")[head // model.cfg.group_size]
+    W_Q, W_K = folded_query_key(model, layer)
+    return W_Q[head], W_K[head // model.cfg.group_size]
 
 
 # -- Ω and the full QK circuit at an offset ----------------------------------------------------------------
 def omega(model: Transformer, layer: int, head: int, offsets: Sequence[int] | Tensor) -> FactoredMatrix:
-    """Ω_h(δ) = W_Q^h R(δ) W_K^{gT} [n_offsets, d_model, d_model] (inner d_head), one per offset."""
+    """Ω_h(δ) = W_Q^h R(δ) W_K^{gT} [n_offsets, d_model, d_model] (inner d_head), one per offset (under QK-norm
+    W_Q Γ_q R(δ) Γ_k W_K^T: the "bilinear" form, per-token scales left out)."""
     W_Q, W_K = query_key_weights(model, layer, head)
-    R = rotation(model, offsets, dtype=W_Q.dtype)  # [n, dh, dh]
+    R = rotation(model, offsets, dtype=W_Q.dtype, layer=layer)  # [n, dh, dh]
     return FactoredMatrix(W_Q @ R, W_K.T)  # A [n, d, dh], B [dh, d]
 
 
 @dataclass
 class QKFactors:
-    """The unrotated factors of a head's full QK circuit: W_E_eff W_Q^h / s and W_E_eff W_K^g [d_vocab, d_head]."""
+    """The unrotated factors of a head's full QK circuit: W_E_eff W_Q^h / s and W_E_eff W_K^g [d_vocab, d_head]; under
+    QK-norm with each token's own normalisation as row scalings (the exact "cosine" form, qk_forms.py)."""
 
     layer: int
     head: int
     query: Tensor  # [V, dh]
     key: Tensor  # [V, dh]
+    form: QKForm = "exact"
 
 
 def full_qk_factors(model: Transformer, layer: int, head: int) -> QKFactors:
     W_Q, W_K = query_key_weights(model, layer, head)
-    return QKFactors(layer, head, embed_eff_matmul(model, W_Q) / model.cfg.scale, embed_eff_matmul(model, W_K))
+    query, key = embed_eff_matmul(model, W_Q) / model.cfg.scale, embed_eff_matmul(model, W_K)
+    scales = head_token_scales(model, layer, head)
+    if scales is not None:
+        query, key = query * scales[0][:, None], key * scales[1][:, None]
+    return QKFactors(layer, head, query, key, qk_form(model, "token"))
 
 
 def full_qk_circuit_at(
@@ -138,7 +153,7 @@ def full_qk_circuit_at(
     columns the key token at i - δ; entry [b, a] is the token part of hook_attn_scores at that offset."""
     check_rotary(model)
     f = factors if factors is not None else full_qk_factors(model, layer, head)
-    R = rotation(model, [offset], dtype=f.query.dtype)[0]  # [dh, dh]
+    R = rotation(model, [offset], dtype=f.query.dtype, layer=layer)[0]  # [dh, dh]
     return FactoredMatrix(f.query @ R, f.key.T)
 
 
@@ -148,8 +163,11 @@ def full_qk_col_at(model: Transformer, layer: int, head: int, key_token: int, of
     if isinstance(key_token, bool) or not isinstance(key_token, int) or not 0 <= key_token < model.cfg.d_vocab:
         raise InvalidInputError(f"token id must be an integer in [0, {model.cfg.d_vocab}), got {key_token!r}")
     k = embed_eff_rows(model, [key_token]) @ W_K  # [1, dh]
-    R = rotation(model, [offset], dtype=W_Q.dtype)[0]
-    return embed_eff_matmul(model, W_Q @ (R @ k.T))[:, 0] / model.cfg.scale  # [V]
+    R = rotation(model, [offset], dtype=W_Q.dtype, layer=layer)[0]
+    col = embed_eff_matmul(model, W_Q @ (R @ k.T))[:, 0] / model.cfg.scale  # [V]
+    if model.cfg.qk_norm is None:
+        return col
+    return col * token_scale(model, layer, head, "query") * token_scale(model, layer, head, "key", [key_token])
 
 
 def full_qk_row_at(model: Transformer, layer: int, head: int, query_token: int, offset: int) -> Tensor:
@@ -157,8 +175,13 @@ def full_qk_row_at(model: Transformer, layer: int, head: int, query_token: int, 
     W_Q, W_K = query_key_weights(model, layer, head)
     if isinstance(query_token, bool) or not isinstance(query_token, int) or not 0 <= query_token < model.cfg.d_vocab:
         raise InvalidInputError(f"token id must be an integer in [0, {model.cfg.d_vocab}), got {query_token!r}")
-    q = embed_eff_rows(model, [query_token]) @ W_Q @ rotation(model, [offset], dtype=W_Q.dtype)[0]  # [1, dh]
-    return embed_eff_matmul(model, W_K @ q.T)[:, 0] / model.cfg.scale  # [V]
+    q = (
+        embed_eff_rows(model, [query_token]) @ W_Q @ rotation(model, [offset], dtype=W_Q.dtype, layer=layer)[0]
+    )  # [1, dh]
+    row = embed_eff_matmul(model, W_K @ q.T)[:, 0] / model.cfg.scale  # [V]
+    if model.cfg.qk_norm is None:
+        return row
+    return row * token_scale(model, layer, head, "key") * token_scale(model, layer, head, "query", [query_token])
 
 
 def skip_trigrams_at(
@@ -178,10 +201,17 @@ def _qk_small(model: Transformer, W_Q: Tensor, W_K: Tensor, G_E: Tensor | None) 
 
 def qk_eigenvalues_at(model: Transformer, offset: int, G_E: Tensor | None = None) -> Tensor:
     """[n_layers, n_heads, d_head] complex: the nonzero eigenvalues of each full QK circuit at offset δ,
-    those of W_K^{gT} G_E W_Q^h R(δ) / s [d_head, d_head] (float64)."""
+    those of W_K^{gT} G_E W_Q^h R(δ) / s [d_head, d_head] (float64; each layer with its own rope; under QK-norm the
+    weight-level "bilinear" form W_Q Γ_q R Γ_k W_K^T, qk_forms.py)."""
     check_rotary(model)
-    R = rotation(model, [offset])[0]  # [dh, dh] float64
-    return torch.linalg.eigvals(_qk_small(model, model.W_Q, model.W_K, G_E) @ R)  # W_K per query head
+    G_E = embed_gram(model) if G_E is None else G_E
+    out = []
+    for layer in range(model.cfg.n_layers):
+        W_Q, W_K = folded_query_key(model, layer)
+        W_K = W_K.repeat_interleave(model.cfg.group_size, dim=0)  # per query head
+        R = rotation(model, [offset], layer=layer)[0]  # [dh, dh] float64
+        out.append(torch.linalg.eigvals(_qk_small(model, W_Q, W_K, G_E) @ R))
+    return torch.stack(out)
 
 
 def head_qk_eigenvalues_at(
@@ -190,7 +220,7 @@ def head_qk_eigenvalues_at(
     """[n_offsets, d_head] complex: one head's full-QK eigenvalues at each offset (qk_eigenvalues_at for one head)."""
     check_rotary(model)
     W_Q, W_K = query_key_weights(model, layer, head)
-    R = rotation(model, offsets)  # [n, dh, dh] float64
+    R = rotation(model, offsets, layer=layer)  # [n, dh, dh] float64
     return torch.linalg.eigvals(_qk_small(model, W_Q, W_K, G_E) @ R)
 
 
@@ -217,31 +247,53 @@ def reference_means(model: Transformer, tokens: Tensor) -> Tensor:
 
 
 def positional_kernel(model: Transformer, means: Tensor, offsets: Sequence[int] | Tensor) -> Tensor:
-    """f_h(δ) = μ_l Ω_h(δ) μ_l^T / s for every head and offset: [n_layers, n_heads, n_offsets] (float64)."""
+    """f_h(δ) = μ_l Ω_h(δ) μ_l^T / s for every head and offset: [n_layers, n_heads, n_offsets] (float64), each layer
+    with its own rope. Under QK-norm the kernel is the score the layer gives a query and a key both equal to μ_l, with
+    μ_l's own normalisation (the "cosine" form, qk_forms.py). On a local layer the offsets at or beyond its window
+    are computed but never attended: `kernel_defined` says which are."""
     check_rotary(model)
     cfg = model.cfg
     if means.shape != (cfg.n_layers, cfg.d_model):
         raise InvalidInputError(
             f"means must be [n_layers, d_model] = [{cfg.n_layers}, {cfg.d_model}], got {tuple(means.shape)}"
         )
-    mu = means.double()
-    q = (mu[:, None, None, :] @ model.W_Q.double())[:, :, 0]  # [L, H, dh]
-    k = (mu[:, None, None, :] @ model.W_K_groups.double())[:, :, 0]  # [L, n_kv, dh]
-    k = k.repeat_interleave(cfg.group_size, dim=1)  # [L, H, dh]: each head's group key
     delta = check_offsets(model, offsets).to(model.device)  # [n]
-    qR = model.rotate(q[:, :, None, :].expand(*q.shape[:2], delta.numel(), q.shape[-1]), delta)  # [L, H, n, dh]
-    return (qR * k[:, :, None, :]).sum(-1) / cfg.scale  # [L, H, n]: q R(δ) k^T
+    out = torch.empty(cfg.n_layers, cfg.n_heads, delta.numel(), dtype=torch.float64, device=model.device)
+    for layer in range(cfg.n_layers):
+        mu = means[layer].double()
+        W_Q, W_K = (W.double() for W in folded_query_key(model, layer))  # [H, d, dh], [n_kv, d, dh]
+        q, k = mu @ W_Q, mu @ W_K  # [H, dh], [n_kv, dh]
+        if cfg.qk_norm is not None:  # μ's own normalisation, measured on the unfolded projections
+            rho_q, rho_k = (
+                qk_scale(mu @ W.double(), cfg)
+                for W in (attention(model, layer).W_Q, attention(model, layer).grouped("W_K"))
+            )
+            q, k = q / rho_q, k / rho_k
+        k = k.repeat_interleave(cfg.group_size, dim=0)  # [H, dh]: each head's group key
+        qR = model.rotate(q[:, None, :].expand(cfg.n_heads, delta.numel(), cfg.d_head), delta, layer)  # [H, n, dh]
+        out[layer] = (qR * k[:, None, :]).sum(-1) / cfg.scale  # q R(δ) k^T
+    return out
 
 
-def kernel_peaks(kernel: Tensor, offsets: Tensor) -> Tensor:
-    """[L, H] the offset at which each head's kernel [L, H, n] is largest (first one on ties)."""
+def kernel_defined(model: Transformer, offsets: Sequence[int] | Tensor) -> Tensor:
+    """[n_layers, n_offsets] bool: the offsets each layer attends at (δ >= 0, and δ < its window on a local layer)."""
+    delta = check_offsets(model, offsets).to(model.device)
+    return torch.stack([defined_offsets(model.cfg, layer, delta) for layer in range(model.cfg.n_layers)])
+
+
+def kernel_peaks(kernel: Tensor, offsets: Tensor, defined: Tensor | None = None) -> Tensor:
+    """[L, H] the offset at which each head's kernel [L, H, n] is largest (first one on ties), among the offsets
+    `defined` [L, n] marks (kernel_defined; all when None)."""
+    if defined is not None:
+        kernel = kernel.masked_fill(~defined[:, None, :].to(kernel.device), float("-inf"))
     return offsets.to(kernel.device)[kernel.argmax(dim=-1)]
 
 
 def kernel_peak_offsets(model: Transformer, means: Tensor, window: int = KERNEL_WINDOW) -> Tensor:
-    """[L, H] each head's kernel peak offset over δ = 0..window (clipped to n_ctx - 1), μ = means [L, d_model]."""
+    """[L, H] each head's kernel peak offset over δ = 0..window (clipped to n_ctx - 1; on a local layer to the offsets
+    it attends), μ = means [L, d_model]."""
     offsets = torch.arange(min(window, model.cfg.n_ctx - 1) + 1)
-    return kernel_peaks(positional_kernel(model, means, offsets), offsets)
+    return kernel_peaks(positional_kernel(model, means, offsets), offsets, kernel_defined(model, offsets))
 
 
 # -- energy per rotary band ----------------------------------------------------------------------------
@@ -269,7 +321,7 @@ def band_energies(model: Transformer) -> BandEnergies:
     """Each head's QK energy per rotary frequency band, from the 2 x 2 blocks of its d_head x d_head Grams (float64)."""
     check_rotary(model)
     first, second = (i.to(model.device) for i in rotary_pairs(model.cfg))  # [K]
-    W_Q, W_K = model.W_Q.double(), model.W_K.double()  # [L, H, d, dh]
+    W_Q, W_K = stacked_weights(model, "W_Q").double(), stacked_weights(model, "W_K").double()  # [L, H, d, dh], folded
     G_Q, G_K = W_Q.transpose(-2, -1) @ W_Q, W_K.transpose(-2, -1) @ W_K  # [L, H, dh, dh]
 
     def block(G: Tensor, a: Tensor, b: Tensor) -> Tensor:

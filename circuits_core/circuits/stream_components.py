@@ -35,6 +35,7 @@ from circuits_core.circuits import rotary
 from circuits_core.circuits.copying_spectra import embed_gram
 from circuits_core.circuits.embedding import embed_eff, embed_eff_matmul
 from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.folded import head_weights, mlp_output_weight
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.model.config import head_name
 from circuits_core.model.moe import MoE
@@ -251,15 +252,16 @@ def block(model: Transformer, layer: int) -> Block:
     return block
 
 
-def rotation(model: Transformer, offset: int) -> Tensor:
-    """R(offset) [d_head, d_head] with W_QK(offset) = W_Q R(offset) W_K^T (rotary.rotation; identity otherwise)."""
+def rotation(model: Transformer, offset: int, layer: int | None = None) -> Tensor:
+    """R(offset) [d_head, d_head] with W_QK(offset) = W_Q R(offset) W_K^T (rotary.rotation with layer `layer`'s rope;
+    identity otherwise)."""
     if model.cfg.positional_embedding_type != "rotary":
         if offset:
             raise InvalidInputError(
                 f"offset applies to rotary models only; this one has {model.cfg.positional_embedding_type!r} positions"
             )
         return torch.eye(model.cfg.d_head, dtype=model.dtype, device=model.device)
-    return rotary.rotation(model, [offset], dtype=model.dtype)[0]
+    return rotary.rotation(model, [offset], dtype=model.dtype, layer=layer)[0]
 
 
 def mlp_input(model: Transformer, reader: Reader) -> Tensor:
@@ -275,7 +277,7 @@ def mlp_input(model: Transformer, reader: Reader) -> Tensor:
 
 def mlp_output(model: Transformer, writer: Writer) -> Tensor:
     """The MLP output a writer names, W_out [d_mlp, d] (an expert's), or the chosen neurons' rows."""
-    W_out: Tensor = block(model, writer.layer).mlp.W_out  # [d_mlp, d] (or [n_experts, d_mlp, d])
+    W_out = mlp_output_weight(model, writer.layer)  # [d_mlp, d] (or [n_experts, d_mlp, d]), output gain folded
     W_out = W_out[writer.expert] if writer.expert >= 0 else W_out
     return W_out if writer.neurons is None else W_out[list(writer.neurons)]
 
@@ -288,8 +290,8 @@ def writer_chain(model: Transformer, writer: Writer) -> Chain:
         assert model.W_pos is not None
         return [model.W_pos]
     if writer.kind == "head":
-        attn = block(model, writer.layer).attn
-        return [attn.W_V[writer.head], attn.W_O[writer.head]]
+        _, _, W_V, W_O = head_weights(model, writer.layer, writer.head)
+        return [W_V, W_O]
     return [mlp_output(model, writer)]
 
 
@@ -299,13 +301,13 @@ def reader_chain(model: Transformer, reader: Reader, offset: int = 0) -> Chain:
         return [model.W_U]
     if reader.role in ("in", "gate", "up", "router"):
         return [mlp_input(model, reader)]
-    attn, h = block(model, reader.layer).attn, reader.head
-    W_Q, W_K = attn.W_Q[h], attn.W_K[h]  # per query head (grouped-query K/V repeated)
+    W_Q, W_K, W_V, W_O = head_weights(model, reader.layer, reader.head)  # gains folded (folded.py)
+    R = rotation(model, offset, reader.layer)
     if reader.role == "Q":
-        return [W_Q, rotation(model, offset) @ W_K.T]
+        return [W_Q, R @ W_K.T]
     if reader.role == "K":
-        return [W_K, rotation(model, offset).T @ W_Q.T]
-    return [attn.W_V[h], attn.W_O[h]]
+        return [W_K, R.T @ W_Q.T]
+    return [W_V, W_O]
 
 
 def _width(model: Transformer, factor: Tensor | str, side: int) -> int:

@@ -37,11 +37,12 @@ from torch import Tensor
 from circuits_core.circuits.composition import gram_block_size, random_baseline
 from circuits_core.circuits.embedding import embed_eff
 from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.folded import layer_weights as stacked
+from circuits_core.circuits.folded import mlp_output_weight
 from circuits_core.circuits.stream_components import (
     Reader,
     ReaderRole,
     Writer,
-    block,
     chain_norm,
     experts,
     factored,
@@ -231,12 +232,11 @@ def writer_groups(model: Transformer) -> list[tuple[list[Writer], GramSide]]:
         assert model.W_pos is not None
         groups.append(([Writer("pos")], factors(model.W_pos.to(dt)[None])))
     for layer in range(cfg.n_layers):
-        attn = block(model, layer).attn
-        W_V, W_O = attn.W_V.to(dt), attn.W_O.to(dt)  # [H, d, dh], [H, dh, d]
+        W_V, W_O = (stacked(model, layer, name).to(dt) for name in ("W_V", "W_O"))  # [H, d, dh], [H, dh, d]
         heads = [Writer("head", layer, h) for h in range(cfg.n_heads)]
         groups.append((heads, factors(W_O, (W_V.transpose(-2, -1) @ W_V) @ W_O)))  # W_O^T (W_V^T W_V) W_O
         if not cfg.attn_only:
-            W_out = block(model, layer).mlp.W_out.to(dt)  # [d_mlp, d], or [n_experts, d_mlp, d]
+            W_out = mlp_output_weight(model, layer).to(dt)  # [d_mlp, d], or [n_experts, d_mlp, d]
             groups.append(
                 (
                     [Writer("mlp", layer, expert=e) for e in experts(model)],
@@ -250,10 +250,9 @@ def reader_groups(model: Transformer, offset: int = 0) -> list[tuple[list[Reader
     """The readers' Grams H_r = W_r W_r^T in the order of `readers` (per layer Q, K, V heads, MLP inputs; W_U)."""
     cfg, dt = model.cfg, model.compute_dtype
     groups: list[tuple[list[Reader], GramSide]] = []
-    R = rotation(model, offset).to(dt)  # [dh, dh]
     for layer in range(cfg.n_layers):
-        attn = block(model, layer).attn
-        W_Q, W_K, W_V, W_O = (w.to(dt) for w in (attn.W_Q, attn.W_K, attn.W_V, attn.W_O))  # [H, d, dh] / [H, dh, d]
+        R = rotation(model, offset, layer).to(dt)  # [dh, dh], the layer's own rope
+        W_Q, W_K, W_V, W_O = (stacked(model, layer, n).to(dt) for n in ("W_Q", "W_K", "W_V", "W_O"))  # gains folded
         QQ, KK = W_Q.transpose(-2, -1) @ W_Q, W_K.transpose(-2, -1) @ W_K  # [H, dh, dh]
         # role -> (A, B B^T) of the reader A B: Q = W_Q (R W_K^T), K = W_K (R^T W_Q^T), V = W_V W_O
         parts = {"Q": (W_Q, R @ KK @ R.T), "K": (W_K, R.T @ QQ @ R), "V": (W_V, W_O @ W_O.transpose(-2, -1))}

@@ -44,8 +44,8 @@ import torch
 from torch import Tensor
 
 from circuits_core.errors import CheckpointError, InvalidInputError
-from circuits_core.formats.gguf_header import GGUFHeader
-from circuits_core.formats.gguf_quants import dequantize
+from circuits_core.formats.gguf_header import GGUFHeader, TensorInfo
+from circuits_core.formats.gguf_quants import dequantize, dequantize_transposed, row_chunks
 from circuits_core.formats.gguf_tokenizer import gguf_tokenizer
 from circuits_core.formats.llama import laid_out, one_thread
 from circuits_core.formats.tokenizer import Tokenizer
@@ -266,7 +266,8 @@ class _Tensors:
         self.header, self.name = header, header.name
         self.raw = dict(header.tensors)
 
-    def take(self, key: str, shape: tuple[int, ...], optional: bool = False) -> Tensor | None:
+    def info(self, key: str, shape: tuple[int, ...], optional: bool = False) -> TensorInfo | None:
+        """The directory entry of tensor `key` (taken: it counts as read), its shape checked."""
         info = self.raw.pop(key, None)
         if info is None:
             if optional:
@@ -274,12 +275,37 @@ class _Tensors:
             raise CheckpointError(f"{self.name}: missing tensor {key} (expected shape {list(shape)})")
         if info.shape != shape:
             raise CheckpointError(f"{self.name}: tensor {key}: expected shape {list(shape)}, given {list(info.shape)}")
-        return dequantize(self.header, info)
+        return info
 
     def need(self, key: str, shape: tuple[int, ...]) -> Tensor:
-        value = self.take(key, shape)
-        assert value is not None
-        return value
+        info = self.info(key, shape)
+        assert info is not None
+        return dequantize(self.header, info)
+
+    def need_transposed(self, key: str, shape: tuple[int, int]) -> Tensor:
+        """Matrix `key` of stored shape `shape`, as its contiguous float32 transpose."""
+        info = self.info(key, shape)
+        assert info is not None
+        return dequantize_transposed(self.header, info)
+
+    def embeddings(self, d_vocab: int, d: int, scale: float | None) -> tuple[Tensor, Tensor]:
+        """(W_E [d_vocab, d_model] times `scale` (None: as stored), W_U [d_model, d_vocab]) in one pass over
+        token_embd (and output.weight when the file has one: untied)."""
+        embed = self.info("token_embd.weight", (d_vocab, d))
+        output = self.info("output.weight", (d_vocab, d), optional=True)
+        assert embed is not None
+        W_E = torch.empty(d_vocab, d)
+        W_U = torch.empty(d, d_vocab) if output is None else dequantize_transposed(self.header, output)
+        factor = torch.tensor(scale if scale is not None else 1.0, dtype=F32)
+        for start, rows in row_chunks(self.header, embed):  # rows [n, d_model]
+            n = rows.shape[0]
+            if output is None:
+                W_U[:, start : start + n].copy_(rows.T)  # tied: the unscaled embedding
+            if scale is None:
+                W_E[start : start + n].copy_(rows)
+            else:
+                torch.mul(rows, factor, out=W_E[start : start + n])
+        return W_E, W_U
 
     def finish(self) -> None:
         if self.raw:
@@ -293,12 +319,9 @@ def gguf_state(cfg: ModelConfig, kind: Architecture, tensors: _Tensors) -> State
     d, H, dh, d_vocab = cfg.d_model, cfg.n_heads, cfg.d_head, cfg.d_vocab
     n_kv, d_mlp = cfg.n_key_value_heads or H, cfg.d_mlp or 0
     gemma = kind.gemma
-    token_embd = tensors.need("token_embd.weight", (d_vocab, d))
-    output = tensors.take("output.weight", (d_vocab, d), optional=True)
-    sd: State = {"unembed.W_U": laid_out((output if output is not None else token_embd).T, F32)}  # [d_model, d_vocab]
-    if gemma:  # Gemma embeds x sqrt(d_model), rounded to float32 as transformers' Gemma3TextScaledWordEmbedding
-        token_embd.mul_(torch.tensor(d**0.5, dtype=F32))
-    sd["embed.W_E"] = token_embd
+    # Gemma embeds x sqrt(d_model), rounded to float32 as transformers' Gemma3TextScaledWordEmbedding
+    W_E, W_U = tensors.embeddings(d_vocab, d, d**0.5 if gemma else None)
+    sd: State = {"embed.W_E": W_E, "unembed.W_U": W_U}  # [d_vocab, d_model], [d_model, d_vocab]
     sd["ln_final.w"] = tensors.need("output_norm.weight", (d,))
     norms = {"ln1": "attn_norm", "ln2": "ffn_norm"} | (
         {"ln1_post": "post_attention_norm", "ln2_post": "post_ffw_norm"} if gemma else {}
@@ -324,12 +347,11 @@ def gguf_state(cfg: ModelConfig, kind: Architecture, tensors: _Tensors) -> State
                 torch.zeros(d_mlp),
                 torch.zeros(d),
             )
-        W_O = tensors.need(f"{b}.attn_output.weight", (d, H * dh))  # [d_model(out), n_heads * d_head(in)]
-        sd[f"{p}.attn.W_O"] = laid_out(W_O.T.view(H, dh, d), F32)  # [n_heads, d_head, d_model]
-        # Each tensor made contiguous as it is read, so its file-order copy is freed at once (peak: one tensor).
-        sd[f"{p}.mlp.W_gate"] = laid_out(tensors.need(f"{b}.ffn_gate.weight", (d_mlp, d)).T, F32)  # [d_model, d_mlp]
-        sd[f"{p}.mlp.W_in"] = laid_out(tensors.need(f"{b}.ffn_up.weight", (d_mlp, d)).T, F32)  # [d_model, d_mlp]
-        sd[f"{p}.mlp.W_out"] = laid_out(tensors.need(f"{b}.ffn_down.weight", (d, d_mlp)).T, F32)  # [d_mlp, d_model]
+        # attn_output [d_model(out), n_heads * d_head(in)] -> W_O [n_heads, d_head, d_model]
+        sd[f"{p}.attn.W_O"] = tensors.need_transposed(f"{b}.attn_output.weight", (d, H * dh)).view(H, dh, d)
+        sd[f"{p}.mlp.W_gate"] = tensors.need_transposed(f"{b}.ffn_gate.weight", (d_mlp, d))  # [d_model, d_mlp]
+        sd[f"{p}.mlp.W_in"] = tensors.need_transposed(f"{b}.ffn_up.weight", (d_mlp, d))  # [d_model, d_mlp]
+        sd[f"{p}.mlp.W_out"] = tensors.need_transposed(f"{b}.ffn_down.weight", (d, d_mlp))  # [d_mlp, d_model]
     if cfg.use_bias:
         sd["unembed.b_U"] = torch.zeros(d_vocab)
     tensors.finish()

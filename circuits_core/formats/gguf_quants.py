@@ -11,13 +11,14 @@ project's reference code: tests/core/test_gguf_quants.py checks every bit on ran
                         -> (d sc_j) q - (dmin m_j) for sub-block j of 32
     Q6_K [210 B / 256]: 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales, fp16 d -> (d sc_j) (q - 32)
 Every other type the gguf library knows (Q2_K, Q3_K, Q5_K, IQ*, ...) goes through `gguf.quants.dequantize`
-(numpy), one chunk of rows at a time. Rows are read from the file in chunks of about CHUNK_BYTES, so the quantised
-bytes never sit in memory whole beside the float32 tensor.
+(numpy). Rows are read from the file and decoded a chunk of about CHUNK_VALUES values at a time (`row_chunks`), so
+the quantised bytes never sit in memory whole beside the float32 tensor, and a chunk is still in the cache when it
+is copied to its place (`dequantize`), or transposed there (`dequantize_transposed`: W_U, the MLP matrices).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import gguf
@@ -29,7 +30,7 @@ from circuits_core.errors import CheckpointError
 from circuits_core.formats.gguf_header import GGUFHeader, TensorInfo
 
 Q = gguf.GGMLQuantizationType
-CHUNK_BYTES = 8 << 20
+CHUNK_VALUES = 1 << 18  # float32 values per chunk (1 MiB)
 
 
 def _half(blocks: Tensor, start: int) -> Tensor:
@@ -127,21 +128,38 @@ def decode_rows(raw: np.ndarray, ggml_type: Any) -> Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(rows, -1)
 
 
-def dequantize(header: GGUFHeader, info: TensorInfo) -> Tensor:
-    """One tensor of the file as float32 in numpy's shape, read and decoded a chunk of rows at a time."""
-    shape = info.shape
-    width = shape[-1]
-    rows = info.nbytes and int(np.prod(shape[:-1], dtype=np.int64))
-    out = torch.empty(int(np.prod(shape[:-1], dtype=np.int64)), width, dtype=torch.float32)
+def row_chunks(header: GGUFHeader, info: TensorInfo) -> Iterator[tuple[int, Tensor]]:
+    """(first row, [rows, values per row] float32) over a tensor taken as a matrix (its leading dims flattened), a
+    chunk of about CHUNK_VALUES values at a time: small enough that the caller's copy reads it from the cache."""
+    width = info.shape[-1]
+    rows = int(np.prod(info.shape[:-1], dtype=np.int64))
     if not info.nbytes:
-        return out.view(shape)
+        return
     row_bytes = info.nbytes // rows
-    step = max(1, CHUNK_BYTES // row_bytes)
+    step = max(1, CHUNK_VALUES // width)
     for start in range(0, rows, step):
         n = min(step, rows - start)
         raw = header.read_bytes(info.offset + start * row_bytes, n * row_bytes).reshape(n, row_bytes)
         try:
-            out[start : start + n] = decode_rows(raw, info.ggml_type)
+            yield start, decode_rows(raw, info.ggml_type)
         except CheckpointError as exc:
             raise CheckpointError(f"{header.name}: tensor {info.name}: {exc}") from exc
-    return out.view(shape)
+
+
+def dequantize(header: GGUFHeader, info: TensorInfo) -> Tensor:
+    """One tensor of the file as float32 in numpy's shape."""
+    rows = int(np.prod(info.shape[:-1], dtype=np.int64))
+    out = torch.empty(rows, info.shape[-1], dtype=torch.float32)
+    for start, values in row_chunks(header, info):
+        out[start : start + values.shape[0]].copy_(values)
+    return out.view(info.shape)
+
+
+def dequantize_transposed(header: GGUFHeader, info: TensorInfo) -> Tensor:
+    """A matrix of the file [rows, cols] as its float32 transpose [cols, rows], contiguous: each chunk of rows is
+    transposed while it is in the cache (one pass, instead of a dequantised copy and then a transposing one)."""
+    rows, cols = info.shape
+    out = torch.empty(cols, rows, dtype=torch.float32)
+    for start, values in row_chunks(header, info):
+        out[:, start : start + values.shape[0]].copy_(values.T)
+    return out

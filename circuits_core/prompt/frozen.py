@@ -12,6 +12,11 @@ each layer is affine in its input residual stream X [n, d_model]:
 Everything here is shared by the logit path expansion (paths.py), the QK path expansion (qk_paths.py), the
 virtual heads (virtual.py) and the term-importance ablation (ablation.py). LayerNorm weights are folded into
 the reading weights here, so processed (LNPre) and unprocessed (LN) models are both exact.
+Output norms (Gemma 2/3, OLMo 2/3: ln1_post after attention) are frozen the same way: layer l's write at position
+i is (sum_h head_h + beta_l)(i) diag(gamma_post) / rho_post(i), so each head's W_O is read through diag(gamma_post)
+(head_o_apply) and its coefficient at its destination i carries 1 / rho_post(i) (FrozenRun.inv_scale of
+"blocks.{l}.ln1_post"); the bias beta_l becomes a per-position source (written_bias). A soft-capped logit
+c tanh(z / c) = z g(z) is expanded with its cap factor g frozen per destination (FrozenRun.logit_cap).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from torch import Tensor
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.hooks import Recorder
+from circuits_core.model.soft_cap import cap_factor, soft_cap
 from circuits_core.model.transformer import Attention, Block, Transformer
 
 
@@ -40,15 +46,20 @@ class FrozenRun:
     patterns: Tensor  # [n_layers, n_heads, n (query), n (key)]
     W_U: Tensor  # [d_model, d_vocab]
     b_U: Tensor | None  # [d_vocab]
+    logit_cap: float | None = None  # the model's output_logits_soft_cap
 
     @property
     def n(self) -> int:
         return int(self.tokens.shape[0])
 
-    def logits_at(self, positions: Tensor | Sequence[int]) -> Tensor:
-        """[q, d_vocab]: the logits at these positions (final @ W_U + b_U, as the model's forward pass)."""
+    def uncapped_logits_at(self, positions: Tensor | Sequence[int]) -> Tensor:
+        """[q, d_vocab]: final @ W_U + b_U at these positions (the logits before a soft cap)."""
         logits = self.final[torch.as_tensor(positions, dtype=torch.long, device=self.final.device)] @ self.W_U
         return logits + self.b_U if self.b_U is not None else logits
+
+    def logits_at(self, positions: Tensor | Sequence[int]) -> Tensor:
+        """[q, d_vocab]: the logits at these positions, as the model's forward pass (soft-capped if it caps)."""
+        return soft_cap(self.uncapped_logits_at(positions), self.logit_cap)
 
     @cached_property
     def logits(self) -> Tensor:
@@ -99,7 +110,7 @@ def frozen_run(model: Transformer, tokens: Tensor) -> FrozenRun:
     patterns = (
         torch.stack([cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(L)]) if L else final.new_zeros(0)
     )
-    return FrozenRun(tokens[0], final[0], cache, patterns, model.W_U, model.b_U)
+    return FrozenRun(tokens[0], final[0], cache, patterns, model.W_U, model.b_U, model.cfg.output_logits_soft_cap)
 
 
 def forward_cost(model: Transformer, n: int, batch: int = 1, kept_per_layer: int = 0, logits: bool = True) -> Cost:
@@ -205,9 +216,29 @@ def layer_bias_rows(model: Transformer, run: FrozenRun, layer: int) -> Tensor:
     return beta + b_O if b_O is not None else beta
 
 
+def post_gain(model: Transformer, layer: int, name: str = "ln1_post") -> Tensor | None:
+    """gamma [d_model] of layer's output norm (ln1_post after attention, ln2_post after the MLP); None without."""
+    if not model.cfg.post_norms:
+        return None
+    return ln_weight(model, f"blocks.{layer}.{name}")
+
+
+def written_bias(model: Transformer, run: FrozenRun, layer: int) -> Tensor:
+    """What layer's attention bias beta_l adds to the stream: [1, d_model] (constant), or under an output norm
+    [n, d_model] = beta_l diag(gamma_post) / rho_post(i) (frozen per position); under learned sinks beta_l is
+    per position already (layer_bias_rows)."""
+    beta = layer_bias_rows(model, run, layer)
+    gamma = post_gain(model, layer)
+    if gamma is None:
+        return beta
+    return beta * gamma * run.inv_scale(f"blocks.{layer}.ln1_post")[:, None]
+
+
 def head_o_apply(model: Transformer, layer: int, w: Tensor) -> Tensor:
-    """Readout vectors w [P, d_model] pulled back through every head's W_O: g [H, P, d_head] = W_O w."""
-    return torch.matmul(w, attention(model, layer).W_O.transpose(-2, -1))
+    """Readout vectors w [P, d_model] pulled back through every head's W_O (and the output norm's gain):
+    g [H, P, d_head] = W_O diag(gamma_post) w."""
+    gamma = post_gain(model, layer)
+    return torch.matmul(w * gamma if gamma is not None else w, attention(model, layer).W_O.transpose(-2, -1))
 
 
 def head_ov_apply(model: Transformer, layer: int, w: Tensor) -> tuple[Tensor, Tensor]:
@@ -259,11 +290,32 @@ def target_direction(model: Transformer, target: int | tuple[int, int]) -> tuple
     return u, const
 
 
-def readout(model: Transformer, target: int | tuple[int, int]) -> tuple[Tensor, Tensor]:
-    """(r [d_model], const []) with target value at p = inv_f[p] * (x_L[p] . r) + const (final LN frozen)."""
-    u, const = target_direction(model, target)
+def readout(
+    model: Transformer, target: int | tuple[int, int], caps: tuple[float, float] = (1.0, 1.0)
+) -> tuple[Tensor, Tensor]:
+    """(r [d_model], const []) with target value at p = inv_f[p] * (x_L[p] . r) + const (final LN frozen).
+
+    caps (g_a, g_b): frozen cap factors of the target's logits (soft_cap.cap_factor), so that the value is the capped
+    g_a z_a (- g_b z_b); (1, 1) for a model without a logit cap."""
+    g_a, g_b = caps
+    if isinstance(target, int):
+        u, const = target_direction(model, target)
+        u, const = u * g_a, const * g_a
+    else:
+        (u_a, c_a), (u_b, c_b) = (target_direction(model, int(t)) for t in target)
+        u, const = g_a * u_a - g_b * u_b, g_a * c_a - g_b * c_b
     w, b = ln_weight(model, "ln_final"), ln_bias(model, "ln_final")
     r = centre(model, u * w if w is not None else u)
     if b is not None:
         const = const + b @ u
     return r, const
+
+
+def target_cap_factors(run: FrozenRun, target: int | tuple[int, int], position: int) -> tuple[float, float]:
+    """(g_a, g_b): the frozen cap factors of the target's logits at a destination ((1, 1) without a logit cap)."""
+    if run.logit_cap is None:
+        return 1.0, 1.0
+    z = run.uncapped_logits_at([position])[0]
+    a, b = (target, target) if isinstance(target, int) else target
+    g = cap_factor(z[[int(a), int(b)]], run.logit_cap)
+    return float(g[0]), float(g[1])

@@ -9,7 +9,8 @@ and the target value at a destination position p is inv_f[p] (x_L[p] . r) + cons
 Sources (where a path starts):
     ()               the embedding x_0 (W_E[t], + W_pos for standard positions), enters layer 0
     ("bias:L3",)     beta_3, the constant output of attention layer 3 (b_O and folded b_V, b_ln1), enters layer 4
-                     (under learned sinks one row per position: frozen.layer_bias_rows)
+                     (under an output norm it is written as beta_3 diag(gamma) / rho_post(i), under learned sinks
+                     each head's value bias is scaled by its row sum: one row per position, frozen.written_bias)
     ("mlp:L3",)      the MLP of layer 3's actual output in the clean run, enters layer 4. An MLP is a node:
                      its inputs are NOT expanded further (the MLP is not linear), so every path through an MLP
                      starts at it.
@@ -19,6 +20,9 @@ Sources (where a path starts):
 A path's tuple is (source?, *head names); its order is the number of heads. Terms of order > max_order are
 summed into an explicit `remainder` (actual value minus the explicit terms), so terms + remainder always
 equal the model's actual value; the tests check the remainder against the explicit higher-order terms.
+Output norms (frozen.py) put diag(gamma_post) into each head's W_O and 1 / rho_post(i) into its coefficient at its
+destination; a soft-capped logit is expanded with its cap factor g frozen per destination (frozen.readout), so the
+terms sum to the capped value the model outputs.
 
 Algorithm: backward "suffix" propagation, batched by layer. A suffix (h_m..h_k) carries a coefficient over
 source positions coef [q, n] (e_p^T A^{h_k} D ... A^{h_m} D) and a residual readout vector w [d_model]
@@ -51,10 +55,11 @@ from circuits_core.prompt.frozen import (
     frozen_run,
     head_o_apply,
     head_ov_apply,
-    layer_bias_rows,
     ln_weight,
     readout,
     run_cost,
+    target_cap_factors,
+    written_bias,
 )
 from circuits_core.prompt.path_names import PathNames
 
@@ -125,7 +130,7 @@ def path_sources(model: Transformer, run: FrozenRun) -> list[_Source]:
     the layer where they enter."""
     out = [_Source((), 0, embed_source(model, run))]
     for layer in range(model.cfg.n_layers):
-        out.append(_Source((f"bias:L{layer}",), layer + 1, layer_bias_rows(model, run, layer)))
+        out.append(_Source((f"bias:L{layer}",), layer + 1, written_bias(model, run, layer)))
         if not model.cfg.attn_only:
             out += [_Source((name,), layer + 1, X) for name, X in mlp_parts(model, run, layer)]
     return out
@@ -185,8 +190,8 @@ class _Expander:
         shape = (self.n_terms + 1, q, run.n) if by_source else (self.n_terms + 1, q)
         self.values = torch.empty(shape, dtype=model.dtype, device=model.device)
         self.offset = 0
-        self.const = [  # constant rows (a bias; under learned sinks the attention biases are per position)
-            s for s, src in enumerate(sources) if src.name and src.name[0].startswith("bias:") and len(src.X) == 1
+        self.const = [  # constant rows (a bias; per position under learned sinks or an output norm)
+            s for s, src in enumerate(sources) if src.name and src.name[0].startswith("bias:") and src.X.shape[0] == 1
         ]
         self.seq = [s for s in range(len(sources)) if s not in self.const]
         self.X_seq = torch.stack([sources[s].X for s in self.seq])  # [S, n, d]
@@ -301,6 +306,12 @@ def expand_logits(
     n = run.n
     dest = _positions(positions, n, model.device)
     q = dest.numel()
+    if run.logit_cap is not None and q > 1:  # a cap factor per destination: one expansion each, side by side
+        parts = [
+            expand_logits(model, tokens, target, int(p), max_order, by_source, run, max_elements, should_stop)
+            for p in dest
+        ]
+        return _side_by_side(parts, dest)
     n_suffixes = _count_suffixes(L, H, max_order)
     sources = path_sources(model, run)
     n_terms = n_suffixes * len(sources)
@@ -311,7 +322,7 @@ def expand_logits(
         )
     heads_of: list[list[tuple[str, ...]]] = [[(head_name(layer, h),) for h in range(H)] for layer in range(L)]
     with torch.no_grad():
-        r, const = readout(model, target)
+        r, const = readout(model, target, target_cap_factors(run, target, int(dest[0])))
         inv_f = run.inv_scale("ln_final")
         exp = _Expander(model, run, sources, by_source, max_order, q)
         coef0 = torch.zeros(1, q, n, dtype=model.dtype, device=model.device)
@@ -333,7 +344,9 @@ def expand_logits(
                 names, coef, w = names_prev[:P0], coef_prev[:P0], w_prev[:P0]  # [P0, q, n], [P0, d]
                 A = run.patterns[layer]  # [H, n, n]
                 inv = run.inv_scale(f"blocks.{layer}.ln1")  # [n]
-                coef_new = torch.matmul(coef.reshape(P0 * q, n), A).mul_(inv).view(H * P0, q, n)  # [H*P0, q, n]
+                # the output norm's 1 / rho at the heads' rows (ones without output norms)
+                written = coef * run.inv_scale(f"blocks.{layer}.ln1_post")
+                coef_new = torch.matmul(written.reshape(P0 * q, n), A).mul_(inv).view(H * P0, q, n)  # [H*P0, q, n]
                 if last:
                     exp.emit(order, layer, heads_of[layer], names, coef_new, None, head_o_apply(model, layer, w))
                     continue
@@ -364,6 +377,18 @@ def expand_logits(
     return PathExpansion(
         dest, target, max_order, exp.paths, exp.orders(), values, values_all if by_source else None, actual, remainder
     )
+
+
+def _side_by_side(parts: list[PathExpansion], dest: Tensor) -> PathExpansion:
+    """One expansion of several destinations from single-destination expansions of the same terms."""
+    first = parts[0]
+    by_source = (
+        None if first.by_source is None else torch.cat([p.by_source for p in parts if p.by_source is not None], 1)
+    )
+    return PathExpansion(
+        dest, first.target, first.max_order, first.paths, first.orders, torch.cat([p.values for p in parts], 1),
+        by_source, torch.cat([p.value for p in parts]), torch.cat([p.remainder for p in parts]),
+    )  # fmt: skip
 
 
 def _actual_value(logits: Tensor, target: Target) -> Tensor:

@@ -11,8 +11,13 @@ Query-side vectors: q_a = D_l (y_a C) diag(w) W_Q^h, plus "pos_embed" = W_pos W_
     hook_attn_scores (before the mask) = sum_{a,b} q_a k_b^T / attn_scale      (rotary: rotate each q_a, k_b;
                                                                                 ALiBi: + -m_h (i - j), `positional`)
 (a, b) = (embed, embed) is no composition; (head, embed) Q-composition; (embed, head) K-composition.
-The summary is the std of each (a, b) term over the causal (query >= key) positions, as ARENA's
-`decompose_attn_scores` plot, where an induction head's (embed, previous-token head) K term stands out.
+The summary is the std of each (a, b) term over the positions the head sees (causal, and within a sliding window),
+as ARENA's `decompose_attn_scores` plot, where an induction head's (embed, previous-token head) K term stands out.
+The newest attention, frozen like the norm scales: under an output norm each earlier head's write carries
+diag(gamma_post) / rho_post(i) (frozen.py); under QK-norm each query part is divided by the query's own rho_q(i) and
+scaled by gamma_q before the rotation (keys alike), so the parts still sum to the model's q and k; under a score cap
+every term is multiplied by the entry's frozen cap factor g = c tanh(s / c) / s (soft_cap.py), so the terms sum to
+the capped score the softmax sees. Each layer rotates with its own rope (ModelConfig.layer_rope).
 """
 
 from __future__ import annotations
@@ -31,19 +36,22 @@ from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError, LimitExceededError
 from circuits_core.model.alibi import alibi_kernel
 from circuits_core.model.config import head_name
+from circuits_core.model.soft_cap import cap_factor, share_beyond_cap
 from circuits_core.model.transformer import Transformer
+from circuits_core.model.window import visible
 from circuits_core.prompt.frozen import (
     FrozenRun,
     attention,
     centre,
     embed_source,
     frozen_run,
-    layer_bias_rows,
     ln_linear,
+    post_gain,
     qk_positions,
     reading_bias,
     reading_weights,
     run_cost,
+    written_bias,
 )
 
 
@@ -56,15 +64,19 @@ class QKExpansion:
     q_parts: Tensor  # [C, n, d_head]: q = sum_a q_parts[a] (after rotation for rotary models)
     k_parts: Tensor  # [C, n, d_head]
     std: Tensor  # [C (query), C (key)]: std over causal positions of each term
-    scores: Tensor  # [n, n]: the model's actual scores q k^T / s (before the causal mask)
+    scores: Tensor  # [n, n]: the model's actual scores q k^T / s (soft-capped if the model caps; before the mask)
     terms: Tensor | None  # [C, C, n, n] when keep_terms
     scale: float  # attn_scale s
+    cap_factor: Tensor | None = None  # [n, n]: frozen g = c tanh(s / c) / s of each entry, None without a cap
+    beyond_cap: float = 0.0  # share of the seen scores with |s| > c before the cap
+    visible: Tensor | None = None  # [n, n] bool: the entries the head sees (causal, within its window)
     positional: Tensor | None = None  # [n, n] ALiBi's -m_h (i - j) (scores = sum of the terms + positional), else None
 
     def term(self, query_component: str, key_component: str) -> Tensor:
-        """One (a, b) term [n, n] = q_a k_b^T / s."""
+        """One (a, b) term [n, n] = q_a k_b^T / s (times the frozen cap factor under a cap)."""
         a, b = self.components.index(query_component), self.components.index(key_component)
-        return self.q_parts[a] @ self.k_parts[b].T / self.scale
+        term = self.q_parts[a] @ self.k_parts[b].T / self.scale
+        return term * self.cap_factor if self.cap_factor is not None else term
 
     def top_pairs(self, k: int = 10) -> list[tuple[str, str, float]]:
         """The k (query component, key component) pairs with the largest std over positions."""
@@ -80,19 +92,22 @@ def residual_components(model: Transformer, run: FrozenRun, layer: int) -> tuple
     if model.cfg.positional_embedding_type == "standard":
         names.append("pos_embed")
         parts.append(embed_source(model, run) - run.cache["hook_embed"])
-    bias = torch.zeros(model.cfg.d_model, dtype=model.dtype, device=model.device)
+    bias = torch.zeros(1, model.cfg.d_model, dtype=model.dtype, device=model.device)
     for lay in range(layer):
         x = ln_linear(
             model, f"blocks.{lay}.ln1", run.cache[f"blocks.{lay}.hook_resid_pre"], run.inv_scale(f"blocks.{lay}.ln1")
         )
         v = torch.einsum("nd,hde->hne", x, attention(model, lay).W_V)  # [H, n, dh] (LN weight already applied)
         outs = torch.einsum("hqk,hke,hed->hqd", run.patterns[lay], v, attention(model, lay).W_O)  # [H, n, d]
+        gamma = post_gain(model, lay)
+        if gamma is not None:  # the output norm, frozen: diag(gamma) / rho_post(i)
+            outs = outs * gamma * run.inv_scale(f"blocks.{lay}.ln1_post")[:, None]
         names += [head_name(lay, h) for h in range(model.cfg.n_heads)]
         parts += list(outs)
         if not model.cfg.attn_only:
             names.append(f"mlp:L{lay}")
             parts.append(run.cache[f"blocks.{lay}.hook_mlp_out"])
-        bias = bias + layer_bias_rows(model, run, lay)  # [1 or n, d_model]
+        bias = bias + written_bias(model, run, lay)  # [1 or n, d_model]
     names.append("bias")
     parts.append(bias.expand(run.n, -1))
     return names, torch.stack(parts)
@@ -129,14 +144,19 @@ def expand_scores(
             side.append(reading_bias(model, layer, b)[h].expand(1, n, -1))
             sides.append(torch.cat(side))
         comps = names + (["pos_embed"] if qk_positions(model, run) is not None else []) + ["b_QK"]
-        q_parts, k_parts = sides  # [C, n, dh]
+        q_parts, k_parts = frozen_qk_norm(model, run, layer, h, *sides)  # [C, n, dh]
         if model.cfg.positional_embedding_type == "rotary":
             # each component rotated at its own position: q_a(i) R(i) . k_b(j) R(j) = q_a(i) R(i - j) k_b(j)^T
             positions = torch.arange(n, device=model.device)  # [n], against [C, n]
-            q_parts, k_parts = model.rotate(q_parts, positions), model.rotate(k_parts, positions)
+            q_parts, k_parts = model.rotate(q_parts, positions, layer), model.rotate(k_parts, positions, layer)
         s = model.cfg.scale
         C = len(comps)
-        causal = torch.ones(n, n, dtype=torch.bool, device=model.device).tril()
+        causal = visible(n, model.cfg.layer_window(layer), model.device)  # the entries the head sees
+        q = run.cache[f"blocks.{layer}.attn.hook_q"][:, h]  # [n, dh]
+        k = run.cache[f"blocks.{layer}.attn.hook_k"][:, h]
+        raw = q @ k.T / s
+        cap = model.cfg.attn_scores_soft_cap
+        g = cap_factor(raw, cap) if cap is not None else None  # frozen per entry
         std = torch.zeros(C, C, dtype=model.dtype, device=model.device)
         keep = keep_terms and C * C * n * n <= max_elements
         if keep_terms and not keep:
@@ -145,17 +165,36 @@ def expand_scores(
         for a in range(C):
             check_stop(should_stop, "QK path expansion")
             row = torch.einsum("qe,bke->bqk", q_parts[a], k_parts) / s  # [C, n, n]
+            if g is not None:
+                row = row * g
             std[a] = row[:, causal].std(-1) if causal.sum() > 1 else 0.0
             if terms is not None:
                 terms[a] = row
-        q = run.cache[f"blocks.{layer}.attn.hook_q"][:, h]  # [n, dh]
-        k = run.cache[f"blocks.{layer}.attn.hook_k"][:, h]
-        scores = q @ k.T / s
+        scores = raw * g if g is not None else raw
         positional = None
         if model.cfg.alibi is not None:  # the linear positional kernel, outside the bilinear terms
             positional = alibi_kernel(model.cfg, n, model.device)[h].to(model.dtype)
             scores = scores + positional
-    return QKExpansion(head_name(layer, h), comps, q_parts, k_parts, std, scores, terms, s, positional)
+    return QKExpansion(
+        head_name(layer, h), comps, q_parts, k_parts, std, scores, terms, s, g, share_beyond_cap(raw[causal], cap),
+        causal, positional,
+    )  # fmt: skip
+
+
+def frozen_qk_norm(
+    model: Transformer, run: FrozenRun, layer: int, h: int, q_parts: Tensor, k_parts: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Query and key parts [C, n, d_head] (before the rotation) through the layer's QK-norm with the run's rho
+    frozen: part / rho(i) * gamma, so the parts still sum to the normalised q and k (unchanged without QK-norm)."""
+    if model.cfg.qk_norm is None:
+        return q_parts, k_parts
+    attn, group = attention(model, layer), h // model.cfg.group_size
+    out = []
+    for parts, norm, idx in ((q_parts, attn.q_norm, h), (k_parts, attn.k_norm, group)):
+        rho = run.cache[f"{norm.name}.hook_scale"]  # [n, heads or 1, 1]
+        rho = rho[:, idx if rho.shape[1] > 1 else 0]  # [n, 1]
+        out.append(parts / rho * norm.gain()[idx])
+    return out[0], out[1]
 
 
 def n_components(model: Transformer, layer: int) -> int:

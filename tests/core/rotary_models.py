@@ -1,4 +1,8 @@
-"""Small float64 rotary models for the rotary-circuit tests: both layouts, partial rotary, rope scaling, GQA."""
+"""Small float64 rotary models for the rotary-circuit tests: both layouts, partial rotary, rope scaling, GQA, and the
+newest attention (QK-norm per head and per layer, soft caps, sliding windows with local/global rope, sandwich and
+output-only norms)."""
+
+import itertools
 
 import torch
 
@@ -15,7 +19,22 @@ CASES = {
         n_key_value_heads=1, rotary_adjacent_pairs=True, rotary_dim=6, rope_type="linear", rope_factor=2.0
     ),
     "layernorm": dict(normalization_type="LN", gated_mlp=False, act_fn="gelu_new"),
-}
+    # Gemma 2: soft caps that bite, windows shorter than the prompts on alternate layers, sandwich norms, GQA,
+    # query_pre_attn_scalar, GeGLU
+    "gemma2": dict(
+        n_key_value_heads=2, attn_scores_soft_cap=0.7, output_logits_soft_cap=1.5, window_size=4, attn_types="LG",
+        post_norms=True, attn_scale=3.0, act_fn="gelu_new",
+    ),
+    # Gemma 3: per-head QK-norm, multi-query, 2 local layers (own rope base) per global one (linear scaling)
+    "gemma3": dict(
+        n_key_value_heads=1, qk_norm="head", window_size=3, attn_types="LLG", rotary_base_local=10.0,
+        rope_type="linear", rope_factor=2.0, post_norms=True, act_fn="gelu_new",
+    ),
+    "qwen3": dict(n_key_value_heads=2, qk_norm="head"),
+    # OLMo 2: QK-norm over the layer's heads, output norms only (the layers read the raw stream)
+    "olmo2": dict(n_key_value_heads=2, qk_norm="layer", pre_norms=False, post_norms=True),
+}  # fmt: skip
+NEWEST = ("gemma2", "gemma3", "qwen3", "olmo2")
 
 
 def rotary_model(seed=0, n_layers=2, **overrides):
@@ -37,6 +56,11 @@ def rotary_model(seed=0, n_layers=2, **overrides):
         use_bias=False,
     )
     fields.update(overrides)
+    if isinstance(fields.get("attn_types"), str):  # "LG": local, global, local, ... over the layers
+        kinds = {"L": "local", "G": "global"}
+        fields["attn_types"] = tuple(
+            kinds[c] for c in itertools.islice(itertools.cycle(fields["attn_types"]), n_layers)
+        )
     model = random_model(ModelConfig(**fields), seed=seed, dtype=torch.float64, std_embed=0.5)
     gen = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():

@@ -20,9 +20,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from circuits_core.errors import CheckpointError
-from circuits_core.formats import gguf as formats_gguf
 from circuits_core.formats.checkpoint import detect_format, load_checkpoint
 from circuits_core.formats.gguf import read_gguf
+from circuits_core.formats.gguf_header import GGUFHeader
 from circuits_core.formats.statedict import build_model, load_bytes
 from circuits_core.prompt.model_summary import SUMMARY_FILE, ensure_summary, load_summary, measure
 from tests.bpe import EOT, train_bpe
@@ -286,10 +286,10 @@ def test_a_model_over_the_byte_limit_is_refused_before_any_tensor_is_dequantised
     cfg = load_checkpoint(folder).model.cfg
     assert load_bytes(cfg, torch.float32) > on_disk + 1  # so the price, not the file size, refuses it
 
-    def no_dequantise(*args):
-        raise AssertionError("a tensor was dequantised before the price check")
+    def no_tensor_read(*args):
+        raise AssertionError("a tensor was read before the price check")
 
-    monkeypatch.setattr(formats_gguf, "dequantize", no_dequantise)
+    monkeypatch.setattr(GGUFHeader, "read_bytes", no_tensor_read)
     with pytest.raises(CheckpointError, match="GGUF metadata describes a model of"):
         load_checkpoint(folder, max_bytes=on_disk + 1)
 

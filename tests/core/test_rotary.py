@@ -29,7 +29,9 @@ from circuits_core.circuits.rotary import (
 )
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.config import ModelConfig
+from circuits_core.model.soft_cap import soft_cap
 from circuits_core.model.transformer import random_model, rotary_inv_freq, rotary_pairs
+from circuits_core.model.window import visible
 
 IDS = list(CASES)
 
@@ -45,25 +47,39 @@ def normed(model, x, layer=0):
 
 @pytest.mark.parametrize("case", IDS)
 def test_omega_reproduces_attention_scores(case):
-    """x̂_i Ω_h(i - j) x̂_j^T / s == hook_attn_scores[h, i, j] for every head and causal (i, j), to 1e-10."""
+    """x̂_i Ω_h(i - j) x̂_j^T / s == hook_attn_scores[h, i, j] for every head and causal (i, j) the head sees, to 1e-10
+    (under QK-norm Ω is the gain-folded bilinear form read through the run's rho_q(i) rho_k(j); under a cap the
+    prediction is capped as the model caps it)."""
     model = rotary_model(**CASES[case])
+    cfg = model.cfg
     n = 12
     tokens = tokens_for(model, n=n, batch=2)
-    names = {f"blocks.{lay}.{hook}" for lay in range(2) for hook in ("ln1.hook_normalized", "attn.hook_attn_scores")}
-    _, cache = model.run(tokens, names=names)
-    i, j = torch.tril_indices(n, n)  # causal pairs, δ = i - j >= 0
-    for layer in range(model.cfg.n_layers):
-        x = cache[f"blocks.{layer}.ln1.hook_normalized"]  # [b, n, d]
-        for h in range(model.cfg.n_heads):
-            Om = omega(model, layer, h, torch.arange(n))  # [n, d, d]
-            pred = torch.einsum("bpd,pde,bpe->bp", x[:, i], Om.AB[i - j], x[:, j]) / model.cfg.scale
+    hooks = (
+        "ln1.hook_normalized",
+        "hook_resid_pre",
+        "attn.hook_attn_scores",
+        "attn.q_norm.hook_scale",
+        "attn.k_norm.hook_scale",
+    )
+    _, cache = model.run(tokens, names={f"blocks.{lay}.{hook}" for lay in range(2) for hook in hooks})
+    for layer in range(cfg.n_layers):
+        i, j = visible(n, cfg.layer_window(layer)).nonzero(as_tuple=True)  # δ = i - j >= 0, inside the window
+        x = cache.get(f"blocks.{layer}.ln1.hook_normalized", cache[f"blocks.{layer}.hook_resid_pre"])  # [b, n, d]
+        for h in range(cfg.n_heads):
+
+            def predict(offsets, h=h, x=x, i=i, j=j, layer=layer):
+                pred = torch.einsum("bpd,pde,bpe->bp", x[:, i], omega(model, layer, h, offsets).AB, x[:, j]) / cfg.scale
+                if cfg.qk_norm is not None:
+                    rho_q = cache[f"blocks.{layer}.attn.q_norm.hook_scale"]  # [b, n, heads or 1, 1]
+                    rho_k = cache[f"blocks.{layer}.attn.k_norm.hook_scale"]
+                    pred = pred / (rho_q[:, i, h if cfg.qk_norm == "head" else 0, 0])
+                    pred = pred / (rho_k[:, j, h // cfg.group_size if cfg.qk_norm == "head" else 0, 0])
+                return soft_cap(pred, cfg.attn_scores_soft_cap)
+
             real = cache[f"blocks.{layer}.attn.hook_attn_scores"][:, h, i, j]
-            assert (pred - real).abs().max() < 1e-10
+            assert (predict(i - j) - real).abs().max() < 1e-10
             # the sign of δ matters: R(j - i) instead of R(i - j) does not reproduce the scores
-            wrong = (
-                torch.einsum("bpd,pde,bpe->bp", x[:, i], omega(model, layer, h, j - i).AB, x[:, j]) / model.cfg.scale
-            )
-            assert (wrong - real).abs().max() > 1e-3
+            assert (predict(j - i) - real).abs().max() > 1e-3
 
 
 def test_omega_uses_the_group_key_weights():
@@ -155,21 +171,26 @@ def test_positional_kernel_vs_rotations_at_absolute_positions(case):
     tokens = tokens_for(model, n=20, batch=2)
     mu = reference_means(model, tokens)  # [L, d]
     _, cache = model.run(tokens, names={f"blocks.{lay}.hook_resid_pre" for lay in range(2)})
-    offsets = torch.arange(0, 10)
+    offsets = torch.tensor([0, 3, 1, 7, 2, 9, 4, 8, 5, 6])  # out of order: an index is not an offset
     kernel = positional_kernel(model, mu, offsets)  # [L, H, n]
+    peaks = kernel_peaks(kernel, offsets)
+    H, n_kv = model.cfg.n_heads, model.cfg.n_key_value_heads or model.cfg.n_heads
     for layer in range(2):
         mu_ref = normed(model, cache[f"blocks.{layer}.hook_resid_pre"], layer)[:, 1:].mean((0, 1))
         torch.testing.assert_close(mu[layer], mu_ref, atol=1e-12, rtol=0)
-        for h in range(4):
-            attn = model.blocks[layer].attn
-            q, k = mu_ref @ attn.W_Q[h], mu_ref @ attn.W_K[h]  # [dh]
+        attn = model.blocks[layer].attn
+        W_K = attn._W_K if model.cfg.n_key_value_heads else attn.W_K  # [n_kv, d, dh]: the stored key heads
+        for h in range(H):
+            q, k = mu_ref @ attn.W_Q[h], mu_ref @ W_K[h // (H // n_kv)]  # [dh]; query head h reads key group h // g
             p = 5
+            values = []
             for n, delta in enumerate(offsets.tolist()):
                 qr = model.rotate(q, torch.tensor(p + delta))
                 kr = model.rotate(k, torch.tensor(p))
-                assert abs(float(qr @ kr) / model.cfg.scale - float(kernel[layer, h, n])) < 1e-12
-    peaks = kernel_peaks(kernel, offsets)
-    assert torch.equal(peaks, offsets[kernel.argmax(-1)])
+                values.append(float(qr @ kr) / model.cfg.scale)
+                assert abs(values[-1] - float(kernel[layer, h, n])) < 1e-12
+            best = max(range(len(values)), key=lambda n: values[n])  # the offset where the hand values peak
+            assert int(peaks[layer, h]) == offsets.tolist()[best]
 
 
 def test_positional_kernel_finds_a_planted_previous_token_head():
