@@ -4,9 +4,9 @@ Config (`model_type` llama, mistral or qwen2; transformers' field names):
     hidden_size, num_attention_heads, num_key_value_heads (grouped-query attention), head_dim (default
     hidden_size / heads), intermediate_size, num_hidden_layers, vocab_size, max_position_embeddings,
     rms_norm_eps, hidden_act (silu: SwiGLU), tie_word_embeddings, bos_token_id; rope: `rope_parameters`
-    (transformers >= 5) or `rope_scaling` + `rope_theta`, types default, linear and llama3 (any other type is
-    refused, naming it); biases: Llama `attention_bias` (q, k, v, o), Qwen2 always q, k, v (o none), Mistral
-    none. Mistral's `sliding_window` masks every layer (ModelConfig.window_size, window.py). Qwen2's
+    (transformers >= 5) or `rope_scaling` + `rope_theta`, types default, linear, llama3 and yarn
+    (rope_scaling.py; any other type is refused, naming it); biases: Llama `attention_bias` (q, k, v, o), Qwen2 always
+    q, k, v (o none), Mistral none. Mistral's `sliding_window` masks every layer (ModelConfig.window_size, window.py). Qwen2's
     (`use_sliding_window`) never masks a sequence no longer than the window, so its context is capped at the window
     and the model stays exact.
 Weights (nn.Linear stores [d_out, d_in], so each is transposed into `x @ W` form):
@@ -46,13 +46,14 @@ from torch import Tensor
 
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.hf import _act_fn, _bos, _config
+from circuits_core.formats.rope_scaling import rope_fields as rope_fields  # (re-exported: llama_variants reads it)
+from circuits_core.formats.rope_scaling import rope_section
 from circuits_core.formats.statedict import folder_file, folder_listing, read_json_object
 from circuits_core.model.config import ConfigReader, ModelConfig
 from circuits_core.model.transformer import attn_param
 
 State = dict[str, Tensor]
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2")
-ROPE_TYPES = ("default", "linear", "llama3")
 INDEX = "model.safetensors.index.json"
 _IGNORED = (".rotary_emb.inv_freq",)
 HEADER_MAX_BYTES = 100_000_000  # safetensors' own limit on the JSON header
@@ -123,6 +124,8 @@ class _MappedFile:
         """layout(tensor) copied once into a new `dtype` tensor from the stored bytes."""
         entry, shape = self.entries[key], self.shape(key)
         source = _DTYPES.get(entry.get("dtype"))
+        if dtype == torch.uint8 and entry.get("dtype") == "U8":  # packed bytes (MXFP4 blocks and scales), as stored
+            source = torch.uint8
         if source is None:
             raise CheckpointError(
                 f"{self.name}: tensor {key}: dtype {entry.get('dtype')!r} is not a float type ({', '.join(_DTYPES)})"
@@ -219,10 +222,17 @@ class _Shards:
     def has(self, key: str) -> bool:
         return key in self.where
 
-    def take(self, key: str, shape: tuple[int, ...], layout: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
-        """layout(tensor `key`) in the compute dtype; its stored shape is checked before anything is read."""
+    def take(
+        self,
+        key: str,
+        shape: tuple[int, ...],
+        layout: Callable[[Tensor], Tensor] = lambda t: t,
+        dtype: torch.dtype | None = None,
+    ) -> Tensor:
+        """layout(tensor `key`) in the compute dtype (or `dtype`: torch.uint8 reads packed bytes as stored); its
+        stored shape is checked before anything is read."""
         self.check(key, shape)
-        return self.maps[self.where[key]].read(key, self.dtype, layout)
+        return self.maps[self.where[key]].read(key, dtype or self.dtype, layout)
 
     def defer(self, key: str, shape: tuple[int, ...], layout: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
         """A meta placeholder of layout(tensor `key`) (its shape checked, nothing read): formats/lazy_mlp.py."""
@@ -252,35 +262,9 @@ class _Shards:
             )
 
 
-def _rope(r: ConfigReader, name: str) -> dict[str, Any]:
+def _rope(r: ConfigReader, d_head: int) -> dict[str, Any]:
     """Rope fields for ModelConfig from `rope_parameters` (transformers >= 5) or `rope_scaling` + `rope_theta`."""
-    return rope_fields(r, r.section("rope_parameters") if r.has("rope_parameters") else r.section("rope_scaling"))
-
-
-def rope_fields(r: ConfigReader, rope: ConfigReader, default_base: float = 10000.0) -> dict[str, Any]:
-    """rotary_base and the scaling fields from one rope parameter object `rope` (a section of config `r`, whose
-    top-level rope_theta and partial_rotary_factor apply where the section has none); types other than ROPE_TYPES
-    and partial rotary are refused, naming the field."""
-    where = f"{r.source}: {rope.prefix}"
-    kind = rope.text("rope_type", default=None) or rope.text("type", default="default")
-    if kind not in ROPE_TYPES:
-        raise CheckpointError(
-            f"{where}rope_type: rope scaling type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}"
-        )
-    base = rope.number("rope_theta", default=None, gt=0) or r.number("rope_theta", default=default_base, gt=0)
-    fields: dict[str, Any] = {"rotary_base": base, "rope_type": kind}
-    if kind in ("linear", "llama3"):
-        fields["rope_factor"] = rope.number("factor", gt=0)
-    if kind == "llama3":
-        fields["rope_low_freq_factor"] = rope.number("low_freq_factor", gt=0)
-        fields["rope_high_freq_factor"] = rope.number("high_freq_factor", gt=0)
-        fields["rope_original_max_position_embeddings"] = rope.integer("original_max_position_embeddings", ge=1)
-    factor = rope.number("partial_rotary_factor", default=None, gt=0) or r.number(
-        "partial_rotary_factor", default=1.0, gt=0
-    )
-    if factor != 1.0:
-        raise CheckpointError(f"{where}partial_rotary_factor={factor} is not supported for Llama-layout files")
-    return fields
+    return rope_fields(r, rope_section(r), d_head=d_head)
 
 
 def _window(r: ConfigReader, model_type: str) -> int | None:
@@ -328,7 +312,7 @@ def llama_config(hf: dict[str, Any]) -> ModelConfig:
         attn_only=False, normalization_type="RMS", positional_embedding_type="rotary", gated_mlp=True,
         act_fn=_act_fn(r, "hidden_act", "silu"), eps=r.number("rms_norm_eps", default=1e-6, gt=0),
         use_bias=attention_bias, n_key_value_heads=n_kv if n_kv != n_heads else None, rotary_dim=dh,
-        bos_token_id=_bos(r, d_vocab), **_rope(r, path.name),
+        bos_token_id=_bos(r, d_vocab), **_rope(r, dh),
     )  # fmt: skip
 
 

@@ -5,10 +5,11 @@ Row-vector convention. With the clean run's patterns and LayerNorm scales frozen
 stream read by layer l is a sum of components y_a [n, d_model]:
     "embed" (W_E[t]), "pos_embed" (standard positions: W_pos in the residual stream), each earlier head's
     actual output "L0H3" = A D (x C) diag(w) W_V W_O (its linear part), "mlp:L0" (actual MLP outputs),
-    "bias" (sum of the earlier layers' constant outputs beta, frozen.layer_bias).
+    "bias" (sum of the earlier layers' constant outputs beta, frozen.layer_bias_rows: per position under sinks).
 Query-side vectors: q_a = D_l (y_a C) diag(w) W_Q^h, plus "pos_embed" = W_pos W_Q for shortformer positions
 (added after ln1: not centred, not scaled by D) and "b_Q" = b_ln1 W_Q + b_Q; keys alike. Then
-    hook_attn_scores (before the mask) = sum_{a,b} q_a k_b^T / attn_scale      (rotary: rotate each q_a, k_b)
+    hook_attn_scores (before the mask) = sum_{a,b} q_a k_b^T / attn_scale      (rotary: rotate each q_a, k_b;
+                                                                                ALiBi: + -m_h (i - j), `positional`)
 (a, b) = (embed, embed) is no composition; (head, embed) Q-composition; (embed, head) K-composition.
 The summary is the std of each (a, b) term over the positions the head sees (causal, and within a sliding window),
 as ARENA's `decompose_attn_scores` plot, where an induction head's (embed, previous-token head) K term stands out.
@@ -34,6 +35,7 @@ from circuits_core.circuits.head_circuits import check_head
 from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError, LimitExceededError
+from circuits_core.model.alibi import alibi_kernel
 from circuits_core.model.config import head_name
 from circuits_core.model.soft_cap import cap_factor, share_beyond_cap
 from circuits_core.model.transformer import Transformer
@@ -69,6 +71,7 @@ class QKExpansion:
     cap_factor: Tensor | None = None  # [n, n]: frozen g = c tanh(s / c) / s of each entry, None without a cap
     beyond_cap: float = 0.0  # share of the seen scores with |s| > c before the cap
     visible: Tensor | None = None  # [n, n] bool: the entries the head sees (causal, within its window)
+    positional: Tensor | None = None  # [n, n] ALiBi's -m_h (i - j) (scores = sum of the terms + positional), else None
 
     def term(self, query_component: str, key_component: str) -> Tensor:
         """One (a, b) term [n, n] = q_a k_b^T / s (times the frozen cap factor under a cap)."""
@@ -105,7 +108,7 @@ def residual_components(model: Transformer, run: FrozenRun, layer: int) -> tuple
         if not model.cfg.attn_only:
             names.append(f"mlp:L{lay}")
             parts.append(run.cache[f"blocks.{lay}.hook_mlp_out"])
-        bias = bias + written_bias(model, run, lay)
+        bias = bias + written_bias(model, run, lay)  # [1 or n, d_model]
     names.append("bias")
     parts.append(bias.expand(run.n, -1))
     return names, torch.stack(parts)
@@ -169,9 +172,13 @@ def expand_scores(
             if terms is not None:
                 terms[a] = row
         scores = raw * g if g is not None else raw
+        positional = None
+        if model.cfg.alibi is not None:  # the linear positional kernel, outside the bilinear terms
+            positional = alibi_kernel(model.cfg, n, model.device)[h].to(model.dtype)
+            scores = scores + positional
     return QKExpansion(
         head_name(layer, h), comps, q_parts, k_parts, std, scores, terms, s, g, share_beyond_cap(raw[causal], cap),
-        causal,
+        causal, positional,
     )  # fmt: skip
 
 
