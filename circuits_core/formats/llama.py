@@ -6,8 +6,8 @@ Config (`model_type` llama, mistral or qwen2; transformers' field names):
     rms_norm_eps, hidden_act (silu: SwiGLU), tie_word_embeddings, bos_token_id; rope: `rope_parameters`
     (transformers >= 5) or `rope_scaling` + `rope_theta`, types default, linear, llama3 and yarn
     (rope_scaling.py; any other type is refused, naming it); biases: Llama `attention_bias` (q, k, v, o), Qwen2 always
-    q, k, v (o none), Mistral none. Mistral's `sliding_window` masks every layer (ModelConfig.window_size, window.py). Qwen2's
-    (`use_sliding_window`) never masks a sequence no longer than the window, so its context is capped at the window
+    q, k, v (o none), Mistral none. Mistral's `sliding_window` masks every layer (ModelConfig.window_size, window.py).
+    Qwen2's (`use_sliding_window`) never masks a sequence no longer than the window, so its context is capped at the window
     and the model stays exact.
 Weights (nn.Linear stores [d_out, d_in], so each is transposed into `x @ W` form):
     model.embed_tokens.weight [V, d]                     -> embed.W_E
