@@ -365,7 +365,7 @@ def erasure(
     )
     candidates = []
     if L:
-        W_V, W_O = model.W_V.flatten(0, 1).to(dt), model.W_O.flatten(0, 1).to(dt)  # [LH, d, dh], [LH, dh, d]
+        W_V, W_O = (stacked_weights(model, n).flatten(0, 1).to(dt) for n in ("W_V", "W_O"))  # [LH, d, dh], [LH, dh, d]
         OO = W_O @ W_O.transpose(-2, -1)  # [LH, dh, dh]
         moments = head_moments(W_V, W_O)
         ov_sq = ((W_V.transpose(-2, -1) @ W_V) * OO).sum((-2, -1))  # ||W_OV||^2 [LH]

@@ -31,6 +31,7 @@ from torch import Tensor
 from circuits_core.circuits.copying_spectra import copying_score, embed_gram
 from circuits_core.circuits.embedding import EMBED_CHUNK, embed_eff
 from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.folded import circuit_weight, head_weights, layer_weights
 from circuits_core.circuits.head_circuits import check_head
 from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.cost import Cost, check_stop, itemsize
@@ -230,9 +231,9 @@ def k_composition_circuit(model: Transformer, head: tuple[int, int], earlier: tu
     if lay2 >= layer:
         raise InvalidInputError(f"{head_name(lay2, h2)} must be in an earlier layer than {head_name(layer, h)}")
     W_E = embed_eff(model)
-    a, b = attention(model, layer), attention(model, lay2)
-    left = W_E @ a.W_Q[h] / model.cfg.scale  # [V, dh]
-    right = (((W_E @ b.W_V[h2]) @ b.W_O[h2]) @ a.W_K[h]).T  # [dh, V]
+    (W_Q, W_K, _, _), (_, _, W_V2, W_O2) = head_weights(model, layer, h), head_weights(model, lay2, h2)  # folded
+    left = W_E @ W_Q / model.cfg.scale  # [V, dh]
+    right = (((W_E @ W_V2) @ W_O2) @ W_K).T  # [dh, V]
     return FactoredMatrix(left, right)
 
 
@@ -298,18 +299,22 @@ def k_composition_matrices(
     M = torch.zeros(len(layers), H, cfg.d_head, cfg.d_head, dtype=dt, device=model.device)
 
     def G_E_W_Q_at(layer: int) -> Tensor:  # [H, d, dh]
-        return G_E @ attention(model, layer).W_Q.to(dt) if G_E_W_Q is None else G_E_W_Q[layer].to(dt)
+        return G_E @ circuit_weight(model, layer, "W_Q").to(dt) if G_E_W_Q is None else G_E_W_Q[layer].to(dt)
 
     earlier = [(int(lay), int(h)) for lay, h in (weights[:-1] != 0).nonzero()]  # weighted heads that can be earlier
     if not earlier:  # W_sum = 0 (one layer, or no weight on an earlier head)
         return M
     if len(earlier) * cfg.d_head < cfg.d_model:  # W_sum has rank < d_model: stay in its factors
-        W_Os = torch.stack([attention(model, lay).W_O[h] for lay, h in earlier]).to(dt)  # [r, dh, d]
-        VW = torch.stack([weights[lay, h] * attention(model, lay).W_V[h].T for lay, h in earlier]).to(dt)  # [r, dh, d]
+        W_Os = torch.stack([head_weights(model, lay, h)[3] for lay, h in earlier]).to(dt)  # [r, dh, d]
+        VW = torch.stack([weights[lay, h] * head_weights(model, lay, h)[2].T for lay, h in earlier]).to(
+            dt
+        )  # [r, dh, d]
         for i, layer in enumerate(layers):
             sel = [j for j, (lay, _) in enumerate(earlier) if lay < layer]
             if sel:  # else nothing earlier: W_sum = 0
-                left = W_Os[sel].flatten(0, 1) @ attention(model, layer).W_K.to(dt)  # [H, r dh, dh]: W_O^{h'} W_K^h
+                left = W_Os[sel].flatten(0, 1) @ layer_weights(model, layer, "W_K").to(
+                    dt
+                )  # [H, r dh, dh]: W_O^{h'} W_K^h
                 right = VW[sel].flatten(0, 1) @ G_E_W_Q_at(layer)  # [H, r dh, dh]: w W_V^{h'T} G_E W_Q^h
                 M[i] = left.transpose(-2, -1) @ right / cfg.scale
         return M
@@ -318,12 +323,14 @@ def k_composition_matrices(
     n_kv, group = H // cfg.group_size, cfg.group_size
     S = torch.zeros(cfg.d_model, cfg.d_model, dtype=dt, device=model.device)
     for layer in range(1, layers.stop if len(layers) else 1):  # S_l for every layer up to the last asked
-        before, w = attention(model, layer - 1), weights[layer - 1].to(dt)
+        w = weights[layer - 1].to(dt)
         if bool((w != 0).any()):
-            O_w = (before.W_O.to(dt) * w[:, None, None]).unflatten(0, (n_kv, group)).sum(1)  # [n_kv, dh, d]
-            S = S.addmm(O_w.flatten(0, 1).T, before.grouped("W_V").to(dt).transpose(-2, -1).flatten(0, 1))  # [d, d]
+            W_O = circuit_weight(model, layer - 1, "W_O").to(dt)  # output-norm gain folded (folded.py)
+            O_w = (W_O * w[:, None, None]).unflatten(0, (n_kv, group)).sum(1)  # [n_kv, dh, d]
+            W_V = circuit_weight(model, layer - 1, "W_V").to(dt)
+            S = S.addmm(O_w.flatten(0, 1).T, W_V.transpose(-2, -1).flatten(0, 1))  # [d, d]
         if layer in layers:
-            KS = attention(model, layer).grouped("W_K").to(dt).transpose(-2, -1) @ S  # [n_kv, dh, d]: W_K^{gT} S_l
+            KS = circuit_weight(model, layer, "W_K").to(dt).transpose(-2, -1) @ S  # [n_kv, dh, d]: W_K^{gT} S_l
             M[layer - layers.start] = KS.repeat_interleave(group, dim=0) @ G_E_W_Q_at(layer) / cfg.scale  # [H, dh, dh]
     return M
 
