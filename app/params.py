@@ -193,7 +193,7 @@ class DetectorParams(PromptInput):
 
 # -- composition, prompts, paths -----------------------------------------------------------------------------
 class CompositionParams(AnalysisParams):
-    kind: Annotated[Literal["Q", "K", "V"], Field(description="Q, K or V composition (paper-math 2.9)")] = "K"
+    kind: Annotated[Literal["Q", "K", "V"], Field(description="Q, K or V composition (docs/maths.md §2.9)")] = "K"
     offset: Offset = 0
     basis: BasisChoice = "served"
 
@@ -207,7 +207,9 @@ class CompositionPairParams(AnalysisParams):
 
 class PromptParams(PromptInput):
     heads: Heads = None
-    weighted: Annotated[bool, Field(description="value-weighted patterns A[i, j] ||v_j|| (paper-math 2.16)")] = False
+    weighted: Annotated[bool, Field(description="value-weighted patterns A[i, j] ||v_j|| (docs/maths.md §2.16)")] = (
+        False
+    )
 
 
 class PathsParams(PromptInput):

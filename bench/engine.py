@@ -1,4 +1,4 @@
-"""Engine benchmark (paper-math 2.5-2.8) on a GPT-2-small-shaped model with random weights.
+"""Engine benchmark (docs/maths.md §2.5-2.8) on a GPT-2-small-shaped model with random weights.
 
 12 layers, 12 heads, d_model 768, d_head 64, d_vocab 50257, n_ctx 1024, standard positions, LN, MLPs,
 biases (circuits_core.model.transformer.random_model, std_embed 0.02, float32). Sections:

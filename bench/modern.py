@@ -1,4 +1,4 @@
-"""Modern checkpoints (section `modern` of `make bench`, issue 10.5): load time, peak memory and HTTP answers.
+"""Modern checkpoints (section `modern` of `make bench`): load time, peak memory and HTTP answers.
 
 1. SmolLM2-135M (models/smollm2-135m, `make smollm2`): `load_checkpoint` of the Q4_1 GGUF (dequantised to
    float32, processed), each load in a fresh subprocess: median wall time of the load and the process's peak

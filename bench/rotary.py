@@ -1,4 +1,4 @@
-"""Rotary-circuit benchmark (issue 11.7) on a random SmolLM2-shaped model (30 layers x 9 heads, 3 key/value heads,
+"""Rotary-circuit benchmark on a random SmolLM2-shaped model (30 layers x 9 heads, 3 key/value heads,
 d_model 576, d_head 64, vocabulary 49,152, RMSNorm, gated MLPs, rotary, float32), side by side with
 TransformerLens 3.9.0 on the same weights in the same run.
 
@@ -23,7 +23,7 @@ Section `rotary`:
       each part alone, head_table at one server computation's threads, whose two branches run side by side when a
       core is idle, and at every core as one OpenMP team). TL reference in the same run: a 128-token run_with_cache.
   (f) QK eigenvalue copying of one head over δ = 0..64 (the heads/{head}/qk-copying analysis), vocabulary Gram included.
-Each figure comes with the fp32 GFLOP/s of a reference matmul around it and an idle-machine estimate (bench.engine2),
+Each figure comes with the fp32 GFLOP/s of a reference matmul around it and an idle-machine estimate (bench.composition_paths),
 since the 2-core machine is shared. Medians of a few repeats; nothing asserts on time.
 """
 
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from bench import PeakRSS, fmt_time, median_time, row
-from bench.engine2 import normalised, timed
+from bench.composition_paths import normalised, timed
 from bench.http import heads_breakdown
 from circuits_core.circuits import composition_rotary, copying_spectra, embedding, rotary
 from circuits_core.model.config import ModelConfig
@@ -186,7 +186,7 @@ def _profiles(model: Transformer, n_pairs: int) -> tuple[float, composition_rota
     """(a) at one server computation's torch threads (1 on 2 cores: composition_profiles' two workers side by side),
     then at the bench's own threads when they differ (an OpenMP team, the tasks in turn). Each run is cold for the
     random baseline (its cache cleared: it is one of the tasks); CPU = process time of both workers (core-seconds)."""
-    from app.compute import default_torch_threads
+    from app.scheduling import default_torch_threads
     from app.settings import Settings
 
     settings, before = Settings(), torch.get_num_threads()
@@ -235,8 +235,8 @@ def _fresh_copy(model: Transformer) -> Transformer:
 
 
 def _heads_table(model: Transformer) -> float:
-    from app.compute import default_torch_threads
     from app.params import NoParams
+    from app.scheduling import default_torch_threads
     from app.settings import Settings
     from app.views.heads import build_heads_view
     from circuits_core.formats.checkpoint import LoadedModel

@@ -1,4 +1,4 @@
-"""The result store (section `store` of `make bench`, issue 13): cold against precomputed page times, the
+"""The result store (section `store` of `make bench`): cold against precomputed page times, the
 precompute time of the GPT-2-small-shaped checkpoint, and the hit ratio of two replicas sharing Redis.
 
 1. toy-2l: `python -m app.precompute toy-2l` into a fresh disk store (timed), then a fresh uvicorn (empty

@@ -1,4 +1,4 @@
-"""Term importance on the real SmolLM2-135M (printed by section `modern`, issue 11.3): the default answer of
+"""Term importance on the real SmolLM2-135M (printed by section `modern`): the default answer of
 /term-importance (the built-in text, 51 tokens; the 16 heads model_summary.json names, both ablations; the order
 reruns) against one full forward pass per rerun (the straightforward loop this replaced) and against
 TransformerLens 3.9.0 hooks on the same weights (bench.rotary.tl_model), with the engine's FLOP price.

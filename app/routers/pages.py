@@ -22,7 +22,6 @@ from starlette.types import Scope
 
 from app import charts, snippets
 from app.analysis import API
-from app.compute import cheap
 from app.deps import RegistryDep, get_model
 from app.head_filter import MAX_FILTER_CHARS, HeadFilter
 from app.params import (
@@ -49,6 +48,7 @@ from app.routers.rendering import (
     render,
     url,
 )
+from app.scheduling import cheap
 from app.schemas import CircuitTopView, HeadScores
 from app.views.attention_entropy import ATTENTION_ENTROPY
 from app.views.circuits import DIRECT, has_token_counts
@@ -151,7 +151,7 @@ async def go(
 
 # -- the direct path ----------------------------------------------------------------------------------------------
 class DirectPageParams(DirectParams):
-    """The direct page: min_count absent means frequent tokens where the model has training counts (issue 12.3),
+    """The direct page: min_count absent means frequent tokens where the model has training counts,
     'all' means every token."""
 
     min_count: Annotated[

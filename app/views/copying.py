@@ -22,8 +22,8 @@ import torch
 from pydantic import BaseModel, Field
 
 from app.analysis import Analysis, AnalysisParams, split_heads
-from app.compute import cached, cached_build
 from app.params import Heads, K, MinCount
+from app.scheduling import cached, cached_build
 from app.schemas import ModelRef
 from app.settings import Limits
 from app.views.basis import basis
@@ -32,7 +32,7 @@ from app.views.heads import parse_heads, spectra
 from app.views.inputs import check_k, model_ref
 from circuits_core.circuits import copying, copying_spectra
 from circuits_core.circuits import head_circuits as circuits
-from circuits_core.cost import Cost, check_stop
+from circuits_core.cost import Cost, check_stop, report_progress
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import all_heads, head_name
@@ -239,8 +239,9 @@ def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Lim
     )  # [L, H]
     r = n if rows is None else rows  # source rows measured per circuit
     heads = []
-    for layer, h in todo:
+    for i, (layer, h) in enumerate(todo):
         check_stop(what="OV self-copy shares")
+        report_progress(i, len(todo) + N_TOP_SAMPLES)  # a job's progress bar: heads done, then the random circuits
         top1, topk, positive, median = (
             circuit_rows(
                 loaded, p, k, vocab, rows, head_name(layer, h), functools.partial(_head, model, layer, h), limits
@@ -300,6 +301,7 @@ def copying_overview_cost(loaded: LoadedModel, p: CopyingAllParams, limits: Limi
 
 COPYING_ALL = Analysis(
     name="copying-all",
+    weights="attention",
     path="copying",
     params=CopyingAllParams,
     view=CopyingOverview,

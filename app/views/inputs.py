@@ -10,10 +10,13 @@ MAX_ID_DIGITS digits, and a single-token string is at most MAX_TOKEN_CHARS chara
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import re
 
 from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
+from app.store import code_version
 from circuits_core.errors import InvalidInputError, LimitExceededError, NotFoundError, QkovError
 from circuits_core.formats.checkpoint import LoadedModel
 
@@ -34,7 +37,32 @@ def _token_id(text: str) -> int | None:
 
 
 def model_ref(loaded: LoadedModel) -> ModelRef:
-    return ModelRef(id=loaded.path.name, digest=str(loaded.digest))
+    """The model and the provenance of every answer computed on it."""
+    model = loaded.model
+    param = next(model.parameters(), None)
+    device = str(param.device) if param is not None else "cpu"
+    dtype = str(model.dtype).removeprefix("torch.")
+    switches = {k: v for k, v in (getattr(model, "processing", None) or {}).items() if isinstance(v, bool)}
+    return ModelRef(
+        id=loaded.path.name,
+        digest=str(loaded.digest),
+        qkov_version=qkov_version(),
+        processing=switches,
+        numbers=f"weights read from the {loaded.format} checkpoint as {dtype}, computed in {dtype} on {device}; "
+        "JSON numbers are the shortest decimal that reads back as the same float64 (NaN and infinities as null)",
+        device=device,
+        dtype=dtype,
+    )
+
+
+@functools.cache
+def qkov_version() -> str:
+    """The package version and the digest of the code that computes and renders answers (app/store.code_version)."""
+    try:
+        release = importlib.metadata.version("qkov")
+    except importlib.metadata.PackageNotFoundError:
+        release = "unreleased"
+    return f"{release}+{code_version()}"
 
 
 def token_text(loaded: LoadedModel, token_id: int) -> str:

@@ -1,4 +1,4 @@
-"""The paper tour: figures F6-F30 of paper-math section 3 computed on the shipped toy models.
+"""The paper tour: figures F6-F30 of docs/maths.md §3 computed on the shipped toy models.
 
 Each figure names the model it uses (toy-0l, toy-1l or toy-2l in checkpoints/), the paper anchor, one
 general sentence of what to look for followed, for a computed figure, by a sentence generated from the values

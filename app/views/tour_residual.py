@@ -1,4 +1,4 @@
-"""The tour's "residual stream as a communication channel" section (paper-math section 3, F2-F4) on toy-2l.
+"""The tour's "residual stream as a communication channel" section (docs/maths.md §3, F2-F4) on toy-2l.
 
 Three figures, each a general sentence and a sentence generated from values measured on the shipped model
 (never written by hand); tests/app/test_residual_tour.py recomputes every value independently (dense float64

@@ -1,4 +1,4 @@
-"""The tour's real-model chapter (issue 11.6): the paper's induction story on SmolLM2-135M, a rotary,
+"""The tour's real-model chapter: the paper's induction story on SmolLM2-135M, a rotary,
 grouped-query Llama-family model (models/smollm2-135m, `make smollm2`).
 
 Three figures, each with a general sentence and a sentence generated from values measured on the model (never

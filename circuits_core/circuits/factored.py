@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits import global_topk
+from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
 
@@ -161,7 +162,7 @@ class FactoredMatrix:
         BA = self.BA
         if BA.dtype in (torch.float16, torch.bfloat16):
             BA = BA.float()
-        return torch.linalg.eigvals(BA)
+        return eigvals(BA)
 
     def collapse_l(self) -> Tensor:
         """diag(S) V^T [..., r, rdim]: AB = U @ collapse_l() with U orthonormal."""

@@ -1,7 +1,7 @@
 """Virtual weights: what every reader of the residual stream reads of what every writer wrote into it.
 
 Paper section: "Virtual Weights and the Residual Stream as a Communication Channel" (Elhage et al. 2021;
-paper-math 2.1, 2.9). Row-vector (TransformerLens) convention, x @ W. Writers W_w [n_in, d_model] (embed, pos,
+docs/maths.md §2.1, §2.9). Row-vector (TransformerLens) convention, x @ W. Writers W_w [n_in, d_model] (embed, pos,
 heads' W_OV, MLPs' W_out) and readers W_r [d_model, n_out] (heads' W_QK, W_QK^T, W_OV, MLP inputs, W_U) are
 listed in stream_components.py.
 
@@ -313,14 +313,14 @@ class VirtualWeightScores:
 
 
 def reach_mask(model: Transformer, ws: list[Writer], rs: list[Reader]) -> Tensor:
-    """[Nw, Nr] bool: stream_components.reaches for every pair, from the slots."""
+    """[Nw, Nr] bool on the model's device: stream_components.reaches for every pair, from the slots."""
     w_slot = torch.tensor([w.slot() for w in ws])
     r_slot = torch.tensor([r.slot(model) for r in rs])
     mask = w_slot[:, None] < r_slot[None, :]
     for i, w in enumerate(ws):
         if w.kind == "pos":  # shortformer positions reach only Q and K
             mask[i] = torch.tensor([reaches(model, w, r) for r in rs], dtype=torch.bool)
-    return mask
+    return mask.to(model.device)
 
 
 def all_scores(

@@ -1,7 +1,7 @@
 """Weight processing: TransformerLens's defaults, as exact rewrites that never change what the model computes.
 
 Paper: "Handling Layer Normalization" appendix -- "we can fold everything but normalization into adjacent
-parameters". Reference: TransformerLens `weight_processing.py` (paper-math.md section 4.3). Row-vector
+parameters". Reference: TransformerLens `weight_processing.py` (docs/maths.md §4.3). Row-vector
 convention, TransformerLens names and shapes (W_Q [n_heads, d_model, d_head], W_U [d_model, d_vocab]).
 
 Switches (each recorded in `model.processing`: True = applied; when asked for but not valid for this model,

@@ -179,11 +179,6 @@ class Transformer(nn.Module):
         """W_K per key/value head, as stored [n_layers, n_kv_heads, d_model, d_head] (= W_K without GQA)."""
         return self._stack("W_K", grouped=True)
 
-    @property
-    def W_V_groups(self) -> Tensor:
-        """W_V per key/value head, as stored [n_layers, n_kv_heads, d_model, d_head] (= W_V without GQA)."""
-        return self._stack("W_V", grouped=True)
-
     def rotate(self, x: Tensor, positions: Tensor, layer: int | None = None) -> Tensor:
         """x R(p) in this model's rotary layout (see the module-level `rotate`), with layer `layer`'s rope (its own base
         on a local layer, ModelConfig.layer_rope); None: the global layers' rope."""

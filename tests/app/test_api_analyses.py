@@ -1,4 +1,4 @@
-"""API of the engine-2 analyses: each endpoint's numbers against direct, independent engine computations on the
+"""API of the composition and prompt analyses: each endpoint's numbers against direct, independent engine computations on the
 same tiny model (dense float64 matrices, real forward passes), and every refusal as problem+json.
 
 tiny-2l: 2 layers x 4 heads, d_model 32, shortformer positions, no LayerNorm, no biases (conftest.py), so the

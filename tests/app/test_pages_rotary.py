@@ -1,4 +1,4 @@
-"""Rotary parts of the pages (issue 11.5): the head page's offset control, positional kernel and band energies,
+"""Rotary parts of the pages: the head page's offset control, positional kernel and band energies,
 the pair page's δ profiles, the composition page at an offset; absent for models without rotary positions."""
 
 from __future__ import annotations

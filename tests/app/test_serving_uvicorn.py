@@ -19,8 +19,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.compute import compute
 from app.main import create_app
+from app.scheduling import compute
 from app.settings import Settings
 from tests.app.live_server import free_port, start
 from tests.app.test_serving import slow

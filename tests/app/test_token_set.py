@@ -1,4 +1,4 @@
-"""Large vocabularies (issue 13): a global OV/QK/direct table and the default skip-trigram source rank a stated
+"""Large vocabularies: a global OV/QK/direct table and the default skip-trigram source rank a stated
 token set by default -- the DEFAULT_VOCAB most frequent tokens (token_counts.npy) or else the lowest ids -- and
 `vocab=all` ranks every token; each global table is computed once and shared by every k up to SHARED_K.
 

@@ -1,4 +1,4 @@
-"""Navigation and reading in a real browser (issue 12.7, 12.8): the attention text view follows the hovered
+"""Navigation and reading in a real browser: the attention text view follows the hovered
 token (colours checked against the JSON API's pattern and path terms), tables sort and filter, the model picker
 keeps the prompt and the head, an empty prompt is an error, a long prompt is cut with an offer to continue, a
 0-layer model hides the views of heads with its reason, /docs has the app's frame, byte-level tokens read as

@@ -6,7 +6,7 @@ or safetensors, plus `config.json` from `model.cfg.to_dict()` (dtype/device turn
 field kept, including the ones qkov ignores). qkov loads the folder with `load_checkpoint` and TransformerLens
 runs the same model in float64.
 
-Tolerances (paper-math 4.3): TransformerLens's `process_weights` casts float64 to float32 while it processes,
+Tolerances (docs/maths.md §4.3): TransformerLens's `process_weights` casts float64 to float32 while it processes,
 so processed models agree to ~1e-6 only; everything that does not go through TL's processing agrees to 1e-10.
 
 Conventions documented here:
@@ -270,7 +270,7 @@ def test_composition_scores_match(world: dict[str, dict[str, Any]], name: str) -
     processed = composition_scores(model).raw
     for kind in "QKV":
         _close(processed[kind.lower()], tl_ref.all_composition_scores(kind), LOOSE, f"{kind}-composition, processed")
-    if name in STANDARD_LN:  # folding LN weights and centring do change the scores (paper-math 4.2)
+    if name in STANDARD_LN:  # folding LN weights and centring do change the scores (docs/maths.md §4.2)
         assert (processed["k"] - ours["k"]).abs().max() > 1e-3
 
 
@@ -408,7 +408,7 @@ def test_path_expansion_matches_tl_logit_attribution(world: dict[str, dict[str, 
     theirs = dict(components)
     if cfg.positional_embedding_type == "standard":
         theirs["embed"] = theirs["embed"] + theirs.pop("pos_embed")
-    else:  # shortformer: TL stacks pos_embed although it is not in the residual stream (paper-math 4.6)
+    else:  # shortformer: TL stacks pos_embed although it is not in the residual stream (docs/maths.md §4.6)
         pos = theirs.pop("pos_embed")
         assert abs(float(sum(components.values()) + b_U - logit)) > 1e-6 and abs(float(pos)) > 1e-6
     assert set(theirs) == set(grouped)

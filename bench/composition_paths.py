@@ -1,6 +1,6 @@
-"""Engine-2 benchmark on the random GPT-2-small-shaped model (bench.engine.GPT2_SMALL, float32, 2 threads).
+"""Composition, path expansion and term importance benchmark on the random GPT-2-small-shaped model (bench.engine.GPT2_SMALL, float32, 2 threads).
 
-Section `engine2`:
+Section `composition-paths`:
   (a) all Q/K/V composition scores of the 144 heads (9504 earlier->later pairs each), with peak extra memory
       (goal < 2 s, < 1 GiB): cold (the 300-sample random baseline drawn too) and warm (baseline cached); the
       float32 scores against a float64 computation (max abs difference);
@@ -74,7 +74,7 @@ def normalised(t: float, gflops: float) -> str:
     return f"[ref {gflops:.0f} GFLOP/s; idle-machine estimate {t * gflops / idle:.2f} s]"
 
 
-def run_engine2(print_fn=print) -> None:
+def run_composition_paths(print_fn=print) -> None:
     threads = torch.get_num_threads()
     try:
         for n in (2, 1):
@@ -320,4 +320,4 @@ def _tl_detectors(tl: Any, rep: torch.Tensor, det: dict[str, torch.Tensor], t_qk
     tl_line("(c) batch-10 run_with_cache + mul scoring", t_tl, t_qkov, f"max |diff| {diff:.1e}")
 
 
-SECTIONS = {"engine2": run_engine2}
+SECTIONS = {"composition-paths": run_composition_paths}

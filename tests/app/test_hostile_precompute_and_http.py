@@ -1,4 +1,4 @@
-"""Hostile pass over session 3, outside the in-process API (test_hostile_session3.py has the requests): precompute's
+"""Hostile pass over the same parameters outside the in-process API (test_hostile_vocab_basis_params.py has the requests): precompute's
 command line and its crawl of edge models (pages, API twins, lazy panels), the new refusals over real HTTP (uvicorn
 on loopback), and the term-importance page's ablation sentence on the measured previous-token scores of toy-2l's card
 and SmolLM2's summary (a weak layer-0 head must not be called a previous-token head). Same model folders.
@@ -20,7 +20,7 @@ import torch
 
 from app.precompute import main as precompute
 from tests.app.live_server import free_port, start
-from tests.app.test_hostile_session3 import API, build_folders
+from tests.app.test_hostile_vocab_basis_params import API, build_folders
 
 
 @pytest.fixture(scope="module")

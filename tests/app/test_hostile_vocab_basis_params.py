@@ -1,8 +1,8 @@
-"""Hostile pass over the parameters and endpoints that session 3 added or changed: `vocab=default|all` on the
+"""Hostile pass over the token-set, sampling, offset and basis parameters: `vocab=default|all` on the
 OV/QK/direct/skip-trigram tables, `rows=` and `heads=` on /copying, /heads/{head}/qk-copying?offset=&max_offset=,
 `basis=raw|served` on /composition and its pair route, `min_count=all` on the direct page, the detectors' default
 seq_len (fitted to n_ctx) and the lazily loaded copying panels. Precompute's command line, real HTTP (uvicorn) and
-the page sentences on SmolLM2's measured scores: test_hostile_session3_cli.py, on the same folders.
+the page sentences on SmolLM2's measured scores: test_hostile_precompute_and_http.py, on the same folders.
 
 Every bad value must be a 4xx problem+json whose detail names the field -- never a 5xx, another model's answer, or
 an answer larger than priced; a server with 1 KiB of working memory must refuse each new request by its price; the
@@ -23,6 +23,7 @@ import torch
 from fastapi.testclient import TestClient
 
 import app.routers.pages as pages
+import app.routers.pages_heads as pages_heads
 import app.views.circuits as circuit_views
 from app.main import create_app
 from app.params import DetectorParams
@@ -120,6 +121,7 @@ def small_default() -> Iterator[None]:
     patch = pytest.MonkeyPatch()
     patch.setattr(circuit_views, "DEFAULT_VOCAB", SMALL_DEFAULT)
     patch.setattr(pages, "DEFAULT_VOCAB", SMALL_DEFAULT)
+    patch.setattr(pages_heads, "DEFAULT_VOCAB", SMALL_DEFAULT)  # the head page's (app/routers/pages_heads.py)
     yield
     patch.undo()
 
