@@ -157,8 +157,8 @@ class DirectPageParams(DirectParams):
     min_count: Annotated[
         Annotated[int, Field(ge=1, le=10**9)] | Literal["all"] | None,
         Field(
-            description=f"tokens seen at least this often in training; 'all': every token (default {MIN_TRAIN_COUNT} where the "
-            "model has token counts)"
+            description=f"tokens seen at least this often in training; 'all': every token (default {MIN_TRAIN_COUNT} "
+            f"where the model has token counts)"
         ),
     ] = None  # type: ignore[assignment]
 

@@ -164,8 +164,8 @@ class ChainView(BaseModel):
     )
     next_token_contribution: list[float] = Field(
         default_factory=list,
-        description="the path term (embedding source) on the logit of each position's actual next token, positions 0..n-2 "
-        "(the paper's induction-head figure)",
+        description="the path term (embedding source) on the logit of each position's actual next token, positions "
+        "0..n-2 (the paper's induction-head figure)",
     )
 
 
@@ -228,10 +228,12 @@ class QKPathsView(BaseModel):
 class HeadAblation(BaseModel):
     head: str
     loss_change: float = Field(
-        description="loss with the head's output removed, patterns frozen (MLPs and LayerNorm recomputed), minus the clean loss"
+        description="loss with the head's output removed, patterns frozen (MLPs and LayerNorm recomputed), minus the "
+        "clean loss"
     )
     loss_change_recomputed: float = Field(
-        description="the same with the later layers' patterns recomputed from the ablated stream, so Q-/K-composition act"
+        description="the same with the later layers' patterns recomputed from the ablated stream, so Q-/K-composition "
+        "act"
     )
 
 
@@ -246,7 +248,8 @@ class TermImportanceView(BaseModel):
     tokens: list[TokenRef]
     clean_loss: float
     loss_by_order: list[float] = Field(
-        description="mean loss keeping paths of order <= k (k heads; an MLP's clean output is an order-0 source), k = 0..n_layers (last = clean)"
+        description="mean loss keeping paths of order <= k (k heads; an MLP's clean output is an order-0 source), k = "
+        "0..n_layers (last = clean)"
     )
     marginal_by_order: list[float] = Field(
         description="loss[k-1] - loss[k]: what the order-k terms add, k = 1..n_layers"

@@ -66,7 +66,8 @@ def frequent_tokens(loaded: LoadedModel, min_count: int | None) -> Tensor | None
     counts = load_token_counts(loaded.path, loaded.model.cfg.d_vocab)
     if counts is None:
         raise InvalidInputError(
-            f"model {loaded.path.name!r} has no token counts ({TOKEN_COUNTS_FILE} in its folder): min_count is not available"
+            f"model {loaded.path.name!r} has no token counts ({TOKEN_COUNTS_FILE} in its folder): min_count is not "
+            f"available"
         )
     ids = np.flatnonzero(counts >= min_count)
     if ids.size == 0:
@@ -253,7 +254,7 @@ def build_ov_view(loaded: LoadedModel, p: OVParams, limits: Limits) -> CircuitTo
 
 
 def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTopView:
-    """Full QK circuit W_E W_Q W_K^T W_E^T / s: as query, the keys a token attends to; as key, the queries attending to it.
+    """Full QK circuit W_E W_Q W_K^T W_E^T / s: as query, the keys a token attends to; as key, the queries on it.
 
     Rotary models: at the query-key offset δ, W_E W_Q R(δ) W_K^T W_E^T / s (circuits_core.circuits.rotary)."""
     loaded = with_basis(loaded, p.basis)

@@ -1,5 +1,6 @@
 """Rotary-model analyses: a head's positional kernel, energy per rotary band and QK eigenvalue
-copying over δ, a pair's Q/K composition profile over δ; helpers the QK, composition and heads views call for rotary models.
+copying over δ, a pair's Q/K composition profile over δ; helpers the QK, composition and heads views call for
+rotary models.
 
 The kernel needs μ_l, the mean ln1 output entering each layer on a reference text (circuits_core/circuits/rotary.py
 REFERENCE_TEXT, tokenised with the model's tokenizer; seeded random token ids for a model without one). μ is
@@ -112,7 +113,8 @@ def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limi
         peak_offset=int(offsets[int(kernel.argmax())]),
         shape=ProfileShapeView.of(_shape(loaded, kernel.tolist(), offsets), "peak"),
         reference=ref,
-        basis=f"{weights_basis(loaded)}; μ_l = mean ln1 output entering layer {layer} on the reference text, first token left out",
+        basis=f"{weights_basis(loaded)}; μ_l = mean ln1 output entering layer {layer} on the reference text, first "
+        f"token left out",
     )
 
 
@@ -257,7 +259,8 @@ def build_qk_copying_view(loaded: LoadedModel, p: QKCopyingParams, limits: Limit
         scores=scores.tolist(),
         peak_offset=int(offsets[int(scores.argmax())]),
         shape=ProfileShapeView.of(_shape(loaded, scores.tolist(), offsets), "largest"),
-        basis=f"{weights_basis(loaded)}; tokens as W_E with layer 0's norm applied to each row (W_E_eff), positions by R(δ) only",
+        basis=f"{weights_basis(loaded)}; tokens as W_E with layer 0's norm applied to each row (W_E_eff), positions by "
+        f"R(δ) only",
     )
 
 
@@ -301,7 +304,8 @@ def check_offset(loaded: LoadedModel, offset: int) -> None:
     """An offset other than 0 needs rotary positions; it must be below n_ctx."""
     if offset != 0 and loaded.model.cfg.positional_embedding_type != "rotary":
         raise InvalidInputError(
-            f"offset applies to rotary models only; this one has {loaded.model.cfg.positional_embedding_type!r} positions"
+            f"offset applies to rotary models only; this one has {loaded.model.cfg.positional_embedding_type!r} "
+            f"positions"
         )
     if offset:
         rotary.check_offsets(loaded.model, [offset])

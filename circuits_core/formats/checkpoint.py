@@ -105,6 +105,7 @@ class LoadedModel:
     digest: str = ""  # sha256 of every answer-changing file (config, weights, ANSWER_FILES): the cache key
     path: Path = Path(".")
     defaulted: list[Defaulted] = field(default_factory=list)  # config values the file lacks, and their sources
+    nonfinite: list[str] = field(default_factory=list)  # stored tensors holding NaN or inf, with their counts
 
     def provenance(self) -> dict[str, str]:
         """Where and in which dtypes this model's answers are computed: the device, the weights' dtype (as kept:
@@ -123,6 +124,17 @@ class LoadedModel:
             if deferred
             else "read",
         }
+
+
+def nonfinite_tensors(state: dict[str, Tensor]) -> list[str]:
+    """'name (n NaN, m inf of numel)' for every stored floating-point tensor that is not finite everywhere, read
+    before processing (folding a norm would spread one NaN over every weight it touches)."""
+    out = []
+    for name, t in state.items():
+        if t.is_floating_point() and not t.is_meta and not bool(torch.isfinite(t).all()):  # deferred: unread
+            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            out.append(f"{name} ({nan} NaN, {inf} inf of {t.numel()})")
+    return out
 
 
 def _model_config(data: dict[str, Any], path: Path, **overrides: Any) -> ModelConfig:
@@ -391,6 +403,7 @@ def load_checkpoint(
             check_price(cfg, deferred is not None)
         if digest_job is None or sorted(early or []) != sorted(files):  # (a loader read other files)
             digest_job = background.start(partial(files_digest, [*config_file, *files, *answer_files]))
+        nonfinite = nonfinite_tensors(state)
         if keep_half and fmt not in LLAMA_MODEL_TYPES and state["embed.W_E"].dtype in HALF_DTYPES:
             dtype = state["embed.W_E"].dtype  # the whole model in the embedding's stored half dtype
         loaded = _build(folder, fmt, data, cfg, state, origin, dtype, process, tokenizer, torch.device(device))
@@ -408,6 +421,7 @@ def load_checkpoint(
         digest=digest,
         path=folder,
         defaulted=defaulted,
+        nonfinite=nonfinite,
     )
 
 

@@ -22,10 +22,11 @@ Weights (nn.Linear stores [d_out, d_in], so each is transposed into `x @ W` form
     lm_head.weight [V, d] (absent when tied)             -> unembed.W_U [d, V] (W_E^T when tied)
 Hugging Face rotates halves (rotate-half layout, rotary_adjacent_pairs False), so Q and K rows keep their
 order. Reading: safetensors only (the index `model.safetensors.index.json` names the shards; every file name
-is resolved inside the folder). Files are memory-mapped; each tensor is converted to the compute dtype and laid
-out in one copy, and the file pages it was read from are released (madvise), so the peak is about one
-compute-dtype copy of the model plus one tensor. (safetensors' safe_open would keep every page it touched
-resident until the handle closes: a second, stored-dtype copy of the model by the end of the load.)
+is resolved inside the folder). Each tensor is read with pread into one buffer (no memory map: a file truncated or
+replaced during the load is a named error, never SIGBUS), converted to the compute dtype and laid out in one copy,
+so the peak is about one compute-dtype copy of the model plus one tensor's stored and converted bytes.
+(safetensors' safe_open would keep every page it touched resident until the handle closes: a second, stored-dtype
+copy of the model by the end of the load.)
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-import mmap
+import os
 import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -59,23 +60,32 @@ HEADER_MAX_BYTES = 100_000_000  # safetensors' own limit on the JSON header
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-_PAGE = mmap.PAGESIZE
 SLAB_BYTES = 1 << 18  # stored bytes per slab of a transposing copy (fits the L2 cache with its output)
 
 
 class _MappedFile:
-    """One .safetensors file, memory-mapped by us (not safe_open, which keeps every page it touched resident
-    until the handle closes): each tensor is copied out in the compute dtype and its pages are released."""
+    """One .safetensors file, read with pread (no memory map: a file truncated or replaced while it is read would
+    kill the process with SIGBUS through a mapping; here it is a CheckpointError naming the file). Each tensor's
+    stored bytes are read into one buffer, converted to the compute dtype and laid out in one copy, then dropped.
+    The file is reopened for each tensor and must still be the one whose header was parsed (same inode, size and
+    modification time)."""
 
     def __init__(self, path: Path, name: str):
-        self.name = name
+        self.name, self.path = name, path
         try:
             with path.open("rb") as handle:
-                self.map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)  # private: never written back
-            (size,) = struct.unpack("<Q", self.map[:8])
-            if not 0 < size <= len(self.map) - 8 or size > HEADER_MAX_BYTES:
-                raise ValueError(f"header length {size} does not fit the file of {len(self.map)} bytes")
-            header = json.loads(self.map[8 : 8 + size])
+                self.identity = _identity(os.fstat(handle.fileno()))
+                self.size = self.identity[2]
+                head = os.pread(handle.fileno(), 8, 0)
+                if len(head) < 8:
+                    raise ValueError(f"{len(head)} bytes: too short for a header length")
+                (size,) = struct.unpack("<Q", head)
+                if not 0 < size <= self.size - 8 or size > HEADER_MAX_BYTES:
+                    raise ValueError(f"header length {size} does not fit the file of {self.size} bytes")
+                raw = os.pread(handle.fileno(), size, 8)
+                if len(raw) < size:
+                    raise ValueError("the file ended inside its header")
+            header = json.loads(raw)
             if not isinstance(header, dict):
                 raise ValueError("the header is not a JSON object")
         except (OSError, ValueError, struct.error, RecursionError) as exc:  # JSONDecodeError is a ValueError
@@ -91,8 +101,26 @@ class _MappedFile:
             raise CheckpointError(f"{self.name}: tensor {key}: malformed shape {shape!r}")
         return tuple(shape)
 
+    def _stored(self, key: str, start: int, nbytes: int) -> bytearray:
+        """The tensor's stored bytes, from the same file its header came from, read to the last byte."""
+        changed = CheckpointError(f"{self.name}: the file changed while it was being read (tensor {key}); load again")
+        buffer = bytearray(nbytes)
+        try:
+            with self.path.open("rb") as handle:
+                if _identity(os.fstat(handle.fileno())) != self.identity:
+                    raise changed
+                view, done = memoryview(buffer), 0
+                while done < nbytes:
+                    n = os.preadv(handle.fileno(), [view[done:]], start + done)
+                    if n <= 0:
+                        raise changed  # truncated under us
+                    done += n
+        except OSError as exc:
+            raise CheckpointError(f"{self.name}: tensor {key}: not readable ({exc})") from exc
+        return buffer
+
     def read(self, key: str, dtype: torch.dtype, layout: Callable[[Tensor], Tensor]) -> Tensor:
-        """layout(tensor) copied once into a new `dtype` tensor; the file pages it came from are released."""
+        """layout(tensor) copied once into a new `dtype` tensor from the stored bytes."""
         entry, shape = self.entries[key], self.shape(key)
         source = _DTYPES.get(entry.get("dtype"))
         if source is None:
@@ -108,21 +136,17 @@ class _MappedFile:
             or not all(isinstance(o, int) for o in offsets)
             or offsets[1] - offsets[0] != nbytes
             or offsets[0] < 0
-            or self.base + offsets[1] > len(self.map)
+            or self.base + offsets[1] > self.size
         ):
             raise CheckpointError(f"{self.name}: tensor {key}: data offsets {offsets!r} do not hold {nbytes} bytes")
-        start = self.base + offsets[0]
-        view = (
-            torch.frombuffer(self.map, dtype=source, count=numel, offset=start).view(shape)
-            if numel
-            else (torch.empty(shape, dtype=source))
-        )
-        out = laid_out(layout(view), dtype)
-        del view
-        first = start - start % _PAGE
-        if nbytes and hasattr(mmap, "MADV_DONTNEED"):  # (not on Windows)
-            self.map.madvise(mmap.MADV_DONTNEED, first, start + nbytes - first)  # drop the pages read
-        return out
+        if not numel:
+            return laid_out(layout(torch.empty(shape, dtype=source)), dtype)
+        stored = torch.frombuffer(self._stored(key, self.base + offsets[0], nbytes), dtype=source).view(shape)
+        return laid_out(layout(stored), dtype)
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @contextmanager
@@ -168,7 +192,8 @@ def shard_names(folder: Path) -> list[str]:
     if folder_file(folder, "model.safetensors").is_file():
         return ["model.safetensors"]
     raise CheckpointError(
-        f"no model.safetensors or {INDEX} (found: {folder_listing(folder)}); the Llama-family loader reads safetensors only"
+        f"no model.safetensors or {INDEX} (found: {folder_listing(folder)}); the Llama-family loader reads safetensors "
+        f"only"
     )
 
 

@@ -106,7 +106,8 @@ def _fold_ln(cfg: ModelConfig, sd: State, record: dict[str, bool | str]) -> Mode
         )
         return cfg
     rms = cfg.normalization_type == "RMS"
-    # Input norms only (OLMo 2 has none); output norms (ln1_post, ln2_post) keep their gains: nothing linear follows them
+    # Input norms only (OLMo 2 has none); output norms (ln1_post, ln2_post) keep their gains: nothing linear follows
+    # them
     # before the residual add, and folding into W_O would change the RMS they divide by.
     inputs = (1,) if cfg.attn_only else (1, 2)
     ln_names = [f"blocks.{layer}.ln{i}" for layer in range(cfg.n_layers) for i in inputs] if cfg.pre_norms else []

@@ -26,8 +26,8 @@ Under GQA the hooks hook_k and hook_v hold one entry per *query* head (Transform
 
 `run()` returns logits and, on request, a cache of named activations with TransformerLens hook names.
 Frozen runs (`Frozen`): attention patterns and LayerNorm scales (and, on request, MLP outputs) taken from a
-previous run instead of being computed. With both frozen, the network is linear in its input embeddings (the paper's "freezing attention
-patterns" trick) -- the path expansions stand on this.
+previous run instead of being computed. With both frozen, the network is linear in its input embeddings (the paper's
+"freezing attention patterns" trick) -- the path expansions stand on this.
 """
 
 from __future__ import annotations

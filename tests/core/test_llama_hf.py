@@ -41,7 +41,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                            "rope_parameters": {"rope_type": "default", "rope_theta": 100.0}}),
     "llama_bias_linear_tied": ("llama", {"num_attention_heads": 4, "num_key_value_heads": 4, "attention_bias": True,
                                          "tie_word_embeddings": True,
-                                         "rope_parameters": {"rope_type": "linear", "rope_theta": 100.0, "factor": 3.0}}),
+                                         "rope_parameters": {"rope_type": "linear", "rope_theta": 100.0, "factor": 3.0}}),  # noqa: E501 (a table kept on one line)
     "llama_gqa_llama3_headdim": ("llama", {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 6,
                                            "tie_word_embeddings": False, "rope_parameters": LLAMA3}),
     "mistral_gqa_window": ("mistral", {"num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 5,

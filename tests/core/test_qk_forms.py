@@ -1,4 +1,5 @@
-"""The forms of the QK circuit under QK-norm, output norms and windows, each against the model's own forward pass (float64).
+"""The forms of the QK circuit under QK-norm, output norms and windows, each against the model's own forward pass
+(float64).
 
 - Token level ("cosine"): a token table entry at an offset is exactly the score a layer-0 head gives that query token
   on that key token, read from the model's run (before the cap), and the weight-level product without the per-token
