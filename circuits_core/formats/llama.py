@@ -7,8 +7,8 @@ Config (`model_type` llama, mistral or qwen2; transformers' field names):
     (transformers >= 5) or `rope_scaling` + `rope_theta`, types default, linear, llama3 and yarn
     (rope_scaling.py; any other type is refused, naming it); biases: Llama `attention_bias` (q, k, v, o), Qwen2 always
     q, k, v (o none), Mistral none. Mistral's `sliding_window` masks every layer (ModelConfig.window_size, window.py).
-    Qwen2's (`use_sliding_window`) never masks a sequence no longer than the window, so its context is capped at the window
-    and the model stays exact.
+    Qwen2's (`use_sliding_window`) never masks a sequence no longer than the window, so its context is capped at the
+    window and the model stays exact.
 Weights (nn.Linear stores [d_out, d_in], so each is transposed into `x @ W` form):
     model.embed_tokens.weight [V, d]                     -> embed.W_E
     model.layers.{l}.input_layernorm.weight [d]          -> blocks.{l}.ln1.w (RMS)
