@@ -82,7 +82,7 @@ def _matches(template: str, path: str) -> bool:
 
 
 def test_the_model_page_names_the_defaulted_values(client: TestClient) -> None:
-    summary = next(m for m in client.get("/api/v1/models").json()["models"] if m["id"] == GEMMA3_MODEL)
+    summary = next(m for m in client.get("/api/v1/models").json() if m["id"] == GEMMA3_MODEL)
     assert {d["field"] for d in summary["defaulted"]} == set(GEMMA3_SOURCES)
     page = client.get(f"/models/{GEMMA3_MODEL}")
     assert page.status_code == 200 and 'id="defaulted-values"' in page.text
