@@ -26,6 +26,12 @@ class CompositionView(BaseModel):
     basis: str = Field(
         description="which weights the scores come from: raw, or which processing (folded LayerNorm, centred writers)"
     )
+    qk_form: str | None = Field(
+        default=None,
+        description="QK numbers: the form they are in (circuits_core.circuits.qk_forms): 'exact' without QK-norm; "
+        "under QK-norm 'cosine' (token tables: each token's own scale, exact), 'bilinear' (weight level: scales "
+        "left out) or 'frozen-norm' (prompt level: the run's scales frozen)",
+    )
     sources: list[str] = Field(description="row heads: every head that has a later layer (earlier heads)")
     targets: list[str] = Field(description="column heads: every head that has an earlier layer (later heads)")
     scores: list[list[float | None]] = Field(
@@ -192,6 +198,12 @@ class QKPathsView(BaseModel):
     )
     scores: list[list[float | None]] = Field(description="the real attention scores (null above the diagonal)")
     max_abs_error: float = Field(description="max |sum of all terms - real scores| over causal positions")
+    qk_form: str | None = Field(
+        default=None,
+        description="QK numbers: the form they are in (circuits_core.circuits.qk_forms): 'exact' without QK-norm; "
+        "under QK-norm 'cosine' (token tables: each token's own scale, exact), 'bilinear' (weight level: scales "
+        "left out) or 'frozen-norm' (prompt level: the run's scales frozen)",
+    )
 
 
 # -- term importance -------------------------------------------------------------------------------

@@ -34,6 +34,12 @@ class CircuitTopView(BaseModel):
     diagonal: float | None = Field(
         default=None, description="the token's own entry (copying signature), when a token is given"
     )
+    qk_form: str | None = Field(
+        default=None,
+        description="QK numbers: the form they are in (circuits_core.circuits.qk_forms): 'exact' without QK-norm; "
+        "under QK-norm 'cosine' (token tables: each token's own scale, exact), 'bilinear' (weight level: scales "
+        "left out) or 'frozen-norm' (prompt level: the run's scales frozen)",
+    )
     diagonal_rank: int | None = Field(
         default=None,
         description="rank of the token's own entry in its row/column (1 = top; among the kept tokens with min_count)",

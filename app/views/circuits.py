@@ -36,7 +36,7 @@ from app.params import DEFAULT_VOCAB, DirectParams, OVParams, QKParams, SkipTrig
 from app.schemas import CircuitTopView, MatrixEntry, ScoredToken, SkipTrigram, SkipTrigramView
 from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
-from app.views.inputs import check_k, model_ref, resolve_token, token_ref
+from app.views.inputs import check_k, model_ref, qk_form_label, resolve_token, token_ref
 from app.views.rotary import check_offset, is_rotary
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.circuits import rotary
@@ -275,9 +275,9 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
             p.vocab,
             offset,
         )
-        return view.model_copy(update={"offset": offset})
+        return view.model_copy(update={"offset": offset, "qk_form": qk_form_label(loaded, "token")})
     column = (lambda t: circuits.full_qk_col(loaded.model, layer, h, t)) if side == "column" else None
-    return _top_view(
+    view = _top_view(
         loaded,
         lambda ids: circuits.full_qk_circuit(loaded.model, layer, h, ids),
         "qk",
@@ -290,6 +290,7 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
         column,
         p.vocab,
     )
+    return view.model_copy(update={"qk_form": qk_form_label(loaded, "token")})
 
 
 def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> CircuitTopView:

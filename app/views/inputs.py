@@ -11,9 +11,11 @@ MAX_ID_DIGITS digits, and a single-token string is at most MAX_TOKEN_CHARS chara
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
+from circuits_core.circuits.qk_forms import QK_FORMS, qk_form
 from circuits_core.errors import InvalidInputError, LimitExceededError, NotFoundError
 from circuits_core.formats.checkpoint import LoadedModel
 
@@ -135,3 +137,9 @@ def check_k(k: int, limits: Limits, available: int) -> int:
     if k > limits.max_k:
         raise LimitExceededError(f"k={k} is over the limit of {limits.max_k}")
     return min(k, available)
+
+
+def qk_form_label(loaded: LoadedModel, level: Literal["token", "weight", "prompt"]) -> str:
+    """'form: what it means' of the QK numbers a view at this level shows on this model (qk_forms.QK_FORMS)."""
+    form = qk_form(loaded.model, level)
+    return f"{form}: {QK_FORMS[form]}"

@@ -14,7 +14,7 @@ from app.analysis import Analysis
 from app.params import QKPathsParams
 from app.schemas.analyses import QKPair, QKPathsView
 from app.settings import Limits
-from app.views.inputs import check_k, model_ref, resolve_prompt, token_refs
+from app.views.inputs import check_k, model_ref, qk_form_label, resolve_prompt, token_refs
 from circuits_core.cost import Cost
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import head_name, parse_head
@@ -52,6 +52,7 @@ def build_qk_paths_view(loaded: LoadedModel, p: QKPathsParams, limits: Limits) -
         terms=terms,
         scores=scores,
         max_abs_error=error,
+        qk_form=qk_form_label(loaded, "prompt"),
     )
 
 

@@ -88,3 +88,17 @@ def test_the_model_page_names_the_defaulted_values(client: TestClient) -> None:
     assert page.status_code == 200 and 'id="defaulted-values"' in page.text
     for field, source in GEMMA3_SOURCES.items():
         assert field in page.text and source.split(";")[0].split("(")[0].strip() in page.text
+
+
+def test_each_qk_number_names_its_form(client: TestClient) -> None:
+    m = f"/api/v1/models/{GEMMA3_MODEL}"
+    forms = {
+        f"{m}/heads/L5H1/qk": "cosine",
+        f"{m}/qk-paths?head=L5H1&prompt=The+cat+sat+on+the+mat.+The+cat": "frozen-norm",
+        f"{m}/composition?kind=K": "bilinear",
+    }
+    for url, form in forms.items():
+        r = client.get(url)
+        assert r.status_code == 200 and r.json()["qk_form"].startswith(f"{form}: "), (url, r.text[:300])
+        page = client.get(url.removeprefix("/api/v1"))
+        assert page.status_code == 200 and f"QK form: {form}: " in page.text, url
