@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Generic, Literal, Self, TypeVar
+from typing import Annotated, Any, ClassVar, Generic, Literal, Self, TypeVar
 from urllib.parse import quote, urlencode
 
 from fastapi.exceptions import RequestValidationError
@@ -45,6 +45,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from starlette.concurrency import run_in_threadpool
 
 from app.compute import cached_build, compute, compute_json
+from app.registry import ModelRegistry
 from app.settings import Limits
 from circuits_core.cost import Cost
 from circuits_core.formats.checkpoint import LoadedModel
@@ -105,27 +106,19 @@ P = TypeVar("P", bound=AnalysisParams)
 V = TypeVar("V", bound=BaseModel)
 
 
-@dataclass(frozen=True)
-class Analysis(Generic[P, V]):
-    """Everything qkov knows about one analysis; see the module docstring."""
+@dataclass(frozen=True, kw_only=True)
+class Declared(Generic[P, V]):
+    """What every declaration has (see the module docstring): a model's `Analysis`, or the one `ServerAnalysis`."""
 
+    scope: ClassVar[Literal["model", "server"]]
     name: str  # unique; part of the cache key
-    path: str  # below /models/{model} ("heads/{head}/ov"); absolute ("/tour") when scope == "server"
+    path: str  # below /models/{model} ("heads/{head}/ov"); absolute ("/tour") for a ServerAnalysis
     params: type[P]
     view: type[V]
-    build: Callable[..., V]  # (loaded, params, limits) -> view; scope "server": (registry, params, limits)
-    cost: Callable[..., Cost]  # (loaded, params, limits) -> Cost: the engine's estimate, priced before a slot is taken
     summary: str
     tags: list[str]
-    # the model's attention layers the analysis needs: a model with fewer leaves its page out of the navigation and
-    # says why (app/routers/rendering.py nav_note)
-    needs_layers: int = 0
     cache: bool | Callable[[P], bool] = True  # keep answers in the result cache (per params when callable)
-    scope: Literal["model", "server"] = "model"
     description: str | None = None
-    # scope "server": (registry, params) -> the digests of the models the answer reads, part of its cache key
-    # (so a model whose files change, or that appears or goes, never gets another version's answer)
-    reads: Callable[..., tuple[str, ...]] | None = None
 
     @property
     def api_path(self) -> str:
@@ -140,6 +133,51 @@ class Analysis(Generic[P, V]):
 
     def cached(self, params: P) -> bool:
         return self.cache(params) if callable(self.cache) else self.cache
+
+    def built(self, subject: Any, params: P, limits: Limits) -> V:
+        """build(subject, params, limits): subject is the loaded model, or the registry of a ServerAnalysis."""
+        raise NotImplementedError
+
+    def priced(self, subject: Any, params: P, limits: Limits) -> Cost:
+        """cost(subject, params, limits)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Analysis(Declared[P, V]):
+    """One analysis of one model. `build` and `cost` take the params class declared in `params` (or a base of it) and
+    `build` returns `view`: mypy rejects a declaration whose builder or cost takes other params."""
+
+    scope: ClassVar[Literal["model", "server"]] = "model"
+    build: Callable[[LoadedModel, P, Limits], V]  # calls the engine
+    cost: Callable[[LoadedModel, P, Limits], Cost]  # the engine's estimate, priced before a slot is taken
+    # the model's attention layers the analysis needs: a model with fewer leaves its page out of the navigation and
+    # says why (app/routers/rendering.py nav_note)
+    needs_layers: int = 0
+
+    def built(self, subject: LoadedModel, params: P, limits: Limits) -> V:
+        return self.build(subject, params, limits)
+
+    def priced(self, subject: LoadedModel, params: P, limits: Limits) -> Cost:
+        return self.cost(subject, params, limits)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerAnalysis(Declared[P, V]):
+    """An analysis over the server's models (the tour): built from the registry, keyed by the models it reads."""
+
+    scope: ClassVar[Literal["model", "server"]] = "server"
+    build: Callable[[ModelRegistry, P, Limits], V]
+    cost: Callable[[ModelRegistry, P, Limits], Cost]  # loads the models it reads, as the build does
+    # (registry, params) -> the digests of the models the answer reads, part of its cache key (so a model whose files
+    # change, or that appears or goes, never gets another version's answer)
+    reads: Callable[[ModelRegistry, P], tuple[str, ...]]
+
+    def built(self, subject: ModelRegistry, params: P, limits: Limits) -> V:
+        return self.build(subject, params, limits)
+
+    def priced(self, subject: ModelRegistry, params: P, limits: Limits) -> Cost:
+        return self.cost(subject, params, limits)
 
 
 SAID = {"le": "at most {}", "lt": "below {}", "ge": "at least {}", "max_length": "max length {}"}
@@ -191,20 +229,18 @@ def canonical(params: AnalysisParams) -> str:
 
 
 def cache_key(
-    analysis: Analysis[Any, Any], model_id: str, loaded: LoadedModel, params: AnalysisParams
+    analysis: Declared[Any, Any], model_id: str, loaded: LoadedModel, params: AnalysisParams
 ) -> tuple[str, ...]:
     """Model id, digest of every answer-changing file, analysis name, normalised params."""
     return (model_id, str(loaded.digest), analysis.name, canonical(params))
 
 
-def server_key(analysis: Analysis[Any, Any], registry: Any, params: AnalysisParams) -> tuple[str, ...]:
+def server_key(analysis: ServerAnalysis[P, Any], registry: ModelRegistry, params: P) -> tuple[str, ...]:
     """A server-wide analysis: its name, the digests of the models it reads, normalised params."""
-    if analysis.reads is None:
-        raise ValueError(f"server-scope analysis {analysis.name!r} must declare `reads` (the models in its cache key)")
     return (analysis.name, *analysis.reads(registry, params), canonical(params))
 
 
-def json_url(analysis: Analysis[Any, Any], model_id: str | None, params: AnalysisParams) -> str:
+def json_url(analysis: Declared[Any, Any], model_id: str | None, params: AnalysisParams) -> str:
     """The API twin of a page: path parameters filled in, the set query parameters (None and '' left out)."""
     values = params.model_dump(mode="json")
     path = analysis.api_path.replace("{model}", quote(model_id or "", safe=""))
@@ -218,26 +254,26 @@ def json_url(analysis: Analysis[Any, Any], model_id: str | None, params: Analysi
     return f"{path}?{urlencode(query)}" if query else path
 
 
-def lower_hint(analysis: Analysis[Any, Any]) -> str:
+def lower_hint(analysis: Declared[Any, Any]) -> str:
     """What to lower when a request is over budget: the params bounded by the limits."""
     names = [n for n, info in analysis.params.model_fields.items() if any(isinstance(m, Limit) for m in info.metadata)]
     return f"lower {', '.join(names)}" if names else ""
 
 
-def _priced(analysis: Analysis[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> dict[str, Any]:
+def _priced(analysis: Declared[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> dict[str, Any]:
     """The keyword arguments of compute: the cost (the engine's estimate), the cache key, what to lower."""
     key: tuple[str, ...] | None = None
     if analysis.cached(params):
         key = (
-            cache_key(analysis, model_id or "", subject, params)
-            if analysis.scope == "model"
-            else server_key(analysis, subject, params)
+            server_key(analysis, subject, params)
+            if isinstance(analysis, ServerAnalysis)
+            else cache_key(analysis, model_id or "", subject, params)
         )
-    return {"cost": analysis.cost(subject, params, limits), "key": key, "lower": lower_hint(analysis)}
+    return {"cost": analysis.priced(subject, params, limits), "key": key, "lower": lower_hint(analysis)}
 
 
 async def _price(
-    analysis: Analysis[P, V], subject: Any, model_id: str | None, params: P, limits: Limits
+    analysis: Declared[P, V], subject: Any, model_id: str | None, params: P, limits: Limits
 ) -> dict[str, Any]:
     """`_priced`; a server-wide analysis in a thread, since its price and key load the models it reads (a model
     load must never hold the event loop that answers health checks and cached pages)."""
@@ -246,16 +282,17 @@ async def _price(
     return _priced(analysis, subject, model_id, params, limits)
 
 
-async def run(analysis: Analysis[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> V:
+async def run(analysis: Declared[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> V:
     """Price, then build through a compute slot (cached under `cache_key` when the analysis says so): the view."""
     kw = await _price(analysis, subject, model_id, params, limits)
-    return await compute(analysis.build, subject, params, limits, view=analysis.view, **kw)
+    view: V = await compute(analysis.built, subject, params, limits, view=analysis.view, **kw)
+    return view
 
 
-async def run_json(analysis: Analysis[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> bytes:
+async def run_json(analysis: Declared[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> bytes:
     """Like `run`, the answer encoded as JSON inside the slot (the API's answer)."""
     kw = await _price(analysis, subject, model_id, params, limits)
-    return await compute_json(analysis.build, subject, params, limits, **kw)
+    return await compute_json(analysis.built, subject, params, limits, **kw)
 
 
 def build_cached(analysis: Analysis[P, V], loaded: LoadedModel, model_id: str, params: P, limits: Limits) -> V:
@@ -269,7 +306,7 @@ def build_cached(analysis: Analysis[P, V], loaded: LoadedModel, model_id: str, p
 class BoundAnalyses:
     """The declared analyses of an app, with their params bound to the app's limits (made once in create_app)."""
 
-    analyses: list[Analysis[Any, Any]]
+    analyses: list[Declared[Any, Any]]
     limits: Limits
     params: dict[str, type[AnalysisParams]] = field(default_factory=dict)
 
@@ -279,7 +316,7 @@ class BoundAnalyses:
             raise ValueError(f"analysis names must be unique: {names}")
         self.params = {a.name: bounded(a.params, self.limits) for a in self.analyses}
 
-    def bound(self, analysis: Analysis[Any, Any]) -> type[AnalysisParams]:
+    def bound(self, analysis: Declared[Any, Any]) -> type[AnalysisParams]:
         return self.params[analysis.name]
 
     def bound_params(self, params: type[AnalysisParams]) -> type[AnalysisParams]:

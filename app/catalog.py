@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from app.analysis import Analysis
+from app.analysis import Declared, ServerAnalysis
 from app.params import TourParams
 from app.registry import ModelRegistry
 from app.schemas.analyses import TourView
@@ -34,20 +34,19 @@ def tour_reads(registry: ModelRegistry, p: TourParams) -> tuple[str, ...]:
     return tuple(f"{m}={digest_or_dash(registry, m)}" for m in tour_models(p.chapter))
 
 
-TOUR = Analysis(
+TOUR = ServerAnalysis(
     name="tour",
     path="/tour",
     params=TourParams,
     view=TourView,
     build=build_tour,
     cost=tour_cost,
-    scope="server",
     reads=tour_reads,
     summary="The paper's figures on the shipped models",
     tags=["tour"],
 )
 
-ANALYSES: list[Analysis[Any, Any]] = [
+ANALYSES: list[Declared[Any, Any]] = [
     models.TOKENIZE,
     heads.HEADS,
     heads.HEAD,

@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from app.figure_output import MAX_HEIGHT
+
 Figure = dict[str, Any]
 
 # ColorBrewer RdBu, red negative -> white 0 -> blue positive, centred with zmid=0 (plotly's built-in "RdBu"
@@ -80,6 +82,7 @@ def heatmap(
     colorbar: str = "",
     reversed_y: bool = True,
     text_in_cells: bool = False,
+    cell_format: str = "%{z:.2f}",
     height: int | None = None,
     digits: int = 4,
 ) -> Figure:
@@ -104,7 +107,7 @@ def heatmap(
         trace["customdata"] = customdata
     trace["hovertemplate"] = (hover or "%{y} · %{x}<br>%{z:.4f}") + "<extra></extra>"
     if text_in_cells:
-        trace.update(texttemplate="%{z:.2f}", textfont={"size": 11})
+        trace.update(texttemplate=cell_format, textfont={"size": 11 if len(y) <= 16 and len(x) <= 6 else 9})
     # numbered axes (positions) of many categories: a tick every few, so the numbers do not run together;
     # named axes (tokens, heads) label every category while there is room (EVERY_LABEL_MAX, smaller type)
     x_step, y_step = _ticks(x, EVERY_COLUMN_MAX), _ticks(y, EVERY_LABEL_MAX)
@@ -143,6 +146,12 @@ def _ticks(labels: Sequence[str], every_max: int) -> dict[str, Any]:
     return {}
 
 
+def cells_fit(n_rows: int, n_cols: int, height: int = MAX_HEIGHT, width: int = 560) -> bool:
+    """Whether a value like '0.12' (about 28 x 12 px at 9-11 px type) fits in every cell of an n_rows x n_cols
+    heatmap drawn at most `height` px tall (170 px of margins and title) and `width` px wide (a half-width chart)."""
+    return (height - 170) / max(n_rows, 1) >= 14 and (width - 120) / max(n_cols, 1) >= 30
+
+
 def label_room(n: int, height: int) -> int:
     """A heatmap height with room for one label per row (about 13 px each at 10 px type, plus the margins)."""
     return max(height, 13 * n + 170) if n <= EVERY_LABEL_MAX else height
@@ -159,10 +168,13 @@ def bars(
     horizontal: bool = False,
     hover: str | None = None,
     height: int | None = None,
+    customdata: Sequence[Any] | None = None,
 ) -> Figure:
     """Signed bars: blue positive, red negative."""
     colors = [POS_COLOR if v >= 0 else NEG_COLOR for v in values]
     trace: dict[str, Any] = {"type": "bar", "marker": {"color": colors}}
+    if customdata is not None:
+        trace["customdata"] = list(customdata)
     if horizontal:
         trace.update(x=list(values), y=list(labels), orientation="h")
         trace["hovertemplate"] = (hover or "%{y}: %{x:.4f}") + "<extra></extra>"
@@ -292,9 +304,11 @@ def scatter(
     y_title: str = "",
     links: Sequence[str | None] | None = None,
     highlight: Sequence[bool] | None = None,
+    named: Sequence[str] = (),
 ) -> Figure:
-    """Points (heads), e.g. the paper's OV-copying vs K-composition positivity scatter. Only the outlying points
-    whose labels cannot collide are labelled (`shown_labels`); every point names itself on hover."""
+    """Points (heads), e.g. the paper's OV-copying vs K-composition positivity scatter. The `named` points (the
+    heads that matter: induction and previous-token heads, the head a caption is about) are always labelled; then
+    the outlying points whose labels cannot collide (`shown_labels`); every point names itself on hover."""
     colors = [NEG_COLOR if h else POS_COLOR for h in highlight] if highlight else POS_COLOR
     fig: Figure = {
         "data": [
@@ -303,7 +317,7 @@ def scatter(
                 "mode": "markers+text",
                 "x": list(x),
                 "y": list(y),
-                "text": shown_labels(x, y, labels),
+                "text": shown_labels(x, y, labels, named=named),
                 "customdata": list(labels),
                 "textposition": "top center",
                 "textfont": {"size": 10, "color": GREY},
@@ -323,18 +337,24 @@ def scatter(
     return fig
 
 
-def shown_labels(x: Sequence[float], y: Sequence[float], labels: Sequence[str], most: int = 10) -> list[str]:
-    """The labels drawn on a scatter: the points farthest from the centre first, each kept only when no kept
-    label's point lies within a label's box of it (in fractions of the axis ranges), at most `most`."""
+def shown_labels(
+    x: Sequence[float], y: Sequence[float], labels: Sequence[str], most: int = 10, named: Sequence[str] = ()
+) -> list[str]:
+    """The labels drawn on a scatter: every `named` label, then the points farthest from the centre, each kept
+    only when no kept label's point lies within a label's box of it (in fractions of the axis ranges), at most
+    `most` in all (the named ones always)."""
     if not labels:
         return []
+    must = [i for i, lab in enumerate(labels) if lab in set(named)]
     span_x = (max(x) - min(x)) or 1.0
     span_y = (max(y) - min(y)) or 1.0
     cx, cy = sum(x) / len(x), sum(y) / len(y)
     order = sorted(range(len(labels)), key=lambda i: -(((x[i] - cx) / span_x) ** 2 + ((y[i] - cy) / span_y) ** 2))
-    kept: list[int] = []
+    kept: list[int] = list(must)
     for i in order:
-        if len(kept) == most:
+        if i in kept:
+            continue
+        if len(kept) >= most:
             break
         box_x = 0.12 * max(1, len(labels[i])) / 4  # a label is about 12 % of the width per four characters
         if all(abs(x[i] - x[j]) / span_x > box_x or abs(y[i] - y[j]) / span_y > 0.09 for j in kept):

@@ -27,6 +27,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from jinja2 import Environment, FileSystemLoader, TemplateNotFound, select_autoescape
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.glossary import term_anchors
 from app.settings import REPO_ROOT
 from circuits_core.errors import (
     CancelledError,
@@ -90,6 +91,7 @@ def _validation_detail(exc: RequestValidationError) -> tuple[str, list[dict[str,
 
 
 _env = Environment(loader=FileSystemLoader(str(REPO_ROOT / "templates")), autoescape=select_autoescape(default=True))
+_env.globals["glossary_terms"] = term_anchors  # base.html's
 
 
 def _html(template: str, context: dict[str, Any], status: int, fragment: bool) -> HTMLResponse:

@@ -238,6 +238,13 @@ class ChainParams(AnalysisParams):
 class QKPathsParams(PromptInput):
     head: Annotated[str, Field(max_length=16, description=f"{HEAD_DOC}, in layer >= 1"), HeadField()]
     k: K = 6
+    query: Annotated[
+        int | None,
+        Field(ge=0, le=1_000_000, description="with key: list the terms of the score at this query position"),
+    ] = None
+    key: Annotated[int | None, Field(ge=0, le=1_000_000, description="the key position of `query` (at most query)")] = (
+        None
+    )
 
 
 AblatedHeads = Annotated[

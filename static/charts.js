@@ -16,6 +16,28 @@
     path: "M100 100h800v800h-800z M200 650l200-250 150 180 100-120 150 190z"
   };
 
+  var LINK_ICON = {
+    width: 1000, height: 1000,
+    path: "M420 580l160-160M350 470l-90 90a110 110 0 0 0 155 155l90-90M650 530l90-90a110 110 0 0 0-155-155l-90 90"
+  };
+
+  /* The address of a chart on its page (the page's URL, #the chart's id), copied and shown under the chart. */
+  function shareLink(el) {
+    if (!el.id) el.id = "chart-" + (el.dataset.name || "figure");
+    var url = window.location.href.split("#")[0] + "#" + el.id;
+    if (navigator.clipboard && window.isSecureContext) navigator.clipboard.writeText(url).catch(function () {});
+    var box = el.querySelector(".chart-link");
+    if (!box) {
+      box = document.createElement("p");
+      box.className = "chart-link note";
+      el.appendChild(box);
+    }
+    box.textContent = "Link to this chart: ";
+    var a = document.createElement("a");
+    a.href = url; a.textContent = url;
+    box.appendChild(a);
+  }
+
   function figureOf(el) {
     var script = el.querySelector('script[type="application/json"]');
     return script ? JSON.parse(script.textContent) : null;
@@ -50,10 +72,15 @@
     var config = {
       responsive: true, displaylogo: false,
       toImageButtonOptions: { format: "png", filename: name, scale: 2 },
-      modeBarButtonsToRemove: ["lasso2d", "select2d"],
+      // plotly's "Share chart…" uploads to Plotly Cloud (no destination here, so it did nothing): removed, and a
+      // link to this chart on this page offered instead
+      modeBarButtonsToRemove: ["lasso2d", "select2d", "sendChartToCloud", "sendDataToCloud"],
       modeBarButtonsToAdd: [{
         name: "Download plot as SVG", icon: SVG_ICON,
         click: function (gd) { Plotly.downloadImage(gd, { format: "svg", filename: name }); }
+      }, {
+        name: "Link to this chart", icon: LINK_ICON,
+        click: function () { shareLink(el); }
       }]
     };
     Plotly.newPlot(target, fig.data || [], layout, config).then(function (gd) {
@@ -98,6 +125,11 @@
   document.addEventListener("click", function (ev) {
     var button = ev.target.closest && ev.target.closest("button[data-csv]");
     if (button) { ev.preventDefault(); exportCsv(button); }
+    var copy = ev.target.closest && ev.target.closest("button[data-copy]");  // "copy as Python"
+    var code = copy && document.getElementById(copy.dataset.copy);
+    if (code && navigator.clipboard) {
+      navigator.clipboard.writeText(code.textContent).then(function () { copy.textContent = "Copied"; }, function () {});
+    }
   });
 
   /* Forms that submit themselves when a picker changes (the submit button stays for no-JS use). */

@@ -138,7 +138,10 @@
     function paint(dest) {
       var choice = mode ? mode.value : "head:" + heads[0];
       var isTerm = choice.indexOf("term:") === 0;
-      spans.forEach(function (s) { s.classList.remove("dest"); s.style.backgroundColor = ""; s.dataset.weight = ""; });
+      spans.forEach(function (s, i) {
+        s.classList.remove("dest"); s.style.backgroundColor = ""; s.dataset.weight = "";
+        s.title = "position " + i + " · token " + data.tokens[i].id;
+      });
       if (isTerm) {
         var term = terms[Number(choice.slice(5))];
         if (!term) return;
@@ -157,7 +160,11 @@
       }
       var row = pattern[dest];
       spans[dest].classList.add("dest");
-      row.forEach(function (v, j) { if (j <= dest) { spans[j].style.backgroundColor = colour(v, 1, false); spans[j].dataset.weight = String(v); } });
+      row.forEach(function (v, j) {
+        if (j > dest) return;
+        spans[j].style.backgroundColor = colour(v, 1, false); spans[j].dataset.weight = String(v);
+        spans[j].title += " · attention from position " + dest + ": " + v.toFixed(3);  // the weight on hover
+      });
       var best = 0;
       row.forEach(function (v, j) { if (v > row[best]) best = j; });
       caption.textContent = choice.slice(5) + ": position " + dest + " " + JSON.stringify(data.tokens[dest].text) +
@@ -168,6 +175,15 @@
       var s = ev.target.closest(".attn-tok");
       if (s) hovered = Number(s.dataset.pos);
       if (s && pinned === null) paint(hovered);
+      if (s && pinned !== null) {  // a query is pinned: the hovered token's weight, in words
+        caption.textContent = s.dataset.weight !== ""
+          ? "position " + hovered + " " + JSON.stringify(data.tokens[hovered].text) + ": weight " + Number(s.dataset.weight).toFixed(3) +
+            " from the pinned position " + pinned
+          : "position " + hovered + " comes after the pinned position " + pinned + " (no attention)";
+      }
+    });
+    out.addEventListener("mouseout", function (ev) {
+      if (pinned !== null && ev.target.closest(".attn-tok")) paint(pinned);
     });
     out.addEventListener("mouseleave", function () { hovered = null; if (pinned === null) paint(null); });
     out.addEventListener("click", function (ev) {

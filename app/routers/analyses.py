@@ -17,7 +17,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import Response
 
-from app.analysis import Analysis, AnalysisParams, BoundAnalyses, HeadField, HeadsField, Limit, run_json, validate
+from app.analysis import AnalysisParams, BoundAnalyses, Declared, HeadField, HeadsField, Limit, run_json, validate
 from app.deps import MODEL_PATH, LimitsDep, LoadedModelDep, RegistryDep
 from app.routers.rendering import Page, serve_page
 
@@ -25,7 +25,7 @@ MARKERS = (Limit, HeadField, HeadsField)
 
 
 def _signature(
-    analysis: Analysis[Any, Any], params: type[AnalysisParams], context: list[inspect.Parameter]
+    analysis: Declared[Any, Any], params: type[AnalysisParams], context: list[inspect.Parameter]
 ) -> inspect.Signature:
     """The endpoint's signature: the context dependencies, then one parameter per params field."""
     fields = []
@@ -39,7 +39,7 @@ def _signature(
     return inspect.Signature([*context, *fields])
 
 
-def _context(analysis: Analysis[Any, Any]) -> list[inspect.Parameter]:
+def _context(analysis: Declared[Any, Any]) -> list[inspect.Parameter]:
     kw = inspect.Parameter.KEYWORD_ONLY
     ctx = [inspect.Parameter("limits", kw, annotation=LimitsDep)]
     if analysis.scope == "server":
@@ -51,7 +51,7 @@ def _context(analysis: Analysis[Any, Any]) -> list[inspect.Parameter]:
     ]
 
 
-def api_endpoint(analysis: Analysis[Any, Any], params: type[AnalysisParams]) -> Any:
+def api_endpoint(analysis: Declared[Any, Any], params: type[AnalysisParams]) -> Any:
     """The API handler of one analysis (its signature generated from the bound params model)."""
 
     async def endpoint(**kw: Any) -> Any:

@@ -1,4 +1,4 @@
-"""The API docs page at /docs, generated from the app's OpenAPI schema (no CDN), inside the dashboard's frame
+"""The glossary page at /glossary (docs/glossary.md) and the API docs page at /docs, generated from the app's OpenAPI schema (no CDN), inside the dashboard's frame
 (top bar, model picker) like every other page.
 
 FastAPI's default /docs loads Swagger UI from a CDN, which fails offline; this page lists every operation
@@ -16,6 +16,7 @@ from fastapi.responses import HTMLResponse, Response
 from markupsafe import Markup
 
 from app.deps import RegistryDep
+from app.glossary import glossary, render_markdown, render_markdown_inline
 from app.routers.rendering import page_context, render
 
 _CONSTRAINTS = (
@@ -55,7 +56,7 @@ def _operation(path: str, method: str, op: dict[str, Any]) -> str:
     rows = "".join(
         f"<tr><td><code>{_esc(p['name'])}</code></td><td>{_esc(p['in'])}</td><td>{'yes' if p.get('required') else ''}</td>"
         f"<td><code>{_esc(_schema_type(p.get('schema', {})))}</code></td><td>{_esc(_constraints(p.get('schema', {})))}</td>"
-        f"<td>{_esc(p.get('schema', {}).get('default', ''))}</td><td>{_esc(p.get('description', ''))}</td></tr>"
+        f"<td>{_esc(p.get('schema', {}).get('default', ''))}</td><td>{render_markdown_inline(p.get('description', ''))}</td></tr>"
         for p in op.get("parameters", [])
     )
     params = (
@@ -70,7 +71,7 @@ def _operation(path: str, method: str, op: dict[str, Any]) -> str:
         if ok
         else ""
     )
-    doc = f"<p>{_esc(op['description'])}</p>" if op.get("description") else ""
+    doc = f'<div class="op-doc">{render_markdown(op["description"])}</div>' if op.get("description") else ""
     return (
         f'<section class="op" id="{_esc(op.get("operationId", path))}"><h3><span class="method">{method.upper()}</span> '
         f"<code>{_esc(path)}</code> — {_esc(op.get('summary', ''))}</h3>{doc}{params}{returns}</section>"
@@ -78,7 +79,8 @@ def _operation(path: str, method: str, op: dict[str, Any]) -> str:
 
 
 def render_docs(spec: dict[str, Any]) -> str:
-    """The body of the docs page (HTML, every value escaped): the endpoints, then the schemas."""
+    """The body of the docs page (HTML, every value escaped; descriptions rendered from markdown with raw HTML
+    escaped): the endpoints, then the schemas."""
     ops = "".join(
         _operation(path, method, op) for path, item in spec.get("paths", {}).items() for method, op in item.items()
     )
@@ -89,7 +91,7 @@ def render_docs(spec: dict[str, Any]) -> str:
     info = spec.get("info", {})
     return (
         f'<div class="page-head"><h1>{_esc(info.get("title", ""))} API <span class="note mono">v{_esc(info.get("version", ""))}</span></h1>'
-        f'<p class="lede">{_esc(info.get("description", ""))}</p></div>'
+        f'<div class="lede">{render_markdown(info.get("description", ""))}</div></div>'
         '<p>Machine-readable schema: <a href="/openapi.json">/openapi.json</a>. Errors are '
         "<code>application/problem+json</code> (RFC 9457) with <code>type, title, status, detail, instance</code>.</p>"
         f'<div class="api-docs"><h2>Endpoints</h2>{ops}<h2>Schemas</h2>{schemas}</div>'
@@ -103,3 +105,10 @@ router = APIRouter()
 async def api_docs(request: Request, registry: RegistryDep) -> Response:
     ctx = await page_context(request, registry, "API", "/openapi.json", nav="docs")
     return render(request, "docs.html", {**ctx, "body": Markup(render_docs(request.app.openapi()))})
+
+
+@router.get("/glossary", include_in_schema=False, response_class=HTMLResponse)
+async def glossary_page(request: Request, registry: RegistryDep) -> Response:
+    """Every term the dashboard shows, defined (docs/glossary.md); pages link their first use of each here."""
+    ctx = await page_context(request, registry, "Glossary", "", nav="glossary")
+    return render(request, "docs.html", {**ctx, "body": glossary().html, "plain": True})

@@ -23,6 +23,7 @@ from starlette.types import Scope
 from app import charts
 from app.analysis import API
 from app.deps import RegistryDep, get_model
+from app.head_filter import MAX_FILTER_CHARS, HeadFilter
 from app.params import (
     DEFAULT_VOCAB,
     DetectorParams,
@@ -47,7 +48,7 @@ from app.routers.rendering import (
     render,
     url,
 )
-from app.schemas import CircuitTopView
+from app.schemas import CircuitTopView, HeadScores
 from app.views.attention_entropy import ATTENTION_ENTROPY
 from app.views.circuits import DIRECT, has_token_counts
 from app.views.copying import COPYING_ALL
@@ -205,12 +206,29 @@ async def direct_context(call: PageCall) -> dict[str, Any]:
 
 
 # -- detectors ----------------------------------------------------------------------------------------------------
+class DetectorPageParams(DetectorParams):
+    filter: Annotated[
+        str | None,
+        Field(max_length=MAX_FILTER_CHARS, description="head filter of the chart and table, e.g. 'induction > 0.4'"),
+    ] = None
+
+
+TOP_CHARTED = 12  # heads in the detector chart: those with the largest score of any detector (the table has all)
+
+
 async def detectors_context(call: PageCall) -> dict[str, Any]:
-    p: DetectorParams = call.params  # normalised: seq_len is the standard input fitted to the model when not given
+    page: DetectorPageParams = call.params  # normalised: seq_len is the standard input fitted to the model
+    head_filter = HeadFilter.parse(page.filter)
+    p = DetectorParams(**page.model_dump(exclude={"filter"}))
+    call.json_params = p
     view = await call.run(DETECTORS, p)
+    shown = head_filter.apply(view.heads)
     return {
         "view": view,
-        "figs": detector_charts(view, call.model_id or ""),
+        "shown_heads": shown,
+        "head_filter": str(head_filter),
+        "filter_text": page.filter,
+        "figs": detector_charts(view, call.model_id or "", shown),
         "seq_len": p.seq_len,
         "batch": p.batch,
         "claim": loss_sentence(view.loss.first_repeat, view.loss.second_repeat),
@@ -220,15 +238,30 @@ async def detectors_context(call: PageCall) -> dict[str, Any]:
     }
 
 
-def detector_charts(view: Any, model_id: str) -> dict[str, Any]:
-    """Per-head detector scores, the per-position loss and the attention pattern of each selected head."""
-    names = [s.head for s in view.heads]
-    series = {
-        SCORES[k][0]: [getattr(s, k) or 0.0 for s in view.heads]
-        for k in ("previous_token", "duplicate_token", "induction", "current_token", "first_token")
-    }
+DETECTOR_KEYS = ("previous_token", "duplicate_token", "induction", "current_token", "first_token")
+
+
+def top_heads(heads: list[HeadScores], most: int = TOP_CHARTED) -> list[HeadScores]:
+    """The `most` heads with the largest score of any detector, in layer order (all of them when fewer)."""
+    best = sorted(heads, key=lambda s: -max((getattr(s, k) or 0.0) for k in DETECTOR_KEYS))[:most]
+    return sorted(best, key=lambda s: (s.layer, s.index))
+
+
+def detector_charts(view: Any, model_id: str, shown: list[HeadScores] | None = None) -> dict[str, Any]:
+    """The detector scores of the top heads (of `shown`: the head filter's), the per-position loss and the
+    attention pattern of each selected head. The table lists every shown head."""
+    charted = top_heads(view.heads if shown is None else shown)
+    names = [s.head for s in charted]
+    series = {SCORES[k][0]: [getattr(s, k) or 0.0 for s in charted] for k in DETECTOR_KEYS}
+    n_all = len(view.heads if shown is None else shown)
     figs: dict[str, Any] = {
-        "scores": charts.grouped_bars(names, series, title="detector scores per head", y_title="score")
+        "scores": charts.grouped_bars(
+            names,
+            series,
+            title=f"detector scores of the {len(charted)} heads with the largest score"
+            + (f" (of {n_all}; all in the table below)" if n_all > len(charted) else ""),
+            y_title="score",
+        )
     }
     labels = charts.unique_labels([charts.visible(t.text) for t in view.tokens])
     positions = list(range(len(view.loss.loss)))
@@ -286,6 +319,7 @@ PAGES: list[Page] = [
         DETECTORS,
         "detectors.html",
         detectors_context,
+        params=DetectorPageParams,
         blocks=("detectors_panel",),
         title="Detectors · {model}",
         label="Detectors",
@@ -312,7 +346,7 @@ PAGES: list[Page] = [
         params=HeadPageParams,
         blocks=("circuits",),
         title="{head} · {model}",
-        nav="overview",
+        nav="head",  # no navigation entry is a head page, so none is highlighted; the picker falls back to the overview
     ),
     pages_analyses.PAIR_PAGE,
     pages_analyses.PATHS_PAGE,

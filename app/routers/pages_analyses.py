@@ -7,15 +7,18 @@ through `call.run` / `call.attempt` and chart their views. Page URLs mirror the 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Any, Protocol
 
 from pydantic import Field
 
-from app import charts
+from app import block_heatmaps, charts, snippets
 from app.analysis import HeadField, json_url
+from app.compute import cheap
 from app.params import (
     HEAD_DOC,
     ChainParams,
+    CompositionParams,
     Heads,
     K,
     MaxOrder,
@@ -31,12 +34,14 @@ from app.routers.pages_rotary import pair_rotary_context, rotary_enabled
 from app.routers.rendering import Page, PageCall, url
 from app.views.composition import COMPOSITION, COMPOSITION_PAIR
 from app.views.heads import HEADS
+from app.views.inputs import spelling_variants
 from app.views.page_claims import ablation_sentence, composition_sentence
 from app.views.path import PATH
 from app.views.prompt import PATHS, PROMPT
 from app.views.qk_paths import QK_PATHS
 from app.views.term_importance import TERM_IMPORTANCE
 from app.views.tour_figures import REPEATED
+from circuits_core.errors import InvalidInputError
 
 # The prompt a page starts with: repeated code, where induction heads have something to do.
 DEFAULT_PROMPT = REPEATED
@@ -49,9 +54,21 @@ class HasText(Protocol):
     def tokens(self) -> str | None: ...
 
 
+async def snippet_source(call: PageCall) -> tuple[Path, str]:
+    """The folder and dtype a panel's "copy as Python" snippet loads the model from (as this server does)."""
+    entry = await cheap(call.registry.entry, call.model_id or "")
+    return entry.path, str(call.registry.dtype).removeprefix("torch.")
+
+
 def text_of(p: HasText) -> tuple[str | None, str | None]:
-    """(prompt, tokens) of a page: as given (both given: the analysis refuses), else DEFAULT_PROMPT."""
-    return (p.prompt, p.tokens) if p.prompt is not None or p.tokens is not None else (DEFAULT_PROMPT, None)
+    """(prompt, tokens) of a page. A page opened with token ids (a tour link) keeps them in a hidden field beside
+    its prompt box, so its form sends both: text typed in the box wins, an empty box keeps the ids. Neither given:
+    DEFAULT_PROMPT."""
+    if p.prompt:
+        return p.prompt, None
+    if p.tokens is not None:
+        return None, p.tokens
+    return (p.prompt, None) if p.prompt is not None else (DEFAULT_PROMPT, None)
 
 
 def default_heads(n_layers: int, n_heads: int, count: int) -> list[str]:
@@ -75,9 +92,21 @@ async def suggested_heads(call: PageCall, count: int) -> list[str]:
 
 
 # -- composition ------------------------------------------------------------------------------------------------
+class CompositionPageParams(CompositionParams):
+    """The composition page: the analysis's params and, on a model drawn as layer blocks, the block zoomed into."""
+
+    block: Annotated[
+        str | None,
+        Field(pattern=r"^\d{1,4}-\d{1,4}$", description="zoom into layer block 'a-b' (earlier layer a, later b)"),
+    ] = None
+
+
 async def composition_context(call: PageCall) -> dict[str, Any]:
-    view, error = await call.attempt(COMPOSITION, call.params)
-    kind = call.params.kind
+    page: CompositionPageParams = call.params
+    params = CompositionParams(**page.model_dump(exclude={"block"}))
+    call.json_params = params
+    view, error = await call.attempt(COMPOSITION, params)
+    kind = params.kind
     call.title = f"{kind}-composition · {call.model_id}"
     zmax, claim = None, None
     if view is not None:  # one colour scale for Q, K and V (the other kinds' answers are cached like this one)
@@ -85,19 +114,45 @@ async def composition_context(call: PageCall) -> dict[str, Any]:
             v
             for k in ("Q", "K", "V")
             if k != kind
-            for v, _ in [await call.attempt(COMPOSITION, call.params.model_copy(update={"kind": k}))]
+            for v, _ in [await call.attempt(COMPOSITION, params.model_copy(update={"kind": k}))]
             if v is not None
         ]
         zmax = charts.shared_range([v.minus_baseline for v in views])
         k_view = next((v for v in views if v.kind == "K"), None)
-        if not call.params.offset:  # what this model shows (detector scores on the standard input, cached)
+        if not params.offset:  # what this model shows (detector scores on the standard input, cached)
             claim = composition_sentence(call.model_id or "", (await call.attempt(HEADS, NoParams()))[0], k_view)
+    base = f"/models/{call.model_id}/composition"
+    state = {"kind": kind, "offset": params.offset or None, "basis": page.basis if page.basis != "served" else None}
+    fig = zoom = None
+    blocks = view is not None and block_heatmaps.needs_blocks(len(view.sources))
+    if view is not None and blocks:  # 30 layers x 9 heads: one cell per layer block, a click zooms in
+        fig = block_heatmaps.composition_block_map(view, zmax, lambda a, b: url(base, **state, block=f"{a}-{b}"))
+        if page.block:
+            a, b = (int(x) for x in page.block.split("-"))
+            zoom = block_heatmaps.composition_block(view, call.model_id or "", zmax, a, b)
+            if zoom is None:
+                error = {
+                    "status": 422,
+                    "title": "No such layer block",
+                    "detail": f"block {page.block}: layer {a} has no head writing to a head of layer {b} "
+                    f"(the earlier layer must be below the later one, both inside the model)",
+                }
+    elif view is not None:
+        fig = charts.composition_heatmap(view, call.model_id or "", zmax)
+    snippet = (
+        snippets.composition(*await snippet_source(call), kind) if view is not None and not params.offset else None
+    )
     return {
         "view": view,
         "error": error,
+        "snippet": snippet,
         "kind": kind,
-        "fig": charts.composition_heatmap(view, call.model_id or "", zmax) if view else None,
-        "offset": call.params.offset or None,
+        "fig": fig,
+        "blocks": blocks,
+        "block": page.block if zoom is not None else None,
+        "zoom": zoom,
+        "all_blocks_url": url(base, **state),
+        "offset": params.offset or None,
         "is_rotary": rotary_enabled(call),
         "n_ctx": call.model.model.cfg.n_ctx if call.model else 0,
         "claim": claim,
@@ -126,6 +181,9 @@ class PromptPageParams(PromptInput):
     """The prompt page: the patterns (PromptParams) and the path expansion (PathsParams) of one prompt."""
 
     heads: Heads = None
+    layer: Annotated[
+        int | None, Field(ge=0, le=10_000, description="all heads of this layer, as small multiples (instead of heads)")
+    ] = None
     weighted: bool = False
     position: Position = None
     target: str | None = target_token("the logit to expand")  # type: ignore[assignment]
@@ -138,11 +196,18 @@ async def prompt_context(call: PageCall) -> dict[str, Any]:
     p: PromptPageParams = call.params
     model = call.model_id
     prompt, tokens = text_of(p)
-    heads_str = p.heads or ",".join(await suggested_heads(call, call.limits.max_heads))
+    cfg = call.model.model.cfg
+    if p.layer is not None:  # every head of one layer (as many as one request takes), drawn as small multiples
+        if p.layer >= cfg.n_layers:
+            raise InvalidInputError(f"layer {p.layer} out of range: the model has {cfg.n_layers} layers")
+        heads_str = ",".join(f"L{p.layer}H{h}" for h in range(min(cfg.n_heads, call.limits.max_heads)))
+    else:
+        heads_str = p.heads or ",".join(await suggested_heads(call, call.limits.max_heads))
     state = {
         "prompt": prompt,
         "tokens": tokens,
-        "heads": heads_str,
+        "heads": heads_str if p.layer is None else None,
+        "layer": p.layer,
         "weighted": "true" if p.weighted else None,
         "position": p.position,
         "target": p.target,
@@ -186,6 +251,9 @@ async def prompt_context(call: PageCall) -> dict[str, Any]:
         ]
     if pview is not None:
         figs["text"] = charts.attention_text(pview.tokens, {hp.head: hp.pattern for hp in pview.heads}, paths)
+    if pview is not None and p.layer is not None:
+        figs["layer"] = charts.attention_text(pview.tokens, {hp.head: hp.pattern for hp in pview.heads})
+        figs["patterns"] = []  # the small multiples replace the one-head heat maps
     if paths is not None:
         links = [
             url(f"/models/{model}/path", heads=",".join(t.path), prompt=prompt, tokens=tokens, target=paths.target)
@@ -195,7 +263,18 @@ async def prompt_context(call: PageCall) -> dict[str, Any]:
         ]
         figs["waterfall"] = charts.paths_waterfall(paths, links)
         figs["by_source"] = charts.paths_by_source(paths)
+        if paths.contrast_token is None:
+            figs["snippet"] = snippets.logit_paths(
+                *await snippet_source(call),
+                [t.id for t in paths.prompt_tokens],
+                paths.position,
+                paths.target_token.id,
+                paths.max_order,
+            )
     return {
+        "target_spelling": spelling_variants(
+            call.model, p.target
+        ),  # 'Paris' is not ' Paris': say which, offer the other
         "pview": pview,
         "paths": paths,
         "figs": figs,
@@ -205,6 +284,10 @@ async def prompt_context(call: PageCall) -> dict[str, Any]:
         "base": f"/models/{model}/prompt",
         "prompt": prompt,
         "heads": heads_str,
+        "layer": p.layer,
+        "n_layers": cfg.n_layers,
+        "n_heads_shown": min(cfg.n_heads, call.limits.max_heads),
+        "n_heads": cfg.n_heads,
         "weighted": p.weighted,
         "patterns_json": json_url(PROMPT, model, patterns),
     }
@@ -229,6 +312,7 @@ async def chain_context(call: PageCall) -> dict[str, Any]:
         "error": error,
         "figs": {},
         "prompt": prompt,
+        "tokens": tokens,
         "heads": heads_str,
         "target": p.target,
         "k": p.k,
@@ -280,7 +364,7 @@ async def qk_paths_context(call: PageCall) -> dict[str, Any]:
     head = p.head  # default: the induction head of a 2+ layer model, else H0 of the last layer
     if not head:
         head = (await suggested_heads(call, 2))[-1] if cfg.n_layers else "L0H0"
-    params = QKPathsParams(head=head, prompt=prompt, tokens=tokens, k=p.k)
+    params = QKPathsParams(head=head, prompt=prompt, tokens=tokens, k=p.k, query=p.query, key=p.key)
     view, error = await call.attempt(QK_PATHS, params)
     call.json_params = params
     call.title = f"QK paths of {head} · {call.model_id}"
@@ -290,6 +374,9 @@ async def qk_paths_context(call: PageCall) -> dict[str, Any]:
         "head": head,
         "figs": {},
         "prompt": prompt,
+        "tokens": tokens,
+        "query": p.query,
+        "key": p.key,
         "k": p.k,
         "max_k": call.limits.max_k,
     }
@@ -297,6 +384,15 @@ async def qk_paths_context(call: PageCall) -> dict[str, Any]:
         return ctx
     labels = charts.token_labels(view.tokens)
     ctx["head"] = view.head
+    if view.at is not None:
+        ctx["snippet"] = snippets.qk_score_terms(
+            *await snippet_source(call),
+            view.head,
+            [t.id for t in view.tokens],
+            view.at.query,
+            view.at.key,
+            len(view.at.terms),
+        )
     ctx["figs"] = {
         "std": charts.heatmap(
             view.std,
@@ -392,6 +488,7 @@ COMPOSITION_PAGE = Page(
     COMPOSITION,
     "composition.html",
     composition_context,
+    params=CompositionPageParams,
     blocks=("composition_panel",),
     nav="composition",
     label="Composition",

@@ -9,7 +9,10 @@ from typing import Any, Literal
 from pydantic import Field
 
 from app import charts
+from app.analysis import Analysis
 from app.compute import cheap
+from app.figure_output import MAX_HEIGHT
+from app.head_filter import MAX_FILTER_CHARS, HeadFilter, labelled_heads
 from app.params import (
     DEFAULT_VOCAB,
     CompositionParams,
@@ -54,14 +57,18 @@ POSITIONAL_SHOWN = 64  # first positions drawn in the positional QK heatmap (the
 MIN_COUNT_CHOICES = (50, 200, 500, 1000, 2000)
 
 
-def heads_grid(loaded: LoadedModel, heads: list[HeadScores], score: str, model_id: str) -> dict[str, Any]:
-    """The overview heatmap: layers x heads of one score; a click opens the head."""
+def heads_grid(
+    loaded: LoadedModel, heads: list[HeadScores], score: str, model_id: str, head_filter: HeadFilter | None = None
+) -> dict[str, Any]:
+    """The overview heatmap: layers x heads of one score, values in the cells when they fit; a click opens the
+    head. With a head filter only the heads it keeps are coloured (the others are blank)."""
     cfg = loaded.model.cfg
     label, signed = SCORES[score]
     z: list[list[float | None]] = [[None] * cfg.n_heads for _ in range(cfg.n_layers)]
     names = [[head_name(layer, h) for h in range(cfg.n_heads)] for layer in range(cfg.n_layers)]
     for s in heads:
-        z[s.layer][s.index] = getattr(s, score)
+        if head_filter is None or head_filter.keeps(s):
+            z[s.layer][s.index] = getattr(s, score)
     links = [[f"/models/{model_id}/heads/{n}" for n in row] for row in names]
     return charts.heatmap(
         z,
@@ -76,8 +83,8 @@ def heads_grid(loaded: LoadedModel, heads: list[HeadScores], score: str, model_i
         hover="%{customdata}<br>" + label + " %{z:.3f}",
         links=links,
         colorbar=label,
-        text_in_cells=cfg.n_layers * cfg.n_heads <= 64,
-        height=max(220, 70 * cfg.n_layers + 120),
+        text_in_cells=charts.cells_fit(cfg.n_layers, cfg.n_heads),
+        height=max(220, min(70 * cfg.n_layers + 120, MAX_HEIGHT)),
     )
 
 
@@ -177,19 +184,27 @@ class OverviewParams(NoParams):
     score: Literal[
         "induction", "previous_token", "duplicate_token", "current_token", "first_token", "ov_copying", "qk_copying"
     ] = Field("induction", description="the head score the heatmap shows")
+    filter: str | None = Field(
+        None,
+        max_length=MAX_FILTER_CHARS,
+        description="head filter of the grid, table and scatter, e.g. 'induction > 0.4'",
+    )
 
 
 async def overview_context(call: PageCall) -> dict[str, Any]:
     loaded, model_id, score = call.model, call.model_id or "", call.params.score
+    head_filter = HeadFilter.parse(call.params.filter)  # 422 with the syntax when unreadable
     summary = build_model_view(loaded, await cheap(call.registry.entry, model_id))
     heads: HeadsView = await call.run(HEADS, NoParams())
     call.title = model_id
-    fig = heads_grid(loaded, heads.heads, score, model_id) if heads.heads else None
+    fig = heads_grid(loaded, heads.heads, score, model_id, head_filter) if heads.heads else None
+    shown_heads = head_filter.apply(heads.heads)
+    kept = {s.head for s in shown_heads}
     scatter, scatter_claim, refused = None, None, None
     if applies_to(POSITIVITY, loaded) and not is_fragment(call.request):
         view, scatter_error = await call.attempt(POSITIVITY, NoParams())
         if view is not None:
-            pts = [p.model_dump() for p in view.points]
+            pts = [p.model_dump() for p in view.points if p.head in kept]
             scatter = charts.scatter(
                 [p["ov_copying"] or 0.0 for p in pts],
                 [p["k_composition_positivity"] for p in pts],
@@ -198,8 +213,9 @@ async def overview_context(call: PageCall) -> dict[str, Any]:
                 x_title="OV copying score (Σλ/Σ|λ|)",
                 y_title="K-composition positivity",
                 links=[f"/models/{model_id}/heads/{p['head']}" for p in pts],
+                named=[*labelled_heads(heads.heads), view.previous_token_head],  # the heads that matter, labelled
             )
-            scatter_claim = scatter_sentence(pts, heads)
+            scatter_claim = scatter_sentence([p.model_dump() for p in view.points], heads)
         elif scatter_error is not None and scatter_error["status"] == 422:
             refused = scatter_error["detail"]  # refused for good: the page says why
         else:
@@ -207,6 +223,9 @@ async def overview_context(call: PageCall) -> dict[str, Any]:
     return {
         "summary": summary,
         "heads": heads,
+        "shown_heads": shown_heads,
+        "head_filter": str(head_filter),
+        "filter_text": call.params.filter,
         "score": score,
         "scores": SCORES,
         "fig": fig,
@@ -218,7 +237,7 @@ async def overview_context(call: PageCall) -> dict[str, Any]:
     }
 
 
-def applies_to(analysis: Any, loaded: LoadedModel) -> bool:
+def applies_to(analysis: Analysis[Any, Any], loaded: LoadedModel) -> bool:
     return loaded.model.cfg.n_layers >= analysis.needs_layers
 
 

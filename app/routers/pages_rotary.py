@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from app import charts
+from app import charts, snippets
 from app.analysis import json_url
+from app.compute import cheap
 from app.routers.rendering import PageCall
 from app.schemas.rotary import BandsView, CompositionProfileView, PositionalView, QKCopyingView
 from app.views.basis import Basis
@@ -47,7 +48,7 @@ async def head_rotary_context(call: PageCall, head: str) -> dict[str, Any]:
         vlines=[qk_copying.offset],
         x_title="δ = query position − key position",
         y_title="eigenvalue copying score",
-        title=f"QK eigenvalue copying of {head} over δ: largest at δ = {qk_copying.peak_offset}",
+        title=f"QK eigenvalue copying of {head} over δ: {qk_copying.shape.summary}",
     )
     qk_eig = charts.complex_scatter(
         [(c.re, c.im) for c in qk_copying.eigenvalues],
@@ -58,16 +59,17 @@ async def head_rotary_context(call: PageCall, head: str) -> dict[str, Any]:
         {"f(δ)": positional.kernel},
         x_title="δ = query position − key position",
         y_title="score (μ Ω(δ) μᵀ / √d_head)",
-        vlines=[positional.peak_offset],
-        title=f"positional kernel of {head}: peak at δ = {positional.peak_offset}",
+        vlines=[] if positional.shape.flat else [positional.peak_offset],
+        title=f"positional kernel of {head}: {positional.shape.summary}",
     )
-    labels = [f"k={k} (λ={w:.3g})" for k, w in enumerate(bands.wavelength)]
-    energy = charts.bars(
-        labels,
+    energy = charts.bars(  # short tick labels (the band index): "k=0 (λ=6.28)" ran off the chart at 32 bands
+        [str(k) for k in range(len(bands.wavelength))],
         bands.share,
         title=f"share of {head}'s QK energy per rotary band (band 0 fastest)",
-        x_title="band k (wavelength 2π/θ_k in positions)",
+        x_title="band k (hover: wavelength 2π/θ_k in positions)",
         y_title="share of ||Ω||² energy",
+        customdata=[round(w, 4) for w in bands.wavelength],
+        hover="band %{x}, wavelength %{customdata:.3g} positions<br>share %{y:.4f}",
     )
     return {
         "rotary": {
@@ -105,10 +107,15 @@ async def pair_rotary_context(call: PageCall, source: str, target: str) -> dict[
         y_title="composition score",
         title=f"{source} → {target}: Q and K composition over the offset δ",
     )
+    entry = await cheap(call.registry.entry, model)
+    snippet = snippets.composition_profile(
+        entry.path, str(call.registry.dtype).removeprefix("torch."), source, target, "K", len(first.offsets)
+    )
     return {
         "rotary": {
             "profiles": profiles,
             "profile_fig": fig,
+            "snippet": snippet,
             "profile_json": {
                 k: json_url(PROFILE, model, ProfileParams(source=source, target=target, kind=k, basis=b)) for k in kinds
             },

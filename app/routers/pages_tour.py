@@ -21,8 +21,6 @@ from app.schemas.analyses import (
     TourFigure,
 )
 
-POSITIONS = 32  # positions of the positional pattern drawn in the tour
-
 
 def figure_parts(fig: TourFigure) -> dict[str, Any]:
     """{charts: [figure dicts], tables: [(caption, entries, row label, col label)], trigrams: view | None}."""
@@ -41,7 +39,7 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
     if "paths" in d:
         add(charts.paths_waterfall(PathsView.model_validate(d["paths"])))
     if "positional" in d and d["positional"]:
-        pat = [row[:POSITIONS] for row in d["positional"]["pattern"][:POSITIONS]]
+        pat = d["positional"]["pattern"]  # every position the sentence averages over
         labels = [str(i) for i in range(len(pat))]
         add(
             charts.heatmap(
@@ -132,9 +130,9 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
     if "next_token_effect" in d:  # F23 as in the paper: each position's effect on its own next token
         e = d["next_token_effect"]
         toks = [TokenRef.model_validate(t) for t in e["tokens"]]
-        labels = [
-            f"{charts.visible(a.text)} → {charts.visible(b.text)}" for a, b in zip(toks[:-1], toks[1:], strict=True)
-        ]
+        labels = charts.unique_labels(  # a repeated pair would otherwise stack its bars on one category
+            [f"{charts.visible(a.text)} → {charts.visible(b.text)}" for a, b in zip(toks[:-1], toks[1:], strict=True)]
+        )
         add(
             charts.bars(
                 labels,
@@ -186,6 +184,7 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
                 x_title="OV copying score",
                 y_title="K-composition positivity",
                 links=[f"/models/{model}/heads/{p['head']}" for p in pts],
+                named=[p[0] for p in d.get("claim", {}).get("points", [])],  # the heads the caption names
             )
         )
     if "term_importance" in d:
@@ -205,7 +204,65 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
                 [f"layer {i}" for i in range(len(v2))], v2, title="first-order terms by layer", y_title="Δ loss"
             )
         )
+    if fig.id in ROTARY_FIGURES and "claim" in d:
+        ROTARY_FIGURES[fig.id](d["claim"], add)
     return out
+
+
+def _r1(v: dict[str, Any], add: Any) -> None:
+    """The induction and previous-token heads' scores, and C_K(δ) of each induction head's strongest source."""
+    heads = [h for h, _ in v["induction"]] + [h for h, _ in v["previous_token"]]
+    scores = [s for _, s in v["induction"]] + [s for _, s in v["previous_token"]]
+    kinds = ["induction"] * len(v["induction"]) + ["previous token"] * len(v["previous_token"])
+    add(
+        charts.bars(
+            [f"{h} ({k})" for h, k in zip(heads, kinds, strict=True)],
+            scores,
+            title="heads above the threshold: induction and previous-token scores",
+            y_title="detector score",
+        )
+    )
+    if v["k_sources"]:
+        series: dict[str, list[float | None]] = {
+            f"{s['source']} → {s['target']}": list(s["profile"]) for s in v["k_sources"] if "profile" in s
+        }
+        n = len(next(iter(series.values()), []))
+        series["random baseline"] = [v["baseline"]] * n
+        add(
+            charts.lines(
+                list(range(n)),
+                series,
+                title="K-composition C_K(δ) of each induction head with its strongest previous-token source",
+                x_title="δ = query position − key position",
+                y_title="K-composition",
+            )
+        )
+
+
+def _r2(v: dict[str, Any], add: Any) -> None:
+    add(
+        charts.waterfall(
+            ["order 0", "order 1 (one head)", "longer paths"],
+            [v["order0"], v["order1"], v["remainder"]],
+            v["value"],
+            total_label="model logit",
+            title=f"the logit at position {v['position']} by path order (sums to the model's {v['value']:.2f})",
+        )
+    )
+
+
+def _r3(v: dict[str, Any], add: Any) -> None:
+    add(
+        charts.bars(
+            [f"({q} query, {k} key)" for q, k, _ in v["top_terms"]],
+            [t for _, _, t in v["top_terms"]],
+            title=f"{v['head']}: the largest terms of its score {v['score']:.2f} (query {v['query']} → key {v['key']})",
+            y_title="score term",
+        )
+    )
+
+
+ROTARY_FIGURES = {"R1": _r1, "R2": _r2, "R3": _r3}  # the SmolLM2 chapter's figures, from each sentence's values
 
 
 async def tour_context(call: PageCall) -> dict[str, Any]:

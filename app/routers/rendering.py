@@ -19,10 +19,12 @@ from fastapi.responses import Response
 from jinja2_fragments.fastapi import Jinja2Blocks
 
 from app import charts
-from app.analysis import API, Analysis, AnalysisParams, json_url, run, validate
+from app.analysis import API, Analysis, AnalysisParams, Declared, json_url, run, validate
 from app.compute import cheap, compute
 from app.deps import get_model
 from app.errors import kind_of
+from app.figure_output import for_page
+from app.glossary import term_anchors
 from app.registry import ModelRegistry
 from app.settings import REPO_ROOT, Limits
 from app.views.basis import basis, changes_weights
@@ -33,6 +35,8 @@ from circuits_core.formats.checkpoint import LoadedModel
 templates = Jinja2Blocks(directory=str(REPO_ROOT / "templates"))
 templates.env.policies["json.dumps_kwargs"] = {"separators": (",", ":")}  # compact figure JSON
 templates.env.filters["visible"] = charts.visible  # tokens shown with whitespace and control characters visible
+templates.env.filters["for_page"] = for_page  # a figure escaped for plotly and height-capped
+templates.env.globals["glossary_terms"] = term_anchors  # base.html embeds them for static/glossary.js
 templates.env.globals["charts"] = charts  # a template may draw its view's charts itself
 # The shared macros as a global `m`: a top-level {% import %} is not run when a single block is rendered.
 templates.env.globals["m"] = templates.env.get_template("_macros.html").module
@@ -49,6 +53,11 @@ class NavEntry:
 
     def applies(self, n_layers: int) -> bool:
         return n_layers >= self.needs_layers
+
+
+def needs_layers(analysis: Declared[Any, Any]) -> int:
+    """The attention layers a page's analysis needs (a server-wide one: none)."""
+    return analysis.needs_layers if isinstance(analysis, Analysis) else 0
 
 
 def nav_note(model_id: str, n_layers: int, hidden: list[str]) -> str | None:
@@ -156,7 +165,7 @@ def model_nav(request: Request) -> list[NavEntry]:
     pages: list[Page] = request.app.state.pages
     prefix = "/models/{model}"
     return [
-        NavEntry(p.key, p.label, p.route[len(prefix) :], p.analysis.needs_layers)
+        NavEntry(p.key, p.label, p.route[len(prefix) :], needs_layers(p.analysis))
         for p in pages
         if p.label is not None and p.route.startswith(prefix) and "{" not in p.route[len(prefix) :]
     ]
@@ -185,14 +194,14 @@ class PageCall:
             raise RuntimeError("a server-wide page has no model")
         return self.loaded
 
-    async def run(self, analysis: Analysis[Any, Any], params: AnalysisParams) -> Any:
+    async def run(self, analysis: Declared[Any, Any], params: AnalysisParams) -> Any:
         """Another analysis's answer (priced, cached as its API route would be); errors propagate."""
         subject = self.registry if analysis.scope == "server" else self.loaded
         if analysis.scope == "model":
             params = params.normalised(self.loaded)  # type: ignore[arg-type]
         return await run(analysis, subject, self.model_id, params, self.limits)
 
-    async def attempt(self, analysis: Analysis[Any, Any], params: AnalysisParams) -> tuple[Any, dict[str, Any] | None]:
+    async def attempt(self, analysis: Declared[Any, Any], params: AnalysisParams) -> tuple[Any, dict[str, Any] | None]:
         """`run`, a refusal (QkovError) returned as the panel's error instead of raised."""
         try:
             return await self.run(analysis, params), None
@@ -228,7 +237,7 @@ class Page:
     (an htmx block request), and where the params have a `basis` field the basis picker's state (basis,
     basis_differs, served_basis: basis_choice)."""
 
-    analysis: Analysis[Any, Any]
+    analysis: Declared[Any, Any]
     template: str
     context: Callable[[PageCall], Awaitable[dict[str, Any]]] = default_context
     params: type[AnalysisParams] | None = None  # page params (default: the analysis's); may add page-only fields

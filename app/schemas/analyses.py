@@ -29,9 +29,10 @@ class CompositionView(BaseModel):
     qk_form: str | None = Field(
         default=None,
         description="QK numbers: the form they are in (circuits_core.circuits.qk_forms): 'exact' without QK-norm; "
-        "under QK-norm 'cosine' (token tables: each token's own scale, exact), 'bilinear' (weight level: scales "
-        "left out) or 'frozen-norm' (prompt level: the run's scales frozen)",
+        "under QK-norm 'bilinear' (weight level: scales left out) or 'frozen-norm' (prompt level: the run's scales "
+        "frozen)",
     )
+    qk_form_note: str | None = Field(default=None, description="that form in words")
     sources: list[str] = Field(description="row heads: every head that has a later layer (earlier heads)")
     targets: list[str] = Field(description="column heads: every head that has an earlier layer (later heads)")
     scores: list[list[float | None]] = Field(
@@ -184,6 +185,22 @@ class QKPair(BaseModel):
     )
 
 
+class QKTerm(BaseModel):
+    query: str = Field(description="query-side component")
+    key: str = Field(description="key-side component")
+    value: float = Field(description="q_a k_b^T / s at the chosen (query, key) positions")
+
+
+class QKCell(BaseModel):
+    """One score of the head split into its terms: the largest |term| first (they sum to `score`)."""
+
+    query: int
+    key: int
+    score: float = Field(description="the real pre-softmax score q k^T / s")
+    attention: float = Field(description="the head's attention weight there")
+    terms: list[QKTerm] = Field(description="the k largest |terms| of C x C")
+
+
 class QKPathsView(BaseModel):
     """Component x component decomposition of one head's attention scores (paper-math 2.12)."""
 
@@ -201,9 +218,11 @@ class QKPathsView(BaseModel):
     qk_form: str | None = Field(
         default=None,
         description="QK numbers: the form they are in (circuits_core.circuits.qk_forms): 'exact' without QK-norm; "
-        "under QK-norm 'cosine' (token tables: each token's own scale, exact), 'bilinear' (weight level: scales "
-        "left out) or 'frozen-norm' (prompt level: the run's scales frozen)",
+        "under QK-norm 'bilinear' (weight level: scales left out) or 'frozen-norm' (prompt level: the run's scales "
+        "frozen)",
     )
+    qk_form_note: str | None = Field(default=None, description="that form in words")
+    at: QKCell | None = Field(default=None, description="the terms of one score (params query and key), else null")
 
 
 # -- term importance -------------------------------------------------------------------------------

@@ -34,12 +34,6 @@ class CircuitTopView(BaseModel):
     diagonal: float | None = Field(
         default=None, description="the token's own entry (copying signature), when a token is given"
     )
-    qk_form: str | None = Field(
-        default=None,
-        description="QK numbers: the form they are in (circuits_core.circuits.qk_forms): 'exact' without QK-norm; "
-        "under QK-norm 'cosine' (token tables: each token's own scale, exact), 'bilinear' (weight level: scales "
-        "left out) or 'frozen-norm' (prompt level: the run's scales frozen)",
-    )
     diagonal_rank: int | None = Field(
         default=None,
         description="rank of the token's own entry in its row/column (1 = top; among the kept tokens with min_count)",
@@ -63,6 +57,20 @@ class CircuitTopView(BaseModel):
         default=None,
         description="QK of a rotary model: the query-key offset δ of W_Q R(δ) W_Kᵀ "
         "(None: the model has no rotary positions)",
+    )
+    qk_form: str | None = Field(
+        default=None,
+        description="QK only: the form of the values (circuits_core.circuits.qk_forms): 'exact' (no QK-norm), "
+        "'cosine' (QK-norm: each token's own normalisation, the score the softmax sees)",
+    )
+    qk_form_note: str | None = Field(default=None, description="QK only: that form in words")
+    score_cap: float | None = Field(
+        default=None,
+        description="QK of a soft-capped model: the cap c; values are c·tanh(s/c), rankings unchanged (the cap is "
+        "monotone)",
+    )
+    window: int | None = Field(
+        default=None, description="QK of a sliding-window layer: the head never attends at offsets ≥ window"
     )
 
 

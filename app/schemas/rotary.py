@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from app.schemas.common import Complex, ModelRef
+from circuits_core.circuits.profile_shape import ProfileShape
 
 
 class ReferenceText(BaseModel):
@@ -25,6 +26,27 @@ class ReferenceMeans(BaseModel):
     means: list[list[float]]
 
 
+class ProfileShapeView(BaseModel):
+    """How to read a profile over δ (circuits_core/circuits/profile_shape.py): flat, a maximum at the window's
+    edge, or a peak."""
+
+    summary: str = Field(description="one sentence: 'flat …', the peak at the edge of the range, or the peak")
+    flat: bool = Field(description="max − min is under flat_fraction of the largest |value|: no offset stands out")
+    at_edge: bool = Field(description="the maximum lies at the open end of the window: it may keep rising beyond")
+    relative_range: float = Field(description="(max − min) / max |value|")
+    flat_fraction: float = Field(description="the spread under which a profile is called flat")
+
+    @classmethod
+    def of(cls, shape: ProfileShape, what: str = "peak") -> ProfileShapeView:
+        return cls(
+            summary=shape.describe(what),
+            flat=shape.flat,
+            at_edge=shape.at_edge,
+            relative_range=shape.relative_range,
+            flat_fraction=shape.flat_fraction,
+        )
+
+
 class PositionalView(BaseModel):
     """f_h(δ) = μ_l Ω_h(δ) μ_l^T / s: the score a typical query gives a typical key δ positions back."""
 
@@ -33,6 +55,7 @@ class PositionalView(BaseModel):
     offsets: list[int] = Field(description="δ = query position - key position")
     kernel: list[float] = Field(description="f_h(δ) in attention-score units, one per offset")
     peak_offset: int = Field(description="the offset with the largest kernel value")
+    shape: ProfileShapeView
     reference: ReferenceText
     basis: str = Field(description="which weights and input the numbers come from")
 
@@ -65,6 +88,7 @@ class CompositionProfileView(BaseModel):
     baseline_std: float
     peak: float
     peak_offset: int
+    shape: ProfileShapeView
     basis: str
 
 
@@ -82,4 +106,5 @@ class QKCopyingView(BaseModel):
     offsets: list[int] = Field(description="δ = 0..max_offset")
     scores: list[float] = Field(description="Σλ / Σ|λ| at each of `offsets`")
     peak_offset: int = Field(description="the offset of `offsets` with the largest score")
+    shape: ProfileShapeView
     basis: str = Field(description="which weights and embedding the numbers come from")

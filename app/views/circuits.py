@@ -21,6 +21,7 @@ skip-trigram default source (the OV table's first row) all read the same one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -36,11 +37,12 @@ from app.params import DEFAULT_VOCAB, DirectParams, OVParams, QKParams, SkipTrig
 from app.schemas import CircuitTopView, MatrixEntry, ScoredToken, SkipTrigram, SkipTrigramView
 from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
-from app.views.inputs import check_k, model_ref, qk_form_label, resolve_token, token_ref
+from app.views.inputs import check_k, model_ref, resolve_token, token_ref
 from app.views.rotary import check_offset, is_rotary
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.circuits import rotary
 from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.qk_forms import QK_FORMS, qk_form
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
@@ -275,7 +277,7 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
             p.vocab,
             offset,
         )
-        return view.model_copy(update={"offset": offset, "qk_form": qk_form_label(loaded, "token")})
+        return qk_labelled(loaded, view.model_copy(update={"offset": offset}), layer)
     column = (lambda t: circuits.full_qk_col(loaded.model, layer, h, t)) if side == "column" else None
     view = _top_view(
         loaded,
@@ -290,7 +292,23 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
         column,
         p.vocab,
     )
-    return view.model_copy(update={"qk_form": qk_form_label(loaded, "token")})
+    return qk_labelled(loaded, view, layer)
+
+
+def qk_labelled(loaded: LoadedModel, view: CircuitTopView, layer: int) -> CircuitTopView:
+    """A QK table with the form of its values (qk_forms.py), its layer's window, and under a score cap its values
+    capped as the softmax sees them (the cap is monotone: the ranking is the same)."""
+    cfg = loaded.model.cfg
+    form = qk_form(loaded.model, "token")
+    cap = cfg.attn_scores_soft_cap
+    update: dict[str, Any] = {
+        "qk_form": form, "qk_form_note": QK_FORMS[form], "score_cap": cap, "window": cfg.layer_window(layer),
+    }  # fmt: skip
+    if cap is not None:
+        update["entries"] = [e.model_copy(update={"value": cap * math.tanh(e.value / cap)}) for e in view.entries]
+        if view.diagonal is not None:
+            update["diagonal"] = cap * math.tanh(view.diagonal / cap)
+    return view.model_copy(update=update)
 
 
 def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> CircuitTopView:

@@ -16,7 +16,7 @@ from typing import Literal
 from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
 from circuits_core.circuits.qk_forms import QK_FORMS, qk_form
-from circuits_core.errors import InvalidInputError, LimitExceededError, NotFoundError
+from circuits_core.errors import InvalidInputError, LimitExceededError, NotFoundError, QkovError
 from circuits_core.formats.checkpoint import LoadedModel
 
 ID_RE = re.compile(r"[+-]?[0-9]+", re.ASCII)
@@ -90,6 +90,29 @@ def resolve_token(loaded: LoadedModel, token: str | int) -> int:
         raise InvalidInputError(str(exc)) from exc
 
 
+def spelling_variants(loaded: LoadedModel, token: str | None) -> tuple[tuple[str, int], list[tuple[str, int]]] | None:
+    """For a token given as text: (the token it resolved to (text, id), the other single tokens that differ from it
+    only by a leading space). 'Paris' and ' Paris' are different tokens; a page says which it used and offers the
+    other. None for an id, an unresolvable string or a model without a tokenizer."""
+    if token is None or _token_id(token.strip()) is not None or loaded.tokenizer is None:
+        return None
+    try:
+        chosen = resolve_token(loaded, token)
+    except QkovError:
+        return None
+    text = token[1:-1] if len(token) >= 2 and token[0] == token[-1] == '"' else token
+    bare = text.lstrip(" ")
+    others = []
+    for variant in dict.fromkeys((bare, " " + bare)):
+        if variant == text or not variant:
+            continue
+        try:
+            others.append((variant, resolve_token(loaded, variant)))
+        except QkovError:
+            continue
+    return (text, chosen), [(v, i) for v, i in others if i != chosen]
+
+
 def parse_token_ids(text: str) -> list[int]:
     """`"1, 2,3"` -> [1, 2, 3]."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
@@ -139,7 +162,8 @@ def check_k(k: int, limits: Limits, available: int) -> int:
     return min(k, available)
 
 
-def qk_form_label(loaded: LoadedModel, level: Literal["token", "weight", "prompt"]) -> str:
-    """'form: what it means' of the QK numbers a view at this level shows on this model (qk_forms.QK_FORMS)."""
+def qk_form_fields(loaded: LoadedModel, level: Literal["token", "weight", "prompt"]) -> dict[str, str]:
+    """{"qk_form", "qk_form_note"}: the form of the QK numbers a view at this level shows on this model, and that
+    form in words (qk_forms.QK_FORMS)."""
     form = qk_form(loaded.model, level)
-    return f"{form}: {QK_FORMS[form]}"
+    return {"qk_form": form, "qk_form_note": QK_FORMS[form]}

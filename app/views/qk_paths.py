@@ -8,14 +8,17 @@ biases); the terms sum to the real scores. The summary is each term's std over c
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from app.analysis import Analysis
 from app.params import QKPathsParams
-from app.schemas.analyses import QKPair, QKPathsView
+from app.schemas.analyses import QKCell, QKPair, QKPathsView, QKTerm
 from app.settings import Limits
-from app.views.inputs import check_k, model_ref, qk_form_label, resolve_prompt, token_refs
+from app.views.inputs import check_k, model_ref, qk_form_fields, resolve_prompt, token_refs
 from circuits_core.cost import Cost
+from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import head_name, parse_head
 from circuits_core.prompt import qk_paths
@@ -42,6 +45,9 @@ def build_qk_paths_view(loaded: LoadedModel, p: QKPathsParams, limits: Limits) -
         pairs = exp.top_pairs(k)
         terms = {f"{a}|{b}": exp.term(a, b).masked_fill(~causal, 0.0).double().tolist() for a, b, _ in pairs}
         scores = [[float(exp.scores[i, j]) if j <= i else None for j in range(n)] for i in range(n)]
+        at = None
+        if p.query is not None or p.key is not None:
+            at = score_terms(exp, run.patterns[layer, h], p.query, p.key, n, k)
     return QKPathsView(
         model=model_ref(loaded),
         head=head_name(layer, h),
@@ -52,7 +58,29 @@ def build_qk_paths_view(loaded: LoadedModel, p: QKPathsParams, limits: Limits) -
         terms=terms,
         scores=scores,
         max_abs_error=error,
-        qk_form=qk_form_label(loaded, "prompt"),
+        **qk_form_fields(loaded, "prompt"),
+        at=at,
+    )
+
+
+def score_terms(exp: Any, pattern: torch.Tensor, query: int | None, key: int | None, n: int, k: int) -> QKCell:
+    """The score at (query, key) split into its C x C terms q_a k_b^T / s, the k largest |term| first."""
+    if query is None or key is None:
+        raise InvalidInputError("give both query and key (positions) to split one score into its terms")
+    if not 0 <= key <= query < n:
+        raise InvalidInputError(f"need 0 <= key <= query < {n} (the prompt's length): got query {query}, key {key}")
+    terms = exp.q_parts[:, query] @ exp.k_parts[:, key].T / exp.scale  # [C, C]
+    C = len(exp.components)
+    order = terms.flatten().abs().argsort(descending=True)[:k].tolist()
+    return QKCell(
+        query=query,
+        key=key,
+        score=float(exp.scores[query, key]),
+        attention=float(pattern[query, key]),
+        terms=[
+            QKTerm(query=exp.components[i // C], key=exp.components[i % C], value=float(terms.flatten()[i]))
+            for i in order
+        ],
     )
 
 

@@ -253,7 +253,9 @@ class ErasureEntry(BaseModel):
     writer: str
     eraser: str = Field(description="a later head")
     score: float = Field(description="-tr(U^T W_OV U) / (sqrt(k) ||U^T W_OV||_F), in [-1, 1]")
-    z: float = Field(description="against the same head on uniformly random subspaces of the same dimension (its own null)")
+    z: float = Field(
+        description="against the same head on uniformly random subspaces of the same dimension (its own null)"
+    )
     read_share: float = Field(description="||U^T W_OV||^2 / ||W_OV||^2")
     random_share: float = Field(description="k / d_model: a random subspace's read share")
     eigenvalues: list[tuple[float, float]] = Field(description="(re, im) of the restricted virtual weight U^T W_OV U")

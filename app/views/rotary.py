@@ -22,6 +22,7 @@ from app.schemas.rotary import (
     BandsView,
     CompositionProfileView,
     PositionalView,
+    ProfileShapeView,
     QKCopyingView,
     ReferenceMeans,
     ReferenceText,
@@ -31,6 +32,7 @@ from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import model_ref
 from circuits_core.circuits import composition_rotary, rotary
 from circuits_core.circuits.copying_spectra import copying_score
+from circuits_core.circuits.profile_shape import ProfileShape, profile_shape
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
@@ -89,6 +91,12 @@ def _offsets(loaded: LoadedModel, max_offset: int) -> torch.Tensor:
     return torch.arange(min(max_offset, loaded.model.cfg.n_ctx - 1) + 1)
 
 
+def _shape(loaded: LoadedModel, values: list[float], offsets: torch.Tensor) -> ProfileShape:
+    """The reading of a profile over `offsets`; its far end is open unless it is the model's last position."""
+    offs = offsets.tolist()
+    return profile_shape(values, offs, open_end=offs[-1] < loaded.model.cfg.n_ctx - 1)
+
+
 def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limits) -> PositionalView:
     """f_h(δ) = μ_l Ω_h(δ) μ_l^T / s for δ = 0..max_offset, and where it peaks."""
     loaded = with_basis(loaded, p.basis)
@@ -102,6 +110,7 @@ def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limi
         offsets=offsets.tolist(),
         kernel=kernel.tolist(),
         peak_offset=int(offsets[kernel.argmax()]),
+        shape=ProfileShapeView.of(_shape(loaded, kernel.tolist(), offsets), "peak"),
         reference=ref,
         basis=f"{weights_basis(loaded)}; μ_l = mean ln1 output entering layer {layer} on the reference text, first token left out",
     )
@@ -196,6 +205,7 @@ def build_profile_view(loaded: LoadedModel, p: ProfileParams, limits: Limits) ->
         baseline_std=std,
         peak=float(scores[i]),
         peak_offset=int(offsets[i]),
+        shape=ProfileShapeView.of(_shape(loaded, scores.tolist(), offsets), "peak"),
         basis=weights_basis(loaded),
     )
 
@@ -244,6 +254,7 @@ def build_qk_copying_view(loaded: LoadedModel, p: QKCopyingParams, limits: Limit
         offsets=offsets.tolist(),
         scores=scores.tolist(),
         peak_offset=int(offsets[scores.argmax()]),
+        shape=ProfileShapeView.of(_shape(loaded, scores.tolist(), offsets), "largest"),
         basis=f"{weights_basis(loaded)}; tokens as W_E with layer 0's norm applied to each row (W_E_eff), positions by R(δ) only",
     )
 

@@ -204,9 +204,11 @@ def f21(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
 
 def f22(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     return (
-        f"On the repeated prompt, {d['induction_head']} puts on average {d['induction_mass']:.2f} of its attention "
-        f"on the token after the previous occurrence of the current token ({d['induction_rows']} such positions).",
-        {"head": d["induction_head"], "mass": d["induction_mass"]},
+        f"The figure weighs each attention weight by the norm of the value vector it moves (A·‖v‖). On the repeated "
+        f"prompt, {d['induction_head']} puts on average {d['induction_weighted_mass']:.2f} of each row's "
+        f"value-weighted attention on the token after the previous occurrence of the current token, against "
+        f"{d['induction_mass']:.2f} of its plain attention ({d['induction_rows']} such positions).",
+        {"head": d["induction_head"], "mass": d["induction_mass"], "weighted_mass": d["induction_weighted_mass"]},
     )
 
 
@@ -280,6 +282,21 @@ def f28(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     )
 
 
+def f29(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
+    cv = d["path"]
+    ids = [t.id for t in cv.tokens]
+    pattern = torch.tensor(cv.pattern)  # [n, n] A^{h2} A^{h1}
+    mass, rows = induction_mass(ids, pattern)
+    mass_shift, _ = induction_mass(ids, pattern, shift=0)  # on the earlier occurrence itself
+    chain = " → ".join(cv.heads)
+    return (
+        f"The chain {chain} on the repeated prompt: its pattern, the product of the two heads' patterns, puts on "
+        f"average {mass:.2f} of each query's weight on the token after the previous occurrence of the query's token "
+        f"and {mass_shift:.2f} on that occurrence itself ({rows} such positions).",
+        {"heads": list(cv.heads), "mass": mass, "mass_on_occurrence": mass_shift, "rows": rows},
+    )
+
+
 CLAIMS: dict[str, Callable[[LoadedModel, dict[str, Any]], Claim]] = {
     "F6": f6,
     "F9": f9,
@@ -300,6 +317,7 @@ CLAIMS: dict[str, Callable[[LoadedModel, dict[str, Any]], Claim]] = {
     "F26": f26,
     "F27": f27,
     "F28": f28,
+    "F29": f29,
 }
 
 
@@ -325,11 +343,12 @@ def self_copy_and_baseline(loaded: LoadedModel, k: int = 10) -> tuple[dict[str, 
     return {**per, "k": k}, baseline
 
 
-def induction_mass(tokens: list[int], pattern: torch.Tensor) -> tuple[float, int]:
-    """Mean attention of queries whose token occurred before on the positions right after its earlier occurrences."""
+def induction_mass(tokens: list[int], pattern: torch.Tensor, shift: int = 1) -> tuple[float, int]:
+    """Mean attention of queries whose token occurred before on the positions right after its earlier occurrences
+    (shift 1; shift 0: on the earlier occurrences themselves)."""
     total, rows = 0.0, 0
     for i, t in enumerate(tokens):
-        keys = [j + 1 for j in range(i) if tokens[j] == t]
+        keys = [j + shift for j in range(i) if tokens[j] == t]
         if keys:
             total += float(pattern[i, keys].sum())
             rows += 1

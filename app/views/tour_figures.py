@@ -55,6 +55,7 @@ from circuits_core.circuits import head_circuits as circuits
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import head_name, parse_head
+from circuits_core.model.transformer import Transformer
 from circuits_core.prompt.frozen import readout
 from circuits_core.prompt.phenomena import MIN_TRAIN_COUNT
 
@@ -228,9 +229,19 @@ def value_weighted(loaded: LoadedModel, limits: Limits) -> Result:
     heads = list(dict.fromkeys([prev, induction]))[: limits.max_heads]
     view = build_prompt_view(loaded, PromptParams(prompt=prompt, heads=",".join(heads), weighted=True), limits)
     plain = build_prompt_view(loaded, PromptParams(prompt=prompt, heads=induction), limits)
-    mass, rows = induction_mass([t.id for t in plain.tokens], torch.tensor(plain.heads[0].pattern))
+    ids = [t.id for t in plain.tokens]
+    mass, rows = induction_mass(ids, torch.tensor(plain.heads[0].pattern))
+    weighted = torch.tensor(next(hp.pattern for hp in view.heads if hp.head == induction))  # [n, n] A·‖v‖
+    share = weighted / weighted.sum(-1, keepdim=True).clamp_min(1e-30)  # each row's share of the drawn weight
+    weighted_mass, _ = induction_mass(ids, share)
     return (
-        {"prompt": view, "induction_head": induction, "induction_mass": mass, "induction_rows": rows},
+        {
+            "prompt": view,
+            "induction_head": induction,
+            "induction_mass": mass,
+            "induction_weighted_mass": weighted_mass,
+            "induction_rows": rows,
+        },
         "/prompt",
         {"prompt": prompt, "heads": ",".join(heads), "weighted": "true"},
     )
@@ -314,7 +325,7 @@ def second_copy_start(ids: list[int]) -> int:
     return n - 1
 
 
-def head_next_token_effect(model, tokens: Tensor, layer: int, head: int) -> Tensor:
+def head_next_token_effect(model: Transformer, tokens: Tensor, layer: int, head: int) -> Tensor:
     """[n - 1]: the head's output at position p dotted with the unembedding of tokens[p + 1] (final LN frozen)."""
     with torch.no_grad():
         _, cache = model.run(tokens, names=lambda nm: nm in (f"blocks.{layer}.attn.hook_z", "ln_final.hook_scale"))

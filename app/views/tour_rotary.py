@@ -90,6 +90,7 @@ def induction_circuit(loaded: LoadedModel, limits: Limits) -> tuple[str, dict[st
                     "min": float(best[1].min()),
                     "max": float(best[1].max()),
                     "peak_offset": int(best[1].argmax()),
+                    "profile": best[1].tolist(),  # C_K(δ), δ = 0..KERNEL_WINDOW: the figure's line
                 }
             )
     cfg = model.cfg
@@ -235,6 +236,10 @@ def _measure(
     """(sentence, values, page URL, API URL) of one figure."""
     if fid == "R1":
         sentence, values = induction_circuit(loaded, limits)
+        if values["k_sources"]:  # the pair page of the strongest induction head and its K-composition source
+            first = values["k_sources"][0]
+            pair = f"/composition/{first['source']}/{first['target']}"
+            return sentence, values, _links(pair, {})[0], _links(pair, {}, f"{pair}/profile")[1]
         return sentence, values, _links("", {})[0], f"{API}/models/{TOUR_MODEL}/heads"
     if fid == "R2":
         sentence, values = repeated_logit(loaded)
@@ -249,7 +254,8 @@ def _measure(
         raise QkovError("no induction head above the threshold (figure R1)")
     sentence, values = induction_score_terms(loaded, strongest)
     tokens = ",".join(map(str, repeated_tokens(loaded).tolist()))
-    return (sentence, values, *_links("/qk-paths", {"head": strongest, "tokens": tokens}))
+    at = {"head": strongest, "tokens": tokens, "query": values["query"], "key": values["key"]}  # the page lists them
+    return (sentence, values, *_links("/qk-paths", at))
 
 
 def rotary_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure]:

@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import pickle
+import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -141,6 +142,7 @@ def read_weight_file(path: Path) -> dict[str, Tensor]:
             raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
     if path.suffix not in PICKLE_SUFFIXES:
         raise CheckpointError(f"{path}: unknown weight file type; expected one of {SAFE_SUFFIXES + PICKLE_SUFFIXES}")
+    check_archive_records(path)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -157,6 +159,34 @@ def read_weight_file(path: Path) -> dict[str, Tensor]:
     if not isinstance(obj, Mapping) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in obj.items()):
         raise CheckpointError(f"{path}: expected a state dict (names -> tensors), got {type(obj).__name__}")
     return dict(obj)
+
+
+def check_archive_records(path: Path) -> None:
+    """Refuse a torch zip archive whose records would expand before torch.load could check anything: torch.save
+    writes every record stored (uncompressed), so a compressed record is refused by name, and the records' declared
+    sizes must fit in the file itself (a stored record is its own bytes). Read from the zip's central directory
+    only: nothing is inflated. The legacy (non-zip) format holds raw bytes and is bounded by the file's size."""
+    if not zipfile.is_zipfile(path):
+        return
+    size = path.stat().st_size
+    try:
+        with zipfile.ZipFile(path) as archive:
+            records = archive.infolist()
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: not a readable torch archive ({exc})") from exc
+    for info in records:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CheckpointError(
+                f"{path}: record {info.filename!r} is compressed ({info.compress_size} bytes declared to expand to "
+                f"{info.file_size}); torch.save stores records uncompressed, so this file is refused before "
+                "anything is inflated. Re-save it with torch.save or convert it to .safetensors"
+            )
+        if info.file_size > size or info.file_size != info.compress_size:
+            raise CheckpointError(
+                f"{path}: record {info.filename!r} declares {info.file_size} bytes in a file of {size} bytes"
+            )
+    if sum(info.file_size for info in records) > size:
+        raise CheckpointError(f"{path}: its records declare more bytes than the file's {size}")
 
 
 def read_weight_files(paths: Iterable[Path]) -> tuple[dict[str, Tensor], dict[str, str]]:
@@ -192,7 +222,8 @@ def load_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
 
     def count(n_layers: int) -> int:
         with torch.device("meta"):
-            skeleton = Transformer(dataclasses.replace(cfg, n_layers=n_layers))
+            types = cfg.attn_types[:n_layers] if cfg.attn_types is not None else None  # one per layer kept
+            skeleton = Transformer(dataclasses.replace(cfg, n_layers=n_layers, attn_types=types))
         return sum(t.numel() for t in (*skeleton.parameters(), *skeleton.buffers()))
 
     outer = count(0)

@@ -18,6 +18,7 @@ from typing import TypedDict
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
 from torch import Tensor
 
 from circuits_core.circuits.composition import composition_scores
@@ -82,11 +83,11 @@ class EvalData:
         return repeated_random_tokens(d_vocab, t, batch, seed=seed, bos=self.eot, vocab=self.rep_vocab())
 
     @staticmethod
-    def load(path) -> EvalData:
+    def load(path: Path | str) -> EvalData:
         data = np.load(path)
         return EvalData(data["val"], data["train_counts"], int(data["eot"]))
 
-    def save(self, path) -> None:
+    def save(self, path: Path | str) -> None:
         np.savez_compressed(path, val=self.val, train_counts=self.train_counts, eot=np.int64(self.eot))
 
 
@@ -207,7 +208,7 @@ def bigram_report(model: Transformer, val: np.ndarray, eot: int) -> dict[str, fl
 
 
 def skip_trigram_report(
-    model: Transformer, tokenizer, windows: Tensor, layer: int = 0, top: int = 12, k: int = 10
+    model: Transformer, tokenizer: Tokenizer, windows: Tensor, layer: int = 0, top: int = 12, k: int = 10
 ) -> dict[str, object]:
     """Skip-trigrams of each head of `layer` on held-out code.
 
@@ -349,7 +350,7 @@ def quick_metrics(model: Transformer, data: EvalData, windows: int = 64, repeats
     return out
 
 
-def measure(model: Transformer, tokenizer, data: EvalData, windows: int = 256) -> dict[str, object]:
+def measure(model: Transformer, tokenizer: Tokenizer, data: EvalData, windows: int = 256) -> dict[str, object]:
     """The model card's phenomena (full samples). Keys used by THRESHOLDS are top-level scalars."""
     model = model.eval()
     with torch.no_grad():

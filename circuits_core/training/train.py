@@ -226,7 +226,7 @@ def train(
     return _finish(name, recipe, model, corpus, eval_data, out / name, step, start, device, history, first)
 
 
-def _bar(total: int, name: str, enabled: bool):
+def _bar(total: int, name: str, enabled: bool) -> Any:
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
@@ -234,18 +234,30 @@ def _bar(total: int, name: str, enabled: bool):
     if not enabled:
 
         class _Quiet:
-            def update(self, n): ...
-            def set_postfix(self, **kw): ...
-            def write(self, s):
+            def update(self, n: int) -> None: ...
+            def set_postfix(self, **kw: Any) -> None: ...
+            def write(self, s: str) -> None:
                 print(s, file=sys.stderr, flush=True)
 
-            def close(self): ...
+            def close(self) -> None: ...
 
         return _Quiet()
     return tqdm(total=total, desc=name, mininterval=2.0, file=sys.stderr)
 
 
-def _finish(name, recipe, model, corpus, eval_data, folder: Path, step, start, device, history, first) -> dict:
+def _finish(
+    name: str,
+    recipe: Recipe,
+    model: Transformer,
+    corpus: Corpus,
+    eval_data: EvalData,
+    folder: Path,
+    step: int,
+    start: float,
+    device: str,
+    history: list[dict],
+    first: dict[str, dict],
+) -> dict:
     wall = time.perf_counter() - start
     card = {
         "name": name,
@@ -273,7 +285,7 @@ def _finish(name, recipe, model, corpus, eval_data, folder: Path, step, start, d
     return remeasure(folder)
 
 
-def save_toy(folder: Path, model: Transformer, tokenizer, card: dict) -> None:
+def save_toy(folder: Path, model: Transformer, tokenizer: Tokenizer, card: dict) -> None:
     """qkov's checkpoint format (circuits_core.formats.checkpoint) with fp16 weights; loading casts to float32."""
     half = Transformer(model.cfg)
     half.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})

@@ -14,6 +14,7 @@ from markupsafe import escape as html_escape
 from app.main import create_app
 from app.settings import Settings
 from app.views.rotary import QKCopyingParams, qk_copying_cost, reference_tokens
+from circuits_core.circuits import rotary
 from circuits_core.circuits.rotary import REFERENCE_NAME, rotation
 from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
 from circuits_core.model.config import ModelConfig
@@ -229,8 +230,13 @@ def test_heads_table_kernel_peaks(client: TestClient, rope: LoadedModel):
     heads = {s["head"]: s for s in table["heads"]}
     for name in ("L0H0", "L1H2", "L2H3"):
         kernel = client.get(f"{API}/rope/heads/{name}/positional", params={"max_offset": 64}).json()
-        assert heads[name]["kernel_peak_offset"] == kernel["peak_offset"]
-        assert table["kernel_reference"] == kernel["reference"]  # the text μ came from
+        values, offsets = kernel["kernel"], kernel["offsets"]
+        assert offsets == list(range(65))
+        best = max(range(len(values)), key=lambda i: values[i])  # the peak read off the kernel's own values
+        assert heads[name]["kernel_peak_offset"] == offsets[best] == kernel["peak_offset"]
+    # the text μ came from: the reference text tokenized by the model's own tokenizer, cut at n_ctx
+    ids = rope.tokenizer.encode(rotary.REFERENCE_TEXT)[: rope.model.cfg.n_ctx]
+    assert table["kernel_reference"] == {"name": rotary.REFERENCE_NAME, "n_tokens": len(ids), "tokenized": True}
     short = client.get(f"{API}/short/heads").json()
     assert all(s["kernel_peak_offset"] is None for s in short["heads"]) and short["kernel_reference"] is None
     html = client.get("/models/rope").text

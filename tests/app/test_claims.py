@@ -275,6 +275,14 @@ def test_f22_f23_induction_head_on_repeated_code(tour, raw):
     A = cache["blocks.1.attn.hook_pattern"][head]
     masses = [float(A[i, [j + 1 for j in range(i) if ids[j] == t]].sum()) for i, t in enumerate(ids) if t in ids[:i]]
     assert values["mass"] == pytest.approx(float(np.mean(masses)), abs=1e-4)
+    # the figure is value-weighted (A·‖v‖), so the sentence reads the value-weighted rows, plain beside them
+    vnorm = cache["blocks.1.attn.hook_v"][:, head].norm(dim=-1)  # [n] ‖v_j‖ of the head
+    W = A * vnorm[None, :]
+    W = W / W.sum(1, keepdim=True)
+    wm = [float(W[i, [j + 1 for j in range(i) if ids[j] == t]].sum()) for i, t in enumerate(ids) if t in ids[:i]]
+    assert values["weighted_mass"] == pytest.approx(float(np.mean(wm)), abs=1e-4)
+    assert f"{np.mean(wm):.2f} of each row's value-weighted attention" in sentence
+    assert f"against {np.mean(masses):.2f} of its plain attention" in sentence
     sentence, values = claim(tour, "F23")
     e = tour["F23"].data["next_token_effect"]
     ids = [t["id"] for t in e["tokens"]]
@@ -453,3 +461,38 @@ def test_tour_page_shows_every_measured_sentence(tour):
     assert len(measured) >= 19
     for fig in measured:
         assert fig.look_for.split(" Measured: ", 1)[1] in page, fig.id
+
+
+def test_f29_chain_pattern(tour, raw):
+    """F29 had no sentence: the chain's pattern (A^{h2} A^{h1}, recomputed from a plain forward pass) on the
+    induction target and on the earlier occurrence."""
+    sentence, values = claim(tour, "F29")
+    m = raw["toy-2l"]
+    cv = tour["F29"].data["path"]
+    ids = [t["id"] for t in cv["tokens"]]
+    _, cache = forward(m, ids)
+    (l1, h1), (l2, h2) = [(int(h[1]), int(h[3:])) for h in values["heads"]]
+    P = cache[f"blocks.{l2}.attn.hook_pattern"][h2] @ cache[f"blocks.{l1}.attn.hook_pattern"][h1]
+    rows = [(i, t) for i, t in enumerate(ids) if t in ids[:i]]
+    on_next = np.mean([float(P[i, [j + 1 for j in range(i) if ids[j] == t]].sum()) for i, t in rows])
+    on_same = np.mean([float(P[i, [j for j in range(i) if ids[j] == t]].sum()) for i, t in rows])
+    assert values["mass"] == pytest.approx(on_next, abs=1e-4) and f"{on_next:.2f} of each query's weight" in sentence
+    assert values["mass_on_occurrence"] == pytest.approx(on_same, abs=1e-4) and f"and {on_same:.2f} on" in sentence
+    assert values["rows"] == len(rows)
+
+
+def test_tour_figures_draw_what_their_sentences_say(tour):
+    """F15's figure shows every position its sentence averages over (it drew 32 of 128); F23's bars each have
+    their own label (32 bars had 17 distinct labels, so plotly stacked copies); F26 labels the heads its caption
+    names (it left L1H2 unlabelled)."""
+    from app.routers.pages_tour import figure_parts
+
+    f15 = figure_parts(tour["F15"])["charts"][0]["data"][0]
+    n = tour["F15"].data["positional"]["n_positions"]
+    assert len(f15["z"]) == len(f15["x"]) == n and f"over {n} positions" in tour["F15"].look_for
+    bars = figure_parts(tour["F23"])["charts"][0]["data"][0]
+    assert len(set(bars["x"])) == len(bars["x"]) == len(tour["F23"].data["next_token_effect"]["effects"])
+    scatter = figure_parts(tour["F26"])["charts"][0]["data"][0]
+    named = [p[0] for p in tour["F26"].data["claim"]["points"]]
+    shown = {label for label in scatter["text"] if label}
+    assert set(named) <= shown and all(h in tour["F26"].look_for for h in named)

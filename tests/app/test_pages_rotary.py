@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
 from fastapi.testclient import TestClient
 
 from tests.app.test_api_rotary import client, folders, rope  # noqa: F401  (module fixtures)
@@ -58,3 +59,44 @@ def test_pages_of_a_model_without_rotary_positions(client: TestClient):  # noqa:
     assert "offset-input" not in html and "Positional kernel" not in html and "QK eigenvalue copying over δ" not in html
     assert "Composition over the offset" not in client.get("/models/short/composition/L0H0/L1H1").text
     assert client.get("/models/short/heads/L1H0", params={"offset": 2}).status_code == 422
+
+
+def _reading(scores: list[float], offsets: list[int], n_ctx: int) -> str:
+    """What the page must say of a profile, worked out here from its numbers: flat under 5 % spread, the edge of
+    the range when the maximum is in the last 5 % of an open window, else the peak."""
+    hi, lo = max(scores), min(scores)
+    if (hi - lo) / max(abs(hi), abs(lo)) < 0.05:
+        return "flat"
+    at = offsets[scores.index(hi)]
+    last = offsets[-1]
+    if last < n_ctx - 1 and at >= last - int(0.05 * len(offsets)):
+        return "edge of the range"
+    return f"at δ = {at}"
+
+
+def test_pair_page_reads_each_profile(client: TestClient):  # noqa: F811
+    """The pair page's note says 'flat' / 'edge of the range' / the peak as the profile's numbers demand (it said
+    'K peak 0.162 at δ=64' of a flat profile)."""
+    n_ctx = client.get(f"{API}/rope").json()["n_ctx"]
+    for source, target in (("L0H1", "L2H2"), ("L0H0", "L1H1"), ("L1H2", "L2H0")):
+        html = client.get(f"/models/rope/composition/{source}/{target}").text
+        note = re.search(r'id="profile-shapes">(.*?)</span>', html, re.S).group(1)
+        for kind in ("K", "Q"):
+            api = client.get(f"{API}/rope/composition/{source}/{target}/profile", params={"kind": kind}).json()
+            part = re.split(r"\s·\s", note.split(f"{kind}-composition ")[1])[0]
+            expected = _reading(api["scores"], api["offsets"], n_ctx)
+            assert expected in part, (kind, part, expected)
+            assert api["shape"]["summary"] == part.strip()
+    for max_offset in (4, 40):  # a short open window whose kernel can end high, and a longer one
+        api = client.get(f"{API}/rope/heads/L1H3/positional", params={"max_offset": max_offset}).json()
+        assert _reading(api["kernel"], api["offsets"], n_ctx) in api["shape"]["summary"]
+
+
+def test_pair_profile_snippet(client: TestClient):  # noqa: F811
+    """The pair page's "copy as Python" snippet, run as a notebook would, gives the K profile of its JSON twin."""
+    from tests.app.test_snippets import run, snippets_in
+
+    page = client.get("/models/rope/composition/L0H1/L2H2").text
+    result = run(snippets_in(page)["profile-python"])
+    api = client.get(f"{API}/rope/composition/L0H1/L2H2/profile", params={"kind": "K"}).json()
+    assert result["scores"] == pytest.approx(api["scores"], abs=1e-9)

@@ -185,3 +185,41 @@ def test_virtual_head_on_smollm2(smol: LoadedModel, r1: dict):
     lam = torch.linalg.eigvals(dense @ G)  # nonzero eigenvalues of W_E W_OV1 W_OV2 W_U
     score = float(lam.sum().real / lam.abs().sum())
     assert abs(float(factors_copying_score(fm.A.double(), fm.B.double(), G)) - score) < 1e-6
+
+
+def test_chapter_links_and_figures(smol: LoadedModel, r1: dict):
+    """R1 links to the pair page of its strongest (previous-token source, induction head) pair, not the overview;
+    R3's numbers are on its linked page (the QK paths page at the link's query and key lists the score, the
+    attention and the terms the sentence names); each figure draws the values its sentence states (checked
+    against the model in the tests above)."""
+    from urllib.parse import parse_qs, urlsplit
+
+    from app.params import QKPathsParams
+    from app.routers.pages_tour import ROTARY_FIGURES
+    from app.views.qk_paths import build_qk_paths_view
+
+    limits = Limits()
+    first = r1["k_sources"][0]
+    _, _, link, _ = tr._measure("R1", smol, limits, None)
+    assert urlsplit(link).path == f"/models/{tr.TOUR_MODEL}/composition/{first['source']}/{first['target']}"
+    head = r1["induction"][0][0]
+    sentence, v, link, _ = tr._measure("R3", smol, limits, head)
+    q = {k: x[0] for k, x in parse_qs(urlsplit(link).query).items()}
+    assert urlsplit(link).path.endswith("/qk-paths") and int(q["query"]) == v["query"] and int(q["key"]) == v["key"]
+    page = build_qk_paths_view(
+        smol, QKPathsParams(head=q["head"], tokens=q["tokens"], query=int(q["query"]), key=int(q["key"])), limits
+    )
+    assert page.at is not None
+    assert f"{page.at.score:.2f}" in sentence and f"attention {page.at.attention:.2f}" in sentence
+    for (qc, kc, value), term in zip(v["top_terms"], page.at.terms, strict=False):
+        assert (term.query, term.key) == (qc, kc) and f"{term.value:+.2f}" == f"{value:+.2f}"
+    figs: list = []
+    ROTARY_FIGURES["R1"](r1, figs.append)
+    bars = figs[0]["data"][0]
+    assert bars["y"] == [s for _, s in r1["induction"]] + [s for _, s in r1["previous_token"]]
+    lines = {t["name"]: t["y"] for t in figs[1]["data"]}
+    assert lines[f"{first['source']} → {first['target']}"] == first["profile"]
+    assert max(first["profile"]) == first["max"] and min(first["profile"]) == first["min"]
+    figs = []
+    ROTARY_FIGURES["R3"](v, figs.append)
+    assert figs[0]["data"][0]["y"] == [t for _, _, t in v["top_terms"]]

@@ -77,7 +77,7 @@ def test_composition_offset_and_pair_profile(rpage: Page) -> None:
     assert "offset=3" in rpage.url
     rpage.goto("/models/rope/composition/L0H1/L2H2", wait_until="load")
     charts_drawn(rpage)
-    expect(rpage.locator("#rotary-profile")).to_contain_text("K peak")
+    expect(rpage.locator("#rotary-profile")).to_contain_text("K-composition")
     n = rpage.evaluate("() => document.querySelector('#rotary-profile .js-plotly-plot').data.length")
     assert n == 3  # Q, K and the baseline
 

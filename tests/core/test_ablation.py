@@ -40,7 +40,17 @@ def test_orders_match_paths(case):
     model = small_model(**case)
     tokens = _tokens(model)
     per_order = order_logits(model, tokens)
-    torch.testing.assert_close(per_order[-1], model.run(tokens)[0], atol=1e-9, rtol=0)
+    # order 0 by hand: one forward pass with the clean patterns, LN scales and MLP outputs frozen and every head's
+    # values read from a zero stream (no run_from, no reruns)
+    L, zero = model.cfg.n_layers, torch.zeros(*tokens.shape, model.cfg.d_model, dtype=torch.float64)
+    _, cache = model.run(tokens, names=lambda nm: nm.endswith(("hook_pattern", "hook_scale", "hook_mlp_out")))
+    frozen = Frozen(
+        {k: v for k, v in cache.items() if k.endswith("pattern")},
+        {k: v for k, v in cache.items() if k.endswith("scale")},
+        dict.fromkeys(range(L), zero),
+        {lay: cache[f"blocks.{lay}.hook_mlp_out"] for lay in range(L) if not model.cfg.attn_only},
+    )
+    torch.testing.assert_close(per_order[0], model.run(tokens, frozen=frozen)[0], atol=1e-9, rtol=0)
     seq = tokens[1]
     for target in (3, 17):
         exp = expand_logits(model, seq, target, positions=None, max_order=model.cfg.n_layers)

@@ -55,7 +55,17 @@ def test_truncated_terms_equal_full_terms_and_names_enumerate_paths(case: dict[s
         rows = torch.tensor([index[p] for p in part.paths])
         assert (full.orders[rows] == part.orders).all()
         torch.testing.assert_close(part.values, full.values[rows][:, [2, 10]], atol=1e-10, rtol=0)
-        torch.testing.assert_close(part.by_source.sum(-1), part.values, atol=1e-12, rtol=0)  # type: ignore[union-attr]
+        # the split over source positions: causal (nothing from after a destination), and an order-0 term is read
+        # at its own position only; its sum over sources is the value by construction, so it is not what is tested
+        split = part.by_source  # [T, q, n]
+        assert split is not None
+        dest = torch.tensor([2, 10])
+        later = torch.arange(split.shape[-1])[None, :] > dest[:, None]  # [q, n]
+        assert (split[:, later] == 0).all()
+        elsewhere = torch.arange(split.shape[-1])[None, :] != dest[:, None]
+        order0 = part.orders == 0
+        assert order0.any() and (split[order0][:, elsewhere] == 0).all()
+        assert order == 0 or (split[~order0][:, ~later & elsewhere] != 0).any()  # higher orders read other positions
     # names: every source x every chain of heads in increasing layers, each exactly once, in emission order
     sources = [(), *[(f"{kind}:L{layer}",) for layer in range(cfg.n_layers) for kind in (
         ("bias",) if cfg.attn_only else ("bias", "mlp"))]]  # fmt: skip

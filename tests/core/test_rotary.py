@@ -171,21 +171,26 @@ def test_positional_kernel_vs_rotations_at_absolute_positions(case):
     tokens = tokens_for(model, n=20, batch=2)
     mu = reference_means(model, tokens)  # [L, d]
     _, cache = model.run(tokens, names={f"blocks.{lay}.hook_resid_pre" for lay in range(2)})
-    offsets = torch.arange(0, 10)
+    offsets = torch.tensor([0, 3, 1, 7, 2, 9, 4, 8, 5, 6])  # out of order: an index is not an offset
     kernel = positional_kernel(model, mu, offsets)  # [L, H, n]
+    peaks = kernel_peaks(kernel, offsets)
+    H, n_kv = model.cfg.n_heads, model.cfg.n_key_value_heads or model.cfg.n_heads
     for layer in range(2):
         mu_ref = normed(model, cache[f"blocks.{layer}.hook_resid_pre"], layer)[:, 1:].mean((0, 1))
         torch.testing.assert_close(mu[layer], mu_ref, atol=1e-12, rtol=0)
-        for h in range(4):
-            attn = model.blocks[layer].attn
-            q, k = mu_ref @ attn.W_Q[h], mu_ref @ attn.W_K[h]  # [dh]
+        attn = model.blocks[layer].attn
+        W_K = attn._W_K if model.cfg.n_key_value_heads else attn.W_K  # [n_kv, d, dh]: the stored key heads
+        for h in range(H):
+            q, k = mu_ref @ attn.W_Q[h], mu_ref @ W_K[h // (H // n_kv)]  # [dh]; query head h reads key group h // g
             p = 5
+            values = []
             for n, delta in enumerate(offsets.tolist()):
                 qr = model.rotate(q, torch.tensor(p + delta))
                 kr = model.rotate(k, torch.tensor(p))
-                assert abs(float(qr @ kr) / model.cfg.scale - float(kernel[layer, h, n])) < 1e-12
-    peaks = kernel_peaks(kernel, offsets)
-    assert torch.equal(peaks, offsets[kernel.argmax(-1)])
+                values.append(float(qr @ kr) / model.cfg.scale)
+                assert abs(values[-1] - float(kernel[layer, h, n])) < 1e-12
+            best = max(range(len(values)), key=lambda n: values[n])  # the offset where the hand values peak
+            assert int(peaks[layer, h]) == offsets.tolist()[best]
 
 
 def test_positional_kernel_finds_a_planted_previous_token_head():

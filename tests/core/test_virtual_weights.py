@@ -9,7 +9,7 @@ import torch
 
 from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import virtual_weights as vw
-from circuits_core.circuits.composition import composition_scores, random_baseline
+from circuits_core.circuits.composition import BASELINE_SAMPLES, composition_scores
 from circuits_core.errors import CancelledError, InvalidInputError, NotFoundError
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import random_model
@@ -187,7 +187,15 @@ def test_head_to_head_scores_are_the_composition_scores():
                         got = scores.raw[wi[f"L{l1}H{h1}"], ri[f"L{l2}H{h2}.{kind.upper()}"]]
                         assert got.item() == pytest.approx(comp.raw[kind][l1, h1, l2, h2].item(), rel=1e-10)
     assert scores.baseline == comp.baseline
-    assert (scores.sampled_baseline, scores.sampled_std) == random_baseline(model.cfg.d_model, model.cfg.d_head)
+    # the sampled baseline against dense products of ARENA-style uniform factors drawn here (W_A = A_l A_r^T, ...)
+    d, dh, n = model.cfg.d_model, model.cfg.d_head, 600
+    gen = torch.Generator().manual_seed(12)
+    f = torch.rand(4, n, d, dh, generator=gen, dtype=torch.float64) - 0.5
+    W_A, W_B = f[0] @ f[1].transpose(-2, -1), f[2] @ f[3].transpose(-2, -1)  # [n, d, d]
+    s = (W_A @ W_B).flatten(1).norm(dim=1) / (W_A.flatten(1).norm(dim=1) * W_B.flatten(1).norm(dim=1))
+    se = (s.var() / n + scores.sampled_std**2 / BASELINE_SAMPLES) ** 0.5
+    assert abs(scores.sampled_baseline - s.mean().item()) < 4 * se
+    assert scores.sampled_std == pytest.approx(s.std().item(), rel=0.3)  # 64 samples
 
 
 @pytest.mark.parametrize("shapes", [(30, 4), (30, 16), (4, 64)])

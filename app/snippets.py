@@ -1,0 +1,104 @@
+"""'Copy as Python': for a panel, the circuits_core calls that reproduce its numbers in a notebook.
+
+Each function returns the source of a self-contained script: it loads the model folder as the server does
+(load_checkpoint with the folder's processing, the server's dtype), makes the engine call the panel's analysis
+makes and leaves the panel's numbers in `result` (a dict named like the fields of the panel's JSON twin).
+tests/app/test_snippets.py runs every snippet and compares `result` with the JSON answer.
+Token ids are written out as the page used them, so no tokenizer call can differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+HEADER = """import torch
+from circuits_core.formats.checkpoint import load_checkpoint
+
+loaded = load_checkpoint({folder!r}, dtype=torch.{dtype})  # processed as the server serves it
+model = loaded.model
+"""
+
+
+def _head(folder: Path, dtype: str) -> str:
+    return HEADER.format(folder=str(folder), dtype=dtype)
+
+
+def composition(folder: Path, dtype: str, kind: str) -> str:
+    """The composition page: every pair's score, the baseline and the strongest pair."""
+    key = kind.lower()
+    return (
+        _head(folder, dtype)
+        + f"""from circuits_core.circuits.composition import composition_scores
+from circuits_core.model.config import head_name
+
+comp = composition_scores(model, kinds=({key!r},))
+raw = comp.raw[{key!r}].double()  # [L, H, L, H]: earlier head (l1, h1) -> later head (l2, h2)
+masked = torch.where(comp.mask, raw, torch.full_like(raw, -1.0))
+l1, h1, l2, h2 = (int(i) for i in torch.unravel_index(masked.argmax(), raw.shape))
+result = {{
+    "baseline": comp.baseline,
+    "top_pair": (head_name(l1, h1), head_name(l2, h2), float(raw[l1, h1, l2, h2])),
+}}
+print(result)
+"""
+    )
+
+
+def qk_score_terms(folder: Path, dtype: str, head: str, ids: Sequence[int], query: int, key: int, k: int) -> str:
+    """The QK paths page's table of one score's terms."""
+    return (
+        _head(folder, dtype)
+        + f"""from circuits_core.model.config import parse_head
+from circuits_core.prompt.frozen import frozen_run
+from circuits_core.prompt.qk_paths import expand_scores
+
+tokens = torch.tensor({list(ids)!r})
+layer, h = parse_head({head!r}, model.cfg)
+with torch.no_grad():
+    run = frozen_run(model, tokens)
+    exp = expand_scores(model, tokens, (layer, h), run=run)
+terms = exp.q_parts[:, {query}] @ exp.k_parts[:, {key}].T / exp.scale  # [C, C] query-side x key-side components
+C = len(exp.components)
+top = terms.flatten().abs().argsort(descending=True)[:{k}].tolist()
+result = {{
+    "score": float(exp.scores[{query}, {key}]),
+    "attention": float(run.patterns[layer, h, {query}, {key}]),
+    "terms": [(exp.components[i // C], exp.components[i % C], float(terms.flatten()[i])) for i in top],
+}}
+print(result)
+"""
+    )
+
+
+def logit_paths(folder: Path, dtype: str, ids: Sequence[int], position: int, target: int, max_order: int) -> str:
+    """The prompt page's path expansion: the model's logit and its total by path order."""
+    return (
+        _head(folder, dtype)
+        + f"""from circuits_core.prompt.paths import expand_logits
+
+tokens = torch.tensor({list(ids)!r})
+with torch.no_grad():
+    exp = expand_logits(model, tokens, {target}, positions={position}, max_order={max_order}, by_source=False)
+result = {{
+    "value": float(exp.value[0]),  # the model's logit of token {target} at position {position}
+    "order_totals": exp.order_totals()[:, 0].tolist(),  # the terms of each path order, summed
+    "remainder": float(exp.remainder[0]),  # paths longer than max_order
+}}
+print(result)
+"""
+    )
+
+
+def composition_profile(folder: Path, dtype: str, source: str, target: str, kind: str, offsets: int) -> str:
+    """The pair page's profile over δ (rotary models)."""
+    return (
+        _head(folder, dtype)
+        + f"""from circuits_core.circuits.composition_rotary import pair_profile
+
+with torch.no_grad():
+    profile = pair_profile(model, {source!r}, {target!r}, {kind.lower()!r}, torch.arange({offsets}))
+result = {{"scores": profile.tolist()}}  # C_{kind}(δ) for δ = 0..{offsets - 1}
+print(result)
+"""
+    )

@@ -1,0 +1,109 @@
+"""Every model analysis of the catalogue answers on models with the newest attention: a Gemma 3-shaped model (per-head
+QK-norm, multi-query, local layers with their own rope base and a window shorter than the prompt, sandwich norms) and a
+Gemma 2-shaped one (soft caps on scores and logits, alternate windows), plus an OLMo 2-shaped one (QK-norm over the
+layer, output norms only). Each request (default parameters, a prompt where one is needed) must answer 200; QK tables
+say which form their numbers are in, and a capped model's QK table holds capped values (checked against the engine's factors)."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from app.catalog import ANALYSES
+from app.main import create_app
+from app.settings import Settings
+from circuits_core.circuits.rotary import full_qk_row_at
+from circuits_core.formats.checkpoint import load_checkpoint
+from circuits_core.model.config import ModelConfig
+from tests.app.conftest import LIMITS, save_qkov, train_tokenizer
+
+API = "/api/v1/models"
+PROMPT = "def add(self, name, value): return value + name"
+SHAPES = {
+    "gemma3ish": dict(
+        n_key_value_heads=1, qk_norm="head", window_size=3, attn_types=("local", "local", "global"),
+        rotary_base_local=10.0, rope_type="linear", rope_factor=2.0, post_norms=True, act_fn="gelu_new",
+        attn_scale=3.0,
+    ),
+    "gemma2ish": dict(
+        n_key_value_heads=2, attn_scores_soft_cap=0.5, output_logits_soft_cap=2.0, window_size=4,
+        attn_types=("local", "global", "local"), post_norms=True, act_fn="gelu_new",
+    ),
+    "olmo2ish": dict(n_key_value_heads=2, qk_norm="layer", pre_norms=False, post_norms=True, act_fn="silu"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("newest-attention")
+    tok = train_tokenizer()
+    for i, (name, extra) in enumerate(SHAPES.items()):
+        cfg = ModelConfig(
+            n_layers=3, d_model=16, n_heads=4, d_head=8, d_vocab=tok.get_vocab_size(), n_ctx=64, attn_only=False,
+            d_mlp=24, gated_mlp=True, normalization_type="RMS", positional_embedding_type="rotary", rotary_base=100.0,
+            **extra,  # type: ignore[arg-type]
+        )  # fmt: skip
+        save_qkov(root / name, cfg, tok, seed=10 + i)
+    return root
+
+
+@pytest.fixture(scope="module")
+def client(folders: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    empty = tmp_path_factory.mktemp("no-user-models")
+    settings = Settings(shipped_dir=folders, models_dir=empty, dtype="float64", limits=LIMITS, store_url="off")
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+def _fill(path: str) -> str:
+    values = {"head": "L1H2", "source": "L0H1", "target": "L2H3", "writer": "L0H1", "reader": "L2H3.K"}
+    return re.sub(r"\{(\w+)\}", lambda m: values.get(m.group(1), "L1H2"), path)
+
+
+def _params(analysis: Any) -> dict[str, Any]:
+    fields = analysis.params.model_fields
+    out: dict[str, Any] = {}
+    for name in ("prompt", "text"):
+        if name in fields:
+            out[name] = PROMPT
+    if "target" in fields and fields["target"].is_required():
+        out["target"] = " name"
+    for name in ("head", "heads"):
+        if name in fields and fields[name].is_required() and "{" + name + "}" not in analysis.path:
+            out[name] = "L2H1"
+    return out
+
+
+CASES = [(name, a) for name in SHAPES for a in ANALYSES if a.scope == "model"]
+
+
+@pytest.mark.parametrize(("name", "analysis"), CASES, ids=[f"{n}-{a.name}" for n, a in CASES])
+def test_every_analysis_answers(client: TestClient, name: str, analysis: Any) -> None:
+    url = f"{API}/{name}" + _fill(analysis.path and "/" + analysis.path)
+    response = client.get(url, params=_params(analysis))
+    assert response.status_code == 200, f"{url}: {response.status_code} {response.text[:300]}"
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_qk_tables_say_their_form_and_are_capped(client: TestClient, folders: Path, name: str) -> None:
+    model = load_checkpoint(folders / name, dtype=torch.float64).model
+    cfg = model.cfg
+    body = client.get(f"{API}/{name}/heads/L1H2/qk", params={"token": "name", "offset": 2, "k": 5}).json()
+    assert body["qk_form"] == ("cosine" if cfg.qk_norm else "exact") and body["qk_form_note"]
+    assert body["window"] == cfg.layer_window(1)
+    query = body["token"]["id"]
+    row = full_qk_row_at(model, 1, 2, query, 2)  # the engine's exact token-level row (before the cap)
+    cap = cfg.attn_scores_soft_cap
+    for entry in body["entries"]:
+        value = float(row[entry["col"]["id"]])
+        expected = cap * math.tanh(value / cap) if cap is not None else value
+        assert abs(entry["value"] - expected) < 1e-9
+    if cap is not None:
+        assert body["score_cap"] == cap

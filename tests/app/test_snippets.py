@@ -1,0 +1,71 @@
+"""'Copy as Python': every snippet a page offers is run as a notebook would run it (its own process state: a
+fresh namespace, the model loaded from the folder by the snippet) and its `result` compared with the numbers of
+the panel's JSON twin."""
+
+from __future__ import annotations
+
+import html
+import re
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+API = "/api/v1/models"
+
+
+def snippets_in(page: str) -> dict[str, str]:
+    """id -> source of every "copy as Python" snippet on a page (as the Copy button copies it)."""
+    found = re.findall(r'<pre><code id="([\w-]+)-code">(.*?)</code></pre>', page, re.S)
+    return {name: html.unescape(code) for name, code in found}
+
+
+def run(code: str) -> dict[str, Any]:
+    namespace: dict[str, Any] = {}
+    exec(compile(code, "<snippet>", "exec"), namespace)  # noqa: S102  (the page's own snippet, run as a user would)
+    return namespace["result"]
+
+
+def test_composition_snippet(client: TestClient) -> None:
+    page = client.get("/models/tiny-2l/composition", params={"kind": "K"}).text
+    result = run(snippets_in(page)["composition-python"])
+    api = client.get(f"{API}/tiny-2l/composition", params={"kind": "K"}).json()
+    top = api["top_pairs"][0]
+    assert result["top_pair"][:2] == (top["source"], top["target"])
+    assert result["top_pair"][2] == pytest.approx(top["score"], abs=1e-9)
+    assert result["baseline"] == pytest.approx(api["baseline"], abs=1e-12)
+
+
+def test_paths_snippet(client: TestClient) -> None:
+    prompt, position = "the cat sat on the mat", 4
+    page = client.get("/models/tiny-2l/prompt", params={"prompt": prompt, "position": position}).text
+    result = run(snippets_in(page)["paths-python"])
+    api = client.get(f"{API}/tiny-2l/paths", params={"prompt": prompt, "position": position}).json()
+    assert result["value"] == pytest.approx(api["value"], abs=1e-9)
+    assert result["order_totals"] == pytest.approx(api["order_totals"], abs=1e-9)
+
+
+def test_qk_terms_snippet(client: TestClient) -> None:
+    params = {"prompt": "the cat sat on the mat", "head": "L1H1", "query": 5, "key": 3}
+    page = client.get("/models/tiny-2l/qk-paths", params=params).text
+    result = run(snippets_in(page)["qk-terms-python"])
+    at = client.get(f"{API}/tiny-2l/qk-paths", params=params).json()["at"]
+    assert result["score"] == pytest.approx(at["score"], abs=1e-9)
+    assert result["attention"] == pytest.approx(at["attention"], abs=1e-9)
+    assert [(q, k) for q, k, _ in result["terms"]] == [(t["query"], t["key"]) for t in at["terms"]]
+    assert [v for _, _, v in result["terms"]] == pytest.approx([t["value"] for t in at["terms"]], abs=1e-9)
+
+
+def test_every_offered_snippet_is_tested(client: TestClient) -> None:
+    """The pages above are the only ones offering a snippet on this model (a new one needs a test here)."""
+    from app import snippets
+
+    import inspect
+
+    offered = {
+        name
+        for name, fn in inspect.getmembers(snippets, inspect.isfunction)
+        if fn.__module__ == snippets.__name__ and not name.startswith("_")
+    }
+    # composition_profile: tests/app/test_pages_rotary.py (a rotary model)
+    assert offered == {"composition", "qk_score_terms", "logit_paths", "composition_profile"}

@@ -1,0 +1,131 @@
+"""Pages of a model too wide to draw head by head (9 layers x 9 heads: 72 earlier x 72 later heads in its
+composition matrix, past the 64 rows that can each be labelled): the composition page draws layer blocks and
+zooms into one; the overview and detectors pages apply a head filter to their tables and plots; the detector
+chart draws the top heads only (it drew every head: 1,350 bars on SmolLM2). Every figure's height is capped."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.figure_output import MAX_HEIGHT
+from app.main import create_app
+from app.settings import Limits, Settings
+from circuits_core.model.config import ModelConfig
+from tests.app.conftest import save_qkov, train_tokenizer
+
+M = "wide"
+API = f"/api/v1/models/{M}"
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    root: Path = tmp_path_factory.mktemp("wide")
+    tok = train_tokenizer()
+    cfg = ModelConfig(
+        n_layers=9,
+        d_model=32,
+        n_heads=9,
+        d_head=4,
+        d_vocab=tok.get_vocab_size(),
+        n_ctx=64,
+        positional_embedding_type="standard",
+    )
+    save_qkov(root / M, cfg, tok, seed=5)
+    limits = Limits(max_seq_len=30, max_batch=4)
+    settings = Settings(shipped_dir=root, models_dir=None, store_url="off", dtype="float64", limits=limits)
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+def charts_in(html: str) -> dict[str, dict]:
+    found = re.findall(r'data-name="([^"]+)">\s*<script type="application/json">(.*?)</script>', html, re.S)
+    return {name: json.loads(body) for name, body in found}
+
+
+def test_composition_page_draws_layer_blocks_and_zooms_into_one(wide: TestClient) -> None:
+    api = wide.get(f"{API}/composition", params={"kind": "K"}).json()
+    page = wide.get(f"/models/{M}/composition", params={"kind": "K"})
+    assert page.status_code == 200
+    figs = charts_in(page.text)
+    blocks = figs[f"{M}-K-composition-blocks"]
+    trace = blocks["data"][0]
+    assert trace["y"] == [f"L{a}" for a in range(8)] and trace["x"] == [f"L{b}" for b in range(1, 9)]
+    assert blocks["layout"]["height"] <= MAX_HEIGHT
+    # each block's value is its strongest pair, worked out here from the API's matrix
+    for a in range(8):
+        for b in range(1, 9):
+            cells = [
+                (api["minus_baseline"][i][j], s, t)
+                for i, s in enumerate(api["sources"])
+                for j, t in enumerate(api["targets"])
+                if s.startswith(f"L{a}H") and t.startswith(f"L{b}H") and api["minus_baseline"][i][j] is not None
+            ]
+            value = trace["z"][a][b - 1]
+            if b <= a:
+                assert value is None and not cells
+                continue
+            best = max(cells)
+            assert value == pytest.approx(best[0], abs=1e-4) and trace["customdata"][a][b - 1] == [best[1], best[2]]
+    link = blocks["links"]["0"][2][4]  # L2 -> L5
+    assert link == f"/models/{M}/composition?kind=K&block=2-5"
+    zoomed = wide.get(link)
+    assert zoomed.status_code == 200 and 'id="block-zoom"' in zoomed.text and 'id="all-blocks"' in zoomed.text
+    zoom = charts_in(zoomed.text)[f"{M}-K-composition-block-2-5"]
+    zt = zoom["data"][0]
+    assert zt["y"] == [f"L2H{h}" for h in range(9)] and zt["x"] == [f"L5H{h}" for h in range(9)]
+    assert "texttemplate" in zt  # values written in the cells
+    i, j = api["sources"].index("L2H3"), api["targets"].index("L5H7")
+    assert zt["z"][3][7] == pytest.approx(api["minus_baseline"][i][j], abs=1e-4)
+    assert zoom["links"]["0"][3][7] == f"/models/{M}/composition/L2H3/L5H7"
+    # the Q/K/V switch keeps the block; a block with no pairs is refused with why
+    assert "kind=V&amp;block=2-5" in zoomed.text
+    refused = wide.get(f"/models/{M}/composition", params={"kind": "K", "block": "5-2"})
+    assert refused.status_code == 422 and "layer 5 has no head writing to a head of layer 2" in refused.text
+    assert wide.get(f"/models/{M}/composition", params={"block": "x"}).status_code == 422
+
+
+def test_overview_head_filter_applies_to_table_and_grid(wide: TestClient) -> None:
+    heads = wide.get(f"{API}/heads").json()["heads"]
+    cut = sorted(h["previous_token"] for h in heads)[len(heads) // 2]  # about half the heads pass
+    text = f"previous_token > {cut} and layer < 6"
+    page = wide.get(f"/models/{M}", params={"filter": text, "score": "previous_token"})
+    assert page.status_code == 200
+    want = [h["head"] for h in heads if h["previous_token"] > cut and h["layer"] < 6]
+    table = page.text.split('id="heads-table"', 1)[1].split("</table>", 1)[0]
+    rows = re.findall(r'<tr><td data-value="(L\d+H\d+)">', table)
+    assert rows == want and 0 < len(rows) < len(heads)
+    assert f"{len(want)} of {len(heads)} heads match" in page.text
+    grid = charts_in(page.text)[f"{M}-previous_token"]["data"][0]
+    coloured = {f"L{a}H{h}" for a, row in enumerate(grid["z"]) for h, v in enumerate(row) if v is not None}
+    assert coloured == set(want)
+    assert "texttemplate" in grid  # 9 x 9 cells: values fit in them
+    bad = wide.get(f"/models/{M}", params={"filter": "induction >> 2"})
+    assert bad.status_code == 422 and "induction &gt; 0.4 and layer &lt; 20" in bad.text
+
+
+def test_detectors_chart_the_top_heads_and_filter_the_table(wide: TestClient) -> None:
+    params = {"seq_len": 20, "batch": 2}
+    api = wide.get(f"{API}/detectors", params=params).json()
+    keys = ("previous_token", "duplicate_token", "induction", "current_token", "first_token")
+    top = sorted(api["heads"], key=lambda h: -max(h[k] or 0.0 for k in keys))[:12]
+    page = wide.get(f"/models/{M}/detectors", params=params)
+    chart = charts_in(page.text)[f"{M}-detector-scores"]
+    assert set(chart["data"][0]["x"]) == {h["head"] for h in top}  # 12 heads, not 81 x 5 bars
+    assert all(len(t["x"]) == 12 for t in chart["data"])
+    table = page.text.split('id="detectors-table"', 1)[1]
+    assert len(re.findall(r'<tr><td data-value="L', table)) == 81  # the table has every head
+    filtered = wide.get(f"/models/{M}/detectors", params={**params, "filter": "layer >= 7"})
+    table = filtered.text.split('id="detectors-table"', 1)[1]
+    rows = re.findall(r'<tr><td data-value="(L\d+H\d+)">', table)
+    assert rows == [f"L{a}H{h}" for a in (7, 8) for h in range(9)]
+    assert set(charts_in(filtered.text)[f"{M}-detector-scores"]["data"][0]["x"]) <= set(rows)
+    assert (
+        'href="/api/v1/models/wide/detectors?' in filtered.text
+        and "filter=" not in filtered.text.split('id="json-link"', 1)[1].split(">", 1)[0]
+    )
