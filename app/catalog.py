@@ -13,6 +13,7 @@ from app.settings import Limits
 from app.views import circuits, composition, detectors, heads, models, path, prompt, qk_paths, rotary, term_importance
 from app.views.attention_entropy import ATTENTION_ENTROPY
 from app.views.copying import COPYING_ALL
+from app.views.model_summary import MODEL_SUMMARY
 from app.views.positivity import POSITIVITY
 from app.views.residual import ANALYSES as RESIDUAL_ANALYSES
 from app.views.tour import build_tour_view, digest_or_dash, tour_models
@@ -49,6 +50,7 @@ TOUR = ServerAnalysis(
 ANALYSES: list[Declared[Any, Any]] = [
     models.TOKENIZE,
     heads.HEADS,
+    MODEL_SUMMARY,
     heads.HEAD,
     heads.COPYING,
     COPYING_ALL,

@@ -1,7 +1,7 @@
 """Views -> plotly figure dicts (plain JSON: {data, layout, links}); static/charts.js draws them.
 
 Charts are data inside the HTML fragment (no page fetches its own JSON). Each function takes a view
-(pydantic, from app/views) or plain lists taken from one, never tensors. Conventions (design.md):
+(pydantic, from app/views) or plain lists taken from one, never tensors. Conventions (docs/design.md §5):
 heads are labelled L{layer}H{head}; signed values use the diverging RdBu scale centred on 0 (red negative,
 blue positive); `links` maps a trace index to the URL opened on click (a list by point, or rows x cols for a
 heatmap), which is how a heatmap cell opens its head or pair.

@@ -10,8 +10,8 @@ from typing import Annotated
 
 from fastapi import Depends, Path, Request
 
-from app.compute import cheap, compute
 from app.registry import ModelEntry, ModelRegistry
+from app.scheduling import cheap, load
 from app.settings import Limits, Settings
 from circuits_core.formats.checkpoint import LoadedModel
 
@@ -41,7 +41,7 @@ RegistryDep = Annotated[ModelRegistry, Depends(get_registry)]
 async def get_model(model: Annotated[str, MODEL_PATH], registry: RegistryDep) -> LoadedModel:
     if registry.is_loaded(model):
         return registry.get(model)
-    return await compute(registry.get, model)
+    return await load(registry.get, model)  # a loader thread: never behind the compute slots
 
 
 async def get_model_entry(model: Annotated[str, MODEL_PATH], registry: RegistryDep) -> ModelEntry:

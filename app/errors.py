@@ -125,8 +125,13 @@ def problem_response(request: Request, kind: ProblemKind, detail: str, **extra: 
     if request.url.path.startswith("/api/") or request.url.path == "/openapi.json":
         return JSONResponse({**context, **extra}, status_code=kind.status, media_type=PROBLEM_JSON)
     if request.headers.get("HX-Request") == "true":
-        return _html("_error.html", {**context, "request": request}, kind.status, fragment=True)
-    return _html("error.html", {**context, "request": request}, kind.status, fragment=False)
+        return _html("_error.html", {**context, **extra, "request": request}, kind.status, fragment=True)
+    return _html("error.html", {**context, **extra, "request": request}, kind.status, fragment=False)
+
+
+def render_fragment(template: str, context: dict[str, Any]) -> HTMLResponse:
+    """A small HTML fragment from templates/ (a job's progress bar), never pushed to the address bar."""
+    return HTMLResponse(_env.get_template(template).render(**context), headers={"HX-Push-Url": "false"})
 
 
 def without_server_paths(detail: str, request: Request) -> str:
@@ -143,7 +148,10 @@ async def _qkov_error(request: Request, exc: Exception) -> Response:
     kind = kind_of(exc)
     if kind.status >= 500:
         log.warning("%s %s: %s", request.method, request.url.path, exc)
-    return problem_response(request, kind, without_server_paths(str(exc), request))
+    advice = getattr(exc, "advice", None)  # a price refusal: the parameter which, lowered so, runs
+    return problem_response(
+        request, kind, without_server_paths(str(exc), request), **({"advice": advice} if advice else {})
+    )
 
 
 async def _validation_error(request: Request, exc: Exception) -> Response:

@@ -46,7 +46,7 @@ def build_route_tables(routes: list[Any]) -> None:
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
-    settings = settings if settings is not None else Settings()
+    settings = (settings if settings is not None else Settings()).on_device()  # budgets of the device computing
     registry = ModelRegistry(settings)
 
     @asynccontextmanager

@@ -2,7 +2,7 @@
 
 `install_serving(app, settings)` (called once by create_app) adds:
 
-- the app's ComputeService (app/compute.py: bounded slots, result cache, single-flight, stop flags) and the
+- the app's ComputeService (app/scheduling.py: bounded slots, result cache, single-flight, stop flags) and the
   torch intra-op thread count of each computation, set in its worker thread (`settings.torch_threads`, default
   cores // compute_slots: on a machine shared with other processes, 2 threads per computation on 2 busy cores made
   the detector pass 2.8x slower than 1, so a lone computation does not take every core by default);
@@ -43,12 +43,12 @@ from pydantic import BaseModel, Field
 from starlette.datastructures import MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.compute import Budgets, BusyError, ComputeService, RequestContext, bind, default_torch_threads
-from app.errors import ProblemKind, problem_response
+from app.errors import ProblemKind, problem_response, render_fragment
 from app.etag import ETagMiddleware, HeadMiddleware
 from app.metrics import Metrics
 from app.ratelimit import RateLimiter
 from app.registry import ModelRegistry
+from app.scheduling import Budgets, BusyError, ComputeService, JobPending, RequestContext, bind, default_torch_threads
 from app.settings import Settings
 from app.store import StoreTier, open_store
 from circuits_core.errors import QkovError
@@ -61,6 +61,7 @@ REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 UNMETERED = ("/healthz", "/readyz", "/metrics", "/static/")
 BUSY = ProblemKind(503, "busy", "Server busy")
 RATE_LIMITED = ProblemKind(429, "rate-limited", "Too many requests")
+RUNNING = ProblemKind(202, "running", "Computing")
 SHUTTING_DOWN = ProblemKind(503, "shutting-down", "Server shutting down")
 DRAINING = threading.Event()  # set by app/serve.py when SIGTERM starts the shutdown drain
 
@@ -108,6 +109,22 @@ def configure_logging(settings: Settings) -> None:
 
 class Health(BaseModel):
     status: Literal["ok"]
+
+
+class JobState(BaseModel):
+    """A long computation's public state (app/scheduling.Job.public)."""
+
+    id: str
+    what: str
+    state: Literal["queued", "running", "done", "failed", "cancelled"]
+    progress: float = Field(
+        description="fraction done: the engine's own count where it reports one, else time / estimate"
+    )
+    elapsed_s: float
+    eta_s: float = Field(description="seconds left, from the progress (or the estimate)")
+    estimate_s: float = Field(description="the engine's price in seconds (FLOPs at compute_flops_per_s)")
+    status_url: str
+    error: str | None = None
 
 
 class ReadinessReport(BaseModel):
@@ -309,6 +326,15 @@ class ServingMiddleware:
                 )
 
 
+async def job_pending(request: Request, exc: Exception) -> Response:
+    """A request that runs as a job: 202 with the job's state and where to poll it (API), or its progress bar."""
+    assert isinstance(exc, JobPending)
+    job = {**exc.job, "result_url": str(request.url.path) + (f"?{request.url.query}" if request.url.query else "")}
+    if request.url.path.startswith("/api/"):
+        return JSONResponse(job, status_code=202, headers={"Location": job["status_url"], "Retry-After": "1"})
+    return problem_response(request, RUNNING, f"{job['what']} is computing", job=job)
+
+
 # -- install ---------------------------------------------------------------------------------------------
 def open_store_tier(settings: Settings) -> StoreTier | None:
     """The second-level result store the settings name (app/store.py), or None when it is off."""
@@ -328,9 +354,11 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
         budgets=Budgets(
             settings.limits.peak_bytes,
             settings.limits.max_answer_bytes,
-            settings.request_timeout_s,
+            settings.job_budget_s,
             settings.compute_flops_per_s,
+            settings.inline_budget_s,
         ),
+        job_abandon_s=settings.job_abandon_s,
         store=open_store_tier(settings),
         torch_threads=settings.torch_threads or default_torch_threads(settings.compute_slots),
     )
@@ -348,6 +376,7 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
         return response
 
     app.add_exception_handler(BusyError, busy)
+    app.add_exception_handler(JobPending, job_pending)
 
     @app.get("/healthz", tags=["operations"], summary="Liveness: the process answers", response_model=Health)
     async def healthz() -> Health:
@@ -367,6 +396,30 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
         return JSONResponse(
             body.model_dump(), status_code=200 if ready else 503, headers={} if ready else {"Retry-After": "5"}
         )
+
+    @app.get(
+        "/api/v1/jobs/{job_id}",
+        tags=["operations"],
+        summary="A long computation's state: progress, seconds spent and left; its answer is then at result_url",
+        response_model=JobState,
+    )
+    async def job_state(job_id: str) -> JSONResponse:
+        job = service.job(job_id)
+        if job is None:
+            detail = f"no job {job_id!r}: it finished over a minute ago (ask its URL again) or never ran"
+            return JSONResponse({"status": 404, "detail": detail}, status_code=404)
+        return JSONResponse(job.public())
+
+    @app.get("/jobs/{job_id}", include_in_schema=False)
+    async def job_progress(request: Request, job_id: str) -> Response:
+        """The progress bar a page polls: itself again while the job runs, a page reload once it is done."""
+        job = service.job(job_id)
+        state = job.public() if job is not None else None
+        if state is None or state["state"] == "done":
+            return Response(status_code=200, headers={"HX-Refresh": "true"})
+        if state["state"] in ("failed", "cancelled"):
+            return render_fragment("_error.html", {"status": 422, "title": "Failed", "detail": state["error"]})
+        return render_fragment("_job.html", {"job": state})
 
     @app.get("/metrics", include_in_schema=False)
     async def prometheus_metrics() -> Response:

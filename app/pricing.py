@@ -1,4 +1,4 @@
-"""Every request priced before it runs, and its answer bounded (design.md, "Cheap work and heavy work").
+"""Every request priced before it runs, and its answer bounded (docs/design.md §3).
 
 A circuits_core.cost.Cost (the engine's own estimate) is compared with the request's `Budgets` before a compute
 slot is taken (`check_cost`: 422 naming the size, the budget and what to lower); the answer is encoded to JSON
@@ -12,7 +12,7 @@ import json
 import typing
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -46,16 +46,25 @@ def key_text(key: Key) -> str:
 
 @dataclass(frozen=True)
 class Budgets:
-    """What one request may spend (from settings.limits and request_timeout_s); None: unchecked."""
+    """What one request may spend (from settings.limits and the time budgets); None: unchecked."""
 
     peak_bytes: int | None = None
     answer_bytes: int | None = None
-    seconds: float | None = None
+    seconds: float | None = None  # a job's time budget (settings.job_budget_s): beyond it a request is refused
     flops_per_second: float | None = None  # the rate that turns a Cost's FLOPs into time (settings.compute_flops_per_s)
+    inline_seconds: float | None = None  # answered within the request up to this (settings.inline_budget_s), else a job
 
     def estimated_seconds(self, cost: Cost) -> float | None:
         """The cost's time: its FLOPs at `flops_per_second` (None when it counts none, or no rate is set)."""
         return cost.flops / self.flops_per_second if cost.flops and self.flops_per_second else None
+
+    def mode(self, cost: Cost) -> Literal["inline", "job"]:
+        """How a priced request runs: inline when its estimated time is within the inline budget (or unknown),
+        else as a polled job (check_cost has refused it already when it is over the job budget)."""
+        seconds = self.estimated_seconds(cost)
+        if seconds is None or self.inline_seconds is None or seconds <= self.inline_seconds:
+            return "inline"
+        return "job"
 
 
 def _hint(lower: str) -> str:
@@ -78,15 +87,33 @@ def check_cost(cost: Cost, budgets: Budgets, lower: str = "", what: str = "this 
         )
     seconds = budgets.estimated_seconds(cost)
     if budgets.seconds is not None and seconds is not None and seconds > budgets.seconds:
-        work = (
-            f" ({cost.flops / 1e9:,.0f} GFLOP at {budgets.flops_per_second / 1e9:g} GFLOP/s, compute_flops_per_s)"
-            if cost.flops and budgets.flops_per_second
-            else ""
+        raise _over_time(
+            cost, budgets, seconds, "the longest a computation may run (job_budget_s)", budgets.seconds, hint, what
         )
-        raise LimitExceededError(
-            f"{what} would take about {seconds:.0f} s{work}; the request deadline (request_timeout_s) is "
-            f"{budgets.seconds:g} s{hint}"
+
+
+def check_request_time(
+    cost: Cost, budgets: Budgets, request_s: float | None, lower: str = "", what: str = "this request"
+) -> None:
+    """A request that cannot run as a job (its answer is not kept: a prompt of its own) must fit the request's own
+    deadline: LimitExceededError (422) when its priced time is over `request_s`."""
+    seconds = budgets.estimated_seconds(cost)
+    if request_s is not None and seconds is not None and seconds > request_s:
+        raise _over_time(
+            cost, budgets, seconds, "the request deadline (request_timeout_s)", request_s, _hint(lower), what
         )
+
+
+def _over_time(
+    cost: Cost, budgets: Budgets, seconds: float, limit_name: str, limit: float, hint: str, what: str
+) -> LimitExceededError:
+    rate = budgets.flops_per_second or 0.0
+    work = (
+        f" ({cost.flops / 1e9:,.0f} GFLOP at {rate / 1e9:g} GFLOP/s, compute_flops_per_s)"
+        if cost.flops and rate
+        else ""
+    )
+    return LimitExceededError(f"{what} would take about {seconds:.0f} s{work}; {limit_name} is {limit:g} s{hint}")
 
 
 def _size(n: int) -> str:

@@ -93,6 +93,7 @@ class ModelRegistry:
     def __init__(self, settings: Settings):
         self.settings = settings
         self.dtype = torch.float64 if settings.dtype == "float64" else torch.float32
+        self.device = settings.compute_device()  # QKOV_DEVICE, resolved once: every model loads onto it
         self._loaded: dict[str, LoadedModel] = {}
         self._prints: dict[str, Fingerprint] = {}  # fingerprint of each loaded folder when it was loaded
         self._failed: dict[str, tuple[Fingerprint, str]] = {}  # id -> (fingerprint, reason) of failed loads
@@ -188,7 +189,14 @@ class ModelRegistry:
             try:
                 if entry.error is not None:
                     raise CheckpointError(entry.error)
-                loaded = load_checkpoint(entry.path, dtype=self.dtype, max_bytes=self.settings.max_model_bytes)
+                loaded = load_checkpoint(
+                    entry.path,
+                    dtype=self.dtype,
+                    max_bytes=self.settings.max_model_bytes,
+                    device=self.device,
+                    keep_half=self.settings.keeps_half_weights(),
+                    lazy_mlp=True,  # Llama-family MLP weights read on first use (formats/lazy_mlp.py)
+                )
                 loaded.model.requires_grad_(False).eval()
             except Exception as exc:  # noqa: BLE001 - any failure of one folder is that folder's, remembered
                 if not isinstance(exc, CheckpointError):
@@ -203,12 +211,6 @@ class ModelRegistry:
             self._loaded[model_id], self._prints[model_id] = loaded, before
             log.info("loaded model %s (%s)", model_id, entry.format)
         return loaded
-
-    def forget(self, model_id: str) -> None:
-        """Drop a loaded model and any remembered failure (the next request loads the folder again)."""
-        with self._lock(model_id):
-            self._loaded.pop(model_id, None)
-            self._failed.pop(model_id, None)
 
     def is_loaded(self, model_id: str) -> bool:
         """Loaded, and its folder unchanged since (get() returns it without loading)."""

@@ -2,6 +2,11 @@
 
 Nothing else in qkov reads the environment: `create_app(Settings(...))` builds an app on any folder of
 models without monkeypatching. Nested limits read `QKOV_LIMITS__MAX_K=100` style variables.
+
+The device (`QKOV_DEVICE`: auto, cpu, cuda, cuda:N) is resolved in one place, `Settings.compute_device`, and
+`Settings.on_device` gives the settings an app serves with: on a GPU the request and model budgets are the GPU's
+(`gpu_peak_bytes`, `gpu_max_model_bytes`, `gpu_flops_per_s`), on the CPU the host's (`limits.peak_bytes`,
+`max_model_bytes`, `compute_flops_per_s`), so every price is compared with the memory of the device computing it.
 """
 
 from __future__ import annotations
@@ -10,11 +15,13 @@ import ipaddress
 from pathlib import Path
 from typing import Literal
 
+import torch
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MiB = 1024 * 1024
+GiB = 1024 * MiB
 
 
 class Limits(BaseModel):
@@ -40,7 +47,33 @@ class Settings(BaseSettings):
         default=None, description="folder whose sub-folders holding a checkpoint are models"
     )
     shipped_dir: Path = Field(default=REPO_ROOT / "checkpoints", description="the shipped toy models")
-    dtype: Literal["float32", "float64"] = "float32"
+    dtype: Literal["float32", "float64"] = Field(
+        default="float32", description="the dtype weights are computed in (and kept in, unless half_weights keeps them)"
+    )
+    device: str = Field(
+        default="auto",
+        pattern=r"^(auto|cpu|cuda(:[0-9]+)?)$",
+        description="where models are loaded and computed: auto (a GPU when torch sees one, else the CPU), cpu, "
+        "cuda or cuda:N",
+    )
+    half_weights: Literal["auto", "keep", "convert"] = Field(
+        default="auto",
+        description="bf16/fp16 checkpoints: keep the weights in their stored dtype (computed in float32) or convert "
+        "them to `dtype` when loading; auto keeps them on a GPU and converts them on the CPU (the CPU's products "
+        "are fastest on float32 weights)",
+    )
+    gpu_peak_bytes: int = Field(
+        default=16 * GiB, ge=1024, description="working memory of one request on a GPU (limits.peak_bytes: on the CPU)"
+    )
+    gpu_max_model_bytes: int = Field(
+        default=64 * GiB, ge=MiB, description="largest model served on a GPU: bytes of the weights it loads"
+    )
+    gpu_flops_per_s: float = Field(
+        default=20e12,
+        gt=0,
+        description="arithmetic rate assumed for one computation on a GPU when pricing its time (compute_flops_per_s: "
+        "on the CPU); 20 TFLOP/s is a fraction of an H100's float32 (TF32) products, shared by the compute slots",
+    )
     limits: Limits = Field(default_factory=Limits)
     compute_slots: int = Field(default=2, ge=1, description="concurrent heavy computations")
     slot_wait_s: float = Field(default=30.0, gt=0, description="how long a request waits for a compute slot")
@@ -48,7 +81,8 @@ class Settings(BaseSettings):
     store_url: str = Field(
         default="disk",
         pattern=r"^(off|disk|(redis|rediss|unix)://.+)$",
-        description="second-level result store: 'disk' (diskcache folder shared by this machine's workers, kept across restarts), a redis:// URL (shared by replicas, disk as fallback) or 'off'",
+        description="second-level result store: 'disk' (diskcache folder shared by this machine's workers, kept across "
+        "restarts), a redis:// URL (shared by replicas, disk as fallback) or 'off'",
     )
     store_dir: Path = Field(default=REPO_ROOT / ".store", description="folder of the disk store")
     store_bytes: int = Field(
@@ -58,9 +92,10 @@ class Settings(BaseSettings):
     preload: bool = Field(default=False, description="load every model at start-up instead of on first use")
     max_model_bytes: int = Field(
         default=4096 * MiB, ge=MiB,
-        description="largest model served: bytes of its files and of its parameters priced from config.json before loading",
+        description="largest model served: bytes of its files and of its parameters priced from config.json before "
+                    "loading",
     )  # fmt: skip
-    # serving (app/compute.py, app/observability.py, app/ratelimit.py)
+    # serving (app/scheduling.py, app/observability.py, app/ratelimit.py)
     torch_threads: int | None = Field(default=None, ge=1, description="torch threads (default: cores // compute_slots)")
     request_timeout_s: float | None = Field(
         default=120.0,
@@ -70,9 +105,26 @@ class Settings(BaseSettings):
     compute_flops_per_s: float = Field(
         default=20e9,
         gt=0,
-        description="arithmetic rate assumed for one computation when pricing its time: a request whose engine-counted "
-        "FLOPs / this exceeds request_timeout_s is refused (422) before it runs. 20 GFLOP/s: about a third of one core's "
-        "float32 matrix products on the 2-core development machine, which a computation shares with others",
+        description="arithmetic rate assumed for one computation when pricing its time (engine-counted FLOPs / this): "
+        "20 GFLOP/s, about a third of one core's float32 matrix products on the 2-core development machine, which a "
+        "computation shares with others",
+    )
+    inline_budget_s: float = Field(
+        default=3.0,
+        gt=0,
+        description="a request priced at most this many seconds is answered within the request; a longer one runs as "
+        "a job that its page (or API client) polls for progress",
+    )
+    job_budget_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="the longest a computation may be priced at: a request over it is refused (422) before it runs, "
+        "naming the parameter to lower",
+    )
+    job_abandon_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="a job that no reader has polled for this long is stopped (the reader left)",
     )
     rate_limit: int | None = Field(default=None, ge=1, description="requests per client per rate_window_s (None: off)")
     rate_window_s: float = Field(default=60.0, gt=0, description="window of the per-client rate limit")
@@ -92,6 +144,37 @@ class Settings(BaseSettings):
     metrics_multiprocess: bool = Field(
         default=False, description="aggregate metrics of uvicorn workers (PROMETHEUS_MULTIPROC_DIR)"
     )
+
+    def compute_device(self) -> torch.device:
+        """The device models load onto and compute on (`device` resolved: auto is a GPU when torch sees one). A GPU
+        asked for but not present is a ValueError naming what torch sees."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if (device.index or 0) >= count:
+                raise ValueError(f"QKOV_DEVICE={self.device}: torch sees {count} CUDA device(s)")
+        return device
+
+    def keeps_half_weights(self) -> bool:
+        """Whether bf16/fp16 checkpoints keep their stored dtype (half_weights; auto: on a GPU)."""
+        if self.half_weights == "auto":
+            return self.compute_device().type == "cuda"
+        return self.half_weights == "keep"
+
+    def on_device(self) -> Settings:
+        """These settings with the budgets of the device computing (see the module docstring); the CPU's unchanged."""
+        if self.compute_device().type == "cpu":
+            return self
+        limits = self.limits.model_copy(update={"peak_bytes": self.gpu_peak_bytes})
+        return self.model_copy(
+            update={
+                "limits": limits,
+                "max_model_bytes": self.gpu_max_model_bytes,
+                "compute_flops_per_s": self.gpu_flops_per_s,
+            }
+        )
 
     @field_validator("trusted_proxies")
     @classmethod

@@ -102,3 +102,22 @@ result = {{"scores": profile.tolist()}}  # C_{kind}(δ) for δ = 0..{offsets - 1
 print(result)
 """
     )
+
+
+def detectors(folder: Path, dtype: str, seq_len: int, batch: int, seed: int, bos: int | None) -> str:
+    """The detectors page on BOS + r + r: every head's detector scores."""
+    return (
+        _head(folder, dtype)
+        + f"""from circuits_core.model.config import head_name
+from circuits_core.prompt.detectors import detector_scores, repeated_random_tokens
+
+tokens = repeated_random_tokens(model.cfg.d_vocab, {seq_len}, {batch}, seed={seed}, bos={bos!r})  # BOS + r + r
+with torch.no_grad():
+    scores = detector_scores(model, tokens)  # {{detector: [n_layers, n_heads]}}
+result = {{
+    name: {{head_name(layer, h): float(s[layer, h]) for layer in range(s.shape[0]) for h in range(s.shape[1])}}
+    for name, s in scores.items()
+}}
+print(result["induction"])
+"""
+    )

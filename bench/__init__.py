@@ -1,6 +1,6 @@
 """Benchmarks for `make bench` (`python -m bench [section ...]`): they print figures, never assert on time.
 
-Shared measuring helpers for every section module (bench/engine.py, bench/engine2.py, bench/load.py):
+Shared measuring helpers for every section module (bench/engine.py, bench/composition_paths.py, bench/load.py):
 medians of wall-clock repeats, and the peak resident-memory increase of a block of code, sampled from
 /proc/self/statm in a thread (torch has no allocator statistics on CPU).
 """

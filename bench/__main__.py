@@ -21,7 +21,7 @@ import torch
 
 SECTION_MODULES = (
     "bench.engine",
-    "bench.engine2",
+    "bench.composition_paths",
     "bench.load",
     "bench.http",
     "bench.virtual_weights",
@@ -30,6 +30,8 @@ SECTION_MODULES = (
     "bench.rotary",
     "bench.copying",
     "bench.gemma3",
+    "bench.big_models",
+    "bench.real_model",
 )
 
 

@@ -1,4 +1,4 @@
-"""Speed through HTTP (section `http` of `make bench`, issue 9.10): the GPT-2-small-shaped checkpoint served
+"""Speed through HTTP (section `http` of `make bench`): the GPT-2-small-shaped checkpoint served
 by a real uvicorn on 127.0.0.1, next to TransformerLens 3.9.0 on the same weights in the same run.
 
 The checkpoint is bench.engine's random GPT-2-small-shaped model (12 layers x 12 heads, d_model 768, d_head 64,
@@ -18,8 +18,8 @@ from one pass over the vocabulary, G_E W_Q, the spectra, the induction view's K-
 head_table against half its parts' CPU (its steps are shared by two threads when a core is idle: half the parts'
 CPU estimates both cores busy all along) and head_table with every core as torch threads (an OpenMP team per
 computation: slower than one thread on a busy machine), and the detector pass plus Grams with their products by
-oneDNN (circuits_core/model/linear.py) against MKL's alone, alternated. The machine is shared: the load average is printed;
-ratios and CPU seconds are what to compare.
+oneDNN (circuits_core/model/linear.py) against MKL's alone, alternated. The machine is shared: the load average is
+printed; ratios and CPU seconds are what to compare.
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ def tl_figures(rep_tokens: torch.Tensor) -> dict[str, float]:
         out["composition"] = time.perf_counter() - t0
     else:
         print(
-            f"  TL all_composition_scores skipped: {mem_available() / GiB:.1f} GiB free, it needs ~{need / GiB:.1f} GiB + 3 GiB margin"
+            f"  TL all_composition_scores skipped: {mem_available() / GiB:.1f} GiB free, it needs ~{need / GiB:.1f} "
+            f"GiB + 3 GiB margin"
         )
     gc.collect()
     return out
@@ -144,7 +145,7 @@ def _timed(fn: Any) -> tuple[float, float, Any]:
 
 
 def heads_breakdown(model: Any) -> None:
-    """Where a cold heads table's time goes (issue 9.10), in this process with the torch threads the server gives one
+    """Where a cold heads table's time goes, in this process with the torch threads the server gives one
     computation: the detector pass, both d_model x d_model Grams from one pass over the vocabulary, G_E W_Q, the
     2 x (L x H) spectra, the 2-D induction view's K-composition positivities (one-hot and weighted, split over two
     threads when a core is idle) and, on a rotary model, μ's pass on the reference (app.views.rotary.reference_tokens:
@@ -152,7 +153,7 @@ def heads_breakdown(model: Any) -> None:
     seconds (all threads) side by side: on a busy machine the CPU seconds are the steadier figure."""
     import os
 
-    from app.compute import available_cores, default_torch_threads
+    from app.scheduling import available_cores, default_torch_threads
     from app.settings import Settings
     from app.views.rotary import reference_tokens
     from circuits_core.circuits import copying_spectra, rotary
@@ -182,7 +183,7 @@ def heads_breakdown(model: Any) -> None:
             gq = _timed(lambda: copying_spectra.gram_queries(model, G_E))
             ov = _timed(lambda: copying_spectra.ov_copying_scores(model, G))
             qk = _timed(lambda: copying_spectra.qk_copying_scores(model, G_E, gq[2]))
-            iv = _timed(lambda: head_table.induction_view(model, tokens, det[2]["previous_token"], ov[2], G_E, gq[2]))
+            iv = _timed(lambda: head_table.induction_view(model, tokens, det[2], ov[2], G_E, gq[2]))
             rows = [
                 (f"detector pass ({tokens.shape[0]} x {tokens.shape[1]} tokens, patterns only)", det),
                 ("Grams W_U W_E_eff and W_E_eff^T W_E_eff, one pass over the vocabulary", grams),

@@ -1,15 +1,15 @@
-"""Rotary-circuit benchmark (issue 11.7) on a random SmolLM2-shaped model (30 layers x 9 heads, 3 key/value heads,
+"""Rotary-circuit benchmark on a random SmolLM2-shaped model (30 layers x 9 heads, 3 key/value heads,
 d_model 576, d_head 64, vocabulary 49,152, RMSNorm, gated MLPs, rotary, float32), side by side with
 TransformerLens 3.9.0 on the same weights in the same run.
 
 Section `rotary`:
   (a) Q/K/V composition of all 270 heads with Q and K profiles over δ = 0..64 (composition_rotary.
       composition_profiles, random baseline sampled cold), peak extra memory (goal < 3 s, < 1 GiB), at one server
-      computation's torch threads (its two workers side by side) and at the bench's threads; CPU core-seconds. TL: `utils.composition_scores` of
-      K-composition (the computation of `all_composition_scores("K")`, at δ = 0 only: TL has no offset) on a
-      SUBSET of pairs (sources in layers 0-2, targets in layers 3-5: 729 pairs), time per pair extrapolated to
-      the 35,235 earlier->later pairs; TL's all-pairs run (30.8 s, 22.7 GiB measured outside) is NOT run on this
-      shared 24 GiB machine. Largest difference against qkov's δ = 0 scores on the subset.
+      computation's torch threads (its two workers side by side) and at the bench's threads; CPU core-seconds. TL:
+      `utils.composition_scores` of K-composition (the computation of `all_composition_scores("K")`, at δ = 0 only: TL
+      has no offset) on a SUBSET of pairs (sources in layers 0-2, targets in layers 3-5: 729 pairs), time per pair
+      extrapolated to the 35,235 earlier->later pairs; TL's all-pairs run (30.8 s, 22.7 GiB measured outside) is NOT run
+      on this shared 24 GiB machine. Largest difference against qkov's δ = 0 scores on the subset.
   (b) OV copying scores of the 270 heads (goal < 1 s). TL: eigenvalues of `W_E @ OV @ W_U` (FactoredMatrix) on
       the heads of 2 layers (18 heads), extrapolated x15 (the 270-head run needs ~7 GiB of [V, d_head] factors).
       The values are compared with qkov's on TL's basis (raw W_E, `G = W_U W_E`).
@@ -23,8 +23,8 @@ Section `rotary`:
       each part alone, head_table at one server computation's threads, whose two branches run side by side when a
       core is idle, and at every core as one OpenMP team). TL reference in the same run: a 128-token run_with_cache.
   (f) QK eigenvalue copying of one head over δ = 0..64 (the heads/{head}/qk-copying analysis), vocabulary Gram included.
-Each figure comes with the fp32 GFLOP/s of a reference matmul around it and an idle-machine estimate (bench.engine2),
-since the 2-core machine is shared. Medians of a few repeats; nothing asserts on time.
+Each figure comes with the fp32 GFLOP/s of a reference matmul around it and an idle-machine estimate
+(bench.composition_paths), since the 2-core machine is shared. Medians of a few repeats; nothing asserts on time.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from bench import PeakRSS, fmt_time, median_time, row
-from bench.engine2 import normalised, timed
+from bench.composition_paths import normalised, timed
 from bench.http import heads_breakdown
 from circuits_core.circuits import composition_rotary, copying_spectra, embedding, rotary
 from circuits_core.model.config import ModelConfig
@@ -168,7 +168,8 @@ def run_rotary() -> None:
     _tl_copying(tl, model, ov, t_ov)
     _tl_row(tl, t_row)
     print(
-        "    TL (d): no streaming global top-k; W_E QK W_E^T would be a dense 49152 x 49152 float32 matrix (9.7 GB): not run",
+        "    TL (d): no streaming global top-k; W_E QK W_E^T would be a dense 49152 x 49152 float32 matrix (9.7 GB): "
+        "not run",
         flush=True,
     )
     tokens = torch.randint(0, model.cfg.d_vocab, (1, 128), generator=torch.Generator().manual_seed(0))
@@ -186,7 +187,7 @@ def _profiles(model: Transformer, n_pairs: int) -> tuple[float, composition_rota
     """(a) at one server computation's torch threads (1 on 2 cores: composition_profiles' two workers side by side),
     then at the bench's own threads when they differ (an OpenMP team, the tasks in turn). Each run is cold for the
     random baseline (its cache cleared: it is one of the tasks); CPU = process time of both workers (core-seconds)."""
-    from app.compute import default_torch_threads
+    from app.scheduling import default_torch_threads
     from app.settings import Settings
 
     settings, before = Settings(), torch.get_num_threads()
@@ -235,8 +236,8 @@ def _fresh_copy(model: Transformer) -> Transformer:
 
 
 def _heads_table(model: Transformer) -> float:
-    from app.compute import default_torch_threads
     from app.params import NoParams
+    from app.scheduling import default_torch_threads
     from app.settings import Settings
     from app.views.heads import build_heads_view
     from circuits_core.formats.checkpoint import LoadedModel

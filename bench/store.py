@@ -1,4 +1,4 @@
-"""The result store (section `store` of `make bench`, issue 13): cold against precomputed page times, the
+"""The result store (section `store` of `make bench`): cold against precomputed page times, the
 precompute time of the GPT-2-small-shaped checkpoint, and the hit ratio of two replicas sharing Redis.
 
 1. toy-2l: `python -m app.precompute toy-2l` into a fresh disk store (timed), then a fresh uvicorn (empty
@@ -129,14 +129,15 @@ def store_figures() -> None:
     }
     took, cpu, said = precompute(GPT2_ID, env)
     print(
-        f"  precompute {GPT2_ID} (12 x 12 heads, vocab 50,257): {fmt_time(took)}, {cpu:.0f} CPU s (goal < 2 min; {said})"
+        f"  precompute {GPT2_ID} (12 x 12 heads, vocab 50,257): {fmt_time(took)}, {cpu:.0f} CPU s (goal < 2 min; "
+        f"{said})"
     )
     took, cpu, said = precompute(GPT2_ID, env, "--full", "--heads", ",".join(FULL_HEADS))
     a_head = took / len(FULL_HEADS)  # the direct path's vocab=all table is in it once: an upper bound per head
     print(
         f"  then --full (vocab=all tables) for {len(FULL_HEADS)} heads: {fmt_time(took)}, {cpu:.0f} CPU s; at most "
-        f"{fmt_time(a_head)} a head, so at most ~{fmt_time(a_head * 144)} for all 144 (extrapolated; answers already in "
-        f"the store should be the default run's, else the code changed in between: {said})"
+        f"{fmt_time(a_head)} a head, so at most ~{fmt_time(a_head * 144)} for all 144 (extrapolated; answers already "
+        f"in the store should be the default run's, else the code changed in between: {said})"
     )
 
     replicas()

@@ -9,7 +9,7 @@ Section `virtual_weights`:
       extrapolated to every pair (labelled as an extrapolation), largest difference with qkov's scores;
   (c) one pair's page payload: embed -> unembed (vocabulary on both sides) singular values and token directions;
   (d) the usage panel (spectra, 90 % subspaces, all overlaps, bandwidth) and the erasure scan, one run each.
-Each figure comes with bench.engine2's reference fp32 GFLOP/s around it and the idle-machine estimate (the
+Each figure comes with bench.composition_paths's reference fp32 GFLOP/s around it and the idle-machine estimate (the
 machine is shared); 2 threads, then 1. Nothing asserts on time.
 """
 
@@ -20,8 +20,8 @@ import random
 import torch
 
 from bench import PeakRSS, fmt_time, median_time, row
+from bench.composition_paths import IDLE_GFLOPS, normalised, timed
 from bench.engine import gpt2_shaped_model, tl_model
-from bench.engine2 import IDLE_GFLOPS, normalised, timed
 from circuits_core.circuits import residual_stream, stream_components
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.circuits.composition import random_baseline

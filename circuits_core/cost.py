@@ -1,10 +1,10 @@
 """What a computation will cost, priced before it runs, and the stop flag its loops poll.
 
-design.md, "Cheap work and heavy work": every request is priced before it runs, and a cost is computed by
+docs/design.md §3: every request is priced before it runs, and a cost is computed by
 the engine code that will spend it, so it cannot drift from it. Each engine module therefore publishes a
 cost function beside the computation it prices (`FactoredMatrix.topk_global_cost`, `composition.cost`,
 `heads.detectors_cost`, `paths.cost`, `qk_paths.cost`, `ablation.cost`, `copying.copying_metrics_cost`, ...). The
-app only compares a Cost with its budgets (app/compute.py); it never recounts terms.
+app only compares a Cost with its budgets (app/scheduling.py); it never recounts terms.
 
 A Cost counts bytes, not numbers:
     peak_bytes    the largest extra working memory held at once (beyond the loaded weights)
@@ -17,7 +17,8 @@ A Cost counts bytes, not numbers:
 Stopping: a long loop calls `check_stop(should_stop, what)` between its steps. It raises CancelledError when
 the explicit flag or the ambient one (`stopping(flag)`, set by the app's compute service for the thread
 running a request's computation) says the result is no longer wanted, so an abandoned computation frees
-its slot within one step.
+its slot within one step. Progress: a loop that knows how far it is calls `report_progress(done, total)`; the app's
+scheduler (app/scheduling.py) shows it on the job's progress bar (`progressing(callback)` sets the receiver).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from dataclasses import dataclass
 import torch
 
 from circuits_core.errors import CancelledError
-from circuits_core.schedule import available_cores as available_cores  # noqa: F401  (app.compute reads it here)
 
 # One number in a JSON answer: a float64 repr ("-0.12345678901234568") and its separator.
 JSON_NUMBER_BYTES = 22
@@ -67,17 +67,12 @@ class Cost:
         return Cost(self.peak_bytes, self.answer_bytes + extra, self.flops)
 
 
-FREE = Cost(0)
+FREE = Cost(0)  # the price of work that reads only numbers already at hand
 
 
 def itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of a floating dtype."""
     return torch.finfo(dtype).bits // 8
-
-
-def answer_numbers(numbers: int, labels: int = 0) -> int:
-    """Encoded bytes of an answer of `numbers` JSON numbers and `labels` labelled items (and its envelope)."""
-    return numbers * JSON_NUMBER_BYTES + labels * JSON_LABEL_BYTES + JSON_ENVELOPE_BYTES
 
 
 # -- the stop flag ---------------------------------------------------------------------------------------
@@ -117,3 +112,23 @@ def polled(
         return names(name)
 
     return keep
+
+
+_PROGRESS: ContextVar[Callable[[float], None] | None] = ContextVar("qkov_progress", default=None)
+
+
+@contextmanager
+def progressing(report: Callable[[float], None]) -> Iterator[None]:
+    """Within the block, `report_progress` in this thread (or context) hands its fraction done to `report`."""
+    token = _PROGRESS.set(report)
+    try:
+        yield
+    finally:
+        _PROGRESS.reset(token)
+
+
+def report_progress(done: float, total: float) -> None:
+    """Tell whoever waits for this computation that `done` of `total` steps are finished (no-op when none listens)."""
+    report = _PROGRESS.get()
+    if report is not None and total > 0:
+        report(min(1.0, max(0.0, done / total)))

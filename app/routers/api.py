@@ -7,21 +7,21 @@ from fastapi import APIRouter
 
 from app import schemas
 from app.analysis import API
-from app.compute import cheap, compute
 from app.deps import LoadedModelDep, ModelEntryDep, RegistryDep
 from app.registry import ModelRegistry
+from app.scheduling import cheap, load
 from app.views.models import build_model_view, build_models_view
 
 router = APIRouter(prefix=API)
 
 
 async def models_view(registry: ModelRegistry) -> schemas.ModelListView:
-    """The listing without a compute slot when every model is loaded or known broken (registry.settled); else
-    loading them takes one."""
+    """The listing in a plain worker thread when every model is loaded or known broken (registry.settled); else
+    in a loader thread (never behind the compute slots that user requests hold)."""
     entries = await cheap(registry.entries)
     if all(registry.settled(e) for e in entries):  # loaded, or known broken: nothing to load
         return await cheap(build_models_view, registry)
-    return await compute(build_models_view, registry)
+    return await load(build_models_view, registry)
 
 
 @router.get("/models", response_model=list[schemas.ModelSummary], tags=["models"], summary="List the models")

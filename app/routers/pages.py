@@ -20,7 +20,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import Field
 from starlette.types import Scope
 
-from app import charts
+from app import charts, snippets
 from app.analysis import API
 from app.deps import RegistryDep, get_model
 from app.head_filter import MAX_FILTER_CHARS, HeadFilter
@@ -48,6 +48,7 @@ from app.routers.rendering import (
     render,
     url,
 )
+from app.scheduling import cheap
 from app.schemas import CircuitTopView, HeadScores
 from app.views.attention_entropy import ATTENTION_ENTROPY
 from app.views.circuits import DIRECT, has_token_counts
@@ -150,14 +151,14 @@ async def go(
 
 # -- the direct path ----------------------------------------------------------------------------------------------
 class DirectPageParams(DirectParams):
-    """The direct page: min_count absent means frequent tokens where the model has training counts (issue 12.3),
+    """The direct page: min_count absent means frequent tokens where the model has training counts,
     'all' means every token."""
 
     min_count: Annotated[
         Annotated[int, Field(ge=1, le=10**9)] | Literal["all"] | None,
         Field(
-            description=f"tokens seen at least this often in training; 'all': every token (default {MIN_TRAIN_COUNT} where the "
-            "model has token counts)"
+            description=f"tokens seen at least this often in training; 'all': every token (default {MIN_TRAIN_COUNT} "
+            f"where the model has token counts)"
         ),
     ] = None  # type: ignore[assignment]
 
@@ -223,8 +224,15 @@ async def detectors_context(call: PageCall) -> dict[str, Any]:
     call.json_params = p
     view = await call.run(DETECTORS, p)
     shown = head_filter.apply(view.heads)
+    inp = view.detector_input
+    snippet = None
+    if inp.kind == "repeated_random" and inp.seq_len is not None and inp.seed is not None:
+        entry = await cheap(call.registry.entry, call.model_id or "")
+        dtype = str(call.registry.dtype).removeprefix("torch.")
+        snippet = snippets.detectors(entry.path, dtype, inp.seq_len, inp.batch, inp.seed, inp.bos)
     return {
         "view": view,
+        "snippet": snippet,
         "shown_heads": shown,
         "head_filter": str(head_filter),
         "filter_text": page.filter,

@@ -1,7 +1,7 @@
-"""Dashboard pages of the prompt and composition analyses: composition and one pair, the prompt (tokens, attention patterns,
-logit path expansion), a chain of heads, QK paths, term importance. Each is a `Page` (app/routers/rendering.py)
-of its analysis: route, params, JSON twin and frame are derived; the context functions here run the analyses
-through `call.run` / `call.attempt` and chart their views. Page URLs mirror the JSON API
+"""Dashboard pages of the prompt and composition analyses: composition and one pair, the prompt (tokens, attention
+patterns, logit path expansion), a chain of heads, QK paths, term importance. Each is a `Page`
+(app/routers/rendering.py) of its analysis: route, params, JSON twin and frame are derived; the context functions here
+run the analyses through `call.run` / `call.attempt` and chart their views. Page URLs mirror the JSON API
 (`/models/{m}/<view>` <-> `/api/v1/models/{m}/<view>`), so the paper tour's links land on these pages.
 """
 
@@ -14,7 +14,6 @@ from pydantic import Field
 
 from app import block_heatmaps, charts, snippets
 from app.analysis import HeadField, json_url
-from app.compute import cheap
 from app.params import (
     HEAD_DOC,
     ChainParams,
@@ -32,6 +31,7 @@ from app.params import (
 )
 from app.routers.pages_rotary import pair_rotary_context, rotary_enabled
 from app.routers.rendering import Page, PageCall, url
+from app.scheduling import cheap
 from app.views.composition import COMPOSITION, COMPOSITION_PAIR
 from app.views.heads import HEADS
 from app.views.inputs import spelling_variants
@@ -77,18 +77,16 @@ def default_heads(n_layers: int, n_heads: int, count: int) -> list[str]:
 
 
 async def suggested_heads(call: PageCall, count: int) -> list[str]:
-    """Where a researcher starts on a model of 2+ layers: the previous-token head of layer 0 and the strongest
-    induction head of the last layer (detector scores of the overview, cached); else `default_heads`."""
+    """Where a researcher starts on a model of 2+ layers: the heads that matter (the heads view's previous_token_head
+    and induction_head, chosen by detectors.heads_that_matter from the model's own scores); else `default_heads`."""
     cfg = call.model.model.cfg
     fallback = default_heads(cfg.n_layers, cfg.n_heads, count)
     if cfg.n_layers < 2 or count < 2:
         return fallback
     view, _ = await call.attempt(HEADS, NoParams())
-    first = [h for h in (view.heads if view else []) if h.layer == 0 and h.previous_token is not None]
-    last = [h for h in (view.heads if view else []) if h.layer == cfg.n_layers - 1 and h.induction is not None]
-    if not first or not last:
+    if view is None or view.previous_token_head is None or view.induction_head is None:
         return fallback
-    return [max(first, key=lambda h: h.previous_token).head, max(last, key=lambda h: h.induction).head]
+    return [view.previous_token_head, view.induction_head]
 
 
 # -- composition ------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The pages of a model's heads: the overview (the model's summary, the heads table as a heatmap, the paper's 2-D
-view of induction) and one head (its spectra, its circuits, the heads it composes with). Pages (app/routers/rendering.py),
+view of induction) and one head (its spectra, its circuits, the heads it composes with). Pages (rendering.py),
 listed in app/routers/pages.py PAGES."""
 
 from __future__ import annotations
@@ -10,12 +10,10 @@ from pydantic import Field
 
 from app import charts
 from app.analysis import Analysis
-from app.compute import cheap
 from app.figure_output import MAX_HEIGHT
 from app.head_filter import MAX_FILTER_CHARS, HeadFilter, labelled_heads
 from app.params import (
     DEFAULT_VOCAB,
-    CompositionParams,
     HeadParams,
     K,
     NoParams,
@@ -27,16 +25,22 @@ from app.params import (
 from app.routers.pages_rotary import head_rotary_context, rotary_enabled
 from app.routers.rendering import (
     PageCall,
+    attempt,
     is_fragment,
+    refusal,
 )
+from app.scheduling import JobPending, cheap
 from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
 from app.views.basis import basis
 from app.views.circuits import OV, QK, SKIP_TRIGRAMS, has_token_counts
-from app.views.composition import COMPOSITION
+from app.views.composition import head_partners
 from app.views.heads import HEAD, HEADS
+from app.views.model_summary import summary_from_heads
 from app.views.models import build_model_view
 from app.views.page_claims import scatter_sentence
 from app.views.positivity import POSITIVITY
+from circuits_core.circuits.profile_shape import near_edge
+from circuits_core.circuits.rotary import KERNEL_WINDOW
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import all_heads, head_name
 
@@ -89,30 +93,15 @@ def heads_grid(
 
 
 async def composition_partners(call: PageCall, name: str, top: int = 6) -> list[dict[str, Any]]:
-    """The heads this head composes with most (Q, K, V; score minus baseline), from the composition views."""
+    """The heads this head composes with most (Q, K, V; score minus baseline): only the pairs naming it
+    (views.composition.head_partners), not every pair of the model."""
     if call.loaded is None or call.loaded.model.cfg.n_layers < 2:
         return []
-    rows = []
-    for kind in ("Q", "K", "V"):
-        view, _ = await call.attempt(COMPOSITION, CompositionParams(kind=kind))
-        if view is None:
-            continue
-        for i, src in enumerate(view.sources):
-            for j, dst in enumerate(view.targets):
-                value = view.minus_baseline[i][j]
-                if value is not None and name in (src, dst):
-                    rows.append(
-                        {
-                            "kind": kind,
-                            "source": src,
-                            "target": dst,
-                            "score": view.scores[i][j],
-                            "minus_baseline": value,
-                            "partner": dst if src == name else src,
-                            "role": "writes to" if src == name else "reads from",
-                        }
-                    )
-    return sorted(rows, key=lambda r: -r["minus_baseline"])[:top]
+    loaded = call.loaded
+    rows, _ = await attempt(
+        head_partners, loaded, name, top, key=(loaded.path.name, loaded.digest, "partners", name, top)
+    )
+    return rows or []
 
 
 def training_curve(card: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -195,13 +184,17 @@ async def overview_context(call: PageCall) -> dict[str, Any]:
     loaded, model_id, score = call.model, call.model_id or "", call.params.score
     head_filter = HeadFilter.parse(call.params.filter)  # 422 with the syntax when unreadable
     summary = build_model_view(loaded, await cheap(call.registry.entry, model_id))
-    heads: HeadsView = await call.run(HEADS, NoParams())
+    try:  # the model's facts show at once; a heads table priced over the inline budget shows its job's progress
+        heads: HeadsView | None = await call.run(HEADS, NoParams())
+        heads_error = None
+    except JobPending as exc:  # status 202 (the page is not kept): the progress bar polls the job
+        heads, heads_error = None, refusal(exc)
     call.title = model_id
-    fig = heads_grid(loaded, heads.heads, score, model_id, head_filter) if heads.heads else None
-    shown_heads = head_filter.apply(heads.heads)
+    fig = heads_grid(loaded, heads.heads, score, model_id, head_filter) if heads is not None and heads.heads else None
+    shown_heads = head_filter.apply(heads.heads) if heads is not None else []
     kept = {s.head for s in shown_heads}
     scatter, scatter_claim, refused = None, None, None
-    if applies_to(POSITIVITY, loaded) and not is_fragment(call.request):
+    if heads is not None and applies_to(POSITIVITY, loaded) and not is_fragment(call.request):
         view, scatter_error = await call.attempt(POSITIVITY, NoParams())
         if view is not None:
             pts = [p.model_dump() for p in view.points if p.head in kept]
@@ -224,6 +217,12 @@ async def overview_context(call: PageCall) -> dict[str, Any]:
         "summary": summary,
         "heads": heads,
         "shown_heads": shown_heads,
+        "kernel_window": KERNEL_WINDOW,
+        "kernel_edge": lambda offset: (
+            offset is not None  # the kernel peak column flags a window edge (61..64)
+            and KERNEL_WINDOW < loaded.model.cfg.n_ctx - 1
+            and near_edge(offset, 0, KERNEL_WINDOW)
+        ),
         "head_filter": str(head_filter),
         "filter_text": call.params.filter,
         "score": score,
@@ -234,6 +233,10 @@ async def overview_context(call: PageCall) -> dict[str, Any]:
         "served_basis": basis(loaded),
         "scatter_refused": refused,
         "card_fig": training_curve(summary.card),
+        "measured": summary_from_heads(loaded, heads)
+        if heads is not None and heads.heads and not summary.card
+        else None,
+        "heads_error": heads_error,
     }
 
 
@@ -252,7 +255,7 @@ async def head_context(call: PageCall) -> dict[str, Any]:
     cfg, name, model = call.model.model.cfg, p.head, call.model_id
     fragment_only = is_fragment(call.request) and call.request.headers.get("HX-Target") == "circuits"
     view: HeadView | None = None if fragment_only else await call.run(HEAD, HeadParams(head=name))
-    b, v = p.basis, p.vocab  # every table of the circuits panel on the weights (issue 12.2) and token set chosen
+    b, v = p.basis, p.vocab  # every table of the circuits panel on the weights and token set chosen
     ov: CircuitTopView = await call.run(
         OV, OVParams(head=name, token=p.token, k=p.k, min_count=p.min_count, basis=b, vocab=v)
     )

@@ -1,4 +1,4 @@
-"""Page parts of rotary models (issue 11.5): the head page's positional kernel, band energies and QK eigenvalue
+"""Page parts of rotary models: the head page's positional kernel, band energies and QK eigenvalue
 copying over δ (its eigenvalues at the page's offset), the pair page's δ profiles. Each runs the declared analysis
 (app/views/rotary.py) through `call.run` (priced and cached like its API route) and draws its chart; the templates
 include them only for rotary models."""
@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from app import charts, snippets
 from app.analysis import json_url
-from app.compute import cheap
 from app.routers.rendering import PageCall
+from app.scheduling import cheap
 from app.schemas.rotary import BandsView, CompositionProfileView, PositionalView, QKCopyingView
 from app.views.basis import Basis
 from app.views.rotary import (

@@ -20,12 +20,12 @@ from jinja2_fragments.fastapi import Jinja2Blocks
 
 from app import charts
 from app.analysis import API, Analysis, AnalysisParams, Declared, json_url, run, validate
-from app.compute import cheap, compute
 from app.deps import get_model
 from app.errors import kind_of
 from app.figure_output import for_page
 from app.glossary import term_anchors
 from app.registry import ModelRegistry
+from app.scheduling import JobPending, cheap, compute
 from app.settings import REPO_ROOT, Limits
 from app.views.basis import basis, changes_weights
 from app.views.inputs import max_prompt_tokens
@@ -102,8 +102,11 @@ async def model_ids(registry: ModelRegistry, request: Request | None = None) -> 
     return kept
 
 
-def refusal(exc: QkovError) -> dict[str, Any]:
-    """A refusal shown inside the page's panel (its form kept, so the input can be fixed)."""
+def refusal(exc: QkovError | JobPending) -> dict[str, Any]:
+    """A refusal shown inside the page's panel (its form kept, so the input can be fixed), or the progress of
+    the job computing it (status 202: the page is not kept, and polls the job)."""
+    if isinstance(exc, JobPending):
+        return {"status": 202, "title": "Computing", "detail": str(exc), "job": exc.job}
     kind = kind_of(exc)
     return {"status": kind.status, "title": kind.title, "detail": str(exc)}
 
@@ -112,7 +115,7 @@ async def attempt(fn: Any, *args: Any, key: Any = None) -> tuple[Any, dict[str, 
     """Run a function through `compute`: (value, None), or (None, refusal) for a QkovError."""
     try:
         return await compute(fn, *args, key=key), None
-    except QkovError as exc:
+    except (QkovError, JobPending) as exc:
         return None, refusal(exc)
 
 
@@ -205,7 +208,7 @@ class PageCall:
         """`run`, a refusal (QkovError) returned as the panel's error instead of raised."""
         try:
             return await self.run(analysis, params), None
-        except QkovError as exc:
+        except (QkovError, JobPending) as exc:
             return None, refusal(exc)
 
 

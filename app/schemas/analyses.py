@@ -1,5 +1,5 @@
-"""JSON answers of the engine-2 analyses: composition, path expansions, prompts, virtual heads, QK paths,
-term importance and the paper tour (paper-math 2.9-2.16, section 3).
+"""JSON answers of the composition and prompt analyses: composition, path expansions, prompts, virtual heads, QK paths,
+term importance and the paper tour (docs/maths.md §2.9-2.16, §3).
 
 Heads are named L{layer}H{head}; a path is the list of heads it passes through, earliest first, after an
 optional source ("bias:L0", "mlp:L0", "bias:unembed"); [] is the direct path.
@@ -19,7 +19,7 @@ TermKind = Literal["direct", "head", "bias", "mlp", "unembed_bias", "remainder",
 
 # -- composition --------------------------------------------------------------------------------------
 class CompositionView(BaseModel):
-    """Q-, K- or V-composition scores of every (earlier head, later head) pair (paper-math 2.9)."""
+    """Q-, K- or V-composition scores of every (earlier head, later head) pair (docs/maths.md §2.9)."""
 
     model: ModelRef
     kind: CompositionKindName
@@ -64,7 +64,7 @@ class CompositionPair(BaseModel):
 
 
 class TokenCircuit(BaseModel):
-    """Largest entries of a [d_vocab, d_vocab] token circuit and its eigenvalue statistic (paper-math 2.8)."""
+    """Largest entries of a [d_vocab, d_vocab] token circuit and its eigenvalue statistic (docs/maths.md §2.8)."""
 
     row_label: str
     col_label: str
@@ -76,7 +76,7 @@ class TokenCircuit(BaseModel):
 
 
 class VirtualHeadCircuit(BaseModel):
-    """The OV circuit of a chain of heads h1 -> ... -> hk (paper-math 2.10): W_E W_OV^{h1} ... W_OV^{hk} W_U."""
+    """The OV circuit of a chain of heads h1 -> ... -> hk (docs/maths.md §2.10): W_E W_OV^{h1} ... W_OV^{hk} W_U."""
 
     heads: list[str]
     ov: TokenCircuit
@@ -114,7 +114,7 @@ class PathTermView(BaseModel):
 
 
 class PathsView(BaseModel):
-    """Frozen-attention path expansion of one logit (or logit difference) at one position (paper-math 2.11)."""
+    """Frozen-attention path expansion of one logit (or logit difference) at one position (docs/maths.md §2.11)."""
 
     model: ModelRef
     tokens: list[int] = Field(description="token ids of the prompt (BOS first when the prompt was text)")
@@ -143,7 +143,7 @@ class PromptHeadPattern(BaseModel):
 class PromptView(BaseModel):
     model: ModelRef
     tokens: list[TokenRef]
-    weighted: bool = Field(description="value-weighted (paper-math 2.16, not renormalised) or plain patterns")
+    weighted: bool = Field(description="value-weighted (docs/maths.md §2.16, not renormalised) or plain patterns")
     heads: list[PromptHeadPattern]
     top_predictions: list[TokenRef] = Field(description="the model's top next-token prediction at each position")
 
@@ -171,8 +171,8 @@ class ChainView(BaseModel):
     )
     next_token_contribution: list[float] = Field(
         default_factory=list,
-        description="the path term (embedding source) on the logit of each position's actual next token, positions 0..n-2 "
-        "(the paper's induction-head figure)",
+        description="the path term (embedding source) on the logit of each position's actual next token, positions "
+        "0..n-2 (the paper's induction-head figure)",
     )
 
 
@@ -202,7 +202,7 @@ class QKCell(BaseModel):
 
 
 class QKPathsView(BaseModel):
-    """Component x component decomposition of one head's attention scores (paper-math 2.12)."""
+    """Component x component decomposition of one head's attention scores (docs/maths.md §2.12)."""
 
     model: ModelRef
     head: str
@@ -215,13 +215,19 @@ class QKPathsView(BaseModel):
     )
     scores: list[list[float | None]] = Field(description="the real attention scores (null above the diagonal)")
     max_abs_error: float = Field(description="max |sum of all terms - real scores| over causal positions")
-    qk_form: str | None = Field(
-        default=None,
-        description="QK numbers: the form they are in (circuits_core.circuits.qk_forms): 'exact' without QK-norm; "
-        "under QK-norm 'bilinear' (weight level: scales left out) or 'frozen-norm' (prompt level: the run's scales "
-        "frozen)",
+    qk_form: str = Field(
+        default="exact",
+        description="'exact' (no QK-norm) or 'frozen-norm' (QK-norm: each token's query and key scale frozen at this "
+        "run's values, so the terms sum to the scores)",
     )
-    qk_form_note: str | None = Field(default=None, description="that form in words")
+    score_cap: float | None = Field(
+        default=None, description="soft cap c of the scores (Gemma 2): each term is multiplied by its entry's frozen "
+        "factor c·tanh(s/c)/s, so the terms sum to the capped score",
+    )  # fmt: skip
+    beyond_cap: float | None = Field(default=None, description="share of the seen scores with |s| > c before the cap")
+    window: int | None = Field(
+        default=None, description="sliding window of the head's layer: keys at offsets ≥ window are not seen (null)"
+    )
     at: QKCell | None = Field(default=None, description="the terms of one score (params query and key), else null")
 
 
@@ -229,15 +235,17 @@ class QKPathsView(BaseModel):
 class HeadAblation(BaseModel):
     head: str
     loss_change: float = Field(
-        description="loss with the head's output removed, patterns frozen (MLPs and LayerNorm recomputed), minus the clean loss"
+        description="loss with the head's output removed, patterns frozen (MLPs and LayerNorm recomputed), minus the "
+        "clean loss"
     )
     loss_change_recomputed: float = Field(
-        description="the same with the later layers' patterns recomputed from the ablated stream, so Q-/K-composition act"
+        description="the same with the later layers' patterns recomputed from the ablated stream, so Q-/K-composition "
+        "act"
     )
 
 
 class TermImportanceView(BaseModel):
-    """Loss when only paths up to each order are kept (paper-math 2.13) and per-head ablations.
+    """Loss when only paths up to each order are kept (docs/maths.md §2.13) and per-head ablations.
 
     MLP models: each MLP's clean output is an order-0 path source (as in the path expansion), kept in every rerun.
     """
@@ -247,7 +255,8 @@ class TermImportanceView(BaseModel):
     tokens: list[TokenRef]
     clean_loss: float
     loss_by_order: list[float] = Field(
-        description="mean loss keeping paths of order <= k (k heads; an MLP's clean output is an order-0 source), k = 0..n_layers (last = clean)"
+        description="mean loss keeping paths of order <= k (k heads; an MLP's clean output is an order-0 source), k = "
+        "0..n_layers (last = clean)"
     )
     marginal_by_order: list[float] = Field(
         description="loss[k-1] - loss[k]: what the order-k terms add, k = 1..n_layers"
@@ -269,7 +278,7 @@ class TermImportanceView(BaseModel):
 
 # -- the paper tour --------------------------------------------------------------------------------
 class TourFigure(BaseModel):
-    id: str = Field(description="figure id of paper-math section 3, e.g. F21")
+    id: str = Field(description="figure id of docs/maths.md §3, e.g. F21")
     title: str
     anchor: str = Field(description="link to the paper section")
     look_for: str = Field(description="what to look for, in one sentence")

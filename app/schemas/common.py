@@ -41,7 +41,14 @@ class Complex(BaseModel):
 
 
 class ModelRef(BaseModel):
-    """Which model answered, and the checkpoint digest the numbers come from."""
+    """Which model answered, the checkpoint digest the numbers come from, and how they were computed (provenance)."""
 
     id: str
     digest: str
+    qkov_version: str | None = Field(default=None, description="qkov's version and the digest of its code")
+    processing: dict[str, bool] | None = Field(
+        default=None, description="the processing switches applied at load (fold_ln, centring, ...)"
+    )
+    numbers: str | None = Field(default=None, description="the form of the numbers: weights, compute dtype, JSON")
+    device: str | None = Field(default=None, description="where the model's parameters live (cpu, cuda:0, ...)")
+    dtype: str | None = Field(default=None, description="the compute dtype of the model's parameters")

@@ -54,7 +54,24 @@ class HeadsView(BaseModel):
     heads: list[HeadScores]
     previous_token_head: str | None = Field(
         default=None,
-        description="the layer-0 head with the largest previous-token score (K-composition partner of the 2-D view)",
+        description="the heads that matter (heads_rule): the strongest previous-token head of a layer below "
+        "induction_head; every head's qk_k_composition is measured against it",
+    )
+    induction_head: str | None = Field(
+        default=None, description="the heads that matter (heads_rule): the strongest induction head of layers >= 1"
+    )
+    loss_first_copy: float | None = Field(
+        default=None, description="mean next-token loss (nats) on the first copy of r in the detector input BOS + r + r"
+    )
+    loss_second_copy: float | None = Field(
+        default=None, description="the same on the second copy: lower when the model predicts it from the first"
+    )
+    loss_by_position: list[float] | None = Field(
+        default=None,
+        description="mean next-token loss at each position of the detector input (column i predicts token i + 1)",
+    )
+    heads_rule: str | None = Field(
+        default=None, description="how previous_token_head and induction_head are chosen (every page's default heads)"
     )
     kernel_reference: ReferenceText | None = Field(
         default=None, description="rotary models: the text μ of the kernel peak offsets was measured on; None otherwise"

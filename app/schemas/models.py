@@ -41,6 +41,11 @@ class ModelSummary(BaseModel):
         default_factory=list,
         description="config values the checkpoint file does not carry, taken from a per-architecture default",
     )
+    computed_on: dict[str, str] = Field(
+        default_factory=dict,
+        description="device, weights' dtype, compute dtype and whether the MLP weights are read yet "
+        "(LoadedModel.provenance)",
+    )
 
 
 class UnavailableModel(BaseModel):

@@ -1,4 +1,4 @@
-"""Top entries of the full OV, QK and direct-path circuits, and skip-trigram tables (paper-math 2.2-2.6).
+"""Top entries of the full OV, QK and direct-path circuits, and skip-trigram tables (docs/maths.md §2.2-2.6).
 
 Every circuit is a FactoredMatrix [d_vocab, d_vocab] from circuits_core.circuits.head_circuits; with a token we read its
 row (or, for QK keys, its column) from the factors, without one the global top-k streams row blocks under
@@ -32,8 +32,8 @@ from pydantic import BaseModel
 from torch import Tensor
 
 from app.analysis import Analysis
-from app.compute import cached_build
 from app.params import DEFAULT_VOCAB, DirectParams, OVParams, QKParams, SkipTrigramParams
+from app.scheduling import cached_build
 from app.schemas import CircuitTopView, MatrixEntry, ScoredToken, SkipTrigram, SkipTrigramView
 from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
@@ -66,7 +66,8 @@ def frequent_tokens(loaded: LoadedModel, min_count: int | None) -> Tensor | None
     counts = load_token_counts(loaded.path, loaded.model.cfg.d_vocab)
     if counts is None:
         raise InvalidInputError(
-            f"model {loaded.path.name!r} has no token counts ({TOKEN_COUNTS_FILE} in its folder): min_count is not available"
+            f"model {loaded.path.name!r} has no token counts ({TOKEN_COUNTS_FILE} in its folder): min_count is not "
+            f"available"
         )
     ids = np.flatnonzero(counts >= min_count)
     if ids.size == 0:
@@ -253,7 +254,7 @@ def build_ov_view(loaded: LoadedModel, p: OVParams, limits: Limits) -> CircuitTo
 
 
 def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTopView:
-    """Full QK circuit W_E W_Q W_K^T W_E^T / s: as query, the keys a token attends to; as key, the queries attending to it.
+    """Full QK circuit W_E W_Q W_K^T W_E^T / s: as query, the keys a token attends to; as key, the queries on it.
 
     Rotary models: at the query-key offset δ, W_E W_Q R(δ) W_K^T W_E^T / s (circuits_core.circuits.rotary)."""
     loaded = with_basis(loaded, p.basis)
@@ -433,6 +434,7 @@ def build_skip_trigrams_view(loaded: LoadedModel, p: SkipTrigramParams, limits: 
 # -- declarations (app/analysis.py) ----------------------------------------------------------------------
 DIRECT = Analysis(
     name="direct",
+    weights="attention",
     path="direct",
     params=DirectParams,
     view=CircuitTopView,
@@ -443,6 +445,7 @@ DIRECT = Analysis(
 )
 OV = Analysis(
     name="ov",
+    weights="attention",
     path="heads/{head}/ov",
     params=OVParams,
     view=CircuitTopView,
@@ -453,6 +456,7 @@ OV = Analysis(
 )
 QK = Analysis(
     name="qk",
+    weights="attention",
     path="heads/{head}/qk",
     params=QKParams,
     view=CircuitTopView,
@@ -472,6 +476,7 @@ def skip_trigrams_cost(loaded: LoadedModel, p: SkipTrigramParams, limits: Limits
 
 SKIP_TRIGRAMS = Analysis(
     name="skip-trigrams",
+    weights="attention",
     path="heads/{head}/skip-trigrams",
     params=SkipTrigramParams,
     view=SkipTrigramView,

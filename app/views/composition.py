@@ -1,17 +1,18 @@
-"""Composition between heads (paper-math 2.9) and the token circuits of one (earlier, later) pair (2.10, 2.12).
+"""Composition between heads (docs/maths.md §2.9) and the token circuits of one (earlier, later) pair (2.10, 2.12).
 
 Scores come from circuits_core.circuits.composition (all pairs from d_head-sized factors). For one pair we read two
 [d_vocab, d_vocab] token circuits as factored matrices with inner dimension d_head, never dense:
   K-composition   qk_paths.k_composition_circuit: W_E W_Q^t W_K^tT (W_V^s W_O^s)^T W_E^T / s, rows query
                   token, cols the token the source head reads at the key's position; its eigenvalue
-                  statistic is the "same-token matching" of the Id (x) A^s (x) W term of paper-math 2.12
-  virtual head    W_E W_V^{h1} W_O^{h1} ... W_V^{hk} W_O^{hk} W_U                   (paper-math 2.10)
+                  statistic is the "same-token matching" of the Id (x) A^s (x) W term of docs/maths.md §2.12
+  virtual head    W_E W_V^{h1} W_O^{h1} ... W_V^{hk} W_O^{hk} W_U                   (docs/maths.md §2.10)
 W_E is the LN-applied embedding of circuits_core.circuits.head_circuits (row convention, x @ W).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -36,10 +37,11 @@ from circuits_core.circuits import head_circuits as circuits
 from circuits_core.circuits.composition import CompositionKind, composition_scores
 from circuits_core.circuits.composition_rotary import composition_at, composition_at_cost
 from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.head_composition import head_composition
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import head_name
+from circuits_core.model.config import head_name, parse_head
 from circuits_core.prompt.qk_paths import k_composition_circuit
 
 TOP_PAIRS = 10
@@ -53,6 +55,36 @@ def check_layers(loaded: LoadedModel) -> None:
         raise InvalidInputError(
             f"composition needs at least 2 layers; model {loaded.path.name!r} has {loaded.model.cfg.n_layers}"
         )
+
+
+def head_partners(loaded: LoadedModel, name: str, top: int) -> list[dict[str, Any]]:
+    """The `top` pairs naming head `name` with the largest score minus baseline, over Q, K and V composition (the
+    rows of the composition views that name it, computed alone: head_composition.head_composition)."""
+    layer, h = parse_head(name, loaded.model.cfg)
+    cfg = loaded.model.cfg
+    baseline = 1.0 / math.sqrt(cfg.d_model)  # composition.composition_scores's baseline
+    rows = []
+    for kind in ("Q", "K", "V"):
+        reads, writes = head_composition(loaded.model, layer, h, ENGINE_KIND[kind])  # [layer, H], [L - layer - 1, H]
+        pairs = [(head_name(l1, h1), name, float(reads[l1, h1])) for l1 in range(layer) for h1 in range(cfg.n_heads)]
+        pairs += [
+            (name, head_name(layer + 1 + i, h2), float(writes[i, h2]))
+            for i in range(cfg.n_layers - layer - 1)
+            for h2 in range(cfg.n_heads)
+        ]
+        rows += [
+            {
+                "kind": kind,
+                "source": src,
+                "target": dst,
+                "score": score,
+                "minus_baseline": score - baseline,
+                "partner": dst if src == name else src,
+                "role": "writes to" if src == name else "reads from",
+            }
+            for src, dst, score in pairs
+        ]
+    return sorted(rows, key=lambda r: -float(r["minus_baseline"]))[:top]
 
 
 def build_composition_view(loaded: LoadedModel, p: CompositionParams, limits: Limits | None = None) -> CompositionView:
@@ -120,7 +152,7 @@ def parse_chain(loaded: LoadedModel, heads: list[str], max_heads: int) -> list[t
 
 
 def virtual_ov_circuit(loaded: LoadedModel, chain: list[tuple[int, int]]) -> FactoredMatrix:
-    """W_E W_OV^{h1} ... W_OV^{hk} W_U [d_vocab, d_vocab], inner dimension d_head (paper-math 2.10)."""
+    """W_E W_OV^{h1} ... W_OV^{hk} W_U [d_vocab, d_vocab], inner dimension d_head (docs/maths.md §2.10)."""
     model = loaded.model
     ov = circuits.ov_circuit(model, *chain[0])
     for layer, h in chain[1:]:
@@ -196,6 +228,7 @@ def pair_cost(loaded: LoadedModel, p: CompositionPairParams, limits: Limits) -> 
 
 COMPOSITION = Analysis(
     name="composition",
+    weights="attention",
     path="composition",
     params=CompositionParams,
     view=CompositionView,
@@ -207,6 +240,7 @@ COMPOSITION = Analysis(
 )
 COMPOSITION_PAIR = Analysis(
     name="composition-pair",
+    weights="attention",
     path="composition/{source}/{target}",
     params=CompositionPairParams,
     view=CompositionPairView,

@@ -1,4 +1,5 @@
-"""Copying of every head measured three ways, beside random weights of the same shapes (circuits_core/circuits/copying.py).
+"""Copying of every head measured three ways, beside random weights of the same shapes
+(circuits_core/circuits/copying.py).
 
 The eigenvalue score sum(lambda)/sum(|lambda|) can be near +1 while almost no token raises its own logit most,
 so the page shows it beside the top-1 / top-k self-copy shares and the diagonal of each full OV circuit, and
@@ -22,8 +23,8 @@ import torch
 from pydantic import BaseModel, Field
 
 from app.analysis import Analysis, AnalysisParams, split_heads
-from app.compute import cached, cached_build
 from app.params import Heads, K, MinCount
+from app.scheduling import cached, cached_build
 from app.schemas import ModelRef
 from app.settings import Limits
 from app.views.basis import basis
@@ -32,7 +33,7 @@ from app.views.heads import parse_heads, spectra
 from app.views.inputs import check_k, model_ref
 from circuits_core.circuits import copying, copying_spectra
 from circuits_core.circuits import head_circuits as circuits
-from circuits_core.cost import Cost, check_stop
+from circuits_core.cost import Cost, check_stop, report_progress
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import all_heads, head_name
@@ -59,9 +60,10 @@ class CopyingAllParams(AnalysisParams):
             ge=1,
             le=10**7,
             description=(
-                f"source tokens measured for the shares and the diagonal, drawn at random (seed {SAMPLE_SEED}); at least the "
-                f"number of tokens ranked: every one. Default: every token up to {FULL_ROWS_MAX} tokens ranked, else {HEAD_ROWS} / "
-                f"(heads measured), within [{MIN_ROWS}, {MAX_ROWS}]"
+                f"source tokens measured for the shares and the diagonal, drawn at random (seed {SAMPLE_SEED}); at "
+                f"least the "
+                f"number of tokens ranked: every one. Default: every token up to {FULL_ROWS_MAX} tokens ranked, else "
+                f"{HEAD_ROWS} / (heads measured), within [{MIN_ROWS}, {MAX_ROWS}]"
             ),
         ),
     ] = None
@@ -239,8 +241,9 @@ def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Lim
     )  # [L, H]
     r = n if rows is None else rows  # source rows measured per circuit
     heads = []
-    for layer, h in todo:
+    for i, (layer, h) in enumerate(todo):
         check_stop(what="OV self-copy shares")
+        report_progress(i, len(todo) + N_TOP_SAMPLES)  # a job's progress bar: heads done, then the random circuits
         top1, topk, positive, median = (
             circuit_rows(
                 loaded, p, k, vocab, rows, head_name(layer, h), functools.partial(_head, model, layer, h), limits
@@ -300,6 +303,7 @@ def copying_overview_cost(loaded: LoadedModel, p: CopyingAllParams, limits: Limi
 
 COPYING_ALL = Analysis(
     name="copying-all",
+    weights="attention",
     path="copying",
     params=CopyingAllParams,
     view=CopyingOverview,

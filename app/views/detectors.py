@@ -2,7 +2,7 @@
 
 Input: BOS + r + r repeated random tokens (seq_len, batch, seed), or one prompt. On the repeated input the
 loss of the second copy of r falls below the first when the model copies in context (induction heads;
-paper "Induction Heads", paper-math 2.15). losses[i] is the loss of predicting token i + 1 at position i.
+paper "Induction Heads", docs/maths.md §2.15). losses[i] is the loss of predicting token i + 1 at position i.
 """
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from app.analysis import Analysis, split_heads
-from app.params import DetectorParams
-from app.schemas import DetectorInput, DetectorsView, HeadPattern, LossByPosition
+from app.analysis import Analysis, cache_key, split_heads
+from app.params import DetectorParams, NoParams
+from app.scheduling import cached
+from app.schemas import DetectorInput, DetectorsView, HeadPattern, HeadsView, LossByPosition
 from app.settings import Limits
-from app.views.heads import bos_id, head_scores, num, parse_heads, repeated_input
+from app.views.heads import HEADS, bos_id, head_scores, num, parse_heads, repeated_input, standard_input
 from app.views.inputs import model_ref, resolve_prompt, token_refs
 from circuits_core.cost import Cost
 from circuits_core.formats.checkpoint import LoadedModel
@@ -66,36 +67,72 @@ def build_detectors_view(loaded: LoadedModel, p: DetectorParams, limits: Limits)
         run_tokens, meta = repeated_input(loaded, seq_len, batch, seed)
         repeat_len = seq_len
     chosen = parse_heads(heads, loaded, limits.max_heads) if heads else None
-    run = detector_run(loaded.model, run_tokens, budget_bytes=limits.peak_bytes, with_loss=True)  # chunked
-    detectors = run.scores
+    table = standard_table(loaded, p)
+    if table is not None and table.loss_by_position is not None:  # the heads table's pass on this very input
+        run = detector_run(loaded.model, run_tokens[:1])  # only the first sequence's patterns are shown
+        detectors = _scores(loaded, table)
+        per_sequence = torch.tensor([table.loss_by_position], dtype=torch.float64)  # [1, n - 1] batch means
+        scored = table.heads
+    else:
+        run = detector_run(loaded.model, run_tokens, budget_bytes=limits.peak_bytes, with_loss=True)  # chunked
+        detectors = run.scores
+        assert run.losses is not None
+        per_sequence, scored = run.losses, head_scores(loaded, detectors)
     chosen = chosen if chosen is not None else _best_heads(detectors)
     head_patterns = [
         HeadPattern(head=head_name(layer, h), pattern=run.first_patterns[layer, h].double().tolist())
         for layer, h in chosen
     ]
-    assert run.losses is not None
-    loss = _losses(run.losses, repeat_len, meta.bos is not None)
+    loss = _losses(per_sequence, repeat_len, meta.bos is not None)
     return DetectorsView(
         model=model_ref(loaded),
         detector_input=meta,
         tokens=token_refs(loaded, run_tokens[0].tolist()),
-        heads=head_scores(loaded, detectors),
+        heads=scored,
         selected=[p.head for p in head_patterns],
         patterns=head_patterns,
         loss=loss,
     )
 
 
+def standard_table(loaded: LoadedModel, p: DetectorParams) -> HeadsView | None:
+    """The heads table when it is computed already and `p` asks for its input (the standard BOS + r + r): its
+    detector scores and losses are this view's, so only the first sequence's patterns are left to compute."""
+    if p.prompt is not None or p.tokens is not None:
+        return None
+    meta = standard_input(loaded)[1]
+    if (p.seq_len, p.batch, p.seed) != (meta.seq_len, meta.batch, meta.seed):
+        return None
+    return cached(cache_key(HEADS, loaded.path.name, loaded, NoParams()), HeadsView)
+
+
+def _scores(loaded: LoadedModel, table: HeadsView) -> dict[str, Tensor]:
+    """{detector: [L, H]} from the heads table's rows (NaN where a head has no score)."""
+    cfg = loaded.model.cfg
+    out = {name: torch.full((cfg.n_layers, cfg.n_heads), float("nan"), dtype=torch.float64) for name in DETECTOR_NAMES}
+    for h in table.heads:
+        for name in DETECTOR_NAMES:
+            value = getattr(h, name)
+            if value is not None:
+                out[name][h.layer, h.index] = value
+    return out
+
+
 def detectors_cost(loaded: LoadedModel, p: DetectorParams, limits: Limits) -> Cost:
-    """One pass with logits on the prompt (1 sequence) or on batch x (BOS + 2 seq_len) tokens."""
+    """One pass with logits on the prompt (1 sequence) or on batch x (BOS + 2 seq_len) tokens; on the heads table's
+    own input, once that is computed, the first sequence's pass alone."""
     p = p.normalised(loaded)
     assert p.seq_len is not None
+    if standard_table(loaded, p) is not None:
+        n = 2 * p.seq_len + (bos_id(loaded) is not None)
+        return heads.detectors_cost(loaded.model, n, 1).with_answer(numbers=len(DETECTOR_NAMES) * n * n + 2 * n)
     if p.prompt is not None or p.tokens is not None:
         n, batch = len(resolve_prompt(loaded, p.prompt, p.tokens, limits)), 1
     else:
         n, batch = 2 * p.seq_len + (bos_id(loaded) is not None), p.batch
     chunk = heads.detector_chunk(loaded.model, n, batch, limits.peak_bytes, logits=True)
-    cost = heads.detectors_cost(loaded.model, n, chunk, logits=True)
+    one = heads.detectors_cost(loaded.model, n, chunk, logits=True)  # a chunk held at once; FLOPs of every chunk
+    cost = Cost(one.peak_bytes, one.answer_bytes, one.flops * -(-batch // chunk))
     shown = len(split_heads(p.heads)) or len(DETECTOR_NAMES)
     return cost.with_answer(numbers=shown * n * n + 2 * n, labels=n)
 

@@ -1,21 +1,22 @@
 """The heads table (copying scores + behavioural detectors) and the one-head summary.
 
-Detectors run on the standard input of paper-math 2.15: BOS + r + r, r = 50 uniform random tokens,
+Detectors run on the standard input of docs/maths.md §2.15: BOS + r + r, r = 50 uniform random tokens,
 batch 10, fixed seed (shorter r when the context is short). Copying scores are the eigenvalue statistic
-sum(lambda)/sum(|lambda|) of the full OV and token-token QK circuits (paper-math 2.8).
+sum(lambda)/sum(|lambda|) of the full OV and token-token QK circuits (docs/maths.md §2.8).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from pydantic import BaseModel
 from torch import Tensor
 
-from app.analysis import Analysis, AnalysisParams, build_cached
-from app.compute import cached_build
+from app.analysis import Analysis, AnalysisParams, build_cached, cache_key
 from app.params import CopyingParams, HeadParams, NoParams
+from app.scheduling import cached_build, is_cached
 from app.schemas import Complex, CopyingMetricsView, DetectorInput, HeadScores, HeadsView, HeadView, PositionalQK
 from app.settings import Limits
 from app.views.inputs import check_k, model_ref
@@ -26,7 +27,13 @@ from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import head_name, parse_head
-from circuits_core.prompt.detectors import STANDARD_BATCH, STANDARD_SEQ_LEN, repeated_random_tokens
+from circuits_core.prompt.detectors import (
+    HEADS_RULE,
+    STANDARD_BATCH,
+    STANDARD_SEQ_LEN,
+    heads_that_matter,
+    repeated_random_tokens,
+)
 from circuits_core.prompt.head_table import HeadTable, head_table, head_table_cost
 
 STANDARD_SEED = 0  # the standard input's shape (STANDARD_SEQ_LEN, STANDARD_BATCH) is the engine's
@@ -116,6 +123,7 @@ def build_heads_view(loaded: LoadedModel, p: NoParams | None = None, limits: Lim
         budget_bytes=limits.peak_bytes if limits is not None else None,
         means=means if rotary_model else None,
         reference_tokens=reference_tokens_bound(loaded) if rotary_model else None,
+        with_loss=True,
     )
     if table.induction is None:
         return HeadsView(model=model_ref(loaded), detector_input=meta, heads=[])
@@ -128,8 +136,27 @@ def build_heads_view(loaded: LoadedModel, p: NoParams | None = None, limits: Lim
         detector_input=meta,
         heads=scores,
         previous_token_head=table.induction.previous_token_head,
+        induction_head=head_name(
+            *heads_that_matter(table.detectors["induction"], table.detectors["previous_token"])[1]
+        ),
+        heads_rule=HEADS_RULE,
+        **copy_losses(table, meta),
         kernel_reference=reference[0] if reference else None,
     )
+
+
+def copy_losses(table: HeadTable, meta: DetectorInput) -> dict[str, Any]:
+    """Mean next-token loss on the first and the second copy of r (losses [b, n - 1]: column i predicts token i + 1;
+    with a BOS, columns 0 .. T - 1 predict the first copy's tokens 1 .. T and T .. 2T - 1 the second copy's)."""
+    if table.losses is None or meta.seq_len is None:
+        return {}
+    cut = meta.seq_len if meta.bos is not None else meta.seq_len - 1  # the first column predicting the second copy
+    first, second = table.losses[:, :cut], table.losses[:, cut:]
+    return {
+        "loss_first_copy": float(first.mean()),
+        "loss_second_copy": float(second.mean()),
+        "loss_by_position": table.losses.mean(0).tolist(),
+    }
 
 
 def build_copying_view(loaded: LoadedModel, p: CopyingParams, limits: Limits) -> CopyingMetricsView:
@@ -237,13 +264,17 @@ def heads_cost(loaded: LoadedModel, p: AnalysisParams, limits: Limits) -> Cost:
         meta.batch,
         limits.peak_bytes,
         reference_tokens_bound(loaded) if rotary_model else None,
+        with_loss=True,
     )
 
 
 def head_cost(loaded: LoadedModel, p: HeadParams, limits: Limits) -> Cost:
     """The heads table (when not cached), then the head's spectra and positional pattern."""
     n = min(loaded.model.cfg.n_ctx, POSITIONAL_MAX_N)
-    return heads_cost(loaded, p, limits).then(copying_spectra.head_spectra_cost(loaded.model, n))
+    own = copying_spectra.head_spectra_cost(loaded.model, n)
+    if is_cached(cache_key(HEADS, loaded.path.name, loaded, NoParams())):
+        return own
+    return heads_cost(loaded, p, limits).then(own)
 
 
 def copying_cost(loaded: LoadedModel, p: CopyingParams, limits: Limits) -> Cost:
@@ -272,6 +303,7 @@ HEAD = Analysis(
 )
 COPYING = Analysis(
     name="copying",
+    weights="attention",
     path="heads/{head}/copying",
     params=CopyingParams,
     view=CopyingMetricsView,

@@ -10,11 +10,14 @@ MAX_ID_DIGITS digits, and a single-token string is at most MAX_TOKEN_CHARS chara
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import re
 from typing import Literal
 
 from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
+from app.store import code_version
 from circuits_core.circuits.qk_forms import QK_FORMS, qk_form
 from circuits_core.errors import InvalidInputError, LimitExceededError, NotFoundError, QkovError
 from circuits_core.formats.checkpoint import LoadedModel
@@ -30,13 +33,39 @@ def _token_id(text: str) -> int | None:
         return None
     if len(text.lstrip("+-")) > MAX_ID_DIGITS:
         raise InvalidInputError(
-            f"token id {text[:20]}... has {len(text.lstrip('+-'))} digits: not a vocabulary id (at most {MAX_ID_DIGITS} digits)"
+            f"token id {text[:20]}... has {len(text.lstrip('+-'))} digits: not a vocabulary id (at most "
+            f"{MAX_ID_DIGITS} digits)"
         )
     return int(text)
 
 
 def model_ref(loaded: LoadedModel) -> ModelRef:
-    return ModelRef(id=loaded.path.name, digest=str(loaded.digest))
+    """The model and the provenance of every answer computed on it."""
+    model = loaded.model
+    param = next(model.parameters(), None)
+    device = str(param.device) if param is not None else "cpu"
+    dtype = str(model.dtype).removeprefix("torch.")
+    switches = {k: v for k, v in (getattr(model, "processing", None) or {}).items() if isinstance(v, bool)}
+    return ModelRef(
+        id=loaded.path.name,
+        digest=str(loaded.digest),
+        qkov_version=qkov_version(),
+        processing=switches,
+        numbers=f"weights read from the {loaded.format} checkpoint as {dtype}, computed in {dtype} on {device}; "
+        "JSON numbers are the shortest decimal that reads back as the same float64 (NaN and infinities as null)",
+        device=device,
+        dtype=dtype,
+    )
+
+
+@functools.cache
+def qkov_version() -> str:
+    """The package version and the digest of the code that computes and renders answers (app/store.code_version)."""
+    try:
+        release = importlib.metadata.version("qkov")
+    except importlib.metadata.PackageNotFoundError:
+        release = "unreleased"
+    return f"{release}+{code_version()}"
 
 
 def token_text(loaded: LoadedModel, token_id: int) -> str:
@@ -148,7 +177,8 @@ def resolve_prompt(loaded: LoadedModel, prompt: str | None, tokens: str | None, 
     if len(ids) > cap:
         raise LimitExceededError(
             f"the prompt is {len(ids)} tokens long; at most {cap} are allowed "
-            f"(min of the model's context n_ctx={loaded.model.cfg.n_ctx} and max_prompt_tokens={limits.max_prompt_tokens})"
+            f"(min of the model's context n_ctx={loaded.model.cfg.n_ctx} and "
+            f"max_prompt_tokens={limits.max_prompt_tokens})"
         )
     return ids
 

@@ -52,6 +52,7 @@ def build_model_view(loaded: LoadedModel, entry: ModelEntry) -> ModelSummary:
         heads=cfg.head_names,
         card=_card(loaded),
         defaulted=[DefaultedValue(field=d.field, value=str(d.value), source=d.source) for d in loaded.defaulted],
+        computed_on=loaded.provenance(),
     )
 
 
@@ -78,6 +79,7 @@ def tokenize_cost(loaded: LoadedModel, p: PromptInput, limits: Limits) -> Cost:
 
 TOKENIZE = Analysis(
     name="tokenize",
+    weights="attention",
     path="tokenize",
     params=PromptInput,
     view=TokenizeView,

@@ -1,9 +1,10 @@
-"""A chain of heads h1 -> ... -> hk in increasing layers, i.e. a virtual attention head (paper-math 2.10).
+"""A chain of heads h1 -> ... -> hk in increasing layers, i.e. a virtual attention head (docs/maths.md §2.10).
 
 On a prompt: its pattern A^{hk} ... A^{h1} (product of the clean run's patterns), its OV circuit
 W_E W_OV^{h1} ... W_OV^{hk} W_U (top entries and eigenvalue copying score, from d_head-sized factors), and
 its contribution to a chosen logit at every position: the path term (embed, h1, ..., hk) of the
-frozen-attention expansion (circuits_core.prompt.paths), also started from each bias / MLP source that can enter it.
+frozen-attention expansion (circuits_core.prompt.paths), also started from each bias / MLP source that can enter it:
+only the chain's own terms are computed (virtual.chain_terms), not every path of its order.
 """
 
 from __future__ import annotations
@@ -20,12 +21,9 @@ from circuits_core.cost import Cost
 from circuits_core.errors import LimitExceededError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import head_name
-from circuits_core.prompt import frozen, paths
+from circuits_core.prompt import frozen
 from circuits_core.prompt.frozen import frozen_run
-from circuits_core.prompt.paths import expand_logits
-from circuits_core.prompt.virtual import chain_next_token_terms
-
-SOURCES = ("bias:", "mlp:")
+from circuits_core.prompt.virtual import chain_cost, chain_next_token_terms, chain_terms
 
 
 def build_path_view(loaded: LoadedModel, p: ChainParams, limits: Limits) -> ChainView:
@@ -46,22 +44,9 @@ def build_path_view(loaded: LoadedModel, p: ChainParams, limits: Limits) -> Chai
         pattern = run.patterns[chain[0][0], chain[0][1]]  # [n, n]
         for layer, h in chain[1:]:
             pattern = run.patterns[layer, h] @ pattern  # A^{h_i} (A^{h_{i-1}} ... A^{h1})
-        itemsize = torch.finfo(model.dtype).bits // 8
-        exp = expand_logits(
-            model,
-            run_tokens,
-            t,
-            positions=None,
-            max_order=len(chain),
-            by_source=False,
-            run=run,
-            max_elements=max(1, limits.matrix_budget_bytes // itemsize),
-        )
         by_source = [
-            SourceContribution(source=p[0] if len(p) > len(names) else "embed", values=exp.values[i].double().tolist())
-            for i, p in enumerate(exp.paths)
-            if p[-len(names) :] == names
-            and (len(p) == len(names) or (len(p) == len(names) + 1 and p[0].startswith(SOURCES)))
+            SourceContribution(source=source, values=values.double().tolist())
+            for source, values in chain_terms(model, run, list(chain), t)
         ]
         ov = token_circuit(loaded, virtual_ov_circuit(loaded, chain), k, limits, VIRTUAL_LABELS)
     contribution = next(s.values for s in by_source if s.source == "embed")
@@ -81,12 +66,15 @@ def build_path_view(loaded: LoadedModel, p: ChainParams, limits: Limits) -> Chai
 
 
 def path_cost(loaded: LoadedModel, p: ChainParams, limits: Limits) -> Cost:
-    """The frozen run and the expansion up to the chain's order at every position (q = n)."""
-    n, order = len(resolve_prompt(loaded, p.prompt, p.tokens, limits)), len(split_heads(p.heads))
+    """The frozen run, then the chain's own terms from each source (virtual.chain_cost), the virtual OV circuit's
+    top entries and the pattern product; answer: the pattern [n, n] and a few [n] rows per source."""
+    model = loaded.model
+    n, order = len(resolve_prompt(loaded, p.prompt, p.tokens, limits)), max(1, len(split_heads(p.heads)))
+    sources = 1 + model.cfg.n_layers * (1 if model.cfg.attn_only else 2)
     return (
-        frozen.run_cost(loaded.model, n)
-        .then(paths.cost(loaded.model, n, order, q=n))
-        .with_answer(numbers=n * n + 3 * n * order)
+        frozen.run_cost(model, n)
+        .then(chain_cost(model, n, order, sources))
+        .with_answer(numbers=n * n + (3 + sources) * n * order)
     )
 
 

@@ -2,28 +2,28 @@
 the positivity of its K-composition term with the previous-token head, and the rule that names that head.
 
 The induction head and its previous-token head come from the heads table on the standard input (app/views/heads.py):
-the strongest induction head of layers >= 1, and the strongest previous-token head below it; each must score at
-least HEAD_THRESHOLD (model_summary's rule for listing a head as one), so no figure or sentence calls a head an
-induction or previous-token head that is none. The positivity is sum(eig)/sum(|eig|) of the token circuit
-W_E W_Q^h W_K^{hT} (W_V^{p} W_O^{p})^T W_E^T of head h with the previous-token head p (circuits_core/prompt/qk_paths.py).
+the heads that matter (circuits_core.prompt.detectors.heads_that_matter: the strongest induction head of layers >= 1,
+and the strongest previous-token head below it); each must score at least HEAD_THRESHOLD (model_summary's rule for
+listing a head as one), so no figure or sentence calls a head an induction or previous-token head that is none. The
+positivity is sum(eig)/sum(|eig|) of the token circuit W_E W_Q^h W_K^{hT} (W_V^{p} W_O^{p})^T W_E^T of head h with
+the previous-token head p (circuits_core/prompt/qk_paths.py), the heads table's qk_k_composition column.
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from app.analysis import Analysis
+from app.analysis import Analysis, build_cached, cache_key
 from app.params import NoParams
-from app.schemas import HeadScores
+from app.scheduling import is_cached
+from app.schemas import HeadScores, HeadsView
 from app.settings import Limits
-from app.views.heads import build_heads_view, heads_cost
-from app.views.page_claims import strongest
-from circuits_core.cost import Cost
+from app.views.heads import HEADS, heads_cost
+from circuits_core.cost import FREE, Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import parse_head
 from circuits_core.prompt.model_summary import HEAD_THRESHOLD
-from circuits_core.prompt.qk_paths import k_composition_positivity, positivity_cost
 
 
 class PositivityPoint(BaseModel):
@@ -39,37 +39,34 @@ class PositivityView(BaseModel):
     points: list[PositivityPoint]
 
 
-# The head scores of the last models seen: one tour asks for them in 7 figures per model (detector runs).
-HEADS_SEEN: dict[int, tuple[LoadedModel, list[HeadScores]]] = {}
+def heads_view(loaded: LoadedModel) -> HeadsView:
+    """The heads table (detector and copying scores, the heads that matter), from the result cache when there: the
+    overview, this view and every tour figure read the same answer instead of running the detectors again."""
+    return build_cached(HEADS, loaded, loaded.path.name, NoParams(), Limits())
 
 
 def heads_seen(loaded: LoadedModel) -> list[HeadScores]:
-    seen = HEADS_SEEN.get(id(loaded))
-    if seen is None or seen[0] is not loaded:  # the model object itself is kept, so its id cannot be reused
-        if len(HEADS_SEEN) >= 8:
-            HEADS_SEEN.clear()
-        seen = HEADS_SEEN[id(loaded)] = (loaded, build_heads_view(loaded).heads)
-    return seen[1]
+    return heads_view(loaded).heads
 
 
 def induction_pair(loaded: LoadedModel) -> tuple[str, str]:
-    """(the strongest previous-token head of a layer below the strongest induction head, that induction head) on the
-    standard input. Each must score at least HEAD_THRESHOLD (model_summary's rule for listing a head as one), so no
-    figure or sentence calls a head an induction or previous-token head that is none."""
-    heads = heads_seen(loaded)
+    """(previous-token head, induction head): the heads that matter (detectors.heads_that_matter, the heads view's
+    previous_token_head and induction_head) on the standard input. Each must score at least HEAD_THRESHOLD
+    (model_summary's rule for listing a head as one), so no figure or sentence calls a head an induction or
+    previous-token head that is none."""
     if loaded.model.cfg.n_layers < 2:
         raise InvalidInputError("induction needs at least 2 layers")
-    induction = strongest(heads, "induction", range(1, loaded.model.cfg.n_layers))
-    if induction is None:
+    view = heads_view(loaded)
+    by_name = {h.head: h for h in view.heads}
+    induction = by_name.get(view.induction_head or "")
+    prev = by_name.get(view.previous_token_head or "")
+    if induction is None or prev is None:
         raise InvalidInputError("no head of layers >= 1 has an induction score on the standard input")
     if (induction.induction or 0.0) < HEAD_THRESHOLD:
         raise InvalidInputError(
             f"no induction head: the strongest, {induction.head}, scores {induction.induction:.2f} "
             f"(< {HEAD_THRESHOLD}) on the standard input"
         )
-    prev = strongest(heads, "previous_token", range(0, induction.layer))
-    if prev is None:
-        raise InvalidInputError(f"no head below the induction head {induction.head} has a previous-token score")
     if (prev.previous_token or 0.0) < HEAD_THRESHOLD:
         raise InvalidInputError(
             f"no previous-token head below the induction head {induction.head}: the strongest, "
@@ -79,23 +76,24 @@ def induction_pair(loaded: LoadedModel) -> tuple[str, str]:
 
 
 def build_positivity_view(loaded: LoadedModel, p: NoParams, limits: Limits) -> PositivityView:
+    """Every later head's (OV copying, K-composition positivity with the previous-token head that matters): the heads
+    table's own qk_k_composition column, which is measured against that head."""
     prev, _ = induction_pair(loaded)
-    model = loaded.model
-    layer, h = parse_head(prev, model.cfg)
-    weights = model.W_Q.new_zeros(model.cfg.n_layers, model.cfg.n_heads)
-    weights[layer, h] = 1.0
-    qk = k_composition_positivity(model, weights)  # [L, H]
+    layer = parse_head(prev, loaded.model.cfg)[0]
     points = [
-        PositivityPoint(head=s.head, ov_copying=s.ov_copying, k_composition_positivity=float(qk[s.layer, s.index]))
+        PositivityPoint(head=s.head, ov_copying=s.ov_copying, k_composition_positivity=s.qk_k_composition)
         for s in heads_seen(loaded)
-        if s.layer > layer
+        if s.layer > layer and s.qk_k_composition is not None
     ]
     return PositivityView(previous_token_head=prev, points=points)
 
 
 def positivity_view_cost(loaded: LoadedModel, p: NoParams, limits: Limits) -> Cost:
-    """The heads table (when not cached), then the positivity of every head with the previous-token head."""
-    return heads_cost(loaded, p, limits).then(positivity_cost(loaded.model))
+    """The heads table when it is not computed yet (the points are read off it), else only the answer."""
+    answer = FREE.with_answer(numbers=2 * loaded.model.cfg.n_layers * loaded.model.cfg.n_heads)
+    return (
+        answer if is_cached(cache_key(HEADS, loaded.path.name, loaded, NoParams())) else heads_cost(loaded, p, limits)
+    )
 
 
 POSITIVITY = Analysis(

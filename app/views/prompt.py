@@ -1,5 +1,5 @@
 """A prompt through the model: its tokens, attention patterns (plain or value-weighted), and the
-frozen-attention path expansion of one logit (paper-math 2.11, 2.16).
+frozen-attention path expansion of one logit (docs/maths.md §2.11, §2.16).
 
 Value-weighted pattern (2.16): A[i, j] * ||v_j|| with v the head's value vectors (not renormalised).
 Path expansion: circuits_core.prompt.paths.expand_logits at one destination position; its terms, plus the

@@ -1,4 +1,4 @@
-"""Component x component decomposition of a later head's attention scores on a prompt (paper-math 2.12).
+"""Component x component decomposition of a later head's attention scores on a prompt (docs/maths.md §2.12).
 
 circuits_core.prompt.qk_paths.expand_scores splits the pre-softmax scores q k^T / s of head (layer >= 1) into terms
 q_a k_b^T / s over the components a, b of its input (embedding, positions, each earlier head's output, MLPs,
@@ -16,7 +16,8 @@ from app.analysis import Analysis
 from app.params import QKPathsParams
 from app.schemas.analyses import QKCell, QKPair, QKPathsView, QKTerm
 from app.settings import Limits
-from app.views.inputs import check_k, model_ref, qk_form_fields, resolve_prompt, token_refs
+from app.views.inputs import check_k, model_ref, resolve_prompt, token_refs
+from circuits_core.circuits.qk_forms import qk_form
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
@@ -39,12 +40,14 @@ def build_qk_paths_view(loaded: LoadedModel, p: QKPathsParams, limits: Limits) -
     with torch.no_grad():
         run = frozen_run(model, run_tokens)
         exp = expand_scores(model, run_tokens, (layer, h), run=run)
-        causal = torch.ones(n, n, dtype=torch.bool, device=model.device).tril()
+        causal = exp.visible if exp.visible is not None else torch.ones(n, n, dtype=torch.bool).tril()
         total = exp.q_parts.sum(0) @ exp.k_parts.sum(0).T / exp.scale  # [n, n]: the sum of all C x C terms
+        if exp.cap_factor is not None:  # each term times its entry's frozen cap factor
+            total = total * exp.cap_factor
         error = float((total - exp.scores)[causal].abs().max())
         pairs = exp.top_pairs(k)
         terms = {f"{a}|{b}": exp.term(a, b).masked_fill(~causal, 0.0).double().tolist() for a, b, _ in pairs}
-        scores = [[float(exp.scores[i, j]) if j <= i else None for j in range(n)] for i in range(n)]
+        scores = [[float(exp.scores[i, j]) if causal[i, j] else None for j in range(n)] for i in range(n)]
         at = None
         if p.query is not None or p.key is not None:
             at = score_terms(exp, run.patterns[layer, h], p.query, p.key, n, k)
@@ -58,7 +61,10 @@ def build_qk_paths_view(loaded: LoadedModel, p: QKPathsParams, limits: Limits) -
         terms=terms,
         scores=scores,
         max_abs_error=error,
-        **qk_form_fields(loaded, "prompt"),
+        qk_form=qk_form(model, "prompt"),
+        score_cap=model.cfg.attn_scores_soft_cap,
+        beyond_cap=exp.beyond_cap if model.cfg.attn_scores_soft_cap is not None else None,
+        window=model.cfg.layer_window(layer),
         at=at,
     )
 
@@ -69,7 +75,11 @@ def score_terms(exp: Any, pattern: torch.Tensor, query: int | None, key: int | N
         raise InvalidInputError("give both query and key (positions) to split one score into its terms")
     if not 0 <= key <= query < n:
         raise InvalidInputError(f"need 0 <= key <= query < {n} (the prompt's length): got query {query}, key {key}")
+    if exp.visible is not None and not bool(exp.visible[query, key]):
+        raise InvalidInputError(f"the head's sliding window does not reach key {key} from query {query}")
     terms = exp.q_parts[:, query] @ exp.k_parts[:, key].T / exp.scale  # [C, C]
+    if exp.cap_factor is not None:  # the entry's frozen cap factor: the terms sum to the capped score
+        terms = terms * exp.cap_factor[query, key]
     C = len(exp.components)
     order = terms.flatten().abs().argsort(descending=True)[:k].tolist()
     return QKCell(

@@ -1,4 +1,4 @@
-"""The residual stream as a communication channel (issue 14): every writer against every reader, one virtual
+"""The residual stream as a communication channel: every writer against every reader, one virtual
 weight, and how the writers share d_model. Engine: circuits_core/circuits/virtual_weights.py, residual_stream.py.
 
 Three declarations (page + JSON each):
@@ -25,6 +25,7 @@ from circuits_core.circuits import residual_stream as rs
 from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.cost import Cost
+from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.transformer import Transformer
 
@@ -34,8 +35,8 @@ Offset = Annotated[
         ge=0,
         le=1_000_000,
         description=(
-            "rotary models: query position - key position at which Q/K readers are read (0: W_Q W_K^T; must be < n_ctx); "
-            "other models: 0 only"
+            "rotary models: query position - key position at which Q/K readers are read (0: W_Q W_K^T; must be < "
+            "n_ctx); other models: 0 only"
         ),
     ),
 ]
@@ -155,6 +156,14 @@ class DirectionView(BaseModel):
     input_bottom: list[DirectionEntry] | None
     output_top: list[DirectionEntry] | None = Field(description="largest entries on the reader's output side")
     output_bottom: list[DirectionEntry] | None
+    input_tokens_top: list[DirectionEntry] | None = Field(
+        default=None, description="a d_model input side read in tokens (input_read): largest"
+    )
+    input_tokens_bottom: list[DirectionEntry] | None = None
+    output_tokens_top: list[DirectionEntry] | None = Field(
+        default=None, description="a d_model output side read in tokens (output_read): largest"
+    )
+    output_tokens_bottom: list[DirectionEntry] | None = None
 
 
 class ResidualPairView(BaseModel):
@@ -174,6 +183,15 @@ class ResidualPairView(BaseModel):
     offset: int
     basis: str
     ignored: str
+    input_read: str | None = Field(
+        default=None,
+        description="a d_model input side is read in tokens as W_E u (which tokens, embedded, point along u)",
+    )
+    output_read: str | None = Field(
+        default=None,
+        description="a d_model output side read in tokens: 'W_E' (a Q/K reader's other side) or 'W_U' (v W_U: the "
+        "logits a V reader's output raises); norms not applied",
+    )
 
 
 def _entries(loaded: LoadedModel, space: str, items: list[tuple[int, float]] | None) -> list[DirectionEntry] | None:
@@ -209,6 +227,10 @@ def build_residual_pair_view(loaded: LoadedModel, p: ResidualPairParams, limits:
             input_bottom=_entries(loaded, rep.input_space, d.input_bottom),
             output_top=_entries(loaded, rep.output_space, d.output_top),
             output_bottom=_entries(loaded, rep.output_space, d.output_bottom),
+            input_tokens_top=_entries(loaded, "tokens", d.input_tokens_top),
+            input_tokens_bottom=_entries(loaded, "tokens", d.input_tokens_bottom),
+            output_tokens_top=_entries(loaded, "tokens", d.output_tokens_top),
+            output_tokens_bottom=_entries(loaded, "tokens", d.output_tokens_bottom),
         )
         for d in rep.directions
     ]
@@ -221,6 +243,8 @@ def build_residual_pair_view(loaded: LoadedModel, p: ResidualPairParams, limits:
         score=rep.score,
         baseline=rep.baseline,  # type: ignore[arg-type]
         minus_baseline=rep.score - rep.baseline,
+        input_read=rep.input_read,
+        output_read=rep.output_read,
         singular_values=rep.singular_values,
         directions=dirs,
         links=_links(loaded.path.name, writer, reader),
@@ -238,10 +262,19 @@ def residual_pair_cost(loaded: LoadedModel, p: ResidualPairParams, limits: Limit
 
 
 # -- usage ------------------------------------------------------------------------------------------------
+USAGE_ROWS = 64  # writer rows of the overlap tables per answer (a page); the toys' writers all fit in one
+
+
 class UsageParams(AnalysisParams):
     energy: Energy = rs.ENERGY
     offset: Offset = 0
     basis: BasisChoice = "served"
+    writers_from: Annotated[
+        int, Field(ge=0, description="first writer row of the overlap tables in this answer (a page of them)")
+    ] = 0
+    writers_shown: Annotated[
+        int, Field(ge=1, le=4096, description=f"writer rows of the overlap tables per answer (default {USAGE_ROWS})")
+    ] = USAGE_ROWS
 
 
 class CrowdedDirection(BaseModel):
@@ -275,6 +308,10 @@ class UsageView(BaseModel):
     overlap_excess: list[list[float]] = Field(
         description="(overlap - random) / (1 - random), random = max(k1, k2) / d_model"
     )
+    rows: list[str] = Field(description="the writers of this page's overlap rows (writers_from on)")
+    writers_from: int
+    next_writers_from: int | None = Field(description="writers_from of the next page of rows; None on the last page")
+    page: str = Field(description="which rows of the overlap tables this answer holds, in words")
     d_model: int
     total_dims: int = Field(description="sum of the writers' subspace dimensions")
     uniform_load: float = Field(description="total_dims / d_model")
@@ -297,6 +334,10 @@ def build_usage_view(loaded: LoadedModel, p: UsageParams, limits: Limits) -> Usa
     u = rs.stream_usage(model, energy=p.energy, offset=p.offset, spec=spec)
     er = rs.erasure(model, energy=p.energy, spec=spec)
     bw = u.bandwidth
+    n_writers = len(u.writers)
+    if p.writers_from >= max(1, n_writers):
+        raise InvalidInputError(f"writers_from={p.writers_from}: the model has {n_writers} writers (rows from 0)")
+    page = slice(p.writers_from, min(n_writers, p.writers_from + p.writers_shown))
     z = er.z[er.mask]
     return UsageView(
         model=model_ref(loaded),
@@ -305,8 +346,19 @@ def build_usage_view(loaded: LoadedModel, p: UsageParams, limits: Limits) -> Usa
         readers=u.readers,
         effective_rank=u.effective_rank,
         dims=u.dims,
-        overlap=u.overlap.tolist(),
-        overlap_excess=u.overlap_excess.tolist(),
+        overlap=u.overlap[page].tolist(),
+        overlap_excess=u.overlap_excess[page].tolist(),
+        rows=u.writers[page],
+        writers_from=page.start,
+        next_writers_from=page.stop if page.stop < n_writers else None,
+        page=(
+            f"all {n_writers} writer rows"
+            if page.start == 0 and page.stop >= n_writers
+            else f"writer rows {page.start + 1}-{page.stop} of {n_writers} (writers_from={page.start}, "
+            f"writers_shown={p.writers_shown}); the next page: writers_from={page.stop}"
+            if page.stop < n_writers
+            else f"writer rows {page.start + 1}-{page.stop} of {n_writers}, the last page (writers_from={page.start})"
+        ),
         d_model=bw.d_model,
         total_dims=bw.total_dims,
         uniform_load=bw.uniform_load,
@@ -333,7 +385,9 @@ def build_usage_view(loaded: LoadedModel, p: UsageParams, limits: Limits) -> Usa
 
 
 def usage_cost(loaded: LoadedModel, p: UsageParams, limits: Limits) -> Cost:
-    return rs.usage_cost(loaded.model).then(rs.erasure_cost(loaded.model)) + raw_copy_cost(loaded, p.basis)
+    return rs.usage_cost(loaded.model, p.writers_shown).then(rs.erasure_cost(loaded.model)) + raw_copy_cost(
+        loaded, p.basis
+    )
 
 
 RESIDUAL = Analysis(

@@ -1,5 +1,6 @@
-"""Rotary-model analyses (issue 11): a head's positional kernel, energy per rotary band and QK eigenvalue
-copying over δ, a pair's Q/K composition profile over δ; helpers the QK, composition and heads views call for rotary models.
+"""Rotary-model analyses: a head's positional kernel, energy per rotary band and QK eigenvalue
+copying over δ, a pair's Q/K composition profile over δ; helpers the QK, composition and heads views call for
+rotary models.
 
 The kernel needs μ_l, the mean ln1 output entering each layer on a reference text (circuits_core/circuits/rotary.py
 REFERENCE_TEXT, tokenised with the model's tokenizer; seeded random token ids for a model without one). μ is
@@ -15,8 +16,8 @@ import torch
 from pydantic import Field
 
 from app.analysis import Analysis, AnalysisParams, HeadField
-from app.compute import cached_build
 from app.params import HEAD_DOC, BasisChoice, HeadParams, Offset
+from app.scheduling import cached_build
 from app.schemas.common import Complex
 from app.schemas.rotary import (
     BandsView,
@@ -109,10 +110,11 @@ def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limi
         head=head_name(layer, h),
         offsets=offsets.tolist(),
         kernel=kernel.tolist(),
-        peak_offset=int(offsets[kernel.argmax()]),
+        peak_offset=int(offsets[int(kernel.argmax())]),
         shape=ProfileShapeView.of(_shape(loaded, kernel.tolist(), offsets), "peak"),
         reference=ref,
-        basis=f"{weights_basis(loaded)}; μ_l = mean ln1 output entering layer {layer} on the reference text, first token left out",
+        basis=f"{weights_basis(loaded)}; μ_l = mean ln1 output entering layer {layer} on the reference text, first "
+        f"token left out",
     )
 
 
@@ -166,6 +168,7 @@ def bands_cost(loaded: LoadedModel, p: BandsParams, limits: Limits) -> Cost:
 
 BANDS = Analysis(
     name="rotary-bands",
+    weights="attention",
     path="heads/{head}/bands",
     params=BandsParams,
     view=BandsView,
@@ -216,6 +219,7 @@ def profile_cost(loaded: LoadedModel, p: ProfileParams, limits: Limits) -> Cost:
 
 PROFILE = Analysis(
     name="composition-profile",
+    weights="attention",
     path="composition/{source}/{target}/profile",
     params=ProfileParams,
     view=CompositionProfileView,
@@ -253,9 +257,10 @@ def build_qk_copying_view(loaded: LoadedModel, p: QKCopyingParams, limits: Limit
         score=float(copying_score(eig[-1])),
         offsets=offsets.tolist(),
         scores=scores.tolist(),
-        peak_offset=int(offsets[scores.argmax()]),
+        peak_offset=int(offsets[int(scores.argmax())]),
         shape=ProfileShapeView.of(_shape(loaded, scores.tolist(), offsets), "largest"),
-        basis=f"{weights_basis(loaded)}; tokens as W_E with layer 0's norm applied to each row (W_E_eff), positions by R(δ) only",
+        basis=f"{weights_basis(loaded)}; tokens as W_E with layer 0's norm applied to each row (W_E_eff), positions by "
+        f"R(δ) only",
     )
 
 
@@ -269,6 +274,7 @@ def qk_copying_cost(loaded: LoadedModel, p: QKCopyingParams, limits: Limits) -> 
 
 QK_COPYING = Analysis(
     name="qk-copying-offset",
+    weights="attention",
     path="heads/{head}/qk-copying",
     params=QKCopyingParams,
     view=QKCopyingView,
@@ -298,7 +304,8 @@ def check_offset(loaded: LoadedModel, offset: int) -> None:
     """An offset other than 0 needs rotary positions; it must be below n_ctx."""
     if offset != 0 and loaded.model.cfg.positional_embedding_type != "rotary":
         raise InvalidInputError(
-            f"offset applies to rotary models only; this one has {loaded.model.cfg.positional_embedding_type!r} positions"
+            f"offset applies to rotary models only; this one has {loaded.model.cfg.positional_embedding_type!r} "
+            f"positions"
         )
     if offset:
         rotary.check_offsets(loaded.model, [offset])

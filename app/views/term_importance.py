@@ -1,4 +1,4 @@
-"""Term importance by path order and pattern-preserving head ablation (paper-math 2.13), from
+"""Term importance by path order and pattern-preserving head ablation (docs/maths.md §2.13), from
 circuits_core.prompt.ablation: losses with paths up to each order (patterns and LayerNorm scales frozen, values
 reading the previous rerun), the marginal effect of each order, first-order terms by layer, and the loss
 change when one head's result is zeroed with every pattern frozen (Olsson et al.) and with the later patterns

@@ -1,6 +1,6 @@
 """Composition scores: how much a later head's query, key or value reads what an earlier head wrote.
 
-Paper section: "Composition" (Elhage et al. 2021; paper-math 2.9). Row-vector (TransformerLens) convention,
+Paper section: "Composition" (Elhage et al. 2021; docs/maths.md §2.9). Row-vector (TransformerLens) convention,
 W_OV = W_V W_O and W_QK = W_Q W_K^T, both [d_model, d_model] of rank <= d_head. For h1 in an earlier layer
 than h2:
     Q-composition  ||W_OV^{h1} W_QK^{h2}||_F   / (||W_OV^{h1}||_F ||W_QK^{h2}||_F)
@@ -39,7 +39,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.folded import circuit_weight, stacked_weights
+from circuits_core.circuits.folded import circuit_weight
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer
@@ -99,22 +99,6 @@ def pair_scores(left: Tensor, right: Tensor) -> Tensor:
     return num / den
 
 
-def right_factors(model: Transformer, kind: CompositionKind) -> tuple[Tensor, Tensor]:
-    """(A, B) with A B the later head's matrix for `kind`: [L, H, d, d_head], [L, H, d_head, d]."""
-    W_Q, W_K, W_V, W_O = (stacked_weights(model, name) for name in ("W_Q", "W_K", "W_V", "W_O"))  # gains folded
-    return _right_factors(W_Q, W_K, W_V, W_O, kind)
-
-
-def _right_factors(W_Q: Tensor, W_K: Tensor, W_V: Tensor, W_O: Tensor, kind: CompositionKind) -> tuple[Tensor, Tensor]:
-    if kind == "q":  # W_QK = W_Q W_K^T
-        return W_Q, W_K.transpose(-2, -1)
-    if kind == "k":  # W_QK^T = W_K W_Q^T
-        return W_K, W_Q.transpose(-2, -1)
-    if kind == "v":  # W_OV = W_V W_O
-        return W_V, W_O
-    raise InvalidInputError(f"composition kind must be one of {KINDS}, got {kind!r}")
-
-
 def gram_block_size(d: int, target: int = GRAM_BLOCK) -> int:
     """Largest divisor of d that is <= target; d itself (one block, the full Gram) when that divisor is tiny."""
     size = max(s for s in range(1, min(d, target) + 1) if d % s == 0)
@@ -154,8 +138,8 @@ def source_factor(weight: LayerWeight, layer: int, group_size: int) -> Tensor:
 
 
 def target_factor(weight: LayerWeight, layer: int, kind: CompositionKind, group_size: int) -> Tensor:
-    """P = A R_{B^T}^T [H, d, k] of the later matrix A B of every head of `layer` (right_collapsed of
-    _right_factors), so that P P^T = A B B^T A^T = M M^T, the target Gram; W_K, W_V per key/value group
+    """P = A R_{B^T}^T [H, d, k] of the later matrix A B of every head of `layer` (right_collapsed
+    of the (A, B) below), so that P P^T = A B B^T A^T = M M^T, the target Gram; W_K, W_V per key/value group
     [G, 1, ...], broadcast against W_Q, W_O per query head [G, group_size, ...]."""
 
     def per_head(name: str) -> Tensor:  # [G, gs, d, dh] or [G, gs, dh, d]
@@ -385,7 +369,11 @@ def cost(model: Transformer, kinds: tuple[CompositionKind, ...] = KINDS, budget_
 def _priced(model: Transformer, kinds: tuple[CompositionKind, ...], layers_per_chunk: int | None) -> Cost:
     L, H, K = model.cfg.n_layers, model.cfg.n_heads, len(kinds)
     numbers = scores_numbers(model, kinds, layers_per_chunk) + 2 * K * (L * H) ** 2  # + minus baseline, mask
-    return Cost(numbers * itemsize(model.compute_dtype)) + random_baseline_cost(model.cfg.d_model, model.cfg.d_head)
+    d, dh = model.cfg.d_model, model.cfg.d_head
+    n_pairs = len(block_pairs(d, gram_block_size(d))[0]) * gram_block_size(d) ** 2  # Gram entries formed per head
+    # FLOPs: each head's factor Grams (per kind) and the pairs' inner products over the upper block triangle
+    flops = K * (2 * L * H * n_pairs * min(d, dh) + 2 * (L * H) ** 2 * n_pairs)
+    return Cost(numbers * itemsize(model.compute_dtype), flops=flops) + random_baseline_cost(d, dh)
 
 
 def random_baseline_cost(d_model: int, d_head: int) -> Cost:

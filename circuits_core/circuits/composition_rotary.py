@@ -1,6 +1,6 @@
 """Q- and K-composition of rotary models as profiles over the query-key offset δ; V-composition unchanged.
 
-Paper section: "Composition" (Elhage et al. 2021; paper-math 2.9) with the QK circuit at an offset of
+Paper section: "Composition" (Elhage et al. 2021; docs/maths.md §2.9) with the QK circuit at an offset of
 rotary.py: Ω_B(δ) = W_Q^B R(δ) W_K^{gT}. Row-vector convention, as composition.py. For an earlier head A
 (W_OV^A = W_V^A W_O^A) and a later head B:
     C_Q(δ) = ||W_OV^A Ω_B(δ)||_F   / (||W_OV^A||_F ||Ω_B(δ)||_F)

@@ -1,6 +1,6 @@
 """Copying, measured three ways for every head, beside what random weights of the same shapes give.
 
-Paper section: "Detecting copying" and "Summarizing OV/QK matrices" (Elhage et al. 2021; paper-math 2.7,
+Paper section: "Detecting copying" and "Summarizing OV/QK matrices" (Elhage et al. 2021; docs/maths.md §2.7,
 2.8). Row-vector convention: the full OV circuit of head h is M = W_E_eff W_V W_O W_U [V, V], row a = the
 logit effect of attending to token a (circuits.full_ov_circuit). Three summaries of "M copies":
 - the eigenvalue score sum(lambda) / sum(|lambda|) (circuits.ov_copying_scores), which can be near +1 while
@@ -31,6 +31,7 @@ from circuits_core.circuits.copying_spectra import copying_score, unembed_embed_
 from circuits_core.circuits.embedding import embed_eff_rows
 from circuits_core.circuits.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
 from circuits_core.circuits.head_circuits import factors_cost, full_ov_circuit, ov_circuit
+from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.cost import Cost, check_stop
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.config import all_heads
@@ -71,7 +72,8 @@ BLOCK_BYTES = 16 * 2**20  # a block of logits at most this big, compared in plac
 def sample_order(n: int, rows: int | None, seed: int = 0) -> Tensor:
     """Positions [r] (into the n ranked tokens) of the source rows measured, in the order drawn: all n in order when
     rows is None or >= n, else the first `rows` of torch.randperm(n) from torch.Generator().manual_seed(seed). A smaller
-    sample of the same seed is a prefix of a larger one, so its rows can be read off the larger one's (RowRanks.first)."""
+    sample of the same seed is a prefix of a larger one, so its rows can be read off the larger one's
+    (RowRanks.first)."""
     if rows is None or rows >= n:
         return torch.arange(n)
     if rows < 1:
@@ -187,7 +189,7 @@ def random_ov_weights(model: Transformer, n: int, seed: int) -> tuple[Tensor, Te
 def random_eig_scores(model: Transformer, W_V: Tensor, W_O: Tensor) -> Tensor:
     """[n] eigenvalue copying scores of the circuits W_E_eff W_V[i] W_O[i] W_U, through d_head x d_head matrices."""
     G = unembed_embed_gram(model)  # [d, d]
-    return copying_score(torch.linalg.eigvals((W_O @ G @ W_V).double()))  # nonzero spectrum of W_E W_V W_O W_U [n, d_h]
+    return copying_score(eigvals((W_O @ G @ W_V).double()))  # nonzero spectrum of W_E W_V W_O W_U [n, d_h]
 
 
 def check_baseline(model: Transformer, n_samples: int, n_top_samples: int) -> None:
@@ -242,10 +244,22 @@ def cost(
     r = n if rows is None else min(rows, n)
     b = max(1, min(r, budget_bytes // max(1, n * size)))
     columns = cfg.d_model * n * size if n != cfg.d_vocab else 0
-    one_head = Cost(cfg.d_head * n * size + columns + b * (2 * cfg.d_model + cfg.d_head + n) * size + r * 16)
-    weights = Cost(2 * n_samples * cfg.d_model * cfg.d_head * 8 + n_samples * cfg.d_head * cfg.d_head * 16)
     heads = cfg.n_layers * cfg.n_heads if n_heads is None else n_heads
+    one_head = Cost(
+        cfg.d_head * n * size + columns + b * (2 * cfg.d_model + cfg.d_head + n) * size + r * 16,
+        flops=row_ranks_flops(cfg.d_model, cfg.d_head, n, r) * (heads + n_top_samples),
+    )
+    weights = Cost(
+        2 * n_samples * cfg.d_model * cfg.d_head * 8 + n_samples * cfg.d_head * cfg.d_head * 16,
+        flops=2 * cfg.d_vocab * cfg.d_model**2 + n_samples * 2 * cfg.d_head * cfg.d_model * (cfg.d_model + cfg.d_head),
+    )
     return (one_head + weights).with_answer(numbers=5 * heads + 4 * n_samples, labels=heads)
+
+
+def row_ranks_flops(d_model: int, d_head: int, n: int, r: int) -> int:
+    """FLOPs of row_ranks on r source rows ranked against n columns: (W_O W_U)^T [n, d_head], the rows' W_E_eff W_V
+    [r, d_head], their logits [n, r] and the compare-and-count over them."""
+    return 2 * n * d_model * d_head + 2 * r * d_model * d_head + 2 * n * d_head * r + 2 * n * r
 
 
 # -- one head's copying metrics (any square token circuit) ------------------------------------------------

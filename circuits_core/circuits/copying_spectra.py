@@ -22,6 +22,7 @@ from torch import Tensor
 from circuits_core.circuits.embedding import EMBED_CHUNK, embed_rows
 from circuits_core.circuits.folded import circuit_weight, layer_weights
 from circuits_core.circuits.head_circuits import attention
+from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.cost import Cost
 from circuits_core.model.linear import affine
 from circuits_core.model.transformer import Transformer
@@ -66,7 +67,7 @@ def embed_gram(model: Transformer) -> Tensor:
 
 def _spectrum(M: Tensor) -> Tensor:
     # eig is ill-conditioned for non-symmetric matrices: solve the small ones in float64.
-    return torch.linalg.eigvals(M.double())
+    return eigvals(M.double())
 
 
 def ov_eigenvalues(model: Transformer, G: Tensor | None = None) -> Tensor:

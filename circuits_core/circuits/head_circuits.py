@@ -1,8 +1,8 @@
 """Single-head circuits: the direct path, QK and OV circuits, their full (token) circuits, skip-trigrams, positional QK.
 
 Paper sections (Elhage et al. 2021): "Zero-Layer Transformers" (direct path W_U W_E), "One-Layer
-Attn-Only Transformers" (QK circuit W_E^T W_QK W_E, OV circuit W_U W_OV W_E, skip-trigrams). See paper-math
-sections 2.2-2.8; every head's eigenvalue copying scores are in spectra.py, one head's copying metrics in copying.py.
+Attn-Only Transformers" (QK circuit W_E^T W_QK W_E, OV circuit W_U W_OV W_E, skip-trigrams). See docs/maths.md
+§2.2-2.8; every head's eigenvalue copying scores are in copying_spectra.py, one head's copying metrics in copying.py.
 
 Convention: row vectors as TransformerLens (`x @ W`), so every full circuit is the paper's matrix
 transposed or not as below (V = d_vocab, d = d_model, d_h = d_head, s = attn_scale):
@@ -21,7 +21,7 @@ LayerNorm: W_E_eff is W_E with the first layer's ln1 applied row by row (embeddi
 stated), as the paper does for its one-layer skip-trigrams. The direct path uses ln_final applied to W_E
 rows instead. Circuits of later layers use the same W_E_eff: they describe the direct token -> head path
 (the paper's one-layer terms), ignoring the LN scale at that layer. Attention biases are ignored (their
-effect on the pattern is only the per-key term b_Q W_K^T x, paper-math 1.4).
+effect on the pattern is only the per-key term b_Q W_K^T x, docs/maths.md §1.4).
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ class PositionalQK:
 
 
 def positional_qk(model: Transformer, layer: int, head: int, n: int | None = None) -> PositionalQK:
-    """The position-position part of the attention scores and its causal pattern (paper-math 2.4).
+    """The position-position part of the attention scores and its causal pattern (docs/maths.md §2.4).
 
     Exact for shortformer models (positions enter queries and keys after ln1, untouched). For standard
     positions W_pos goes through the residual stream: ln1 is applied to W_pos rows and tokens are ignored,

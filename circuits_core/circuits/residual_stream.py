@@ -1,7 +1,7 @@
 """How the residual stream's bandwidth is used: ranks, shared subspaces, crowding and erasure.
 
 Paper section: "The Residual Stream as a Communication Channel" and "Subspaces and Residual Stream
-Bottlenecks" (Elhage et al. 2021; paper-math 2.1). Row-vector convention. Every writer W_w [n_in, d_model] writes
+Bottlenecks" (Elhage et al. 2021; docs/maths.md §2.1). Row-vector convention. Every writer W_w [n_in, d_model] writes
 into the row space of W_w; every reader W_r [d_model, n_out] reads the column space of W_r (components in
 stream_components.py). With stream-side singular values s_i and vectors u_i of a component:
 
@@ -41,6 +41,7 @@ from torch import Tensor
 from circuits_core.circuits.copying_spectra import embed_gram
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import mlp_output_weight, stacked_weights
+from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.circuits.stream_components import (
     Reader,
     Writer,
@@ -230,8 +231,8 @@ def stream_usage(
     with torch.no_grad():
         raw = overlaps(w_sub, w_sub + r_sub, should_stop)
     d = model.cfg.d_model
-    k_w = torch.tensor([b.shape[1] for b in w_sub], dtype=raw.dtype)
-    k_all = torch.tensor([b.shape[1] for b in w_sub + r_sub], dtype=raw.dtype)
+    k_w = torch.tensor([b.shape[1] for b in w_sub], dtype=raw.dtype, device=raw.device)
+    k_all = torch.tensor([b.shape[1] for b in w_sub + r_sub], dtype=raw.dtype, device=raw.device)
     ov = raw / torch.minimum(k_w[:, None], k_all[None, :])
     rand = torch.maximum(k_w[:, None], k_all[None, :]) / d
     excess = torch.where(rand < 1, (ov - rand) / (1 - rand).clamp_min(1e-12), torch.zeros_like(ov))
@@ -240,17 +241,19 @@ def stream_usage(
     return StreamUsage(wn, rn, ranks, dims, energy, ov, rand, excess, bandwidth(wn, w_sub, d))
 
 
-def usage_cost(model: Transformer) -> Cost:
+def usage_cost(model: Transformer, rows: int | None = None) -> Cost:
     """stream_usage: every component's d x d Gram or d x d_head factors and bases, one Gram block per side, the
-    [Nw, Nw + Nr] tables; answer: three tables, the ranks and the load spectrum."""
+    [Nw, Nw + Nr] tables; answer: three tables (`rows` of their Nw writer rows: a page of them), the ranks and the
+    load spectrum."""
     cfg = model.cfg
     Nw, Nr = len(writers(model)), len(readers(model))
+    shown = Nw if rows is None else min(rows, Nw)
     d, dh = cfg.d_model, cfg.d_head
     numbers = (
         (Nw + Nr) * (d * dh + 128 * 128) + 8 * d * d + 3 * Nw * (Nw + Nr) + cfg.n_layers * cfg.n_heads * 4 * d * dh
     )
     return Cost(numbers * itemsize(model.compute_dtype)).with_answer(
-        numbers=3 * Nw * (Nw + Nr) + 2 * (Nw + Nr) + d, labels=Nw + Nr
+        numbers=3 * shown * (Nw + Nr) + 2 * (Nw + Nr) + d, labels=Nw + Nr
     )
 
 
@@ -355,7 +358,7 @@ def erasure(
     ws = writers(model)
     heads = [Writer("head", i // H, i % H) for i in range(L * H)]
     shape = (len(ws), L * H)
-    score, z, share = torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt), torch.zeros(shape, dtype=dt)
+    score, z, share = (torch.zeros(shape, dtype=dt, device=model.device) for _ in range(3))  # [Nw, L H] each
     mask = torch.tensor(
         [[reaches(model, w, Reader("V", h.layer, h.head)) for h in heads] for w in ws], dtype=torch.bool
     )
@@ -388,7 +391,7 @@ def erasure(
             score[i, j0:], z[i, j0:], share[i, j0:] = s, zs, sh
             for j in torch.nonzero((zs > threshold_z) & (sh > k / d)).flatten().tolist():
                 # eigenvalues of X Y = U^T W_OV U [k, k], through the smaller of X Y and Y X (same nonzero ones)
-                eig = torch.linalg.eigvals((X[j] @ Y[j] if k <= dh else Y[j] @ X[j]).double())
+                eig = eigvals((X[j] @ Y[j] if k <= dh else Y[j] @ X[j]).double())
                 candidates.append(
                     ErasureCandidate(
                         w.name,

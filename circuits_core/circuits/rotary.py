@@ -1,7 +1,7 @@
 """Rotary QK circuits: the QK circuit at a query-key offset, the positional kernel, the energy per rotary band.
 
-Paper section: "The QK circuit" (Elhage et al. 2021; paper-math 2.4, 2.6, 2.8) for models with rotary
-positions (rotary-circuits.md). Row-vector convention (`x @ W`). `model.rotate(x, p)` is x R(p), the row x
+Paper section: "The QK circuit" (Elhage et al. 2021; docs/maths.md §2.4, §2.6, 2.8) for models with rotary
+positions (docs/maths.md §6). Row-vector convention (`x @ W`). `model.rotate(x, p)` is x R(p), the row x
 rotated as the model rotates queries and keys at position p (its layout: rotate-half or adjacent pairs,
 partial rotary, rope scaling), and R(a) R(b)^T = R(a - b). For the query at position i and the key at j,
 δ = i - j, x̂ the ln1 output (norm gain included) and g = h // (n_heads / n_key_value_heads):
@@ -43,8 +43,8 @@ from circuits_core.circuits.head_circuits import (
     check_head,
     factors_cost,
     skip_trigrams,
-    top_cost,
 )
+from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.circuits.qk_forms import QKForm, folded_query_key, head_token_scales, qk_form, token_scale
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
@@ -210,7 +210,7 @@ def qk_eigenvalues_at(model: Transformer, offset: int, G_E: Tensor | None = None
         W_Q, W_K = folded_query_key(model, layer)
         W_K = W_K.repeat_interleave(model.cfg.group_size, dim=0)  # per query head
         R = rotation(model, [offset], layer=layer)[0]  # [dh, dh] float64
-        out.append(torch.linalg.eigvals(_qk_small(model, W_Q, W_K, G_E) @ R))
+        out.append(eigvals(_qk_small(model, W_Q, W_K, G_E) @ R))
     return torch.stack(out)
 
 
@@ -221,7 +221,7 @@ def head_qk_eigenvalues_at(
     check_rotary(model)
     W_Q, W_K = query_key_weights(model, layer, head)
     R = rotation(model, offsets, layer=layer)  # [n, dh, dh] float64
-    return torch.linalg.eigvals(_qk_small(model, W_Q, W_K, G_E) @ R)
+    return eigvals(_qk_small(model, W_Q, W_K, G_E) @ R)
 
 
 def qk_copying_scores_at(model: Transformer, offset: int, G_E: Tensor | None = None) -> Tensor:
@@ -344,14 +344,6 @@ def band_energies(model: Transformer) -> BandEnergies:
 
 
 # -- costs (circuits_core.cost) ------------------------------------------------------------------------
-def qk_at_cost(model: Transformer, k: int, budget_bytes: int, line: bool) -> Cost:
-    """A full QK circuit at δ: its two [d_vocab, d_head] factors, the rotated query factor, then one row or
-    column ([d_vocab] values) or the global top k (FactoredMatrix.topk_global)."""
-    cfg = model.cfg
-    rotated = Cost(cfg.d_vocab * cfg.d_head * itemsize(model.dtype))
-    return top_cost(model, k, budget_bytes, line=line) + rotated
-
-
 def qk_copying_at_cost(model: Transformer, n_offsets: int) -> Cost:
     """head_qk_eigenvalues_at: the vocabulary Gram G_E (embed_gram: one LN chunk at a time), the float64
     d_model x d_head products, R(δ) and the d_head x d_head product per offset; answer: d_head complex

@@ -1,6 +1,6 @@
 """The random baseline of Q- and K-composition under rotation and grouped-query attention.
 
-Paper section: "Composition" (Elhage et al. 2021; paper-math 2.9): the score of random matrices of the same shapes,
+Paper section: "Composition" (Elhage et al. 2021; docs/maths.md §2.9): the score of random matrices of the same shapes,
 subtracted as the paper subtracts "the empirical expected amount for random matrices". For Gaussian factors the
 distribution of W_K R(δ)^T is that of W_K, so the expected score does not depend on δ: one value serves every offset
 of composition_rotary's profiles. `random_baseline` samples it with Gaussian factors of the model's shapes, one key

@@ -1,6 +1,6 @@
 """The residual stream's writers and readers, each as the factors of its map into or out of the stream.
 
-Paper section: "The Residual Stream as a Communication Channel" (Elhage et al. 2021; paper-math 2.1). Row-vector
+Paper section: "The Residual Stream as a Communication Channel" (Elhage et al. 2021; docs/maths.md §2.1). Row-vector
 (TransformerLens) convention, x @ W. A writer maps its input into the stream, W_w [n_in, d_model]; a reader
 maps the stream to its output, W_r [d_model, n_out]:
 

@@ -1,6 +1,6 @@
 """Residual-stream Gram matrices of every writer and reader, and their inner products for all pairs at once.
 
-Paper section: "The Residual Stream as a Communication Channel" (Elhage et al. 2021; paper-math 2.1).
+Paper section: "The Residual Stream as a Communication Channel" (Elhage et al. 2021; docs/maths.md §2.1).
 Row-vector convention. How much a reader W_r [d, n_out] reads of a writer W_w [n_in, d] depends only on the two
 d_model x d_model Gram matrices G_w = W_w^T W_w and H_r = W_r W_r^T:
     ||W_w W_r||_F^2 = <G_w, H_r>_F;   for orthonormal bases, ||U_1^T U_2||_F^2 = <U_1 U_1^T, U_2 U_2^T>_F.

@@ -1,7 +1,7 @@
 """Virtual weights: what every reader of the residual stream reads of what every writer wrote into it.
 
 Paper section: "Virtual Weights and the Residual Stream as a Communication Channel" (Elhage et al. 2021;
-paper-math 2.1, 2.9). Row-vector (TransformerLens) convention, x @ W. Writers W_w [n_in, d_model] (embed, pos,
+docs/maths.md §2.1, §2.9). Row-vector (TransformerLens) convention, x @ W. Writers W_w [n_in, d_model] (embed, pos,
 heads' W_OV, MLPs' W_out) and readers W_r [d_model, n_out] (heads' W_QK, W_QK^T, W_OV, MLP inputs, W_U) are
 listed in stream_components.py.
 
@@ -140,6 +140,11 @@ class Direction:
     input_bottom: list[tuple[int, float]] | None
     output_top: list[tuple[int, float]] | None
     output_bottom: list[tuple[int, float]] | None
+    # a d_model side read in tokens (token_reading): (token id, value) largest and smallest
+    input_tokens_top: list[tuple[int, float]] | None = None
+    input_tokens_bottom: list[tuple[int, float]] | None = None
+    output_tokens_top: list[tuple[int, float]] | None = None
+    output_tokens_bottom: list[tuple[int, float]] | None = None
 
 
 @dataclass
@@ -154,6 +159,8 @@ class VirtualWeightReport:
     singular_values: list[float]
     directions: list[Direction]  # top singular directions; (U_i, V_i) defined up to a common sign
     offset: int
+    input_read: str | None = None  # how a d_model input side is read in tokens: "W_E" (None: not a d_model side)
+    output_read: str | None = None  # "W_E" (a Q/K reader's other side) or "W_U" (a V reader's output)
 
 
 def _space(kind: str) -> str:
@@ -175,6 +182,19 @@ def _extremes(v: Tensor, n: int, space: str, largest: bool) -> list[tuple[int, f
     return [(int(i), float(x)) for i, x in zip(idx.tolist(), vals.tolist(), strict=True)]
 
 
+# How a d_model side of a virtual weight reads in tokens (no norm applied: a direct-path reading). The writer
+# head's input side, and a Q/K reader's other side, are directions tokens are embedded along (W_E u: which
+# tokens, embedded, point along u); a V reader's output side is written to the stream (v W_U: whose logits it
+# raises).
+READ_THROUGH = {"input": "W_E", "Q": "W_E", "K": "W_E", "V": "W_U"}
+
+
+def token_reading(model: Transformer, direction: Tensor, through: str) -> Tensor:
+    """[d_vocab]: a d_model direction [d_model] read in tokens, W_E u ("W_E") or u W_U ("W_U")."""
+    d = direction.to(model.W_E.dtype)
+    return model.W_E @ d if through == "W_E" else d @ model.W_U
+
+
 def _neuron_ids(neurons: tuple[int, ...] | None, idx: list[tuple[int, float]] | None) -> list[tuple[int, float]] | None:
     if idx is None or neurons is None:
         return idx
@@ -192,21 +212,40 @@ def pair_report(
         r_norm = chain_norm(model, reader_chain(model, reader, offset))
     score = float(svd.S.pow(2).sum().sqrt() / (w_norm * r_norm))
     ins, outs = _space(writer.kind), _space(reader.role)
+    in_read = READ_THROUGH["input"] if ins == "d_model" else None
+    out_read = READ_THROUGH.get(reader.role) if outs == "d_model" else None
     dirs = []
     for i in range(svd.U.shape[1]):
         u, v = svd.U[:, i], svd.V[:, i]
-        dirs.append(
-            Direction(
-                float(svd.S[i]),
-                _neuron_ids(writer.neurons, _extremes(u, n_top, ins, True)),
-                _neuron_ids(writer.neurons, _extremes(u, n_top, ins, False)),
-                _neuron_ids(reader.neurons, _extremes(v, n_top, outs, True)),
-                _neuron_ids(reader.neurons, _extremes(v, n_top, outs, False)),
-            )
+        d = Direction(
+            float(svd.S[i]),
+            _neuron_ids(writer.neurons, _extremes(u, n_top, ins, True)),
+            _neuron_ids(writer.neurons, _extremes(u, n_top, ins, False)),
+            _neuron_ids(reader.neurons, _extremes(v, n_top, outs, True)),
+            _neuron_ids(reader.neurons, _extremes(v, n_top, outs, False)),
         )
+        with torch.no_grad():
+            if in_read is not None:
+                t = token_reading(model, u, in_read)
+                d.input_tokens_top, d.input_tokens_bottom = (_extremes(t, n_top, "tokens", b) for b in (True, False))
+            if out_read is not None:
+                t = token_reading(model, v, out_read)
+                d.output_tokens_top, d.output_tokens_bottom = (_extremes(t, n_top, "tokens", b) for b in (True, False))
+        dirs.append(d)
     sampled, _ = random_baseline(model.cfg.d_model, model.cfg.d_head)
     return VirtualWeightReport(
-        writer.name, reader.name, ins, outs, score, analytic_baseline(model), sampled, svd.S.tolist(), dirs, offset
+        writer.name,
+        reader.name,
+        ins,
+        outs,
+        score,
+        analytic_baseline(model),
+        sampled,
+        svd.S.tolist(),
+        dirs,
+        offset,
+        in_read,
+        out_read,
     )
 
 
@@ -274,14 +313,14 @@ class VirtualWeightScores:
 
 
 def reach_mask(model: Transformer, ws: list[Writer], rs: list[Reader]) -> Tensor:
-    """[Nw, Nr] bool: stream_components.reaches for every pair, from the slots."""
+    """[Nw, Nr] bool on the model's device: stream_components.reaches for every pair, from the slots."""
     w_slot = torch.tensor([w.slot() for w in ws])
     r_slot = torch.tensor([r.slot(model) for r in rs])
     mask = w_slot[:, None] < r_slot[None, :]
     for i, w in enumerate(ws):
         if w.kind == "pos":  # shortformer positions reach only Q and K
             mask[i] = torch.tensor([reaches(model, w, r) for r in rs], dtype=torch.bool)
-    return mask
+    return mask.to(model.device)
 
 
 def all_scores(

@@ -40,7 +40,15 @@ from torch import Tensor
 from circuits_core.errors import CheckpointError, InvalidInputError
 from circuits_core.formats.gguf import Defaulted, gguf_file, read_gguf
 from circuits_core.formats.hf import load_gpt2, load_gpt_neox
-from circuits_core.formats.llama import LLAMA_MODEL_TYPES, llama_config, load_llama, shard_names
+from circuits_core.formats.lazy_mlp import DeferredMLP, lazy_mlp_supported, load_llama_lazy, mlp_bytes
+from circuits_core.formats.llama import (
+    HALF_DTYPES,
+    LLAMA_MODEL_TYPES,
+    llama_config,
+    load_llama,
+    shard_names,
+    stored_dtype,
+)
 from circuits_core.formats.llama_variants import REFUSED_MODEL_TYPES, VARIANT_MODEL_TYPES, load_variant, variant_config
 from circuits_core.formats.processing import SWITCHES, ProcessingOptions, own_tensors, process_state
 from circuits_core.formats.statedict import (
@@ -97,6 +105,24 @@ class LoadedModel:
     digest: str = ""  # sha256 of every answer-changing file (config, weights, ANSWER_FILES): the cache key
     path: Path = Path(".")
     defaulted: list[Defaulted] = field(default_factory=list)  # config values the file lacks, and their sources
+
+    def provenance(self) -> dict[str, str]:
+        """Where and in which dtypes this model's answers are computed: the device, the weights' dtype (as kept:
+        bf16/fp16 when a half-precision checkpoint keeps its stored dtype), the dtype the circuits compute in, and
+        whether the MLP weights are read yet (formats/lazy_mlp.py: read on first use)."""
+        model = self.model
+        mlps = [b.mlp for b in model.blocks if not model.cfg.attn_only]  # type: ignore[union-attr]
+        deferred = sum(bool(m.deferred) for m in mlps)  # type: ignore[union-attr]
+        return {
+            "device": str(model.device),
+            "weights_dtype": str(model.dtype).removeprefix("torch."),
+            "compute_dtype": str(model.compute_dtype).removeprefix("torch."),
+            "mlp_weights": "none"
+            if not mlps
+            else f"deferred in {deferred} of {len(mlps)} layers"
+            if deferred
+            else "read",
+        }
 
 
 def _model_config(data: dict[str, Any], path: Path, **overrides: Any) -> ModelConfig:
@@ -289,6 +315,9 @@ def load_checkpoint(
     dtype: torch.dtype = torch.float32,
     process: bool | ProcessingOptions | None = None,
     max_bytes: int | None = None,
+    device: torch.device | str = "cpu",
+    keep_half: bool = False,
+    lazy_mlp: bool = False,
 ) -> LoadedModel:
     """Load a checkpoint folder of any registered format and apply weight processing (processing.py).
 
@@ -299,30 +328,42 @@ def load_checkpoint(
     them never share a cache key. `max_bytes`: refuse (CheckpointError, before allocating) weight files or a
     model priced by its config (statedict.load_bytes) above this many bytes. Nothing is read from outside the
     folder (statedict.check_contained, folder_file).
+
+    `device`: where the model lives; each tensor is moved there once, as it is built, before processing (which
+    then runs on the device). `keep_half`: a checkpoint whose embedding is stored in bf16 or fp16 keeps that dtype
+    (the circuits compute in float32: model.compute_dtype) instead of `dtype`. `lazy_mlp` (Llama-family
+    safetensors): the MLP tensors are not read until an MLP weight is first used (formats/lazy_mlp.py), so the
+    weight circuits read only the attention, norm, embedding and unembedding tensors; `max_bytes` then prices
+    what is loaded now.
     """
     folder = Path(folder)
     check_contained(folder)
     fmt = detect_format(folder)
     data = read_json_object(folder, "config.json") if fmt != "gguf" else {}
-    if max_bytes is not None:
+    lazy_mlp = lazy_mlp and fmt in LLAMA_MODEL_TYPES and lazy_mlp_supported(llama_config(data))
+    if max_bytes is not None and not lazy_mlp:  # (a lazy load is priced by what it reads: check_price below)
         on_disk = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
         if on_disk > max_bytes:
             raise CheckpointError(f"the folder holds {on_disk} bytes of files, over the limit of {max_bytes} bytes")
     if process is None:
         process = load_options(folder) or True
 
-    def check_price(cfg: ModelConfig) -> None:
-        if max_bytes is not None and (price := load_bytes(cfg, dtype)) > max_bytes:
+    def check_price(cfg: ModelConfig, without_mlp: bool = False) -> None:
+        price = load_bytes(cfg, dtype) - (mlp_bytes(cfg, dtype) if without_mlp else 0)
+        if max_bytes is not None and price > max_bytes:
             raise CheckpointError(
                 f"{'the GGUF metadata' if fmt == 'gguf' else 'config.json'} describes a model of {price} bytes in "
                 f"{str(dtype).removeprefix('torch.')} ({cfg.n_layers} layers, d_model={cfg.d_model}, "
-                f"d_vocab={cfg.d_vocab}), over the limit of {max_bytes} bytes"
+                f"d_vocab={cfg.d_vocab}{', without its MLP weights' if without_mlp else ''}), over the limit of "
+                f"{max_bytes} bytes"
             )
 
     tokenizer: Tokenizer | None = None
     defaulted: list[Defaulted] = []
     if fmt in LLAMA_MODEL_TYPES:
-        check_price(llama_config(data))  # priced from config.json before any tensor is read
+        if keep_half and (stored := stored_dtype(folder)) in HALF_DTYPES:
+            dtype = stored  # read, laid out and kept in the stored half dtype
+        check_price(llama_config(data), lazy_mlp)  # priced from config.json before any tensor is read
     elif fmt in VARIANT_MODEL_TYPES:
         check_price(variant_config(data))
     answer_files = [folder_file(folder, name) for name in ANSWER_FILES if folder_file(folder, name).is_file()]
@@ -331,6 +372,7 @@ def load_checkpoint(
     # GGUF and Llama-family folders name their weight files before any tensor is read, so their digest starts first
     # (on the 1B-shaped checkpoint it used to run after the 6 s read, adding 1.7 s).
     with in_background() as background:
+        deferred: DeferredMLP | None = None
         early = weight_files_known_before_reading(folder, fmt)
         digest_job = (
             background.start(partial(files_digest, [*config_file, *early, *answer_files]))
@@ -342,11 +384,18 @@ def load_checkpoint(
             read = read_gguf(files[0], check=check_price)
             cfg, state, origin, tokenizer, defaulted = read.cfg, read.state, read.origin, read.tokenizer, read.defaulted
         else:
-            cfg, state, origin, files = REGISTRY[fmt](folder, data, dtype)
-            check_price(cfg)
+            if fmt in LLAMA_MODEL_TYPES and lazy_mlp:
+                cfg, state, origin, files, deferred = load_llama_lazy(folder, data, dtype, max_bytes)
+            else:
+                cfg, state, origin, files = REGISTRY[fmt](folder, data, dtype)
+            check_price(cfg, deferred is not None)
         if digest_job is None or sorted(early or []) != sorted(files):  # (a loader read other files)
             digest_job = background.start(partial(files_digest, [*config_file, *files, *answer_files]))
-        loaded = _build(folder, fmt, data, cfg, state, origin, dtype, process, tokenizer)
+        if keep_half and fmt not in LLAMA_MODEL_TYPES and state["embed.W_E"].dtype in HALF_DTYPES:
+            dtype = state["embed.W_E"].dtype  # the whole model in the embedding's stored half dtype
+        loaded = _build(folder, fmt, data, cfg, state, origin, dtype, process, tokenizer, torch.device(device))
+        if deferred is not None:
+            deferred.attach(loaded.model)
         digest = digest_job.result()
     options = loaded.options
     if options != ProcessingOptions():
@@ -380,6 +429,7 @@ def _build(
     dtype: torch.dtype,
     process: bool | ProcessingOptions,
     tokenizer: Tokenizer | None = None,
+    device: torch.device | None = None,
 ) -> _Built:
     """Tokenizer (the folder's unless the loader read one), checks, processing and the model, from a state dict
     just read."""
@@ -398,7 +448,10 @@ def _build(
         record.update({k: v for k, v in data["processing"].items() if isinstance(v, bool | str)})
     # Check everything first, then process the state dict in place and build the model once (no copies).
     check_state_dict(cfg, state, origin)
-    state = own_tensors({k: v.to(dtype=dtype) for k, v in state.items()})
+    for key in list(state):  # each tensor to the device once, its host copy dropped as it goes (a deferred MLP
+        value = state.pop(key)  # weight, a meta placeholder, stays meta)
+        state[key] = value.to(dtype=dtype) if value.is_meta else value.to(device=device or "cpu", dtype=dtype)
+    state = own_tensors(state)
     cfg = process_state(cfg, state, options, record)
     model = build_model(cfg, state, dtype=dtype, origin=origin)
     del state

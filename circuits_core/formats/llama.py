@@ -6,8 +6,9 @@ Config (`model_type` llama, mistral or qwen2; transformers' field names):
     rms_norm_eps, hidden_act (silu: SwiGLU), tie_word_embeddings, bos_token_id; rope: `rope_parameters`
     (transformers >= 5) or `rope_scaling` + `rope_theta`, types default, linear and llama3 (any other type is
     refused, naming it); biases: Llama `attention_bias` (q, k, v, o), Qwen2 always q, k, v (o none), Mistral
-    none. A sliding window (Mistral `sliding_window`, Qwen2 `use_sliding_window`) never masks a sequence no
-    longer than the window, so the context is capped at the window and the model stays exact.
+    none. Mistral's `sliding_window` masks every layer (ModelConfig.window_size, window.py). Qwen2's
+    (`use_sliding_window`) never masks a sequence no longer than the window, so its context is capped at the window
+    and the model stays exact.
 Weights (nn.Linear stores [d_out, d_in], so each is transposed into `x @ W` form):
     model.embed_tokens.weight [V, d]                     -> embed.W_E
     model.layers.{l}.input_layernorm.weight [d]          -> blocks.{l}.ln1.w (RMS)
@@ -57,6 +58,7 @@ HEADER_MAX_BYTES = 100_000_000  # safetensors' own limit on the JSON header
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 _PAGE = mmap.PAGESIZE
 SLAB_BYTES = 1 << 18  # stored bytes per slab of a transposing copy (fits the L2 cache with its output)
 
@@ -166,7 +168,8 @@ def shard_names(folder: Path) -> list[str]:
     if folder_file(folder, "model.safetensors").is_file():
         return ["model.safetensors"]
     raise CheckpointError(
-        f"no model.safetensors or {INDEX} (found: {folder_listing(folder)}); the Llama-family loader reads safetensors only"
+        f"no model.safetensors or {INDEX} (found: {folder_listing(folder)}); the Llama-family loader reads safetensors "
+        f"only"
     )
 
 
@@ -194,6 +197,20 @@ class _Shards:
 
     def take(self, key: str, shape: tuple[int, ...], layout: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
         """layout(tensor `key`) in the compute dtype; its stored shape is checked before anything is read."""
+        self.check(key, shape)
+        return self.maps[self.where[key]].read(key, self.dtype, layout)
+
+    def defer(self, key: str, shape: tuple[int, ...], layout: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
+        """A meta placeholder of layout(tensor `key`) (its shape checked, nothing read): formats/lazy_mlp.py."""
+        self.check(key, shape)
+        return layout(torch.empty(shape, dtype=self.dtype, device="meta"))
+
+    def stored(self, key: str) -> torch.dtype | None:
+        """The dtype tensor `key` is stored in (None: absent or not a float type)."""
+        entry = self.maps[self.where[key]].entries[key] if key in self.where else None
+        return _DTYPES.get(str(entry.get("dtype"))) if isinstance(entry, dict) else None
+
+    def check(self, key: str, shape: tuple[int, ...]) -> None:
         if key not in self.where:
             raise CheckpointError(f"{', '.join(self.maps)}: missing tensor {key} (expected shape {list(shape)})")
         mapped = self.maps[self.where[key]]
@@ -201,7 +218,6 @@ class _Shards:
         if given != shape:
             raise CheckpointError(f"{self.where[key]}: tensor {key}: expected shape {list(shape)}, given {list(given)}")
         self.left.discard(key)
-        return mapped.read(key, self.dtype, layout)
 
     def finish(self) -> None:
         if self.left:
@@ -283,7 +299,8 @@ def llama_config(hf: dict[str, Any]) -> ModelConfig:
     window = _window(r, model_type)
     return _config(
         path, n_layers=r.integer("num_hidden_layers", ge=0), d_model=d, n_heads=n_heads, d_head=dh,
-        d_vocab=d_vocab, n_ctx=min(n_ctx, window) if window else n_ctx, d_mlp=r.integer("intermediate_size", ge=1),
+        d_vocab=d_vocab, n_ctx=min(n_ctx, window) if window and model_type == "qwen2" else n_ctx,
+        window_size=window if model_type == "mistral" else None, d_mlp=r.integer("intermediate_size", ge=1),
         attn_only=False, normalization_type="RMS", positional_embedding_type="rotary", gated_mlp=True,
         act_fn=_act_fn(r, "hidden_act", "silu"), eps=r.number("rms_norm_eps", default=1e-6, gt=0),
         use_bias=attention_bias, n_key_value_heads=n_kv if n_kv != n_heads else None, rotary_dim=dh,
@@ -308,23 +325,29 @@ def _output_heads(heads: int, dh: int, d: int) -> Callable[[Tensor], Tensor]:
     return lambda W: W.T.view(heads, dh, d)
 
 
+def stored_dtype(folder: Path) -> torch.dtype | None:
+    """The dtype the embedding of a Llama-family folder is stored in (headers only; None: not a float type)."""
+    return _Shards(folder, torch.float32).stored("model.embed_tokens.weight")
+
+
 Loaded = tuple[ModelConfig, State, dict[str, str], list[Path]]
 
 
-def single_threaded(load: Callable[[Path, dict[str, Any], torch.dtype], Loaded]) -> Callable[..., Loaded]:
+def single_threaded(load: Callable[..., Loaded]) -> Callable[..., Loaded]:
     """A loader run within `one_thread` (see there why)."""
 
     @functools.wraps(load)
-    def run(folder: Path, hf: dict[str, Any], dtype: torch.dtype = torch.float32) -> Loaded:
+    def run(folder: Path, hf: dict[str, Any], dtype: torch.dtype = torch.float32, **options: Any) -> Loaded:
         with one_thread():
-            return load(folder, hf, dtype)
+            return load(folder, hf, dtype, **options)
 
     return run
 
 
 @single_threaded
-def load_llama(folder: Path, hf: dict[str, Any], dtype: torch.dtype) -> Loaded:
-    """(config, TransformerLens state dict in `dtype`, tensor -> shard file, weight files)."""
+def load_llama(folder: Path, hf: dict[str, Any], dtype: torch.dtype, defer_mlp: bool = False) -> Loaded:
+    """(config, TransformerLens state dict in `dtype`, tensor -> shard file, weight files). `defer_mlp`: the MLP
+    weights are meta placeholders, their shapes checked and nothing read (formats/lazy_mlp.py reads them later)."""
     cfg = llama_config(hf)
     src = _Shards(folder, dtype)
     d, V, d_mlp = cfg.d_model, cfg.d_vocab, cfg.d_mlp or 0
@@ -342,7 +365,7 @@ def load_llama(folder: Path, hf: dict[str, Any], dtype: torch.dtype) -> Loaded:
             )
             sd[f"{p}.mlp.b_in"] = torch.zeros(d_mlp, dtype=dtype)
             sd[f"{p}.mlp.b_out"] = torch.zeros(d, dtype=dtype)
-        take_gated_mlp(src, cfg, h, p, sd)
+        take_gated_mlp(src, cfg, h, p, sd, defer_mlp)
     sd["ln_final.w"] = src.take("model.norm.weight", (d,))
     tied = ConfigReader(hf).flag("tie_word_embeddings", default=False)
     sd["unembed.W_U"] = take_unembedding(src, folder, sd["embed.W_E"], tied)
@@ -365,12 +388,14 @@ def take_projections(src: _Shards, cfg: ModelConfig, h: str, p: str, sd: State) 
     sd[f"{p}.attn.W_O"] = src.take(f"{h}.self_attn.o_proj.weight", (d, H * dh), _output_heads(H, dh, d))
 
 
-def take_gated_mlp(src: _Shards, cfg: ModelConfig, h: str, p: str, sd: State) -> None:
-    """Layer h's gate/up/down_proj -> W_gate, W_in [d_model, d_mlp], W_out [d_mlp, d_model]."""
+def take_gated_mlp(src: _Shards, cfg: ModelConfig, h: str, p: str, sd: State, defer: bool = False) -> None:
+    """Layer h's gate/up/down_proj -> W_gate, W_in [d_model, d_mlp], W_out [d_mlp, d_model] (`defer`: meta
+    placeholders of those shapes, their stored shapes checked and nothing read: formats/lazy_mlp.py)."""
     d, d_mlp = cfg.d_model, cfg.d_mlp or 0
-    sd[f"{p}.mlp.W_gate"] = src.take(f"{h}.mlp.gate_proj.weight", (d_mlp, d), _T)
-    sd[f"{p}.mlp.W_in"] = src.take(f"{h}.mlp.up_proj.weight", (d_mlp, d), _T)
-    sd[f"{p}.mlp.W_out"] = src.take(f"{h}.mlp.down_proj.weight", (d, d_mlp), _T)
+    take = src.defer if defer else src.take
+    sd[f"{p}.mlp.W_gate"] = take(f"{h}.mlp.gate_proj.weight", (d_mlp, d), _T)
+    sd[f"{p}.mlp.W_in"] = take(f"{h}.mlp.up_proj.weight", (d_mlp, d), _T)
+    sd[f"{p}.mlp.W_out"] = take(f"{h}.mlp.down_proj.weight", (d, d_mlp), _T)
 
 
 def take_unembedding(

@@ -1,7 +1,7 @@
 """Weight processing: TransformerLens's defaults, as exact rewrites that never change what the model computes.
 
 Paper: "Handling Layer Normalization" appendix -- "we can fold everything but normalization into adjacent
-parameters". Reference: TransformerLens `weight_processing.py` (paper-math.md section 4.3). Row-vector
+parameters". Reference: TransformerLens `weight_processing.py` (docs/maths.md §4.3). Row-vector
 convention, TransformerLens names and shapes (W_Q [n_heads, d_model, d_head], W_U [d_model, d_vocab]).
 
 Switches (each recorded in `model.processing`: True = applied; when asked for but not valid for this model,
@@ -106,7 +106,8 @@ def _fold_ln(cfg: ModelConfig, sd: State, record: dict[str, bool | str]) -> Mode
         )
         return cfg
     rms = cfg.normalization_type == "RMS"
-    # Input norms only (OLMo 2 has none); output norms (ln1_post, ln2_post) keep their gains: nothing linear follows them
+    # Input norms only (OLMo 2 has none); output norms (ln1_post, ln2_post) keep their gains: nothing linear follows
+    # them
     # before the residual add, and folding into W_O would change the RMS they divide by.
     inputs = (1,) if cfg.attn_only else (1, 2)
     ln_names = [f"blocks.{layer}.ln{i}" for layer in range(cfg.n_layers) for i in inputs] if cfg.pre_norms else []

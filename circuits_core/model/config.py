@@ -281,7 +281,8 @@ def check_fields(obj: Any) -> None:
         ok, conformed = _conform(value, hints[f.name])
         if not ok:
             raise InvalidInputError(
-                f"config field {f.name} must be {_type_name(hints[f.name])}, got {_show(value)} ({type(value).__name__})"
+                f"config field {f.name} must be {_type_name(hints[f.name])}, got {_show(value)} "
+                f"({type(value).__name__})"
             )
         if conformed is not value:
             object.__setattr__(obj, f.name, conformed)

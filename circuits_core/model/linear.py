@@ -9,10 +9,15 @@ tanh GELU at 91-101 against 69-78 for MKL's plus a separate GELU. `python -m ben
 detector pass and Grams both ways (1.05x to 1.20x in favour of oneDNN, quiet to busy machine: MKL suffers more
 from a busy neighbour). Elsewhere (float64, half precision, CUDA, gradients, a torch without oneDNN) it is
 torch.addmm and the activation as its own op.
+
+The off switch: the environment variable QKOV_ONEDNN=0 (read once, when this module is imported) sends every product
+to torch.addmm, e.g. to rule oneDNN out when a result differs between machines. The op is private to torch;
+tests/core/test_linear.py fails loudly if a torch release drops or changes it.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -28,8 +33,23 @@ _EPILOGUES = {
     "gelu_new": ("gelu", "tanh"),
     "gelu_pytorch_tanh": ("gelu", "tanh"),
 }
+ONEDNN_SWITCH = "QKOV_ONEDNN"
+
+
+def onednn_wanted(value: str | None) -> bool:
+    """The switch's value: unset, 1/true/yes/on: oneDNN where it applies; 0/false/no/off: never."""
+    said = (value or "1").strip().lower()
+    if said in ("1", "true", "yes", "on"):
+        return True
+    if said in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{ONEDNN_SWITCH} must be 1 or 0 (true/false, yes/no, on/off), got {value!r}")
+
+
 _ONEDNN_LINEAR: Callable[..., Tensor] | None = (
-    getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+    getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if torch.backends.mkldnn.is_available() and onednn_wanted(os.environ.get(ONEDNN_SWITCH))
+    else None
 )
 # Below this many multiply-adds oneDNN's fixed cost per call (~20 us) outweighs its faster kernel (measured: a
 # 10 x 64 x 256 product 30 us against MKL's 12 us; even at 50 x 128 x 512; 8 % faster at 100 x 256 x 1024).
@@ -67,7 +87,8 @@ def _onednn(x: Tensor, W: Tensor, b: Tensor | None) -> bool:
 
 
 def affine(x: Tensor, W: Tensor, b: Tensor | None = None, act: str | None = None) -> Tensor:
-    """act(x W + b): x [..., n_in], W [n_in, n_out] (any strides), b [n_out] or None -> [..., n_out] (a fresh tensor)."""
+    """act(x W + b): x [..., n_in], W [n_in, n_out] (any strides), b [n_out] or None -> [..., n_out] (a fresh
+    tensor)."""
     x2 = x.reshape(-1, x.shape[-1])  # [rows, n_in]
     if _onednn(x2, W, b) and (act is None or act in _EPILOGUES):
         attr, algorithm = _EPILOGUES[act] if act is not None else ("none", "")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
@@ -28,6 +30,20 @@ class MLP(nn.Module):
         if cfg.use_bias:
             self.b_in = nn.Parameter(torch.zeros(cfg.d_mlp))
             self.b_out = nn.Parameter(torch.zeros(cfg.d_model))
+
+    def __getattr__(self, name: str) -> Any:
+        # A deferred weight (a meta placeholder: formats/lazy_mlp.py) is read when first used: `loader` fills in
+        # every weight of this layer. nn.Module keeps parameters in a dict, so every weight read comes here.
+        value = super().__getattr__(name)
+        if isinstance(value, Tensor) and value.is_meta and self.__dict__.get("loader") is not None:
+            self.__dict__["loader"](self)
+            value = super().__getattr__(name)
+        return value
+
+    @property
+    def deferred(self) -> bool:
+        """Whether this layer's weights are still unread placeholders (see __getattr__)."""
+        return any(p.is_meta for p in self._parameters.values() if p is not None)
 
     def forward(self, x: Tensor, rec: Recorder) -> Tensor:
         # x: [batch, pos, d_model] -> [batch, pos, d_model]

@@ -2,7 +2,7 @@
 
 Paper context: the Llama family replaces learned positions with rotations (Su et al. 2021, "RoFormer"), so
 positions never enter the residual stream; the QK circuit between positions i and j depends on i - j only
-(rotary-circuits.md). Row-vector convention: `rotate(cfg, x, p)` is x R(p).
+(docs/maths.md §6). Row-vector convention: `rotate(cfg, x, p)` is x R(p).
 
 Pair k (k < K = rotary_dim / 2) turns by p * theta_k with theta_k = rotary_base^(-2k / rotary_dim), rescaled
 by the config's rope type (linear, llama3). Two layouts pair the dims differently (`rotary_pairs`): Hugging Face

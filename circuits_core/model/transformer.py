@@ -26,8 +26,8 @@ Under GQA the hooks hook_k and hook_v hold one entry per *query* head (Transform
 
 `run()` returns logits and, on request, a cache of named activations with TransformerLens hook names.
 Frozen runs (`Frozen`): attention patterns and LayerNorm scales (and, on request, MLP outputs) taken from a
-previous run instead of being computed. With both frozen, the network is linear in its input embeddings (the paper's "freezing attention
-patterns" trick) -- the path expansions stand on this.
+previous run instead of being computed. With both frozen, the network is linear in its input embeddings (the paper's
+"freezing attention patterns" trick) -- the path expansions stand on this.
 """
 
 from __future__ import annotations
@@ -178,11 +178,6 @@ class Transformer(nn.Module):
     def W_K_groups(self) -> Tensor:
         """W_K per key/value head, as stored [n_layers, n_kv_heads, d_model, d_head] (= W_K without GQA)."""
         return self._stack("W_K", grouped=True)
-
-    @property
-    def W_V_groups(self) -> Tensor:
-        """W_V per key/value head, as stored [n_layers, n_kv_heads, d_model, d_head] (= W_V without GQA)."""
-        return self._stack("W_V", grouped=True)
 
     def rotate(self, x: Tensor, positions: Tensor, layer: int | None = None) -> Tensor:
         """x R(p) in this model's rotary layout (see the module-level `rotate`), with layer `layer`'s rope (its own base

@@ -26,3 +26,12 @@ def defined_offsets(cfg: ModelConfig, layer: int, deltas: Tensor) -> Tensor:
     """bool per offset delta >= 0: whether layer `layer` attends at that offset (delta < its window, if any)."""
     window = cfg.layer_window(layer)
     return deltas >= 0 if window is None else (deltas >= 0) & (deltas < window)
+
+
+def at_window_edge(cfg: ModelConfig, layer: int, peak_offset: int) -> bool:
+    """Whether a profile's maximum over the offsets a layer attends (a kernel, a composition or copying profile) lies
+    at its window's edge, δ = window - 1: the last offset a sliding layer sees, so the maximum is where the window
+    cuts the profile, not a place the head prefers. Always False on a global layer. The flat/edge reading of
+    profiles (profile_shape) marks such a maximum as an edge."""
+    window = cfg.layer_window(layer)
+    return window is not None and peak_offset == window - 1

@@ -1,6 +1,6 @@
 """Term importance: the paper's path-order ablation, and Olsson et al.'s pattern-preserving head ablation.
 
-Paper section: "Term importance analysis" (Elhage et al. 2021; paper-math 2.13). With the clean run's
+Paper section: "Term importance analysis" (Elhage et al. 2021; docs/maths.md §2.13). With the clean run's
 attention patterns and LayerNorm scales frozen, rerun the model so that every layer's *values* read the
 residual stream of the previous rerun (`Frozen(value_resid=...)` in model.run; queries and keys keep the
 clean patterns). Starting from value inputs of zero (only biases pass), rerun k contains exactly the paths
@@ -47,6 +47,7 @@ from circuits_core.errors import InvalidInputError
 from circuits_core.model.config import ModelConfig, all_heads
 from circuits_core.model.hooks import Recorder
 from circuits_core.model.transformer import Frozen, Transformer, next_token_losses
+from circuits_core.prompt.frozen import layer_flops, unembed_flops
 from circuits_core.schedule import side_by_side
 
 # Working memory of one batch of rerun rows (the ablated heads' rows run together), and of one block of unembedded
@@ -359,23 +360,6 @@ def term_importance(
 
 
 # -- the price ----------------------------------------------------------------------------------------------------
-def layer_flops(cfg: ModelConfig, rows: int, n: int, pattern: bool, mlp: bool) -> int:
-    """FLOPs of one layer on `rows` sequences of n tokens (matrix products, 2 per multiply-add), as Attention and MLP
-    compute them: the v projection, the q and k projections and the scores when the pattern is computed (`pattern`),
-    z = A v, the output W_O, and the MLP when it is computed (`mlp`)."""
-    tok = rows * n
-    H, G, dh, d = cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_model
-    qk = 2 * tok * d * dh * (H + G) + 2 * rows * H * n * n * dh if pattern else 0
-    flops = qk + 2 * tok * d * dh * G + 2 * tok * H * dh * d + 2 * rows * H * n * n * dh
-    if mlp and not cfg.attn_only:
-        flops += 2 * tok * d * (cfg.d_mlp or 4 * d) * (3 if cfg.gated_mlp else 2)
-    return flops
-
-
-def unembed_flops(cfg: ModelConfig, rows: int, n: int) -> int:
-    return 2 * rows * n * cfg.d_model * cfg.d_vocab
-
-
 def cost(model: Transformer, n: int, batch: int = 1, heads: Sequence[tuple[int, int]] | None = None) -> Cost:
     """term_importance on `batch` sequences of n tokens ablating `heads` (default every head): the clean run, the order
     reruns (each from its start layer; patterns, norms and MLPs frozen), the frozen and the recomputed head

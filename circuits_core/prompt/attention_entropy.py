@@ -1,4 +1,4 @@
-"""Attention entropy per head: how spread out each query's attention is (paper-math 1.3, the pattern A^{l,h}).
+"""Attention entropy per head: how spread out each query's attention is (docs/maths.md §1.3, the pattern A^{l,h}).
 
 For head (l, h) on a sequence of n tokens, query position i attends with the distribution A[i, :] over the
 causal keys 0..i. Its entropy, in nats,

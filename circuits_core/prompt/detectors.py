@@ -11,13 +11,14 @@ Attention-pattern detectors (all in [0, 1], averaged over the batch):
                   occurrences of the same token
   induction       mean, over queries whose token occurred before at j (j + 1 <= i), of the attention
                   on the positions j + 1 that followed an earlier occurrence. On BOS + r + r it equals the
-                  clean definition of paper-math 2.15, mean_{i=T+1..2T} A[i, i-T+1] (second repeat only),
+                  clean definition of docs/maths.md §2.15, mean_{i=T+1..2T} A[i, i-T+1] (second repeat only),
                   only when r has no repeated token and does not contain BOS's id: a token repeated inside r
                   makes first-copy queries eligible and gives second-copy queries several targets.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -25,10 +26,10 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from circuits_core.cost import Cost, check_stop, itemsize, polled
-from circuits_core.errors import InvalidInputError, NotFoundError
+from circuits_core.cost import Cost, check_stop, itemsize, polled, report_progress
+from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer, next_token_losses
-from circuits_core.prompt.frozen import attention, forward_cost, ln_linear
+from circuits_core.prompt.frozen import attention, forward_cost, ln_linear, unembed_flops
 
 PatternDetector = Literal["previous_token", "current_token", "first_token", "duplicate_token", "induction"]
 
@@ -88,7 +89,8 @@ def duplicate_targets(tokens: Tensor) -> Tensor:
 
 
 def induction_targets(tokens: Tensor) -> Tensor:
-    """[batch, n, n] bool: key j (1 <= j <= i) follows an earlier occurrence of query i's token (tok[j-1] == tok[i], j-1 < i)."""
+    """[batch, n, n] bool: key j (1 <= j <= i) follows an earlier occurrence of query i's token (tok[j-1] == tok[i], j-1
+    < i)."""
     dup = duplicate_targets(tokens)  # [b, i, j'] with j' < i
     shifted = torch.zeros_like(dup)
     shifted[:, :, 1:] = dup[:, :, :-1]  # key j = j' + 1 <= i
@@ -207,14 +209,23 @@ def _chunk_pass(
 
 
 def detector_sums(
-    model: Transformer, tokens: Tensor, take: Callable[[], slice | None], should_stop: Callable[[], bool] | None = None
+    model: Transformer,
+    tokens: Tensor,
+    take: Callable[[], slice | None],
+    should_stop: Callable[[], bool] | None = None,
+    losses: dict[int, Tensor] | None = None,
 ) -> DetectorSums:
     """The detectors of the chunks of tokens [b, n] that `take` hands out (row slices) until it gives None: several
-    threads sharing one `take` (schedule.shared_chunks) split a batch, and their DetectorSums merge to its scores."""
+    threads sharing one `take` (schedule.shared_chunks) split a batch, and their DetectorSums merge to its scores. With
+    `losses`, each chunk runs the whole pass and puts its next-token losses [c, n - 1] there under its first row."""
     totals = DetectorSums()
     with torch.no_grad():
         while (rows := take()) is not None:
-            _chunk_pass(model, tokens[rows], totals, should_stop, with_loss=False)
+            check_stop(should_stop, "head detectors")
+            report_progress(rows.start, tokens.shape[0])
+            _, loss = _chunk_pass(model, tokens[rows], totals, should_stop, with_loss=losses is not None)
+            if losses is not None and loss is not None:
+                losses[rows.start] = loss
     return totals
 
 
@@ -259,7 +270,7 @@ def detectors_cost(model: Transformer, n: int, batch: int, logits: bool = False)
     patterns = cfg.n_layers * cfg.n_heads * batch * n * n * size
     scoring = batch * n * n * (2 + cfg.n_heads * size)
     run = forward_cost(model, n, batch, logits=False)
-    out = Cost(batch * n * cfg.d_vocab * (size + 2 * 8)) if logits else Cost(0)
+    out = Cost(batch * n * cfg.d_vocab * (size + 2 * 8), flops=unembed_flops(cfg, batch, n)) if logits else Cost(0)
     return (Cost(patterns + scoring) + run + out).with_answer(
         numbers=5 * cfg.n_layers * cfg.n_heads, labels=cfg.n_layers * cfg.n_heads
     )
@@ -281,14 +292,8 @@ def detector_chunk(model: Transformer, n: int, batch: int, budget_bytes: int, lo
     return 1
 
 
-def get_detector(name: str) -> Callable[[Tensor, Tensor], Tensor]:
-    if name not in PATTERN_DETECTORS:
-        raise NotFoundError(f"unknown detector {name!r}; valid: {', '.join(PATTERN_DETECTORS)}")
-    return PATTERN_DETECTORS[name]
-
-
 # -- standard inputs, Olsson et al.'s evaluators and the paper's 2-D induction view --------------------
-# Prefix matching (Olsson et al. appendix, paper-math 2.15): on BOS + 25 random tokens repeated 4 times, the
+# Prefix matching (Olsson et al. appendix, docs/maths.md §2.15): on BOS + 25 random tokens repeated 4 times, the
 # mean attention mass from each token to the tokens that followed the same token in earlier repeats -- the
 # `induction` pattern detector evaluated on that input.
 # Copying (Olsson et al.): the head's direct logit effect at each query position i (its output through the
@@ -357,7 +362,27 @@ def copying_scores(model: Transformer, tokens: Tensor | None = None, seed: int =
     return torch.stack(out)
 
 
-def previous_token_head(model: Transformer, prev_scores: Tensor | None = None) -> tuple[int, int]:
-    """The layer-0 head with the largest previous-token score (on standard_tokens by default)."""
-    prev = detector_scores(model, standard_tokens(model))["previous_token"] if prev_scores is None else prev_scores
-    return 0, int(prev[0].argmax())
+HEADS_RULE = (
+    "the strongest induction head of layers >= 1, and the strongest previous-token head of an earlier layer (the "
+    "head its keys can K-compose with), by their detector scores on the standard input"
+)
+
+
+def heads_that_matter(induction: Tensor, previous: Tensor) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(previous-token head, induction head) as (layer, head), by HEADS_RULE from [L, H] induction and previous-token
+    scores (NaN scores never win). One layer: (L0's strongest previous-token head, the same head)."""
+    ind, prev = induction.double().nan_to_num(-math.inf), previous.double().nan_to_num(-math.inf)  # [L, H]
+    n_layers, n_heads = ind.shape
+    if n_layers < 2:
+        h = int(prev[0].argmax())
+        return (0, h), (0, h)
+    flat = int(ind[1:].flatten().argmax())
+    layer, h = 1 + flat // n_heads, flat % n_heads  # the induction head, in layers 1..
+    earlier = int(prev[:layer].flatten().argmax())
+    return (earlier // n_heads, earlier % n_heads), (layer, h)
+
+
+def previous_token_head(model: Transformer, scores: dict[str, Tensor] | None = None) -> tuple[int, int]:
+    """The previous-token head of heads_that_matter (detector scores on standard_tokens by default)."""
+    scores = detector_scores(model, standard_tokens(model)) if scores is None else scores
+    return heads_that_matter(scores["induction"], scores["previous_token"])[0]

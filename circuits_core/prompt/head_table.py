@@ -2,7 +2,7 @@
 and how that work is shared by two cores.
 
 Paper sections (Elhage et al. 2021): "Induction Heads" (Image 22: OV copying vs the positivity of the
-K-composition term with the previous-token head) and the eigenvalue copying analysis (paper-math 2.8, 2.15).
+K-composition term with the previous-token head) and the eigenvalue copying analysis (docs/maths.md §2.8, §2.15).
 Row-vector convention; the pieces are heads.py (detectors), circuits.py (Grams, spectra) and qk_paths.py
 (K-composition positivity).
 
@@ -48,7 +48,7 @@ from circuits_core.prompt.detectors import (
     detector_scores,
     detector_sums,
     detectors_cost,
-    previous_token_head,
+    heads_that_matter,
     standard_tokens,
 )
 from circuits_core.prompt.qk_paths import k_composition_positivity
@@ -74,20 +74,21 @@ class InductionView:
 def induction_view(
     model: Transformer,
     tokens: Tensor | None = None,
-    prev_scores: Tensor | None = None,
+    scores: dict[str, Tensor] | None = None,
     ov_copying: Tensor | None = None,
     G_E: Tensor | None = None,
     G_E_W_Q: Tensor | None = None,
 ) -> InductionView:
-    """Every head's (OV copying, QK K-composition positivity) point, previous-token head auto-chosen.
+    """Every head's (OV copying, QK K-composition positivity) point, the previous-token head chosen by
+    detectors.heads_that_matter.
 
-    prev_scores [L, H], ov_copying [L, H], G_E [d, d], G_E_W_Q [L, H, d, d_head]: the previous-token scores on
-    `tokens`, ov_copying_scores, embed_gram and gram_queries when the caller has them already (head_table), so none
-    is computed twice."""
-    if prev_scores is None:
-        prev_scores = detector_scores(model, standard_tokens(model) if tokens is None else tokens)["previous_token"]
-    prev = prev_scores
-    one_hot, partner = _one_hot(model, prev)
+    scores {name: [L, H]}, ov_copying [L, H], G_E [d, d], G_E_W_Q [L, H, d, d_head]: the detector scores on `tokens`,
+    ov_copying_scores, embed_gram and gram_queries when the caller has them already (head_table), so none is
+    computed twice."""
+    if scores is None:
+        scores = detector_scores(model, standard_tokens(model) if tokens is None else tokens)
+    prev = scores["previous_token"]
+    one_hot, partner = _one_hot(model, scores["induction"], prev)
     ov = ov_copying_scores(model) if ov_copying is None else ov_copying
     G_E = embed_gram(model) if G_E is None else G_E  # [d, d], shared by both positivities
     low, high = _weighted_halves(model)
@@ -102,9 +103,9 @@ def induction_view(
     return InductionView(ov, one, weighted_low + weighted_high, partner, prev)  # the halves are 0 outside their layers
 
 
-def _one_hot(model: Transformer, prev: Tensor) -> tuple[Tensor, str]:
-    """Weights [L, H] on the previous-token head alone (the paper's 2-D view), and its name."""
-    layer, head = previous_token_head(model, prev)
+def _one_hot(model: Transformer, induction: Tensor, prev: Tensor) -> tuple[Tensor, str]:
+    """Weights [L, H] on the previous-token head alone (the paper's 2-D view: heads_that_matter), and its name."""
+    layer, head = heads_that_matter(induction, prev)[0]
     one_hot = torch.zeros_like(prev)
     one_hot[layer, head] = 1.0
     return one_hot, head_name(layer, head)
@@ -127,6 +128,7 @@ class HeadTable:
     qk_copying: Tensor  # [L, H] circuits.qk_copying_scores
     induction: InductionView | None  # None for a model without layers
     kernel_peak_offset: Tensor | None = None  # [L, H] rotary.kernel_peak_offsets (rotary models, `means` given)
+    losses: Tensor | None = None  # [b, n - 1] float64 next-token losses of the detector pass (`with_loss`)
 
 
 def head_table(
@@ -136,6 +138,7 @@ def head_table(
     budget_bytes: int | None = None,
     means: Callable[[], Tensor] | None = None,
     reference_tokens: int | None = None,
+    with_loss: bool = False,
 ) -> HeadTable:
     """The heads table: one detector pass on `tokens` (its previous-token scores reused by the induction view),
     and the full-circuit spectra from the two d_model x d_model Grams, each formed once; `means` (rotary models):
@@ -146,15 +149,17 @@ def head_table(
         return HeadTable(detector_scores(model, tokens, should_stop, budget_bytes), empty, empty, None)
     tokens = model.check_tokens(tokens)
     b, n = tokens.shape
-    sequences = shared_chunks(b, table_chunk(model, n, b, budget_bytes, reference_tokens if means else None))
+    sequences = shared_chunks(b, table_chunk(model, n, b, budget_bytes, reference_tokens if means else None, with_loss))
     vocabulary = shared_chunks(model.cfg.d_vocab, GRAM_ROWS)
     if model.cfg.normalization_type is not None:
         embed_norm(model)  # W_E's LN statistics, cached: formed once here, not by both threads at once
 
     kernel = shared_chunks(1, 1)  # one task: μ and the kernel peaks (rotary models), for the first thread asking
 
+    losses: dict[int, Tensor] | None = {} if with_loss else None  # first row of a chunk -> its losses [c, n - 1]
+
     def detectors_then_grams() -> tuple[DetectorSums, Tensor | None, tuple[Tensor, Tensor]]:  # steps 1, 2 of a thread
-        sums = detector_sums(model, tokens, sequences, should_stop)
+        sums = detector_sums(model, tokens, sequences, should_stop, losses)
         with torch.no_grad():  # the first thread done with its detector half measures μ, then both take Gram rows
             peaks = kernel_peak_offsets(model, means()) if means is not None and kernel() is not None else None
             return sums, peaks, embed_grams(model, vocabulary)  # partial (G, G_E) [d, d]: the rows this thread took
@@ -167,7 +172,7 @@ def head_table(
     check_stop(should_stop, "heads table")
 
     prev = detectors["previous_token"]  # [L, H]
-    one_hot, partner = _one_hot(model, prev)
+    one_hot, partner = _one_hot(model, detectors["induction"], prev)
     low, high = _weighted_halves(model)
 
     queries: Handoff[Tensor] = Handoff()  # G_E W_Q [L, H, d, d_head], formed by this thread, read by both
@@ -190,11 +195,17 @@ def head_table(
     with torch.no_grad():  # steps 3 and 4 without a barrier between them: ~0.47 s each on GPT-2 small
         (one, weighted_high), (ov, qk, weighted_low) = side_by_side(query_side, value_side, "qkov-heads-table")
     iv = InductionView(ov, one, weighted_low + weighted_high, partner, prev)  # the halves are 0 outside their layers
-    return HeadTable(detectors, ov, qk, iv, peaks)
+    loss = torch.cat([losses[k] for k in sorted(losses)]) if losses else None  # [b, n - 1], in row order
+    return HeadTable(detectors, ov, qk, iv, peaks, loss)
 
 
 def table_chunk(
-    model: Transformer, n: int, batch: int, budget_bytes: int | None, reference_tokens: int | None = None
+    model: Transformer,
+    n: int,
+    batch: int,
+    budget_bytes: int | None,
+    reference_tokens: int | None = None,
+    with_loss: bool = False,
 ) -> int:
     """Sequences per detector chunk of head_table: half the batch (rounded up), fewer when two chunks (one per
     thread) and the Grams and spectra held beside them would not fit budget_bytes."""
@@ -202,16 +213,23 @@ def table_chunk(
     if budget_bytes is None:
         return chunk
     room = max(1, (budget_bytes - _spectra_cost(model, reference_tokens).peak_bytes) // 2)
-    return min(chunk, detector_chunk(model, n, batch, room))
+    return min(chunk, detector_chunk(model, n, batch, room, with_loss))
 
 
 def head_table_cost(
-    model: Transformer, n: int, batch: int, budget_bytes: int | None = None, reference_tokens: int | None = None
+    model: Transformer,
+    n: int,
+    batch: int,
+    budget_bytes: int | None = None,
+    reference_tokens: int | None = None,
+    with_loss: bool = False,
 ) -> Cost:
     """head_table on `batch` sequences of n tokens: two detector chunks (one per thread) held beside the Grams (one
     thread may start them while the other still runs its chunk), spectra and (`reference_tokens` given) kernel peaks."""
     cfg = model.cfg
-    chunk = detectors_cost(model, n, table_chunk(model, n, batch, budget_bytes, reference_tokens))
+    c = table_chunk(model, n, batch, budget_bytes, reference_tokens, with_loss)
+    one = detectors_cost(model, n, c, with_loss)  # a chunk held by each thread; the FLOPs: every chunk's
+    chunk = Cost(one.peak_bytes, one.answer_bytes, one.flops * batch // (2 * c) if c else one.flops)
     return (chunk + chunk + _spectra_cost(model, reference_tokens)).with_answer(  # μ's pass beside a chunk: added
         numbers=8 * cfg.n_layers * cfg.n_heads, labels=2 * cfg.n_layers * cfg.n_heads
     )
@@ -226,7 +244,14 @@ def _spectra_cost(model: Transformer, reference_tokens: int | None = None) -> Co
     size, per_layer = itemsize(model.dtype), cfg.n_heads * cfg.d_model * cfg.d_head
     grams = 2 * (2 * cfg.d_model**2 + 2 * GRAM_ROWS * cfg.d_model) * size
     spectrum = cfg.n_layers * cfg.n_heads * cfg.d_head**2 * 8
-    spectra = Cost(grams + cfg.n_layers * per_layer * size + 2 * (per_layer * size + spectrum) + 4 * cfg.d_model**2 * 8)
+    d, heads = cfg.d_model, cfg.n_layers * cfg.n_heads
+    # FLOPs: the two d_model x d_model Grams over the vocabulary, G_E W_Q, and per head the OV and QK spectra's and
+    # the K-composition positivities' d_model x d_head products (three of them)
+    flops = 4 * cfg.d_vocab * d * d + 2 * heads * d * d * cfg.d_head + 6 * heads * d * cfg.d_head * (d + cfg.d_head)
+    spectra = Cost(
+        grams + cfg.n_layers * per_layer * size + 2 * (per_layer * size + spectrum) + 4 * cfg.d_model**2 * 8,
+        flops=flops,
+    )
     if reference_tokens is None:
         return spectra
     return spectra + kernel_cost(model, min(KERNEL_WINDOW, cfg.n_ctx - 1) + 1, reference_tokens)

@@ -1,6 +1,6 @@
 """A measured summary of a pretrained model (its card, computed by code, never typed by hand).
 
-For a model qkov did not train (SmolLM2-135M from its GGUF file, issue 10), the summary reports what the
+For a model qkov did not train (SmolLM2-135M from its GGUF file), the summary reports what the
 paper's two-layer phenomena look like in it, measured on one stated input:
 - the input: heads.standard_tokens (the app's standard detector input): BOS + r + r, r = 50 token ids drawn
   uniformly from the whole vocabulary, 10 sequences, seed 0;
@@ -47,33 +47,27 @@ def _listing(heads: list[dict[str, Any]], most: int = 6) -> str:
     return shown + (f" and {len(heads) - most} more" if len(heads) > most else "") if heads else "none"
 
 
-def measure(loaded: LoadedModel, seed: int = SEED) -> dict[str, Any]:
-    """The summary of a loaded model: the figures, the per-head scores behind them, and the sentences."""
-    model = loaded.model
-    tokens = standard_tokens(model, seed=seed)  # [batch, 1 + 2T]
-    with torch.no_grad():
-        scores = detector_scores(model, tokens)
-    losses = repeat_losses(model, tokens)
-    induction, previous = scores["induction"].double(), scores["previous_token"].double()  # [L, H]
+def summarise(
+    induction: torch.Tensor, previous: torch.Tensor, first: float, second: float, basis: str
+) -> dict[str, Any]:
+    """The summary's figures and sentences from [L, H] induction and previous-token scores and the losses on the first
+    and second copy of the repeated input (`basis`: that input, in words). Shared by `measure` (model_summary.json)
+    and the app's summary computed on first use (app/views/model_summary.py)."""
+    induction, previous = induction.double(), previous.double()
     ind_heads, prev_heads = _top_heads(induction), _top_heads(previous)
-    first, second = losses["rep1_loss"], losses["rep2_loss"]
-    t = (tokens.shape[1] - 1) // 2
-    basis = (
-        f"measured on BOS + r + r, r = {t} token ids drawn uniformly from all {model.cfg.d_vocab}, "
-        f"{tokens.shape[0]} sequences, seed {seed}; raw weights' outputs (processing does not change them)"
-    )
+    total = induction.shape[0] * induction.shape[1]
     sentences = [
         f"On a random sequence repeated once, its loss drops from {first:.2f} nats on the first copy to "
-        f"{second:.2f} on the second: it predicts the second copy from the first.",
-        f"{len(ind_heads)} of its {model.cfg.n_layers * model.cfg.n_heads} heads are induction heads (score >= "
-        f"{HEAD_THRESHOLD}): {_listing(ind_heads)}.",
+        f"{second:.2f} on the second: it predicts the second copy from the first."
+        if second < first
+        else f"On a random sequence repeated once, its loss is {first:.2f} nats on the first copy and {second:.2f} "
+        "on the second: it does not predict the second copy from the first.",
+        f"{len(ind_heads)} of its {total} heads are induction heads (score >= {HEAD_THRESHOLD}): "
+        f"{_listing(ind_heads)}.",
         f"{len(prev_heads)} heads are previous-token heads (score >= {HEAD_THRESHOLD}): {_listing(prev_heads)}.",
     ]
     return {
-        "summary_version": SUMMARY_VERSION,
-        "source": {"model": loaded.path.name, "weights": _weights_source(loaded.path), "stat": _stat(loaded.path)},
         "basis": basis,
-        "input": {"seq_len": t, "batch": int(tokens.shape[0]), "seed": seed, "bos": int(tokens[0, 0])},
         "loss_first_copy": round(first, 4),
         "loss_second_copy": round(second, 4),
         "head_threshold": HEAD_THRESHOLD,
@@ -83,6 +77,27 @@ def measure(loaded: LoadedModel, seed: int = SEED) -> dict[str, Any]:
         "previous_token_scores": [[round(float(v), 4) for v in row] for row in previous],
         "sentences": sentences,
         "description": " ".join(sentences),
+    }
+
+
+def measure(loaded: LoadedModel, seed: int = SEED) -> dict[str, Any]:
+    """The summary of a loaded model: the figures, the per-head scores behind them, and the sentences."""
+    model = loaded.model
+    tokens = standard_tokens(model, seed=seed)  # [batch, 1 + 2T]
+    with torch.no_grad():
+        scores = detector_scores(model, tokens)
+    losses = repeat_losses(model, tokens)
+    t = (tokens.shape[1] - 1) // 2
+    basis = (
+        f"measured on BOS + r + r, r = {t} token ids drawn uniformly from all {model.cfg.d_vocab}, "
+        f"{tokens.shape[0]} sequences, seed {seed}; raw weights' outputs (processing does not change them)"
+    )
+    summary = summarise(scores["induction"], scores["previous_token"], losses["rep1_loss"], losses["rep2_loss"], basis)
+    return {
+        "summary_version": SUMMARY_VERSION,
+        "source": {"model": loaded.path.name, "weights": _weights_source(loaded.path), "stat": _stat(loaded.path)},
+        "input": {"seq_len": t, "batch": int(tokens.shape[0]), "seed": seed, "bos": int(tokens[0, 0])},
+        **summary,
         "notes": f"{basis}. Computed by circuits_core/prompt/model_summary.py and stored in {SUMMARY_FILE} beside the "
         "weights, with their sha256; measured again when they change.",
     }

@@ -1,6 +1,6 @@
 """Frozen-attention path expansion of a logit (or a logit difference) into direct, head and virtual-head terms.
 
-Paper section: "Two-layer path expansion" and "Virtual attention heads" (Elhage et al. 2021; paper-math 2.3,
+Paper section: "Two-layer path expansion" and "Virtual attention heads" (Elhage et al. 2021; docs/maths.md §2.3,
 2.10, 2.11). Row-vector convention. With the clean run's attention patterns and LayerNorm scales frozen
 (frozen.py), the final residual stream is a sum over paths p = (source, h_1, ..., h_k), l_1 < ... < l_k:
     x_L ⊇ A^{h_k} D_{l_k} ... A^{h_1} D_{l_1} X_s C W_OV^{h_1} C ... C W_OV^{h_k}
@@ -325,8 +325,8 @@ def expand_logits(
                 names, coef, w = names_prev[:P0], coef_prev[:P0], w_prev[:P0]  # [P0, q, n], [P0, d]
                 A = run.patterns[layer]  # [H, n, n]
                 inv = run.inv_scale(f"blocks.{layer}.ln1")  # [n]
-                # the output norm's 1 / rho at the heads' rows (ones without output norms)
-                written = coef * run.inv_scale(f"blocks.{layer}.ln1_post")
+                # the output norm's 1 / rho at the heads' rows
+                written = coef * run.inv_scale(f"blocks.{layer}.ln1_post") if cfg.post_norms else coef
                 coef_new = torch.matmul(written.reshape(P0 * q, n), A).mul_(inv).view(H * P0, q, n)  # [H*P0, q, n]
                 if last:
                     exp.emit(order, layer, heads_of[layer], names, coef_new, None, head_o_apply(model, layer, w))

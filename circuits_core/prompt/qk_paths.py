@@ -1,6 +1,6 @@
 """Path expansion of a later head's attention scores, and the token-space K-composition circuit.
 
-Paper section: "Two-layer path expansion of the QK circuit" (Elhage et al. 2021; paper-math 2.12, 2.14).
+Paper section: "Two-layer path expansion of the QK circuit" (Elhage et al. 2021; docs/maths.md §2.12, §2.14).
 Row-vector convention. With the clean run's patterns and LayerNorm scales frozen (frozen.py), the residual
 stream read by layer l is a sum of components y_a [n, d_model]:
     "embed" (W_E[t]), "pos_embed" (standard positions: W_pos in the residual stream), each earlier head's
@@ -31,6 +31,7 @@ from circuits_core.circuits.copying_spectra import copying_score, embed_gram
 from circuits_core.circuits.embedding import EMBED_CHUNK, embed_eff
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.head_circuits import check_head
+from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError, LimitExceededError
 from circuits_core.model.config import head_name
@@ -214,7 +215,7 @@ def k_composition_circuit(model: Transformer, head: tuple[int, int], earlier: tu
 
     Rows: the query (destination) token; columns: the token at the position head h' reads from (for a
     previous-token h', the token before the key). W_E is A's W_E_eff (layer-0 LN applied row by row), and
-    the LN at layer l is ignored (paper-math 2.8: weight-only analyses ignore D).
+    the LN at layer l is ignored (docs/maths.md §2.8: weight-only analyses ignore D).
     """
     (layer, h), (lay2, h2) = head, earlier
     check_head(model, layer, h)
@@ -251,7 +252,7 @@ def k_composition_positivity(
     out = torch.zeros(weights.shape, dtype=torch.float64, device=model.device)
     M = k_composition_matrices(model, weights, G_E, G_E_W_Q, layers)  # [len(layers), H, dh, dh]
     if len(layers):
-        out[layers.start : layers.stop] = copying_score(torch.linalg.eigvals(M.double()))  # M = 0: score 0
+        out[layers.start : layers.stop] = copying_score(eigvals(M.double()))  # M = 0: score 0
     return out
 
 
@@ -322,4 +323,4 @@ def k_composition_matrices(
 
 def circuit_positivity(fm: FactoredMatrix) -> float:
     """sum(eig)/sum(|eig|) of a square FactoredMatrix through its small B A (e.g. a K-composition circuit)."""
-    return float(copying_score(torch.linalg.eigvals(fm.BA.double())))
+    return float(copying_score(eigvals(fm.BA.double())))

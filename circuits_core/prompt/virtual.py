@@ -1,6 +1,6 @@
 """Virtual attention heads: products of an earlier and a later head (V-composition).
 
-Paper section: "Virtual Attention Heads" (Elhage et al. 2021; paper-math 2.10). Row-vector convention, TL
+Paper section: "Virtual Attention Heads" (Elhage et al. 2021; docs/maths.md §2.10). Row-vector convention, TL
 order (earlier head first): for h1 in an earlier layer than h2,
     virtual OV   W_V^{h1} W_O^{h1} W_V^{h2} W_O^{h2}   [d_model, d_model], kept as FactoredMatrix
                  (W_V^{h1} [d, d_head], W_O^{h1} W_V^{h2} W_O^{h2} [d_head, d]): inner dimension d_head
@@ -23,11 +23,13 @@ from circuits_core.circuits.composition import composition_scores
 from circuits_core.circuits.copying_spectra import copying_score, unembed_embed_gram
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.head_circuits import check_head
+from circuits_core.circuits.host_linalg import eigvals
+from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import CancelledError, InvalidInputError
 from circuits_core.model.config import head_name
 from circuits_core.model.transformer import Transformer
 from circuits_core.prompt.frozen import FrozenRun, attention, embed_source, ln_linear, readout
-from circuits_core.prompt.paths import PathExpansion
+from circuits_core.prompt.paths import PathExpansion, path_sources
 
 Head = tuple[int, int]
 
@@ -51,7 +53,7 @@ def factors_copying_score(left: Tensor, right: Tensor, G: Tensor) -> Tensor:
 
     Nonzero eigenvalues of the [V, V] circuit are those of right G left [..., k, k].
     """
-    return copying_score(torch.linalg.eigvals((right @ G @ left).double()))
+    return copying_score(eigvals((right @ G @ left).double()))
 
 
 def virtual_copying_scores(
@@ -111,12 +113,38 @@ def rank_by_contribution(
     return sorted(rows, key=lambda r: -abs(r[1]))[:k]
 
 
-def chain_next_token_terms(model: Transformer, run: FrozenRun, chain: list[Head]) -> Tensor:
-    """[n - 1]: the path term (embedding, h1, ..., hk) of the logit of tokens[p + 1] at each position p.
+def chain_terms(model: Transformer, run: FrozenRun, chain: list[Head], target: int) -> list[tuple[str, Tensor]]:
+    """[(source, [n] values)]: the path term (source, h1, ..., hk) of the logit of `target` at every position, for the
+    embedding ("embed") and each attention bias or MLP output entering before h1 (paths.path_sources), with the
+    clean run's patterns and LayerNorm scales frozen. The same terms as paths.expand_logits lists for this chain,
+    without expanding every other path of its order (C(L, k) H^k of them)."""
+    _check_chain(model, chain)
+    r = readout(model, target)[0]  # [d]: the centred, ln_final-weighted W_U column of the target
+    n = run.n
+    out = []
+    for source in path_sources(model, run):
+        if source.entry > chain[0][0]:
+            continue  # written after h1 reads the stream
+        Y = source.X.expand(n, -1)  # [n, d] (a bias: the same vector at every position)
+        for layer, h in chain:
+            attn = attention(model, layer)
+            X = ln_linear(model, f"blocks.{layer}.ln1", Y, run.inv_scale(f"blocks.{layer}.ln1"))
+            Y = run.patterns[layer, h] @ (X @ attn.W_V[h] @ attn.W_O[h])  # [n, d]
+        out.append((source.name[0] if source.name else "embed", run.inv_scale("ln_final") * (Y @ r)))
+    return out
 
-    With the clean run's patterns and LayerNorm scales frozen (paths.py's bookkeeping), the chain carries
-    Y = A^{hk} D ... A^{h1} D x_0 C diag(w) W_OV^{h1} ... C diag(w) W_OV^{hk}  [n, d_model]
-    and its term on target t at p is inv_f[p] (Y[p] . r_t), r_t the centred, ln_final-weighted W_U column."""
+
+def chain_cost(model: Transformer, n: int, order: int, sources: int) -> Cost:
+    """chain_terms on n tokens through `order` heads from `sources` sources (beside the frozen run): one [n, d_model]
+    stream, its LayerNorm'd copy and the pattern product per step; FLOPs of the [n, n] x [n, d_model] and
+    [n, d_model] x [d_model, d_head] products."""
+    cfg = model.cfg
+    d, dh = cfg.d_model, cfg.d_head
+    flops = sources * order * (2 * n * d * dh * 2 + 2 * n * n * d) + 2 * n * n * n * order
+    return Cost((3 * n * d + n * n) * itemsize(model.dtype), flops=flops)
+
+
+def _check_chain(model: Transformer, chain: list[Head]) -> None:
     layers = [layer for layer, _ in chain]
     if not chain or layers != sorted(set(layers)):
         raise InvalidInputError(
@@ -124,6 +152,15 @@ def chain_next_token_terms(model: Transformer, run: FrozenRun, chain: list[Head]
         )
     for layer, h in chain:
         check_head(model, layer, h)
+
+
+def chain_next_token_terms(model: Transformer, run: FrozenRun, chain: list[Head]) -> Tensor:
+    """[n - 1]: the path term (embedding, h1, ..., hk) of the logit of tokens[p + 1] at each position p.
+
+    With the clean run's patterns and LayerNorm scales frozen (paths.py's bookkeeping), the chain carries
+    Y = A^{hk} D ... A^{h1} D x_0 C diag(w) W_OV^{h1} ... C diag(w) W_OV^{hk}  [n, d_model]
+    and its term on target t at p is inv_f[p] (Y[p] . r_t), r_t the centred, ln_final-weighted W_U column."""
+    _check_chain(model, chain)
     Y = embed_source(model, run)  # [n, d]
     for layer, h in chain:
         attn = attention(model, layer)

@@ -124,3 +124,28 @@ def assert_problem(response, status: int, *needles: str) -> dict:
     for needle in needles:
         assert needle.lower() in body["detail"].lower(), (needle, body["detail"])
     return body
+
+
+def until_done(client, url: str, timeout: float = 900.0, **kwargs):
+    """GET `url`; while it answers 202 (a long computation running as a job, app/scheduling.py), poll its job until
+    it is finished and ask again: the response once the answer exists (a page's job id is in its data-job)."""
+    import re
+    import time
+
+    end = time.monotonic() + timeout
+    while True:
+        response = client.get(url, **kwargs)
+        if response.status_code != 202:
+            return response
+        if response.headers.get("content-type", "").startswith("application/json"):
+            job_id = response.json()["id"]
+        else:
+            found = re.search(r'data-job="([0-9a-f]+)"', response.text)
+            assert found, f"a 202 page without a job: {response.text[:300]}"
+            job_id = found.group(1)
+        while True:
+            assert time.monotonic() < end, f"{url}: job {job_id} did not finish in {timeout} s"
+            state = client.get(f"/api/v1/jobs/{job_id}").json()
+            if state.get("state") not in ("queued", "running"):
+                break
+            time.sleep(0.2)

@@ -17,7 +17,7 @@ from circuits_core.errors import QkovError
 from circuits_core.formats.checkpoint import LoadedModel
 from tests.app.conftest import LIMITS
 
-LISTINGS = {"/api/v1/models", "/api/v1/unavailable-models", "/api/v1/models/{model}"}
+LISTINGS = {"/api/v1/models", "/api/v1/unavailable-models", "/api/v1/models/{model}", "/api/v1/jobs/{job_id}"}
 BY_NAME = {a.name: a for a in ANALYSES}
 # Values for required fields by name, and per analysis (the others run on their defaults).
 BY_FIELD = {
@@ -30,7 +30,7 @@ BY_FIELD = {
     "reader": "unembed",
 }
 # analyses tiny-2l (shortformer positions) cannot answer: refused while pricing, a 422 before any compute; they are
-# priced on a rotary model in test_api_rotary.py and test_hostile_new_endpoints.py
+# priced on a rotary model in test_api_rotary.py and test_hostile_rotary_residual_endpoints.py
 ROTARY_ONLY = {"positional", "rotary-bands", "composition-profile", "qk-copying-offset"}
 REQUIRED: dict[str, dict[str, Any]] = {
     "head": {"head": "L1H0"},

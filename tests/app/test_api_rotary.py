@@ -1,4 +1,4 @@
-"""The rotary-model API (issue 11.5) over a real app: positional kernel, band energies, composition profiles,
+"""The rotary-model API over a real app: positional kernel, band energies, composition profiles,
 QK and composition at an offset; numbers checked against the engine's dense float64 brute force."""
 
 from __future__ import annotations

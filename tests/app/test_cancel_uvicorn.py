@@ -1,4 +1,4 @@
-"""Cancellation that works (issue 9.4), on a real uvicorn on 127.0.0.1 with one compute slot.
+"""Cancellation that works, on a real uvicorn on 127.0.0.1 with one compute slot.
 
 For a long global top-k, a detector run and a path expansion, a client sends the request over a raw socket,
 waits until the computation holds the slot and the engine loop has started, and disconnects. The middleware
@@ -62,6 +62,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "QKOV_TORCH_THREADS": "1",
         "QKOV_PRELOAD": "true",
         "QKOV_STORE_URL": "off",
+        "QKOV_INLINE_BUDGET_S": "100000",  # every request inline: this is the cancellation of a request's own work
     }
     proc = start(
         ["-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port), "--no-access-log"],

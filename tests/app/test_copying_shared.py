@@ -1,5 +1,5 @@
-"""The copying overview (/copying) and each head page's panel (/copying?heads=<head>) share their work (issue 13:
-precompute fills 144 such panels on GPT-2): a circuit's source rows (a head's, or one of the random baseline's) are
+"""The copying overview (/copying) and each head page's panel (/copying?heads=<head>) share their work
+(precompute fills 144 such panels on GPT-2): a circuit's source rows (a head's, or one of the random baseline's) are
 measured once per sample and kept in the result cache, read by the overview and the panels alike, and a smaller sample
 is read off a larger one of the same seed (its first rows); the random circuits' eigenvalue scores are computed once
 per (weights, samples), and the heads' eigenvalue scores come from the cached spectra of all heads. Checked by counting

@@ -1,4 +1,4 @@
-"""Direct path with its corpus column (issue 12.4): model probabilities and held-out bigram statistics on toy-0l,
+"""Direct path with its corpus column: model probabilities and held-out bigram statistics on toy-0l,
 against a dense float64 softmax and counts taken straight from checkpoints/eval_data.npz."""
 
 from __future__ import annotations

@@ -99,4 +99,4 @@ def test_each_qk_number_names_its_form(client: TestClient) -> None:
         r = client.get(url)
         assert r.status_code == 200 and r.json()["qk_form"] == form, (url, r.text[:300])
         page = client.get(url.removeprefix("/api/v1"))
-        assert page.status_code == 200 and f"QK form: {form} (" in page.text, url
+        assert page.status_code == 200 and f"QK form: {form}" in page.text, url

@@ -35,7 +35,9 @@ def test_pages_embed_the_terms_their_links_point_to(client: TestClient) -> None:
     glossary_html = client.get("/glossary").text
     for path in ("/models/tiny-2l", "/models/tiny-2l/composition", "/tour"):
         page = client.get(path).text
-        found = re.search(r'<script type="application/x-qkov-glossary\+json" id="glossary-terms">(.*?)</script>', page, re.S)
+        found = re.search(
+            r'<script type="application/x-qkov-glossary\+json" id="glossary-terms">(.*?)</script>', page, re.S
+        )
         assert found, path
         table = json.loads(found.group(1))
         for term in ISSUE_TERMS:

@@ -1,4 +1,4 @@
-"""Hostile battery, part 1: model folders that cannot be read (issue 9.2, 9.8).
+"""Hostile battery, part 1: model folders that cannot be read.
 
 Each case is a folder in the models directory of one app (built with create_app over temp folders) beside a
 good model. Every one must be listed among the unavailable models with a reason naming the field or file at

@@ -21,6 +21,7 @@ from app.main import create_app
 from app.settings import Settings
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.prompt.detectors import repeated_random_tokens
+from tests.app.conftest import until_done
 from tests.app.test_claims import copying_scores
 
 ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
@@ -243,7 +244,7 @@ def test_smollm2_detectors_page_loss_sentence():
     checked against transformers in tests/core/test_smollm2.py)."""
     summary = json.loads((SMOLLM2 / "model_summary.json").read_text())
     with TestClient(create_app(Settings(store_url="off", models_dir=SMOLLM2.parent))) as c:
-        said = sentence(c.get("/models/smollm2-135m/detectors").text, "loss-claim")
+        said = sentence(until_done(c, "/models/smollm2-135m/detectors").text, "loss-claim")
     found = re.search(rf"drops by {NUM} nats", said)
     assert found, said
     assert float(found.group(1)) == pytest.approx(summary["loss_first_copy"] - summary["loss_second_copy"], abs=0.02)
@@ -271,7 +272,8 @@ def test_direct_page_counts_the_rare_tokens_of_its_table(client):
     )
     assert (
         said
-        == f"Of the {len(tokens)} distinct tokens in this table, {rare} were seen fewer than {MIN_TRAIN_COUNT} times in training."
+        == f"Of the {len(tokens)} distinct tokens in this table, {rare} were seen fewer than {MIN_TRAIN_COUNT} times "
+        f"in training."
     )
     assert (
         'id="rare-claim"' not in client.get("/models/toy-0l/direct", params={"k": k}).text

@@ -104,3 +104,16 @@ def test_qk_paths_lists_the_terms_of_one_score(client: TestClient) -> None:
     for bad in ({"query": 2, "key": 5}, {"query": 5}, {"query": 99, "key": 0}):
         r = client.get(f"{API}/qk-paths", params={"prompt": prompt, "head": "L1H2", **bad})
         assert r.status_code == 422, bad
+
+
+def test_head_to_head_pair_page_reads_its_directions_in_tokens(client: TestClient) -> None:
+    """A head -> head pair listed 'd_model directions' where tokens belong; now each side shows the tokens of its
+    reading (through W_E, and W_U for a value output), the JSON twin's entries."""
+    page = client.get("/models/tiny-2l/residual/L0H1/L1H2.V").text
+    assert "d_model directions" not in page and "read through W_E" in page and "read through W_U" in page
+    body = client.get(f"{API}/residual/L0H1/L1H2.V").json()
+    assert body["input_read"] == "W_E" and body["output_read"] == "W_U"
+    first = body["directions"][0]
+    shown = re.findall(r'title="token (\d+)"', page.split('id="directions-table"', 1)[1].split("</tr>", 2)[1])
+    want = [e["token"]["id"] for e in first["input_tokens_top"]]
+    assert [int(t) for t in shown[: len(want)]] == want

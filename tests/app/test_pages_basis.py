@@ -1,4 +1,4 @@
-"""The basis picker on the head, direct, composition and pair pages (issue 12.2): each page names the weights its
+"""The basis picker on the head, direct, composition and pair pages: each page names the weights its
 numbers come from, and `basis=raw` shows the checkpoint as stored. Checked against dense float64 products of the
 weights read straight from the safetensors file (no qkov loading or processing involved), and against the
 processed weights the app serves.

@@ -1,4 +1,4 @@
-"""Rotary parts of the pages (issue 11.5): the head page's offset control, positional kernel and band energies,
+"""Rotary parts of the pages: the head page's offset control, positional kernel and band energies,
 the pair page's δ profiles, the composition page at an offset; absent for models without rotary positions."""
 
 from __future__ import annotations
@@ -100,3 +100,14 @@ def test_pair_profile_snippet(client: TestClient):  # noqa: F811
     result = run(snippets_in(page)["profile-python"])
     api = client.get(f"{API}/rope/composition/L0H1/L2H2/profile", params={"kind": "K"}).json()
     assert result["scores"] == pytest.approx(api["scores"], abs=1e-9)
+
+
+def test_heads_table_flags_kernel_peaks_at_the_window_edge(client: TestClient):  # noqa: F811
+    """The kernel peak column says 'edge' exactly for peaks in the last 5 % of the δ ≤ 64 window (61-64), which
+    the overview showed as plain peaks."""
+    heads = client.get(f"{API}/rope/heads").json()["heads"]
+    table = client.get("/models/rope").text.split('id="heads-table"', 1)[1].split("</table>", 1)[0]
+    rows = {m.group(1): m.group(2) for m in re.finditer(r'<tr><td data-value="(L\d+H\d+)">(.*?)</tr>', table, re.S)}
+    assert set(rows) == {h["head"] for h in heads}
+    for h in heads:
+        assert ("kernel-edge" in rows[h["head"]]) == (h["kernel_peak_offset"] >= 61), h

@@ -1,4 +1,4 @@
-"""Every request is priced before it runs (issue 9.3): a walk over the OpenAPI routes.
+"""Every request is priced before it runs: a walk over the OpenAPI routes.
 
 Each GET route under /api/v1 is either a declared analysis (app/catalog.py) whose cost comes from the engine,
 or one of the listing routes that do no heavy work. For every analysis, the engine's estimate of the answer is
@@ -19,7 +19,7 @@ from app.settings import Settings
 from circuits_core.cost import Cost
 
 # The /api/v1 GET routes that are not analyses: listings and one model's card, no weight-derived work.
-LISTINGS = {"/api/v1/models", "/api/v1/unavailable-models", "/api/v1/models/{model}"}
+LISTINGS = {"/api/v1/models", "/api/v1/unavailable-models", "/api/v1/models/{model}", "/api/v1/jobs/{job_id}"}
 MODEL = "tiny-2l"
 TOKENS = "5,6,7,8,5,6,7,8,9"
 PATH_VALUES = {"model": MODEL, "head": "L1H0", "source": "L0H1", "target": "L1H2", "writer": "L0H1", "reader": "L1H0.K"}

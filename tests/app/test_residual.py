@@ -182,6 +182,25 @@ def test_usage_ranks_and_overlaps_from_dense_singular_values(rclient: TestClient
     assert body["erasure_max_z"] is not None and body["erasure_threshold_z"] == 5.0
 
 
+def test_usage_pages_of_rows_make_up_the_whole_table(rclient: TestClient) -> None:
+    """The overlap tables come a page of writer rows at a time (writers_from, writers_shown): the pages, followed by
+    next_writers_from, are the rows of one answer holding every row, and each says which rows it holds."""
+    url = "/api/v1/models/gpt2ish/residual/usage"
+    whole = rclient.get(url, params={"energy": 0.8, "writers_shown": 4096}).json()
+    n = len(whole["writers"])
+    assert whole["rows"] == whole["writers"] and whole["next_writers_from"] is None and n > 3
+    rows, overlap, excess, start = [], [], [], 0
+    while start is not None:
+        page = rclient.get(url, params={"energy": 0.8, "writers_shown": 3, "writers_from": start}).json()
+        assert len(page["rows"]) == min(3, n - start) and f"{start + 1}-" in page["page"]
+        rows += page["rows"]
+        overlap += page["overlap"]
+        excess += page["overlap_excess"]
+        start = page["next_writers_from"]
+    assert rows == whole["writers"] and overlap == whole["overlap"] and excess == whole["overlap_excess"]
+    assert_problem(rclient.get(url, params={"writers_from": n}), 422, "writers_from", f"{n} writers")
+
+
 def test_pages_and_json_twins(rclient: TestClient) -> None:
     page = rclient.get("/models/gpt2ish/residual")
     assert page.status_code == 200 and "data-plotly" in page.text

@@ -25,9 +25,9 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from app.cache import ENTRY_OVERHEAD, ResultCache
-from app.compute import ComputeService, cheap, compute, compute_json
 from app.main import create_app
 from app.observability import JsonFormatter
+from app.scheduling import ComputeService, cheap, compute, compute_json
 from app.settings import Settings
 from circuits_core.cost import Cost
 from circuits_core.errors import CancelledError
@@ -265,7 +265,7 @@ def test_cached_answers_are_their_json_bytes(settings: Settings) -> None:
 
 
 def test_each_computation_runs_with_the_configured_threads(settings: Settings) -> None:
-    from app.compute import ComputeService, available_cores, default_torch_threads
+    from app.scheduling import ComputeService, available_cores, default_torch_threads
 
     with TestClient(serving_app(settings, compute_slots=2)) as c:  # default: cores // slots, set in the worker
         assert c.get("/api/v1/test/threads").json() == {"threads": default_torch_threads(2)}
@@ -426,7 +426,7 @@ def test_limits_are_written_into_the_openapi_schema(client: TestClient) -> None:
 def test_weak_etag_and_304(client: TestClient) -> None:
     url = "/api/v1/models/tiny-2l/heads"
     first = client.get(url)
-    etag = first.headers["ETag"]  # weak: the same JSON goes out gzip-coded or plain (issue 9.9)
+    etag = first.headers["ETag"]  # weak: the same JSON goes out gzip-coded or plain
     assert first.status_code == 200 and etag.startswith('W/"')
     assert first.headers["Cache-Control"] == "public, max-age=60"
     again = client.get(url, headers={"If-None-Match": etag})

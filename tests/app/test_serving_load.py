@@ -1,4 +1,4 @@
-"""Load and memory on a real uvicorn on 127.0.0.1 (issue 9.5, 9.6): heavy and cheap requests from 16 clients
+"""Load and memory on a real uvicorn on 127.0.0.1: heavy and cheap requests from 16 clients
 give no 5xx, and the result cache's byte count is what the process holds.
 
 Memory bound (stated): after the models are loaded and warmed up, the server's RSS grows by at most

@@ -4,7 +4,7 @@ markup is escaped on pages and served as JSON data by the API, and a new folder 
 
 Over a real server (`python -m app.serve`, the production launcher, on 127.0.0.1): a client that never
 finishes its request head is cut off after QKOV_HEADER_TIMEOUT_S, and SIGTERM drains within
-QKOV_SHUTDOWN_DRAIN_S even when a computation that cannot be stopped is still running (issue 9.9).
+QKOV_SHUTDOWN_DRAIN_S even when a computation that cannot be stopped is still running.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from app.compute import compute
 from app.main import create_app
+from app.scheduling import compute
 from app.settings import REPO_ROOT, Settings
 from circuits_core.model.config import ModelConfig
 from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer

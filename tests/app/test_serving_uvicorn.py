@@ -1,5 +1,6 @@
-"""A real uvicorn process on 127.0.0.1 (one per module; the SIGTERM test runs last): SIGTERM lets an in-flight request finish with 200, and a client that
-disconnects mid-computation sets the stop flag (found by polling `request.is_disconnected()`), freeing the slot.
+"""A real uvicorn process on 127.0.0.1 (one per module; the SIGTERM test runs last): SIGTERM lets an in-flight request
+finish with 200, and a client that disconnects mid-computation sets the stop flag (found by polling
+`request.is_disconnected()`), freeing the slot.
 
 `make_app` is the uvicorn factory: the app of `Settings()` (configured through QKOV_* variables, as in
 production) plus one test route that holds a compute slot for `seconds` unless stopped.
@@ -19,8 +20,8 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.compute import compute
 from app.main import create_app
+from app.scheduling import compute
 from app.settings import Settings
 from tests.app.live_server import free_port, start
 from tests.app.test_serving import slow

@@ -56,11 +56,21 @@ def test_qk_terms_snippet(client: TestClient) -> None:
     assert [v for _, _, v in result["terms"]] == pytest.approx([t["value"] for t in at["terms"]], abs=1e-9)
 
 
+def test_detectors_snippet(client: TestClient) -> None:
+    params = {"seq_len": 12, "batch": 3, "seed": 4}
+    page = client.get("/models/tiny-2l/detectors", params=params).text
+    result = run(snippets_in(page)["detectors-python"])
+    api = client.get(f"{API}/tiny-2l/detectors", params=params).json()
+    for h in api["heads"]:
+        for key in ("induction", "previous_token", "duplicate_token", "current_token", "first_token"):
+            assert result[key][h["head"]] == pytest.approx(h[key], abs=1e-9), (h["head"], key)
+
+
 def test_every_offered_snippet_is_tested(client: TestClient) -> None:
     """The pages above are the only ones offering a snippet on this model (a new one needs a test here)."""
-    from app import snippets
-
     import inspect
+
+    from app import snippets
 
     offered = {
         name
@@ -68,4 +78,4 @@ def test_every_offered_snippet_is_tested(client: TestClient) -> None:
         if fn.__module__ == snippets.__name__ and not name.startswith("_")
     }
     # composition_profile: tests/app/test_pages_rotary.py (a rotary model)
-    assert offered == {"composition", "qk_score_terms", "logit_paths", "composition_profile"}
+    assert offered == {"composition", "qk_score_terms", "logit_paths", "composition_profile", "detectors"}

@@ -12,8 +12,8 @@ from pathlib import Path
 import diskcache
 import pytest
 
-from app.compute import ComputeService, bind, compute
 from app.ratelimit import RateLimiter
+from app.scheduling import ComputeService, bind, compute
 from app.store import DiskStore, RedisStore, StoreTier, code_version, open_store
 from tests.app.redis_server import RedisServer, running_redis
 

@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.app.conftest import until_done
+
 FOLDER = Path(__file__).resolve().parents[2] / "models" / "smollm2-135m"
 SUMMARY = FOLDER / "model_summary.json"
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]
@@ -46,7 +48,7 @@ def test_smollm2_default_term_importance_and_its_sentences(served: Any) -> None:
     from circuits_core.model.transformer import Frozen
     from circuits_core.prompt import ablation
 
-    response = served.get("/api/v1/models/smollm2-135m/term-importance")
+    response = until_done(served, "/api/v1/models/smollm2-135m/term-importance")  # a job on this model
     assert response.status_code == 200, response.text
     body = response.json()
     summary = json.loads(SUMMARY.read_text())
@@ -70,7 +72,7 @@ def test_smollm2_default_term_importance_and_its_sentences(served: Any) -> None:
     )
     assert body["all_heads_gflop"] == pytest.approx(every / 1e9)
 
-    page = html.unescape(served.get("/models/smollm2-135m/term-importance").text)
+    page = html.unescape(until_done(served, "/models/smollm2-135m/term-importance").text)
     note = re.search(r'id="ablated-heads">(.*?)</p>', page, re.S)
     assert note is not None and body["heads_note"] in note[1] and f"{every / 1e9:,.0f} GFLOP" in note[1]
     claim = re.search(

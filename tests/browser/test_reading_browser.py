@@ -1,4 +1,4 @@
-"""Navigation and reading in a real browser (issue 12.7, 12.8): the attention text view follows the hovered
+"""Navigation and reading in a real browser: the attention text view follows the hovered
 token (colours checked against the JSON API's pattern and path terms), tables sort and filter, the model picker
 keeps the prompt and the head, an empty prompt is an error, a long prompt is cut with an offer to continue, a
 0-layer model hides the views of heads with its reason, /docs has the app's frame, byte-level tokens read as
@@ -297,7 +297,8 @@ def test_scatter_labels_do_not_overlap(shipped_page: Page) -> None:
     scatter = page.locator(".js-plotly-plot").filter(has=page.locator(".scatterlayer .textpoint")).first
     scatter.scroll_into_view_if_needed()
     boxes = scatter.locator(".textpoint text").evaluate_all(
-        "els => els.filter(e => e.textContent).map(e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; })"
+        "els => els.filter(e => e.textContent).map(e => { const r = e.getBoundingClientRect(); return [r.left, r.top, "
+        "r.right, r.bottom]; })"
     )
     assert boxes, "no labelled point"
     assert disjoint(boxes)

@@ -1,4 +1,4 @@
-"""The rotary controls in a real browser (issue 11.5): the head page's offset control swaps the circuits panel
+"""The rotary controls in a real browser: the head page's offset control swaps the circuits panel
 without a page load, pushes the URL and captions the QK tables with δ; the kernel and band charts draw; the
 composition page's offset control and the pair page's δ profile chart work; nothing leaves 127.0.0.1."""
 

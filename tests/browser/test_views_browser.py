@@ -1,4 +1,4 @@
-"""The views researchers asked for in issue 12, in a real browser: the basis picker (head, direct, composition and
+"""The reading views in a real browser: the basis picker (head, direct, composition and
 pair pages), the direct page's frequent-token default, and the copying panel the overview and head pages load on
 their own (top-1 / top-k self-copy shares beside the eigenvalue score)."""
 

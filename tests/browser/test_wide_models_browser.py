@@ -41,7 +41,9 @@ def wide_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture
 def wide(browser, wide_server: str) -> Iterator[Page]:  # noqa: ANN001
-    yield from checked_page(browser, wide_server)
+    for pg in checked_page(browser, wide_server):
+        pg.set_default_timeout(90_000)  # a cold composition of 81 heads on a shared machine
+        yield pg
 
 
 def test_layer_block_map_zooms_into_a_block_on_click(wide: Page) -> None:

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from engine2_models import small_model
+from biased_models import small_model
 from rotary_models import CASES as ROTARY_CASES
 from rotary_models import rotary_model, tokens_for
 from torch.utils.flop_counter import FlopCounterMode

@@ -1,4 +1,4 @@
-"""Claims about the shipped toy models that the engine's ablation must show (issue 12.7).
+"""Claims about the shipped toy models that the engine's ablation must show.
 
 Removing toy-2l's previous-token head L0H5 breaks induction through K-composition: with later patterns recomputed
 the loss on the second repeat of random tokens rises and the induction head L1H2 stops attending to the induction

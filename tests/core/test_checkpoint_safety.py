@@ -1,4 +1,4 @@
-"""Engine side of hostile checkpoints (issue 9.2, 9.8): typed config fields, files inside the folder, the load price.
+"""Engine side of hostile checkpoints: typed config fields, files inside the folder, the load price.
 
 - ModelConfig checks every field against its annotation: for each field in turn (M1's Llama fields included,
   found by walking the dataclass), a value of a wrong type is refused with an error naming that field.

@@ -1,5 +1,5 @@
 """circuits.full_ov_circuit / full_qk_circuit with `tokens`: the [n, n] submatrix of the given rows and columns,
-its factors formed on those tokens only (issue 13: the global tables of a large vocabulary rank a token subset).
+its factors formed on those tokens only (the global tables of a large vocabulary rank a token subset).
 Checked against the dense float64 circuit built from the whole vocabulary and indexed, on a LayerNorm model (the
 embedding rows go through layer 0's ln1) and a model without norms."""
 

@@ -117,7 +117,7 @@ def test_full_qk_plus_positional_terms_equal_real_attention_scores():
 
 def test_full_ov_reproduces_head_logit_contributions():
     """1-layer shortformer, LN, no biases: head h's result at query i, unembedded, equals
-    sum_j A[i, j] full_OV[t_j, :] (the one-layer path term, paper-math 2.3)."""
+    sum_j A[i, j] full_OV[t_j, :] (the one-layer path term, docs/maths.md §2.3)."""
     model = make_model(norm="LN")
     tokens = torch.randint(0, V, (1, 8), generator=torch.Generator().manual_seed(3))
     _, cache = model.run(tokens, names={"blocks.0.attn.hook_result", "blocks.0.attn.hook_pattern"})

@@ -7,7 +7,7 @@
 - composition.cost is never below the peak of the tensors the computation actually holds (counted op by op by
   a dispatch mode), in every chunking, and is priced from those steps (within 2x of the peak).
 - The budget picks the fewest chunks whose price fits it, and the Llama-3.2-1B shape's K-composition is priced
-  within the default 1 GiB in one chunk, all three kinds in more (issue 10.5).
+  within the default 1 GiB in one chunk, all three kinds in more.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def test_the_budget_picks_the_fewest_chunks_that_fit() -> None:
 
 
 def test_one_billion_shape_k_composition_fits_the_default_budget() -> None:
-    """Issue 10.5: one kind on the Llama-3.2-1B shape (16 layers, 32 heads, 8 key/value heads, d_model 2048),
+    """one kind on the Llama-3.2-1B shape (16 layers, 32 heads, 8 key/value heads, d_model 2048),
     priced on a model built without memory, within Limits().peak_bytes; all three kinds need chunks."""
     from bench.modern import LLAMA_1B
 

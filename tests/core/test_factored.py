@@ -1,4 +1,4 @@
-"""FactoredMatrix against the dense matrix A @ B, in float64, on random shapes (paper-math section 5.15)."""
+"""FactoredMatrix against the dense matrix A @ B, in float64, on random shapes (docs/maths.md §5.15)."""
 
 from __future__ import annotations
 

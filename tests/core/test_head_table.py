@@ -4,7 +4,7 @@ products, and the table's byte price against the bytes it holds."""
 
 import pytest
 import torch
-from engine2_models import small_model
+from biased_models import small_model
 from test_paths_cost import _HeldBytes
 
 from circuits_core.circuits import copying_spectra

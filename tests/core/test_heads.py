@@ -1,7 +1,7 @@
 """Head detectors: pattern detectors on synthetic patterns, Olsson's evaluators vs looped references (float64)."""
 
 import torch
-from engine2_models import small_model
+from biased_models import small_model
 
 from circuits_core.prompt.detectors import (
     copying_scores,
@@ -92,15 +92,25 @@ def test_copying_matches_loop():
     assert (got >= -1).all() and (got <= 1).all()
 
 
-def test_induction_view_uses_previous_token_head():
+def brute_heads_that_matter(scores: dict) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The rule by enumeration: the best induction head of layers >= 1, then the best previous-token head below it."""
+    ind, prev = scores["induction"], scores["previous_token"]
+    L, H = ind.shape
+    best = max((float(ind[layer, h]), layer, h) for layer in range(1, L) for h in range(H))
+    below = max((float(prev[layer, h]), layer, h) for layer in range(best[1]) for h in range(H))
+    return (below[1], below[2]), (best[1], best[2])
+
+
+def test_induction_view_uses_the_heads_that_matter():
     model = small_model(n_layers=3, ln="LN")
     view = induction_view(model)
-    prev = detector_scores(model, standard_tokens(model))["previous_token"]
-    assert previous_token_head(model, prev) == (0, int(prev[0].argmax()))
-    assert view.previous_token_head == f"L0H{int(prev[0].argmax())}"
-    for layer in (1, 2):
+    det = detector_scores(model, standard_tokens(model))
+    (pl, ph), induction = brute_heads_that_matter(det)
+    assert previous_token_head(model, det) == (pl, ph)
+    assert view.previous_token_head == f"L{pl}H{ph}"
+    for layer in range(pl + 1, 3):
         for h in range(3):
-            ref = circuit_positivity(k_composition_circuit(model, (layer, h), (0, int(prev[0].argmax()))))
+            ref = circuit_positivity(k_composition_circuit(model, (layer, h), (pl, ph)))
             assert abs(float(view.qk_k_composition[layer, h]) - ref) < 1e-8
     assert (view.qk_k_composition[0] == 0).all() and view.ov_copying.shape == (3, 3)
 
@@ -145,7 +155,7 @@ def test_head_table_equals_its_parts_whether_its_branches_run_at_once_or_in_turn
     tokens = standard_tokens(model, seed=2)
     det = detector_scores(model, tokens)
     ov, qk = ov_copying_scores(model), qk_copying_scores(model)
-    iv = induction_view(model, tokens, det["previous_token"])
+    iv = induction_view(model, tokens, det)
 
     def close(a: torch.Tensor, b: torch.Tensor) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12, equal_nan=True)

@@ -4,6 +4,9 @@ each case takes, and the model's forward pass through it against the same weight
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -181,3 +184,30 @@ def test_float32_grams_through_onednn_equal_float64(onednn_calls):
     assert len(onednn_calls) > 0
     assert (G.double() - want_G).abs().max() <= 2e-6 * want_G.abs().max()
     assert (G_E.double() - want_G_E).abs().max() <= 2e-6 * want_G_E.abs().max()
+
+
+def test_the_private_onednn_op_linear_calls_still_exists_and_computes_x_W_plus_b_then_gelu() -> None:
+    """linear.affine calls torch.ops.mkldnn._linear_pointwise, private to torch: a torch release that drops it or
+    changes its arguments must fail here, not fall back to addmm unnoticed (or break every product)."""
+    assert torch.backends.mkldnn.is_available(), "this torch build has no oneDNN: linear.affine uses addmm only"
+    op = torch.ops.mkldnn._linear_pointwise  # AttributeError: the op is gone
+    gen = torch.Generator().manual_seed(0)
+    x, W, b = torch.randn(64, 96, generator=gen), torch.randn(96, 80, generator=gen), torch.randn(80, generator=gen)
+    got = op(x, W.t().contiguous(), b, "gelu", [], "tanh")  # the call affine makes: W.t() [n_out, n_in]
+    want = F.gelu(x.double() @ W.double() + b.double(), approximate="tanh")
+    assert got.shape == (64, 80) and torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4)
+    if os.environ.get(linear.ONEDNN_SWITCH) is None:
+        assert linear._ONEDNN_LINEAR is op  # linear.py found it (the switch is on by default)
+
+
+@pytest.mark.parametrize(("value", "on"), [("0", False), ("off", False), ("1", True), ("", True)])
+def test_qkov_onednn_switches_the_onednn_path(value: str, on: bool) -> None:
+    code = "from circuits_core.model import linear; print(linear._ONEDNN_LINEAR is not None)"
+    env = {**os.environ, linear.ONEDNN_SWITCH: value}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(on)
+
+
+def test_a_bad_qkov_onednn_value_is_refused_with_its_name() -> None:
+    with pytest.raises(ValueError, match="QKOV_ONEDNN must be 1 or 0"):
+        linear.onednn_wanted("maybe")

@@ -41,10 +41,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                            "rope_parameters": {"rope_type": "default", "rope_theta": 100.0}}),
     "llama_bias_linear_tied": ("llama", {"num_attention_heads": 4, "num_key_value_heads": 4, "attention_bias": True,
                                          "tie_word_embeddings": True,
-                                         "rope_parameters": {"rope_type": "linear", "rope_theta": 100.0, "factor": 3.0}}),
+                                         "rope_parameters": {"rope_type": "linear", "rope_theta": 100.0, "factor": 3.0}}),  # noqa: E501 (a table kept on one line)
     "llama_gqa_llama3_headdim": ("llama", {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 6,
                                            "tie_word_embeddings": False, "rope_parameters": LLAMA3}),
-    "mistral_gqa_window": ("mistral", {"num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": N,
+    "mistral_gqa_window": ("mistral", {"num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 5,
                                        "tie_word_embeddings": False, "rope_parameters": {"rope_type": "default",
                                                                                          "rope_theta": 50.0}}),
     "qwen2_gqa_bias_tied": ("qwen2", {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
@@ -131,6 +131,7 @@ def _variant(model: Transformer, **changes: Any) -> Transformer:
         ("llama_gqa_llama3_headdim", {"rope_type": "linear"}),  # llama3 is not plain linear division
         ("llama_gqa_llama3_headdim", {"rope_type": "default", "rope_factor": 1.0}),
         ("qwen2_gqa_bias_tied", {"rotary_base": 10000.0}),
+        ("mistral_gqa_window", {"window_size": None}),  # the window is shorter than the prompt: it masks
     ],
 )
 def test_each_rotary_knob_matters(world: dict[str, tuple[Path, Any]], name: str, changes: dict[str, Any]) -> None:
@@ -161,7 +162,7 @@ def test_checkpoint_layouts(world: dict[str, tuple[Path, Any]]) -> None:
     assert tied.cfg.use_bias and attn.b_O.abs().max() == 0 and attn.b_Q.abs().max() > 0  # Qwen2: q/k/v biases only
     assert attn.grouped("b_K").shape == (2, 4)
     mistral = load_checkpoint(world["mistral_gqa_window"][0], process=False).model
-    assert mistral.cfg.n_ctx == N  # context capped at the sliding window (exact for every allowed input)
+    assert mistral.cfg.window_size == 5 and mistral.cfg.attn_types is None  # every layer slides, shorter than N
 
 
 def test_bfloat16_checkpoint_converts_per_tensor(tmp_path: Path) -> None:

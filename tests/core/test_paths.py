@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 import torch
-from engine2_models import small_model, tokens_for
+from biased_models import small_model, tokens_for
 
 from circuits_core.errors import CancelledError, InvalidInputError, LimitExceededError
 from circuits_core.prompt.frozen import frozen_run

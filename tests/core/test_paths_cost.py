@@ -5,7 +5,7 @@
   on an RMS + GQA + rotary + gated-MLP + biases model.
 - The term names (built on demand) equal a brute-force enumeration of (source, heads) in emission order.
 - paths.cost is never below the peak of the tensors the frozen run and the expansion actually hold (counted
-  op by op by a dispatch mode), and the 1B-shaped order-2 request of issue 10 is priced within the default
+  op by op by a dispatch mode), and the 1B-shaped order-2 request is priced within the default
   budget.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine2_models import small_model
+from biased_models import small_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -135,7 +135,7 @@ def test_price_covers_the_measured_peak(
 
 
 def test_one_billion_shape_order_two_is_within_the_default_budget() -> None:
-    """Issue 10: a 128-token order-2 expansion on the Llama-3.2-1B shape (16 layers, 32 heads, 8 key/value
+    """a 128-token order-2 expansion on the Llama-3.2-1B shape (16 layers, 32 heads, 8 key/value
     heads, d_model 2048, vocabulary 128,256), priced on a model built without memory."""
     from bench.modern import LLAMA_1B
 

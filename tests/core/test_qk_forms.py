@@ -1,4 +1,5 @@
-"""The forms of the QK circuit under QK-norm, output norms and windows, each against the model's own forward pass (float64).
+"""The forms of the QK circuit under QK-norm, output norms and windows, each against the model's own forward pass
+(float64).
 
 - Token level ("cosine"): a token table entry at an offset is exactly the score a layer-0 head gives that query token
   on that key token, read from the model's run (before the cap), and the weight-level product without the per-token
@@ -26,6 +27,7 @@ from circuits_core.circuits.rotary import (
     rotation,
 )
 from circuits_core.model.hooks import Recorder
+from circuits_core.model.window import at_window_edge
 
 
 def _score(model, a, b, delta, h):
@@ -102,3 +104,10 @@ def test_windows_bound_kernel_and_composition_peaks():
     profiles = composition_profiles(model, offsets)
     _, where = profiles.peak("k")
     assert (where[0, :, 1] < 3).all()  # target layer 1 is local
+
+
+def test_a_maximum_at_the_last_offset_a_sliding_layer_sees_is_an_edge():
+    model = rotary_model(n_layers=3, **CASES["gemma3"])  # window 3 on layers 0, 1
+    cfg = model.cfg
+    assert [at_window_edge(cfg, 0, d) for d in range(4)] == [False, False, True, False]
+    assert not any(at_window_edge(cfg, 2, d) for d in range(8))  # the global layer has no window edge

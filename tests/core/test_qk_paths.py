@@ -4,7 +4,7 @@ import copy
 
 import pytest
 import torch
-from engine2_models import small_model, tokens_for
+from biased_models import small_model, tokens_for
 from rotary_models import rotary_model
 
 from circuits_core.circuits.copying_spectra import copying_score
@@ -53,7 +53,8 @@ def test_terms_sum_to_attention_scores(case):
 
 
 def test_k_composition_term_equals_token_circuit():
-    """paper-math 5.3: (W_E W_Q W_K^T W_OV'^T W_E^T)[t][:, t] A'^T == (E W_Q)(A' E W_OV' W_K)^T (no LN, no biases)."""
+    """docs/maths.md §5.3: (W_E W_Q W_K^T W_OV'^T W_E^T)[t][:, t] A'^T == (E W_Q)(A' E W_OV' W_K)^T (no LN, no
+    biases)."""
     model = small_model(n_layers=2, bias=False)
     tokens = tokens_for(model, n=8)
     run = frozen_run(model, tokens)

@@ -188,7 +188,7 @@ def test_composition_at_in_budgeted_chunks_prices_its_held_peak(kind):
 
 
 def test_composition_at_on_the_one_billion_shape_fits_the_default_budget():
-    """Issue 10.5 / 11.5: Q- and K-composition at an offset on the Llama-3.2-1B shape (16 layers, 32 heads, 8
+    """Q- and K-composition at an offset on the Llama-3.2-1B shape (16 layers, 32 heads, 8
     key/value heads, rotary) priced within Limits().peak_bytes, on a model built without memory."""
     from app.settings import Limits
     from bench.modern import LLAMA_1B

@@ -1,4 +1,4 @@
-"""The frozen-attention machinery on rotary / GQA models (issue 11.3): QK path terms, logit path terms, order
+"""The frozen-attention machinery on rotary / GQA models: QK path terms, logit path terms, order
 and head ablation, detectors and virtual heads, each against an independent computation in float64."""
 
 import pytest
@@ -7,6 +7,8 @@ from rotary_models import CASES, NEWEST, rotary_model, tokens_for
 
 from circuits_core.circuits.copying_spectra import copying_score
 from circuits_core.circuits.rotary import omega
+from circuits_core.model.hooks import Frozen
+from circuits_core.model.soft_cap import soft_cap
 from circuits_core.model.window import visible
 from circuits_core.prompt.ablation import ablate_head, order_logits
 from circuits_core.prompt.detectors import detector_scores
@@ -61,6 +63,10 @@ def test_logit_paths_and_order_ablation_reproduce_the_forward_pass(case):
     exp = expand_logits(model, tokens, target=5, positions=None, max_order=2)
     torch.testing.assert_close(exp.total, logits[:, 5], atol=1e-10, rtol=0)
     cumulative = exp.order_totals().cumsum(0)  # [3, n]: paths of order <= k, from paths.py
+    cap = model.cfg.output_logits_soft_cap
+    if cap is not None:  # the expansion freezes the full logit's cap factor g; a rerun caps its own truncated logit
+        g = logits[:, 5] / model.run(tokens, names={"hook_logits_uncapped"})[1]["hook_logits_uncapped"][0, :, 5]
+        cumulative = soft_cap(cumulative / g, cap)
     for k, per_order in enumerate(order_logits(model, tokens)):  # the reruns, another implementation
         torch.testing.assert_close(per_order[0, :, 5], cumulative[k], atol=1e-10, rtol=0)
 
@@ -114,3 +120,23 @@ def test_virtual_heads_use_the_group_value_weights():
     full = E @ dense @ U  # [V, V]
     score = virtual_copying_scores(model, G=U @ E)[0, 3, 1, 2]
     assert abs(float(copying_score(torch.linalg.eigvals(full))) - float(score)) < 1e-8
+
+
+@pytest.mark.parametrize("case", NEWEST)
+def test_a_frozen_run_takes_every_norm_scale_the_model_divides_by(case):
+    """Frozen with the clean run's patterns and every scale (input, output and QK-norm ones) reproduces the logits;
+    doubling the frozen QK-norm or output-norm scales of one layer changes them (the hooks are really read)."""
+    model = rotary_model(n_layers=2, **CASES[case])
+    tokens = tokens_for(model, n=9)
+    logits, cache = model.run(tokens, names=lambda n: n.endswith(("hook_pattern", "hook_scale")))
+    patterns = {k: v for k, v in cache.items() if k.endswith("hook_pattern")}
+    scales = {k: v for k, v in cache.items() if k.endswith("hook_scale")}
+    frozen = model.run(tokens, frozen=Frozen(patterns=patterns, ln_scales=scales))[0]
+    torch.testing.assert_close(frozen, logits, atol=1e-12, rtol=0)
+    for kind in ("attn.q_norm", "ln1_post"):
+        key = f"blocks.0.{kind}.hook_scale"
+        if key in scales:
+            changed = {**scales, key: 2 * scales[key]}
+            unfrozen = {} if kind == "attn.q_norm" else patterns  # q_norm acts through the patterns
+            moved = model.run(tokens, frozen=Frozen(patterns=unfrozen, ln_scales=changed))[0]
+            assert (moved - logits).abs().max() > 1e-6

@@ -110,7 +110,7 @@ def _reference_losses(reference, tokens: torch.Tensor) -> tuple[torch.Tensor, tu
 
 
 def test_loss_drops_on_the_repeated_copy(reference):
-    """On BOS + r + r with r uniform random tokens, the second copy is predicted from the first (issue 10: 14.2
+    """On BOS + r + r with r uniform random tokens, the second copy is predicted from the first (14.2
     nats -> 3.0 measured outside the project)."""
     tokens = repeated_random_tokens(49152, seq_len=40, batch=4, seed=7, bos=1)
     losses, _ = _reference_losses(reference, tokens)
@@ -120,7 +120,7 @@ def test_loss_drops_on_the_repeated_copy(reference):
 
 def test_the_rotate_half_layout_on_this_file_loses_the_induction(loaded):
     """The GGUF's Q/K rows are in adjacent-pairs order; read as rotate-half the model still runs, but the second
-    copy is no longer predicted (rotary-circuits.md: 12.9 nats instead of 3.0)."""
+    copy is no longer predicted (docs/maths.md §6.6: 12.9 nats instead of 3.0)."""
     tokens = repeated_random_tokens(49152, seq_len=40, batch=4, seed=7, bos=1)
     state = {k: v for k, v in loaded.model.state_dict().items()}
     wrong = build_model(dataclasses.replace(loaded.model.cfg, rotary_adjacent_pairs=False), state, torch.float32, "")

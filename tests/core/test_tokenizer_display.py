@@ -1,4 +1,4 @@
-"""Readable byte-level BPE tokens (issue 12.8): 'é' is shown as 'é', never as the byte alphabet's 'Ã©'.
+"""Readable byte-level BPE tokens: 'é' is shown as 'é', never as the byte alphabet's 'Ã©'.
 
 References independent of circuits_core.formats.tokenizer's display code: Python's own UTF-8 codec on the text,
 and the HF tokenizer's character offsets of each token (which character each token's bytes belong to).

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from engine2_models import small_model, tokens_for
+from biased_models import small_model, tokens_for
 
 from circuits_core.circuits.composition import composition_scores
 from circuits_core.circuits.copying_spectra import copying_score
@@ -69,3 +69,28 @@ def test_chain_next_token_terms_equal_the_path_expansion(case):
             assert abs(float(got[p]) - float(exp.term(names).value[0])) < 1e-10, (chain, p)
     with pytest.raises(Exception, match="increasing layers"):
         chain_next_token_terms(model, run, [(1, 0), (0, 1)])
+
+
+@pytest.mark.parametrize("mlp", [False, True])
+def test_chain_terms_are_the_expansions_terms_of_that_chain(mlp):
+    """chain_terms computes only one chain's terms; the full frozen-attention expansion (every path up to the chain's
+    order, expand_logits) lists the same terms among all the others: equal for each source, in float64."""
+    from circuits_core.prompt.virtual import chain_terms
+
+    model = small_model(n_layers=3, ln="LN", mlp=mlp)
+    tokens = tokens_for(model, 12, seed=3)
+    run = frozen_run(model, tokens)
+    target = int(run.logits_at([run.n - 1])[0].argmax())
+    chain = [(1, 1), (2, 2)]  # layer 0's bias (and MLP) enter before it
+    names = ("L1H1", "L2H2")
+    exp = expand_logits(model, tokens, target, positions=None, max_order=2, run=run)
+    expected = {}
+    for i, path in enumerate(exp.paths):
+        if path == names:
+            expected["embed"] = exp.values[i]
+        elif len(path) == 3 and path[1:] == names and path[0].startswith(("bias:", "mlp:")):
+            expected[path[0]] = exp.values[i]
+    got = dict(chain_terms(model, run, chain, target))
+    assert got.keys() == expected.keys() and "embed" in got and len(got) == (3 if mlp else 2)
+    for source, values in expected.items():
+        torch.testing.assert_close(got[source], values, rtol=0, atol=1e-10)

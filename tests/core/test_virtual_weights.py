@@ -325,3 +325,28 @@ def test_pair_singular_values_in_float32_are_every_dense_float64_one(pair):
     i = [w.name for w in table.writers].index(W.name)
     j = [r.name for r in table.readers].index(R.name)
     assert rep.score == pytest.approx(float(table.raw[i, j]), rel=1e-4)
+
+
+@pytest.mark.parametrize("role, through", [("V", "W_U"), ("K", "W_E"), ("Q", "W_E")])
+def test_head_to_head_directions_read_in_tokens(role, through):
+    """A head -> head virtual weight lives in d_model on both sides; its singular directions are read in tokens:
+    the writer's input side through W_E, a V reader's output through W_U, a Q/K reader's other side through W_E
+    (dense SVD and dense products here; one common sign per direction)."""
+    model = _model("attn-only-shortformer")
+    writer, reader = sc.Writer("head", 0, 1), sc.Reader(role, 2, 0)
+    rep = vw.pair_report(model, writer, reader, k=3, n_top=5)
+    assert rep.input_read == "W_E" and rep.output_read == through
+    U, S, Vh = torch.linalg.svd(dense_writer(model, writer) @ dense_reader(model, reader))
+    W_E, W_U = model.embed.W_E, model.unembed.W_U
+    for i, d in enumerate(rep.directions):
+        assert d.input_top is None and d.output_top is None  # d_model sides: no entries of their own
+        ins = W_E @ U[:, i]  # [d_vocab]
+        outs = Vh[i] @ W_U if through == "W_U" else W_E @ Vh[i]
+        first, value = d.input_tokens_top[0]
+        sign = 1.0 if float(ins[first]) * value > 0 else -1.0
+        assert [t for t, _ in d.input_tokens_top] == (sign * ins).topk(5).indices.tolist()
+        assert [t for t, _ in d.input_tokens_bottom] == (-sign * ins).topk(5).indices.tolist()
+        assert [t for t, _ in d.output_tokens_top] == (sign * outs).topk(5).indices.tolist()
+        assert [v for _, v in d.output_tokens_top] == pytest.approx((sign * outs).topk(5).values.tolist(), rel=1e-6)
+    mixed = vw.pair_report(model, sc.Writer("embed"), sc.Reader("V", 1, 0))  # a token side needs no reading
+    assert mixed.input_read is None and mixed.output_read == "W_U"

@@ -6,7 +6,7 @@ or safetensors, plus `config.json` from `model.cfg.to_dict()` (dtype/device turn
 field kept, including the ones qkov ignores). qkov loads the folder with `load_checkpoint` and TransformerLens
 runs the same model in float64.
 
-Tolerances (paper-math 4.3): TransformerLens's `process_weights` casts float64 to float32 while it processes,
+Tolerances (docs/maths.md §4.3): TransformerLens's `process_weights` casts float64 to float32 while it processes,
 so processed models agree to ~1e-6 only; everything that does not go through TL's processing agrees to 1e-10.
 
 Conventions documented here:
@@ -61,14 +61,14 @@ D_VOCAB, N_CTX = 61, 24
 BASE: dict[str, Any] = {"d_model": 16, "n_heads": 2, "d_head": 8, "d_vocab": D_VOCAB, "n_ctx": N_CTX}
 SPECS: dict[str, dict[str, Any]] = {
     # Neel Nanda's attn-only models: LN + shortformer positions
-    "attn1_sf_ln": {"n_layers": 1, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "shortformer"},
-    "attn2_sf_ln": {"n_layers": 2, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "shortformer"},
-    "attn3_sf_ln": {"n_layers": 3, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "shortformer"},
-    "attn2_std_ln": {"n_layers": 2, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "standard"},
+    "attn1_sf_ln": {"n_layers": 1, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "shortformer"},  # noqa: E501 (a table kept on one line)
+    "attn2_sf_ln": {"n_layers": 2, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "shortformer"},  # noqa: E501 (a table kept on one line)
+    "attn3_sf_ln": {"n_layers": 3, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "shortformer"},  # noqa: E501 (a table kept on one line)
+    "attn2_std_ln": {"n_layers": 2, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "standard"},  # noqa: E501 (a table kept on one line)
     # ARENA's 2L model: no LN, shortformer (written in float64: config.json says "torch.float64")
-    "attn2_noln": {"n_layers": 2, "attn_only": True, "normalization_type": None, "positional_embedding_type": "shortformer",
+    "attn2_noln": {"n_layers": 2, "attn_only": True, "normalization_type": None, "positional_embedding_type": "shortformer",  # noqa: E501 (a table kept on one line)
                    "dtype": torch.float64},
-    "attn2_rot_ln": {"n_layers": 2, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "rotary",
+    "attn2_rot_ln": {"n_layers": 2, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "rotary",  # noqa: E501 (a table kept on one line)
                      "rotary_dim": 4},
     "mlp2_std_ln": {"n_layers": 2, "attn_only": False, "d_mlp": 32, "act_fn": "gelu_new", "normalization_type": "LN",
                     "positional_embedding_type": "standard"},
@@ -270,7 +270,7 @@ def test_composition_scores_match(world: dict[str, dict[str, Any]], name: str) -
     processed = composition_scores(model).raw
     for kind in "QKV":
         _close(processed[kind.lower()], tl_ref.all_composition_scores(kind), LOOSE, f"{kind}-composition, processed")
-    if name in STANDARD_LN:  # folding LN weights and centring do change the scores (paper-math 4.2)
+    if name in STANDARD_LN:  # folding LN weights and centring do change the scores (docs/maths.md §4.2)
         assert (processed["k"] - ours["k"]).abs().max() > 1e-3
 
 
@@ -345,7 +345,7 @@ def test_head_detectors_match_tl_detect_head(
         "duplicate_token": tl_heads.get_duplicate_token_head_detection_pattern(tokens),
         "induction": tl_heads.get_induction_head_detection_pattern(tokens),
     }
-    targets = {"previous_token": torch.eye(n, dtype=torch.bool).roll(-1, 1).tril(-1), "duplicate_token": duplicate_targets(tokens)[0],
+    targets = {"previous_token": torch.eye(n, dtype=torch.bool).roll(-1, 1).tril(-1), "duplicate_token": duplicate_targets(tokens)[0],  # noqa: E501 (a table kept on one line)
                "induction": induction_targets(tokens)[0]}  # fmt: skip
     for detector, tl_name in (("previous_token", "previous_token_head"), ("duplicate_token", "duplicate_token_head"),
                               ("induction", "induction_head")):  # fmt: skip
@@ -408,7 +408,7 @@ def test_path_expansion_matches_tl_logit_attribution(world: dict[str, dict[str, 
     theirs = dict(components)
     if cfg.positional_embedding_type == "standard":
         theirs["embed"] = theirs["embed"] + theirs.pop("pos_embed")
-    else:  # shortformer: TL stacks pos_embed although it is not in the residual stream (paper-math 4.6)
+    else:  # shortformer: TL stacks pos_embed although it is not in the residual stream (docs/maths.md §4.6)
         pos = theirs.pop("pos_embed")
         assert abs(float(sum(components.values()) + b_U - logit)) > 1e-6 and abs(float(pos)) > 1e-6
     assert set(theirs) == set(grouped)

@@ -1,4 +1,4 @@
-"""Hostile pass over the session-2 endpoints (issues 10, 11, 13, 14): rotary QK at an offset, positional kernels,
+"""Hostile pass over the rotary, residual-stream and copying endpoints: rotary QK at an offset, positional kernels,
 band energies, composition at an offset and its delta profile, the residual-stream pages and API, attention
 entropy, copying of every head, and the GGUF / Llama-family loaders.
 

@@ -1,0 +1,62 @@
+"""One head's composition with every other head: the row and column of the all-pairs scores that name it.
+
+Paper section: "Composition" (Elhage et al. 2021; docs/maths.md §2.9); the scores are composition.py's (Q, K and V
+composition, normalised Frobenius norms of W_OV^{h1} times the later head's matrix), computed here only for the pairs
+that have this head on one side: the earlier heads it reads from and the later heads it writes to. That is 2 (L H)
+pairs instead of (L H)^2: what a head's page shows (its strongest partners), at the cost of one head's view. Each
+pair through d_head-sized collapsed factors (composition.pair_scores, the per-pair reference of the Gram form).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from circuits_core.circuits.composition import (
+    CompositionKind,
+    left_collapsed,
+    pair_scores,
+    right_collapsed,
+)
+from circuits_core.cost import Cost, itemsize
+from circuits_core.errors import InvalidInputError
+from circuits_core.model.transformer import Transformer
+
+
+def right_factors(model: Transformer, kind: CompositionKind) -> tuple[Tensor, Tensor]:
+    """(A, B) with A B the later head's matrix for `kind`: [L, H, d, d_head], [L, H, d_head, d]."""
+    W_Q, W_K, W_V, W_O = model.W_Q, model.W_K, model.W_V, model.W_O
+    if kind == "q":  # W_QK = W_Q W_K^T
+        return W_Q, W_K.transpose(-2, -1)
+    if kind == "k":  # W_QK^T = W_K W_Q^T
+        return W_K, W_Q.transpose(-2, -1)
+    if kind == "v":  # W_OV = W_V W_O
+        return W_V, W_O
+    raise InvalidInputError(f"composition kind must be one of q, k, v, got {kind!r}")
+
+
+def head_composition(model: Transformer, layer: int, head: int, kind: CompositionKind) -> tuple[Tensor, Tensor]:
+    """(reads [layer, H]: each earlier head's `kind`-composition into this one, writes [L - layer - 1, H]: this head's
+    into each later head), the raw scores of composition.composition_scores for those pairs."""
+    cfg = model.cfg
+    H = cfg.n_heads
+    with torch.no_grad():
+        A, B = right_factors(model, kind)  # the later head's matrix A B: [L, H, d, d_head], [L, H, d_head, d]
+        W_V, W_O = model.W_V, model.W_O  # [L, H, d, d_head], [L, H, d_head, d]
+        earlier = left_collapsed(W_V[:layer].flatten(0, 1), W_O[:layer].flatten(0, 1))  # [layer H, d_head, d]
+        mine = right_collapsed(A[layer, head][None], B[layer, head][None])  # [1, d, d_head]
+        reads = pair_scores(earlier, mine)[:, 0].reshape(layer, H) if layer else A.new_zeros(0, H)
+        later = right_collapsed(A[layer + 1 :].flatten(0, 1), B[layer + 1 :].flatten(0, 1))  # [N, d, d_head]
+        own = left_collapsed(W_V[layer, head][None], W_O[layer, head][None])  # [1, d_head, d]
+        n_later = cfg.n_layers - layer - 1
+        writes = pair_scores(own, later)[0].reshape(n_later, H) if n_later else A.new_zeros(0, H)
+    return reads, writes
+
+
+def head_composition_cost(model: Transformer, kinds: int = 3) -> Cost:
+    """head_composition for `kinds` kinds: every head's collapsed factor once per kind (a QR of [d, d_head] each) and
+    one [d_head, d] x [d, d_head] product per pair."""
+    cfg = model.cfg
+    n, d, dh = cfg.n_layers * cfg.n_heads, cfg.d_model, cfg.d_head
+    flops = kinds * n * (2 * d * dh * dh * 2 + 2 * dh * d * dh)
+    return Cost(kinds * n * d * dh * 2 * itemsize(model.compute_dtype), flops=flops).with_answer(numbers=2 * kinds * n)

@@ -1,0 +1,162 @@
+"""Every registered analysis with the model on another device than the host (issue: a GPU as a first-class device).
+
+CI has no GPU, so the model's tensors are tagged as lying on a foreign device (tests/foreign_device.py): an op
+mixing them with a tensor created without the model's device fails as it would on CUDA ("Expected all tensors to be
+on the same device"), while every value is still computed, eigenvalues and SVDs included. Each analysis of
+app/catalog.py runs, through its declared builder and its price, on three models between them covering every
+feature an analysis branches on: shortformer positions without norms (tiny-2l), LayerNorm with standard positions
+(tiny-ln), a Llama-like model (RMS norm, rotary, grouped-query attention, gated MLP), and the shipped toy-2l, whose
+trained induction head the analyses built around one need. An analysis a model does
+not support (rotary-only views on a learned-position model) may refuse it with a 4xx error; every analysis must run
+clean on at least one model, and must have read the model's tensors there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from app.analysis import Analysis, BoundAnalyses
+from app.catalog import ANALYSES
+from app.settings import REPO_ROOT
+from circuits_core.errors import InvalidInputError, LimitExceededError, NotFoundError
+from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
+from circuits_core.model.config import ModelConfig
+from circuits_core.schedule import available_cores
+from tests.app.conftest import LIMITS, save_qkov, train_tokenizer
+from tests.foreign_device import DeviceMixError, ForeignDevice
+
+PATH_VALUES = {"head": "L1H0", "source": "L0H1", "target": "L1H2", "writer": "L0H1", "reader": "L1H0.K"}
+QUERY_VALUES = {"tokens": "5,6,7,8,5,6,7,8,9", "heads": "L0H1,L1H2", "head": "L1H0", "k": 7}
+MODEL_ANALYSES = [a for a in ANALYSES if a.scope == "model"]
+REFUSALS = (InvalidInputError, NotFoundError, LimitExceededError)  # 4xx answers: the model lacks the feature
+
+
+def llama_like(vocab: int) -> ModelConfig:
+    return ModelConfig(
+        n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=vocab, n_ctx=64, attn_only=False, d_mlp=48,
+        normalization_type="RMS", positional_embedding_type="rotary", gated_mlp=True, act_fn="silu",
+        n_key_value_heads=2, rotary_dim=8,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def models(model_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """name -> (loaded model, its ForeignDevice mode: one per model, so buffers an analysis keeps stay tagged)."""
+    tok = train_tokenizer()
+    folder = tmp_path_factory.mktemp("device") / "tiny-llama"
+    save_qkov(folder, llama_like(tok.get_vocab_size()), tok, seed=5)
+    shipped, user = model_dirs
+    out = {}
+    toy = REPO_ROOT / "checkpoints" / "toy-2l"  # trained: it has the induction head some analyses need
+    for name, path in (
+        ("tiny-2l", shipped / "tiny-2l"),
+        ("tiny-ln", user / "tiny-ln"),
+        ("tiny-llama", folder),
+        ("toy-2l", toy),
+    ):
+        loaded = load_checkpoint(path, dtype=torch.float64)
+        out[name] = (loaded, ForeignDevice(loaded.model))
+    return out
+
+
+@pytest.fixture(autouse=True)
+def one_thread_of_work() -> Any:
+    """A torch function mode watches its own thread only: cost.side_by_side then runs its two branches in turn."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(available_cores())  # 2 * threads > cores: in turn
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_on_foreign_device(analysis: Analysis[Any, Any], loaded: LoadedModel, mode: ForeignDevice) -> int:
+    """Price and build the analysis with the model's tensors tagged; the number of ops that read them."""
+    bound = BoundAnalyses(MODEL_ANALYSES, LIMITS)
+    path_fields = analysis.path_fields()
+    raw = {k: v for k, v in QUERY_VALUES.items() if k in analysis.params.model_fields and k not in path_fields}
+    raw |= {k: PATH_VALUES[k] for k in path_fields}
+    params = bound.bound(analysis).model_validate(raw).normalised(loaded)
+    before = mode.foreign_ops
+    with mode:
+        analysis.cost(loaded, params, LIMITS)
+        analysis.build(loaded, params, LIMITS)
+    return mode.foreign_ops - before
+
+
+@pytest.mark.parametrize("analysis", MODEL_ANALYSES, ids=[a.name for a in MODEL_ANALYSES])
+def test_every_analysis_keeps_to_the_models_device(models: dict[str, Any], analysis: Analysis[Any, Any]) -> None:
+    ran, refused = {}, {}
+    for name, (loaded, mode) in models.items():
+        if name == "toy-2l" and ran:  # the trained model (a 4x larger vocabulary) only where the random ones refuse
+            continue
+        try:
+            ran[name] = run_on_foreign_device(analysis, loaded, mode)
+        except DeviceMixError as exc:
+            raise AssertionError(f"{analysis.name} on {name}: {exc}") from exc
+        except REFUSALS as exc:
+            refused[name] = str(exc)
+    assert ran, f"{analysis.name} ran on none of the models: {refused}"
+    if analysis.name != "tokenize":  # (tokenizing reads no weights)
+        assert any(n > 0 for n in ran.values()), f"{analysis.name} read no tensor of the model: {ran}"
+
+
+def test_the_check_fails_on_a_host_tensor_mixed_in() -> None:
+    """The mode itself: a host tensor meeting the model's fails, and the ways of following the model pass."""
+    model = torch.nn.Linear(4, 3)
+    with ForeignDevice(model) as mode:
+        W = model.weight  # [3, 4]
+        W @ torch.ones(4, device=W.device)  # a factory told the device
+        W @ torch.ones(4).to(W.device)  # moved there
+        W[torch.tensor([0, 2])]  # host indices into a device tensor: allowed, as on CUDA
+        W * torch.tensor(2.0)  # a 0-dim host scalar: allowed, as on CUDA
+        torch.linalg.eigvals(W[:, :3]).abs().max().item()  # computed for real
+        with pytest.raises(DeviceMixError, match="same device"):
+            W @ torch.ones(4)
+        with pytest.raises(DeviceMixError, match="same device"):
+            torch.where(torch.ones(3, 4, dtype=torch.bool), W, torch.zeros_like(W))
+        with pytest.raises(DeviceMixError, match="same device"):
+            W.cpu() @ W.T  # .cpu() is the host
+    assert mode.foreign_ops > 0
+
+
+# -- on a real GPU (bench/gpu_check.sh runs these; skipped where torch sees none) ------------------------------------
+def close(a: Any, b: Any, where: str = "") -> None:
+    """Two JSON-like answers equal, numbers to 1e-9 (relative to their size, at least 1)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for k in a:
+            close(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list | tuple):
+        assert isinstance(b, list | tuple) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            close(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and not isinstance(a, bool):
+        assert abs(a - b) <= 1e-9 * max(1.0, abs(a)), f"{where}: {a} (CPU) vs {b} (GPU)"
+    else:
+        assert a == b, f"{where}: {a!r} (CPU) vs {b!r} (GPU)"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.sh)")
+@pytest.mark.parametrize("analysis", MODEL_ANALYSES, ids=[a.name for a in MODEL_ANALYSES])
+def test_every_analysis_gives_the_cpus_answer_on_cuda(models: dict[str, Any], analysis: Analysis[Any, Any]) -> None:
+    bound = BoundAnalyses(MODEL_ANALYSES, LIMITS)
+    ran = 0
+    for name, (loaded, _) in models.items():
+        on_gpu = load_checkpoint(loaded.path, dtype=torch.float64, device="cuda")
+        assert on_gpu.provenance()["device"].startswith("cuda")
+        answers = []
+        for subject in (loaded, on_gpu):
+            path_fields = analysis.path_fields()
+            raw = {k: v for k, v in QUERY_VALUES.items() if k in analysis.params.model_fields and k not in path_fields}
+            raw |= {k: PATH_VALUES[k] for k in path_fields}
+            try:
+                params = bound.bound(analysis).model_validate(raw).normalised(subject)
+                answers.append(analysis.build(subject, params, LIMITS).model_dump(mode="json"))
+            except REFUSALS as exc:
+                answers.append(("refused", type(exc).__name__))
+        close(answers[0], answers[1], f"{analysis.name} on {name}")
+        ran += answers[0][0] != "refused" if isinstance(answers[0], tuple) else 1
+    assert ran, f"{analysis.name} ran on no model"

@@ -1,0 +1,213 @@
+"""The scheduling module's decisions (app/scheduling.py): one engine price decides whether a request runs inline,
+as a polled job or not at all; jobs report progress, are shared by every reader and stop when nobody polls them;
+model loads and the listing never wait behind the compute slots that user requests hold.
+
+Test-only routes price a stoppable function with a stated FLOP count; the server's rate (compute_flops_per_s) turns
+it into seconds, so each decision is reached on purpose, and each assertion is against what the function really
+did (how often it ran, whether it was stopped), not against the scheduler's own bookkeeping alone.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from pydantic import BaseModel
+
+from app.main import create_app
+from app.scheduling import ComputeService, compute
+from app.settings import Settings
+from circuits_core.cost import Cost, check_stop, report_progress
+from tests.app.conftest import assert_problem
+
+RATE = 1e9  # FLOP/s: a price of x GFLOP is x seconds
+
+
+class Slept(BaseModel):
+    tag: str
+    steps: int
+
+
+def add_routes(app: FastAPI, ran: list[str], stopped: list[str]) -> None:
+    @app.get("/api/v1/test/priced-work")
+    async def priced_work(tag: str, gflop: float, seconds: float = 0.2) -> Slept:
+        def work() -> Slept:
+            ran.append(tag)
+            steps = max(1, int(seconds / 0.02))
+            for i in range(steps):
+                try:
+                    check_stop(what="test work")
+                except Exception:
+                    stopped.append(tag)
+                    raise
+                report_progress(i, steps)
+                time.sleep(0.02)
+            return Slept(tag=tag, steps=steps)
+
+        return await compute(
+            work, key=("priced-work", tag, seconds), cost=Cost(0, flops=int(gflop * 1e9)), lower="gflop"
+        )
+
+
+def app_with(settings: Settings, ran: list[str], stopped: list[str], **update: Any) -> FastAPI:
+    base = {
+        "store_url": "off",
+        "compute_flops_per_s": RATE,
+        "inline_budget_s": 1.0,
+        "job_budget_s": 100.0,
+        "job_abandon_s": 0.6,
+    }
+    app = create_app(settings.model_copy(update={**base, **update}))
+    add_routes(app, ran, stopped)
+    return app
+
+
+def service(app: FastAPI) -> ComputeService:
+    svc: ComputeService = app.state.compute
+    return svc
+
+
+def poll(c: TestClient, url: str, until: Callable[[dict[str, Any]], bool], timeout: float = 20.0) -> dict[str, Any]:
+    end = time.monotonic() + timeout
+    while True:
+        state = c.get(url).json()
+        if until(state):
+            return state
+        assert time.monotonic() < end, f"job never reached the state asked: {state}"
+        time.sleep(0.05)
+
+
+def test_the_price_decides_inline_job_or_refusal(settings: Settings) -> None:
+    ran: list[str] = []
+    with TestClient(app_with(settings, ran, [])) as c:
+        inline = c.get("/api/v1/test/priced-work", params={"tag": "small", "gflop": 0.5})
+        assert inline.status_code == 200 and inline.json() == {"tag": "small", "steps": 10}
+
+        first = c.get("/api/v1/test/priced-work", params={"tag": "long", "gflop": 30, "seconds": 1.0})
+        assert first.status_code == 202, first.text  # 30 s priced: over the 1 s inline budget, under the 100 s job one
+        job = first.json()
+        assert first.headers["Location"] == job["status_url"] == f"/api/v1/jobs/{job['id']}"
+        assert job["estimate_s"] == pytest.approx(30, abs=0.1) and job["state"] in ("queued", "running")
+        assert job["result_url"].startswith("/api/v1/test/priced-work?")
+        seen = []
+        done = poll(c, job["status_url"], lambda s: seen.append(s["progress"]) or s["state"] == "done")
+        assert done["progress"] == 1.0 and done["eta_s"] == 0.0
+        assert any(0 < p < 1 for p in seen)  # the engine's progress reached the reader on the way
+        answer = c.get(job["result_url"])
+        assert answer.status_code == 200 and answer.json() == {"tag": "long", "steps": 50}
+        assert ran == ["small", "long"]  # the job's answer was kept: asking again did not compute again
+
+        refused = c.get("/api/v1/test/priced-work", params={"tag": "huge", "gflop": 500})
+        assert_problem(refused, 422, "500 s", "job_budget_s", "100 s", "lower gflop")
+        assert "huge" not in ran  # refused before it ran
+
+
+def test_a_job_is_shared_by_every_reader(settings: Settings) -> None:
+    ran: list[str] = []
+    with TestClient(app_with(settings, ran, [])) as c:
+        params = {"tag": "shared", "gflop": 20, "seconds": 0.8}
+        ids = [c.get("/api/v1/test/priced-work", params=params).json()["id"] for _ in range(3)]
+        assert len(set(ids)) == 1
+        poll(c, f"/api/v1/jobs/{ids[0]}", lambda s: s["state"] == "done")
+        assert c.get("/api/v1/test/priced-work", params=params).status_code == 200
+        assert ran == ["shared"]
+
+
+def test_a_job_nobody_polls_is_stopped(settings: Settings) -> None:
+    ran: list[str] = []
+    stopped: list[str] = []
+    app = app_with(settings, ran, stopped)
+    with TestClient(app) as c:
+        job = c.get("/api/v1/test/priced-work", params={"tag": "left", "gflop": 20, "seconds": 20}).json()
+        end = time.monotonic() + 10
+        while not stopped and time.monotonic() < end:
+            time.sleep(0.05)  # nobody polls: after job_abandon_s (0.6 s) the job is stopped
+        assert stopped == ["left"]
+        assert service(app).slots.in_use == 0
+        state = c.get(f"/api/v1/jobs/{job['id']}").json()
+        assert state["state"] == "cancelled"
+
+
+def test_polling_keeps_a_job_alive(settings: Settings) -> None:
+    ran: list[str] = []
+    stopped: list[str] = []
+    with TestClient(app_with(settings, ran, stopped)) as c:
+        job = c.get("/api/v1/test/priced-work", params={"tag": "kept", "gflop": 20, "seconds": 1.5}).json()
+        poll(c, job["status_url"], lambda s: s["state"] == "done")  # polled every 50 ms: never stopped
+        assert stopped == [] and ran == ["kept"]
+
+
+def test_the_page_shows_the_progress_and_polls(settings: Settings) -> None:
+    """An htmx page panel over the inline budget: a progress bar that polls /jobs/{id}; done, the poll reloads."""
+    ran: list[str] = []
+    with TestClient(app_with(settings, ran, [])) as c:
+        job = c.get("/api/v1/test/priced-work", params={"tag": "bar", "gflop": 20, "seconds": 0.5}).json()
+        bar = c.get(f"/jobs/{job['id']}")
+        assert bar.status_code == 200 and "<progress" in bar.text and f'hx-get="/jobs/{job["id"]}"' in bar.text
+        poll(c, job["status_url"], lambda s: s["state"] == "done")
+        assert c.get(f"/jobs/{job['id']}").headers.get("HX-Refresh") == "true"
+
+
+def test_loading_never_waits_behind_the_compute_slots(settings: Settings) -> None:
+    """Both compute slots held by long user requests: a model not loaded yet still loads (its card, the listing, a
+    page whose analysis is cheap). Before, loading took a compute slot and answered 503 after slot_wait_s."""
+    ran: list[str] = []
+    app = app_with(settings, ran, [], compute_slots=1, slot_wait_s=0.3, inline_budget_s=100.0)
+    with TestClient(app) as c:
+        import threading
+
+        hold = threading.Thread(
+            target=lambda: c.get("/api/v1/test/priced-work", params={"tag": "hog", "gflop": 1, "seconds": 4})
+        )
+        hold.start()
+        end = time.monotonic() + 5
+        while service(app).slots.in_use < 1 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert service(app).slots.in_use == 1
+        start = time.monotonic()
+        assert c.get("/api/v1/models/tiny-ln").status_code == 200  # loads tiny-ln now
+        assert c.get("/api/v1/models").status_code == 200
+        assert time.monotonic() - start < 3.5 and service(app).slots.in_use == 1  # the slot still held by the hog
+        hold.join()
+
+
+def test_a_kept_computation_queued_too_long_becomes_a_job_not_a_503(settings: Settings) -> None:
+    """The slot is held: a kept (cacheable) request waits slot_wait_s, then answers 202 with a job that runs once
+    the slot is free, where it used to answer 503."""
+    ran: list[str] = []
+    app = app_with(settings, ran, [], compute_slots=1, slot_wait_s=0.3, inline_budget_s=100.0)
+    with TestClient(app) as c:
+        import threading
+
+        hold = threading.Thread(
+            target=lambda: c.get("/api/v1/test/priced-work", params={"tag": "hog", "gflop": 1, "seconds": 2})
+        )
+        hold.start()
+        end = time.monotonic() + 5
+        while service(app).slots.in_use < 1 and time.monotonic() < end:
+            time.sleep(0.01)
+        queued = c.get("/api/v1/test/priced-work", params={"tag": "patient", "gflop": 0.1})
+        assert queued.status_code == 202, queued.text
+        poll(c, queued.json()["status_url"], lambda s: s["state"] == "done")
+        assert c.get(queued.json()["result_url"]).json()["tag"] == "patient"
+        hold.join()
+        assert ran == ["hog", "patient"]
+
+
+def test_the_overview_shows_the_model_at_once_and_its_heads_tables_progress(settings: Settings) -> None:
+    """A heads table priced over the inline budget: the overview answers at once (202, not kept) with the model's
+    facts and the job's progress bar; once the job is done the same URL is the full page (200)."""
+    rate = {"compute_flops_per_s": 1e6, "inline_budget_s": 0.5, "job_budget_s": 1e6}
+    app = create_app(settings.model_copy(update={"store_url": "off", **rate}))
+    with TestClient(app) as c:
+        first = c.get("/models/tiny-2l")
+        assert first.status_code == 202, first.text[:300]
+        assert "d_model 32" in first.text and 'data-job="' in first.text and "<progress" in first.text
+        job_id = first.text.split('data-job="')[1].split('"')[0]
+        poll(c, f"/api/v1/jobs/{job_id}", lambda s: s["state"] == "done")
+        full = c.get("/models/tiny-2l")
+        assert full.status_code == 200 and 'id="heads-table"' in full.text and "data-job" not in full.text

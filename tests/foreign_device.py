@@ -1,0 +1,132 @@
+"""A second device on a machine that has only one: the model's tensors are tagged "foreign" and every tensor op is
+watched (a TorchFunctionMode), so a computation that would fail on a GPU fails here, on the CPU, with real values.
+
+What CUDA refuses, and so what `ForeignDevice` refuses: an op whose tensor inputs lie on two devices (the model's
+and the host's), except a 0-dim host tensor (a scalar, which CUDA accepts) and the host-side index tensors of
+`t[index]` / `t[index] = v` (CUDA moves those itself). Where a tensor lies, as on a GPU:
+- a tensor read from the model (a parameter or buffer, tagged by `ForeignDevice(model)`) is foreign;
+- a factory (`torch.zeros`, `torch.tensor`, `torch.arange`...) that names no device makes a host tensor, as on a
+  machine with a GPU; `t.cpu()` is a host tensor;
+- a factory that names a device (`device=model.device`), or `t.to(device)` of a host tensor, is "placed": on this
+  machine every device object reads `cpu`, so which one it named is unknown, and a placed tensor may meet either
+  side (it then takes that side);
+- `t.to(other)` follows `other`; `t.to(dtype)`, `t.to(device)` of a foreign tensor and `t.cuda()` keep or make it
+  foreign; an op's outputs are foreign when an input is (elementwise ops, products, `zeros_like`, views...), host
+  when a host input of one or more dimensions is, else placed.
+Since the real values are computed (on the CPU), eigenvalues, SVDs, `.item()` and data-dependent control flow all
+run: nothing is skipped, unlike on the meta device, where they cannot.
+
+Blind spots: a factory naming the host explicitly (`device="cpu"`) is "placed", so it may meet the model's tensors
+unnoticed; and a TorchFunctionMode watches its own thread only (cost.side_by_side must run its branches in turn).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+Place = Literal["foreign", "host", "placed"]
+_INDEXING = {Tensor.__getitem__, Tensor.__setitem__}
+_FOLLOW_SELF = {Tensor.copy_, Tensor.new_zeros, Tensor.new_ones, Tensor.new_empty, Tensor.new_full, Tensor.new_tensor}
+
+
+class DeviceMixError(AssertionError):
+    """An op mixed the model's device with the host: on a GPU, 'Expected all tensors to be on the same device'."""
+
+
+class ForeignDevice(TorchFunctionMode):
+    """Within `with ForeignDevice(model):`, the model's tensors act as if on another device (see the module doc).
+    One instance may be entered many times: tensors it tagged (buffers an analysis keeps) stay tagged."""
+
+    def __init__(self, tensors: nn.Module | Iterable[Tensor]):
+        super().__init__()
+        self.places = WeakIdKeyDictionary()  # tensor -> "foreign" | "placed", by identity (== is elementwise)
+        items = list(tensors.parameters()) + list(tensors.buffers()) if isinstance(tensors, nn.Module) else tensors
+        for t in items:
+            self.places[t] = "foreign"
+        self.ops = 0  # ops watched
+        self.foreign_ops = 0  # ops whose outputs are on the model's device (a test checks the mode saw the work)
+
+    def place(self, t: Tensor) -> Place:
+        return self.places.get(t, "host")  # type: ignore[no-any-return]
+
+    def is_foreign(self, t: Tensor) -> bool:
+        return self.place(t) == "foreign"
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if getattr(func, "__name__", "") in ("__get__", "__set__") or func in (Tensor.__repr__, Tensor.__format__):
+            # attribute access (t.shape, t.device...), printing; t.T, t.mT, t.data are t's views, on its device
+            if isinstance(out, Tensor) and args and isinstance(args[0], Tensor) and self.place(args[0]) != "host":
+                self.places[out] = self.place(args[0])
+            return out
+        self.ops += 1
+        place = self._placement(func, args, kwargs)
+        if func in (Tensor.cpu, Tensor.cuda, Tensor.to) and out is args[0] and place != self.place(out):
+            out = out.view_as(out)  # a move on this machine returns t itself: an alias stands for the moved copy
+        if place != "host":
+            self.foreign_ops += place == "foreign"
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, Tensor):
+                    self.places[t] = place
+        return out
+
+    def _placement(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Place:
+        """Where the op's outputs lie; DeviceMixError when its inputs could not meet on one device."""
+        name = getattr(func, "__name__", str(func))
+        if func is Tensor.cpu:
+            return "host"
+        if func is Tensor.cuda:
+            return "foreign"
+        if func is Tensor.to:
+            target = _to_target(args[1:], kwargs)
+            if isinstance(target, Tensor):
+                return self.place(target)
+            if target is not None:
+                return "foreign" if self.is_foreign(args[0]) else "placed"
+            return self.place(args[0])
+        if kwargs.get("device") is not None:
+            return "placed"  # a factory (or *_like) told where to put its result
+        if func in _FOLLOW_SELF:
+            return self.place(args[0])
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
+        if func in _INDEXING:
+            # t[index]: host index tensors are allowed; t[index] = v: v must be on t's device (or a scalar)
+            base = args[0]
+            index = [t for t in tree_flatten(args[1])[0] if isinstance(t, Tensor)]
+            if self.place(base) == "host" and any(self.is_foreign(t) for t in index):
+                raise DeviceMixError(f"{name}: a host tensor indexed by a tensor on the model's device")
+            tensors = [base] + ([args[2]] if func is Tensor.__setitem__ and isinstance(args[2], Tensor) else [])
+        on_model = [t for t in tensors if self.is_foreign(t)]
+        on_host = [t for t in tensors if self.place(t) == "host" and t.dim() > 0]
+        if on_model and on_host:
+            shapes = ", ".join(str(tuple(t.shape)) for t in on_host[:4])
+            raise DeviceMixError(
+                f"{name}: tensors on the model's device mixed with host tensors of shape {shapes} "
+                "(on a GPU: 'Expected all tensors to be on the same device')"
+            )
+        if on_model:
+            return "foreign"
+        if on_host or not tensors:
+            return "host"
+        return "placed" if any(self.place(t) == "placed" for t in tensors) else "host"
+
+
+def _to_target(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Where t.to(...) sends t: a device, a tensor (its device), or None (a dtype-only conversion)."""
+    if kwargs.get("device") is not None:
+        return kwargs["device"]
+    if "other" in kwargs:
+        return kwargs["other"]
+    for a in args:
+        if isinstance(a, Tensor):
+            return a
+        if isinstance(a, str) or type(a).__name__ == "device":
+            return a
+    return None
