@@ -138,6 +138,11 @@ class PathsView(BaseModel):
 class PromptHeadPattern(BaseModel):
     head: str
     pattern: list[list[float]] = Field(description="[query][key]; value-weighted entries A[i, j] ||v_j|| when weighted")
+    sink_mass: list[float] | None = Field(
+        default=None,
+        description="learned sinks only: 1 - sum_j A[i, j] per query, the share the sink keeps (rows are never "
+        "renormalised)",
+    )
 
 
 class PromptView(BaseModel):
@@ -214,7 +219,9 @@ class QKPathsView(BaseModel):
         description="'query|key' -> [query][key] scores of the top pairs (masked entries are 0)"
     )
     scores: list[list[float | None]] = Field(description="the real attention scores (null above the diagonal)")
-    max_abs_error: float = Field(description="max |sum of all terms - real scores| over causal positions")
+    max_abs_error: float = Field(
+        description="max |sum of all terms (+ ALiBi's kernel -m_h (i - j)) - real scores| over causal positions"
+    )
     qk_form: str = Field(
         default="exact",
         description="'exact' (no QK-norm) or 'frozen-norm' (QK-norm: each token's query and key scale frozen at this "

@@ -31,7 +31,7 @@ from app.schemas.rotary import (
 from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import model_ref
-from circuits_core.circuits import composition_rotary, rotary
+from circuits_core.circuits import alibi_kernel, composition_rotary, rotary
 from circuits_core.circuits.copying_spectra import copying_score
 from circuits_core.circuits.profile_shape import ProfileShape, profile_shape
 from circuits_core.cost import Cost
@@ -69,8 +69,10 @@ def _measure(loaded: LoadedModel) -> ReferenceMeans:
 
 
 def reference_means(loaded: LoadedModel) -> tuple[torch.Tensor, ReferenceText]:
-    """μ [n_layers, d_model] float64 and the text it was measured on (cached per checkpoint digest)."""
-    rotary.check_rotary(loaded.model)
+    """μ [n_layers, d_model] float64 and the text it was measured on (cached per checkpoint digest); rotary and ALiBi
+    models."""
+    if loaded.model.cfg.alibi is None:
+        rotary.check_rotary(loaded.model)
     stored = cached_build(("rotary-reference", str(loaded.digest)), ReferenceMeans, lambda: _measure(loaded))
     return torch.tensor(stored.means, dtype=torch.float64, device=loaded.model.device), stored.reference
 
@@ -86,9 +88,11 @@ class PositionalParams(HeadParams):
     basis: BasisChoice = "served"
 
 
-def _offsets(loaded: LoadedModel, max_offset: int) -> torch.Tensor:
-    """δ = 0..max_offset, clipped to n_ctx - 1 (no query is further than that from its key); rotary models only."""
-    rotary.check_rotary(loaded.model)
+def _offsets(loaded: LoadedModel, max_offset: int, alibi: bool = False) -> torch.Tensor:
+    """δ = 0..max_offset, clipped to n_ctx - 1 (no query is further than that from its key); rotary models only
+    (and ALiBi models where `alibi`)."""
+    if not (alibi and loaded.model.cfg.alibi is not None):
+        rotary.check_rotary(loaded.model)
     return torch.arange(min(max_offset, loaded.model.cfg.n_ctx - 1) + 1)
 
 
@@ -99,12 +103,15 @@ def _shape(loaded: LoadedModel, values: list[float], offsets: torch.Tensor) -> P
 
 
 def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limits) -> PositionalView:
-    """f_h(δ) = μ_l Ω_h(δ) μ_l^T / s for δ = 0..max_offset, and where it peaks."""
+    """f_h(δ) = μ_l Ω_h(δ) μ_l^T / s for δ = 0..max_offset, and where it peaks; ALiBi: the constant content part
+    minus m_h δ (alibi_kernel.py)."""
     loaded = with_basis(loaded, p.basis)
     layer, h = parse_head(p.head, loaded.model.cfg)
-    offsets = _offsets(loaded, p.max_offset)
+    offsets = _offsets(loaded, p.max_offset, alibi=True)
     mu, ref = reference_means(loaded)
-    kernel = rotary.positional_kernel(loaded.model, mu, offsets)[layer, h]  # [n]
+    alibi = loaded.model.cfg.alibi is not None
+    kernel_of = alibi_kernel.positional_kernel if alibi else rotary.positional_kernel
+    kernel = kernel_of(loaded.model, mu, offsets)[layer, h]  # [n]
     return PositionalView(
         model=model_ref(loaded),
         head=head_name(layer, h),
@@ -114,7 +121,8 @@ def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limi
         shape=ProfileShapeView.of(_shape(loaded, kernel.tolist(), offsets), "peak"),
         reference=ref,
         basis=f"{weights_basis(loaded)}; μ_l = mean ln1 output entering layer {layer} on the reference text, first "
-        f"token left out",
+        f"token left out"
+        + ("; ALiBi: a constant content part minus the head's slope times δ, exactly linear" if alibi else ""),
     )
 
 
