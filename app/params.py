@@ -122,10 +122,11 @@ class NoParams(AnalysisParams):
 
 class TourParams(AnalysisParams):
     chapter: Annotated[
-        Literal["paper", "smollm2"],
+        Literal["paper", "smollm2", "gemma3"],
         Field(
             description="'paper': the paper's figures on the shipped toy models (and the residual stream as a "
-            "channel); 'smollm2': the rotary/GQA chapter on the real SmolLM2-135M (make smollm2)"
+            "channel); 'smollm2': the rotary/GQA chapter on the real SmolLM2-135M (make smollm2); 'gemma3': sliding "
+            "windows and QK-norm on the real Gemma-3 270M (make gemma3)"
         ),
     ] = "paper"
 

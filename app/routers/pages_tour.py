@@ -268,7 +268,9 @@ ROTARY_FIGURES = {"R1": _r1, "R2": _r2, "R3": _r3}  # the SmolLM2 chapter's figu
 async def tour_context(call: PageCall) -> dict[str, Any]:
     view = await call.run(TOUR, call.params)
     parts = [(fig, figure_parts(fig) if fig.available and fig.data else None) for fig in view.figures]
-    call.title = "Paper tour" if call.params.chapter == "paper" else "Tour: SmolLM2-135M"
+    call.title = {"paper": "Paper tour", "smollm2": "Tour: SmolLM2-135M", "gemma3": "Tour: Gemma-3 270M"}[
+        call.params.chapter
+    ]
     return {"view": view, "parts": parts, "params": call.params}
 
 

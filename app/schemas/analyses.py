@@ -26,6 +26,13 @@ class CompositionView(BaseModel):
     basis: str = Field(
         description="which weights the scores come from: raw, or which processing (folded LayerNorm, centred writers)"
     )
+    qk_form: str | None = Field(
+        default=None,
+        description="QK numbers: the form they are in (circuits_core.circuits.qk_forms): 'exact' without QK-norm; "
+        "under QK-norm 'bilinear' (weight level: scales left out) or 'frozen-norm' (prompt level: the run's scales "
+        "frozen)",
+    )
+    qk_form_note: str | None = Field(default=None, description="that form in words")
     sources: list[str] = Field(description="row heads: every head that has a later layer (earlier heads)")
     targets: list[str] = Field(description="column heads: every head that has an earlier layer (later heads)")
     scores: list[list[float | None]] = Field(

@@ -30,7 +30,7 @@ from app.schemas.analyses import (
 from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.heads import parse_heads
-from app.views.inputs import check_k, model_ref, token_ref
+from app.views.inputs import check_k, model_ref, qk_form_fields, token_ref
 from app.views.rotary import rotary_offset
 from circuits_core.circuits import composition, copying_spectra, embedding
 from circuits_core.circuits import head_circuits as circuits
@@ -125,6 +125,7 @@ def build_composition_view(loaded: LoadedModel, p: CompositionParams, limits: Li
     return CompositionView(
         model=model_ref(loaded),
         kind=kind,
+        **(qk_form_fields(loaded, "weight") if kind in ("Q", "K") else {}),
         basis=basis(loaded),
         sources=[head_name(*s) for s in src],
         targets=[head_name(*d) for d in dst],

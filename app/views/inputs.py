@@ -13,10 +13,12 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import re
+from typing import Literal
 
 from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
 from app.store import code_version
+from circuits_core.circuits.qk_forms import QK_FORMS, qk_form
 from circuits_core.errors import InvalidInputError, LimitExceededError, NotFoundError, QkovError
 from circuits_core.formats.checkpoint import LoadedModel
 
@@ -188,3 +190,10 @@ def check_k(k: int, limits: Limits, available: int) -> int:
     if k > limits.max_k:
         raise LimitExceededError(f"k={k} is over the limit of {limits.max_k}")
     return min(k, available)
+
+
+def qk_form_fields(loaded: LoadedModel, level: Literal["token", "weight", "prompt"]) -> dict[str, str]:
+    """{"qk_form", "qk_form_note"}: the form of the QK numbers a view at this level shows on this model, and that
+    form in words (qk_forms.QK_FORMS)."""
+    form = qk_form(loaded.model, level)
+    return {"qk_form": form, "qk_form_note": QK_FORMS[form]}

@@ -25,6 +25,7 @@ from app.schemas.analyses import TourFigure, TourView
 from app.settings import Limits
 from app.views import tour_figures as figs
 from app.views.tour_claims import BASELINE_SAMPLES, BASELINE_TOP_SAMPLES, CLAIMS
+from app.views.tour_gemma3 import GEMMA3_MODEL, gemma3_chapter, gemma3_chapter_cost
 from app.views.tour_residual import TOUR_MODEL as RESIDUAL_MODEL
 from app.views.tour_residual import residual_chapter, residual_chapter_cost
 from app.views.tour_rotary import TOUR_MODEL as ROTARY_MODEL
@@ -331,6 +332,8 @@ def tour_models(chapter: str) -> tuple[str, ...]:
     """The models a chapter of the tour reads."""
     if chapter == "smollm2":
         return (ROTARY_MODEL,)
+    if chapter == "gemma3":
+        return (GEMMA3_MODEL,)
     return tuple(dict.fromkeys((*TOUR_MODELS, RESIDUAL_MODEL)))
 
 
@@ -344,8 +347,8 @@ def build_tour_view(registry: ModelRegistry, limits: Limits, chapter: str = "pap
     """Every figure of one chapter of the tour: "paper" (the paper's figures on the toys, with the residual stream
     as a channel) or "smollm2" (rotary circuits on the real model, a page of its own so that the paper chapter
     does not wait for a 135M-parameter model); missing models and failing figures are reported, never raised."""
-    if chapter == "smollm2":
-        figures = rotary_chapter(registry, limits)
+    if chapter in ("smollm2", "gemma3"):
+        figures = (rotary_chapter if chapter == "smollm2" else gemma3_chapter)(registry, limits)
         return TourView(models={f.model: f.available for f in figures[:1] if f.model}, figures=figures)
     models = {m: _load(registry, m) for m in TOUR_MODELS}
     return TourView(
@@ -360,6 +363,8 @@ def tour_cost(registry: ModelRegistry, limits: Limits, chapter: str = "paper") -
     importance, composition, QK terms), answers added. Loads the toys, as the tour itself does."""
     if chapter == "smollm2":
         return chapter_cost(registry, limits)
+    if chapter == "gemma3":
+        return gemma3_chapter_cost(registry, limits)
     total = Cost(0)
     for name in TOUR_MODELS:
         loaded = _load(registry, name)

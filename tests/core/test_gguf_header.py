@@ -184,3 +184,45 @@ def test_every_gemma3_tensor_decodes_as_the_library_decodes_it() -> None:
     assert header.count("tokenizer.ggml.tokens") == 262_144 and header.value("general.architecture") == "gemma3"
     for name in header.tensors:
         same_bits(header, name)
+
+
+APP_PROBE = """
+import json, shutil, sys, time
+from pathlib import Path
+from fastapi.testclient import TestClient
+from app.main import create_app
+from app.settings import Settings
+def peak():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+root, served = Path(sys.argv[1]), Path(sys.argv[2])
+shutil.copytree(root / "small", served / "small")
+with TestClient(create_app(Settings(models_dir=served, store_url="off"))) as client:
+    for url in ("/readyz", "/api/v1/models", "/"):
+        client.get(url)  # warm: the shipped toys and the small GGUF loaded once
+    shutil.copytree(root / "bloated", served / "bloated")  # a new folder shows up on the next listing
+    open("/proc/self/clear_refs", "w").write("5")
+    before, start = peak(), time.perf_counter()
+    codes = [client.get(url).status_code for url in ("/readyz", "/api/v1/models", "/")]
+    listed = [m["id"] for m in client.get("/api/v1/models").json()]
+    print(json.dumps({"seconds": time.perf_counter() - start, "peak_growth": peak() - before, "codes": codes,
+                      "listed": listed}))
+"""
+
+
+def test_the_listing_home_page_and_readiness_do_not_parse_unread_metadata(tmp_path: Path) -> None:
+    """The routes that load every model folder (the listing, `/`, `/readyz`) on a folder holding the bloated file."""
+    for name, junk in (("small", 0), ("bloated", 2_000_000)):
+        (tmp_path / name).mkdir()
+        write_gguf(tmp_path / name / "m.gguf", extra_arrays={"junk.strings": [""] * junk} if junk else None)
+    served = tmp_path / "served"
+    served.mkdir()
+    out = subprocess.run(
+        [sys.executable, "-c", APP_PROBE, str(tmp_path), str(served)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "bloated" in result["listed"] and all(code in (200, 503) for code in result["codes"]), result
+    assert result["seconds"] < 10 and result["peak_growth"] < 200 * 2**20, result

@@ -1,0 +1,103 @@
+"""Every analysis of the API, and every dashboard page that has one, answers on Gemma-3 270M (make gemma3).
+
+The walk takes the catalog (app/catalog.py: every declared analysis, in the order of the API docs), fills each
+route's required parameters with a local and a global head of the model (L4H0, L5H0), a prompt for the analyses that
+read one, and asks for the JSON and for the page at the same path without /api/v1 (when the app serves one). Each
+must answer 200 (or 202, the page of a polled job, for a long one) with the model's id in it; the model page lists
+the values the GGUF file does not carry, with their sources, and the QK views name the form their numbers are in
+(qk_forms.QK_FORMS).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from starlette.routing import Route
+
+from app.catalog import ANALYSES
+from app.main import create_app
+from app.settings import Settings
+from app.views.tour_gemma3 import GEMMA3_MODEL
+from circuits_core.formats.gguf import GEMMA3_SOURCES
+
+FOLDER = Path(__file__).resolve().parents[2] / "models" / GEMMA3_MODEL
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gemma3")]
+FILL = {
+    "head": "L5H0",
+    "source": "L4H0",
+    "target": "L5H0",
+    "heads": "L4H0,L5H0",
+    "writer": "embed",
+    "reader": "unembed",
+}
+PROMPT = "When Mary and John went to the store, John gave a drink to"
+
+
+@pytest.fixture(scope="module")
+def client() -> Any:
+    if not any(FOLDER.glob("*.gguf")):
+        pytest.fail(f"{FOLDER} has no GGUF: run `make gemma3` (`make test` runs it first)")
+    settings = Settings(models_dir=FOLDER.parent.resolve(), store_url="off", request_timeout_s=600)  # type: ignore[call-arg]
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+def _calls() -> list[tuple[str, str, dict[str, str]]]:
+    out = []
+    for analysis in ANALYSES:
+        if analysis.scope != "model":
+            continue
+        path = analysis.api_path.replace("{model}", GEMMA3_MODEL)
+        query: dict[str, str] = {}
+        for name, field in analysis.params.model_fields.items():
+            if "{" + name + "}" in path:
+                path = path.replace("{" + name + "}", FILL[name])
+            elif field.is_required():
+                query[name] = FILL[name]
+            elif name == "prompt":
+                query[name] = PROMPT
+        out.append((analysis.name, path, query))
+    return out
+
+
+@pytest.mark.parametrize(("name", "path", "query"), _calls(), ids=[c[0] for c in _calls()])
+def test_every_analysis_answers(client: TestClient, name: str, path: str, query: dict[str, str]) -> None:
+    r = client.get(path, params=query)
+    assert r.status_code in (200, 202), (name, r.status_code, r.text[:400])  # 202: a long one runs as a polled job
+    page = path.removeprefix("/api/v1")
+    templates = {route.path for route in client.app.routes if isinstance(route, Route)}  # type: ignore[attr-defined]
+    served = any(_matches(t, page) for t in templates)
+    if served:
+        p = client.get(page, params=query)
+        assert p.status_code in (200, 202) and GEMMA3_MODEL in p.text, (name, p.status_code, p.text[:400])
+
+
+def _matches(template: str, path: str) -> bool:
+    a, b = template.strip("/").split("/"), path.strip("/").split("/")
+    return len(a) == len(b) and all(x == y or x.startswith("{") for x, y in zip(a, b, strict=True))
+
+
+def test_the_model_page_names_the_defaulted_values(client: TestClient) -> None:
+    summary = next(m for m in client.get("/api/v1/models").json() if m["id"] == GEMMA3_MODEL)
+    assert {d["field"] for d in summary["defaulted"]} == set(GEMMA3_SOURCES)
+    page = client.get(f"/models/{GEMMA3_MODEL}")
+    assert page.status_code in (200, 202) and 'id="defaulted-values"' in page.text
+    for field, source in GEMMA3_SOURCES.items():
+        assert field in page.text and source.split(";")[0].split("(")[0].strip() in page.text
+
+
+def test_each_qk_number_names_its_form(client: TestClient) -> None:
+    m = f"/api/v1/models/{GEMMA3_MODEL}"
+    forms = {
+        f"{m}/heads/L5H1/qk": "cosine",
+        f"{m}/qk-paths?head=L5H1&prompt=The+cat+sat+on+the+mat.+The+cat": "frozen-norm",
+        f"{m}/composition?kind=K": "bilinear",
+    }
+    for url, form in forms.items():
+        r = client.get(url)
+        assert r.status_code == 200 and r.json()["qk_form"] == form, (url, r.text[:300])
+        page = client.get(url.removeprefix("/api/v1"))
+        assert page.status_code in (200, 202) and f"QK form: {form}" in page.text, url
