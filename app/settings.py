@@ -34,8 +34,8 @@ class Limits(BaseModel):
     max_batch: int = Field(default=32, ge=1, description="most sequences in a detector run")
     max_seq_len: int = Field(default=200, ge=1, description="longest repeated segment in a detector run")
     matrix_budget_bytes: int = Field(default=256 * MiB, ge=1024, description="working memory of a streamed top-k")
-    peak_bytes: int = Field(
-        default=1024 * MiB, ge=1024, description="working memory of one request, priced before it runs"
+    peak_bytes: int = Field(  # 3 GiB: the heads table of a 262k-token vocabulary (Gemma 3) prices at 1.8 GiB
+        default=3 * GiB, ge=1024, description="working memory of one request, priced before it runs"
     )
     max_answer_bytes: int = Field(default=16 * MiB, ge=1024, description="largest encoded JSON answer")
 
