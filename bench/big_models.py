@@ -146,7 +146,7 @@ def run_8b() -> None:
         print(f"  writing the 8B-shaped bf16 checkpoint to {CACHE} (once)", flush=True)
         write_checkpoint(CACHE, LLAMA_8B)
     child = subprocess.run(
-        [sys.executable, "-c", "import json, bench.big_models as b; print(json.dumps(b.measure_8b(b.CACHE)), flush=True)"],
+        [sys.executable, "-c", "import json, bench.big_models as b; print(json.dumps(b.measure_8b(b.CACHE)))"],
         cwd=REPO, capture_output=True, text=True, check=False,
     )  # fmt: skip
     lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
