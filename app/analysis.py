@@ -35,7 +35,8 @@ they reach the cache key, the builder and the JSON link, so the copies cannot dr
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Generic, Literal, Self, TypeVar
 from urllib.parse import quote, urlencode
@@ -48,7 +49,7 @@ from app.registry import ModelRegistry
 from app.scheduling import cached_build, compute, compute_json, current_service
 from app.settings import Limits
 from circuits_core.cost import Cost
-from circuits_core.errors import LimitExceededError, QkovError
+from circuits_core.errors import CheckpointError, LimitExceededError, QkovError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.formats.lazy_mlp import check_deferred_load
 from circuits_core.model.config import head_name, parse_head
@@ -293,7 +294,8 @@ async def run(analysis: Declared[P, V], subject: Any, model_id: str | None, para
     """Price, then build through a compute slot (cached under `cache_key` when the analysis says so): the view."""
     kw = await _price(analysis, subject, model_id, params, limits)
     try:
-        return await compute(analysis.built, subject, params, limits, view=analysis.view, **kw)
+        with refused_on_nonfinite(subject):
+            return await compute(analysis.built, subject, params, limits, view=analysis.view, **kw)
     except LimitExceededError as exc:
         raise with_advice(exc, analysis, subject, params, limits, kw) from None
 
@@ -302,9 +304,30 @@ async def run_json(analysis: Declared[P, V], subject: Any, model_id: str | None,
     """Like `run`, the answer encoded as JSON inside the slot (the API's answer)."""
     kw = await _price(analysis, subject, model_id, params, limits)
     try:
-        return await compute_json(analysis.built, subject, params, limits, **kw)
+        with refused_on_nonfinite(subject):
+            return await compute_json(analysis.built, subject, params, limits, **kw)
     except LimitExceededError as exc:
         raise with_advice(exc, analysis, subject, params, limits, kw) from None
+
+
+@contextmanager
+def refused_on_nonfinite(subject: Any) -> Iterator[None]:
+    """On a model with NaN or inf weights, a computation that fails (an SVD or eigensolver that does not converge
+    on them, say) is a refusal of the model naming those tensors (422), not an internal error; an analysis whose
+    maths carries the NaN through answers with it."""
+    try:
+        yield
+    except QkovError:
+        raise
+    except Exception as exc:
+        bad = getattr(subject, "nonfinite", None)
+        if not bad:
+            raise
+        raise CheckpointError(
+            f"this analysis cannot run on the model's non-finite weights: {', '.join(bad[:5])}"
+            + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            + f" ({type(exc).__name__})"
+        ) from exc
 
 
 def with_advice(

@@ -15,6 +15,7 @@ from app.views.attention_entropy import ATTENTION_ENTROPY
 from app.views.copying import COPYING_ALL
 from app.views.model_summary import MODEL_SUMMARY
 from app.views.positivity import POSITIVITY
+from app.views.qk_circuit_norm import QK_CIRCUIT_NORM
 from app.views.residual import ANALYSES as RESIDUAL_ANALYSES
 from app.views.tour import build_tour_view, digest_or_dash, tour_models
 from app.views.tour import tour_cost as tour_view_cost
@@ -69,6 +70,7 @@ ANALYSES: list[Declared[Any, Any]] = [
     term_importance.TERM_IMPORTANCE,
     *rotary.ANALYSES,
     ATTENTION_ENTROPY,
+    QK_CIRCUIT_NORM,
     *RESIDUAL_ANALYSES,
     TOUR,
 ]

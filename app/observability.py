@@ -33,6 +33,7 @@ import time
 import uuid
 from contextvars import ContextVar
 from typing import Any, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import anyio.to_thread
 import torch
@@ -61,6 +62,7 @@ REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 UNMETERED = ("/healthz", "/readyz", "/metrics", "/static/")
 BUSY = ProblemKind(503, "busy", "Server busy")
 RATE_LIMITED = ProblemKind(429, "rate-limited", "Too many requests")
+LIMITER_STALLED = ProblemKind(503, "rate-limiter-unavailable", "Rate limiter unavailable")
 RUNNING = ProblemKind(202, "running", "Computing")
 SHUTTING_DOWN = ProblemKind(503, "shutting-down", "Server shutting down")
 DRAINING = threading.Event()  # set by app/serve.py when SIGTERM starts the shutdown drain
@@ -88,6 +90,14 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False, default=str)
 
 
+class OneLineFormatter(logging.Formatter):
+    """Plain text, one line per record: CR and LF (from a request path's %0A, or a traceback) are written as \\r
+    and \\n, so no client can forge a log line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return super().format(record).replace("\r", "\\r").replace("\n", "\\n")
+
+
 def configure_logging(settings: Settings) -> None:
     """Give the `qkov` loggers one stderr handler (JSON lines or plain text), once per process."""
     root = logging.getLogger("qkov")
@@ -95,7 +105,7 @@ def configure_logging(settings: Settings) -> None:
     formatter: logging.Formatter = (
         JsonFormatter()
         if settings.log_format == "json"
-        else logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s")
+        else OneLineFormatter("%(asctime)s %(levelname)s %(name)s %(message)s")
     )
     for handler in root.handlers:
         if getattr(handler, "_qkov", False):
@@ -226,7 +236,11 @@ class ServingMiddleware:
         limiter: RateLimiter | None,
         request_timeout_s: float | None,
         trusted_proxies: list[Network] | None = None,
+        limiter_timeout_s: float = 0.1,
+        limiter_fail_open: bool = True,
     ):
+        self.limiter_timeout_s = limiter_timeout_s
+        self.limiter_fail_open = limiter_fail_open
         self.app = app
         self.trusted_proxies = trusted_proxies or []
         self.service = service
@@ -265,14 +279,27 @@ class ServingMiddleware:
                 headers["X-Request-ID"] = rid
                 for k, v in limit_headers.items():
                     headers[k] = v
+                protect(headers)
                 if status == 503 and "retry-after" not in headers:
                     headers["Retry-After"] = str(self.service.retry_after())
             await send(message)
 
         try:
             if self.limiter is not None and metered:
-                client = client_address(scope, self.trusted_proxies)
-                allowed, remaining, reset = self.limiter.hit(client)
+                client = rate_key(client_address(scope, self.trusted_proxies))
+                try:  # off the event loop, and bounded: a stalled Redis never stalls the other requests
+                    allowed, remaining, reset = await asyncio.wait_for(
+                        asyncio.to_thread(self.limiter.hit, client), self.limiter_timeout_s
+                    )
+                except TimeoutError:
+                    self.limiter.stalled()
+                    if not self.limiter_fail_open:
+                        detail = "the rate limiter's storage did not answer in time; retry shortly"
+                        response = problem_response(request, LIMITER_STALLED, detail)
+                        response.headers["Retry-After"] = "1"
+                        await response(scope, receive, send_wrapper)
+                        return
+                    allowed, remaining, reset = True, self.limiter.limit, 1
                 limit_headers = {
                     "RateLimit-Limit": str(self.limiter.limit),
                     "RateLimit-Remaining": str(remaining),
@@ -326,6 +353,43 @@ class ServingMiddleware:
                 )
 
 
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data: blob:; "
+    "font-src 'self' data:; connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; "
+    "frame-ancestors 'none'"
+)  # style-src 'unsafe-inline': plotly and htmx set style attributes; every script is a same-origin file
+
+
+def protect(headers: MutableHeaders) -> None:
+    """Security headers of every answer: nosniff and no referrer across origins; pages (HTML) also get the CSP
+    (scripts only from this origin, never framed). A redirect's Location to this server is made relative, so it
+    never carries a host the client sent."""
+    headers["X-Content-Type-Options"] = "nosniff"
+    headers["Referrer-Policy"] = "same-origin"
+    if headers.get("content-type", "").startswith("text/html"):
+        headers["Content-Security-Policy"] = CONTENT_SECURITY_POLICY
+        headers["X-Frame-Options"] = "DENY"
+    location = headers.get("location")
+    if location:
+        parts = urlsplit(location)
+        if parts.scheme or parts.netloc:  # our own redirects only ever point at this server
+            headers["Location"] = urlunsplit(("", "", parts.path or "/", parts.query, parts.fragment))
+
+
+def rate_key(address: str) -> str:
+    """Who a request is counted against: an IPv4 address, or an IPv6 address's /64 (one subscriber's network:
+    an ISP hands out a whole /64, so per address a single client would have 2^64 quotas)."""
+    try:
+        ip = ipaddress.ip_address(address.strip("[]"))
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((int(ip) >> 64 << 64, 64)))
+    return str(ip)
+
+
 async def job_pending(request: Request, exc: Exception) -> Response:
     """A request that runs as a job: 202 with the job's state and where to poll it (API), or its progress bar."""
     assert isinstance(exc, JobPending)
@@ -336,15 +400,31 @@ async def job_pending(request: Request, exc: Exception) -> Response:
 
 
 # -- install ---------------------------------------------------------------------------------------------
-def open_store_tier(settings: Settings) -> StoreTier | None:
-    """The second-level result store the settings name (app/store.py), or None when it is off."""
-    store = open_store(settings.store_url, settings.store_dir, settings.store_bytes, settings.store_ttl_s)
-    return None if store is None else StoreTier(store, claim_ttl_s=settings.request_timeout_s or 120.0)
+def open_store_tier(settings: Settings) -> tuple[StoreTier | None, dict[str, Any] | None]:
+    """The second-level result store the settings name (app/store.py), or None when it is off or cannot be
+    opened; then also what /readyz says about it. A store folder that cannot be created (a read-only root) or a
+    corrupt cache.db never stops the server: it runs without the store and says so in the log and on /readyz."""
+    try:
+        store = open_store(settings.store_url, settings.store_dir, settings.store_bytes, settings.store_ttl_s)
+    except ValueError:
+        raise  # a malformed store URL is a configuration error, refused at start
+    except Exception as exc:  # OSError, sqlite3.DatabaseError, diskcache's own errors
+        detail = f"not opened ({type(exc).__name__}: {str(exc)[:200]}); running without the result store"
+        log.error("result store at %s: %s", settings.store_dir, detail)
+        return None, {"store": settings.store_url, "ok": False, "detail": detail}
+    if store is None:
+        return None, None
+    secret = settings.store_secret.get_secret_value().encode() if settings.store_secret is not None else None
+    if secret is None:
+        log.warning("result store rows are not authenticated: set QKOV_STORE_SECRET (docs/serving.md)")
+    return StoreTier(store, claim_ttl_s=settings.request_timeout_s or 120.0, secret=secret), None
 
 
 def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
     """Add the compute service, middleware and /healthz, /readyz, /metrics to an app (once, in create_app)."""
     registry: ModelRegistry = app.state.registry
+    configure_logging(settings)
+    store, store_problem = open_store_tier(settings)
     service = ComputeService(
         slots=settings.compute_slots,
         slot_wait_s=settings.slot_wait_s,
@@ -359,11 +439,10 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
             settings.inline_budget_s,
         ),
         job_abandon_s=settings.job_abandon_s,
-        store=open_store_tier(settings),
+        store=store,
         torch_threads=settings.torch_threads or default_torch_threads(settings.compute_slots),
     )
     torch.set_num_threads(settings.torch_threads or default_torch_threads(settings.compute_slots))
-    configure_logging(settings)
     metrics = Metrics(service, registry, settings.metrics_multiprocess)
     readiness = Readiness(registry)
     app.state.compute = service
@@ -391,7 +470,7 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
     )
     async def readyz() -> JSONResponse:
         ready, report = await anyio.to_thread.run_sync(readiness.check)
-        store = await anyio.to_thread.run_sync(service.store.status) if service.store is not None else None
+        store = await anyio.to_thread.run_sync(service.store.status) if service.store is not None else store_problem
         body = ReadinessReport(status="ready" if ready else "not ready", models=report, store=store)
         return JSONResponse(
             body.model_dump(), status_code=200 if ready else 503, headers={} if ready else {"Retry-After": "5"}
@@ -421,8 +500,13 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
             return render_fragment("_error.html", {"status": 422, "title": "Failed", "detail": state["error"]})
         return render_fragment("_job.html", {"job": state})
 
+    metrics_networks = proxy_networks(settings.metrics_networks) if settings.metrics_networks is not None else None
+
     @app.get("/metrics", include_in_schema=False)
-    async def prometheus_metrics() -> Response:
+    async def prometheus_metrics(request: Request) -> Response:
+        peer = client_address(request.scope, proxy_networks(settings.trusted_proxies))
+        if metrics_networks is not None and not _in(peer, metrics_networks):
+            return Response(status_code=404)  # private: as if there were none
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     redis_url = settings.store_url if settings.store_url.startswith(("redis", "unix")) else "memory://"
@@ -435,6 +519,8 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
         limiter=limiter,
         request_timeout_s=settings.request_timeout_s,
         trusted_proxies=proxy_networks(settings.trusted_proxies),
+        limiter_timeout_s=settings.rate_limit_timeout_s,
+        limiter_fail_open=settings.rate_limit_fail_open,
     )
     app.add_middleware(HeadMiddleware)  # outside the others: they all see a GET
     return service

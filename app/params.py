@@ -39,7 +39,8 @@ MinCount = Annotated[
 Prompt = Annotated[
     str | None,
     Field(
-        description="text, tokenised with the model's tokenizer, BOS prepended (at most min(n_ctx, {max_prompt_tokens}) tokens)"
+        description="text, tokenised with the model's tokenizer, BOS prepended (at most min(n_ctx, "
+        "{max_prompt_tokens}) tokens)"
     ),
     Limit("max_prompt_tokens", "max_length", 64),
 ]
@@ -61,8 +62,8 @@ Offset = Annotated[
         ge=0,
         le=1_000_000,
         description=(
-            "query-key offset δ = i - j of a rotary model: its QK circuit there is W_Q R(δ) W_Kᵀ (0: TransformerLens's QK); "
-            "below n_ctx; other models take 0 only"
+            "query-key offset δ = i - j of a rotary model: its QK circuit there is W_Q R(δ) W_Kᵀ (0: TransformerLens's "
+            "QK); below n_ctx; other models take 0 only"
         ),
     ),
 ]
@@ -70,8 +71,8 @@ BasisChoice = Annotated[
     Literal["served", "raw"],
     Field(
         description=(
-            "which weights: 'served' (processed as the model is served: folded LayerNorm, centred unembedding, as the view's "
-            "`basis` says) or 'raw' (the checkpoint as stored, loaded once more without processing)"
+            "which weights: 'served' (processed as the model is served: folded LayerNorm, centred unembedding, as the "
+            "view's `basis` says) or 'raw' (the checkpoint as stored, loaded once more without processing)"
         )
     ),
 ]
@@ -81,10 +82,14 @@ Vocab = Annotated[
     Literal["default", "all"],
     Field(
         description=(
-            f"which tokens a global table (no token given) and the default skip-trigram source rank: 'default' -- every token "
-            f"of a vocabulary up to {DEFAULT_VOCAB:,} tokens; of a larger one, its {DEFAULT_VOCAB:,} most frequent tokens (the "
-            f"folder's token_counts.npy) or else its {DEFAULT_VOCAB:,} lowest ids (the answer's `token_set` says which); 'all' -- "
-            "every token (on a 50,257-token vocabulary about 38x the entries). min_count, when given, chooses the tokens instead"
+            f"which tokens a global table (no token given) and the default skip-trigram source rank: 'default' -- "
+            f"every token "
+            f"of a vocabulary up to {DEFAULT_VOCAB:,} tokens; of a larger one, its {DEFAULT_VOCAB:,} most frequent "
+            f"tokens (the "
+            f"folder's token_counts.npy) or else its {DEFAULT_VOCAB:,} lowest ids (the answer's `token_set` says "
+            f"which); 'all' -- "
+            "every token (on a 50,257-token vocabulary about 38x the entries). min_count, when given, chooses the "
+            "tokens instead"
         )
     ),
 ]
@@ -119,8 +124,8 @@ class TourParams(AnalysisParams):
     chapter: Annotated[
         Literal["paper", "smollm2"],
         Field(
-            description="'paper': the paper's figures on the shipped toy models (and the residual stream as a channel); "
-            "'smollm2': the rotary/GQA chapter on the real SmolLM2-135M (make smollm2)"
+            description="'paper': the paper's figures on the shipped toy models (and the residual stream as a "
+            "channel); 'smollm2': the rotary/GQA chapter on the real SmolLM2-135M (make smollm2)"
         ),
     ] = "paper"
 
@@ -252,10 +257,13 @@ AblatedHeads = Annotated[
     str | None,
     Field(
         description=(
-            "the heads the head ablations remove, one at a time: 'all', 'none', or comma-separated head names (L3H1) and "
+            "the heads the head ablations remove, one at a time: 'all', 'none', or comma-separated head names (L3H1) "
+            "and "
             "layers (L3: every head of layer 3; L0-L9: of layers 0 to 9). Default: every head on a model of at most "
-            f"{DEFAULT_ALL_HEADS} heads; on a larger one the induction and previous-token heads of its measured summary "
-            "(model_summary.json), else none. Priced before it runs: a head of layer l reruns layers l.. twice (patterns "
+            f"{DEFAULT_ALL_HEADS} heads; on a larger one the induction and previous-token heads of its measured "
+            f"summary "
+            "(model_summary.json), else none. Priced before it runs: a head of layer l reruns layers l.. twice "
+            "(patterns "
             "frozen, then recomputed), so the FLOPs grow with the heads and their depth, against the request deadline"
         )
     ),

@@ -19,9 +19,9 @@ model-wide pages, the first head's (which computes what every head view shares: 
 of all heads, the composition partners; the other heads are queued once it is done), the other heads, then the
 panels those pages load after themselves (hx-trigger="load": the copying panels), asked as htmx asks them (the
 first head's right after it), and last the pages assembled from what those panels measured (ASSEMBLED: the copying
-overview reads each head's rows off its panel's entry). The last line says when each group was done. On a vocabulary over DEFAULT_VOCAB
-tokens a page's global tables rank the default token set (app/views/circuits.py); `--full` also fills each
-head's and the direct path's whole-vocabulary tables (`vocab=all`), ~38x the work per table on GPT-2.
+overview reads each head's rows off its panel's entry). The last line says when each group was done. On a vocabulary
+over DEFAULT_VOCAB tokens a page's global tables rank the default token set (app/views/circuits.py); `--full` also fills
+each head's and the direct path's whole-vocabulary tables (`vocab=all`), ~38x the work per table on GPT-2.
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def full_urls(loaded: LoadedModel, model: str, per_head: list[str]) -> list[str]:
-    """With --full on a large vocabulary: the per-head circuit pages and API twins, and the direct path, at vocab=all."""
+    """With --full on a large vocabulary: the per-head circuit pages, their API twins, the direct path at vocab=all."""
     if loaded.model.cfg.d_vocab <= DEFAULT_VOCAB:
         return []  # the default tables already rank every token
     circuits = [u for u in per_head if u.endswith(("/ov", "/qk")) or u.endswith("/heads/{head}")]

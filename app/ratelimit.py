@@ -64,6 +64,13 @@ class RateLimiter:
                 return self._shared
         return self._local
 
+    def stalled(self) -> None:
+        """The shared storage did not answer within the caller's timeout (a frozen Redis): count in this process
+        for the next RETRY_S, as after an error, instead of waiting on it again for every request."""
+        if self._shared is not None and self._shared_down_since is None:
+            log.warning("rate-limit storage stalled: counting per process")
+        self._shared_down_since = time.monotonic()
+
     def hit(self, client: str) -> tuple[bool, int, int]:
         """Count one request: (allowed, remaining in the window, seconds until a request is allowed again)."""
         strategy = self._strategy()

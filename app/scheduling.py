@@ -70,8 +70,9 @@ from app.pricing import (
     view_type,
 )
 from app.store import StoreTier
-from circuits_core.cost import Cost, ambient_should_stop, available_cores, progressing, stopping
+from circuits_core.cost import Cost, ambient_should_stop, progressing, stopping
 from circuits_core.errors import CancelledError, LimitExceededError
+from circuits_core.schedule import available_cores
 
 log = logging.getLogger("qkov.compute")
 
@@ -161,7 +162,10 @@ class RequestContext:
     async def abandoned(self) -> str | None:
         """Why the request no longer wants its result (None while it does)."""
         if self.deadline is not None and time.monotonic() > self.deadline:
-            return f"the request took longer than its deadline of {self.timeout_s:g} s; try a smaller request or retry later"
+            return (
+                f"the request took longer than its deadline of {self.timeout_s:g} s; "
+                "try a smaller request or retry later"
+            )
         if self.is_disconnected is not None and await self.is_disconnected():
             return "the client disconnected"
         return None

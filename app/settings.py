@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -81,17 +81,27 @@ class Settings(BaseSettings):
     store_url: str = Field(
         default="disk",
         pattern=r"^(off|disk|(redis|rediss|unix)://.+)$",
-        description="second-level result store: 'disk' (diskcache folder shared by this machine's workers, kept across restarts), a redis:// URL (shared by replicas, disk as fallback) or 'off'",
+        description="second-level result store: 'disk' (diskcache folder shared by this machine's workers, kept across "
+        "restarts), a redis:// URL (shared by replicas, disk as fallback) or 'off'",
     )
     store_dir: Path = Field(default=REPO_ROOT / ".store", description="folder of the disk store")
     store_bytes: int = Field(
         default=1024 * MiB, ge=MiB, description="byte budget of the disk store (least recently used evicted)"
     )
+    store_secret: SecretStr | None = Field(
+        default=None,
+        description="key of the HMAC-SHA256 that authenticates every answer and page kept in the result store "
+        "(QKOV_STORE_SECRET): the same on every replica and across restarts, at least 32 characters, never kept in "
+        "the store. A row failing the check is recomputed. Unset: rows are not authenticated (said on /readyz), so "
+        "whoever can write the store can change what is served",
+        min_length=32,
+    )
     store_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0, description="how long Redis keeps an answer")
     preload: bool = Field(default=False, description="load every model at start-up instead of on first use")
     max_model_bytes: int = Field(
         default=4096 * MiB, ge=MiB,
-        description="largest model served: bytes of its files and of its parameters priced from config.json before loading",
+        description="largest model served: bytes of its files and of its parameters priced from config.json before "
+                    "loading",
     )  # fmt: skip
     # serving (app/scheduling.py, app/observability.py, app/ratelimit.py)
     torch_threads: int | None = Field(default=None, ge=1, description="torch threads (default: cores // compute_slots)")
@@ -126,6 +136,23 @@ class Settings(BaseSettings):
     )
     rate_limit: int | None = Field(default=None, ge=1, description="requests per client per rate_window_s (None: off)")
     rate_window_s: float = Field(default=60.0, gt=0, description="window of the per-client rate limit")
+    rate_limit_timeout_s: float = Field(
+        default=0.1,
+        gt=0,
+        description="longest a request waits for the rate limiter's storage (Redis); past it the request is let "
+        "through or refused as rate_limit_fail_open says. The wait runs off the event loop, so a stalled Redis never "
+        "stalls other requests",
+    )
+    rate_limit_fail_open: bool = Field(
+        default=True,
+        description="when the limiter's storage does not answer within rate_limit_timeout_s: true lets the request "
+        "through (availability first), false answers 503 with Retry-After (the limit first)",
+    )
+    metrics_networks: list[str] | None = Field(
+        default=None,
+        description="addresses or networks (CIDR) allowed to read /metrics; others get 404. None: public; "
+        "['127.0.0.1', '::1']: the machine itself only",
+    )
     trusted_proxies: list[str] = Field(
         default_factory=list,
         description="addresses or networks (CIDR) of reverse proxies whose X-Forwarded-For is believed; empty: none",
@@ -174,13 +201,13 @@ class Settings(BaseSettings):
             }
         )
 
-    @field_validator("trusted_proxies")
+    @field_validator("trusted_proxies", "metrics_networks")
     @classmethod
-    def _networks(cls, value: list[str]) -> list[str]:
+    def _networks(cls, value: list[str] | None) -> list[str] | None:
         """Each entry an IP address or CIDR network (a typo would silently trust nothing, or the wrong peer)."""
-        for entry in value:
+        for entry in value or []:
             try:
                 ipaddress.ip_network(entry.strip(), strict=False)
             except ValueError as exc:
-                raise ValueError(f"trusted_proxies: {entry!r} is not an IP address or network ({exc})") from exc
+                raise ValueError(f"{entry!r} is not an IP address or network ({exc})") from exc
         return value

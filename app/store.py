@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import logging
 import os
+import re
 import threading
 import time
 import uuid
@@ -64,13 +66,27 @@ class ResultStore(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
+STORE_FILE = re.compile(r"[0-9a-f]{2}/[0-9a-f]{2}/[0-9a-f]{28}\.val")  # the names diskcache's Disk.filename makes
+
+
 class RawDisk(diskcache.Disk):
-    """diskcache's Disk that never unpickles: only bytes and str rows are read back."""
+    """diskcache's Disk that never unpickles (only bytes and str rows are read back) and never acts on a file name
+    it did not make: a row's file name is a column of cache.db, so whoever can write the folder could name
+    '/etc/passwd' or '../x' (os.path.join keeps an absolute name), and removing the row would delete that file
+    and its parent folders. Only names of diskcache's own shape are read or removed."""
 
     def fetch(self, mode: int, filename: str | None, value: Any, read: bool) -> Any:
         if mode == diskcache.core.MODE_PICKLE:
             raise ValueError("refusing a pickled row in the result store")
+        if filename is not None and not STORE_FILE.fullmatch(filename):
+            raise ValueError("refusing a store row whose file name diskcache did not make")
         return super().fetch(mode, filename, value, read)
+
+    def remove(self, file_path: str) -> None:
+        if STORE_FILE.fullmatch(file_path):
+            super().remove(file_path)
+        else:
+            log.warning("result store: not removing %r, a file name diskcache did not make", file_path[:200])
 
 
 class DiskStore:
@@ -226,14 +242,19 @@ def code_version(root: Path = REPO_ROOT) -> str:
 
 
 def open_store(url: str, directory: Path, budget_bytes: int, ttl_s: float) -> ResultStore | None:
-    """The store a Settings names: "off", "disk" or a redis:// URL (with the disk store as its fallback)."""
+    """The store a Settings names: "off", "disk" or a redis:// URL (with the disk store as its fallback, or none
+    when the disk store cannot be opened). Raises what opening the disk store raised for "disk"."""
     if url == "off":
         return None
-    disk = DiskStore(directory, budget_bytes)
     if url == "disk":
-        return disk
+        return DiskStore(directory, budget_bytes)
     if url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisStore(url, fallback=disk, ttl_s=ttl_s)
+        try:
+            fallback: DiskStore | None = DiskStore(directory, budget_bytes)
+        except Exception as exc:  # an unwritable folder, a corrupt cache.db: Redis alone, no local fallback
+            log.error("disk fallback of the Redis store not opened (%s: %s)", type(exc).__name__, str(exc)[:200])
+            fallback = None
+        return RedisStore(url, fallback=fallback, ttl_s=ttl_s)
     raise ValueError(f"store URL {url!r} is not 'off', 'disk' or a redis:// URL")
 
 
@@ -244,12 +265,38 @@ class StoreTier:
     while this one waited for its claim, `puts` answers written, `errors` store operations that failed.
     """
 
-    def __init__(self, store: ResultStore, claim_ttl_s: float, poll_s: float = 0.05, code: str | None = None):
+    def __init__(
+        self,
+        store: ResultStore,
+        claim_ttl_s: float,
+        poll_s: float = 0.05,
+        code: str | None = None,
+        secret: bytes | None = None,
+    ):
         self.store = store
         self.claim_ttl_s = claim_ttl_s
         self.poll_s = poll_s
         self.code = code_version() if code is None else code
-        self.hits = self.waited = self.puts = self.errors = 0
+        self.secret = secret
+        self.hits = self.waited = self.puts = self.errors = self.rejected = 0
+
+    def _seal(self, key: str, body: bytes) -> bytes:
+        """With a secret: HMAC-SHA256 over (key, body) in front of the body, so a row written by anyone without
+        the secret, or moved to another key, fails the check."""
+        if self.secret is None:
+            return body
+        return hmac.new(self.secret, key.encode() + b"\0" + body, hashlib.sha256).digest() + body
+
+    def _opened(self, key: str, row: bytes | None) -> bytes | None:
+        """The body of a row that passes the check; None (recomputed) for one that does not."""
+        if row is None or self.secret is None:
+            return row
+        mac, body = row[:32], row[32:]
+        if len(row) < 32 or not hmac.compare_digest(mac, self._seal(key, body)[:32]):
+            self.rejected += 1
+            log.warning("result store: a row failed its authentication check and is recomputed")
+            return None
+        return body
 
     def _key(self, key: str) -> str:
         """Keys outlive the process: the code that computed an answer is part of its key (a deploy changes it)."""
@@ -264,7 +311,8 @@ class StoreTier:
             return None
 
     async def get(self, key: str) -> bytes | None:
-        body = await asyncio.to_thread(self._safe, self.store.get, self._key(key))
+        row = await asyncio.to_thread(self._safe, self.store.get, self._key(key))
+        body = self._opened(self._key(key), row)
         if body is not None:
             self.hits += 1
         return body  # type: ignore[no-any-return]
@@ -273,7 +321,8 @@ class StoreTier:
         """None when this process holds the claim and should compute; else the answer another process put."""
         while True:
             claimed = await asyncio.to_thread(self._safe, self.store.claim, self._key(key), self.claim_ttl_s)
-            body = await asyncio.to_thread(self._safe, self.store.get, self._key(key))
+            row = await asyncio.to_thread(self._safe, self.store.get, self._key(key))
+            body = self._opened(self._key(key), row)
             if body is not None:  # put by another process, perhaps just before it released its claim
                 if claimed:
                     await asyncio.to_thread(self.release, key)
@@ -287,12 +336,12 @@ class StoreTier:
 
     async def put(self, key: str, body: bytes) -> None:
         """Keep an answer computed outside the compute pool (a rendered page): no claim to free."""
-        await asyncio.to_thread(self._safe, self.store.put, self._key(key), body)
+        await asyncio.to_thread(self._safe, self.store.put, self._key(key), self._seal(self._key(key), body))
         self.puts += 1
 
     def save(self, key: str, body: bytes) -> None:
         """In the worker thread, after computing: keep the answer, then free the claim."""
-        self._safe(self.store.put, self._key(key), body)
+        self._safe(self.store.put, self._key(key), self._seal(self._key(key), body))
         self.puts += 1
         self._safe(self.store.release, self._key(key))
 
@@ -300,4 +349,5 @@ class StoreTier:
         self._safe(self.store.release, self._key(key))
 
     def status(self) -> dict[str, Any]:
-        return self._safe(self.store.status) or {"store": self.store.name, "ok": False, "detail": "status failed"}  # type: ignore[no-any-return]
+        out = self._safe(self.store.status) or {"store": self.store.name, "ok": False, "detail": "status failed"}
+        return {**out, "authenticated": self.secret is not None, "rejected_rows": self.rejected}

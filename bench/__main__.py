@@ -32,6 +32,7 @@ SECTION_MODULES = (
     "bench.gemma3",
     "bench.big_models",
     "bench.real_model",
+    "bench.families",
 )
 
 

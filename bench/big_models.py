@@ -183,8 +183,10 @@ def price_table(hf: dict[str, Any], label: str) -> None:
         model = Transformer(cfg).to(torch.bfloat16)
     loaded = LoadedModel(model=model, tokenizer=None, format="llama")
     total, mlp = load_bytes(cfg, torch.bfloat16), mlp_bytes(cfg, torch.bfloat16)
-    print(f"  {label}: all weights {total / GiB:.1f} GiB bf16; attention + norms + embeddings {(total - mlp) / GiB:.1f} "
-          "GiB (what the weight circuits load); working memory per analysis (price functions, bf16 weights):", flush=True)  # fmt: skip
+    print(f"  {label}: all weights {total / GiB:.1f} GiB bf16; attention + norms + embeddings "
+          f"{(total - mlp) / GiB:.1f} "
+          "GiB (what the weight circuits load); working memory per analysis (price functions, bf16 "
+          "weights):", flush=True)  # fmt: skip
     limits = Limits(max_k=200)
     weight_only = [a for a in ANALYSES if a.scope == "model" and a.weights == "attention"]
     bound = BoundAnalyses(weight_only, limits)
@@ -194,7 +196,8 @@ def price_table(hf: dict[str, Any], label: str) -> None:
         try:
             params = bound.bound(analysis).model_validate({k: v for k, v in values.items() if k in fields})
             cost = analysis.cost(loaded, params, limits)
-            print(f"    {analysis.name:<22} {cost.peak_bytes / GiB:8.2f} GiB  answer {cost.answer_bytes / 2**20:7.2f} MiB",
+            print(f"    {analysis.name:<22} {cost.peak_bytes / GiB:8.2f} GiB  answer {cost.answer_bytes / 2**20:7.2f} "
+                  f"MiB",
                   flush=True)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - a price that needs real weights is reported, not fatal
             print(f"    {analysis.name:<22} not priced on the meta device: {type(exc).__name__}: {str(exc)[:90]}")

@@ -1,4 +1,5 @@
-"""Composition, path expansion and term importance benchmark on the random GPT-2-small-shaped model (bench.engine.GPT2_SMALL, float32, 2 threads).
+"""Composition, path expansion and term importance benchmark on the random GPT-2-small-shaped model
+(bench.engine.GPT2_SMALL, float32, 2 threads).
 
 Section `composition-paths`:
   (a) all Q/K/V composition scores of the 144 heads (9504 earlier->later pairs each), with peak extra memory
@@ -14,10 +15,11 @@ ratio, largest difference --
   (a) model.all_composition_scores("Q"/"K"/"V") (peak RSS measured; a kind is skipped when the free memory could
       not hold its ~9 GiB of broadcast operands) against qkov's raw scores;
   (b) TL's closest feature, first-order direct logit attribution: run_with_cache, stack_head_results(-1, -1)
-      (TL computes the head results from z @ W_O), apply_ln_to_stack, @ W_U[:, target]; per head it equals the sum of qkov's path terms that end at that head,
-      all orders (b_V W_O, zero here, added as in tests/core/test_vs_transformer_lens.py). The order-2 expansion
-      is complete for the heads of layers 0-1; the sum over all heads also matches orders >= 1 + remainder.
-      apply_ln_to_stack leaves out ln_final.w, so the numbers are compared only where ln_final.w == 1;
+      (TL computes the head results from z @ W_O), apply_ln_to_stack, @ W_U[:, target]; per head it equals the sum of
+      qkov's path terms that end at that head, all orders (b_V W_O, zero here, added as in
+      tests/core/test_vs_transformer_lens.py). The order-2 expansion is complete for the heads of layers 0-1; the sum
+      over all heads also matches orders >= 1 + remainder. apply_ln_to_stack leaves out ln_final.w, so the numbers are
+      compared only where ln_final.w == 1;
   (c) transformer_lens.head_detector.detect_head (error_measure "mul", 10 prompts = 10 forward passes per
       detector) and a batched run_with_cache + the same scoring; TL's mul score == qkov's score x eligible rows /
       (batch x n) exactly on equal patterns (qkov pools the eligible rows of the batch).
@@ -260,8 +262,9 @@ def _tl_logit_attribution(tl: Any, model: Any, run: Any, target: int, exp: Any, 
         t_tl,
         t_qkov,
         f"max |diff| {float((mine[:complete] - theirs[:complete]).abs().max()):.1e} on the {complete} heads of layers "
-        f"0-{min(exp.max_order, L) - 1} (complete at order {exp.max_order}); sum over {L * H} heads: |TL - (orders >= 1 + "
-        f"remainder)| {abs(float(theirs.sum()) - heads_sum):.1e} of {float(theirs.sum()):.3g} (qkov: frozen_run + expansion)",
+        f"0-{min(exp.max_order, L) - 1} (complete at order {exp.max_order}); sum over {L * H} heads: |TL - (orders >= "
+        f"1 + remainder)| {abs(float(theirs.sum()) - heads_sum):.1e} of {float(theirs.sum()):.3g} (qkov: frozen_run + "
+        f"expansion)",
     )
 
 

@@ -1,8 +1,8 @@
 """Self-copy shares on the random GPT-2-small-shaped model (bench.engine.GPT2_SMALL, float32): one head exact (every
 source row of its [50257, 50257] full OV circuit ranked) against the sampled rows the overview and head pages use
 (app/views/copying.py default_rows: 1024 rows for one head, 256 each for all 144 heads, each row ranked against all
-50257 columns), and all 144 heads sampled (the overview's copying panel). TransformerLens has no streamed equivalent: its FactoredMatrix .AB of one full OV
-circuit is a dense 50257^2 float32 matrix (10 GB), so no TL line is printed.
+50257 columns), and all 144 heads sampled (the overview's copying panel). TransformerLens has no streamed equivalent:
+its FactoredMatrix .AB of one full OV circuit is a dense 50257^2 float32 matrix (10 GB), so no TL line is printed.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def run_copying(print_fn=print) -> None:  # noqa: ANN001
     layer, h = one[0]
     print_fn(
         f"    top-10 share: exact {float(exact.topk[layer, h]):.4f}, sampled {float(sampled.topk[layer, h]):.4f}; "
-        f"diagonal > 0: exact {float(exact.diagonal_positive[layer, h]):.4f}, sampled {float(sampled.diagonal_positive[layer, h]):.4f}"
+        f"diagonal > 0: exact {float(exact.diagonal_positive[layer, h]):.4f}, sampled "
+        f"{float(sampled.diagonal_positive[layer, h]):.4f}"
     )
     t_all, _ = median_time(lambda: copying.self_copy(model, k=10, rows=rows_all), repeats=1)
     row(

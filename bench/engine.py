@@ -114,7 +114,8 @@ def run_engine() -> None:
     t_heads, _ = median_time(lambda: copying_spectra.ov_copying_scores(model, G=G), repeats=3)
     row("  the 144 heads given G", t_heads)
     print(
-        f"  scores: mean {scores.mean():+.4f}, std {scores.std():.4f}, max |.| {scores.abs().max():.4f} (random null ~ 0)"
+        f"  scores: mean {scores.mean():+.4f}, std {scores.std():.4f}, max |.| {scores.abs().max():.4f} (random null ~ "
+        f"0)"
     )
 
     print(f"(b) top-20 row of the full OV circuit of L{LAYER}H{HEAD} for token {TOKEN}")
@@ -124,7 +125,8 @@ def run_engine() -> None:
     row("full_ov_circuit(...).topk_row (builds [V, 64] factors)", t_fm)
 
     print(
-        f"(c) global top-100 of the full OV circuit of L{LAYER}H{HEAD} over all 50257^2 entries, budget {BUDGET // MiB} MiB"
+        f"(c) global top-100 of the full OV circuit of L{LAYER}H{HEAD} over all 50257^2 entries, budget "
+        f"{BUDGET // MiB} MiB"
     )
     times, peaks = [], []
     for _ in range(2):
@@ -165,7 +167,8 @@ def run_engine() -> None:
         f"(a) TL eigenvalues, {len(heads)} heads timed, x{n_heads // len(heads)} for 144",
         t_tl_all,
         "",
-        f"qkov is {t_tl_all / t_all:.0f}x faster; max |score diff| {(tl_s.double() - scores[0, : len(heads)]).abs().max():.1e}",
+        f"qkov is {t_tl_all / t_all:.0f}x faster; max |score diff| "
+        f"{(tl_s.double() - scores[0, : len(heads)]).abs().max():.1e}",
     )
 
     t_tl_row, (tl_v, tl_i) = median_time(lambda: (W_E_eff[TOKEN] @ tl.OV[LAYER, HEAD] @ tl.W_U).topk(20), repeats=7)

@@ -66,7 +66,8 @@ def gemma3() -> None:
     t0 = time.perf_counter()
     values, _, _ = C.full_ov_circuit(model, layer, head).topk_global(100, budget_bytes=BUDGET)
     row(f"global top-100 of L{layer}H{head}'s OV circuit, all {model.cfg.d_vocab:,}^2 token pairs",
-        time.perf_counter() - t0, "< 3 s", f"100th value {float(values[-1]):.3f}; load average {_loadavg()}")  # fmt: skip
+        time.perf_counter() - t0, "< 3 s",
+        f"100th value {float(values[-1]):.3f}; load average {_loadavg()}")  # fmt: skip
     print(f"  torch threads {torch.get_num_threads()}, cores {os.cpu_count()}")
 
 

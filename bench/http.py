@@ -18,8 +18,8 @@ from one pass over the vocabulary, G_E W_Q, the spectra, the induction view's K-
 head_table against half its parts' CPU (its steps are shared by two threads when a core is idle: half the parts'
 CPU estimates both cores busy all along) and head_table with every core as torch threads (an OpenMP team per
 computation: slower than one thread on a busy machine), and the detector pass plus Grams with their products by
-oneDNN (circuits_core/model/linear.py) against MKL's alone, alternated. The machine is shared: the load average is printed;
-ratios and CPU seconds are what to compare.
+oneDNN (circuits_core/model/linear.py) against MKL's alone, alternated. The machine is shared: the load average is
+printed; ratios and CPU seconds are what to compare.
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ def tl_figures(rep_tokens: torch.Tensor) -> dict[str, float]:
         out["composition"] = time.perf_counter() - t0
     else:
         print(
-            f"  TL all_composition_scores skipped: {mem_available() / GiB:.1f} GiB free, it needs ~{need / GiB:.1f} GiB + 3 GiB margin"
+            f"  TL all_composition_scores skipped: {mem_available() / GiB:.1f} GiB free, it needs ~{need / GiB:.1f} "
+            f"GiB + 3 GiB margin"
         )
     gc.collect()
     return out

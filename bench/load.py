@@ -204,7 +204,8 @@ async def engine_figures(base: str, model: str, heads: list[str]) -> None:
                 await c.get(url)
                 warm.append(time.perf_counter() - t0)
             print(
-                f"    {url.removeprefix(m) or '/':34s} {r.status_code}  cold {cold * 1e3:8.1f} ms   cached {statistics.median(warm) * 1e3:7.2f} ms"
+                f"    {url.removeprefix(m) or '/':34s} {r.status_code}  cold {cold * 1e3:8.1f} ms   cached "
+                f"{statistics.median(warm) * 1e3:7.2f} ms"
             )
 
 
@@ -267,7 +268,8 @@ async def run_load(base: str, pid: int) -> None:
         goal = "  (goal p99 < 100 ms: never waits for a compute slot)" if kind == "cheap" else ""
         if ks:
             print(
-                f"    {kind:7s} n={len(ks):6d}  p50 {pct(ks, 0.5) * 1e3:7.1f} ms  p99 {pct(ks, 0.99) * 1e3:7.1f} ms{goal}"
+                f"    {kind:7s} n={len(ks):6d}  p50 {pct(ks, 0.5) * 1e3:7.1f} ms  p99 {pct(ks, 0.99) * 1e3:7.1f} "
+                f"ms{goal}"
             )
     cheap_urls = sorted({r[3] for r in results if r[0] == "cheap"})
     for url in cheap_urls:
@@ -278,7 +280,8 @@ async def run_load(base: str, pid: int) -> None:
     print(f"    statuses: {', '.join(f'{s}: {n}' for s, n in sorted(statuses.items()))}")
     mib = 1024 * 1024
     print(
-        f"    server RSS: after warm-up {rss_warm / mib:.0f} MiB, end {rss_end / mib:.0f} MiB, peak {max(sampler.peak, rss_end) / mib:.0f} MiB"
+        f"    server RSS: after warm-up {rss_warm / mib:.0f} MiB, end {rss_end / mib:.0f} MiB, peak "
+        f"{max(sampler.peak, rss_end) / mib:.0f} MiB"
     )
     async with httpx.AsyncClient(base_url=base, timeout=10) as c:
         metrics = (await c.get("/metrics")).text

@@ -201,7 +201,8 @@ def _load_row(label: str, kind: str, folder: Path, repeats: int, goal_s: str, go
 def smollm2() -> None:
     if not (SMOLLM2 / "SmolLM2-135M-Instruct.Q4_1.gguf").is_file():
         raise RuntimeError(f"{SMOLLM2} has no GGUF: run `make smollm2` first")
-    print(f"  {SMOLLM2.relative_to(REPO)}: Q4_1 GGUF {sum(p.stat().st_size for p in SMOLLM2.glob('*.gguf')) / 2**20:.0f} MiB; "
+    print(f"  {SMOLLM2.relative_to(REPO)}: Q4_1 GGUF "
+          f"{sum(p.stat().st_size for p in SMOLLM2.glob('*.gguf')) / 2**20:.0f} MiB; "
           "each load in a fresh process (median of 3)")  # fmt: skip
     ours = _load_row("qkov load_checkpoint (float32, processed)", "qkov", SMOLLM2, 3, "< 3 s", 1.5)
     theirs = _load_row("transformers from_pretrained(gguf_file=...)", "transformers", SMOLLM2, 1, "", None)

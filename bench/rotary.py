@@ -5,11 +5,11 @@ TransformerLens 3.9.0 on the same weights in the same run.
 Section `rotary`:
   (a) Q/K/V composition of all 270 heads with Q and K profiles over δ = 0..64 (composition_rotary.
       composition_profiles, random baseline sampled cold), peak extra memory (goal < 3 s, < 1 GiB), at one server
-      computation's torch threads (its two workers side by side) and at the bench's threads; CPU core-seconds. TL: `utils.composition_scores` of
-      K-composition (the computation of `all_composition_scores("K")`, at δ = 0 only: TL has no offset) on a
-      SUBSET of pairs (sources in layers 0-2, targets in layers 3-5: 729 pairs), time per pair extrapolated to
-      the 35,235 earlier->later pairs; TL's all-pairs run (30.8 s, 22.7 GiB measured outside) is NOT run on this
-      shared 24 GiB machine. Largest difference against qkov's δ = 0 scores on the subset.
+      computation's torch threads (its two workers side by side) and at the bench's threads; CPU core-seconds. TL:
+      `utils.composition_scores` of K-composition (the computation of `all_composition_scores("K")`, at δ = 0 only: TL
+      has no offset) on a SUBSET of pairs (sources in layers 0-2, targets in layers 3-5: 729 pairs), time per pair
+      extrapolated to the 35,235 earlier->later pairs; TL's all-pairs run (30.8 s, 22.7 GiB measured outside) is NOT run
+      on this shared 24 GiB machine. Largest difference against qkov's δ = 0 scores on the subset.
   (b) OV copying scores of the 270 heads (goal < 1 s). TL: eigenvalues of `W_E @ OV @ W_U` (FactoredMatrix) on
       the heads of 2 layers (18 heads), extrapolated x15 (the 270-head run needs ~7 GiB of [V, d_head] factors).
       The values are compared with qkov's on TL's basis (raw W_E, `G = W_U W_E`).
@@ -23,8 +23,8 @@ Section `rotary`:
       each part alone, head_table at one server computation's threads, whose two branches run side by side when a
       core is idle, and at every core as one OpenMP team). TL reference in the same run: a 128-token run_with_cache.
   (f) QK eigenvalue copying of one head over δ = 0..64 (the heads/{head}/qk-copying analysis), vocabulary Gram included.
-Each figure comes with the fp32 GFLOP/s of a reference matmul around it and an idle-machine estimate (bench.composition_paths),
-since the 2-core machine is shared. Medians of a few repeats; nothing asserts on time.
+Each figure comes with the fp32 GFLOP/s of a reference matmul around it and an idle-machine estimate
+(bench.composition_paths), since the 2-core machine is shared. Medians of a few repeats; nothing asserts on time.
 """
 
 from __future__ import annotations
@@ -168,7 +168,8 @@ def run_rotary() -> None:
     _tl_copying(tl, model, ov, t_ov)
     _tl_row(tl, t_row)
     print(
-        "    TL (d): no streaming global top-k; W_E QK W_E^T would be a dense 49152 x 49152 float32 matrix (9.7 GB): not run",
+        "    TL (d): no streaming global top-k; W_E QK W_E^T would be a dense 49152 x 49152 float32 matrix (9.7 GB): "
+        "not run",
         flush=True,
     )
     tokens = torch.randint(0, model.cfg.d_vocab, (1, 128), generator=torch.Generator().manual_seed(0))

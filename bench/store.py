@@ -129,14 +129,15 @@ def store_figures() -> None:
     }
     took, cpu, said = precompute(GPT2_ID, env)
     print(
-        f"  precompute {GPT2_ID} (12 x 12 heads, vocab 50,257): {fmt_time(took)}, {cpu:.0f} CPU s (goal < 2 min; {said})"
+        f"  precompute {GPT2_ID} (12 x 12 heads, vocab 50,257): {fmt_time(took)}, {cpu:.0f} CPU s (goal < 2 min; "
+        f"{said})"
     )
     took, cpu, said = precompute(GPT2_ID, env, "--full", "--heads", ",".join(FULL_HEADS))
     a_head = took / len(FULL_HEADS)  # the direct path's vocab=all table is in it once: an upper bound per head
     print(
         f"  then --full (vocab=all tables) for {len(FULL_HEADS)} heads: {fmt_time(took)}, {cpu:.0f} CPU s; at most "
-        f"{fmt_time(a_head)} a head, so at most ~{fmt_time(a_head * 144)} for all 144 (extrapolated; answers already in "
-        f"the store should be the default run's, else the code changed in between: {said})"
+        f"{fmt_time(a_head)} a head, so at most ~{fmt_time(a_head * 144)} for all 144 (extrapolated; answers already "
+        f"in the store should be the default run's, else the code changed in between: {said})"
     )
 
     replicas()

@@ -120,8 +120,8 @@ def term_importance_smollm2() -> None:
         wall,
         "< 20 s",
         f"CPU {cpu:.1f} s; priced {price.flops / 1e9:,.0f} GFLOP ({price.flops / 1e9 / cpu:.0f} GFLOP/CPU-s achieved, "
-        f"{price.flops / rate:.0f} s at the server's {rate / 1e9:g} GFLOP/s); peak {price.peak_bytes / 2**20:.0f} MiB priced; "
-        f"{torch.get_num_threads()} thread(s); {_load()}",
+        f"{price.flops / rate:.0f} s at the server's {rate / 1e9:g} GFLOP/s); peak {price.peak_bytes / 2**20:.0f} MiB "
+        f"priced; {torch.get_num_threads()} thread(s); {_load()}",
     )
     every = ablation.cost(model, seq.shape[1]).flops
     cfg, n = model.cfg, seq.shape[1]
@@ -145,7 +145,8 @@ def term_importance_smollm2() -> None:
         "  one full forward pass per rerun (the loop it replaced)",
         lw,
         "",
-        f"CPU {lc:.1f} s; qkov {lw / wall:.1f}x faster (wall), {lc / cpu:.1f}x (CPU); largest difference {diff:.1e} nats; {_load()}",
+        f"CPU {lc:.1f} s; qkov {lw / wall:.1f}x faster (wall), {lc / cpu:.1f}x (CPU); largest difference {diff:.1e} "
+        f"nats; {_load()}",
     )
     from bench.rotary import tl_model
 

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 
 from circuits_core.errors import CancelledError
-from circuits_core.schedule import available_cores as available_cores  # noqa: F401  (app.compute reads it here)
 
 # One number in a JSON answer: a float64 repr ("-0.12345678901234568") and its separator.
 JSON_NUMBER_BYTES = 22

@@ -1,5 +1,5 @@
-"""The glossary page at /glossary (docs/glossary.md) and the API docs page at /docs, generated from the app's OpenAPI schema (no CDN), inside the dashboard's frame
-(top bar, model picker) like every other page.
+"""The glossary page at /glossary (docs/glossary.md) and the API docs page at /docs, generated from the app's OpenAPI
+schema (no CDN), inside the dashboard's frame (top bar, model picker) like every other page.
 
 FastAPI's default /docs loads Swagger UI from a CDN, which fails offline; this page lists every operation
 with its parameters, constraints (the configured limits) and response schema. /openapi.json stays.
@@ -54,9 +54,12 @@ def _constraints(schema: dict[str, Any]) -> str:
 
 def _operation(path: str, method: str, op: dict[str, Any]) -> str:
     rows = "".join(
-        f"<tr><td><code>{_esc(p['name'])}</code></td><td>{_esc(p['in'])}</td><td>{'yes' if p.get('required') else ''}</td>"
-        f"<td><code>{_esc(_schema_type(p.get('schema', {})))}</code></td><td>{_esc(_constraints(p.get('schema', {})))}</td>"
-        f"<td>{_esc(p.get('schema', {}).get('default', ''))}</td><td>{render_markdown_inline(p.get('description', ''))}</td></tr>"
+        f"<tr><td><code>{_esc(p['name'])}</code></td><td>{_esc(p['in'])}</td>"
+        f"<td>{'yes' if p.get('required') else ''}</td>"
+        f"<td><code>{_esc(_schema_type(p.get('schema', {})))}</code></td>"
+        f"<td>{_esc(_constraints(p.get('schema', {})))}</td>"
+        f"<td>{_esc(p.get('schema', {}).get('default', ''))}</td>"
+        f"<td>{render_markdown_inline(p.get('description', ''))}</td></tr>"
         for p in op.get("parameters", [])
     )
     params = (
@@ -73,7 +76,8 @@ def _operation(path: str, method: str, op: dict[str, Any]) -> str:
     )
     doc = f'<div class="op-doc">{render_markdown(op["description"])}</div>' if op.get("description") else ""
     return (
-        f'<section class="op" id="{_esc(op.get("operationId", path))}"><h3><span class="method">{method.upper()}</span> '
+        f'<section class="op" id="{_esc(op.get("operationId", path))}"><h3><span '
+        f'class="method">{method.upper()}</span> '
         f"<code>{_esc(path)}</code> — {_esc(op.get('summary', ''))}</h3>{doc}{params}{returns}</section>"
     )
 
@@ -85,12 +89,14 @@ def render_docs(spec: dict[str, Any]) -> str:
         _operation(path, method, op) for path, item in spec.get("paths", {}).items() for method, op in item.items()
     )
     schemas = "".join(
-        f'<details id="schema-{_esc(name)}"><summary><code>{_esc(name)}</code></summary><pre>{_esc(json.dumps(s, indent=2))}</pre></details>'
+        f'<details id="schema-{_esc(name)}"><summary><code>{_esc(name)}</code></summary>'
+        f"<pre>{_esc(json.dumps(s, indent=2))}</pre></details>"
         for name, s in sorted(spec.get("components", {}).get("schemas", {}).items())
     )
     info = spec.get("info", {})
     return (
-        f'<div class="page-head"><h1>{_esc(info.get("title", ""))} API <span class="note mono">v{_esc(info.get("version", ""))}</span></h1>'
+        f'<div class="page-head"><h1>{_esc(info.get("title", ""))} API <span class="note '
+        f'mono">v{_esc(info.get("version", ""))}</span></h1>'
         f'<div class="lede">{render_markdown(info.get("description", ""))}</div></div>'
         '<p>Machine-readable schema: <a href="/openapi.json">/openapi.json</a>. Errors are '
         "<code>application/problem+json</code> (RFC 9457) with <code>type, title, status, detail, instance</code>.</p>"

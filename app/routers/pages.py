@@ -56,6 +56,7 @@ from app.views.copying import COPYING_ALL
 from app.views.detectors import DETECTORS
 from app.views.heads import HEAD, HEADS
 from app.views.page_claims import loss_sentence, rare_entries_sentence
+from app.views.qk_circuit_norm import QK_CIRCUIT_NORM
 from app.views.residual import RESIDUAL, RESIDUAL_PAIR, RESIDUAL_USAGE
 from circuits_core.errors import QkovError
 from circuits_core.model.config import ModelConfig, parse_head
@@ -157,8 +158,8 @@ class DirectPageParams(DirectParams):
     min_count: Annotated[
         Annotated[int, Field(ge=1, le=10**9)] | Literal["all"] | None,
         Field(
-            description=f"tokens seen at least this often in training; 'all': every token (default {MIN_TRAIN_COUNT} where the "
-            "model has token counts)"
+            description=f"tokens seen at least this often in training; 'all': every token (default {MIN_TRAIN_COUNT} "
+            f"where the model has token counts)"
         ),
     ] = None  # type: ignore[assignment]
 
@@ -344,6 +345,7 @@ PAGES: list[Page] = [
     ),
     Page(COPYING_ALL, "copying.html", label=COPYING_ALL.summary),
     Page(ATTENTION_ENTROPY, "attention_entropy.html", label=ATTENTION_ENTROPY.summary),
+    Page(QK_CIRCUIT_NORM, "qk_circuit_norm.html", label=QK_CIRCUIT_NORM.summary),
     Page(RESIDUAL, "residual.html", label=RESIDUAL.summary),
     Page(RESIDUAL_USAGE, "residual_usage.html", label=RESIDUAL_USAGE.summary),
     Page(RESIDUAL_PAIR, "residual_pair.html"),

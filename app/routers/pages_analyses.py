@@ -1,7 +1,7 @@
-"""Dashboard pages of the prompt and composition analyses: composition and one pair, the prompt (tokens, attention patterns,
-logit path expansion), a chain of heads, QK paths, term importance. Each is a `Page` (app/routers/rendering.py)
-of its analysis: route, params, JSON twin and frame are derived; the context functions here run the analyses
-through `call.run` / `call.attempt` and chart their views. Page URLs mirror the JSON API
+"""Dashboard pages of the prompt and composition analyses: composition and one pair, the prompt (tokens, attention
+patterns, logit path expansion), a chain of heads, QK paths, term importance. Each is a `Page`
+(app/routers/rendering.py) of its analysis: route, params, JSON twin and frame are derived; the context functions here
+run the analyses through `call.run` / `call.attempt` and chart their views. Page URLs mirror the JSON API
 (`/models/{m}/<view>` <-> `/api/v1/models/{m}/<view>`), so the paper tour's links land on these pages.
 """
 

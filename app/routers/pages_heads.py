@@ -1,5 +1,5 @@
 """The pages of a model's heads: the overview (the model's summary, the heads table as a heatmap, the paper's 2-D
-view of induction) and one head (its spectra, its circuits, the heads it composes with). Pages (app/routers/rendering.py),
+view of induction) and one head (its spectra, its circuits, the heads it composes with). Pages (rendering.py),
 listed in app/routers/pages.py PAGES."""
 
 from __future__ import annotations

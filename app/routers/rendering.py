@@ -9,7 +9,8 @@ when the page declares it, else the page's first block. Every answer sends `Vary
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+import json
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
@@ -339,10 +340,29 @@ def cut_prompt(loaded: LoadedModel, prompt: str, limits: Limits) -> tuple[str, d
 async def page_key(request: Request, registry: ModelRegistry, loaded: LoadedModel, route: str) -> str:
     """A rendered page depends on the model's files (digest), the URL (path and query), whether htmx asked for a
     block (and which), and the models in the picker; the same string keys it in the cache and the store."""
-    query = "&".join(sorted(f"{k}={v}" for k, v in request.query_params.multi_items()))
-    fragment = f"{request.headers.get('HX-Request', '')}:{request.headers.get('HX-Target', '')}"
-    models = ",".join(await model_ids(registry, request))
-    return "|".join(("page", str(loaded.digest), route, request.url.path, query, fragment, models))
+    return encode_page_key(
+        str(loaded.digest),
+        route,
+        request.url.path,
+        request.query_params.multi_items(),
+        (request.headers.get("HX-Request", ""), request.headers.get("HX-Target", "")),
+        await model_ids(registry, request),
+    )
+
+
+def encode_page_key(
+    digest: str,
+    route: str,
+    path: str,
+    query: Iterable[tuple[str, str]],
+    fragment: tuple[str, str],
+    models: Iterable[str],
+) -> str:
+    """The page key as JSON of its parts, never joined raw: a value holding '&', '=', '|' or ',' cannot make two
+    URLs share a key (a prompt 'a&weighted=true' once keyed the page of prompt 'a' with weighted=true). The query
+    is normalised by ordering the parameters by name; the values of a repeated name keep their order."""
+    pairs = sorted(([k, v] for k, v in query), key=lambda kv: kv[0])
+    return json.dumps(["page", digest, route, path, pairs, list(fragment), list(models)], ensure_ascii=True)
 
 
 async def cached_page(request: Request, key: str) -> bytes | None:

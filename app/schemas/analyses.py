@@ -131,6 +131,11 @@ class PathsView(BaseModel):
 class PromptHeadPattern(BaseModel):
     head: str
     pattern: list[list[float]] = Field(description="[query][key]; value-weighted entries A[i, j] ||v_j|| when weighted")
+    sink_mass: list[float] | None = Field(
+        default=None,
+        description="learned sinks only: 1 - sum_j A[i, j] per query, the share the sink keeps (rows are never "
+        "renormalised)",
+    )
 
 
 class PromptView(BaseModel):
@@ -164,8 +169,8 @@ class ChainView(BaseModel):
     )
     next_token_contribution: list[float] = Field(
         default_factory=list,
-        description="the path term (embedding source) on the logit of each position's actual next token, positions 0..n-2 "
-        "(the paper's induction-head figure)",
+        description="the path term (embedding source) on the logit of each position's actual next token, positions "
+        "0..n-2 (the paper's induction-head figure)",
     )
 
 
@@ -207,7 +212,9 @@ class QKPathsView(BaseModel):
         description="'query|key' -> [query][key] scores of the top pairs (masked entries are 0)"
     )
     scores: list[list[float | None]] = Field(description="the real attention scores (null above the diagonal)")
-    max_abs_error: float = Field(description="max |sum of all terms - real scores| over causal positions")
+    max_abs_error: float = Field(
+        description="max |sum of all terms (+ ALiBi's kernel -m_h (i - j)) - real scores| over causal positions"
+    )
     qk_form: str = Field(
         default="exact",
         description="'exact' (no QK-norm) or 'frozen-norm' (QK-norm: each token's query and key scale frozen at this "
@@ -228,10 +235,12 @@ class QKPathsView(BaseModel):
 class HeadAblation(BaseModel):
     head: str
     loss_change: float = Field(
-        description="loss with the head's output removed, patterns frozen (MLPs and LayerNorm recomputed), minus the clean loss"
+        description="loss with the head's output removed, patterns frozen (MLPs and LayerNorm recomputed), minus the "
+        "clean loss"
     )
     loss_change_recomputed: float = Field(
-        description="the same with the later layers' patterns recomputed from the ablated stream, so Q-/K-composition act"
+        description="the same with the later layers' patterns recomputed from the ablated stream, so Q-/K-composition "
+        "act"
     )
 
 
@@ -246,7 +255,8 @@ class TermImportanceView(BaseModel):
     tokens: list[TokenRef]
     clean_loss: float
     loss_by_order: list[float] = Field(
-        description="mean loss keeping paths of order <= k (k heads; an MLP's clean output is an order-0 source), k = 0..n_layers (last = clean)"
+        description="mean loss keeping paths of order <= k (k heads; an MLP's clean output is an order-0 source), k = "
+        "0..n_layers (last = clean)"
     )
     marginal_by_order: list[float] = Field(
         description="loss[k-1] - loss[k]: what the order-k terms add, k = 1..n_layers"

@@ -34,6 +34,16 @@ class CircuitTopView(BaseModel):
     diagonal: float | None = Field(
         default=None, description="the token's own entry (copying signature), when a token is given"
     )
+    sink_logit: float | None = Field(
+        default=None,
+        description="QK views of a head with a learned sink (gpt-oss): its sink logit b_h; a query attends to a lone "
+        "key with probability sigmoid(s - b_h)",
+    )
+    sink_attend: list[float] | None = Field(
+        default=None,
+        description="per entry (QK, learned sinks): sigmoid(s - b_h) with s the entry's full direct-path score, q/k "
+        "biases included (the table's value leaves them out); above 1/2 the pair beats the sink",
+    )
     diagonal_rank: int | None = Field(
         default=None,
         description="rank of the token's own entry in its row/column (1 = top; among the kept tokens with min_count)",

@@ -41,9 +41,14 @@ class ModelSummary(BaseModel):
         default_factory=list,
         description="config values the checkpoint file does not carry, taken from a per-architecture default",
     )
+    nonfinite_weights: list[str] = Field(
+        default_factory=list,
+        description="stored tensors holding NaN or inf (with counts); analyses that cannot run on them are refused",
+    )
     computed_on: dict[str, str] = Field(
         default_factory=dict,
-        description="device, weights' dtype, compute dtype and whether the MLP weights are read yet (LoadedModel.provenance)",
+        description="device, weights' dtype, compute dtype and whether the MLP weights are read yet "
+        "(LoadedModel.provenance)",
     )
 
 

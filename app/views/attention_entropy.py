@@ -1,4 +1,4 @@
-"""Attention entropy of every head on a prompt (circuits_core/prompt/attention_entropy.py): one declaration, page + JSON."""
+"""Attention entropy of every head on a prompt (circuits_core/prompt/attention_entropy.py): page and JSON."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The basis of a model's circuit numbers, in words: which weights they come from.
 
-Processing (circuits_core/formats/processing.py) changes circuit numbers but not the model's outputs: centring W_U shifts
-every full OV circuit by a rank-one term, folding LayerNorm scales the reading weights. Every circuit view says
+Processing (circuits_core/formats/processing.py) changes circuit numbers but not the model's outputs: centring W_U
+shifts every full OV circuit by a rank-one term, folding LayerNorm scales the reading weights. Every circuit view says
 which weights it used, next to the numbers.
 """
 

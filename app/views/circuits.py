@@ -40,7 +40,7 @@ from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import check_k, model_ref, resolve_token, token_ref
 from app.views.rotary import check_offset, is_rotary
 from circuits_core.circuits import head_circuits as circuits
-from circuits_core.circuits import rotary
+from circuits_core.circuits import rotary, sinks
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.qk_forms import QK_FORMS, qk_form
 from circuits_core.cost import Cost
@@ -66,7 +66,8 @@ def frequent_tokens(loaded: LoadedModel, min_count: int | None) -> Tensor | None
     counts = load_token_counts(loaded.path, loaded.model.cfg.d_vocab)
     if counts is None:
         raise InvalidInputError(
-            f"model {loaded.path.name!r} has no token counts ({TOKEN_COUNTS_FILE} in its folder): min_count is not available"
+            f"model {loaded.path.name!r} has no token counts ({TOKEN_COUNTS_FILE} in its folder): min_count is not "
+            f"available"
         )
     ids = np.flatnonzero(counts >= min_count)
     if ids.size == 0:
@@ -252,8 +253,21 @@ def build_ov_view(loaded: LoadedModel, p: OVParams, limits: Limits) -> CircuitTo
     )
 
 
+def with_sink(loaded: LoadedModel, view: CircuitTopView, layer: int, h: int, offset: int) -> CircuitTopView:
+    """The QK view with its head's sink threshold (sinks.py) when the model has learned sinks."""
+    model = loaded.model
+    if not sinks.has_sinks(model) or not view.entries:
+        return view
+    with torch.no_grad():
+        queries = torch.tensor([e.row.id for e in view.entries], device=model.device)
+        keys = torch.tensor([e.col.id for e in view.entries], device=model.device)
+        scores = sinks.direct_scores(model, layer, h, queries, keys, offset)
+        attend = sinks.attends_alone(model, layer, h, scores).tolist()
+    return view.model_copy(update={"sink_logit": sinks.sink_logit(model, layer, h), "sink_attend": attend})
+
+
 def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTopView:
-    """Full QK circuit W_E W_Q W_K^T W_E^T / s: as query, the keys a token attends to; as key, the queries attending to it.
+    """Full QK circuit W_E W_Q W_K^T W_E^T / s: as query, the keys a token attends to; as key, the queries on it.
 
     Rotary models: at the query-key offset δ, W_E W_Q R(δ) W_K^T W_E^T / s (circuits_core.circuits.rotary)."""
     loaded = with_basis(loaded, p.basis)
@@ -277,7 +291,8 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
             p.vocab,
             offset,
         )
-        return qk_labelled(loaded, view.model_copy(update={"offset": offset}), layer)
+        labelled = qk_labelled(loaded, view.model_copy(update={"offset": offset}), layer)
+        return with_sink(loaded, labelled, layer, h, offset)
     column = (lambda t: circuits.full_qk_col(loaded.model, layer, h, t)) if side == "column" else None
     view = _top_view(
         loaded,
@@ -292,7 +307,7 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
         column,
         p.vocab,
     )
-    return qk_labelled(loaded, view, layer)
+    return with_sink(loaded, qk_labelled(loaded, view, layer), layer, h, 0)
 
 
 def qk_labelled(loaded: LoadedModel, view: CircuitTopView, layer: int) -> CircuitTopView:
@@ -460,7 +475,9 @@ QK = Analysis(
     params=QKParams,
     view=CircuitTopView,
     build=build_qk_view,
-    cost=top_cost,
+    cost=lambda loaded, p, limits: top_cost(loaded, p, limits).with_answer(
+        numbers=(p.k + 1) if sinks.has_sinks(loaded.model) else 0  # the sink logit and one probability per entry
+    ),
     summary="Top entries of the full QK circuit",
     tags=["circuits"],
 )

@@ -1,4 +1,5 @@
-"""Copying of every head measured three ways, beside random weights of the same shapes (circuits_core/circuits/copying.py).
+"""Copying of every head measured three ways, beside random weights of the same shapes
+(circuits_core/circuits/copying.py).
 
 The eigenvalue score sum(lambda)/sum(|lambda|) can be near +1 while almost no token raises its own logit most,
 so the page shows it beside the top-1 / top-k self-copy shares and the diagonal of each full OV circuit, and
@@ -59,9 +60,10 @@ class CopyingAllParams(AnalysisParams):
             ge=1,
             le=10**7,
             description=(
-                f"source tokens measured for the shares and the diagonal, drawn at random (seed {SAMPLE_SEED}); at least the "
-                f"number of tokens ranked: every one. Default: every token up to {FULL_ROWS_MAX} tokens ranked, else {HEAD_ROWS} / "
-                f"(heads measured), within [{MIN_ROWS}, {MAX_ROWS}]"
+                f"source tokens measured for the shares and the diagonal, drawn at random (seed {SAMPLE_SEED}); at "
+                f"least the "
+                f"number of tokens ranked: every one. Default: every token up to {FULL_ROWS_MAX} tokens ranked, else "
+                f"{HEAD_ROWS} / (heads measured), within [{MIN_ROWS}, {MAX_ROWS}]"
             ),
         ),
     ] = None

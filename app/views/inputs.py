@@ -31,7 +31,8 @@ def _token_id(text: str) -> int | None:
         return None
     if len(text.lstrip("+-")) > MAX_ID_DIGITS:
         raise InvalidInputError(
-            f"token id {text[:20]}... has {len(text.lstrip('+-'))} digits: not a vocabulary id (at most {MAX_ID_DIGITS} digits)"
+            f"token id {text[:20]}... has {len(text.lstrip('+-'))} digits: not a vocabulary id (at most "
+            f"{MAX_ID_DIGITS} digits)"
         )
     return int(text)
 
@@ -174,7 +175,8 @@ def resolve_prompt(loaded: LoadedModel, prompt: str | None, tokens: str | None, 
     if len(ids) > cap:
         raise LimitExceededError(
             f"the prompt is {len(ids)} tokens long; at most {cap} are allowed "
-            f"(min of the model's context n_ctx={loaded.model.cfg.n_ctx} and max_prompt_tokens={limits.max_prompt_tokens})"
+            f"(min of the model's context n_ctx={loaded.model.cfg.n_ctx} and "
+            f"max_prompt_tokens={limits.max_prompt_tokens})"
         )
     return ids
 

@@ -52,6 +52,7 @@ def build_model_view(loaded: LoadedModel, entry: ModelEntry) -> ModelSummary:
         heads=cfg.head_names,
         card=_card(loaded),
         defaulted=[DefaultedValue(field=d.field, value=str(d.value), source=d.source) for d in loaded.defaulted],
+        nonfinite_weights=list(loaded.nonfinite),
         computed_on=loaded.provenance(),
     )
 

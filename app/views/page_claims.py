@@ -66,7 +66,10 @@ def loss_sentence(first: float | None, second: float | None) -> str | None:
         return None
     if second < first:
         return f"Here the mean loss drops by {first - second:.3f} nats from the first copy to the second."
-    return f"Here the mean loss does not drop on the second copy ({second - first:+.3f} nats): no head predicts it from the first."
+    return (
+        f"Here the mean loss does not drop on the second copy ({second - first:+.3f} nats): no head predicts it from "
+        "the first."
+    )
 
 
 def ablation_sentence(view: TermImportanceView | None, heads: HeadsView | None) -> str | None:
@@ -79,8 +82,8 @@ def ablation_sentence(view: TermImportanceView | None, heads: HeadsView | None) 
     if prev is None or row is None or (prev.previous_token or 0.0) < HEAD_THRESHOLD:
         return None  # no previous-token head (model_summary's threshold): no sentence calls a head one that is none
     return (
-        f"Here, removing the previous-token head {prev.head} changes the loss by {row.loss_change:+.3f} nats with every "
-        f"other pattern frozen and by {row.loss_change_recomputed:+.3f} with the later patterns recomputed."
+        f"Here, removing the previous-token head {prev.head} changes the loss by {row.loss_change:+.3f} nats with "
+        f"every other pattern frozen and by {row.loss_change_recomputed:+.3f} with the later patterns recomputed."
     )
 
 
@@ -97,7 +100,8 @@ def scatter_sentence(points: list[dict[str, float | str | None]], heads: HeadsVi
     }
     return (
         f"The strongest induction head, {induction.head} (induction score {induction.induction:.2f}), ranks "
-        f"{rank['k_composition_positivity']} of {len(points)} on K-composition positivity and {rank['ov_copying']} on OV copying."
+        f"{rank['k_composition_positivity']} of {len(points)} on K-composition positivity and {rank['ov_copying']} "
+        "on OV copying."
     )
 
 

@@ -17,6 +17,7 @@ from app.schemas.analyses import PathsView, PathTermView, PromptHeadPattern, Pro
 from app.settings import Limits
 from app.views.heads import parse_heads
 from app.views.inputs import check_k, model_ref, resolve_prompt, resolve_token, token_ref, token_refs
+from circuits_core.circuits import sinks
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
 from circuits_core.formats.checkpoint import LoadedModel
@@ -54,9 +55,10 @@ def build_prompt_view(loaded: LoadedModel, p: PromptParams, limits: Limits) -> P
         patterns = []
         for layer, h in chosen:
             A = cache[f"blocks.{layer}.attn.hook_pattern"][0, h]  # [n (query), n (key)]
+            mass = sinks.sink_mass(A).double().tolist() if sinks.has_sinks(model) else None  # [n]
             if weighted:
                 A = A * cache[f"blocks.{layer}.attn.hook_v"][0, :, h].norm(dim=-1)[None, :]  # [n] value norms of keys
-            patterns.append(PromptHeadPattern(head=head_name(layer, h), pattern=A.double().tolist()))
+            patterns.append(PromptHeadPattern(head=head_name(layer, h), pattern=A.double().tolist(), sink_mass=mass))
         top = logits[0].argmax(-1).tolist()  # [n]
     return PromptView(
         model=model_ref(loaded),

@@ -42,6 +42,8 @@ def build_qk_paths_view(loaded: LoadedModel, p: QKPathsParams, limits: Limits) -
         exp = expand_scores(model, run_tokens, (layer, h), run=run)
         causal = exp.visible if exp.visible is not None else torch.ones(n, n, dtype=torch.bool).tril()
         total = exp.q_parts.sum(0) @ exp.k_parts.sum(0).T / exp.scale  # [n, n]: the sum of all C x C terms
+        if exp.positional is not None:  # ALiBi: + the linear kernel -m_h (i - j)
+            total = total + exp.positional
         if exp.cap_factor is not None:  # each term times its entry's frozen cap factor
             total = total * exp.cap_factor
         error = float((total - exp.scores)[causal].abs().max())

@@ -35,8 +35,8 @@ Offset = Annotated[
         ge=0,
         le=1_000_000,
         description=(
-            "rotary models: query position - key position at which Q/K readers are read (0: W_Q W_K^T; must be < n_ctx); "
-            "other models: 0 only"
+            "rotary models: query position - key position at which Q/K readers are read (0: W_Q W_K^T; must be < "
+            "n_ctx); other models: 0 only"
         ),
     ),
 ]

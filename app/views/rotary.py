@@ -1,5 +1,6 @@
 """Rotary-model analyses: a head's positional kernel, energy per rotary band and QK eigenvalue
-copying over δ, a pair's Q/K composition profile over δ; helpers the QK, composition and heads views call for rotary models.
+copying over δ, a pair's Q/K composition profile over δ; helpers the QK, composition and heads views call for
+rotary models.
 
 The kernel needs μ_l, the mean ln1 output entering each layer on a reference text (circuits_core/circuits/rotary.py
 REFERENCE_TEXT, tokenised with the model's tokenizer; seeded random token ids for a model without one). μ is
@@ -30,7 +31,7 @@ from app.schemas.rotary import (
 from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import model_ref
-from circuits_core.circuits import composition_rotary, rotary
+from circuits_core.circuits import alibi_kernel, composition_rotary, rotary
 from circuits_core.circuits.copying_spectra import copying_score
 from circuits_core.circuits.profile_shape import ProfileShape, profile_shape
 from circuits_core.cost import Cost
@@ -68,8 +69,10 @@ def _measure(loaded: LoadedModel) -> ReferenceMeans:
 
 
 def reference_means(loaded: LoadedModel) -> tuple[torch.Tensor, ReferenceText]:
-    """μ [n_layers, d_model] float64 and the text it was measured on (cached per checkpoint digest)."""
-    rotary.check_rotary(loaded.model)
+    """μ [n_layers, d_model] float64 and the text it was measured on (cached per checkpoint digest); rotary and ALiBi
+    models."""
+    if loaded.model.cfg.alibi is None:
+        rotary.check_rotary(loaded.model)
     stored = cached_build(("rotary-reference", str(loaded.digest)), ReferenceMeans, lambda: _measure(loaded))
     return torch.tensor(stored.means, dtype=torch.float64, device=loaded.model.device), stored.reference
 
@@ -85,9 +88,11 @@ class PositionalParams(HeadParams):
     basis: BasisChoice = "served"
 
 
-def _offsets(loaded: LoadedModel, max_offset: int) -> torch.Tensor:
-    """δ = 0..max_offset, clipped to n_ctx - 1 (no query is further than that from its key); rotary models only."""
-    rotary.check_rotary(loaded.model)
+def _offsets(loaded: LoadedModel, max_offset: int, alibi: bool = False) -> torch.Tensor:
+    """δ = 0..max_offset, clipped to n_ctx - 1 (no query is further than that from its key); rotary models only
+    (and ALiBi models where `alibi`)."""
+    if not (alibi and loaded.model.cfg.alibi is not None):
+        rotary.check_rotary(loaded.model)
     return torch.arange(min(max_offset, loaded.model.cfg.n_ctx - 1) + 1)
 
 
@@ -98,12 +103,15 @@ def _shape(loaded: LoadedModel, values: list[float], offsets: torch.Tensor) -> P
 
 
 def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limits) -> PositionalView:
-    """f_h(δ) = μ_l Ω_h(δ) μ_l^T / s for δ = 0..max_offset, and where it peaks."""
+    """f_h(δ) = μ_l Ω_h(δ) μ_l^T / s for δ = 0..max_offset, and where it peaks; ALiBi: the constant content part
+    minus m_h δ (alibi_kernel.py)."""
     loaded = with_basis(loaded, p.basis)
     layer, h = parse_head(p.head, loaded.model.cfg)
-    offsets = _offsets(loaded, p.max_offset)
+    offsets = _offsets(loaded, p.max_offset, alibi=True)
     mu, ref = reference_means(loaded)
-    kernel = rotary.positional_kernel(loaded.model, mu, offsets)[layer, h]  # [n]
+    alibi = loaded.model.cfg.alibi is not None
+    kernel_of = alibi_kernel.positional_kernel if alibi else rotary.positional_kernel
+    kernel = kernel_of(loaded.model, mu, offsets)[layer, h]  # [n]
     return PositionalView(
         model=model_ref(loaded),
         head=head_name(layer, h),
@@ -112,7 +120,9 @@ def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limi
         peak_offset=int(offsets[int(kernel.argmax())]),
         shape=ProfileShapeView.of(_shape(loaded, kernel.tolist(), offsets), "peak"),
         reference=ref,
-        basis=f"{weights_basis(loaded)}; μ_l = mean ln1 output entering layer {layer} on the reference text, first token left out",
+        basis=f"{weights_basis(loaded)}; μ_l = mean ln1 output entering layer {layer} on the reference text, first "
+        f"token left out"
+        + ("; ALiBi: a constant content part minus the head's slope times δ, exactly linear" if alibi else ""),
     )
 
 
@@ -257,7 +267,8 @@ def build_qk_copying_view(loaded: LoadedModel, p: QKCopyingParams, limits: Limit
         scores=scores.tolist(),
         peak_offset=int(offsets[int(scores.argmax())]),
         shape=ProfileShapeView.of(_shape(loaded, scores.tolist(), offsets), "largest"),
-        basis=f"{weights_basis(loaded)}; tokens as W_E with layer 0's norm applied to each row (W_E_eff), positions by R(δ) only",
+        basis=f"{weights_basis(loaded)}; tokens as W_E with layer 0's norm applied to each row (W_E_eff), positions by "
+        f"R(δ) only",
     )
 
 
@@ -301,7 +312,8 @@ def check_offset(loaded: LoadedModel, offset: int) -> None:
     """An offset other than 0 needs rotary positions; it must be below n_ctx."""
     if offset != 0 and loaded.model.cfg.positional_embedding_type != "rotary":
         raise InvalidInputError(
-            f"offset applies to rotary models only; this one has {loaded.model.cfg.positional_embedding_type!r} positions"
+            f"offset applies to rotary models only; this one has {loaded.model.cfg.positional_embedding_type!r} "
+            f"positions"
         )
     if offset:
         rotary.check_offsets(loaded.model, [offset])

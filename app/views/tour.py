@@ -2,10 +2,11 @@
 
 Each figure names the model it uses (toy-0l, toy-1l or toy-2l in checkpoints/), the paper anchor, one
 general sentence of what to look for followed, for a computed figure, by a sentence generated from the values
-measured on that model (tour_claims.py; tests/app/test_claims.py recomputes them independently), the dashboard page and JSON API URLs of the full view, and the data, which
-comes from the same builders as those views (so the tour and the views cannot disagree). A model that is
-not installed or cannot be loaded, or a figure whose computation fails, yields `available: false` with the
-reason; the other figures are still computed. Static figures (diagrams, equations) carry no data.
+measured on that model (tour_claims.py; tests/app/test_claims.py recomputes them independently), the dashboard page and
+JSON API URLs of the full view, and the data, which comes from the same builders as those views (so the tour and the
+views cannot disagree). A model that is not installed or cannot be loaded, or a figure whose computation fails, yields
+`available: false` with the reason; the other figures are still computed. Static figures (diagrams, equations) carry no
+data.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ FIGURES: tuple[Figure, ...] = (
         "F8",
         "Path expansion, product form",
         "#onel-path-expansion",
-        "T = (Id (x) W_U)(Id + sum_h A^h (x) W_OV^h)(Id (x) W_E): multiplying out gives the direct path plus one term per head.",
+        "T = (Id (x) W_U)(Id + sum_h A^h (x) W_OV^h)(Id (x) W_E): multiplying out gives the direct path plus one term "
+        "per head.",
     ),
     Figure(
         "F9",
@@ -137,8 +139,8 @@ FIGURES: tuple[Figure, ...] = (
         "Skip-trigram 'bugs'",
         "#interpretation-as-skip-trigrams",
         "F11's table read as a grid: a head raises the same outputs for every destination that attends to a source, so "
-        "it also predicts the combinations the paper calls bugs (keep... in -> bay). The grid is the skip-trigram view's "
-        "trigram list (destinations x outs).",
+        "it also predicts the combinations the paper calls bugs (keep... in -> bay). The grid is the skip-trigram "
+        "view's trigram list (destinations x outs).",
         static_view="/models/toy-1l",
     ),
     Figure(
@@ -169,7 +171,8 @@ FIGURES: tuple[Figure, ...] = (
         "F20",
         "Two-layer QK expansion",
         "#path-expansion-of-attention-scores-qk-circuit",
-        "The induction head's attention scores split into query-side x key-side terms (token, position, earlier heads).",
+        "The induction head's attention scores split into query-side x key-side terms (token, position, earlier "
+        "heads).",
         "toy-2l",
         figs.qk_decomposition,
     ),
@@ -250,8 +253,8 @@ FIGURES: tuple[Figure, ...] = (
         "F30",
         "Correction: composition, computed",
         "#analyzing-a-two-layer-model",
-        "The paper's published composition diagram was wrong (see its Comments section); F21 above is computed from the "
-        "weights, so it is the corrected quantity.",
+        "The paper's published composition diagram was wrong (see its Comments section); F21 above is computed from "
+        "the weights, so it is the corrected quantity.",
         static_view="/models/toy-2l/composition?kind=K",
     ),
 )

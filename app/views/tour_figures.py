@@ -1,9 +1,9 @@
 """The data of each tour figure (app/views/tour.py), composed from the view builders of the full views.
 
 Each function takes (loaded, limits) and returns (data, API path under /api/v1/models/{model}, query
-parameters), so the tour links the exact JSON view its data came from (and the page showing it, see tour.py). Heads are picked from the model's own
-scores: the most-copying head (OV copying score), the previous-token head and the induction head (detector
-scores on repeated random tokens).
+parameters), so the tour links the exact JSON view its data came from (and the page showing it, see tour.py). Heads are
+picked from the model's own scores: the most-copying head (OV copying score), the previous-token head and the induction
+head (detector scores on repeated random tokens).
 """
 
 from __future__ import annotations

@@ -40,22 +40,22 @@ SPECS = (
         "F2",
         "The residual stream as a communication channel",
         "#residual-comms",
-        "Every layer reads from the residual stream and writes to it through linear maps; a reader can only use what an "
-        "earlier writer put there, in the subspace it reads.",
+        "Every layer reads from the residual stream and writes to it through linear maps; a reader can only use what "
+        "an earlier writer put there, in the subspace it reads.",
     ),
     (
         "F3",
         "Virtual weights",
         "#residual-comms",
-        "The product W_w W_r of a writer's output map and a later reader's input map (the paper's W_I W_O) says how much, "
-        "and what, the reader reads of what the writer wrote; head -> head it is the composition score.",
+        "The product W_w W_r of a writer's output map and a later reader's input map (the paper's W_I W_O) says how "
+        "much, and what, the reader reads of what the writer wrote; head -> head it is the composition score.",
     ),
     (
         "F4",
         "Subspaces and residual stream bandwidth",
         "#residual-comms",
-        "Writers share d_model: where their subspaces overlap they interact, where they are disjoint they stay independent, "
-        "and a head that reads a subspace and writes back its negative erases it (memory management).",
+        "Writers share d_model: where their subspaces overlap they interact, where they are disjoint they stay "
+        "independent, and a head that reads a subspace and writes back its negative erases it (memory management).",
     ),
 )
 
@@ -135,7 +135,8 @@ def bandwidth(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
         c = er.candidates[0]
         sentence += (
             f" Strongest erasure candidate: {c.eraser} reads {c.writer}'s subspace and writes back its negative "
-            f"(erasure score {c.score:.3f}, z {c.z:.1f} against the same head on random subspaces of that size, read share {c.read_share:.2f} vs "
+            f"(erasure score {c.score:.3f}, z {c.z:.1f} against the same head on random subspaces of that size, read "
+            f"share {c.read_share:.2f} vs "
             f"{c.random_share:.2f} for a random subspace) -- weights only: whether it attends to the same "
             "position is not checked."
         )

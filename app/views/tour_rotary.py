@@ -142,8 +142,8 @@ def repeated_logit(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
     top_path, top_value = max(heads, key=lambda x: abs(x[1]))
     sentence = (
         f"On BOS + r + r ({REPEAT} random tokens, seed 0), position {p} holds a repeated token; the logit of the token "
-        f"that followed it the first time is {value:.2f} (rank {rank} of {model.cfg.d_vocab}). With the attention patterns "
-        f"and norm scales frozen it splits into order 0 (embedding and MLP outputs read by the unembedding) "
+        f"that followed it the first time is {value:.2f} (rank {rank} of {model.cfg.d_vocab}). With the attention "
+        f"patterns and norm scales frozen it splits into order 0 (embedding and MLP outputs read by the unembedding) "
         f"{float(totals[0]):.2f}, order 1 (through one head) {float(totals[1]):.2f} and longer paths "
         f"{float(exp.remainder[0]):.2f}; the largest single order-1 term is {' → '.join(top_path)} ({top_value:+.2f})."
     )
@@ -178,9 +178,9 @@ def induction_score_terms(loaded: LoadedModel, head: str) -> tuple[str, dict[str
     score, attention = float(exp.scores[p, j]), float(run.patterns[layer, h, p, j])
     first = top[0]
     sentence = (
-        f"{head_name(layer, h)}'s score from the query at position {p} to its induction target {j} (the token after the "
-        f"query token's previous occurrence) is {score:.2f}, attention {attention:.2f}. Split into query-side × key-side "
-        f"components of the residual stream, each rotated at its own position, the largest term is "
+        f"{head_name(layer, h)}'s score from the query at position {p} to its induction target {j} (the token after "
+        f"the query token's previous occurrence) is {score:.2f}, attention {attention:.2f}. Split into query-side × "
+        f"key-side components of the residual stream, each rotated at its own position, the largest term is "
         f"({first[0]} query, {first[1]} key) = {first[2]:+.2f}; the next are "
         + "; ".join(f"({a}, {b}) = {v:+.2f}" for a, b, v in top[1:])
         + "."

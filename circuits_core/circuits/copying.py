@@ -72,7 +72,8 @@ BLOCK_BYTES = 16 * 2**20  # a block of logits at most this big, compared in plac
 def sample_order(n: int, rows: int | None, seed: int = 0) -> Tensor:
     """Positions [r] (into the n ranked tokens) of the source rows measured, in the order drawn: all n in order when
     rows is None or >= n, else the first `rows` of torch.randperm(n) from torch.Generator().manual_seed(seed). A smaller
-    sample of the same seed is a prefix of a larger one, so its rows can be read off the larger one's (RowRanks.first)."""
+    sample of the same seed is a prefix of a larger one, so its rows can be read off the larger one's
+    (RowRanks.first)."""
     if rows is None or rows >= n:
         return torch.arange(n)
     if rows < 1:

@@ -186,6 +186,7 @@ def embed_pos_basis(model: Transformer) -> Tensor:
     """
     if model.W_pos is None:
         raise InvalidInputError(
-            f"W_E_pos needs learned positions (standard or shortformer), the model has {model.cfg.positional_embedding_type!r}"
+            f"W_E_pos needs learned positions (standard or shortformer), the model has "
+            f"{model.cfg.positional_embedding_type!r}"
         )
     return torch.cat([embed_eff(model), model.W_pos])

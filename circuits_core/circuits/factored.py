@@ -284,14 +284,15 @@ class FactoredMatrix:
             values, r, c = sub.topk_global(k, budget_bytes=budget_bytes, largest=largest, should_stop=should_stop)
             return values, row_idx[r], col_idx[c]
         self._check_k(k, self.ldim * self.rdim)
-        # One matrix at a time, in tiles of global_topk.TILE_COLS columns; a tile lives in up to 4 buffers (fp32 product,
+        # One matrix at a time, in tiles of global_topk.TILE_COLS columns; a tile lives in up to 4 buffers (fp32
+        # product,
         # bf16 screen, exact recomputation, selected rows).
         per_row = 4 * min(global_topk.TILE_COLS, self.rdim) * self.A.element_size()
         step = int(budget_bytes) // per_row
         if step < 1:
             raise LimitExceededError(
-                f"one row of a {min(global_topk.TILE_COLS, self.rdim)}-column tile in 4 working buffers needs {per_row} "
-                f"bytes, more than the memory budget of {int(budget_bytes)} bytes"
+                f"one row of a {min(global_topk.TILE_COLS, self.rdim)}-column tile in 4 working buffers needs "
+                f"{per_row} bytes, more than the memory budget of {int(budget_bytes)} bytes"
             )
         # Broadcast factors are indexed as views, never copied per batch entry.
         A = self.A.expand(*self.batch_shape, *self.A.shape[-2:])

@@ -18,6 +18,7 @@ from circuits_core.circuits.composition import (
     pair_scores,
     right_collapsed,
 )
+from circuits_core.circuits.folded import stacked_weights
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer
@@ -25,7 +26,7 @@ from circuits_core.model.transformer import Transformer
 
 def right_factors(model: Transformer, kind: CompositionKind) -> tuple[Tensor, Tensor]:
     """(A, B) with A B the later head's matrix for `kind`: [L, H, d, d_head], [L, H, d_head, d]."""
-    W_Q, W_K, W_V, W_O = model.W_Q, model.W_K, model.W_V, model.W_O
+    W_Q, W_K, W_V, W_O = (stacked_weights(model, name) for name in ("W_Q", "W_K", "W_V", "W_O"))  # gains folded
     if kind == "q":  # W_QK = W_Q W_K^T
         return W_Q, W_K.transpose(-2, -1)
     if kind == "k":  # W_QK^T = W_K W_Q^T
@@ -42,7 +43,7 @@ def head_composition(model: Transformer, layer: int, head: int, kind: Compositio
     H = cfg.n_heads
     with torch.no_grad():
         A, B = right_factors(model, kind)  # the later head's matrix A B: [L, H, d, d_head], [L, H, d_head, d]
-        W_V, W_O = model.W_V, model.W_O  # [L, H, d, d_head], [L, H, d_head, d]
+        W_V, W_O = stacked_weights(model, "W_V"), stacked_weights(model, "W_O")  # [L, H, d, dh], [L, H, dh, d]
         earlier = left_collapsed(W_V[:layer].flatten(0, 1), W_O[:layer].flatten(0, 1))  # [layer H, d_head, d]
         mine = right_collapsed(A[layer, head][None], B[layer, head][None])  # [1, d, d_head]
         reads = pair_scores(earlier, mine)[:, 0].reshape(layer, H) if layer else A.new_zeros(0, H)

@@ -40,12 +40,13 @@ from torch import Tensor
 
 from circuits_core.circuits.copying_spectra import embed_gram
 from circuits_core.circuits.factored import FactoredMatrix
-from circuits_core.circuits.folded import mlp_output_weight, stacked_weights
+from circuits_core.circuits.folded import stacked_weights
 from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.circuits.stream_components import (
     Reader,
     Writer,
     mlp_input,
+    mlp_output,
     reaches,
     readers,
     rotation,
@@ -103,7 +104,7 @@ def spectra(model: Transformer, offset: int = 0) -> tuple[dict[str, Spectrum], d
                 assert model.W_pos is not None
                 w_out[w.name] = _eigh_spectrum(model.W_pos.T.to(dt) @ model.W_pos.to(dt))
             elif w.kind == "mlp":
-                W_out = mlp_output_weight(model, w.layer).to(dt)
+                W_out = mlp_output(model, w).to(dt)  # [d_mlp, d] (this expert's), output gain folded
                 w_out[w.name] = _eigh_spectrum(W_out.T @ W_out)
         if L:
             W_Q, W_K, W_V, W_O = (stacked_weights(model, n).flatten(0, 1).to(dt) for n in ("W_Q", "W_K", "W_V", "W_O"))
@@ -119,7 +120,7 @@ def spectra(model: Transformer, offset: int = 0) -> tuple[dict[str, Spectrum], d
                 for role, S, side in (("Q", S_qk, U_qk), ("K", S_qk, V_qk), ("V", S_ov, U_ov)):
                     r_out[Reader(role, layer, h).name] = Spectrum(S[i], side[i])  # type: ignore[arg-type]
         for r in readers(model):
-            if r.role in ("in", "gate", "up"):
+            if r.role in ("in", "gate", "up", "router"):
                 W = mlp_input(model, r).to(dt)
                 r_out[r.name] = _eigh_spectrum(W @ W.T)
             elif r.role == "unembed":
@@ -364,7 +365,7 @@ def erasure(
     )
     candidates = []
     if L:
-        W_V, W_O = model.W_V.flatten(0, 1).to(dt), model.W_O.flatten(0, 1).to(dt)  # [LH, d, dh], [LH, dh, d]
+        W_V, W_O = (stacked_weights(model, n).flatten(0, 1).to(dt) for n in ("W_V", "W_O"))  # [LH, d, dh], [LH, dh, d]
         OO = W_O @ W_O.transpose(-2, -1)  # [LH, dh, dh]
         moments = head_moments(W_V, W_O)
         ov_sq = ((W_V.transpose(-2, -1) @ W_V) * OO).sum((-2, -1))  # ||W_OV||^2 [LH]

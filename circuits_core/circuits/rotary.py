@@ -357,8 +357,10 @@ def qk_copying_at_cost(model: Transformer, n_offsets: int) -> Cost:
 
 def kernel_cost(model: Transformer, n_offsets: int, n_tokens: int) -> Cost:
     """reference_means on n_tokens (the cached ln1 outputs and residuals) then the kernel: R(δ) for each
-    offset and q, k per head; answer: the offsets and one kernel value per offset. Rotary models only."""
-    check_rotary(model)
+    offset and q, k per head; answer: the offsets and one kernel value per offset. Rotary models (and ALiBi ones,
+    whose kernel alibi_kernel.py computes at less than this price: no rotations)."""
+    if model.cfg.alibi is None:
+        check_rotary(model)
     cfg = model.cfg
     run = 2 * cfg.n_layers * n_tokens * cfg.d_model * itemsize(model.dtype) + factors_cost(model).peak_bytes
     kernel = (n_offsets * cfg.d_head**2 + 2 * cfg.n_layers * cfg.n_heads * (cfg.d_head + n_offsets)) * 8

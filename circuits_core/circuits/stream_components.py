@@ -11,6 +11,9 @@ maps the stream to its output, W_r [d_model, n_out]:
     L0.mlp   W_out [d_mlp, d] (or chosen neurons' rows)     L1.mlp.in  W_in [d, d_mlp]  (gated: .gate W_gate,
                                                                                          .up W_in)
                                                            unembed    W_U [d, d_vocab]
+    mixture of experts (moe.py), expert e of layer 0:
+    L0.mlp.e5  W_out[e] [d_mlp, d]                          L0.mlp.e5.gate / .up   W_gate[e], W_in[e] [d, d_mlp]
+                                                           L0.mlp.router          W_router [d, n_experts]
 
 A writer reaches a reader only when it writes before the reader reads (layer order; a parallel block's MLP
 does not see its own attention); shortformer positions are added to the query and key inputs after ln1 of
@@ -35,10 +38,11 @@ from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import head_weights, mlp_output_weight
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.model.config import head_name
+from circuits_core.model.moe import MoE
 from circuits_core.model.transformer import Block, Transformer
 
 WriterKind = Literal["embed", "pos", "head", "mlp"]
-ReaderRole = Literal["Q", "K", "V", "in", "gate", "up", "unembed"]
+ReaderRole = Literal["Q", "K", "V", "in", "gate", "up", "router", "unembed"]
 EMBED = "embed"  # marks W_E_eff in a factor chain (never materialised unless it is a factor itself)
 Chain = list[Tensor | str]
 
@@ -51,6 +55,7 @@ class Writer:
     layer: int = -1
     head: int = -1
     neurons: tuple[int, ...] | None = None  # MLP only: these rows of W_out
+    expert: int = -1  # mixture of experts: this expert's W_out
 
     @property
     def name(self) -> str:
@@ -59,7 +64,7 @@ class Writer:
         if self.kind == "head":
             return head_name(self.layer, self.head)
         sel = "" if self.neurons is None else "[" + ",".join(map(str, self.neurons)) + "]"
-        return f"L{self.layer}.mlp{sel}"
+        return f"L{self.layer}.mlp{_expert(self.expert)}{sel}"
 
     def slot(self) -> int:
         """Where it writes: 0 before layer 0, 2l+1 after layer l's attention, 2l+2 after its MLP."""
@@ -74,6 +79,7 @@ class Reader:
     layer: int = -1
     head: int = -1
     neurons: tuple[int, ...] | None = None  # MLP inputs only: these columns of W_in / W_gate
+    expert: int = -1  # mixture of experts: this expert's W_gate / W_in
 
     @property
     def name(self) -> str:
@@ -82,7 +88,7 @@ class Reader:
         if self.role in ("Q", "K", "V"):
             return f"{head_name(self.layer, self.head)}.{self.role}"
         sel = "" if self.neurons is None else "[" + ",".join(map(str, self.neurons)) + "]"
-        return f"L{self.layer}.mlp.{self.role}{sel}"
+        return f"L{self.layer}.mlp{_expert(self.expert)}.{self.role}{sel}"
 
     def slot(self, model: Transformer) -> int:
         """Where it reads: layer l's attention at 2l+1, its MLP at 2l+2 (2l+1 in a parallel block), unembed last."""
@@ -92,6 +98,10 @@ class Reader:
         if self.role in ("Q", "K", "V") or cfg.parallel_attn_mlp:
             return 2 * self.layer + 1
         return 2 * self.layer + 2
+
+
+def _expert(expert: int) -> str:
+    return f".e{expert}" if expert >= 0 else ""
 
 
 def reaches(model: Transformer, writer: Writer, reader: Reader) -> bool:
@@ -112,32 +122,41 @@ def mlp_roles(model: Transformer) -> tuple[ReaderRole, ...]:
     return ("gate", "up") if getattr(model.cfg, "gated_mlp", False) else ("in",)
 
 
+def experts(model: Transformer) -> list[int]:
+    """[-1] for a dense MLP (one writer), else every expert's index."""
+    return list(range(model.cfg.num_experts)) if model.cfg.num_experts is not None else [-1]
+
+
 def writers(model: Transformer) -> list[Writer]:
-    """embed, pos (learned positions only), then per layer its heads and its MLP."""
+    """embed, pos (learned positions only), then per layer its heads and its MLP (or each of its experts)."""
     cfg = model.cfg
     out = [Writer("embed")] + ([Writer("pos")] if has_pos_writer(model) else [])
     for layer in range(cfg.n_layers):
         out += [Writer("head", layer, h) for h in range(cfg.n_heads)]
         if not cfg.attn_only:
-            out.append(Writer("mlp", layer))
+            out += [Writer("mlp", layer, expert=e) for e in experts(model)]
     return out
 
 
 def readers(model: Transformer) -> list[Reader]:
-    """Per layer: every head's Q, then K, then V, then the MLP input(s); the unembedding last."""
+    """Per layer: every head's Q, then K, then V, then the MLP input(s) (each role over the experts, then the
+    router); the unembedding last."""
     cfg = model.cfg
     out: list[Reader] = []
     for layer in range(cfg.n_layers):
         for role in ("Q", "K", "V"):
             out += [Reader(role, layer, h) for h in range(cfg.n_heads)]  # type: ignore[arg-type]
-        out += [Reader(role, layer) for role in mlp_roles(model)]
+        out += [Reader(role, layer, expert=e) for role in mlp_roles(model) for e in experts(model)]
+        if cfg.num_experts is not None:
+            out.append(Reader("router", layer))
     return out + [Reader("unembed")]
 
 
 _HEAD = r"L(\d{1,4})H(\d{1,4})"
 _NEURONS = r"(?:\[(\d{1,7}(?:,\d{1,7}){0,255})\])?"
-_WRITER_RE = re.compile(rf"^(?:(embed|pos)|{_HEAD}|L(\d{{1,4}})\.mlp{_NEURONS})$")
-_READER_RE = re.compile(rf"^(?:(unembed)|{_HEAD}\.(Q|K|V)|L(\d{{1,4}})\.mlp\.(in|gate|up){_NEURONS})$")
+_EXPERT = r"(?:\.e(\d{1,5}))?"
+_WRITER_RE = re.compile(rf"^(?:(embed|pos)|{_HEAD}|L(\d{{1,4}})\.mlp{_EXPERT}{_NEURONS})$")
+_READER_RE = re.compile(rf"^(?:(unembed)|{_HEAD}\.(Q|K|V)|L(\d{{1,4}})\.mlp{_EXPERT}\.(in|gate|up|router){_NEURONS})$")
 
 
 def _neurons(model: Transformer, text: str | None) -> tuple[int, ...] | None:
@@ -150,6 +169,25 @@ def _neurons(model: Transformer, text: str | None) -> tuple[int, ...] | None:
     return idx
 
 
+def _check_expert(model: Transformer, text: str | None, name: str, router: bool = False) -> int:
+    """The expert index named (-1 for none), checked: a mixture of experts needs one (except its router), a dense
+    MLP has none."""
+    E = model.cfg.num_experts
+    if E is None:
+        if text is not None or router:
+            raise NotFoundError(f"{name}: the model's MLPs are dense (no experts, no router)")
+        return -1
+    if router:
+        if text is not None:
+            raise NotFoundError(f"{name}: the router is one per layer: L<l>.mlp.router")
+        return -1
+    if text is None:
+        raise NotFoundError(f"{name}: the MLP is a mixture of {E} experts: name one, L<l>.mlp.e<0..{E - 1}>")
+    if int(text) >= E:
+        raise NotFoundError(f"{name}: the model has {E} experts per layer")
+    return int(text)
+
+
 def _check_layer(model: Transformer, layer: int, name: str) -> None:
     if layer >= model.cfg.n_layers:
         raise NotFoundError(f"{name}: the model has {model.cfg.n_layers} layers")
@@ -159,7 +197,9 @@ def parse_writer(model: Transformer, name: str) -> Writer:
     """'embed', 'pos', 'L0H3', 'L0.mlp' or 'L0.mlp[5,17]' -> Writer, checked against the model."""
     m = _WRITER_RE.match(name.strip()) if isinstance(name, str) else None
     if m is None:
-        raise InvalidInputError(f"writer {name!r} is not one of embed, pos, L<l>H<h>, L<l>.mlp, L<l>.mlp[n,...]")
+        raise InvalidInputError(
+            f"writer {name!r} is not one of embed, pos, L<l>H<h>, L<l>.mlp, L<l>.mlp[n,...], L<l>.mlp.e<expert>"
+        )
     if m.group(1):
         if m.group(1) == "pos" and not has_pos_writer(model):
             raise NotFoundError(f"the model has {model.cfg.positional_embedding_type!r} positions: no pos writer")
@@ -174,14 +214,18 @@ def parse_writer(model: Transformer, name: str) -> Writer:
     _check_layer(model, layer, name)
     if model.cfg.attn_only:
         raise NotFoundError(f"{name}: the model is attention-only (no MLPs)")
-    return Writer("mlp", layer, neurons=_neurons(model, m.group(5)))
+    expert = _check_expert(model, m.group(5), name)
+    return Writer("mlp", layer, neurons=_neurons(model, m.group(6)), expert=expert)
 
 
 def parse_reader(model: Transformer, name: str) -> Reader:
     """'unembed', 'L1H4.Q|K|V', 'L1.mlp.in' (gated: 'L1.mlp.gate' / 'L1.mlp.up'), optional '[n,...]' neurons."""
     m = _READER_RE.match(name.strip()) if isinstance(name, str) else None
     if m is None:
-        raise InvalidInputError(f"reader {name!r} is not one of unembed, L<l>H<h>.Q|K|V, L<l>.mlp.in|gate|up")
+        raise InvalidInputError(
+            f"reader {name!r} is not one of unembed, L<l>H<h>.Q|K|V, L<l>.mlp.in|gate|up, "
+            "L<l>.mlp.e<expert>.gate|up, L<l>.mlp.router"
+        )
     if m.group(1):
         return Reader("unembed")
     if m.group(2):
@@ -190,11 +234,14 @@ def parse_reader(model: Transformer, name: str) -> Reader:
         if head >= model.cfg.n_heads:
             raise NotFoundError(f"{name}: the model has {model.cfg.n_heads} heads per layer")
         return Reader(m.group(4), layer, head)  # type: ignore[arg-type]
-    layer, role = int(m.group(5)), m.group(6)
+    layer, role = int(m.group(5)), m.group(7)
     _check_layer(model, layer, name)
-    if role not in mlp_roles(model):
+    if role != "router" and role not in mlp_roles(model):
         raise NotFoundError(f"{name}: this model's MLP inputs are {list(mlp_roles(model)) or 'none (attention-only)'}")
-    return Reader(role, layer, neurons=_neurons(model, m.group(7)))  # type: ignore[arg-type]
+    expert = _check_expert(model, m.group(6), name, router=role == "router")
+    if role == "router" and m.group(8) is not None:
+        raise NotFoundError(f"{name}: the router reads the stream whole (no neurons)")
+    return Reader(role, layer, neurons=_neurons(model, m.group(8)), expert=expert)  # type: ignore[arg-type]
 
 
 # -- the matrices ---------------------------------------------------------------------------------------
@@ -218,9 +265,21 @@ def rotation(model: Transformer, offset: int, layer: int | None = None) -> Tenso
 
 
 def mlp_input(model: Transformer, reader: Reader) -> Tensor:
+    """The MLP input a reader names [d, d_mlp] (an expert's; the router's W_router [d, n_experts])."""
     mlp = block(model, reader.layer).mlp
-    W = mlp.W_gate if reader.role == "gate" else mlp.W_in  # [d, d_mlp]
+    if reader.role == "router":
+        assert isinstance(mlp, MoE)  # (parse_reader: only a mixture of experts has one)
+        return mlp.W_router
+    W: Tensor = mlp.W_gate if reader.role == "gate" else mlp.W_in  # [d, d_mlp] (or [n_experts, d, d_mlp])
+    W = W[reader.expert] if reader.expert >= 0 else W
     return W if reader.neurons is None else W[:, list(reader.neurons)]
+
+
+def mlp_output(model: Transformer, writer: Writer) -> Tensor:
+    """The MLP output a writer names, W_out [d_mlp, d] (an expert's), or the chosen neurons' rows."""
+    W_out = mlp_output_weight(model, writer.layer)  # [d_mlp, d] (or [n_experts, d_mlp, d]), output gain folded
+    W_out = W_out[writer.expert] if writer.expert >= 0 else W_out
+    return W_out if writer.neurons is None else W_out[list(writer.neurons)]
 
 
 def writer_chain(model: Transformer, writer: Writer) -> Chain:
@@ -233,15 +292,14 @@ def writer_chain(model: Transformer, writer: Writer) -> Chain:
     if writer.kind == "head":
         _, _, W_V, W_O = head_weights(model, writer.layer, writer.head)
         return [W_V, W_O]
-    W_out = mlp_output_weight(model, writer.layer)  # [d_mlp, d]
-    return [W_out if writer.neurons is None else W_out[list(writer.neurons)]]
+    return [mlp_output(model, writer)]
 
 
 def reader_chain(model: Transformer, reader: Reader, offset: int = 0) -> Chain:
     """Factors whose product is W_r [d_model, n_out]."""
     if reader.role == "unembed":
         return [model.W_U]
-    if reader.role in ("in", "gate", "up"):
+    if reader.role in ("in", "gate", "up", "router"):
         return [mlp_input(model, reader)]
     W_Q, W_K, W_V, W_O = head_weights(model, reader.layer, reader.head)  # gains folded (folded.py)
     R = rotation(model, offset, reader.layer)

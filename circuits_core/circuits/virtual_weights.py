@@ -44,6 +44,7 @@ from circuits_core.circuits.stream_components import (
     ReaderRole,
     Writer,
     chain_norm,
+    experts,
     factored,
     has_pos_writer,
     mlp_input,
@@ -170,6 +171,7 @@ def _space(kind: str) -> str:
         "mlp": "neurons",
         "unembed": "tokens",
         "in": "neurons",
+        "router": "experts",
         "gate": "neurons",
         "up": "neurons",
     }.get(kind, "d_model")
@@ -273,7 +275,13 @@ def writer_groups(model: Transformer) -> list[tuple[list[Writer], GramSide]]:
         heads = [Writer("head", layer, h) for h in range(cfg.n_heads)]
         groups.append((heads, factors(W_O, (W_V.transpose(-2, -1) @ W_V) @ W_O)))  # W_O^T (W_V^T W_V) W_O
         if not cfg.attn_only:
-            groups.append(([Writer("mlp", layer)], factors(mlp_output_weight(model, layer).to(dt)[None])))
+            W_out = mlp_output_weight(model, layer).to(dt)  # [d_mlp, d], or [n_experts, d_mlp, d]
+            groups.append(
+                (
+                    [Writer("mlp", layer, expert=e) for e in experts(model)],
+                    factors(W_out.reshape(-1, *W_out.shape[-2:])),
+                )
+            )
     return groups
 
 
@@ -291,8 +299,13 @@ def reader_groups(model: Transformer, offset: int = 0) -> list[tuple[list[Reader
             At = A.transpose(-2, -1)  # [H, dh, d]
             groups.append(([Reader(role, layer, h) for h in range(cfg.n_heads)], factors(At, BBt @ At)))  # type: ignore[arg-type]
         for role in mlp_roles(model):
-            W = mlp_input(model, Reader(role, layer)).to(dt)  # [d, d_mlp]
-            groups.append(([Reader(role, layer)], factors(W.T[None])))  # blocks are row slices of W
+            W = mlp_input(model, Reader(role, layer)).to(dt)  # [d, d_mlp] or [n_experts, d, d_mlp]
+            W = W.reshape(-1, *W.shape[-2:]).transpose(-2, -1)  # [1 or n_experts, d_mlp, d]
+            groups.append(([Reader(role, layer, expert=e) for e in experts(model)], factors(W)))  # type: ignore[arg-type]
+        if cfg.num_experts is not None:
+            groups.append(
+                ([Reader("router", layer)], factors(mlp_input(model, Reader("router", layer)).to(dt).T[None]))
+            )
     groups.append(([Reader("unembed")], factors(model.W_U.to(dt).T[None])))  # blocks are row slices of W_U
     return groups
 
@@ -351,7 +364,7 @@ def all_scores_cost(model: Transformer) -> Cost:
     cfg = model.cfg
     L, H, d, dh = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
     size = gram_block_size(d)
-    n_mlp = 0 if cfg.attn_only else L * (cfg.d_mlp or 0)
+    n_mlp = 0 if cfg.attn_only else L * (cfg.d_mlp or 0) * len(experts(model)) + L * (cfg.num_experts or 0)
     roles = len(mlp_roles(model))
     Nw, Nr = len(writers(model)), len(readers(model))
     n_ctx = cfg.n_ctx if has_pos_writer(model) else 0
@@ -373,6 +386,7 @@ def pair_cost(model: Transformer, writer: Writer, reader: Reader, k: int, n_top:
         "mlp": len(writer.neurons or ()) or (cfg.d_mlp or 0),
         "unembed": cfg.d_vocab,
         **dict.fromkeys(("in", "gate", "up"), len(reader.neurons or ()) or (cfg.d_mlp or 0)),
+        "router": cfg.num_experts or 0,
     }
     n_in = sizes.get(writer.kind, cfg.d_model)
     n_out = sizes.get(reader.role, cfg.d_model)

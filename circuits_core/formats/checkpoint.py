@@ -9,6 +9,10 @@ Formats (REGISTRY, keyed by `Format`):
 - "llama", "mistral", "qwen2": Hugging Face Llama-family folders, sharded safetensors (formats_llama.py).
 - "gemma2", "gemma3_text", "gemma3" (its text tower), "qwen3", "olmo2", "olmo3": the same layout with the newest
   attention (llama_variants.py: QK-norm, soft caps, sliding windows, sandwich and output norms).
+- "gpt_oss": Hugging Face gpt-oss folders (sinks, mixture of experts, MXFP4 experts; gpt_oss.py).
+- "mixtral", "qwen3_moe", "olmoe": the Llama layout with a mixture-of-experts MLP (moe_families.py).
+- "bloom", "mpt": ALiBi models (alibi_families.py).
+- "phi3": the Llama layout with fused qkv and gate/up projections, split on load (phi3.py).
 - "gguf": a folder without config.json holding one `.gguf` file (llama.cpp, ollama), named after the folder;
   config, tensors and tokenizer all come from that file (formats_gguf.py).
 
@@ -38,7 +42,9 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from circuits_core.errors import CheckpointError, InvalidInputError
+from circuits_core.formats.alibi_families import ALIBI_MODEL_TYPES, alibi_config, load_alibi
 from circuits_core.formats.gguf import Defaulted, gguf_file, read_gguf
+from circuits_core.formats.gpt_oss import gpt_oss_config, load_gpt_oss
 from circuits_core.formats.hf import load_gpt2, load_gpt_neox
 from circuits_core.formats.lazy_mlp import DeferredMLP, lazy_mlp_supported, load_llama_lazy, mlp_bytes
 from circuits_core.formats.llama import (
@@ -50,6 +56,8 @@ from circuits_core.formats.llama import (
     stored_dtype,
 )
 from circuits_core.formats.llama_variants import REFUSED_MODEL_TYPES, VARIANT_MODEL_TYPES, load_variant, variant_config
+from circuits_core.formats.moe_families import MOE_MODEL_TYPES, load_moe, moe_config
+from circuits_core.formats.phi3 import load_phi3, phi3_config
 from circuits_core.formats.processing import SWITCHES, ProcessingOptions, own_tensors, process_state
 from circuits_core.formats.statedict import (
     PICKLE_SUFFIXES,
@@ -71,7 +79,8 @@ from circuits_core.schedule import in_background
 
 Format = Literal[
     "qkov", "transformer_lens", "gpt2", "gpt_neox", "gguf", "llama", "mistral", "qwen2",
-    "gemma2", "gemma3_text", "gemma3", "qwen3", "olmo2", "olmo3",
+    "gemma2", "gemma3_text", "gemma3", "qwen3", "olmo2", "olmo3", "gpt_oss", "mixtral", "qwen3_moe", "olmoe", "bloom",
+    "mpt", "phi3",
 ]  # fmt: skip
 FORMATS: tuple[str, ...] = get_args(Format)
 QKOV_FORMAT_VERSION = 1
@@ -83,9 +92,17 @@ Loader = Callable[
 HF_MODEL_TYPES: dict[str, Format] = {
     "gpt2": "gpt2", "gpt_neox": "gpt_neox", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
     "gemma2": "gemma2", "gemma3_text": "gemma3_text", "gemma3": "gemma3", "qwen3": "qwen3", "olmo2": "olmo2",
-    "olmo3": "olmo3",
+    "olmo3": "olmo3", "gpt_oss": "gpt_oss", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "olmoe": "olmoe",
+    "bloom": "bloom", "mpt": "mpt", "phi3": "phi3",
 }  # fmt: skip
-SAFETENSORS_FAMILIES = (*LLAMA_MODEL_TYPES, *VARIANT_MODEL_TYPES)  # read shard by shard (llama.py's reader)
+SAFETENSORS_FAMILIES = (
+    *LLAMA_MODEL_TYPES,
+    *VARIANT_MODEL_TYPES,
+    "gpt_oss",
+    *MOE_MODEL_TYPES,
+    *ALIBI_MODEL_TYPES,
+    "phi3",
+)  # read shard by shard (llama.py's reader)
 LOAD_OPTIONS_FILE = "qkov.json"  # per-checkpoint load options (processing), next to config.json
 # Files besides config.json and the weights that can change an answer, so they are part of the digest: the
 # processing choice, tokenizer files (tokenizer.py), token counts (phenomena.TOKEN_COUNTS_FILE), the card.
@@ -93,6 +110,15 @@ ANSWER_FILES = (
     LOAD_OPTIONS_FILE, "tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json",
     "special_tokens_map.json", "token_counts.npy", "model_card.json",
 )  # fmt: skip
+# Formats whose config.json prices the model before any tensor is read.
+CONFIG_READERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
+    **dict.fromkeys(LLAMA_MODEL_TYPES, llama_config),
+    **dict.fromkeys(VARIANT_MODEL_TYPES, variant_config),
+    "gpt_oss": gpt_oss_config,
+    **dict.fromkeys(MOE_MODEL_TYPES, moe_config),
+    **dict.fromkeys(ALIBI_MODEL_TYPES, alibi_config),
+    "phi3": phi3_config,
+}
 TL_BUFFERS = (".attn.mask", ".attn.IGNORE", ".attn.rotary_sin", ".attn.rotary_cos")
 
 
@@ -105,6 +131,7 @@ class LoadedModel:
     digest: str = ""  # sha256 of every answer-changing file (config, weights, ANSWER_FILES): the cache key
     path: Path = Path(".")
     defaulted: list[Defaulted] = field(default_factory=list)  # config values the file lacks, and their sources
+    nonfinite: list[str] = field(default_factory=list)  # stored tensors holding NaN or inf, with their counts
 
     def provenance(self) -> dict[str, str]:
         """Where and in which dtypes this model's answers are computed: the device, the weights' dtype (as kept:
@@ -123,6 +150,17 @@ class LoadedModel:
             if deferred
             else "read",
         }
+
+
+def nonfinite_tensors(state: dict[str, Tensor]) -> list[str]:
+    """'name (n NaN, m inf of numel)' for every stored floating-point tensor that is not finite everywhere, read
+    before processing (folding a norm would spread one NaN over every weight it touches)."""
+    out = []
+    for name, t in state.items():
+        if t.is_floating_point() and not t.is_meta and not bool(torch.isfinite(t).all()):  # deferred: unread
+            nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+            out.append(f"{name} ({nan} NaN, {inf} inf of {t.numel()})")
+    return out
 
 
 def _model_config(data: dict[str, Any], path: Path, **overrides: Any) -> ModelConfig:
@@ -278,6 +316,13 @@ REGISTRY: dict[Format, Loader] = {
     "llama": load_llama,
     "mistral": load_llama,
     "qwen2": load_llama,
+    "gpt_oss": load_gpt_oss,
+    "mixtral": load_moe,
+    "qwen3_moe": load_moe,
+    "olmoe": load_moe,
+    "bloom": load_alibi,
+    "mpt": load_alibi,
+    "phi3": load_phi3,
     "gemma2": load_variant,
     "gemma3_text": load_variant,
     "gemma3": load_variant,
@@ -364,8 +409,8 @@ def load_checkpoint(
         if keep_half and (stored := stored_dtype(folder)) in HALF_DTYPES:
             dtype = stored  # read, laid out and kept in the stored half dtype
         check_price(llama_config(data), lazy_mlp)  # priced from config.json before any tensor is read
-    elif fmt in VARIANT_MODEL_TYPES:
-        check_price(variant_config(data))
+    elif fmt in CONFIG_READERS:
+        check_price(CONFIG_READERS[fmt](data))  # priced from config.json before any tensor is read
     answer_files = [folder_file(folder, name) for name in ANSWER_FILES if folder_file(folder, name).is_file()]
     config_file = [folder_file(folder, "config.json")] if fmt != "gguf" else []
     # The digest reads every byte again: hash in a thread (hashlib releases the GIL) while torch reads and processes.
@@ -391,6 +436,7 @@ def load_checkpoint(
             check_price(cfg, deferred is not None)
         if digest_job is None or sorted(early or []) != sorted(files):  # (a loader read other files)
             digest_job = background.start(partial(files_digest, [*config_file, *files, *answer_files]))
+        nonfinite = nonfinite_tensors(state)
         if keep_half and fmt not in LLAMA_MODEL_TYPES and state["embed.W_E"].dtype in HALF_DTYPES:
             dtype = state["embed.W_E"].dtype  # the whole model in the embedding's stored half dtype
         loaded = _build(folder, fmt, data, cfg, state, origin, dtype, process, tokenizer, torch.device(device))
@@ -408,6 +454,7 @@ def load_checkpoint(
         digest=digest,
         path=folder,
         defaulted=defaulted,
+        nonfinite=nonfinite,
     )
 
 

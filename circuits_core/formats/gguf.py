@@ -204,8 +204,8 @@ def _gemma_fields(
         fields["output_logits_soft_cap"] = meta.float(f"{arch}.final_logit_softcapping")
     if meta.header.has(f"{arch}.attn_logit_softcapping"):
         raise CheckpointError(
-            f"{meta.name}: {arch}.attn_logit_softcapping is set, but Gemma 3 never applies it (transformers, llama.cpp): "
-            "refused rather than run a cap the model does not have"
+            f"{meta.name}: {arch}.attn_logit_softcapping is set, but Gemma 3 never applies it (transformers, "
+            f"llama.cpp): refused rather than run a cap the model does not have"
         )
     return fields, defaulted
 

@@ -28,7 +28,8 @@ False plus `"<switch>_skipped": reason`):
   Both are exact for log-probs, but they change circuit numbers: centring W_U subtracts a rank-one term
   from every full OV circuit W_E W_OV W_U, which moves its eigenvalue copying score (on toy-2l, L0H0 goes
   from 0.97 to 0.28), so qkov's numbers would stop agreeing with TransformerLens's on the paper's models.
-- fold_value_biases: each attention row sums to 1, so b_V^h contributes the constant b_V^h W_O^h to every
+- fold_value_biases: each attention row sums to 1 (not under learned sinks: skipped), so b_V^h contributes the
+constant b_V^h W_O^h to every
   position: b_O <- b_O + sum_h b_V^h W_O^h, b_V <- 0 (under GQA, b_V^h is its group's `_b_V`).
 
 Unlike TransformerLens (which casts to float32 while processing), the dtype is kept: float64 stays float64.
@@ -106,7 +107,8 @@ def _fold_ln(cfg: ModelConfig, sd: State, record: dict[str, bool | str]) -> Mode
         )
         return cfg
     rms = cfg.normalization_type == "RMS"
-    # Input norms only (OLMo 2 has none); output norms (ln1_post, ln2_post) keep their gains: nothing linear follows them
+    # Input norms only (OLMo 2 has none); output norms (ln1_post, ln2_post) keep their gains: nothing linear follows
+    # them
     # before the residual add, and folding into W_O would change the RMS they divide by.
     inputs = (1,) if cfg.attn_only else (1, 2)
     ln_names = [f"blocks.{layer}.ln{i}" for layer in range(cfg.n_layers) for i in inputs] if cfg.pre_norms else []
@@ -138,8 +140,10 @@ def _fold_ln(cfg: ModelConfig, sd: State, record: dict[str, bool | str]) -> Mode
             fold(f"{p}.ln1", f"{p}.attn.{attn_param(cfg, 'W_' + x)}", f"{p}.attn.{attn_param(cfg, 'b_' + x)}")
         if not cfg.attn_only:
             fold(f"{p}.ln2", f"{p}.mlp.W_in", None if cfg.gated_mlp else f"{p}.mlp.b_in")
-            if cfg.gated_mlp:
+            if cfg.gated_mlp:  # (a mixture of experts: every expert's [n_experts, d_model, d_mlp], and the router)
                 fold(f"{p}.ln2", f"{p}.mlp.W_gate", None)
+            if cfg.num_experts is not None:
+                fold(f"{p}.ln2", f"{p}.mlp.W_router", None)
     fold("ln_final", "unembed.W_U", "unembed.b_U")
     for ln in ln_names:
         for leaf in ("w", "b"):
@@ -194,6 +198,12 @@ def _center_unembed(cfg: ModelConfig, sd: State, record: dict[str, bool | str]) 
 
 
 def _fold_value_biases(cfg: ModelConfig, sd: State, record: dict[str, bool | str]) -> None:
+    if cfg.attn_sinks:
+        record["fold_value_biases_skipped"] = (
+            "learned attention sinks: a pattern row sums to less than 1 (the sink keeps the rest), so b_V W_O "
+            "reaches each position scaled by its row sum, not as a constant"
+        )
+        return
     if cfg.use_bias:
         for layer in range(cfg.n_layers):
             p, b_V_key = f"blocks.{layer}.attn", f"blocks.{layer}.attn.{attn_param(cfg, 'b_V')}"

@@ -5,7 +5,9 @@ Grouped-query attention stores K/V per key/value head, as TransformerLens 3.9's 
 models rotate q and k by position (rope.py, each layer with its own rope: ModelConfig.layer_rope) before the scores.
 The newest attention: QK-norm before the rotation (qk_norm.py), soft-capped scores (soft_cap.py; hook_attn_scores
 holds the capped scores the softmax sees, hook_attn_scores_uncapped the scores before the cap) and sliding windows
-on local layers (window.py).
+on local layers (window.py). Learned sinks (gpt-oss) add one logit per head to every softmax row (`sink_softmax`);
+ALiBi (alibi.py) adds
+-m_h (i - j) to the scores.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from circuits_core.errors import InvalidInputError
+from circuits_core.model.alibi import alibi_kernel
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.hooks import Frozen, Recorder
 from circuits_core.model.linear import affine
@@ -29,6 +32,13 @@ def attn_param(cfg: ModelConfig, name: str) -> str:
     if cfg.n_key_value_heads is not None and name in ("W_K", "W_V", "b_K", "b_V"):
         return "_" + name
     return name
+
+
+def sink_softmax(scores: Tensor, sinks: Tensor) -> Tensor:
+    """softmax over [s_i1 .. s_in, b_h] without the sink's column: scores [batch, heads, q, k], sinks [heads] ->
+    pattern [batch, heads, q, k] whose rows sum to sigma(LSE_j s_ij - b_h) < 1 (the missing mass is the sink's)."""
+    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)  # [batch, heads, q, 1]
+    return torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
 
 
 class Attention(nn.Module):
@@ -58,6 +68,8 @@ class Attention(nn.Module):
         if cfg.qk_norm is not None:
             self.q_norm = QKNorm(cfg, f"blocks.{layer}.attn.q_norm", h)
             self.k_norm = QKNorm(cfg, f"blocks.{layer}.attn.k_norm", g)
+        if cfg.attn_sinks:
+            self.sinks = nn.Parameter(torch.zeros(h))  # b_h: one sink logit per query head
 
     def grouped(self, name: str) -> Tensor:
         """W_K, W_V [n_kv, d_model, d_head] or b_K, b_V [n_kv, d_head] as stored (per key/value head)."""
@@ -117,10 +129,12 @@ class Attention(nn.Module):
             if cfg.attn_scores_soft_cap is not None:
                 rec(f"{prefix}.hook_attn_scores_uncapped", scores.clone())
                 scores = soft_cap(scores, cfg.attn_scores_soft_cap)
+            if cfg.alibi is not None:  # the linear positional kernel -m_h (i - j) (alibi.py)
+                scores = scores + alibi_kernel(cfg, n, scores.device).to(scores.dtype)
             seen = visible(n, cfg.layer_window(self.layer), q.device)  # causal (and within the window)
             scores.masked_fill_(~seen, float("-inf"))
             rec(f"{prefix}.hook_attn_scores", scores)
-            pattern = scores.softmax(dim=-1)
+            pattern = sink_softmax(scores, self.sinks) if cfg.attn_sinks else scores.softmax(dim=-1)
         rec(pattern_key, pattern)
         # values after the pattern: a run that stops at the last layer's pattern (heads.detector_scores) skips them
         v = self.per_head(self.project(v_in, "W_V"), dim=2)  # [batch, pos, n_heads, d_head]

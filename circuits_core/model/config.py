@@ -27,14 +27,14 @@ from circuits_core.errors import CheckpointError, InvalidInputError, NotFoundErr
 NormalizationType = Literal["LN", "LNPre", "RMS", "RMSPre"] | None
 PositionalType = Literal["standard", "shortformer", "rotary", "none"]
 ActFn = Literal["gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu"]
-RopeType = Literal["default", "linear", "llama3"]
+RopeType = Literal["default", "linear", "llama3", "yarn"]
 QKNormType = Literal["head", "layer"] | None
 AttnType = Literal["global", "local"]
 
 NORMALIZATION_TYPES: tuple[str | None, ...] = ("LN", "LNPre", "RMS", "RMSPre", None)
 POSITIONAL_TYPES: tuple[str, ...] = ("standard", "shortformer", "rotary", "none")
 ACT_FNS: tuple[str, ...] = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu", "silu")
-ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 # Structural caps (beyond them a config is refused as absurd before anything is built): the largest served
 # transformers have ~130 layers and ~128 heads per layer.
 MAX_LAYERS = 1024
@@ -86,6 +86,30 @@ class ModelConfig:
     rope_low_freq_factor: float = field(default=1.0, metadata={"gt": 0})
     rope_high_freq_factor: float = field(default=4.0, metadata={"gt": 0})
     rope_original_max_position_embeddings: int = field(default=8192, metadata={"ge": 1})
+    # "yarn" (YaRN, as transformers computes it): a linear ramp between beta_fast and beta_slow rotations over the
+    # original context mixes theta_k and theta_k / rope_factor; truncate rounds the ramp's ends. YaRN's attention
+    # factor (cos and sin scaled by it) is a score scale: loaders fold its square into attn_scale.
+    rope_beta_fast: float = field(default=32.0, metadata={"gt": 0})
+    rope_beta_slow: float = field(default=1.0, metadata={"gt": 0})
+    rope_truncate: bool = True
+    # Learned attention sinks (gpt-oss): one logit b_h per head (attn.sinks [n_heads]) joins every softmax row as
+    # an extra key that carries no value, so pattern rows sum to sigma(LSE_j s_ij - b_h) < 1 (never renormalised).
+    attn_sinks: bool = False
+    # Mixture-of-experts MLP (moe.py), TransformerLens names: num_experts gated experts, experts_per_token chosen
+    # per token by the router x W_router (+ b_router). moe_norm_topk: the chosen weights are the softmax over the
+    # chosen logits (Mixtral, gpt-oss), else the full softmax's top-k entries (OLMoE, Qwen3-MoE's default).
+    # clamped_swiglu: gpt-oss's expert (gate clamped above at swiglu_limit, up clamped to +-swiglu_limit,
+    # out = (up + 1) gate sigmoid(swiglu_alpha gate)) instead of silu(gate) up.
+    # ALiBi (alibi.py): no positions in the stream; head h adds -m_h (i - j) to its scores, with the slopes m_h by
+    # BLOOM's rule or MPT's (alibi_bias_max), which differ when n_heads is not a power of two.
+    alibi: Literal["bloom", "mpt"] | None = None
+    alibi_bias_max: float = field(default=8.0, metadata={"gt": 0})
+    num_experts: int | None = field(default=None, metadata={"ge": 1})
+    experts_per_token: int = field(default=1, metadata={"ge": 1})
+    moe_norm_topk: bool = True
+    clamped_swiglu: bool = False
+    swiglu_alpha: float = field(default=1.702, metadata={"gt": 0})
+    swiglu_limit: float = field(default=7.0, metadata={"gt": 0})
     # Divisor of q.k; defaults to sqrt(d_head) (TransformerLens `attn_scale`).
     attn_scale: float | None = field(default=None, metadata={"gt": 0})
     bos_token_id: int | None = field(default=None, metadata={"ge": 0})
@@ -144,6 +168,17 @@ class ModelConfig:
             )
         if self.rope_type == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise InvalidInputError("llama3 rope scaling needs rope_high_freq_factor > rope_low_freq_factor")
+        if self.num_experts is not None:
+            if not self.gated_mlp or not self.uses_rms:
+                raise InvalidInputError("a mixture-of-experts MLP needs gated_mlp=true and RMS normalisation")
+            if self.experts_per_token > self.num_experts:
+                raise InvalidInputError(
+                    f"experts_per_token={self.experts_per_token} exceeds num_experts={self.num_experts}"
+                )
+        elif self.clamped_swiglu:
+            raise InvalidInputError("clamped_swiglu is an expert activation: it needs num_experts")
+        if self.alibi is not None and self.positional_embedding_type != "none":
+            raise InvalidInputError("alibi models have no other positions: positional_embedding_type must be 'none'")
 
     def _check_attention_variants(self) -> None:
         """Cross-field rules of the newest attention's fields (QK-norm, windows, local rope, output norms)."""
@@ -281,7 +316,8 @@ def check_fields(obj: Any) -> None:
         ok, conformed = _conform(value, hints[f.name])
         if not ok:
             raise InvalidInputError(
-                f"config field {f.name} must be {_type_name(hints[f.name])}, got {_show(value)} ({type(value).__name__})"
+                f"config field {f.name} must be {_type_name(hints[f.name])}, got {_show(value)} "
+                f"({type(value).__name__})"
             )
         if conformed is not value:
             object.__setattr__(obj, f.name, conformed)

@@ -29,12 +29,16 @@ class Frozen:
     mlp_out: {layer: Tensor[batch, pos, d_model]}: layer l's MLP output (`hook_mlp_out`), used instead of
              computing it (ln2 and the MLP are skipped, their hooks are not recorded): an MLP as a fixed node,
              as in paths.py.
+    routes: {layer: (indices [batch, pos, k], weights [batch, pos, k])}: a mixture-of-experts layer's routing,
+            used instead of its router (moe.py): the experts each token used and their weights, frozen like a
+            norm scale.
     """
 
     patterns: dict[str, Tensor] = field(default_factory=dict)
     ln_scales: dict[str, Tensor] = field(default_factory=dict)
     value_resid: dict[int, Tensor] = field(default_factory=dict)
     mlp_out: dict[int, Tensor] = field(default_factory=dict)
+    routes: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)
 
 
 class StopRun(Exception):

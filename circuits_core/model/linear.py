@@ -87,7 +87,8 @@ def _onednn(x: Tensor, W: Tensor, b: Tensor | None) -> bool:
 
 
 def affine(x: Tensor, W: Tensor, b: Tensor | None = None, act: str | None = None) -> Tensor:
-    """act(x W + b): x [..., n_in], W [n_in, n_out] (any strides), b [n_out] or None -> [..., n_out] (a fresh tensor)."""
+    """act(x W + b): x [..., n_in], W [n_in, n_out] (any strides), b [n_out] or None -> [..., n_out] (a fresh
+    tensor)."""
     x2 = x.reshape(-1, x.shape[-1])  # [rows, n_in]
     if _onednn(x2, W, b) and (act is None or act in _EPILOGUES):
         attr, algorithm = _EPILOGUES[act] if act is not None else ("none", "")

@@ -5,7 +5,7 @@ positions never enter the residual stream; the QK circuit between positions i an
 (docs/maths.md §6). Row-vector convention: `rotate(cfg, x, p)` is x R(p).
 
 Pair k (k < K = rotary_dim / 2) turns by p * theta_k with theta_k = rotary_base^(-2k / rotary_dim), rescaled
-by the config's rope type (linear, llama3). Two layouts pair the dims differently (`rotary_pairs`): Hugging Face
+by the config's rope type (linear, llama3, yarn). Two layouts pair the dims differently (`rotary_pairs`): Hugging Face
 files rotate halves, (k, k + K); GGUF files adjacent pairs, (2k, 2k + 1). Using the wrong layout still runs,
 only wrongly. Dims from rotary_dim on are not rotated (partial rotary).
 """
@@ -39,9 +39,44 @@ def rotary_inv_freq(cfg: ModelConfig) -> Tensor:
         scaled = torch.where(wavelen > old / low, inv_freq / cfg.rope_factor, inv_freq)
         mid = (1 - smooth) * inv_freq / cfg.rope_factor + smooth * inv_freq
         return torch.where((wavelen <= old / low) & (wavelen >= old / high), mid, scaled)
+    if cfg.rope_type == "yarn":
+        return _yarn_inv_freq(cfg, inv_freq, rd)
     if cfg.rope_type != "default":  # the config refuses other types; this guards a bypassed check
         raise InvalidInputError(f"rope scaling type {cfg.rope_type!r} is not supported")
     return inv_freq
+
+
+def _yarn_inv_freq(cfg: ModelConfig, inv_freq: Tensor, rd: int) -> Tensor:
+    """YaRN (Peng et al. 2023) as transformers computes it: pair k keeps theta_k (extrapolation) below the
+    correction range, takes theta_k / factor (interpolation) above it, and a linear ramp in k between. The range is
+    where pair k turns beta_fast (resp. beta_slow) times over the original context; truncate floors / ceils it."""
+    base, old = cfg.rotary_base, cfg.rope_original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (rd * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(cfg.rope_beta_fast), correction_dim(cfg.rope_beta_slow)
+    if cfg.rope_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rd - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(rd // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # weight of the unscaled frequency
+    return inv_freq / cfg.rope_factor * (1 - extrapolation) + inv_freq * extrapolation
+
+
+def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all_dim: float | None = None) -> float:
+    """YaRN's cos/sin multiplier as transformers infers it (no explicit attention_factor): 0.1 ln(factor) + 1, or
+    the ratio of that with mscale and with mscale_all_dim when both are given (DeepSeek). Both q and k carry it,
+    so the scores are scaled by its square."""
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if mscale and mscale_all_dim:
+        return get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+    return get_mscale(factor)
 
 
 def rotary_angles(cfg: ModelConfig, positions: Tensor) -> Tensor:

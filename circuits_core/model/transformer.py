@@ -17,6 +17,8 @@ The newest attention (Gemma 2/3, Qwen3, OLMo 2/3): QK-norm gains blocks.{l}.attn
 output norms blocks.{l}.ln1_post.w / ln2_post.w (norm.py; hook_attn_out and hook_mlp_out are after them, what the
 stream receives), no ln1 / ln2 without input norms (OLMo), soft caps (soft_cap.py; hook_logits_uncapped holds the
 logits before the final cap), sliding windows and a rope per layer (window.py, ModelConfig.layer_rope).
+Mixture-of-experts layers (moe.py) stack their experts: mlp.W_router [d_model, n_experts], mlp.W_gate / W_in
+[n_experts, d_model, d_mlp], W_out [n_experts, d_mlp, d_model]; learned sinks add blocks.{l}.attn.sinks [n_heads].
 
 Positions: `standard` adds W_pos to the residual stream; `shortformer` (the paper's models) adds it to the
 query and key inputs only, after ln1; `rotary` rotates q and k by position (rope.py's `rotate`: the first
@@ -26,8 +28,8 @@ Under GQA the hooks hook_k and hook_v hold one entry per *query* head (Transform
 
 `run()` returns logits and, on request, a cache of named activations with TransformerLens hook names.
 Frozen runs (`Frozen`): attention patterns and LayerNorm scales (and, on request, MLP outputs) taken from a
-previous run instead of being computed. With both frozen, the network is linear in its input embeddings (the paper's "freezing attention
-patterns" trick) -- the path expansions stand on this.
+previous run instead of being computed. With both frozen, the network is linear in its input embeddings (the paper's
+"freezing attention patterns" trick) -- the path expansions stand on this.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from circuits_core.model.hooks import Frozen as Frozen  # hooks.py, re-exported 
 from circuits_core.model.hooks import NameFilter, Recorder, StopRun
 from circuits_core.model.linear import affine
 from circuits_core.model.mlp import MLP
+from circuits_core.model.moe import MoE
 from circuits_core.model.norm import LayerNorm as LayerNorm  # norm.py, re-exported (announced names)
 from circuits_core.model.norm import input_norm, output_norm
 from circuits_core.model.rope import rotary_angles as rotary_angles  # rope.py, re-exported (announced names)
@@ -63,7 +66,7 @@ class Block(nn.Module):
             self.ln1_post = output_norm(cfg, f"blocks.{layer}.ln1_post")
         if not cfg.attn_only:
             self.ln2 = input_norm(cfg, f"blocks.{layer}.ln2")
-            self.mlp = MLP(cfg, layer)
+            self.mlp: MLP | MoE = MoE(cfg, layer) if cfg.num_experts is not None else MLP(cfg, layer)
             if cfg.post_norms:
                 self.ln2_post = output_norm(cfg, f"blocks.{layer}.ln2_post")
 
@@ -99,7 +102,8 @@ class Block(nn.Module):
                     f"the residual stream has {tuple(x.shape)}"
                 )
             return out
-        out = self.mlp(self.ln2(x, rec, frozen), rec)
+        normed = self.ln2(x, rec, frozen)
+        out = self.mlp(normed, rec, frozen) if isinstance(self.mlp, MoE) else self.mlp(normed, rec)
         return self.ln2_post(out, rec, frozen) if self.cfg.post_norms else out
 
 
@@ -330,7 +334,7 @@ def init_weights(model: Transformer, seed: int = 0, std_embed: float = 0.02) -> 
             leaf = name.rsplit(".", 1)[-1].lstrip("_")  # _W_K, _W_V: grouped-query K/V
             if leaf in ("W_E", "W_pos"):
                 std = std_embed
-            elif leaf in ("W_O", "W_out"):
+            elif leaf in ("W_O", "W_out"):  # (a mixture-of-experts W_out [n_experts, d_mlp, d_model] too)
                 std = out_std
             elif leaf.startswith("W_"):
                 std = d**-0.5

@@ -89,7 +89,8 @@ def duplicate_targets(tokens: Tensor) -> Tensor:
 
 
 def induction_targets(tokens: Tensor) -> Tensor:
-    """[batch, n, n] bool: key j (1 <= j <= i) follows an earlier occurrence of query i's token (tok[j-1] == tok[i], j-1 < i)."""
+    """[batch, n, n] bool: key j (1 <= j <= i) follows an earlier occurrence of query i's token (tok[j-1] == tok[i], j-1
+    < i)."""
     dup = duplicate_targets(tokens)  # [b, i, j'] with j' < i
     shifted = torch.zeros_like(dup)
     shifted[:, :, 1:] = dup[:, :, :-1]  # key j = j' + 1 <= i

@@ -6,7 +6,9 @@ each layer is affine in its input residual stream X [n, d_model]:
     LN_l(X)      = D_l (X C) diag(w_l) + 1 b_l^T      C = I - 11^T/d_model (identity without LN),
                                                        D_l = diag(1/sigma) from `blocks.l.ln1.hook_scale`
     head (l,h):  X -> A^{l,h} D_l (X C) diag(w_l) W_V^h W_O^h   (linear part)
-    bias beta_l  = b_O + sum_h (b_l W_V^h + b_V^h) W_O^h        (constant rows, because rows of A sum to 1)
+    bias beta_l  = b_O + sum_h (b_l W_V^h + b_V^h) W_O^h        (constant rows, because rows of A sum to 1;
+                                                                 under learned sinks row i has A's row sum
+                                                                 in front of each head's term: layer_bias_rows)
 Everything here is shared by the logit path expansion (paths.py), the QK path expansion (qk_paths.py), the
 virtual heads (virtual.py) and the term-importance ablation (ablation.py). LayerNorm weights are folded into
 the reading weights here, so processed (LNPre) and unprocessed (LN) models are both exact.
@@ -77,6 +79,9 @@ _CACHED = (
     "hook_pattern",
     "hook_scale",
     "hook_mlp_out",
+    "hook_expert_out",
+    "hook_expert_indices",
+    "hook_expert_weights",
     "hook_attn_scores",
     "hook_embed",
     "hook_pos_embed",
@@ -217,6 +222,19 @@ def layer_bias(model: Transformer, layer: int) -> Tensor:
     return beta + b_O if b_O is not None else beta
 
 
+def layer_bias_rows(model: Transformer, run: FrozenRun, layer: int) -> Tensor:
+    """beta_l as rows: [1, d_model] when every pattern row sums to 1, else [n, d_model]. Under learned sinks a
+    row of head h keeps sum_j A^h_ij < 1 of its mass, so position i receives b_O + sum_h (sum_j A^h_ij)
+    (b_ln1 W_V^h + b_V^h) W_O^h."""
+    if not model.cfg.attn_sinks:
+        return layer_bias(model, layer)[None]
+    attn = attention(model, layer)
+    per_head = torch.einsum("he,hed->hd", reading_bias(model, layer, "V"), attn.W_O)  # [H, d_model]
+    beta = run.patterns[layer].sum(-1).T @ per_head  # [n, H] @ [H, d_model]
+    b_O = attn.bias("b_O")
+    return beta + b_O if b_O is not None else beta
+
+
 def post_gain(model: Transformer, layer: int, name: str = "ln1_post") -> Tensor | None:
     """gamma [d_model] of layer's output norm (ln1_post after attention, ln2_post after the MLP); None without."""
     if not model.cfg.post_norms:
@@ -226,8 +244,9 @@ def post_gain(model: Transformer, layer: int, name: str = "ln1_post") -> Tensor 
 
 def written_bias(model: Transformer, run: FrozenRun, layer: int) -> Tensor:
     """What layer's attention bias beta_l adds to the stream: [1, d_model] (constant), or under an output norm
-    [n, d_model] = beta_l diag(gamma_post) / rho_post(i) (frozen per position)."""
-    beta = layer_bias(model, layer)[None]
+    [n, d_model] = beta_l diag(gamma_post) / rho_post(i) (frozen per position); under learned sinks beta_l is
+    per position already (layer_bias_rows)."""
+    beta = layer_bias_rows(model, run, layer)
     gamma = post_gain(model, layer)
     if gamma is None:
         return beta

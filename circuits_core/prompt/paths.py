@@ -9,10 +9,13 @@ and the target value at a destination position p is inv_f[p] (x_L[p] . r) + cons
 Sources (where a path starts):
     ()               the embedding x_0 (W_E[t], + W_pos for standard positions), enters layer 0
     ("bias:L3",)     beta_3, the constant output of attention layer 3 (b_O and folded b_V, b_ln1), enters layer 4
-                     (under an output norm it is written as beta_3 diag(gamma) / rho_post(i): one row per position)
+                     (under an output norm it is written as beta_3 diag(gamma) / rho_post(i), under learned sinks
+                     each head's value bias is scaled by its row sum: one row per position, frozen.written_bias)
     ("mlp:L3",)      the MLP of layer 3's actual output in the clean run, enters layer 4. An MLP is a node:
                      its inputs are NOT expanded further (the MLP is not linear), so every path through an MLP
                      starts at it.
+    ("mlp:L3.e5",)   a mixture of experts, routing frozen: expert 5's weighted output on the tokens that chose it
+                     (one source per expert used on the prompt; they sum to the MLP's output).
     ("bias:unembed",) b_U + b_ln_final . u, order 0
 A path's tuple is (source?, *head names); its order is the number of heads. Terms of order > max_order are
 summed into an explicit `remainder` (actual value minus the explicit terms), so terms + remainder always
@@ -123,13 +126,28 @@ class _Source:
 
 
 def path_sources(model: Transformer, run: FrozenRun) -> list[_Source]:
-    """The embedding, each attention layer's bias and each MLP's output, with the layer where they enter."""
+    """The embedding, each attention layer's bias and each MLP's output (or each expert's that a token used), with
+    the layer where they enter."""
     out = [_Source((), 0, embed_source(model, run))]
     for layer in range(model.cfg.n_layers):
         out.append(_Source((f"bias:L{layer}",), layer + 1, written_bias(model, run, layer)))
         if not model.cfg.attn_only:
-            out.append(_Source((f"mlp:L{layer}",), layer + 1, run.cache[f"blocks.{layer}.hook_mlp_out"]))
+            out += [_Source((name,), layer + 1, X) for name, X in mlp_parts(model, run, layer)]
     return out
+
+
+def mlp_parts(model: Transformer, run: FrozenRun, layer: int) -> list[tuple[str, Tensor]]:
+    """("mlp:L3", its output [n, d_model]); for a mixture of experts, with the routing frozen, one part per expert
+    that some token used: ("mlp:L3.e5", weight x expert 5's output on the tokens routed to it, zero elsewhere).
+    The parts sum to the MLP's output."""
+    if model.cfg.num_experts is None:
+        return [(f"mlp:L{layer}", run.cache[f"blocks.{layer}.hook_mlp_out"])]
+    p = f"blocks.{layer}.mlp"
+    indices, slots = run.cache[f"{p}.hook_expert_indices"], run.cache[f"{p}.hook_expert_out"]  # [n, k], [n, k, d]
+    return [
+        (f"mlp:L{layer}.e{e}", (slots * (indices == e)[..., None].to(slots.dtype)).sum(1))
+        for e in torch.unique(indices).tolist()
+    ]
 
 
 def _positions(positions: int | Sequence[int] | None, n: int, device: torch.device) -> Tensor:
@@ -172,7 +190,7 @@ class _Expander:
         shape = (self.n_terms + 1, q, run.n) if by_source else (self.n_terms + 1, q)
         self.values = torch.empty(shape, dtype=model.dtype, device=model.device)
         self.offset = 0
-        self.const = [
+        self.const = [  # constant rows (a bias; per position under learned sinks or an output norm)
             s for s, src in enumerate(sources) if src.name and src.name[0].startswith("bias:") and src.X.shape[0] == 1
         ]
         self.seq = [s for s in range(len(sources)) if s not in self.const]
@@ -295,7 +313,8 @@ def expand_logits(
         ]
         return _side_by_side(parts, dest)
     n_suffixes = _count_suffixes(L, H, max_order)
-    n_terms = n_suffixes * (1 + (1 if cfg.attn_only else 2) * L)
+    sources = path_sources(model, run)
+    n_terms = n_suffixes * len(sources)
     if n_terms * q * (n if by_source else 1) > max_elements:
         raise LimitExceededError(
             f"about {n_terms} terms x {q} positions x {n if by_source else 1} sources is over the "
@@ -305,7 +324,7 @@ def expand_logits(
     with torch.no_grad():
         r, const = readout(model, target, target_cap_factors(run, target, int(dest[0])))
         inv_f = run.inv_scale("ln_final")
-        exp = _Expander(model, run, path_sources(model, run), by_source, max_order, q)
+        exp = _Expander(model, run, sources, by_source, max_order, q)
         coef0 = torch.zeros(1, q, n, dtype=model.dtype, device=model.device)
         coef0[0, torch.arange(q), dest] = inv_f[dest]
         exp.emit(0, L, [()], [()], coef0, r[None])
@@ -421,13 +440,14 @@ def cost(model: Transformer, n: int, max_order: int, by_source: bool = False, q:
     cfg = model.cfg
     L, H = cfg.n_layers, cfg.n_heads
     order = max(0, min(max_order, L))
-    entries = [0] + [layer + 1 for layer in range(L) for _ in range(1 if cfg.attn_only else 2)]
+    mlps = 0 if cfg.attn_only else min(cfg.num_experts or 1, n * cfg.experts_per_token)  # MLP parts per layer
+    entries = [0] + [layer + 1 for layer in range(L) for _ in range(1 + mlps)]
     terms = _term_count(entries, L, H, order) + 1
     per_term = q * (n if by_source else 1)
     steps = _schedule(L, H, order)
 
-    def n_seq(layer: int) -> int:  # sequence sources read at `layer`: the embedding and the earlier MLPs
-        return 1 + (0 if cfg.attn_only else layer)
+    def n_seq(layer: int) -> int:  # sequence sources read at `layer`: the embedding, the earlier MLPs (and biases)
+        return 1 + mlps * layer + (layer if cfg.attn_sinks else 0)
 
     suffix = q * n + cfg.d_model  # a coefficient and a readout
     kept = sum(H * P0 for o, _, P0 in steps if o < order) + sum(H * P0 for o, _, P0 in steps if o == order - 1)

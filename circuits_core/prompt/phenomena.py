@@ -150,7 +150,8 @@ def repeat_losses(model: Transformer, rep_tokens: Tensor) -> dict[str, float]:
 
 
 def k_composition_partner(model: Transformer, layer: int, head: int) -> int:
-    """The head of layer - 1 with the largest K-composition score into `head` of `layer` (circuits_core.circuits.composition)."""
+    """The head of layer - 1 with the largest K-composition score into `head` of `layer`
+    (circuits_core.circuits.composition)."""
     k = composition_scores(model, kinds=("k",), n_samples=2).raw["k"]  # [L, H (earlier), L, H (later)]
     return int(k[layer - 1, :, layer, head].argmax())
 

@@ -5,10 +5,11 @@ Row-vector convention. With the clean run's patterns and LayerNorm scales frozen
 stream read by layer l is a sum of components y_a [n, d_model]:
     "embed" (W_E[t]), "pos_embed" (standard positions: W_pos in the residual stream), each earlier head's
     actual output "L0H3" = A D (x C) diag(w) W_V W_O (its linear part), "mlp:L0" (actual MLP outputs),
-    "bias" (sum of the earlier layers' constant outputs beta, frozen.layer_bias).
+    "bias" (sum of the earlier layers' constant outputs beta, frozen.layer_bias_rows: per position under sinks).
 Query-side vectors: q_a = D_l (y_a C) diag(w) W_Q^h, plus "pos_embed" = W_pos W_Q for shortformer positions
 (added after ln1: not centred, not scaled by D) and "b_Q" = b_ln1 W_Q + b_Q; keys alike. Then
-    hook_attn_scores (before the mask) = sum_{a,b} q_a k_b^T / attn_scale      (rotary: rotate each q_a, k_b)
+    hook_attn_scores (before the mask) = sum_{a,b} q_a k_b^T / attn_scale      (rotary: rotate each q_a, k_b;
+                                                                                ALiBi: + -m_h (i - j), `positional`)
 (a, b) = (embed, embed) is no composition; (head, embed) Q-composition; (embed, head) K-composition.
 The summary is the std of each (a, b) term over the positions the head sees (causal, and within a sliding window),
 as ARENA's `decompose_attn_scores` plot, where an induction head's (embed, previous-token head) K term stands out.
@@ -30,10 +31,12 @@ from torch import Tensor
 from circuits_core.circuits.copying_spectra import copying_score, embed_gram
 from circuits_core.circuits.embedding import EMBED_CHUNK, embed_eff
 from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.folded import circuit_weight, head_weights, layer_weights
 from circuits_core.circuits.head_circuits import check_head
 from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError, LimitExceededError
+from circuits_core.model.alibi import alibi_kernel
 from circuits_core.model.config import head_name
 from circuits_core.model.soft_cap import cap_factor, share_beyond_cap
 from circuits_core.model.transformer import Transformer
@@ -69,6 +72,7 @@ class QKExpansion:
     cap_factor: Tensor | None = None  # [n, n]: frozen g = c tanh(s / c) / s of each entry, None without a cap
     beyond_cap: float = 0.0  # share of the seen scores with |s| > c before the cap
     visible: Tensor | None = None  # [n, n] bool: the entries the head sees (causal, within its window)
+    positional: Tensor | None = None  # [n, n] ALiBi's -m_h (i - j) (scores = sum of the terms + positional), else None
 
     def term(self, query_component: str, key_component: str) -> Tensor:
         """One (a, b) term [n, n] = q_a k_b^T / s (times the frozen cap factor under a cap)."""
@@ -105,7 +109,7 @@ def residual_components(model: Transformer, run: FrozenRun, layer: int) -> tuple
         if not model.cfg.attn_only:
             names.append(f"mlp:L{lay}")
             parts.append(run.cache[f"blocks.{lay}.hook_mlp_out"])
-        bias = bias + written_bias(model, run, lay)
+        bias = bias + written_bias(model, run, lay)  # [1 or n, d_model]
     names.append("bias")
     parts.append(bias.expand(run.n, -1))
     return names, torch.stack(parts)
@@ -169,9 +173,13 @@ def expand_scores(
             if terms is not None:
                 terms[a] = row
         scores = raw * g if g is not None else raw
+        positional = None
+        if model.cfg.alibi is not None:  # the linear positional kernel, outside the bilinear terms
+            positional = alibi_kernel(model.cfg, n, model.device)[h].to(model.dtype)
+            scores = scores + positional
     return QKExpansion(
         head_name(layer, h), comps, q_parts, k_parts, std, scores, terms, s, g, share_beyond_cap(raw[causal], cap),
-        causal,
+        causal, positional,
     )  # fmt: skip
 
 
@@ -223,9 +231,9 @@ def k_composition_circuit(model: Transformer, head: tuple[int, int], earlier: tu
     if lay2 >= layer:
         raise InvalidInputError(f"{head_name(lay2, h2)} must be in an earlier layer than {head_name(layer, h)}")
     W_E = embed_eff(model)
-    a, b = attention(model, layer), attention(model, lay2)
-    left = W_E @ a.W_Q[h] / model.cfg.scale  # [V, dh]
-    right = (((W_E @ b.W_V[h2]) @ b.W_O[h2]) @ a.W_K[h]).T  # [dh, V]
+    (W_Q, W_K, _, _), (_, _, W_V2, W_O2) = head_weights(model, layer, h), head_weights(model, lay2, h2)  # folded
+    left = W_E @ W_Q / model.cfg.scale  # [V, dh]
+    right = (((W_E @ W_V2) @ W_O2) @ W_K).T  # [dh, V]
     return FactoredMatrix(left, right)
 
 
@@ -291,18 +299,22 @@ def k_composition_matrices(
     M = torch.zeros(len(layers), H, cfg.d_head, cfg.d_head, dtype=dt, device=model.device)
 
     def G_E_W_Q_at(layer: int) -> Tensor:  # [H, d, dh]
-        return G_E @ attention(model, layer).W_Q.to(dt) if G_E_W_Q is None else G_E_W_Q[layer].to(dt)
+        return G_E @ circuit_weight(model, layer, "W_Q").to(dt) if G_E_W_Q is None else G_E_W_Q[layer].to(dt)
 
     earlier = [(int(lay), int(h)) for lay, h in (weights[:-1] != 0).nonzero()]  # weighted heads that can be earlier
     if not earlier:  # W_sum = 0 (one layer, or no weight on an earlier head)
         return M
     if len(earlier) * cfg.d_head < cfg.d_model:  # W_sum has rank < d_model: stay in its factors
-        W_Os = torch.stack([attention(model, lay).W_O[h] for lay, h in earlier]).to(dt)  # [r, dh, d]
-        VW = torch.stack([weights[lay, h] * attention(model, lay).W_V[h].T for lay, h in earlier]).to(dt)  # [r, dh, d]
+        W_Os = torch.stack([head_weights(model, lay, h)[3] for lay, h in earlier]).to(dt)  # [r, dh, d]
+        VW = torch.stack([weights[lay, h] * head_weights(model, lay, h)[2].T for lay, h in earlier]).to(
+            dt
+        )  # [r, dh, d]
         for i, layer in enumerate(layers):
             sel = [j for j, (lay, _) in enumerate(earlier) if lay < layer]
             if sel:  # else nothing earlier: W_sum = 0
-                left = W_Os[sel].flatten(0, 1) @ attention(model, layer).W_K.to(dt)  # [H, r dh, dh]: W_O^{h'} W_K^h
+                left = W_Os[sel].flatten(0, 1) @ layer_weights(model, layer, "W_K").to(
+                    dt
+                )  # [H, r dh, dh]: W_O^{h'} W_K^h
                 right = VW[sel].flatten(0, 1) @ G_E_W_Q_at(layer)  # [H, r dh, dh]: w W_V^{h'T} G_E W_Q^h
                 M[i] = left.transpose(-2, -1) @ right / cfg.scale
         return M
@@ -311,12 +323,14 @@ def k_composition_matrices(
     n_kv, group = H // cfg.group_size, cfg.group_size
     S = torch.zeros(cfg.d_model, cfg.d_model, dtype=dt, device=model.device)
     for layer in range(1, layers.stop if len(layers) else 1):  # S_l for every layer up to the last asked
-        before, w = attention(model, layer - 1), weights[layer - 1].to(dt)
+        w = weights[layer - 1].to(dt)
         if bool((w != 0).any()):
-            O_w = (before.W_O.to(dt) * w[:, None, None]).unflatten(0, (n_kv, group)).sum(1)  # [n_kv, dh, d]
-            S = S.addmm(O_w.flatten(0, 1).T, before.grouped("W_V").to(dt).transpose(-2, -1).flatten(0, 1))  # [d, d]
+            W_O = circuit_weight(model, layer - 1, "W_O").to(dt)  # output-norm gain folded (folded.py)
+            O_w = (W_O * w[:, None, None]).unflatten(0, (n_kv, group)).sum(1)  # [n_kv, dh, d]
+            W_V = circuit_weight(model, layer - 1, "W_V").to(dt)
+            S = S.addmm(O_w.flatten(0, 1).T, W_V.transpose(-2, -1).flatten(0, 1))  # [d, d]
         if layer in layers:
-            KS = attention(model, layer).grouped("W_K").to(dt).transpose(-2, -1) @ S  # [n_kv, dh, d]: W_K^{gT} S_l
+            KS = circuit_weight(model, layer, "W_K").to(dt).transpose(-2, -1) @ S  # [n_kv, dh, d]: W_K^{gT} S_l
             M[layer - layers.start] = KS.repeat_interleave(group, dim=0) @ G_E_W_Q_at(layer) / cfg.scale  # [H, dh, dh]
     return M
 

@@ -22,6 +22,7 @@ from torch import Tensor
 from circuits_core.circuits.composition import composition_scores
 from circuits_core.circuits.copying_spectra import copying_score, unembed_embed_gram
 from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.folded import head_weights, stacked_weights
 from circuits_core.circuits.head_circuits import check_head
 from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.cost import Cost, itemsize
@@ -44,8 +45,8 @@ def _check_pair(model: Transformer, h1: Head, h2: Head) -> None:
 def virtual_ov(model: Transformer, h1: Head, h2: Head) -> FactoredMatrix:
     """W_V^{h1} W_O^{h1} W_V^{h2} W_O^{h2} [d_model, d_model] (inner d_head)."""
     _check_pair(model, h1, h2)
-    a, b = attention(model, h1[0]), attention(model, h2[0])
-    return FactoredMatrix(a.W_V[h1[1]], (a.W_O[h1[1]] @ b.W_V[h2[1]]) @ b.W_O[h2[1]])
+    (_, _, V1, O1), (_, _, V2, O2) = head_weights(model, *h1), head_weights(model, *h2)  # gains folded (folded.py)
+    return FactoredMatrix(V1, (O1 @ V2) @ O2)
 
 
 def factors_copying_score(left: Tensor, right: Tensor, G: Tensor) -> Tensor:
@@ -64,12 +65,13 @@ def virtual_copying_scores(
     L, H = cfg.n_layers, cfg.n_heads
     G = unembed_embed_gram(model) if G is None else G  # [d, d]
     out = torch.zeros(L, H, L, H, dtype=torch.float64, device=model.device)
+    W_V, W_O = stacked_weights(model, "W_V"), stacked_weights(model, "W_O")  # output-norm gains folded (folded.py)
     for l1 in range(L - 1):
         if should_stop is not None and should_stop():
             raise CancelledError("virtual copying scores cancelled")
-        W_V1, W_O1 = model.W_V[l1], model.W_O[l1]  # [H, d, dh], [H, dh, d]
-        OG2 = model.W_O[l1 + 1 :] @ G  # [L', H, dh, d]: W_O^{h2} G
-        right = torch.einsum("hed,mgdf,mgfc->hmgec", W_O1, model.W_V[l1 + 1 :], OG2)  # [H, L', H, dh, d]
+        W_V1, W_O1 = W_V[l1], W_O[l1]  # [H, d, dh], [H, dh, d]
+        OG2 = W_O[l1 + 1 :] @ G  # [L', H, dh, d]: W_O^{h2} G
+        right = torch.einsum("hed,mgdf,mgfc->hmgec", W_O1, W_V[l1 + 1 :], OG2)  # [H, L', H, dh, d]
         out[l1, :, l1 + 1 :] = factors_copying_score(W_V1[:, None, None], right, torch.eye(cfg.d_model, dtype=G.dtype))
     return out
 

@@ -10,7 +10,8 @@ data) and ships them with a model card of what circuits_core.prompt.phenomena me
 
 Training uses `training_logits` (F.scaled_dot_product_attention over the same parameters); tests check it
 against `Transformer.run`. Learning rate: linear warmup then constant, so a run stopped at step S equals a
-run planned for S steps. Everything is seeded: init (circuits_core.model.transformer.init_weights), batches (numpy PCG64).
+run planned for S steps. Everything is seeded: init (circuits_core.model.transformer.init_weights), batches (numpy
+PCG64).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""API of the composition and prompt analyses: each endpoint's numbers against direct, independent engine computations on the
-same tiny model (dense float64 matrices, real forward passes), and every refusal as problem+json.
+"""API of the composition and prompt analyses: each endpoint's numbers against direct, independent engine computations
+on the same tiny model (dense float64 matrices, real forward passes), and every refusal as problem+json.
 
 tiny-2l: 2 layers x 4 heads, d_model 32, shortformer positions, no LayerNorm, no biases (conftest.py), so the
 frozen-attention path terms have simple dense forms: x_L = X0 + sum A X0 W_OV + ..., logits = x_L W_U.
@@ -75,7 +75,8 @@ def top_entries(M: torch.Tensor, k: int) -> list[float]:
 # -- composition ----------------------------------------------------------------------------------------
 def arena_baseline(d_model: int, d_head: int, n_samples: int = BASELINE_SAMPLES, seed: int = 0) -> tuple[float, float]:
     """(mean, std) of ARENA's random composition score, densely: W_A = A_l A_r^T, W_B = B_l B_r^T [d, d] from the
-    same uniform stream (chunks of 32 draws of 4 [d_model, d_head] matrices, seeded), ||W_A W_B|| / (||W_A|| ||W_B||)."""
+    same uniform stream (chunks of 32 draws of 4 [d_model, d_head] matrices, seeded), ||W_A W_B|| / (||W_A||
+    ||W_B||)."""
     gen = torch.Generator().manual_seed(seed)
     scores = []
     for start in range(0, n_samples, 32):
@@ -449,7 +450,10 @@ def test_tour_on_toy_models_matches_the_full_views(toy_client: TestClient) -> No
     heads = toy_client.get("/api/v1/models/toy-2l/heads").json()["heads"]
     best = max((h for h in heads if h["layer"] >= 1), key=lambda h: h["induction"])
     assert best["induction"] < 0.4
-    refused = f"no induction head: the strongest, {best['head']}, scores {best['induction']:.2f} (< 0.4) on the standard input"
+    refused = (
+        f"no induction head: the strongest, {best['head']}, scores {best['induction']:.2f} (< 0.4) "
+        "on the standard input"
+    )
     missing = {f["id"]: f["detail"] for f in body["figures"] if not f["available"]}
     assert missing and all(detail == refused for detail in missing.values()), missing
     assert set(missing) <= {"F20", "F22", "F23", "F25", "F26", "F29"}  # the figures of the induction circuit only

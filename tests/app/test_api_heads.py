@@ -145,7 +145,8 @@ def test_detectors_default_input_fits_a_short_context(client: TestClient, tiny_l
 
 
 def test_heads_table_k_composition_scatter(heads: dict, tiny: LoadedModel) -> None:
-    """y axis of the paper's 2-D view: positivity of the dense K-composition token circuit with the previous-token head."""
+    """y axis of the paper's 2-D view: positivity of the dense K-composition token circuit with the previous-token
+    head."""
     model = tiny.model
     layer0 = [r for r in heads["heads"] if r["layer"] == 0]
     prev = max(layer0, key=lambda r: r["previous_token"])

@@ -2,7 +2,8 @@
 QK-norm, multi-query, local layers with their own rope base and a window shorter than the prompt, sandwich norms) and a
 Gemma 2-shaped one (soft caps on scores and logits, alternate windows), plus an OLMo 2-shaped one (QK-norm over the
 layer, output norms only). Each request (default parameters, a prompt where one is needed) must answer 200; QK tables
-say which form their numbers are in, and a capped model's QK table holds capped values (checked against the engine's factors)."""
+say which form their numbers are in, and a capped model's QK table holds capped values (checked against the engine's
+factors)."""
 
 from __future__ import annotations
 

@@ -55,7 +55,8 @@ def test_copying_page_and_refusals(client):
 
 
 def sampled_rows_dense(M: torch.Tensor, n_rows: int, seed: int, k: int) -> tuple[float, float, float]:
-    """top-1, top-k and diagonal > 0 shares over the documented sample: torch.randperm(n, manual_seed(seed))[:n_rows]."""
+    """top-1, top-k and diagonal > 0 shares over the documented sample: torch.randperm(n,
+    manual_seed(seed))[:n_rows]."""
     picked = torch.randperm(M.shape[0], generator=torch.Generator().manual_seed(seed))[:n_rows]
     rows = M[picked]
     top = rows.topk(k, dim=1).indices

@@ -128,3 +128,39 @@ def test_head_filter_keeps_what_its_clauses_say() -> None:
 def test_unreadable_filters_are_refused_with_the_syntax(bad: str) -> None:
     with pytest.raises(InvalidInputError, match="filter"):
         HeadFilter.parse(bad)
+
+
+def test_smollm2_chapter_figures_come_from_each_sentences_values() -> None:
+    """The tour page draws R1-R3 from the values their sentences state (the chapter had no figures); the values
+    here are made up, the real ones are checked on the model in tests/app/test_tour_rotary.py."""
+    from app.routers.pages_tour import figure_parts
+    from app.schemas.analyses import TourFigure
+
+    claims = {
+        "R1": {
+            "induction": [["L18H6", 0.9]],
+            "previous_token": [["L16H0", 0.8], ["L3H1", 0.5]],
+            "k_sources": [{"source": "L16H0", "target": "L18H6", "profile": [0.2, 0.3, 0.25]}],
+            "baseline": 0.1,
+        },
+        "R2": {"order0": 1.0, "order1": 4.0, "remainder": -0.5, "value": 4.5, "position": 39},
+        "R3": {"head": "L18H6", "query": 39, "key": 21, "score": 7.0, "top_terms": [["embed", "L16H0", 5.0]]},
+    }
+    drawn = {}
+    for fid, claim in claims.items():
+        fig = TourFigure(
+            id=fid,
+            title="",
+            anchor="",
+            look_for="",
+            model="m",
+            link=None,
+            api=None,
+            available=True,
+            data={"claim": claim},
+        )
+        drawn[fid] = figure_parts(fig)["charts"]
+    assert drawn["R1"][0]["data"][0]["y"] == [0.9, 0.8, 0.5]
+    assert drawn["R1"][1]["data"][0]["y"] == [0.2, 0.3, 0.25] and drawn["R1"][1]["data"][1]["y"] == [0.1] * 3
+    assert drawn["R2"][0]["data"][0]["y"] == [1.0, 4.0, -0.5, 4.5]  # the waterfall ends at the model's logit
+    assert drawn["R3"][0]["data"][0]["y"] == [5.0]

@@ -1,7 +1,8 @@
-"""Hostile pass over the same parameters outside the in-process API (test_hostile_vocab_basis_params.py has the requests): precompute's
-command line and its crawl of edge models (pages, API twins, lazy panels), the new refusals over real HTTP (uvicorn
-on loopback), and the term-importance page's ablation sentence on the measured previous-token scores of toy-2l's card
-and SmolLM2's summary (a weak layer-0 head must not be called a previous-token head). Same model folders.
+"""Hostile pass over the same parameters outside the in-process API (test_hostile_vocab_basis_params.py has the
+requests): precompute's command line and its crawl of edge models (pages, API twins, lazy panels), the new refusals over
+real HTTP (uvicorn on loopback), and the term-importance page's ablation sentence on the measured previous-token scores
+of toy-2l's card and SmolLM2's summary (a weak layer-0 head must not be called a previous-token head). Same model
+folders.
 """
 
 from __future__ import annotations
@@ -230,7 +231,7 @@ def server(folders: tuple[Path, Path]) -> Iterator[str]:
 
 RAW_HTTP = [("two/heads/L0H0/ov?vocab=ALL", 422, "vocab"), ("two/copying?rows=0", 422, "rows"),
             ("two/copying?heads=" + "%2C".join(["L0H0"] * 17), 422, "at most"), ("two/copying?rows=%00", 422, "rows"),
-            ("rope/heads/L0H0/qk-copying?max_offset=4097", 422, "max_offset"), ("rope/heads/L0H0/qk-copying?offset=32", 422, "32"),
+            ("rope/heads/L0H0/qk-copying?max_offset=4097", 422, "max_offset"), ("rope/heads/L0H0/qk-copying?offset=32", 422, "32"),  # noqa: E501 (a table kept on one line)
             ("two/heads/L0H0/qk-copying", 422, "rotary"), ("ln/composition?basis=%F0%9F%92%A9", 422, "basis"),
             ("ctx2/detectors", 422, "seq_len"), ("two/direct?min_count=all", 422, "min_count"),
             ("rope/heads/L0H0/qk-copying?offset=3&max_offset=8", 200, "eigenvalues")]  # fmt: skip

@@ -272,7 +272,8 @@ def test_direct_page_counts_the_rare_tokens_of_its_table(client):
     )
     assert (
         said
-        == f"Of the {len(tokens)} distinct tokens in this table, {rare} were seen fewer than {MIN_TRAIN_COUNT} times in training."
+        == f"Of the {len(tokens)} distinct tokens in this table, {rare} were seen fewer than {MIN_TRAIN_COUNT} times "
+        f"in training."
     )
     assert (
         'id="rare-claim"' not in client.get("/models/toy-0l/direct", params={"k": k}).text

@@ -1,5 +1,6 @@
-"""A real uvicorn process on 127.0.0.1 (one per module; the SIGTERM test runs last): SIGTERM lets an in-flight request finish with 200, and a client that
-disconnects mid-computation sets the stop flag (found by polling `request.is_disconnected()`), freeing the slot.
+"""A real uvicorn process on 127.0.0.1 (one per module; the SIGTERM test runs last): SIGTERM lets an in-flight request
+finish with 200, and a client that disconnects mid-computation sets the stop flag (found by polling
+`request.is_disconnected()`), freeing the slot.
 
 `make_app` is the uvicorn factory: the app of `Settings()` (configured through QKOV_* variables, as in
 production) plus one test route that holds a compute slot for `seconds` unless stopped.

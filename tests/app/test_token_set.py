@@ -21,6 +21,7 @@ from fastapi.testclient import TestClient
 from safetensors.torch import load_file
 
 import app.routers.pages as pages
+import app.routers.pages_heads as pages_heads
 import app.views.circuits as views
 from app.main import create_app
 from app.params import OVParams
@@ -53,6 +54,7 @@ def client(models: Path) -> Iterator[TestClient]:
     patch = pytest.MonkeyPatch()
     patch.setattr(views, "DEFAULT_VOCAB", SMALL)
     patch.setattr(pages, "DEFAULT_VOCAB", SMALL)
+    patch.setattr(pages_heads, "DEFAULT_VOCAB", SMALL)
     settings = Settings(
         shipped_dir=models / "none",
         models_dir=models,
@@ -157,6 +159,7 @@ def test_each_global_table_is_computed_once_for_every_k_up_to_the_shared_one(
 ) -> None:
     monkeypatch.setattr(views, "DEFAULT_VOCAB", SMALL)
     monkeypatch.setattr(pages, "DEFAULT_VOCAB", SMALL)
+    monkeypatch.setattr(pages_heads, "DEFAULT_VOCAB", SMALL)
     searches: list[int] = []
     inner = FactoredMatrix.topk_global
 

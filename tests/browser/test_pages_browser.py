@@ -68,7 +68,8 @@ def test_first_load_is_under_one_megabyte_and_cached_reload_is_fast(page: Page, 
     page.reload(wait_until="load")  # warm: static files from the cache, the heads view from the server's cache
     charts_drawn(page)
     nav = page.evaluate(
-        "() => { const n = performance.getEntriesByType('navigation')[0]; return {ttfb: n.responseStart - n.requestStart, load: n.loadEventEnd - n.startTime}; }"
+        "() => { const n = performance.getEntriesByType('navigation')[0]; return {ttfb: n.responseStart - "
+        "n.requestStart, load: n.loadEventEnd - n.startTime}; }"
     )
     reload_sizes = sum(sizes.values()) - total
     ARTIFACTS.mkdir(exist_ok=True)

@@ -297,7 +297,8 @@ def test_scatter_labels_do_not_overlap(shipped_page: Page) -> None:
     scatter = page.locator(".js-plotly-plot").filter(has=page.locator(".scatterlayer .textpoint")).first
     scatter.scroll_into_view_if_needed()
     boxes = scatter.locator(".textpoint text").evaluate_all(
-        "els => els.filter(e => e.textContent).map(e => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; })"
+        "els => els.filter(e => e.textContent).map(e => { const r = e.getBoundingClientRect(); return [r.left, r.top, "
+        "r.right, r.bottom]; })"
     )
     assert boxes, "no labelled point"
     assert disjoint(boxes)

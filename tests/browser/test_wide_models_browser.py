@@ -209,7 +209,8 @@ def bands_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def test_rotary_band_ticks_are_inside_the_chart(browser, bands_server: str) -> None:  # noqa: ANN001
-    """32 bands: every tick label lies inside the chart (the 'k=0 (λ=6.28)' labels ran off its bottom)."""
+    """32 bands: every tick label lies inside the chart. (It passes with the old 'k=0 (λ=6.28)' labels too on this
+    chart: it guards the short labels, it does not reproduce the clipping seen on SmolLM2's head page.)"""
     for pg in checked_page(browser, bands_server):
         pg.set_default_timeout(90_000)
         pg.goto("/models/bands/heads/L0H1")
@@ -217,14 +218,17 @@ def test_rotary_band_ticks_are_inside_the_chart(browser, bands_server: str) -> N
         pg.wait_for_function(
             "() => document.querySelectorAll('[data-name=\"bands-L0H1-rotary-bands\"] .xtick text').length > 0"
         )
-        svg = chart.locator(".main-svg").first.bounding_box()
-        ticks = chart.locator(".xtick text")
-        assert svg is not None and ticks.count() >= 16
-        for i in range(ticks.count()):
-            box = ticks.nth(i).bounding_box()
-            assert box is not None
-            assert svg["y"] <= box["y"] and box["y"] + box["height"] <= svg["y"] + svg["height"] + 1, i
-            assert svg["x"] - 1 <= box["x"] and box["x"] + box["width"] <= svg["x"] + svg["width"] + 1, i
+        # ticks measured against their own chart in one pass (panels arriving later move the page between calls)
+        outside = chart.evaluate(
+            """el => {
+              const svg = el.querySelector('.main-svg').getBoundingClientRect();
+              const ticks = Array.from(el.querySelectorAll('.xtick text'));
+              return {n: ticks.length, out: ticks.map(t => t.getBoundingClientRect()).filter(b =>
+                b.top < svg.top - 1 || b.bottom > svg.bottom + 1 || b.left < svg.left - 1 || b.right > svg.right + 1
+              ).length};
+            }"""
+        )
+        assert outside["n"] >= 16 and outside["out"] == 0, outside
         screenshot(pg, "rotary-bands-32")
 
 

@@ -1,4 +1,5 @@
-"""Shared fixtures of the path, composition and ablation tests: small float64 models with random biases and LayerNorm weights."""
+"""Shared fixtures of the path, composition and ablation tests: small float64 models with random biases and LayerNorm
+weights."""
 
 import torch
 

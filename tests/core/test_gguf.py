@@ -84,7 +84,7 @@ def write_gguf(
         hf |= {
             f"{b}.attn_norm.weight": 1 + rand(D_MODEL), f"{b}.ffn_norm.weight": 1 + rand(D_MODEL),
             f"{b}.attn_q.weight": rand(N_HEADS * D_HEAD, D_MODEL), f"{b}.attn_k.weight": rand(N_KV * D_HEAD, D_MODEL),
-            f"{b}.attn_v.weight": rand(N_KV * D_HEAD, D_MODEL), f"{b}.attn_output.weight": rand(D_MODEL, N_HEADS * D_HEAD),
+            f"{b}.attn_v.weight": rand(N_KV * D_HEAD, D_MODEL), f"{b}.attn_output.weight": rand(D_MODEL, N_HEADS * D_HEAD),  # noqa: E501 (a table kept on one line)
             f"{b}.ffn_gate.weight": rand(D_MLP, D_MODEL), f"{b}.ffn_up.weight": rand(D_MLP, D_MODEL),
             f"{b}.ffn_down.weight": rand(D_MODEL, D_MLP),
         }  # fmt: skip

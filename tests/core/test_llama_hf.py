@@ -5,7 +5,8 @@ parameter re-drawn at a scale that makes the logits O(1-10) (RMS weights 1 + 0.3
 N(0, 1.5^2 / fan_in)), saved with `save_pretrained` (sharded with an index for one of them, bfloat16 for
 another) and loaded with qkov's `load_checkpoint`. Covered: grouped-query attention, head_dim != d_model /
 n_heads, attention biases (Llama attention_bias, Qwen2's q/k/v), tied and untied embeddings, each rope
-scaling (default, linear, llama3), Mistral's sliding window. Each knob is also shown to matter (changing it in
+scaling (default, linear, llama3, yarn with its attention factor), Mistral's sliding window. Each knob is also shown
+to matter (changing it in
 qkov's config changes the logits), so agreement is not an accident of a weak setting.
 """
 
@@ -41,12 +42,16 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
                                            "rope_parameters": {"rope_type": "default", "rope_theta": 100.0}}),
     "llama_bias_linear_tied": ("llama", {"num_attention_heads": 4, "num_key_value_heads": 4, "attention_bias": True,
                                          "tie_word_embeddings": True,
-                                         "rope_parameters": {"rope_type": "linear", "rope_theta": 100.0, "factor": 3.0}}),
+                                         "rope_parameters": {"rope_type": "linear", "rope_theta": 100.0, "factor": 3.0}}),  # noqa: E501 (a table kept on one line)
     "llama_gqa_llama3_headdim": ("llama", {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 6,
                                            "tie_word_embeddings": False, "rope_parameters": LLAMA3}),
     "mistral_gqa_window": ("mistral", {"num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 5,
                                        "tie_word_embeddings": False, "rope_parameters": {"rope_type": "default",
                                                                                          "rope_theta": 50.0}}),
+    "llama_yarn_mscale": ("llama", {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": False,
+                                    "rope_parameters": {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0,
+                                                        "original_max_position_embeddings": 8, "beta_fast": 8.0,
+                                                        "beta_slow": 1.0}}),
     "qwen2_gqa_bias_tied": ("qwen2", {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
                                       "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}}),
 }  # fmt: skip
@@ -132,6 +137,8 @@ def _variant(model: Transformer, **changes: Any) -> Transformer:
         ("llama_gqa_llama3_headdim", {"rope_type": "default", "rope_factor": 1.0}),
         ("qwen2_gqa_bias_tied", {"rotary_base": 10000.0}),
         ("mistral_gqa_window", {"window_size": None}),  # the window is shorter than the prompt: it masks
+        ("llama_yarn_mscale", {"attn_scale": None}),  # YaRN's attention factor, squared, in the score scale
+        ("llama_yarn_mscale", {"rope_type": "linear"}),  # the ramp keeps the fast pairs unscaled
     ],
 )
 def test_each_rotary_knob_matters(world: dict[str, tuple[Path, Any]], name: str, changes: dict[str, Any]) -> None:
@@ -191,7 +198,7 @@ def test_tokenizer_json_is_read(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 100.0, "factor": 2.0}}, "'yarn'"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 100.0, "factor": 2.0}}, "'longrope'"),
         ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 100.0, "factor": 2.0}}, "'dynamic'"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"num_key_value_heads": 3}, "num_key_value_heads=3"),

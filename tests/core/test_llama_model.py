@@ -128,8 +128,8 @@ def test_rope_scaling_types_and_refusals() -> None:
     s = (12 / (2 * torch.pi / base[0]) - 1) / 3
     assert 0 < s < 1 and abs(llama3[0] - ((1 - s) * base[0] / 4 + s * base[0])) < 1e-15
     assert 2 * torch.pi / base[1] > 12 and llama3[1] == base[1] / 4
-    with pytest.raises(InvalidInputError, match="'yarn'"):
-        dataclasses.replace(LLAMA, rope_type="yarn")  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="'dynamic'"):
+        dataclasses.replace(LLAMA, rope_type="dynamic")  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match="name the scaling type"):
         dataclasses.replace(LLAMA, rope_type="default")  # rope_factor 4 left without its type
     with pytest.raises(InvalidInputError, match="must divide"):

@@ -1,4 +1,5 @@
-"""The forms of the QK circuit under QK-norm, output norms and windows, each against the model's own forward pass (float64).
+"""The forms of the QK circuit under QK-norm, output norms and windows, each against the model's own forward pass
+(float64).
 
 - Token level ("cosine"): a token table entry at an offset is exactly the score a layer-0 head gives that query token
   on that key token, read from the model's run (before the cap), and the weight-level product without the per-token
@@ -13,6 +14,7 @@ import torch
 from rotary_models import CASES, rotary_model, tokens_for
 
 from circuits_core.circuits.composition_rotary import composition_profiles
+from circuits_core.circuits.embedding import embed_eff
 from circuits_core.circuits.head_circuits import full_qk_circuit, ov_circuit
 from circuits_core.circuits.qk_forms import qk_form
 from circuits_core.circuits.rotary import (
@@ -27,6 +29,8 @@ from circuits_core.circuits.rotary import (
 )
 from circuits_core.model.hooks import Recorder
 from circuits_core.model.window import at_window_edge
+from circuits_core.prompt.qk_paths import k_composition_circuit
+from circuits_core.prompt.virtual import virtual_ov
 
 
 def _score(model, a, b, delta, h):
@@ -110,3 +114,18 @@ def test_a_maximum_at_the_last_offset_a_sliding_layer_sees_is_an_edge():
     cfg = model.cfg
     assert [at_window_edge(cfg, 0, d) for d in range(4)] == [False, False, True, False]
     assert not any(at_window_edge(cfg, 2, d) for d in range(8))  # the global layer has no window edge
+
+
+def test_weight_circuits_fold_the_gains_the_forward_pass_keeps_apart():
+    """Virtual OV and the token-space K-composition circuit, against dense products of the parameters with the output
+    norms' and QK-norm's gains written in by hand (Gemma 3 shape: both kinds of gain)."""
+    model = rotary_model(n_layers=2, **CASES["gemma3"])
+    a, b = model.blocks[0], model.blocks[1]
+    post_a, post_b = torch.diag(a.ln1_post.w), torch.diag(b.ln1_post.w)
+    dense = a.attn._W_V[0] @ a.attn.W_O[3] @ post_a @ b.attn._W_V[0] @ b.attn.W_O[2] @ post_b
+    torch.testing.assert_close(virtual_ov(model, (0, 3), (1, 2)).AB, dense, atol=1e-12, rtol=0)
+    W_E = embed_eff(model)
+    W_Q = b.attn.W_Q[1] @ torch.diag(b.attn.q_norm.w)
+    W_K = b.attn._W_K[0] @ torch.diag(b.attn.k_norm.w)
+    expected = W_E @ W_Q @ (W_E @ a.attn._W_V[0] @ a.attn.W_O[3] @ post_a @ W_K).T / model.cfg.scale
+    torch.testing.assert_close(k_composition_circuit(model, (1, 1), (0, 3)).AB, expected, atol=1e-10, rtol=0)

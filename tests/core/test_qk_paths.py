@@ -53,7 +53,8 @@ def test_terms_sum_to_attention_scores(case):
 
 
 def test_k_composition_term_equals_token_circuit():
-    """docs/maths.md §5.3: (W_E W_Q W_K^T W_OV'^T W_E^T)[t][:, t] A'^T == (E W_Q)(A' E W_OV' W_K)^T (no LN, no biases)."""
+    """docs/maths.md §5.3: (W_E W_Q W_K^T W_OV'^T W_E^T)[t][:, t] A'^T == (E W_Q)(A' E W_OV' W_K)^T (no LN, no
+    biases)."""
     model = small_model(n_layers=2, bias=False)
     tokens = tokens_for(model, n=8)
     run = frozen_run(model, tokens)

@@ -42,6 +42,6 @@ def test_toy_2l_row() -> None:
     assert f"repeat loss {c['rep1_loss']:.2f} → {c['rep2_loss']:.2f} nats" in r
     input_ = c["detector_input"]
     assert (
-        f"BOS + {input_['seq_len']} uniform random tokens repeated twice, {input_['batch']} sequences, seed {input_['seed']}"
-        in (REPO / "README.md").read_text()
+        f"BOS + {input_['seq_len']} uniform random tokens repeated twice, {input_['batch']} sequences, seed "
+        f"{input_['seed']}" in (REPO / "README.md").read_text()
     )

@@ -36,6 +36,19 @@ CONFIGS = {
         parallel_attn_mlp=True,
     ),
     "zero-layer": dict(n_layers=0, positional_embedding_type="standard"),
+    "moe-sinks-rms": dict(
+        n_layers=2,
+        attn_only=False,
+        d_mlp=12,
+        act_fn="silu",
+        gated_mlp=True,
+        normalization_type="RMS",
+        positional_embedding_type="none",
+        use_bias=True,
+        attn_sinks=True,
+        num_experts=3,
+        experts_per_token=2,
+    ),
 }
 
 
@@ -81,14 +94,18 @@ def dense_writer(model, w):
         attn = model.blocks[w.layer].attn
         return _kv(model, w.layer, "W_V")[w.head] @ attn.W_O[w.head]
     W_out = model.blocks[w.layer].mlp.W_out
+    W_out = W_out[w.expert] if w.expert >= 0 else W_out  # an expert's [d_mlp, d] of [n_experts, d_mlp, d]
     return W_out if w.neurons is None else W_out[list(w.neurons)]
 
 
 def dense_reader(model, r, offset=0):
     if r.role == "unembed":
         return model.unembed.W_U
+    if r.role == "router":
+        return model.blocks[r.layer].mlp.W_router
     if r.role in ("in", "up", "gate"):
         W = model.blocks[r.layer].mlp.W_gate if r.role == "gate" else model.blocks[r.layer].mlp.W_in
+        W = W[r.expert] if r.expert >= 0 else W
         return W if r.neurons is None else W[:, list(r.neurons)]
     attn = model.blocks[r.layer].attn
     W_Q, W_K = attn.W_Q[r.head], _kv(model, r.layer, "W_K")[r.head]
@@ -128,6 +145,25 @@ def test_every_virtual_weight_and_score_equals_the_dense_product(name):
             assert scores.raw[i, j].item() == pytest.approx(_dense_score(W, R), rel=1e-9, abs=1e-12)
             checked += 1
     assert checked > 0
+
+
+def test_experts_are_writers_and_readers_and_the_router_a_reader():
+    model = _model("moe-sinks-rms")
+    names_w, names_r = [w.name for w in sc.writers(model)], [r.name for r in sc.readers(model)]
+    assert [n for n in names_w if n.startswith("L0.mlp")] == ["L0.mlp.e0", "L0.mlp.e1", "L0.mlp.e2"]
+    assert "L1.mlp.e2.gate" in names_r and "L1.mlp.e0.up" in names_r and "L1.mlp.router" in names_r
+    assert sc.parse_reader(model, "L1.mlp.router") == sc.Reader("router", 1)
+    assert sc.parse_writer(model, "L0.mlp.e1[2,5]") == sc.Writer("mlp", 0, neurons=(2, 5), expert=1)
+    for bad_writer in ("L0.mlp", "L0.mlp.e3"):  # a mixture of experts: name an expert that exists
+        with pytest.raises(NotFoundError):
+            sc.parse_writer(model, bad_writer)
+    for bad_reader in ("L1.mlp.gate", "L1.mlp.e3.up", "L1.mlp.e0.router"):
+        with pytest.raises(NotFoundError):
+            sc.parse_reader(model, bad_reader)
+    with pytest.raises(NotFoundError, match="dense"):
+        sc.parse_reader(_model("ln-standard-mlp-bias"), "L1.mlp.router")
+    rep = vw.pair_report(model, sc.Writer("embed"), sc.Reader("router", 1), k=1, n_top=2)
+    assert rep.output_space == "experts"
 
 
 def test_who_reads_whom():

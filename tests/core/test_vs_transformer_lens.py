@@ -61,14 +61,14 @@ D_VOCAB, N_CTX = 61, 24
 BASE: dict[str, Any] = {"d_model": 16, "n_heads": 2, "d_head": 8, "d_vocab": D_VOCAB, "n_ctx": N_CTX}
 SPECS: dict[str, dict[str, Any]] = {
     # Neel Nanda's attn-only models: LN + shortformer positions
-    "attn1_sf_ln": {"n_layers": 1, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "shortformer"},
-    "attn2_sf_ln": {"n_layers": 2, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "shortformer"},
-    "attn3_sf_ln": {"n_layers": 3, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "shortformer"},
-    "attn2_std_ln": {"n_layers": 2, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "standard"},
+    "attn1_sf_ln": {"n_layers": 1, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "shortformer"},  # noqa: E501 (a table kept on one line)
+    "attn2_sf_ln": {"n_layers": 2, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "shortformer"},  # noqa: E501 (a table kept on one line)
+    "attn3_sf_ln": {"n_layers": 3, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "shortformer"},  # noqa: E501 (a table kept on one line)
+    "attn2_std_ln": {"n_layers": 2, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "standard"},  # noqa: E501 (a table kept on one line)
     # ARENA's 2L model: no LN, shortformer (written in float64: config.json says "torch.float64")
-    "attn2_noln": {"n_layers": 2, "attn_only": True, "normalization_type": None, "positional_embedding_type": "shortformer",
+    "attn2_noln": {"n_layers": 2, "attn_only": True, "normalization_type": None, "positional_embedding_type": "shortformer",  # noqa: E501 (a table kept on one line)
                    "dtype": torch.float64},
-    "attn2_rot_ln": {"n_layers": 2, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "rotary",
+    "attn2_rot_ln": {"n_layers": 2, "attn_only": True, "normalization_type": "LN", "positional_embedding_type": "rotary",  # noqa: E501 (a table kept on one line)
                      "rotary_dim": 4},
     "mlp2_std_ln": {"n_layers": 2, "attn_only": False, "d_mlp": 32, "act_fn": "gelu_new", "normalization_type": "LN",
                     "positional_embedding_type": "standard"},
@@ -345,7 +345,7 @@ def test_head_detectors_match_tl_detect_head(
         "duplicate_token": tl_heads.get_duplicate_token_head_detection_pattern(tokens),
         "induction": tl_heads.get_induction_head_detection_pattern(tokens),
     }
-    targets = {"previous_token": torch.eye(n, dtype=torch.bool).roll(-1, 1).tril(-1), "duplicate_token": duplicate_targets(tokens)[0],
+    targets = {"previous_token": torch.eye(n, dtype=torch.bool).roll(-1, 1).tril(-1), "duplicate_token": duplicate_targets(tokens)[0],  # noqa: E501 (a table kept on one line)
                "induction": induction_targets(tokens)[0]}  # fmt: skip
     for detector, tl_name in (("previous_token", "previous_token_head"), ("duplicate_token", "duplicate_token_head"),
                               ("induction", "induction_head")):  # fmt: skip

@@ -133,7 +133,8 @@ def test_hf_errors_name_file_key_and_shapes(tmp_path: Path, gpt2_folder: tuple[P
     save_file(bad, str(tmp_path / "model.safetensors"))
     with pytest.raises(
         CheckpointError,
-        match=r"model\.safetensors: key transformer\.h\.1\.attn\.c_attn\.weight: expected shape \[16, 48\], given \[16, 47\]",
+        match=r"model\.safetensors: key transformer\.h\.1\.attn\.c_attn\.weight: expected shape \[16, 48\], given "
+        r"\[16, 47\]",
     ):
         load_checkpoint(tmp_path)
     save_file({k: v for k, v in sd.items() if k != "transformer.ln_f.bias"}, str(tmp_path / "model.safetensors"))

@@ -1,0 +1,80 @@
+"""The families beyond Llama (sections `families-load` and `moe-heads` of `python -m bench`).
+
+families-load: a Llama-, a Mixtral- and a gpt-oss-layout checkpoint of about the same size on disk (random weights,
+    written by transformers' save_pretrained in float32), each loaded by load_checkpoint (process=True, float32):
+    seconds per GB on disk, median of 3, the three in one run.
+moe-heads: the heads table (prompt.head_table: detector pass + full-circuit spectra) of a mixture-of-experts model
+    (8 experts of d_mlp 256, top 2) against the dense model with the same active MLP width (d_mlp 512) and the same
+    attention, both random qkov models, the same tokens.
+The machine is shared: figures are indicative; the load average is printed by `python -m bench`.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import median_time
+
+D, LAYERS, HEADS, KV, VOCAB = 512, 4, 8, 4, 8192
+
+
+def _write(kind: str, folder: Path) -> int:
+    import transformers
+
+    common: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  num_key_value_heads=KV, max_position_embeddings=2048)  # fmt: skip
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, intermediate_size=4 * 2048))
+    elif kind == "mixtral":
+        model = transformers.MixtralForCausalLM(
+            transformers.MixtralConfig(**common, intermediate_size=2048, num_local_experts=4, num_experts_per_tok=2)
+        )
+    else:
+        model = transformers.GptOssForCausalLM(
+            transformers.GptOssConfig(
+                **common,
+                head_dim=64,
+                intermediate_size=2048,
+                num_local_experts=4,
+                num_experts_per_tok=2,
+                sliding_window=128,
+            )  # fmt: skip
+        )
+    model.save_pretrained(folder)
+    return sum(p.stat().st_size for p in folder.iterdir())
+
+
+def families_load() -> None:
+    from circuits_core.formats.checkpoint import load_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="qkov-bench-families-") as tmp:
+        for kind in ("llama", "mixtral", "gpt_oss"):
+            folder = Path(tmp) / kind
+            size = _write(kind, folder)
+            seconds, _ = median_time(lambda f=folder: load_checkpoint(f, dtype=torch.float32), repeats=3)
+            print(
+                f"  load {kind:8s} {size / 1e9:5.2f} GB on disk: {seconds:6.2f} s, {seconds / (size / 1e9):5.2f} s/GB"
+            )
+
+
+def moe_heads() -> None:
+    from circuits_core.model.config import ModelConfig
+    from circuits_core.model.transformer import random_model
+    from circuits_core.prompt.head_table import head_table
+
+    base = dict(n_layers=LAYERS, d_model=D, n_heads=HEADS, d_head=64, d_vocab=VOCAB, n_ctx=512, attn_only=False,
+                normalization_type="RMS", positional_embedding_type="rotary", act_fn="silu", gated_mlp=True,
+                n_key_value_heads=KV)  # fmt: skip
+    dense = random_model(ModelConfig(**base, d_mlp=512))
+    moe = random_model(ModelConfig(**base, d_mlp=256, num_experts=8, experts_per_token=2))
+    tokens = torch.randint(0, VOCAB, (16, 128), generator=torch.Generator().manual_seed(0))
+    for name, model in (("dense d_mlp 512", dense), ("MoE 8 x 256, top 2", moe)):
+        seconds, _ = median_time(lambda m=model: head_table(m, tokens), repeats=3)
+        print(f"  heads table, {name:20s}: {seconds:6.2f} s (16 x 128 tokens)")
+
+
+SECTIONS = {"families-load": families_load, "moe-heads": moe_heads}

@@ -1,0 +1,98 @@
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE, gpt-oss): a router picks experts_per_token of num_experts
+gated MLPs per token and mixes their outputs with its weights. Row vectors, TransformerLens-style names, experts
+stacked on a leading axis:
+
+    W_router [d_model, n_experts] (+ b_router [n_experts])       router logits r = x W_router + b_router
+    W_gate, W_in [n_experts, d_model, d_mlp] (+ b_gate, b_in [n_experts, d_mlp])
+    W_out [n_experts, d_mlp, d_model] (+ b_out [n_experts, d_model])
+
+Routing: top-k of r, weighted by the softmax over the k chosen logits (moe_norm_topk: Mixtral, gpt-oss, Qwen3-MoE
+with norm_topk_prob) or by the k largest entries of the softmax over all experts (OLMoE, Qwen3-MoE without it).
+Expert e on x: silu(x W_gate[e]) * (x W_in[e]) W_out[e], or gpt-oss's clamped form (`clamped_swiglu`, config.py).
+out = sum over the chosen experts of weight * expert(x).
+
+Each expert's W_out[e] is a writer of the residual stream and its W_gate[e], W_in[e] readers, like a dense MLP's;
+W_router is a reader too. On a prompt the routing (indices and weights) is a per-token fact like a norm scale:
+`Frozen.routes` replays it, and hooks record it (hook_router_logits [batch, pos, n_experts], hook_expert_indices
+and hook_expert_weights [batch, pos, k], hook_expert_out [batch, pos, k, d_model]: each chosen expert's weighted
+output, summing to the MLP's output).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.hooks import Frozen, Recorder
+from circuits_core.model.linear import activation, affine
+
+
+def route(cfg: ModelConfig, logits: Tensor) -> tuple[Tensor, Tensor]:
+    """(indices, weights) [..., k] of router logits [..., n_experts] under the config's normalisation."""
+    k = cfg.experts_per_token
+    if cfg.moe_norm_topk:  # gpt-oss's order: top-k of the logits, then the softmax over those k
+        top, indices = torch.topk(logits, k, dim=-1)
+        return indices, top.softmax(dim=-1)
+    weights, indices = torch.topk(logits.softmax(dim=-1), k, dim=-1)
+    return indices, weights
+
+
+class MoE(nn.Module):
+    """The mixture-of-experts MLP of one layer (module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        assert cfg.num_experts is not None and cfg.d_mlp is not None
+        self.cfg, self.layer = cfg, layer
+        E, d, m = cfg.num_experts, cfg.d_model, cfg.d_mlp
+        self.W_router = nn.Parameter(torch.empty(d, E))
+        self.W_gate = nn.Parameter(torch.empty(E, d, m))
+        self.W_in = nn.Parameter(torch.empty(E, d, m))
+        self.W_out = nn.Parameter(torch.empty(E, m, d))
+        if cfg.use_bias:
+            self.b_router = nn.Parameter(torch.zeros(E))
+            self.b_gate = nn.Parameter(torch.zeros(E, m))
+            self.b_in = nn.Parameter(torch.zeros(E, m))
+            self.b_out = nn.Parameter(torch.zeros(E, d))
+
+    def router_logits(self, x: Tensor) -> Tensor:
+        """x [..., d_model] -> [..., n_experts]."""
+        return affine(x, self.W_router, self.b_router if self.cfg.use_bias else None)
+
+    def expert(self, e: int, x: Tensor) -> Tensor:
+        """Expert e's output (before its routing weight): x [m, d_model] -> [m, d_model]."""
+        cfg, bias = self.cfg, self.cfg.use_bias
+        gate = affine(x, self.W_gate[e], self.b_gate[e] if bias else None)  # [m, d_mlp]
+        up = affine(x, self.W_in[e], self.b_in[e] if bias else None)
+        if cfg.clamped_swiglu:
+            gate = gate.clamp(max=cfg.swiglu_limit)
+            up = up.clamp(min=-cfg.swiglu_limit, max=cfg.swiglu_limit)
+            hidden = (up + 1) * gate * torch.sigmoid(gate * cfg.swiglu_alpha)
+        else:
+            hidden = activation(cfg.act_fn, gate) * up
+        return affine(hidden, self.W_out[e], self.b_out[e] if bias else None)
+
+    def forward(self, x: Tensor, rec: Recorder, frozen: Frozen | None = None) -> Tensor:
+        # x: [batch, pos, d_model] -> [batch, pos, d_model]
+        p = f"blocks.{self.layer}.mlp"
+        routes = frozen.routes.get(self.layer) if frozen is not None else None
+        if routes is None:
+            indices, weights = route(self.cfg, rec(f"{p}.hook_router_logits", self.router_logits(x)))
+        else:
+            indices, weights = routes
+        rec(f"{p}.hook_expert_indices", indices), rec(f"{p}.hook_expert_weights", weights)
+        rows = x.reshape(-1, x.shape[-1])  # [batch pos, d_model]
+        flat_idx, flat_w = indices.reshape(rows.shape[0], -1), weights.reshape(rows.shape[0], -1)  # [batch pos, k]
+        per_slot = rec.wants(f"{p}.hook_expert_out")
+        slots = rows.new_zeros(*flat_idx.shape, rows.shape[1]) if per_slot else None  # [batch pos, k, d_model]
+        out = torch.zeros_like(rows)
+        for e in torch.unique(flat_idx).tolist():
+            token, slot = torch.where(flat_idx == e)
+            written = self.expert(e, rows[token]) * flat_w[token, slot, None].to(rows.dtype)  # [m, d_model]
+            out.index_add_(0, token, written)
+            if slots is not None:
+                slots[token, slot] = written
+        if slots is not None:
+            rec(f"{p}.hook_expert_out", slots.view(*indices.shape, -1))
+        return out.view_as(x)

@@ -1,0 +1,25 @@
+"""QK circuit norm per head (app/views/qk_circuit_norm.py): the API's answer against the engine, the page."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from circuits_core.circuits.qk_circuit_norm import qk_circuit_norms
+from circuits_core.formats.checkpoint import LoadedModel
+
+
+def test_api_answer_is_the_engines(client: TestClient, tiny: LoadedModel) -> None:
+    body = client.get("/api/v1/models/tiny-2l/qk-circuit-norm").json()
+    expected = qk_circuit_norms(tiny.model).tolist()  # [L][H], dense-checked in tests/core
+    assert body["group_size"] == 1 and len(body["norms"]) == 2 and len(body["norms"][0]) == 4
+    for got, want in zip(body["norms"], expected, strict=True):
+        assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_page_shows_the_numbers_and_is_in_the_navigation(client: TestClient, tiny: LoadedModel) -> None:
+    page = client.get("/models/tiny-2l/qk-circuit-norm")
+    assert page.status_code == 200
+    assert f"{qk_circuit_norms(tiny.model)[1, 2].item():.4f}" in page.text
+    assert 'href="/models/tiny-2l/heads/L1H3"' in page.text and "data-plotly" in page.text
+    assert 'href="/models/tiny-2l/qk-circuit-norm"' in client.get("/models/tiny-2l").text

@@ -1,0 +1,57 @@
+"""Tiny random checkpoints that transformers writes for the families beyond Llama (gpt-oss, the MoE models), and
+what the tests compare against: transformers' own eager forward pass on the same weights."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+VOCAB, N = 61, 14
+TOKENS = torch.randint(0, VOCAB, (2, N), generator=torch.Generator().manual_seed(3))
+
+
+def randomise(model: Any, seed: int) -> None:
+    """Re-draw every parameter at a scale that makes logits O(1-10): norms 1 + 0.3 N, biases and sinks 0.5 N (so
+    some pattern rows keep most of their mass and others give most of it to the sink), matrices N(0, 1.5² / fan_in).
+    Stacked experts [E, d_in, d_out] (gpt-oss) have their fan-in on axis -2, nn.Linear [d_out, d_in] on axis -1."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * noise)
+            elif name.endswith(("bias", "sinks")):
+                p.copy_(0.5 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(noise)
+            else:
+                fan_in = (
+                    p.shape[-2]
+                    if name.endswith(("gate_up_proj", "experts.down_proj")) and p.dim() == 3
+                    else p.shape[-1]
+                )
+                p.copy_(noise * 1.5 / math.sqrt(fan_in))
+
+
+def hf_model(config_name: str, model_name: str, fields: dict[str, Any], seed: int) -> Any:
+    config = getattr(transformers, config_name)(**{"vocab_size": VOCAB, **fields})
+    config._attn_implementation = "eager"  # the reference: patterns as transformers' eager attention returns them
+    model = getattr(transformers, model_name)(config).eval()
+    randomise(model, seed)
+    return model
+
+
+def save(model: Any, folder: Path) -> Path:
+    model.save_pretrained(folder)
+    return folder
+
+
+def hf_run(model: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """(logits [batch, n, V], attention patterns per layer [batch, heads, n, n]) from transformers."""
+    with torch.no_grad():
+        out = model(tokens, output_attentions=True)
+    return out.logits, out.attentions
