@@ -52,7 +52,7 @@ from app.registry import ModelRegistry
 from app.scheduling import Budgets, BusyError, ComputeService, JobPending, RequestContext, bind, default_torch_threads
 from app.settings import Settings
 from app.store import StoreTier, open_store
-from circuits_core.errors import QkovError
+from circuits_core.errors import NotFoundError, QkovError
 
 log = logging.getLogger("qkov.serving")
 access_log = logging.getLogger("qkov.access")
@@ -485,8 +485,7 @@ def install_serving(app: FastAPI, settings: Settings) -> ComputeService:
     async def job_state(job_id: str) -> JSONResponse:
         job = service.job(job_id)
         if job is None:
-            detail = f"no job {job_id!r}: it finished over a minute ago (ask its URL again) or never ran"
-            return JSONResponse({"status": 404, "detail": detail}, status_code=404)
+            raise NotFoundError(f"no job {job_id!r}: it finished over a minute ago (ask its URL again) or never ran")
         return JSONResponse(job.public())
 
     @app.get("/jobs/{job_id}", include_in_schema=False)
