@@ -56,6 +56,11 @@ class MoE(nn.Module):
             self.b_in = nn.Parameter(torch.zeros(E, m))
             self.b_out = nn.Parameter(torch.zeros(E, d))
 
+    @property
+    def deferred(self) -> bool:
+        """Expert weights are always read at load (formats/lazy_mlp.py defers dense MLPs only)."""
+        return False
+
     def router_logits(self, x: Tensor) -> Tensor:
         """x [..., d_model] -> [..., n_experts]."""
         return affine(x, self.W_router, self.b_router if self.cfg.use_bias else None)
