@@ -106,7 +106,7 @@ test-fast: install
 bench: install
 	$(BIN)/python -m bench
 
-# The GPU goals of issue 23 at Llama-3.1-8B shape (bench/gpu.py); says so and exits 0 where torch sees no GPU.
+# The GPU goals at Llama-3.1-8B shape (bench/gpu.py); says so and exits 0 where torch sees no GPU.
 # bench/gpu_check.sh runs it with the CUDA tests in one call of at most ten minutes (docs/serving.md).
 bench-gpu: install
 	$(BIN)/python -m bench.gpu

@@ -1,6 +1,6 @@
 """profile_shape: 'flat' and 'edge of the range' against profiles whose shape is known by construction of the
 input (not of the function): a constant-plus-ripple profile, a ramp, an interior bump, and the real case of
-issue 20 (a K-composition profile 0.1607-0.1618 whose arg-max is δ = 64)."""
+SmolLM2's L16H0 -> L18H6 (a K-composition profile 0.1607-0.1618 whose arg-max is δ = 64)."""
 
 from __future__ import annotations
 
