@@ -174,7 +174,7 @@ def test_a_refusal_of_the_model_is_another_kind(settings: Settings) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(not list(SMOLLM2.glob("*.gguf")), reason="SmolLM2-135M not fetched (make smollm2)")
 def test_copying_every_row_of_smollm2_is_refused_before_it_runs(tmp_path: Path) -> None:
-    """the reported case: /copying?rows=10000000 on a 49k vocabulary (every row of 270 heads' [V, V] circuits, ~87 TFLOP)
+    """reported: /copying?rows=10000000 on a 49k vocabulary (every row of 270 heads' [V, V] circuits, ~87 TFLOP)
     is a 422 priced before it runs, whose advice (rows at most N) then runs as a job; nothing was computed for it."""
     bare = tmp_path / "models" / "smollm2-135m"
     bare.mkdir(parents=True)
