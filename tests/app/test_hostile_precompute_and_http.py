@@ -100,6 +100,7 @@ def test_smollm2_composition_page_sentence(smollm2: Any) -> None:
     from circuits_core.formats.checkpoint import load_checkpoint
 
     summary = json.loads(SMOLLM2_SUMMARY.read_text())
+    until_done(smollm2, "/api/v1/models/smollm2-135m/heads")  # the sentence reads the heads table (a job here)
     page = until_done(smollm2, "/models/smollm2-135m/composition", params={"kind": "K"}).text
     said = html.unescape(re.search(r'id="composition-claim">(.*?)</p>', page, re.S)[1])  # type: ignore[index]
     num = r"([+-]?\d+\.\d+)"
