@@ -265,6 +265,11 @@ def _tl_check_supported(data: dict[str, Any], path: Path) -> None:
 def _tl_config(data: dict[str, Any], path: Path, has_bias: bool) -> ModelConfig:
     """HookedTransformerConfig fields -> ModelConfig (TL state dicts always carry biases: use_bias=True)."""
     overrides: dict[str, Any] = {"use_bias": has_bias}
+    if data.get("experts_per_token") is None:  # TL writes None on dense models, where qkov's field defaults to 1
+        overrides["experts_per_token"] = 1
+    for cap in ("attn_scores_soft_cap", "output_logits_soft_cap"):  # TL's -1.0 means no cap
+        if cap in data and not _positive(data[cap]):
+            overrides[cap] = None
     if data.get("use_attn_scale") is False:
         overrides["attn_scale"] = 1.0
     elif not _positive(data.get("attn_scale")):  # TL's unset default is -1.0 (meaning sqrt(d_head))
