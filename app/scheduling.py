@@ -324,6 +324,7 @@ class ComputeService:
         self.stats = Stats()
         self._flights: dict[str, Flight] = {}
         self._lock = threading.Lock()
+        self._building: dict[str, threading.Lock] = {}  # cached_build's key -> the lock its one builder holds
         self.nice = nice
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=slots, thread_name_prefix="qkov-compute", initializer=lower_thread_priority, initargs=(nice,)
@@ -461,10 +462,19 @@ class ComputeService:
         hit = self.cached(key, view)
         if hit is not None:
             return hit
-        value = build()
-        encoded = encode(value)
-        if encoded is not None:
-            self.cache.put(key_text(key), encoded)
+        text = key_text(key)
+        with self._lock:
+            building = self._building.setdefault(text, threading.Lock())
+        with building:  # two computations that need the same part: one builds it, the other waits and reads it
+            hit = self.cached(key, view)
+            if hit is not None:
+                return hit
+            value = build()
+            encoded = encode(value)
+            if encoded is not None:
+                self.cache.put(text, encoded)
+        with self._lock:
+            self._building.pop(text, None)
         return value
 
     # -- internals -----------------------------------------------------------------------------------------

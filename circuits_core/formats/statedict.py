@@ -119,10 +119,11 @@ def read_json_object(folder: Path, name: str) -> dict[str, Any]:
         if isinstance(exc, ValueError):
             detail = str(exc)[:200]
         raise CheckpointError(f"{name}: not readable JSON ({detail})") from exc
+    # Depth first: whether a deep file raises RecursionError in json.loads depends on the interpreter's limit.
+    if _depth(data) > JSON_MAX_DEPTH:
+        raise CheckpointError(f"{name}: JSON nested too deeply (more than {JSON_MAX_DEPTH} levels)")
     if not isinstance(data, dict):
         raise CheckpointError(f"{name}: expected a JSON object, got {type(data).__name__}")
-    if _depth(data) > JSON_MAX_DEPTH:
-        raise CheckpointError(f"{name}: JSON nested more than {JSON_MAX_DEPTH} levels deep")
     return data
 
 

@@ -211,3 +211,32 @@ def test_the_overview_shows_the_model_at_once_and_its_heads_tables_progress(sett
         poll(c, f"/api/v1/jobs/{job_id}", lambda s: s["state"] == "done")
         full = c.get("/models/tiny-2l")
         assert full.status_code == 200 and 'id="heads-table"' in full.text and "data-job" not in full.text
+
+
+def test_a_part_two_computations_need_at_once_is_built_once() -> None:
+    """cached_build is single-flight per key: the second computation waits for the first one's part and reads it from
+    the cache instead of building it again (precompute's head panels all need the same random baseline rows)."""
+    import threading
+
+    class Part(BaseModel):
+        value: int
+
+    service = ComputeService(cache_bytes=1 << 20)
+    builds: list[int] = []
+    started = threading.Event()
+
+    def build() -> Part:
+        builds.append(1)
+        started.set()
+        time.sleep(0.3)  # long enough that the second caller arrives while this one builds
+        return Part(value=7)
+
+    got: list[Part] = []
+    first = threading.Thread(target=lambda: got.append(service.cached_build(("part", 1), Part, build)))
+    first.start()
+    assert started.wait(5)
+    second = service.cached_build(("part", 1), Part, build)
+    first.join(5)
+    assert len(builds) == 1
+    assert second == got[0] == Part(value=7)
+    service.close()

@@ -146,7 +146,7 @@ def test_read_json_object_bounds(tmp_path: Path) -> None:
     (tmp_path / "ok.json").write_text('{"a": {"b": [1, 2]}}')
     for name, needle in (
         ("deep.json", "nested too deeply"),
-        ("nested.json", "nested more than"),
+        ("nested.json", "more than"),
         ("list.json", "JSON object"),
         ("missing.json", "not readable"),
     ):
