@@ -129,7 +129,7 @@ class LatentAttention(Attention):
     def W_Q(self) -> Tensor:  # type: ignore[override]
         """[n_heads, d_model, d_head]: [W_DQ Γq W_QR^h | W_DQ Γq W_UQ^h | 0]."""
         read = self.query_reader()
-        return self._laid_out(read @ self.W_QR, read @ self.W_UQ).transpose(0, 1).contiguous()
+        return self._laid_out(read @ self.W_QR, read @ self.W_UQ)  # [H, d, dh]
 
     @property
     def W_K(self) -> Tensor:  # type: ignore[override]

@@ -1,0 +1,113 @@
+"""The MLA circuits (circuits/latent_circuits.py) in float64 on DeepSeek-V3 and V2-Lite-shaped checkpoints that
+transformers writes: the content and rotary terms, with the prompt's frozen latent scales ρ_q, ρ_kv, sum to the
+model's attention scores (whose patterns equal transformers', test_deepseek_hf.py) to 1e-9; the engine's per-head
+Ω_h(δ) = W_Q R(δ) W_Kᵀ is A_h + C_h R(δ) Dᵀ; OV_h equals the dense product of transformers' own weights, and the
+head's output on the prompt is Σⱼ p_ij x̂ⱼ OV_h / ρ_kv(j)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from circuits_core.circuits.latent_circuits import latent_head, latent_rho, rotary_term, score_terms, term_norms
+from circuits_core.circuits.rotary import omega
+from circuits_core.errors import InvalidInputError
+from circuits_core.formats.checkpoint import load_checkpoint
+from tests.core.hf_families import TOKENS, save
+from tests.core.test_deepseek_hf import deepseek_model
+
+F64 = torch.float64
+NAMES = ("v3", "v2-lite-grouped")  # a query latent (ρ_q measured) and none (ρ_q ≡ 1); interleaved rope, YaRN
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    root = tmp_path_factory.mktemp("latent_circuits")
+    out = {}
+    for name in NAMES:
+        model = deepseek_model(name, seed=11)
+        out[name] = (save(model, root / name), model)
+    return out
+
+
+def _wanted(name: str) -> bool:
+    return name.endswith(("hook_attn_scores", "ln1.hook_normalized", "latent_norm.hook_scale", "hook_pattern",
+                          "hook_result"))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("process", [False, True])
+def test_content_and_rotary_terms_sum_to_the_scores(
+    world: dict[str, tuple[Path, Any]], name: str, process: bool
+) -> None:
+    model = load_checkpoint(world[name][0], dtype=F64, process=process).model
+    tokens = TOKENS[0]
+    n = tokens.shape[0]
+    _, cache = model.run(tokens[None], names=_wanted)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    for layer in range(model.cfg.n_layers):
+        x_hat = cache[f"blocks.{layer}.ln1.hook_normalized"][0]  # [n, d_model]
+        rho_q, rho_kv = latent_rho(model, layer, x_hat)  # measured here, from x̂ and the weights
+        kv_run = cache[f"blocks.{layer}.attn.kv_latent_norm.hook_scale"][0, :, 0]
+        assert (rho_kv - kv_run).abs().max() < 1e-12  # the run's frozen ρ_kv
+        if model.cfg.mla_q_rank is not None:
+            assert (rho_q - cache[f"blocks.{layer}.attn.q_latent_norm.hook_scale"][0, :, 0]).abs().max() < 1e-12
+        else:
+            assert bool((rho_q == 1).all())
+        for h in range(model.cfg.n_heads):
+            content, rotary = score_terms(model, layer, h, x_hat, rho_q, rho_kv)
+            scores = cache[f"blocks.{layer}.attn.hook_attn_scores"][0, h]
+            assert (content + rotary - scores)[causal].abs().max() < 1e-9
+            assert (rotary - scores)[causal].abs().max() > 1e-3  # neither term alone is the score
+            assert (content - scores)[causal].abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_engines_omega_is_the_content_plus_the_rotary_term(world: dict[str, tuple[Path, Any]], name: str) -> None:
+    model = load_checkpoint(world[name][0], dtype=F64).model
+    for layer in range(model.cfg.n_layers):
+        for h in range(model.cfg.n_heads):
+            for delta in (0, 1, 5):
+                total = latent_head(model, layer, h).content.AB + rotary_term(model, layer, h, delta).AB
+                assert (omega(model, layer, h, [delta]).AB[0] - total).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_ov_through_the_latent(world: dict[str, tuple[Path, Any]], name: str) -> None:
+    """OV_h against the dense product of transformers' own module weights (unprocessed load: the ln1 gain is not
+    folded), and the head's output on the prompt against Σⱼ p_ij x̂ⱼ OV_h / ρ_kv(j)."""
+    folder, reference = world[name]
+    model = load_checkpoint(folder, dtype=F64, process=False).model
+    cfg = model.cfg
+    r, d_nope, d_v = cfg.mla_kv_rank or 0, cfg.mla_d_nope, cfg.mla_d_v
+    _, cache = model.run(TOKENS[0][None], names=_wanted)
+    for layer in range(cfg.n_layers):
+        attn = reference.model.layers[layer].self_attn
+        down = attn.kv_a_proj_with_mqa.weight.detach().to(F64)[:r].T * attn.kv_a_layernorm.weight.detach().to(F64)
+        up = attn.kv_b_proj.weight.detach().to(F64).view(cfg.n_heads, d_nope + d_v, r)[:, d_nope:]  # [H, d_v, r]
+        out = attn.o_proj.weight.detach().to(F64).T.reshape(cfg.n_heads, d_v, cfg.d_model)
+        x_hat = cache[f"blocks.{layer}.ln1.hook_normalized"][0]
+        _, rho_kv = latent_rho(model, layer, x_hat)
+        for h in range(cfg.n_heads):
+            ov = latent_head(model, layer, h).ov
+            assert (ov.AB - down @ up[h].T @ out[h]).abs().max() < 1e-12
+            written = cache[f"blocks.{layer}.attn.hook_pattern"][0, h] @ (x_hat @ ov.AB / rho_kv[:, None])
+            assert (written - cache[f"blocks.{layer}.attn.hook_result"][0, :, h]).abs().max() < 1e-9
+
+
+def test_term_norms_and_refusal(world: dict[str, tuple[Path, Any]]) -> None:
+    model = load_checkpoint(world["v3"][0], dtype=F64).model
+    norms = term_norms(model, 1, 2)
+    cfg = model.cfg
+    assert norms["content_rank_bound"] == min(cfg.mla_d_nope, cfg.mla_kv_rank, cfg.mla_q_rank)
+    assert torch.linalg.matrix_rank(latent_head(model, 1, 2).content.AB) <= norms["content_rank_bound"]
+    assert norms["content_norm"] == pytest.approx(float(torch.linalg.matrix_norm(latent_head(model, 1, 2).content.AB)))
+    from circuits_core.model.config import ModelConfig
+    from circuits_core.model.transformer import random_model
+
+    dense = random_model(ModelConfig(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=10, n_ctx=8), dtype=F64)
+    with pytest.raises(InvalidInputError, match="latent attention"):
+        latent_head(dense, 0, 0)
