@@ -102,7 +102,7 @@ def test_term_norms_and_refusal(world: dict[str, tuple[Path, Any]]) -> None:
     model = load_checkpoint(world["v3"][0], dtype=F64).model
     norms = term_norms(model, 1, 2)
     cfg = model.cfg
-    assert norms["content_rank_bound"] == min(cfg.mla_d_nope, cfg.mla_kv_rank, cfg.mla_q_rank)
+    assert norms["content_rank_bound"] == min(cfg.mla_d_nope, cfg.mla_kv_rank or 0, cfg.mla_q_rank or 0)
     assert torch.linalg.matrix_rank(latent_head(model, 1, 2).content.AB) <= norms["content_rank_bound"]
     assert norms["content_norm"] == pytest.approx(float(torch.linalg.matrix_norm(latent_head(model, 1, 2).content.AB)))
     from circuits_core.model.config import ModelConfig
