@@ -29,7 +29,7 @@ from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import CancelledError, InvalidInputError
 from circuits_core.model.config import head_name
 from circuits_core.model.transformer import Transformer
-from circuits_core.prompt.frozen import FrozenRun, attention, embed_source, ln_linear, readout
+from circuits_core.prompt.frozen import FrozenRun, attention, embed_source, ln_linear, readout, value_inv_scale
 from circuits_core.prompt.paths import PathExpansion, path_sources
 
 Head = tuple[int, int]
@@ -130,7 +130,7 @@ def chain_terms(model: Transformer, run: FrozenRun, chain: list[Head], target: i
         Y = source.X.expand(n, -1)  # [n, d] (a bias: the same vector at every position)
         for layer, h in chain:
             attn = attention(model, layer)
-            X = ln_linear(model, f"blocks.{layer}.ln1", Y, run.inv_scale(f"blocks.{layer}.ln1"))
+            X = ln_linear(model, f"blocks.{layer}.ln1", Y, value_inv_scale(model, run, layer))
             Y = run.patterns[layer, h] @ (X @ attn.W_V[h] @ attn.W_O[h])  # [n, d]
         out.append((source.name[0] if source.name else "embed", run.inv_scale("ln_final") * (Y @ r)))
     return out
@@ -166,7 +166,7 @@ def chain_next_token_terms(model: Transformer, run: FrozenRun, chain: list[Head]
     Y = embed_source(model, run)  # [n, d]
     for layer, h in chain:
         attn = attention(model, layer)
-        X = ln_linear(model, f"blocks.{layer}.ln1", Y, run.inv_scale(f"blocks.{layer}.ln1"))  # D (Y C) diag(w)
+        X = ln_linear(model, f"blocks.{layer}.ln1", Y, value_inv_scale(model, run, layer))  # D (Y C) diag(w)
         Y = run.patterns[layer, h] @ (X @ attn.W_V[h] @ attn.W_O[h])  # [n, d]
     nxt = run.tokens[1:].tolist()
     R = torch.stack([readout(model, int(t))[0] for t in nxt]) if nxt else Y.new_zeros(0, Y.shape[1])  # [n-1, d]

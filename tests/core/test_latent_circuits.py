@@ -111,3 +111,27 @@ def test_term_norms_and_refusal(world: dict[str, tuple[Path, Any]]) -> None:
     dense = random_model(ModelConfig(n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=10, n_ctx=8), dtype=F64)
     with pytest.raises(InvalidInputError, match="latent attention"):
         latent_head(dense, 0, 0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_path_expansions_freeze_the_latent_scales(world: dict[str, tuple[Path, Any]], name: str) -> None:
+    """The logit path expansion (routing, patterns, norm scales and ρ_kv frozen; experts and the shared expert as
+    sources) sums to the logit, and the QK path terms (ρ_q, ρ_kv frozen) to a layer-1 head's scores, in float64."""
+    from circuits_core.prompt.paths import expand_logits
+    from circuits_core.prompt.qk_paths import expand_scores
+
+    model = load_checkpoint(world[name][0], dtype=F64).model
+    tokens = TOKENS[0]
+    n = tokens.shape[0]
+    logit = model(tokens[None])[0]
+    full = expand_logits(model, tokens, target=(4, 9), positions=None, max_order=model.cfg.n_layers)  # every path
+    actual = logit[:, 4] - logit[:, 9]
+    assert (full.values.sum(0) - actual).abs().max() < 1e-9 * max(1.0, float(actual.abs().max()))
+    assert any(p and p[0] == "mlp:L1.shared" for p in full.paths)  # the shared expert named as a source
+    _, cache = model.run(tokens[None], names={"blocks.1.attn.hook_attn_scores"})
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    for h in range(model.cfg.n_heads):
+        terms = expand_scores(model, tokens, (1, h), keep_terms=True).terms
+        assert terms is not None
+        real = cache["blocks.1.attn.hook_attn_scores"][0, h]
+        assert (terms.sum((0, 1))[causal] - real[causal]).abs().max() < 1e-9
