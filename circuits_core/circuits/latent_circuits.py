@@ -29,7 +29,7 @@ from torch import Tensor
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.head_circuits import attention, check_head
 from circuits_core.errors import InvalidInputError
-from circuits_core.model.latent_attention import LATENT_EPS, LatentAttention
+from circuits_core.model.latent_attention import LatentAttention
 from circuits_core.model.transformer import Transformer
 
 
@@ -75,12 +75,7 @@ def rotary_term(model: Transformer, layer: int, head: int, offset: int) -> Facto
 def latent_rho(model: Transformer, layer: int, x_hat: Tensor) -> tuple[Tensor, Tensor]:
     """(ρ_q, ρ_kv) [n] of normalised residuals x̂ [n, d_model] entering layer `layer`'s attention (ln1 applied), as the
     latent norms measure them (ρ_q ≡ 1 without a query latent)."""
-    attn = latent_attention(model, layer)
-    c_kv = x_hat @ attn.W_DKV  # [n, kv_rank], before the norm
-    rho_kv = (c_kv.pow(2).mean(-1) + LATENT_EPS).sqrt()
-    if model.cfg.mla_q_rank is None:
-        return torch.ones_like(rho_kv), rho_kv
-    return (x_hat @ attn.W_DQ).pow(2).mean(-1).add(LATENT_EPS).sqrt(), rho_kv
+    return latent_attention(model, layer).latent_rho(x_hat)
 
 
 def score_terms(

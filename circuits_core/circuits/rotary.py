@@ -45,7 +45,7 @@ from circuits_core.circuits.head_circuits import (
     skip_trigrams,
 )
 from circuits_core.circuits.host_linalg import eigvals
-from circuits_core.circuits.qk_forms import QKForm, folded_query_key, head_token_scales, qk_form, token_scale
+from circuits_core.circuits.qk_forms import QKForm, folded_query_key, qk_form, token_factors, token_scale
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.qk_norm import qk_scale
@@ -140,9 +140,7 @@ class QKFactors:
 def full_qk_factors(model: Transformer, layer: int, head: int) -> QKFactors:
     W_Q, W_K = query_key_weights(model, layer, head)
     query, key = embed_eff_matmul(model, W_Q) / model.cfg.scale, embed_eff_matmul(model, W_K)
-    scales = head_token_scales(model, layer, head)
-    if scales is not None:
-        query, key = query * scales[0][:, None], key * scales[1][:, None]
+    query, key = token_factors(model, layer, head, query, key)  # exact under QK-norm and latent attention
     return QKFactors(layer, head, query, key, qk_form(model, "token"))
 
 
@@ -162,6 +160,8 @@ def full_qk_col_at(model: Transformer, layer: int, head: int, key_token: int, of
     W_Q, W_K = query_key_weights(model, layer, head)
     if isinstance(key_token, bool) or not isinstance(key_token, int) or not 0 <= key_token < model.cfg.d_vocab:
         raise InvalidInputError(f"token id must be an integer in [0, {model.cfg.d_vocab}), got {key_token!r}")
+    if model.cfg.latent_attention:  # the exact token table's column (its factors carry each token's latent scales)
+        return full_qk_circuit_at(model, layer, head, offset).cols([key_token])[0]
     k = embed_eff_rows(model, [key_token]) @ W_K  # [1, dh]
     R = rotation(model, [offset], dtype=W_Q.dtype, layer=layer)[0]
     col = embed_eff_matmul(model, W_Q @ (R @ k.T))[:, 0] / model.cfg.scale  # [V]
@@ -175,6 +175,8 @@ def full_qk_row_at(model: Transformer, layer: int, head: int, query_token: int, 
     W_Q, W_K = query_key_weights(model, layer, head)
     if isinstance(query_token, bool) or not isinstance(query_token, int) or not 0 <= query_token < model.cfg.d_vocab:
         raise InvalidInputError(f"token id must be an integer in [0, {model.cfg.d_vocab}), got {query_token!r}")
+    if model.cfg.latent_attention:  # the exact token table's row
+        return full_qk_circuit_at(model, layer, head, offset).rows([query_token])[0]
     q = (
         embed_eff_rows(model, [query_token]) @ W_Q @ rotation(model, [offset], dtype=W_Q.dtype, layer=layer)[0]
     )  # [1, dh]

@@ -114,6 +114,22 @@ class LatentAttention(Attention):
         c_kv = self.kv_latent(v_in, Recorder(None), frozen)  # ρ_kv recorded once, by the keys
         return self._laid_out(None, torch.einsum("bpr,hre->bphe", c_kv, self.W_UV))
 
+    def latent_rho(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(ρ_q, ρ_kv) [...] of normalised residuals x [..., d_model] as the latent norms measure them (ρ_q ≡ 1
+        without a query latent)."""
+        rho_kv = (affine(x, self.W_DKV).pow(2).mean(-1) + LATENT_EPS).sqrt()
+        if self.cfg.mla_q_rank is None:
+            return torch.ones_like(rho_kv), rho_kv
+        return (affine(x, self.W_DQ).pow(2).mean(-1) + LATENT_EPS).sqrt(), rho_kv
+
+    def scale_keys(self, k: Tensor, rho_kv: Tensor) -> Tensor:
+        """Keys k [..., n, d_head] in the effective layout with their content dims divided by ρ_kv [n] (the rotary
+        dims are not normalised): the exact key of each row (a new tensor)."""
+        rd = self.cfg.rotary_dim or 0
+        out = k.clone()
+        out[..., rd : rd + self.cfg.mla_d_nope] /= rho_kv[:, None]
+        return out
+
     # -- the engine's per-head interface: effective weights, gains folded, ρ taken as 1 -------------------------
     def query_reader(self) -> Tensor:
         """W_DQ Γq [d_model, q_rank] (the identity [d_model, d_model] without a query latent)."""

@@ -194,7 +194,8 @@ def frozen_qk_norm(
     if model.cfg.latent_attention:  # q / rho_q(i); the key's content dims / rho_kv(j), its rotary dims as they are
         rho_q = run.cache.get(f"blocks.{layer}.attn.q_latent_norm.hook_scale")  # [n, 1] (None: no query latent)
         rho_kv = run.cache[f"blocks.{layer}.attn.kv_latent_norm.hook_scale"]  # [n, 1]
-        content = slice(model.cfg.rotary_dim, model.cfg.rotary_dim + model.cfg.mla_d_nope)  # [rope | nope | 0]
+        rd = model.cfg.rotary_dim or 0
+        content = slice(rd, rd + model.cfg.mla_d_nope)  # the layout [rope | nope | 0]
         k_parts = k_parts.clone()
         k_parts[..., content] /= rho_kv
         return (q_parts if rho_q is None else q_parts / rho_q), k_parts

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from circuits_core.circuits.latent_circuits import latent_head, latent_rho, rotary_term, score_terms, term_norms
+from circuits_core.circuits.embedding import embed_eff_rows
 from circuits_core.circuits.rotary import omega
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import load_checkpoint
@@ -135,3 +136,29 @@ def test_path_expansions_freeze_the_latent_scales(world: dict[str, tuple[Path, A
         assert terms is not None
         real = cache["blocks.1.attn.hook_attn_scores"][0, h]
         assert (terms.sum((0, 1))[causal] - real[causal]).abs().max() < 1e-9
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_token_tables_are_the_layer0_scores(world: dict[str, tuple[Path, Any]], name: str) -> None:
+    """The full QK table at offset δ ("latent-token" form: each token's own ρ_q, ρ_kv through the embedding) is the
+    score layer 0 gives the query token on the key token δ back, read from a forward pass on [key, ..., query];
+    its column and row readers agree; without the scales (the weight-level form) it is not."""
+    from circuits_core.circuits.qk_forms import qk_form
+    from circuits_core.circuits.rotary import full_qk_circuit_at, full_qk_col_at, full_qk_row_at
+
+    model = load_checkpoint(world[name][0], dtype=F64).model
+    assert qk_form(model, "token") == "latent-token" and qk_form(model, "weight") == "latent-bilinear"
+    pairs = [(3, 7), (12, 12), (40, 5)]
+    for h in range(model.cfg.n_heads):
+        for delta in (1, 3):
+            table = full_qk_circuit_at(model, 0, h, delta)
+            for query, key in pairs:
+                seq = torch.tensor([[key] + [0] * (delta - 1) + [query]])
+                _, cache = model.run(seq, names={"blocks.0.attn.hook_attn_scores"})
+                real = cache["blocks.0.attn.hook_attn_scores"][0, h, delta, 0]
+                assert abs(float(table.rows([query])[0, key]) - float(real)) < 1e-10
+                assert abs(float(full_qk_col_at(model, 0, h, key, delta)[query]) - float(real)) < 1e-10
+                assert abs(float(full_qk_row_at(model, 0, h, query, delta)[key]) - float(real)) < 1e-10
+        unscaled = omega(model, 0, h, [1]).AB[0] / model.cfg.scale
+        rows = embed_eff_rows(model, [40, 5])
+        assert abs(float(rows[0] @ unscaled @ rows[1]) - float(full_qk_circuit_at(model, 0, h, 1).rows([40])[0, 5])) > 1e-6
