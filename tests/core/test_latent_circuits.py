@@ -163,3 +163,21 @@ def test_token_tables_are_the_layer0_scores(world: dict[str, tuple[Path, Any]], 
         rows = embed_eff_rows(model, [40, 5])
         exact = float(full_qk_circuit_at(model, 0, h, 1).rows([40])[0, 5])
         assert abs(float(rows[0] @ unscaled @ rows[1]) - exact) > 1e-6  # the latent scales matter
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_positional_kernel_is_the_score_of_the_mean_token(world: dict[str, tuple[Path, Any]], name: str) -> None:
+    """f_h(δ) is the score the layer gives a query and a key both equal to μ_l, with μ_l's own latent scales: the
+    content and rotary terms of score_terms on the two-row sequence [μ, μ] at δ = 1 (and at δ = 0 on one row)."""
+    from circuits_core.circuits.rotary import positional_kernel
+
+    model = load_checkpoint(world[name][0], dtype=F64).model
+    means = torch.randn(model.cfg.n_layers, model.cfg.d_model, generator=torch.Generator().manual_seed(2), dtype=F64)
+    kernel = positional_kernel(model, means, [0, 1])  # [L, H, 2]
+    for layer in range(model.cfg.n_layers):
+        x = means[layer].expand(2, -1)
+        rho_q, rho_kv = latent_rho(model, layer, x)
+        for h in range(model.cfg.n_heads):
+            content, rotary = score_terms(model, layer, h, x, rho_q, rho_kv)
+            assert abs(float(kernel[layer, h, 1] - (content + rotary)[1, 0])) < 1e-10
+            assert abs(float(kernel[layer, h, 0] - (content + rotary)[0, 0])) < 1e-10
