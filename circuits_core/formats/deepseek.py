@@ -17,8 +17,9 @@ only the rotary part (q_R and k_R each carry it), so its square is folded into W
 greedy or group-limited (group max); V3 sigmoid scores, choice biased by e_score_correction_bias, groups ranked by
 their two best, weights renormalised when norm_topk_prob; both times routed_scaling_factor.
 Refused by name: block-scaled FP8 weights (quantization_config), attention and MLP biases, topk methods other than
-greedy / group_limited_greedy, and the rope types rope_scaling.py does not read. The multi-token-prediction layers
-(model.layers.{num_hidden_layers}.*, num_nextn_predict_layers) are not part of the causal model and are not read.
+greedy / group_limited_greedy, and the rope types rope_scaling.py does not read. The num_nextn_predict_layers
+multi-token-prediction layers after the last (model.layers.{num_hidden_layers}.* ...) are not part of the causal
+model: they are not read.
 """
 
 from __future__ import annotations
@@ -155,7 +156,9 @@ def load_deepseek(folder: Path, hf: dict[str, Any], dtype: torch.dtype) -> Loade
     sd["ln_final.w"] = src.take("model.norm.weight", (d,))
     tied = ConfigReader(hf).flag("tie_word_embeddings", default=False)
     sd["unembed.W_U"] = take_unembedding(src, folder, sd["embed.W_E"], tied)
-    src.left = {k for k in src.left if not k.startswith(f"model.layers.{cfg.n_layers}.")}  # multi-token prediction
+    mtp = ConfigReader(hf).integer("num_nextn_predict_layers", default=0, ge=0)  # multi-token prediction layers
+    extra = tuple(f"model.layers.{layer}." for layer in range(cfg.n_layers, cfg.n_layers + mtp))
+    src.left = {k for k in src.left if not k.startswith(extra)} if extra else src.left
     src.finish()
     return cfg, sd, dict(src.where), src.files
 

@@ -218,6 +218,13 @@ class ModelConfig:
                     f"moe_n_groups={self.moe_n_groups} must divide num_experts={self.num_experts} and be >= "
                     f"moe_topk_groups={self.moe_topk_groups}"
                 )
+        if (
+            self.moe_scoring == "sigmoid"
+            and self.moe_n_groups is not None
+            and self.num_experts is not None
+            and self.num_experts // self.moe_n_groups < 2
+        ):
+            raise InvalidInputError("sigmoid routing ranks each group by its best two experts: a group needs two")
         if self.moe_dense_layers and self.d_mlp_dense is None:
             raise InvalidInputError("moe_dense_layers needs d_mlp_dense (the width of the dense layers)")
         if self.mla_kv_rank is None:

@@ -134,3 +134,21 @@ def test_topk_method_v2_does_not_implement_is_refused(world: dict[str, tuple[Pat
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="noaux_tc"):
         load_checkpoint(tmp_path)
+
+
+def test_multi_token_prediction_layers_are_left_unread(world: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
+    """A released V3 file carries num_nextn_predict_layers layers after the last; they are not read. A tensor of a
+    layer beyond those is still an error (the config does not match the weights)."""
+    from safetensors.torch import load_file, save_file
+
+    folder, reference = world["v3"]
+    tensors = load_file(folder / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    n = config["num_hidden_layers"]
+    save_file({**tensors, f"model.layers.{n}.enorm.weight": torch.ones(32)}, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    model = load_checkpoint(tmp_path, process=False).model
+    assert (model(TOKENS) - hf_run(reference, TOKENS)[0]).abs().max() <= 1e-4
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
+    with pytest.raises(CheckpointError, match="enorm"):
+        load_checkpoint(tmp_path)
