@@ -353,7 +353,7 @@ def shown_labels(
         box_x = 0.12 * max(1, len(text)) / 4  # a label is about 12 % of the width per four characters
         return abs(x[i] - x[j]) / span_x <= box_x and abs(y[i] - y[j]) / span_y <= 0.09
 
-    text = {}  # point -> its drawn label
+    text: dict[int, str] = {}  # point -> its drawn label
     for i in (i for i, lab in enumerate(labels) if lab in set(named)):
         near = next((j for j in text if collides(i, j, max(labels[i], text[j], key=len))), None)
         if near is None:

@@ -181,3 +181,34 @@ def test_positional_kernel_is_the_score_of_the_mean_token(world: dict[str, tuple
             content, rotary = score_terms(model, layer, h, x, rho_q, rho_kv)
             assert abs(float(kernel[layer, h, 1] - (content + rotary)[1, 0])) < 1e-10
             assert abs(float(kernel[layer, h, 0] - (content + rotary)[0, 0])) < 1e-10
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_chain_terms_are_the_expansions_terms_on_mla(world: dict[str, tuple[Path, Any]], name: str) -> None:
+    """chain_terms and chain_next_token_terms (each value path through 1/rho_kv at its source) equal the full
+    expansion's terms of that chain, for every source, in float64."""
+    from circuits_core.prompt.frozen import frozen_run
+    from circuits_core.prompt.paths import expand_logits
+    from circuits_core.prompt.virtual import chain_next_token_terms, chain_terms
+
+    model = load_checkpoint(world[name][0], dtype=F64).model
+    tokens = TOKENS[0]
+    run = frozen_run(model, tokens)
+    target = int(run.logits_at([run.n - 1])[0].argmax())
+    exp = expand_logits(model, tokens, target, positions=None, max_order=2, run=run)
+    for chain in ([(1, 1), (2, 2)], [(2, 1)]):  # the second read after layer 1's experts and shared expert
+        names = tuple(f"L{layer}H{h}" for layer, h in chain)
+        k = len(names)
+        expected = {
+            p[0] if len(p) > k else "embed": exp.values[i] for i, p in enumerate(exp.paths) if p[-k:] == names
+            and len(p) <= k + 1 and (len(p) == k or p[0].startswith(("bias:", "mlp:")))
+        }  # fmt: skip
+        got = dict(chain_terms(model, run, chain, target))
+        assert got.keys() == expected.keys()
+        for source, values in got.items():
+            assert (values - expected[source]).abs().max() < 1e-10, source
+    assert "mlp:L1.shared" in got
+    nxt = chain_next_token_terms(model, run, [(0, 1), (1, 3)])
+    for p in (2, 7):
+        term = expand_logits(model, tokens, int(tokens[p + 1]), positions=p, max_order=2, run=run, by_source=False)
+        assert abs(float(nxt[p]) - float(term.term(("L0H1", "L1H3")).value[0])) < 1e-10
