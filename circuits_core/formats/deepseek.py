@@ -16,6 +16,8 @@ softmax scale is (d_nope + d_rope)^-½, times mscale(factor, mscale_all_dim)² u
 only the rotary part (q_R and k_R each carry it), so its square is folded into W_QR. Routing: V2 softmax scores,
 greedy or group-limited (group max); V3 sigmoid scores, choice biased by e_score_correction_bias, groups ranked by
 their two best, weights renormalised when norm_topk_prob; both times routed_scaling_factor.
+num_key_value_heads is not read: every head's key and value come from the one shared latent (released files
+set it to num_attention_heads).
 Refused by name: block-scaled FP8 weights (quantization_config), attention and MLP biases, topk methods other than
 greedy / group_limited_greedy, and the rope types rope_scaling.py does not read. The num_nextn_predict_layers
 multi-token-prediction layers after the last (model.layers.{num_hidden_layers}.* ...) are not part of the causal
