@@ -115,6 +115,9 @@ def test_the_choice_bias_matters(world: dict[str, tuple[Path, Any]]) -> None:
     ("edit", "message"),
     [({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "FP8"),
      ({"attention_bias": True}, "attention_bias"),
+     ({"kv_lora_rank": "12"}, "kv_lora_rank must be an integer"), ({"qk_rope_head_dim": 5}, "rotary_dim must be even"),
+     ({"n_group": 3}, "moe_n_groups=3 must divide num_experts=8"), ({"n_group": 8, "topk_group": 1}, "two"),
+     ({"qk_nope_head_dim": 6}, "expected shape"),
      ({"rope_parameters": {"rope_type": "longrope", "factor": 2.0}}, "'longrope'")],
 )  # fmt: skip
 def test_variants_qkov_cannot_honour_are_refused_by_name(
