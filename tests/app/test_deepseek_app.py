@@ -121,3 +121,11 @@ def test_head_page_names_the_latent_terms(mla_client: TestClient, model: str) ->
         assert got == pytest.approx(want, rel=1e-3)
     dense_page = mla_client.get(f"/models/{model}/heads/L0H0").text
     assert 'id="latent-terms"' in dense_page  # every layer has latent attention (layer 0's MLP is the dense one)
+
+
+@pytest.mark.parametrize("model", list(FAMILIES))
+def test_composition_page_says_composition_reads_the_shared_latent(mla_client: TestClient, model: str) -> None:
+    hf = mla_client.app.state.deepseek_hf[model]  # type: ignore[attr-defined]
+    page = mla_client.get(f"/models/{model}/composition", params={"kind": "K"}).text
+    assert 'id="latent-composition"' in page and "reads the shared latent subspace" in page
+    assert f"(rank {hf.config.kv_lora_rank})" in page and "QK form: latent-bilinear" in page
