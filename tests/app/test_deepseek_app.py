@@ -129,3 +129,31 @@ def test_composition_page_says_composition_reads_the_shared_latent(mla_client: T
     page = mla_client.get(f"/models/{model}/composition", params={"kind": "K"}).text
     assert 'id="latent-composition"' in page and "reads the shared latent subspace" in page
     assert f"(rank {hf.config.kv_lora_rank})" in page and "QK form: latent-bilinear" in page
+
+
+@pytest.mark.parametrize("model", list(FAMILIES))
+def test_qk_view_splits_each_entry_into_content_and_rotary(mla_client: TestClient, model: str) -> None:
+    """Each listed entry's content + rotary terms equal its value; the content term does not move with δ while the
+    rotary term does; and the value is the score the served model's layer 0 gives the pair (a forward pass)."""
+    registry = mla_client.app.state.registry  # type: ignore[attr-defined]
+    served = registry.get(model).model
+    bodies = {
+        d: mla_client.get(f"/api/v1/models/{model}/heads/L0H1/qk", params={"k": 5, "offset": d}).json() for d in (1, 3)
+    }
+    for delta, body in bodies.items():
+        assert body["qk_form"] == "latent-token"
+        for e, c, r in zip(body["entries"], body["latent_content"], body["latent_rotary"], strict=True):
+            assert c + r == pytest.approx(e["value"], abs=1e-9)
+            seq = torch.tensor([[e["col"]["id"]] + [0] * (delta - 1) + [e["row"]["id"]]])
+            _, cache = served.run(seq, names={"blocks.0.attn.hook_attn_scores"})
+            assert e["value"] == pytest.approx(float(cache["blocks.0.attn.hook_attn_scores"][0, 1, delta, 0]), abs=1e-9)
+    first = bodies[1]["entries"][0]
+    again = mla_client.get(
+        f"/api/v1/models/{model}/heads/L0H1/qk", params={"token": first["row"]["id"], "k": 50, "offset": 3}
+    ).json()
+    match = [i for i, e in enumerate(again["entries"]) if e["col"]["id"] == first["col"]["id"]]
+    assert match  # the same pair at δ = 3: the same content term, another rotary term
+    assert again["latent_content"][match[0]] == pytest.approx(bodies[1]["latent_content"][0], abs=1e-9)
+    assert again["latent_rotary"][match[0]] != pytest.approx(bodies[1]["latent_rotary"][0], abs=1e-9)
+    page = mla_client.get(f"/models/{model}/heads/L0H1", params={"offset": 1}).text
+    assert "Content + rotary terms of the values listed" in page
