@@ -270,3 +270,19 @@ def test_closing_the_service_stops_its_running_computations() -> None:
         assert await asyncio.to_thread(stopped.wait, 5)
 
     asyncio.run(scenario())
+
+
+def test_the_app_stops_its_computations_when_it_shuts_down(settings: Settings) -> None:
+    """The lifespan's end closes the compute service: a job still running when the app stops is told to stop, and
+    its worker thread ends instead of computing on after the app."""
+    ran: list[str] = []
+    stopped: list[str] = []
+    app = app_with(settings, ran, stopped, job_abandon_s=60.0)
+    with TestClient(app) as c:
+        job = c.get("/api/v1/test/priced-work", params={"tag": "long", "gflop": 5, "seconds": 30})
+        assert job.status_code == 202
+        poll(c, job.json()["status_url"], lambda s: s["state"] == "running")
+    end = time.monotonic() + 5
+    while not stopped and time.monotonic() < end:
+        time.sleep(0.05)
+    assert stopped == ["long"]
