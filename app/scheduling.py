@@ -335,12 +335,17 @@ class ComputeService:
         self.job_abandon_s = job_abandon_s
         self._jobs: dict[str, Job] = {}
 
-    def close(self) -> None:
-        """Stop every computation (its worker thread would otherwise run on after the app, unseen), then the pools."""
+    def stop_all(self) -> None:
+        """Tell every computation to stop (the app is shutting down: a worker thread would otherwise compute on after
+        it, unseen); the pools stay usable, as a restarted lifespan of the same app needs them."""
         with self._lock:
             live = list(self._live)
         for flight in live:
             flight.stop.set()
+
+    def close(self) -> None:
+        """Stop every computation, then the pools."""
+        self.stop_all()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._loader.shutdown(wait=False, cancel_futures=True)
 
