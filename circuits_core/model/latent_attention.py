@@ -62,7 +62,7 @@ class LatentAttention(Attention):
     """Attention heads reading a query latent and a shared key/value latent (module docstring)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
-        nn.Module.__init__(self)
+        nn.Module.__init__(self)  # not Attention's: it would register per-head W_Q, W_K, W_V, which MLA computes
         assert cfg.mla_kv_rank is not None
         self.cfg, self.layer = cfg, layer
         H, d, dh, r_kv = cfg.n_heads, cfg.d_model, cfg.d_head, cfg.mla_kv_rank
@@ -162,6 +162,3 @@ class LatentAttention(Attention):
         if name in ("W_K", "W_V"):
             return self.W_K if name == "W_K" else self.W_V
         raise InvalidInputError(f"the model has no {name}")
-
-    def __getattr__(self, name: str) -> Tensor | nn.Module:
-        return nn.Module.__getattr__(self, name)
