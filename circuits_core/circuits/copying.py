@@ -30,7 +30,7 @@ from torch import Tensor
 from circuits_core.circuits.copying_spectra import copying_score, unembed_embed_gram
 from circuits_core.circuits.embedding import embed_eff_rows
 from circuits_core.circuits.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
-from circuits_core.circuits.head_circuits import factors_cost, full_ov_circuit, ov_circuit
+from circuits_core.circuits.head_circuits import factors_cost, full_ov_circuit, full_ov_flops, ov_circuit
 from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.cost import Cost, check_stop
 from circuits_core.errors import InvalidInputError
@@ -307,8 +307,10 @@ def copying_metrics(M: FactoredMatrix, k: int = 5, budget_bytes: int = DEFAULT_B
 
 
 def copying_metrics_cost(model: Transformer, k: int, budget_bytes: int) -> Cost:
-    """ov_copying_metrics: the factors, one row block (at most budget_bytes) and its top-k indices."""
+    """ov_copying_metrics: the factors, one row block (at most budget_bytes) and its top-k indices; FLOPs: the
+    factors on every token, then every row of the [d_vocab, d_vocab] circuit (2 d_vocab^2 d_head)."""
     cfg, size = model.cfg, model.W_E.element_size()
     rows = max(1, min(cfg.d_vocab, budget_bytes // max(1, cfg.d_vocab * size)))
     block = rows * cfg.d_vocab * size + rows * k * 8
-    return (factors_cost(model) + Cost(block + cfg.d_vocab * (size + 8))).with_answer(numbers=12, labels=6)
+    flops = full_ov_flops(model) + 2 * cfg.d_vocab * cfg.d_head * cfg.d_vocab
+    return (factors_cost(model) + Cost(block + cfg.d_vocab * (size + 8), flops=flops)).with_answer(numbers=12, labels=6)

@@ -65,6 +65,13 @@ def embed_gram(model: Transformer) -> Tensor:
     return _grams(model, unembed=False, embed=True)[1]
 
 
+def embed_gram_flops(model: Transformer) -> int:
+    """FLOPs of embed_gram: each vocabulary row's products for the column blocks on and above the diagonal."""
+    d = model.cfg.d_model
+    edges = [d * i // GRAM_BLOCKS for i in range(GRAM_BLOCKS + 1)]
+    return sum(2 * model.cfg.d_vocab * (b - a) * (d - a) for a, b in zip(edges, edges[1:], strict=False))
+
+
 def _spectrum(M: Tensor) -> Tensor:
     # eig is ill-conditioned for non-symmetric matrices: solve the small ones in float64.
     return eigvals(M.double())

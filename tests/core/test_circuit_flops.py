@@ -1,0 +1,166 @@
+"""The FLOP prices of the token-circuit tables are what torch counts.
+
+Each engine FLOP function (head_circuits.circuit_flops and the functions it adds up, global_topk.topk_global_flops)
+is compared with torch.utils.flop_counter.FlopCounterMode run over the very call it prices, on small float64 models
+of every layout the tables meet: learned positions with and without a biased LayerNorm, and the rotary variants
+(QK-norm per head and per layer, multi-query, output-only norms). FlopCounterMode counts every matrix product torch
+runs, independently of the engine's formulas.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from biased_models import small_model
+from rotary_models import CASES, rotary_model
+from torch.utils.flop_counter import FlopCounterMode
+
+from circuits_core.circuits import composition_rotary, copying, rotary
+from circuits_core.circuits import head_circuits as hc
+from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.global_topk import SCREEN_MIN_ENTRIES, topk_global_flops
+
+MODELS = {
+    "layernorm-biased": lambda: small_model(ln="LN"),
+    "no-norm": lambda: small_model(),
+    **{name: (lambda overrides=overrides: rotary_model(**overrides)) for name, overrides in CASES.items()},
+}
+IDS = torch.tensor([1, 5, 7, 9, 11, 30])
+LAYER, HEAD, TOKEN, OFFSET = 1, 2, 3, 4
+
+
+# torch's counter registers the out-of-place products; the engine also accumulates in place (addmm_: the Gram of
+# the vocabulary, copying_spectra.embed_gram), counted by the same formula
+def _addmm_flops(bias_shape, a_shape, b_shape, out_shape=None, **kwargs) -> int:
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
+IN_PLACE = {torch.ops.aten.addmm_: _addmm_flops}
+
+
+def counted(call) -> int:
+    with FlopCounterMode(display=False, custom_mapping=IN_PLACE) as counter:
+        call()
+    return counter.get_total_flops()
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def model(request):
+    return MODELS[request.param]()
+
+
+def test_factors_and_lines(model) -> None:
+    """Factors on every token and on a token subset, and each line, priced as counted."""
+    m = model
+    n = int(IDS.numel())
+    checks = {
+        "ov factors": (lambda: hc.full_ov_circuit(m, LAYER, HEAD), hc.full_ov_flops(m)),
+        "ov factors on ids": (lambda: hc.full_ov_circuit(m, LAYER, HEAD, IDS), hc.full_ov_flops(m, n)),
+        "qk factors": (lambda: hc.full_qk_circuit(m, LAYER, HEAD), hc.full_qk_flops(m)),
+        "qk factors on ids": (lambda: hc.full_qk_circuit(m, LAYER, HEAD, IDS), hc.full_qk_flops(m, n)),
+        "ov row": (lambda: hc.full_ov_row(m, LAYER, HEAD, TOKEN), hc.line_flops(m, "ov-row")),
+        "direct row": (lambda: hc.direct_row(m, TOKEN), hc.line_flops(m, "direct-row")),
+        "qk column": (lambda: hc.full_qk_col(m, LAYER, HEAD, TOKEN), hc.line_flops(m, "qk-column")),
+    }
+    if m.cfg.positional_embedding_type == "rotary":
+        checks |= {
+            "qk row at δ": (
+                lambda: rotary.full_qk_row_at(m, LAYER, HEAD, TOKEN, OFFSET),
+                hc.line_flops(m, "qk-row-at"),
+            ),
+            "qk column at δ": (
+                lambda: rotary.full_qk_col_at(m, LAYER, HEAD, TOKEN, OFFSET),
+                hc.line_flops(m, "qk-column-at"),
+            ),
+        }
+    for what, (call, priced) in checks.items():
+        assert counted(call) == priced, what
+
+
+def test_the_tables_as_the_view_reads_them(model) -> None:
+    """circuit_flops of each table == the count over the calls app/views/circuits.py makes for it: a token's line,
+    else the factors on the token set (every token's for a rotary QK circuit) and a global top-k that computes every
+    tile (k = every entry: nothing is bounded out; below the screening size: nothing is screened)."""
+    m = model
+    n = int(IDS.numel())
+    rotary_model_ = m.cfg.positional_embedding_type == "rotary"
+    assert n * n < SCREEN_MIN_ENTRIES
+
+    def ov_table() -> None:
+        hc.full_ov_circuit(m, LAYER, HEAD, IDS).topk_global(n * n)
+
+    def qk_table() -> None:
+        if rotary_model_:
+            fm = rotary.full_qk_circuit_at(m, LAYER, HEAD, OFFSET)
+            FactoredMatrix(fm.A[IDS], fm.B[:, IDS]).topk_global(n * n)
+        else:
+            hc.full_qk_circuit(m, LAYER, HEAD, IDS).topk_global(n * n)
+
+    def direct_table() -> None:
+        fm = hc.direct_path(m)
+        FactoredMatrix(fm.A[IDS], fm.B[:, IDS]).topk_global(n * n)
+
+    def qk_query_row() -> None:
+        if rotary_model_:
+            rotary.full_qk_row_at(m, LAYER, HEAD, TOKEN, OFFSET)
+        else:
+            hc.full_qk_circuit(m, LAYER, HEAD).rows([TOKEN])
+
+    def qk_key_column() -> None:
+        if rotary_model_:
+            rotary.full_qk_col_at(m, LAYER, HEAD, TOKEN, OFFSET)
+        else:
+            hc.full_qk_col(m, LAYER, HEAD, TOKEN)
+
+    assert counted(ov_table) == hc.circuit_flops(m, "ov", False, n)
+    assert counted(qk_table) == hc.circuit_flops(m, "qk", False, n)
+    assert counted(direct_table) == hc.circuit_flops(m, "direct", False, n)
+    assert counted(qk_query_row) == hc.circuit_flops(m, "qk", True, side="row")
+    assert counted(qk_key_column) == hc.circuit_flops(m, "qk", True, side="column")
+    assert counted(lambda: hc.full_ov_row(m, LAYER, HEAD, TOKEN)) == hc.circuit_flops(m, "ov", True)
+
+
+def test_the_top_k_search_never_counts_more_than_its_price() -> None:
+    """topk_global_flops is exact when every tile is computed, and bounds the count when the norm bound skips tiles
+    (a small k on a matrix of tiles: it stops early) or the search screens tiles in bfloat16 (a matrix over
+    SCREEN_MIN_ENTRIES entries)."""
+    gen = torch.Generator().manual_seed(0)
+    A, B = torch.randn(300, 8, generator=gen), torch.randn(8, 40_000, generator=gen)
+    A[:3] *= 50  # a few large rows: their entries win, the rest is bounded out
+    fm = FactoredMatrix(A, B)
+    small = counted(lambda: fm.topk_global(5))
+    assert 0 < small < topk_global_flops(300, 8, 40_000)
+    big = FactoredMatrix(torch.randn(5000, 8, generator=gen), torch.randn(8, 5000, generator=gen))
+    assert 5000 * 5000 >= SCREEN_MIN_ENTRIES
+    assert counted(lambda: big.topk_global(20)) <= topk_global_flops(5000, 8, 5000)
+    every = FactoredMatrix(torch.randn(30, 8, generator=gen), torch.randn(8, 50, generator=gen))
+    assert counted(lambda: every.topk_global(30 * 50)) == topk_global_flops(30, 8, 50)
+
+
+def test_copying_metrics(model) -> None:
+    """copying_metrics_cost's FLOPs == the count over ov_copying_metrics (the factors, then every row block)."""
+    call = lambda: copying.ov_copying_metrics(model, LAYER, HEAD, k=3, budget_bytes=4096)  # noqa: E731
+    assert counted(call) == copying.copying_metrics_cost(model, 3, 4096).flops
+
+
+ROTARY = [name for name in MODELS if name in CASES]
+
+
+@pytest.mark.parametrize("name", ROTARY)
+def test_the_rotary_views(name) -> None:
+    """The positional kernel (its reference forward pass on n tokens, then the kernel), the band energies, a pair's
+    composition profile and the QK eigenvalue copying over offsets: each priced as counted, on 3 layers."""
+    m = rotary_model(n_layers=3, **CASES[name])
+    tokens = torch.randint(0, m.cfg.d_vocab, (1, 9), generator=torch.Generator().manual_seed(0))
+    offsets = torch.arange(7)
+
+    def kernel() -> None:
+        rotary.positional_kernel(m, rotary.reference_means(m, tokens), offsets)
+
+    assert counted(kernel) == rotary.kernel_cost(m, 7, 9).flops
+    assert counted(lambda: rotary.band_energies(m)) == rotary.bands_cost(m).flops
+    for kind in ("q", "k"):
+        profile = lambda kind=kind: composition_rotary.pair_profile(m, "L0H1", "L2H3", kind, offsets)  # noqa: E731
+        assert counted(profile) == composition_rotary.pair_profile_cost(m, 7).flops, kind
+    eigenvalues = lambda: rotary.head_qk_eigenvalues_at(m, 1, 2, offsets)  # noqa: E731
+    assert counted(eigenvalues) == rotary.qk_copying_at_cost(m, 7).flops
