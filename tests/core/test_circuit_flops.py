@@ -15,8 +15,9 @@ from biased_models import small_model
 from rotary_models import CASES, rotary_model
 from torch.utils.flop_counter import FlopCounterMode
 
-from circuits_core.circuits import composition_rotary, copying, rotary
+from circuits_core.circuits import composition, composition_rotary, copying, rotary, rotary_baseline
 from circuits_core.circuits import head_circuits as hc
+from circuits_core.circuits import virtual_weights as vw
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.global_topk import SCREEN_MIN_ENTRIES, topk_global_flops
 
@@ -164,3 +165,29 @@ def test_the_rotary_views(name) -> None:
         assert counted(profile) == composition_rotary.pair_profile_cost(m, 7).flops, kind
     eigenvalues = lambda: rotary.head_qk_eigenvalues_at(m, 1, 2, offsets)  # noqa: E731
     assert counted(eigenvalues) == rotary.qk_copying_at_cost(m, 7).flops
+
+
+@pytest.mark.parametrize(("d_model", "d_head", "group_size"), [(64, 8, 1), (64, 16, 4), (20, 16, 1), (20, 16, 3)])
+def test_the_sampled_baselines(d_model: int, d_head: int, group_size: int) -> None:
+    """The rotary baseline (reduced route, and the dense one where d_model < 2 d_head) and the composition baseline:
+    their first (uncached) call priced as counted."""
+    rotary_baseline.random_baseline.cache_clear()
+    call = lambda: rotary_baseline.random_baseline(d_model, d_head, group_size, n_samples=40)  # noqa: E731
+    assert counted(call) == rotary_baseline.baseline_cost(d_model, d_head, group_size, 40).flops
+    composition.random_baseline.cache_clear()
+    call = lambda: composition.random_baseline(d_model, d_head, n_samples=40)  # noqa: E731
+    assert counted(call) == composition.random_baseline_cost(d_model, d_head, 40).flops
+
+
+@pytest.mark.parametrize("name", ["layernorm-mlp", "attn-only", "standard-mlp", *ROTARY])
+def test_the_residual_scores(name: str) -> None:
+    """virtual_weights.all_scores (the /residual page's table): the head factors, the Gram inner products and the
+    sampled baseline, priced as counted (its baseline uncached)."""
+    extra = {
+        "layernorm-mlp": lambda: small_model(ln="LN", mlp=True),
+        "attn-only": lambda: small_model(),
+        "standard-mlp": lambda: small_model(pos="standard", mlp=True),
+    }
+    m = extra[name]() if name in extra else rotary_model(**CASES[name])
+    composition.random_baseline.cache_clear()
+    assert counted(lambda: vw.all_scores(m)) == vw.all_scores_cost(m).flops
