@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.composition import gram_block_size, random_baseline, random_baseline_cost
+from circuits_core.circuits.composition import gram_block_size, random_baseline
 from circuits_core.circuits.embedding import embed_eff
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import layer_weights as stacked
@@ -56,7 +56,8 @@ from circuits_core.circuits.stream_components import (
     writer_chain,
     writers,
 )
-from circuits_core.circuits.stream_grams import GramSide, factors, inner_products, inner_products_flops
+from circuits_core.circuits.stream_grams import GramSide, factors, inner_products
+from circuits_core.circuits.virtual_weight_flops import all_scores_flops, pair_flops
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer
@@ -378,33 +379,10 @@ def all_scores_cost(model: Transformer) -> Cost:
     )
 
 
-def all_scores_flops(model: Transformer) -> int:
-    """all_scores: each layer's head factors (writers: W_O^T (W_V^T W_V) W_O's two products; readers: W_Q^T W_Q,
-    W_K^T W_K, R KK R^T, R^T QQ R, W_O W_O^T and the three B B^T A^T), then the Gram inner products of every writer
-    with the readers after it (stream_grams.inner_products_flops), and the sampled baseline (once per shape: its
-    later calls are cached, so this bounds them)."""
-    cfg = model.cfg
-    L, H, d, dh = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
-    heads = L * H * (4 * d * dh**2 + 12 * d * dh**2 + 8 * dh**3)
-    ws, rs = writers(model), readers(model)
-    slots = [w.slot() for w in ws]
-    limits = [sum(s < r.slot(model) for s in slots) for r in rs]
-    ranks = [_rank(model, w.kind) for w in ws] + [_rank(model, r.role) for r in rs]
-    return heads + inner_products_flops(d, ranks, limits) + random_baseline_cost(d, dh).flops
-
-
-def _rank(model: Transformer, kind: str) -> int:
-    """The inner dimension r of a writer's (kind) or reader's (role) Gram factors [r, d_model]."""
-    cfg = model.cfg
-    sizes = {"embed": cfg.d_vocab, "unembed": cfg.d_vocab, "pos": cfg.n_ctx, "router": cfg.num_experts or 0}
-    if kind in ("mlp", "in", "gate", "up"):
-        return cfg.d_mlp or 0
-    return sizes.get(kind, cfg.d_head)
-
-
-def pair_cost(model: Transformer, writer: Writer, reader: Reader, k: int, n_top: int) -> Cost:
+def pair_cost(model: Transformer, writer: Writer, reader: Reader, k: int, n_top: int, offset: int = 0) -> Cost:
     """pair_report: the two factors of the virtual weight (the outer sides at most d_vocab x d_model), their r x r
-    Grams, eigenvectors and core SVD, k directions on each side; answer: every singular value and 4 k n_top entries."""
+    Grams, eigenvectors and core SVD, k directions on each side; answer: every singular value and 4 k n_top entries;
+    FLOPs: virtual_weight_flops.pair_flops."""
     cfg = model.cfg
     sizes = {
         "embed": cfg.d_vocab,
@@ -418,4 +396,10 @@ def pair_cost(model: Transformer, writer: Writer, reader: Reader, k: int, n_top:
     n_out = sizes.get(reader.role, cfg.d_model)
     r = cfg.d_head if writer.kind == "head" or reader.role in ("Q", "K", "V") else cfg.d_model
     numbers = (n_in + n_out) * (r + k) + 8 * r * r + (n_in * cfg.d_model if writer.kind == "embed" else 0)
-    return Cost(numbers * itemsize(model.compute_dtype)).with_answer(numbers=r + 4 * k * n_top, labels=4 * k * n_top)
+    token_sides = int(_space(writer.kind) == "d_model") + int(
+        _space(reader.role) == "d_model" and reader.role in READ_THROUGH
+    )  # the sides pair_report reads in tokens
+    flops = pair_flops(model, writer, reader, k, token_sides, offset)
+    return Cost(numbers * itemsize(model.compute_dtype), flops=flops).with_answer(
+        numbers=r + 4 * k * n_top, labels=4 * k * n_top
+    )

@@ -17,6 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from circuits_core.circuits import composition, composition_rotary, copying, rotary, rotary_baseline
 from circuits_core.circuits import head_circuits as hc
+from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.global_topk import SCREEN_MIN_ENTRIES, topk_global_flops
@@ -30,13 +31,18 @@ IDS = torch.tensor([1, 5, 7, 9, 11, 30])
 LAYER, HEAD, TOKEN, OFFSET = 1, 2, 3, 4
 
 
-# torch's counter registers the out-of-place products; the engine also accumulates in place (addmm_: the Gram of
-# the vocabulary, copying_spectra.embed_gram), counted by the same formula
+# torch's counter registers the out-of-place matrix products; the engine also accumulates in place (addmm_: the
+# Gram of the vocabulary, copying_spectra.embed_gram), counted by the same formula,
 def _addmm_flops(bias_shape, a_shape, b_shape, out_shape=None, **kwargs) -> int:
     return 2 * a_shape[0] * a_shape[1] * b_shape[1]
 
 
-IN_PLACE = {torch.ops.aten.addmm_: _addmm_flops}
+def _mv_flops(a_shape, x_shape, out_shape=None, **kwargs) -> int:
+    return 2 * a_shape[0] * a_shape[1]
+
+
+# and the matrix-vector products (a direction read in tokens: W_E u)
+IN_PLACE = {torch.ops.aten.addmm_: _addmm_flops, torch.ops.aten.mv: _mv_flops}
 
 
 def counted(call) -> int:
@@ -191,3 +197,33 @@ def test_the_residual_scores(name: str) -> None:
     m = extra[name]() if name in extra else rotary_model(**CASES[name])
     composition.random_baseline.cache_clear()
     assert counted(lambda: vw.all_scores(m)) == vw.all_scores_cost(m).flops
+
+
+PAIRS = [
+    ("embed", "unembed"),
+    ("embed", "L1H0.Q"),
+    ("embed", "L1H2.K"),
+    ("L0H1", "L1H0.V"),
+    ("L0H1", "unembed"),
+    ("L0H1", "L1H1.K"),
+    ("pos", "L1H0.K"),
+    ("L0.mlp", "L1H0.Q"),
+    ("embed", "L1.mlp.in"),
+    ("L0.mlp", "unembed"),
+]
+
+
+@pytest.mark.parametrize("name", ["layernorm-mlp", "gemma3", "qwen3"])
+def test_a_residual_pair(name: str) -> None:
+    """virtual_weights.pair_cost's FLOPs == the count over pair_report (/residual/{writer}/{reader}): the factored
+    virtual weight, its SVD through the Grams, the chain norms and the directions read in tokens, for writers and
+    readers of every kind the model has."""
+    m = small_model(ln="LN", mlp=True, pos="shortformer") if name == "layernorm-mlp" else rotary_model(**CASES[name])
+    names = {w.name for w in sc.writers(m)} | {r.name for r in sc.readers(m)}
+    asked = [(w, r) for w, r in PAIRS if w in names and r in names]
+    assert len(asked) >= 7
+    for w, r in asked:
+        writer, reader = sc.parse_writer(m, w), sc.parse_reader(m, r)
+        composition.random_baseline.cache_clear()
+        report = lambda writer=writer, reader=reader: vw.pair_report(m, writer, reader, k=3, n_top=4)  # noqa: E731
+        assert counted(report) == vw.pair_cost(m, writer, reader, 3, 4).flops, (w, r)
