@@ -56,8 +56,8 @@ from circuits_core.circuits.stream_components import (
     writer_chain,
     writers,
 )
+from circuits_core.circuits.stream_flops import all_scores_flops, pair_flops
 from circuits_core.circuits.stream_grams import GramSide, factors, inner_products
-from circuits_core.circuits.virtual_weight_flops import all_scores_flops, pair_flops
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer
@@ -382,7 +382,7 @@ def all_scores_cost(model: Transformer) -> Cost:
 def pair_cost(model: Transformer, writer: Writer, reader: Reader, k: int, n_top: int, offset: int = 0) -> Cost:
     """pair_report: the two factors of the virtual weight (the outer sides at most d_vocab x d_model), their r x r
     Grams, eigenvectors and core SVD, k directions on each side; answer: every singular value and 4 k n_top entries;
-    FLOPs: virtual_weight_flops.pair_flops."""
+    FLOPs: stream_flops.pair_flops."""
     cfg = model.cfg
     sizes = {
         "embed": cfg.d_vocab,

@@ -17,7 +17,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from circuits_core.circuits import composition, composition_rotary, copying, rotary, rotary_baseline
 from circuits_core.circuits import head_circuits as hc
+from circuits_core.circuits import residual_stream as rs
 from circuits_core.circuits import stream_components as sc
+from circuits_core.circuits import stream_flops as sf
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.global_topk import SCREEN_MIN_ENTRIES, topk_global_flops
@@ -227,3 +229,31 @@ def test_a_residual_pair(name: str) -> None:
         composition.random_baseline.cache_clear()
         report = lambda writer=writer, reader=reader: vw.pair_report(m, writer, reader, k=3, n_top=4)  # noqa: E731
         assert counted(report) == vw.pair_cost(m, writer, reader, 3, 4).flops, (w, r)
+
+
+@pytest.mark.parametrize("name", ["layernorm-mlp", "standard-mlp", "attn-only", "gemma3", "olmo2"])
+def test_the_stream_usage(name: str) -> None:
+    """residual_stream's spectra, then stream_usage and erasure on them (the /residual/usage page): usage_flops with
+    the subspace dimensions and candidates the run found == the count; the price (every dimension at its most, every
+    pair a candidate) is never below it, and the view's cost prices the spectra once."""
+    extra = {
+        "layernorm-mlp": lambda: small_model(ln="LN", mlp=True),
+        "standard-mlp": lambda: small_model(pos="standard", mlp=True),
+        "attn-only": lambda: small_model(),
+    }
+    m = extra[name]() if name in extra else rotary_model(**CASES[name])
+    assert counted(lambda: rs.spectra(m)) == sf.spectra_flops(m)
+    for energy in (0.5, 0.9, 1.0):
+        spec = rs.spectra(m)
+        found = {}
+
+        def scans(energy: float = energy, spec=spec, found=found) -> None:
+            found["usage"] = rs.stream_usage(m, energy=energy, spec=spec)
+            found["erasure"] = rs.erasure(m, energy=energy, spec=spec)
+
+        scanned = counted(scans)
+        writers = [c.writer for c in found["erasure"].candidates]
+        exact = sf.usage_flops(m, found["usage"].dims.__getitem__, writers) - sf.spectra_flops(m)
+        assert scanned == exact, energy
+        assert scanned <= sf.usage_flops(m) - sf.spectra_flops(m)
+    assert rs.usage_and_erasure_cost(m).flops == sf.usage_flops(m)

@@ -1,9 +1,12 @@
-"""FLOPs of the residual-stream virtual weights (virtual_weights.py): the table of every pair (all_scores) and one
+"""FLOPs of the residual-stream analyses: the virtual weights' table of every pair (virtual_weights.all_scores), one
 pair's report (pair_report), counted from the factor chains the engine multiplies (stream_components.py), so the price
-follows the same split and order as the work. Matrix products only, 2 per multiply-add, as torch's flop counter counts
-them (vector products included); the eigendecompositions and the d x d SVD are not products and are not counted."""
+follows the same split and order as the work; and the stream usage with its erasure scan (residual_stream.py).
+Matrix products only, 2 per multiply-add, as torch's flop counter counts them (vector products included); the
+eigendecompositions and the factor SVDs are not products and are not counted."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from torch import Tensor
 
@@ -14,6 +17,7 @@ from circuits_core.circuits.stream_components import (
     Chain,
     Reader,
     Writer,
+    reaches,
     reader_chain,
     readers,
     writer_chain,
@@ -96,3 +100,62 @@ def _chain_norm(model: Transformer, chain: Chain) -> int:
         return embed_gram_flops(model) if isinstance(chain[0], str) else 0
     (a0, a1), (b0, b1) = (_shape(model, f) for f in chain)
     return 2 * a1 * a0 * a1 + 2 * b0 * b1 * b0
+
+
+def spectra_flops(model: Transformer) -> int:
+    """residual_stream.spectra: the Grams of the embedding (its upper blocks), positions, MLP outputs and inputs and
+    the unembedding, and both head circuits' SVDs through their factors (the d_head-sized core and the two
+    back-products; R W_K^T first for QK). The eigendecompositions and factor SVDs are not products."""
+    cfg = model.cfg
+    L, H, d, dh = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
+    flops = 0
+    for w in writers(model):
+        rank = _rank(model, w.kind)
+        flops += embed_gram_flops(model) if w.kind == "embed" else 0 if w.kind == "head" else 2 * rank * d * d
+    for r in readers(model):
+        flops += 0 if r.role in ("Q", "K", "V") else 2 * d * _rank(model, r.role) * d
+    return flops + L * H * (2 * (2 * dh**3 + 4 * d * dh * dh) + 2 * dh * dh * d)
+
+
+def usage_flops(
+    model: Transformer,
+    dims: Callable[[str], int] | None = None,
+    candidates: list[str] | None = None,
+    erasure: bool = True,
+) -> int:
+    """stream_usage then erasure on the same spectra (spectra_flops): the subspace overlaps of every writer with every
+    writer and reader (inner_products over the projector factors: those of at most 128 dimensions padded together),
+    the bandwidth's load and crowded directions, the heads' moments, each writer's scan of the later heads, and the
+    candidates' restricted products. `dims(name)`: each component's subspace dimension k, and `candidates` the writer
+    of each candidate, when known; the price (None) takes every dimension at its most (d_head for a head's side,
+    d_model otherwise) and every (writer, later head) pair as a candidate: an upper bound."""
+    cfg = model.cfg
+    L, H, d, dh = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
+    ws, rs = writers(model), readers(model)
+    k_w = {w.name: dims(w.name) if dims else (dh if w.kind == "head" else d) for w in ws}
+    k_r = [dims(r.name) if dims else (dh if r.role in ("Q", "K", "V") else d) for r in rs]
+
+    def side_ranks(ks: list[int]) -> list[int]:
+        small = [k for k in ks if k <= 128]
+        return [max(small)] * len(small) + [k for k in ks if k > 128] if small else ks
+
+    left, right = side_ranks(list(k_w.values())), side_ranks([*k_w.values(), *k_r])
+    overlaps = inner_products_flops(d, left + right, [len(ws)] * len(right))
+    bandwidth = sum(2 * d * k * d + 5 * 2 * d * k for k in k_w.values())
+    if not erasure:
+        return spectra_flops(model) + overlaps + bandwidth
+    moments = L * H * (5 * 2 * d * dh * dh + 2 * 2 * dh**3)  # W_O W_V, W_V^T W_V twice, W_O W_O^T twice; E, VV OO
+    scan, every_pair = 0, []
+    for w in ws:
+        k = k_w[w.name]
+        n = sum(reaches(model, w, Reader("V", layer, h)) for layer in range(L) for h in range(H))
+        scan += n * (2 * 2 * k * d * dh + 2 * dh * k * dh)  # U^T W_V, W_O U, X^T X
+        every_pair += [w.name] * n
+    restricted = sum(2 * dh * k_w[w] * min(k_w[w], dh) for w in (every_pair if candidates is None else candidates))
+    return spectra_flops(model) + overlaps + bandwidth + moments + scan + restricted
+
+
+def erasure_flops(model: Transformer) -> int:
+    """The erasure scan's share of usage_flops at its price (every dimension at its most, every pair a candidate):
+    the heads' moments, each writer's scan of the later heads and the candidates' restricted products."""
+    return usage_flops(model) - usage_flops(model, erasure=False)
