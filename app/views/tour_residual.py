@@ -220,4 +220,4 @@ def residual_chapter_cost(registry: ModelRegistry, limits: Limits) -> Cost:
         return Cost(0)
     scores = vw.all_scores_cost(m)
     pair = vw.pair_cost(m, sc.Writer("embed"), sc.Reader("unembed"), 1, N_TOKENS)
-    return scores.then(scores).then(pair).then(rs.usage_and_erasure_cost(m))
+    return scores.then(scores).then(pair).then(rs.usage_cost(m)).then(rs.erasure_cost(m))

@@ -411,20 +411,17 @@ def erasure(
     )
 
 
-def erasure_cost(model: Transformer) -> Cost:
-    """erasure: the spectra (as usage_cost) and, per writer, U^T W_V and W_O U for every head ([L H, k, d_head]
-    twice, k <= d_model), plus the per-head null's float64 d_head-sized products; answer: three [Nw, L H] tables
-    and the candidates."""
+def erasure_cost(model: Transformer, shown: int | None = None) -> Cost:
+    """erasure: the spectra (usage_cost's working memory) and, per writer, U^T W_V and W_O U for every head
+    ([L H, k, d_head] twice, k <= d_model), plus the per-head null's float64 d_head-sized products; answer: the three
+    [Nw, L H] tables, or with `shown` only that many candidates (each a few numbers and at most d_head eigenvalues)."""
     cfg = model.cfg
     LH, Nw = cfg.n_layers * cfg.n_heads, len(writers(model))
     numbers = 2 * LH * cfg.d_model * cfg.d_head + 3 * Nw * LH
     null = LH * (2 * cfg.d_model * cfg.d_head + 6 * cfg.d_head**2) * 8  # head_moments' float64 copies and products
-    scan = Cost(numbers * itemsize(model.compute_dtype) + null, flops=erasure_flops(model))
-    return usage_cost(model).then(scan).with_answer(numbers=3 * Nw * LH, labels=Nw + LH)
-
-
-def usage_and_erasure_cost(model: Transformer, rows: int | None = None) -> Cost:
-    """stream_usage then erasure on the same spectra (the usage page): the larger working memory, both answers, and
-    the spectra's FLOPs once (stream_flops.usage_flops)."""
-    both = usage_cost(model, rows).then(erasure_cost(model))
-    return Cost(both.peak_bytes, both.answer_bytes, usage_flops(model))
+    scan = Cost(usage_cost(model).peak_bytes).then(
+        Cost(numbers * itemsize(model.compute_dtype) + null, flops=erasure_flops(model))
+    )
+    if shown is None:
+        return scan.with_answer(numbers=3 * Nw * LH, labels=Nw + LH)
+    return scan.with_answer(numbers=shown * (5 + 2 * cfg.d_head), labels=2 * shown)

@@ -235,7 +235,7 @@ def test_a_residual_pair(name: str) -> None:
 def test_the_stream_usage(name: str) -> None:
     """residual_stream's spectra, then stream_usage and erasure on them (the /residual/usage page): usage_flops with
     the subspace dimensions and candidates the run found == the count; the price (every dimension at its most, every
-    pair a candidate) is never below it, and the view's cost prices the spectra once."""
+    pair a candidate) is never below it, and the page's cost (usage, then erasure) prices the spectra once."""
     extra = {
         "layernorm-mlp": lambda: small_model(ln="LN", mlp=True),
         "standard-mlp": lambda: small_model(pos="standard", mlp=True),
@@ -256,4 +256,4 @@ def test_the_stream_usage(name: str) -> None:
         exact = sf.usage_flops(m, found["usage"].dims.__getitem__, writers) - sf.spectra_flops(m)
         assert scanned == exact, energy
         assert scanned <= sf.usage_flops(m) - sf.spectra_flops(m)
-    assert rs.usage_and_erasure_cost(m).flops == sf.usage_flops(m)
+    assert rs.usage_cost(m).then(rs.erasure_cost(m, 5)).flops == sf.usage_flops(m)  # the page's price
