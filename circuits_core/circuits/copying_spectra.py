@@ -136,6 +136,14 @@ def ov_copying_scores(model: Transformer, G: Tensor | None = None) -> Tensor:
     return copying_score(ov_eigenvalues(model, G))
 
 
+def ov_copying_scores_flops(model: Transformer) -> int:
+    """ov_copying_scores: G = W_U W_E_eff (one product per vocabulary chunk), then per layer G W_V per key/value head
+    and W_O (G W_V) per query head (the eigenvalues are not products)."""
+    cfg = model.cfg
+    d, dh = cfg.d_model, cfg.d_head
+    return 2 * d * cfg.d_vocab * d + cfg.n_layers * (2 * cfg.n_kv_heads * d * d * dh + 2 * cfg.n_heads * dh * d * dh)
+
+
 def qk_copying_scores(model: Transformer, G_E: Tensor | None = None, G_E_W_Q: Tensor | None = None) -> Tensor:
     """[n_layers, n_heads] eigenvalue positivity of every full QK circuit (same-token matching, float64)."""
     return copying_score(qk_eigenvalues(model, G_E, G_E_W_Q))

@@ -15,7 +15,7 @@ from biased_models import small_model
 from rotary_models import CASES, rotary_model
 from torch.utils.flop_counter import FlopCounterMode
 
-from circuits_core.circuits import composition, composition_rotary, copying, rotary, rotary_baseline
+from circuits_core.circuits import composition, composition_rotary, copying, copying_spectra, rotary, rotary_baseline
 from circuits_core.circuits import head_circuits as hc
 from circuits_core.circuits import residual_stream as rs
 from circuits_core.circuits import stream_components as sc
@@ -23,6 +23,7 @@ from circuits_core.circuits import stream_flops as sf
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.global_topk import SCREEN_MIN_ENTRIES, topk_global_flops
+from circuits_core.prompt import qk_paths
 
 MODELS = {
     "layernorm-biased": lambda: small_model(ln="LN"),
@@ -147,7 +148,17 @@ def test_the_top_k_search_never_counts_more_than_its_price() -> None:
 
 
 def test_copying_metrics(model) -> None:
-    """copying_metrics_cost's FLOPs == the count over ov_copying_metrics (the factors, then every row block)."""
+    """copying_metrics_cost's FLOPs == the count over ov_copying_metrics (the factors, then every row block), on every
+    token and on a token set; every head's eigenvalue copying score (the copying page's other number) likewise; and
+    the K-composition token circuit of the composition pair page, on every token and on a token set."""
+    n = int(IDS.numel())
+    on_ids = lambda: copying.ov_copying_metrics(model, LAYER, HEAD, k=3, budget_bytes=4096, tokens=IDS)  # noqa: E731
+    assert counted(on_ids) == copying.copying_metrics_cost(model, 3, 4096, n).flops
+    assert counted(lambda: copying_spectra.ov_copying_scores(model)) == copying_spectra.ov_copying_scores_flops(model)
+    k_all = lambda: qk_paths.k_composition_circuit(model, (1, 2), (0, 1))  # noqa: E731
+    k_ids = lambda: qk_paths.k_composition_circuit(model, (1, 2), (0, 1), IDS)  # noqa: E731
+    assert counted(k_ids) == qk_paths.k_composition_flops(model, n)
+    assert counted(k_all) == qk_paths.k_composition_flops(model, model.cfg.d_vocab)  # W_E_eff: elementwise norms
     call = lambda: copying.ov_copying_metrics(model, LAYER, HEAD, k=3, budget_bytes=4096)  # noqa: E731
     assert counted(call) == copying.copying_metrics_cost(model, 3, 4096).flops
 
