@@ -486,7 +486,7 @@ def _build(
     """Tokenizer (the folder's unless the loader read one), checks, processing and the model, from a state dict
     just read."""
     if tokenizer is None:
-        tokenizer = Tokenizer.from_folder(folder, bos_token_id=cfg.bos_token_id)
+        tokenizer = Tokenizer.from_folder(folder, bos_token_id=cfg.bos_token_id, max_tokens=cfg.d_vocab)
     if tokenizer is not None:
         if tokenizer.vocab_size > cfg.d_vocab:
             raise CheckpointError(
