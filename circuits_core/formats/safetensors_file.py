@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.errors import CheckpointError
+from circuits_core.formats.load_watchdog import checkpoint
 
 HEADER_MAX_BYTES = 16 * 1024 * 1024  # safetensors' own reader allows 100 MB
 TENSORS_MAX = 65_536  # entries of one file's header
@@ -55,6 +56,7 @@ def _entry_or_metadata(pairs: list[tuple[str, Any]], counter: list[int]) -> dict
     """object_pairs_hook of the header parser: called for every JSON object as soon as it is complete (entries
     first, the top-level object last), so the count and the lengths are checked as the parse goes."""
     counter[0] += 1
+    checkpoint()  # the load's watchdog (load_watchdog.py)
     if counter[0] > TENSORS_MAX + 2:  # the entries, __metadata__ and the top-level object
         raise HeaderBoundExceeded(f"the header lists more than {TENSORS_MAX} tensors")
     for key, value in pairs:
@@ -167,6 +169,7 @@ class SafetensorsFile:
 
     def stored(self, key: str, source: torch.dtype | None = None) -> Tensor:
         """Tensor `key` as stored (shape and dtype), in a buffer of its own (no copy beyond the read)."""
+        checkpoint()  # the load's watchdog (load_watchdog.py)
         source = source or self.stored_dtype(key)
         shape = self.shape(key)
         start, nbytes = self.span(key, source)

@@ -33,6 +33,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from circuits_core.errors import CheckpointError, InvalidInputError, NotFoundError
+from circuits_core.formats.load_watchdog import TOKENIZER_PARSE_FACTOR, reserve
 from circuits_core.formats.statedict import read_json_object
 
 DEFAULT_BOS = "<|endoftext|>"
@@ -116,6 +117,7 @@ def check_tokenizer_bytes(paths: list[Path], max_tokens: int | None) -> None:
             f"that vocabulary takes at most {allowance} bytes ({TOKENIZER_BYTES_PER_TOKEN} per token + "
             f"{TOKENIZER_BASE_BYTES}), so it is refused before it is parsed"
         )
+    reserve(TOKENIZER_PARSE_FACTOR * size, f"parsing {' + '.join(p.name for p in paths)}")  # the load's watchdog
 
 
 def _special_token_name(value: object) -> str | None:

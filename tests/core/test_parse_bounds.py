@@ -24,7 +24,8 @@ from tokenizers import models, pre_tokenizers
 from circuits_core.errors import CheckpointError
 from circuits_core.formats import safetensors_file
 from circuits_core.formats.checkpoint import load_checkpoint, save_checkpoint
-from circuits_core.formats.statedict import read_weight_file
+from circuits_core.formats.load_watchdog import LOAD_MEMORY_ALLOWANCE, LOAD_MEMORY_MULTIPLE
+from circuits_core.formats.statedict import load_bytes, read_weight_file
 from circuits_core.formats.tokenizer import TOKENIZER_BASE_BYTES, TOKENIZER_BYTES_PER_TOKEN, Tokenizer
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Transformer
@@ -35,7 +36,8 @@ MEASURE = """
 import json, sys, time
 from pathlib import Path
 from circuits_core.errors import CheckpointError
-from circuits_core.formats.statedict import read_weight_file
+from circuits_core.formats.load_watchdog import LOAD_MEMORY_ALLOWANCE, LOAD_MEMORY_MULTIPLE
+from circuits_core.formats.statedict import load_bytes, read_weight_file
 def status(field):  # KiB; VmHWM is this process's peak (ru_maxrss would carry the parent's peak across exec)
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
 before = status("VmRSS")
@@ -150,7 +152,14 @@ def test_a_gemma_sized_tokenizer_loads_and_an_oversized_one_is_refused_before_pa
     )
     torch.manual_seed(0)
     folder = save_checkpoint(Transformer(cfg), tmp_path / "gemma-sized", tokenizer_json=text)
-    loaded = load_checkpoint(folder)
+    # This stand-in's weights are 16 MiB (d_model 8), so the load watchdog (load_watchdog.py) would refuse parsing a
+    # 32 MB tokenizer beside them; it gets the limit a model of Gemma 3 270M's shape has (its float32 weights).
+    gemma = ModelConfig(
+        n_layers=18, d_model=640, n_heads=4, n_key_value_heads=1, d_head=256, d_mlp=2048, d_vocab=262_144,
+        n_ctx=32_768, act_fn="gelu", normalization_type="RMS", positional_embedding_type="rotary",
+    )  # fmt: skip
+    gemma_limit = int(LOAD_MEMORY_MULTIPLE * load_bytes(gemma)) + LOAD_MEMORY_ALLOWANCE
+    loaded = load_checkpoint(folder, memory_allowance=gemma_limit)
     assert loaded.tokenizer is not None and loaded.tokenizer.vocab_size == 262_144
     sample = "\u4e00\u4e01\u4e02 \u4e3f\u4e3f \u4e05"
     assert loaded.tokenizer.encode(sample, prepend_bos=False) == hf.encode(sample).ids  # the library's own ids
