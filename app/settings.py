@@ -94,8 +94,8 @@ class Settings(BaseSettings):
         default=None,
         description="key of the HMAC-SHA256 that authenticates every answer and page kept in the result store "
         "(QKOV_STORE_SECRET): the same on every replica and across restarts, at least 32 characters, never kept in "
-        "the store. A row failing the check is recomputed. Unset: rows are not authenticated (said on /readyz), so "
-        "whoever can write the store can change what is served",
+        "the store. A row failing the check is recomputed. Unset: the disk store uses a key kept in a file beside its "
+        "folder (QKOV_STORE_DIR + '.key', this machine only) and Redis is not used (said on /readyz and in the log)",
         min_length=32,
     )
     store_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0, description="how long Redis keeps an answer")
