@@ -57,6 +57,7 @@ class ModelEntry:
     format: str
     shipped: bool
     error: str | None = None  # why the folder cannot be loaded, when detection already failed
+    pending: bool = False  # its format is still being read (a slow config read): listed as loading
 
 
 Fingerprint = tuple[tuple[str, int, int, int], ...]
@@ -114,6 +115,8 @@ class ModelRegistry:
         self._guard = threading.Lock()
         self._pending: dict[str, concurrent.futures.Future[LoadedModel]] = {}  # background loads (settle)
         self._background = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="qkov-registry")
+        self._scanning: dict[Path, concurrent.futures.Future[ModelEntry | None]] = {}  # detections under way
+        self._detector = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="qkov-detect")
 
     # -- discovery -------------------------------------------------------------------------------------
     def _roots(self) -> list[tuple[Path, bool]]:
@@ -145,14 +148,35 @@ class ModelRegistry:
             self._scans[folder] = (stamp, entry)
         return entry
 
+    def _scan_soon(self, folder: Path) -> concurrent.futures.Future[ModelEntry | None]:
+        """_scan_one of a user folder on a detection thread (one at a time per folder); its future."""
+        with self._guard:
+            future = self._scanning.get(folder)
+            if future is None or future.done():
+                future = self._scanning[folder] = self._detector.submit(self._scan_one, folder, False)
+            return future
+
+    def _scanned(self, root: Path, shipped: bool) -> list[ModelEntry | None]:
+        """The folders of one root scanned: the shipped ones here; the user's on detection threads, waited for at
+        most `settings.listing_wait_s` in all (a folder whose config is still being read is a pending entry)."""
+        folders = sorted(root.iterdir())
+        if shipped:
+            return [self._scan_one(folder, True) for folder in folders]
+        futures = [self._scan_soon(folder) for folder in folders]
+        concurrent.futures.wait(futures, timeout=self.settings.listing_wait_s)
+        return [
+            f.result() if f.done() else ModelEntry(folder.name, folder, "unknown", False, pending=True)
+            for folder, f in zip(folders, futures, strict=True)
+        ]
+
     def entries(self) -> list[ModelEntry]:
-        """Every model folder, rescanned now, sorted by id."""
+        """Every model folder, rescanned now, sorted by id (a user folder whose format takes longer than the listing
+        wait to read is listed pending)."""
         found: dict[str, ModelEntry] = {}
         for root, shipped in self._roots():
             if not root.is_dir():
                 continue
-            for folder in sorted(root.iterdir()):
-                entry = self._scan_one(folder, shipped)
+            for entry in self._scanned(root, shipped):
                 if entry is None:
                     continue
                 if entry.id in found:
@@ -264,12 +288,17 @@ class ModelRegistry:
         """Each entry's model, its load's error, or None while it is still loading after `settings.listing_wait_s`
         (the load goes on in the background). Shipped models are always waited for; the rest load on background
         threads, all at once, so one slow folder costs the caller at most the wait."""
-        futures = {e.id: self.load_soon(e.id) for e in entries if not e.shipped and not self.settled(e)}
+        futures = {
+            e.id: self.load_soon(e.id) for e in entries if not e.shipped and not e.pending and not self.settled(e)
+        }
         if futures:
             concurrent.futures.wait(list(futures.values()), timeout=self.settings.listing_wait_s)
         out: dict[str, LoadedModel | CheckpointError | None] = {}
         for entry in entries:
             future = futures.get(entry.id)
+            if entry.pending:
+                out[entry.id] = None  # its format is still being read
+                continue
             try:
                 if future is None:
                     out[entry.id] = self.get(entry.id)  # shipped, or settled: answers at once

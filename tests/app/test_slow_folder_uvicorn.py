@@ -1,7 +1,8 @@
 """A slow user folder never holds up the listing, `/` or /readyz: a real uvicorn on 127.0.0.1 whose loader takes
-60 s for the folder "slow" (the server process wraps app.registry.load_checkpoint with a sleep for that folder, as a
-folder on a slow disk or holding a hostile file would be). Each of the three answers within a few seconds (they used
-to wait for the load: a minute here), naming "slow" as loading, while the folder beside it is listed and ready; the
+60 s for the folder "slow" and whose format detection (reading config.json) takes 60 s for "slowconfig" (the server
+process wraps app.registry.load_checkpoint and detect_format with a sleep for those folders, as a folder on a slow
+disk or holding a hostile file would be). Each of the three answers within a few seconds (they used
+to wait for the load: a minute here), naming both as loading, while the folder beside it is listed and ready; the
 slow model's own route still waits for its load.
 
 Also, with the app's registry alone: a load refused by the memory watchdog is retried after `load_retry_s` although
@@ -42,6 +43,12 @@ def slow(folder, **options):
         time.sleep(float(os.environ["SLOW_S"]))
     return real(folder, **options)
 registry.load_checkpoint = slow
+real_detect = registry.detect_format
+def slow_detect(folder):
+    if Path(folder).name == "slowconfig":
+        time.sleep(float(os.environ["SLOW_S"]))
+    return real_detect(folder)
+registry.detect_format = slow_detect
 from app.main import create_app
 from app.settings import Settings
 uvicorn.run(create_app(Settings()), host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
@@ -51,7 +58,7 @@ uvicorn.run(create_app(Settings()), host="127.0.0.1", port=int(sys.argv[1]), log
 def _folders(root: Path) -> tuple[Path, Path]:
     shipped, models = root / "shipped", root / "models"
     shipped.mkdir()
-    for name in ("good", "slow"):
+    for name in ("good", "slow", "slowconfig"):
         save_checkpoint(random_model(TINY, seed=0, dtype=torch.float32), models / name)
     return shipped, models
 
@@ -79,9 +86,10 @@ def test_a_slow_folder_is_listed_as_loading_and_holds_nothing_up(tmp_path):
                 assert took < ANSWER_WITHIN_S, (path, took)
             assert [m["id"] for m in answers["/api/v1/models"].json()] == ["good"]
             unavailable = answers["/api/v1/unavailable-models"].json()
-            assert [(u["id"], u["state"]) for u in unavailable] == [("slow", "loading")]
+            assert [(u["id"], u["state"]) for u in unavailable] == [("slow", "loading"), ("slowconfig", "loading")]
             ready = answers["/readyz"].json()
-            assert ready["status"] == "ready" and ready["models"] == {"good": "ok", "slow": "loading"}
+            assert ready["status"] == "ready"
+            assert ready["models"] == {"good": "ok", "slow": "loading", "slowconfig": "loading"}
             page = answers["/"].text
             assert "slow" in page and "loading" in page
             # The slow model's own route waits for its load (under way in the background since the listing).
