@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.copying_spectra import copying_score, embed_gram
+from circuits_core.circuits.copying_spectra import copying_score, embed_gram, embed_gram_flops
 from circuits_core.circuits.embedding import EMBED_CHUNK, embed_eff_matmul, embed_eff_rows
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import stacked_weights
@@ -48,6 +48,7 @@ from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.circuits.qk_forms import QKForm, folded_query_key, qk_form, token_factors, token_scale
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
+from circuits_core.model.flops import layer_flops
 from circuits_core.model.latent_attention import LatentAttention
 from circuits_core.model.qk_norm import qk_scale
 from circuits_core.model.transformer import Transformer, rotary_inv_freq, rotary_pairs
@@ -362,19 +363,37 @@ def qk_copying_at_cost(model: Transformer, n_offsets: int) -> Cost:
     d, dh = cfg.d_model, cfg.d_head
     gram = (d * d + 2 * EMBED_CHUNK * d) * itemsize(model.dtype)
     small = (d * d + 3 * d * dh + 3 * n_offsets * dh * dh) * 8
-    return Cost(gram).then(Cost(small)).with_answer(numbers=2 * dh + 2 * n_offsets + 1, labels=dh)  # {re, im} each
+    flops = 2 * d * d * dh + 2 * dh * d * dh + n_offsets * 2 * dh**3  # W_K^T (G_E W_Q), then times each R(δ)
+    return (
+        Cost(gram, flops=embed_gram_flops(model))
+        .then(Cost(small, flops=flops))
+        .with_answer(numbers=2 * dh + 2 * n_offsets + 1, labels=dh)  # {re, im} each
+    )
 
 
 def kernel_cost(model: Transformer, n_offsets: int, n_tokens: int) -> Cost:
     """reference_means on n_tokens (the cached ln1 outputs and residuals) then the kernel: R(δ) for each
     offset and q, k per head; answer: the offsets and one kernel value per offset. Rotary models (and ALiBi ones,
-    whose kernel alibi_kernel.py computes at less than this price: no rotations)."""
+    whose kernel alibi_kernel.py computes at less than this price: no rotations). FLOPs: kernel_flops."""
     if model.cfg.alibi is None:
         check_rotary(model)
     cfg = model.cfg
     run = 2 * cfg.n_layers * n_tokens * cfg.d_model * itemsize(model.dtype) + factors_cost(model).peak_bytes
     kernel = (n_offsets * cfg.d_head**2 + 2 * cfg.n_layers * cfg.n_heads * (cfg.d_head + n_offsets)) * 8
-    return Cost(run).then(Cost(kernel)).with_answer(numbers=2 * n_offsets + 1)
+    return Cost(run).then(Cost(kernel, flops=kernel_flops(model, n_tokens))).with_answer(numbers=2 * n_offsets + 1)
+
+
+def kernel_flops(model: Transformer, n_tokens: int) -> int:
+    """reference_means on n_tokens (every layer but the last whole; the last up to its pattern: its q, k and scores)
+    then positional_kernel (μ_l through each layer's W_Q and W_K, twice under QK-norm for μ's own rho; the rotations
+    are elementwise)."""
+    cfg = model.cfg
+    if cfg.n_layers == 0:
+        return 0
+    H, G, dh, d = cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_model
+    last = 2 * n_tokens * d * dh * (H + G) + 2 * H * n_tokens * n_tokens * dh
+    means = (cfg.n_layers - 1) * layer_flops(cfg, 1, n_tokens, True, True) + last
+    return means + cfg.n_layers * 2 * d * dh * (H + G) * (2 if cfg.qk_norm is not None else 1)
 
 
 def bands_cost(model: Transformer) -> Cost:
@@ -383,4 +402,5 @@ def bands_cost(model: Transformer) -> Cost:
     check_rotary(model)
     cfg = model.cfg
     L, H, d, dh = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
-    return Cost((2 * L * H * d * dh + 2 * L * H * dh * dh) * 8).with_answer(numbers=3 * dh // 2 + 1)
+    flops = 2 * L * H * 2 * d * dh * dh  # W_Q^T W_Q and W_K^T W_K per query head
+    return Cost((2 * L * H * d * dh + 2 * L * H * dh * dh) * 8, flops=flops).with_answer(numbers=3 * dh // 2 + 1)

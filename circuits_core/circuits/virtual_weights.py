@@ -59,6 +59,7 @@ from circuits_core.circuits.stream_components import (
     writer_chain,
     writers,
 )
+from circuits_core.circuits.stream_flops import all_scores_flops, pair_flops
 from circuits_core.circuits.stream_grams import GramSide, factors, inner_products
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
@@ -384,12 +385,15 @@ def all_scores_cost(model: Transformer) -> Cost:
         0 if model.dtype == model.compute_dtype else (4 * L * H * dh * d + (1 + roles) * n_mlp * d + n_ctx * d)
     )
     numbers = factor_numbers + dtype_copies + cfg.d_vocab * d + 2 * (Nw + Nr) * size * size + 3 * Nw * Nr
-    return Cost(numbers * itemsize(model.compute_dtype)).with_answer(numbers=2 * Nw * Nr, labels=Nw + Nr)
+    return Cost(numbers * itemsize(model.compute_dtype), flops=all_scores_flops(model)).with_answer(
+        numbers=2 * Nw * Nr, labels=Nw + Nr
+    )
 
 
-def pair_cost(model: Transformer, writer: Writer, reader: Reader, k: int, n_top: int) -> Cost:
+def pair_cost(model: Transformer, writer: Writer, reader: Reader, k: int, n_top: int, offset: int = 0) -> Cost:
     """pair_report: the two factors of the virtual weight (the outer sides at most d_vocab x d_model), their r x r
-    Grams, eigenvectors and core SVD, k directions on each side; answer: every singular value and 4 k n_top entries."""
+    Grams, eigenvectors and core SVD, k directions on each side; answer: every singular value and 4 k n_top entries;
+    FLOPs: stream_flops.pair_flops."""
     cfg = model.cfg
     sizes = {
         "embed": cfg.d_vocab,
@@ -405,4 +409,10 @@ def pair_cost(model: Transformer, writer: Writer, reader: Reader, k: int, n_top:
     n_out = sizes.get(reader.role, cfg.d_model)
     r = cfg.d_head if writer.kind == "head" or reader.role in ("Q", "K", "V") else cfg.d_model
     numbers = (n_in + n_out) * (r + k) + 8 * r * r + (n_in * cfg.d_model if writer.kind == "embed" else 0)
-    return Cost(numbers * itemsize(model.compute_dtype)).with_answer(numbers=r + 4 * k * n_top, labels=4 * k * n_top)
+    token_sides = int(_space(writer.kind) == "d_model") + int(
+        _space(reader.role) == "d_model" and reader.role in READ_THROUGH
+    )  # the sides pair_report reads in tokens
+    flops = pair_flops(model, writer, reader, k, token_sides, offset)
+    return Cost(numbers * itemsize(model.compute_dtype), flops=flops).with_answer(
+        numbers=r + 4 * k * n_top, labels=4 * k * n_top
+    )

@@ -58,6 +58,12 @@ from circuits_core.formats.llama import (
     stored_dtype,
 )
 from circuits_core.formats.llama_variants import REFUSED_MODEL_TYPES, VARIANT_MODEL_TYPES, load_variant, variant_config
+from circuits_core.formats.load_watchdog import (
+    LOAD_MEMORY_ALLOWANCE,
+    LOAD_MEMORY_MULTIPLE,
+    LoadWatchdog,
+    folder_bytes,
+)
 from circuits_core.formats.moe_families import MOE_MODEL_TYPES, load_moe, moe_config
 from circuits_core.formats.phi3 import load_phi3, phi3_config
 from circuits_core.formats.processing import SWITCHES, ProcessingOptions, own_tensors, process_state
@@ -374,6 +380,8 @@ def load_checkpoint(
     device: torch.device | str = "cpu",
     keep_half: bool = False,
     lazy_mlp: bool = False,
+    memory_multiple: float = LOAD_MEMORY_MULTIPLE,
+    memory_allowance: int = LOAD_MEMORY_ALLOWANCE,
 ) -> LoadedModel:
     """Load a checkpoint folder of any registered format and apply weight processing (processing.py).
 
@@ -391,9 +399,27 @@ def load_checkpoint(
     safetensors): the MLP tensors are not read until an MLP weight is first used (formats/lazy_mlp.py), so the
     weight circuits read only the attention, norm, embedding and unembedding tensors; `max_bytes` then prices
     what is loaded now.
+
+    The load runs under a watchdog (load_watchdog.py): it may add at most `memory_multiple` x the weights it loads
+    (priced in `dtype`) + `memory_allowance` bytes to the process's memory, else LoadMemoryExceeded names the folder.
     """
     folder = Path(folder)
     check_contained(folder)
+    with LoadWatchdog(folder.name, folder_bytes(folder), memory_multiple, memory_allowance) as watch:
+        return _load_watched(folder, dtype, process, max_bytes, device, keep_half, lazy_mlp, watch)
+
+
+def _load_watched(
+    folder: Path,
+    dtype: torch.dtype,
+    process: bool | ProcessingOptions | None,
+    max_bytes: int | None,
+    device: torch.device | str,
+    keep_half: bool,
+    lazy_mlp: bool,
+    watch: LoadWatchdog,
+) -> LoadedModel:
+    """load_checkpoint's work, under its watchdog `watch` (told the weights' price as soon as it is known)."""
     fmt = detect_format(folder)
     data = read_json_object(folder, "config.json") if fmt != "gguf" else {}
     lazy_mlp = lazy_mlp and fmt in LLAMA_MODEL_TYPES and lazy_mlp_supported(llama_config(data))
@@ -406,6 +432,7 @@ def load_checkpoint(
 
     def check_price(cfg: ModelConfig, without_mlp: bool = False) -> None:
         price = load_bytes(cfg, dtype) - (mlp_bytes(cfg, dtype) if without_mlp else 0)
+        watch.weights(price)
         if max_bytes is not None and price > max_bytes:
             raise CheckpointError(
                 f"{'the GGUF metadata' if fmt == 'gguf' else 'config.json'} describes a model of {price} bytes in "
@@ -492,7 +519,7 @@ def _build(
     """Tokenizer (the folder's unless the loader read one), checks, processing and the model, from a state dict
     just read."""
     if tokenizer is None:
-        tokenizer = Tokenizer.from_folder(folder, bos_token_id=cfg.bos_token_id)
+        tokenizer = Tokenizer.from_folder(folder, bos_token_id=cfg.bos_token_id, max_tokens=cfg.d_vocab)
     if tokenizer is not None:
         if tokenizer.vocab_size > cfg.d_vocab:
             raise CheckpointError(

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits.copying_spectra import copying_score, embed_gram
-from circuits_core.circuits.embedding import EMBED_CHUNK, embed_eff
+from circuits_core.circuits.embedding import EMBED_CHUNK, embed_eff, embed_eff_rows
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import circuit_weight, head_weights, layer_weights
 from circuits_core.circuits.head_circuits import check_head
@@ -229,8 +229,11 @@ def cost(model: Transformer, layer: int, n: int, k: int) -> Cost:
 
 
 # -- token-space K-composition -------------------------------------------------------------------------
-def k_composition_circuit(model: Transformer, head: tuple[int, int], earlier: tuple[int, int]) -> FactoredMatrix:
-    """[d_vocab, d_vocab] W_E W_Q^h W_K^{hT} (W_V^{h'} W_O^{h'})^T W_E^T / s (inner d_head).
+def k_composition_circuit(
+    model: Transformer, head: tuple[int, int], earlier: tuple[int, int], tokens: Tensor | None = None
+) -> FactoredMatrix:
+    """[d_vocab, d_vocab] W_E W_Q^h W_K^{hT} (W_V^{h'} W_O^{h'})^T W_E^T / s (inner d_head); with `tokens` (ids [n])
+    the [n, n] submatrix of those rows and columns, its factors formed on those tokens only.
 
     Rows: the query (destination) token; columns: the token at the position head h' reads from (for a
     previous-token h', the token before the key). W_E is A's W_E_eff (layer-0 LN applied row by row), and
@@ -241,11 +244,17 @@ def k_composition_circuit(model: Transformer, head: tuple[int, int], earlier: tu
     check_head(model, lay2, h2)
     if lay2 >= layer:
         raise InvalidInputError(f"{head_name(lay2, h2)} must be in an earlier layer than {head_name(layer, h)}")
-    W_E = embed_eff(model)
+    W_E = embed_eff(model) if tokens is None else embed_eff_rows(model, tokens)  # [V or n, d_model]
     (W_Q, W_K, _, _), (_, _, W_V2, W_O2) = head_weights(model, layer, h), head_weights(model, lay2, h2)  # folded
     left = W_E @ W_Q / model.cfg.scale  # [V, dh]
     right = (((W_E @ W_V2) @ W_O2) @ W_K).T  # [dh, V]
     return FactoredMatrix(left, right)
+
+
+def k_composition_flops(model: Transformer, n_tokens: int) -> int:
+    """k_composition_circuit's factors on n_tokens tokens: W_E W_Q, and W_E W_V' W_O' W_K left to right."""
+    d, dh = model.cfg.d_model, model.cfg.d_head
+    return 2 * n_tokens * d * dh + 2 * n_tokens * d * dh + 2 * n_tokens * dh * d + 2 * n_tokens * d * dh
 
 
 def k_composition_positivity(
