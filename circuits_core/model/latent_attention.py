@@ -144,6 +144,8 @@ class LatentAttention(Attention):
     @property
     def W_Q(self) -> Tensor:  # type: ignore[override]
         """[n_heads, d_model, d_head]: [W_DQ Γq W_QR^h | W_DQ Γq W_UQ^h | 0]."""
+        if self.cfg.mla_q_rank is None:  # the up-projections read the stream themselves
+            return self._laid_out(self.W_QR, self.W_UQ)  # [H, d, dh]
         read = self.query_reader()
         return self._laid_out(read @ self.W_QR, read @ self.W_UQ)  # [H, d, dh]
 
