@@ -243,3 +243,22 @@ def test_qk_table_prices_are_what_torch_counts(world: dict[str, tuple[Path, Any]
     assert counted(lambda: full_qk_col_at(model, 1, 2, 3, 4)) == hc.line_flops(model, "qk-column-at")
     assert counted(lambda: hc.full_qk_col(model, 1, 2, 3)) == hc.line_flops(model, "qk-column")
     assert counted(table) == hc.circuit_flops(model, "qk", False, n)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_attention_forward_price_is_what_torch_counts(world: dict[str, tuple[Path, Any]], name: str) -> None:
+    """model/flops.layer_flops of an MLA layer's attention (the latents, the up-projections, scores, z, W_O), with and
+    without the pattern computed, equals torch's count of LatentAttention's own forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from circuits_core.model.flops import layer_flops
+    from circuits_core.model.hooks import Frozen, Recorder
+
+    model = load_checkpoint(world[name][0], dtype=F64).model
+    x = torch.randn(2, 7, model.cfg.d_model, dtype=F64, generator=torch.Generator().manual_seed(1))
+    attn = model.blocks[1].attn
+    _, cache = model.run(torch.zeros(2, 7, dtype=torch.long), names={"blocks.1.attn.hook_pattern"})
+    for frozen in (None, Frozen(patterns={"blocks.1.attn.hook_pattern": cache["blocks.1.attn.hook_pattern"]})):
+        with FlopCounterMode(display=False) as counter:
+            attn(x, x, x, Recorder(None), frozen)
+        assert counter.get_total_flops() == layer_flops(model.cfg, 2, 7, frozen is None, False)
