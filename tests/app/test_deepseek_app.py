@@ -117,8 +117,11 @@ def test_head_page_names_the_latent_terms(mla_client: TestClient, model: str) ->
         float(re.search(rf'id="{key}">([^<]+)<', page).group(1))  # type: ignore[union-attr]
         for key in ("latent-content-norm", "latent-query-rotary-norm", "latent-key-rotary-norm", "latent-ov-norm")
     ]
-    for got, want in zip(shown, _dense_terms(hf, 1, 2), strict=True):
-        assert got == pytest.approx(want, rel=1e-3)
+    body = mla_client.get(f"/api/v1/models/{model}/heads/L1H2").json()["latent"]  # the page's JSON twin
+    keys = ("content_norm", "query_rotary_norm", "key_rotary_norm", "ov_norm")
+    for got, json_value, want in zip(shown, [body[k] for k in keys], _dense_terms(hf, 1, 2), strict=True):
+        assert got == pytest.approx(want, rel=1e-3) and json_value == pytest.approx(want, rel=1e-9)
+    assert body["kv_rank"] == hf.config.kv_lora_rank and body["rotary_rank_bound"] == hf.config.qk_rope_head_dim
     dense_page = mla_client.get(f"/models/{model}/heads/L0H0").text
     assert 'id="latent-terms"' in dense_page  # every layer has latent attention (layer 0's MLP is the dense one)
 
