@@ -17,10 +17,11 @@ refused by its memory watchdog (circuits_core/formats/load_watchdog.py: it measu
 running beside the load counts too) is retried after `settings.load_retry_s` even when the files are unchanged.
 Error messages never show a server path (the folder's path is replaced by the model id).
 
-A slow folder never holds up the listing, `/` or /readyz: `settle` starts the loads they need on the registry's
-background loader threads and waits for them at most `settings.listing_wait_s`; a model still loading then is
-reported as loading (its load goes on, and the next listing shows it). The shipped models are the repository's own
-and small: they are always waited for.
+A slow folder never holds up the listing, `/` or /readyz: `entries` reads the user folders' formats on detection
+threads and `settle` starts the loads they need on background loader threads, both waiting until one deadline
+(`settings.listing_wait_s` from the listing's start) and only for work that listing started; a folder still being
+read or loaded then is reported as loading (its work goes on, and a later listing shows it). The shipped models are
+the repository's own and small: they are always waited for.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pathlib import Path
 import torch
 
 from app.settings import Settings
-from circuits_core.errors import CheckpointError, NotFoundError
+from circuits_core.errors import CheckpointError, NotFoundError, QkovError
 from circuits_core.formats.checkpoint import LoadedModel, detect_format, load_checkpoint
 from circuits_core.formats.gguf import gguf_file
 from circuits_core.formats.load_watchdog import LoadMemoryExceeded
@@ -324,8 +325,8 @@ class ModelRegistry:
                     out[entry.id] = future.result()
                 else:
                     out[entry.id] = None
-            except CheckpointError as exc:
-                out[entry.id] = exc
+            except QkovError as exc:  # (the folder vanished since the scan: NotFoundError)
+                out[entry.id] = exc if isinstance(exc, CheckpointError) else CheckpointError(str(exc))
         return out
 
     def preload(self) -> None:
