@@ -362,23 +362,50 @@ def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> C
     return view.model_copy(update={"corpus": corpus})
 
 
-def _search_cost(loaded: LoadedModel, p: DirectParams, limits: Limits) -> Cost:
+def _search_cost(loaded: LoadedModel, p: DirectParams, limits: Limits, circuit: circuits.Circuit = "ov") -> Cost:
     """The global table a request without a token reads: top max(k, SHARED_K) among its token set."""
     ranked = token_set(loaded, p.min_count, p.vocab)
     return circuits.top_cost(
-        loaded.model, max(p.k, min(SHARED_K, ranked.n**2)), limits.matrix_budget_bytes, line=False, n_tokens=ranked.n
+        loaded.model,
+        max(p.k, min(SHARED_K, ranked.n**2)),
+        limits.matrix_budget_bytes,
+        line=False,
+        n_tokens=None if ranked.ids is None else ranked.n,
+        circuit=circuit,
     )
 
 
-def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits) -> Cost:
-    """A token's row or column, else the global top-k (on the frequent tokens only with min_count)."""
+def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits, circuit: circuits.Circuit = "ov") -> Cost:
+    """A token's row or column, else the global top-k (on the frequent tokens only with min_count): priced by
+    head_circuits.top_cost for the circuit and side the view reads."""
     check_offset(loaded, getattr(p, "offset", 0))  # a request the model cannot answer is refused before its price
+    side: Literal["row", "column"] = "column" if getattr(p, "side", "query") == "key" else "row"
     if p.token is None:
-        cost = _search_cost(loaded, p, limits)
+        cost = _search_cost(loaded, p, limits, circuit)
     else:
         n = None if p.min_count is None else token_set(loaded, p.min_count, "all").n
-        cost = circuits.top_cost(loaded.model, p.k, limits.matrix_budget_bytes, line=True, n_tokens=n)
+        cost = circuits.top_cost(
+            loaded.model, p.k, limits.matrix_budget_bytes, line=True, n_tokens=n, circuit=circuit, side=side
+        )
     return cost + raw_copy_cost(loaded, p.basis)
+
+
+def direct_cost(loaded: LoadedModel, p: DirectParams, limits: Limits) -> Cost:
+    """The table, then each listed entry's probability: one direct row per distinct current token (at most k; the
+    token's own row with a token)."""
+    rows = 1 if p.token is not None else p.k
+    probabilities = Cost(0, flops=rows * circuits.line_flops(loaded.model, "direct-row"))
+    return top_cost(loaded, p, limits, "direct").then(probabilities)
+
+
+def ov_cost(loaded: LoadedModel, p: OVParams, limits: Limits) -> Cost:
+    return top_cost(loaded, p, limits, "ov")
+
+
+def qk_cost(loaded: LoadedModel, p: QKParams, limits: Limits) -> Cost:
+    return top_cost(loaded, p, limits, "qk").with_answer(
+        numbers=(p.k + 1) if sinks.has_sinks(loaded.model) else 0  # the sink logit and one probability per entry
+    )
 
 
 def _strongest_source(loaded: LoadedModel, layer: int, h: int, limits: Limits, ranked: TokenSet) -> int:
@@ -453,7 +480,7 @@ DIRECT = Analysis(
     params=DirectParams,
     view=CircuitTopView,
     build=build_direct_view,
-    cost=top_cost,
+    cost=direct_cost,
     summary="Direct path (bigram table)",
     tags=["circuits"],
 )
@@ -464,7 +491,7 @@ OV = Analysis(
     params=OVParams,
     view=CircuitTopView,
     build=build_ov_view,
-    cost=top_cost,
+    cost=ov_cost,
     summary="Top entries of the full OV circuit",
     tags=["circuits"],
 )
@@ -475,18 +502,18 @@ QK = Analysis(
     params=QKParams,
     view=CircuitTopView,
     build=build_qk_view,
-    cost=lambda loaded, p, limits: top_cost(loaded, p, limits).with_answer(
-        numbers=(p.k + 1) if sinks.has_sinks(loaded.model) else 0  # the sink logit and one probability per entry
-    ),
+    cost=qk_cost,
     summary="Top entries of the full QK circuit",
     tags=["circuits"],
 )
 
 
 def skip_trigrams_cost(loaded: LoadedModel, p: SkipTrigramParams, limits: Limits) -> Cost:
+    """The two lines (head_circuits.skip_trigrams_cost) after, without a token, the OV table's search on its token
+    set for the default source."""
     check_offset(loaded, p.offset)
     lines = circuits.skip_trigrams_cost(loaded.model, p.k, limits.matrix_budget_bytes, token=True)
-    search = Cost(0) if p.token is not None else _search_cost(loaded, p.model_copy(update={"k": 1}), limits)
+    search = Cost(0) if p.token is not None else _search_cost(loaded, p.model_copy(update={"k": 1}), limits, "ov")
     return search.then(lines) + raw_copy_cost(loaded, p.basis)
 
 

@@ -13,6 +13,7 @@ Formats (REGISTRY, keyed by `Format`):
 - "mixtral", "qwen3_moe", "olmoe": the Llama layout with a mixture-of-experts MLP (moe_families.py).
 - "bloom", "mpt": ALiBi models (alibi_families.py).
 - "phi3": the Llama layout with fused qkv and gate/up projections, split on load (phi3.py).
+- "deepseek_v2", "deepseek_v3": multi-head latent attention and DeepSeek's experts (deepseek.py).
 - "gguf": a folder without config.json holding one `.gguf` file (llama.cpp, ollama), named after the folder;
   config, tensors and tokenizer all come from that file (formats_gguf.py).
 
@@ -43,6 +44,7 @@ from torch import Tensor
 
 from circuits_core.errors import CheckpointError, InvalidInputError
 from circuits_core.formats.alibi_families import ALIBI_MODEL_TYPES, alibi_config, load_alibi
+from circuits_core.formats.deepseek import DEEPSEEK_MODEL_TYPES, deepseek_config, load_deepseek
 from circuits_core.formats.gguf import Defaulted, gguf_file, read_gguf
 from circuits_core.formats.gpt_oss import gpt_oss_config, load_gpt_oss
 from circuits_core.formats.hf import load_gpt2, load_gpt_neox
@@ -86,7 +88,7 @@ from circuits_core.schedule import in_background
 Format = Literal[
     "qkov", "transformer_lens", "gpt2", "gpt_neox", "gguf", "llama", "mistral", "qwen2",
     "gemma2", "gemma3_text", "gemma3", "qwen3", "olmo2", "olmo3", "gpt_oss", "mixtral", "qwen3_moe", "olmoe", "bloom",
-    "mpt", "phi3",
+    "mpt", "phi3", "deepseek_v2", "deepseek_v3",
 ]  # fmt: skip
 FORMATS: tuple[str, ...] = get_args(Format)
 QKOV_FORMAT_VERSION = 1
@@ -99,7 +101,7 @@ HF_MODEL_TYPES: dict[str, Format] = {
     "gpt2": "gpt2", "gpt_neox": "gpt_neox", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
     "gemma2": "gemma2", "gemma3_text": "gemma3_text", "gemma3": "gemma3", "qwen3": "qwen3", "olmo2": "olmo2",
     "olmo3": "olmo3", "gpt_oss": "gpt_oss", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "olmoe": "olmoe",
-    "bloom": "bloom", "mpt": "mpt", "phi3": "phi3",
+    "bloom": "bloom", "mpt": "mpt", "phi3": "phi3", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3",
 }  # fmt: skip
 SAFETENSORS_FAMILIES = (
     *LLAMA_MODEL_TYPES,
@@ -108,6 +110,7 @@ SAFETENSORS_FAMILIES = (
     *MOE_MODEL_TYPES,
     *ALIBI_MODEL_TYPES,
     "phi3",
+    *DEEPSEEK_MODEL_TYPES,
 )  # read shard by shard (llama.py's reader)
 LOAD_OPTIONS_FILE = "qkov.json"  # per-checkpoint load options (processing), next to config.json
 # Files besides config.json and the weights that can change an answer, so they are part of the digest: the
@@ -124,6 +127,7 @@ CONFIG_READERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     **dict.fromkeys(MOE_MODEL_TYPES, moe_config),
     **dict.fromkeys(ALIBI_MODEL_TYPES, alibi_config),
     "phi3": phi3_config,
+    **dict.fromkeys(DEEPSEEK_MODEL_TYPES, deepseek_config),
 }
 TL_BUFFERS = (".attn.mask", ".attn.IGNORE", ".attn.rotary_sin", ".attn.rotary_cos")
 
@@ -334,6 +338,8 @@ REGISTRY: dict[Format, Loader] = {
     "bloom": load_alibi,
     "mpt": load_alibi,
     "phi3": load_phi3,
+    "deepseek_v2": load_deepseek,
+    "deepseek_v3": load_deepseek,
     "gemma2": load_variant,
     "gemma3_text": load_variant,
     "gemma3": load_variant,
