@@ -112,7 +112,7 @@ def test_head_page_names_the_latent_terms(mla_client: TestClient, model: str) ->
     page = mla_client.get(f"/models/{model}/heads/L1H2").text
     assert 'id="latent-terms"' in page and "content term A_h" in page and "rotary term C_h R(δ) Dᵀ" in page
     assert "Composition into this head reads the shared latent subspace" in page
-    assert "QK form: latent-token" in page
+    assert "QK form: latent-token" in page and "Latent attention: μ carries its own latent scales" in page
     shown = [
         float(re.search(rf'id="{key}">([^<]+)<', page).group(1))  # type: ignore[union-attr]
         for key in ("latent-content-norm", "latent-query-rotary-norm", "latent-key-rotary-norm", "latent-ov-norm")
