@@ -319,5 +319,5 @@ async def head_context(call: PageCall) -> dict[str, Any]:
         "n_vocab": cfg.d_vocab,
         "default_vocab": DEFAULT_VOCAB,
         **(await head_rotary_context(call, name) if view is not None else {"rotary": None}),
-        "latent": await cheap(latent_head_panel, call.model, name) if view is not None else None,
+        "latent": latent_head_panel(call.model, name, view.latent) if view is not None else None,
     }

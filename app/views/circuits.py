@@ -40,7 +40,7 @@ from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import check_k, model_ref, resolve_token, token_ref
 from app.views.rotary import check_offset, is_rotary
 from circuits_core.circuits import head_circuits as circuits
-from circuits_core.circuits import rotary, sinks
+from circuits_core.circuits import latent_circuits, rotary, sinks
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.qk_forms import QK_FORMS, qk_form
 from circuits_core.cost import Cost
@@ -266,6 +266,19 @@ def with_sink(loaded: LoadedModel, view: CircuitTopView, layer: int, h: int, off
     return view.model_copy(update={"sink_logit": sinks.sink_logit(model, layer, h), "sink_attend": attend})
 
 
+def with_latent_terms(loaded: LoadedModel, view: CircuitTopView, layer: int, h: int, offset: int) -> CircuitTopView:
+    """The QK view with each entry's content and rotary terms (latent_circuits.token_pair_terms) under multi-head
+    latent attention."""
+    model = loaded.model
+    if not model.cfg.latent_attention or not view.entries:
+        return view
+    with torch.no_grad():
+        queries = [e.row.id for e in view.entries]
+        keys = [e.col.id for e in view.entries]
+        content, rotary = latent_circuits.token_pair_terms(model, layer, h, queries, keys, offset)
+    return view.model_copy(update={"latent_content": content.tolist(), "latent_rotary": rotary.tolist()})
+
+
 def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTopView:
     """Full QK circuit W_E W_Q W_K^T W_E^T / s: as query, the keys a token attends to; as key, the queries on it.
 
@@ -292,7 +305,7 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
             offset,
         )
         labelled = qk_labelled(loaded, view.model_copy(update={"offset": offset}), layer)
-        return with_sink(loaded, labelled, layer, h, offset)
+        return with_latent_terms(loaded, with_sink(loaded, labelled, layer, h, offset), layer, h, offset)
     column = (lambda t: circuits.full_qk_col(loaded.model, layer, h, t)) if side == "column" else None
     view = _top_view(
         loaded,

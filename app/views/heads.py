@@ -24,6 +24,7 @@ from app.views.inputs import check_k, model_ref
 from app.views.rotary import is_rotary, reference_means, reference_tokens_bound
 from circuits_core.circuits import copying, copying_spectra
 from circuits_core.circuits import head_circuits as circuits
+from circuits_core.circuits.latent_circuits import term_norms
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
 from circuits_core.formats.checkpoint import LoadedModel
@@ -249,6 +250,7 @@ def build_head_view(loaded: LoadedModel, p: HeadParams, limits: Limits) -> HeadV
         ov_singular_values=[float(s) for s in ov_s],
         qk_singular_values=[float(s) for s in qk_s],
         positional=positional,
+        latent=term_norms(model, layer, h) if model.cfg.latent_attention else None,
     )
 
 
