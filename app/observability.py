@@ -2,7 +2,7 @@
 
 `install_serving(app, settings)` (called once by create_app) adds:
 
-- the app's ComputeService (app/scheduling.py: bounded slots, result cache, single-flight, stop flags) and the
+- the app's ComputeService (app/scheduling/: bounded slots, result cache, single-flight, stop flags) and the
   torch intra-op thread count of each computation, set in its worker thread (`settings.torch_threads`, default
   cores // compute_slots: on a machine shared with other processes, 2 threads per computation on 2 busy cores made
   the detector pass 2.8x slower than 1, so a lone computation does not take every core by default);
@@ -47,9 +47,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.errors import ProblemKind, problem_response, render_fragment
 from app.etag import ETagMiddleware, HeadMiddleware
 from app.metrics import Metrics
+from app.pricing import Budgets
 from app.ratelimit import RateLimiter
 from app.registry import ModelRegistry
-from app.scheduling import Budgets, BusyError, ComputeService, JobPending, RequestContext, bind, default_torch_threads
+from app.scheduling.flights import BusyError, JobPending
+from app.scheduling.requests import RequestContext, bind
+from app.scheduling.service import ComputeService
+from app.scheduling.slots import default_torch_threads
 from app.settings import Settings
 from app.store import StoreTier, open_store
 from circuits_core.errors import NotFoundError, QkovError
@@ -122,7 +126,7 @@ class Health(BaseModel):
 
 
 class JobState(BaseModel):
-    """A long computation's public state (app/scheduling.Job.public)."""
+    """A long computation's public state (app/scheduling/flights.py Job.public)."""
 
     id: str
     what: str

@@ -153,13 +153,14 @@ def heads_breakdown(model: Any) -> None:
     seconds (all threads) side by side: on a busy machine the CPU seconds are the steadier figure."""
     import os
 
-    from app.scheduling import available_cores, default_torch_threads
+    from app.scheduling.slots import default_torch_threads
     from app.settings import Settings
     from app.views.rotary import reference_tokens
     from circuits_core.circuits import copying_spectra, rotary
     from circuits_core.formats.checkpoint import LoadedModel
     from circuits_core.prompt import detectors as heads
     from circuits_core.prompt import head_table
+    from circuits_core.schedule import available_cores
 
     settings = Settings()
     threads = settings.torch_threads or default_torch_threads(settings.compute_slots)

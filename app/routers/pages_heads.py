@@ -29,7 +29,8 @@ from app.routers.rendering import (
     is_fragment,
     refusal,
 )
-from app.scheduling import JobPending, cheap
+from app.scheduling import cheap
+from app.scheduling.flights import JobPending
 from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
 from app.views.basis import basis
 from app.views.circuits import OV, QK, SKIP_TRIGRAMS, has_token_counts

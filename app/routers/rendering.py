@@ -26,7 +26,8 @@ from app.errors import kind_of
 from app.figure_output import for_page
 from app.glossary import term_anchors
 from app.registry import ModelRegistry
-from app.scheduling import JobPending, cheap, compute
+from app.scheduling import cheap, compute
+from app.scheduling.flights import JobPending
 from app.settings import REPO_ROOT, Limits
 from app.views.basis import basis, changes_weights
 from app.views.inputs import max_prompt_tokens

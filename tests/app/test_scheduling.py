@@ -1,4 +1,4 @@
-"""The scheduling module's decisions (app/scheduling.py): one engine price decides whether a request runs inline,
+"""The scheduling module's decisions (app/scheduling/): one engine price decides whether a request runs inline,
 as a polled job or not at all; jobs report progress, are shared by every reader and stop when nobody polls them;
 model loads and the listing never wait behind the compute slots that user requests hold.
 
@@ -19,7 +19,8 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from app.main import create_app
-from app.scheduling import ComputeService, compute
+from app.scheduling import compute
+from app.scheduling.service import ComputeService
 from app.settings import Settings
 from circuits_core.cost import Cost, check_stop, report_progress
 from tests.app.conftest import assert_problem

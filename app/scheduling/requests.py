@@ -1,0 +1,53 @@
+"""The request a computation serves (is it still wanted?) and the service the current task uses: both are set
+per request by app/observability.py's middleware (`bind`) and read through context variables."""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from app.scheduling.service import ComputeService
+
+
+@dataclass
+class RequestContext:
+    """What compute needs to know about the request it serves: is it still wanted?"""
+
+    is_disconnected: Callable[[], Awaitable[bool]] | None = None
+    deadline: float | None = None  # time.monotonic() after which the request gives up
+    timeout_s: float | None = None
+
+    async def abandoned(self) -> str | None:
+        """Why the request no longer wants its result (None while it does)."""
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            return (
+                f"the request took longer than its deadline of {self.timeout_s:g} s; "
+                "try a smaller request or retry later"
+            )
+        if self.is_disconnected is not None and await self.is_disconnected():
+            return "the client disconnected"
+        return None
+
+
+_SERVICE: contextvars.ContextVar[ComputeService | None] = contextvars.ContextVar("qkov_compute_service", default=None)
+_REQUEST: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("qkov_request_context", default=None)
+
+
+def bind(service: ComputeService, request: RequestContext | None) -> None:
+    """Make `compute` use this service and request context in the current task (called by middleware)."""
+    _SERVICE.set(service)
+    _REQUEST.set(request)
+
+
+def bound_service() -> ComputeService | None:
+    """The service `bind` set for this task, None outside a request."""
+    return _SERVICE.get()
+
+
+def current_request() -> RequestContext | None:
+    """The request `bind` set for this task, None outside a request."""
+    return _REQUEST.get()
