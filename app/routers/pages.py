@@ -24,6 +24,7 @@ from app import charts, snippets
 from app.analysis import API
 from app.deps import RegistryDep, get_model
 from app.head_filter import MAX_FILTER_CHARS, HeadFilter
+from app.labels import unique_labels, visible
 from app.params import (
     DEFAULT_VOCAB,
     DetectorParams,
@@ -181,10 +182,10 @@ async def direct_context(call: PageCall) -> dict[str, Any]:
     fig = None
     if view.token is not None:
         fig = charts.bars(
-            [charts.visible(e.col.text) for e in view.entries],
+            [visible(e.col.text) for e in view.entries],
             [e.value for e in view.entries],
             horizontal=True,
-            title=f"top next tokens after {charts.visible(view.token.text)} (W_E W_U row)",
+            title=f"top next tokens after {visible(view.token.text)} (W_E W_U row)",
             height=max(260, 22 * len(view.entries) + 80),
         )
     has_counts = has_token_counts(call.model)
@@ -272,7 +273,7 @@ def detector_charts(view: Any, model_id: str, shown: list[HeadScores] | None = N
             y_title="score",
         )
     }
-    labels = charts.unique_labels([charts.visible(t.text) for t in view.tokens])
+    labels = unique_labels([visible(t.text) for t in view.tokens])
     positions = list(range(len(view.loss.loss)))
     seg = view.detector_input.seq_len
     marks = [seg + (view.detector_input.bos is not None) - 0.5] if seg else []

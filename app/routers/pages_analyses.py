@@ -12,8 +12,9 @@ from typing import Annotated, Any, Protocol
 
 from pydantic import Field
 
-from app import block_heatmaps, charts, snippets
+from app import block_heatmaps, charts, snippets, view_figures
 from app.analysis import HeadField, json_url
+from app.labels import token_labels, visible
 from app.params import (
     HEAD_DOC,
     ChainParams,
@@ -115,7 +116,7 @@ async def composition_context(call: PageCall) -> dict[str, Any]:
             for v, _ in [await call.attempt(COMPOSITION, params.model_copy(update={"kind": k}))]
             if v is not None
         ]
-        zmax = charts.shared_range([v.minus_baseline for v in views])
+        zmax = view_figures.shared_range([v.minus_baseline for v in views])
         k_view = next((v for v in views if v.kind == "K"), None)
         if not params.offset:  # what this model shows (detector scores on the standard input, cached)
             claim = composition_sentence(call.model_id or "", (await call.attempt(HEADS, NoParams()))[0], k_view)
@@ -136,7 +137,7 @@ async def composition_context(call: PageCall) -> dict[str, Any]:
                     f"(the earlier layer must be below the later one, both inside the model)",
                 }
     elif view is not None:
-        fig = charts.composition_heatmap(view, call.model_id or "", zmax)
+        fig = view_figures.composition_heatmap(view, call.model_id or "", zmax)
     snippet = (
         snippets.composition(*await snippet_source(call), kind) if view is not None and not params.offset else None
     )
@@ -162,11 +163,11 @@ async def pair_context(call: PageCall) -> dict[str, Any]:
     call.title = f"{view.source} → {view.target} · {call.model_id}"
     figs = {
         "k_eig": charts.complex_scatter(
-            charts.complex_points(view.k_composition.eigenvalues),
+            view_figures.complex_points(view.k_composition.eigenvalues),
             title="eigenvalues of the K-composition token circuit",
         ),
         "v_eig": charts.complex_scatter(
-            charts.complex_points(view.virtual_head.ov.eigenvalues),
+            view_figures.complex_points(view.virtual_head.ov.eigenvalues),
             title="eigenvalues of the virtual head's OV circuit",
         ),
     }
@@ -237,7 +238,7 @@ async def prompt_context(call: PageCall) -> dict[str, Any]:
         figs["patterns"] = [
             (
                 hp.head,
-                charts.attention_heatmap(
+                view_figures.attention_heatmap(
                     pview.tokens,
                     hp.pattern,
                     f"{hp.head} {'value-weighted ' if p.weighted else ''}attention",
@@ -248,9 +249,9 @@ async def prompt_context(call: PageCall) -> dict[str, Any]:
             for hp in pview.heads
         ]
     if pview is not None:
-        figs["text"] = charts.attention_text(pview.tokens, {hp.head: hp.pattern for hp in pview.heads}, paths)
+        figs["text"] = view_figures.attention_text(pview.tokens, {hp.head: hp.pattern for hp in pview.heads}, paths)
     if pview is not None and p.layer is not None:
-        figs["layer"] = charts.attention_text(pview.tokens, {hp.head: hp.pattern for hp in pview.heads})
+        figs["layer"] = view_figures.attention_text(pview.tokens, {hp.head: hp.pattern for hp in pview.heads})
         figs["patterns"] = []  # the small multiples replace the one-head heat maps
     if paths is not None:
         links = [
@@ -259,8 +260,8 @@ async def prompt_context(call: PageCall) -> dict[str, Any]:
             else None
             for t in paths.terms
         ]
-        figs["waterfall"] = charts.paths_waterfall(paths, links)
-        figs["by_source"] = charts.paths_by_source(paths)
+        figs["waterfall"] = view_figures.paths_waterfall(paths, links)
+        figs["by_source"] = view_figures.paths_by_source(paths)
         if paths.contrast_token is None:
             figs["snippet"] = snippets.logit_paths(
                 *await snippet_source(call),
@@ -318,16 +319,16 @@ async def chain_context(call: PageCall) -> dict[str, Any]:
     }
     if view is None:
         return ctx
-    labels = charts.token_labels(view.tokens)
+    labels = token_labels(view.tokens)
     ctx["figs"] = {
-        "text": charts.attention_text(view.tokens, {" → ".join(view.heads): view.pattern}),
-        "pattern": charts.attention_heatmap(
+        "text": view_figures.attention_text(view.tokens, {" → ".join(view.heads): view.pattern}),
+        "pattern": view_figures.attention_heatmap(
             view.tokens, view.pattern, f"pattern of the chain {' → '.join(view.heads)}"
         ),
         "contribution": charts.bars(
             labels,
             view.contribution,
-            title=f"contribution to logit({charts.visible(view.target.text)}) by position",
+            title=f"contribution to logit({visible(view.target.text)}) by position",
             x_title="destination position",
         ),
         "next_token": charts.bars(
@@ -344,7 +345,7 @@ async def chain_context(call: PageCall) -> dict[str, Any]:
             y_title="logit",
         ),
         "ov_eig": charts.complex_scatter(
-            charts.complex_points(view.ov.eigenvalues), title="eigenvalues of the chain's OV circuit"
+            view_figures.complex_points(view.ov.eigenvalues), title="eigenvalues of the chain's OV circuit"
         ),
     }
     return ctx
@@ -380,7 +381,7 @@ async def qk_paths_context(call: PageCall) -> dict[str, Any]:
     }
     if view is None:
         return ctx
-    labels = charts.token_labels(view.tokens)
+    labels = token_labels(view.tokens)
     ctx["head"] = view.head
     if view.at is not None:
         ctx["snippet"] = snippets.qk_score_terms(

@@ -25,6 +25,7 @@ from app.deps import get_model
 from app.errors import kind_of
 from app.figure_output import for_page
 from app.glossary import term_anchors
+from app.labels import visible
 from app.registry import ModelRegistry
 from app.scheduling import cheap, compute
 from app.scheduling.flights import JobPending
@@ -36,7 +37,7 @@ from circuits_core.formats.checkpoint import LoadedModel
 
 templates = Jinja2Blocks(directory=str(REPO_ROOT / "templates"))
 templates.env.policies["json.dumps_kwargs"] = {"separators": (",", ":")}  # compact figure JSON
-templates.env.filters["visible"] = charts.visible  # tokens shown with whitespace and control characters visible
+templates.env.filters["visible"] = visible  # tokens shown with whitespace and control characters visible
 templates.env.filters["for_page"] = for_page  # a figure escaped for plotly and height-capped
 templates.env.globals["glossary_terms"] = term_anchors  # base.html embeds them for static/glossary.js
 templates.env.globals["charts"] = charts  # a template may draw its view's charts itself
