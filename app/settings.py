@@ -103,7 +103,7 @@ class Settings(BaseSettings):
         description="largest model served: bytes of its files and of its parameters priced from config.json before "
                     "loading",
     )  # fmt: skip
-    # serving (app/scheduling/, app/observability.py, app/ratelimit.py)
+    # serving (app/scheduling/, app/observability.py, app/serving_middleware.py, app/ratelimit.py)
     torch_threads: int | None = Field(default=None, ge=1, description="torch threads (default: cores // compute_slots)")
     request_timeout_s: float | None = Field(
         default=120.0,

@@ -31,7 +31,7 @@ and returns its result; `await compute_json(...)` (same arguments) returns the a
 
 The slot is released when the worker thread returns, not when the awaiting request gives up. Keyword names `key`,
 `cost`, `lower`, `view` and `dense_bytes` are reserved (not passed to `fn`). The service of the current app is
-found through a context variable that app/observability.py's middleware sets per request.
+found through a context variable that app/serving_middleware.py sets per request.
 
 The package: slots.py (the compute slots, the compute threads' priority and torch threads), flights.py (one
 computation, the requests waiting for it, the job it may run as), requests.py (the request a computation serves,

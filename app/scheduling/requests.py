@@ -1,5 +1,5 @@
 """The request a computation serves (is it still wanted?) and the service the current task uses: both are set
-per request by app/observability.py's middleware (`bind`) and read through context variables."""
+per request by app/serving_middleware.py (`bind`) and read through context variables."""
 
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from app.cache import ENTRY_OVERHEAD, ResultCache
+from app.logs import JsonFormatter
 from app.main import create_app
-from app.observability import JsonFormatter
 from app.scheduling import cheap, compute, compute_json
 from app.scheduling.service import ComputeService
 from app.settings import Settings
