@@ -30,7 +30,8 @@ from circuits_core.errors import CancelledError, InvalidInputError
 from circuits_core.model.config import head_name
 from circuits_core.model.transformer import Transformer
 from circuits_core.prompt.frozen import FrozenRun, attention, embed_source, ln_linear, readout
-from circuits_core.prompt.paths import PathExpansion, path_sources
+from circuits_core.prompt.path_sources import path_sources
+from circuits_core.prompt.path_terms import PathExpansion
 
 Head = tuple[int, int]
 
@@ -117,7 +118,7 @@ def rank_by_contribution(
 
 def chain_terms(model: Transformer, run: FrozenRun, chain: list[Head], target: int) -> list[tuple[str, Tensor]]:
     """[(source, [n] values)]: the path term (source, h1, ..., hk) of the logit of `target` at every position, for the
-    embedding ("embed") and each attention bias or MLP output entering before h1 (paths.path_sources), with the
+    embedding ("embed") and each attention bias or MLP output entering before h1 (path_sources.path_sources), with the
     clean run's patterns and LayerNorm scales frozen. The same terms as paths.expand_logits lists for this chain,
     without expanding every other path of its order (C(L, k) H^k of them)."""
     _check_chain(model, chain)
