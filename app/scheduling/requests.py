@@ -1,5 +1,5 @@
-"""The request a computation serves (is it still wanted?) and the service the current task uses: both are set
-per request by app/serving_middleware.py (`bind`) and read through context variables."""
+"""The request a computation serves (is it still wanted?), set per request by app/serving_middleware.py (through
+service.bind) and read through a context variable."""
 
 from __future__ import annotations
 
@@ -7,10 +7,6 @@ import contextvars
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from app.scheduling.service import ComputeService
 
 
 @dataclass
@@ -33,21 +29,14 @@ class RequestContext:
         return None
 
 
-_SERVICE: contextvars.ContextVar[ComputeService | None] = contextvars.ContextVar("qkov_compute_service", default=None)
 _REQUEST: contextvars.ContextVar[RequestContext | None] = contextvars.ContextVar("qkov_request_context", default=None)
 
 
-def bind(service: ComputeService, request: RequestContext | None) -> None:
-    """Make `compute` use this service and request context in the current task (called by middleware)."""
-    _SERVICE.set(service)
+def set_request(request: RequestContext | None) -> None:
+    """The request the current task serves (service.bind sets it with the service)."""
     _REQUEST.set(request)
 
 
-def bound_service() -> ComputeService | None:
-    """The service `bind` set for this task, None outside a request."""
-    return _SERVICE.get()
-
-
 def current_request() -> RequestContext | None:
-    """The request `bind` set for this task, None outside a request."""
+    """The request set for this task, None outside a request."""
     return _REQUEST.get()
