@@ -22,8 +22,8 @@ from app.views.rotary import (
     PositionalParams,
     ProfileParams,
     QKCopyingParams,
-    is_rotary,
 )
+from app.views.rotary_reference import is_rotary
 
 
 def rotary_enabled(call: PageCall) -> bool:

@@ -38,7 +38,7 @@ from app.schemas import CircuitTopView, MatrixEntry, ScoredToken, SkipTrigram, S
 from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import check_k, model_ref, resolve_token, token_ref
-from app.views.rotary import check_offset, is_rotary
+from app.views.rotary_reference import check_offset, is_rotary
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.circuits import rotary, sinks
 from circuits_core.circuits.factored import FactoredMatrix

@@ -29,9 +29,8 @@ from app.schemas.analyses import (
 )
 from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
-from app.views.heads import parse_heads
-from app.views.inputs import check_k, model_ref, qk_form_fields, token_ref
-from app.views.rotary import rotary_offset
+from app.views.inputs import check_k, model_ref, parse_heads, qk_form_fields, token_ref
+from app.views.rotary_reference import rotary_offset
 from circuits_core.circuits import composition, copying_spectra, embedding
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.circuits.composition import CompositionKind, composition_scores

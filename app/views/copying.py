@@ -29,8 +29,8 @@ from app.schemas import ModelRef
 from app.settings import Limits
 from app.views.basis import basis
 from app.views.circuits import frequent_tokens
-from app.views.heads import parse_heads, spectra
-from app.views.inputs import check_k, model_ref
+from app.views.heads import spectra
+from app.views.inputs import check_k, model_ref, parse_heads
 from circuits_core.circuits import copying, copying_spectra
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.cost import Cost, check_stop, report_progress

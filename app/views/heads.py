@@ -20,11 +20,11 @@ from app.scheduling import cached_build, is_cached
 from app.schemas import Complex, CopyingMetricsView, DetectorInput, HeadScores, HeadsView, HeadView, PositionalQK
 from app.settings import Limits
 from app.views.inputs import check_k, model_ref
-from app.views.rotary import is_rotary, reference_means, reference_tokens_bound
+from app.views.rotary_reference import is_rotary, reference_means, reference_tokens_bound
 from circuits_core.circuits import copying, copying_spectra
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.cost import Cost
-from circuits_core.errors import InvalidInputError, LimitExceededError
+from circuits_core.errors import LimitExceededError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import head_name, parse_head
 from circuits_core.prompt.detectors import (
@@ -243,15 +243,6 @@ def build_head_view(loaded: LoadedModel, p: HeadParams, limits: Limits) -> HeadV
         qk_singular_values=[float(s) for s in qk_s],
         positional=positional,
     )
-
-
-def parse_heads(names: list[str], loaded: LoadedModel, max_heads: int) -> list[tuple[int, int]]:
-    """Head names -> (layer, head), checked, at most max_heads."""
-    if len(names) > max_heads:
-        raise LimitExceededError(f"{len(names)} heads requested; at most {max_heads} per request")
-    if not names:
-        raise InvalidInputError("no heads given: name heads as L{layer}H{head}, comma-separated")
-    return [parse_head(n, loaded.model.cfg) for n in names]
 
 
 # -- declarations (app/analysis.py) ----------------------------------------------------------------------
