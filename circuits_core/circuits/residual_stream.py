@@ -410,13 +410,15 @@ def erasure(
     )
 
 
-def erasure_cost(model: Transformer) -> Cost:
-    """erasure: the spectra (as usage_cost) and, per writer, U^T W_V and W_O U for every head ([L H, k, d_head]
-    twice, k <= d_model), plus the per-head null's float64 d_head-sized products; answer: three [Nw, L H] tables
-    and the candidates."""
+def erasure_cost(model: Transformer, shown: int | None = None) -> Cost:
+    """erasure: the spectra (usage_cost's working memory) and, per writer, U^T W_V and W_O U for every head
+    ([L H, k, d_head] twice, k <= d_model), plus the per-head null's float64 d_head-sized products; answer: the three
+    [Nw, L H] tables, or with `shown` only that many candidates (each a few numbers and at most d_head eigenvalues)."""
     cfg = model.cfg
     LH, Nw = cfg.n_layers * cfg.n_heads, len(writers(model))
     numbers = 2 * LH * cfg.d_model * cfg.d_head + 3 * Nw * LH
     null = LH * (2 * cfg.d_model * cfg.d_head + 6 * cfg.d_head**2) * 8  # head_moments' float64 copies and products
-    scan = Cost(numbers * itemsize(model.compute_dtype) + null)
-    return usage_cost(model).then(scan).with_answer(numbers=3 * Nw * LH, labels=Nw + LH)
+    scan = Cost(usage_cost(model).peak_bytes).then(Cost(numbers * itemsize(model.compute_dtype) + null))
+    if shown is None:
+        return scan.with_answer(numbers=3 * Nw * LH, labels=Nw + LH)
+    return scan.with_answer(numbers=shown * (5 + 2 * cfg.d_head), labels=2 * shown)
