@@ -44,6 +44,7 @@ from app.routers.rendering import (
     NavEntry,
     Page,
     PageCall,
+    PageContext,
     model_nav,
     page_context,
     render,
@@ -165,15 +166,15 @@ class DirectPageParams(DirectParams):
     ] = None  # type: ignore[assignment]
 
 
-def direct_min_count(call: PageCall, asked: int | str | None) -> int | None:
+def direct_min_count(call: PageCall[Any], asked: int | str | None) -> int | None:
     """The min_count the direct page uses: as asked, 'all' -> None, absent -> MIN_TRAIN_COUNT where there are counts."""
     if asked is None:
         return MIN_TRAIN_COUNT if has_token_counts(call.model) else None
     return None if asked == "all" else int(asked)
 
 
-async def direct_context(call: PageCall) -> dict[str, Any]:
-    p: DirectPageParams = call.params
+async def direct_context(call: PageCall[DirectPageParams]) -> PageContext:
+    p = call.params
     shown = direct_min_count(call, p.min_count)
     vocab = "all" if p.min_count == "all" else p.vocab  # the picker's 'all' ranks every token, a large vocabulary's too
     params = DirectParams(token=p.token, k=p.k, basis=p.basis, min_count=shown, vocab=vocab)
@@ -219,8 +220,8 @@ class DetectorPageParams(DetectorParams):
 TOP_CHARTED = 12  # heads in the detector chart: those with the largest score of any detector (the table has all)
 
 
-async def detectors_context(call: PageCall) -> dict[str, Any]:
-    page: DetectorPageParams = call.params  # normalised: seq_len is the standard input fitted to the model
+async def detectors_context(call: PageCall[DetectorPageParams]) -> PageContext:
+    page = call.params  # normalised: seq_len is the standard input fitted to the model
     head_filter = HeadFilter.parse(page.filter)
     p = DetectorParams(**page.model_dump(exclude={"filter"}))
     call.json_params = p
@@ -309,7 +310,7 @@ def detector_charts(view: Any, model_id: str, shown: list[HeadScores] | None = N
 
 
 # Every page, the one list: a labelled page is in a model's navigation, in this order.
-PAGES: list[Page] = [
+PAGES: list[Page[Any]] = [
     Page(
         HEADS,
         "overview.html",

@@ -18,6 +18,7 @@ from app.labels import token_labels, visible
 from app.params import (
     HEAD_DOC,
     ChainParams,
+    CompositionPairParams,
     CompositionParams,
     Heads,
     K,
@@ -28,10 +29,11 @@ from app.params import (
     PromptInput,
     PromptParams,
     QKPathsParams,
+    TermImportanceParams,
     target_token,
 )
 from app.routers.pages_rotary import pair_rotary_context, rotary_enabled
-from app.routers.rendering import Page, PageCall, url
+from app.routers.rendering import Page, PageCall, PageContext, url
 from app.scheduling import cheap
 from app.views.composition import COMPOSITION, COMPOSITION_PAIR
 from app.views.heads import HEADS
@@ -55,7 +57,7 @@ class HasText(Protocol):
     def tokens(self) -> str | None: ...
 
 
-async def snippet_source(call: PageCall) -> tuple[Path, str]:
+async def snippet_source(call: PageCall[Any]) -> tuple[Path, str]:
     """The folder and dtype a panel's "copy as Python" snippet loads the model from (as this server does)."""
     entry = await cheap(call.registry.entry, call.model_id or "")
     return entry.path, str(call.registry.dtype).removeprefix("torch.")
@@ -77,7 +79,7 @@ def default_heads(n_layers: int, n_heads: int, count: int) -> list[str]:
     return [f"L{layer}H0" for layer in range(n_layers)][: max(1, count)] if n_heads else []
 
 
-async def suggested_heads(call: PageCall, count: int) -> list[str]:
+async def suggested_heads(call: PageCall[Any], count: int) -> list[str]:
     """Where a researcher starts on a model of 2+ layers: the heads that matter (the heads view's previous_token_head
     and induction_head, chosen by detectors.heads_that_matter from the model's own scores); else `default_heads`."""
     cfg = call.model.model.cfg
@@ -100,8 +102,8 @@ class CompositionPageParams(CompositionParams):
     ] = None
 
 
-async def composition_context(call: PageCall) -> dict[str, Any]:
-    page: CompositionPageParams = call.params
+async def composition_context(call: PageCall[CompositionPageParams]) -> PageContext:
+    page = call.params
     params = CompositionParams(**page.model_dump(exclude={"block"}))
     call.json_params = params
     view, error = await call.attempt(COMPOSITION, params)
@@ -158,7 +160,7 @@ async def composition_context(call: PageCall) -> dict[str, Any]:
     }
 
 
-async def pair_context(call: PageCall) -> dict[str, Any]:
+async def pair_context(call: PageCall[CompositionPairParams]) -> PageContext:
     view = await call.run(COMPOSITION_PAIR, call.params)
     call.title = f"{view.source} → {view.target} · {call.model_id}"
     figs = {
@@ -191,8 +193,8 @@ class PromptPageParams(PromptInput):
     k: K = 20
 
 
-async def prompt_context(call: PageCall) -> dict[str, Any]:
-    p: PromptPageParams = call.params
+async def prompt_context(call: PageCall[PromptPageParams]) -> PageContext:
+    p = call.params
     model = call.model_id
     prompt, tokens = text_of(p)
     cfg = call.model.model.cfg
@@ -297,8 +299,8 @@ class ChainPageParams(ChainParams):
     heads: Heads = None  # type: ignore[assignment]  # default: the suggested heads
 
 
-async def chain_context(call: PageCall) -> dict[str, Any]:
-    p: ChainPageParams = call.params
+async def chain_context(call: PageCall[ChainPageParams]) -> PageContext:
+    p = call.params
     prompt, tokens = text_of(p)
     heads = p.heads or ",".join(await suggested_heads(call, min(2, call.limits.max_order)))
     params = ChainParams(heads=heads, prompt=prompt, tokens=tokens, target=p.target, k=p.k)
@@ -306,7 +308,7 @@ async def chain_context(call: PageCall) -> dict[str, Any]:
     heads_str = ",".join(view.heads) if view else heads
     call.json_params = params.model_copy(update={"heads": heads_str})
     call.title = f"{heads_str.replace(',', ' → ')} · {call.model_id}"
-    ctx = {
+    ctx: dict[str, Any] = {
         "view": view,
         "error": error,
         "figs": {},
@@ -356,8 +358,8 @@ class QKPathsPageParams(QKPathsParams):
     head: Annotated[str | None, Field(max_length=16, description=HEAD_DOC), HeadField()] = None  # type: ignore[assignment]
 
 
-async def qk_paths_context(call: PageCall) -> dict[str, Any]:
-    p: QKPathsPageParams = call.params
+async def qk_paths_context(call: PageCall[QKPathsPageParams]) -> PageContext:
+    p = call.params
     cfg = call.model.model.cfg
     prompt, tokens = text_of(p)
     head = p.head  # default: the induction head of a 2+ layer model, else H0 of the last layer
@@ -367,7 +369,7 @@ async def qk_paths_context(call: PageCall) -> dict[str, Any]:
     view, error = await call.attempt(QK_PATHS, params)
     call.json_params = params
     call.title = f"QK paths of {head} · {call.model_id}"
-    ctx = {
+    ctx: dict[str, Any] = {
         "view": view,
         "error": error,
         "head": head,
@@ -438,10 +440,10 @@ async def qk_paths_context(call: PageCall) -> dict[str, Any]:
 
 
 # -- term importance --------------------------------------------------------------------------------------------
-async def term_importance_context(call: PageCall) -> dict[str, Any]:
+async def term_importance_context(call: PageCall[TermImportanceParams]) -> PageContext:
     view, error = await call.attempt(TERM_IMPORTANCE, call.params)
     prompt, model = call.params.prompt, call.model_id
-    ctx = {"view": view, "error": error, "figs": {}, "prompt": prompt, "heads": call.params.heads}
+    ctx: dict[str, Any] = {"view": view, "error": error, "figs": {}, "prompt": prompt, "heads": call.params.heads}
     if view is None:
         return ctx
     ctx["claim"] = ablation_sentence(view, (await call.attempt(HEADS, NoParams()))[0])

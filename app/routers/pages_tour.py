@@ -10,7 +10,8 @@ from typing import Any
 from app import charts, view_figures
 from app.catalog import TOUR
 from app.labels import token_labels, unique_labels, visible
-from app.routers.rendering import Page, PageCall
+from app.params import TourParams
+from app.routers.rendering import Page, PageCall, PageContext
 from app.schemas import CircuitTopView, DetectorsView, SkipTrigramView, TokenRef
 from app.schemas.analyses import (
     ChainView,
@@ -266,7 +267,7 @@ def _r3(v: dict[str, Any], add: Any) -> None:
 ROTARY_FIGURES = {"R1": _r1, "R2": _r2, "R3": _r3}  # the SmolLM2 chapter's figures, from each sentence's values
 
 
-async def tour_context(call: PageCall) -> dict[str, Any]:
+async def tour_context(call: PageCall[TourParams]) -> PageContext:
     view = await call.run(TOUR, call.params)
     parts = [(fig, figure_parts(fig) if fig.available and fig.data else None) for fig in view.figures]
     call.title = {"paper": "Paper tour", "smollm2": "Tour: SmolLM2-135M", "gemma3": "Tour: Gemma-3 270M"}[
@@ -275,4 +276,4 @@ async def tour_context(call: PageCall) -> dict[str, Any]:
     return {"view": view, "parts": parts, "params": call.params}
 
 
-PAGES: list[Page] = [Page(TOUR, "tour.html", tour_context)]
+PAGES: list[Page[Any]] = [Page(TOUR, "tour.html", tour_context)]
