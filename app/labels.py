@@ -50,21 +50,31 @@ def shown_labels(
 ) -> list[str]:
     """The labels drawn on a scatter: every `named` label, then the points farthest from the centre, each kept
     only when no kept label's point lies within a label's box of it (in fractions of the axis ranges), at most
-    `most` in all (the named ones always)."""
+    `most` in all (the named ones always). Named points too close to label apart share one label ("L1H0, L1H2")
+    at the first of them."""
     if not labels:
         return []
-    must = [i for i, lab in enumerate(labels) if lab in set(named)]
     span_x = (max(x) - min(x)) or 1.0
     span_y = (max(y) - min(y)) or 1.0
+
+    def collides(i: int, j: int, text: str) -> bool:
+        box_x = 0.12 * max(1, len(text)) / 4  # a label is about 12 % of the width per four characters
+        return abs(x[i] - x[j]) / span_x <= box_x and abs(y[i] - y[j]) / span_y <= 0.09
+
+    text: dict[int, str] = {}  # point -> its drawn label
+    for i in (i for i, lab in enumerate(labels) if lab in set(named)):
+        near = next((j for j in text if collides(i, j, max(labels[i], text[j], key=len))), None)
+        if near is None:
+            text[i] = labels[i]
+        else:
+            text[near] += ", " + labels[i]
     cx, cy = sum(x) / len(x), sum(y) / len(y)
     order = sorted(range(len(labels)), key=lambda i: -(((x[i] - cx) / span_x) ** 2 + ((y[i] - cy) / span_y) ** 2))
-    kept: list[int] = list(must)
+    shown = set(text) | {i for i, lab in enumerate(labels) if lab in set(named)}
     for i in order:
-        if i in kept:
-            continue
-        if len(kept) >= most:
+        if len(shown) >= most:
             break
-        box_x = 0.12 * max(1, len(labels[i])) / 4  # a label is about 12 % of the width per four characters
-        if all(abs(x[i] - x[j]) / span_x > box_x or abs(y[i] - y[j]) / span_y > 0.09 for j in kept):
-            kept.append(i)
-    return [labels[i] if i in kept else "" for i in range(len(labels))]
+        if i not in shown and not any(collides(i, j, max(labels[i], text[j], key=len)) for j in text):
+            text[i] = labels[i]
+            shown.add(i)
+    return [text.get(i, "") for i in range(len(labels))]

@@ -15,13 +15,16 @@ from pathlib import Path
 HEADER = """import torch
 from circuits_core.formats.checkpoint import load_checkpoint
 
-loaded = load_checkpoint({folder!r}, dtype=torch.{dtype})  # processed as the server serves it
+loaded = load_checkpoint({folder!r}, dtype=torch.{dtype}{process})  # {basis}
 model = loaded.model
 """
 
 
-def _head(folder: Path, dtype: str) -> str:
-    return HEADER.format(folder=str(folder), dtype=dtype)
+def _head(folder: Path, dtype: str, raw: bool = False) -> str:
+    """The load: processed as the server serves it, or (raw) the weights as stored (the basis picker's 'raw')."""
+    if raw:
+        return HEADER.format(folder=str(folder), dtype=dtype, process=", process=False", basis="raw weights, as stored")
+    return HEADER.format(folder=str(folder), dtype=dtype, process="", basis="processed as the server serves it")
 
 
 def composition(folder: Path, dtype: str, kind: str) -> str:
@@ -120,4 +123,38 @@ result = {{
 }}
 print(result["induction"])
 """
+    )
+
+
+def ov_table(
+    folder: Path, dtype: str, head: str, k: int, ids: Sequence[int] | None, token: int | None, raw: bool
+) -> str:
+    """The head page's OV table: the global top-k of the full OV circuit W_E W_OV W_U over the ranked tokens, or
+    one source token's row of it."""
+    ranked = "None  # every token" if ids is None else f"torch.tensor({list(ids)!r})  # the ranked token set"
+    if token is None:
+        search = f"""with torch.no_grad():
+    values, rows, cols = full_ov_circuit(model, layer, h, ids).topk_global({k})  # [k] each, positions in ids
+if ids is not None:
+    rows, cols = ids[rows], ids[cols]
+result = {{"entries": [(int(r), int(c), float(v)) for v, r, c in zip(values, rows, cols)]}}  # (source, output, value)
+"""
+    else:
+        search = f"""with torch.no_grad():
+    row = full_ov_row(model, layer, h, {token})  # [d_vocab]: the logits attending to token {token} raises
+if ids is not None:  # rank only the token set
+    row = torch.full_like(row, float("-inf")).index_copy(0, ids, row[ids])
+values, cols = row.topk({k})
+result = {{"entries": [({token}, int(c), float(v)) for v, c in zip(values, cols)]}}  # (source, output, value)
+"""
+    return (
+        _head(folder, dtype, raw)
+        + f"""from circuits_core.circuits.head_circuits import full_ov_circuit, full_ov_row
+from circuits_core.model.config import parse_head
+
+layer, h = parse_head({head!r}, model.cfg)
+ids = {ranked}
+"""
+        + search
+        + "print(result)\n"
     )

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from app import charts
+from app import charts, snippets
 from app.analysis import Analysis
 from app.figure_output import MAX_HEIGHT
 from app.head_filter import MAX_FILTER_CHARS, HeadFilter, labelled_heads
@@ -34,7 +34,7 @@ from app.scheduling import cheap
 from app.scheduling.flights import JobPending
 from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
 from app.views.basis import basis
-from app.views.circuits import OV, QK, SKIP_TRIGRAMS, has_token_counts
+from app.views.circuits import OV, QK, SKIP_TRIGRAMS, has_token_counts, token_set
 from app.views.composition import head_partners
 from app.views.heads import HEAD, HEADS
 from app.views.model_summary import summary_from_heads
@@ -208,7 +208,7 @@ async def overview_context(call: PageCall[OverviewParams]) -> PageContext:
                 x_title="OV copying score (Σλ/Σ|λ|)",
                 y_title="K-composition positivity",
                 links=[f"/models/{model_id}/heads/{p['head']}" for p in pts],
-                named=[*labelled_heads(heads.heads), view.previous_token_head],  # the heads that matter, labelled
+                named=[*labelled_heads(heads.heads), *filter(None, (view.previous_token_head, heads.induction_head))],
             )
             scatter_claim = scatter_sentence([p.model_dump() for p in view.points], heads)
         elif scatter_error is not None and scatter_error["status"] == 422:
@@ -280,6 +280,17 @@ async def head_context(call: PageCall[HeadPageParams]) -> PageContext:
         SkipTrigramParams(head=name, token=p.token, k=p.k, min_count=p.min_count, offset=p.offset, basis=b, vocab=v),
     )
     partners = await composition_partners(call, name) if view is not None else []
+    entry = await cheap(call.registry.entry, model or "")
+    ranked = token_set(call.model, p.min_count, p.vocab if p.token is None else "all")
+    ov_snippet = snippets.ov_table(
+        entry.path,
+        str(call.registry.dtype).removeprefix("torch."),
+        name,
+        ov.k,
+        None if ranked.ids is None else ranked.ids.tolist(),
+        None if ov.token is None else ov.token.id,
+        raw=p.basis == "raw",
+    )
     every_head = [head_name(*pair) for pair in all_heads(cfg)]
     i = every_head.index(name)
     call.json_params = HeadParams(head=name)
@@ -287,6 +298,7 @@ async def head_context(call: PageCall[HeadPageParams]) -> PageContext:
         "head": name,
         "view": view,
         "ov": ov,
+        "ov_snippet": ov_snippet,
         "qk_q": qk_q,
         "qk_k": qk_k,
         "skip": skip,

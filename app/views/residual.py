@@ -385,9 +385,9 @@ def build_usage_view(loaded: LoadedModel, p: UsageParams, limits: Limits) -> Usa
 
 
 def usage_cost(loaded: LoadedModel, p: UsageParams, limits: Limits) -> Cost:
-    return rs.usage_cost(loaded.model, p.writers_shown).then(rs.erasure_cost(loaded.model, ERASURE_SHOWN)) + raw_copy_cost(
-        loaded, p.basis
-    )
+    return rs.usage_cost(loaded.model, p.writers_shown).then(
+        rs.erasure_cost(loaded.model, ERASURE_SHOWN)
+    ) + raw_copy_cost(loaded, p.basis)
 
 
 RESIDUAL = Analysis(

@@ -29,7 +29,15 @@ from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import CancelledError, InvalidInputError
 from circuits_core.model.config import head_name
 from circuits_core.model.transformer import Transformer
-from circuits_core.prompt.frozen import FrozenRun, attention, embed_source, ln_linear, readout
+from circuits_core.prompt.frozen import (
+    FrozenRun,
+    attention,
+    embed_source,
+    ln_linear,
+    post_gain,
+    readout,
+    target_cap_factors,
+)
 from circuits_core.prompt.path_sources import path_sources
 from circuits_core.prompt.path_terms import PathExpansion
 
@@ -116,6 +124,18 @@ def rank_by_contribution(
     return sorted(rows, key=lambda r: -abs(r[1]))[:k]
 
 
+def head_write(model: Transformer, run: FrozenRun, layer: int, h: int, X: Tensor) -> Tensor:
+    """[n, d_model]: what head h of `layer` writes at each position when it reads X [n, d_model] (the stream through
+    its frozen input norm): A^h X W_V^h W_O^h, and under an output norm (sandwich or output-only norms) times
+    diag(gamma_post) / rho_post(i), the layer's frozen per-position output scale."""
+    attn = attention(model, layer)
+    Y = run.patterns[layer, h] @ (X @ attn.W_V[h] @ attn.W_O[h])  # [n, d]
+    gamma = post_gain(model, layer)
+    if gamma is None:
+        return Y
+    return Y * gamma * run.inv_scale(f"blocks.{layer}.ln1_post")[:, None]
+
+
 def chain_terms(model: Transformer, run: FrozenRun, chain: list[Head], target: int) -> list[tuple[str, Tensor]]:
     """[(source, [n] values)]: the path term (source, h1, ..., hk) of the logit of `target` at every position, for the
     embedding ("embed") and each attention bias or MLP output entering before h1 (path_sources.path_sources), with the
@@ -124,16 +144,18 @@ def chain_terms(model: Transformer, run: FrozenRun, chain: list[Head], target: i
     _check_chain(model, chain)
     r = readout(model, target)[0]  # [d]: the centred, ln_final-weighted W_U column of the target
     n = run.n
+    caps = run.inv_scale("ln_final").new_tensor(
+        [target_cap_factors(run, target, p)[0] for p in range(n)]
+    )  # [n]: the frozen logit cap factor at each position (ones without a cap)
     out = []
     for source in path_sources(model, run):
         if source.entry > chain[0][0]:
             continue  # written after h1 reads the stream
         Y = source.X.expand(n, -1)  # [n, d] (a bias: the same vector at every position)
         for layer, h in chain:
-            attn = attention(model, layer)
             X = ln_linear(model, f"blocks.{layer}.ln1", Y, run.inv_scale(f"blocks.{layer}.ln1"))
-            Y = run.patterns[layer, h] @ (X @ attn.W_V[h] @ attn.W_O[h])  # [n, d]
-        out.append((source.name[0] if source.name else "embed", run.inv_scale("ln_final") * (Y @ r)))
+            Y = head_write(model, run, layer, h, X)  # [n, d]
+        out.append((source.name[0] if source.name else "embed", caps * run.inv_scale("ln_final") * (Y @ r)))
     return out
 
 
@@ -166,9 +188,9 @@ def chain_next_token_terms(model: Transformer, run: FrozenRun, chain: list[Head]
     _check_chain(model, chain)
     Y = embed_source(model, run)  # [n, d]
     for layer, h in chain:
-        attn = attention(model, layer)
         X = ln_linear(model, f"blocks.{layer}.ln1", Y, run.inv_scale(f"blocks.{layer}.ln1"))  # D (Y C) diag(w)
-        Y = run.patterns[layer, h] @ (X @ attn.W_V[h] @ attn.W_O[h])  # [n, d]
+        Y = head_write(model, run, layer, h, X)  # [n, d]
     nxt = run.tokens[1:].tolist()
     R = torch.stack([readout(model, int(t))[0] for t in nxt]) if nxt else Y.new_zeros(0, Y.shape[1])  # [n-1, d]
-    return run.inv_scale("ln_final")[:-1] * (Y[:-1] * R).sum(-1)
+    caps = Y.new_tensor([target_cap_factors(run, int(t), p)[0] for p, t in enumerate(nxt)])  # [n-1] logit caps
+    return caps * run.inv_scale("ln_final")[:-1] * (Y[:-1] * R).sum(-1)

@@ -66,6 +66,19 @@ def test_detectors_snippet(client: TestClient) -> None:
             assert result[key][h["head"]] == pytest.approx(h[key], abs=1e-9), (h["head"], key)
 
 
+@pytest.mark.parametrize(
+    "query", [{}, {"token": "5"}, {"basis": "raw"}, {"token": "5", "k": "7", "basis": "raw"}], ids=str
+)
+def test_ov_table_snippet(client: TestClient, query: dict[str, str]) -> None:
+    """The head page's OV table (global top-k, or a token's row; served or raw weights) against its JSON twin."""
+    page = client.get("/models/tiny-2l/heads/L1H2", params=query).text
+    result = run(snippets_in(page)["ov-python"])
+    api = client.get(f"{API}/tiny-2l/heads/L1H2/ov", params={"k": 10, **query}).json()
+    want = [(e["row"]["id"], e["col"]["id"], e["value"]) for e in api["entries"]]
+    assert [(r, c) for r, c, _ in result["entries"]] == [(r, c) for r, c, _ in want]
+    assert [v for _, _, v in result["entries"]] == pytest.approx([v for _, _, v in want], abs=1e-9)
+
+
 def test_every_offered_snippet_is_tested(client: TestClient) -> None:
     """The pages above are the only ones offering a snippet on this model (a new one needs a test here)."""
     import inspect
@@ -78,4 +91,4 @@ def test_every_offered_snippet_is_tested(client: TestClient) -> None:
         if fn.__module__ == snippets.__name__ and not name.startswith("_")
     }
     # composition_profile: tests/app/test_pages_rotary.py (a rotary model)
-    assert offered == {"composition", "qk_score_terms", "logit_paths", "composition_profile", "detectors"}
+    assert offered == {"composition", "qk_score_terms", "logit_paths", "composition_profile", "detectors", "ov_table"}

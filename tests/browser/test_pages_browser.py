@@ -194,7 +194,7 @@ def test_detectors_form(page: Page) -> None:
     charts_drawn(page, 3)
     mark_document(page)
     page.fill("#detectors_panel input[name=seq_len]", "20")
-    page.locator("#detectors_panel button[type=submit]").click()
+    page.locator("#detectors_panel").get_by_role("button", name="Run").click()
     page.wait_for_url(re.compile(r"seq_len=20"))
     settled(page)
     charts_drawn(page, 3)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 from playwright.sync_api import Page, expect
+from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
 from app.settings import Limits
 from circuits_core.model.config import ModelConfig
@@ -20,7 +21,10 @@ def choose(page: Page, select: str, value: str, submit: str, url: str) -> None:
     """Pick `value` in a select, submit its form, wait for the URL and for htmx to settle."""
     page.select_option(select, value)
     page.locator(submit).click()
-    page.wait_for_url(url)
+    try:
+        page.wait_for_url(url, timeout=45000)  # the suite's other worker may hold both cores meanwhile
+    except PlaywrightTimeoutError as exc:  # say what the page shows instead (an error fragment is never pushed)
+        raise AssertionError(f"no {url} after the submit; the page shows: {page.inner_text('main')[:600]}") from exc
     settled(page)
 
 

@@ -94,3 +94,28 @@ def test_chain_terms_are_the_expansions_terms_of_that_chain(mlp):
     assert got.keys() == expected.keys() and "embed" in got and len(got) == (3 if mlp else 2)
     for source, values in expected.items():
         torch.testing.assert_close(got[source], values, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "olmo2", "qwen3"])
+def test_chain_terms_on_the_newest_attention_are_the_expansions_terms(name):
+    """Sandwich and output-only norms scale each head's write by 1 / rho_post(i) (frozen), QK-norm and soft caps
+    freeze their factors: a chain's terms (chain_terms, chain_next_token_terms) still equal the full expansion's terms
+    for that chain, float64, on each of the newest families' quirks."""
+    from rotary_models import CASES, rotary_model
+    from rotary_models import tokens_for as rotary_tokens
+
+    from circuits_core.prompt.virtual import chain_terms
+
+    model = rotary_model(n_layers=3, **CASES[name])
+    tokens = rotary_tokens(model, 10, seed=3)[0]
+    run = frozen_run(model, tokens)
+    target = int(run.logits_at([run.n - 1])[0].argmax())
+    chain, names = [(1, 1), (2, 2)], ("L1H1", "L2H2")
+    exp = expand_logits(model, tokens, target, positions=None, max_order=2, run=run)
+    want = next(exp.values[i] for i, path in enumerate(exp.paths) if path == names)
+    got = dict(chain_terms(model, run, chain, target))["embed"]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+    nxt = chain_next_token_terms(model, run, chain)
+    for p in range(len(tokens) - 1):
+        one = expand_logits(model, tokens, int(tokens[p + 1]), positions=p, max_order=2, run=run, by_source=False)
+        assert abs(float(nxt[p]) - float(one.term(names).value[0])) < 1e-10, p
