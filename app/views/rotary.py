@@ -118,8 +118,8 @@ def build_bands_view(loaded: LoadedModel, p: BandsParams, limits: Limits) -> Ban
     return BandsView(
         model=model_ref(loaded),
         head=head_name(layer, h),
-        theta=bands.theta.tolist(),
-        wavelength=bands.wavelength.tolist(),
+        theta=bands.theta[layer].tolist(),  # the head's own layer's rope (local and global layers differ)
+        wavelength=bands.wavelength[layer].tolist(),
         cos_part=bands.cos_part[layer, h].tolist(),
         sin_part=bands.sin_part[layer, h].tolist(),
         energy=energy.tolist(),

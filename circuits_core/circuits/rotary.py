@@ -301,7 +301,8 @@ def kernel_peak_offsets(model: Transformer, means: Tensor, window: int = KERNEL_
 class BandEnergies:
     """Ω_h(δ) = Σ_k [cos(δθ_k) A_k + sin(δθ_k) B_k] + C per head (module docstring)."""
 
-    theta: Tensor  # [K] radians per position of band k (θ_k, descending: band 0 is the fastest)
+    theta: Tensor  # [L, K] radians per position of band k in each layer (θ_k, descending: band 0 is the fastest;
+    # local and global layers differ where the model has a local rope base, as Gemma 3)
     cos_part: Tensor  # [L, H, K] ||A_k||_F^2
     sin_part: Tensor  # [L, H, K] ||B_k||_F^2
     unrotated: Tensor  # [L, H] ||C||_F^2 (0 without partial rotary)
@@ -313,7 +314,7 @@ class BandEnergies:
 
     @property
     def wavelength(self) -> Tensor:
-        """[K] 2π / θ_k positions."""
+        """[L, K] 2π / θ_k positions."""
         return 2 * torch.pi / self.theta
 
 
@@ -340,7 +341,8 @@ def band_energies(model: Transformer) -> BandEnergies:
         if rd < model.cfg.d_head
         else W_Q.new_zeros(W_Q.shape[:2])
     )
-    return BandEnergies(rotary_inv_freq(model.cfg), cos_part, sin_part, unrotated)
+    theta = torch.stack([rotary_inv_freq(model.cfg.layer_rope(layer)) for layer in range(model.cfg.n_layers)])
+    return BandEnergies(theta.to(cos_part.device), cos_part, sin_part, unrotated)  # theta [L, K]
 
 
 # -- costs (circuits_core.cost) ------------------------------------------------------------------------

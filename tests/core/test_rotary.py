@@ -206,28 +206,32 @@ def test_positional_kernel_finds_a_planted_previous_token_head():
     assert int(kernel_peaks(kernel, torch.arange(0, 3))[0, 2]) == 1
 
 
-@pytest.mark.parametrize("case", ["half", "partial", "gqa-adjacent-partial-linear"])
+@pytest.mark.parametrize("case", ["half", "partial", "gqa-adjacent-partial-linear", "gemma3"])
 def test_band_energies_vs_least_squares_fit_over_offsets(case):
     """Fit Ω(δ) = Σ_k cos(δθ_k) A_k + sin(δθ_k) B_k + C by least squares over offsets 0..29 (dense Ω(δ)
-    from the model's rotation) and compare ||A_k||^2, ||B_k||^2, ||C||^2 with band_energies."""
-    model = rotary_model(**CASES[case])
+    from the model's rotation), with each layer's θ_k as band_energies states them (Gemma 3: local layers at their
+    own base, the global one scaled): the fit is exact, and ||A_k||^2, ||B_k||^2, ||C||^2 equal band_energies'."""
+    model = rotary_model(n_layers=3, **CASES[case])
     bands = band_energies(model)
-    theta = rotary_inv_freq(model.cfg)
-    K = theta.numel()
     delta = torch.arange(30, dtype=torch.float64)
-    basis = torch.cat(
-        [(delta[:, None] * theta).cos(), (delta[:, None] * theta).sin(), torch.ones(30, 1, dtype=torch.float64)], 1
-    )
     partial = (model.cfg.rotary_dim or model.cfg.d_head) < model.cfg.d_head
-    if not partial:
-        basis = basis[:, :-1]  # no C
-    for layer, h in ((0, 0), (1, 3)):
+    for layer, h in ((0, 0), (1, 3), (2, 1)):
+        theta = bands.theta[layer]
+        K = theta.numel()
+        basis = torch.cat(
+            [(delta[:, None] * theta).cos(), (delta[:, None] * theta).sin(), torch.ones(30, 1, dtype=torch.float64)], 1
+        )
+        if not partial:
+            basis = basis[:, :-1]  # no C
         dense = omega(model, layer, h, torch.arange(30)).AB.flatten(1)  # [30, d*d]
         coef = torch.linalg.lstsq(basis, dense).solution  # [2K (+1), d*d]
+        torch.testing.assert_close(basis @ coef, dense, atol=1e-9, rtol=0)  # the layer's θ_k describe its rotation
         torch.testing.assert_close(coef[:K].pow(2).sum(-1), bands.cos_part[layer, h], atol=1e-8, rtol=1e-8)
         torch.testing.assert_close(coef[K : 2 * K].pow(2).sum(-1), bands.sin_part[layer, h], atol=1e-8, rtol=1e-8)
         C = float(coef[2 * K].pow(2).sum()) if partial else 0.0
         assert abs(C - float(bands.unrotated[layer, h])) < 1e-8
+    if case == "gemma3":  # local layers 0 and 1 at base 10, the global layer 2 at base 100 with linear factor 2
+        assert not torch.allclose(bands.theta[0], bands.theta[2]) and torch.equal(bands.theta[0], bands.theta[1])
 
 
 def test_band_energies_phase_average():
