@@ -1,6 +1,7 @@
 """The HTML dashboard: every page (PAGES, the one list; its labelled pages make a model's navigation, in order),
 the models listing and the model picker (plain routes: no analysis behind them), and the contexts of the direct path
-and the detectors (the overview's and one head's are in pages_heads.py, the prompt and composition pages' in
+and the detectors (the overview's and one head's are in pages_heads.py, the composition pages' in
+pages_composition.py, the prompt page's in pages_prompt.py, the chain, QK paths and term importance pages' in
 pages_analyses.py, the tour's in pages_tour.py).
 
 A page is declared as `Page(analysis, template, context)` (app/routers/rendering.py): its route, params
@@ -30,7 +31,7 @@ from app.params import (
     DetectorParams,
     DirectParams,
 )
-from app.routers import pages_analyses, pages_tour
+from app.routers import pages_analyses, pages_composition, pages_prompt, pages_tour
 from app.routers.api import models_view
 from app.routers.pages_heads import (
     MIN_COUNT_CHOICES,
@@ -322,8 +323,8 @@ PAGES: list[Page[Any]] = [
         nav="overview",
         label="Overview",
     ),
-    pages_analyses.COMPOSITION_PAGE,
-    pages_analyses.PROMPT_PAGE,
+    pages_composition.COMPOSITION_PAGE,
+    pages_prompt.PROMPT_PAGE,
     pages_analyses.CHAIN_PAGE,
     pages_analyses.QK_PATHS_PAGE,
     Page(
@@ -360,7 +361,7 @@ PAGES: list[Page[Any]] = [
         title="{head} · {model}",
         nav="head",  # no navigation entry is a head page, so none is highlighted; the picker falls back to the overview
     ),
-    pages_analyses.PAIR_PAGE,
-    pages_analyses.PATHS_PAGE,
+    pages_composition.PAIR_PAGE,
+    pages_prompt.PATHS_PAGE,
     *pages_tour.PAGES,
 ]
