@@ -269,15 +269,20 @@ def lower_hint(analysis: Declared[Any, Any]) -> str:
 
 
 def _priced(analysis: Declared[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> dict[str, Any]:
-    """The keyword arguments of compute: the cost (the engine's estimate), the cache key, what to lower."""
+    """The keyword arguments of compute: the cost (the engine's estimate), the cache key, what to lower.
+
+    An answer the analysis does not keep (a prompt of the reader's own) is still keyed when its price is over the
+    inline budget: a job is polled by its key, so a long custom-prompt request runs as a job instead of being refused
+    for the request deadline (its answer is then kept like any other)."""
+    cost = analysis.priced(subject, params, limits)
     key: tuple[str, ...] | None = None
-    if analysis.cached(params):
+    if analysis.cached(params) or current_service().budgets.mode(cost) == "job":
         key = (
             server_key(analysis, subject, params)
             if isinstance(analysis, ServerAnalysis)
             else cache_key(analysis, model_id or "", subject, params)
         )
-    return {"cost": analysis.priced(subject, params, limits), "key": key, "lower": lower_hint(analysis)}
+    return {"cost": cost, "key": key, "lower": lower_hint(analysis)}
 
 
 async def _price(

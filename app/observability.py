@@ -48,7 +48,7 @@ from app.scheduling.service import ComputeService
 from app.scheduling.slots import default_torch_threads
 from app.serving_middleware import ServingMiddleware, client_address, in_networks, proxy_networks
 from app.settings import Settings
-from app.store import StoreTier, open_store
+from app.store import StoreTier, key_file, open_store, store_key
 from circuits_core.errors import NotFoundError
 
 log = logging.getLogger("qkov.serving")
@@ -86,8 +86,17 @@ def open_store_tier(settings: Settings) -> tuple[StoreTier | None, dict[str, Any
     """The second-level result store the settings name (app/store.py), or None when it is off or cannot be
     opened; then also what /readyz says about it. A store folder that cannot be created (a read-only root) or a
     corrupt cache.db never stops the server: it runs without the store and says so in the log and on /readyz."""
+    url, note = settings.store_url, None
+    if settings.store_secret is None and url.startswith(("redis", "unix")):
+        url = "disk"  # a shared store needs a secret shared by the replicas: without one, the local disk store only
+        note = "Redis not used: QKOV_STORE_SECRET is unset (rows shared with other machines need their secret)"
+        log.error("result store: %s; using the disk store", note)
     try:
-        store = open_store(settings.store_url, settings.store_dir, settings.store_bytes, settings.store_ttl_s)
+        store = open_store(url, settings.store_dir, settings.store_bytes, settings.store_ttl_s)
+        if store is not None and settings.store_secret is None:
+            secret: bytes | None = store_key(settings.store_dir)
+        else:
+            secret = settings.store_secret.get_secret_value().encode() if settings.store_secret is not None else None
     except ValueError:
         raise  # a malformed store URL is a configuration error, refused at start
     except Exception as exc:  # OSError, sqlite3.DatabaseError, diskcache's own errors
@@ -96,10 +105,15 @@ def open_store_tier(settings: Settings) -> tuple[StoreTier | None, dict[str, Any
         return None, {"store": settings.store_url, "ok": False, "detail": detail}
     if store is None:
         return None, None
-    secret = settings.store_secret.get_secret_value().encode() if settings.store_secret is not None else None
-    if secret is None:
-        log.warning("result store rows are not authenticated: set QKOV_STORE_SECRET (docs/serving.md)")
-    return StoreTier(store, claim_ttl_s=settings.request_timeout_s or 120.0, secret=secret), None
+    if settings.store_secret is None:
+        log.warning(
+            "result store rows are authenticated with the key in %s (this machine only): set QKOV_STORE_SECRET to "
+            "share them with other machines (docs/serving.md)",
+            key_file(settings.store_dir).name,
+        )
+    key = "secret" if settings.store_secret is not None else f"key file {key_file(settings.store_dir).name}"
+    tier = StoreTier(store, claim_ttl_s=settings.request_timeout_s or 120.0, secret=secret, key_source=key, note=note)
+    return tier, None
 
 
 def install_serving(app: FastAPI, settings: Settings) -> ComputeService:

@@ -144,6 +144,7 @@ class HeadParams(AnalysisParams):
 
 class CopyingParams(HeadParams):
     k: K = 5
+    vocab: Vocab = "default"
 
 
 class DirectParams(AnalysisParams):
@@ -209,6 +210,7 @@ class CompositionPairParams(AnalysisParams):
     target: Annotated[str, Field(max_length=16, description=f"the later {HEAD_DOC}"), HeadField()]
     k: K = 10
     basis: BasisChoice = "served"
+    vocab: Vocab = "default"
 
 
 class PromptParams(PromptInput):

@@ -19,7 +19,9 @@ class Health(BaseModel):
 
 class ReadinessReport(BaseModel):
     status: Literal["ready", "not ready"]
-    models: dict[str, str] = Field(description="model id -> 'ok' or 'error: <why>'")
+    models: dict[str, str] = Field(
+        description="model id -> 'ok', 'error: <why>' or 'loading' (a user folder whose load goes on)"
+    )
     store: dict[str, Any] | None = Field(
         default=None, description="the result store: kind, ok, and why not (Redis down: the local store serves)"
     )
@@ -37,9 +39,17 @@ class Readiness:
         with self._lock:
             report: dict[str, str] = {}
             shipped_ok = True
-            for entry in self.registry.entries():
+            entries = self.registry.entries()
+            states = self.registry.settle(entries)  # a user folder still loading after the wait: "loading"
+            for entry in entries:
+                state = states[entry.id]
+                if state is None:
+                    report[entry.id] = "loading"
+                    continue
                 try:
-                    loaded = self.registry.get(entry.id)
+                    if isinstance(state, Exception):
+                        raise state
+                    loaded = state
                     digest = str(loaded.digest)
                     if digest not in self._verified:
                         n = max(1, min(4, loaded.model.cfg.n_ctx))

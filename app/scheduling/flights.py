@@ -35,7 +35,7 @@ class JobPending(Exception):
 
 
 # -- flights -----------------------------------------------------------------------------------------------
-@dataclass
+@dataclass(eq=False)  # identity: a flight is one computation (kept in sets)
 class Flight:
     """One computation and the requests waiting for it."""
 

@@ -94,6 +94,9 @@ class CompositionPairView(BaseModel):
     scores: dict[str, float] = Field(description="raw Q, K, V composition scores")
     minus_baseline: dict[str, float]
     baseline: float
+    token_set: str | None = Field(
+        default=None, description="the tokens both token circuits rank, in words (None: every token)"
+    )
     k_composition: TokenCircuit = Field(
         description="W_E W_Q^t W_K^tT (W_V^s W_O^s)^T W_E^T / s: rows query token, columns the token the source "
         "head reads at the key position; its copying statistic is the 'same-token matching' of the K term"

@@ -89,6 +89,8 @@ class CopyingMetricsView(BaseModel):
     top1: float = Field(description="fraction of tokens whose own logit is the largest of their row")
     topk: float = Field(description="fraction of tokens among the k largest of their row")
     k: int
+    n_tokens: int = Field(description="the tokens the circuit's rows and columns range over")
+    token_set: str | None = Field(default=None, description="which tokens, in words (None: every token)")
 
 
 class PositionalQK(BaseModel):

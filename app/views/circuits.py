@@ -23,105 +23,35 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from pydantic import BaseModel
 from torch import Tensor
 
 from app.analysis import Analysis
-from app.params import DEFAULT_VOCAB, DirectParams, OVParams, QKParams, SkipTrigramParams
+from app.params import DirectParams, OVParams, QKParams, SkipTrigramParams
 from app.scheduling import cached_build
 from app.schemas import CircuitTopView, MatrixEntry, ScoredToken, SkipTrigram, SkipTrigramView
 from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import check_k, model_ref, resolve_token, token_ref
 from app.views.rotary_reference import check_offset, is_rotary
+from app.views.token_sets import TokenSet, frequent_tokens, token_set
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.circuits import rotary, sinks
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.qk_forms import QK_FORMS, qk_form
 from circuits_core.cost import Cost
-from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import head_name, parse_head
-from circuits_core.prompt.phenomena import TOKEN_COUNTS_FILE, HeldOutBigrams, find_eval_data, load_token_counts
+from circuits_core.prompt.phenomena import HeldOutBigrams, find_eval_data
 
 LABELS = {
     "ov": ("source token (attended to)", "output token (logit raised)"),
     "qk": ("query token (destination)", "key token (source)"),
     "direct": ("current token", "next token"),
 }
-
-
-def frequent_tokens(loaded: LoadedModel, min_count: int | None) -> Tensor | None:
-    """Sorted ids [n] of the tokens seen at least min_count times in training; None when min_count is None.
-
-    InvalidInputError when the model has no token counts or no token is that frequent.
-    """
-    if min_count is None:
-        return None
-    counts = load_token_counts(loaded.path, loaded.model.cfg.d_vocab)
-    if counts is None:
-        raise InvalidInputError(
-            f"model {loaded.path.name!r} has no token counts ({TOKEN_COUNTS_FILE} in its folder): min_count is not "
-            f"available"
-        )
-    ids = np.flatnonzero(counts >= min_count)
-    if ids.size == 0:
-        raise InvalidInputError(
-            f"no token was seen min_count={min_count} times in training (the most frequent: {int(counts.max())})"
-        )
-    return torch.from_numpy(ids).long()
-
-
-def has_token_counts(loaded: LoadedModel) -> bool:
-    """Whether the model folder carries token_counts.npy (so min_count is available)."""
-    return (loaded.path / TOKEN_COUNTS_FILE).is_file()
-
-
-@dataclass(frozen=True)
-class TokenSet:
-    """The tokens a global table ranks (rows and columns alike)."""
-
-    ids: Tensor | None  # [n] sorted token ids; None: every token
-    n: int
-    said: str | None  # in words, for the page and the answer (None: every token)
-    name: str  # in the shared table's cache key
-
-
-def token_set(loaded: LoadedModel, min_count: int | None, vocab: Literal["default", "all"]) -> TokenSet:
-    """min_count's frequent tokens when given; else every token of a vocabulary up to DEFAULT_VOCAB tokens (or with
-    vocab="all"); else the DEFAULT_VOCAB most frequent tokens by token_counts.npy (ties: lower id first), or else the
-    DEFAULT_VOCAB lowest ids."""
-    d_vocab = loaded.model.cfg.d_vocab
-    if min_count is not None:
-        ids = frequent_tokens(loaded, min_count)
-        assert ids is not None
-        n = int(ids.numel())
-        return TokenSet(
-            ids, n, f"the {n:,} tokens seen at least {min_count:,} times in training", f"min_count={min_count}"
-        )
-    if vocab == "all" or d_vocab <= DEFAULT_VOCAB:
-        return TokenSet(None, d_vocab, None, "all")
-    counts = load_token_counts(loaded.path, d_vocab)
-    if counts is not None:
-        top = np.sort(np.argsort(-counts, kind="stable")[:DEFAULT_VOCAB])
-        return TokenSet(
-            torch.from_numpy(top).long(),
-            DEFAULT_VOCAB,
-            f"the {DEFAULT_VOCAB:,} most frequent of the {d_vocab:,} tokens (training counts)",
-            "frequent",
-        )
-    return TokenSet(
-        torch.arange(DEFAULT_VOCAB),
-        DEFAULT_VOCAB,
-        f"the {DEFAULT_VOCAB:,} lowest ids of the {d_vocab:,} tokens (the model has no training counts; in a BPE "
-        "vocabulary the earliest merges, roughly the most frequent)",
-        "lowest-ids",
-    )
 
 
 SHARED_K = 20  # the largest k the app asks a global table for by default: the API's 20 (head page 10, skip source 1)
@@ -362,23 +292,50 @@ def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> C
     return view.model_copy(update={"corpus": corpus})
 
 
-def _search_cost(loaded: LoadedModel, p: DirectParams, limits: Limits) -> Cost:
+def _search_cost(loaded: LoadedModel, p: DirectParams, limits: Limits, circuit: circuits.Circuit = "ov") -> Cost:
     """The global table a request without a token reads: top max(k, SHARED_K) among its token set."""
     ranked = token_set(loaded, p.min_count, p.vocab)
     return circuits.top_cost(
-        loaded.model, max(p.k, min(SHARED_K, ranked.n**2)), limits.matrix_budget_bytes, line=False, n_tokens=ranked.n
+        loaded.model,
+        max(p.k, min(SHARED_K, ranked.n**2)),
+        limits.matrix_budget_bytes,
+        line=False,
+        n_tokens=None if ranked.ids is None else ranked.n,
+        circuit=circuit,
     )
 
 
-def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits) -> Cost:
-    """A token's row or column, else the global top-k (on the frequent tokens only with min_count)."""
+def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits, circuit: circuits.Circuit = "ov") -> Cost:
+    """A token's row or column, else the global top-k (on the frequent tokens only with min_count): priced by
+    head_circuits.top_cost for the circuit and side the view reads."""
     check_offset(loaded, getattr(p, "offset", 0))  # a request the model cannot answer is refused before its price
+    side: Literal["row", "column"] = "column" if getattr(p, "side", "query") == "key" else "row"
     if p.token is None:
-        cost = _search_cost(loaded, p, limits)
+        cost = _search_cost(loaded, p, limits, circuit)
     else:
         n = None if p.min_count is None else token_set(loaded, p.min_count, "all").n
-        cost = circuits.top_cost(loaded.model, p.k, limits.matrix_budget_bytes, line=True, n_tokens=n)
+        cost = circuits.top_cost(
+            loaded.model, p.k, limits.matrix_budget_bytes, line=True, n_tokens=n, circuit=circuit, side=side
+        )
     return cost + raw_copy_cost(loaded, p.basis)
+
+
+def direct_cost(loaded: LoadedModel, p: DirectParams, limits: Limits) -> Cost:
+    """The table, then each listed entry's probability: one direct row per distinct current token (at most k; the
+    token's own row with a token)."""
+    rows = 1 if p.token is not None else p.k
+    probabilities = Cost(0, flops=rows * circuits.line_flops(loaded.model, "direct-row"))
+    return top_cost(loaded, p, limits, "direct").then(probabilities)
+
+
+def ov_cost(loaded: LoadedModel, p: OVParams, limits: Limits) -> Cost:
+    return top_cost(loaded, p, limits, "ov")
+
+
+def qk_cost(loaded: LoadedModel, p: QKParams, limits: Limits) -> Cost:
+    return top_cost(loaded, p, limits, "qk").with_answer(
+        numbers=(p.k + 1) if sinks.has_sinks(loaded.model) else 0  # the sink logit and one probability per entry
+    )
 
 
 def _strongest_source(loaded: LoadedModel, layer: int, h: int, limits: Limits, ranked: TokenSet) -> int:
@@ -453,7 +410,7 @@ DIRECT = Analysis(
     params=DirectParams,
     view=CircuitTopView,
     build=build_direct_view,
-    cost=top_cost,
+    cost=direct_cost,
     summary="Direct path (bigram table)",
     tags=["circuits"],
 )
@@ -464,7 +421,7 @@ OV = Analysis(
     params=OVParams,
     view=CircuitTopView,
     build=build_ov_view,
-    cost=top_cost,
+    cost=ov_cost,
     summary="Top entries of the full OV circuit",
     tags=["circuits"],
 )
@@ -475,18 +432,18 @@ QK = Analysis(
     params=QKParams,
     view=CircuitTopView,
     build=build_qk_view,
-    cost=lambda loaded, p, limits: top_cost(loaded, p, limits).with_answer(
-        numbers=(p.k + 1) if sinks.has_sinks(loaded.model) else 0  # the sink logit and one probability per entry
-    ),
+    cost=qk_cost,
     summary="Top entries of the full QK circuit",
     tags=["circuits"],
 )
 
 
 def skip_trigrams_cost(loaded: LoadedModel, p: SkipTrigramParams, limits: Limits) -> Cost:
+    """The two lines (head_circuits.skip_trigrams_cost) after, without a token, the OV table's search on its token
+    set for the default source."""
     check_offset(loaded, p.offset)
     lines = circuits.skip_trigrams_cost(loaded.model, p.k, limits.matrix_budget_bytes, token=True)
-    search = Cost(0) if p.token is not None else _search_cost(loaded, p.model_copy(update={"k": 1}), limits)
+    search = Cost(0) if p.token is not None else _search_cost(loaded, p.model_copy(update={"k": 1}), limits, "ov")
     return search.then(lines) + raw_copy_cost(loaded, p.basis)
 
 

@@ -31,16 +31,19 @@ from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import check_k, model_ref, parse_heads, qk_form_fields, token_ref
 from app.views.rotary_reference import rotary_offset
+from app.views.token_sets import token_set
 from circuits_core.circuits import composition, copying_spectra, embedding
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.circuits.composition import CompositionKind, composition_scores
 from circuits_core.circuits.composition_rotary import composition_at, composition_at_cost
 from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.global_topk import topk_global_flops
 from circuits_core.circuits.head_composition import head_composition
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import head_name, parse_head
+from circuits_core.prompt import qk_paths
 from circuits_core.prompt.qk_paths import k_composition_circuit
 
 TOP_PAIRS = 10
@@ -150,22 +153,35 @@ def parse_chain(loaded: LoadedModel, heads: list[str], max_heads: int) -> list[t
     return chain
 
 
-def virtual_ov_circuit(loaded: LoadedModel, chain: list[tuple[int, int]]) -> FactoredMatrix:
-    """W_E W_OV^{h1} ... W_OV^{hk} W_U [d_vocab, d_vocab], inner dimension d_head (docs/maths.md §2.10)."""
+def virtual_ov_circuit(
+    loaded: LoadedModel, chain: list[tuple[int, int]], tokens: torch.Tensor | None = None
+) -> FactoredMatrix:
+    """W_E W_OV^{h1} ... W_OV^{hk} W_U [d_vocab, d_vocab], inner dimension d_head (docs/maths.md §2.10); with `tokens`
+    (ids [n]) its [n, n] submatrix, formed on those tokens only."""
     model = loaded.model
     ov = circuits.ov_circuit(model, *chain[0])
     for layer, h in chain[1:]:
         ov = ov @ circuits.ov_circuit(model, layer, h)
-    return (embedding.embed_eff(model) @ ov) @ model.W_U
+    if tokens is None:
+        return (embedding.embed_eff(model) @ ov) @ model.W_U
+    return (embedding.embed_eff_rows(model, tokens) @ ov) @ model.W_U[:, tokens]
 
 
 def token_circuit(
-    loaded: LoadedModel, fm: FactoredMatrix, k: int, limits: Limits, labels: tuple[str, str]
+    loaded: LoadedModel,
+    fm: FactoredMatrix,
+    k: int,
+    limits: Limits,
+    labels: tuple[str, str],
+    tokens: torch.Tensor | None = None,
 ) -> TokenCircuit:
-    """Global top-k entries (streamed under the matrix budget) and the eigenvalue statistic of a token circuit."""
+    """Global top-k entries (streamed under the matrix budget) and the eigenvalue statistic of a token circuit; `tokens`
+    (ids [n]): fm is the submatrix of those tokens (its eigenvalues are the submatrix's)."""
     k = check_k(k, limits, fm.ldim * fm.rdim)
     with torch.no_grad():
         values, rows, cols = fm.topk_global(k, budget_bytes=limits.matrix_budget_bytes)  # [k] each
+        if tokens is not None:  # positions in the set -> token ids
+            rows, cols = tokens[rows], tokens[cols]
         eig = torch.linalg.eigvals(fm.BA.double())  # [d_head] complex
         copying = float(copying_spectra.copying_score(eig))
     entries = [
@@ -191,10 +207,14 @@ def build_composition_pair_view(loaded: LoadedModel, p: CompositionPairParams, l
     loaded = with_basis(loaded, p.basis)
     chain = parse_chain(loaded, [p.source, p.target], max(2, limits.max_heads))
     (l1, h1), (l2, h2) = chain
+    ranked = token_set(loaded, None, p.vocab)  # the OV tables' token set: a large vocabulary's stated default
     with torch.no_grad():
         comp = composition_scores(loaded.model, budget_bytes=limits.peak_bytes)
-        k_circuit = token_circuit(loaded, k_composition_circuit(loaded.model, chain[1], chain[0]), k, limits, K_LABELS)
-        virtual = token_circuit(loaded, virtual_ov_circuit(loaded, chain), k, limits, VIRTUAL_LABELS)
+        k_fm = k_composition_circuit(loaded.model, chain[1], chain[0], ranked.ids)
+        k_circuit = token_circuit(loaded, k_fm, k, limits, K_LABELS, ranked.ids)
+        virtual = token_circuit(
+            loaded, virtual_ov_circuit(loaded, chain, ranked.ids), k, limits, VIRTUAL_LABELS, ranked.ids
+        )
     return CompositionPairView(
         model=model_ref(loaded),
         source=head_name(l1, h1),
@@ -203,6 +223,7 @@ def build_composition_pair_view(loaded: LoadedModel, p: CompositionPairParams, l
         scores={kind.upper(): float(comp.raw[kind][l1, h1, l2, h2]) for kind in comp.raw},
         minus_baseline={kind.upper(): float(comp.minus_baseline[kind][l1, h1, l2, h2]) for kind in comp.minus_baseline},
         baseline=comp.baseline,
+        token_set=ranked.said,
         k_composition=k_circuit,
         virtual_head=VirtualHeadCircuit(heads=[head_name(l1, h1), head_name(l2, h2)], ov=virtual),
     )
@@ -219,10 +240,22 @@ def composition_cost(loaded: LoadedModel, p: CompositionParams, limits: Limits) 
 
 
 def pair_cost(loaded: LoadedModel, p: CompositionPairParams, limits: Limits) -> Cost:
-    """The three kinds' scores, then two token circuits' global top-k."""
-    top = circuits.top_cost(loaded.model, p.k, limits.matrix_budget_bytes, line=False)
-    scores = composition.cost(loaded.model, budget_bytes=limits.peak_bytes)
-    return scores.then(top).then(top) + raw_copy_cost(loaded, p.basis)
+    """The scores, then the two token circuits' top k over the token set (their factors on those tokens: the K
+    circuit's qk_paths.k_composition_flops, the virtual circuit's W_E rows W_OV^{h1} W_OV^{h2} and W_U columns; each
+    circuit's B A for its eigenvalues)."""
+    model = loaded.model
+    cfg = model.cfg
+    ranked = token_set(loaded, None, p.vocab)
+    n = ranked.n
+    search = circuits.top_cost(model, p.k, limits.matrix_budget_bytes, line=False, n_tokens=n)
+    search = Cost(search.peak_bytes, search.answer_bytes, topk_global_flops(n, cfg.d_head, n))
+    d, dh = cfg.d_model, cfg.d_head
+    chain = 2 * dh * d * dh + 2 * d * dh * dh  # W_OV^{h1} W_OV^{h2}: (A1 B1 A2) then its product with B2's side
+    eigenvalues = 2 * dh * n * dh  # B A of each circuit, for its eigenvalue statistic
+    virtual = Cost(0, flops=chain + 2 * n * d * dh + 2 * dh * d * n + eigenvalues)
+    k_circuit = Cost(0, flops=qk_paths.k_composition_flops(model, n) + eigenvalues)
+    scores = composition.cost(model, budget_bytes=limits.peak_bytes)
+    return scores.then(k_circuit.then(search)).then(virtual.then(search)) + raw_copy_cost(loaded, p.basis)
 
 
 COMPOSITION = Analysis(

@@ -28,9 +28,9 @@ from app.scheduling import cached, cached_build
 from app.schemas import ModelRef
 from app.settings import Limits
 from app.views.basis import basis
-from app.views.circuits import frequent_tokens
 from app.views.heads import spectra
 from app.views.inputs import check_k, model_ref, parse_heads
+from app.views.token_sets import frequent_tokens
 from circuits_core.circuits import copying, copying_spectra
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.cost import Cost, check_stop, report_progress

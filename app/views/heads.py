@@ -21,6 +21,7 @@ from app.schemas import Complex, CopyingMetricsView, DetectorInput, HeadScores, 
 from app.settings import Limits
 from app.views.inputs import check_k, model_ref
 from app.views.rotary_reference import is_rotary, reference_means, reference_tokens_bound
+from app.views.token_sets import token_set
 from circuits_core.circuits import copying, copying_spectra
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.cost import Cost
@@ -160,11 +161,15 @@ def copy_losses(table: HeadTable, meta: DetectorInput) -> dict[str, Any]:
 
 
 def build_copying_view(loaded: LoadedModel, p: CopyingParams, limits: Limits) -> CopyingMetricsView:
-    """Diagonal sign, top-1 and top-k copying of a head's full OV circuit (rows streamed under the byte budget)."""
+    """Diagonal sign, top-1 and top-k copying of a head's full OV circuit (rows streamed under the byte budget), over
+    the token set the OV tables rank (`vocab`: a large vocabulary's stated default set, or every token)."""
     layer, h = parse_head(p.head, loaded.model.cfg)
-    k = check_k(p.k, limits, loaded.model.cfg.d_vocab)
+    ranked = token_set(loaded, None, p.vocab)
+    k = check_k(p.k, limits, ranked.n)
     with torch.no_grad():
-        m = copying.ov_copying_metrics(loaded.model, layer, h, k=k, budget_bytes=limits.matrix_budget_bytes)
+        m = copying.ov_copying_metrics(
+            loaded.model, layer, h, k=k, budget_bytes=limits.matrix_budget_bytes, tokens=ranked.ids
+        )
         score = copying_spectra.ov_copying_scores(loaded.model)[layer, h]
     return CopyingMetricsView(
         model=model_ref(loaded),
@@ -175,6 +180,8 @@ def build_copying_view(loaded: LoadedModel, p: CopyingParams, limits: Limits) ->
         top1=m.top1,
         topk=m.topk,
         k=m.k,
+        n_tokens=ranked.n,
+        token_set=ranked.said,
     )
 
 
@@ -269,7 +276,12 @@ def head_cost(loaded: LoadedModel, p: HeadParams, limits: Limits) -> Cost:
 
 
 def copying_cost(loaded: LoadedModel, p: CopyingParams, limits: Limits) -> Cost:
-    return copying.copying_metrics_cost(loaded.model, p.k, limits.matrix_budget_bytes)
+    """The metrics over the token set, then every head's eigenvalue copying score."""
+    ranked = token_set(loaded, None, p.vocab)
+    metrics = copying.copying_metrics_cost(
+        loaded.model, p.k, limits.matrix_budget_bytes, None if ranked.ids is None else ranked.n
+    )
+    return metrics.then(Cost(0, flops=copying_spectra.ov_copying_scores_flops(loaded.model)))
 
 
 HEADS = Analysis(

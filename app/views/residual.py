@@ -257,7 +257,7 @@ def build_residual_pair_view(loaded: LoadedModel, p: ResidualPairParams, limits:
 def residual_pair_cost(loaded: LoadedModel, p: ResidualPairParams, limits: Limits) -> Cost:
     model = loaded.model
     return vw.pair_cost(
-        model, sc.parse_writer(model, p.writer), sc.parse_reader(model, p.reader), p.k, p.n_top
+        model, sc.parse_writer(model, p.writer), sc.parse_reader(model, p.reader), p.k, p.n_top, p.offset
     ) + raw_copy_cost(loaded, p.basis)
 
 

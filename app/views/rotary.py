@@ -26,7 +26,7 @@ from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import model_ref
 from app.views.rotary_reference import reference_means, reference_tokens_bound
-from circuits_core.circuits import alibi_kernel, composition_rotary, rotary
+from circuits_core.circuits import alibi_kernel, composition_rotary, rotary, rotary_baseline
 from circuits_core.circuits.copying_spectra import copying_score
 from circuits_core.circuits.profile_shape import ProfileShape, profile_shape
 from circuits_core.cost import Cost
@@ -181,7 +181,11 @@ def build_profile_view(loaded: LoadedModel, p: ProfileParams, limits: Limits) ->
 
 
 def profile_cost(loaded: LoadedModel, p: ProfileParams, limits: Limits) -> Cost:
-    return composition_rotary.pair_profile_cost(loaded.model, p.max_offset + 1) + raw_copy_cost(loaded, p.basis)
+    """The pair's profile, then the sampled baseline beside it (rotary_baseline, cached after its first call)."""
+    cfg = loaded.model.cfg
+    baseline = rotary_baseline.baseline_cost(cfg.d_model, cfg.d_head, cfg.group_size, rotary_baseline.BASELINE_DRAWS)
+    profile = composition_rotary.pair_profile_cost(loaded.model, min(p.max_offset, cfg.n_ctx - 1) + 1)
+    return profile.then(baseline) + raw_copy_cost(loaded, p.basis)
 
 
 PROFILE = Analysis(

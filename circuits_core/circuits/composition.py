@@ -376,7 +376,9 @@ def _priced(model: Transformer, kinds: tuple[CompositionKind, ...], layers_per_c
     return Cost(numbers * itemsize(model.compute_dtype), flops=flops) + random_baseline_cost(d, dh)
 
 
-def random_baseline_cost(d_model: int, d_head: int) -> Cost:
+def random_baseline_cost(d_model: int, d_head: int, n_samples: int = BASELINE_SAMPLES) -> Cost:
     """random_baseline's working memory (float64): one chunk of 4 x 32 [d_model, d_head] draws, their four
-    d_head Grams, M and the two products of the score."""
-    return Cost(8 * (4 * 32 * d_model * d_head + 7 * 32 * d_head * d_head))
+    d_head Grams, M and the two products of the score; FLOPs of every sample's products (its first call: later ones
+    are cached)."""
+    flops = n_samples * (10 * d_model * d_head**2 + 4 * d_head**3)
+    return Cost(8 * (4 * 32 * d_model * d_head + 7 * 32 * d_head * d_head), flops=flops)

@@ -30,7 +30,7 @@ from torch import Tensor
 from circuits_core.circuits.copying_spectra import copying_score, unembed_embed_gram
 from circuits_core.circuits.embedding import embed_eff_rows
 from circuits_core.circuits.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
-from circuits_core.circuits.head_circuits import factors_cost, full_ov_circuit, ov_circuit
+from circuits_core.circuits.head_circuits import factors_cost, full_ov_circuit, full_ov_flops, ov_circuit
 from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.cost import Cost, check_stop
 from circuits_core.errors import InvalidInputError
@@ -275,10 +275,16 @@ class CopyingMetrics:
 
 
 def ov_copying_metrics(
-    model: Transformer, layer: int, head: int, k: int = 5, budget_bytes: int = DEFAULT_BUDGET_BYTES
+    model: Transformer,
+    layer: int,
+    head: int,
+    k: int = 5,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+    tokens: Tensor | None = None,
 ) -> CopyingMetrics:
-    """Diagonal sign fraction and top-1 / top-k accuracy of the full OV circuit, rows streamed in blocks."""
-    return copying_metrics(full_ov_circuit(model, layer, head), k, budget_bytes)
+    """Diagonal sign fraction and top-1 / top-k accuracy of the full OV circuit, rows streamed in blocks; with
+    `tokens` (ids [n]) of its [n, n] submatrix (each token ranked among those tokens)."""
+    return copying_metrics(full_ov_circuit(model, layer, head, tokens), k, budget_bytes)
 
 
 def copying_metrics(M: FactoredMatrix, k: int = 5, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> CopyingMetrics:
@@ -306,9 +312,12 @@ def copying_metrics(M: FactoredMatrix, k: int = 5, budget_bytes: int = DEFAULT_B
     )
 
 
-def copying_metrics_cost(model: Transformer, k: int, budget_bytes: int) -> Cost:
-    """ov_copying_metrics: the factors, one row block (at most budget_bytes) and its top-k indices."""
+def copying_metrics_cost(model: Transformer, k: int, budget_bytes: int, n_tokens: int | None = None) -> Cost:
+    """ov_copying_metrics: the factors, one row block (at most budget_bytes) and its top-k indices; FLOPs: the
+    factors (on n_tokens tokens, default every token), then every row of the [n, n] circuit (2 n^2 d_head)."""
     cfg, size = model.cfg, model.W_E.element_size()
-    rows = max(1, min(cfg.d_vocab, budget_bytes // max(1, cfg.d_vocab * size)))
-    block = rows * cfg.d_vocab * size + rows * k * 8
-    return (factors_cost(model) + Cost(block + cfg.d_vocab * (size + 8))).with_answer(numbers=12, labels=6)
+    n = cfg.d_vocab if n_tokens is None else n_tokens
+    rows = max(1, min(n, budget_bytes // max(1, n * size)))
+    block = rows * n * size + rows * k * 8
+    flops = full_ov_flops(model, n_tokens) + 2 * n * cfg.d_head * n
+    return (factors_cost(model) + Cost(block + n * (size + 8), flops=flops)).with_answer(numbers=12, labels=6)

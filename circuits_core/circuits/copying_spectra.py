@@ -65,6 +65,13 @@ def embed_gram(model: Transformer) -> Tensor:
     return _grams(model, unembed=False, embed=True)[1]
 
 
+def embed_gram_flops(model: Transformer) -> int:
+    """FLOPs of embed_gram: each vocabulary row's products for the column blocks on and above the diagonal."""
+    d = model.cfg.d_model
+    edges = [d * i // GRAM_BLOCKS for i in range(GRAM_BLOCKS + 1)]
+    return sum(2 * model.cfg.d_vocab * (b - a) * (d - a) for a, b in zip(edges, edges[1:], strict=False))
+
+
 def _spectrum(M: Tensor) -> Tensor:
     # eig is ill-conditioned for non-symmetric matrices: solve the small ones in float64.
     return eigvals(M.double())
@@ -127,6 +134,14 @@ def copying_score(eigenvalues: Tensor) -> Tensor:
 def ov_copying_scores(model: Transformer, G: Tensor | None = None) -> Tensor:
     """[n_layers, n_heads] eigenvalue copying score of every full OV circuit (float64)."""
     return copying_score(ov_eigenvalues(model, G))
+
+
+def ov_copying_scores_flops(model: Transformer) -> int:
+    """ov_copying_scores: G = W_U W_E_eff (one product per vocabulary chunk), then per layer G W_V per key/value head
+    and W_O (G W_V) per query head (the eigenvalues are not products)."""
+    cfg = model.cfg
+    d, dh = cfg.d_model, cfg.d_head
+    return 2 * d * cfg.d_vocab * d + cfg.n_layers * (2 * cfg.n_kv_heads * d * d * dh + 2 * cfg.n_heads * dh * d * dh)
 
 
 def qk_copying_scores(model: Transformer, G_E: Tensor | None = None, G_E_W_Q: Tensor | None = None) -> Tensor:

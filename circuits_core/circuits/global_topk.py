@@ -42,7 +42,8 @@ def topk_global_cost(
     """Cost of FactoredMatrix.topk_global on [batch] matrices [ldim, mdim] @ [mdim, rdim] (one at a time).
 
     Peak: the norm-sorted copy of A and the column tiles of B, their bfloat16 copies when screened, the 4
-    tile buffers (at most budget_bytes) and the candidates; answer: batch x k (value, row, column).
+    tile buffers (at most budget_bytes) and the candidates; answer: batch x k (value, row, column); FLOPs:
+    topk_global_flops per matrix.
     """
     tile_cols = min(TILE_COLS, rdim)
     step = max(1, int(budget_bytes) // (4 * tile_cols * element_size))
@@ -51,7 +52,18 @@ def topk_global_cost(
     screen = (ldim * mdim + mdim * rdim) * 2 if ldim * rdim >= SCREEN_MIN_ENTRIES else 0
     sorting = (ldim + rdim) * (element_size + 8)  # norms and orders
     candidates = 2 * k * (min(step, TILE_ROWS, ldim) + 1) * (element_size + 16)
-    return Cost(factors + screen + tiles + sorting + candidates).with_answer(numbers=3 * k * batch)
+    flops = batch * topk_global_flops(ldim, mdim, rdim)
+    return Cost(factors + screen + tiles + sorting + candidates, flops=flops).with_answer(numbers=3 * k * batch)
+
+
+def topk_global_flops(ldim: int, mdim: int, rdim: int) -> int:
+    """FLOPs of topk_global_2d on [ldim, mdim] @ [mdim, rdim] when every tile is computed once: 2 ldim mdim rdim.
+
+    This is its count when no tile is bounded out and none is screened (tests/core/test_circuit_flops.py). Tiles
+    bounded out (the usual case on real circuits: rows and columns are visited by norm) make it less; a screened
+    tile is counted once, as the bfloat16 product that replaces its exact one (about 3x faster), so the exact
+    recomputation of the few rows that pass the screen is within the price's slack."""
+    return 2 * ldim * mdim * rdim
 
 
 def _screening_accumulates_in_fp32(device: torch.device) -> bool:

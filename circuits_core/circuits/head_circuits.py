@@ -27,6 +27,7 @@ effect on the pattern is only the per-key term b_Q W_K^T x, docs/maths.md §1.4)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -36,11 +37,13 @@ from circuits_core.circuits.embedding import (
     apply_ln_rows,
     embed_eff_matmul,
     embed_eff_rows,
+    first_norm,
+    unnormalised,
 )
 from circuits_core.circuits.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
 from circuits_core.circuits.folded import head_weights
-from circuits_core.circuits.global_topk import topk_global_cost
-from circuits_core.circuits.qk_forms import head_token_scales, token_scale
+from circuits_core.circuits.global_topk import topk_global_cost, topk_global_flops
+from circuits_core.circuits.qk_forms import token_factors, token_scale
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.model.transformer import Attention, Block, Transformer
@@ -111,9 +114,7 @@ def full_qk_circuit(model: Transformer, layer: int, head: int, tokens: Tensor | 
         query, key = W_E @ W_Q / model.cfg.scale, W_E @ W_K
     else:
         query, key = embed_eff_matmul(model, W_Q) / model.cfg.scale, embed_eff_matmul(model, W_K)  # [V, d_h]
-    scales = head_token_scales(model, layer, head, tokens)
-    if scales is not None:
-        query, key = query * scales[0][:, None], key * scales[1][:, None]
+    query, key = token_factors(model, layer, head, query, key, tokens)  # exact under QK-norm and latent attention
     return FactoredMatrix(query, key.T)
 
 
@@ -156,6 +157,8 @@ def full_qk_col(model: Transformer, layer: int, head: int, key_token: int) -> Te
     """Column a of the full QK circuit [d_vocab]: the score of every query token on key token a."""
     check_head(model, layer, head)
     check_token(model, key_token)
+    if model.cfg.latent_attention:  # the exact token table's column (its factors carry each token's latent scales)
+        return full_qk_circuit(model, layer, head).cols([key_token])[0]
     W_Q, W_K, _, _ = head_weights(model, layer, head)
     k = embed_eff_rows(model, [key_token]) @ W_K  # [1, d_h]
     col = embed_eff_matmul(model, W_Q @ k.T)[:, 0] / model.cfg.scale  # [V]
@@ -291,20 +294,125 @@ def factors_cost(model: Transformer) -> Cost:
     return Cost((2 * cfg.d_vocab * cfg.d_head + 2 * EMBED_CHUNK * cfg.d_model) * size)
 
 
-def top_cost(model: Transformer, k: int, budget_bytes: int, line: bool, n_tokens: int | None = None) -> Cost:
+Circuit = Literal["ov", "qk", "direct"]
+
+
+def top_cost(
+    model: Transformer,
+    k: int,
+    budget_bytes: int,
+    line: bool,
+    n_tokens: int | None = None,
+    circuit: Circuit = "ov",
+    side: Literal["row", "column"] = "row",
+) -> Cost:
     """A full circuit's top k: one row or column (`line`: [d_vocab] values), else topk_global over the
-    n_tokens x n_tokens submatrix (default all tokens); answer: k (row token, column token, value)."""
+    n_tokens x n_tokens submatrix (default all tokens); answer: k (row token, column token, value).
+
+    FLOPs: the circuit's factors (on the n_tokens only where the circuit is built on them; a rotary QK circuit is
+    rotated on every token's factors first), or the one line, then the search (circuit_flops)."""
     cfg, size = model.cfg, model.W_E.element_size()
     n = cfg.d_vocab if n_tokens is None else n_tokens
+    flops = circuit_flops(model, circuit, line, n_tokens, side)
     if line:
-        return factors_cost(model).then(Cost(3 * cfg.d_vocab * size)).with_answer(numbers=3 * k, labels=2 * k)
-    search = topk_global_cost(n, cfg.d_head, n, k, budget_bytes, size)
-    return factors_cost(model) + search.with_answer(labels=2 * k)
+        return (
+            factors_cost(model).then(Cost(3 * cfg.d_vocab * size, flops=flops)).with_answer(numbers=3 * k, labels=2 * k)
+        )
+    inner = cfg.d_model if circuit == "direct" else cfg.d_head
+    search = topk_global_cost(n, inner, n, k, budget_bytes, size)
+    return factors_cost(model) + Cost(search.peak_bytes, search.answer_bytes, flops).with_answer(labels=2 * k)
+
+
+def circuit_flops(
+    model: Transformer,
+    circuit: Circuit,
+    line: bool,
+    n_tokens: int | None = None,
+    side: Literal["row", "column"] = "row",
+) -> int:
+    """FLOPs of a circuit's table as app/views/circuits.py reads it: a token's line (the row of OV and direct, the
+    QK row or column), else the global top-k search of the n_tokens x n_tokens submatrix (default every token)
+    with the factors it reads."""
+    cfg = model.cfg
+    rotary = cfg.positional_embedding_type == "rotary"
+    if line:
+        if circuit != "qk":
+            return line_flops(model, "ov-row" if circuit == "ov" else "direct-row")
+        if rotary:
+            return line_flops(model, "qk-row-at" if side == "row" else "qk-column-at")
+        if side == "column":
+            return line_flops(model, "qk-column")
+        return full_qk_flops(model) + 2 * cfg.d_head * cfg.d_vocab  # the factors, then the row
+    n = cfg.d_vocab if n_tokens is None else n_tokens
+    if circuit == "direct":  # ln_final on W_E's rows: no product before the search
+        return topk_global_flops(n, cfg.d_model, n)
+    if circuit == "ov":
+        factors = full_ov_flops(model, n_tokens)
+    elif rotary:  # every token's factors, one of them rotated, then restricted to the n tokens
+        factors = full_qk_flops(model) + 2 * cfg.d_vocab * cfg.d_head**2
+    else:
+        factors = full_qk_flops(model, n_tokens)
+    return factors + topk_global_flops(n, cfg.d_head, n)
 
 
 def skip_trigrams_cost(model: Transformer, k: int, budget_bytes: int, token: bool) -> Cost:
-    """skip_trigrams (a QK column and an OV row) after, without a token, the global top-1 source search."""
+    """skip_trigrams (a QK column and an OV row) after, without a token, the global top-1 source search (on every
+    token; the view prices its own token set)."""
     cfg, size = model.cfg, model.W_E.element_size()
-    lines = factors_cost(model).then(Cost(4 * cfg.d_vocab * size + k * k * (size + 8)))
+    rotary = cfg.positional_embedding_type == "rotary"
+    flops = line_flops(model, "qk-column-at" if rotary else "qk-column") + line_flops(model, "ov-row")
+    lines = factors_cost(model).then(Cost(4 * cfg.d_vocab * size + k * k * (size + 8), flops=flops))
     search = top_cost(model, 1, budget_bytes, line=False) if not token else Cost(0)
     return search.then(lines).with_answer(numbers=3 * k + 2 * k * k, labels=2 * k + 3 * k * k)
+
+
+# -- FLOPs (matrix products, 2 per multiply-add, as torch.utils.flop_counter counts them) of the circuits above -----
+def embed_matmul_flops(model: Transformer, n_cols: int) -> int:
+    """embed_eff_matmul(model, W [d_model, n_cols]): one product with the raw W_E, and b W under a norm with a bias."""
+    cfg = model.cfg
+    bias = not unnormalised(model) and getattr(first_norm(model), "b", None) is not None
+    return 2 * cfg.d_vocab * cfg.d_model * n_cols + (2 * cfg.d_model * n_cols if bias else 0)
+
+
+def token_scales_flops(model: Transformer, n_query: int, n_key: int) -> int:
+    """head_token_scales: the QK-norm rho of n_query tokens' queries (every query head of the layer, token_rho) and of
+    n_key tokens' keys (every key/value head); 0 without QK-norm."""
+    cfg = model.cfg
+    if cfg.qk_norm is None:
+        return 0
+    return 2 * cfg.d_model * cfg.d_head * (n_query * cfg.n_heads + n_key * cfg.n_kv_heads)
+
+
+def full_ov_flops(model: Transformer, n_tokens: int | None = None) -> int:
+    """full_ov_circuit's factors on n_tokens tokens (None: every token, through embed_eff_matmul)."""
+    cfg = model.cfg
+    if n_tokens is None:
+        return embed_matmul_flops(model, cfg.d_head) + 2 * cfg.d_head * cfg.d_model * cfg.d_vocab
+    return 4 * n_tokens * cfg.d_model * cfg.d_head
+
+
+def full_qk_flops(model: Transformer, n_tokens: int | None = None) -> int:
+    """full_qk_circuit's (or rotary.full_qk_factors') factors on n_tokens tokens (None: every token), each token's
+    QK-norm scale included."""
+    cfg = model.cfg
+    if n_tokens is None:
+        return 2 * embed_matmul_flops(model, cfg.d_head) + token_scales_flops(model, cfg.d_vocab, cfg.d_vocab)
+    return 4 * n_tokens * cfg.d_model * cfg.d_head + token_scales_flops(model, n_tokens, n_tokens)
+
+
+def line_flops(model: Transformer, line: str) -> int:
+    """One token's line of a full circuit over every token: "ov-row" (full_ov_row), "qk-column" (full_qk_col),
+    "direct-row" (direct_row); on rotary models "qk-row-at" / "qk-column-at" (rotary.full_qk_row_at / _col_at: the
+    line through R(δ)). A QK line carries the query (or key) QK-norm scale of every token."""
+    cfg = model.cfg
+    d, dh, V = cfg.d_model, cfg.d_head, cfg.d_vocab
+    if line == "ov-row":
+        return 4 * d * dh + 2 * d * V
+    if line == "direct-row":
+        return 2 * d * V
+    rotated = 2 * dh * dh if line.endswith("-at") else 0
+    if line in ("qk-column", "qk-column-at"):
+        return 4 * d * dh + rotated + embed_matmul_flops(model, 1) + token_scales_flops(model, V, 1)
+    if line == "qk-row-at":
+        return 4 * d * dh + rotated + embed_matmul_flops(model, 1) + token_scales_flops(model, 1, V)
+    raise ValueError(f"no line {line!r}")

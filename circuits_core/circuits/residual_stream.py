@@ -52,6 +52,7 @@ from circuits_core.circuits.stream_components import (
     rotation,
     writers,
 )
+from circuits_core.circuits.stream_flops import erasure_flops, usage_flops
 from circuits_core.circuits.stream_grams import factors, inner_products
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError
@@ -253,7 +254,7 @@ def usage_cost(model: Transformer, rows: int | None = None) -> Cost:
     numbers = (
         (Nw + Nr) * (d * dh + 128 * 128) + 8 * d * d + 3 * Nw * (Nw + Nr) + cfg.n_layers * cfg.n_heads * 4 * d * dh
     )
-    return Cost(numbers * itemsize(model.compute_dtype)).with_answer(
+    return Cost(numbers * itemsize(model.compute_dtype), flops=usage_flops(model, erasure=False)).with_answer(
         numbers=3 * shown * (Nw + Nr) + 2 * (Nw + Nr) + d, labels=Nw + Nr
     )
 
@@ -418,7 +419,9 @@ def erasure_cost(model: Transformer, shown: int | None = None) -> Cost:
     LH, Nw = cfg.n_layers * cfg.n_heads, len(writers(model))
     numbers = 2 * LH * cfg.d_model * cfg.d_head + 3 * Nw * LH
     null = LH * (2 * cfg.d_model * cfg.d_head + 6 * cfg.d_head**2) * 8  # head_moments' float64 copies and products
-    scan = Cost(usage_cost(model).peak_bytes).then(Cost(numbers * itemsize(model.compute_dtype) + null))
+    scan = Cost(usage_cost(model).peak_bytes).then(
+        Cost(numbers * itemsize(model.compute_dtype) + null, flops=erasure_flops(model))
+    )
     if shown is None:
         return scan.with_answer(numbers=3 * Nw * LH, labels=Nw + LH)
     return scan.with_answer(numbers=shown * (5 + 2 * cfg.d_head), labels=2 * shown)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.copying_spectra import copying_score, embed_gram
+from circuits_core.circuits.copying_spectra import copying_score, embed_gram, embed_gram_flops
 from circuits_core.circuits.embedding import EMBED_CHUNK, embed_eff_matmul, embed_eff_rows
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import stacked_weights
@@ -45,9 +45,11 @@ from circuits_core.circuits.head_circuits import (
     skip_trigrams,
 )
 from circuits_core.circuits.host_linalg import eigvals
-from circuits_core.circuits.qk_forms import QKForm, folded_query_key, head_token_scales, qk_form, token_scale
+from circuits_core.circuits.qk_forms import QKForm, folded_query_key, qk_form, token_factors, token_scale
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
+from circuits_core.model.flops import layer_flops
+from circuits_core.model.latent_attention import LatentAttention
 from circuits_core.model.qk_norm import qk_scale
 from circuits_core.model.transformer import Transformer, rotary_inv_freq, rotary_pairs
 from circuits_core.model.window import defined_offsets
@@ -140,9 +142,7 @@ class QKFactors:
 def full_qk_factors(model: Transformer, layer: int, head: int) -> QKFactors:
     W_Q, W_K = query_key_weights(model, layer, head)
     query, key = embed_eff_matmul(model, W_Q) / model.cfg.scale, embed_eff_matmul(model, W_K)
-    scales = head_token_scales(model, layer, head)
-    if scales is not None:
-        query, key = query * scales[0][:, None], key * scales[1][:, None]
+    query, key = token_factors(model, layer, head, query, key)  # exact under QK-norm and latent attention
     return QKFactors(layer, head, query, key, qk_form(model, "token"))
 
 
@@ -162,6 +162,8 @@ def full_qk_col_at(model: Transformer, layer: int, head: int, key_token: int, of
     W_Q, W_K = query_key_weights(model, layer, head)
     if isinstance(key_token, bool) or not isinstance(key_token, int) or not 0 <= key_token < model.cfg.d_vocab:
         raise InvalidInputError(f"token id must be an integer in [0, {model.cfg.d_vocab}), got {key_token!r}")
+    if model.cfg.latent_attention:  # the exact token table's column (its factors carry each token's latent scales)
+        return full_qk_circuit_at(model, layer, head, offset).cols([key_token])[0]
     k = embed_eff_rows(model, [key_token]) @ W_K  # [1, dh]
     R = rotation(model, [offset], dtype=W_Q.dtype, layer=layer)[0]
     col = embed_eff_matmul(model, W_Q @ (R @ k.T))[:, 0] / model.cfg.scale  # [V]
@@ -175,6 +177,8 @@ def full_qk_row_at(model: Transformer, layer: int, head: int, query_token: int, 
     W_Q, W_K = query_key_weights(model, layer, head)
     if isinstance(query_token, bool) or not isinstance(query_token, int) or not 0 <= query_token < model.cfg.d_vocab:
         raise InvalidInputError(f"token id must be an integer in [0, {model.cfg.d_vocab}), got {query_token!r}")
+    if model.cfg.latent_attention:  # the exact token table's row
+        return full_qk_circuit_at(model, layer, head, offset).rows([query_token])[0]
     q = (
         embed_eff_rows(model, [query_token]) @ W_Q @ rotation(model, [offset], dtype=W_Q.dtype, layer=layer)[0]
     )  # [1, dh]
@@ -249,8 +253,9 @@ def reference_means(model: Transformer, tokens: Tensor) -> Tensor:
 def positional_kernel(model: Transformer, means: Tensor, offsets: Sequence[int] | Tensor) -> Tensor:
     """f_h(δ) = μ_l Ω_h(δ) μ_l^T / s for every head and offset: [n_layers, n_heads, n_offsets] (float64), each layer
     with its own rope. Under QK-norm the kernel is the score the layer gives a query and a key both equal to μ_l, with
-    μ_l's own normalisation (the "cosine" form, qk_forms.py). On a local layer the offsets at or beyond its window
-    are computed but never attended: `kernel_defined` says which are."""
+    μ_l's own normalisation (the "cosine" form, qk_forms.py), and under multi-head latent attention with μ_l's own
+    latent scales (content term / ρ_q ρ_kv, rotary term / ρ_q: the "latent-token" form). On a local layer the offsets
+    at or beyond its window are computed but never attended: `kernel_defined` says which are."""
     check_rotary(model)
     cfg = model.cfg
     if means.shape != (cfg.n_layers, cfg.d_model):
@@ -269,6 +274,10 @@ def positional_kernel(model: Transformer, means: Tensor, offsets: Sequence[int] 
                 for W in (attention(model, layer).W_Q, attention(model, layer).grouped("W_K"))
             )
             q, k = q / rho_q, k / rho_k
+        attn = attention(model, layer)
+        if isinstance(attn, LatentAttention):  # μ's own latent scales: q / ρ_q(μ), the key's content dims / ρ_kv(μ)
+            rho_q, rho_kv = (r.double() for r in attn.latent_rho(mu[None].to(attn.W_DKV.dtype)))  # [1] each
+            q, k = q / rho_q, attn.scale_keys(k, rho_kv)  # k [H, dh]: one token, μ
         k = k.repeat_interleave(cfg.group_size, dim=0)  # [H, dh]: each head's group key
         qR = model.rotate(q[:, None, :].expand(cfg.n_heads, delta.numel(), cfg.d_head), delta, layer)  # [H, n, dh]
         out[layer] = (qR * k[:, None, :]).sum(-1) / cfg.scale  # q R(δ) k^T
@@ -354,19 +363,37 @@ def qk_copying_at_cost(model: Transformer, n_offsets: int) -> Cost:
     d, dh = cfg.d_model, cfg.d_head
     gram = (d * d + 2 * EMBED_CHUNK * d) * itemsize(model.dtype)
     small = (d * d + 3 * d * dh + 3 * n_offsets * dh * dh) * 8
-    return Cost(gram).then(Cost(small)).with_answer(numbers=2 * dh + 2 * n_offsets + 1, labels=dh)  # {re, im} each
+    flops = 2 * d * d * dh + 2 * dh * d * dh + n_offsets * 2 * dh**3  # W_K^T (G_E W_Q), then times each R(δ)
+    return (
+        Cost(gram, flops=embed_gram_flops(model))
+        .then(Cost(small, flops=flops))
+        .with_answer(numbers=2 * dh + 2 * n_offsets + 1, labels=dh)  # {re, im} each
+    )
 
 
 def kernel_cost(model: Transformer, n_offsets: int, n_tokens: int) -> Cost:
     """reference_means on n_tokens (the cached ln1 outputs and residuals) then the kernel: R(δ) for each
     offset and q, k per head; answer: the offsets and one kernel value per offset. Rotary models (and ALiBi ones,
-    whose kernel alibi_kernel.py computes at less than this price: no rotations)."""
+    whose kernel alibi_kernel.py computes at less than this price: no rotations). FLOPs: kernel_flops."""
     if model.cfg.alibi is None:
         check_rotary(model)
     cfg = model.cfg
     run = 2 * cfg.n_layers * n_tokens * cfg.d_model * itemsize(model.dtype) + factors_cost(model).peak_bytes
     kernel = (n_offsets * cfg.d_head**2 + 2 * cfg.n_layers * cfg.n_heads * (cfg.d_head + n_offsets)) * 8
-    return Cost(run).then(Cost(kernel)).with_answer(numbers=2 * n_offsets + 1)
+    return Cost(run).then(Cost(kernel, flops=kernel_flops(model, n_tokens))).with_answer(numbers=2 * n_offsets + 1)
+
+
+def kernel_flops(model: Transformer, n_tokens: int) -> int:
+    """reference_means on n_tokens (every layer but the last whole; the last up to its pattern: its q, k and scores)
+    then positional_kernel (μ_l through each layer's W_Q and W_K, twice under QK-norm for μ's own rho; the rotations
+    are elementwise)."""
+    cfg = model.cfg
+    if cfg.n_layers == 0:
+        return 0
+    H, G, dh, d = cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_model
+    last = 2 * n_tokens * d * dh * (H + G) + 2 * H * n_tokens * n_tokens * dh
+    means = (cfg.n_layers - 1) * layer_flops(cfg, 1, n_tokens, True, True) + last
+    return means + cfg.n_layers * 2 * d * dh * (H + G) * (2 if cfg.qk_norm is not None else 1)
 
 
 def bands_cost(model: Transformer) -> Cost:
@@ -375,4 +402,5 @@ def bands_cost(model: Transformer) -> Cost:
     check_rotary(model)
     cfg = model.cfg
     L, H, d, dh = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
-    return Cost((2 * L * H * d * dh + 2 * L * H * dh * dh) * 8).with_answer(numbers=3 * dh // 2 + 1)
+    flops = 2 * L * H * 2 * d * dh * dh  # W_Q^T W_Q and W_K^T W_K per query head
+    return Cost((2 * L * H * d * dh + 2 * L * H * dh * dh) * 8, flops=flops).with_answer(numbers=3 * dh // 2 + 1)

@@ -20,6 +20,7 @@ from torch import Tensor
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
 
+BASELINE_DRAWS = 200  # samples of random_baseline (the views' baseline)
 BASELINE_CHUNK = 50  # draws whose d_head x d_head products are formed at once (the draws themselves all at once)
 
 
@@ -90,7 +91,12 @@ def dense_baseline_scores(
 
 @functools.lru_cache(maxsize=16)
 def random_baseline(
-    d_model: int, d_head: int, group_size: int = 1, n_samples: int = 200, seed: int = 0, offset_angle: float = 0.0
+    d_model: int,
+    d_head: int,
+    group_size: int = 1,
+    n_samples: int = BASELINE_DRAWS,
+    seed: int = 0,
+    offset_angle: float = 0.0,
 ) -> tuple[float, float]:
     """(mean, std) of the Q- and K-composition scores of Gaussian factors of the model's shapes.
 
@@ -135,8 +141,20 @@ def baseline_cost(d_model: int, d_head: int, group_size: int, n_samples: int) ->
     Grams, products and pair-score terms [c, g + 1, dh, dh]. Dense route (d_model < 2 d_head): one chunk of 32 draws
     of [d_model, d_head] factors (W_V, W_K, W_O, g W_Q and their QR copies) and the same pair-score terms."""
     m, g, dh = n_samples, group_size, d_head
+    flops = baseline_flops(d_model, d_head, group_size, n_samples)
     if d_model < 2 * d_head:
         c = min(32, m)
-        return Cost(8 * c * (2 * d_model * dh * (3 + g) + dh * dh * (8 * g + 8)))
+        return Cost(8 * c * (2 * d_model * dh * (3 + g) + dh * dh * (8 * g + 8)), flops=flops)
     c = min(BASELINE_CHUNK, m)
-    return Cost(8 * dh * dh * (3 * m + 5 * m * (g + 1) // 2 + c * (8 * g + 8)))
+    return Cost(8 * dh * dh * (3 * m + 5 * m * (g + 1) // 2 + c * (8 * g + 8)), flops=flops)
+
+
+def baseline_flops(d_model: int, d_head: int, group_size: int, n_samples: int) -> int:
+    """random_baseline's products (its first call: later ones are cached). Reduced route, per sample: F, the g + 1
+    Grams Z^T Z + T^T T, Z_K and R G_K R^T, F Z per query head and F Z_K, and the pair scores' g + 1 products, all
+    d_head^3. Dense route: R_V W_O, W_K R^T, F W_Q and W_Q^T W_Q per query head, F W_K, W_K^T W_K (d_model d_head^2
+    each; the QR is not a product) and the same pair-score products."""
+    g, dh = group_size, d_head
+    if d_model < 2 * d_head:
+        return n_samples * (2 * dh * dh * d_model * (4 + 2 * g) + 2 * dh**3 * (1 + g))
+    return n_samples * 2 * dh**3 * (8 + 4 * g)

@@ -89,3 +89,12 @@ def inner_products(
             if n:
                 out[:n, j0:j1].addmm_(Sf[:n], Tf[j0:j1].T, alpha=float(weights[p]))
     return out, traces[:NL], traces[NL:]
+
+
+def inner_products_flops(d: int, ranks: list[int], limits: list[int]) -> int:
+    """FLOPs of inner_products over sides whose Grams G = F^T F2 have inner dimensions `ranks` (one per Gram, left and
+    right sides together: r of each F [r, d]), and `limits` (one per right row: the left rows it multiplies): per
+    block pair, each Gram's block [s, r] @ [r, s] and each right row's products with its left rows' blocks."""
+    size = gram_block_size(d)
+    pairs = len(block_pairs(d, size)[0])
+    return 2 * pairs * size * size * (sum(ranks) + sum(limits))

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
-from circuits_core.model.config import ModelConfig
+from circuits_core.model.flops import layer_flops, unembed_flops
 from circuits_core.model.hooks import Recorder
 from circuits_core.model.soft_cap import cap_factor, soft_cap
 from circuits_core.model.transformer import Attention, Block, Transformer
@@ -77,6 +77,7 @@ class FrozenRun:
 
 _CACHED = (
     "hook_pattern",
+    "hook_shared_out",
     "hook_scale",
     "hook_mlp_out",
     "hook_expert_out",
@@ -126,23 +127,6 @@ def forward_cost(model: Transformer, n: int, batch: int = 1, kept_per_layer: int
     weights = cfg.d_model * cfg.n_heads * cfg.d_head
     flops = cfg.n_layers * layer_flops(cfg, batch, n, True, True) + (unembed_flops(cfg, batch, n) if logits else 0)
     return Cost((batch * (layer + cfg.n_layers * kept_per_layer + out) + weights) * itemsize(model.dtype), flops=flops)
-
-
-def layer_flops(cfg: ModelConfig, rows: int, n: int, pattern: bool, mlp: bool) -> int:
-    """FLOPs of one layer on `rows` sequences of n tokens (matrix products, 2 per multiply-add), as Attention and MLP
-    compute them: the v projection, the q and k projections and the scores when the pattern is computed (`pattern`),
-    z = A v, the output W_O, and the MLP when it is computed (`mlp`)."""
-    tok = rows * n
-    H, G, dh, d = cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_model
-    qk = 2 * tok * d * dh * (H + G) + 2 * rows * H * n * n * dh if pattern else 0
-    flops = qk + 2 * tok * d * dh * G + 2 * tok * H * dh * d + 2 * rows * H * n * n * dh
-    if mlp and not cfg.attn_only:
-        flops += 2 * tok * d * (cfg.d_mlp or 4 * d) * (3 if cfg.gated_mlp else 2)
-    return flops
-
-
-def unembed_flops(cfg: ModelConfig, rows: int, n: int) -> int:
-    return 2 * rows * n * cfg.d_model * cfg.d_vocab
 
 
 def run_cost(model: Transformer, n: int) -> Cost:
@@ -279,6 +263,15 @@ def head_ov_apply(model: Transformer, layer: int, w: Tensor) -> tuple[Tensor, Te
     if has_ln(model):
         w_new.sub_(w_new.mean(-1, keepdim=True))  # centre
     return g, w_new
+
+
+def value_inv_scale(model: Transformer, run: FrozenRun, layer: int) -> Tensor:
+    """[n]: the per-source-position factor of layer `layer`'s values: ln1's 1/sigma(j), and under multi-head latent
+    attention also the key/value latent's 1 / rho_kv(j) (model/latent_attention.py: v_j = x̂_j W_V / rho_kv(j))."""
+    inv = run.inv_scale(f"blocks.{layer}.ln1")
+    if not model.cfg.latent_attention:
+        return inv
+    return inv / run.cache[f"blocks.{layer}.attn.kv_latent_norm.hook_scale"][:, 0]
 
 
 def embed_source(model: Transformer, run: FrozenRun) -> Tensor:

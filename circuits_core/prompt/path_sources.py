@@ -36,11 +36,12 @@ def mlp_parts(model: Transformer, run: FrozenRun, layer: int) -> list[tuple[str,
     """("mlp:L3", its output [n, d_model]); for a mixture of experts, with the routing frozen, one part per expert
     that some token used: ("mlp:L3.e5", weight x expert 5's output on the tokens routed to it, zero elsewhere).
     The parts sum to the MLP's output."""
-    if model.cfg.num_experts is None:
+    if not model.cfg.layer_has_experts(layer):  # (DeepSeek's first layers are dense)
         return [(f"mlp:L{layer}", run.cache[f"blocks.{layer}.hook_mlp_out"])]
     p = f"blocks.{layer}.mlp"
     indices, slots = run.cache[f"{p}.hook_expert_indices"], run.cache[f"{p}.hook_expert_out"]  # [n, k], [n, k, d]
+    shared = [(f"mlp:L{layer}.shared", run.cache[f"{p}.hook_shared_out"])] if model.cfg.moe_shared_d_mlp else []
     return [
         (f"mlp:L{layer}.e{e}", (slots * (indices == e)[..., None].to(slots.dtype)).sum(1))
         for e in torch.unique(indices).tolist()
-    ]
+    ] + shared

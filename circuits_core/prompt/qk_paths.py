@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits.copying_spectra import copying_score, embed_gram
-from circuits_core.circuits.embedding import EMBED_CHUNK, embed_eff
+from circuits_core.circuits.embedding import EMBED_CHUNK, embed_eff, embed_eff_rows
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import circuit_weight, head_weights, layer_weights
 from circuits_core.circuits.head_circuits import check_head
@@ -53,6 +53,7 @@ from circuits_core.prompt.frozen import (
     reading_bias,
     reading_weights,
     run_cost,
+    value_inv_scale,
     written_bias,
 )
 
@@ -96,8 +97,8 @@ def residual_components(model: Transformer, run: FrozenRun, layer: int) -> tuple
         parts.append(embed_source(model, run) - run.cache["hook_embed"])
     bias = torch.zeros(1, model.cfg.d_model, dtype=model.dtype, device=model.device)
     for lay in range(layer):
-        x = ln_linear(
-            model, f"blocks.{lay}.ln1", run.cache[f"blocks.{lay}.hook_resid_pre"], run.inv_scale(f"blocks.{lay}.ln1")
+        x = ln_linear(  # (its values' source factor: ln1's 1/sigma, and 1/rho_kv under latent attention)
+            model, f"blocks.{lay}.ln1", run.cache[f"blocks.{lay}.hook_resid_pre"], value_inv_scale(model, run, lay)
         )
         v = torch.einsum("nd,hde->hne", x, attention(model, lay).W_V)  # [H, n, dh] (LN weight already applied)
         outs = torch.einsum("hqk,hke,hed->hqd", run.patterns[lay], v, attention(model, lay).W_O)  # [H, n, d]
@@ -187,7 +188,17 @@ def frozen_qk_norm(
     model: Transformer, run: FrozenRun, layer: int, h: int, q_parts: Tensor, k_parts: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Query and key parts [C, n, d_head] (before the rotation) through the layer's QK-norm with the run's rho
-    frozen: part / rho(i) * gamma, so the parts still sum to the normalised q and k (unchanged without QK-norm)."""
+    frozen: part / rho(i) * gamma, so the parts still sum to the normalised q and k (unchanged without QK-norm).
+    Under multi-head latent attention (gains already in the effective W_Q, W_K) the latent scales are frozen: every
+    query part / rho_q(i), the content dims of every key part / rho_kv(j), the shared rotary key part unscaled."""
+    if model.cfg.latent_attention:  # q / rho_q(i); the key's content dims / rho_kv(j), its rotary dims as they are
+        rho_q = run.cache.get(f"blocks.{layer}.attn.q_latent_norm.hook_scale")  # [n, 1] (None: no query latent)
+        rho_kv = run.cache[f"blocks.{layer}.attn.kv_latent_norm.hook_scale"]  # [n, 1]
+        rd = model.cfg.rotary_dim or 0
+        content = slice(rd, rd + model.cfg.mla_d_nope)  # the layout [rope | nope | 0]
+        k_parts = k_parts.clone()
+        k_parts[..., content] /= rho_kv
+        return (q_parts if rho_q is None else q_parts / rho_q), k_parts
     if model.cfg.qk_norm is None:
         return q_parts, k_parts
     attn, group = attention(model, layer), h // model.cfg.group_size
@@ -218,8 +229,11 @@ def cost(model: Transformer, layer: int, n: int, k: int) -> Cost:
 
 
 # -- token-space K-composition -------------------------------------------------------------------------
-def k_composition_circuit(model: Transformer, head: tuple[int, int], earlier: tuple[int, int]) -> FactoredMatrix:
-    """[d_vocab, d_vocab] W_E W_Q^h W_K^{hT} (W_V^{h'} W_O^{h'})^T W_E^T / s (inner d_head).
+def k_composition_circuit(
+    model: Transformer, head: tuple[int, int], earlier: tuple[int, int], tokens: Tensor | None = None
+) -> FactoredMatrix:
+    """[d_vocab, d_vocab] W_E W_Q^h W_K^{hT} (W_V^{h'} W_O^{h'})^T W_E^T / s (inner d_head); with `tokens` (ids [n])
+    the [n, n] submatrix of those rows and columns, its factors formed on those tokens only.
 
     Rows: the query (destination) token; columns: the token at the position head h' reads from (for a
     previous-token h', the token before the key). W_E is A's W_E_eff (layer-0 LN applied row by row), and
@@ -230,11 +244,17 @@ def k_composition_circuit(model: Transformer, head: tuple[int, int], earlier: tu
     check_head(model, lay2, h2)
     if lay2 >= layer:
         raise InvalidInputError(f"{head_name(lay2, h2)} must be in an earlier layer than {head_name(layer, h)}")
-    W_E = embed_eff(model)
+    W_E = embed_eff(model) if tokens is None else embed_eff_rows(model, tokens)  # [V or n, d_model]
     (W_Q, W_K, _, _), (_, _, W_V2, W_O2) = head_weights(model, layer, h), head_weights(model, lay2, h2)  # folded
     left = W_E @ W_Q / model.cfg.scale  # [V, dh]
     right = (((W_E @ W_V2) @ W_O2) @ W_K).T  # [dh, V]
     return FactoredMatrix(left, right)
+
+
+def k_composition_flops(model: Transformer, n_tokens: int) -> int:
+    """k_composition_circuit's factors on n_tokens tokens: W_E W_Q, and W_E W_V' W_O' W_K left to right."""
+    d, dh = model.cfg.d_model, model.cfg.d_head
+    return 2 * n_tokens * d * dh + 2 * n_tokens * d * dh + 2 * n_tokens * dh * d + 2 * n_tokens * d * dh
 
 
 def k_composition_positivity(

@@ -154,7 +154,7 @@ def test_pair_path_parameters_fill_the_link(tiny: LoadedModel) -> None:
     link = json_url(
         BY_NAME["composition-pair"], "tiny-2l", CompositionPairParams(source="L00H01", target="L1H0").normalised(tiny)
     )
-    assert link == "/api/v1/models/tiny-2l/composition/L0H1/L1H0?k=10&basis=served"
+    assert link == "/api/v1/models/tiny-2l/composition/L0H1/L1H0?k=10&basis=served&vocab=default"
 
 
 def test_the_page_links_its_json_twin(client: TestClient) -> None:
@@ -162,7 +162,7 @@ def test_the_page_links_its_json_twin(client: TestClient) -> None:
     # every param, defaults too (the direct page ranks frequent tokens by default where the model has counts)
     assert 'href="/api/v1/models/tiny-2l/direct?k=7&amp;basis=served&amp;min_count=50&amp;vocab=default"' in html
     html = client.get("/models/tiny-2l/composition/L00H1/L1H0", params={"k": 5}).text
-    assert 'href="/api/v1/models/tiny-2l/composition/L0H1/L1H0?k=5&amp;basis=served"' in html
+    assert 'href="/api/v1/models/tiny-2l/composition/L0H1/L1H0?k=5&amp;basis=served&amp;vocab=default"' in html
 
 
 def test_the_tour_cache_key_names_the_digest_of_each_model_it_reads(tmp_path) -> None:  # type: ignore[no-untyped-def]

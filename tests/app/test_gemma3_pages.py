@@ -68,10 +68,6 @@ def _calls() -> list[tuple[str, str, dict[str, str]]]:
     return out
 
 
-@pytest.mark.skip(
-    reason="not yet in the suite: the analyses without a FLOP price (the top-k tables, the residual views) run "
-    "inline over the 262k-token vocabulary, and the walk took over 13 min on two cores without finishing"
-)
 @pytest.mark.parametrize(("name", "path", "query"), _calls(), ids=[c[0] for c in _calls()])
 def test_every_analysis_answers(client: TestClient, name: str, path: str, query: dict[str, str]) -> None:
     r = client.get(path, params=query)

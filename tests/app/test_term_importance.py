@@ -19,7 +19,7 @@ from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Frozen
 from circuits_core.prompt import ablation
-from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer
+from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer, until_done
 
 API = "/api/v1/models/tiny-2l/term-importance"
 PROMPT = "the cat sat on the mat"
@@ -91,26 +91,41 @@ def test_bad_selections_are_refused(app_client: TestClient) -> None:
 
 
 def test_the_time_price_refuses_before_running(settings: Settings, tiny: LoadedModel) -> None:
-    """With a compute rate between the price of every head and of none, heads=all is refused (422 naming the FLOPs,
-    the deadline and `heads`) and heads=none answers: the price is the engine's FLOP count, compared before a slot."""
+    """With a compute rate that puts every head over the job budget and no head under it, heads=all is refused (422
+    naming the FLOPs, job_budget_s and `heads`) and heads=none answers: the price is the engine's FLOP count, compared
+    before a slot."""
     n = len(tiny.tokenizer.encode(PROMPT, prepend_bos=True))
     every, none = ablation.cost(tiny.model, n).flops, ablation.cost(tiny.model, n, heads=[]).flops
     assert every > 2 * none
-    deadline = 50.0
-    rate = (every + none) / 2 / deadline
+    budget = 50.0
+    rate = (every + none) / 2 / budget
     limits = LIMITS.model_copy(update={"matrix_budget_bytes": 16 * MiB})
-    with TestClient(
-        create_app(
-            settings.model_copy(update={"limits": limits, "compute_flops_per_s": rate, "request_timeout_s": deadline})
-        )
-    ) as c:
+    changed = {"limits": limits, "compute_flops_per_s": rate, "job_budget_s": budget, "inline_budget_s": budget}
+    with TestClient(create_app(settings.model_copy(update=changed))) as c:
         refused = assert_problem(
-            c.get(API, params={"prompt": PROMPT, "heads": "all"}), 422, "request_timeout_s", "heads", "GFLOP"
+            c.get(API, params={"prompt": PROMPT, "heads": "all"}), 422, "job_budget_s", "heads", "GFLOP"
         )
         said = re.search(r"would take about (\d+) s \(([\d.,]+) GFLOP", refused["detail"])
         assert said is not None and float(said[2].replace(",", "")) == pytest.approx(every / 1e9, abs=0.5)
         assert int(said[1]) == round(every / rate)
         assert c.get(API, params={"prompt": PROMPT, "heads": "none"}).status_code == 200
+
+
+def test_a_long_custom_prompt_runs_as_a_job(settings: Settings, app_client: TestClient) -> None:
+    """A prompt of the reader's own priced over the inline budget (and under the job budget) is not refused for the
+    request deadline: it answers 202 with a job to poll, and the job's answer is the one the same request gets
+    inline on a server where it fits."""
+    inline = app_client.get(API, params={"prompt": PROMPT, "heads": "all"})
+    assert inline.status_code == 200, inline.text
+    limits = LIMITS.model_copy(update={"matrix_budget_bytes": 16 * MiB})
+    slow = {"limits": limits, "compute_flops_per_s": 1.0, "inline_budget_s": 1.0, "job_budget_s": 1e12}
+    with TestClient(create_app(settings.model_copy(update={**slow, "request_timeout_s": 1.0}))) as c:
+        first = c.get(API, params={"prompt": PROMPT, "heads": "all"})
+        assert first.status_code == 202 and first.json()["id"], first.text
+        done = until_done(c, API, params={"prompt": PROMPT, "heads": "all"})
+        assert done.status_code == 200, done.text
+        assert done.json()["heads"] == inline.json()["heads"]
+        assert done.json()["loss_by_order"] == inline.json()["loss_by_order"]
 
 
 def test_default_on_a_model_of_many_heads_without_a_summary(tmp_path_factory: pytest.TempPathFactory) -> None:

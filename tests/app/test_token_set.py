@@ -9,6 +9,7 @@ torch.topk on the dense [V, V] matrix restricted to the expected ids (which are 
 
 from __future__ import annotations
 
+import html
 import json
 import re
 from collections.abc import Iterator
@@ -38,7 +39,8 @@ API = "/api/v1/models"
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """wide: 700 tokens, no counts; counted: the same weights with token_counts.npy (distinct counts)."""
+    """wide: 700 tokens, no counts; counted: the same weights with token_counts.npy (distinct counts); deep: two
+    layers, no counts."""
     root = tmp_path_factory.mktemp("wide-models")
     cfg = ModelConfig(n_layers=1, d_model=16, n_heads=2, d_head=4, d_vocab=V, n_ctx=16)
     model = random_model(cfg, seed=3, dtype=torch.float64, std_embed=0.5)
@@ -46,6 +48,10 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
         save_checkpoint(model, root / name)
         (root / name / "qkov.json").write_text(json.dumps({"processing": False}))
     np.save(root / "counted" / TOKEN_COUNTS_FILE, np.random.default_rng(1).permutation(V) * 3 + 1)
+    deep_cfg = ModelConfig(n_layers=2, d_model=16, n_heads=2, d_head=4, d_vocab=V, n_ctx=16)
+    deep = random_model(deep_cfg, seed=4, dtype=torch.float64, std_embed=0.5)
+    save_checkpoint(deep, root / "deep")  # two layers: a composition pair
+    (root / "deep" / "qkov.json").write_text(json.dumps({"processing": False}))
     return root
 
 
@@ -248,3 +254,40 @@ def test_precompute_full_also_stores_the_whole_vocabulary_tables(
 
     assert computed_after([]) > 0  # the default run leaves the whole-vocabulary tables to the first visitor
     assert computed_after(["--full"]) == 0  # --full stored them
+
+
+def test_a_composition_pair_ranks_the_stated_set(client: TestClient, models: Path) -> None:
+    """The pair page's two token circuits (the K-composition circuit and the virtual OV circuit) rank the default set
+    of a large vocabulary, as the OV tables do, and say so; vocab=all ranks every token. References: the dense [V, V]
+    products of the weights in the file, restricted to ids 0..SMALL-1."""
+    w = {k: v.double() for k, v in load_file(str(models / "deep" / "model.safetensors")).items()}
+    W_E, W_U, a0, a1 = w["embed.W_E"], w["unembed.W_U"], "blocks.0.attn.", "blocks.1.attn."
+    ov0 = w[a0 + "W_V"][1] @ w[a0 + "W_O"][1]  # source L0H1
+    k_circuit = W_E @ w[a1 + "W_Q"][0] @ w[a1 + "W_K"][0].T @ (W_E @ ov0).T / 2.0  # target L1H0, sqrt(d_head = 4)
+    virtual = W_E @ ov0 @ w[a1 + "W_V"][0] @ w[a1 + "W_O"][0] @ W_U
+    body = client.get(f"{API}/deep/composition/L0H1/L1H0", params={"k": 6}).json()
+    assert body["token_set"].startswith(f"the {SMALL:,} lowest ids of the {V:,} tokens")
+    ids = np.arange(SMALL)
+    assert_same(entries(body["k_composition"]), dense_top(k_circuit, ids, 6))
+    assert_same(entries(body["virtual_head"]["ov"]), dense_top(virtual, ids, 6))
+    page = client.get("/models/deep/composition/L0H1/L1H0", params={"k": 6}).text
+    assert 'id="token-set"' in page and body["token_set"] in html.unescape(page)
+    every = client.get(f"{API}/deep/composition/L0H1/L1H0", params={"k": 6, "vocab": "all"}).json()
+    assert every["token_set"] is None
+    assert_same(entries(every["k_composition"]), dense_top(k_circuit, None, 6))
+    assert_same(entries(every["virtual_head"]["ov"]), dense_top(virtual, None, 6))
+
+
+def test_the_copying_metrics_rank_the_stated_set(client: TestClient, models: Path) -> None:
+    """A head's copying metrics (diagonal sign, top-1 and top-k self-copy) over the default set of a large vocabulary,
+    and over every token with vocab=all, against the dense OV circuit restricted to those tokens."""
+    M = dense(models, "ov", 1)
+    for vocab, n in (("default", SMALL), ("all", V)):
+        body = client.get(f"{API}/wide/heads/L0H1/copying", params={"k": 3, "vocab": vocab}).json()
+        sub = M[:n, :n]  # the default set is ids 0..SMALL-1 (no counts)
+        own = torch.arange(n)
+        top = sub.topk(3, dim=1).indices
+        assert body["n_tokens"] == n and (body["token_set"] is None) == (vocab == "all")
+        assert body["top1"] == pytest.approx(float((top[:, 0] == own).double().mean()), abs=1e-12)
+        assert body["topk"] == pytest.approx(float((top == own[:, None]).any(1).double().mean()), abs=1e-12)
+        assert body["diagonal_positive"] == pytest.approx(float((sub.diagonal() > 0).double().mean()), abs=1e-12)
