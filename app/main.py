@@ -59,6 +59,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         gc.collect()
         gc.freeze()
         yield
+        app.state.compute.stop_all()  # the computations still running stop (their threads would outlive the app)
 
     app = FastAPI(
         title="qkov",

@@ -51,7 +51,7 @@ from app.ratelimit import RateLimiter
 from app.registry import ModelRegistry
 from app.scheduling import Budgets, BusyError, ComputeService, JobPending, RequestContext, bind, default_torch_threads
 from app.settings import Settings
-from app.store import StoreTier, open_store
+from app.store import StoreTier, key_file, open_store, store_key
 from circuits_core.errors import NotFoundError, QkovError
 
 log = logging.getLogger("qkov.serving")
@@ -139,7 +139,9 @@ class JobState(BaseModel):
 
 class ReadinessReport(BaseModel):
     status: Literal["ready", "not ready"]
-    models: dict[str, str] = Field(description="model id -> 'ok' or 'error: <why>'")
+    models: dict[str, str] = Field(
+        description="model id -> 'ok', 'error: <why>' or 'loading' (a user folder whose load goes on)"
+    )
     store: dict[str, Any] | None = Field(
         default=None, description="the result store: kind, ok, and why not (Redis down: the local store serves)"
     )
@@ -158,9 +160,17 @@ class Readiness:
         with self._lock:
             report: dict[str, str] = {}
             shipped_ok = True
-            for entry in self.registry.entries():
+            entries = self.registry.entries()
+            states = self.registry.settle(entries)  # a user folder still loading after the wait: "loading"
+            for entry in entries:
+                state = states[entry.id]
+                if state is None:
+                    report[entry.id] = "loading"
+                    continue
                 try:
-                    loaded = self.registry.get(entry.id)
+                    if isinstance(state, Exception):
+                        raise state
+                    loaded = state
                     digest = str(loaded.digest)
                     if digest not in self._verified:
                         n = max(1, min(4, loaded.model.cfg.n_ctx))
@@ -404,8 +414,17 @@ def open_store_tier(settings: Settings) -> tuple[StoreTier | None, dict[str, Any
     """The second-level result store the settings name (app/store.py), or None when it is off or cannot be
     opened; then also what /readyz says about it. A store folder that cannot be created (a read-only root) or a
     corrupt cache.db never stops the server: it runs without the store and says so in the log and on /readyz."""
+    url, note = settings.store_url, None
+    if settings.store_secret is None and url.startswith(("redis", "unix")):
+        url = "disk"  # a shared store needs a secret shared by the replicas: without one, the local disk store only
+        note = "Redis not used: QKOV_STORE_SECRET is unset (rows shared with other machines need their secret)"
+        log.error("result store: %s; using the disk store", note)
     try:
-        store = open_store(settings.store_url, settings.store_dir, settings.store_bytes, settings.store_ttl_s)
+        store = open_store(url, settings.store_dir, settings.store_bytes, settings.store_ttl_s)
+        if store is not None and settings.store_secret is None:
+            secret: bytes | None = store_key(settings.store_dir)
+        else:
+            secret = settings.store_secret.get_secret_value().encode() if settings.store_secret is not None else None
     except ValueError:
         raise  # a malformed store URL is a configuration error, refused at start
     except Exception as exc:  # OSError, sqlite3.DatabaseError, diskcache's own errors
@@ -414,10 +433,15 @@ def open_store_tier(settings: Settings) -> tuple[StoreTier | None, dict[str, Any
         return None, {"store": settings.store_url, "ok": False, "detail": detail}
     if store is None:
         return None, None
-    secret = settings.store_secret.get_secret_value().encode() if settings.store_secret is not None else None
-    if secret is None:
-        log.warning("result store rows are not authenticated: set QKOV_STORE_SECRET (docs/serving.md)")
-    return StoreTier(store, claim_ttl_s=settings.request_timeout_s or 120.0, secret=secret), None
+    if settings.store_secret is None:
+        log.warning(
+            "result store rows are authenticated with the key in %s (this machine only): set QKOV_STORE_SECRET to "
+            "share them with other machines (docs/serving.md)",
+            key_file(settings.store_dir).name,
+        )
+    key = "secret" if settings.store_secret is not None else f"key file {key_file(settings.store_dir).name}"
+    tier = StoreTier(store, claim_ttl_s=settings.request_timeout_s or 120.0, secret=secret, key_source=key, note=note)
+    return tier, None
 
 
 def install_serving(app: FastAPI, settings: Settings) -> ComputeService:

@@ -12,16 +12,26 @@ Failure isolation: a folder that cannot be read (malformed or hostile config, fi
 model priced over `settings.max_model_bytes`, a loader bug) is listed as unavailable with the reason and
 answers 422 on its own routes; nothing else changes. Each load, failed or not, is remembered with the
 folder's fingerprint (name, size, mtime and inode of each of its files, by stat): a failed folder is not
-retried, and a loaded one not reloaded, until its files change; then the next request loads it again.
+retried, and a loaded one not reloaded, until its files change; then the next request loads it again. A load
+refused by its memory watchdog (circuits_core/formats/load_watchdog.py: it measures the whole process, so other work
+running beside the load counts too) is retried after `settings.load_retry_s` even when the files are unchanged.
 Error messages never show a server path (the folder's path is replaced by the model id).
+
+A slow folder never holds up the listing, `/` or /readyz: `settle` starts the loads they need on the registry's
+background loader threads and waits for them at most `settings.listing_wait_s`; a model still loading then is
+reported as loading (its load goes on, and the next listing shows it). The shipped models are the repository's own
+and small: they are always waited for.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import re
 import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +41,7 @@ from app.settings import Settings
 from circuits_core.errors import CheckpointError, NotFoundError
 from circuits_core.formats.checkpoint import LoadedModel, detect_format, load_checkpoint
 from circuits_core.formats.gguf import gguf_file
+from circuits_core.formats.load_watchdog import LoadMemoryExceeded
 
 log = logging.getLogger("qkov.registry")
 
@@ -46,6 +57,7 @@ class ModelEntry:
     format: str
     shipped: bool
     error: str | None = None  # why the folder cannot be loaded, when detection already failed
+    pending: bool = False  # its format is still being read (a slow config read): listed as loading
 
 
 Fingerprint = tuple[tuple[str, int, int, int], ...]
@@ -97,9 +109,14 @@ class ModelRegistry:
         self._loaded: dict[str, LoadedModel] = {}
         self._prints: dict[str, Fingerprint] = {}  # fingerprint of each loaded folder when it was loaded
         self._failed: dict[str, tuple[Fingerprint, str]] = {}  # id -> (fingerprint, reason) of failed loads
+        self._retry_at: dict[str, float] = {}  # id -> when a load its watchdog refused may run again (monotonic)
         self._scans: dict[Path, tuple[Fingerprint, ModelEntry]] = {}  # folder -> (fingerprint, detected entry)
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
+        self._pending: dict[str, concurrent.futures.Future[LoadedModel]] = {}  # background loads (settle)
+        self._background = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="qkov-registry")
+        self._scanning: dict[Path, concurrent.futures.Future[ModelEntry | None]] = {}  # detections under way
+        self._detector = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="qkov-detect")
 
     # -- discovery -------------------------------------------------------------------------------------
     def _roots(self) -> list[tuple[Path, bool]]:
@@ -131,14 +148,35 @@ class ModelRegistry:
             self._scans[folder] = (stamp, entry)
         return entry
 
+    def _scan_soon(self, folder: Path) -> concurrent.futures.Future[ModelEntry | None]:
+        """_scan_one of a user folder on a detection thread (one at a time per folder); its future."""
+        with self._guard:
+            future = self._scanning.get(folder)
+            if future is None or future.done():
+                future = self._scanning[folder] = self._detector.submit(self._scan_one, folder, False)
+            return future
+
+    def _scanned(self, root: Path, shipped: bool) -> list[ModelEntry | None]:
+        """The folders of one root scanned: the shipped ones here; the user's on detection threads, waited for at
+        most `settings.listing_wait_s` in all (a folder whose config is still being read is a pending entry)."""
+        folders = sorted(root.iterdir())
+        if shipped:
+            return [self._scan_one(folder, True) for folder in folders]
+        futures = [self._scan_soon(folder) for folder in folders]
+        concurrent.futures.wait(futures, timeout=self.settings.listing_wait_s)
+        return [
+            f.result() if f.done() else ModelEntry(folder.name, folder, "unknown", False, pending=True)
+            for folder, f in zip(folders, futures, strict=True)
+        ]
+
     def entries(self) -> list[ModelEntry]:
-        """Every model folder, rescanned now, sorted by id."""
+        """Every model folder, rescanned now, sorted by id (a user folder whose format takes longer than the listing
+        wait to read is listed pending)."""
         found: dict[str, ModelEntry] = {}
         for root, shipped in self._roots():
             if not root.is_dir():
                 continue
-            for folder in sorted(root.iterdir()):
-                entry = self._scan_one(folder, shipped)
+            for entry in self._scanned(root, shipped):
                 if entry is None:
                     continue
                 if entry.id in found:
@@ -183,9 +221,8 @@ class ModelRegistry:
             if loaded is not None and self._fresh(model_id, loaded):
                 return loaded
             before = fingerprint(entry.path)
-            failed = self._failed.get(model_id)
-            if failed is not None and failed[0] == before:
-                raise CheckpointError(failed[1])
+            if self._known_failure(model_id, before):
+                raise CheckpointError(self._failed[model_id][1])
             try:
                 if entry.error is not None:
                     raise CheckpointError(entry.error)
@@ -196,6 +233,8 @@ class ModelRegistry:
                     device=self.device,
                     keep_half=self.settings.keeps_half_weights(),
                     lazy_mlp=True,  # Llama-family MLP weights read on first use (formats/lazy_mlp.py)
+                    memory_multiple=self.settings.load_memory_multiple,
+                    memory_allowance=self.settings.load_memory_allowance_bytes,
                 )
                 loaded.model.requires_grad_(False).eval()
             except Exception as exc:  # noqa: BLE001 - any failure of one folder is that folder's, remembered
@@ -206,11 +245,24 @@ class ModelRegistry:
                 log.error("%s", reason)
                 self._loaded.pop(model_id, None)
                 self._failed[model_id] = (before, reason)
+                if isinstance(exc, LoadMemoryExceeded):
+                    self._retry_at[model_id] = time.monotonic() + self.settings.load_retry_s
+                else:
+                    self._retry_at.pop(model_id, None)
                 raise CheckpointError(reason) from None
             self._failed.pop(model_id, None)
+            self._retry_at.pop(model_id, None)
             self._loaded[model_id], self._prints[model_id] = loaded, before
             log.info("loaded model %s (%s)", model_id, entry.format)
         return loaded
+
+    def _known_failure(self, model_id: str, stamp: Fingerprint) -> bool:
+        """The folder's last load failed with the files as they are now, and is not due to be retried."""
+        failed = self._failed.get(model_id)
+        if failed is None or failed[0] != stamp:
+            return False
+        retry_at = self._retry_at.get(model_id)
+        return retry_at is None or time.monotonic() < retry_at
 
     def is_loaded(self, model_id: str) -> bool:
         """Loaded, and its folder unchanged since (get() returns it without loading)."""
@@ -222,8 +274,41 @@ class ModelRegistry:
         be read (detection failed), or its failed load is remembered for the folder as it is now."""
         if entry.error is not None or self.is_loaded(entry.id):
             return True
-        failed = self._failed.get(entry.id)
-        return failed is not None and failed[0] == fingerprint(entry.path)
+        return self._known_failure(entry.id, fingerprint(entry.path))
+
+    def load_soon(self, model_id: str) -> concurrent.futures.Future[LoadedModel]:
+        """get(model_id) on a background loader thread (one at a time per model); its future."""
+        with self._guard:
+            future = self._pending.get(model_id)
+            if future is None or future.done():
+                future = self._pending[model_id] = self._background.submit(self.get, model_id)
+            return future
+
+    def settle(self, entries: Sequence[ModelEntry]) -> dict[str, LoadedModel | CheckpointError | None]:
+        """Each entry's model, its load's error, or None while it is still loading after `settings.listing_wait_s`
+        (the load goes on in the background). Shipped models are always waited for; the rest load on background
+        threads, all at once, so one slow folder costs the caller at most the wait."""
+        futures = {
+            e.id: self.load_soon(e.id) for e in entries if not e.shipped and not e.pending and not self.settled(e)
+        }
+        if futures:
+            concurrent.futures.wait(list(futures.values()), timeout=self.settings.listing_wait_s)
+        out: dict[str, LoadedModel | CheckpointError | None] = {}
+        for entry in entries:
+            future = futures.get(entry.id)
+            if entry.pending:
+                out[entry.id] = None  # its format is still being read
+                continue
+            try:
+                if future is None:
+                    out[entry.id] = self.get(entry.id)  # shipped, or settled: answers at once
+                elif future.done():
+                    out[entry.id] = future.result()
+                else:
+                    out[entry.id] = None
+            except CheckpointError as exc:
+                out[entry.id] = exc
+        return out
 
     def preload(self) -> None:
         """Load every model now (settings.preload); a model that fails is logged, not fatal."""

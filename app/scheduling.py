@@ -191,7 +191,7 @@ def _never() -> bool:
 
 
 # -- flights -----------------------------------------------------------------------------------------------
-@dataclass
+@dataclass(eq=False)  # identity: a flight is one computation (kept in sets)
 class Flight:
     """One computation and the requests waiting for it."""
 
@@ -324,6 +324,7 @@ class ComputeService:
         self.stats = Stats()
         self._flights: dict[str, Flight] = {}
         self._lock = threading.Lock()
+        self._live: set[Flight] = set()  # every flight not yet settled, keyed or not (close() stops them)
         self._building: dict[str, threading.Lock] = {}  # cached_build's key -> the lock its one builder holds
         self.nice = nice
         self._executor = concurrent.futures.ThreadPoolExecutor(
@@ -334,7 +335,17 @@ class ComputeService:
         self.job_abandon_s = job_abandon_s
         self._jobs: dict[str, Job] = {}
 
+    def stop_all(self) -> None:
+        """Tell every computation to stop (the app is shutting down: a worker thread would otherwise compute on after
+        it, unseen); the pools stay usable, as a restarted lifespan of the same app needs them."""
+        with self._lock:
+            live = list(self._live)
+        for flight in live:
+            flight.stop.set()
+
     def close(self) -> None:
+        """Stop every computation, then the pools."""
+        self.stop_all()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self._loader.shutdown(wait=False, cancel_futures=True)
 
@@ -502,6 +513,7 @@ class ComputeService:
             flight = Flight(key=key, interest=1)
             if key is not None:
                 self._flights[key] = flight
+            self._live.add(flight)
         flight.launcher = asyncio.get_running_loop().create_task(self._launch(flight, fn, args, kwargs, lower, what))
         return flight
 
@@ -638,6 +650,7 @@ class ComputeService:
         with self._lock:
             if flight.key is not None and self._flights.get(flight.key) is flight:
                 del self._flights[flight.key]
+            self._live.discard(flight)
         if flight.future.done():
             return
         if exc is not None:

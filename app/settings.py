@@ -19,6 +19,8 @@ import torch
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from circuits_core.formats.load_watchdog import LOAD_MEMORY_ALLOWANCE, LOAD_MEMORY_MULTIPLE
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -92,8 +94,8 @@ class Settings(BaseSettings):
         default=None,
         description="key of the HMAC-SHA256 that authenticates every answer and page kept in the result store "
         "(QKOV_STORE_SECRET): the same on every replica and across restarts, at least 32 characters, never kept in "
-        "the store. A row failing the check is recomputed. Unset: rows are not authenticated (said on /readyz), so "
-        "whoever can write the store can change what is served",
+        "the store. A row failing the check is recomputed. Unset: the disk store uses a key kept in a file beside its "
+        "folder (QKOV_STORE_DIR + '.key', this machine only) and Redis is not used (said on /readyz and in the log)",
         min_length=32,
     )
     store_ttl_s: float = Field(default=7 * 24 * 3600.0, gt=0, description="how long Redis keeps an answer")
@@ -103,6 +105,28 @@ class Settings(BaseSettings):
         description="largest model served: bytes of its files and of its parameters priced from config.json before "
                     "loading",
     )  # fmt: skip
+    load_memory_multiple: float = Field(
+        default=LOAD_MEMORY_MULTIPLE,
+        gt=0,
+        description="a model's load may add at most this many times its weights (in the compute dtype, dequantised) "
+        "plus load_memory_allowance_bytes to the process's memory; over it the load is refused for that model "
+        "(circuits_core/formats/load_watchdog.py)",
+    )
+    load_memory_allowance_bytes: int = Field(
+        default=LOAD_MEMORY_ALLOWANCE, ge=0, description="what a load may add on top of load_memory_multiple x weights"
+    )
+    listing_wait_s: float = Field(
+        default=5.0,
+        ge=0,
+        description="the model listing, / and /readyz wait at most this long for the loads of the user's model "
+        "folders they start; a folder still loading then is shown as loading (its load goes on in the background)",
+    )
+    load_retry_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="a load refused by its memory watchdog is tried again after this long (the watchdog measures the "
+        "whole process, so other work beside the load may have caused it)",
+    )
     # serving (app/scheduling.py, app/observability.py, app/ratelimit.py)
     torch_threads: int | None = Field(default=None, ge=1, description="torch threads (default: cores // compute_slots)")
     request_timeout_s: float | None = Field(

@@ -13,6 +13,12 @@ pipeline derives for every analysis (model id, digest of every answer-changing f
 A value is always the encoded JSON answer, zlib-compressed: bytes in, bytes out. Nothing is unpickled from a
 shared store: `RawDisk` refuses any row diskcache would unpickle, so a hostile row cannot run code.
 
+Authentication (the store is a trust boundary: docs/serving.md): every row carries an HMAC-SHA256 over its key and
+body (`StoreTier`), under QKOV_STORE_SECRET when it is set. Without it rows are still never served unauthenticated:
+a disk store uses a key drawn once and kept in a file beside the store folder, never in it (`store_key`: the
+workers of one machine and its restarts share it), and a Redis store is not used at all (it is shared with other
+machines, which would need the same secret): the server keeps to the disk fallback and says so.
+
 Single-flight across processes: `claim(key)` is an atomic "set if absent, with expiry" lock (diskcache `add`,
 Redis `SET NX PX`). The process that gets it computes and `put`s; the others wait for the answer to appear
 (`StoreTier.claim_or_wait`), and compute themselves only if the lock expires first (its holder died).
@@ -241,6 +247,32 @@ def code_version(root: Path = REPO_ROOT) -> str:
     return digest.hexdigest()[:16]
 
 
+KEY_BYTES = 32
+
+
+def key_file(directory: Path) -> Path:
+    """Where a disk store keeps its key when no secret is set: beside the store folder (`.store` -> `.store.key`)."""
+    return directory.with_name(directory.name + ".key")
+
+
+def store_key(directory: Path) -> bytes:
+    """The disk store's key when no secret is set: 32 random bytes in `key_file(directory)`, drawn on first use
+    (created exclusively, readable by this account only) and read after; OSError when it cannot be made or read,
+    or the file is not a key (then the store is not used)."""
+    path = key_file(directory)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        key = path.read_bytes()
+        if len(key) != KEY_BYTES:
+            raise OSError(f"{path.name} holds {len(key)} bytes, not a {KEY_BYTES}-byte key") from None
+        return key
+    key = os.urandom(KEY_BYTES)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(key)
+    return key
+
+
 def open_store(url: str, directory: Path, budget_bytes: int, ttl_s: float) -> ResultStore | None:
     """The store a Settings names: "off", "disk" or a redis:// URL (with the disk store as its fallback, or none
     when the disk store cannot be opened). Raises what opening the disk store raised for "disk"."""
@@ -272,7 +304,12 @@ class StoreTier:
         poll_s: float = 0.05,
         code: str | None = None,
         secret: bytes | None = None,
+        key_source: str = "secret",
+        note: str | None = None,
     ):
+        """`key_source` says on /readyz where `secret` came from (QKOV_STORE_SECRET, or the disk store's key file);
+        `note` why the store in use is not the one the settings name."""
+        self.key_source, self.note = key_source, note
         self.store = store
         self.claim_ttl_s = claim_ttl_s
         self.poll_s = poll_s
@@ -350,4 +387,7 @@ class StoreTier:
 
     def status(self) -> dict[str, Any]:
         out = self._safe(self.store.status) or {"store": self.store.name, "ok": False, "detail": "status failed"}
-        return {**out, "authenticated": self.secret is not None, "rejected_rows": self.rejected}
+        out = {**out, "authenticated": self.secret is not None, "rejected_rows": self.rejected}
+        if self.secret is not None:
+            out["key"] = self.key_source
+        return {**out, "note": self.note} if self.note is not None else out

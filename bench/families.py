@@ -1,8 +1,8 @@
 """The families beyond Llama (sections `families-load` and `moe-heads` of `python -m bench`).
 
-families-load: a Llama-, a Mixtral- and a gpt-oss-layout checkpoint of about the same size on disk (random weights,
-    written by transformers' save_pretrained in float32), each loaded by load_checkpoint (process=True, float32):
-    seconds per GB on disk, median of 3, the three in one run.
+families-load: a Llama-, a Mixtral-, a gpt-oss- and a DeepSeek-V3-layout checkpoint of about the same size on disk
+    (random weights, written by transformers' save_pretrained in float32), each loaded by load_checkpoint
+    (process=True, float32): seconds per GB on disk, median of 3, the four in one run.
 moe-heads: the heads table (prompt.head_table: detector pass + full-circuit spectra) of a mixture-of-experts model
     (8 experts of d_mlp 256, top 2) against the dense model with the same active MLP width (d_mlp 512) and the same
     attention, both random qkov models, the same tokens.
@@ -33,6 +33,25 @@ def _write(kind: str, folder: Path) -> int:
         model = transformers.MixtralForCausalLM(
             transformers.MixtralConfig(**common, intermediate_size=2048, num_local_experts=4, num_experts_per_tok=2)
         )
+    elif kind == "deepseek_v3":  # latent attention, a dense first layer, then 4 experts + a shared one
+        model = transformers.DeepseekV3ForCausalLM(
+            transformers.DeepseekV3Config(
+                **{**common, "num_key_value_heads": HEADS},
+                intermediate_size=4 * 2048,
+                moe_intermediate_size=2048,
+                n_routed_experts=4,
+                n_shared_experts=1,
+                num_experts_per_tok=2,
+                first_k_dense_replace=1,
+                n_group=2,
+                topk_group=1,
+                q_lora_rank=192,
+                kv_lora_rank=128,
+                qk_nope_head_dim=64,
+                qk_rope_head_dim=32,
+                v_head_dim=64,
+            )  # fmt: skip
+        )
     else:
         model = transformers.GptOssForCausalLM(
             transformers.GptOssConfig(
@@ -52,7 +71,7 @@ def families_load() -> None:
     from circuits_core.formats.checkpoint import load_checkpoint
 
     with tempfile.TemporaryDirectory(prefix="qkov-bench-families-") as tmp:
-        for kind in ("llama", "mixtral", "gpt_oss"):
+        for kind in ("llama", "mixtral", "gpt_oss", "deepseek_v3"):
             folder = Path(tmp) / kind
             size = _write(kind, folder)
             seconds, _ = median_time(lambda f=folder: load_checkpoint(f, dtype=torch.float32), repeats=3)

@@ -154,6 +154,7 @@ async def composition_context(call: PageCall) -> dict[str, Any]:
         "is_rotary": rotary_enabled(call),
         "n_ctx": call.model.model.cfg.n_ctx if call.model else 0,
         "claim": claim,
+        "latent_kv_rank": call.model.model.cfg.mla_kv_rank if call.model else None,  # multi-head latent attention
     }
 
 

@@ -35,6 +35,7 @@ from app.views.basis import basis
 from app.views.circuits import OV, QK, SKIP_TRIGRAMS, has_token_counts, token_set
 from app.views.composition import head_partners
 from app.views.heads import HEAD, HEADS
+from app.views.latent import latent_head_panel
 from app.views.model_summary import summary_from_heads
 from app.views.models import build_model_view
 from app.views.page_claims import scatter_sentence
@@ -318,4 +319,5 @@ async def head_context(call: PageCall) -> dict[str, Any]:
         "n_vocab": cfg.d_vocab,
         "default_vocab": DEFAULT_VOCAB,
         **(await head_rotary_context(call, name) if view is not None else {"rotary": None}),
+        "latent": await cheap(latent_head_panel, call.model, name) if view is not None else None,
     }

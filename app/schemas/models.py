@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -55,12 +55,19 @@ class ModelSummary(BaseModel):
 class UnavailableModel(BaseModel):
     id: str
     format: str
-    detail: str = Field(description="why the checkpoint cannot be loaded (file and problem)")
+    state: Literal["failed", "loading"] = Field(
+        default="failed",
+        description="failed: the checkpoint cannot be loaded; loading: its load has not finished within the "
+        "listing's wait (it goes on; ask again)",
+    )
+    detail: str = Field(description="why the checkpoint cannot be loaded (file and problem), or that it is loading")
 
 
 class ModelListView(BaseModel):
     models: list[ModelSummary]
-    unavailable: list[UnavailableModel] = Field(default_factory=list, description="folders that failed to load")
+    unavailable: list[UnavailableModel] = Field(
+        default_factory=list, description="folders that failed to load, or are still loading"
+    )
 
 
 class TokenizeView(BaseModel):

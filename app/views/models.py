@@ -57,12 +57,24 @@ def build_model_view(loaded: LoadedModel, entry: ModelEntry) -> ModelSummary:
     )
 
 
+LOADING = "still loading (its load goes on in the background: ask again shortly)"
+
+
 def build_models_view(registry: ModelRegistry) -> ModelListView:
-    """Every model folder (rescanned now), loading each once; failures are listed, not raised."""
+    """Every model folder (rescanned now), loading each once; failures are listed, not raised, and a folder still
+    loading after the registry's listing wait is listed as loading (ModelRegistry.settle)."""
     models, unavailable = [], []
-    for entry in registry.entries():
+    entries = registry.entries()
+    states = registry.settle(entries)
+    for entry in entries:
+        state = states[entry.id]
         try:
-            models.append(build_model_view(registry.get(entry.id), entry))
+            if state is None:
+                unavailable.append(UnavailableModel(id=entry.id, format=entry.format, state="loading", detail=LOADING))
+                continue
+            if isinstance(state, CheckpointError):
+                raise state
+            models.append(build_model_view(state, entry))
         except (CheckpointError, QkovError) as exc:
             unavailable.append(UnavailableModel(id=entry.id, format=entry.format, detail=str(exc)))
     return ModelListView(models=models, unavailable=unavailable)

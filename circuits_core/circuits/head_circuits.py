@@ -43,7 +43,7 @@ from circuits_core.circuits.embedding import (
 from circuits_core.circuits.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
 from circuits_core.circuits.folded import head_weights
 from circuits_core.circuits.global_topk import topk_global_cost, topk_global_flops
-from circuits_core.circuits.qk_forms import head_token_scales, token_scale
+from circuits_core.circuits.qk_forms import token_factors, token_scale
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.model.transformer import Attention, Block, Transformer
@@ -114,9 +114,7 @@ def full_qk_circuit(model: Transformer, layer: int, head: int, tokens: Tensor | 
         query, key = W_E @ W_Q / model.cfg.scale, W_E @ W_K
     else:
         query, key = embed_eff_matmul(model, W_Q) / model.cfg.scale, embed_eff_matmul(model, W_K)  # [V, d_h]
-    scales = head_token_scales(model, layer, head, tokens)
-    if scales is not None:
-        query, key = query * scales[0][:, None], key * scales[1][:, None]
+    query, key = token_factors(model, layer, head, query, key, tokens)  # exact under QK-norm and latent attention
     return FactoredMatrix(query, key.T)
 
 
@@ -159,6 +157,8 @@ def full_qk_col(model: Transformer, layer: int, head: int, key_token: int) -> Te
     """Column a of the full QK circuit [d_vocab]: the score of every query token on key token a."""
     check_head(model, layer, head)
     check_token(model, key_token)
+    if model.cfg.latent_attention:  # the exact token table's column (its factors carry each token's latent scales)
+        return full_qk_circuit(model, layer, head).cols([key_token])[0]
     W_Q, W_K, _, _ = head_weights(model, layer, head)
     k = embed_eff_rows(model, [key_token]) @ W_K  # [1, d_h]
     col = embed_eff_matmul(model, W_Q @ k.T)[:, 0] / model.cfg.scale  # [V]

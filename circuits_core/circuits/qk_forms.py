@@ -16,6 +16,10 @@ the engine returns says which one it is in:
   model's). On OLMo 2 the normalisation is shared by the layer's heads, so rho is one scalar per token and layer.
 - "frozen-norm" (prompt level): path expansions freeze rho per token on the prompt, as LayerNorm scales are frozen
   (qk_paths.frozen_qk_norm), so their terms sum to the model's scores.
+Multi-head latent attention (latent_circuits.py) has its own three: the content term is divided by rho_q(i) rho_kv(j)
+and the rotary term by rho_q(i) only, so no single pair of scalings makes one table exact: "latent-token" scales the
+query rows by 1 / rho_q(t) and the content dims of the key rows by 1 / rho_kv(t) (still a rank-d_head factored table),
+"latent-bilinear" is A_h + C_h R D^T with the scales left out, "latent-frozen" freezes them on the prompt.
 """
 
 from __future__ import annotations
@@ -27,23 +31,52 @@ from torch import Tensor
 
 from circuits_core.circuits.embedding import embed_eff_rows, embed_rows
 from circuits_core.errors import InvalidInputError
+from circuits_core.model.latent_attention import LatentAttention
 from circuits_core.model.qk_norm import qk_scale
 from circuits_core.model.transformer import Block, Transformer
 
-QKForm = Literal["exact", "cosine", "bilinear", "frozen-norm"]
+QKForm = Literal[
+    "exact", "cosine", "bilinear", "frozen-norm", "latent-token", "latent-bilinear", "latent-frozen"
+]  # fmt: skip
 QK_FORMS: dict[str, str] = {
     "exact": "the model's own bilinear form (no QK-norm)",
     "cosine": "token level, exact: each token's own QK-norm scale measured through the embedding",
     "bilinear": "weight level: W_Q Γ_q R Γ_k W_Kᵀ, per-token QK-norm scales left out",
     "frozen-norm": "prompt level: QK-norm scales frozen at the run's values",
+    "latent-token": "token level, exact: the content term divided by each token's own latent scales ρ_q, ρ_kv and "
+    "the rotary term by ρ_q, measured through the embedding (multi-head latent attention)",
+    "latent-bilinear": "weight level: the content term A_h plus the rotary term C_h R Dᵀ, the per-token latent "
+    "scales ρ_q, ρ_kv left out (multi-head latent attention)",
+    "latent-frozen": "prompt level: the latent scales ρ_q, ρ_kv frozen at the run's values (multi-head latent "
+    "attention)",
 }
 
 
 def qk_form(model: Transformer, level: Literal["token", "weight", "prompt"]) -> QKForm:
     """The form a QK number at this level is in for this model (see the module docstring)."""
+    if model.cfg.latent_attention:
+        return {"token": "latent-token", "weight": "latent-bilinear", "prompt": "latent-frozen"}[level]  # type: ignore[return-value]
     if model.cfg.qk_norm is None:
         return "exact"
     return {"token": "cosine", "weight": "bilinear", "prompt": "frozen-norm"}[level]  # type: ignore[return-value]
+
+
+def token_factors(
+    model: Transformer, layer: int, head: int, query: Tensor, key: Tensor, tokens: Tensor | list[int] | None = None
+) -> tuple[Tensor, Tensor]:
+    """The factors [n_tokens, d_head] of a token-level QK table (rows of W_E_eff W_Q / s and W_E_eff W_K, unrotated)
+    made exact: under QK-norm each row times its token's 1 / rho (the "cosine" form); under multi-head latent
+    attention each query row / rho_q(t) and each key row's content dims / rho_kv(t) (the "latent-token" form);
+    unchanged otherwise. `tokens`: the rows' token ids (None: every token)."""
+    if model.cfg.latent_attention:
+        attn = _block(model, layer).attn
+        assert isinstance(attn, LatentAttention)
+        rho_q, rho_kv = latent_token_rho(model, attn, tokens)
+        return query / rho_q[:, None], attn.scale_keys(key, rho_kv)
+    scales = head_token_scales(model, layer, head, tokens)
+    if scales is None:
+        return query, key
+    return query * scales[0][:, None], key * scales[1][:, None]
 
 
 def _block(model: Transformer, layer: int) -> Block:
@@ -60,6 +93,20 @@ def folded_query_key(model: Transformer, layer: int) -> tuple[Tensor, Tensor]:
     if model.cfg.qk_norm is None:
         return W_Q, W_K
     return W_Q * attn.q_norm.gain()[:, None, :], W_K * attn.k_norm.gain()[:, None, :]
+
+
+def latent_token_rho(
+    model: Transformer, attn: LatentAttention, tokens: Tensor | list[int] | None = None
+) -> tuple[Tensor, Tensor]:
+    """(rho_q, rho_kv) [n_tokens] of each token's embedding row (W_E_eff) through a latent attention layer's latent
+    norms; every vocabulary token when `tokens` is None (in chunks of EMBED_CHUNK rows)."""
+    if tokens is not None:
+        return attn.latent_rho(embed_eff_rows(model, tokens))
+    rho_q = torch.empty(model.cfg.d_vocab, dtype=model.dtype, device=model.device)
+    rho_kv = torch.empty_like(rho_q)
+    for span, chunk in embed_rows(model, None, reuse=True):
+        rho_q[span], rho_kv[span] = attn.latent_rho(chunk)
+    return rho_q, rho_kv
 
 
 def token_rho(

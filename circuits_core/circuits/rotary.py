@@ -45,10 +45,11 @@ from circuits_core.circuits.head_circuits import (
     skip_trigrams,
 )
 from circuits_core.circuits.host_linalg import eigvals
-from circuits_core.circuits.qk_forms import QKForm, folded_query_key, head_token_scales, qk_form, token_scale
+from circuits_core.circuits.qk_forms import QKForm, folded_query_key, qk_form, token_factors, token_scale
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.flops import layer_flops
+from circuits_core.model.latent_attention import LatentAttention
 from circuits_core.model.qk_norm import qk_scale
 from circuits_core.model.transformer import Transformer, rotary_inv_freq, rotary_pairs
 from circuits_core.model.window import defined_offsets
@@ -141,9 +142,7 @@ class QKFactors:
 def full_qk_factors(model: Transformer, layer: int, head: int) -> QKFactors:
     W_Q, W_K = query_key_weights(model, layer, head)
     query, key = embed_eff_matmul(model, W_Q) / model.cfg.scale, embed_eff_matmul(model, W_K)
-    scales = head_token_scales(model, layer, head)
-    if scales is not None:
-        query, key = query * scales[0][:, None], key * scales[1][:, None]
+    query, key = token_factors(model, layer, head, query, key)  # exact under QK-norm and latent attention
     return QKFactors(layer, head, query, key, qk_form(model, "token"))
 
 
@@ -163,6 +162,8 @@ def full_qk_col_at(model: Transformer, layer: int, head: int, key_token: int, of
     W_Q, W_K = query_key_weights(model, layer, head)
     if isinstance(key_token, bool) or not isinstance(key_token, int) or not 0 <= key_token < model.cfg.d_vocab:
         raise InvalidInputError(f"token id must be an integer in [0, {model.cfg.d_vocab}), got {key_token!r}")
+    if model.cfg.latent_attention:  # the exact token table's column (its factors carry each token's latent scales)
+        return full_qk_circuit_at(model, layer, head, offset).cols([key_token])[0]
     k = embed_eff_rows(model, [key_token]) @ W_K  # [1, dh]
     R = rotation(model, [offset], dtype=W_Q.dtype, layer=layer)[0]
     col = embed_eff_matmul(model, W_Q @ (R @ k.T))[:, 0] / model.cfg.scale  # [V]
@@ -176,6 +177,8 @@ def full_qk_row_at(model: Transformer, layer: int, head: int, query_token: int, 
     W_Q, W_K = query_key_weights(model, layer, head)
     if isinstance(query_token, bool) or not isinstance(query_token, int) or not 0 <= query_token < model.cfg.d_vocab:
         raise InvalidInputError(f"token id must be an integer in [0, {model.cfg.d_vocab}), got {query_token!r}")
+    if model.cfg.latent_attention:  # the exact token table's row
+        return full_qk_circuit_at(model, layer, head, offset).rows([query_token])[0]
     q = (
         embed_eff_rows(model, [query_token]) @ W_Q @ rotation(model, [offset], dtype=W_Q.dtype, layer=layer)[0]
     )  # [1, dh]
@@ -250,8 +253,9 @@ def reference_means(model: Transformer, tokens: Tensor) -> Tensor:
 def positional_kernel(model: Transformer, means: Tensor, offsets: Sequence[int] | Tensor) -> Tensor:
     """f_h(δ) = μ_l Ω_h(δ) μ_l^T / s for every head and offset: [n_layers, n_heads, n_offsets] (float64), each layer
     with its own rope. Under QK-norm the kernel is the score the layer gives a query and a key both equal to μ_l, with
-    μ_l's own normalisation (the "cosine" form, qk_forms.py). On a local layer the offsets at or beyond its window
-    are computed but never attended: `kernel_defined` says which are."""
+    μ_l's own normalisation (the "cosine" form, qk_forms.py), and under multi-head latent attention with μ_l's own
+    latent scales (content term / ρ_q ρ_kv, rotary term / ρ_q: the "latent-token" form). On a local layer the offsets
+    at or beyond its window are computed but never attended: `kernel_defined` says which are."""
     check_rotary(model)
     cfg = model.cfg
     if means.shape != (cfg.n_layers, cfg.d_model):
@@ -270,6 +274,10 @@ def positional_kernel(model: Transformer, means: Tensor, offsets: Sequence[int] 
                 for W in (attention(model, layer).W_Q, attention(model, layer).grouped("W_K"))
             )
             q, k = q / rho_q, k / rho_k
+        attn = attention(model, layer)
+        if isinstance(attn, LatentAttention):  # μ's own latent scales: q / ρ_q(μ), the key's content dims / ρ_kv(μ)
+            rho_q, rho_kv = (r.double() for r in attn.latent_rho(mu[None].to(attn.W_DKV.dtype)))  # [1] each
+            q, k = q / rho_q, attn.scale_keys(k, rho_kv)  # k [H, dh]: one token, μ
         k = k.repeat_interleave(cfg.group_size, dim=0)  # [H, dh]: each head's group key
         qR = model.rotate(q[:, None, :].expand(cfg.n_heads, delta.numel(), cfg.d_head), delta, layer)  # [H, n, dh]
         out[layer] = (qR * k[:, None, :]).sum(-1) / cfg.scale  # q R(δ) k^T

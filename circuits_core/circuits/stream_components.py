@@ -14,6 +14,8 @@ maps the stream to its output, W_r [d_model, n_out]:
     mixture of experts (moe.py), expert e of layer 0:
     L0.mlp.e5  W_out[e] [d_mlp, d]                          L0.mlp.e5.gate / .up   W_gate[e], W_in[e] [d, d_mlp]
                                                            L0.mlp.router          W_router [d, n_experts]
+    DeepSeek: a layer's shared experts (always on) are one more pair, L1.mlp.shared (W_shared_out) and
+    L1.mlp.shared.gate / .up; its dense first layers are dense MLPs (L0.mlp, L0.mlp.gate / .up).
 
 A writer reaches a reader only when it writes before the reader reads (layer order; a parallel block's MLP
 does not see its own attention); shortformer positions are added to the query and key inputs after ln1 of
@@ -100,8 +102,11 @@ class Reader:
         return 2 * self.layer + 2
 
 
+SHARED = -2  # the `expert` index of a layer's shared experts (DeepSeek)
+
+
 def _expert(expert: int) -> str:
-    return f".e{expert}" if expert >= 0 else ""
+    return ".shared" if expert == SHARED else f".e{expert}" if expert >= 0 else ""
 
 
 def reaches(model: Transformer, writer: Writer, reader: Reader) -> bool:
@@ -122,9 +127,13 @@ def mlp_roles(model: Transformer) -> tuple[ReaderRole, ...]:
     return ("gate", "up") if getattr(model.cfg, "gated_mlp", False) else ("in",)
 
 
-def experts(model: Transformer) -> list[int]:
-    """[-1] for a dense MLP (one writer), else every expert's index."""
-    return list(range(model.cfg.num_experts)) if model.cfg.num_experts is not None else [-1]
+def experts(model: Transformer, layer: int) -> list[int]:
+    """[-1] for a dense MLP (one writer), else every expert's index of layer `layer` (and SHARED for its shared
+    experts)."""
+    cfg = model.cfg
+    if not cfg.layer_has_experts(layer):
+        return [-1]
+    return list(range(cfg.num_experts or 0)) + ([SHARED] if cfg.moe_shared_d_mlp is not None else [])
 
 
 def writers(model: Transformer) -> list[Writer]:
@@ -134,7 +143,7 @@ def writers(model: Transformer) -> list[Writer]:
     for layer in range(cfg.n_layers):
         out += [Writer("head", layer, h) for h in range(cfg.n_heads)]
         if not cfg.attn_only:
-            out += [Writer("mlp", layer, expert=e) for e in experts(model)]
+            out += [Writer("mlp", layer, expert=e) for e in experts(model, layer)]
     return out
 
 
@@ -146,33 +155,38 @@ def readers(model: Transformer) -> list[Reader]:
     for layer in range(cfg.n_layers):
         for role in ("Q", "K", "V"):
             out += [Reader(role, layer, h) for h in range(cfg.n_heads)]  # type: ignore[arg-type]
-        out += [Reader(role, layer, expert=e) for role in mlp_roles(model) for e in experts(model)]
-        if cfg.num_experts is not None:
+        out += [Reader(role, layer, expert=e) for role in mlp_roles(model) for e in experts(model, layer)]
+        if cfg.layer_has_experts(layer):
             out.append(Reader("router", layer))
     return out + [Reader("unembed")]
 
 
 _HEAD = r"L(\d{1,4})H(\d{1,4})"
 _NEURONS = r"(?:\[(\d{1,7}(?:,\d{1,7}){0,255})\])?"
-_EXPERT = r"(?:\.e(\d{1,5}))?"
+_EXPERT = r"(?:\.(e\d{1,5}|shared))?"
 _WRITER_RE = re.compile(rf"^(?:(embed|pos)|{_HEAD}|L(\d{{1,4}})\.mlp{_EXPERT}{_NEURONS})$")
 _READER_RE = re.compile(rf"^(?:(unembed)|{_HEAD}\.(Q|K|V)|L(\d{{1,4}})\.mlp{_EXPERT}\.(in|gate|up|router){_NEURONS})$")
 
 
-def _neurons(model: Transformer, text: str | None) -> tuple[int, ...] | None:
+def mlp_width(model: Transformer, layer: int, expert: int) -> int:
+    """The hidden width of layer `layer`'s MLP (an expert's, the shared experts', a dense layer's)."""
+    cfg = model.cfg
+    return (cfg.moe_shared_d_mlp if expert == SHARED else cfg.layer_d_mlp(layer)) or 0
+
+
+def _neurons(model: Transformer, text: str | None, d_mlp: int) -> tuple[int, ...] | None:
     if text is None:
         return None
     idx = tuple(int(n) for n in text.split(","))
-    d_mlp = model.cfg.d_mlp or 0
     if any(n >= d_mlp for n in idx) or len(set(idx)) != len(idx):
         raise NotFoundError(f"neurons must be distinct and in [0, {d_mlp}), got {list(idx)}")
     return idx
 
 
-def _check_expert(model: Transformer, text: str | None, name: str, router: bool = False) -> int:
-    """The expert index named (-1 for none), checked: a mixture of experts needs one (except its router), a dense
-    MLP has none."""
-    E = model.cfg.num_experts
+def _check_expert(model: Transformer, layer: int, text: str | None, name: str, router: bool = False) -> int:
+    """The expert index named (-1 for none, SHARED for 'shared'), checked: a mixture of experts needs one (except its
+    router), a dense MLP has none."""
+    E = model.cfg.num_experts if model.cfg.layer_has_experts(layer) else None
     if E is None:
         if text is not None or router:
             raise NotFoundError(f"{name}: the model's MLPs are dense (no experts, no router)")
@@ -183,9 +197,13 @@ def _check_expert(model: Transformer, text: str | None, name: str, router: bool 
         return -1
     if text is None:
         raise NotFoundError(f"{name}: the MLP is a mixture of {E} experts: name one, L<l>.mlp.e<0..{E - 1}>")
-    if int(text) >= E:
+    if text == "shared":
+        if model.cfg.moe_shared_d_mlp is None:
+            raise NotFoundError(f"{name}: the model has no shared experts")
+        return SHARED
+    if int(text[1:]) >= E:
         raise NotFoundError(f"{name}: the model has {E} experts per layer")
-    return int(text)
+    return int(text[1:])
 
 
 def _check_layer(model: Transformer, layer: int, name: str) -> None:
@@ -214,8 +232,8 @@ def parse_writer(model: Transformer, name: str) -> Writer:
     _check_layer(model, layer, name)
     if model.cfg.attn_only:
         raise NotFoundError(f"{name}: the model is attention-only (no MLPs)")
-    expert = _check_expert(model, m.group(5), name)
-    return Writer("mlp", layer, neurons=_neurons(model, m.group(6)), expert=expert)
+    expert = _check_expert(model, layer, m.group(5), name)
+    return Writer("mlp", layer, neurons=_neurons(model, m.group(6), mlp_width(model, layer, expert)), expert=expert)
 
 
 def parse_reader(model: Transformer, name: str) -> Reader:
@@ -238,10 +256,11 @@ def parse_reader(model: Transformer, name: str) -> Reader:
     _check_layer(model, layer, name)
     if role != "router" and role not in mlp_roles(model):
         raise NotFoundError(f"{name}: this model's MLP inputs are {list(mlp_roles(model)) or 'none (attention-only)'}")
-    expert = _check_expert(model, m.group(6), name, router=role == "router")
+    expert = _check_expert(model, layer, m.group(6), name, router=role == "router")
     if role == "router" and m.group(8) is not None:
         raise NotFoundError(f"{name}: the router reads the stream whole (no neurons)")
-    return Reader(role, layer, neurons=_neurons(model, m.group(8)), expert=expert)  # type: ignore[arg-type]
+    neurons = _neurons(model, m.group(8), mlp_width(model, layer, expert))
+    return Reader(role, layer, neurons=neurons, expert=expert)  # type: ignore[arg-type]
 
 
 # -- the matrices ---------------------------------------------------------------------------------------
@@ -270,15 +289,24 @@ def mlp_input(model: Transformer, reader: Reader) -> Tensor:
     if reader.role == "router":
         assert isinstance(mlp, MoE)  # (parse_reader: only a mixture of experts has one)
         return mlp.W_router
-    W: Tensor = mlp.W_gate if reader.role == "gate" else mlp.W_in  # [d, d_mlp] (or [n_experts, d, d_mlp])
-    W = W[reader.expert] if reader.expert >= 0 else W
+    if reader.expert == SHARED:
+        assert isinstance(mlp, MoE)
+        W: Tensor = mlp.W_shared_gate if reader.role == "gate" else mlp.W_shared_in  # [d, d_shared]
+    else:
+        W = mlp.W_gate if reader.role == "gate" else mlp.W_in  # [d, d_mlp] (or [n_experts, d, d_mlp])
+        W = W[reader.expert] if reader.expert >= 0 else W
     return W if reader.neurons is None else W[:, list(reader.neurons)]
 
 
 def mlp_output(model: Transformer, writer: Writer) -> Tensor:
     """The MLP output a writer names, W_out [d_mlp, d] (an expert's), or the chosen neurons' rows."""
-    W_out = mlp_output_weight(model, writer.layer)  # [d_mlp, d] (or [n_experts, d_mlp, d]), output gain folded
-    W_out = W_out[writer.expert] if writer.expert >= 0 else W_out
+    if writer.expert == SHARED:
+        mlp = block(model, writer.layer).mlp
+        assert isinstance(mlp, MoE)
+        W_out: Tensor = mlp.W_shared_out  # [d_shared, d] (DeepSeek has no output norms)
+    else:
+        W_out = mlp_output_weight(model, writer.layer)  # [d_mlp, d] (or [n_experts, d_mlp, d]), output gain folded
+        W_out = W_out[writer.expert] if writer.expert >= 0 else W_out
     return W_out if writer.neurons is None else W_out[list(writer.neurons)]
 
 

@@ -40,6 +40,7 @@ from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import layer_weights as stacked
 from circuits_core.circuits.folded import mlp_output_weight
 from circuits_core.circuits.stream_components import (
+    SHARED,
     Reader,
     ReaderRole,
     Writer,
@@ -48,7 +49,9 @@ from circuits_core.circuits.stream_components import (
     factored,
     has_pos_writer,
     mlp_input,
+    mlp_output,
     mlp_roles,
+    mlp_width,
     reaches,
     reader_chain,
     readers,
@@ -277,12 +280,13 @@ def writer_groups(model: Transformer) -> list[tuple[list[Writer], GramSide]]:
         groups.append((heads, factors(W_O, (W_V.transpose(-2, -1) @ W_V) @ W_O)))  # W_O^T (W_V^T W_V) W_O
         if not cfg.attn_only:
             W_out = mlp_output_weight(model, layer).to(dt)  # [d_mlp, d], or [n_experts, d_mlp, d]
+            routed = [e for e in experts(model, layer) if e != SHARED]
             groups.append(
-                (
-                    [Writer("mlp", layer, expert=e) for e in experts(model)],
-                    factors(W_out.reshape(-1, *W_out.shape[-2:])),
-                )
+                ([Writer("mlp", layer, expert=e) for e in routed], factors(W_out.reshape(-1, *W_out.shape[-2:])))
             )
+            if SHARED in experts(model, layer):  # DeepSeek's shared experts: a writer of their own
+                shared = Writer("mlp", layer, expert=SHARED)
+                groups.append(([shared], factors(mlp_output(model, shared).to(dt)[None])))
     return groups
 
 
@@ -299,11 +303,15 @@ def reader_groups(model: Transformer, offset: int = 0) -> list[tuple[list[Reader
         for role, (A, BBt) in parts.items():
             At = A.transpose(-2, -1)  # [H, dh, d]
             groups.append(([Reader(role, layer, h) for h in range(cfg.n_heads)], factors(At, BBt @ At)))  # type: ignore[arg-type]
+        routed = [e for e in experts(model, layer) if e != SHARED]
         for role in mlp_roles(model):
             W = mlp_input(model, Reader(role, layer)).to(dt)  # [d, d_mlp] or [n_experts, d, d_mlp]
             W = W.reshape(-1, *W.shape[-2:]).transpose(-2, -1)  # [1 or n_experts, d_mlp, d]
-            groups.append(([Reader(role, layer, expert=e) for e in experts(model)], factors(W)))  # type: ignore[arg-type]
-        if cfg.num_experts is not None:
+            groups.append(([Reader(role, layer, expert=e) for e in routed], factors(W)))  # type: ignore[arg-type]
+            if SHARED in experts(model, layer):
+                shared = Reader(role, layer, expert=SHARED)  # type: ignore[arg-type]
+                groups.append(([shared], factors(mlp_input(model, shared).to(dt).T[None])))
+        if cfg.layer_has_experts(layer):
             groups.append(
                 ([Reader("router", layer)], factors(mlp_input(model, Reader("router", layer)).to(dt).T[None]))
             )
@@ -365,7 +373,10 @@ def all_scores_cost(model: Transformer) -> Cost:
     cfg = model.cfg
     L, H, d, dh = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
     size = gram_block_size(d)
-    n_mlp = 0 if cfg.attn_only else L * (cfg.d_mlp or 0) * len(experts(model)) + L * (cfg.num_experts or 0)
+    n_mlp = 0  # hidden units of every MLP input (each expert's, shared ones, dense layers') and router columns
+    for layer in range(0 if cfg.attn_only else L):
+        n_mlp += sum(mlp_width(model, layer, e) for e in experts(model, layer))
+        n_mlp += cfg.num_experts or 0 if cfg.layer_has_experts(layer) else 0
     roles = len(mlp_roles(model))
     Nw, Nr = len(writers(model)), len(readers(model))
     n_ctx = cfg.n_ctx if has_pos_writer(model) else 0
@@ -387,9 +398,11 @@ def pair_cost(model: Transformer, writer: Writer, reader: Reader, k: int, n_top:
     sizes = {
         "embed": cfg.d_vocab,
         "pos": cfg.n_ctx,
-        "mlp": len(writer.neurons or ()) or (cfg.d_mlp or 0),
+        "mlp": len(writer.neurons or ()) or mlp_width(model, max(writer.layer, 0), writer.expert),
         "unembed": cfg.d_vocab,
-        **dict.fromkeys(("in", "gate", "up"), len(reader.neurons or ()) or (cfg.d_mlp or 0)),
+        **dict.fromkeys(
+            ("in", "gate", "up"), len(reader.neurons or ()) or mlp_width(model, max(reader.layer, 0), reader.expert)
+        ),
         "router": cfg.num_experts or 0,
     }
     n_in = sizes.get(writer.kind, cfg.d_model)

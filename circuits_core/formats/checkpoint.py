@@ -13,6 +13,7 @@ Formats (REGISTRY, keyed by `Format`):
 - "mixtral", "qwen3_moe", "olmoe": the Llama layout with a mixture-of-experts MLP (moe_families.py).
 - "bloom", "mpt": ALiBi models (alibi_families.py).
 - "phi3": the Llama layout with fused qkv and gate/up projections, split on load (phi3.py).
+- "deepseek_v2", "deepseek_v3": multi-head latent attention and DeepSeek's experts (deepseek.py).
 - "gguf": a folder without config.json holding one `.gguf` file (llama.cpp, ollama), named after the folder;
   config, tensors and tokenizer all come from that file (formats_gguf.py).
 
@@ -43,6 +44,7 @@ from torch import Tensor
 
 from circuits_core.errors import CheckpointError, InvalidInputError
 from circuits_core.formats.alibi_families import ALIBI_MODEL_TYPES, alibi_config, load_alibi
+from circuits_core.formats.deepseek import DEEPSEEK_MODEL_TYPES, deepseek_config, load_deepseek
 from circuits_core.formats.gguf import Defaulted, gguf_file, read_gguf
 from circuits_core.formats.gpt_oss import gpt_oss_config, load_gpt_oss
 from circuits_core.formats.hf import load_gpt2, load_gpt_neox
@@ -56,6 +58,12 @@ from circuits_core.formats.llama import (
     stored_dtype,
 )
 from circuits_core.formats.llama_variants import REFUSED_MODEL_TYPES, VARIANT_MODEL_TYPES, load_variant, variant_config
+from circuits_core.formats.load_watchdog import (
+    LOAD_MEMORY_ALLOWANCE,
+    LOAD_MEMORY_MULTIPLE,
+    LoadWatchdog,
+    folder_bytes,
+)
 from circuits_core.formats.moe_families import MOE_MODEL_TYPES, load_moe, moe_config
 from circuits_core.formats.phi3 import load_phi3, phi3_config
 from circuits_core.formats.processing import SWITCHES, ProcessingOptions, own_tensors, process_state
@@ -80,7 +88,7 @@ from circuits_core.schedule import in_background
 Format = Literal[
     "qkov", "transformer_lens", "gpt2", "gpt_neox", "gguf", "llama", "mistral", "qwen2",
     "gemma2", "gemma3_text", "gemma3", "qwen3", "olmo2", "olmo3", "gpt_oss", "mixtral", "qwen3_moe", "olmoe", "bloom",
-    "mpt", "phi3",
+    "mpt", "phi3", "deepseek_v2", "deepseek_v3",
 ]  # fmt: skip
 FORMATS: tuple[str, ...] = get_args(Format)
 QKOV_FORMAT_VERSION = 1
@@ -93,7 +101,7 @@ HF_MODEL_TYPES: dict[str, Format] = {
     "gpt2": "gpt2", "gpt_neox": "gpt_neox", "llama": "llama", "mistral": "mistral", "qwen2": "qwen2",
     "gemma2": "gemma2", "gemma3_text": "gemma3_text", "gemma3": "gemma3", "qwen3": "qwen3", "olmo2": "olmo2",
     "olmo3": "olmo3", "gpt_oss": "gpt_oss", "mixtral": "mixtral", "qwen3_moe": "qwen3_moe", "olmoe": "olmoe",
-    "bloom": "bloom", "mpt": "mpt", "phi3": "phi3",
+    "bloom": "bloom", "mpt": "mpt", "phi3": "phi3", "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3",
 }  # fmt: skip
 SAFETENSORS_FAMILIES = (
     *LLAMA_MODEL_TYPES,
@@ -102,6 +110,7 @@ SAFETENSORS_FAMILIES = (
     *MOE_MODEL_TYPES,
     *ALIBI_MODEL_TYPES,
     "phi3",
+    *DEEPSEEK_MODEL_TYPES,
 )  # read shard by shard (llama.py's reader)
 LOAD_OPTIONS_FILE = "qkov.json"  # per-checkpoint load options (processing), next to config.json
 # Files besides config.json and the weights that can change an answer, so they are part of the digest: the
@@ -118,6 +127,7 @@ CONFIG_READERS: dict[str, Callable[[dict[str, Any]], ModelConfig]] = {
     **dict.fromkeys(MOE_MODEL_TYPES, moe_config),
     **dict.fromkeys(ALIBI_MODEL_TYPES, alibi_config),
     "phi3": phi3_config,
+    **dict.fromkeys(DEEPSEEK_MODEL_TYPES, deepseek_config),
 }
 TL_BUFFERS = (".attn.mask", ".attn.IGNORE", ".attn.rotary_sin", ".attn.rotary_cos")
 
@@ -328,6 +338,8 @@ REGISTRY: dict[Format, Loader] = {
     "bloom": load_alibi,
     "mpt": load_alibi,
     "phi3": load_phi3,
+    "deepseek_v2": load_deepseek,
+    "deepseek_v3": load_deepseek,
     "gemma2": load_variant,
     "gemma3_text": load_variant,
     "gemma3": load_variant,
@@ -368,6 +380,8 @@ def load_checkpoint(
     device: torch.device | str = "cpu",
     keep_half: bool = False,
     lazy_mlp: bool = False,
+    memory_multiple: float = LOAD_MEMORY_MULTIPLE,
+    memory_allowance: int = LOAD_MEMORY_ALLOWANCE,
 ) -> LoadedModel:
     """Load a checkpoint folder of any registered format and apply weight processing (processing.py).
 
@@ -385,9 +399,27 @@ def load_checkpoint(
     safetensors): the MLP tensors are not read until an MLP weight is first used (formats/lazy_mlp.py), so the
     weight circuits read only the attention, norm, embedding and unembedding tensors; `max_bytes` then prices
     what is loaded now.
+
+    The load runs under a watchdog (load_watchdog.py): it may add at most `memory_multiple` x the weights it loads
+    (priced in `dtype`) + `memory_allowance` bytes to the process's memory, else LoadMemoryExceeded names the folder.
     """
     folder = Path(folder)
     check_contained(folder)
+    with LoadWatchdog(folder.name, folder_bytes(folder), memory_multiple, memory_allowance) as watch:
+        return _load_watched(folder, dtype, process, max_bytes, device, keep_half, lazy_mlp, watch)
+
+
+def _load_watched(
+    folder: Path,
+    dtype: torch.dtype,
+    process: bool | ProcessingOptions | None,
+    max_bytes: int | None,
+    device: torch.device | str,
+    keep_half: bool,
+    lazy_mlp: bool,
+    watch: LoadWatchdog,
+) -> LoadedModel:
+    """load_checkpoint's work, under its watchdog `watch` (told the weights' price as soon as it is known)."""
     fmt = detect_format(folder)
     data = read_json_object(folder, "config.json") if fmt != "gguf" else {}
     lazy_mlp = lazy_mlp and fmt in LLAMA_MODEL_TYPES and lazy_mlp_supported(llama_config(data))
@@ -400,6 +432,7 @@ def load_checkpoint(
 
     def check_price(cfg: ModelConfig, without_mlp: bool = False) -> None:
         price = load_bytes(cfg, dtype) - (mlp_bytes(cfg, dtype) if without_mlp else 0)
+        watch.weights(price)
         if max_bytes is not None and price > max_bytes:
             raise CheckpointError(
                 f"{'the GGUF metadata' if fmt == 'gguf' else 'config.json'} describes a model of {price} bytes in "
@@ -486,7 +519,7 @@ def _build(
     """Tokenizer (the folder's unless the loader read one), checks, processing and the model, from a state dict
     just read."""
     if tokenizer is None:
-        tokenizer = Tokenizer.from_folder(folder, bos_token_id=cfg.bos_token_id)
+        tokenizer = Tokenizer.from_folder(folder, bos_token_id=cfg.bos_token_id, max_tokens=cfg.d_vocab)
     if tokenizer is not None:
         if tokenizer.vocab_size > cfg.d_vocab:
             raise CheckpointError(

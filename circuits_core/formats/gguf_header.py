@@ -34,6 +34,7 @@ import gguf
 import numpy as np
 
 from circuits_core.errors import CheckpointError
+from circuits_core.formats.load_watchdog import checkpoint
 
 MAGIC = b"GGUF"
 VERSIONS = (2, 3)
@@ -185,6 +186,7 @@ class GGUFHeader:
             )
         self.fields: dict[str, Field] = {}
         for _ in range(n_keys):
+            checkpoint()  # the load's watchdog (load_watchdog.py)
             key = self._text(c.string(), "a metadata key")
             kind = _value_type(c, c.unpack("I"), f"metadata {key}")
             field = Field(kind, c.pos)

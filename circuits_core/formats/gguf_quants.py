@@ -28,6 +28,7 @@ from torch import Tensor
 
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.gguf_header import GGUFHeader, TensorInfo
+from circuits_core.formats.load_watchdog import checkpoint
 
 Q = gguf.GGMLQuantizationType
 CHUNK_VALUES = 1 << 18  # float32 values per chunk (1 MiB)
@@ -138,6 +139,7 @@ def row_chunks(header: GGUFHeader, info: TensorInfo) -> Iterator[tuple[int, Tens
     row_bytes = info.nbytes // rows
     step = max(1, CHUNK_VALUES // width)
     for start in range(0, rows, step):
+        checkpoint()  # the load's watchdog (load_watchdog.py)
         n = min(step, rows - start)
         raw = header.read_bytes(info.offset + start * row_bytes, n * row_bytes).reshape(n, row_bytes)
         try:

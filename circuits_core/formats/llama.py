@@ -32,10 +32,6 @@ copy of the model by the end of the load.)
 from __future__ import annotations
 
 import functools
-import json
-import math
-import os
-import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -48,6 +44,7 @@ from circuits_core.errors import CheckpointError
 from circuits_core.formats.hf import _act_fn, _bos, _config
 from circuits_core.formats.rope_scaling import rope_fields as rope_fields  # (re-exported: llama_variants reads it)
 from circuits_core.formats.rope_scaling import rope_section
+from circuits_core.formats.safetensors_file import SafetensorsFile
 from circuits_core.formats.statedict import folder_file, folder_listing, read_json_object
 from circuits_core.model.config import ConfigReader, ModelConfig
 from circuits_core.model.transformer import attn_param
@@ -56,7 +53,6 @@ State = dict[str, Tensor]
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2")
 INDEX = "model.safetensors.index.json"
 _IGNORED = (".rotary_emb.inv_freq",)
-HEADER_MAX_BYTES = 100_000_000  # safetensors' own limit on the JSON header
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -64,65 +60,14 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 SLAB_BYTES = 1 << 18  # stored bytes per slab of a transposing copy (fits the L2 cache with its output)
 
 
-class _MappedFile:
-    """One .safetensors file, read with pread (no memory map: a file truncated or replaced while it is read would
-    kill the process with SIGBUS through a mapping; here it is a CheckpointError naming the file). Each tensor's
-    stored bytes are read into one buffer, converted to the compute dtype and laid out in one copy, then dropped.
-    The file is reopened for each tensor and must still be the one whose header was parsed (same inode, size and
-    modification time)."""
-
-    def __init__(self, path: Path, name: str):
-        self.name, self.path = name, path
-        try:
-            with path.open("rb") as handle:
-                self.identity = _identity(os.fstat(handle.fileno()))
-                self.size = self.identity[2]
-                head = os.pread(handle.fileno(), 8, 0)
-                if len(head) < 8:
-                    raise ValueError(f"{len(head)} bytes: too short for a header length")
-                (size,) = struct.unpack("<Q", head)
-                if not 0 < size <= self.size - 8 or size > HEADER_MAX_BYTES:
-                    raise ValueError(f"header length {size} does not fit the file of {self.size} bytes")
-                raw = os.pread(handle.fileno(), size, 8)
-                if len(raw) < size:
-                    raise ValueError("the file ended inside its header")
-            header = json.loads(raw)
-            if not isinstance(header, dict):
-                raise ValueError("the header is not a JSON object")
-        except (OSError, ValueError, struct.error, RecursionError) as exc:  # JSONDecodeError is a ValueError
-            detail = "header nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-            raise CheckpointError(f"{name}: not a readable safetensors file ({detail})") from exc
-        self.base = 8 + size
-        self.entries = {k: v for k, v in header.items() if k != "__metadata__"}
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        entry = self.entries[key]
-        shape = entry.get("shape") if isinstance(entry, dict) else None
-        if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
-            raise CheckpointError(f"{self.name}: tensor {key}: malformed shape {shape!r}")
-        return tuple(shape)
-
-    def _stored(self, key: str, start: int, nbytes: int) -> bytearray:
-        """The tensor's stored bytes, from the same file its header came from, read to the last byte."""
-        changed = CheckpointError(f"{self.name}: the file changed while it was being read (tensor {key}); load again")
-        buffer = bytearray(nbytes)
-        try:
-            with self.path.open("rb") as handle:
-                if _identity(os.fstat(handle.fileno())) != self.identity:
-                    raise changed
-                view, done = memoryview(buffer), 0
-                while done < nbytes:
-                    n = os.preadv(handle.fileno(), [view[done:]], start + done)
-                    if n <= 0:
-                        raise changed  # truncated under us
-                    done += n
-        except OSError as exc:
-            raise CheckpointError(f"{self.name}: tensor {key}: not readable ({exc})") from exc
-        return buffer
+class _MappedFile(SafetensorsFile):
+    """One .safetensors file of a Llama-family checkpoint (safetensors_file.py: bounded header, pread, the file
+    checked unchanged on every read). Each tensor's stored bytes are read into one buffer, converted to the compute
+    dtype and laid out in one copy, then dropped."""
 
     def read(self, key: str, dtype: torch.dtype, layout: Callable[[Tensor], Tensor]) -> Tensor:
-        """layout(tensor) copied once into a new `dtype` tensor from the stored bytes."""
-        entry, shape = self.entries[key], self.shape(key)
+        """layout(tensor `key`) copied once into a new `dtype` tensor from the stored bytes."""
+        entry = self.entries[key]
         source = _DTYPES.get(entry.get("dtype"))
         if dtype == torch.uint8 and entry.get("dtype") == "U8":  # packed bytes (MXFP4 blocks and scales), as stored
             source = torch.uint8
@@ -130,26 +75,7 @@ class _MappedFile:
             raise CheckpointError(
                 f"{self.name}: tensor {key}: dtype {entry.get('dtype')!r} is not a float type ({', '.join(_DTYPES)})"
             )
-        offsets = entry.get("data_offsets")
-        numel = math.prod(shape)
-        nbytes = numel * source.itemsize
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) for o in offsets)
-            or offsets[1] - offsets[0] != nbytes
-            or offsets[0] < 0
-            or self.base + offsets[1] > self.size
-        ):
-            raise CheckpointError(f"{self.name}: tensor {key}: data offsets {offsets!r} do not hold {nbytes} bytes")
-        if not numel:
-            return laid_out(layout(torch.empty(shape, dtype=source)), dtype)
-        stored = torch.frombuffer(self._stored(key, self.base + offsets[0], nbytes), dtype=source).view(shape)
-        return laid_out(layout(stored), dtype)
-
-
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        return laid_out(layout(self.stored(key, source)), dtype)
 
 
 @contextmanager

@@ -14,6 +14,8 @@ False plus `"<switch>_skipped": reason`):
   and the norms become "RMSPre" (TransformerLens: fold_biases and center_weights off for RMS). Under
   grouped-query attention w is folded into the stored per-group `_W_K`, `_W_V`. Output norms (ln1_post, ln2_post)
   and QK-norm gains are never folded: each divides by the RMS of what it reads, which a folded gain would change.
+  Multi-head latent attention: ln1's w folds into the projections that read the stream (W_DQ, or W_UQ and W_QR
+  without a query latent; W_DKV, W_KR), never past the latent norms.
   Skipped for shortformer positions: W_pos is added *after* ln1 to the query/key inputs, so folding ln1.w
   into W_Q/W_K would also scale the positional path (TransformerLens skips it too). Skipped for a gated MLP
   whose ln2 has a non-zero bias: TransformerLens's gated MLP adds b_in after the gate product, so
@@ -136,14 +138,22 @@ def _fold_ln(cfg: ModelConfig, sd: State, record: dict[str, bool | str]) -> Mode
 
     for layer in range(cfg.n_layers if cfg.pre_norms else 0):
         p = f"blocks.{layer}"
-        for x in "QKV":
-            fold(f"{p}.ln1", f"{p}.attn.{attn_param(cfg, 'W_' + x)}", f"{p}.attn.{attn_param(cfg, 'b_' + x)}")
+        if cfg.latent_attention:  # the projections that read the stream (latent_attention.py)
+            readers = ["W_DKV", "W_KR", *(("W_DQ",) if cfg.mla_q_rank is not None else ("W_UQ", "W_QR"))]
+            for name in readers:
+                fold(f"{p}.ln1", f"{p}.attn.{name}", None)
+        else:
+            for x in "QKV":
+                fold(f"{p}.ln1", f"{p}.attn.{attn_param(cfg, 'W_' + x)}", f"{p}.attn.{attn_param(cfg, 'b_' + x)}")
         if not cfg.attn_only:
             fold(f"{p}.ln2", f"{p}.mlp.W_in", None if cfg.gated_mlp else f"{p}.mlp.b_in")
             if cfg.gated_mlp:  # (a mixture of experts: every expert's [n_experts, d_model, d_mlp], and the router)
                 fold(f"{p}.ln2", f"{p}.mlp.W_gate", None)
-            if cfg.num_experts is not None:
+            if cfg.layer_has_experts(layer):
                 fold(f"{p}.ln2", f"{p}.mlp.W_router", None)
+                if cfg.moe_shared_d_mlp is not None:
+                    fold(f"{p}.ln2", f"{p}.mlp.W_shared_gate", None)
+                    fold(f"{p}.ln2", f"{p}.mlp.W_shared_in", None)
     fold("ln_final", "unembed.W_U", "unembed.b_U")
     for ln in ln_names:
         for leaf in ("w", "b"):

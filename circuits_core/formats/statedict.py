@@ -4,7 +4,8 @@ A state dict here always uses TransformerLens names and shapes (see circuits_cor
 converters (weights.py, formats_hf.py) translate into it, `build_model` checks every key and shape and only
 then constructs the Transformer -- nothing is ever half-loaded.
 
-Safety: `.safetensors` is read with safetensors; `.bin` / `.pth` / `.pt` only through
+Safety: `.safetensors` is read by safetensors_file.py (its header parsed under bounds, tensors read with pread);
+`.bin` / `.pth` / `.pt` only through
 `torch.load(weights_only=True)`, which refuses any pickle that would build an arbitrary object or call a
 function. Errors name the file, the key, and the expected vs given shape.
 
@@ -28,11 +29,10 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from torch import Tensor
 
 from circuits_core.errors import CheckpointError
+from circuits_core.formats.safetensors_file import read_safetensors
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Transformer
 
@@ -136,11 +136,8 @@ def read_weight_file(path: Path) -> dict[str, Tensor]:
     """All tensors of one weight file, on the CPU, as stored (no dtype change)."""
     if not path.is_file():
         raise CheckpointError(f"{path}: weight file not found")
-    if path.suffix in SAFE_SUFFIXES:
-        try:
-            return load_file(str(path), device="cpu")
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: not a readable safetensors file ({exc})") from exc
+    if path.suffix in SAFE_SUFFIXES:  # bounded header, read with pread (safetensors_file.py)
+        return read_safetensors(path, path.name)
     if path.suffix not in PICKLE_SUFFIXES:
         raise CheckpointError(f"{path}: unknown weight file type; expected one of {SAFE_SUFFIXES + PICKLE_SUFFIXES}")
     check_archive_records(path)

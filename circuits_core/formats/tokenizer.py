@@ -11,6 +11,14 @@ the byte 0xC3, the first half of 'é') is shown as its bytes ('\\xc3'), never as
 in a sequence (`token_strs`) the character is shown whole on the token that completes it (`readable_pieces`).
 SentencePiece vocabularies (Gemma's) spell a space '▁' and fall back to byte pieces '<0xC3>'; `sentencepiece_bytes`
 reads those the same way.
+
+Bounds: what parsing a tokenizer costs grows with its files' bytes (the `tokenizers` library holds a parsed
+tokenizer.json in about 15 times its size while it builds), so a folder's tokenizer files are priced by the model's
+vocabulary before they are parsed: at most TOKENIZER_BYTES_PER_TOKEN bytes per row of W_E plus
+TOKENIZER_BASE_BYTES (normaliser, pre-tokenizer, added tokens of a small vocabulary). Gemma 3's 262,144-entry
+tokenizer.json (about 33 MB: each entry and its two merges, pretty-printed, take about 126 bytes) is well inside its
+allowance of 136 MiB; a file listing far more entries than the model has rows is refused before it is read. After
+the parse, the vocabulary may not hold more ids than W_E has rows (checkpoint._build).
 """
 
 from __future__ import annotations
@@ -25,9 +33,12 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from circuits_core.errors import CheckpointError, InvalidInputError, NotFoundError
+from circuits_core.formats.load_watchdog import TOKENIZER_PARSE_FACTOR, reserve
 from circuits_core.formats.statedict import read_json_object
 
 DEFAULT_BOS = "<|endoftext|>"
+TOKENIZER_BYTES_PER_TOKEN = 512  # a pretty-printed entry with up to 4 merges takes about 220 bytes
+TOKENIZER_BASE_BYTES = 8 * 1024 * 1024
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -88,6 +99,25 @@ def readable_pieces(pieces: list[bytes]) -> list[str]:
     if pending and out and out[-1] != pieces[-1].decode("utf-8", errors="backslashreplace"):
         out[-1] += pending.decode("utf-8", errors="backslashreplace")  # the text ends inside a character
     return out
+
+
+def tokenizer_allowance(max_tokens: int) -> int:
+    """Bytes of tokenizer files a vocabulary of `max_tokens` entries may hold (the module's Bounds)."""
+    return TOKENIZER_BASE_BYTES + TOKENIZER_BYTES_PER_TOKEN * max_tokens
+
+
+def check_tokenizer_bytes(paths: list[Path], max_tokens: int | None) -> None:
+    """Refuse tokenizer files larger than a vocabulary of `max_tokens` entries needs, before they are parsed."""
+    if max_tokens is None:
+        return
+    size, allowance = sum(p.stat().st_size for p in paths), tokenizer_allowance(max_tokens)
+    if size > allowance:
+        raise CheckpointError(
+            f"{' + '.join(p.name for p in paths)}: {size} bytes for a model of {max_tokens} tokens; a tokenizer of "
+            f"that vocabulary takes at most {allowance} bytes ({TOKENIZER_BYTES_PER_TOKEN} per token + "
+            f"{TOKENIZER_BASE_BYTES}), so it is refused before it is parsed"
+        )
+    reserve(TOKENIZER_PARSE_FACTOR * size, f"parsing {' + '.join(p.name for p in paths)}")  # the load's watchdog
 
 
 def _special_token_name(value: object) -> str | None:
@@ -184,14 +214,17 @@ class Tokenizer:
         return cls(hf, bos_token_id, source=source)
 
     @classmethod
-    def from_folder(cls, folder: str | Path, bos_token_id: int | None = None) -> Tokenizer | None:
+    def from_folder(
+        cls, folder: str | Path, bos_token_id: int | None = None, max_tokens: int | None = None
+    ) -> Tokenizer | None:
         """The tokenizer stored in a model folder, or None when there is none.
 
         BOS: the explicit id, else `bos_token` of tokenizer_config.json / special_tokens_map.json, else
-        "<|endoftext|>" when the vocabulary has it.
+        "<|endoftext|>" when the vocabulary has it. `max_tokens` (the rows of W_E): the tokenizer files are refused
+        before they are parsed when they hold more bytes than a vocabulary of that size needs (the module's Bounds).
         """
         folder = Path(folder)
-        tok = cls._load(folder, bos_token_id)
+        tok = cls._load(folder, bos_token_id, max_tokens)
         if tok is None or bos_token_id is not None:
             return tok
         for name in ("tokenizer_config.json", "special_tokens_map.json"):
@@ -204,10 +237,12 @@ class Tokenizer:
         return tok
 
     @classmethod
-    def _load(cls, folder: Path, bos_token_id: int | None) -> Tokenizer | None:
+    def _load(cls, folder: Path, bos_token_id: int | None, max_tokens: int | None) -> Tokenizer | None:
         if (folder / "tokenizer.json").is_file():
+            check_tokenizer_bytes([folder / "tokenizer.json"], max_tokens)
             return cls.from_file(folder / "tokenizer.json", bos_token_id)
         if (folder / "vocab.json").is_file() and (folder / "merges.txt").is_file():
+            check_tokenizer_bytes([folder / "vocab.json", folder / "merges.txt"], max_tokens)
             return cls.from_vocab_merges(folder / "vocab.json", folder / "merges.txt", bos_token_id)
         return None
 

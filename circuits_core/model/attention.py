@@ -100,6 +100,17 @@ class Attention(nn.Module):
         b = (self.grouped("b" + name[1:]) if name != "W_Q" else self.b_Q).reshape(-1) if self.cfg.use_bias else None
         return affine(x, W.permute(1, 0, 2).reshape(d, heads * dh), b).view(*x.shape[:-1], heads, dh)
 
+    def queries_keys(self, q_in: Tensor, k_in: Tensor, rec: Recorder, frozen: Frozen | None) -> tuple[Tensor, Tensor]:
+        """q [batch, pos, n_heads, d_head] and k [batch, pos, n_kv, d_head] before the rotation (after QK-norm)."""
+        q, k = self.project(q_in, "W_Q"), self.project(k_in, "W_K")
+        if self.cfg.qk_norm is not None:
+            q, k = self.q_norm(q, rec, frozen), self.k_norm(k, rec, frozen)
+        return q, k
+
+    def values(self, v_in: Tensor, rec: Recorder, frozen: Frozen | None) -> Tensor:
+        """v [batch, pos, n_kv, d_head]."""
+        return self.project(v_in, "W_V")
+
     def forward(self, q_in: Tensor, k_in: Tensor, v_in: Tensor, rec: Recorder, frozen: Frozen | None) -> Tensor:
         # q_in, k_in, v_in: [batch, pos, d_model] -> attn_out [batch, pos, d_model]
         cfg, prefix = self.cfg, f"blocks.{self.layer}.attn"
@@ -108,10 +119,7 @@ class Attention(nn.Module):
         frozen_pattern = frozen.patterns.get(pattern_key) if frozen is not None else None
         # queries and keys only where they are used: a frozen pattern needs neither unless their hooks are asked for
         if frozen_pattern is None or rec.wants(f"{prefix}.hook_q") or rec.wants(f"{prefix}.hook_k"):
-            q = self.project(q_in, "W_Q")  # [batch, pos, n_heads, d_head]
-            k = self.project(k_in, "W_K")  # [batch, pos, n_kv, d_head]
-            if cfg.qk_norm is not None:
-                q, k = self.q_norm(q, rec, frozen), self.k_norm(k, rec, frozen)
+            q, k = self.queries_keys(q_in, k_in, rec, frozen)  # [batch, pos, n_heads or n_kv, d_head]
             if cfg.positional_embedding_type == "rotary":
                 positions = torch.arange(n, device=q.device)[:, None]  # [pos, 1]
                 rope = cfg.layer_rope(self.layer)
@@ -137,7 +145,7 @@ class Attention(nn.Module):
             pattern = sink_softmax(scores, self.sinks) if cfg.attn_sinks else scores.softmax(dim=-1)
         rec(pattern_key, pattern)
         # values after the pattern: a run that stops at the last layer's pattern (heads.detector_scores) skips them
-        v = self.per_head(self.project(v_in, "W_V"), dim=2)  # [batch, pos, n_heads, d_head]
+        v = self.per_head(self.values(v_in, rec, frozen), dim=2)  # [batch, pos, n_heads, d_head]
         rec(f"{prefix}.hook_v", v)
         z = torch.einsum("bhqk,bkhe->bqhe", pattern, v)  # [batch, pos, n_heads, d_head]
         rec(f"{prefix}.hook_z", z)

@@ -110,6 +110,26 @@ class ModelConfig:
     clamped_swiglu: bool = False
     swiglu_alpha: float = field(default=1.702, metadata={"gt": 0})
     swiglu_limit: float = field(default=7.0, metadata={"gt": 0})
+    # DeepSeek's mixture of experts (moe.py): the router scores experts by a softmax (V2) or a sigmoid (V3, whose
+    # choice adds a learned bias mlp.b_choice); group-limited routing keeps the moe_topk_groups best of moe_n_groups
+    # expert groups first; the chosen weights are multiplied by moe_routed_scale; moe_shared_d_mlp: always-on shared
+    # experts (one gated MLP of that width); the first moe_dense_layers layers are dense MLPs of width d_mlp_dense.
+    moe_scoring: Literal["softmax", "sigmoid"] = "softmax"
+    moe_n_groups: int | None = field(default=None, metadata={"ge": 1})
+    moe_topk_groups: int | None = field(default=None, metadata={"ge": 1})
+    moe_routed_scale: float = field(default=1.0, metadata={"gt": 0})
+    moe_shared_d_mlp: int | None = field(default=None, metadata={"ge": 1})
+    moe_dense_layers: int = field(default=0, metadata={"ge": 0})
+    d_mlp_dense: int | None = field(default=None, metadata={"ge": 1})
+    # Multi-head latent attention (DeepSeek-V2/V3; latent_attention.py), set by mla_kv_rank: queries read a latent of
+    # rank mla_q_rank (None: x directly, V2-Lite), keys and values one shared latent of rank mla_kv_rank, each
+    # RMS-normalised; per head mla_d_nope content dims and rotary_dim rotary dims (the key's rotary part shared by
+    # every head), mla_d_v value dims. d_head = max(mla_d_nope + rotary_dim, mla_d_v): per-head q and k are
+    # laid out [rope | nope | zeros], v [v | zeros], so W_Q, W_K, W_V, W_O keep TransformerLens's shapes.
+    mla_q_rank: int | None = field(default=None, metadata={"ge": 1})
+    mla_kv_rank: int | None = field(default=None, metadata={"ge": 1})
+    mla_d_nope: int = field(default=0, metadata={"ge": 0})
+    mla_d_v: int = field(default=0, metadata={"ge": 0})
     # Divisor of q.k; defaults to sqrt(d_head) (TransformerLens `attn_scale`).
     attn_scale: float | None = field(default=None, metadata={"gt": 0})
     bos_token_id: int | None = field(default=None, metadata={"ge": 0})
@@ -177,8 +197,66 @@ class ModelConfig:
                 )
         elif self.clamped_swiglu:
             raise InvalidInputError("clamped_swiglu is an expert activation: it needs num_experts")
+        self._check_deepseek_fields()
         if self.alibi is not None and self.positional_embedding_type != "none":
             raise InvalidInputError("alibi models have no other positions: positional_embedding_type must be 'none'")
+
+    def _check_deepseek_fields(self) -> None:
+        """Cross-field rules of DeepSeek's mixture of experts and multi-head latent attention."""
+        deepseek_moe = (
+            self.moe_scoring != "softmax" or self.moe_n_groups is not None or self.moe_shared_d_mlp is not None
+            or self.moe_dense_layers or self.moe_routed_scale != 1.0
+        )  # fmt: skip
+        if deepseek_moe and self.num_experts is None:
+            raise InvalidInputError("moe_* routing fields need a mixture of experts (num_experts)")
+        if (self.moe_n_groups is None) != (self.moe_topk_groups is None):
+            raise InvalidInputError("group-limited routing needs both moe_n_groups and moe_topk_groups")
+        if self.moe_n_groups is not None and self.num_experts is not None:
+            assert self.moe_topk_groups is not None
+            if self.num_experts % self.moe_n_groups or self.moe_topk_groups > self.moe_n_groups:
+                raise InvalidInputError(
+                    f"moe_n_groups={self.moe_n_groups} must divide num_experts={self.num_experts} and be >= "
+                    f"moe_topk_groups={self.moe_topk_groups}"
+                )
+        if (
+            self.moe_scoring == "sigmoid"
+            and self.moe_n_groups is not None
+            and self.num_experts is not None
+            and self.num_experts // self.moe_n_groups < 2
+        ):
+            raise InvalidInputError("sigmoid routing ranks each group by its best two experts: a group needs two")
+        if self.moe_dense_layers and self.d_mlp_dense is None:
+            raise InvalidInputError("moe_dense_layers needs d_mlp_dense (the width of the dense layers)")
+        if self.mla_kv_rank is None:
+            if self.mla_q_rank is not None or self.mla_d_nope or self.mla_d_v:
+                raise InvalidInputError("mla_* fields need multi-head latent attention (mla_kv_rank)")
+            return
+        rd = self.rotary_dim or 0
+        if self.positional_embedding_type != "rotary" or not self.uses_rms or self.mla_d_v < 1:
+            raise InvalidInputError("multi-head latent attention needs rotary positions, RMS norms and mla_d_v >= 1")
+        if self.d_head != max(self.mla_d_nope + rd, self.mla_d_v):
+            raise InvalidInputError(
+                f"d_head={self.d_head} must be max(mla_d_nope + rotary_dim, mla_d_v) = "
+                f"{max(self.mla_d_nope + rd, self.mla_d_v)} under multi-head latent attention"
+            )
+        if self.n_key_value_heads is not None or self.use_bias or self.qk_norm or self.attn_sinks or self.alibi:
+            raise InvalidInputError(
+                "multi-head latent attention shares one key/value latent: no n_key_value_heads, biases, QK-norm, "
+                "sinks or ALiBi"
+            )
+
+    def layer_has_experts(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts (DeepSeek's first moe_dense_layers are dense)."""
+        return self.num_experts is not None and layer >= self.moe_dense_layers
+
+    def layer_d_mlp(self, layer: int) -> int | None:
+        """The width of layer `layer`'s dense MLP (d_mlp_dense on DeepSeek's dense layers of an MoE model)."""
+        return self.d_mlp_dense if self.num_experts is not None and layer < self.moe_dense_layers else self.d_mlp
+
+    @property
+    def latent_attention(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2/V3: latent_attention.py)."""
+        return self.mla_kv_rank is not None
 
     def _check_attention_variants(self) -> None:
         """Cross-field rules of the newest attention's fields (QK-norm, windows, local rope, output norms)."""

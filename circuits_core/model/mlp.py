@@ -21,14 +21,15 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        assert cfg.d_mlp is not None
+        m = cfg.layer_d_mlp(layer)  # d_mlp (DeepSeek's dense layers among experts: d_mlp_dense)
+        assert m is not None
         self.cfg, self.layer = cfg, layer
-        self.W_in = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
+        self.W_in = nn.Parameter(torch.empty(cfg.d_model, m))
         if cfg.gated_mlp:
-            self.W_gate = nn.Parameter(torch.empty(cfg.d_model, cfg.d_mlp))
-        self.W_out = nn.Parameter(torch.empty(cfg.d_mlp, cfg.d_model))
+            self.W_gate = nn.Parameter(torch.empty(cfg.d_model, m))
+        self.W_out = nn.Parameter(torch.empty(m, cfg.d_model))
         if cfg.use_bias:
-            self.b_in = nn.Parameter(torch.zeros(cfg.d_mlp))
+            self.b_in = nn.Parameter(torch.zeros(m))
             self.b_out = nn.Parameter(torch.zeros(cfg.d_model))
 
     def __getattr__(self, name: str) -> Any:

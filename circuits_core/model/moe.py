@@ -15,7 +15,11 @@ Each expert's W_out[e] is a writer of the residual stream and its W_gate[e], W_i
 W_router is a reader too. On a prompt the routing (indices and weights) is a per-token fact like a norm scale:
 `Frozen.routes` replays it, and hooks record it (hook_router_logits [batch, pos, n_experts], hook_expert_indices
 and hook_expert_weights [batch, pos, k], hook_expert_out [batch, pos, k, d_model]: each chosen expert's weighted
-output, summing to the MLP's output).
+output, summing to the MLP's output, with hook_shared_out [batch, pos, d_model] where shared experts add theirs).
+
+DeepSeek (V2, V3) adds: sigmoid scores with a choice bias b_choice [n_experts], group-limited routing, a routed
+scale, and shared experts W_shared_gate, W_shared_in [d_model, d_shared], W_shared_out [d_shared, d_model], always
+on (`deepseek_route`, config.py's moe_* fields).
 """
 
 from __future__ import annotations
@@ -28,14 +32,41 @@ from circuits_core.model.hooks import Frozen, Recorder
 from circuits_core.model.linear import activation, affine
 
 
-def route(cfg: ModelConfig, logits: Tensor) -> tuple[Tensor, Tensor]:
-    """(indices, weights) [..., k] of router logits [..., n_experts] under the config's normalisation."""
+def route(cfg: ModelConfig, logits: Tensor, b_choice: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(indices, weights) [..., k] of router logits [..., n_experts] under the config's normalisation (DeepSeek's
+    rules: `deepseek_route`)."""
     k = cfg.experts_per_token
+    if cfg.moe_scoring == "sigmoid" or cfg.moe_n_groups is not None:
+        return deepseek_route(cfg, logits, b_choice)
     if cfg.moe_norm_topk:  # gpt-oss's order: top-k of the logits, then the softmax over those k
         top, indices = torch.topk(logits, k, dim=-1)
-        return indices, top.softmax(dim=-1)
+        return indices, top.softmax(dim=-1) * cfg.moe_routed_scale
     weights, indices = torch.topk(logits.softmax(dim=-1), k, dim=-1)
-    return indices, weights
+    return indices, weights * cfg.moe_routed_scale
+
+
+def deepseek_route(cfg: ModelConfig, logits: Tensor, b_choice: Tensor | None) -> tuple[Tensor, Tensor]:
+    """DeepSeek's routing of logits [..., n_experts]: scores s = softmax (V2) or sigmoid (V3) of the logits; the
+    choice ranks s (+ b_choice under the sigmoid: a bias that moves the choice, never the weights); group-limited
+    routing first keeps the moe_topk_groups groups whose best expert (V2) or best two (V3) rank highest; the weights
+    are the chosen s, divided by their sum when moe_norm_topk (under the sigmoid), times moe_routed_scale."""
+    E, k = logits.shape[-1], cfg.experts_per_token
+    sigmoid = cfg.moe_scoring == "sigmoid"
+    scores = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)  # [..., E]
+    choice = scores + b_choice if sigmoid and b_choice is not None else scores
+    if cfg.moe_n_groups is not None:
+        assert cfg.moe_topk_groups is not None
+        grouped = choice.unflatten(-1, (cfg.moe_n_groups, E // cfg.moe_n_groups))  # [..., groups, E / groups]
+        rank = grouped.topk(2, dim=-1).values.sum(-1) if sigmoid else grouped.amax(-1)  # [..., groups]
+        kept = torch.zeros_like(rank, dtype=torch.bool)
+        kept.scatter_(-1, rank.topk(cfg.moe_topk_groups, dim=-1).indices, True)
+        kept = kept[..., None].expand_as(grouped).flatten(-2)  # [..., E]
+        choice = choice.masked_fill(~kept, float("-inf") if sigmoid else 0.0)
+    indices = choice.topk(k, dim=-1).indices  # [..., k]
+    weights = scores.gather(-1, indices)
+    if sigmoid and cfg.moe_norm_topk:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return indices, weights * cfg.moe_routed_scale
 
 
 class MoE(nn.Module):
@@ -50,6 +81,12 @@ class MoE(nn.Module):
         self.W_gate = nn.Parameter(torch.empty(E, d, m))
         self.W_in = nn.Parameter(torch.empty(E, d, m))
         self.W_out = nn.Parameter(torch.empty(E, m, d))
+        if cfg.moe_scoring == "sigmoid":
+            self.b_choice = nn.Parameter(torch.zeros(E))  # DeepSeek-V3's e_score_correction_bias (choice only)
+        if cfg.moe_shared_d_mlp is not None:  # always-on shared experts, one gated MLP
+            self.W_shared_gate = nn.Parameter(torch.empty(d, cfg.moe_shared_d_mlp))
+            self.W_shared_in = nn.Parameter(torch.empty(d, cfg.moe_shared_d_mlp))
+            self.W_shared_out = nn.Parameter(torch.empty(cfg.moe_shared_d_mlp, d))
         if cfg.use_bias:
             self.b_router = nn.Parameter(torch.zeros(E))
             self.b_gate = nn.Parameter(torch.zeros(E, m))
@@ -83,7 +120,8 @@ class MoE(nn.Module):
         p = f"blocks.{self.layer}.mlp"
         routes = frozen.routes.get(self.layer) if frozen is not None else None
         if routes is None:
-            indices, weights = route(self.cfg, rec(f"{p}.hook_router_logits", self.router_logits(x)))
+            b_choice = self.b_choice if self.cfg.moe_scoring == "sigmoid" else None
+            indices, weights = route(self.cfg, rec(f"{p}.hook_router_logits", self.router_logits(x)), b_choice)
         else:
             indices, weights = routes
         rec(f"{p}.hook_expert_indices", indices), rec(f"{p}.hook_expert_weights", weights)
@@ -100,4 +138,13 @@ class MoE(nn.Module):
                 slots[token, slot] = written
         if slots is not None:
             rec(f"{p}.hook_expert_out", slots.view(*indices.shape, -1))
-        return out.view_as(x)
+        out = out.view_as(x)
+        if self.cfg.moe_shared_d_mlp is None:
+            return out
+        return out + rec(f"{p}.hook_shared_out", self.shared(x))
+
+    def shared(self, x: Tensor) -> Tensor:
+        """The shared experts' output (always on): silu(x W_shared_gate) * (x W_shared_in) W_shared_out,
+        x [..., d_model] -> [..., d_model]."""
+        hidden = activation(self.cfg.act_fn, affine(x, self.W_shared_gate)) * affine(x, self.W_shared_in)
+        return affine(hidden, self.W_shared_out)

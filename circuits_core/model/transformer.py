@@ -19,6 +19,8 @@ stream receives), no ln1 / ln2 without input norms (OLMo), soft caps (soft_cap.p
 logits before the final cap), sliding windows and a rope per layer (window.py, ModelConfig.layer_rope).
 Mixture-of-experts layers (moe.py) stack their experts: mlp.W_router [d_model, n_experts], mlp.W_gate / W_in
 [n_experts, d_model, d_mlp], W_out [n_experts, d_mlp, d_model]; learned sinks add blocks.{l}.attn.sinks [n_heads].
+Multi-head latent attention (DeepSeek-V2/V3: latent_attention.py) stores its latent projections instead of per-head
+W_Q, W_K, W_V (which it computes, with the same shapes).
 
 Positions: `standard` adds W_pos to the residual stream; `shortformer` (the paper's models) adds it to the
 query and key inputs only, after ln1; `rotary` rotates q and k by position (rope.py's `rotate`: the first
@@ -44,6 +46,7 @@ from circuits_core.model.attention import attn_param as attn_param
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.hooks import Frozen as Frozen  # hooks.py, re-exported (announced names)
 from circuits_core.model.hooks import NameFilter, Recorder, StopRun
+from circuits_core.model.latent_attention import LatentAttention
 from circuits_core.model.linear import affine
 from circuits_core.model.mlp import MLP
 from circuits_core.model.moe import MoE
@@ -61,12 +64,12 @@ class Block(nn.Module):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.ln1 = input_norm(cfg, f"blocks.{layer}.ln1")
-        self.attn = Attention(cfg, layer)
+        self.attn = LatentAttention(cfg, layer) if cfg.latent_attention else Attention(cfg, layer)
         if cfg.post_norms:
             self.ln1_post = output_norm(cfg, f"blocks.{layer}.ln1_post")
         if not cfg.attn_only:
             self.ln2 = input_norm(cfg, f"blocks.{layer}.ln2")
-            self.mlp: MLP | MoE = MoE(cfg, layer) if cfg.num_experts is not None else MLP(cfg, layer)
+            self.mlp: MLP | MoE = MoE(cfg, layer) if cfg.layer_has_experts(layer) else MLP(cfg, layer)
             if cfg.post_norms:
                 self.ln2_post = output_norm(cfg, f"blocks.{layer}.ln2_post")
 

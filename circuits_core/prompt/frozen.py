@@ -77,6 +77,7 @@ class FrozenRun:
 
 _CACHED = (
     "hook_pattern",
+    "hook_shared_out",
     "hook_scale",
     "hook_mlp_out",
     "hook_expert_out",
@@ -262,6 +263,15 @@ def head_ov_apply(model: Transformer, layer: int, w: Tensor) -> tuple[Tensor, Te
     if has_ln(model):
         w_new.sub_(w_new.mean(-1, keepdim=True))  # centre
     return g, w_new
+
+
+def value_inv_scale(model: Transformer, run: FrozenRun, layer: int) -> Tensor:
+    """[n]: the per-source-position factor of layer `layer`'s values: ln1's 1/sigma(j), and under multi-head latent
+    attention also the key/value latent's 1 / rho_kv(j) (model/latent_attention.py: v_j = x̂_j W_V / rho_kv(j))."""
+    inv = run.inv_scale(f"blocks.{layer}.ln1")
+    if not model.cfg.latent_attention:
+        return inv
+    return inv / run.cache[f"blocks.{layer}.attn.kv_latent_norm.hook_scale"][:, 0]
 
 
 def embed_source(model: Transformer, run: FrozenRun) -> Tensor:

@@ -59,6 +59,7 @@ from circuits_core.prompt.frozen import (
     readout,
     run_cost,
     target_cap_factors,
+    value_inv_scale,
     written_bias,
 )
 from circuits_core.prompt.path_names import PathNames
@@ -140,14 +141,15 @@ def mlp_parts(model: Transformer, run: FrozenRun, layer: int) -> list[tuple[str,
     """("mlp:L3", its output [n, d_model]); for a mixture of experts, with the routing frozen, one part per expert
     that some token used: ("mlp:L3.e5", weight x expert 5's output on the tokens routed to it, zero elsewhere).
     The parts sum to the MLP's output."""
-    if model.cfg.num_experts is None:
+    if not model.cfg.layer_has_experts(layer):  # (DeepSeek's first layers are dense)
         return [(f"mlp:L{layer}", run.cache[f"blocks.{layer}.hook_mlp_out"])]
     p = f"blocks.{layer}.mlp"
     indices, slots = run.cache[f"{p}.hook_expert_indices"], run.cache[f"{p}.hook_expert_out"]  # [n, k], [n, k, d]
+    shared = [(f"mlp:L{layer}.shared", run.cache[f"{p}.hook_shared_out"])] if model.cfg.moe_shared_d_mlp else []
     return [
         (f"mlp:L{layer}.e{e}", (slots * (indices == e)[..., None].to(slots.dtype)).sum(1))
         for e in torch.unique(indices).tolist()
-    ]
+    ] + shared
 
 
 def _positions(positions: int | Sequence[int] | None, n: int, device: torch.device) -> Tensor:
@@ -343,7 +345,7 @@ def expand_logits(
                     continue
                 names, coef, w = names_prev[:P0], coef_prev[:P0], w_prev[:P0]  # [P0, q, n], [P0, d]
                 A = run.patterns[layer]  # [H, n, n]
-                inv = run.inv_scale(f"blocks.{layer}.ln1")  # [n]
+                inv = value_inv_scale(model, run, layer)  # [n]: ln1's 1/sigma (and MLA's 1/rho_kv) at the sources
                 # the output norm's 1 / rho at the heads' rows
                 written = coef * run.inv_scale(f"blocks.{layer}.ln1_post") if cfg.post_norms else coef
                 coef_new = torch.matmul(written.reshape(P0 * q, n), A).mul_(inv).view(H * P0, q, n)  # [H*P0, q, n]
@@ -441,6 +443,7 @@ def cost(model: Transformer, n: int, max_order: int, by_source: bool = False, q:
     L, H = cfg.n_layers, cfg.n_heads
     order = max(0, min(max_order, L))
     mlps = 0 if cfg.attn_only else min(cfg.num_experts or 1, n * cfg.experts_per_token)  # MLP parts per layer
+    mlps += 1 if cfg.moe_shared_d_mlp else 0  # DeepSeek's shared experts: one part more
     entries = [0] + [layer + 1 for layer in range(L) for _ in range(1 + mlps)]
     terms = _term_count(entries, L, H, order) + 1
     per_term = q * (n if by_source else 1)

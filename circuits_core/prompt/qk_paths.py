@@ -53,6 +53,7 @@ from circuits_core.prompt.frozen import (
     reading_bias,
     reading_weights,
     run_cost,
+    value_inv_scale,
     written_bias,
 )
 
@@ -96,8 +97,8 @@ def residual_components(model: Transformer, run: FrozenRun, layer: int) -> tuple
         parts.append(embed_source(model, run) - run.cache["hook_embed"])
     bias = torch.zeros(1, model.cfg.d_model, dtype=model.dtype, device=model.device)
     for lay in range(layer):
-        x = ln_linear(
-            model, f"blocks.{lay}.ln1", run.cache[f"blocks.{lay}.hook_resid_pre"], run.inv_scale(f"blocks.{lay}.ln1")
+        x = ln_linear(  # (its values' source factor: ln1's 1/sigma, and 1/rho_kv under latent attention)
+            model, f"blocks.{lay}.ln1", run.cache[f"blocks.{lay}.hook_resid_pre"], value_inv_scale(model, run, lay)
         )
         v = torch.einsum("nd,hde->hne", x, attention(model, lay).W_V)  # [H, n, dh] (LN weight already applied)
         outs = torch.einsum("hqk,hke,hed->hqd", run.patterns[lay], v, attention(model, lay).W_O)  # [H, n, d]
@@ -187,7 +188,17 @@ def frozen_qk_norm(
     model: Transformer, run: FrozenRun, layer: int, h: int, q_parts: Tensor, k_parts: Tensor
 ) -> tuple[Tensor, Tensor]:
     """Query and key parts [C, n, d_head] (before the rotation) through the layer's QK-norm with the run's rho
-    frozen: part / rho(i) * gamma, so the parts still sum to the normalised q and k (unchanged without QK-norm)."""
+    frozen: part / rho(i) * gamma, so the parts still sum to the normalised q and k (unchanged without QK-norm).
+    Under multi-head latent attention (gains already in the effective W_Q, W_K) the latent scales are frozen: every
+    query part / rho_q(i), the content dims of every key part / rho_kv(j), the shared rotary key part unscaled."""
+    if model.cfg.latent_attention:  # q / rho_q(i); the key's content dims / rho_kv(j), its rotary dims as they are
+        rho_q = run.cache.get(f"blocks.{layer}.attn.q_latent_norm.hook_scale")  # [n, 1] (None: no query latent)
+        rho_kv = run.cache[f"blocks.{layer}.attn.kv_latent_norm.hook_scale"]  # [n, 1]
+        rd = model.cfg.rotary_dim or 0
+        content = slice(rd, rd + model.cfg.mla_d_nope)  # the layout [rope | nope | 0]
+        k_parts = k_parts.clone()
+        k_parts[..., content] /= rho_kv
+        return (q_parts if rho_q is None else q_parts / rho_q), k_parts
     if model.cfg.qk_norm is None:
         return q_parts, k_parts
     attn, group = attention(model, layer), h // model.cfg.group_size

@@ -37,6 +37,7 @@ from circuits_core.prompt.frozen import (
     post_gain,
     readout,
     target_cap_factors,
+    value_inv_scale,
 )
 from circuits_core.prompt.paths import PathExpansion, path_sources
 
@@ -152,7 +153,7 @@ def chain_terms(model: Transformer, run: FrozenRun, chain: list[Head], target: i
             continue  # written after h1 reads the stream
         Y = source.X.expand(n, -1)  # [n, d] (a bias: the same vector at every position)
         for layer, h in chain:
-            X = ln_linear(model, f"blocks.{layer}.ln1", Y, run.inv_scale(f"blocks.{layer}.ln1"))
+            X = ln_linear(model, f"blocks.{layer}.ln1", Y, value_inv_scale(model, run, layer))  # (MLA: / rho_kv)
             Y = head_write(model, run, layer, h, X)  # [n, d]
         out.append((source.name[0] if source.name else "embed", caps * run.inv_scale("ln_final") * (Y @ r)))
     return out
@@ -187,7 +188,7 @@ def chain_next_token_terms(model: Transformer, run: FrozenRun, chain: list[Head]
     _check_chain(model, chain)
     Y = embed_source(model, run)  # [n, d]
     for layer, h in chain:
-        X = ln_linear(model, f"blocks.{layer}.ln1", Y, run.inv_scale(f"blocks.{layer}.ln1"))  # D (Y C) diag(w)
+        X = ln_linear(model, f"blocks.{layer}.ln1", Y, value_inv_scale(model, run, layer))  # D (Y C) diag(w)
         Y = head_write(model, run, layer, h, X)  # [n, d]
     nxt = run.tokens[1:].tolist()
     R = torch.stack([readout(model, int(t))[0] for t in nxt]) if nxt else Y.new_zeros(0, Y.shape[1])  # [n-1, d]

@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -100,3 +101,29 @@ def test_a_frozen_redis_neither_stalls_nor_fails_requests(model_dirs, tmp_path, 
         assert set(codes) == {200}
     else:
         assert codes[0] == 503 and set(codes[1:]) == {200}
+
+
+def test_a_frozen_redis_never_holds_up_the_requests_beside_it(model_dirs, tmp_path):
+    """While one metered request waits on the frozen limiter, /healthz (unmetered, on the same event loop) answers at
+    once: the limiter's wait runs off the loop. The previous limiter called Redis on the event loop, so every request
+    waited out the Redis client's timeout with it: /healthz took 0.50 s on that code (19bc08e's parent), while the
+    fail-open case of the test above passed there."""
+    with running_redis(tmp_path) as redis:
+        settings = _settings(
+            model_dirs, rate_limit=1000, store_url=redis.url, store_dir=tmp_path / "store", rate_limit_timeout_s=2.0
+        )
+        with TestClient(create_app(settings)) as c:
+            assert c.get("/api/v1/models").status_code == 200
+            assert redis.proc is not None
+            os.kill(redis.proc.pid, signal.SIGSTOP)
+            try:
+                metered = threading.Thread(target=lambda: c.get("/api/v1/models"))
+                metered.start()
+                time.sleep(0.1)  # the metered request is waiting on the limiter now
+                start = time.perf_counter()
+                health = c.get("/healthz")
+                took = time.perf_counter() - start
+                metered.join(timeout=30)
+            finally:
+                os.kill(redis.proc.pid, signal.SIGCONT)
+    assert health.status_code == 200 and took < 0.25, took

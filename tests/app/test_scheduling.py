@@ -240,3 +240,49 @@ def test_a_part_two_computations_need_at_once_is_built_once() -> None:
     assert len(builds) == 1
     assert second == got[0] == Part(value=7)
     service.close()
+
+
+def test_closing_the_service_stops_its_running_computations() -> None:
+    """A computation still running when the app shuts down (a job nobody polls any more, a request cut off) is told
+    to stop: its worker thread must not run on unseen after the app (it did, and a later test's counters saw it)."""
+    import asyncio
+    import threading
+
+    from circuits_core.errors import CancelledError
+
+    started, stopped = threading.Event(), threading.Event()
+
+    def forever() -> None:
+        try:
+            while True:
+                check_stop(what="a long loop")
+                started.set()
+                time.sleep(0.01)
+        except CancelledError:
+            stopped.set()
+            raise
+
+    async def scenario() -> None:
+        service = ComputeService(slots=1)
+        asyncio.get_running_loop().create_task(service.run(forever, (), {}, key=("forever",)))
+        assert await asyncio.to_thread(started.wait, 5)
+        service.close()
+        assert await asyncio.to_thread(stopped.wait, 5)
+
+    asyncio.run(scenario())
+
+
+def test_the_app_stops_its_computations_when_it_shuts_down(settings: Settings) -> None:
+    """The lifespan's end closes the compute service: a job still running when the app stops is told to stop, and
+    its worker thread ends instead of computing on after the app."""
+    ran: list[str] = []
+    stopped: list[str] = []
+    app = app_with(settings, ran, stopped, job_abandon_s=60.0)
+    with TestClient(app) as c:
+        job = c.get("/api/v1/test/priced-work", params={"tag": "long", "gflop": 5, "seconds": 30})
+        assert job.status_code == 202
+        poll(c, job.json()["status_url"], lambda s: s["state"] == "running")
+    end = time.monotonic() + 5
+    while not stopped and time.monotonic() < end:
+        time.sleep(0.05)
+    assert stopped == ["long"]

@@ -21,6 +21,7 @@ from tests.app.live_server import free_port, start
 from tests.app.redis_server import RedisServer, running_redis
 
 pytestmark = pytest.mark.xdist_group("uvicorn")
+SECRET = "replicas-share-this-secret-of-32+chars"  # without one, a replica does not use Redis (docs/serving.md)
 MODEL = "toy-2l"
 
 
@@ -72,7 +73,7 @@ def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 def test_a_key_computed_by_one_replica_is_served_by_the_other(redis_server: RedisServer, tmp_path: Path) -> None:
-    env = {"QKOV_STORE_URL": redis_server.url}
+    env = {"QKOV_STORE_URL": redis_server.url, "QKOV_STORE_SECRET": SECRET}
     with (
         replica({**env, "QKOV_STORE_DIR": str(tmp_path / "a")}) as a,
         replica({**env, "QKOV_STORE_DIR": str(tmp_path / "b")}) as b,
@@ -90,7 +91,7 @@ def test_a_key_computed_by_one_replica_is_served_by_the_other(redis_server: Redi
 
 
 def test_sixteen_clients_on_two_replicas_compute_each_key_once(redis_server: RedisServer, tmp_path: Path) -> None:
-    env = {"QKOV_STORE_URL": redis_server.url}
+    env = {"QKOV_STORE_URL": redis_server.url, "QKOV_STORE_SECRET": SECRET}
     with (
         replica({**env, "QKOV_STORE_DIR": str(tmp_path / "a")}) as a,
         replica({**env, "QKOV_STORE_DIR": str(tmp_path / "b")}) as b,
@@ -117,7 +118,9 @@ def test_sixteen_clients_on_two_replicas_compute_each_key_once(redis_server: Red
 
 
 def test_a_killed_redis_gives_no_5xx_and_readyz_says_so(redis_server: RedisServer, tmp_path: Path) -> None:
-    with replica({"QKOV_STORE_URL": redis_server.url, "QKOV_STORE_DIR": str(tmp_path / "a")}) as a:
+    with replica(
+        {"QKOV_STORE_URL": redis_server.url, "QKOV_STORE_SECRET": SECRET, "QKOV_STORE_DIR": str(tmp_path / "a")}
+    ) as a:
         assert httpx.get(a + ov_row(5), timeout=60).status_code == 200
         redis_server.kill()
         statuses = [httpx.get(a + ov_row(t), timeout=60).status_code for t in (5, 6, 7, 6)]

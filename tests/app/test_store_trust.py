@@ -1,6 +1,8 @@
 """The result store as a trust boundary: rows authenticated by an HMAC under QKOV_STORE_SECRET (a planted or moved
 row is recomputed, a second process with the same secret reads the first one's rows), and no file name read from a
-cache.db row is ever read or deleted unless diskcache made it."""
+cache.db row is ever read or deleted unless diskcache made it. Without the secret rows are still authenticated: a
+disk store under a key drawn once and kept beside its folder (shared by a machine's processes), and a Redis store is
+not used at all."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ from pathlib import Path
 
 import diskcache
 
-from app.store import KEY_PREFIX, DiskStore, StoreTier, compress
+from app.observability import open_store_tier
+from app.settings import Settings
+from app.store import KEY_PREFIX, DiskStore, RedisStore, StoreTier, compress, key_file
 
 SECRET = b"s" * 32
 
@@ -57,3 +61,40 @@ def test_a_row_naming_a_file_outside_the_store_is_neither_read_nor_deleted(tmp_p
     again = DiskStore(store_dir, 2**24)
     assert again.get("k") is None  # refused, and the row dropped
     assert victim.read_bytes() == compress(b"not the store's") and victim.parent.is_dir()
+
+
+def test_without_a_secret_a_planted_row_is_recomputed_and_the_key_stays_outside_the_store(tmp_path):
+    settings = Settings(store_url="disk", store_dir=tmp_path / "store", store_secret=None)
+    tier, problem = open_store_tier(settings)
+    assert tier is not None and problem is None
+    key = "page|/models/toy-2l"
+    # whoever can write the store folder, in the format rows had without a secret: not served
+    tier.store.put(tier._key(key), b"<script>alert(1)</script>")
+    assert asyncio.run(tier.get(key)) is None and tier.rejected == 1
+    asyncio.run(tier.put(key, b"<p>honest</p>"))
+    again, _ = open_store_tier(settings)  # another worker of this machine, or a restart: the same key file
+    assert again is not None and asyncio.run(again.get(key)) == b"<p>honest</p>"
+    status = again.status()
+    assert status["authenticated"] is True and status["key"] == "key file store.key"
+    path = key_file(settings.store_dir)
+    assert path.parent == tmp_path and len(path.read_bytes()) == 32 and path.stat().st_mode & 0o077 == 0
+    assert not any(p.name == path.name for p in settings.store_dir.rglob("*"))  # never kept in the store
+    assert path.read_bytes() not in b"".join(p.read_bytes() for p in settings.store_dir.rglob("*") if p.is_file())
+
+
+def test_without_a_secret_redis_is_not_used_and_readyz_says_why(tmp_path):
+    settings = Settings(store_url="redis://127.0.0.1:1/0", store_dir=tmp_path / "store", store_secret=None)
+    tier, _ = open_store_tier(settings)
+    assert tier is not None and isinstance(tier.store, DiskStore)
+    assert "QKOV_STORE_SECRET is unset" in tier.status()["note"]
+    shared = Settings(store_url="redis://127.0.0.1:1/0", store_dir=tmp_path / "store", store_secret="x" * 32)
+    tier, _ = open_store_tier(shared)
+    assert tier is not None and isinstance(tier.store, RedisStore) and tier.status()["key"] == "secret"
+
+
+def test_a_key_file_that_cannot_be_read_means_running_without_the_store(tmp_path):
+    settings = Settings(store_url="disk", store_dir=tmp_path / "store", store_secret=None)
+    key_file(settings.store_dir).write_bytes(b"short")  # not a key: never guessed around
+    tier, problem = open_store_tier(settings)
+    assert tier is None and problem is not None and problem["ok"] is False
+    assert "store.key holds 5 bytes" in problem["detail"]

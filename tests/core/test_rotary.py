@@ -30,7 +30,7 @@ from circuits_core.circuits.rotary import (
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.soft_cap import soft_cap
-from circuits_core.model.transformer import random_model, rotary_inv_freq, rotary_pairs
+from circuits_core.model.transformer import random_model, rotary_pairs
 from circuits_core.model.window import visible
 
 IDS = list(CASES)

@@ -1,0 +1,118 @@
+"""The load watchdog (formats/load_watchdog.py): a load may add at most LOAD_MEMORY_MULTIPLE x its weights (in the
+compute dtype) + LOAD_MEMORY_ALLOWANCE to the process's memory.
+
+The hostile folder: a model of width 8 with a 600,000-token vocabulary (38 MB of float32 weights) beside a compact
+20 MB tokenizer.json, under the tokenizer's own byte allowance (8 MiB + 512 bytes per token) but costing about 39
+times its bytes to parse. Measured in a fresh process: refused by name before the parse, the peak RSS growth under
+the limit (the previous loader parsed it and loaded the model, growing the process by about 900 MiB). The measuring
+half: a load that keeps allocating is stopped at its next step once the sampled RSS crosses the limit, with the
+growth measured independently from /proc; a native step crossing it after the last step is refused at the end."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models
+
+from circuits_core.formats.checkpoint import save_checkpoint
+from circuits_core.formats.load_watchdog import (
+    LOAD_MEMORY_ALLOWANCE,
+    LOAD_MEMORY_MULTIPLE,
+    LoadMemoryExceeded,
+    LoadWatchdog,
+    checkpoint,
+)
+from circuits_core.formats.statedict import load_bytes
+from circuits_core.formats.tokenizer import tokenizer_allowance
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.transformer import Transformer
+
+REPO = Path(__file__).resolve().parents[2]
+MiB = 1024 * 1024
+
+MEASURE = """
+import json, sys
+from pathlib import Path
+from circuits_core.errors import CheckpointError
+from circuits_core.formats.checkpoint import load_checkpoint
+def status(field):  # KiB; VmHWM is this process's peak (ru_maxrss would carry the parent's peak across exec)
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
+before = status("VmRSS")
+try:
+    load_checkpoint(Path(sys.argv[1]))
+    outcome = "loaded"
+except CheckpointError as exc:
+    outcome = f"{type(exc).__name__}: {exc}"
+print(json.dumps({"outcome": outcome, "grown_bytes": (status("VmHWM") - before) * 1024}))
+"""
+
+
+def _compact_bpe(n_tokens: int) -> str:
+    """A BPE of `n_tokens` entries of 1-3 printable characters, each longer entry reachable by its two splits,
+    written without indentation: about 35 bytes per entry, and the densest thing for the library to parse."""
+    chars = [chr(c) for c in range(0x21, 0x7F) if chr(c) not in '"\\\\']
+    vocab: dict[str, int] = {}
+    merges: list[tuple[str, str]] = []
+    for n in (1, 2, 3):
+        for parts in itertools.product(chars, repeat=n):
+            if len(vocab) == n_tokens:
+                break
+            token = "".join(parts)
+            vocab[token] = len(vocab)
+            if n >= 2:
+                merges.append((token[:-1], token[-1]))
+            if n == 3:
+                merges.append((token[0], token[1:]))
+    return HFTokenizer(models.BPE(vocab=vocab, merges=merges)).to_str(pretty=False)
+
+
+def test_a_folder_whose_tokenizer_would_cost_more_than_its_limit_is_refused_before_the_parse(tmp_path):
+    n = 600_000
+    cfg = ModelConfig(n_layers=1, d_model=8, n_heads=2, d_head=4, d_mlp=16, d_vocab=n, n_ctx=16, act_fn="gelu")
+    text = _compact_bpe(n)
+    size = len(text.encode())
+    assert 15 * MiB < size < tokenizer_allowance(n)  # within the tokenizer's own byte allowance
+    folder = save_checkpoint(Transformer(cfg), tmp_path / "dense-tokenizer", tokenizer_json=text)
+    limit = LOAD_MEMORY_MULTIPLE * load_bytes(cfg) + LOAD_MEMORY_ALLOWANCE
+    out = subprocess.run(
+        [sys.executable, "-c", MEASURE, str(folder)], cwd=REPO, capture_output=True, text=True, timeout=600, check=True
+    )
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["outcome"].startswith("LoadMemoryExceeded: dense-tokenizer: loading it would need"), got
+    assert "for parsing tokenizer.json" in got["outcome"]
+    assert got["grown_bytes"] < limit, (got, limit)  # the previous loader: about 900 MiB, over a limit of ~371 MiB
+
+
+def _rss() -> int:
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:")) * 1024
+
+
+def test_a_load_that_keeps_allocating_is_stopped_at_its_next_step():
+    step = 8 * MiB
+    kept: list[torch.Tensor] = []
+    before = _rss()
+    watchdog = LoadWatchdog("hog", files_bytes=16 * MiB, multiple=1.0, allowance=64 * MiB)  # limit: 80 MiB
+    with pytest.raises(LoadMemoryExceeded, match=r"hog: loading it grew the process by \d+ MiB, over its limit of 80"):
+        with watchdog:
+            for _ in range(100):  # 800 MiB if nothing stopped it
+                checkpoint()
+                kept.append(torch.ones(step // 4))  # written, so resident
+                time.sleep(0.01)  # (the sampler reads /proc every 5 ms)
+    grown = _rss() - before
+    assert watchdog.limit < grown < watchdog.limit + 4 * step, (grown, watchdog.limit)
+
+
+def test_a_native_step_after_the_last_checkpoint_is_refused_at_the_end_and_nothing_is_watched_outside():
+    with pytest.raises(LoadMemoryExceeded, match="native"):
+        with LoadWatchdog("native", files_bytes=0, multiple=1.0, allowance=32 * MiB):
+            big = torch.ones(64 * MiB // 4)  # one step, no checkpoint after it
+    checkpoint()  # outside any load: nothing to check
+    del big
