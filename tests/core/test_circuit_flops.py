@@ -22,6 +22,7 @@ from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import stream_flops as sf
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.folded import circuit_weight, head_weights
 from circuits_core.circuits.global_topk import SCREEN_MIN_ENTRIES, topk_global_flops
 from circuits_core.prompt import qk_paths
 
@@ -268,3 +269,22 @@ def test_the_stream_usage(name: str) -> None:
         assert scanned == exact, energy
         assert scanned <= sf.usage_flops(m) - sf.spectra_flops(m)
     assert rs.usage_cost(m).then(rs.erasure_cost(m, 5)).flops == sf.usage_flops(m)  # the page's price
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_heads_folded_weights_are_its_rows_of_the_layers(name: str) -> None:
+    """folded.head_weights (one head's gains applied to its weights only) == circuit_weight's layer-wide folds indexed
+    at the head and its key/value group, exactly, on every rotary layout (QK-norm per head and per layer, GQA and
+    multi-query, output norms)."""
+    m = rotary_model(**CASES[name])
+    for layer in range(m.cfg.n_layers):
+        for head in range(m.cfg.n_heads):
+            group = head // m.cfg.group_size
+            layer_wide = (
+                circuit_weight(m, layer, "W_Q")[head],
+                circuit_weight(m, layer, "W_K")[group],
+                circuit_weight(m, layer, "W_V")[group],
+                circuit_weight(m, layer, "W_O")[head],
+            )
+            for mine, theirs in zip(head_weights(m, layer, head), layer_wide, strict=True):
+                torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
