@@ -17,7 +17,7 @@ from pydantic import Field
 
 from app.analysis import Analysis, AnalysisParams, HeadField
 from app.params import HEAD_DOC, BasisChoice, HeadParams, Offset
-from app.scheduling import cached_build
+from app.scheduling import cached_build, is_cached
 from app.schemas.common import Complex
 from app.schemas.rotary import (
     BandsView,
@@ -78,8 +78,13 @@ def reference_means(loaded: LoadedModel) -> tuple[torch.Tensor, ReferenceText]:
 
 
 def reference_tokens_bound(loaded: LoadedModel) -> int:
-    """The most tokens μ is measured on (reference_tokens), for its price."""
-    return min(max(len(rotary.REFERENCE_TEXT), RANDOM_REFERENCE_TOKENS), loaded.model.cfg.n_ctx)
+    """The tokens μ is measured on (reference_tokens: the reference text tokenised, no tensor work), for its price."""
+    return reference_tokens(loaded)[1].n_tokens
+
+
+def reference_forward_tokens(loaded: LoadedModel) -> int:
+    """The tokens of the forward pass μ still needs: none once it is in the result cache, else the reference's."""
+    return 0 if is_cached(("rotary-reference", str(loaded.digest))) else reference_tokens_bound(loaded)
 
 
 # -- the positional kernel -----------------------------------------------------------------------------
@@ -127,7 +132,7 @@ def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limi
 
 
 def positional_cost(loaded: LoadedModel, p: PositionalParams, limits: Limits) -> Cost:
-    return rotary.kernel_cost(loaded.model, p.max_offset + 1, reference_tokens_bound(loaded)) + raw_copy_cost(
+    return rotary.kernel_cost(loaded.model, p.max_offset + 1, reference_forward_tokens(loaded)) + raw_copy_cost(
         loaded, p.basis
     )
 
