@@ -102,8 +102,7 @@ def test_the_tables_as_the_view_reads_them(model) -> None:
 
     def qk_table() -> None:
         if rotary_model_:
-            fm = rotary.full_qk_circuit_at(m, LAYER, HEAD, OFFSET)
-            FactoredMatrix(fm.A[IDS], fm.B[:, IDS]).topk_global(n * n)
+            rotary.full_qk_circuit_at(m, LAYER, HEAD, OFFSET, tokens=IDS).topk_global(n * n)
         else:
             hc.full_qk_circuit(m, LAYER, HEAD, IDS).topk_global(n * n)
 
@@ -288,3 +287,13 @@ def test_one_heads_folded_weights_are_its_rows_of_the_layers(name: str) -> None:
             )
             for mine, theirs in zip(head_weights(m, layer, head), layer_wide, strict=True):
                 torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_rotary_qk_circuit_on_a_token_set_is_the_submatrix(name: str) -> None:
+    """rotary.full_qk_circuit_at on a token set (the factors of those tokens only, their QK-norm scales included) ==
+    the whole vocabulary's circuit restricted to those rows and columns, float64."""
+    m = rotary_model(**CASES[name])
+    whole = rotary.full_qk_circuit_at(m, LAYER, HEAD, OFFSET).AB[IDS][:, IDS]
+    part = rotary.full_qk_circuit_at(m, LAYER, HEAD, OFFSET, tokens=IDS).AB
+    torch.testing.assert_close(part, whole, rtol=0, atol=1e-12)
