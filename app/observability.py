@@ -160,8 +160,9 @@ class Readiness:
         with self._lock:
             report: dict[str, str] = {}
             shipped_ok = True
-            entries = self.registry.entries()
-            states = self.registry.settle(entries)  # a user folder still loading after the wait: "loading"
+            deadline = self.registry.deadline()  # a user folder still loading then: "loading"
+            entries = self.registry.entries(deadline)
+            states = self.registry.settle(entries, deadline)
             for entry in entries:
                 state = states[entry.id]
                 if state is None:

@@ -17,10 +17,11 @@ refused by its memory watchdog (circuits_core/formats/load_watchdog.py: it measu
 running beside the load counts too) is retried after `settings.load_retry_s` even when the files are unchanged.
 Error messages never show a server path (the folder's path is replaced by the model id).
 
-A slow folder never holds up the listing, `/` or /readyz: `settle` starts the loads they need on the registry's
-background loader threads and waits for them at most `settings.listing_wait_s`; a model still loading then is
-reported as loading (its load goes on, and the next listing shows it). The shipped models are the repository's own
-and small: they are always waited for.
+A slow folder never holds up the listing, `/` or /readyz: `entries` reads the user folders' formats on detection
+threads and `settle` starts the loads they need on background loader threads, both waiting until one deadline
+(`settings.listing_wait_s` from the listing's start) and only for work that listing started; a folder still being
+read or loaded then is reported as loading (its work goes on, and a later listing shows it). The shipped models are
+the repository's own and small: they are always waited for.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pathlib import Path
 import torch
 
 from app.settings import Settings
-from circuits_core.errors import CheckpointError, NotFoundError
+from circuits_core.errors import CheckpointError, NotFoundError, QkovError
 from circuits_core.formats.checkpoint import LoadedModel, detect_format, load_checkpoint
 from circuits_core.formats.gguf import gguf_file
 from circuits_core.formats.load_watchdog import LoadMemoryExceeded
@@ -148,35 +149,44 @@ class ModelRegistry:
             self._scans[folder] = (stamp, entry)
         return entry
 
-    def _scan_soon(self, folder: Path) -> concurrent.futures.Future[ModelEntry | None]:
-        """_scan_one of a user folder on a detection thread (one at a time per folder); its future."""
+    def _scan_soon(self, folder: Path) -> tuple[concurrent.futures.Future[ModelEntry | None], bool]:
+        """_scan_one of a user folder on a detection thread (one at a time per folder): (its future, whether this
+        call started it)."""
         with self._guard:
             future = self._scanning.get(folder)
-            if future is None or future.done():
-                future = self._scanning[folder] = self._detector.submit(self._scan_one, folder, False)
-            return future
+            if future is not None and not future.done():
+                return future, False
+            future = self._scanning[folder] = self._detector.submit(self._scan_one, folder, False)
+            return future, True
 
-    def _scanned(self, root: Path, shipped: bool) -> list[ModelEntry | None]:
-        """The folders of one root scanned: the shipped ones here; the user's on detection threads, waited for at
-        most `settings.listing_wait_s` in all (a folder whose config is still being read is a pending entry)."""
+    def deadline(self) -> float:
+        """When a listing started now stops waiting for user folders (time.monotonic; `settings.listing_wait_s`)."""
+        return time.monotonic() + self.settings.listing_wait_s
+
+    def _scanned(self, root: Path, shipped: bool, deadline: float) -> list[ModelEntry | None]:
+        """The folders of one root scanned: the shipped ones here; the user's on detection threads, waited for until
+        `deadline` (a folder whose config is still being read is a pending entry)."""
         folders = sorted(root.iterdir())
         if shipped:
             return [self._scan_one(folder, True) for folder in folders]
-        futures = [self._scan_soon(folder) for folder in folders]
-        concurrent.futures.wait(futures, timeout=self.settings.listing_wait_s)
+        started = [self._scan_soon(folder) for folder in folders]
+        futures = [future for future, _ in started]
+        fresh = [future for future, new in started if new]  # one already under way held up an earlier listing
+        concurrent.futures.wait(fresh, timeout=max(0.0, deadline - time.monotonic()))
         return [
             f.result() if f.done() else ModelEntry(folder.name, folder, "unknown", False, pending=True)
             for folder, f in zip(folders, futures, strict=True)
         ]
 
-    def entries(self) -> list[ModelEntry]:
-        """Every model folder, rescanned now, sorted by id (a user folder whose format takes longer than the listing
-        wait to read is listed pending)."""
+    def entries(self, deadline: float | None = None) -> list[ModelEntry]:
+        """Every model folder, rescanned now, sorted by id (a user folder whose format is still being read at
+        `deadline`, by default the listing wait from now, is listed pending)."""
+        deadline = self.deadline() if deadline is None else deadline
         found: dict[str, ModelEntry] = {}
         for root, shipped in self._roots():
             if not root.is_dir():
                 continue
-            for entry in self._scanned(root, shipped):
+            for entry in self._scanned(root, shipped, deadline):
                 if entry is None:
                     continue
                 if entry.id in found:
@@ -276,23 +286,32 @@ class ModelRegistry:
             return True
         return self._known_failure(entry.id, fingerprint(entry.path))
 
-    def load_soon(self, model_id: str) -> concurrent.futures.Future[LoadedModel]:
-        """get(model_id) on a background loader thread (one at a time per model); its future."""
+    def load_soon(self, model_id: str) -> tuple[concurrent.futures.Future[LoadedModel], bool]:
+        """get(model_id) on a background loader thread (one at a time per model): (its future, whether this call
+        started it)."""
         with self._guard:
             future = self._pending.get(model_id)
-            if future is None or future.done():
-                future = self._pending[model_id] = self._background.submit(self.get, model_id)
-            return future
+            if future is not None and not future.done():
+                return future, False
+            future = self._pending[model_id] = self._background.submit(self.get, model_id)
+            return future, True
 
-    def settle(self, entries: Sequence[ModelEntry]) -> dict[str, LoadedModel | CheckpointError | None]:
-        """Each entry's model, its load's error, or None while it is still loading after `settings.listing_wait_s`
-        (the load goes on in the background). Shipped models are always waited for; the rest load on background
-        threads, all at once, so one slow folder costs the caller at most the wait."""
-        futures = {
+    def settle(
+        self, entries: Sequence[ModelEntry], deadline: float | None = None
+    ) -> dict[str, LoadedModel | CheckpointError | None]:
+        """Each entry's model, its load's error, or None while it is still loading (or its format being read) at
+        `deadline` (by default the listing wait from now; the load goes on in the background). Shipped models are
+        always waited for; the rest load on background threads, all at once, so one slow folder costs the caller at
+        most the wait (entries() and settle() given one deadline share it), and only the first caller: a load (or a
+        detection) already under way when a listing starts is reported as it stands, without waiting for it again."""
+        deadline = self.deadline() if deadline is None else deadline
+        started = {
             e.id: self.load_soon(e.id) for e in entries if not e.shipped and not e.pending and not self.settled(e)
         }
-        if futures:
-            concurrent.futures.wait(list(futures.values()), timeout=self.settings.listing_wait_s)
+        futures = {model_id: future for model_id, (future, _) in started.items()}
+        fresh = [future for future, new in started.values() if new]
+        if fresh:
+            concurrent.futures.wait(fresh, timeout=max(0.0, deadline - time.monotonic()))
         out: dict[str, LoadedModel | CheckpointError | None] = {}
         for entry in entries:
             future = futures.get(entry.id)
@@ -306,8 +325,8 @@ class ModelRegistry:
                     out[entry.id] = future.result()
                 else:
                     out[entry.id] = None
-            except CheckpointError as exc:
-                out[entry.id] = exc
+            except QkovError as exc:  # (the folder vanished since the scan: NotFoundError)
+                out[entry.id] = exc if isinstance(exc, CheckpointError) else CheckpointError(str(exc))
         return out
 
     def preload(self) -> None:

@@ -18,10 +18,11 @@ router = APIRouter(prefix=API)
 async def models_view(registry: ModelRegistry) -> schemas.ModelListView:
     """The listing in a plain worker thread when every model is loaded or known broken (registry.settled); else
     in a loader thread (never behind the compute slots that user requests hold)."""
-    entries = await cheap(registry.entries)
+    deadline = registry.deadline()  # one listing wait for the folders' detection and their loads together
+    entries = await cheap(registry.entries, deadline)
     if all(registry.settled(e) for e in entries):  # loaded, or known broken: nothing to load
-        return await cheap(build_models_view, registry)
-    return await load(build_models_view, registry)
+        return await cheap(build_models_view, registry, deadline)
+    return await load(build_models_view, registry, deadline)
 
 
 @router.get("/models", response_model=list[schemas.ModelSummary], tags=["models"], summary="List the models")

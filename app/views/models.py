@@ -60,12 +60,14 @@ def build_model_view(loaded: LoadedModel, entry: ModelEntry) -> ModelSummary:
 LOADING = "still loading (its load goes on in the background: ask again shortly)"
 
 
-def build_models_view(registry: ModelRegistry) -> ModelListView:
+def build_models_view(registry: ModelRegistry, deadline: float | None = None) -> ModelListView:
     """Every model folder (rescanned now), loading each once; failures are listed, not raised, and a folder still
-    loading after the registry's listing wait is listed as loading (ModelRegistry.settle)."""
+    loading at `deadline` (by default the registry's listing wait from now) is listed as loading
+    (ModelRegistry.settle)."""
     models, unavailable = [], []
-    entries = registry.entries()
-    states = registry.settle(entries)
+    deadline = registry.deadline() if deadline is None else deadline
+    entries = registry.entries(deadline)
+    states = registry.settle(entries, deadline)
     for entry in entries:
         state = states[entry.id]
         try:

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import mmap
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
@@ -97,14 +97,17 @@ def _rss() -> int:
 
 def test_a_load_that_keeps_allocating_is_stopped_at_its_next_step():
     step = 8 * MiB
-    kept: list[torch.Tensor] = []
+    kept: list[mmap.mmap] = []  # fresh anonymous pages each step: resident once written, whatever malloc holds free
+    ones = b"\1" * step
     before = _rss()
     watchdog = LoadWatchdog("hog", files_bytes=16 * MiB, multiple=1.0, allowance=64 * MiB)  # limit: 80 MiB
     with pytest.raises(LoadMemoryExceeded, match=r"hog: loading it grew the process by \d+ MiB, over its limit of 80"):
         with watchdog:
             for _ in range(100):  # 800 MiB if nothing stopped it
                 checkpoint()
-                kept.append(torch.ones(step // 4))  # written, so resident
+                page = mmap.mmap(-1, step)
+                page.write(ones)  # written, so resident
+                kept.append(page)
                 time.sleep(0.01)  # (the sampler reads /proc every 5 ms)
     grown = _rss() - before
     assert watchdog.limit < grown < watchdog.limit + 4 * step, (grown, watchdog.limit)
@@ -113,6 +116,7 @@ def test_a_load_that_keeps_allocating_is_stopped_at_its_next_step():
 def test_a_native_step_after_the_last_checkpoint_is_refused_at_the_end_and_nothing_is_watched_outside():
     with pytest.raises(LoadMemoryExceeded, match="native"):
         with LoadWatchdog("native", files_bytes=0, multiple=1.0, allowance=32 * MiB):
-            big = torch.ones(64 * MiB // 4)  # one step, no checkpoint after it
+            big = mmap.mmap(-1, 64 * MiB)
+            big.write(b"\1" * (64 * MiB))  # one step, no checkpoint after it
     checkpoint()  # outside any load: nothing to check
-    del big
+    big.close()
