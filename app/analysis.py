@@ -24,7 +24,7 @@ and listed once in app/catalog.py's ANALYSES. From it come:
   `bounded`), applied once per app in create_app, so every limit is visible in the schema;
 - the cache key (`cache_key`): model id, the digest of every answer-changing file (`loaded.digest`: weights,
   tokenizer, token counts, qkov.json), analysis name and the normalised params as canonical JSON;
-- the price check: `cost(loaded, params, limits)` runs before a compute slot is taken (app/scheduling.py compares it
+- the price check: `cost(loaded, params, limits)` runs before a compute slot is taken (app/scheduling/ compares it
   with the budget);
 - the JSON-twin link of the page (`json_url`).
 

@@ -5,6 +5,10 @@ Charts are data inside the HTML fragment (no page fetches its own JSON). Each fu
 heads are labelled L{layer}H{head}; signed values use the diverging RdBu scale centred on 0 (red negative,
 blue positive); `links` maps a trace index to the URL opened on click (a list by point, or rows x cols for a
 heatmap), which is how a heatmap cell opens its head or pair.
+
+These are the primitives (heatmap, bars, waterfall, scatters, lines); how tokens and terms are written on them is
+app/labels.py, and the figures of whole views (an attention pattern, a path expansion, a composition matrix) are
+app/view_figures.py.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from app.figure_output import MAX_HEIGHT
+from app.labels import shown_labels
 
 Figure = dict[str, Any]
 
@@ -27,30 +32,6 @@ NEG_COLOR = "#b2182b"
 GREY = "#8a94a1"
 # A horizontal legend above the plot, right-aligned: below it, it would cover the x-axis title.
 LEGEND_TOP = {"orientation": "h", "x": 1, "xanchor": "right", "y": 1.0, "yanchor": "bottom"}
-
-
-# Whitespace and control characters drawn visibly: · space, ⏎ newline, ⇥ tab, and an ASCII escape (\r, \x0c,
-# \x7f, \x85, \xa0) for every other control character and the no-break space (the Unicode control pictures
-# are missing from common monospace fonts and would show as empty boxes).
-VISIBLE = {
-    " ": "·",
-    "\n": "⏎",
-    "\t": "⇥",
-    "\r": "\\r",
-    **{chr(c): f"\\x{c:02x}" for c in [*range(0x20), 0x7F, *range(0x80, 0xA1)] if chr(c) not in "\n\t\r"},
-}
-VISIBLE_TABLE = str.maketrans(VISIBLE)
-
-
-def visible(text: str | None) -> str:
-    """A token as the dashboard shows it (axes, tables): whitespace and control characters visible, ∅ if empty."""
-    return text.translate(VISIBLE_TABLE) if text else "∅"
-
-
-def unique_labels(labels: Sequence[str]) -> list[str]:
-    """Plotly merges equal category labels; make repeated tokens distinct by their position."""
-    labels = list(labels)
-    return [f"{lab} [{i}]" if labels.count(lab) > 1 else lab for i, lab in enumerate(labels)]
 
 
 def rounded(z: Sequence[Sequence[float | None]], digits: int) -> list[list[float | None]]:
@@ -337,41 +318,6 @@ def scatter(
     return fig
 
 
-def shown_labels(
-    x: Sequence[float], y: Sequence[float], labels: Sequence[str], most: int = 10, named: Sequence[str] = ()
-) -> list[str]:
-    """The labels drawn on a scatter: every `named` label, then the points farthest from the centre, each kept
-    only when no kept label's point lies within a label's box of it (in fractions of the axis ranges), at most
-    `most` in all (the named ones always). Named points too close to label apart share one label ("L1H0, L1H2")
-    at the first of them."""
-    if not labels:
-        return []
-    span_x = (max(x) - min(x)) or 1.0
-    span_y = (max(y) - min(y)) or 1.0
-
-    def collides(i: int, j: int, text: str) -> bool:
-        box_x = 0.12 * max(1, len(text)) / 4  # a label is about 12 % of the width per four characters
-        return abs(x[i] - x[j]) / span_x <= box_x and abs(y[i] - y[j]) / span_y <= 0.09
-
-    text: dict[int, str] = {}  # point -> its drawn label
-    for i in (i for i, lab in enumerate(labels) if lab in set(named)):
-        near = next((j for j in text if collides(i, j, max(labels[i], text[j], key=len))), None)
-        if near is None:
-            text[i] = labels[i]
-        else:
-            text[near] += ", " + labels[i]
-    cx, cy = sum(x) / len(x), sum(y) / len(y)
-    order = sorted(range(len(labels)), key=lambda i: -(((x[i] - cx) / span_x) ** 2 + ((y[i] - cy) / span_y) ** 2))
-    shown = set(text) | {i for i, lab in enumerate(labels) if lab in set(named)}
-    for i in order:
-        if len(shown) >= most:
-            break
-        if i not in shown and not any(collides(i, j, max(labels[i], text[j], key=len)) for j in text):
-            text[i] = labels[i]
-            shown.add(i)
-    return [text.get(i, "") for i in range(len(labels))]
-
-
 def grouped_bars(
     categories: Sequence[str],
     series: Mapping[str, Sequence[float]],
@@ -446,138 +392,4 @@ def lines(
             "shapes": shapes,
             "legend": LEGEND_TOP if x_title else {"orientation": "h", "y": -0.2},
         },
-    }
-
-
-# -- figures of whole views (shared by the pages and the paper tour) -------------------------------------
-def token_labels(tokens: Sequence[Any]) -> list[str]:
-    """Axis labels of a prompt's tokens: visible whitespace, made unique by position."""
-    return unique_labels([visible(t.text) for t in tokens])
-
-
-def term_label(path: Sequence[str], kind: str, n_terms: int | None = None) -> str:
-    """A path term's name: 'direct', 'L1H4', 'L0H1→L1H4', 'mlp:L0→L1H4', 'remainder', 'other (12)'."""
-    if kind == "other":
-        return f"other ({n_terms} terms)" if n_terms else "other"
-    if kind == "remainder":
-        return "remainder (higher orders)"
-    return "→".join(path) if path else "direct"
-
-
-def attention_heatmap(
-    tokens: Sequence[Any], pattern: Sequence[Sequence[float]], title: str, *, weighted: bool = False, height: int = 420
-) -> Figure:
-    labels = token_labels(tokens)
-    zmax = None if weighted else 1.0
-    return heatmap(
-        pattern,
-        labels,
-        labels,
-        title=title,
-        x_title="key (source)",
-        y_title="query (destination)",
-        signed=False,
-        zmax=zmax,
-        hover="query %{y}<br>key %{x}<br>%{z:.3f}",
-        colorbar="A·‖v‖" if weighted else "attention",
-        height=label_room(len(labels), height),
-        digits=3,
-    )
-
-
-def paths_waterfall(view: Any, links: Sequence[str | None] | None = None) -> Figure:
-    """The listed path terms (+ 'other' and the remainder) as a waterfall ending at the model's value."""
-    labels = [term_label(t.path, t.kind, t.n_terms) for t in view.terms]
-    what = f"logit({visible(view.target_token.text)})" + (
-        f" − logit({visible(view.contrast_token.text)})" if view.contrast_token else ""
-    )
-    return waterfall(
-        labels,
-        [t.value for t in view.terms],
-        view.value,
-        total_label="model value",
-        title=f"{what} at position {view.position}: Σ terms = {view.total:.4f}, model = {view.value:.4f}",
-        y_title="logit" if view.contrast is None else "logit difference",
-        links=links,
-    )
-
-
-def paths_by_source(view: Any) -> Figure | None:
-    """Each listed term split over the source positions it reads from (rows sum to the term's value)."""
-    rows = [t for t in view.terms if t.by_source is not None]
-    if not rows:
-        return None
-    z = [t.by_source for t in rows]
-    return heatmap(
-        z,
-        token_labels(view.prompt_tokens),
-        [term_label(t.path, t.kind) for t in rows],
-        title="terms by source token",
-        x_title="source token",
-        y_title="path",
-        signed=True,
-        hover="%{y} from %{x}<br>%{z:+.4f}",
-        colorbar="logit",
-        height=max(260, 22 * len(rows) + 140),
-    )
-
-
-def composition_heatmap(view: Any, model_id: str, zmax: float | None = None) -> Figure:
-    """score − baseline of every (earlier, later) pair on RdBu; raw score on hover; a click opens the pair.
-    `zmax`: the colour range ±zmax, shared by the Q, K and V views of a model so their colours compare."""
-    custom = [[[raw] for raw in row] for row in view.scores]
-    links = [
-        [
-            f"/models/{model_id}/composition/{s}/{t}" if view.scores[i][j] is not None else None
-            for j, t in enumerate(view.targets)
-        ]
-        for i, s in enumerate(view.sources)
-    ]
-    return heatmap(
-        view.minus_baseline,
-        view.targets,
-        view.sources,
-        title=f"{view.kind}-composition − baseline {view.baseline:.3f} (click a pair)"
-        + (f" · colour scale ±{zmax:.3f}, shared by Q, K and V" if zmax else ""),
-        x_title="later head (reads)",
-        y_title="earlier head (writes)",
-        signed=True,
-        customdata=custom,
-        zmax=zmax,
-        hover="%{y} → %{x}<br>" + view.kind + "-composition %{customdata[0]:.4f}<br>minus baseline %{z:+.4f}",
-        links=links,
-        colorbar="score − baseline",
-        height=label_room(len(view.sources), max(280, 26 * len(view.sources) + 140)),
-    )
-
-
-def shared_range(matrices: Sequence[Sequence[Sequence[float | None]]]) -> float | None:
-    """One symmetric colour range for several signed heatmaps (e.g. Q, K and V composition): the largest |value|."""
-    return max((abs(v) for z in matrices for row in z for v in row if v is not None), default=0.0) or None
-
-
-def complex_points(values: Sequence[Any]) -> list[tuple[float, float]]:
-    return [(c.re, c.im) for c in values]
-
-
-def attention_text(
-    tokens: Sequence[Any], patterns: Mapping[str, Sequence[Sequence[float]]], paths: Any = None
-) -> dict[str, Any]:
-    """The data of the attention text view (static/reading.js): the prompt's tokens as text, each named pattern
-    (a head's or a chain's; rows: destination, columns: source) and, given a path expansion (PathsView), each
-    listed term's contribution per source token, with the position and logit it expands."""
-    terms = paths.terms if paths is not None else ()
-    return {
-        "position": paths.position if paths is not None else None,
-        "logit": f"logit({paths.target_token.text!r})"
-        + (f" − logit({paths.contrast_token.text!r})" if paths.contrast_token else "")
-        if paths is not None
-        else None,
-        "tokens": [{"id": t.id, "text": t.text} for t in tokens],
-        "heads": {name: rounded(pattern, 4) for name, pattern in patterns.items()},
-        "terms": [
-            {"label": term_label(t.path, t.kind), "values": [round(v, 5) for v in t.by_source]}
-            for t in terms
-            if t.by_source is not None
-        ],
     }

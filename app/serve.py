@@ -13,7 +13,7 @@ What plain `uvicorn app.main:app` lacks, added here (settings in app/settings.py
   interrupted and would keep the interpreter from exiting, so the process exits 0.5 s after the drain ends
   (with `--workers N` each worker drains as uvicorn does, without that last cut).
 - **Forwarded addresses**: uvicorn's proxy-header rewrite is off (by default it believes X-Forwarded-For
-  from any local client); the app reads it only from `QKOV_TRUSTED_PROXIES` (app/observability.py).
+  from any local client); the app reads it only from `QKOV_TRUSTED_PROXIES` (app/serving_middleware.py).
 
 Host, port and workers default to `HOST`, `PORT` and `UVICORN_WORKERS` (the Dockerfile sets them).
 """
@@ -34,7 +34,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.supervisors import Multiprocess
 
-from app.observability import DRAINING
+from app.serving_middleware import DRAINING
 from app.settings import Settings
 
 log = logging.getLogger("qkov.serve")
@@ -118,7 +118,7 @@ class DrainingServer(uvicorn.Server):
     """uvicorn's server, plus a hard exit EXIT_GRACE_S after the graceful drain has run out."""
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        DRAINING.set()  # requests cut at the end of the drain are told why (app/observability.py)
+        DRAINING.set()  # requests cut at the end of the drain are told why (app/serving_middleware.py)
         if not self.should_exit:
             drain = float(self.config.timeout_graceful_shutdown or 0)
             timer = threading.Timer(drain + EXIT_GRACE_S, _hard_exit)

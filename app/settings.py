@@ -127,7 +127,7 @@ class Settings(BaseSettings):
         description="a load refused by its memory watchdog is tried again after this long (the watchdog measures the "
         "whole process, so other work beside the load may have caused it)",
     )
-    # serving (app/scheduling.py, app/observability.py, app/ratelimit.py)
+    # serving (app/scheduling/, app/observability.py, app/serving_middleware.py, app/ratelimit.py)
     torch_threads: int | None = Field(default=None, ge=1, description="torch threads (default: cores // compute_slots)")
     request_timeout_s: float | None = Field(
         default=120.0,

@@ -187,7 +187,7 @@ def _profiles(model: Transformer, n_pairs: int) -> tuple[float, composition_rota
     """(a) at one server computation's torch threads (1 on 2 cores: composition_profiles' two workers side by side),
     then at the bench's own threads when they differ (an OpenMP team, the tasks in turn). Each run is cold for the
     random baseline (its cache cleared: it is one of the tasks); CPU = process time of both workers (core-seconds)."""
-    from app.scheduling import default_torch_threads
+    from app.scheduling.slots import default_torch_threads
     from app.settings import Settings
 
     settings, before = Settings(), torch.get_num_threads()
@@ -237,7 +237,7 @@ def _fresh_copy(model: Transformer) -> Transformer:
 
 def _heads_table(model: Transformer) -> float:
     from app.params import NoParams
-    from app.scheduling import default_torch_threads
+    from app.scheduling.slots import default_torch_threads
     from app.settings import Settings
     from app.views.heads import build_heads_view
     from circuits_core.formats.checkpoint import LoadedModel

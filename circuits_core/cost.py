@@ -4,7 +4,7 @@ docs/design.md §3: every request is priced before it runs, and a cost is comput
 the engine code that will spend it, so it cannot drift from it. Each engine module therefore publishes a
 cost function beside the computation it prices (`FactoredMatrix.topk_global_cost`, `composition.cost`,
 `heads.detectors_cost`, `paths.cost`, `qk_paths.cost`, `ablation.cost`, `copying.copying_metrics_cost`, ...). The
-app only compares a Cost with its budgets (app/scheduling.py); it never recounts terms.
+app only compares a Cost with its budgets (app/scheduling/); it never recounts terms.
 
 A Cost counts bytes, not numbers:
     peak_bytes    the largest extra working memory held at once (beyond the loaded weights)
@@ -18,7 +18,7 @@ Stopping: a long loop calls `check_stop(should_stop, what)` between its steps. I
 the explicit flag or the ambient one (`stopping(flag)`, set by the app's compute service for the thread
 running a request's computation) says the result is no longer wanted, so an abandoned computation frees
 its slot within one step. Progress: a loop that knows how far it is calls `report_progress(done, total)`; the app's
-scheduler (app/scheduling.py) shows it on the job's progress bar (`progressing(callback)` sets the receiver).
+scheduler (app/scheduling/) shows it on the job's progress bar (`progressing(callback)` sets the receiver).
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ def api_router(declared: BoundAnalyses) -> APIRouter:
     return router
 
 
-def page_endpoint(page: Page, params: type[AnalysisParams]) -> Any:
+def page_endpoint(page: Page[Any], params: type[AnalysisParams]) -> Any:
     async def endpoint(request: Request, registry: RegistryDep, limits: LimitsDep) -> Response:
         return await serve_page(page, params, request, registry, limits)
 
@@ -93,7 +93,7 @@ def page_endpoint(page: Page, params: type[AnalysisParams]) -> Any:
     return endpoint
 
 
-def page_router(declared: BoundAnalyses, pages: list[Page]) -> APIRouter:
+def page_router(declared: BoundAnalyses, pages: list[Page[Any]]) -> APIRouter:
     """GET /models/{model}/... (and the tour) for every page."""
     router = APIRouter(include_in_schema=False)
     for page in pages:

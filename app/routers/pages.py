@@ -1,6 +1,7 @@
 """The HTML dashboard: every page (PAGES, the one list; its labelled pages make a model's navigation, in order),
 the models listing and the model picker (plain routes: no analysis behind them), and the contexts of the direct path
-and the detectors (the overview's and one head's are in pages_heads.py, the prompt and composition pages' in
+and the detectors (the overview's and one head's are in pages_heads.py, the composition pages' in
+pages_composition.py, the prompt page's in pages_prompt.py, the chain, QK paths and term importance pages' in
 pages_analyses.py, the tour's in pages_tour.py).
 
 A page is declared as `Page(analysis, template, context)` (app/routers/rendering.py): its route, params
@@ -24,12 +25,13 @@ from app import charts, snippets
 from app.analysis import API
 from app.deps import RegistryDep, get_model
 from app.head_filter import MAX_FILTER_CHARS, HeadFilter
+from app.labels import unique_labels, visible
 from app.params import (
     DEFAULT_VOCAB,
     DetectorParams,
     DirectParams,
 )
-from app.routers import pages_analyses, pages_tour
+from app.routers import pages_analyses, pages_composition, pages_prompt, pages_tour
 from app.routers.api import models_view
 from app.routers.pages_heads import (
     MIN_COUNT_CHOICES,
@@ -43,6 +45,7 @@ from app.routers.rendering import (
     NavEntry,
     Page,
     PageCall,
+    PageContext,
     model_nav,
     page_context,
     render,
@@ -51,13 +54,14 @@ from app.routers.rendering import (
 from app.scheduling import cheap
 from app.schemas import CircuitTopView, HeadScores
 from app.views.attention_entropy import ATTENTION_ENTROPY
-from app.views.circuits import DIRECT, has_token_counts
+from app.views.circuits import DIRECT
 from app.views.copying import COPYING_ALL
 from app.views.detectors import DETECTORS
 from app.views.heads import HEAD, HEADS
 from app.views.page_claims import loss_sentence, rare_entries_sentence
 from app.views.qk_circuit_norm import QK_CIRCUIT_NORM
 from app.views.residual import RESIDUAL, RESIDUAL_PAIR, RESIDUAL_USAGE
+from app.views.token_sets import has_token_counts
 from circuits_core.errors import QkovError
 from circuits_core.model.config import ModelConfig, parse_head
 from circuits_core.prompt.phenomena import MIN_TRAIN_COUNT
@@ -164,15 +168,15 @@ class DirectPageParams(DirectParams):
     ] = None  # type: ignore[assignment]
 
 
-def direct_min_count(call: PageCall, asked: int | str | None) -> int | None:
+def direct_min_count(call: PageCall[Any], asked: int | str | None) -> int | None:
     """The min_count the direct page uses: as asked, 'all' -> None, absent -> MIN_TRAIN_COUNT where there are counts."""
     if asked is None:
         return MIN_TRAIN_COUNT if has_token_counts(call.model) else None
     return None if asked == "all" else int(asked)
 
 
-async def direct_context(call: PageCall) -> dict[str, Any]:
-    p: DirectPageParams = call.params
+async def direct_context(call: PageCall[DirectPageParams]) -> PageContext:
+    p = call.params
     shown = direct_min_count(call, p.min_count)
     vocab = "all" if p.min_count == "all" else p.vocab  # the picker's 'all' ranks every token, a large vocabulary's too
     params = DirectParams(token=p.token, k=p.k, basis=p.basis, min_count=shown, vocab=vocab)
@@ -181,10 +185,10 @@ async def direct_context(call: PageCall) -> dict[str, Any]:
     fig = None
     if view.token is not None:
         fig = charts.bars(
-            [charts.visible(e.col.text) for e in view.entries],
+            [visible(e.col.text) for e in view.entries],
             [e.value for e in view.entries],
             horizontal=True,
-            title=f"top next tokens after {charts.visible(view.token.text)} (W_E W_U row)",
+            title=f"top next tokens after {visible(view.token.text)} (W_E W_U row)",
             height=max(260, 22 * len(view.entries) + 80),
         )
     has_counts = has_token_counts(call.model)
@@ -218,8 +222,8 @@ class DetectorPageParams(DetectorParams):
 TOP_CHARTED = 12  # heads in the detector chart: those with the largest score of any detector (the table has all)
 
 
-async def detectors_context(call: PageCall) -> dict[str, Any]:
-    page: DetectorPageParams = call.params  # normalised: seq_len is the standard input fitted to the model
+async def detectors_context(call: PageCall[DetectorPageParams]) -> PageContext:
+    page = call.params  # normalised: seq_len is the standard input fitted to the model
     head_filter = HeadFilter.parse(page.filter)
     p = DetectorParams(**page.model_dump(exclude={"filter"}))
     call.json_params = p
@@ -272,7 +276,7 @@ def detector_charts(view: Any, model_id: str, shown: list[HeadScores] | None = N
             y_title="score",
         )
     }
-    labels = charts.unique_labels([charts.visible(t.text) for t in view.tokens])
+    labels = unique_labels([visible(t.text) for t in view.tokens])
     positions = list(range(len(view.loss.loss)))
     seg = view.detector_input.seq_len
     marks = [seg + (view.detector_input.bos is not None) - 0.5] if seg else []
@@ -308,7 +312,7 @@ def detector_charts(view: Any, model_id: str, shown: list[HeadScores] | None = N
 
 
 # Every page, the one list: a labelled page is in a model's navigation, in this order.
-PAGES: list[Page] = [
+PAGES: list[Page[Any]] = [
     Page(
         HEADS,
         "overview.html",
@@ -320,8 +324,8 @@ PAGES: list[Page] = [
         nav="overview",
         label="Overview",
     ),
-    pages_analyses.COMPOSITION_PAGE,
-    pages_analyses.PROMPT_PAGE,
+    pages_composition.COMPOSITION_PAGE,
+    pages_prompt.PROMPT_PAGE,
     pages_analyses.CHAIN_PAGE,
     pages_analyses.QK_PATHS_PAGE,
     Page(
@@ -358,7 +362,7 @@ PAGES: list[Page] = [
         title="{head} · {model}",
         nav="head",  # no navigation entry is a head page, so none is highlighted; the picker falls back to the overview
     ),
-    pages_analyses.PAIR_PAGE,
-    pages_analyses.PATHS_PAGE,
+    pages_composition.PAIR_PAGE,
+    pages_prompt.PATHS_PAGE,
     *pages_tour.PAGES,
 ]

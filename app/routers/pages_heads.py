@@ -25,14 +25,16 @@ from app.params import (
 from app.routers.pages_rotary import head_rotary_context, rotary_enabled
 from app.routers.rendering import (
     PageCall,
+    PageContext,
     attempt,
     is_fragment,
     refusal,
 )
-from app.scheduling import JobPending, cheap
+from app.scheduling import cheap
+from app.scheduling.flights import JobPending
 from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
 from app.views.basis import basis
-from app.views.circuits import OV, QK, SKIP_TRIGRAMS, has_token_counts, token_set
+from app.views.circuits import OV, QK, SKIP_TRIGRAMS
 from app.views.composition import head_partners
 from app.views.heads import HEAD, HEADS
 from app.views.latent import latent_head_panel
@@ -40,6 +42,7 @@ from app.views.model_summary import summary_from_heads
 from app.views.models import build_model_view
 from app.views.page_claims import scatter_sentence
 from app.views.positivity import POSITIVITY
+from app.views.token_sets import has_token_counts, token_set
 from circuits_core.circuits.profile_shape import near_edge
 from circuits_core.circuits.rotary import KERNEL_WINDOW
 from circuits_core.formats.checkpoint import LoadedModel
@@ -93,7 +96,7 @@ def heads_grid(
     )
 
 
-async def composition_partners(call: PageCall, name: str, top: int = 6) -> list[dict[str, Any]]:
+async def composition_partners(call: PageCall[Any], name: str, top: int = 6) -> list[dict[str, Any]]:
     """The heads this head composes with most (Q, K, V; score minus baseline): only the pairs naming it
     (views.composition.head_partners), not every pair of the model."""
     if call.loaded is None or call.loaded.model.cfg.n_layers < 2:
@@ -181,7 +184,7 @@ class OverviewParams(NoParams):
     )
 
 
-async def overview_context(call: PageCall) -> dict[str, Any]:
+async def overview_context(call: PageCall[OverviewParams]) -> PageContext:
     loaded, model_id, score = call.model, call.model_id or "", call.params.score
     head_filter = HeadFilter.parse(call.params.filter)  # 422 with the syntax when unreadable
     summary = build_model_view(loaded, await cheap(call.registry.entry, model_id))
@@ -251,8 +254,8 @@ class HeadPageParams(OVParams):
     offset: Offset = 0  # rotary models: the QK tables at this query-key offset
 
 
-async def head_context(call: PageCall) -> dict[str, Any]:
-    p: HeadPageParams = call.params
+async def head_context(call: PageCall[HeadPageParams]) -> PageContext:
+    p = call.params
     cfg, name, model = call.model.model.cfg, p.head, call.model_id
     fragment_only = is_fragment(call.request) and call.request.headers.get("HX-Target") == "circuits"
     view: HeadView | None = None if fragment_only else await call.run(HEAD, HeadParams(head=name))
@@ -319,5 +322,5 @@ async def head_context(call: PageCall) -> dict[str, Any]:
         "n_vocab": cfg.d_vocab,
         "default_vocab": DEFAULT_VOCAB,
         **(await head_rotary_context(call, name) if view is not None else {"rotary": None}),
-        "latent": await cheap(latent_head_panel, call.model, name) if view is not None else None,
+        "latent": latent_head_panel(call.model, name, view.latent) if view is not None else None,
     }

@@ -22,15 +22,15 @@ from app.views.rotary import (
     PositionalParams,
     ProfileParams,
     QKCopyingParams,
-    is_rotary,
 )
+from app.views.rotary_reference import is_rotary
 
 
-def rotary_enabled(call: PageCall) -> bool:
+def rotary_enabled(call: PageCall[Any]) -> bool:
     return call.model is not None and is_rotary(call.model)
 
 
-async def head_rotary_context(call: PageCall, head: str) -> dict[str, Any]:
+async def head_rotary_context(call: PageCall[Any], head: str) -> dict[str, Any]:
     """The positional kernel f(δ) and the energy per rotary band of one head, with their charts."""
     if not rotary_enabled(call):
         return {"rotary": None}
@@ -87,7 +87,7 @@ async def head_rotary_context(call: PageCall, head: str) -> dict[str, Any]:
     }
 
 
-async def pair_rotary_context(call: PageCall, source: str, target: str) -> dict[str, Any]:
+async def pair_rotary_context(call: PageCall[Any], source: str, target: str) -> dict[str, Any]:
     """The pair's Q- and K-composition profiles over δ = 0..64, with the random baseline."""
     if not rotary_enabled(call):
         return {"rotary": None}

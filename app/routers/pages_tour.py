@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from app import charts
+from app import charts, view_figures
 from app.catalog import TOUR
-from app.routers.rendering import Page, PageCall
+from app.labels import token_labels, unique_labels, visible
+from app.params import TourParams
+from app.routers.rendering import Page, PageCall, PageContext
 from app.schemas import CircuitTopView, DetectorsView, SkipTrigramView, TokenRef
 from app.schemas.analyses import (
     ChainView,
@@ -37,7 +39,7 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
     if "skip_trigrams" in d:
         out["trigrams"] = SkipTrigramView.model_validate(d["skip_trigrams"])
     if "paths" in d:
-        add(charts.paths_waterfall(PathsView.model_validate(d["paths"])))
+        add(view_figures.paths_waterfall(PathsView.model_validate(d["paths"])))
     if "positional" in d and d["positional"]:
         pat = d["positional"]["pattern"]  # every position the sentence averages over
         labels = [str(i) for i in range(len(pat))]
@@ -100,14 +102,14 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
             )
         )
     compositions = [CompositionView.model_validate(d[kind]) for kind in ("Q", "K", "V") if kind in d]
-    shared = charts.shared_range([c.minus_baseline for c in compositions]) if len(compositions) > 1 else None
+    shared = view_figures.shared_range([c.minus_baseline for c in compositions]) if len(compositions) > 1 else None
     for composition in compositions:  # Q, K and V on one colour range
-        add(charts.composition_heatmap(composition, model, shared))
+        add(view_figures.composition_heatmap(composition, model, shared))
     if "prompt" in d:
         pv = PromptView.model_validate(d["prompt"])
         for php in pv.heads:
             add(
-                charts.attention_heatmap(
+                view_figures.attention_heatmap(
                     pv.tokens,
                     php.pattern,
                     f"{php.head} {'value-weighted ' if pv.weighted else ''}attention",
@@ -118,20 +120,20 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
     if "path" in d:
         cv = ChainView.model_validate(d["path"])
         if fig.id == "F29":
-            add(charts.attention_heatmap(cv.tokens, cv.pattern, f"pattern of {' → '.join(cv.heads)}", height=380))
+            add(view_figures.attention_heatmap(cv.tokens, cv.pattern, f"pattern of {' → '.join(cv.heads)}", height=380))
         else:
             add(
                 charts.bars(
-                    charts.token_labels(cv.tokens),
+                    token_labels(cv.tokens),
                     cv.contribution,
-                    title=f"{' → '.join(cv.heads)}: effect on logit({charts.visible(cv.target.text)}) by position",
+                    title=f"{' → '.join(cv.heads)}: effect on logit({visible(cv.target.text)}) by position",
                 )
             )
     if "next_token_effect" in d:  # F23 as in the paper: each position's effect on its own next token
         e = d["next_token_effect"]
         toks = [TokenRef.model_validate(t) for t in e["tokens"]]
-        labels = charts.unique_labels(  # a repeated pair would otherwise stack its bars on one category
-            [f"{charts.visible(a.text)} → {charts.visible(b.text)}" for a, b in zip(toks[:-1], toks[1:], strict=True)]
+        labels = unique_labels(  # a repeated pair would otherwise stack its bars on one category
+            [f"{visible(a.text)} → {visible(b.text)}" for a, b in zip(toks[:-1], toks[1:], strict=True)]
         )
         add(
             charts.bars(
@@ -156,7 +158,7 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
         induction = {h.head: h.induction or 0.0 for h in dv.heads}
         for dhp in sorted(dv.patterns, key=lambda hp: -induction.get(hp.head, 0.0))[:1]:
             add(
-                charts.attention_heatmap(
+                view_figures.attention_heatmap(
                     dv.tokens,
                     dhp.pattern,
                     f"{dhp.head} attention (induction {induction.get(dhp.head, 0.0):.2f})",
@@ -265,7 +267,7 @@ def _r3(v: dict[str, Any], add: Any) -> None:
 ROTARY_FIGURES = {"R1": _r1, "R2": _r2, "R3": _r3}  # the SmolLM2 chapter's figures, from each sentence's values
 
 
-async def tour_context(call: PageCall) -> dict[str, Any]:
+async def tour_context(call: PageCall[TourParams]) -> PageContext:
     view = await call.run(TOUR, call.params)
     parts = [(fig, figure_parts(fig) if fig.available and fig.data else None) for fig in view.figures]
     call.title = {"paper": "Paper tour", "smollm2": "Tour: SmolLM2-135M", "gemma3": "Tour: Gemma-3 270M"}[
@@ -274,4 +276,4 @@ async def tour_context(call: PageCall) -> dict[str, Any]:
     return {"view": view, "parts": parts, "params": call.params}
 
 
-PAGES: list[Page] = [Page(TOUR, "tour.html", tour_context)]
+PAGES: list[Page[Any]] = [Page(TOUR, "tour.html", tour_context)]

@@ -10,9 +10,9 @@ when the page declares it, else the page's first block. Every answer sends `Vary
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, NotRequired, TypedDict, TypeVar
 from urllib.parse import urlencode
 
 from fastapi import Request
@@ -20,22 +20,38 @@ from fastapi.responses import Response
 from jinja2_fragments.fastapi import Jinja2Blocks
 
 from app import charts
-from app.analysis import API, Analysis, AnalysisParams, Declared, json_url, run, validate
+from app.analysis import API, Analysis, AnalysisParams, Declared, P, V, json_url, run, validate
 from app.deps import get_model
 from app.errors import kind_of
 from app.figure_output import for_page
 from app.glossary import term_anchors
+from app.labels import visible
 from app.registry import ModelRegistry
-from app.scheduling import JobPending, cheap, compute
+from app.scheduling import cheap, compute
+from app.scheduling.flights import JobPending
 from app.settings import REPO_ROOT, Limits
 from app.views.basis import basis, changes_weights
 from app.views.inputs import max_prompt_tokens
 from circuits_core.errors import QkovError
 from circuits_core.formats.checkpoint import LoadedModel
 
+PP = TypeVar("PP", bound=AnalysisParams)  # a page's params: its analysis's, or a page model extending them
+# What a page's context hands its template: the names the template reads (a view, figures, refusals, form state).
+PageContext = Mapping[str, object]
+
+
+class Refusal(TypedDict):
+    """A refusal shown inside a page's panel (status 4xx/5xx), or the progress of the job computing it (202)."""
+
+    status: int
+    title: str
+    detail: str
+    job: NotRequired[dict[str, Any]]
+
+
 templates = Jinja2Blocks(directory=str(REPO_ROOT / "templates"))
 templates.env.policies["json.dumps_kwargs"] = {"separators": (",", ":")}  # compact figure JSON
-templates.env.filters["visible"] = charts.visible  # tokens shown with whitespace and control characters visible
+templates.env.filters["visible"] = visible  # tokens shown with whitespace and control characters visible
 templates.env.filters["for_page"] = for_page  # a figure escaped for plotly and height-capped
 templates.env.globals["glossary_terms"] = term_anchors  # base.html embeds them for static/glossary.js
 templates.env.globals["charts"] = charts  # a template may draw its view's charts itself
@@ -103,7 +119,7 @@ async def model_ids(registry: ModelRegistry, request: Request | None = None) -> 
     return kept
 
 
-def refusal(exc: QkovError | JobPending) -> dict[str, Any]:
+def refusal(exc: QkovError | JobPending) -> Refusal:
     """A refusal shown inside the page's panel (its form kept, so the input can be fixed), or the progress of
     the job computing it (status 202: the page is not kept, and polls the job)."""
     if isinstance(exc, JobPending):
@@ -112,7 +128,7 @@ def refusal(exc: QkovError | JobPending) -> dict[str, Any]:
     return {"status": kind.status, "title": kind.title, "detail": str(exc)}
 
 
-async def attempt(fn: Any, *args: Any, key: Any = None) -> tuple[Any, dict[str, Any] | None]:
+async def attempt(fn: Any, *args: Any, key: Any = None) -> tuple[Any, Refusal | None]:
     """Run a function through `compute`: (value, None), or (None, refusal) for a QkovError."""
     try:
         return await compute(fn, *args, key=key), None
@@ -120,11 +136,11 @@ async def attempt(fn: Any, *args: Any, key: Any = None) -> tuple[Any, dict[str, 
         return None, refusal(exc)
 
 
-def render(request: Request, template: str, context: dict[str, Any], blocks: Sequence[str] = ("main",)) -> Response:
+def render(request: Request, template: str, context: PageContext, blocks: Sequence[str] = ("main",)) -> Response:
     """The full page, or for htmx only the block the request targets (default: the first of `blocks`).
     Refusals in the context (keys ending in 'error') set the status; they are not pushed to history."""
     context = {"request": request, "API": API, "url": url, **context}
-    errors = [v for k, v in context.items() if k.endswith("error") and isinstance(v, dict)]
+    errors: list[dict[str, Any]] = [v for k, v in context.items() if k.endswith("error") and isinstance(v, dict)]
     if is_fragment(request):
         target = request.headers.get("HX-Target", "")
         block = target if target in blocks else blocks[0]
@@ -166,7 +182,7 @@ async def page_context(
 def model_nav(request: Request) -> list[NavEntry]:
     """The navigation of a model page: every model page with a `label`, in the order of the app's pages
     (app.state.pages, set in create_app)."""
-    pages: list[Page] = request.app.state.pages
+    pages: list[Page[Any]] = request.app.state.pages
     prefix = "/models/{model}"
     return [
         NavEntry(p.key, p.label, p.route[len(prefix) :], needs_layers(p.analysis))
@@ -177,16 +193,17 @@ def model_nav(request: Request) -> list[NavEntry]:
 
 # -- the page of an analysis ---------------------------------------------------------------------------------
 @dataclass
-class PageCall:
-    """One page request: its typed params, the model, and `run` for the analyses the page shows."""
+class PageCall(Generic[PP]):
+    """One page request: its typed params, the model, and `run` for the analyses the page shows (typed: the view
+    of the analysis it runs)."""
 
-    page: Page
+    page: Page[PP]
     request: Request
     registry: ModelRegistry
     limits: Limits
     model_id: str | None
     loaded: LoadedModel | None
-    params: Any
+    params: PP
     json_params: AnalysisParams | None = None  # the params of the JSON twin, when the page changed them
     title: str | None = None
     keep: bool = True  # False: a part failed only this time (busy, timeout), so the rendered page is not kept
@@ -198,14 +215,14 @@ class PageCall:
             raise RuntimeError("a server-wide page has no model")
         return self.loaded
 
-    async def run(self, analysis: Declared[Any, Any], params: AnalysisParams) -> Any:
+    async def run(self, analysis: Declared[P, V], params: P) -> V:
         """Another analysis's answer (priced, cached as its API route would be); errors propagate."""
         subject = self.registry if analysis.scope == "server" else self.loaded
         if analysis.scope == "model":
             params = params.normalised(self.loaded)  # type: ignore[arg-type]
         return await run(analysis, subject, self.model_id, params, self.limits)
 
-    async def attempt(self, analysis: Declared[Any, Any], params: AnalysisParams) -> tuple[Any, dict[str, Any] | None]:
+    async def attempt(self, analysis: Declared[P, V], params: P) -> tuple[V | None, Refusal | None]:
         """`run`, a refusal (QkovError) returned as the panel's error instead of raised."""
         try:
             return await self.run(analysis, params), None
@@ -213,13 +230,13 @@ class PageCall:
             return None, refusal(exc)
 
 
-async def default_context(call: PageCall) -> dict[str, Any]:
+async def default_context(call: PageCall[Any]) -> PageContext:
     """The page of a simple analysis: its view (or the refusal) and its params."""
     view, error = await call.attempt(call.page.analysis, call.params)
     return {"view": view, "error": error, "params": call.params}
 
 
-def basis_choice(call: PageCall) -> dict[str, Any]:
+def basis_choice(call: PageCall[Any]) -> PageContext:
     """The basis picker's state: the weights asked for (None: as served) and whether raw ones differ; every page whose
     params have a `basis` field gets it (serve_page)."""
     b = call.params.basis
@@ -231,7 +248,7 @@ def basis_choice(call: PageCall) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class Page:
+class Page(Generic[PP]):
     """The page of an analysis, the one way to make a page: a template, and `context` (default: the analysis's
     view as `view`, its refusal as `error`, the params as `params`). Every page is listed once in
     app/routers/pages.py PAGES, whose order is the navigation's.
@@ -243,8 +260,8 @@ class Page:
 
     analysis: Declared[Any, Any]
     template: str
-    context: Callable[[PageCall], Awaitable[dict[str, Any]]] = default_context
-    params: type[AnalysisParams] | None = None  # page params (default: the analysis's); may add page-only fields
+    context: Callable[[PageCall[PP]], Awaitable[PageContext]] = default_context
+    params: type[PP] | None = None  # page params (default: the analysis's); may add page-only fields
     blocks: tuple[str, ...] = ("main",)
     title: str = "{name} · {model}"
     nav: str | None = None  # the navigation entry shown as current (default: the analysis's name)
@@ -261,7 +278,7 @@ class Page:
 
 
 async def serve_page(
-    page: Page, params: type[AnalysisParams], request: Request, registry: ModelRegistry, limits: Limits
+    page: Page[Any], params: type[AnalysisParams], request: Request, registry: ModelRegistry, limits: Limits
 ) -> Response:
     """Parse the query (empty form fields are absent), normalise, build the page's context, render."""
     analysis = page.analysis

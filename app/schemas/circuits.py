@@ -44,6 +44,16 @@ class CircuitTopView(BaseModel):
         description="per entry (QK, learned sinks): sigmoid(s - b_h) with s the entry's full direct-path score, q/k "
         "biases included (the table's value leaves them out); above 1/2 the pair beats the sink",
     )
+    latent_content: list[float] | None = Field(
+        default=None,
+        description="per entry (QK, multi-head latent attention): the position-free content term x A_h y^T / "
+        "(s rho_q rho_kv) of the entry's value",
+    )
+    latent_rotary: list[float] | None = Field(
+        default=None,
+        description="per entry (QK, multi-head latent attention): the rotary term x C_h R(offset) D^T y^T / (s rho_q); "
+        "content + rotary = value",
+    )
     diagonal_rank: int | None = Field(
         default=None,
         description="rank of the token's own entry in its row/column (1 = top; among the kept tokens with min_count)",

@@ -117,3 +117,9 @@ class HeadView(BaseModel):
     ov_singular_values: list[float] = Field(description="singular values of the residual-space W_OV = W_V W_O")
     qk_singular_values: list[float] = Field(description="singular values of the residual-space W_QK = W_Q W_K^T")
     positional: PositionalQK | None = Field(default=None, description="absent when the model has no learned positions")
+    latent: dict[str, float | int] | None = Field(
+        default=None,
+        description="multi-head latent attention only (circuits/latent_circuits.term_norms): Frobenius norms of the "
+        "content term A_h, of the rotary term's sides C_h and D (D shared by the layer's heads) and of OV_h, with the "
+        "rank bounds of each and the key/value latent's rank",
+    )

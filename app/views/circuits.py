@@ -23,105 +23,35 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from pydantic import BaseModel
 from torch import Tensor
 
 from app.analysis import Analysis
-from app.params import DEFAULT_VOCAB, DirectParams, OVParams, QKParams, SkipTrigramParams
+from app.params import DirectParams, OVParams, QKParams, SkipTrigramParams
 from app.scheduling import cached_build
 from app.schemas import CircuitTopView, MatrixEntry, ScoredToken, SkipTrigram, SkipTrigramView
 from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import check_k, model_ref, resolve_token, token_ref
-from app.views.rotary import check_offset, is_rotary
+from app.views.rotary_reference import check_offset, is_rotary
+from app.views.token_sets import TokenSet, frequent_tokens, token_set
 from circuits_core.circuits import head_circuits as circuits
-from circuits_core.circuits import rotary, sinks
+from circuits_core.circuits import latent_circuits, rotary, sinks
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.qk_forms import QK_FORMS, qk_form
 from circuits_core.cost import Cost
-from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import head_name, parse_head
-from circuits_core.prompt.phenomena import TOKEN_COUNTS_FILE, HeldOutBigrams, find_eval_data, load_token_counts
+from circuits_core.prompt.phenomena import HeldOutBigrams, find_eval_data
 
 LABELS = {
     "ov": ("source token (attended to)", "output token (logit raised)"),
     "qk": ("query token (destination)", "key token (source)"),
     "direct": ("current token", "next token"),
 }
-
-
-def frequent_tokens(loaded: LoadedModel, min_count: int | None) -> Tensor | None:
-    """Sorted ids [n] of the tokens seen at least min_count times in training; None when min_count is None.
-
-    InvalidInputError when the model has no token counts or no token is that frequent.
-    """
-    if min_count is None:
-        return None
-    counts = load_token_counts(loaded.path, loaded.model.cfg.d_vocab)
-    if counts is None:
-        raise InvalidInputError(
-            f"model {loaded.path.name!r} has no token counts ({TOKEN_COUNTS_FILE} in its folder): min_count is not "
-            f"available"
-        )
-    ids = np.flatnonzero(counts >= min_count)
-    if ids.size == 0:
-        raise InvalidInputError(
-            f"no token was seen min_count={min_count} times in training (the most frequent: {int(counts.max())})"
-        )
-    return torch.from_numpy(ids).long()
-
-
-def has_token_counts(loaded: LoadedModel) -> bool:
-    """Whether the model folder carries token_counts.npy (so min_count is available)."""
-    return (loaded.path / TOKEN_COUNTS_FILE).is_file()
-
-
-@dataclass(frozen=True)
-class TokenSet:
-    """The tokens a global table ranks (rows and columns alike)."""
-
-    ids: Tensor | None  # [n] sorted token ids; None: every token
-    n: int
-    said: str | None  # in words, for the page and the answer (None: every token)
-    name: str  # in the shared table's cache key
-
-
-def token_set(loaded: LoadedModel, min_count: int | None, vocab: Literal["default", "all"]) -> TokenSet:
-    """min_count's frequent tokens when given; else every token of a vocabulary up to DEFAULT_VOCAB tokens (or with
-    vocab="all"); else the DEFAULT_VOCAB most frequent tokens by token_counts.npy (ties: lower id first), or else the
-    DEFAULT_VOCAB lowest ids."""
-    d_vocab = loaded.model.cfg.d_vocab
-    if min_count is not None:
-        ids = frequent_tokens(loaded, min_count)
-        assert ids is not None
-        n = int(ids.numel())
-        return TokenSet(
-            ids, n, f"the {n:,} tokens seen at least {min_count:,} times in training", f"min_count={min_count}"
-        )
-    if vocab == "all" or d_vocab <= DEFAULT_VOCAB:
-        return TokenSet(None, d_vocab, None, "all")
-    counts = load_token_counts(loaded.path, d_vocab)
-    if counts is not None:
-        top = np.sort(np.argsort(-counts, kind="stable")[:DEFAULT_VOCAB])
-        return TokenSet(
-            torch.from_numpy(top).long(),
-            DEFAULT_VOCAB,
-            f"the {DEFAULT_VOCAB:,} most frequent of the {d_vocab:,} tokens (training counts)",
-            "frequent",
-        )
-    return TokenSet(
-        torch.arange(DEFAULT_VOCAB),
-        DEFAULT_VOCAB,
-        f"the {DEFAULT_VOCAB:,} lowest ids of the {d_vocab:,} tokens (the model has no training counts; in a BPE "
-        "vocabulary the earliest merges, roughly the most frequent)",
-        "lowest-ids",
-    )
 
 
 SHARED_K = 20  # the largest k the app asks a global table for by default: the API's 20 (head page 10, skip source 1)
@@ -266,6 +196,19 @@ def with_sink(loaded: LoadedModel, view: CircuitTopView, layer: int, h: int, off
     return view.model_copy(update={"sink_logit": sinks.sink_logit(model, layer, h), "sink_attend": attend})
 
 
+def with_latent_terms(loaded: LoadedModel, view: CircuitTopView, layer: int, h: int, offset: int) -> CircuitTopView:
+    """The QK view with each entry's content and rotary terms (latent_circuits.token_pair_terms) under multi-head
+    latent attention."""
+    model = loaded.model
+    if not model.cfg.latent_attention or not view.entries:
+        return view
+    with torch.no_grad():
+        queries = [e.row.id for e in view.entries]
+        keys = [e.col.id for e in view.entries]
+        content, rotary = latent_circuits.token_pair_terms(model, layer, h, queries, keys, offset)
+    return view.model_copy(update={"latent_content": content.tolist(), "latent_rotary": rotary.tolist()})
+
+
 def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTopView:
     """Full QK circuit W_E W_Q W_K^T W_E^T / s: as query, the keys a token attends to; as key, the queries on it.
 
@@ -292,7 +235,7 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
             offset,
         )
         labelled = qk_labelled(loaded, view.model_copy(update={"offset": offset}), layer)
-        return with_sink(loaded, labelled, layer, h, offset)
+        return with_latent_terms(loaded, with_sink(loaded, labelled, layer, h, offset), layer, h, offset)
     column = (lambda t: circuits.full_qk_col(loaded.model, layer, h, t)) if side == "column" else None
     view = _top_view(
         loaded,

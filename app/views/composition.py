@@ -18,26 +18,23 @@ import torch
 
 from app.analysis import Analysis
 from app.params import CompositionPairParams, CompositionParams
-from app.schemas import Complex, MatrixEntry
 from app.schemas.analyses import (
     CompositionKindName,
     CompositionPair,
     CompositionPairView,
     CompositionView,
-    TokenCircuit,
     VirtualHeadCircuit,
 )
 from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
-from app.views.circuits import token_set
-from app.views.heads import parse_heads
-from app.views.inputs import check_k, model_ref, qk_form_fields, token_ref
-from app.views.rotary import rotary_offset
-from circuits_core.circuits import composition, copying_spectra, embedding
+from app.views.inputs import model_ref, qk_form_fields
+from app.views.rotary_reference import rotary_offset
+from app.views.token_circuits import VIRTUAL_LABELS, parse_chain, token_circuit, virtual_ov_circuit
+from app.views.token_sets import token_set
+from circuits_core.circuits import composition
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.circuits.composition import CompositionKind, composition_scores
 from circuits_core.circuits.composition_rotary import composition_at, composition_at_cost
-from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.global_topk import topk_global_flops
 from circuits_core.circuits.head_composition import head_composition
 from circuits_core.cost import Cost
@@ -142,63 +139,6 @@ def build_composition_view(loaded: LoadedModel, p: CompositionParams, limits: Li
     )
 
 
-def parse_chain(loaded: LoadedModel, heads: list[str], max_heads: int) -> list[tuple[int, int]]:
-    """Head names of a chain -> [(layer, head)], checked: at most max_heads, layers strictly increasing."""
-    chain = parse_heads(heads, loaded, max_heads)
-    layers = [layer for layer, _ in chain]
-    if any(a >= b for a, b in zip(layers, layers[1:], strict=False)):
-        raise InvalidInputError(
-            f"a chain of heads needs strictly increasing layers (each head reads what the previous one wrote); "
-            f"got {', '.join(head_name(*c) for c in chain)} (layers {layers})"
-        )
-    return chain
-
-
-def virtual_ov_circuit(
-    loaded: LoadedModel, chain: list[tuple[int, int]], tokens: torch.Tensor | None = None
-) -> FactoredMatrix:
-    """W_E W_OV^{h1} ... W_OV^{hk} W_U [d_vocab, d_vocab], inner dimension d_head (docs/maths.md §2.10); with `tokens`
-    (ids [n]) its [n, n] submatrix, formed on those tokens only."""
-    model = loaded.model
-    ov = circuits.ov_circuit(model, *chain[0])
-    for layer, h in chain[1:]:
-        ov = ov @ circuits.ov_circuit(model, layer, h)
-    if tokens is None:
-        return (embedding.embed_eff(model) @ ov) @ model.W_U
-    return (embedding.embed_eff_rows(model, tokens) @ ov) @ model.W_U[:, tokens]
-
-
-def token_circuit(
-    loaded: LoadedModel,
-    fm: FactoredMatrix,
-    k: int,
-    limits: Limits,
-    labels: tuple[str, str],
-    tokens: torch.Tensor | None = None,
-) -> TokenCircuit:
-    """Global top-k entries (streamed under the matrix budget) and the eigenvalue statistic of a token circuit; `tokens`
-    (ids [n]): fm is the submatrix of those tokens (its eigenvalues are the submatrix's)."""
-    k = check_k(k, limits, fm.ldim * fm.rdim)
-    with torch.no_grad():
-        values, rows, cols = fm.topk_global(k, budget_bytes=limits.matrix_budget_bytes)  # [k] each
-        if tokens is not None:  # positions in the set -> token ids
-            rows, cols = tokens[rows], tokens[cols]
-        eig = torch.linalg.eigvals(fm.BA.double())  # [d_head] complex
-        copying = float(copying_spectra.copying_score(eig))
-    entries = [
-        MatrixEntry(row=token_ref(loaded, r), col=token_ref(loaded, c), value=float(v))
-        for v, r, c in zip(values.tolist(), rows.tolist(), cols.tolist(), strict=True)
-    ]
-    return TokenCircuit(
-        row_label=labels[0],
-        col_label=labels[1],
-        entries=entries,
-        eigenvalues=[Complex(re=float(z.real), im=float(z.imag)) for z in eig.tolist()],
-        copying=copying,
-    )
-
-
-VIRTUAL_LABELS = ("source token (attended to by the first head)", "output token (logit raised)")
 K_LABELS = ("query token (destination)", "token read by the source head at the key position")
 
 

@@ -11,21 +11,22 @@ import math
 from typing import Any
 
 import torch
-from pydantic import BaseModel
 from torch import Tensor
 
 from app.analysis import Analysis, AnalysisParams, build_cached, cache_key
 from app.params import CopyingParams, HeadParams, NoParams
-from app.scheduling import cached_build, is_cached
-from app.schemas import Complex, CopyingMetricsView, DetectorInput, HeadScores, HeadsView, HeadView, PositionalQK
+from app.scheduling import is_cached
+from app.schemas import CopyingMetricsView, DetectorInput, HeadScores, HeadsView, HeadView, PositionalQK
 from app.settings import Limits
-from app.views.circuits import token_set
+from app.views.head_spectra import spectra
 from app.views.inputs import check_k, model_ref
-from app.views.rotary import is_rotary, reference_means, reference_tokens_bound
+from app.views.rotary_reference import is_rotary, reference_means, reference_tokens_bound
+from app.views.token_sets import token_set
 from circuits_core.circuits import copying, copying_spectra
 from circuits_core.circuits import head_circuits as circuits
+from circuits_core.circuits.latent_circuits import term_norms
 from circuits_core.cost import Cost
-from circuits_core.errors import InvalidInputError, LimitExceededError
+from circuits_core.errors import LimitExceededError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.config import head_name, parse_head
 from circuits_core.prompt.detectors import (
@@ -196,35 +197,6 @@ def _positional(loaded: LoadedModel, layer: int, h: int) -> PositionalQK | None:
     )
 
 
-class Spectra(BaseModel):
-    """Every head's full OV and QK eigenvalues, each head's d_head sorted by |lambda| (flat [n_layers * n_heads *
-    d_head], layer-major): both come from one pass over all heads, so they are computed once per model and kept in
-    the result cache for every head view (on GPT-2 small ~4 s a pass, which each of 144 head views repeated)."""
-
-    ov_re: list[float]
-    ov_im: list[float]
-    qk_re: list[float]
-    qk_im: list[float]
-
-    def head(self, which: str, index: int, d_head: int) -> list[Complex]:
-        re, im = getattr(self, f"{which}_re"), getattr(self, f"{which}_im")
-        part = slice(index * d_head, (index + 1) * d_head)
-        return [Complex(re=a, im=b) for a, b in zip(re[part], im[part], strict=True)]
-
-
-def spectra(loaded: LoadedModel) -> Spectra:
-    def build() -> Spectra:
-        with torch.no_grad():
-            ov, qk = (
-                copying_spectra.ov_eigenvalues(loaded.model),
-                copying_spectra.qk_eigenvalues(loaded.model),
-            )  # [L, H, d_head] complex
-        ov, qk = (e.gather(-1, e.abs().sort(stable=True, dim=-1, descending=True).indices).flatten() for e in (ov, qk))
-        return Spectra(ov_re=ov.real.tolist(), ov_im=ov.imag.tolist(), qk_re=qk.real.tolist(), qk_im=qk.imag.tolist())
-
-    return cached_build(("head-spectra", str(loaded.digest)), Spectra, build)
-
-
 def build_head_view(loaded: LoadedModel, p: HeadParams, limits: Limits) -> HeadView:
     """One head: its scores (from the heads table, cached), OV/QK spectra (eigenvalues by |lambda|, singular
     values) and positional pattern."""
@@ -249,16 +221,8 @@ def build_head_view(loaded: LoadedModel, p: HeadParams, limits: Limits) -> HeadV
         ov_singular_values=[float(s) for s in ov_s],
         qk_singular_values=[float(s) for s in qk_s],
         positional=positional,
+        latent=term_norms(model, layer, h) if model.cfg.latent_attention else None,
     )
-
-
-def parse_heads(names: list[str], loaded: LoadedModel, max_heads: int) -> list[tuple[int, int]]:
-    """Head names -> (layer, head), checked, at most max_heads."""
-    if len(names) > max_heads:
-        raise LimitExceededError(f"{len(names)} heads requested; at most {max_heads} per request")
-    if not names:
-        raise InvalidInputError("no heads given: name heads as L{layer}H{head}, comma-separated")
-    return [parse_head(n, loaded.model.cfg) for n in names]
 
 
 # -- declarations (app/analysis.py) ----------------------------------------------------------------------

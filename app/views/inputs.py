@@ -21,6 +21,7 @@ from app.store import code_version
 from circuits_core.circuits.qk_forms import QK_FORMS, qk_form
 from circuits_core.errors import InvalidInputError, LimitExceededError, NotFoundError, QkovError
 from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import parse_head
 
 ID_RE = re.compile(r"[+-]?[0-9]+", re.ASCII)
 MAX_ID_DIGITS = 12  # no vocabulary has 10^12 tokens; longer numerals are refused before int() sees them
@@ -197,3 +198,12 @@ def qk_form_fields(loaded: LoadedModel, level: Literal["token", "weight", "promp
     form in words (qk_forms.QK_FORMS)."""
     form = qk_form(loaded.model, level)
     return {"qk_form": form, "qk_form_note": QK_FORMS[form]}
+
+
+def parse_heads(names: list[str], loaded: LoadedModel, max_heads: int) -> list[tuple[int, int]]:
+    """Head names -> (layer, head), checked, at most max_heads."""
+    if len(names) > max_heads:
+        raise LimitExceededError(f"{len(names)} heads requested; at most {max_heads} per request")
+    if not names:
+        raise InvalidInputError("no heads given: name heads as L{layer}H{head}, comma-separated")
+    return [parse_head(n, loaded.model.cfg) for n in names]

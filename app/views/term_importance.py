@@ -10,7 +10,7 @@ MLP models follow paths.py's convention: an MLP is a fixed node whose clean outp
 the head ablation recomputes downstream MLPs (only attention patterns are frozen, as in Olsson et al.).
 
 The default text, when neither prompt nor tokens is given: the model card's `sample_text` (held-out text
-shipped with the model) when present, else BUILTIN_TEXT, a short Python snippet (the toy models learn code).
+shipped with the model) when present, else BUILTIN_TEXT, a short Python snippet (app/views/default_prompt.py).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from __future__ import annotations
 import torch
 
 from app.analysis import Analysis
-from app.params import DEFAULT_ALL_HEADS, PromptInput, TermImportanceParams, head_selection
+from app.params import DEFAULT_ALL_HEADS, TermImportanceParams, head_selection
 from app.schemas.analyses import HeadAblation, TermImportanceView
 from app.settings import Limits
-from app.views.inputs import max_prompt_tokens, model_ref, resolve_prompt, token_refs
+from app.views.default_prompt import prompt_or_default
+from app.views.inputs import model_ref, token_refs
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, QkovError
 from circuits_core.formats.checkpoint import LoadedModel
@@ -29,39 +30,6 @@ from circuits_core.model.config import ModelConfig, head_name, parse_head
 from circuits_core.prompt import ablation
 from circuits_core.prompt.ablation import term_importance
 from circuits_core.prompt.model_summary import HEAD_THRESHOLD, load_summary
-
-BUILTIN_TEXT = (
-    "class Stack(object):\n"
-    "    def __init__(self):\n"
-    "        self.items = []\n\n"
-    "    def push(self, item):\n"
-    "        self.items.append(item)\n\n"
-    "    def pop(self):\n"
-    "        return self.items.pop()\n"
-)
-
-
-def default_text(loaded: LoadedModel) -> tuple[str, str]:
-    """(text, where it came from): the card's held-out sample, else the built-in snippet."""
-    card = loaded.card if isinstance(loaded.card, dict) else {}
-    sample = card.get("sample_text")
-    return (sample, "card") if isinstance(sample, str) and sample else (BUILTIN_TEXT, "builtin")
-
-
-def _default_ids(loaded: LoadedModel, limits: Limits) -> tuple[list[int], str]:
-    if loaded.tokenizer is None:
-        raise InvalidInputError(f"model {loaded.path.name!r} has no tokenizer: give the text as tokens=<ids>")
-    text, source = default_text(loaded)
-    bos = loaded.tokenizer.bos_token_id is not None
-    ids = [int(i) for i in loaded.tokenizer.encode(text, prepend_bos=bos)]
-    return ids[: max_prompt_tokens(loaded, limits)], source
-
-
-def prompt_or_default(loaded: LoadedModel, p: PromptInput, limits: Limits) -> tuple[list[int], str]:
-    """(token ids, where they came from): the prompt or token ids given, else the default text (card or builtin)."""
-    if p.prompt is None and p.tokens is None:
-        return _default_ids(loaded, limits)
-    return resolve_prompt(loaded, p.prompt, p.tokens, limits), "prompt" if p.prompt is not None else "tokens"
 
 
 def ablated_heads(loaded: LoadedModel, p: TermImportanceParams) -> tuple[list[tuple[int, int]], str, str]:

@@ -36,10 +36,9 @@ from app.views.circuits import (
     build_ov_view,
     build_qk_view,
     build_skip_trigrams_view,
-    frequent_tokens,
-    has_token_counts,
 )
 from app.views.composition import build_composition_pair_view, build_composition_view
+from app.views.default_prompt import BUILTIN_TEXT
 from app.views.detectors import build_detectors_view
 from app.views.heads import build_head_view
 from app.views.inputs import resolve_prompt, token_refs
@@ -48,7 +47,8 @@ from app.views.path import build_path_view
 from app.views.positivity import build_positivity_view, heads_seen, induction_pair
 from app.views.prompt import build_paths_view, build_prompt_view
 from app.views.qk_paths import build_qk_paths_view
-from app.views.term_importance import BUILTIN_TEXT, build_term_importance_view
+from app.views.term_importance import build_term_importance_view
+from app.views.token_sets import frequent_tokens, has_token_counts
 from app.views.tour_claims import induction_mass, self_copy_and_baseline
 from circuits_core.circuits import copying_spectra
 from circuits_core.circuits import head_circuits as circuits

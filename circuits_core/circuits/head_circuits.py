@@ -43,7 +43,7 @@ from circuits_core.circuits.embedding import (
 from circuits_core.circuits.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
 from circuits_core.circuits.folded import head_weights
 from circuits_core.circuits.global_topk import topk_global_cost, topk_global_flops
-from circuits_core.circuits.qk_forms import token_factors, token_scale
+from circuits_core.circuits.qk_forms import folded_query_key, token_factors, token_scale
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.model.transformer import Attention, Block, Transformer
@@ -108,7 +108,8 @@ def full_qk_circuit(model: Transformer, layer: int, head: int, tokens: Tensor | 
     token's own 1 / rho (the exact "cosine" form, qk_forms.py: the score the softmax sees, before any score cap).
     """
     check_head(model, layer, head)
-    W_Q, W_K, _, _ = head_weights(model, layer, head)
+    W_Q, W_K = folded_query_key(model, layer)  # (not head_weights: its V and O are not read here)
+    W_Q, W_K = W_Q[head], W_K[head // model.cfg.group_size]
     if tokens is not None:
         W_E = embed_eff_rows(model, tokens)  # [n, d_model]
         query, key = W_E @ W_Q / model.cfg.scale, W_E @ W_K
@@ -381,6 +382,18 @@ def token_scales_flops(model: Transformer, n_query: int, n_key: int) -> int:
     return 2 * cfg.d_model * cfg.d_head * (n_query * cfg.n_heads + n_key * cfg.n_kv_heads)
 
 
+def latent_factor_flops(model: Transformer, n_rows: int) -> int:
+    """Multi-head latent attention's extra work in a QK table's factors (0 otherwise): the layer's effective W_Q
+    (the query latent's up-projections of every head, when the model has a query latent) and W_K (the key/value
+    latent's), and each of n_rows tokens' latent scales rho_q, rho_kv through the embedding (qk_forms.token_factors)."""
+    cfg = model.cfg
+    if not cfg.latent_attention:
+        return 0
+    d, H, r_q, r_kv = cfg.d_model, cfg.n_heads, cfg.mla_q_rank or 0, cfg.mla_kv_rank or 0
+    weights = 2 * d * r_q * H * (cfg.mla_d_nope + (cfg.rotary_dim or 0)) + 2 * d * r_kv * H * cfg.mla_d_nope
+    return weights + 2 * n_rows * d * (r_q + r_kv)
+
+
 def full_ov_flops(model: Transformer, n_tokens: int | None = None) -> int:
     """full_ov_circuit's factors on n_tokens tokens (None: every token, through embed_eff_matmul)."""
     cfg = model.cfg
@@ -394,8 +407,10 @@ def full_qk_flops(model: Transformer, n_tokens: int | None = None) -> int:
     QK-norm scale included."""
     cfg = model.cfg
     if n_tokens is None:
-        return 2 * embed_matmul_flops(model, cfg.d_head) + token_scales_flops(model, cfg.d_vocab, cfg.d_vocab)
-    return 4 * n_tokens * cfg.d_model * cfg.d_head + token_scales_flops(model, n_tokens, n_tokens)
+        latent = latent_factor_flops(model, cfg.d_vocab)
+        return 2 * embed_matmul_flops(model, cfg.d_head) + token_scales_flops(model, cfg.d_vocab, cfg.d_vocab) + latent
+    latent = latent_factor_flops(model, n_tokens)
+    return 4 * n_tokens * cfg.d_model * cfg.d_head + token_scales_flops(model, n_tokens, n_tokens) + latent
 
 
 def line_flops(model: Transformer, line: str) -> int:
@@ -408,6 +423,8 @@ def line_flops(model: Transformer, line: str) -> int:
         return 4 * d * dh + 2 * d * V
     if line == "direct-row":
         return 2 * d * V
+    if cfg.latent_attention and line.startswith("qk-"):  # the line of the exact table: every token's factors first
+        return full_qk_flops(model) + (2 * V * dh * dh if line.endswith("-at") else 0) + 2 * V * dh
     rotated = 2 * dh * dh if line.endswith("-at") else 0
     if line in ("qk-column", "qk-column-at"):
         return 4 * d * dh + rotated + embed_matmul_flops(model, 1) + token_scales_flops(model, V, 1)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from circuits_core.circuits.embedding import embed_eff_rows
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.head_circuits import attention, check_head
 from circuits_core.errors import InvalidInputError
@@ -91,6 +92,24 @@ def score_terms(
     q_rot = model.rotate(x_hat @ h.query_rotary, positions, layer)  # [n, d_rope]: x̂ᵢ C_h R(i)
     k_rot = model.rotate(x_hat @ h.key_rotary, positions, layer)  # x̂ⱼ D R(j)
     return content, q_rot @ k_rot.T / (s * rho_q[:, None])
+
+
+def token_pair_terms(
+    model: Transformer, layer: int, head: int, queries: Tensor | list[int], keys: Tensor | list[int], offset: int
+) -> tuple[Tensor, Tensor]:
+    """(content, rotary) [m]: the two terms of the token-level QK entry of each (query token, key token) pair at offset
+    δ, each token's latent scales measured through the embedding (the "latent-token" form, qk_forms.py): content =
+    e_q A_h e_kᵀ / (s ρ_q(q) ρ_kv(k)), rotary = e_q C_h R(δ) Dᵀ e_kᵀ / (s ρ_q(q)); their sum is the table's entry."""
+    h = latent_head(model, layer, head)
+    attn = latent_attention(model, layer)
+    e_q, e_k = embed_eff_rows(model, queries), embed_eff_rows(model, keys)  # [m, d_model]
+    rho_q, _ = attn.latent_rho(e_q)
+    _, rho_kv = attn.latent_rho(e_k)
+    s = model.cfg.scale
+    content = ((e_q @ h.content.A) * (e_k @ h.content.B.T)).sum(-1) / (s * rho_q * rho_kv)
+    delta = torch.tensor([offset], device=model.device)
+    rotary = (model.rotate(e_q @ h.query_rotary, delta, layer) * (e_k @ h.key_rotary)).sum(-1) / (s * rho_q)
+    return content, rotary
 
 
 def term_norms(model: Transformer, layer: int, head: int) -> dict[str, float]:

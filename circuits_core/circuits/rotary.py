@@ -170,11 +170,11 @@ def full_qk_circuit_at(
 
 def full_qk_col_at(model: Transformer, layer: int, head: int, key_token: int, offset: int) -> Tensor:
     """Column a of the full QK circuit at δ [d_vocab]: every query token's score on key token a, δ back."""
-    W_Q, W_K = query_key_weights(model, layer, head)
     if isinstance(key_token, bool) or not isinstance(key_token, int) or not 0 <= key_token < model.cfg.d_vocab:
         raise InvalidInputError(f"token id must be an integer in [0, {model.cfg.d_vocab}), got {key_token!r}")
     if model.cfg.latent_attention:  # the exact token table's column (its factors carry each token's latent scales)
         return full_qk_circuit_at(model, layer, head, offset).cols([key_token])[0]
+    W_Q, W_K = query_key_weights(model, layer, head)
     k = embed_eff_rows(model, [key_token]) @ W_K  # [1, dh]
     R = rotation(model, [offset], dtype=W_Q.dtype, layer=layer)[0]
     col = embed_eff_matmul(model, W_Q @ (R @ k.T))[:, 0] / model.cfg.scale  # [V]
@@ -185,11 +185,11 @@ def full_qk_col_at(model: Transformer, layer: int, head: int, key_token: int, of
 
 def full_qk_row_at(model: Transformer, layer: int, head: int, query_token: int, offset: int) -> Tensor:
     """Row b of the full QK circuit at δ [d_vocab]: query token b's score on every key token, δ back."""
-    W_Q, W_K = query_key_weights(model, layer, head)
     if isinstance(query_token, bool) or not isinstance(query_token, int) or not 0 <= query_token < model.cfg.d_vocab:
         raise InvalidInputError(f"token id must be an integer in [0, {model.cfg.d_vocab}), got {query_token!r}")
     if model.cfg.latent_attention:  # the exact token table's row
         return full_qk_circuit_at(model, layer, head, offset).rows([query_token])[0]
+    W_Q, W_K = query_key_weights(model, layer, head)
     q = (
         embed_eff_rows(model, [query_token]) @ W_Q @ rotation(model, [offset], dtype=W_Q.dtype, layer=layer)[0]
     )  # [1, dh]

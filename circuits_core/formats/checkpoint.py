@@ -272,18 +272,22 @@ def _tl_check_supported(data: dict[str, Any], path: Path) -> None:
         raise CheckpointError(f"{path.name}: TransformerLens features not supported here: {', '.join(bad)}")
 
 
+# TransformerLens config fields it writes as None or -1.0 to mean "unset" (absent means the same), and the value
+# qkov's field then takes: one expert per token (a dense model), no soft cap, the default 1/sqrt(d_head) scale.
+TL_UNSET: dict[str, tuple[tuple[Any, ...], Any]] = {
+    "experts_per_token": ((None,), 1),
+    "attn_scores_soft_cap": ((None, -1.0), None),
+    "output_logits_soft_cap": ((None, -1.0), None),
+    "attn_scale": ((None, -1.0), None),
+}
+
+
 def _tl_config(data: dict[str, Any], path: Path, has_bias: bool) -> ModelConfig:
     """HookedTransformerConfig fields -> ModelConfig (TL state dicts always carry biases: use_bias=True)."""
     overrides: dict[str, Any] = {"use_bias": has_bias}
-    if data.get("experts_per_token") is None:  # TL writes None on dense models, where qkov's field defaults to 1
-        overrides["experts_per_token"] = 1
-    for cap in ("attn_scores_soft_cap", "output_logits_soft_cap"):  # TL's -1.0 means no cap
-        if cap in data and not _positive(data[cap]):
-            overrides[cap] = None
-    if data.get("use_attn_scale") is False:
+    overrides.update({name: value for name, (unset, value) in TL_UNSET.items() if data.get(name) in unset})
+    if data.get("use_attn_scale") is False:  # TL's switch for no scaling at all
         overrides["attn_scale"] = 1.0
-    elif not _positive(data.get("attn_scale")):  # TL's unset default is -1.0 (meaning sqrt(d_head))
-        overrides["attn_scale"] = None
     if data.get("attn_only") or not data.get("d_mlp"):
         overrides.update(attn_only=True, act_fn=None)
     if data.get("positional_embedding_type") == "rotary":  # TL's rope scalings -> rope_type (llama3, linear)

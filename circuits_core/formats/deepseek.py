@@ -18,7 +18,8 @@ greedy or group-limited (group max); V3 sigmoid scores, choice biased by e_score
 their two best, weights renormalised when norm_topk_prob; both times routed_scaling_factor.
 num_key_value_heads is not read: every head's key and value come from the one shared latent (released files
 set it to num_attention_heads).
-Refused by name: block-scaled FP8 weights (quantization_config), attention and MLP biases, topk methods other than
+Block-scaled FP8 files (quantization_config quant_method "fp8", V3's release) are dequantised weight by weight as
+transformers does (fp8.py). Refused by name: other quantisations, attention and MLP biases, topk methods other than
 greedy / group_limited_greedy, and the rope types rope_scaling.py does not read. The num_nextn_predict_layers
 multi-token-prediction layers after the last (model.layers.{num_hidden_layers}.* ...) are not part of the causal
 model: they are not read.
@@ -27,15 +28,17 @@ model: they are not read.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from circuits_core.errors import CheckpointError
+from circuits_core.formats.fp8 import dequantize_fp8, scale_grid
 from circuits_core.formats.hf import _act_fn, _bos, _config
-from circuits_core.formats.llama import _T, Loaded, State, _Shards, single_threaded, take_unembedding
-from circuits_core.formats.moe_families import _stacked
+from circuits_core.formats.llama import _T, Loaded, State, _Shards, laid_out, single_threaded, take_unembedding
 from circuits_core.formats.rope_scaling import rope_fields, rope_section
 from circuits_core.model.config import ConfigReader, ModelConfig
 
@@ -43,14 +46,28 @@ DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 TOPK_METHODS = ("greedy", "group_limited_greedy")
 
 
+def fp8_block(r: ConfigReader) -> tuple[int, int] | None:
+    """The block of block-scaled FP8 weights (quantization_config: quant_method "fp8", fmt e4m3, weight_block_size),
+    None for unquantised files; other quantisations are refused by name."""
+    q = r.section("quantization_config")
+    method = q.text("quant_method", default=None)
+    if method is None:
+        return None
+    fmt = q.text("fmt", default="e4m3")
+    if method != "fp8" or fmt != "e4m3":
+        raise CheckpointError(
+            f"{r.source}: quantization_config quant_method {method!r} fmt {fmt!r} is not supported; supported: "
+            "block-scaled FP8 (quant_method 'fp8', fmt 'e4m3')"
+        )
+    block = q.data.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(type(b) is int and 1 <= b <= 1 << 16 for b in block)):
+        raise CheckpointError(f"{r.source}: quantization_config.weight_block_size must be two positive integers")
+    return block[0], block[1]
+
+
 def _refuse_unhonoured(r: ConfigReader, model_type: str) -> None:
     name = r.source
-    method = r.section("quantization_config").text("quant_method", default=None)
-    if method is not None:
-        raise CheckpointError(
-            f"{name}: quantization_config.quant_method {method!r}: quantised DeepSeek weights (block-scaled FP8) are "
-            "not dequantised by qkov; convert the checkpoint to bf16 first"
-        )
+    fp8_block(r)
     for flag in ("attention_bias", "mlp_bias"):
         if r.flag(flag, default=False):
             raise CheckpointError(f"{name}: {flag}=true is not supported for {model_type}")
@@ -141,20 +158,21 @@ def load_deepseek(folder: Path, hf: dict[str, Any], dtype: torch.dtype) -> Loade
     """(config, state dict in `dtype`, tensor -> shard file, weight files)."""
     cfg, rope_gain = _deepseek_config(hf)
     src = _Shards(folder, dtype)
+    w = _Linears(src, fp8_block(ConfigReader(hf)))
     d = cfg.d_model
     sd: State = {"embed.W_E": src.take("model.embed_tokens.weight", (cfg.d_vocab, d))}
     for layer in range(cfg.n_layers):
         h, p = f"model.layers.{layer}", f"blocks.{layer}"
         sd[f"{p}.ln1.w"] = src.take(f"{h}.input_layernorm.weight", (d,))
         sd[f"{p}.ln2.w"] = src.take(f"{h}.post_attention_layernorm.weight", (d,))
-        sd.update(_take_attention(src, cfg, f"{h}.self_attn", f"{p}.attn", rope_gain))
+        sd.update(_take_attention(src, w, cfg, f"{h}.self_attn", f"{p}.attn", rope_gain))
         if cfg.layer_has_experts(layer):
-            sd.update(_take_experts(src, cfg, f"{h}.mlp", f"{p}.mlp"))
+            sd.update(_take_experts(src, w, cfg, f"{h}.mlp", f"{p}.mlp"))
         else:  # a dense layer (before the experts: d_mlp_dense wide)
             m = cfg.layer_d_mlp(layer) or 0
-            sd[f"{p}.mlp.W_gate"] = src.take(f"{h}.mlp.gate_proj.weight", (m, d), _T)
-            sd[f"{p}.mlp.W_in"] = src.take(f"{h}.mlp.up_proj.weight", (m, d), _T)
-            sd[f"{p}.mlp.W_out"] = src.take(f"{h}.mlp.down_proj.weight", (d, m), _T)
+            sd[f"{p}.mlp.W_gate"] = w.take(f"{h}.mlp.gate_proj.weight", (m, d), _T)
+            sd[f"{p}.mlp.W_in"] = w.take(f"{h}.mlp.up_proj.weight", (m, d), _T)
+            sd[f"{p}.mlp.W_out"] = w.take(f"{h}.mlp.down_proj.weight", (d, m), _T)
     sd["ln_final.w"] = src.take("model.norm.weight", (d,))
     tied = ConfigReader(hf).flag("tie_word_embeddings", default=False)
     sd["unembed.W_U"] = take_unembedding(src, folder, sd["embed.W_E"], tied)
@@ -165,35 +183,51 @@ def load_deepseek(folder: Path, hf: dict[str, Any], dtype: torch.dtype) -> Loade
     return cfg, sd, dict(src.where), src.files
 
 
-def _take_attention(src: _Shards, cfg: ModelConfig, h: str, p: str, rope_gain: float) -> State:
+class _Linears:
+    """The nn.Linear weights of a DeepSeek file: read as stored, or, where a weight_scale_inv sits beside a weight of a
+    block-scaled FP8 file, dequantised (fp8.py) and then laid out."""
+
+    def __init__(self, src: _Shards, block: tuple[int, int] | None):
+        self.src, self.block = src, block
+
+    def take(self, key: str, shape: tuple[int, int], layout: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
+        scale = key.removesuffix("weight") + "weight_scale_inv"
+        if self.block is None or not self.src.has(scale):
+            return self.src.take(key, shape, layout)
+        q = self.src.take(key, shape, dtype=torch.float8_e4m3fn)
+        scale_inv = self.src.take(scale, scale_grid(shape, self.block), dtype=torch.float32)
+        return laid_out(layout(dequantize_fp8(q, scale_inv, self.block, torch.float32)), self.src.dtype)
+
+
+def _take_attention(src: _Shards, w: _Linears, cfg: ModelConfig, h: str, p: str, rope_gain: float) -> State:
     d, H, dh, r_kv = cfg.d_model, cfg.n_heads, cfg.d_head, cfg.mla_kv_rank or 0
     d_nope, d_rope, d_v = cfg.mla_d_nope, cfg.rotary_dim or 0, cfg.mla_d_v
     d_qk = d_nope + d_rope
     sd: State = {}
     if cfg.mla_q_rank is not None:
         r_q = cfg.mla_q_rank
-        sd[f"{p}.W_DQ"] = src.take(f"{h}.q_a_proj.weight", (r_q, d), _T)  # [d_model, q_rank]
+        sd[f"{p}.W_DQ"] = w.take(f"{h}.q_a_proj.weight", (r_q, d), _T)  # [d_model, q_rank]
         sd[f"{p}.q_latent_norm.w"] = src.take(f"{h}.q_a_layernorm.weight", (r_q,))
         up = f"{h}.q_b_proj.weight"
     else:
         r_q, up = d, f"{h}.q_proj.weight"
-    sd[f"{p}.W_UQ"] = src.take(up, (H * d_qk, r_q), _heads(H, d_qk, 0, d_nope, r_q))  # [H, q_rank, d_nope]
-    sd[f"{p}.W_QR"] = src.take(up, (H * d_qk, r_q), _heads(H, d_qk, d_nope, d_qk, r_q)) * rope_gain
+    sd[f"{p}.W_UQ"] = w.take(up, (H * d_qk, r_q), _heads(H, d_qk, 0, d_nope, r_q))  # [H, q_rank, d_nope]
+    sd[f"{p}.W_QR"] = w.take(up, (H * d_qk, r_q), _heads(H, d_qk, d_nope, d_qk, r_q)) * rope_gain
     down = f"{h}.kv_a_proj_with_mqa.weight"
-    sd[f"{p}.W_DKV"] = src.take(down, (r_kv + d_rope, d), lambda W: W[:r_kv].T)  # [d_model, kv_rank]
-    sd[f"{p}.W_KR"] = src.take(down, (r_kv + d_rope, d), lambda W: W[r_kv:].T)  # [d_model, d_rope]
+    sd[f"{p}.W_DKV"] = w.take(down, (r_kv + d_rope, d), lambda W: W[:r_kv].T)  # [d_model, kv_rank]
+    sd[f"{p}.W_KR"] = w.take(down, (r_kv + d_rope, d), lambda W: W[r_kv:].T)  # [d_model, d_rope]
     sd[f"{p}.kv_latent_norm.w"] = src.take(f"{h}.kv_a_layernorm.weight", (r_kv,))
     kv_up = f"{h}.kv_b_proj.weight"
     rows = d_nope + d_v
-    sd[f"{p}.W_UK"] = src.take(kv_up, (H * rows, r_kv), _heads(H, rows, 0, d_nope, r_kv))  # [H, kv_rank, d_nope]
-    sd[f"{p}.W_UV"] = src.take(kv_up, (H * rows, r_kv), _heads(H, rows, d_nope, rows, r_kv))  # [H, kv_rank, d_v]
+    sd[f"{p}.W_UK"] = w.take(kv_up, (H * rows, r_kv), _heads(H, rows, 0, d_nope, r_kv))  # [H, kv_rank, d_nope]
+    sd[f"{p}.W_UV"] = w.take(kv_up, (H * rows, r_kv), _heads(H, rows, d_nope, rows, r_kv))  # [H, kv_rank, d_v]
     W_O = torch.zeros(H, dh, d, dtype=src.dtype)
-    W_O[:, :d_v] = src.take(f"{h}.o_proj.weight", (d, H * d_v), lambda W: W.T.reshape(H, d_v, d))
+    W_O[:, :d_v] = w.take(f"{h}.o_proj.weight", (d, H * d_v), lambda W: W.T.reshape(H, d_v, d))
     sd[f"{p}.W_O"] = W_O  # [H, d_head, d_model], rows from d_v on zero
     return sd
 
 
-def _take_experts(src: _Shards, cfg: ModelConfig, h: str, p: str) -> State:
+def _take_experts(src: _Shards, w: _Linears, cfg: ModelConfig, h: str, p: str) -> State:
     E, d, m = cfg.num_experts or 0, cfg.d_model, cfg.d_mlp or 0
     sd: State = {f"{p}.W_router": src.take(f"{h}.gate.weight", (E, d), _T)}  # [d_model, n_experts]
     if cfg.moe_scoring == "sigmoid":
@@ -203,10 +237,13 @@ def _take_experts(src: _Shards, cfg: ModelConfig, h: str, p: str) -> State:
         ("W_in", "up_proj", (m, d)),
         ("W_out", "down_proj", (d, m)),
     ):
-        sd[f"{p}.{name}"] = _stacked(src, [f"{h}.experts.{e}.{stored}.weight" for e in range(E)], shape)
+        stacked = torch.empty(E, shape[1], shape[0], dtype=src.dtype)  # [E, d_in, d_out], x @ W form
+        for e in range(E):  # one expert at a time, converted (or dequantised) and transposed as it is read
+            stacked[e] = w.take(f"{h}.experts.{e}.{stored}.weight", shape, _T)
+        sd[f"{p}.{name}"] = stacked
     if cfg.moe_shared_d_mlp is not None:
         s = cfg.moe_shared_d_mlp
-        sd[f"{p}.W_shared_gate"] = src.take(f"{h}.shared_experts.gate_proj.weight", (s, d), _T)
-        sd[f"{p}.W_shared_in"] = src.take(f"{h}.shared_experts.up_proj.weight", (s, d), _T)
-        sd[f"{p}.W_shared_out"] = src.take(f"{h}.shared_experts.down_proj.weight", (d, s), _T)
+        sd[f"{p}.W_shared_gate"] = w.take(f"{h}.shared_experts.gate_proj.weight", (s, d), _T)
+        sd[f"{p}.W_shared_in"] = w.take(f"{h}.shared_experts.up_proj.weight", (s, d), _T)
+        sd[f"{p}.W_shared_out"] = w.take(f"{h}.shared_experts.down_proj.weight", (d, s), _T)
     return sd

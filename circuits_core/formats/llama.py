@@ -71,6 +71,8 @@ class _MappedFile(SafetensorsFile):
         source = _DTYPES.get(entry.get("dtype"))
         if dtype == torch.uint8 and entry.get("dtype") == "U8":  # packed bytes (MXFP4 blocks and scales), as stored
             source = torch.uint8
+        if dtype == torch.float8_e4m3fn and entry.get("dtype") == "F8_E4M3":  # block-scaled FP8 (fp8.py), as stored
+            source = torch.float8_e4m3fn
         if source is None:
             raise CheckpointError(
                 f"{self.name}: tensor {key}: dtype {entry.get('dtype')!r} is not a float type ({', '.join(_DTYPES)})"

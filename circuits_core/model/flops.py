@@ -13,8 +13,12 @@ def layer_flops(cfg: ModelConfig, rows: int, n: int, pattern: bool, mlp: bool) -
     z = A v, the output W_O, and the MLP when it is computed (`mlp`)."""
     tok = rows * n
     H, G, dh, d = cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_model
-    qk = 2 * tok * d * dh * (H + G) + 2 * rows * H * n * n * dh if pattern else 0
-    flops = qk + 2 * tok * d * dh * G + 2 * tok * H * dh * d + 2 * rows * H * n * n * dh
+    if cfg.latent_attention:
+        q_proj, k_proj, v_proj = latent_projection_flops(cfg, tok)
+    else:
+        q_proj, k_proj, v_proj = 2 * tok * d * dh * H, 2 * tok * d * dh * G, 2 * tok * d * dh * G
+    qk = q_proj + k_proj + 2 * rows * H * n * n * dh if pattern else 0
+    flops = qk + v_proj + 2 * tok * H * dh * d + 2 * rows * H * n * n * dh
     if mlp and not cfg.attn_only:
         flops += 2 * tok * d * (cfg.d_mlp or 4 * d) * (3 if cfg.gated_mlp else 2)
     return flops
@@ -22,3 +26,17 @@ def layer_flops(cfg: ModelConfig, rows: int, n: int, pattern: bool, mlp: bool) -
 
 def unembed_flops(cfg: ModelConfig, rows: int, n: int) -> int:
     return 2 * rows * n * cfg.d_model * cfg.d_vocab
+
+
+def latent_projection_flops(cfg: ModelConfig, tok: int) -> tuple[int, int, int]:
+    """(queries, keys, values) projection FLOPs of multi-head latent attention on `tok` tokens (latent_attention.py):
+    the query latent and its per-head up-projections (or the up-projections straight from the stream), the key/value
+    latent with the shared rotary key and the content keys' up-projection, and the values' (the latent computed again:
+    keys and values may read different streams)."""
+    H, d, r_q, r_kv = cfg.n_heads, cfg.d_model, cfg.mla_q_rank, cfg.mla_kv_rank or 0
+    d_rope, d_nope, d_v = cfg.rotary_dim or 0, cfg.mla_d_nope, cfg.mla_d_v
+    q_in = r_q if r_q is not None else d
+    queries = (2 * tok * d * r_q if r_q is not None else 0) + 2 * tok * q_in * H * (d_nope + d_rope)
+    keys = 2 * tok * d * (r_kv + d_rope) + 2 * tok * r_kv * H * d_nope
+    values = 2 * tok * d * r_kv + 2 * tok * r_kv * H * d_v
+    return queries, keys, values

@@ -62,7 +62,7 @@ class LatentAttention(Attention):
     """Attention heads reading a query latent and a shared key/value latent (module docstring)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
-        nn.Module.__init__(self)
+        nn.Module.__init__(self)  # not Attention's: it would register per-head W_Q, W_K, W_V, which MLA computes
         assert cfg.mla_kv_rank is not None
         self.cfg, self.layer = cfg, layer
         H, d, dh, r_kv = cfg.n_heads, cfg.d_model, cfg.d_head, cfg.mla_kv_rank
@@ -144,6 +144,8 @@ class LatentAttention(Attention):
     @property
     def W_Q(self) -> Tensor:  # type: ignore[override]
         """[n_heads, d_model, d_head]: [W_DQ Γq W_QR^h | W_DQ Γq W_UQ^h | 0]."""
+        if self.cfg.mla_q_rank is None:  # the up-projections read the stream themselves
+            return self._laid_out(self.W_QR, self.W_UQ)  # [H, d, dh]
         read = self.query_reader()
         return self._laid_out(read @ self.W_QR, read @ self.W_UQ)  # [H, d, dh]
 
@@ -162,6 +164,3 @@ class LatentAttention(Attention):
         if name in ("W_K", "W_V"):
             return self.W_K if name == "W_K" else self.W_V
         raise InvalidInputError(f"the model has no {name}")
-
-    def __getattr__(self, name: str) -> Tensor | nn.Module:
-        return nn.Module.__getattr__(self, name)

@@ -32,13 +32,13 @@ term[j] = coef[j] * (X_s[j] . w), or, when many suffixes share the first layer, 
 The suffixes of the last order only end terms, so their readouts w are never formed: their terms always go
 through the first head's values, computed once per layer and key/value group (grouped-query attention), and
 g = W_O w ([H, P0, d_head]). Term names are built on demand (path_names.PathNames). `cost` walks the same
-steps (`_schedule`) and prices what each holds.
+steps (`_schedule`) and prices what each holds. The answer's types are in path_terms.py (PathExpansion), the
+sources in path_sources.py.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -51,7 +51,6 @@ from circuits_core.prompt.frozen import (
     FrozenRun,
     attention,
     centre,
-    embed_source,
     frozen_run,
     head_o_apply,
     head_ov_apply,
@@ -60,96 +59,10 @@ from circuits_core.prompt.frozen import (
     run_cost,
     target_cap_factors,
     value_inv_scale,
-    written_bias,
 )
 from circuits_core.prompt.path_names import PathNames
-
-Target = int | tuple[int, int]
-
-
-@dataclass
-class PathTerm:
-    path: tuple[str, ...]
-    order: int
-    value: Tensor  # [q]: one value per destination position
-    by_source: Tensor | None  # [q, n]: split over source positions (sums to value)
-
-
-@dataclass
-class PathExpansion:
-    """Terms of the frozen-attention expansion of one target at destination positions `positions` [q]."""
-
-    positions: Tensor  # [q]
-    target: Target
-    max_order: int
-    paths: Sequence[tuple[str, ...]]  # [T] (a PathNames: each path built when asked for)
-    orders: Tensor  # [T]
-    values: Tensor  # [T, q]
-    by_source: Tensor | None  # [T, q, n]
-    value: Tensor  # [q]: the model's actual logit (difference) at each destination
-    remainder: Tensor  # [q]: all paths of order > max_order
-    _index: dict[tuple[str, ...], int] = field(default_factory=dict, repr=False)
-
-    @property
-    def total(self) -> Tensor:
-        """Sum of every explicit term and the remainder [q] (equals `value`)."""
-        return self.values.sum(0) + self.remainder
-
-    def order_totals(self) -> Tensor:
-        """[max_order + 1, q]: the sum of the terms of each order."""
-        out = self.values.new_zeros(self.max_order + 1, self.values.shape[1])
-        return out.index_add_(0, self.orders, self.values)
-
-    def term(self, path: tuple[str, ...]) -> PathTerm:
-        if not self._index:
-            self._index.update({p: i for i, p in enumerate(self.paths)})
-        if path not in self._index:
-            raise InvalidInputError(f"no term {path!r} in this expansion (max_order {self.max_order})")
-        i = self._index[path]
-        return PathTerm(
-            path, int(self.orders[i]), self.values[i], None if self.by_source is None else self.by_source[i]
-        )
-
-    def terms(self) -> list[PathTerm]:
-        return [self.term(p) for p in self.paths]
-
-    def top(self, k: int = 20, position: int = 0) -> list[PathTerm]:
-        """The k terms of largest |value| at the position-th destination."""
-        idx = self.values[:, position].abs().argsort(descending=True)[:k]
-        return [self.term(self.paths[int(i)]) for i in idx]
-
-
-@dataclass
-class _Source:
-    name: tuple[str, ...]  # () for the embedding
-    entry: int  # first layer that reads it
-    X: Tensor  # [n, d_model], or [1, d_model] for a constant (bias) source
-
-
-def path_sources(model: Transformer, run: FrozenRun) -> list[_Source]:
-    """The embedding, each attention layer's bias and each MLP's output (or each expert's that a token used), with
-    the layer where they enter."""
-    out = [_Source((), 0, embed_source(model, run))]
-    for layer in range(model.cfg.n_layers):
-        out.append(_Source((f"bias:L{layer}",), layer + 1, written_bias(model, run, layer)))
-        if not model.cfg.attn_only:
-            out += [_Source((name,), layer + 1, X) for name, X in mlp_parts(model, run, layer)]
-    return out
-
-
-def mlp_parts(model: Transformer, run: FrozenRun, layer: int) -> list[tuple[str, Tensor]]:
-    """("mlp:L3", its output [n, d_model]); for a mixture of experts, with the routing frozen, one part per expert
-    that some token used: ("mlp:L3.e5", weight x expert 5's output on the tokens routed to it, zero elsewhere).
-    The parts sum to the MLP's output."""
-    if not model.cfg.layer_has_experts(layer):  # (DeepSeek's first layers are dense)
-        return [(f"mlp:L{layer}", run.cache[f"blocks.{layer}.hook_mlp_out"])]
-    p = f"blocks.{layer}.mlp"
-    indices, slots = run.cache[f"{p}.hook_expert_indices"], run.cache[f"{p}.hook_expert_out"]  # [n, k], [n, k, d]
-    shared = [(f"mlp:L{layer}.shared", run.cache[f"{p}.hook_shared_out"])] if model.cfg.moe_shared_d_mlp else []
-    return [
-        (f"mlp:L{layer}.e{e}", (slots * (indices == e)[..., None].to(slots.dtype)).sum(1))
-        for e in torch.unique(indices).tolist()
-    ] + shared
+from circuits_core.prompt.path_sources import PathSource, path_sources
+from circuits_core.prompt.path_terms import PathExpansion, Target
 
 
 def _positions(positions: int | Sequence[int] | None, n: int, device: torch.device) -> Tensor:
@@ -179,7 +92,7 @@ class _Expander:
     """
 
     def __init__(
-        self, model: Transformer, run: FrozenRun, sources: list[_Source], by_source: bool, max_order: int, q: int
+        self, model: Transformer, run: FrozenRun, sources: list[PathSource], by_source: bool, max_order: int, q: int
     ):
         self.model, self.run, self.sources, self.by_source = model, run, sources, by_source
         self.paths = PathNames()

@@ -39,7 +39,8 @@ from circuits_core.prompt.frozen import (
     target_cap_factors,
     value_inv_scale,
 )
-from circuits_core.prompt.paths import PathExpansion, path_sources
+from circuits_core.prompt.path_sources import path_sources
+from circuits_core.prompt.path_terms import PathExpansion
 
 Head = tuple[int, int]
 
@@ -138,7 +139,7 @@ def head_write(model: Transformer, run: FrozenRun, layer: int, h: int, X: Tensor
 
 def chain_terms(model: Transformer, run: FrozenRun, chain: list[Head], target: int) -> list[tuple[str, Tensor]]:
     """[(source, [n] values)]: the path term (source, h1, ..., hk) of the logit of `target` at every position, for the
-    embedding ("embed") and each attention bias or MLP output entering before h1 (paths.path_sources), with the
+    embedding ("embed") and each attention bias or MLP output entering before h1 (path_sources.path_sources), with the
     clean run's patterns and LayerNorm scales frozen. The same terms as paths.expand_logits lists for this chain,
     without expanding every other path of its order (C(L, k) H^k of them)."""
     _check_chain(model, chain)

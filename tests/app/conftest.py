@@ -127,7 +127,7 @@ def assert_problem(response, status: int, *needles: str) -> dict:
 
 
 def until_done(client, url: str, timeout: float = 900.0, **kwargs):
-    """GET `url`; while it answers 202 (a long computation running as a job, app/scheduling.py), poll its job until
+    """GET `url`; while it answers 202 (a long computation running as a job, app/scheduling/), poll its job until
     it is finished and ask again: the response once the answer exists (a page's job id is in its data-job)."""
     import re
     import time

@@ -13,14 +13,16 @@ from fastapi.testclient import TestClient
 from markupsafe import escape as html_escape
 
 from app.main import create_app
-from app.scheduling import bind
+from app.scheduling.service import bind
 from app.settings import Settings
-from app.views.rotary import POSITIONAL, PositionalParams, QKCopyingParams, qk_copying_cost, reference_tokens
+from app.views.rotary import POSITIONAL, PositionalParams, QKCopyingParams, qk_copying_cost
+from app.views.rotary_reference import reference_tokens
 from circuits_core.circuits import rotary
 from circuits_core.circuits.rotary import REFERENCE_NAME, rotation
 from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
 from circuits_core.model.config import ModelConfig
 from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer
+from tests.core.rotary_models import rotary_config
 
 API = "/api/v1/models"
 
@@ -30,24 +32,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("rotary-models")
     tok = train_tokenizer()
     V = tok.get_vocab_size()
-    rope = ModelConfig(
-        n_layers=3,
-        d_model=16,
-        n_heads=4,
-        d_head=8,
-        d_vocab=V,
-        n_ctx=96,
-        attn_only=False,
-        d_mlp=24,
-        gated_mlp=True,
-        act_fn="silu",
-        normalization_type="RMS",
-        positional_embedding_type="rotary",
-        rotary_base=100.0,
-        n_key_value_heads=2,
-        rotary_adjacent_pairs=True,
-        rotary_dim=6,
-    )
+    rope = rotary_config(n_layers=3, d_vocab=V, n_ctx=96, n_key_value_heads=2, rotary_adjacent_pairs=True, rotary_dim=6)
     save_qkov(root / "shipped" / "rope", rope, tok, seed=3)
     short = ModelConfig(n_layers=2, d_model=16, n_heads=2, d_head=8, d_vocab=V, n_ctx=32)
     save_qkov(root / "user" / "short", short, tok, seed=4)

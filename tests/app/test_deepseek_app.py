@@ -112,13 +112,16 @@ def test_head_page_names_the_latent_terms(mla_client: TestClient, model: str) ->
     page = mla_client.get(f"/models/{model}/heads/L1H2").text
     assert 'id="latent-terms"' in page and "content term A_h" in page and "rotary term C_h R(δ) Dᵀ" in page
     assert "Composition into this head reads the shared latent subspace" in page
-    assert "QK form: latent-token" in page
+    assert "QK form: latent-token" in page and "Latent attention: μ carries its own latent scales" in page
     shown = [
         float(re.search(rf'id="{key}">([^<]+)<', page).group(1))  # type: ignore[union-attr]
         for key in ("latent-content-norm", "latent-query-rotary-norm", "latent-key-rotary-norm", "latent-ov-norm")
     ]
-    for got, want in zip(shown, _dense_terms(hf, 1, 2), strict=True):
-        assert got == pytest.approx(want, rel=1e-3)
+    body = mla_client.get(f"/api/v1/models/{model}/heads/L1H2").json()["latent"]  # the page's JSON twin
+    keys = ("content_norm", "query_rotary_norm", "key_rotary_norm", "ov_norm")
+    for got, json_value, want in zip(shown, [body[k] for k in keys], _dense_terms(hf, 1, 2), strict=True):
+        assert got == pytest.approx(want, rel=1e-3) and json_value == pytest.approx(want, rel=1e-9)
+    assert body["kv_rank"] == hf.config.kv_lora_rank and body["rotary_rank_bound"] == hf.config.qk_rope_head_dim
     dense_page = mla_client.get(f"/models/{model}/heads/L0H0").text
     assert 'id="latent-terms"' in dense_page  # every layer has latent attention (layer 0's MLP is the dense one)
 
@@ -129,3 +132,31 @@ def test_composition_page_says_composition_reads_the_shared_latent(mla_client: T
     page = mla_client.get(f"/models/{model}/composition", params={"kind": "K"}).text
     assert 'id="latent-composition"' in page and "reads the shared latent subspace" in page
     assert f"(rank {hf.config.kv_lora_rank})" in page and "QK form: latent-bilinear" in page
+
+
+@pytest.mark.parametrize("model", list(FAMILIES))
+def test_qk_view_splits_each_entry_into_content_and_rotary(mla_client: TestClient, model: str) -> None:
+    """Each listed entry's content + rotary terms equal its value; the content term does not move with δ while the
+    rotary term does; and the value is the score the served model's layer 0 gives the pair (a forward pass)."""
+    registry = mla_client.app.state.registry  # type: ignore[attr-defined]
+    served = registry.get(model).model
+    bodies = {
+        d: mla_client.get(f"/api/v1/models/{model}/heads/L0H1/qk", params={"k": 5, "offset": d}).json() for d in (1, 3)
+    }
+    for delta, body in bodies.items():
+        assert body["qk_form"] == "latent-token"
+        for e, c, r in zip(body["entries"], body["latent_content"], body["latent_rotary"], strict=True):
+            assert c + r == pytest.approx(e["value"], abs=1e-9)
+            seq = torch.tensor([[e["col"]["id"]] + [0] * (delta - 1) + [e["row"]["id"]]])
+            _, cache = served.run(seq, names={"blocks.0.attn.hook_attn_scores"})
+            assert e["value"] == pytest.approx(float(cache["blocks.0.attn.hook_attn_scores"][0, 1, delta, 0]), abs=1e-9)
+    first = bodies[1]["entries"][0]
+    again = mla_client.get(
+        f"/api/v1/models/{model}/heads/L0H1/qk", params={"token": first["row"]["id"], "k": 50, "offset": 3}
+    ).json()
+    match = [i for i, e in enumerate(again["entries"]) if e["col"]["id"] == first["col"]["id"]]
+    assert match  # the same pair at δ = 3: the same content term, another rotary term
+    assert again["latent_content"][match[0]] == pytest.approx(bodies[1]["latent_content"][0], abs=1e-9)
+    assert again["latent_rotary"][match[0]] != pytest.approx(bodies[1]["latent_rotary"][0], abs=1e-9)
+    page = mla_client.get(f"/models/{model}/heads/L0H1", params={"offset": 1}).text
+    assert "Content + rotary terms of the values listed" in page

@@ -20,7 +20,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.main import create_app
-from app.routers.pages_analyses import DEFAULT_PROMPT
+from app.routers.page_inputs import DEFAULT_PROMPT
 from app.settings import Limits, Settings
 from tests.app.conftest import until_done
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from app import block_heatmaps, charts
+from app import block_heatmaps, charts, view_figures
 from app.figure_output import MAX_HEIGHT, for_page
 from app.head_filter import HeadFilter
 from app.schemas.heads import HeadScores
@@ -19,7 +19,7 @@ MARKUP = "<b>x</b><br>&amp;"
 
 def test_token_markup_is_escaped_everywhere_it_is_drawn() -> None:
     tokens = [SimpleNamespace(text=MARKUP, id=1), SimpleNamespace(text="a", id=2)]
-    fig = charts.attention_heatmap(tokens, [[1.0, 0.0], [0.5, 0.5]], f"title {MARKUP}")
+    fig = view_figures.attention_heatmap(tokens, [[1.0, 0.0], [0.5, 0.5]], f"title {MARKUP}")
     bars = charts.bars([MARKUP, "b"], [1.0, -1.0], title=MARKUP)
     for f in (fig, bars):
         page = for_page(f)

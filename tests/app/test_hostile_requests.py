@@ -26,8 +26,8 @@ from fastapi.testclient import TestClient
 
 import app.registry as registry_module
 from app.main import create_app
-from app.observability import client_address, proxy_networks
 from app.ratelimit import RateLimiter
+from app.serving_middleware import client_address, proxy_networks
 from app.settings import Settings
 from circuits_core.prompt.phenomena import TOKEN_COUNTS_FILE
 from tests.app.conftest import LIMITS, assert_problem, train_tokenizer

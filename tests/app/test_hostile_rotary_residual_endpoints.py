@@ -25,6 +25,7 @@ from app.main import create_app
 from app.settings import Settings
 from circuits_core.model.config import ModelConfig
 from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer
+from tests.core.rotary_models import rotary_config
 from tests.core.test_gguf import write_gguf
 
 API = "/api/v1/models"
@@ -116,23 +117,7 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("hostile-new")
     tok = train_tokenizer()
     V = tok.get_vocab_size()
-    rope = ModelConfig(
-        n_layers=2,
-        d_model=16,
-        n_heads=4,
-        d_head=8,
-        d_vocab=V,
-        n_ctx=64,
-        attn_only=False,
-        d_mlp=24,
-        gated_mlp=True,
-        act_fn="silu",
-        normalization_type="RMS",
-        positional_embedding_type="rotary",
-        rotary_base=100.0,
-        n_key_value_heads=2,
-        rotary_dim=6,
-    )
+    rope = rotary_config(n_layers=2, d_vocab=V, n_ctx=64, n_key_value_heads=2, rotary_dim=6)
     save_qkov(root / "shipped" / "rope", rope, tok, seed=3)
     user = root / "user"
     save_qkov(user / "zero", ModelConfig(n_layers=0, d_model=16, n_heads=2, d_head=8, d_vocab=V, n_ctx=32), tok, seed=4)

@@ -24,7 +24,7 @@ from fastapi.testclient import TestClient
 
 import app.routers.pages as pages
 import app.routers.pages_heads as pages_heads
-import app.views.circuits as circuit_views
+import app.views.token_sets as token_sets
 from app.main import create_app
 from app.params import DetectorParams
 from app.precompute import lazy_panels
@@ -119,7 +119,7 @@ def _settings(folders: tuple[Path, Path], **limits: int) -> Settings:
 @pytest.fixture(scope="module")
 def small_default() -> Iterator[None]:
     patch = pytest.MonkeyPatch()
-    patch.setattr(circuit_views, "DEFAULT_VOCAB", SMALL_DEFAULT)
+    patch.setattr(token_sets, "DEFAULT_VOCAB", SMALL_DEFAULT)
     patch.setattr(pages, "DEFAULT_VOCAB", SMALL_DEFAULT)
     patch.setattr(pages_heads, "DEFAULT_VOCAB", SMALL_DEFAULT)  # the head page's (app/routers/pages_heads.py)
     yield

@@ -11,7 +11,7 @@ import re
 import pytest
 from fastapi.testclient import TestClient
 
-from app import charts
+from app.labels import visible
 from app.main import create_app
 from app.settings import REPO_ROOT, Settings
 
@@ -20,9 +20,9 @@ M = "tiny-2l"
 
 @pytest.mark.parametrize("code", [*range(0x00, 0x21), *range(0x7F, 0xA1)])
 def test_every_control_character_is_drawn_visibly(code: int) -> None:
-    shown = charts.visible(chr(code))
+    shown = visible(chr(code))
     assert shown and shown.isprintable() and not shown.isspace(), (code, shown)
-    assert charts.visible("a" + chr(code) + "b").startswith("a") and charts.visible("a" + chr(code) + "b").endswith("b")
+    assert visible("a" + chr(code) + "b").startswith("a") and visible("a" + chr(code) + "b").endswith("b")
 
 
 def heads_input(page: str, panel: str) -> str:

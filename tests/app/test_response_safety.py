@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from app.logs import OneLineFormatter
 from app.main import create_app
-from app.observability import OneLineFormatter, rate_key
+from app.serving_middleware import rate_key
 from app.settings import Settings
 from tests.app.conftest import LIMITS
 from tests.app.redis_server import running_redis

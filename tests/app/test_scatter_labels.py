@@ -1,9 +1,9 @@
-"""Which points of a scatter carry a drawn label (app/charts.shown_labels): named heads always, never two labels on
+"""Which points of a scatter carry a drawn label (app/labels.shown_labels): named heads always, never two labels on
 top of each other; checked against the boxes the rule states, on hand-placed points."""
 
 from __future__ import annotations
 
-from app.charts import shown_labels
+from app.labels import shown_labels
 
 
 def test_named_points_too_close_to_label_apart_share_one_label() -> None:

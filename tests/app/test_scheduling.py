@@ -1,4 +1,4 @@
-"""The scheduling module's decisions (app/scheduling.py): one engine price decides whether a request runs inline,
+"""The scheduling module's decisions (app/scheduling/): one engine price decides whether a request runs inline,
 as a polled job or not at all; jobs report progress, are shared by every reader and stop when nobody polls them;
 model loads and the listing never wait behind the compute slots that user requests hold.
 
@@ -9,8 +9,10 @@ did (how often it ran, whether it was stopped), not against the scheduler's own 
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -19,7 +21,8 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from app.main import create_app
-from app.scheduling import ComputeService, compute
+from app.scheduling import compute
+from app.scheduling.service import ComputeService
 from app.settings import Settings
 from circuits_core.cost import Cost, check_stop, report_progress
 from tests.app.conftest import assert_problem
@@ -69,6 +72,21 @@ def app_with(settings: Settings, ran: list[str], stopped: list[str], **update: A
 def service(app: FastAPI) -> ComputeService:
     svc: ComputeService = app.state.compute
     return svc
+
+
+@contextmanager
+def slot_held(c: TestClient, app: FastAPI, seconds: float) -> Iterator[None]:
+    """The app's one compute slot held by a request that works `seconds` (tag "hog") while the body runs."""
+    hold = threading.Thread(
+        target=lambda: c.get("/api/v1/test/priced-work", params={"tag": "hog", "gflop": 1, "seconds": seconds})
+    )
+    hold.start()
+    end = time.monotonic() + 5
+    while service(app).slots.in_use < 1 and time.monotonic() < end:
+        time.sleep(0.01)
+    assert service(app).slots.in_use == 1
+    yield
+    hold.join()
 
 
 def poll(c: TestClient, url: str, until: Callable[[dict[str, Any]], bool], timeout: float = 20.0) -> dict[str, Any]:
@@ -157,22 +175,11 @@ def test_loading_never_waits_behind_the_compute_slots(settings: Settings) -> Non
     page whose analysis is cheap). Before, loading took a compute slot and answered 503 after slot_wait_s."""
     ran: list[str] = []
     app = app_with(settings, ran, [], compute_slots=1, slot_wait_s=0.3, inline_budget_s=100.0)
-    with TestClient(app) as c:
-        import threading
-
-        hold = threading.Thread(
-            target=lambda: c.get("/api/v1/test/priced-work", params={"tag": "hog", "gflop": 1, "seconds": 4})
-        )
-        hold.start()
-        end = time.monotonic() + 5
-        while service(app).slots.in_use < 1 and time.monotonic() < end:
-            time.sleep(0.01)
-        assert service(app).slots.in_use == 1
+    with TestClient(app) as c, slot_held(c, app, seconds=4):
         start = time.monotonic()
         assert c.get("/api/v1/models/tiny-ln").status_code == 200  # loads tiny-ln now
         assert c.get("/api/v1/models").status_code == 200
         assert time.monotonic() - start < 3.5 and service(app).slots.in_use == 1  # the slot still held by the hog
-        hold.join()
 
 
 def test_a_kept_computation_queued_too_long_becomes_a_job_not_a_503(settings: Settings) -> None:
@@ -181,20 +188,11 @@ def test_a_kept_computation_queued_too_long_becomes_a_job_not_a_503(settings: Se
     ran: list[str] = []
     app = app_with(settings, ran, [], compute_slots=1, slot_wait_s=0.3, inline_budget_s=100.0)
     with TestClient(app) as c:
-        import threading
-
-        hold = threading.Thread(
-            target=lambda: c.get("/api/v1/test/priced-work", params={"tag": "hog", "gflop": 1, "seconds": 2})
-        )
-        hold.start()
-        end = time.monotonic() + 5
-        while service(app).slots.in_use < 1 and time.monotonic() < end:
-            time.sleep(0.01)
-        queued = c.get("/api/v1/test/priced-work", params={"tag": "patient", "gflop": 0.1})
-        assert queued.status_code == 202, queued.text
-        poll(c, queued.json()["status_url"], lambda s: s["state"] == "done")
-        assert c.get(queued.json()["result_url"]).json()["tag"] == "patient"
-        hold.join()
+        with slot_held(c, app, seconds=2):
+            queued = c.get("/api/v1/test/priced-work", params={"tag": "patient", "gflop": 0.1})
+            assert queued.status_code == 202, queued.text
+            poll(c, queued.json()["status_url"], lambda s: s["state"] == "done")
+            assert c.get(queued.json()["result_url"]).json()["tag"] == "patient"
         assert ran == ["hog", "patient"]
 
 
@@ -216,7 +214,6 @@ def test_the_overview_shows_the_model_at_once_and_its_heads_tables_progress(sett
 def test_a_part_two_computations_need_at_once_is_built_once() -> None:
     """cached_build is single-flight per key: the second computation waits for the first one's part and reads it from
     the cache instead of building it again (precompute's head panels all need the same random baseline rows)."""
-    import threading
 
     class Part(BaseModel):
         value: int

@@ -25,9 +25,10 @@ from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
 from app.cache import ENTRY_OVERHEAD, ResultCache
+from app.logs import JsonFormatter
 from app.main import create_app
-from app.observability import JsonFormatter
-from app.scheduling import ComputeService, cheap, compute, compute_json
+from app.scheduling import cheap, compute, compute_json
+from app.scheduling.service import ComputeService
 from app.settings import Settings
 from circuits_core.cost import Cost
 from circuits_core.errors import CancelledError
@@ -265,7 +266,9 @@ def test_cached_answers_are_their_json_bytes(settings: Settings) -> None:
 
 
 def test_each_computation_runs_with_the_configured_threads(settings: Settings) -> None:
-    from app.scheduling import ComputeService, available_cores, default_torch_threads
+    from app.scheduling.service import ComputeService
+    from app.scheduling.slots import default_torch_threads
+    from circuits_core.schedule import available_cores
 
     with TestClient(serving_app(settings, compute_slots=2)) as c:  # default: cores // slots, set in the worker
         assert c.get("/api/v1/test/threads").json() == {"threads": default_torch_threads(2)}

@@ -13,7 +13,8 @@ import diskcache
 import pytest
 
 from app.ratelimit import RateLimiter
-from app.scheduling import ComputeService, bind, compute
+from app.scheduling import compute
+from app.scheduling.service import ComputeService, bind
 from app.store import DiskStore, RedisStore, StoreTier, code_version, open_store
 from tests.app.redis_server import RedisServer, running_redis
 

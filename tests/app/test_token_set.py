@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 import app.routers.pages as pages
 import app.routers.pages_heads as pages_heads
 import app.views.circuits as views
+import app.views.token_sets as token_sets
 from app.main import create_app
 from app.params import OVParams
 from app.settings import Limits, Settings
@@ -58,7 +59,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def client(models: Path) -> Iterator[TestClient]:
     patch = pytest.MonkeyPatch()
-    patch.setattr(views, "DEFAULT_VOCAB", SMALL)
+    patch.setattr(token_sets, "DEFAULT_VOCAB", SMALL)
     patch.setattr(pages, "DEFAULT_VOCAB", SMALL)
     patch.setattr(pages_heads, "DEFAULT_VOCAB", SMALL)
     settings = Settings(
@@ -163,7 +164,7 @@ def test_the_default_skip_trigram_source_is_the_largest_ov_entry_of_the_set(
 def test_each_global_table_is_computed_once_for_every_k_up_to_the_shared_one(
     models: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(views, "DEFAULT_VOCAB", SMALL)
+    monkeypatch.setattr(token_sets, "DEFAULT_VOCAB", SMALL)
     monkeypatch.setattr(pages, "DEFAULT_VOCAB", SMALL)
     monkeypatch.setattr(pages_heads, "DEFAULT_VOCAB", SMALL)
     searches: list[int] = []
@@ -204,7 +205,7 @@ def test_the_page_names_the_set_and_links_the_whole_vocabulary(client: TestClien
 
 
 def test_the_whole_vocabulary_is_priced_higher(models: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(views, "DEFAULT_VOCAB", SMALL)
+    monkeypatch.setattr(token_sets, "DEFAULT_VOCAB", SMALL)
     loaded = load_checkpoint(models / "wide", dtype=torch.float64)
     limits = Limits(matrix_budget_bytes=1 << 30)
     default = views.top_cost(loaded, OVParams(head="L0H1"), limits)
@@ -225,7 +226,7 @@ def test_precompute_full_also_stores_the_whole_vocabulary_tables(
 ) -> None:
     import app.precompute as precompute
 
-    for module in (views, pages, precompute):
+    for module in (token_sets, pages, precompute):
         monkeypatch.setattr(module, "DEFAULT_VOCAB", SMALL)
     env = {
         "QKOV_STORE_URL": "disk",

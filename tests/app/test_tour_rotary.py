@@ -14,7 +14,7 @@ import torch
 from app.settings import Limits
 from app.views import tour_rotary as tr
 from app.views.heads import standard_input
-from app.views.rotary import reference_tokens
+from app.views.rotary_reference import reference_tokens
 from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
 from circuits_core.model.config import parse_head
 from circuits_core.prompt.ablation import order_logits

@@ -10,30 +10,15 @@ import pytest
 from playwright.sync_api import Page, expect
 
 from app.settings import Limits
-from circuits_core.model.config import ModelConfig
 from tests.app.conftest import train_tokenizer
 from tests.browser.conftest import checked_page, serve_model
 from tests.browser.test_pages_browser import charts_drawn, mark_document, same_document, settled
+from tests.core.rotary_models import rotary_config
 
 
 @pytest.fixture(scope="module")
 def rotary_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    cfg = ModelConfig(
-        n_layers=3,
-        d_model=16,
-        n_heads=4,
-        d_head=8,
-        d_vocab=train_tokenizer().get_vocab_size(),
-        n_ctx=64,
-        attn_only=False,
-        d_mlp=24,
-        gated_mlp=True,
-        act_fn="silu",
-        normalization_type="RMS",
-        positional_embedding_type="rotary",
-        rotary_base=100.0,
-        n_key_value_heads=2,
-    )
+    cfg = rotary_config(n_layers=3, d_vocab=train_tokenizer().get_vocab_size(), n_ctx=64, n_key_value_heads=2)
     limits = Limits(
         max_prompt_tokens=64, max_k=50, max_heads=4, max_batch=8, max_seq_len=30, matrix_budget_bytes=16 * 2**20
     )

@@ -3,12 +3,17 @@ what the tests compare against: transformers' own eager forward pass on the same
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import transformers
+
+from circuits_core.errors import CheckpointError
+from circuits_core.formats.checkpoint import load_checkpoint
 
 VOCAB, N = 61, 14
 TOKENS = torch.randint(0, VOCAB, (2, N), generator=torch.Generator().manual_seed(3))
@@ -55,3 +60,13 @@ def hf_run(model: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.
     with torch.no_grad():
         out = model(tokens, output_attentions=True)
     return out.logits, out.attentions
+
+
+def assert_edit_refused(folder: Path, out: Path, edit: dict[str, Any], message: str) -> None:
+    """The checkpoint in `folder` with `edit` merged into its config.json (written to `out`) is refused by
+    load_checkpoint with a CheckpointError naming `message`: a variant qkov cannot honour is never loaded as another."""
+    out.mkdir()
+    (out / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    (out / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), **edit}))
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(out)

@@ -37,10 +37,10 @@ CASES = {
 NEWEST = ("gemma2", "gemma3", "qwen3", "olmo2")
 
 
-def rotary_model(seed=0, n_layers=2, **overrides):
-    """A Llama-shaped model (RMS norms with random gains, gated MLPs, no biases) in float64."""
+def rotary_config(**overrides):
+    """A Llama-shaped rotary config (RMS norms, gated SiLU MLP, rotary base 100), with `overrides`."""
     fields = dict(
-        n_layers=n_layers,
+        n_layers=2,
         d_model=16,
         n_heads=4,
         d_head=8,
@@ -53,15 +53,20 @@ def rotary_model(seed=0, n_layers=2, **overrides):
         normalization_type="RMS",
         positional_embedding_type="rotary",
         rotary_base=100.0,
-        use_bias=False,
     )
     fields.update(overrides)
     if isinstance(fields.get("attn_types"), str):  # "LG": local, global, local, ... over the layers
         kinds = {"L": "local", "G": "global"}
         fields["attn_types"] = tuple(
-            kinds[c] for c in itertools.islice(itertools.cycle(fields["attn_types"]), n_layers)
+            kinds[c] for c in itertools.islice(itertools.cycle(fields["attn_types"]), fields["n_layers"])
         )
-    model = random_model(ModelConfig(**fields), seed=seed, dtype=torch.float64, std_embed=0.5)
+    return ModelConfig(**fields)
+
+
+def rotary_model(seed=0, n_layers=2, **overrides):
+    """A Llama-shaped model (RMS norms with random gains, gated MLPs, no biases) in float64."""
+    cfg = rotary_config(n_layers=n_layers, use_bias=False, **overrides)
+    model = random_model(cfg, seed=seed, dtype=torch.float64, std_embed=0.5)
     gen = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -113,7 +113,8 @@ def test_the_choice_bias_matters(world: dict[str, tuple[Path, Any]]) -> None:
 
 @pytest.mark.parametrize(
     ("edit", "message"),
-    [({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}, "FP8"),
+    [({"quantization_config": {"quant_method": "bitsandbytes"}}, "'bitsandbytes'"),
+     ({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}}, "weight_block_size"),
      ({"attention_bias": True}, "attention_bias"),
      ({"kv_lora_rank": "12"}, "kv_lora_rank must be an integer"), ({"qk_rope_head_dim": 5}, "rotary_dim must be even"),
      ({"n_group": 3}, "moe_n_groups=3 must divide num_experts=8"), ({"n_group": 8, "topk_group": 1}, "two"),
@@ -155,3 +156,74 @@ def test_multi_token_prediction_layers_are_left_unread(world: dict[str, tuple[Pa
     (tmp_path / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 0}))
     with pytest.raises(CheckpointError, match="enorm"):
         load_checkpoint(tmp_path)
+
+
+QUANTISED = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj",
+             "down_proj")  # fmt: skip
+
+
+def test_fp8_dequantisation_equals_transformers() -> None:
+    """dequantize_fp8 against transformers' own FP8 dequantiser, on a shape the blocks do not divide."""
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    from circuits_core.formats.fp8 import dequantize_fp8, scale_grid
+
+    gen = torch.Generator().manual_seed(0)
+    q = (torch.randn(10, 9, generator=gen) * 100).to(torch.float8_e4m3fn)
+    scale_inv = torch.rand(scale_grid((10, 9), (4, 4)), generator=gen) + 0.1  # [3, 3]
+    ours = dequantize_fp8(q, scale_inv, (4, 4), torch.float32)
+    theirs = _dequantize_fp8_weight(q, scale_inv, [4, 4], torch.float32)
+    assert torch.equal(ours, theirs) and ours.abs().max() > 1
+
+
+def test_block_scaled_fp8_checkpoint(world: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
+    """A V3 file whose linear weights are block-scaled FP8 (blocks of 4 x 4: e4m3 values and a weight_scale_inv per
+    block, as the released files store them at 128 x 128) loads dequantised: its logits equal transformers' forward
+    pass on the weights transformers' own dequantiser gives (≤ 1e-4, float32)."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
+
+    folder, reference = world["v3"]
+    tensors = load_file(folder / "model.safetensors")
+    stored, dequantised = {}, {}
+    for key, W in tensors.items():
+        if key.endswith(".weight") and key.split(".")[-2] in QUANTISED:
+            rows, cols = -(-W.shape[0] // 4), -(-W.shape[1] // 4)  # partial blocks at the ends (10 rows: 3 blocks)
+            scale = torch.tensor(
+                [[float(W[4 * i : 4 * i + 4, 4 * j : 4 * j + 4].abs().max()) / 448.0 for j in range(cols)]
+                 for i in range(rows)]
+            ).clamp(min=1e-12)  # fmt: skip  # 448: e4m3's largest value
+            q = (W / scale.repeat_interleave(4, 0)[: W.shape[0]].repeat_interleave(4, 1)[:, : W.shape[1]]).to(
+                torch.float8_e4m3fn
+            )
+            stored[key], stored[key.removesuffix("weight") + "weight_scale_inv"] = q, scale
+            dequantised[key] = _dequantize_fp8_weight(q, scale, [4, 4], torch.float32)
+        else:
+            stored[key] = W
+    save_file(stored, tmp_path / "model.safetensors")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [4, 4],
+                                     "activation_scheme": "dynamic"}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    import copy
+
+    hf = copy.deepcopy(reference)
+    state = hf.state_dict()
+    experts = {}
+    for key, W in dequantised.items():  # transformers' in-memory experts are stacked: gate_up_proj, down_proj
+        if ".experts." in key:
+            prefix, e, proj = key.rsplit(".", 3)[0], int(key.split(".")[-3]), key.split(".")[-2]
+            experts.setdefault(prefix, {}).setdefault(proj, {})[e] = W
+        else:
+            state[key] = W
+    for prefix, projs in experts.items():
+        E = len(projs["gate_proj"])
+        state[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([projs["gate_proj"][e], projs["up_proj"][e]]) for e in range(E)]
+        )
+        state[f"{prefix}.down_proj"] = torch.stack([projs["down_proj"][e] for e in range(E)])
+    hf.load_state_dict(state)
+    ref = hf_run(hf, TOKENS)[0]
+    assert (ref - hf_run(reference, TOKENS)[0]).abs().max() > 1e-3  # the FP8 rounding is visible
+    model = load_checkpoint(tmp_path, process=False).model
+    assert (model(TOKENS) - ref).abs().max() <= 1e-4

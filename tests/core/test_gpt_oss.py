@@ -35,7 +35,7 @@ from circuits_core.model.transformer import Transformer
 from circuits_core.prompt.frozen import frozen_run
 from circuits_core.prompt.paths import expand_logits
 from circuits_core.prompt.qk_paths import expand_scores
-from tests.core.hf_families import TOKENS, N, hf_model, hf_run, save
+from tests.core.hf_families import TOKENS, N, assert_edit_refused, hf_model, hf_run, save
 
 F64 = torch.float64
 YARN = {"rope_type": "yarn", "rope_theta": 100.0, "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
@@ -174,12 +174,7 @@ def test_variants_qkov_cannot_honour_are_refused_by_name(
     world: tuple[Path, Any], tmp_path: Path, edit: dict[str, Any], message: str
 ) -> None:
     folder, _ = world
-    out = tmp_path / "edited"
-    out.mkdir()
-    (out / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
-    (out / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), **edit}))
-    with pytest.raises(CheckpointError, match=message):
-        load_checkpoint(out)
+    assert_edit_refused(folder, tmp_path / "edited", edit, message)
 
 
 @pytest.mark.parametrize("processed", [False, True])

@@ -212,3 +212,54 @@ def test_chain_terms_are_the_expansions_terms_on_mla(world: dict[str, tuple[Path
     for p in (2, 7):
         term = expand_logits(model, tokens, int(tokens[p + 1]), positions=p, max_order=2, run=run, by_source=False)
         assert abs(float(nxt[p]) - float(term.term(("L0H1", "L1H3")).value[0])) < 1e-10
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_qk_table_prices_are_what_torch_counts(world: dict[str, tuple[Path, Any]], name: str) -> None:
+    """head_circuits' FLOP prices of the QK factors, lines and tables on an MLA model (the effective weights and
+    every token's latent scales included) equal torch's FlopCounterMode count of the calls the views make."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from circuits_core.circuits import head_circuits as hc
+    from circuits_core.circuits.rotary import full_qk_circuit_at, full_qk_col_at, full_qk_row_at
+
+    def counted(call: Any) -> int:
+        with FlopCounterMode(display=False) as counter:
+            call()
+        return int(counter.get_total_flops())
+
+    model = load_checkpoint(world[name][0], dtype=F64).model
+    ids = torch.tensor([1, 5, 7, 9, 11, 30])
+    n = int(ids.numel())
+
+    def table() -> None:  # as app/views/circuits.py reads it: the factors on the token set only
+        full_qk_circuit_at(model, 1, 2, 3, tokens=ids).topk_global(n * n)
+
+    whole = full_qk_circuit_at(model, 1, 2, 3).AB[ids][:, ids]
+    torch.testing.assert_close(full_qk_circuit_at(model, 1, 2, 3, tokens=ids).AB, whole, rtol=0, atol=1e-12)
+
+    assert counted(lambda: hc.full_qk_circuit(model, 1, 2)) == hc.full_qk_flops(model)
+    assert counted(lambda: hc.full_qk_circuit(model, 1, 2, ids)) == hc.full_qk_flops(model, n)
+    assert counted(lambda: full_qk_row_at(model, 1, 2, 3, 4)) == hc.line_flops(model, "qk-row-at")
+    assert counted(lambda: full_qk_col_at(model, 1, 2, 3, 4)) == hc.line_flops(model, "qk-column-at")
+    assert counted(lambda: hc.full_qk_col(model, 1, 2, 3)) == hc.line_flops(model, "qk-column")
+    assert counted(table) == hc.circuit_flops(model, "qk", False, n)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_attention_forward_price_is_what_torch_counts(world: dict[str, tuple[Path, Any]], name: str) -> None:
+    """model/flops.layer_flops of an MLA layer's attention (the latents, the up-projections, scores, z, W_O), with and
+    without the pattern computed, equals torch's count of LatentAttention's own forward."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from circuits_core.model.flops import layer_flops
+    from circuits_core.model.hooks import Frozen, Recorder
+
+    model = load_checkpoint(world[name][0], dtype=F64).model
+    x = torch.randn(2, 7, model.cfg.d_model, dtype=F64, generator=torch.Generator().manual_seed(1))
+    attn = model.blocks[1].attn
+    _, cache = model.run(torch.zeros(2, 7, dtype=torch.long), names={"blocks.1.attn.hook_pattern"})
+    for frozen in (None, Frozen(patterns={"blocks.1.attn.hook_pattern": cache["blocks.1.attn.hook_pattern"]})):
+        with FlopCounterMode(display=False) as counter:
+            attn(x, x, x, Recorder(None), frozen)
+        assert counter.get_total_flops() == layer_flops(model.cfg, 2, 7, frozen is None, False)

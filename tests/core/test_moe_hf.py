@@ -9,19 +9,17 @@ the logit in float64, and so do the QK path terms where the model has no QK-norm
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from circuits_core.errors import CheckpointError
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.formats.statedict import build_model
 from circuits_core.prompt.paths import expand_logits
 from circuits_core.prompt.qk_paths import expand_scores
-from tests.core.hf_families import TOKENS, N, hf_model, hf_run, save
+from tests.core.hf_families import TOKENS, N, assert_edit_refused, hf_model, hf_run, save
 
 F64 = torch.float64
 BASE = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -112,9 +110,4 @@ def test_variants_qkov_cannot_honour_are_refused_by_name(
     world: dict[str, Path], tmp_path: Path, name: str, edit: dict[str, Any], message: str
 ) -> None:
     folder = world[name]
-    out = tmp_path / "edited"
-    out.mkdir()
-    (out / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
-    (out / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), **edit}))
-    with pytest.raises(CheckpointError, match=message):
-        load_checkpoint(out)
+    assert_edit_refused(folder, tmp_path / "edited", edit, message)

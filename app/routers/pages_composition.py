@@ -1,0 +1,121 @@
+"""Dashboard pages of composition: every pair of heads of a model (Q, K and V composition against the random
+baseline) and one pair (its composition circuits, and on rotary models the profile over offsets). Each is a `Page`
+(app/routers/rendering.py) of its analysis; the context functions run the analyses through `call.run` and chart
+their views."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from app import block_heatmaps, charts, snippets, view_figures
+from app.params import (
+    CompositionPairParams,
+    CompositionParams,
+    NoParams,
+)
+from app.routers.page_inputs import snippet_source
+from app.routers.pages_rotary import pair_rotary_context, rotary_enabled
+from app.routers.rendering import Page, PageCall, PageContext, url
+from app.views.composition import COMPOSITION, COMPOSITION_PAIR
+from app.views.heads import HEADS
+from app.views.page_claims import composition_sentence
+
+
+# -- composition ------------------------------------------------------------------------------------------------
+class CompositionPageParams(CompositionParams):
+    """The composition page: the analysis's params and, on a model drawn as layer blocks, the block zoomed into."""
+
+    block: Annotated[
+        str | None,
+        Field(pattern=r"^\d{1,4}-\d{1,4}$", description="zoom into layer block 'a-b' (earlier layer a, later b)"),
+    ] = None
+
+
+async def composition_context(call: PageCall[CompositionPageParams]) -> PageContext:
+    page = call.params
+    params = CompositionParams(**page.model_dump(exclude={"block"}))
+    call.json_params = params
+    view, error = await call.attempt(COMPOSITION, params)
+    kind = params.kind
+    call.title = f"{kind}-composition · {call.model_id}"
+    zmax, claim = None, None
+    if view is not None:  # one colour scale for Q, K and V (the other kinds' answers are cached like this one)
+        views = [view] + [
+            v
+            for k in ("Q", "K", "V")
+            if k != kind
+            for v, _ in [await call.attempt(COMPOSITION, params.model_copy(update={"kind": k}))]
+            if v is not None
+        ]
+        zmax = view_figures.shared_range([v.minus_baseline for v in views])
+        k_view = next((v for v in views if v.kind == "K"), None)
+        if not params.offset:  # what this model shows (detector scores on the standard input, cached)
+            claim = composition_sentence(call.model_id or "", (await call.attempt(HEADS, NoParams()))[0], k_view)
+    base = f"/models/{call.model_id}/composition"
+    state = {"kind": kind, "offset": params.offset or None, "basis": page.basis if page.basis != "served" else None}
+    fig = zoom = None
+    blocks = view is not None and block_heatmaps.needs_blocks(len(view.sources))
+    if view is not None and blocks:  # 30 layers x 9 heads: one cell per layer block, a click zooms in
+        fig = block_heatmaps.composition_block_map(view, zmax, lambda a, b: url(base, **state, block=f"{a}-{b}"))
+        if page.block:
+            a, b = (int(x) for x in page.block.split("-"))
+            zoom = block_heatmaps.composition_block(view, call.model_id or "", zmax, a, b)
+            if zoom is None:
+                error = {
+                    "status": 422,
+                    "title": "No such layer block",
+                    "detail": f"block {page.block}: layer {a} has no head writing to a head of layer {b} "
+                    f"(the earlier layer must be below the later one, both inside the model)",
+                }
+    elif view is not None:
+        fig = view_figures.composition_heatmap(view, call.model_id or "", zmax)
+    snippet = (
+        snippets.composition(*await snippet_source(call), kind) if view is not None and not params.offset else None
+    )
+    return {
+        "view": view,
+        "error": error,
+        "snippet": snippet,
+        "kind": kind,
+        "fig": fig,
+        "blocks": blocks,
+        "block": page.block if zoom is not None else None,
+        "zoom": zoom,
+        "all_blocks_url": url(base, **state),
+        "offset": params.offset or None,
+        "is_rotary": rotary_enabled(call),
+        "n_ctx": call.model.model.cfg.n_ctx if call.model else 0,
+        "claim": claim,
+        "latent_kv_rank": call.model.model.cfg.mla_kv_rank if call.model else None,  # multi-head latent attention
+    }
+
+
+async def pair_context(call: PageCall[CompositionPairParams]) -> PageContext:
+    view = await call.run(COMPOSITION_PAIR, call.params)
+    call.title = f"{view.source} → {view.target} · {call.model_id}"
+    figs = {
+        "k_eig": charts.complex_scatter(
+            view_figures.complex_points(view.k_composition.eigenvalues),
+            title="eigenvalues of the K-composition token circuit",
+        ),
+        "v_eig": charts.complex_scatter(
+            view_figures.complex_points(view.virtual_head.ov.eigenvalues),
+            title="eigenvalues of the virtual head's OV circuit",
+        ),
+    }
+    rotary = await pair_rotary_context(call, view.source, view.target)
+    return {"view": view, "k": call.params.k, "figs": figs, "max_k": call.limits.max_k, **rotary}
+
+
+COMPOSITION_PAGE = Page(
+    COMPOSITION,
+    "composition.html",
+    composition_context,
+    params=CompositionPageParams,
+    blocks=("composition_panel",),
+    nav="composition",
+    label="Composition",
+)
+PAIR_PAGE = Page(COMPOSITION_PAIR, "pair.html", pair_context, blocks=("pair_panel",), nav="composition")
