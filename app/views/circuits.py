@@ -222,7 +222,7 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
         line = rotary.full_qk_col_at if side == "column" else rotary.full_qk_row_at
         view = _top_view(
             loaded,
-            lambda ids: restricted(rotary.full_qk_circuit_at(model, layer, h, offset), ids),
+            lambda ids: rotary.full_qk_circuit_at(model, layer, h, offset, tokens=ids),
             "qk",
             p.head,
             p.token,

@@ -25,7 +25,7 @@ from app.schemas.rotary import (
 from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import model_ref
-from app.views.rotary_reference import reference_means, reference_tokens_bound
+from app.views.rotary_reference import reference_forward_tokens, reference_means
 from circuits_core.circuits import alibi_kernel, composition_rotary, rotary, rotary_baseline
 from circuits_core.circuits.copying_spectra import copying_score
 from circuits_core.circuits.profile_shape import ProfileShape, profile_shape
@@ -86,7 +86,7 @@ def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limi
 
 
 def positional_cost(loaded: LoadedModel, p: PositionalParams, limits: Limits) -> Cost:
-    return rotary.kernel_cost(loaded.model, p.max_offset + 1, reference_tokens_bound(loaded)) + raw_copy_cost(
+    return rotary.kernel_cost(loaded.model, p.max_offset + 1, reference_forward_tokens(loaded)) + raw_copy_cost(
         loaded, p.basis
     )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from app.scheduling import cached_build
+from app.scheduling import cached_build, is_cached
 from app.schemas.rotary import ReferenceMeans, ReferenceText
 from circuits_core.circuits import rotary
 from circuits_core.errors import InvalidInputError
@@ -48,8 +48,13 @@ def reference_means(loaded: LoadedModel) -> tuple[torch.Tensor, ReferenceText]:
 
 
 def reference_tokens_bound(loaded: LoadedModel) -> int:
-    """The most tokens μ is measured on (reference_tokens), for its price."""
-    return min(max(len(rotary.REFERENCE_TEXT), RANDOM_REFERENCE_TOKENS), loaded.model.cfg.n_ctx)
+    """The tokens μ is measured on (reference_tokens: the reference text tokenised, no tensor work), for its price."""
+    return reference_tokens(loaded)[1].n_tokens
+
+
+def reference_forward_tokens(loaded: LoadedModel) -> int:
+    """The tokens of the forward pass μ still needs: none once it is in the result cache, else the reference's."""
+    return 0 if is_cached(("rotary-reference", str(loaded.digest))) else reference_tokens_bound(loaded)
 
 
 def is_rotary(loaded: LoadedModel) -> bool:

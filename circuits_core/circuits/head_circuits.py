@@ -349,10 +349,8 @@ def circuit_flops(
         return topk_global_flops(n, cfg.d_model, n)
     if circuit == "ov":
         factors = full_ov_flops(model, n_tokens)
-    elif rotary:  # every token's factors, one of them rotated, then restricted to the n tokens
-        factors = full_qk_flops(model) + 2 * cfg.d_vocab * cfg.d_head**2
-    else:
-        factors = full_qk_flops(model, n_tokens)
+    else:  # the factors on the n tokens (a rotary circuit's query side then rotated: rotary.full_qk_circuit_at)
+        factors = full_qk_flops(model, n_tokens) + (2 * n * cfg.d_head**2 if rotary else 0)
     return factors + topk_global_flops(n, cfg.d_head, n)
 
 

@@ -139,20 +139,31 @@ class QKFactors:
     form: QKForm = "exact"
 
 
-def full_qk_factors(model: Transformer, layer: int, head: int) -> QKFactors:
+def full_qk_factors(model: Transformer, layer: int, head: int, tokens: Tensor | None = None) -> QKFactors:
+    """The factors on every token, or on `tokens` (ids [n]) only: those tokens' rows."""
     W_Q, W_K = query_key_weights(model, layer, head)
-    query, key = embed_eff_matmul(model, W_Q) / model.cfg.scale, embed_eff_matmul(model, W_K)
-    query, key = token_factors(model, layer, head, query, key)  # exact under QK-norm and latent attention
+    if tokens is None:
+        query, key = embed_eff_matmul(model, W_Q) / model.cfg.scale, embed_eff_matmul(model, W_K)
+    else:
+        W_E = embed_eff_rows(model, tokens)  # [n, d_model]
+        query, key = W_E @ W_Q / model.cfg.scale, W_E @ W_K
+    query, key = token_factors(model, layer, head, query, key, tokens)  # exact under QK-norm and latent attention
     return QKFactors(layer, head, query, key, qk_form(model, "token"))
 
 
 def full_qk_circuit_at(
-    model: Transformer, layer: int, head: int, offset: int, factors: QKFactors | None = None
+    model: Transformer,
+    layer: int,
+    head: int,
+    offset: int,
+    factors: QKFactors | None = None,
+    tokens: Tensor | None = None,
 ) -> FactoredMatrix:
     """W_E_eff Ω_h(δ) W_E_eff^T / s [d_vocab, d_vocab] (inner d_head): rows the query token at position i,
-    columns the key token at i - δ; entry [b, a] is the token part of hook_attn_scores at that offset."""
+    columns the key token at i - δ; entry [b, a] is the token part of hook_attn_scores at that offset. With `tokens`
+    (ids [n], no `factors`): the [n, n] submatrix, its factors formed on those tokens only."""
     check_rotary(model)
-    f = factors if factors is not None else full_qk_factors(model, layer, head)
+    f = factors if factors is not None else full_qk_factors(model, layer, head, tokens)
     R = rotation(model, [offset], dtype=f.query.dtype, layer=layer)[0]  # [dh, dh]
     return FactoredMatrix(f.query @ R, f.key.T)
 

@@ -3,6 +3,7 @@ QK and composition at an offset; numbers checked against the engine's dense floa
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,8 +13,9 @@ from fastapi.testclient import TestClient
 from markupsafe import escape as html_escape
 
 from app.main import create_app
+from app.scheduling.service import bind
 from app.settings import Settings
-from app.views.rotary import QKCopyingParams, qk_copying_cost
+from app.views.rotary import POSITIONAL, PositionalParams, QKCopyingParams, qk_copying_cost
 from app.views.rotary_reference import reference_tokens
 from circuits_core.circuits import rotary
 from circuits_core.circuits.rotary import REFERENCE_NAME, rotation
@@ -280,3 +282,33 @@ def test_rotary_views_take_the_raw_basis(folders: tuple[Path, Path], tmp_path: P
             assert "raw weights" in raw["basis"] and "raw weights" not in served["basis"], path
         page = c.get("/models/rope/heads/L1H2", params={"basis": "raw"}).text
         assert page.count("raw weights, as stored") >= 3  # the circuits panel and the rotary panels follow the picker
+
+
+def test_the_kernel_prices_the_reference_forward_pass_until_it_is_kept(folders: tuple[Path, Path]) -> None:
+    """The positional kernel's FLOP price holds the forward pass over the reference text's own tokens (its tokenised
+    length, not a bound), and once μ is in the result cache only the kernel itself: the price is the engine's
+    rotary.kernel_cost on those token counts, and the served model's reference is what the view measures (a fresh
+    app: nothing cached)."""
+    settings = Settings(shipped_dir=folders[0], models_dir=folders[1], dtype="float64", limits=LIMITS, store_url="off")
+    with TestClient(create_app(settings)) as client:
+        _kernel_price_until_kept(client)
+
+
+def _kernel_price_until_kept(client: TestClient) -> None:
+    app = client.app
+    loaded = app.state.registry.get("rope")  # type: ignore[attr-defined]
+    limits = app.state.settings.limits  # type: ignore[attr-defined]
+    params = PositionalParams(head="L2H3", max_offset=20)
+    n = reference_tokens(loaded)[1].n_tokens
+    assert n < len(rotary.REFERENCE_TEXT)  # tokens, not characters
+
+    def priced() -> int:  # in a context of its own, bound to this app's cache (as a request is)
+        bind(app.state.compute, None)  # type: ignore[attr-defined]
+        return POSITIONAL.cost(loaded, params, limits).flops
+
+    before = contextvars.copy_context().run(priced)
+    assert before == rotary.kernel_cost(loaded.model, 21, n).flops
+    body = client.get(f"{API}/rope/heads/L2H3/positional", params={"max_offset": 20}).json()
+    assert body["reference"]["n_tokens"] == n
+    after = contextvars.copy_context().run(priced)
+    assert after == rotary.kernel_cost(loaded.model, 21, 0).flops < before

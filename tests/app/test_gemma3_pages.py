@@ -3,16 +3,19 @@
 The walk takes the catalog (app/catalog.py: every declared analysis, in the order of the API docs), fills each
 route's required parameters with a local and a global head of the model (L4H0, L5H0), a prompt for the analyses that
 read one, and asks for the JSON and for the page at the same path without /api/v1 (when the app serves one). Each
-must answer 200 (or 202, the page of a polled job, for a long one) with the model's id in it. The walk runs with an
-inline budget of 0.05 s, so every analysis priced above it answers 202 and is left to stop unpolled: the walk checks
-that each is routed, priced and started on the model, and completes only the quick ones (the full computations of
-the 262k-token vocabulary take minutes each on two cores); the model page lists
-the values the GGUF file does not carry, with their sources, and the QK views name the form their numbers are in
-(qk_forms.QK_FORMS).
+answers 200 with the model's id in it, or 202 (a polled job: its estimate from the engine's FLOP price is over the
+inline budget), or 422 with `advice` (a parameter that, lowered, runs it); never a 5xx. The walk runs with an inline
+budget of 0.05 s, so every analysis priced above it answers 202 and is left to stop unpolled: the walk checks that
+each is routed, priced and started on the model, and completes only the quick ones (the full computations of the
+262k-token vocabulary take minutes each on two cores). Before it, every analysis but tokenising is checked to carry a
+FLOP price on this model, and an inline answer must come within INLINE_WALL_S: an unpriced computation over the
+vocabulary (which took 40-110 s here) would run inline and fail it. The model page lists the values the GGUF file
+does not carry, with their sources, and the QK views name the form their numbers are in (qk_forms.QK_FORMS).
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,10 @@ FILL = {
 PROMPT = "When Mary and John went to the store, John gave a drink to"
 
 
+INLINE_WALL_S = 30.0  # an inline answer (priced under 0.05 s) on two loaded cores, page rendering included
+FREE = {"tokenize"}  # no tensor work: its price is its answer
+
+
 @pytest.fixture(scope="module")
 def client() -> Any:
     if not any(FOLDER.glob("*.gguf")):
@@ -47,7 +54,14 @@ def client() -> Any:
     folder = FOLDER.parent.resolve()
     settings = Settings(models_dir=folder, store_url="off", request_timeout_s=600, inline_budget_s=0.05)  # type: ignore[call-arg]
     with TestClient(create_app(settings)) as c:
+        c.app.state.registry.get(GEMMA3_MODEL)  # type: ignore[attr-defined]  # loaded once, outside the timed calls
         yield c
+    # The jobs the walk left unpolled: the app's loop that would stop them once abandoned has closed, so stop them here
+    # (each at its next step) and wait, so that no computation outlives the module.
+    service = c.app.state.compute  # type: ignore[attr-defined]
+    for flight in list(service._flights.values()):
+        flight.stop.set()
+    service._executor.shutdown(wait=True)
 
 
 def _calls() -> list[tuple[str, str, dict[str, str]]]:
@@ -68,16 +82,51 @@ def _calls() -> list[tuple[str, str, dict[str, str]]]:
     return out
 
 
+def test_every_analysis_is_priced_in_flops(client: TestClient) -> None:
+    """Each analysis's default request (the walk's) prices its arithmetic on this model: a FLOP count from the engine,
+    which the scheduler turns into inline, job or refusal (tokenising, which does no tensor work, aside)."""
+    app = client.app
+    loaded = app.state.registry.get(GEMMA3_MODEL)  # type: ignore[attr-defined]
+    limits = app.state.settings.limits  # type: ignore[attr-defined]
+    unpriced = []
+    for analysis in app.state.analyses.analyses:  # type: ignore[attr-defined]
+        if analysis.scope != "model" or analysis.name in FREE:
+            continue
+        raw = {
+            n: FILL[n]
+            for n, f in analysis.params.model_fields.items()
+            if "{" + n + "}" in analysis.path or f.is_required()
+        }
+        raw |= {"prompt": PROMPT} if "prompt" in analysis.params.model_fields else {}  # as the walk asks
+        params = app.state.analyses.bound(analysis).model_validate(raw).normalised(loaded)  # type: ignore[attr-defined]
+        if analysis.priced(loaded, params, limits).flops <= 0:
+            unpriced.append(analysis.name)
+    assert not unpriced, f"analyses without a FLOP price on {GEMMA3_MODEL}: {unpriced}"
+
+
+def _answers(client: TestClient, url: str, query: dict[str, str], name: str, page: bool) -> None:
+    start = time.monotonic()
+    r = client.get(url, params=query)
+    took = time.monotonic() - start
+    said = (name, url, r.status_code, round(took, 1), r.text[:400])
+    assert r.status_code in (200, 202, 422), said
+    if r.status_code == 422:  # refused for its price, with the parameter that makes it run
+        assert (" or less (" in r.text) if page else r.json().get("advice"), said
+    elif r.status_code == 202 and not page:  # a job, estimated by its price over the inline budget
+        assert r.json()["estimate_s"] > 0.05 and r.json()["status_url"], said
+    elif r.status_code == 200:
+        assert took < INLINE_WALL_S, said
+    if page and r.status_code != 422:
+        assert GEMMA3_MODEL in r.text, said
+
+
 @pytest.mark.parametrize(("name", "path", "query"), _calls(), ids=[c[0] for c in _calls()])
 def test_every_analysis_answers(client: TestClient, name: str, path: str, query: dict[str, str]) -> None:
-    r = client.get(path, params=query)
-    assert r.status_code in (200, 202), (name, r.status_code, r.text[:400])  # 202: a long one runs as a polled job
+    _answers(client, path, query, name, page=False)
     page = path.removeprefix("/api/v1")
     templates = {route.path for route in client.app.routes if isinstance(route, Route)}  # type: ignore[attr-defined]
-    served = any(_matches(t, page) for t in templates)
-    if served:
-        p = client.get(page, params=query)
-        assert p.status_code in (200, 202) and GEMMA3_MODEL in p.text, (name, p.status_code, p.text[:400])
+    if any(_matches(t, page) for t in templates):
+        _answers(client, page, query, name, page=True)
 
 
 def _matches(template: str, path: str) -> bool:

@@ -22,6 +22,7 @@ from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import stream_flops as sf
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.folded import circuit_weight, head_weights
 from circuits_core.circuits.global_topk import SCREEN_MIN_ENTRIES, topk_global_flops
 from circuits_core.prompt import qk_paths
 
@@ -101,8 +102,7 @@ def test_the_tables_as_the_view_reads_them(model) -> None:
 
     def qk_table() -> None:
         if rotary_model_:
-            fm = rotary.full_qk_circuit_at(m, LAYER, HEAD, OFFSET)
-            FactoredMatrix(fm.A[IDS], fm.B[:, IDS]).topk_global(n * n)
+            rotary.full_qk_circuit_at(m, LAYER, HEAD, OFFSET, tokens=IDS).topk_global(n * n)
         else:
             hc.full_qk_circuit(m, LAYER, HEAD, IDS).topk_global(n * n)
 
@@ -268,3 +268,32 @@ def test_the_stream_usage(name: str) -> None:
         assert scanned == exact, energy
         assert scanned <= sf.usage_flops(m) - sf.spectra_flops(m)
     assert rs.usage_cost(m).then(rs.erasure_cost(m, 5)).flops == sf.usage_flops(m)  # the page's price
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_one_heads_folded_weights_are_its_rows_of_the_layers(name: str) -> None:
+    """folded.head_weights (one head's gains applied to its weights only) == circuit_weight's layer-wide folds indexed
+    at the head and its key/value group, exactly, on every rotary layout (QK-norm per head and per layer, GQA and
+    multi-query, output norms)."""
+    m = rotary_model(**CASES[name])
+    for layer in range(m.cfg.n_layers):
+        for head in range(m.cfg.n_heads):
+            group = head // m.cfg.group_size
+            layer_wide = (
+                circuit_weight(m, layer, "W_Q")[head],
+                circuit_weight(m, layer, "W_K")[group],
+                circuit_weight(m, layer, "W_V")[group],
+                circuit_weight(m, layer, "W_O")[head],
+            )
+            for mine, theirs in zip(head_weights(m, layer, head), layer_wide, strict=True):
+                torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_rotary_qk_circuit_on_a_token_set_is_the_submatrix(name: str) -> None:
+    """rotary.full_qk_circuit_at on a token set (the factors of those tokens only, their QK-norm scales included) ==
+    the whole vocabulary's circuit restricted to those rows and columns, float64."""
+    m = rotary_model(**CASES[name])
+    whole = rotary.full_qk_circuit_at(m, LAYER, HEAD, OFFSET).AB[IDS][:, IDS]
+    part = rotary.full_qk_circuit_at(m, LAYER, HEAD, OFFSET, tokens=IDS).AB
+    torch.testing.assert_close(part, whole, rtol=0, atol=1e-12)

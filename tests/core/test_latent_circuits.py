@@ -221,7 +221,6 @@ def test_qk_table_prices_are_what_torch_counts(world: dict[str, tuple[Path, Any]
     from torch.utils.flop_counter import FlopCounterMode
 
     from circuits_core.circuits import head_circuits as hc
-    from circuits_core.circuits.factored import FactoredMatrix
     from circuits_core.circuits.rotary import full_qk_circuit_at, full_qk_col_at, full_qk_row_at
 
     def counted(call: Any) -> int:
@@ -233,9 +232,11 @@ def test_qk_table_prices_are_what_torch_counts(world: dict[str, tuple[Path, Any]
     ids = torch.tensor([1, 5, 7, 9, 11, 30])
     n = int(ids.numel())
 
-    def table() -> None:
-        fm = full_qk_circuit_at(model, 1, 2, 3)
-        FactoredMatrix(fm.A[ids], fm.B[:, ids]).topk_global(n * n)
+    def table() -> None:  # as app/views/circuits.py reads it: the factors on the token set only
+        full_qk_circuit_at(model, 1, 2, 3, tokens=ids).topk_global(n * n)
+
+    whole = full_qk_circuit_at(model, 1, 2, 3).AB[ids][:, ids]
+    torch.testing.assert_close(full_qk_circuit_at(model, 1, 2, 3, tokens=ids).AB, whole, rtol=0, atol=1e-12)
 
     assert counted(lambda: hc.full_qk_circuit(model, 1, 2)) == hc.full_qk_flops(model)
     assert counted(lambda: hc.full_qk_circuit(model, 1, 2, ids)) == hc.full_qk_flops(model, n)
