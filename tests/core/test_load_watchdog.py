@@ -110,7 +110,8 @@ def test_a_load_that_keeps_allocating_is_stopped_at_its_next_step():
                 kept.append(page)
                 time.sleep(0.01)  # (the sampler reads /proc every 5 ms)
     grown = _rss() - before
-    assert watchdog.limit < grown < watchdog.limit + 4 * step, (grown, watchdog.limit)
+    # the last step crossed the limit (the sampler may have seen a few pages more than this process counts here)
+    assert watchdog.limit <= grown < watchdog.limit + 4 * step, (grown, watchdog.limit)
 
 
 def test_a_native_step_after_the_last_checkpoint_is_refused_at_the_end_and_nothing_is_watched_outside():
