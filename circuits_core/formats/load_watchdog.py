@@ -16,8 +16,9 @@ How it holds: a sampler thread reads the process's RSS every SAMPLE_S and keeps 
 the peak is over the limit, the next step raises. One native step cannot be interrupted, so steps whose cost is
 known before they run reserve it first (`reserve`: the tokenizer's parse, TOKENIZER_PARSE_FACTOR bytes per byte of
 tokenizer file) and are refused before they start when the reservation would cross the limit. The RSS is the
-process's: other work running beside a load counts too (the registry retries a load refused here after a while;
-app/registry.py).
+process's: watched loads therefore run one at a time (ONE_LOAD), so the growth a load sees is its own (two at once made
+SmolLM2's growth include Gemma-3's, and `make run` refused SmolLM2); other work running beside a load still counts
+(the registry retries a load refused here after a while; app/registry.py).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def rss_bytes() -> int:
 
 
 _current = threading.local()
+ONE_LOAD = threading.RLock()  # watched loads of a process, one at a time (re-entrant: a load inside a load)
 
 
 class LoadWatchdog:
@@ -109,6 +111,7 @@ class LoadWatchdog:
             self.peak = max(self.peak, rss_bytes() - self.baseline)
 
     def __enter__(self) -> LoadWatchdog:
+        ONE_LOAD.acquire()  # another load's growth is not this one's: wait for it to end
         self.baseline = rss_bytes()
         self._outer = getattr(_current, "watchdog", None)
         _current.watchdog = self
@@ -117,12 +120,15 @@ class LoadWatchdog:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self._stop.set()
-        if self._sampler is not None:
-            self._sampler.join()
-        _current.watchdog = self._outer
-        if kind is None:
-            self.check(now=True)  # a last native step may have crossed the limit after the last checkpoint
+        try:
+            self._stop.set()
+            if self._sampler is not None:
+                self._sampler.join()
+            _current.watchdog = self._outer
+            if kind is None:
+                self.check(now=True)  # a last native step may have crossed the limit after the last checkpoint
+        finally:
+            ONE_LOAD.release()
 
 
 def checkpoint() -> None:

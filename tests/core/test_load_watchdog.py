@@ -121,3 +121,37 @@ def test_a_native_step_after_the_last_checkpoint_is_refused_at_the_end_and_nothi
             big.write(b"\1" * (64 * MiB))  # one step, no checkpoint after it
     checkpoint()  # outside any load: nothing to check
     big.close()
+
+
+def test_two_loads_at_once_each_see_only_their_own_growth():
+    """Two folders loading at the same time (as `make run` loads SmolLM2 and Gemma-3 on two loader threads): each
+    grows the process by 48 MiB under a 64 MiB limit. Measured together, each would see the other's growth (96 MiB)
+    and be refused; the watched loads run one at a time, so both load."""
+    import threading
+
+    step = 8 * MiB
+    kept: list[mmap.mmap] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def load(name: str) -> None:
+        start.wait()
+        try:
+            with LoadWatchdog(name, files_bytes=0, multiple=1.0, allowance=64 * MiB):
+                for _ in range(6):  # 48 MiB in steps, long enough for the two to overlap if nothing orders them
+                    checkpoint()
+                    page = mmap.mmap(-1, step)
+                    page.write(b"\1" * step)
+                    kept.append(page)
+                    time.sleep(0.03)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=load, args=(name,)) for name in ("first", "second")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    for page in kept:
+        page.close()
