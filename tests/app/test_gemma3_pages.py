@@ -56,12 +56,9 @@ def client() -> Any:
     with TestClient(create_app(settings)) as c:
         c.app.state.registry.get(GEMMA3_MODEL)  # type: ignore[attr-defined]  # loaded once, outside the timed calls
         yield c
-    # The jobs the walk left unpolled: the app's loop that would stop them once abandoned has closed, so stop them here
-    # (each at its next step) and wait, so that no computation outlives the module.
-    service = c.app.state.compute  # type: ignore[attr-defined]
-    for flight in list(service._flights.values()):
-        flight.stop.set()
-    service._executor.shutdown(wait=True)
+    # The jobs the walk left unpolled were told to stop when the app's lifespan ended (ComputeService.stop_all): wait
+    # for their worker threads (each stops at its next step), so that no computation outlives the module.
+    c.app.state.compute._executor.shutdown(wait=True)  # type: ignore[attr-defined]
 
 
 def _calls() -> list[tuple[str, str, dict[str, str]]]:
