@@ -283,7 +283,8 @@ async def head_context(call: PageCall[HeadPageParams]) -> PageContext:
     )
     partners = await composition_partners(call, name) if view is not None else []
     entry = await cheap(call.registry.entry, model or "")
-    ranked = token_set(call.model, p.min_count, p.vocab if p.token is None else "all")
+    # the token counts file read and ranked for the snippet: in a worker thread, off the event loop
+    ranked = await cheap(token_set, call.model, p.min_count, p.vocab if p.token is None else "all")
     ov_snippet = snippets.ov_table(
         entry.path,
         str(call.registry.dtype).removeprefix("torch."),
