@@ -41,7 +41,8 @@ from circuits_core.formats.phi3 import load_phi3, phi3_config
 from circuits_core.formats.qkov_format import load_qkov
 from circuits_core.formats.statedict import folder_file, folder_listing, read_json_object
 from circuits_core.formats.transformer_lens import load_transformer_lens
-from circuits_core.model.config import ConfigReader, ModelConfig
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.config_reader import ConfigReader
 
 Format = Literal[
     "qkov", "transformer_lens", "gpt2", "gpt_neox", "gguf", "llama", "mistral", "qwen2",

@@ -16,7 +16,8 @@ from circuits_core.errors import CheckpointError
 from circuits_core.formats.processing import SWITCHES
 from circuits_core.formats.statedict import folder_file, folder_listing, model_config, read_weight_files
 from circuits_core.formats.tokenizer import Tokenizer
-from circuits_core.model.config import ConfigReader, ModelConfig
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.config_reader import ConfigReader
 from circuits_core.model.transformer import Transformer
 
 QKOV_FORMAT_VERSION = 1

@@ -46,7 +46,7 @@ from circuits_core.errors import CheckpointError
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.formats.processing import ProcessingOptions
 from circuits_core.formats.transformer_lens import TL_BUFFERS
-from circuits_core.model.config import head_name
+from circuits_core.model.head_names import head_name
 from circuits_core.model.transformer import Transformer
 from circuits_core.prompt.detectors import (
     duplicate_targets,
