@@ -14,6 +14,7 @@ from app.views import circuits, composition, detectors, heads, models, path, pro
 from app.views.attention_entropy import ATTENTION_ENTROPY
 from app.views.copying import COPYING_ALL
 from app.views.model_summary import MODEL_SUMMARY
+from app.views.ov_effective_rank import OV_EFFECTIVE_RANK
 from app.views.positivity import POSITIVITY
 from app.views.qk_circuit_norm import QK_CIRCUIT_NORM
 from app.views.residual import ANALYSES as RESIDUAL_ANALYSES
@@ -71,6 +72,7 @@ ANALYSES: list[Declared[Any, Any]] = [
     *rotary.ANALYSES,
     ATTENTION_ENTROPY,
     QK_CIRCUIT_NORM,
+    OV_EFFECTIVE_RANK,
     *RESIDUAL_ANALYSES,
     TOUR,
 ]

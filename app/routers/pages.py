@@ -58,6 +58,7 @@ from app.views.circuits import DIRECT
 from app.views.copying import COPYING_ALL
 from app.views.detectors import DETECTORS
 from app.views.heads import HEAD, HEADS
+from app.views.ov_effective_rank import OV_EFFECTIVE_RANK
 from app.views.page_claims import loss_sentence, rare_entries_sentence
 from app.views.qk_circuit_norm import QK_CIRCUIT_NORM
 from app.views.residual import RESIDUAL, RESIDUAL_PAIR, RESIDUAL_USAGE
@@ -351,6 +352,7 @@ PAGES: list[Page[Any]] = [
     Page(COPYING_ALL, "copying.html", label=COPYING_ALL.summary),
     Page(ATTENTION_ENTROPY, "attention_entropy.html", label=ATTENTION_ENTROPY.summary),
     Page(QK_CIRCUIT_NORM, "qk_circuit_norm.html", label=QK_CIRCUIT_NORM.summary),
+    Page(OV_EFFECTIVE_RANK, "ov_effective_rank.html", label=OV_EFFECTIVE_RANK.summary),
     Page(RESIDUAL, "residual.html", label=RESIDUAL.summary),
     Page(RESIDUAL_USAGE, "residual_usage.html", label=RESIDUAL_USAGE.summary),
     Page(RESIDUAL_PAIR, "residual_pair.html"),
