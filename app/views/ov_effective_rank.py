@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from app.analysis import Analysis
+from app.page_spec import PerHeadPage
 from app.params import NoParams
 from app.schemas import ModelRef
 from app.settings import Limits
@@ -48,4 +49,14 @@ OV_EFFECTIVE_RANK = Analysis(
     tags=["circuits"],
     needs_layers=1,
     weights="attention",
+    page=PerHeadPage(
+        values="ranks",
+        title="OV effective rank",
+        explanation="The participation ratio (Σσ²)² / Σσ⁴ of the singular values σ of each head's OV circuit W_V W_O "
+        "(d_model × d_model, rank at most d_head; computed from its factors, never formed; under grouped-query "
+        "attention each query head reads its key/value group's W_V): 1 when one direction carries the whole circuit, "
+        "d_head when all its directions are equally strong.",
+        quantity="effective rank (Σσ²)² / Σσ⁴ of W_V W_O",
+        nav=120,
+    ),
 )

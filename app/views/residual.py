@@ -16,6 +16,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from app.analysis import Analysis, AnalysisParams
+from app.page_spec import OwnPage
 from app.params import BasisChoice, K
 from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
@@ -399,6 +400,7 @@ RESIDUAL = Analysis(
     cost=residual_cost,
     summary="Residual stream (virtual weights)",
     tags=["residual stream"],
+    page=OwnPage(template="residual.html", nav=130),
 )
 RESIDUAL_USAGE = Analysis(
     name="residual-usage",
@@ -409,6 +411,7 @@ RESIDUAL_USAGE = Analysis(
     cost=usage_cost,
     summary="Residual stream usage",
     tags=["residual stream"],
+    page=OwnPage(template="residual_usage.html", nav=140),
 )
 RESIDUAL_PAIR = Analysis(
     name="residual-pair",
@@ -419,5 +422,6 @@ RESIDUAL_PAIR = Analysis(
     cost=residual_pair_cost,
     summary="One virtual weight: writer -> reader",
     tags=["residual stream"],
+    page=OwnPage(template="residual_pair.html"),  # reached from the residual page's links, not the navigation
 )
 ANALYSES: list[Analysis[Any, Any]] = [RESIDUAL, RESIDUAL_USAGE, RESIDUAL_PAIR]
