@@ -39,7 +39,7 @@ from app.views.inputs import check_k, model_ref, resolve_token, token_ref
 from app.views.rotary_reference import check_offset, is_rotary
 from app.views.token_sets import TokenSet, frequent_tokens, token_set
 from circuits_core.circuits import head_circuits as circuits
-from circuits_core.circuits import latent_circuits, rotary, sinks
+from circuits_core.circuits import latent_circuits, rotary, sinks, skip_trigrams
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.qk_forms import QK_FORMS, qk_form
 from circuits_core.cost import Cost
@@ -382,7 +382,7 @@ def build_skip_trigrams_view(loaded: LoadedModel, p: SkipTrigramParams, limits: 
         check_offset(loaded, p.offset)
         offset = p.offset if is_rotary(loaded) else None  # rotary: destinations from the QK column at δ
         col = rotary.full_qk_col_at(loaded.model, layer, h, source, offset) if offset is not None else None
-        st = circuits.skip_trigrams(loaded.model, layer, h, source, k, vocab, qk_col=col)
+        st = skip_trigrams.skip_trigrams(loaded.model, layer, h, source, k, vocab, qk_col=col)
     dest = [
         ScoredToken(token=token_ref(loaded, t), value=float(v))
         for t, v in zip(st.dest_tokens.tolist(), st.dest_scores.tolist(), strict=True)
@@ -452,10 +452,10 @@ QK = Analysis(
 
 
 def skip_trigrams_cost(loaded: LoadedModel, p: SkipTrigramParams, limits: Limits) -> Cost:
-    """The two lines (head_circuits.skip_trigrams_cost) after, without a token, the OV table's search on its token
+    """The two lines (skip_trigrams.skip_trigrams_cost) after, without a token, the OV table's search on its token
     set for the default source."""
     check_offset(loaded, p.offset)
-    lines = circuits.skip_trigrams_cost(loaded.model, p.k, limits.matrix_budget_bytes, token=True)
+    lines = skip_trigrams.skip_trigrams_cost(loaded.model, p.k, limits.matrix_budget_bytes, token=True)
     search = Cost(0) if p.token is not None else _search_cost(loaded, p.model_copy(update={"k": 1}), limits, "ov")
     return search.then(lines) + raw_copy_cost(loaded, p.basis)
 

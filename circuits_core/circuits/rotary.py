@@ -37,15 +37,10 @@ from circuits_core.circuits.copying_spectra import copying_score, embed_gram, em
 from circuits_core.circuits.embedding import EMBED_CHUNK, embed_eff_matmul, embed_eff_rows
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import stacked_weights
-from circuits_core.circuits.head_circuits import (
-    SkipTrigrams,
-    attention,
-    check_head,
-    factors_cost,
-    skip_trigrams,
-)
+from circuits_core.circuits.head_circuits import attention, check_head, factors_cost
 from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.circuits.qk_forms import QKForm, folded_query_key, qk_form, token_factors, token_scale
+from circuits_core.circuits.skip_trigrams import SkipTrigrams, skip_trigrams
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.flops import layer_flops
