@@ -22,6 +22,7 @@ import torch
 from bench import PeakRSS, fmt_time, median_time, row
 from bench.composition_paths import IDLE_GFLOPS, normalised, timed
 from bench.engine import gpt2_shaped_model, tl_model
+from circuits_core.circuits import erasure as stream_erasure
 from circuits_core.circuits import residual_stream, stream_components
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.circuits.composition import random_baseline
@@ -106,7 +107,7 @@ def _run(extra: bool) -> None:
         "",
         f"{normalised(t, g)}; used dims {usage.bandwidth.used_dims:.0f} of {model.cfg.d_model}",
     )
-    t, g, er = timed(lambda: residual_stream.erasure(model), repeats=1)
+    t, g, er = timed(lambda: stream_erasure.erasure(model), repeats=1)
     row("    erasure scan (every writer x later head)", t, "", f"{normalised(t, g)}; {len(er.candidates)} candidates")
 
 

@@ -1,5 +1,6 @@
 """The residual stream as a communication channel: every writer against every reader, one virtual
-weight, and how the writers share d_model. Engine: circuits_core/circuits/virtual_weights.py, residual_stream.py.
+weight, and how the writers share d_model. Engine: circuits_core/circuits/virtual_weights.py, residual_stream.py,
+erasure.py.
 
 Three declarations (page + JSON each):
   residual                        writers x readers scores (score - baseline), grouped by layer
@@ -21,6 +22,7 @@ from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import model_ref, token_ref
+from circuits_core.circuits import erasure as stream_erasure
 from circuits_core.circuits import residual_stream as rs
 from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import virtual_weights as vw
@@ -332,7 +334,7 @@ def build_usage_view(loaded: LoadedModel, p: UsageParams, limits: Limits) -> Usa
     model = loaded.model
     spec = rs.spectra(model, p.offset)  # computed once for both scans
     u = rs.stream_usage(model, energy=p.energy, offset=p.offset, spec=spec)
-    er = rs.erasure(model, energy=p.energy, spec=spec)
+    er = stream_erasure.erasure(model, energy=p.energy, spec=spec)
     bw = u.bandwidth
     n_writers = len(u.writers)
     if p.writers_from >= max(1, n_writers):
@@ -386,7 +388,7 @@ def build_usage_view(loaded: LoadedModel, p: UsageParams, limits: Limits) -> Usa
 
 def usage_cost(loaded: LoadedModel, p: UsageParams, limits: Limits) -> Cost:
     return rs.usage_cost(loaded.model, p.writers_shown).then(
-        rs.erasure_cost(loaded.model, ERASURE_SHOWN)
+        stream_erasure.erasure_cost(loaded.model, ERASURE_SHOWN)
     ) + raw_copy_cost(loaded, p.basis)
 
 

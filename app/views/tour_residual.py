@@ -23,6 +23,7 @@ from app.schemas.analyses import TourFigure
 from app.settings import Limits
 from app.views.inputs import token_text
 from app.views.residual import ignored_note
+from circuits_core.circuits import erasure as stream_erasure
 from circuits_core.circuits import residual_stream as rs
 from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import virtual_weights as vw
@@ -115,7 +116,7 @@ def embedding_reader(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
 def bandwidth(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
     spec = rs.spectra(loaded.model)
     u = rs.stream_usage(loaded.model, spec=spec)
-    er = rs.erasure(loaded.model, spec=spec)
+    er = stream_erasure.erasure(loaded.model, spec=spec)
     bw = u.bandwidth
     load, sharers = bw.crowded[0]
     sentence = (
@@ -220,4 +221,4 @@ def residual_chapter_cost(registry: ModelRegistry, limits: Limits) -> Cost:
         return Cost(0)
     scores = vw.all_scores_cost(m)
     pair = vw.pair_cost(m, sc.Writer("embed"), sc.Reader("unembed"), 1, N_TOKENS)
-    return scores.then(scores).then(pair).then(rs.usage_cost(m)).then(rs.erasure_cost(m))
+    return scores.then(scores).then(pair).then(rs.usage_cost(m)).then(stream_erasure.erasure_cost(m))

@@ -16,6 +16,7 @@ from rotary_models import CASES, rotary_model
 from torch.utils.flop_counter import FlopCounterMode
 
 from circuits_core.circuits import composition, composition_rotary, copying, copying_spectra, rotary, rotary_baseline
+from circuits_core.circuits import erasure as stream_erasure
 from circuits_core.circuits import head_circuits as hc
 from circuits_core.circuits import residual_stream as rs
 from circuits_core.circuits import stream_components as sc
@@ -260,14 +261,14 @@ def test_the_stream_usage(name: str) -> None:
 
         def scans(energy: float = energy, spec=spec, found=found) -> None:
             found["usage"] = rs.stream_usage(m, energy=energy, spec=spec)
-            found["erasure"] = rs.erasure(m, energy=energy, spec=spec)
+            found["erasure"] = stream_erasure.erasure(m, energy=energy, spec=spec)
 
         scanned = counted(scans)
         writers = [c.writer for c in found["erasure"].candidates]
         exact = sf.usage_flops(m, found["usage"].dims.__getitem__, writers) - sf.spectra_flops(m)
         assert scanned == exact, energy
         assert scanned <= sf.usage_flops(m) - sf.spectra_flops(m)
-    assert rs.usage_cost(m).then(rs.erasure_cost(m, 5)).flops == sf.usage_flops(m)  # the page's price
+    assert rs.usage_cost(m).then(stream_erasure.erasure_cost(m, 5)).flops == sf.usage_flops(m)  # the page's price
 
 
 @pytest.mark.parametrize("name", list(CASES))
