@@ -25,6 +25,7 @@ from app.views.inputs import model_ref, token_ref
 from circuits_core.circuits import erasure as stream_erasure
 from circuits_core.circuits import residual_stream as rs
 from circuits_core.circuits import stream_components as sc
+from circuits_core.circuits import virtual_weight_table as vwt
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
@@ -106,7 +107,7 @@ def _table(t: torch.Tensor, mask: torch.Tensor) -> list[list[float | None]]:
 def build_residual_view(loaded: LoadedModel, p: ResidualParams, limits: Limits) -> ResidualView:
     loaded = with_basis(loaded, p.basis)
     model = loaded.model
-    s = vw.all_scores(model, offset=p.offset)
+    s = vwt.all_scores(model, offset=p.offset)
     return ResidualView(
         model=model_ref(loaded),
         writers=[w.name for w in s.writers],
@@ -125,7 +126,7 @@ def build_residual_view(loaded: LoadedModel, p: ResidualParams, limits: Limits) 
 
 
 def residual_cost(loaded: LoadedModel, p: ResidualParams, limits: Limits) -> Cost:
-    return vw.all_scores_cost(loaded.model) + raw_copy_cost(loaded, p.basis)
+    return vwt.all_scores_cost(loaded.model) + raw_copy_cost(loaded, p.basis)
 
 
 # -- one pair ---------------------------------------------------------------------------------------------

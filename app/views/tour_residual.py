@@ -26,6 +26,7 @@ from app.views.residual import ignored_note
 from circuits_core.circuits import erasure as stream_erasure
 from circuits_core.circuits import residual_stream as rs
 from circuits_core.circuits import stream_components as sc
+from circuits_core.circuits import virtual_weight_table as vwt
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.cost import Cost
 from circuits_core.errors import QkovError
@@ -62,7 +63,7 @@ SPECS = (
 
 
 def channel(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
-    s = vw.all_scores(loaded.model)
+    s = vwt.all_scores(loaded.model)
     heads = [
         (i, j)
         for i, w in enumerate(s.writers)
@@ -90,7 +91,7 @@ def channel(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
 
 
 def embedding_reader(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
-    s = vw.all_scores(loaded.model)
+    s = vwt.all_scores(loaded.model)
     e = [w.name for w in s.writers].index("embed")
     j = int(torch.where(s.mask[e], s.raw[e], torch.full_like(s.raw[e], -1.0)).argmax())
     reader = s.readers[j]
@@ -219,6 +220,6 @@ def residual_chapter_cost(registry: ModelRegistry, limits: Limits) -> Cost:
         m = registry.get(TOUR_MODEL).model
     except QkovError:
         return Cost(0)
-    scores = vw.all_scores_cost(m)
+    scores = vwt.all_scores_cost(m)
     pair = vw.pair_cost(m, sc.Writer("embed"), sc.Reader("unembed"), 1, N_TOKENS)
     return scores.then(scores).then(pair).then(rs.usage_cost(m)).then(stream_erasure.erasure_cost(m))

@@ -15,7 +15,7 @@ from app.settings import Settings
 from app.views import tour_residual
 from circuits_core.circuits import erasure as stream_erasure
 from circuits_core.circuits import stream_components as sc
-from circuits_core.circuits import virtual_weights
+from circuits_core.circuits import virtual_weight_table as vwt
 from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
 from tests.app.conftest import LIMITS
 from tests.core.test_virtual_weights import dense_reader, dense_writer
@@ -114,9 +114,7 @@ def test_the_section_is_priced_by_the_engine_costs(toy: LoadedModel) -> None:
     )
     cost = tour_residual.residual_chapter_cost(registry, LIMITS)
     m = registry.get("toy-2l").model
-    assert cost.peak_bytes >= max(
-        virtual_weights.all_scores_cost(m).peak_bytes, stream_erasure.erasure_cost(m).peak_bytes
-    )
+    assert cost.peak_bytes >= max(vwt.all_scores_cost(m).peak_bytes, stream_erasure.erasure_cost(m).peak_bytes)
     assert cost.answer_bytes > 0
     empty = ModelRegistry(
         Settings(shipped_dir=CHECKPOINTS / "none", models_dir=CHECKPOINTS / "none", dtype="float64", limits=LIMITS)

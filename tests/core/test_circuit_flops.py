@@ -21,6 +21,7 @@ from circuits_core.circuits import head_circuits as hc
 from circuits_core.circuits import residual_stream as rs
 from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import stream_flops as sf
+from circuits_core.circuits import virtual_weight_table as vwt
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import circuit_weight, head_weights
@@ -201,7 +202,7 @@ def test_the_sampled_baselines(d_model: int, d_head: int, group_size: int) -> No
 
 @pytest.mark.parametrize("name", ["layernorm-mlp", "attn-only", "standard-mlp", *ROTARY])
 def test_the_residual_scores(name: str) -> None:
-    """virtual_weights.all_scores (the /residual page's table): the head factors, the Gram inner products and the
+    """vwt.all_scores (the /residual page's table): the head factors, the Gram inner products and the
     sampled baseline, priced as counted (its baseline uncached)."""
     extra = {
         "layernorm-mlp": lambda: small_model(ln="LN", mlp=True),
@@ -210,7 +211,7 @@ def test_the_residual_scores(name: str) -> None:
     }
     m = extra[name]() if name in extra else rotary_model(**CASES[name])
     composition.random_baseline.cache_clear()
-    assert counted(lambda: vw.all_scores(m)) == vw.all_scores_cost(m).flops
+    assert counted(lambda: vwt.all_scores(m)) == vwt.all_scores_cost(m).flops
 
 
 PAIRS = [
