@@ -26,7 +26,7 @@ from app.settings import Limits
 from app.views.basis import basis, raw_copy_cost, with_basis
 from app.views.inputs import model_ref
 from app.views.rotary_reference import reference_forward_tokens, reference_means
-from circuits_core.circuits import alibi_kernel, composition_rotary, rotary, rotary_baseline
+from circuits_core.circuits import alibi_kernel, composition_rotary, rotary, rotary_bands, rotary_baseline
 from circuits_core.circuits.copying_spectra import copying_score
 from circuits_core.circuits.profile_shape import ProfileShape, profile_shape
 from circuits_core.cost import Cost
@@ -112,7 +112,7 @@ def build_bands_view(loaded: LoadedModel, p: BandsParams, limits: Limits) -> Ban
     loaded = with_basis(loaded, p.basis)
     layer, h = parse_head(p.head, loaded.model.cfg)
     with torch.no_grad():
-        bands = rotary.band_energies(loaded.model)
+        bands = rotary_bands.band_energies(loaded.model)
     energy = bands.energy[layer, h]  # [K]
     total = float(energy.sum() + bands.unrotated[layer, h])
     return BandsView(
@@ -130,7 +130,7 @@ def build_bands_view(loaded: LoadedModel, p: BandsParams, limits: Limits) -> Ban
 
 
 def bands_cost(loaded: LoadedModel, p: BandsParams, limits: Limits) -> Cost:
-    return rotary.bands_cost(loaded.model) + raw_copy_cost(loaded, p.basis)
+    return rotary_bands.bands_cost(loaded.model) + raw_copy_cost(loaded, p.basis)
 
 
 BANDS = Analysis(

@@ -15,7 +15,15 @@ from biased_models import small_model
 from rotary_models import CASES, rotary_model
 from torch.utils.flop_counter import FlopCounterMode
 
-from circuits_core.circuits import composition, composition_rotary, copying, copying_spectra, rotary, rotary_baseline
+from circuits_core.circuits import (
+    composition,
+    composition_rotary,
+    copying,
+    copying_spectra,
+    rotary,
+    rotary_bands,
+    rotary_baseline,
+)
 from circuits_core.circuits import erasure as stream_erasure
 from circuits_core.circuits import head_circuits as hc
 from circuits_core.circuits import residual_stream as rs
@@ -180,7 +188,7 @@ def test_the_rotary_views(name) -> None:
         rotary.positional_kernel(m, rotary.reference_means(m, tokens), offsets)
 
     assert counted(kernel) == rotary.kernel_cost(m, 7, 9).flops
-    assert counted(lambda: rotary.band_energies(m)) == rotary.bands_cost(m).flops
+    assert counted(lambda: rotary_bands.band_energies(m)) == rotary_bands.bands_cost(m).flops
     for kind in ("q", "k"):
         profile = lambda kind=kind: composition_rotary.pair_profile(m, "L0H1", "L2H3", kind, offsets)  # noqa: E731
         assert counted(profile) == composition_rotary.pair_profile_cost(m, 7).flops, kind
