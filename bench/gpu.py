@@ -86,7 +86,7 @@ def http_heads(model_id: str) -> float:
 
 def measure() -> None:
     """The in-process goals (the model is freed when this returns, before the HTTP server loads its own)."""
-    from app.views.heads import build_heads_view
+    from app.views.shared.heads_table import build_heads_view
     from circuits_core.circuits import virtual_weight_table as vwt
     from circuits_core.circuits.composition_rotary import composition_profiles
     from circuits_core.circuits.copying_spectra import ov_copying_scores

@@ -30,8 +30,8 @@ from app.routers.page_cache import cached_page, encode_page_key, html_page, keep
 from app.scheduling import cheap, compute
 from app.scheduling.flights import JobPending
 from app.settings import REPO_ROOT, Limits
-from app.views.basis import basis, changes_weights
-from app.views.inputs import max_prompt_tokens
+from app.views.shared.basis import basis, changes_weights
+from app.views.shared.inputs import max_prompt_tokens
 from circuits_core.errors import QkovError
 from circuits_core.formats.checkpoint import LoadedModel
 

@@ -34,10 +34,10 @@ from app.params import DirectParams, OVParams, QKParams, SkipTrigramParams
 from app.scheduling import cached_build
 from app.schemas import CircuitTopView, MatrixEntry, ScoredToken, SkipTrigram, SkipTrigramView
 from app.settings import Limits
-from app.views.basis import basis, raw_copy_cost, with_basis
-from app.views.inputs import check_k, model_ref, resolve_token, token_ref
-from app.views.rotary_reference import check_offset, is_rotary
-from app.views.token_sets import TokenSet, frequent_tokens, token_set
+from app.views.shared.basis import basis, raw_copy_cost, with_basis
+from app.views.shared.inputs import check_k, model_ref, resolve_token, token_ref
+from app.views.shared.rotary_reference import check_offset, is_rotary
+from app.views.shared.token_sets import TokenSet, frequent_tokens, token_set
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.circuits import latent_circuits, rotary, sinks, skip_trigrams
 from circuits_core.circuits.factored import FactoredMatrix

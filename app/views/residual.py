@@ -20,8 +20,8 @@ from app.analysis import Analysis, AnalysisParams
 from app.params import BasisChoice, K
 from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
-from app.views.basis import basis, raw_copy_cost, with_basis
-from app.views.inputs import model_ref, token_ref
+from app.views.shared.basis import basis, raw_copy_cost, with_basis
+from app.views.shared.inputs import model_ref, token_ref
 from circuits_core.circuits import erasure as stream_erasure
 from circuits_core.circuits import residual_stream as rs
 from circuits_core.circuits import stream_components as sc

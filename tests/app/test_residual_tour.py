@@ -1,4 +1,4 @@
-"""The tour's residual-stream section (app/views/tour_residual.py) on the shipped toy-2l: every number in its
+"""The tour's residual-stream section (app/tour/residual.py) on the shipped toy-2l: every number in its
 sentences recomputed here from dense float64 products and SVDs of the served weights, so a sentence that stops
 being true fails CI."""
 
@@ -12,7 +12,7 @@ import torch
 
 from app.registry import ModelRegistry
 from app.settings import Settings
-from app.views import tour_residual
+from app.tour import residual as tour_residual
 from circuits_core.circuits import erasure as stream_erasure
 from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import virtual_weight_table as vwt
