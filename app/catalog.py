@@ -20,6 +20,7 @@ from app.views.positivity import POSITIVITY
 from app.views.qk_circuit_norm import QK_CIRCUIT_NORM
 from app.views.residual import ANALYSES as RESIDUAL_ANALYSES
 from app.views.shared.heads_table import HEADS
+from app.views.skip_trigrams import SKIP_TRIGRAMS
 from circuits_core.cost import Cost
 
 
@@ -59,7 +60,7 @@ ANALYSES: list[Declared[Any, Any]] = [
     POSITIVITY,
     circuits.OV,
     circuits.QK,
-    circuits.SKIP_TRIGRAMS,
+    SKIP_TRIGRAMS,
     circuits.DIRECT,
     detectors.DETECTORS,
     composition.COMPOSITION,

@@ -32,12 +32,7 @@ from app.params import (
 )
 from app.settings import Limits
 from app.tour.claims import induction_mass, self_copy_and_baseline
-from app.views.circuits import (
-    build_direct_view,
-    build_ov_view,
-    build_qk_view,
-    build_skip_trigrams_view,
-)
+from app.views.circuits import build_direct_view, build_ov_view, build_qk_view
 from app.views.composition import build_composition_pair_view, build_composition_view
 from app.views.detectors import build_detectors_view
 from app.views.heads import build_head_view
@@ -49,6 +44,7 @@ from app.views.shared.default_prompt import BUILTIN_TEXT
 from app.views.shared.inputs import resolve_prompt, token_refs
 from app.views.shared.page_claims import strongest
 from app.views.shared.token_sets import frequent_tokens, has_token_counts
+from app.views.skip_trigrams import build_skip_trigrams_view
 from app.views.term_importance import build_term_importance_view
 from circuits_core.circuits import copying_spectra
 from circuits_core.circuits import head_circuits as circuits
