@@ -18,7 +18,8 @@ from app.views.copying import COPYING_ALL
 from app.views.model_summary import MODEL_SUMMARY
 from app.views.positivity import POSITIVITY
 from app.views.qk_circuit_norm import QK_CIRCUIT_NORM
-from app.views.residual import ANALYSES as RESIDUAL_ANALYSES
+from app.views.residual import RESIDUAL, RESIDUAL_PAIR
+from app.views.residual_usage import RESIDUAL_USAGE
 from app.views.shared.heads_table import HEADS
 from app.views.skip_trigrams import SKIP_TRIGRAMS
 from circuits_core.cost import Cost
@@ -73,6 +74,8 @@ ANALYSES: list[Declared[Any, Any]] = [
     *rotary.ANALYSES,
     ATTENTION_ENTROPY,
     QK_CIRCUIT_NORM,
-    *RESIDUAL_ANALYSES,
+    RESIDUAL,
+    RESIDUAL_USAGE,
+    RESIDUAL_PAIR,
     TOUR,
 ]

@@ -59,7 +59,8 @@ from app.views.copying import COPYING_ALL
 from app.views.detectors import DETECTORS
 from app.views.heads import HEAD
 from app.views.qk_circuit_norm import QK_CIRCUIT_NORM
-from app.views.residual import RESIDUAL, RESIDUAL_PAIR, RESIDUAL_USAGE
+from app.views.residual import RESIDUAL, RESIDUAL_PAIR
+from app.views.residual_usage import RESIDUAL_USAGE
 from app.views.shared.heads_table import HEADS
 from app.views.shared.page_claims import loss_sentence, rare_entries_sentence
 from app.views.shared.token_sets import has_token_counts

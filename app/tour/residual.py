@@ -21,8 +21,8 @@ import torch
 from app.registry import ModelRegistry
 from app.schemas.analyses import TourFigure
 from app.settings import Limits
-from app.views.residual import ignored_note
 from app.views.shared.inputs import token_text
+from app.views.shared.residual_inputs import ignored_note
 from circuits_core.circuits import erasure as stream_erasure
 from circuits_core.circuits import residual_stream as rs
 from circuits_core.circuits import stream_components as sc
