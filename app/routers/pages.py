@@ -58,9 +58,10 @@ from app.scheduling import cheap
 from app.schemas import CircuitTopView, HeadScores
 from app.views.circuits import DIRECT
 from app.views.detectors import DETECTORS
-from app.views.heads import HEAD, HEADS
-from app.views.page_claims import loss_sentence, rare_entries_sentence
-from app.views.token_sets import has_token_counts
+from app.views.heads import HEAD
+from app.views.shared.heads_table import HEADS
+from app.views.shared.page_claims import loss_sentence, rare_entries_sentence
+from app.views.shared.token_sets import has_token_counts
 from circuits_core.errors import QkovError
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.head_names import parse_head

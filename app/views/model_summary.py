@@ -17,8 +17,8 @@ from app.params import NoParams
 from app.scheduling import cached, is_cached
 from app.schemas import HeadsView, ModelRef
 from app.settings import Limits
-from app.views.heads import HEADS, heads_cost
-from app.views.inputs import model_ref
+from app.views.shared.heads_table import HEADS, heads_cost
+from app.views.shared.inputs import model_ref
 from circuits_core.cost import FREE, Cost
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.prompt.model_summary import summarise

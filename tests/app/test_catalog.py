@@ -35,10 +35,10 @@ OUTSIDE = Analysis(
 
 
 def declared_names_in_source() -> set[str]:
-    """The `name=` of every `X = Analysis(...)` / `ServerAnalysis(...)` at the top of a module of app/views, read
-    from the source text (not by importing it)."""
+    """The `name=` of every `X = Analysis(...)` / `ServerAnalysis(...)` at the top of a module of app/views or
+    app/tour, read from the source text (not by importing it)."""
     names = set()
-    for path in sorted((REPO_ROOT / "app" / "views").glob("*.py")):
+    for path in sorted([*(REPO_ROOT / "app" / "views").rglob("*.py"), *(REPO_ROOT / "app" / "tour").rglob("*.py")]):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
                 func = node.value.func
@@ -113,25 +113,31 @@ def test_scan_order_imports_and_misplaced_builders(tmp_path: Path, monkeypatch: 
             del sys.modules[name]
 
 
+# The navigation's order before the pages were declared on their analyses (a new page goes anywhere between these).
+NAVIGATION = [
+    "",
+    "/composition",
+    "/prompt",
+    "/path",
+    "/qk-paths",
+    "/detectors",
+    "/term-importance",
+    "/direct",
+    "/copying",
+    "/attention-entropy",
+    "/qk-circuit-norm",
+    "/ov-effective-rank",
+    "/residual",
+    "/residual/usage",
+]
+
+
 def test_navigation_is_in_the_declared_order(client: TestClient) -> None:
     nav = client.get("/models/tiny-2l").text.split('class="sidenav"', 1)[1].split("</nav>", 1)[0]
     hrefs = re.findall(r'class="item[^"]*" href="/models/tiny-2l([^"]*)"', nav)
-    assert hrefs == [
-        "",
-        "/composition",
-        "/prompt",
-        "/path",
-        "/qk-paths",
-        "/detectors",
-        "/term-importance",
-        "/direct",
-        "/copying",
-        "/attention-entropy",
-        "/qk-circuit-norm",
-        "/ov-effective-rank",
-        "/residual",
-        "/residual/usage",
-    ]
+    assert [h for h in hrefs if h in NAVIGATION] == NAVIGATION
+    listed = {a.path for a in ANALYSES if isinstance(a, Analysis) and a.page is not None and a.page.nav is not None}
+    assert listed <= {h.lstrip("/") for h in hrefs}  # every page declaring a place is in the navigation
 
 
 def test_a_per_head_page_must_name_a_field_of_its_view() -> None:

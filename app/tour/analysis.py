@@ -1,4 +1,4 @@
-"""The paper tour declared (app/views/tour.py computes it): the one analysis over the server's models, a
+"""The paper tour declared (app/tour/tour.py computes it): the one analysis over the server's models, a
 `ServerAnalysis` keyed by the digests of the models its chapter reads."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from app.params import TourParams
 from app.registry import ModelRegistry
 from app.schemas.analyses import TourView
 from app.settings import Limits
-from app.views.tour import build_tour_view, digest_or_dash, tour_models
-from app.views.tour import tour_cost as tour_view_cost
+from app.tour.tour import build_tour_view, digest_or_dash, tour_models
+from app.tour.tour import tour_cost as tour_view_cost
 from circuits_core.cost import Cost
 
 
@@ -18,7 +18,7 @@ def build_tour(registry: ModelRegistry, p: TourParams, limits: Limits) -> TourVi
 
 
 def tour_cost(registry: ModelRegistry, p: TourParams, limits: Limits) -> Cost:
-    """The tour's figures priced by the engine cost functions of what they compute (app.views.tour.tour_cost)."""
+    """The tour's figures priced by the engine cost functions of what they compute (app.tour.tour.tour_cost)."""
     return tour_view_cost(registry, limits, p.chapter)
 
 
