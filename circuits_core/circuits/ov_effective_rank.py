@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.factored import FactoredMatrix, svd_cost
 from circuits_core.circuits.folded import circuit_weight
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.model.transformer import Transformer
@@ -39,18 +39,12 @@ def ov_effective_ranks(model: Transformer) -> Tensor:
 
 
 def cost(model: Transformer) -> Cost:
-    """ov_effective_ranks: one layer's W_V, W_O as read (model dtype) and in float64, and the factored SVD's tensors in
-    float64 (each factor's U, S, V^T, the d_head x d_head core's, and the U, V it keeps, [H, d_model, d_head] each);
-    FLOPs of the thin SVDs (4 m n^2 + 22 n^3) and the products; answer: one ratio per head, labelled."""
+    """ov_effective_ranks, per layer: its W_V, W_O as read (model dtype) and in float64, and the factored SVD in float64
+    (factored.svd_cost: W_V's n_kv factors decomposed once, W_O's per query head); answer: one ratio per head,
+    labelled."""
     cfg = model.cfg
     d, dh, H, G = cfg.d_model, cfg.d_head, cfg.n_heads, cfg.n_kv_heads
     weights = (H + G) * d * dh * (itemsize(model.dtype) + 8)
-    factor_svds = (H + G) * (d * dh + dh * dh + dh) * 8
-    core = 4 * H * (dh * dh + dh) * 8
-    kept = 2 * H * d * dh * 8
-    svd_flops = (H + G) * (4 * d * dh * dh + 22 * dh**3) + H * 22 * dh**3
-    products = H * (2 * dh**3 + 2 * 2 * d * dh * dh)
+    layer = Cost(weights) + svd_cost(G, H, H, d, dh, d, 8)  # held together, one layer at a time
     heads = cfg.n_layers * H
-    return Cost(weights + factor_svds + core + kept, flops=cfg.n_layers * (svd_flops + products)).with_answer(
-        numbers=heads, labels=heads
-    )
+    return Cost(layer.peak_bytes, flops=cfg.n_layers * layer.flops).with_answer(numbers=heads, labels=heads)
