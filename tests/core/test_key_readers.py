@@ -3,7 +3,12 @@ dense matrices built here: keys from the stored key heads with query head h read
 not through the model's per-head expansion), rotations from rotating the identity at two absolute positions.
 
 A key reader is W_K R(δ)^T W_Q^T (the transpose of the query reader W_Q R(δ) W_K^T); a flipped rotation, or the
-query heads mapped to the wrong key group, changes every one of these numbers by far more than the tolerances."""
+query heads mapped to the wrong key group, changes every one of these numbers by far more than the tolerances.
+
+The views: the all-pairs table and the pair page at an offset, reader spectra, K-composition at an offset, the token QK
+table at offset 0 and at an offset, QK copying at an offset, the QK circuit norms, the positional kernel, and the
+"cosine" token tables of a QK-norm model (whose key scales are the key group's, checked against the model's own
+attention scores)."""
 
 from __future__ import annotations
 
@@ -17,8 +22,10 @@ from circuits_core.circuits import rotary
 from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.circuits.composition_rotary import composition_at
+from circuits_core.circuits.copying_spectra import copying_score
 from circuits_core.circuits.head_circuits import full_qk_circuit
-from tests.core.rotary_models import rotary_model
+from circuits_core.circuits.qk_circuit_norm import qk_circuit_norms
+from tests.core.rotary_models import CASES, rotary_model
 
 OFFSET = 3
 TOL = {torch.float64: 1e-9, torch.float32: 2e-4}  # relative
@@ -146,3 +153,54 @@ def test_positional_kernel_reads_its_own_key_group(models):
         for n, delta in enumerate(offsets.tolist()):
             dense = mu[layer] @ _readers(ref, layer, delta)["Q"] @ mu[layer] / ref.cfg.scale  # [H]
             torch.testing.assert_close(kernel[layer, :, n].double(), dense, rtol=TOL[model.dtype], atol=1e-7)
+
+
+def _embedding(ref):
+    """[V, d] W_E_eff: W_E through layer 0's RMS norm, by hand (the token tables' embedding at every layer)."""
+    W_E = ref.embed.W_E
+    return W_E / (W_E.pow(2).mean(-1, keepdim=True) + ref.cfg.eps).sqrt() * ref.blocks[0].ln1.w
+
+
+def test_token_qk_tables_at_an_offset_read_their_own_key_group(models):
+    model, ref = models
+    for layer in range(model.cfg.n_layers):
+        x = _embedding(ref)
+        for h in range(model.cfg.n_heads):
+            dense = x @ _readers(ref, layer, OFFSET)["Q"][h] @ x.T / ref.cfg.scale  # [V, V]
+            got = rotary.full_qk_circuit_at(model, layer, h, OFFSET).AB.double()
+            torch.testing.assert_close(got, dense, rtol=0, atol=TOL[model.dtype] * float(dense.abs().max()))
+
+
+def test_qk_copying_at_an_offset_reads_its_own_key_group(models):
+    model, ref = models
+    got = rotary.qk_copying_scores_at(model, OFFSET)  # [L, H]
+    for layer in range(model.cfg.n_layers):
+        x = _embedding(ref)
+        for h in range(model.cfg.n_heads):
+            dense = x @ _readers(ref, layer, OFFSET)["Q"][h] @ x.T / ref.cfg.scale
+            expected = float(copying_score(torch.linalg.eigvals(dense)))
+            assert float(got[layer, h]) == pytest.approx(expected, rel=50 * TOL[model.dtype], abs=1e-6)
+
+
+def test_qk_circuit_norms_read_their_own_key_group(models):
+    model, ref = models
+    got = qk_circuit_norms(model)  # [L, H]
+    for layer in range(model.cfg.n_layers):
+        W_Q, W_K = ref.blocks[layer].attn.W_Q, _key_group(ref, layer, "W_K")
+        expected = (W_Q @ W_K.transpose(-2, -1)).flatten(1).norm(dim=-1)  # [H]
+        torch.testing.assert_close(got[layer].double(), expected, rtol=TOL[model.dtype], atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_cosine_token_tables_scale_keys_by_their_own_group(dtype):
+    """A QK-norm model with two key/value groups (Qwen3's per-head norm): every head's token table at an offset is
+    the score the model's own forward pass gives (its key scale 1 / rho_k is the key group's)."""
+    model = rotary_model(n_layers=1, seed=2, **CASES["qwen3"]).to(dtype)
+    delta, (a, b) = 2, (7, 11)  # key token a at position 0, query token b at position delta
+    tokens = torch.full((1, delta + 1), a)
+    tokens[0, delta] = b
+    _, cache = model.run(tokens, names={"blocks.0.attn.hook_attn_scores"})
+    real = cache["blocks.0.attn.hook_attn_scores"][0, :, delta, 0]  # [H]
+    for h in range(model.cfg.n_heads):
+        table = rotary.full_qk_circuit_at(model, 0, h, delta).AB  # [V, V]
+        assert float(table[b, a]) == pytest.approx(float(real[h]), rel=TOL[dtype], abs=TOL[dtype])
