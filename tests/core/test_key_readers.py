@@ -5,7 +5,8 @@ not through the model's per-head expansion), rotations from rotating the identit
 A key reader is W_K R(δ)^T W_Q^T (the transpose of the query reader W_Q R(δ) W_K^T); a flipped rotation, or the
 query heads mapped to the wrong key group, changes every one of these numbers by far more than the tolerances.
 
-The views: the all-pairs table and the pair page at an offset, reader spectra, K-composition at an offset, the token QK
+The views: the all-pairs table and the pair page at an offset, reader spectra, K-composition at an offset and its
+profile over offsets (the composition page's curves, another code path), the token QK
 table at offset 0 and at an offset, QK copying at an offset, the QK circuit norms, the positional kernel, and the
 "cosine" token tables of a QK-norm model (whose key scales are the key group's, checked against the model's own
 attention scores)."""
@@ -21,7 +22,7 @@ from circuits_core.circuits import residual_stream as rs
 from circuits_core.circuits import rotary
 from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import virtual_weights as vw
-from circuits_core.circuits.composition_rotary import composition_at
+from circuits_core.circuits.composition_rotary import composition_at, composition_profiles
 from circuits_core.circuits.copying_spectra import copying_score
 from circuits_core.circuits.head_circuits import full_qk_circuit
 from circuits_core.circuits.qk_circuit_norm import qk_circuit_norms
@@ -129,6 +130,22 @@ def test_key_composition_at_an_offset(models):
                 for h2 in range(H):
                     expected = _score(_ov(ref, l1)[h1], _readers(ref, l2, OFFSET)["K"][h2])
                     assert float(got[l1, h1, l2, h2]) == pytest.approx(expected, rel=TOL[model.dtype])
+
+
+def test_query_and_key_composition_profiles_over_offsets(models):
+    model, ref = models
+    offsets = [0, OFFSET, 7]
+    prof = composition_profiles(model, offsets, n_samples=4)  # [L, H, L, H, n] each
+    H = model.cfg.n_heads
+    for l1 in range(model.cfg.n_layers):
+        for l2 in range(l1 + 1, model.cfg.n_layers):
+            for n, delta in enumerate(offsets):
+                readers = _readers(ref, l2, delta)
+                for h1 in range(H):
+                    for h2 in range(H):
+                        for role, got in (("Q", prof.q), ("K", prof.k)):
+                            expected = _score(_ov(ref, l1)[h1], readers[role][h2])
+                            assert float(got[l1, h1, l2, h2, n]) == pytest.approx(expected, rel=TOL[model.dtype])
 
 
 def test_full_qk_circuit_reads_its_own_key_group(models):
