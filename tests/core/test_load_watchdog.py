@@ -24,7 +24,6 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
-from circuits_core.formats.checkpoint import save_checkpoint
 from circuits_core.formats.load_watchdog import (
     LOAD_MEMORY_ALLOWANCE,
     LOAD_MEMORY_MULTIPLE,
@@ -32,6 +31,7 @@ from circuits_core.formats.load_watchdog import (
     LoadWatchdog,
     checkpoint,
 )
+from circuits_core.formats.qkov_format import save_checkpoint
 from circuits_core.formats.statedict import load_bytes
 from circuits_core.formats.tokenizer import tokenizer_allowance
 from circuits_core.model.config import ModelConfig
