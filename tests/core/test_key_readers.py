@@ -6,7 +6,7 @@ A key reader is W_K R(δ)^T W_Q^T (the transpose of the query reader W_Q R(δ) W
 query heads mapped to the wrong key group, changes every one of these numbers by far more than the tolerances.
 
 The views: the all-pairs table and the pair page at an offset, reader spectra, K-composition at an offset and its
-profile over offsets (the composition page's curves, another code path), the token QK
+profiles over offsets (the composition page's curves and one pair's, two more code paths), the token QK
 table at offset 0 and at an offset, QK copying at an offset, the QK circuit norms, the positional kernel, and the
 "cosine" token tables of a QK-norm model (whose key scales are the key group's, checked against the model's own
 attention scores)."""
@@ -22,7 +22,7 @@ from circuits_core.circuits import residual_stream as rs
 from circuits_core.circuits import rotary
 from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import virtual_weights as vw
-from circuits_core.circuits.composition_rotary import composition_at, composition_profiles
+from circuits_core.circuits.composition_rotary import composition_at, composition_profiles, pair_profile
 from circuits_core.circuits.copying_spectra import copying_score
 from circuits_core.circuits.head_circuits import full_qk_circuit
 from circuits_core.circuits.qk_circuit_norm import qk_circuit_norms
@@ -146,6 +146,8 @@ def test_query_and_key_composition_profiles_over_offsets(models):
                         for role, got in (("Q", prof.q), ("K", prof.k)):
                             expected = _score(_ov(ref, l1)[h1], readers[role][h2])
                             assert float(got[l1, h1, l2, h2, n]) == pytest.approx(expected, rel=TOL[model.dtype])
+                            one = pair_profile(model, f"L{l1}H{h1}", f"L{l2}H{h2}", role.lower(), offsets)  # pair page
+                            assert float(one[n]) == pytest.approx(expected, rel=TOL[model.dtype])
 
 
 def test_full_qk_circuit_reads_its_own_key_group(models):
