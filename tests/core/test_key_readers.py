@@ -8,8 +8,8 @@ query heads mapped to the wrong key group, changes every one of these numbers by
 The views: the all-pairs table and the pair page at an offset, reader spectra, K-composition at an offset and its
 profiles over offsets (the composition page's curves and one pair's, two more code paths), the token QK
 table at offset 0 and at an offset, QK copying at an offset, the QK circuit norms, the positional kernel, and the
-"cosine" token tables of a QK-norm model (whose key scales are the key group's, checked against the model's own
-attention scores)."""
+"cosine" token tables of a QK-norm model and the direct-path scores of a model with attention sinks (the sink
+threshold's view), both checked against the model's own attention scores."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from circuits_core.circuits import residual_stream as rs
-from circuits_core.circuits import rotary
+from circuits_core.circuits import rotary, sinks
 from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.circuits.composition_rotary import composition_at, composition_profiles, pair_profile
@@ -223,3 +223,18 @@ def test_cosine_token_tables_scale_keys_by_their_own_group(dtype):
     for h in range(model.cfg.n_heads):
         table = rotary.full_qk_circuit_at(model, 0, h, delta).AB  # [V, V]
         assert float(table[b, a]) == pytest.approx(float(real[h]), rel=TOL[dtype], abs=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_sink_heads_direct_scores_read_their_own_key_group(dtype):
+    """Learned sinks (gpt-oss) with two key/value groups: every head's direct-path score of a query token on a key
+    token at an offset (the sink threshold's s) is the layer-0 score the model's own forward pass gives."""
+    model = rotary_model(n_layers=1, seed=3, n_key_value_heads=2, attn_sinks=True).to(dtype)
+    delta, (a, b) = 3, (5, 9)  # key token a at position 0, query token b at position delta
+    tokens = torch.full((1, delta + 1), a)
+    tokens[0, delta] = b
+    _, cache = model.run(tokens, names={"blocks.0.attn.hook_attn_scores"})
+    real = cache["blocks.0.attn.hook_attn_scores"][0, :, delta, 0]  # [H]
+    for h in range(model.cfg.n_heads):
+        got = sinks.direct_scores(model, 0, h, torch.tensor([b]), torch.tensor([a]), delta)[0]
+        assert float(got) == pytest.approx(float(real[h]), rel=TOL[dtype], abs=TOL[dtype])
