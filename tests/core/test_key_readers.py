@@ -187,7 +187,12 @@ def test_token_qk_tables_at_an_offset_read_their_own_key_group(models):
         for h in range(model.cfg.n_heads):
             dense = x @ _readers(ref, layer, OFFSET)["Q"][h] @ x.T / ref.cfg.scale  # [V, V]
             got = rotary.full_qk_circuit_at(model, layer, h, OFFSET).AB.double()
-            torch.testing.assert_close(got, dense, rtol=0, atol=TOL[model.dtype] * float(dense.abs().max()))
+            atol = TOL[model.dtype] * float(dense.abs().max())
+            torch.testing.assert_close(got, dense, rtol=0, atol=atol)
+            row = rotary.full_qk_row_at(model, layer, h, 7, OFFSET)  # one query token's row
+            col = rotary.full_qk_col_at(model, layer, h, 5, OFFSET)  # one key token's column
+            torch.testing.assert_close(row.double(), dense[7], rtol=0, atol=atol)
+            torch.testing.assert_close(col.double(), dense[:, 5], rtol=0, atol=atol)
 
 
 def test_qk_copying_at_an_offset_reads_its_own_key_group(models):
