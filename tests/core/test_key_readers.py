@@ -21,6 +21,7 @@ import torch
 from circuits_core.circuits import residual_stream as rs
 from circuits_core.circuits import rotary, sinks
 from circuits_core.circuits import stream_components as sc
+from circuits_core.circuits import virtual_weight_table as vwt
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.circuits.composition_rotary import composition_at, composition_profiles, pair_profile
 from circuits_core.circuits.copying_spectra import copying_score
@@ -71,7 +72,7 @@ def _score(W, R):
 
 def test_all_pairs_table_key_and_query_readers_at_an_offset(models):
     model, ref = models
-    table = vw.all_scores(model, offset=OFFSET)
+    table = vwt.all_scores(model, offset=OFFSET)
     writers = {w.name: w for w in table.writers}
     checked = 0
     for j, r in enumerate(table.readers):
