@@ -13,6 +13,7 @@ from app.settings import Limits
 from app.views import circuits, composition, detectors, heads, models, path, prompt, qk_paths, rotary, term_importance
 from app.views.attention_entropy import ATTENTION_ENTROPY
 from app.views.copying import COPYING_ALL
+from app.views.experts import EXPERT_OV
 from app.views.model_summary import MODEL_SUMMARY
 from app.views.positivity import POSITIVITY
 from app.views.qk_circuit_norm import QK_CIRCUIT_NORM
@@ -60,6 +61,7 @@ ANALYSES: list[Declared[Any, Any]] = [
     circuits.QK,
     circuits.SKIP_TRIGRAMS,
     circuits.DIRECT,
+    EXPERT_OV,
     detectors.DETECTORS,
     composition.COMPOSITION,
     composition.COMPOSITION_PAIR,

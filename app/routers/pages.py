@@ -57,6 +57,7 @@ from app.views.attention_entropy import ATTENTION_ENTROPY
 from app.views.circuits import DIRECT
 from app.views.copying import COPYING_ALL
 from app.views.detectors import DETECTORS
+from app.views.experts import EXPERT_OV
 from app.views.heads import HEAD, HEADS
 from app.views.page_claims import loss_sentence, rare_entries_sentence
 from app.views.qk_circuit_norm import QK_CIRCUIT_NORM
@@ -111,7 +112,7 @@ def switched(here: str, old: str, cfg: ModelConfig, model: str, nav: list[NavEnt
         sub = ""
     if segments[:1] == ["composition"] and len(segments) >= 3 and not all(has_head(h, cfg) for h in segments[1:3]):
         sub = "/composition"
-    if not all(e.applies(cfg.n_layers) for e in nav if e.key == view) and sub == views.get(view, ""):
+    if not all(e.applies(cfg.n_layers, cfg.attn_only) for e in nav if e.key == view) and sub == views.get(view, ""):
         sub = ""
     query: dict[str, str] = {}
     for key, value in parse_qsl(parts.query):
@@ -350,6 +351,7 @@ PAGES: list[Page[Any]] = [
     Page(COPYING_ALL, "copying.html", label=COPYING_ALL.summary),
     Page(ATTENTION_ENTROPY, "attention_entropy.html", label=ATTENTION_ENTROPY.summary),
     Page(QK_CIRCUIT_NORM, "qk_circuit_norm.html", label=QK_CIRCUIT_NORM.summary),
+    Page(EXPERT_OV, "expert.html", label=EXPERT_OV.summary),
     Page(RESIDUAL, "residual.html", label=RESIDUAL.summary),
     Page(RESIDUAL_USAGE, "residual_usage.html", label=RESIDUAL_USAGE.summary),
     Page(RESIDUAL_PAIR, "residual_pair.html"),
