@@ -12,12 +12,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from app.main import create_app
-from app.settings import Settings
-from tests.app.conftest import LIMITS, train_tokenizer
-from tests.app.test_pages import PAGES
-from tests.app.test_pricing import NEEDS_AN_INDUCTION_HEAD, QUERY_VALUES, _request
-from tests.core.hf_families import hf_model
+from tests.app.conftest import LIMITS
+from tests.app.family_walk import endpoint_failures, family_app, page_failures
 
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "tiny-gpt-oss": ("GptOssConfig", "GptOssForCausalLM", {
@@ -48,54 +44,22 @@ ROTARY_ONLY = {"rotary-bands", "composition-profile", "qk-copying-offset"}
 
 @pytest.fixture(scope="module")
 def family_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    root = tmp_path_factory.mktemp("families")
-    tok = train_tokenizer()
-    references = {}
-    for name, (config_cls, model_cls, fields) in FAMILIES.items():
-        model = hf_model(config_cls, model_cls, {**fields, "vocab_size": tok.get_vocab_size()}, seed=3)
-        model.save_pretrained(root / name)
-        (root / name / "tokenizer.json").write_text(tok.to_str())
-        references[name] = model
-    (root / "shipped").mkdir()
-    settings = Settings(shipped_dir=root / "shipped", models_dir=root, dtype="float64", limits=LIMITS)
-    app = create_app(settings)
+    app, references = family_app(tmp_path_factory.mktemp("families"), FAMILIES)
     app.state.families_hf = references  # transformers' models, the reference the views are checked against
     with TestClient(app) as client:
         yield client
 
 
-def _analyses(client: TestClient) -> list[Any]:
-    return [a for a in client.app.state.analyses.analyses if a.scope == "model"]  # type: ignore[attr-defined]
-
-
 @pytest.mark.parametrize("model", list(FAMILIES))
 def test_every_analysis_endpoint_answers(family_client: TestClient, model: str) -> None:
-    listed = {m["id"] for m in family_client.get("/api/v1/models").json()}
-    assert model in listed, listed
-    failures = []
-    for analysis in _analyses(family_client):
-        path, query = _request(analysis)
-        path = path.replace("/tiny-2l", f"/{model}")
-        answer = family_client.get(
-            path, params={**query, **({"tokens": QUERY_VALUES["tokens"]} if "tokens" in query else {})}
-        )
-        if analysis.name in NEEDS_AN_INDUCTION_HEAD and answer.status_code == 422:
-            assert "no induction head" in answer.json()["detail"]  # a random model has none: refused, saying why
-        elif analysis.name in ROTARY_ONLY and model in ("tiny-bloom", "tiny-mpt") and answer.status_code == 422:
-            assert "rotary" in answer.json()["detail"]
-        elif answer.status_code != 200:
-            failures.append(f"{analysis.name}: {answer.status_code} {answer.text[:200]}")
+    alibi = model in ("tiny-bloom", "tiny-mpt")
+    failures = endpoint_failures(family_client, model, {name: "rotary" for name in ROTARY_ONLY} if alibi else {})
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("model", list(FAMILIES))
 def test_every_page_answers(family_client: TestClient, model: str) -> None:
-    failures = []
-    for page, _ in PAGES:
-        url = page.replace("tiny-2l", model)
-        answer = family_client.get(url)
-        if answer.status_code != 200:
-            failures.append(f"{url}: {answer.status_code} {answer.text[:300]}")
+    failures = page_failures(family_client, model)
     assert not failures, "\n".join(failures)
 
 
