@@ -160,6 +160,8 @@ class Analysis(Declared[P, V]):
     # the model's attention layers the analysis needs: a model with fewer leaves its page out of the navigation and
     # says why (app/routers/rendering.py nav_note)
     needs_layers: int = 0
+    # reads an MLP (a writer's table): an attention-only model leaves its page out of the navigation and says why
+    needs_mlp: bool = False
     # "attention": reads only the attention, norm, embedding and unembedding weights (never a deferred MLP weight,
     # formats/lazy_mlp.py; checked by tests/app/test_lazy_weights.py); "all": priced with the MLP weights it would load
     weights: Literal["attention", "all"] = "all"

@@ -112,7 +112,7 @@ def switched(here: str, old: str, cfg: ModelConfig, model: str, nav: list[NavEnt
         sub = ""
     if segments[:1] == ["composition"] and len(segments) >= 3 and not all(has_head(h, cfg) for h in segments[1:3]):
         sub = "/composition"
-    if not all(e.applies(cfg.n_layers) for e in nav if e.key == view) and sub == views.get(view, ""):
+    if not all(e.applies(cfg.n_layers, cfg.attn_only) for e in nav if e.key == view) and sub == views.get(view, ""):
         sub = ""
     query: dict[str, str] = {}
     for key, value in parse_qsl(parts.query):
