@@ -26,7 +26,8 @@ from app.views.inputs import model_ref, token_refs
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, QkovError
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import ModelConfig, head_name, parse_head
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.head_names import head_name, parse_head
 from circuits_core.prompt import ablation
 from circuits_core.prompt.ablation import term_importance
 from circuits_core.prompt.model_summary import HEAD_THRESHOLD, load_summary

@@ -35,7 +35,7 @@ from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.circuits.own_rank import count_above, probe_columns, probe_size
 from circuits_core.cost import Cost, check_stop
 from circuits_core.errors import InvalidInputError
-from circuits_core.model.config import all_heads
+from circuits_core.model.head_names import all_heads
 from circuits_core.model.transformer import Transformer
 
 
