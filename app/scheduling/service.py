@@ -32,13 +32,8 @@ from app.pricing import (
     view_type,
 )
 from app.scheduling.flights import BusyError, Flight, Job, JobPending, JobTable, Stats
-<<<<<<< HEAD
-from app.scheduling.requests import RequestContext, current_request, set_request
-from app.scheduling.slots import COMPUTE_NICE, JOB_NICE, Slots, lower_thread_priority
-=======
 from app.scheduling.requests import RequestContext, current_request
-from app.scheduling.slots import COMPUTE_NICE, Slots, lower_thread_priority
->>>>>>> main
+from app.scheduling.slots import COMPUTE_NICE, JOB_NICE, Slots, lower_thread_priority
 from app.store import StoreTier
 from circuits_core.cost import Cost, progressing, stopping
 from circuits_core.errors import CancelledError, LimitExceededError
