@@ -4,8 +4,6 @@ listed in app/routers/pages.py PAGES."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable
 from typing import Any, Literal
 
 from pydantic import Field
@@ -258,37 +256,32 @@ class HeadPageParams(OVParams):
     offset: Offset = 0  # rotary models: the QK tables at this query-key offset
 
 
-async def nothing() -> None:
-    """An answer a page does not ask for, in a gather of the ones it does."""
-    return None
-
-
 async def head_context(call: PageCall[HeadPageParams]) -> PageContext:
     p = call.params
     cfg, name, model = call.model.model.cfg, p.head, call.model_id
     fragment_only = is_fragment(call.request) and call.request.headers.get("HX-Target") == "circuits"
+    view: HeadView | None = None if fragment_only else await call.run(HEAD, HeadParams(head=name))
     b, v = p.basis, p.vocab  # every table of the circuits panel on the weights and token set chosen
-
-    def table(side: Literal["query", "key"]) -> Awaitable[CircuitTopView]:
-        return call.run(
+    ov: CircuitTopView = await call.run(
+        OV, OVParams(head=name, token=p.token, k=p.k, min_count=p.min_count, basis=b, vocab=v)
+    )
+    qk_q: CircuitTopView = await call.run(
+        QK,
+        QKParams(
+            head=name, token=p.token, k=p.k, side="query", min_count=p.min_count, offset=p.offset, basis=b, vocab=v
+        ),
+    )
+    qk_k = None
+    if p.token is not None:
+        qk_k = await call.run(
             QK,
             QKParams(
-                head=name, token=p.token, k=p.k, side=side, min_count=p.min_count, offset=p.offset, basis=b, vocab=v
+                head=name, token=p.token, k=p.k, side="key", min_count=p.min_count, offset=p.offset, basis=b, vocab=v
             ),
         )
-
-    # the head's view and its tables at once: each its own computation, so two cores work on the page's first answer
-    view, ov, qk_q, qk_k, skip = await asyncio.gather(
-        nothing() if fragment_only else call.run(HEAD, HeadParams(head=name)),
-        call.run(OV, OVParams(head=name, token=p.token, k=p.k, min_count=p.min_count, basis=b, vocab=v)),
-        table("query"),
-        nothing() if p.token is None else table("key"),
-        call.run(
-            SKIP_TRIGRAMS,
-            SkipTrigramParams(
-                head=name, token=p.token, k=p.k, min_count=p.min_count, offset=p.offset, basis=b, vocab=v
-            ),
-        ),
+    skip = await call.run(
+        SKIP_TRIGRAMS,
+        SkipTrigramParams(head=name, token=p.token, k=p.k, min_count=p.min_count, offset=p.offset, basis=b, vocab=v),
     )
     partners = await composition_partners(call, name) if view is not None else []
     entry = await cheap(call.registry.entry, model or "")
