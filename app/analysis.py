@@ -13,13 +13,15 @@ An analysis is declared once, beside its builder in app/views/<topic>.py (app/vi
         cost=entropy_cost,               # (loaded, params, limits) -> Cost: the engine's own estimate
         summary="Attention entropy of every head", tags=["prompts"],
         needs_layers=1,                  # a model with fewer attention layers leaves its page out of the navigation
+        page=OwnPage(template="attention_entropy.html", nav=100),  # its page (app/page_spec.py; None: API only)
     )
 
-and listed once in app/catalog.py's ANALYSES. From it come:
+and app/catalog.py finds it there (every declaration in a module of app/views). From it come:
 - `GET /api/v1/models/{model}/<path>`: one query (or path, when `{name}` is in `path`) parameter per field of the
   params model, with the field's type, description and bounds in the OpenAPI schema;
-- its page `GET /models/{model}/<path>`, full or htmx fragment, when a `Page(ANALYSIS, "template.html", ...)` is
-  listed in app/routers/pages.py PAGES (the one way to make a page: app/routers/rendering.py);
+- its page `GET /models/{model}/<path>`, full or htmx fragment, from its `page` (app/page_spec.py: a template of its
+  own, or the shared page of one number per head), made a `Page` by app/routers/declared_pages.py (a page with a
+  context of its own is a `Page(...)` in app/routers/pages.py PAGES; the one way to make a page: rendering.py);
 - bounds from the settings: a field annotated with `Limit("max_k")` gets `le=settings.limits.max_k` (see
   `bounded`), applied once per app in create_app, so every limit is visible in the schema;
 - the cache key (`cache_key`): model id, the digest of every answer-changing file (`loaded.digest`: weights,
@@ -35,8 +37,7 @@ they reach the cache key, the builder and the JSON link, so the copies cannot dr
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Generic, Literal, Self, TypeVar
 from urllib.parse import quote, urlencode
@@ -45,11 +46,13 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from starlette.concurrency import run_in_threadpool
 
+from app.page_spec import PageSpec
+from app.refusal_advice import refused_on_nonfinite, with_advice
 from app.registry import ModelRegistry
 from app.scheduling import cached_build, compute, compute_json, current_service
 from app.settings import Limits
 from circuits_core.cost import Cost
-from circuits_core.errors import CheckpointError, LimitExceededError, QkovError
+from circuits_core.errors import LimitExceededError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.formats.lazy_mlp import check_deferred_load
 from circuits_core.model.head_names import head_name, parse_head
@@ -160,6 +163,7 @@ class Analysis(Declared[P, V]):
     # "attention": reads only the attention, norm, embedding and unembedding weights (never a deferred MLP weight,
     # formats/lazy_mlp.py; checked by tests/app/test_lazy_weights.py); "all": priced with the MLP weights it would load
     weights: Literal["attention", "all"] = "all"
+    page: PageSpec | None = None  # its page and navigation entry (app/page_spec.py); None: the API alone
 
     def built(self, subject: LoadedModel, params: P, limits: Limits) -> V:
         return self.build(subject, params, limits)
@@ -313,62 +317,6 @@ async def run_json(analysis: Declared[P, V], subject: Any, model_id: str | None,
             return await compute_json(analysis.built, subject, params, limits, **kw)
     except LimitExceededError as exc:
         raise with_advice(exc, analysis, subject, params, limits, kw) from None
-
-
-@contextmanager
-def refused_on_nonfinite(subject: Any) -> Iterator[None]:
-    """On a model with NaN or inf weights, a computation that fails (an SVD or eigensolver that does not converge
-    on them, say) is a refusal of the model naming those tensors (422), not an internal error; an analysis whose
-    maths carries the NaN through answers with it."""
-    try:
-        yield
-    except QkovError:
-        raise
-    except Exception as exc:
-        bad = getattr(subject, "nonfinite", None)
-        if not bad:
-            raise
-        raise CheckpointError(
-            f"this analysis cannot run on the model's non-finite weights: {', '.join(bad[:5])}"
-            + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-            + f" ({type(exc).__name__})"
-        ) from exc
-
-
-def with_advice(
-    exc: LimitExceededError, analysis: Declared[P, V], subject: Any, params: P, limits: Limits, kw: dict[str, Any]
-) -> LimitExceededError:
-    """A refusal of the request's price (not of its content) with the advice that makes it run: the first integer
-    parameter which, lowered to `at_most` (the largest value the same price check admits), gives an answer. The
-    advice is searched with the analysis's own cost function, so following it is never refused for its price."""
-    service = current_service()
-    if service.admits(kw["cost"], kw["key"] is not None):
-        return exc  # refused by the computation itself (its input), not by the price
-    for name, info in type(params).model_fields.items():
-        value = getattr(params, name)
-        if not isinstance(value, int) or isinstance(value, bool) or "{" + name + "}" in analysis.path:
-            continue
-        low = next((int(m.ge) for m in info.metadata if hasattr(m, "ge") and m.ge is not None), 1)
-
-        def fits(v: int, name: str = name) -> bool:
-            try:
-                lowered = params.model_copy(update={name: v})
-                return service.admits(analysis.priced(subject, lowered, limits), kw["key"] is not None)
-            except QkovError:
-                return False
-
-        if value <= low or not fits(low):
-            continue
-        lo, hi = low, value - 1  # fits(lo); find the largest that fits
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-        said = str(exc)
-        said = said[: said.rindex(": lower ")] if ": lower " in said else said  # the generic hint, replaced
-        refused = LimitExceededError(f"{said}: lower {name} to {lo} or less ({name}={lo} runs)")
-        refused.advice = {"parameter": name, "at_most": lo}  # type: ignore[attr-defined]
-        return refused
-    return exc
 
 
 def build_cached(analysis: Analysis[P, V], loaded: LoadedModel, model_id: str, params: P, limits: Limits) -> V:

@@ -24,10 +24,10 @@ from app.params import (
 )
 from app.routers.page_inputs import snippet_source, suggested_heads, text_of
 from app.routers.rendering import Page, PageCall, PageContext
-from app.views.heads import HEADS
-from app.views.page_claims import ablation_sentence
 from app.views.path import PATH
 from app.views.qk_paths import QK_PATHS
+from app.views.shared.heads_table import HEADS
+from app.views.shared.page_claims import ablation_sentence
 from app.views.term_importance import TERM_IMPORTANCE
 
 
@@ -223,10 +223,16 @@ async def term_importance_context(call: PageCall[TermImportanceParams]) -> PageC
 
 
 CHAIN_PAGE = Page(
-    PATH, "chain.html", chain_context, params=ChainPageParams, blocks=("chain_panel",), label="Chain of heads"
+    PATH, "chain.html", chain_context, params=ChainPageParams, blocks=("chain_panel",), label="Chain of heads", order=40
 )
 QK_PATHS_PAGE = Page(
-    QK_PATHS, "qk_paths.html", qk_paths_context, params=QKPathsPageParams, blocks=("qk_panel",), label="QK paths"
+    QK_PATHS,
+    "qk_paths.html",
+    qk_paths_context,
+    params=QKPathsPageParams,
+    blocks=("qk_panel",),
+    label="QK paths",
+    order=50,
 )
 TERM_IMPORTANCE_PAGE = Page(
     TERM_IMPORTANCE,
@@ -235,4 +241,5 @@ TERM_IMPORTANCE_PAGE = Page(
     blocks=("ti_panel",),
     title="Term importance · {model}",
     label="Term importance",
+    order=70,
 )

@@ -19,8 +19,8 @@ from app.routers.page_inputs import snippet_source
 from app.routers.pages_rotary import pair_rotary_context, rotary_enabled
 from app.routers.rendering import Page, PageCall, PageContext, url
 from app.views.composition import COMPOSITION, COMPOSITION_PAIR
-from app.views.heads import HEADS
-from app.views.page_claims import composition_sentence
+from app.views.shared.heads_table import HEADS
+from app.views.shared.page_claims import composition_sentence
 
 
 # -- composition ------------------------------------------------------------------------------------------------
@@ -117,5 +117,6 @@ COMPOSITION_PAGE = Page(
     blocks=("composition_panel",),
     nav="composition",
     label="Composition",
+    order=20,
 )
 PAIR_PAGE = Page(COMPOSITION_PAIR, "pair.html", pair_context, blocks=("pair_panel",), nav="composition")

@@ -1,5 +1,5 @@
 """The paper tour page (/tour): figures F6-F30 of docs/maths.md §3, in order, each reproduced live on
-the shipped toy models (toy-0l, toy-1l, toy-2l) by app/views/tour.py, with one sentence on what to look for
+the shipped toy models (toy-0l, toy-1l, toy-2l) by app/tour/tour.py, with one sentence on what to look for
 and a link into the full view. This module only turns each figure's data into charts and tables.
 """
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 from app import charts, view_figures
-from app.catalog import TOUR
 from app.labels import token_labels, unique_labels, visible
 from app.params import TourParams
 from app.routers.rendering import Page, PageCall, PageContext
@@ -22,6 +21,7 @@ from app.schemas.analyses import (
     QKPathsView,
     TourFigure,
 )
+from app.tour.analysis import TOUR
 
 
 def figure_parts(fig: TourFigure) -> dict[str, Any]:

@@ -9,8 +9,7 @@ when the page declares it, else the page's first block. Every answer sends `Vary
 
 from __future__ import annotations
 
-import json
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, NotRequired, TypedDict, TypeVar
 from urllib.parse import urlencode
@@ -27,11 +26,12 @@ from app.figure_output import for_page
 from app.glossary import term_anchors
 from app.labels import visible
 from app.registry import ModelRegistry
+from app.routers.page_cache import cached_page, encode_page_key, html_page, keep_page
 from app.scheduling import cheap, compute
 from app.scheduling.flights import JobPending
 from app.settings import REPO_ROOT, Limits
-from app.views.basis import basis, changes_weights
-from app.views.inputs import max_prompt_tokens
+from app.views.shared.basis import basis, changes_weights
+from app.views.shared.inputs import max_prompt_tokens
 from circuits_core.errors import QkovError
 from circuits_core.formats.checkpoint import LoadedModel
 
@@ -180,9 +180,9 @@ async def page_context(
 
 
 def model_nav(request: Request) -> list[NavEntry]:
-    """The navigation of a model page: every model page with a `label`, in the order of the app's pages
-    (app.state.pages, set in create_app)."""
-    pages: list[Page[Any]] = request.app.state.pages
+    """The navigation of a model page: every model page with a `label`, in ascending `order` (app.state.pages, set
+    in create_app)."""
+    pages: list[Page[Any]] = sorted(request.app.state.pages, key=lambda p: p.order or 0)
     prefix = "/models/{model}"
     return [
         NavEntry(p.key, p.label, p.route[len(prefix) :], needs_layers(p.analysis))
@@ -250,8 +250,9 @@ def basis_choice(call: PageCall[Any]) -> PageContext:
 @dataclass(frozen=True)
 class Page(Generic[PP]):
     """The page of an analysis, the one way to make a page: a template, and `context` (default: the analysis's
-    view as `view`, its refusal as `error`, the params as `params`). Every page is listed once in
-    app/routers/pages.py PAGES, whose order is the navigation's.
+    view as `view`, its refusal as `error`, the params as `params`). An analysis's `page=` field makes its Page
+    (app/routers/declared_pages.py); a page with a context of its own is listed in app/routers/pages.py PAGES. A
+    labelled page is in a model's navigation, at its `order` (ascending: the navigation's order is declared).
 
     The template gets, beside the context: the frame (title, json_url, model_id, nav, and on full pages models,
     here, model_nav, nav_note, view_note), `limits`, `prompt_cut` (what a too-long prompt lost), `fragment`
@@ -267,6 +268,11 @@ class Page(Generic[PP]):
     nav: str | None = None  # the navigation entry shown as current (default: the analysis's name)
     path: str | None = None  # the page's route (default: the analysis's page path)
     label: str | None = None  # its entry in a model's navigation (None: not listed, e.g. one head's page)
+    order: int | None = None  # its place in the navigation (ascending); given with a label, and only then
+
+    def __post_init__(self) -> None:
+        if (self.label is None) != (self.order is None):
+            raise ValueError(f"page {self.route}: a navigation label and an order go together")
 
     @property
     def route(self) -> str:
@@ -353,7 +359,7 @@ def cut_prompt(loaded: LoadedModel, prompt: str, limits: Limits) -> tuple[str, d
     }
 
 
-# -- rendered pages, kept like answers ---------------------------------------------------------------------------
+# -- rendered pages, kept like answers (page_cache.py) -----------------------------------------------------------
 async def page_key(request: Request, registry: ModelRegistry, loaded: LoadedModel, route: str) -> str:
     """A rendered page depends on the model's files (digest), the URL (path and query), whether htmx asked for a
     block (and which), and the models in the picker; the same string keys it in the cache and the store."""
@@ -365,37 +371,3 @@ async def page_key(request: Request, registry: ModelRegistry, loaded: LoadedMode
         (request.headers.get("HX-Request", ""), request.headers.get("HX-Target", "")),
         await model_ids(registry, request),
     )
-
-
-def encode_page_key(
-    digest: str,
-    route: str,
-    path: str,
-    query: Iterable[tuple[str, str]],
-    fragment: tuple[str, str],
-    models: Iterable[str],
-) -> str:
-    """The page key as JSON of its parts, never joined raw: a value holding '&', '=', '|' or ',' cannot make two
-    URLs share a key (a prompt 'a&weighted=true' once keyed the page of prompt 'a' with weighted=true). The query
-    is normalised by ordering the parameters by name; the values of a repeated name keep their order."""
-    pairs = sorted(([k, v] for k, v in query), key=lambda kv: kv[0])
-    return json.dumps(["page", digest, route, path, pairs, list(fragment), list(models)], ensure_ascii=True)
-
-
-async def cached_page(request: Request, key: str) -> bytes | None:
-    service = request.app.state.compute
-    body: bytes | None = service.cache.get(key)
-    if body is None and service.store is not None and (body := await service.store.get(key)) is not None:
-        service.cache.put(key, body)
-    return body
-
-
-async def keep_page(request: Request, key: str, body: bytes) -> None:
-    service = request.app.state.compute
-    service.cache.put(key, body)
-    if service.store is not None:
-        await service.store.put(key, body)
-
-
-def html_page(body: bytes) -> Response:
-    return Response(body, media_type="text/html; charset=utf-8", headers={"Vary": "HX-Request"})

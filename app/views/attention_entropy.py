@@ -6,11 +6,12 @@ import torch
 from pydantic import BaseModel, Field
 
 from app.analysis import Analysis
+from app.page_spec import OwnPage
 from app.params import PromptInput
 from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
-from app.views.default_prompt import prompt_or_default
-from app.views.inputs import model_ref, token_refs
+from app.views.shared.default_prompt import prompt_or_default
+from app.views.shared.inputs import model_ref, token_refs
 from circuits_core.cost import Cost
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.prompt import attention_entropy
@@ -56,4 +57,5 @@ ATTENTION_ENTROPY = Analysis(
     tags=["prompts"],
     cache=lambda p: p.prompt is None and p.tokens is None,  # the default text only
     needs_layers=1,
+    page=OwnPage(template="attention_entropy.html", nav=100),
 )

@@ -10,7 +10,7 @@ MLP models follow paths.py's convention: an MLP is a fixed node whose clean outp
 the head ablation recomputes downstream MLPs (only attention patterns are frozen, as in Olsson et al.).
 
 The default text, when neither prompt nor tokens is given: the model card's `sample_text` (held-out text
-shipped with the model) when present, else BUILTIN_TEXT, a short Python snippet (app/views/default_prompt.py).
+shipped with the model) when present, else BUILTIN_TEXT, a short Python snippet (app/views/shared/default_prompt.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from app.analysis import Analysis
 from app.params import DEFAULT_ALL_HEADS, TermImportanceParams, head_selection
 from app.schemas.analyses import HeadAblation, TermImportanceView
 from app.settings import Limits
-from app.views.default_prompt import prompt_or_default
-from app.views.inputs import model_ref, token_refs
+from app.views.shared.default_prompt import prompt_or_default
+from app.views.shared.inputs import model_ref, token_refs
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, QkovError
 from circuits_core.formats.checkpoint import LoadedModel

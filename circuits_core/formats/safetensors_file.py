@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.errors import CheckpointError
-from circuits_core.formats.load_watchdog import checkpoint
+from circuits_core.formats.load_watchdog import checkpoint, reserve
 
 HEADER_MAX_BYTES = 16 * 1024 * 1024  # safetensors' own reader allows 100 MB
 TENSORS_MAX = 65_536  # entries of one file's header
@@ -45,7 +45,6 @@ DTYPES: dict[str, torch.dtype] = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
 }  # fmt: skip
-FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 class HeaderBoundExceeded(ValueError):
@@ -173,6 +172,7 @@ class SafetensorsFile:
         source = source or self.stored_dtype(key)
         shape = self.shape(key)
         start, nbytes = self.span(key, source)
+        reserve(nbytes, f"tensor {key} of {self.name}")  # one read is one native step: refused before it runs
         if not nbytes:
             return torch.empty(shape, dtype=source)
         return torch.frombuffer(self.stored_bytes(key, start, nbytes), dtype=source).view(shape)

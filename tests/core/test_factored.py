@@ -1,13 +1,16 @@
-"""FactoredMatrix against the dense matrix A @ B, in float64, on random shapes (docs/maths.md §5.15)."""
+"""FactoredMatrix against the dense matrix A @ B, in float64, on random shapes (docs/maths.md §5.10)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from circuits_core.circuits import global_topk
-from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.factored import FactoredMatrix, svd_cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
+from tests.core.test_paths_cost import _HeldBytes
 
 
 @pytest.fixture(autouse=True)
@@ -398,3 +401,21 @@ def test_the_bfloat16_screen_runs_only_where_it_is_faster(faster, monkeypatch):
     torch.testing.assert_close(v, ref_v)
     assert torch.equal(r, ref_r) and torch.equal(c, ref_c)
     assert bool(screened) == faster
+
+
+@pytest.mark.parametrize(
+    "a_batch,b_batch,ldim,mdim,rdim", [((3, 1), (3, 4), 30, 6, 25), ((2,), (2,), 40, 8, 40), ((), (5,), 20, 4, 30)]
+)
+def test_svd_cost_covers_the_held_peak(
+    a_batch: tuple[int, ...], b_batch: tuple[int, ...], ldim: int, mdim: int, rdim: int
+) -> None:
+    """factored.svd_cost against the bytes the factored SVD really holds (tensors it makes; A, B excluded)."""
+    gen = torch.Generator().manual_seed(0)
+    A = torch.randn(*a_batch, ldim, mdim, generator=gen, dtype=torch.float64)
+    B = torch.randn(*b_batch, mdim, rdim, generator=gen, dtype=torch.float64)
+    with torch.no_grad(), _HeldBytes([A, B]) as held:
+        S = FactoredMatrix(A, B).S  # [n..., mdim]
+    assert S.shape[-1] == mdim
+    n = math.prod(torch.broadcast_shapes(a_batch, b_batch))
+    priced = svd_cost(math.prod(a_batch), math.prod(b_batch), n, ldim, mdim, rdim, 8)
+    assert 0 < held.peak <= priced.peak_bytes <= 2 * held.peak, (held.peak, priced.peak_bytes)
