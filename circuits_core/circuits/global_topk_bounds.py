@@ -112,6 +112,8 @@ class _Side:
         self.n, self.refine, self.norms, self.rot_norms = n, pad(refine), pad(norms), pad(rot_norms)
         self.tail_h, self.tail_r = pad(tail_h), pad(tail_r)
         self.head = self.refine[:, :HEAD]
+        self.refine_tail = torch.cat([self.refine, self.tail_r[:, None]], 1)  # [n + 1, REFINE + 1]: one product
+        # gives an entry's REFINE coordinates plus its tail's Cauchy-Schwarz bound
 
     def split(self, weight: Tensor) -> None:
         self.leaves = _kd_leaves(self.head[: self.n], weight)  # [L, S]
@@ -195,10 +197,10 @@ def topk_bounded(
             tau = threshold()
             ci = cols.leaves[leaf]
             ci = ci[ci < cols.n]  # [c]
-            entry = rows.refine[ri] @ cols.refine[ci].T + rows.tail_r[ri, None] * cols.tail_r[None, ci]
-            entry += eta * rows.norms[ri, None] * cols.norms[None, ci] + eps * (
-                rows.rot_norms[ri, None] * cols.rot_norms[None, ci]
-            )
+            entry = rows.refine_tail[ri] @ cols.refine_tail[ci].T  # [p, c]
+            entry += (eta * rows.norms[ri] * cols.max_norm[leaf] + eps * rows.rot_norms[ri] * cols.max_rot[leaf])[
+                :, None
+            ]
             er = (entry >= tau).any(1).nonzero()[:, 0]  # [q]
             if er.numel() == 0:
                 continue
