@@ -42,7 +42,7 @@ from app.views.model_summary import summary_from_heads
 from app.views.models import build_model_view
 from app.views.page_claims import scatter_sentence
 from app.views.positivity import POSITIVITY
-from app.views.token_sets import has_token_counts, token_set
+from app.views.token_sets import has_token_counts
 from circuits_core.circuits.profile_shape import near_edge
 from circuits_core.circuits.rotary import KERNEL_WINDOW
 from circuits_core.formats.checkpoint import LoadedModel
@@ -283,14 +283,12 @@ async def head_context(call: PageCall[HeadPageParams]) -> PageContext:
     )
     partners = await composition_partners(call, name) if view is not None else []
     entry = await cheap(call.registry.entry, model or "")
-    # the token counts file read and ranked for the snippet: in a worker thread, off the event loop
-    ranked = await cheap(token_set, call.model, p.min_count, p.vocab if p.token is None else "all")
     ov_snippet = snippets.ov_table(
         entry.path,
         str(call.registry.dtype).removeprefix("torch."),
         name,
         ov.k,
-        None if ranked.ids is None else ranked.ids.tolist(),
+        ov.token_ids,  # the token set the table ranked, as the view ranked it
         None if ov.token is None else ov.token.id,
         raw=p.basis == "raw",
     )

@@ -128,6 +128,7 @@ def _top_view(
             min_count=min_count,
             n_tokens=n_vocab,
             token_set=ranked.said,
+            token_ids=None if ranked.ids is None else ranked.ids.tolist(),
             basis=basis(loaded),
             **found,
         )
@@ -305,9 +306,10 @@ def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> C
     return view.model_copy(update={"corpus": corpus})
 
 
-def _search_cost(loaded: LoadedModel, p: DirectParams, limits: Limits, circuit: circuits.Circuit = "ov") -> Cost:
-    """The global table a request without a token reads: top max(k, SHARED_K) among its token set."""
-    ranked = token_set(loaded, p.min_count, p.vocab)
+def _search_cost(
+    loaded: LoadedModel, p: DirectParams, limits: Limits, ranked: TokenSet, circuit: circuits.Circuit = "ov"
+) -> Cost:
+    """The global table a request without a token reads: top max(k, SHARED_K) among its token set `ranked`."""
     return circuits.top_cost(
         loaded.model,
         max(p.k, min(SHARED_K, ranked.n**2)),
@@ -323,14 +325,16 @@ def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits, ci
     head_circuits.top_cost for the circuit and side the view reads."""
     check_offset(loaded, getattr(p, "offset", 0))  # a request the model cannot answer is refused before its price
     side: Literal["row", "column"] = "column" if getattr(p, "side", "query") == "key" else "row"
+    ranked = token_set(loaded, p.min_count, p.vocab if p.token is None else "all")  # as _top_view ranks
     if p.token is None:
-        cost = _search_cost(loaded, p, limits, circuit)
+        cost = _search_cost(loaded, p, limits, ranked, circuit)
     else:
-        n = None if p.min_count is None else token_set(loaded, p.min_count, "all").n
+        n = None if p.min_count is None else ranked.n
         cost = circuits.top_cost(
             loaded.model, p.k, limits.matrix_budget_bytes, line=True, n_tokens=n, circuit=circuit, side=side
         )
-    return cost + raw_copy_cost(loaded, p.basis)
+    ids = 0 if ranked.ids is None else ranked.n  # the answer's token_ids
+    return (cost + raw_copy_cost(loaded, p.basis)).with_answer(numbers=ids)
 
 
 def direct_cost(loaded: LoadedModel, p: DirectParams, limits: Limits) -> Cost:
@@ -456,7 +460,10 @@ def skip_trigrams_cost(loaded: LoadedModel, p: SkipTrigramParams, limits: Limits
     set for the default source."""
     check_offset(loaded, p.offset)
     lines = circuits.skip_trigrams_cost(loaded.model, p.k, limits.matrix_budget_bytes, token=True)
-    search = Cost(0) if p.token is not None else _search_cost(loaded, p.model_copy(update={"k": 1}), limits, "ov")
+    if p.token is not None:
+        search = Cost(0)
+    else:
+        search = _search_cost(loaded, p.model_copy(update={"k": 1}), limits, token_set(loaded, p.min_count, p.vocab))
     return search.then(lines) + raw_copy_cost(loaded, p.basis)
 
 

@@ -4,26 +4,12 @@ the panel's JSON twin."""
 
 from __future__ import annotations
 
-import html
-import re
-from typing import Any
-
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.app.snippet_runner import run, snippets_in
+
 API = "/api/v1/models"
-
-
-def snippets_in(page: str) -> dict[str, str]:
-    """id -> source of every "copy as Python" snippet on a page (as the Copy button copies it)."""
-    found = re.findall(r'<pre><code id="([\w-]+)-code">(.*?)</code></pre>', page, re.S)
-    return {name: html.unescape(code) for name, code in found}
-
-
-def run(code: str) -> dict[str, Any]:
-    namespace: dict[str, Any] = {}
-    exec(compile(code, "<snippet>", "exec"), namespace)  # noqa: S102  (the page's own snippet, run as a user would)
-    return namespace["result"]
 
 
 def test_composition_snippet(client: TestClient) -> None:
