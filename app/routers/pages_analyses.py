@@ -28,7 +28,7 @@ from app.views.heads import HEADS
 from app.views.page_claims import ablation_sentence
 from app.views.path import PATH
 from app.views.qk_paths import QK_PATHS
-from app.views.term_importance import TERM_IMPORTANCE
+from app.views.term_importance import TERM_IMPORTANCE, default_needs_heads
 
 
 # -- a chain of heads (virtual head) ----------------------------------------------------------------------------
@@ -178,12 +178,16 @@ async def qk_paths_context(call: PageCall[QKPathsPageParams]) -> PageContext:
 
 # -- term importance --------------------------------------------------------------------------------------------
 async def term_importance_context(call: PageCall[TermImportanceParams]) -> PageContext:
-    view, error = await call.attempt(TERM_IMPORTANCE, call.params)
     prompt, model = call.params.prompt, call.model_id
-    ctx: dict[str, Any] = {"view": view, "error": error, "figs": {}, "prompt": prompt, "heads": call.params.heads}
+    ctx: dict[str, Any] = {"view": None, "error": None, "figs": {}, "prompt": prompt, "heads": call.params.heads}
+    heads, heads_error = await call.attempt(HEADS, NoParams())  # first: a large model's default heads are read off it
+    if heads_error is not None and heads_error["status"] == 202 and default_needs_heads(call.model, call.params):
+        return {**ctx, "error": heads_error}  # the heads table's job, polled; then the ablations of the heads it names
+    view, error = await call.attempt(TERM_IMPORTANCE, call.params)
+    ctx.update(view=view, error=error)
     if view is None:
         return ctx
-    ctx["claim"] = ablation_sentence(view, (await call.attempt(HEADS, NoParams()))[0])
+    ctx["claim"] = ablation_sentence(view, heads)
     n = len(view.loss_by_order)
     ctx["figs"] = {
         "by_order": charts.bars(
