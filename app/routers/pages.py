@@ -24,7 +24,7 @@ from starlette.types import Scope
 from app import charts, snippets
 from app.analysis import API
 from app.deps import RegistryDep, get_model
-from app.head_filter import MAX_FILTER_CHARS, HeadFilter
+from app.head_filter import FilterText, HeadFilter
 from app.labels import unique_labels, visible
 from app.params import (
     DEFAULT_VOCAB,
@@ -33,6 +33,7 @@ from app.params import (
 )
 from app.routers import pages_analyses, pages_composition, pages_prompt, pages_tour
 from app.routers.api import models_view
+from app.routers.page_inputs import filtered_heads
 from app.routers.pages_heads import (
     MIN_COUNT_CHOICES,
     SCORES,
@@ -55,7 +56,7 @@ from app.scheduling import cheap
 from app.schemas import CircuitTopView, HeadScores
 from app.views.attention_entropy import ATTENTION_ENTROPY
 from app.views.circuits import DIRECT
-from app.views.copying import COPYING_ALL
+from app.views.copying import COPYING_ALL, CopyingAllParams
 from app.views.detectors import DETECTORS
 from app.views.heads import HEAD, HEADS
 from app.views.page_claims import loss_sentence, rare_entries_sentence
@@ -211,12 +212,34 @@ async def direct_context(call: PageCall[DirectPageParams]) -> PageContext:
     }
 
 
+# -- copying of every head ----------------------------------------------------------------------------------------
+class CopyingPageParams(CopyingAllParams):
+    filter: FilterText = None  # of the chart and the table
+
+
+async def copying_context(call: PageCall[CopyingPageParams]) -> PageContext:
+    params = CopyingAllParams(**call.params.model_dump(exclude={"filter"}))
+    call.json_params = params
+    head_filter, kept, filter_error = await filtered_heads(call, call.params.filter)
+    whole, error = await call.attempt(COPYING_ALL, params)
+    view = (
+        whole
+        if whole is None or kept is None
+        else whole.model_copy(update={"heads": [h for h in whole.heads if h.head in kept]})
+    )
+    return {
+        "view": view,
+        "error": error or filter_error,
+        "params": params,
+        "head_filter": str(head_filter),
+        "filter_text": call.params.filter,
+        "n_measured": None if whole is None else len(whole.heads),
+    }
+
+
 # -- detectors ----------------------------------------------------------------------------------------------------
 class DetectorPageParams(DetectorParams):
-    filter: Annotated[
-        str | None,
-        Field(max_length=MAX_FILTER_CHARS, description="head filter of the chart and table, e.g. 'induction > 0.4'"),
-    ] = None
+    filter: FilterText = None  # of the chart and the table
 
 
 TOP_CHARTED = 12  # heads in the detector chart: those with the largest score of any detector (the table has all)
@@ -347,7 +370,7 @@ PAGES: list[Page[Any]] = [
         title="Direct path · {model}",
         label="Direct path",
     ),
-    Page(COPYING_ALL, "copying.html", label=COPYING_ALL.summary),
+    Page(COPYING_ALL, "copying.html", copying_context, params=CopyingPageParams, label=COPYING_ALL.summary),
     Page(ATTENTION_ENTROPY, "attention_entropy.html", label=ATTENTION_ENTROPY.summary),
     Page(QK_CIRCUIT_NORM, "qk_circuit_norm.html", label=QK_CIRCUIT_NORM.summary),
     Page(RESIDUAL, "residual.html", label=RESIDUAL.summary),

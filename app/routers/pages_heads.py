@@ -11,7 +11,7 @@ from pydantic import Field
 from app import charts, snippets
 from app.analysis import Analysis
 from app.figure_output import MAX_HEIGHT
-from app.head_filter import MAX_FILTER_CHARS, HeadFilter, labelled_heads
+from app.head_filter import FilterText, HeadFilter, labelled_heads
 from app.params import (
     DEFAULT_VOCAB,
     HeadParams,
@@ -177,11 +177,7 @@ class OverviewParams(NoParams):
     score: Literal[
         "induction", "previous_token", "duplicate_token", "current_token", "first_token", "ov_copying", "qk_copying"
     ] = Field("induction", description="the head score the heatmap shows")
-    filter: str | None = Field(
-        None,
-        max_length=MAX_FILTER_CHARS,
-        description="head filter of the grid, table and scatter, e.g. 'induction > 0.4'",
-    )
+    filter: FilterText = None  # of the grid, the table and the scatter
 
 
 async def overview_context(call: PageCall[OverviewParams]) -> PageContext:

@@ -129,3 +129,55 @@ def test_detectors_chart_the_top_heads_and_filter_the_table(wide: TestClient) ->
         'href="/api/v1/models/wide/detectors?' in filtered.text
         and "filter=" not in filtered.text.split('id="json-link"', 1)[1].split(">", 1)[0]
     )
+
+
+def filter_half(wide: TestClient) -> tuple[str, set[str]]:
+    """A filter on an induction threshold that about half the heads pass, and those heads (read off the heads table's
+    JSON and tested here)."""
+    heads = wide.get(f"{API}/heads").json()["heads"]
+    cut = sorted(h["induction"] for h in heads)[len(heads) // 2]
+    return f"induction > {cut} and layer >= 2", {h["head"] for h in heads if h["induction"] > cut and h["layer"] >= 2}
+
+
+def test_composition_map_and_pairs_follow_the_head_filter(wide: TestClient) -> None:
+    """The same filter on the composition page: its map's rows and columns and the strongest pairs are the kept heads
+    (the whole answer from the JSON twin, restricted here)."""
+    text, kept = filter_half(wide)
+    api = wide.get(f"{API}/composition", params={"kind": "K"}).json()
+    page = wide.get(f"/models/{M}/composition", params={"kind": "K", "filter": text})
+    assert page.status_code == 200
+    sources = [s for s in api["sources"] if s in kept]
+    targets = [t for t in api["targets"] if t in kept]
+    fig = charts_in(page.text)[f"{M}-K-composition"]["data"][0]  # few enough heads now: drawn cell by cell
+    assert fig["y"] == sources and fig["x"] == targets
+    i, j = api["sources"].index(sources[0]), api["targets"].index(targets[-1])
+    assert fig["z"][0][-1] == pytest.approx(api["minus_baseline"][i][j], abs=1e-4)
+    table = page.text.split('id="pairs-table"', 1)[1].split("</table>", 1)[0]
+    pairs = re.findall(r'<tr><td data-value="(L\d+H\d+)">.*?<td data-value="(L\d+H\d+)">', table, re.S)
+    want = [(p["source"], p["target"]) for p in api["top_pairs"] if p["source"] in kept and p["target"] in kept]
+    assert pairs == want and len(pairs) < len(api["top_pairs"])
+    assert f"{len(set(sources) | set(targets))} of 81 heads match" in page.text
+    assert "filter=" in page.text.split('aria-label="composition kind"', 1)[1].split("</span>", 1)[0]  # Q/K/V keep it
+    bad = wide.get(f"/models/{M}/composition", params={"filter": "layer <> 3"})
+    assert bad.status_code == 422 and "cannot read the head filter clause" in bad.text
+
+
+def test_copying_and_term_importance_follow_the_head_filter(wide: TestClient) -> None:
+    """The same filter on the copying page (chart and table) and on term importance's head ablations."""
+    text, kept = filter_half(wide)
+    api = wide.get(f"{API}/copying", params={"rows": 8}).json()
+    page = wide.get(f"/models/{M}/copying", params={"rows": 8, "filter": text})
+    assert page.status_code == 200
+    table = page.text.split('id="copying-table"', 1)[1].split("</table>", 1)[0]
+    rows = re.findall(r'<tr><td data-value="(L\d+H\d+)">', table)
+    assert rows == [h["head"] for h in api["heads"] if h["head"] in kept] and 0 < len(rows) < 81
+    assert charts_in(page.text)[f"{M}-copying"]["data"][0]["x"] == rows
+    ti = {"prompt": "the cat sat on the mat", "heads": "L1-L4"}
+    whole = wide.get(f"{API}/term-importance", params=ti).json()
+    page = wide.get(f"/models/{M}/term-importance", params={**ti, "filter": text})
+    assert page.status_code == 200
+    table = page.text.split('id="ablation-table"', 1)[1].split("</table>", 1)[0]
+    rows = re.findall(r'<tr><td data-value="(L\d+H\d+)">', table)
+    assert rows == [h["head"] for h in whole["heads"] if h["head"] in kept] and 0 < len(rows) < 36
+    assert charts_in(page.text)[f"{M}-head-ablation"]["data"][0]["x"] == rows
+    assert f"{len(rows)} of 36 heads match" in page.text
