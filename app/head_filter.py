@@ -126,3 +126,11 @@ def labelled_heads(heads: Sequence[HeadScores], most: int = 4) -> list[str]:
         )
         named += [s.head for s in ranked[:most] if s.head not in named]
     return named
+
+
+def masked_grid(grid: Sequence[Sequence[float | None]], kept: set[str] | None) -> list[list[float | None]]:
+    """A [layer][head] grid with the heads the filter drops blanked (None); `kept` None: every head."""
+    return [
+        [v if kept is None or f"L{layer}H{h}" in kept else None for h, v in enumerate(row)]
+        for layer, row in enumerate(grid)
+    ]

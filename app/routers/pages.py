@@ -33,7 +33,13 @@ from app.params import (
 )
 from app.routers import pages_analyses, pages_composition, pages_prompt, pages_tour
 from app.routers.api import models_view
-from app.routers.page_inputs import filtered_heads
+from app.routers.pages_every_head import (
+    CopyingPageParams,
+    EntropyPageParams,
+    QKCircuitNormPageParams,
+    copying_context,
+    head_grid_context,
+)
 from app.routers.pages_heads import (
     MIN_COUNT_CHOICES,
     SCORES,
@@ -56,7 +62,7 @@ from app.scheduling import cheap
 from app.schemas import CircuitTopView, HeadScores
 from app.views.attention_entropy import ATTENTION_ENTROPY
 from app.views.circuits import DIRECT
-from app.views.copying import COPYING_ALL, CopyingAllParams
+from app.views.copying import COPYING_ALL
 from app.views.detectors import DETECTORS
 from app.views.heads import HEAD, HEADS
 from app.views.page_claims import loss_sentence, rare_entries_sentence
@@ -212,31 +218,6 @@ async def direct_context(call: PageCall[DirectPageParams]) -> PageContext:
     }
 
 
-# -- copying of every head ----------------------------------------------------------------------------------------
-class CopyingPageParams(CopyingAllParams):
-    filter: FilterText = None  # of the chart and the table
-
-
-async def copying_context(call: PageCall[CopyingPageParams]) -> PageContext:
-    params = CopyingAllParams(**call.params.model_dump(exclude={"filter"}))
-    call.json_params = params
-    head_filter, kept, filter_error = await filtered_heads(call, call.params.filter)
-    whole, error = await call.attempt(COPYING_ALL, params)
-    view = (
-        whole
-        if whole is None or kept is None
-        else whole.model_copy(update={"heads": [h for h in whole.heads if h.head in kept]})
-    )
-    return {
-        "view": view,
-        "error": error or filter_error,
-        "params": params,
-        "head_filter": str(head_filter),
-        "filter_text": call.params.filter,
-        "n_measured": None if whole is None else len(whole.heads),
-    }
-
-
 # -- detectors ----------------------------------------------------------------------------------------------------
 class DetectorPageParams(DetectorParams):
     filter: FilterText = None  # of the chart and the table
@@ -371,8 +352,20 @@ PAGES: list[Page[Any]] = [
         label="Direct path",
     ),
     Page(COPYING_ALL, "copying.html", copying_context, params=CopyingPageParams, label=COPYING_ALL.summary),
-    Page(ATTENTION_ENTROPY, "attention_entropy.html", label=ATTENTION_ENTROPY.summary),
-    Page(QK_CIRCUIT_NORM, "qk_circuit_norm.html", label=QK_CIRCUIT_NORM.summary),
+    Page(
+        ATTENTION_ENTROPY,
+        "attention_entropy.html",
+        head_grid_context,
+        params=EntropyPageParams,
+        label=ATTENTION_ENTROPY.summary,
+    ),
+    Page(
+        QK_CIRCUIT_NORM,
+        "qk_circuit_norm.html",
+        head_grid_context,
+        params=QKCircuitNormPageParams,
+        label=QK_CIRCUIT_NORM.summary,
+    ),
     Page(RESIDUAL, "residual.html", label=RESIDUAL.summary),
     Page(RESIDUAL_USAGE, "residual_usage.html", label=RESIDUAL_USAGE.summary),
     Page(RESIDUAL_PAIR, "residual_pair.html"),

@@ -181,3 +181,29 @@ def test_copying_and_term_importance_follow_the_head_filter(wide: TestClient) ->
     assert rows == [h["head"] for h in whole["heads"] if h["head"] in kept] and 0 < len(rows) < 36
     assert charts_in(page.text)[f"{M}-head-ablation"]["data"][0]["x"] == rows
     assert f"{len(rows)} of 36 heads match" in page.text
+
+
+@pytest.mark.parametrize(
+    ("page", "params", "grid", "table", "chart"),
+    [
+        ("qk-circuit-norm", {}, "norms", "qk-norm-table", "qk-circuit-norm"),
+        ("attention-entropy", {"prompt": "the cat sat on the mat"}, "normalised", "entropy-table", "entropy"),
+    ],
+)
+def test_head_grids_follow_the_head_filter(
+    wide: TestClient, page: str, params: dict[str, str], grid: str, table: str, chart: str
+) -> None:
+    """Pages of one number per head ([layer][head] grid and table): the filter blanks the grid's other heads and the
+    table lists the kept ones, in layer order."""
+    text, kept = filter_half(wide)
+    api = wide.get(f"{API}/{page}", params=params).json()
+    got = wide.get(f"/models/{M}/{page}", params={**params, "filter": text})
+    assert got.status_code == 200
+    rows = re.findall(r"<tr><td><a[^>]*>(L\d+H\d+)</a>", got.text.split(f'id="{table}"', 1)[1].split("</table>")[0])
+    order = [f"L{a}H{h}" for a in range(9) for h in range(9)]
+    assert rows == [h for h in order if h in kept]
+    z = charts_in(got.text)[f"{M}-{chart}"]["data"][0]["z"]
+    drawn = {f"L{a}H{h}" for a, row in enumerate(z) for h, v in enumerate(row) if v is not None}
+    assert drawn == kept
+    a, h = (int(x) for x in sorted(kept)[0][1:].split("H"))
+    assert z[a][h] == pytest.approx(api[grid][a][h], abs=1e-4)
