@@ -19,7 +19,7 @@ from app.params import (
 from app.routers.page_inputs import filtered_heads, snippet_source
 from app.routers.pages_rotary import pair_rotary_context, rotary_enabled
 from app.routers.rendering import Page, PageCall, PageContext, url
-from app.schemas.analyses import CompositionView
+from app.schemas.analyses import CompositionPair, CompositionView
 from app.views.composition import COMPOSITION, COMPOSITION_PAIR
 from app.views.heads import HEADS
 from app.views.page_claims import composition_sentence
@@ -37,18 +37,30 @@ class CompositionPageParams(CompositionParams):
 
 
 def of_heads(view: CompositionView, kept: set[str] | None) -> CompositionView:
-    """The view on the kept heads only (rows and columns of the maps, the strongest pairs); `kept` None: every head."""
+    """The view on the kept heads only: the maps' rows and columns, and the strongest pairs among them (as many as
+    the whole view lists, largest raw score first); `kept` None: every head."""
     if kept is None:
         return view
     rows = [i for i, s in enumerate(view.sources) if s in kept]
     cols = [j for j, t in enumerate(view.targets) if t in kept]
+    scored = [(view.scores[i][j], i, j) for i in rows for j in cols if view.scores[i][j] is not None]
+    strongest = sorted(scored, key=lambda e: -float(e[0] or 0.0))[: len(view.top_pairs)]
+    pairs = [
+        CompositionPair(
+            source=view.sources[i],
+            target=view.targets[j],
+            score=float(score or 0.0),
+            minus_baseline=float(view.minus_baseline[i][j] or 0.0),
+        )
+        for score, i, j in strongest
+    ]
     return view.model_copy(
         update={
             "sources": [view.sources[i] for i in rows],
             "targets": [view.targets[j] for j in cols],
             "scores": [[view.scores[i][j] for j in cols] for i in rows],
             "minus_baseline": [[view.minus_baseline[i][j] for j in cols] for i in rows],
-            "top_pairs": [p for p in view.top_pairs if p.source in kept and p.target in kept],
+            "top_pairs": pairs,
         }
     )
 
