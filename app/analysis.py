@@ -52,7 +52,7 @@ from circuits_core.cost import Cost
 from circuits_core.errors import CheckpointError, LimitExceededError, QkovError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.formats.lazy_mlp import check_deferred_load
-from circuits_core.model.config import head_name, parse_head
+from circuits_core.model.head_names import head_name, parse_head
 
 API = "/api/v1"
 

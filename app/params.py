@@ -16,7 +16,8 @@ from pydantic import Field
 from app.analysis import AnalysisParams, HeadField, HeadsField, Limit, split_heads
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import ModelConfig, all_heads, head_name, parse_head
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.head_names import all_heads, head_name, parse_head
 from circuits_core.prompt.detectors import STANDARD_BATCH, STANDARD_SEQ_LEN
 
 TOKEN_DOC = (

@@ -47,7 +47,7 @@ from app.settings import Settings
 from app.views.copying import COPYING_ALL
 from circuits_core.errors import QkovError
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import all_heads, head_name
+from circuits_core.model.head_names import all_heads, head_name
 
 HEAD_APIS = ("heads/{head}/ov", "heads/{head}/qk")  # the API twins a notebook asks first
 # Analyses whose model-wide answer (no `heads=`) is assembled from entries the head pages' panels keep in the cache

@@ -1,7 +1,7 @@
 """ModelRegistry: which models exist (folders of checkpoints) and loading them once, lazily, under a lock.
 
 A model id is the name of a folder directly inside `settings.shipped_dir` or `settings.models_dir` that
-holds a checkpoint: a config.json, or a single .gguf file (circuits_core.formats.checkpoint.detect_format). Ids are
+holds a checkpoint: a config.json, or a single .gguf file (circuits_core.formats.detect.detect_format). Ids are
 matched by a strict pattern (letters, digits, `.`, `_`, `-`; no leading dot), so a request can never name a
 path outside those folders. Folders are rescanned on every listing: a new folder becomes a model without a
 restart. A folder with a config.json that no loader recognises is still listed (as unavailable, with the
@@ -40,7 +40,8 @@ import torch
 
 from app.settings import Settings
 from circuits_core.errors import CheckpointError, NotFoundError, QkovError
-from circuits_core.formats.checkpoint import LoadedModel, detect_format, load_checkpoint
+from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
+from circuits_core.formats.detect import detect_format
 from circuits_core.formats.gguf import gguf_file
 from circuits_core.formats.load_watchdog import LoadMemoryExceeded
 

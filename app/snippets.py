@@ -33,7 +33,7 @@ def composition(folder: Path, dtype: str, kind: str) -> str:
     return (
         _head(folder, dtype)
         + f"""from circuits_core.circuits.composition import composition_scores
-from circuits_core.model.config import head_name
+from circuits_core.model.head_names import head_name
 
 comp = composition_scores(model, kinds=({key!r},))
 raw = comp.raw[{key!r}].double()  # [L, H, L, H]: earlier head (l1, h1) -> later head (l2, h2)
@@ -52,7 +52,7 @@ def qk_score_terms(folder: Path, dtype: str, head: str, ids: Sequence[int], quer
     """The QK paths page's table of one score's terms."""
     return (
         _head(folder, dtype)
-        + f"""from circuits_core.model.config import parse_head
+        + f"""from circuits_core.model.head_names import parse_head
 from circuits_core.prompt.frozen import frozen_run
 from circuits_core.prompt.qk_paths import expand_scores
 
@@ -111,7 +111,7 @@ def detectors(folder: Path, dtype: str, seq_len: int, batch: int, seed: int, bos
     """The detectors page on BOS + r + r: every head's detector scores."""
     return (
         _head(folder, dtype)
-        + f"""from circuits_core.model.config import head_name
+        + f"""from circuits_core.model.head_names import head_name
 from circuits_core.prompt.detectors import detector_scores, repeated_random_tokens
 
 tokens = repeated_random_tokens(model.cfg.d_vocab, {seq_len}, {batch}, seed={seed}, bos={bos!r})  # BOS + r + r
@@ -150,7 +150,7 @@ result = {{"entries": [({token}, int(c), float(v)) for v, c in zip(values, cols)
     return (
         _head(folder, dtype, raw)
         + f"""from circuits_core.circuits.head_circuits import full_ov_circuit, full_ov_row
-from circuits_core.model.config import parse_head
+from circuits_core.model.head_names import parse_head
 
 layer, h = parse_head({head!r}, model.cfg)
 ids = {ranked}

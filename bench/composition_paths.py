@@ -43,7 +43,7 @@ import torch
 from bench import PeakRSS, fmt_time, median_time, row
 from bench.engine import gpt2_shaped_model, tl_model
 from circuits_core.circuits.composition import composition_scores, random_baseline, raw_composition_scores
-from circuits_core.model.config import head_name
+from circuits_core.model.head_names import head_name
 from circuits_core.prompt.detectors import detector_scores, duplicate_targets, induction_targets, standard_tokens
 from circuits_core.prompt.frozen import frozen_run, ln_weight
 from circuits_core.prompt.paths import expand_logits

@@ -203,7 +203,8 @@ def run_engine() -> None:
 
 def run_checkpoint() -> None:
     try:
-        from circuits_core.formats.checkpoint import load_checkpoint, save_checkpoint
+        from circuits_core.formats.checkpoint import load_checkpoint
+        from circuits_core.formats.qkov_format import save_checkpoint
     except ImportError as exc:
         print(f"  circuits_core.formats.checkpoint is not available ({exc}): skipped")
         return

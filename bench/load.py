@@ -51,7 +51,7 @@ def model_root() -> tuple[Path, str]:
         return ckpt, f"checkpoints/: {', '.join(p.name for p in others)}"
     import torch
 
-    from circuits_core.formats.checkpoint import save_checkpoint
+    from circuits_core.formats.qkov_format import save_checkpoint
     from circuits_core.model.config import ModelConfig
     from circuits_core.model.transformer import random_model
 

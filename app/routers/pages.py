@@ -70,7 +70,8 @@ from app.views.qk_circuit_norm import QK_CIRCUIT_NORM
 from app.views.residual import RESIDUAL, RESIDUAL_PAIR, RESIDUAL_USAGE
 from app.views.token_sets import has_token_counts
 from circuits_core.errors import QkovError
-from circuits_core.model.config import ModelConfig, parse_head
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.head_names import parse_head
 from circuits_core.prompt.phenomena import MIN_TRAIN_COUNT
 
 

@@ -46,7 +46,7 @@ from app.views.token_sets import has_token_counts
 from circuits_core.circuits.profile_shape import near_edge
 from circuits_core.circuits.rotary import KERNEL_WINDOW
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import all_heads, head_name
+from circuits_core.model.head_names import all_heads, head_name
 
 # The head scores the overview heatmap can show: key -> (label, signed)
 SCORES: dict[str, tuple[str, bool]] = {

@@ -44,7 +44,7 @@ from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.qk_forms import QK_FORMS, qk_form
 from circuits_core.cost import Cost
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import head_name, parse_head
+from circuits_core.model.head_names import head_name, parse_head
 from circuits_core.prompt.phenomena import HeldOutBigrams, find_eval_data
 
 LABELS = {

@@ -40,7 +40,7 @@ from circuits_core.circuits.head_composition import head_composition
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import head_name, parse_head
+from circuits_core.model.head_names import head_name, parse_head
 from circuits_core.prompt import qk_paths
 from circuits_core.prompt.qk_paths import k_composition_circuit
 

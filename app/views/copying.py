@@ -36,7 +36,7 @@ from circuits_core.circuits import head_circuits as circuits
 from circuits_core.cost import Cost, check_stop, report_progress
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import all_heads, head_name
+from circuits_core.model.head_names import all_heads, head_name
 from circuits_core.model.transformer import Transformer
 
 N_TOP_SAMPLES = 2  # random circuits whose self-copy shares are measured (each a full [V, V] row stream)

@@ -19,7 +19,7 @@ from app.views.heads import HEADS, bos_id, head_scores, num, repeated_input, sta
 from app.views.inputs import model_ref, parse_heads, resolve_prompt, token_refs
 from circuits_core.cost import Cost
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import head_name
+from circuits_core.model.head_names import head_name
 from circuits_core.prompt import detectors as heads
 from circuits_core.prompt.detectors import detector_run
 

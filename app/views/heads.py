@@ -28,7 +28,7 @@ from circuits_core.circuits.latent_circuits import term_norms
 from circuits_core.cost import Cost
 from circuits_core.errors import LimitExceededError
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import head_name, parse_head
+from circuits_core.model.head_names import head_name, parse_head
 from circuits_core.prompt.detectors import (
     HEADS_RULE,
     STANDARD_BATCH,

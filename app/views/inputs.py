@@ -21,7 +21,7 @@ from app.store import code_version
 from circuits_core.circuits.qk_forms import QK_FORMS, qk_form
 from circuits_core.errors import InvalidInputError, LimitExceededError, NotFoundError, QkovError
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import parse_head
+from circuits_core.model.head_names import parse_head
 
 ID_RE = re.compile(r"[+-]?[0-9]+", re.ASCII)
 MAX_ID_DIGITS = 12  # no vocabulary has 10^12 tokens; longer numerals are refused before int() sees them

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import parse_head
+from circuits_core.model.head_names import parse_head
 
 
 def latent_head_panel(loaded: LoadedModel, head: str, norms: dict[str, float | int] | None) -> dict[str, Any] | None:

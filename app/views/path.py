@@ -20,7 +20,7 @@ from app.views.token_circuits import VIRTUAL_LABELS, parse_chain, token_circuit,
 from circuits_core.cost import Cost
 from circuits_core.errors import LimitExceededError
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import head_name
+from circuits_core.model.head_names import head_name
 from circuits_core.prompt import frozen
 from circuits_core.prompt.frozen import frozen_run
 from circuits_core.prompt.virtual import chain_cost, chain_next_token_terms, chain_terms

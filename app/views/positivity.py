@@ -22,7 +22,7 @@ from app.views.heads import HEADS, heads_cost
 from circuits_core.cost import FREE, Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import parse_head
+from circuits_core.model.head_names import parse_head
 from circuits_core.prompt.model_summary import HEAD_THRESHOLD
 
 

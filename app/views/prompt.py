@@ -20,7 +20,7 @@ from circuits_core.circuits import sinks
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import head_name
+from circuits_core.model.head_names import head_name
 from circuits_core.prompt import frozen, paths
 from circuits_core.prompt.frozen import frozen_run
 from circuits_core.prompt.paths import Target, expand_logits

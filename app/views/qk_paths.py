@@ -21,7 +21,7 @@ from circuits_core.circuits.qk_forms import qk_form
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import head_name, parse_head
+from circuits_core.model.head_names import head_name, parse_head
 from circuits_core.prompt import qk_paths
 from circuits_core.prompt.frozen import frozen_run
 from circuits_core.prompt.qk_paths import expand_scores

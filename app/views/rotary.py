@@ -31,7 +31,7 @@ from circuits_core.circuits.copying_spectra import copying_score
 from circuits_core.circuits.profile_shape import ProfileShape, profile_shape
 from circuits_core.cost import Cost
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import head_name, parse_head
+from circuits_core.model.head_names import head_name, parse_head
 
 MaxOffset = Annotated[int, Field(ge=1, le=4096, description="offsets δ = 0..max_offset (clipped to n_ctx - 1)")]
 

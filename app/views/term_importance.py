@@ -30,7 +30,7 @@ from app.views.inputs import model_ref, token_refs
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import head_name
+from circuits_core.model.head_names import head_name
 from circuits_core.prompt import ablation
 from circuits_core.prompt.ablation import term_importance
 from circuits_core.prompt.model_summary import HEAD_THRESHOLD

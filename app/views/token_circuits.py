@@ -15,7 +15,7 @@ from circuits_core.circuits import head_circuits as circuits
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import head_name
+from circuits_core.model.head_names import head_name
 
 
 def parse_chain(loaded: LoadedModel, heads: list[str], max_heads: int) -> list[tuple[int, int]]:

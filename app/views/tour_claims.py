@@ -18,7 +18,7 @@ import torch
 from app.views.basis import basis
 from circuits_core.circuits import copying, copying_spectra
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import parse_head
+from circuits_core.model.head_names import parse_head
 from circuits_core.prompt.phenomena import HeldOutBigrams, find_eval_data
 
 Claim = tuple[str, dict[str, Any]]
@@ -323,7 +323,7 @@ CLAIMS: dict[str, Callable[[LoadedModel, dict[str, Any]], Claim]] = {
 
 def self_copy_and_baseline(loaded: LoadedModel, k: int = 10) -> tuple[dict[str, Any], dict[str, Any]]:
     """Per-head self-copy shares ({top1, topk, diagonal_positive: {head: value}}) and the random-weights baseline."""
-    from circuits_core.model.config import head_name
+    from circuits_core.model.head_names import head_name
 
     sc = copying.self_copy(loaded.model, k=k)
     base = copying.random_baseline(loaded.model, n_samples=BASELINE_SAMPLES, n_top_samples=BASELINE_TOP_SAMPLES, k=k)

@@ -54,7 +54,7 @@ from circuits_core.circuits import copying_spectra
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import head_name, parse_head
+from circuits_core.model.head_names import head_name, parse_head
 from circuits_core.model.transformer import Transformer
 from circuits_core.prompt.frozen import readout
 from circuits_core.prompt.phenomena import MIN_TRAIN_COUNT

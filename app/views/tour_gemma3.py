@@ -26,7 +26,7 @@ from circuits_core.circuits.qk_forms import QK_FORMS, token_rho
 from circuits_core.cost import Cost
 from circuits_core.errors import QkovError
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import head_name
+from circuits_core.model.head_names import head_name
 
 log = logging.getLogger("qkov.tour")
 

@@ -30,7 +30,7 @@ from circuits_core.circuits.rotary import KERNEL_WINDOW
 from circuits_core.cost import Cost
 from circuits_core.errors import QkovError
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.config import head_name, parse_head
+from circuits_core.model.head_names import head_name, parse_head
 from circuits_core.prompt import detectors as heads
 from circuits_core.prompt import head_table, paths, qk_paths
 from circuits_core.prompt.frozen import frozen_run

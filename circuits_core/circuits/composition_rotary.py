@@ -45,7 +45,7 @@ from circuits_core.circuits.rotary import KERNEL_WINDOW, check_offsets, check_ro
 from circuits_core.circuits.rotary_baseline import baseline_cost, random_baseline
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError
-from circuits_core.model.config import head_name, parse_head
+from circuits_core.model.head_names import head_name, parse_head
 from circuits_core.model.transformer import Transformer, rotary_angles, rotary_pairs
 from circuits_core.model.window import defined_offsets
 from circuits_core.schedule import shared_tasks, side_by_side

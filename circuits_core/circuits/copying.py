@@ -34,7 +34,7 @@ from circuits_core.circuits.head_circuits import factors_cost, full_ov_circuit, 
 from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.cost import Cost, check_stop
 from circuits_core.errors import InvalidInputError
-from circuits_core.model.config import all_heads
+from circuits_core.model.head_names import all_heads
 from circuits_core.model.transformer import Transformer
 
 

@@ -39,7 +39,7 @@ from circuits_core.circuits.embedding import embed_eff, embed_eff_matmul
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import head_weights, mlp_output_weight
 from circuits_core.errors import InvalidInputError, NotFoundError
-from circuits_core.model.config import head_name
+from circuits_core.model.head_names import head_name
 from circuits_core.model.moe import MoE
 from circuits_core.model.transformer import Block, Transformer
 

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.hf import _bos, _config
 from circuits_core.formats.llama import _T, Loaded, State, _Shards, single_threaded, take_unembedding
-from circuits_core.model.config import ConfigReader, ModelConfig
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.config_reader import ConfigReader
 
 ALIBI_MODEL_TYPES = ("bloom", "mpt")
 

@@ -40,7 +40,8 @@ from circuits_core.formats.fp8 import dequantize_fp8, scale_grid
 from circuits_core.formats.hf import _act_fn, _bos, _config
 from circuits_core.formats.llama import _T, Loaded, State, _Shards, laid_out, single_threaded, take_unembedding
 from circuits_core.formats.rope_scaling import rope_fields, rope_section
-from circuits_core.model.config import ConfigReader, ModelConfig
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.config_reader import ConfigReader
 
 DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 TOPK_METHODS = ("greedy", "group_limited_greedy")

@@ -27,7 +27,8 @@ from circuits_core.formats.hf import _bos, _config
 from circuits_core.formats.llama import _T, State, _Shards, one_thread, take_projections, take_unembedding
 from circuits_core.formats.mxfp4 import BLOCK, dequantize_mxfp4
 from circuits_core.formats.rope_scaling import rope_fields, rope_section
-from circuits_core.model.config import ConfigReader, ModelConfig
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.config_reader import ConfigReader
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 

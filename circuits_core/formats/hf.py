@@ -22,7 +22,8 @@ from torch import Tensor
 
 from circuits_core.errors import CheckpointError, InvalidInputError
 from circuits_core.formats.statedict import folder_file, folder_listing, read_json_object, read_weight_files
-from circuits_core.model.config import ConfigReader, ModelConfig
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.config_reader import ConfigReader
 
 State = dict[str, Tensor]
 

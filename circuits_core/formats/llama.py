@@ -46,7 +46,8 @@ from circuits_core.formats.rope_scaling import rope_fields as rope_fields  # (re
 from circuits_core.formats.rope_scaling import rope_section
 from circuits_core.formats.safetensors_file import SafetensorsFile
 from circuits_core.formats.statedict import folder_file, folder_listing, read_json_object
-from circuits_core.model.config import ConfigReader, ModelConfig
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.config_reader import ConfigReader
 from circuits_core.model.transformer import attn_param
 
 State = dict[str, Tensor]

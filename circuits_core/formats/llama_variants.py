@@ -48,7 +48,8 @@ from circuits_core.formats.llama import (
     take_projections,
     take_unembedding,
 )
-from circuits_core.model.config import ConfigReader, ModelConfig
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.config_reader import ConfigReader
 
 State = dict[str, Tensor]
 VARIANT_MODEL_TYPES = ("gemma2", "gemma3_text", "gemma3", "qwen3", "olmo2", "olmo3")

@@ -35,7 +35,8 @@ from circuits_core.formats.llama import (
     take_unembedding,
 )
 from circuits_core.formats.rope_scaling import rope_fields, rope_section
-from circuits_core.model.config import ConfigReader, ModelConfig
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.config_reader import ConfigReader
 
 MOE_MODEL_TYPES = ("mixtral", "qwen3_moe", "olmoe")
 # model_type -> (router tensor, expert prefix, (gate, up, down) names, experts field, d_mlp field, QK-norm)

@@ -29,7 +29,8 @@ from circuits_core.formats.llama import (
     take_unembedding,
 )
 from circuits_core.formats.rope_scaling import rope_fields, rope_section
-from circuits_core.model.config import ConfigReader, ModelConfig
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.config_reader import ConfigReader
 from circuits_core.model.transformer import attn_param
 
 

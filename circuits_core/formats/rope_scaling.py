@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from circuits_core.errors import CheckpointError
-from circuits_core.model.config import ConfigReader
+from circuits_core.model.config_reader import ConfigReader
 from circuits_core.model.rope import yarn_attention_factor
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")

@@ -1,7 +1,7 @@
 """State dicts: read weight files without trusting pickle, check them against a model, then build it.
 
 A state dict here always uses TransformerLens names and shapes (see circuits_core/model/transformer.py): format
-converters (weights.py, formats_hf.py) translate into it, `build_model` checks every key and shape and only
+converters (detect.py's REGISTRY) translate into it, `build_model` checks every key and shape and only
 then constructs the Transformer -- nothing is ever half-loaded.
 
 Safety: `.safetensors` is read by safetensors_file.py (its header parsed under bounds, tensors read with pread);
@@ -13,7 +13,8 @@ Files stay in their folder: every file a checkpoint names (shard index entries, 
 found with `folder_file`, which refuses absolute names, `..` and symlinks leading out of the model folder;
 `check_contained` refuses a folder holding any such symlink before a loader runs. Messages name files
 relative to the model folder, never by a server path. `read_json_object` reads the JSON a checkpoint carries
-(bounded size and nesting). `load_bytes` prices a model from its config before anything is allocated.
+(bounded size and nesting), `model_config` its config fields as a ModelConfig. `load_bytes` prices a model from
+its config before anything is allocated.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from circuits_core.errors import CheckpointError
+from circuits_core.errors import CheckpointError, InvalidInputError
 from circuits_core.formats.safetensors_file import read_safetensors
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Transformer
@@ -125,6 +126,14 @@ def read_json_object(folder: Path, name: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise CheckpointError(f"{name}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def model_config(data: dict[str, Any], path: Path, **overrides: Any) -> ModelConfig:
+    """A ModelConfig from a checkpoint's config fields (+ overrides); a bad field is a CheckpointError naming `path`."""
+    try:
+        return ModelConfig.from_dict({**data, **overrides})
+    except (InvalidInputError, TypeError) as exc:
+        raise CheckpointError(f"{path.name}: {exc}") from exc
 
 
 def folder_listing(folder: Path) -> str:

@@ -18,7 +18,7 @@ vocabulary before they are parsed: at most TOKENIZER_BYTES_PER_TOKEN bytes per r
 TOKENIZER_BASE_BYTES (normaliser, pre-tokenizer, added tokens of a small vocabulary). Gemma 3's 262,144-entry
 tokenizer.json (about 33 MB: each entry and its two merges, pretty-printed, take about 126 bytes) is well inside its
 allowance of 136 MiB; a file listing far more entries than the model has rows is refused before it is read. After
-the parse, the vocabulary may not hold more ids than W_E has rows (checkpoint._build).
+the parse, the vocabulary may not hold more ids than W_E has rows (checkpoint.py's _build).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""Model configuration and head names.
+"""Model configuration: `ModelConfig`, the shape and architecture of a transformer.
 
 Field names follow TransformerLens's HookedTransformerConfig where they exist, so a TransformerLens
-`config.json` loads as it is. Heads are named `L{layer}H{head}` everywhere (URLs, JSON keys, chart axes).
+`config.json` loads as it is. Heads are named `L{layer}H{head}` everywhere (head_names.py).
 
-Every field is checked against its type annotation (`check_fields`: int never bool, float accepts int,
-Literal, `X | None`) and the bounds in its `metadata` ({"ge": 1}, {"gt": 0}, {"le": MAX_LAYERS}), so a new
+Every field is checked against its type annotation (`check_fields`, field_checks.py: int never bool, float accepts
+int, Literal, `X | None`) and the bounds in its `metadata` ({"ge": 1}, {"gt": 0}, {"le": MAX_LAYERS}), so a new
 field is checked by declaring it precisely; an error names the field. Raw Hugging Face configs are read with
-`ConfigReader`, whose errors also name the field.
+`ConfigReader` (config_reader.py), whose errors also name the field.
 """
 
 from __future__ import annotations
@@ -14,15 +14,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
-import reprlib
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from circuits_core.errors import CheckpointError, InvalidInputError, NotFoundError
+from circuits_core.errors import InvalidInputError
+from circuits_core.model.field_checks import check_fields, show_value
+from circuits_core.model.head_names import head_name
 
 NormalizationType = Literal["LN", "LNPre", "RMS", "RMSPre"] | None
 PositionalType = Literal["standard", "shortformer", "rotary", "none"]
@@ -39,10 +37,6 @@ ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", "yarn")
 # transformers have ~130 layers and ~128 heads per layer.
 MAX_LAYERS = 1024
 MAX_HEADS = 1024
-
-_repr = reprlib.Repr()
-_repr.maxlevel, _repr.maxstring, _repr.maxother, _repr.maxlist, _repr.maxdict = 2, 40, 40, 4, 4
-_show = _repr.repr  # a bounded repr of a config value (a value may be a list nested 1,000 deep)
 
 
 @dataclass(frozen=True)
@@ -267,7 +261,7 @@ class ModelConfig:
                 )
             bad = [t for t in self.attn_types if t not in ("global", "local")]
             if bad:
-                raise InvalidInputError(f"attn_types entries must be 'global' or 'local', got {_show(bad[0])}")
+                raise InvalidInputError(f"attn_types entries must be 'global' or 'local', got {show_value(bad[0])}")
             if "local" in self.attn_types and self.window_size is None:
                 raise InvalidInputError("attn_types has local layers but window_size is not set")
         if self.rotary_base_local is not None and self.positional_embedding_type != "rotary":
@@ -340,175 +334,3 @@ def _local_rope(cfg: ModelConfig) -> ModelConfig:
 
 def _required(f: dataclasses.Field[Any]) -> bool:
     return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-
-
-def _type_name(tp: Any) -> str:
-    if tp is type(None):
-        return "null"
-    if typing.get_origin(tp) is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
-
-
-def _conform(value: Any, tp: Any) -> tuple[bool, Any]:
-    """(value fits type `tp`, the value to store): int never bool, a float field takes an int (as float)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        for option in typing.get_args(tp):
-            ok, conformed = _conform(value, option)
-            if ok:
-                return True, conformed
-        return False, value
-    if origin is Literal:
-        return any(type(value) is type(a) and value == a for a in typing.get_args(tp)), value
-    if tp is type(None) or tp is None:
-        return value is None, value
-    if tp is bool:
-        return isinstance(value, bool), value
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if tp is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-        return ok, float(value) if ok else value
-    if tp is str:
-        return isinstance(value, str), value
-    return True, value  # Any or a type this checker does not know: left to the field's own checks
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def check_fields(obj: Any) -> None:
-    """Check every field of a dataclass instance against its annotation and `metadata` bounds (ge, gt, le).
-
-    InvalidInputError names the field, the expected type or bound and the value given (shortened). Ints
-    given to float fields are stored as floats, so equal configs compare equal.
-    """
-    hints = _hints(type(obj))  # type: ignore[arg-type]  # classes are hashable
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        ok, conformed = _conform(value, hints[f.name])
-        if not ok:
-            raise InvalidInputError(
-                f"config field {f.name} must be {_type_name(hints[f.name])}, got {_show(value)} "
-                f"({type(value).__name__})"
-            )
-        if conformed is not value:
-            object.__setattr__(obj, f.name, conformed)
-        if isinstance(conformed, int | float) and not isinstance(conformed, bool):
-            for bound, holds in (("ge", conformed.__ge__), ("gt", conformed.__gt__), ("le", conformed.__le__)):
-                if bound in f.metadata and not holds(f.metadata[bound]):
-                    sign = {"ge": ">=", "gt": ">", "le": "<="}[bound]
-                    raise InvalidInputError(
-                        f"config field {f.name} must be {sign} {f.metadata[bound]}, got {_show(conformed)}"
-                    )
-
-
-_REQUIRED: Any = object()
-
-
-class ConfigReader:
-    """Typed reads of a raw config mapping (a Hugging Face config.json); every error names the field.
-
-    `r = ConfigReader(hf, "config.json")`; `r.integer("n_head", ge=1)`, `r.number("layer_norm_epsilon",
-    default=1e-5, gt=0)`, `r.flag("tie_word_embeddings", default=True)`, `r.text("hidden_act", default="gelu")`,
-    `r.section("rope_scaling")` (a reader of a nested object; absent or null -> empty). A field that is absent
-    or null takes `default`; without a default it is required. Errors are CheckpointError.
-    """
-
-    def __init__(self, data: Any, source: str = "config.json", prefix: str = ""):
-        if not isinstance(data, Mapping):
-            raise CheckpointError(
-                f"{source}: {prefix.rstrip('.') or 'the config'} must be a JSON object, got {_show(data)}"
-            )
-        self.data, self.source, self.prefix = data, source, prefix
-
-    def has(self, name: str) -> bool:
-        return self.data.get(name) is not None
-
-    def _fail(self, name: str, expected: str, value: Any) -> CheckpointError:
-        return CheckpointError(f"{self.source}: field {self.prefix}{name} must be {expected}, got {_show(value)}")
-
-    def _get(self, name: str, default: Any) -> tuple[bool, Any]:
-        value = self.data.get(name)
-        if value is None:
-            if default is _REQUIRED:
-                raise CheckpointError(f"{self.source}: required field {self.prefix}{name} is missing")
-            return False, default
-        return True, value
-
-    def _bounded(self, name: str, value: Any, kind: str, ge: float | None, gt: float | None, le: float | None) -> Any:
-        for bound, sign, holds in ((ge, ">=", value.__ge__), (gt, ">", value.__gt__), (le, "<=", value.__le__)):
-            if bound is not None and not holds(bound):
-                raise self._fail(name, f"{kind} {sign} {bound}", value)
-        return value
-
-    def integer(self, name: str, default: Any = _REQUIRED, ge: int | None = None, le: int | None = None) -> Any:
-        given, value = self._get(name, default)
-        if not given:
-            return value
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self._fail(name, "an integer", value)
-        return self._bounded(name, value, "an integer", ge, None, le)
-
-    def number(
-        self,
-        name: str,
-        default: Any = _REQUIRED,
-        ge: float | None = None,
-        gt: float | None = None,
-        le: float | None = None,
-    ) -> Any:
-        given, value = self._get(name, default)
-        if not given:
-            return value
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise self._fail(name, "a number", value)
-        return self._bounded(name, float(value), "a number", ge, gt, le)
-
-    def flag(self, name: str, default: Any = _REQUIRED) -> Any:
-        given, value = self._get(name, default)
-        if given and not isinstance(value, bool):
-            raise self._fail(name, "true or false", value)
-        return value
-
-    def text(self, name: str, default: Any = _REQUIRED) -> Any:
-        given, value = self._get(name, default)
-        if given and not isinstance(value, str):
-            raise self._fail(name, "a string", value)
-        return value
-
-    def section(self, name: str) -> ConfigReader:
-        _, value = self._get(name, {})
-        if not isinstance(value, Mapping):
-            raise self._fail(name, "an object", value)
-        return ConfigReader(value, self.source, f"{self.prefix}{name}.")
-
-
-_HEAD_RE = re.compile(r"^L(\d{1,4})H(\d{1,4})$")
-
-
-def head_name(layer: int, head: int) -> str:
-    return f"L{layer}H{head}"
-
-
-def all_heads(cfg: ModelConfig) -> list[tuple[int, int]]:
-    """Every (layer, head) of the model, layer-major."""
-    return [(layer, h) for layer in range(cfg.n_layers) for h in range(cfg.n_heads)]
-
-
-def parse_head(name: str, cfg: ModelConfig) -> tuple[int, int]:
-    """`"L1H4"` -> (1, 4), checked against the model's shape."""
-    match = _HEAD_RE.match(name.strip()) if isinstance(name, str) else None
-    if match is None:
-        raise InvalidInputError(f"head name {name!r} is not of the form L<layer>H<head>, e.g. L0H3")
-    layer, head = int(match.group(1)), int(match.group(2))
-    if layer >= cfg.n_layers:
-        raise NotFoundError(f"head {name} out of range: the model has {cfg.n_layers} layers")
-    if head >= cfg.n_heads:
-        raise NotFoundError(f"head {name} out of range: the model has {cfg.n_heads} heads per layer")
-    return layer, head

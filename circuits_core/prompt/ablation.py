@@ -44,7 +44,8 @@ from torch import Tensor
 
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError
-from circuits_core.model.config import ModelConfig, all_heads
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.head_names import all_heads
 from circuits_core.model.hooks import Recorder
 from circuits_core.model.transformer import Frozen, Transformer, next_token_losses
 from circuits_core.prompt.frozen import layer_flops, unembed_flops

@@ -40,7 +40,7 @@ from circuits_core.circuits.copying_spectra import (
 from circuits_core.circuits.embedding import embed_norm
 from circuits_core.circuits.rotary import KERNEL_WINDOW, kernel_cost, kernel_peak_offsets
 from circuits_core.cost import Cost, check_stop, itemsize
-from circuits_core.model.config import head_name
+from circuits_core.model.head_names import head_name
 from circuits_core.model.transformer import Transformer
 from circuits_core.prompt.detectors import (
     DetectorSums,

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from circuits_core.formats.summary_file import SUMMARY_FILE, SUMMARY_VERSION, _stat, _weights_source, load_summary
-from circuits_core.model.config import head_name
+from circuits_core.model.head_names import head_name
 from circuits_core.prompt.detectors import detector_scores, standard_tokens
 from circuits_core.prompt.phenomena import repeat_losses
 

@@ -45,7 +45,7 @@ from torch import Tensor
 
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError, LimitExceededError
-from circuits_core.model.config import head_name
+from circuits_core.model.head_names import head_name
 from circuits_core.model.transformer import Transformer
 from circuits_core.prompt.frozen import (
     FrozenRun,

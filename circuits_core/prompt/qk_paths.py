@@ -37,7 +37,7 @@ from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError, LimitExceededError
 from circuits_core.model.alibi import alibi_kernel
-from circuits_core.model.config import head_name
+from circuits_core.model.head_names import head_name
 from circuits_core.model.soft_cap import cap_factor, share_beyond_cap
 from circuits_core.model.transformer import Transformer
 from circuits_core.model.window import visible

@@ -27,7 +27,7 @@ from circuits_core.circuits.head_circuits import check_head
 from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import CancelledError, InvalidInputError
-from circuits_core.model.config import head_name
+from circuits_core.model.head_names import head_name
 from circuits_core.model.transformer import Transformer
 from circuits_core.prompt.frozen import (
     FrozenRun,

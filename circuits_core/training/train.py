@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from circuits_core.formats.checkpoint import load_checkpoint, save_checkpoint
+from circuits_core.formats.checkpoint import load_checkpoint
+from circuits_core.formats.qkov_format import save_checkpoint
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Block, Transformer, init_weights
 from circuits_core.prompt.phenomena import TOKEN_COUNTS_FILE, EvalData, check_thresholds, measure, quick_metrics
@@ -287,7 +288,7 @@ def _finish(
 
 
 def save_toy(folder: Path, model: Transformer, tokenizer: Tokenizer, card: dict) -> None:
-    """qkov's checkpoint format (circuits_core.formats.checkpoint) with fp16 weights; loading casts to float32."""
+    """qkov's checkpoint format (circuits_core.formats.qkov_format) with fp16 weights; loading casts to float32."""
     half = Transformer(model.cfg)
     half.load_state_dict({k: v.detach().cpu() for k, v in model.state_dict().items()})
     save_checkpoint(half.half(), folder, tokenizer.to_str(), card)

@@ -29,7 +29,7 @@ from app.main import create_app
 from app.params import DetectorParams
 from app.precompute import lazy_panels
 from app.settings import Settings
-from circuits_core.formats.checkpoint import save_checkpoint
+from circuits_core.formats.qkov_format import save_checkpoint
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import random_model
 from circuits_core.prompt.phenomena import TOKEN_COUNTS_FILE

@@ -21,8 +21,8 @@ from app.registry import ModelRegistry
 from app.settings import Settings
 from circuits_core.errors import CheckpointError
 from circuits_core.formats import checkpoint as checkpoint_module
-from circuits_core.formats.checkpoint import save_checkpoint
 from circuits_core.formats.load_watchdog import LoadMemoryExceeded
+from circuits_core.formats.qkov_format import save_checkpoint
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import random_model
 from tests.app.live_server import free_port, start

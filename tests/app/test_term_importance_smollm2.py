@@ -44,7 +44,7 @@ def _loss(logits: torch.Tensor, ids: list[int]) -> float:
 def test_smollm2_default_term_importance_and_its_sentences(served: Any) -> None:
     from app.settings import Settings
     from circuits_core.formats.checkpoint import load_checkpoint
-    from circuits_core.model.config import parse_head
+    from circuits_core.model.head_names import parse_head
     from circuits_core.model.transformer import Frozen
     from circuits_core.prompt import ablation
 

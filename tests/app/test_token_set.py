@@ -29,7 +29,8 @@ from app.main import create_app
 from app.params import OVParams
 from app.settings import Limits, Settings
 from circuits_core.circuits.factored import FactoredMatrix
-from circuits_core.formats.checkpoint import load_checkpoint, save_checkpoint
+from circuits_core.formats.checkpoint import load_checkpoint
+from circuits_core.formats.qkov_format import save_checkpoint
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import random_model
 from circuits_core.prompt.phenomena import TOKEN_COUNTS_FILE

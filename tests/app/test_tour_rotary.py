@@ -16,7 +16,7 @@ from app.views import tour_rotary as tr
 from app.views.heads import standard_input
 from app.views.rotary_reference import reference_tokens
 from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
-from circuits_core.model.config import parse_head
+from circuits_core.model.head_names import parse_head
 from circuits_core.prompt.ablation import order_logits
 
 FOLDER = Path(__file__).resolve().parents[2] / "models" / tr.TOUR_MODEL

@@ -19,7 +19,7 @@ import pytest
 import torch
 import transformers
 
-from circuits_core.formats.checkpoint import save_checkpoint
+from circuits_core.formats.qkov_format import save_checkpoint
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import random_model
 from tests.app.live_server import free_port, start

@@ -19,7 +19,8 @@ import torch
 
 from circuits_core.errors import CheckpointError, InvalidInputError
 from circuits_core.formats.statedict import check_contained, folder_file, load_bytes, read_json_object
-from circuits_core.model.config import MAX_LAYERS, ConfigReader, ModelConfig
+from circuits_core.model.config import MAX_LAYERS, ModelConfig
+from circuits_core.model.config_reader import ConfigReader
 from circuits_core.model.transformer import Transformer
 
 BASE: dict[str, object] = dict(n_layers=2, d_model=16, n_heads=4, d_head=4, d_vocab=30, n_ctx=12)

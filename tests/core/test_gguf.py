@@ -20,7 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from circuits_core.errors import CheckpointError
-from circuits_core.formats.checkpoint import detect_format, load_checkpoint
+from circuits_core.formats.checkpoint import load_checkpoint
+from circuits_core.formats.detect import detect_format
 from circuits_core.formats.gguf import read_gguf
 from circuits_core.formats.gguf_header import GGUFHeader
 from circuits_core.formats.statedict import build_model, load_bytes

@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from circuits_core.errors import InvalidInputError
-from circuits_core.formats.checkpoint import load_checkpoint, save_checkpoint
+from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.formats.processing import process_weights
+from circuits_core.formats.qkov_format import save_checkpoint
 from circuits_core.formats.statedict import build_model
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Frozen, Transformer, random_model, rotary_inv_freq, rotary_pairs, rotate

@@ -22,7 +22,6 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
-from circuits_core.formats.checkpoint import save_checkpoint
 from circuits_core.formats.load_watchdog import (
     LOAD_MEMORY_ALLOWANCE,
     LOAD_MEMORY_MULTIPLE,
@@ -30,6 +29,7 @@ from circuits_core.formats.load_watchdog import (
     LoadWatchdog,
     checkpoint,
 )
+from circuits_core.formats.qkov_format import save_checkpoint
 from circuits_core.formats.statedict import load_bytes
 from circuits_core.formats.tokenizer import tokenizer_allowance
 from circuits_core.model.config import ModelConfig

@@ -23,8 +23,9 @@ from tokenizers import models, pre_tokenizers
 
 from circuits_core.errors import CheckpointError
 from circuits_core.formats import safetensors_file
-from circuits_core.formats.checkpoint import load_checkpoint, save_checkpoint
+from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.formats.load_watchdog import LOAD_MEMORY_ALLOWANCE, LOAD_MEMORY_MULTIPLE
+from circuits_core.formats.qkov_format import save_checkpoint
 from circuits_core.formats.statedict import load_bytes, read_weight_file
 from circuits_core.formats.tokenizer import TOKENIZER_BASE_BYTES, TOKENIZER_BYTES_PER_TOKEN, Tokenizer
 from circuits_core.model.config import ModelConfig

@@ -23,7 +23,8 @@ from torch.utils._pytree import tree_flatten
 
 from app.settings import Limits
 from circuits_core.formats.llama import llama_config
-from circuits_core.model.config import ModelConfig, head_name
+from circuits_core.model.config import ModelConfig
+from circuits_core.model.head_names import head_name
 from circuits_core.model.transformer import Transformer
 from circuits_core.prompt import paths
 from circuits_core.prompt.frozen import frozen_run

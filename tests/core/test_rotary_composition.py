@@ -21,7 +21,7 @@ from circuits_core.circuits.composition_rotary import (
 from circuits_core.circuits.rotary import rotation
 from circuits_core.circuits.rotary_baseline import _pair_scores, baseline_cost, dense_baseline_scores, random_baseline
 from circuits_core.errors import InvalidInputError
-from circuits_core.model.config import head_name
+from circuits_core.model.head_names import head_name
 from circuits_core.model.transformer import Transformer
 from circuits_core.schedule import available_cores
 

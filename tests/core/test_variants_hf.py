@@ -24,7 +24,8 @@ import torch
 import transformers
 
 from circuits_core.errors import CheckpointError
-from circuits_core.formats.checkpoint import detect_format, load_checkpoint
+from circuits_core.formats.checkpoint import load_checkpoint
+from circuits_core.formats.detect import detect_format
 from circuits_core.formats.statedict import build_model
 from circuits_core.model.transformer import Transformer
 

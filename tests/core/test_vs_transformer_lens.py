@@ -43,9 +43,10 @@ from circuits_core.circuits.composition import composition_scores
 from circuits_core.circuits.copying_spectra import ov_copying_scores
 from circuits_core.circuits.head_circuits import full_ov_circuit, full_qk_circuit
 from circuits_core.errors import CheckpointError
-from circuits_core.formats.checkpoint import TL_BUFFERS, load_checkpoint
+from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.formats.processing import ProcessingOptions
-from circuits_core.model.config import head_name
+from circuits_core.formats.transformer_lens import TL_BUFFERS
+from circuits_core.model.head_names import head_name
 from circuits_core.model.transformer import Transformer
 from circuits_core.prompt.detectors import (
     duplicate_targets,

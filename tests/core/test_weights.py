@@ -10,8 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from circuits_core.errors import CheckpointError
-from circuits_core.formats.checkpoint import REGISTRY, detect_format, load_checkpoint, save_checkpoint
+from circuits_core.formats.checkpoint import load_checkpoint
+from circuits_core.formats.detect import REGISTRY, detect_format
 from circuits_core.formats.processing import ProcessingOptions, process_weights
+from circuits_core.formats.qkov_format import save_checkpoint
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Transformer, random_model
 

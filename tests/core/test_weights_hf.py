@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from circuits_core.errors import CheckpointError
-from circuits_core.formats.checkpoint import detect_format, load_checkpoint
+from circuits_core.formats.checkpoint import load_checkpoint
+from circuits_core.formats.detect import detect_format
 from tests.bpe import train_bpe
 
 transformers = pytest.importorskip("transformers")
