@@ -5,12 +5,17 @@ Each function returns the source of a self-contained script: it loads the model 
 makes and leaves the panel's numbers in `result` (a dict named like the fields of the panel's JSON twin).
 tests/app/test_snippets.py runs every snippet and compares `result` with the JSON answer.
 Token ids are written out as the page used them, so no tokenizer call can differ.
+
+Two kinds: the functions a page's context calls with what it knows (composition, logit paths, ...), and the
+`Analysis.snippet` functions below "declared snippets", (params, view) -> the calls after the load, which every page
+running that analysis offers (app/routers/rendering.py PageCall.run; tests/app/test_snippets.py enumerates them).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 HEADER = """import torch
 from circuits_core.formats.checkpoint import load_checkpoint
@@ -25,6 +30,11 @@ def _head(folder: Path, dtype: str, raw: bool = False) -> str:
     if raw:
         return HEADER.format(folder=str(folder), dtype=dtype, process=", process=False", basis="raw weights, as stored")
     return HEADER.format(folder=str(folder), dtype=dtype, process="", basis="processed as the server serves it")
+
+
+def script(folder: Path, dtype: str, body: str, raw: bool = False) -> str:
+    """A declared snippet (the `body` an Analysis.snippet below returns) after the model's load, printing `result`."""
+    return _head(folder, dtype, raw) + body + "print(result)\n"
 
 
 def composition(folder: Path, dtype: str, kind: str) -> str:
@@ -157,4 +167,122 @@ ids = {ranked}
 """
         + search
         + "print(result)\n"
+    )
+
+
+# -- declared snippets: (params, view) -> the engine calls after the load (Analysis.snippet) ------------------------
+def _ids(view: Any) -> list[int]:
+    return [t.id for t in view.tokens]
+
+
+def qk_circuit_norm_body(p: Any, view: Any) -> str:
+    """Every head's ||W_Q W_K^T||_F."""
+    return """from circuits_core.circuits import qk_circuit_norm
+
+with torch.no_grad():
+    norms = qk_circuit_norm.qk_circuit_norms(model)  # [n_layers, n_heads]
+result = {"norms": norms.tolist()}
+"""
+
+
+def attention_entropy_body(p: Any, view: Any) -> str:
+    """Every head's attention entropy on the page's tokens: mean over query positions, and normalised by log(i + 1)."""
+    return f"""from circuits_core.prompt import attention_entropy
+
+tokens = torch.tensor({_ids(view)!r})
+H = attention_entropy.head_entropies(model, tokens)  # [n_layers, n_heads, n]: H_i of each query position i
+result = {{"mean": H.mean(-1).tolist(), "normalised": attention_entropy.normalised(H).mean(-1).tolist()}}
+"""
+
+
+def term_importance_body(p: Any, view: Any) -> str:
+    """Loss by path order, each order's marginal effect, first-order terms by layer, and each head removed."""
+    heads = [h.head for h in view.heads]
+    return f"""from circuits_core.model.head_names import parse_head
+from circuits_core.prompt.ablation import term_importance
+
+tokens = torch.tensor([{_ids(view)!r}])  # [1, n]
+names = {heads!r}  # the heads removed, one at a time
+with torch.no_grad():
+    orders, frozen, recomputed = term_importance(model, tokens, [parse_head(h, model.cfg) for h in names])
+result = {{
+    "clean_loss": orders.clean_loss,
+    "loss_by_order": orders.losses.tolist(),  # mean loss keeping paths up to each order
+    "marginal_by_order": orders.marginal.tolist(),
+    "first_order_by_layer": orders.first_order_gain.tolist(),
+    "heads": [
+        {{"head": h, "loss_change": float(frozen[i]), "loss_change_recomputed": float(recomputed[i])}}
+        for i, h in enumerate(names)
+    ],  # patterns frozen (Olsson et al.), and the later patterns recomputed
+}}
+"""
+
+
+def heads_body(p: Any, view: Any) -> str:
+    """The heads table's detector columns on its standard input, BOS + r + r."""
+    inp = view.detector_input
+    return f"""from circuits_core.model.head_names import head_name
+from circuits_core.prompt.detectors import detector_scores, repeated_random_tokens
+
+tokens = repeated_random_tokens(model.cfg.d_vocab, {inp.seq_len}, {inp.batch}, seed={inp.seed}, bos={inp.bos!r})
+with torch.no_grad():
+    scores = detector_scores(model, tokens)  # {{detector: [n_layers, n_heads]}}
+L, H = model.cfg.n_layers, model.cfg.n_heads
+result = {{
+    "heads": [
+        {{"head": head_name(layer, h), **{{name: float(s[layer, h]) for name, s in scores.items()}}}}
+        for layer in range(L)
+        for h in range(H)
+    ]
+}}
+"""
+
+
+def head_body(p: Any, view: Any) -> str:
+    """One head's OV and QK singular values."""
+    return f"""from circuits_core.circuits import head_circuits
+from circuits_core.model.head_names import parse_head
+
+layer, h = parse_head({view.head!r}, model.cfg)
+with torch.no_grad():
+    result = {{
+        "ov_singular_values": head_circuits.ov_circuit(model, layer, h).S.tolist(),  # W_OV = W_V W_O, [d_head]
+        "qk_singular_values": head_circuits.qk_circuit(model, layer, h).S.tolist(),  # W_QK = W_Q W_K^T
+    }}
+"""
+
+
+def direct_body(p: Any, view: Any) -> str:
+    """The direct path W_E W_U: the global top-k over the ranked tokens, or one token's row."""
+    ranked = "None  # every token" if view.token_ids is None else f"torch.tensor({view.token_ids!r})  # the ranked set"
+    if view.token is None:
+        search = f"""with torch.no_grad():
+    fm = head_circuits.direct_path(model)  # W_E W_U, factored
+    if ids is not None:
+        fm = FactoredMatrix(fm.A[ids], fm.B[:, ids])
+    values, rows, cols = fm.topk_global({view.k})  # positions in ids
+if ids is not None:
+    rows, cols = ids[rows], ids[cols]
+"""
+    else:
+        search = f"""with torch.no_grad():
+    row = head_circuits.direct_row(model, {view.token.id})  # [d_vocab]: the direct logits of token {view.token.id}
+if ids is not None:  # rank only the token set
+    row = torch.full_like(row, float("-inf")).index_copy(0, ids, row[ids])
+values, cols = row.topk({view.k})
+rows = torch.full_like(cols, {view.token.id})
+"""
+    return (
+        """from circuits_core.circuits import head_circuits
+from circuits_core.circuits.factored import FactoredMatrix
+
+"""
+        + f"ids = {ranked}\n"
+        + search
+        + """result = {
+    "entries": [
+        {"row": {"id": int(r)}, "col": {"id": int(c)}, "value": float(v)} for v, r, c in zip(values, rows, cols)
+    ]
+}  # (current token, next token, W_E W_U entry)
+"""
     )

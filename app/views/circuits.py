@@ -29,6 +29,7 @@ import torch
 from pydantic import BaseModel
 from torch import Tensor
 
+from app import snippets
 from app.analysis import Analysis
 from app.params import DirectParams, OVParams, QKParams, SkipTrigramParams
 from app.scheduling import cached_build
@@ -429,6 +430,7 @@ DIRECT = Analysis(
     build=build_direct_view,
     cost=direct_cost,
     summary="Direct path (bigram table)",
+    snippet=snippets.direct_body,
     tags=["circuits"],
 )
 OV = Analysis(

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from app import snippets
 from app.analysis import Analysis, AnalysisParams, build_cached, cache_key
 from app.params import CopyingParams, HeadParams, NoParams
 from app.scheduling import is_cached
@@ -265,6 +266,7 @@ HEADS = Analysis(
     build=build_heads_view,
     cost=heads_cost,
     summary="Scores of every head",
+    snippet=snippets.heads_body,
     tags=["heads"],
 )
 HEAD = Analysis(
@@ -275,6 +277,7 @@ HEAD = Analysis(
     build=build_head_view,
     cost=head_cost,
     summary="One head: spectra, positional pattern",
+    snippet=snippets.head_body,
     tags=["heads"],
 )
 COPYING = Analysis(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from app import snippets
 from app.analysis import Analysis
 from app.params import NoParams
 from app.schemas import ModelRef
@@ -42,6 +43,7 @@ QK_CIRCUIT_NORM = Analysis(
     build=build_qk_circuit_norm_view,
     cost=qk_circuit_norm_cost,
     summary="QK circuit norm of every head",
+    snippet=snippets.qk_circuit_norm_body,
     tags=["circuits"],
     needs_layers=1,
 )

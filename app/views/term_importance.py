@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from app import snippets
 from app.analysis import Analysis, build_cached, cache_key
 from app.params import DEFAULT_ALL_HEADS, NoParams, TermImportanceParams, head_selection
 from app.scheduling import cached
@@ -142,6 +143,7 @@ TERM_IMPORTANCE = Analysis(
     build=build_term_importance_view,
     cost=term_importance_cost,
     summary="Loss by path order and per-head ablations",
+    snippet=snippets.term_importance_body,
     tags=["ablation"],
     cache=lambda p: p.prompt is None and p.tokens is None,  # the default text only
     needs_layers=1,
