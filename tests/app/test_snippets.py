@@ -113,11 +113,11 @@ CONTEXT_BUILT = {"composition", "qk-paths", "paths", "detectors", "ov", "composi
 NOT_PANELS = {
     "tokenize": "token ids of a text: no numbers of the model",
     "tour": "the paper's figures, each drawn from analyses with pages of their own",
+    "copying": "API only: one head's copying metrics (pages show copying-all's)",
+    "summary": "API only: the overview's measured card is read off the heads table, whose snippet gives its scores",
 }
 # panels that offer no "copy as Python" yet: the list only shrinks (a new analysis must offer one)
 WITHOUT_SNIPPET = {
-    "summary",
-    "copying",
     "copying-all",
     "positivity",
     "qk",
