@@ -215,3 +215,32 @@ def test_head_grids_follow_the_head_filter(
     assert drawn == kept
     a, h = (int(x) for x in sorted(kept)[0][1:].split("H"))
     assert z[a][h] == pytest.approx(api[grid][a][h], abs=1e-4)
+
+
+def test_every_figure_of_every_page_is_capped(wide: TestClient) -> None:
+    """Every chart of every page of the 81-head model is drawn at most MAX_HEIGHT px tall (the QK paths map was
+    11,860 px on SmolLM2, the composition map 6,926, the overview grid 2,220)."""
+    prompt = "the cat sat on the mat and the cat sat"
+    pages = [
+        "",
+        "/composition?kind=K",
+        f"/prompt?prompt={prompt}",
+        f"/path?prompt={prompt}",
+        f"/qk-paths?prompt={prompt}&head=L5H3",
+        "/detectors?seq_len=20&batch=2",
+        f"/term-importance?prompt={prompt}&heads=L1",
+        "/direct",
+        "/copying?rows=8",
+        f"/attention-entropy?prompt={prompt}",
+        "/qk-circuit-norm",
+        "/heads/L5H3",
+        "/composition/L2H1/L5H3",
+    ]
+    drawn = 0
+    for sub in pages:
+        page = wide.get(f"/models/{M}{sub}")
+        assert page.status_code == 200, sub
+        for name, fig in charts_in(page.text).items():
+            assert fig["layout"].get("height", 0) <= MAX_HEIGHT, (sub, name, fig["layout"].get("height"))
+            drawn += 1
+    assert drawn > len(pages)
