@@ -32,7 +32,7 @@ def test_glossary_page_defines_every_term(client: TestClient) -> None:
 
 def test_pages_embed_the_terms_their_links_point_to(client: TestClient) -> None:
     """Every page carries the term -> anchor table static/glossary.js links first uses with (the browser test
-    tests/browser/test_realui_browser.py follows the links); every anchor lands on a definition."""
+    tests/browser/test_wide_models_browser.py follows the links); every anchor lands on a definition."""
     glossary_html = client.get("/glossary").text
     for path in ("/models/tiny-2l", "/models/tiny-2l/composition", "/tour"):
         page = client.get(path).text
