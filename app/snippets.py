@@ -286,3 +286,26 @@ from circuits_core.circuits.factored import FactoredMatrix
 }  # (current token, next token, W_E W_U entry)
 """
     )
+
+
+def prompt_body(p: Any, view: Any) -> str:
+    """The prompt's attention patterns of the heads shown (value-weighted when asked) and the top next-token
+    predictions."""
+    heads = [hp.head for hp in view.heads]
+    weighted = """
+        A = A * cache[f"blocks.{layer}.attn.hook_v"][0, :, h].norm(dim=-1)[None, :]  # keys' value norms ||v_j||"""
+    return f"""from circuits_core.model.head_names import parse_head
+
+tokens = torch.tensor([{_ids(view)!r}])  # [1, n]
+with torch.no_grad():
+    logits, cache = model.run(tokens, names=lambda n: n.endswith(("hook_pattern", "attn.hook_v")))
+    patterns = []
+    for name in {heads!r}:
+        layer, h = parse_head(name, model.cfg)
+        A = cache[f"blocks.{{layer}}.attn.hook_pattern"][0, h]  # [n query, n key]{weighted if view.weighted else ""}
+        patterns.append({{"head": name, "pattern": A.double().tolist()}})
+result = {{
+    "heads": patterns,
+    "top_predictions": [{{"id": i}} for i in logits[0].argmax(-1).tolist()],  # the model's next token at each position
+}}
+"""

@@ -107,6 +107,10 @@ DECLARED: dict[str, list[tuple[str, dict[str, str]]]] = {
     "term-importance": [("/models/tiny-2l/term-importance", {"prompt": PROMPT})],
     "attention-entropy": [("/models/tiny-2l/attention-entropy", {"prompt": PROMPT})],
     "qk-circuit-norm": [("/models/tiny-2l/qk-circuit-norm", {})],
+    "prompt": [
+        ("/models/tiny-2l/prompt", {"prompt": PROMPT, "heads": "L1H2,L0H3"}),
+        ("/models/tiny-2l/prompt", {"prompt": PROMPT, "heads": "L1H1", "weighted": "true"}),
+    ],
 }
 # snippets a page's context builds from what it knows (tested above, or in test_pages_rotary.py)
 CONTEXT_BUILT = {"composition", "qk-paths", "paths", "detectors", "ov", "composition-profile"}
@@ -123,7 +127,6 @@ WITHOUT_SNIPPET = {
     "qk",
     "skip-trigrams",
     "composition-pair",
-    "prompt",
     "path",
     "positional",
     "rotary-bands",
@@ -166,6 +169,18 @@ def same(got: Any, want: Any, where: str = "result") -> None:
         assert want == pytest.approx(got, abs=1e-9), where
 
 
+def json_twin(page: str, analysis: str) -> str:
+    """The page's JSON link to the analysis's answer (the page's own, or its panel's)."""
+    from app.catalog import ANALYSES
+
+    route = next(a for a in ANALYSES if a.name == analysis).api_path.replace("{model}", "tiny-2l")
+    pattern = re.sub(r"\\\{\w+\\\}", "[^/?]+", re.escape(route))
+    links = [html.unescape(h) for h in re.findall(r'href="(/api/v1/[^"]+)"', page)]
+    found = [h for h in links if re.fullmatch(pattern, h.split("?")[0])]
+    assert found, f"no JSON link to {route} on the page"
+    return found[0]
+
+
 @pytest.mark.parametrize(
     ("analysis", "path", "query"),
     [(name, path, query) for name, pages in DECLARED.items() for path, query in pages],
@@ -181,8 +196,6 @@ def test_declared_snippet_reproduces_its_json_twin(
     code = snippets_in(page.text).get(f"{analysis}-python")
     assert code is not None, f"{path} offers no snippet of {analysis}"
     result = run(code)
-    link = re.search(r'id="json-link" class="json-link" href="([^"]+)"', page.text)
-    assert link is not None
-    answer = client.get(html.unescape(link[1])).json()
+    answer = client.get(json_twin(page.text, analysis)).json()
     assert result and set(result) <= set(answer)
     same(result, answer)
