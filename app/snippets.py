@@ -309,3 +309,26 @@ result = {{
     "top_predictions": [{{"id": i}} for i in logits[0].argmax(-1).tolist()],  # the model's next token at each position
 }}
 """
+
+
+def path_body(p: Any, view: Any) -> str:
+    """A chain of heads on the prompt: its pattern (the product of the heads' patterns), its terms of the target's
+    logit from each source, and each position's own next-token term."""
+    return f"""from circuits_core.model.head_names import parse_head
+from circuits_core.prompt.frozen import frozen_run
+from circuits_core.prompt.virtual import chain_next_token_terms, chain_terms
+
+tokens = torch.tensor({_ids(view)!r})
+chain = [parse_head(h, model.cfg) for h in {view.heads!r}]
+with torch.no_grad():
+    run = frozen_run(model, tokens)  # patterns and norm scales frozen at their values on the prompt
+    pattern = run.patterns[chain[0][0], chain[0][1]]  # [n, n]
+    for layer, h in chain[1:]:
+        pattern = run.patterns[layer, h] @ pattern  # A^h_i ... A^h_1
+    terms = chain_terms(model, run, chain, {view.target.id})  # the chain's terms of token {view.target.id}'s logit
+    result = {{
+        "pattern": pattern.double().tolist(),
+        "by_source": [{{"source": s, "values": v.double().tolist()}} for s, v in terms],
+        "next_token_contribution": chain_next_token_terms(model, run, chain).double().tolist(),
+    }}
+"""

@@ -107,6 +107,10 @@ DECLARED: dict[str, list[tuple[str, dict[str, str]]]] = {
     "term-importance": [("/models/tiny-2l/term-importance", {"prompt": PROMPT})],
     "attention-entropy": [("/models/tiny-2l/attention-entropy", {"prompt": PROMPT})],
     "qk-circuit-norm": [("/models/tiny-2l/qk-circuit-norm", {})],
+    "path": [
+        ("/models/tiny-2l/path", {"prompt": PROMPT, "heads": "L0H1,L1H2"}),
+        ("/models/tiny-2l/path", {"prompt": PROMPT, "heads": "L1H3", "target": "cat"}),
+    ],
     "prompt": [
         ("/models/tiny-2l/prompt", {"prompt": PROMPT, "heads": "L1H2,L0H3"}),
         ("/models/tiny-2l/prompt", {"prompt": PROMPT, "heads": "L1H1", "weighted": "true"}),
@@ -127,7 +131,6 @@ WITHOUT_SNIPPET = {
     "qk",
     "skip-trigrams",
     "composition-pair",
-    "path",
     "positional",
     "rotary-bands",
     "qk-copying-offset",
