@@ -332,3 +332,20 @@ with torch.no_grad():
         "next_token_contribution": chain_next_token_terms(model, run, chain).double().tolist(),
     }}
 """
+
+
+def residual_body(p: Any, view: Any) -> str:
+    """Every (writer, later reader) pair's virtual-weight score ||W_w W_r|| / (||W_w|| ||W_r||) and the baseline."""
+    return f"""from circuits_core.circuits import virtual_weights
+
+with torch.no_grad():
+    s = virtual_weights.all_scores(model, offset={view.offset or 0})  # {{writer, reader}} scores, [writers, readers]
+nan = torch.full_like(s.raw, float("nan"))
+result = {{
+    "writers": [w.name for w in s.writers],
+    "readers": [r.name for r in s.readers],
+    "scores": torch.where(s.mask, s.raw, nan).tolist(),  # NaN: the reader does not see the writer
+    "minus_baseline": torch.where(s.mask, s.minus_baseline, nan).tolist(),
+    "baseline": s.baseline,
+}}
+"""

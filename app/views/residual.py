@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, Field
 
+from app import snippets
 from app.analysis import Analysis, AnalysisParams
 from app.params import BasisChoice, K
 from app.schemas import ModelRef, TokenRef
@@ -398,6 +399,7 @@ RESIDUAL = Analysis(
     build=build_residual_view,
     cost=residual_cost,
     summary="Residual stream (virtual weights)",
+    snippet=snippets.residual_body,
     tags=["residual stream"],
 )
 RESIDUAL_USAGE = Analysis(

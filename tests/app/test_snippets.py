@@ -102,7 +102,8 @@ DECLARED: dict[str, list[tuple[str, dict[str, str]]]] = {
     "direct": [
         ("/models/tiny-2l/direct", {}),  # the frequent tokens (tiny-2l has training counts)
         ("/models/tiny-2l/direct", {"min_count": "all", "k": "7"}),
-        ("/models/tiny-2l/direct", {"token": "5", "basis": "raw"}),
+        ("/models/tiny-2l/direct", {"token": "5"}),
+        ("/models/tiny-ln/direct", {"basis": "raw"}),
     ],
     "term-importance": [("/models/tiny-2l/term-importance", {"prompt": PROMPT})],
     "attention-entropy": [("/models/tiny-2l/attention-entropy", {"prompt": PROMPT})],
@@ -110,6 +111,11 @@ DECLARED: dict[str, list[tuple[str, dict[str, str]]]] = {
     "path": [
         ("/models/tiny-2l/path", {"prompt": PROMPT, "heads": "L0H1,L1H2"}),
         ("/models/tiny-2l/path", {"prompt": PROMPT, "heads": "L1H3", "target": "cat"}),
+    ],
+    "residual": [
+        ("/models/tiny-2l/residual", {}),
+        ("/models/tiny-ln/residual", {}),  # LayerNorm folded: the processed weights differ from the raw
+        ("/models/tiny-ln/residual", {"basis": "raw"}),
     ],
     "prompt": [
         ("/models/tiny-2l/prompt", {"prompt": PROMPT, "heads": "L1H2,L0H3"}),
@@ -134,7 +140,6 @@ WITHOUT_SNIPPET = {
     "positional",
     "rotary-bands",
     "qk-copying-offset",
-    "residual",
     "residual-usage",
     "residual-pair",
 }
@@ -172,11 +177,11 @@ def same(got: Any, want: Any, where: str = "result") -> None:
         assert want == pytest.approx(got, abs=1e-9), where
 
 
-def json_twin(page: str, analysis: str) -> str:
+def json_twin(page: str, analysis: str, model: str) -> str:
     """The page's JSON link to the analysis's answer (the page's own, or its panel's)."""
     from app.catalog import ANALYSES
 
-    route = next(a for a in ANALYSES if a.name == analysis).api_path.replace("{model}", "tiny-2l")
+    route = next(a for a in ANALYSES if a.name == analysis).api_path.replace("{model}", model)
     pattern = re.sub(r"\\\{\w+\\\}", "[^/?]+", re.escape(route))
     links = [html.unescape(h) for h in re.findall(r'href="(/api/v1/[^"]+)"', page)]
     found = [h for h in links if re.fullmatch(pattern, h.split("?")[0])]
@@ -199,6 +204,6 @@ def test_declared_snippet_reproduces_its_json_twin(
     code = snippets_in(page.text).get(f"{analysis}-python")
     assert code is not None, f"{path} offers no snippet of {analysis}"
     result = run(code)
-    answer = client.get(json_twin(page.text, analysis)).json()
+    answer = client.get(json_twin(page.text, analysis, path.split("/")[2])).json()
     assert result and set(result) <= set(answer)
     same(result, answer)
