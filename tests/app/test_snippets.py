@@ -58,13 +58,22 @@ def test_detectors_snippet(client: TestClient) -> None:
 
 
 @pytest.mark.parametrize(
-    "query", [{}, {"token": "5"}, {"basis": "raw"}, {"token": "5", "k": "7", "basis": "raw"}], ids=str
+    ("model", "head", "query"),
+    [
+        ("tiny-2l", "L1H2", {}),
+        ("tiny-2l", "L1H2", {"token": "5"}),
+        # the LayerNorm model, where the served (folded) weights differ from the raw ones
+        ("tiny-ln", "L0H1", {}),
+        ("tiny-ln", "L0H1", {"basis": "raw"}),
+        ("tiny-ln", "L0H1", {"token": "5", "k": "7", "basis": "raw"}),
+    ],
+    ids=str,
 )
-def test_ov_table_snippet(client: TestClient, query: dict[str, str]) -> None:
+def test_ov_table_snippet(client: TestClient, model: str, head: str, query: dict[str, str]) -> None:
     """The head page's OV table (global top-k, or a token's row; served or raw weights) against its JSON twin."""
-    page = client.get("/models/tiny-2l/heads/L1H2", params=query).text
+    page = client.get(f"/models/{model}/heads/{head}", params=query).text
     result = run(snippets_in(page)["ov-python"])
-    api = client.get(f"{API}/tiny-2l/heads/L1H2/ov", params={"k": 10, **query}).json()
+    api = client.get(f"{API}/{model}/heads/{head}/ov", params={"k": 10, **query}).json()
     want = [(e["row"]["id"], e["col"]["id"], e["value"]) for e in api["entries"]]
     assert [(r, c) for r, c, _ in result["entries"]] == [(r, c) for r, c, _ in want]
     assert [v for _, _, v in result["entries"]] == pytest.approx([v for _, _, v in want], abs=1e-9)
