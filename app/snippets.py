@@ -349,3 +349,35 @@ result = {{
     "baseline": s.baseline,
 }}
 """
+
+
+def composition_pair_body(p: Any, view: Any) -> str:
+    """One pair's Q, K and V composition scores and baseline, and the top entries and copying statistic of its
+    K-composition token circuit (over every token; a large vocabulary's stated token set is left to the page)."""
+    k_circuit = ""
+    if view.token_set is None:  # every token ranked
+        k_circuit = f"""
+    k_fm = k_composition_circuit(model, (l2, h2), (l1, h1))  # W_E W_Q W_K^T (W_OV of the earlier head)^T W_E^T / s
+    values, rows, cols = k_fm.topk_global({len(view.k_composition.entries)})
+    eig = torch.linalg.eigvals(k_fm.BA.double())  # [d_head]: its nonzero eigenvalues
+    result["k_composition"] = {{
+        "entries": [
+            {{"row": {{"id": int(r)}}, "col": {{"id": int(c)}}, "value": float(v)}}
+            for v, r, c in zip(values, rows, cols)
+        ],
+        "copying": float(copying_score(eig)),  # sum(eig) / sum(|eig|)
+    }}"""
+    return f"""from circuits_core.circuits.composition import composition_scores
+from circuits_core.circuits.copying_spectra import copying_score
+from circuits_core.model.head_names import parse_head
+from circuits_core.prompt.qk_paths import k_composition_circuit
+
+(l1, h1), (l2, h2) = parse_head({view.source!r}, model.cfg), parse_head({view.target!r}, model.cfg)
+with torch.no_grad():
+    comp = composition_scores(model)  # every pair's Q, K and V composition, [L, H, L, H] each
+    result = {{
+        "scores": {{kind.upper(): float(comp.raw[kind][l1, h1, l2, h2]) for kind in comp.raw}},
+        "minus_baseline": {{kind.upper(): float(comp.minus_baseline[kind][l1, h1, l2, h2]) for kind in comp.raw}},
+        "baseline": comp.baseline,
+    }}{k_circuit}
+"""

@@ -126,6 +126,7 @@ DECLARED: dict[str, list[tuple[str, dict[str, str]]]] = {
         ("/models/tiny-ln/residual", {}),  # LayerNorm folded: the processed weights differ from the raw
         ("/models/tiny-ln/residual", {"basis": "raw"}),
     ],
+    "composition-pair": [("/models/tiny-2l/composition/L0H1/L1H2", {}), ("/models/tiny-2l/composition/L0H3/L1H0", {})],
     "prompt": [
         ("/models/tiny-2l/prompt", {"prompt": PROMPT, "heads": "L1H2,L0H3"}),
         ("/models/tiny-2l/prompt", {"prompt": PROMPT, "heads": "L1H1", "weighted": "true"}),
@@ -145,7 +146,6 @@ WITHOUT_SNIPPET = {
     "positivity",
     "qk",
     "skip-trigrams",
-    "composition-pair",
     "positional",
     "rotary-bands",
     "qk-copying-offset",
