@@ -35,8 +35,7 @@ they reach the cache key, the builder and the JSON link, so the copies cannot dr
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Generic, Literal, Self, TypeVar
 from urllib.parse import quote, urlencode
@@ -45,11 +44,12 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from starlette.concurrency import run_in_threadpool
 
+from app.refusal_advice import refused_on_nonfinite, with_advice
 from app.registry import ModelRegistry
 from app.scheduling import cached_build, compute, compute_json, current_service
 from app.settings import Limits
 from circuits_core.cost import Cost
-from circuits_core.errors import CheckpointError, LimitExceededError, QkovError
+from circuits_core.errors import LimitExceededError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.formats.lazy_mlp import check_deferred_load
 from circuits_core.model.head_names import head_name, parse_head
@@ -316,62 +316,6 @@ async def run_json(analysis: Declared[P, V], subject: Any, model_id: str | None,
             return await compute_json(analysis.built, subject, params, limits, **kw)
     except LimitExceededError as exc:
         raise with_advice(exc, analysis, subject, params, limits, kw) from None
-
-
-@contextmanager
-def refused_on_nonfinite(subject: Any) -> Iterator[None]:
-    """On a model with NaN or inf weights, a computation that fails (an SVD or eigensolver that does not converge
-    on them, say) is a refusal of the model naming those tensors (422), not an internal error; an analysis whose
-    maths carries the NaN through answers with it."""
-    try:
-        yield
-    except QkovError:
-        raise
-    except Exception as exc:
-        bad = getattr(subject, "nonfinite", None)
-        if not bad:
-            raise
-        raise CheckpointError(
-            f"this analysis cannot run on the model's non-finite weights: {', '.join(bad[:5])}"
-            + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-            + f" ({type(exc).__name__})"
-        ) from exc
-
-
-def with_advice(
-    exc: LimitExceededError, analysis: Declared[P, V], subject: Any, params: P, limits: Limits, kw: dict[str, Any]
-) -> LimitExceededError:
-    """A refusal of the request's price (not of its content) with the advice that makes it run: the first integer
-    parameter which, lowered to `at_most` (the largest value the same price check admits), gives an answer. The
-    advice is searched with the analysis's own cost function, so following it is never refused for its price."""
-    service = current_service()
-    if service.admits(kw["cost"], kw["key"] is not None):
-        return exc  # refused by the computation itself (its input), not by the price
-    for name, info in type(params).model_fields.items():
-        value = getattr(params, name)
-        if not isinstance(value, int) or isinstance(value, bool) or "{" + name + "}" in analysis.path:
-            continue
-        low = next((int(m.ge) for m in info.metadata if hasattr(m, "ge") and m.ge is not None), 1)
-
-        def fits(v: int, name: str = name) -> bool:
-            try:
-                lowered = params.model_copy(update={name: v})
-                return service.admits(analysis.priced(subject, lowered, limits), kw["key"] is not None)
-            except QkovError:
-                return False
-
-        if value <= low or not fits(low):
-            continue
-        lo, hi = low, value - 1  # fits(lo); find the largest that fits
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-        said = str(exc)
-        said = said[: said.rindex(": lower ")] if ": lower " in said else said  # the generic hint, replaced
-        refused = LimitExceededError(f"{said}: lower {name} to {lo} or less ({name}={lo} runs)")
-        refused.advice = {"parameter": name, "at_most": lo}  # type: ignore[attr-defined]
-        return refused
-    return exc
 
 
 def build_cached(analysis: Analysis[P, V], loaded: LoadedModel, model_id: str, params: P, limits: Limits) -> V:

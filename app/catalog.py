@@ -10,15 +10,18 @@ from app.params import TourParams
 from app.registry import ModelRegistry
 from app.schemas.analyses import TourView
 from app.settings import Limits
+from app.tour.tour import build_tour_view, digest_or_dash, tour_models
+from app.tour.tour import tour_cost as tour_view_cost
 from app.views import circuits, composition, detectors, heads, models, path, prompt, qk_paths, rotary, term_importance
 from app.views.attention_entropy import ATTENTION_ENTROPY
 from app.views.copying import COPYING_ALL
 from app.views.model_summary import MODEL_SUMMARY
 from app.views.positivity import POSITIVITY
 from app.views.qk_circuit_norm import QK_CIRCUIT_NORM
-from app.views.residual import ANALYSES as RESIDUAL_ANALYSES
-from app.views.tour import build_tour_view, digest_or_dash, tour_models
-from app.views.tour import tour_cost as tour_view_cost
+from app.views.residual import RESIDUAL, RESIDUAL_PAIR
+from app.views.residual_usage import RESIDUAL_USAGE
+from app.views.shared.heads_table import HEADS
+from app.views.skip_trigrams import SKIP_TRIGRAMS
 from circuits_core.cost import Cost
 
 
@@ -27,7 +30,7 @@ def build_tour(registry: ModelRegistry, p: TourParams, limits: Limits) -> TourVi
 
 
 def tour_cost(registry: ModelRegistry, p: TourParams, limits: Limits) -> Cost:
-    """The tour's figures priced by the engine cost functions of what they compute (app.views.tour.tour_cost)."""
+    """The tour's figures priced by the engine cost functions of what they compute (app.tour.tour.tour_cost)."""
     return tour_view_cost(registry, limits, p.chapter)
 
 
@@ -50,7 +53,7 @@ TOUR = ServerAnalysis(
 
 ANALYSES: list[Declared[Any, Any]] = [
     models.TOKENIZE,
-    heads.HEADS,
+    HEADS,
     MODEL_SUMMARY,
     heads.HEAD,
     heads.COPYING,
@@ -58,7 +61,7 @@ ANALYSES: list[Declared[Any, Any]] = [
     POSITIVITY,
     circuits.OV,
     circuits.QK,
-    circuits.SKIP_TRIGRAMS,
+    SKIP_TRIGRAMS,
     circuits.DIRECT,
     detectors.DETECTORS,
     composition.COMPOSITION,
@@ -71,6 +74,8 @@ ANALYSES: list[Declared[Any, Any]] = [
     *rotary.ANALYSES,
     ATTENTION_ENTROPY,
     QK_CIRCUIT_NORM,
-    *RESIDUAL_ANALYSES,
+    RESIDUAL,
+    RESIDUAL_USAGE,
+    RESIDUAL_PAIR,
     TOUR,
 ]

@@ -16,7 +16,6 @@ from app.settings import Limits, Settings
 from circuits_core.formats.checkpoint import LoadedModel
 
 MODEL_PATH = Path(description="model id: the name of its checkpoint folder (see GET /api/v1/models)")
-HEAD_PATH = Path(description="head name L{layer}H{head}, e.g. L1H4")
 
 
 def get_settings(request: Request) -> Settings:
@@ -33,7 +32,6 @@ def get_registry(request: Request) -> ModelRegistry:
     return registry
 
 
-SettingsDep = Annotated[Settings, Depends(get_settings)]
 LimitsDep = Annotated[Limits, Depends(get_limits)]
 RegistryDep = Annotated[ModelRegistry, Depends(get_registry)]
 

@@ -21,7 +21,6 @@ from markdown_it import MarkdownIt
 from markupsafe import Markup
 
 GLOSSARY_FILE = Path(__file__).resolve().parent.parent / "docs" / "glossary.md"
-GLOSSARY_URL = "/glossary"
 _md = MarkdownIt("commonmark", {"html": False})
 
 

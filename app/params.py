@@ -95,9 +95,6 @@ Vocab = Annotated[
     ),
 ]
 Seed = Annotated[int, Field(ge=0, le=2**31 - 1, description="seed of the random tokens")]
-SeqLen = Annotated[
-    int, Field(ge=1, description="length T of the random segment r in BOS + r + r"), Limit("max_seq_len")
-]
 Batch = Annotated[int, Field(ge=1, description="number of random sequences"), Limit("max_batch")]
 MaxOrder = Annotated[
     int,

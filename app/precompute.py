@@ -20,8 +20,8 @@ of all heads, the composition partners; the other heads are queued once it is do
 panels those pages load after themselves (hx-trigger="load": the copying panels), asked as htmx asks them (the
 first head's right after it), and last the pages assembled from what those panels measured (ASSEMBLED: the copying
 overview reads each head's rows off its panel's entry). The last line says when each group was done. On a vocabulary
-over DEFAULT_VOCAB tokens a page's global tables rank the default token set (app/views/token_sets.py); `--full` also
-fills each head's and the direct path's whole-vocabulary tables (`vocab=all`), ~38x the work per table on GPT-2.
+over DEFAULT_VOCAB tokens a page's global tables rank the default token set (app/views/shared/token_sets.py); `--full`
+also fills each head's and the direct path's whole-vocabulary tables (`vocab=all`), ~38x the work per table on GPT-2.
 """
 
 from __future__ import annotations

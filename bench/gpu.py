@@ -86,8 +86,8 @@ def http_heads(model_id: str) -> float:
 
 def measure() -> None:
     """The in-process goals (the model is freed when this returns, before the HTTP server loads its own)."""
-    from app.views.heads import build_heads_view
-    from circuits_core.circuits import virtual_weights
+    from app.views.shared.heads_table import build_heads_view
+    from circuits_core.circuits import virtual_weight_table as vwt
     from circuits_core.circuits.composition_rotary import composition_profiles
     from circuits_core.circuits.copying_spectra import ov_copying_scores
     from circuits_core.formats.checkpoint import load_checkpoint
@@ -112,7 +112,7 @@ def measure() -> None:
             lambda: expand_logits(model, tokens, 1000, max_order=2, by_source=False, max_elements=4_000_000_000)
         )
         line("order-2 path expansion, 128 tokens", seconds, 3)
-        seconds, _ = timed(lambda: virtual_weights.all_scores(model))
+        seconds, _ = timed(lambda: vwt.all_scores(model))
         line("virtual weights, all pairs", seconds, 3)
 
 

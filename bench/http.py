@@ -149,14 +149,14 @@ def heads_breakdown(model: Any) -> None:
     computation: the detector pass, both d_model x d_model Grams from one pass over the vocabulary, G_E W_Q, the
     2 x (L x H) spectra, the 2-D induction view's K-composition positivities (one-hot and weighted, split over two
     threads when a core is idle) and, on a rotary model, μ's pass on the reference
-    (app.views.rotary_reference.reference_tokens: seeded random ids, as for any model without a tokenizer) and
+    (app.views.shared.rotary_reference.reference_tokens: seeded random ids, as for any model without a tokenizer) and
     the kernel peaks, each once, cold. Wall and CPU seconds (all threads) side by side: on a busy machine the CPU
     seconds are the steadier figure."""
     import os
 
     from app.scheduling.slots import default_torch_threads
     from app.settings import Settings
-    from app.views.rotary_reference import reference_tokens
+    from app.views.shared.rotary_reference import reference_tokens
     from circuits_core.circuits import copying_spectra, rotary
     from circuits_core.formats.checkpoint import LoadedModel
     from circuits_core.prompt import detectors as heads

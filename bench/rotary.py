@@ -239,7 +239,7 @@ def _heads_table(model: Transformer) -> float:
     from app.params import NoParams
     from app.scheduling.slots import default_torch_threads
     from app.settings import Settings
-    from app.views.heads import build_heads_view
+    from app.views.shared.heads_table import build_heads_view
     from circuits_core.formats.checkpoint import LoadedModel
 
     fresh = _fresh_copy(model)  # no derived data cached on the model object (built before the clock starts)

@@ -100,7 +100,7 @@ def tl_ablations(tl: Any, seq: torch.Tensor, heads: list[tuple[int, int]]) -> tu
 def term_importance_smollm2() -> None:
     from app.params import TermImportanceParams
     from app.settings import Settings
-    from app.views.default_prompt import default_text
+    from app.views.shared.default_prompt import default_text
     from app.views.term_importance import ablated_heads
     from circuits_core.formats.checkpoint import load_checkpoint
 

@@ -22,7 +22,9 @@ import torch
 from bench import PeakRSS, fmt_time, median_time, row
 from bench.composition_paths import IDLE_GFLOPS, normalised, timed
 from bench.engine import gpt2_shaped_model, tl_model
+from circuits_core.circuits import erasure as stream_erasure
 from circuits_core.circuits import residual_stream, stream_components
+from circuits_core.circuits import virtual_weight_table as vwt
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.circuits.composition import random_baseline
 
@@ -51,11 +53,11 @@ def _dense64(chain: list) -> torch.Tensor:  # type: ignore[type-arg]
 
 def _run(extra: bool) -> None:
     model = gpt2_shaped_model()
-    vw.all_scores(model)  # warm-up
+    vwt.all_scores(model)  # warm-up
 
-    def cold() -> vw.VirtualWeightScores:
+    def cold() -> vwt.VirtualWeightScores:
         random_baseline.cache_clear()
-        return vw.all_scores(model)
+        return vwt.all_scores(model)
 
     with PeakRSS() as mem:
         t_cold, g, scores = timed(cold, repeats=1)
@@ -67,13 +69,13 @@ def _run(extra: bool) -> None:
         f"peak +{mem.delta / MiB:.0f} MiB (goal < 1024); {normalised(t_cold, g)}",
     )
     with PeakRSS() as mem:
-        t_warm, g, scores = timed(lambda: vw.all_scores(model))
+        t_warm, g, scores = timed(lambda: vwt.all_scores(model))
     row(
         "    warm (random baseline cached)",
         t_warm,
         "< 3 s",
         f"peak +{mem.delta / MiB:.0f} MiB; {normalised(t_warm, g)}; {int(scores.mask.sum())} reachable pairs; "
-        f"cost estimate {vw.all_scores_cost(model).peak_bytes / MiB:.0f} MiB",
+        f"cost estimate {vwt.all_scores_cost(model).peak_bytes / MiB:.0f} MiB",
     )
     if not extra:
         return
@@ -106,11 +108,11 @@ def _run(extra: bool) -> None:
         "",
         f"{normalised(t, g)}; used dims {usage.bandwidth.used_dims:.0f} of {model.cfg.d_model}",
     )
-    t, g, er = timed(lambda: residual_stream.erasure(model), repeats=1)
+    t, g, er = timed(lambda: stream_erasure.erasure(model), repeats=1)
     row("    erasure scan (every writer x later head)", t, "", f"{normalised(t, g)}; {len(er.candidates)} candidates")
 
 
-def _tl_pairs(tl, scores: vw.VirtualWeightScores, t_qkov: float) -> None:  # type: ignore[no-untyped-def]
+def _tl_pairs(tl, scores: vwt.VirtualWeightScores, t_qkov: float) -> None:  # type: ignore[no-untyped-def]
     """TL: (model.OV[l1, h1] @ model.QK[l2, h2]).norm() / norms, per pair, on a sample; extrapolated."""
     OV, QK = tl.OV, tl.QK
     wi = {w.name: i for i, w in enumerate(scores.writers)}

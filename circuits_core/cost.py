@@ -89,11 +89,6 @@ def stopping(should_stop: Callable[[], bool]) -> Iterator[None]:
         _AMBIENT.reset(token)
 
 
-def ambient_should_stop() -> Callable[[], bool] | None:
-    """The stop flag set by `stopping` for the current context (None outside one)."""
-    return _AMBIENT.get()
-
-
 def check_stop(should_stop: Callable[[], bool] | None = None, what: str = "computation") -> None:
     """Raise CancelledError when `should_stop` or the ambient flag says the result is no longer wanted."""
     ambient = _AMBIENT.get()

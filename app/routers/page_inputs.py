@@ -13,8 +13,8 @@ from app.params import (
 )
 from app.routers.rendering import PageCall, Refusal
 from app.scheduling import cheap
-from app.views.heads import HEADS
-from app.views.tour_figures import REPEATED
+from app.tour.figures import REPEATED
+from app.views.shared.heads_table import HEADS
 
 # The prompt a page starts with: repeated code, where induction heads have something to do.
 DEFAULT_PROMPT = REPEATED

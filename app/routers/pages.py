@@ -64,11 +64,13 @@ from app.views.attention_entropy import ATTENTION_ENTROPY
 from app.views.circuits import DIRECT
 from app.views.copying import COPYING_ALL
 from app.views.detectors import DETECTORS
-from app.views.heads import HEAD, HEADS
-from app.views.page_claims import loss_sentence, rare_entries_sentence
+from app.views.heads import HEAD
 from app.views.qk_circuit_norm import QK_CIRCUIT_NORM
-from app.views.residual import RESIDUAL, RESIDUAL_PAIR, RESIDUAL_USAGE
-from app.views.token_sets import has_token_counts
+from app.views.residual import RESIDUAL, RESIDUAL_PAIR
+from app.views.residual_usage import RESIDUAL_USAGE
+from app.views.shared.heads_table import HEADS
+from app.views.shared.page_claims import loss_sentence, rare_entries_sentence
+from app.views.shared.token_sets import has_token_counts
 from circuits_core.errors import QkovError
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.head_names import parse_head

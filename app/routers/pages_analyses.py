@@ -25,10 +25,10 @@ from app.params import (
 )
 from app.routers.page_inputs import filtered_heads, snippet_source, suggested_heads, text_of
 from app.routers.rendering import Page, PageCall, PageContext
-from app.views.heads import HEADS
-from app.views.page_claims import ablation_sentence
 from app.views.path import PATH
 from app.views.qk_paths import QK_PATHS
+from app.views.shared.heads_table import HEADS
+from app.views.shared.page_claims import ablation_sentence
 from app.views.term_importance import TERM_IMPORTANCE, default_needs_heads
 
 

@@ -21,8 +21,8 @@ from app.routers.pages_rotary import pair_rotary_context, rotary_enabled
 from app.routers.rendering import Page, PageCall, PageContext, url
 from app.schemas.analyses import CompositionPair, CompositionView
 from app.views.composition import COMPOSITION, COMPOSITION_PAIR
-from app.views.heads import HEADS
-from app.views.page_claims import composition_sentence
+from app.views.shared.heads_table import HEADS
+from app.views.shared.page_claims import composition_sentence
 
 
 # -- composition ------------------------------------------------------------------------------------------------

@@ -33,16 +33,18 @@ from app.routers.rendering import (
 from app.scheduling import cheap
 from app.scheduling.flights import JobPending
 from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
-from app.views.basis import basis
-from app.views.circuits import OV, QK, SKIP_TRIGRAMS
+from app.views.circuits import OV, QK
 from app.views.composition import head_partners
-from app.views.heads import HEAD, HEADS
+from app.views.heads import HEAD
 from app.views.latent import latent_head_panel
 from app.views.model_summary import summary_from_heads
 from app.views.models import build_model_view
-from app.views.page_claims import scatter_sentence
 from app.views.positivity import POSITIVITY
-from app.views.token_sets import has_token_counts
+from app.views.shared.basis import basis
+from app.views.shared.heads_table import HEADS
+from app.views.shared.page_claims import scatter_sentence
+from app.views.shared.token_sets import has_token_counts
+from app.views.skip_trigrams import SKIP_TRIGRAMS
 from circuits_core.circuits.profile_shape import near_edge
 from circuits_core.circuits.rotary import KERNEL_WINDOW
 from circuits_core.formats.checkpoint import LoadedModel

@@ -22,8 +22,8 @@ from app.params import (
 )
 from app.routers.page_inputs import snippet_source, suggested_heads, text_of
 from app.routers.rendering import Page, PageCall, PageContext, url
-from app.views.inputs import spelling_variants
 from app.views.prompt import PATHS, PROMPT
+from app.views.shared.inputs import spelling_variants
 from circuits_core.errors import InvalidInputError
 
 

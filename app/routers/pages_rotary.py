@@ -12,7 +12,6 @@ from app.analysis import json_url
 from app.routers.rendering import PageCall
 from app.scheduling import cheap
 from app.schemas.rotary import BandsView, CompositionProfileView, PositionalView, QKCopyingView
-from app.views.basis import Basis
 from app.views.rotary import (
     BANDS,
     POSITIONAL,
@@ -23,7 +22,8 @@ from app.views.rotary import (
     ProfileParams,
     QKCopyingParams,
 )
-from app.views.rotary_reference import is_rotary
+from app.views.shared.basis import Basis
+from app.views.shared.rotary_reference import is_rotary
 
 
 def rotary_enabled(call: PageCall[Any]) -> bool:

@@ -1,5 +1,5 @@
 """The paper tour page (/tour): figures F6-F30 of docs/maths.md §3, in order, each reproduced live on
-the shipped toy models (toy-0l, toy-1l, toy-2l) by app/views/tour.py, with one sentence on what to look for
+the shipped toy models (toy-0l, toy-1l, toy-2l) by app/tour/tour.py, with one sentence on what to look for
 and a link into the full view. This module only turns each figure's data into charts and tables.
 """
 

@@ -9,8 +9,7 @@ when the page declares it, else the page's first block. Every answer sends `Vary
 
 from __future__ import annotations
 
-import json
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, NotRequired, TypedDict, TypeVar
 from urllib.parse import urlencode
@@ -27,11 +26,12 @@ from app.figure_output import for_page
 from app.glossary import term_anchors
 from app.labels import visible
 from app.registry import ModelRegistry
+from app.routers.page_cache import cached_page, encode_page_key, html_page, keep_page
 from app.scheduling import cheap, compute
 from app.scheduling.flights import JobPending
 from app.settings import REPO_ROOT, Limits
-from app.views.basis import basis, changes_weights
-from app.views.inputs import max_prompt_tokens
+from app.views.shared.basis import basis, changes_weights
+from app.views.shared.inputs import max_prompt_tokens
 from circuits_core.errors import QkovError
 from circuits_core.formats.checkpoint import LoadedModel
 
@@ -368,7 +368,7 @@ def cut_prompt(loaded: LoadedModel, prompt: str, limits: Limits) -> tuple[str, d
     }
 
 
-# -- rendered pages, kept like answers ---------------------------------------------------------------------------
+# -- rendered pages, kept like answers (page_cache.py) -----------------------------------------------------------
 async def page_key(request: Request, registry: ModelRegistry, loaded: LoadedModel, route: str) -> str:
     """A rendered page depends on the model's files (digest), the URL (path and query), whether htmx asked for a
     block (and which), and the models in the picker; the same string keys it in the cache and the store."""
@@ -380,37 +380,3 @@ async def page_key(request: Request, registry: ModelRegistry, loaded: LoadedMode
         (request.headers.get("HX-Request", ""), request.headers.get("HX-Target", "")),
         await model_ids(registry, request),
     )
-
-
-def encode_page_key(
-    digest: str,
-    route: str,
-    path: str,
-    query: Iterable[tuple[str, str]],
-    fragment: tuple[str, str],
-    models: Iterable[str],
-) -> str:
-    """The page key as JSON of its parts, never joined raw: a value holding '&', '=', '|' or ',' cannot make two
-    URLs share a key (a prompt 'a&weighted=true' once keyed the page of prompt 'a' with weighted=true). The query
-    is normalised by ordering the parameters by name; the values of a repeated name keep their order."""
-    pairs = sorted(([k, v] for k, v in query), key=lambda kv: kv[0])
-    return json.dumps(["page", digest, route, path, pairs, list(fragment), list(models)], ensure_ascii=True)
-
-
-async def cached_page(request: Request, key: str) -> bytes | None:
-    service = request.app.state.compute
-    body: bytes | None = service.cache.get(key)
-    if body is None and service.store is not None and (body := await service.store.get(key)) is not None:
-        service.cache.put(key, body)
-    return body
-
-
-async def keep_page(request: Request, key: str, body: bytes) -> None:
-    service = request.app.state.compute
-    service.cache.put(key, body)
-    if service.store is not None:
-        await service.store.put(key, body)
-
-
-def html_page(body: bytes) -> Response:
-    return Response(body, media_type="text/html; charset=utf-8", headers={"Vary": "HX-Request"})

@@ -34,9 +34,9 @@ The slot is released when the worker thread returns, not when the awaiting reque
 found through a context variable that app/serving_middleware.py sets per request.
 
 The package: slots.py (the compute slots, the compute threads' priority and torch threads), flights.py (one
-computation, the requests waiting for it, the job it may run as), requests.py (the request a computation serves),
-service.py (ComputeService: the pricing decision, the in-flight table, the job table, the cache; `bind`, the
-service this task uses); here, the entry points views and routers call.
+computation, the requests waiting for it, the job it may run as), requests.py (the request a computation serves
+and `bind`, the service this task uses), service.py (ComputeService: the pricing decision, the in-flight table, the
+job table, the cache); here, the entry points views and routers call.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ import anyio.to_thread
 from pydantic import BaseModel
 
 from app.pricing import Key, key_text
-from app.scheduling.service import ComputeService, bound_service
+from app.scheduling.requests import bound_service
+from app.scheduling.service import ComputeService
 from circuits_core.cost import Cost
 
 T = TypeVar("T")

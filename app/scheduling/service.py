@@ -32,7 +32,7 @@ from app.pricing import (
     view_type,
 )
 from app.scheduling.flights import BusyError, Flight, Job, JobPending, JobTable, Stats
-from app.scheduling.requests import RequestContext, current_request, set_request
+from app.scheduling.requests import RequestContext, current_request
 from app.scheduling.slots import COMPUTE_NICE, Slots, lower_thread_priority
 from app.store import StoreTier
 from circuits_core.cost import Cost, progressing, stopping
@@ -42,18 +42,6 @@ from circuits_core.schedule import available_cores
 T = TypeVar("T")
 V = TypeVar("V", bound=BaseModel)
 POLL_S = 0.05  # how often a waiting request checks its client and deadline
-_SERVICE: contextvars.ContextVar[ComputeService | None] = contextvars.ContextVar("qkov_compute_service", default=None)
-
-
-def bind(service: ComputeService, request: RequestContext | None) -> None:
-    """Make `compute` use this service and request context in the current task (called by middleware)."""
-    _SERVICE.set(service)
-    set_request(request)
-
-
-def bound_service() -> ComputeService | None:
-    """The service `bind` set for this task, None outside a request."""
-    return _SERVICE.get()
 
 
 def _takes_should_stop(fn: Callable[..., Any]) -> bool:

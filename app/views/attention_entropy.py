@@ -10,8 +10,8 @@ from app.analysis import Analysis
 from app.params import PromptInput
 from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
-from app.views.default_prompt import prompt_or_default
-from app.views.inputs import model_ref, token_refs
+from app.views.shared.default_prompt import prompt_or_default
+from app.views.shared.inputs import model_ref, token_refs
 from circuits_core.cost import Cost
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.prompt import attention_entropy

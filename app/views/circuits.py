@@ -1,4 +1,4 @@
-"""Top entries of the full OV, QK and direct-path circuits, and skip-trigram tables (docs/maths.md §2.2-2.6).
+"""Top entries of the full OV, QK and direct-path circuits (docs/maths.md §2.2-2.5; skip-trigrams: skip_trigrams.py).
 
 Every circuit is a FactoredMatrix [d_vocab, d_vocab] from circuits_core.circuits.head_circuits; with a token we read its
 row (or, for QK keys, its column) from the factors, without one the global top-k streams row blocks under
@@ -15,8 +15,8 @@ its DEFAULT_VOCAB most frequent tokens, or else its lowest ids; `vocab=all` rank
 page reads two. A token's own row or column is cheap and always ranks every token (or min_count's).
 
 Each global table is computed once per (circuit, head, weights, offset, token set) at k = max(k, SHARED_K) and
-kept in the result cache (`global_top`): the head page's k=10 tables, the API's k=20 defaults and the
-skip-trigram default source (the OV table's first row) all read the same one.
+kept in the result cache (`global_top`, app/views/shared/global_tables.py): the head page's k=10 tables, the API's
+k=20 defaults and the skip-trigram default source (the OV table's first row) all read the same one.
 """
 
 from __future__ import annotations
@@ -26,26 +26,24 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel
 from torch import Tensor
 
 from app import snippets
 from app.analysis import Analysis
-from app.params import DirectParams, OVParams, QKParams, SkipTrigramParams
-from app.scheduling import cached_build
-from app.schemas import CircuitTopView, MatrixEntry, ScoredToken, SkipTrigram, SkipTrigramView
+from app.params import DirectParams, OVParams, QKParams
+from app.schemas import CircuitTopView, MatrixEntry
 from app.settings import Limits
-from app.views.basis import basis, raw_copy_cost, with_basis
-from app.views.inputs import check_k, model_ref, resolve_token, token_ref
-from app.views.rotary_reference import check_offset, is_rotary
-from app.views.token_sets import TokenSet, frequent_tokens, token_set
+from app.views.shared.basis import basis, raw_copy_cost, with_basis
+from app.views.shared.global_tables import CircuitOf, global_top, restricted, search_cost
+from app.views.shared.inputs import check_k, model_ref, resolve_token, token_ref
+from app.views.shared.rotary_reference import check_offset, is_rotary
+from app.views.shared.token_sets import token_set
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.circuits import latent_circuits, rotary, sinks
-from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.qk_forms import QK_FORMS, qk_form
 from circuits_core.cost import Cost
 from circuits_core.formats.checkpoint import LoadedModel
-from circuits_core.model.head_names import head_name, parse_head
+from circuits_core.model.head_names import parse_head
 from circuits_core.prompt.phenomena import HeldOutBigrams, find_eval_data
 
 LABELS = {
@@ -53,46 +51,6 @@ LABELS = {
     "qk": ("query token (destination)", "key token (source)"),
     "direct": ("current token", "next token"),
 }
-
-
-SHARED_K = 20  # the largest k the app asks a global table for by default: the API's 20 (head page 10, skip source 1)
-
-
-class GlobalTop(BaseModel):
-    """A global top-k table, kept in the result cache for every request that reads a prefix of it."""
-
-    values: list[float]
-    rows: list[int]
-    cols: list[int]
-
-
-CircuitOf = Callable[[Tensor | None], FactoredMatrix]  # token ids [n] (None: all) -> the circuit's [n, n] submatrix
-
-
-def restricted(fm: FactoredMatrix, ids: Tensor | None) -> FactoredMatrix:
-    """The submatrix of fm's rows and columns `ids` (fm itself for None), for circuits built whole."""
-    return fm if ids is None else FactoredMatrix(fm.A[ids], fm.B[:, ids])
-
-
-def global_top(
-    loaded: LoadedModel, circuit_of: CircuitOf, table: tuple[str, ...], k: int, tokens: TokenSet, limits: Limits
-) -> GlobalTop:
-    """The k largest entries of the circuit among tokens x tokens: the first k of one shared top-max(k, SHARED_K)
-    table, cached under (model digest, weights, `table` = circuit, head, offset, token set, its k). The circuit is
-    built on the token set only (circuit_of(ids)), so a large vocabulary's whole factors are never formed."""
-    shared = max(k, min(SHARED_K, tokens.n**2))
-    key = ("global-top", str(loaded.digest), basis(loaded), *table, tokens.name, str(shared))
-
-    def build() -> GlobalTop:
-        values, rows, cols = circuit_of(tokens.ids).topk_global(
-            shared, budget_bytes=limits.matrix_budget_bytes
-        )  # [shared]
-        if tokens.ids is not None:  # positions in the set -> token ids
-            rows, cols = tokens.ids[rows], tokens.ids[cols]
-        return GlobalTop(values=values.tolist(), rows=rows.tolist(), cols=cols.tolist())
-
-    top = cached_build(key, GlobalTop, build)
-    return GlobalTop(values=top.values[:k], rows=top.rows[:k], cols=top.cols[:k])
 
 
 def _top_view(
@@ -307,20 +265,6 @@ def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> C
     return view.model_copy(update={"corpus": corpus})
 
 
-def _search_cost(
-    loaded: LoadedModel, p: DirectParams, limits: Limits, ranked: TokenSet, circuit: circuits.Circuit = "ov"
-) -> Cost:
-    """The global table a request without a token reads: top max(k, SHARED_K) among its token set `ranked`."""
-    return circuits.top_cost(
-        loaded.model,
-        max(p.k, min(SHARED_K, ranked.n**2)),
-        limits.matrix_budget_bytes,
-        line=False,
-        n_tokens=None if ranked.ids is None else ranked.n,
-        circuit=circuit,
-    )
-
-
 def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits, circuit: circuits.Circuit = "ov") -> Cost:
     """A token's row or column, else the global top-k (on the frequent tokens only with min_count): priced by
     head_circuits.top_cost for the circuit and side the view reads."""
@@ -328,7 +272,7 @@ def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits, ci
     side: Literal["row", "column"] = "column" if getattr(p, "side", "query") == "key" else "row"
     ranked = token_set(loaded, p.min_count, p.vocab if p.token is None else "all")  # as _top_view ranks
     if p.token is None:
-        cost = _search_cost(loaded, p, limits, ranked, circuit)
+        cost = search_cost(loaded, p, limits, circuit)
     else:
         n = None if p.min_count is None else ranked.n
         cost = circuits.top_cost(
@@ -353,70 +297,6 @@ def ov_cost(loaded: LoadedModel, p: OVParams, limits: Limits) -> Cost:
 def qk_cost(loaded: LoadedModel, p: QKParams, limits: Limits) -> Cost:
     return top_cost(loaded, p, limits, "qk").with_answer(
         numbers=(p.k + 1) if sinks.has_sinks(loaded.model) else 0  # the sink logit and one probability per entry
-    )
-
-
-def _strongest_source(loaded: LoadedModel, layer: int, h: int, limits: Limits, ranked: TokenSet) -> int:
-    """The source token of the largest full-OV entry (among the ranked tokens): the default skip-trigram source, the
-    first row of the OV circuit's shared global table."""
-    top = global_top(
-        loaded,
-        lambda ids: circuits.full_ov_circuit(loaded.model, layer, h, ids),
-        ("ov", head_name(layer, h), "0"),
-        1,
-        ranked,
-        limits,
-    )
-    return top.rows[0]
-
-
-def build_skip_trigrams_view(loaded: LoadedModel, p: SkipTrigramParams, limits: Limits) -> SkipTrigramView:
-    """[source] ... [destination] -> [out] through one head; without a token, the source of the largest OV entry.
-
-    With min_count, destinations, outs and the default source are frequent tokens only."""
-    loaded = with_basis(loaded, p.basis)
-    head, token, k, min_count = p.head, p.token, p.k, p.min_count
-    layer, h = parse_head(head, loaded.model.cfg)
-    vocab = frequent_tokens(loaded, min_count)  # [n] or None
-    ranked = token_set(loaded, min_count, p.vocab)  # the default source's candidates
-    k = check_k(k, limits, loaded.model.cfg.d_vocab if vocab is None else int(vocab.numel()))
-    with torch.no_grad():
-        source = (
-            resolve_token(loaded, token) if token is not None else _strongest_source(loaded, layer, h, limits, ranked)
-        )
-        check_offset(loaded, p.offset)
-        offset = p.offset if is_rotary(loaded) else None  # rotary: destinations from the QK column at δ
-        col = rotary.full_qk_col_at(loaded.model, layer, h, source, offset) if offset is not None else None
-        st = circuits.skip_trigrams(loaded.model, layer, h, source, k, vocab, qk_col=col)
-    dest = [
-        ScoredToken(token=token_ref(loaded, t), value=float(v))
-        for t, v in zip(st.dest_tokens.tolist(), st.dest_scores.tolist(), strict=True)
-    ]
-    outs = [
-        ScoredToken(token=token_ref(loaded, t), value=float(v))
-        for t, v in zip(st.out_tokens.tolist(), st.out_scores.tolist(), strict=True)
-    ]
-    qk = dict(zip(st.dest_tokens.tolist(), st.dest_scores.tolist(), strict=True))
-    ov = dict(zip(st.out_tokens.tolist(), st.out_scores.tolist(), strict=True))
-    src = token_ref(loaded, source)
-    trigrams = [
-        SkipTrigram(
-            source=src, destination=token_ref(loaded, b), out=token_ref(loaded, c), qk=qk[b], ov=ov[c], joint=joint
-        )
-        for b, c, joint in st.triples[:k]
-    ]
-    return SkipTrigramView(
-        model=model_ref(loaded),
-        head=head_name(layer, h),
-        source=src,
-        k=k,
-        copying=st.copying,
-        min_count=min_count,
-        destinations=dest,
-        outs=outs,
-        trigrams=trigrams,
-        offset=offset,
-        token_set=ranked.said if token is None else None,
     )
 
 
@@ -453,30 +333,5 @@ QK = Analysis(
     build=build_qk_view,
     cost=qk_cost,
     summary="Top entries of the full QK circuit",
-    tags=["circuits"],
-)
-
-
-def skip_trigrams_cost(loaded: LoadedModel, p: SkipTrigramParams, limits: Limits) -> Cost:
-    """The two lines (head_circuits.skip_trigrams_cost) after, without a token, the OV table's search on its token
-    set for the default source."""
-    check_offset(loaded, p.offset)
-    lines = circuits.skip_trigrams_cost(loaded.model, p.k, limits.matrix_budget_bytes, token=True)
-    if p.token is not None:
-        search = Cost(0)
-    else:
-        search = _search_cost(loaded, p.model_copy(update={"k": 1}), limits, token_set(loaded, p.min_count, p.vocab))
-    return search.then(lines) + raw_copy_cost(loaded, p.basis)
-
-
-SKIP_TRIGRAMS = Analysis(
-    name="skip-trigrams",
-    weights="attention",
-    path="heads/{head}/skip-trigrams",
-    params=SkipTrigramParams,
-    view=SkipTrigramView,
-    build=build_skip_trigrams_view,
-    cost=skip_trigrams_cost,
-    summary="Skip-trigrams of a source token",
     tags=["circuits"],
 )

@@ -27,11 +27,11 @@ from app.schemas.analyses import (
     VirtualHeadCircuit,
 )
 from app.settings import Limits
-from app.views.basis import basis, raw_copy_cost, with_basis
-from app.views.inputs import model_ref, qk_form_fields
-from app.views.rotary_reference import rotary_offset
-from app.views.token_circuits import VIRTUAL_LABELS, parse_chain, token_circuit, virtual_ov_circuit
-from app.views.token_sets import token_set
+from app.views.shared.basis import basis, raw_copy_cost, with_basis
+from app.views.shared.inputs import model_ref, qk_form_fields
+from app.views.shared.rotary_reference import rotary_offset
+from app.views.shared.token_circuits import VIRTUAL_LABELS, parse_chain, token_circuit, virtual_ov_circuit
+from app.views.shared.token_sets import token_set
 from circuits_core.circuits import composition
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.circuits.composition import CompositionKind, composition_scores

@@ -27,10 +27,10 @@ from app.params import Heads, K, MinCount
 from app.scheduling import cached, cached_build
 from app.schemas import ModelRef
 from app.settings import Limits
-from app.views.basis import basis
-from app.views.head_spectra import spectra
-from app.views.inputs import check_k, model_ref, parse_heads
-from app.views.token_sets import frequent_tokens
+from app.views.shared.basis import basis
+from app.views.shared.head_spectra import spectra
+from app.views.shared.inputs import check_k, model_ref, parse_heads
+from app.views.shared.token_sets import frequent_tokens
 from circuits_core.circuits import copying, copying_spectra
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.cost import Cost, check_stop, report_progress
@@ -233,7 +233,7 @@ def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Lim
     cfg = model.cfg
     todo = chosen_heads(loaded, p, limits) or all_heads(cfg)
     rows = default_rows(n, p.rows, len(todo))
-    every = spectra(loaded)  # every head's OV eigenvalues, kept once per model (app/views/head_spectra.py)
+    every = spectra(loaded)  # every head's OV eigenvalues, kept once per model (app/views/shared/head_spectra.py)
     eig = copying_spectra.copying_score(
         torch.complex(
             torch.tensor(every.ov_re, dtype=torch.float64), torch.tensor(every.ov_im, dtype=torch.float64)

@@ -15,8 +15,8 @@ from app.params import DetectorParams, NoParams
 from app.scheduling import cached
 from app.schemas import DetectorInput, DetectorsView, HeadPattern, HeadsView, LossByPosition
 from app.settings import Limits
-from app.views.heads import HEADS, bos_id, head_scores, num, repeated_input, standard_input
-from app.views.inputs import model_ref, parse_heads, resolve_prompt, token_refs
+from app.views.shared.heads_table import HEADS, bos_id, head_scores, num, repeated_input, standard_input
+from app.views.shared.inputs import model_ref, parse_heads, resolve_prompt, token_refs
 from circuits_core.cost import Cost
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.head_names import head_name

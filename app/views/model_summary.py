@@ -2,9 +2,9 @@
 
 `make smollm2` writes model_summary.json beside SmolLM2's weights; any other model, and SmolLM2 dropped as a bare
 GGUF folder, had none. Here the same summary (repeat losses, induction and previous-token heads, the heads that
-matter) is read off the heads table (app/views/heads.py: one detector pass on the standard input, which also gives
-the next-token losses on both copies of r), so it costs no pass of its own, and is kept in the result store with
-every other answer. `summary_of` is what the pages use: the summary when it is computed already, else None.
+matter) is read off the heads table (app/views/shared/heads_table.py: one detector pass on the standard input, which
+also gives the next-token losses on both copies of r), so it costs no pass of its own, and is kept in the result store
+with every other answer.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ from pydantic import BaseModel, Field
 
 from app.analysis import Analysis, build_cached, cache_key
 from app.params import NoParams
-from app.scheduling import cached, is_cached
+from app.scheduling import is_cached
 from app.schemas import HeadsView, ModelRef
 from app.settings import Limits
-from app.views.heads import HEADS, heads_cost
-from app.views.inputs import model_ref
+from app.views.shared.heads_table import HEADS, heads_cost
+from app.views.shared.inputs import model_ref
 from circuits_core.cost import FREE, Cost
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.prompt.model_summary import summarise
@@ -96,12 +96,6 @@ def model_summary_cost(loaded: LoadedModel, p: NoParams, limits: Limits) -> Cost
     if is_cached(cache_key(HEADS, loaded.path.name, loaded, NoParams())):
         return FREE.with_answer(numbers=4 * loaded.model.cfg.n_layers * loaded.model.cfg.n_heads)
     return heads_cost(loaded, p, limits)
-
-
-def summary_of(loaded: LoadedModel) -> ModelSummaryView | None:
-    """Inside a computation: the model's summary when its heads table is computed already (no work), else None."""
-    heads = cached(cache_key(HEADS, loaded.path.name, loaded, NoParams()), HeadsView)
-    return summary_from_heads(loaded, heads) if heads is not None and heads.heads else None
 
 
 MODEL_SUMMARY = Analysis(

@@ -10,7 +10,7 @@ from app.registry import ModelEntry, ModelRegistry
 from app.schemas import ModelListView, ModelSummary, TokenizeView, UnavailableModel
 from app.schemas.models import DefaultedValue
 from app.settings import Limits
-from app.views.inputs import model_ref, resolve_prompt, token_refs
+from app.views.shared.inputs import model_ref, resolve_prompt, token_refs
 from circuits_core.cost import Cost
 from circuits_core.errors import CheckpointError, QkovError
 from circuits_core.formats.checkpoint import LoadedModel

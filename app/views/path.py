@@ -16,8 +16,8 @@ from app.analysis import Analysis, split_heads
 from app.params import ChainParams
 from app.schemas.analyses import ChainView, SourceContribution
 from app.settings import Limits
-from app.views.inputs import model_ref, resolve_prompt, resolve_token, token_ref, token_refs
-from app.views.token_circuits import VIRTUAL_LABELS, parse_chain, token_circuit, virtual_ov_circuit
+from app.views.shared.inputs import model_ref, resolve_prompt, resolve_token, token_ref, token_refs
+from app.views.shared.token_circuits import VIRTUAL_LABELS, parse_chain, token_circuit, virtual_ov_circuit
 from circuits_core.cost import Cost
 from circuits_core.errors import LimitExceededError
 from circuits_core.formats.checkpoint import LoadedModel

@@ -18,7 +18,7 @@ from app.params import NoParams
 from app.scheduling import is_cached
 from app.schemas import HeadScores, HeadsView
 from app.settings import Limits
-from app.views.heads import HEADS, heads_cost
+from app.views.shared.heads_table import HEADS, heads_cost
 from circuits_core.cost import FREE, Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel

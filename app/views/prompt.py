@@ -16,7 +16,15 @@ from app.analysis import Analysis, split_heads
 from app.params import PathsParams, PromptParams
 from app.schemas.analyses import PathsView, PathTermView, PromptHeadPattern, PromptView, TermKind
 from app.settings import Limits
-from app.views.inputs import check_k, model_ref, parse_heads, resolve_prompt, resolve_token, token_ref, token_refs
+from app.views.shared.inputs import (
+    check_k,
+    model_ref,
+    parse_heads,
+    resolve_prompt,
+    resolve_token,
+    token_ref,
+    token_refs,
+)
 from circuits_core.circuits import sinks
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, LimitExceededError

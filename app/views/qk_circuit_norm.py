@@ -9,7 +9,7 @@ from app.analysis import Analysis
 from app.params import NoParams
 from app.schemas import ModelRef
 from app.settings import Limits
-from app.views.inputs import model_ref
+from app.views.shared.inputs import model_ref
 from circuits_core.circuits import qk_circuit_norm
 from circuits_core.cost import Cost
 from circuits_core.formats.checkpoint import LoadedModel

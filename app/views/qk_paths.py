@@ -16,7 +16,7 @@ from app.analysis import Analysis
 from app.params import QKPathsParams
 from app.schemas.analyses import QKCell, QKPair, QKPathsView, QKTerm
 from app.settings import Limits
-from app.views.inputs import check_k, model_ref, resolve_prompt, token_refs
+from app.views.shared.inputs import check_k, model_ref, resolve_prompt, token_refs
 from circuits_core.circuits.qk_forms import qk_form
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError

@@ -1,7 +1,7 @@
 """Rotary-model analyses: a head's positional kernel, energy per rotary band and QK eigenvalue
 copying over δ, a pair's Q/K composition profile over δ.
 
-The kernel needs μ_l, the mean ln1 output entering each layer on a reference text: app/views/rotary_reference.py,
+The kernel needs μ_l, the mean ln1 output entering each layer on a reference text: app/views/shared/rotary_reference.py,
 which also holds the rotary checks the QK, composition and heads views share.
 """
 
@@ -23,10 +23,10 @@ from app.schemas.rotary import (
     QKCopyingView,
 )
 from app.settings import Limits
-from app.views.basis import basis, raw_copy_cost, with_basis
-from app.views.inputs import model_ref
-from app.views.rotary_reference import reference_forward_tokens, reference_means
-from circuits_core.circuits import alibi_kernel, composition_rotary, rotary, rotary_baseline
+from app.views.shared.basis import basis, raw_copy_cost, with_basis
+from app.views.shared.inputs import model_ref
+from app.views.shared.rotary_reference import reference_forward_tokens, reference_means
+from circuits_core.circuits import alibi_kernel, composition_rotary, rotary, rotary_bands, rotary_baseline
 from circuits_core.circuits.copying_spectra import copying_score
 from circuits_core.circuits.profile_shape import ProfileShape, profile_shape
 from circuits_core.cost import Cost
@@ -37,7 +37,7 @@ MaxOffset = Annotated[int, Field(ge=1, le=4096, description="offsets δ = 0..max
 
 
 def weights_basis(loaded: LoadedModel) -> str:
-    """Which weights a rotary view's numbers come from (app.views.basis), and what they leave out."""
+    """Which weights a rotary view's numbers come from (app.views.shared.basis), and what they leave out."""
     return f"{basis(loaded)}; biases not included"
 
 
@@ -112,7 +112,7 @@ def build_bands_view(loaded: LoadedModel, p: BandsParams, limits: Limits) -> Ban
     loaded = with_basis(loaded, p.basis)
     layer, h = parse_head(p.head, loaded.model.cfg)
     with torch.no_grad():
-        bands = rotary.band_energies(loaded.model)
+        bands = rotary_bands.band_energies(loaded.model)
     energy = bands.energy[layer, h]  # [K]
     total = float(energy.sum() + bands.unrotated[layer, h])
     return BandsView(
@@ -130,7 +130,7 @@ def build_bands_view(loaded: LoadedModel, p: BandsParams, limits: Limits) -> Ban
 
 
 def bands_cost(loaded: LoadedModel, p: BandsParams, limits: Limits) -> Cost:
-    return rotary.bands_cost(loaded.model) + raw_copy_cost(loaded, p.basis)
+    return rotary_bands.bands_cost(loaded.model) + raw_copy_cost(loaded, p.basis)
 
 
 BANDS = Analysis(

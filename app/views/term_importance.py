@@ -11,7 +11,7 @@ MLP models follow paths.py's convention: an MLP is a fixed node whose clean outp
 the head ablation recomputes downstream MLPs (only attention patterns are frozen, as in Olsson et al.).
 
 The default text, when neither prompt nor tokens is given: the model card's `sample_text` (held-out text
-shipped with the model) when present, else BUILTIN_TEXT, a short Python snippet (app/views/default_prompt.py).
+shipped with the model) when present, else BUILTIN_TEXT, a short Python snippet (app/views/shared/default_prompt.py).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from app.scheduling import cached
 from app.schemas import HeadsView
 from app.schemas.analyses import HeadAblation, TermImportanceView
 from app.settings import Limits
-from app.views.default_prompt import prompt_or_default
-from app.views.heads import HEADS, heads_cost
-from app.views.inputs import model_ref, token_refs
+from app.views.shared.default_prompt import prompt_or_default
+from app.views.shared.heads_table import HEADS, heads_cost
+from app.views.shared.inputs import model_ref, token_refs
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel

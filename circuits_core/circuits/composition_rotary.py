@@ -13,8 +13,8 @@ Exactly through d_head x d_head Gram matrices, ||X R Y||^2 = <X^T X, R (Y^T Y) R
     num_Q(δ)^2 = <P^T P, R(δ) G_K^g R(δ)^T>       num_K(δ)^2 = <P'^T P', R(δ)^T G_Q^B R(δ)>
     ||Ω_B(δ)||^2 = <G_Q^B, R(δ) G_K^g R(δ)^T>      (G_Q = W_Q^T W_Q, G_K = W_K^T W_K)
 so a whole profile costs one d_head x d_model x d_head product per pair (per key/value group for K), a d_head^3
-Gram and 3/4 d_head^2 per offset (the symmetric Grams packed, _packed); the rotated Grams of all offsets come from
-a four-term form (_rotated_tables). The offset window is PROFILE_OFFSETS (δ = 0..64) unless given.
+Gram and 3/4 d_head^2 per offset (the symmetric Grams packed); the rotated Grams of all offsets come from a four-term
+form (rotated_grams.py). The offset window is PROFILE_OFFSETS (δ = 0..64) unless given.
 
 Random baseline: rotary_baseline.random_baseline (rotation-invariant: one value for every δ; under GQA one key
 factor shared by the group's query heads).
@@ -43,10 +43,11 @@ from circuits_core.circuits.composition import (
 from circuits_core.circuits.folded import head_weights
 from circuits_core.circuits.rotary import KERNEL_WINDOW, check_offsets, check_rotary, rotation
 from circuits_core.circuits.rotary_baseline import baseline_cost, random_baseline
+from circuits_core.circuits.rotated_grams import packed, pair_order, rotated_tables, swap_signs, term_weights
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.head_names import head_name, parse_head
-from circuits_core.model.transformer import Transformer, rotary_angles, rotary_pairs
+from circuits_core.model.transformer import Transformer
 from circuits_core.model.window import defined_offsets
 from circuits_core.schedule import shared_tasks, side_by_side
 
@@ -88,76 +89,6 @@ class CompositionProfiles:
         return self.q if kind == "q" else self.k
 
 
-def _pair_order(model: Transformer) -> Tensor:
-    """A permutation of the d_head dims putting the rotary pairs' first dims, then their second dims, then the
-    unrotated ones: in that basis R(δ) acts on halves (rotate-half layout) whatever the model's layout. Inner
-    products <M, X> are unchanged when both are permuted alike."""
-    first, second = rotary_pairs(model.cfg)
-    rest = [i for i in range(model.cfg.d_head) if i not in set(first.tolist()) | set(second.tolist())]
-    return torch.cat([first, second, torch.tensor(rest, dtype=torch.long)]).to(model.device)
-
-
-def _term_weights(
-    model: Transformer, delta: Tensor, dtype: torch.dtype, layer: int | None = None
-) -> tuple[Tensor, Tensor]:
-    """The offset weights of the four terms of R(δ)^T G R(δ) in the pair order, packed (_packed): ([4, h dh, n],
-    [4, (dh - h)^2, n]); the first part's off-diagonal block (columns >= h) doubled, as the packed inner product
-    counts it twice. Terms: c c^T, c s^T, s c^T, s s^T with c = cos δθ_k and s = sin δθ_k on both dims of pair k
-    (1 and 0 on the unrotated dims); θ_k of layer `layer`'s rope (None: the global layers')."""
-    dh, K = model.cfg.d_head, rotary_pairs(model.cfg)[0].numel()
-    rope = model.cfg if layer is None else model.cfg.layer_rope(layer)
-    angles = rotary_angles(rope, delta.to(model.device))  # [n, K] δ θ_k
-    c = torch.ones(delta.numel(), dh, dtype=dtype, device=model.device)
-    s = torch.zeros_like(c)
-    c[:, : 2 * K], s[:, : 2 * K] = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2)
-    W = torch.stack(
-        [
-            c[:, :, None] * c[:, None, :],
-            c[:, :, None] * s[:, None, :],
-            s[:, :, None] * c[:, None, :],
-            s[:, :, None] * s[:, None, :],
-        ]
-    ).permute(0, 2, 3, 1)  # [4, dh, dh, n]
-    h = dh // 2
-    W[:, :h, h:] *= 2
-    return W[:, :h].reshape(4, h * dh, -1).contiguous(), W[:, h:, h:].reshape(4, (dh - h) ** 2, -1).contiguous()
-
-
-def _packed(M: Tensor) -> tuple[Tensor, Tensor]:
-    """Symmetric M [..., dh, dh] as (its first h = dh // 2 rows [..., h dh], its last block [..., (dh - h)^2]):
-    <M, X> = <first rows, first rows of X with columns >= h doubled> + <last blocks> for symmetric M, X."""
-    h = M.shape[-1] // 2
-    return M[..., :h, :].flatten(-2), M[..., h:, h:].flatten(-2)
-
-
-def _rotated_tables(G: Tensor, weights: tuple[Tensor, Tensor], swap: Tensor, turn: int) -> list[Tensor]:
-    """R(δ)^T G R(δ) (turn 1) or R(δ) G R(δ)^T (turn -1) for G [N, dh, dh] in the pair order and every offset,
-    packed and weighted for <M, X> (_term_weights): [[N, h dh, n], [N, (dh - h)^2, n]].
-
-    R(δ) = C + S J in the pair order (C = diag(c), S = diag(s), J[f_k, s_k] = 1, J[s_k, f_k] = -1: x R turns pair
-    k as model.rotate does), so R^T G R = c c^T∘G + c s^T∘(G J) + s c^T∘(J^T G) + s s^T∘(J^T G J), and R G R^T
-    the same with s -> -s. `swap` [dh] holds J's column signs: (G J)[:, j] = swap_j G[:, partner(j)]."""
-    K = int((swap != 0).sum()) // 2
-    partner = torch.cat([torch.arange(K, 2 * K), torch.arange(K), torch.arange(2 * K, G.shape[-1])]).to(G.device)
-    GJ = G[..., partner] * swap  # G J
-    JG = G[..., partner, :] * swap[:, None]  # J^T G
-    terms = (G, turn * GJ, turn * JG, JG[..., partner] * swap)  # [N, dh, dh] each
-    tables = []
-    for part, W in enumerate(weights):  # W [4, E, n]
-        B = [_packed(t)[part] for t in terms]  # [N, E] each
-        X = torch.mul(B[0][..., None], W[0])
-        for t in range(1, 4):
-            X.addcmul_(B[t][..., None], W[t])
-        tables.append(X)  # [N, E, n]
-    return tables
-
-
-def _swap_signs(model: Transformer, dtype: torch.dtype) -> Tensor:
-    """[dh] the column signs of J in the pair order: -1 on the pairs' first dims, 1 on their second, 0 elsewhere."""
-    K, dh = rotary_pairs(model.cfg)[0].numel(), model.cfg.d_head
-    return torch.cat([-torch.ones(K), torch.ones(K), torch.zeros(dh - 2 * K)]).to(dtype=dtype, device=model.device)
-
-
 class _Workspace:
     """One worker's reusable buffers: fresh 10-50 MB products per target layer would each cost their page faults."""
 
@@ -181,10 +112,10 @@ class _Factors:
     )
     F: Tensor  # [L H, k, d] source factors R_V W_O (composition.source_factor, k = min(d, dh)), layer-major
     src: Tensor  # [L H] ||W_OV||_F = ||F||_F
-    order: Tensor  # [dh] _pair_order
-    weights: tuple[Tensor, Tensor]  # _term_weights
-    swap: Tensor  # [dh] _swap_signs
-    local_weights: tuple[Tensor, Tensor] | None = None  # _term_weights of the local layers' own rope, when it differs
+    order: Tensor  # [dh] pair_order
+    weights: tuple[Tensor, Tensor]  # term_weights
+    swap: Tensor  # [dh] swap_signs
+    local_weights: tuple[Tensor, Tensor] | None = None  # term_weights of the local layers' own rope, when it differs
 
     def weights_of(self, model: Transformer, layer: int) -> tuple[Tensor, Tensor]:
         """The term weights target layer `layer` rotates with."""
@@ -206,20 +137,20 @@ def _factors(model: Transformer, delta: Tensor, dtype: torch.dtype) -> _Factors:
         weight,
         F,
         F.pow(2).sum((-2, -1)).sqrt(),
-        _pair_order(model),
-        _term_weights(model, delta, dtype),
-        _swap_signs(model, dtype),
+        pair_order(model),
+        term_weights(model, delta, dtype),
+        swap_signs(model, dtype),
         _local_term_weights(model, delta, dtype),
     )
 
 
 def _local_term_weights(model: Transformer, delta: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
-    """_term_weights of the local layers (their own rope base: ModelConfig.rotary_base_local), None when they rotate as
+    """term_weights of the local layers (their own rope base: ModelConfig.rotary_base_local), None when they rotate as
     the global layers do."""
     local = [layer for layer in range(model.cfg.n_layers) if model.cfg.layer_window(layer) is not None]
     if model.cfg.rotary_base_local is None or not local:
         return None
-    return _term_weights(model, delta, dtype, local[0])
+    return term_weights(model, delta, dtype, local[0])
 
 
 def _target_layer(model: Transformer, f: _Factors, l2: int, q: Tensor, k: Tensor, ws: _Workspace, chunk: int) -> None:
@@ -236,12 +167,12 @@ def _target_layer(model: Transformer, f: _Factors, l2: int, q: Tensor, k: Tensor
     W_Kt = f.weight(l2, "W_K").transpose(-2, -1)[:, f.order]  # [G, dh, d]
     W_T = torch.cat([W_Qt, W_Kt]).view(C * dh, d)  # every query head, then every key/value group
     G_Q, G_K = W_Qt @ W_Qt.transpose(-2, -1), W_Kt @ W_Kt.transpose(-2, -1)  # [H | G, dh, dh]
-    X_Q = _rotated_tables(G_K, weights, f.swap, -1)  # [G, E, n]: R G_K R^T, shared by the group's heads
+    X_Q = rotated_tables(G_K, weights, f.swap, -1)  # [G, E, n]: R G_K R^T, shared by the group's heads
     X_K = [
         X.view(G, gs, e, n).transpose(1, 2).reshape(G, e, gs * n)  # [G, E, gs n]: R^T G_Q R of each head
-        for X, e in zip(_rotated_tables(G_Q, weights, f.swap, 1), E, strict=True)
+        for X, e in zip(rotated_tables(G_Q, weights, f.swap, 1), E, strict=True)
     ]
-    omega_sq = sum(torch.bmm(g.view(G, gs, e), X) for g, X, e in zip(_packed(G_Q), X_Q, E, strict=True))
+    omega_sq = sum(torch.bmm(g.view(G, gs, e), X) for g, X, e in zip(packed(G_Q), X_Q, E, strict=True))
     omega = omega_sq.view(H, n).clamp_min(0).sqrt()  # type: ignore[union-attr]  # [H, n] ||Ω_B(δ)||_F
     q_rows, k_rows = q.view(-1, *q.shape[2:]), k.view(-1, *k.shape[2:])  # [L H (sources), L, H, n]
     for a0 in range(0, l2 * H, chunk):
@@ -250,7 +181,7 @@ def _target_layer(model: Transformer, f: _Factors, l2: int, q: Tensor, k: Tensor
         P = ws.take("P", A * rows, C * dh)
         torch.mm(f.F[a0:a1].view(A * rows, d), W_T.T, out=P)
         blocks = P.view(A, rows, C, dh)
-        M = (ws.take("M0", C, A, h, dh), ws.take("M1", C, A, dh - h, dh - h))  # packed Grams (_packed)
+        M = (ws.take("M0", C, A, h, dh), ws.take("M1", C, A, dh - h, dh - h))  # packed Grams (packed)
         for c in range(C):
             Pc = blocks[:, :, c]  # [A, k, dh]
             torch.bmm(Pc[..., :h].transpose(1, 2), Pc, out=M[0][c])
@@ -371,7 +302,7 @@ def profiles_cost(model: Transformer, n_offsets: int, source_chunk: int = SOURCE
     chunk = max(1, min(source_chunk, (L - 1) * H))
     size = itemsize(model.compute_dtype)
     held = 2 * (L * H) ** 2 * n + (L - 1) * H * (k * d + 1) + 4 * E * n + 2 * n * dh
-    weights_formed = 8 * n * dh * dh  # _term_weights' [4, n, dh, dh] terms and their permuted copy, before any task
+    weights_formed = 8 * n * dh * dh  # term_weights' [4, n, dh, dh] terms and their permuted copy, before any task
     layer = 2 * C * dh * d + C * dh * dh + 6 * H * dh * dh + (G + 2 * H) * E * n  # weights, Grams, tables
     worker = layer + chunk * k * C * dh + C * chunk * E + 10 * H * chunk * n
     tasks = (2 * worker + scores_numbers(model, ("v",), None)) * size + baseline_cost(

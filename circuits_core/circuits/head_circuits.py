@@ -1,8 +1,9 @@
-"""Single-head circuits: the direct path, QK and OV circuits, their full (token) circuits, skip-trigrams, positional QK.
+"""Single-head circuits: the direct path, QK and OV circuits, their full (token) circuits, positional QK.
 
 Paper sections (Elhage et al. 2021): "Zero-Layer Transformers" (direct path W_U W_E), "One-Layer
 Attn-Only Transformers" (QK circuit W_E^T W_QK W_E, OV circuit W_U W_OV W_E, skip-trigrams). See docs/maths.md
-§2.2-2.8; every head's eigenvalue copying scores are in copying_spectra.py, one head's copying metrics in copying.py.
+§2.2-2.8; every head's eigenvalue copying scores are in copying_spectra.py, one head's copying metrics in copying.py,
+its skip-trigrams in skip_trigrams.py.
 
 Convention: row vectors as TransformerLens (`x @ W`), so every full circuit is the paper's matrix
 transposed or not as below (V = d_vocab, d = d_model, d_h = d_head, s = attn_scale):
@@ -208,66 +209,6 @@ def positional_qk(model: Transformer, layer: int, head: int, n: int | None = Non
     )
 
 
-# -- skip-trigrams -----------------------------------------------------------------------------------
-@dataclass
-class SkipTrigrams:
-    """Skip-trigrams "source ... destination -> out" through one head, for one source token a.
-
-    dest_tokens/dest_scores: the k query tokens b with the largest attention score qk[b, a] on key a
-    (column a of the full QK circuit, real score units). Raw scores are not comparable across queries
-    (only differences within a row set the pattern), so this ranking is the paper's "largest QK entries".
-    out_tokens/out_scores: the k tokens c with the largest logit effect ov[a, c] (row a of the full OV).
-    joint [k, k]: qk[b, a] * ov[a, c] for every (destination, out) pair -- a heuristic strength only, the
-    paper defines no joint score. triples: (b, c, joint) sorted by joint, largest first.
-    copying: whether a is among its own top-k out tokens. With `vocab` (token ids [n]) destinations and
-    outs are ranked among those tokens only.
-    """
-
-    source: int
-    dest_tokens: Tensor  # [k]
-    dest_scores: Tensor  # [k]
-    out_tokens: Tensor  # [k]
-    out_scores: Tensor  # [k]
-    joint: Tensor  # [k, k] rows destination, cols out
-    triples: list[tuple[int, int, float]]
-    copying: bool
-
-
-def skip_trigrams(
-    model: Transformer,
-    layer: int,
-    head: int,
-    source_token: int,
-    k: int = 10,
-    vocab: Tensor | None = None,
-    qk_col: Tensor | None = None,
-) -> SkipTrigrams:
-    """qk_col [d_vocab]: the QK column to rank destinations by instead of full_qk_col (rotary.skip_trigrams_at
-    passes the column at an offset)."""
-    n = model.cfg.d_vocab if vocab is None else vocab.numel()
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:
-        raise InvalidInputError(f"k must be an integer in [1, {n}], got {k!r}")
-    keep = slice(None) if vocab is None else vocab
-    ids = torch.arange(model.cfg.d_vocab, device=model.W_E.device)[keep]  # [n]
-    col = full_qk_col(model, layer, head, source_token) if qk_col is None else qk_col  # [V]
-    dest_scores, dest = col[keep].topk(k)  # [k]
-    out_scores, out = full_ov_row(model, layer, head, source_token)[keep].topk(k)  # [k]
-    dest_tokens, out_tokens = ids[dest], ids[out]
-    joint = dest_scores[:, None] * out_scores[None, :]  # [k, k]
-    order = joint.flatten().argsort(descending=True)
-    triples = [(int(dest_tokens[i // k]), int(out_tokens[i % k]), float(joint.flatten()[i])) for i in order.tolist()]
-    return SkipTrigrams(
-        source=source_token,
-        dest_tokens=dest_tokens,
-        dest_scores=dest_scores,
-        out_tokens=out_tokens,
-        out_scores=out_scores,
-        joint=joint,
-        triples=triples,
-        copying=bool((out_tokens == source_token).any()),
-    )
-
-
 @dataclass
 class HeadDump:
     """The largest entries of a head's full circuits over all token pairs (the paper's "head dump")."""
@@ -352,17 +293,6 @@ def circuit_flops(
     else:  # the factors on the n tokens (a rotary circuit's query side then rotated: rotary.full_qk_circuit_at)
         factors = full_qk_flops(model, n_tokens) + (2 * n * cfg.d_head**2 if rotary else 0)
     return factors + topk_global_flops(n, cfg.d_head, n)
-
-
-def skip_trigrams_cost(model: Transformer, k: int, budget_bytes: int, token: bool) -> Cost:
-    """skip_trigrams (a QK column and an OV row) after, without a token, the global top-1 source search (on every
-    token; the view prices its own token set)."""
-    cfg, size = model.cfg, model.W_E.element_size()
-    rotary = cfg.positional_embedding_type == "rotary"
-    flops = line_flops(model, "qk-column-at" if rotary else "qk-column") + line_flops(model, "ov-row")
-    lines = factors_cost(model).then(Cost(4 * cfg.d_vocab * size + k * k * (size + 8), flops=flops))
-    search = top_cost(model, 1, budget_bytes, line=False) if not token else Cost(0)
-    return search.then(lines).with_answer(numbers=3 * k + 2 * k * k, labels=2 * k + 3 * k * k)
 
 
 # -- FLOPs (matrix products, 2 per multiply-add, as torch.utils.flop_counter counts them) of the circuits above -----

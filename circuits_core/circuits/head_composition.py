@@ -19,7 +19,6 @@ from circuits_core.circuits.composition import (
     right_collapsed,
 )
 from circuits_core.circuits.folded import stacked_weights
-from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer
 
@@ -52,12 +51,3 @@ def head_composition(model: Transformer, layer: int, head: int, kind: Compositio
         n_later = cfg.n_layers - layer - 1
         writes = pair_scores(own, later)[0].reshape(n_later, H) if n_later else A.new_zeros(0, H)
     return reads, writes
-
-
-def head_composition_cost(model: Transformer, kinds: int = 3) -> Cost:
-    """head_composition for `kinds` kinds: every head's collapsed factor once per kind (a QR of [d, d_head] each) and
-    one [d_head, d] x [d, d_head] product per pair."""
-    cfg = model.cfg
-    n, d, dh = cfg.n_layers * cfg.n_heads, cfg.d_model, cfg.d_head
-    flops = kinds * n * (2 * d * dh * dh * 2 + 2 * dh * d * dh)
-    return Cost(kinds * n * d * dh * 2 * itemsize(model.compute_dtype), flops=flops).with_answer(numbers=2 * kinds * n)

@@ -1,4 +1,4 @@
-"""Rotary QK circuits: the QK circuit at a query-key offset, the positional kernel, the energy per rotary band.
+"""Rotary QK circuits: the QK circuit at a query-key offset and the positional kernel (per band: rotary_bands.py).
 
 Paper section: "The QK circuit" (Elhage et al. 2021; docs/maths.md §2.4, §2.6, 2.8) for models with rotary
 positions (docs/maths.md §6). Row-vector convention (`x @ W`). `model.rotate(x, p)` is x R(p), the row x
@@ -17,12 +17,7 @@ rows, columns and global top-k, never dense; its nonzero eigenvalues are those o
 Positional kernel: f_h(δ) = μ_l Ω_h(δ) μ_l^T / s, μ_l the mean ln1 output entering layer l measured on a
 reference text (REFERENCE_TEXT, first token left out: it is the attention sink, not typical text).
 
-Bands: R(δ) = Σ_k [cos(δθ_k) I_k + sin(δθ_k) J_k] + I_C over the rotary pairs k = (first_k, second_k)
-(I_k the identity on the pair, J_k[first, second] = 1, J_k[second, first] = -1, I_C the unrotated dims), so
-Ω_h(δ) = Σ_k [cos(δθ_k) A_k + sin(δθ_k) B_k] + C. The energy of band k is ||A_k||^2 + ||B_k||^2 (Barbero et
-al., arXiv 2410.06205: high frequencies make positional heads, low ones carry content); for each k it equals
-||W_Q[:, k]||^2 ||W_K[:, k]||^2, and the mean of ||Ω||^2 over independent uniform phases δθ_k is
-||C||^2 + Σ_k (||A_k||^2 + ||B_k||^2) / 2.
+The energy per rotary band (Ω_h(δ) split over the rotation planes): rotary_bands.py.
 """
 
 from __future__ import annotations
@@ -36,22 +31,16 @@ from torch import Tensor
 from circuits_core.circuits.copying_spectra import copying_score, embed_gram, embed_gram_flops
 from circuits_core.circuits.embedding import EMBED_CHUNK, embed_eff_matmul, embed_eff_rows
 from circuits_core.circuits.factored import FactoredMatrix
-from circuits_core.circuits.folded import stacked_weights
-from circuits_core.circuits.head_circuits import (
-    SkipTrigrams,
-    attention,
-    check_head,
-    factors_cost,
-    skip_trigrams,
-)
+from circuits_core.circuits.head_circuits import attention, check_head, factors_cost
 from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.circuits.qk_forms import QKForm, folded_query_key, qk_form, token_factors, token_scale
+from circuits_core.circuits.skip_trigrams import SkipTrigrams, skip_trigrams
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.flops import layer_flops
 from circuits_core.model.latent_attention import LatentAttention
 from circuits_core.model.qk_norm import qk_scale
-from circuits_core.model.transformer import Transformer, rotary_inv_freq, rotary_pairs
+from circuits_core.model.transformer import Transformer
 from circuits_core.model.window import defined_offsets
 
 # The reference text on which μ_l is measured (public domain: the opening of Lewis Carroll's "Alice's
@@ -316,55 +305,6 @@ def kernel_peak_offsets(model: Transformer, means: Tensor, window: int = KERNEL_
     return kernel_peaks(positional_kernel(model, means, offsets), offsets, kernel_defined(model, offsets))
 
 
-# -- energy per rotary band ----------------------------------------------------------------------------
-@dataclass
-class BandEnergies:
-    """Ω_h(δ) = Σ_k [cos(δθ_k) A_k + sin(δθ_k) B_k] + C per head (module docstring)."""
-
-    theta: Tensor  # [L, K] radians per position of band k in each layer (θ_k, descending: band 0 is the fastest;
-    # local and global layers differ where the model has a local rope base, as Gemma 3)
-    cos_part: Tensor  # [L, H, K] ||A_k||_F^2
-    sin_part: Tensor  # [L, H, K] ||B_k||_F^2
-    unrotated: Tensor  # [L, H] ||C||_F^2 (0 without partial rotary)
-
-    @property
-    def energy(self) -> Tensor:
-        """[L, H, K] ||A_k||^2 + ||B_k||^2."""
-        return self.cos_part + self.sin_part
-
-    @property
-    def wavelength(self) -> Tensor:
-        """[L, K] 2π / θ_k positions."""
-        return 2 * torch.pi / self.theta
-
-
-def band_energies(model: Transformer) -> BandEnergies:
-    """Each head's QK energy per rotary frequency band, from the 2 x 2 blocks of its d_head x d_head Grams (float64)."""
-    check_rotary(model)
-    first, second = (i.to(model.device) for i in rotary_pairs(model.cfg))  # [K]
-    W_Q, W_K = stacked_weights(model, "W_Q").double(), stacked_weights(model, "W_K").double()  # [L, H, d, dh], folded
-    G_Q, G_K = W_Q.transpose(-2, -1) @ W_Q, W_K.transpose(-2, -1) @ W_K  # [L, H, dh, dh]
-
-    def block(G: Tensor, a: Tensor, b: Tensor) -> Tensor:
-        return G[..., a, b]  # [L, H, K]: G[first or second, first or second] of every pair
-
-    qff, qss, qfs = block(G_Q, first, first), block(G_Q, second, second), block(G_Q, first, second)
-    kff, kss, kfs = block(G_K, first, first), block(G_K, second, second), block(G_K, first, second)
-    # A_k = Q_p K_p^T: ||A_k||^2 = <G_Q[p, p], G_K[p, p]>; B_k = Q_p J K_p^T: ||B_k||^2 = <J^T G_Q[p, p] J, G_K[p, p]>
-    cos_part = qff * kff + qss * kss + 2 * qfs * kfs
-    sin_part = qss * kff + qff * kss - 2 * qfs * kfs
-    rd = 2 * first.numel()
-    rest = torch.ones(model.cfg.d_head, dtype=torch.bool, device=W_Q.device)
-    rest[first], rest[second] = False, False
-    unrotated = (
-        (G_Q[..., rest][..., rest, :] * G_K[..., rest][..., rest, :]).sum((-2, -1))
-        if rd < model.cfg.d_head
-        else W_Q.new_zeros(W_Q.shape[:2])
-    )
-    theta = torch.stack([rotary_inv_freq(model.cfg.layer_rope(layer)) for layer in range(model.cfg.n_layers)])
-    return BandEnergies(theta.to(cos_part.device), cos_part, sin_part, unrotated)  # theta [L, K]
-
-
 # -- costs (circuits_core.cost) ------------------------------------------------------------------------
 def qk_copying_at_cost(model: Transformer, n_offsets: int) -> Cost:
     """head_qk_eigenvalues_at: the vocabulary Gram G_E (embed_gram: one LN chunk at a time), the float64
@@ -405,13 +345,3 @@ def kernel_flops(model: Transformer, n_tokens: int) -> int:
     last = 2 * n_tokens * d * dh * (H + G) + 2 * H * n_tokens * n_tokens * dh
     means = (cfg.n_layers - 1) * layer_flops(cfg, 1, n_tokens, True, True) + last
     return means + cfg.n_layers * 2 * d * dh * (H + G) * (2 if cfg.qk_norm is not None else 1)
-
-
-def bands_cost(model: Transformer) -> Cost:
-    """band_energies: the float64 weights and their d_head x d_head Grams; answer 3 numbers per band. Rotary
-    models only."""
-    check_rotary(model)
-    cfg = model.cfg
-    L, H, d, dh = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
-    flops = 2 * L * H * 2 * d * dh * dh  # W_Q^T W_Q and W_K^T W_K per query head
-    return Cost((2 * L * H * d * dh + 2 * L * H * dh * dh) * 8, flops=flops).with_answer(numbers=3 * dh // 2 + 1)

@@ -1,6 +1,7 @@
-"""FLOPs of the residual-stream analyses: the virtual weights' table of every pair (virtual_weights.all_scores), one
-pair's report (pair_report), counted from the factor chains the engine multiplies (stream_components.py), so the price
-follows the same split and order as the work; and the stream usage with its erasure scan (residual_stream.py).
+"""FLOPs of the residual-stream analyses: the virtual weights' table of every pair (virtual_weight_table.all_scores),
+one pair's report (pair_report), counted from the factor chains the engine multiplies (stream_components.py), so the
+price follows the same split and order as the work; and the stream usage with its erasure scan (residual_stream.py,
+erasure.py).
 Matrix products only, 2 per multiply-add, as torch's flop counter counts them (vector products included); the
 eigendecompositions and the factor SVDs are not products and are not counted."""
 

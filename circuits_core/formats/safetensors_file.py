@@ -45,7 +45,6 @@ DTYPES: dict[str, torch.dtype] = {
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8, "BOOL": torch.bool,
 }  # fmt: skip
-FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 class HeaderBoundExceeded(ValueError):

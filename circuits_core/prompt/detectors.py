@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from torch import Tensor
@@ -30,8 +29,6 @@ from circuits_core.cost import Cost, check_stop, itemsize, polled, report_progre
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer, next_token_losses
 from circuits_core.prompt.frozen import attention, forward_cost, ln_linear, unembed_flops
-
-PatternDetector = Literal["previous_token", "current_token", "first_token", "duplicate_token", "induction"]
 
 
 def repeated_random_tokens(

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits.copying_spectra import copying_score, embed_gram
-from circuits_core.circuits.embedding import EMBED_CHUNK, embed_eff, embed_eff_rows
+from circuits_core.circuits.embedding import embed_eff, embed_eff_rows
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import circuit_weight, head_weights, layer_weights
 from circuits_core.circuits.head_circuits import check_head
@@ -282,18 +282,6 @@ def k_composition_positivity(
     if len(layers):
         out[layers.start : layers.stop] = copying_score(eigvals(M.double()))  # M = 0: score 0
     return out
-
-
-def positivity_cost(model: Transformer) -> Cost:
-    """k_composition_positivity with weights on one head, G_E formed here: the Gram pass over W_E_eff (G_E [d, d] and
-    one LN chunk), one layer's G_E W_Q and product [H, d, d_head], M [L, H, d_head, d_head] and its float64 and
-    complex eigenvalue copies; FLOPs of the Gram and of the per-layer products."""
-    cfg, size = model.cfg, itemsize(model.compute_dtype)
-    L, H, d, dh = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
-    gram = (2 * d * d + 2 * EMBED_CHUNK * d) * size
-    matrices = L * H * dh * dh * (size + 8 + 16)
-    flops = 2 * cfg.d_vocab * d * d + L * (2 * H * d * d * dh + 4 * H * d * dh * dh) + 10 * L * H * dh**3
-    return Cost(gram + 2 * H * d * dh * size + matrices, flops=flops).with_answer(numbers=3 * L * H, labels=L * H)
 
 
 def k_composition_matrices(

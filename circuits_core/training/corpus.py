@@ -9,7 +9,7 @@ directories in EXCLUDED_DIRS. A file is held out for validation when `sha1(relpa
 joined with `<|endoftext|>` (EOT), which is also the BOS token of every training window.
 
 Another interpreter has another standard library, so the corpus is pinned by a manifest (relative path
-and sha256 of every file) written next to the checkpoints; `check_manifest` compares a local stdlib with it.
+and sha256 of every file) written next to the checkpoints.
 
 Tokenizer: byte-level BPE (Hugging Face `tokenizers`), vocabulary 4096, EOT is token 0.
 """
@@ -185,17 +185,3 @@ def load_or_build(folder: Path | None) -> Corpus:
     if folder is not None:
         save_corpus(corpus, folder)
     return corpus
-
-
-def check_manifest(manifest_path: Path, root: Path | None = None) -> list[str]:
-    """Differences between a manifest and the local stdlib (empty when the corpus is the same)."""
-    root = stdlib_root() if root is None else root
-    files = json.loads(manifest_path.read_text())["files"]
-    local = set(corpus_files(root))
-    problems = [f"missing locally: {m['path']}" for m in files if m["path"] not in local]
-    for m in files:
-        if m["path"] in local and hashlib.sha256((root / m["path"]).read_bytes()).hexdigest() != m["sha256"]:
-            problems.append(f"differs: {m['path']}")
-    known = {m["path"] for m in files}
-    problems += [f"not in manifest: {p}" for p in sorted(local - known)]
-    return problems

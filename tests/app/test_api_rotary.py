@@ -13,10 +13,10 @@ from fastapi.testclient import TestClient
 from markupsafe import escape as html_escape
 
 from app.main import create_app
-from app.scheduling.service import bind
+from app.scheduling.requests import bind
 from app.settings import Settings
 from app.views.rotary import POSITIONAL, PositionalParams, QKCopyingParams, qk_copying_cost
-from app.views.rotary_reference import reference_tokens
+from app.views.shared.rotary_reference import reference_tokens
 from circuits_core.circuits import rotary
 from circuits_core.circuits.rotary import REFERENCE_NAME, rotation
 from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint

@@ -1,6 +1,6 @@
 """Every tour sentence about a shipped model is true: each measured value is recomputed here independently.
 
-The tour (app/views/tour.py) is built as the app serves it (float32, the registry's processing) on the shipped
+The tour (app/tour/tour.py) is built as the app serves it (float32, the registry's processing) on the shipped
 toy models in checkpoints/. The references below read the raw safetensors in float64 and use dense matrices
 and plain forward passes -- none of the engine's factored circuits, path expansion or detectors. A sentence
 whose value changes (retrained weights, a changed figure, a bug) fails here.
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from app.registry import ModelRegistry
 from app.settings import Settings
-from app.views.tour import build_tour_view
+from app.tour.tour import build_tour_view
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.prompt.phenomena import MIN_TRAIN_COUNT, EvalData
 
@@ -433,7 +433,7 @@ def test_chain_page_shows_each_positions_actual_next_token(raw):
     from fastapi.testclient import TestClient
 
     from app.main import create_app
-    from app.views.tour_figures import REPEATED
+    from app.tour.figures import REPEATED
 
     with TestClient(create_app(Settings(store_url="off"))) as c:
         body = c.get("/api/v1/models/toy-2l/path", params={"heads": "L0H5,L1H2", "prompt": REPEATED}).json()

@@ -26,7 +26,7 @@ from starlette.routing import Route
 from app.catalog import ANALYSES
 from app.main import create_app
 from app.settings import Settings
-from app.views.tour_gemma3 import GEMMA3_MODEL
+from app.tour.gemma3 import GEMMA3_MODEL
 from circuits_core.formats.gguf import GEMMA3_SOURCES
 from tests.app.conftest import until_done
 

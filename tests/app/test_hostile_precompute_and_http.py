@@ -40,7 +40,7 @@ def _ablation_sentence_on(scores: list[list[float]]) -> tuple[str | None, float]
     returns the sentence and the largest layer-0 score."""
     from app.schemas import HeadScores, HeadsView
     from app.schemas.analyses import HeadAblation, TermImportanceView
-    from app.views.page_claims import ablation_sentence
+    from app.views.shared.page_claims import ablation_sentence
 
     heads = [HeadScores.model_construct(head=f"L{layer}H{h}", layer=layer, index=h, previous_token=s)
              for layer, row in enumerate(scores) for h, s in enumerate(row)]  # fmt: skip

@@ -1,4 +1,4 @@
-"""The measured sentences of the page introductions (app/views/page_claims.py) on the shipped toys, against
+"""The measured sentences of the page introductions (app/views/shared/page_claims.py) on the shipped toys, against
 independent computations: dense float64 products of the stored weights, plain forward passes written out here,
 and the model cards (which tests/core/test_shipped_models.py re-measures). A page sentence that stops saying what
 these show fails here; so does the paper's claim on toy-2l (its induction head K-composes with its previous-token

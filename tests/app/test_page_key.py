@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from app.main import create_app
-from app.routers.rendering import encode_page_key
+from app.routers.page_cache import encode_page_key
 from app.settings import Settings
 from tests.app.conftest import LIMITS
 

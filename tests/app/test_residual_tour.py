@@ -1,4 +1,4 @@
-"""The tour's residual-stream section (app/views/tour_residual.py) on the shipped toy-2l: every number in its
+"""The tour's residual-stream section (app/tour/residual.py) on the shipped toy-2l: every number in its
 sentences recomputed here from dense float64 products and SVDs of the served weights, so a sentence that stops
 being true fails CI."""
 
@@ -12,9 +12,10 @@ import torch
 
 from app.registry import ModelRegistry
 from app.settings import Settings
-from app.views import tour_residual
-from circuits_core.circuits import residual_stream, virtual_weights
+from app.tour import residual as tour_residual
+from circuits_core.circuits import erasure as stream_erasure
 from circuits_core.circuits import stream_components as sc
+from circuits_core.circuits import virtual_weight_table as vwt
 from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
 from tests.app.conftest import LIMITS
 from tests.core.test_virtual_weights import dense_reader, dense_writer
@@ -113,9 +114,7 @@ def test_the_section_is_priced_by_the_engine_costs(toy: LoadedModel) -> None:
     )
     cost = tour_residual.residual_chapter_cost(registry, LIMITS)
     m = registry.get("toy-2l").model
-    assert cost.peak_bytes >= max(
-        virtual_weights.all_scores_cost(m).peak_bytes, residual_stream.erasure_cost(m).peak_bytes
-    )
+    assert cost.peak_bytes >= max(vwt.all_scores_cost(m).peak_bytes, stream_erasure.erasure_cost(m).peak_bytes)
     assert cost.answer_bytes > 0
     empty = ModelRegistry(
         Settings(shipped_dir=CHECKPOINTS / "none", models_dir=CHECKPOINTS / "none", dtype="float64", limits=LIMITS)

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 import app.routers.pages as pages
 import app.routers.pages_heads as pages_heads
 import app.views.circuits as views
-import app.views.token_sets as token_sets
+import app.views.shared.token_sets as token_sets
 from app.main import create_app
 from app.params import OVParams
 from app.settings import Limits, Settings

@@ -1,4 +1,4 @@
-"""Every sentence of the tour's Gemma-3 270M chapter (app/views/tour_gemma3.py) recomputed independently on the real
+"""Every sentence of the tour's Gemma-3 270M chapter (app/tour/gemma3.py) recomputed independently on the real
 model: G1's attention shares from the cached queries and keys (dense float64 softmax, causal mask only), with the
 model's own patterns checked to be zero beyond the window where a causal-only softmax would not be; G2's ρ_k from a
 plain forward pass's QK-norm scale at layer 0 for the two tokens named, and the extremes from a dense projection of
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.views import tour_gemma3 as tg
+from app.tour import gemma3 as tg
 from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
 
 FOLDER = Path(__file__).resolve().parents[2] / "models" / tg.GEMMA3_MODEL

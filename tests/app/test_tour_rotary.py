@@ -1,4 +1,4 @@
-"""Every sentence of the tour's SmolLM2 chapter (app/views/tour_rotary.py) recomputed independently on the real
+"""Every sentence of the tour's SmolLM2 chapter (app/tour/rotary.py) recomputed independently on the real
 model: detector scores from a plain forward pass's patterns, kernel peaks from rotations at absolute positions
 with μ normalised by hand, K-composition from explicit d_model x d_model products, the logit and its order-0 /
 order <= 1 parts from plain and order-ablation runs (ablation.py, not paths.py), the induction score and its
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from app.settings import Limits
-from app.views import tour_rotary as tr
-from app.views.heads import standard_input
-from app.views.rotary_reference import reference_tokens
+from app.tour import rotary as tr
+from app.views.shared.heads_table import standard_input
+from app.views.shared.rotary_reference import reference_tokens
 from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
 from circuits_core.model.head_names import parse_head
 from circuits_core.prompt.ablation import order_logits

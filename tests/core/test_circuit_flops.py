@@ -15,11 +15,21 @@ from biased_models import small_model
 from rotary_models import CASES, rotary_model
 from torch.utils.flop_counter import FlopCounterMode
 
-from circuits_core.circuits import composition, composition_rotary, copying, copying_spectra, rotary, rotary_baseline
+from circuits_core.circuits import (
+    composition,
+    composition_rotary,
+    copying,
+    copying_spectra,
+    rotary,
+    rotary_bands,
+    rotary_baseline,
+)
+from circuits_core.circuits import erasure as stream_erasure
 from circuits_core.circuits import head_circuits as hc
 from circuits_core.circuits import residual_stream as rs
 from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import stream_flops as sf
+from circuits_core.circuits import virtual_weight_table as vwt
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import circuit_weight, head_weights
@@ -178,7 +188,7 @@ def test_the_rotary_views(name) -> None:
         rotary.positional_kernel(m, rotary.reference_means(m, tokens), offsets)
 
     assert counted(kernel) == rotary.kernel_cost(m, 7, 9).flops
-    assert counted(lambda: rotary.band_energies(m)) == rotary.bands_cost(m).flops
+    assert counted(lambda: rotary_bands.band_energies(m)) == rotary_bands.bands_cost(m).flops
     for kind in ("q", "k"):
         profile = lambda kind=kind: composition_rotary.pair_profile(m, "L0H1", "L2H3", kind, offsets)  # noqa: E731
         assert counted(profile) == composition_rotary.pair_profile_cost(m, 7).flops, kind
@@ -200,7 +210,7 @@ def test_the_sampled_baselines(d_model: int, d_head: int, group_size: int) -> No
 
 @pytest.mark.parametrize("name", ["layernorm-mlp", "attn-only", "standard-mlp", *ROTARY])
 def test_the_residual_scores(name: str) -> None:
-    """virtual_weights.all_scores (the /residual page's table): the head factors, the Gram inner products and the
+    """vwt.all_scores (the /residual page's table): the head factors, the Gram inner products and the
     sampled baseline, priced as counted (its baseline uncached)."""
     extra = {
         "layernorm-mlp": lambda: small_model(ln="LN", mlp=True),
@@ -209,7 +219,7 @@ def test_the_residual_scores(name: str) -> None:
     }
     m = extra[name]() if name in extra else rotary_model(**CASES[name])
     composition.random_baseline.cache_clear()
-    assert counted(lambda: vw.all_scores(m)) == vw.all_scores_cost(m).flops
+    assert counted(lambda: vwt.all_scores(m)) == vwt.all_scores_cost(m).flops
 
 
 PAIRS = [
@@ -260,14 +270,14 @@ def test_the_stream_usage(name: str) -> None:
 
         def scans(energy: float = energy, spec=spec, found=found) -> None:
             found["usage"] = rs.stream_usage(m, energy=energy, spec=spec)
-            found["erasure"] = rs.erasure(m, energy=energy, spec=spec)
+            found["erasure"] = stream_erasure.erasure(m, energy=energy, spec=spec)
 
         scanned = counted(scans)
         writers = [c.writer for c in found["erasure"].candidates]
         exact = sf.usage_flops(m, found["usage"].dims.__getitem__, writers) - sf.spectra_flops(m)
         assert scanned == exact, energy
         assert scanned <= sf.usage_flops(m) - sf.spectra_flops(m)
-    assert rs.usage_cost(m).then(rs.erasure_cost(m, 5)).flops == sf.usage_flops(m)  # the page's price
+    assert rs.usage_cost(m).then(stream_erasure.erasure_cost(m, 5)).flops == sf.usage_flops(m)  # the page's price
 
 
 @pytest.mark.parametrize("name", list(CASES))

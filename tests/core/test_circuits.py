@@ -7,6 +7,7 @@ import torch
 
 from circuits_core.circuits import copying, copying_spectra, embedding
 from circuits_core.circuits import head_circuits as C
+from circuits_core.circuits.skip_trigrams import skip_trigrams
 from circuits_core.errors import InvalidInputError, NotFoundError
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import random_model
@@ -206,7 +207,7 @@ def test_skip_trigrams_equal_dense_entries(model):
     for layer, head, a in [(0, 0, 3), (model.cfg.n_layers - 1, H - 1, V - 1)]:
         qk = C.full_qk_circuit(model, layer, head).AB  # [V, V] rows query b, cols key a
         ov = C.full_ov_circuit(model, layer, head).AB  # [V, V] rows source a, cols out c
-        st = C.skip_trigrams(model, layer, head, a, k=k)
+        st = skip_trigrams(model, layer, head, a, k=k)
         ref_dest_v, ref_dest = qk[:, a].topk(k)
         ref_out_v, ref_out = ov[a].topk(k)
         assert torch.equal(st.dest_tokens, ref_dest) and torch.equal(st.out_tokens, ref_out)
@@ -219,7 +220,7 @@ def test_skip_trigrams_equal_dense_entries(model):
         assert j == pytest.approx(float(qk[b, a] * ov[a, c]))
         assert st.copying == (a in ref_out.tolist())
     with pytest.raises(InvalidInputError):
-        C.skip_trigrams(model, 0, 0, V)
+        skip_trigrams(model, 0, 0, V)
 
 
 def test_head_dump_equals_dense_global_topk(model):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from circuits_core.circuits import virtual_weights
+from circuits_core.circuits import virtual_weight_table as vwt
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import random_model
 from tests.foreign_device import ForeignDevice
@@ -23,10 +23,10 @@ SHORTFORMER = ModelConfig(n_layers=2, d_model=16, n_heads=2, d_head=8, d_vocab=3
 
 @pytest.mark.parametrize(("cfg", "offset"), [(LLAMA_LIKE, 0), (LLAMA_LIKE, 3), (SHORTFORMER, 0)])
 def test_virtual_weight_scores_stay_on_the_models_device(cfg: ModelConfig, offset: int) -> None:
-    host = virtual_weights.all_scores(random_model(cfg, seed=3, dtype=torch.float64), offset=offset)
+    host = vwt.all_scores(random_model(cfg, seed=3, dtype=torch.float64), offset=offset)
     model = random_model(cfg, seed=3, dtype=torch.float64)  # a twin: nothing cached for it on the host
     with ForeignDevice(model) as mode:
-        scores = virtual_weights.all_scores(model, offset=offset)
+        scores = vwt.all_scores(model, offset=offset)
         assert mode.is_foreign(scores.raw) and mode.place(scores.mask) != "host"
     torch.testing.assert_close(scores.raw, host.raw, rtol=0, atol=0)
 
@@ -34,7 +34,7 @@ def test_virtual_weight_scores_stay_on_the_models_device(cfg: ModelConfig, offse
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.sh)")
 @pytest.mark.parametrize(("cfg", "offset"), [(LLAMA_LIKE, 0), (LLAMA_LIKE, 3), (SHORTFORMER, 0)])
 def test_virtual_weight_scores_on_cuda_equal_the_cpus(cfg: ModelConfig, offset: int) -> None:
-    host = virtual_weights.all_scores(random_model(cfg, seed=3, dtype=torch.float64), offset=offset)
-    gpu = virtual_weights.all_scores(random_model(cfg, seed=3, dtype=torch.float64).to("cuda"), offset=offset)
+    host = vwt.all_scores(random_model(cfg, seed=3, dtype=torch.float64), offset=offset)
+    gpu = vwt.all_scores(random_model(cfg, seed=3, dtype=torch.float64).to("cuda"), offset=offset)
     assert gpu.raw.device.type == "cuda"
     torch.testing.assert_close(gpu.raw.cpu(), host.raw, rtol=1e-12, atol=1e-12)

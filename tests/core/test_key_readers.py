@@ -15,6 +15,7 @@ import torch
 from circuits_core.circuits import residual_stream as rs
 from circuits_core.circuits import rotary
 from circuits_core.circuits import stream_components as sc
+from circuits_core.circuits import virtual_weight_table as vwt
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.circuits.composition_rotary import composition_at
 from circuits_core.circuits.head_circuits import full_qk_circuit
@@ -63,7 +64,7 @@ def _score(W, R):
 
 def test_all_pairs_table_key_and_query_readers_at_an_offset(models):
     model, ref = models
-    table = vw.all_scores(model, offset=OFFSET)
+    table = vwt.all_scores(model, offset=OFFSET)
     writers = {w.name: w for w in table.writers}
     checked = 0
     for j, r in enumerate(table.readers):

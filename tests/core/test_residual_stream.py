@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from circuits_core.circuits import erasure as stream_erasure
 from circuits_core.circuits import residual_stream as rs
 from circuits_core.circuits import stream_components as sc
 from circuits_core.model.config import ModelConfig
@@ -141,7 +142,7 @@ def _plant_erasure(model, writer_layer=0, writer_head=0, eraser_layer=1, eraser_
 
 def test_planted_erasure_is_found():
     model = _plant_erasure(_model(n_layers=3, attn_only=True, d_mlp=None, act_fn=None))
-    found = rs.erasure(model)
+    found = stream_erasure.erasure(model)
     top = found.candidates[0]
     assert (top.writer, top.eraser) == ("L0H0", "L1H1")
     assert top.score == pytest.approx(1.0, abs=1e-9)
@@ -169,7 +170,7 @@ def test_planted_erasure_is_found():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_no_erasure_in_random_models_beyond_the_baseline(seed):
     model = _model(seed=seed, n_layers=3, d_model=32, n_heads=4, d_head=8)
-    found = rs.erasure(model)
+    found = stream_erasure.erasure(model)
     assert found.candidates == []
     z = found.z[found.mask]
     assert z.numel() > 50 and z.abs().max() < found.threshold_z  # random heads sit inside the null's spread
@@ -192,11 +193,11 @@ def test_per_head_null_matches_the_head_on_sampled_random_subspaces(k):
     for name, (W_V, W_O) in heads.items():
         M = W_V @ W_O
         s = -torch.einsum("nik,ij,njk->n", U, M, U) / (math.sqrt(k) * (U.transpose(-1, -2) @ M).flatten(1).norm(dim=1))
-        mean, std = rs.erasure_null(rs.head_moments(W_V[None], W_O[None]), k, d)
+        mean, std = stream_erasure.erasure_null(stream_erasure.head_moments(W_V[None], W_O[None]), k, d)
         assert float(mean) == pytest.approx(s.mean().item(), abs=4 * s.std().item() / math.sqrt(n)), name
         assert float(std) == pytest.approx(s.std().item(), rel=0.06), name
     # the negative projector sits far above zero on any subspace: a null of random heads would flag it everywhere
-    assert float(rs.erasure_null(rs.head_moments(Q[None], -Q.T[None]), k, d)[0]) > 0.3
+    assert float(stream_erasure.erasure_null(stream_erasure.head_moments(Q[None], -Q.T[None]), k, d)[0]) > 0.3
 
 
 def test_a_head_negative_everywhere_is_not_an_eraser_of_unrelated_writers():
@@ -209,7 +210,7 @@ def test_a_head_negative_everywhere_is_not_an_eraser_of_unrelated_writers():
     with torch.no_grad():
         model.blocks[2].attn.W_V[0] = S
         model.blocks[2].attn.W_O[0] = -S.T
-    found = rs.erasure(model)
+    found = stream_erasure.erasure(model)
     pairs = {(c.writer, c.eraser) for c in found.candidates}
     assert ("L0H0", "L1H1") in pairs
     j = found.erasers.index("L2H0")

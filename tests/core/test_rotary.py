@@ -14,7 +14,6 @@ from rotary_models import CASES, rotary_model, tokens_for
 
 from circuits_core.circuits.copying_spectra import copying_score
 from circuits_core.circuits.rotary import (
-    band_energies,
     full_qk_circuit_at,
     full_qk_col_at,
     full_qk_row_at,
@@ -27,6 +26,7 @@ from circuits_core.circuits.rotary import (
     rotation,
     skip_trigrams_at,
 )
+from circuits_core.circuits.rotary_bands import band_energies
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.soft_cap import soft_cap

@@ -8,10 +8,6 @@ from test_paths_cost import _HeldBytes
 from circuits_core.circuits import composition
 from circuits_core.circuits.composition import composition_scores
 from circuits_core.circuits.composition_rotary import (
-    _pair_order,
-    _rotated_tables,
-    _swap_signs,
-    _term_weights,
     composition_at,
     composition_at_cost,
     composition_profiles,
@@ -20,6 +16,7 @@ from circuits_core.circuits.composition_rotary import (
 )
 from circuits_core.circuits.rotary import rotation
 from circuits_core.circuits.rotary_baseline import _pair_scores, baseline_cost, dense_baseline_scores, random_baseline
+from circuits_core.circuits.rotated_grams import pair_order, rotated_tables, swap_signs, term_weights
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.head_names import head_name
 from circuits_core.model.transformer import Transformer
@@ -128,20 +125,20 @@ def test_profiles_price_covers_the_held_peak(case, chunk, n_samples):
 
 
 def test_rotated_gram_tables_are_the_dense_rotations():
-    """_rotated_tables' four-term form, unpacked, is R(δ)^T G R(δ) and R(δ) G R(δ)^T with R(δ) from rope.py's
+    """rotated_tables' four-term form, unpacked, is R(δ)^T G R(δ) and R(δ) G R(δ)^T with R(δ) from rope.py's
     rotation (both layouts, partial rotary), on a non-symmetric G so that every term's orientation is checked."""
     for case in ("half", "adjacent", "partial"):
         model = rotary_model(**CASES[case])
         dh, offsets = model.cfg.d_head, [0, 1, 3, 17]
-        order = _pair_order(model)
+        order = pair_order(model)
         R = rotation(model, offsets)[:, order][:, :, order]  # [n, dh, dh] in the pair order
         G = torch.randn(3, dh, dh, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
-        weights = _term_weights(model, torch.tensor(offsets), torch.float64)
+        weights = term_weights(model, torch.tensor(offsets), torch.float64)
         for turn, want in (
             (1, R.transpose(-2, -1)[None] @ G[:, None] @ R[None]),
             (-1, R[None] @ G[:, None] @ R.transpose(-2, -1)[None]),
         ):  # [3, n, dh, dh]
-            first, last = _rotated_tables(G, weights, _swap_signs(model, torch.float64), turn)  # [3, E, n]
+            first, last = rotated_tables(G, weights, swap_signs(model, torch.float64), turn)  # [3, E, n]
             h = dh // 2
             doubled = torch.ones(h, dh, dtype=torch.float64)
             doubled[:, h:] = 2

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from circuits_core.circuits import stream_components as sc
+from circuits_core.circuits import virtual_weight_table as vwt
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.circuits.composition import BASELINE_SAMPLES, composition_scores
 from circuits_core.errors import CancelledError, InvalidInputError, NotFoundError
@@ -127,7 +128,7 @@ def _dense_score(W, R):
 @pytest.mark.parametrize("name", ALL)
 def test_every_virtual_weight_and_score_equals_the_dense_product(name):
     model = _model(name)
-    scores = vw.all_scores(model)
+    scores = vwt.all_scores(model)
     assert [w.name for w in scores.writers] == [w.name for w in sc.writers(model)]
     checked = 0
     for i, w in enumerate(scores.writers):
@@ -210,7 +211,7 @@ def test_rotary_query_reader_at_an_offset_gives_the_attention_score(offset):
 
 def test_head_to_head_scores_are_the_composition_scores():
     model = _model("attn-only-shortformer")
-    scores = vw.all_scores(model)
+    scores = vwt.all_scores(model)
     comp = composition_scores(model, n_samples=8)
     H = model.cfg.n_heads
     wi = {w.name: i for i, w in enumerate(scores.writers)}
@@ -316,13 +317,13 @@ def test_attention_only_and_position_free_refusals():
 
 def test_all_scores_can_be_cancelled():
     with pytest.raises(CancelledError):
-        vw.all_scores(_model("ln-standard-mlp-bias"), should_stop=lambda: True)
+        vwt.all_scores(_model("ln-standard-mlp-bias"), should_stop=lambda: True)
 
 
 def test_cost_counts_the_factor_copies():
     small, big = _model("attn-only-shortformer"), _model("ln-standard-mlp-bias")
-    assert 0 < vw.all_scores_cost(small).peak_bytes
-    assert vw.all_scores_cost(big).answer_bytes > 0
+    assert 0 < vwt.all_scores_cost(small).peak_bytes
+    assert vwt.all_scores_cost(big).answer_bytes > 0
 
 
 def _graded_float32_model():
@@ -357,7 +358,7 @@ def test_pair_singular_values_in_float32_are_every_dense_float64_one(pair):
     assert int(((S[:n] < 0.02 * S[0]) & (S[:n] > 1e-4 * S[0])).sum()) >= 10  # genuine values the old cut zeroed
     torch.testing.assert_close(got[:n], S[:n], rtol=0, atol=1e-5 * float(S[0]))
     assert rep.score == pytest.approx(_dense_score(writer, reader), rel=1e-5)
-    table = vw.all_scores(model)
+    table = vwt.all_scores(model)
     i = [w.name for w in table.writers].index(W.name)
     j = [r.name for r in table.readers].index(R.name)
     assert rep.score == pytest.approx(float(table.raw[i, j]), rel=1e-4)

@@ -12,7 +12,7 @@ import torch
 from transformer_lens import FactoredMatrix as TLFactored
 from transformer_lens import HookedTransformer, HookedTransformerConfig
 
-from circuits_core.circuits import virtual_weights as vw
+from circuits_core.circuits import virtual_weight_table as vwt
 from circuits_core.formats.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
@@ -58,7 +58,7 @@ def _score(a: TLFactored, b: TLFactored) -> float:
 def test_scores_equal_transformer_lens_factored_products(pair) -> None:  # type: ignore[no-untyped-def]
     tl, model = pair
     assert tl.cfg.normalization_type == "LNPre" and model.cfg.normalization_type == "LNPre"
-    s = vw.all_scores(model)
+    s = vwt.all_scores(model)
     col = {r.name: j for j, r in enumerate(s.readers)}
     row = {w.name: i for i, w in enumerate(s.writers)}
     eye = torch.eye(tl.cfg.d_model, dtype=torch.float64)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from app.params import PromptInput
 from app.settings import Limits
-from app.views.inputs import max_prompt_tokens, resolve_prompt
+from app.views.shared.inputs import max_prompt_tokens, resolve_prompt
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
 

@@ -2,7 +2,7 @@
 
 Each figure names the model it uses (toy-0l, toy-1l or toy-2l in checkpoints/), the paper anchor, one
 general sentence of what to look for followed, for a computed figure, by a sentence generated from the values
-measured on that model (tour_claims.py; tests/app/test_claims.py recomputes them independently), the dashboard page and
+measured on that model (claims.py; tests/app/test_claims.py recomputes them independently), the dashboard page and
 JSON API URLs of the full view, and the data, which comes from the same builders as those views (so the tour and the
 views cannot disagree). A model that is not installed or cannot be loaded, or a figure whose computation fails, yields
 `available: false` with the reason; the other figures are still computed. Static figures (diagrams, equations) carry no
@@ -23,13 +23,13 @@ from pydantic import BaseModel
 from app.registry import ModelRegistry
 from app.schemas.analyses import TourFigure, TourView
 from app.settings import Limits
-from app.views import tour_figures as figs
-from app.views.tour_claims import BASELINE_SAMPLES, BASELINE_TOP_SAMPLES, CLAIMS
-from app.views.tour_gemma3 import GEMMA3_MODEL, gemma3_chapter, gemma3_chapter_cost
-from app.views.tour_residual import TOUR_MODEL as RESIDUAL_MODEL
-from app.views.tour_residual import residual_chapter, residual_chapter_cost
-from app.views.tour_rotary import TOUR_MODEL as ROTARY_MODEL
-from app.views.tour_rotary import chapter_cost, rotary_chapter
+from app.tour import figures as figs
+from app.tour.claims import BASELINE_SAMPLES, BASELINE_TOP_SAMPLES, CLAIMS
+from app.tour.gemma3 import GEMMA3_MODEL, gemma3_chapter, gemma3_chapter_cost
+from app.tour.residual import TOUR_MODEL as RESIDUAL_MODEL
+from app.tour.residual import residual_chapter, residual_chapter_cost
+from app.tour.rotary import TOUR_MODEL as ROTARY_MODEL
+from app.tour.rotary import chapter_cost, rotary_chapter
 from circuits_core.circuits import composition, copying
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.cost import Cost
@@ -310,7 +310,7 @@ def _figure(fig: Figure, models: dict[str, LoadedModel | str], limits: Limits) -
     try:
         data, path, params = fig.compute(loaded, limits)
         claim = CLAIMS.get(fig.id)
-        if claim is not None:  # the measured sentence (tour_claims.py), its values kept in the JSON twin
+        if claim is not None:  # the measured sentence (claims.py), its values kept in the JSON twin
             sentence, values = claim(loaded, data)
             look_for, data = f"{fig.look_for} Measured: {sentence}", {**data, "claim": values}
     except QkovError as exc:
@@ -385,4 +385,4 @@ def tour_cost(registry: ModelRegistry, limits: Limits, chapter: str = "paper") -
             parts += [ablation.cost(m, n), composition.cost(m, ("k",)), qk_paths.cost(m, m.cfg.n_layers - 1, n, 6)]
         for part in parts:
             total = total.then(part)
-    return total.then(residual_chapter_cost(registry, limits))  # the residual-stream section (tour_residual.py)
+    return total.then(residual_chapter_cost(registry, limits))  # the residual-stream section (residual.py)

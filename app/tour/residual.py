@@ -21,10 +21,12 @@ import torch
 from app.registry import ModelRegistry
 from app.schemas.analyses import TourFigure
 from app.settings import Limits
-from app.views.inputs import token_text
-from app.views.residual import ignored_note
+from app.views.shared.inputs import token_text
+from app.views.shared.residual_inputs import ignored_note
+from circuits_core.circuits import erasure as stream_erasure
 from circuits_core.circuits import residual_stream as rs
 from circuits_core.circuits import stream_components as sc
+from circuits_core.circuits import virtual_weight_table as vwt
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.cost import Cost
 from circuits_core.errors import QkovError
@@ -61,7 +63,7 @@ SPECS = (
 
 
 def channel(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
-    s = vw.all_scores(loaded.model)
+    s = vwt.all_scores(loaded.model)
     heads = [
         (i, j)
         for i, w in enumerate(s.writers)
@@ -89,7 +91,7 @@ def channel(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
 
 
 def embedding_reader(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
-    s = vw.all_scores(loaded.model)
+    s = vwt.all_scores(loaded.model)
     e = [w.name for w in s.writers].index("embed")
     j = int(torch.where(s.mask[e], s.raw[e], torch.full_like(s.raw[e], -1.0)).argmax())
     reader = s.readers[j]
@@ -115,7 +117,7 @@ def embedding_reader(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
 def bandwidth(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
     spec = rs.spectra(loaded.model)
     u = rs.stream_usage(loaded.model, spec=spec)
-    er = rs.erasure(loaded.model, spec=spec)
+    er = stream_erasure.erasure(loaded.model, spec=spec)
     bw = u.bandwidth
     load, sharers = bw.crowded[0]
     sentence = (
@@ -218,6 +220,6 @@ def residual_chapter_cost(registry: ModelRegistry, limits: Limits) -> Cost:
         m = registry.get(TOUR_MODEL).model
     except QkovError:
         return Cost(0)
-    scores = vw.all_scores_cost(m)
+    scores = vwt.all_scores_cost(m)
     pair = vw.pair_cost(m, sc.Writer("embed"), sc.Reader("unembed"), 1, N_TOKENS)
-    return scores.then(scores).then(pair).then(rs.usage_cost(m)).then(rs.erasure_cost(m))
+    return scores.then(scores).then(pair).then(rs.usage_cost(m)).then(stream_erasure.erasure_cost(m))

@@ -1,4 +1,4 @@
-"""The data of each tour figure (app/views/tour.py), composed from the view builders of the full views.
+"""The data of each tour figure (app/tour/tour.py), composed from the view builders of the full views.
 
 Each function takes (loaded, limits) and returns (data, API path under /api/v1/models/{model}, query
 parameters), so the tour links the exact JSON view its data came from (and the page showing it, see tour.py). Heads are
@@ -31,25 +31,21 @@ from app.params import (
     TermImportanceParams,
 )
 from app.settings import Limits
-from app.views.circuits import (
-    build_direct_view,
-    build_ov_view,
-    build_qk_view,
-    build_skip_trigrams_view,
-)
+from app.tour.claims import induction_mass, self_copy_and_baseline
+from app.views.circuits import build_direct_view, build_ov_view, build_qk_view
 from app.views.composition import build_composition_pair_view, build_composition_view
-from app.views.default_prompt import BUILTIN_TEXT
 from app.views.detectors import build_detectors_view
 from app.views.heads import build_head_view
-from app.views.inputs import resolve_prompt, token_refs
-from app.views.page_claims import strongest
 from app.views.path import build_path_view
 from app.views.positivity import build_positivity_view, heads_seen, induction_pair
 from app.views.prompt import build_paths_view, build_prompt_view
 from app.views.qk_paths import build_qk_paths_view
+from app.views.shared.default_prompt import BUILTIN_TEXT
+from app.views.shared.inputs import resolve_prompt, token_refs
+from app.views.shared.page_claims import strongest
+from app.views.shared.token_sets import frequent_tokens, has_token_counts
+from app.views.skip_trigrams import build_skip_trigrams_view
 from app.views.term_importance import build_term_importance_view
-from app.views.token_sets import frequent_tokens, has_token_counts
-from app.views.tour_claims import induction_mass, self_copy_and_baseline
 from circuits_core.circuits import copying_spectra
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.errors import InvalidInputError

@@ -24,7 +24,7 @@ from app.params import NoParams
 from app.registry import ModelRegistry
 from app.schemas.analyses import TourFigure
 from app.settings import Limits
-from app.views.heads import build_heads_view
+from app.views.shared.heads_table import build_heads_view
 from circuits_core.circuits import composition_rotary, rotary
 from circuits_core.circuits.rotary import KERNEL_WINDOW
 from circuits_core.cost import Cost

@@ -21,7 +21,7 @@ import torch
 from app.registry import ModelRegistry
 from app.schemas.analyses import TourFigure
 from app.settings import Limits
-from app.views.inputs import token_text
+from app.views.shared.inputs import token_text
 from circuits_core.circuits.qk_forms import QK_FORMS, token_rho
 from circuits_core.cost import Cost
 from circuits_core.errors import QkovError

@@ -9,7 +9,7 @@ import torch
 from app.schemas import Complex, MatrixEntry
 from app.schemas.analyses import TokenCircuit
 from app.settings import Limits
-from app.views.inputs import check_k, parse_heads, token_ref
+from app.views.shared.inputs import check_k, parse_heads, token_ref
 from circuits_core.circuits import copying_spectra, embedding
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.circuits.factored import FactoredMatrix

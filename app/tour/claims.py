@@ -3,7 +3,7 @@
 A tour sentence that states a fact about a model is generated here from measured values, never written by
 hand, so it cannot drift from the model; tests/app/test_claims.py recomputes each value independently (dense
 float64 circuits, plain forward passes) and fails when a sentence stops being true. Each function takes the
-loaded model and the figure's data (tour_figures.py) and returns (sentence, values); the values are kept in
+loaded model and the figure's data (figures.py) and returns (sentence, values); the values are kept in
 the figure's data under "claim" so the JSON twin carries them.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from app.views.basis import basis
+from app.views.shared.basis import basis
 from circuits_core.circuits import copying, copying_spectra
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.head_names import parse_head

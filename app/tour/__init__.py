@@ -1,0 +1,3 @@
+"""The paper tour: figures of the paper computed on the shipped models (tour.py), with their measured claims
+(claims.py), figure builders (figures.py) and chapters (rotary.py, residual.py, gemma3.py). It composes the views'
+answers (app/views/), so it sits above them (make lint: lint-imports)."""
