@@ -336,10 +336,10 @@ with torch.no_grad():
 
 def residual_body(p: Any, view: Any) -> str:
     """Every (writer, later reader) pair's virtual-weight score ||W_w W_r|| / (||W_w|| ||W_r||) and the baseline."""
-    return f"""from circuits_core.circuits import virtual_weights
+    return f"""from circuits_core.circuits import virtual_weight_table
 
 with torch.no_grad():
-    s = virtual_weights.all_scores(model, offset={view.offset or 0})  # {{writer, reader}} scores, [writers, readers]
+    s = virtual_weight_table.all_scores(model, offset={view.offset or 0})  # {{writer, reader}} scores, [writers, readers]
 nan = torch.full_like(s.raw, float("nan"))
 result = {{
     "writers": [w.name for w in s.writers],
