@@ -339,7 +339,7 @@ def residual_body(p: Any, view: Any) -> str:
     return f"""from circuits_core.circuits import virtual_weight_table
 
 with torch.no_grad():
-    s = virtual_weight_table.all_scores(model, offset={view.offset or 0})  # {{writer, reader}} scores, [writers, readers]
+    s = virtual_weight_table.all_scores(model, offset={view.offset or 0})  # scores [writers, readers]
 nan = torch.full_like(s.raw, float("nan"))
 result = {{
     "writers": [w.name for w in s.writers],
