@@ -1,6 +1,6 @@
 """The head filter: score thresholds a reader types once ("induction > 0.4 and layer < 20") and every heads table and
 head-indexed plot of a page applies (the overview's grid, scatter and heads table, the detectors' chart and table, the
-composition map, the copying table and chart, the head ablations of term importance). One definition: `FilterText`
+composition map and its strongest pairs, the head ablations of term importance). One definition: `FilterText`
 is the page parameter, `HeadFilter.parse` its one parser; on a page whose rows are not the heads table's
 (app/routers/page_inputs.py `filtered_heads`), the heads it keeps are read off the model's heads table.
 
@@ -127,10 +127,3 @@ def labelled_heads(heads: Sequence[HeadScores], most: int = 4) -> list[str]:
         named += [s.head for s in ranked[:most] if s.head not in named]
     return named
 
-
-def masked_grid(grid: Sequence[Sequence[float | None]], kept: set[str] | None) -> list[list[float | None]]:
-    """A [layer][head] grid with the heads the filter drops blanked (None); `kept` None: every head."""
-    return [
-        [v if kept is None or f"L{layer}H{h}" in kept else None for h, v in enumerate(row)]
-        for layer, row in enumerate(grid)
-    ]

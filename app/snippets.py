@@ -381,3 +381,13 @@ with torch.no_grad():
         "baseline": comp.baseline,
     }}{k_circuit}
 """
+
+
+def ov_effective_rank_body(p: Any, view: Any) -> str:
+    """Every head's participation ratio of the singular values of W_V W_O."""
+    return """from circuits_core.circuits import ov_effective_rank
+
+with torch.no_grad():
+    ranks = ov_effective_rank.ov_effective_ranks(model)  # [n_layers, n_heads]: (sum s^2)^2 / sum s^4
+result = {"ranks": ranks.tolist()}
+"""

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 from app import charts, view_figures
-from app.catalog import TOUR
 from app.labels import token_labels, unique_labels, visible
 from app.params import TourParams
 from app.routers.rendering import Page, PageCall, PageContext
@@ -22,6 +21,7 @@ from app.schemas.analyses import (
     QKPathsView,
     TourFigure,
 )
+from app.tour.analysis import TOUR
 
 
 def figure_parts(fig: TourFigure) -> dict[str, Any]:

@@ -180,9 +180,9 @@ async def page_context(
 
 
 def model_nav(request: Request) -> list[NavEntry]:
-    """The navigation of a model page: every model page with a `label`, in the order of the app's pages
-    (app.state.pages, set in create_app)."""
-    pages: list[Page[Any]] = request.app.state.pages
+    """The navigation of a model page: every model page with a `label`, in ascending `order` (app.state.pages, set
+    in create_app)."""
+    pages: list[Page[Any]] = sorted(request.app.state.pages, key=lambda p: p.order or 0)
     prefix = "/models/{model}"
     return [
         NavEntry(p.key, p.label, p.route[len(prefix) :], needs_layers(p.analysis))
@@ -258,8 +258,9 @@ def basis_choice(call: PageCall[Any]) -> PageContext:
 @dataclass(frozen=True)
 class Page(Generic[PP]):
     """The page of an analysis, the one way to make a page: a template, and `context` (default: the analysis's
-    view as `view`, its refusal as `error`, the params as `params`). Every page is listed once in
-    app/routers/pages.py PAGES, whose order is the navigation's.
+    view as `view`, its refusal as `error`, the params as `params`). An analysis's `page=` field makes its Page
+    (app/routers/declared_pages.py); a page with a context of its own is listed in app/routers/pages.py PAGES. A
+    labelled page is in a model's navigation, at its `order` (ascending: the navigation's order is declared).
 
     The template gets, beside the context: the frame (title, json_url, model_id, nav, and on full pages models,
     here, model_nav, nav_note, view_note), `limits`, `prompt_cut` (what a too-long prompt lost), `fragment`
@@ -275,6 +276,11 @@ class Page(Generic[PP]):
     nav: str | None = None  # the navigation entry shown as current (default: the analysis's name)
     path: str | None = None  # the page's route (default: the analysis's page path)
     label: str | None = None  # its entry in a model's navigation (None: not listed, e.g. one head's page)
+    order: int | None = None  # its place in the navigation (ascending); given with a label, and only then
+
+    def __post_init__(self) -> None:
+        if (self.label is None) != (self.order is None):
+            raise ValueError(f"page {self.route}: a navigation label and an order go together")
 
     @property
     def route(self) -> str:

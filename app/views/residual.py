@@ -17,6 +17,7 @@ from pydantic import BaseModel, Field
 
 from app import snippets
 from app.analysis import Analysis, AnalysisParams
+from app.page_spec import OwnPage
 from app.params import BasisChoice, K
 from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
@@ -235,6 +236,7 @@ RESIDUAL = Analysis(
     summary="Residual stream (virtual weights)",
     snippet=snippets.residual_body,
     tags=["residual stream"],
+    page=OwnPage(template="residual.html", nav=130),
 )
 RESIDUAL_PAIR = Analysis(
     name="residual-pair",
@@ -245,4 +247,5 @@ RESIDUAL_PAIR = Analysis(
     cost=residual_pair_cost,
     summary="One virtual weight: writer -> reader",
     tags=["residual stream"],
+    page=OwnPage(template="residual_pair.html"),  # reached from the residual page's links, not the navigation
 )

@@ -12,13 +12,23 @@ a small model, the allocator's arenas, the first use of torch's kernels). A real
 and Gemma-3 270M add about 1.0-1.3 times their float32 weights at their peak (docs/serving.md).
 
 How it holds: a sampler thread reads the process's RSS every SAMPLE_S and keeps the peak. The loading thread calls
-`checkpoint()` between bounded steps (each tensor read, each chunk of GGUF rows, each thousand header entries): once
-the peak is over the limit, the next step raises. One native step cannot be interrupted, so steps whose cost is
-known before they run reserve it first (`reserve`: the tokenizer's parse, TOKENIZER_PARSE_FACTOR bytes per byte of
-tokenizer file) and are refused before they start when the reservation would cross the limit. The RSS is the
-process's: watched loads therefore run one at a time (ONE_LOAD), so the growth a load sees is its own (two at once made
-SmolLM2's growth include Gemma-3's, and `make run` refused SmolLM2); other work running beside a load still counts
-(the registry retries a load refused here after a while; app/registry.py).
+`checkpoint()` between bounded steps (each GGUF metadata key, each safetensors header entry, each chunk of GGUF rows:
+gguf_quants.CHUNK_VALUES values): once the peak is over the limit, the next step raises. One native step cannot be
+interrupted, so a step whose cost is known before it runs reserves it first (`reserve`: each safetensors tensor's
+stored bytes, a torch archive's declared records before torch.load, the tokenizer's parse at TOKENIZER_PARSE_FACTOR
+bytes per byte of tokenizer file) and is refused before it starts when the growth so far plus its cost would cross the
+limit. What no checkpoint divides: the steps after the reads (building the model from its state dict, weight
+processing, the tokenizer built on its worker thread) allocate in proportion to the priced weights and are checked
+once, when the load ends (a refusal then names the growth the sampler saw).
+
+What it measures is the process's RSS, not the load's own allocations: Linux keeps no resident-memory count per
+thread, and torch, numpy and `tokenizers` allocate where Python's tracing does not see. Watched loads therefore run
+one at a time (ONE_LOAD), so no other load counts (two at once made SmolLM2's growth include Gemma-3's, and `make run`
+refused SmolLM2). Other work running beside a load does count, both ways: a computation that grows the process during
+a load counts against the load (the registry retries a load refused here after a while; app/registry.py), and one
+that frees memory lets the load grow by as much. What holds exactly is a bound on the process: a load is refused once
+the process has grown, whoever grew it, by more than the folder's limit since the load began, or would by a reserved
+step.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.errors import CheckpointError
-from circuits_core.formats.load_watchdog import checkpoint
+from circuits_core.formats.load_watchdog import checkpoint, reserve
 
 HEADER_MAX_BYTES = 16 * 1024 * 1024  # safetensors' own reader allows 100 MB
 TENSORS_MAX = 65_536  # entries of one file's header
@@ -172,6 +172,7 @@ class SafetensorsFile:
         source = source or self.stored_dtype(key)
         shape = self.shape(key)
         start, nbytes = self.span(key, source)
+        reserve(nbytes, f"tensor {key} of {self.name}")  # one read is one native step: refused before it runs
         if not nbytes:
             return torch.empty(shape, dtype=source)
         return torch.frombuffer(self.stored_bytes(key, start, nbytes), dtype=source).view(shape)

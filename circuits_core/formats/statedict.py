@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.errors import CheckpointError, InvalidInputError
+from circuits_core.formats.load_watchdog import reserve
 from circuits_core.formats.safetensors_file import read_safetensors
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Transformer
@@ -149,7 +150,8 @@ def read_weight_file(path: Path) -> dict[str, Tensor]:
         return read_safetensors(path, path.name)
     if path.suffix not in PICKLE_SUFFIXES:
         raise CheckpointError(f"{path}: unknown weight file type; expected one of {SAFE_SUFFIXES + PICKLE_SUFFIXES}")
-    check_archive_records(path)
+    # torch.load is one native step: the load's watchdog refuses it before it runs when it would cross the limit
+    reserve(check_archive_records(path), f"reading {path.name}")
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -168,14 +170,15 @@ def read_weight_file(path: Path) -> dict[str, Tensor]:
     return dict(obj)
 
 
-def check_archive_records(path: Path) -> None:
+def check_archive_records(path: Path) -> int:
     """Refuse a torch zip archive whose records would expand before torch.load could check anything: torch.save
     writes every record stored (uncompressed), so a compressed record is refused by name, and the records' declared
     sizes must fit in the file itself (a stored record is its own bytes). Read from the zip's central directory
-    only: nothing is inflated. The legacy (non-zip) format holds raw bytes and is bounded by the file's size."""
-    if not zipfile.is_zipfile(path):
-        return
+    only: nothing is inflated. The legacy (non-zip) format holds raw bytes and is bounded by the file's size.
+    Returns the bytes torch.load will read into memory: the records' declared sizes (the file's size if legacy)."""
     size = path.stat().st_size
+    if not zipfile.is_zipfile(path):
+        return size
     try:
         with zipfile.ZipFile(path) as archive:
             records = archive.infolist()
@@ -192,8 +195,10 @@ def check_archive_records(path: Path) -> None:
             raise CheckpointError(
                 f"{path}: record {info.filename!r} declares {info.file_size} bytes in a file of {size} bytes"
             )
-    if sum(info.file_size for info in records) > size:
+    declared = sum(info.file_size for info in records)
+    if declared > size:
         raise CheckpointError(f"{path}: its records declare more bytes than the file's {size}")
+    return declared
 
 
 def read_weight_files(paths: Iterable[Path]) -> tuple[dict[str, Tensor], dict[str, str]]:

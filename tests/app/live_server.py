@@ -3,6 +3,10 @@
 `free_port()` picks a port; `start(args, env)` runs `python <args>` (e.g. `-m app.serve --port P ...`) in the
 repository with the QKOV_* variables given and waits until GET /healthz answers 200 (or fails with the
 server's stderr if it exits first). The caller stops it (`proc.send_signal`, `proc.kill`).
+
+`QKOV_TEST_SERVER_CHECKOUT=/path/to/another/checkout` runs the server from that checkout's code instead (the test
+itself still runs from this one): how a regression test over real HTTP is checked against older code, e.g. a
+`git worktree add --detach ../old <commit>` of the commit before a fix.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import time
 import httpx
 
 from app.settings import REPO_ROOT
+
+SERVER_CHECKOUT = os.environ.get("QKOV_TEST_SERVER_CHECKOUT", str(REPO_ROOT))
 
 
 def free_port() -> int:
@@ -32,8 +38,8 @@ def start(
     pipe nobody reads (the price is no stderr in the error when it dies at start)."""
     proc = subprocess.Popen(
         [sys.executable, *args],
-        cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **env},
+        cwd=SERVER_CHECKOUT,
+        env={**os.environ, "PYTHONPATH": SERVER_CHECKOUT, **env},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL if quiet else subprocess.PIPE,
     )

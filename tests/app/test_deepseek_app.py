@@ -16,7 +16,7 @@ from app.main import create_app
 from app.settings import Settings
 from tests.app.conftest import LIMITS, train_tokenizer
 from tests.app.test_families_app import _analyses
-from tests.app.test_pages import PAGES
+from tests.app.test_pages import DECLARED_PAGES, PAGES
 from tests.app.test_pricing import NEEDS_AN_INDUCTION_HEAD, QUERY_VALUES, _request
 from tests.core.hf_families import hf_model
 
@@ -73,7 +73,7 @@ def test_every_analysis_endpoint_answers(mla_client: TestClient, model: str) -> 
 @pytest.mark.parametrize("model", list(FAMILIES))
 def test_every_page_answers(mla_client: TestClient, model: str) -> None:
     failures = []
-    for page, _ in PAGES:
+    for page in [p for p, _ in PAGES] + DECLARED_PAGES:
         url = page.replace("tiny-2l", model)
         answer = mla_client.get(url)
         if answer.status_code != 200:

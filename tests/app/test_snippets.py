@@ -117,6 +117,7 @@ DECLARED: dict[str, list[tuple[str, dict[str, str]]]] = {
     "term-importance": [("/models/tiny-2l/term-importance", {"prompt": PROMPT})],
     "attention-entropy": [("/models/tiny-2l/attention-entropy", {"prompt": PROMPT})],
     "qk-circuit-norm": [("/models/tiny-2l/qk-circuit-norm", {})],
+    "ov-effective-rank": [("/models/tiny-2l/ov-effective-rank", {})],
     "path": [
         ("/models/tiny-2l/path", {"prompt": PROMPT, "heads": "L0H1,L1H2"}),
         ("/models/tiny-2l/path", {"prompt": PROMPT, "heads": "L1H3", "target": "cat"}),

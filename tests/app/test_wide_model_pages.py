@@ -170,16 +170,9 @@ def test_composition_map_and_pairs_follow_the_head_filter(wide: TestClient) -> N
     assert bad.status_code == 422 and "cannot read the head filter clause" in bad.text
 
 
-def test_copying_and_term_importance_follow_the_head_filter(wide: TestClient) -> None:
-    """The same filter on the copying page (chart and table) and on term importance's head ablations."""
+def test_term_importance_follows_the_head_filter(wide: TestClient) -> None:
+    """The same filter on term importance's head ablations (table and charts)."""
     text, kept = filter_half(wide)
-    api = wide.get(f"{API}/copying", params={"rows": 8}).json()
-    page = wide.get(f"/models/{M}/copying", params={"rows": 8, "filter": text})
-    assert page.status_code == 200
-    table = page.text.split('id="copying-table"', 1)[1].split("</table>", 1)[0]
-    rows = re.findall(r'<tr><td data-value="(L\d+H\d+)">', table)
-    assert rows == [h["head"] for h in api["heads"] if h["head"] in kept] and 0 < len(rows) < 81
-    assert charts_in(page.text)[f"{M}-copying"]["data"][0]["x"] == rows
     ti = {"prompt": "the cat sat on the mat", "heads": "L1-L4"}
     whole = wide.get(f"{API}/term-importance", params=ti).json()
     page = wide.get(f"/models/{M}/term-importance", params={**ti, "filter": text})
@@ -189,32 +182,6 @@ def test_copying_and_term_importance_follow_the_head_filter(wide: TestClient) ->
     assert rows == [h["head"] for h in whole["heads"] if h["head"] in kept] and 0 < len(rows) < 36
     assert charts_in(page.text)[f"{M}-head-ablation"]["data"][0]["x"] == rows
     assert f"{len(rows)} of 36 heads match" in page.text
-
-
-@pytest.mark.parametrize(
-    ("page", "params", "grid", "table", "chart"),
-    [
-        ("qk-circuit-norm", {}, "norms", "qk-norm-table", "qk-circuit-norm"),
-        ("attention-entropy", {"prompt": "the cat sat on the mat"}, "normalised", "entropy-table", "entropy"),
-    ],
-)
-def test_head_grids_follow_the_head_filter(
-    wide: TestClient, page: str, params: dict[str, str], grid: str, table: str, chart: str
-) -> None:
-    """Pages of one number per head ([layer][head] grid and table): the filter blanks the grid's other heads and the
-    table lists the kept ones, in layer order."""
-    text, kept = filter_half(wide)
-    api = wide.get(f"{API}/{page}", params=params).json()
-    got = wide.get(f"/models/{M}/{page}", params={**params, "filter": text})
-    assert got.status_code == 200
-    rows = re.findall(r"<tr><td><a[^>]*>(L\d+H\d+)</a>", got.text.split(f'id="{table}"', 1)[1].split("</table>")[0])
-    order = [f"L{a}H{h}" for a in range(9) for h in range(9)]
-    assert rows == [h for h in order if h in kept]
-    z = charts_in(got.text)[f"{M}-{chart}"]["data"][0]["z"]
-    drawn = {f"L{a}H{h}" for a, row in enumerate(z) for h, v in enumerate(row) if v is not None}
-    assert drawn == kept
-    a, h = (int(x) for x in sorted(kept)[0][1:].split("H"))
-    assert z[a][h] == pytest.approx(api[grid][a][h], abs=1e-4)
 
 
 def test_every_figure_of_every_page_is_capped(wide: TestClient) -> None:

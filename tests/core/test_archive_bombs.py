@@ -43,16 +43,24 @@ def _measured(path: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _recompressed(tmp_path: Path, compress: int) -> Path:
-    """torch.save of a 200 MiB zero tensor, its data record rewritten with `compress` (ZIP_DEFLATED: a bomb)."""
+def _recompressed(tmp_path: Path, compress: int, expanded: int = EXPANDED) -> Path:
+    """A torch.save archive whose data record holds `expanded` bytes of zeros, rewritten with `compress`
+    (ZIP_DEFLATED: a bomb). The record is streamed into the archive a MiB at a time, so writing it costs no memory."""
     buffer = io.BytesIO()
-    torch.save({"w": torch.zeros(EXPANDED // 4)}, buffer)
+    torch.save({"w": torch.zeros(expanded // 4)} if expanded <= EXPANDED else {"w": torch.zeros(4)}, buffer)
     buffer.seek(0)
     path = tmp_path / "model.pth"
+    zeros = bytes(1 << 20)
     with zipfile.ZipFile(buffer) as src, zipfile.ZipFile(path, "w") as dst:
         for info in src.infolist():
-            kind = compress if info.filename.endswith("data/0") else zipfile.ZIP_STORED
-            dst.writestr(info.filename, src.read(info.filename), compress_type=kind, compresslevel=9)
+            if not info.filename.endswith("data/0"):
+                dst.writestr(info.filename, src.read(info.filename), compress_type=zipfile.ZIP_STORED)
+                continue
+            record = zipfile.ZipInfo(info.filename)
+            record.compress_type = compress
+            with dst.open(record, "w", force_zip64=True) as out:
+                for _ in range(expanded >> 20):
+                    out.write(zeros)
     return path
 
 
@@ -62,6 +70,18 @@ def test_a_deflated_record_is_refused_before_it_expands(tmp_path):
     result = _measured(path)
     assert "is compressed" in result["outcome"] and "data/0" in result["outcome"]
     assert result["grown_kib"] < 32 * 1024, result  # inflating it would add 200 MiB
+
+
+@pytest.mark.slow
+def test_a_3_gib_bomb_is_refused_before_it_expands(tmp_path):
+    """The hostile-input pass's case: a few MB on disk that torch.load inflated to 3 GiB before its 422."""
+    path = _recompressed(tmp_path, zipfile.ZIP_DEFLATED, expanded=3 << 30)
+    assert path.stat().st_size < 16 << 20
+    with zipfile.ZipFile(path) as archive:
+        assert max(info.file_size for info in archive.infolist()) == 3 << 30  # what it would expand to
+    result = _measured(path)
+    assert "is compressed" in result["outcome"] and str(3 << 30) in result["outcome"], result
+    assert result["grown_kib"] < 32 * 1024, result
 
 
 def test_a_record_declaring_more_than_the_file_is_refused(tmp_path):

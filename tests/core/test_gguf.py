@@ -60,13 +60,17 @@ def write_gguf(
     bos_token_id: int | None = None,
     extra_arrays: dict[str, list] | None = None,
     extra_tokens: int = 0,
+    n_merges: int | None = None,
 ) -> dict[str, np.ndarray]:
     """A tiny Llama-family GGUF; returns the float32 tensors written (HF layout, before permutation/quantisation).
-    `extra_arrays`: metadata arrays qkov never reads; `extra_tokens`: vocabulary entries beyond the embedding's rows."""
+    `extra_arrays`: metadata arrays qkov never reads; `extra_tokens`: vocabulary entries beyond the embedding's rows;
+    `n_merges`: the merges list padded to this many (repeating its first merge)."""
     rng = np.random.default_rng(seed)
     tokens, merges, eot = _bpe()
     d_vocab = len(tokens)
     tokens = tokens + [f"<extra{i}>" for i in range(extra_tokens)]
+    if n_merges is not None:
+        merges = merges + merges[:1] * (n_merges - len(merges))
 
     def rand(*shape: int, std: float = 0.3) -> np.ndarray:
         return (rng.standard_normal(shape) * std).astype(np.float32)

@@ -7,7 +7,8 @@
   random bytes (every fp16 scale: subnormal, infinite, NaN) and on quantised random weights.
 - A file with 16 MB of metadata qkov never reads (2 M empty strings in one array) loads in under 10 s and adds
   under 200 MiB of RSS (measured in a fresh process); the library's reader makes an object per element.
-- An array qkov reads (the vocabulary) larger than the model allows is refused by name before it is decoded.
+- An array qkov reads (the vocabulary, the merges) larger than the model allows is refused by name before it is
+  decoded: the vocabulary at one entry per row of the embedding, the merges at MERGES_PER_TOKEN per row.
 - On the real SmolLM2 and Gemma-3 270M files (slow): every field and every tensor.
 """
 
@@ -26,7 +27,8 @@ from circuits_core.errors import CheckpointError
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.formats.gguf_header import GGUFHeader
 from circuits_core.formats.gguf_quants import TORCH_DECODERS, decode_rows, dequantize
-from tests.core.test_gguf import write_gguf
+from circuits_core.formats.gguf_tokenizer import MERGES_PER_TOKEN
+from tests.core.test_gguf import _bpe, write_gguf
 
 Q = gguf.GGMLQuantizationType
 REPO = Path(__file__).resolve().parents[2]
@@ -160,6 +162,21 @@ def test_a_vocabulary_larger_than_the_embedding_is_refused_before_it_is_decoded(
     write_gguf(tmp_path / "m" / "m.gguf", extra_tokens=5)
     with pytest.raises(CheckpointError, match=r"tokenizer.ggml.tokens holds \d+ items, more than the \d+ this model"):
         load_checkpoint(tmp_path / "m")
+
+
+def test_merges_beyond_what_the_vocabulary_allows_are_refused_before_they_are_decoded(tmp_path: Path) -> None:
+    rows = len(_bpe()[0])  # the embedding's rows: the vocabulary write_gguf writes
+    (tmp_path / "at").mkdir()
+    write_gguf(tmp_path / "at" / "m.gguf", n_merges=MERGES_PER_TOKEN * rows)  # as many as allowed: loads
+    loaded = load_checkpoint(tmp_path / "at")
+    assert loaded.model.cfg.d_vocab == rows and loaded.tokenizer is not None
+    (tmp_path / "over").mkdir()
+    write_gguf(tmp_path / "over" / "m.gguf", n_merges=MERGES_PER_TOKEN * rows + 1)
+    with pytest.raises(
+        CheckpointError, match=rf"tokenizer.ggml.merges holds {MERGES_PER_TOKEN * rows + 1} items, more than the "
+        rf"{MERGES_PER_TOKEN * rows} this model allows",
+    ):  # fmt: skip
+        load_checkpoint(tmp_path / "over")
 
 
 @pytest.mark.slow

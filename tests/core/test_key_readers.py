@@ -3,7 +3,13 @@ dense matrices built here: keys from the stored key heads with query head h read
 not through the model's per-head expansion), rotations from rotating the identity at two absolute positions.
 
 A key reader is W_K R(δ)^T W_Q^T (the transpose of the query reader W_Q R(δ) W_K^T); a flipped rotation, or the
-query heads mapped to the wrong key group, changes every one of these numbers by far more than the tolerances."""
+query heads mapped to the wrong key group, changes every one of these numbers by far more than the tolerances.
+
+The views: the all-pairs table and the pair page at an offset, reader spectra, K-composition at an offset and its
+profiles over offsets (the composition page's curves and one pair's, two more code paths), the token QK
+table at offset 0 and at an offset, QK copying at an offset, the QK circuit norms, the positional kernel, and the
+"cosine" token tables of a QK-norm model and the direct-path scores of a model with attention sinks (the sink
+threshold's view), both checked against the model's own attention scores."""
 
 from __future__ import annotations
 
@@ -13,13 +19,15 @@ import pytest
 import torch
 
 from circuits_core.circuits import residual_stream as rs
-from circuits_core.circuits import rotary
+from circuits_core.circuits import rotary, sinks
 from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import virtual_weight_table as vwt
 from circuits_core.circuits import virtual_weights as vw
-from circuits_core.circuits.composition_rotary import composition_at
+from circuits_core.circuits.composition_rotary import composition_at, composition_profiles, pair_profile
+from circuits_core.circuits.copying_spectra import copying_score
 from circuits_core.circuits.head_circuits import full_qk_circuit
-from tests.core.rotary_models import rotary_model
+from circuits_core.circuits.qk_circuit_norm import qk_circuit_norms
+from tests.core.rotary_models import CASES, rotary_model
 
 OFFSET = 3
 TOL = {torch.float64: 1e-9, torch.float32: 2e-4}  # relative
@@ -125,6 +133,24 @@ def test_key_composition_at_an_offset(models):
                     assert float(got[l1, h1, l2, h2]) == pytest.approx(expected, rel=TOL[model.dtype])
 
 
+def test_query_and_key_composition_profiles_over_offsets(models):
+    model, ref = models
+    offsets = [0, OFFSET, 7]
+    prof = composition_profiles(model, offsets, n_samples=4)  # [L, H, L, H, n] each
+    H = model.cfg.n_heads
+    for l1 in range(model.cfg.n_layers):
+        for l2 in range(l1 + 1, model.cfg.n_layers):
+            for n, delta in enumerate(offsets):
+                readers = _readers(ref, l2, delta)
+                for h1 in range(H):
+                    for h2 in range(H):
+                        for role, got in (("Q", prof.q), ("K", prof.k)):
+                            expected = _score(_ov(ref, l1)[h1], readers[role][h2])
+                            assert float(got[l1, h1, l2, h2, n]) == pytest.approx(expected, rel=TOL[model.dtype])
+                            one = pair_profile(model, f"L{l1}H{h1}", f"L{l2}H{h2}", role.lower(), offsets)  # pair page
+                            assert float(one[n]) == pytest.approx(expected, rel=TOL[model.dtype])
+
+
 def test_full_qk_circuit_reads_its_own_key_group(models):
     model, ref = models
     tokens = torch.arange(12)
@@ -147,3 +173,74 @@ def test_positional_kernel_reads_its_own_key_group(models):
         for n, delta in enumerate(offsets.tolist()):
             dense = mu[layer] @ _readers(ref, layer, delta)["Q"] @ mu[layer] / ref.cfg.scale  # [H]
             torch.testing.assert_close(kernel[layer, :, n].double(), dense, rtol=TOL[model.dtype], atol=1e-7)
+
+
+def _embedding(ref):
+    """[V, d] W_E_eff: W_E through layer 0's RMS norm, by hand (the token tables' embedding at every layer)."""
+    W_E = ref.embed.W_E
+    return W_E / (W_E.pow(2).mean(-1, keepdim=True) + ref.cfg.eps).sqrt() * ref.blocks[0].ln1.w
+
+
+def test_token_qk_tables_at_an_offset_read_their_own_key_group(models):
+    model, ref = models
+    for layer in range(model.cfg.n_layers):
+        x = _embedding(ref)
+        for h in range(model.cfg.n_heads):
+            dense = x @ _readers(ref, layer, OFFSET)["Q"][h] @ x.T / ref.cfg.scale  # [V, V]
+            got = rotary.full_qk_circuit_at(model, layer, h, OFFSET).AB.double()
+            atol = TOL[model.dtype] * float(dense.abs().max())
+            torch.testing.assert_close(got, dense, rtol=0, atol=atol)
+            row = rotary.full_qk_row_at(model, layer, h, 7, OFFSET)  # one query token's row
+            col = rotary.full_qk_col_at(model, layer, h, 5, OFFSET)  # one key token's column
+            torch.testing.assert_close(row.double(), dense[7], rtol=0, atol=atol)
+            torch.testing.assert_close(col.double(), dense[:, 5], rtol=0, atol=atol)
+
+
+def test_qk_copying_at_an_offset_reads_its_own_key_group(models):
+    model, ref = models
+    got = rotary.qk_copying_scores_at(model, OFFSET)  # [L, H]
+    for layer in range(model.cfg.n_layers):
+        x = _embedding(ref)
+        for h in range(model.cfg.n_heads):
+            dense = x @ _readers(ref, layer, OFFSET)["Q"][h] @ x.T / ref.cfg.scale
+            expected = float(copying_score(torch.linalg.eigvals(dense)))
+            assert float(got[layer, h]) == pytest.approx(expected, rel=50 * TOL[model.dtype], abs=1e-6)
+
+
+def test_qk_circuit_norms_read_their_own_key_group(models):
+    model, ref = models
+    got = qk_circuit_norms(model)  # [L, H]
+    for layer in range(model.cfg.n_layers):
+        W_Q, W_K = ref.blocks[layer].attn.W_Q, _key_group(ref, layer, "W_K")
+        expected = (W_Q @ W_K.transpose(-2, -1)).flatten(1).norm(dim=-1)  # [H]
+        torch.testing.assert_close(got[layer].double(), expected, rtol=TOL[model.dtype], atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_cosine_token_tables_scale_keys_by_their_own_group(dtype):
+    """A QK-norm model with two key/value groups (Qwen3's per-head norm): every head's token table at an offset is
+    the score the model's own forward pass gives (its key scale 1 / rho_k is the key group's)."""
+    model = rotary_model(n_layers=1, seed=2, **CASES["qwen3"]).to(dtype)
+    delta, (a, b) = 2, (7, 11)  # key token a at position 0, query token b at position delta
+    tokens = torch.full((1, delta + 1), a)
+    tokens[0, delta] = b
+    _, cache = model.run(tokens, names={"blocks.0.attn.hook_attn_scores"})
+    real = cache["blocks.0.attn.hook_attn_scores"][0, :, delta, 0]  # [H]
+    for h in range(model.cfg.n_heads):
+        table = rotary.full_qk_circuit_at(model, 0, h, delta).AB  # [V, V]
+        assert float(table[b, a]) == pytest.approx(float(real[h]), rel=TOL[dtype], abs=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_sink_heads_direct_scores_read_their_own_key_group(dtype):
+    """Learned sinks (gpt-oss) with two key/value groups: every head's direct-path score of a query token on a key
+    token at an offset (the sink threshold's s) is the layer-0 score the model's own forward pass gives."""
+    model = rotary_model(n_layers=1, seed=3, n_key_value_heads=2, attn_sinks=True).to(dtype)
+    delta, (a, b) = 3, (5, 9)  # key token a at position 0, query token b at position delta
+    tokens = torch.full((1, delta + 1), a)
+    tokens[0, delta] = b
+    _, cache = model.run(tokens, names={"blocks.0.attn.hook_attn_scores"})
+    real = cache["blocks.0.attn.hook_attn_scores"][0, :, delta, 0]  # [H]
+    for h in range(model.cfg.n_heads):
+        got = sinks.direct_scores(model, 0, h, torch.tensor([b]), torch.tensor([a]), delta)[0]
+        assert float(got) == pytest.approx(float(real[h]), rel=TOL[dtype], abs=TOL[dtype])

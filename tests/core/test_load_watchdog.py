@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
@@ -155,3 +157,46 @@ def test_two_loads_at_once_each_see_only_their_own_growth():
     assert not errors, errors
     for page in kept:
         page.close()
+
+
+STEP_PROBE = """
+import json, sys
+from pathlib import Path
+from circuits_core.errors import CheckpointError
+from circuits_core.formats.load_watchdog import LoadWatchdog
+from circuits_core.formats.statedict import read_weight_file
+def status(field):  # KiB
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith(field + ":"))
+open("/proc/self/clear_refs", "w").write("5")  # VmHWM from here on
+before = status("VmRSS")
+try:
+    with LoadWatchdog("big", files_bytes=0, multiple=1.0, allowance=int(sys.argv[2])):
+        read_weight_file(Path(sys.argv[1]))
+    outcome = "read"
+except CheckpointError as exc:
+    outcome = f"{type(exc).__name__}: {exc}"
+print(json.dumps({"outcome": outcome, "grown_bytes": (status("VmHWM") - before) * 1024}))
+"""
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pth"])
+def test_a_read_that_would_cross_the_limit_is_refused_before_it_runs(tmp_path, suffix):
+    """One tensor read (safetensors) or one torch.load (a .pth archive) is a single native step: checked only
+    between steps, a 64 MiB tensor under a 16 MiB limit was read whole and refused after it (the process grew by
+    64 MiB). Its size is known before it runs (the header's offsets, the archive's declared records), so it is
+    reserved first and refused before anything is read, in a fresh process whose peak growth stays under the limit."""
+    tensors = {"small": torch.ones(4), "big": torch.zeros(16 * MiB)}  # 64 MiB of float32
+    path = tmp_path / f"model{suffix}"
+    if suffix == ".pth":
+        torch.save(tensors, path)
+    else:
+        save_file(tensors, str(path))
+    limit = 16 * MiB
+    out = subprocess.run(
+        [sys.executable, "-c", STEP_PROBE, str(path), str(limit)], cwd=REPO, capture_output=True, text=True,
+        timeout=300, check=True,
+    )  # fmt: skip
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["outcome"].startswith("LoadMemoryExceeded: big: loading it would need 64 MiB more for"), got
+    assert path.name in got["outcome"], got
+    assert got["grown_bytes"] < limit, got

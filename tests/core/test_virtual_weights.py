@@ -387,3 +387,15 @@ def test_head_to_head_directions_read_in_tokens(role, through):
         assert [v for _, v in d.output_tokens_top] == pytest.approx((sign * outs).topk(5).values.tolist(), rel=1e-6)
     mixed = vw.pair_report(model, sc.Writer("embed"), sc.Reader("V", 1, 0))  # a token side needs no reading
     assert mixed.input_read is None and mixed.output_read == "W_U"
+
+
+def test_a_pair_read_by_a_large_float32_unembedding_is_scored_from_float64_norms():
+    """||W_U||_F summed in float32 over 65,536 x 64 entries is about 1e-4 off (0.17 % over SmolLM2's 49,152 x 576),
+    so a pair read by the unembedding is scored against the float64 Gram identity to 1e-5, on float32 weights."""
+    fields = dict(CONFIGS["ln-standard-mlp-bias"], d_model=64, d_head=8, n_heads=4, d_vocab=65_536, d_mlp=96)
+    model = random_model(ModelConfig(**{**dict(n_ctx=10), **fields}), seed=3, dtype=torch.float32)
+    rep = vw.pair_report(model, sc.parse_writer(model, "L0.mlp"), sc.parse_reader(model, "unembed"), k=1)
+    W, R = model.blocks[0].mlp.W_out.double(), model.W_U.double()  # the same float32 values, exactly
+    G, H = W.T @ W, R @ R.T  # [d, d] each
+    expected = float((G * H).sum().sqrt() / (G.trace().sqrt() * H.trace().sqrt()))
+    assert rep.score == pytest.approx(expected, rel=1e-5)
