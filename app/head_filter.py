@@ -126,4 +126,3 @@ def labelled_heads(heads: Sequence[HeadScores], most: int = 4) -> list[str]:
         )
         named += [s.head for s in ranked[:most] if s.head not in named]
     return named
-
