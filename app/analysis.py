@@ -161,7 +161,7 @@ class Analysis(Declared[P, V]):
     build: Callable[[LoadedModel, P, Limits], V]  # calls the engine
     cost: Callable[[LoadedModel, P, Limits], Cost]  # the engine's estimate, priced before a slot is taken
     # the model's attention layers the analysis needs: a model with fewer leaves its page out of the navigation and
-    # says why (app/routers/rendering.py nav_note)
+    # says why (app/routers/navigation.py nav_note)
     needs_layers: int = 0
     # reads an MLP (a writer's table): an attention-only model leaves its page out of the navigation and says why
     needs_mlp: bool = False

@@ -84,7 +84,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(api.router)  # listings
     app.include_router(analyses.api_router(declared))  # one route per declared analysis
     app.include_router(docs.router)
-    app.state.pages = PAGES  # every page, in the navigation's order (app/routers/rendering.py model_nav)
+    app.state.pages = PAGES  # every page, in the navigation's order (app/routers/navigation.py model_nav)
     app.include_router(pages.router)  # the models listing and the model picker
     app.include_router(analyses.page_router(declared, PAGES))  # one route per page
     return app

@@ -36,6 +36,7 @@ from app.params import (
 from app.routers import pages_analyses, pages_composition, pages_prompt, pages_tour
 from app.routers.api import models_view
 from app.routers.declared_pages import declared_pages
+from app.routers.navigation import NavEntry, model_nav
 from app.routers.pages_heads import (
     MIN_COUNT_CHOICES,
     SCORES,
@@ -44,16 +45,7 @@ from app.routers.pages_heads import (
     head_context,
     overview_context,
 )
-from app.routers.rendering import (
-    NavEntry,
-    Page,
-    PageCall,
-    PageContext,
-    model_nav,
-    page_context,
-    render,
-    url,
-)
+from app.routers.rendering import Page, PageCall, PageContext, page_context, render, url
 from app.scheduling import cheap
 from app.schemas import CircuitTopView, HeadScores
 from app.views.circuits import DIRECT

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import logging
 import threading
 import time
@@ -155,3 +156,18 @@ class JobTable:
                 self._withdraw(job.flight)
                 job.finished = time.monotonic()
                 return
+
+
+def takes_should_stop(fn: Callable[..., Any]) -> bool:
+    """Whether a computation takes a `should_stop` callback (then the service passes its flight's)."""
+    try:
+        return "should_stop" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def computation_name(fn: Callable[..., Any]) -> str:
+    """How a refusal names the computation: 'build_qk_paths_view' -> 'qk paths'."""
+    name = getattr(fn, "__name__", "this request")
+    name = name.removeprefix("build_").removesuffix("_view").replace("_", " ")
+    return f"the {name} request" if name else "this request"

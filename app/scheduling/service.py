@@ -8,7 +8,6 @@ import asyncio
 import concurrent.futures
 import contextvars
 import hashlib
-import inspect
 import math
 import threading
 import time
@@ -31,7 +30,16 @@ from app.pricing import (
     key_text,
     view_type,
 )
-from app.scheduling.flights import BusyError, Flight, Job, JobPending, JobTable, Stats
+from app.scheduling.flights import (
+    BusyError,
+    Flight,
+    Job,
+    JobPending,
+    JobTable,
+    Stats,
+    computation_name,
+    takes_should_stop,
+)
 from app.scheduling.requests import RequestContext, current_request
 from app.scheduling.slots import COMPUTE_NICE, JOB_NICE, Slots, lower_thread_priority
 from app.store import StoreTier
@@ -42,13 +50,6 @@ from circuits_core.schedule import available_cores
 T = TypeVar("T")
 V = TypeVar("V", bound=BaseModel)
 POLL_S = 0.05  # how often a waiting request checks its client and deadline
-
-
-def _takes_should_stop(fn: Callable[..., Any]) -> bool:
-    try:
-        return "should_stop" in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
 
 
 class ComputeService:
@@ -161,7 +162,7 @@ class ComputeService:
     ) -> Any:
         if dense_bytes is not None and self.dense_budget_bytes is not None:
             check_dense_bytes(dense_bytes, self.dense_budget_bytes)
-        what = _what(fn)
+        what = computation_name(fn)
         if cost is not None:
             check_cost(cost, self.budgets, lower, what)  # memory, answer, time over the job budget: 422
         text = key_text(key) if key is not None else None
@@ -335,7 +336,7 @@ class ComputeService:
             self.stats.cancelled += 1
             self._settle(flight, exc=CancelledError("computation abandoned before it started"))
             return
-        if "should_stop" not in kwargs and _takes_should_stop(fn):
+        if "should_stop" not in kwargs and takes_should_stop(fn):
             kwargs = {**kwargs, "should_stop": flight.should_stop}
         ctx = contextvars.copy_context()
         try:
@@ -406,10 +407,3 @@ class ComputeService:
             flight.future.set_exception(exc)
         else:
             flight.future.set_result(value)
-
-
-def _what(fn: Callable[..., Any]) -> str:
-    """How a refusal names the computation: 'build_qk_paths_view' -> 'qk paths'."""
-    name = getattr(fn, "__name__", "this request")
-    name = name.removeprefix("build_").removesuffix("_view").replace("_", " ")
-    return f"the {name} request" if name else "this request"

@@ -30,7 +30,7 @@ ROTARY_ONLY = ("/positional", "/bands", "/qk-copying", "/profile")
 
 
 def sidebar(app: Any, n_layers: int, attn_only: bool = False) -> list[str]:
-    """The model's navigation (rendering.model_nav): every labelled model page that applies to its layers (and, on
+    """The model's navigation (navigation.model_nav): every labelled model page that applies to its layers (and, on
     an attention-only model, does not read an MLP)."""
     prefix = "/models/{model}"
     return [
