@@ -8,8 +8,8 @@ from typing import Any
 from app.analysis import Declared, ServerAnalysis
 from app.params import TourParams
 from app.registry import ModelRegistry
-from app.schemas.analyses import TourView
 from app.settings import Limits
+from app.tour.figure_data import TourView
 from app.tour.tour import build_tour_view, digest_or_dash, tour_models
 from app.tour.tour import tour_cost as tour_view_cost
 from app.views import circuits, composition, detectors, heads, models, path, prompt, qk_paths, rotary, term_importance
