@@ -13,13 +13,15 @@ An analysis is declared once, beside its builder in app/views/<topic>.py (app/vi
         cost=entropy_cost,               # (loaded, params, limits) -> Cost: the engine's own estimate
         summary="Attention entropy of every head", tags=["prompts"],
         needs_layers=1,                  # a model with fewer attention layers leaves its page out of the navigation
+        page=OwnPage(template="attention_entropy.html", nav=100),  # its page (app/page_spec.py; None: API only)
     )
 
-and listed once in app/catalog.py's ANALYSES. From it come:
+and app/catalog.py finds it there (every declaration in a module of app/views). From it come:
 - `GET /api/v1/models/{model}/<path>`: one query (or path, when `{name}` is in `path`) parameter per field of the
   params model, with the field's type, description and bounds in the OpenAPI schema;
-- its page `GET /models/{model}/<path>`, full or htmx fragment, when a `Page(ANALYSIS, "template.html", ...)` is
-  listed in app/routers/pages.py PAGES (the one way to make a page: app/routers/rendering.py);
+- its page `GET /models/{model}/<path>`, full or htmx fragment, from its `page` (app/page_spec.py: a template of its
+  own, or the shared page of one number per head), made a `Page` by app/routers/declared_pages.py (a page with a
+  context of its own is a `Page(...)` in app/routers/pages.py PAGES; the one way to make a page: rendering.py);
 - bounds from the settings: a field annotated with `Limit("max_k")` gets `le=settings.limits.max_k` (see
   `bounded`), applied once per app in create_app, so every limit is visible in the schema;
 - the cache key (`cache_key`): model id, the digest of every answer-changing file (`loaded.digest`: weights,
@@ -44,6 +46,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from starlette.concurrency import run_in_threadpool
 
+from app.page_spec import PageSpec
 from app.refusal_advice import refused_on_nonfinite, with_advice
 from app.registry import ModelRegistry
 from app.scheduling import cached_build, compute, compute_json, current_service
@@ -157,9 +160,12 @@ class Analysis(Declared[P, V]):
     # the model's attention layers the analysis needs: a model with fewer leaves its page out of the navigation and
     # says why (app/routers/rendering.py nav_note)
     needs_layers: int = 0
+    # reads an MLP (a writer's table): an attention-only model leaves its page out of the navigation and says why
+    needs_mlp: bool = False
     # "attention": reads only the attention, norm, embedding and unembedding weights (never a deferred MLP weight,
     # formats/lazy_mlp.py; checked by tests/app/test_lazy_weights.py); "all": priced with the MLP weights it would load
     weights: Literal["attention", "all"] = "all"
+    page: PageSpec | None = None  # its page and navigation entry (app/page_spec.py); None: the API alone
 
     def built(self, subject: LoadedModel, params: P, limits: Limits) -> V:
         return self.build(subject, params, limits)

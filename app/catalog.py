@@ -1,81 +1,46 @@
-"""Every declared analysis (app/analysis.py), in the order of the API docs. An analysis is declared beside its
-builder in app/views/<topic>.py and listed here once; create_app derives its routes from this list."""
+"""Every declared analysis (app/analysis.py), found where it is declared: beside its builder in a module of
+app/views (app/views/shared/ too: the heads table the derived analyses read), or of app/tour (the tour's
+ServerAnalysis). Adding an analysis needs no line here.
+
+The scan (`declared_in`), explicit and deterministic: every module of the package and its subpackages
+(pkgutil.walk_packages), in the order of their dotted names, each imported; from each, its top-level names bound to
+an `Analysis` or `ServerAnalysis`, in the order the module defines them, keeping those whose `build` the module
+itself defines. So a declaration a module imports (the derived views import HEADS) is listed once, as its home
+module's; one bound in a scanned module whose builder lives outside the package is refused (ValueError at import:
+declare it beside its builder); one declared anywhere else is not served (tests/app/test_catalog.py). ANALYSES, the
+views' then the tour's, is the order of the API docs.
+"""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from types import ModuleType
 from typing import Any
 
-from app.analysis import Declared, ServerAnalysis
-from app.params import TourParams
-from app.registry import ModelRegistry
-from app.settings import Limits
-from app.tour.figure_data import TourView
-from app.tour.tour import build_tour_view, digest_or_dash, tour_models
-from app.tour.tour import tour_cost as tour_view_cost
-from app.views import circuits, composition, detectors, heads, models, path, prompt, qk_paths, rotary, term_importance
-from app.views.attention_entropy import ATTENTION_ENTROPY
-from app.views.copying import COPYING_ALL
-from app.views.model_summary import MODEL_SUMMARY
-from app.views.positivity import POSITIVITY
-from app.views.qk_circuit_norm import QK_CIRCUIT_NORM
-from app.views.residual import RESIDUAL, RESIDUAL_PAIR
-from app.views.residual_usage import RESIDUAL_USAGE
-from app.views.shared.heads_table import HEADS
-from app.views.skip_trigrams import SKIP_TRIGRAMS
-from circuits_core.cost import Cost
+import app.tour
+import app.views
+from app.analysis import Analysis, Declared, ServerAnalysis
 
 
-def build_tour(registry: ModelRegistry, p: TourParams, limits: Limits) -> TourView:
-    return build_tour_view(registry, limits, p.chapter)
+def declared_in(package: ModuleType) -> list[Declared[Any, Any]]:
+    """The declarations of `package`'s modules, in dotted-name order, each in its module's definition order."""
+    found: list[Declared[Any, Any]] = []
+    prefix = package.__name__ + "."
+    for info in sorted(pkgutil.walk_packages(package.__path__, prefix), key=lambda m: m.name):
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if not isinstance(value, Analysis | ServerAnalysis):
+                continue
+            home = value.build.__module__
+            if home == module.__name__:
+                found.append(value)
+            elif not home.startswith(prefix):
+                raise ValueError(
+                    f"{module.__name__}.{name} ({value.name!r}) is built by {home}, outside {package.__name__}: "
+                    "declare an analysis beside its builder"
+                )
+    return found
 
 
-def tour_cost(registry: ModelRegistry, p: TourParams, limits: Limits) -> Cost:
-    """The tour's figures priced by the engine cost functions of what they compute (app.tour.tour.tour_cost)."""
-    return tour_view_cost(registry, limits, p.chapter)
-
-
-def tour_reads(registry: ModelRegistry, p: TourParams) -> tuple[str, ...]:
-    """Each model the chapter reads, as `id=digest` (`id=-` when it is not available): the tour's cache key."""
-    return tuple(f"{m}={digest_or_dash(registry, m)}" for m in tour_models(p.chapter))
-
-
-TOUR = ServerAnalysis(
-    name="tour",
-    path="/tour",
-    params=TourParams,
-    view=TourView,
-    build=build_tour,
-    cost=tour_cost,
-    reads=tour_reads,
-    summary="The paper's figures on the shipped models",
-    tags=["tour"],
-)
-
-ANALYSES: list[Declared[Any, Any]] = [
-    models.TOKENIZE,
-    HEADS,
-    MODEL_SUMMARY,
-    heads.HEAD,
-    heads.COPYING,
-    COPYING_ALL,
-    POSITIVITY,
-    circuits.OV,
-    circuits.QK,
-    SKIP_TRIGRAMS,
-    circuits.DIRECT,
-    detectors.DETECTORS,
-    composition.COMPOSITION,
-    composition.COMPOSITION_PAIR,
-    prompt.PROMPT,
-    prompt.PATHS,
-    path.PATH,
-    qk_paths.QK_PATHS,
-    term_importance.TERM_IMPORTANCE,
-    *rotary.ANALYSES,
-    ATTENTION_ENTROPY,
-    QK_CIRCUIT_NORM,
-    RESIDUAL,
-    RESIDUAL_USAGE,
-    RESIDUAL_PAIR,
-    TOUR,
-]
+ANALYSES: list[Declared[Any, Any]] = [*declared_in(app.views), *declared_in(app.tour)]

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from bench import fmt_time, row
+from circuits_core.model.flops import layers_flops, unembed_flops
 from circuits_core.model.transformer import Frozen, Transformer
 from circuits_core.prompt import ablation
 
@@ -126,7 +127,7 @@ def term_importance_smollm2() -> None:
     )
     every = ablation.cost(model, seq.shape[1]).flops
     cfg, n = model.cfg, seq.shape[1]
-    full_pass = cfg.n_layers * ablation.layer_flops(cfg, 1, n, True, True) + ablation.unembed_flops(cfg, 1, n)
+    full_pass = layers_flops(cfg, 1, n, True, True, range(cfg.n_layers)) + unembed_flops(cfg, 1, n)
     passes = 2 * cfg.n_layers + 1 + 2 * cfg.n_layers * cfg.n_heads  # the loop: orders, layer terms, 2 per head
     deadline = Settings().request_timeout_s or float("inf")  # None: no deadline
     verdict = "refused under" if every / rate > deadline else "within"

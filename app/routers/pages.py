@@ -1,4 +1,5 @@
-"""The HTML dashboard: every page (PAGES, the one list; its labelled pages make a model's navigation, in order),
+"""The HTML dashboard: every page (PAGES, the one list: these with contexts of their own, then the pages analyses
+declare; its labelled pages make a model's navigation, in their declared order),
 the models listing and the model picker (plain routes: no analysis behind them), and the contexts of the direct path
 and the detectors (the overview's and one head's are in pages_heads.py, the composition pages' in
 pages_composition.py, the prompt page's in pages_prompt.py, the chain, QK paths and term importance pages' in
@@ -23,6 +24,7 @@ from starlette.types import Scope
 
 from app import charts, snippets
 from app.analysis import API
+from app.catalog import ANALYSES
 from app.deps import RegistryDep, get_model
 from app.head_filter import MAX_FILTER_CHARS, HeadFilter
 from app.labels import unique_labels, visible
@@ -33,6 +35,7 @@ from app.params import (
 )
 from app.routers import pages_analyses, pages_composition, pages_prompt, pages_tour
 from app.routers.api import models_view
+from app.routers.declared_pages import declared_pages
 from app.routers.pages_heads import (
     MIN_COUNT_CHOICES,
     SCORES,
@@ -53,14 +56,9 @@ from app.routers.rendering import (
 )
 from app.scheduling import cheap
 from app.schemas import CircuitTopView, HeadScores
-from app.views.attention_entropy import ATTENTION_ENTROPY
 from app.views.circuits import DIRECT
-from app.views.copying import COPYING_ALL
 from app.views.detectors import DETECTORS
 from app.views.heads import HEAD
-from app.views.qk_circuit_norm import QK_CIRCUIT_NORM
-from app.views.residual import RESIDUAL, RESIDUAL_PAIR
-from app.views.residual_usage import RESIDUAL_USAGE
 from app.views.shared.heads_table import HEADS
 from app.views.shared.page_claims import loss_sentence, rare_entries_sentence
 from app.views.shared.token_sets import has_token_counts
@@ -114,7 +112,7 @@ def switched(here: str, old: str, cfg: ModelConfig, model: str, nav: list[NavEnt
         sub = ""
     if segments[:1] == ["composition"] and len(segments) >= 3 and not all(has_head(h, cfg) for h in segments[1:3]):
         sub = "/composition"
-    if not all(e.applies(cfg.n_layers) for e in nav if e.key == view) and sub == views.get(view, ""):
+    if not all(e.applies(cfg.n_layers, cfg.attn_only) for e in nav if e.key == view) and sub == views.get(view, ""):
         sub = ""
     query: dict[str, str] = {}
     for key, value in parse_qsl(parts.query):
@@ -314,7 +312,10 @@ def detector_charts(view: Any, model_id: str, shown: list[HeadScores] | None = N
     return figs
 
 
-# Every page, the one list: a labelled page is in a model's navigation, in this order.
+# Every page: those with a context of their own, then those the analyses declare (app/routers/declared_pages.py). A
+# labelled page is in a model's navigation at its `order` (ascending; declared pages use their `nav`): 10 overview,
+# 20 composition, 30 prompt, 40 chain, 50 QK paths, 60 detectors, 70 term importance, 80 direct path, then the
+# declared ones (90 copying, 100 attention entropy, 110 QK norm, 120 OV effective rank, 130-140 residual stream).
 PAGES: list[Page[Any]] = [
     Page(
         HEADS,
@@ -326,6 +327,7 @@ PAGES: list[Page[Any]] = [
         title="{model}",
         nav="overview",
         label="Overview",
+        order=10,
     ),
     pages_composition.COMPOSITION_PAGE,
     pages_prompt.PROMPT_PAGE,
@@ -339,6 +341,7 @@ PAGES: list[Page[Any]] = [
         blocks=("detectors_panel",),
         title="Detectors · {model}",
         label="Detectors",
+        order=60,
     ),
     pages_analyses.TERM_IMPORTANCE_PAGE,
     Page(
@@ -349,13 +352,8 @@ PAGES: list[Page[Any]] = [
         blocks=("direct_panel",),
         title="Direct path · {model}",
         label="Direct path",
+        order=80,
     ),
-    Page(COPYING_ALL, "copying.html", label=COPYING_ALL.summary),
-    Page(ATTENTION_ENTROPY, "attention_entropy.html", label=ATTENTION_ENTROPY.summary),
-    Page(QK_CIRCUIT_NORM, "qk_circuit_norm.html", label=QK_CIRCUIT_NORM.summary),
-    Page(RESIDUAL, "residual.html", label=RESIDUAL.summary),
-    Page(RESIDUAL_USAGE, "residual_usage.html", label=RESIDUAL_USAGE.summary),
-    Page(RESIDUAL_PAIR, "residual_pair.html"),
     Page(
         HEAD,
         "head.html",
@@ -368,4 +366,5 @@ PAGES: list[Page[Any]] = [
     pages_composition.PAIR_PAGE,
     pages_prompt.PATHS_PAGE,
     *pages_tour.PAGES,
+    *declared_pages(ANALYSES),  # the pages analyses declare (their `page=`), each at its `nav` place
 ]

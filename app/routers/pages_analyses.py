@@ -223,10 +223,16 @@ async def term_importance_context(call: PageCall[TermImportanceParams]) -> PageC
 
 
 CHAIN_PAGE = Page(
-    PATH, "chain.html", chain_context, params=ChainPageParams, blocks=("chain_panel",), label="Chain of heads"
+    PATH, "chain.html", chain_context, params=ChainPageParams, blocks=("chain_panel",), label="Chain of heads", order=40
 )
 QK_PATHS_PAGE = Page(
-    QK_PATHS, "qk_paths.html", qk_paths_context, params=QKPathsPageParams, blocks=("qk_panel",), label="QK paths"
+    QK_PATHS,
+    "qk_paths.html",
+    qk_paths_context,
+    params=QKPathsPageParams,
+    blocks=("qk_panel",),
+    label="QK paths",
+    order=50,
 )
 TERM_IMPORTANCE_PAGE = Page(
     TERM_IMPORTANCE,
@@ -235,4 +241,5 @@ TERM_IMPORTANCE_PAGE = Page(
     blocks=("ti_panel",),
     title="Term importance · {model}",
     label="Term importance",
+    order=70,
 )

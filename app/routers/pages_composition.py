@@ -117,5 +117,6 @@ COMPOSITION_PAGE = Page(
     blocks=("composition_panel",),
     nav="composition",
     label="Composition",
+    order=20,
 )
 PAIR_PAGE = Page(COMPOSITION_PAIR, "pair.html", pair_context, blocks=("pair_panel",), nav="composition")

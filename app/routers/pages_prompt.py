@@ -153,6 +153,7 @@ PROMPT_PAGE = Page(
     nav="prompt",
     blocks=("prompt_main", "patterns_panel", "paths_panel"),
     label="Prompt & paths",
+    order=30,
 )
 PATHS_PAGE = Page(
     PATHS,

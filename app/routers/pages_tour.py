@@ -9,10 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 from app import charts, view_figures
-from app.catalog import TOUR
 from app.labels import unique_labels, visible
 from app.params import TourParams
 from app.routers.rendering import Page, PageCall, PageContext
+from app.tour.analysis import TOUR
 from app.tour.figure_data import ClaimChart, TourData, TourFigure
 
 

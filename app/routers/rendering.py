@@ -67,9 +67,10 @@ class NavEntry:
     label: str
     sub: str  # the page's path below /models/{model} ("" for the overview)
     needs_layers: int  # its analysis's needs_layers: a model with fewer leaves it out (`nav_note` says why)
+    needs_mlp: bool = False  # its analysis's needs_mlp: an attention-only model leaves it out
 
-    def applies(self, n_layers: int) -> bool:
-        return n_layers >= self.needs_layers
+    def applies(self, n_layers: int, attn_only: bool = False) -> bool:
+        return n_layers >= self.needs_layers and not (self.needs_mlp and attn_only)
 
 
 def needs_layers(analysis: Declared[Any, Any]) -> int:
@@ -77,11 +78,19 @@ def needs_layers(analysis: Declared[Any, Any]) -> int:
     return analysis.needs_layers if isinstance(analysis, Analysis) else 0
 
 
-def nav_note(model_id: str, n_layers: int, hidden: list[str]) -> str | None:
-    """One line saying why the `hidden` views are not offered for this model."""
+def needs_mlp(analysis: Declared[Any, Any]) -> bool:
+    """Whether a page's analysis reads an MLP (a server-wide one: no)."""
+    return analysis.needs_mlp if isinstance(analysis, Analysis) else False
+
+
+def nav_note(model_id: str, n_layers: int, hidden: list[str], attn_only: bool = False) -> str | None:
+    """One line saying why the `hidden` views are not offered for this model (too few layers, or, `attn_only`, no
+    MLP for the views of MLPs)."""
     if not hidden:
         return None
     names = ", ".join(hidden[:-1]) + (" and " if len(hidden) > 1 else "") + hidden[-1]
+    if attn_only:
+        return f"{model_id} is attention-only (no MLPs), so {names} {'are' if len(hidden) > 1 else 'is'} not shown."
     if n_layers == 0:
         return (
             f"{model_id} has no attention layers (its logits are the direct path W_E W_U alone), so the views of "
@@ -168,24 +177,31 @@ async def page_context(
         ctx["models"] = await model_ids(registry, request)
         ctx["here"] = request.url.path  # the model picker's script puts the current URL (htmx pushes) here
         if model_id:
-            n_layers = (await cheap(registry.get, model_id)).model.cfg.n_layers  # loaded already by the page's route
+            cfg = (await cheap(registry.get, model_id)).model.cfg  # loaded already by the page's route
+            n_layers, attn_only = cfg.n_layers, cfg.attn_only
             views = model_nav(request)
-            ctx["model_nav"] = [(e.key, e.label, f"/models/{model_id}{e.sub}") for e in views if e.applies(n_layers)]
+            ctx["model_nav"] = [
+                (e.key, e.label, f"/models/{model_id}{e.sub}") for e in views if e.applies(n_layers, attn_only)
+            ]
             hidden = [e.label for e in views if not e.applies(n_layers)]
-            ctx["nav_note"] = nav_note(model_id, n_layers, hidden)
-            current = [e.label for e in views if e.key == nav and not e.applies(n_layers)]
+            no_mlp = [e.label for e in views if e.applies(n_layers) and not e.applies(n_layers, attn_only)]
+            notes = [nav_note(model_id, n_layers, hidden), nav_note(model_id, n_layers, no_mlp, attn_only=True)]
+            ctx["nav_note"] = " ".join(n for n in notes if n) or None
+            current = [e for e in views if e.key == nav and not e.applies(n_layers, attn_only)]
             if current:
-                ctx["view_note"] = nav_note(model_id, n_layers, current)
+                ctx["view_note"] = nav_note(
+                    model_id, n_layers, [e.label for e in current], attn_only=current[0].applies(n_layers)
+                )
     return ctx
 
 
 def model_nav(request: Request) -> list[NavEntry]:
-    """The navigation of a model page: every model page with a `label`, in the order of the app's pages
-    (app.state.pages, set in create_app)."""
-    pages: list[Page[Any]] = request.app.state.pages
+    """The navigation of a model page: every model page with a `label`, in ascending `order` (app.state.pages, set
+    in create_app)."""
+    pages: list[Page[Any]] = sorted(request.app.state.pages, key=lambda p: p.order or 0)
     prefix = "/models/{model}"
     return [
-        NavEntry(p.key, p.label, p.route[len(prefix) :], needs_layers(p.analysis))
+        NavEntry(p.key, p.label, p.route[len(prefix) :], needs_layers(p.analysis), needs_mlp(p.analysis))
         for p in pages
         if p.label is not None and p.route.startswith(prefix) and "{" not in p.route[len(prefix) :]
     ]
@@ -250,8 +266,9 @@ def basis_choice(call: PageCall[Any]) -> PageContext:
 @dataclass(frozen=True)
 class Page(Generic[PP]):
     """The page of an analysis, the one way to make a page: a template, and `context` (default: the analysis's
-    view as `view`, its refusal as `error`, the params as `params`). Every page is listed once in
-    app/routers/pages.py PAGES, whose order is the navigation's.
+    view as `view`, its refusal as `error`, the params as `params`). An analysis's `page=` field makes its Page
+    (app/routers/declared_pages.py); a page with a context of its own is listed in app/routers/pages.py PAGES. A
+    labelled page is in a model's navigation, at its `order` (ascending: the navigation's order is declared).
 
     The template gets, beside the context: the frame (title, json_url, model_id, nav, and on full pages models,
     here, model_nav, nav_note, view_note), `limits`, `prompt_cut` (what a too-long prompt lost), `fragment`
@@ -267,6 +284,11 @@ class Page(Generic[PP]):
     nav: str | None = None  # the navigation entry shown as current (default: the analysis's name)
     path: str | None = None  # the page's route (default: the analysis's page path)
     label: str | None = None  # its entry in a model's navigation (None: not listed, e.g. one head's page)
+    order: int | None = None  # its place in the navigation (ascending); given with a label, and only then
+
+    def __post_init__(self) -> None:
+        if (self.label is None) != (self.order is None):
+            raise ValueError(f"page {self.route}: a navigation label and an order go together")
 
     @property
     def route(self) -> str:

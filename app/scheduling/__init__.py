@@ -18,6 +18,8 @@ and returns its result; `await compute_json(...)` (same arguments) returns the a
 - **Bounded**: at most `settings.compute_slots` computations run at once (`Slots`), each on its own thread. A call
   waits at most `settings.slot_wait_s` for a slot, then raises `BusyError` (HTTP 503 with Retry-After). The
   answer is encoded to JSON inside the slot, and its real size checked against `limits.max_answer_bytes` there.
+  Jobs hold at most all slots but one (`job_slots`) and run on nicer threads (slots.JOB_NICE): a page priced inline
+  never queues behind other pages' jobs, and gets most of the cores while they run.
 - **Loading is not computing**: `load(fn, ...)` (model loads: deps.get_model, the listing) runs in a loader
   thread of its own, never behind the compute slots that user requests hold.
 - **Cached**: with a `key` (a string, or a tuple joined with "|") the encoded answer is kept in the byte-budgeted

@@ -47,6 +47,7 @@ class Flight:
     progress: float | None = None  # fraction done, as the engine reports it (None: it says nothing)
     started: float | None = None  # time.monotonic() when it took its slot
     job: Job | None = None  # the job it runs as, when it runs as one
+    background: bool = False  # priced over the inline budget: takes a job slot first, runs on the nicer threads
 
     def should_stop(self) -> bool:
         return self.stop.is_set()

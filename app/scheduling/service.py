@@ -33,7 +33,7 @@ from app.pricing import (
 )
 from app.scheduling.flights import BusyError, Flight, Job, JobPending, JobTable, Stats
 from app.scheduling.requests import RequestContext, current_request
-from app.scheduling.slots import COMPUTE_NICE, Slots, lower_thread_priority
+from app.scheduling.slots import COMPUTE_NICE, JOB_NICE, Slots, lower_thread_priority
 from app.store import StoreTier
 from circuits_core.cost import Cost, progressing, stopping
 from circuits_core.errors import CancelledError, LimitExceededError
@@ -69,6 +69,8 @@ class ComputeService:
         loaders: int = 2,
     ):
         self.slots = Slots(slots)
+        # jobs hold at most all slots but one: a request priced inline always finds a slot that no job holds
+        self.job_slots = Slots(max(1, slots - 1))
         self.torch_threads = torch_threads  # None: each computation gets the cores // computations running
         self.store = store  # the second level behind the cache (app/store.py): disk or Redis, shared by processes
         self.slot_wait_s = slot_wait_s
@@ -84,6 +86,12 @@ class ComputeService:
         self.nice = nice
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=slots, thread_name_prefix="qkov-compute", initializer=lower_thread_priority, initargs=(nice,)
+        )
+        self._job_executor = concurrent.futures.ThreadPoolExecutor(  # jobs' threads: nicer (slots.JOB_NICE)
+            max_workers=slots,
+            thread_name_prefix="qkov-job",
+            initializer=lower_thread_priority,
+            initargs=(nice + JOB_NICE,),
         )
         # model loads: threads of their own, so a load never waits behind the computations holding the slots
         self._loader = concurrent.futures.ThreadPoolExecutor(max_workers=loaders, thread_name_prefix="qkov-load")
@@ -101,6 +109,7 @@ class ComputeService:
         """Stop every computation, then the pools."""
         self.stop_all()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._job_executor.shutdown(wait=False, cancel_futures=True)
         self._loader.shutdown(wait=False, cancel_futures=True)
 
     async def load(self, fn: Callable[..., T], *args: Any) -> T:
@@ -170,7 +179,7 @@ class ComputeService:
         if as_job and text is None and cost is not None:  # not kept, so not a job: it must fit the request
             check_request_time(cost, self.budgets, self.request_timeout_s, lower, what)
             as_job = False
-        flight = self._join(fn, args, kwargs, text, lower, what)
+        flight = self._join(fn, args, kwargs, text, lower, what, background=as_job)
         if (
             as_job or flight.job is not None
         ) and not flight.future.done():  # over the inline budget, or already a job: poll it, do not wait
@@ -226,6 +235,7 @@ class ComputeService:
         key: str | None,
         lower: str,
         what: str,
+        background: bool = False,
     ) -> Flight:
         with self._lock:
             flight = self._flights.get(key) if key is not None else None
@@ -239,7 +249,7 @@ class ComputeService:
                 flight.interest += 1
                 self.stats.shared += 1
                 return flight
-            flight = Flight(key=key, interest=1)
+            flight = Flight(key=key, interest=1, background=background)
             if key is not None:
                 self._flights[key] = flight
             self._live.add(flight)
@@ -296,13 +306,16 @@ class ComputeService:
                 self._settle(flight, value=Answer(None, body))
                 return
         try:
-            while True:
-                try:
-                    await self.slots.acquire(self.slot_wait_s)
-                    break
-                except TimeoutError:
-                    if flight.key is None or flight.stop.is_set():  # a kept one becomes a job: it waits on
-                        raise
+            for pool in (self.job_slots, self.slots) if flight.background else (self.slots,):
+                while True:
+                    try:
+                        await pool.acquire(self.slot_wait_s)
+                        break
+                    except TimeoutError:
+                        if flight.key is None or flight.stop.is_set():  # a kept one becomes a job: it waits on
+                            if pool is self.slots and flight.background:
+                                self.job_slots.release()
+                            raise
         except TimeoutError:
             self.stats.rejected_busy += 1
             self._settle(
@@ -318,7 +331,7 @@ class ComputeService:
             self._settle(flight, exc=CancelledError("computation abandoned before it started"))
             raise
         if flight.stop.is_set():
-            self.slots.release()
+            self._release(flight)
             self.stats.cancelled += 1
             self._settle(flight, exc=CancelledError("computation abandoned before it started"))
             return
@@ -326,9 +339,10 @@ class ComputeService:
             kwargs = {**kwargs, "should_stop": flight.should_stop}
         ctx = contextvars.copy_context()
         try:
-            self._executor.submit(ctx.run, self._call, flight, fn, args, kwargs, lower, what)
+            executor = self._job_executor if flight.background else self._executor
+            executor.submit(ctx.run, self._call, flight, fn, args, kwargs, lower, what)
         except RuntimeError as exc:  # executor shut down
-            self.slots.release()
+            self._release(flight)
             self._settle(flight, exc=BusyError(f"the server is shutting down: {exc}", 5))
 
     def _call(
@@ -352,7 +366,7 @@ class ComputeService:
             if body is not None:
                 check_answer(len(body), self.budgets, lower, what)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting requests
-            self.slots.release()
+            self._release(flight)
             if isinstance(exc, CancelledError):
                 self.stats.cancelled += 1
             else:
@@ -370,8 +384,14 @@ class ComputeService:
                 self.store.save(flight.key, body)
             else:
                 self.store.release(flight.key)
-        self.slots.release()
+        self._release(flight)
         self._settle(flight, value=Answer(value, body))
+
+    def _release(self, flight: Flight) -> None:
+        """The flight's compute slot, and its job slot when it took one."""
+        self.slots.release()
+        if flight.background:
+            self.job_slots.release()
 
     def _settle(self, flight: Flight, value: Answer | None = None, exc: BaseException | None = None) -> None:
         if exc is not None and flight.key is not None and self.store is not None:

@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field
 
 from app.schemas.common import MatrixEntry, ModelRef, ScoredToken, TokenRef
 
-Circuit = Literal["ov", "qk", "direct"]
+Circuit = Literal["ov", "qk", "direct", "expert"]
 Side = Literal["row", "column"]
 
 
@@ -92,6 +92,15 @@ class CircuitTopView(BaseModel):
     window: int | None = Field(
         default=None, description="QK of a sliding-window layer: the head never attends at offsets ≥ window"
     )
+    mlp: str | None = Field(
+        default=None, description="expert tables: the MLP writer (L1.mlp.e3, L1.mlp.shared, a dense layer's L0.mlp)"
+    )
+    route_weight: list[float] | None = Field(
+        default=None,
+        description="expert tables, per entry: the router's weight for this expert on the row token's MLP input "
+        "alone (0: that token alone would not be routed to it; 1 for shared experts and dense MLPs)",
+    )
+    form_note: str | None = Field(default=None, description="expert tables: what the values are, in words")
 
 
 class SkipTrigram(BaseModel):

@@ -6,6 +6,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from app.analysis import Analysis
+from app.page_spec import OwnPage
 from app.params import PromptInput
 from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
@@ -56,4 +57,5 @@ ATTENTION_ENTROPY = Analysis(
     tags=["prompts"],
     cache=lambda p: p.prompt is None and p.tokens is None,  # the default text only
     needs_layers=1,
+    page=OwnPage(template="attention_entropy.html", nav=100),
 )

@@ -22,7 +22,6 @@ k=20 defaults and the skip-trigram default source (the OV table's first row) all
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -30,13 +29,13 @@ from torch import Tensor
 
 from app.analysis import Analysis
 from app.params import DirectParams, OVParams, QKParams
-from app.schemas import CircuitTopView, MatrixEntry
+from app.schemas import CircuitTopView
 from app.settings import Limits
-from app.views.shared.basis import basis, raw_copy_cost, with_basis
-from app.views.shared.global_tables import CircuitOf, global_top, restricted, search_cost
-from app.views.shared.inputs import check_k, model_ref, resolve_token, token_ref
+from app.views.shared.basis import raw_copy_cost, with_basis
+from app.views.shared.global_tables import restricted, search_cost
 from app.views.shared.rotary_reference import check_offset, is_rotary
 from app.views.shared.token_sets import token_set
+from app.views.shared.token_tables import top_view
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.circuits import latent_circuits, rotary, sinks
 from circuits_core.circuits.qk_forms import QK_FORMS, qk_form
@@ -45,88 +44,12 @@ from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.head_names import parse_head
 from circuits_core.prompt.phenomena import HeldOutBigrams, find_eval_data
 
-LABELS = {
-    "ov": ("source token (attended to)", "output token (logit raised)"),
-    "qk": ("query token (destination)", "key token (source)"),
-    "direct": ("current token", "next token"),
-}
-
-
-def _top_view(
-    loaded: LoadedModel,
-    circuit_of: CircuitOf,
-    circuit: Literal["ov", "qk", "direct"],
-    head: str | None,
-    token: str | None,
-    side: Literal["row", "column"],
-    k: int,
-    limits: Limits,
-    min_count: int | None = None,
-    line_of: Callable[[int], Tensor] | None = None,
-    vocab: Literal["default", "all"] = "default",
-    offset: int = 0,
-) -> CircuitTopView:
-    """circuit_of(ids) builds the factored circuit (global top-k, or a token's line); line_of(t), when given,
-    reads a token's row/column straight from the weights instead (no [d_vocab, d_head] factors: ms on GPT-2)."""
-    rows_label, cols_label = LABELS[circuit]
-    ranked = token_set(
-        loaded, min_count, vocab if token is None else "all"
-    )  # a token's line: every token or min_count's
-    n_vocab = None if ranked.ids is None else ranked.n
-
-    def view(k: int, entries: list[MatrixEntry], **found: Any) -> CircuitTopView:
-        return CircuitTopView(
-            model=model_ref(loaded),
-            circuit=circuit,
-            head=head,
-            row_label=rows_label,
-            col_label=cols_label,
-            k=k,
-            entries=entries,
-            min_count=min_count,
-            n_tokens=n_vocab,
-            token_set=ranked.said,
-            basis=basis(loaded),
-            **found,
-        )
-
-    with torch.no_grad():
-        if token is None:
-            k = check_k(k, limits, ranked.n**2)
-            top = global_top(loaded, circuit_of, (circuit, head or "", str(offset)), k, ranked, limits)
-            entries = [
-                MatrixEntry(row=token_ref(loaded, r), col=token_ref(loaded, c), value=v)
-                for v, r, c in zip(top.values, top.rows, top.cols, strict=True)
-            ]
-            return view(k, entries)
-        vocab_ids = ranked.ids
-        t = resolve_token(loaded, token)
-        if line_of is not None:
-            line: Tensor = line_of(t)  # [d_vocab]
-        else:
-            fm = circuit_of(None)
-            line = (fm.rows([t]) if side == "row" else fm.cols([t]))[0]  # [d_vocab]
-        own = float(line[t])  # every circuit here is [d_vocab, d_vocab]
-        if vocab_ids is not None:  # rank and list only the frequent tokens
-            line = torch.full_like(line, float("-inf")).index_copy(0, vocab_ids, line[vocab_ids])
-        k = check_k(k, limits, line.numel() if n_vocab is None else n_vocab)
-        values, idx = line.topk(k)
-        ref = token_ref(loaded, t)
-        entries = [
-            MatrixEntry(row=ref, col=token_ref(loaded, i), value=float(v))
-            if side == "row"
-            else MatrixEntry(row=token_ref(loaded, i), col=ref, value=float(v))
-            for v, i in zip(values.tolist(), idx.tolist(), strict=True)
-        ]
-        rank = int((line > own).sum()) + 1 if own is not None else None
-    return view(k, entries, token=ref, side=side, diagonal=own, diagonal_rank=rank)
-
 
 def build_ov_view(loaded: LoadedModel, p: OVParams, limits: Limits) -> CircuitTopView:
     """Full OV circuit W_E W_V W_O W_U of a head: the token's row (the logits it raises), else global top-k."""
     loaded = with_basis(loaded, p.basis)
     layer, h = parse_head(p.head, loaded.model.cfg)
-    return _top_view(
+    return top_view(
         loaded,
         lambda ids: circuits.full_ov_circuit(loaded.model, layer, h, ids),
         "ov",
@@ -178,7 +101,7 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
     if is_rotary(loaded):
         model, offset = loaded.model, p.offset
         line = rotary.full_qk_col_at if side == "column" else rotary.full_qk_row_at
-        view = _top_view(
+        view = top_view(
             loaded,
             lambda ids: rotary.full_qk_circuit_at(model, layer, h, offset, tokens=ids),
             "qk",
@@ -195,7 +118,7 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
         labelled = qk_labelled(loaded, view.model_copy(update={"offset": offset}), layer)
         return with_latent_terms(loaded, with_sink(loaded, labelled, layer, h, offset), layer, h, offset)
     column = (lambda t: circuits.full_qk_col(loaded.model, layer, h, t)) if side == "column" else None
-    view = _top_view(
+    view = top_view(
         loaded,
         lambda ids: circuits.full_qk_circuit(loaded.model, layer, h, ids),
         "qk",
@@ -231,7 +154,7 @@ def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> C
     """Direct path W_E W_U (the bigram table): top next tokens for a current token, else global top-k; each entry
     with the model's probability (softmax of its row) and, where the model has a held-out corpus, the corpus's."""
     loaded = with_basis(loaded, p.basis)
-    view = _top_view(
+    view = top_view(
         loaded,
         lambda ids: restricted(circuits.direct_path(loaded.model), ids),
         "direct",

@@ -36,8 +36,8 @@ from circuits_core.circuits import head_circuits as circuits
 from circuits_core.circuits.composition import CompositionKind, composition_scores
 from circuits_core.circuits.composition_rotary import composition_at, composition_at_cost
 from circuits_core.circuits.global_topk import topk_global_flops
-from circuits_core.circuits.head_composition import head_composition
-from circuits_core.cost import Cost
+from circuits_core.circuits.head_composition import head_composition, pair_composition, pair_composition_flops
+from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.head_names import head_name, parse_head
@@ -148,9 +148,10 @@ def build_composition_pair_view(loaded: LoadedModel, p: CompositionPairParams, l
     loaded = with_basis(loaded, p.basis)
     chain = parse_chain(loaded, [p.source, p.target], max(2, limits.max_heads))
     (l1, h1), (l2, h2) = chain
+    baseline = 1.0 / math.sqrt(loaded.model.cfg.d_model)  # composition.composition_scores's baseline
     ranked = token_set(loaded, None, p.vocab)  # the OV tables' token set: a large vocabulary's stated default
     with torch.no_grad():
-        comp = composition_scores(loaded.model, budget_bytes=limits.peak_bytes)
+        raw = pair_composition(loaded.model, chain[0], chain[1])  # the pair's three scores alone, not every pair's
         k_fm = k_composition_circuit(loaded.model, chain[1], chain[0], ranked.ids)
         k_circuit = token_circuit(loaded, k_fm, k, limits, K_LABELS, ranked.ids)
         virtual = token_circuit(
@@ -161,9 +162,9 @@ def build_composition_pair_view(loaded: LoadedModel, p: CompositionPairParams, l
         source=head_name(l1, h1),
         target=head_name(l2, h2),
         basis=basis(loaded),
-        scores={kind.upper(): float(comp.raw[kind][l1, h1, l2, h2]) for kind in comp.raw},
-        minus_baseline={kind.upper(): float(comp.minus_baseline[kind][l1, h1, l2, h2]) for kind in comp.minus_baseline},
-        baseline=comp.baseline,
+        scores={kind.upper(): score for kind, score in raw.items()},
+        minus_baseline={kind.upper(): score - baseline if l1 < l2 else 0.0 for kind, score in raw.items()},
+        baseline=baseline,
         token_set=ranked.said,
         k_composition=k_circuit,
         virtual_head=VirtualHeadCircuit(heads=[head_name(l1, h1), head_name(l2, h2)], ov=virtual),
@@ -195,7 +196,8 @@ def pair_cost(loaded: LoadedModel, p: CompositionPairParams, limits: Limits) -> 
     eigenvalues = 2 * dh * n * dh  # B A of each circuit, for its eigenvalue statistic
     virtual = Cost(0, flops=chain + 2 * n * d * dh + 2 * dh * d * n + eigenvalues)
     k_circuit = Cost(0, flops=qk_paths.k_composition_flops(model, n) + eigenvalues)
-    scores = composition.cost(model, budget_bytes=limits.peak_bytes)
+    d_bytes = itemsize(model.compute_dtype)
+    scores = Cost(6 * cfg.n_heads * d * dh * d_bytes, flops=pair_composition_flops(model))  # two layers' factors
     return scores.then(k_circuit.then(search)).then(virtual.then(search)) + raw_copy_cost(loaded, p.basis)
 
 

@@ -23,6 +23,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from app.analysis import Analysis, AnalysisParams, split_heads
+from app.page_spec import OwnPage
 from app.params import Heads, K, MinCount
 from app.scheduling import cached, cached_build
 from app.schemas import ModelRef
@@ -312,4 +313,5 @@ COPYING_ALL = Analysis(
     summary="Copying of every head: eigenvalue score, self-copy shares, random baseline",
     tags=["heads"],
     needs_layers=1,
+    page=OwnPage(template="copying.html", nav=90),
 )

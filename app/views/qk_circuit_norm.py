@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from app.analysis import Analysis
+from app.page_spec import PerHeadPage
 from app.params import NoParams
 from app.schemas import ModelRef
 from app.settings import Limits
@@ -44,4 +45,13 @@ QK_CIRCUIT_NORM = Analysis(
     summary="QK circuit norm of every head",
     tags=["circuits"],
     needs_layers=1,
+    page=PerHeadPage(
+        values="norms",
+        title="QK circuit norm",
+        explanation="The Frobenius norm ||W_Q W_K^T||_F of each head's QK circuit (d_model × d_model, computed from "
+        "its d_head × d_head Gram matrices; under grouped-query attention each query head reads its key/value group's "
+        "W_K).",
+        quantity="||W_Q W_K^T||_F",
+        nav=110,
+    ),
 )

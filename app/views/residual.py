@@ -16,6 +16,7 @@ import torch
 from pydantic import BaseModel, Field
 
 from app.analysis import Analysis, AnalysisParams
+from app.page_spec import OwnPage
 from app.params import BasisChoice, K
 from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
@@ -233,6 +234,7 @@ RESIDUAL = Analysis(
     cost=residual_cost,
     summary="Residual stream (virtual weights)",
     tags=["residual stream"],
+    page=OwnPage(template="residual.html", nav=130),
 )
 RESIDUAL_PAIR = Analysis(
     name="residual-pair",
@@ -243,4 +245,5 @@ RESIDUAL_PAIR = Analysis(
     cost=residual_pair_cost,
     summary="One virtual weight: writer -> reader",
     tags=["residual stream"],
+    page=OwnPage(template="residual_pair.html"),  # reached from the residual page's links, not the navigation
 )

@@ -12,6 +12,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field
 
 from app.analysis import Analysis, AnalysisParams
+from app.page_spec import OwnPage
 from app.params import BasisChoice
 from app.schemas import ModelRef
 from app.settings import Limits
@@ -165,4 +166,5 @@ RESIDUAL_USAGE = Analysis(
     cost=usage_cost,
     summary="Residual stream usage",
     tags=["residual stream"],
+    page=OwnPage(template="residual_usage.html", nav=140),
 )

@@ -52,6 +52,9 @@ GRAM_BLOCK = 128  # column block of the d x d Gram matrices (upper block triangl
 # small's shapes), so 64 draws fix the mean to ~0.15 %; sampling them is a cold request's cost (the uniform
 # stream alone took ~1.5 s for 300 draws at d_model 768), cached per shape afterwards.
 BASELINE_SAMPLES = 64
+# Large chunks sum each Gram block's pairs per group of target layers against only the earlier sources (target_groups):
+# 38 % fewer pair sums at Llama-3.1-8B shape (0.71 s, not 0.95 s, per block; load ~5); GPT-2's keep one product.
+CAUSAL_SPLIT_PAIRS, CAUSAL_GROUP_TARGETS = 500_000, 256
 
 
 @dataclass
@@ -213,12 +216,16 @@ def layer_scores(
         S = like.new_empty(ns, size, size)  # one block of every source Gram
         T = like.new_empty(nt, size, size)  # the same block of every target Gram
         num_sq = like.new_zeros(ns, nt)
-        for p, (a, b) in enumerate(pairs):  # one large matmul per block is faster than skipping l1 >= l2 pairs
+        groups = target_groups(t0, t1, K * H, ns * nt)
+        for p, (a, b) in enumerate(pairs):
             _check_stop(should_stop)
             torch.bmm(F[a, :ns].transpose(-2, -1), F[b, :ns], out=S)
             torch.bmm(P[a], P[b].transpose(-2, -1), out=T)
-            num_sq.addmm_(S.view(ns, size * size), T.view(nt, size * size).T, alpha=float(weights[p]))
-        del S, T, P
+            S_flat, T_flat = S.view(ns, size * size), T.view(nt, size * size)
+            for u0, u1 in groups:  # targets of layers u0..u1-1 (columns c0:c1) x sources of layers 0..u1-2
+                rows, c0, c1 = (u1 - 1) * H, (u0 - t0) * K * H, (u1 - t0) * K * H
+                num_sq[:rows, c0:c1].addmm_(S_flat[:rows], T_flat[c0:c1].T, alpha=float(weights[p]))
+        del S, T, P, S_flat, T_flat
         num_sq = num_sq.view(t1 - 1, H, t1 - t0, K, H)  # [l1 = 0..t1-2, h1, l2 = t0..t1-1, kind, h2]
         den = src_sq[:ns].view(t1 - 1, H, 1, 1, 1).sqrt() * tgt_sq.view(1, 1, t1 - t0, K, H).sqrt()
         layer1, layer2 = torch.arange(t1 - 1, device=like.device), torch.arange(t0, t1, device=like.device)
@@ -227,6 +234,15 @@ def layer_scores(
         raw[:, : t1 - 1, :, t0:t1, :] = scores.permute(3, 0, 1, 2, 4)
         del num_sq, den, scores
     return raw
+
+
+def target_groups(t0: int, t1: int, per_layer: int, pairs: int) -> list[tuple[int, int]]:
+    """Target layers t0..t1-1 in groups whose pair sums go in one product: all below CAUSAL_SPLIT_PAIRS pairs, else
+    consecutive layers of at least CAUSAL_GROUP_TARGETS targets (`per_layer` each)."""
+    if pairs < CAUSAL_SPLIT_PAIRS:
+        return [(t0, t1)]
+    step = max(1, -(-CAUSAL_GROUP_TARGETS // per_layer))
+    return [(u, min(u + step, t1)) for u in range(t0, t1, step)]
 
 
 def raw_composition_scores(

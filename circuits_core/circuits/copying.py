@@ -32,6 +32,7 @@ from circuits_core.circuits.embedding import embed_eff_rows
 from circuits_core.circuits.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
 from circuits_core.circuits.head_circuits import factors_cost, full_ov_circuit, full_ov_flops, ov_circuit
 from circuits_core.circuits.host_linalg import eigvals
+from circuits_core.circuits.own_rank import count_above, probe_columns, probe_size
 from circuits_core.cost import Cost, check_stop
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.head_names import all_heads
@@ -117,26 +118,32 @@ def row_ranks(
     budget_bytes: int = DEFAULT_BUDGET_BYTES,
 ) -> RowRanks:
     """The rows `order` (positions into the ranked tokens: vocab, or all) of M = W_E_eff W_V W_O W_U, each ranked
-    against every ranked column. Rows streamed in blocks through the [n, d_head] factor (W_O W_U)^T."""
+    against every ranked column (own_rank.count_above: rows settled at k early are not formed whole). A block of
+    logits is formed the cheaper way for the rows still open: their x W_V W_O [a, d_model] against W_U's columns, or
+    their x W_V [a, d_head] against (W_O W_U)'s columns."""
     ids = order if vocab is None else vocab[order]  # [r] token ids of the source rows
     W_U = model.W_U if vocab is None else model.W_U[:, vocab]  # [d_model, n]
-    Bt = (
-        W_U.T @ W_O.T
-    )  # [n, d_head]: (W_O W_U)^T, so a block of logits is [n, b] (a column per source row, 25 % faster)
-    n = Bt.shape[0]
-    step = max(1, min(budget_bytes, BLOCK_BYTES) // max(1, n * Bt.element_size()))
-    above = torch.empty(len(order), dtype=torch.int64)  # [r]
-    diag = torch.empty(len(order), dtype=torch.float64)  # [r]
-    for start in range(0, len(order), step):
-        check_stop(what="OV self-copy shares")
-        own = order[start : start + step].to(Bt.device)  # [b] the rows' own tokens, as columns
-        block = Bt @ (embed_eff_rows(model, ids[start : start + step]) @ W_V).T  # [n, b] logits of row a in column a
-        mine = block.gather(0, own[None, :])  # [1, b] each row's own logit (a copy)
-        diag[start : start + len(own)] = mine[0].double().cpu()
-        # columns ranked above it: a compare in place (1.0 / 0.0) counted in float32 (exact below 2^24 columns); a
-        # float sum down the columns is vectorised where a bool one is not (2x), and cheaper than topk
-        above[start : start + len(own)] = block.gt_(mine).sum(0, dtype=torch.float32).clamp_max(k).long().cpu()
-    return RowRanks(above, diag, k)
+    d, n = W_U.shape
+    dh = W_V.shape[1]
+    X = embed_eff_rows(model, ids) @ W_V  # [r, d_head]
+    U = X @ W_O  # [r, d_model]: the rows' logit directions
+    diag = (U * W_U[:, order.to(W_U.device)].T).sum(-1)  # [r] each row's own logit M[a, a]
+
+    probed: list[Tensor] = []  # (W_O W_U)'s probed columns [d_head, p], formed once for every row chunk of the probe
+
+    def logits(rows: Tensor, columns: Tensor | slice) -> Tensor:  # [a, c]
+        W_c = W_U[:, columns]  # [d_model, c]
+        if d * len(rows) <= dh * (d + len(rows)):
+            return U[rows] @ W_c
+        if isinstance(columns, slice):  # a block of the scan: each asked once
+            return X[rows] @ (W_O @ W_c)
+        if not probed:
+            probed.append(W_O @ W_c)
+        return X[rows] @ probed[0]
+
+    block = min(budget_bytes, BLOCK_BYTES)
+    above = count_above(logits, diag, order.to(W_U.device), n, k, block, W_U.element_size(), probe=probe_columns(n))
+    return RowRanks(above, diag.double().cpu(), k)
 
 
 def _check_vocab(model: Transformer, vocab: Tensor | None, k: int) -> int:
@@ -235,18 +242,20 @@ def cost(
     rows: int | None = None,
     n_heads: int | None = None,
 ) -> Cost:
-    """self_copy over every head (or n_heads of them) then random_baseline (row_ranks): one head's W_O W_U [d_head, n]
-    (through W_U's [d_model, n] ranked columns when not all), a block of source rows ([b, d_model] LN rows, [n, b]
-    logits, compared in place) and the [r] ranks and diagonal, plus the random weights and their
+    """self_copy over every head (or n_heads of them) then random_baseline (row_ranks): at most one head's W_O W_U
+    [d_head, n] (through W_U's [d_model, n] ranked columns when not all), the rows' factors, the probed columns, a
+    block of logits and its masks, and the [r] ranks and diagonal, plus the random weights and their
     [n_samples, d_head, d_head] spectra; answer: per head 5 numbers, per sample 4."""
     cfg, size = model.cfg, model.W_E.element_size()
     n = cfg.d_vocab if n_tokens is None else n_tokens
     r = n if rows is None else min(rows, n)
-    b = max(1, min(r, budget_bytes // max(1, n * size)))
+    block = min(budget_bytes, r * n * (size + 2))  # a block of logits and its two masks (own_rank.count_above)
     columns = cfg.d_model * n * size if n != cfg.d_vocab else 0
     heads = cfg.n_layers * cfg.n_heads if n_heads is None else n_heads
+    rows = r * (2 * cfg.d_model + cfg.d_head) * size + r * 40  # x W_V, x W_V W_O, own columns; counts and diagonal
+    probe = cfg.d_model * probe_size(n) * size  # the probed columns of W_U, gathered
     one_head = Cost(
-        cfg.d_head * n * size + columns + b * (2 * cfg.d_model + cfg.d_head + n) * size + r * 16,
+        cfg.d_head * n * size + columns + rows + probe + block,
         flops=row_ranks_flops(cfg.d_model, cfg.d_head, n, r) * (heads + n_top_samples),
     )
     weights = Cost(
@@ -257,9 +266,12 @@ def cost(
 
 
 def row_ranks_flops(d_model: int, d_head: int, n: int, r: int) -> int:
-    """FLOPs of row_ranks on r source rows ranked against n columns: (W_O W_U)^T [n, d_head], the rows' W_E_eff W_V
-    [r, d_head], their logits [n, r] and the compare-and-count over them."""
-    return 2 * n * d_model * d_head + 2 * r * d_model * d_head + 2 * n * d_head * r + 2 * n * r
+    """The most row_ranks costs on r source rows ranked against n columns: the rows' W_E_eff W_V [r, d_head] and
+    their W_O [r, d_model], the probe, then every row scanned whole ((W_O W_U)^T's route bounds
+    each block's cheaper one)."""
+    p = probe_size(n)
+    probe = 2 * d_model * p * r + 2 * d_model * d_head * p  # each row chunk the cheaper way, (W_O W_U)'s columns once
+    return 4 * r * d_model * d_head + probe + 2 * n * d_model * d_head + 2 * n * d_head * r
 
 
 # -- one head's copying metrics (any square token circuit) ------------------------------------------------
@@ -294,30 +306,36 @@ def copying_metrics(M: FactoredMatrix, k: int = 5, budget_bytes: int = DEFAULT_B
     if not 1 <= k <= M.rdim:
         raise InvalidInputError(f"k must be in [1, {M.rdim}], got {k}")
     diag = M.diag()  # [V]
-    top1 = topk = 0
-    for rows, block in M.iter_row_blocks(budget_bytes):  # block [b, V]
-        check_stop(what="OV copying metrics")
-        own = torch.arange(rows.start, rows.stop, device=block.device)
-        top = block.topk(k, dim=-1).indices  # [b, k]
-        top1 += int((top[:, 0] == own).sum())
-        topk += int((top == own[:, None]).any(-1).sum())
-    qs = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0], dtype=torch.float64)
     V = M.ldim
+    own = torch.arange(V, device=diag.device)
+    A, B = M.A, M.B  # [V, inner], [inner, V]
+    above = count_above(
+        lambda rows, columns: A[rows] @ B[:, columns],
+        diag,
+        own,
+        V,
+        k,
+        budget_bytes,
+        B.element_size(),
+        probe=probe_columns(V),
+    )  # [V] columns above each row's own entry, capped at k (own_rank.count_above)
+    qs = torch.tensor([0.0, 0.25, 0.5, 0.75, 1.0], dtype=torch.float64)
     return CopyingMetrics(
         diagonal_positive=float((diag > 0).double().mean()),
         diagonal_quantiles=torch.quantile(diag.double(), qs.to(diag.device)),
-        top1=top1 / V,
-        topk=topk / V,
+        top1=int((above == 0).sum()) / V,
+        topk=int((above < k).sum()) / V,
         k=k,
     )
 
 
 def copying_metrics_cost(model: Transformer, k: int, budget_bytes: int, n_tokens: int | None = None) -> Cost:
-    """ov_copying_metrics: the factors, one row block (at most budget_bytes) and its top-k indices; FLOPs: the
-    factors (on n_tokens tokens, default every token), then every row of the [n, n] circuit (2 n^2 d_head)."""
+    """ov_copying_metrics: the factors, one block of logits and its masks (at most budget_bytes), the diagonal and the
+    counts; FLOPs at most: the factors (on n_tokens tokens, default every token), the probe of every row, then every
+    row of the [n, n] circuit (2 n^2 d_head; own_rank.count_above settles most rows of a head that does not copy
+    early)."""
     cfg, size = model.cfg, model.W_E.element_size()
     n = cfg.d_vocab if n_tokens is None else n_tokens
-    rows = max(1, min(n, budget_bytes // max(1, n * size)))
-    block = rows * n * size + rows * k * 8
-    flops = full_ov_flops(model, n_tokens) + 2 * n * cfg.d_head * n
+    block = min(budget_bytes, n * n * (size + 2)) + n * 24
+    flops = full_ov_flops(model, n_tokens) + 2 * n * cfg.d_head * (probe_size(n) + n)
     return (factors_cost(model) + Cost(block + n * (size + 8), flops=flops)).with_answer(numbers=12, labels=6)

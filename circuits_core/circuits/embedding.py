@@ -24,6 +24,7 @@ from torch import Tensor
 
 from circuits_core.cost import check_stop
 from circuits_core.errors import InvalidInputError
+from circuits_core.model.half_products import half_matmul
 from circuits_core.model.hooks import Recorder
 from circuits_core.model.transformer import Block, LayerNorm, Transformer
 from circuits_core.schedule import shared_chunks
@@ -56,9 +57,10 @@ def apply_ln_rows(ln: LayerNorm, X: Tensor) -> Tensor:
     return out
 
 
-def embed_eff_rows(model: Transformer, tokens: Tensor | list[int] | slice) -> Tensor:
-    """W_E_eff[tokens] [n, d_model]: layer 0's ln1 applied to these rows of W_E (W_E without LN)."""
-    W_E = model.W_E[tokens]
+def embed_eff_rows(model: Transformer, tokens: Tensor | list[int] | slice, dtype: torch.dtype | None = None) -> Tensor:
+    """W_E_eff[tokens] [n, d_model]: layer 0's ln1 applied to these rows of W_E (W_E without LN); `dtype`: the rows
+    converted to it first (a half-precision model's rows normalised in its compute dtype, not rounded to bf16)."""
+    W_E = model.W_E[tokens] if dtype is None else model.W_E[tokens].to(dtype)
     if unnormalised(model):
         return W_E
     return apply_ln_rows(first_norm(model), W_E)
@@ -167,10 +169,10 @@ def embed_eff_matmul(model: Transformer, W: Tensor) -> Tensor:
     """W_E_eff @ W [d_vocab, n] for W [d_model, n], without materialising W_E_eff: with the cached statistics,
     diag(inv_scale) (W_E (w * W) - mean (w W)) + b W, one product with the raw W_E."""
     if unnormalised(model):
-        return model.W_E @ W
+        return half_matmul(model.W_E, W)
     norm = embed_norm(model)
     W_w = W if norm.w is None else norm.w[:, None] * W  # [d_model, n]
-    out = model.W_E @ W_w  # [d_vocab, n]
+    out = half_matmul(model.W_E, W_w)  # [d_vocab, n] (float32 from a half-precision W_E)
     if norm.mean is not None:
         out -= norm.mean[:, None] * W_w.sum(0)
     out *= norm.inv_scale[:, None]

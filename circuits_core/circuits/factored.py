@@ -46,6 +46,21 @@ def batch_broadcast(a: torch.Size, b: torch.Size) -> torch.Size:
     return torch.Size(out)
 
 
+def svd_cost(n_A: int, n_B: int, n: int, ldim: int, mdim: int, rdim: int, itemsize: int) -> Cost:
+    """The Cost of `FactoredMatrix(A, B).svd()` (and `.S`, `.norm()`): A [..., ldim, mdim] with n_A matrices in its
+    batch dimensions, B [..., mdim, rdim] with n_B, n = the broadcast batch's; `itemsize` the working dtype's. Held:
+    each factor's thin SVD (U, S, V^T), the mdim x mdim core and its SVD (4 such tensors with S), the kept U
+    [n, ldim, mdim] and V [n, rdim, mdim]. FLOPs: 4 m r^2 + 22 r^3 per thin SVD of an m x r matrix, and the
+    products (the core, U = Ua Um, V = Vb Vm)."""
+    r = mdim
+    factors = n_A * (ldim * r + r * r + r) + n_B * (rdim * r + r * r + r)
+    core = 4 * n * (r * r + r)
+    kept = n * (ldim + rdim) * r
+    svds = n_A * (4 * ldim * r * r + 22 * r**3) + n_B * (4 * rdim * r * r + 22 * r**3) + n * 22 * r**3
+    products = n * (2 * r**3 + 2 * (ldim + rdim) * r * r)
+    return Cost((factors + core + kept) * itemsize, flops=svds + products)
+
+
 class FactoredMatrix:
     """The matrix `A @ B` [..., ldim, rdim] stored as A [..., ldim, mdim] and B [..., mdim, rdim]."""
 

@@ -11,13 +11,13 @@ The entry point is FactoredMatrix.topk_global (factored.py); this module is its 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
 from circuits_core.cost import Cost, check_stop
+from circuits_core.model.half_products import half_products_fast
 
 # Tile of the product computed at once by topk_global (64 MiB in fp32): few large GEMM calls (small ones
 # suffer most from thread contention), yet column tiles the norm bound can skip.
@@ -30,10 +30,10 @@ SEED_ROWS = 32
 # and fp32 accumulation, |approx - exact| <= (3u + O(u^2)) ||A_i|| ||B_:,j|| (the output rounding included);
 # SCREEN_MARGIN = 2^-6 = 8u leaves a factor > 2 of slack. Rows whose approximate maximum comes within the
 # margin of the k-th value are recomputed exactly, so the result is exact. Screening is only used where a
-# probe shows that bf16 products are accumulated in fp32.
+# probe shows that bf16 products are accumulated in fp32, and where they are faster than float32 ones
+# (half_products_fast: CPUs with AVX2 only emulate them, 28x slower).
 SCREEN_DTYPE, SCREEN_MARGIN, SCREEN_MIN_ENTRIES = torch.bfloat16, 2.0**-6, 2**24
 _screen_ok: dict[torch.device, bool] = {}
-_screen_fast: dict[torch.device, bool] = {}
 
 
 def topk_global_cost(
@@ -75,28 +75,6 @@ def _screening_accumulates_in_fp32(device: torch.device) -> bool:
     return _screen_ok[device]
 
 
-def _screen_is_faster(device: torch.device) -> bool:
-    """Whether a bfloat16 GEMM beats a float32 one here, timed once per device (best of 3 each). CPUs without bf16
-    instructions (AVX2 only) emulate it: measured 28x slower than fp32 on such a CPU, where the screen turned a
-    SmolLM2 chain's top-k into minutes. GPUs and CPUs with AVX512-BF16/AMX run it faster."""
-    if device not in _screen_fast:
-        if device.type == "cuda":
-            _screen_fast[device] = True
-        else:
-            a, b = torch.randn(128, 64, device=device), torch.randn(64, 1024, device=device)
-            best = {}
-            for dt in (torch.float32, SCREEN_DTYPE):
-                x, y = a.to(dt), b.to(dt)
-                times = []
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    x @ y
-                    times.append(time.perf_counter() - t0)
-                best[dt] = min(times)
-            _screen_fast[device] = best[SCREEN_DTYPE] < best[torch.float32]
-    return _screen_fast[device]
-
-
 def _row_max(approx: Tensor, positive: bool) -> Tensor:
     """Row maxima [b] of a bfloat16 screen [b, c], read only against a threshold; `positive`: the threshold is > 0.
 
@@ -134,7 +112,7 @@ def topk_global_2d(
         and ldim * rdim >= SCREEN_MIN_ENTRIES
         and dtype in (torch.float32, torch.float64)
         and _screening_accumulates_in_fp32(A.device)
-        and _screen_is_faster(A.device)
+        and half_products_fast(A.device, SCREEN_DTYPE)
     )
     if screen:
         A_s, tiles_s = A.to(SCREEN_DTYPE), [t.to(SCREEN_DTYPE) for t in tiles]

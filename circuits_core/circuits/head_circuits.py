@@ -47,6 +47,7 @@ from circuits_core.circuits.global_topk import topk_global_cost, topk_global_flo
 from circuits_core.circuits.qk_forms import folded_query_key, token_factors, token_scale
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, NotFoundError
+from circuits_core.model.half_products import half_matmul
 from circuits_core.model.transformer import Attention, Block, Transformer
 
 
@@ -140,19 +141,16 @@ def full_ov_row(model: Transformer, layer: int, head: int, source_token: int) ->
     check_head(model, layer, head)
     check_token(model, source_token)
     _, _, W_V, W_O = head_weights(model, layer, head)
-    x = embed_eff_rows(model, [source_token])  # [1, d_model]
-    return (((x @ W_V) @ W_O) @ model.W_U)[0]  # [V]
+    x = embed_eff_rows(model, [source_token], model.compute_dtype)  # [1, d_model]
+    return half_matmul(half_matmul(half_matmul(x, W_V), W_O), model.W_U)[0]  # [V] (float32 on half weights)
 
 
 def direct_row(model: Transformer, token: int) -> Tensor:
     """Row `token` of the direct path [d_vocab] (ln_final on that one row of W_E, then W_U)."""
     check_token(model, token)
-    x = (
-        model.W_E[[token]]
-        if model.cfg.normalization_type is None
-        else apply_ln_rows(model.ln_final, model.W_E[[token]])
-    )
-    return (x @ model.W_U)[0]  # [V]
+    row = model.W_E[[token]].to(model.compute_dtype)  # [1, d_model]
+    x = row if model.cfg.normalization_type is None else apply_ln_rows(model.ln_final, row)
+    return half_matmul(x, model.W_U)[0]  # [V] (float32 on half weights)
 
 
 def full_qk_col(model: Transformer, layer: int, head: int, key_token: int) -> Tensor:
@@ -162,8 +160,8 @@ def full_qk_col(model: Transformer, layer: int, head: int, key_token: int) -> Te
     if model.cfg.latent_attention:  # the exact token table's column (its factors carry each token's latent scales)
         return full_qk_circuit(model, layer, head).cols([key_token])[0]
     W_Q, W_K, _, _ = head_weights(model, layer, head)
-    k = embed_eff_rows(model, [key_token]) @ W_K  # [1, d_h]
-    col = embed_eff_matmul(model, W_Q @ k.T)[:, 0] / model.cfg.scale  # [V]
+    k = half_matmul(embed_eff_rows(model, [key_token], model.compute_dtype), W_K)  # [1, d_h]
+    col = embed_eff_matmul(model, half_matmul(W_Q, k.T))[:, 0] / model.cfg.scale  # [V]
     if model.cfg.qk_norm is None:
         return col
     return col * token_scale(model, layer, head, "query") * token_scale(model, layer, head, "key", [key_token])

@@ -13,10 +13,14 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits.composition import (
+    KINDS,
     CompositionKind,
     left_collapsed,
+    model_weight,
     pair_scores,
     right_collapsed,
+    source_factor,
+    target_factor,
 )
 from circuits_core.circuits.folded import stacked_weights
 from circuits_core.errors import InvalidInputError
@@ -51,3 +55,27 @@ def head_composition(model: Transformer, layer: int, head: int, kind: Compositio
         n_later = cfg.n_layers - layer - 1
         writes = pair_scores(own, later)[0].reshape(n_later, H) if n_later else A.new_zeros(0, H)
     return reads, writes
+
+
+def pair_composition(
+    model: Transformer, source: tuple[int, int], target: tuple[int, int], kinds: tuple[CompositionKind, ...] = KINDS
+) -> dict[CompositionKind, float]:
+    """The raw scores of one (source, target) pair, composition.composition_scores's entries for it, from the two
+    layers' collapsed factors alone (what the pair page shows, instead of every pair): 0 unless source's layer is
+    earlier."""
+    (l1, h1), (l2, h2) = source, target
+    if l1 >= l2:
+        return dict.fromkeys(kinds, 0.0)
+    weight, gs = model_weight(model, model.compute_dtype), model.cfg.group_size
+    with torch.no_grad():
+        left = source_factor(weight, l1, gs)[h1][None]  # [1, k, d]: F with F^T F = W_OV^T W_OV
+        return {kind: float(pair_scores(left, target_factor(weight, l2, kind, gs)[h2][None])[0, 0]) for kind in kinds}
+
+
+def pair_composition_flops(model: Transformer, kinds: int = 3) -> int:
+    """pair_composition's matrix products: the source layer's R_V W_O, each kind's target layer A R^T (every head of
+    the layer, as the all-pairs computation forms them) and the pair's [k, d] x [d, k] product (the QRs aside)."""
+    cfg = model.cfg
+    H, d, dh = cfg.n_heads, cfg.d_model, cfg.d_head
+    k = min(d, dh)
+    return 2 * H * k * dh * d + kinds * (2 * H * d * dh * k + 2 * k * d * k)

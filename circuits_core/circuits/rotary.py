@@ -37,7 +37,7 @@ from circuits_core.circuits.qk_forms import QKForm, folded_query_key, qk_form, t
 from circuits_core.circuits.skip_trigrams import SkipTrigrams, skip_trigrams
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
-from circuits_core.model.flops import layer_flops
+from circuits_core.model.flops import layers_flops
 from circuits_core.model.latent_attention import LatentAttention
 from circuits_core.model.qk_norm import qk_scale
 from circuits_core.model.transformer import Transformer
@@ -343,5 +343,5 @@ def kernel_flops(model: Transformer, n_tokens: int) -> int:
         return 0
     H, G, dh, d = cfg.n_heads, cfg.n_kv_heads, cfg.d_head, cfg.d_model
     last = 2 * n_tokens * d * dh * (H + G) + 2 * H * n_tokens * n_tokens * dh
-    means = (cfg.n_layers - 1) * layer_flops(cfg, 1, n_tokens, True, True) + last
+    means = layers_flops(cfg, 1, n_tokens, True, True, range(cfg.n_layers - 1)) + last
     return means + cfg.n_layers * 2 * d * dh * (H + G) * (2 if cfg.qk_norm is not None else 1)

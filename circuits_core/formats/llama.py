@@ -48,6 +48,7 @@ from circuits_core.formats.safetensors_file import SafetensorsFile
 from circuits_core.formats.statedict import folder_file, folder_listing, read_json_object
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.config_reader import ConfigReader
+from circuits_core.model.half_products import HALF_DTYPES as HALF_DTYPES  # (re-exported: checkpoint reads it)
 from circuits_core.model.transformer import attn_param
 
 State = dict[str, Tensor]
@@ -57,7 +58,6 @@ _IGNORED = (".rotary_emb.inv_freq",)
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 SLAB_BYTES = 1 << 18  # stored bytes per slab of a transposing copy (fits the L2 cache with its output)
 
 

@@ -40,11 +40,14 @@ class LayerNorm(nn.Module):
             return x
         key = f"{self.name}.hook_scale"
         computed = frozen is None or key not in frozen.ln_scales
-        w = self.w if self.has_weights else None
+        w: Tensor | None = self.w if self.has_weights else None
+        b: Tensor | None = self.b if self.kind == "LN" else None
+        if w is not None and w.dtype != x.dtype:  # half-precision weights on rows in their compute dtype
+            w, b = w.to(x.dtype), None if b is None else b.to(x.dtype)
         if computed and not rec.wants(key) and not rec.wants(f"{self.name}.hook_normalized"):
             # Nothing to record or replace: the same maths as below, as torch's fused kernels.
             if self.centred:
-                return F.layer_norm(x, x.shape[-1:], w, self.b if w is not None else None, self.cfg.eps)
+                return F.layer_norm(x, x.shape[-1:], w, b, self.cfg.eps)
             return F.rms_norm(x, x.shape[-1:], w, self.cfg.eps)
         if self.centred:
             x = x - x.mean(-1, keepdim=True)
@@ -56,8 +59,8 @@ class LayerNorm(nn.Module):
         x = x / scale
         if w is not None:
             x = x * w
-        if self.kind == "LN":
-            x = x + self.b
+        if b is not None:
+            x = x + b
         return rec(f"{self.name}.hook_normalized", x)
 
 

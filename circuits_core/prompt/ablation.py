@@ -45,10 +45,10 @@ from torch import Tensor
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.config import ModelConfig
+from circuits_core.model.flops import layer_flops, layers_flops, unembed_flops
 from circuits_core.model.head_names import all_heads
 from circuits_core.model.hooks import Recorder
 from circuits_core.model.transformer import Frozen, Transformer, next_token_losses
-from circuits_core.prompt.frozen import layer_flops, unembed_flops
 from circuits_core.schedule import side_by_side
 
 # Working memory of one batch of rerun rows (the ablated heads' rows run together), and of one block of unembedded
@@ -384,11 +384,12 @@ def cost(model: Transformer, n: int, batch: int = 1, heads: Sequence[tuple[int, 
     )  # + one layer's patterns, cat
     ablations = in_flight + min(LOSS_CHUNK_BYTES, c * b * n * cfg.d_vocab * 16)  # one kind at a time
     unembed = unembed_flops(cfg, b, n - 1)  # a rerun's loss unembeds the positions with a next token
-    flops = L * layer_flops(cfg, b, n, True, mlp) + unembed_flops(cfg, b, n)  # the clean run
-    flops += L * (L + 1) * layer_flops(cfg, b, n, False, False) + (2 * L + 1) * unembed  # order reruns, layer terms
+    flops = layers_flops(cfg, b, n, True, mlp, range(L)) + unembed_flops(cfg, b, n)  # the clean run
+    flops += L * (L + 1) * layer_flops(cfg, b, n, False, False, 0) + (2 * L + 1) * unembed  # order reruns, layer terms
     for layer, _ in heads:
-        flops += (L - layer) * layer_flops(cfg, b, n, False, mlp) + unembed  # patterns frozen
-        flops += layer_flops(cfg, b, n, False, mlp) + (L - layer - 1) * layer_flops(cfg, b, n, True, mlp) + unembed
+        flops += layers_flops(cfg, b, n, False, mlp, range(layer, L)) + unembed  # patterns frozen
+        flops += layer_flops(cfg, b, n, False, mlp, layer) + layers_flops(cfg, b, n, True, mlp, range(layer + 1, L))
+        flops += unembed
     return Cost(clean + orders + ablations, flops=flops).with_answer(
         numbers=3 * (L + 1) + L + 2 * len(heads), labels=len(heads) + n
     )

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
-from circuits_core.model.flops import layer_flops, unembed_flops
+from circuits_core.model.flops import layers_flops, unembed_flops
 from circuits_core.model.hooks import Recorder
 from circuits_core.model.soft_cap import cap_factor, soft_cap
 from circuits_core.model.transformer import Attention, Block, Transformer
@@ -125,7 +125,9 @@ def forward_cost(model: Transformer, n: int, batch: int = 1, kept_per_layer: int
     layer = n * (4 * cfg.d_model + 4 * cfg.n_heads * cfg.d_head + mlp) + 2 * cfg.n_heads * n * n
     out = n * cfg.d_vocab if logits else 0
     weights = cfg.d_model * cfg.n_heads * cfg.d_head
-    flops = cfg.n_layers * layer_flops(cfg, batch, n, True, True) + (unembed_flops(cfg, batch, n) if logits else 0)
+    flops = layers_flops(cfg, batch, n, True, True, range(cfg.n_layers)) + (
+        unembed_flops(cfg, batch, n) if logits else 0
+    )
     return Cost((batch * (layer + cfg.n_layers * kept_per_layer + out) + weights) * itemsize(model.dtype), flops=flops)
 
 

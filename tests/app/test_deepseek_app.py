@@ -12,13 +12,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from app.main import create_app
-from app.settings import Settings
-from tests.app.conftest import LIMITS, train_tokenizer
-from tests.app.test_families_app import _analyses
-from tests.app.test_pages import PAGES
-from tests.app.test_pricing import NEEDS_AN_INDUCTION_HEAD, QUERY_VALUES, _request
-from tests.core.hf_families import hf_model
+from tests.app.family_walk import endpoint_failures, family_app, page_failures
 
 SMALL = {
     "num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 40, "moe_intermediate_size": 16,
@@ -36,17 +30,7 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
 
 @pytest.fixture(scope="module")
 def mla_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    root = tmp_path_factory.mktemp("deepseek")
-    tok = train_tokenizer()
-    references = {}
-    for name, (config_cls, model_cls, fields) in FAMILIES.items():
-        model = hf_model(config_cls, model_cls, {**fields, "vocab_size": tok.get_vocab_size()}, seed=3)
-        model.save_pretrained(root / name)
-        (root / name / "tokenizer.json").write_text(tok.to_str())
-        references[name] = model
-    (root / "shipped").mkdir()
-    settings = Settings(shipped_dir=root / "shipped", models_dir=root, dtype="float64", limits=LIMITS)
-    app = create_app(settings)
+    app, references = family_app(tmp_path_factory.mktemp("deepseek"), FAMILIES)
     app.state.deepseek_hf = references
     with TestClient(app, raise_server_exceptions=False) as client:  # a 5xx is a failure listed, not a crash
         yield client
@@ -54,30 +38,13 @@ def mla_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]
 
 @pytest.mark.parametrize("model", list(FAMILIES))
 def test_every_analysis_endpoint_answers(mla_client: TestClient, model: str) -> None:
-    listed = {m["id"] for m in mla_client.get("/api/v1/models").json()}
-    assert model in listed, listed
-    failures = []
-    for analysis in _analyses(mla_client):
-        path, query = _request(analysis)
-        path = path.replace("/tiny-2l", f"/{model}")
-        answer = mla_client.get(
-            path, params={**query, **({"tokens": QUERY_VALUES["tokens"]} if "tokens" in query else {})}
-        )
-        if analysis.name in NEEDS_AN_INDUCTION_HEAD and answer.status_code == 422:
-            assert "no induction head" in answer.json()["detail"]
-        elif answer.status_code != 200:
-            failures.append(f"{analysis.name}: {answer.status_code} {answer.text[:300]}")
+    failures = endpoint_failures(mla_client, model)
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("model", list(FAMILIES))
 def test_every_page_answers(mla_client: TestClient, model: str) -> None:
-    failures = []
-    for page, _ in PAGES:
-        url = page.replace("tiny-2l", model)
-        answer = mla_client.get(url)
-        if answer.status_code != 200:
-            failures.append(f"{url}: {answer.status_code} {answer.text[:300]}")
+    failures = page_failures(mla_client, model)
     assert not failures, "\n".join(failures)
 
 

@@ -29,8 +29,9 @@ SMOLLM2 = ROOT / "models" / "smollm2-135m"
 ROTARY_ONLY = ("/positional", "/bands", "/qk-copying", "/profile")
 
 
-def sidebar(app: Any, n_layers: int) -> list[str]:
-    """The model's navigation (rendering.model_nav): every labelled model page that applies to its layers."""
+def sidebar(app: Any, n_layers: int, attn_only: bool = False) -> list[str]:
+    """The model's navigation (rendering.model_nav): every labelled model page that applies to its layers (and, on
+    an attention-only model, does not read an MLP)."""
     prefix = "/models/{model}"
     return [
         p.route[len(prefix) :]
@@ -39,6 +40,7 @@ def sidebar(app: Any, n_layers: int) -> list[str]:
         and p.route.startswith(prefix)
         and "{" not in p.route[len(prefix) :]
         and n_layers >= p.analysis.needs_layers
+        and not (attn_only and p.analysis.needs_mlp)
     ]
 
 
@@ -86,8 +88,14 @@ def walk(c: TestClient, app: Any, model: str) -> None:
     view = until_done(c, f"/api/v1/models/{model}/heads").json()
     rotary = any(h.get("kernel_peak_offset") is not None for h in view["heads"])
     n_layers = 1 + max((h["layer"] for h in view["heads"]), default=-1)
+    attn_only = app.state.registry.get(model).model.cfg.attn_only
     failures = []
-    for sub in sidebar(app, n_layers):
+    page = c.get(f"/models/{model}").text
+    for p in app.state.pages:  # an attention-only model's navigation leaves the views of MLPs out, saying why
+        if p.label is not None and p.analysis.needs_mlp:
+            link = 'href="' + p.route.replace("{model}", model) + '"'
+            assert (link not in page and "attention-only (no MLPs)" in page) if attn_only else link in page
+    for sub in sidebar(app, n_layers, attn_only):
         r = until_done(c, f"/models/{model}{sub}")
         if r.status_code != 200:
             failures.append((f"/models/{model}{sub}", r.status_code, r.text[:300]))
@@ -95,6 +103,8 @@ def walk(c: TestClient, app: Any, model: str) -> None:
         if not rotary and any(url.split("?")[0].endswith(s) for s in ROTARY_ONLY):
             continue  # rotary views: a model with learned positions has no rotation to show
         r = until_done(c, url)
+        if attn_only and r.status_code == 422 and "attention-only" in r.json()["detail"]:
+            continue  # a view of MLPs on a model without one: refused, saying why
         if r.status_code != 200:
             failures.append((url, r.status_code, r.text[:300]))
     assert not failures, failures

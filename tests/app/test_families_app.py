@@ -12,12 +12,8 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
-from app.main import create_app
-from app.settings import Settings
-from tests.app.conftest import LIMITS, train_tokenizer
-from tests.app.test_pages import PAGES
-from tests.app.test_pricing import NEEDS_AN_INDUCTION_HEAD, QUERY_VALUES, _request
-from tests.core.hf_families import hf_model
+from tests.app.conftest import LIMITS
+from tests.app.family_walk import endpoint_failures, family_app, page_failures
 
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "tiny-gpt-oss": ("GptOssConfig", "GptOssForCausalLM", {
@@ -48,54 +44,22 @@ ROTARY_ONLY = {"rotary-bands", "composition-profile", "qk-copying-offset"}
 
 @pytest.fixture(scope="module")
 def family_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    root = tmp_path_factory.mktemp("families")
-    tok = train_tokenizer()
-    references = {}
-    for name, (config_cls, model_cls, fields) in FAMILIES.items():
-        model = hf_model(config_cls, model_cls, {**fields, "vocab_size": tok.get_vocab_size()}, seed=3)
-        model.save_pretrained(root / name)
-        (root / name / "tokenizer.json").write_text(tok.to_str())
-        references[name] = model
-    (root / "shipped").mkdir()
-    settings = Settings(shipped_dir=root / "shipped", models_dir=root, dtype="float64", limits=LIMITS)
-    app = create_app(settings)
+    app, references = family_app(tmp_path_factory.mktemp("families"), FAMILIES)
     app.state.families_hf = references  # transformers' models, the reference the views are checked against
     with TestClient(app) as client:
         yield client
 
 
-def _analyses(client: TestClient) -> list[Any]:
-    return [a for a in client.app.state.analyses.analyses if a.scope == "model"]  # type: ignore[attr-defined]
-
-
 @pytest.mark.parametrize("model", list(FAMILIES))
 def test_every_analysis_endpoint_answers(family_client: TestClient, model: str) -> None:
-    listed = {m["id"] for m in family_client.get("/api/v1/models").json()}
-    assert model in listed, listed
-    failures = []
-    for analysis in _analyses(family_client):
-        path, query = _request(analysis)
-        path = path.replace("/tiny-2l", f"/{model}")
-        answer = family_client.get(
-            path, params={**query, **({"tokens": QUERY_VALUES["tokens"]} if "tokens" in query else {})}
-        )
-        if analysis.name in NEEDS_AN_INDUCTION_HEAD and answer.status_code == 422:
-            assert "no induction head" in answer.json()["detail"]  # a random model has none: refused, saying why
-        elif analysis.name in ROTARY_ONLY and model in ("tiny-bloom", "tiny-mpt") and answer.status_code == 422:
-            assert "rotary" in answer.json()["detail"]
-        elif answer.status_code != 200:
-            failures.append(f"{analysis.name}: {answer.status_code} {answer.text[:200]}")
+    alibi = model in ("tiny-bloom", "tiny-mpt")
+    failures = endpoint_failures(family_client, model, {name: "rotary" for name in ROTARY_ONLY} if alibi else {})
     assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("model", list(FAMILIES))
 def test_every_page_answers(family_client: TestClient, model: str) -> None:
-    failures = []
-    for page, _ in PAGES:
-        url = page.replace("tiny-2l", model)
-        answer = family_client.get(url)
-        if answer.status_code != 200:
-            failures.append(f"{url}: {answer.status_code} {answer.text[:300]}")
+    failures = page_failures(family_client, model)
     assert not failures, "\n".join(failures)
 
 
@@ -141,3 +105,67 @@ def test_alibi_positional_kernel_is_the_content_constant_minus_the_slope(family_
     steps = [b - a for a, b in zip(kernel, kernel[1:], strict=False)]
     assert steps == pytest.approx([-slope] * 6, abs=1e-6) and body["peak_offset"] == 0
     assert "ALiBi" in body["basis"]
+
+
+@pytest.mark.parametrize(
+    ("model", "mlp", "token"), [("tiny-mixtral", "L1.mlp.e2", 7), ("tiny-gpt-oss", "L0.mlp.e3", 11)]
+)
+def test_expert_table_is_transformers_expert_on_the_embedding(
+    family_client: TestClient, model: str, mlp: str, token: int
+) -> None:
+    """The expert-ov endpoint on the stored weights (basis=raw): a token's row and the global table's entries equal
+    transformers' experts module on the token's normalised embedding then lm_head; each entry's router weight equals
+    transformers' router on the same input; the page shows the values and says the form."""
+    hf = family_client.app.state.families_hf[model]  # type: ignore[attr-defined]
+    layer, expert = int(mlp[1]), int(mlp.split(".e")[1])
+    block = hf.model.layers[layer]
+    norm = block.post_attention_layernorm
+    W_E = hf.model.embed_tokens.weight.detach().double()
+    x = W_E * (W_E.square().mean(-1, keepdim=True) + norm.variance_epsilon).rsqrt() * norm.weight.detach().double()
+    hf.config._experts_implementation = "eager"  # transformers' own loop (its grouped kernel has no float64)
+    experts, router = block.mlp.experts.double(), (getattr(block.mlp, "gate", None) or block.mlp.router).double()
+    with torch.no_grad():
+        table = hf.lm_head.double()(experts(x, torch.full((len(x), 1), expert), torch.ones(len(x), 1, dtype=x.dtype)))
+        _, weights, indices = router(x)
+    route = (weights * (indices == expert)).sum(-1)
+    body = family_client.get(f"/api/v1/models/{model}/expert-ov", params={"mlp": mlp, "k": 6, "basis": "raw"}).json()
+    assert body["mlp"] == mlp and body["circuit"] == "expert" and "not linearised" in body["form_note"]
+    values = [e["value"] for e in body["entries"]]
+    assert values == pytest.approx(table.flatten().topk(6).values.tolist(), abs=1e-9)
+    for entry, weight in zip(body["entries"], body["route_weight"], strict=True):
+        assert entry["value"] == pytest.approx(float(table[entry["row"]["id"], entry["col"]["id"]]), abs=1e-9)
+        assert weight == pytest.approx(float(route[entry["row"]["id"]]), abs=1e-6)
+    row = family_client.get(
+        f"/api/v1/models/{model}/expert-ov", params={"mlp": mlp, "token": str(token), "k": 4, "basis": "raw"}
+    ).json()
+    assert [e["value"] for e in row["entries"]] == pytest.approx(table[token].topk(4).values.tolist(), abs=1e-9)
+    page = family_client.get(f"/models/{model}/expert-ov", params={"mlp": mlp, "k": 6, "basis": "raw"}).text
+    assert 'id="expert-table"' in page and f"{values[0]:.3f}" in page and "not linearised" in page
+
+
+def test_expert_table_refuses_what_is_not_a_whole_mlp_writer(family_client: TestClient) -> None:
+    url = "/api/v1/models/tiny-mixtral/expert-ov"
+    refused = (("L0H1", "not a whole MLP writer"), ("L0.mlp", "mixture of 4 experts"), ("L0.mlp.e9", "4 experts"),
+               ("L0.mlp.e1[2]", "not a whole MLP writer"), ("L5.mlp.e0", "2 layers"))  # fmt: skip
+    for mlp, words in refused:
+        answer = family_client.get(url, params={"mlp": mlp})
+        assert 400 <= answer.status_code < 500 and words in answer.json()["detail"], (mlp, answer.text)
+    dense = family_client.get("/api/v1/models/tiny-phi3/expert-ov").json()  # a dense model: its first MLP
+    assert dense["mlp"] == "L0.mlp" and dense["route_weight"] == [1.0] * len(dense["entries"])
+
+
+@pytest.mark.parametrize("params", [{}, {"mlp": "L1.mlp.e1", "token": "9", "k": 5}, {"vocab": "all", "k": 3}])
+def test_expert_table_price_bounds_its_answer(family_client: TestClient, params: dict[str, Any]) -> None:
+    """As tests/app/test_pricing.py checks every analysis on tiny-2l (attention-only: this one is refused there): the
+    encoded answer is no larger than priced, and not far below it."""
+    from app.views.experts import EXPERT_OV
+
+    app = family_client.app
+    answer = family_client.get("/api/v1/models/tiny-olmoe/expert-ov", params=params)
+    assert answer.status_code == 200, answer.text
+    loaded = app.state.registry.get("tiny-olmoe")  # type: ignore[attr-defined]
+    bound = app.state.analyses.bound(EXPERT_OV)  # type: ignore[attr-defined]
+    cost = EXPERT_OV.cost(loaded, bound.model_validate(params).normalised(loaded), LIMITS)
+    real = len(answer.content)
+    assert real <= cost.answer_bytes <= 16 * real + 16384, (real, cost.answer_bytes)
+    assert cost.flops > 0

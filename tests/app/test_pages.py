@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 from fastapi.testclient import TestClient
 
+from app.analysis import Analysis
+from app.catalog import ANALYSES
 from app.main import create_app
 from app.settings import Settings
 from circuits_core.model.config import ModelConfig
@@ -42,6 +44,11 @@ PAGES = [
     (f"/models/{M}/qk-paths?head=L1H2&prompt=the+cat+sat", "qk_panel"),
     (f"/models/{M}/term-importance?prompt=the+cat+sat", "ti_panel"),
     ("/tour", "main"),
+]
+# The pages analyses declare (their `page=`) at their own path, without path parameters: the family walks
+# (test_families_app.py, test_deepseek_app.py) ask for them beside PAGES, so a new declared page is walked there too.
+DECLARED_PAGES = [
+    f"/models/{M}/{a.path}" for a in ANALYSES if isinstance(a, Analysis) and a.page is not None and "{" not in a.path
 ]
 ALTERNATE = re.compile(r'<link rel="alternate" type="application/json" href="([^"]+)">')
 

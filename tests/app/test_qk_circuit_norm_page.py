@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -20,6 +22,9 @@ def test_api_answer_is_the_engines(client: TestClient, tiny: LoadedModel) -> Non
 def test_page_shows_the_numbers_and_is_in_the_navigation(client: TestClient, tiny: LoadedModel) -> None:
     page = client.get("/models/tiny-2l/qk-circuit-norm")
     assert page.status_code == 200
-    assert f"{qk_circuit_norms(tiny.model)[1, 2].item():.4f}" in page.text
+    table = page.text.split('<table class="data">', 1)[1].split("</table>", 1)[0]
+    for layer, row in enumerate(qk_circuit_norms(tiny.model).tolist()):  # every head's number, in its row
+        for head, value in enumerate(row):
+            assert re.search(rf'/heads/L{layer}H{head}"[^<]*</a></td><td[^>]*>{value:.4f}<', table), (layer, head)
     assert 'href="/models/tiny-2l/heads/L1H3"' in page.text and "data-plotly" in page.text
     assert 'href="/models/tiny-2l/qk-circuit-norm"' in client.get("/models/tiny-2l").text

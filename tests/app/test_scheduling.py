@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from app.main import create_app
 from app.scheduling import compute
 from app.scheduling.service import ComputeService
+from app.scheduling.slots import COMPUTE_NICE, JOB_NICE
 from app.settings import Settings
 from circuits_core.cost import Cost, check_stop, report_progress
 from tests.app.conftest import assert_problem
@@ -283,3 +284,42 @@ def test_the_app_stops_its_computations_when_it_shuts_down(settings: Settings) -
     while not stopped and time.monotonic() < end:
         time.sleep(0.05)
     assert stopped == ["long"]
+
+
+def test_a_page_priced_inline_never_waits_behind_jobs(settings: Settings) -> None:
+    """Two slots, three long jobs asked for (a reader who opened three heavy pages): the jobs hold one slot between
+    them, so a request priced inline runs at once beside them instead of queuing behind them for slot_wait_s; the jobs
+    run on threads nicer than the inline one's."""
+    import os
+
+    ran: list[str] = []
+    app = app_with(settings, ran, [], compute_slots=2, slot_wait_s=5.0, job_abandon_s=60.0)
+    nice: dict[str, int] = {}
+
+    @app.get("/api/v1/test/niceness")
+    async def niceness(tag: str, gflop: float) -> Slept:
+        def work() -> Slept:
+            nice[tag] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            time.sleep(0.5 if gflop > 1 else 0.01)
+            return Slept(tag=tag, steps=1)
+
+        return await compute(work, key=("niceness", tag), cost=Cost(0, flops=int(gflop * 1e9)))
+
+    with TestClient(app) as c:
+        jobs = [
+            c.get("/api/v1/test/priced-work", params={"tag": f"job{i}", "gflop": 20, "seconds": 3.0}) for i in range(3)
+        ]
+        assert [j.status_code for j in jobs] == [202, 202, 202]
+        poll(c, jobs[0].json()["status_url"], lambda s: s["state"] == "running")
+        start = time.monotonic()
+        inline = c.get("/api/v1/test/priced-work", params={"tag": "page", "gflop": 0.1, "seconds": 0.1})
+        assert inline.status_code == 200 and time.monotonic() - start < 2.0  # not after a 3 s job
+        assert "job1" not in ran and "job2" not in ran  # the other jobs wait for the job slot
+        assert service(app).slots.in_use == 1 and service(app).job_slots.in_use == 1
+        assert c.get("/api/v1/test/niceness", params={"tag": "inline", "gflop": 0.1}).status_code == 200
+        background = c.get("/api/v1/test/niceness", params={"tag": "job", "gflop": 5})
+        assert background.status_code == 202
+        poll(c, background.json()["status_url"], lambda s: s["state"] == "done", timeout=30)
+        base = os.getpriority(os.PRIO_PROCESS, 0)  # this process's own niceness (a test run under `nice`)
+        assert nice["inline"] == min(19, base + COMPUTE_NICE)
+        assert nice["job"] == min(19, base + COMPUTE_NICE + JOB_NICE) > base + COMPUTE_NICE or base + COMPUTE_NICE >= 19

@@ -131,3 +131,24 @@ def test_one_heads_composition_is_its_row_and_column_of_the_dense_scores(n_kv_he
             reads, writes = head_composition(model, layer, h, kind)
             torch.testing.assert_close(reads, dense[kind][:layer, :, layer, h], atol=1e-12, rtol=0)
             torch.testing.assert_close(writes, dense[kind][layer, h, layer + 1 :, :], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("n_kv_heads", [None, 1])
+def test_one_pairs_composition_is_its_entry_of_the_dense_scores(n_kv_heads):
+    """pair_composition (the pair page's three scores, from the two layers' factors alone) against the dense brute
+    force, for forward, same-layer and backward pairs (0), and a grouped-query model's K and V; its price is torch's
+    count of its products."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from circuits_core.circuits.head_composition import pair_composition, pair_composition_flops
+
+    kw = {} if n_kv_heads is None else {"n_key_value_heads": n_kv_heads}
+    model = random_model(_cfg(n_layers=4, **kw), seed=5, dtype=torch.float64)
+    dense = _dense_scores(model)
+    for (l1, h1), (l2, h2) in [((0, 1), (3, 2)), ((1, 0), (2, 1)), ((2, 2), (2, 0)), ((3, 1), (1, 1))]:
+        got = pair_composition(model, (l1, h1), (l2, h2))
+        want = {kind: float(dense[kind][l1, h1, l2, h2]) if l1 < l2 else 0.0 for kind in "qkv"}
+        assert got == pytest.approx(want, abs=1e-12)
+    with FlopCounterMode(display=False) as counter:
+        pair_composition(model, (0, 1), (3, 2))
+    assert counter.get_total_flops() == pair_composition_flops(model)

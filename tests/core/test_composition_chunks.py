@@ -31,8 +31,19 @@ def _model(n_kv: int | None, n_layers: int = 5, d_model: int = 40, seed: int = 7
     return random_model(cfg, seed=seed, dtype=torch.float64)
 
 
+@pytest.fixture(params=[False, True], ids=["one-product", "causal-groups"])
+def causal_split(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Each Gram block's pair sums as one product (small models), or per group of target layers against only the
+    earlier sources (large ones: composition.CAUSAL_SPLIT_PAIRS), here in groups of 5 target heads (2 layers of 4
+    heads, or 1 layer per kind when kinds share a layer's columns)."""
+    if request.param:
+        monkeypatch.setattr(composition, "CAUSAL_SPLIT_PAIRS", 0)
+        monkeypatch.setattr(composition, "CAUSAL_GROUP_TARGETS", 5)
+    return bool(request.param)
+
+
 @pytest.mark.parametrize("n_kv", [None, 2, 1], ids=["mha", "gqa-2-groups", "gqa-1-group"])
-def test_chunked_scores_equal_dense_and_unchunked(n_kv: int | None) -> None:
+def test_chunked_scores_equal_dense_and_unchunked(n_kv: int | None, causal_split: bool) -> None:
     model = _model(n_kv)
     L = model.cfg.n_layers
     dense = _dense_scores(model)  # per pair, from the d x d W_OV and W_QK of the per-query-head weights
@@ -54,7 +65,9 @@ def test_chunked_scores_equal_dense_and_unchunked(n_kv: int | None) -> None:
 
 @pytest.mark.parametrize("n_kv", [None, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("kinds", [("k",), ("q", "k", "v")])
-def test_price_covers_the_held_peak_in_every_chunking(n_kv: int | None, kinds: tuple[CompositionKind, ...]) -> None:
+def test_price_covers_the_held_peak_in_every_chunking(
+    n_kv: int | None, kinds: tuple[CompositionKind, ...], causal_split: bool
+) -> None:
     model = _model(n_kv, n_layers=6, d_model=64)
     L, cfg = model.cfg.n_layers, model.cfg
     shape = (L, cfg.n_heads, cfg.group_size, cfg.d_model, cfg.d_head)

@@ -1,13 +1,16 @@
-"""FactoredMatrix against the dense matrix A @ B, in float64, on random shapes (docs/maths.md §5.15)."""
+"""FactoredMatrix against the dense matrix A @ B, in float64, on random shapes (docs/maths.md §5.10)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 from circuits_core.circuits import global_topk
-from circuits_core.circuits.factored import FactoredMatrix
+from circuits_core.circuits.factored import FactoredMatrix, svd_cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
+from tests.core.test_paths_cost import _HeldBytes
 
 
 @pytest.fixture(autouse=True)
@@ -183,7 +186,7 @@ def test_topk_global_matches_dense(shape, budget_rows, tile_cols, screen, larges
     monkeypatch.setattr(global_topk, "TILE_ROWS", 4)
     # bfloat16 screening (normally only for >= 2^24 entries), then exact recomputation of the kept rows
     monkeypatch.setattr(global_topk, "SCREEN_MIN_ENTRIES", 0 if screen else 2**62)
-    monkeypatch.setattr(global_topk, "_screen_is_faster", lambda device: True)  # screen where asked, on any CPU
+    monkeypatch.setattr(global_topk, "half_products_fast", lambda device, dtype: True)  # screen where asked, on any CPU
     fm = random_fm(*shape, seed=9)
     M = dense(fm)
     rdim = shape[-1]
@@ -205,7 +208,7 @@ def test_topk_global_screen_row_maxima_on_bits_and_values_match_dense(shift, mon
     monkeypatch.setattr(global_topk, "SEED_ROWS", 2)
     monkeypatch.setattr(global_topk, "TILE_ROWS", 5)
     monkeypatch.setattr(global_topk, "SCREEN_MIN_ENTRIES", 0)
-    monkeypatch.setattr(global_topk, "_screen_is_faster", lambda device: True)  # screen where asked, on any CPU
+    monkeypatch.setattr(global_topk, "half_products_fast", lambda device, dtype: True)  # screen where asked, on any CPU
     gen = torch.Generator().manual_seed(12)
     A = torch.cat([torch.randn(37, 6, generator=gen, dtype=torch.float64), torch.ones(37, 1, dtype=torch.float64)], 1)
     B = torch.cat(
@@ -238,7 +241,7 @@ def test_topk_global_with_a_small_seed_block_matches_dense(seed_rows, tile_rows,
     monkeypatch.setattr(global_topk, "TILE_ROWS", tile_rows)
     monkeypatch.setattr(global_topk, "TILE_COLS", 7)
     monkeypatch.setattr(global_topk, "SCREEN_MIN_ENTRIES", 0 if screen else 2**62)
-    monkeypatch.setattr(global_topk, "_screen_is_faster", lambda device: True)  # screen where asked, on any CPU
+    monkeypatch.setattr(global_topk, "half_products_fast", lambda device, dtype: True)  # screen where asked, on any CPU
     gen = torch.Generator().manual_seed(11)
     fm = FactoredMatrix(
         torch.randn(41, 5, generator=gen, dtype=torch.float64), torch.randn(5, 23, generator=gen, dtype=torch.float64)
@@ -385,9 +388,9 @@ def test_batch_broadcast_agrees_with_torch_broadcast_shapes() -> None:
 @pytest.mark.parametrize("faster", [True, False])
 def test_the_bfloat16_screen_runs_only_where_it_is_faster(faster, monkeypatch):
     """On a CPU that emulates bfloat16 GEMMs (28x slower than float32 on AVX2) the search must not screen: the
-    screen's row maxima are read only when _screen_is_faster says so; the answer is the dense one either way."""
+    screen's row maxima are read only when half_products_fast says so; the answer is the dense one either way."""
     monkeypatch.setattr(global_topk, "SCREEN_MIN_ENTRIES", 0)
-    monkeypatch.setattr(global_topk, "_screen_is_faster", lambda device: faster)
+    monkeypatch.setattr(global_topk, "half_products_fast", lambda device, dtype: faster)
     screened: list[int] = []
     row_max = global_topk._row_max
     monkeypatch.setattr(global_topk, "_row_max", lambda x, positive: screened.append(1) or row_max(x, positive))
@@ -398,3 +401,21 @@ def test_the_bfloat16_screen_runs_only_where_it_is_faster(faster, monkeypatch):
     torch.testing.assert_close(v, ref_v)
     assert torch.equal(r, ref_r) and torch.equal(c, ref_c)
     assert bool(screened) == faster
+
+
+@pytest.mark.parametrize(
+    "a_batch,b_batch,ldim,mdim,rdim", [((3, 1), (3, 4), 30, 6, 25), ((2,), (2,), 40, 8, 40), ((), (5,), 20, 4, 30)]
+)
+def test_svd_cost_covers_the_held_peak(
+    a_batch: tuple[int, ...], b_batch: tuple[int, ...], ldim: int, mdim: int, rdim: int
+) -> None:
+    """factored.svd_cost against the bytes the factored SVD really holds (tensors it makes; A, B excluded)."""
+    gen = torch.Generator().manual_seed(0)
+    A = torch.randn(*a_batch, ldim, mdim, generator=gen, dtype=torch.float64)
+    B = torch.randn(*b_batch, mdim, rdim, generator=gen, dtype=torch.float64)
+    with torch.no_grad(), _HeldBytes([A, B]) as held:
+        S = FactoredMatrix(A, B).S  # [n..., mdim]
+    assert S.shape[-1] == mdim
+    n = math.prod(torch.broadcast_shapes(a_batch, b_batch))
+    priced = svd_cost(math.prod(a_batch), math.prod(b_batch), n, ldim, mdim, rdim, 8)
+    assert 0 < held.peak <= priced.peak_bytes <= 2 * held.peak, (held.peak, priced.peak_bytes)

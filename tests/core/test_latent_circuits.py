@@ -262,4 +262,4 @@ def test_attention_forward_price_is_what_torch_counts(world: dict[str, tuple[Pat
     for frozen in (None, Frozen(patterns={"blocks.1.attn.hook_pattern": cache["blocks.1.attn.hook_pattern"]})):
         with FlopCounterMode(display=False) as counter:
             attn(x, x, x, Recorder(None), frozen)
-        assert counter.get_total_flops() == layer_flops(model.cfg, 2, 7, frozen is None, False)
+        assert counter.get_total_flops() == layer_flops(model.cfg, 2, 7, frozen is None, False, 1)

@@ -1,0 +1,88 @@
+"""Products on half-precision weights: where the device multiplies bf16/fp16 fast, and float32 chunks where it does not.
+
+A checkpoint stored in bf16 or fp16 may keep that dtype in memory (load_checkpoint's keep_half: a Llama-3.1-8B
+model's attention and embeddings are 4.5 GiB in bf16, 9 GiB in float32). The circuits compute in float32
+(Transformer.compute_dtype), and a half-precision product is only worth running where the hardware has it: GPUs and
+CPUs with AVX512-BF16/AMX do, while a CPU with AVX2 only emulates it (a bf16 [1024, 64] @ [64, 16384] product took
+10.6 s against 0.38 s in float32; a bf16 OV row of the 8B shape over its 128,256 logits 9.4 s). `half_products_fast`
+is the one place that decides, by timing both once per device and dtype; `half_matmul` follows it: half-precision
+products where they are fast, else the half operand converted to float32 a bounded chunk at a time (its float32
+copy never exists whole) and multiplied in float32. The result has torch's promoted dtype, so a caller that passes
+a float32 operand gets float32 (an OV row of a bf16 model in its compute dtype) and one that passes two half
+operands gets half, as `@` would give. The global top-k's bf16 screen (global_topk.py) asks the same
+probe.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+# The float32 copy of one chunk of a half operand (a [4096, 2048] block of an 8B model's W_U): large enough for
+# efficient products, small enough to stay a bounded extra beside weights of many GiB.
+CHUNK_BYTES = 32 * 2**20
+_fast: dict[tuple[torch.device, torch.dtype], bool] = {}
+
+
+def half_products_fast(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether a `dtype` GEMM beats a float32 one on `device`, timed once per (device, dtype) (best of 3 each;
+    a CUDA device is taken as fast). CPUs without bf16 instructions (AVX2 only) emulate it: 28x slower than float32
+    on such a CPU; GPUs and CPUs with AVX512-BF16/AMX run it faster."""
+    key = (torch.device(device), dtype)
+    if key not in _fast:
+        if key[0].type == "cuda":
+            _fast[key] = True
+        else:
+            a, b = torch.randn(128, 64, device=device), torch.randn(64, 1024, device=device)
+            best = {}
+            for dt in (torch.float32, dtype):
+                x, y = a.to(dt), b.to(dt)
+                times = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    x @ y
+                    times.append(time.perf_counter() - t0)
+                best[dt] = min(times)
+            _fast[key] = best[dtype] < best[torch.float32]
+    return _fast[key]
+
+
+def half_matmul(A: Tensor, B: Tensor, chunk_bytes: int | None = None) -> Tensor:
+    """A [..., m, k] @ B [k, n] (or A [m, k] @ B [..., k, n]) in torch's promoted dtype (float32 for a half operand
+    times a float32 one, half for two half operands): as `A @ B` when neither is half-precision; else from
+    half-precision products where `half_products_fast` says so, otherwise in float32 with the half operand (the
+    larger one when both are) converted `chunk_bytes` (default CHUNK_BYTES) of float32 at a time: B by column
+    blocks, A by row blocks. The other operand is converted whole (a few rows or a head's factor)."""
+    half = [t.dtype for t in (A, B) if t.dtype in HALF_DTYPES]
+    if not half:
+        return A @ B
+    result = torch.promote_types(A.dtype, B.dtype)
+    if half_products_fast(A.device, half[0]):
+        return (A.to(half[0]) @ B.to(half[0])).to(result)
+    return _float32_chunks(A, B, CHUNK_BYTES if chunk_bytes is None else chunk_bytes).to(result)
+
+
+def _float32_chunks(A: Tensor, B: Tensor, chunk_bytes: int) -> Tensor:
+    """A @ B in float32, the half operand converted chunk by chunk into one reused float32 buffer."""
+    if B.dtype in HALF_DTYPES and B.dim() == 2 and (A.dtype not in HALF_DTYPES or B.numel() >= A.numel()):
+        A = A.float()
+        out = A.new_empty(*A.shape[:-1], B.shape[1])  # [..., m, n]
+        step = max(1, chunk_bytes // (4 * B.shape[0]))
+        buf = A.new_empty(B.shape[0], min(step, B.shape[1]))  # [k, step] float32, reused
+        for j in range(0, B.shape[1], step):
+            block = buf[:, : min(step, B.shape[1] - j)].copy_(B[:, j : j + step])
+            out[..., j : j + block.shape[1]] = A @ block
+        return out
+    if A.dtype in HALF_DTYPES and A.dim() == 2:
+        B = B.float()
+        out = B.new_empty(*B.shape[:-2], A.shape[0], B.shape[-1])  # [..., m, n]
+        step = max(1, chunk_bytes // (4 * A.shape[1]))
+        buf = B.new_empty(min(step, A.shape[0]), A.shape[1])  # [step, k] float32, reused
+        for i in range(0, A.shape[0], step):
+            block = buf[: min(step, A.shape[0] - i)].copy_(A[i : i + step])
+            out[..., i : i + block.shape[0], :] = block @ B
+        return out
+    return A.float() @ B.float()  # batched half operands: small (per-head factors), converted whole
