@@ -125,6 +125,9 @@ class Declared(Generic[P, V]):
     tags: list[str]
     cache: bool | Callable[[P], bool] = True  # keep answers in the result cache (per params when callable)
     description: str | None = None
+    # "copy as Python" (app/snippets.py): (params, view) -> the circuits_core calls, after the model's load, that leave
+    # the panel's numbers in `result`, keyed like the view's JSON fields; every page that runs the analysis offers it
+    snippet: Callable[[P, V], str] | None = None
 
     @property
     def api_path(self) -> str:

@@ -1,5 +1,8 @@
-"""The head filter: score thresholds a reader types once ("induction > 0.4 and layer < 20") and every table and
-plot of a page applies (the overview's grid, scatter and heads table, the detectors' chart and table).
+"""The head filter: score thresholds a reader types once ("induction > 0.4 and layer < 20") and every heads table and
+head-indexed plot of a page applies (the overview's grid, scatter and heads table, the detectors' chart and table, the
+composition map and its strongest pairs, the head ablations of term importance). One definition: `FilterText`
+is the page parameter, `HeadFilter.parse` its one parser; on a page whose rows are not the heads table's
+(app/routers/page_inputs.py `filtered_heads`), the heads it keeps are read off the model's heads table.
 
 A filter is clauses joined by "and" or ","; each clause is `field op number` with op one of > >= < <= =, and
 field a column of HeadScores (layer, head, induction, previous_token, …; spaces or hyphens may stand for "_").
@@ -13,7 +16,9 @@ import operator
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Annotated, TypeVar
+
+from pydantic import Field
 
 from app.schemas.heads import HeadScores
 from circuits_core.errors import InvalidInputError
@@ -41,6 +46,14 @@ OPERATORS: dict[str, Callable[[float, float], bool]] = {
 }
 CLAUSE = re.compile(r"^\s*([a-z][a-z _-]*?)\s*(>=|<=|>|<|=)\s*(-?\d+(?:\.\d*)?|-?\.\d+)\s*$", re.I)
 MAX_FILTER_CHARS = 200
+FilterText = Annotated[
+    str | None,
+    Field(
+        max_length=MAX_FILTER_CHARS,
+        description="head filter of the page's heads tables and plots: score thresholds joined by 'and', e.g. "
+        f"'induction > 0.4 and layer < 20' (fields: {', '.join(FIELDS)})",
+    ),
+]
 
 H = TypeVar("H", bound=HeadScores)
 
@@ -97,6 +110,10 @@ class HeadFilter:
     def apply(self, heads: Sequence[H]) -> list[H]:
         """The heads every clause holds for, in their order."""
         return [s for s in heads if self.keeps(s)]
+
+    def kept(self, heads: Sequence[HeadScores]) -> set[str]:
+        """The names of the heads every clause holds for."""
+        return {s.head for s in heads if self.keeps(s)}
 
 
 def labelled_heads(heads: Sequence[HeadScores], most: int = 4) -> list[str]:

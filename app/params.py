@@ -261,9 +261,9 @@ AblatedHeads = Annotated[
             "the heads the head ablations remove, one at a time: 'all', 'none', or comma-separated head names (L3H1) "
             "and "
             "layers (L3: every head of layer 3; L0-L9: of layers 0 to 9). Default: every head on a model of at most "
-            f"{DEFAULT_ALL_HEADS} heads; on a larger one the induction and previous-token heads of its measured "
-            f"summary "
-            "(model_summary.json), else none. Priced before it runs: a head of layer l reruns layers l.. twice "
+            f"{DEFAULT_ALL_HEADS} heads; on a larger one the heads its summary names (computed from its heads table "
+            "on first use): the heads that matter and every induction or previous-token head. Priced before it runs: "
+            "a head of layer l reruns layers l.. twice "
             "(patterns "
             "frozen, then recomputed), so the FLOPs grow with the heads and their depth, against the request deadline"
         )

@@ -1,15 +1,17 @@
 """What the prompt and composition pages share: the prompt a page starts with, a page's prompt or token ids, the
-heads a page starts from (the heads that matter), and where a panel's "copy as Python" snippet loads the model."""
+heads a page starts from (the heads that matter), the heads a page's head filter keeps, and where a panel's "copy as
+Python" snippet loads the model."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Protocol
 
+from app.head_filter import HeadFilter
 from app.params import (
     NoParams,
 )
-from app.routers.rendering import PageCall
+from app.routers.rendering import PageCall, Refusal
 from app.scheduling import cheap
 from app.tour.figures import REPEATED
 from app.views.shared.heads_table import HEADS
@@ -58,3 +60,13 @@ async def suggested_heads(call: PageCall[Any], count: int) -> list[str]:
     if view is None or view.previous_token_head is None or view.induction_head is None:
         return fallback
     return [view.previous_token_head, view.induction_head]
+
+
+async def filtered_heads(call: PageCall[Any], text: str | None) -> tuple[HeadFilter, set[str] | None, Refusal | None]:
+    """(the page's head filter, the names of the heads it keeps, the heads table's refusal or job). No filter: every
+    head (None). The scores it tests are the model's heads table (HEADS: the overview's), whatever the page shows."""
+    head_filter = HeadFilter.parse(text)  # 422 naming the fields and operators when unreadable
+    if not head_filter:
+        return head_filter, None, None
+    heads, error = await call.attempt(HEADS, NoParams())
+    return head_filter, (set() if heads is None else head_filter.kept(heads.heads)), error

@@ -13,6 +13,7 @@ from pydantic import Field
 
 from app import charts, snippets, view_figures
 from app.analysis import HeadField
+from app.head_filter import FilterText
 from app.labels import token_labels, visible
 from app.params import (
     HEAD_DOC,
@@ -22,13 +23,13 @@ from app.params import (
     QKPathsParams,
     TermImportanceParams,
 )
-from app.routers.page_inputs import snippet_source, suggested_heads, text_of
+from app.routers.page_inputs import filtered_heads, snippet_source, suggested_heads, text_of
 from app.routers.rendering import Page, PageCall, PageContext
 from app.views.path import PATH
 from app.views.qk_paths import QK_PATHS
 from app.views.shared.heads_table import HEADS
 from app.views.shared.page_claims import ablation_sentence
-from app.views.term_importance import TERM_IMPORTANCE
+from app.views.term_importance import TERM_IMPORTANCE, default_needs_heads
 
 
 # -- a chain of heads (virtual head) ----------------------------------------------------------------------------
@@ -177,13 +178,37 @@ async def qk_paths_context(call: PageCall[QKPathsPageParams]) -> PageContext:
 
 
 # -- term importance --------------------------------------------------------------------------------------------
-async def term_importance_context(call: PageCall[TermImportanceParams]) -> PageContext:
-    view, error = await call.attempt(TERM_IMPORTANCE, call.params)
+class TermImportancePageParams(TermImportanceParams):
+    filter: FilterText = None  # of the head ablations' table and charts
+
+
+async def term_importance_context(call: PageCall[TermImportancePageParams]) -> PageContext:
     prompt, model = call.params.prompt, call.model_id
-    ctx: dict[str, Any] = {"view": view, "error": error, "figs": {}, "prompt": prompt, "heads": call.params.heads}
-    if view is None:
+    params = TermImportanceParams(**call.params.model_dump(exclude={"filter"}))
+    call.json_params = params
+    head_filter, kept, filter_error = await filtered_heads(call, call.params.filter)
+    ctx: dict[str, Any] = {
+        "view": None,
+        "error": filter_error,
+        "figs": {},
+        "prompt": prompt,
+        "heads": params.heads,
+        "head_filter": str(head_filter),
+        "filter_text": call.params.filter,
+    }
+    heads, heads_error = await call.attempt(HEADS, NoParams())  # first: a large model's default heads are read off it
+    if heads_error is not None and heads_error["status"] == 202 and default_needs_heads(call.model, params):
+        return {**ctx, "error": heads_error}  # the heads table's job, polled; then the ablations of the heads it names
+    whole, error = await call.attempt(TERM_IMPORTANCE, params)
+    view = (
+        whole
+        if whole is None or kept is None
+        else whole.model_copy(update={"heads": [h for h in whole.heads if h.head in kept]})
+    )
+    ctx.update(view=view, error=error or filter_error, n_ablated=None if whole is None else len(whole.heads))
+    if view is None or whole is None:
         return ctx
-    ctx["claim"] = ablation_sentence(view, (await call.attempt(HEADS, NoParams()))[0])
+    ctx["claim"] = ablation_sentence(whole, heads)
     n = len(view.loss_by_order)
     ctx["figs"] = {
         "by_order": charts.bars(
@@ -238,6 +263,7 @@ TERM_IMPORTANCE_PAGE = Page(
     TERM_IMPORTANCE,
     "term_importance.html",
     term_importance_context,
+    params=TermImportancePageParams,
     blocks=("ti_panel",),
     title="Term importance · {model}",
     label="Term importance",

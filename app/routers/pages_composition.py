@@ -10,14 +10,16 @@ from typing import Annotated
 from pydantic import Field
 
 from app import block_heatmaps, charts, snippets, view_figures
+from app.head_filter import FilterText
 from app.params import (
     CompositionPairParams,
     CompositionParams,
     NoParams,
 )
-from app.routers.page_inputs import snippet_source
+from app.routers.page_inputs import filtered_heads, snippet_source
 from app.routers.pages_rotary import pair_rotary_context, rotary_enabled
 from app.routers.rendering import Page, PageCall, PageContext, url
+from app.schemas.analyses import CompositionPair, CompositionView
 from app.views.composition import COMPOSITION, COMPOSITION_PAIR
 from app.views.shared.heads_table import HEADS
 from app.views.shared.page_claims import composition_sentence
@@ -31,18 +33,50 @@ class CompositionPageParams(CompositionParams):
         str | None,
         Field(pattern=r"^\d{1,4}-\d{1,4}$", description="zoom into layer block 'a-b' (earlier layer a, later b)"),
     ] = None
+    filter: FilterText = None  # of the map's rows and columns and the strongest pairs
+
+
+def of_heads(view: CompositionView, kept: set[str] | None) -> CompositionView:
+    """The view on the kept heads only: the maps' rows and columns, and the strongest pairs among them (as many as
+    the whole view lists, largest raw score first); `kept` None: every head."""
+    if kept is None:
+        return view
+    rows = [i for i, s in enumerate(view.sources) if s in kept]
+    cols = [j for j, t in enumerate(view.targets) if t in kept]
+    scored = [(view.scores[i][j], i, j) for i in rows for j in cols if view.scores[i][j] is not None]
+    strongest = sorted(scored, key=lambda e: -float(e[0] or 0.0))[: len(view.top_pairs)]
+    pairs = [
+        CompositionPair(
+            source=view.sources[i],
+            target=view.targets[j],
+            score=float(score or 0.0),
+            minus_baseline=float(view.minus_baseline[i][j] or 0.0),
+        )
+        for score, i, j in strongest
+    ]
+    return view.model_copy(
+        update={
+            "sources": [view.sources[i] for i in rows],
+            "targets": [view.targets[j] for j in cols],
+            "scores": [[view.scores[i][j] for j in cols] for i in rows],
+            "minus_baseline": [[view.minus_baseline[i][j] for j in cols] for i in rows],
+            "top_pairs": pairs,
+        }
+    )
 
 
 async def composition_context(call: PageCall[CompositionPageParams]) -> PageContext:
     page = call.params
-    params = CompositionParams(**page.model_dump(exclude={"block"}))
+    params = CompositionParams(**page.model_dump(exclude={"block", "filter"}))
     call.json_params = params
-    view, error = await call.attempt(COMPOSITION, params)
+    head_filter, kept, filter_error = await filtered_heads(call, page.filter)
+    whole, error = await call.attempt(COMPOSITION, params)
+    view = None if whole is None else of_heads(whole, kept)
     kind = params.kind
     call.title = f"{kind}-composition · {call.model_id}"
     zmax, claim = None, None
-    if view is not None:  # one colour scale for Q, K and V (the other kinds' answers are cached like this one)
-        views = [view] + [
+    if whole is not None:  # one colour scale for Q, K and V (the other kinds' answers are cached like this one)
+        views = [whole] + [
             v
             for k in ("Q", "K", "V")
             if k != kind
@@ -54,7 +88,12 @@ async def composition_context(call: PageCall[CompositionPageParams]) -> PageCont
         if not params.offset:  # what this model shows (detector scores on the standard input, cached)
             claim = composition_sentence(call.model_id or "", (await call.attempt(HEADS, NoParams()))[0], k_view)
     base = f"/models/{call.model_id}/composition"
-    state = {"kind": kind, "offset": params.offset or None, "basis": page.basis if page.basis != "served" else None}
+    state = {
+        "kind": kind,
+        "offset": params.offset or None,
+        "basis": page.basis if page.basis != "served" else None,
+        "filter": page.filter or None,
+    }
     fig = zoom = None
     blocks = view is not None and block_heatmaps.needs_blocks(len(view.sources))
     if view is not None and blocks:  # 30 layers x 9 heads: one cell per layer block, a click zooms in
@@ -76,7 +115,11 @@ async def composition_context(call: PageCall[CompositionPageParams]) -> PageCont
     )
     return {
         "view": view,
-        "error": error,
+        "error": error or filter_error,
+        "head_filter": str(head_filter),
+        "filter_text": page.filter,
+        "n_heads": None if whole is None else len(set(whole.sources) | set(whole.targets)),
+        "n_shown": None if view is None else len(set(view.sources) | set(view.targets)),
         "snippet": snippet,
         "kind": kind,
         "fig": fig,

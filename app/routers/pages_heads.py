@@ -11,7 +11,7 @@ from pydantic import Field
 from app import charts, snippets
 from app.analysis import Analysis
 from app.figure_output import MAX_HEIGHT
-from app.head_filter import MAX_FILTER_CHARS, HeadFilter, labelled_heads
+from app.head_filter import FilterText, HeadFilter, labelled_heads
 from app.params import (
     DEFAULT_VOCAB,
     HeadParams,
@@ -43,7 +43,7 @@ from app.views.positivity import POSITIVITY
 from app.views.shared.basis import basis
 from app.views.shared.heads_table import HEADS
 from app.views.shared.page_claims import scatter_sentence
-from app.views.shared.token_sets import has_token_counts, token_set
+from app.views.shared.token_sets import has_token_counts
 from app.views.skip_trigrams import SKIP_TRIGRAMS
 from circuits_core.circuits.profile_shape import near_edge
 from circuits_core.circuits.rotary import KERNEL_WINDOW
@@ -179,11 +179,7 @@ class OverviewParams(NoParams):
     score: Literal[
         "induction", "previous_token", "duplicate_token", "current_token", "first_token", "ov_copying", "qk_copying"
     ] = Field("induction", description="the head score the heatmap shows")
-    filter: str | None = Field(
-        None,
-        max_length=MAX_FILTER_CHARS,
-        description="head filter of the grid, table and scatter, e.g. 'induction > 0.4'",
-    )
+    filter: FilterText = None  # of the grid, the table and the scatter
 
 
 async def overview_context(call: PageCall[OverviewParams]) -> PageContext:
@@ -285,14 +281,12 @@ async def head_context(call: PageCall[HeadPageParams]) -> PageContext:
     )
     partners = await composition_partners(call, name) if view is not None else []
     entry = await cheap(call.registry.entry, model or "")
-    # the token counts file read and ranked for the snippet: in a worker thread, off the event loop
-    ranked = await cheap(token_set, call.model, p.min_count, p.vocab if p.token is None else "all")
     ov_snippet = snippets.ov_table(
         entry.path,
         str(call.registry.dtype).removeprefix("torch."),
         name,
         ov.k,
-        None if ranked.ids is None else ranked.ids.tolist(),
+        ov.token_ids,  # the token set the table ranked, as the view ranked it
         None if ov.token is None else ov.token.id,
         raw=p.basis == "raw",
     )

@@ -10,7 +10,7 @@ when the page declares it, else the page's first block. Every answer sends `Vary
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, NotRequired, TypedDict, TypeVar
 from urllib.parse import urlencode
 
@@ -18,7 +18,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from jinja2_fragments.fastapi import Jinja2Blocks
 
-from app import charts
+from app import charts, snippets
 from app.analysis import API, Analysis, AnalysisParams, Declared, P, V, json_url, run, validate
 from app.deps import get_model
 from app.errors import kind_of
@@ -223,6 +223,8 @@ class PageCall(Generic[PP]):
     json_params: AnalysisParams | None = None  # the params of the JSON twin, when the page changed them
     title: str | None = None
     keep: bool = True  # False: a part failed only this time (busy, timeout), so the rendered page is not kept
+    # analysis name -> its "copy as Python" script, for each analysis run that declares one (templates: `snippets`)
+    snippets: dict[str, str] = field(default_factory=dict)
 
     @property
     def model(self) -> LoadedModel:
@@ -236,7 +238,13 @@ class PageCall(Generic[PP]):
         subject = self.registry if analysis.scope == "server" else self.loaded
         if analysis.scope == "model":
             params = params.normalised(self.loaded)  # type: ignore[arg-type]
-        return await run(analysis, subject, self.model_id, params, self.limits)
+        view = await run(analysis, subject, self.model_id, params, self.limits)
+        if analysis.snippet is not None and self.loaded is not None:
+            raw = getattr(params, "basis", "served") == "raw"
+            dtype = str(self.registry.dtype).removeprefix("torch.")
+            body = analysis.snippet(params, view)
+            self.snippets[analysis.name] = snippets.script(self.loaded.path, dtype, body, raw=raw)
+        return view
 
     async def attempt(self, analysis: Declared[P, V], params: P) -> tuple[V | None, Refusal | None]:
         """`run`, a refusal (QkovError) returned as the panel's error instead of raised."""
@@ -338,7 +346,14 @@ async def serve_page(
     response = render(
         request,
         page.template,
-        {**frame, "limits": limits, "prompt_cut": cut, "fragment": is_fragment(request), **context},
+        {
+            **frame,
+            "limits": limits,
+            "prompt_cut": cut,
+            "fragment": is_fragment(request),
+            "snippets": call.snippets,
+            **context,
+        },
         blocks=page.blocks,
     )
     if key is not None and response.status_code == 200 and call.keep:

@@ -73,6 +73,10 @@ class CircuitTopView(BaseModel):
     token_set: str | None = Field(
         default=None, description="which tokens a global table ranked, in words (None: every token)"
     )
+    token_ids: list[int] | None = Field(
+        default=None,
+        description="the ids of the tokens ranked, sorted (None: every token): `token_set`'s tokens, or min_count's",
+    )
     offset: int | None = Field(
         default=None,
         description="QK of a rotary model: the query-key offset δ of W_Q R(δ) W_Kᵀ "

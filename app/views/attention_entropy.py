@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from pydantic import BaseModel, Field
 
+from app import snippets
 from app.analysis import Analysis
 from app.page_spec import OwnPage
 from app.params import PromptInput
@@ -54,6 +55,7 @@ ATTENTION_ENTROPY = Analysis(
     build=build_entropy_view,
     cost=entropy_cost,
     summary="Attention entropy of every head",
+    snippet=snippets.attention_entropy_body,
     tags=["prompts"],
     cache=lambda p: p.prompt is None and p.tokens is None,  # the default text only
     needs_layers=1,

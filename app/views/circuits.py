@@ -27,6 +27,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from app import snippets
 from app.analysis import Analysis
 from app.params import DirectParams, OVParams, QKParams
 from app.schemas import CircuitTopView
@@ -191,14 +192,16 @@ def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits, ci
     head_circuits.top_cost for the circuit and side the view reads."""
     check_offset(loaded, getattr(p, "offset", 0))  # a request the model cannot answer is refused before its price
     side: Literal["row", "column"] = "column" if getattr(p, "side", "query") == "key" else "row"
+    ranked = token_set(loaded, p.min_count, p.vocab if p.token is None else "all")  # as _top_view ranks
     if p.token is None:
         cost = search_cost(loaded, p, limits, circuit)
     else:
-        n = None if p.min_count is None else token_set(loaded, p.min_count, "all").n
+        n = None if p.min_count is None else ranked.n
         cost = circuits.top_cost(
             loaded.model, p.k, limits.matrix_budget_bytes, line=True, n_tokens=n, circuit=circuit, side=side
         )
-    return cost + raw_copy_cost(loaded, p.basis)
+    ids = 0 if ranked.ids is None else ranked.n  # the answer's token_ids
+    return (cost + raw_copy_cost(loaded, p.basis)).with_answer(numbers=ids)
 
 
 def direct_cost(loaded: LoadedModel, p: DirectParams, limits: Limits) -> Cost:
@@ -229,6 +232,7 @@ DIRECT = Analysis(
     build=build_direct_view,
     cost=direct_cost,
     summary="Direct path (bigram table)",
+    snippet=snippets.direct_body,
     tags=["circuits"],
 )
 OV = Analysis(

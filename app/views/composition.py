@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from app import snippets
 from app.analysis import Analysis
 from app.params import CompositionPairParams, CompositionParams
 from app.schemas.analyses import (
@@ -222,5 +223,6 @@ COMPOSITION_PAIR = Analysis(
     build=build_composition_pair_view,
     cost=pair_cost,
     summary="One head pair: K-composition circuit and virtual head",
+    snippet=snippets.composition_pair_body,
     tags=["composition"],
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from app import snippets
 from app.analysis import Analysis, build_cached, cache_key
 from app.params import CopyingParams, HeadParams, NoParams
 from app.scheduling import is_cached
@@ -115,6 +116,7 @@ HEAD = Analysis(
     build=build_head_view,
     cost=head_cost,
     summary="One head: spectra, positional pattern",
+    snippet=snippets.head_body,
     tags=["heads"],
 )
 COPYING = Analysis(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from app import snippets
 from app.analysis import Analysis
 from app.page_spec import PerHeadPage
 from app.params import NoParams
@@ -46,6 +47,7 @@ OV_EFFECTIVE_RANK = Analysis(
     build=build_ov_effective_rank_view,
     cost=ov_effective_rank_cost,
     summary="OV effective rank of every head",
+    snippet=snippets.ov_effective_rank_body,
     tags=["circuits"],
     needs_layers=1,
     weights="attention",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from app import snippets
 from app.analysis import Analysis, split_heads
 from app.params import ChainParams
 from app.schemas.analyses import ChainView, SourceContribution
@@ -86,6 +87,7 @@ PATH = Analysis(
     build=build_path_view,
     cost=path_cost,
     summary="A chain of heads (virtual head) on a prompt",
+    snippet=snippets.path_body,
     tags=["prompts"],
     needs_layers=1,
 )

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from app import snippets
 from app.analysis import Analysis, split_heads
 from app.params import PathsParams, PromptParams
 from app.schemas.analyses import PathsView, PathTermView, PromptHeadPattern, PromptView, TermKind
@@ -181,6 +182,7 @@ PROMPT = Analysis(
     build=build_prompt_view,
     cost=prompt_cost,
     summary="Tokens and attention patterns of chosen heads",
+    snippet=snippets.prompt_body,
     tags=["prompts"],
 )
 PATHS = Analysis(

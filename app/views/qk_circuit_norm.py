@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from app import snippets
 from app.analysis import Analysis
 from app.page_spec import PerHeadPage
 from app.params import NoParams
@@ -43,6 +44,7 @@ QK_CIRCUIT_NORM = Analysis(
     build=build_qk_circuit_norm_view,
     cost=qk_circuit_norm_cost,
     summary="QK circuit norm of every head",
+    snippet=snippets.qk_circuit_norm_body,
     tags=["circuits"],
     needs_layers=1,
     page=PerHeadPage(

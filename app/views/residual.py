@@ -15,6 +15,7 @@ from typing import Annotated, Literal
 import torch
 from pydantic import BaseModel, Field
 
+from app import snippets
 from app.analysis import Analysis, AnalysisParams
 from app.page_spec import OwnPage
 from app.params import BasisChoice, K
@@ -233,6 +234,7 @@ RESIDUAL = Analysis(
     build=build_residual_view,
     cost=residual_cost,
     summary="Residual stream (virtual weights)",
+    snippet=snippets.residual_body,
     tags=["residual stream"],
     page=OwnPage(template="residual.html", nav=130),
 )

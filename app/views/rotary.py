@@ -55,10 +55,12 @@ def _offsets(loaded: LoadedModel, max_offset: int, alibi: bool = False) -> torch
     return torch.arange(min(max_offset, loaded.model.cfg.n_ctx - 1) + 1)
 
 
-def _shape(loaded: LoadedModel, values: list[float], offsets: torch.Tensor) -> ProfileShape:
-    """The reading of a profile over `offsets`; its far end is open unless it is the model's last position."""
+def _shape(loaded: LoadedModel, values: list[float], offsets: torch.Tensor, layer: int | None = None) -> ProfileShape:
+    """The reading of a profile over `offsets`; its far end is open unless it is the model's last position, and on
+    a sliding `layer` a maximum at its window's last offset is an edge."""
     offs = offsets.tolist()
-    return profile_shape(values, offs, open_end=offs[-1] < loaded.model.cfg.n_ctx - 1)
+    window = None if layer is None else loaded.model.cfg.layer_window(layer)
+    return profile_shape(values, offs, open_end=offs[-1] < loaded.model.cfg.n_ctx - 1, window=window)
 
 
 def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limits) -> PositionalView:
@@ -77,7 +79,7 @@ def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limi
         offsets=offsets.tolist(),
         kernel=kernel.tolist(),
         peak_offset=int(offsets[int(kernel.argmax())]),
-        shape=ProfileShapeView.of(_shape(loaded, kernel.tolist(), offsets), "peak"),
+        shape=ProfileShapeView.of(_shape(loaded, kernel.tolist(), offsets, layer), "peak"),
         reference=ref,
         basis=f"{weights_basis(loaded)}; μ_l = mean ln1 output entering layer {layer} on the reference text, first "
         f"token left out"
@@ -229,7 +231,7 @@ def build_qk_copying_view(loaded: LoadedModel, p: QKCopyingParams, limits: Limit
         offsets=offsets.tolist(),
         scores=scores.tolist(),
         peak_offset=int(offsets[int(scores.argmax())]),
-        shape=ProfileShapeView.of(_shape(loaded, scores.tolist(), offsets), "largest"),
+        shape=ProfileShapeView.of(_shape(loaded, scores.tolist(), offsets, layer), "largest"),
         basis=f"{weights_basis(loaded)}; tokens as W_E with layer 0's norm applied to each row (W_E_eff), positions by "
         f"R(δ) only",
     )

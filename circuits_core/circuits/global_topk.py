@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from circuits_core.circuits import global_topk_bounds
 from circuits_core.cost import Cost, check_stop
 from circuits_core.model.half_products import half_products_fast
 
@@ -62,8 +63,12 @@ def topk_global_flops(ldim: int, mdim: int, rdim: int) -> int:
     This is its count when no tile is bounded out and none is screened (tests/core/test_circuit_flops.py). Tiles
     bounded out (the usual case on real circuits: rows and columns are visited by norm) make it less; a screened
     tile is counted once, as the bfloat16 product that replaces its exact one (about 3x faster), so the exact
-    recomputation of the few rows that pass the screen is within the price's slack."""
-    return 2 * ldim * mdim * rdim
+    recomputation of the few rows that pass the screen is within the price's slack. Matrices large enough for the
+    branch and bound of global_topk_bounds are priced at its own bound when that is larger."""
+    dense = 2 * ldim * mdim * rdim
+    if ldim * rdim >= global_topk_bounds.MIN_ENTRIES and mdim >= global_topk_bounds.MIN_INNER:
+        return max(dense, global_topk_bounds.bounded_flops(ldim, mdim, rdim))
+    return dense
 
 
 def _screening_accumulates_in_fp32(device: torch.device) -> bool:
@@ -99,6 +104,9 @@ def topk_global_2d(
     """
     ldim, rdim = A.shape[0], B.shape[1]
     B = B if largest else -B  # smallest entries of AB = largest of A(-B)
+    if global_topk_bounds.usable(A, B):  # large circuits: bounds in their singular basis prune far more
+        values, rows, cols = global_topk_bounds.topk_bounded(A, B, k, should_stop)
+        return (values if largest else -values), rows, cols
     row_norms, row_order = A.norm(dim=-1).sort(descending=True)  # [ldim]
     col_norms, col_order = B.norm(dim=0).sort(descending=True)  # [rdim]
     A = A[row_order]  # [ldim, mdim], rows in descending norm

@@ -6,6 +6,8 @@ the maximum is not where the plotted window was cut:
   * flat: max − min is under FLAT_FRACTION of the largest |value|; the arg-max is then noise, not a place;
   * edge of the range: the maximum sits within EDGE_FRACTION of the window's open end (δ_max, when δ_max is a
     choice of the window rather than the model's last position); the profile may keep rising beyond it.
+  * edge of a sliding window: on a layer with a window w the maximum is at δ = w − 1, the last offset the layer
+    attends: the window cuts the profile there.
 δ = 0 is never an edge: no key lies after its query. This is the one place that decides both; the pages, the
 JSON answers and the tour read `ProfileShape` instead of an arg-max.
 """
@@ -33,6 +35,7 @@ class ProfileShape:
     last_offset: int
     flat_fraction: float
     open_end: bool  # the window was cut at last_offset (more offsets exist beyond it)
+    window: int | None = None  # the layer's sliding window (offsets >= window are not attended), if any
 
     def describe(self, what: str = "peak", digits: int = 3) -> str:
         """One sentence about the profile: 'flat …', '<what> … at δ = …, the edge of the range …' or the peak."""
@@ -43,7 +46,11 @@ class ProfileShape:
                 f"{100 * self.relative_range:.1f} % (under {100 * self.flat_fraction:.0f} %), so no offset stands out"
             )
         text = f"{what} {self.peak:.{digits}f} at δ = {self.peak_offset}"
-        if self.at_edge:
+        if self.at_edge and self.window is not None and self.peak_offset == self.window - 1:
+            text += (
+                f", the edge of the layer's {self.window}-token window (it attends no key beyond δ = {self.window - 1})"
+            )
+        elif self.at_edge:
             text += (
                 f", the edge of the range (δ ≤ {self.last_offset}): the profile may keep rising beyond the plotted"
                 " window"
@@ -69,9 +76,11 @@ def profile_shape(
     open_end: bool = True,
     flat_fraction: float = FLAT_FRACTION,
     edge_fraction: float = EDGE_FRACTION,
+    window: int | None = None,
 ) -> ProfileShape:
     """The shape of `values` [n] over `offsets` [n] (increasing δ). open_end: the window stops before the model's
-    last position, so a maximum near its end may be an artefact of the window."""
+    last position, so a maximum near its end may be an artefact of the window. window: the layer's sliding window
+    (cfg.layer_window), whose last offset w − 1 is an edge."""
     if len(values) != len(offsets) or not values:
         raise ValueError(f"a profile needs one value per offset (got {len(values)} values, {len(offsets)} offsets)")
     vals = [float(v) for v in values]
@@ -87,9 +96,14 @@ def profile_shape(
         low=low,
         relative_range=rel,
         flat=flat,
-        at_edge=(not flat) and open_end and near_edge(int(offsets[i]), first, last, edge_fraction),
+        at_edge=(not flat)
+        and (
+            (open_end and near_edge(int(offsets[i]), first, last, edge_fraction))
+            or (window is not None and int(offsets[i]) == window - 1)
+        ),
         first_offset=first,
         last_offset=last,
         flat_fraction=flat_fraction,
         open_end=open_end,
+        window=window,
     )

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from circuits_core.circuits.composition import composition_scores
 from circuits_core.circuits.copying_spectra import ov_copying_scores
+from circuits_core.circuits.folded import head_weights
 from circuits_core.errors import CheckpointError
 from circuits_core.model.transformer import Transformer, next_token_losses
 from circuits_core.prompt.detectors import STANDARD_BATCH, detector_scores, repeated_random_tokens, standard_tokens
@@ -214,7 +215,8 @@ def skip_trigram_report(
     """Skip-trigrams of each head of `layer` on held-out code.
 
     For every query position: source = the most-attended key (BOS excluded), boosted = the k tokens whose
-    logits the source's OV direct path W_E[source] W_V W_O W_U raises most. The head copies there when the
+    logits the source's OV direct path W_E[source] W_V W_O W_U raises most (W_O times the output norm's gain where
+    the layer has one). The head copies there when the
     source token is among them (tokens compared without leading spaces, so ` name` and `name` match).
     Only positions whose source is a word token (it holds a letter) count: identifiers and keywords, the
     paper's skip-trigram examples. Reports each head's copying fraction and the best head's commonest
@@ -223,7 +225,12 @@ def skip_trigram_report(
     with torch.no_grad():
         _, cache = model.run(windows.to(model.device), names={f"blocks.{layer}.attn.hook_pattern"})
         pattern = cache[f"blocks.{layer}.attn.hook_pattern"].cpu()[:, :, 1:, 1:]  # [b, H, n-1, n-1] (no BOS)
-        W_OV = (model.W_V[layer] @ model.W_O[layer]).double().cpu()  # [H, d, d]
+        # [H, d, d], each head's W_V W_O with an output norm's gain (post-attention norm: Gemma 2/3, OLMo 2) folded
+        # into W_O: the norm's per-token RMS scale is positive, so it leaves the boosted tokens' order alone
+        W_OV = torch.stack(
+            [W_V @ W_O for _, _, W_V, W_O in (head_weights(model, layer, h) for h in range(model.cfg.n_heads))]
+        )
+        W_OV = W_OV.double().cpu()
         W_E, W_U = model.W_E.double().cpu(), model.W_U.double().cpu()
     toks = windows[:, 1:]  # [b, n-1]
     src = toks.gather(1, pattern.argmax(-1).flatten(1)).view(pattern.shape[0], pattern.shape[1], -1)  # [b, H, q]

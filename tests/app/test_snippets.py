@@ -5,25 +5,16 @@ the panel's JSON twin."""
 from __future__ import annotations
 
 import html
+import math
 import re
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.app.snippet_runner import run, snippets_in
+
 API = "/api/v1/models"
-
-
-def snippets_in(page: str) -> dict[str, str]:
-    """id -> source of every "copy as Python" snippet on a page (as the Copy button copies it)."""
-    found = re.findall(r'<pre><code id="([\w-]+)-code">(.*?)</code></pre>', page, re.S)
-    return {name: html.unescape(code) for name, code in found}
-
-
-def run(code: str) -> dict[str, Any]:
-    namespace: dict[str, Any] = {}
-    exec(compile(code, "<snippet>", "exec"), namespace)  # noqa: S102  (the page's own snippet, run as a user would)
-    return namespace["result"]
 
 
 def test_composition_snippet(client: TestClient) -> None:
@@ -67,20 +58,30 @@ def test_detectors_snippet(client: TestClient) -> None:
 
 
 @pytest.mark.parametrize(
-    "query", [{}, {"token": "5"}, {"basis": "raw"}, {"token": "5", "k": "7", "basis": "raw"}], ids=str
+    ("model", "head", "query"),
+    [
+        ("tiny-2l", "L1H2", {}),
+        ("tiny-2l", "L1H2", {"token": "5"}),
+        # the LayerNorm model, where the served (folded) weights differ from the raw ones
+        ("tiny-ln", "L0H1", {}),
+        ("tiny-ln", "L0H1", {"basis": "raw"}),
+        ("tiny-ln", "L0H1", {"token": "5", "k": "7", "basis": "raw"}),
+    ],
+    ids=str,
 )
-def test_ov_table_snippet(client: TestClient, query: dict[str, str]) -> None:
+def test_ov_table_snippet(client: TestClient, model: str, head: str, query: dict[str, str]) -> None:
     """The head page's OV table (global top-k, or a token's row; served or raw weights) against its JSON twin."""
-    page = client.get("/models/tiny-2l/heads/L1H2", params=query).text
+    page = client.get(f"/models/{model}/heads/{head}", params=query).text
     result = run(snippets_in(page)["ov-python"])
-    api = client.get(f"{API}/tiny-2l/heads/L1H2/ov", params={"k": 10, **query}).json()
+    api = client.get(f"{API}/{model}/heads/{head}/ov", params={"k": 10, **query}).json()
     want = [(e["row"]["id"], e["col"]["id"], e["value"]) for e in api["entries"]]
     assert [(r, c) for r, c, _ in result["entries"]] == [(r, c) for r, c, _ in want]
     assert [v for _, _, v in result["entries"]] == pytest.approx([v for _, _, v in want], abs=1e-9)
 
 
 def test_every_offered_snippet_is_tested(client: TestClient) -> None:
-    """The pages above are the only ones offering a snippet on this model (a new one needs a test here)."""
+    """The snippets a page's context builds (the functions of app/snippets.py other than the declared bodies): each
+    has its test above, or composition_profile's in tests/app/test_pages_rotary.py (a rotary model)."""
     import inspect
 
     from app import snippets
@@ -88,7 +89,132 @@ def test_every_offered_snippet_is_tested(client: TestClient) -> None:
     offered = {
         name
         for name, fn in inspect.getmembers(snippets, inspect.isfunction)
-        if fn.__module__ == snippets.__name__ and not name.startswith("_")
+        if fn.__module__ == snippets.__name__ and not name.startswith("_") and not name.endswith("_body")
     }
-    # composition_profile: tests/app/test_pages_rotary.py (a rotary model)
-    assert offered == {"composition", "qk_score_terms", "logit_paths", "composition_profile", "detectors", "ov_table"}
+    assert offered == {
+        "composition",
+        "qk_score_terms",
+        "logit_paths",
+        "composition_profile",
+        "detectors",
+        "ov_table",
+        "script",  # the load header of the declared snippets below
+    }
+
+
+# -- declared snippets (Analysis.snippet): every page that runs the analysis offers it --------------------------
+PROMPT = "the cat sat on the mat"
+# analysis name -> the pages (path, query) whose panel offers its snippet; the JSON twin is the page's own JSON link
+DECLARED: dict[str, list[tuple[str, dict[str, str]]]] = {
+    "heads": [("/models/tiny-2l", {})],
+    "head": [("/models/tiny-2l/heads/L1H2", {})],
+    "direct": [
+        ("/models/tiny-2l/direct", {}),  # the frequent tokens (tiny-2l has training counts)
+        ("/models/tiny-2l/direct", {"min_count": "all", "k": "7"}),
+        ("/models/tiny-2l/direct", {"token": "5"}),
+        ("/models/tiny-ln/direct", {"basis": "raw"}),
+    ],
+    "term-importance": [("/models/tiny-2l/term-importance", {"prompt": PROMPT})],
+    "attention-entropy": [("/models/tiny-2l/attention-entropy", {"prompt": PROMPT})],
+    "qk-circuit-norm": [("/models/tiny-2l/qk-circuit-norm", {})],
+    "ov-effective-rank": [("/models/tiny-2l/ov-effective-rank", {})],
+    "path": [
+        ("/models/tiny-2l/path", {"prompt": PROMPT, "heads": "L0H1,L1H2"}),
+        ("/models/tiny-2l/path", {"prompt": PROMPT, "heads": "L1H3", "target": "cat"}),
+    ],
+    "residual": [
+        ("/models/tiny-2l/residual", {}),
+        ("/models/tiny-ln/residual", {}),  # LayerNorm folded: the processed weights differ from the raw
+        ("/models/tiny-ln/residual", {"basis": "raw"}),
+    ],
+    "composition-pair": [("/models/tiny-2l/composition/L0H1/L1H2", {}), ("/models/tiny-2l/composition/L0H3/L1H0", {})],
+    "prompt": [
+        ("/models/tiny-2l/prompt", {"prompt": PROMPT, "heads": "L1H2,L0H3"}),
+        ("/models/tiny-2l/prompt", {"prompt": PROMPT, "heads": "L1H1", "weighted": "true"}),
+    ],
+}
+# snippets a page's context builds from what it knows (tested above, or in test_pages_rotary.py)
+CONTEXT_BUILT = {"composition", "qk-paths", "paths", "detectors", "ov", "composition-profile"}
+NOT_PANELS = {
+    "tokenize": "token ids of a text: no numbers of the model",
+    "tour": "the paper's figures, each drawn from analyses with pages of their own",
+    "copying": "API only: one head's copying metrics (pages show copying-all's)",
+    "summary": "API only: the overview's measured card is read off the heads table, whose snippet gives its scores",
+}
+# panels that offer no "copy as Python" yet: the list only shrinks (a new analysis must offer one)
+WITHOUT_SNIPPET = {
+    "copying-all",
+    "positivity",
+    "qk",
+    "skip-trigrams",
+    "positional",
+    "rotary-bands",
+    "qk-copying-offset",
+    "residual-usage",
+    "residual-pair",
+    "expert-ov",  # an MLP writer's token table (expert_circuits.full_expert_circuit): no snippet yet
+}
+
+
+def test_every_analysis_offers_a_snippet_or_is_listed() -> None:
+    """Enumerated from the registry (app/catalog.py ANALYSES): an analysis declaring a snippet has a test below; every
+    other is a context-built snippet, not a panel, or in WITHOUT_SNIPPET. A new analysis without a snippet fails."""
+    from app.catalog import ANALYSES
+
+    declared = {a.name for a in ANALYSES if a.snippet is not None}
+    assert declared == set(DECLARED)
+    rest = {a.name for a in ANALYSES} - declared
+    assert rest == CONTEXT_BUILT | set(NOT_PANELS) | WITHOUT_SNIPPET
+    assert not (CONTEXT_BUILT & WITHOUT_SNIPPET) and not (CONTEXT_BUILT & declared)
+
+
+def same(got: Any, want: Any, where: str = "result") -> None:
+    """`got` (the snippet's numbers) equals `want` (the JSON) wherever `got` has a value: dict keys of `got`, lists
+    item by item, numbers to 1e-9 (NaN where the JSON has null)."""
+    if isinstance(got, dict):
+        assert isinstance(want, dict), where
+        for key, value in got.items():
+            assert key in want, f"{where}.{key} is not in the JSON"
+            same(value, want[key], f"{where}.{key}")
+    elif isinstance(got, list | tuple):
+        assert isinstance(want, list) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            same(g, w, f"{where}[{i}]")
+    elif isinstance(got, float) and math.isnan(got):
+        assert want is None or (isinstance(want, float) and math.isnan(want)), where
+    elif isinstance(got, bool | str) or got is None:
+        assert got == want, where
+    else:
+        assert want == pytest.approx(got, abs=1e-9), where
+
+
+def json_twin(page: str, analysis: str, model: str) -> str:
+    """The page's JSON link to the analysis's answer (the page's own, or its panel's)."""
+    from app.catalog import ANALYSES
+
+    route = next(a for a in ANALYSES if a.name == analysis).api_path.replace("{model}", model)
+    pattern = re.sub(r"\\\{\w+\\\}", "[^/?]+", re.escape(route))
+    links = [html.unescape(h) for h in re.findall(r'href="(/api/v1/[^"]+)"', page)]
+    found = [h for h in links if re.fullmatch(pattern, h.split("?")[0])]
+    assert found, f"no JSON link to {route} on the page"
+    return found[0]
+
+
+@pytest.mark.parametrize(
+    ("analysis", "path", "query"),
+    [(name, path, query) for name, pages in DECLARED.items() for path, query in pages],
+    ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()),
+)
+def test_declared_snippet_reproduces_its_json_twin(
+    client: TestClient, analysis: str, path: str, query: dict[str, str]
+) -> None:
+    """The page's snippet of the analysis, run in a fresh namespace, gives the numbers of the analysis's JSON answer
+    for the same request (the page's JSON link, or the analysis's own route with the page's params)."""
+    page = client.get(path, params=query)
+    assert page.status_code == 200, page.text
+    code = snippets_in(page.text).get(f"{analysis}-python")
+    assert code is not None, f"{path} offers no snippet of {analysis}"
+    result = run(code)
+    answer = client.get(json_twin(page.text, analysis, path.split("/")[2])).json()
+    assert result and set(result) <= set(answer)
+    same(result, answer)

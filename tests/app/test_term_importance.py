@@ -129,7 +129,12 @@ def test_a_long_custom_prompt_runs_as_a_job(settings: Settings, app_client: Test
 
 
 def test_default_on_a_model_of_many_heads_without_a_summary(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """More than 64 heads and no model_summary.json: no head by default, said so; a layer asked is answered."""
+    """More than 64 heads and no model_summary.json: the default removes the heads the model's summary names, computed
+    from its own scores on first use -- the heads that matter (those every page starts from) and every head scoring
+    at least 0.4 as an induction or previous-token head. The rule is applied here by brute force to detector scores
+    computed here; the losses are checked against weight-edited forward passes."""
+    from circuits_core.prompt.detectors import detector_scores, repeated_random_tokens
+
     root: Path = tmp_path_factory.mktemp("many-heads")
     tok = train_tokenizer()
     cfg = ModelConfig(
@@ -142,17 +147,47 @@ def test_default_on_a_model_of_many_heads_without_a_summary(tmp_path_factory: py
         positional_embedding_type="shortformer",
     )
     save_qkov(root / "many", cfg, tok, seed=7)
+    assert not (root / "many" / "model_summary.json").exists()
     with TestClient(create_app(Settings(shipped_dir=root, dtype="float64", store_url="off", limits=LIMITS))) as c:
         body = c.get("/api/v1/models/many/term-importance", params={"prompt": PROMPT}).json()
-        assert body["heads"] == [] and body["heads_note"].startswith("No head: on a model of more than 64 heads")
-        assert len(body["loss_by_order"]) == 10
+        table = c.get("/api/v1/models/many/heads").json()
+        summary = c.get("/api/v1/models/many/summary").json()
+        prompt_page = html.unescape(c.get("/models/many/prompt", params={"prompt": PROMPT}).text)
         asked = c.get("/api/v1/models/many/term-importance", params={"prompt": PROMPT, "heads": "L8"}).json()
-        assert [h["head"] for h in asked["heads"]] == [f"L8H{h}" for h in range(8)]
         page = c.get("/models/many/term-importance", params={"prompt": PROMPT}).text
-    note = html.unescape(re.search(r'id="ablated-heads">(.*?)</p>', page, re.S)[1])  # type: ignore[index]
-    assert "No head" in note and f"{body['all_heads_gflop']:,.0f} GFLOP" in note
+
     loaded = load_checkpoint(root / "many", dtype=torch.float64)
+    inp = table["detector_input"]
+    tokens = repeated_random_tokens(cfg.d_vocab, inp["seq_len"], inp["batch"], seed=inp["seed"], bos=inp["bos"])
+    with torch.no_grad():
+        scores = detector_scores(loaded.model, tokens)
+    ind, prev = scores["induction"].double(), scores["previous_token"].double()  # [L, H]
+    # the rule, by brute force: the strongest induction head of layers >= 1, the strongest previous-token head before
+    best = max((float(ind[la, h]), la, h) for la in range(1, 9) for h in range(8))
+    feeding = max((float(prev[la, h]), la, h) for la in range(best[1]) for h in range(8))
+    matter = {f"L{feeding[1]}H{feeding[2]}", f"L{best[1]}H{best[2]}"}
+    strong = {f"L{la}H{h}" for la in range(9) for h in range(8) if max(ind[la, h], prev[la, h]) >= 0.4}
+    want = sorted(matter | strong, key=lambda n: tuple(int(x) for x in n[1:].split("H")))
+    assert body["heads_asked"] == "default" and [h["head"] for h in body["heads"]] == want
+    # the same heads everywhere: the summary's, and the heads the prompt page opens on
+    assert {summary["previous_token_head"], summary["induction_head"]} == matter
+    assert {h["head"] for h in summary["induction_heads"] + summary["previous_token_heads"]} == strong
+    assert f"L{feeding[1]}H{feeding[2]}" in body["heads_note"] and f"L{best[1]}H{best[2]}" in body["heads_note"]
+    assert body["heads_note"].startswith(f"The {len(want)} of 72 heads that the model's summary names")
+    ids = [t["id"] for t in body["tokens"]]
+    for row in body["heads"]:
+        layer, h = (int(x) for x in row["head"][1:].split("H"))
+        frozen, recomputed = zeroed(loaded, ids, layer, h)
+        assert row["loss_change"] == pytest.approx(frozen, abs=1e-9)
+        assert row["loss_change_recomputed"] == pytest.approx(recomputed, abs=1e-9)
+    assert len(body["loss_by_order"]) == 10
+    assert [h["head"] for h in asked["heads"]] == [f"L8H{h}" for h in range(8)]
+    note = html.unescape(re.search(r'id="ablated-heads">(.*?)</p>', page, re.S)[1])  # type: ignore[index]
+    assert body["heads_note"] in note and f"{body['all_heads_gflop']:,.0f} GFLOP" in note
+    assert f"/models/many/heads/{want[0]}" in page  # the charts and the table list the heads
     assert body["all_heads_gflop"] == pytest.approx(ablation.cost(loaded.model, len(body["tokens"])).flops / 1e9)
+    opened = re.search(r'name="heads" value="([^"]*)"', prompt_page)
+    assert opened is not None and set(opened[1].split(",")) == matter, "the prompt page starts from the same heads"
 
 
 def test_the_page_keeps_the_selection(app_client: TestClient) -> None:

@@ -51,10 +51,14 @@ def test_smollm2_default_term_importance_and_its_sentences(served: Any) -> None:
     response = until_done(served, "/api/v1/models/smollm2-135m/term-importance")  # a job on this model
     assert response.status_code == 200, response.text
     body = response.json()
+    # the heads the summary names: those model_summary.json lists (measured by `make smollm2` on the same standard
+    # input) and the heads that matter of the computed summary, the heads every page starts from
     summary = json.loads(SUMMARY.read_text())
+    computed = until_done(served, "/api/v1/models/smollm2-135m/summary").json()
     named = {h["head"] for key in ("induction_heads", "previous_token_heads") for h in summary[key]}
+    named |= {computed["induction_head"], computed["previous_token_head"]}
     assert body["heads_asked"] == "default" and {h["head"] for h in body["heads"]} == named
-    assert body["heads_note"].startswith(f"The {len(named)} of 270 heads that the model's measured summary")
+    assert body["heads_note"].startswith(f"The {len(named)} of 270 heads that the model's summary names")
     ids = [t["id"] for t in body["tokens"]]
 
     # every head is priced over the inline budget but under the job budget: it becomes a polled job, not an answer
@@ -70,7 +74,7 @@ def test_smollm2_default_term_importance_and_its_sentences(served: Any) -> None:
     assert chosen < every
     assert body["all_heads_gflop"] == pytest.approx(every / 1e9)
 
-    # the sentence names the strongest previous-token head from the heads table, a job of its own on this model
+    # the sentence names the previous-token head of the heads that matter (the heads table's, a job of its own here)
     assert until_done(served, "/api/v1/models/smollm2-135m/heads").status_code == 200
     page = html.unescape(until_done(served, "/models/smollm2-135m/term-importance").text)
     note = re.search(r'id="ablated-heads">(.*?)</p>', page, re.S)
@@ -83,11 +87,16 @@ def test_smollm2_default_term_importance_and_its_sentences(served: Any) -> None:
     )
     assert claim is not None, page[page.find("sum-check") :][:600]
     layer, h = int(claim[1]), int(claim[2])
-    prev = summary["previous_token_scores"]
-    best = max(
-        ((lay, hh) for lay in range(len(prev) - 1) for hh in range(len(prev[lay]))), key=lambda x: prev[x[0]][x[1]]
+    prev, ind = summary["previous_token_scores"], summary["induction_scores"]
+    # the heads that matter, by brute force: the strongest induction head of layers >= 1, the strongest
+    # previous-token head of the layers before it
+    strongest = max(
+        ((lay, hh) for lay in range(1, len(ind)) for hh in range(len(ind[lay]))), key=lambda x: ind[x[0]][x[1]]
     )
-    assert (layer, h) == best and prev[layer][h] >= summary["head_threshold"]  # a previous-token head, the strongest
+    best = max(
+        ((lay, hh) for lay in range(strongest[0]) for hh in range(len(prev[lay]))), key=lambda x: prev[x[0]][x[1]]
+    )
+    assert (layer, h) == best and prev[layer][h] >= summary["head_threshold"]  # a previous-token head, the one feeding
     seq = torch.tensor([ids])
     with torch.no_grad():
         clean_logits, cache = model.run(seq, names=lambda n: n.endswith("hook_pattern"))

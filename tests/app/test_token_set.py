@@ -34,6 +34,7 @@ from circuits_core.formats.qkov_format import save_checkpoint
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import random_model
 from circuits_core.prompt.phenomena import TOKEN_COUNTS_FILE
+from tests.app.snippet_runner import run, snippets_in
 
 V, SMALL = 700, 256
 API = "/api/v1/models"
@@ -123,12 +124,31 @@ def test_the_default_global_table_ranks_the_stated_set(
     ids = expected_ids(models, name)
     assert_same(entries(body), dense_top(dense(models, circuit, 1), ids, 7))
     assert body["n_tokens"] == SMALL
+    assert body["token_ids"] == ids.tolist()  # the set itself, for a notebook to rank the same tokens
     said = "most frequent" if name == "counted" else "lowest ids"
     assert f"the {SMALL} {said} of the {V} tokens" in body["token_set"]
     # the whole vocabulary is one parameter away, and differs here (the top entry lies outside the set)
     every = client.get(f"{API}/{name}/heads/L0H1/{circuit}", params={"k": 7, "vocab": "all"}).json()
     assert_same(entries(every), dense_top(dense(models, circuit, 1), None, 7))
-    assert every["token_set"] is None and every["n_tokens"] is None
+    assert every["token_set"] is None and every["n_tokens"] is None and every["token_ids"] is None
+
+
+@pytest.mark.parametrize("query", [{}, {"min_count": "1500"}, {"token": "5", "min_count": "1500"}], ids=str)
+def test_the_head_pages_ov_snippet_ranks_the_tables_token_set(
+    client: TestClient, models: Path, query: dict[str, str]
+) -> None:
+    """The OV table's "copy as Python" ranks the token set the table ranked (the view's token_ids, not a second
+    ranking of the page's): run, it gives the JSON's entries, which are the dense product's top entries over the set
+    computed here with numpy."""
+    page = client.get("/models/counted/heads/L0H1", params=query).text
+    result = run(snippets_in(page)["ov-python"])
+    body = client.get(f"{API}/counted/heads/L0H1/ov", params={"k": 10, **query}).json()
+    counts = np.load(models / "counted" / TOKEN_COUNTS_FILE)
+    ids = expected_ids(models, "counted") if not query else np.flatnonzero(counts >= 1500)
+    assert body["token_ids"] == ids.tolist()
+    assert_same(result["entries"], entries(body))
+    if "token" not in query:
+        assert_same(entries(body), dense_top(dense(models, "ov", 1), ids, 10))
 
 
 def test_whole_vocabulary_differs_from_the_default_on_this_model(models: Path) -> None:

@@ -129,3 +129,85 @@ def test_detectors_chart_the_top_heads_and_filter_the_table(wide: TestClient) ->
         'href="/api/v1/models/wide/detectors?' in filtered.text
         and "filter=" not in filtered.text.split('id="json-link"', 1)[1].split(">", 1)[0]
     )
+
+
+def filter_half(wide: TestClient) -> tuple[str, set[str]]:
+    """A filter on an induction threshold that about half the heads pass, and those heads (read off the heads table's
+    JSON and tested here)."""
+    heads = wide.get(f"{API}/heads").json()["heads"]
+    cut = sorted(h["induction"] for h in heads)[len(heads) // 2]
+    return f"induction > {cut} and layer >= 2", {h["head"] for h in heads if h["induction"] > cut and h["layer"] >= 2}
+
+
+def test_composition_map_and_pairs_follow_the_head_filter(wide: TestClient) -> None:
+    """The same filter on the composition page: its map's rows and columns and the strongest pairs are the kept heads
+    (the whole answer from the JSON twin, restricted here)."""
+    text, kept = filter_half(wide)
+    api = wide.get(f"{API}/composition", params={"kind": "K"}).json()
+    page = wide.get(f"/models/{M}/composition", params={"kind": "K", "filter": text})
+    assert page.status_code == 200
+    sources = [s for s in api["sources"] if s in kept]
+    targets = [t for t in api["targets"] if t in kept]
+    fig = charts_in(page.text)[f"{M}-K-composition"]["data"][0]  # few enough heads now: drawn cell by cell
+    assert fig["y"] == sources and fig["x"] == targets
+    i, j = api["sources"].index(sources[0]), api["targets"].index(targets[-1])
+    assert fig["z"][0][-1] == pytest.approx(api["minus_baseline"][i][j], abs=1e-4)
+    table = page.text.split('id="pairs-table"', 1)[1].split("</table>", 1)[0]
+    pairs = re.findall(r'<tr><td data-value="(L\d+H\d+)">.*?<td data-value="(L\d+H\d+)">', table, re.S)
+    # the strongest pairs among the kept heads, ranked here from the whole matrix
+    among = sorted(
+        (
+            (-api["scores"][i][j], s, t)
+            for i, s in enumerate(api["sources"])
+            for j, t in enumerate(api["targets"])
+            if s in kept and t in kept and api["scores"][i][j] is not None
+        )
+    )
+    assert pairs == [(s, t) for _, s, t in among[: len(api["top_pairs"])]] and pairs
+    assert f"{len(set(sources) | set(targets))} of 81 heads match" in page.text
+    assert "filter=" in page.text.split('aria-label="composition kind"', 1)[1].split("</span>", 1)[0]  # Q/K/V keep it
+    bad = wide.get(f"/models/{M}/composition", params={"filter": "layer <> 3"})
+    assert bad.status_code == 422 and "cannot read the head filter clause" in bad.text
+
+
+def test_term_importance_follows_the_head_filter(wide: TestClient) -> None:
+    """The same filter on term importance's head ablations (table and charts)."""
+    text, kept = filter_half(wide)
+    ti = {"prompt": "the cat sat on the mat", "heads": "L1-L4"}
+    whole = wide.get(f"{API}/term-importance", params=ti).json()
+    page = wide.get(f"/models/{M}/term-importance", params={**ti, "filter": text})
+    assert page.status_code == 200
+    table = page.text.split('id="ablation-table"', 1)[1].split("</table>", 1)[0]
+    rows = re.findall(r'<tr><td data-value="(L\d+H\d+)">', table)
+    assert rows == [h["head"] for h in whole["heads"] if h["head"] in kept] and 0 < len(rows) < 36
+    assert charts_in(page.text)[f"{M}-head-ablation"]["data"][0]["x"] == rows
+    assert f"{len(rows)} of 36 heads match" in page.text
+
+
+def test_every_figure_of_every_page_is_capped(wide: TestClient) -> None:
+    """Every chart of every page of the 81-head model is drawn at most MAX_HEIGHT px tall (the QK paths map was
+    11,860 px on SmolLM2, the composition map 6,926, the overview grid 2,220)."""
+    prompt = "the cat sat on the mat and the cat sat"
+    pages = [
+        "",
+        "/composition?kind=K",
+        f"/prompt?prompt={prompt}",
+        f"/path?prompt={prompt}",
+        f"/qk-paths?prompt={prompt}&head=L5H3",
+        "/detectors?seq_len=20&batch=2",
+        f"/term-importance?prompt={prompt}&heads=L1",
+        "/direct",
+        "/copying?rows=8",
+        f"/attention-entropy?prompt={prompt}",
+        "/qk-circuit-norm",
+        "/heads/L5H3",
+        "/composition/L2H1/L5H3",
+    ]
+    drawn = 0
+    for sub in pages:
+        page = wide.get(f"/models/{M}{sub}")
+        assert page.status_code == 200, sub
+        for name, fig in charts_in(page.text).items():
+            assert fig["layout"].get("height", 0) <= MAX_HEIGHT, (sub, name, fig["layout"].get("height"))
+            drawn += 1
+    assert drawn > len(pages)

@@ -1,8 +1,8 @@
 """Reading a wide model in a real browser: the composition page's layer blocks and the zoom into one, the head
-filter shared by the overview's table and grid, every head of a layer as small multiples with one shared hover
-and the weights in a tooltip, glossary links on first use, token markup drawn as text by plotly, the attention
-text view's weight on hover. Real uvicorn + Debian's chromium (tests/browser/conftest.py); screenshots in
-artifacts/screenshots/."""
+filter shared by the overview's table and grid and by the composition page, every head of a layer as small
+multiples with one shared hover and the weights in a tooltip, glossary links on first use, token markup drawn as text
+by plotly, the attention text view's weight on hover. Real uvicorn + Debian's chromium (tests/browser/conftest.py);
+screenshots in artifacts/screenshots/."""
 
 from __future__ import annotations
 
@@ -101,6 +101,35 @@ def test_head_filter_applies_to_table_and_grid(wide: Page) -> None:
     assert coloured == set(want)
     assert "filter=previous_token" in wide.url  # the filter is in the address: shared by link
     screenshot(wide, "wide-overview-head-filter")
+
+
+def test_head_filter_applies_to_the_composition_map_and_pairs(wide: Page) -> None:
+    """The same filter on a second page: typed on the composition page, its map is redrawn on the kept heads only
+    (cell by cell: few enough now) and the strongest pairs list only pairs of kept heads."""
+    wide.goto(f"/models/{W}/composition?kind=K")
+    charts_drawn(wide, 1)
+    heads = wide.request.get(f"/api/v1/models/{W}/heads").json()["heads"]
+    cut = sorted(h["induction"] for h in heads)[len(heads) // 2]
+    kept = {h["head"] for h in heads if h["induction"] > cut and h["layer"] >= 2}
+    wide.fill("#head-filter", f"induction > {cut} and layer >= 2")
+    wide.click("#head-filter-apply")
+    wide.wait_for_url(re.compile(r"filter=induction"))
+    settled(wide)
+    expect(wide.locator("#filter-note")).to_be_visible()
+    charts_drawn(wide, 1)
+    api = wide.request.get(f"/api/v1/models/{W}/composition", params={"kind": "K"}).json()
+    trace = wide.evaluate(
+        """() => { const t = document.querySelector('[data-name="wide-K-composition"] .js-plotly-plot').data[0];
+                   return {x: t.x, y: t.y}; }"""
+    )
+    assert trace["y"] == [s for s in api["sources"] if s in kept]
+    assert trace["x"] == [t for t in api["targets"] if t in kept]
+    pairs = wide.eval_on_selector_all(
+        "#pairs-table tbody tr",
+        "rows => rows.map(r => [...r.querySelectorAll('td')].slice(0, 2).map(td => td.textContent.trim()))",
+    )
+    assert pairs and all(s in kept and t in kept for s, t in pairs)
+    screenshot(wide, "wide-composition-head-filter")
 
 
 def test_small_multiples_share_one_hover_and_show_weights(wide: Page) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import Tensor
 
+from app import snippets
 from app.analysis import Analysis, AnalysisParams
 from app.params import NoParams
 from app.schemas import DetectorInput, HeadScores, HeadsView
@@ -178,5 +179,6 @@ HEADS = Analysis(
     build=build_heads_view,
     cost=heads_cost,
     summary="Scores of every head",
+    snippet=snippets.heads_body,
     tags=["heads"],
 )

@@ -73,11 +73,12 @@ def loss_sentence(first: float | None, second: float | None) -> str | None:
 
 
 def ablation_sentence(view: TermImportanceView | None, heads: HeadsView | None) -> str | None:
-    """Removing the strongest previous-token head below the last layer (scoring at least HEAD_THRESHOLD), patterns
-    frozen against later patterns recomputed."""
+    """Removing the previous-token head of the heads that matter (the heads view's previous_token_head, HEADS_RULE:
+    the one feeding the strongest induction head; scoring at least HEAD_THRESHOLD), patterns frozen against later
+    patterns recomputed."""
     if view is None or heads is None or not heads.heads or max(h.layer for h in heads.heads) < 1:
         return None
-    prev = strongest(heads.heads, "previous_token", range(0, max(h.layer for h in heads.heads)))  # below the last layer
+    prev = next((h for h in heads.heads if h.head == heads.previous_token_head), None)
     row = next((r for r in view.heads if prev is not None and r.head == prev.head), None)
     if prev is None or row is None or (prev.previous_token or 0.0) < HEAD_THRESHOLD:
         return None  # no previous-token head (model_summary's threshold): no sentence calls a head one that is none

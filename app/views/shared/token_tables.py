@@ -61,6 +61,7 @@ def top_view(
             min_count=min_count,
             n_tokens=n_vocab,
             token_set=ranked.said,
+            token_ids=None if ranked.ids is None else ranked.ids.tolist(),
             basis=basis(loaded),
             **found,
         )
