@@ -5,50 +5,40 @@ and a link into the full view. This module only turns each figure's data into ch
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from app import charts, view_figures
-from app.labels import token_labels, unique_labels, visible
+from app.labels import unique_labels, visible
 from app.params import TourParams
 from app.routers.rendering import Page, PageCall, PageContext
-from app.schemas import CircuitTopView, DetectorsView, SkipTrigramView, TokenRef
-from app.schemas.analyses import (
-    ChainView,
-    CompositionPairView,
-    CompositionView,
-    PathsView,
-    PromptView,
-    QKPathsView,
-    TourFigure,
-)
 from app.tour.analysis import TOUR
+from app.tour.figure_data import ClaimChart, TourData, TourFigure
 
 
 def figure_parts(fig: TourFigure) -> dict[str, Any]:
     """{charts: [figure dicts], tables: [(caption, entries, row label, col label)], trigrams: view | None}."""
-    d = fig.data or {}
+    d = fig.data or TourData()
     out: dict[str, Any] = {"charts": [], "tables": [], "trigrams": None}
     add = out["charts"].append
     model = fig.model or ""
-    for key, caption in (("direct", "direct path W_E W_U"), ("ov", "OV circuit"), ("qk", "QK circuit")):
-        if key in d:
-            top = CircuitTopView.model_validate(d[key])
+    for top, caption in ((d.direct, "direct path W_E W_U"), (d.ov, "OV circuit"), (d.qk, "QK circuit")):
+        if top is not None:
             out["tables"].append(
                 (f"{caption}{' of ' + top.head if top.head else ''}", top.entries, top.row_label, top.col_label)
             )
-    if "skip_trigrams" in d:
-        out["trigrams"] = SkipTrigramView.model_validate(d["skip_trigrams"])
-    if "paths" in d:
-        add(view_figures.paths_waterfall(PathsView.model_validate(d["paths"])))
-    if "positional" in d and d["positional"]:
-        pat = d["positional"]["pattern"]  # every position the sentence averages over
+    out["trigrams"] = d.skip_trigrams
+    if d.paths is not None:
+        add(view_figures.paths_waterfall(d.paths))
+    if d.positional is not None:
+        pat = d.positional.pattern  # every position the sentence averages over
         labels = [str(i) for i in range(len(pat))]
         add(
             charts.heatmap(
                 pat,
                 labels,
                 labels,
-                title=f"positional pattern of {d.get('head')}",
+                title=f"positional pattern of {d.head}",
                 x_title="key position",
                 y_title="query position",
                 signed=False,
@@ -56,7 +46,7 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
                 digits=3,
             )
         )
-    if "eigenvalues" in d:
+    if d.eigenvalues is not None:
         traces = [
             {
                 "type": "scatter",
@@ -66,7 +56,7 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
                 "y": [p[1] for p in pts],
                 "hovertemplate": head + " λ = %{x:.3g} %{y:+.3g}i<extra></extra>",
             }
-            for head, pts in d["eigenvalues"].items()
+            for head, pts in d.eigenvalues.items()
         ]
         add(
             {
@@ -78,18 +68,18 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
                 },
             }
         )
-    if "ov_copying" in d:
-        heads = list(d["ov_copying"])
+    if d.ov_copying is not None:
+        heads = list(d.ov_copying)
         add(
             charts.bars(
                 heads,
-                [d["ov_copying"][h] or 0.0 for h in heads],
+                [d.ov_copying[h] or 0.0 for h in heads],
                 title="OV copying score Σλ/Σ|λ| per head",
                 links=[f"/models/{model}/heads/{h}" for h in heads],
             )
         )
-    if "qk_paths" in d:
-        qkv = QKPathsView.model_validate(d["qk_paths"])
+    if d.qk_paths is not None:
+        qkv = d.qk_paths
         add(
             charts.heatmap(
                 qkv.std,
@@ -101,12 +91,12 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
                 y_title="query side",
             )
         )
-    compositions = [CompositionView.model_validate(d[kind]) for kind in ("Q", "K", "V") if kind in d]
+    compositions = d.compositions()
     shared = view_figures.shared_range([c.minus_baseline for c in compositions]) if len(compositions) > 1 else None
     for composition in compositions:  # Q, K and V on one colour range
         add(view_figures.composition_heatmap(composition, model, shared))
-    if "prompt" in d:
-        pv = PromptView.model_validate(d["prompt"])
+    if d.prompt is not None:
+        pv = d.prompt
         for php in pv.heads:
             add(
                 view_figures.attention_heatmap(
@@ -117,34 +107,24 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
                     height=380,
                 )
             )
-    if "path" in d:
-        cv = ChainView.model_validate(d["path"])
-        if fig.id == "F29":
-            add(view_figures.attention_heatmap(cv.tokens, cv.pattern, f"pattern of {' → '.join(cv.heads)}", height=380))
-        else:
-            add(
-                charts.bars(
-                    token_labels(cv.tokens),
-                    cv.contribution,
-                    title=f"{' → '.join(cv.heads)}: effect on logit({visible(cv.target.text)}) by position",
-                )
-            )
-    if "next_token_effect" in d:  # F23 as in the paper: each position's effect on its own next token
-        e = d["next_token_effect"]
-        toks = [TokenRef.model_validate(t) for t in e["tokens"]]
+    if d.path is not None:  # a virtual head: the chain's pattern, the product of its heads' patterns
+        cv = d.path
+        add(view_figures.attention_heatmap(cv.tokens, cv.pattern, f"pattern of {' → '.join(cv.heads)}", height=380))
+    if d.next_token_effect is not None:  # F23 as in the paper: each position's effect on its own next token
+        e = d.next_token_effect
         labels = unique_labels(  # a repeated pair would otherwise stack its bars on one category
-            [f"{visible(a.text)} → {visible(b.text)}" for a, b in zip(toks[:-1], toks[1:], strict=True)]
+            [f"{visible(a.text)} → {visible(b.text)}" for a, b in zip(e.tokens[:-1], e.tokens[1:], strict=True)]
         )
         add(
             charts.bars(
                 labels,
-                e["effects"],
-                title=f"{e['head']}: effect on the logit of the actual next token, by position",
+                e.effects,
+                title=f"{e.head}: effect on the logit of the actual next token, by position",
                 y_title="logit",
             )
         )
-    if "detectors" in d:
-        dv = DetectorsView.model_validate(d["detectors"])
+    if d.detectors is not None:
+        dv = d.detectors
         add(
             charts.lines(
                 list(range(len(dv.loss.loss))),
@@ -165,8 +145,8 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
                     height=380,
                 )
             )
-    if "pair" in d:
-        pair = CompositionPairView.model_validate(d["pair"])
+    if d.pair is not None:
+        pair = d.pair
         out["tables"].append(
             (
                 f"K-composition {pair.source} → {pair.target}",
@@ -175,22 +155,22 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
                 pair.k_composition.col_label,
             )
         )
-    if "points" in d:
-        pts = d["points"]
+    if d.points is not None:
+        pts = d.points
         add(
             charts.scatter(
-                [p["ov_copying"] or 0.0 for p in pts],
-                [p["k_composition_positivity"] for p in pts],
-                [p["head"] for p in pts],
-                title=f"OV copying vs K-composition positivity (previous-token head {d.get('previous_token_head')})",
+                [p.ov_copying or 0.0 for p in pts],
+                [p.k_composition_positivity for p in pts],
+                [p.head for p in pts],
+                title=f"OV copying vs K-composition positivity (previous-token head {d.previous_token_head})",
                 x_title="OV copying score",
                 y_title="K-composition positivity",
-                links=[f"/models/{model}/heads/{p['head']}" for p in pts],
-                named=[p[0] for p in d.get("claim", {}).get("points", [])],  # the heads the caption names
+                links=[f"/models/{model}/heads/{p.head}" for p in pts],
+                named=[p[0] for p in (d.claim or {}).get("points", [])],  # the heads the caption names
             )
         )
-    if "term_importance" in d:
-        m = d["term_importance"]["marginal_by_order"]
+    if d.term_importance is not None:
+        m = d.term_importance.marginal_by_order
         add(
             charts.bars(
                 [f"order {i + 1}" for i in range(len(m))],
@@ -199,15 +179,15 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
                 y_title="Δ loss",
             )
         )
-    if "first_order_by_layer" in d:
-        v2 = d["first_order_by_layer"]
+    if d.first_order_by_layer is not None:
+        v2 = d.first_order_by_layer
         add(
             charts.bars(
                 [f"layer {i}" for i in range(len(v2))], v2, title="first-order terms by layer", y_title="Δ loss"
             )
         )
-    if fig.id in ROTARY_FIGURES and "claim" in d:
-        ROTARY_FIGURES[fig.id](d["claim"], add)
+    if d.claim_chart is not None and d.claim is not None:
+        CLAIM_CHARTS[d.claim_chart](d.claim, add)
     return out
 
 
@@ -264,7 +244,12 @@ def _r3(v: dict[str, Any], add: Any) -> None:
     )
 
 
-ROTARY_FIGURES = {"R1": _r1, "R2": _r2, "R3": _r3}  # the SmolLM2 chapter's figures, from each sentence's values
+# the chart a chapter's figure draws from its sentence's values (TourData.claim_chart: the SmolLM2 chapter's R1-R3)
+CLAIM_CHARTS: dict[ClaimChart, Callable[[dict[str, Any], Callable[[dict[str, Any]], None]], None]] = {
+    "induction_heads": _r1,
+    "logit_by_order": _r2,
+    "score_terms": _r3,
+}
 
 
 async def tour_context(call: PageCall[TourParams]) -> PageContext:

@@ -7,7 +7,7 @@ optional source ("bias:L0", "mlp:L0", "bias:unembed"); [] is the direct path.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -284,25 +284,6 @@ class TermImportanceView(BaseModel):
         description="the engine's FLOP count (GFLOP) of this answer with every head ablated (heads=all)"
     )
     heads: list[HeadAblation] = Field(description="the ablated heads, in layer order")
-
-
-# -- the paper tour --------------------------------------------------------------------------------
-class TourFigure(BaseModel):
-    id: str = Field(description="figure id of docs/maths.md §3, e.g. F21")
-    title: str
-    anchor: str = Field(description="link to the paper section")
-    look_for: str = Field(description="what to look for, in one sentence")
-    model: str | None
-    link: str | None = Field(description="the dashboard URL of the full view")
-    api: str | None = Field(description="the JSON API URL of the data")
-    available: bool
-    detail: str | None = Field(default=None, description="why the figure could not be computed")
-    data: dict[str, Any] | None
-
-
-class TourView(BaseModel):
-    models: dict[str, bool] = Field(description="the shipped models the tour uses, and whether each is available")
-    figures: list[TourFigure]
 
 
 CompositionView.model_rebuild()

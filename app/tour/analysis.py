@@ -6,8 +6,8 @@ from __future__ import annotations
 from app.analysis import ServerAnalysis
 from app.params import TourParams
 from app.registry import ModelRegistry
-from app.schemas.analyses import TourView
 from app.settings import Limits
+from app.tour.figure_data import TourView
 from app.tour.tour import build_tour_view, digest_or_dash, tour_models
 from app.tour.tour import tour_cost as tour_view_cost
 from circuits_core.cost import Cost

@@ -4,17 +4,18 @@ A tour sentence that states a fact about a model is generated here from measured
 hand, so it cannot drift from the model; tests/app/test_claims.py recomputes each value independently (dense
 float64 circuits, plain forward passes) and fails when a sentence stops being true. Each function takes the
 loaded model and the figure's data (figures.py) and returns (sentence, values); the values are kept in
-the figure's data under "claim" so the JSON twin carries them.
+the figure's data (TourData.claim) so the JSON twin carries them.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from app.tour.figure_data import TourData
 from app.views.shared.basis import basis
 from circuits_core.circuits import copying, copying_spectra
 from circuits_core.formats.checkpoint import LoadedModel
@@ -23,15 +24,22 @@ from circuits_core.prompt.phenomena import HeldOutBigrams, find_eval_data
 
 Claim = tuple[str, dict[str, Any]]
 BASELINE_SAMPLES, BASELINE_TOP_SAMPLES = 200, 2
+T = TypeVar("T")
 
 
-def f6(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    entries = d["direct"].entries
+def _set(value: T | None) -> T:
+    """A field of the figure's data that its builder (figures.py) sets."""
+    assert value is not None, "the figure's builder did not set a field its sentence reads"
+    return value
+
+
+def f6(loaded: LoadedModel, d: TourData) -> Claim:
+    entries = _set(d.direct).entries
     pairs = [(e.row.id, e.col.id) for e in entries]
     data = find_eval_data(loaded.path)
-    where = f" among tokens seen at least {d['min_count']} times in training" if d.get("min_count") else ""
+    where = f" among tokens seen at least {d.min_count} times in training" if d.min_count else ""
     sentence = f"Basis: {basis(loaded)}. Shown: the {len(pairs)} largest entries{where}."
-    values: dict[str, Any] = {"pairs": pairs, "min_count": d.get("min_count")}
+    values: dict[str, Any] = {"pairs": pairs, "min_count": d.min_count}
     if data is not None:
         bigrams = HeldOutBigrams(data)
         counts = [bigrams.count(a, b) for a, b in pairs]
@@ -41,8 +49,8 @@ def f6(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     return sentence, values
 
 
-def f9(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    p = d["paths"]
+def f9(loaded: LoadedModel, d: TourData) -> Claim:
+    p = _set(d.paths)
     total = sum(t.value for t in p.terms)
     return (
         f"At the last position the {len(p.terms)} listed terms sum to {total:.4f}, the model's logit "
@@ -57,9 +65,9 @@ def _self_copy_head(loaded: LoadedModel, head: str, k: int = 10) -> tuple[float,
     return float(copying_spectra.ov_copying_scores(loaded.model)[layer, h]), m.top1, m.topk
 
 
-def f10(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    ov = d["ov"]
-    score, top1, top10 = _self_copy_head(loaded, ov.head)
+def f10(loaded: LoadedModel, d: TourData) -> Claim:
+    ov = _set(d.ov)
+    score, top1, top10 = _self_copy_head(loaded, _set(ov.head))
     diag = sum(e.row.id == e.col.id for e in ov.entries)
     return (
         f"{ov.head} has the highest eigenvalue copying score ({score:.2f}), yet only {top1:.2%} of its source "
@@ -69,31 +77,31 @@ def f10(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     )
 
 
-def f11(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    st = d["skip_trigrams"]
+def f11(loaded: LoadedModel, d: TourData) -> Claim:
+    st = _set(d.skip_trigrams)
     src = st.source.text
-    if "min_count" not in d:  # no training counts: the head's strongest source, as the skip-trigram view picks it
+    if d.min_count is None or d.share is None:  # no training counts: the head's strongest source (the view's pick)
         return (
             f"Source {src!r} of {st.head} (the most-copying head), its strongest source: it is "
             f"{'' if st.copying else 'not '}among its own top-{st.k} outputs.",
             {"head": st.head, "copying": st.copying},
         )
     return (
-        f"Source {src!r} of {st.head} (the most-copying head), among tokens seen at least {d['min_count']} times: "
+        f"Source {src!r} of {st.head} (the most-copying head), among tokens seen at least {d.min_count} times: "
         f"its largest output is {st.outs[0].token.text!r}, itself -- a copying skip-trigram [b] ... [a] -> [b]. "
-        f"Among those tokens, {d['share']:.1%} raise their own logit most in this head.",
+        f"Among those tokens, {d.share:.1%} raise their own logit most in this head.",
         {
             "head": st.head,
             "source": st.source.id,
             "top_out": st.outs[0].token.id,
-            "share": d["share"],
-            "min_count": d["min_count"],
+            "share": d.share,
+            "min_count": d.min_count,
         },
     )
 
 
-def f12(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    st = d["skip_trigrams"]
+def f12(loaded: LoadedModel, d: TourData) -> Claim:
+    st = _set(d.skip_trigrams)
     return (
         f"Shown: {st.head}, the head with the second-highest eigenvalue copying score, and its strongest source "
         f"{st.source.text!r}. qkov does not detect split tokens: compare the outputs with the source yourself.",
@@ -101,8 +109,8 @@ def f12(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     )
 
 
-def f14(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    qk = d["qk"]
+def f14(loaded: LoadedModel, d: TourData) -> Claim:
+    qk = _set(d.qk)
     if qk.token is None:
         return (
             f"Shown: {qk.head}, the most-copying head, largest raw QK entries over all (query, key) pairs. Entries of "
@@ -118,18 +126,18 @@ def f14(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     )
 
 
-def f15(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    pos = d["positional"]
+def f15(loaded: LoadedModel, d: TourData) -> Claim:
+    pos = _set(d.positional)
     return (
-        f"{d['head']} (highest previous-token score): its purely positional pattern puts {pos.previous_token:.2f} "
+        f"{d.head} (highest previous-token score): its purely positional pattern puts {pos.previous_token:.2f} "
         f"on the previous position and {pos.current_token:.2f} on the present one, on average over "
         f"{pos.n_positions} positions.",
-        {"head": d["head"], "previous": pos.previous_token, "current": pos.current_token},
+        {"head": d.head, "previous": pos.previous_token, "current": pos.current_token},
     )
 
 
-def f17(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    eig = d["eigenvalues"]
+def f17(loaded: LoadedModel, d: TourData) -> Claim:
+    eig = _set(d.eigenvalues)
     positive = {h: sum(p[0] > 0 for p in pts) for h, pts in eig.items()}
     n = len(next(iter(eig.values())))
     listing = ", ".join(f"{h} {c}/{n}" for h, c in positive.items())
@@ -140,9 +148,9 @@ def f17(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     )
 
 
-def f18(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    scores = {h: s for h, s in d["ov_copying"].items() if s is not None}
-    base, sc = d["baseline"], d["self_copy"]
+def f18(loaded: LoadedModel, d: TourData) -> Claim:
+    scores = {h: s for h, s in _set(d.ov_copying).items() if s is not None}
+    base, sc = _set(d.baseline), _set(d.self_copy)
     pos = sum(s > 0 for s in scores.values())
     values = {
         "positive": pos,
@@ -164,8 +172,8 @@ def f18(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     )
 
 
-def f19(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    p = d["paths"]
+def f19(loaded: LoadedModel, d: TourData) -> Claim:
+    p = _set(d.paths)
     top = [t for t in p.terms if t.kind not in ("other", "remainder")][:3]
     listing = ", ".join(f"{'→'.join(t.path) or 'direct'} {t.value:+.2f}" for t in top)
     return (
@@ -175,8 +183,8 @@ def f19(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     )
 
 
-def f20(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    q = d["qk_paths"]
+def f20(loaded: LoadedModel, d: TourData) -> Claim:
+    q = _set(d.qk_paths)
     cells = sorted(
         ((q.std[i][j], f"{a} × {b}") for i, a in enumerate(q.components) for j, b in enumerate(q.components)),
         reverse=True,
@@ -189,47 +197,47 @@ def f20(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     )
 
 
-def f21(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
+def f21(loaded: LoadedModel, d: TourData) -> Claim:
     values, parts = {}, []
-    for kind in ("K", "Q", "V"):
-        top = d[kind].top_pairs[0]
+    for kind, view in (("K", d.K), ("Q", d.Q), ("V", d.V)):
+        top = _set(view).top_pairs[0]
         values[kind] = (top.source, top.target, top.score)
         parts.append(f"{kind} {top.source} → {top.target} {top.score:.2f}")
-    base = d["K"].baseline
+    base = _set(d.K).baseline
     return (
         f"Top pair of each kind: {'; '.join(parts)} (random baseline 1/√d_model = {base:.2f}).",
         {**values, "baseline": base},
     )
 
 
-def f22(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
+def f22(loaded: LoadedModel, d: TourData) -> Claim:
     return (
         f"The figure weighs each attention weight by the norm of the value vector it moves (A·‖v‖). On the repeated "
-        f"prompt, {d['induction_head']} puts on average {d['induction_weighted_mass']:.2f} of each row's "
+        f"prompt, {d.induction_head} puts on average {_set(d.induction_weighted_mass):.2f} of each row's "
         f"value-weighted attention on the token after the previous occurrence of the current token, against "
-        f"{d['induction_mass']:.2f} of its plain attention ({d['induction_rows']} such positions).",
-        {"head": d["induction_head"], "mass": d["induction_mass"], "weighted_mass": d["induction_weighted_mass"]},
+        f"{_set(d.induction_mass):.2f} of its plain attention ({d.induction_rows} such positions).",
+        {"head": d.induction_head, "mass": d.induction_mass, "weighted_mass": d.induction_weighted_mass},
     )
 
 
-def f23(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    e = d["next_token_effect"]
-    second = e["effects"][e["second_copy_start"] :]
+def f23(loaded: LoadedModel, d: TourData) -> Claim:
+    e = _set(d.next_token_effect)
+    second = e.effects[e.second_copy_start :]
     if not second:
-        return f"{e['head']}: the prompt has no repeated segment, so there is no second copy to measure.", {
-            "head": e["head"],
+        return f"{e.head}: the prompt has no repeated segment, so there is no second copy to measure.", {
+            "head": e.head,
             "n": 0,
         }
     share = sum(v > 0 for v in second)
     return (
-        f"{e['head']}'s direct effect on the logit of each position's actual next token: positive at {share} of the "
+        f"{e.head}'s direct effect on the logit of each position's actual next token: positive at {share} of the "
         f"{len(second)} positions of the second copy ({min(second):+.2f} to {max(second):+.2f}).",
-        {"head": e["head"], "positive": share, "n": len(second), "min": min(second), "max": max(second)},
+        {"head": e.head, "positive": share, "n": len(second), "min": min(second), "max": max(second)},
     )
 
 
-def f24(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    dv = d["detectors"]
+def f24(loaded: LoadedModel, d: TourData) -> Claim:
+    dv = _set(d.detectors)
     inp = dv.detector_input
     best = max(dv.heads, key=lambda h: h.induction or 0.0)
     return (
@@ -240,8 +248,8 @@ def f24(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     )
 
 
-def f25(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    pair = d["pair"]
+def f25(loaded: LoadedModel, d: TourData) -> Claim:
+    pair = _set(d.pair)
     entries = pair.k_composition.entries
     diag = sum(e.row.id == e.col.id for e in entries)
     return (
@@ -251,18 +259,18 @@ def f25(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     )
 
 
-def f26(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    pts = sorted(d["points"], key=lambda p: -(p["ov_copying"] or -2) - p["k_composition_positivity"])
-    listing = ", ".join(f"{p['head']} ({p['ov_copying']:.2f}, {p['k_composition_positivity']:.2f})" for p in pts[:3])
+def f26(loaded: LoadedModel, d: TourData) -> Claim:
+    pts = sorted(_set(d.points), key=lambda p: -(p.ov_copying or -2) - p.k_composition_positivity)
+    listing = ", ".join(f"{p.head} ({p.ov_copying:.2f}, {p.k_composition_positivity:.2f})" for p in pts[:3])
     return (
-        f"(OV copying, K-composition positivity with {d['previous_token_head']}), the three heads nearest the "
+        f"(OV copying, K-composition positivity with {d.previous_token_head}), the three heads nearest the "
         f"corner: {listing}. Necessary, not sufficient: compare their induction scores.",
-        {"points": [(p["head"], p["ov_copying"], p["k_composition_positivity"]) for p in pts[:3]]},
+        {"points": [(p.head, p.ov_copying, p.k_composition_positivity) for p in pts[:3]]},
     )
 
 
-def f27(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    ti = d["term_importance"]
+def f27(loaded: LoadedModel, d: TourData) -> Claim:
+    ti = _set(d.term_importance)
     losses = ti.loss_by_order
     uniform = math.log(loaded.model.cfg.d_vocab)
     return (
@@ -273,8 +281,8 @@ def f27(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     )
 
 
-def f28(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    gains = d["first_order_by_layer"]
+def f28(loaded: LoadedModel, d: TourData) -> Claim:
+    gains = _set(d.first_order_by_layer)
     listing = ", ".join(f"layer {i} {g:.2f}" for i, g in enumerate(gains))
     return (
         f"Loss reduction from the direct path alone when one layer's head terms are added (nats): {listing}.",
@@ -282,8 +290,8 @@ def f28(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     )
 
 
-def f29(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
-    cv = d["path"]
+def f29(loaded: LoadedModel, d: TourData) -> Claim:
+    cv = _set(d.path)
     ids = [t.id for t in cv.tokens]
     pattern = torch.tensor(cv.pattern)  # [n, n] A^{h2} A^{h1}
     mass, rows = induction_mass(ids, pattern)
@@ -297,7 +305,7 @@ def f29(loaded: LoadedModel, d: dict[str, Any]) -> Claim:
     )
 
 
-CLAIMS: dict[str, Callable[[LoadedModel, dict[str, Any]], Claim]] = {
+CLAIMS: dict[str, Callable[[LoadedModel, TourData], Claim]] = {
     "F6": f6,
     "F9": f9,
     "F10": f10,

@@ -32,6 +32,7 @@ from app.params import (
 )
 from app.settings import Limits
 from app.tour.claims import induction_mass, self_copy_and_baseline
+from app.tour.figure_data import NextTokenEffect, TourData
 from app.views.circuits import build_direct_view, build_ov_view, build_qk_view
 from app.views.composition import build_composition_pair_view, build_composition_view
 from app.views.detectors import build_detectors_view
@@ -55,7 +56,7 @@ from circuits_core.model.transformer import Transformer
 from circuits_core.prompt.frozen import readout
 from circuits_core.prompt.phenomena import MIN_TRAIN_COUNT
 
-Result = tuple[dict[str, Any], str, dict[str, Any]]
+Result = tuple[TourData, str, dict[str, Any]]
 K = 10
 # Repeated code: the second copy is predictable by induction.
 REPEATED = "def add(self, name, value):\n    self.name = name\n" * 2
@@ -83,7 +84,7 @@ def _min_count(loaded: LoadedModel) -> int | None:
 def direct_path(loaded: LoadedModel, limits: Limits) -> Result:
     k, mc = _k(limits), _min_count(loaded)
     view = build_direct_view(loaded, DirectParams(k=k, min_count=mc), limits)
-    return {"direct": view, "min_count": mc}, "/direct", {"k": k, "min_count": mc}
+    return TourData(direct=view, min_count=mc), "/direct", {"k": k, "min_count": mc}
 
 
 def paths_order1(loaded: LoadedModel, limits: Limits) -> Result:
@@ -91,12 +92,12 @@ def paths_order1(loaded: LoadedModel, limits: Limits) -> Result:
     view = build_paths_view(
         loaded, PathsParams(prompt=prompt, max_order=min(1, limits.max_order), k=_k(limits)), limits
     )
-    return {"paths": view}, "/paths", {"prompt": prompt, "max_order": view.max_order, "k": _k(limits)}
+    return TourData(paths=view), "/paths", {"prompt": prompt, "max_order": view.max_order, "k": _k(limits)}
 
 
 def ov_circuit(loaded: LoadedModel, limits: Limits) -> Result:
     head, k = _copying_heads(loaded)[0], _k(limits)
-    return {"ov": build_ov_view(loaded, OVParams(head=head, k=k), limits)}, f"/heads/{head}/ov", {"k": k}
+    return TourData(ov=build_ov_view(loaded, OVParams(head=head, k=k), limits)), f"/heads/{head}/ov", {"k": k}
 
 
 def qk_circuit(loaded: LoadedModel, limits: Limits) -> Result:
@@ -105,10 +106,10 @@ def qk_circuit(loaded: LoadedModel, limits: Limits) -> Result:
     head, k, mc = _copying_heads(loaded)[0], _k(limits), _min_count(loaded)
     if mc is None:
         return (
-            {
-                "qk": build_qk_view(loaded, QKParams(head=head, k=k), limits),
-                "ov": build_ov_view(loaded, OVParams(head=head, k=k), limits),
-            },
+            TourData(
+                qk=build_qk_view(loaded, QKParams(head=head, k=k), limits),
+                ov=build_ov_view(loaded, OVParams(head=head, k=k), limits),
+            ),
             f"/heads/{head}/qk",
             {"k": k},
         )
@@ -117,14 +118,14 @@ def qk_circuit(loaded: LoadedModel, limits: Limits) -> Result:
     query, _ = copying_source(loaded, head, vocab)
     qk = build_qk_view(loaded, QKParams(head=head, token=str(query), k=k, side="query", min_count=mc), limits)
     ov = build_ov_view(loaded, OVParams(head=head, token=str(query), k=k, min_count=mc), limits)
-    return {"qk": qk, "ov": ov}, f"/heads/{head}/qk", {"token": query, "k": k, "side": "query", "min_count": mc}
+    return TourData(qk=qk, ov=ov), f"/heads/{head}/qk", {"token": query, "k": k, "side": "query", "min_count": mc}
 
 
 def _skip(loaded: LoadedModel, limits: Limits, rank: int) -> Result:
     heads = _copying_heads(loaded)
     head = heads[min(rank, len(heads) - 1)]
     return (
-        {"skip_trigrams": build_skip_trigrams_view(loaded, SkipTrigramParams(head=head, k=_k(limits)), limits)},
+        TourData(skip_trigrams=build_skip_trigrams_view(loaded, SkipTrigramParams(head=head, k=_k(limits)), limits)),
         f"/heads/{head}/skip-trigrams",
         {"k": _k(limits)},
     )
@@ -155,7 +156,7 @@ def skip_trigrams(loaded: LoadedModel, limits: Limits) -> Result:
     source, share = copying_source(loaded, head, vocab)
     view = build_skip_trigrams_view(loaded, SkipTrigramParams(head=head, token=str(source), k=k, min_count=mc), limits)
     return (
-        {"skip_trigrams": view, "min_count": mc, "share": share},
+        TourData(skip_trigrams=view, min_count=mc, share=share),
         f"/heads/{head}/skip-trigrams",
         {"token": source, "k": k, "min_count": mc},
     )
@@ -171,28 +172,24 @@ def positional(loaded: LoadedModel, limits: Limits) -> Result:
         raise InvalidInputError("no head with a previous_token score")
     head = best.head
     view = build_head_view(loaded, HeadParams(head=head), limits)
-    return {"head": head, "positional": view.positional}, f"/heads/{head}", {}
+    return TourData(head=head, positional=view.positional), f"/heads/{head}", {}
 
 
 def ov_spectra(loaded: LoadedModel, limits: Limits) -> Result:
     eig = copying_spectra.ov_eigenvalues(loaded.model)  # [L, H, d_head] complex
     cfg = loaded.model.cfg
     data = {
-        head_name(layer, h): [[float(z.real), float(z.imag)] for z in eig[layer, h].tolist()]
+        head_name(layer, h): [(float(z.real), float(z.imag)) for z in eig[layer, h].tolist()]
         for layer in range(cfg.n_layers)
         for h in range(cfg.n_heads)
     }
-    return {"eigenvalues": data}, "/heads", {}
+    return TourData(eigenvalues=data), "/heads", {}
 
 
 def copying_scores(loaded: LoadedModel, limits: Limits) -> Result:
     self_copy, baseline = self_copy_and_baseline(loaded)
     return (
-        {
-            "ov_copying": {h.head: h.ov_copying for h in heads_seen(loaded)},
-            "self_copy": self_copy,
-            "baseline": baseline,
-        },
+        TourData(ov_copying={h.head: h.ov_copying for h in heads_seen(loaded)}, self_copy=self_copy, baseline=baseline),
         "/heads",
         {},
     )
@@ -204,19 +201,19 @@ def paths_order2(loaded: LoadedModel, limits: Limits) -> Result:
     view = build_paths_view(
         loaded, PathsParams(prompt=prompt, max_order=min(2, limits.max_order), k=_k(limits)), limits
     )
-    return {"paths": view}, "/paths", {"prompt": prompt, "max_order": view.max_order, "k": _k(limits)}
+    return TourData(paths=view), "/paths", {"prompt": prompt, "max_order": view.max_order, "k": _k(limits)}
 
 
 def qk_decomposition(loaded: LoadedModel, limits: Limits) -> Result:
     _, induction = induction_pair(loaded)
     prompt = _prompt(limits, REPEATED)
     view = build_qk_paths_view(loaded, QKPathsParams(head=induction, prompt=prompt, k=min(6, limits.max_k)), limits)
-    return {"qk_paths": view.model_copy(update={"terms": {}})}, "/qk-paths", {"head": induction, "prompt": prompt}
+    return TourData(qk_paths=view.model_copy(update={"terms": {}})), "/qk-paths", {"head": induction, "prompt": prompt}
 
 
 def composition(loaded: LoadedModel, limits: Limits) -> Result:
-    data = {kind: build_composition_view(loaded, CompositionParams(kind=kind)) for kind in ("Q", "K", "V")}
-    return data, "/composition", {"kind": "K"}
+    Q, K, V = (build_composition_view(loaded, CompositionParams(kind=kind)) for kind in ("Q", "K", "V"))
+    return TourData(Q=Q, K=K, V=V), "/composition", {"kind": "K"}
 
 
 def value_weighted(loaded: LoadedModel, limits: Limits) -> Result:
@@ -231,13 +228,13 @@ def value_weighted(loaded: LoadedModel, limits: Limits) -> Result:
     share = weighted / weighted.sum(-1, keepdim=True).clamp_min(1e-30)  # each row's share of the drawn weight
     weighted_mass, _ = induction_mass(ids, share)
     return (
-        {
-            "prompt": view,
-            "induction_head": induction,
-            "induction_mass": mass,
-            "induction_weighted_mass": weighted_mass,
-            "induction_rows": rows,
-        },
+        TourData(
+            prompt=view,
+            induction_head=induction,
+            induction_mass=mass,
+            induction_weighted_mass=weighted_mass,
+            induction_rows=rows,
+        ),
         "/prompt",
         {"prompt": prompt, "heads": ",".join(heads), "weighted": "true"},
     )
@@ -251,13 +248,13 @@ def induction_effect(loaded: LoadedModel, limits: Limits) -> Result:
     model = loaded.model
     ids = resolve_prompt(loaded, prompt, None, limits)  # the prompt views' tokens (BOS first when the model has one)
     effects = head_next_token_effect(model, torch.tensor([ids], device=model.device), *parse_head(induction, model.cfg))
-    data = {
-        "head": induction,
-        "tokens": [t.model_dump() for t in token_refs(loaded, ids)],
-        "effects": effects.tolist(),
-        "second_copy_start": second_copy_start(ids),
-    }
-    return {"next_token_effect": data}, "/path", {"heads": induction, "prompt": prompt, "k": _k(limits)}
+    effect = NextTokenEffect(
+        head=induction,
+        tokens=token_refs(loaded, ids),
+        effects=effects.tolist(),
+        second_copy_start=second_copy_start(ids),
+    )
+    return TourData(next_token_effect=effect), "/path", {"heads": induction, "prompt": prompt, "k": _k(limits)}
 
 
 def repeated_tokens(loaded: LoadedModel, limits: Limits) -> Result:
@@ -267,7 +264,7 @@ def repeated_tokens(loaded: LoadedModel, limits: Limits) -> Result:
     seq_len = min(fitted, limits.max_seq_len)
     batch = min(DetectorParams().batch, limits.max_batch)
     view = build_detectors_view(loaded, DetectorParams(seq_len=seq_len, batch=batch, seed=0), limits)
-    return {"detectors": view}, "/detectors", {"seq_len": seq_len, "batch": batch}
+    return TourData(detectors=view), "/detectors", {"seq_len": seq_len, "batch": batch}
 
 
 def k_composition(loaded: LoadedModel, limits: Limits) -> Result:
@@ -275,19 +272,18 @@ def k_composition(loaded: LoadedModel, limits: Limits) -> Result:
     view = build_composition_pair_view(
         loaded, CompositionPairParams(source=prev, target=induction, k=_k(limits)), limits
     )
-    return {"pair": view}, f"/composition/{prev}/{induction}", {"k": _k(limits)}
+    return TourData(pair=view), f"/composition/{prev}/{induction}", {"k": _k(limits)}
 
 
 def positivity_scatter(loaded: LoadedModel, limits: Limits) -> Result:
     view = build_positivity_view(loaded, NoParams(), limits)
-    points = [p.model_dump() for p in view.points]
-    return {"previous_token_head": view.previous_token_head, "points": points}, "/positivity", {}
+    return TourData(previous_token_head=view.previous_token_head, points=view.points), "/positivity", {}
 
 
 def term_importance(loaded: LoadedModel, limits: Limits) -> Result:
     view = build_term_importance_view(loaded, TermImportanceParams(), limits)
     return (
-        {"term_importance": view.model_copy(update={"tokens": []}), "token_ids": [t.id for t in view.tokens]},
+        TourData(term_importance=view.model_copy(update={"tokens": []}), token_ids=[t.id for t in view.tokens]),
         "/term-importance",
         {},
     )
@@ -296,7 +292,7 @@ def term_importance(loaded: LoadedModel, limits: Limits) -> Result:
 def term_importance_by_layer(loaded: LoadedModel, limits: Limits) -> Result:
     view = build_term_importance_view(loaded, TermImportanceParams(), limits)
     return (
-        {"first_order_by_layer": view.first_order_by_layer, "loss_by_order": view.loss_by_order},
+        TourData(first_order_by_layer=view.first_order_by_layer, loss_by_order=view.loss_by_order),
         "/term-importance",
         {},
     )
@@ -306,7 +302,7 @@ def virtual_head(loaded: LoadedModel, limits: Limits) -> Result:
     prev, induction = induction_pair(loaded)
     prompt = _prompt(limits, REPEATED)
     view = build_path_view(loaded, ChainParams(heads=f"{prev},{induction}", prompt=prompt, k=_k(limits)), limits)
-    return {"path": view}, "/path", {"heads": f"{prev},{induction}", "prompt": prompt, "k": _k(limits)}
+    return TourData(path=view), "/path", {"heads": f"{prev},{induction}", "prompt": prompt, "k": _k(limits)}
 
 
 def second_copy_start(ids: list[int]) -> int:

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from app.registry import ModelRegistry
-from app.schemas.analyses import TourFigure
 from app.settings import Limits
+from app.tour.figure_data import TourData, TourFigure
 from app.views.shared.inputs import token_text
 from circuits_core.circuits.qk_forms import QK_FORMS, token_rho
 from circuits_core.cost import Cost
@@ -140,7 +140,7 @@ def gemma3_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure]:
                 link=f"/models/{GEMMA3_MODEL}/{path}",
                 api=f"/api/v1/models/{GEMMA3_MODEL}/{path}",
                 available=True,
-                data={"claim": values},
+                data=TourData(claim=values),
             )  # fmt: skip
         )
     return figures

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from app.registry import ModelRegistry
-from app.schemas.analyses import TourFigure
 from app.settings import Limits
+from app.tour.figure_data import TourData, TourFigure
 from app.views.shared.inputs import token_text
 from app.views.shared.residual_inputs import ignored_note
 from circuits_core.circuits import erasure as stream_erasure
@@ -173,7 +173,7 @@ def residual_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure
             look: str = look_for,
             detail: str | None = None,
             path: str | None = None,
-            data: dict[str, Any] | None = None,
+            data: TourData | None = None,
             fid: str = fid,
             title: str = title,
             anchor: str = anchor,
@@ -207,7 +207,7 @@ def residual_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure
                 True,
                 look=f"{look_for} Measured: {sentence}",
                 path=path.format(reader=values.get("reader", "")),
-                data={"claim": values},
+                data=TourData(claim=values),
             )
         )
     return figures

@@ -22,8 +22,8 @@ import torch
 
 from app.params import NoParams
 from app.registry import ModelRegistry
-from app.schemas.analyses import TourFigure
 from app.settings import Limits
+from app.tour.figure_data import ClaimChart, TourData, TourFigure
 from app.views.shared.heads_table import build_heads_view
 from circuits_core.circuits import composition_rotary, rotary
 from circuits_core.circuits.rotary import KERNEL_WINDOW
@@ -258,6 +258,9 @@ def _measure(
     return (sentence, values, *_links("/qk-paths", at))
 
 
+FIGURE_CHARTS: dict[str, ClaimChart] = {"R1": "induction_heads", "R2": "logit_by_order", "R3": "score_terms"}
+
+
 def rotary_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure]:
     """The three SmolLM2 figures; `available: false` with the reason when the model or a figure cannot be computed."""
     try:
@@ -298,7 +301,7 @@ def rotary_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure]:
                     "look_for": f"{look_for} Measured: {sentence}",
                     "link": link,
                     "api": api,
-                    "data": {"claim": values},
+                    "data": TourData(claim=values, claim_chart=FIGURE_CHARTS[fid]),
                 }
             )
         )

@@ -18,13 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
-from pydantic import BaseModel
-
 from app.registry import ModelRegistry
-from app.schemas.analyses import TourFigure, TourView
 from app.settings import Limits
 from app.tour import figures as figs
 from app.tour.claims import BASELINE_SAMPLES, BASELINE_TOP_SAMPLES, CLAIMS
+from app.tour.figure_data import TourData, TourFigure, TourView
 from app.tour.gemma3 import GEMMA3_MODEL, gemma3_chapter, gemma3_chapter_cost
 from app.tour.residual import TOUR_MODEL as RESIDUAL_MODEL
 from app.tour.residual import residual_chapter, residual_chapter_cost
@@ -44,7 +42,7 @@ PAPER = "https://transformer-circuits.pub/2021/framework/index.html"
 TOUR_MODELS = ("toy-0l", "toy-1l", "toy-2l")
 API = "/api/v1"
 
-Compute = Callable[[LoadedModel, Limits], tuple[dict[str, Any], str, dict[str, Any]]]
+Compute = Callable[[LoadedModel, Limits], tuple[TourData, str, dict[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -275,17 +273,13 @@ def _links(model: str, path: str, params: dict[str, Any]) -> tuple[str, str]:
     return f"/models/{model}{page_path(path)}{suffix}", f"{API}/models/{model}{path}{suffix}"
 
 
-def _as_data(data: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in data.items()}
-
-
 def _figure(fig: Figure, models: dict[str, LoadedModel | str], limits: Limits) -> TourFigure:
     def figure(
         available: bool,
         link: str | None = None,
         api: str | None = None,
         detail: str | None = None,
-        data: dict[str, Any] | None = None,
+        data: TourData | None = None,
         look_for: str | None = None,
     ) -> TourFigure:
         return TourFigure(
@@ -312,12 +306,12 @@ def _figure(fig: Figure, models: dict[str, LoadedModel | str], limits: Limits) -
         claim = CLAIMS.get(fig.id)
         if claim is not None:  # the measured sentence (claims.py), its values kept in the JSON twin
             sentence, values = claim(loaded, data)
-            look_for, data = f"{fig.look_for} Measured: {sentence}", {**data, "claim": values}
+            look_for, data = f"{fig.look_for} Measured: {sentence}", data.model_copy(update={"claim": values})
     except QkovError as exc:
         log.info("tour figure %s on %s not available: %s", fig.id, fig.model, exc)
         return figure(False, detail=str(exc))
     link, api = _links(fig.model, path, params)
-    return figure(True, link=link, api=api, data=_as_data(data), look_for=look_for)
+    return figure(True, link=link, api=api, data=data, look_for=look_for)
 
 
 def _load(registry: ModelRegistry, model_id: str) -> LoadedModel | str:

@@ -52,10 +52,15 @@ def data() -> EvalData:
     return EvalData.load(ROOT / "eval_data.npz")
 
 
+def twin(tour, fig_id: str) -> dict[str, Any]:
+    """The figure's data as its JSON twin serves it."""
+    return tour[fig_id].data.model_dump(mode="json")
+
+
 def claim(tour, fig_id: str) -> tuple[str, dict[str, Any]]:
     fig = tour[fig_id]
     assert fig.available, fig.detail
-    return fig.look_for, fig.data["claim"]
+    return fig.look_for, fig.data.claim
 
 
 def frequent(data: EvalData) -> torch.Tensor:
@@ -109,7 +114,7 @@ def test_f6_direct_path_top_entries_and_held_out_bigrams(tour, raw, data):
 
 def test_f9_terms_sum_to_the_real_logit(tour, raw):
     sentence, values = claim(tour, "F9")
-    paths = tour["F9"].data["paths"]
+    paths = twin(tour, "F9")["paths"]
     logits, _ = forward(raw["toy-1l"], paths["tokens"])
     assert values["value"] == pytest.approx(float(logits[-1, values["target"]]), abs=1e-4)
     assert values["total"] == pytest.approx(float(logits[-1, values["target"]]), abs=1e-4)
@@ -209,7 +214,7 @@ def test_f18_copying_scores_baseline_and_self_copy(tour, raw):
 
 # -- two layers -----------------------------------------------------------------------------------------------
 def _ids(tour, fig_id: str, key: str) -> list[int]:
-    return [t["id"] for t in tour[fig_id].data[key]["tokens"]]
+    return [t["id"] for t in twin(tour, fig_id)[key]["tokens"]]
 
 
 def _term(m, cache, path: list[str], pos: int, target: int) -> float:
@@ -224,7 +229,7 @@ def _term(m, cache, path: list[str], pos: int, target: int) -> float:
 def test_f19_largest_terms(tour, raw):
     sentence, values = claim(tour, "F19")
     m = raw["toy-2l"]
-    paths = tour["F19"].data["paths"]
+    paths = twin(tour, "F19")["paths"]
     logits, cache = forward(m, paths["tokens"])
     pos, target = paths["position"], paths["target"]
     assert values["value"] == pytest.approx(float(logits[pos, target]), abs=1e-4)
@@ -239,7 +244,7 @@ def test_f20_qk_terms(tour, raw):
     _, cache = forward(m, ids)
     n = len(ids)
     causal = torch.ones(n, n).tril().bool()
-    head = int(tour["F20"].data["qk_paths"]["head"][3:])
+    head = int(twin(tour, "F20")["qk_paths"]["head"][3:])
     sides = {"pos_embed": m.W_pos[:n], "embed": cache["hook_embed"]}
     for h in range(m.cfg.n_heads):
         sides[f"L0H{h}"] = cache["blocks.0.attn.hook_pattern"][h] @ cache["hook_embed"] @ m.W_V[0, h] @ m.W_O[0, h]
@@ -284,7 +289,7 @@ def test_f22_f23_induction_head_on_repeated_code(tour, raw):
     assert f"{np.mean(wm):.2f} of each row's value-weighted attention" in sentence
     assert f"against {np.mean(masses):.2f} of its plain attention" in sentence
     sentence, values = claim(tour, "F23")
-    e = tour["F23"].data["next_token_effect"]
+    e = twin(tour, "F23")["next_token_effect"]
     ids = [t["id"] for t in e["tokens"]]
     _, cache = forward(m, ids)
     out = cache["blocks.1.attn.hook_pattern"][head] @ cache["blocks.1.hook_resid_pre"] @ m.W_V[1, head] @ m.W_O[1, head]
@@ -308,7 +313,7 @@ def test_f24_standard_input_equals_the_card(tour):
     import json
 
     card = json.loads((ROOT / "toy-2l" / "model_card.json").read_text())["phenomena"]  # checked independently in
-    inp = tour["F24"].data["detectors"]["detector_input"]  # tests/core/test_shipped_models.py
+    inp = twin(tour, "F24")["detectors"]["detector_input"]  # tests/core/test_shipped_models.py
     assert (inp["seq_len"], inp["batch"], inp["seed"]) == (
         card["detector_input"]["seq_len"],
         card["detector_input"]["batch"],
@@ -324,7 +329,7 @@ def test_f24_standard_input_equals_the_card(tour):
 def test_f25_k_composition_token_circuit_diagonal(tour, raw):
     sentence, values = claim(tour, "F25")
     m = raw["toy-2l"]
-    pair = tour["F25"].data["pair"]
+    pair = twin(tour, "F25")["pair"]
     s, t = int(pair["source"][3:]), int(pair["target"][3:])
     K = (m.W_E @ m.W_Q[1, t]) @ (
         m.W_E @ m.W_V[0, s] @ m.W_O[0, s] @ m.W_K[1, t]
@@ -337,7 +342,7 @@ def test_f26_positivity(tour, raw):
     sentence, values = claim(tour, "F26")
     m = raw["toy-2l"]
     scores = copying_scores(m)
-    prev = int(tour["F26"].data["previous_token_head"][3:])
+    prev = int(twin(tour, "F26")["previous_token_head"][3:])
     G = m.W_E.T @ m.W_E
     for head, ov, qk in values["points"]:
         h = int(head[3:])
@@ -350,7 +355,7 @@ def test_f26_positivity(tour, raw):
 def test_f27_f28_losses_by_order(tour, raw):
     m = raw["toy-2l"]
     sentence, values = claim(tour, "F27")
-    ids = tour["F27"].data["token_ids"]
+    ids = twin(tour, "F27")["token_ids"]
     logits, cache = forward(m, ids)
     x0 = cache["hook_embed"]
     A = [cache[f"blocks.{lay}.attn.hook_pattern"] for lay in range(2)]
@@ -468,7 +473,7 @@ def test_f29_chain_pattern(tour, raw):
     induction target and on the earlier occurrence."""
     sentence, values = claim(tour, "F29")
     m = raw["toy-2l"]
-    cv = tour["F29"].data["path"]
+    cv = twin(tour, "F29")["path"]
     ids = [t["id"] for t in cv["tokens"]]
     _, cache = forward(m, ids)
     (l1, h1), (l2, h2) = [(int(h[1]), int(h[3:])) for h in values["heads"]]
@@ -488,11 +493,11 @@ def test_tour_figures_draw_what_their_sentences_say(tour):
     from app.routers.pages_tour import figure_parts
 
     f15 = figure_parts(tour["F15"])["charts"][0]["data"][0]
-    n = tour["F15"].data["positional"]["n_positions"]
+    n = twin(tour, "F15")["positional"]["n_positions"]
     assert len(f15["z"]) == len(f15["x"]) == n and f"over {n} positions" in tour["F15"].look_for
     bars = figure_parts(tour["F23"])["charts"][0]["data"][0]
-    assert len(set(bars["x"])) == len(bars["x"]) == len(tour["F23"].data["next_token_effect"]["effects"])
+    assert len(set(bars["x"])) == len(bars["x"]) == len(twin(tour, "F23")["next_token_effect"]["effects"])
     scatter = figure_parts(tour["F26"])["charts"][0]["data"][0]
-    named = [p[0] for p in tour["F26"].data["claim"]["points"]]
+    named = [p[0] for p in twin(tour, "F26")["claim"]["points"]]
     shown = {head for label in scatter["text"] if label for head in label.split(", ")}  # close heads share a label
     assert set(named) <= shown and all(h in tour["F26"].look_for for h in named)

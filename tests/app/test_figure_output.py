@@ -134,7 +134,8 @@ def test_smollm2_chapter_figures_come_from_each_sentences_values() -> None:
     """The tour page draws R1-R3 from the values their sentences state (the chapter had no figures); the values
     here are made up, the real ones are checked on the model in tests/app/test_tour_rotary.py."""
     from app.routers.pages_tour import figure_parts
-    from app.schemas.analyses import TourFigure
+    from app.tour.figure_data import TourData, TourFigure
+    from app.tour.rotary import FIGURE_CHARTS
 
     claims = {
         "R1": {
@@ -157,7 +158,7 @@ def test_smollm2_chapter_figures_come_from_each_sentences_values() -> None:
             link=None,
             api=None,
             available=True,
-            data={"claim": claim},
+            data=TourData(claim=claim, claim_chart=FIGURE_CHARTS[fid]),
         )
         drawn[fid] = figure_parts(fig)["charts"]
     assert drawn["R1"][0]["data"][0]["y"] == [0.9, 0.8, 0.5]

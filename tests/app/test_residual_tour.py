@@ -59,7 +59,7 @@ def test_the_section_is_available_with_links(chapter: dict) -> None:
 
 
 def test_f2_channel_counts_and_strongest_pair(chapter: dict, toy: LoadedModel, dense: dict) -> None:
-    v = chapter["F2"].data["claim"]
+    v = chapter["F2"].data.claim
     m = toy.model
     baseline = 1 / math.sqrt(m.cfg.d_model)
     heads = {k: s for k, s in dense["scores"].items() if k[0].startswith("L") and k[1].endswith((".Q", ".K", ".V"))}
@@ -72,7 +72,7 @@ def test_f2_channel_counts_and_strongest_pair(chapter: dict, toy: LoadedModel, d
 
 
 def test_f3_embedding_reader_and_its_tokens(chapter: dict, toy: LoadedModel, dense: dict) -> None:
-    v = chapter["F3"].data["claim"]
+    v = chapter["F3"].data.claim
     readers = {r: s for (w, r), s in dense["scores"].items() if w == "embed"}
     assert v["reader"] == max(readers, key=readers.get) and v["score"] == pytest.approx(readers[v["reader"]], rel=1e-9)
     vw_dense = dense["W"]["embed"] @ dense_reader(toy.model, sc.parse_reader(toy.model, v["reader"]))
@@ -85,7 +85,7 @@ def test_f3_embedding_reader_and_its_tokens(chapter: dict, toy: LoadedModel, den
 
 
 def test_f4_bandwidth_and_erasure(chapter: dict, toy: LoadedModel, dense: dict) -> None:
-    v = chapter["F4"].data["claim"]
+    v = chapter["F4"].data.claim
     d = toy.model.cfg.d_model
     bases = {}
     for name, W in dense["W"].items():

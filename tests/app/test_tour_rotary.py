@@ -195,7 +195,7 @@ def test_chapter_links_and_figures(smol: LoadedModel, r1: dict):
     from urllib.parse import parse_qs, urlsplit
 
     from app.params import QKPathsParams
-    from app.routers.pages_tour import ROTARY_FIGURES
+    from app.routers.pages_tour import CLAIM_CHARTS
     from app.views.qk_paths import build_qk_paths_view
 
     limits = Limits()
@@ -214,12 +214,12 @@ def test_chapter_links_and_figures(smol: LoadedModel, r1: dict):
     for (qc, kc, value), term in zip(v["top_terms"], page.at.terms, strict=False):
         assert (term.query, term.key) == (qc, kc) and f"{term.value:+.2f}" == f"{value:+.2f}"
     figs: list = []
-    ROTARY_FIGURES["R1"](r1, figs.append)
+    CLAIM_CHARTS[tr.FIGURE_CHARTS["R1"]](r1, figs.append)
     bars = figs[0]["data"][0]
     assert bars["y"] == [s for _, s in r1["induction"]] + [s for _, s in r1["previous_token"]]
     lines = {t["name"]: t["y"] for t in figs[1]["data"]}
     assert lines[f"{first['source']} → {first['target']}"] == first["profile"]
     assert max(first["profile"]) == first["max"] and min(first["profile"]) == first["min"]
     figs = []
-    ROTARY_FIGURES["R3"](v, figs.append)
+    CLAIM_CHARTS[tr.FIGURE_CHARTS["R3"]](v, figs.append)
     assert figs[0]["data"][0]["y"] == [t for _, _, t in v["top_terms"]]
