@@ -311,7 +311,7 @@ async def run(analysis: Declared[P, V], subject: Any, model_id: str | None, para
         with refused_on_nonfinite(subject):
             return await compute(analysis.built, subject, params, limits, view=analysis.view, **kw)
     except LimitExceededError as exc:
-        raise with_advice(exc, analysis, subject, params, limits, kw) from None
+        raise with_advice(exc, analysis.path, lambda q: analysis.priced(subject, q, limits), params, kw) from None
 
 
 async def run_json(analysis: Declared[P, V], subject: Any, model_id: str | None, params: P, limits: Limits) -> bytes:
@@ -321,7 +321,7 @@ async def run_json(analysis: Declared[P, V], subject: Any, model_id: str | None,
         with refused_on_nonfinite(subject):
             return await compute_json(analysis.built, subject, params, limits, **kw)
     except LimitExceededError as exc:
-        raise with_advice(exc, analysis, subject, params, limits, kw) from None
+        raise with_advice(exc, analysis.path, lambda q: analysis.priced(subject, q, limits), params, kw) from None
 
 
 def build_cached(analysis: Analysis[P, V], loaded: LoadedModel, model_id: str, params: P, limits: Limits) -> V:

@@ -4,16 +4,17 @@ is told which parameter, lowered to which value, makes it run."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
 
 from app.scheduling import current_service
-from app.settings import Limits
+from circuits_core.cost import Cost
 from circuits_core.errors import CheckpointError, LimitExceededError, QkovError
 
-if TYPE_CHECKING:
-    from app.analysis import AnalysisParams, Declared
+P = TypeVar("P", bound=BaseModel)
 
 
 @contextmanager
@@ -37,29 +38,25 @@ def refused_on_nonfinite(subject: Any) -> Iterator[None]:
 
 
 def with_advice(
-    exc: LimitExceededError,
-    analysis: Declared[Any, Any],
-    subject: Any,
-    params: AnalysisParams,
-    limits: Limits,
-    kw: dict[str, Any],
+    exc: LimitExceededError, path: str, priced: Callable[[P], Cost], params: P, kw: dict[str, Any]
 ) -> LimitExceededError:
     """A refusal of the request's price (not of its content) with the advice that makes it run: the first integer
-    parameter which, lowered to `at_most` (the largest value the same price check admits), gives an answer. The
-    advice is searched with the analysis's own cost function, so following it is never refused for its price."""
+    parameter (not one of the route `path`'s) which, lowered to `at_most` (the largest value the same price check
+    admits), gives an answer. `priced(params)` is the analysis's own price of its subject, so following the advice
+    is never refused for its price."""
     service = current_service()
     if service.admits(kw["cost"], kw["key"] is not None):
         return exc  # refused by the computation itself (its input), not by the price
     for name, info in type(params).model_fields.items():
         value = getattr(params, name)
-        if not isinstance(value, int) or isinstance(value, bool) or "{" + name + "}" in analysis.path:
+        if not isinstance(value, int) or isinstance(value, bool) or "{" + name + "}" in path:
             continue
         low = next((int(m.ge) for m in info.metadata if hasattr(m, "ge") and m.ge is not None), 1)
 
         def fits(v: int, name: str = name) -> bool:
             try:
                 lowered = params.model_copy(update={name: v})
-                return service.admits(analysis.priced(subject, lowered, limits), kw["key"] is not None)
+                return service.admits(priced(lowered), kw["key"] is not None)
             except QkovError:
                 return False
 

@@ -23,7 +23,8 @@ from app.errors import ProblemKind, problem_response
 from app.logs import REQUEST_ID
 from app.metrics import Metrics
 from app.ratelimit import RateLimiter
-from app.scheduling.requests import RequestContext, bind
+from app.scheduling import bind
+from app.scheduling.requests import RequestContext
 from app.scheduling.service import ComputeService
 
 access_log = logging.getLogger("qkov.access")

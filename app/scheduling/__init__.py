@@ -36,13 +36,14 @@ The slot is released when the worker thread returns, not when the awaiting reque
 found through a context variable that app/serving_middleware.py sets per request.
 
 The package: slots.py (the compute slots, the compute threads' priority and torch threads), flights.py (one
-computation, the requests waiting for it, the job it may run as), requests.py (the request a computation serves
-and `bind`, the service this task uses), service.py (ComputeService: the pricing decision, the in-flight table, the
-job table, the cache); here, the entry points views and routers call.
+computation, the requests waiting for it, the job it may run as), requests.py (the request a computation serves),
+service.py (ComputeService: the pricing decision, the in-flight table, the job table, the cache); here, `bind` (the
+service and request this task uses) and the entry points views and routers call.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import threading
 from collections.abc import Callable
@@ -52,12 +53,26 @@ import anyio.to_thread
 from pydantic import BaseModel
 
 from app.pricing import Key, key_text
-from app.scheduling.requests import bound_service
+from app.scheduling.requests import RequestContext, set_request
 from app.scheduling.service import ComputeService
 from circuits_core.cost import Cost
 
 T = TypeVar("T")
 V = TypeVar("V", bound=BaseModel)
+
+_SERVICE: contextvars.ContextVar[ComputeService | None] = contextvars.ContextVar("qkov_compute_service", default=None)
+
+
+def bind(service: ComputeService, request: RequestContext | None) -> None:
+    """Make `compute` use this service and request context in the current task (called by middleware)."""
+    _SERVICE.set(service)
+    set_request(request)
+
+
+def bound_service() -> ComputeService | None:
+    """The service `bind` set for this task, None outside a request."""
+    return _SERVICE.get()
+
 
 _default: ComputeService | None = None
 _default_lock = threading.Lock()

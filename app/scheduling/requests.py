@@ -1,5 +1,5 @@
-"""The request a computation serves (is it still wanted?) and the ComputeService that runs it, set per request by
-app/serving_middleware.py (`bind`) and read through context variables."""
+"""The request a computation serves (is it still wanted?), set per request by app/serving_middleware.py (through
+app/scheduling `bind`, with the service) and read through a context variable."""
 
 from __future__ import annotations
 
@@ -7,10 +7,6 @@ import contextvars
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from app.scheduling.service import ComputeService
 
 
 @dataclass
@@ -44,17 +40,3 @@ def set_request(request: RequestContext | None) -> None:
 def current_request() -> RequestContext | None:
     """The request set for this task, None outside a request."""
     return _REQUEST.get()
-
-
-_SERVICE: contextvars.ContextVar[ComputeService | None] = contextvars.ContextVar("qkov_compute_service", default=None)
-
-
-def bind(service: ComputeService, request: RequestContext | None) -> None:
-    """Make `compute` use this service and request context in the current task (called by middleware)."""
-    _SERVICE.set(service)
-    set_request(request)
-
-
-def bound_service() -> ComputeService | None:
-    """The service `bind` set for this task, None outside a request."""
-    return _SERVICE.get()

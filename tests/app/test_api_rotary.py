@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from markupsafe import escape as html_escape
 
 from app.main import create_app
-from app.scheduling.requests import bind
+from app.scheduling import bind
 from app.settings import Settings
 from app.views.rotary import POSITIONAL, PositionalParams, QKCopyingParams, qk_copying_cost
 from app.views.shared.rotary_reference import reference_tokens

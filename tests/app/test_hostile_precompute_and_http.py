@@ -35,37 +35,53 @@ SMOLLM2_SUMMARY = Path(__file__).resolve().parents[2] / "models" / "smollm2-135m
 TOY2L_CARD = Path(__file__).resolve().parents[2] / "checkpoints" / "toy-2l" / "model_card.json"
 
 
-def _ablation_sentence_on(scores: list[list[float]]) -> tuple[str | None, float]:
-    """ablation_sentence with a model's measured previous-token scores [L][H] (every head's ablation row present);
-    returns the sentence and the largest layer-0 score."""
+def _rule(induction: list[list[float]], previous: list[list[float]]) -> tuple[str, str]:
+    """The heads that matter, brute force (HEADS_RULE): the strongest induction head of layers >= 1, and the strongest
+    previous-token head of an earlier layer."""
+    _, il, ih = max((s, layer, h) for layer, row in enumerate(induction) if layer >= 1 for h, s in enumerate(row))
+    _, pl, ph = max((s, layer, h) for layer, row in enumerate(previous[:il]) for h, s in enumerate(row))
+    return f"L{pl}H{ph}", f"L{il}H{ih}"
+
+
+def _ablation_sentence_on(induction: list[list[float]], previous: list[list[float]]) -> tuple[str | None, str]:
+    """ablation_sentence with a model's measured scores [L][H] (every head's ablation row present) and the heads view's
+    previous-token head chosen by the rule; returns the sentence and that head."""
     from app.schemas import HeadScores, HeadsView
     from app.schemas.analyses import HeadAblation, TermImportanceView
     from app.views.shared.page_claims import ablation_sentence
 
     heads = [HeadScores.model_construct(head=f"L{layer}H{h}", layer=layer, index=h, previous_token=s)
-             for layer, row in enumerate(scores) for h, s in enumerate(row)]  # fmt: skip
+             for layer, row in enumerate(previous) for h, s in enumerate(row)]  # fmt: skip
     rows = [HeadAblation(head=x.head, loss_change=0.01, loss_change_recomputed=0.5) for x in heads]
-    said = ablation_sentence(TermImportanceView.model_construct(heads=rows), HeadsView.model_construct(heads=heads))
-    return said, max(scores[0])
+    prev, induction_head = _rule(induction, previous)
+    view = HeadsView.model_construct(heads=heads, previous_token_head=prev, induction_head=induction_head)
+    return ablation_sentence(TermImportanceView.model_construct(heads=rows), view), prev
 
 
 def test_the_ablation_sentence_names_toy_2ls_previous_token_head() -> None:
-    said, best = _ablation_sentence_on(json.loads(TOY2L_CARD.read_text())["phenomena"]["previous_token_scores"])
-    assert best > 0.9 and said is not None and "previous-token head L0H5" in said  # the card's L0H5 (0.97)
+    card = json.loads(TOY2L_CARD.read_text())["phenomena"]
+    said, prev = _ablation_sentence_on(card["induction_scores"], card["previous_token_scores"])
+    assert prev == "L0H5" and said is not None and "previous-token head L0H5" in said  # the card's L0H5 (0.97)
+    weak = [[0.1 if (layer, h) == (0, 5) else s for h, s in enumerate(row)]
+            for layer, row in enumerate(card["previous_token_scores"])]  # fmt: skip
+    said, prev = _ablation_sentence_on(card["induction_scores"], weak)
+    assert said is None or prev not in said  # a head below the threshold is never called a previous-token head
 
 
 @pytest.mark.skipif(not SMOLLM2_SUMMARY.exists(), reason="SmolLM2-135M not fetched (make smollm2)")
 def test_the_ablation_sentence_calls_no_weak_head_a_previous_token_head_on_smollm2() -> None:
-    """SmolLM2's layer 0 has no previous-token head (best 0.11 < the summary's 0.4): the sentence names the strongest
-    previous-token head below the last layer instead, which must reach the summary's threshold."""
+    """SmolLM2's layer 0 has no previous-token head (best 0.11 < the summary's 0.4): the sentence names the rule's
+    previous-token head (the strongest one before the strongest induction head), which must reach the threshold."""
     summary = json.loads(SMOLLM2_SUMMARY.read_text())
     scores = summary["previous_token_scores"]
-    said, best = _ablation_sentence_on(scores)
-    assert best < summary["head_threshold"]  # layer 0 of SmolLM2 has no previous-token head
-    named = re.search(r"previous-token head L(\d+)H(\d+)", said or "")
-    assert named is not None, said
-    strongest = max((s, layer, h) for layer, row in enumerate(scores[:-1]) for h, s in enumerate(row))
-    assert (int(named[1]), int(named[2])) == strongest[1:] and strongest[0] >= summary["head_threshold"]
+    assert max(scores[0]) < summary["head_threshold"]  # layer 0 of SmolLM2 has no previous-token head
+    said, prev = _ablation_sentence_on(summary["induction_scores"], scores)
+    layer, h = (int(x) for x in prev[1:].split("H"))
+    if scores[layer][h] < summary["head_threshold"]:
+        assert said is None, said
+    else:
+        named = re.search(r"previous-token head L(\d+)H(\d+)", said or "")
+        assert named is not None and f"L{named[1]}H{named[2]}" == prev, said
 
 
 def k_composition_gram(m: Any, src: tuple[int, int], dst: tuple[int, int]) -> float:

@@ -13,8 +13,7 @@ import diskcache
 import pytest
 
 from app.ratelimit import RateLimiter
-from app.scheduling import compute
-from app.scheduling.requests import bind
+from app.scheduling import bind, compute
 from app.scheduling.service import ComputeService
 from app.store import DiskStore, RedisStore, StoreTier, code_version, open_store
 from tests.app.redis_server import RedisServer, running_redis
