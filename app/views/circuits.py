@@ -98,7 +98,7 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
     loaded = with_basis(loaded, p.basis)
     layer, h = parse_head(p.head, loaded.model.cfg)
     side: Literal["row", "column"] = "row" if p.side == "query" else "column"
-    check_offset(loaded, p.offset)
+    check_offset(loaded, p.offset, layer)
     if is_rotary(loaded):
         model, offset = loaded.model, p.offset
         line = rotary.full_qk_col_at if side == "column" else rotary.full_qk_row_at
@@ -190,7 +190,10 @@ def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> C
 def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits, circuit: circuits.Circuit = "ov") -> Cost:
     """A token's row or column, else the global top-k (on the frequent tokens only with min_count): priced by
     head_circuits.top_cost for the circuit and side the view reads."""
-    check_offset(loaded, getattr(p, "offset", 0))  # a request the model cannot answer is refused before its price
+    layer = parse_head(p.head, loaded.model.cfg)[0] if circuit == "qk" and isinstance(p, OVParams) else None
+    check_offset(
+        loaded, getattr(p, "offset", 0), layer
+    )  # a request the model cannot answer is refused before its price
     side: Literal["row", "column"] = "column" if getattr(p, "side", "query") == "key" else "row"
     ranked = token_set(loaded, p.min_count, p.vocab if p.token is None else "all")  # as _top_view ranks
     if p.token is None:

@@ -20,6 +20,7 @@ from fastapi.testclient import TestClient
 from app.catalog import ANALYSES
 from app.main import create_app
 from app.settings import Settings
+from circuits_core.circuits.composition_rotary import pair_profile
 from circuits_core.circuits.rotary import full_qk_row_at
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.model.config import ModelConfig
@@ -128,3 +129,46 @@ def test_qk_paths_sum_to_the_scores_the_softmax_sees(client: TestClient, name: s
     window = body["window"]
     if window is not None:  # a local layer: keys beyond the window are not seen
         assert body["scores"][-1][0] is None and body["scores"][-1][-window] is not None
+
+
+def test_offset_profiles_stop_at_a_sliding_layers_window(client: TestClient, folders: Path) -> None:
+    """On a sliding layer the positional kernel, the QK-copying profile and a composition profile (bounded by the
+    target's layer, not the source's) run over δ = 0..window - 1 only, and say the window; their peak is the engine's
+    arg-max over those offsets, flagged as an edge exactly when it is the last one."""
+    model = load_checkpoint(folders / "gemma2ish", dtype=torch.float64).model  # window 4 on layers 0 and 2
+    cfg = model.cfg
+    window = cfg.layer_window(2)
+    assert window == 4 and cfg.layer_window(1) is None
+    wide = torch.arange(11)
+    plain = pair_profile(model, "L1H0", "L2H3", "k", wide)  # [11] the engine's values at every offset
+    body = client.get(f"{API}/gemma2ish/composition/L1H0/L2H3/profile", params={"max_offset": 10}).json()
+    assert body["offsets"] == list(range(window)) and body["shape"]["window"] == window
+    assert max(abs(a - b) for a, b in zip(body["scores"], plain[:window].tolist(), strict=True)) < 1e-9
+    peak = int(plain[:window].argmax())
+    assert body["peak_offset"] == peak and body["shape"]["at_edge"] == (
+        peak == window - 1 and not body["shape"]["flat"]
+    )
+    # a global target reads every offset asked for, whatever its source's window
+    body = client.get(f"{API}/gemma2ish/composition/L0H0/L1H3/profile", params={"max_offset": 10}).json()
+    assert body["offsets"] == wide.tolist() and body["shape"]["window"] is None
+    for path in ("positional", "qk-copying"):
+        local = client.get(f"{API}/gemma2ish/heads/L2H1/{path}", params={"max_offset": 10}).json()
+        assert local["offsets"] == list(range(window)) and local["shape"]["window"] == window
+        assert (
+            client.get(f"{API}/gemma2ish/heads/L1H1/{path}", params={"max_offset": 10}).json()["offsets"]
+            == wide.tolist()
+        )
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["heads/{head}/qk", "heads/{head}/qk-copying", "heads/{head}/skip-trigrams"],
+    ids=["qk", "copying", "trigrams"],
+)
+def test_an_offset_beyond_a_sliding_window_is_refused_by_name(client: TestClient, path: str) -> None:
+    """δ = window on a sliding layer is an offset the head never attends: refused with the window named; the same
+    offset on the global layer answers."""
+    params = {"offset": 4, "token": "name"}
+    refused = client.get(f"{API}/gemma2ish/{path.format(head='L2H1')}", params=params)
+    assert refused.status_code == 422 and "4-token window" in refused.json()["detail"], refused.text[:300]
+    assert client.get(f"{API}/gemma2ish/{path.format(head='L1H1')}", params=params).status_code == 200
