@@ -168,7 +168,48 @@ def test_offset_profiles_stop_at_a_sliding_layers_window(client: TestClient, fol
 def test_an_offset_beyond_a_sliding_window_is_refused_by_name(client: TestClient, path: str) -> None:
     """δ = window on a sliding layer is an offset the head never attends: refused with the window named; the same
     offset on the global layer answers."""
-    params = {"offset": 4, "token": "name"}
+    params: dict[str, str | int] = {"offset": 4, "token": "name"}
     refused = client.get(f"{API}/gemma2ish/{path.format(head='L2H1')}", params=params)
     assert refused.status_code == 422 and "4-token window" in refused.json()["detail"], refused.text[:300]
     assert client.get(f"{API}/gemma2ish/{path.format(head='L1H1')}", params=params).status_code == 200
+
+
+def _share_past(capped: torch.Tensor, cap: float) -> float:
+    """The share of entries whose value before the cap was beyond ±c, read back from the capped values: |s| > c
+    exactly when |c·tanh(s/c)| > c·tanh(1)."""
+    return float((capped.abs() > cap * math.tanh(1.0)).double().mean())
+
+
+def test_prompt_pages_show_the_share_of_scores_and_logits_beyond_the_cap(client: TestClient, folders: Path) -> None:
+    """Gemma 2-shaped: the prompt's patterns give each head's share of seen scores beyond the score cap, the path
+    expansion the share of the position's logits beyond the logit cap; both against the model's capped outputs (the
+    window drawn by hand), and both on the HTML page."""
+    loaded = load_checkpoint(folders / "gemma2ish", dtype=torch.float64)
+    model, cfg = loaded.model, loaded.model.cfg
+    heads = ["L0H1", "L1H2"]  # a sliding layer (window 4) and a global one
+    body = client.get(f"{API}/gemma2ish/prompt", params={"prompt": PROMPT, "heads": ",".join(heads)}).json()
+    ids = torch.tensor([[t["id"] for t in body["tokens"]]])
+    logits, cache = model.run(ids, names=lambda name: name.endswith("hook_attn_scores"))
+    n = ids.shape[1]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    score_cap, logit_cap = cfg.attn_scores_soft_cap, cfg.output_logits_soft_cap
+    assert score_cap is not None and logit_cap is not None and body["score_cap"] == score_cap
+    for hp, (layer, h) in zip(body["heads"], [(0, 1), (1, 2)], strict=True):
+        window = cfg.layer_window(layer) or n
+        seen = (j <= i) & (i - j < window)
+        capped = cache[f"blocks.{layer}.attn.hook_attn_scores"][0, h][seen]
+        assert abs(hp["beyond_cap"] - _share_past(capped, score_cap)) < 1e-12
+    paths = client.get(f"{API}/gemma2ish/paths", params={"prompt": PROMPT}).json()
+    assert paths["logit_cap"] == logit_cap
+    assert abs(paths["beyond_cap"] - _share_past(logits[0, -1], logit_cap)) < 1e-12
+    page = client.get("/models/gemma2ish/prompt", params={"prompt": PROMPT, "heads": ",".join(heads)}).text
+    assert (
+        'id="score-cap"' in page
+        and f'{heads[0]} <span class="mono">{100 * body["heads"][0]["beyond_cap"]:.1f} %' in page
+    )
+    assert 'id="logit-cap"' in page and f"{100 * paths['beyond_cap']:.2f} %" in page
+    qk_page = client.get("/models/gemma2ish/qk-paths", params={"prompt": PROMPT, "head": "L2H1"}).text
+    qk = client.get(f"{API}/gemma2ish/qk-paths", params={"prompt": PROMPT, "head": "L2H1"}).json()
+    assert 'id="score-cap"' in qk_page and f"{100 * qk['beyond_cap']:.1f} %" in qk_page
+    plain = client.get("/models/gemma3ish/prompt", params={"prompt": PROMPT}).text  # no caps: no such notes
+    assert 'id="score-cap"' not in plain and 'id="logit-cap"' not in plain
