@@ -35,6 +35,7 @@ Any other architecture is refused by name.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,11 +46,12 @@ from torch import Tensor
 
 from circuits_core.errors import CheckpointError, InvalidInputError
 from circuits_core.formats.gguf_header import GGUFHeader, TensorInfo
-from circuits_core.formats.gguf_quants import dequantize, dequantize_transposed, row_chunks
+from circuits_core.formats.gguf_quants import chunk_rows, dequantize, dequantize_transposed, row_chunks
 from circuits_core.formats.gguf_tokenizer import gguf_tokenizer
 from circuits_core.formats.llama import laid_out, one_thread
 from circuits_core.formats.tokenizer import Tokenizer
 from circuits_core.model.config import ModelConfig
+from circuits_core.schedule import shared_chunks, side_by_side
 
 State = dict[str, Tensor]
 F32 = torch.float32
@@ -297,14 +299,33 @@ class _Tensors:
         W_E = torch.empty(d_vocab, d)
         W_U = torch.empty(d, d_vocab) if output is None else dequantize_transposed(self.header, output)
         factor = torch.tensor(scale if scale is not None else 1.0, dtype=F32)
-        for start, rows in row_chunks(self.header, embed):  # rows [n, d_model]
-            n = rows.shape[0]
-            if output is None:
-                W_U[:, start : start + n].copy_(rows.T)  # tied: the unscaled embedding
-            if scale is None:
-                W_E[start : start + n].copy_(rows)
-            else:
-                torch.mul(rows, factor, out=W_E[start : start + n])
+        chunks, stopped = shared_chunks(d_vocab, chunk_rows(embed)), threading.Event()
+
+        def take() -> slice | None:  # the next row chunk, for either thread; none once this thread has stopped
+            return None if stopped.is_set() else chunks()
+
+        def fill() -> None:  # the chunks this thread takes, each written to its own rows of W_E (and columns of W_U)
+            for start, rows in row_chunks(self.header, embed, take):  # rows [n, d_model]
+                n = rows.shape[0]
+                if output is None:
+                    W_U[:, start : start + n].copy_(rows.T)  # tied: the unscaled embedding
+                if scale is None:
+                    W_E[start : start + n].copy_(rows)
+                else:
+                    torch.mul(rows, factor, out=W_E[start : start + n])
+
+        # The largest tensor by far (Gemma 3: 262,144 x 640, decoded, scaled and transposed: about half the load on
+        # one thread), so both cores share it when the load runs on one torch thread (llama.one_thread) and a core is
+        # idle. The load watchdog's checkpoints are this thread's: when one refuses the load the helper takes no
+        # further chunk.
+        def fill_here() -> None:
+            try:
+                fill()
+            except BaseException:
+                stopped.set()
+                raise
+
+        side_by_side(fill_here, fill, "qkov-gguf-embedding")
         return W_E, W_U
 
     def finish(self) -> None:

@@ -29,6 +29,7 @@ from torch import Tensor
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.gguf_header import GGUFHeader, TensorInfo
 from circuits_core.formats.load_watchdog import checkpoint
+from circuits_core.schedule import shared_chunks
 
 Q = gguf.GGMLQuantizationType
 CHUNK_VALUES = 1 << 18  # float32 values per chunk (1 MiB)
@@ -129,18 +130,26 @@ def decode_rows(raw: np.ndarray, ggml_type: Any) -> Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(rows, -1)
 
 
-def row_chunks(header: GGUFHeader, info: TensorInfo) -> Iterator[tuple[int, Tensor]]:
+def chunk_rows(info: TensorInfo) -> int:
+    """Rows per chunk of `row_chunks`: about CHUNK_VALUES values."""
+    return max(1, CHUNK_VALUES // info.shape[-1])
+
+
+def row_chunks(
+    header: GGUFHeader, info: TensorInfo, take: Callable[[], slice | None] | None = None
+) -> Iterator[tuple[int, Tensor]]:
     """(first row, [rows, values per row] float32) over a tensor taken as a matrix (its leading dims flattened), a
-    chunk of about CHUNK_VALUES values at a time: small enough that the caller's copy reads it from the cache."""
-    width = info.shape[-1]
+    chunk of about CHUNK_VALUES values at a time: small enough that the caller's copy reads it from the cache.
+    take: the queue of row slices (schedule.shared_chunks over the rows, chunk_rows each) when two threads share the
+    tensor; else every chunk in order."""
     rows = int(np.prod(info.shape[:-1], dtype=np.int64))
     if not info.nbytes:
         return
     row_bytes = info.nbytes // rows
-    step = max(1, CHUNK_VALUES // width)
-    for start in range(0, rows, step):
+    take = shared_chunks(rows, chunk_rows(info)) if take is None else take
+    while (part := take()) is not None:
         checkpoint()  # the load's watchdog (load_watchdog.py)
-        n = min(step, rows - start)
+        start, n = part.start, part.stop - part.start
         raw = header.read_bytes(info.offset + start * row_bytes, n * row_bytes).reshape(n, row_bytes)
         try:
             yield start, decode_rows(raw, info.ggml_type)
