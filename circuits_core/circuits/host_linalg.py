@@ -13,37 +13,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from circuits_core.schedule import side_by_side
-
 HOST_MAX_SIZE = 512  # rows of the largest matrix sent to the host (a d_head, or a factored matrix's inner rank)
 
 
 def eigvals(M: Tensor) -> Tensor:
     """torch.linalg.eigvals(M) [..., n] (complex), computed on the host for small matrices on another device, and
     returned on M's device."""
-    if M.device.type == "cpu":
-        return host_eigvals(M)
-    if M.shape[-1] > HOST_MAX_SIZE:
+    if M.device.type == "cpu" or M.shape[-1] > HOST_MAX_SIZE:
         return torch.linalg.eigvals(M)
-    return host_eigvals(M.cpu()).to(M.device)
-
-
-def host_eigvals(M: Tensor) -> Tensor:
-    """torch.linalg.eigvals(M) [..., n] of a CPU tensor, one LAPACK thread per matrix: a batch is split between two
-    threads (schedule.side_by_side, when the caller's torch threads leave a core for it), each solving its half on one
-    torch thread. geev on a small matrix gains little from a second thread and loses much when its team shares busy
-    cores: 16 float64 matrices of 256 x 256 (Gemma-3 270M's d_head) took 1.45 s on one thread and 30.2 s on two at
-    load average 5 on this 2-core machine."""
-    threads = torch.get_num_threads()
-    if threads == 1:
-        return torch.linalg.eigvals(M)
-    flat = M.reshape(-1, *M.shape[-2:])  # [b, n, n]
-    half = (flat.shape[0] + 1) // 2
-    torch.set_num_threads(1)  # process-wide (see formats.llama.one_thread); side_by_side's helper inherits it
-    try:
-        first, second = side_by_side(
-            lambda: torch.linalg.eigvals(flat[:half]), lambda: torch.linalg.eigvals(flat[half:]), "qkov-eigvals"
-        )
-    finally:
-        torch.set_num_threads(threads)
-    return torch.cat([first, second]).reshape(M.shape[:-1])
+    return torch.linalg.eigvals(M.cpu()).to(M.device)
