@@ -8,6 +8,7 @@ The maths modules say which two computations are independent and this module dec
     shared_chunks(total, n)    a queue of slices that both branches of side_by_side take from, so they split one
                                chunked loop and finish it together
     shared_tasks(tasks)        the same queue over a list of tasks, longest first
+    split_loop(total, n, work) a chunked loop split that way, the helper stopping when the caller fails
     Handoff                    a value one branch forms and the other waits for (an error reaches both)
     in_background()            I/O beside the caller (a checkpoint's digest while torch reads its tensors)
     per_thread(fn, parts)      fn over independent parts (a batch of small LAPACK problems), one thread of one torch
@@ -87,6 +88,26 @@ def shared_tasks(tasks: Sequence[Callable[[T], None]], workspace: Callable[[], T
             tasks[task.start](space)
 
     side_by_side(worker, worker, name)
+
+
+def split_loop(total: int, chunk: int, work: Callable[[slice], None], name: str = "qkov-loop") -> None:
+    """work(part) for every slice of range(total) in steps of `chunk`, the slices taken in turn by this thread and a
+    helper (side_by_side; one after the other when no core is idle). Once this thread fails (a load's watchdog
+    refusing it: its checkpoints are this thread's) the helper takes no further slice."""
+    parts, stopped = shared_chunks(total, chunk), threading.Event()
+
+    def loop() -> None:
+        while not stopped.is_set() and (part := parts()) is not None:
+            work(part)
+
+    def here() -> None:
+        try:
+            loop()
+        except BaseException:
+            stopped.set()
+            raise
+
+    side_by_side(here, loop, name)
 
 
 class Handoff(Generic[T]):

@@ -35,7 +35,6 @@ Any other architecture is refused by name.
 from __future__ import annotations
 
 import math
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,12 +45,13 @@ from torch import Tensor
 
 from circuits_core.errors import CheckpointError, InvalidInputError
 from circuits_core.formats.gguf_header import GGUFHeader, TensorInfo
-from circuits_core.formats.gguf_quants import chunk_rows, dequantize, dequantize_transposed, row_chunks
+from circuits_core.formats.gguf_quants import chunk_rows, dequantize, dequantize_transposed, read_rows
 from circuits_core.formats.gguf_tokenizer import gguf_tokenizer
 from circuits_core.formats.llama import laid_out, one_thread
+from circuits_core.formats.load_watchdog import checkpoint
 from circuits_core.formats.tokenizer import Tokenizer
 from circuits_core.model.config import ModelConfig
-from circuits_core.schedule import shared_chunks, side_by_side
+from circuits_core.schedule import split_loop
 
 State = dict[str, Tensor]
 F32 = torch.float32
@@ -299,33 +299,20 @@ class _Tensors:
         W_E = torch.empty(d_vocab, d)
         W_U = torch.empty(d, d_vocab) if output is None else dequantize_transposed(self.header, output)
         factor = torch.tensor(scale if scale is not None else 1.0, dtype=F32)
-        chunks, stopped = shared_chunks(d_vocab, chunk_rows(embed)), threading.Event()
 
-        def take() -> slice | None:  # the next row chunk, for either thread; none once this thread has stopped
-            return None if stopped.is_set() else chunks()
-
-        def fill() -> None:  # the chunks this thread takes, each written to its own rows of W_E (and columns of W_U)
-            for start, rows in row_chunks(self.header, embed, take):  # rows [n, d_model]
-                n = rows.shape[0]
-                if output is None:
-                    W_U[:, start : start + n].copy_(rows.T)  # tied: the unscaled embedding
-                if scale is None:
-                    W_E[start : start + n].copy_(rows)
-                else:
-                    torch.mul(rows, factor, out=W_E[start : start + n])
+        def fill(part: slice) -> None:  # one chunk of rows: its rows of W_E (and columns of the tied W_U)
+            checkpoint()  # the load's watchdog (load_watchdog.py; a no-op in the helper thread)
+            rows = read_rows(self.header, embed, part)  # [n, d_model]
+            if output is None:
+                W_U[:, part].copy_(rows.T)  # tied: the unscaled embedding
+            if scale is None:
+                W_E[part].copy_(rows)
+            else:
+                torch.mul(rows, factor, out=W_E[part])
 
         # The largest tensor by far (Gemma 3: 262,144 x 640, decoded, scaled and transposed: about half the load on
-        # one thread), so both cores share it when the load runs on one torch thread (llama.one_thread) and a core is
-        # idle. The load watchdog's checkpoints are this thread's: when one refuses the load the helper takes no
-        # further chunk.
-        def fill_here() -> None:
-            try:
-                fill()
-            except BaseException:
-                stopped.set()
-                raise
-
-        side_by_side(fill_here, fill, "qkov-gguf-embedding")
+        # one thread), so both cores share it when the load runs on one torch thread (llama.one_thread).
+        split_loop(d_vocab, chunk_rows(embed), fill, "qkov-gguf-embedding")
         return W_E, W_U
 
     def finish(self) -> None:
@@ -347,32 +334,42 @@ def gguf_state(cfg: ModelConfig, kind: Architecture, tensors: _Tensors) -> State
     norms = {"ln1": "attn_norm", "ln2": "ffn_norm"} | (
         {"ln1_post": "post_attention_norm", "ln2_post": "post_ffw_norm"} if gemma else {}
     )
-    for layer in range(cfg.n_layers):
+    layers: list[State] = [{} for _ in range(cfg.n_layers)]
+
+    def read_layer(part: slice) -> None:  # one layer's tensors, into layers[layer]
+        layer = part.start
+        out = layers[layer]
         b, p = f"blk.{layer}", f"blocks.{layer}"
         for ours, theirs in norms.items():  # gains as stored (Gemma's files hold 1 + w already)
-            sd[f"{p}.{ours}.w"] = tensors.need(f"{b}.{theirs}.weight", (d,))
+            out[f"{p}.{ours}.w"] = tensors.need(f"{b}.{theirs}.weight", (d,))
         W_Q = tensors.need(f"{b}.attn_q.weight", (H * dh, d))  # rows (head, d_head)
-        sd[f"{p}.attn.W_Q"] = laid_out(W_Q.view(H, dh, d).transpose(1, 2), F32)  # [n_heads, d_model, d_head]
+        out[f"{p}.attn.W_Q"] = laid_out(W_Q.view(H, dh, d).transpose(1, 2), F32)  # [n_heads, d_model, d_head]
         for x in "KV":
             W = tensors.need(f"{b}.attn_{x.lower()}.weight", (n_kv * dh, d))
-            sd[f"{p}.attn._W_{x}"] = laid_out(W.view(n_kv, dh, d).transpose(1, 2), F32)  # [n_kv, d_model, d_head]
+            out[f"{p}.attn._W_{x}"] = laid_out(W.view(n_kv, dh, d).transpose(1, 2), F32)  # [n_kv, d_model, d_head]
         if kind.qk_norm:
-            sd[f"{p}.attn.q_norm.w"] = tensors.need(f"{b}.attn_q_norm.weight", (dh,))
-            sd[f"{p}.attn.k_norm.w"] = tensors.need(f"{b}.attn_k_norm.weight", (dh,))
+            out[f"{p}.attn.q_norm.w"] = tensors.need(f"{b}.attn_q_norm.weight", (dh,))
+            out[f"{p}.attn.k_norm.w"] = tensors.need(f"{b}.attn_k_norm.weight", (dh,))
         if cfg.use_bias:  # q/k/v biases [heads * d_head] -> [heads, d_head]; the rest of the model has none
-            sd[f"{p}.attn.b_Q"] = tensors.need(f"{b}.attn_q.bias", (H * dh,)).reshape(H, dh)
-            sd[f"{p}.attn._b_K"] = tensors.need(f"{b}.attn_k.bias", (n_kv * dh,)).reshape(n_kv, dh)
-            sd[f"{p}.attn._b_V"] = tensors.need(f"{b}.attn_v.bias", (n_kv * dh,)).reshape(n_kv, dh)
-            sd[f"{p}.attn.b_O"], sd[f"{p}.mlp.b_in"], sd[f"{p}.mlp.b_out"] = (
+            out[f"{p}.attn.b_Q"] = tensors.need(f"{b}.attn_q.bias", (H * dh,)).reshape(H, dh)
+            out[f"{p}.attn._b_K"] = tensors.need(f"{b}.attn_k.bias", (n_kv * dh,)).reshape(n_kv, dh)
+            out[f"{p}.attn._b_V"] = tensors.need(f"{b}.attn_v.bias", (n_kv * dh,)).reshape(n_kv, dh)
+            out[f"{p}.attn.b_O"], out[f"{p}.mlp.b_in"], out[f"{p}.mlp.b_out"] = (
                 torch.zeros(d),
                 torch.zeros(d_mlp),
                 torch.zeros(d),
             )
         # attn_output [d_model(out), n_heads * d_head(in)] -> W_O [n_heads, d_head, d_model]
-        sd[f"{p}.attn.W_O"] = tensors.need_transposed(f"{b}.attn_output.weight", (d, H * dh)).view(H, dh, d)
-        sd[f"{p}.mlp.W_gate"] = tensors.need_transposed(f"{b}.ffn_gate.weight", (d_mlp, d))  # [d_model, d_mlp]
-        sd[f"{p}.mlp.W_in"] = tensors.need_transposed(f"{b}.ffn_up.weight", (d_mlp, d))  # [d_model, d_mlp]
-        sd[f"{p}.mlp.W_out"] = tensors.need_transposed(f"{b}.ffn_down.weight", (d, d_mlp))  # [d_mlp, d_model]
+        out[f"{p}.attn.W_O"] = tensors.need_transposed(f"{b}.attn_output.weight", (d, H * dh)).view(H, dh, d)
+        out[f"{p}.mlp.W_gate"] = tensors.need_transposed(f"{b}.ffn_gate.weight", (d_mlp, d))  # [d_model, d_mlp]
+        out[f"{p}.mlp.W_in"] = tensors.need_transposed(f"{b}.ffn_up.weight", (d_mlp, d))  # [d_model, d_mlp]
+        out[f"{p}.mlp.W_out"] = tensors.need_transposed(f"{b}.ffn_down.weight", (d, d_mlp))  # [d_mlp, d_model]
+
+    # Layer by layer, two threads taking the layers in turn (the load runs on one torch thread: llama.one_thread),
+    # then merged in layer order
+    split_loop(cfg.n_layers, 1, read_layer, "qkov-gguf-layers")
+    for one in layers:
+        sd.update(one)
     if cfg.use_bias:
         sd["unembed.b_U"] = torch.zeros(d_vocab)
     tensors.finish()

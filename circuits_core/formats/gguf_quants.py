@@ -29,7 +29,6 @@ from torch import Tensor
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.gguf_header import GGUFHeader, TensorInfo
 from circuits_core.formats.load_watchdog import checkpoint
-from circuits_core.schedule import shared_chunks
 
 Q = gguf.GGMLQuantizationType
 CHUNK_VALUES = 1 << 18  # float32 values per chunk (1 MiB)
@@ -135,26 +134,30 @@ def chunk_rows(info: TensorInfo) -> int:
     return max(1, CHUNK_VALUES // info.shape[-1])
 
 
-def row_chunks(
-    header: GGUFHeader, info: TensorInfo, take: Callable[[], slice | None] | None = None
-) -> Iterator[tuple[int, Tensor]]:
+def read_rows(header: GGUFHeader, info: TensorInfo, part: slice) -> Tensor:
+    """Rows part.start..part.stop of a tensor taken as a matrix (its leading dims flattened), [rows, values per
+    row] float32."""
+    rows = int(np.prod(info.shape[:-1], dtype=np.int64))
+    row_bytes = info.nbytes // rows
+    n = part.stop - part.start
+    raw = header.read_bytes(info.offset + part.start * row_bytes, n * row_bytes).reshape(n, row_bytes)
+    try:
+        return decode_rows(raw, info.ggml_type)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{header.name}: tensor {info.name}: {exc}") from exc
+
+
+def row_chunks(header: GGUFHeader, info: TensorInfo) -> Iterator[tuple[int, Tensor]]:
     """(first row, [rows, values per row] float32) over a tensor taken as a matrix (its leading dims flattened), a
-    chunk of about CHUNK_VALUES values at a time: small enough that the caller's copy reads it from the cache.
-    take: the queue of row slices (schedule.shared_chunks over the rows, chunk_rows each) when two threads share the
-    tensor; else every chunk in order."""
+    chunk of about CHUNK_VALUES values at a time (chunk_rows): small enough that the caller's copy reads it from the
+    cache."""
     rows = int(np.prod(info.shape[:-1], dtype=np.int64))
     if not info.nbytes:
         return
-    row_bytes = info.nbytes // rows
-    take = shared_chunks(rows, chunk_rows(info)) if take is None else take
-    while (part := take()) is not None:
+    step = chunk_rows(info)
+    for start in range(0, rows, step):
         checkpoint()  # the load's watchdog (load_watchdog.py)
-        start, n = part.start, part.stop - part.start
-        raw = header.read_bytes(info.offset + start * row_bytes, n * row_bytes).reshape(n, row_bytes)
-        try:
-            yield start, decode_rows(raw, info.ggml_type)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{header.name}: tensor {info.name}: {exc}") from exc
+        yield start, read_rows(header, info, slice(start, min(start + step, rows)))
 
 
 def dequantize(header: GGUFHeader, info: TensorInfo) -> Tensor:
