@@ -21,7 +21,7 @@ from app.catalog import ANALYSES
 from app.main import create_app
 from app.settings import Settings
 from circuits_core.circuits.composition_rotary import pair_profile
-from circuits_core.circuits.rotary import full_qk_row_at
+from circuits_core.circuits.rotary import full_qk_circuit_at, full_qk_row_at
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.model.config import ModelConfig
 from tests.app.conftest import LIMITS, save_qkov, train_tokenizer
@@ -213,3 +213,26 @@ def test_prompt_pages_show_the_share_of_scores_and_logits_beyond_the_cap(client:
     assert 'id="score-cap"' in qk_page and f"{100 * qk['beyond_cap']:.1f} %" in qk_page
     plain = client.get("/models/gemma3ish/prompt", params={"prompt": PROMPT}).text  # no caps: no such notes
     assert 'id="score-cap"' not in plain and 'id="logit-cap"' not in plain
+
+
+def test_a_capped_qk_row_gives_the_share_of_its_scores_beyond_the_cap(client: TestClient, folders: Path) -> None:
+    """A token's QK row (and column) on a score-capped model: the share of its whole vocabulary's scores beyond ±c
+    before the cap, against the factored circuit's row, and on the head page."""
+    model = load_checkpoint(folders / "gemma2ish", dtype=torch.float64).model
+    cap = model.cfg.attn_scores_soft_cap
+    assert cap is not None
+    circuit = full_qk_circuit_at(model, 1, 2, 2)  # [V, V] factored, at δ = 2, before the cap
+    shares = {}
+    for side in ("query", "key"):
+        body = client.get(
+            f"{API}/gemma2ish/heads/L1H2/qk", params={"token": "name", "offset": 2, "k": 5, "side": side}
+        ).json()
+        t = body["token"]["id"]
+        scores = circuit.rows([t])[0] if side == "query" else circuit.cols([t])[0]
+        expected = float((scores.abs() > cap).double().mean())
+        assert abs(body["beyond_cap"] - expected) < 1e-12
+        assert side == "key" or 0 < expected < 1  # (the query's row is partly beyond: not a share that holds anyway)
+        shares[side] = body["beyond_cap"]
+    page = client.get("/models/gemma2ish/heads/L1H2", params={"token": "name", "offset": 2}).text
+    assert 'id="qk-score-cap"' in page and f"{100 * shares['query']:.1f} %" in page
+    assert client.get(f"{API}/gemma2ish/heads/L1H2/qk", params={"k": 5}).json()["beyond_cap"] is None  # no row
