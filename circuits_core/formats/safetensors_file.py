@@ -24,6 +24,7 @@ import json
 import math
 import os
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +89,12 @@ def _nested(value: dict[str, Any] | list[Any]) -> bool:
     return any(isinstance(v, dict | list) for v in items)
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+Identity = tuple[int, int, int, int, int]
+
+
+def file_identity(st: os.stat_result) -> Identity:
+    """(device, inode, size, mtime, ctime) in nanoseconds: any write changes it (read_digest.py says why)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class SafetensorsFile:
@@ -99,7 +104,8 @@ class SafetensorsFile:
         self.name, self.path = name, path
         try:
             with path.open("rb") as handle:
-                self.identity = _identity(os.fstat(handle.fileno()))
+                self.identity_taken_ns = time.time_ns()  # (no later than the identity: read_digest's racy rule)
+                self.identity = file_identity(os.fstat(handle.fileno()))
                 self.size = self.identity[2]
                 head = os.pread(handle.fileno(), 8, 0)
                 if len(head) < 8:
@@ -112,6 +118,7 @@ class SafetensorsFile:
                 raw = os.pread(handle.fileno(), size, 8)
                 if len(raw) < size:
                     raise ValueError("the file ended inside its header")
+                self.header = raw
             header = parse_header(raw)
         except (OSError, ValueError, struct.error, RecursionError) as exc:  # JSONDecodeError is a ValueError
             detail = "header nested too deeply" if isinstance(exc, RecursionError) else str(exc)
@@ -154,7 +161,7 @@ class SafetensorsFile:
         buffer = bytearray(nbytes)
         try:
             with self.path.open("rb") as handle:
-                if _identity(os.fstat(handle.fileno())) != self.identity:
+                if file_identity(os.fstat(handle.fileno())) != self.identity:
                     raise changed
                 view, done = memoryview(buffer), 0
                 while done < nbytes:
