@@ -155,15 +155,16 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.name}: tensor {key}: data offsets {offsets!r} do not hold {nbytes} bytes")
         return self.base + offsets[0], nbytes
 
-    def stored_bytes(self, key: str, start: int, nbytes: int) -> bytearray:
-        """The tensor's stored bytes, from the same file its header came from, read to the last byte."""
+    def stored_bytes(self, key: str, start: int, nbytes: int) -> Tensor:
+        """The tensor's stored bytes [nbytes] (uint8), from the same file its header came from, read to the last
+        byte into an uninitialised buffer (a bytearray would first zero every page the read then writes)."""
         changed = CheckpointError(f"{self.name}: the file changed while it was being read (tensor {key}); load again")
-        buffer = bytearray(nbytes)
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
         try:
             with self.path.open("rb") as handle:
                 if file_identity(os.fstat(handle.fileno())) != self.identity:
                     raise changed
-                view, done = memoryview(buffer), 0
+                view, done = buffer.numpy().data, 0
                 while done < nbytes:
                     n = os.preadv(handle.fileno(), [view[done:]], start + done)
                     if n <= 0:
@@ -182,7 +183,7 @@ class SafetensorsFile:
         reserve(nbytes, f"tensor {key} of {self.name}")  # one read is one native step: refused before it runs
         if not nbytes:
             return torch.empty(shape, dtype=source)
-        return torch.frombuffer(self.stored_bytes(key, start, nbytes), dtype=source).view(shape)
+        return self.stored_bytes(key, start, nbytes).view(source).view(shape)
 
 
 def read_safetensors(path: Path, name: str) -> dict[str, Tensor]:
