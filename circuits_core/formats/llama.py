@@ -32,8 +32,7 @@ copy of the model by the end of the load.)
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +50,7 @@ from circuits_core.model.config import ModelConfig
 from circuits_core.model.config_reader import ConfigReader
 from circuits_core.model.half_products import HALF_DTYPES as HALF_DTYPES  # (re-exported: checkpoint reads it)
 from circuits_core.model.transformer import attn_param
+from circuits_core.schedule import one_thread as one_thread  # (re-exported: the loaders run within it)
 
 State = dict[str, Tensor]
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -90,23 +90,6 @@ class _MappedFile(SafetensorsFile):
         if arranged.dtype == dtype and arranged.is_contiguous():
             return arranged  # (a view of the buffer the read filled, which nothing else holds)
         return laid_out(arranged, dtype)
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Within the block torch runs one intra-op thread (restored after). Loaders decode and lay out tensors this
-    way: the copies are memory-bound and come as thousands of short parallel regions (a slab each), each stalled
-    by a descheduled worker on a shared 2-core machine: the 1B-shaped checkpoint loaded in 82 s wall, 43 s CPU
-    on two threads and 18 s wall, 8 s CPU on one (load average ~8); SmolLM2's GGUF in 8-9 s vs 1.2-2.6 s.
-    The setting is process-wide (OpenMP's, set from a thread outside any parallel region), so a computation
-    running beside a load also runs on one thread until the load ends; the app's compute service sets its own
-    count when each computation starts."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def laid_out(arranged: Tensor, dtype: torch.dtype) -> Tensor:
