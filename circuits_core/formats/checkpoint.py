@@ -73,7 +73,8 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     format: Format
     card: dict[str, Any] = field(default_factory=dict)  # model_card.json, {} when absent
-    digest: str = ""  # sha256 of every answer-changing file (config, weights, ANSWER_FILES): the cache key
+    digest: str = ""  # sha256 of every answer-changing file (config, weights, ANSWER_FILES): the cache key (deferred
+    # MLP weights: of what the load read and the identity of the files it defers; read_digest.py)
     path: Path = Path(".")
     defaulted: list[Defaulted] = field(default_factory=list)  # config values the file lacks, and their sources
     nonfinite: list[str] = field(default_factory=list)  # stored tensors holding NaN or inf, with their counts
@@ -207,7 +208,8 @@ def _load_watched(
         check_price(CONFIG_READERS[fmt](data))  # priced from config.json before any tensor is read
     answer_files = [folder_file(folder, name) for name in ANSWER_FILES if folder_file(folder, name).is_file()]
     config_file = [folder_file(folder, "config.json")] if fmt != "gguf" else []
-    # The digest reads every byte again: hash in a thread (hashlib releases the GIL) while torch reads and processes.
+    # The digest reads every byte again (not when MLP weights are deferred: below): hash in a thread (hashlib releases
+    # the GIL) while torch reads and processes.
     # GGUF and Llama-family folders name their weight files before any tensor is read, so their digest starts first
     # (on the 1B-shaped checkpoint it used to run after the 6 s read, adding 1.7 s).
     # A load that defers the MLP weights keys itself by what it reads instead (read_digest.py): the bytes of every
