@@ -50,6 +50,7 @@ from torch import Tensor
 
 from circuits_core.errors import CheckpointError, InvalidInputError
 from circuits_core.formats.gguf_experts import expert_fields, take_experts
+from circuits_core.formats.gguf_gpt_oss import gpt_oss_fields, take_gpt_oss_extras
 from circuits_core.formats.gguf_header import GGUFHeader
 from circuits_core.formats.gguf_tensors import Metadata, Tensors
 from circuits_core.formats.gguf_tokenizer import gguf_tokenizer
@@ -68,6 +69,7 @@ class Architecture:
     qk_norm: QKNormType = None  # attn_q_norm / attn_k_norm per head ("head") or over a layer's heads ("layer")
     gemma: bool = False  # sandwich norms, GeGLU, embedding x sqrt(d_model), gains stored as 1 + w
     norm_topk: bool | None = None  # experts' routing: top-k renormalised or not (None: no experts), gguf_experts.py
+    gpt_oss: bool = False  # sinks, biases, alternating windows, YaRN, clamped SwiGLU experts (gguf_gpt_oss.py)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -77,8 +79,9 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gemma3": Architecture(adjacent_pairs=False, qk_norm="head", gemma=True),
     "qwen3moe": Architecture(adjacent_pairs=False, qk_norm="head", norm_topk=True),
     "olmoe": Architecture(adjacent_pairs=False, qk_norm="layer", norm_topk=False),
+    "gpt-oss": Architecture(adjacent_pairs=False, norm_topk=True, gpt_oss=True),
 }
-MOE_ONLY = ("qwen3moe", "olmoe")  # architectures whose files always have experts
+MOE_ONLY = ("qwen3moe", "olmoe", "gpt-oss")  # architectures whose files always have experts
 # Newer GGUF architectures llama.cpp writes that qkov does not run, with what they would need.
 REFUSED = {
     "gemma3n": "per-layer embeddings, AltUp and laurel blocks", "gemma4": "per-layer-type head dims",
@@ -217,6 +220,9 @@ def gguf_config(header: GGUFHeader, d_vocab: int, attention_bias: bool = False) 
     defaulted: list[Defaulted] = []
     if kind.gemma:
         fields, defaulted = _gemma_fields(meta, arch, n_layers, d_head, d_model, n_heads)
+    if kind.gpt_oss:
+        fields, extra = gpt_oss_fields(meta, arch, n_layers, d_head)
+        defaulted += [Defaulted(*d) for d in extra]
     if kind.qk_norm:
         fields["qk_norm"] = kind.qk_norm
     fields |= expert_fields(meta, arch, kind.norm_topk)  # an expert's width replaces feed_forward_length
@@ -231,7 +237,7 @@ def gguf_config(header: GGUFHeader, d_vocab: int, attention_bias: bool = False) 
             rotary_dim=meta.int(f"{arch}.rope.dimension_count", d_head),
             rotary_base=meta.float(f"{arch}.rope.freq_base", 10000.0), rotary_adjacent_pairs=kind.adjacent_pairs,
             bos_token_id=_token_id(meta, "tokenizer.ggml.bos_token_id", d_vocab),
-            **_rope_scaling(meta, arch, kind.gemma), **fields,
+            **({} if kind.gpt_oss else _rope_scaling(meta, arch, kind.gemma)), **fields,
         )  # fmt: skip
     except (InvalidInputError, TypeError) as exc:
         raise CheckpointError(f"{meta.name}: {exc}") from exc
@@ -258,7 +264,7 @@ def gguf_state(cfg: ModelConfig, kind: Architecture, tensors: Tensors) -> State:
     W_E, W_U = tensors.embeddings(d_vocab, d, d**0.5 if gemma else None)
     sd: State = {"embed.W_E": W_E, "unembed.W_U": W_U}  # [d_vocab, d_model], [d_model, d_vocab]
     sd["ln_final.w"] = tensors.need("output_norm.weight", (d,))
-    norms = {"ln1": "attn_norm", "ln2": "ffn_norm"} | (
+    norms = {"ln1": "attn_norm", "ln2": "post_attention_norm" if kind.gpt_oss else "ffn_norm"} | (
         {"ln1_post": "post_attention_norm", "ln2_post": "post_ffw_norm"} if gemma else {}
     )
     for layer in range(cfg.n_layers):
@@ -274,10 +280,13 @@ def gguf_state(cfg: ModelConfig, kind: Architecture, tensors: Tensors) -> State:
             size_q, size_k = (dh, dh) if kind.qk_norm == "head" else (H * dh, n_kv * dh)
             sd[f"{p}.attn.q_norm.w"] = tensors.need(f"{b}.attn_q_norm.weight", (size_q,))
             sd[f"{p}.attn.k_norm.w"] = tensors.need(f"{b}.attn_k_norm.weight", (size_k,))
-        if cfg.use_bias:  # q/k/v biases [heads * d_head] -> [heads, d_head]; the rest of the model has none
+        if cfg.use_bias:  # q/k/v biases [heads * d_head] -> [heads, d_head]; the rest of Qwen2 has none
             sd[f"{p}.attn.b_Q"] = tensors.need(f"{b}.attn_q.bias", (H * dh,)).reshape(H, dh)
             sd[f"{p}.attn._b_K"] = tensors.need(f"{b}.attn_k.bias", (n_kv * dh,)).reshape(n_kv, dh)
             sd[f"{p}.attn._b_V"] = tensors.need(f"{b}.attn_v.bias", (n_kv * dh,)).reshape(n_kv, dh)
+        if kind.gpt_oss:
+            take_gpt_oss_extras(tensors, b, p, H, cfg.num_experts or 0, d, d_mlp, sd)
+        elif cfg.use_bias:
             sd[f"{p}.attn.b_O"], sd[f"{p}.mlp.b_in"], sd[f"{p}.mlp.b_out"] = (
                 torch.zeros(d),
                 torch.zeros(d_mlp),

@@ -45,6 +45,15 @@ LAYER_NAMES = {
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.experts.down_proj": "ffn_down_exps.weight",
 }  # fmt: skip
+GPT_OSS_NAMES = LAYER_NAMES | {
+    "post_attention_layernorm.weight": "post_attention_norm.weight", "self_attn.sinks": "attn_sinks.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias":
+    "attn_v.bias", "self_attn.o_proj.bias": "attn_output.bias", "mlp.router.weight": "ffn_gate_inp.weight",
+    "mlp.router.bias": "ffn_gate_inp.bias", "mlp.experts.down_proj_bias": "ffn_down_exps.bias",
+}  # fmt: skip
+GPT_OSS = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 32, "head_dim": 16,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
+           "sliding_window": 4, "max_position_embeddings": 64, "tie_word_embeddings": False}  # fmt: skip
 
 
 def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -65,6 +74,17 @@ def gguf_tensors(model: Any, arch: str) -> dict[str, np.ndarray]:
             out["output.weight"] = value
         else:
             layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            if rest == "mlp.experts.gate_up_proj" and arch == "gpt-oss":  # [E, d, 2 d_mlp], gate and up interleaved
+                out[f"blk.{layer}.ffn_gate_exps.weight"] = value[:, :, 0::2].transpose(0, 2, 1)  # [E, d_mlp, d]
+                out[f"blk.{layer}.ffn_up_exps.weight"] = value[:, :, 1::2].transpose(0, 2, 1)
+                continue
+            if rest == "mlp.experts.gate_up_proj_bias":  # gpt-oss: [E, 2 d_mlp], interleaved
+                out[f"blk.{layer}.ffn_gate_exps.bias"] = value[:, 0::2]
+                out[f"blk.{layer}.ffn_up_exps.bias"] = value[:, 1::2]
+                continue
+            if rest == "mlp.experts.down_proj" and arch == "gpt-oss":  # [E, d_mlp, d] (x @ W) -> [E, d, d_mlp]
+                out[f"blk.{layer}.ffn_down_exps.weight"] = value.transpose(0, 2, 1)
+                continue
             if rest == "mlp.experts.gate_up_proj":  # [E, 2 d_mlp, d]: the gate's rows, then the up projection's
                 gate, up = np.split(value, 2, axis=1)
                 out[f"blk.{layer}.ffn_gate_exps.weight"], out[f"blk.{layer}.ffn_up_exps.weight"] = gate, up
@@ -72,7 +92,7 @@ def gguf_tensors(model: Any, arch: str) -> dict[str, np.ndarray]:
             if arch == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
                 heads = cfg.num_attention_heads if "q_proj" in rest else cfg.num_key_value_heads
                 value = llama_permute(value, heads)
-            out[f"blk.{layer}.{LAYER_NAMES[rest]}"] = value
+            out[f"blk.{layer}.{(GPT_OSS_NAMES if arch == 'gpt-oss' else LAYER_NAMES)[rest]}"] = value
     return out
 
 
@@ -104,12 +124,18 @@ def write_gguf(
     writer.add_expert_used_count(cfg.num_experts_per_tok)
     if arch == "qwen3moe":
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "gpt-oss":  # what the converter adds: the window, the experts' width, YaRN
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_expert_feed_forward_length(cfg.intermediate_size)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(cfg.rope_parameters["factor"])
+        writer.add_rope_scaling_orig_ctx_len(cfg.rope_parameters["original_max_position_embeddings"])
     for key, value in (extra or {}).items():
         writer.add_uint32(key, value)
     for name, value in ({**gguf_tensors(model, arch), **(add or {})}).items():
         if name in drop:
             continue
-        if "_exps" in name and expert_type != Q.F32:
+        if "_exps.weight" in name and expert_type != Q.F32:
             writer.add_tensor(name, gguf.quants.quantize(value, expert_type), raw_dtype=expert_type)
         else:
             writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
@@ -178,3 +204,40 @@ def test_variants_llama_cpp_runs_otherwise_are_refused_by_name(tmp_path: Path) -
                add={"blk.0.ffn_gate.0.weight": np.zeros((32, 64), np.float32)})  # fmt: skip
     with pytest.raises(CheckpointError, match="per-expert tensors"):
         load_checkpoint(old)
+
+
+def gpt_oss_model(seed: int) -> Any:
+    model = hf_model("GptOssConfig", "GptOssForCausalLM", GPT_OSS, seed)
+    with torch.no_grad():  # sinks around the scores' scale: some rows keep most of their mass, others give it away
+        for layer in model.model.layers:
+            layer.self_attn.sinks.copy_(torch.linspace(-2.0, 6.0, 4))
+    return model
+
+
+@pytest.mark.parametrize("expert_type", [Q.F32, Q.MXFP4], ids=["f32", "mxfp4"])
+def test_gpt_oss_logits_and_patterns_equal_transformers(expert_type: Q, tmp_path: Path) -> None:
+    """gpt-oss as the converter writes it (sinks, biases, windows on even layers, YaRN; experts in F32 or, as the
+    released files, MXFP4): transformers' logits and its eager patterns, rows that give mass to the sink included."""
+    model = gpt_oss_model(seed=43)
+    write_gguf(model, "gpt-oss", tmp_path / "m.gguf", expert_type=expert_type)
+    if expert_type == Q.MXFP4:  # transformers runs the values the gguf library's reference code decodes
+        with torch.no_grad():
+            for layer in model.model.layers:
+                experts = layer.mlp.experts
+                for param in (experts.gate_up_proj, experts.down_proj):  # quantised along d_in, as in the file
+                    value = param.detach().float().numpy().transpose(0, 2, 1)
+                    decoded = gguf.quants.dequantize(gguf.quants.quantize(value, Q.MXFP4), Q.MXFP4)
+                    param.copy_(torch.from_numpy(decoded.transpose(0, 2, 1).copy()))
+    loaded = load_checkpoint(tmp_path, process=False)
+    cfg = loaded.model.cfg
+    assert cfg.attn_types == ("local", "global") and cfg.window_size == 4 and cfg.attn_sinks
+    assert (cfg.rope_type, cfg.rope_factor, cfg.rope_truncate) == ("yarn", 32.0, False)
+    assert {d.field for d in loaded.defaulted} == {"rope_truncate", "rope_beta_fast", "rope_beta_slow"}
+    with torch.no_grad():
+        out = model(TOKENS, output_attentions=True)
+    logits, cache = loaded.model.run(TOKENS, names=lambda n: n.endswith("hook_pattern"))
+    assert (logits - out.logits).abs().max() < 1e-4 * out.logits.abs().max()
+    for layer, ref in enumerate(out.attentions):
+        pattern = cache[f"blocks.{layer}.attn.hook_pattern"]
+        assert (pattern - ref).abs().max() <= 1e-5
+    assert out.attentions[0].sum(-1).min() < 0.5  # some rows give most of their mass to the sink
