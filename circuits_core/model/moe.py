@@ -137,7 +137,7 @@ class MoE(nn.Module):
         # 1.37x a dense MLP of the same active width (8 x 128 tokens, d_model 512, 8 experts of 256, top 2, one
         # thread, medians of 12 calls at load 6.8: 53.7 and 44.7 ms against 32.5 ms; bench/RESULTS.md).
         order = chosen.argsort(stable=True)  # [batch pos k]
-        counts = torch.bincount(chosen, minlength=self.cfg.num_experts).tolist()  # rows per expert
+        counts = torch.bincount(chosen, minlength=self.W_router.shape[1]).tolist()  # rows per expert
         token = order // k  # the token of each grouped pair
         grouped = rows[token]  # [batch pos k, d_model]
         weight = weights.reshape(-1)[order, None].to(rows.dtype)  # [batch pos k, 1]
