@@ -59,20 +59,27 @@ def chapter_figures(
     loaded = load_or_reason(registry, model_id, hint)
     out: list[TourFigure] = []
     for fig in figures:
-        base = {"id": fig.id, "title": fig.title, "anchor": fig.anchor, "model": model_id}
-        unavailable = {**base, "look_for": fig.look_for, "link": None, "api": None, "available": False, "data": None}
         if isinstance(loaded, str):
-            out.append(TourFigure(**unavailable, detail=loaded))
+            out.append(_figure(fig, model_id, detail=loaded))
             continue
         try:
             with torch.no_grad():
                 m = measure(fig, loaded)
         except QkovError as exc:
             log.info("tour figure %s not available: %s", fig.id, exc)
-            out.append(TourFigure(**unavailable, detail=str(exc)))
+            out.append(_figure(fig, model_id, detail=str(exc)))
             continue
-        chart = {} if m.claim_chart is None else {"claim_chart": m.claim_chart}  # unset: not written (TourData)
-        look_for = f"{fig.look_for} Measured: {m.sentence}"
-        data = TourData(claim=m.values, **chart)
-        out.append(TourFigure(**base, look_for=look_for, link=m.link, api=m.api, available=True, data=data))
+        out.append(_figure(fig, model_id, m))
     return out
+
+
+def _figure(fig: ChapterFigure, model_id: str, m: Measured | None = None, detail: str | None = None) -> TourFigure:
+    """The figure as measured (`m`), or unavailable for `detail`."""
+    if m is None:
+        return TourFigure(id=fig.id, title=fig.title, anchor=fig.anchor, look_for=fig.look_for, model=model_id,
+                          link=None, api=None, available=False, detail=detail, data=None)  # fmt: skip
+    data = TourData(claim=m.values)
+    if m.claim_chart is not None:  # set only when drawn: an unset field is not written (TourData)
+        data.claim_chart = m.claim_chart
+    return TourFigure(id=fig.id, title=fig.title, anchor=fig.anchor, look_for=f"{fig.look_for} Measured: {m.sentence}",
+                      model=model_id, link=m.link, api=m.api, available=True, data=data)  # fmt: skip
