@@ -57,6 +57,7 @@ from circuits_core.formats.gguf_tokenizer import gguf_tokenizer
 from circuits_core.formats.llama import laid_out, one_thread
 from circuits_core.formats.tokenizer import Tokenizer
 from circuits_core.model.config import ModelConfig, QKNormType
+from circuits_core.schedule import split_loop
 
 State = dict[str, Tensor]
 F32 = torch.float32
@@ -267,39 +268,49 @@ def gguf_state(cfg: ModelConfig, kind: Architecture, tensors: Tensors) -> State:
     norms = {"ln1": "attn_norm", "ln2": "post_attention_norm" if kind.gpt_oss else "ffn_norm"} | (
         {"ln1_post": "post_attention_norm", "ln2_post": "post_ffw_norm"} if gemma else {}
     )
-    for layer in range(cfg.n_layers):
+    layers: list[State] = [{} for _ in range(cfg.n_layers)]
+
+    def read_layer(part: slice) -> None:  # one layer's tensors, into layers[layer]
+        layer = part.start
+        out = layers[layer]
         b, p = f"blk.{layer}", f"blocks.{layer}"
         for ours, theirs in norms.items():  # gains as stored (Gemma's files hold 1 + w already)
-            sd[f"{p}.{ours}.w"] = tensors.need(f"{b}.{theirs}.weight", (d,))
+            out[f"{p}.{ours}.w"] = tensors.need(f"{b}.{theirs}.weight", (d,))
         W_Q = tensors.need(f"{b}.attn_q.weight", (H * dh, d))  # rows (head, d_head)
-        sd[f"{p}.attn.W_Q"] = laid_out(W_Q.view(H, dh, d).transpose(1, 2), F32)  # [n_heads, d_model, d_head]
+        out[f"{p}.attn.W_Q"] = laid_out(W_Q.view(H, dh, d).transpose(1, 2), F32)  # [n_heads, d_model, d_head]
         for x in "KV":
             W = tensors.need(f"{b}.attn_{x.lower()}.weight", (n_kv * dh, d))
-            sd[f"{p}.attn._W_{x}"] = laid_out(W.view(n_kv, dh, d).transpose(1, 2), F32)  # [n_kv, d_model, d_head]
+            out[f"{p}.attn._W_{x}"] = laid_out(W.view(n_kv, dh, d).transpose(1, 2), F32)  # [n_kv, d_model, d_head]
         if kind.qk_norm:  # gains [d_head] per head, or [heads * d_head] over the layer's heads
             size_q, size_k = (dh, dh) if kind.qk_norm == "head" else (H * dh, n_kv * dh)
-            sd[f"{p}.attn.q_norm.w"] = tensors.need(f"{b}.attn_q_norm.weight", (size_q,))
-            sd[f"{p}.attn.k_norm.w"] = tensors.need(f"{b}.attn_k_norm.weight", (size_k,))
+            out[f"{p}.attn.q_norm.w"] = tensors.need(f"{b}.attn_q_norm.weight", (size_q,))
+            out[f"{p}.attn.k_norm.w"] = tensors.need(f"{b}.attn_k_norm.weight", (size_k,))
         if cfg.use_bias:  # q/k/v biases [heads * d_head] -> [heads, d_head]; the rest of Qwen2 has none
-            sd[f"{p}.attn.b_Q"] = tensors.need(f"{b}.attn_q.bias", (H * dh,)).reshape(H, dh)
-            sd[f"{p}.attn._b_K"] = tensors.need(f"{b}.attn_k.bias", (n_kv * dh,)).reshape(n_kv, dh)
-            sd[f"{p}.attn._b_V"] = tensors.need(f"{b}.attn_v.bias", (n_kv * dh,)).reshape(n_kv, dh)
+            out[f"{p}.attn.b_Q"] = tensors.need(f"{b}.attn_q.bias", (H * dh,)).reshape(H, dh)
+            out[f"{p}.attn._b_K"] = tensors.need(f"{b}.attn_k.bias", (n_kv * dh,)).reshape(n_kv, dh)
+            out[f"{p}.attn._b_V"] = tensors.need(f"{b}.attn_v.bias", (n_kv * dh,)).reshape(n_kv, dh)
         if kind.gpt_oss:
-            take_gpt_oss_extras(tensors, b, p, H, cfg.num_experts or 0, d, d_mlp, sd)
+            take_gpt_oss_extras(tensors, b, p, H, cfg.num_experts or 0, d, d_mlp, out)
         elif cfg.use_bias:
-            sd[f"{p}.attn.b_O"], sd[f"{p}.mlp.b_in"], sd[f"{p}.mlp.b_out"] = (
+            out[f"{p}.attn.b_O"], out[f"{p}.mlp.b_in"], out[f"{p}.mlp.b_out"] = (
                 torch.zeros(d),
                 torch.zeros(d_mlp),
                 torch.zeros(d),
             )
         # attn_output [d_model(out), n_heads * d_head(in)] -> W_O [n_heads, d_head, d_model]
-        sd[f"{p}.attn.W_O"] = tensors.need_transposed(f"{b}.attn_output.weight", (d, H * dh)).view(H, dh, d)
+        out[f"{p}.attn.W_O"] = tensors.need_transposed(f"{b}.attn_output.weight", (d, H * dh)).view(H, dh, d)
         if cfg.num_experts:
-            take_experts(tensors, b, p, cfg.num_experts, d, d_mlp, sd)
-            continue
-        sd[f"{p}.mlp.W_gate"] = tensors.need_transposed(f"{b}.ffn_gate.weight", (d_mlp, d))  # [d_model, d_mlp]
-        sd[f"{p}.mlp.W_in"] = tensors.need_transposed(f"{b}.ffn_up.weight", (d_mlp, d))  # [d_model, d_mlp]
-        sd[f"{p}.mlp.W_out"] = tensors.need_transposed(f"{b}.ffn_down.weight", (d, d_mlp))  # [d_mlp, d_model]
+            take_experts(tensors, b, p, cfg.num_experts, d, d_mlp, out)
+            return
+        out[f"{p}.mlp.W_gate"] = tensors.need_transposed(f"{b}.ffn_gate.weight", (d_mlp, d))  # [d_model, d_mlp]
+        out[f"{p}.mlp.W_in"] = tensors.need_transposed(f"{b}.ffn_up.weight", (d_mlp, d))  # [d_model, d_mlp]
+        out[f"{p}.mlp.W_out"] = tensors.need_transposed(f"{b}.ffn_down.weight", (d, d_mlp))  # [d_mlp, d_model]
+
+    # Layer by layer, two threads taking the layers in turn (the load runs on one torch thread: schedule.one_thread),
+    # then merged in layer order
+    split_loop(cfg.n_layers, 1, read_layer, "qkov-gguf-layers")
+    for one in layers:
+        sd.update(one)
     if cfg.use_bias:
         sd["unembed.b_U"] = torch.zeros(d_vocab)
     tensors.finish()
