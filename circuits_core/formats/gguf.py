@@ -1,5 +1,5 @@
 """GGUF checkpoints (llama.cpp's single-file format): Llama, Qwen2, Qwen3, Gemma 3 and Phi-3, the mixture-of-experts
-Mixtral, Qwen3-MoE and OLMoE (their experts: gguf_experts.py) and gpt-oss (gguf_gpt_oss.py).
+Mixtral, Qwen3-MoE and OLMoE (their experts: gguf_experts.py), gpt-oss (gguf_gpt_oss.py) and BLOOM (gguf_bloom.py).
 
 The file carries the architecture and hyper-parameters as metadata (`{arch}.block_count`, ...), the tokenizer
 (`tokenizer.ggml.*`, gguf_tokenizer.py) and the tensors, most of them quantised (gguf_quants.py). The header is read
@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.errors import CheckpointError, InvalidInputError
+from circuits_core.formats.gguf_bloom import BLOOM, bloom_config, bloom_state
 from circuits_core.formats.gguf_experts import expert_fields, take_experts
 from circuits_core.formats.gguf_gpt_oss import gpt_oss_fields, take_gpt_oss_extras
 from circuits_core.formats.gguf_header import GGUFHeader
@@ -91,7 +92,7 @@ MOE_ONLY = ("qwen3moe", "olmoe", "gpt-oss")  # architectures whose files always 
 # Newer GGUF architectures llama.cpp writes that qkov does not run, with what they would need.
 REFUSED = {
     "gemma3n": "per-layer embeddings, AltUp and laurel blocks", "gemma4": "per-layer-type head dims",
-    "qwen35": "linear-attention (Gated DeltaNet) layers",
+    "qwen35": "linear-attention (Gated DeltaNet) layers", "mpt": "ALiBi with MPT's slopes (its safetensors load)",
     "qwen3next": "linear-attention layers and mixture-of-experts MLPs",
 }  # fmt: skip
 
@@ -334,11 +335,16 @@ def read_gguf(path: Path, check: Callable[[ModelConfig], None] | None = None) ->
         if embed is None:
             raise CheckpointError(f"{path.name}: missing tensor token_embd.weight")
         d_vocab = int(embed.shape[0])  # numpy shape [d_vocab, d_model]
-        cfg, defaulted = gguf_config(header, d_vocab, attention_bias="blk.0.attn_q.bias" in header.tensors)
+        arch = str(header.value("general.architecture"))
+        if arch == BLOOM:  # LayerNorms, ALiBi, biases: a layout of its own (gguf_bloom.py)
+            bos = _token_id(Metadata(header), "tokenizer.ggml.bos_token_id", d_vocab)
+            cfg, defaulted = bloom_config(Metadata(header), d_vocab, bos), list[Defaulted]()
+        else:
+            cfg, defaulted = gguf_config(header, d_vocab, attention_bias="blk.0.attn_q.bias" in header.tensors)
         if check is not None:
             check(cfg)
-        arch = str(header.value("general.architecture"))
         tokenizer = gguf_tokenizer(header, arch, d_vocab, cfg.bos_token_id)
         with one_thread():  # thousands of short ops: see llama.one_thread
-            state = gguf_state(cfg, ARCHITECTURES[arch], Tensors(header))
+            tensors = Tensors(header)
+            state = bloom_state(cfg, tensors) if arch == BLOOM else gguf_state(cfg, ARCHITECTURES[arch], tensors)
     return GGUFModel(cfg, state, dict.fromkeys(state, path.name), tokenizer, defaulted)
