@@ -38,7 +38,7 @@ from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.circuits.residual_stream import ENERGY, Spectra, projector_sides, spectra, usage_cost
 from circuits_core.circuits.stream_components import Reader, Writer, reaches, writers
 from circuits_core.circuits.stream_flops import erasure_flops
-from circuits_core.circuits.stream_grams import factors, inner_products
+from circuits_core.circuits.stream_grams import block_for, factors, inner_products
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.model.transformer import Transformer
 
@@ -211,7 +211,7 @@ def erasure_cost(model: Transformer, shown: int | None = None) -> Cost:
     at most d_head eigenvalues)."""
     cfg = model.cfg
     LH, Nw, d, dh = cfg.n_layers * cfg.n_heads, len(writers(model)), cfg.d_model, cfg.d_head
-    block = gram_block_size(d)
+    block = gram_block_size(d, block_for(model.device))  # inner_products' Gram blocks
     numbers = (
         2 * LH * d * dh
         + 2 * LH * 2 * dh * d
