@@ -13,6 +13,7 @@ The maths modules say which two computations are independent and this module dec
     yielding(wanted)           within it, the cores are given up while wanted() says other work needs them: no
                                helper thread starts, and a helper already running waits before its next shared
                                chunk (the main branch goes on); a server's background jobs run inside it
+    one_thread()               one torch thread within the block (thousands of short ops: loads, tiled products)
     per_thread(fn, parts)      fn over independent parts (a batch of small LAPACK problems), one thread of one torch
                                thread per part, as many parts as the caller has torch threads
 Two threads, never more, beside one another: a lone request then uses two cores without an OpenMP team, which stalls
@@ -159,6 +160,23 @@ def in_background() -> Iterator[Background]:
     exit. For I/O beside torch's own work (hashlib releases the GIL), not for maths."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qkov-background") as pool:
         yield Background(pool)
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Within the block torch runs one intra-op thread (restored after). Loaders decode and lay out tensors this
+    way: the copies are memory-bound and come as thousands of short parallel regions (a slab each), each stalled
+    by a descheduled worker on a shared 2-core machine: the 1B-shaped checkpoint loaded in 82 s wall, 43 s CPU
+    on two threads and 18 s wall, 8 s CPU on one (load average ~8); SmolLM2's GGUF in 8-9 s vs 1.2-2.6 s.
+    The setting is process-wide (OpenMP's, set from a thread outside any parallel region), so a computation
+    running beside a load also runs on one thread until the load ends; the app's compute service sets its own
+    count when each computation starts."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def per_thread(fn: Callable[[A], B], parts: Sequence[A], name: str = "qkov-parts") -> list[B]:
