@@ -11,6 +11,9 @@ The maths modules say which two computations are independent and this module dec
     split_loop(total, n, work) a chunked loop split that way, the helper stopping when the caller fails
     Handoff                    a value one branch forms and the other waits for (an error reaches both)
     in_background()            I/O beside the caller (a checkpoint's digest while torch reads its tensors)
+    yielding(wanted)           within it, the cores are given up while wanted() says other work needs them: no
+                               helper thread starts, and a helper already running waits before its next shared
+                               chunk (the main branch goes on); a server's background jobs run inside it
     one_thread()               one torch thread within the block (thousands of short ops: loads, tiled products)
     per_thread(fn, parts)      fn over independent parts (a batch of small LAPACK problems), one thread of one torch
                                thread per part, as many parts as the caller has torch threads
@@ -24,10 +27,11 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from contextvars import copy_context
+from contextvars import ContextVar, copy_context
 from typing import Generic, TypeVar
 
 import torch
@@ -45,15 +49,40 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+# wanted() of the innermost `yielding` block (None outside one), and whether this thread is a side_by_side helper
+_WANTED: ContextVar[Callable[[], bool] | None] = ContextVar("qkov_cores_wanted", default=None)
+_HELPER: ContextVar[bool] = ContextVar("qkov_side_helper", default=False)
+YIELD_POLL_S = 0.01  # how often a helper that gave its core back asks whether it is still wanted
+
+
+@contextmanager
+def yielding(wanted: Callable[[], bool]) -> Iterator[None]:
+    """Within the block (and the helpers it starts), side_by_side starts no helper while wanted() is true, and a
+    helper takes no chunk of shared_chunks / shared_tasks while it is (it waits, and goes on when it is not): work of
+    lower priority (a server's background job) gives the other core back to the work that wants it, at the next
+    chunk, without changing what is computed (every chunk is still taken once, by one branch or the other)."""
+    token = _WANTED.set(wanted)
+    try:
+        yield
+    finally:
+        _WANTED.reset(token)
+
+
+def _cores_wanted() -> bool:
+    wanted = _WANTED.get()
+    return wanted is not None and wanted()
+
+
 def side_by_side(main: Callable[[], A], side: Callable[[], B], name: str = "qkov-side") -> tuple[A, B]:
     """(main(), side()) for two independent computations: side in a helper thread (named `name`, with the caller's
     torch thread count, grad mode and stop flag) while main runs here, when the caller's torch threads leave a core
-    idle; one after the other otherwise."""
+    idle and no `yielding` block says the core is wanted; one after the other otherwise."""
     threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
-    if 2 * threads > available_cores():
+    if 2 * threads > available_cores() or _cores_wanted():
         return main(), side()
 
     def in_helper() -> B:
+        _HELPER.set(True)  # in the helper's copy of the context only
         torch.set_num_threads(threads)
         with torch.set_grad_enabled(grad):  # grad mode is per thread: the caller's no_grad goes along
             return side()
@@ -66,13 +95,17 @@ def side_by_side(main: Callable[[], A], side: Callable[[], B], name: str = "qkov
 
 def shared_chunks(total: int, chunk: int) -> Callable[[], slice | None]:
     """A queue of the slices [start, start + chunk) covering range(total), shared by threads: each call takes the next
-    one (None when none is left), so side_by_side's branches split a chunked loop and finish it together."""
+    one (None when none is left), so side_by_side's branches split a chunked loop and finish it together. A helper
+    inside a `yielding` block waits while the cores are wanted (the main branch goes on taking chunks), and takes
+    chunks again once they are not, or gets None when the main branch has taken the last."""
     chunk = max(1, chunk)
-    starts, lock = iter(range(0, total, chunk)), threading.Lock()
+    starts, lock = list(range(0, total, chunk))[::-1], threading.Lock()  # popped from the end: in order
 
     def take() -> slice | None:
+        while _HELPER.get() and _cores_wanted() and starts:
+            time.sleep(YIELD_POLL_S)
         with lock:
-            start = next(starts, None)
+            start = starts.pop() if starts else None
         return None if start is None else slice(start, min(start + chunk, total))
 
     return take

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import hashlib
 import math
@@ -45,7 +46,7 @@ from app.scheduling.slots import COMPUTE_NICE, JOB_NICE, Slots, lower_thread_pri
 from app.store import StoreTier
 from circuits_core.cost import Cost, progressing, stopping
 from circuits_core.errors import CancelledError, LimitExceededError
-from circuits_core.schedule import available_cores
+from circuits_core.schedule import available_cores, yielding
 
 T = TypeVar("T")
 V = TypeVar("V", bound=BaseModel)
@@ -361,7 +362,9 @@ class ComputeService:
         start = time.perf_counter()
         flight.started = time.monotonic()
         try:
-            with stopping(flight.should_stop), progressing(flight.report):
+            # a job gives its helper core back while a computation priced inline runs or waits (schedule.yielding)
+            gives_way = yielding(self.inline_wanted) if flight.background else contextlib.nullcontext()
+            with stopping(flight.should_stop), progressing(flight.report), gives_way:
                 value = fn(*args, **kwargs)
                 body = encode(value)  # inside the slot: encoding is part of the bounded work
             if body is not None:
@@ -387,6 +390,10 @@ class ComputeService:
                 self.store.release(flight.key)
         self._release(flight)
         self._settle(flight, value=Answer(value, body))
+
+    def inline_wanted(self) -> bool:
+        """Whether a computation that is not a job holds a compute slot or waits for one (jobs hold a job slot too)."""
+        return self.slots.in_use > self.job_slots.in_use or self.slots.waiting > 0
 
     def _release(self, flight: Flight) -> None:
         """The flight's compute slot, and its job slot when it took one."""

@@ -37,7 +37,7 @@ from circuits_core.circuits import head_circuits as circuits
 from circuits_core.circuits.composition import CompositionKind, composition_scores
 from circuits_core.circuits.composition_rotary import composition_at, composition_at_cost
 from circuits_core.circuits.global_topk import topk_global_flops
-from circuits_core.circuits.head_composition import head_composition, pair_composition, pair_composition_flops
+from circuits_core.circuits.head_composition import head_compositions, pair_composition, pair_composition_flops
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
@@ -60,13 +60,14 @@ def check_layers(loaded: LoadedModel) -> None:
 
 def head_partners(loaded: LoadedModel, name: str, top: int) -> list[dict[str, Any]]:
     """The `top` pairs naming head `name` with the largest score minus baseline, over Q, K and V composition (the
-    rows of the composition views that name it, computed alone: head_composition.head_composition)."""
+    rows of the composition views that name it, computed alone: head_composition.head_compositions)."""
     layer, h = parse_head(name, loaded.model.cfg)
     cfg = loaded.model.cfg
     baseline = 1.0 / math.sqrt(cfg.d_model)  # composition.composition_scores's baseline
     rows = []
+    every = head_compositions(loaded.model, layer, h, tuple(ENGINE_KIND[kind] for kind in ("Q", "K", "V")))
     for kind in ("Q", "K", "V"):
-        reads, writes = head_composition(loaded.model, layer, h, ENGINE_KIND[kind])  # [layer, H], [L - layer - 1, H]
+        reads, writes = every[ENGINE_KIND[kind]]  # [layer, H], [L - layer - 1, H]
         pairs = [(head_name(l1, h1), name, float(reads[l1, h1])) for l1 in range(layer) for h1 in range(cfg.n_heads)]
         pairs += [
             (name, head_name(layer + 1 + i, h2), float(writes[i, h2]))

@@ -27,34 +27,50 @@ from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer
 
 
-def right_factors(model: Transformer, kind: CompositionKind) -> tuple[Tensor, Tensor]:
-    """(A, B) with A B the later head's matrix for `kind`: [L, H, d, d_head], [L, H, d_head, d]."""
-    W_Q, W_K, W_V, W_O = (stacked_weights(model, name) for name in ("W_Q", "W_K", "W_V", "W_O"))  # gains folded
+def right_factors(weights: dict[str, Tensor], kind: CompositionKind) -> tuple[Tensor, Tensor]:
+    """(A, B) with A B the later head's matrix for `kind`, from the stacked circuit weights (folded.stacked_weights):
+    [L, H, d, d_head], [L, H, d_head, d]."""
     if kind == "q":  # W_QK = W_Q W_K^T
-        return W_Q, W_K.transpose(-2, -1)
+        return weights["W_Q"], weights["W_K"].transpose(-2, -1)
     if kind == "k":  # W_QK^T = W_K W_Q^T
-        return W_K, W_Q.transpose(-2, -1)
+        return weights["W_K"], weights["W_Q"].transpose(-2, -1)
     if kind == "v":  # W_OV = W_V W_O
-        return W_V, W_O
+        return weights["W_V"], weights["W_O"]
     raise InvalidInputError(f"composition kind must be one of q, k, v, got {kind!r}")
 
 
-def head_composition(model: Transformer, layer: int, head: int, kind: CompositionKind) -> tuple[Tensor, Tensor]:
-    """(reads [layer, H]: each earlier head's `kind`-composition into this one, writes [L - layer - 1, H]: this head's
-    into each later head), the raw scores of composition.composition_scores for those pairs."""
+def head_compositions(
+    model: Transformer, layer: int, head: int, kinds: tuple[CompositionKind, ...] = KINDS
+) -> dict[CompositionKind, tuple[Tensor, Tensor]]:
+    """For each kind, (reads [layer, H]: each earlier head's composition into this one, writes [L - layer - 1, H]: this
+    head's into each later head), the raw scores of composition.composition_scores for those pairs. The circuit
+    weights are stacked once (gains folded) and the W_OV side's collapsed factors formed once, for every kind."""
     cfg = model.cfg
     H = cfg.n_heads
+    unknown = [kind for kind in kinds if kind not in KINDS]
+    if unknown:  # refused before any work
+        raise InvalidInputError(f"composition kind must be one of q, k, v, got {unknown[0]!r}")
+    names = {"W_V", "W_O"} | ({"W_Q", "W_K"} if set(kinds) & {"q", "k"} else set())
+    out: dict[CompositionKind, tuple[Tensor, Tensor]] = {}
     with torch.no_grad():
-        A, B = right_factors(model, kind)  # the later head's matrix A B: [L, H, d, d_head], [L, H, d_head, d]
-        W_V, W_O = stacked_weights(model, "W_V"), stacked_weights(model, "W_O")  # [L, H, d, dh], [L, H, dh, d]
+        weights = {name: stacked_weights(model, name) for name in sorted(names)}  # [L, H, ...] each
+        W_V, W_O = weights["W_V"], weights["W_O"]  # [L, H, d, dh], [L, H, dh, d]
         earlier = left_collapsed(W_V[:layer].flatten(0, 1), W_O[:layer].flatten(0, 1))  # [layer H, d_head, d]
-        mine = right_collapsed(A[layer, head][None], B[layer, head][None])  # [1, d, d_head]
-        reads = pair_scores(earlier, mine)[:, 0].reshape(layer, H) if layer else A.new_zeros(0, H)
-        later = right_collapsed(A[layer + 1 :].flatten(0, 1), B[layer + 1 :].flatten(0, 1))  # [N, d, d_head]
         own = left_collapsed(W_V[layer, head][None], W_O[layer, head][None])  # [1, d_head, d]
         n_later = cfg.n_layers - layer - 1
-        writes = pair_scores(own, later)[0].reshape(n_later, H) if n_later else A.new_zeros(0, H)
-    return reads, writes
+        for kind in kinds:
+            A, B = right_factors(weights, kind)  # the later head's matrix A B
+            mine = right_collapsed(A[layer, head][None], B[layer, head][None])  # [1, d, d_head]
+            reads = pair_scores(earlier, mine)[:, 0].reshape(layer, H) if layer else A.new_zeros(0, H)
+            later = right_collapsed(A[layer + 1 :].flatten(0, 1), B[layer + 1 :].flatten(0, 1))  # [N, d, d_head]
+            writes = pair_scores(own, later)[0].reshape(n_later, H) if n_later else A.new_zeros(0, H)
+            out[kind] = (reads, writes)
+    return out
+
+
+def head_composition(model: Transformer, layer: int, head: int, kind: CompositionKind) -> tuple[Tensor, Tensor]:
+    """head_compositions for one kind."""
+    return head_compositions(model, layer, head, (kind,))[kind]
 
 
 def pair_composition(

@@ -38,7 +38,7 @@ from circuits_core.circuits.stream_components import (
     writers,
 )
 from circuits_core.circuits.stream_flops import usage_flops
-from circuits_core.circuits.stream_grams import factors, inner_products
+from circuits_core.circuits.stream_grams import GramSide, factors, inner_products
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer
@@ -134,19 +134,19 @@ def _padded(bases: list[Tensor]) -> Tensor:
     return out
 
 
+def projector_sides(bases: list[Tensor]) -> tuple[list[GramSide], list[int]]:
+    """The projectors U U^T of orthonormal bases U [d, k] as stream_grams sides: those of at most 128 dimensions (heads)
+    zero-padded to the largest of them in one side, each larger one a side of its own; and the bases' order in them."""
+    small = [i for i, b in enumerate(bases) if b.shape[1] <= 128]
+    big = [i for i in range(len(bases)) if i not in set(small)]
+    groups = ([factors(_padded([bases[i] for i in small]))] if small else []) + [factors(bases[i].T[None]) for i in big]
+    return groups, small + big
+
+
 def overlaps(left: list[Tensor], right: list[Tensor], should_stop: Callable[[], bool] | None = None) -> Tensor:
     """||U_i^T U_j||_F^2 for all pairs via blocked projector Grams (stream_grams), bases grouped by dimension."""
-
-    def sides(bases: list[Tensor]) -> tuple[list, list[int]]:  # type: ignore[type-arg]
-        small = [i for i, b in enumerate(bases) if b.shape[1] <= 128]  # heads: pad to d_head together
-        big = [i for i in range(len(bases)) if i not in set(small)]
-        groups = ([factors(_padded([bases[i] for i in small]))] if small else []) + [
-            factors(bases[i].T[None]) for i in big
-        ]
-        return groups, small + big
-
-    lg, lo = sides(left)
-    rg, ro = sides(right)
+    lg, lo = projector_sides(left)
+    rg, ro = projector_sides(right)
     raw = inner_products(lg, rg, should_stop, "subspace overlaps")[0]
     out = torch.empty_like(raw)
     out[torch.tensor(lo)[:, None], torch.tensor(ro)[None, :]] = raw

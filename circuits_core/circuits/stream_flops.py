@@ -147,13 +147,20 @@ def usage_flops(
     if not erasure:
         return spectra_flops(model) + overlaps + bandwidth
     moments = L * H * (5 * 2 * d * dh * dh + 2 * 2 * dh**3)  # W_O W_V, W_V^T W_V twice, W_O W_O^T twice; E, VV OO
-    scan, every_pair = 0, []
+    # the scan: every writer's projector against every head's M_s and K (erasure.py), as blocked Gram inner
+    # products (the projectors padded as in the overlaps), after OO W_V^T per head
+    scan = L * H * 2 * dh * dh * d if L else 0
+    if L:
+        ranks = left + [2 * dh] * (L * H) + [dh] * (L * H)
+        scan += inner_products_flops(d, ranks, [len(ws)] * (2 * L * H), block_for(model.device))
+    every_pair = []
     for w in ws:
-        k = k_w[w.name]
         n = sum(reaches(model, w, Reader("V", layer, h)) for layer in range(L) for h in range(H))
-        scan += n * (2 * 2 * k * d * dh + 2 * dh * k * dh)  # U^T W_V, W_O U, X^T X
         every_pair += [w.name] * n
-    restricted = sum(2 * dh * k_w[w] * min(k_w[w], dh) for w in (every_pair if candidates is None else candidates))
+    restricted = sum(  # a candidate's U^T W_V and W_O U, and their product the smaller way round
+        2 * 2 * k_w[w] * d * dh + 2 * dh * k_w[w] * min(k_w[w], dh)
+        for w in (every_pair if candidates is None else candidates)
+    )
     return spectra_flops(model) + overlaps + bandwidth + moments + scan + restricted
 
 

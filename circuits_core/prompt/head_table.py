@@ -31,11 +31,13 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits.copying_spectra import (
+    copying_score,
     embed_gram,
     embed_grams,
     gram_queries,
     ov_copying_scores,
-    qk_copying_scores,
+    ov_eigenvalues,
+    qk_eigenvalues,
 )
 from circuits_core.circuits.embedding import embed_norm
 from circuits_core.circuits.rotary import KERNEL_WINDOW, kernel_cost, kernel_peak_offsets
@@ -129,6 +131,10 @@ class HeadTable:
     induction: InductionView | None  # None for a model without layers
     kernel_peak_offset: Tensor | None = None  # [L, H] rotary.kernel_peak_offsets (rotary models, `means` given)
     losses: Tensor | None = None  # [b, n - 1] float64 next-token losses of the detector pass (`with_loss`)
+    # [L, H, d_head] complex: the eigenvalues the copying scores come from (copying_spectra.ov_eigenvalues and
+    # qk_eigenvalues), for a caller that keeps every head's spectra; None for a model without layers
+    ov_eigenvalues: Tensor | None = None
+    qk_eigenvalues: Tensor | None = None
 
 
 def head_table(
@@ -185,18 +191,19 @@ def head_table(
         )
 
     def value_side() -> tuple[Tensor, Tensor, Tensor]:  # helper: OV spectra, then (G_E W_Q ready by then) QK, low half
-        ov = ov_copying_scores(model, G)
+        ov = ov_eigenvalues(model, G)
         return (
             ov,
-            qk_copying_scores(model, G_E, queries.take()),
+            qk_eigenvalues(model, G_E, queries.take()),
             k_composition_positivity(model, prev, G_E, queries.take(), low),
         )
 
     with torch.no_grad():  # steps 3 and 4 without a barrier between them: ~0.47 s each on GPT-2 small
-        (one, weighted_high), (ov, qk, weighted_low) = side_by_side(query_side, value_side, "qkov-heads-table")
+        (one, weighted_high), (ov_eig, qk_eig, weighted_low) = side_by_side(query_side, value_side, "qkov-heads-table")
+    ov, qk = copying_score(ov_eig), copying_score(qk_eig)  # [L, H] each
     iv = InductionView(ov, one, weighted_low + weighted_high, partner, prev)  # the halves are 0 outside their layers
     loss = torch.cat([losses[k] for k in sorted(losses)]) if losses else None  # [b, n - 1], in row order
-    return HeadTable(detectors, ov, qk, iv, peaks, loss)
+    return HeadTable(detectors, ov, qk, iv, peaks, loss, ov_eig, qk_eig)
 
 
 def table_chunk(

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from fastapi.testclient import TestClient
 
+from app.views.shared.head_spectra import Spectra
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.prompt.detectors import detector_scores, repeated_random_tokens
 from tests.app.conftest import assert_problem
@@ -38,6 +39,31 @@ def test_heads_table_copying_scores_match_dense_eigenvalues(heads: dict, tiny: L
         layer, h = row["layer"], row["index"]
         assert row["ov_copying"] == pytest.approx(dense_copying(full_ov_dense(model, layer, h)), abs=1e-6)
         assert row["qk_copying"] == pytest.approx(dense_copying(full_qk_dense(model, layer, h)), abs=1e-6)
+
+
+def test_the_heads_table_keeps_every_heads_spectra_for_the_head_views(
+    client: TestClient, heads: dict, tiny: LoadedModel
+) -> None:
+    """The heads table's copying scores come from every head's OV and QK eigenvalues: it keeps them (one cache entry),
+    so a head view reads them instead of forming the Grams and solving the eigenproblems again; each head's kept
+    spectrum is the nonzero spectrum of its dense [V, V] circuit."""
+    model, d_head = tiny.model, tiny.model.cfg.d_head
+    kept = client.app.state.compute.cached(("head-spectra", str(tiny.digest)), Spectra)  # type: ignore[attr-defined]
+    assert kept is not None
+
+    def ordered(values: torch.Tensor) -> torch.Tensor:  # [n, 2] (re, im): conjugate pairs share |lambda|, so by all
+        key = sorted(
+            range(len(values)), key=lambda j: (round(float(values[j].abs()), 4), round(float(values[j].imag), 4))
+        )
+        return torch.view_as_real(values[key])
+
+    for i, name in enumerate(model.cfg.head_names):
+        layer, h = divmod(i, model.cfg.n_heads)
+        for which, dense in (("ov", full_ov_dense), ("qk", full_qk_dense)):
+            got = torch.tensor([complex(e.re, e.im) for e in kept.head(which, i, d_head)], dtype=torch.complex128)
+            eig = torch.linalg.eigvals(dense(model, layer, h))
+            top = eig[eig.abs().argsort(descending=True)][:d_head]
+            assert torch.allclose(ordered(got), ordered(top), atol=1e-6), (name, which)
 
 
 def test_heads_table_detectors_on_standard_input(heads: dict, tiny: LoadedModel) -> None:

@@ -26,6 +26,7 @@ from app.scheduling.service import ComputeService
 from app.scheduling.slots import COMPUTE_NICE, JOB_NICE
 from app.settings import Settings
 from circuits_core.cost import Cost, check_stop, report_progress
+from circuits_core.schedule import available_cores, shared_chunks, side_by_side
 from tests.app.conftest import assert_problem
 
 RATE = 1e9  # FLOP/s: a price of x GFLOP is x seconds
@@ -323,3 +324,51 @@ def test_a_page_priced_inline_never_waits_behind_jobs(settings: Settings) -> Non
         base = os.getpriority(os.PRIO_PROCESS, 0)  # this process's own niceness (a test run under `nice`)
         assert nice["inline"] == min(19, base + COMPUTE_NICE)
         assert nice["job"] == min(19, base + COMPUTE_NICE + JOB_NICE) > base + COMPUTE_NICE or base + COMPUTE_NICE >= 19
+
+
+@pytest.mark.skipif(available_cores() < 2, reason="a job's helper thread needs a second core")
+def test_a_jobs_helper_thread_gives_its_core_back_while_a_page_computes_inline(settings: Settings) -> None:
+    """A job splitting a chunked loop over two threads (schedule.side_by_side, shared_chunks) stops its helper taking
+    chunks while a computation priced inline runs (the core is the page's), and the job still takes every chunk once."""
+    app = app_with(settings, [], [], compute_slots=2, slot_wait_s=5.0, job_abandon_s=60.0)
+    chunks: list[tuple[float, bool, int]] = []  # (when, taken by the helper, chunk)
+    inline_ran: list[float] = []
+
+    @app.get("/api/v1/test/chunked-job")
+    async def chunked_job() -> Slept:
+        def work() -> Slept:
+            take = shared_chunks(80, 1)
+
+            def loop() -> None:
+                while (s := take()) is not None:
+                    chunks.append(
+                        (time.monotonic(), threading.current_thread().name.startswith("qkov-job-side"), s.start)
+                    )
+                    time.sleep(0.04)
+
+            side_by_side(loop, loop, "qkov-job-side")
+            return Slept(tag="chunked", steps=len(chunks))
+
+        return await compute(work, key=("chunked-job",), cost=Cost(0, flops=int(5e9)))
+
+    @app.get("/api/v1/test/inline-sleep")
+    async def inline_sleep() -> Slept:
+        def work() -> Slept:
+            inline_ran.append(time.monotonic())
+            time.sleep(0.8)
+            inline_ran.append(time.monotonic())
+            return Slept(tag="inline", steps=1)
+
+        return await compute(work, cost=Cost(0, flops=int(0.1e9)))
+
+    with TestClient(app) as c:
+        job = c.get("/api/v1/test/chunked-job")
+        assert job.status_code == 202
+        poll(c, job.json()["status_url"], lambda s: sum(h for _, h, _ in chunks) >= 3)  # the helper is taking chunks
+        assert c.get("/api/v1/test/inline-sleep").status_code == 200
+        poll(c, job.json()["status_url"], lambda s: s["state"] == "done", timeout=30)
+    start, end = inline_ran
+    during = [i for when, helper, i in chunks if helper and start + 0.1 < when < end]
+    assert during == []  # the helper took no chunk while the page computed
+    assert any(helper and when >= end for when, helper, _ in chunks)  # and took chunks again after it
+    assert sorted(i for _, _, i in chunks) == list(range(80))  # every chunk once

@@ -95,4 +95,4 @@ def test_price_covers_the_measured_peak(dtype: torch.dtype) -> None:
         priced = ov_effective_rank.cost(model)
         assert 0 < held.peak <= priced.peak_bytes <= 2 * held.peak, (held.peak, priced.peak_bytes)
         cfg = model.cfg
-        assert priced.flops >= cfg.n_layers * cfg.n_heads * 2 * 2 * cfg.d_model * cfg.d_head**2  # U, V's products
+        assert priced.flops >= cfg.n_layers * cfg.n_heads * 2 * cfg.d_model * cfg.d_head**2  # each head's G_O

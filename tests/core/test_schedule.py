@@ -17,6 +17,7 @@ from circuits_core.schedule import (
     shared_tasks,
     side_by_side,
     split_loop,
+    yielding,
 )
 
 
@@ -43,6 +44,41 @@ def test_side_by_side_runs_the_side_branch_in_a_helper_thread_only_when_a_core_i
 
         with pytest.raises(ValueError, match="side failed"):
             side_by_side(lambda: 1, boom)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(available_cores() < 2, reason="a helper thread needs a second core")
+def test_yielding_gives_the_other_core_back_while_it_is_wanted_and_every_chunk_is_still_taken_once() -> None:
+    """Inside yielding(wanted): no helper starts while wanted() is true; a helper already running stops taking
+    chunks once it becomes true, and the main branch takes the rest, so the loop covers the range exactly once."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with yielding(lambda: True):
+            main, side = side_by_side(threading.current_thread, threading.current_thread, "qkov-test-yield")
+        assert main is side is threading.current_thread()  # wanted from the start: no helper
+
+        wanted = threading.Event()
+        take = shared_chunks(40, 1)
+        taken: dict[str, list[int]] = {"main": [], "side": []}
+
+        def loop(who: str) -> str:
+            while (s := take()) is not None:
+                taken[who].append(s.start)
+                if who == "side" and len(taken["side"]) == 2:
+                    wanted.set()  # the cores are wanted from now on: the helper takes no third chunk
+                time.sleep(0.01)
+            return threading.current_thread().name
+
+        with yielding(wanted.is_set):
+            names = side_by_side(lambda: loop("main"), lambda: loop("side"), "qkov-test-yield")
+        assert names[1].startswith("qkov-test-yield")  # not wanted at the start: a helper ran
+        assert len(taken["side"]) == 2  # then it gave the core back (wanted to the end)
+        assert sorted(taken["main"] + taken["side"]) == list(range(40))  # every chunk once
+        free = shared_chunks(4, 1)  # outside a yielding block, helpers are never stopped
+        a, b = side_by_side(lambda: [free()], lambda: [free()], "qkov-test-yield")
+        assert None not in a + b
     finally:
         torch.set_num_threads(before)
 

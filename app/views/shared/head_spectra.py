@@ -28,14 +28,27 @@ class Spectra(BaseModel):
         return [Complex(re=a, im=b) for a, b in zip(re[part], im[part], strict=True)]
 
 
+def _sorted(ov: torch.Tensor, qk: torch.Tensor) -> Spectra:
+    """Spectra of eigenvalues [L, H, d_head] (complex), each head's sorted by |lambda|, descending."""
+    ov, qk = (e.gather(-1, e.abs().sort(stable=True, dim=-1, descending=True).indices).flatten() for e in (ov, qk))
+    return Spectra(ov_re=ov.real.tolist(), ov_im=ov.imag.tolist(), qk_re=qk.real.tolist(), qk_im=qk.imag.tolist())
+
+
+def _key(loaded: LoadedModel) -> tuple[str, str]:
+    return ("head-spectra", str(loaded.digest))
+
+
 def spectra(loaded: LoadedModel) -> Spectra:
+    """Every head's spectra: kept by the heads table that computed them (keep_spectra), else computed here and kept."""
+
     def build() -> Spectra:
         with torch.no_grad():
-            ov, qk = (
-                copying_spectra.ov_eigenvalues(loaded.model),
-                copying_spectra.qk_eigenvalues(loaded.model),
-            )  # [L, H, d_head] complex
-        ov, qk = (e.gather(-1, e.abs().sort(stable=True, dim=-1, descending=True).indices).flatten() for e in (ov, qk))
-        return Spectra(ov_re=ov.real.tolist(), ov_im=ov.imag.tolist(), qk_re=qk.real.tolist(), qk_im=qk.imag.tolist())
+            return _sorted(copying_spectra.ov_eigenvalues(loaded.model), copying_spectra.qk_eigenvalues(loaded.model))
 
-    return cached_build(("head-spectra", str(loaded.digest)), Spectra, build)
+    return cached_build(_key(loaded), Spectra, build)
+
+
+def keep_spectra(loaded: LoadedModel, ov: torch.Tensor, qk: torch.Tensor) -> None:
+    """Keep the eigenvalues [L, H, d_head] another computation formed (the heads table's copying scores come from
+    them), so no head view forms the Grams and solves the eigenproblems again."""
+    cached_build(_key(loaded), Spectra, lambda: _sorted(ov, qk))

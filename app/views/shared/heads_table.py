@@ -19,6 +19,7 @@ from app.analysis import Analysis, AnalysisParams
 from app.params import NoParams
 from app.schemas import DetectorInput, HeadScores, HeadsView
 from app.settings import Limits
+from app.views.shared.head_spectra import keep_spectra
 from app.views.shared.inputs import model_ref
 from app.views.shared.rotary_reference import is_rotary, reference_means, reference_tokens_bound
 from circuits_core.circuits import copying_spectra
@@ -125,6 +126,8 @@ def build_heads_view(loaded: LoadedModel, p: NoParams | None = None, limits: Lim
     )
     if table.induction is None:
         return HeadsView(model=model_ref(loaded), detector_input=meta, heads=[])
+    if table.ov_eigenvalues is not None and table.qk_eigenvalues is not None:  # every head view reads them
+        keep_spectra(loaded, table.ov_eigenvalues, table.qk_eigenvalues)
     scores = head_scores(loaded, table.detectors, table)
     peaks = table.kernel_peak_offset  # [L, H] for rotary models: μ from the result store, else measured once
     if peaks is not None:
