@@ -317,11 +317,13 @@ def profiles_cost(model: Transformer, n_offsets: int, source_chunk: int = SOURCE
 
 def pair_profile_cost(model: Transformer, n_offsets: int) -> Cost:
     """pair_profile: the d_head x d_head products per offset and the source layer's factors; FLOPs: the source
-    layer's R_V W_O (its QR factorisations are not matrix products), P = F W, the two Grams, and per offset
-    R G R^T twice (the numerator's and Ω's) and their d_head^3 products."""
+    layer's R_V W_O with R_V from each key/value head's Gram W_V^T W_V (gram_root; its Cholesky factorisation is not
+    a matrix product, nor is the QR it keeps when d_model < d_head), P = F W, the two Grams, and per offset R G R^T
+    twice (the numerator's and Ω's) and their d_head^3 products."""
     cfg = model.cfg
     d, dh, k = cfg.d_model, cfg.d_head, min(cfg.d_model, cfg.d_head)
     flops = 2 * cfg.n_heads * k * dh * d + 2 * k * d * dh + 2 * 2 * d * dh * dh + 2 * dh * k * dh
+    flops += 2 * cfg.n_kv_heads * d * dh * dh if d >= dh else 0  # gram_root's W_V^T W_V
     flops += n_offsets * 4 * 2 * dh**3
     return Cost((3 * n_offsets * dh * dh + 4 * d * dh) * 8, flops=flops).with_answer(numbers=3 * n_offsets + 1)
 
