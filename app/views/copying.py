@@ -313,5 +313,5 @@ COPYING_ALL = Analysis(
     summary="Copying of every head: eigenvalue score, self-copy shares, random baseline",
     tags=["heads"],
     needs_layers=1,
-    page=OwnPage(template="copying.html", nav=90),
+    page=OwnPage(template="copying.html", nav=90, head_filter="the chart and the table list only these"),
 )
