@@ -391,3 +391,95 @@ with torch.no_grad():
     ranks = ov_effective_rank.ov_effective_ranks(model)  # [n_layers, n_heads]: (sum s^2)^2 / sum s^4
 result = {"ranks": ranks.tolist()}
 """
+
+
+def _ranked_line(line: str, token: int, k: int) -> str:
+    """One token's line of a token circuit (`line`: the code of a [d_vocab] tensor), ranked over `ids` (every token
+    when None), as the `entries` of a table: (row, col) is (token, other) on a row, (other, token) on a column."""
+    return f"""with torch.no_grad():
+    line = {line}  # [d_vocab]
+if ids is not None:  # rank only the token set
+    line = torch.full_like(line, float("-inf")).index_copy(0, ids, line[ids])
+values, others = line.topk({k})
+tokens = torch.full_like(others, {token})
+"""
+
+
+def qk_body(p: Any, view: Any) -> str:
+    """The head page's QK table: the global top-k of the full QK circuit W_E W_Q W_K^T W_E^T / s (rotary: with R(δ)
+    at the page's offset), or one token's row (the keys it attends to) or column (the queries attending to it); a
+    score cap applied as the softmax sees it."""
+    ranked = "None  # every token" if view.token_ids is None else f"torch.tensor({view.token_ids!r})  # the ranked set"
+    rotary = view.offset is not None
+    circuit = (
+        f"rotary.full_qk_circuit_at(model, layer, h, {view.offset}, tokens=ids)"
+        if rotary
+        else "head_circuits.full_qk_circuit(model, layer, h, ids)"
+    )
+    if view.token is None:
+        search = f"""with torch.no_grad():
+    values, rows, cols = {circuit}.topk_global({view.k})  # positions in ids
+if ids is not None:
+    rows, cols = ids[rows], ids[cols]
+"""
+    else:
+        t, column = view.token.id, p.side == "key"
+        if rotary:
+            line = f"rotary.full_qk_{'col' if column else 'row'}_at(model, layer, h, {t}, {view.offset})"
+        else:
+            line = (
+                f"head_circuits.full_qk_col(model, layer, h, {t})"
+                if column
+                else f"head_circuits.full_qk_circuit(model, layer, h).rows([{t}])[0]"
+            )
+        search = _ranked_line(line, t, view.k) + (
+            "rows, cols = others, tokens  # the queries attending to the key\n"
+            if column
+            else "rows, cols = tokens, others  # the keys the query attends to\n"
+        )
+    return f"""from circuits_core.circuits import head_circuits, rotary
+from circuits_core.model.head_names import parse_head
+
+layer, h = parse_head({view.head!r}, model.cfg)
+ids = {ranked}
+{search}cap = model.cfg.attn_scores_soft_cap
+if cap is not None:  # the score the softmax sees
+    values = cap * torch.tanh(values / cap)
+result = {{
+    "entries": [
+        {{"row": {{"id": int(r)}}, "col": {{"id": int(c)}}, "value": float(v)}} for v, r, c in zip(values, rows, cols)
+    ]
+}}  # (query token, key token, score)
+"""
+
+
+def skip_trigrams_body(p: Any, view: Any) -> str | None:
+    """The head page's skip-trigrams of its source token (the page's token, or the largest OV entry's source the
+    page found): destinations from the source's QK column (rotary: at δ), outs from its OV row. None (no snippet)
+    with a min_count: its frequent-token set is the server's token counts, not a circuits_core call."""
+    if p.min_count is not None:
+        return None
+    col = (
+        f"rotary.full_qk_col_at(model, layer, h, source, {view.offset})  # the QK column at δ = {view.offset}"
+        if view.offset is not None
+        else "None  # the QK column at no offset"
+    )
+    return f"""from circuits_core.circuits import rotary, skip_trigrams
+from circuits_core.model.head_names import parse_head
+
+layer, h = parse_head({view.head!r}, model.cfg)
+source = {view.source.id}  # the source token
+with torch.no_grad():
+    col = {col}
+    st = skip_trigrams.skip_trigrams(model, layer, h, source, {view.k}, None, qk_col=col)
+qk = dict(zip(st.dest_tokens.tolist(), st.dest_scores.tolist()))  # destination -> QK score
+ov = dict(zip(st.out_tokens.tolist(), st.out_scores.tolist()))  # out -> OV logit
+result = {{
+    "source": {{"id": source}},
+    "copying": st.copying,
+    "trigrams": [
+        {{"destination": {{"id": b}}, "out": {{"id": c}}, "qk": qk[b], "ov": ov[c], "joint": joint}}
+        for b, c, joint in st.triples[:{view.k}]
+    ],
+}}
+"""

@@ -108,6 +108,17 @@ PROMPT = "the cat sat on the mat"
 DECLARED: dict[str, list[tuple[str, dict[str, str]]]] = {
     "heads": [("/models/tiny-2l", {})],
     "head": [("/models/tiny-2l/heads/L1H2", {})],
+    "qk": [  # the query side's table (the first QK JSON link of the head page)
+        ("/models/tiny-2l/heads/L1H2", {}),
+        ("/models/tiny-2l/heads/L1H2", {"token": "5"}),
+        ("/models/tiny-2l/heads/L0H1", {"min_count": "1", "k": "7"}),
+        ("/models/tiny-ln/heads/L0H1", {"token": "5", "basis": "raw"}),
+    ],
+    "skip-trigrams": [
+        ("/models/tiny-2l/heads/L1H2", {}),  # the source: the largest OV entry's
+        ("/models/tiny-2l/heads/L1H2", {"token": "5", "k": "4"}),
+        ("/models/tiny-ln/heads/L0H1", {"basis": "raw"}),
+    ],
     "direct": [
         ("/models/tiny-2l/direct", {}),  # the frequent tokens (tiny-2l has training counts)
         ("/models/tiny-2l/direct", {"min_count": "all", "k": "7"}),
@@ -145,8 +156,6 @@ NOT_PANELS = {
 WITHOUT_SNIPPET = {
     "copying-all",
     "positivity",
-    "qk",
-    "skip-trigrams",
     "positional",
     "rotary-bands",
     "qk-copying-offset",
