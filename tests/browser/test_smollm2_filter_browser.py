@@ -78,6 +78,18 @@ def rows_and_cells(pg: Page, chart: str) -> tuple[list[str], set[str]]:
     return rows, cells
 
 
+def layer_labels_apart(pg: Page, chart: str) -> None:
+    """The heat map labels each of the 30 layers, and no two labels overlap (it grows with the layers, under the
+    figure cap)."""
+    boxes = pg.eval_on_selector_all(
+        f'[data-name="{chart}"] .ytick text',
+        "els => els.map(e => { const b = e.getBoundingClientRect(); return [e.textContent, b.top, b.bottom]; })",
+    )
+    assert [t for t, _, _ in boxes] == [f"L{layer}" for layer in range(30)]
+    spans = sorted((top, bottom) for _, top, bottom in boxes)
+    assert all(b0 <= t1 + 0.5 for (_, b0), (t1, _) in zip(spans, spans[1:], strict=False)), spans
+
+
 def test_head_filter_on_the_qk_circuit_norm_page(smol: Page) -> None:
     heads = heads_table(smol)
     want = wanted(heads)
@@ -86,6 +98,7 @@ def test_head_filter_on_the_qk_circuit_norm_page(smol: Page) -> None:
     charts_drawn(smol, 1)
     rows, cells = rows_and_cells(smol, f"{M}-qk-circuit-norm")
     assert len(rows) == len(cells) == 270
+    layer_labels_apart(smol, f"{M}-qk-circuit-norm")
     smol.fill("#head-filter", FILTER)
     smol.click("#head-filter-apply")
     smol.wait_for_url(re.compile(r"filter=induction"))
@@ -112,4 +125,5 @@ def test_head_filter_on_the_attention_entropy_page_keeps_the_prompt(smol: Page) 
     expect(smol.locator("h2", has_text="On your prompt")).to_contain_text(f"On your prompt, {n} tokens")
     rows, cells = rows_and_cells(smol, f"{M}-entropy")
     assert rows == want and cells == set(want)
+    layer_labels_apart(smol, f"{M}-entropy")
     screenshot(smol, "smollm2-attention-entropy-head-filter")
