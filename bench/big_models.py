@@ -23,6 +23,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,15 +58,19 @@ def hf_tensors(cfg: dict[str, Any], layer: int) -> dict[str, tuple[int, ...]]:
     }  # fmt: skip
 
 
-def write_checkpoint(folder: Path, cfg: dict[str, Any], seed: int = 0) -> None:
-    """A random bf16 sharded safetensors checkpoint of this config (skipped when its index is already there)."""
+def write_checkpoint(
+    folder: Path, cfg: dict[str, Any], seed: int = 0, device: str = "cpu", keep: Callable[[str], bool] | None = None
+) -> None:
+    """A random bf16 sharded safetensors checkpoint of this config (skipped when its index is already there): the
+    weights drawn on `device` (a GPU draws 16 GB in a second, a CPU core in a minute), only the tensors `keep` names
+    when given (bench/gpu.py writes a 70B model's attention tensors alone)."""
     from safetensors.torch import save_file
 
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         return
     folder.mkdir(parents=True, exist_ok=True)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device).manual_seed(seed)
     V, d, L = cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"]
     groups: list[dict[str, tuple[int, ...]]] = [{"model.embed_tokens.weight": (V, d)}]
     for start in range(0, L, LAYERS_PER_SHARD):
@@ -74,6 +79,7 @@ def write_checkpoint(folder: Path, cfg: dict[str, Any], seed: int = 0) -> None:
                 k: s
                 for layer in range(start, min(L, start + LAYERS_PER_SHARD))
                 for k, s in hf_tensors(cfg, layer).items()
+                if keep is None or keep(k)
             }
         )
     groups.append({"model.norm.weight": (d,), "lm_head.weight": (V, d)})
@@ -83,8 +89,8 @@ def write_checkpoint(folder: Path, cfg: dict[str, Any], seed: int = 0) -> None:
         name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         tensors = {}
         for key, shape in group.items():
-            t = torch.empty(shape, dtype=torch.bfloat16)
-            tensors[key] = t.fill_(1.0) if len(shape) == 1 else t.normal_(0.0, 0.02, generator=gen)
+            t = torch.empty(shape, dtype=torch.bfloat16, device=device)
+            tensors[key] = (t.fill_(1.0) if len(shape) == 1 else t.normal_(0.0, 0.02, generator=gen)).cpu()
         save_file(tensors, str(folder / f"{name}.part"), metadata={"format": "pt"})
         os.replace(folder / f"{name}.part", folder / name)
         weight_map |= dict.fromkeys(group, name)

@@ -18,17 +18,20 @@ pays); the GPU's name and the torch/CUDA versions come first. Nothing asserts on
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from bench.big_models import CACHE as FOLDER
-from bench.big_models import LLAMA_8B, REPO, write_checkpoint
+from bench.big_models import LLAMA_8B, LLAMA_70B, REPO, GiB, write_checkpoint
 
 MODELS = FOLDER.parent
 
@@ -60,19 +63,24 @@ def http_heads(model_id: str) -> float:
         "QKOV_STORE_URL": "off",
         "QKOV_PRELOAD": "true",
     }
+    log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)  # the server's stderr (a pipe could fill)
     server = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port)],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log,
     )  # fmt: skip
     try:
         base = f"http://127.0.0.1:{port}"
         deadline = time.time() + 240
         while time.time() < deadline:  # preloaded: ready once the model is on the GPU
+            if server.poll() is not None:  # it stopped: say why, and measure nothing
+                print(f"    the server stopped (rc {server.returncode}): {Path(log.name).read_text()[-2000:]}")
+                return float("nan")
             try:
                 if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
-                time.sleep(1)
+                pass
+            time.sleep(1)
         t0 = time.perf_counter()
         answer = httpx.get(f"{base}/api/v1/models/{model_id}/heads", timeout=120)
         seconds = time.perf_counter() - t0
@@ -82,6 +90,44 @@ def http_heads(model_id: str) -> float:
     finally:
         server.terminate()
         server.wait(30)
+
+
+def profiled(label: str, fn: Callable[[], Any]) -> None:
+    """fn run again (warm) under cProfile and torch.profiler: the Python functions that took the wall time, the GPU
+    kernels that took the device's, printed; the cProfile stats saved to QKOV_BENCH_PROFILE/<label>.prof."""
+    import cProfile
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    folder = Path(os.environ["QKOV_BENCH_PROFILE"])
+    folder.mkdir(parents=True, exist_ok=True)
+    python = cProfile.Profile()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as device:
+        t0 = time.perf_counter()
+        python.enable()
+        fn()
+        torch.cuda.synchronize()
+        python.disable()
+        warm = time.perf_counter() - t0
+    slug = re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")[:40]
+    python.dump_stats(folder / f"{slug}.prof")
+    print(f"    profile of {label} (warm, profiled: {warm:.2f} s); Python by own time:", flush=True)
+    stats = pstats.Stats(python, stream=sys.stdout)
+    stats.sort_stats("tottime").print_stats(14)
+    print("    GPU kernels by device time:", flush=True)
+    events = device.key_averages()
+    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    print(events.table(sort_by=key, row_limit=12, max_name_column_width=60), flush=True)
+
+
+def goal(label: str, fn: Callable[[], Any], goal_s: float, extra: Callable[[Any], str] | None = None) -> Any:
+    """fn timed cold against its goal; profiled (QKOV_BENCH_PROFILE set) when it misses."""
+    seconds, out = timed(fn)
+    line(label, seconds, goal_s, extra(out) if extra else "")
+    if seconds >= goal_s and os.environ.get("QKOV_BENCH_PROFILE"):
+        profiled(label, fn)
+    return out
 
 
 def measure() -> None:
@@ -97,38 +143,96 @@ def measure() -> None:
     line("load, bf16 kept, every tensor", seconds, 30, str(loaded.provenance()))
     model = loaded.model
     with torch.no_grad():
-        seconds, _ = timed(lambda: build_heads_view(loaded))
-        line("heads table (as served)", seconds, 5)
-        seconds, ov = timed(lambda: ov_copying_scores(model))
+        goal("heads table (as served)", lambda: build_heads_view(loaded), 5)
         exact = load_checkpoint(FOLDER, dtype=torch.float64, device="cuda", lazy_mlp=True).model
         ov64 = ov_copying_scores(exact)
         del exact
-        worst = float((ov.double() - ov64).abs().max())
-        line("OV copying, all heads", seconds, 1, f"largest difference from float64 {worst:.1e} (goal <= 1e-3)")
-        seconds, _ = timed(lambda: composition_profiles(model))
-        line("Q/K/V composition profiles, all pairs", seconds, 2)
+        torch.cuda.empty_cache()
+        goal(
+            "OV copying, all heads", lambda: ov_copying_scores(model), 1,
+            lambda ov: f"largest difference from float64 {float((ov.double() - ov64).abs().max()):.1e} (goal <= 1e-3)",
+        )  # fmt: skip
+        goal("Q/K/V composition profiles, all pairs", lambda: composition_profiles(model), 2)
         tokens = torch.randint(0, LLAMA_8B["vocab_size"], (128,), device="cuda", generator=None)
-        seconds, _ = timed(
-            lambda: expand_logits(model, tokens, 1000, max_order=2, by_source=False, max_elements=4_000_000_000)
+        goal(
+            "order-2 path expansion, 128 tokens",
+            lambda: expand_logits(model, tokens, 1000, max_order=2, by_source=False, max_elements=4_000_000_000),
+            3,
         )
-        line("order-2 path expansion, 128 tokens", seconds, 3)
-        seconds, _ = timed(lambda: vwt.all_scores(model))
-        line("virtual weights, all pairs", seconds, 3)
+        goal("virtual weights, all pairs", lambda: vwt.all_scores(model), 3)
+
+
+def measure_70b(deadline: float) -> None:
+    """A checkpoint of Llama-3.1-70B's shape holding only the attention, norm, embedding and unembedding tensors
+    (bf16), loaded onto the GPU with its MLPs deferred; then each weight-only analysis (declared weights="attention")
+    through its builder, its priced working memory beside the GPU memory it took (torch's peak above the weights),
+    while time is left before `deadline`."""
+    from app.analysis import BoundAnalyses
+    from app.catalog import ANALYSES
+    from app.settings import Limits
+    from circuits_core.errors import QkovError
+    from circuits_core.formats.checkpoint import load_checkpoint
+
+    folder = REPO / ".cache" / "big-models-70b" / "llama-3.1-70b-attention"  # not under MODELS: never preloaded
+    t0 = time.perf_counter()
+    write_checkpoint(folder, LLAMA_70B, device="cuda", keep=lambda key: ".mlp." not in key)
+    print(f"  70B attention-only checkpoint ready in {time.perf_counter() - t0:.0f} s", flush=True)
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    seconds, loaded = timed(lambda: load_checkpoint(folder, device="cuda", keep_half=True, lazy_mlp=True))
+    resident = torch.cuda.memory_allocated() - base
+    print(f"  70B load, attention tensors only: {seconds:.1f} s, {resident / GiB:.1f} GiB on the GPU "
+          f"({loaded.provenance()})", flush=True)  # fmt: skip
+    free = torch.cuda.mem_get_info()[0]
+    limits = Limits(max_k=200, peak_bytes=free, max_answer_bytes=2**31)
+    weight_only = [a for a in ANALYSES if a.scope == "model" and a.weights == "attention"]
+    bound = BoundAnalyses(weight_only, limits)
+    values = {"head": "L1H0", "source": "L0H1", "target": "L1H2", "heads": "L0H1,L1H2", "tokens": "1,2,3"}
+    print(f"  {'analysis':<24} {'priced':>10} {'measured':>10} {'seconds':>8}", flush=True)
+    for analysis in weight_only:
+        if time.perf_counter() > deadline:
+            print(f"  (time's up: {analysis.name} and the rest not run)", flush=True)
+            break
+        fields = analysis.params.model_fields
+        try:
+            params = bound.bound(analysis).model_validate({k: v for k, v in values.items() if k in fields})
+            params = params.normalised(loaded)
+            priced = analysis.cost(loaded, params, limits).peak_bytes
+            if priced > free:
+                print(f"  {analysis.name:<24} {priced / GiB:9.2f}G  not run: over the {free / GiB:.0f} GiB free")
+                continue
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            seconds, _ = timed(lambda a=analysis, p=params: a.build(loaded, p, limits))
+            took = torch.cuda.max_memory_allocated() - before
+            verdict = "within its price" if took <= priced else "OVER ITS PRICE"
+            print(
+                f"  {analysis.name:<24} {priced / GiB:9.2f}G {took / GiB:9.2f}G {seconds:8.2f}  {verdict}", flush=True
+            )
+        except QkovError as exc:
+            print(f"  {analysis.name:<24} refused: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
+        torch.cuda.empty_cache()
 
 
 def main() -> int:
     if not torch.cuda.is_available():
         print("bench-gpu: torch sees no CUDA device on this machine; nothing to measure (the GPU goals need one)")
         return 0
+    started = time.perf_counter()
     props = torch.cuda.get_device_properties(0)
     print(f"bench-gpu on {props.name} ({props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, CUDA "
           f"{torch.version.cuda}, TF32 matmul {torch.backends.cuda.matmul.allow_tf32}", flush=True)  # fmt: skip
     t0 = time.perf_counter()
-    write_checkpoint(FOLDER, LLAMA_8B)
+    write_checkpoint(FOLDER, LLAMA_8B, device="cuda")
     print(f"  checkpoint ready in {time.perf_counter() - t0:.0f} s ({FOLDER})", flush=True)
     measure()
     torch.cuda.empty_cache()
     line("GET /heads over HTTP, QKOV_DEVICE=cuda, cold", http_heads(FOLDER.name), 6)
+    budget = float(os.environ.get("QKOV_BENCH_GPU_SECONDS", "330"))  # the 70B part runs while time is left
+    if time.perf_counter() - started < budget - 60:
+        measure_70b(started + budget)
+    else:
+        print(f"  70B part skipped: {time.perf_counter() - started:.0f} s of {budget:.0f} s used", flush=True)
     return 0
 
 

@@ -12,8 +12,9 @@ echo "== $(date -u +%FT%TZ) $(hostname); load average $(cut -d' ' -f1-3 /proc/lo
 nvidia-smi -L 2>/dev/null || echo "(no nvidia-smi)"
 "$PY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, "devices", torch.cuda.device_count())'
 echo "== CUDA tests"
-QKOV_STORE_URL=off timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/app/test_device_clean.py \
+QKOV_STORE_URL=off timeout 170 "$PY" -m pytest -q -p no:cacheprovider -n 4 tests/app/test_device_clean.py \
   tests/core/test_device_clean_engine.py -k cuda
 echo "== bench-gpu (rc of the tests: $?)"
-timeout 360 "$PY" -m bench.gpu
+# QKOV_BENCH_PROFILE=DIR: each missed goal is run again under cProfile and torch.profiler (stats saved in DIR)
+timeout 380 "$PY" -m bench.gpu
 echo "== done (rc $?)"

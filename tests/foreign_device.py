@@ -7,9 +7,11 @@ and the host's), except a 0-dim host tensor (a scalar, which CUDA accepts) and t
 - a tensor read from the model (a parameter or buffer, tagged by `ForeignDevice(model)`) is foreign;
 - a factory (`torch.zeros`, `torch.tensor`, `torch.arange`...) that names no device makes a host tensor, as on a
   machine with a GPU; `t.cpu()` is a host tensor;
-- a factory that names a device (`device=model.device`), or `t.to(device)` of a host tensor, is "placed": on this
-  machine every device object reads `cpu`, so which one it named is unknown, and a placed tensor may meet either
-  side (it then takes that side);
+- the device object of a tensor on the model's device (`t.device`, so `model.device` too) is the model's device: a
+  factory told it (`torch.arange(n, device=W.device)`), or `t.to(it)`, makes a tensor on the model's device;
+- a factory that names another device (`device="cpu"`, a device object made elsewhere), or `t.to(device)` of a host
+  tensor to one, is "placed": on this machine every device object reads `cpu`, so which one it named is unknown,
+  and a placed tensor may meet either side (it then takes that side);
 - `t.to(other)` follows `other`; `t.to(dtype)`, `t.to(device)` of a foreign tensor and `t.cuda()` keep or make it
   foreign; an op's outputs are foreign when an input is (elementwise ops, products, `zeros_like`, views...), host
   when a host input of one or more dimensions is, else placed.
@@ -17,7 +19,8 @@ Since the real values are computed (on the CPU), eigenvalues, SVDs, `.item()` an
 run: nothing is skipped, unlike on the meta device, where they cannot.
 
 Blind spots: a factory naming the host explicitly (`device="cpu"`) is "placed", so it may meet the model's tensors
-unnoticed; and a TorchFunctionMode watches its own thread only (cost.side_by_side must run its branches in turn).
+unnoticed; a device object the mode did not hand out (a module's stored `torch.device`) is not known as the
+model's; and a TorchFunctionMode watches its own thread only (cost.side_by_side must run its branches in turn).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class ForeignDevice(TorchFunctionMode):
         items = list(tensors.parameters()) + list(tensors.buffers()) if isinstance(tensors, nn.Module) else tensors
         for t in items:
             self.places[t] = "foreign"
+        self.devices: dict[int, object] = {}  # id -> a device object read off a tensor on the model's device (held)
         self.ops = 0  # ops watched
         self.foreign_ops = 0  # ops whose outputs are on the model's device (a test checks the mode saw the work)
 
@@ -58,6 +62,10 @@ class ForeignDevice(TorchFunctionMode):
     def is_foreign(self, t: Tensor) -> bool:
         return self.place(t) == "foreign"
 
+    def is_model_device(self, device: object) -> bool:
+        """Whether `device` is a device object read off a tensor on the model's device."""
+        return self.devices.get(id(device)) is device
+
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
@@ -65,6 +73,8 @@ class ForeignDevice(TorchFunctionMode):
             # attribute access (t.shape, t.device...), printing; t.T, t.mT, t.data are t's views, on its device
             if isinstance(out, Tensor) and args and isinstance(args[0], Tensor) and self.place(args[0]) != "host":
                 self.places[out] = self.place(args[0])
+            if getattr(func, "__self__", None) is Tensor.device and args and self.is_foreign(args[0]):
+                self.devices[id(out)] = out  # t.device of a tensor on the model's device: that device
             return out
         self.ops += 1
         place = self._placement(func, args, kwargs)
@@ -89,10 +99,10 @@ class ForeignDevice(TorchFunctionMode):
             if isinstance(target, Tensor):
                 return self.place(target)
             if target is not None:
-                return "foreign" if self.is_foreign(args[0]) else "placed"
+                return "foreign" if self.is_foreign(args[0]) or self.is_model_device(target) else "placed"
             return self.place(args[0])
-        if kwargs.get("device") is not None:
-            return "placed"  # a factory (or *_like) told where to put its result
+        if kwargs.get("device") is not None:  # a factory (or *_like) told where to put its result
+            return "foreign" if self.is_model_device(kwargs["device"]) else "placed"
         if func in _FOLLOW_SELF:
             return self.place(args[0])
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]

@@ -63,6 +63,7 @@ def count_above(
     above = torch.full((r,), k, dtype=torch.int64)
     rows = torch.arange(r)
     if probe is not None and r:  # step 1: settle the rows with k probed columns above their own, in row chunks
+        probe = probe.to(own.device)
         step = max(1, block_bytes // (per * len(probe)))
         left = []
         for start in range(0, r, step):
@@ -76,7 +77,7 @@ def count_above(
     while len(rows) and start < n:  # step 2: every column for the rows left, a row dropped once at k
         check_stop(what="OV self-copy shares")
         c = max(1, min(width, n - start, block_bytes // max(1, per * len(rows))))
-        columns = torch.arange(start, start + c)
+        columns = torch.arange(start, start + c, device=own.device)
         count += _counted(logits(rows, slice(start, start + c)), own_logit[rows], own[rows, None] == columns[None, :])
         open_ = count < k
         rows, count = rows[open_], count[open_]

@@ -14,6 +14,7 @@ factors like the others: W_E_eff [d_vocab, d] (materialised once, the LN applied
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -131,7 +132,8 @@ def all_scores(
     """Scores of every writer x reader pair from blocked d x d Grams (see the module docstring)."""
     ws, rs = writers(model), readers(model)
     slots = [w.slot() for w in ws]  # non-decreasing
-    limits = [sum(s < r.slot(model) for s in slots) for r in rs]  # writers written before the reader reads
+    assert slots == sorted(slots), "writers(model) lists the writers in the order they write"
+    limits = [bisect_left(slots, r.slot(model)) for r in rs]  # writers written before the reader reads
     with torch.no_grad():
         wg, rg = writer_groups(model), reader_groups(model, offset)
         assert [w for g, _ in wg for w in g] == ws and [r for g, _ in rg for r in g] == rs

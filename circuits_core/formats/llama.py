@@ -164,8 +164,11 @@ class _Shards:
         return self.maps[self.where[key]].read(key, dtype or self.dtype, layout)
 
     def defer(self, key: str, shape: tuple[int, ...], layout: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
-        """A meta placeholder of layout(tensor `key`) (its shape checked, nothing read): formats/lazy_mlp.py."""
-        self.check(key, shape)
+        """A meta placeholder of layout(tensor `key`) (its stored shape checked, nothing read): formats/lazy_mlp.py.
+        A tensor absent from the files is deferred too (a checkpoint holding only what the weight circuits read,
+        such as a 70B model's attention tensors): reading it later raises check's "missing tensor" error."""
+        if key in self.where:
+            self.check(key, shape)
         return layout(torch.empty(shape, dtype=self.dtype, device="meta"))
 
     def stored(self, key: str) -> torch.dtype | None:

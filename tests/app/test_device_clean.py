@@ -8,14 +8,20 @@ feature an analysis branches on: shortformer positions without norms (tiny-2l), 
 (tiny-ln), a Llama-like model (RMS norm, rotary, grouped-query attention, gated MLP), and the shipped toy-2l, whose
 trained induction head the analyses built around one need. An analysis a model does
 not support (rotary-only views on a learned-position model) may refuse it with a 4xx error; every analysis must run
-clean on at least one model, and must have read the model's tensors there.
+clean on at least one model, and must have read the model's tensors there. The tables ranked over a token subset
+(min_count, or a large vocabulary's default) run once more on one, since their positions index host token ids.
+
+With a CUDA GPU present (bench/gpu_check.sh), every analysis also runs on it in float64 and must give the CPU's
+answer, but for the device its answer names.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,6 +31,7 @@ from app.settings import REPO_ROOT
 from circuits_core.errors import InvalidInputError, LimitExceededError, NotFoundError
 from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
 from circuits_core.model.config import ModelConfig
+from circuits_core.prompt.phenomena import TOKEN_COUNTS_FILE
 from circuits_core.schedule import available_cores
 from tests.app.conftest import LIMITS, save_qkov, train_tokenizer
 from tests.foreign_device import DeviceMixError, ForeignDevice
@@ -49,6 +56,8 @@ def models(model_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFacto
     tok = train_tokenizer()
     folder = tmp_path_factory.mktemp("device") / "tiny-llama"
     save_qkov(folder, llama_like(tok.get_vocab_size()), tok, seed=5)
+    counts = np.random.default_rng(1).integers(0, 1000, tok.get_vocab_size())  # training counts, for min_count
+    np.save(folder / TOKEN_COUNTS_FILE, counts)
     shipped, user = model_dirs
     out = {}
     toy = REPO_ROOT / "checkpoints" / "toy-2l"  # trained: it has the induction head some analyses need
@@ -72,11 +81,13 @@ def one_thread_of_work() -> Any:
     torch.set_num_threads(threads)
 
 
-def run_on_foreign_device(analysis: Analysis[Any, Any], loaded: LoadedModel, mode: ForeignDevice) -> int:
+def run_on_foreign_device(
+    analysis: Analysis[Any, Any], loaded: LoadedModel, mode: ForeignDevice, values: dict[str, Any] = QUERY_VALUES
+) -> int:
     """Price and build the analysis with the model's tensors tagged; the number of ops that read them."""
     bound = BoundAnalyses(MODEL_ANALYSES, LIMITS)
     path_fields = analysis.path_fields()
-    raw = {k: v for k, v in QUERY_VALUES.items() if k in analysis.params.model_fields and k not in path_fields}
+    raw = {k: v for k, v in values.items() if k in analysis.params.model_fields and k not in path_fields}
     raw |= {k: PATH_VALUES[k] for k in path_fields}
     params = bound.bound(analysis).model_validate(raw).normalised(loaded)
     before = mode.foreign_ops
@@ -103,12 +114,33 @@ def test_every_analysis_keeps_to_the_models_device(models: dict[str, Any], analy
         assert any(n > 0 for n in ran.values()), f"{analysis.name} read no tensor of the model: {ran}"
 
 
+SUBSET_ANALYSES = [a for a in MODEL_ANALYSES if "min_count" in a.params.model_fields]
+
+
+@pytest.mark.parametrize("analysis", SUBSET_ANALYSES, ids=[a.name for a in SUBSET_ANALYSES])
+def test_token_subsets_keep_to_the_models_device(models: dict[str, Any], analysis: Analysis[Any, Any]) -> None:
+    """The tables ranked over a token subset (min_count: tiny-2l's frequent tokens; a large vocabulary's default)
+    index host token ids by positions the circuit computed on the model's device."""
+    ran, refused = {}, {}
+    for name in ("tiny-2l", "tiny-llama"):  # (both have training counts)
+        loaded, mode = models[name]
+        try:
+            ran[name] = run_on_foreign_device(analysis, loaded, mode, QUERY_VALUES | {"min_count": 500})
+        except DeviceMixError as exc:
+            raise AssertionError(f"{analysis.name} on a token subset of {name}: {exc}") from exc
+        except REFUSALS as exc:
+            refused[name] = str(exc)
+    assert any(n > 0 for n in ran.values()), f"{analysis.name} ran on no token subset: {ran} {refused}"
+
+
 def test_the_check_fails_on_a_host_tensor_mixed_in() -> None:
     """The mode itself: a host tensor meeting the model's fails, and the ways of following the model pass."""
     model = torch.nn.Linear(4, 3)
     with ForeignDevice(model) as mode:
         W = model.weight  # [3, 4]
         W @ torch.ones(4, device=W.device)  # a factory told the device
+        with pytest.raises(DeviceMixError, match="same device"):  # ... which is the model's: the host's is not
+            torch.eq(torch.arange(3, device=W.device)[:, None], torch.arange(4)[None, :])
         W @ torch.ones(4).to(W.device)  # moved there
         W[torch.tensor([0, 2])]  # host indices into a device tensor: allowed, as on CUDA
         W * torch.tensor(2.0)  # a 0-dim host scalar: allowed, as on CUDA
@@ -157,6 +189,11 @@ def test_every_analysis_gives_the_cpus_answer_on_cuda(models: dict[str, Any], an
                 answers.append(analysis.build(subject, params, LIMITS).model_dump(mode="json"))
             except REFUSALS as exc:
                 answers.append(("refused", type(exc).__name__))
-        close(answers[0], answers[1], f"{analysis.name} on {name}")
+        cpu, gpu = answers
+        if not isinstance(gpu, tuple):  # the answer says where it was computed; the rest is the CPU's answer
+            said = json.dumps(gpu)
+            assert f"on {on_gpu.model.device}" in said, f"{analysis.name} on {name}: the answer names no GPU"
+            gpu = json.loads(said.replace(f"on {on_gpu.model.device}", "on cpu"))
+        close(cpu, gpu, f"{analysis.name} on {name}")
         ran += answers[0][0] != "refused" if isinstance(answers[0], tuple) else 1
     assert ran, f"{analysis.name} ran on no model"

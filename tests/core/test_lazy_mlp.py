@@ -114,3 +114,39 @@ def test_deferred_weights_read_as_stored_without_processing(folder: tuple[Path, 
     assert lazy.blocks[1].mlp.deferred
     torch.testing.assert_close(lazy.blocks[1].mlp.W_in, eager.blocks[1].mlp.W_in, rtol=0, atol=0)
     assert not lazy.blocks[1].mlp.deferred and lazy.blocks[2].mlp.deferred
+
+
+def test_a_checkpoint_of_only_the_attention_tensors_serves_the_weight_circuits(
+    folder: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """The same shards with every MLP tensor left out (what a 70B model's attention circuits need): a lazy load
+    opens it and its weight circuits equal the full checkpoint's; the forward pass, which needs an MLP, says which
+    tensor is missing, and an eager load refuses the folder at once."""
+    from safetensors.torch import load_file, save_file
+
+    from circuits_core.errors import CheckpointError
+
+    path, _ = folder
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    kept = {k: v for k, v in index["weight_map"].items() if not any(f"mlp.{n}." in k for n in MLP_NAMES)}
+    assert len(kept) < len(index["weight_map"])
+    for shard in sorted(set(index["weight_map"].values())):
+        tensors = {k: t for k, t in load_file(path / shard).items() if k in kept}
+        if tensors:
+            save_file(tensors, str(tmp_path / shard), metadata={"format": "pt"})
+    kept = {k: v for k, v in kept.items() if (tmp_path / v).is_file()}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": kept}))
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+
+    attention_only = load_checkpoint(tmp_path, dtype=torch.float64, lazy_mlp=True).model
+    full = load_checkpoint(path, dtype=torch.float64, lazy_mlp=True).model
+    with torch.no_grad():
+        torch.testing.assert_close(ov_copying_scores(attention_only), ov_copying_scores(full), rtol=0, atol=0)
+        torch.testing.assert_close(
+            composition.composition_scores(attention_only).raw["k"], composition.composition_scores(full).raw["k"],
+            rtol=0, atol=0,
+        )  # fmt: skip
+        with pytest.raises(CheckpointError, match=r"missing tensor model\.layers\.0\.mlp\.gate_proj\.weight"):
+            attention_only.run(torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(CheckpointError, match="missing tensor"):
+        load_checkpoint(tmp_path, dtype=torch.float64)

@@ -54,8 +54,8 @@ def global_top(
         values, rows, cols = circuit_of(tokens.ids).topk_global(
             shared, budget_bytes=limits.matrix_budget_bytes
         )  # [shared]
-        if tokens.ids is not None:  # positions in the set -> token ids
-            rows, cols = tokens.ids[rows], tokens.ids[cols]
+        if tokens.ids is not None:  # positions in the set (on the model's device) -> token ids (on the host)
+            rows, cols = tokens.ids[rows.cpu()], tokens.ids[cols.cpu()]
         return GlobalTop(values=values.tolist(), rows=rows.tolist(), cols=cols.tolist())
 
     top = cached_build(key, GlobalTop, build)
