@@ -483,3 +483,43 @@ result = {{
     ],
 }}
 """
+
+
+def rotary_bands_body(p: Any, view: Any) -> str:
+    """A rotary head's QK energy per frequency band: Ω(δ) = Σ_k [cos(δθ_k) A_k + sin(δθ_k) B_k] + C."""
+    return f"""from circuits_core.circuits import rotary_bands
+from circuits_core.model.head_names import parse_head
+
+layer, h = parse_head({view.head!r}, model.cfg)
+with torch.no_grad():
+    bands = rotary_bands.band_energies(model)  # every head's, [n_layers, n_heads, K] each
+energy = bands.energy[layer, h]  # ||A_k||^2 + ||B_k||^2, [K]
+total = float(energy.sum() + bands.unrotated[layer, h])  # with the unrotated dims' ||C||^2
+result = {{
+    "theta": bands.theta[layer].tolist(),  # the head's own layer's frequencies
+    "wavelength": bands.wavelength[layer].tolist(),
+    "energy": energy.tolist(),
+    "unrotated": float(bands.unrotated[layer, h]),
+    "share": (energy / total if total > 0 else energy).tolist(),
+}}
+"""
+
+
+def qk_copying_offset_body(p: Any, view: Any) -> str:
+    """A rotary head's QK eigenvalue copying Σλ/Σ|λ| of W_E_eff Ω(δ) W_E_eff^T / s over δ, and its eigenvalues at the
+    page's offset."""
+    return f"""from circuits_core.circuits import rotary
+from circuits_core.circuits.copying_spectra import copying_score
+from circuits_core.model.head_names import parse_head
+
+layer, h = parse_head({view.head!r}, model.cfg)
+offsets = torch.arange({len(view.offsets)})  # δ = 0..{len(view.offsets) - 1}
+with torch.no_grad():
+    eig = rotary.head_qk_eigenvalues_at(model, layer, h, torch.cat([offsets, torch.tensor([{view.offset}])]))
+result = {{
+    "offsets": offsets.tolist(),
+    "scores": copying_score(eig[:-1]).tolist(),  # [n]: one score per δ
+    "score": float(copying_score(eig[-1])),  # at δ = {view.offset}
+    "eigenvalues": [{{"re": float(z.real), "im": float(z.imag)}} for z in eig[-1]],
+}}
+"""

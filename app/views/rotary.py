@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import Field
 
+from app import snippets
 from app.analysis import Analysis, AnalysisParams, HeadField
 from app.params import HEAD_DOC, BasisChoice, HeadParams, Offset
 from app.schemas.common import Complex
@@ -145,6 +146,7 @@ BANDS = Analysis(
     cost=bands_cost,
     tags=["rotary"],
     summary="QK energy of a rotary head per frequency band",
+    snippet=snippets.rotary_bands_body,
 )
 
 
@@ -255,6 +257,7 @@ QK_COPYING = Analysis(
     cost=qk_copying_cost,
     tags=["rotary"],
     summary="QK eigenvalue copying of a rotary head's full QK circuit at each query-key offset δ",
+    snippet=snippets.qk_copying_offset_body,
 )
 
 ANALYSES: list[Analysis[Any, Any]] = [POSITIONAL, BANDS, PROFILE, QK_COPYING]
