@@ -523,3 +523,32 @@ result = {{
     "eigenvalues": [{{"re": float(z.real), "im": float(z.imag)}} for z in eig[-1]],
 }}
 """
+
+
+def residual_pair_body(p: Any, view: Any) -> str:
+    """One virtual weight W_w W_r: its score, baseline, singular values and top singular directions, each side's
+    largest entries (in its own space, and read in tokens where it is the residual stream)."""
+    sides = [f"{s}_{end}" for s in ("input", "output", "input_tokens", "output_tokens") for end in ("top", "bottom")]
+    return f"""from circuits_core.circuits import stream_components as sc
+from circuits_core.circuits import virtual_weights as vw
+
+writer, reader = sc.parse_writer(model, {view.writer!r}), sc.parse_reader(model, {view.reader!r})
+report = vw.pair_report(model, writer, reader, k={p.k}, n_top={p.n_top}, offset={view.offset})
+sides = {sides!r}  # each [(index, value)] or None
+result = {{
+    "score": report.score,  # ||W_w W_r|| / (||W_w|| ||W_r||)
+    "baseline": report.baseline,
+    "minus_baseline": report.score - report.baseline,
+    "singular_values": list(report.singular_values),
+    "directions": [
+        {{
+            "singular_value": d.value,
+            **{{
+                s: None if getattr(d, s) is None else [{{"index": i, "value": v}} for i, v in getattr(d, s)]
+                for s in sides
+            }},
+        }}
+        for d in report.directions
+    ],
+}}
+"""

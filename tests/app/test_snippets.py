@@ -138,6 +138,12 @@ DECLARED: dict[str, list[tuple[str, dict[str, str]]]] = {
         ("/models/tiny-ln/residual", {}),  # LayerNorm folded: the processed weights differ from the raw
         ("/models/tiny-ln/residual", {"basis": "raw"}),
     ],
+    "residual-pair": [
+        ("/models/tiny-2l/residual/embed/unembed", {"k": "3", "n_top": "4"}),  # tokens -> tokens
+        ("/models/tiny-2l/residual/L0H1/L1H0.K", {}),  # d_model sides, read through W_E
+        ("/models/tiny-2l/residual/L0H1/L1H2.V", {}),  # a value output read through W_U
+        ("/models/tiny-ln/residual/L0H1/unembed", {"basis": "raw"}),
+    ],
     "composition-pair": [("/models/tiny-2l/composition/L0H1/L1H2", {}), ("/models/tiny-2l/composition/L0H3/L1H0", {})],
     "prompt": [
         ("/models/tiny-2l/prompt", {"prompt": PROMPT, "heads": "L1H2,L0H3"}),
@@ -160,7 +166,6 @@ WITHOUT_SNIPPET = {
     "positivity",
     "positional",
     "residual-usage",
-    "residual-pair",
     "expert-ov",  # an MLP writer's token table (expert_circuits.full_expert_circuit): no snippet yet
 }
 
