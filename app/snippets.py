@@ -552,3 +552,38 @@ result = {{
     ],
 }}
 """
+
+
+def copying_all_body(p: Any, view: Any) -> str | None:
+    """Every head's copying, three ways: the eigenvalue score Σλ/Σ|λ| of W_E W_OV W_U, and over the source rows
+    measured (every token, or a sample drawn with seed 0) the top-1 and top-k self-copy shares and the diagonal.
+    None (no snippet) with a min_count (the server's token counts); the random-weights baseline row is left to
+    the JSON."""
+    if p.min_count is not None:
+        return None
+    rows = None if view.n_rows >= view.n_tokens else view.n_rows
+    return f"""from circuits_core.circuits import copying, copying_spectra, head_circuits
+from circuits_core.model.head_names import parse_head
+
+names = {[h.head for h in view.heads]!r}
+order = copying.sample_order(model.cfg.d_vocab, {rows!r}, seed=0)  # the source rows measured
+with torch.no_grad():
+    eig_score = copying_spectra.ov_copying_scores(model)  # [n_layers, n_heads]
+    heads = []
+    for name in names:
+        layer, h = parse_head(name, model.cfg)
+        ov = head_circuits.ov_circuit(model, layer, h)  # W_V [d_model, d_head] W_O [d_head, d_model]
+        ranks = copying.row_ranks(model, ov.A, ov.B, {view.k}, order)  # each row's own-logit rank
+        top1, topk, positive, median = ranks.shares().tolist()
+        heads.append(
+            {{
+                "head": name,
+                "ov_copying": float(eig_score[layer, h]),
+                "top1": top1,  # own logit the largest of its row
+                "topk": topk,  # among the {view.k} largest
+                "diagonal_positive": positive,
+                "diagonal_median": median,
+            }}
+        )
+result = {{"heads": heads}}
+"""

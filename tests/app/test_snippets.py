@@ -144,6 +144,12 @@ DECLARED: dict[str, list[tuple[str, dict[str, str]]]] = {
         ("/models/tiny-2l/residual/L0H1/L1H2.V", {}),  # a value output read through W_U
         ("/models/tiny-ln/residual/L0H1/unembed", {"basis": "raw"}),
     ],
+    "copying-all": [
+        ("/models/tiny-2l/copying", {}),
+        ("/models/tiny-2l/copying", {"rows": "20", "k": "3"}),  # a sample of source rows, drawn with seed 0
+        ("/models/tiny-2l/copying", {"heads": "L1H2"}),  # the head page's panel
+        ("/models/tiny-ln/copying", {}),
+    ],
     "composition-pair": [("/models/tiny-2l/composition/L0H1/L1H2", {}), ("/models/tiny-2l/composition/L0H3/L1H0", {})],
     "prompt": [
         ("/models/tiny-2l/prompt", {"prompt": PROMPT, "heads": "L1H2,L0H3"}),
@@ -162,7 +168,6 @@ NOT_PANELS = {
 }
 # panels that offer no "copy as Python" yet: the list only shrinks (a new analysis must offer one)
 WITHOUT_SNIPPET = {
-    "copying-all",
     "positivity",
     "positional",
     "residual-usage",
