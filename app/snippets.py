@@ -587,3 +587,33 @@ with torch.no_grad():
         )
 result = {{"heads": heads}}
 """
+
+
+def expert_ov_body(p: Any, view: Any) -> str:
+    """An MLP writer's token table expert(ln2(W_E[t])) W_U: its global top-k over the ranked tokens, or one token's
+    row, with the router's weight of each row's token alone (None on a dense MLP)."""
+    ranked = "None  # every token" if view.token_ids is None else f"torch.tensor({view.token_ids!r})  # the ranked set"
+    if view.token is None:
+        search = f"""with torch.no_grad():
+    values, rows, cols = expert_circuits.full_expert_circuit(model, writer, ids).topk_global({view.k})
+if ids is not None:
+    rows, cols = ids[rows], ids[cols]
+"""
+    else:
+        t = view.token.id
+        line = f"expert_circuits.expert_row(model, writer, {t})"
+        search = _ranked_line(line, t, view.k) + "rows, cols = tokens, others\n"
+    return f"""from circuits_core.circuits import expert_circuits
+from circuits_core.circuits.stream_components import parse_writer
+
+writer = parse_writer(model, {view.mlp!r})
+ids = {ranked}
+{search}with torch.no_grad():
+    route = expert_circuits.direct_route_weights(model, writer, rows)  # [k] router weights (1: dense)
+result = {{
+    "entries": [
+        {{"row": {{"id": int(r)}}, "col": {{"id": int(c)}}, "value": float(v)}} for v, r, c in zip(values, rows, cols)
+    ],  # (input token, output token, logit)
+    "route_weight": route.tolist(),
+}}
+"""
