@@ -617,3 +617,28 @@ result = {{
     "route_weight": route.tolist(),
 }}
 """
+
+
+def residual_usage_body(p: Any, view: Any) -> str:
+    """How the writers use the residual stream: every component's effective rank and subspace dims, the bandwidth
+    (each direction's load), and this answer's rows of the overlap tables (the erasure table is left to the JSON)."""
+    rows = f"slice({view.writers_from}, {view.writers_from + len(view.rows)})"
+    return f"""from circuits_core.circuits import residual_stream as rs
+
+with torch.no_grad():
+    usage = rs.stream_usage(model, energy={view.energy!r}, offset={p.offset})
+bw = usage.bandwidth
+rows = {rows}  # this answer's writer rows (a page of them)
+result = {{
+    "writers": list(usage.writers),
+    "readers": list(usage.readers),
+    "effective_rank": dict(usage.effective_rank),  # (sum s^2)^2 / sum s^4 of each component
+    "dims": dict(usage.dims),  # its subspace: top singular directions holding {view.energy:g} of sum s^2
+    "d_model": bw.d_model,
+    "total_dims": bw.total_dims,
+    "load": list(bw.load),  # eigenvalues of sum_w U_w U_w^T: the writers sharing each direction
+    "used_dims": bw.used_dims,
+    "overlap": usage.overlap[rows].tolist(),  # mean cos^2 of the principal angles, [writer rows, writers + readers]
+    "overlap_excess": usage.overlap_excess[rows].tolist(),  # above chance
+}}
+"""

@@ -150,6 +150,11 @@ DECLARED: dict[str, list[tuple[str, dict[str, str]]]] = {
         ("/models/tiny-2l/copying", {"heads": "L1H2"}),  # the head page's panel
         ("/models/tiny-ln/copying", {}),
     ],
+    "residual-usage": [
+        ("/models/tiny-2l/residual/usage", {}),
+        ("/models/tiny-2l/residual/usage", {"energy": "0.6", "writers_from": "2", "writers_shown": "3"}),
+        ("/models/tiny-ln/residual/usage", {"basis": "raw"}),  # the JSON link keeps the page's basis
+    ],
     "composition-pair": [("/models/tiny-2l/composition/L0H1/L1H2", {}), ("/models/tiny-2l/composition/L0H3/L1H0", {})],
     "prompt": [
         ("/models/tiny-2l/prompt", {"prompt": PROMPT, "heads": "L1H2,L0H3"}),
@@ -174,7 +179,6 @@ NOT_PANELS = {
 WITHOUT_SNIPPET = {
     "positivity",
     "positional",
-    "residual-usage",
 }
 
 
