@@ -134,8 +134,10 @@ def measure() -> None:
     """The in-process goals (the model is freed when this returns, before the HTTP server loads its own)."""
     from app.views.shared.heads_table import build_heads_view
     from circuits_core.circuits import virtual_weight_table as vwt
+    from circuits_core.circuits.composition import GRAM_BLOCK
     from circuits_core.circuits.composition_rotary import composition_profiles
     from circuits_core.circuits.copying_spectra import ov_copying_scores
+    from circuits_core.circuits.stream_grams import block_for
     from circuits_core.formats.checkpoint import load_checkpoint
     from circuits_core.prompt.paths import expand_logits
 
@@ -159,7 +161,9 @@ def measure() -> None:
             lambda: expand_logits(model, tokens, 1000, max_order=2, by_source=False, max_elements=4_000_000_000),
             3,
         )
-        goal("virtual weights, all pairs", lambda: vwt.all_scores(model), 3)
+        goal(f"virtual weights, all pairs (block {block_for(model.device)})", lambda: vwt.all_scores(model), 3)
+        seconds, _ = timed(lambda: vwt.all_scores(model, block=GRAM_BLOCK))  # the CPU's block, side by side
+        line(f"virtual weights, all pairs (block {GRAM_BLOCK}, the CPU's)", seconds, 3)
 
 
 def measure_70b(deadline: float) -> None:

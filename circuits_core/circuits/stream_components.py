@@ -27,6 +27,7 @@ per query head. Weights are used as loaded (LN weight and centring inside them w
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Literal
 
@@ -114,6 +115,13 @@ def reaches(model: Transformer, writer: Writer, reader: Reader) -> bool:
     if writer.kind == "pos" and model.cfg.positional_embedding_type == "shortformer":
         return reader.role in ("Q", "K")
     return writer.slot() < reader.slot(model)
+
+
+def earlier_writers(model: Transformer, ws: list[Writer], rs: list[Reader]) -> list[int]:
+    """Per reader, how many of `ws` (in write order, as writers(model) lists them) were written before it reads."""
+    slots = [w.slot() for w in ws]
+    assert slots == sorted(slots), "the writers must be listed in the order they write"
+    return [bisect_left(slots, r.slot(model)) for r in rs]
 
 
 # -- the components of a model --------------------------------------------------------------------------

@@ -18,13 +18,14 @@ from circuits_core.circuits.stream_components import (
     Chain,
     Reader,
     Writer,
+    earlier_writers,
     reaches,
     reader_chain,
     readers,
     writer_chain,
     writers,
 )
-from circuits_core.circuits.stream_grams import inner_products_flops
+from circuits_core.circuits.stream_grams import block_for, inner_products_flops
 from circuits_core.model.transformer import Transformer
 
 
@@ -37,10 +38,10 @@ def all_scores_flops(model: Transformer) -> int:
     L, H, d, dh = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
     heads = L * H * (4 * d * dh**2 + 12 * d * dh**2 + 8 * dh**3)
     ws, rs = writers(model), readers(model)
-    slots = [w.slot() for w in ws]
-    limits = [sum(s < r.slot(model) for s in slots) for r in rs]
+    limits = earlier_writers(model, ws, rs)
     ranks = [_rank(model, w.kind) for w in ws] + [_rank(model, r.role) for r in rs]
-    return heads + inner_products_flops(d, ranks, limits) + random_baseline_cost(d, dh).flops
+    block = block_for(model.device)
+    return heads + inner_products_flops(d, ranks, limits, block) + random_baseline_cost(d, dh).flops
 
 
 def _rank(model: Transformer, kind: str) -> int:

@@ -21,8 +21,19 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.composition import block_pairs, gram_block_size
+from circuits_core.circuits.composition import GRAM_BLOCK, block_pairs, gram_block_size
 from circuits_core.cost import check_stop
+
+# Column block on a GPU: the blocked loop below launches one small product per side and block pair, and at
+# Llama-3.1-8B shape with GRAM_BLOCK (528 block pairs, 119,328 products) the H200 run spent its time launching them
+# (bench/RESULTS.md); 256 makes 136 pairs, with block buffers of (writers + readers) x 256^2 numbers (1.1 GiB).
+DEVICE_GRAM_BLOCK = 256
+
+
+def block_for(device: torch.device) -> int:
+    """The Gram column block inner_products uses on `device`: GRAM_BLOCK on the CPU (cache-sized), else
+    DEVICE_GRAM_BLOCK."""
+    return GRAM_BLOCK if device.type == "cpu" else DEVICE_GRAM_BLOCK
 
 
 @dataclass
@@ -54,16 +65,17 @@ def inner_products(
     should_stop: Callable[[], bool] | None = None,
     what: str = "Gram inner products",
     limits: list[int] | None = None,
+    block: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(<G_i, H_j>_F [sum of left N, sum of right N], tr(G_i) [left N], tr(H_j) [right N]).
 
     The traces come from the diagonal blocks on the way. limits (optional, one per right row, non-decreasing):
     right row j needs only the first limits[j] left rows (a reader only sees the writers before it); the other
-    entries are left 0.
+    entries are left 0. block: the Gram column block (default: block_for the factors' device).
     """
     ref = (left + right)[0].F
     d = int(ref.shape[-1])
-    size = gram_block_size(d)
+    size = gram_block_size(d, block or block_for(ref.device))
     pairs, weights = block_pairs(d, size)
     NL, NR = sum(s.n for s in left), sum(s.n for s in right)
     lim = torch.tensor(limits if limits is not None else [NL] * NR)
@@ -91,10 +103,11 @@ def inner_products(
     return out, traces[:NL], traces[NL:]
 
 
-def inner_products_flops(d: int, ranks: list[int], limits: list[int]) -> int:
+def inner_products_flops(d: int, ranks: list[int], limits: list[int], block: int = GRAM_BLOCK) -> int:
     """FLOPs of inner_products over sides whose Grams G = F^T F2 have inner dimensions `ranks` (one per Gram, left and
-    right sides together: r of each F [r, d]), and `limits` (one per right row: the left rows it multiplies): per
-    block pair, each Gram's block [s, r] @ [r, s] and each right row's products with its left rows' blocks."""
-    size = gram_block_size(d)
+    right sides together: r of each F [r, d]), and `limits` (one per right row: the left rows it multiplies), in
+    column blocks of `block`: per block pair, each Gram's block [s, r] @ [r, s] and each right row's products with
+    its left rows' blocks."""
+    size = gram_block_size(d, block)
     pairs = len(block_pairs(d, size)[0])
     return 2 * pairs * size * size * (sum(ranks) + sum(limits))

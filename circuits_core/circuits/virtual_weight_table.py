@@ -14,7 +14,6 @@ factors like the others: W_E_eff [d_vocab, d] (materialised once, the LN applied
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,6 +28,7 @@ from circuits_core.circuits.stream_components import (
     SHARED,
     Reader,
     Writer,
+    earlier_writers,
     experts,
     has_pos_writer,
     mlp_input,
@@ -41,7 +41,7 @@ from circuits_core.circuits.stream_components import (
     writers,
 )
 from circuits_core.circuits.stream_flops import all_scores_flops
-from circuits_core.circuits.stream_grams import GramSide, factors, inner_products
+from circuits_core.circuits.stream_grams import GramSide, block_for, factors, inner_products
 from circuits_core.circuits.virtual_weights import analytic_baseline
 from circuits_core.cost import Cost, itemsize
 from circuits_core.model.transformer import Transformer
@@ -127,18 +127,17 @@ def reach_mask(model: Transformer, ws: list[Writer], rs: list[Reader]) -> Tensor
 
 
 def all_scores(
-    model: Transformer, offset: int = 0, should_stop: Callable[[], bool] | None = None
+    model: Transformer, offset: int = 0, should_stop: Callable[[], bool] | None = None, block: int | None = None
 ) -> VirtualWeightScores:
-    """Scores of every writer x reader pair from blocked d x d Grams (see the module docstring)."""
+    """Scores of every writer x reader pair from blocked d x d Grams (see the module docstring); `block`: the
+    Grams' column block (default: stream_grams.block_for the model's device)."""
     ws, rs = writers(model), readers(model)
-    slots = [w.slot() for w in ws]  # non-decreasing
-    assert slots == sorted(slots), "writers(model) lists the writers in the order they write"
-    limits = [bisect_left(slots, r.slot(model)) for r in rs]  # writers written before the reader reads
+    limits = earlier_writers(model, ws, rs)  # per reader, the writers written before it reads
     with torch.no_grad():
         wg, rg = writer_groups(model), reader_groups(model, offset)
         assert [w for g, _ in wg for w in g] == ws and [r for g, _ in rg for r in g] == rs
         num_sq, w_sq, r_sq = inner_products(
-            [s for _, s in wg], [s for _, s in rg], should_stop, "virtual weight scores", limits
+            [s for _, s in wg], [s for _, s in rg], should_stop, "virtual weight scores", limits, block
         )  # traces: ||W_w||^2, ||W_r||^2
         raw = num_sq.clamp_min(0).sqrt() / (w_sq[:, None].sqrt() * r_sq[None, :].sqrt())
     mask = reach_mask(model, ws, rs)
@@ -154,7 +153,7 @@ def all_scores_cost(model: Transformer) -> Cost:
     W_E_eff, one block of every Gram and the [Nw, Nr] tables; answer: two tables plus the names."""
     cfg = model.cfg
     L, H, d, dh = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
-    size = gram_block_size(d)
+    size = gram_block_size(d, block_for(model.device))
     n_mlp = 0  # hidden units of every MLP input (each expert's, shared ones, dense layers') and router columns
     for layer in range(0 if cfg.attn_only else L):
         n_mlp += sum(mlp_width(model, layer, e) for e in experts(model, layer))

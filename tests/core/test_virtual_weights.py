@@ -125,10 +125,11 @@ def _dense_score(W, R):
 
 
 # -- tests ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("block", [None, 8], ids=["default-block", "block-8"])  # (8: several column blocks)
 @pytest.mark.parametrize("name", ALL)
-def test_every_virtual_weight_and_score_equals_the_dense_product(name):
+def test_every_virtual_weight_and_score_equals_the_dense_product(name, block):
     model = _model(name)
-    scores = vwt.all_scores(model)
+    scores = vwt.all_scores(model, block=block)
     assert [w.name for w in scores.writers] == [w.name for w in sc.writers(model)]
     checked = 0
     for i, w in enumerate(scores.writers):
