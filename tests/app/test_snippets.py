@@ -177,7 +177,8 @@ NOT_PANELS = {
 }
 # panels that offer no "copy as Python" yet, and why: the list only shrinks (a new analysis must offer one)
 WITHOUT_SNIPPET = {
-    "positivity": "the overview's scatter: two columns of the heads table (heads-python gives its detector scores); its "
+    "positivity": "the overview's scatter: two columns of the heads table (heads-python gives its detector "
+    "scores); its "
     "K-composition column is measured by prompt.head_table against the previous-token head heads_that_matter picks, "
     "a snippet of that pass is not written yet",
     "positional": "f(δ) reads μ_l, the mean normalised residual on the model's reference text, which the server "
