@@ -642,3 +642,28 @@ result = {{
     "overlap_excess": usage.overlap_excess[rows].tolist(),  # above chance
 }}
 """
+
+
+def positional_body(p: Any, view: Any) -> str:
+    """A rotary (or ALiBi) head's positional kernel f(δ) = μ_l Ω(δ) μ_l^T / s, μ_l measured on the reference text as
+    the server measures it (the text tokenised, or without a tokenizer seeded random ids)."""
+    ref = view.reference
+    if ref.tokenized:
+        tokens = f"torch.tensor([loaded.tokenizer.encode(rotary.REFERENCE_TEXT)[: model.cfg.n_ctx]])  # {ref.name}"
+    else:
+        tokens = (
+            f"torch.randint(0, model.cfg.d_vocab, (1, {ref.n_tokens}), generator=torch.Generator().manual_seed(0))"
+            "  # no tokenizer: seeded random ids"
+        )
+    return f"""from circuits_core.circuits import alibi_kernel, rotary
+from circuits_core.model.head_names import parse_head
+
+layer, h = parse_head({view.head!r}, model.cfg)
+tokens = {tokens}
+offsets = torch.arange({len(view.offsets)})  # δ = 0..{len(view.offsets) - 1}
+with torch.no_grad():
+    mu = rotary.reference_means(model, tokens)  # [n_layers, d_model]: mean ln1 output, the first token left out
+    kernel_of = rotary.positional_kernel if model.cfg.alibi is None else alibi_kernel.positional_kernel
+    kernel = kernel_of(model, mu, offsets)[layer, h]  # [n]
+result = {{"offsets": offsets.tolist(), "kernel": kernel.tolist(), "peak_offset": int(offsets[int(kernel.argmax())])}}
+"""

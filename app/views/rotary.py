@@ -103,6 +103,7 @@ POSITIONAL = Analysis(
     cost=positional_cost,
     tags=["rotary"],
     summary="Positional kernel f(δ) = μ Ω(δ) μᵀ / √d_head of a rotary head",
+    snippet=snippets.positional_body,
 )
 
 

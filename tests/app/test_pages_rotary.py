@@ -118,6 +118,8 @@ def test_heads_table_flags_kernel_peaks_at_the_window_edge(client: TestClient): 
     [
         ("rotary-bands", {}),
         ("rotary-bands", {"basis": "raw"}),
+        ("positional", {}),
+        ("positional", {"basis": "raw"}),
         ("qk-copying-offset", {}),
         ("qk-copying-offset", {"offset": "5"}),
         ("qk", {"offset": "3"}),  # the QK table at δ = 3

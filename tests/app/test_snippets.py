@@ -165,6 +165,7 @@ DECLARED: dict[str, list[tuple[str, dict[str, str]]]] = {
 DECLARED_ELSEWHERE = {
     "rotary-bands": "tests/app/test_pages_rotary.py",  # a rotary model
     "qk-copying-offset": "tests/app/test_pages_rotary.py",
+    "positional": "tests/app/test_pages_rotary.py",
     "expert-ov": "tests/app/test_residual.py",  # a model with MLPs
 }
 # snippets a page's context builds from what it knows (tested above, or in test_pages_rotary.py)
@@ -177,13 +178,9 @@ NOT_PANELS = {
 }
 # panels that offer no "copy as Python" yet, and why: the list only shrinks (a new analysis must offer one)
 WITHOUT_SNIPPET = {
-    "positivity": "the overview's scatter: two columns of the heads table (heads-python gives its detector "
-    "scores); its "
-    "K-composition column is measured by prompt.head_table against the previous-token head heads_that_matter picks, "
-    "a snippet of that pass is not written yet",
-    "positional": "f(δ) reads μ_l, the mean normalised residual on the model's reference text, which the server "
-    "measures once and keeps (app/views/shared/rotary_reference.py): a snippet must write that text out and repeat "
-    "the pass; not written yet",
+    "positivity": "the overview's scatter: two columns of the heads table (heads-python gives its detector scores); "
+    "its K-composition column is measured by prompt.head_table against the previous-token head heads_that_matter "
+    "picks, and a snippet of that pass is not written yet",
 }
 
 
