@@ -7,6 +7,7 @@ from __future__ import annotations
 import html
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -14,6 +15,10 @@ from fastapi.testclient import TestClient
 
 from app.analysis import Analysis
 from app.catalog import ANALYSES
+from app.main import create_app
+from app.settings import Settings
+from circuits_core.model.config import ModelConfig
+from tests.app.conftest import save_qkov, train_tokenizer
 
 FILTERED = sorted(a.name for a in ANALYSES if isinstance(a, Analysis) and a.page and a.page.head_filter)
 M = "tiny-2l"
@@ -78,3 +83,36 @@ def test_unreadable_filter_is_refused_with_the_syntax(client: TestClient, name: 
     r = client.get(page_of(name), params={"filter": "inductoin > 0.4"})
     assert r.status_code == 422
     assert "fields: layer, head, induction" in html.unescape(r.text)
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    """A random model of SmolLM2's head grid (30 layers x 9 heads), narrow enough to be cheap."""
+    root = tmp_path_factory.mktemp("deep")
+    tok = train_tokenizer()
+    cfg = ModelConfig(
+        n_layers=30, d_model=16, n_heads=9, d_head=4, d_vocab=tok.get_vocab_size(), n_ctx=32,
+        positional_embedding_type="standard",
+    )  # fmt: skip
+    save_qkov(root / "deep", cfg, tok, seed=7)
+    settings = Settings(shipped_dir=root, models_dir=None, store_url="off", dtype="float64")
+    with TestClient(create_app(settings)) as client:
+        yield client
+
+
+@pytest.mark.parametrize(
+    ("page", "chart"), [("qk-circuit-norm", "deep-qk-circuit-norm"), ("attention-entropy", "deep-entropy")]
+)
+def test_per_head_heat_maps_give_each_of_30_layers_a_label(deep: TestClient, page: str, chart: str) -> None:
+    """At 30 layers the per-head heat maps label every layer and are tall enough for one label per row (13 px each,
+    beside 170 px of margins); they were drawn at plotly's default 450 px, 7 px a row, their labels run together (the
+    SmolLM2 browser test checks the drawn labels do not overlap)."""
+    r = deep.get(f"/models/deep/{page}")
+    assert r.status_code == 200, r.text
+    for spec in re.findall(rf'data-name="{chart}">\s*<script type="application/json">(.*?)</script>', r.text, re.S):
+        fig = json.loads(spec)
+        assert fig["data"][0]["y"] == [f"L{layer}" for layer in range(30)]
+        assert fig["layout"]["yaxis"]["dtick"] == 1
+        assert (fig["layout"]["height"] - 170) / 30 >= 13
+        return
+    raise AssertionError(f"no chart {chart}")
