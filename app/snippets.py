@@ -667,3 +667,35 @@ with torch.no_grad():
     kernel = kernel_of(model, mu, offsets)[layer, h]  # [n]
 result = {{"offsets": offsets.tolist(), "kernel": kernel.tolist(), "peak_offset": int(offsets[int(kernel.argmax())])}}
 """
+
+
+def positivity_body(p: Any, view: Any) -> str:
+    """The overview's scatter: every head above the previous-token head's layer, its OV copying score against the
+    positivity of its K-composition term with that head, both from the heads table's pass on BOS + r + r."""
+    inp = view.detector_input
+    return f"""import math
+
+from circuits_core.model.head_names import head_name, parse_head
+from circuits_core.prompt.detectors import repeated_random_tokens
+from circuits_core.prompt.head_table import head_table
+
+tokens = repeated_random_tokens(model.cfg.d_vocab, {inp.seq_len}, {inp.batch}, seed={inp.seed}, bos={inp.bos!r})
+with torch.no_grad():
+    table = head_table(model, tokens)  # detectors, then the full circuits' spectra and the 2-D induction view
+prev = table.induction.previous_token_head  # chosen from the detector scores (the heads that matter)
+positivity = table.induction.qk_k_composition  # [L, H]: K-composition term with prev, positive part's share
+above = parse_head(prev, model.cfg)[0]
+result = {{
+    "previous_token_head": prev,
+    "points": [
+        {{
+            "head": head_name(layer, h),
+            "ov_copying": float(table.ov_copying[layer, h]),
+            "k_composition_positivity": float(positivity[layer, h]),
+        }}
+        for layer in range(above + 1, model.cfg.n_layers)
+        for h in range(model.cfg.n_heads)
+        if math.isfinite(float(positivity[layer, h]))
+    ],
+}}
+"""

@@ -167,6 +167,7 @@ DECLARED_ELSEWHERE = {
     "qk-copying-offset": "tests/app/test_pages_rotary.py",
     "positional": "tests/app/test_pages_rotary.py",
     "expert-ov": "tests/app/test_residual.py",  # a model with MLPs
+    "positivity": "test_positivity_snippet below",  # the shipped toy-2l: the scatter needs an induction head
 }
 # snippets a page's context builds from what it knows (tested above, or in test_pages_rotary.py)
 CONTEXT_BUILT = {"composition", "qk-paths", "paths", "detectors", "ov", "composition-profile"}
@@ -177,11 +178,7 @@ NOT_PANELS = {
     "summary": "API only: the overview's measured card is read off the heads table, whose snippet gives its scores",
 }
 # panels that offer no "copy as Python" yet, and why: the list only shrinks (a new analysis must offer one)
-WITHOUT_SNIPPET = {
-    "positivity": "the overview's scatter: two columns of the heads table (heads-python gives its detector scores); "
-    "its K-composition column is measured by prompt.head_table against the previous-token head heads_that_matter "
-    "picks, and a snippet of that pass is not written yet",
-}
+WITHOUT_SNIPPET = {}
 
 
 def test_every_analysis_offers_a_snippet_or_is_listed() -> None:
@@ -245,4 +242,25 @@ def test_declared_snippet_reproduces_its_json_twin(
     result = run(code)
     answer = client.get(json_twin(page.text, analysis, path.split("/")[2])).json()
     assert result and set(result) <= set(answer)
+    same(result, answer)
+
+
+def test_positivity_snippet() -> None:
+    """The overview's scatter (drawn only on a model with an induction head: the shipped, trained toy-2l), its
+    snippet run as a notebook would, against the positivity JSON the panel links."""
+    from pathlib import Path
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    shipped = Path(__file__).resolve().parents[2] / "checkpoints"
+    if not (shipped / "toy-2l").exists():
+        pytest.skip("the shipped checkpoints are not in this tree")
+    settings = Settings(shipped_dir=shipped, models_dir=None, store_url="off", dtype="float64")
+    with TestClient(create_app(settings)) as client:
+        page = client.get("/models/toy-2l")
+        assert page.status_code == 200 and "positivity-scatter" in page.text
+        result = run(snippets_in(page.text)["positivity-python"])
+        answer = client.get(json_twin(page.text, "positivity", "toy-2l")).json()
+    assert result["points"] and set(result) <= set(answer)
     same(result, answer)
