@@ -13,7 +13,7 @@ running that analysis offers (app/routers/rendering.py PageCall.run; tests/app/t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -173,16 +173,6 @@ ids = {ranked}
 # -- declared snippets: (params, view) -> the engine calls after the load (Analysis.snippet) ------------------------
 def _ids(view: Any) -> list[int]:
     return [t.id for t in view.tokens]
-
-
-def qk_circuit_norm_body(p: Any, view: Any) -> str:
-    """Every head's ||W_Q W_K^T||_F."""
-    return """from circuits_core.circuits import qk_circuit_norm
-
-with torch.no_grad():
-    norms = qk_circuit_norm.qk_circuit_norms(model)  # [n_layers, n_heads]
-result = {"norms": norms.tolist()}
-"""
 
 
 def attention_entropy_body(p: Any, view: Any) -> str:
@@ -383,13 +373,15 @@ with torch.no_grad():
 """
 
 
-def ov_effective_rank_body(p: Any, view: Any) -> str:
-    """Every head's participation ratio of the singular values of W_V W_O."""
-    return """from circuits_core.circuits import ov_effective_rank
+def per_head_body(values: Callable[..., Any], field: str) -> str:
+    """One number per head (app/views/shared/per_head.py): the analysis's engine function, whose [n_layers, n_heads]
+    answer the JSON holds under `field`."""
+    package, module = values.__module__.rsplit(".", 1)
+    return f"""from {package} import {module}
 
 with torch.no_grad():
-    ranks = ov_effective_rank.ov_effective_ranks(model)  # [n_layers, n_heads]: (sum s^2)^2 / sum s^4
-result = {"ranks": ranks.tolist()}
+    values = {module}.{values.__name__}(model)  # [n_layers, n_heads]
+result = {{{field!r}: values.tolist()}}
 """
 
 

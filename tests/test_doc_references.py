@@ -14,6 +14,9 @@ CITATION = re.compile(r"docs/(\w+)\.md ((?:§[\d.]+(?:-[\d.]+)?(?:, )?)+)")
 SECTION = re.compile(r"§(\d+(?:\.\d+)?)(?:-(\d+(?:\.\d+)?))?")
 HEADING = re.compile(r"^#{2,3} (\d+(?:\.\d+)?)\.? ", re.M)
 OUTSIDE = re.compile(r"paper-math|rotary-circuits\.md|attention-variants\.md")
+# a document of docs/ named without its folder ("design.md, ..."), which reads as the old reference file of that name
+# (a path built in code, "docs" / "x.md", is not one)
+BARE = re.compile(r"(?<![/\w\"'])(design|maths|serving|glossary)\.md")
 
 
 def headings(doc: str) -> set[str]:
@@ -43,3 +46,9 @@ def test_the_code_cites_no_document_outside_the_repository() -> None:
     outside = [str(p.relative_to(ROOT)) for p in CODE if p.resolve() != Path(__file__).resolve()
                and OUTSIDE.search(p.read_text())]  # fmt: skip
     assert not outside, f"references to documents that do not ship: {outside}"
+
+
+def test_the_code_names_docs_by_their_path() -> None:
+    bare = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in CODE if p.resolve() != Path(__file__).resolve()
+            for m in BARE.finditer(p.read_text())]  # fmt: skip
+    assert not bare, f"cite docs/<name>.md, not a bare name: {bare}"

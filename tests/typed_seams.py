@@ -7,6 +7,7 @@ its ignore would be unused and `make lint` fails. The right declarations carry n
 - An Analysis whose builder or cost takes other params than it declares, or whose builder returns another view.
 - A Page whose context reads other page params than the page declares.
 - PageCall.run given params of another analysis; its answer is the analysis's view type.
+- A per-head analysis (app/views/shared/per_head.py) whose engine function or cost does not take the model.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import assert_type
 
 from pydantic import BaseModel
+from torch import Tensor
 
 from app.analysis import Analysis, AnalysisParams
 from app.params import DetectorParams
@@ -23,6 +25,8 @@ from app.schemas import DetectorsView
 from app.settings import Limits
 from app.views.circuits import DIRECT
 from app.views.detectors import DETECTORS
+from app.views.shared.per_head import PerHeadAnalysis, per_head_analysis
+from circuits_core.circuits import qk_circuit_norm
 from circuits_core.cost import Cost
 from circuits_core.formats.checkpoint import LoadedModel
 
@@ -68,3 +72,26 @@ async def page_runs(call: PageCall[DetectorPageParams]) -> None:
     assert_type(call.params, DetectorPageParams)
     assert_type(await call.run(DETECTORS, DetectorParams()), DetectorsView)
     await call.run(DIRECT, DetectorParams())  # type: ignore[misc]
+
+
+def per_loaded(loaded: LoadedModel) -> Tensor:
+    return qk_circuit_norm.qk_circuit_norms(loaded.model)
+
+
+def priced_loaded(loaded: LoadedModel) -> Cost:
+    return Cost(0)
+
+
+RIGHT_PER_HEAD = per_head_analysis(
+    qk_circuit_norm.qk_circuit_norms, qk_circuit_norm.cost, name="r", field="r", summary="", title="R", quantity="",
+    explanation="", nav=None,
+)  # fmt: skip
+assert_type(RIGHT_PER_HEAD, PerHeadAnalysis)
+WRONG_ENGINE = per_head_analysis(
+    per_loaded, qk_circuit_norm.cost, name="e", field="e", summary="", title="E", quantity="",  # type: ignore[arg-type]
+    explanation="", nav=None,
+)  # fmt: skip
+WRONG_PRICE = per_head_analysis(
+    qk_circuit_norm.qk_circuit_norms, priced_loaded, name="p", field="p", summary="", title="P", quantity="",  # type: ignore[arg-type]
+    explanation="", nav=None,
+)  # fmt: skip

@@ -1,5 +1,5 @@
-"""Where every heavy computation runs (design.md, "Cheap work and heavy work"): one engine estimate decides how a
-request runs, then a bounded pool of compute slots, jobs, an encoded-answer cache, single-flight and stop flags.
+"""Where every heavy computation runs (docs/design.md §3, "Cheap work and heavy work"): one engine estimate decides
+how a request runs, then a bounded pool of compute slots, jobs, an encoded-answer cache, single-flight and stop flags.
 
 `await compute(fn, *args, key=..., cost=..., lower=..., **kwargs)` runs `fn(*args, **kwargs)` in a worker thread
 and returns its result; `await compute_json(...)` (same arguments) returns the answer's encoded JSON bytes.

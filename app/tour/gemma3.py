@@ -13,22 +13,20 @@ hand); tests/app/test_tour_gemma3.py recomputes every value independently and fa
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from app.registry import ModelRegistry
 from app.settings import Limits
-from app.tour.figure_data import TourData, TourFigure
+from app.tour.chapter import ChapterFigure, Measured, chapter_figures, load_or_reason
+from app.tour.figure_data import TourFigure
 from app.views.shared.inputs import token_text
 from circuits_core.circuits.qk_forms import QK_FORMS, token_rho
 from circuits_core.cost import Cost
 from circuits_core.errors import QkovError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.head_names import head_name
-
-log = logging.getLogger("qkov.tour")
 
 GEMMA3_MODEL = "gemma3-270m"
 WINDOW_PROBE = 600  # random tokens after BOS: past the 512-token window
@@ -113,46 +111,24 @@ SPECS = (
 
 def gemma3_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure]:
     """G1, G2 on Gemma-3 270M; `available: false` with the reason when the model or a figure cannot be computed."""
-    try:
-        loaded: LoadedModel | None = registry.get(GEMMA3_MODEL)
-        missing = None
-    except QkovError as exc:
-        loaded, missing = None, f"model {GEMMA3_MODEL!r} is not available: {exc}"
-    figures = []
-    for fid, title, measure, path, look_for in SPECS:
-        base = {"id": fid, "title": title, "anchor": PAPER, "model": GEMMA3_MODEL}
-        if loaded is None:
-            figures.append(TourFigure(**base, look_for=look_for, link=None, api=None, available=False,
-                                      detail=missing, data=None))  # fmt: skip
-            continue
-        try:
-            with torch.no_grad():
-                sentence, values = measure(loaded)
-        except QkovError as exc:
-            log.info("tour figure %s not available: %s", fid, exc)
-            figures.append(TourFigure(**base, look_for=look_for, link=None, api=None, available=False,
-                                      detail=str(exc), data=None))  # fmt: skip
-            continue
-        figures.append(
-            TourFigure(
-                **base,
-                look_for=f"{look_for} Measured: {sentence}",
-                link=f"/models/{GEMMA3_MODEL}/{path}",
-                api=f"/api/v1/models/{GEMMA3_MODEL}/{path}",
-                available=True,
-                data=TourData(claim=values),
-            )  # fmt: skip
-        )
-    return figures
+    measures = {fid: (measure, path) for fid, _, measure, path, _ in SPECS}
+
+    def measured(fig: ChapterFigure, loaded: LoadedModel) -> Measured:
+        measure, path = measures[fig.id]
+        sentence, values = measure(loaded)
+        return Measured(sentence, values, f"/models/{GEMMA3_MODEL}/{path}", f"/api/v1/models/{GEMMA3_MODEL}/{path}")
+
+    figures = [ChapterFigure(fid, title, PAPER, look_for) for fid, title, _, _, look_for in SPECS]
+    return chapter_figures(registry, GEMMA3_MODEL, figures, measured)
 
 
 def gemma3_chapter_cost(registry: ModelRegistry, limits: Limits) -> Cost:
     """One forward pass on BOS + WINDOW_PROBE tokens keeping every layer's pattern, and layer 0's key projection of the
     whole vocabulary; nothing when the model is missing."""
-    try:
-        cfg = registry.get(GEMMA3_MODEL).model.cfg
-    except QkovError:
+    loaded = load_or_reason(registry, GEMMA3_MODEL)
+    if isinstance(loaded, str):
         return Cost(0)
+    cfg = loaded.model.cfg
     n = WINDOW_PROBE + 1
     patterns = cfg.n_layers * cfg.n_heads * n * n * 4
     activations = n * max(cfg.d_vocab, 4 * (cfg.d_mlp or cfg.d_model)) * 4

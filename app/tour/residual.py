@@ -13,14 +13,14 @@ products and SVDs of the served weights) and fails when a sentence stops being t
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
 from app.registry import ModelRegistry
 from app.settings import Limits
-from app.tour.figure_data import TourData, TourFigure
+from app.tour.chapter import ChapterFigure, Measured, chapter_figures, load_or_reason
+from app.tour.figure_data import TourFigure
 from app.views.shared.inputs import token_text
 from app.views.shared.residual_inputs import ignored_note
 from circuits_core.circuits import erasure as stream_erasure
@@ -29,10 +29,7 @@ from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import virtual_weight_table as vwt
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.cost import Cost
-from circuits_core.errors import QkovError
 from circuits_core.formats.checkpoint import LoadedModel
-
-log = logging.getLogger("qkov.tour")
 
 PAPER = "https://transformer-circuits.pub/2021/framework/index.html"
 TOUR_MODEL = "toy-2l"
@@ -160,66 +157,24 @@ MEASURE = {
 
 def residual_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure]:
     """F2-F4 on toy-2l; `available: false` with the reason when the model or a figure cannot be computed."""
-    try:
-        loaded: LoadedModel | None = registry.get(TOUR_MODEL)
-        missing = None
-    except QkovError as exc:
-        loaded, missing = None, f"model {TOUR_MODEL!r} is not available: {exc}"
-    figures = []
-    for fid, title, anchor, look_for in SPECS:
 
-        def figure(
-            available: bool,
-            look: str = look_for,
-            detail: str | None = None,
-            path: str | None = None,
-            data: TourData | None = None,
-            fid: str = fid,
-            title: str = title,
-            anchor: str = anchor,
-        ) -> TourFigure:
-            return TourFigure(
-                id=fid,
-                title=title,
-                anchor=f"{PAPER}{anchor}",
-                look_for=look,
-                model=TOUR_MODEL,
-                link=f"/models/{TOUR_MODEL}/{path}" if path else None,
-                api=f"/api/v1/models/{TOUR_MODEL}/{path}" if path else None,
-                available=available,
-                detail=detail,
-                data=data,
-            )
+    def measured(fig: ChapterFigure, loaded: LoadedModel) -> Measured:
+        measure, path = MEASURE[fig.id]
+        sentence, values = measure(loaded)
+        path = path.format(reader=values.get("reader", ""))
+        return Measured(sentence, values, f"/models/{TOUR_MODEL}/{path}", f"/api/v1/models/{TOUR_MODEL}/{path}")
 
-        if loaded is None:
-            figures.append(figure(False, detail=missing))
-            continue
-        measure, path = MEASURE[fid]
-        try:
-            with torch.no_grad():
-                sentence, values = measure(loaded)
-        except QkovError as exc:
-            log.info("tour figure %s not available: %s", fid, exc)
-            figures.append(figure(False, detail=str(exc)))
-            continue
-        figures.append(
-            figure(
-                True,
-                look=f"{look_for} Measured: {sentence}",
-                path=path.format(reader=values.get("reader", "")),
-                data=TourData(claim=values),
-            )
-        )
-    return figures
+    figures = [ChapterFigure(fid, title, f"{PAPER}{anchor}", look_for) for fid, title, anchor, look_for in SPECS]
+    return chapter_figures(registry, TOUR_MODEL, figures, measured)
 
 
 def residual_chapter_cost(registry: ModelRegistry, limits: Limits) -> Cost:
     """F2-F4 one after another on toy-2l: the all-pairs scores (twice), one embedding pair report (priced as the
     largest one, embed -> unembed), the usage scan and the erasure scan; nothing when the model is missing."""
-    try:
-        m = registry.get(TOUR_MODEL).model
-    except QkovError:
+    loaded = load_or_reason(registry, TOUR_MODEL)
+    if isinstance(loaded, str):
         return Cost(0)
+    m = loaded.model
     scores = vwt.all_scores_cost(m)
     pair = vw.pair_cost(m, sc.Writer("embed"), sc.Reader("unembed"), 1, N_TOKENS)
     return scores.then(scores).then(pair).then(rs.usage_cost(m)).then(stream_erasure.erasure_cost(m))

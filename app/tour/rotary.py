@@ -14,7 +14,6 @@ Without the model the figures say so (`available: false`); the rest of the tour 
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 from urllib.parse import urlencode
 
@@ -23,7 +22,8 @@ import torch
 from app.params import NoParams
 from app.registry import ModelRegistry
 from app.settings import Limits
-from app.tour.figure_data import ClaimChart, TourData, TourFigure
+from app.tour.chapter import ChapterFigure, Measured, chapter_figures, load_or_reason
+from app.tour.figure_data import ClaimChart, TourFigure
 from app.views.shared.heads_table import build_heads_view
 from circuits_core.circuits import composition_rotary, rotary
 from circuits_core.circuits.rotary import KERNEL_WINDOW
@@ -36,8 +36,6 @@ from circuits_core.prompt import head_table, paths, qk_paths
 from circuits_core.prompt.frozen import frozen_run
 from circuits_core.prompt.paths import expand_logits
 from circuits_core.prompt.qk_paths import expand_scores
-
-log = logging.getLogger("qkov.tour")
 
 TOUR_MODEL = "smollm2-135m"
 THRESHOLD = 0.4  # a head "is" a previous-token / induction head above this detector score
@@ -263,59 +261,26 @@ FIGURE_CHARTS: dict[str, ClaimChart] = {"R1": "induction_heads", "R2": "logit_by
 
 def rotary_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure]:
     """The three SmolLM2 figures; `available: false` with the reason when the model or a figure cannot be computed."""
-    try:
-        loaded: LoadedModel | None = registry.get(TOUR_MODEL)
-        missing = None
-    except QkovError as exc:
-        loaded, missing = None, f"model {TOUR_MODEL!r} is not available (make smollm2): {exc}"
-    figures: list[TourFigure] = []
-    strongest: str | None = None
-    for fid, title, anchor, look_for in SPECS:
-        base: dict[str, Any] = {
-            "id": fid,
-            "title": title,
-            "anchor": f"{PAPER}{anchor}",
-            "model": TOUR_MODEL,
-            "link": None,
-            "api": None,
-            "data": None,
-            "look_for": look_for,
-        }
-        if loaded is None:
-            figures.append(TourFigure(**{**base, "available": False, "detail": missing}))
-            continue
-        try:
-            with torch.no_grad():
-                sentence, values, link, api = _measure(fid, loaded, limits, strongest)
-        except QkovError as exc:
-            log.info("tour figure %s not available: %s", fid, exc)
-            figures.append(TourFigure(**{**base, "available": False, "detail": str(exc)}))
-            continue
-        if fid == "R1" and values["induction"]:
-            strongest = values["induction"][0][0]
-        figures.append(
-            TourFigure(
-                **{
-                    **base,
-                    "available": True,
-                    "look_for": f"{look_for} Measured: {sentence}",
-                    "link": link,
-                    "api": api,
-                    "data": TourData(claim=values, claim_chart=FIGURE_CHARTS[fid]),
-                }
-            )
-        )
-    return figures
+    strongest: list[str] = []  # R1's strongest induction head, whose score terms R3 expands
+
+    def measured(fig: ChapterFigure, loaded: LoadedModel) -> Measured:
+        sentence, values, link, api = _measure(fig.id, loaded, limits, strongest[0] if strongest else None)
+        if fig.id == "R1" and values["induction"]:
+            strongest.append(values["induction"][0][0])
+        return Measured(sentence, values, link, api, claim_chart=FIGURE_CHARTS[fig.id])
+
+    figures = [ChapterFigure(fid, title, f"{PAPER}{anchor}", look_for) for fid, title, anchor, look_for in SPECS]
+    return chapter_figures(registry, TOUR_MODEL, figures, measured, hint="make smollm2")
 
 
 def chapter_cost(registry: ModelRegistry, limits: Limits) -> Cost:
     """The chapter's engine costs, one after another: the heads table (detectors, copying, kernel peaks), the K
     profiles of every (previous-token, induction) pair, the order-1 path expansion and the QK terms (free when the
     model is not installed). Loads the model, as the chapter itself does."""
-    try:
-        model = registry.get(TOUR_MODEL).model
-    except QkovError:
+    loaded = load_or_reason(registry, TOUR_MODEL, hint="make smollm2")
+    if isinstance(loaded, str):
         return Cost(0)
+    model = loaded.model
     n, rep = 1 + 2 * REPEAT, min(2 * heads.STANDARD_SEQ_LEN + 1, model.cfg.n_ctx)
     parts = [
         head_table.head_table_cost(model, rep, heads.STANDARD_BATCH, limits.matrix_budget_bytes),

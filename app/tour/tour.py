@@ -21,6 +21,7 @@ from urllib.parse import urlencode
 from app.registry import ModelRegistry
 from app.settings import Limits
 from app.tour import figures as figs
+from app.tour.chapter import load_or_reason
 from app.tour.claims import BASELINE_SAMPLES, BASELINE_TOP_SAMPLES, CLAIMS
 from app.tour.figure_data import TourData, TourFigure, TourView
 from app.tour.gemma3 import GEMMA3_MODEL, gemma3_chapter, gemma3_chapter_cost
@@ -314,14 +315,6 @@ def _figure(fig: Figure, models: dict[str, LoadedModel | str], limits: Limits) -
     return figure(True, link=link, api=api, data=data, look_for=look_for)
 
 
-def _load(registry: ModelRegistry, model_id: str) -> LoadedModel | str:
-    """The loaded model, or why it is not available."""
-    try:
-        return registry.get(model_id)
-    except QkovError as exc:
-        return f"model {model_id!r} is not available: {exc}"
-
-
 def tour_models(chapter: str) -> tuple[str, ...]:
     """The models a chapter of the tour reads."""
     if chapter == "smollm2":
@@ -333,7 +326,7 @@ def tour_models(chapter: str) -> tuple[str, ...]:
 
 def digest_or_dash(registry: ModelRegistry, model_id: str) -> str:
     """The digest of the model's answer-changing files (loading it, as the tour does), or "-" when unavailable."""
-    loaded = _load(registry, model_id)
+    loaded = load_or_reason(registry, model_id)
     return "-" if isinstance(loaded, str) else str(loaded.digest)
 
 
@@ -344,7 +337,7 @@ def build_tour_view(registry: ModelRegistry, limits: Limits, chapter: str = "pap
     if chapter in ("smollm2", "gemma3"):
         figures = (rotary_chapter if chapter == "smollm2" else gemma3_chapter)(registry, limits)
         return TourView(models={f.model: f.available for f in figures[:1] if f.model}, figures=figures)
-    models = {m: _load(registry, m) for m in TOUR_MODELS}
+    models = {m: load_or_reason(registry, m) for m in TOUR_MODELS}
     return TourView(
         models={m: not isinstance(v, str) for m, v in models.items()},
         figures=[*residual_chapter(registry, limits), *(_figure(fig, models, limits) for fig in FIGURES)],
@@ -361,7 +354,7 @@ def tour_cost(registry: ModelRegistry, limits: Limits, chapter: str = "paper") -
         return gemma3_chapter_cost(registry, limits)
     total = Cost(0)
     for name in TOUR_MODELS:
-        loaded = _load(registry, name)
+        loaded = load_or_reason(registry, name)
         if isinstance(loaded, str):
             continue
         m, b = loaded.model, limits.matrix_budget_bytes

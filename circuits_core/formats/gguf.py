@@ -1,4 +1,5 @@
-"""GGUF checkpoints (llama.cpp's single-file format): Llama, Qwen2, Qwen3 and Gemma 3.
+"""GGUF checkpoints (llama.cpp's single-file format): Llama, Qwen2, Qwen3 and Gemma 3, and the mixture-of-experts
+Mixtral, Qwen3-MoE and OLMoE (their experts: gguf_experts.py).
 
 The file carries the architecture and hyper-parameters as metadata (`{arch}.block_count`, ...), the tokenizer
 (`tokenizer.ggml.*`, gguf_tokenizer.py) and the tensors, most of them quantised (gguf_quants.py). The header is read
@@ -9,7 +10,8 @@ Layouts (ggml stores a linear layer like nn.Linear, [d_out, d_in] rows; Transfor
     blk.l.attn_q.weight [n_heads * d_head, d_model]  -> blocks.l.attn.W_Q  [n_heads, d_model, d_head]
     blk.l.attn_k/v      [n_kv * d_head, d_model]     -> blocks.l.attn._W_K/_W_V [n_kv, d_model, d_head]
     blk.l.attn_output   [d_model, n_heads * d_head]  -> blocks.l.attn.W_O  [n_heads, d_head, d_model]
-    blk.l.attn_q_norm/k_norm [d_head]                -> blocks.l.attn.q_norm.w / k_norm.w (QK-norm gains)
+    blk.l.attn_q_norm/k_norm [d_head]                -> blocks.l.attn.q_norm.w / k_norm.w (QK-norm gains; OLMoE's
+                                                        span the layer's heads: [n_heads * d_head], [n_kv * d_head])
     blk.l.ffn_gate/up   [d_mlp, d_model]             -> blocks.l.mlp.W_gate / W_in [d_model, d_mlp]
     blk.l.ffn_down      [d_model, d_mlp]             -> blocks.l.mlp.W_out [d_mlp, d_model]
     blk.l.attn_norm, ffn_norm, output_norm           -> ln1.w, ln2.w, ln_final.w (RMSNorm gains)
@@ -23,6 +25,9 @@ Per architecture (ARCHITECTURES):
   on the repeated half of a random sequence), so the config says `rotary_adjacent_pairs=True`. "qwen2", "qwen3"
   and "gemma3" rows are not permuted (llama.cpp runs them with its NEOX rope).
 - "qwen2" adds q/k/v biases; "qwen3" per-head QK-norm.
+- Mixtures of experts: "llama" files with {arch}.expert_count (Mixtral: Llama's permuted Q/K rows), "qwen3moe"
+  (Qwen3's per-head QK-norm) and "olmoe" (a QK-norm over all of a layer's heads, rows not permuted: llama.cpp runs
+  OLMoE with its NEOX rope). The routing normalisation is the architecture's (`norm_topk`, gguf_experts.py).
 - "gemma3": per-head QK-norm, sandwich norms, GeGLU (tanh GELU), the embedding times sqrt(d_model), tied
   embeddings, a sliding window on local layers. Gemma applies every norm gain as (1 + w); llama.cpp's converter
   stores 1 + w in the file (transformers subtracts 1 on reading and adds it back in the model), so the gains are
@@ -44,12 +49,14 @@ import torch
 from torch import Tensor
 
 from circuits_core.errors import CheckpointError, InvalidInputError
-from circuits_core.formats.gguf_header import GGUFHeader, TensorInfo
-from circuits_core.formats.gguf_quants import dequantize, dequantize_transposed, row_chunks
+from circuits_core.formats.gguf_experts import expert_fields, take_experts
+from circuits_core.formats.gguf_gpt_oss import gpt_oss_fields, take_gpt_oss_extras
+from circuits_core.formats.gguf_header import GGUFHeader
+from circuits_core.formats.gguf_tensors import Metadata, Tensors
 from circuits_core.formats.gguf_tokenizer import gguf_tokenizer
 from circuits_core.formats.llama import laid_out, one_thread
 from circuits_core.formats.tokenizer import Tokenizer
-from circuits_core.model.config import ModelConfig
+from circuits_core.model.config import ModelConfig, QKNormType
 
 State = dict[str, Tensor]
 F32 = torch.float32
@@ -59,20 +66,26 @@ GGUF_SUFFIX = ".gguf"
 @dataclass(frozen=True)
 class Architecture:
     adjacent_pairs: bool  # Q/K rows permuted by llama.cpp's converter (adjacent rotary pairs)
-    qk_norm: bool = False  # per-head attn_q_norm / attn_k_norm
+    qk_norm: QKNormType = None  # attn_q_norm / attn_k_norm per head ("head") or over a layer's heads ("layer")
     gemma: bool = False  # sandwich norms, GeGLU, embedding x sqrt(d_model), gains stored as 1 + w
+    norm_topk: bool | None = None  # experts' routing: top-k renormalised or not (None: no experts), gguf_experts.py
+    gpt_oss: bool = False  # sinks, biases, alternating windows, YaRN, clamped SwiGLU experts (gguf_gpt_oss.py)
 
 
 ARCHITECTURES: dict[str, Architecture] = {
-    "llama": Architecture(adjacent_pairs=True),
+    "llama": Architecture(adjacent_pairs=True, norm_topk=True),
     "qwen2": Architecture(adjacent_pairs=False),
-    "qwen3": Architecture(adjacent_pairs=False, qk_norm=True),
-    "gemma3": Architecture(adjacent_pairs=False, qk_norm=True, gemma=True),
+    "qwen3": Architecture(adjacent_pairs=False, qk_norm="head"),
+    "gemma3": Architecture(adjacent_pairs=False, qk_norm="head", gemma=True),
+    "qwen3moe": Architecture(adjacent_pairs=False, qk_norm="head", norm_topk=True),
+    "olmoe": Architecture(adjacent_pairs=False, qk_norm="layer", norm_topk=False),
+    "gpt-oss": Architecture(adjacent_pairs=False, norm_topk=True, gpt_oss=True),
 }
+MOE_ONLY = ("qwen3moe", "olmoe", "gpt-oss")  # architectures whose files always have experts
 # Newer GGUF architectures llama.cpp writes that qkov does not run, with what they would need.
 REFUSED = {
     "gemma3n": "per-layer embeddings, AltUp and laurel blocks", "gemma4": "per-layer-type head dims",
-    "qwen3moe": "mixture-of-experts MLPs", "qwen35": "linear-attention (Gated DeltaNet) layers",
+    "qwen35": "linear-attention (Gated DeltaNet) layers",
     "qwen3next": "linear-attention layers and mixture-of-experts MLPs",
 }  # fmt: skip
 
@@ -119,29 +132,7 @@ def gguf_file(folder: Path) -> str | None:
     return found[0] if found else None
 
 
-class _Metadata:
-    """Typed reads of a GGUF header's scalars; errors name the file and the key."""
-
-    def __init__(self, header: GGUFHeader):
-        self.header, self.name = header, header.name
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self.header.value(key, default)
-
-    def int(self, key: str, default: int | None = None) -> int:
-        value = self.get(key, default)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise CheckpointError(f"{self.name}: metadata {key} must be a non-negative integer, got {value!r}")
-        return value
-
-    def float(self, key: str, default: float | None = None) -> float:
-        value = self.get(key, default)
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise CheckpointError(f"{self.name}: metadata {key} must be a number, got {value!r}")
-        return float(value)
-
-
-def _architecture(meta: _Metadata) -> tuple[str, Architecture]:
+def _architecture(meta: Metadata) -> tuple[str, Architecture]:
     arch = meta.get("general.architecture")
     if arch in REFUSED:
         raise CheckpointError(f"{meta.name}: architecture {arch!r} is not supported yet ({REFUSED[arch]})")
@@ -150,12 +141,12 @@ def _architecture(meta: _Metadata) -> tuple[str, Architecture]:
             f"{meta.name}: architecture {arch!r} is not supported; GGUF architectures read here: "
             f"{', '.join(ARCHITECTURES)}"
         )
-    if meta.get(f"{arch}.expert_count", 0):
-        raise CheckpointError(f"{meta.name}: mixture-of-experts models ({arch}.expert_count) are not supported")
+    if arch in MOE_ONLY and not meta.get(f"{arch}.expert_count", 0):
+        raise CheckpointError(f"{meta.name}: a {arch} file needs {arch}.expert_count (its MLPs are experts)")
     return arch, ARCHITECTURES[arch]
 
 
-def _rope_scaling(meta: _Metadata, arch: str, gemma: bool) -> dict[str, Any]:
+def _rope_scaling(meta: Metadata, arch: str, gemma: bool) -> dict[str, Any]:
     """rope_type and rope_factor: none, or linear on Gemma 3's global layers (its larger sizes)."""
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
     if scaling == "none":
@@ -169,7 +160,7 @@ def _rope_scaling(meta: _Metadata, arch: str, gemma: bool) -> dict[str, Any]:
 
 
 def _gemma_fields(
-    meta: _Metadata, arch: str, n_layers: int, d_head: int, d_model: int, n_heads: int
+    meta: Metadata, arch: str, n_layers: int, d_head: int, d_model: int, n_heads: int
 ) -> tuple[dict[str, Any], list[Defaulted]]:
     """Gemma 3's window, layer kinds, local rope base and score scale: (fields, values defaulted)."""
     defaulted: list[Defaulted] = []
@@ -213,7 +204,7 @@ def _gemma_fields(
 def gguf_config(header: GGUFHeader, d_vocab: int, attention_bias: bool = False) -> tuple[ModelConfig, list[Defaulted]]:
     """ModelConfig of a GGUF from its metadata (`{arch}.block_count`, ...) and the values defaulted.
     `attention_bias`: the file has q/k/v biases (Qwen2); the model's other biases (b_O, MLP, b_U) are then zero."""
-    meta = _Metadata(header)
+    meta = Metadata(header)
     arch, kind = _architecture(meta)
     d_model, n_heads = meta.int(f"{arch}.embedding_length"), meta.int(f"{arch}.attention.head_count")
     if n_heads < 1:
@@ -229,26 +220,31 @@ def gguf_config(header: GGUFHeader, d_vocab: int, attention_bias: bool = False) 
     defaulted: list[Defaulted] = []
     if kind.gemma:
         fields, defaulted = _gemma_fields(meta, arch, n_layers, d_head, d_model, n_heads)
+    if kind.gpt_oss:
+        fields, extra = gpt_oss_fields(meta, arch, n_layers, d_head)
+        defaulted += [Defaulted(*d) for d in extra]
     if kind.qk_norm:
-        fields["qk_norm"] = "head"
+        fields["qk_norm"] = kind.qk_norm
+    fields |= expert_fields(meta, arch, kind.norm_topk)  # an expert's width replaces feed_forward_length
+    fields.setdefault("d_mlp", meta.int(f"{arch}.feed_forward_length"))
     try:
         cfg = ModelConfig(
             n_layers=n_layers, d_model=d_model, n_heads=n_heads, d_head=d_head,
-            d_vocab=d_vocab, n_ctx=meta.int(f"{arch}.context_length"), d_mlp=meta.int(f"{arch}.feed_forward_length"),
+            d_vocab=d_vocab, n_ctx=meta.int(f"{arch}.context_length"),
             attn_only=False, normalization_type="RMS", positional_embedding_type="rotary",
             act_fn=fields.pop("act_fn", "silu"), gated_mlp=True, n_key_value_heads=n_kv,
             eps=meta.float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5), use_bias=attention_bias,
             rotary_dim=meta.int(f"{arch}.rope.dimension_count", d_head),
             rotary_base=meta.float(f"{arch}.rope.freq_base", 10000.0), rotary_adjacent_pairs=kind.adjacent_pairs,
             bos_token_id=_token_id(meta, "tokenizer.ggml.bos_token_id", d_vocab),
-            **_rope_scaling(meta, arch, kind.gemma), **fields,
+            **({} if kind.gpt_oss else _rope_scaling(meta, arch, kind.gemma)), **fields,
         )  # fmt: skip
     except (InvalidInputError, TypeError) as exc:
         raise CheckpointError(f"{meta.name}: {exc}") from exc
     return cfg, defaulted
 
 
-def _token_id(meta: _Metadata, key: str, d_vocab: int) -> int | None:
+def _token_id(meta: Metadata, key: str, d_vocab: int) -> int | None:
     """The token id the metadata names under `key` (None when absent); an id outside the vocabulary is refused,
     since every answer would otherwise start from another BOS than the file says."""
     value = meta.get(key)
@@ -259,62 +255,7 @@ def _token_id(meta: _Metadata, key: str, d_vocab: int) -> int | None:
     return value
 
 
-class _Tensors:
-    """The tensors of a GGUF file by name; `take` checks a tensor's shape, then dequantises it."""
-
-    def __init__(self, header: GGUFHeader):
-        self.header, self.name = header, header.name
-        self.raw = dict(header.tensors)
-
-    def info(self, key: str, shape: tuple[int, ...], optional: bool = False) -> TensorInfo | None:
-        """The directory entry of tensor `key` (taken: it counts as read), its shape checked."""
-        info = self.raw.pop(key, None)
-        if info is None:
-            if optional:
-                return None
-            raise CheckpointError(f"{self.name}: missing tensor {key} (expected shape {list(shape)})")
-        if info.shape != shape:
-            raise CheckpointError(f"{self.name}: tensor {key}: expected shape {list(shape)}, given {list(info.shape)}")
-        return info
-
-    def need(self, key: str, shape: tuple[int, ...]) -> Tensor:
-        info = self.info(key, shape)
-        assert info is not None
-        return dequantize(self.header, info)
-
-    def need_transposed(self, key: str, shape: tuple[int, int]) -> Tensor:
-        """Matrix `key` of stored shape `shape`, as its contiguous float32 transpose."""
-        info = self.info(key, shape)
-        assert info is not None
-        return dequantize_transposed(self.header, info)
-
-    def embeddings(self, d_vocab: int, d: int, scale: float | None) -> tuple[Tensor, Tensor]:
-        """(W_E [d_vocab, d_model] times `scale` (None: as stored), W_U [d_model, d_vocab]) in one pass over
-        token_embd (and output.weight when the file has one: untied)."""
-        embed = self.info("token_embd.weight", (d_vocab, d))
-        output = self.info("output.weight", (d_vocab, d), optional=True)
-        assert embed is not None
-        W_E = torch.empty(d_vocab, d)
-        W_U = torch.empty(d, d_vocab) if output is None else dequantize_transposed(self.header, output)
-        factor = torch.tensor(scale if scale is not None else 1.0, dtype=F32)
-        for start, rows in row_chunks(self.header, embed):  # rows [n, d_model]
-            n = rows.shape[0]
-            if output is None:
-                W_U[:, start : start + n].copy_(rows.T)  # tied: the unscaled embedding
-            if scale is None:
-                W_E[start : start + n].copy_(rows)
-            else:
-                torch.mul(rows, factor, out=W_E[start : start + n])
-        return W_E, W_U
-
-    def finish(self) -> None:
-        if self.raw:
-            names = list(self.raw)
-            why = " (rope_freqs: llama3-style rope scaling is not supported)" if "rope_freqs.weight" in names else ""
-            raise CheckpointError(f"{self.name}: {len(names)} unexpected tensor(s): {', '.join(names[:8])}{why}")
-
-
-def gguf_state(cfg: ModelConfig, kind: Architecture, tensors: _Tensors) -> State:
+def gguf_state(cfg: ModelConfig, kind: Architecture, tensors: Tensors) -> State:
     """TransformerLens state dict of a GGUF (see the module docstring for the layouts)."""
     d, H, dh, d_vocab = cfg.d_model, cfg.n_heads, cfg.d_head, cfg.d_vocab
     n_kv, d_mlp = cfg.n_key_value_heads or H, cfg.d_mlp or 0
@@ -323,7 +264,7 @@ def gguf_state(cfg: ModelConfig, kind: Architecture, tensors: _Tensors) -> State
     W_E, W_U = tensors.embeddings(d_vocab, d, d**0.5 if gemma else None)
     sd: State = {"embed.W_E": W_E, "unembed.W_U": W_U}  # [d_vocab, d_model], [d_model, d_vocab]
     sd["ln_final.w"] = tensors.need("output_norm.weight", (d,))
-    norms = {"ln1": "attn_norm", "ln2": "ffn_norm"} | (
+    norms = {"ln1": "attn_norm", "ln2": "post_attention_norm" if kind.gpt_oss else "ffn_norm"} | (
         {"ln1_post": "post_attention_norm", "ln2_post": "post_ffw_norm"} if gemma else {}
     )
     for layer in range(cfg.n_layers):
@@ -335,13 +276,17 @@ def gguf_state(cfg: ModelConfig, kind: Architecture, tensors: _Tensors) -> State
         for x in "KV":
             W = tensors.need(f"{b}.attn_{x.lower()}.weight", (n_kv * dh, d))
             sd[f"{p}.attn._W_{x}"] = laid_out(W.view(n_kv, dh, d).transpose(1, 2), F32)  # [n_kv, d_model, d_head]
-        if kind.qk_norm:
-            sd[f"{p}.attn.q_norm.w"] = tensors.need(f"{b}.attn_q_norm.weight", (dh,))
-            sd[f"{p}.attn.k_norm.w"] = tensors.need(f"{b}.attn_k_norm.weight", (dh,))
-        if cfg.use_bias:  # q/k/v biases [heads * d_head] -> [heads, d_head]; the rest of the model has none
+        if kind.qk_norm:  # gains [d_head] per head, or [heads * d_head] over the layer's heads
+            size_q, size_k = (dh, dh) if kind.qk_norm == "head" else (H * dh, n_kv * dh)
+            sd[f"{p}.attn.q_norm.w"] = tensors.need(f"{b}.attn_q_norm.weight", (size_q,))
+            sd[f"{p}.attn.k_norm.w"] = tensors.need(f"{b}.attn_k_norm.weight", (size_k,))
+        if cfg.use_bias:  # q/k/v biases [heads * d_head] -> [heads, d_head]; the rest of Qwen2 has none
             sd[f"{p}.attn.b_Q"] = tensors.need(f"{b}.attn_q.bias", (H * dh,)).reshape(H, dh)
             sd[f"{p}.attn._b_K"] = tensors.need(f"{b}.attn_k.bias", (n_kv * dh,)).reshape(n_kv, dh)
             sd[f"{p}.attn._b_V"] = tensors.need(f"{b}.attn_v.bias", (n_kv * dh,)).reshape(n_kv, dh)
+        if kind.gpt_oss:
+            take_gpt_oss_extras(tensors, b, p, H, cfg.num_experts or 0, d, d_mlp, sd)
+        elif cfg.use_bias:
             sd[f"{p}.attn.b_O"], sd[f"{p}.mlp.b_in"], sd[f"{p}.mlp.b_out"] = (
                 torch.zeros(d),
                 torch.zeros(d_mlp),
@@ -349,6 +294,9 @@ def gguf_state(cfg: ModelConfig, kind: Architecture, tensors: _Tensors) -> State
             )
         # attn_output [d_model(out), n_heads * d_head(in)] -> W_O [n_heads, d_head, d_model]
         sd[f"{p}.attn.W_O"] = tensors.need_transposed(f"{b}.attn_output.weight", (d, H * dh)).view(H, dh, d)
+        if cfg.num_experts:
+            take_experts(tensors, b, p, cfg.num_experts, d, d_mlp, sd)
+            continue
         sd[f"{p}.mlp.W_gate"] = tensors.need_transposed(f"{b}.ffn_gate.weight", (d_mlp, d))  # [d_model, d_mlp]
         sd[f"{p}.mlp.W_in"] = tensors.need_transposed(f"{b}.ffn_up.weight", (d_mlp, d))  # [d_model, d_mlp]
         sd[f"{p}.mlp.W_out"] = tensors.need_transposed(f"{b}.ffn_down.weight", (d, d_mlp))  # [d_mlp, d_model]
@@ -373,5 +321,5 @@ def read_gguf(path: Path, check: Callable[[ModelConfig], None] | None = None) ->
         arch = str(header.value("general.architecture"))
         tokenizer = gguf_tokenizer(header, arch, d_vocab, cfg.bos_token_id)
         with one_thread():  # thousands of short ops: see llama.one_thread
-            state = gguf_state(cfg, ARCHITECTURES[arch], _Tensors(header))
+            state = gguf_state(cfg, ARCHITECTURES[arch], Tensors(header))
     return GGUFModel(cfg, state, dict.fromkeys(state, path.name), tokenizer, defaulted)

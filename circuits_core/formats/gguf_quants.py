@@ -158,10 +158,17 @@ def dequantize(header: GGUFHeader, info: TensorInfo) -> Tensor:
 
 
 def dequantize_transposed(header: GGUFHeader, info: TensorInfo) -> Tensor:
-    """A matrix of the file [rows, cols] as its float32 transpose [cols, rows], contiguous: each chunk of rows is
-    transposed while it is in the cache (one pass, instead of a dequantised copy and then a transposing one)."""
-    rows, cols = info.shape
-    out = torch.empty(cols, rows, dtype=torch.float32)
-    for start, values in row_chunks(header, info):
-        out[:, start : start + values.shape[0]].copy_(values.T)
+    """A matrix of the file [rows, cols] as its float32 transpose [cols, rows], contiguous, or a stack of them
+    [..., rows, cols] (llama.cpp's merged experts) as [..., cols, rows]: each chunk of rows is transposed while it
+    is in the cache (one pass, instead of a dequantised copy and then a transposing one)."""
+    *lead, rows, cols = info.shape
+    out = torch.empty(*lead, cols, rows, dtype=torch.float32)
+    stacked = out.view(-1, cols, rows)  # [matrices, cols, rows]
+    for start, values in row_chunks(header, info):  # a chunk may run over from one matrix into the next
+        done = 0
+        while done < values.shape[0]:
+            matrix, row = divmod(start + done, rows)
+            n = min(values.shape[0] - done, rows - row)
+            stacked[matrix, :, row : row + n].copy_(values[done : done + n].T)
+            done += n
     return out

@@ -86,11 +86,12 @@ def _onednn(x: Tensor, W: Tensor, b: Tensor | None) -> bool:
     )
 
 
-def affine(x: Tensor, W: Tensor, b: Tensor | None = None, act: str | None = None) -> Tensor:
+def affine(x: Tensor, W: Tensor, b: Tensor | None = None, act: str | None = None, onednn: bool = True) -> Tensor:
     """act(x W + b): x [..., n_in], W [n_in, n_out] (any strides), b [n_out] or None -> [..., n_out] (a fresh
-    tensor)."""
+    tensor). `onednn=False` keeps the product on torch.addmm: mixture-of-experts layers, whose many weight matrices
+    each see a few hundred rows per call, run 1.2x faster there (model/moe.py)."""
     x2 = x.reshape(-1, x.shape[-1])  # [rows, n_in]
-    if _onednn(x2, W, b) and (act is None or act in _EPILOGUES):
+    if onednn and _onednn(x2, W, b) and (act is None or act in _EPILOGUES):
         attr, algorithm = _EPILOGUES[act] if act is not None else ("none", "")
         assert _ONEDNN_LINEAR is not None  # (_onednn checked it)
         out = _ONEDNN_LINEAR(x2, W.t(), b, attr, [], algorithm)  # W.t(): [n_out, n_in]

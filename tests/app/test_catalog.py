@@ -18,31 +18,42 @@ from app.catalog import ANALYSES, declared_in
 from app.page_spec import PerHeadPage
 from app.params import NoParams
 from app.routers.declared_pages import declared_pages
-from app.settings import REPO_ROOT
-from app.views.qk_circuit_norm import QKCircuitNormView, build_qk_circuit_norm_view, qk_circuit_norm_cost
+from app.settings import REPO_ROOT, Limits
+from app.views.shared.per_head import PerHeadView
+from circuits_core.cost import Cost
+from circuits_core.formats.checkpoint import LoadedModel
+
+
+def build_elsewhere(loaded: LoadedModel, p: NoParams, limits: Limits) -> PerHeadView:
+    raise NotImplementedError
+
+
+def cost_nothing(loaded: LoadedModel, p: NoParams, limits: Limits) -> Cost:
+    return Cost(0)
+
 
 # A declaration outside app/views: not in the catalog, so not served.
 OUTSIDE = Analysis(
     name="declared-outside-views",
     path="declared-outside-views",
     params=NoParams,
-    view=QKCircuitNormView,
-    build=build_qk_circuit_norm_view,
-    cost=qk_circuit_norm_cost,
+    view=PerHeadView,
+    build=build_elsewhere,
+    cost=cost_nothing,
     summary="not served",
     tags=["circuits"],
 )
 
 
 def declared_names_in_source() -> set[str]:
-    """The `name=` of every `X = Analysis(...)` / `ServerAnalysis(...)` at the top of a module of app/views or
-    app/tour, read from the source text (not by importing it)."""
+    """The `name=` of every `X = Analysis(...)` / `ServerAnalysis(...)` / `per_head_analysis(...)` at the top of a
+    module of app/views or app/tour, read from the source text (not by importing it)."""
     names = set()
     for path in sorted([*(REPO_ROOT / "app" / "views").rglob("*.py"), *(REPO_ROOT / "app" / "tour").rglob("*.py")]):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
                 func = node.value.func
-                if isinstance(func, ast.Name) and func.id in ("Analysis", "ServerAnalysis"):
+                if isinstance(func, ast.Name) and func.id in ("Analysis", "ServerAnalysis", "per_head_analysis"):
                     kw = {k.arg: k.value for k in node.value.keywords}
                     assert isinstance(kw["name"], ast.Constant)
                     names.add(kw["name"].value)
@@ -77,7 +88,8 @@ HEADER = """
 from app.analysis import Analysis
 from app.page_spec import PerHeadPage
 from app.params import NoParams
-from app.views.qk_circuit_norm import QKCircuitNormView, build_qk_circuit_norm_view, qk_circuit_norm_cost
+from app.views.shared.per_head import PerHeadView
+from tests.app.test_catalog import build_elsewhere, cost_nothing
 
 
 def build(loaded, p, limits):
@@ -87,8 +99,8 @@ def build(loaded, p, limits):
 
 def declare(var: str, name: str, build: str = "build") -> str:
     return (
-        f'{var} = Analysis(name="{name}", path="{name}", params=NoParams, view=QKCircuitNormView, build={build}, '
-        'cost=qk_circuit_norm_cost, summary="s", tags=["t"])\n'
+        f'{var} = Analysis(name="{name}", path="{name}", params=NoParams, view=PerHeadView, build={build}, '
+        'cost=cost_nothing, summary="s", tags=["t"])\n'
     )
 
 
@@ -105,11 +117,60 @@ def test_scan_order_imports_and_misplaced_builders(tmp_path: Path, monkeypatch: 
     )
     try:
         assert [a.name for a in declared_in(__import__("scanned_views"))] == ["a2", "a1", "b"]
-        write_package(tmp_path, "misplaced_views", {"m": HEADER + declare("M", "m", "build_qk_circuit_norm_view")})
+        write_package(tmp_path, "misplaced_views", {"m": HEADER + declare("M", "m", "build_elsewhere")})
         with pytest.raises(ValueError, match="declare an analysis beside its builder"):
             declared_in(__import__("misplaced_views"))
     finally:
         for name in [m for m in sys.modules if m.startswith(("scanned_views", "misplaced_views"))]:
+            del sys.modules[name]
+
+
+MAKER = (
+    HEADER
+    + """
+
+def made(name):
+    def build(loaded, p, limits):
+        raise NotImplementedError
+
+    return Analysis(name=name, path=name, params=NoParams, view=PerHeadView, build=build, cost=cost_nothing,
+                    summary="s", tags=["t"])
+"""
+)
+
+
+def test_a_declaration_made_by_a_shared_builder_is_its_binding_modules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """app/views/shared/per_head.py makes the builder of every per-head analysis: each is listed at the one module
+    binding it, in the scan's order; one made there and bound in two modules is refused."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    made = "from made_views.shared import made\n"
+    write_package(
+        tmp_path,
+        "made_views",
+        {
+            "shared": MAKER,
+            "a_view": HEADER + declare("A", "a"),
+            "b_made": made + 'B = made("b")\n',
+            "c_view": HEADER + declare("C", "c"),
+        },
+    )
+    write_package(
+        tmp_path,
+        "twice_views",
+        {
+            "shared": MAKER,
+            "x": 'from twice_views.shared import made\nX = made("x")\n',
+            "y": "from twice_views.x import X\n",
+        },
+    )
+    try:
+        assert [a.name for a in declared_in(__import__("made_views"))] == ["a", "b", "c"]
+        with pytest.raises(ValueError, match="'x', made by twice_views.shared, is bound in"):
+            declared_in(__import__("twice_views"))
+    finally:
+        for name in [m for m in sys.modules if m.startswith(("made_views", "twice_views"))]:
             del sys.modules[name]
 
 
@@ -144,5 +205,5 @@ def test_navigation_is_in_the_declared_order(client: TestClient) -> None:
 
 def test_a_per_head_page_must_name_a_field_of_its_view() -> None:
     wrong = replace(OUTSIDE, page=PerHeadPage(values="ranks", title="t", explanation="e", quantity="q"))
-    with pytest.raises(ValueError, match="not a field of QKCircuitNormView"):
+    with pytest.raises(ValueError, match="not a field of PerHeadView"):
         declared_pages([wrong])

@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from app.catalog import ANALYSES
+from app.views.shared.per_head import PerHeadAnalysis
 from tests.app.snippet_runner import run, snippets_in
 
 API = "/api/v1/models"
@@ -127,8 +129,6 @@ DECLARED: dict[str, list[tuple[str, dict[str, str]]]] = {
     ],
     "term-importance": [("/models/tiny-2l/term-importance", {"prompt": PROMPT})],
     "attention-entropy": [("/models/tiny-2l/attention-entropy", {"prompt": PROMPT})],
-    "qk-circuit-norm": [("/models/tiny-2l/qk-circuit-norm", {})],
-    "ov-effective-rank": [("/models/tiny-2l/ov-effective-rank", {})],
     "path": [
         ("/models/tiny-2l/path", {"prompt": PROMPT, "heads": "L0H1,L1H2"}),
         ("/models/tiny-2l/path", {"prompt": PROMPT, "heads": "L1H3", "target": "cat"}),
@@ -160,6 +160,8 @@ DECLARED: dict[str, list[tuple[str, dict[str, str]]]] = {
         ("/models/tiny-2l/prompt", {"prompt": PROMPT, "heads": "L1H2,L0H3"}),
         ("/models/tiny-2l/prompt", {"prompt": PROMPT, "heads": "L1H1", "weighted": "true"}),
     ],
+    # one number per head (app/views/shared/per_head.py): each snippet is its engine function's own call
+    **{a.name: [(f"/models/tiny-2l/{a.path}", {})] for a in ANALYSES if isinstance(a, PerHeadAnalysis)},
 }
 # declared snippets tested on a model these fixtures lack: analysis -> the test file
 DECLARED_ELSEWHERE = {
@@ -184,8 +186,6 @@ WITHOUT_SNIPPET: dict[str, str] = {}  # analysis -> why (empty: every panel offe
 def test_every_analysis_offers_a_snippet_or_is_listed() -> None:
     """Enumerated from the registry (app/catalog.py ANALYSES): an analysis declaring a snippet has a test below; every
     other is a context-built snippet, not a panel, or in WITHOUT_SNIPPET. A new analysis without a snippet fails."""
-    from app.catalog import ANALYSES
-
     declared = {a.name for a in ANALYSES if a.snippet is not None}
     assert declared == set(DECLARED) | set(DECLARED_ELSEWHERE)
     rest = {a.name for a in ANALYSES} - declared
@@ -215,8 +215,6 @@ def same(got: Any, want: Any, where: str = "result") -> None:
 
 def json_twin(page: str, analysis: str, model: str) -> str:
     """The page's JSON link to the analysis's answer (the page's own, or its panel's)."""
-    from app.catalog import ANALYSES
-
     route = next(a for a in ANALYSES if a.name == analysis).api_path.replace("{model}", model)
     pattern = re.sub(r"\\\{\w+\\\}", "[^/?]+", re.escape(route))
     links = [html.unescape(h) for h in re.findall(r'href="(/api/v1/[^"]+)"', page)]

@@ -160,7 +160,7 @@ def test_gemma3_attention_soft_capping_and_other_architectures_are_refused_by_na
     write_as_llama_cpp(model, folder / "m.gguf", "gemma3", {"gemma3.attn_logit_softcapping": 50.0})
     with pytest.raises(CheckpointError, match="gemma3.attn_logit_softcapping is set, but Gemma 3 never applies it"):
         load_checkpoint(folder)
-    for arch, why in (("gemma4", "per-layer-type head dims"), ("qwen3moe", "mixture-of-experts"), ("falcon", "")):
+    for arch, why in (("gemma4", "per-layer-type head dims"), ("qwen3next", "linear-attention"), ("falcon", "")):
         other = tmp_path / arch
         other.mkdir()
         writer = gguf.GGUFWriter(other / "m.gguf", arch)
