@@ -85,9 +85,9 @@ def layer_labels_apart(pg: Page, chart: str) -> None:
         f'[data-name="{chart}"] .ytick text',
         "els => els.map(e => { const b = e.getBoundingClientRect(); return [e.textContent, b.top, b.bottom]; })",
     )
-    assert [t for t, _, _ in boxes] == [f"L{layer}" for layer in range(30)]
-    spans = sorted((top, bottom) for _, top, bottom in boxes)
-    assert all(b0 <= t1 + 0.5 for (_, b0), (t1, _) in zip(spans, spans[1:], strict=False)), spans
+    boxes.sort(key=lambda b: b[1])  # top to bottom as drawn
+    assert [t for t, _, _ in boxes] == [f"L{layer}" for layer in range(30)]  # L0 at the top
+    assert all(b0 <= t1 + 0.5 for (_, _, b0), (_, t1, _) in zip(boxes, boxes[1:], strict=False)), boxes
 
 
 def test_head_filter_on_the_qk_circuit_norm_page(smol: Page) -> None:
