@@ -8,8 +8,10 @@ The maths modules say which two computations are independent and this module dec
     shared_chunks(total, n)    a queue of slices that both branches of side_by_side take from, so they split one
                                chunked loop and finish it together
     shared_tasks(tasks)        the same queue over a list of tasks, longest first
+    split_loop(total, n, work) a chunked loop split that way, the helper stopping when the caller fails
     Handoff                    a value one branch forms and the other waits for (an error reaches both)
     in_background()            I/O beside the caller (a checkpoint's digest while torch reads its tensors)
+    one_thread()               one torch thread within the block (thousands of short ops: loads, tiled products)
     per_thread(fn, parts)      fn over independent parts (a batch of small LAPACK problems), one thread of one torch
                                thread per part, as many parts as the caller has torch threads
 Two threads, never more, beside one another: a lone request then uses two cores without an OpenMP team, which stalls
@@ -89,6 +91,26 @@ def shared_tasks(tasks: Sequence[Callable[[T], None]], workspace: Callable[[], T
     side_by_side(worker, worker, name)
 
 
+def split_loop(total: int, chunk: int, work: Callable[[slice], None], name: str = "qkov-loop") -> None:
+    """work(part) for every slice of range(total) in steps of `chunk`, the slices taken in turn by this thread and a
+    helper (side_by_side; one after the other when no core is idle). Once this thread fails (a load's watchdog
+    refusing it: its checkpoints are this thread's) the helper takes no further slice."""
+    parts, stopped = shared_chunks(total, chunk), threading.Event()
+
+    def loop() -> None:
+        while not stopped.is_set() and (part := parts()) is not None:
+            work(part)
+
+    def here() -> None:
+        try:
+            loop()
+        except BaseException:
+            stopped.set()
+            raise
+
+    side_by_side(here, loop, name)
+
+
 class Handoff(Generic[T]):
     """A value one branch of side_by_side forms (`give`) and the other waits for (`take`); an error in forming it is
     raised in both, so the waiting branch never waits forever."""
@@ -126,6 +148,23 @@ def in_background() -> Iterator[Background]:
     exit. For I/O beside torch's own work (hashlib releases the GIL), not for maths."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qkov-background") as pool:
         yield Background(pool)
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Within the block torch runs one intra-op thread (restored after). Loaders decode and lay out tensors this
+    way: the copies are memory-bound and come as thousands of short parallel regions (a slab each), each stalled
+    by a descheduled worker on a shared 2-core machine: the 1B-shaped checkpoint loaded in 82 s wall, 43 s CPU
+    on two threads and 18 s wall, 8 s CPU on one (load average ~8); SmolLM2's GGUF in 8-9 s vs 1.2-2.6 s.
+    The setting is process-wide (OpenMP's, set from a thread outside any parallel region), so a computation
+    running beside a load also runs on one thread until the load ends; the app's compute service sets its own
+    count when each computation starts."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def per_thread(fn: Callable[[A], B], parts: Sequence[A], name: str = "qkov-parts") -> list[B]:

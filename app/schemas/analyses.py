@@ -128,6 +128,15 @@ class PathsView(BaseModel):
     contrast: int | None = Field(description="token id whose logit is subtracted, if any")
     contrast_token: TokenRef | None
     value: float = Field(description="logit of target at position (minus the logit of contrast)")
+    logit_cap: float | None = Field(
+        default=None,
+        description="soft cap c of the logits (Gemma 2): value is the capped logit c·tanh(z/c), and every term "
+        "carries its logit's frozen cap factor c·tanh(z/c)/z at the position (target and contrast each their own), so "
+        "the terms still sum to it",
+    )
+    beyond_cap: float | None = Field(
+        default=None, description="share of the position's logits (whole vocabulary) with |z| > c before the cap"
+    )
     max_order: int
     terms: list[PathTermView] = Field(
         description="largest |value| first; includes 'remainder' (orders > max_order) and 'other'"
@@ -146,12 +155,20 @@ class PromptHeadPattern(BaseModel):
         description="learned sinks only: 1 - sum_j A[i, j] per query, the share the sink keeps (rows are never "
         "renormalised)",
     )
+    beyond_cap: float | None = Field(
+        default=None,
+        description="soft-capped scores only: the share of the scores this head sees on the prompt (causal, within its "
+        "window) with |s| > c before the cap",
+    )
 
 
 class PromptView(BaseModel):
     model: ModelRef
     tokens: list[TokenRef]
     weighted: bool = Field(description="value-weighted (docs/maths.md §2.16, not renormalised) or plain patterns")
+    score_cap: float | None = Field(
+        default=None, description="soft cap c of the attention scores (Gemma 2): the softmax sees c·tanh(s/c)"
+    )
     heads: list[PromptHeadPattern]
     top_predictions: list[TokenRef] = Field(description="the model's top next-token prediction at each position")
 

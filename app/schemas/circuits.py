@@ -96,6 +96,11 @@ class CircuitTopView(BaseModel):
     window: int | None = Field(
         default=None, description="QK of a sliding-window layer: the head never attends at offsets ≥ window"
     )
+    beyond_cap: float | None = Field(
+        default=None,
+        description="QK of a soft-capped model, a token's row or column: the share of its d_vocab scores with |s| > c "
+        "before the cap",
+    )
     mlp: str | None = Field(
         default=None, description="expert tables: the MLP writer (L1.mlp.e3, L1.mlp.shared, a dense layer's L0.mlp)"
     )

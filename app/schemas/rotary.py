@@ -32,7 +32,14 @@ class ProfileShapeView(BaseModel):
 
     summary: str = Field(description="one sentence: 'flat …', the peak at the edge of the range, or the peak")
     flat: bool = Field(description="max − min is under flat_fraction of the largest |value|: no offset stands out")
-    at_edge: bool = Field(description="the maximum lies at the open end of the window: it may keep rising beyond")
+    at_edge: bool = Field(
+        description="the maximum lies at the open end of the plotted range (it may keep rising beyond), or at a "
+        "sliding layer's last attended offset δ = window − 1 (the window cuts the profile there)"
+    )
+    window: int | None = Field(
+        default=None,
+        description="the layer's sliding window, if any: the profile is defined, and plotted, only for δ < window",
+    )
     relative_range: float = Field(description="(max − min) / max |value|")
     flat_fraction: float = Field(description="the spread under which a profile is called flat")
 
@@ -44,6 +51,7 @@ class ProfileShapeView(BaseModel):
             at_edge=shape.at_edge,
             relative_range=shape.relative_range,
             flat_fraction=shape.flat_fraction,
+            window=shape.window,
         )
 
 

@@ -22,6 +22,7 @@ k=20 defaults and the skip-trigram default source (the OV table's first row) all
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -43,6 +44,7 @@ from circuits_core.circuits.qk_forms import QK_FORMS, qk_form
 from circuits_core.cost import Cost
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.head_names import parse_head
+from circuits_core.model.soft_cap import share_beyond_cap
 from circuits_core.prompt.phenomena import HeldOutBigrams, find_eval_data
 
 
@@ -98,7 +100,7 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
     loaded = with_basis(loaded, p.basis)
     layer, h = parse_head(p.head, loaded.model.cfg)
     side: Literal["row", "column"] = "row" if p.side == "query" else "column"
-    check_offset(loaded, p.offset)
+    check_offset(loaded, p.offset, layer)
     if is_rotary(loaded):
         model, offset = loaded.model, p.offset
         line = rotary.full_qk_col_at if side == "column" else rotary.full_qk_row_at
@@ -116,7 +118,8 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
             p.vocab,
             offset,
         )
-        labelled = qk_labelled(loaded, view.model_copy(update={"offset": offset}), layer)
+        full_line = lambda t: line(model, layer, h, t, offset)  # the token's whole row or column [V]
+        labelled = qk_labelled(loaded, view.model_copy(update={"offset": offset}), layer, full_line)
         return with_latent_terms(loaded, with_sink(loaded, labelled, layer, h, offset), layer, h, offset)
     column = (lambda t: circuits.full_qk_col(loaded.model, layer, h, t)) if side == "column" else None
     view = top_view(
@@ -132,12 +135,16 @@ def build_qk_view(loaded: LoadedModel, p: QKParams, limits: Limits) -> CircuitTo
         column,
         p.vocab,
     )
+
     return with_sink(loaded, qk_labelled(loaded, view, layer), layer, h, 0)
 
 
-def qk_labelled(loaded: LoadedModel, view: CircuitTopView, layer: int) -> CircuitTopView:
+def qk_labelled(
+    loaded: LoadedModel, view: CircuitTopView, layer: int, whole: Callable[[int], Tensor] | None = None
+) -> CircuitTopView:
     """A QK table with the form of its values (qk_forms.py), its layer's window, and under a score cap its values
-    capped as the softmax sees them (the cap is monotone: the ranking is the same)."""
+    capped as the softmax sees them (the cap is monotone: the ranking is the same) and, for a token's row or column
+    (`whole`: the token's every score, before the cap), the share of them beyond the cap."""
     cfg = loaded.model.cfg
     form = qk_form(loaded.model, "token")
     cap = cfg.attn_scores_soft_cap
@@ -148,6 +155,9 @@ def qk_labelled(loaded: LoadedModel, view: CircuitTopView, layer: int) -> Circui
         update["entries"] = [e.model_copy(update={"value": cap * math.tanh(e.value / cap)}) for e in view.entries]
         if view.diagonal is not None:
             update["diagonal"] = cap * math.tanh(view.diagonal / cap)
+        if whole is not None and view.token is not None:
+            with torch.no_grad():
+                update["beyond_cap"] = share_beyond_cap(whole(view.token.id), cap)
     return view.model_copy(update=update)
 
 
@@ -190,7 +200,10 @@ def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> C
 def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits, circuit: circuits.Circuit = "ov") -> Cost:
     """A token's row or column, else the global top-k (on the frequent tokens only with min_count): priced by
     head_circuits.top_cost for the circuit and side the view reads."""
-    check_offset(loaded, getattr(p, "offset", 0))  # a request the model cannot answer is refused before its price
+    layer = parse_head(p.head, loaded.model.cfg)[0] if circuit == "qk" and isinstance(p, OVParams) else None
+    check_offset(
+        loaded, getattr(p, "offset", 0), layer
+    )  # a request the model cannot answer is refused before its price
     side: Literal["row", "column"] = "column" if getattr(p, "side", "query") == "key" else "row"
     ranked = token_set(loaded, p.min_count, p.vocab if p.token is None else "all")  # as _top_view ranks
     if p.token is None:

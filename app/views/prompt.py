@@ -30,6 +30,8 @@ from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.head_names import head_name
+from circuits_core.model.soft_cap import share_beyond_cap
+from circuits_core.model.window import visible
 from circuits_core.prompt import frozen, paths
 from circuits_core.prompt.frozen import frozen_run
 from circuits_core.prompt.paths import Target, expand_logits
@@ -59,19 +61,30 @@ def build_prompt_view(loaded: LoadedModel, p: PromptParams, limits: Limits) -> P
     )
     run_tokens = torch.tensor([ids], dtype=torch.long, device=model.device)
     with torch.no_grad():
-        logits, cache = model.run(run_tokens, names=lambda n: n.endswith(("hook_pattern", "attn.hook_v")))
+        kept = ("hook_pattern", "attn.hook_v", "hook_attn_scores_uncapped")  # the last only where scores are capped
+        logits, cache = model.run(run_tokens, names=lambda n: n.endswith(kept))
+        cap, n = cfg.attn_scores_soft_cap, len(ids)
         patterns = []
         for layer, h in chosen:
             A = cache[f"blocks.{layer}.attn.hook_pattern"][0, h]  # [n (query), n (key)]
             mass = sinks.sink_mass(A).double().tolist() if sinks.has_sinks(model) else None  # [n]
+            beyond = None
+            if cap is not None:  # the scores the head sees (causal, within its window), before the cap
+                raw = cache[f"blocks.{layer}.attn.hook_attn_scores_uncapped"][0, h]  # [n, n]
+                beyond = share_beyond_cap(raw[visible(n, cfg.layer_window(layer), raw.device)], cap)
             if weighted:
                 A = A * cache[f"blocks.{layer}.attn.hook_v"][0, :, h].norm(dim=-1)[None, :]  # [n] value norms of keys
-            patterns.append(PromptHeadPattern(head=head_name(layer, h), pattern=A.double().tolist(), sink_mass=mass))
+            patterns.append(
+                PromptHeadPattern(
+                    head=head_name(layer, h), pattern=A.double().tolist(), sink_mass=mass, beyond_cap=beyond
+                )
+            )
         top = logits[0].argmax(-1).tolist()  # [n]
     return PromptView(
         model=model_ref(loaded),
         tokens=token_refs(loaded, ids),
         weighted=weighted,
+        score_cap=cfg.attn_scores_soft_cap,
         heads=patterns,
         top_predictions=[token_ref(loaded, i) for i in top],  # independent tokens, not a sequence
     )
@@ -143,6 +156,8 @@ def build_paths_view(loaded: LoadedModel, p: PathsParams, limits: Limits) -> Pat
         if exp.max_order < model.cfg.n_layers:
             terms.append(PathTermView(path=["remainder"], kind="remainder", order=None, value=float(exp.remainder[0])))
         order_totals = exp.order_totals()[:, 0].double().tolist()
+        logit_cap = model.cfg.output_logits_soft_cap
+        beyond_cap = share_beyond_cap(run.uncapped_logits_at([pos]), logit_cap) if logit_cap is not None else None
     return PathsView(
         model=model_ref(loaded),
         tokens=ids,
@@ -153,6 +168,8 @@ def build_paths_view(loaded: LoadedModel, p: PathsParams, limits: Limits) -> Pat
         contrast=c,
         contrast_token=token_ref(loaded, c) if c is not None else None,
         value=float(exp.value[0]),
+        logit_cap=logit_cap,
+        beyond_cap=beyond_cap,
         max_order=exp.max_order,
         terms=terms,
         total=float(sum(term.value for term in terms)),

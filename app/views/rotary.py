@@ -26,15 +26,23 @@ from app.schemas.rotary import (
 from app.settings import Limits
 from app.views.shared.basis import basis, raw_copy_cost, with_basis
 from app.views.shared.inputs import model_ref
-from app.views.shared.rotary_reference import reference_forward_tokens, reference_means
+from app.views.shared.rotary_reference import check_offset, reference_forward_tokens, reference_means
 from circuits_core.circuits import alibi_kernel, composition_rotary, rotary, rotary_bands, rotary_baseline
 from circuits_core.circuits.copying_spectra import copying_score
 from circuits_core.circuits.profile_shape import ProfileShape, profile_shape
 from circuits_core.cost import Cost
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.head_names import head_name, parse_head
+from circuits_core.model.window import last_attended
 
-MaxOffset = Annotated[int, Field(ge=1, le=4096, description="offsets δ = 0..max_offset (clipped to n_ctx - 1)")]
+MaxOffset = Annotated[
+    int,
+    Field(
+        ge=1,
+        le=4096,
+        description="offsets δ = 0..max_offset (clipped to n_ctx - 1, and to window - 1 on a sliding layer)",
+    ),
+]
 
 
 def weights_basis(loaded: LoadedModel) -> str:
@@ -48,20 +56,22 @@ class PositionalParams(HeadParams):
     basis: BasisChoice = "served"
 
 
-def _offsets(loaded: LoadedModel, max_offset: int, alibi: bool = False) -> torch.Tensor:
-    """δ = 0..max_offset, clipped to n_ctx - 1 (no query is further than that from its key); rotary models only
-    (and ALiBi models where `alibi`)."""
+def _offsets(loaded: LoadedModel, max_offset: int, layer: int, alibi: bool = False) -> torch.Tensor:
+    """δ = 0..max_offset, clipped to n_ctx - 1 (no query is further than that from its key) and, on a sliding `layer`,
+    to window - 1 (the last offset it attends: the profile is not defined beyond); rotary models only (and ALiBi
+    models where `alibi`)."""
     if not (alibi and loaded.model.cfg.alibi is not None):
         rotary.check_rotary(loaded.model)
-    return torch.arange(min(max_offset, loaded.model.cfg.n_ctx - 1) + 1)
+    return torch.arange(last_attended(loaded.model.cfg, layer, min(max_offset, loaded.model.cfg.n_ctx - 1)) + 1)
 
 
-def _shape(loaded: LoadedModel, values: list[float], offsets: torch.Tensor, layer: int | None = None) -> ProfileShape:
-    """The reading of a profile over `offsets`; its far end is open unless it is the model's last position, and on
-    a sliding `layer` a maximum at its window's last offset is an edge."""
+def _shape(loaded: LoadedModel, values: list[float], offsets: torch.Tensor, layer: int) -> ProfileShape:
+    """The reading of a profile over `offsets` on `layer`; its far end is open unless it is the last offset the layer
+    attends (the model's last position, or on a sliding layer its window's last offset, where a maximum is an
+    edge)."""
     offs = offsets.tolist()
-    window = None if layer is None else loaded.model.cfg.layer_window(layer)
-    return profile_shape(values, offs, open_end=offs[-1] < loaded.model.cfg.n_ctx - 1, window=window)
+    end = last_attended(loaded.model.cfg, layer, loaded.model.cfg.n_ctx - 1)
+    return profile_shape(values, offs, open_end=offs[-1] < end, window=loaded.model.cfg.layer_window(layer))
 
 
 def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limits) -> PositionalView:
@@ -69,7 +79,7 @@ def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limi
     minus m_h δ (alibi_kernel.py)."""
     loaded = with_basis(loaded, p.basis)
     layer, h = parse_head(p.head, loaded.model.cfg)
-    offsets = _offsets(loaded, p.max_offset, alibi=True)
+    offsets = _offsets(loaded, p.max_offset, layer, alibi=True)
     mu, ref = reference_means(loaded)
     alibi = loaded.model.cfg.alibi is not None
     kernel_of = alibi_kernel.positional_kernel if alibi else rotary.positional_kernel
@@ -164,7 +174,8 @@ def build_profile_view(loaded: LoadedModel, p: ProfileParams, limits: Limits) ->
     """C_Q(δ) or C_K(δ) = ||W_OV^A Ω_B(δ)^(T)|| / (||W_OV^A|| ||Ω_B(δ)||) for δ = 0..max_offset."""
     loaded = with_basis(loaded, p.basis)
     model = loaded.model
-    offsets = _offsets(loaded, p.max_offset)
+    target = parse_head(p.target, model.cfg)[0]  # the layer whose window bounds the offsets
+    offsets = _offsets(loaded, p.max_offset, target)
     scores = composition_rotary.pair_profile(model, p.source, p.target, p.kind.lower(), offsets)  # [n]
     cfg = model.cfg
     mean, std = composition_rotary.random_baseline(cfg.d_model, cfg.d_head, cfg.group_size)
@@ -180,7 +191,7 @@ def build_profile_view(loaded: LoadedModel, p: ProfileParams, limits: Limits) ->
         baseline_std=std,
         peak=float(scores[i]),
         peak_offset=int(offsets[i]),
-        shape=ProfileShapeView.of(_shape(loaded, scores.tolist(), offsets), "peak"),
+        shape=ProfileShapeView.of(_shape(loaded, scores.tolist(), offsets, target), "peak"),
         basis=weights_basis(loaded),
     )
 
@@ -218,8 +229,8 @@ def build_qk_copying_view(loaded: LoadedModel, p: QKCopyingParams, limits: Limit
     loaded = with_basis(loaded, p.basis)
     model = loaded.model
     layer, h = parse_head(p.head, model.cfg)
-    offsets = _offsets(loaded, p.max_offset)
-    rotary.check_offsets(model, [p.offset])
+    offsets = _offsets(loaded, p.max_offset, layer)
+    check_offset(loaded, p.offset, layer)
     with torch.no_grad():
         eig = rotary.head_qk_eigenvalues_at(
             model, layer, h, torch.cat([offsets, torch.tensor([p.offset])])
@@ -242,7 +253,7 @@ def build_qk_copying_view(loaded: LoadedModel, p: QKCopyingParams, limits: Limit
 
 def qk_copying_cost(loaded: LoadedModel, p: QKCopyingParams, limits: Limits) -> Cost:
     rotary.check_rotary(loaded.model)  # refused for its positions, then its offset, before it is priced
-    rotary.check_offsets(loaded.model, [p.offset])
+    check_offset(loaded, p.offset, parse_head(p.head, loaded.model.cfg)[0])
     return rotary.qk_copying_at_cost(loaded.model, min(p.max_offset, loaded.model.cfg.n_ctx - 1) + 2) + raw_copy_cost(
         loaded, p.basis
     )

@@ -52,7 +52,7 @@ def build_skip_trigrams_view(loaded: LoadedModel, p: SkipTrigramParams, limits: 
         source = (
             resolve_token(loaded, token) if token is not None else _strongest_source(loaded, layer, h, limits, ranked)
         )
-        check_offset(loaded, p.offset)
+        check_offset(loaded, p.offset, layer)
         offset = p.offset if is_rotary(loaded) else None  # rotary: destinations from the QK column at δ
         col = rotary.full_qk_col_at(loaded.model, layer, h, source, offset) if offset is not None else None
         st = skip_trigrams.skip_trigrams(loaded.model, layer, h, source, k, vocab, qk_col=col)
@@ -91,7 +91,7 @@ def build_skip_trigrams_view(loaded: LoadedModel, p: SkipTrigramParams, limits: 
 def skip_trigrams_cost(loaded: LoadedModel, p: SkipTrigramParams, limits: Limits) -> Cost:
     """The two lines (skip_trigrams.skip_trigrams_cost) after, without a token, the OV table's search on its token
     set for the default source."""
-    check_offset(loaded, p.offset)
+    check_offset(loaded, p.offset, parse_head(p.head, loaded.model.cfg)[0])
     lines = skip_trigrams.skip_trigrams_cost(loaded.model, p.k, limits.matrix_budget_bytes, token=True)
     search = Cost(0) if p.token is not None else search_cost(loaded, p.model_copy(update={"k": 1}), limits, "ov")
     return search.then(lines) + raw_copy_cost(loaded, p.basis)

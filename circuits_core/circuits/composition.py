@@ -11,9 +11,9 @@ are 0, as in TransformerLens's `all_composition_scores`.
 
 All pairs through Gram matrices: ||W_1 W_2||_F^2 = <W_1^T W_1, W_2 W_2^T>_F. Every head gets one d_model x
 d_model Gram per role, formed from a collapsed factor of d_head rows: source W_OV^T W_OV = F^T F with F = R_V W_O
-(R_V the QR factor of W_V, so R_V^T R_V = W_V^T W_V), target M M^T = P P^T with P = A R^T for the later matrix
-M = A B (R the QR factor of B^T). The squared numerators of all (source, target) pairs are one matmul over the
-flattened Grams: d_model^2 multiply-adds per pair instead of d_head^2 d_model for the product of the collapsed
+(R_V^T R_V = W_V^T W_V: the Cholesky factor of the d_head Gram, gram_root.py), target M M^T = P P^T with P = A R^T
+for the later matrix M = A B (R^T R = B B^T). The squared numerators of all (source, target) pairs are one matmul
+over the flattened Grams: d_model^2 multiply-adds per pair instead of d_head^2 d_model for the product of the collapsed
 factors (5x fewer for GPT-2). The Grams are symmetric, so only their upper block triangle is formed and
 multiplied (off-diagonal blocks counted twice), one block of all heads at a time. The weights are read one layer
 at a time, W_K and W_V per key/value group as stored (never repeated per query head), and the target heads go
@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits.folded import circuit_weight
+from circuits_core.circuits.gram_root import gram_root
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer
@@ -53,8 +54,9 @@ GRAM_BLOCK = 128  # column block of the d x d Gram matrices (upper block triangl
 # stream alone took ~1.5 s for 300 draws at d_model 768), cached per shape afterwards.
 BASELINE_SAMPLES = 64
 # Large chunks sum each Gram block's pairs per group of target layers against only the earlier sources (target_groups):
-# 38 % fewer pair sums at Llama-3.1-8B shape (0.71 s, not 0.95 s, per block; load ~5); GPT-2's keep one product.
-CAUSAL_SPLIT_PAIRS, CAUSAL_GROUP_TARGETS = 500_000, 256
+# at Llama-3.1-8B shape groups of 4 layers (128 targets) compute 554k of the 992 x 992 pairs, groups of 8 615k, one
+# product 984k (0.87, 0.93 and 1.36 s per Gram block of [rows, 16384] x [16384, targets]; load ~7). GPT-2's keep one.
+CAUSAL_SPLIT_PAIRS, CAUSAL_GROUP_TARGETS = 500_000, 128
 
 
 @dataclass
@@ -78,14 +80,15 @@ def _r_factor(M: Tensor) -> Tensor:
     return torch.linalg.qr(M, mode="r")[1]
 
 
-def left_collapsed(A: Tensor, B: Tensor) -> Tensor:
-    """The earlier head's W_OV = A B (A [..., d, k], B [..., k, d]) as R_A B [..., k, d] (same Gram, same norms)."""
-    return _r_factor(A) @ B
+def left_collapsed(A: Tensor, B: Tensor, root: Callable[[Tensor], Tensor] = _r_factor) -> Tensor:
+    """The earlier head's W_OV = A B (A [..., d, k], B [..., k, d]) as R_A B [..., k, d] (same Gram, same norms);
+    R_A^T R_A = A^T A from `root` (QR's R, or gram_root.py's Cholesky factor)."""
+    return root(A) @ B
 
 
-def right_collapsed(A: Tensor, B: Tensor) -> Tensor:
+def right_collapsed(A: Tensor, B: Tensor, root: Callable[[Tensor], Tensor] = _r_factor) -> Tensor:
     """The later head's matrix A B as A R_{B^T}^T [..., d, k]: ||X A B|| = ||X A R^T|| for any X."""
-    return A @ _r_factor(B.transpose(-2, -1)).transpose(-2, -1)
+    return A @ root(B.transpose(-2, -1)).transpose(-2, -1)
 
 
 def pair_scores(left: Tensor, right: Tensor) -> Tensor:
@@ -137,7 +140,7 @@ def source_factor(weight: LayerWeight, layer: int, group_size: int) -> Tensor:
     dh)), so that F^T F = W_O^T W_V^T W_V W_O = W_OV^T W_OV, the source Gram."""
     W_O = weight(layer, "W_O")  # [H, dh, d]
     H, dh, d = W_O.shape
-    return left_collapsed(weight(layer, "W_V")[:, None], W_O.view(-1, group_size, dh, d)).view(H, -1, d)
+    return left_collapsed(weight(layer, "W_V")[:, None], W_O.view(-1, group_size, dh, d), gram_root).view(H, -1, d)
 
 
 def target_factor(weight: LayerWeight, layer: int, kind: CompositionKind, group_size: int) -> Tensor:
@@ -150,11 +153,11 @@ def target_factor(weight: LayerWeight, layer: int, kind: CompositionKind, group_
         return W.view(-1, group_size, *W.shape[1:])
 
     if kind == "q":  # A = W_Q, B = W_K^T
-        P = right_collapsed(per_head("W_Q"), weight(layer, "W_K")[:, None].transpose(-2, -1))
+        P = right_collapsed(per_head("W_Q"), weight(layer, "W_K")[:, None].transpose(-2, -1), gram_root)
     elif kind == "k":  # A = W_K, B = W_Q^T
-        P = right_collapsed(weight(layer, "W_K")[:, None], per_head("W_Q").transpose(-2, -1))
+        P = right_collapsed(weight(layer, "W_K")[:, None], per_head("W_Q").transpose(-2, -1), gram_root)
     elif kind == "v":  # A = W_V, B = W_O
-        P = right_collapsed(weight(layer, "W_V")[:, None], per_head("W_O"))
+        P = right_collapsed(weight(layer, "W_V")[:, None], per_head("W_O"), gram_root)
     else:
         raise InvalidInputError(f"composition kind must be one of {KINDS}, got {kind!r}")
     return P.flatten(0, 1)  # [H, d, k]

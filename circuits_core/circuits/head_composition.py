@@ -72,10 +72,13 @@ def pair_composition(
         return {kind: float(pair_scores(left, target_factor(weight, l2, kind, gs)[h2][None])[0, 0]) for kind in kinds}
 
 
-def pair_composition_flops(model: Transformer, kinds: int = 3) -> int:
+def pair_composition_flops(model: Transformer, kinds: tuple[CompositionKind, ...] = KINDS) -> int:
     """pair_composition's matrix products: the source layer's R_V W_O, each kind's target layer A R^T (every head of
-    the layer, as the all-pairs computation forms them) and the pair's [k, d] x [d, k] product (the QRs aside)."""
+    the layer, as the all-pairs computation forms them), the pair's [k, d] x [d, k] product, and the d_head Grams
+    whose Cholesky factors are the R's (gram_root.py: one per key/value group of W_V, and per kind one per group of
+    W_K (q) or per head of W_Q (k) or W_O (v); QRs instead, uncounted, when d_model < d_head)."""
     cfg = model.cfg
-    H, d, dh = cfg.n_heads, cfg.d_model, cfg.d_head
+    H, G, d, dh = cfg.n_heads, cfg.n_kv_heads, cfg.d_model, cfg.d_head
     k = min(d, dh)
-    return 2 * H * k * dh * d + kinds * (2 * H * d * dh * k + 2 * k * d * k)
+    grams = G + sum(G if kind == "q" else H for kind in kinds) if d >= dh else 0
+    return 2 * H * k * dh * d + len(kinds) * (2 * H * d * dh * k + 2 * k * d * k) + grams * 2 * d * dh * dh

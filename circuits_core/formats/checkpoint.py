@@ -41,6 +41,7 @@ from circuits_core.formats.load_watchdog import (
     folder_bytes,
 )
 from circuits_core.formats.processing import SWITCHES, ProcessingOptions, own_tensors, process_state
+from circuits_core.formats.read_digest import ReadDigest
 from circuits_core.formats.statedict import (
     build_model,
     check_contained,
@@ -72,7 +73,8 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     format: Format
     card: dict[str, Any] = field(default_factory=dict)  # model_card.json, {} when absent
-    digest: str = ""  # sha256 of every answer-changing file (config, weights, ANSWER_FILES): the cache key
+    digest: str = ""  # sha256 of every answer-changing file (config, weights, ANSWER_FILES): the cache key (deferred
+    # MLP weights: of what the load read and the identity of the files it defers; read_digest.py)
     path: Path = Path(".")
     defaulted: list[Defaulted] = field(default_factory=list)  # config values the file lacks, and their sources
     nonfinite: list[str] = field(default_factory=list)  # stored tensors holding NaN or inf, with their counts
@@ -206,12 +208,16 @@ def _load_watched(
         check_price(CONFIG_READERS[fmt](data))  # priced from config.json before any tensor is read
     answer_files = [folder_file(folder, name) for name in ANSWER_FILES if folder_file(folder, name).is_file()]
     config_file = [folder_file(folder, "config.json")] if fmt != "gguf" else []
-    # The digest reads every byte again: hash in a thread (hashlib releases the GIL) while torch reads and processes.
+    # The digest reads every byte again (not when MLP weights are deferred: below): hash in a thread (hashlib releases
+    # the GIL) while torch reads and processes.
     # GGUF and Llama-family folders name their weight files before any tensor is read, so their digest starts first
     # (on the 1B-shaped checkpoint it used to run after the 6 s read, adding 1.7 s).
+    # A load that defers the MLP weights keys itself by what it reads instead (read_digest.py): the bytes of every
+    # tensor it reads, hashed as they are read, and the identity of the files holding the ones it defers.
     with in_background() as background:
         deferred: DeferredMLP | None = None
-        early = weight_files_known_before_reading(folder, fmt)
+        read_digest = ReadDigest(background.start) if lazy_mlp else None
+        early = weight_files_known_before_reading(folder, fmt) if read_digest is None else []
         digest_job = (
             background.start(partial(files_digest, [*config_file, *early, *answer_files]))
             if early is not None
@@ -222,12 +228,12 @@ def _load_watched(
             read = read_gguf(files[0], check=check_price)
             cfg, state, origin, tokenizer, defaulted = read.cfg, read.state, read.origin, read.tokenizer, read.defaulted
         else:
-            if fmt in LLAMA_MODEL_TYPES and lazy_mlp:
-                cfg, state, origin, files, deferred = load_llama_lazy(folder, data, dtype, max_bytes)
+            if read_digest is not None:
+                cfg, state, origin, files, deferred = load_llama_lazy(folder, data, dtype, read_digest, max_bytes)
             else:
                 cfg, state, origin, files = REGISTRY[fmt](folder, data, dtype)
             check_price(cfg, deferred is not None)
-        if digest_job is None or sorted(early or []) != sorted(files):  # (a loader read other files)
+        if read_digest is None and (digest_job is None or sorted(early or []) != sorted(files)):  # (other files)
             digest_job = background.start(partial(files_digest, [*config_file, *files, *answer_files]))
         nonfinite = nonfinite_tensors(state)
         if keep_half and fmt not in LLAMA_MODEL_TYPES and state["embed.W_E"].dtype in HALF_DTYPES:
@@ -235,7 +241,10 @@ def _load_watched(
         loaded = _build(folder, fmt, data, cfg, state, origin, dtype, process, tokenizer, torch.device(device))
         if deferred is not None:
             deferred.attach(loaded.model)
-        digest = digest_job.result()
+        assert digest_job is not None  # (started above in every case)
+        digest = digest_job.result()  # (config and answer files only, when read_digest keys the weights)
+        if read_digest is not None:
+            digest = hashlib.sha256(f"{digest} read {read_digest.hexdigest()}".encode()).hexdigest()
     options = loaded.options
     if options != ProcessingOptions():
         digest = hashlib.sha256(f"{digest} {dataclasses.asdict(options)}".encode()).hexdigest()

@@ -1,5 +1,5 @@
-"""GGUF checkpoints (llama.cpp's single-file format): Llama, Qwen2, Qwen3 and Gemma 3, and the mixture-of-experts
-Mixtral, Qwen3-MoE and OLMoE (their experts: gguf_experts.py).
+"""GGUF checkpoints (llama.cpp's single-file format): Llama, Qwen2, Qwen3, Gemma 3 and Phi-3, the mixture-of-experts
+Mixtral, Qwen3-MoE and OLMoE (their experts: gguf_experts.py), gpt-oss (gguf_gpt_oss.py) and BLOOM (gguf_bloom.py).
 
 The file carries the architecture and hyper-parameters as metadata (`{arch}.block_count`, ...), the tokenizer
 (`tokenizer.ggml.*`, gguf_tokenizer.py) and the tensors, most of them quantised (gguf_quants.py). The header is read
@@ -25,6 +25,10 @@ Per architecture (ARCHITECTURES):
   on the repeated half of a random sequence), so the config says `rotary_adjacent_pairs=True`. "qwen2", "qwen3"
   and "gemma3" rows are not permuted (llama.cpp runs them with its NEOX rope).
 - "qwen2" adds q/k/v biases; "qwen3" per-head QK-norm.
+- "phi3": Phi-3's fused projections, split on load: attn_qkv [(n_heads + 2 n_kv) d_head, d_model] (q's rows, then
+  k's, then v's) and ffn_up [2 d_mlp, d_model] (the gate's rows, then up's); rows not permuted (NEOX rope); a
+  `phi3.attention.sliding_window` masks every layer. The 128k models' longrope (rope_factors_long/short tensors)
+  is refused as unexpected tensors.
 - Mixtures of experts: "llama" files with {arch}.expert_count (Mixtral: Llama's permuted Q/K rows), "qwen3moe"
   (Qwen3's per-head QK-norm) and "olmoe" (a QK-norm over all of a layer's heads, rows not permuted: llama.cpp runs
   OLMoE with its NEOX rope). The routing normalisation is the architecture's (`norm_topk`, gguf_experts.py).
@@ -49,6 +53,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.errors import CheckpointError, InvalidInputError
+from circuits_core.formats.gguf_bloom import BLOOM, bloom_config, bloom_state
 from circuits_core.formats.gguf_experts import expert_fields, take_experts
 from circuits_core.formats.gguf_gpt_oss import gpt_oss_fields, take_gpt_oss_extras
 from circuits_core.formats.gguf_header import GGUFHeader
@@ -57,6 +62,7 @@ from circuits_core.formats.gguf_tokenizer import gguf_tokenizer
 from circuits_core.formats.llama import laid_out, one_thread
 from circuits_core.formats.tokenizer import Tokenizer
 from circuits_core.model.config import ModelConfig, QKNormType
+from circuits_core.schedule import split_loop
 
 State = dict[str, Tensor]
 F32 = torch.float32
@@ -70,6 +76,7 @@ class Architecture:
     gemma: bool = False  # sandwich norms, GeGLU, embedding x sqrt(d_model), gains stored as 1 + w
     norm_topk: bool | None = None  # experts' routing: top-k renormalised or not (None: no experts), gguf_experts.py
     gpt_oss: bool = False  # sinks, biases, alternating windows, YaRN, clamped SwiGLU experts (gguf_gpt_oss.py)
+    fused: bool = False  # Phi-3: attn_qkv rows q, k, v; ffn_up rows gate, then up; a window on every layer
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -80,12 +87,13 @@ ARCHITECTURES: dict[str, Architecture] = {
     "qwen3moe": Architecture(adjacent_pairs=False, qk_norm="head", norm_topk=True),
     "olmoe": Architecture(adjacent_pairs=False, qk_norm="layer", norm_topk=False),
     "gpt-oss": Architecture(adjacent_pairs=False, norm_topk=True, gpt_oss=True),
+    "phi3": Architecture(adjacent_pairs=False, fused=True),
 }
 MOE_ONLY = ("qwen3moe", "olmoe", "gpt-oss")  # architectures whose files always have experts
 # Newer GGUF architectures llama.cpp writes that qkov does not run, with what they would need.
 REFUSED = {
     "gemma3n": "per-layer embeddings, AltUp and laurel blocks", "gemma4": "per-layer-type head dims",
-    "qwen35": "linear-attention (Gated DeltaNet) layers",
+    "qwen35": "linear-attention (Gated DeltaNet) layers", "mpt": "ALiBi with MPT's slopes (its safetensors load)",
     "qwen3next": "linear-attention layers and mixture-of-experts MLPs",
 }  # fmt: skip
 
@@ -223,6 +231,8 @@ def gguf_config(header: GGUFHeader, d_vocab: int, attention_bias: bool = False) 
     if kind.gpt_oss:
         fields, extra = gpt_oss_fields(meta, arch, n_layers, d_head)
         defaulted += [Defaulted(*d) for d in extra]
+    if kind.fused and meta.header.has(f"{arch}.attention.sliding_window"):
+        fields["window_size"] = meta.int(f"{arch}.attention.sliding_window")  # every layer, as transformers' Phi-3
     if kind.qk_norm:
         fields["qk_norm"] = kind.qk_norm
     fields |= expert_fields(meta, arch, kind.norm_topk)  # an expert's width replaces feed_forward_length
@@ -267,39 +277,60 @@ def gguf_state(cfg: ModelConfig, kind: Architecture, tensors: Tensors) -> State:
     norms = {"ln1": "attn_norm", "ln2": "post_attention_norm" if kind.gpt_oss else "ffn_norm"} | (
         {"ln1_post": "post_attention_norm", "ln2_post": "post_ffw_norm"} if gemma else {}
     )
-    for layer in range(cfg.n_layers):
+    layers: list[State] = [{} for _ in range(cfg.n_layers)]
+
+    def read_layer(part: slice) -> None:  # one layer's tensors, into layers[layer]
+        layer = part.start
+        out = layers[layer]
         b, p = f"blk.{layer}", f"blocks.{layer}"
         for ours, theirs in norms.items():  # gains as stored (Gemma's files hold 1 + w already)
-            sd[f"{p}.{ours}.w"] = tensors.need(f"{b}.{theirs}.weight", (d,))
-        W_Q = tensors.need(f"{b}.attn_q.weight", (H * dh, d))  # rows (head, d_head)
-        sd[f"{p}.attn.W_Q"] = laid_out(W_Q.view(H, dh, d).transpose(1, 2), F32)  # [n_heads, d_model, d_head]
-        for x in "KV":
-            W = tensors.need(f"{b}.attn_{x.lower()}.weight", (n_kv * dh, d))
-            sd[f"{p}.attn._W_{x}"] = laid_out(W.view(n_kv, dh, d).transpose(1, 2), F32)  # [n_kv, d_model, d_head]
+            out[f"{p}.{ours}.w"] = tensors.need(f"{b}.{theirs}.weight", (d,))
+        if kind.fused:  # attn_qkv [(n_heads + 2 n_kv) d_head, d_model]: q's rows, then k's, then v's
+            qkv = tensors.need(f"{b}.attn_qkv.weight", ((H + 2 * n_kv) * dh, d))
+            W_Q, W_K, W_V = qkv.split([H * dh, n_kv * dh, n_kv * dh])
+        else:
+            W_Q = tensors.need(f"{b}.attn_q.weight", (H * dh, d))  # rows (head, d_head)
+            W_K, W_V = (tensors.need(f"{b}.attn_{x}.weight", (n_kv * dh, d)) for x in "kv")
+        out[f"{p}.attn.W_Q"] = laid_out(W_Q.view(H, dh, d).transpose(1, 2), F32)  # [n_heads, d_model, d_head]
+        for x, W in (("K", W_K), ("V", W_V)):  # rows (head, d_head) -> [n_kv, d_model, d_head]
+            out[f"{p}.attn._W_{x}"] = laid_out(W.reshape(n_kv, dh, d).transpose(1, 2), F32)
         if kind.qk_norm:  # gains [d_head] per head, or [heads * d_head] over the layer's heads
             size_q, size_k = (dh, dh) if kind.qk_norm == "head" else (H * dh, n_kv * dh)
-            sd[f"{p}.attn.q_norm.w"] = tensors.need(f"{b}.attn_q_norm.weight", (size_q,))
-            sd[f"{p}.attn.k_norm.w"] = tensors.need(f"{b}.attn_k_norm.weight", (size_k,))
+            out[f"{p}.attn.q_norm.w"] = tensors.need(f"{b}.attn_q_norm.weight", (size_q,))
+            out[f"{p}.attn.k_norm.w"] = tensors.need(f"{b}.attn_k_norm.weight", (size_k,))
         if cfg.use_bias:  # q/k/v biases [heads * d_head] -> [heads, d_head]; the rest of Qwen2 has none
-            sd[f"{p}.attn.b_Q"] = tensors.need(f"{b}.attn_q.bias", (H * dh,)).reshape(H, dh)
-            sd[f"{p}.attn._b_K"] = tensors.need(f"{b}.attn_k.bias", (n_kv * dh,)).reshape(n_kv, dh)
-            sd[f"{p}.attn._b_V"] = tensors.need(f"{b}.attn_v.bias", (n_kv * dh,)).reshape(n_kv, dh)
+            out[f"{p}.attn.b_Q"] = tensors.need(f"{b}.attn_q.bias", (H * dh,)).reshape(H, dh)
+            out[f"{p}.attn._b_K"] = tensors.need(f"{b}.attn_k.bias", (n_kv * dh,)).reshape(n_kv, dh)
+            out[f"{p}.attn._b_V"] = tensors.need(f"{b}.attn_v.bias", (n_kv * dh,)).reshape(n_kv, dh)
         if kind.gpt_oss:
-            take_gpt_oss_extras(tensors, b, p, H, cfg.num_experts or 0, d, d_mlp, sd)
+            take_gpt_oss_extras(tensors, b, p, H, cfg.num_experts or 0, d, d_mlp, out)
         elif cfg.use_bias:
-            sd[f"{p}.attn.b_O"], sd[f"{p}.mlp.b_in"], sd[f"{p}.mlp.b_out"] = (
+            out[f"{p}.attn.b_O"], out[f"{p}.mlp.b_in"], out[f"{p}.mlp.b_out"] = (
                 torch.zeros(d),
                 torch.zeros(d_mlp),
                 torch.zeros(d),
             )
         # attn_output [d_model(out), n_heads * d_head(in)] -> W_O [n_heads, d_head, d_model]
-        sd[f"{p}.attn.W_O"] = tensors.need_transposed(f"{b}.attn_output.weight", (d, H * dh)).view(H, dh, d)
+        out[f"{p}.attn.W_O"] = tensors.need_transposed(f"{b}.attn_output.weight", (d, H * dh)).view(H, dh, d)
         if cfg.num_experts:
-            take_experts(tensors, b, p, cfg.num_experts, d, d_mlp, sd)
-            continue
-        sd[f"{p}.mlp.W_gate"] = tensors.need_transposed(f"{b}.ffn_gate.weight", (d_mlp, d))  # [d_model, d_mlp]
-        sd[f"{p}.mlp.W_in"] = tensors.need_transposed(f"{b}.ffn_up.weight", (d_mlp, d))  # [d_model, d_mlp]
-        sd[f"{p}.mlp.W_out"] = tensors.need_transposed(f"{b}.ffn_down.weight", (d, d_mlp))  # [d_mlp, d_model]
+            take_experts(tensors, b, p, cfg.num_experts, d, d_mlp, out)
+            return
+        if kind.fused:  # ffn_up [2 d_mlp, d_model]: the gate's rows, then the up projection's
+            gate_up = tensors.need_transposed(f"{b}.ffn_up.weight", (2 * d_mlp, d))  # [d_model, 2 d_mlp]
+            out[f"{p}.mlp.W_gate"], out[f"{p}.mlp.W_in"] = (
+                gate_up[:, :d_mlp].contiguous(),
+                gate_up[:, d_mlp:].contiguous(),
+            )
+        else:
+            out[f"{p}.mlp.W_gate"] = tensors.need_transposed(f"{b}.ffn_gate.weight", (d_mlp, d))  # [d_model, d_mlp]
+            out[f"{p}.mlp.W_in"] = tensors.need_transposed(f"{b}.ffn_up.weight", (d_mlp, d))  # [d_model, d_mlp]
+        out[f"{p}.mlp.W_out"] = tensors.need_transposed(f"{b}.ffn_down.weight", (d, d_mlp))  # [d_mlp, d_model]
+
+    # Layer by layer, two threads taking the layers in turn (the load runs on one torch thread: schedule.one_thread),
+    # then merged in layer order
+    split_loop(cfg.n_layers, 1, read_layer, "qkov-gguf-layers")
+    for one in layers:
+        sd.update(one)
     if cfg.use_bias:
         sd["unembed.b_U"] = torch.zeros(d_vocab)
     tensors.finish()
@@ -315,11 +346,16 @@ def read_gguf(path: Path, check: Callable[[ModelConfig], None] | None = None) ->
         if embed is None:
             raise CheckpointError(f"{path.name}: missing tensor token_embd.weight")
         d_vocab = int(embed.shape[0])  # numpy shape [d_vocab, d_model]
-        cfg, defaulted = gguf_config(header, d_vocab, attention_bias="blk.0.attn_q.bias" in header.tensors)
+        arch = str(header.value("general.architecture"))
+        if arch == BLOOM:  # LayerNorms, ALiBi, biases: a layout of its own (gguf_bloom.py)
+            bos = _token_id(Metadata(header), "tokenizer.ggml.bos_token_id", d_vocab)
+            cfg, defaulted = bloom_config(Metadata(header), d_vocab, bos), list[Defaulted]()
+        else:
+            cfg, defaulted = gguf_config(header, d_vocab, attention_bias="blk.0.attn_q.bias" in header.tensors)
         if check is not None:
             check(cfg)
-        arch = str(header.value("general.architecture"))
         tokenizer = gguf_tokenizer(header, arch, d_vocab, cfg.bos_token_id)
         with one_thread():  # thousands of short ops: see llama.one_thread
-            state = gguf_state(cfg, ARCHITECTURES[arch], Tensors(header))
+            tensors = Tensors(header)
+            state = bloom_state(cfg, tensors) if arch == BLOOM else gguf_state(cfg, ARCHITECTURES[arch], tensors)
     return GGUFModel(cfg, state, dict.fromkeys(state, path.name), tokenizer, defaulted)

@@ -10,6 +10,8 @@ project's reference code: tests/core/test_gguf_quants.py checks every bit on ran
     Q4_K [144 B / 256]: fp16 d, fp16 dmin, 12 bytes of 6-bit scales/mins (8 each), 128 bytes of nibbles
                         -> (d sc_j) q - (dmin m_j) for sub-block j of 32
     Q6_K [210 B / 256]: 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales, fp16 d -> (d sc_j) (q - 32)
+    MXFP4 [17 B / 32]: E8M0 e, 16 bytes of nibbles q (gpt-oss's experts) -> value(q) 2^(e - 128), value(q) the
+                       E2M1 numbers doubled (0, 1, 2, 3, 4, 6, 8, 12 and their negatives)
 Every other type the gguf library knows (Q2_K, Q3_K, Q5_K, IQ*, ...) goes through `gguf.quants.dequantize`
 (numpy). Rows are read from the file and decoded a chunk of about CHUNK_VALUES values at a time (`row_chunks`), so
 the quantised bytes never sit in memory whole beside the float32 tensor, and a chunk is still in the cache when it
@@ -104,9 +106,20 @@ def _q6_k(blocks: Tensor) -> Tensor:
     return (d * q).view(n, 256)
 
 
+_MXFP4_VALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32)  # E2M1 x 2
+
+
+def _mxfp4(blocks: Tensor) -> Tensor:
+    """E8M0 e, 16 bytes of nibbles q -> value(q) 2^(e - 128) (ggml's e8m0_to_fp32_half, its bits built directly:
+    e < 2 gives the subnormals 2^-127 and 2^-126)."""
+    e = blocks[:, :1].to(torch.int32)  # [n, 1]
+    bits = torch.where(e < 2, torch.bitwise_left_shift(torch.tensor(0x00200000, dtype=torch.int32), e), (e - 1) << 23)
+    return _MXFP4_VALUES[_nibbles(blocks[:, 1:]).long()] * bits.view(torch.float32)
+
+
 # type -> decoder of [n, type_size] uint8 blocks to [n, block] float32
 TORCH_DECODERS: dict[Any, Callable[[Tensor], Tensor]] = {
-    Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q4_K: _q4_k, Q.Q6_K: _q6_k,
+    Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q4_K: _q4_k, Q.Q6_K: _q6_k, Q.MXFP4: _mxfp4,
 }  # fmt: skip
 _PLAIN = {Q.F32: np.float32, Q.F16: np.float16, Q.F64: np.float64}
 
@@ -129,23 +142,35 @@ def decode_rows(raw: np.ndarray, ggml_type: Any) -> Tensor:
     return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(rows, -1)
 
 
+def chunk_rows(info: TensorInfo) -> int:
+    """Rows per chunk of `row_chunks`: about CHUNK_VALUES values."""
+    return max(1, CHUNK_VALUES // info.shape[-1])
+
+
+def read_rows(header: GGUFHeader, info: TensorInfo, part: slice) -> Tensor:
+    """Rows part.start..part.stop of a tensor taken as a matrix (its leading dims flattened), [rows, values per
+    row] float32."""
+    rows = int(np.prod(info.shape[:-1], dtype=np.int64))
+    row_bytes = info.nbytes // rows
+    n = part.stop - part.start
+    raw = header.read_bytes(info.offset + part.start * row_bytes, n * row_bytes).reshape(n, row_bytes)
+    try:
+        return decode_rows(raw, info.ggml_type)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{header.name}: tensor {info.name}: {exc}") from exc
+
+
 def row_chunks(header: GGUFHeader, info: TensorInfo) -> Iterator[tuple[int, Tensor]]:
     """(first row, [rows, values per row] float32) over a tensor taken as a matrix (its leading dims flattened), a
-    chunk of about CHUNK_VALUES values at a time: small enough that the caller's copy reads it from the cache."""
-    width = info.shape[-1]
+    chunk of about CHUNK_VALUES values at a time (chunk_rows): small enough that the caller's copy reads it from the
+    cache."""
     rows = int(np.prod(info.shape[:-1], dtype=np.int64))
     if not info.nbytes:
         return
-    row_bytes = info.nbytes // rows
-    step = max(1, CHUNK_VALUES // width)
+    step = chunk_rows(info)
     for start in range(0, rows, step):
         checkpoint()  # the load's watchdog (load_watchdog.py)
-        n = min(step, rows - start)
-        raw = header.read_bytes(info.offset + start * row_bytes, n * row_bytes).reshape(n, row_bytes)
-        try:
-            yield start, decode_rows(raw, info.ggml_type)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{header.name}: tensor {info.name}: {exc}") from exc
+        yield start, read_rows(header, info, slice(start, min(start + step, rows)))
 
 
 def dequantize(header: GGUFHeader, info: TensorInfo) -> Tensor:

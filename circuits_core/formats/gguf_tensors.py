@@ -11,7 +11,9 @@ from torch import Tensor
 
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.gguf_header import GGUFHeader, TensorInfo
-from circuits_core.formats.gguf_quants import dequantize, dequantize_transposed, row_chunks
+from circuits_core.formats.gguf_quants import chunk_rows, dequantize, dequantize_transposed, read_rows
+from circuits_core.formats.load_watchdog import checkpoint
+from circuits_core.schedule import split_loop
 
 F32 = torch.float32
 
@@ -77,14 +79,20 @@ class Tensors:
         W_E = torch.empty(d_vocab, d)
         W_U = torch.empty(d, d_vocab) if output is None else dequantize_transposed(self.header, output)
         factor = torch.tensor(scale if scale is not None else 1.0, dtype=F32)
-        for start, rows in row_chunks(self.header, embed):  # rows [n, d_model]
-            n = rows.shape[0]
+
+        def fill(part: slice) -> None:  # one chunk of rows: its rows of W_E (and columns of the tied W_U)
+            checkpoint()  # the load's watchdog (load_watchdog.py; a no-op in the helper thread)
+            rows = read_rows(self.header, embed, part)  # [n, d_model]
             if output is None:
-                W_U[:, start : start + n].copy_(rows.T)  # tied: the unscaled embedding
+                W_U[:, part].copy_(rows.T)  # tied: the unscaled embedding
             if scale is None:
-                W_E[start : start + n].copy_(rows)
+                W_E[part].copy_(rows)
             else:
-                torch.mul(rows, factor, out=W_E[start : start + n])
+                torch.mul(rows, factor, out=W_E[part])
+
+        # The largest tensor by far (Gemma 3: 262,144 x 640, decoded, scaled and transposed: about half the load on
+        # one thread), so both cores share it when the load runs on one torch thread (schedule.one_thread).
+        split_loop(d_vocab, chunk_rows(embed), fill, "qkov-gguf-embedding")
         return W_E, W_U
 
     def finish(self) -> None:

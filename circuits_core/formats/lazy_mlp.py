@@ -23,8 +23,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from circuits_core.errors import LimitExceededError
+from circuits_core.errors import CheckpointError, LimitExceededError
 from circuits_core.formats.llama import _Shards, load_llama, one_thread, take_gated_mlp
+from circuits_core.formats.read_digest import ReadDigest
+from circuits_core.formats.safetensors_file import Identity
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.mlp import MLP
 from circuits_core.model.transformer import Block, Transformer
@@ -47,9 +49,16 @@ class DeferredMLP:
     """The MLP projections of a Llama-family folder, read per layer on first use (see the module docstring)."""
 
     def __init__(
-        self, folder: Path, cfg: ModelConfig, dtype: torch.dtype, ln2: dict[int, Tensor], max_bytes: int | None = None
+        self,
+        folder: Path,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        ln2: dict[int, Tensor],
+        identities: dict[str, Identity],
+        max_bytes: int | None = None,
     ):
         self.folder, self.cfg, self.dtype = folder, cfg, dtype
+        self.identities = identities  # shard -> its file's identity at the load (the model's digest keys them by it)
         self.max_bytes = max_bytes  # the model budget the load was priced against (load_checkpoint's max_bytes)
         self.ln2 = ln2  # layer -> ln2's weight as stored [d_model] (fold_ln folds it into W_gate and W_in)
         self.fold = False
@@ -72,7 +81,13 @@ class DeferredMLP:
             if not mlp.deferred:
                 return
             weights: dict[str, Tensor] = {}
-            take_gated_mlp(_Shards(self.folder, self.dtype), self.cfg, f"model.layers.{mlp.layer}", "", weights)
+            shards = _Shards(self.folder, self.dtype)
+            if shards.identities() != self.identities:
+                raise CheckpointError(
+                    f"the weight files of {self.folder.name} changed after the model was loaded (its MLP weights, "
+                    "read on first use, would not be the ones its digest names): load the model again"
+                )
+            take_gated_mlp(shards, self.cfg, f"model.layers.{mlp.layer}", "", weights)
             for key, W in weights.items():  # ".mlp.W_gate" ...
                 name = key.rsplit(".", 1)[-1]
                 W = W.to(self.device)
@@ -105,10 +120,11 @@ def check_deferred_load(model: Transformer) -> None:
 
 
 def load_llama_lazy(
-    folder: Path, hf: dict[str, Any], dtype: torch.dtype, max_bytes: int | None = None
+    folder: Path, hf: dict[str, Any], dtype: torch.dtype, digest: ReadDigest, max_bytes: int | None = None
 ) -> tuple[ModelConfig, dict[str, Tensor], dict[str, str], list[Path], DeferredMLP]:
     """load_llama with the MLP projections deferred: (config, state dict with meta placeholders for them, tensor ->
-    shard, weight files, the DeferredMLP that reads them later)."""
-    cfg, state, origin, files = load_llama(folder, hf, dtype, defer_mlp=True)
+    shard, weight files, the DeferredMLP that reads them later). `digest` hashes what is read and identifies the
+    shards of what is not (read_digest.py); the DeferredMLP reads only from those same files."""
+    cfg, state, origin, files = load_llama(folder, hf, dtype, defer_mlp=True, digest=digest)
     ln2 = {layer: state[f"blocks.{layer}.ln2.w"].clone() for layer in range(cfg.n_layers)}
-    return cfg, state, origin, files, DeferredMLP(folder, cfg, dtype, ln2, max_bytes)
+    return cfg, state, origin, files, DeferredMLP(folder, cfg, dtype, ln2, dict(digest.identities), max_bytes)

@@ -32,8 +32,7 @@ copy of the model by the end of the load.)
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +41,16 @@ from torch import Tensor
 
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.hf import _act_fn, _bos, _config
+from circuits_core.formats.read_digest import ReadDigest
 from circuits_core.formats.rope_scaling import rope_fields as rope_fields  # (re-exported: llama_variants reads it)
 from circuits_core.formats.rope_scaling import rope_section
-from circuits_core.formats.safetensors_file import SafetensorsFile
+from circuits_core.formats.safetensors_file import Identity, SafetensorsFile
 from circuits_core.formats.statedict import folder_file, folder_listing, read_json_object
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.config_reader import ConfigReader
 from circuits_core.model.half_products import HALF_DTYPES as HALF_DTYPES  # (re-exported: checkpoint reads it)
 from circuits_core.model.transformer import attn_param
+from circuits_core.schedule import one_thread as one_thread  # (re-exported: the loaders run within it)
 
 State = dict[str, Tensor]
 LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -64,10 +65,14 @@ SLAB_BYTES = 1 << 18  # stored bytes per slab of a transposing copy (fits the L2
 class _MappedFile(SafetensorsFile):
     """One .safetensors file of a Llama-family checkpoint (safetensors_file.py: bounded header, pread, the file
     checked unchanged on every read). Each tensor's stored bytes are read into one buffer, converted to the compute
-    dtype and laid out in one copy, then dropped."""
+    dtype and laid out in one copy, then dropped; a tensor already in its dtype and layout is kept as read (the
+    buffer is its own). `digest`: each tensor's stored bytes are handed to it as they are read (read_digest.py)."""
+
+    digest: ReadDigest | None = None
 
     def read(self, key: str, dtype: torch.dtype, layout: Callable[[Tensor], Tensor]) -> Tensor:
-        """layout(tensor `key`) copied once into a new `dtype` tensor from the stored bytes."""
+        """layout(tensor `key`) in `dtype` from the stored bytes: copied once, or the read buffer itself when that
+        is already it."""
         entry = self.entries[key]
         source = _DTYPES.get(entry.get("dtype"))
         if dtype == torch.uint8 and entry.get("dtype") == "U8":  # packed bytes (MXFP4 blocks and scales), as stored
@@ -78,24 +83,13 @@ class _MappedFile(SafetensorsFile):
             raise CheckpointError(
                 f"{self.name}: tensor {key}: dtype {entry.get('dtype')!r} is not a float type ({', '.join(_DTYPES)})"
             )
-        return laid_out(layout(self.stored(key, source)), dtype)
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Within the block torch runs one intra-op thread (restored after). Loaders decode and lay out tensors this
-    way: the copies are memory-bound and come as thousands of short parallel regions (a slab each), each stalled
-    by a descheduled worker on a shared 2-core machine: the 1B-shaped checkpoint loaded in 82 s wall, 43 s CPU
-    on two threads and 18 s wall, 8 s CPU on one (load average ~8); SmolLM2's GGUF in 8-9 s vs 1.2-2.6 s.
-    The setting is process-wide (OpenMP's, set from a thread outside any parallel region), so a computation
-    running beside a load also runs on one thread until the load ends; the app's compute service sets its own
-    count when each computation starts."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+        stored = self.stored(key, source)
+        if self.digest is not None:
+            self.digest.read(self.name, key, stored)
+        arranged = layout(stored)
+        if arranged.dtype == dtype and arranged.is_contiguous():
+            return arranged  # (a view of the buffer the read filled, which nothing else holds)
+        return laid_out(arranged, dtype)
 
 
 def laid_out(arranged: Tensor, dtype: torch.dtype) -> Tensor:
@@ -106,12 +100,34 @@ def laid_out(arranged: Tensor, dtype: torch.dtype) -> Tensor:
     out = torch.empty(arranged.shape, dtype=dtype)
     if arranged.dim() < 2 or arranged.is_contiguous():
         return out.copy_(arranged)
+    if arranged.dtype == dtype and (pairs := _transposed_matrices(arranged, out)) is not None:
+        for matrix, stored in pairs:  # no conversion: torch's blocked transpose copy (1.6x faster than slabs, bf16)
+            matrix.copy_(stored)
+        return out
     dim = max(range(arranged.dim()), key=arranged.stride)  # the stored tensor's rows run along this dimension
     size, step = arranged.shape[dim], max(1, SLAB_BYTES // (arranged.stride(dim) * arranged.element_size()))
     for start in range(0, size, step):
         width = min(step, size - start)
         out.narrow(dim, start, width).copy_(arranged.narrow(dim, start, width))
     return out
+
+
+def _transposed_matrices(arranged: Tensor, out: Tensor) -> list[tuple[Tensor, Tensor]] | None:
+    """(out matrix, arranged matrix) pairs covering `arranged` [..., n] when it is the transpose of contiguous stored
+    blocks, each arranged matrix [m, n] with strides (1, m): the copy torch runs as a blocked transpose. The whole
+    tensor as one matrix when it folds to one (o_proj^T as W_O [H, dh, d]), else its last two dimensions (q_proj as
+    W_Q [H, d, dh]); None for any other layout."""
+    n = arranged.shape[-1]
+    try:
+        whole = arranged.view(-1, n)
+    except RuntimeError:  # not one matrix
+        whole = None
+    if whole is not None and whole.stride() == (1, whole.shape[0]):
+        return [(out.view(-1, n), whole)]
+    m = arranged.shape[-2]
+    if arranged.stride(-2) != 1 or arranged.stride(-1) != m:
+        return None
+    return list(zip(out.view(-1, m, n), arranged.reshape(-1, m, n), strict=True))
 
 
 def shard_names(folder: Path) -> list[str]:
@@ -132,8 +148,8 @@ def shard_names(folder: Path) -> list[str]:
 class _Shards:
     """The tensors of a (sharded) safetensors checkpoint, read one at a time and converted to `dtype`."""
 
-    def __init__(self, folder: Path, dtype: torch.dtype):
-        self.dtype = dtype
+    def __init__(self, folder: Path, dtype: torch.dtype, digest: ReadDigest | None = None):
+        self.dtype, self.digest = dtype, digest
         self.where: dict[str, str] = {}  # tensor name -> shard file name
         names = shard_names(folder)
         self.files = [folder_file(folder, name) for name in names]
@@ -142,6 +158,9 @@ class _Shards:
             if not path.is_file():
                 raise CheckpointError(f"{name}: shard named by {INDEX} not found (found: {folder_listing(folder)})")
             self.maps[name] = _MappedFile(path, name)
+            if digest is not None:
+                self.maps[name].digest = digest
+                digest.shard(self.maps[name])
             for key in self.maps[name].entries:
                 if key in self.where:
                     raise CheckpointError(f"{name}: tensor {key!r} is also in {self.where[key]}")
@@ -166,9 +185,12 @@ class _Shards:
     def defer(self, key: str, shape: tuple[int, ...], layout: Callable[[Tensor], Tensor] = lambda t: t) -> Tensor:
         """A meta placeholder of layout(tensor `key`) (its stored shape checked, nothing read): formats/lazy_mlp.py.
         A tensor absent from the files is deferred too (a checkpoint holding only what the weight circuits read,
-        such as a 70B model's attention tensors): reading it later raises check's "missing tensor" error."""
+        such as a 70B model's attention tensors): reading it later raises check's "missing tensor" error. The
+        digest is told which shard holds a deferred tensor (read_digest.py)."""
         if key in self.where:
             self.check(key, shape)
+            if self.digest is not None:
+                self.digest.deferred(self.maps[self.where[key]])
         return layout(torch.empty(shape, dtype=self.dtype, device="meta"))
 
     def stored(self, key: str) -> torch.dtype | None:
@@ -185,7 +207,13 @@ class _Shards:
             raise CheckpointError(f"{self.where[key]}: tensor {key}: expected shape {list(shape)}, given {list(given)}")
         self.left.discard(key)
 
+    def identities(self) -> dict[str, Identity]:
+        """Shard name -> the identity of its file when its header was read (safetensors_file.file_identity)."""
+        return {name: mapped.identity for name, mapped in self.maps.items()}
+
     def finish(self) -> None:
+        if self.digest is not None:
+            self.digest.settle()  # every read buffer hashed before the state dict is handed on
         if self.left:
             extra = sorted(self.left)
             raise CheckpointError(
@@ -285,11 +313,14 @@ def single_threaded(load: Callable[..., Loaded]) -> Callable[..., Loaded]:
 
 
 @single_threaded
-def load_llama(folder: Path, hf: dict[str, Any], dtype: torch.dtype, defer_mlp: bool = False) -> Loaded:
+def load_llama(
+    folder: Path, hf: dict[str, Any], dtype: torch.dtype, defer_mlp: bool = False, digest: ReadDigest | None = None
+) -> Loaded:
     """(config, TransformerLens state dict in `dtype`, tensor -> shard file, weight files). `defer_mlp`: the MLP
-    weights are meta placeholders, their shapes checked and nothing read (formats/lazy_mlp.py reads them later)."""
+    weights are meta placeholders, their shapes checked and nothing read (formats/lazy_mlp.py reads them later).
+    `digest`: told every header, every tensor read and every shard holding a deferred one (read_digest.py)."""
     cfg = llama_config(hf)
-    src = _Shards(folder, dtype)
+    src = _Shards(folder, dtype, digest)
     d, V, d_mlp = cfg.d_model, cfg.d_vocab, cfg.d_mlp or 0
     qwen2 = hf.get("model_type") == "qwen2"
     sd: State = {"embed.W_E": src.take("model.embed_tokens.weight", (V, d))}

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -88,8 +89,12 @@ def _nested(value: dict[str, Any] | list[Any]) -> bool:
     return any(isinstance(v, dict | list) for v in items)
 
 
-def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+Identity = tuple[int, int, int, int, int]
+
+
+def file_identity(st: os.stat_result) -> Identity:
+    """(device, inode, size, mtime, ctime) in nanoseconds: any write changes it (read_digest.py says why)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class SafetensorsFile:
@@ -99,7 +104,8 @@ class SafetensorsFile:
         self.name, self.path = name, path
         try:
             with path.open("rb") as handle:
-                self.identity = _identity(os.fstat(handle.fileno()))
+                self.identity_taken_ns = time.time_ns()  # (no later than the identity: read_digest's racy rule)
+                self.identity = file_identity(os.fstat(handle.fileno()))
                 self.size = self.identity[2]
                 head = os.pread(handle.fileno(), 8, 0)
                 if len(head) < 8:
@@ -112,6 +118,7 @@ class SafetensorsFile:
                 raw = os.pread(handle.fileno(), size, 8)
                 if len(raw) < size:
                     raise ValueError("the file ended inside its header")
+                self.header = raw
             header = parse_header(raw)
         except (OSError, ValueError, struct.error, RecursionError) as exc:  # JSONDecodeError is a ValueError
             detail = "header nested too deeply" if isinstance(exc, RecursionError) else str(exc)
@@ -148,15 +155,16 @@ class SafetensorsFile:
             raise CheckpointError(f"{self.name}: tensor {key}: data offsets {offsets!r} do not hold {nbytes} bytes")
         return self.base + offsets[0], nbytes
 
-    def stored_bytes(self, key: str, start: int, nbytes: int) -> bytearray:
-        """The tensor's stored bytes, from the same file its header came from, read to the last byte."""
+    def stored_bytes(self, key: str, start: int, nbytes: int) -> Tensor:
+        """The tensor's stored bytes [nbytes] (uint8), from the same file its header came from, read to the last
+        byte into an uninitialised buffer (a bytearray would first zero every page the read then writes)."""
         changed = CheckpointError(f"{self.name}: the file changed while it was being read (tensor {key}); load again")
-        buffer = bytearray(nbytes)
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
         try:
             with self.path.open("rb") as handle:
-                if _identity(os.fstat(handle.fileno())) != self.identity:
+                if file_identity(os.fstat(handle.fileno())) != self.identity:
                     raise changed
-                view, done = memoryview(buffer), 0
+                view, done = buffer.numpy().data, 0
                 while done < nbytes:
                     n = os.preadv(handle.fileno(), [view[done:]], start + done)
                     if n <= 0:
@@ -175,7 +183,7 @@ class SafetensorsFile:
         reserve(nbytes, f"tensor {key} of {self.name}")  # one read is one native step: refused before it runs
         if not nbytes:
             return torch.empty(shape, dtype=source)
-        return torch.frombuffer(self.stored_bytes(key, start, nbytes), dtype=source).view(shape)
+        return self.stored_bytes(key, start, nbytes).view(source).view(shape)
 
 
 def read_safetensors(path: Path, name: str) -> dict[str, Tensor]:

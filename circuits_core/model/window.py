@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from circuits_core.errors import InvalidInputError
 from circuits_core.model.config import ModelConfig
 
 
@@ -28,10 +29,18 @@ def defined_offsets(cfg: ModelConfig, layer: int, deltas: Tensor) -> Tensor:
     return deltas >= 0 if window is None else (deltas >= 0) & (deltas < window)
 
 
-def at_window_edge(cfg: ModelConfig, layer: int, peak_offset: int) -> bool:
-    """Whether a profile's maximum over the offsets a layer attends (a kernel, a composition or copying profile) lies
-    at its window's edge, δ = window - 1: the last offset a sliding layer sees, so the maximum is where the window
-    cuts the profile, not a place the head prefers. Always False on a global layer. The flat/edge reading of
-    profiles (profile_shape) marks such a maximum as an edge."""
+def check_attended(cfg: ModelConfig, layer: int, offset: int) -> None:
+    """Refuse an offset δ that layer `layer` never attends: δ >= its window on a sliding layer (the QK circuit at an
+    offset is defined there only for δ < window)."""
     window = cfg.layer_window(layer)
-    return window is not None and peak_offset == window - 1
+    if window is not None and offset >= window:
+        raise InvalidInputError(
+            f"layer {layer} is a sliding layer with a {window}-token window: it attends no key at δ = {offset} "
+            f"(only δ = 0..{window - 1})"
+        )
+
+
+def last_attended(cfg: ModelConfig, layer: int, last: int) -> int:
+    """The largest offset up to `last` that layer `layer` attends: `last`, or window - 1 on a sliding layer."""
+    window = cfg.layer_window(layer)
+    return last if window is None else min(last, window - 1)

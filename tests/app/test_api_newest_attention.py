@@ -20,7 +20,8 @@ from fastapi.testclient import TestClient
 from app.catalog import ANALYSES
 from app.main import create_app
 from app.settings import Settings
-from circuits_core.circuits.rotary import full_qk_row_at
+from circuits_core.circuits.composition_rotary import pair_profile
+from circuits_core.circuits.rotary import full_qk_circuit_at, full_qk_row_at
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.model.config import ModelConfig
 from tests.app.conftest import LIMITS, save_qkov, train_tokenizer
@@ -128,3 +129,110 @@ def test_qk_paths_sum_to_the_scores_the_softmax_sees(client: TestClient, name: s
     window = body["window"]
     if window is not None:  # a local layer: keys beyond the window are not seen
         assert body["scores"][-1][0] is None and body["scores"][-1][-window] is not None
+
+
+def test_offset_profiles_stop_at_a_sliding_layers_window(client: TestClient, folders: Path) -> None:
+    """On a sliding layer the positional kernel, the QK-copying profile and a composition profile (bounded by the
+    target's layer, not the source's) run over δ = 0..window - 1 only, and say the window; their peak is the engine's
+    arg-max over those offsets, flagged as an edge exactly when it is the last one."""
+    model = load_checkpoint(folders / "gemma2ish", dtype=torch.float64).model  # window 4 on layers 0 and 2
+    cfg = model.cfg
+    window = cfg.layer_window(2)
+    assert window == 4 and cfg.layer_window(1) is None
+    wide = torch.arange(11)
+    plain = pair_profile(model, "L1H0", "L2H3", "k", wide)  # [11] the engine's values at every offset
+    body = client.get(f"{API}/gemma2ish/composition/L1H0/L2H3/profile", params={"max_offset": 10}).json()
+    assert body["offsets"] == list(range(window)) and body["shape"]["window"] == window
+    assert max(abs(a - b) for a, b in zip(body["scores"], plain[:window].tolist(), strict=True)) < 1e-9
+    peak = int(plain[:window].argmax())
+    assert body["peak_offset"] == peak and body["shape"]["at_edge"] == (
+        peak == window - 1 and not body["shape"]["flat"]
+    )
+    # a global target reads every offset asked for, whatever its source's window
+    body = client.get(f"{API}/gemma2ish/composition/L0H0/L1H3/profile", params={"max_offset": 10}).json()
+    assert body["offsets"] == wide.tolist() and body["shape"]["window"] is None
+    for path in ("positional", "qk-copying"):
+        local = client.get(f"{API}/gemma2ish/heads/L2H1/{path}", params={"max_offset": 10}).json()
+        assert local["offsets"] == list(range(window)) and local["shape"]["window"] == window
+        assert (
+            client.get(f"{API}/gemma2ish/heads/L1H1/{path}", params={"max_offset": 10}).json()["offsets"]
+            == wide.tolist()
+        )
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["heads/{head}/qk", "heads/{head}/qk-copying", "heads/{head}/skip-trigrams"],
+    ids=["qk", "copying", "trigrams"],
+)
+def test_an_offset_beyond_a_sliding_window_is_refused_by_name(client: TestClient, path: str) -> None:
+    """δ = window on a sliding layer is an offset the head never attends: refused with the window named; the same
+    offset on the global layer answers."""
+    params: dict[str, str | int] = {"offset": 4, "token": "name"}
+    refused = client.get(f"{API}/gemma2ish/{path.format(head='L2H1')}", params=params)
+    assert refused.status_code == 422 and "4-token window" in refused.json()["detail"], refused.text[:300]
+    assert client.get(f"{API}/gemma2ish/{path.format(head='L1H1')}", params=params).status_code == 200
+
+
+def _share_past(capped: torch.Tensor, cap: float) -> float:
+    """The share of entries whose value before the cap was beyond ±c, read back from the capped values: |s| > c
+    exactly when |c·tanh(s/c)| > c·tanh(1)."""
+    return float((capped.abs() > cap * math.tanh(1.0)).double().mean())
+
+
+def test_prompt_pages_show_the_share_of_scores_and_logits_beyond_the_cap(client: TestClient, folders: Path) -> None:
+    """Gemma 2-shaped: the prompt's patterns give each head's share of seen scores beyond the score cap, the path
+    expansion the share of the position's logits beyond the logit cap; both against the model's capped outputs (the
+    window drawn by hand), and both on the HTML page."""
+    loaded = load_checkpoint(folders / "gemma2ish", dtype=torch.float64)
+    model, cfg = loaded.model, loaded.model.cfg
+    heads = ["L0H1", "L1H2"]  # a sliding layer (window 4) and a global one
+    body = client.get(f"{API}/gemma2ish/prompt", params={"prompt": PROMPT, "heads": ",".join(heads)}).json()
+    ids = torch.tensor([[t["id"] for t in body["tokens"]]])
+    logits, cache = model.run(ids, names=lambda name: name.endswith("hook_attn_scores"))
+    n = ids.shape[1]
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    score_cap, logit_cap = cfg.attn_scores_soft_cap, cfg.output_logits_soft_cap
+    assert score_cap is not None and logit_cap is not None and body["score_cap"] == score_cap
+    for hp, (layer, h) in zip(body["heads"], [(0, 1), (1, 2)], strict=True):
+        window = cfg.layer_window(layer) or n
+        seen = (j <= i) & (i - j < window)
+        capped = cache[f"blocks.{layer}.attn.hook_attn_scores"][0, h][seen]
+        assert abs(hp["beyond_cap"] - _share_past(capped, score_cap)) < 1e-12
+    paths = client.get(f"{API}/gemma2ish/paths", params={"prompt": PROMPT}).json()
+    assert paths["logit_cap"] == logit_cap
+    assert abs(paths["beyond_cap"] - _share_past(logits[0, -1], logit_cap)) < 1e-12
+    page = client.get("/models/gemma2ish/prompt", params={"prompt": PROMPT, "heads": ",".join(heads)}).text
+    assert (
+        'id="score-cap"' in page
+        and f'{heads[0]} <span class="mono">{100 * body["heads"][0]["beyond_cap"]:.1f} %' in page
+    )
+    assert 'id="logit-cap"' in page and f"{100 * paths['beyond_cap']:.2f} %" in page
+    qk_page = client.get("/models/gemma2ish/qk-paths", params={"prompt": PROMPT, "head": "L2H1"}).text
+    qk = client.get(f"{API}/gemma2ish/qk-paths", params={"prompt": PROMPT, "head": "L2H1"}).json()
+    assert 'id="score-cap"' in qk_page and f"{100 * qk['beyond_cap']:.1f} %" in qk_page
+    plain = client.get("/models/gemma3ish/prompt", params={"prompt": PROMPT}).text  # no caps: no such notes
+    assert 'id="score-cap"' not in plain and 'id="logit-cap"' not in plain
+
+
+def test_a_capped_qk_row_gives_the_share_of_its_scores_beyond_the_cap(client: TestClient, folders: Path) -> None:
+    """A token's QK row (and column) on a score-capped model: the share of its whole vocabulary's scores beyond ±c
+    before the cap, against the factored circuit's row, and on the head page."""
+    model = load_checkpoint(folders / "gemma2ish", dtype=torch.float64).model
+    cap = model.cfg.attn_scores_soft_cap
+    assert cap is not None
+    circuit = full_qk_circuit_at(model, 1, 2, 2)  # [V, V] factored, at δ = 2, before the cap
+    shares = {}
+    for side in ("query", "key"):
+        body = client.get(
+            f"{API}/gemma2ish/heads/L1H2/qk", params={"token": "name", "offset": 2, "k": 5, "side": side}
+        ).json()
+        t = body["token"]["id"]
+        scores = circuit.rows([t])[0] if side == "query" else circuit.cols([t])[0]
+        expected = float((scores.abs() > cap).double().mean())
+        assert abs(body["beyond_cap"] - expected) < 1e-12
+        assert side == "key" or 0 < expected < 1  # (the query's row is partly beyond: not a share that holds anyway)
+        shares[side] = body["beyond_cap"]
+    page = client.get("/models/gemma2ish/heads/L1H2", params={"token": "name", "offset": 2}).text
+    assert 'id="qk-score-cap"' in page and f"{100 * shares['query']:.1f} %" in page
+    assert client.get(f"{API}/gemma2ish/heads/L1H2/qk", params={"k": 5}).json()["beyond_cap"] is None  # no row

@@ -203,6 +203,15 @@ def test_navigation_is_in_the_declared_order(client: TestClient) -> None:
     assert not {a.path for a in placed if a.needs_mlp} & {h.lstrip("/") for h in hrefs}
 
 
+def test_no_two_navigation_entries_share_a_place() -> None:
+    """A new page picks a free `nav` number: a taken one fails here, listing every entry's place."""
+    from app.routers.pages import PAGES
+
+    places = sorted((p.order or 0, p.label) for p in PAGES if p.label is not None)
+    numbers = [order for order, _ in places]
+    assert len(set(numbers)) == len(numbers), f"two navigation entries at one place; the places taken: {places}"
+
+
 def test_a_per_head_page_must_name_a_field_of_its_view() -> None:
     wrong = replace(OUTSIDE, page=PerHeadPage(values="ranks", title="t", explanation="e", quantity="q"))
     with pytest.raises(ValueError, match="not a field of PerHeadView"):

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from circuits_core.errors import CheckpointError
+from circuits_core.formats import gguf_quants
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.formats.detect import detect_format
 from circuits_core.formats.gguf import read_gguf
@@ -328,3 +329,20 @@ def test_a_broken_summary_file_is_ignored_not_fatal(tmp_path):
         (folder / SUMMARY_FILE).write_text(text)
         assert load_summary(folder) is None
         assert load_checkpoint(folder).card == {}
+
+
+def test_the_embedding_read_in_small_chunks_by_two_threads_is_the_files(tiny, monkeypatch):
+    """W_E and W_U come from one pass over token_embd whose row chunks two threads take in turn (a load runs on one
+    torch thread, leaving the other core): with chunks of 3 rows, each thread writes many, and both tensors are still
+    bit-equal to transformers' own dequantisation of the file."""
+    folder, _, hf, _ = tiny
+    monkeypatch.setattr(gguf_quants, "CHUNK_VALUES", 3 * D_MODEL)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as within a load (llama.one_thread): side_by_side then runs its helper beside
+    try:
+        state = read_gguf(folder / "tiny.gguf").state
+    finally:
+        torch.set_num_threads(threads)
+    hf_state = hf.state_dict()
+    assert torch.equal(state["embed.W_E"], hf_state["model.embed_tokens.weight"])
+    assert torch.equal(state["unembed.W_U"].T, hf_state["lm_head.weight"])

@@ -77,6 +77,31 @@ def test_half_matmul_in_float32_chunks_matches_float64(dtype: torch.dtype, emula
     torch.testing.assert_close(half_matmul(x[0], W).double(), ref1, rtol=1e-5, atol=1e-5 * ref1.abs().max().item())
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_few_rows_times_a_half_matrix_go_tile_by_tile(threads: int, emulated: None, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Few rows (an OV row) take the tiled path, on one thread or two sharing the column blocks; tiles of 5 x 7 so
+    both the rows and the columns of B end in a partial tile. More rows than FEW_ROWS take the chunks."""
+    monkeypatch.setattr(half_products, "TILE_ROWS", 5)
+    monkeypatch.setattr(half_products, "TILE_COLUMNS", 7)
+    tiled: list[int] = []
+    few_rows = half_products._few_rows
+    monkeypatch.setattr(half_products, "_few_rows", lambda A, B: tiled.append(A.shape[-2]) or few_rows(A, B))
+    gen = torch.Generator().manual_seed(3)
+    W = torch.randn(64, 300, generator=gen).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for x in (torch.randn(1, 64, generator=gen), torch.randn(2, 3, 64, generator=gen), torch.randn(20, 64)):
+            ref = x.double() @ W.double()
+            out = half_matmul(x, W)
+            assert out.dtype == torch.float32 and out.shape == ref.shape
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        assert torch.get_num_threads() == threads  # restored after the two threads' single-threaded tiles
+    finally:
+        torch.set_num_threads(before)
+    assert tiled == [1, 3]
+
+
 def test_full_precision_operands_are_multiplied_as_they_are() -> None:
     gen = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.float64):

@@ -28,7 +28,6 @@ from circuits_core.circuits.rotary import (
     rotation,
 )
 from circuits_core.model.hooks import Recorder
-from circuits_core.model.window import at_window_edge
 from circuits_core.prompt.qk_paths import k_composition_circuit
 from circuits_core.prompt.virtual import virtual_ov
 
@@ -107,13 +106,6 @@ def test_windows_bound_kernel_and_composition_peaks():
     profiles = composition_profiles(model, offsets)
     _, where = profiles.peak("k")
     assert (where[0, :, 1] < 3).all()  # target layer 1 is local
-
-
-def test_a_maximum_at_the_last_offset_a_sliding_layer_sees_is_an_edge():
-    model = rotary_model(n_layers=3, **CASES["gemma3"])  # window 3 on layers 0, 1
-    cfg = model.cfg
-    assert [at_window_edge(cfg, 0, d) for d in range(4)] == [False, False, True, False]
-    assert not any(at_window_edge(cfg, 2, d) for d in range(8))  # the global layer has no window edge
 
 
 def test_weight_circuits_fold_the_gains_the_forward_pass_keeps_apart():

@@ -9,7 +9,15 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from circuits_core.schedule import Handoff, available_cores, in_background, shared_chunks, shared_tasks, side_by_side
+from circuits_core.schedule import (
+    Handoff,
+    available_cores,
+    in_background,
+    shared_chunks,
+    shared_tasks,
+    side_by_side,
+    split_loop,
+)
 
 
 def test_side_by_side_runs_the_side_branch_in_a_helper_thread_only_when_a_core_is_idle() -> None:
@@ -118,3 +126,41 @@ def test_in_background_runs_beside_the_caller_and_waits_on_exit() -> None:
         slow = background.start(lambda: time.sleep(0.05) or "done")
     assert job.result() != here and job.result().startswith("qkov-background")
     assert slow.done() and slow.result() == "done"
+
+
+def test_split_loop_covers_the_range_once_and_its_helper_stops_when_the_caller_fails() -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # a core left for the helper (where there is one)
+        seen: list[tuple[str, int]] = []
+        lock = threading.Lock()
+
+        def record(part: slice) -> None:
+            time.sleep(0.005)  # long enough that neither thread drains the queue alone
+            with lock:
+                seen.extend((threading.current_thread().name, i) for i in range(part.start, part.stop))
+
+        split_loop(53, 5, record, "qkov-test-loop")
+        assert sorted(i for _, i in seen) == list(range(53))
+        if available_cores() >= 2:
+            assert {name.startswith("qkov-test-loop") for name, _ in seen} == {True, False}  # both threads took some
+
+        here = threading.current_thread().name
+        taken: list[int] = []
+
+        def fails_here(part: slice) -> None:  # the caller's third slice fails; the helper's are slow
+            if threading.current_thread().name == here:
+                with lock:
+                    taken.append(part.start)
+                if len(taken) == 3:
+                    raise MemoryError("refused")
+            else:
+                time.sleep(0.01)
+
+        start = time.perf_counter()
+        with pytest.raises(MemoryError, match="refused"):
+            split_loop(10_000, 1, fails_here, "qkov-test-loop")
+        assert len(taken) == 3
+        assert time.perf_counter() - start < 20  # the helper stopped too (its 10,000 slices would take 100 s)
+    finally:
+        torch.set_num_threads(before)

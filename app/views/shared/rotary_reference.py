@@ -14,6 +14,7 @@ from app.schemas.rotary import ReferenceMeans, ReferenceText
 from circuits_core.circuits import rotary
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.window import check_attended
 
 RANDOM_REFERENCE_TOKENS = 256  # length of the seeded random reference for a model without a tokenizer
 
@@ -70,8 +71,9 @@ def rotary_offset(loaded: LoadedModel, kind: str, offset: int) -> int | None:
     return offset if is_rotary(loaded) and kind in ("q", "k") else None
 
 
-def check_offset(loaded: LoadedModel, offset: int) -> None:
-    """An offset other than 0 needs rotary positions; it must be below n_ctx."""
+def check_offset(loaded: LoadedModel, offset: int, layer: int | None = None) -> None:
+    """An offset other than 0 needs rotary positions; it must be below n_ctx, and below the window of a sliding
+    `layer` (the only offsets that layer attends)."""
     if offset != 0 and loaded.model.cfg.positional_embedding_type != "rotary":
         raise InvalidInputError(
             f"offset applies to rotary models only; this one has {loaded.model.cfg.positional_embedding_type!r} "
@@ -79,3 +81,5 @@ def check_offset(loaded: LoadedModel, offset: int) -> None:
         )
     if offset:
         rotary.check_offsets(loaded.model, [offset])
+    if layer is not None:
+        check_attended(loaded.model.cfg, layer, offset)
