@@ -127,7 +127,8 @@ class Declared(Generic[P, V]):
     description: str | None = None
     # "copy as Python" (app/snippets.py): (params, view) -> the circuits_core calls, after the model's load, that leave
     # the panel's numbers in `result`, keyed like the view's JSON fields; every page that runs the analysis offers it
-    snippet: Callable[[P, V], str] | None = None
+    # (None from the function: no snippet for these params, e.g. an input only the server has)
+    snippet: Callable[[P, V], str | None] | None = None
 
     @property
     def api_path(self) -> str:

@@ -113,6 +113,7 @@ def heatmap(
     return fig
 
 
+MOST_HEAD_BARS = 24  # a bar chart of one score per head draws at most this many heads (its table lists every head)
 EVERY_LABEL_MAX = 64  # up to this many named rows, every one is labelled (the figure grows to fit them)
 EVERY_COLUMN_MAX = (
     24  # columns: a half-width chart has room for about this many vertical labels; beyond, plotly thins them

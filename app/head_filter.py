@@ -22,6 +22,7 @@ from pydantic import Field
 
 from app.schemas.heads import HeadScores
 from circuits_core.errors import InvalidInputError
+from circuits_core.model.head_names import head_name
 from circuits_core.prompt.model_summary import HEAD_THRESHOLD
 
 FIELDS: dict[str, str] = {  # the name a reader types -> the HeadScores attribute
@@ -126,3 +127,12 @@ def labelled_heads(heads: Sequence[HeadScores], most: int = 4) -> list[str]:
         )
         named += [s.head for s in ranked[:most] if s.head not in named]
     return named
+
+
+def keep_grid(grid: Sequence[Sequence[float | None]], kept: set[str] | None) -> list[list[float | None]]:
+    """A [layer][head] grid with the heads outside `kept` blanked (None: a heat map leaves the cell empty); `kept`
+    None keeps every head."""
+    return [
+        [v if kept is None or head_name(layer, h) in kept else None for h, v in enumerate(row)]
+        for layer, row in enumerate(grid)
+    ]

@@ -5,7 +5,12 @@ an analysis with a page needs no line in app/routers/pages.py.
 `nav` is the page's place in a model's left navigation: the labelled pages are listed in ascending `nav`, labelled
 with the analysis's `summary` (app/routers/pages.py numbers its own pages on the same scale, in tens: 10 the
 overview ... 140 the residual stream's usage; pick a free number between two neighbours). None: no navigation entry
-(a page reached by links, e.g. one pair of heads)."""
+(a page reached by links, e.g. one pair of heads).
+
+`head_filter` is the page's hook for the head filter (app/head_filter.py): a page that lists or plots every head
+names here what the filter restricts ("the heat map colours and the table lists"); the page then takes a `filter`
+parameter beside its analysis's, and its template gets the heads the filter keeps (`kept`) and the filter's note
+(app/routers/declared_pages.py `head_filter_context`). None: the page has no head filter."""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ class OwnPage:
 
     template: str
     nav: int | None = None
+    head_filter: str | None = None  # what the head filter restricts on the page (None: no head filter)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,6 +40,8 @@ class PerHeadPage:
     quantity: str  # the number's name: the heatmap's title and the table's column
     digits: int = 4  # digits shown in the table
     nav: int | None = None
+    # what the head filter restricts: every head's page can be filtered (None: not)
+    head_filter: str | None = "the heat map colours and the table lists only these"
     template: str = "per_head.html"
 
 

@@ -1,15 +1,26 @@
 """The pages analyses declare (their `page=` field, app/page_spec.py), made `Page`s: an `OwnPage` renders its
 template with the default context (rendering.default_context); a `PerHeadPage` renders templates/per_head.html with
 the view's [layer][head] numbers. Each is labelled with its analysis's summary and placed in a model's navigation at
-its `nav` (app/routers/pages.py appends them to PAGES)."""
+its `nav` (app/routers/pages.py appends them to PAGES).
+
+A page declaring `head_filter` (the page-context hook of app/page_spec.py) takes a `filter` parameter beside its
+analysis's (`with_filter`), and its context is wrapped by `head_filter_context`: the analysis runs on its own params
+(the JSON twin's), and the template gets the heads the filter keeps."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from app.analysis import Analysis, Declared
+from pydantic import create_model
+
+from app.analysis import Analysis, AnalysisParams, Declared
+from app.head_filter import FilterText, keep_grid
 from app.page_spec import PerHeadPage
+from app.routers.page_inputs import filtered_heads
 from app.routers.rendering import Page, PageCall, PageContext, default_context
+
+Context = Callable[[PageCall[Any]], Awaitable[PageContext]]
 
 
 async def per_head_context(call: PageCall[Any]) -> PageContext:
@@ -22,6 +33,40 @@ async def per_head_context(call: PageCall[Any]) -> PageContext:
     return {**context, "shown": analysis.page, "values": getattr(view, analysis.page.values) if view else None}
 
 
+def with_filter(params: type[AnalysisParams]) -> type[AnalysisParams]:
+    """The page's params: the analysis's and the head filter (FilterText, the one definition)."""
+    return create_model(f"{params.__name__}Filtered", __base__=params, filter=(FilterText, None))
+
+
+def head_filter_context(context: Context) -> Context:
+    """`context` on the analysis's own params (the filter left out, so its answer and JSON twin are the
+    unfiltered ones), with the head filter's state: `head_filter` (the filter as read, '' for none), `filter_text`
+    (as typed), `kept` (the names of the heads it keeps, None: every head), `n_heads`, `filter_what` (the
+    declaration's note) and `keep_grid` (a [layer][head] grid blanked outside `kept`). A filter needs the heads
+    table's scores: its refusal or job is the page's error."""
+
+    async def filtered(call: PageCall[Any]) -> PageContext:
+        analysis = call.page.analysis
+        assert isinstance(analysis, Analysis) and analysis.page is not None
+        text = call.params.filter
+        call.params = call.json_params = analysis.params.model_validate(call.params.model_dump(exclude={"filter"}))
+        head_filter, kept, filter_error = await filtered_heads(call, text)
+        inner = await context(call)
+        cfg = call.model.model.cfg
+        return {
+            **inner,
+            "error": inner.get("error") or filter_error,
+            "head_filter": str(head_filter),
+            "filter_text": text,
+            "kept": kept,
+            "n_heads": cfg.n_layers * cfg.n_heads,
+            "filter_what": analysis.page.head_filter,
+            "keep_grid": lambda grid: keep_grid(grid, kept),
+        }
+
+    return filtered
+
+
 def declared_pages(analyses: list[Declared[Any, Any]]) -> list[Page[Any]]:
     """The page of every analysis that declares one, in the catalog's order (the navigation sorts by `nav`)."""
     pages: list[Page[Any]] = []
@@ -32,7 +77,12 @@ def declared_pages(analyses: list[Declared[Any, Any]]) -> list[Page[Any]]:
             raise ValueError(f"{a.name}: its PerHeadPage shows {a.page.values!r}, not a field of {a.view.__name__}")
         if isinstance(a.page, PerHeadPage) and a.params.model_fields:  # its caption says: the weights as served
             raise ValueError(f"{a.name}: the shared per-head page has no form; its params must have no fields")
-        context = per_head_context if isinstance(a.page, PerHeadPage) else default_context
+        context: Context = per_head_context if isinstance(a.page, PerHeadPage) else default_context
+        params = None
+        if a.page.head_filter is not None:
+            if "filter" in a.params.model_fields:
+                raise ValueError(f"{a.name}: its params have a `filter` field, the name of the page's head filter")
+            context, params = head_filter_context(context), with_filter(a.params)
         label = a.summary if a.page.nav is not None else None
-        pages.append(Page(a, a.page.template, context, label=label, order=a.page.nav))
+        pages.append(Page(a, a.page.template, context, params=params, label=label, order=a.page.nav))
     return pages

@@ -26,7 +26,7 @@ from app import charts, snippets
 from app.analysis import API
 from app.catalog import ANALYSES
 from app.deps import RegistryDep, get_model
-from app.head_filter import MAX_FILTER_CHARS, HeadFilter
+from app.head_filter import FilterText, HeadFilter
 from app.labels import unique_labels, visible
 from app.params import (
     DEFAULT_VOCAB,
@@ -206,10 +206,7 @@ async def direct_context(call: PageCall[DirectPageParams]) -> PageContext:
 
 # -- detectors ----------------------------------------------------------------------------------------------------
 class DetectorPageParams(DetectorParams):
-    filter: Annotated[
-        str | None,
-        Field(max_length=MAX_FILTER_CHARS, description="head filter of the chart and table, e.g. 'induction > 0.4'"),
-    ] = None
+    filter: FilterText = None  # of the chart and the table
 
 
 TOP_CHARTED = 12  # heads in the detector chart: those with the largest score of any detector (the table has all)

@@ -261,20 +261,20 @@ async def head_context(call: PageCall[HeadPageParams]) -> PageContext:
     ov: CircuitTopView = await call.run(
         OV, OVParams(head=name, token=p.token, k=p.k, min_count=p.min_count, basis=b, vocab=v)
     )
-    qk_q: CircuitTopView = await call.run(
-        QK,
-        QKParams(
-            head=name, token=p.token, k=p.k, side="query", min_count=p.min_count, offset=p.offset, basis=b, vocab=v
-        ),
-    )
     qk_k = None
-    if p.token is not None:
+    if p.token is not None:  # first: the QK snippet offered is the query side's, run last
         qk_k = await call.run(
             QK,
             QKParams(
                 head=name, token=p.token, k=p.k, side="key", min_count=p.min_count, offset=p.offset, basis=b, vocab=v
             ),
         )
+    qk_q: CircuitTopView = await call.run(
+        QK,
+        QKParams(
+            head=name, token=p.token, k=p.k, side="query", min_count=p.min_count, offset=p.offset, basis=b, vocab=v
+        ),
+    )
     skip = await call.run(
         SKIP_TRIGRAMS,
         SkipTrigramParams(head=name, token=p.token, k=p.k, min_count=p.min_count, offset=p.offset, basis=b, vocab=v),

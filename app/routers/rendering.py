@@ -189,7 +189,8 @@ class PageCall(Generic[PP]):
             raw = getattr(params, "basis", "served") == "raw"
             dtype = str(self.registry.dtype).removeprefix("torch.")
             body = analysis.snippet(params, view)
-            self.snippets[analysis.name] = snippets.script(self.loaded.path, dtype, body, raw=raw)
+            if body is not None:
+                self.snippets[analysis.name] = snippets.script(self.loaded.path, dtype, body, raw=raw)
         return view
 
     async def attempt(self, analysis: Declared[P, V], params: P) -> tuple[V | None, Refusal | None]:

@@ -59,5 +59,7 @@ ATTENTION_ENTROPY = Analysis(
     tags=["prompts"],
     cache=lambda p: p.prompt is None and p.tokens is None,  # the default text only
     needs_layers=1,
-    page=OwnPage(template="attention_entropy.html", nav=100),
+    page=OwnPage(
+        template="attention_entropy.html", nav=100, head_filter="the heat map colours and the table lists only these"
+    ),
 )

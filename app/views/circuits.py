@@ -268,5 +268,6 @@ QK = Analysis(
     build=build_qk_view,
     cost=qk_cost,
     summary="Top entries of the full QK circuit",
+    snippet=snippets.qk_body,
     tags=["circuits"],
 )

@@ -22,6 +22,7 @@ from typing import Annotated
 import torch
 from pydantic import BaseModel, Field
 
+from app import snippets
 from app.analysis import Analysis, AnalysisParams, split_heads
 from app.page_spec import OwnPage
 from app.params import Heads, K, MinCount
@@ -311,7 +312,8 @@ COPYING_ALL = Analysis(
     build=build_copying_overview,
     cost=copying_overview_cost,
     summary="Copying of every head: eigenvalue score, self-copy shares, random baseline",
+    snippet=snippets.copying_all_body,
     tags=["heads"],
     needs_layers=1,
-    page=OwnPage(template="copying.html", nav=90),
+    page=OwnPage(template="copying.html", nav=90, head_filter="the chart and the table list only these"),
 )

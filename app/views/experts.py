@@ -9,6 +9,7 @@ from typing import Annotated
 import torch
 from pydantic import Field
 
+from app import snippets
 from app.analysis import Analysis
 from app.page_spec import OwnPage
 from app.params import DirectParams
@@ -110,6 +111,7 @@ EXPERT_OV = Analysis(
     build=build_expert_view,
     cost=expert_cost,
     summary="Token table of an expert (or any MLP writer)",
+    snippet=snippets.expert_ov_body,
     tags=["circuits"],
     needs_mlp=True,
     page=OwnPage(template="expert.html", nav=125),

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from app import snippets
 from app.analysis import Analysis, build_cached, cache_key
 from app.params import NoParams
 from app.scheduling import is_cached
-from app.schemas import HeadScores, HeadsView
+from app.schemas import DetectorInput, HeadScores, HeadsView
 from app.settings import Limits
 from app.views.shared.heads_table import HEADS, heads_cost
 from circuits_core.cost import FREE, Cost
@@ -37,6 +38,9 @@ class PositivityPoint(BaseModel):
 class PositivityView(BaseModel):
     previous_token_head: str = Field(description="the previous-token head the K-composition term reads")
     points: list[PositivityPoint]
+    detector_input: DetectorInput | None = Field(
+        default=None, description="the heads table's input (BOS + r + r) its scores, and so these points, come from"
+    )
 
 
 def heads_view(loaded: LoadedModel) -> HeadsView:
@@ -85,7 +89,7 @@ def build_positivity_view(loaded: LoadedModel, p: NoParams, limits: Limits) -> P
         for s in heads_seen(loaded)
         if s.layer > layer and s.qk_k_composition is not None
     ]
-    return PositivityView(previous_token_head=prev, points=points)
+    return PositivityView(previous_token_head=prev, points=points, detector_input=heads_view(loaded).detector_input)
 
 
 def positivity_view_cost(loaded: LoadedModel, p: NoParams, limits: Limits) -> Cost:
@@ -104,6 +108,7 @@ POSITIVITY = Analysis(
     build=build_positivity_view,
     cost=positivity_view_cost,
     summary="OV copying vs K-composition positivity with the previous-token head",
+    snippet=snippets.positivity_body,
     tags=["heads"],
     needs_layers=2,
 )

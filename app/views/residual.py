@@ -246,6 +246,7 @@ RESIDUAL_PAIR = Analysis(
     build=build_residual_pair_view,
     cost=residual_pair_cost,
     summary="One virtual weight: writer -> reader",
+    snippet=snippets.residual_pair_body,
     tags=["residual stream"],
     page=OwnPage(template="residual_pair.html"),  # reached from the residual page's links, not the navigation
 )

@@ -11,6 +11,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, Field
 
+from app import snippets
 from app.analysis import Analysis, AnalysisParams
 from app.page_spec import OwnPage
 from app.params import BasisChoice
@@ -165,6 +166,7 @@ RESIDUAL_USAGE = Analysis(
     build=build_usage_view,
     cost=usage_cost,
     summary="Residual stream usage",
+    snippet=snippets.residual_usage_body,
     tags=["residual stream"],
     page=OwnPage(template="residual_usage.html", nav=140),
 )

@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import Field
 
+from app import snippets
 from app.analysis import Analysis, AnalysisParams, HeadField
 from app.params import HEAD_DOC, BasisChoice, HeadParams, Offset
 from app.schemas.common import Complex
@@ -112,6 +113,7 @@ POSITIONAL = Analysis(
     cost=positional_cost,
     tags=["rotary"],
     summary="Positional kernel f(δ) = μ Ω(δ) μᵀ / √d_head of a rotary head",
+    snippet=snippets.positional_body,
 )
 
 
@@ -155,6 +157,7 @@ BANDS = Analysis(
     cost=bands_cost,
     tags=["rotary"],
     summary="QK energy of a rotary head per frequency band",
+    snippet=snippets.rotary_bands_body,
 )
 
 
@@ -266,6 +269,7 @@ QK_COPYING = Analysis(
     cost=qk_copying_cost,
     tags=["rotary"],
     summary="QK eigenvalue copying of a rotary head's full QK circuit at each query-key offset δ",
+    snippet=snippets.qk_copying_offset_body,
 )
 
 ANALYSES: list[Analysis[Any, Any]] = [POSITIONAL, BANDS, PROFILE, QK_COPYING]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from app import snippets
 from app.analysis import Analysis
 from app.params import SkipTrigramParams
 from app.schemas import ScoredToken, SkipTrigram, SkipTrigramView
@@ -105,5 +106,6 @@ SKIP_TRIGRAMS = Analysis(
     build=build_skip_trigrams_view,
     cost=skip_trigrams_cost,
     summary="Skip-trigrams of a source token",
+    snippet=snippets.skip_trigrams_body,
     tags=["circuits"],
 )

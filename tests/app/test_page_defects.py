@@ -117,3 +117,21 @@ def test_head_to_head_pair_page_reads_its_directions_in_tokens(client: TestClien
     shown = re.findall(r'title="token (\d+)"', page.split('id="directions-table"', 1)[1].split("</tr>", 2)[1])
     want = [e["token"]["id"] for e in first["input_tokens_top"]]
     assert [int(t) for t in shown[: len(want)]] == want
+
+
+@pytest.mark.parametrize(
+    ("path", "query", "route"),
+    [
+        ("/models/tiny-ln/residual/usage", {"basis": "raw", "writers_from": "1"}, "/residual/usage"),
+        ("/models/tiny-2l/heads/L1H2", {"token": "5", "k": "4", "basis": "raw"}, "/heads/L1H2/skip-trigrams"),
+    ],
+)
+def test_json_links_carry_the_page_params(client: TestClient, path: str, query: dict[str, str], route: str) -> None:
+    """Every link to the panel's JSON answers the same request as the panel: the residual usage panel's link kept only
+    `energy` (a raw-basis page linked the served weights' answer, a later page of writers the first)."""
+    page = client.get(path, params=query).text
+    links = [htmllib.unescape(h) for h in re.findall(r'href="(/api/v1/models/[^"]+)"', page)]
+    mine = [h for h in links if h.split("?")[0].endswith(route)]
+    assert mine
+    for link in mine:
+        assert all(f"{key}={value}" in link for key, value in query.items()), link

@@ -111,3 +111,30 @@ def test_heads_table_flags_kernel_peaks_at_the_window_edge(client: TestClient): 
     assert set(rows) == {h["head"] for h in heads}
     for h in heads:
         assert ("kernel-edge" in rows[h["head"]]) == (h["kernel_peak_offset"] >= 61), h
+
+
+@pytest.mark.parametrize(
+    ("analysis", "query"),
+    [
+        ("rotary-bands", {}),
+        ("rotary-bands", {"basis": "raw"}),
+        ("positional", {}),
+        ("positional", {"basis": "raw"}),
+        ("qk-copying-offset", {}),
+        ("qk-copying-offset", {"offset": "5"}),
+        ("qk", {"offset": "3"}),  # the QK table at δ = 3
+        ("qk", {"offset": "3", "token": "7"}),
+        ("skip-trigrams", {"offset": "2"}),  # destinations from the QK column at δ = 2
+    ],
+    ids=str,
+)
+def test_rotary_head_snippets(client: TestClient, analysis: str, query: dict[str, str]):  # noqa: F811
+    """The rotary head page's declared snippets, run as a notebook would, give the numbers of their JSON twins."""
+    from tests.app.test_snippets import json_twin, run, same, snippets_in
+
+    page = client.get("/models/rope/heads/L1H3", params=query)
+    assert page.status_code == 200, page.text
+    result = run(snippets_in(page.text)[f"{analysis}-python"])
+    answer = client.get(json_twin(page.text, analysis, "rope")).json()
+    assert result and set(result) <= set(answer)
+    same(result, answer)

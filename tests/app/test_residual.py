@@ -216,3 +216,17 @@ def test_pages_and_json_twins(rclient: TestClient) -> None:
     assert rclient.get("/models/gpt2ish/residual/L1H0/L0H0.Q").status_code == 422
     llama = rclient.get("/models/llamaish/residual", params={"offset": 3})
     assert llama.status_code == 200 and "RMSNorm between layers is ignored" in llama.text and "offset 3" in llama.text
+
+
+@pytest.mark.parametrize("query", [{}, {"token": "5", "k": "6"}, {"mlp": "L0.mlp", "basis": "raw"}], ids=str)
+def test_expert_table_snippet(rclient: TestClient, query: dict[str, str]) -> None:
+    """The expert page's "copy as Python" on a dense MLP writer, run as a notebook would, gives the entries and
+    router weights of its JSON twin."""
+    from tests.app.test_snippets import json_twin, run, same, snippets_in
+
+    page = rclient.get("/models/gpt2ish/expert-ov", params=query)
+    assert page.status_code == 200, page.text
+    result = run(snippets_in(page.text)["expert-ov-python"])
+    answer = rclient.get(json_twin(page.text, "expert-ov", "gpt2ish")).json()
+    assert result["entries"] and set(result) <= set(answer)
+    same(result, answer)

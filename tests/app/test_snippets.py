@@ -110,6 +110,17 @@ PROMPT = "the cat sat on the mat"
 DECLARED: dict[str, list[tuple[str, dict[str, str]]]] = {
     "heads": [("/models/tiny-2l", {})],
     "head": [("/models/tiny-2l/heads/L1H2", {})],
+    "qk": [  # the query side's table (the first QK JSON link of the head page)
+        ("/models/tiny-2l/heads/L1H2", {}),
+        ("/models/tiny-2l/heads/L1H2", {"token": "5"}),
+        ("/models/tiny-2l/heads/L0H1", {"min_count": "1", "k": "7"}),
+        ("/models/tiny-ln/heads/L0H1", {"token": "5", "basis": "raw"}),
+    ],
+    "skip-trigrams": [
+        ("/models/tiny-2l/heads/L1H2", {}),  # the source: the largest OV entry's
+        ("/models/tiny-2l/heads/L1H2", {"token": "5", "k": "4"}),
+        ("/models/tiny-ln/heads/L0H1", {"basis": "raw"}),
+    ],
     "direct": [
         ("/models/tiny-2l/direct", {}),  # the frequent tokens (tiny-2l has training counts)
         ("/models/tiny-2l/direct", {"min_count": "all", "k": "7"}),
@@ -127,6 +138,23 @@ DECLARED: dict[str, list[tuple[str, dict[str, str]]]] = {
         ("/models/tiny-ln/residual", {}),  # LayerNorm folded: the processed weights differ from the raw
         ("/models/tiny-ln/residual", {"basis": "raw"}),
     ],
+    "residual-pair": [
+        ("/models/tiny-2l/residual/embed/unembed", {"k": "3", "n_top": "4"}),  # tokens -> tokens
+        ("/models/tiny-2l/residual/L0H1/L1H0.K", {}),  # d_model sides, read through W_E
+        ("/models/tiny-2l/residual/L0H1/L1H2.V", {}),  # a value output read through W_U
+        ("/models/tiny-ln/residual/L0H1/unembed", {"basis": "raw"}),
+    ],
+    "copying-all": [
+        ("/models/tiny-2l/copying", {}),
+        ("/models/tiny-2l/copying", {"rows": "20", "k": "3"}),  # a sample of source rows, drawn with seed 0
+        ("/models/tiny-2l/copying", {"heads": "L1H2"}),  # the head page's panel
+        ("/models/tiny-ln/copying", {}),
+    ],
+    "residual-usage": [
+        ("/models/tiny-2l/residual/usage", {}),
+        ("/models/tiny-2l/residual/usage", {"energy": "0.6", "writers_from": "2", "writers_shown": "3"}),
+        ("/models/tiny-ln/residual/usage", {"basis": "raw"}),  # the JSON link keeps the page's basis
+    ],
     "composition-pair": [("/models/tiny-2l/composition/L0H1/L1H2", {}), ("/models/tiny-2l/composition/L0H3/L1H0", {})],
     "prompt": [
         ("/models/tiny-2l/prompt", {"prompt": PROMPT, "heads": "L1H2,L0H3"}),
@@ -134,6 +162,14 @@ DECLARED: dict[str, list[tuple[str, dict[str, str]]]] = {
     ],
     # one number per head (app/views/shared/per_head.py): each snippet is its engine function's own call
     **{a.name: [(f"/models/tiny-2l/{a.path}", {})] for a in ANALYSES if isinstance(a, PerHeadAnalysis)},
+}
+# declared snippets tested on a model these fixtures lack: analysis -> the test file
+DECLARED_ELSEWHERE = {
+    "rotary-bands": "tests/app/test_pages_rotary.py",  # a rotary model
+    "qk-copying-offset": "tests/app/test_pages_rotary.py",
+    "positional": "tests/app/test_pages_rotary.py",
+    "expert-ov": "tests/app/test_residual.py",  # a model with MLPs
+    "positivity": "test_positivity_snippet below",  # the shipped toy-2l: the scatter needs an induction head
 }
 # snippets a page's context builds from what it knows (tested above, or in test_pages_rotary.py)
 CONTEXT_BUILT = {"composition", "qk-paths", "paths", "detectors", "ov", "composition-profile"}
@@ -143,29 +179,18 @@ NOT_PANELS = {
     "copying": "API only: one head's copying metrics (pages show copying-all's)",
     "summary": "API only: the overview's measured card is read off the heads table, whose snippet gives its scores",
 }
-# panels that offer no "copy as Python" yet: the list only shrinks (a new analysis must offer one)
-WITHOUT_SNIPPET = {
-    "copying-all",
-    "positivity",
-    "qk",
-    "skip-trigrams",
-    "positional",
-    "rotary-bands",
-    "qk-copying-offset",
-    "residual-usage",
-    "residual-pair",
-    "expert-ov",  # an MLP writer's token table (expert_circuits.full_expert_circuit): no snippet yet
-}
+# panels that offer no "copy as Python" yet, and why: the list only shrinks (a new analysis must offer one)
+WITHOUT_SNIPPET: dict[str, str] = {}  # analysis -> why (empty: every panel offers one)
 
 
 def test_every_analysis_offers_a_snippet_or_is_listed() -> None:
     """Enumerated from the registry (app/catalog.py ANALYSES): an analysis declaring a snippet has a test below; every
     other is a context-built snippet, not a panel, or in WITHOUT_SNIPPET. A new analysis without a snippet fails."""
     declared = {a.name for a in ANALYSES if a.snippet is not None}
-    assert declared == set(DECLARED)
+    assert declared == set(DECLARED) | set(DECLARED_ELSEWHERE)
     rest = {a.name for a in ANALYSES} - declared
-    assert rest == CONTEXT_BUILT | set(NOT_PANELS) | WITHOUT_SNIPPET
-    assert not (CONTEXT_BUILT & WITHOUT_SNIPPET) and not (CONTEXT_BUILT & declared)
+    assert rest == CONTEXT_BUILT | set(NOT_PANELS) | set(WITHOUT_SNIPPET)
+    assert not (CONTEXT_BUILT & set(WITHOUT_SNIPPET)) and not (CONTEXT_BUILT & declared)
 
 
 def same(got: Any, want: Any, where: str = "result") -> None:
@@ -215,4 +240,25 @@ def test_declared_snippet_reproduces_its_json_twin(
     result = run(code)
     answer = client.get(json_twin(page.text, analysis, path.split("/")[2])).json()
     assert result and set(result) <= set(answer)
+    same(result, answer)
+
+
+def test_positivity_snippet() -> None:
+    """The overview's scatter (drawn only on a model with an induction head: the shipped, trained toy-2l), its
+    snippet run as a notebook would, against the positivity JSON the panel links."""
+    from pathlib import Path
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    shipped = Path(__file__).resolve().parents[2] / "checkpoints"
+    if not (shipped / "toy-2l").exists():
+        pytest.skip("the shipped checkpoints are not in this tree")
+    settings = Settings(shipped_dir=shipped, models_dir=None, store_url="off", dtype="float64")
+    with TestClient(create_app(settings)) as client:
+        page = client.get("/models/toy-2l")
+        assert page.status_code == 200 and "positivity-scatter" in page.text
+        result = run(snippets_in(page.text)["positivity-python"])
+        answer = client.get(json_twin(page.text, "positivity", "toy-2l")).json()
+    assert result["points"] and set(result) <= set(answer)
     same(result, answer)

@@ -131,6 +131,21 @@ def test_detectors_chart_the_top_heads_and_filter_the_table(wide: TestClient) ->
     )
 
 
+def test_copying_chart_draws_the_top_heads(wide: TestClient) -> None:
+    """The copying page's bar chart draws the MOST_HEAD_BARS heads with the highest eigenvalue score (it drew all 81;
+    270 on SmolLM2); its table lists every head."""
+    from app.charts import MOST_HEAD_BARS
+
+    api = wide.get(f"{API}/copying").json()["heads"]
+    top = sorted(api, key=lambda h: -h["ov_copying"])[:MOST_HEAD_BARS]
+    page = wide.get(f"/models/{M}/copying")
+    chart = charts_in(page.text)[f"{M}-copying"]
+    assert chart["data"][0]["x"] == [h["head"] for h in top]
+    assert f"the {MOST_HEAD_BARS} highest of 81 heads" in chart["layout"]["title"]["text"]
+    table = page.text.split('id="copying-table"', 1)[1]
+    assert len(re.findall(r'<tr><td data-value="L', table)) == 81
+
+
 def filter_half(wide: TestClient) -> tuple[str, set[str]]:
     """A filter on an induction threshold that about half the heads pass, and those heads (read off the heads table's
     JSON and tested here)."""
