@@ -125,7 +125,7 @@ class Declared(Generic[P, V]):
     tags: list[str]
     cache: bool | Callable[[P], bool] = True  # keep answers in the result cache (per params when callable)
     description: str | None = None
-    # "copy as Python" (app/snippets.py): (params, view) -> the circuits_core calls, after the model's load, that leave
+    # "copy as Python" (app/snippets/): (params, view) -> the circuits_core calls, after the model's load, that leave
     # the panel's numbers in `result`, keyed like the view's JSON fields; every page that runs the analysis offers it
     # (None from the function: no snippet for these params, e.g. an input only the server has)
     snippet: Callable[[P, V], str | None] | None = None

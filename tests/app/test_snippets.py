@@ -82,26 +82,18 @@ def test_ov_table_snippet(client: TestClient, model: str, head: str, query: dict
 
 
 def test_every_offered_snippet_is_tested(client: TestClient) -> None:
-    """The snippets a page's context builds (the functions of app/snippets.py other than the declared bodies): each
-    has its test above, or composition_profile's in tests/app/test_pages_rotary.py (a rotary model)."""
+    """The snippets a page's context builds (the functions of app/snippets/pages.py): each has its test above, or
+    composition_profile's in tests/app/test_pages_rotary.py (a rotary model)."""
     import inspect
 
-    from app import snippets
+    from app.snippets import pages
 
     offered = {
         name
-        for name, fn in inspect.getmembers(snippets, inspect.isfunction)
-        if fn.__module__ == snippets.__name__ and not name.startswith("_") and not name.endswith("_body")
+        for name, fn in inspect.getmembers(pages, inspect.isfunction)
+        if fn.__module__ == pages.__name__ and not name.startswith("_")
     }
-    assert offered == {
-        "composition",
-        "qk_score_terms",
-        "logit_paths",
-        "composition_profile",
-        "detectors",
-        "ov_table",
-        "script",  # the load header of the declared snippets below
-    }
+    assert offered == {"composition", "qk_score_terms", "logit_paths", "composition_profile", "detectors", "ov_table"}
 
 
 # -- declared snippets (Analysis.snippet): every page that runs the analysis offers it --------------------------
