@@ -13,7 +13,8 @@ from test_paths_cost import _HeldBytes
 from circuits_core.circuits import ov_effective_rank
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.model.config import ModelConfig
-from circuits_core.model.transformer import Block, Transformer, random_model
+from circuits_core.model.transformer import Transformer, random_model
+from tests.core.formed_circuits import per_head_of_formed_ov
 from tests.core.rotary_models import CASES, rotary_model
 
 TOY_2L = Path(__file__).resolve().parents[2] / "checkpoints" / "toy-2l"
@@ -29,17 +30,7 @@ def participation_ratio(sigma: torch.Tensor) -> float:
 def dense_ranks(model: Transformer) -> torch.Tensor:
     """[L, H]: the participation ratio of all d_model singular values of the formed W_V[h * n_kv // H] W_O[h] (the
     output norm's gain, if any, multiplying W_O's columns)."""
-    cfg = model.cfg
-    out = torch.zeros(cfg.n_layers, cfg.n_heads, dtype=torch.float64)
-    for layer in range(cfg.n_layers):
-        block = model.blocks[layer]
-        assert isinstance(block, Block)
-        W_V = block.attn.grouped("W_V").double()  # [n_kv, d_model, d_head] as stored
-        gain = block.ln1_post.w.double() if cfg.post_norms else torch.ones(cfg.d_model, dtype=torch.float64)
-        for h in range(cfg.n_heads):
-            W_OV = W_V[h * cfg.n_kv_heads // cfg.n_heads] @ (block.attn.W_O[h].double() * gain)  # [d_model, d_model]
-            out[layer, h] = participation_ratio(torch.linalg.svdvals(W_OV))
-    return out
+    return per_head_of_formed_ov(model, lambda W_OV: participation_ratio(torch.linalg.svdvals(W_OV)))
 
 
 def test_toy_2l_matches_the_dense_svd() -> None:

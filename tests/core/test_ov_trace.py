@@ -15,6 +15,7 @@ from circuits_core.circuits import ov_trace
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Block, Transformer, random_model
+from tests.core.formed_circuits import per_head_of_formed_ov
 from tests.core.rotary_models import CASES, rotary_model
 
 TOY_2L = Path(__file__).resolve().parents[2] / "checkpoints" / "toy-2l"
@@ -26,17 +27,7 @@ GQA = ModelConfig(
 def dense_traces(model: Transformer) -> torch.Tensor:
     """[L, H]: trace / Frobenius norm of the formed W_V[h * n_kv // H] W_O[h] (the output norm's gain, if any,
     multiplying W_O's columns)."""
-    cfg = model.cfg
-    out = torch.zeros(cfg.n_layers, cfg.n_heads, dtype=torch.float64)
-    for layer in range(cfg.n_layers):
-        block = model.blocks[layer]
-        assert isinstance(block, Block)
-        W_V = block.attn.grouped("W_V").double()  # [n_kv, d_model, d_head] as stored
-        gain = block.ln1_post.w.double() if cfg.post_norms else torch.ones(cfg.d_model, dtype=torch.float64)
-        for h in range(cfg.n_heads):
-            W_OV = W_V[h * cfg.n_kv_heads // cfg.n_heads] @ (block.attn.W_O[h].double() * gain)  # [d_model, d_model]
-            out[layer, h] = torch.trace(W_OV) / torch.linalg.matrix_norm(W_OV, "fro")
-    return out
+    return per_head_of_formed_ov(model, lambda W_OV: torch.trace(W_OV) / torch.linalg.matrix_norm(W_OV, "fro"))
 
 
 def test_toy_2l_matches_the_dense_circuit() -> None:
