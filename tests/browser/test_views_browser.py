@@ -116,7 +116,7 @@ def test_copying_page_rows_input_samples_source_tokens(page: Page) -> None:
     page.goto("/models/toy-2l/copying?samples=10")
     expect(page.locator("#copying-sample")).to_contain_text("every one of the")
     page.fill("#copying input[name=rows]", "40")
-    page.locator("#copying form button[type=submit]").click()
+    page.locator("#copying form").get_by_role("button", name="Run").click()  # (the head filter's Apply is beside it)
     page.wait_for_url("**rows=40**")
     expect(page.locator("#copying-sample")).to_contain_text("40 of the")
     expect(page.locator("#copying-table tbody tr").first).to_contain_text(
