@@ -17,6 +17,7 @@ import pytest
 
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.checkpoint import load_checkpoint
+from tests.core.gguf_writing import finish
 from tests.core.hf_families import TOKENS, hf_model, hf_run
 
 FIELDS = {"hidden_size": 48, "n_layer": 2, "n_head": 6, "pad_token_id": None, "eos_token_id": None,
@@ -56,10 +57,7 @@ def write_bloom(model: Any, path: Path, arch: str = "bloom") -> None:
         if stem == "self_attention.query_key_value":  # rows (head, 3, d_head) -> q's, k's, v's
             value = value.reshape(H, 3, d // H, -1).swapaxes(0, 1).reshape(value.shape)
         writer.add_tensor(f"blk.{layer}.{NAMES[stem]}.{suffix}", np.ascontiguousarray(value))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def test_logits_and_patterns_equal_transformers(tmp_path: Path) -> None:

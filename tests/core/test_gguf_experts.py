@@ -22,6 +22,7 @@ import torch
 from circuits_core.errors import CheckpointError
 from circuits_core.formats import gguf_quants
 from circuits_core.formats.checkpoint import load_checkpoint
+from tests.core.gguf_writing import converter_writer, finish
 from tests.core.hf_families import TOKENS, hf_model
 
 Q = gguf.GGMLQuantizationType
@@ -107,13 +108,7 @@ def write_gguf(
 ) -> None:
     """The GGUF llama.cpp's converter writes for `model` (no tokenizer), experts stored as `expert_type`."""
     cfg = model.config
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer = converter_writer(path, arch, cfg)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -139,10 +134,7 @@ def write_gguf(
             writer.add_tensor(name, gguf.quants.quantize(value, expert_type), raw_dtype=expert_type)
         else:
             writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def moe_model(name: str, seed: int) -> tuple[str, Any]:

@@ -10,13 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import gguf
 import numpy as np
 import pytest
 import torch
 
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.checkpoint import load_checkpoint
+from tests.core.gguf_writing import converter_writer, finish
 from tests.core.hf_families import TOKENS, hf_model, hf_run
 
 FIELDS = {"hidden_size": 32, "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -33,13 +33,7 @@ LAYER_NAMES = {
 
 def write_phi3(model: Any, path: Path, add: dict[str, np.ndarray] | None = None) -> None:
     cfg = model.config
-    writer = gguf.GGUFWriter(path, "phi3")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer = converter_writer(path, "phi3", cfg)
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
@@ -53,10 +47,7 @@ def write_phi3(model: Any, path: Path, add: dict[str, np.ndarray] | None = None)
         writer.add_tensor(names[name], np.ascontiguousarray(p.detach().float().numpy()))
     for name, value in (add or {}).items():
         writer.add_tensor(name, value)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def test_logits_and_patterns_equal_transformers(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from circuits_core.errors import CheckpointError
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.formats.gguf import GEMMA3_SOURCES, gguf_config
 from circuits_core.formats.gguf_header import GGUFHeader
+from tests.core.gguf_writing import converter_writer, finish
 
 VOCAB, N = 97, 24
 GEMMA3 = {
@@ -69,13 +70,7 @@ def hf_model(kind: str, fields: dict[str, Any], seed: int) -> Any:
 def write_as_llama_cpp(model: Any, path: Path, kind: str, extra: dict[str, Any] | None = None) -> None:
     """The GGUF llama.cpp's convert_hf_to_gguf.py writes for this model (F32 tensors, no tokenizer)."""
     cfg = model.config
-    writer = gguf.GGUFWriter(path, kind)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer = converter_writer(path, kind, cfg)
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -105,10 +100,7 @@ def write_as_llama_cpp(model: Any, path: Path, kind: str, extra: dict[str, Any] 
             stem, suffix = rest.rsplit(".", 1)
             gguf_name = f"blk.{layer}.{names[stem]}.{suffix}"
         writer.add_tensor(gguf_name, np.ascontiguousarray(value, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "qwen3"])
