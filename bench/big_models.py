@@ -176,10 +176,28 @@ def run_8b() -> None:
           f"{load:.1f}", flush=True)  # fmt: skip
 
 
-def price_table(hf: dict[str, Any], label: str) -> None:
-    """The weights a weight-only analysis reads and each attention-only analysis's priced working memory."""
+REQUEST = {"head": "L1H0", "source": "L0H1", "target": "L1H2", "heads": "L0H1,L1H2"}  # one head, one pair
+
+
+def weight_only(limits: Any) -> list[tuple[Any, Any]]:
+    """(analysis, its params class bound to `limits`) for every model analysis declared weights="attention"."""
     from app.analysis import BoundAnalyses
     from app.catalog import ANALYSES
+
+    analyses = [a for a in ANALYSES if a.scope == "model" and a.weights == "attention"]
+    bound = BoundAnalyses(analyses, limits)
+    return [(a, bound.bound(a)) for a in analyses]
+
+
+def request(params_class: Any, extra: dict[str, str] | None = None) -> Any:
+    """The benches' request of an analysis (REQUEST, and `extra`), as far as its params take those fields; raises
+    what validation raises."""
+    values, fields = REQUEST | (extra or {}), params_class.model_fields
+    return params_class.model_validate({k: v for k, v in values.items() if k in fields})
+
+
+def price_table(hf: dict[str, Any], label: str) -> None:
+    """The weights a weight-only analysis reads and each attention-only analysis's priced working memory."""
     from app.settings import Limits
     from circuits_core.formats.checkpoint import LoadedModel
     from circuits_core.formats.lazy_mlp import mlp_bytes
@@ -197,13 +215,9 @@ def price_table(hf: dict[str, Any], label: str) -> None:
           "GiB (what the weight circuits load); working memory per analysis (price functions, bf16 "
           "weights):", flush=True)  # fmt: skip
     limits = Limits(max_k=200)
-    weight_only = [a for a in ANALYSES if a.scope == "model" and a.weights == "attention"]
-    bound = BoundAnalyses(weight_only, limits)
-    values = {"head": "L1H0", "source": "L0H1", "target": "L1H2", "heads": "L0H1,L1H2"}
-    for analysis in weight_only:
-        fields = analysis.params.model_fields
+    for analysis, params_class in weight_only(limits):
         try:
-            params = bound.bound(analysis).model_validate({k: v for k, v in values.items() if k in fields})
+            params = request(params_class)
             cost = analysis.cost(loaded, params, limits)
             print(f"    {analysis.name:<22} {cost.peak_bytes / GiB:8.2f} GiB  answer {cost.answer_bytes / 2**20:7.2f} "
                   f"MiB",

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from bench.big_models import CACHE as FOLDER
-from bench.big_models import LLAMA_8B, LLAMA_70B, REPO, GiB, write_checkpoint
+from bench.big_models import LLAMA_8B, LLAMA_70B, REPO, GiB, request, weight_only, write_checkpoint
 
 MODELS = FOLDER.parent
 
@@ -171,8 +171,6 @@ def measure_70b(deadline: float) -> None:
     (bf16), loaded onto the GPU with its MLPs deferred; then each weight-only analysis (declared weights="attention")
     through its builder, its priced working memory beside the GPU memory it took (torch's peak above the weights),
     while time is left before `deadline`."""
-    from app.analysis import BoundAnalyses
-    from app.catalog import ANALYSES
     from app.settings import Limits
     from circuits_core.errors import QkovError
     from circuits_core.formats.checkpoint import load_checkpoint
@@ -189,18 +187,13 @@ def measure_70b(deadline: float) -> None:
           f"({loaded.provenance()})", flush=True)  # fmt: skip
     free = torch.cuda.mem_get_info()[0]
     limits = Limits(max_k=200, peak_bytes=free, max_answer_bytes=2**31)
-    weight_only = [a for a in ANALYSES if a.scope == "model" and a.weights == "attention"]
-    bound = BoundAnalyses(weight_only, limits)
-    values = {"head": "L1H0", "source": "L0H1", "target": "L1H2", "heads": "L0H1,L1H2", "tokens": "1,2,3"}
     print(f"  {'analysis':<24} {'priced':>10} {'measured':>10} {'seconds':>8}", flush=True)
-    for analysis in weight_only:
+    for analysis, params_class in weight_only(limits):
         if time.perf_counter() > deadline:
             print(f"  (time's up: {analysis.name} and the rest not run)", flush=True)
             break
-        fields = analysis.params.model_fields
         try:
-            params = bound.bound(analysis).model_validate({k: v for k, v in values.items() if k in fields})
-            params = params.normalised(loaded)
+            params = request(params_class, {"tokens": "1,2,3"}).normalised(loaded)
             priced = analysis.cost(loaded, params, limits).peak_bytes
             if priced > free:
                 print(f"  {analysis.name:<24} {priced / GiB:9.2f}G  not run: over the {free / GiB:.0f} GiB free")
