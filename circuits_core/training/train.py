@@ -25,13 +25,14 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from circuits_core.model.alibi import alibi_kernel
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Block, Transformer, init_weights
 from circuits_core.prompt.phenomena import TOKEN_COUNTS_FILE, EvalData, check_thresholds, quick_metrics
@@ -59,6 +60,8 @@ class Recipe:
     repeat_min: int = 8
     repeat_max: int = 63
     pos_init: str = "sin"  # sinusoidal table (learnable) or "normal" (std_embed)
+    # "bloom" or "mpt": ALiBi slopes (circuits_core.model.alibi) instead of a learned positional table
+    alibi: str | None = None
     std_embed: float = 0.02
     seed: int = 0
     eval_every: int = 250
@@ -75,8 +78,9 @@ class Recipe:
             normalization_type=None,
             use_bias=False,
             bos_token_id=bos,
-            # Positions only enter attention, so a model without layers has none.
-            positional_embedding_type="shortformer" if self.n_layers else "none",
+            # Positions only enter attention, so a model without layers has none; ALiBi has no table either.
+            positional_embedding_type="shortformer" if self.n_layers and self.alibi is None else "none",
+            alibi=cast("Literal['bloom', 'mpt'] | None", self.alibi),
         )
 
 
@@ -108,8 +112,8 @@ def make_model(recipe: Recipe, d_vocab: int, bos: int) -> Transformer:
 def training_logits(model: Transformer, tokens: Tensor) -> Tensor:
     """Logits [batch, pos, d_vocab] of an attention-only, LayerNorm-free, bias-free model via SDPA.
 
-    Same parameters and maths as `model.run` (shortformer: q/k read resid + W_pos, v reads resid);
-    other architectures fall back to `model.run`.
+    Same parameters and maths as `model.run` (shortformer: q/k read resid + W_pos, v reads resid; ALiBi: the
+    kernel −m_h (i − j) joins the causal mask as an additive bias); other architectures fall back to `model.run`.
     """
     cfg = model.cfg
     if (
@@ -121,13 +125,20 @@ def training_logits(model: Transformer, tokens: Tensor) -> Tensor:
         return model.run(tokens)[0]
     x = model.W_E[tokens]  # [b, n, d]
     pos = model.W_pos[: tokens.shape[1]] if model.W_pos is not None else 0.0
+    mask = None  # [H, n, n] additive: −m_h (i − j) where j <= i, −inf above the diagonal
+    if cfg.alibi is not None:
+        n = tokens.shape[1]
+        seen = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()
+        mask = alibi_kernel(cfg, n, tokens.device).to(x.dtype).masked_fill(~seen, float("-inf"))
     for block in cast("Iterable[Block]", model.blocks):  # nn.ModuleList iterates as plain Modules
         a = block.attn
         qk_in = x + pos
         q = torch.einsum("bpd,hde->bhpe", qk_in, a.W_Q)  # [b, H, n, dh]
         k = torch.einsum("bpd,hde->bhpe", qk_in, a.W_K)
         v = torch.einsum("bpd,hde->bhpe", x, a.W_V)
-        z = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / cfg.scale)  # [b, H, n, dh]
+        z = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=1.0 / cfg.scale
+        )  # [b, H, n, dh]
         x = x + torch.einsum("bhpe,hed->bpd", z, a.W_O)
     return x @ model.W_U
 

@@ -17,9 +17,12 @@ from circuits_core.training.train import Batches, Recipe, make_model, train, tra
 ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
 
 
-@pytest.mark.parametrize("n_layers", [0, 1, 2])
-def test_training_logits_equal_run(n_layers):
-    model = make_model(Recipe(n_layers=n_layers, steps=1, d_model=32, n_heads=4, d_head=8, n_ctx=24), 300, 0).double()
+@pytest.mark.parametrize(("n_layers", "alibi"), [(0, None), (1, None), (2, None), (2, "bloom"), (2, "mpt")])
+def test_training_logits_equal_run(n_layers, alibi):
+    """6 heads: BLOOM's and MPT's slopes differ (alibi.py), so a kernel built with the wrong rule fails."""
+    recipe = Recipe(n_layers=n_layers, steps=1, d_model=36, n_heads=6, d_head=6, n_ctx=24, alibi=alibi)
+    model = make_model(recipe, 300, 0).double()
+    assert (model.W_pos is None) == (alibi is not None or n_layers == 0)
     with torch.no_grad():
         for p in model.parameters():  # larger weights so attention is far from uniform
             p.mul_(5.0)
