@@ -20,7 +20,10 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -174,8 +177,11 @@ def train(
     max_minutes: float | None = None,
     snapshots: bool = False,
     progress: bool = True,
+    stop: threading.Event | None = None,
 ) -> dict:
-    """Train, evaluate every `eval_every` steps, save the checkpoint with its model card; returns the card."""
+    """Train, evaluate every `eval_every` steps, save the checkpoint with its model card; returns the card.
+
+    The run ends early, evaluated and saved like a finished one, after `max_minutes` or once `stop` is set."""
     torch.manual_seed(recipe.seed)
     eval_data = EvalData(corpus.val, corpus.train_counts(), corpus.eot)
     model = make_model(recipe, corpus.tokenizer.get_vocab_size(), corpus.eot).to(device)
@@ -193,7 +199,7 @@ def train(
     first: dict[str, dict] = {}
     met_step: int | None = None
     saved: set[str] = set()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     bar = _bar(recipe.steps, name, progress)
     step, loss_avg = 0, float("nan")
     for step in range(1, recipe.steps + 1):
@@ -205,7 +211,9 @@ def train(
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
         opt.step()
         sched.step()
-        timed_out = max_minutes is not None and time.perf_counter() - start > 60 * max_minutes
+        timed_out = (max_minutes is not None and time.perf_counter() - start > 60 * max_minutes) or (
+            stop is not None and stop.is_set()
+        )
         is_eval = step % recipe.eval_every == 0 or step == recipe.steps or timed_out
         if step % 50 == 0 or is_eval:
             loss_avg = float(loss.detach())
@@ -229,12 +237,23 @@ def train(
                 saved.add(tag)
                 met_step = met_step or step
                 _finish(
-                    name, recipe, model, corpus, eval_data, out / f"{name}-{tag}", step, start, device, history, first
+                    name,
+                    recipe,
+                    model,
+                    corpus,
+                    eval_data,
+                    out / f"{name}-{tag}",
+                    step,
+                    start,
+                    device,
+                    history,
+                    first,
+                    cpu_start,
                 )
             if timed_out:
                 break
     bar.close()
-    return _finish(name, recipe, model, corpus, eval_data, out / name, step, start, device, history, first)
+    return _finish(name, recipe, model, corpus, eval_data, out / name, step, start, device, history, first, cpu_start)
 
 
 def _bar(total: int, name: str, enabled: bool) -> Any:
@@ -268,6 +287,7 @@ def _finish(
     device: str,
     history: list[dict],
     first: dict[str, dict],
+    cpu_start: float,
 ) -> dict:
     wall = time.perf_counter() - start
     card = {
@@ -279,6 +299,10 @@ def _finish(
             "steps": step,
             "tokens_seen": step * recipe.batch * recipe.n_ctx,
             "wall_seconds": round(wall, 1),
+            # CPU time of this process (evaluations included): on a shared machine the wall time depends on the
+            # other jobs, which the load average at the end describes
+            "cpu_seconds": round(time.process_time() - cpu_start, 1),
+            "load_average_at_end": [round(v, 2) for v in os.getloadavg()],
             "device": torch.cuda.get_device_name(0)
             if device.startswith("cuda")
             else f"cpu ({torch.get_num_threads()} threads)",
@@ -313,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    stop = threading.Event()  # Ctrl-C or kill: the run ends after its current step, evaluated and saved
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     if args.name == "measure":
         print(json.dumps(remeasure(Path(args.folder))["phenomena"], indent=1))
         return 0
@@ -339,12 +366,15 @@ def main(argv: list[str] | None = None) -> int:
             args.max_minutes,
             args.snapshots,
             not args.no_progress,
+            stop,
         )
         print(
             json.dumps(
                 {"name": card["name"], "phenomena": card["phenomena"], "first_crossed": card["first_crossed"]}, indent=1
             )
         )
+        if stop.is_set():  # the models after a stopped one are not started
+            break
     return 0
 
 
