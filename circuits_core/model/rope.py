@@ -102,11 +102,18 @@ def rotate(cfg: ModelConfig, x: Tensor, positions: Tensor) -> Tensor:
     and a = p theta_k (rotary_angles): x_i' = x_i cos a - x_j sin a, x_j' = x_j cos a + x_i sin a. The
     rotation matrix for row vectors is rotate(cfg, eye(d_head), p). Angles are computed in float64.
     """
-    first, second = (idx.to(x.device) for idx in rotary_pairs(cfg))
     angles = rotary_angles(cfg, positions.to(x.device))  # [..., K]
     cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    a, b = x[..., first], x[..., second]  # [..., K]
-    out = x.clone()
-    out[..., first] = a * cos - b * sin
-    out[..., second] = b * cos + a * sin
-    return out
+    K = angles.shape[-1]
+    # the pairs of rotary_pairs as views (strided or sliced), not gathered copies: the forward pass rotates q and k
+    # of every layer, and the gathers and scatters were most of its cost
+    if cfg.rotary_adjacent_pairs:
+        pairs = x[..., : 2 * K].unflatten(-1, (K, 2))  # [..., K, 2]: (2k, 2k + 1)
+        a, b = pairs[..., 0], pairs[..., 1]  # [..., K]
+        rotated = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)  # [..., 2K]
+    else:
+        a, b = x[..., :K], x[..., K : 2 * K]  # (k, k + K)
+        rotated = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)  # [..., 2K]
+    if 2 * K == x.shape[-1]:
+        return rotated
+    return torch.cat([rotated, x[..., 2 * K :].expand(*rotated.shape[:-1], -1)], dim=-1)  # partial rotary
