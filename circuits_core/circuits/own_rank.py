@@ -59,31 +59,63 @@ def count_above(
     [r] the position of each row's own column (never counted). A block of logits (`itemsize` bytes each) and its
     two masks stay within `block_bytes`; `probe` [p] column positions of step 1 (probe_columns(n): None skips it)."""
     r = int(own_logit.shape[0])
-    per = itemsize + 2  # bytes per entry of a block: the logit, the "above" and "own column" masks
-    above = torch.full((r,), k, dtype=torch.int64)
     rows = torch.arange(r)
-    if probe is not None and r:  # step 1: settle the rows with k probed columns above their own, in row chunks
-        probe = probe.to(own.device)
-        step = max(1, block_bytes // (per * len(probe)))
-        left = []
-        for start in range(0, r, step):
-            check_stop(what="OV self-copy shares")
-            chunk = rows[start : start + step]
-            count = _counted(logits(chunk, probe), own_logit[chunk], own[chunk, None] == probe[None, :])
-            left.append(chunk[count < k])
-        rows = torch.cat(left)
+    if probe is not None and r:
+        rows = unsettled_by_probe(logits, own_logit, own, k, block_bytes, itemsize, probe)
+    above = torch.full((r,), k, dtype=torch.int64)
+    above[rows] = scan(logits, own_logit, own, rows, n, k, block_bytes, itemsize, first_block)
+    return above
+
+
+def unsettled_by_probe(
+    logits: Logits, own_logit: Tensor, own: Tensor, k: int, block_bytes: int, itemsize: int, probe: Tensor
+) -> Tensor:
+    """Step 1: the positions [o] of the rows (of own_logit's [r]) with fewer than k of the `probe` [p] columns above
+    their own entry, in order; the others are settled at k. Row chunks keep a block within `block_bytes`."""
+    r = int(own_logit.shape[0])
+    per = itemsize + 2  # bytes per entry of a block: the logit, the "above" and "own column" masks
+    probe = probe.to(own.device)
+    step = max(1, block_bytes // (per * len(probe)))
+    rows = torch.arange(r)
+    left = [rows[:0]]
+    for start in range(0, r, step):
+        check_stop(what="OV self-copy shares")
+        chunk = rows[start : start + step]
+        count = _counted(logits(chunk, probe), own_logit[chunk], own[chunk, None] == probe[None, :])
+        left.append(chunk[count < k])
+    return torch.cat(left)
+
+
+def scan(
+    logits: Logits,
+    own_logit: Tensor,
+    own: Tensor,
+    rows: Tensor,
+    n: int,
+    k: int,
+    block_bytes: int,
+    itemsize: int = 4,
+    first_block: int = FIRST_BLOCK,
+) -> Tensor:
+    """Step 2: [len(rows)] int64, for the rows at positions `rows` [o], the columns of all n above their own entry,
+    capped at k: every column in blocks growing from first_block (within block_bytes), a row dropped from the next
+    block once its count reaches k."""
+    per = itemsize + 2
+    out = torch.full((len(rows),), k, dtype=torch.int64)
+    live = torch.arange(len(rows))  # positions into rows still counting
     count = torch.zeros(len(rows), dtype=torch.int64)
     start, width = 0, first_block
-    while len(rows) and start < n:  # step 2: every column for the rows left, a row dropped once at k
+    while len(live) and start < n:
         check_stop(what="OV self-copy shares")
-        c = max(1, min(width, n - start, block_bytes // max(1, per * len(rows))))
+        at = rows[live]
+        c = max(1, min(width, n - start, block_bytes // max(1, per * len(at))))
         columns = torch.arange(start, start + c, device=own.device)
-        count += _counted(logits(rows, slice(start, start + c)), own_logit[rows], own[rows, None] == columns[None, :])
+        count += _counted(logits(at, slice(start, start + c)), own_logit[at], own[at, None] == columns[None, :])
         open_ = count < k
-        rows, count = rows[open_], count[open_]
+        live, count = live[open_], count[open_]
         start, width = start + c, 2 * width
-    above[rows] = count
-    return above
+    out[live] = count
+    return out
 
 
 def _counted(block: Tensor, own_logit: Tensor, mine: Tensor) -> Tensor:

@@ -104,3 +104,32 @@ def test_copying_metrics_on_a_token_circuit_larger_than_the_probe() -> None:
     above = dense_above(M, torch.arange(n), 5)
     assert m.top1 == float((above == 0).double().mean()) and m.topk == float((above < 5).double().mean())
     assert 0 < m.topk < 1
+
+
+def test_circuits_ranked_together_equal_each_dense_circuit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """copying.rows_ranks on every head at once (the overview's batches): the heads whose probe leaves few rows open
+    are scanned in one stack of their rows, the others alone, and every head's counts and diagonal equal its dense
+    float64 circuit's."""
+    from circuits_core.circuits import ov_row_ranks
+
+    cfg = ModelConfig(n_layers=2, d_model=24, n_heads=4, d_head=6, d_vocab=3 * PROBE, n_ctx=8, attn_only=True)
+    model = random_model(cfg, seed=2, dtype=torch.float64, std_embed=1.0)
+    with torch.no_grad():  # head 0 of each layer copies (W_U = W_E^T, W_OV a projection); the others are random
+        model.W_U.copy_(model.W_E.T)
+        for layer in range(cfg.n_layers):
+            model.blocks[layer].attn.W_O[0].copy_(model.blocks[layer].attn.W_V[0].T)
+    scanned: list[int] = []  # rows of each scan: a circuit's own, or the stack of several circuits' rows
+    inner = ov_row_ranks.scan
+    monkeypatch.setattr(ov_row_ranks, "scan", lambda *a, **kw: scanned.append(len(a[3])) or inner(*a, **kw))
+    k, order = 3, copying.sample_order(cfg.d_vocab, 400, seed=4)
+    heads = [(layer, h) for layer in range(cfg.n_layers) for h in range(cfg.n_heads)]
+    circuits = [(model.W_V[layer, h], model.W_O[layer, h]) for layer, h in heads]
+    got = copying.rows_ranks(model, circuits, k, order, budget_bytes=50_000)
+    for (W_V, W_O), ranks in zip(circuits, got, strict=True):
+        M = model.W_E[order] @ W_V @ W_O @ model.W_U  # [r, V] the rows of the full OV circuit (no LayerNorm)
+        assert torch.equal(ranks.above, dense_above(M, order, k))
+        torch.testing.assert_close(ranks.diag, M.gather(1, order[:, None])[:, 0], rtol=1e-12, atol=1e-12)
+    alone, stack = scanned[:-1], scanned[-1]
+    assert len(alone) >= cfg.n_layers  # the copying heads, scanned on their own
+    one = max(o for o in range(400) if ov_row_ranks.pooled(cfg.d_model, cfg.d_head, o))  # most one circuit stacks
+    assert stack > one  # the stack holds several circuits' rows
