@@ -11,7 +11,8 @@ Many circuits over the same source rows and columns (every head of the overview'
 - the scan of the rows the probe leaves open, where a circuit leaves few of them (then the first route is the cheaper
   for it): those rows' u_a of every circuit are stacked, and each block of W_U's columns is read once for all of
   them, in one wide product, instead of once per circuit in a product a few rows tall. A circuit that leaves many
-  rows open is scanned on its own, through W_O W_U's columns.
+  rows open is scanned on its own, through W_O W_U's columns, only until few of them are left (the rows ranked
+  below the top k settle as columns above them are seen): those go on in the stack from the column reached.
 Each row's count is the same either way (own_rank: exact, rows dropped only once k columns above are seen).
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -123,7 +125,10 @@ def rows_ranks(
     W_probe = None if probe is None else W_U[:, probe.to(W_U.device)]  # [d_model, p], gathered once
     block = min(budget_bytes, BLOCK_BYTES)
     ranks: list[RowRanks] = []
-    stacked: list[tuple[int, Tensor, Tensor, Tensor]] = []  # (circuit, open rows [o], their u [o, d], own logits)
+    stacked: list[tuple[int, Tensor, int, Tensor]] = []  # (circuit, its open rows [o], the column each starts at,
+    # the columns counted before it [o])
+    U_open: list[Tensor] = []  # each stacked circuit's open rows' u [o, d_model]
+    own_open: list[Tensor] = []  # and their own logits [o]
     for i, (W_V, W_O) in enumerate(circuits):
         check_stop(what="OV self-copy shares")
         dh = W_V.shape[1]
@@ -133,24 +138,32 @@ def rows_ranks(
         logits = circuit_blocks(X, U, W_O, W_U, W_probe)
         rows = torch.arange(len(own)) if probe is None else unsettled_by_probe(logits, diag, own, k, block, size, probe)
         above = torch.full((len(own),), k, dtype=torch.int64)
-        if pooled(d, dh, len(rows)):
-            stacked.append((i, rows, U[rows], diag[rows]))
-        else:
-            above[rows] = scan(logits, diag, own, rows, n, k, block, size)
+        begin, count = 0, torch.zeros(len(rows), dtype=torch.int64)
+        if not pooled(d, dh, len(rows)):  # through W_O W_U's columns until few rows are left open, then the stack
+            alone = scan(logits, diag, own, rows, n, k, block, size, handoff=partial(pooled, d, dh))
+            above[rows] = alone.above
+            rows, begin, count = rows[alone.open], alone.reached, alone.above[alone.open]
+        if len(rows):
+            stacked.append((i, rows, begin, count))
+            U_open.append(U[rows])
+            own_open.append(diag[rows])
         ranks.append(RowRanks(above, diag.double().cpu(), k))
     if stacked:  # every circuit's few open rows: each block of W_U's columns read once for all of them
-        U_all = torch.cat([u for _, _, u, _ in stacked])  # [o, d_model]
-        counts = scan(
+        U_all = torch.cat(U_open)  # [o, d_model]
+        together = scan(
             lambda rows, columns: U_all[rows] @ W_U[:, columns],
-            torch.cat([t for _, _, _, t in stacked]),
+            torch.cat(own_open),
             torch.cat([own[rows] for _, rows, _, _ in stacked]),
             torch.arange(len(U_all)),
             n,
             k,
             block,
             size,
+            begin=torch.cat([torch.full((len(rows),), b) for _, rows, b, _ in stacked]),
+            count=torch.cat([c for _, _, _, c in stacked]),
         )
-        for (i, rows, _, _), part in zip(stacked, counts.split([len(rows) for _, rows, _, _ in stacked]), strict=True):
+        parts = together.above.split([len(rows) for _, rows, _, _ in stacked])
+        for (i, rows, _, _), part in zip(stacked, parts, strict=True):
             ranks[i].above[rows] = part
     return ranks
 

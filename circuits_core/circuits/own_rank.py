@@ -22,6 +22,7 @@ work follows what is still unsettled; the caller prices the most it can cost (ev
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -63,7 +64,7 @@ def count_above(
     if probe is not None and r:
         rows = unsettled_by_probe(logits, own_logit, own, k, block_bytes, itemsize, probe)
     above = torch.full((r,), k, dtype=torch.int64)
-    above[rows] = scan(logits, own_logit, own, rows, n, k, block_bytes, itemsize, first_block)
+    above[rows] = scan(logits, own_logit, own, rows, n, k, block_bytes, itemsize, first_block).above
     return above
 
 
@@ -86,6 +87,16 @@ def unsettled_by_probe(
     return torch.cat(left)
 
 
+@dataclass
+class Scanned:
+    """What scan counted: per row asked, the columns above its own entry (capped at k); and the rows still open when
+    scan handed them off (their counts so far, over the columns before `reached`)."""
+
+    above: Tensor  # [o] int64
+    open: Tensor  # [o'] positions into the rows asked, still open when handed off (empty when scanned to the end)
+    reached: int  # the first column not yet counted for the open rows (n when none is open)
+
+
 def scan(
     logits: Logits,
     own_logit: Tensor,
@@ -96,26 +107,36 @@ def scan(
     block_bytes: int,
     itemsize: int = 4,
     first_block: int = FIRST_BLOCK,
-) -> Tensor:
-    """Step 2: [len(rows)] int64, for the rows at positions `rows` [o], the columns of all n above their own entry,
-    capped at k: every column in blocks growing from first_block (within block_bytes), a row dropped from the next
-    block once its count reaches k."""
-    per = itemsize + 2
-    out = torch.full((len(rows),), k, dtype=torch.int64)
+    begin: Tensor | None = None,
+    count: Tensor | None = None,
+    handoff: Callable[[int], bool] | None = None,
+) -> Scanned:
+    """Step 2 for the rows at positions `rows` [o]: the columns of all n above their own entry, capped at k, in
+    blocks growing from first_block (within block_bytes), a row dropped from the next block once its count reaches
+    k. A row may start at its column `begin` [o] with `count` [o] columns already counted before it (another scan
+    handed it off). With `handoff`, the scan stops before a block once handoff(rows still open) is true and hands
+    those rows back (Scanned.open, their counts, the column reached) for another scan to finish."""
+    per = itemsize + 2  # bytes per entry of a block: the logit, the "above" and "left out" masks
+    counted = torch.zeros(len(rows), dtype=torch.int64) if count is None else count.clone()
     live = torch.arange(len(rows))  # positions into rows still counting
-    count = torch.zeros(len(rows), dtype=torch.int64)
-    start, width = 0, first_block
+    start = 0 if begin is None or not len(begin) else int(begin.min())
+    width = first_block
     while len(live) and start < n:
         check_stop(what="OV self-copy shares")
-        at = rows[live]
-        c = max(1, min(width, n - start, block_bytes // max(1, per * len(at))))
-        columns = torch.arange(start, start + c, device=own.device)
-        count += _counted(logits(at, slice(start, start + c)), own_logit[at], own[at, None] == columns[None, :])
-        open_ = count < k
-        live, count = live[open_], count[open_]
+        if handoff is not None and handoff(len(live)):
+            return Scanned(counted.clamp_max(k), live, start)
+        c = max(1, min(width, n - start, block_bytes // max(1, per * len(live))))
+        meets = live if begin is None else live[begin[live] < start + c]  # rows whose columns start by this block
+        if len(meets):
+            at = rows[meets]
+            columns = torch.arange(start, start + c, device=own.device)
+            left_out = own[at, None] == columns[None, :]  # [a, c] the row's own column
+            if begin is not None:  # and the columns another scan counted for it
+                left_out |= columns[None, :] < begin[meets, None].to(own.device)
+            counted[meets] += _counted(logits(at, slice(start, start + c)), own_logit[at], left_out)
+        live = live[counted[live] < k]
         start, width = start + c, 2 * width
-    out[live] = count
-    return out
+    return Scanned(counted.clamp_max(k), live[:0], n)
 
 
 def _counted(block: Tensor, own_logit: Tensor, mine: Tensor) -> Tensor:
