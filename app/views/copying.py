@@ -40,6 +40,7 @@ from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.head_names import all_heads, head_name
 from circuits_core.model.transformer import Transformer
+from circuits_core.schedule import shared_tasks
 
 N_TOP_SAMPLES = 2  # random circuits whose self-copy shares are measured (each a full [V, V] row stream)
 FULL_ROWS_MAX = 8192  # vocabularies up to this size: every source token (the shipped toys: 4096)
@@ -158,7 +159,8 @@ def circuits_rows(
     limits: Limits,
 ) -> list[copying.RowRanks]:
     """The source rows of each circuit (a name, and W: its W_V, W_O) from the result cache, else measured and kept:
-    those not cached are measured together, copying.STACK_CIRCUITS at a time (copying.rows_ranks shares their work).
+    those not cached are measured together, copying.STACK_CIRCUITS at a time (copying.rows_ranks shares their work),
+    the batches taken in turn by two threads when a core is idle (schedule.shared_tasks).
     A sample smaller than a one-head panel's is the first rows of the panel's draw (copying.sample_order): read off
     its entry when cached (precompute asks the panels first), so the overview measures no row twice."""
     n = loaded.model.cfg.d_vocab if vocab is None else int(vocab.numel())
@@ -178,8 +180,8 @@ def circuits_rows(
     found = {name: ranks for name, _ in circuits if (ranks := known(name)) is not None}
     todo = [(name, W) for name, W in circuits if name not in found]
     order = copying.sample_order(n, rows, SAMPLE_SEED)
-    for start in range(0, len(todo), copying.STACK_CIRCUITS):
-        batch = todo[start : start + copying.STACK_CIRCUITS]
+
+    def measure(batch: Sequence[Circuit], workspace: None) -> None:
         report_progress(len(found), len(circuits))  # a job's progress bar: circuits measured
         with torch.no_grad():
             measured = copying.rows_ranks(
@@ -188,6 +190,10 @@ def circuits_rows(
         for (name, _), ranks in zip(batch, measured, strict=True):
             kept = CircuitRows(above=ranks.above.tolist(), diag=ranks.diag.tolist(), k=k)
             found[name] = cached_build(key(rows, name), CircuitRows, functools.partial(_kept, kept)).ranks()
+
+    step = copying.STACK_CIRCUITS
+    batches = [functools.partial(measure, todo[i : i + step]) for i in range(0, len(todo), step)]
+    shared_tasks(batches, lambda: None, "qkov-copying-rows")  # two threads take the batches in turn (schedule.py)
     return [found[name] for name, _ in circuits]
 
 

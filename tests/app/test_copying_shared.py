@@ -50,6 +50,7 @@ def test_panels_and_overview_measure_each_circuit_once(
     model_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rows, eig = counting_circuits(monkeypatch), counting(monkeypatch, "random_eig_scores")
+    monkeypatch.setattr(copying, "STACK_CIRCUITS", 3)  # several batches of heads, taken in turn by two threads
     settings = Settings(
         shipped_dir=model_dirs[0], models_dir=model_dirs[1], dtype="float64", store_url="off", limits=LIMITS
     )
