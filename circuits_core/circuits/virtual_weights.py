@@ -30,17 +30,8 @@ from torch import Tensor
 
 from circuits_core.circuits.composition import random_baseline
 from circuits_core.circuits.factored import FactoredMatrix
-from circuits_core.circuits.stream_components import (
-    Reader,
-    ReaderRole,
-    Writer,
-    chain_norm,
-    factored,
-    mlp_width,
-    reaches,
-    reader_chain,
-    writer_chain,
-)
+from circuits_core.circuits.stream_chains import chain_norm, factored, reader_chain, writer_chain
+from circuits_core.circuits.stream_components import Reader, ReaderRole, Writer, mlp_width, reaches
 from circuits_core.circuits.stream_flops import pair_flops
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from circuits_core.circuits import stream_chains
 from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import virtual_weight_table as vwt
 from circuits_core.circuits import virtual_weights as vw
@@ -200,7 +201,7 @@ def test_rotary_query_reader_at_an_offset_gives_the_attention_score(offset):
     x = cache["blocks.1.ln1.hook_normalized"][0]  # [n, d]: the query/key input, RMS gain applied
     i, j, h = 8, 8 - offset, 3
     fm = vw.virtual_weight(m, sc.Writer("head", 0, 1), sc.Reader("Q", 1, h), offset=offset)
-    W_QK = vw.factored(m, sc.reader_chain(m, sc.Reader("Q", 1, h), offset)).AB
+    W_QK = vw.factored(m, stream_chains.reader_chain(m, sc.Reader("Q", 1, h), offset)).AB
     score = cache["blocks.1.attn.hook_q"][0, i, h] @ cache["blocks.1.attn.hook_k"][0, j, h]
     assert float(x[i] @ W_QK @ x[j]) == pytest.approx(float(score), rel=1e-9)
     assert not torch.allclose(fm.AB, vw.virtual_weight(m, sc.Writer("head", 0, 1), sc.Reader("Q", 1, h)).AB)
