@@ -128,12 +128,6 @@ class _Side:
         self.max_rot = self.rot_norms[self.leaves].nan_to_num(0.0).amax(1)
 
 
-def _box_bound(lo: Tensor, hi: Tensor, lo2: Tensor, hi2: Tensor) -> Tensor:
-    """max of x . y over the boxes x in [lo, hi] [P, h], y in [lo2, hi2] [P, h]: [P]."""
-    corners = torch.stack([lo * lo2, lo * hi2, hi * lo2, hi * hi2])  # [4, P, h]
-    return corners.amax(0).sum(-1)
-
-
 def topk_bounded(
     A: Tensor, B: Tensor, k: int, should_stop: Callable[[], bool] | None = None
 ) -> tuple[Tensor, Tensor, Tensor]:

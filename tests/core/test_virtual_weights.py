@@ -288,13 +288,16 @@ def test_pair_report_tokens_are_the_extremes_of_the_dense_singular_vectors():
 def test_neuron_readouts():
     model = _model("ln-standard-mlp-bias")
     mlp = model.blocks[1].mlp
-    torch.testing.assert_close(vw.neuron_logits(model, 1, 5), mlp.W_out[5] @ model.unembed.W_U)
-    torch.testing.assert_close(vw.neuron_embed_reads(model, 1, 7), _norm_rows(model, model.embed.W_E) @ mlp.W_in[:, 7])
+    logits = vw.virtual_weight(model, sc.Writer("mlp", 1, neurons=(5,)), sc.Reader("unembed")).rows([0])[0]
+    torch.testing.assert_close(logits, mlp.W_out[5] @ model.unembed.W_U)
+    reads = vw.virtual_weight(model, sc.Writer("embed"), sc.Reader("in", 1, neurons=(7,))).cols([0])[0]
+    torch.testing.assert_close(reads, _norm_rows(model, model.embed.W_E) @ mlp.W_in[:, 7])
     sel = vw.pair_report(model, sc.parse_writer(model, "L0.mlp[3,9,11]"), sc.Reader("unembed"), k=1, n_top=3)
     assert sel.input_space == "neurons" and {n for n, _ in sel.directions[0].input_top} <= {3, 9, 11}
     g = _model("llama-gqa")
     torch.testing.assert_close(
-        vw.neuron_embed_reads(g, 0, 2, role="gate"), _norm_rows(g, g.embed.W_E) @ g.blocks[0].mlp.W_gate[:, 2]
+        vw.virtual_weight(g, sc.Writer("embed"), sc.Reader("gate", 0, neurons=(2,))).cols([0])[0],
+        _norm_rows(g, g.embed.W_E) @ g.blocks[0].mlp.W_gate[:, 2],
     )
 
 
