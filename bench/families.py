@@ -3,6 +3,8 @@
 families-load: a Llama-, a Mixtral-, a gpt-oss- and a DeepSeek-V3-layout checkpoint of about the same size on disk
     (random weights, written by transformers' save_pretrained in float32), each loaded by load_checkpoint
     (process=True, float32): seconds per GB on disk, median of 3, the four in one run.
+gguf-load: the same for GGUF files as llama.cpp's converter writes them (float32 tensors, written by the GGUF loader
+    tests' writers): a Llama, a DeepSeek-V3 (deepseek2) and an MPT file of about the same size, in one run.
 moe-heads: the heads table (prompt.head_table: detector pass + full-circuit spectra) of a mixture-of-experts model
     (8 experts of d_mlp 256, top 2) against the dense model with the same active MLP width (d_mlp 512) and the same
     attention, both random qkov models, the same tokens.
@@ -80,6 +82,49 @@ def families_load() -> None:
             )
 
 
+def _write_gguf(kind: str, folder: Path) -> int:
+    import transformers
+
+    from tests.core.test_gguf_alibi import write_mpt
+    from tests.core.test_gguf_deepseek import write_deepseek
+    from tests.core.test_gguf_experts import write_gguf
+
+    folder.mkdir()
+    path = folder / "model.gguf"
+    common: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                  max_position_embeddings=2048, rms_norm_eps=1e-5)  # fmt: skip
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if kind == "llama":
+        config = transformers.LlamaConfig(**common, num_key_value_heads=KV, intermediate_size=4 * 2048,
+                                          rope_parameters=rope)  # fmt: skip
+        write_gguf(transformers.LlamaForCausalLM(config), "llama", path)
+    elif kind == "deepseek2":  # the families-load DeepSeek-V3 shape
+        config = transformers.DeepseekV3Config(
+            **common, num_key_value_heads=HEADS, intermediate_size=4 * 2048, moe_intermediate_size=2048,
+            n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=2,
+            topk_group=1, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+            rope_parameters=rope,
+        )  # fmt: skip
+        write_deepseek(transformers.DeepseekV3ForCausalLM(config), path, "sigmoid", legacy=False)
+    else:  # MPT: d_model 2 D, so that its 4 d_model MLP matches the others' size
+        config = transformers.MptConfig(
+            vocab_size=VOCAB, d_model=2 * D, n_heads=HEADS, n_layers=LAYERS, max_seq_len=2048
+        )
+        write_mpt(transformers.MptForCausalLM(config), path)
+    return path.stat().st_size
+
+
+def gguf_load() -> None:
+    from circuits_core.formats.checkpoint import load_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="qkov-bench-gguf-") as tmp:
+        for kind in ("llama", "deepseek2", "mpt"):
+            folder = Path(tmp) / kind
+            size = _write_gguf(kind, folder)
+            seconds, _ = median_time(lambda f=folder: load_checkpoint(f, dtype=torch.float32), repeats=3)
+            print(f"  load GGUF {kind:9s} {size / 1e9:5.2f} GB: {seconds:6.2f} s, {seconds / (size / 1e9):5.2f} s/GB")
+
+
 def moe_heads() -> None:
     from circuits_core.model.config import ModelConfig
     from circuits_core.model.transformer import random_model
@@ -96,4 +141,4 @@ def moe_heads() -> None:
         print(f"  heads table, {name:20s}: {seconds:6.2f} s (16 x 128 tokens)")
 
 
-SECTIONS = {"families-load": families_load, "moe-heads": moe_heads}
+SECTIONS = {"families-load": families_load, "gguf-load": gguf_load, "moe-heads": moe_heads}

@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from circuits_core.errors import CheckpointError, InvalidInputError
-from circuits_core.formats.gguf_quants import dequantize_transposed
 from circuits_core.formats.gguf_tensors import Metadata, Tensors
 from circuits_core.model.config import ModelConfig
+from circuits_core.schedule import split_loop
 
 State = dict[str, Any]
 BLOOM, MPT = "bloom", "mpt"
@@ -78,38 +78,42 @@ def alibi_state(cfg: ModelConfig, tensors: Tensors) -> State:
     """TransformerLens state dict of a BLOOM or MPT GGUF (module docstring)."""
     d, H, dh, V, m = cfg.d_model, cfg.n_heads, cfg.d_head, cfg.d_vocab, cfg.d_mlp or 0
     bloom = cfg.alibi == BLOOM
-    embed = tensors.need("token_embd.weight", (V, d))
-    if bloom:
+    W_E, W_U = tensors.embeddings(V, d, None)  # one pass over token_embd (W_U: output.weight, else the embedding)
+    if bloom:  # the embedding LayerNorm, row by row
         norm_w, norm_b = tensors.need("token_embd_norm.weight", (d,)), tensors.need("token_embd_norm.bias", (d,))
-        sd: State = {"embed.W_E": F.layer_norm(embed, (d,), norm_w, norm_b, cfg.eps)}
-    else:
-        sd = {"embed.W_E": embed}
-    output = tensors.info("output.weight", (V, d), optional=True)
-    sd["unembed.W_U"] = embed.T.contiguous() if output is None else dequantize_transposed(tensors.header, output)
+        W_E = F.layer_norm(W_E, (d,), norm_w, norm_b, cfg.eps)
+    sd: State = {"embed.W_E": W_E, "unembed.W_U": W_U}
 
-    def norm(theirs: str, ours: str) -> None:  # MPT's LayerNorms have no bias (zeros unless the file has one)
-        sd[f"{ours}.w"] = tensors.need(f"{theirs}.weight", (d,))
+    def norm(theirs: str, ours: str, out: State) -> None:  # MPT's LayerNorms have no bias (zeros unless in the file)
+        out[f"{ours}.w"] = tensors.need(f"{theirs}.weight", (d,))
         has_bias = bloom or f"{theirs}.bias" in tensors.raw
-        sd[f"{ours}.b"] = tensors.need(f"{theirs}.bias", (d,)) if has_bias else torch.zeros(d)
+        out[f"{ours}.b"] = tensors.need(f"{theirs}.bias", (d,)) if has_bias else torch.zeros(d)
 
-    norm("output_norm", "ln_final")
-    for layer in range(cfg.n_layers):
-        b, p = f"blk.{layer}", f"blocks.{layer}"
-        norm(f"{b}.attn_norm", f"{p}.ln1")
-        norm(f"{b}.ffn_norm", f"{p}.ln2")
+    norm("output_norm", "ln_final", sd)
+    layers: list[State] = [{} for _ in range(cfg.n_layers)]
+
+    def read_layer(part: slice) -> None:  # one layer's tensors, into layers[layer]
+        layer = part.start
+        b, p, out = f"blk.{layer}", f"blocks.{layer}", layers[layer]
+        norm(f"{b}.attn_norm", f"{p}.ln1", out)
+        norm(f"{b}.ffn_norm", f"{p}.ln2", out)
         qkv = tensors.need(f"{b}.attn_qkv.weight", (3 * d, d)).view(3, H, dh, d)  # q's rows, k's, v's
         for i, x in enumerate("QKV"):
-            sd[f"{p}.attn.W_{x}"] = qkv[i].transpose(1, 2).contiguous()  # [n_heads, d_model, d_head]
-        sd[f"{p}.attn.W_O"] = tensors.need_transposed(f"{b}.attn_output.weight", (d, d)).view(H, dh, d)
-        sd[f"{p}.mlp.W_in"] = tensors.need_transposed(f"{b}.ffn_up.weight", (m, d))  # [d_model, d_mlp]
-        sd[f"{p}.mlp.W_out"] = tensors.need_transposed(f"{b}.ffn_down.weight", (d, m))  # [d_mlp, d_model]
+            out[f"{p}.attn.W_{x}"] = qkv[i].transpose(1, 2).contiguous()  # [n_heads, d_model, d_head]
+        out[f"{p}.attn.W_O"] = tensors.need_transposed(f"{b}.attn_output.weight", (d, d)).view(H, dh, d)
+        out[f"{p}.mlp.W_in"] = tensors.need_transposed(f"{b}.ffn_up.weight", (m, d))  # [d_model, d_mlp]
+        out[f"{p}.mlp.W_out"] = tensors.need_transposed(f"{b}.ffn_down.weight", (d, m))  # [d_mlp, d_model]
         if bloom:
             qkv_b = tensors.need(f"{b}.attn_qkv.bias", (3 * d,)).view(3, H, dh)
             for i, x in enumerate("QKV"):
-                sd[f"{p}.attn.b_{x}"] = qkv_b[i].contiguous()
-            sd[f"{p}.attn.b_O"] = tensors.need(f"{b}.attn_output.bias", (d,))
-            sd[f"{p}.mlp.b_in"] = tensors.need(f"{b}.ffn_up.bias", (m,))
-            sd[f"{p}.mlp.b_out"] = tensors.need(f"{b}.ffn_down.bias", (d,))
+                out[f"{p}.attn.b_{x}"] = qkv_b[i].contiguous()
+            out[f"{p}.attn.b_O"] = tensors.need(f"{b}.attn_output.bias", (d,))
+            out[f"{p}.mlp.b_in"] = tensors.need(f"{b}.ffn_up.bias", (m,))
+            out[f"{p}.mlp.b_out"] = tensors.need(f"{b}.ffn_down.bias", (d,))
+
+    split_loop(cfg.n_layers, 1, read_layer, "qkov-gguf-layers")  # as gguf.gguf_state: two threads, layer order
+    for one in layers:
+        sd.update(one)
     if bloom:
         sd["unembed.b_U"] = torch.zeros(V)
     tensors.finish()

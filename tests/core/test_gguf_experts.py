@@ -45,6 +45,8 @@ LAYER_NAMES = {
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.experts.down_proj": "ffn_down_exps.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",  # a dense Llama-family MLP
 }  # fmt: skip
 GPT_OSS_NAMES = LAYER_NAMES | {
     "post_attention_layernorm.weight": "post_attention_norm.weight", "self_attn.sinks": "attn_sinks.weight",
@@ -106,7 +108,8 @@ def write_gguf(
     drop: tuple[str, ...] = (),
     add: dict[str, np.ndarray] | None = None,
 ) -> None:
-    """The GGUF llama.cpp's converter writes for `model` (no tokenizer), experts stored as `expert_type`."""
+    """The GGUF llama.cpp's converter writes for `model` (no tokenizer; a dense Llama-family model too), experts
+    stored as `expert_type`."""
     cfg = model.config
     writer = converter_writer(path, arch, cfg)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -115,8 +118,10 @@ def write_gguf(
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
-    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    n_experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    if n_experts:
+        writer.add_expert_count(n_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
     if arch == "qwen3moe":
         writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
     if arch == "gpt-oss":  # what the converter adds: the window, the experts' width, YaRN
