@@ -69,6 +69,7 @@ from circuits_core.schedule import split_loop
 State = dict[str, Tensor]
 F32 = torch.float32
 GGUF_SUFFIX = ".gguf"
+TOKENIZER_BESIDE = "tokenizer.json"  # read instead of a file's tokenizer this code does not build
 
 
 @dataclass(frozen=True)
@@ -362,7 +363,13 @@ def read_gguf(path: Path, check: Callable[[ModelConfig], None] | None = None) ->
             cfg, defaulted = gguf_config(header, d_vocab, attention_bias="blk.0.attn_q.bias" in header.tensors)
         if check is not None:
             check(cfg)
-        tokenizer = gguf_tokenizer(header, arch, d_vocab, cfg.bos_token_id)
+        try:
+            tokenizer = gguf_tokenizer(header, arch, d_vocab, cfg.bos_token_id)
+        except CheckpointError as exc:  # a tokenizer this code does not build: a tokenizer.json beside is used
+            if not (path.parent / TOKENIZER_BESIDE).is_file():
+                raise
+            tokenizer = None  # the load reads the folder's tokenizer.json (checkpoint._build)
+            defaulted.append(Defaulted("tokenizer", TOKENIZER_BESIDE, f"the file's own tokenizer is not read: {exc}"))
         with one_thread():  # thousands of short ops: see llama.one_thread
             tensors = Tensors(header)
             state = own[1](cfg, tensors) if own is not None else gguf_state(cfg, ARCHITECTURES[arch], tensors)

@@ -78,7 +78,7 @@ def gguf_tokenizer(header: GGUFHeader, arch: str, d_vocab: int, bos_token_id: in
     kinds_read = "'gpt2' (byte-level BPE), or 'llama' (SentencePiece) on " + ", ".join(SENTENCEPIECE_ARCHITECTURES)
     raise CheckpointError(
         f"{name}: tokenizer.ggml.model {model!r} is not supported for architecture {arch!r} (read here: "
-        f"{kinds_read}); convert the file's tokenizer to a tokenizer.json"
+        f"{kinds_read}); convert the file's tokenizer to a tokenizer.json beside it"
     )
 
 
@@ -89,7 +89,8 @@ def _byte_level(
     pre = header.value("tokenizer.ggml.pre", "gpt-2")
     if pre not in PRE_TOKENIZERS:
         raise CheckpointError(
-            f"{name}: tokenizer.ggml.pre {pre!r} is not supported; supported: {', '.join(sorted(PRE_TOKENIZERS))}"
+            f"{name}: tokenizer.ggml.pre {pre!r} is not supported; supported: {', '.join(sorted(PRE_TOKENIZERS))} "
+            f"(a tokenizer.json beside the file is read instead)"
         )
     merges = header.strings("tokenizer.ggml.merges", MERGES_PER_TOKEN * d_vocab) or []
     pairs = [tuple(m.split(" ")) for m in merges]
