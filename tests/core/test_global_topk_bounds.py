@@ -207,10 +207,13 @@ def test_overflowing_bounds_fall_back_to_the_tiles():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_price_covers_the_held_peak(dtype):
-    """topk_global_cost's peak bytes cover what the search holds (torch's own allocations, measured)."""
+    """The search's own peak bytes (bounded_peak_bytes, its seed and candidates) cover what it holds (torch's own
+    allocations, measured), and topk_global_cost's peak covers them."""
     A, B = circuit_like(600, 24, 500, 10, dtype)
     fm = FactoredMatrix(A, B)
     with torch.no_grad(), _HeldBytes([A, B]) as held:
         fm.topk_global(30)
-    price = fm.topk_global_cost(30).peak_bytes
-    assert held.peak <= price
+    size = A.element_size()
+    seed = 30 * (size + 16) + global_topk_bounds.SEED * 30 * size  # the seed block and the candidates
+    bounded = global_topk_bounds.bounded_peak_bytes(600, 24, 500, size) + 2 * seed
+    assert held.peak <= bounded <= fm.topk_global_cost(30).peak_bytes
