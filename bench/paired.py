@@ -127,7 +127,11 @@ def compare(section: str, before: list[str], after: list[str], worse: float) -> 
                 continue
             b = statistics.median(run[i] for run in old[key].values)
             a = statistics.median(run[i] for run in line.values)
-            pairs.append(f"{shown(b, figure)} -> {shown(a, figure)} {ratio_text(b, a, figure.kind, worse)}")
+            text = ratio_text(b, a, figure.kind, worse)
+            if text.endswith("WORSE"):  # each run's value, to tell a slower commit from one noisy run
+                runs_of = [[shown(run[i], figure) for run in side.values] for side in (old[key], line)]
+                text += f" (before {', '.join(runs_of[0])}; after {', '.join(runs_of[1])})"
+            pairs.append(f"{shown(b, figure)} -> {shown(a, figure)} {text}")
         if pairs:
             rows.append(f"  {' '.join(line.text.split())}\n      " + ";  ".join(pairs))
     only_old = [old[k].text.strip() for k in old if k not in new]
