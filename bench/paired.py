@@ -20,6 +20,7 @@ import argparse
 import fcntl
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -209,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worse", type=float, default=0.10, help="mark ratios beyond this fraction (default 0.10)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per bench run (default 1800)")
     args = parser.parse_args(argv)
+    # a plain `kill` ends the runs through the finally blocks below: the lock is released, the worktree removed
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     renamed = dict(pair.split("=", 1) for pair in args.rename)  # {old: new}
     with checkout(args.before) as before_root, checkout(args.after) as after_root:
         old_sections, new_sections = sections(before_root), sections(after_root)
