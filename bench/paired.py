@@ -20,6 +20,7 @@ import argparse
 import fcntl
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -127,7 +128,11 @@ def compare(section: str, before: list[str], after: list[str], worse: float) -> 
                 continue
             b = statistics.median(run[i] for run in old[key].values)
             a = statistics.median(run[i] for run in line.values)
-            pairs.append(f"{shown(b, figure)} -> {shown(a, figure)} {ratio_text(b, a, figure.kind, worse)}")
+            text = ratio_text(b, a, figure.kind, worse)
+            if text.endswith("WORSE"):  # each run's value, to tell a slower commit from one noisy run
+                runs_of = [[shown(run[i], figure) for run in side.values] for side in (old[key], line)]
+                text += f" (before {', '.join(runs_of[0])}; after {', '.join(runs_of[1])})"
+            pairs.append(f"{shown(b, figure)} -> {shown(a, figure)} {text}")
         if pairs:
             rows.append(f"  {' '.join(line.text.split())}\n      " + ";  ".join(pairs))
     only_old = [old[k].text.strip() for k in old if k not in new]
@@ -205,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worse", type=float, default=0.10, help="mark ratios beyond this fraction (default 0.10)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per bench run (default 1800)")
     args = parser.parse_args(argv)
+    # a plain `kill` ends the runs through the finally blocks below: the lock is released, the worktree removed
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     renamed = dict(pair.split("=", 1) for pair in args.rename)  # {old: new}
     with checkout(args.before) as before_root, checkout(args.after) as after_root:
         old_sections, new_sections = sections(before_root), sections(after_root)

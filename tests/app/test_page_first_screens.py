@@ -1,6 +1,6 @@
-"""Findings of the browser review on the shipped models, pinned: control characters in tokens are drawn
-visibly, the prompt / chain / QK-path pages start on the previous-token and induction heads, the model card
-is a readable card (thresholds table, training curve, raw history folded away)."""
+"""What a page shows before anything is chosen, on the shipped models: control characters in tokens are drawn
+visibly, the prompt / chain / QK-path pages start on the previous-token and induction heads, the model card is a
+readable card (thresholds table, training curve, raw history folded away)."""
 
 from __future__ import annotations
 

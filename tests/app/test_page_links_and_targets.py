@@ -1,7 +1,7 @@
-"""Page defects of a researcher's pass on a real model, each against the behaviour it replaces: token-id links
-no longer put "None" in the prompt box (and Show then analysed the text "None"), a text target says which token
-it resolved to and offers the other spelling ('name' vs ' name'), head pages highlight no sidebar item (they
-highlighted "Overview")."""
+"""The links and targets of the pages, each against the behaviour it replaces: token-id links do not put "None"
+in the prompt box (and Show then analyse the text "None"), a text target says which token it resolved to and offers
+the other spelling ('name' vs ' name'), head pages highlight no sidebar item (they highlighted "Overview"), the QK
+path page lists the terms of one score, a pair page reads its directions in tokens, JSON links carry the params."""
 
 from __future__ import annotations
 
