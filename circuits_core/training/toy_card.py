@@ -68,6 +68,8 @@ DESCRIPTIONS = {
     "positive eigenvalue copying score, yet few tokens raise their own logit most (see the self-copy shares).",
     "toy-2l": "Two-layer attention-only transformer: an induction head in layer 1 K-composes with a "
     "previous-token head in layer 0.",
+    "toy-alibi-2l": "Two-layer attention-only transformer with ALiBi (BLOOM's slopes) instead of learned positions: "
+    "an induction head in layer 1 K-composes with a layer-0 head whose slope makes it prefer recent tokens.",
 }
 
 
