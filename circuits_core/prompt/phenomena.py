@@ -290,10 +290,19 @@ THRESHOLDS: dict[int, dict[str, tuple[str, float]]] = {
 }
 
 
-def check_thresholds(n_layers: int, metrics: dict, detail: bool = False) -> dict:
-    """{metric: met} for the thresholds of a model of `n_layers` whose metric is in `metrics`."""
+def thresholds(n_layers: int, alibi: bool = False) -> dict[str, tuple[str, float]]:
+    """THRESHOLDS of a model of `n_layers`. An ALiBi model's layer-0 head tells positions apart only by its slope m_h
+    (on random tokens its content term cannot tell the previous key from the ones before), so its K-composition
+    partner is not held to a previous-token score: the card's "alibi" section reports its attention by offset."""
+    return {
+        k: v for k, v in THRESHOLDS.get(n_layers, {}).items() if not (alibi and k == "partner_previous_token_score")
+    }
+
+
+def check_thresholds(n_layers: int, metrics: dict, detail: bool = False, alibi: bool = False) -> dict:
+    """{metric: met} for the thresholds(n_layers, alibi) whose metric is in `metrics`."""
     out: dict = {}
-    for key, (op, limit) in THRESHOLDS.get(n_layers, {}).items():
+    for key, (op, limit) in thresholds(n_layers, alibi).items():
         if key not in metrics:
             continue
         value = float(metrics[key])

@@ -32,11 +32,11 @@ def load_toy(folder: Path) -> tuple[Transformer, Tokenizer, dict]:
     return loaded.model, Tokenizer.from_file(str(folder / "tokenizer.json")), loaded.card
 
 
-def first_crossings(history: list[dict], n_layers: int) -> dict[str, dict]:
+def first_crossings(history: list[dict], n_layers: int, alibi: bool = False) -> dict[str, dict]:
     """{metric: {step, minutes}} of the first evaluation (training-time sample) meeting each threshold."""
     first: dict[str, dict] = {}
     for row in history:
-        for key, ok in check_thresholds(n_layers, row).items():
+        for key, ok in check_thresholds(n_layers, row, alibi=alibi).items():
             if ok and key not in first:
                 first[key] = {"step": row["step"], "minutes": row["minutes"]}
     return first
@@ -55,8 +55,9 @@ def remeasure(folder: Path) -> dict:
         if not str(card["data"].get("source", "")).startswith("/")
         else source_label(Path(card["data"]["source"]))
     )  # never the training machine's absolute path
-    card["thresholds"] = check_thresholds(model.cfg.n_layers, card["phenomena"], detail=True)
-    card["first_crossed"] = first_crossings(card.get("history", []), model.cfg.n_layers)
+    alibi = model.cfg.alibi is not None
+    card["thresholds"] = check_thresholds(model.cfg.n_layers, card["phenomena"], detail=True, alibi=alibi)
+    card["first_crossed"] = first_crossings(card.get("history", []), model.cfg.n_layers, alibi)
     (folder / "model_card.json").write_text(json.dumps(card, indent=1) + "\n")
     return card
 
@@ -67,6 +68,8 @@ DESCRIPTIONS = {
     "positive eigenvalue copying score, yet few tokens raise their own logit most (see the self-copy shares).",
     "toy-2l": "Two-layer attention-only transformer: an induction head in layer 1 K-composes with a "
     "previous-token head in layer 0.",
+    "toy-alibi-2l": "Two-layer attention-only transformer with ALiBi (BLOOM's slopes) instead of learned positions: "
+    "an induction head in layer 1 K-composes with a layer-0 head whose slope makes it prefer recent tokens.",
 }
 
 
@@ -85,4 +88,9 @@ NOTES = {
     "history and first_crossed come from the training monitor (64 repeats of frequent tokens, seed 1); the phenomena "
     "use the standard detector input named in phenomena.detector_input (uniform random tokens, as on the overview, "
     "the tour and the detectors page with its default parameters).",
+    "toy-alibi-2l": "Not trained from scratch: it starts from toy-2l's weights (W_E, W_U and every head; toy-2l's "
+    "learned positions are left behind), with toy-2l's previous-token head L0H5 moved to head 0 (BLOOM's steepest "
+    "slope, 1/2) and its induction head L1H2 to head 7 (the flattest, 1/256), then trained on with ALiBi (see recipe). "
+    "Without positions in the stream a layer-0 head tells keys apart by its slope alone on random tokens, so its "
+    "partner's previous-token score stays far below toy-2l's (see alibi.partner_offset_attention).",
 }

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.model.alibi import alibi_kernel
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Block, Transformer, init_weights
@@ -65,6 +66,11 @@ class Recipe:
     pos_init: str = "sin"  # sinusoidal table (learnable) or "normal" (std_embed)
     # "bloom" or "mpt": ALiBi slopes (circuits_core.model.alibi) instead of a learned positional table
     alibi: str | None = None
+    # A toy trained before (its folder name beside this one's) whose W_E and W_U this model starts from, and with
+    # init_heads its heads too: head h of layer l starts as that toy's head init_heads[l][h] (its positions, if any,
+    # are left behind)
+    init_from: str | None = None
+    init_heads: tuple[tuple[int, ...], ...] | None = None
     std_embed: float = 0.02
     seed: int = 0
     eval_every: int = 250
@@ -92,6 +98,20 @@ RECIPES: dict[str, Recipe] = {
     "toy-1l": Recipe(n_layers=1, steps=1500, batch=8, eval_every=100),
     # 25 % of the rows are BOS + r + r + ... (random frequent tokens): text alone gave induction 0.33 in 60k steps.
     "toy-2l": Recipe(n_layers=2, steps=11500, batch=8, repeat_frac=0.25, eval_every=250),
+    # toy-2l's weights under ALiBi (BLOOM's slopes): its previous-token head L0H5 moves to the steepest slope (head 0,
+    # m = 1/2), its induction head L1H2 to the flattest (head 7, m = 1/256); trained on after it (`all` trains it
+    # first).
+    "toy-alibi-2l": Recipe(
+        n_layers=2,
+        steps=1600,
+        batch=4,
+        lr=3e-3,
+        repeat_frac=0.5,
+        alibi="bloom",
+        init_from="toy-2l",
+        init_heads=((5, 1, 2, 3, 4, 0, 6, 7), (0, 1, 7, 3, 4, 5, 6, 2)),
+        eval_every=200,
+    ),
 }
 
 
@@ -104,11 +124,22 @@ def sin_positions(n_ctx: int, d_model: int) -> Tensor:
     return table
 
 
-def make_model(recipe: Recipe, d_vocab: int, bos: int) -> Transformer:
+def make_model(recipe: Recipe, d_vocab: int, bos: int, out: Path | None = None) -> Transformer:
+    """The seeded initial model; with recipe.init_from, W_E and W_U (and the heads) are those of that toy in `out`."""
     model = init_weights(Transformer(recipe.model_config(d_vocab, bos)), seed=recipe.seed, std_embed=recipe.std_embed)
-    if recipe.pos_init == "sin" and model.W_pos is not None:
-        with torch.no_grad():
+    with torch.no_grad():
+        if recipe.pos_init == "sin" and model.W_pos is not None:
             model.W_pos.copy_(sin_positions(recipe.n_ctx, recipe.d_model).float())
+        if recipe.init_from is not None:
+            source = load_checkpoint(Path(out or ".") / recipe.init_from, process=False).model
+            if (source.cfg.d_vocab, source.cfg.d_model) != (d_vocab, recipe.d_model):
+                raise ValueError(f"{recipe.init_from} has another vocabulary or width than the recipe")
+            model.W_E.copy_(source.W_E.float())
+            model.W_U.copy_(source.W_U.float())
+            for layer, order in enumerate(recipe.init_heads or ()):
+                mine, theirs = model.blocks[layer].attn, source.blocks[layer].attn
+                for name in ("W_Q", "W_K", "W_V", "W_O"):
+                    getattr(mine, name).copy_(getattr(theirs, name)[list(order)].float())
     return model
 
 
@@ -184,7 +215,7 @@ def train(
     The run ends early, evaluated and saved like a finished one, after `max_minutes` or once `stop` is set."""
     torch.manual_seed(recipe.seed)
     eval_data = EvalData(corpus.val, corpus.train_counts(), corpus.eot)
-    model = make_model(recipe, corpus.tokenizer.get_vocab_size(), corpus.eot).to(device)
+    model = make_model(recipe, corpus.tokenizer.get_vocab_size(), corpus.eot, out).to(device)
     decay = [p for n, p in model.named_parameters() if not n.startswith(("embed.", "pos_embed."))]
     no_decay = [p for n, p in model.named_parameters() if n.startswith(("embed.", "pos_embed."))]
     opt = torch.optim.AdamW(
@@ -227,10 +258,10 @@ def train(
                 "train_loss": round(loss_avg, 4),
                 **quick_metrics(model, eval_data),
             }
-            checks = check_thresholds(recipe.n_layers, row)
+            checks = check_thresholds(recipe.n_layers, row, alibi=recipe.alibi is not None)
             row["met"] = bool(checks) and all(checks.values())
             history.append(row)
-            first = first_crossings(history, recipe.n_layers)
+            first = first_crossings(history, recipe.n_layers, recipe.alibi is not None)
             bar.write(json.dumps(row))
             tag = "met" if met_step is None else "met2"
             if snapshots and row["met"] and (met_step is None or step >= 2 * met_step) and tag not in saved:

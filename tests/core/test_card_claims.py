@@ -119,3 +119,31 @@ def test_card_sentences_of_toy_2l(toy2l):
     ph = card["phenomena"]  # the numbers themselves are re-measured in tests/core/test_shipped_models.py
     assert ph["induction_head"].startswith("L1") and ph["k_composition_partner"].startswith("L0")
     assert ph["induction_score"] >= 0.6 and ph["partner_previous_token_score"] >= 0.5
+
+
+def test_card_sentences_of_toy_alibi_2l():
+    """'it starts from toy-2l's weights (W_E, W_U and every head ...), with toy-2l's previous-token head L0H5 moved to
+    head 0 (BLOOM's steepest slope, 1/2) and its induction head L1H2 to head 7 (the flattest, 1/256)'; 'its partner's
+    previous-token score stays far below toy-2l's'; 'an induction head in layer 1 K-composes with a layer-0 head whose
+    slope makes it prefer recent tokens'. The weights are compared with toy-2l's, not the recipe with itself."""
+    card, base = _card("toy-alibi-2l"), _card("toy-2l")
+    notes, ph, section = card["notes"], card["phenomena"], card["alibi"]
+    assert card["recipe"]["init_from"] == "toy-2l" and "starts from toy-2l's weights" in notes
+    assert (base["phenomena"]["k_composition_partner"], base["phenomena"]["induction_head"]) == ("L0H5", "L1H2")
+    assert "moved to head 0 (BLOOM's steepest slope, 1/2)" in notes and "to head 7 (the flattest, 1/256)" in notes
+    assert section["slopes"][0] == max(section["slopes"]) == 0.5 and section["slopes"][7] == min(section["slopes"])
+    assert section["slopes"][7] == 1 / 256
+    m = load_checkpoint(ROOT / "toy-alibi-2l", dtype=torch.float64, process=False).model
+    b = load_checkpoint(ROOT / "toy-2l", dtype=torch.float64, process=False).model
+    cos = lambda x, y: float((x * y).sum() / (x.norm() * y.norm()))  # noqa: E731
+    assert cos(m.W_E, b.W_E) > 0.5 and cos(m.W_U, b.W_U) > 0.5
+    for layer, mine, theirs in ((0, 0, 5), (1, 7, 2)):  # the moved heads: W_OV closest to the toy-2l head they were
+        ov = m.W_V[layer, mine] @ m.W_O[layer, mine]
+        near = [cos(ov, b.W_V[layer, h] @ b.W_O[layer, h]) for h in range(8)]
+        assert max(range(8), key=near.__getitem__) == theirs and near[theirs] > 0.5
+    assert "stays far below toy-2l's" in notes
+    assert ph["partner_previous_token_score"] < 0.5 * base["phenomena"]["partner_previous_token_score"]
+    assert ph["induction_head"].startswith("L1") and ph["k_composition_partner"].startswith("L0")
+    assert ph["induction_score"] >= 0.6 and "whose slope makes it prefer recent tokens" in card["description"]
+    after = section["partner_offset_attention"][1:]  # δ = 1, 2, 3, 4: falling with the offset
+    assert all(a > b for a, b in zip(after, after[1:], strict=False))

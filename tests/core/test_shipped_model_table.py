@@ -46,3 +46,39 @@ def test_toy_2l_row() -> None:
         f"BOS + {input_['seq_len']} uniform random tokens repeated twice, {input_['batch']} sequences, seed "
         f"{input_['seed']}" in MODELS_DOC.read_text()
     )
+
+
+def test_toy_alibi_2l_row() -> None:
+    r, c = row("toy-alibi-2l"), card("toy-alibi-2l")
+    alibi = json.loads((REPO / "checkpoints" / "toy-alibi-2l" / "model_card.json").read_text())["alibi"]
+    slope = {0.5: "1/2", 0.25: "1/4"}.get(alibi["partner_slope"], f"{alibi['partner_slope']:g}")
+    assert f"induction head {c['induction_head']} (score {c['induction_score']:.2f})" in r
+    partner = (
+        f"{c['k_composition_partner']} (slope {slope}, previous-token score {c['partner_previous_token_score']:.2f})"
+    )
+    assert f"K-composes with {partner}" in r
+    assert f"repeat loss {c['rep1_loss']:.2f} → {c['rep2_loss']:.2f} nats" in r
+
+
+def test_toy_alibi_2l_paragraph() -> None:
+    """docs/models.md's sentences on how toy-alibi-2l was made, against its recipe and card and toy-2l's card (the
+    positivity view's refusal is tested in tests/app/test_shipped_alibi_toy.py)."""
+    from circuits_core.training.train import RECIPES
+
+    text = " ".join(MODELS_DOC.read_text().split())
+    full = json.loads((REPO / "checkpoints" / "toy-alibi-2l" / "model_card.json").read_text())
+    recipe, slopes = full["recipe"], full["alibi"]["slopes"]
+    assert "it starts from toy-2l's weights, with the previous-token head moved to the steepest slope" in text
+    assert recipe["init_from"] == "toy-2l" and recipe["alibi"] == "bloom"
+    base = card("toy-2l")
+    moved = {
+        int(base["k_composition_partner"][3:]): recipe["init_heads"][0].index(int(base["k_composition_partner"][3:])),
+        int(base["induction_head"][3:]): recipe["init_heads"][1].index(int(base["induction_head"][3:])),
+    }
+    partner, induction = moved.values()
+    assert slopes[partner] == max(slopes) and slopes[induction] == min(slopes)
+    assert "half its rows (on average) repeated random tokens" in text and recipe["repeat_frac"] == 0.5
+    assert "`make models` trains it after toy-2l" in text
+    assert list(RECIPES).index("toy-2l") < list(RECIPES).index("toy-alibi-2l")
+    assert "its previous-token score is far below toy-2l's, and the positivity view refuses it for that reason" in text
+    assert card("toy-alibi-2l")["partner_previous_token_score"] < 0.5 * base["partner_previous_token_score"]

@@ -16,19 +16,19 @@ from tokenizers import Tokenizer
 from circuits_core.errors import CheckpointError
 from circuits_core.prompt.detectors import standard_tokens
 from circuits_core.prompt.phenomena import (
-    THRESHOLDS,
     TOKEN_COUNTS_FILE,
     EvalData,
     check_thresholds,
     load_token_counts,
     measure,
+    thresholds,
 )
 from circuits_core.training.corpus import manifest_digest
 from circuits_core.training.toy_card import load_toy
 from circuits_core.training.train import RECIPES
 
 ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
-NAMES = ["toy-0l", "toy-1l", "toy-2l"]
+NAMES = ["toy-0l", "toy-1l", "toy-2l", "toy-alibi-2l"]
 TWO_LAYER = [name for name in NAMES if RECIPES[name].n_layers >= 2]  # models with an earlier and a later layer
 
 
@@ -228,8 +228,11 @@ def test_card_matches_an_independent_measurement(shipped, eval_data):
 @pytest.mark.parametrize("shipped", NAMES, indirect=True)
 def test_thresholds_met(shipped):
     name, model, card, now = shipped
-    checks = check_thresholds(model.cfg.n_layers, now)
-    assert set(checks) == set(THRESHOLDS[model.cfg.n_layers])
+    alibi = model.cfg.alibi is not None
+    checks = check_thresholds(model.cfg.n_layers, now, alibi=alibi)
+    assert set(checks) == set(thresholds(model.cfg.n_layers, alibi)) and (
+        ("partner_previous_token_score" in checks) == (model.cfg.n_layers == 2 and not alibi)
+    )
     assert all(checks.values()), checks
     if name == "toy-2l":  # the numbers, spelled out
         assert now["induction_score"] >= 0.6 and now["induction_head"].startswith("L1")
@@ -269,7 +272,9 @@ def test_card_records_recipe_data_and_training(shipped):
     )
     for key in ("wall_seconds", "device", "final_train_loss"):
         assert card["training"][key] is not None
-    tracked = [key for key in THRESHOLDS[model.cfg.n_layers] if key in card["history"][-1]]  # measured during training
+    tracked = [
+        key for key in thresholds(model.cfg.n_layers, model.cfg.alibi is not None) if key in card["history"][-1]
+    ]  # measured during training
     assert tracked
     for key in tracked:
         assert key in card["first_crossed"], key

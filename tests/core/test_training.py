@@ -107,3 +107,21 @@ def test_alibi_run_saves_an_alibi_toy_and_stops_when_asked(tmp_path):
     stop.set()
     stopped = train("stopped", recipe, corpus, tmp_path, "cpu", progress=False, stop=stop)
     assert stopped["training"]["steps"] == 1 and [row["step"] for row in stopped["history"]] == [1]
+
+
+def test_init_from_moves_the_named_heads(tmp_path):
+    """init_from + init_heads: head h of layer l starts as the earlier toy's head init_heads[l][h] (W_Q, W_K, W_V,
+    W_O), W_E and W_U are its own; a shortformer toy's positions are left behind under ALiBi."""
+    from circuits_core.formats.qkov_format import save_checkpoint
+
+    shape = dict(n_layers=2, steps=1, d_model=16, n_heads=4, d_head=4, n_ctx=16)
+    source = make_model(Recipe(**shape, seed=5), 300, 0)
+    save_checkpoint(source, tmp_path / "before")
+    order = ((3, 1, 2, 0), (0, 2, 1, 3))
+    moved = make_model(Recipe(**shape, alibi="bloom", init_from="before", init_heads=order), 300, 0, tmp_path)
+    assert moved.W_pos is None and torch.equal(moved.W_E, source.W_E) and torch.equal(moved.W_U, source.W_U)
+    for layer in range(2):
+        for h in range(4):
+            for name in ("W_Q", "W_K", "W_V", "W_O"):
+                mine = getattr(moved.blocks[layer].attn, name)[h]
+                assert torch.equal(mine, getattr(source.blocks[layer].attn, name)[order[layer][h]])
