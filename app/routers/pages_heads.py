@@ -39,7 +39,7 @@ from app.views.heads import HEAD
 from app.views.latent import latent_head_panel
 from app.views.model_summary import summary_from_heads
 from app.views.models import build_model_view
-from app.views.positivity import POSITIVITY
+from app.views.positivity import POSITIVITY, partner_label
 from app.views.shared.basis import basis
 from app.views.shared.heads_table import HEADS
 from app.views.shared.page_claims import scatter_sentence
@@ -204,7 +204,7 @@ async def overview_context(call: PageCall[OverviewParams]) -> PageContext:
                 [p["ov_copying"] or 0.0 for p in pts],
                 [p["k_composition_positivity"] for p in pts],
                 [p["head"] for p in pts],
-                title=f"OV copying vs K-composition positivity with previous-token head {view.previous_token_head}",
+                title=f"OV copying vs K-composition positivity with {partner_label(view)}",
                 x_title="OV copying score (Σλ/Σ|λ|)",
                 y_title="K-composition positivity",
                 links=[f"/models/{model_id}/heads/{p['head']}" for p in pts],

@@ -36,7 +36,11 @@ class PositivityPoint(BaseModel):
 
 
 class PositivityView(BaseModel):
-    previous_token_head: str = Field(description="the previous-token head the K-composition term reads")
+    previous_token_head: str = Field(
+        description="the strongest previous-token scorer below the induction head: the K-composition term reads it"
+    )
+    previous_token_score: float = Field(description="its previous-token score on the standard input")
+    threshold: float = Field(description="the score from which model_summary names a head a previous-token head")
     points: list[PositivityPoint]
     detector_input: DetectorInput | None = Field(
         default=None, description="the heads table's input (BOS + r + r) its scores, and so these points, come from"
@@ -53,11 +57,12 @@ def heads_seen(loaded: LoadedModel) -> list[HeadScores]:
     return heads_view(loaded).heads
 
 
-def induction_pair(loaded: LoadedModel) -> tuple[str, str]:
-    """(previous-token head, induction head): the heads that matter (detectors.heads_that_matter, the heads view's
-    previous_token_head and induction_head) on the standard input. Each must score at least HEAD_THRESHOLD
-    (model_summary's rule for listing a head as one), so no figure or sentence calls a head an induction or
-    previous-token head that is none."""
+def partner_of_induction(loaded: LoadedModel) -> tuple[str, str, float]:
+    """(partner, induction head, the partner's previous-token score): the heads that matter
+    (detectors.heads_that_matter, the heads view's previous_token_head and induction_head) on the standard input. The
+    induction head must score at least HEAD_THRESHOLD (model_summary's rule for listing a head as one); its partner,
+    the strongest previous-token-scoring head below it, is returned with its score whatever it is, for the positivity
+    view to label it."""
     if loaded.model.cfg.n_layers < 2:
         raise InvalidInputError("induction needs at least 2 layers")
     view = heads_view(loaded)
@@ -71,25 +76,48 @@ def induction_pair(loaded: LoadedModel) -> tuple[str, str]:
             f"no induction head: the strongest, {induction.head}, scores {induction.induction:.2f} "
             f"(< {HEAD_THRESHOLD}) on the standard input"
         )
-    if (prev.previous_token or 0.0) < HEAD_THRESHOLD:
+    return prev.head, induction.head, prev.previous_token or 0.0
+
+
+def induction_pair(loaded: LoadedModel) -> tuple[str, str]:
+    """(previous-token head, induction head): partner_of_induction, where the partner must also score at least
+    HEAD_THRESHOLD, so no figure or sentence calls a head an induction or previous-token head that is none."""
+    prev, induction, score = partner_of_induction(loaded)
+    if score < HEAD_THRESHOLD:
         raise InvalidInputError(
-            f"no previous-token head below the induction head {induction.head}: the strongest, "
-            f"{prev.head}, scores {prev.previous_token:.2f} (< {HEAD_THRESHOLD}) on the standard input"
+            f"no previous-token head below the induction head {induction}: the strongest, "
+            f"{prev}, scores {score:.2f} (< {HEAD_THRESHOLD}) on the standard input"
         )
-    return prev.head, induction.head
+    return prev, induction
 
 
 def build_positivity_view(loaded: LoadedModel, p: NoParams, limits: Limits) -> PositivityView:
     """Every later head's (OV copying, K-composition positivity with the previous-token head that matters): the heads
     table's own qk_k_composition column, which is measured against that head."""
-    prev, _ = induction_pair(loaded)
+    prev, _, score = partner_of_induction(loaded)
     layer = parse_head(prev, loaded.model.cfg)[0]
     points = [
         PositivityPoint(head=s.head, ov_copying=s.ov_copying, k_composition_positivity=s.qk_k_composition)
         for s in heads_seen(loaded)
         if s.layer > layer and s.qk_k_composition is not None
     ]
-    return PositivityView(previous_token_head=prev, points=points, detector_input=heads_view(loaded).detector_input)
+    return PositivityView(
+        previous_token_head=prev,
+        previous_token_score=score,
+        threshold=HEAD_THRESHOLD,
+        points=points,
+        detector_input=heads_view(loaded).detector_input,
+    )
+
+
+def partner_label(view: PositivityView) -> str:
+    """How a figure names the head the K-composition term reads: a previous-token head only from the threshold up."""
+    if view.previous_token_score >= view.threshold:
+        return f"previous-token head {view.previous_token_head}"
+    return (
+        f"{view.previous_token_head} (previous-token score {view.previous_token_score:.2f}, below the "
+        f"{view.threshold} that names a previous-token head)"
+    )
 
 
 def positivity_view_cost(loaded: LoadedModel, p: NoParams, limits: Limits) -> Cost:

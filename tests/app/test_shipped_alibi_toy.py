@@ -44,10 +44,11 @@ def test_positional_kernel_of_every_head_is_linear_with_blooms_slope(client: Tes
         assert "ALiBi" in body["basis"]
 
 
-def test_positivity_refuses_saying_the_partner_scores_below_a_previous_token_head(client: TestClient) -> None:
+def test_positivity_answers_naming_its_partner_by_score_below_a_previous_token_head(client: TestClient) -> None:
     """The card's partner (the K-composition partner of its induction head) is the strongest layer-0 previous-token
-    head, and its score on the standard input, the card's, is below model_summary's 0.4: the paper's positivity view
-    is refused with that number rather than drawn around a head that is not a previous-token head."""
+    scorer, and its score on the standard input, the card's, is below model_summary's 0.4: the positivity view still
+    answers at its defaults, reading that head, and the overview's scatter names it by its score, not as a
+    previous-token head."""
     import json
 
     from circuits_core.prompt.model_summary import HEAD_THRESHOLD
@@ -56,5 +57,10 @@ def test_positivity_refuses_saying_the_partner_scores_below_a_previous_token_hea
     partner, score = card["k_composition_partner"], card["partner_previous_token_score"]
     assert score == pytest.approx(max(card["previous_token_scores"][0]), abs=1e-4) and score < HEAD_THRESHOLD
     r = client.get(f"/api/v1/models/{NAME}/positivity")
-    assert r.status_code == 422
-    assert f"{partner}, scores {score:.2f} (< {HEAD_THRESHOLD})" in r.json()["detail"]
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["previous_token_head"] == partner and body["previous_token_score"] == pytest.approx(score, abs=1e-4)
+    assert {p["head"] for p in body["points"]} == {f"L1H{h}" for h in range(8)}
+    page = client.get(f"/models/{NAME}").text
+    assert f"{partner} (previous-token score {score:.2f}, below the {HEAD_THRESHOLD} that names" in page
+    assert f"previous-token head {partner}" not in page

@@ -62,7 +62,7 @@ def test_toy_alibi_2l_row() -> None:
 
 def test_toy_alibi_2l_paragraph() -> None:
     """docs/models.md's sentences on how toy-alibi-2l was made, against its recipe and card and toy-2l's card (the
-    positivity view's refusal is tested in tests/app/test_shipped_alibi_toy.py)."""
+    positivity view's label is tested in tests/app/test_shipped_alibi_toy.py)."""
     from circuits_core.training.train import RECIPES
 
     text = " ".join(MODELS_DOC.read_text().split())
@@ -80,5 +80,8 @@ def test_toy_alibi_2l_paragraph() -> None:
     assert "half its rows (on average) repeated random tokens" in text and recipe["repeat_frac"] == 0.5
     assert "`make models` trains it after toy-2l" in text
     assert list(RECIPES).index("toy-2l") < list(RECIPES).index("toy-alibi-2l")
-    assert "its previous-token score is far below toy-2l's, and the positivity view refuses it for that reason" in text
+    assert (
+        "its previous-token score is far below toy-2l's, and the positivity view names it by that score rather than "
+        "as a previous-token head"
+    ) in text
     assert card("toy-alibi-2l")["partner_previous_token_score"] < 0.5 * base["partner_previous_token_score"]
