@@ -30,7 +30,6 @@ matrices of the same shapes"). `random_baseline` samples it with ARENA's generat
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +38,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from circuits_core.circuits.composition_baseline import BASELINE_SAMPLES as BASELINE_SAMPLES
+from circuits_core.circuits.composition_baseline import random_baseline as random_baseline
+from circuits_core.circuits.composition_baseline import random_baseline_cost as random_baseline_cost
 from circuits_core.circuits.folded import circuit_weight
 from circuits_core.circuits.gram_pair_sums import ColumnGroup, pair_sums, pair_sums_flops, pair_sums_numbers
 from circuits_core.circuits.gram_root import gram_root
@@ -51,10 +53,6 @@ from circuits_core.schedule import side_by_side
 CompositionKind = Literal["q", "k", "v"]
 KINDS: tuple[CompositionKind, ...] = ("q", "k", "v")
 GRAM_BLOCK = 128  # column block of the d x d Gram matrices (upper block triangle: 21 of 36 blocks for d 768)
-# Draws of the sampled random baseline. The scores of random matrices concentrate (std ~1 % of the mean at GPT-2
-# small's shapes), so 64 draws fix the mean to ~0.15 %; sampling them is a cold request's cost (the uniform
-# stream alone took ~1.5 s for 300 draws at d_model 768), cached per shape afterwards.
-BASELINE_SAMPLES = 64
 # Large chunks sum each Gram block's pairs per group of target layers against only the earlier sources (target_groups):
 # at Llama-3.1-8B shape groups of 4 layers (128 targets) compute 554k of the 992 x 992 pairs, groups of 8 615k, one
 # product 984k (0.87, 0.93 and 1.36 s per Gram block of [rows, 16384] x [16384, targets]; load ~7). GPT-2's keep one.
@@ -317,32 +315,6 @@ def composition_scores(
     return CompositionScores(raw_d, minus, baseline, sampled, std, mask)
 
 
-@functools.lru_cache(maxsize=16)
-def random_baseline(d_model: int, d_head: int, n_samples: int = BASELINE_SAMPLES, seed: int = 0) -> tuple[float, float]:
-    """(mean, std) of the composition score of random matrices with ARENA's generator (cached per arguments).
-
-    ARENA `generate_single_random_comp_score`: four [d_model, d_head] matrices with
-    kaiming_uniform_(a=sqrt(5)), i.e. U(-1/sqrt(d_head), 1/sqrt(d_head)); W_A = A_l A_r^T, W_B = B_l B_r^T.
-    Each score through d_head x d_head matrices (no QR): with G_x = X^T X and M = A_r^T B_l,
-    ||W_A W_B||^2 = <G_Al M, M G_Br>, ||W_A||^2 = <G_Al, G_Ar>, ||W_B||^2 = <G_Bl, G_Br>.
-    """
-    if n_samples < 1:
-        raise InvalidInputError(f"n_samples must be >= 1, got {n_samples}")
-    gen = torch.Generator().manual_seed(seed)
-    chunks = []
-    for start in range(0, n_samples, 32):  # chunks keep the memory at 4 x 32 x d_model x d_head
-        size = min(32, n_samples - start)
-        # U(-bound, bound) = 2 bound (U(0, 1) - 1/2); the score does not depend on the common factor 2 bound
-        W = torch.rand(4, size, d_model, d_head, generator=gen, dtype=torch.float64).sub_(0.5)
-        G_Al, G_Ar, G_Bl, G_Br = W.transpose(-2, -1) @ W  # [S, dh, dh] each
-        M = W[1].transpose(-2, -1) @ W[2]  # A_r^T B_l [S, dh, dh]
-        num_sq = ((G_Al @ M) * (M @ G_Br)).sum((-2, -1))
-        den_sq = (G_Al * G_Ar).sum((-2, -1)) * (G_Bl * G_Br).sum((-2, -1))
-        chunks.append((num_sq.clamp_min(0) / den_sq).sqrt())
-    scores = torch.cat(chunks)
-    return float(scores.mean()), float(scores.std()) if n_samples > 1 else 0.0
-
-
 def scores_numbers(model: Transformer, kinds: tuple[CompositionKind, ...], layers_per_chunk: int | None) -> int:
     """Peak numbers (compute dtype) layer_scores holds beyond the model's weights, from the same steps: the scores,
     the source factors, then per chunk the larger of (a) its target factors while one layer's are formed (the
@@ -451,11 +423,3 @@ def _gram_flops(
         flops += (t1 - t0) * sum(target[kind] + 2 * H * d * dh * k for kind in kinds)  # + A R^T per head
         flops += pair_sums_flops((t1 - 1) * H, (t1 - t0) * K * H, size, k, n_pairs, column_groups(t0, t1, H, K))
     return flops
-
-
-def random_baseline_cost(d_model: int, d_head: int, n_samples: int = BASELINE_SAMPLES) -> Cost:
-    """random_baseline's working memory (float64): one chunk of 4 x 32 [d_model, d_head] draws, their four
-    d_head Grams, M and the two products of the score; FLOPs of every sample's products (its first call: later ones
-    are cached)."""
-    flops = n_samples * (10 * d_model * d_head**2 + 4 * d_head**3)
-    return Cost(8 * (4 * 32 * d_model * d_head + 7 * 32 * d_head * d_head), flops=flops)
