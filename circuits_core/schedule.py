@@ -14,6 +14,8 @@ The maths modules say which two computations are independent and this module dec
     yielding(wanted)           within it, the cores are given up while wanted() says other work needs them: no
                                helper thread starts, and a helper already running waits before its next shared
                                chunk (the main branch goes on); a server's background jobs run inside it
+    give_way()                 a point inside a long chunk (between a forward pass's layers) where such a helper
+                               waits too, so it gives its core back within a layer, not at the chunk's end
     one_thread()               one torch thread within the block (thousands of short ops: loads, tiled products)
     per_thread(fn, parts)      fn over independent parts (a batch of small LAPACK problems), one thread of one torch
                                thread per part, as many parts as the caller has torch threads
@@ -71,6 +73,13 @@ def yielding(wanted: Callable[[], bool]) -> Iterator[None]:
 def _cores_wanted() -> bool:
     wanted = _WANTED.get()
     return wanted is not None and wanted()
+
+
+def give_way() -> None:
+    """In a side_by_side helper within a `yielding` block: wait here while the cores are wanted. Anywhere else (the
+    main branch, or no yielding block) return at once, so long loops may call it at every step."""
+    while _HELPER.get() and _cores_wanted():
+        time.sleep(YIELD_POLL_S)
 
 
 def side_by_side(main: Callable[[], A], side: Callable[[], B], name: str = "qkov-side") -> tuple[A, B]:

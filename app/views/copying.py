@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Annotated
 
 import torch
@@ -35,11 +35,12 @@ from app.views.shared.inputs import check_k, model_ref, parse_heads
 from app.views.shared.token_sets import frequent_tokens
 from circuits_core.circuits import copying, copying_spectra
 from circuits_core.circuits import head_circuits as circuits
-from circuits_core.cost import Cost, check_stop, report_progress
+from circuits_core.cost import Cost, report_progress
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.head_names import all_heads, head_name
 from circuits_core.model.transformer import Transformer
+from circuits_core.schedule import shared_tasks
 
 N_TOP_SAMPLES = 2  # random circuits whose self-copy shares are measured (each a full [V, V] row stream)
 FULL_ROWS_MAX = 8192  # vocabularies up to this size: every source token (the shipped toys: 4096)
@@ -145,39 +146,59 @@ class RandomScores(BaseModel):
     scores: list[float]  # eigenvalue copying scores of the random circuits, in drawing order
 
 
-def circuit_rows(
+Circuit = tuple[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]]  # a circuit's name and its (W_V, W_O)
+
+
+def circuits_rows(
     loaded: LoadedModel,
     p: CopyingAllParams,
     k: int,
     vocab: torch.Tensor | None,
     rows: int | None,
-    circuit: str,
-    W: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    circuits: Sequence[Circuit],
     limits: Limits,
-) -> copying.RowRanks:
-    """The source rows of one circuit (W: its W_V, W_O) from the result cache, else measured and kept. A sample smaller
-    than a one-head panel's is the first rows of the panel's draw (copying.sample_order): read off its entry when
-    cached (precompute asks the panels first), so the overview measures no row twice."""
+) -> list[copying.RowRanks]:
+    """The source rows of each circuit (a name, and W: its W_V, W_O) from the result cache, else measured and kept:
+    those not cached are measured together, copying.STACK_CIRCUITS at a time (copying.rows_ranks shares their work),
+    the batches taken in turn by two threads when a core is idle (schedule.shared_tasks).
+    A sample smaller than a one-head panel's is the first rows of the panel's draw (copying.sample_order): read off
+    its entry when cached (precompute asks the panels first), so the overview measures no row twice."""
     n = loaded.model.cfg.d_vocab if vocab is None else int(vocab.numel())
 
-    def key(r: int | None) -> tuple[object, ...]:
+    def key(r: int | None, circuit: str) -> tuple[object, ...]:
         return ("copying-rows", str(loaded.digest), basis(loaded), k, p.min_count, SAMPLE_SEED, r, circuit)
 
-    wide = default_rows(n, None, 1)
-    if rows is not None and wide is not None and rows < wide:
-        hit = cached(key(wide), CircuitRows)
-        if hit is not None:
-            return hit.ranks().first(rows)
+    def known(circuit: str) -> copying.RowRanks | None:
+        wide = default_rows(n, None, 1)
+        if rows is not None and wide is not None and rows < wide:
+            hit = cached(key(wide, circuit), CircuitRows)
+            if hit is not None:
+                return hit.ranks().first(rows)
+        own = cached(key(rows, circuit), CircuitRows)
+        return None if own is None else own.ranks()
 
-    def build() -> CircuitRows:
-        W_V, W_O = W()
+    found = {name: ranks for name, _ in circuits if (ranks := known(name)) is not None}
+    todo = [(name, W) for name, W in circuits if name not in found]
+    order = copying.sample_order(n, rows, SAMPLE_SEED)
+
+    def measure(batch: Sequence[Circuit], workspace: None) -> None:
+        report_progress(len(found), len(circuits))  # a job's progress bar: circuits measured
         with torch.no_grad():
-            ranks = copying.row_ranks(
-                loaded.model, W_V, W_O, k, copying.sample_order(n, rows, SAMPLE_SEED), vocab, limits.matrix_budget_bytes
+            measured = copying.rows_ranks(
+                loaded.model, [W() for _, W in batch], k, order, vocab, limits.matrix_budget_bytes
             )
-        return CircuitRows(above=ranks.above.tolist(), diag=ranks.diag.tolist(), k=k)
+        for (name, _), ranks in zip(batch, measured, strict=True):
+            kept = CircuitRows(above=ranks.above.tolist(), diag=ranks.diag.tolist(), k=k)
+            found[name] = cached_build(key(rows, name), CircuitRows, functools.partial(_kept, kept)).ranks()
 
-    return cached_build(key(rows), CircuitRows, build).ranks()
+    step = copying.STACK_CIRCUITS
+    batches = [functools.partial(measure, todo[i : i + step]) for i in range(0, len(todo), step)]
+    shared_tasks(batches, lambda: None, "qkov-copying-rows")  # two threads take the batches in turn (schedule.py)
+    return [found[name] for name, _ in circuits]
+
+
+def _kept(rows: CircuitRows) -> CircuitRows:
+    return rows  # a circuit's rows measured with others' (circuits_rows), kept under its own key
 
 
 def _head(model: Transformer, layer: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,7 +215,7 @@ def _baseline(
     loaded: LoadedModel, p: CopyingAllParams, k: int, vocab: torch.Tensor | None, rows: int | None, limits: Limits
 ) -> CopyingBaselineView:
     """Random W_V, W_O of the model's shapes: eigenvalue scores kept once per (weights, samples), each of the first
-    N_TOP_SAMPLES circuits' rows once per sample (circuit_rows)."""
+    N_TOP_SAMPLES circuits' rows once per sample (circuits_rows)."""
     model = loaded.model
     copying.check_baseline(model, p.samples, N_TOP_SAMPLES)
     weights = functools.cache(lambda: copying.random_ov_weights(model, p.samples, SAMPLE_SEED))  # drawn when needed
@@ -205,14 +226,8 @@ def _baseline(
 
     key = ("copying-random-scores", str(loaded.digest), basis(loaded), p.samples, SAMPLE_SEED)
     s = torch.tensor(cached_build(key, RandomScores, eig).scores, dtype=torch.float64)
-    tops = torch.stack(
-        [
-            circuit_rows(
-                loaded, p, k, vocab, rows, f"random {i} of {p.samples}", functools.partial(_sample, weights, i), limits
-            ).shares()
-            for i in range(N_TOP_SAMPLES)
-        ]
-    )  # [N_TOP_SAMPLES, 4]
+    random = [(f"random {i} of {p.samples}", functools.partial(_sample, weights, i)) for i in range(N_TOP_SAMPLES)]
+    tops = torch.stack([r.shares() for r in circuits_rows(loaded, p, k, vocab, rows, random, limits)])  # [N, 4]
     return CopyingBaselineView(
         ov_copying_mean=float(s.mean()),
         ov_copying_std=float(s.std()),
@@ -242,17 +257,11 @@ def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Lim
         ).view(cfg.n_layers, cfg.n_heads, cfg.d_head)
     )  # [L, H]
     r = n if rows is None else rows  # source rows measured per circuit
+    baseline = _baseline(loaded, p, k, vocab, rows, limits)  # does not depend on `heads`: its entries serve every panel
+    named = [(head_name(layer, h), functools.partial(_head, model, layer, h)) for layer, h in todo]
     heads = []
-    for i, (layer, h) in enumerate(todo):
-        check_stop(what="OV self-copy shares")
-        report_progress(i, len(todo) + N_TOP_SAMPLES)  # a job's progress bar: heads done, then the random circuits
-        top1, topk, positive, median = (
-            circuit_rows(
-                loaded, p, k, vocab, rows, head_name(layer, h), functools.partial(_head, model, layer, h), limits
-            )
-            .shares()
-            .tolist()
-        )
+    for (layer, h), ranks in zip(todo, circuits_rows(loaded, p, k, vocab, rows, named, limits), strict=True):
+        top1, topk, positive, median = ranks.shares().tolist()
         heads.append(
             HeadCopying(
                 head=head_name(layer, h),
@@ -265,7 +274,6 @@ def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Lim
                 topk_stderr=stderr(topk, r, n),
             )
         )
-    baseline = _baseline(loaded, p, k, vocab, rows, limits)  # does not depend on `heads`: its entries serve every panel
     ranked = "tokens" if vocab is None else f"tokens seen at least {p.min_count} times in training"
     sample = (
         f"every one of the {n} {ranked} as source"

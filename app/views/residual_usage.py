@@ -25,6 +25,7 @@ from circuits_core.circuits import residual_stream as rs
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.schedule import side_by_side
 
 ERASURE_SHOWN = 20
 
@@ -98,9 +99,12 @@ class UsageView(BaseModel):
 def build_usage_view(loaded: LoadedModel, p: UsageParams, limits: Limits) -> UsageView:
     loaded = with_basis(loaded, p.basis)
     model = loaded.model
-    spec = rs.spectra(model, p.offset)  # computed once for both scans
-    u = rs.stream_usage(model, energy=p.energy, offset=p.offset, spec=spec)
-    er = stream_erasure.erasure(model, energy=p.energy, spec=spec)
+    spec = rs.spectra(model, p.offset)  # computed once for both scans, which are independent: side by side when a
+    u, er = side_by_side(  # core is idle (schedule.py), so both are held at once (usage_cost: their peaks added)
+        lambda: rs.stream_usage(model, energy=p.energy, offset=p.offset, spec=spec),
+        lambda: stream_erasure.erasure(model, energy=p.energy, spec=spec),
+        "qkov-residual-usage",
+    )
     bw = u.bandwidth
     n_writers = len(u.writers)
     if p.writers_from >= max(1, n_writers):
@@ -153,9 +157,8 @@ def build_usage_view(loaded: LoadedModel, p: UsageParams, limits: Limits) -> Usa
 
 
 def usage_cost(loaded: LoadedModel, p: UsageParams, limits: Limits) -> Cost:
-    return rs.usage_cost(loaded.model, p.writers_shown).then(
-        stream_erasure.erasure_cost(loaded.model, ERASURE_SHOWN)
-    ) + raw_copy_cost(loaded, p.basis)
+    usage = rs.usage_cost(loaded.model, p.writers_shown)
+    return usage + stream_erasure.erasure_cost(loaded.model, ERASURE_SHOWN) + raw_copy_cost(loaded, p.basis)
 
 
 RESIDUAL_USAGE = Analysis(

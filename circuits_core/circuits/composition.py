@@ -20,12 +20,11 @@ at a time, W_K and W_V per key/value group as stored (never repeated per query h
 in chunks of layers, the fewest whose working set fits the caller's byte budget (`cost` prices the same steps):
 on the Llama-3.2-1B shape one kind fits the default 1 GiB in one chunk, all three in two.
 The per-pair QR collapse (TL's trick: A1 = Q1 R1, B2^T = Q2 R2, ||A1 B1 A2 B2|| = ||(R1 B1)(A2 R2^T)||) stays as
-`pair_scores`, the independent reference.
+`pair_scores`, the independent reference. K- and V-composition of grouped-query models can instead go through the
+key/value weights each group shares (grouped_composition.py: large products), where that pays (`grouped_route`).
 
-Random baseline: for independent random rank-d_head factors E||AB||^2 = ||A||^2 ||B||^2 / d_model, so the
-expected score is about 1/sqrt(d_model) (the paper subtracts "the empirical expected amount for random
-matrices of the same shapes"). `random_baseline` samples it with ARENA's generator (kaiming-uniform
-[d_model, d_head] factors, U(-1/sqrt(d_head), 1/sqrt(d_head))) as a check.
+The baseline subtracted from the scores is 1/sqrt(d_model), the expected score of random matrices; the sampled one
+beside it is composition_baseline.py's.
 """
 
 from __future__ import annotations
@@ -38,9 +37,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.composition_baseline import BASELINE_SAMPLES as BASELINE_SAMPLES
-from circuits_core.circuits.composition_baseline import random_baseline as random_baseline
-from circuits_core.circuits.composition_baseline import random_baseline_cost as random_baseline_cost
+from circuits_core.circuits.composition_baseline import BASELINE_SAMPLES, random_baseline, random_baseline_cost
 from circuits_core.circuits.folded import circuit_weight
 from circuits_core.circuits.gram_pair_sums import ColumnGroup, pair_sums, pair_sums_flops, pair_sums_numbers
 from circuits_core.circuits.gram_root import gram_root

@@ -1,9 +1,10 @@
-"""The random baseline of the composition scores: the score of random matrices of the heads' shapes.
+"""The random baseline of composition scores: the score of random matrices of the heads' shapes.
 
 Paper section: "Composition" (Elhage et al. 2021; docs/maths.md §2.9). For independent random rank-d_head factors
 E||AB||^2 = ||A||^2 ||B||^2 / d_model, so the expected score is about 1/sqrt(d_model) (the paper subtracts "the
-empirical expected amount for random matrices of the same shapes"); `random_baseline` samples it with ARENA's
-generator as a check of that value (composition.py subtracts the analytic one).
+empirical expected amount for random matrices of the same shapes"). `random_baseline` samples it with ARENA's
+generator (kaiming-uniform [d_model, d_head] factors, U(-1/sqrt(d_head), 1/sqrt(d_head))) as a check beside the
+analytic value that composition.py subtracts.
 """
 
 from __future__ import annotations

@@ -28,10 +28,18 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits.copying_spectra import copying_score, unembed_embed_gram
-from circuits_core.circuits.embedding import embed_eff_rows
 from circuits_core.circuits.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
 from circuits_core.circuits.head_circuits import factors_cost, full_ov_circuit, full_ov_flops, ov_circuit
 from circuits_core.circuits.host_linalg import eigvals
+from circuits_core.circuits.ov_row_ranks import (  # noqa: F401 - copying's own names, read as copying.X
+    BLOCK_BYTES,
+    STACK_CIRCUITS,
+    RowRanks,
+    row_ranks,
+    row_ranks_flops,
+    rows_ranks,
+    stacked_bytes,
+)
 from circuits_core.circuits.own_rank import count_above, probe_columns, probe_size
 from circuits_core.cost import Cost, check_stop
 from circuits_core.errors import InvalidInputError
@@ -66,10 +74,6 @@ class CopyingBaseline:
     n_rows: int
 
 
-BLOCK_BYTES = 16 * 2**20  # a block of logits at most this big, compared in place right after it is formed (on the
-# GPT-2-small shape 83 source rows: ~-30 % against 4 MiB blocks of row-major logits, 2x against 256 MiB)
-
-
 def sample_order(n: int, rows: int | None, seed: int = 0) -> Tensor:
     """Positions [r] (into the n ranked tokens) of the source rows measured, in the order drawn: all n in order when
     rows is None or >= n, else the first `rows` of torch.randperm(n) from torch.Generator().manual_seed(seed). A smaller
@@ -80,70 +84,6 @@ def sample_order(n: int, rows: int | None, seed: int = 0) -> Tensor:
     if rows < 1:
         raise InvalidInputError(f"rows must be >= 1 (source tokens sampled), got {rows}")
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:rows]
-
-
-@dataclass
-class RowRanks:
-    """One full OV circuit's source rows, in the order drawn (sample_order): where each row's own logit ranks."""
-
-    above: Tensor  # [r] int64: ranked columns whose logit is above the row's own, capped at k (a tie counts for it)
-    diag: Tensor  # [r] float64: the row's own logit M[a, a]
-    k: int
-
-    def first(self, r: int) -> RowRanks:
-        """The first r rows drawn: the same rows as a sample of r of the same seed."""
-        return RowRanks(self.above[:r], self.diag[:r], self.k)
-
-    def shares(self) -> Tensor:
-        """[top1, topk, diag > 0, diag median] float64 over these rows."""
-        r = len(self.above)
-        return torch.tensor(
-            [
-                int((self.above == 0).sum()) / r,
-                int((self.above < self.k).sum()) / r,
-                float((self.diag > 0).double().mean()),
-                float(self.diag.quantile(0.5)),
-            ],
-            dtype=torch.float64,
-        )
-
-
-def row_ranks(
-    model: Transformer,
-    W_V: Tensor,
-    W_O: Tensor,
-    k: int,
-    order: Tensor,
-    vocab: Tensor | None = None,
-    budget_bytes: int = DEFAULT_BUDGET_BYTES,
-) -> RowRanks:
-    """The rows `order` (positions into the ranked tokens: vocab, or all) of M = W_E_eff W_V W_O W_U, each ranked
-    against every ranked column (own_rank.count_above: rows settled at k early are not formed whole). A block of
-    logits is formed the cheaper way for the rows still open: their x W_V W_O [a, d_model] against W_U's columns, or
-    their x W_V [a, d_head] against (W_O W_U)'s columns."""
-    ids = order if vocab is None else vocab[order]  # [r] token ids of the source rows
-    W_U = model.W_U if vocab is None else model.W_U[:, vocab]  # [d_model, n]
-    d, n = W_U.shape
-    dh = W_V.shape[1]
-    X = embed_eff_rows(model, ids) @ W_V  # [r, d_head]
-    U = X @ W_O  # [r, d_model]: the rows' logit directions
-    diag = (U * W_U[:, order.to(W_U.device)].T).sum(-1)  # [r] each row's own logit M[a, a]
-
-    probed: list[Tensor] = []  # (W_O W_U)'s probed columns [d_head, p], formed once for every row chunk of the probe
-
-    def logits(rows: Tensor, columns: Tensor | slice) -> Tensor:  # [a, c]
-        W_c = W_U[:, columns]  # [d_model, c]
-        if d * len(rows) <= dh * (d + len(rows)):
-            return U[rows] @ W_c
-        if isinstance(columns, slice):  # a block of the scan: each asked once
-            return X[rows] @ (W_O @ W_c)
-        if not probed:
-            probed.append(W_O @ W_c)
-        return X[rows] @ probed[0]
-
-    block = min(budget_bytes, BLOCK_BYTES)
-    above = count_above(logits, diag, order.to(W_U.device), n, k, block, W_U.element_size(), probe=probe_columns(n))
-    return RowRanks(above, diag.double().cpu(), k)
 
 
 def _check_vocab(model: Transformer, vocab: Tensor | None, k: int) -> int:
@@ -178,9 +118,12 @@ def self_copy(
     )  # top1, topk, diag > 0, diag median
     todo = heads if heads is not None else all_heads(cfg)
     with torch.no_grad():
-        for layer, h in todo:
-            ov = ov_circuit(model, layer, h)  # W_V [d, d_head], W_O [d_head, d]
-            out[:, layer, h] = row_ranks(model, ov.A, ov.B, k, order, vocab, budget_bytes).shares()
+        for start in range(0, len(todo), STACK_CIRCUITS):  # a batch of heads ranked together (ov_row_ranks)
+            batch = todo[start : start + STACK_CIRCUITS]
+            ovs = [ov_circuit(model, layer, h) for layer, h in batch]  # W_V [d, d_head], W_O [d_head, d] each
+            ranks = rows_ranks(model, [(ov.A, ov.B) for ov in ovs], k, order, vocab, budget_bytes)
+            for (layer, h), ranked in zip(batch, ranks, strict=True):
+                out[:, layer, h] = ranked.shares()
     return SelfCopy(out[0], out[1], out[2], out[3], k, n, len(order), None if len(order) == n else seed)
 
 
@@ -226,9 +169,12 @@ def random_baseline(
         scores = random_eig_scores(model, W_V, W_O)  # [n_samples]
         order = sample_order(n, rows, seed)  # [r]
         tops = torch.zeros(3, n_top_samples, dtype=torch.float64)
-        for i in range(n_top_samples):
+        for start in range(0, n_top_samples, STACK_CIRCUITS):
             check_stop(what="random copying baseline")
-            tops[:, i] = row_ranks(model, W_V[i], W_O[i], k, order, vocab, budget_bytes).shares()[:3]
+            end = min(n_top_samples, start + STACK_CIRCUITS)
+            circuits = [(W_V[i], W_O[i]) for i in range(start, end)]
+            for i, ranked in enumerate(rows_ranks(model, circuits, k, order, vocab, budget_bytes), start):
+                tops[:, i] = ranked.shares()[:3]
     return CopyingBaseline(scores, tops[0], tops[1], tops[2], k, n, len(order))
 
 
@@ -242,10 +188,11 @@ def cost(
     rows: int | None = None,
     n_heads: int | None = None,
 ) -> Cost:
-    """self_copy over every head (or n_heads of them) then random_baseline (row_ranks): at most one head's W_O W_U
-    [d_head, n] (through W_U's [d_model, n] ranked columns when not all), the rows' factors, the probed columns, a
-    block of logits and its masks, and the [r] ranks and diagonal, plus the random weights and their
-    [n_samples, d_head, d_head] spectra; answer: per head 5 numbers, per sample 4."""
+    """self_copy over every head (or n_heads of them) then random_baseline (rows_ranks, STACK_CIRCUITS circuits at a
+    time): at most one head's W_O W_U [d_head, n] (through W_U's [d_model, n] ranked columns when not all), the rows'
+    factors, the probed columns, a block of logits and its masks, the [r] ranks and diagonal, and the batch's stacked
+    open rows, plus the random weights and their [n_samples, d_head, d_head] spectra; answer: per head 5 numbers, per
+    sample 4."""
     cfg, size = model.cfg, model.W_E.element_size()
     n = cfg.d_vocab if n_tokens is None else n_tokens
     r = n if rows is None else min(rows, n)
@@ -254,8 +201,9 @@ def cost(
     heads = cfg.n_layers * cfg.n_heads if n_heads is None else n_heads
     rows = r * (2 * cfg.d_model + cfg.d_head) * size + r * 40  # x W_V, x W_V W_O, own columns; counts and diagonal
     probe = cfg.d_model * probe_size(n) * size  # the probed columns of W_U, gathered
+    stack = min(heads + n_top_samples, STACK_CIRCUITS) * stacked_bytes(cfg.d_model, cfg.d_head, r, size)
     one_head = Cost(
-        cfg.d_head * n * size + columns + rows + probe + block,
+        cfg.d_head * n * size + columns + rows + probe + block + stack,
         flops=row_ranks_flops(cfg.d_model, cfg.d_head, n, r) * (heads + n_top_samples),
     )
     weights = Cost(
@@ -263,15 +211,6 @@ def cost(
         flops=2 * cfg.d_vocab * cfg.d_model**2 + n_samples * 2 * cfg.d_head * cfg.d_model * (cfg.d_model + cfg.d_head),
     )
     return (one_head + weights).with_answer(numbers=5 * heads + 4 * n_samples, labels=heads)
-
-
-def row_ranks_flops(d_model: int, d_head: int, n: int, r: int) -> int:
-    """The most row_ranks costs on r source rows ranked against n columns: the rows' W_E_eff W_V [r, d_head] and
-    their W_O [r, d_model], the probe, then every row scanned whole ((W_O W_U)^T's route bounds
-    each block's cheaper one)."""
-    p = probe_size(n)
-    probe = 2 * d_model * p * r + 2 * d_model * d_head * p  # each row chunk the cheaper way, (W_O W_U)'s columns once
-    return 4 * r * d_model * d_head + probe + 2 * n * d_model * d_head + 2 * n * d_head * r
 
 
 # -- one head's copying metrics (any square token circuit) ------------------------------------------------

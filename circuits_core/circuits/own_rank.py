@@ -22,6 +22,7 @@ work follows what is still unsettled; the caller prices the most it can cost (ev
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -59,31 +60,83 @@ def count_above(
     [r] the position of each row's own column (never counted). A block of logits (`itemsize` bytes each) and its
     two masks stay within `block_bytes`; `probe` [p] column positions of step 1 (probe_columns(n): None skips it)."""
     r = int(own_logit.shape[0])
-    per = itemsize + 2  # bytes per entry of a block: the logit, the "above" and "own column" masks
-    above = torch.full((r,), k, dtype=torch.int64)
     rows = torch.arange(r)
-    if probe is not None and r:  # step 1: settle the rows with k probed columns above their own, in row chunks
-        probe = probe.to(own.device)
-        step = max(1, block_bytes // (per * len(probe)))
-        left = []
-        for start in range(0, r, step):
-            check_stop(what="OV self-copy shares")
-            chunk = rows[start : start + step]
-            count = _counted(logits(chunk, probe), own_logit[chunk], own[chunk, None] == probe[None, :])
-            left.append(chunk[count < k])
-        rows = torch.cat(left)
-    count = torch.zeros(len(rows), dtype=torch.int64)
-    start, width = 0, first_block
-    while len(rows) and start < n:  # step 2: every column for the rows left, a row dropped once at k
-        check_stop(what="OV self-copy shares")
-        c = max(1, min(width, n - start, block_bytes // max(1, per * len(rows))))
-        columns = torch.arange(start, start + c, device=own.device)
-        count += _counted(logits(rows, slice(start, start + c)), own_logit[rows], own[rows, None] == columns[None, :])
-        open_ = count < k
-        rows, count = rows[open_], count[open_]
-        start, width = start + c, 2 * width
-    above[rows] = count
+    if probe is not None and r:
+        rows = unsettled_by_probe(logits, own_logit, own, k, block_bytes, itemsize, probe)
+    above = torch.full((r,), k, dtype=torch.int64)
+    above[rows] = scan(logits, own_logit, own, rows, n, k, block_bytes, itemsize, first_block).above
     return above
+
+
+def unsettled_by_probe(
+    logits: Logits, own_logit: Tensor, own: Tensor, k: int, block_bytes: int, itemsize: int, probe: Tensor
+) -> Tensor:
+    """Step 1: the positions [o] of the rows (of own_logit's [r]) with fewer than k of the `probe` [p] columns above
+    their own entry, in order; the others are settled at k. Row chunks keep a block within `block_bytes`."""
+    r = int(own_logit.shape[0])
+    per = itemsize + 2  # bytes per entry of a block: the logit, the "above" and "own column" masks
+    probe = probe.to(own.device)
+    step = max(1, block_bytes // (per * len(probe)))
+    rows = torch.arange(r)
+    left = [rows[:0]]
+    for start in range(0, r, step):
+        check_stop(what="OV self-copy shares")
+        chunk = rows[start : start + step]
+        count = _counted(logits(chunk, probe), own_logit[chunk], own[chunk, None] == probe[None, :])
+        left.append(chunk[count < k])
+    return torch.cat(left)
+
+
+@dataclass
+class Scanned:
+    """What scan counted: per row asked, the columns above its own entry (capped at k); and the rows still open when
+    scan handed them off (their counts so far, over the columns before `reached`)."""
+
+    above: Tensor  # [o] int64
+    open: Tensor  # [o'] positions into the rows asked, still open when handed off (empty when scanned to the end)
+    reached: int  # the first column not yet counted for the open rows (n when none is open)
+
+
+def scan(
+    logits: Logits,
+    own_logit: Tensor,
+    own: Tensor,
+    rows: Tensor,
+    n: int,
+    k: int,
+    block_bytes: int,
+    itemsize: int = 4,
+    first_block: int = FIRST_BLOCK,
+    begin: Tensor | None = None,
+    count: Tensor | None = None,
+    handoff: Callable[[int], bool] | None = None,
+) -> Scanned:
+    """Step 2 for the rows at positions `rows` [o]: the columns of all n above their own entry, capped at k, in
+    blocks growing from first_block (within block_bytes), a row dropped from the next block once its count reaches
+    k. A row may start at its column `begin` [o] with `count` [o] columns already counted before it (another scan
+    handed it off). With `handoff`, the scan stops before a block once handoff(rows still open) is true and hands
+    those rows back (Scanned.open, their counts, the column reached) for another scan to finish."""
+    per = itemsize + 2  # bytes per entry of a block: the logit, the "above" and "left out" masks
+    counted = torch.zeros(len(rows), dtype=torch.int64) if count is None else count.clone()
+    live = torch.arange(len(rows))  # positions into rows still counting
+    start = 0 if begin is None or not len(begin) else int(begin.min())
+    width = first_block
+    while len(live) and start < n:
+        check_stop(what="OV self-copy shares")
+        if handoff is not None and handoff(len(live)):
+            return Scanned(counted.clamp_max(k), live, start)
+        c = max(1, min(width, n - start, block_bytes // max(1, per * len(live))))
+        meets = live if begin is None else live[begin[live] < start + c]  # rows whose columns start by this block
+        if len(meets):
+            at = rows[meets]
+            columns = torch.arange(start, start + c, device=own.device)
+            left_out = own[at, None] == columns[None, :]  # [a, c] the row's own column
+            if begin is not None:  # and the columns another scan counted for it
+                left_out |= columns[None, :] < begin[meets, None].to(own.device)
+            counted[meets] += _counted(logits(at, slice(start, start + c)), own_logit[at], left_out)
+        live = live[counted[live] < k]
+        start, width = start + c, 2 * width
+    return Scanned(counted.clamp_max(k), live[:0], n)
 
 
 def _counted(block: Tensor, own_logit: Tensor, mine: Tensor) -> Tensor:

@@ -57,6 +57,7 @@ from circuits_core.model.rope import rotary_inv_freq as rotary_inv_freq
 from circuits_core.model.rope import rotary_pairs as rotary_pairs
 from circuits_core.model.rope import rotate as rotate
 from circuits_core.model.soft_cap import soft_cap
+from circuits_core.schedule import give_way
 
 
 class Block(nn.Module):
@@ -270,6 +271,7 @@ class Transformer(nn.Module):
         W_pos = self.W_pos if self.cfg.positional_embedding_type == "shortformer" else None
         qk_pos = W_pos[: resid.shape[1]] if W_pos is not None else None
         for block in self.blocks[start:stop]:
+            give_way()  # a background job's helper thread pauses here while a request wants its core (schedule.py)
             resid = block(resid, qk_pos, rec, frozen)
         return resid
 

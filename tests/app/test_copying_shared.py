@@ -33,10 +33,24 @@ def counting(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
     return calls
 
 
+def counting_circuits(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per circuit whose rows the engine measures (copying.rows_ranks takes several at once)."""
+    calls: list[int] = []
+    inner = copying.rows_ranks
+
+    def counted(model: object, circuits: list[object], *args: object, **kwargs: object) -> object:
+        calls.extend(1 for _ in circuits)
+        return inner(model, circuits, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(copying_view.copying, "rows_ranks", counted)
+    return calls
+
+
 def test_panels_and_overview_measure_each_circuit_once(
     model_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    rows, eig = counting(monkeypatch, "row_ranks"), counting(monkeypatch, "random_eig_scores")
+    rows, eig = counting_circuits(monkeypatch), counting(monkeypatch, "random_eig_scores")
+    monkeypatch.setattr(copying, "STACK_CIRCUITS", 3)  # several batches of heads, taken in turn by two threads
     settings = Settings(
         shipped_dir=model_dirs[0], models_dir=model_dirs[1], dtype="float64", store_url="off", limits=LIMITS
     )
@@ -94,7 +108,7 @@ def test_a_smaller_sample_is_read_off_the_panels(tmp_path: Path, monkeypatch: py
         n_layers=1, d_model=8, n_heads=2, d_head=4, d_vocab=V, n_ctx=16, positional_embedding_type="shortformer"
     )
     save_qkov(tmp_path / "wide", cfg, train_tokenizer(), seed=3)
-    rows = counting(monkeypatch, "row_ranks")
+    rows = counting_circuits(monkeypatch)
     with TestClient(create_app(Settings(shipped_dir=tmp_path, dtype="float64", store_url="off"))) as c:
         panel = c.get("/api/v1/models/wide/copying", params={"k": k, "samples": 4, "heads": "L0H1"}).json()
         assert panel["n_rows"] == copying_view.MAX_ROWS and len(rows) == 1 + copying_view.N_TOP_SAMPLES

@@ -77,7 +77,7 @@ def test_the_copying_overview_is_assembled_from_the_head_panels(
     import app.views.copying as copying_view
     from circuits_core.model.config import ModelConfig
     from tests.app.conftest import save_qkov, train_tokenizer
-    from tests.app.test_copying_shared import counting
+    from tests.app.test_copying_shared import counting_circuits
 
     cfg = ModelConfig(
         n_layers=2,
@@ -100,7 +100,7 @@ def test_the_copying_overview_is_assembled_from_the_head_panels(
     }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    calls = counting(monkeypatch, "row_ranks")
+    calls = counting_circuits(monkeypatch)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -104,3 +104,45 @@ def test_copying_metrics_on_a_token_circuit_larger_than_the_probe() -> None:
     above = dense_above(M, torch.arange(n), 5)
     assert m.top1 == float((above == 0).double().mean()) and m.topk == float((above < 5).double().mean())
     assert 0 < m.topk < 1
+
+
+def test_circuits_ranked_together_equal_each_dense_circuit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """copying.rows_ranks on every head at once (the overview's batches): the heads whose probe leaves few rows open
+    are scanned in one stack of their rows, the others alone until few of their rows are open, those rows then
+    finished in the stack from the column reached; every head's counts and diagonal equal its dense float64
+    circuit's."""
+    from circuits_core.circuits import ov_row_ranks
+
+    cfg = ModelConfig(n_layers=2, d_model=24, n_heads=4, d_head=6, d_vocab=3 * PROBE, n_ctx=8, attn_only=True)
+    model = random_model(cfg, seed=2, dtype=torch.float64, std_embed=1.0)
+    with torch.no_grad():  # W_U = W_E^T; in each layer head 0 copies (W_OV a projection), head 1 half copies (some
+        model.W_U.copy_(model.W_E.T)  # rows rank near the top: scanned alone, then the last few in the stack)
+        for layer in range(cfg.n_layers):
+            attn = model.blocks[layer].attn
+            attn.W_O[0].copy_(attn.W_V[0].T)
+            attn.W_O[1].add_(0.5 * attn.W_V[1].T * attn.W_O[1].norm() / attn.W_V[1].norm())
+    scanned: list[int] = []  # rows of each scan: a circuit's own, or the stack of several circuits' rows
+    begins: list[torch.Tensor] = []  # the stack's first column per row: 0 after the probe, later after a handoff
+    inner = ov_row_ranks.scan
+
+    def spy(*a: object, **kw: object) -> object:
+        scanned.append(len(a[3]))  # type: ignore[arg-type]
+        if kw.get("begin") is not None:
+            begins.append(kw["begin"])  # type: ignore[arg-type]
+        return inner(*a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ov_row_ranks, "scan", spy)
+    k, order = 3, copying.sample_order(cfg.d_vocab, 400, seed=4)
+    heads = [(layer, h) for layer in range(cfg.n_layers) for h in range(cfg.n_heads)]
+    circuits = [(model.W_V[layer, h], model.W_O[layer, h]) for layer, h in heads]
+    got = copying.rows_ranks(model, circuits, k, order, budget_bytes=50_000)
+    for (W_V, W_O), ranks in zip(circuits, got, strict=True):
+        M = model.W_E[order] @ W_V @ W_O @ model.W_U  # [r, V] the rows of the full OV circuit (no LayerNorm)
+        assert torch.equal(ranks.above, dense_above(M, order, k))
+        torch.testing.assert_close(ranks.diag, M.gather(1, order[:, None])[:, 0], rtol=1e-12, atol=1e-12)
+    alone, stack = scanned[:-1], scanned[-1]
+    assert len(alone) >= cfg.n_layers  # the copying heads, scanned on their own
+    one = max(o for o in range(400) if ov_row_ranks.pooled(cfg.d_model, cfg.d_head, o))  # most one circuit stacks
+    assert stack > one  # the stack holds several circuits' rows
+    (begin,) = begins
+    assert (begin == 0).any() and (begin > 0).any()  # rows stacked after the probe, and rows handed off mid-scan

@@ -200,3 +200,40 @@ def test_split_loop_covers_the_range_once_and_its_helper_stops_when_the_caller_f
         assert time.perf_counter() - start < 20  # the helper stopped too (its 10,000 slices would take 100 s)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(available_cores() < 2, reason="a helper thread needs a second core")
+def test_a_helper_gives_way_between_the_layers_of_a_forward_pass() -> None:
+    """A background job's helper thread (side_by_side inside yielding) running a forward pass waits between layers
+    while the cores are wanted (schedule.give_way in Transformer._layers), not only before its next shared chunk:
+    the forward started before the cores were wanted ends only after they are no longer wanted. The main branch
+    never waits."""
+    from circuits_core.model.config import ModelConfig
+    from circuits_core.model.transformer import random_model
+
+    model = random_model(ModelConfig(n_layers=4, d_model=16, n_heads=2, d_head=8, d_vocab=50, n_ctx=8), seed=0)
+    tokens = torch.zeros(1, 8, dtype=torch.long)
+    wanted, released = threading.Event(), threading.Event()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def side() -> float:
+        wanted.set()  # a request wants the cores from now on, while this forward pass runs
+        model(tokens)
+        return time.monotonic()
+
+    def main() -> float:
+        wanted.wait()
+        model(tokens)  # the main branch runs on
+        time.sleep(0.3)
+        released.set()
+        at = time.monotonic()
+        wanted.clear()
+        return at
+
+    try:
+        with torch.no_grad(), yielding(wanted.is_set):
+            cleared, done = side_by_side(main, side, "qkov-test-give-way")
+    finally:
+        torch.set_num_threads(before)
+    assert released.is_set() and done >= cleared  # the helper's forward waited for the cores to be given back
