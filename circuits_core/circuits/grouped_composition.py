@@ -8,10 +8,11 @@ With the source factor F [k, d] of an earlier head (F^T F = W_OV^T W_OV, composi
     ||W_OV^{h1} M||_F^2 = ||F A B||_F^2 = <Y^T Y, B B^T>_F,   Y = F A [k, dh],
 and ||M||_F^2 = <A^T A, B B^T>_F. Y of every earlier head against every group of a layer is one product of the
 stacked factors [n_src k, d] with the layer's A of all groups [d, G dh]: d k dh multiply-adds per (source, group),
-shared by the group's heads. composition.py's Gram route spends about d^2 / 2 per head pair and the Grams' blocks;
-at Llama-3.1-8B shape this route does ~1.25x its FLOPs, but as large products that run at the BLAS kernel's full
-rate (66-67 GFLOP/s per core against 32-55 for the Gram blocks' products, load ~9), so composition.py takes it when
-its FLOPs are within GROUPED_RATE of the Gram route's.
+shared by the group's heads. composition.py's Gram route spends about d^2 / 2 per head pair and the Grams' blocks.
+This route's large products run faster per FLOP than the Gram blocks' small ones: 66-67 GFLOP/s per core against
+32-55 for one Gram block pair side by side (load ~9), and over whole computations of the 8B layer shape on 12 layers
+~56 GFLOP/s against ~47 (load ~10). composition.py takes it where its FLOPs are within GROUPED_RATE of the Gram
+route's: the 1B shape's K-composition (~0.6x), not the 8B shape's (1.24x, where the two are within a few percent).
 
 Two workers of one torch thread each take the target layers, largest first (schedule.shared_tasks, as
 gram_pair_sums), each with its own Y buffer; every (layer, kind) writes its own scores, so the result does not depend
@@ -29,9 +30,9 @@ from torch import Tensor
 from circuits_core.cost import check_stop
 from circuits_core.schedule import one_thread, shared_tasks
 
-# The grouped route runs when its FLOPs are at most this multiple of the Gram route's: its products run at ~1.2-2x
-# the Gram blocks' rate on this 2-core CPU (module docstring).
-GROUPED_RATE = 1.5
+# The grouped route runs when its FLOPs are at most this multiple of the Gram route's: whole computations ran at
+# ~1.2x the Gram route's rate on this 2-core CPU (module docstring).
+GROUPED_RATE = 1.2
 GroupedKind = str  # "k" or "v"
 Weight = Callable[[int, str], Tensor]  # composition.LayerWeight
 
