@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from circuits_core.circuits.gram_pair_sums import workers
 from circuits_core.cost import check_stop
 from circuits_core.schedule import one_thread, shared_tasks
 
@@ -41,12 +42,6 @@ Weight = Callable[[int, str], Tensor]  # composition.LayerWeight
 class _Space:
     Y: Tensor  # [n_src_max * k * G * dh] flat
     grams: Tensor  # [n_src_max * dh * dh] flat
-
-
-def _n_workers(device: torch.device) -> int:
-    from circuits_core.circuits.gram_pair_sums import workers
-
-    return workers(device)
 
 
 def grouped_scores(
@@ -67,7 +62,7 @@ def grouped_scores(
     rows = F.view(-1, d)  # [(L - 1) H k, d]
     spaces = [
         _Space(F.new_empty((L - 1) * H * k * G * dh), F.new_empty((L - 1) * H * dh * dh))
-        for _ in range(_n_workers(F.device))
+        for _ in range(workers(F.device))
     ]
 
     def target(l2: int, i: int, space: _Space) -> None:
