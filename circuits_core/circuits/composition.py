@@ -20,7 +20,8 @@ at a time, W_K and W_V per key/value group as stored (never repeated per query h
 in chunks of layers, the fewest whose working set fits the caller's byte budget (`cost` prices the same steps):
 on the Llama-3.2-1B shape one kind fits the default 1 GiB in one chunk, all three in two.
 The per-pair QR collapse (TL's trick: A1 = Q1 R1, B2^T = Q2 R2, ||A1 B1 A2 B2|| = ||(R1 B1)(A2 R2^T)||) stays as
-`pair_scores`, the independent reference.
+`pair_scores`, the independent reference. K- and V-composition of grouped-query models can instead go through the
+key/value weights each group shares (grouped_composition.py: large products), where that pays (`grouped_route`).
 
 The baseline subtracted from the scores is 1/sqrt(d_model), the expected score of random matrices; the sampled one
 beside it is composition_baseline.py's.
@@ -40,6 +41,7 @@ from circuits_core.circuits.composition_baseline import BASELINE_SAMPLES, random
 from circuits_core.circuits.folded import circuit_weight
 from circuits_core.circuits.gram_pair_sums import ColumnGroup, pair_sums, pair_sums_flops, pair_sums_numbers
 from circuits_core.circuits.gram_root import gram_root
+from circuits_core.circuits.grouped_composition import GROUPED_RATE, grouped_flops, grouped_numbers, grouped_scores
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer
@@ -187,6 +189,13 @@ def layer_scores(
     """
     L, H, gs, d, dh = shape
     K = len(kinds)
+    if grouped_route(shape, kinds, block):  # K / V of grouped-query models: large products (grouped_composition)
+        if sources is None:
+            sources = like.new_empty((L - 1) * H, min(d, dh), d)
+            for l1 in range(L - 1):
+                _check_stop(should_stop)
+                sources[l1 * H : (l1 + 1) * H] = source_factor(weight, l1, gs)
+        return grouped_scores(sources, weight, shape, kinds, should_stop)
     raw = like.new_zeros(K, L, H, L, H)
     if L < 2:
         return raw
@@ -319,6 +328,9 @@ def scores_numbers(model: Transformer, kinds: tuple[CompositionKind, ...], layer
     F = (L - 1) * H * (k * d + 1)  # source factors and norms
     source = layer + 2 * group + G * k * dh + H * k * d  # W_O, W_V and the QR's copy of it, R_V, F of one layer
     peak, n_pairs = out + F + source, len(block_pairs(d, size)[0])
+    shape = (L, H, cfg.group_size, d, dh)
+    if grouped_route(shape, kinds, GRAM_BLOCK):  # the scores, the factors, then grouped_composition's buffers
+        return max(peak, out + F + grouped_numbers(shape, k, K, model.device))
     for t0, t1 in chunk_bounds(L, layers_per_chunk):
         ns, nt = (t1 - 1) * H, (t1 - t0) * K * H
         P = nt * (d * k + 1)
@@ -366,17 +378,44 @@ def scores_flops(
     model: Transformer, kinds: tuple[CompositionKind, ...], layers_per_chunk: int | None, block: int = GRAM_BLOCK
 ) -> int:
     """FLOPs of layer_scores' products, from the same steps: each source layer's factor (the d_head Gram of W_V per
-    key/value group, R_V W_O per head), per chunk each target layer's factor per kind (the Gram of B^T, A R^T) and
-    the chunk's pair sums (gram_pair_sums)."""
+    key/value group, R_V W_O per head), then grouped_composition's products where layer_scores takes that route,
+    else per chunk each target layer's factor per kind (the Gram of B^T, A R^T) and the chunk's pair sums
+    (gram_pair_sums)."""
     cfg = model.cfg
-    L, H, G, d, dh, K = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_model, cfg.d_head, len(kinds)
+    shape = (cfg.n_layers, cfg.n_heads, cfg.group_size, cfg.d_model, cfg.d_head)
+    if grouped_route(shape, kinds, block):
+        return _source_flops(shape) + grouped_flops(shape, min(cfg.d_model, cfg.d_head), len(kinds))
+    return _gram_flops(shape, kinds, layers_per_chunk, block)
+
+
+def grouped_route(shape: tuple[int, int, int, int, int], kinds: tuple[CompositionKind, ...], block: int) -> bool:
+    """Whether layer_scores computes `kinds` through grouped_composition: K and V only, heads sharing their key/value
+    weights, and its FLOPs within GROUPED_RATE of the Gram route's (both without chunks)."""
+    L, _, gs, d, dh = shape
+    if gs < 2 or L < 2 or not set(kinds) <= {"k", "v"}:
+        return False
+    grouped = _source_flops(shape) + grouped_flops(shape, min(d, dh), len(kinds))
+    return grouped <= GROUPED_RATE * _gram_flops(shape, kinds, None, block)
+
+
+def _source_flops(shape: tuple[int, int, int, int, int]) -> int:
+    """FLOPs of the source factors of layers 0..L-2 (source_factor: W_V's d_head Grams per group, R_V W_O)."""
+    L, H, gs, d, dh = shape
+    gram = 2 * d * dh * dh if d >= dh else 0  # one d_head Gram (a QR below d_head rows: not a product)
+    return (L - 1) * ((H // gs) * gram + 2 * H * min(d, dh) * dh * d)
+
+
+def _gram_flops(
+    shape: tuple[int, int, int, int, int], kinds: tuple[CompositionKind, ...], layers_per_chunk: int | None, block: int
+) -> int:
+    L, H, gs, d, dh = shape
+    G, K = H // gs, len(kinds)
     if L < 2:
         return 0
     size, k = gram_block_size(d, block), min(d, dh)
-    gram = 2 * d * dh * dh if d >= dh else 0  # one d_head Gram (a QR below d_head rows: not a product)
-    source = G * gram + 2 * H * k * dh * d  # W_V's Grams, R_V W_O
+    gram = 2 * d * dh * dh if d >= dh else 0
     target = {"q": G * gram, "k": H * gram, "v": H * gram}  # B^T's Grams: W_K per group, W_Q or W_O^T per head
-    n_pairs, flops = len(block_pairs(d, size)[0]), (L - 1) * source
+    n_pairs, flops = len(block_pairs(d, size)[0]), _source_flops(shape)
     for t0, t1 in chunk_bounds(L, layers_per_chunk):
         flops += (t1 - t0) * sum(target[kind] + 2 * H * d * dh * k for kind in kinds)  # + A R^T per head
         flops += pair_sums_flops((t1 - 1) * H, (t1 - t0) * K * H, size, k, n_pairs, column_groups(t0, t1, H, K))

@@ -6,6 +6,8 @@
   without grouped-query attention.
 - composition.cost is never below the peak of the tensors the computation actually holds (counted op by op by
   a dispatch mode), in every chunking, and is priced from those steps (within 2x of the peak).
+- K- and V-composition of grouped-query models take grouped_composition's route (large products through the shared
+  key/value weights) when it pays: the GQA cases with kinds K alone go that way, the same dense scores and prices.
 - The budget picks the fewest chunks whose price fits it, and the Llama-3.2-1B shape's K-composition is priced
   within the default 1 GiB in one chunk, all three kinds in more.
 """
@@ -81,7 +83,8 @@ def test_price_covers_the_held_peak_in_every_chunking(
         priced = 8 * composition.scores_numbers(model, kinds, chunk)
         assert 0 < held.peak <= priced < 2 * held.peak, (chunk, held.peak, priced)
         peaks.append(held.peak)
-    assert peaks[0] < peaks[-1]  # chunks of one layer hold less than all targets at once
+    if not composition.grouped_route(shape, kinds, composition.GRAM_BLOCK):  # (the grouped route has no chunks)
+        assert peaks[0] < peaks[-1]  # chunks of one layer hold less than all targets at once
 
 
 def test_the_budget_picks_the_fewest_chunks_that_fit() -> None:
@@ -147,3 +150,16 @@ def test_flop_price_is_what_torch_counts(n_kv: int | None, causal_split: bool) -
                         layers_per_chunk=chunk,
                     )  # fmt: skip
                 assert c.get_total_flops() == composition.scores_flops(model, kinds, chunk, block=16), (chunk, kinds)
+
+
+def test_grouped_route_is_taken_where_it_pays() -> None:
+    """The Llama-3.2-1B shape's K- and V-composition (4 query heads per key/value group, ~0.6x the Gram route's FLOPs)
+    take the grouped route; the 8B shape's (1.24x), Q-composition, GPT-2's (no groups) and SmolLM2's (3 heads per
+    group, d_model 576: the Gram route does ~5x fewer FLOPs) do not."""
+    block = composition.GRAM_BLOCK
+    assert composition.grouped_route((16, 32, 4, 2048, 64), ("k",), block)
+    assert composition.grouped_route((16, 32, 4, 2048, 64), ("k", "v"), block)
+    assert not composition.grouped_route((32, 32, 4, 4096, 128), ("k",), block)
+    assert not composition.grouped_route((16, 32, 4, 2048, 64), ("q", "k"), block)
+    assert not composition.grouped_route((12, 12, 1, 768, 64), ("k",), block)
+    assert not composition.grouped_route((30, 9, 3, 576, 64), ("k",), block)
