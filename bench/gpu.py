@@ -134,9 +134,9 @@ def measure() -> None:
     """The in-process goals (the model is freed when this returns, before the HTTP server loads its own)."""
     from app.views.shared.heads_table import build_heads_view
     from circuits_core.circuits import virtual_weight_table as vwt
-    from circuits_core.circuits.composition import GRAM_BLOCK
     from circuits_core.circuits.composition_rotary import composition_profiles
     from circuits_core.circuits.copying_spectra import ov_copying_scores
+    from circuits_core.circuits.gram_pair_sums import GRAM_BLOCK
     from circuits_core.circuits.stream_grams import block_for
     from circuits_core.formats.checkpoint import load_checkpoint
     from circuits_core.prompt.paths import expand_logits

@@ -39,7 +39,17 @@ from torch import Tensor
 
 from circuits_core.circuits.composition_baseline import BASELINE_SAMPLES, random_baseline, random_baseline_cost
 from circuits_core.circuits.folded import circuit_weight
-from circuits_core.circuits.gram_pair_sums import ColumnGroup, pair_sums, pair_sums_flops, pair_sums_numbers
+from circuits_core.circuits.gram_pair_sums import (
+    GRAM_BLOCK,
+    ColumnGroup,
+    block_pairs,
+    column_blocks,
+    gram_block_size,
+    pair_sums,
+    pair_sums_flops,
+    pair_sums_numbers,
+    row_blocks,
+)
 from circuits_core.circuits.gram_root import gram_root
 from circuits_core.circuits.grouped_composition import GROUPED_RATE, grouped_flops, grouped_numbers, grouped_scores
 from circuits_core.cost import Cost, check_stop, itemsize
@@ -49,7 +59,6 @@ from circuits_core.schedule import side_by_side
 
 CompositionKind = Literal["q", "k", "v"]
 KINDS: tuple[CompositionKind, ...] = ("q", "k", "v")
-GRAM_BLOCK = 128  # column block of the d x d Gram matrices (upper block triangle: 21 of 36 blocks for d 768)
 # Large chunks sum each Gram block's pairs per group of target layers against only the earlier sources (target_groups):
 # at Llama-3.1-8B shape groups of 4 layers (128 targets) compute 554k of the 992 x 992 pairs, groups of 8 615k, one
 # product 984k (0.87, 0.93 and 1.36 s per Gram block of [rows, 16384] x [16384, targets]; load ~7). GPT-2's keep one.
@@ -100,31 +109,6 @@ def pair_scores(left: Tensor, right: Tensor) -> Tensor:
     num = core.reshape(n1, k1, n2, k2).pow(2).sum(dim=(1, 3)).sqrt()  # [N1, N2]
     den = left.flatten(1).norm(dim=1)[:, None] * right.flatten(1).norm(dim=1)[None, :]
     return num / den
-
-
-def gram_block_size(d: int, target: int = GRAM_BLOCK) -> int:
-    """Largest divisor of d that is <= target; d itself (one block, the full Gram) when that divisor is tiny."""
-    size = max(s for s in range(1, min(d, target) + 1) if d % s == 0)
-    return size if size * 4 >= min(d, target) else d
-
-
-def block_pairs(d: int, size: int) -> tuple[list[tuple[int, int]], Tensor]:
-    """Blocks (a, b), a <= b, of the d x d matrices (row-major) and their weights [Pb]: 1 on, 2 off the diagonal."""
-    nb = d // size
-    pairs = [(a, b) for a in range(nb) for b in range(a, nb)]
-    return pairs, torch.tensor([1.0 if a == b else 2.0 for a, b in pairs], dtype=torch.float64)
-
-
-def _column_blocks(M: Tensor, size: int) -> Tensor:
-    """M [N, r, d] as its d / size column blocks [nb, N, r, size] (a view; copied once into a block buffer)."""
-    n, r, d = M.shape
-    return M.view(n, r, d // size, size).permute(2, 0, 1, 3)
-
-
-def _row_blocks(M: Tensor, size: int) -> Tensor:
-    """M [N, d, r] as its d / size row blocks [nb, N, size, r] (a view)."""
-    n, d, r = M.shape
-    return M.view(n, d // size, size, r).transpose(0, 1)
 
 
 # Weights of one layer, as the computation reads them: name (W_Q, W_O per query head; W_K, W_V per key/value
@@ -207,7 +191,7 @@ def layer_scores(
     for l1 in range(L - 1):
         _check_stop(should_stop)
         F_l = source_factor(weight, l1, gs) if sources is None else sources[l1 * H : (l1 + 1) * H]  # [H, k, d]
-        F[:, l1 * H : (l1 + 1) * H] = _column_blocks(F_l, size)
+        F[:, l1 * H : (l1 + 1) * H] = column_blocks(F_l, size)
         src_sq[l1 * H : (l1 + 1) * H] = torch.linalg.vector_norm(F_l, dim=(-2, -1)).square()
         del F_l
     for t0, t1 in chunk_bounds(L, layers_per_chunk):
@@ -217,7 +201,7 @@ def layer_scores(
         for j, (l2, kind) in enumerate((l2, kind) for l2 in range(t0, t1) for kind in kinds):
             _check_stop(should_stop)
             P_l = target_factor(weight, l2, kind, gs)  # [H, d, k]
-            P[:, j * H : (j + 1) * H] = _row_blocks(P_l, size)
+            P[:, j * H : (j + 1) * H] = row_blocks(P_l, size)
             tgt_sq[j * H : (j + 1) * H] = torch.linalg.vector_norm(P_l, dim=(-2, -1)).square()
             del P_l
         num_sq = pair_sums(F[:, :ns], P, pairs, pair_weights, column_groups(t0, t1, H, K), should_stop).to(

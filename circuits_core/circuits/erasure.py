@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.composition import gram_block_size
 from circuits_core.circuits.folded import stacked_weights
+from circuits_core.circuits.gram_pair_sums import gram_block_size
 from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.circuits.residual_stream import ENERGY, Spectra, projector_sides, spectra, usage_cost
 from circuits_core.circuits.stream_components import Reader, Writer, reaches, writers

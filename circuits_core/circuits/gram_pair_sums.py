@@ -30,8 +30,35 @@ from torch import Tensor
 from circuits_core.cost import check_stop
 from circuits_core.schedule import available_cores, one_thread, shared_tasks
 
+GRAM_BLOCK = 128  # column block of the d x d Gram matrices (upper block triangle: 21 of 36 blocks for d 768)
+
 # (rows, c0, c1): target columns c0:c1 need the first `rows` source rows (the rest of their rows are left 0)
 ColumnGroup = tuple[int, int, int]
+
+
+def gram_block_size(d: int, target: int = GRAM_BLOCK) -> int:
+    """Largest divisor of d that is <= target; d itself (one block, the full Gram) when that divisor is tiny."""
+    size = max(s for s in range(1, min(d, target) + 1) if d % s == 0)
+    return size if size * 4 >= min(d, target) else d
+
+
+def block_pairs(d: int, size: int) -> tuple[list[tuple[int, int]], Tensor]:
+    """Blocks (a, b), a <= b, of the d x d matrices (row-major) and their weights [Pb]: 1 on, 2 off the diagonal."""
+    nb = d // size
+    pairs = [(a, b) for a in range(nb) for b in range(a, nb)]
+    return pairs, torch.tensor([1.0 if a == b else 2.0 for a, b in pairs], dtype=torch.float64)
+
+
+def column_blocks(M: Tensor, size: int) -> Tensor:
+    """M [N, r, d] as its d / size column blocks [nb, N, r, size] (a view; copied once into a block buffer)."""
+    n, r, d = M.shape
+    return M.view(n, r, d // size, size).permute(2, 0, 1, 3)
+
+
+def row_blocks(M: Tensor, size: int) -> Tensor:
+    """M [N, d, r] as its d / size row blocks [nb, N, size, r] (a view)."""
+    n, d, r = M.shape
+    return M.view(n, d // size, size, r).transpose(0, 1)
 
 
 @dataclass

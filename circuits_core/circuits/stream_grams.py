@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.composition import GRAM_BLOCK, block_pairs, gram_block_size
+from circuits_core.circuits.gram_pair_sums import GRAM_BLOCK, block_pairs, gram_block_size
 from circuits_core.cost import check_stop
 
 # Column block on a GPU: the blocked loop below launches one small product per side and block pair, and at

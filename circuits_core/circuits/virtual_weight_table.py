@@ -20,10 +20,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.composition import gram_block_size, random_baseline
+from circuits_core.circuits.composition_baseline import random_baseline
 from circuits_core.circuits.embedding import embed_eff
 from circuits_core.circuits.folded import layer_weights as stacked
 from circuits_core.circuits.folded import mlp_output_weight
+from circuits_core.circuits.gram_pair_sums import gram_block_size
 from circuits_core.circuits.stream_chains import mlp_input, mlp_output, rotation
 from circuits_core.circuits.stream_components import (
     SHARED,

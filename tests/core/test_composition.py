@@ -108,7 +108,8 @@ def test_should_stop_cancels():
 @pytest.mark.parametrize(("d_model", "block", "size"), [(48, 16, 16), (50, 16, 10), (31, 16, 31)])
 def test_gram_blocks_match_dense(d_model, block, size):
     """The block-triangular Gram computation (several blocks, a divisor block, one full block) vs dense."""
-    from circuits_core.circuits.composition import gram_block_size, raw_composition_scores
+    from circuits_core.circuits.composition import raw_composition_scores
+    from circuits_core.circuits.gram_pair_sums import gram_block_size
 
     assert gram_block_size(d_model, block) == size
     model = random_model(_cfg(d_model=d_model, n_layers=4), seed=3, dtype=torch.float64)

@@ -20,7 +20,7 @@ from test_composition import _dense_scores
 from test_paths_cost import _HeldBytes
 
 from app.settings import Limits
-from circuits_core.circuits import composition
+from circuits_core.circuits import composition, gram_pair_sums
 from circuits_core.circuits.composition import CompositionKind, composition_scores, raw_composition_scores
 from circuits_core.formats.llama import llama_config
 from circuits_core.model.config import ModelConfig
@@ -83,7 +83,7 @@ def test_price_covers_the_held_peak_in_every_chunking(
         priced = 8 * composition.scores_numbers(model, kinds, chunk)
         assert 0 < held.peak <= priced < 2 * held.peak, (chunk, held.peak, priced)
         peaks.append(held.peak)
-    if not composition.grouped_route(shape, kinds, composition.GRAM_BLOCK):  # (the grouped route has no chunks)
+    if not composition.grouped_route(shape, kinds, gram_pair_sums.GRAM_BLOCK):  # (the grouped route has no chunks)
         assert peaks[0] < peaks[-1]  # chunks of one layer hold less than all targets at once
 
 
@@ -156,7 +156,7 @@ def test_grouped_route_is_taken_where_it_pays() -> None:
     """The Llama-3.2-1B shape's K- and V-composition (4 query heads per key/value group, ~0.6x the Gram route's FLOPs)
     take the grouped route; the 8B shape's (1.24x), Q-composition, GPT-2's (no groups) and SmolLM2's (3 heads per
     group, d_model 576: the Gram route does ~5x fewer FLOPs) do not."""
-    block = composition.GRAM_BLOCK
+    block = gram_pair_sums.GRAM_BLOCK
     assert composition.grouped_route((16, 32, 4, 2048, 64), ("k",), block)
     assert composition.grouped_route((16, 32, 4, 2048, 64), ("k", "v"), block)
     assert not composition.grouped_route((32, 32, 4, 4096, 128), ("k",), block)

@@ -5,7 +5,7 @@ import torch
 from rotary_models import CASES, rotary_model
 from test_paths_cost import _HeldBytes
 
-from circuits_core.circuits import composition
+from circuits_core.circuits import composition, gram_pair_sums
 from circuits_core.circuits.composition import composition_scores
 from circuits_core.circuits.composition_rotary import (
     composition_at,
@@ -177,7 +177,7 @@ def test_composition_at_in_budgeted_chunks_prices_its_held_peak(kind):
     shape = (5, model.cfg.n_heads, model.cfg.group_size, model.cfg.d_model, model.cfg.d_head)
     for chunk in (1, 2, None):
         budget = None if chunk is None else composition._priced(model, kinds, chunk).peak_bytes
-        if not composition.grouped_route(shape, kinds, composition.GRAM_BLOCK):  # (the grouped route has no chunks)
+        if not composition.grouped_route(shape, kinds, gram_pair_sums.GRAM_BLOCK):  # (the grouped route has no chunks)
             assert composition.layers_per_chunk(model, kinds, budget) == chunk
         with torch.no_grad(), _HeldBytes(list(model.parameters())) as held:
             got = composition_at(model, kind, 6, budget_bytes=budget)
