@@ -23,7 +23,7 @@ from bench import PeakRSS, fmt_time, median_time, row
 from bench.composition_paths import IDLE_GFLOPS, normalised, timed
 from bench.engine import gpt2_shaped_model, tl_model
 from circuits_core.circuits import erasure as stream_erasure
-from circuits_core.circuits import residual_stream, stream_components
+from circuits_core.circuits import residual_stream, stream_chains, stream_components
 from circuits_core.circuits import virtual_weight_table as vwt
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.circuits.composition import random_baseline
@@ -88,8 +88,8 @@ def _run(extra: bool) -> None:
     diffs = []
     for i, j in rng.sample(reach, 20):
         w, r = scores.writers[i], scores.readers[j]
-        W = _dense64(stream_components.writer_chain(model, w))
-        R = _dense64(stream_components.reader_chain(model, r))
+        W = _dense64(stream_chains.writer_chain(model, w))
+        R = _dense64(stream_chains.reader_chain(model, r))
         diffs.append(abs(float((W @ R).norm() / (W.norm() * R.norm())) - float(scores.raw[i, j])))
     print(f"      float32 vs float64 dense products, 20 sampled pairs: max abs difference {max(diffs):.1e}", flush=True)
 

@@ -8,6 +8,8 @@ its ignore would be unused and `make lint` fails. The right declarations carry n
 - A Page whose context reads other page params than the page declares.
 - PageCall.run given params of another analysis; its answer is the analysis's view type.
 - A per-head analysis (app/views/shared/per_head.py) whose engine function or cost does not take the model.
+- A page context, the page frame or the basis picker's state with a misspelt or missing key, or a value of the
+  wrong type (rendering.AnalysisContext, PageFrame, BasisContext; declared_pages.PerHeadContext).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from pydantic import BaseModel
 from torch import Tensor
 
 from app.analysis import Analysis, AnalysisParams
+from app.page_spec import PerHeadPage
 from app.params import DetectorParams
+from app.routers.declared_pages import PerHeadContext
 from app.routers.pages import DetectorPageParams, DirectPageParams, detectors_context, direct_context
-from app.routers.rendering import Page, PageCall
+from app.routers.rendering import AnalysisContext, BasisContext, Page, PageCall, PageFrame
 from app.schemas import DetectorsView
 from app.settings import Limits
 from app.views.circuits import DIRECT
@@ -95,3 +99,14 @@ WRONG_PRICE = per_head_analysis(
     qk_circuit_norm.qk_circuit_norms, priced_loaded, name="p", field="p", summary="", title="P", quantity="",  # type: ignore[arg-type]
     explanation="", nav=None,
 )  # fmt: skip
+
+SHOWN = PerHeadPage(values="k", title="K", explanation="", quantity="k")
+RIGHT_CONTEXT: AnalysisContext = {"view": KV(k=1), "error": None, "params": KP()}
+MISSPELT_CONTEXT: AnalysisContext = {"veiw": KV(k=1), "error": None, "params": KP()}  # type: ignore[typeddict-unknown-key, typeddict-item]
+UNPARSED_CONTEXT: AnalysisContext = {"view": None, "error": None, "params": {"k": 1}}  # type: ignore[typeddict-item]
+RIGHT_PER_HEAD_CONTEXT: PerHeadContext = {**RIGHT_CONTEXT, "shown": SHOWN, "values": [[1.0]]}
+NO_VALUES_CONTEXT: PerHeadContext = {**RIGHT_CONTEXT, "shown": SHOWN}  # type: ignore[typeddict-item]
+FRAME: PageFrame = {"title": "t", "json_url": "/api", "model_id": None, "nav": None}
+FRAME["model_nav"] = [("ov", "OV circuit", "/models/m/ov")]
+FRAME["model_navs"] = []  # type: ignore[typeddict-unknown-key]
+WRONG_BASIS: BasisContext = {"basis": None, "basis_differs": "yes", "served_basis": "raw"}  # type: ignore[typeddict-item]

@@ -18,19 +18,27 @@ from app.analysis import Analysis, AnalysisParams, Declared
 from app.head_filter import FilterText, keep_grid
 from app.page_spec import PerHeadPage
 from app.routers.page_inputs import filtered_heads
-from app.routers.rendering import Page, PageCall, PageContext, default_context
+from app.routers.rendering import AnalysisContext, Page, PageCall, PageContext, default_context
 
 Context = Callable[[PageCall[Any]], Awaitable[PageContext]]
 
 
-async def per_head_context(call: PageCall[Any]) -> PageContext:
-    """The default context, and for the shared per-head page its declaration (`shown`) and the view's [layer][head]
-    numbers (`values`; None on a refusal)."""
+class PerHeadContext(AnalysisContext):
+    """The shared per-head page's context (templates/per_head.html): the default one, the declaration (`shown`) and
+    the view's [layer][head] numbers (`values`; None on a refusal)."""
+
+    shown: PerHeadPage
+    values: list[list[float]] | None
+
+
+async def per_head_context(call: PageCall[Any]) -> PerHeadContext:
+    """The default context, and for the shared per-head page its declaration and numbers."""
     context = await default_context(call)
     analysis = call.page.analysis
     assert isinstance(analysis, Analysis) and isinstance(analysis.page, PerHeadPage)
     view = context["view"]
-    return {**context, "shown": analysis.page, "values": getattr(view, analysis.page.values) if view else None}
+    values = getattr(view, analysis.page.values) if view else None
+    return {**context, "shown": analysis.page, "values": values}
 
 
 def with_filter(params: type[AnalysisParams]) -> type[AnalysisParams]:

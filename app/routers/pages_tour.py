@@ -14,6 +14,7 @@ from app.params import TourParams
 from app.routers.rendering import Page, PageCall, PageContext
 from app.tour.analysis import TOUR
 from app.tour.figure_data import ClaimChart, TourData, TourFigure
+from app.tour.rotary_claims import InductionHeadsClaim, LogitByOrderClaim, ScoreTermsClaim
 
 
 def figure_parts(fig: TourFigure) -> dict[str, Any]:
@@ -191,11 +192,12 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
     return out
 
 
-def _r1(v: dict[str, Any], add: Any) -> None:
+def _r1(claim: dict[str, Any], add: Any) -> None:
     """The induction and previous-token heads' scores, and C_K(δ) of each induction head's strongest source."""
-    heads = [h for h, _ in v["induction"]] + [h for h, _ in v["previous_token"]]
-    scores = [s for _, s in v["induction"]] + [s for _, s in v["previous_token"]]
-    kinds = ["induction"] * len(v["induction"]) + ["previous token"] * len(v["previous_token"])
+    v = InductionHeadsClaim.model_validate(claim)
+    heads = [h for h, _ in v.induction] + [h for h, _ in v.previous_token]
+    scores = [s for _, s in v.induction] + [s for _, s in v.previous_token]
+    kinds = ["induction"] * len(v.induction) + ["previous token"] * len(v.previous_token)
     add(
         charts.bars(
             [f"{h} ({k})" for h, k in zip(heads, kinds, strict=True)],
@@ -204,12 +206,10 @@ def _r1(v: dict[str, Any], add: Any) -> None:
             y_title="detector score",
         )
     )
-    if v["k_sources"]:
-        series: dict[str, list[float | None]] = {
-            f"{s['source']} → {s['target']}": list(s["profile"]) for s in v["k_sources"] if "profile" in s
-        }
+    if v.k_sources:
+        series: dict[str, list[float | None]] = {f"{s.source} → {s.target}": list(s.profile) for s in v.k_sources}
         n = len(next(iter(series.values()), []))
-        series["random baseline"] = [v["baseline"]] * n
+        series["random baseline"] = [v.baseline] * n
         add(
             charts.lines(
                 list(range(n)),
@@ -221,24 +221,26 @@ def _r1(v: dict[str, Any], add: Any) -> None:
         )
 
 
-def _r2(v: dict[str, Any], add: Any) -> None:
+def _r2(claim: dict[str, Any], add: Any) -> None:
+    v = LogitByOrderClaim.model_validate(claim)
     add(
         charts.waterfall(
             ["order 0", "order 1 (one head)", "longer paths"],
-            [v["order0"], v["order1"], v["remainder"]],
-            v["value"],
+            [v.order0, v.order1, v.remainder],
+            v.value,
             total_label="model logit",
-            title=f"the logit at position {v['position']} by path order (sums to the model's {v['value']:.2f})",
+            title=f"the logit at position {v.position} by path order (sums to the model's {v.value:.2f})",
         )
     )
 
 
-def _r3(v: dict[str, Any], add: Any) -> None:
+def _r3(claim: dict[str, Any], add: Any) -> None:
+    v = ScoreTermsClaim.model_validate(claim)
     add(
         charts.bars(
-            [f"({q} query, {k} key)" for q, k, _ in v["top_terms"]],
-            [t for _, _, t in v["top_terms"]],
-            title=f"{v['head']}: the largest terms of its score {v['score']:.2f} (query {v['query']} → key {v['key']})",
+            [f"({q} query, {k} key)" for q, k, _ in v.top_terms],
+            [t for _, _, t in v.top_terms],
+            title=f"{v.head}: the largest terms of its score {v.score:.2f} (query {v.query} → key {v.key})",
             y_title="score term",
         )
     )

@@ -50,6 +50,38 @@ class Refusal(TypedDict):
     job: NotRequired[dict[str, Any]]
 
 
+class PageFrame(TypedDict):
+    """What base.html needs (page_context): the title, the JSON twin, the model and the navigation entry shown as
+    current; on a full page (not an htmx fragment) the model picker, and on a model's page its navigation."""
+
+    title: str
+    json_url: str
+    model_id: str | None
+    nav: str | None
+    models: NotRequired[list[str]]
+    here: NotRequired[str]  # the current path: the model picker's script keeps it up to date when htmx pushes
+    model_nav: NotRequired[list[tuple[str, str, str]]]  # (key, label, URL) of the pages that apply to the model
+    nav_note: NotRequired[str | None]  # which pages this model has not, and why
+    view_note: NotRequired[str | None]  # why the current page does not apply to this model
+
+
+class AnalysisContext(TypedDict):
+    """The context of a page showing one analysis (default_context): its view, or the refusal, and its params."""
+
+    view: Any  # the analysis's view (its own BaseModel), None when refused
+    error: Refusal | None
+    params: AnalysisParams
+
+
+class BasisContext(TypedDict):
+    """The basis picker's state (basis_choice): the weights asked for (None: as served), whether raw ones differ from
+    the served ones, and the served basis's name."""
+
+    basis: str | None
+    basis_differs: bool
+    served_basis: str
+
+
 templates = Jinja2Blocks(directory=str(REPO_ROOT / "templates"))
 templates.env.policies["json.dumps_kwargs"] = {"separators": (",", ":")}  # compact figure JSON
 templates.env.filters["visible"] = visible  # tokens shown with whitespace and control characters visible
@@ -128,9 +160,9 @@ async def page_context(
     json_link: str,
     model_id: str | None = None,
     nav: str | None = None,
-) -> dict[str, Any]:
+) -> PageFrame:
     """What base.html needs: the title, the JSON twin, the model picker and the model's navigation."""
-    ctx: dict[str, Any] = {"title": title, "json_url": json_link, "model_id": model_id, "nav": nav}
+    ctx: PageFrame = {"title": title, "json_url": json_link, "model_id": model_id, "nav": nav}
     if not is_fragment(request):
         ctx["models"] = await model_ids(registry, request)
         ctx["here"] = request.url.path  # the model picker's script puts the current URL (htmx pushes) here
@@ -201,13 +233,13 @@ class PageCall(Generic[PP]):
             return None, refusal(exc)
 
 
-async def default_context(call: PageCall[Any]) -> PageContext:
+async def default_context(call: PageCall[Any]) -> AnalysisContext:
     """The page of a simple analysis: its view (or the refusal) and its params."""
     view, error = await call.attempt(call.page.analysis, call.params)
     return {"view": view, "error": error, "params": call.params}
 
 
-def basis_choice(call: PageCall[Any]) -> PageContext:
+def basis_choice(call: PageCall[Any]) -> BasisContext:
     """The basis picker's state: the weights asked for (None: as served) and whether raw ones differ; every page whose
     params have a `basis` field gets it (serve_page)."""
     b = call.params.basis
@@ -283,7 +315,9 @@ async def serve_page(
     if key is not None and (body := await cached_page(request, key)) is not None:
         return html_page(body)
     call = PageCall(page, request, registry, limits, model_id, loaded, typed)
-    picker = basis_choice(call) if loaded is not None and "basis" in params.model_fields else {}
+    picker: BasisContext | dict[str, object] = (
+        basis_choice(call) if loaded is not None and "basis" in params.model_fields else {}
+    )
     context = {**picker, **await page.context(call)}
     twin = call.json_params or analysis.params.model_validate(typed.model_dump())
     title = call.title or page.title.format(name=analysis.summary, model=model_id, **typed.model_dump())

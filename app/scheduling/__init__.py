@@ -37,8 +37,9 @@ found through a context variable that app/serving_middleware.py sets per request
 
 The package: slots.py (the compute slots, the compute threads' priority and torch threads), flights.py (one
 computation, the requests waiting for it, the job it may run as), requests.py (the request a computation serves),
-service.py (ComputeService: the pricing decision, the in-flight table, the job table, the cache); here, `bind` (the
-service and request this task uses) and the entry points views and routers call.
+answers.py (the kept answers: the memory cache in front of the store, and parts built once for several
+computations), service.py (ComputeService: the pricing decision, the in-flight table, the job table); here, `bind`
+(the service and request this task uses) and the entry points views and routers call.
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ async def compute_json(
 
 def cached(key: Key, view: type[V]) -> V | None:
     """Inside a computation: another analysis's answer from the cache, else None."""
-    return current_service().cached(key, view)
+    return current_service().answers.cached(key, view)
 
 
 def is_cached(key: Key) -> bool:
@@ -129,7 +130,7 @@ def is_cached(key: Key) -> bool:
 
 def cached_build(key: Key, view: type[V], build: Callable[[], V]) -> V:
     """Inside a computation: another analysis's answer from the cache, else `build()` (encoded and kept)."""
-    return current_service().cached_build(key, view, build)
+    return current_service().answers.cached_build(key, view, build)
 
 
 async def load(fn: Callable[..., T], *args: Any) -> T:

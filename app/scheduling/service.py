@@ -1,4 +1,4 @@
-"""ComputeService: one app's bounded pool of compute slots, encoded-answer cache, in-flight table (single
+"""ComputeService: one app's bounded pool of compute slots, kept answers (answers.py), in-flight table (single
 flight, stop flags) and job table. `run` prices a request (app/pricing.py) and decides whether it runs inline, as a
 polled job, or is refused. The overview is in app/scheduling/__init__.py."""
 
@@ -31,6 +31,7 @@ from app.pricing import (
     key_text,
     view_type,
 )
+from app.scheduling.answers import KeptAnswers
 from app.scheduling.flights import (
     BusyError,
     Flight,
@@ -49,7 +50,6 @@ from circuits_core.errors import CancelledError, LimitExceededError
 from circuits_core.schedule import available_cores, yielding
 
 T = TypeVar("T")
-V = TypeVar("V", bound=BaseModel)
 POLL_S = 0.05  # how often a waiting request checks its client and deadline
 
 
@@ -80,11 +80,11 @@ class ComputeService:
         self.dense_budget_bytes = dense_budget_bytes
         self.budgets = budgets if budgets is not None else Budgets(seconds=request_timeout_s)
         self.cache = ResultCache(cache_bytes)
+        self.answers = KeptAnswers(self.cache, store)
         self.stats = Stats()
         self._flights: dict[str, Flight] = {}
         self._lock = threading.Lock()
         self._live: set[Flight] = set()  # every flight not yet settled, keyed or not (close() stops them)
-        self._building: dict[str, threading.Lock] = {}  # cached_build's key -> the lock its one builder holds
         self.nice = nice
         self._executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=slots, thread_name_prefix="qkov-compute", initializer=lower_thread_priority, initargs=(nice,)
@@ -167,15 +167,9 @@ class ComputeService:
         if cost is not None:
             check_cost(cost, self.budgets, lower, what)  # memory, answer, time over the job budget: 422
         text = key_text(key) if key is not None else None
-        if text is not None:
-            body = self.cache.get(text)
-            if body is not None:
-                answer = Answer(None, body)
-                return answer.as_json() if want == "json" else answer.as_value(view or view_type(fn))
-            if self.store is not None and (body := await self.store.get(text)) is not None:
-                self.cache.put(text, body)
-                answer = Answer(None, body)
-                return answer.as_json() if want == "json" else answer.as_value(view or view_type(fn))
+        if text is not None and (body := await self.answers.find(text)) is not None:
+            answer = Answer(None, body)
+            return answer.as_json() if want == "json" else answer.as_value(view or view_type(fn))
         # A computation is stopped only once no request waits for it, so a waiter never sees another's stop.
         as_job = cost is not None and self.budgets.mode(cost) == "job"
         if as_job and text is None and cost is not None:  # not kept, so not a job: it must fit the request
@@ -202,31 +196,6 @@ class ComputeService:
         except LimitExceededError:
             return False
         return True
-
-    def cached(self, key: Key, view: type[V]) -> V | None:
-        """Inside a computation: another answer from the cache when there, else None (nothing is built)."""
-        body = self.cache.get(key_text(key))
-        return None if body is None else view.model_validate_json(body)
-
-    def cached_build(self, key: Key, view: type[V], build: Callable[[], V]) -> V:
-        """Inside a computation: another answer from the cache when there, else built here, encoded and kept."""
-        hit = self.cached(key, view)
-        if hit is not None:
-            return hit
-        text = key_text(key)
-        with self._lock:
-            building = self._building.setdefault(text, threading.Lock())
-        with building:  # two computations that need the same part: one builds it, the other waits and reads it
-            hit = self.cached(key, view)
-            if hit is not None:
-                return hit
-            value = build()
-            encoded = encode(value)
-            if encoded is not None:
-                self.cache.put(text, encoded)
-        with self._lock:
-            self._building.pop(text, None)
-        return value
 
     # -- internals -----------------------------------------------------------------------------------------
     def _join(
@@ -381,13 +350,8 @@ class ComputeService:
         self.stats.completed += 1
         self.stats.compute_seconds += elapsed
         self.stats.ewma_seconds = 0.8 * self.stats.ewma_seconds + 0.2 * elapsed
-        if flight.key is not None and body is not None:
-            self.cache.put(flight.key, body)
-        if flight.key is not None and self.store is not None:  # keep the answer (if JSON) and free the claim
-            if body is not None:
-                self.store.save(flight.key, body)
-            else:
-                self.store.release(flight.key)
+        if flight.key is not None:  # keep the answer (if JSON) and free the store's claim
+            self.answers.keep(flight.key, body)
         self._release(flight)
         self._settle(flight, value=Answer(value, body))
 

@@ -24,6 +24,13 @@ from app.registry import ModelRegistry
 from app.settings import Limits
 from app.tour.chapter import ChapterFigure, Measured, chapter_figures, load_or_reason
 from app.tour.figure_data import ClaimChart, TourFigure
+from app.tour.rotary_claims import (
+    InductionHeadsClaim,
+    KCompositionSource,
+    LogitByOrderClaim,
+    RotaryClaim,
+    ScoreTermsClaim,
+)
 from app.views.shared.heads_table import build_heads_view
 from circuits_core.circuits import composition_rotary, rotary
 from circuits_core.circuits.rotary import KERNEL_WINDOW
@@ -57,7 +64,7 @@ def _fmt_heads(rows: list[tuple[str, float]]) -> str:
 
 
 # -- R1: induction heads and their previous-token sources ------------------------------------------------
-def induction_circuit(loaded: LoadedModel, limits: Limits) -> tuple[str, dict[str, Any]]:
+def induction_circuit(loaded: LoadedModel, limits: Limits) -> tuple[str, InductionHeadsClaim]:
     model = loaded.model
     table = build_heads_view(loaded, NoParams(), limits)
     inp = table.detector_input
@@ -71,7 +78,7 @@ def induction_circuit(loaded: LoadedModel, limits: Limits) -> tuple[str, dict[st
     peaks = {s.head: s.kernel_peak_offset for s in table.heads}
     prev_peaks = {h: peaks[h] for h, _ in previous}
     offsets = torch.arange(KERNEL_WINDOW + 1)
-    sources = []
+    sources: list[KCompositionSource] = []
     for target, _ in induction:
         lt = parse_head(target, model.cfg)[0]
         best: tuple[str, torch.Tensor] | None = None
@@ -82,14 +89,14 @@ def induction_circuit(loaded: LoadedModel, limits: Limits) -> tuple[str, dict[st
                     best = (source, prof)
         if best is not None:
             sources.append(
-                {
-                    "target": target,
-                    "source": best[0],
-                    "min": float(best[1].min()),
-                    "max": float(best[1].max()),
-                    "peak_offset": int(best[1].argmax()),
-                    "profile": best[1].tolist(),  # C_K(δ), δ = 0..KERNEL_WINDOW: the figure's line
-                }
+                KCompositionSource(
+                    target=target,
+                    source=best[0],
+                    min=float(best[1].min()),
+                    max=float(best[1].max()),
+                    peak_offset=int(best[1].argmax()),
+                    profile=best[1].tolist(),
+                )
             )
     cfg = model.cfg
     baseline, _ = composition_rotary.random_baseline(cfg.d_model, cfg.d_head, cfg.group_size)
@@ -105,24 +112,24 @@ def induction_circuit(loaded: LoadedModel, limits: Limits) -> tuple[str, dict[st
         )
     )
     if sources:
-        parts = [f"{s['target']} ← {s['source']} ({s['min']:.3f}–{s['max']:.3f})" for s in sources]
+        parts = [f"{s.target} ← {s.source} ({s.min:.3f}–{s.max:.3f})" for s in sources]
         sentence += (
             f"The strongest K-composition source of each induction head among these previous-token heads, "
             f"with C_K over δ = 0–{KERNEL_WINDOW} (random baseline {baseline:.3f}): {'; '.join(parts)}."
         )
-    values = {
-        "induction": induction,
-        "previous_token": previous,
-        "kernel_peaks": prev_peaks,
-        "k_sources": sources,
-        "baseline": baseline,
-        "input": inp.model_dump(mode="json"),
-    }
+    values = InductionHeadsClaim(
+        induction=induction,
+        previous_token=previous,
+        kernel_peaks=prev_peaks,
+        k_sources=sources,
+        baseline=baseline,
+        input=inp,
+    )
     return sentence, values
 
 
 # -- R2: path expansion of a repeated token's logit --------------------------------------------------------
-def repeated_logit(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
+def repeated_logit(loaded: LoadedModel) -> tuple[str, LogitByOrderClaim]:
     model = loaded.model
     tokens = repeated_tokens(loaded)
     p = 2 * REPEAT - 1  # in the second copy; the next token repeats the one REPEAT positions earlier
@@ -145,23 +152,23 @@ def repeated_logit(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
         f"{float(totals[0]):.2f}, order 1 (through one head) {float(totals[1]):.2f} and longer paths "
         f"{float(exp.remainder[0]):.2f}; the largest single order-1 term is {' → '.join(top_path)} ({top_value:+.2f})."
     )
-    values = {
-        "tokens": tokens.tolist(),
-        "position": p,
-        "target": target,
-        "value": value,
-        "rank": rank,
-        "order0": float(totals[0]),
-        "order1": float(totals[1]),
-        "remainder": float(exp.remainder[0]),
-        "top_path": list(top_path),
-        "top_value": top_value,
-    }
+    values = LogitByOrderClaim(
+        tokens=tokens.tolist(),
+        position=p,
+        target=target,
+        value=value,
+        rank=rank,
+        order0=float(totals[0]),
+        order1=float(totals[1]),
+        remainder=float(exp.remainder[0]),
+        top_path=list(top_path),
+        top_value=top_value,
+    )
     return sentence, values
 
 
 # -- R3: QK path expansion of an induction head's score ----------------------------------------------------
-def induction_score_terms(loaded: LoadedModel, head: str) -> tuple[str, dict[str, Any]]:
+def induction_score_terms(loaded: LoadedModel, head: str) -> tuple[str, ScoreTermsClaim]:
     model = loaded.model
     tokens = repeated_tokens(loaded)
     layer, h = parse_head(head, model.cfg)
@@ -183,14 +190,7 @@ def induction_score_terms(loaded: LoadedModel, head: str) -> tuple[str, dict[str
         + "; ".join(f"({a}, {b}) = {v:+.2f}" for a, b, v in top[1:])
         + "."
     )
-    values = {
-        "head": head_name(layer, h),
-        "query": p,
-        "key": j,
-        "score": score,
-        "attention": attention,
-        "top_terms": top,
-    }
+    values = ScoreTermsClaim(head=head_name(layer, h), query=p, key=j, score=score, attention=attention, top_terms=top)
     return sentence, values
 
 
@@ -228,32 +228,30 @@ SPECS = (
 )
 
 
-def _measure(
-    fid: str, loaded: LoadedModel, limits: Limits, strongest: str | None
-) -> tuple[str, dict[str, Any], str, str]:
+def _measure(fid: str, loaded: LoadedModel, limits: Limits, strongest: str | None) -> tuple[str, RotaryClaim, str, str]:
     """(sentence, values, page URL, API URL) of one figure."""
     if fid == "R1":
         sentence, values = induction_circuit(loaded, limits)
-        if values["k_sources"]:  # the pair page of the strongest induction head and its K-composition source
-            first = values["k_sources"][0]
-            pair = f"/composition/{first['source']}/{first['target']}"
+        if values.k_sources:  # the pair page of the strongest induction head and its K-composition source
+            first = values.k_sources[0]
+            pair = f"/composition/{first.source}/{first.target}"
             return sentence, values, _links(pair, {})[0], _links(pair, {}, f"{pair}/profile")[1]
         return sentence, values, _links("", {})[0], f"{API}/models/{TOUR_MODEL}/heads"
     if fid == "R2":
-        sentence, values = repeated_logit(loaded)
+        sentence, by_order = repeated_logit(loaded)
         params = {
-            "tokens": ",".join(map(str, values["tokens"])),
-            "position": values["position"],
-            "target": values["target"],
+            "tokens": ",".join(map(str, by_order.tokens)),
+            "position": by_order.position,
+            "target": by_order.target,
             "max_order": 1,
         }
-        return (sentence, values, *_links("/prompt", params, "/paths"))
+        return (sentence, by_order, *_links("/prompt", params, "/paths"))
     if strongest is None:
         raise QkovError("no induction head above the threshold (figure R1)")
-    sentence, values = induction_score_terms(loaded, strongest)
+    sentence, terms = induction_score_terms(loaded, strongest)
     tokens = ",".join(map(str, repeated_tokens(loaded).tolist()))
-    at = {"head": strongest, "tokens": tokens, "query": values["query"], "key": values["key"]}  # the page lists them
-    return (sentence, values, *_links("/qk-paths", at))
+    at = {"head": strongest, "tokens": tokens, "query": terms.query, "key": terms.key}  # the page lists them
+    return (sentence, terms, *_links("/qk-paths", at))
 
 
 FIGURE_CHARTS: dict[str, ClaimChart] = {"R1": "induction_heads", "R2": "logit_by_order", "R3": "score_terms"}
@@ -265,8 +263,8 @@ def rotary_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure]:
 
     def measured(fig: ChapterFigure, loaded: LoadedModel) -> Measured:
         sentence, values, link, api = _measure(fig.id, loaded, limits, strongest[0] if strongest else None)
-        if fig.id == "R1" and values["induction"]:
-            strongest.append(values["induction"][0][0])
+        if isinstance(values, InductionHeadsClaim) and values.induction:
+            strongest.append(values.induction[0][0])
         return Measured(sentence, values, link, api, claim_chart=FIGURE_CHARTS[fig.id])
 
     figures = [ChapterFigure(fid, title, f"{PAPER}{anchor}", look_for) for fid, title, anchor, look_for in SPECS]

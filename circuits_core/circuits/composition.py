@@ -22,15 +22,12 @@ on the Llama-3.2-1B shape one kind fits the default 1 GiB in one chunk, all thre
 The per-pair QR collapse (TL's trick: A1 = Q1 R1, B2^T = Q2 R2, ||A1 B1 A2 B2|| = ||(R1 B1)(A2 R2^T)||) stays as
 `pair_scores`, the independent reference.
 
-Random baseline: for independent random rank-d_head factors E||AB||^2 = ||A||^2 ||B||^2 / d_model, so the
-expected score is about 1/sqrt(d_model) (the paper subtracts "the empirical expected amount for random
-matrices of the same shapes"). `random_baseline` samples it with ARENA's generator (kaiming-uniform
-[d_model, d_head] factors, U(-1/sqrt(d_head), 1/sqrt(d_head))) as a check.
+The baseline subtracted from the scores is 1/sqrt(d_model), the expected score of random matrices; the sampled one
+beside it is composition_baseline.py's.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,7 +36,9 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from circuits_core.circuits.composition_baseline import BASELINE_SAMPLES, random_baseline, random_baseline_cost
 from circuits_core.circuits.folded import circuit_weight
+from circuits_core.circuits.gram_pair_sums import ColumnGroup, pair_sums, pair_sums_flops, pair_sums_numbers
 from circuits_core.circuits.gram_root import gram_root
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError
@@ -49,10 +48,6 @@ from circuits_core.schedule import side_by_side
 CompositionKind = Literal["q", "k", "v"]
 KINDS: tuple[CompositionKind, ...] = ("q", "k", "v")
 GRAM_BLOCK = 128  # column block of the d x d Gram matrices (upper block triangle: 21 of 36 blocks for d 768)
-# Draws of the sampled random baseline. The scores of random matrices concentrate (std ~1 % of the mean at GPT-2
-# small's shapes), so 64 draws fix the mean to ~0.15 %; sampling them is a cold request's cost (the uniform
-# stream alone took ~1.5 s for 300 draws at d_model 768), cached per shape afterwards.
-BASELINE_SAMPLES = 64
 # Large chunks sum each Gram block's pairs per group of target layers against only the earlier sources (target_groups):
 # at Llama-3.1-8B shape groups of 4 layers (128 targets) compute 554k of the 992 x 992 pairs, groups of 8 615k, one
 # product 984k (0.87, 0.93 and 1.36 s per Gram block of [rows, 16384] x [16384, targets]; load ~7). GPT-2's keep one.
@@ -197,7 +192,7 @@ def layer_scores(
         return raw
     size = gram_block_size(d, block)
     pairs, weights = block_pairs(d, size)
-    nb, k = d // size, min(d, dh)
+    nb, k, pair_weights = d // size, min(d, dh), weights.tolist()
     F = like.new_empty(nb, (L - 1) * H, k, size)  # source factors of layers 0..L-2 as column blocks
     src_sq = like.new_empty((L - 1) * H)  # ||W_OV||_F^2 = ||F||_F^2
     for l1 in range(L - 1):
@@ -216,19 +211,10 @@ def layer_scores(
             P[:, j * H : (j + 1) * H] = _row_blocks(P_l, size)
             tgt_sq[j * H : (j + 1) * H] = torch.linalg.vector_norm(P_l, dim=(-2, -1)).square()
             del P_l
-        S = like.new_empty(ns, size, size)  # one block of every source Gram
-        T = like.new_empty(nt, size, size)  # the same block of every target Gram
-        num_sq = like.new_zeros(ns, nt)
-        groups = target_groups(t0, t1, K * H, ns * nt)
-        for p, (a, b) in enumerate(pairs):
-            _check_stop(should_stop)
-            torch.bmm(F[a, :ns].transpose(-2, -1), F[b, :ns], out=S)
-            torch.bmm(P[a], P[b].transpose(-2, -1), out=T)
-            S_flat, T_flat = S.view(ns, size * size), T.view(nt, size * size)
-            for u0, u1 in groups:  # targets of layers u0..u1-1 (columns c0:c1) x sources of layers 0..u1-2
-                rows, c0, c1 = (u1 - 1) * H, (u0 - t0) * K * H, (u1 - t0) * K * H
-                num_sq[:rows, c0:c1].addmm_(S_flat[:rows], T_flat[c0:c1].T, alpha=float(weights[p]))
-        del S, T, P, S_flat, T_flat
+        num_sq = pair_sums(F[:, :ns], P, pairs, pair_weights, column_groups(t0, t1, H, K), should_stop).to(
+            like.dtype
+        )  # [ns, nt]
+        del P
         num_sq = num_sq.view(t1 - 1, H, t1 - t0, K, H)  # [l1 = 0..t1-2, h1, l2 = t0..t1-1, kind, h2]
         den = src_sq[:ns].view(t1 - 1, H, 1, 1, 1).sqrt() * tgt_sq.view(1, 1, t1 - t0, K, H).sqrt()
         layer1, layer2 = torch.arange(t1 - 1, device=like.device), torch.arange(t0, t1, device=like.device)
@@ -237,6 +223,13 @@ def layer_scores(
         raw[:, : t1 - 1, :, t0:t1, :] = scores.permute(3, 0, 1, 2, 4)
         del num_sq, den, scores
     return raw
+
+
+def column_groups(t0: int, t1: int, H: int, K: int) -> list[ColumnGroup]:
+    """The chunk of target layers t0..t1-1 (K kinds of H heads each) as gram_pair_sums's column groups: each group of
+    target_groups against the sources of the layers before its last one."""
+    pairs = (t1 - 1) * H * (t1 - t0) * K * H
+    return [((u1 - 1) * H, (u0 - t0) * K * H, (u1 - t0) * K * H) for u0, u1 in target_groups(t0, t1, K * H, pairs)]
 
 
 def target_groups(t0: int, t1: int, per_layer: int, pairs: int) -> list[tuple[int, int]]:
@@ -310,37 +303,12 @@ def composition_scores(
     return CompositionScores(raw_d, minus, baseline, sampled, std, mask)
 
 
-@functools.lru_cache(maxsize=16)
-def random_baseline(d_model: int, d_head: int, n_samples: int = BASELINE_SAMPLES, seed: int = 0) -> tuple[float, float]:
-    """(mean, std) of the composition score of random matrices with ARENA's generator (cached per arguments).
-
-    ARENA `generate_single_random_comp_score`: four [d_model, d_head] matrices with
-    kaiming_uniform_(a=sqrt(5)), i.e. U(-1/sqrt(d_head), 1/sqrt(d_head)); W_A = A_l A_r^T, W_B = B_l B_r^T.
-    Each score through d_head x d_head matrices (no QR): with G_x = X^T X and M = A_r^T B_l,
-    ||W_A W_B||^2 = <G_Al M, M G_Br>, ||W_A||^2 = <G_Al, G_Ar>, ||W_B||^2 = <G_Bl, G_Br>.
-    """
-    if n_samples < 1:
-        raise InvalidInputError(f"n_samples must be >= 1, got {n_samples}")
-    gen = torch.Generator().manual_seed(seed)
-    chunks = []
-    for start in range(0, n_samples, 32):  # chunks keep the memory at 4 x 32 x d_model x d_head
-        size = min(32, n_samples - start)
-        # U(-bound, bound) = 2 bound (U(0, 1) - 1/2); the score does not depend on the common factor 2 bound
-        W = torch.rand(4, size, d_model, d_head, generator=gen, dtype=torch.float64).sub_(0.5)
-        G_Al, G_Ar, G_Bl, G_Br = W.transpose(-2, -1) @ W  # [S, dh, dh] each
-        M = W[1].transpose(-2, -1) @ W[2]  # A_r^T B_l [S, dh, dh]
-        num_sq = ((G_Al @ M) * (M @ G_Br)).sum((-2, -1))
-        den_sq = (G_Al * G_Ar).sum((-2, -1)) * (G_Bl * G_Br).sum((-2, -1))
-        chunks.append((num_sq.clamp_min(0) / den_sq).sqrt())
-    scores = torch.cat(chunks)
-    return float(scores.mean()), float(scores.std()) if n_samples > 1 else 0.0
-
-
 def scores_numbers(model: Transformer, kinds: tuple[CompositionKind, ...], layers_per_chunk: int | None) -> int:
     """Peak numbers (compute dtype) layer_scores holds beyond the model's weights, from the same steps: the scores,
     the source factors, then per chunk the larger of (a) its target factors while one layer's are formed (the
     layer's weights converted, a QR's copy of its input and R), (b) its target factors and one Gram block of each
-    head with the pair sums, (c) the pair sums, denominators and scores; each source layer's formation before it."""
+    head and the pair sums per worker (gram_pair_sums), (c) the pair sums, denominators and scores; each source
+    layer's formation before it."""
     cfg = model.cfg
     L, H, G, d, dh, K = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_model, cfg.d_head, len(kinds)
     out = K * (L * H) ** 2
@@ -355,7 +323,7 @@ def scores_numbers(model: Transformer, kinds: tuple[CompositionKind, ...], layer
         ns, nt = (t1 - 1) * H, (t1 - t0) * K * H
         P = nt * (d * k + 1)
         forming = 3 * layer + H * k * dh + H * d * k  # A, B^T and the QR's copy of it, R, P of one layer
-        blocks = (ns + nt) * size * size + ns * nt
+        blocks = pair_sums_numbers(ns, nt, size, model.device, itemsize(model.compute_dtype))
         small = 2 * (ns + nt) + n_pairs + 4 * L + 8  # norms' roots, block weights, masks
         peak = max(peak, out + F + P + max(forming, blocks) + small, out + F + 3 * ns * nt + small)
     return peak
@@ -388,16 +356,28 @@ def cost(model: Transformer, kinds: tuple[CompositionKind, ...] = KINDS, budget_
 def _priced(model: Transformer, kinds: tuple[CompositionKind, ...], layers_per_chunk: int | None) -> Cost:
     L, H, K = model.cfg.n_layers, model.cfg.n_heads, len(kinds)
     numbers = scores_numbers(model, kinds, layers_per_chunk) + 2 * K * (L * H) ** 2  # + minus baseline, mask
-    d, dh = model.cfg.d_model, model.cfg.d_head
-    n_pairs = len(block_pairs(d, gram_block_size(d))[0]) * gram_block_size(d) ** 2  # Gram entries formed per head
-    # FLOPs: each head's factor Grams (per kind) and the pairs' inner products over the upper block triangle
-    flops = K * (2 * L * H * n_pairs * min(d, dh) + 2 * (L * H) ** 2 * n_pairs)
-    return Cost(numbers * itemsize(model.compute_dtype), flops=flops) + random_baseline_cost(d, dh)
+    flops = scores_flops(model, kinds, layers_per_chunk)
+    return Cost(numbers * itemsize(model.compute_dtype), flops=flops) + random_baseline_cost(
+        model.cfg.d_model, model.cfg.d_head
+    )
 
 
-def random_baseline_cost(d_model: int, d_head: int, n_samples: int = BASELINE_SAMPLES) -> Cost:
-    """random_baseline's working memory (float64): one chunk of 4 x 32 [d_model, d_head] draws, their four
-    d_head Grams, M and the two products of the score; FLOPs of every sample's products (its first call: later ones
-    are cached)."""
-    flops = n_samples * (10 * d_model * d_head**2 + 4 * d_head**3)
-    return Cost(8 * (4 * 32 * d_model * d_head + 7 * 32 * d_head * d_head), flops=flops)
+def scores_flops(
+    model: Transformer, kinds: tuple[CompositionKind, ...], layers_per_chunk: int | None, block: int = GRAM_BLOCK
+) -> int:
+    """FLOPs of layer_scores' products, from the same steps: each source layer's factor (the d_head Gram of W_V per
+    key/value group, R_V W_O per head), per chunk each target layer's factor per kind (the Gram of B^T, A R^T) and
+    the chunk's pair sums (gram_pair_sums)."""
+    cfg = model.cfg
+    L, H, G, d, dh, K = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_model, cfg.d_head, len(kinds)
+    if L < 2:
+        return 0
+    size, k = gram_block_size(d, block), min(d, dh)
+    gram = 2 * d * dh * dh if d >= dh else 0  # one d_head Gram (a QR below d_head rows: not a product)
+    source = G * gram + 2 * H * k * dh * d  # W_V's Grams, R_V W_O
+    target = {"q": G * gram, "k": H * gram, "v": H * gram}  # B^T's Grams: W_K per group, W_Q or W_O^T per head
+    n_pairs, flops = len(block_pairs(d, size)[0]), (L - 1) * source
+    for t0, t1 in chunk_bounds(L, layers_per_chunk):
+        flops += (t1 - t0) * sum(target[kind] + 2 * H * d * dh * k for kind in kinds)  # + A R^T per head
+        flops += pair_sums_flops((t1 - 1) * H, (t1 - t0) * K * H, size, k, n_pairs, column_groups(t0, t1, H, K))
+    return flops

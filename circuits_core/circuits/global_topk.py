@@ -43,8 +43,9 @@ def topk_global_cost(
     """Cost of FactoredMatrix.topk_global on [batch] matrices [ldim, mdim] @ [mdim, rdim] (one at a time).
 
     Peak: the norm-sorted copy of A and the column tiles of B, their bfloat16 copies when screened, the 4
-    tile buffers (at most budget_bytes) and the candidates; answer: batch x k (value, row, column); FLOPs:
-    topk_global_flops per matrix.
+    tile buffers (at most budget_bytes) and the candidates, or on large matrices the larger of that and what the
+    search of global_topk_bounds holds (global_topk_bounds.bounded_peak_bytes, its seed and candidates); answer:
+    batch x k (value, row, column); FLOPs: topk_global_flops per matrix.
     """
     tile_cols = min(TILE_COLS, rdim)
     step = max(1, int(budget_bytes) // (4 * tile_cols * element_size))
@@ -53,8 +54,17 @@ def topk_global_cost(
     screen = (ldim * mdim + mdim * rdim) * 2 if ldim * rdim >= SCREEN_MIN_ENTRIES else 0
     sorting = (ldim + rdim) * (element_size + 8)  # norms and orders
     candidates = 2 * k * (min(step, TILE_ROWS, ldim) + 1) * (element_size + 16)
+    peak = factors + screen + tiles + sorting + candidates
+    if _bounded(ldim, mdim, rdim):  # the tiles are the fallback when its bounds overflow
+        seed = k * (element_size + 16) + global_topk_bounds.SEED * max(global_topk_bounds.SEED, k) * element_size
+        peak = max(peak, global_topk_bounds.bounded_peak_bytes(ldim, mdim, rdim, element_size) + 2 * seed)
     flops = batch * topk_global_flops(ldim, mdim, rdim)
-    return Cost(factors + screen + tiles + sorting + candidates, flops=flops).with_answer(numbers=3 * k * batch)
+    return Cost(peak, flops=flops).with_answer(numbers=3 * k * batch)
+
+
+def _bounded(ldim: int, mdim: int, rdim: int) -> bool:
+    """Whether topk_global_2d takes the search of global_topk_bounds on these sizes (given finite float factors)."""
+    return ldim * rdim >= global_topk_bounds.MIN_ENTRIES and mdim >= global_topk_bounds.MIN_INNER
 
 
 def topk_global_flops(ldim: int, mdim: int, rdim: int) -> int:
@@ -66,7 +76,7 @@ def topk_global_flops(ldim: int, mdim: int, rdim: int) -> int:
     recomputation of the few rows that pass the screen is within the price's slack. Matrices large enough for the
     branch and bound of global_topk_bounds are priced at its own bound when that is larger."""
     dense = 2 * ldim * mdim * rdim
-    if ldim * rdim >= global_topk_bounds.MIN_ENTRIES and mdim >= global_topk_bounds.MIN_INNER:
+    if _bounded(ldim, mdim, rdim):
         return max(dense, global_topk_bounds.bounded_flops(ldim, mdim, rdim))
     return dense
 
@@ -105,8 +115,10 @@ def topk_global_2d(
     ldim, rdim = A.shape[0], B.shape[1]
     B = B if largest else -B  # smallest entries of AB = largest of A(-B)
     if global_topk_bounds.usable(A, B):  # large circuits: bounds in their singular basis prune far more
-        values, rows, cols = global_topk_bounds.topk_bounded(A, B, k, should_stop)
-        return (values if largest else -values), rows, cols
+        found = global_topk_bounds.topk_bounded(A, B, k, should_stop)
+        if found is not None:
+            values, rows, cols = found
+            return (values if largest else -values), rows, cols
     row_norms, row_order = A.norm(dim=-1).sort(descending=True)  # [ldim]
     col_norms, col_order = B.norm(dim=0).sort(descending=True)  # [rdim]
     A = A[row_order]  # [ldim, mdim], rows in descending norm

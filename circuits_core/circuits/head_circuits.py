@@ -41,7 +41,7 @@ from circuits_core.circuits.embedding import (
     first_norm,
     unnormalised,
 )
-from circuits_core.circuits.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
+from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import head_weights
 from circuits_core.circuits.global_topk import topk_global_cost, topk_global_flops
 from circuits_core.circuits.qk_forms import folded_query_key, token_factors, token_scale
@@ -205,26 +205,6 @@ def positional_qk(model: Transformer, layer: int, head: int, n: int | None = Non
         previous_token=float(pattern.diagonal(-1).mean()),
         current_token=float(pattern.diagonal().mean()),
     )
-
-
-@dataclass
-class HeadDump:
-    """The largest entries of a head's full circuits over all token pairs (the paper's "head dump")."""
-
-    ov_values: Tensor  # [k] full OV entries, largest first
-    ov_source: Tensor  # [k] source (attended) token a
-    ov_out: Tensor  # [k] output token c
-    qk_values: Tensor  # [k] full QK entries (attention-score units), largest first
-    qk_query: Tensor  # [k] query (destination) token b
-    qk_key: Tensor  # [k] key (source) token a
-
-
-def head_dump(
-    model: Transformer, layer: int, head: int, k: int = 100, budget_bytes: int = DEFAULT_BUDGET_BYTES
-) -> HeadDump:
-    ov_v, ov_a, ov_c = full_ov_circuit(model, layer, head).topk_global(k, budget_bytes=budget_bytes)
-    qk_v, qk_b, qk_a = full_qk_circuit(model, layer, head).topk_global(k, budget_bytes=budget_bytes)
-    return HeadDump(ov_v, ov_a, ov_c, qk_v, qk_b, qk_a)
 
 
 # -- costs (circuits_core.cost): priced before the computations above run ---------------------------------

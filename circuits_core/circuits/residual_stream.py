@@ -28,15 +28,8 @@ from torch import Tensor
 from circuits_core.circuits.copying_spectra import embed_gram
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import stacked_weights
-from circuits_core.circuits.stream_components import (
-    Reader,
-    Writer,
-    mlp_input,
-    mlp_output,
-    readers,
-    rotation,
-    writers,
-)
+from circuits_core.circuits.stream_chains import mlp_input, mlp_output, rotation
+from circuits_core.circuits.stream_components import Reader, Writer, readers, writers
 from circuits_core.circuits.stream_flops import usage_flops
 from circuits_core.circuits.stream_grams import GramSide, factors, inner_products
 from circuits_core.cost import Cost, itemsize

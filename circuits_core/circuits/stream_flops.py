@@ -1,5 +1,5 @@
 """FLOPs of the residual-stream analyses: the virtual weights' table of every pair (virtual_weight_table.all_scores),
-one pair's report (pair_report), counted from the factor chains the engine multiplies (stream_components.py), so the
+one pair's report (pair_report), counted from the factor chains the engine multiplies (stream_chains.py), so the
 price follows the same split and order as the work; and the stream usage with its erasure scan (residual_stream.py,
 erasure.py).
 Matrix products only, 2 per multiply-add, as torch's flop counter counts them (vector products included); the
@@ -14,17 +14,8 @@ from torch import Tensor
 from circuits_core.circuits.composition import random_baseline_cost
 from circuits_core.circuits.copying_spectra import embed_gram_flops
 from circuits_core.circuits.head_circuits import embed_matmul_flops
-from circuits_core.circuits.stream_components import (
-    Chain,
-    Reader,
-    Writer,
-    earlier_writers,
-    reaches,
-    reader_chain,
-    readers,
-    writer_chain,
-    writers,
-)
+from circuits_core.circuits.stream_chains import Chain, reader_chain, writer_chain
+from circuits_core.circuits.stream_components import Reader, Writer, earlier_writers, reaches, readers, writers
 from circuits_core.circuits.stream_grams import block_for, inner_products_flops
 from circuits_core.model.transformer import Transformer
 
@@ -74,7 +65,7 @@ def _shape(model: Transformer, factor: Tensor | str) -> tuple[int, int]:
 
 
 def _matmul_all(shapes: list[tuple[int, int]]) -> int:
-    """FLOPs of stream_components._matmul_all: the chain multiplied from its right end."""
+    """FLOPs of stream_chains._matmul_all: the chain multiplied from its right end."""
     flops, cols = 0, shapes[-1][1]
     for rows, inner in reversed(shapes[:-1]):
         flops += 2 * rows * inner * cols
@@ -82,7 +73,7 @@ def _matmul_all(shapes: list[tuple[int, int]]) -> int:
 
 
 def _factored(model: Transformer, chain: Chain) -> tuple[int, int, int, int]:
-    """(n_in, r, n_out, FLOPs) of stream_components.factored(chain): split at its smallest inner dimension (the last
+    """(n_in, r, n_out, FLOPs) of stream_chains.factored(chain): split at its smallest inner dimension (the last
     of equal ones), each side's product; a leading EMBED through embed_eff_matmul."""
     shapes = [_shape(model, f) for f in chain]
     inner = [s[1] for s in shapes[:-1]]
@@ -97,7 +88,7 @@ def _factored(model: Transformer, chain: Chain) -> tuple[int, int, int, int]:
 
 
 def _chain_norm(model: Transformer, chain: Chain) -> int:
-    """stream_components.chain_norm: the embedding's Gram for EMBED, <A^T A, B B^T> for two factors."""
+    """stream_chains.chain_norm: the embedding's Gram for EMBED, <A^T A, B B^T> for two factors."""
     if len(chain) == 1:
         return embed_gram_flops(model) if isinstance(chain[0], str) else 0
     (a0, a1), (b0, b1) = (_shape(model, f) for f in chain)

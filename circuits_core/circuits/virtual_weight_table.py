@@ -24,6 +24,7 @@ from circuits_core.circuits.composition import gram_block_size, random_baseline
 from circuits_core.circuits.embedding import embed_eff
 from circuits_core.circuits.folded import layer_weights as stacked
 from circuits_core.circuits.folded import mlp_output_weight
+from circuits_core.circuits.stream_chains import mlp_input, mlp_output, rotation
 from circuits_core.circuits.stream_components import (
     SHARED,
     Reader,
@@ -31,13 +32,10 @@ from circuits_core.circuits.stream_components import (
     earlier_writers,
     experts,
     has_pos_writer,
-    mlp_input,
-    mlp_output,
     mlp_roles,
     mlp_width,
     reaches,
     readers,
-    rotation,
     writers,
 )
 from circuits_core.circuits.stream_flops import all_scores_flops

@@ -30,17 +30,8 @@ from torch import Tensor
 
 from circuits_core.circuits.composition import random_baseline
 from circuits_core.circuits.factored import FactoredMatrix
-from circuits_core.circuits.stream_components import (
-    Reader,
-    ReaderRole,
-    Writer,
-    chain_norm,
-    factored,
-    mlp_width,
-    reaches,
-    reader_chain,
-    writer_chain,
-)
+from circuits_core.circuits.stream_chains import chain_norm, factored, reader_chain, writer_chain
+from circuits_core.circuits.stream_components import Reader, Writer, mlp_width, reaches
 from circuits_core.circuits.stream_flops import pair_flops
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
@@ -234,16 +225,6 @@ def pair_report(
         in_read,
         out_read,
     )
-
-
-def neuron_logits(model: Transformer, layer: int, neuron: int) -> Tensor:
-    """W_out[n] W_U [d_vocab]: the direct effect of MLP neuron n on every logit (a one-row virtual weight)."""
-    return virtual_weight(model, Writer("mlp", layer, neurons=(neuron,)), Reader("unembed")).rows([0])[0]
-
-
-def neuron_embed_reads(model: Transformer, layer: int, neuron: int, role: ReaderRole = "in") -> Tensor:
-    """W_E_eff W_in[:, n] [d_vocab]: how much each token's embedding drives MLP neuron n (gated: role gate/up)."""
-    return virtual_weight(model, Writer("embed"), Reader(role, layer, neurons=(neuron,))).cols([0])[0]
 
 
 def pair_cost(model: Transformer, writer: Writer, reader: Reader, k: int, n_top: int, offset: int = 0) -> Cost:

@@ -105,21 +105,34 @@ def _moe_fields(r: ConfigReader, model_type: str, n_layers: int) -> dict[str, An
 def _attention_fields(r: ConfigReader, model_type: str) -> tuple[dict[str, Any], float]:
     """ModelConfig's attention fields and the factor folded into W_QR (YaRN's cos/sin factor, squared)."""
     d_nope, d_rope = r.integer("qk_nope_head_dim", ge=0), r.integer("qk_rope_head_dim", ge=2)
-    d_v = r.integer("v_head_dim", ge=1)
     rope = rope_section(r)
-    fields = rope_fields(r, rope, d_head=d_rope)
+    all_dim = rope.number("mscale_all_dim", default=None, gt=0)
+    return latent_fields(
+        rope_fields(r, rope, d_head=d_rope), d_nope=d_nope, d_rope=d_rope, d_v=r.integer("v_head_dim", ge=1),
+        q_rank=r.integer("q_lora_rank", default=None, ge=1), kv_rank=r.integer("kv_lora_rank", ge=1),
+        mscale_log_mul=0.1 * all_dim if all_dim else None,
+        interleaved=model_type == "deepseek_v2" or r.flag("rope_interleave", default=True),
+    )  # fmt: skip
+
+
+def latent_fields(
+    rope: dict[str, Any], d_nope: int, d_rope: int, d_v: int, q_rank: int | None, kv_rank: int,
+    mscale_log_mul: float | None, interleaved: bool,
+) -> tuple[dict[str, Any], float]:  # fmt: skip
+    """ModelConfig's MLA fields from the rope fields (rope_scaling.rope_fields': under YaRN its attn_scale carries
+    the cos/sin factor) and the factor folded into W_QR (that factor, squared: it reaches only the rotary part).
+    The softmax scale is (d_nope + d_rope)^-½, times mscale² under YaRN, mscale = 1 + mscale_log_mul ln(factor)
+    (transformers' yarn_get_mscale(factor, mscale_all_dim): mscale_log_mul = 0.1 mscale_all_dim)."""
+    fields = dict(rope)
     rope_gain = math.sqrt(d_rope) / fields.pop("attn_scale") if "attn_scale" in fields else 1.0
     scale = math.sqrt(d_nope + d_rope)
-    all_dim = rope.number("mscale_all_dim", default=None, gt=0)
-    if fields["rope_type"] != "default" and all_dim:
+    if fields["rope_type"] != "default" and mscale_log_mul:
         factor = fields.get("rope_factor", 1.0)
-        mscale = 1.0 if factor <= 1 else 0.1 * all_dim * math.log(factor) + 1.0
+        mscale = 1.0 if factor <= 1 else mscale_log_mul * math.log(factor) + 1.0
         scale /= mscale**2
-    interleaved = model_type == "deepseek_v2" or r.flag("rope_interleave", default=True)
     fields.update(
-        mla_q_rank=r.integer("q_lora_rank", default=None, ge=1), mla_kv_rank=r.integer("kv_lora_rank", ge=1),
-        mla_d_nope=d_nope, mla_d_v=d_v, d_head=max(d_nope + d_rope, d_v), rotary_dim=d_rope,
-        rotary_adjacent_pairs=interleaved, attn_scale=scale,
+        mla_q_rank=q_rank, mla_kv_rank=kv_rank, mla_d_nope=d_nope, mla_d_v=d_v, d_head=max(d_nope + d_rope, d_v),
+        rotary_dim=d_rope, rotary_adjacent_pairs=interleaved, attn_scale=scale,
     )  # fmt: skip
     return fields, rope_gain
 

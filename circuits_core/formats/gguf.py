@@ -1,5 +1,6 @@
 """GGUF checkpoints (llama.cpp's single-file format): Llama, Qwen2, Qwen3, Gemma 3 and Phi-3, the mixture-of-experts
-Mixtral, Qwen3-MoE and OLMoE (their experts: gguf_experts.py), gpt-oss (gguf_gpt_oss.py) and BLOOM (gguf_bloom.py).
+Mixtral, Qwen3-MoE and OLMoE (their experts: gguf_experts.py), gpt-oss (gguf_gpt_oss.py), BLOOM and MPT
+(gguf_alibi.py) and DeepSeek-V2/V3 (gguf_deepseek.py).
 
 The file carries the architecture and hyper-parameters as metadata (`{arch}.block_count`, ...), the tokenizer
 (`tokenizer.ggml.*`, gguf_tokenizer.py) and the tensors, most of them quantised (gguf_quants.py). The header is read
@@ -53,7 +54,8 @@ import torch
 from torch import Tensor
 
 from circuits_core.errors import CheckpointError, InvalidInputError
-from circuits_core.formats.gguf_bloom import BLOOM, bloom_config, bloom_state
+from circuits_core.formats.gguf_alibi import BLOOM, MPT, alibi_config, alibi_state
+from circuits_core.formats.gguf_deepseek import DEEPSEEK2, deepseek_config, deepseek_state
 from circuits_core.formats.gguf_experts import expert_fields, take_experts
 from circuits_core.formats.gguf_gpt_oss import gpt_oss_fields, take_gpt_oss_extras
 from circuits_core.formats.gguf_header import GGUFHeader
@@ -89,11 +91,15 @@ ARCHITECTURES: dict[str, Architecture] = {
     "gpt-oss": Architecture(adjacent_pairs=False, norm_topk=True, gpt_oss=True),
     "phi3": Architecture(adjacent_pairs=False, fused=True),
 }
+# Architectures with a reader of their own: (config(meta, d_vocab, bos) -> (cfg, defaulted), state(cfg, tensors))
+OWN_LAYOUTS: dict[str, tuple[Callable[..., tuple[ModelConfig, list[Any]]], Callable[[ModelConfig, Tensors], State]]] = {
+    BLOOM: (alibi_config, alibi_state), MPT: (alibi_config, alibi_state), DEEPSEEK2: (deepseek_config, deepseek_state),
+}  # fmt: skip
 MOE_ONLY = ("qwen3moe", "olmoe", "gpt-oss")  # architectures whose files always have experts
 # Newer GGUF architectures llama.cpp writes that qkov does not run, with what they would need.
 REFUSED = {
     "gemma3n": "per-layer embeddings, AltUp and laurel blocks", "gemma4": "per-layer-type head dims",
-    "qwen35": "linear-attention (Gated DeltaNet) layers", "mpt": "ALiBi with MPT's slopes (its safetensors load)",
+    "qwen35": "linear-attention (Gated DeltaNet) layers",
     "qwen3next": "linear-attention layers and mixture-of-experts MLPs",
 }  # fmt: skip
 
@@ -147,7 +153,7 @@ def _architecture(meta: Metadata) -> tuple[str, Architecture]:
     if arch not in ARCHITECTURES:
         raise CheckpointError(
             f"{meta.name}: architecture {arch!r} is not supported; GGUF architectures read here: "
-            f"{', '.join(ARCHITECTURES)}"
+            f"{', '.join([*ARCHITECTURES, *OWN_LAYOUTS])}"
         )
     if arch in MOE_ONLY and not meta.get(f"{arch}.expert_count", 0):
         raise CheckpointError(f"{meta.name}: a {arch} file needs {arch}.expert_count (its MLPs are experts)")
@@ -347,9 +353,11 @@ def read_gguf(path: Path, check: Callable[[ModelConfig], None] | None = None) ->
             raise CheckpointError(f"{path.name}: missing tensor token_embd.weight")
         d_vocab = int(embed.shape[0])  # numpy shape [d_vocab, d_model]
         arch = str(header.value("general.architecture"))
-        if arch == BLOOM:  # LayerNorms, ALiBi, biases: a layout of its own (gguf_bloom.py)
-            bos = _token_id(Metadata(header), "tokenizer.ggml.bos_token_id", d_vocab)
-            cfg, defaulted = bloom_config(Metadata(header), d_vocab, bos), list[Defaulted]()
+        own = OWN_LAYOUTS.get(arch)
+        if own is not None:  # a layout of its own (ALiBi and LayerNorms; latent attention)
+            meta = Metadata(header)
+            cfg, extra = own[0](meta, d_vocab, _token_id(meta, "tokenizer.ggml.bos_token_id", d_vocab))
+            defaulted = [Defaulted(*d) for d in extra]
         else:
             cfg, defaulted = gguf_config(header, d_vocab, attention_bias="blk.0.attn_q.bias" in header.tensors)
         if check is not None:
@@ -357,5 +365,5 @@ def read_gguf(path: Path, check: Callable[[ModelConfig], None] | None = None) ->
         tokenizer = gguf_tokenizer(header, arch, d_vocab, cfg.bos_token_id)
         with one_thread():  # thousands of short ops: see llama.one_thread
             tensors = Tensors(header)
-            state = bloom_state(cfg, tensors) if arch == BLOOM else gguf_state(cfg, ARCHITECTURES[arch], tensors)
+            state = own[1](cfg, tensors) if own is not None else gguf_state(cfg, ARCHITECTURES[arch], tensors)
     return GGUFModel(cfg, state, dict.fromkeys(state, path.name), tokenizer, defaulted)

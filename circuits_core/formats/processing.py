@@ -271,10 +271,3 @@ def process_weights(
     new = build_model(cfg, sd, dtype=model.dtype, origin="process_weights").to(model.device)
     new.processing = record
     return new
-
-
-def apply_options(model: Transformer, options: ProcessingOptions) -> Transformer:
-    """`process_weights` with a ProcessingOptions (returns `model` itself when every switch is off)."""
-    if not any(dataclasses.astuple(options)):
-        return model
-    return process_weights(model, **dataclasses.asdict(options))

@@ -325,12 +325,6 @@ def olsson_tokens(model: Transformer, seed: int = 0, vocab: Tensor | None = None
     )
 
 
-def prefix_matching_scores(model: Transformer, tokens: Tensor | None = None, seed: int = 0) -> Tensor:
-    """[n_layers, n_heads] Olsson's prefix-matching score (on `tokens`, default olsson_tokens(seed))."""
-    tokens = olsson_tokens(model, seed) if tokens is None else tokens
-    return detector_scores(model, tokens)["induction"]
-
-
 def copying_scores(model: Transformer, tokens: Tensor | None = None, seed: int = 0) -> Tensor:
     """[n_layers, n_heads] Olsson's copying evaluator in [-1, 1] (see the comment above)."""
     tokens = model.check_tokens(olsson_tokens(model, seed) if tokens is None else tokens)

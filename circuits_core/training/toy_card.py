@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.formats.qkov_format import save_checkpoint
 from circuits_core.model.transformer import Transformer
+from circuits_core.prompt.alibi_phenomena import alibi_report
 from circuits_core.prompt.phenomena import EvalData, check_thresholds, measure
 from circuits_core.training.corpus import source_label
 
@@ -45,7 +46,9 @@ def remeasure(folder: Path) -> dict:
     """Measure the saved (fp16 -> float32) checkpoint and write the numbers into its model card."""
     model, tokenizer, card = load_toy(folder)
     eval_data = EvalData.load(folder.parent / "eval_data.npz")
-    card["phenomena"] = measure(model, tokenizer, eval_data)
+    card["phenomena"] = ph = measure(model, tokenizer, eval_data)
+    if model.cfg.alibi is not None:  # what ALiBi's kernel does to the induction circuit
+        card["alibi"] = alibi_report(model, str(ph["induction_head"]), str(ph["k_composition_partner"]))
     card["description"], card["notes"] = DESCRIPTIONS.get(card["name"], ""), NOTES.get(card["name"], "")
     card["data"]["source"] = (
         card["data"]["source"]

@@ -20,18 +20,22 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from circuits_core.model.alibi import alibi_kernel
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Block, Transformer, init_weights
 from circuits_core.prompt.phenomena import TOKEN_COUNTS_FILE, EvalData, check_thresholds, quick_metrics
@@ -59,6 +63,8 @@ class Recipe:
     repeat_min: int = 8
     repeat_max: int = 63
     pos_init: str = "sin"  # sinusoidal table (learnable) or "normal" (std_embed)
+    # "bloom" or "mpt": ALiBi slopes (circuits_core.model.alibi) instead of a learned positional table
+    alibi: str | None = None
     std_embed: float = 0.02
     seed: int = 0
     eval_every: int = 250
@@ -75,8 +81,9 @@ class Recipe:
             normalization_type=None,
             use_bias=False,
             bos_token_id=bos,
-            # Positions only enter attention, so a model without layers has none.
-            positional_embedding_type="shortformer" if self.n_layers else "none",
+            # Positions only enter attention, so a model without layers has none; ALiBi has no table either.
+            positional_embedding_type="shortformer" if self.n_layers and self.alibi is None else "none",
+            alibi=cast("Literal['bloom', 'mpt'] | None", self.alibi),
         )
 
 
@@ -108,8 +115,8 @@ def make_model(recipe: Recipe, d_vocab: int, bos: int) -> Transformer:
 def training_logits(model: Transformer, tokens: Tensor) -> Tensor:
     """Logits [batch, pos, d_vocab] of an attention-only, LayerNorm-free, bias-free model via SDPA.
 
-    Same parameters and maths as `model.run` (shortformer: q/k read resid + W_pos, v reads resid);
-    other architectures fall back to `model.run`.
+    Same parameters and maths as `model.run` (shortformer: q/k read resid + W_pos, v reads resid; ALiBi: the
+    kernel −m_h (i − j) joins the causal mask as an additive bias); other architectures fall back to `model.run`.
     """
     cfg = model.cfg
     if (
@@ -121,13 +128,20 @@ def training_logits(model: Transformer, tokens: Tensor) -> Tensor:
         return model.run(tokens)[0]
     x = model.W_E[tokens]  # [b, n, d]
     pos = model.W_pos[: tokens.shape[1]] if model.W_pos is not None else 0.0
+    mask = None  # [H, n, n] additive: −m_h (i − j) where j <= i, −inf above the diagonal
+    if cfg.alibi is not None:
+        n = tokens.shape[1]
+        seen = torch.ones(n, n, dtype=torch.bool, device=tokens.device).tril()
+        mask = alibi_kernel(cfg, n, tokens.device).to(x.dtype).masked_fill(~seen, float("-inf"))
     for block in cast("Iterable[Block]", model.blocks):  # nn.ModuleList iterates as plain Modules
         a = block.attn
         qk_in = x + pos
         q = torch.einsum("bpd,hde->bhpe", qk_in, a.W_Q)  # [b, H, n, dh]
         k = torch.einsum("bpd,hde->bhpe", qk_in, a.W_K)
         v = torch.einsum("bpd,hde->bhpe", x, a.W_V)
-        z = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0 / cfg.scale)  # [b, H, n, dh]
+        z = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=1.0 / cfg.scale
+        )  # [b, H, n, dh]
         x = x + torch.einsum("bhpe,hed->bpd", z, a.W_O)
     return x @ model.W_U
 
@@ -163,8 +177,11 @@ def train(
     max_minutes: float | None = None,
     snapshots: bool = False,
     progress: bool = True,
+    stop: threading.Event | None = None,
 ) -> dict:
-    """Train, evaluate every `eval_every` steps, save the checkpoint with its model card; returns the card."""
+    """Train, evaluate every `eval_every` steps, save the checkpoint with its model card; returns the card.
+
+    The run ends early, evaluated and saved like a finished one, after `max_minutes` or once `stop` is set."""
     torch.manual_seed(recipe.seed)
     eval_data = EvalData(corpus.val, corpus.train_counts(), corpus.eot)
     model = make_model(recipe, corpus.tokenizer.get_vocab_size(), corpus.eot).to(device)
@@ -182,7 +199,7 @@ def train(
     first: dict[str, dict] = {}
     met_step: int | None = None
     saved: set[str] = set()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     bar = _bar(recipe.steps, name, progress)
     step, loss_avg = 0, float("nan")
     for step in range(1, recipe.steps + 1):
@@ -194,7 +211,9 @@ def train(
         torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
         opt.step()
         sched.step()
-        timed_out = max_minutes is not None and time.perf_counter() - start > 60 * max_minutes
+        timed_out = (max_minutes is not None and time.perf_counter() - start > 60 * max_minutes) or (
+            stop is not None and stop.is_set()
+        )
         is_eval = step % recipe.eval_every == 0 or step == recipe.steps or timed_out
         if step % 50 == 0 or is_eval:
             loss_avg = float(loss.detach())
@@ -218,12 +237,23 @@ def train(
                 saved.add(tag)
                 met_step = met_step or step
                 _finish(
-                    name, recipe, model, corpus, eval_data, out / f"{name}-{tag}", step, start, device, history, first
+                    name,
+                    recipe,
+                    model,
+                    corpus,
+                    eval_data,
+                    out / f"{name}-{tag}",
+                    step,
+                    start,
+                    device,
+                    history,
+                    first,
+                    cpu_start,
                 )
             if timed_out:
                 break
     bar.close()
-    return _finish(name, recipe, model, corpus, eval_data, out / name, step, start, device, history, first)
+    return _finish(name, recipe, model, corpus, eval_data, out / name, step, start, device, history, first, cpu_start)
 
 
 def _bar(total: int, name: str, enabled: bool) -> Any:
@@ -257,6 +287,7 @@ def _finish(
     device: str,
     history: list[dict],
     first: dict[str, dict],
+    cpu_start: float,
 ) -> dict:
     wall = time.perf_counter() - start
     card = {
@@ -268,6 +299,10 @@ def _finish(
             "steps": step,
             "tokens_seen": step * recipe.batch * recipe.n_ctx,
             "wall_seconds": round(wall, 1),
+            # CPU time of this process (evaluations included): on a shared machine the wall time depends on the
+            # other jobs, which the load average at the end describes
+            "cpu_seconds": round(time.process_time() - cpu_start, 1),
+            "load_average_at_end": [round(v, 2) for v in os.getloadavg()],
             "device": torch.cuda.get_device_name(0)
             if device.startswith("cuda")
             else f"cpu ({torch.get_num_threads()} threads)",
@@ -302,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    stop = threading.Event()  # Ctrl-C or kill: the run ends after its current step, evaluated and saved
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     if args.name == "measure":
         print(json.dumps(remeasure(Path(args.folder))["phenomena"], indent=1))
         return 0
@@ -328,12 +366,15 @@ def main(argv: list[str] | None = None) -> int:
             args.max_minutes,
             args.snapshots,
             not args.no_progress,
+            stop,
         )
         print(
             json.dumps(
                 {"name": card["name"], "phenomena": card["phenomena"], "first_crossed": card["first_crossed"]}, indent=1
             )
         )
+        if stop.is_set():  # the models after a stopped one are not started
+            break
     return 0
 
 

@@ -1,9 +1,11 @@
 """The walk of every analysis endpoint and page over tiny checkpoints that transformers writes, served as a user
-would serve them (a Hugging Face folder with a tokenizer.json next to it): shared by the families beyond Llama
-(tests/app/test_families_app.py) and DeepSeek's (tests/app/test_deepseek_app.py)."""
+would serve them (a Hugging Face folder, or a GGUF file as llama.cpp's converter writes it, with a tokenizer.json
+next to it): shared by the families beyond Llama (tests/app/test_families_app.py) and DeepSeek's
+(tests/app/test_deepseek_app.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +22,22 @@ from tests.core.hf_families import hf_model
 Family = tuple[str, str, dict[str, Any]]  # transformers' config class, model class, config fields
 
 
-def family_app(root: Path, families: dict[str, Family], seed: int = 3) -> tuple[FastAPI, dict[str, Any]]:
+def family_app(
+    root: Path, families: dict[str, Family], seed: int = 3, gguf: dict[str, Callable[[Any, Path], None]] | None = None
+) -> tuple[FastAPI, dict[str, Any]]:
     """The app serving each family's random checkpoint from `root` (float64, the tests' LIMITS), and transformers'
-    models themselves, the reference the views are checked against."""
+    models themselves, the reference the views are checked against. `gguf`: the families written as a GGUF file
+    instead of save_pretrained's folder, each by its writer (model, path of the .gguf)."""
     tok = train_tokenizer()
     references = {}
     for name, (config_cls, model_cls, fields) in families.items():
         model = hf_model(config_cls, model_cls, {**fields, "vocab_size": tok.get_vocab_size()}, seed=seed)
-        model.save_pretrained(root / name)
+        write = (gguf or {}).get(name)
+        if write is None:
+            model.save_pretrained(root / name)
+        else:
+            (root / name).mkdir()
+            write(model, root / name / "model.gguf")
         (root / name / "tokenizer.json").write_text(tok.to_str())
         references[name] = model
     (root / "shipped").mkdir()

@@ -18,7 +18,8 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from app.settings import Settings
 from circuits_core.circuits import embedding
-from circuits_core.circuits.composition import BASELINE_SAMPLES, composition_scores
+from circuits_core.circuits.composition import composition_scores
+from circuits_core.circuits.composition_baseline import BASELINE_SAMPLES
 from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
 from circuits_core.model.config import ModelConfig
 from circuits_core.prompt.ablation import head_ablation, lm_loss, order_logits

@@ -48,7 +48,7 @@ def test_the_heads_table_keeps_every_heads_spectra_for_the_head_views(
     so a head view reads them instead of forming the Grams and solving the eigenproblems again; each head's kept
     spectrum is the nonzero spectrum of its dense [V, V] circuit."""
     model, d_head = tiny.model, tiny.model.cfg.d_head
-    kept = client.app.state.compute.cached(("head-spectra", str(tiny.digest)), Spectra)  # type: ignore[attr-defined]
+    kept = client.app.state.compute.answers.cached(("head-spectra", str(tiny.digest)), Spectra)  # type: ignore[attr-defined]
     assert kept is not None
 
     def ordered(values: torch.Tensor) -> torch.Tensor:  # [n, 2] (re, im): conjugate pairs share |lambda|, so by all

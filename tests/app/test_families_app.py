@@ -1,19 +1,25 @@
 """Every analysis endpoint and page answers on tiny checkpoints of the families beyond Llama, written by
-transformers (gpt-oss: sinks, mixture of experts, YaRN; Mixtral, Qwen3-MoE, OLMoE; BLOOM, MPT; Phi-3), served as a
-user would serve them: a Hugging Face
-folder with a tokenizer.json next to it."""
+transformers (gpt-oss: sinks, mixture of experts, YaRN; Mixtral, Qwen3-MoE, OLMoE; BLOOM, MPT; Phi-3; DeepSeek-V3),
+served as a user would serve them: a Hugging Face folder with a tokenizer.json next to it, and each family again as
+the GGUF file llama.cpp's converter writes (gpt-oss's experts in MXFP4, as released), the tokenizer.json beside it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Any
 
+import gguf
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
 from tests.app.conftest import LIMITS
 from tests.app.family_walk import endpoint_failures, family_app, page_failures
+from tests.app.test_deepseek_app import FAMILIES as DEEPSEEK_FAMILIES
+from tests.core.test_gguf_alibi import write_bloom, write_mpt
+from tests.core.test_gguf_deepseek import write_deepseek
+from tests.core.test_gguf_experts import write_gguf
+from tests.core.test_gguf_phi3 import write_phi3
 
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "tiny-gpt-oss": ("GptOssConfig", "GptOssForCausalLM", {
@@ -38,13 +44,26 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
         "num_key_value_heads": 2, "max_position_embeddings": 64, "pad_token_id": None, "eos_token_id": None,
         "bos_token_id": None}),
 }  # fmt: skip
+SHIPPED_AS = {  # the GGUF families: writer (model, path) from the GGUF loader tests, and the family written
+    "gguf-gpt-oss": (lambda m, p: write_gguf(m, "gpt-oss", p, expert_type=gguf.GGMLQuantizationType.MXFP4),
+                     "tiny-gpt-oss"),
+    "gguf-mixtral": (lambda m, p: write_gguf(m, "llama", p), "tiny-mixtral"),
+    "gguf-qwen3-moe": (lambda m, p: write_gguf(m, "qwen3moe", p), "tiny-qwen3-moe"),
+    "gguf-olmoe": (lambda m, p: write_gguf(m, "olmoe", p), "tiny-olmoe"),
+    "gguf-bloom": (write_bloom, "tiny-bloom"), "gguf-mpt": (write_mpt, "tiny-mpt"),
+    "gguf-phi3": (write_phi3, "tiny-phi3"),
+    "gguf-deepseek-v3": (lambda m, p: write_deepseek(m, p, "sigmoid", legacy=False), "tiny-deepseek-v3"),
+}  # fmt: skip
+FAMILIES |= {name: (DEEPSEEK_FAMILIES | FAMILIES)[family] for name, (_, family) in SHIPPED_AS.items()}
+ALIBI = ("tiny-bloom", "tiny-mpt", "gguf-bloom", "gguf-mpt")
 # Rotary-only analyses: an ALiBi model answers its positional kernel and refuses these, saying why (422).
 ROTARY_ONLY = {"rotary-bands", "composition-profile", "qk-copying-offset"}
 
 
 @pytest.fixture(scope="module")
 def family_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    app, references = family_app(tmp_path_factory.mktemp("families"), FAMILIES)
+    gguf_writers = {name: write for name, (write, _) in SHIPPED_AS.items()}
+    app, references = family_app(tmp_path_factory.mktemp("families"), FAMILIES, gguf=gguf_writers)
     app.state.families_hf = references  # transformers' models, the reference the views are checked against
     with TestClient(app) as client:
         yield client
@@ -52,7 +71,9 @@ def family_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClie
 
 @pytest.mark.parametrize("model", list(FAMILIES))
 def test_every_analysis_endpoint_answers(family_client: TestClient, model: str) -> None:
-    alibi = model in ("tiny-bloom", "tiny-mpt")
+    alibi = model in ALIBI
+    if model in SHIPPED_AS:  # served from the GGUF file
+        assert {m["id"]: m["format"] for m in family_client.get("/api/v1/models").json()}[model] == "gguf"
     failures = endpoint_failures(family_client, model, {name: "rotary" for name in ROTARY_ONLY} if alibi else {})
     assert not failures, "\n".join(failures)
 

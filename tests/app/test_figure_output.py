@@ -134,18 +134,39 @@ def test_smollm2_chapter_figures_come_from_each_sentences_values() -> None:
     """The tour page draws R1-R3 from the values their sentences state (the chapter had no figures); the values
     here are made up, the real ones are checked on the model in tests/app/test_tour_rotary.py."""
     from app.routers.pages_tour import figure_parts
+    from app.schemas.heads import DetectorInput
     from app.tour.figure_data import TourData, TourFigure
     from app.tour.rotary import FIGURE_CHARTS
+    from app.tour.rotary_claims import InductionHeadsClaim, KCompositionSource, LogitByOrderClaim, ScoreTermsClaim
 
+    source = KCompositionSource(
+        target="L18H6", source="L16H0", min=0.2, max=0.3, peak_offset=1, profile=[0.2, 0.3, 0.25]
+    )
+    detector_input = DetectorInput(kind="repeated_random", seq_len=20, batch=2, seed=0, bos=1, n_tokens=41)
     claims = {
-        "R1": {
-            "induction": [["L18H6", 0.9]],
-            "previous_token": [["L16H0", 0.8], ["L3H1", 0.5]],
-            "k_sources": [{"source": "L16H0", "target": "L18H6", "profile": [0.2, 0.3, 0.25]}],
-            "baseline": 0.1,
-        },
-        "R2": {"order0": 1.0, "order1": 4.0, "remainder": -0.5, "value": 4.5, "position": 39},
-        "R3": {"head": "L18H6", "query": 39, "key": 21, "score": 7.0, "top_terms": [["embed", "L16H0", 5.0]]},
+        "R1": InductionHeadsClaim(
+            induction=[("L18H6", 0.9)],
+            previous_token=[("L16H0", 0.8), ("L3H1", 0.5)],
+            kernel_peaks={"L16H0": 1, "L3H1": 1},
+            k_sources=[source],
+            baseline=0.1,
+            input=detector_input,
+        ),
+        "R2": LogitByOrderClaim(
+            tokens=[1, 2, 3],
+            position=39,
+            target=3,
+            value=4.5,
+            rank=1,
+            order0=1.0,
+            order1=4.0,
+            remainder=-0.5,
+            top_path=["L18H6"],
+            top_value=3.0,
+        ),  # fmt: skip
+        "R3": ScoreTermsClaim(
+            head="L18H6", query=39, key=21, score=7.0, attention=0.9, top_terms=[("embed", "L16H0", 5.0)]
+        ),
     }
     drawn = {}
     for fid, claim in claims.items():
@@ -158,7 +179,7 @@ def test_smollm2_chapter_figures_come_from_each_sentences_values() -> None:
             link=None,
             api=None,
             available=True,
-            data=TourData(claim=claim, claim_chart=FIGURE_CHARTS[fid]),
+            data=TourData(claim=claim.model_dump(), claim_chart=FIGURE_CHARTS[fid]),
         )
         drawn[fid] = figure_parts(fig)["charts"]
     assert drawn["R1"][0]["data"][0]["y"] == [0.9, 0.8, 0.5]

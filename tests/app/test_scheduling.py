@@ -231,10 +231,10 @@ def test_a_part_two_computations_need_at_once_is_built_once() -> None:
         return Part(value=7)
 
     got: list[Part] = []
-    first = threading.Thread(target=lambda: got.append(service.cached_build(("part", 1), Part, build)))
+    first = threading.Thread(target=lambda: got.append(service.answers.cached_build(("part", 1), Part, build)))
     first.start()
     assert started.wait(5)
-    second = service.cached_build(("part", 1), Part, build)
+    second = service.answers.cached_build(("part", 1), Part, build)
     first.join(5)
     assert len(builds) == 1
     assert second == got[0] == Part(value=7)

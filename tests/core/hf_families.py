@@ -70,3 +70,18 @@ def assert_edit_refused(folder: Path, out: Path, edit: dict[str, Any], message: 
     (out / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), **edit}))
     with pytest.raises(CheckpointError, match=message):
         load_checkpoint(out)
+
+
+def assert_runs_like(folder: Path, reference: Any) -> Any:
+    """The checkpoint in `folder`, loaded unprocessed, gives `reference`'s logits (to 1e-4 of their largest) and
+    eager patterns (to 1e-5); loaded processed (gains folded, W_U centred), its log-probs (to 1e-4). Returns the
+    unprocessed load."""
+    ref_logits, ref_patterns = hf_run(reference, TOKENS)
+    loaded = load_checkpoint(folder, process=False)
+    logits, cache = loaded.model.run(TOKENS, names=lambda n: n.endswith("hook_pattern"))
+    assert (logits - ref_logits).abs().max() < 1e-4 * ref_logits.abs().max() and ref_logits.abs().max() > 1
+    for layer, ref in enumerate(ref_patterns):
+        assert (cache[f"blocks.{layer}.attn.hook_pattern"] - ref).abs().max() <= 1e-5
+    processed = load_checkpoint(folder).model
+    assert (processed(TOKENS).log_softmax(-1) - ref_logits.log_softmax(-1)).abs().max() < 1e-4
+    return loaded

@@ -223,18 +223,6 @@ def test_skip_trigrams_equal_dense_entries(model):
         skip_trigrams(model, 0, 0, V)
 
 
-def test_head_dump_equals_dense_global_topk(model):
-    k = 12
-    dump = C.head_dump(model, 0, 1, k=k, budget_bytes=4 * 5 * V * 8)  # 5-row tiles (4 buffers)
-    for dense, values, rows, cols in [
-        (C.full_ov_circuit(model, 0, 1).AB, dump.ov_values, dump.ov_source, dump.ov_out),
-        (C.full_qk_circuit(model, 0, 1).AB, dump.qk_values, dump.qk_query, dump.qk_key),
-    ]:
-        ref_v, ref_i = dense.flatten().topk(k)
-        assert torch.allclose(values, ref_v)
-        assert torch.equal(rows * V + cols, ref_i)
-
-
 def test_ov_copying_metrics_equal_dense(model):
     for k in (1, 4):
         m = copying.ov_copying_metrics(model, 0, 2, k=k, budget_bytes=7 * V * 8)  # 7-row blocks

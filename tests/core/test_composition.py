@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from circuits_core.circuits.composition import composition_scores, random_baseline
+from circuits_core.circuits.composition import composition_scores
+from circuits_core.circuits.composition_baseline import random_baseline
 from circuits_core.errors import CancelledError
 from circuits_core.formats.processing import process_weights
 from circuits_core.model.config import ModelConfig

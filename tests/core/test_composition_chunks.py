@@ -120,3 +120,30 @@ def test_one_billion_shape_k_composition_fits_the_default_budget() -> None:
         assert composition.layers_per_chunk(model, (kind,), budget) == model.cfg.n_layers - 1  # type: ignore[arg-type]
     assert composition.cost(model, ("q", "k", "v"), budget_bytes=budget).peak_bytes <= budget
     assert composition.layers_per_chunk(model, ("q", "k", "v"), budget) < model.cfg.n_layers - 1  # type: ignore[operator]
+
+
+@pytest.mark.parametrize("n_kv", [None, 2], ids=["mha", "gqa"])
+def test_flop_price_is_what_torch_counts(n_kv: int | None, causal_split: bool) -> None:
+    """composition.scores_flops against torch's FlopCounterMode over layer_scores, in every chunking and for each set
+    of kinds (the workers run in this thread, where the counter sees them: a `yielding` block keeps the helper off),
+    and a d_model below d_head (QR roots, not counted as products)."""
+    from test_circuit_flops import IN_PLACE
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from circuits_core.schedule import yielding
+
+    for model in (_model(n_kv, n_layers=5, d_model=48), _model(n_kv, n_layers=3, d_model=4)):
+        cfg = model.cfg
+        shape = (cfg.n_layers, cfg.n_heads, cfg.group_size, cfg.d_model, cfg.d_head)
+        for chunk in (1, 2, None):
+            for kinds in (("q", "k", "v"), ("k",), ("v", "q")):
+                with (
+                    torch.no_grad(),
+                    yielding(lambda: True),
+                    FlopCounterMode(display=False, custom_mapping=IN_PLACE) as c,
+                ):
+                    composition.layer_scores(
+                        composition.model_weight(model, torch.float64), shape, model.W_O, kinds, block=16,
+                        layers_per_chunk=chunk,
+                    )  # fmt: skip
+                assert c.get_total_flops() == composition.scores_flops(model, kinds, chunk, block=16), (chunk, kinds)

@@ -46,7 +46,11 @@ CASES: dict[str, tuple[tuple[str, str], dict[str, Any]]] = {
 
 def deepseek_model(name: str, seed: int = 5) -> Any:
     (config, model_cls), fields = CASES[name]
-    model = hf_model(config, model_cls, fields, seed=seed)
+    return randomise_choice_bias(hf_model(config, model_cls, fields, seed=seed), seed)
+
+
+def randomise_choice_bias(model: Any, seed: int) -> Any:
+    """`model` with V3's e_score_correction_bias re-drawn (so the choice bias matters)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in model.modules():

@@ -37,7 +37,8 @@ def write_phi3(model: Any, path: Path, add: dict[str, np.ndarray] | None = None)
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_sliding_window(cfg.sliding_window)
+    if cfg.sliding_window is not None:  # a config without one (the app walk's) is written without the key
+        writer.add_sliding_window(cfg.sliding_window)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}  # fmt: skip
     for name, p in model.state_dict().items():

@@ -1,9 +1,10 @@
-"""The branch and bound of global_topk_bounds returns the dense product's top k.
+"""The search of global_topk_bounds returns the dense product's top k.
 
 Each case is checked against torch's topk of the dense A @ B, on matrices shaped like circuits (a decaying spectrum,
-a few large-norm rows and columns) and on unstructured ones; the search's size thresholds and leaves are made small
-so that small matrices take it, and a basis that is not the singular one (M N != I, ill-conditioned) must give the same
-answer: the margins, not the basis, make it exact."""
+a few large-norm rows and columns) and on unstructured ones; the search's size thresholds, seed and blocks are made
+small so that small matrices take it and its staircase has many steps. Its bound p_i q_j is checked against every
+entry of the dense product, also with a basis that is not the singular one (M N != I, ill-conditioned): the margins,
+not the basis, make it exact."""
 
 from __future__ import annotations
 
@@ -12,15 +13,17 @@ import torch
 
 from circuits_core.circuits import global_topk, global_topk_bounds
 from circuits_core.circuits.factored import FactoredMatrix
+from tests.core.test_paths_cost import _HeldBytes
 
 
 @pytest.fixture(autouse=True)
 def small_search(monkeypatch):
     monkeypatch.setattr(global_topk_bounds, "MIN_ENTRIES", 1000)
     monkeypatch.setattr(global_topk_bounds, "MIN_INNER", 20)
-    monkeypatch.setattr(global_topk_bounds, "LEAF", 8)
     monkeypatch.setattr(global_topk_bounds, "GRAM_ROWS", 50)
-    monkeypatch.setattr(global_topk_bounds, "TILE_BATCH", 16)
+    monkeypatch.setattr(global_topk_bounds, "CHUNK", 64)
+    monkeypatch.setattr(global_topk_bounds, "SEED", 8)
+    monkeypatch.setattr(global_topk_bounds, "BLOCK_ENTRIES", 512)
 
 
 def circuit_like(ldim, mdim, rdim, seed, dtype=torch.float64):
@@ -37,6 +40,21 @@ def circuit_like(ldim, mdim, rdim, seed, dtype=torch.float64):
 def dense_topk(M, k):
     v, i = M.flatten().topk(k)
     return v, i // M.shape[1], i % M.shape[1]
+
+
+def exact_entries(monkeypatch):
+    """Counts the entries the search multiplies out exactly (products of A's rows with B's columns)."""
+    counted = []
+    real_matmul = torch.Tensor.__matmul__
+
+    def counting(x, y):
+        out = real_matmul(x, y)
+        if x.shape[-1] == y.shape[0] == 24 and x.shape[0] != 24 and y.shape[-1] != 24:
+            counted.append(out.numel())
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "__matmul__", counting)
+    return counted
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -64,23 +82,85 @@ def test_unstructured_factors_and_non_multiple_sizes():
     assert torch.equal(r, ref_r) and torch.equal(c, ref_c)
 
 
-def test_any_invertible_basis_gives_the_same_answer(monkeypatch):
-    """A poor basis with N only approximately M^-1: the margin eta (measured on M N - I) keeps the answer exact."""
-    A, B = circuit_like(200, 24, 150, 3)
+@pytest.mark.parametrize("k", [64 * 80, 64 * 80 - 7, 700])
+def test_every_entry_or_most_of_them(k):
+    """k up to every entry: the seed grows past SEED x SEED to hold k, the k-th value falls below 0 where the norm
+    bounds prune nothing, and the staircase covers the whole matrix once (no entry twice)."""
+    gen = torch.Generator().manual_seed(6)
+    A, B = (
+        torch.randn(64, 24, generator=gen, dtype=torch.float64),
+        torch.randn(24, 80, generator=gen, dtype=torch.float64),
+    )
+    v, r, c = global_topk_bounds.topk_bounded(A, B, k)
+    ref_v, ref_r, ref_c = dense_topk(A @ B, k)
+    torch.testing.assert_close(v, ref_v, rtol=1e-12, atol=1e-12)
+    assert torch.equal(r, ref_r) and torch.equal(c, ref_c)
+
+
+def poor_basis(monkeypatch, mdim, noise):
+    """A basis far from the singular one, N only approximately M^-1 (a relative error `noise`)."""
     gen = torch.Generator().manual_seed(4)
-    M = torch.randn(24, 24, generator=gen, dtype=torch.float64) * torch.logspace(0, 2, 24, dtype=torch.float64)
-    N = torch.linalg.inv(M) + 1e-4 * torch.randn(24, 24, generator=gen, dtype=torch.float64)
-    real = global_topk_bounds.balanced_basis
+    M = torch.randn(mdim, mdim, generator=gen, dtype=torch.float64) * torch.logspace(0, 2, mdim, dtype=torch.float64)
+    N = torch.linalg.inv(M)
+    N = N + noise * N.abs().mean() * torch.randn(mdim, mdim, generator=gen, dtype=torch.float64)
+    monkeypatch.setattr(global_topk_bounds, "balanced_basis", lambda A, B: (M.to(A.dtype), N.to(A.dtype)))
 
-    def poor_basis(A, B):
-        _, _, _ = real(A, B)
-        u = torch.finfo(A.dtype).eps / 2
-        gamma = 24 * u / (1 - 24 * u)
-        eye = torch.eye(24, dtype=torch.float64)
-        eta = float(torch.linalg.matrix_norm(M @ N - eye, 2)) + 3 * gamma * float(M.norm() * N.norm()) + gamma
-        return M, N, eta
 
-    monkeypatch.setattr(global_topk_bounds, "balanced_basis", poor_basis)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("noise", [0.0, 1e-3])
+def test_the_bound_holds_for_every_entry(monkeypatch, dtype, noise):
+    """p_i q_j >= the dense entry for all pairs, in the balanced basis and in a poor one; and it is tight enough to
+    prune: in the balanced basis most pairs are bounded below the 10th value."""
+    A, B = circuit_like(300, 24, 260, 8, dtype)
+    dense = A @ B
+    p, q = global_topk_bounds._bound_factors(A, B, None)
+    bound = p[:, None] * q[None]  # [l, r] float64
+    assert bool((bound >= dense.double()).all())
+    if noise == 0.0:
+        tenth = float(dense.flatten().topk(10).values[-1])
+        assert float((bound >= tenth).double().mean()) < 0.1
+    poor_basis(monkeypatch, 24, noise)
+    p, q = global_topk_bounds._bound_factors(A, B, None)
+    assert bool((p[:, None] * q[None] >= dense.double()).all())
+
+
+def test_the_margin_for_an_inexact_inverse(monkeypatch):
+    """N = (1 - 1e-3) M^-1 and a column planted so that N_true B_0 is parallel to A_0 M: Cauchy-Schwarz is tight
+    there, so without the margin on ||M N - I|| the bound would fall short of the entry by a factor 1 - 1e-3."""
+    A, B = circuit_like(100, 24, 120, 11)
+    gen = torch.Generator().manual_seed(12)
+    M = torch.randn(24, 24, generator=gen, dtype=torch.float64) * torch.logspace(0, 1, 24, dtype=torch.float64)
+    B[:, 0] = M @ (M.T @ A[0])  # A_0 . B_0 = ||A_0 M||^2
+    monkeypatch.setattr(global_topk_bounds, "balanced_basis", lambda A, B: (M, (1 - 1e-3) * torch.linalg.inv(M)))
+    p, q = global_topk_bounds._bound_factors(A, B, None)
+    assert float(p[0] * q[0]) >= float(A[0] @ B[:, 0])
+    v, r, c = global_topk_bounds.topk_bounded(A, B, 5)
+    ref_v, ref_r, ref_c = dense_topk(A @ B, 5)
+    assert torch.equal(r, ref_r) and torch.equal(c, ref_c)
+
+
+def test_norms_in_the_basis_bound_the_exact_ones():
+    """Rows x nearly in the direction that an ill-conditioned T shrinks: fl(x T) loses most of its digits, and the
+    bound on ||x T|| still covers the exact float64 norm (the rounding term gamma ||x|| || |T| ||_2)."""
+    gen = torch.Generator().manual_seed(13)
+    Q1, _ = torch.linalg.qr(torch.randn(24, 24, generator=gen, dtype=torch.float64))
+    Q2, _ = torch.linalg.qr(torch.randn(24, 24, generator=gen, dtype=torch.float64))
+    T = (Q1 * torch.logspace(0, -5, 24, dtype=torch.float64)) @ Q2.T  # [24, 24], condition 1e5
+    X = Q1[:, -1] + 1e-6 * torch.randn(500, 24, generator=gen, dtype=torch.float64)  # [500, 24]
+    X32, T32 = X.float(), T.float()
+    exact = torch.linalg.vector_norm(X32.double() @ T32.double(), dim=1)
+    gamma = global_topk_bounds._rounding(24, torch.float32)
+    abs_T = float(torch.linalg.matrix_norm(T32.double().abs(), 2))
+    rot, norm = global_topk_bounds._norm_bounds(X32, T32, abs_T, gamma, None)
+    assert bool((rot >= exact).all())
+    assert bool((norm >= torch.linalg.vector_norm(X32.double(), dim=1)).all())
+    assert float((torch.linalg.vector_norm(X32 @ T32, dim=1).double() < exact).double().mean()) > 0.1  # it matters
+
+
+def test_any_invertible_basis_gives_the_same_answer(monkeypatch):
+    """A poor basis with N only approximately M^-1: the margin on M N - I keeps the answer exact."""
+    A, B = circuit_like(200, 24, 150, 3)
+    poor_basis(monkeypatch, 24, 1e-4)
     v, r, c = global_topk_bounds.topk_bounded(A, B, 25)
     ref_v, ref_r, ref_c = dense_topk(A @ B, 25)
     torch.testing.assert_close(v, ref_v, rtol=1e-12, atol=1e-12)
@@ -91,17 +171,8 @@ def test_the_search_prunes_and_serves_topk_global(monkeypatch):
     """On circuit-like factors fewer entries are computed exactly than the matrix holds, and FactoredMatrix.topk_global
     (largest and smallest, a batch) takes this search and matches dense."""
     A, B = circuit_like(400, 24, 400, 7)
-    exact = []
-    real_matmul = torch.Tensor.__matmul__
-
-    def counting(x, y):
-        out = real_matmul(x, y)
-        if x.shape[-1] == 24 and y.shape[0] == 24 and y.shape[-1] != 24 and x.shape[0] != 24:
-            exact.append(out.numel())
-        return out
-
     with monkeypatch.context() as patch:
-        patch.setattr(torch.Tensor, "__matmul__", counting)
+        exact = exact_entries(patch)
         v, r, c = global_topk_bounds.topk_bounded(A, B, 10)
     assert 0 < sum(exact) < 400 * 400 / 4
     ref_v, ref_r, ref_c = dense_topk(A @ B, 10)
@@ -120,3 +191,26 @@ def test_the_search_prunes_and_serves_topk_global(monkeypatch):
             assert torch.equal(r[i] * 400 + c[i], ref.indices)
     assert len(called) == 4
     assert global_topk.topk_global_flops(400, 24, 400) >= global_topk_bounds.bounded_flops(400, 24, 400)
+
+
+def test_overflowing_bounds_fall_back_to_the_tiles():
+    """Factors whose norms overflow float32 (the entries do not): no bound, and topk_global still matches dense."""
+    A, B = circuit_like(300, 24, 260, 9, torch.float32)
+    A[7] = 1e37  # ||A_7||^2 overflows, its sum does not, nor its entries (about 1e37 times B's)
+    B = B / B.abs().max() * 0.5
+    assert global_topk_bounds.usable(A, B) and global_topk_bounds.topk_bounded(A, B, 5) is None
+    v, r, c = FactoredMatrix(A, B).topk_global(5)
+    ref_v, ref_r, ref_c = dense_topk(A @ B, 5)
+    torch.testing.assert_close(v, ref_v)
+    assert torch.equal(r, ref_r) and torch.equal(c, ref_c)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_price_covers_the_held_peak(dtype):
+    """topk_global_cost's peak bytes cover what the search holds (torch's own allocations, measured)."""
+    A, B = circuit_like(600, 24, 500, 10, dtype)
+    fm = FactoredMatrix(A, B)
+    with torch.no_grad(), _HeldBytes([A, B]) as held:
+        fm.topk_global(30)
+    price = fm.topk_global_cost(30).peak_bytes
+    assert held.peak <= price

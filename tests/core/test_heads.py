@@ -8,7 +8,6 @@ from circuits_core.prompt.detectors import (
     detector_scores,
     olsson_tokens,
     pattern_detector_scores,
-    prefix_matching_scores,
     previous_token_head,
     standard_tokens,
 )
@@ -60,7 +59,7 @@ def _prefix_matching_loop(pattern, tokens):
 def test_prefix_matching_matches_loop():
     model = small_model(n_layers=2, ln="LN", n_ctx=128)
     tokens = olsson_tokens(model, seed=1)[:3]
-    got = prefix_matching_scores(model, tokens)
+    got = detector_scores(model, tokens)["induction"]  # the prefix-matching score
     _, cache = model.run(tokens, names=lambda n: n.endswith("hook_pattern"))
     for layer in range(2):
         ref = _prefix_matching_loop(cache[f"blocks.{layer}.attn.hook_pattern"], tokens)

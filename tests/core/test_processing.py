@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from circuits_core.formats.processing import ProcessingOptions, apply_options, process_weights
+from circuits_core.formats.processing import process_weights
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Transformer, random_model
 
@@ -152,8 +152,9 @@ def test_processing_is_idempotent_and_options() -> None:
         assert k == k2
         torch.testing.assert_close(v2, v, rtol=0, atol=1e-12)
     assert twice.processing == once.processing
-    assert apply_options(model, ProcessingOptions.none()) is model
-    only_unembed = apply_options(model, ProcessingOptions(False, False, True, False))
+    only_unembed = process_weights(
+        model, fold_ln=False, center_writing_weights=False, center_unembed=True, fold_value_biases=False
+    )
     assert only_unembed.processing == {
         "fold_ln": False, "center_writing_weights": False, "center_unembed": True, "fold_value_biases": False,
     }  # fmt: skip

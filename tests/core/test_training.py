@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +18,12 @@ from circuits_core.training.train import Batches, Recipe, make_model, train, tra
 ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
 
 
-@pytest.mark.parametrize("n_layers", [0, 1, 2])
-def test_training_logits_equal_run(n_layers):
-    model = make_model(Recipe(n_layers=n_layers, steps=1, d_model=32, n_heads=4, d_head=8, n_ctx=24), 300, 0).double()
+@pytest.mark.parametrize(("n_layers", "alibi"), [(0, None), (1, None), (2, None), (2, "bloom"), (2, "mpt")])
+def test_training_logits_equal_run(n_layers, alibi):
+    """6 heads: BLOOM's and MPT's slopes differ (alibi.py), so a kernel built with the wrong rule fails."""
+    recipe = Recipe(n_layers=n_layers, steps=1, d_model=36, n_heads=6, d_head=6, n_ctx=24, alibi=alibi)
+    model = make_model(recipe, 300, 0).double()
+    assert (model.W_pos is None) == (alibi is not None or n_layers == 0)
     with torch.no_grad():
         for p in model.parameters():  # larger weights so attention is far from uniform
             p.mul_(5.0)
@@ -82,3 +86,24 @@ def test_tiny_training_learns_and_is_deterministic(tmp_path):
     wa, wb, wc = ((tmp_path / n / "model.safetensors").read_bytes() for n in "abc")
     assert wa == wb and wa != wc
     assert a["history"][-1]["train_loss"] == b["history"][-1]["train_loss"]
+
+
+def test_alibi_run_saves_an_alibi_toy_and_stops_when_asked(tmp_path):
+    """A short ALiBi run writes qkov's format with alibi "bloom" and no positional table, and a card with the ALiBi
+    section and the CPU time; a run whose stop is set ends after its first step, evaluated and saved."""
+    import threading
+
+    torch.set_num_threads(1)
+    corpus = _small_corpus()
+    recipe = Recipe(
+        n_layers=2, steps=30, d_model=16, n_heads=4, d_head=4, n_ctx=32, batch=4, alibi="bloom", eval_every=15
+    )
+    card = train("tiny-alibi", recipe, corpus, tmp_path, "cpu", progress=False)
+    config = json.loads((tmp_path / "tiny-alibi" / "config.json").read_text())
+    assert config["alibi"] == "bloom" and config["positional_embedding_type"] == "none"
+    assert card["alibi"]["slopes"] == [0.25, 0.0625, 0.015625, 0.00390625]  # BLOOM's 2^(-8h/4)
+    assert card["training"]["steps"] == 30 and card["training"]["cpu_seconds"] > 0
+    stop = threading.Event()
+    stop.set()
+    stopped = train("stopped", recipe, corpus, tmp_path, "cpu", progress=False, stop=stop)
+    assert stopped["training"]["steps"] == 1 and [row["step"] for row in stopped["history"]] == [1]

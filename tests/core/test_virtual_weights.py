@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from circuits_core.circuits import stream_chains
 from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import virtual_weight_table as vwt
 from circuits_core.circuits import virtual_weights as vw
@@ -200,7 +201,7 @@ def test_rotary_query_reader_at_an_offset_gives_the_attention_score(offset):
     x = cache["blocks.1.ln1.hook_normalized"][0]  # [n, d]: the query/key input, RMS gain applied
     i, j, h = 8, 8 - offset, 3
     fm = vw.virtual_weight(m, sc.Writer("head", 0, 1), sc.Reader("Q", 1, h), offset=offset)
-    W_QK = vw.factored(m, sc.reader_chain(m, sc.Reader("Q", 1, h), offset)).AB
+    W_QK = vw.factored(m, stream_chains.reader_chain(m, sc.Reader("Q", 1, h), offset)).AB
     score = cache["blocks.1.attn.hook_q"][0, i, h] @ cache["blocks.1.attn.hook_k"][0, j, h]
     assert float(x[i] @ W_QK @ x[j]) == pytest.approx(float(score), rel=1e-9)
     assert not torch.allclose(fm.AB, vw.virtual_weight(m, sc.Writer("head", 0, 1), sc.Reader("Q", 1, h)).AB)
@@ -287,13 +288,16 @@ def test_pair_report_tokens_are_the_extremes_of_the_dense_singular_vectors():
 def test_neuron_readouts():
     model = _model("ln-standard-mlp-bias")
     mlp = model.blocks[1].mlp
-    torch.testing.assert_close(vw.neuron_logits(model, 1, 5), mlp.W_out[5] @ model.unembed.W_U)
-    torch.testing.assert_close(vw.neuron_embed_reads(model, 1, 7), _norm_rows(model, model.embed.W_E) @ mlp.W_in[:, 7])
+    logits = vw.virtual_weight(model, sc.Writer("mlp", 1, neurons=(5,)), sc.Reader("unembed")).rows([0])[0]
+    torch.testing.assert_close(logits, mlp.W_out[5] @ model.unembed.W_U)
+    reads = vw.virtual_weight(model, sc.Writer("embed"), sc.Reader("in", 1, neurons=(7,))).cols([0])[0]
+    torch.testing.assert_close(reads, _norm_rows(model, model.embed.W_E) @ mlp.W_in[:, 7])
     sel = vw.pair_report(model, sc.parse_writer(model, "L0.mlp[3,9,11]"), sc.Reader("unembed"), k=1, n_top=3)
     assert sel.input_space == "neurons" and {n for n, _ in sel.directions[0].input_top} <= {3, 9, 11}
     g = _model("llama-gqa")
     torch.testing.assert_close(
-        vw.neuron_embed_reads(g, 0, 2, role="gate"), _norm_rows(g, g.embed.W_E) @ g.blocks[0].mlp.W_gate[:, 2]
+        vw.virtual_weight(g, sc.Writer("embed"), sc.Reader("gate", 0, neurons=(2,))).cols([0])[0],
+        _norm_rows(g, g.embed.W_E) @ g.blocks[0].mlp.W_gate[:, 2],
     )
 
 

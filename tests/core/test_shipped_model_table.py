@@ -1,5 +1,5 @@
-"""The README's table of shipped models states measured facts; each must equal its model card (which
-tests/core/test_shipped_models.py checks against an independent re-measurement), so the README cannot drift."""
+"""The table of shipped models (docs/models.md) states measured facts; each must equal its model card (which
+tests/core/test_shipped_models.py checks against an independent re-measurement), so the docs cannot drift."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+MODELS_DOC = REPO / "docs" / "models.md"
 
 
 def row(model: str) -> str:
-    text = (REPO / "README.md").read_text()
+    text = MODELS_DOC.read_text()
     match = re.search(rf"^\| `{model}` \|.*$", text, re.M)
-    assert match is not None, f"README has no row for {model}"
+    assert match is not None, f"docs/models.md has no row for {model}"
     return match[0]
 
 
@@ -43,5 +44,5 @@ def test_toy_2l_row() -> None:
     input_ = c["detector_input"]
     assert (
         f"BOS + {input_['seq_len']} uniform random tokens repeated twice, {input_['batch']} sequences, seed "
-        f"{input_['seed']}" in (REPO / "README.md").read_text()
+        f"{input_['seed']}" in MODELS_DOC.read_text()
     )
