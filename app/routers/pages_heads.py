@@ -4,6 +4,7 @@ listed in app/routers/pages.py PAGES."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Literal
 
 from pydantic import Field
@@ -258,28 +259,52 @@ async def head_context(call: PageCall[HeadPageParams]) -> PageContext:
     fragment_only = is_fragment(call.request) and call.request.headers.get("HX-Target") == "circuits"
     view: HeadView | None = None if fragment_only else await call.run(HEAD, HeadParams(head=name))
     b, v = p.basis, p.vocab  # every table of the circuits panel on the weights and token set chosen
-    ov: CircuitTopView = await call.run(
-        OV, OVParams(head=name, token=p.token, k=p.k, min_count=p.min_count, basis=b, vocab=v)
-    )
-    qk_k = None
-    if p.token is not None:  # first: the QK snippet offered is the query side's, run last
-        qk_k = await call.run(
+
+    async def query_and_key() -> tuple[CircuitTopView | None, CircuitTopView]:
+        qk_k = None
+        if p.token is not None:  # first: the QK snippet offered is the query side's, run last
+            qk_k = await call.run(
+                QK,
+                QKParams(
+                    head=name, token=p.token, k=p.k, side="key", min_count=p.min_count, offset=p.offset, basis=b,
+                    vocab=v,
+                ),
+            )  # fmt: skip
+        qk_q: CircuitTopView = await call.run(
             QK,
             QKParams(
-                head=name, token=p.token, k=p.k, side="key", min_count=p.min_count, offset=p.offset, basis=b, vocab=v
+                head=name, token=p.token, k=p.k, side="query", min_count=p.min_count, offset=p.offset, basis=b, vocab=v
             ),
         )
-    qk_q: CircuitTopView = await call.run(
-        QK,
-        QKParams(
-            head=name, token=p.token, k=p.k, side="query", min_count=p.min_count, offset=p.offset, basis=b, vocab=v
+        return qk_k, qk_q
+
+    async def no_partners() -> list[dict[str, Any]]:
+        return []
+
+    async def no_rotary() -> dict[str, Any]:
+        return {"rotary": None}
+
+    # The panels are independent once the view answered (a view still computing answers 202 before any of them
+    # starts): asked at once, they take both compute slots when both are free, instead of one after the other. Each
+    # is awaited to its end (answers are kept for the next visit), then the first failure, in the panels' order, is
+    # the page's, as when they ran in turn.
+    done = await asyncio.gather(
+        call.run(OV, OVParams(head=name, token=p.token, k=p.k, min_count=p.min_count, basis=b, vocab=v)),
+        query_and_key(),
+        call.run(
+            SKIP_TRIGRAMS,
+            SkipTrigramParams(
+                head=name, token=p.token, k=p.k, min_count=p.min_count, offset=p.offset, basis=b, vocab=v
+            ),
         ),
+        composition_partners(call, name) if view is not None else no_partners(),
+        head_rotary_context(call, name) if view is not None else no_rotary(),
+        return_exceptions=True,
     )
-    skip = await call.run(
-        SKIP_TRIGRAMS,
-        SkipTrigramParams(head=name, token=p.token, k=p.k, min_count=p.min_count, offset=p.offset, basis=b, vocab=v),
-    )
-    partners = await composition_partners(call, name) if view is not None else []
+    for part in done:
+        if isinstance(part, BaseException):
+            raise part
+    ov, (qk_k, qk_q), skip, partners, rotary = done
     entry = await cheap(call.registry.entry, model or "")
     ov_snippet = snippets.ov_table(
         entry.path,
@@ -318,6 +343,6 @@ async def head_context(call: PageCall[HeadPageParams]) -> PageContext:
         "vocab": p.vocab if p.vocab == "all" and cfg.d_vocab > DEFAULT_VOCAB else None,
         "n_vocab": cfg.d_vocab,
         "default_vocab": DEFAULT_VOCAB,
-        **(await head_rotary_context(call, name) if view is not None else {"rotary": None}),
+        **rotary,
         "latent": latent_head_panel(call.model, name, view.latent) if view is not None else None,
     }

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.cost import check_stop
+from circuits_core.schedule import give_way
 
 PROBE = 512  # columns of the first, random probe (seeded): ~2 % of a row above its own settles it at k = 10
 FIRST_BLOCK = 2048  # columns of the first block of the whole scan; each next block twice as many, within the budget
@@ -123,6 +124,7 @@ def scan(
     width = first_block
     while len(live) and start < n:
         check_stop(what="OV self-copy shares")
+        give_way()  # a background job's helper pauses here while a request wants its core
         if handoff is not None and handoff(len(live)):
             return Scanned(counted.clamp_max(k), live, start)
         c = max(1, min(width, n - start, block_bytes // max(1, per * len(live))))

@@ -35,6 +35,7 @@ from circuits_core.circuits.stream_grams import GramSide, factors, inner_product
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer
+from circuits_core.schedule import side_by_side
 
 ENERGY = 0.9
 
@@ -69,41 +70,60 @@ def _eigh_spectrum(G: Tensor) -> Spectrum:
 
 
 def spectra(model: Transformer, offset: int = 0) -> tuple[dict[str, Spectrum], dict[str, Spectrum]]:
-    """Stream-side spectra of every writer and reader, keyed by name."""
+    """Stream-side spectra of every writer and reader, keyed by name (the other writers, then the heads; the heads'
+    readers, then the others). The heads' factored SVDs and the other components' Gram eigenproblems are independent:
+    side by side when a core is idle (schedule.side_by_side)."""
+    with torch.no_grad():
+        (w_heads, r_heads), (w_other, r_other) = side_by_side(
+            lambda: _head_spectra(model, offset), lambda: _other_spectra(model), "qkov-stream-spectra"
+        )
+    return {**w_other, **w_heads}, {**r_heads, **r_other}
+
+
+def _head_spectra(model: Transformer, offset: int) -> tuple[dict[str, Spectrum], dict[str, Spectrum]]:
+    """Every head's writer (its OV's output side) and its Q, K and V readers, from one factored SVD per circuit."""
     cfg, dt = model.cfg, model.compute_dtype
     L, H = cfg.n_layers, cfg.n_heads
     w_out: dict[str, Spectrum] = {}
     r_out: dict[str, Spectrum] = {}
-    with torch.no_grad():
-        for w in writers(model):
-            if w.kind == "embed":
-                w_out[w.name] = _eigh_spectrum(embed_gram(model).to(dt))
-            elif w.kind == "pos":
-                assert model.W_pos is not None
-                w_out[w.name] = _eigh_spectrum(model.W_pos.T.to(dt) @ model.W_pos.to(dt))
-            elif w.kind == "mlp":
-                W_out = mlp_output(model, w).to(dt)  # [d_mlp, d] (this expert's), output gain folded
-                w_out[w.name] = _eigh_spectrum(W_out.T @ W_out)
-        if L:
-            W_Q, W_K, W_V, W_O = (stacked_weights(model, n).flatten(0, 1).to(dt) for n in ("W_Q", "W_K", "W_V", "W_O"))
-            R = rotation(model, offset).to(dt)  # (the global layers' rope)
-            # W_OV = U S V^T: U is the side the V input reads from the stream, V the side the head writes into it.
-            # W_QK = W_Q R W_K^T = U S V^T: U is read by the query; the key reads through W_QK^T = W_K R^T W_Q^T, whose
-            # left singular vectors are W_QK's right ones: one SVD per circuit serves both of its sides.
-            U_ov, S_ov, V_ov = FactoredMatrix(W_V, W_O).svd()  # [LH, d, dh], [LH, dh], [LH, d, dh]
-            U_qk, S_qk, V_qk = FactoredMatrix(W_Q, R @ W_K.transpose(-2, -1)).svd()
-            for i in range(L * H):
-                layer, h = i // H, i % H
-                w_out[Writer("head", layer, h).name] = Spectrum(S_ov[i], V_ov[i])
-                for role, S, side in (("Q", S_qk, U_qk), ("K", S_qk, V_qk), ("V", S_ov, U_ov)):
-                    r_out[Reader(role, layer, h).name] = Spectrum(S[i], side[i])  # type: ignore[arg-type]
-        for r in readers(model):
-            if r.role in ("in", "gate", "up", "router"):
-                W = mlp_input(model, r).to(dt)
-                r_out[r.name] = _eigh_spectrum(W @ W.T)
-            elif r.role == "unembed":
-                W_U = model.W_U.to(dt)
-                r_out[r.name] = _eigh_spectrum(W_U @ W_U.T)
+    if not L:
+        return w_out, r_out
+    W_Q, W_K, W_V, W_O = (stacked_weights(model, n).flatten(0, 1).to(dt) for n in ("W_Q", "W_K", "W_V", "W_O"))
+    R = rotation(model, offset).to(dt)  # (the global layers' rope)
+    # W_OV = U S V^T: U is the side the V input reads from the stream, V the side the head writes into it.
+    # W_QK = W_Q R W_K^T = U S V^T: U is read by the query; the key reads through W_QK^T = W_K R^T W_Q^T, whose
+    # left singular vectors are W_QK's right ones: one SVD per circuit serves both of its sides.
+    U_ov, S_ov, V_ov = FactoredMatrix(W_V, W_O).svd()  # [LH, d, dh], [LH, dh], [LH, d, dh]
+    U_qk, S_qk, V_qk = FactoredMatrix(W_Q, R @ W_K.transpose(-2, -1)).svd()
+    for i in range(L * H):
+        layer, h = i // H, i % H
+        w_out[Writer("head", layer, h).name] = Spectrum(S_ov[i], V_ov[i])
+        for role, S, side in (("Q", S_qk, U_qk), ("K", S_qk, V_qk), ("V", S_ov, U_ov)):
+            r_out[Reader(role, layer, h).name] = Spectrum(S[i], side[i])  # type: ignore[arg-type]
+    return w_out, r_out
+
+
+def _other_spectra(model: Transformer) -> tuple[dict[str, Spectrum], dict[str, Spectrum]]:
+    """The embedding's, positions', MLPs' and unembedding's spectra, each from its d_model x d_model Gram."""
+    dt = model.compute_dtype
+    w_out: dict[str, Spectrum] = {}
+    r_out: dict[str, Spectrum] = {}
+    for w in writers(model):
+        if w.kind == "embed":
+            w_out[w.name] = _eigh_spectrum(embed_gram(model).to(dt))
+        elif w.kind == "pos":
+            assert model.W_pos is not None
+            w_out[w.name] = _eigh_spectrum(model.W_pos.T.to(dt) @ model.W_pos.to(dt))
+        elif w.kind == "mlp":
+            W_out = mlp_output(model, w).to(dt)  # [d_mlp, d] (this expert's), output gain folded
+            w_out[w.name] = _eigh_spectrum(W_out.T @ W_out)
+    for r in readers(model):
+        if r.role in ("in", "gate", "up", "router"):
+            W = mlp_input(model, r).to(dt)
+            r_out[r.name] = _eigh_spectrum(W @ W.T)
+        elif r.role == "unembed":
+            W_U = model.W_U.to(dt)
+            r_out[r.name] = _eigh_spectrum(W_U @ W_U.T)
     return w_out, r_out
 
 

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from circuits_core.circuits.gram_pair_sums import GRAM_BLOCK, block_pairs, gram_block_size
 from circuits_core.cost import check_stop
+from circuits_core.schedule import give_way
 
 # Column block on a GPU: the blocked loop below launches one small product per side and block pair, and at
 # Llama-3.1-8B shape with GRAM_BLOCK (528 block pairs, 119,328 products) the H200 run spent its time launching them
@@ -88,6 +89,7 @@ def inner_products(
     traces = ref.new_zeros(NL + NR)
     for p, (a, b) in enumerate(pairs):
         check_stop(should_stop, what)
+        give_way()  # a background job's helper pauses here while a request wants its core
         for sides, M in ((left, S), (right, T)):
             i = 0
             for x in sides:

@@ -35,6 +35,7 @@ from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import circuit_weight, head_weights
 from circuits_core.circuits.global_topk import SCREEN_MIN_ENTRIES, topk_global_flops
 from circuits_core.prompt import qk_paths
+from circuits_core.schedule import available_cores
 
 MODELS = {
     "layernorm-biased": lambda: small_model(ln="LN"),
@@ -60,8 +61,16 @@ IN_PLACE = {torch.ops.aten.addmm_: _addmm_flops, torch.ops.aten.mv: _mv_flops}
 
 
 def counted(call) -> int:
-    with FlopCounterMode(display=False, custom_mapping=IN_PLACE) as counter:
-        call()
+    """The FLOPs torch counts over call(). FlopCounterMode sees the calling thread only, so the call runs with every
+    core's torch threads: schedule.side_by_side then runs both branches here, one after the other (as in a process
+    whose torch threads fill the cores), and none is missed in a helper thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(available_cores())
+    try:
+        with FlopCounterMode(display=False, custom_mapping=IN_PLACE) as counter:
+            call()
+    finally:
+        torch.set_num_threads(before)
     return counter.get_total_flops()
 
 

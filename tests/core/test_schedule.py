@@ -202,29 +202,48 @@ def test_split_loop_covers_the_range_once_and_its_helper_stops_when_the_caller_f
         torch.set_num_threads(before)
 
 
-@pytest.mark.skipif(available_cores() < 2, reason="a helper thread needs a second core")
-def test_a_helper_gives_way_between_the_layers_of_a_forward_pass() -> None:
-    """A background job's helper thread (side_by_side inside yielding) running a forward pass waits between layers
-    while the cores are wanted (schedule.give_way in Transformer._layers), not only before its next shared chunk:
-    the forward started before the cores were wanted ends only after they are no longer wanted. The main branch
-    never waits."""
+def _forward() -> None:
     from circuits_core.model.config import ModelConfig
     from circuits_core.model.transformer import random_model
 
     model = random_model(ModelConfig(n_layers=4, d_model=16, n_heads=2, d_head=8, d_vocab=50, n_ctx=8), seed=0)
-    tokens = torch.zeros(1, 8, dtype=torch.long)
+    model(torch.zeros(1, 8, dtype=torch.long))
+
+
+def _gram_inner_products() -> None:
+    from circuits_core.circuits.stream_grams import factors, inner_products
+
+    F = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(0))
+    inner_products([factors(F)], [factors(F)], block=16)  # several column blocks
+
+
+def _own_rank_scan() -> None:
+    from circuits_core.circuits.own_rank import scan
+
+    M = torch.randn(4, 400, generator=torch.Generator().manual_seed(0))
+    own = torch.arange(4)
+    scan(lambda rows, cols: M[rows][:, cols], M[own, own] + 100, own, torch.arange(4), 400, 3, 64, first_block=8)
+
+
+@pytest.mark.skipif(available_cores() < 2, reason="a helper thread needs a second core")
+@pytest.mark.parametrize("work", [_forward, _gram_inner_products, _own_rank_scan], ids=["layers", "grams", "scan"])
+def test_a_helper_gives_way_within_its_work(work: Callable[[], None]) -> None:
+    """A background job's helper thread (side_by_side inside yielding) waits at the give_way points of its work while
+    the cores are wanted (between a forward pass's layers, Gram blocks, the self-copy scan's column blocks), not only
+    before its next shared chunk: work started before the cores were wanted ends only after they are no longer
+    wanted. The main branch never waits."""
     wanted, released = threading.Event(), threading.Event()
     before = torch.get_num_threads()
     torch.set_num_threads(1)
 
     def side() -> float:
-        wanted.set()  # a request wants the cores from now on, while this forward pass runs
-        model(tokens)
+        wanted.set()  # a request wants the cores from now on, while this work runs
+        work()
         return time.monotonic()
 
     def main() -> float:
         wanted.wait()
-        model(tokens)  # the main branch runs on
+        work()  # the main branch runs on
         time.sleep(0.3)
         released.set()
         at = time.monotonic()
@@ -236,4 +255,4 @@ def test_a_helper_gives_way_between_the_layers_of_a_forward_pass() -> None:
             cleared, done = side_by_side(main, side, "qkov-test-give-way")
     finally:
         torch.set_num_threads(before)
-    assert released.is_set() and done >= cleared  # the helper's forward waited for the cores to be given back
+    assert released.is_set() and done >= cleared  # the helper's work waited for the cores to be given back
