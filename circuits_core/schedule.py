@@ -8,6 +8,8 @@ The maths modules say which two computations are independent and this module dec
     shared_chunks(total, n)    a queue of slices that both branches of side_by_side take from, so they split one
                                chunked loop and finish it together
     shared_tasks(tasks)        the same queue over a list of tasks, longest first
+    on_workspaces(tasks, ws)   the tasks on workspaces allocated beforehand: in turn on one, or shared_tasks by two
+                               workers of one torch thread each, one workspace each
     split_loop(total, n, work) a chunked loop split that way, the helper stopping when the caller fails
     Handoff                    a value one branch forms and the other waits for (an error reaches both)
     in_background()            I/O beside the caller (a checkpoint's digest while torch reads its tensors)
@@ -131,6 +133,19 @@ def shared_tasks(tasks: Sequence[Callable[[T], None]], workspace: Callable[[], T
             tasks[task.start](space)
 
     side_by_side(worker, worker, name)
+
+
+def on_workspaces(tasks: Sequence[Callable[[T], None]], spaces: Sequence[T], name: str = "qkov-tasks") -> None:
+    """Run every task once on workspaces the caller allocated (one per worker, so their memory is held before any
+    work starts): in turn on the only one, or by two workers side by side (shared_tasks), each with one torch thread
+    and one of the workspaces."""
+    if len(spaces) == 1:
+        for task in tasks:
+            task(spaces[0])
+        return
+    unused = list(spaces)
+    with one_thread():
+        shared_tasks(tasks, unused.pop, name)
 
 
 def split_loop(total: int, chunk: int, work: Callable[[slice], None], name: str = "qkov-loop") -> None:

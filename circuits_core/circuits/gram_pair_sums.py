@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.cost import check_stop
-from circuits_core.schedule import available_cores, one_thread, shared_tasks
+from circuits_core.schedule import available_cores, on_workspaces
 
 GRAM_BLOCK = 128  # column block of the d x d Gram matrices (upper block triangle: 21 of 36 blocks for d 768)
 
@@ -98,7 +98,6 @@ def pair_sums(
         )
         for _ in range(workers(F.device))
     ]
-    unused = list(spaces)
 
     def block_pair(p: int, ws: Workspace) -> None:
         check_stop(should_stop, "composition scores")
@@ -112,12 +111,7 @@ def pair_sums(
             ws.sums[:rows, c0:c1].add_(part)
 
     tasks = [lambda ws, p=p: block_pair(p, ws) for p in range(len(pairs))]
-    if len(spaces) == 1:
-        for task in tasks:
-            task(spaces[0])
-    else:
-        with one_thread():
-            shared_tasks(tasks, unused.pop)
+    on_workspaces(tasks, spaces)
     sums = spaces[0].sums
     for ws in spaces[1:]:
         sums.add_(ws.sums)

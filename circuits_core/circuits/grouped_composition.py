@@ -29,7 +29,7 @@ from torch import Tensor
 
 from circuits_core.circuits.gram_pair_sums import workers
 from circuits_core.cost import check_stop
-from circuits_core.schedule import one_thread, shared_tasks
+from circuits_core.schedule import on_workspaces
 
 # The grouped route runs when its FLOPs are at most this multiple of the Gram route's: whole computations ran at
 # ~1.2x the Gram route's rate on this 2-core CPU (module docstring).
@@ -85,12 +85,7 @@ def grouped_scores(
         raw[i, :l2, :, l2, :] = scores.view(l2, H, H)
 
     tasks = [lambda sp, l2=l2, i=i: target(l2, i, sp) for l2 in range(L - 1, 0, -1) for i in range(K)]
-    if len(spaces) == 1:
-        for task in tasks:
-            task(spaces[0])
-    else:
-        with one_thread():
-            shared_tasks(tasks, spaces.pop)
+    on_workspaces(tasks, spaces)
     return raw
 
 
