@@ -2,7 +2,7 @@
 
 - load: `load_checkpoint` (float32, processed) in a fresh process, median of 3: wall and CPU seconds (all threads:
   what a quiet machine's wall time would be, roughly) and peak RSS; then when its tokenizer (262,144 entries,
-  built on a worker thread beside the weights) is ready. Goals: < 5 s, peak RSS < 3 GiB.
+  built on a worker thread once the weights are read: formats/gguf.py) is ready. Goals: < 5 s, peak RSS < 3 GiB.
 - heads table, cold: `head_table.head_table` on the app's standard detector input (BOS + 2 x 50 random tokens,
   10 sequences) on a model just loaded (nothing cached). Goal < 8 s.
 - one OV row over the full vocabulary: `full_ov_row` of the strongest induction head for one token (262,144
@@ -49,7 +49,7 @@ def gemma3() -> None:
     loaded = load_checkpoint(GEMMA3)
     loaded_at, loaded_cpu = time.perf_counter() - t0, time.process_time() - c0
     assert loaded.tokenizer is not None
-    loaded.tokenizer.hf  # noqa: B018 - waits for the tokenizer built beside the weights
+    loaded.tokenizer.hf  # noqa: B018 - waits for the tokenizer, built once the weights are read
     row("  in this process: model ready / tokenizer ready", loaded_at, "",
         f"CPU {loaded_cpu:.2f} s (all threads); tokenizer ready at {time.perf_counter() - t0:.2f} s")  # fmt: skip
     model = loaded.model

@@ -14,8 +14,9 @@ Two kinds (`tokenizer.ggml.model`):
   - control tokens (type 3: `<bos>`, `<start_of_turn>`, ...) and user-defined ones (type 4: '\\n', '[multimodal]')
     are matched whole in the text before BPE; byte pieces '<0x00>'..'<0xFF>' (type 6) are the fallback for
     characters outside the vocabulary.
-  Gemma's 262,144 entries make about 515,000 merges: the tokenizer is built on a worker thread while the weights
-  are read, and its first use waits for it.
+  Gemma's 262,144 entries make about 515,000 merges (about 4 CPU-seconds, most of it Python holding the GIL): the
+  tokenizer is built on a worker thread once the caller sets `start` (read_gguf: when the weights are read, so the
+  build neither takes a core from the read nor stalls its threads on the GIL), and its first use waits for it.
 Bounds: the vocabulary, its scores and token types hold at most one entry per row of the embedding, and the merges
 at most MERGES_PER_TOKEN per entry (Llama 3 lists 2.2 per entry); larger arrays are refused by name before they are
 decoded (gguf_header.GGUFHeader.strings).
@@ -23,6 +24,7 @@ decoded (gguf_header.GGUFHeader.strings).
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -46,9 +48,13 @@ MERGES_PER_TOKEN = 4
 _BUILDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qkov-tokenizer")
 
 
-def gguf_tokenizer(header: GGUFHeader, arch: str, d_vocab: int, bos_token_id: int | None) -> Tokenizer | None:
+def gguf_tokenizer(
+    header: GGUFHeader, arch: str, d_vocab: int, bos_token_id: int | None, start: threading.Event | None = None
+) -> Tokenizer | None:
     """The tokenizer of the file (None when it has none); CheckpointError naming the tokenizer model or
-    pre-tokenizer when it is one this code does not build, or an array larger than the model allows."""
+    pre-tokenizer when it is one this code does not build, or an array larger than the model allows. A SentencePiece
+    vocabulary is built on the worker thread once `start` is set (at once without one): the caller must set it, even
+    when it fails, or the worker waits for ever."""
     model = header.value("tokenizer.ggml.model")
     if model is None:
         return None
@@ -70,7 +76,7 @@ def gguf_tokenizer(header: GGUFHeader, arch: str, d_vocab: int, bos_token_id: in
         unk_token = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
         if len(set(tokens)) != len(tokens):
             raise CheckpointError(f"{name}: tokenizer.ggml.tokens lists {len(tokens) - len(set(tokens))} entries twice")
-        job: Future[HFTokenizer] = _BUILDER.submit(sentencepiece_bpe, tokens, kinds, unk_token)
+        job: Future[HFTokenizer] = _BUILDER.submit(_build_when_started, start, tokens, kinds, unk_token)
         return Tokenizer(
             job, bos_token_id, source=f"{name} (tokenizer.ggml.*, SentencePiece BPE)", vocab_size=len(tokens),
             piece_bytes=sentencepiece_bytes,
@@ -101,6 +107,14 @@ def _byte_level(
         tokens, pairs, special, split_digits=PRE_TOKENIZERS[pre], bos_token_id=bos_token_id,  # type: ignore[arg-type]
         source=f"{name} (tokenizer.ggml.*)",
     )  # fmt: skip
+
+
+def _build_when_started(
+    start: threading.Event | None, tokens: list[str], kinds: np.ndarray, unk_token: str | None
+) -> HFTokenizer:
+    if start is not None:
+        start.wait()
+    return sentencepiece_bpe(tokens, kinds, unk_token)
 
 
 def sentencepiece_merges(spelled: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
