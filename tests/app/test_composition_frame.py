@@ -27,22 +27,26 @@ M = "wide"
 PRICED_S = 2.0  # the three kinds' price at the server's rate set below
 
 
-def served(root: Path, rate: float) -> Settings:
-    return Settings(shipped_dir=root, models_dir=None, store_url="off", dtype="float64", compute_flops_per_s=rate)
+def served(root: Path, rate: float, dtype: str = "float64") -> Settings:
+    return Settings(shipped_dir=root, models_dir=None, store_url="off", dtype=dtype, compute_flops_per_s=rate)
 
 
-@pytest.fixture(scope="module")
-def slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    root: Path = tmp_path_factory.mktemp("wide-frame")
+def slow_wide_model(root: Path, dtype: str = "float64") -> Settings:
+    """The wide model saved under root, and a server's settings whose rate prices its three kinds at PRICED_S."""
     tok = train_tokenizer()
     cfg = ModelConfig(
         n_layers=9, d_model=32, n_heads=9, d_head=4, d_vocab=tok.get_vocab_size(), n_ctx=64,
         positional_embedding_type="standard",
     )  # fmt: skip
     save_qkov(root / M, cfg, tok, seed=5)
-    loaded = load_checkpoint(root / M, dtype=torch.float64)
+    loaded = load_checkpoint(root / M, dtype=getattr(torch, dtype))
     flops = sum(COMPOSITION.priced(loaded, CompositionParams(kind=k), Limits()).flops for k in ("Q", "K", "V"))
-    with TestClient(create_app(served(root, flops / PRICED_S))) as client:
+    return served(root, flops / PRICED_S, dtype)
+
+
+@pytest.fixture(scope="module")
+def slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
+    with TestClient(create_app(slow_wide_model(tmp_path_factory.mktemp("wide-frame")))) as client:
         yield client
 
 
