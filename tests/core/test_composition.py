@@ -93,7 +93,7 @@ def test_random_baseline_matches_analytic():
     gen = torch.Generator().manual_seed(3)
     W = (torch.rand(4, 64, 8, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(8)
     A, B = W[0] @ W[1].T, W[2] @ W[3].T
-    from circuits_core.circuits.composition import left_collapsed, pair_scores, right_collapsed
+    from circuits_core.circuits.composition_factors import left_collapsed, pair_scores, right_collapsed
 
     got = pair_scores(left_collapsed(W[0], W[1].T)[None], right_collapsed(W[2], W[3].T)[None])[0, 0]
     assert abs(float(got) - float((A @ B).norm() / (A.norm() * B.norm()))) < 1e-12
