@@ -24,8 +24,8 @@ from circuits_core.prompt.phenomena import (
     thresholds,
 )
 from circuits_core.training.corpus import manifest_digest
+from circuits_core.training.recipes import RECIPES
 from circuits_core.training.toy_card import load_toy
-from circuits_core.training.train import RECIPES
 
 ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
 NAMES = ["toy-0l", "toy-1l", "toy-2l", "toy-alibi-2l"]
