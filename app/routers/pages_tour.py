@@ -14,6 +14,7 @@ from app.params import TourParams
 from app.routers.rendering import Page, PageCall, PageContext
 from app.tour.analysis import TOUR
 from app.tour.figure_data import ClaimChart, TourData, TourFigure
+from app.tour.paper_claims import PositivityCornerClaim
 from app.tour.rotary_claims import InductionHeadsClaim, LogitByOrderClaim, ScoreTermsClaim
 
 
@@ -158,6 +159,7 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
         )
     if d.points is not None:
         pts = d.points
+        corner = PositivityCornerClaim.model_validate(d.claim) if d.claim else None  # F26's measured sentence
         add(
             charts.scatter(
                 [p.ov_copying or 0.0 for p in pts],
@@ -167,7 +169,7 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
                 x_title="OV copying score",
                 y_title="K-composition positivity",
                 links=[f"/models/{model}/heads/{p.head}" for p in pts],
-                named=[p[0] for p in (d.claim or {}).get("points", [])],  # the heads the caption names
+                named=[p[0] for p in corner.points] if corner else [],  # the heads the caption names
             )
         )
     if d.term_importance is not None:
