@@ -5,12 +5,14 @@ listed in app/routers/pages.py PAGES."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypedDict
 
 from pydantic import Field
 
 from app import charts, snippets
 from app.analysis import Analysis
+from app.charts import Figure
 from app.figure_output import MAX_HEIGHT
 from app.head_filter import FilterText, HeadFilter, labelled_heads
 from app.params import (
@@ -23,22 +25,22 @@ from app.params import (
     QKParams,
     SkipTrigramParams,
 )
-from app.routers.pages_rotary import head_rotary_context, rotary_enabled
+from app.routers.pages_rotary import HeadRotary, HeadRotaryContext, head_rotary_context, rotary_enabled
 from app.routers.rendering import (
     PageCall,
-    PageContext,
+    Refusal,
     attempt,
     is_fragment,
     refusal,
 )
 from app.scheduling import cheap
 from app.scheduling.flights import JobPending
-from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
+from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView, ModelSummary, SkipTrigramView
 from app.views.circuits import OV, QK
 from app.views.composition import head_partners
 from app.views.heads import HEAD
 from app.views.latent import latent_head_panel
-from app.views.model_summary import summary_from_heads
+from app.views.model_summary import ModelSummaryView, summary_from_heads
 from app.views.models import build_model_view
 from app.views.positivity import POSITIVITY, partner_label
 from app.views.shared.basis import basis
@@ -183,7 +185,30 @@ class OverviewParams(NoParams):
     filter: FilterText = None  # of the grid, the table and the scatter
 
 
-async def overview_context(call: PageCall[OverviewParams]) -> PageContext:
+class OverviewContext(TypedDict):
+    """templates/overview.html: the model's facts at once, then the heads table (or its job's progress) as a grid of
+    one score, a table and the positivity scatter, each limited to the heads the filter keeps."""
+
+    summary: ModelSummary
+    heads: HeadsView | None  # None while its job runs (heads_error: 202)
+    shown_heads: list[HeadScores]
+    kernel_window: int
+    kernel_edge: Callable[[int | None], bool]  # whether a kernel peak offset sits at the window's edge
+    head_filter: str  # the filter as read ('' for none)
+    filter_text: str | None  # as typed
+    score: str  # the score the grid shows
+    scores: dict[str, tuple[str, bool]]  # SCORES
+    fig: Figure | None  # the grid
+    scatter: Figure | None
+    scatter_claim: str | None
+    served_basis: str
+    scatter_refused: str | None  # why the scatter is refused for good (422)
+    card_fig: Figure | None  # the model card's training curve
+    measured: ModelSummaryView | None  # the heads that matter measured here, for a model without a card
+    heads_error: Refusal | None
+
+
+async def overview_context(call: PageCall[OverviewParams]) -> OverviewContext:
     loaded, model_id, score = call.model, call.model_id or "", call.params.score
     head_filter = HeadFilter.parse(call.params.filter)  # 422 with the syntax when unreadable
     summary = build_model_view(loaded, await cheap(call.registry.entry, model_id))
@@ -253,7 +278,40 @@ class HeadPageParams(OVParams):
     offset: Offset = 0  # rotary models: the QK tables at this query-key offset
 
 
-async def head_context(call: PageCall[HeadPageParams]) -> PageContext:
+class HeadContext(TypedDict):
+    """templates/head.html: one head's spectra (view) and its circuit tables (OV, QK from both sides, skip-trigrams)
+    on the chosen weights and tokens, its composition partners, the rotary and latent panels where they apply, and
+    the pickers' state."""
+
+    head: str
+    view: HeadView | None  # None on an htmx request for the circuits panel only
+    ov: CircuitTopView
+    ov_snippet: str
+    qk_q: CircuitTopView
+    qk_k: CircuitTopView | None  # the key side, when a token is given
+    skip: SkipTrigramView
+    token: str | None
+    k: int
+    figs: dict[str, Any]  # head_charts
+    max_k: int
+    partners: list[dict[str, Any]]  # composition_partners
+    prev_head: str | None
+    next_head: str | None
+    base_url: str
+    min_count: int | None
+    has_counts: bool
+    min_count_choices: tuple[int, ...]
+    offset: int | None  # the QK tables' offset δ (None: 0)
+    is_rotary: bool
+    n_ctx: int
+    vocab: Literal["all"] | None  # "all" only where it differs from the default
+    n_vocab: int
+    default_vocab: int
+    rotary: HeadRotary | None
+    latent: dict[str, Any] | None  # latent_head_panel
+
+
+async def head_context(call: PageCall[HeadPageParams]) -> HeadContext:
     p = call.params
     cfg, name, model = call.model.model.cfg, p.head, call.model_id
     fragment_only = is_fragment(call.request) and call.request.headers.get("HX-Target") == "circuits"
@@ -281,7 +339,7 @@ async def head_context(call: PageCall[HeadPageParams]) -> PageContext:
     async def no_partners() -> list[dict[str, Any]]:
         return []
 
-    async def no_rotary() -> dict[str, Any]:
+    async def no_rotary() -> HeadRotaryContext:
         return {"rotary": None}
 
     # The panels are independent once the view answered (a view still computing answers 202 before any of them
@@ -343,6 +401,6 @@ async def head_context(call: PageCall[HeadPageParams]) -> PageContext:
         "vocab": p.vocab if p.vocab == "all" and cfg.d_vocab > DEFAULT_VOCAB else None,
         "n_vocab": cfg.d_vocab,
         "default_vocab": DEFAULT_VOCAB,
-        **rotary,
+        "rotary": rotary["rotary"],
         "latent": latent_head_panel(call.model, name, view.latent) if view is not None else None,
     }
