@@ -68,11 +68,6 @@ def head_compositions(
     return out
 
 
-def head_composition(model: Transformer, layer: int, head: int, kind: CompositionKind) -> tuple[Tensor, Tensor]:
-    """head_compositions for one kind."""
-    return head_compositions(model, layer, head, (kind,))[kind]
-
-
 def pair_composition(
     model: Transformer, source: tuple[int, int], target: tuple[int, int], kinds: tuple[CompositionKind, ...] = KINDS
 ) -> dict[CompositionKind, float]:
