@@ -1,7 +1,7 @@
 """The HTML dashboard: every page (PAGES, the one list: these with contexts of their own, then the pages analyses
 declare; its labelled pages make a model's navigation, in their declared order),
 the models listing and the model picker (plain routes: no analysis behind them), and the contexts of the direct path
-and the detectors (the overview's and one head's are in pages_heads.py, the composition pages' in
+and the detectors (the overview's is in pages_overview.py, one head's in pages_heads.py, the composition pages' in
 pages_composition.py, the prompt page's in pages_prompt.py, the chain, QK paths and term importance pages' in
 pages_analyses.py, the tour's in pages_tour.py).
 
@@ -38,14 +38,8 @@ from app.routers import pages_analyses, pages_composition, pages_prompt, pages_t
 from app.routers.api import models_view
 from app.routers.declared_pages import declared_pages
 from app.routers.navigation import NavEntry, model_nav
-from app.routers.pages_heads import (
-    MIN_COUNT_CHOICES,
-    SCORES,
-    HeadPageParams,
-    OverviewParams,
-    head_context,
-    overview_context,
-)
+from app.routers.pages_heads import MIN_COUNT_CHOICES, HeadPageParams, head_context
+from app.routers.pages_overview import SCORES, OverviewParams, overview_context
 from app.routers.rendering import Page, PageCall, page_context, render, url
 from app.scheduling import cheap
 from app.schemas import CircuitTopView, DetectorsView, HeadScores
