@@ -77,5 +77,10 @@ def test_a_failed_read_still_lets_the_next_vocabulary_build(
 def wait_built(tokenizer: Any) -> None:
     """tokenizer.hf within BUILD_TIMEOUT_S (a builder waiting on a gate nobody sets would hang the suite)."""
     done = threading.Event()
-    threading.Thread(target=lambda: (tokenizer.hf, done.set()), daemon=True).start()
+
+    def build() -> None:
+        tokenizer.hf  # noqa: B018 - waits for the build
+        done.set()
+
+    threading.Thread(target=build, daemon=True).start()
     assert done.wait(BUILD_TIMEOUT_S), "the tokenizer was never built: its builder is waiting for a gate"
