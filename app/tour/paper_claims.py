@@ -1,10 +1,11 @@
-"""The values behind the paper chapter's measured sentences (figures F6-F29, app/tour/claims.py), typed.
+"""The values behind the paper chapter's measured sentences (figures F2-F29: claims.py, and residual.py for the
+residual stream's F2-F4), typed.
 
-claims.py measures each one and writes it as its figure's `claim` (TourData) in the JSON twin, field for field in
-the order declared here; a field a figure did not measure (F6 without held-out data, F11 without training counts,
-F14 without a query token, F23 without a repeated segment) is left unset and not written. The tour page and
-tests/app/test_claims.py read the claim back through the same class, so the three agree on names and types
-instead of on dict keys (as rotary_claims.py does for the SmolLM2 chapter).
+claims.py (residual.py) measures each one and writes it as its figure's `claim` (TourData) in the JSON twin, field for
+field in the order declared here; a field a figure did not measure (F6 without held-out data, F11 without training
+counts, F14 without a query token, F23 without a repeated segment) is left unset and not written. The tour page and
+tests/app/test_claims.py read the claim back through the same class, so the three agree on names and types instead of on
+dict keys (as rotary_claims.py does for the SmolLM2 chapter).
 """
 
 from __future__ import annotations
@@ -22,6 +23,39 @@ class FigureClaim(BaseModel):
     def measured(self) -> dict[str, Any]:
         """The fields the measurement set, in declaration order: the figure's `claim` in its JSON twin."""
         return self.model_dump(exclude_unset=True)
+
+
+class ChannelClaim(FigureClaim):
+    """F2: the residual stream as a channel: its writers and readers, and the head -> head pairs above chance."""
+
+    writers: int
+    readers: int
+    pairs: int  # (writer, reader) pairs where the reader sees the writer
+    head_pairs: int  # head -> head Q/K/V pairs among them
+    above: int  # head pairs above the random baseline
+    baseline: float  # 1/sqrt(d_model)
+    best: tuple[str, str, float]  # the strongest pair: writer, reader, score
+
+
+class EmbeddingReaderClaim(FigureClaim):
+    """F3: the token embedding's strongest reader and the tokens its top singular direction weighs."""
+
+    reader: str
+    score: float
+    sigma: float  # the top singular value of the virtual weight
+    top: list[int]  # token ids at the direction's positive end, strongest first
+    bottom: list[int]  # at its negative end
+
+
+class BandwidthClaim(FigureClaim):
+    """F4: how crowded d_model is, and the strongest erasure candidate (None: none beyond the threshold)."""
+
+    total_dims: int  # the writers' subspaces' dimensions, summed
+    d_model: int
+    used_dims: float  # effective directions used
+    crowded_load: float  # writer subspaces on the most crowded direction
+    crowded_writers: list[str]  # the two writers that load it most
+    erasure: tuple[str, str, float, float] | None  # writer, eraser, erasure score, z
 
 
 class DirectPathBigramsClaim(FigureClaim):
