@@ -10,6 +10,8 @@ its ignore would be unused and `make lint` fails. The right declarations carry n
 - A per-head analysis (app/views/shared/per_head.py) whose engine function or cost does not take the model.
 - A page context, the page frame or the basis picker's state with a misspelt or missing key, or a value of the
   wrong type (rendering.AnalysisContext, PageFrame, BasisContext; declared_pages.PerHeadContext).
+- A page context built by hand in a router with a misspelt, missing or wrong-typed key (pages_analyses.ChainContext,
+  pages_tour.TourContext), or a context function whose page params are not its page's (TourContext's params).
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ from torch import Tensor
 
 from app.analysis import Analysis, AnalysisParams
 from app.page_spec import PerHeadPage
-from app.params import DetectorParams
+from app.params import DetectorParams, TourParams
 from app.routers.declared_pages import PerHeadContext
 from app.routers.pages import DetectorPageParams, DirectPageParams, detectors_context, direct_context
+from app.routers.pages_analyses import ChainContext
+from app.routers.pages_tour import TourContext
 from app.routers.rendering import AnalysisContext, BasisContext, Page, PageCall, PageFrame
 from app.schemas import DetectorsView
 from app.settings import Limits
+from app.tour.figure_data import TourView
 from app.views.circuits import DIRECT
 from app.views.detectors import DETECTORS
 from app.views.shared.per_head import PerHeadAnalysis, per_head_analysis
@@ -110,3 +115,21 @@ FRAME: PageFrame = {"title": "t", "json_url": "/api", "model_id": None, "nav": N
 FRAME["model_nav"] = [("ov", "OV circuit", "/models/m/ov")]
 FRAME["model_navs"] = []  # type: ignore[typeddict-unknown-key]
 WRONG_BASIS: BasisContext = {"basis": None, "basis_differs": "yes", "served_basis": "raw"}  # type: ignore[typeddict-item]
+CHAIN: ChainContext = {
+    "view": None, "error": None, "figs": {}, "prompt": None, "tokens": None, "heads": "L0H1,L1H2", "target": None,
+    "k": 5, "max_k": 100,
+}  # fmt: skip
+MISSPELT_CHAIN: ChainContext = {  # type: ignore[typeddict-unknown-key, typeddict-item]
+    "view": None, "error": None, "figs": {}, "prompt": None, "tokens": None, "heads": "L0H1", "target": None,
+    "k": 5, "maxk": 100,
+}  # fmt: skip
+NO_HEADS_CHAIN: ChainContext = {  # type: ignore[typeddict-item]
+    "view": None, "error": None, "figs": {}, "prompt": None, "tokens": None, "target": None, "k": 5, "max_k": 100,
+}  # fmt: skip
+TEXT_K_CHAIN: ChainContext = {
+    "view": None, "error": None, "figs": {}, "prompt": None, "tokens": None, "heads": "L0H1", "target": None,
+    "k": "5", "max_k": 100,  # type: ignore[typeddict-item]
+}  # fmt: skip
+TOUR_PAGE: TourContext = {"view": TourView(models={}, figures=[]), "parts": [], "params": TourParams()}
+WRONG_TOUR_VIEW: TourContext = {"view": KV(k=1), "parts": [], "params": TourParams()}  # type: ignore[typeddict-item]
+WRONG_TOUR_PARAMS: TourContext = {"view": TourView(models={}, figures=[]), "parts": [], "params": KP()}  # type: ignore[typeddict-item]

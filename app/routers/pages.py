@@ -1,7 +1,7 @@
 """The HTML dashboard: every page (PAGES, the one list: these with contexts of their own, then the pages analyses
 declare; its labelled pages make a model's navigation, in their declared order),
 the models listing and the model picker (plain routes: no analysis behind them), and the contexts of the direct path
-and the detectors (the overview's and one head's are in pages_heads.py, the composition pages' in
+and the detectors (the overview's is in pages_overview.py, one head's in pages_heads.py, the composition pages' in
 pages_composition.py, the prompt page's in pages_prompt.py, the chain, QK paths and term importance pages' in
 pages_analyses.py, the tour's in pages_tour.py).
 
@@ -13,7 +13,7 @@ app/charts.py and hands them to the template. Never circuits_core, never tensors
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypedDict
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 from fastapi import APIRouter, Query, Request
@@ -25,6 +25,7 @@ from starlette.types import Scope
 from app import charts, snippets
 from app.analysis import API
 from app.catalog import ANALYSES
+from app.charts import Figure
 from app.deps import RegistryDep, get_model
 from app.head_filter import FilterText, HeadFilter
 from app.labels import unique_labels, visible
@@ -37,17 +38,11 @@ from app.routers import pages_analyses, pages_composition, pages_prompt, pages_t
 from app.routers.api import models_view
 from app.routers.declared_pages import declared_pages
 from app.routers.navigation import NavEntry, model_nav
-from app.routers.pages_heads import (
-    MIN_COUNT_CHOICES,
-    SCORES,
-    HeadPageParams,
-    OverviewParams,
-    head_context,
-    overview_context,
-)
-from app.routers.rendering import Page, PageCall, PageContext, page_context, render, url
+from app.routers.pages_heads import MIN_COUNT_CHOICES, HeadPageParams, head_context
+from app.routers.pages_overview import SCORES, OverviewParams, overview_context
+from app.routers.rendering import Page, PageCall, page_context, render, url
 from app.scheduling import cheap
-from app.schemas import CircuitTopView, HeadScores
+from app.schemas import CircuitTopView, DetectorsView, HeadScores
 from app.views.circuits import DIRECT
 from app.views.detectors import DETECTORS
 from app.views.heads import HEAD
@@ -168,7 +163,26 @@ def direct_min_count(call: PageCall[Any], asked: int | str | None) -> int | None
     return None if asked == "all" else int(asked)
 
 
-async def direct_context(call: PageCall[DirectPageParams]) -> PageContext:
+class DirectContext(TypedDict):
+    """templates/direct.html: the direct path's top entries (one token's row as a bar chart) and the token-set
+    pickers' state (min_count: frequent tokens only; vocab: every token of a large vocabulary)."""
+
+    view: CircuitTopView
+    token: str | None
+    k: int
+    fig: Figure | None  # the row's bars, when a token is given
+    max_k: int
+    rare_claim: str | None  # how many of the tokens shown are rare in training (global table, every token)
+    min_count: int | Literal["all"] | None  # the floor used; "all" when counts exist but every token is ranked
+    has_counts: bool  # the folder has token_counts.npy
+    default_min_count: int | None
+    min_count_choices: tuple[int, ...]
+    vocab: Literal["all"] | None  # "all" only where it differs from the default (a vocabulary over DEFAULT_VOCAB)
+    n_vocab: int
+    default_vocab: int
+
+
+async def direct_context(call: PageCall[DirectPageParams]) -> DirectContext:
     p = call.params
     shown = direct_min_count(call, p.min_count)
     vocab = "all" if p.min_count == "all" else p.vocab  # the picker's 'all' ranks every token, a large vocabulary's too
@@ -212,7 +226,25 @@ class DetectorPageParams(DetectorParams):
 TOP_CHARTED = 12  # heads in the detector chart: those with the largest score of any detector (the table has all)
 
 
-async def detectors_context(call: PageCall[DetectorPageParams]) -> PageContext:
+class DetectorsContext(TypedDict):
+    """templates/detectors.html: the detector scores (the heads the filter keeps), their charts, the loss sentence and
+    the input's form state."""
+
+    view: DetectorsView
+    snippet: str | None  # "copy as Python" on the standard input (random tokens repeated)
+    shown_heads: list[HeadScores]
+    head_filter: str  # the filter as read ('' for none)
+    filter_text: str | None  # as typed
+    figs: dict[str, Any]  # detector_charts
+    seq_len: int | None
+    batch: int
+    claim: str | None  # loss_sentence
+    seed: int
+    prompt: str | None
+    heads: str | None
+
+
+async def detectors_context(call: PageCall[DetectorPageParams]) -> DetectorsContext:
     page = call.params  # normalised: seq_len is the standard input fitted to the model
     head_filter = HeadFilter.parse(page.filter)
     p = DetectorParams(**page.model_dump(exclude={"filter"}))

@@ -7,12 +7,13 @@ these pages. The composition pages are in pages_composition.py, the prompt page 
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, NotRequired, TypedDict
 
 from pydantic import Field
 
 from app import charts, snippets, view_figures
 from app.analysis import HeadField
+from app.charts import Figure
 from app.head_filter import FilterText
 from app.labels import token_labels, visible
 from app.params import (
@@ -24,7 +25,8 @@ from app.params import (
     TermImportanceParams,
 )
 from app.routers.page_inputs import filtered_heads, snippet_source, suggested_heads, text_of
-from app.routers.rendering import Page, PageCall, PageContext
+from app.routers.rendering import Page, PageCall, Refusal
+from app.schemas.analyses import ChainView, QKPathsView, TermImportanceView
 from app.views.path import PATH
 from app.views.qk_paths import QK_PATHS
 from app.views.shared.heads_table import HEADS
@@ -37,7 +39,22 @@ class ChainPageParams(ChainParams):
     heads: Heads = None  # type: ignore[assignment]  # default: the suggested heads
 
 
-async def chain_context(call: PageCall[ChainPageParams]) -> PageContext:
+class ChainContext(TypedDict):
+    """templates/chain.html: a chain of heads on a prompt (its pattern, contributions, OV eigenvalues as figures) and
+    the form's state."""
+
+    view: ChainView | None  # None: refused (error)
+    error: Refusal | None
+    figs: dict[str, Figure]  # none when refused
+    prompt: str | None
+    tokens: str | None
+    heads: str  # the chain as asked, or as the view names it
+    target: str | None
+    k: int
+    max_k: int
+
+
+async def chain_context(call: PageCall[ChainPageParams]) -> ChainContext:
     p = call.params
     prompt, tokens = text_of(p)
     heads = p.heads or ",".join(await suggested_heads(call, min(2, call.limits.max_order)))
@@ -46,7 +63,7 @@ async def chain_context(call: PageCall[ChainPageParams]) -> PageContext:
     heads_str = ",".join(view.heads) if view else heads
     call.json_params = params.model_copy(update={"heads": heads_str})
     call.title = f"{heads_str.replace(',', ' → ')} · {call.model_id}"
-    ctx: dict[str, Any] = {
+    ctx: ChainContext = {
         "view": view,
         "error": error,
         "figs": {},
@@ -96,7 +113,24 @@ class QKPathsPageParams(QKPathsParams):
     head: Annotated[str | None, Field(max_length=16, description=HEAD_DOC), HeadField()] = None  # type: ignore[assignment]
 
 
-async def qk_paths_context(call: PageCall[QKPathsPageParams]) -> PageContext:
+class QKPathsContext(TypedDict):
+    """templates/qk_paths.html: one head's attention scores split into query-side x key-side terms, as figures, and
+    the form's state; the "copy as Python" snippet when one (query, key) score's terms are listed."""
+
+    view: QKPathsView | None  # None: refused (error)
+    error: Refusal | None
+    head: str  # as asked, or as the view names it
+    figs: dict[str, Any]  # std, scores: figures; terms: (name, figure) per term
+    prompt: str | None
+    tokens: str | None
+    query: int | None
+    key: int | None
+    k: int
+    max_k: int
+    snippet: NotRequired[str]
+
+
+async def qk_paths_context(call: PageCall[QKPathsPageParams]) -> QKPathsContext:
     p = call.params
     cfg = call.model.model.cfg
     prompt, tokens = text_of(p)
@@ -107,7 +141,7 @@ async def qk_paths_context(call: PageCall[QKPathsPageParams]) -> PageContext:
     view, error = await call.attempt(QK_PATHS, params)
     call.json_params = params
     call.title = f"QK paths of {head} · {call.model_id}"
-    ctx: dict[str, Any] = {
+    ctx: QKPathsContext = {
         "view": view,
         "error": error,
         "head": head,
@@ -182,12 +216,27 @@ class TermImportancePageParams(TermImportanceParams):
     filter: FilterText = None  # of the head ablations' table and charts
 
 
-async def term_importance_context(call: PageCall[TermImportancePageParams]) -> PageContext:
+class TermImportanceContext(TypedDict):
+    """templates/term_importance.html: the loss by path order and per layer, the head ablations the filter keeps, the
+    sentence on the previous-token head's ablation, and the form's state."""
+
+    view: TermImportanceView | None  # None: refused, or the heads table's job still running (error)
+    error: Refusal | None
+    figs: dict[str, Figure]
+    prompt: str | None
+    heads: str | None
+    head_filter: str  # the filter as read ('' for none)
+    filter_text: str | None  # as typed
+    n_ablated: NotRequired[int | None]  # heads ablated before the filter
+    claim: NotRequired[str | None]  # ablation_sentence
+
+
+async def term_importance_context(call: PageCall[TermImportancePageParams]) -> TermImportanceContext:
     prompt, model = call.params.prompt, call.model_id
     params = TermImportanceParams(**call.params.model_dump(exclude={"filter"}))
     call.json_params = params
     head_filter, kept, filter_error = await filtered_heads(call, call.params.filter)
-    ctx: dict[str, Any] = {
+    ctx: TermImportanceContext = {
         "view": None,
         "error": filter_error,
         "figs": {},
@@ -205,7 +254,8 @@ async def term_importance_context(call: PageCall[TermImportancePageParams]) -> P
         if whole is None or kept is None
         else whole.model_copy(update={"heads": [h for h in whole.heads if h.head in kept]})
     )
-    ctx.update(view=view, error=error or filter_error, n_ablated=None if whole is None else len(whole.heads))
+    ctx["view"], ctx["error"] = view, error or filter_error
+    ctx["n_ablated"] = None if whole is None else len(whole.heads)
     if view is None or whole is None:
         return ctx
     ctx["claim"] = ablation_sentence(whole, heads)

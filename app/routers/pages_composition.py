@@ -18,14 +18,16 @@ from app.params import (
 )
 from app.routers.page_inputs import filtered_heads, snippet_source
 from app.routers.pages_rotary import pair_rotary_context, rotary_enabled
-from app.routers.rendering import Page, PageCall, PageContext, url
+from app.routers.rendering import Page, PageCall, PageContext, is_fragment, url
 from app.schemas.analyses import CompositionPair, CompositionView
 from app.views.composition import COMPOSITION, COMPOSITION_PAIR
 from app.views.shared.heads_table import HEADS
 from app.views.shared.page_claims import composition_sentence
 
-
 # -- composition ------------------------------------------------------------------------------------------------
+FRAME_FIRST_S = 0.5  # heat maps priced over this many seconds (the three kinds) load after the page frame
+
+
 class CompositionPageParams(CompositionParams):
     """The composition page: the analysis's params and, on a model drawn as layer blocks, the block zoomed into."""
 
@@ -65,15 +67,32 @@ def of_heads(view: CompositionView, kept: set[str] | None) -> CompositionView:
     )
 
 
+def heat_map_seconds(call: PageCall[CompositionPageParams], params: CompositionParams) -> float:
+    """The time the page's heat maps would compute here: its three kinds (they share one colour scale), each priced at
+    the server's rate unless kept already (SmolLM2's 270 heads: ~36 GFLOP, ~2 s)."""
+    return sum(call.seconds_left(COMPOSITION, params.model_copy(update={"kind": k})) for k in ("Q", "K", "V"))
+
+
 async def composition_context(call: PageCall[CompositionPageParams]) -> PageContext:
     page = call.params
     params = CompositionParams(**page.model_dump(exclude={"block", "filter"}))
     call.json_params = params
+    kind = params.kind
+    call.title = f"{kind}-composition · {call.model_id}"
+    base = f"/models/{call.model_id}/composition"
+    state = {
+        "kind": kind,
+        "offset": params.offset or None,
+        "basis": page.basis if page.basis != "served" else None,
+        "filter": page.filter or None,
+    }
+    seconds = 0.0 if is_fragment(call.request) else heat_map_seconds(call, params)
+    if seconds > FRAME_FIRST_S:  # the page's frame at once; its panel's htmx request computes the heat maps
+        call.keep = False  # a frame is not kept: once its heat maps are, the page comes whole
+        return {"panel_url": url(base, **state, block=page.block), "kind": kind, "panel_seconds": seconds}
     head_filter, kept, filter_error = await filtered_heads(call, page.filter)
     whole, error = await call.attempt(COMPOSITION, params)
     view = None if whole is None else of_heads(whole, kept)
-    kind = params.kind
-    call.title = f"{kind}-composition · {call.model_id}"
     zmax, claim = None, None
     if whole is not None:  # one colour scale for Q, K and V (the other kinds' answers are cached like this one)
         views = [whole] + [
@@ -87,13 +106,6 @@ async def composition_context(call: PageCall[CompositionPageParams]) -> PageCont
         k_view = next((v for v in views if v.kind == "K"), None)
         if not params.offset:  # what this model shows (detector scores on the standard input, cached)
             claim = composition_sentence(call.model_id or "", (await call.attempt(HEADS, NoParams()))[0], k_view)
-    base = f"/models/{call.model_id}/composition"
-    state = {
-        "kind": kind,
-        "offset": params.offset or None,
-        "basis": page.basis if page.basis != "served" else None,
-        "filter": page.filter or None,
-    }
     fig = zoom = None
     blocks = view is not None and block_heatmaps.needs_blocks(len(view.sources))
     if view is not None and blocks:  # 30 layers x 9 heads: one cell per layer block, a click zooms in

@@ -1,102 +1,42 @@
-"""The pages of a model's heads: the overview (the model's summary, the heads table as a heatmap, the paper's 2-D
-view of induction) and one head (its spectra, its circuits, the heads it composes with). Pages (rendering.py),
-listed in app/routers/pages.py PAGES."""
+"""The page of one head: its spectra, its circuit tables (OV, QK from both sides, skip-trigrams) on the chosen weights
+and tokens, the heads it composes with, and the rotary and latent panels where they apply. A Page (rendering.py),
+listed in app/routers/pages.py PAGES (the model's overview is pages_overview.py)."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Literal
-
-from pydantic import Field
+from typing import Any, Literal, TypedDict
 
 from app import charts, snippets
-from app.analysis import Analysis
-from app.figure_output import MAX_HEIGHT
-from app.head_filter import FilterText, HeadFilter, labelled_heads
 from app.params import (
     DEFAULT_VOCAB,
     HeadParams,
     K,
-    NoParams,
     Offset,
     OVParams,
     QKParams,
     SkipTrigramParams,
 )
-from app.routers.pages_rotary import head_rotary_context, rotary_enabled
+from app.routers.pages_rotary import HeadRotary, HeadRotaryContext, head_rotary_context, rotary_enabled
 from app.routers.rendering import (
     PageCall,
-    PageContext,
     attempt,
     is_fragment,
-    refusal,
 )
 from app.scheduling import cheap
-from app.scheduling.flights import JobPending
-from app.schemas import CircuitTopView, HeadScores, HeadsView, HeadView
+from app.schemas import CircuitTopView, HeadView, SkipTrigramView
 from app.views.circuits import OV, QK
 from app.views.composition import head_partners
 from app.views.heads import HEAD
 from app.views.latent import latent_head_panel
-from app.views.model_summary import summary_from_heads
-from app.views.models import build_model_view
-from app.views.positivity import POSITIVITY, partner_label
-from app.views.shared.basis import basis
-from app.views.shared.heads_table import HEADS
-from app.views.shared.page_claims import scatter_sentence
 from app.views.shared.token_sets import has_token_counts
 from app.views.skip_trigrams import SKIP_TRIGRAMS
-from circuits_core.circuits.profile_shape import near_edge
-from circuits_core.circuits.rotary import KERNEL_WINDOW
-from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.head_names import all_heads, head_name
-
-# The head scores the overview heatmap can show: key -> (label, signed)
-SCORES: dict[str, tuple[str, bool]] = {
-    "induction": ("induction", False),
-    "previous_token": ("previous token", False),
-    "duplicate_token": ("duplicate token", False),
-    "current_token": ("current token", False),
-    "first_token": ("first token (BOS)", False),
-    "ov_copying": ("OV copying (Σλ/Σ|λ|)", True),
-    "qk_copying": ("QK copying (Σλ/Σ|λ|)", True),
-}
 
 POSITIONAL_SHOWN = 64  # first positions drawn in the positional QK heatmap (the JSON twin has them all)
 
 # The page's "tokens" picker: every token, or those seen at least N times in training (the API's min_count).
 MIN_COUNT_CHOICES = (50, 200, 500, 1000, 2000)
-
-
-def heads_grid(
-    loaded: LoadedModel, heads: list[HeadScores], score: str, model_id: str, head_filter: HeadFilter | None = None
-) -> dict[str, Any]:
-    """The overview heatmap: layers x heads of one score, values in the cells when they fit; a click opens the
-    head. With a head filter only the heads it keeps are coloured (the others are blank)."""
-    cfg = loaded.model.cfg
-    label, signed = SCORES[score]
-    z: list[list[float | None]] = [[None] * cfg.n_heads for _ in range(cfg.n_layers)]
-    names = [[head_name(layer, h) for h in range(cfg.n_heads)] for layer in range(cfg.n_layers)]
-    for s in heads:
-        if head_filter is None or head_filter.keeps(s):
-            z[s.layer][s.index] = getattr(s, score)
-    links = [[f"/models/{model_id}/heads/{n}" for n in row] for row in names]
-    return charts.heatmap(
-        z,
-        [f"H{h}" for h in range(cfg.n_heads)],
-        [f"L{layer}" for layer in range(cfg.n_layers)],
-        title=f"{label} score per head (click a head to open it)",
-        x_title="head",
-        y_title="layer",
-        signed=signed,
-        zmax=1.0,
-        customdata=names,
-        hover="%{customdata}<br>" + label + " %{z:.3f}",
-        links=links,
-        colorbar=label,
-        text_in_cells=charts.cells_fit(cfg.n_layers, cfg.n_heads),
-        height=max(220, min(70 * cfg.n_layers + 120, MAX_HEIGHT)),
-    )
 
 
 async def composition_partners(call: PageCall[Any], name: str, top: int = 6) -> list[dict[str, Any]]:
@@ -109,31 +49,6 @@ async def composition_partners(call: PageCall[Any], name: str, top: int = 6) -> 
         head_partners, loaded, name, top, key=(loaded.path.name, loaded.digest, "partners", name, top)
     )
     return rows or []
-
-
-def training_curve(card: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The model card's evaluation history as loss curves (train and validation loss against the step)."""
-    history = (card or {}).get("history")
-    if (
-        not isinstance(history, list)
-        or not all(isinstance(r, dict) and "step" in r for r in history)
-        or len(history) < 2
-    ):
-        return None
-    series = {
-        name: [r.get(key) for r in history]
-        for key, name in (("train_loss", "train loss"), ("val_loss", "validation loss"))
-        if any(isinstance(r.get(key), (int, float)) for r in history)
-    }
-    if not series:
-        return None
-    return charts.lines(
-        [r["step"] for r in history],
-        series,
-        title="training curve (model card history)",
-        x_title="step",
-        y_title="loss (nats)",
-    )
 
 
 def head_charts(view: HeadView) -> dict[str, Any]:
@@ -176,84 +91,46 @@ def head_charts(view: HeadView) -> dict[str, Any]:
 
 
 # -- a model's overview: its summary, the heads table and the paper's 2-D view of induction -------------------------
-class OverviewParams(NoParams):
-    score: Literal[
-        "induction", "previous_token", "duplicate_token", "current_token", "first_token", "ov_copying", "qk_copying"
-    ] = Field("induction", description="the head score the heatmap shows")
-    filter: FilterText = None  # of the grid, the table and the scatter
-
-
-async def overview_context(call: PageCall[OverviewParams]) -> PageContext:
-    loaded, model_id, score = call.model, call.model_id or "", call.params.score
-    head_filter = HeadFilter.parse(call.params.filter)  # 422 with the syntax when unreadable
-    summary = build_model_view(loaded, await cheap(call.registry.entry, model_id))
-    try:  # the model's facts show at once; a heads table priced over the inline budget shows its job's progress
-        heads: HeadsView | None = await call.run(HEADS, NoParams())
-        heads_error = None
-    except JobPending as exc:  # status 202 (the page is not kept): the progress bar polls the job
-        heads, heads_error = None, refusal(exc)
-    call.title = model_id
-    fig = heads_grid(loaded, heads.heads, score, model_id, head_filter) if heads is not None and heads.heads else None
-    shown_heads = head_filter.apply(heads.heads) if heads is not None else []
-    kept = {s.head for s in shown_heads}
-    scatter, scatter_claim, refused = None, None, None
-    if heads is not None and applies_to(POSITIVITY, loaded) and not is_fragment(call.request):
-        view, scatter_error = await call.attempt(POSITIVITY, NoParams())
-        if view is not None:
-            pts = [p.model_dump() for p in view.points if p.head in kept]
-            scatter = charts.scatter(
-                [p["ov_copying"] or 0.0 for p in pts],
-                [p["k_composition_positivity"] for p in pts],
-                [p["head"] for p in pts],
-                title=f"OV copying vs K-composition positivity with {partner_label(view)}",
-                x_title="OV copying score (Σλ/Σ|λ|)",
-                y_title="K-composition positivity",
-                links=[f"/models/{model_id}/heads/{p['head']}" for p in pts],
-                named=[*labelled_heads(heads.heads), *filter(None, (view.previous_token_head, heads.induction_head))],
-            )
-            scatter_claim = scatter_sentence([p.model_dump() for p in view.points], heads)
-        elif scatter_error is not None and scatter_error["status"] == 422:
-            refused = scatter_error["detail"]  # refused for good: the page says why
-        else:
-            call.keep = False  # failed this time (busy, timeout): the page is not kept without its scatter
-    return {
-        "summary": summary,
-        "heads": heads,
-        "shown_heads": shown_heads,
-        "kernel_window": KERNEL_WINDOW,
-        "kernel_edge": lambda offset: (
-            offset is not None  # the kernel peak column flags a window edge (61..64)
-            and KERNEL_WINDOW < loaded.model.cfg.n_ctx - 1
-            and near_edge(offset, 0, KERNEL_WINDOW)
-        ),
-        "head_filter": str(head_filter),
-        "filter_text": call.params.filter,
-        "score": score,
-        "scores": SCORES,
-        "fig": fig,
-        "scatter": scatter,
-        "scatter_claim": scatter_claim,
-        "served_basis": basis(loaded),
-        "scatter_refused": refused,
-        "card_fig": training_curve(summary.card),
-        "measured": summary_from_heads(loaded, heads)
-        if heads is not None and heads.heads and not summary.card
-        else None,
-        "heads_error": heads_error,
-    }
-
-
-def applies_to(analysis: Analysis[Any, Any], loaded: LoadedModel) -> bool:
-    return loaded.model.cfg.n_layers >= analysis.needs_layers
-
-
 # -- one head: its spectra and its circuits ---------------------------------------------------------------------
 class HeadPageParams(OVParams):
     k: K = 10
     offset: Offset = 0  # rotary models: the QK tables at this query-key offset
 
 
-async def head_context(call: PageCall[HeadPageParams]) -> PageContext:
+class HeadContext(TypedDict):
+    """templates/head.html: one head's spectra (view) and its circuit tables (OV, QK from both sides, skip-trigrams)
+    on the chosen weights and tokens, its composition partners, the rotary and latent panels where they apply, and
+    the pickers' state."""
+
+    head: str
+    view: HeadView | None  # None on an htmx request for the circuits panel only
+    ov: CircuitTopView
+    ov_snippet: str
+    qk_q: CircuitTopView
+    qk_k: CircuitTopView | None  # the key side, when a token is given
+    skip: SkipTrigramView
+    token: str | None
+    k: int
+    figs: dict[str, Any]  # head_charts
+    max_k: int
+    partners: list[dict[str, Any]]  # composition_partners
+    prev_head: str | None
+    next_head: str | None
+    base_url: str
+    min_count: int | None
+    has_counts: bool
+    min_count_choices: tuple[int, ...]
+    offset: int | None  # the QK tables' offset δ (None: 0)
+    is_rotary: bool
+    n_ctx: int
+    vocab: Literal["all"] | None  # "all" only where it differs from the default
+    n_vocab: int
+    default_vocab: int
+    rotary: HeadRotary | None
+    latent: dict[str, Any] | None  # latent_head_panel
+
+
+async def head_context(call: PageCall[HeadPageParams]) -> HeadContext:
     p = call.params
     cfg, name, model = call.model.model.cfg, p.head, call.model_id
     fragment_only = is_fragment(call.request) and call.request.headers.get("HX-Target") == "circuits"
@@ -281,7 +158,7 @@ async def head_context(call: PageCall[HeadPageParams]) -> PageContext:
     async def no_partners() -> list[dict[str, Any]]:
         return []
 
-    async def no_rotary() -> dict[str, Any]:
+    async def no_rotary() -> HeadRotaryContext:
         return {"rotary": None}
 
     # The panels are independent once the view answered (a view still computing answers 202 before any of them
@@ -343,6 +220,6 @@ async def head_context(call: PageCall[HeadPageParams]) -> PageContext:
         "vocab": p.vocab if p.vocab == "all" and cfg.d_vocab > DEFAULT_VOCAB else None,
         "n_vocab": cfg.d_vocab,
         "default_vocab": DEFAULT_VOCAB,
-        **rotary,
+        "rotary": rotary["rotary"],
         "latent": latent_head_panel(call.model, name, view.latent) if view is not None else None,
     }

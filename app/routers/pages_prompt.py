@@ -4,7 +4,7 @@ path expansion; its context runs the prompt and paths analyses through `call.run
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, TypedDict
 
 from pydantic import Field
 
@@ -21,7 +21,8 @@ from app.params import (
     target_token,
 )
 from app.routers.page_inputs import snippet_source, suggested_heads, text_of
-from app.routers.rendering import Page, PageCall, PageContext, url
+from app.routers.rendering import Page, PageCall, Refusal, url
+from app.schemas.analyses import PathsView, PromptView
 from app.views.prompt import PATHS, PROMPT
 from app.views.shared.inputs import spelling_variants
 from circuits_core.errors import InvalidInputError
@@ -43,7 +44,29 @@ class PromptPageParams(PromptInput):
     k: K = 20
 
 
-async def prompt_context(call: PageCall[PromptPageParams]) -> PageContext:
+class PromptContext(TypedDict):
+    """templates/prompt.html: the attention patterns (PROMPT) and the logit's path expansion (PATHS) of one prompt,
+    each with its own refusal (an htmx request for one panel computes only that one), and the form's state."""
+
+    target_spelling: tuple[tuple[str, int], list[tuple[str, int]]] | None  # spelling_variants of the target
+    pview: PromptView | None
+    paths: PathsView | None
+    figs: dict[str, Any]  # patterns: (head, figure) each; text, layer, waterfall, by_source: figures; snippet
+    patterns_error: Refusal | None
+    paths_error: Refusal | None
+    state: dict[str, object]  # the form's fields as the panels' links repeat them
+    base: str  # the page's path
+    prompt: str | None
+    heads: str
+    layer: int | None
+    n_layers: int
+    n_heads_shown: int
+    n_heads: int
+    weighted: bool
+    patterns_json: str  # the JSON twin of the patterns panel
+
+
+async def prompt_context(call: PageCall[PromptPageParams]) -> PromptContext:
     p = call.params
     model = call.model_id
     prompt, tokens = text_of(p)
@@ -54,7 +77,7 @@ async def prompt_context(call: PageCall[PromptPageParams]) -> PageContext:
         heads_str = ",".join(f"L{p.layer}H{h}" for h in range(min(cfg.n_heads, call.limits.max_heads)))
     else:
         heads_str = p.heads or ",".join(await suggested_heads(call, call.limits.max_heads))
-    state = {
+    state: dict[str, object] = {
         "prompt": prompt,
         "tokens": tokens,
         "heads": heads_str if p.layer is None else None,

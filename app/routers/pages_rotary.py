@@ -5,10 +5,11 @@ include them only for rotary models."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from app import charts, snippets
 from app.analysis import json_url
+from app.charts import Figure
 from app.routers.rendering import PageCall
 from app.scheduling import cheap
 from app.schemas.rotary import BandsView, CompositionProfileView, PositionalView, QKCopyingView
@@ -30,7 +31,40 @@ def rotary_enabled(call: PageCall[Any]) -> bool:
     return call.model is not None and is_rotary(call.model)
 
 
-async def head_rotary_context(call: PageCall[Any], head: str) -> dict[str, Any]:
+class HeadRotary(TypedDict):
+    """The head page's rotary panel: the positional kernel f(δ), the QK energy per rotary band, the QK eigenvalue
+    copying over δ, each with its chart and its JSON twin."""
+
+    positional: PositionalView
+    bands: BandsView
+    kernel_fig: Figure
+    bands_fig: Figure
+    positional_json: str
+    bands_json: str
+    qk_copying: QKCopyingView
+    qk_copying_fig: Figure
+    qk_eig_fig: Figure
+    qk_copying_json: str
+
+
+class HeadRotaryContext(TypedDict):
+    rotary: HeadRotary | None  # None: not a rotary model
+
+
+class PairRotary(TypedDict):
+    """The composition pair page's rotary panel: the Q- and K-composition profiles over δ with the baseline."""
+
+    profiles: dict[str, CompositionProfileView]  # "Q", "K"
+    profile_fig: Figure
+    snippet: str
+    profile_json: dict[str, str]  # "Q", "K" -> the profile's JSON twin
+
+
+class PairRotaryContext(TypedDict):
+    rotary: PairRotary | None  # None: not a rotary model
+
+
+async def head_rotary_context(call: PageCall[Any], head: str) -> HeadRotaryContext:
     """The positional kernel f(δ) and the energy per rotary band of one head, with their charts."""
     if not rotary_enabled(call):
         return {"rotary": None}
@@ -87,7 +121,7 @@ async def head_rotary_context(call: PageCall[Any], head: str) -> dict[str, Any]:
     }
 
 
-async def pair_rotary_context(call: PageCall[Any], source: str, target: str) -> dict[str, Any]:
+async def pair_rotary_context(call: PageCall[Any], source: str, target: str) -> PairRotaryContext:
     """The pair's Q- and K-composition profiles over δ = 0..64, with the random baseline."""
     if not rotary_enabled(call):
         return {"rotary": None}

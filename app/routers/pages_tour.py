@@ -6,14 +6,15 @@ and a link into the full view. This module only turns each figure's data into ch
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 from app import charts, view_figures
 from app.labels import unique_labels, visible
 from app.params import TourParams
-from app.routers.rendering import Page, PageCall, PageContext
+from app.routers.rendering import Page, PageCall
 from app.tour.analysis import TOUR
-from app.tour.figure_data import ClaimChart, TourData, TourFigure
+from app.tour.figure_data import ClaimChart, TourData, TourFigure, TourView
+from app.tour.paper_claims import PositivityCornerClaim
 from app.tour.rotary_claims import InductionHeadsClaim, LogitByOrderClaim, ScoreTermsClaim
 
 
@@ -158,6 +159,7 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
         )
     if d.points is not None:
         pts = d.points
+        corner = PositivityCornerClaim.model_validate(d.claim) if d.claim else None  # F26's measured sentence
         add(
             charts.scatter(
                 [p.ov_copying or 0.0 for p in pts],
@@ -167,7 +169,7 @@ def figure_parts(fig: TourFigure) -> dict[str, Any]:
                 x_title="OV copying score",
                 y_title="K-composition positivity",
                 links=[f"/models/{model}/heads/{p.head}" for p in pts],
-                named=[p[0] for p in (d.claim or {}).get("points", [])],  # the heads the caption names
+                named=[p[0] for p in corner.points] if corner else [],  # the heads the caption names
             )
         )
     if d.term_importance is not None:
@@ -254,7 +256,15 @@ CLAIM_CHARTS: dict[ClaimChart, Callable[[dict[str, Any], Callable[[dict[str, Any
 }
 
 
-async def tour_context(call: PageCall[TourParams]) -> PageContext:
+class TourContext(TypedDict):
+    """templates/tour.html: the chapter's figures, each with its parts drawn (figure_parts; None: unavailable)."""
+
+    view: TourView
+    parts: list[tuple[TourFigure, dict[str, Any] | None]]
+    params: TourParams
+
+
+async def tour_context(call: PageCall[TourParams]) -> TourContext:
     view = await call.run(TOUR, call.params)
     parts = [(fig, figure_parts(fig) if fig.available and fig.data else None) for fig in view.figures]
     call.title = {"paper": "Paper tour", "smollm2": "Tour: SmolLM2-135M", "gemma3": "Tour: Gemma-3 270M"}[

@@ -19,7 +19,7 @@ from fastapi.responses import Response
 from jinja2_fragments.fastapi import Jinja2Blocks
 
 from app import charts, snippets
-from app.analysis import API, AnalysisParams, Declared, P, V, json_url, run, validate
+from app.analysis import API, AnalysisParams, Declared, P, V, cache_key, json_url, run, validate
 from app.deps import get_model
 from app.errors import kind_of
 from app.figure_output import for_page
@@ -28,7 +28,7 @@ from app.labels import visible
 from app.registry import ModelRegistry
 from app.routers.navigation import model_nav, nav_note
 from app.routers.page_cache import cached_page, encode_page_key, html_page, keep_page
-from app.scheduling import cheap, compute
+from app.scheduling import cheap, compute, current_service, is_cached
 from app.scheduling.flights import JobPending
 from app.settings import REPO_ROOT, Limits
 from app.views.shared.basis import basis, changes_weights
@@ -224,6 +224,17 @@ class PageCall(Generic[PP]):
             if body is not None:
                 self.snippets[analysis.name] = snippets.script(self.loaded.path, dtype, body, raw=raw)
         return view
+
+    def seconds_left(self, analysis: Declared[P, V], params: P) -> float:
+        """How long `run` of a model's analysis would compute: 0 when this process keeps its answer already, else its
+        price at the server's arithmetic rate (compute_flops_per_s); 0 when it cannot be priced (`run` refuses it)."""
+        try:
+            params = params.normalised(self.model)
+            if analysis.cached(params) and is_cached(cache_key(analysis, self.model_id or "", self.model, params)):
+                return 0.0
+            return current_service().budgets.estimated_seconds(analysis.priced(self.model, params, self.limits)) or 0.0
+        except QkovError:
+            return 0.0
 
     async def attempt(self, analysis: Declared[P, V], params: P) -> tuple[V | None, Refusal | None]:
         """`run`, a refusal (QkovError) returned as the panel's error instead of raised."""

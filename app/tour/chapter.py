@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from pydantic import BaseModel
@@ -34,7 +33,7 @@ class Measured:
     """One figure measured: its sentence and the values behind it, and where its full view and data are."""
 
     sentence: str
-    values: dict[str, Any] | BaseModel  # a typed claim (app/tour/rotary_claims.py) is written field for field
+    values: BaseModel  # the typed claim (paper_claims.py, rotary_claims.py, gemma3.py), written field for field
     link: str  # the dashboard URL of the full view
     api: str  # the JSON API URL of its data
     claim_chart: ClaimChart | None = None  # the chart drawn from `values`, if any
@@ -79,7 +78,7 @@ def _figure(fig: ChapterFigure, model_id: str, m: Measured | None = None, detail
     if m is None:
         return TourFigure(id=fig.id, title=fig.title, anchor=fig.anchor, look_for=fig.look_for, model=model_id,
                           link=None, api=None, available=False, detail=detail, data=None)  # fmt: skip
-    data = TourData(claim=m.values.model_dump() if isinstance(m.values, BaseModel) else m.values)
+    data = TourData(claim=m.values.model_dump())
     if m.claim_chart is not None:  # set only when drawn: an unset field is not written (TourData)
         data.claim_chart = m.claim_chart
     return TourFigure(id=fig.id, title=fig.title, anchor=fig.anchor, look_for=f"{fig.look_for} Measured: {m.sentence}",

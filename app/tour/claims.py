@@ -4,7 +4,7 @@ A tour sentence that states a fact about a model is generated here from measured
 hand, so it cannot drift from the model; tests/app/test_claims.py recomputes each value independently (dense
 float64 circuits, plain forward passes) and fails when a sentence stops being true. Each function takes the
 loaded model and the figure's data (figures.py) and returns (sentence, values); the values are kept in
-the figure's data (TourData.claim) so the JSON twin carries them.
+the figure's data (TourData.claim) so the JSON twin carries them, typed (paper_claims.py) and written field for field.
 """
 
 from __future__ import annotations
@@ -16,13 +16,36 @@ from typing import Any, TypeVar
 import torch
 
 from app.tour.figure_data import TourData
+from app.tour.paper_claims import (
+    ChainPatternClaim,
+    CopyingScoresClaim,
+    CopyingSourceClaim,
+    DirectPathBigramsClaim,
+    FigureClaim,
+    FirstOrderGainsClaim,
+    InductionMassClaim,
+    KCompositionDiagonalClaim,
+    LargestPathTermsClaim,
+    LossByOrderClaim,
+    NextTokenEffectClaim,
+    PathTermsSumClaim,
+    PositionalHeadClaim,
+    PositiveEigenvaluesClaim,
+    PositivityCornerClaim,
+    QKTermSpreadClaim,
+    QueryRowClaim,
+    SecondCopyingHeadClaim,
+    StandardInputClaim,
+    TokenCopyingClaim,
+    TopCompositionPairsClaim,
+)
 from app.views.shared.basis import basis
 from circuits_core.circuits import copying, copying_spectra
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.head_names import parse_head
 from circuits_core.prompt.phenomena import HeldOutBigrams, find_eval_data
 
-Claim = tuple[str, dict[str, Any]]
+Claim = tuple[str, FigureClaim]
 BASELINE_SAMPLES, BASELINE_TOP_SAMPLES = 200, 2
 T = TypeVar("T")
 
@@ -39,14 +62,13 @@ def f6(loaded: LoadedModel, d: TourData) -> Claim:
     data = find_eval_data(loaded.path)
     where = f" among tokens seen at least {d.min_count} times in training" if d.min_count else ""
     sentence = f"Basis: {basis(loaded)}. Shown: the {len(pairs)} largest entries{where}."
-    values: dict[str, Any] = {"pairs": pairs, "min_count": d.min_count}
-    if data is not None:
-        bigrams = HeldOutBigrams(data)
-        counts = [bigrams.count(a, b) for a, b in pairs]
-        seen = sum(c > 0 for c in counts)
-        values.update(held_out_counts=counts, seen=seen)
-        sentence += f" {seen} of them occur as bigrams (current token, next token) in the held-out code."
-    return sentence, values
+    if data is None:
+        return sentence, DirectPathBigramsClaim(pairs=pairs, min_count=d.min_count)
+    bigrams = HeldOutBigrams(data)
+    counts = [bigrams.count(a, b) for a, b in pairs]
+    seen = sum(c > 0 for c in counts)
+    sentence += f" {seen} of them occur as bigrams (current token, next token) in the held-out code."
+    return sentence, DirectPathBigramsClaim(pairs=pairs, min_count=d.min_count, held_out_counts=counts, seen=seen)
 
 
 def f9(loaded: LoadedModel, d: TourData) -> Claim:
@@ -55,7 +77,7 @@ def f9(loaded: LoadedModel, d: TourData) -> Claim:
     return (
         f"At the last position the {len(p.terms)} listed terms sum to {total:.4f}, the model's logit "
         f"{p.value:.4f} for {p.target_token.text!r}.",
-        {"total": total, "value": p.value, "target": p.target},
+        PathTermsSumClaim(total=total, value=p.value, target=p.target),
     )
 
 
@@ -73,7 +95,7 @@ def f10(loaded: LoadedModel, d: TourData) -> Claim:
         f"{ov.head} has the highest eigenvalue copying score ({score:.2f}), yet only {top1:.2%} of its source "
         f"tokens raise their own logit most (top-10: {top10:.2%}), and {diag} of its {len(ov.entries)} largest "
         f"entries are diagonal: the eigenvalue score and token-level copying measure different things.",
-        {"head": ov.head, "score": score, "top1": top1, "top10": top10, "diagonal": diag},
+        TokenCopyingClaim(head=_set(ov.head), score=score, top1=top1, top10=top10, diagonal=diag),
     )
 
 
@@ -84,19 +106,15 @@ def f11(loaded: LoadedModel, d: TourData) -> Claim:
         return (
             f"Source {src!r} of {st.head} (the most-copying head), its strongest source: it is "
             f"{'' if st.copying else 'not '}among its own top-{st.k} outputs.",
-            {"head": st.head, "copying": st.copying},
+            CopyingSourceClaim(head=st.head, copying=st.copying),
         )
     return (
         f"Source {src!r} of {st.head} (the most-copying head), among tokens seen at least {d.min_count} times: "
         f"its largest output is {st.outs[0].token.text!r}, itself -- a copying skip-trigram [b] ... [a] -> [b]. "
         f"Among those tokens, {d.share:.1%} raise their own logit most in this head.",
-        {
-            "head": st.head,
-            "source": st.source.id,
-            "top_out": st.outs[0].token.id,
-            "share": d.share,
-            "min_count": d.min_count,
-        },
+        CopyingSourceClaim(
+            head=st.head, source=st.source.id, top_out=st.outs[0].token.id, share=d.share, min_count=d.min_count
+        ),
     )
 
 
@@ -105,7 +123,7 @@ def f12(loaded: LoadedModel, d: TourData) -> Claim:
     return (
         f"Shown: {st.head}, the head with the second-highest eigenvalue copying score, and its strongest source "
         f"{st.source.text!r}. qkov does not detect split tokens: compare the outputs with the source yourself.",
-        {"head": st.head},
+        SecondCopyingHeadClaim(head=st.head),
     )
 
 
@@ -116,13 +134,13 @@ def f14(loaded: LoadedModel, d: TourData) -> Claim:
             f"Shown: {qk.head}, the most-copying head, largest raw QK entries over all (query, key) pairs. Entries of "
             f"different queries are not comparable (each query's softmax runs over its own row): read each against its "
             f"own row.",
-            {"head": qk.head, "query": None},
+            QueryRowClaim(head=_set(qk.head), query=None),
         )
     keys = ", ".join(repr(e.col.text) for e in qk.entries[:3])
     return (
         f"Shown: the keys that query {qk.token.text!r} scores highest in {qk.head} (the most-copying head), one "
         f"query's row, so the entries compete in one softmax and are comparable: {keys}, ...",
-        {"head": qk.head, "query": qk.token.id, "keys": [e.col.id for e in qk.entries]},
+        QueryRowClaim(head=_set(qk.head), query=qk.token.id, keys=[e.col.id for e in qk.entries]),
     )
 
 
@@ -132,7 +150,7 @@ def f15(loaded: LoadedModel, d: TourData) -> Claim:
         f"{d.head} (highest previous-token score): its purely positional pattern puts {pos.previous_token:.2f} "
         f"on the previous position and {pos.current_token:.2f} on the present one, on average over "
         f"{pos.n_positions} positions.",
-        {"head": d.head, "previous": pos.previous_token, "current": pos.current_token},
+        PositionalHeadClaim(head=d.head, previous=pos.previous_token, current=pos.current_token),
     )
 
 
@@ -144,7 +162,7 @@ def f17(loaded: LoadedModel, d: TourData) -> Claim:
     return (
         f"Eigenvalues with a positive real part, per head: {listing}. A copying score near +1 needs most of the "
         f"|λ| mass on the positive side, not most eigenvalues.",
-        {"positive": positive, "n": n},
+        PositiveEigenvaluesClaim(positive=positive, n=n),
     )
 
 
@@ -152,22 +170,22 @@ def f18(loaded: LoadedModel, d: TourData) -> Claim:
     scores = {h: s for h, s in _set(d.ov_copying).items() if s is not None}
     base, sc = _set(d.baseline), _set(d.self_copy)
     pos = sum(s > 0 for s in scores.values())
-    values = {
-        "positive": pos,
-        "n": len(scores),
-        "low": min(scores.values()),
-        "high": max(scores.values()),
-        "baseline_mean": base["mean"],
-        "baseline_std": base["std"],
-        "max_top1": max(sc["top1"].values()),
-        "max_top10": max(sc["topk"].values()),
-    }
+    values = CopyingScoresClaim(
+        positive=pos,
+        n=len(scores),
+        low=min(scores.values()),
+        high=max(scores.values()),
+        baseline_mean=base["mean"],
+        baseline_std=base["std"],
+        max_top1=max(sc["top1"].values()),
+        max_top10=max(sc["topk"].values()),
+    )
     return (
-        f"{pos} of {len(scores)} heads have a positive eigenvalue copying score ({values['low']:.2f} to "
-        f"{values['high']:.2f}); random OV weights of the same shapes through this model's embeddings score "
+        f"{pos} of {len(scores)} heads have a positive eigenvalue copying score ({values.low:.2f} to "
+        f"{values.high:.2f}); random OV weights of the same shapes through this model's embeddings score "
         f"{base['mean']:+.2f} ± {base['std']:.2f} ({BASELINE_SAMPLES} draws). Token by token the copying is weak: "
-        f"in no head do more than {values['max_top1']:.2%} of source tokens raise their own logit most "
-        f"(top-10: {values['max_top10']:.2%}).",
+        f"in no head do more than {values.max_top1:.2%} of source tokens raise their own logit most "
+        f"(top-10: {values.max_top10:.2%}).",
         values,
     )
 
@@ -179,7 +197,7 @@ def f19(loaded: LoadedModel, d: TourData) -> Claim:
     return (
         f"Largest terms at the last position (logit of {p.target_token.text!r}): {listing}; all terms and the "
         f"remainder sum to the logit {p.value:.3f}.",
-        {"top": [(list(t.path), t.value) for t in top], "value": p.value},
+        LargestPathTermsClaim(top=[(list(t.path), t.value) for t in top], value=p.value),
     )
 
 
@@ -193,20 +211,18 @@ def f20(loaded: LoadedModel, d: TourData) -> Claim:
     return (
         f"Largest spreads (std over the prompt's causal query-key pairs) of {q.head}'s score terms, query side × key "
         f"side: {listing}.",
-        {"top": [(name, s) for s, name in cells]},
+        QKTermSpreadClaim(top=[(name, s) for s, name in cells]),
     )
 
 
 def f21(loaded: LoadedModel, d: TourData) -> Claim:
-    values, parts = {}, []
-    for kind, view in (("K", d.K), ("Q", d.Q), ("V", d.V)):
-        top = _set(view).top_pairs[0]
-        values[kind] = (top.source, top.target, top.score)
-        parts.append(f"{kind} {top.source} → {top.target} {top.score:.2f}")
+    tops = {kind: _set(view).top_pairs[0] for kind, view in (("K", d.K), ("Q", d.Q), ("V", d.V))}
+    pairs = {kind: (top.source, top.target, top.score) for kind, top in tops.items()}
+    parts = [f"{kind} {source} → {target} {score:.2f}" for kind, (source, target, score) in pairs.items()]
     base = _set(d.K).baseline
     return (
         f"Top pair of each kind: {'; '.join(parts)} (random baseline 1/√d_model = {base:.2f}).",
-        {**values, "baseline": base},
+        TopCompositionPairsClaim(K=pairs["K"], Q=pairs["Q"], V=pairs["V"], baseline=base),
     )
 
 
@@ -216,7 +232,7 @@ def f22(loaded: LoadedModel, d: TourData) -> Claim:
         f"prompt, {d.induction_head} puts on average {_set(d.induction_weighted_mass):.2f} of each row's "
         f"value-weighted attention on the token after the previous occurrence of the current token, against "
         f"{_set(d.induction_mass):.2f} of its plain attention ({d.induction_rows} such positions).",
-        {"head": d.induction_head, "mass": d.induction_mass, "weighted_mass": d.induction_weighted_mass},
+        InductionMassClaim(head=d.induction_head, mass=d.induction_mass, weighted_mass=d.induction_weighted_mass),
     )
 
 
@@ -224,15 +240,15 @@ def f23(loaded: LoadedModel, d: TourData) -> Claim:
     e = _set(d.next_token_effect)
     second = e.effects[e.second_copy_start :]
     if not second:
-        return f"{e.head}: the prompt has no repeated segment, so there is no second copy to measure.", {
-            "head": e.head,
-            "n": 0,
-        }
+        return (
+            f"{e.head}: the prompt has no repeated segment, so there is no second copy to measure.",
+            NextTokenEffectClaim(head=e.head, n=0),
+        )
     share = sum(v > 0 for v in second)
     return (
         f"{e.head}'s direct effect on the logit of each position's actual next token: positive at {share} of the "
         f"{len(second)} positions of the second copy ({min(second):+.2f} to {max(second):+.2f}).",
-        {"head": e.head, "positive": share, "n": len(second), "min": min(second), "max": max(second)},
+        NextTokenEffectClaim(head=e.head, positive=share, n=len(second), min=min(second), max=max(second)),
     )
 
 
@@ -244,7 +260,9 @@ def f24(loaded: LoadedModel, d: TourData) -> Claim:
         f"On the standard input (BOS + {inp.seq_len} uniform random tokens repeated, batch {inp.batch}, seed "
         f"{inp.seed}; as on the model card and the overview): loss {dv.loss.first_repeat:.2f} nats on the first "
         f"repeat, {dv.loss.second_repeat:.2f} on the second; induction score of {best.head} {best.induction:.3f}.",
-        {"rep1": dv.loss.first_repeat, "rep2": dv.loss.second_repeat, "head": best.head, "induction": best.induction},
+        StandardInputClaim(
+            rep1=dv.loss.first_repeat, rep2=dv.loss.second_repeat, head=best.head, induction=best.induction
+        ),
     )
 
 
@@ -255,7 +273,7 @@ def f25(loaded: LoadedModel, d: TourData) -> Claim:
     return (
         f"{diag} of the {len(entries)} largest entries of the {pair.source} → {pair.target} K-composition token "
         f"circuit are on its diagonal (query token = the key's previous token).",
-        {"diagonal": diag, "k": len(entries)},
+        KCompositionDiagonalClaim(diagonal=diag, k=len(entries)),
     )
 
 
@@ -265,7 +283,7 @@ def f26(loaded: LoadedModel, d: TourData) -> Claim:
     return (
         f"(OV copying, K-composition positivity with {d.previous_token_head}), the three heads nearest the "
         f"corner: {listing}. Necessary, not sufficient: compare their induction scores.",
-        {"points": [(p.head, p.ov_copying, p.k_composition_positivity) for p in pts[:3]]},
+        PositivityCornerClaim(points=[(p.head, p.ov_copying, p.k_composition_positivity) for p in pts[:3]]),
     )
 
 
@@ -277,7 +295,7 @@ def f27(loaded: LoadedModel, d: TourData) -> Claim:
         f"On the built-in code snippet: a uniform guess costs ln V = {uniform:.2f} nats; the direct path alone "
         f"{losses[0]:.2f}; with the first-order (single-head) terms {losses[1]:.2f}; with the virtual heads (the "
         f"full model) {losses[-1]:.2f}. The first-order terms carry most of the reduction, the direct path little.",
-        {"losses": list(losses)},
+        LossByOrderClaim(losses=list(losses)),
     )
 
 
@@ -286,7 +304,7 @@ def f28(loaded: LoadedModel, d: TourData) -> Claim:
     listing = ", ".join(f"layer {i} {g:.2f}" for i, g in enumerate(gains))
     return (
         f"Loss reduction from the direct path alone when one layer's head terms are added (nats): {listing}.",
-        {"gains": list(gains)},
+        FirstOrderGainsClaim(gains=list(gains)),
     )
 
 
@@ -301,7 +319,7 @@ def f29(loaded: LoadedModel, d: TourData) -> Claim:
         f"The chain {chain} on the repeated prompt: its pattern, the product of the two heads' patterns, puts on "
         f"average {mass:.2f} of each query's weight on the token after the previous occurrence of the query's token "
         f"and {mass_shift:.2f} on that occurrence itself ({rows} such positions).",
-        {"heads": list(cv.heads), "mass": mass, "mass_on_occurrence": mass_shift, "rows": rows},
+        ChainPatternClaim(heads=list(cv.heads), mass=mass, mass_on_occurrence=mass_shift, rows=rows),
     )
 
 

@@ -13,14 +13,13 @@ hand); tests/app/test_tour_gemma3.py recomputes every value independently and fa
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from app.registry import ModelRegistry
 from app.settings import Limits
 from app.tour.chapter import ChapterFigure, Measured, chapter_figures, load_or_reason
 from app.tour.figure_data import TourFigure
+from app.tour.paper_claims import FigureClaim
 from app.views.shared.inputs import token_text
 from circuits_core.circuits.qk_forms import QK_FORMS, token_rho
 from circuits_core.cost import Cost
@@ -42,7 +41,26 @@ def window_probe(loaded: LoadedModel) -> torch.Tensor:
     return torch.cat([torch.tensor([bos]), body])[None]  # [1, 1 + WINDOW_PROBE]
 
 
-def windows(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
+class WindowsClaim(FigureClaim):
+    """G1: the local layers' window and the attention the global layers put beyond it."""
+
+    window: int  # tokens a local layer's query sees
+    global_layers: list[int]
+    local_max: float  # the most attention any local head puts on a key a window or more back
+    global_share: float  # the global layers' mean attention there, from queries past the window
+    top_head: str  # the global head that puts the most there
+    top_share: float
+
+
+class QKNormScalesClaim(FigureClaim):
+    """G2: the spread of layer 0's key RMS ρ_k over the vocabulary, (token id, ρ_k) at each end."""
+
+    low: tuple[int, float]
+    high: tuple[int, float]
+    factor: float  # ρ_k(high) / ρ_k(low)
+
+
+def windows(loaded: LoadedModel) -> tuple[str, WindowsClaim]:
     model, cfg = loaded.model, loaded.model.cfg
     if cfg.window_size is None or cfg.attn_types is None:
         raise QkovError(f"{GEMMA3_MODEL} has no local layers")
@@ -71,17 +89,17 @@ def windows(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
         f"{local_max:.1e}); the global layers' queries past position {w} put {100 * mean_share:.1f} % of their "
         f"attention there on average, {top} the most ({100 * global_share[top]:.1f} %)."
     )
-    return sentence, {
-        "window": w,
-        "global_layers": globals_,
-        "local_max": local_max,
-        "global_share": mean_share,
-        "top_head": top,
-        "top_share": global_share[top],
-    }
+    return sentence, WindowsClaim(
+        window=w,
+        global_layers=globals_,
+        local_max=local_max,
+        global_share=mean_share,
+        top_head=top,
+        top_share=global_share[top],
+    )
 
 
-def qk_norm_scales(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
+def qk_norm_scales(loaded: LoadedModel) -> tuple[str, QKNormScalesClaim]:
     model = loaded.model
     if model.cfg.qk_norm is None:
         raise QkovError(f"{GEMMA3_MODEL} has no QK-norm")
@@ -96,7 +114,7 @@ def qk_norm_scales(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
         f"({QK_FORMS['bilinear']}) weighs these two keys {factor:.0f} times apart relative to the score, which the "
         f"token-level form ({QK_FORMS['cosine']}) reproduces exactly."
     )
-    return sentence, {"low": [low, float(rho[low])], "high": [high, float(rho[high])], "factor": factor}
+    return sentence, QKNormScalesClaim(low=(low, float(rho[low])), high=(high, float(rho[high])), factor=factor)
 
 
 SPECS = (

@@ -13,7 +13,7 @@ products and SVDs of the served weights) and fails when a sentence stops being t
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import torch
 
@@ -21,6 +21,7 @@ from app.registry import ModelRegistry
 from app.settings import Limits
 from app.tour.chapter import ChapterFigure, Measured, chapter_figures, load_or_reason
 from app.tour.figure_data import TourFigure
+from app.tour.paper_claims import BandwidthClaim, ChannelClaim, EmbeddingReaderClaim, FigureClaim
 from app.views.shared.inputs import token_text
 from app.views.shared.residual_inputs import ignored_note
 from circuits_core.circuits import erasure as stream_erasure
@@ -59,7 +60,7 @@ SPECS = (
 )
 
 
-def channel(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
+def channel(loaded: LoadedModel) -> tuple[str, ChannelClaim]:
     s = vwt.all_scores(loaded.model)
     heads = [
         (i, j)
@@ -76,18 +77,18 @@ def channel(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
         f"reader sees the writer); {above} of its {len(heads)} head -> head Q/K/V pairs score above the random "
         f"baseline {s.baseline:.4f} (1/sqrt(d_model)); the strongest pair is {w} -> {r} ({score:.3f})."
     )
-    return sentence, {
-        "writers": len(s.writers),
-        "readers": len(s.readers),
-        "pairs": int(s.mask.sum()),
-        "head_pairs": len(heads),
-        "above": above,
-        "baseline": s.baseline,
-        "best": [w, r, score],
-    }
+    return sentence, ChannelClaim(
+        writers=len(s.writers),
+        readers=len(s.readers),
+        pairs=int(s.mask.sum()),
+        head_pairs=len(heads),
+        above=above,
+        baseline=s.baseline,
+        best=(w, r, score),
+    )
 
 
-def embedding_reader(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
+def embedding_reader(loaded: LoadedModel) -> tuple[str, EmbeddingReaderClaim]:
     s = vwt.all_scores(loaded.model)
     e = [w.name for w in s.writers].index("embed")
     j = int(torch.where(s.mask[e], s.raw[e], torch.full_like(s.raw[e], -1.0)).argmax())
@@ -102,16 +103,16 @@ def embedding_reader(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
         f"{rep.baseline:.4f}); its top singular direction (sigma {d.value:.3f}) weighs the tokens "
         f"{', '.join(map(repr, top))} against {', '.join(map(repr, bottom))}. {ignored_note(loaded.model)}"
     )
-    return sentence, {
-        "reader": reader.name,
-        "score": rep.score,
-        "sigma": d.value,
-        "top": [t for t, _ in d.input_top],
-        "bottom": [t for t, _ in d.input_bottom],
-    }
+    return sentence, EmbeddingReaderClaim(
+        reader=reader.name,
+        score=rep.score,
+        sigma=d.value,
+        top=[t for t, _ in d.input_top],
+        bottom=[t for t, _ in d.input_bottom],
+    )
 
 
-def bandwidth(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
+def bandwidth(loaded: LoadedModel) -> tuple[str, BandwidthClaim]:
     spec = rs.spectra(loaded.model)
     u = rs.stream_usage(loaded.model, spec=spec)
     er = stream_erasure.erasure(loaded.model, spec=spec)
@@ -123,13 +124,7 @@ def bandwidth(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
         f"effective directions, and the most crowded one carries {load:.2f} writer subspaces, mostly "
         f"{sharers[0][0]} and {sharers[1][0]}."
     )
-    values: dict[str, Any] = {
-        "total_dims": bw.total_dims,
-        "d_model": bw.d_model,
-        "used_dims": bw.used_dims,
-        "crowded_load": load,
-        "crowded_writers": [sharers[0][0], sharers[1][0]],
-    }
+    erasure: tuple[str, str, float, float] | None = None
     if er.candidates:
         c = er.candidates[0]
         sentence += (
@@ -139,16 +134,23 @@ def bandwidth(loaded: LoadedModel) -> tuple[str, dict[str, Any]]:
             f"{c.random_share:.2f} for a random subspace) -- weights only: whether it attends to the same "
             "position is not checked."
         )
-        values["erasure"] = [c.writer, c.eraser, c.score, c.z]
+        erasure = (c.writer, c.eraser, c.score, c.z)
     else:
         sentence += (
             f" No head writes back the negative of an earlier writer's subspace beyond z = {er.threshold_z:.0f}."
         )
-        values["erasure"] = None
-    return sentence, values
+    return sentence, BandwidthClaim(
+        total_dims=bw.total_dims,
+        d_model=bw.d_model,
+        used_dims=bw.used_dims,
+        crowded_load=load,
+        crowded_writers=[sharers[0][0], sharers[1][0]],
+        erasure=erasure,
+    )
 
 
-MEASURE = {
+# figure id -> (its measure, its page below /models/{model})
+MEASURE: dict[str, tuple[Callable[[LoadedModel], tuple[str, FigureClaim]], str]] = {
     "F2": (channel, "residual"),
     "F3": (embedding_reader, "residual/embed/{reader}"),
     "F4": (bandwidth, "residual/usage"),
@@ -161,7 +163,7 @@ def residual_chapter(registry: ModelRegistry, limits: Limits) -> list[TourFigure
     def measured(fig: ChapterFigure, loaded: LoadedModel) -> Measured:
         measure, path = MEASURE[fig.id]
         sentence, values = measure(loaded)
-        path = path.format(reader=values.get("reader", ""))
+        path = path.format(reader=values.reader if isinstance(values, EmbeddingReaderClaim) else "")
         return Measured(sentence, values, f"/models/{TOUR_MODEL}/{path}", f"/api/v1/models/{TOUR_MODEL}/{path}")
 
     figures = [ChapterFigure(fid, title, f"{PAPER}{anchor}", look_for) for fid, title, anchor, look_for in SPECS]

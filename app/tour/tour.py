@@ -307,7 +307,8 @@ def _figure(fig: Figure, models: dict[str, LoadedModel | str], limits: Limits) -
         claim = CLAIMS.get(fig.id)
         if claim is not None:  # the measured sentence (claims.py), its values kept in the JSON twin
             sentence, values = claim(loaded, data)
-            look_for, data = f"{fig.look_for} Measured: {sentence}", data.model_copy(update={"claim": values})
+            look_for = f"{fig.look_for} Measured: {sentence}"
+            data = data.model_copy(update={"claim": values.measured()})  # typed (paper_claims.py), field for field
     except QkovError as exc:
         log.info("tour figure %s on %s not available: %s", fig.id, fig.model, exc)
         return figure(False, detail=str(exc))

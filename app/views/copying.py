@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from collections.abc import Callable, Sequence
 from typing import Annotated
 
@@ -157,10 +158,13 @@ def circuits_rows(
     rows: int | None,
     circuits: Sequence[Circuit],
     limits: Limits,
+    beside: Callable[[], None] | None = None,
 ) -> list[copying.RowRanks]:
     """The source rows of each circuit (a name, and W: its W_V, W_O) from the result cache, else measured and kept:
     those not cached are measured together, copying.STACK_CIRCUITS at a time (copying.rows_ranks shares their work),
-    the batches taken in turn by two threads when a core is idle (schedule.shared_tasks).
+    the batches taken in turn by two threads when a core is idle (schedule.shared_tasks); `beside`, another part of
+    the answer, is the first task the threads take (the random circuits' eigenvalue scores: one thread forms them
+    while the other measures rows, instead of the other core waiting for them).
     A sample smaller than a one-head panel's is the first rows of the panel's draw (copying.sample_order): read off
     its entry when cached (precompute asks the panels first), so the overview measures no row twice."""
     n = loaded.model.cfg.d_vocab if vocab is None else int(vocab.numel())
@@ -193,7 +197,8 @@ def circuits_rows(
 
     step = copying.STACK_CIRCUITS
     batches = [functools.partial(measure, todo[i : i + step]) for i in range(0, len(todo), step)]
-    shared_tasks(batches, lambda: None, "qkov-copying-rows")  # two threads take the batches in turn (schedule.py)
+    first = [] if beside is None else [lambda workspace: beside()]
+    shared_tasks([*first, *batches], lambda: None, "qkov-copying-rows")  # two threads take them in turn (schedule.py)
     return [found[name] for name, _ in circuits]
 
 
@@ -211,31 +216,51 @@ def _sample(weights: Callable[[], tuple[torch.Tensor, torch.Tensor]], i: int) ->
     return W_V[i], W_O[i]  # the i-th random circuit's W_V [d, d_head], W_O [d_head, d]
 
 
-def _baseline(
-    loaded: LoadedModel, p: CopyingAllParams, k: int, vocab: torch.Tensor | None, rows: int | None, limits: Limits
-) -> CopyingBaselineView:
-    """Random W_V, W_O of the model's shapes: eigenvalue scores kept once per (weights, samples), each of the first
-    N_TOP_SAMPLES circuits' rows once per sample (circuits_rows)."""
-    model = loaded.model
-    copying.check_baseline(model, p.samples, N_TOP_SAMPLES)
-    weights = functools.cache(lambda: copying.random_ov_weights(model, p.samples, SAMPLE_SEED))  # drawn when needed
+class RandomCircuits:
+    """The random W_V, W_O of the model's shapes (p.samples of them, seed SAMPLE_SEED), drawn once when first asked
+    (by whichever thread asks first: the eigenvalue scores and the random circuits' rows are measured side by side)."""
 
-    def eig() -> RandomScores:
-        with torch.no_grad():
-            return RandomScores(scores=copying.random_eig_scores(model, *weights()).tolist())
+    def __init__(self, loaded: LoadedModel, p: CopyingAllParams):
+        copying.check_baseline(loaded.model, p.samples, N_TOP_SAMPLES)
+        self.loaded, self.samples = loaded, p.samples
+        self._lock = threading.Lock()
+        self._weights: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    key = ("copying-random-scores", str(loaded.digest), basis(loaded), p.samples, SAMPLE_SEED)
-    s = torch.tensor(cached_build(key, RandomScores, eig).scores, dtype=torch.float64)
-    random = [(f"random {i} of {p.samples}", functools.partial(_sample, weights, i)) for i in range(N_TOP_SAMPLES)]
-    tops = torch.stack([r.shares() for r in circuits_rows(loaded, p, k, vocab, rows, random, limits)])  # [N, 4]
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._lock:
+            if self._weights is None:
+                self._weights = copying.random_ov_weights(self.loaded.model, self.samples, SAMPLE_SEED)
+            return self._weights
+
+    def circuits(self) -> list[Circuit]:
+        """The first N_TOP_SAMPLES, whose rows are measured like a head's (circuits_rows)."""
+        return [
+            (f"random {i} of {self.samples}", functools.partial(_sample, self.weights, i)) for i in range(N_TOP_SAMPLES)
+        ]
+
+    def scores(self) -> torch.Tensor:
+        """[samples] eigenvalue copying scores, kept once per (weights, samples)."""
+
+        def eig() -> RandomScores:
+            with torch.no_grad():
+                return RandomScores(scores=copying.random_eig_scores(self.loaded.model, *self.weights()).tolist())
+
+        key = ("copying-random-scores", str(self.loaded.digest), basis(self.loaded), self.samples, SAMPLE_SEED)
+        return torch.tensor(cached_build(key, RandomScores, eig).scores, dtype=torch.float64)
+
+
+def _baseline(random: RandomCircuits, scores: torch.Tensor, ranks: Sequence[copying.RowRanks]) -> CopyingBaselineView:
+    """Random W_V, W_O of the model's shapes: their eigenvalue scores, and the self-copy shares of the first
+    N_TOP_SAMPLES circuits (`ranks`, measured with the heads' by circuits_rows)."""
+    tops = torch.stack([r.shares() for r in ranks])  # [N, 4]
     return CopyingBaselineView(
-        ov_copying_mean=float(s.mean()),
-        ov_copying_std=float(s.std()),
-        ov_copying_min=float(s.min()),
-        ov_copying_max=float(s.max()),
+        ov_copying_mean=float(scores.mean()),
+        ov_copying_std=float(scores.std()),
+        ov_copying_min=float(scores.min()),
+        ov_copying_max=float(scores.max()),
         top1_mean=float(tops[:, 0].mean()),
         topk_mean=float(tops[:, 1].mean()),
-        n_samples=p.samples,
+        n_samples=random.samples,
         n_top_samples=N_TOP_SAMPLES,
     )
 
@@ -257,10 +282,15 @@ def build_copying_overview(loaded: LoadedModel, p: CopyingAllParams, limits: Lim
         ).view(cfg.n_layers, cfg.n_heads, cfg.d_head)
     )  # [L, H]
     r = n if rows is None else rows  # source rows measured per circuit
-    baseline = _baseline(loaded, p, k, vocab, rows, limits)  # does not depend on `heads`: its entries serve every panel
+    random = RandomCircuits(loaded, p)  # the baseline does not depend on `heads`: its entries serve every panel
     named = [(head_name(layer, h), functools.partial(_head, model, layer, h)) for layer, h in todo]
+    scores: list[torch.Tensor] = []
+    measured = circuits_rows(
+        loaded, p, k, vocab, rows, [*random.circuits(), *named], limits, beside=lambda: scores.append(random.scores())
+    )
+    baseline = _baseline(random, scores[0], measured[:N_TOP_SAMPLES])
     heads = []
-    for (layer, h), ranks in zip(todo, circuits_rows(loaded, p, k, vocab, rows, named, limits), strict=True):
+    for (layer, h), ranks in zip(todo, measured[N_TOP_SAMPLES:], strict=True):
         top1, topk, positive, median = ranks.shares().tolist()
         heads.append(
             HeadCopying(

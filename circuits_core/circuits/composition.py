@@ -9,19 +9,19 @@ than h2:
 (identical to the paper's column-convention formulas). Scores are in [0, 1]; same-layer and backward pairs
 are 0, as in TransformerLens's `all_composition_scores`.
 
-All pairs through Gram matrices: ||W_1 W_2||_F^2 = <W_1^T W_1, W_2 W_2^T>_F. Every head gets one d_model x
-d_model Gram per role, formed from a collapsed factor of d_head rows: source W_OV^T W_OV = F^T F with F = R_V W_O
-(R_V^T R_V = W_V^T W_V: the Cholesky factor of the d_head Gram, gram_root.py), target M M^T = P P^T with P = A R^T
-for the later matrix M = A B (R^T R = B B^T). The squared numerators of all (source, target) pairs are one matmul
+All pairs through Gram matrices: ||W_1 W_2||_F^2 = <W_1^T W_1, W_2 W_2^T>_F. Every head gets one d_model x d_model Gram
+per role, formed from a collapsed factor of d_head rows (composition_factors.py): source W_OV^T W_OV = F^T F with F =
+R_V W_O (R_V^T R_V = W_V^T W_V: the Cholesky factor of the d_head Gram, gram_root.py), target M M^T = P P^T with P = A
+R^T for the later matrix M = A B (R^T R = B B^T). The squared numerators of all (source, target) pairs are one matmul
 over the flattened Grams: d_model^2 multiply-adds per pair instead of d_head^2 d_model for the product of the collapsed
-factors (5x fewer for GPT-2). The Grams are symmetric, so only their upper block triangle is formed and
-multiplied (off-diagonal blocks counted twice), one block of all heads at a time. The weights are read one layer
-at a time, W_K and W_V per key/value group as stored (never repeated per query head), and the target heads go
-in chunks of layers, the fewest whose working set fits the caller's byte budget (`cost` prices the same steps):
-on the Llama-3.2-1B shape one kind fits the default 1 GiB in one chunk, all three in two.
-The per-pair QR collapse (TL's trick: A1 = Q1 R1, B2^T = Q2 R2, ||A1 B1 A2 B2|| = ||(R1 B1)(A2 R2^T)||) stays as
-`pair_scores`, the independent reference. K- and V-composition of grouped-query models can instead go through the
-key/value weights each group shares (grouped_composition.py: large products), where that pays (`grouped_route`).
+factors (5x fewer for GPT-2). The Grams are symmetric, so only their upper block triangle is formed and multiplied
+(off-diagonal blocks counted twice), one block of all heads at a time. The weights are read one layer at a time, W_K and
+W_V per key/value group as stored (never repeated per query head), and the target heads go in chunks of layers, the
+fewest whose working set fits the caller's byte budget (`cost` prices the same steps): on the Llama-3.2-1B shape one
+kind fits the default 1 GiB in one chunk, all three in two. The per-pair QR collapse (TL's trick: A1 = Q1 R1, B2^T = Q2
+R2, ||A1 B1 A2 B2|| = ||(R1 B1)(A2 R2^T)||) stays as composition_factors.py's `pair_scores`, the independent reference.
+K- and V-composition of grouped-query models can instead go through the key/value weights each group shares
+(grouped_composition.py: large products), where that pays (`grouped_route`).
 
 The baseline subtracted from the scores is 1/sqrt(d_model), the expected score of random matrices; the sampled one
 beside it is composition_baseline.py's.
@@ -32,12 +32,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import Tensor
 
 from circuits_core.circuits.composition_baseline import BASELINE_SAMPLES, random_baseline, random_baseline_cost
+from circuits_core.circuits.composition_factors import KINDS, CompositionKind, LayerWeight, source_factor, target_factor
 from circuits_core.circuits.folded import circuit_weight
 from circuits_core.circuits.gram_pair_sums import (
     GRAM_BLOCK,
@@ -50,15 +50,11 @@ from circuits_core.circuits.gram_pair_sums import (
     pair_sums_numbers,
     row_blocks,
 )
-from circuits_core.circuits.gram_root import gram_root
 from circuits_core.circuits.grouped_composition import GROUPED_RATE, grouped_flops, grouped_numbers, grouped_scores
 from circuits_core.cost import Cost, check_stop, itemsize
-from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer
 from circuits_core.schedule import side_by_side
 
-CompositionKind = Literal["q", "k", "v"]
-KINDS: tuple[CompositionKind, ...] = ("q", "k", "v")
 # Large chunks sum each Gram block's pairs per group of target layers against only the earlier sources (target_groups):
 # at Llama-3.1-8B shape groups of 4 layers (128 targets) compute 554k of the 992 x 992 pairs, groups of 8 615k, one
 # product 984k (0.87, 0.93 and 1.36 s per Gram block of [rows, 16384] x [16384, targets]; load ~7). GPT-2's keep one.
@@ -79,69 +75,6 @@ class CompositionScores:
 
 def _check_stop(should_stop: Callable[[], bool] | None) -> None:
     check_stop(should_stop, "composition scores")
-
-
-def _r_factor(M: Tensor) -> Tensor:
-    """R of the thin QR of M [..., d_model, d_head] -> [..., d_head, d_head], so that ||M X|| = ||R X||."""
-    return torch.linalg.qr(M, mode="r")[1]
-
-
-def left_collapsed(A: Tensor, B: Tensor, root: Callable[[Tensor], Tensor] = _r_factor) -> Tensor:
-    """The earlier head's W_OV = A B (A [..., d, k], B [..., k, d]) as R_A B [..., k, d] (same Gram, same norms);
-    R_A^T R_A = A^T A from `root` (QR's R, or gram_root.py's Cholesky factor)."""
-    return root(A) @ B
-
-
-def right_collapsed(A: Tensor, B: Tensor, root: Callable[[Tensor], Tensor] = _r_factor) -> Tensor:
-    """The later head's matrix A B as A R_{B^T}^T [..., d, k]: ||X A B|| = ||X A R^T|| for any X."""
-    return A @ root(B.transpose(-2, -1)).transpose(-2, -1)
-
-
-def pair_scores(left: Tensor, right: Tensor) -> Tensor:
-    """Scores for every (left, right) pair: left [N1, k1, d] (collapsed), right [N2, d, k2] -> [N1, N2].
-
-    score = ||left_i @ right_j||_F / (||left_i||_F ||right_j||_F), one matmul for all pairs (the QR form; the
-    all-pairs computation below uses Gram matrices instead, this is the independent per-pair reference).
-    """
-    n1, k1, d = left.shape
-    n2, _, k2 = right.shape
-    core = left.reshape(n1 * k1, d) @ right.permute(1, 0, 2).reshape(d, n2 * k2)  # [N1*k1, N2*k2]
-    num = core.reshape(n1, k1, n2, k2).pow(2).sum(dim=(1, 3)).sqrt()  # [N1, N2]
-    den = left.flatten(1).norm(dim=1)[:, None] * right.flatten(1).norm(dim=1)[None, :]
-    return num / den
-
-
-# Weights of one layer, as the computation reads them: name (W_Q, W_O per query head; W_K, W_V per key/value
-# group) -> [heads or groups, d, dh] ([H, dh, d] for W_O), in the compute dtype.
-LayerWeight = Callable[[int, str], Tensor]
-
-
-def source_factor(weight: LayerWeight, layer: int, group_size: int) -> Tensor:
-    """F = R_V W_O [H, k, d] of every head of `layer` (left_collapsed; R_V of its key/value group's W_V, k = min(d,
-    dh)), so that F^T F = W_O^T W_V^T W_V W_O = W_OV^T W_OV, the source Gram."""
-    W_O = weight(layer, "W_O")  # [H, dh, d]
-    H, dh, d = W_O.shape
-    return left_collapsed(weight(layer, "W_V")[:, None], W_O.view(-1, group_size, dh, d), gram_root).view(H, -1, d)
-
-
-def target_factor(weight: LayerWeight, layer: int, kind: CompositionKind, group_size: int) -> Tensor:
-    """P = A R_{B^T}^T [H, d, k] of the later matrix A B of every head of `layer` (right_collapsed
-    of the (A, B) below), so that P P^T = A B B^T A^T = M M^T, the target Gram; W_K, W_V per key/value group
-    [G, 1, ...], broadcast against W_Q, W_O per query head [G, group_size, ...]."""
-
-    def per_head(name: str) -> Tensor:  # [G, gs, d, dh] or [G, gs, dh, d]
-        W = weight(layer, name)
-        return W.view(-1, group_size, *W.shape[1:])
-
-    if kind == "q":  # A = W_Q, B = W_K^T
-        P = right_collapsed(per_head("W_Q"), weight(layer, "W_K")[:, None].transpose(-2, -1), gram_root)
-    elif kind == "k":  # A = W_K, B = W_Q^T
-        P = right_collapsed(weight(layer, "W_K")[:, None], per_head("W_Q").transpose(-2, -1), gram_root)
-    elif kind == "v":  # A = W_V, B = W_O
-        P = right_collapsed(weight(layer, "W_V")[:, None], per_head("W_O"), gram_root)
-    else:
-        raise InvalidInputError(f"composition kind must be one of {KINDS}, got {kind!r}")
-    return P.flatten(0, 1)  # [H, d, k]
 
 
 def chunk_bounds(n_layers: int, layers_per_chunk: int | None) -> list[tuple[int, int]]:

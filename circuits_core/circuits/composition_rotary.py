@@ -31,15 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.composition import (
-    CompositionKind,
-    LayerWeight,
-    layer_scores,
-    layers_per_chunk,
-    model_weight,
-    scores_numbers,
-    source_factor,
-)
+from circuits_core.circuits.composition import layer_scores, layers_per_chunk, model_weight, scores_numbers
+from circuits_core.circuits.composition_factors import CompositionKind, LayerWeight, source_factor
 from circuits_core.circuits.folded import head_weights
 from circuits_core.circuits.rotary import KERNEL_WINDOW, check_offsets, check_rotary, rotation
 from circuits_core.circuits.rotary_baseline import baseline_cost, random_baseline
@@ -110,7 +103,7 @@ class _Factors:
     weight: (
         LayerWeight  # composition.model_weight: one layer's W_Q [H, d, dh], W_K [G, d, dh], ... in the compute dtype
     )
-    F: Tensor  # [L H, k, d] source factors R_V W_O (composition.source_factor, k = min(d, dh)), layer-major
+    F: Tensor  # [L H, k, d] source factors R_V W_O (composition_factors.source_factor, k = min(d, dh)), layer-major
     src: Tensor  # [L H] ||W_OV||_F = ||F||_F
     order: Tensor  # [dh] pair_order
     weights: tuple[Tensor, Tensor]  # term_weights

@@ -9,7 +9,7 @@ Convention: row vectors as in TransformerLens. A: [..., ldim, mdim], B: [..., md
 (batch) dimensions such as [n_layers, n_heads] broadcast.
 
 Large matrices (a full OV circuit of GPT-2 is 50257 x 50257 = 10 GB in fp32) are only ever read through
-rows, columns, the diagonal, or dense row blocks sized by a byte budget (`iter_row_blocks`, `topk_global`,
+rows, columns, the diagonal, or dense row blocks sized by a byte budget (`rows_per_block`, `topk_global`,
 whose norm-bounded search is global_topk.py).
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import cached_property
 
 import torch
@@ -179,16 +179,6 @@ class FactoredMatrix:
             BA = BA.float()
         return eigvals(BA)
 
-    def collapse_l(self) -> Tensor:
-        """diag(S) V^T [..., r, rdim]: AB = U @ collapse_l() with U orthonormal."""
-        U, S, V = self._svd
-        return S[..., :, None] * V.transpose(-2, -1)
-
-    def collapse_r(self) -> Tensor:
-        """U diag(S) [..., ldim, r]: AB = collapse_r() @ V^T with V orthonormal."""
-        U, S, V = self._svd
-        return U * S[..., None, :]
-
     # -- rows, columns and the diagonal, read from the factors ------------------------------------------
     def _check_index(self, i: int, size: int, what: str) -> int:
         try:
@@ -262,13 +252,6 @@ class FactoredMatrix:
                 f"the memory budget of {int(budget_bytes)} bytes"
             )
         return min(rows, self.ldim)
-
-    def iter_row_blocks(self, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> Iterator[tuple[slice, Tensor]]:
-        """Yield (row slice, dense block [..., rows, rdim]) covering AB, each block within budget_bytes."""
-        step = self.rows_per_block(budget_bytes)
-        for start in range(0, self.ldim, step):
-            rows = slice(start, min(start + step, self.ldim))
-            yield rows, self.A[..., rows, :] @ self.B
 
     def topk_global(
         self,

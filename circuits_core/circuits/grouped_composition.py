@@ -4,7 +4,7 @@ Paper section: "Composition" (Elhage et al. 2021; docs/maths.md §2.9); composit
 chooses this route. A later head h2 of key/value group g reads through M = A B with A [d, dh] shared by the group:
     K-composition  M = W_QK^{h2 T} = W_K^g W_Q^{h2 T}    (A = W_K^g, B = W_Q^{h2 T})
     V-composition  M = W_OV^{h2}   = W_V^g W_O^{h2}      (A = W_V^g, B = W_O^{h2})
-With the source factor F [k, d] of an earlier head (F^T F = W_OV^T W_OV, composition.source_factor):
+With the source factor F [k, d] of an earlier head (F^T F = W_OV^T W_OV, composition_factors.source_factor):
     ||W_OV^{h1} M||_F^2 = ||F A B||_F^2 = <Y^T Y, B B^T>_F,   Y = F A [k, dh],
 and ||M||_F^2 = <A^T A, B B^T>_F. Y of every earlier head against every group of a layer is one product of the
 stacked factors [n_src k, d] with the layer's A of all groups [d, G dh]: d k dh multiply-adds per (source, group),
@@ -35,7 +35,7 @@ from circuits_core.schedule import on_workspaces
 # ~1.2x the Gram route's rate on this 2-core CPU (module docstring).
 GROUPED_RATE = 1.2
 GroupedKind = str  # "k" or "v"
-Weight = Callable[[int, str], Tensor]  # composition.LayerWeight
+Weight = Callable[[int, str], Tensor]  # composition_factors.LayerWeight
 
 
 @dataclass

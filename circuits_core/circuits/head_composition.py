@@ -4,7 +4,7 @@ Paper section: "Composition" (Elhage et al. 2021; docs/maths.md §2.9); the scor
 composition, normalised Frobenius norms of W_OV^{h1} times the later head's matrix), computed here only for the pairs
 that have this head on one side: the earlier heads it reads from and the later heads it writes to. That is 2 (L H)
 pairs instead of (L H)^2: what a head's page shows (its strongest partners), at the cost of one head's view. Each
-pair through d_head-sized collapsed factors (composition.pair_scores, the per-pair reference of the Gram form).
+pair through d_head-sized collapsed factors (composition_factors.pair_scores, the per-pair reference of the Gram form).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.composition import (
+from circuits_core.circuits.composition import model_weight
+from circuits_core.circuits.composition_factors import (
     KINDS,
     CompositionKind,
     left_collapsed,
-    model_weight,
     pair_scores,
     right_collapsed,
     source_factor,
@@ -66,11 +66,6 @@ def head_compositions(
             writes = pair_scores(own, later)[0].reshape(n_later, H) if n_later else A.new_zeros(0, H)
             out[kind] = (reads, writes)
     return out
-
-
-def head_composition(model: Transformer, layer: int, head: int, kind: CompositionKind) -> tuple[Tensor, Tensor]:
-    """head_compositions for one kind."""
-    return head_compositions(model, layer, head, (kind,))[kind]
 
 
 def pair_composition(

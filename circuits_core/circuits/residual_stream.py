@@ -133,11 +133,6 @@ def overlap(U1: Tensor, U2: Tensor) -> float:
     return float((U1.T @ U2).pow(2).sum() / min(U1.shape[1], U2.shape[1]))
 
 
-def random_overlap(k1: int, k2: int, d_model: int) -> float:
-    """E[overlap] of independent uniformly random subspaces of dimensions k1, k2 in R^d: max(k1, k2) / d."""
-    return max(k1, k2) / d_model
-
-
 def _padded(bases: list[Tensor]) -> Tensor:
     """Bases [d, k_i] as one [N, k_max, d] factor with zero rows (a zero row adds nothing to U U^T)."""
     k_max = max(b.shape[1] for b in bases)

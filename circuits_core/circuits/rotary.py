@@ -34,7 +34,6 @@ from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.head_circuits import attention, check_head, factors_cost
 from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.circuits.qk_forms import QKForm, folded_query_key, qk_form, token_factors, token_scale
-from circuits_core.circuits.skip_trigrams import SkipTrigrams, skip_trigrams
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.flops import layers_flops
@@ -186,14 +185,6 @@ def full_qk_row_at(model: Transformer, layer: int, head: int, query_token: int, 
     if model.cfg.qk_norm is None:
         return row
     return row * token_scale(model, layer, head, "key") * token_scale(model, layer, head, "query", [query_token])
-
-
-def skip_trigrams_at(
-    model: Transformer, layer: int, head: int, source_token: int, offset: int, k: int = 10, vocab: Tensor | None = None
-) -> SkipTrigrams:
-    """circuits.skip_trigrams with the destinations ranked by the full QK column at offset δ."""
-    col = full_qk_col_at(model, layer, head, source_token, offset)
-    return skip_trigrams(model, layer, head, source_token, k=k, vocab=vocab, qk_col=col)
 
 
 def _qk_small(model: Transformer, W_Q: Tensor, W_K: Tensor, G_E: Tensor | None) -> Tensor:

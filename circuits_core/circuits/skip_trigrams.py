@@ -49,7 +49,7 @@ def skip_trigrams(
     vocab: Tensor | None = None,
     qk_col: Tensor | None = None,
 ) -> SkipTrigrams:
-    """qk_col [d_vocab]: the QK column to rank destinations by instead of full_qk_col (rotary.skip_trigrams_at
+    """qk_col [d_vocab]: the QK column to rank destinations by instead of full_qk_col (rotary.full_qk_col_at
     passes the column at an offset)."""
     n = model.cfg.d_vocab if vocab is None else vocab.numel()
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= n:

@@ -42,7 +42,7 @@ SLOW = ModelConfig(
     normalization_type="LN",
     positional_embedding_type="standard",
 )
-STOP_WITHIN_S = 5.0  # the issue asks for about 1 s; generous for a shared 2-core machine
+STOP_WITHIN_S = 5.0  # about 1 s is the aim; generous for a shared 2-core machine
 TOKENS = ",".join(str((i * 7919) % 50257) for i in range(256))
 
 

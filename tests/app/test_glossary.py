@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from app.glossary import glossary
 
-ISSUE_TERMS = ("K-composition positivity", "icl score", "subspace energy", "erasure score", "participation ratio")
+PAGE_TERMS = ("K-composition positivity", "icl score", "subspace energy", "erasure score", "participation ratio")
 
 
 def test_glossary_page_defines_every_term(client: TestClient) -> None:
@@ -21,7 +21,7 @@ def test_glossary_page_defines_every_term(client: TestClient) -> None:
     html = page.text
     g = glossary()
     names = {n.lower(): t.anchor for t in g.terms for n in t.names}
-    for term in ISSUE_TERMS:  # the terms the pages used without a definition
+    for term in PAGE_TERMS:  # terms the pages use: each has a definition
         assert term.lower() in names, term
         assert f'id="{names[term.lower()]}"' in html
     for t in g.terms:
@@ -41,7 +41,7 @@ def test_pages_embed_the_terms_their_links_point_to(client: TestClient) -> None:
         )
         assert found, path
         table = json.loads(found.group(1))
-        for term in ISSUE_TERMS:
+        for term in PAGE_TERMS:
             assert term.lower() in table, (path, term)
         for anchor in set(table.values()):
             assert f'id="{anchor}"' in glossary_html

@@ -5,7 +5,7 @@ good model. Every one must be listed among the unavailable models with a reason 
 fault (and no server path); its own routes answer 422; and nothing else changes: the model list, /readyz,
 /, the good model's pages and /tour keep answering 200. No answer is a 5xx.
 
-Cases are the issue's (`{"model_type": []}`, JSON nested 5,000 deep, `bos_token_id: "x"`, `format_version:
+Cases (`{"model_type": []}`, JSON nested 5,000 deep, `bos_token_id: "x"`, `format_version:
 "x"`, GPT-2 `n_head: 0`, NeoX `rope_scaling: "linear"`, a deeply nested qkov.json, `n_layers: 100000`,
 shard entries with `../` or absolute paths, symlinked files leaving the folder) and more of the same kinds.
 """

@@ -7,7 +7,7 @@
 - X-Forwarded-For is believed only from configured proxies.
 - A failed load is not retried until the folder's files change; a changed folder is loaded again.
 - Two folders with the same weights but another tokenizer or token counts have different digests and never
-  share an answer (the issue's twin/direct case).
+  share an answer (a twin folder's direct path).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from circuits_core.prompt.phenomena import TOKEN_COUNTS_FILE
 from tests.app.conftest import LIMITS, assert_problem, train_tokenizer
 from tests.bpe import train_bpe
 
-# Token values from the issue and of the same kinds; whether one is valid (an id in range, or a single token of
-# the test tokenizer, e.g. "²" is the byte token 0xB2 there) is decided by `valid` below, independently of qkov.
+# Hostile token values (non-ASCII digits and symbols, signs, ids out of range, hex and exponent forms, a NUL, several
+# words, 5,000 characters); whether one is valid (an id in range, or a single token of the test tokenizer, e.g. "²" is
+# the byte token 0xB2 there) is decided by `valid` below, independently of qkov.
 BAD_TOKENS = [
     "²",
     "①",
@@ -172,7 +173,7 @@ def test_bad_tokens_never_give_5xx_on_pages(hclient: TestClient) -> None:
 
 
 def test_connection_survives_bad_tokens(hclient: TestClient) -> None:
-    """The issue saw the kept-alive connection reset after a 500: the same client keeps getting answers."""
+    """A 500 must not reset the kept-alive connection: the same client keeps getting answers."""
     for bad in ("①", "9" * 5000, "--1"):
         assert hclient.get("/api/v1/models/tiny-2l/direct", params={"token": bad}).status_code == 422
         assert hclient.get("/healthz").status_code == 200
@@ -224,7 +225,7 @@ def test_etags_are_weak_and_304s_vary_on_encoding(hclient: TestClient) -> None:
     ("peer", "forwarded", "trusted", "expected"),
     [
         ("203.0.113.9", "1.2.3.4", [], "203.0.113.9"),  # no proxy configured: the header is ignored
-        ("127.0.0.1", "1.2.3.4", [], "127.0.0.1"),  # not even from a local client (the issue's bypass)
+        ("127.0.0.1", "1.2.3.4", [], "127.0.0.1"),  # not even from a local client (no forged-header bypass)
         ("203.0.113.9", "1.2.3.4", ["10.0.0.0/8"], "203.0.113.9"),  # peer is not a trusted proxy
         ("10.0.0.1", "1.2.3.4", ["10.0.0.0/8"], "1.2.3.4"),
         ("10.0.0.1", "6.6.6.6, 1.2.3.4", ["10.0.0.0/8"], "1.2.3.4"),  # the client's own prefix is not believed
@@ -258,7 +259,7 @@ def test_rotating_forwarded_for_does_not_escape_the_rate_limit(settings: Setting
 
 
 def test_the_per_client_table_stays_bounded() -> None:
-    """The issue: the table grew without bound as forwarded addresses rotated. 5,000 clients, room for 100."""
+    """The limiter's table stays bounded while forwarded addresses rotate: 5,000 clients, room for 100."""
     limiter = RateLimiter(limit=2, window_s=60, max_clients=100)
     for i in range(5000):
         limiter.hit(f"198.51.{i // 256}.{i % 256}")
@@ -322,7 +323,7 @@ def test_a_model_priced_over_the_limit_is_refused_before_loading(own_dirs: tuple
 
 
 def test_same_weights_other_tokenizer_or_counts_never_share_answers(own_dirs: tuple[Path, Path]) -> None:
-    """The issue's case: after twin/direct?token=5&k=2, toy/direct?token=5&k=2 answered as the twin."""
+    """After twin/direct?token=5&k=2, toy/direct?token=5&k=2 answers as toy, not as the twin (same weights)."""
     shipped, models = own_dirs
     for name in ("toy", "twin", "counts"):
         shutil.copytree(shipped / "tiny-2l", models / name)

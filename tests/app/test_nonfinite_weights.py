@@ -1,6 +1,7 @@
-"""A checkpoint with NaN and inf weights: it loads, its model page warns and names the tensors, and every analysis
-of the API (and the pages the issue found) either answers or refuses with a 422 that names a non-finite tensor;
-none gives a 5xx (linalg.svd's convergence error was a 500 on /heads/{head}, /residual/usage and /copying)."""
+"""A checkpoint with NaN and inf weights: it loads, its model page warns and names the tensors, and every analysis of
+the API (and the pages that failed on it: head, residual usage, copying) either answers or refuses with a 422 that names
+a non-finite tensor; none gives a 5xx (linalg.svd's convergence error was a 500 on /heads/{head}, /residual/usage and
+/copying)."""
 
 from __future__ import annotations
 

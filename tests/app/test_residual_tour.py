@@ -12,6 +12,7 @@ import torch
 
 from app.registry import ModelRegistry
 from app.settings import Settings
+from app.tour import paper_claims
 from app.tour import residual as tour_residual
 from circuits_core.circuits import erasure as stream_erasure
 from circuits_core.circuits import stream_components as sc
@@ -59,33 +60,33 @@ def test_the_section_is_available_with_links(chapter: dict) -> None:
 
 
 def test_f2_channel_counts_and_strongest_pair(chapter: dict, toy: LoadedModel, dense: dict) -> None:
-    v = chapter["F2"].data.claim
+    v = paper_claims.ChannelClaim.model_validate(chapter["F2"].data.claim)  # as the JSON twin carries it
     m = toy.model
     baseline = 1 / math.sqrt(m.cfg.d_model)
     heads = {k: s for k, s in dense["scores"].items() if k[0].startswith("L") and k[1].endswith((".Q", ".K", ".V"))}
-    assert (v["writers"], v["readers"], v["pairs"]) == (len(dense["W"]), len(sc.readers(m)), len(dense["scores"]))
-    assert v["head_pairs"] == len(heads) == 2 * 8 * 8 * 3 // 2  # layer-0 heads -> layer-1 Q, K, V
-    assert v["above"] == sum(s > baseline for s in heads.values())
+    assert (v.writers, v.readers, v.pairs) == (len(dense["W"]), len(sc.readers(m)), len(dense["scores"]))
+    assert v.head_pairs == len(heads) == 2 * 8 * 8 * 3 // 2  # layer-0 heads -> layer-1 Q, K, V
+    assert v.above == sum(s > baseline for s in heads.values())
     best = max(dense["scores"].items(), key=lambda kv: kv[1])
-    assert v["best"][:2] == list(best[0]) and v["best"][2] == pytest.approx(best[1], rel=1e-9)
-    assert f"{v['above']} of its {v['head_pairs']}" in chapter["F2"].look_for
+    assert list(v.best[:2]) == list(best[0]) and v.best[2] == pytest.approx(best[1], rel=1e-9)
+    assert f"{v.above} of its {v.head_pairs}" in chapter["F2"].look_for
 
 
 def test_f3_embedding_reader_and_its_tokens(chapter: dict, toy: LoadedModel, dense: dict) -> None:
-    v = chapter["F3"].data.claim
+    v = paper_claims.EmbeddingReaderClaim.model_validate(chapter["F3"].data.claim)  # as the JSON twin carries it
     readers = {r: s for (w, r), s in dense["scores"].items() if w == "embed"}
-    assert v["reader"] == max(readers, key=readers.get) and v["score"] == pytest.approx(readers[v["reader"]], rel=1e-9)
-    vw_dense = dense["W"]["embed"] @ dense_reader(toy.model, sc.parse_reader(toy.model, v["reader"]))
+    assert v.reader == max(readers, key=readers.get) and v.score == pytest.approx(readers[v.reader], rel=1e-9)
+    vw_dense = dense["W"]["embed"] @ dense_reader(toy.model, sc.parse_reader(toy.model, v.reader))
     U, S, _ = torch.linalg.svd(vw_dense, full_matrices=False)
-    assert v["sigma"] == pytest.approx(float(S[0]), rel=1e-9)
-    u = U[:, 0] if U[v["top"][0], 0] > 0 else -U[:, 0]  # the direction's sign is free
-    n = len(v["top"])
-    assert v["top"] == u.topk(n).indices.tolist() and v["bottom"] == (-u).topk(n).indices.tolist()
+    assert v.sigma == pytest.approx(float(S[0]), rel=1e-9)
+    u = U[:, 0] if U[v.top[0], 0] > 0 else -U[:, 0]  # the direction's sign is free
+    n = len(v.top)
+    assert v.top == u.topk(n).indices.tolist() and v.bottom == (-u).topk(n).indices.tolist()
     assert "no norm between layers" in chapter["F3"].look_for
 
 
 def test_f4_bandwidth_and_erasure(chapter: dict, toy: LoadedModel, dense: dict) -> None:
-    v = chapter["F4"].data.claim
+    v = paper_claims.BandwidthClaim.model_validate(chapter["F4"].data.claim)  # as the JSON twin carries it
     d = toy.model.cfg.d_model
     bases = {}
     for name, W in dense["W"].items():
@@ -93,15 +94,15 @@ def test_f4_bandwidth_and_erasure(chapter: dict, toy: LoadedModel, dense: dict) 
         share = S.pow(2).cumsum(0) / S.pow(2).sum()
         k = int((share < 0.9 - 1e-12).sum()) + 1
         bases[name] = Vh[:k].T  # [d, k] stream side
-    assert v["total_dims"] == sum(b.shape[1] for b in bases.values()) and v["d_model"] == d
+    assert v.total_dims == sum(b.shape[1] for b in bases.values()) and v.d_model == d
     load = sum(b @ b.T for b in bases.values())
     lam, E = torch.linalg.eigh(load)
-    assert v["used_dims"] == pytest.approx(float(lam.sum() ** 2 / lam.pow(2).sum()), rel=1e-9)
-    assert v["crowded_load"] == pytest.approx(float(lam[-1]), rel=1e-9)
+    assert v.used_dims == pytest.approx(float(lam.sum() ** 2 / lam.pow(2).sum()), rel=1e-9)
+    assert v.crowded_load == pytest.approx(float(lam[-1]), rel=1e-9)
     shares = {n: float((b.T @ E[:, -1]).pow(2).sum()) for n, b in bases.items()}
-    assert v["crowded_writers"] == sorted(shares, key=shares.get, reverse=True)[:2]
-    if v["erasure"] is not None:
-        writer, eraser, score, z = v["erasure"]
+    assert v.crowded_writers == sorted(shares, key=shares.get, reverse=True)[:2]
+    if v.erasure is not None:
+        writer, eraser, score, z = v.erasure
         U, W_OV = bases[writer], dense["W"][eraser]
         expected = -torch.trace(U.T @ W_OV @ U) / (math.sqrt(U.shape[1]) * (U.T @ W_OV).norm())
         assert score == pytest.approx(float(expected), rel=1e-8) and score > 0 and z > 5

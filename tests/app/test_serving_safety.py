@@ -275,7 +275,7 @@ def test_header_timeout_cuts_off_clients_that_never_finish_their_headers(
             head, full = client.head(path), client.get(path, headers={"Accept-Encoding": "identity"})
             assert head.status_code == full.status_code == 200 and head.content == b"", path
             assert head.headers["content-length"] == str(len(full.content)), path
-        for bad in ("①", "--1", "9" * 5000):  # the issue: a 500 here reset the kept-alive connection
+        for bad in ("①", "--1", "9" * 5000):  # a 500 here reset the kept-alive connection
             refused = client.get("/api/v1/models/tiny-2l/direct", params={"token": bad})
             assert refused.status_code == 422 and client.get("/healthz").status_code == 200
         assert client.get("/api/v1/models/tiny-2l/direct", params={"token": "5"}).status_code == 200

@@ -12,11 +12,18 @@ import torch
 from app.registry import ModelRegistry
 from app.settings import Settings
 from app.tour.chapter import ChapterFigure, Measured, chapter_figures
+from app.tour.paper_claims import FigureClaim
 from circuits_core.errors import QkovError
 from circuits_core.formats.checkpoint import LoadedModel
 from tests.app.conftest import LIMITS
 
 CHECKPOINTS = Path(__file__).resolve().parents[2] / "checkpoints"
+
+
+class LayerCount(FigureClaim):
+    n: int
+
+
 FIGURES = [ChapterFigure(f"T{i}", f"title {i}", f"https://paper#{i}", f"Look at {i}.") for i in range(3)]
 
 
@@ -34,7 +41,9 @@ def test_figures_are_measured_in_order_and_a_failure_stays_its_own() -> None:
             raise QkovError(f"nothing to measure after {seen[0]}")
         chart = "logit_by_order" if fig.id == "T2" else None
         n_layers = loaded.model.cfg.n_layers
-        return Measured(f"{n_layers} layers", {"n": n_layers}, f"/models/toy-2l/{fig.id}", f"/api/{fig.id}", chart)
+        return Measured(
+            f"{n_layers} layers", LayerCount(n=n_layers), f"/models/toy-2l/{fig.id}", f"/api/{fig.id}", chart
+        )
 
     figures = chapter_figures(registry(CHECKPOINTS), "toy-2l", FIGURES, measure)
     assert seen == ["T0", "T1", "T2"] and [f.id for f in figures] == ["T0", "T1", "T2"]

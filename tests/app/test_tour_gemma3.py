@@ -30,7 +30,7 @@ def test_g1_windows(gemma: LoadedModel) -> None:
     model, cfg = gemma.model, gemma.model.cfg
     tokens = tg.window_probe(gemma)
     n, w = tokens.shape[1], cfg.window_size
-    assert w == claim["window"] == 512 and n > w
+    assert w == claim.window == 512 and n > w
     wanted = {f"blocks.{layer}.attn.{x}" for layer in range(cfg.n_layers) for x in ("hook_q", "hook_k", "hook_pattern")}
     with torch.no_grad():
         _, cache = model.run(tokens, names=wanted)
@@ -46,24 +46,24 @@ def test_g1_windows(gemma: LoadedModel) -> None:
         unwindowed = scores.masked_fill(~causal, float("-inf")).softmax(-1)  # [heads, n, n]
         mass = (unwindowed * far).sum(-1)[:, late]  # [heads, late queries]
         if cfg.attn_types[layer] == "local":
-            assert layer not in claim["global_layers"]
+            assert layer not in claim.global_layers
             # the model's own pattern is zero there, where the scores alone would put attention
             assert cache[f"blocks.{layer}.attn.hook_pattern"][0][:, far].abs().max() == 0
             assert float(mass.max()) > 1e-3
         else:
             shares.update({f"L{layer}H{h}": float(mass[h].mean()) for h in range(cfg.n_heads)})
-    assert claim["local_max"] == 0.0
-    assert claim["global_layers"] == [5, 11, 17]
+    assert claim.local_max == 0.0
+    assert claim.global_layers == [5, 11, 17]
     mean = sum(shares.values()) / len(shares)
-    assert abs(claim["global_share"] - mean) < 1e-5 and f"{100 * mean:.1f} %" in sentence
+    assert abs(claim.global_share - mean) < 1e-5 and f"{100 * mean:.1f} %" in sentence
     top = max(shares, key=shares.__getitem__)
-    assert claim["top_head"] == top and abs(claim["top_share"] - shares[top]) < 1e-5
+    assert claim.top_head == top and abs(claim.top_share - shares[top]) < 1e-5
 
 
 def test_g2_qk_norm_scales(gemma: LoadedModel) -> None:
     sentence, claim = tg.qk_norm_scales(gemma)
     model = gemma.model
-    (low, rho_low), (high, rho_high) = claim["low"], claim["high"]
+    (low, rho_low), (high, rho_high) = claim.low, claim.high
     with torch.no_grad():  # a plain forward pass: layer 0's key norm scale for the two tokens
         _, cache = model.run(torch.tensor([[low, high]]), names={"blocks.0.attn.k_norm.hook_scale"})
     scale = cache["blocks.0.attn.k_norm.hook_scale"][0, :, 0, 0].double()  # [2]
@@ -74,5 +74,5 @@ def test_g2_qk_norm_scales(gemma: LoadedModel) -> None:
     k = x @ model.blocks[0].attn.grouped("W_K")[0].detach()  # [d_vocab, d_head]
     rho = (k.pow(2).mean(-1) + model.cfg.eps).sqrt()
     assert int(rho.argmin()) == low and int(rho.argmax()) == high
-    assert abs(claim["factor"] - float(rho.max() / rho.min())) < 1e-3 * claim["factor"]
-    assert f"a factor of {claim['factor']:.0f}" in sentence
+    assert abs(claim.factor - float(rho.max() / rho.min())) < 1e-3 * claim.factor
+    assert f"a factor of {claim.factor:.0f}" in sentence

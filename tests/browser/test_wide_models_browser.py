@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from playwright.sync_api import Page, expect
@@ -18,8 +19,9 @@ from app.figure_output import for_page
 from app.settings import Limits
 from circuits_core.model.config import ModelConfig
 from tests.app.conftest import train_tokenizer
-from tests.browser.conftest import checked_page, screenshot, serve_model
-from tests.browser.test_pages_browser import charts_drawn, settled
+from tests.app.test_composition_frame import slow_wide_model
+from tests.browser.conftest import CHROMIUM, checked_page, screenshot, serve, serve_model
+from tests.browser.test_pages_browser import charts_drawn, mark_document, same_document, settled
 
 W = "wide"
 
@@ -77,6 +79,48 @@ def test_layer_block_map_zooms_into_a_block_on_click(wide: Page) -> None:
     screenshot(wide, "wide-composition-block-zoom")
     wide.click("#all-blocks")
     wide.wait_for_function("() => !document.querySelector('#block-zoom')")
+
+
+@pytest.fixture(scope="module")
+def slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The same model at a rate that prices its three composition kinds at 2 s: the page comes as its frame first."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"browser tests need {CHROMIUM} (make browser-deps)")
+    yield from serve(slow_wide_model(tmp_path_factory.mktemp("browser-slow"), "float32"))
+
+
+def test_composition_heat_maps_load_after_the_frame_and_zoom(browser, slow_server: str) -> None:  # noqa: ANN001
+    """The frame first, then the panel's heat maps swapped in by htmx (the page itself not reloaded); the block map
+    zooms into a block as on a page drawn whole, and the Q/K/V switch keeps one colour scale."""
+    for pg in checked_page(browser, slow_server):
+        pg.set_default_timeout(90_000)
+        with pg.expect_response(lambda r: r.request.headers.get("hx-target") == "composition-lazy") as panel:
+            pg.goto(f"/models/{W}/composition?kind=K")  # the frame; its panel asks for the heat maps
+        mark_document(pg)
+        assert panel.value.status == 200
+        charts_drawn(pg, 1)
+        expect(pg.locator("#composition-lazy")).to_have_count(0)
+        assert same_document(pg)  # swapped into the frame, not a reload
+        zmax = pg.evaluate(
+            """() => document.querySelector('[data-name="wide-K-composition-blocks"] .js-plotly-plot').data[0].zmax"""
+        )
+        pg.evaluate(
+            """() => {
+              const gd = document.querySelector('[data-name="wide-K-composition-blocks"] .js-plotly-plot');
+              gd.emit('plotly_click', {points: [{curveNumber: 0, pointIndex: [2, 4]}]});
+            }"""
+        )
+        pg.wait_for_url(re.compile(r"block=2-5"))
+        charts_drawn(pg, 2)
+        cells = pg.eval_on_selector_all("#block-zoom .heatmaplayer text", "els => els.map(e => e.textContent)")
+        assert len([c for c in cells if re.fullmatch(r"-?\d\.\d{2}", c)]) == 81
+        pg.click('[aria-label="composition kind"] a:text-is("V")')
+        v_zmax = pg.wait_for_function(
+            """() => { const gd = document.querySelector('[data-name="wide-V-composition-blocks"] .js-plotly-plot');
+                       return gd && gd.data && gd.data[0].zmax; }"""
+        ).json_value()
+        assert v_zmax == pytest.approx(zmax)
+        screenshot(pg, "wide-composition-after-frame")
 
 
 def test_head_filter_applies_to_table_and_grid(wide: Page) -> None:

@@ -93,7 +93,7 @@ def test_random_baseline_matches_analytic():
     gen = torch.Generator().manual_seed(3)
     W = (torch.rand(4, 64, 8, generator=gen, dtype=torch.float64) * 2 - 1) / math.sqrt(8)
     A, B = W[0] @ W[1].T, W[2] @ W[3].T
-    from circuits_core.circuits.composition import left_collapsed, pair_scores, right_collapsed
+    from circuits_core.circuits.composition_factors import left_collapsed, pair_scores, right_collapsed
 
     got = pair_scores(left_collapsed(W[0], W[1].T)[None], right_collapsed(W[2], W[3].T)[None])[0, 0]
     assert abs(float(got) - float((A @ B).norm() / (A.norm() * B.norm()))) < 1e-12
@@ -121,9 +121,10 @@ def test_gram_blocks_match_dense(d_model, block, size):
 
 @pytest.mark.parametrize("n_kv_heads", [None, 1])
 def test_one_heads_composition_is_its_row_and_column_of_the_dense_scores(n_kv_heads):
-    """head_composition (only the pairs naming one head, through collapsed factors) against the dense brute force:
-    the earlier heads into it and it into the later heads, for every kind (and a grouped-query model's K and V)."""
-    from circuits_core.circuits.head_composition import head_composition, head_compositions
+    """head_compositions (only the pairs naming one head, through collapsed factors) against the dense brute force:
+    the earlier heads into it and it into the later heads, for every kind (and a grouped-query model's K and V),
+    every kind at once and each kind alone."""
+    from circuits_core.circuits.head_composition import head_compositions
 
     kw = {} if n_kv_heads is None else {"n_key_value_heads": n_kv_heads}
     model = random_model(_cfg(n_layers=4, **kw), seed=3, dtype=torch.float64)
@@ -131,7 +132,7 @@ def test_one_heads_composition_is_its_row_and_column_of_the_dense_scores(n_kv_he
     for layer, h in [(0, 1), (2, 0), (3, 2)]:
         every = head_compositions(model, layer, h)  # every kind from one stacking (the head page's partners)
         for kind in "qkv":
-            for reads, writes in (every[kind], head_composition(model, layer, h, kind)):
+            for reads, writes in (every[kind], head_compositions(model, layer, h, (kind,))[kind]):
                 torch.testing.assert_close(reads, dense[kind][:layer, :, layer, h], atol=1e-12, rtol=0)
                 torch.testing.assert_close(writes, dense[kind][layer, h, layer + 1 :, :], atol=1e-12, rtol=0)
 

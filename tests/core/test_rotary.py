@@ -24,9 +24,9 @@ from circuits_core.circuits.rotary import (
     qk_eigenvalues_at,
     reference_means,
     rotation,
-    skip_trigrams_at,
 )
 from circuits_core.circuits.rotary_bands import band_energies
+from circuits_core.circuits.skip_trigrams import skip_trigrams
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.soft_cap import soft_cap
@@ -141,7 +141,7 @@ def test_full_qk_circuit_at_offset_vs_dense(case):
         values, rows, cols = fm.topk_global(10)
         torch.testing.assert_close(values, dense.flatten().topk(10).values, atol=1e-11, rtol=0)
         torch.testing.assert_close(dense[rows, cols], values, atol=1e-11, rtol=0)
-        st = skip_trigrams_at(model, layer, h, 5, delta, k=4)
+        st = skip_trigrams(model, layer, h, 5, k=4, qk_col=full_qk_col_at(model, layer, h, 5, delta))  # as the view
         assert st.dest_tokens.tolist() == dense[:, 5].topk(4).indices.tolist()
     # the circuit depends on δ (Ω(0) is TransformerLens's QK, Ω(1) is not)
     assert (full_qk_circuit_at(model, 1, 0, 1).AB - full_qk_circuit_at(model, 1, 0, 0).AB).abs().max() > 1e-3

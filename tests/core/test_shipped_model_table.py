@@ -63,7 +63,7 @@ def test_toy_alibi_2l_row() -> None:
 def test_toy_alibi_2l_paragraph() -> None:
     """docs/models.md's sentences on how toy-alibi-2l was made, against its recipe and card and toy-2l's card (the
     positivity view's label is tested in tests/app/test_shipped_alibi_toy.py)."""
-    from circuits_core.training.train import RECIPES
+    from circuits_core.training.recipes import RECIPES
 
     text = " ".join(MODELS_DOC.read_text().split())
     full = json.loads((REPO / "checkpoints" / "toy-alibi-2l" / "model_card.json").read_text())

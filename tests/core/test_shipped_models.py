@@ -1,5 +1,5 @@
 """The committed toy models (checkpoints/) show the paper's phenomena, and their model cards say what the
-code measures now. Thresholds are the issue's; measurements come from circuits_core.prompt.phenomena."""
+code measures now. Thresholds are phenomena.thresholds; measurements come from circuits_core.prompt.phenomena."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from circuits_core.prompt.phenomena import (
     thresholds,
 )
 from circuits_core.training.corpus import manifest_digest
+from circuits_core.training.recipes import RECIPES
 from circuits_core.training.toy_card import load_toy
-from circuits_core.training.train import RECIPES
 
 ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
 NAMES = ["toy-0l", "toy-1l", "toy-2l", "toy-alibi-2l"]
@@ -234,7 +234,7 @@ def test_thresholds_met(shipped):
         ("partner_previous_token_score" in checks) == (model.cfg.n_layers == 2 and not alibi)
     )
     assert all(checks.values()), checks
-    if name == "toy-2l":  # the issue's numbers, spelled out
+    if name == "toy-2l":  # the induction head's numbers, spelled out
         assert now["induction_score"] >= 0.6 and now["induction_head"].startswith("L1")
         assert now["partner_previous_token_score"] >= 0.5 and now["k_composition_partner"].startswith("L0")
         assert now["rep1_loss"] - now["rep2_loss"] >= 2.0

@@ -13,7 +13,8 @@ from tokenizers import Tokenizer
 
 from circuits_core.prompt.phenomena import EvalData
 from circuits_core.training.corpus import Corpus, is_val
-from circuits_core.training.train import Batches, Recipe, make_model, train, training_logits
+from circuits_core.training.recipes import Recipe, make_model
+from circuits_core.training.train import Batches, train, training_logits
 
 ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
 
