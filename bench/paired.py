@@ -12,7 +12,8 @@ The before side is a git worktree of REF, added under a temporary folder with th
 `--after REF`). Both run with this interpreter from their own root, so each imports its own packages. With `--lock
 PATH` each section's runs hold an flock on PATH, released between sections, so other heavy work interleaves; with
 `--lock-each-run` as well, the lock is held around each single run and released between them, so on a shared machine
-each run is timed while no other locked work runs, and a long section does not keep the others' work waiting.
+each run is timed while no other locked work runs, and a long section does not keep the others' work waiting
+(`--pause S` leaves the lock free S seconds after each run: flock is no queue, and a waiter needs the gap).
 Each run's wall time and the load average at its start and end are printed as it ends. `--save DIR` keeps each
 run's output as DIR/SECTION/before-N.txt and after-N.txt (N counting on from the runs already there), and `--saved
 DIR` pairs the runs kept there instead of running anything, so the runs of several invocations can be paired as one.
@@ -231,6 +232,8 @@ def timed_run(root: Path, section: str, label: str, args: argparse.Namespace) ->
         took = time.perf_counter() - t0
     note = f"{took:.0f} s, load average {start} at the start, {load_average()} at the end"
     print(f"  {label}: {note}", flush=True)
+    if args.lock_each_run and args.pause > 0:
+        time.sleep(args.pause)  # the lock stays free a while: flock is not a queue, so a waiter gets its turn
     return output, note
 
 
@@ -257,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rename", action="append", default=[], help="OLD=NEW: a section renamed between them")
     parser.add_argument("--lock", default=None, help="flock this file around each section's runs")
     parser.add_argument("--lock-each-run", action="store_true", help="hold --lock around each run, not each section")
+    parser.add_argument("--pause", type=float, default=0.0, help="with --lock-each-run: seconds to wait between runs")
     parser.add_argument("--save", type=Path, default=None, help="keep each run's output under this folder")
     parser.add_argument("--saved", type=Path, default=None, help="pair the runs kept under this folder; run nothing")
     parser.add_argument("--worse", type=float, default=0.10, help="mark ratios beyond this fraction (default 0.10)")

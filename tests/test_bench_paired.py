@@ -87,6 +87,16 @@ class RunLinesProbe(io.StringIO):
         return super().write(text)
 
 
+def test_pause_leaves_the_lock_free_after_each_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    lock = tmp_path / "heavy.lock"
+    fake_bench(monkeypatch, [run(f"{s}.00 s", "20.0 ms", "100 GFLOP/s", "2.00 GiB") for s in (4, 5, 6, 7)])
+    free_in_pauses: list[tuple[float, bool]] = []
+    monkeypatch.setattr(paired.time, "sleep", lambda s: free_in_pauses.append((s, lock_is_free(lock))))
+    argv = ["--before", str(tmp_path), "--after", str(tmp_path), "--lock", str(lock), "--lock-each-run"]
+    assert paired.main([*argv, "--pause", "60"]) == 0
+    assert free_in_pauses == [(60.0, True)] * 4  # after each of the 2 + 2 runs, with the lock released
+
+
 @pytest.mark.parametrize("each_run", [True, False])
 def test_lock_each_run_is_released_between_runs(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, each_run: bool
