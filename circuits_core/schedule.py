@@ -13,6 +13,10 @@ The maths modules say which two computations are independent and this module dec
     split_loop(total, n, work) a chunked loop split that way, the helper stopping when the caller fails
     Handoff                    a value one branch forms and the other waits for (an error reaches both)
     in_background()            I/O beside the caller (a checkpoint's digest while torch reads its tensors)
+    later(job)                 job in the process's one worker for results wanted later, in order (a GGUF tokenizer
+                               built while the weights load)
+    sampling(sample, every_s)  sample() every every_s seconds in a daemon thread while the block runs (a load's
+                               memory watchdog reading the process's RSS)
     yielding(wanted)           within it, the cores are given up while wanted() says other work needs them: no
                                helper thread starts, and a helper already running waits before its next shared
                                chunk (the main branch goes on); a server's background jobs run inside it
@@ -205,6 +209,34 @@ def in_background() -> Iterator[Background]:
     exit. For I/O beside torch's own work (hashlib releases the GIL), not for maths."""
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="qkov-background") as pool:
         yield Background(pool)
+
+
+_LATER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qkov-later")
+
+
+def later(job: Callable[[], T]) -> Future[T]:
+    """job in the process's one worker thread, after the jobs given it before; its Future. For work whose result a
+    caller needs later (a tokenizer built while the weights load), not for maths beside maths (side_by_side)."""
+    return _LATER.submit(job)
+
+
+@contextmanager
+def sampling(sample: Callable[[], None], every_s: float, name: str = "qkov-sampler") -> Iterator[None]:
+    """Within the block, sample() runs every `every_s` seconds in a daemon thread (first after `every_s`); on exit the
+    thread is stopped and joined, so no sample runs after the block."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(every_s):
+            sample()
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 @contextmanager

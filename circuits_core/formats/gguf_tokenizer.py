@@ -23,7 +23,7 @@ decoded (gguf_header.GGUFHeader.strings).
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
 from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
@@ -32,6 +32,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.gguf_header import GGUFHeader
 from circuits_core.formats.tokenizer import SENTENCEPIECE_SPACE, Tokenizer, sentencepiece_bytes
+from circuits_core.schedule import later
 
 # tokenizer.ggml.pre -> split every digit before byte-level BPE (llama.cpp's pre-tokenizer regexes: the
 # "smollm"/"starcoder" group adds \p{N} before GPT-2's pattern, the "gpt-2" group is GPT-2's pattern alone).
@@ -43,7 +44,6 @@ PRE_TOKENIZERS: dict[str, bool] = {
 SENTENCEPIECE_ARCHITECTURES = ("gemma", "gemma2", "gemma3")  # SentencePiece BPE vocabularies read here
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type values
 MERGES_PER_TOKEN = 4
-_BUILDER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qkov-tokenizer")
 
 
 def gguf_tokenizer(header: GGUFHeader, arch: str, d_vocab: int, bos_token_id: int | None) -> Tokenizer | None:
@@ -70,7 +70,7 @@ def gguf_tokenizer(header: GGUFHeader, arch: str, d_vocab: int, bos_token_id: in
         unk_token = tokens[unk] if isinstance(unk, int) and 0 <= unk < len(tokens) else None
         if len(set(tokens)) != len(tokens):
             raise CheckpointError(f"{name}: tokenizer.ggml.tokens lists {len(tokens) - len(set(tokens))} entries twice")
-        job: Future[HFTokenizer] = _BUILDER.submit(sentencepiece_bpe, tokens, kinds, unk_token)
+        job: Future[HFTokenizer] = later(lambda: sentencepiece_bpe(tokens, kinds, unk_token))  # beside the weights
         return Tokenizer(
             job, bos_token_id, source=f"{name} (tokenizer.ggml.*, SentencePiece BPE)", vocab_size=len(tokens),
             piece_bytes=sentencepiece_bytes,

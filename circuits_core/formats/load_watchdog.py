@@ -11,15 +11,15 @@ the bytes of the folder's files stand in. The allowance covers what does not sca
 a small model, the allocator's arenas, the first use of torch's kernels). A real load stays well under it: SmolLM2
 and Gemma-3 270M add about 1.0-1.3 times their float32 weights at their peak (docs/serving.md).
 
-How it holds: a sampler thread reads the process's RSS every SAMPLE_S and keeps the peak. The loading thread calls
-`checkpoint()` between bounded steps (each GGUF metadata key, each safetensors header entry, each chunk of GGUF rows:
-gguf_quants.CHUNK_VALUES values): once the peak is over the limit, the next step raises. One native step cannot be
-interrupted, so a step whose cost is known before it runs reserves it first (`reserve`: each safetensors tensor's
-stored bytes, a torch archive's declared records before torch.load, the tokenizer's parse at TOKENIZER_PARSE_FACTOR
-bytes per byte of tokenizer file) and is refused before it starts when the growth so far plus its cost would cross the
-limit. What no checkpoint divides: the steps after the reads (building the model from its state dict, weight
-processing, the tokenizer built on its worker thread) allocate in proportion to the priced weights and are checked
-once, when the load ends (a refusal then names the growth the sampler saw).
+How it holds: a sampler thread (schedule.sampling) reads the process's RSS every SAMPLE_S and keeps the peak. The
+loading thread calls `checkpoint()` between bounded steps (each GGUF metadata key, each safetensors header entry, each
+chunk of GGUF rows: gguf_quants.CHUNK_VALUES values): once the peak is over the limit, the next step raises. One native
+step cannot be interrupted, so a step whose cost is known before it runs reserves it first (`reserve`: each safetensors
+tensor's stored bytes, a torch archive's declared records before torch.load, the tokenizer's parse at
+TOKENIZER_PARSE_FACTOR bytes per byte of tokenizer file) and is refused before it starts when the growth so far plus its
+cost would cross the limit. What no checkpoint divides: the steps after the reads (building the model from its state
+dict, weight processing, the tokenizer built on its worker thread) allocate in proportion to the priced weights and are
+checked once, when the load ends (a refusal then names the growth the sampler saw).
 
 What it measures is the process's RSS, not the load's own allocations: Linux keeps no resident-memory count per
 thread, and torch, numpy and `tokenizers` allocate where Python's tracing does not see. Watched loads therefore run
@@ -34,10 +34,12 @@ step.
 from __future__ import annotations
 
 import threading
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
 
 from circuits_core.errors import CheckpointError
+from circuits_core.schedule import sampling
 
 MiB = 1024 * 1024
 LOAD_MEMORY_MULTIPLE = 3.0  # times the weights' size in the compute dtype
@@ -80,8 +82,7 @@ class LoadWatchdog:
         self.name, self.multiple, self.allowance = name, multiple, allowance
         self.weight_bytes, self.priced = files_bytes, False
         self.baseline = self.peak = 0
-        self._stop = threading.Event()
-        self._sampler: threading.Thread | None = None
+        self._sampling: AbstractContextManager[None] | None = None
         self._outer: LoadWatchdog | None = None
 
     @property
@@ -117,23 +118,21 @@ class LoadWatchdog:
             raise self._refusal(grown, f"would need {nbytes // MiB} MiB more for {what} ({grown // MiB} MiB so far)")
 
     def _sample(self) -> None:
-        while not self._stop.wait(SAMPLE_S):
-            self.peak = max(self.peak, rss_bytes() - self.baseline)
+        self.peak = max(self.peak, rss_bytes() - self.baseline)
 
     def __enter__(self) -> LoadWatchdog:
         ONE_LOAD.acquire()  # another load's growth is not this one's: wait for it to end
         self.baseline = rss_bytes()
         self._outer = getattr(_current, "watchdog", None)
         _current.watchdog = self
-        self._sampler = threading.Thread(target=self._sample, name=f"qkov-load-watchdog-{self.name}", daemon=True)
-        self._sampler.start()
+        self._sampling = sampling(self._sample, SAMPLE_S, f"qkov-load-watchdog-{self.name}")
+        self._sampling.__enter__()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         try:
-            self._stop.set()
-            if self._sampler is not None:
-                self._sampler.join()
+            if self._sampling is not None:
+                self._sampling.__exit__(None, None, None)  # stopped and joined: no sample after the load
             _current.watchdog = self._outer
             if kind is None:
                 self.check(now=True)  # a last native step may have crossed the limit after the last checkpoint

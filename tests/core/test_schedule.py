@@ -13,6 +13,8 @@ from circuits_core.schedule import (
     Handoff,
     available_cores,
     in_background,
+    later,
+    sampling,
     shared_chunks,
     shared_tasks,
     side_by_side,
@@ -162,6 +164,29 @@ def test_in_background_runs_beside_the_caller_and_waits_on_exit() -> None:
         slow = background.start(lambda: time.sleep(0.05) or "done")
     assert job.result() != here and job.result().startswith("qkov-background")
     assert slow.done() and slow.result() == "done"
+
+
+def test_later_runs_jobs_in_order_on_one_worker_beside_the_caller() -> None:
+    here = threading.current_thread().name
+    order: list[int] = []
+    jobs = [later(lambda i=i: (time.sleep(0.01 * (3 - i)), order.append(i), threading.current_thread().name)[2])
+            for i in range(3)]  # fmt: skip
+    names = {job.result(timeout=5) for job in jobs}
+    assert order == [0, 1, 2]  # in the order given, though the first sleeps longest: one worker
+    assert len(names) == 1 and here not in names and names.pop().startswith("qkov-later")
+
+
+def test_sampling_samples_in_another_thread_while_the_block_runs_and_never_after() -> None:
+    seen: list[str] = []
+    with sampling(lambda: seen.append(threading.current_thread().name), 0.002, name="qkov-test-sampler"):
+        deadline = time.monotonic() + 5
+        while len(seen) < 3 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    after = len(seen)
+    time.sleep(0.02)
+    assert after >= 3 and set(seen) == {"qkov-test-sampler"}
+    assert len(seen) == after  # stopped and joined on exit
+    assert "qkov-test-sampler" not in {t.name for t in threading.enumerate()}
 
 
 def test_split_loop_covers_the_range_once_and_its_helper_stops_when_the_caller_fails() -> None:
