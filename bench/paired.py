@@ -10,7 +10,13 @@ when it falls as much). Lines whose wording changed between the commits cannot b
 The before side is a git worktree of REF, added under a temporary folder with the current checkout's models/ and
 .cache linked in (or an existing checkout, when REF is a folder); the after side is the current checkout (or
 `--after REF`). Both run with this interpreter from their own root, so each imports its own packages. With `--lock
-PATH` each section's runs hold an flock on PATH, released between sections, so other heavy work interleaves.
+PATH` each section's runs hold an flock on PATH, released between sections, so other heavy work interleaves; with
+`--lock-each-run` as well, the lock is held around each single run and released between them, so on a shared machine
+each run is timed while no other locked work runs, and a long section does not keep the others' work waiting
+(`--pause S` leaves the lock free S seconds after each run: flock is no queue, and a waiter needs the gap).
+Each run's wall time and the load average at its start and end are printed as it ends. `--save DIR` keeps each
+run's output as DIR/SECTION/before-N.txt and after-N.txt (N counting on from the runs already there), and `--saved
+DIR` pairs the runs kept there instead of running anything, so the runs of several invocations can be paired as one.
 Sections that exist at only one commit are listed as such; `--rename OLD=NEW` pairs a section that was renamed.
 """
 
@@ -198,18 +204,74 @@ def load_average() -> str:
     return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+def saved_runs(folder: Path, side: str) -> list[Path]:
+    """DIR/SECTION/{side}-N.txt in the order of N."""
+    found = [
+        (int(m.group(1)), p) for p in folder.glob(f"{side}-*.txt") if (m := re.fullmatch(rf"{side}-(\d+)\.txt", p.name))
+    ]
+    return [p for _, p in sorted(found)]
+
+
+def keep(save: Path | None, section: str, side: str, output: str, note: str) -> None:
+    """The run's output as DIR/SECTION/{side}-N.txt, its time and load as a line of DIR/SECTION/runs.log."""
+    if save is None:
+        return
+    folder = save / section
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"{side}-{len(saved_runs(folder, side)) + 1}.txt"
+    (folder / name).write_text(output)
+    with open(folder / "runs.log", "a") as log:
+        log.write(f"{name}: {note}\n")
+
+
+def timed_run(root: Path, section: str, label: str, args: argparse.Namespace) -> tuple[str, str]:
+    """One `python -m bench SECTION` (under the lock alone with --lock-each-run): its output, and its time and load."""
+    with locked(args.lock if args.lock_each_run else None):
+        start, t0 = load_average(), time.perf_counter()
+        output = run_section(root, section, args.timeout)
+        took = time.perf_counter() - t0
+    note = f"{took:.0f} s, load average {start} at the start, {load_average()} at the end"
+    print(f"  {label}: {note}", flush=True)
+    if args.lock_each_run and args.pause > 0:
+        time.sleep(args.pause)  # the lock stays free a while: flock is not a queue, so a waiter gets its turn
+    return output, note
+
+
+def pair_saved(folder: Path, chosen: list[str], worse: float) -> int:
+    """Pair the runs kept under FOLDER by --save: every section folder there, or the chosen ones."""
+    names = chosen or sorted(p.name for p in folder.iterdir() if p.is_dir())
+    for section in names:
+        before, after = ([p.read_text() for p in saved_runs(folder / section, side)] for side in ("before", "after"))
+        if not before or not after:
+            print(f"\n== {section}: no saved runs of both commits ({len(before)} before, {len(after)} after) ==")
+            continue
+        print(f"\n== {section} (saved runs in {folder / section}) ==")
+        print("\n".join(compare(section, before, after, worse)), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.paired", description=__doc__.splitlines()[0])
     parser.add_argument("sections", nargs="*", help="sections to pair (default: every section of the after commit)")
-    parser.add_argument("--before", required=True, help="a commit (or a checkout folder) to compare against")
+    parser.add_argument("--before", help="a commit (or a checkout folder) to compare against")
     parser.add_argument("--after", default=None, help="a commit or folder (default: this checkout)")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each commit per section (default 2)")
     parser.add_argument("--skip", action="append", default=[], help="a section not to run (repeatable)")
     parser.add_argument("--rename", action="append", default=[], help="OLD=NEW: a section renamed between them")
     parser.add_argument("--lock", default=None, help="flock this file around each section's runs")
+    parser.add_argument("--lock-each-run", action="store_true", help="hold --lock around each run, not each section")
+    parser.add_argument("--pause", type=float, default=0.0, help="with --lock-each-run: seconds to wait between runs")
+    parser.add_argument("--save", type=Path, default=None, help="keep each run's output under this folder")
+    parser.add_argument("--saved", type=Path, default=None, help="pair the runs kept under this folder; run nothing")
     parser.add_argument("--worse", type=float, default=0.10, help="mark ratios beyond this fraction (default 0.10)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per bench run (default 1800)")
     args = parser.parse_args(argv)
+    if args.saved is not None:
+        return pair_saved(args.saved, args.sections, args.worse)
+    if args.before is None:
+        parser.error("--before is required unless --saved is given")
+    if args.lock_each_run and args.lock is None:
+        parser.error("--lock-each-run needs --lock PATH")
     # a plain `kill` ends the runs through the finally blocks below: the lock is released, the worktree removed
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     renamed = dict(pair.split("=", 1) for pair in args.rename)  # {old: new}
@@ -222,14 +284,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sections missing at the before commit (not paired): {', '.join(missing)}", flush=True)
         failed = []
         for section in (s for s in chosen if s in before_name):
-            with locked(args.lock):
+            print(f"\n-- {section}: runs --", flush=True)
+            with locked(None if args.lock_each_run else args.lock):
                 start, t0 = load_average(), time.perf_counter()
                 before_out: list[str] = []
                 after_out: list[str] = []
                 try:
-                    for _ in range(args.repeats):
-                        before_out.append(run_section(before_root, before_name[section], args.timeout))
-                        after_out.append(run_section(after_root, section, args.timeout))
+                    for n in range(1, args.repeats + 1):
+                        for side, root, name, outputs in (
+                            ("before", before_root, before_name[section], before_out),
+                            ("after", after_root, section, after_out),
+                        ):
+                            output, note = timed_run(root, name, f"{side} run {n}", args)
+                            keep(args.save, section, side, output, note)
+                            outputs.append(output)
                 except (RuntimeError, subprocess.TimeoutExpired) as exc:
                     print(f"\n== {section}: failed ==\n{exc}", flush=True)
                     failed.append(section)

@@ -4,6 +4,16 @@ run (955 ms vs 1.02 s) converted, settings and goals (equal in every run) left o
 
 from __future__ import annotations
 
+import fcntl
+import io
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from bench import paired
 from bench.paired import compare
 
 
@@ -39,3 +49,89 @@ def test_reworded_lines_are_listed_apart() -> None:
     rows = compare("engine", before, after, worse=0.10)
     assert any("before only" in r for r in rows) and any("after only" in r for r in rows)
     assert "    peak RSS 2.00 GiB" in rows and "    peak resident set 2.00 GiB" in rows
+
+
+def fake_bench(monkeypatch: pytest.MonkeyPatch, outputs: list[str], during: Callable[[], None] = lambda: None) -> None:
+    """`python -m bench`: one section, "engine", whose runs print OUTPUTS in turn; DURING is called inside each run."""
+    monkeypatch.setattr(paired, "sections", lambda root: ["engine"])
+
+    def run_section(root: Path, section: str, timeout_s: float) -> str:
+        during()
+        return outputs.pop(0)
+
+    monkeypatch.setattr(paired, "run_section", run_section)
+
+
+def lock_is_free(path: Path) -> bool:
+    """Whether another open file description could take the flock now (flock conflicts even within one process)."""
+    with open(path, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return True
+
+
+class RunLinesProbe(io.StringIO):
+    """stdout that checks the lock as each run's timing line is printed: after the run has ended, before the next."""
+
+    def __init__(self, lock: Path) -> None:
+        super().__init__()
+        self.lock = lock
+        self.free_between: list[bool] = []
+
+    def write(self, text: str) -> int:
+        if re.match(r"\s*(before|after) run \d+:", text):
+            self.free_between.append(lock_is_free(self.lock))
+        return super().write(text)
+
+
+def test_pause_leaves_the_lock_free_after_each_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    lock = tmp_path / "heavy.lock"
+    fake_bench(monkeypatch, [run(f"{s}.00 s", "20.0 ms", "100 GFLOP/s", "2.00 GiB") for s in (4, 5, 6, 7)])
+    free_in_pauses: list[tuple[float, bool]] = []
+    monkeypatch.setattr(paired.time, "sleep", lambda s: free_in_pauses.append((s, lock_is_free(lock))))
+    argv = ["--before", str(tmp_path), "--after", str(tmp_path), "--lock", str(lock), "--lock-each-run"]
+    assert paired.main([*argv, "--pause", "60"]) == 0
+    assert free_in_pauses == [(60.0, True)] * 4  # after each of the 2 + 2 runs, with the lock released
+
+
+@pytest.mark.parametrize("each_run", [True, False])
+def test_lock_each_run_is_released_between_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, each_run: bool
+) -> None:
+    lock = tmp_path / "heavy.lock"
+    held_during: list[bool] = []
+    outputs = [run(f"{s}.00 s", "20.0 ms", "100 GFLOP/s", "2.00 GiB") for s in (4, 5, 6, 7)]
+    fake_bench(monkeypatch, outputs, lambda: held_during.append(not lock_is_free(lock)))
+    probe = RunLinesProbe(lock)
+    monkeypatch.setattr(sys, "stdout", probe)
+    flags = ["--lock-each-run"] if each_run else []
+    assert paired.main(["--before", str(tmp_path), "--after", str(tmp_path), "--lock", str(lock), *flags]) == 0
+    assert held_during == [True] * 4  # every run is timed under the lock, either way
+    # per run: free as each run ends (another job may take it); per section: held from the first run to the last
+    assert probe.free_between == ([True] * 4 if each_run else [False] * 4)
+    assert lock_is_free(lock)
+    assert "5 s -> 6 s x1.20 WORSE" in probe.getvalue()  # before 4, 6 s; after 5, 7 s
+
+
+def test_saved_runs_of_two_invocations_are_paired_as_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    save = tmp_path / "runs"
+    first = [run("4.00 s", "20.0 ms", "100 GFLOP/s", "2.00 GiB"), run("5.00 s", "20.0 ms", "100 GFLOP/s", "2.00 GiB")]
+    second = [run("6.00 s", "20.0 ms", "100 GFLOP/s", "2.00 GiB"), run("9.00 s", "20.0 ms", "100 GFLOP/s", "2.00 GiB")]
+    for outputs in (first, second):
+        fake_bench(monkeypatch, outputs)
+        argv = ["--before", str(tmp_path), "--after", str(tmp_path), "--repeats", "1", "--save", str(save)]
+        assert paired.main(argv) == 0
+    kept = sorted(p.name for p in (save / "engine").iterdir())
+    assert kept == ["after-1.txt", "after-2.txt", "before-1.txt", "before-2.txt", "runs.log"]
+    assert "  ov_copying_scores(model), 144 heads      6.00 s" in (save / "engine" / "before-2.txt").read_text()
+    assert len((save / "engine" / "runs.log").read_text().splitlines()) == 4
+    monkeypatch.setattr(paired, "run_section", lambda *a: pytest.fail("--saved must run nothing"))
+    probe = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", probe)
+    assert paired.main(["--saved", str(save)]) == 0
+    # medians by hand: before 4, 6 s -> 5 s; after 5, 9 s -> 7 s
+    assert "engine: medians of 2 runs before, 2 after" in probe.getvalue()
+    assert "5 s -> 7 s x1.40 WORSE (before 4 s, 6 s; after 5 s, 9 s)" in probe.getvalue()

@@ -104,6 +104,16 @@ class Job:
         }
 
 
+WATCHED_S = 3.0  # a job polled this recently has a reader waiting for it (a page polls its job every second)
+
+
+def watched(flight: Flight) -> bool:
+    """Whether someone waits for the flight now: a request (no job yet), or a reader who polled its job within
+    WATCHED_S. A page left after its first answer (a 202 and its progress bar) polls no more."""
+    job = flight.job
+    return job is None or time.monotonic() - job.last_seen < WATCHED_S
+
+
 @dataclass
 class Stats:
     completed: int = 0

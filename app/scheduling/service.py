@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import contextvars
+import functools
 import hashlib
 import math
 import threading
@@ -41,6 +42,7 @@ from app.scheduling.flights import (
     Stats,
     computation_name,
     takes_should_stop,
+    watched,
 )
 from app.scheduling.requests import RequestContext, current_request
 from app.scheduling.slots import COMPUTE_NICE, JOB_NICE, Slots, lower_thread_priority
@@ -280,7 +282,7 @@ class ComputeService:
             for pool in (self.job_slots, self.slots) if flight.background else (self.slots,):
                 while True:
                     try:
-                        await pool.acquire(self.slot_wait_s)
+                        await pool.acquire(self.slot_wait_s, functools.partial(watched, flight))
                         break
                     except TimeoutError:
                         if flight.key is None or flight.stop.is_set():  # a kept one becomes a job: it waits on

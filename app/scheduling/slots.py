@@ -8,34 +8,42 @@ import logging
 import os
 import threading
 from collections import deque
+from collections.abc import Callable
 
 from circuits_core.schedule import available_cores
 
 log = logging.getLogger("qkov.compute")
 
 
+def _always() -> bool:
+    return True
+
+
 class Slots:
     """A FIFO counting semaphore awaitable from any event loop and released from any thread (a worker thread
-    releases its slot when its computation returns, not when the awaiting request gives up)."""
+    releases its slot when its computation returns, not when the awaiting request gives up). A waiter may say
+    whether someone watches it now (`watched`: a job whose progress a reader polls): a freed slot goes to the first
+    waiter watched, else to the first in line, so a job a page is waiting for never queues behind jobs whose pages
+    were left (they are stopped once nobody has polled them for job_abandon_s, but hold their place until then)."""
 
     def __init__(self, n: int):
         self.n = n
         self.in_use = 0
         self._lock = threading.Lock()
-        self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = deque()
+        self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future[None], Callable[[], bool]]] = deque()
 
     @property
     def waiting(self) -> int:
         return len(self._waiters)
 
-    async def acquire(self, timeout: float) -> None:
+    async def acquire(self, timeout: float, watched: Callable[[], bool] = _always) -> None:
         """Take a slot, waiting at most `timeout` seconds (TimeoutError)."""
         loop = asyncio.get_running_loop()
         with self._lock:
             if self.in_use < self.n and not self._waiters:
                 self.in_use += 1
                 return
-            entry = (loop, loop.create_future())
+            entry = (loop, loop.create_future(), watched)
             self._waiters.append(entry)
         try:
             await asyncio.wait_for(entry[1], timeout)
@@ -51,7 +59,9 @@ class Slots:
     def release(self) -> None:
         with self._lock:
             while self._waiters:
-                loop, fut = self._waiters.popleft()
+                entry = next((e for e in self._waiters if e[2]()), self._waiters[0])  # the first watched, else first
+                self._waiters.remove(entry)
+                loop, fut, _ = entry
                 try:  # hand the slot over directly (in_use unchanged)
                     loop.call_soon_threadsafe(_grant, fut)
                     return

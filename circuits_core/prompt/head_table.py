@@ -6,8 +6,9 @@ K-composition term with the previous-token head) and the eigenvalue copying anal
 Row-vector convention; the pieces are heads.py (detectors), circuits.py (Grams, spectra) and qk_paths.py
 (K-composition positivity).
 
-The work, on GPT-2 small's shape and its standard input (10 x 101 tokens), in three steps; when the caller's torch
-threads leave a core idle (schedule.side_by_side) two threads share each step, else one thread does both halves:
+The work, on GPT-2 small's shape and its standard input (10 x 101 tokens), in three steps, two threads sharing each
+(schedule.side_by_side): a caller whose torch threads span the cores gives each thread half of them, so the halves
+run side by side instead of one after the other (one thread does both only on a single core):
     1  detector pass    every layer's pattern; half the sequences each                        ~165 GFLOP
     2  Grams            G = W_U W_E_eff, G_E = W_E_eff^T W_E_eff (G_E by its blocks on and above the
                         diagonal), the vocabulary's row chunks taken from one queue (schedule.shared_chunks):
@@ -54,7 +55,7 @@ from circuits_core.prompt.detectors import (
     standard_tokens,
 )
 from circuits_core.prompt.qk_paths import k_composition_positivity
-from circuits_core.schedule import Handoff, shared_chunks, side_by_side
+from circuits_core.schedule import Handoff, available_cores, shared_chunks, side_by_side
 
 # Vocabulary rows per Gram chunk in step 2: two threads' chunks (W_E_eff rows and W_U columns, ~6 MiB each on GPT-2)
 # stay within the shared L3 cache; at EMBED_CHUNK (4096 rows) the two threads' Grams took ~12 % more CPU (0.60 vs
@@ -153,6 +154,30 @@ def head_table(
     if model.cfg.n_layers == 0:
         empty = torch.zeros(0, model.cfg.n_heads, dtype=torch.float64)
         return HeadTable(detector_scores(model, tokens, should_stop, budget_bytes), empty, empty, None)
+    threads = torch.get_num_threads()
+    if threads < 2 or 2 * threads <= available_cores():
+        return _head_table(model, tokens, should_stop, budget_bytes, means, reference_tokens, with_loss)
+    # The caller's threads span the cores, so side_by_side would run each step's halves one after the other on all
+    # of them: the halves side by side on half the threads each instead (both cores busy without OpenMP's barriers
+    # between small products; Gemma-3 270M, bench/RESULTS.md). The setting is restored after.
+    torch.set_num_threads(threads // 2)
+    try:
+        return _head_table(model, tokens, should_stop, budget_bytes, means, reference_tokens, with_loss)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _head_table(
+    model: Transformer,
+    tokens: Tensor,
+    should_stop: Callable[[], bool] | None,
+    budget_bytes: int | None,
+    means: Callable[[], Tensor] | None,
+    reference_tokens: int | None,
+    with_loss: bool,
+) -> HeadTable:
+    """head_table of a model with layers, its two threads' halves side by side when the caller's threads leave a core
+    idle."""
     tokens = model.check_tokens(tokens)
     b, n = tokens.shape
     sequences = shared_chunks(b, table_chunk(model, n, b, budget_bytes, reference_tokens if means else None, with_loss))

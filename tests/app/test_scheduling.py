@@ -372,3 +372,31 @@ def test_a_jobs_helper_thread_gives_its_core_back_while_a_page_computes_inline(s
     assert during == []  # the helper took no chunk while the page computed
     assert any(helper and when >= end for when, helper, _ in chunks)  # and took chunks again after it
     assert sorted(i for _, _, i in chunks) == list(range(80))  # every chunk once
+
+
+def test_a_freed_slot_goes_to_a_watched_waiter_first() -> None:
+    """A job a reader polls is not queued behind jobs whose pages were left (unpolled: they hold their place until
+    job_abandon_s stops them); among waiters nobody watches, or all watched, the order is first come first served."""
+    import asyncio
+
+    from app.scheduling.slots import Slots
+
+    async def order(watched: list[bool]) -> list[int]:
+        slots, granted = Slots(1), []
+        await slots.acquire(1.0)  # held: every waiter below queues
+
+        async def wait(i: int) -> None:
+            await slots.acquire(5.0, lambda: watched[i])
+            granted.append(i)
+            slots.release()
+
+        tasks = [asyncio.create_task(wait(i)) for i in range(len(watched))]
+        while slots.waiting < len(watched):
+            await asyncio.sleep(0.01)
+        slots.release()
+        await asyncio.gather(*tasks)
+        return granted
+
+    assert asyncio.run(order([False, False, True, False])) == [2, 0, 1, 3]
+    assert asyncio.run(order([False, False, False])) == [0, 1, 2]
+    assert asyncio.run(order([True, True, True])) == [0, 1, 2]

@@ -108,7 +108,7 @@ def test_shared_gram_queries_give_the_same_spectra_and_positivities() -> None:
 
 
 @pytest.mark.parametrize("budget", [None, 200_000])
-def test_head_table_price_covers_the_measured_peak(budget: int | None) -> None:
+def test_head_table_price_covers_the_measured_peak(budget: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
     """The bytes head_table holds (run in turn, so every operation is seen by this thread) stay within
     head_table_cost, which counts two detector chunks at once; the small budget forces one-sequence chunks."""
     model = small_model(n_layers=3, ln="LN", mlp=True)
@@ -117,7 +117,9 @@ def test_head_table_price_covers_the_measured_peak(budget: int | None) -> None:
     if budget is not None:
         assert table_chunk(model, n, b, budget) == 1
     before = torch.get_num_threads()
-    torch.set_num_threads(available_cores())  # no idle core: the branches run in turn, in this thread
+    monkeypatch.setattr("circuits_core.prompt.head_table.available_cores", lambda: 1)
+    monkeypatch.setattr("circuits_core.schedule.available_cores", lambda: 1)
+    torch.set_num_threads(1)  # one core: the branches run in turn, in this thread
     try:
         with torch.no_grad(), _HeldBytes([*model.parameters(), *model.buffers(), tokens]) as held:
             head_table(model, tokens, budget_bytes=budget)
@@ -195,3 +197,46 @@ def test_head_table_raises_instead_of_waiting_when_G_E_W_Q_fails(monkeypatch: py
             assert not worker.is_alive() and len(got) == 1 and "G_E W_Q failed" in str(got[0])
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(available_cores() < 2, reason="needs two cores")
+def test_threads_spanning_the_cores_run_the_halves_side_by_side(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller whose torch threads span the cores (the bench, a computation alone in the app) gets the two halves
+    side by side on half the threads each, not one after the other: both threads run detector chunks, the table is
+    the one the halves give in turn (detector scores bitwise, the spectra's scores to rounding), and the caller's
+    thread count is restored."""
+    import threading
+
+    import circuits_core.prompt.head_table as HT
+
+    model = small_model(n_layers=3, ln="LN", mlp=True)
+    tokens = standard_tokens(model, seed=2)
+    ran: list[tuple[str, int]] = []
+    real_sums = HT.detector_sums
+
+    def recording(*args: object, **kwargs: object) -> object:
+        ran.append((threading.current_thread().name, torch.get_num_threads()))
+        return real_sums(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(HT, "detector_sums", recording)
+    before, cores = torch.get_num_threads(), available_cores()
+    try:
+        torch.set_num_threads(cores)
+        split = head_table(model, tokens)
+        assert torch.get_num_threads() == cores
+        names = {name for name, _ in ran}
+        assert len(names) == 2 and {threads for _, threads in ran} == {cores // 2}, ran
+        ran.clear()
+        with monkeypatch.context() as patch:  # one core: the halves in turn, in this thread
+            patch.setattr(HT, "available_cores", lambda: 1)
+            patch.setattr("circuits_core.schedule.available_cores", lambda: 1)
+            in_turn = head_table(model, tokens)
+        assert {name for name, _ in ran} == {threading.current_thread().name}
+    finally:
+        torch.set_num_threads(before)
+    for name, scores in in_turn.detectors.items():
+        assert torch.equal(split.detectors[name], scores), name
+    for got, want in ((split.ov_copying, in_turn.ov_copying), (split.qk_copying, in_turn.qk_copying)):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
+    assert split.induction is not None and in_turn.induction is not None
+    torch.testing.assert_close(split.induction.qk_weighted, in_turn.induction.qk_weighted, rtol=0, atol=1e-9)
