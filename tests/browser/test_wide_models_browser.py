@@ -48,6 +48,19 @@ def wide(browser, wide_server: str) -> Iterator[Page]:  # noqa: ANN001
         yield pg
 
 
+def click_block_2_to_5(page: Page) -> None:
+    """Click the K-composition block map's cell of layers 2 -> 5 through plotly's own click event, and wait for the
+    zoomed page (its URL names the block) to draw its two charts."""
+    page.evaluate(
+        """() => {
+          const gd = document.querySelector('[data-name="wide-K-composition-blocks"] .js-plotly-plot');
+          gd.emit('plotly_click', {points: [{curveNumber: 0, pointIndex: [2, 4]}]});
+        }"""
+    )
+    page.wait_for_url(re.compile(r"block=2-5"))
+    charts_drawn(page, 2)
+
+
 def test_layer_block_map_zooms_into_a_block_on_click(wide: Page) -> None:
     wide.goto(f"/models/{W}/composition?kind=K")
     charts_drawn(wide, 1)
@@ -59,15 +72,7 @@ def test_layer_block_map_zooms_into_a_block_on_click(wide: Page) -> None:
         '[data-name="wide-K-composition-blocks"] .ytick text', "els => els.map(e => e.textContent)"
     )
     assert sorted(ticks) == [f"L{a}" for a in range(8)]
-    # click the block L2 -> L5 through plotly's own click event
-    wide.evaluate(
-        """() => {
-          const gd = document.querySelector('[data-name="wide-K-composition-blocks"] .js-plotly-plot');
-          gd.emit('plotly_click', {points: [{curveNumber: 0, pointIndex: [2, 4]}]});
-        }"""
-    )
-    wide.wait_for_url(re.compile(r"block=2-5"))
-    charts_drawn(wide, 2)
+    click_block_2_to_5(wide)
     zoom = wide.locator("#block-zoom .js-plotly-plot")
     expect(zoom).to_be_visible()
     cells = wide.eval_on_selector_all("#block-zoom .heatmaplayer text", "els => els.map(e => e.textContent)")
@@ -104,14 +109,7 @@ def test_composition_heat_maps_load_after_the_frame_and_zoom(browser, slow_serve
         zmax = pg.evaluate(
             """() => document.querySelector('[data-name="wide-K-composition-blocks"] .js-plotly-plot').data[0].zmax"""
         )
-        pg.evaluate(
-            """() => {
-              const gd = document.querySelector('[data-name="wide-K-composition-blocks"] .js-plotly-plot');
-              gd.emit('plotly_click', {points: [{curveNumber: 0, pointIndex: [2, 4]}]});
-            }"""
-        )
-        pg.wait_for_url(re.compile(r"block=2-5"))
-        charts_drawn(pg, 2)
+        click_block_2_to_5(pg)
         cells = pg.eval_on_selector_all("#block-zoom .heatmaplayer text", "els => els.map(e => e.textContent)")
         assert len([c for c in cells if re.fullmatch(r"-?\d\.\d{2}", c)]) == 81
         pg.click('[aria-label="composition kind"] a:text-is("V")')
