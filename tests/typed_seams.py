@@ -11,7 +11,8 @@ its ignore would be unused and `make lint` fails. The right declarations carry n
 - A page context, the page frame or the basis picker's state with a misspelt or missing key, or a value of the
   wrong type (rendering.AnalysisContext, PageFrame, BasisContext; declared_pages.PerHeadContext).
 - A page context built by hand in a router with a misspelt, missing or wrong-typed key (pages_analyses.ChainContext,
-  pages_tour.TourContext), or a context function whose page params are not its page's (TourContext's params).
+  pages_tour.TourContext, pages_composition.CompositionFrameContext), or a context function whose page params are not
+  its page's (TourContext's params).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from app.params import DetectorParams, TourParams
 from app.routers.declared_pages import PerHeadContext
 from app.routers.pages import DetectorPageParams, DirectPageParams, detectors_context, direct_context
 from app.routers.pages_analyses import ChainContext
+from app.routers.pages_composition import CompositionFrameContext
 from app.routers.pages_tour import TourContext
 from app.routers.rendering import AnalysisContext, BasisContext, Page, PageCall, PageFrame
 from app.schemas import DetectorsView
@@ -133,3 +135,6 @@ TEXT_K_CHAIN: ChainContext = {
 TOUR_PAGE: TourContext = {"view": TourView(models={}, figures=[]), "parts": [], "params": TourParams()}
 WRONG_TOUR_VIEW: TourContext = {"view": KV(k=1), "parts": [], "params": TourParams()}  # type: ignore[typeddict-item]
 WRONG_TOUR_PARAMS: TourContext = {"view": TourView(models={}, figures=[]), "parts": [], "params": KP()}  # type: ignore[typeddict-item]
+FRAME_FIRST: CompositionFrameContext = {"panel_url": "/models/m/composition?kind=K", "kind": "K", "panel_seconds": 7.0}
+NO_SUCH_KIND: CompositionFrameContext = {"panel_url": "/m", "kind": "X", "panel_seconds": 7.0}  # type: ignore[typeddict-item]
+PANEL_IN_MS: CompositionFrameContext = {"panel_url": "/m", "kind": "K", "panel_ms": 7000}  # type: ignore[typeddict-unknown-key, typeddict-item]

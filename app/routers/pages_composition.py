@@ -5,11 +5,12 @@ their views."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal, TypedDict
 
 from pydantic import Field
 
 from app import block_heatmaps, charts, snippets, view_figures
+from app.charts import Figure
 from app.head_filter import FilterText
 from app.params import (
     CompositionPairParams,
@@ -17,9 +18,9 @@ from app.params import (
     NoParams,
 )
 from app.routers.page_inputs import filtered_heads, snippet_source
-from app.routers.pages_rotary import pair_rotary_context, rotary_enabled
-from app.routers.rendering import Page, PageCall, PageContext, is_fragment, url
-from app.schemas.analyses import CompositionPair, CompositionView
+from app.routers.pages_rotary import PairRotary, pair_rotary_context, rotary_enabled
+from app.routers.rendering import Page, PageCall, Refusal, is_fragment, url
+from app.schemas.analyses import CompositionPair, CompositionPairView, CompositionView
 from app.views.composition import COMPOSITION, COMPOSITION_PAIR
 from app.views.shared.heads_table import HEADS
 from app.views.shared.page_claims import composition_sentence
@@ -67,13 +68,59 @@ def of_heads(view: CompositionView, kept: set[str] | None) -> CompositionView:
     )
 
 
+class CompositionFrameContext(TypedDict):
+    """templates/composition.html before its heat maps: the URL of the panel whose htmx request computes them, the
+    kind shown, and their price in seconds at this server's rate."""
+
+    panel_url: str
+    kind: Literal["Q", "K", "V"]
+    panel_seconds: float
+
+
+class CompositionContext(TypedDict):
+    """templates/composition.html whole: the kind's view of the heads the filter keeps (None on a refusal), its heat
+    map or layer-block map and zoomed block, the sentence on what the model shows, and the pickers' state."""
+
+    view: CompositionView | None
+    error: Refusal | None
+    head_filter: str
+    filter_text: str | None
+    n_heads: int | None  # heads in the answer
+    n_shown: int | None  # heads the filter keeps
+    snippet: str | None
+    kind: Literal["Q", "K", "V"]
+    fig: Figure | None  # the heat map, or on many heads the layer-block map
+    blocks: bool
+    block: str | None  # the zoomed block "a-b"
+    zoom: Figure | None
+    all_blocks_url: str
+    offset: int | None
+    is_rotary: bool
+    n_ctx: int
+    claim: str | None
+    latent_kv_rank: int | None  # multi-head latent attention
+
+
+class PairContext(TypedDict):
+    """templates/pair.html: one pair's composition circuits, its eigenvalue charts, and on rotary models its
+    profiles over the offset."""
+
+    view: CompositionPairView
+    k: int
+    figs: dict[str, Figure]
+    max_k: int
+    rotary: PairRotary | None  # None: not a rotary model
+
+
 def heat_map_seconds(call: PageCall[CompositionPageParams], params: CompositionParams) -> float:
     """The time the page's heat maps would compute here: its three kinds (they share one colour scale), each priced at
     the server's rate unless kept already (SmolLM2's 270 heads: 134 GFLOP by the engine's count, ~7 s at 20 GFLOP/s)."""
     return sum(call.seconds_left(COMPOSITION, params.model_copy(update={"kind": k})) for k in ("Q", "K", "V"))
 
 
-async def composition_context(call: PageCall[CompositionPageParams]) -> PageContext:
+async def composition_context(
+    call: PageCall[CompositionPageParams],
+) -> CompositionFrameContext | CompositionContext:
     page = call.params
     params = CompositionParams(**page.model_dump(exclude={"block", "filter"}))
     call.json_params = params
@@ -89,7 +136,12 @@ async def composition_context(call: PageCall[CompositionPageParams]) -> PageCont
     seconds = 0.0 if is_fragment(call.request) else heat_map_seconds(call, params)
     if seconds > FRAME_FIRST_S:  # the page's frame at once; its panel's htmx request computes the heat maps
         call.keep = False  # a frame is not kept: once its heat maps are, the page comes whole
-        return {"panel_url": url(base, **state, block=page.block), "kind": kind, "panel_seconds": seconds}
+        frame: CompositionFrameContext = {
+            "panel_url": url(base, **state, block=page.block),
+            "kind": kind,
+            "panel_seconds": seconds,
+        }
+        return frame
     head_filter, kept, filter_error = await filtered_heads(call, page.filter)
     whole, error = await call.attempt(COMPOSITION, params)
     view = None if whole is None else of_heads(whole, kept)
@@ -147,7 +199,7 @@ async def composition_context(call: PageCall[CompositionPageParams]) -> PageCont
     }
 
 
-async def pair_context(call: PageCall[CompositionPairParams]) -> PageContext:
+async def pair_context(call: PageCall[CompositionPairParams]) -> PairContext:
     view = await call.run(COMPOSITION_PAIR, call.params)
     call.title = f"{view.source} → {view.target} · {call.model_id}"
     figs = {
@@ -161,7 +213,7 @@ async def pair_context(call: PageCall[CompositionPairParams]) -> PageContext:
         ),
     }
     rotary = await pair_rotary_context(call, view.source, view.target)
-    return {"view": view, "k": call.params.k, "figs": figs, "max_k": call.limits.max_k, **rotary}
+    return {"view": view, "k": call.params.k, "figs": figs, "max_k": call.limits.max_k, "rotary": rotary["rotary"]}
 
 
 COMPOSITION_PAGE = Page(
