@@ -65,7 +65,7 @@ def loop(
             model.run(
                 seq, frozen=Frozen(clean.frozen.patterns, clean.frozen.ln_scales, {layer: zero}, clean.frozen.mlp_out)
             )
-        base = ablation.lm_loss(clean.logits, seq)
+        base = clean.loss  # the clean run's lm_loss (CleanRun keeps the loss, not the logits)
         kinds = [
             torch.stack(
                 [
