@@ -43,6 +43,9 @@ from bench.engine import GPT2_SMALL, gpt2_shaped_model, tl_model
 from bench.load import HOST, free_port, rss_bytes, start_server
 
 MODEL_ID = "gpt2-small-random"
+# A bench server answers every request within the request, however it is priced (the inline budget raised to the job
+# budget, the longest price served at all): the figures time the computation as a client waits for it, not a 202 job.
+INLINE_BUDGET_S = str(Settings.model_fields["job_budget_s"].default)
 LAYER, HEAD, TOKEN, K = 5, 1, 1234, 20
 GiB = 2**30
 
@@ -270,10 +273,7 @@ def http() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="qkov-bench-http-"))
     write_tl_checkpoint(tmp)
     port = free_port()
-    # every request answered within the request, however it is priced (the inline budget raised to the job budget,
-    # the longest price served at all): the figures time the computation as a client waits for it, not a 202 job
-    inline = str(Settings.model_fields["job_budget_s"].default)
-    proc = start_server(tmp, port, cache_bytes="0", preload="true", inline_budget_s=inline)
+    proc = start_server(tmp, port, cache_bytes="0", preload="true", inline_budget_s=INLINE_BUDGET_S)
     base = f"http://{HOST}:{port}"
     m = f"/api/v1/models/{MODEL_ID}"
     try:

@@ -36,7 +36,7 @@ import httpx
 import torch
 
 from bench import fmt_time, row
-from bench.http import mem_available, timed_get, wait_ready
+from bench.http import INLINE_BUDGET_S, mem_available, timed_get, wait_ready
 from bench.load import HOST, RssSampler, free_port, rss_bytes, start_server
 from bench.term_importance import term_importance_smollm2
 
@@ -260,7 +260,8 @@ def served(folder: Path) -> None:
     budget = Limits().peak_bytes
     port = free_port()
     proc = start_server(folder.parent, port, cache_bytes="0", store_url="off", preload="true",
-                        max_model_bytes=str(16 * GiB), request_timeout_s=str(REQUEST_TIMEOUT_S))  # fmt: skip
+                        max_model_bytes=str(16 * GiB), request_timeout_s=str(REQUEST_TIMEOUT_S),
+                        inline_budget_s=INLINE_BUDGET_S)  # fmt: skip
     base, m = f"http://{HOST}:{port}", f"/api/v1/models/{LLAMA_ID}"
     try:
         t0 = time.perf_counter()
