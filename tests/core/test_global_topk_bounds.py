@@ -23,7 +23,9 @@ def small_search(monkeypatch):
     monkeypatch.setattr(global_topk_bounds, "GRAM_ROWS", 50)
     monkeypatch.setattr(global_topk_bounds, "CHUNK", 64)
     monkeypatch.setattr(global_topk_bounds, "SEED", 8)
-    monkeypatch.setattr(global_topk_bounds, "BLOCK_ENTRIES", 512)
+    monkeypatch.setattr(global_topk_bounds, "CHUNK_ENTRIES", 512)
+    monkeypatch.setattr(global_topk_bounds, "COLS", 16)
+    monkeypatch.setattr(global_topk_bounds, "ROWS_MAX", 96)
 
 
 def circuit_like(ldim, mdim, rdim, seed, dtype=torch.float64):
@@ -43,17 +45,18 @@ def dense_topk(M, k):
 
 
 def exact_entries(monkeypatch):
-    """Counts the entries the search multiplies out exactly (products of A's rows with B's columns)."""
+    """Counts the entries the search multiplies out exactly (products of A's rows with B's columns, by `@` or
+    torch.matmul)."""
     counted = []
-    real_matmul = torch.Tensor.__matmul__
+    real_matmul, real_torch_matmul = torch.Tensor.__matmul__, torch.matmul
 
-    def counting(x, y):
-        out = real_matmul(x, y)
+    def exact(x, y, out):
         if x.shape[-1] == y.shape[0] == 24 and x.shape[0] != 24 and y.shape[-1] != 24:
             counted.append(out.numel())
         return out
 
-    monkeypatch.setattr(torch.Tensor, "__matmul__", counting)
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda x, y: exact(x, y, real_matmul(x, y)))
+    monkeypatch.setattr(torch, "matmul", lambda x, y, **kw: exact(x, y, real_torch_matmul(x, y, **kw)))
     return counted
 
 
