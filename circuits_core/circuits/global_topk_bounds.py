@@ -115,16 +115,19 @@ def _norm_bounds(
     n = X.shape[1] if columns else X.shape[0]
     rot = torch.empty(n, dtype=torch.float64, device=X.device)
     norm = torch.empty(n, dtype=torch.float64, device=X.device)
+    # one buffer for every chunk's product: a fresh [CHUNK, m] each time is mapped and zeroed anew by the system
+    buf = torch.empty(min(n, CHUNK), T.shape[1], dtype=X.dtype, device=X.device)
     for s in range(0, n, CHUNK):
         check_stop(should_stop, "global top-k")
         if columns:  # reductions over the leading dimension are ~7x slower in torch: products and sums in rows
             x = X[:, s : s + CHUNK]  # [m, <=CHUNK]
-            rot[s : s + CHUNK] = torch.linalg.vector_norm(x.T @ T.T, dim=1)
+            y = torch.matmul(x.T, T.T, out=buf[: x.shape[1]])  # [<=CHUNK, m]: (T x)^T
+            rot[s : s + CHUNK] = torch.linalg.vector_norm(y, dim=1)
             squares = [x[:, j : j + SQUARES].square().sum(0) for j in range(0, x.shape[1], SQUARES)]
             norm[s : s + CHUNK] = torch.cat(squares).sqrt()
         else:
             x = X[s : s + CHUNK]  # [<=CHUNK, m]
-            rot[s : s + CHUNK] = torch.linalg.vector_norm(x @ T, dim=1)
+            rot[s : s + CHUNK] = torch.linalg.vector_norm(torch.matmul(x, T, out=buf[: x.shape[0]]), dim=1)
             norm[s : s + CHUNK] = torch.linalg.vector_norm(x, dim=1)
     norm *= 1 + 2 * gamma
     rot *= 1 + 2 * gamma
