@@ -100,6 +100,32 @@ def test_every_entry_or_most_of_them(k):
     assert torch.equal(r, ref_r) and torch.equal(c, ref_c)
 
 
+def test_where_nothing_prunes_each_entry_is_multiplied_once_in_chunks(monkeypatch):
+    """Unstructured factors and k large enough that no bound prunes: the staircase multiplies every entry once (the
+    seed's twice), in products of at most CHUNK_ENTRIES entries and COLS columns, so each is read back from cache.
+    One product of a whole row block across every column (85 x 49,152 on the rotary benchmark's circuit) made that
+    search 2.7x slower."""
+    gen = torch.Generator().manual_seed(14)
+    A, B = (
+        torch.randn(150, 24, generator=gen, dtype=torch.float64),
+        torch.randn(24, 130, generator=gen, dtype=torch.float64),
+    )
+    with monkeypatch.context() as patch:
+        exact = exact_entries(patch)
+        cols = []
+        counting = torch.matmul  # exact_entries' counter
+        patch.setattr(torch, "matmul", lambda x, y, **kw: cols.append(y.shape[-1]) or counting(x, y, **kw))
+        v, r, c = global_topk_bounds.topk_bounded(A, B, 2000)
+    seed = exact[0]  # the seed block (16 x 130 entries to hold k), by `@`
+    assert seed == 16 * 130 and sum(exact) == 150 * 130 + seed
+    chunk_cols = [n for n in cols if n != 24]  # (the changes of basis are [n, 24] @ [24, 24])
+    assert len(chunk_cols) == len(exact) - 1 > 150 * 130 / global_topk_bounds.CHUNK_ENTRIES
+    assert max(exact[1:]) <= global_topk_bounds.CHUNK_ENTRIES and max(chunk_cols) <= global_topk_bounds.COLS
+    ref_v, ref_r, ref_c = dense_topk(A @ B, 2000)
+    torch.testing.assert_close(v, ref_v, rtol=1e-12, atol=1e-12)
+    assert torch.equal(r * 130 + c, ref_r * 130 + ref_c)
+
+
 def poor_basis(monkeypatch, mdim, noise):
     """A basis far from the singular one, N only approximately M^-1 (a relative error `noise`)."""
     gen = torch.Generator().manual_seed(4)
