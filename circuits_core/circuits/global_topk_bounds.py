@@ -28,7 +28,7 @@ from circuits_core.cost import check_stop
 # tables of a large vocabulary's default token set, where the norm-ordered tiles of global_topk were measured faster
 # with the earlier version of this search; on whole vocabularies (Gemma-3's 262,144^2) this one is far faster.
 MIN_ENTRIES, MIN_INNER = 2**27, 64
-GRAM_ROWS = 16384  # rows (columns) of A (B) sampled for the basis: it only needs to be good, not exact
+GRAM_ROWS = 8192  # rows (columns) of A (B) sampled for the basis: it only needs to be good, not exact
 CHUNK = 32768  # rows (columns) changed to the basis at once: [CHUNK, m]
 SQUARES = 2048  # columns squared and summed at once (a temporary [m, SQUARES] that stays in cache)
 SEED = 256  # the exact seed block: the first SEED rows x columns in bound order give the first k-th value
@@ -152,7 +152,10 @@ def _bound_factors(A: Tensor, B: Tensor, should_stop: Callable[[], bool] | None)
     abs_M = float(torch.linalg.matrix_norm(Md.abs(), 2)) * (1 + 1e-10)
     abs_N = float(torch.linalg.matrix_norm(Nd.abs(), 2)) * (1 + 1e-10)
     rot_a, norm_a = _norm_bounds(A, M, abs_M, gamma, should_stop)
-    rot_b, norm_b = _norm_bounds(B, N, abs_N, gamma, should_stop, columns=True)
+    if B.T.is_contiguous():  # columns stored contiguously (a transposed [r, m] factor): rows of B^T, ||B_j^T N^T||
+        rot_b, norm_b = _norm_bounds(B.T, N.T, abs_N, gamma, should_stop)
+    else:
+        rot_b, norm_b = _norm_bounds(B, N, abs_N, gamma, should_stop, columns=True)
     c = math.sqrt(D + gamma)
     p = (rot_a + c * norm_a) * (1 + 16 * u64)  # the float64 arithmetic of the bound itself
     q = (rot_b + c * norm_b) * (1 + 16 * u64)
@@ -181,18 +184,20 @@ def topk_bounded(
     best_v, flat = block.flatten().topk(k)
     best_r, best_c = row_order[flat // seed_c], col_order[flat % seed_c]
 
-    def reach(bounds: Tensor, bound: float, tau: float) -> int:
+    neg_p, neg_q = -p, -q  # ascending, for searchsorted
+
+    def reach(bounds: Tensor, neg_bounds: Tensor, bound: float, tau: float) -> int:
         """How many of the sorted `bounds` (p or q) reach tau with the other factor `bound`: bounds * bound >= tau."""
         if tau <= 0:
             return int((bounds * bound >= tau).sum())
-        return 0 if bound <= 0 else int(torch.searchsorted(-bounds, -tau / bound, right=True))
+        return 0 if bound <= 0 else int(torch.searchsorted(neg_bounds, -tau / bound, right=True))
 
     tau = float(best_v[-1])
-    B_reach = B[:, col_order[: reach(q, float(p[0]), tau)]].contiguous()  # [m, J]: every column any row may need
+    B_reach = B[:, col_order[: reach(q, neg_q, float(p[0]), tau)]].contiguous()  # [m, J]: every column any row may need
     buf = torch.empty(CHUNK_ENTRIES, dtype=torch.result_type(A, B), device=A.device)
     i0 = 0
     while i0 < ldim:
-        J = reach(q, float(p[i0]), tau)  # the block's first row reaches the most columns
+        J = reach(q, neg_q, float(p[i0]), tau)  # the block's first row reaches the most columns
         if J == 0:
             break  # rows come in descending bound: no later row reaches a column either
         cols = min(J, COLS)
@@ -200,7 +205,7 @@ def topk_bounded(
         A_rows = A[row_order[i0:i1]]  # [b, m]
         for c0 in range(0, J, cols):  # column chunks: each product [n, <= cols] stays in cache while it is read
             check_stop(should_stop, "global top-k")
-            n = min(i1, reach(p, float(q[c0]), tau)) - i0  # the block's rows whose bound reaches column c0
+            n = min(i1, reach(p, neg_p, float(q[c0]), tau)) - i0  # the block's rows whose bound reaches column c0
             if n <= 0:
                 break  # later chunks' columns have smaller bounds still
             c1 = min(J, c0 + cols)
