@@ -47,11 +47,12 @@ def _split_among_threads(M: Tensor) -> Tensor:
 
 class EigenBatch:
     """The eigenvalues of a batch of square matrices M [..., n, n], in float64 (the spectra's precision), solved a
-    chunk of EIGEN_CHUNK matrices at a time by whichever thread takes the chunk (EigenQueue)."""
+    chunk of EIGEN_CHUNK matrices at a time by whichever thread takes the chunk (EigenQueue). M is kept as given
+    (float32 for a float32 model: half the bytes of a float64 copy) and each chunk converted when it is solved."""
 
     def __init__(self, M: Tensor) -> None:
         n = M.shape[-1]
-        self._matrices = M.double().reshape(-1, n, n)  # [b, n, n]
+        self._matrices = M.reshape(-1, n, n)  # [b, n, n]
         self.values = torch.empty(M.shape[:-1], dtype=torch.complex128, device=M.device)  # [..., n], once solved
         self._take = shared_chunks(len(self._matrices), EIGEN_CHUNK)
 
@@ -60,7 +61,7 @@ class EigenBatch:
         part = self._take()
         if part is None:
             return False
-        self.values.view(-1, self.values.shape[-1])[part] = eigvals(self._matrices[part])
+        self.values.view(-1, self.values.shape[-1])[part] = eigvals(self._matrices[part].double())
         return True
 
 

@@ -44,7 +44,7 @@ from circuits_core.circuits.copying_spectra import (
     qk_matrices,
 )
 from circuits_core.circuits.embedding import EmbedNorm, embed_norm
-from circuits_core.circuits.host_linalg import EigenBatch, EigenQueue
+from circuits_core.circuits.host_linalg import EIGEN_CHUNK, EigenBatch, EigenQueue
 from circuits_core.circuits.rotary import KERNEL_WINDOW, kernel_cost, kernel_peak_offsets
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.model.head_names import head_name
@@ -298,14 +298,18 @@ def _spectra_cost(model: Transformer, reference_tokens: int | None = None) -> Co
     cfg = model.cfg
     size, per_layer = itemsize(model.dtype), cfg.n_heads * cfg.d_model * cfg.d_head
     grams = 2 * (2 * cfg.d_model**2 + 2 * GRAM_ROWS * cfg.d_model) * size
-    spectrum = cfg.n_layers * cfg.n_heads * cfg.d_head**2 * 8
-    queued = 4 * (spectrum + cfg.n_layers * cfg.n_heads * cfg.d_head * 16)  # float64 matrices, complex128 values
+    # the four batches in the EigenQueue in the model's dtype: OV and QK L layers each, the one-hot and the weighted
+    # positivities L - 1 layers each; their complex eigenvalues; on each thread one chunk's float64 copy
+    queued = (
+        4 * cfg.n_layers - 2
+    ) * cfg.n_heads * cfg.d_head**2 * size + 4 * cfg.n_layers * cfg.n_heads * cfg.d_head * 16
+    chunk = EIGEN_CHUNK * cfg.d_head**2 * 8
     d, heads = cfg.d_model, cfg.n_layers * cfg.n_heads
     # FLOPs: the two d_model x d_model Grams over the vocabulary, G_E W_Q, and per head the OV and QK spectra's and
     # the K-composition positivities' d_model x d_head products (three of them)
     flops = 4 * cfg.d_vocab * d * d + 2 * heads * d * d * cfg.d_head + 6 * heads * d * cfg.d_head * (d + cfg.d_head)
     spectra = Cost(
-        grams + cfg.n_layers * per_layer * size + queued + 2 * (per_layer + spectrum // 8) * size + 4 * d**2 * 8,
+        grams + cfg.n_layers * per_layer * size + queued + 2 * (per_layer * size + chunk) + 4 * d**2 * 8,
         flops=flops,
     )
     if reference_tokens is None:
