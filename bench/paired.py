@@ -40,7 +40,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 LINKED = ("models", ".cache")  # large folders the before worktree borrows from the current checkout
 
-NUMBER = r"(?<![\w.])[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?"
+# a number not inside a word or another number; a ratio printed as x37 or x0.92 is a number too (its value, not its
+# wording, changes between runs), but a name such as L5H1 or W_E2 is not
+NUMBER = r"(?:(?<=\bx)|(?<![\w.]))[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?"
 UNIT = r"(?:GFLOP/s|GB/s|MB/s|/s|µs|us|ms|s|min|GiB|MiB|KiB|GB|MB|kB|KB)(?![\w/])"
 FIGURE_RE = re.compile(rf"({NUMBER})\s?({UNIT})")
 NUMBER_RE = re.compile(NUMBER)

@@ -65,7 +65,7 @@ def loop(
             model.run(
                 seq, frozen=Frozen(clean.frozen.patterns, clean.frozen.ln_scales, {layer: zero}, clean.frozen.mlp_out)
             )
-        base = ablation.lm_loss(clean.logits, seq)
+        base = clean.loss  # the clean run's lm_loss (CleanRun keeps the loss, not the logits)
         kinds = [
             torch.stack(
                 [
@@ -102,7 +102,8 @@ def term_importance_smollm2() -> None:
     from app.params import TermImportanceParams
     from app.settings import Settings
     from app.views.shared.default_prompt import default_text
-    from app.views.term_importance import ablated_heads
+    from app.views.shared.heads_table import build_heads_view
+    from app.views.term_importance import ablated_heads, default_needs_heads
     from circuits_core.formats.checkpoint import load_checkpoint
 
     if not SMOLLM2.is_dir():
@@ -112,7 +113,9 @@ def term_importance_smollm2() -> None:
     model, tok = loaded.model, loaded.tokenizer
     assert tok is not None
     seq = torch.tensor([tok.encode(default_text(loaded)[0], prepend_bos=True)])
-    heads, _, _ = ablated_heads(loaded, TermImportanceParams())
+    p = TermImportanceParams()
+    # the default heads on a model this size are those its heads table's summary names, as the page reads them
+    heads, _, _ = ablated_heads(loaded, p, build_heads_view(loaded) if default_needs_heads(loaded, p) else None)
     price = ablation.cost(model, seq.shape[1], heads=heads)
     rate = Settings().compute_flops_per_s
     ablation.term_importance(model, seq, heads[:1])  # warm-up

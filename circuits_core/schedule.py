@@ -7,10 +7,10 @@ The maths modules say which two computations are independent and this module dec
                                stop flag (circuits_core.cost.stopping)
     shared_chunks(total, n)    a queue of slices that both branches of side_by_side take from, so they split one
                                chunked loop and finish it together
-    shared_tasks(tasks)        the same queue over a list of tasks, longest first
+    shared_tasks(tasks)        the same queue over a list of tasks, longest first; a failed task stops both workers
     on_workspaces(tasks, ws)   the tasks on workspaces allocated beforehand: in turn on one, or shared_tasks by two
                                workers of one torch thread each, one workspace each
-    split_loop(total, n, work) a chunked loop split that way, the helper stopping when the caller fails
+    split_loop(total, n, work) a chunked loop split that way, either thread stopping when the other fails
     Handoff                    a value one branch forms and the other waits for (an error reaches both)
     in_background()            I/O beside the caller (a checkpoint's digest while torch reads its tensors)
     later(job)                 job in the process's one worker for results wanted later, in order (a GGUF tokenizer
@@ -126,16 +126,35 @@ def shared_chunks(total: int, chunk: int) -> Callable[[], slice | None]:
     return take
 
 
-def shared_tasks(tasks: Sequence[Callable[[T], None]], workspace: Callable[[], T], name: str = "qkov-tasks") -> None:
-    """Run every task once, in order, by two workers side by side, each with its own workspace (workspace() once per
-    worker): a worker takes the next task when it finishes its last, so tasks listed longest first balance."""
-    take = shared_chunks(len(tasks), 1)
+def _worker(take: Callable[[], slice | None], start: Callable[[], Callable[[slice], None]]) -> Callable[[], None]:
+    """One worker function for both branches of side_by_side over the shared queue `take`: start() once per worker
+    (say, its own workspace) gives the worker's work(part), then it takes parts until none is left. Once either
+    worker fails (a load's watchdog refusing it, a task's error), the other takes no further part, so a failed
+    computation does not keep the other core busy with the rest of the queue; the error goes on up."""
+    failed = threading.Event()
 
     def worker() -> None:
-        space = workspace()
-        while (task := take()) is not None:
-            tasks[task.start](space)
+        try:
+            work = start()
+            while not failed.is_set() and (part := take()) is not None:
+                work(part)
+        except BaseException:
+            failed.set()
+            raise
 
+    return worker
+
+
+def shared_tasks(tasks: Sequence[Callable[[T], None]], workspace: Callable[[], T], name: str = "qkov-tasks") -> None:
+    """Run every task once, in order, by two workers side by side, each with its own workspace (workspace() once per
+    worker): a worker takes the next task when it finishes its last, so tasks listed longest first balance. Once a
+    task fails, the other worker takes no further task."""
+
+    def start() -> Callable[[slice], None]:
+        space = workspace()
+        return lambda task: tasks[task.start](space)
+
+    worker = _worker(shared_chunks(len(tasks), 1), start)
     side_by_side(worker, worker, name)
 
 
@@ -154,22 +173,10 @@ def on_workspaces(tasks: Sequence[Callable[[T], None]], spaces: Sequence[T], nam
 
 def split_loop(total: int, chunk: int, work: Callable[[slice], None], name: str = "qkov-loop") -> None:
     """work(part) for every slice of range(total) in steps of `chunk`, the slices taken in turn by this thread and a
-    helper (side_by_side; one after the other when no core is idle). Once this thread fails (a load's watchdog
-    refusing it: its checkpoints are this thread's) the helper takes no further slice."""
-    parts, stopped = shared_chunks(total, chunk), threading.Event()
-
-    def loop() -> None:
-        while not stopped.is_set() and (part := parts()) is not None:
-            work(part)
-
-    def here() -> None:
-        try:
-            loop()
-        except BaseException:
-            stopped.set()
-            raise
-
-    side_by_side(here, loop, name)
+    helper (side_by_side; one after the other when no core is idle). Once either thread fails (a load's watchdog
+    refusing it: its checkpoints are this thread's) the other takes no further slice."""
+    worker = _worker(shared_chunks(total, chunk), lambda: work)
+    side_by_side(worker, worker, name)
 
 
 class Handoff(Generic[T]):

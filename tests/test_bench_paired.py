@@ -43,6 +43,16 @@ def test_medians_ratios_and_worse() -> None:
     assert "0.6 s ->" not in rows and "30 ms ->" not in rows and "256 MiB ->" not in rows  # goals and settings
 
 
+def test_a_ratio_printed_as_x37_is_a_number_not_part_of_the_wording() -> None:
+    """A line that prints a ratio beside its figure (x37 faster) pairs across runs whose ratio differs; a head name's
+    digits (L5H1) stay wording, so two heads' lines are not one."""
+    before = ["  one head (head page)   247.1 ms   x37 faster than exact\n  L5H1 row 20.0 ms\n  L5H2 row 30.0 ms\n"]
+    after = ["  one head (head page)    62.5 ms   x19 faster than exact\n  L5H1 row 22.0 ms\n  L5H2 row 60.0 ms\n"]
+    rows = "\n".join(compare("copying", before, after, worse=0.10))
+    assert "247.1 ms -> 62.5 ms x0.25" in rows and "not paired" not in rows
+    assert "20 ms -> 22 ms x1.10\n" in rows + "\n" and "30 ms -> 60 ms x2.00 WORSE" in rows
+
+
 def test_reworded_lines_are_listed_apart() -> None:
     before = [run("4.00 s", "20.0 ms", "100 GFLOP/s", "2.00 GiB")]
     after = [run("4.00 s", "20.0 ms", "100 GFLOP/s", "2.00 GiB").replace("peak RSS", "peak resident set")]

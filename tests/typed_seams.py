@@ -10,6 +10,8 @@ its ignore would be unused and `make lint` fails. The right declarations carry n
 - A per-head analysis (app/views/shared/per_head.py) whose engine function or cost does not take the model.
 - A page context, the page frame or the basis picker's state with a misspelt or missing key, or a value of the
   wrong type (rendering.AnalysisContext, PageFrame, BasisContext; declared_pages.PerHeadContext).
+- A head-filtered page's context (declared_pages.HeadFilterContext) with a misspelt key or the kept heads as a list,
+  or the filter wrapped around a context that has no analysis view and refusal (head_filter_context).
 - A page context built by hand in a router with a misspelt, missing or wrong-typed key (pages_analyses.ChainContext,
   pages_tour.TourContext, pages_composition.CompositionFrameContext), or a context function whose page params are not
   its page's (TourContext's params).
@@ -23,14 +25,15 @@ from pydantic import BaseModel
 from torch import Tensor
 
 from app.analysis import Analysis, AnalysisParams
+from app.head_filter import keep_grid
 from app.page_spec import PerHeadPage
 from app.params import DetectorParams, TourParams
-from app.routers.declared_pages import PerHeadContext
+from app.routers.declared_pages import HeadFilterContext, PerHeadContext, head_filter_context
 from app.routers.pages import DetectorPageParams, DirectPageParams, detectors_context, direct_context
 from app.routers.pages_analyses import ChainContext
 from app.routers.pages_composition import CompositionFrameContext
 from app.routers.pages_tour import TourContext
-from app.routers.rendering import AnalysisContext, BasisContext, Page, PageCall, PageFrame
+from app.routers.rendering import AnalysisContext, BasisContext, Page, PageCall, PageFrame, default_context
 from app.schemas import DetectorsView
 from app.settings import Limits
 from app.tour.figure_data import TourView
@@ -138,3 +141,17 @@ WRONG_TOUR_PARAMS: TourContext = {"view": TourView(models={}, figures=[]), "part
 FRAME_FIRST: CompositionFrameContext = {"panel_url": "/models/m/composition?kind=K", "kind": "K", "panel_seconds": 7.0}
 NO_SUCH_KIND: CompositionFrameContext = {"panel_url": "/m", "kind": "X", "panel_seconds": 7.0}  # type: ignore[typeddict-item]
 PANEL_IN_MS: CompositionFrameContext = {"panel_url": "/m", "kind": "K", "panel_ms": 7000}  # type: ignore[typeddict-unknown-key, typeddict-item]
+FILTERED: HeadFilterContext = {
+    **RIGHT_CONTEXT, "head_filter": "", "filter_text": None, "kept": None, "n_heads": 4, "filter_what": "",
+    "keep_grid": lambda grid: keep_grid(grid, None),
+}  # fmt: skip
+MISSPELT_FILTER: HeadFilterContext = {  # type: ignore[typeddict-unknown-key, typeddict-item]
+    **RIGHT_CONTEXT, "head_filter": "", "filter_txt": None, "kept": None, "n_heads": 4, "filter_what": "",
+    "keep_grid": lambda grid: keep_grid(grid, None),
+}  # fmt: skip
+KEPT_AS_LIST: HeadFilterContext = {
+    **RIGHT_CONTEXT, "head_filter": "", "filter_text": None, "kept": ["L0H1"], "n_heads": 4, "filter_what": "",  # type: ignore[typeddict-item]
+    "keep_grid": lambda grid: keep_grid(grid, None),
+}  # fmt: skip
+FILTERED_PAGE = head_filter_context(default_context)
+FILTERED_DETECTORS = head_filter_context(detectors_context)  # type: ignore[arg-type]

@@ -1,8 +1,12 @@
 """The tokenizer a GGUF file describes in its `tokenizer.ggml.*` metadata, built with the `tokenizers` library.
 
 Two kinds (`tokenizer.ggml.model`):
-- "gpt2": byte-level BPE (SmolLM2, Qwen2, Qwen3): the vocabulary, the merges in rank order, and the pre-tokenizer
-  named by `tokenizer.ggml.pre` (PRE_TOKENIZERS: whether digits are split apart first).
+- "gpt2": byte-level BPE (SmolLM2, Llama 3, Qwen2, Qwen3): the vocabulary, the merges in rank order, and the
+  pre-tokenizer named by `tokenizer.ggml.pre` (PRE_TOKENIZERS), which splits the text into the pieces BPE merges
+  within: GPT-2's pattern, GPT-2's with every digit split apart first ("smollm"), or llama.cpp's Llama 3 pattern
+  (digits in runs of at most three, letters with one leading non-letter, contractions in either case) or Qwen2's
+  (the same with every digit alone). A vocabulary's merges were learned within its own pieces, so a wrong pattern
+  gives other ids for the same text; a name not listed is refused.
 - "llama" on the Gemma architectures: SentencePiece's BPE with byte fallback, rebuilt from the vocabulary:
   - spaces become '▁' before BPE (SentencePiece's normalisation; no prefix space is added, as Gemma's
     tokenizer adds none), and the file's user-defined whitespace tokens ('  ', '   ', ...) are spelled with '▁'
@@ -28,7 +32,7 @@ import threading
 from concurrent.futures import Future
 
 import numpy as np
-from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from circuits_core.errors import CheckpointError
@@ -36,12 +40,41 @@ from circuits_core.formats.gguf_header import GGUFHeader
 from circuits_core.formats.tokenizer import SENTENCEPIECE_SPACE, Tokenizer, sentencepiece_bytes
 from circuits_core.schedule import later
 
-# tokenizer.ggml.pre -> split every digit before byte-level BPE (llama.cpp's pre-tokenizer regexes: the
-# "smollm"/"starcoder" group adds \p{N} before GPT-2's pattern, the "gpt-2" group is GPT-2's pattern alone).
-PRE_TOKENIZERS: dict[str, bool] = {
-    "gpt-2": False, "gpt2": False, "mpt": False, "olmo": False, "jais": False,
-    "smollm": True, "starcoder": True, "refact": True, "command-r": True, "codeshell": True, "exaone": True,
-    "minerva-7b": True,
+# llama.cpp's split patterns for byte-level BPE (its `llama-vocab` pre-tokenizer table): Llama 3's, and Qwen2's, which
+# differs only in taking every digit alone (\p{N} for \p{N}{1,3})
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# GPT-2's pattern (the byte-level pre-tokenizer's own); every digit apart, then GPT-2's pattern
+GPT2, DIGITS = "gpt-2", "digits"
+
+
+def byte_level_pre_tokenizer(split: str) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer of a byte-level BPE: GPT2, DIGITS, or a split pattern whose pieces are kept whole."""
+    if split == GPT2:
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split == DIGITS:
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+        )
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
+# tokenizer.ggml.pre -> how the text is split before byte-level BPE (the names llama.cpp's converter writes)
+PRE_TOKENIZERS: dict[str, str] = {
+    "gpt-2": GPT2, "gpt2": GPT2, "mpt": GPT2, "olmo": GPT2, "jais": GPT2,
+    "smollm": DIGITS, "starcoder": DIGITS, "refact": DIGITS, "command-r": DIGITS, "codeshell": DIGITS,
+    "exaone": DIGITS, "minerva-7b": DIGITS,
+    "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT, "llama-bpe": LLAMA3_SPLIT, "smaug-bpe": LLAMA3_SPLIT,
+    "falcon3": LLAMA3_SPLIT, "dbrx": LLAMA3_SPLIT,
+    "qwen2": QWEN2_SPLIT, "deepseek-r1-qwen": QWEN2_SPLIT, "megrez": QWEN2_SPLIT,
 }  # fmt: skip
 SENTENCEPIECE_ARCHITECTURES = ("gemma", "gemma2", "gemma3")  # SentencePiece BPE vocabularies read here
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type values
@@ -104,7 +137,7 @@ def _byte_level(
         raise CheckpointError(f"{name}: tokenizer.ggml.merges must be strings 'left right'")
     special = [t for t, kind in zip(tokens, kinds.tolist(), strict=True) if kind in (CONTROL, USER_DEFINED)]
     return Tokenizer.from_bpe(
-        tokens, pairs, special, split_digits=PRE_TOKENIZERS[pre], bos_token_id=bos_token_id,  # type: ignore[arg-type]
+        tokens, pairs, special, byte_level_pre_tokenizer(PRE_TOKENIZERS[pre]), bos_token_id=bos_token_id,  # type: ignore[arg-type]
         source=f"{name} (tokenizer.ggml.*)",
     )  # fmt: skip
 

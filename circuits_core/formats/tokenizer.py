@@ -189,13 +189,13 @@ class Tokenizer:
         tokens: list[str],
         merges: list[tuple[str, str]],
         special: list[str],
-        split_digits: bool,
+        pre_tokenizer: pre_tokenizers.PreTokenizer,
         bos_token_id: int | None = None,
         source: str = "",
     ) -> Tokenizer:
         """A byte-level BPE from its parts (a GGUF file's metadata): `tokens[i]` is the vocabulary entry of id
         i, `merges` in rank order, `special` the entries that encode as themselves (control tokens), and
-        `split_digits` splits every digit apart before BPE (llama.cpp's "smollm"/"starcoder" pre-tokenizer)."""
+        `pre_tokenizer` splits the text into the pieces BPE merges within (gguf_tokenizer.byte_level_pre_tokenizer)."""
         vocab = {token: i for i, token in enumerate(tokens)}
         if len(vocab) != len(tokens):
             raise CheckpointError(f"{source}: the vocabulary lists {len(tokens) - len(vocab)} entries twice")
@@ -203,12 +203,7 @@ class Tokenizer:
             hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges))
         except Exception as exc:  # the library raises a bare Exception on a merge of unknown tokens
             raise CheckpointError(f"{source}: not a consistent BPE vocabulary ({exc})") from exc
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        hf.pre_tokenizer = (
-            pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-            if split_digits
-            else byte_level
-        )
+        hf.pre_tokenizer = pre_tokenizer
         hf.decoder = decoders.ByteLevel()
         hf.add_special_tokens(special)  # so "<|im_start|>" in text encodes to its one id
         return cls(hf, bos_token_id, source=source)

@@ -23,7 +23,9 @@ def small_search(monkeypatch):
     monkeypatch.setattr(global_topk_bounds, "GRAM_ROWS", 50)
     monkeypatch.setattr(global_topk_bounds, "CHUNK", 64)
     monkeypatch.setattr(global_topk_bounds, "SEED", 8)
-    monkeypatch.setattr(global_topk_bounds, "BLOCK_ENTRIES", 512)
+    monkeypatch.setattr(global_topk_bounds, "CHUNK_ENTRIES", 512)
+    monkeypatch.setattr(global_topk_bounds, "COLS", 16)
+    monkeypatch.setattr(global_topk_bounds, "ROWS_MAX", 96)
 
 
 def circuit_like(ldim, mdim, rdim, seed, dtype=torch.float64):
@@ -43,17 +45,18 @@ def dense_topk(M, k):
 
 
 def exact_entries(monkeypatch):
-    """Counts the entries the search multiplies out exactly (products of A's rows with B's columns)."""
+    """Counts the entries the search multiplies out exactly (products of A's rows with B's columns, by `@` or
+    torch.matmul)."""
     counted = []
-    real_matmul = torch.Tensor.__matmul__
+    real_matmul, real_torch_matmul = torch.Tensor.__matmul__, torch.matmul
 
-    def counting(x, y):
-        out = real_matmul(x, y)
+    def exact(x, y, out):
         if x.shape[-1] == y.shape[0] == 24 and x.shape[0] != 24 and y.shape[-1] != 24:
             counted.append(out.numel())
         return out
 
-    monkeypatch.setattr(torch.Tensor, "__matmul__", counting)
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda x, y: exact(x, y, real_matmul(x, y)))
+    monkeypatch.setattr(torch, "matmul", lambda x, y, **kw: exact(x, y, real_torch_matmul(x, y, **kw)))
     return counted
 
 
@@ -97,6 +100,32 @@ def test_every_entry_or_most_of_them(k):
     assert torch.equal(r, ref_r) and torch.equal(c, ref_c)
 
 
+def test_where_nothing_prunes_each_entry_is_multiplied_once_in_chunks(monkeypatch):
+    """Unstructured factors and k large enough that no bound prunes: the staircase multiplies every entry once (the
+    seed's twice), in products of at most CHUNK_ENTRIES entries and COLS columns, so each is read back from cache.
+    One product of a whole row block across every column (85 x 49,152 on the rotary benchmark's circuit) made that
+    search 2.7x slower."""
+    gen = torch.Generator().manual_seed(14)
+    A, B = (
+        torch.randn(150, 24, generator=gen, dtype=torch.float64),
+        torch.randn(24, 130, generator=gen, dtype=torch.float64),
+    )
+    with monkeypatch.context() as patch:
+        exact = exact_entries(patch)
+        cols = []
+        counting = torch.matmul  # exact_entries' counter
+        patch.setattr(torch, "matmul", lambda x, y, **kw: cols.append(y.shape[-1]) or counting(x, y, **kw))
+        v, r, c = global_topk_bounds.topk_bounded(A, B, 2000)
+    seed = exact[0]  # the seed block (16 x 130 entries to hold k), by `@`
+    assert seed == 16 * 130 and sum(exact) == 150 * 130 + seed
+    chunk_cols = [n for n in cols if n != 24]  # (the changes of basis are [n, 24] @ [24, 24])
+    assert len(chunk_cols) == len(exact) - 1 > 150 * 130 / global_topk_bounds.CHUNK_ENTRIES
+    assert max(exact[1:]) <= global_topk_bounds.CHUNK_ENTRIES and max(chunk_cols) <= global_topk_bounds.COLS
+    ref_v, ref_r, ref_c = dense_topk(A @ B, 2000)
+    torch.testing.assert_close(v, ref_v, rtol=1e-12, atol=1e-12)
+    assert torch.equal(r * 130 + c, ref_r * 130 + ref_c)
+
+
 def poor_basis(monkeypatch, mdim, noise):
     """A basis far from the singular one, N only approximately M^-1 (a relative error `noise`)."""
     gen = torch.Generator().manual_seed(4)
@@ -108,10 +137,14 @@ def poor_basis(monkeypatch, mdim, noise):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("noise", [0.0, 1e-3])
-def test_the_bound_holds_for_every_entry(monkeypatch, dtype, noise):
-    """p_i q_j >= the dense entry for all pairs, in the balanced basis and in a poor one; and it is tight enough to
-    prune: in the balanced basis most pairs are bounded below the 10th value."""
+@pytest.mark.parametrize("columns_contiguous", [False, True])
+def test_the_bound_holds_for_every_entry(monkeypatch, dtype, noise, columns_contiguous):
+    """p_i q_j >= the dense entry for all pairs, in the balanced basis and in a poor one, with B stored by rows or by
+    columns (its bounds then come from the rows of B^T); and it is tight enough to prune: in the balanced basis most
+    pairs are bounded below the 10th value."""
     A, B = circuit_like(300, 24, 260, 8, dtype)
+    if columns_contiguous:
+        B = B.T.contiguous().T
     dense = A @ B
     p, q = global_topk_bounds._bound_factors(A, B, None)
     bound = p[:, None] * q[None]  # [l, r] float64
