@@ -7,8 +7,9 @@ Row-vector convention; the pieces are heads.py (detectors), circuits.py (Grams, 
 (K-composition positivity).
 
 The work, on GPT-2 small's shape and its standard input (10 x 101 tokens), in three steps, two threads sharing each
-(schedule.side_by_side): a caller whose torch threads span the cores gives each thread half of them, so the halves
-run side by side instead of one after the other (one thread does both only on a single core):
+(schedule.side_by_side; a caller whose torch threads span the cores gets half of them per thread from
+schedule.halves_side_by_side, so the halves run side by side instead of one after the other; one thread does both
+only on a single core):
     1  detector pass    every layer's pattern; half the sequences each (this thread first forms W_E's LN
                         statistics, which both threads' Gram rows read)                                  ~165 GFLOP
     2  Grams            G = W_U W_E_eff, G_E = W_E_eff^T W_E_eff (G_E by its blocks on and above the
@@ -59,7 +60,7 @@ from circuits_core.prompt.detectors import (
     standard_tokens,
 )
 from circuits_core.prompt.qk_paths import k_composition_matrices, k_composition_positivity
-from circuits_core.schedule import Handoff, available_cores, shared_chunks, side_by_side
+from circuits_core.schedule import Handoff, halves_side_by_side, shared_chunks, side_by_side
 
 # Vocabulary rows per Gram chunk in step 2: two threads' chunks (W_E_eff rows and W_U columns, ~6 MiB each on GPT-2)
 # stay within the shared L3 cache; at EMBED_CHUNK (4096 rows) the two threads' Grams took ~12 % more CPU (0.60 vs
@@ -158,17 +159,8 @@ def head_table(
     if model.cfg.n_layers == 0:
         empty = torch.zeros(0, model.cfg.n_heads, dtype=torch.float64)
         return HeadTable(detector_scores(model, tokens, should_stop, budget_bytes), empty, empty, None)
-    threads = torch.get_num_threads()
-    if threads < 2 or 2 * threads <= available_cores():
+    with halves_side_by_side():  # a caller on every core: each step's halves side by side, half the threads each
         return _head_table(model, tokens, should_stop, budget_bytes, means, reference_tokens, with_loss)
-    # The caller's threads span the cores, so side_by_side would run each step's halves one after the other on all
-    # of them: the halves side by side on half the threads each instead (both cores busy without OpenMP's barriers
-    # between small products; Gemma-3 270M, bench/RESULTS.md). The setting is restored after.
-    torch.set_num_threads(threads // 2)
-    try:
-        return _head_table(model, tokens, should_stop, budget_bytes, means, reference_tokens, with_loss)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _head_table(

@@ -117,7 +117,6 @@ def test_head_table_price_covers_the_measured_peak(budget: int | None, monkeypat
     if budget is not None:
         assert table_chunk(model, n, b, budget) == 1
     before = torch.get_num_threads()
-    monkeypatch.setattr("circuits_core.prompt.head_table.available_cores", lambda: 1)
     monkeypatch.setattr("circuits_core.schedule.available_cores", lambda: 1)
     torch.set_num_threads(1)  # one core: the branches run in turn, in this thread
     try:
@@ -228,7 +227,6 @@ def test_threads_spanning_the_cores_run_the_halves_side_by_side(monkeypatch: pyt
         assert len(names) == 2 and {threads for _, threads in ran} == {cores // 2}, ran
         ran.clear()
         with monkeypatch.context() as patch:  # one core: the halves in turn, in this thread
-            patch.setattr(HT, "available_cores", lambda: 1)
             patch.setattr("circuits_core.schedule.available_cores", lambda: 1)
             in_turn = head_table(model, tokens)
         assert {name for name, _ in ran} == {threading.current_thread().name}
