@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -162,13 +163,31 @@ def _child(kind: str, folder: str) -> None:
     model = load()
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak = _high_water()
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is not None:  # qkov: a GGUF's tokenizer is built once load_checkpoint returns (formats/checkpoint.py)
+        tokenizer.hf  # noqa: B018 - waits for it
+    ready, ready_peak = time.perf_counter() - t0, _high_water()
     del model
-    print(json.dumps({"seconds": seconds, "cpu": cpu, "peak_rss": peak, "base_rss": base}))
+    print(json.dumps({"seconds": seconds, "cpu": cpu, "peak_rss": peak, "base_rss": base,
+                      "tokenizer_seconds": ready, "tokenizer_peak_rss": ready_peak}))  # fmt: skip
 
 
-def measure_load(kind: str, folder: Path, repeats: int) -> tuple[float, float, int, int]:
-    """(median seconds, median CPU seconds of all threads, largest peak RSS, largest RSS before the load) over
-    `repeats` fresh processes. CPU time is what a quiet machine's wall time would be, roughly (no contention)."""
+@dataclass(frozen=True)
+class LoadFigures:
+    """Medians over fresh processes of the load's wall and CPU seconds (all threads) and of when its tokenizer was
+    ready; the largest peak RSS at the load's return and once the tokenizer was ready, and before the load."""
+
+    seconds: float
+    cpu: float
+    peak: int
+    base: int
+    tokenizer_seconds: float
+    tokenizer_peak: int
+
+
+def measure_load(kind: str, folder: Path, repeats: int) -> LoadFigures:
+    """The load's figures over `repeats` fresh processes. CPU time is what a quiet machine's wall time would be,
+    roughly (no contention)."""
     results = []
     for _ in range(repeats):
         out = subprocess.run(
@@ -178,24 +197,26 @@ def measure_load(kind: str, folder: Path, repeats: int) -> tuple[float, float, i
         if out.returncode != 0:
             raise RuntimeError(f"{kind} load of {folder.name} failed: {out.stderr.strip()[-600:]}")
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    return (
+    return LoadFigures(
         statistics.median(r["seconds"] for r in results),
         statistics.median(r["cpu"] for r in results),
         max(r["peak_rss"] for r in results),
         max(r["base_rss"] for r in results),
+        statistics.median(r["tokenizer_seconds"] for r in results),
+        max(r["tokenizer_peak_rss"] for r in results),
     )
 
 
 def _load_row(label: str, kind: str, folder: Path, repeats: int, goal_s: str, goal_rss: float | None) -> float:
-    seconds, cpu, peak, base = measure_load(kind, folder, repeats)
+    load = measure_load(kind, folder, repeats)
     goal = f" (goal < {goal_rss:g} GiB)" if goal_rss is not None else ""
     row(
         label,
-        seconds,
+        load.seconds,
         goal_s,
-        f"CPU {cpu:.2f} s; peak RSS {peak / GiB:.2f} GiB{goal}, {base / GiB:.2f} before the load",
+        f"CPU {load.cpu:.2f} s; peak RSS {load.peak / GiB:.2f} GiB{goal}, {load.base / GiB:.2f} before the load",
     )
-    return seconds
+    return load.seconds
 
 
 def smollm2() -> None:

@@ -23,6 +23,8 @@ The maths modules say which two computations are independent and this module dec
     give_way()                 a point inside a long chunk (between a forward pass's layers) where such a helper
                                waits too, so it gives its core back within a layer, not at the chunk's end
     one_thread()               one torch thread within the block (thousands of short ops: loads, tiled products)
+    halves_side_by_side()      within the block, a caller on all the cores gets half its threads, so its
+                               side_by_side branches run side by side on one half each (the heads table)
     per_thread(fn, parts)      fn over independent parts (a batch of small LAPACK problems), one thread of one torch
                                thread per part, as many parts as the caller has torch threads
 Two threads, never more, beside one another: a lone request then uses two cores without an OpenMP team, which stalls
@@ -257,6 +259,24 @@ def one_thread() -> Iterator[None]:
     count when each computation starts."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextmanager
+def halves_side_by_side() -> Iterator[None]:
+    """Within the block, a caller whose torch threads span the cores (a lone computation given all of them) runs on
+    half of them (restored after), so that side_by_side's branches run side by side on half the threads each
+    instead of one after the other on all: both cores stay busy without an OpenMP team's barriers between small
+    products (Gemma-3 270M's heads table, bench/RESULTS.md). A caller that already leaves a core idle, or runs one
+    thread, is left as it is."""
+    threads = torch.get_num_threads()
+    if threads < 2 or 2 * threads <= available_cores():
+        yield
+        return
+    torch.set_num_threads(threads // 2)
     try:
         yield
     finally:

@@ -77,24 +77,27 @@ def _spectrum(M: Tensor) -> Tensor:
     return eigvals(M.double())
 
 
+def ov_matrices(model: Transformer, G: Tensor | None = None) -> Tensor:
+    """[n_layers, n_heads, d_head, d_head] in the model's dtype: W_O G W_V of every head, whose eigenvalues are the
+    full OV circuit's nonzero ones (ov_eigenvalues)."""
+    G = unembed_embed_gram(model) if G is None else G  # [d, d]
+    # layer by layer (no stacked [L, H, d, d_h] copies of W_V, W_O and G W_V: ~110 MiB of fresh pages on GPT-2 small)
+    # W_O G W_V [H, d_h, d_h] per layer, G W_V once per key/value head (shared by its group); an output norm's gain
+    # folded into W_O (folded.py); written into one tensor (no list of layers beside a stacked copy)
+    cfg = model.cfg
+    out = torch.empty(cfg.n_layers, cfg.n_heads, cfg.d_head, cfg.d_head, dtype=G.dtype, device=G.device)
+    for layer in range(cfg.n_layers):
+        G_W_V = attention(model, layer).per_head(G @ circuit_weight(model, layer, "W_V"))  # [H, d, d_h]
+        torch.matmul(circuit_weight(model, layer, "W_O"), G_W_V, out=out[layer])
+    return out
+
+
 def ov_eigenvalues(model: Transformer, G: Tensor | None = None) -> Tensor:
     """[n_layers, n_heads, d_head] complex: the nonzero eigenvalues of each full OV circuit.
 
     lambda(W_E W_V W_O W_U) \\ {0} = lambda(W_O (W_U W_E) W_V) = lambda(W_O G W_V), d_head x d_head.
     """
-    G = unembed_embed_gram(model) if G is None else G  # [d, d]
-    # layer by layer (no stacked [L, H, d, d_h] copies of W_V, W_O and G W_V: ~110 MiB of fresh pages on GPT-2 small)
-    # W_O G W_V [H, d_h, d_h] per layer, G W_V once per key/value head (shared by its group); an output norm's gain
-    # folded into W_O (folded.py)
-    return _spectrum(
-        torch.stack(
-            [
-                circuit_weight(model, layer, "W_O")
-                @ attention(model, layer).per_head(G @ circuit_weight(model, layer, "W_V"))
-                for layer in range(model.cfg.n_layers)
-            ]
-        )
-    )  # eig of [L, H, d_h, d_h]
+    return _spectrum(ov_matrices(model, G))  # eig of [L, H, d_h, d_h]
 
 
 def gram_queries(model: Transformer, G_E: Tensor | None = None) -> Tensor:
@@ -108,21 +111,23 @@ def gram_queries(model: Transformer, G_E: Tensor | None = None) -> Tensor:
     return out
 
 
+def qk_matrices(model: Transformer, G_E: Tensor | None = None, G_E_W_Q: Tensor | None = None) -> Tensor:
+    """[n_layers, n_heads, d_head, d_head] in the model's dtype: W_K^T G_E W_Q / s of every head, whose eigenvalues are
+    the full QK circuit's nonzero ones (qk_eigenvalues); G_E_W_Q: gram_queries when given."""
+    GW_Q = gram_queries(model, G_E) if G_E_W_Q is None else G_E_W_Q  # [L, H, d, d_h]
+    cfg = model.cfg
+    out = torch.empty(cfg.n_layers, cfg.n_heads, cfg.d_head, cfg.d_head, dtype=GW_Q.dtype, device=GW_Q.device)
+    for layer in range(cfg.n_layers):  # layer by layer: no stacked W_K; into one tensor
+        torch.matmul(layer_weights(model, layer, "W_K").transpose(-2, -1), GW_Q[layer], out=out[layer])
+    return out.div_(cfg.scale)
+
+
 def qk_eigenvalues(model: Transformer, G_E: Tensor | None = None, G_E_W_Q: Tensor | None = None) -> Tensor:
     """[n_layers, n_heads, d_head] complex: nonzero eigenvalues of each full QK circuit (scaled by 1/s).
 
     lambda(W_E W_Q W_K^T W_E^T / s) \\ {0} = lambda(W_K^T (W_E^T W_E) W_Q) / s; G_E_W_Q: gram_queries when given.
     """
-    GW_Q = gram_queries(model, G_E) if G_E_W_Q is None else G_E_W_Q  # [L, H, d, d_h]
-    return _spectrum(
-        torch.stack(
-            [
-                layer_weights(model, layer, "W_K").transpose(-2, -1) @ GW_Q[layer]  # layer by layer: no stacked W_K
-                for layer in range(model.cfg.n_layers)
-            ]
-        )
-        / model.cfg.scale
-    )  # eig of [L, H, d_h, d_h]
+    return _spectrum(qk_matrices(model, G_E, G_E_W_Q))  # eig of [L, H, d_h, d_h]
 
 
 def copying_score(eigenvalues: Tensor) -> Tensor:

@@ -193,7 +193,10 @@ def topk_bounded(
         return 0 if bound <= 0 else int(torch.searchsorted(neg_bounds, -tau / bound, right=True))
 
     tau = float(best_v[-1])
-    B_reach = B[:, col_order[: reach(q, neg_q, float(p[0]), tau)]].contiguous()  # [m, J]: every column any row may need
+    reached = col_order[: reach(q, neg_q, float(p[0]), tau)]  # every column any row may need, in bound order
+    # [m, J]: B's columns gathered as they are stored (a contiguous column stays one, and a chunk of them is read as
+    # the transposed operand of each product: 0.1-0.2 s less on Gemma-3's L5H1 than a row-major copy)
+    B_reach = B.T[reached].T if B.T.is_contiguous() else B[:, reached].contiguous()
     buf = torch.empty(CHUNK_ENTRIES, dtype=torch.result_type(A, B), device=A.device)
     i0 = 0
     while i0 < ldim:

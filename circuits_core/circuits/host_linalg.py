@@ -18,9 +18,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from circuits_core.schedule import per_thread
+from circuits_core.schedule import per_thread, shared_chunks
 
 HOST_MAX_SIZE = 512  # rows of the largest matrix sent to the host (a d_head, or a factored matrix's inner rank)
+# Matrices per chunk an EigenQueue hands out: two d_head = 256 problems are ~40 ms, so two threads draining one queue
+# finish within about that of each other
+EIGEN_CHUNK = 2
 
 
 def eigvals(M: Tensor) -> Tensor:
@@ -40,3 +43,45 @@ def _split_among_threads(M: Tensor) -> Tensor:
         return torch.linalg.eigvals(M)
     solved = per_thread(torch.linalg.eigvals, batch.tensor_split(parts), "qkov-eigvals")  # [b_i, n] each
     return torch.cat(solved).reshape(M.shape[:-1])
+
+
+class EigenBatch:
+    """The eigenvalues of a batch of square matrices M [..., n, n], in float64 (the spectra's precision), solved a
+    chunk of EIGEN_CHUNK matrices at a time by whichever thread takes the chunk (EigenQueue). M is kept as given
+    (float32 for a float32 model: half the bytes of a float64 copy) and each chunk converted when it is solved."""
+
+    def __init__(self, M: Tensor) -> None:
+        n = M.shape[-1]
+        self._matrices = M.reshape(-1, n, n)  # [b, n, n]
+        self.values = torch.empty(M.shape[:-1], dtype=torch.complex128, device=M.device)  # [..., n], once solved
+        self._take = shared_chunks(len(self._matrices), EIGEN_CHUNK)
+
+    def solve_chunk(self) -> bool:
+        """Solve the next chunk not taken yet; False when every chunk was taken (by this thread or another)."""
+        part = self._take()
+        if part is None:
+            return False
+        self.values.view(-1, self.values.shape[-1])[part] = eigvals(self._matrices[part].double())
+        return True
+
+
+class EigenQueue:
+    """Batches of eigenproblems that two threads (schedule.side_by_side's branches) add and solve together: each
+    thread adds its batches as it forms them, then solves chunks of every batch added so far until none is left, so
+    the two finish within a chunk of each other whatever each one formed. Each batch is solved once all threads
+    that added batches have returned from solve()."""
+
+    def __init__(self) -> None:
+        self._batches: list[EigenBatch] = []
+
+    def add(self, M: Tensor) -> EigenBatch:
+        """A batch for M [..., n, n], to be solved by solve() (its values are complete once every adder's solve()
+        returned)."""
+        batch = EigenBatch(M)
+        self._batches.append(batch)  # (one append under the GIL: the other thread sees it whole or not yet)
+        return batch
+
+    def solve(self) -> None:
+        """Solve chunks of the batches added so far (this thread's and the other's) until none is left to take."""
+        while any([batch.solve_chunk() for batch in list(self._batches)]):
+            pass

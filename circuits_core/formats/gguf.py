@@ -345,10 +345,15 @@ def gguf_state(cfg: ModelConfig, kind: Architecture, tensors: Tensors) -> State:
     return sd
 
 
-def read_gguf(path: Path, check: Callable[[ModelConfig], None] | None = None) -> GGUFModel:
+def read_gguf(
+    path: Path, check: Callable[[ModelConfig], None] | None = None, tokenizer_gate: threading.Event | None = None
+) -> GGUFModel:
     """The config, TransformerLens state dict in float32, key -> file name, tokenizer and defaulted values of one
     GGUF file. `check(cfg)` runs once the config is known, before any tensor is dequantised (a price check may
-    refuse) and before the tokenizer's arrays are decoded."""
+    refuse) and before the tokenizer's arrays are decoded. A SentencePiece vocabulary (Gemma's: ~4 CPU-s, mostly
+    Python holding the GIL) is built on the worker thread once `tokenizer_gate` is set: the caller sets it when its
+    own work is done, a failed one included (load_checkpoint: once the model is built), or else the builder waits
+    for ever; without a gate it starts once the weights are read."""
     with GGUFHeader(path) as header:
         embed = header.tensors.get("token_embd.weight")
         if embed is None:
@@ -364,13 +369,14 @@ def read_gguf(path: Path, check: Callable[[ModelConfig], None] | None = None) ->
             cfg, defaulted = gguf_config(header, d_vocab, attention_bias="blk.0.attn_q.bias" in header.tensors)
         if check is not None:
             check(cfg)
-        # A SentencePiece vocabulary (Gemma's: ~4 CPU-s, mostly Python) is built once the weights are read: built
-        # beside the read, it took a core from it and stalled its threads on the GIL (the embedding's pass 3.6 s
-        # alone, 8.5 s beside it). Set in every case, a failed read included, or the builder waits for ever.
+        # Never beside the read: the build took a core from it and stalled its threads on the GIL (the embedding's
+        # pass 3.6 s alone, 8.5 s beside it). Set in every case, a failed read included, or the builder waits for ever.
         weights_read = threading.Event()
         try:
             try:
-                tokenizer = gguf_tokenizer(header, arch, d_vocab, cfg.bos_token_id, start=weights_read)
+                tokenizer = gguf_tokenizer(
+                    header, arch, d_vocab, cfg.bos_token_id, start=tokenizer_gate or weights_read
+                )
             except CheckpointError as exc:  # a tokenizer this code does not build: a tokenizer.json beside is used
                 if not (path.parent / TOKENIZER_BESIDE).is_file():
                     raise

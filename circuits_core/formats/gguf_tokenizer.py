@@ -19,8 +19,8 @@ Two kinds (`tokenizer.ggml.model`):
     are matched whole in the text before BPE; byte pieces '<0x00>'..'<0xFF>' (type 6) are the fallback for
     characters outside the vocabulary.
   Gemma's 262,144 entries make about 515,000 merges (about 4 CPU-seconds, most of it Python holding the GIL): the
-  tokenizer is built on a worker thread once the caller sets `start` (read_gguf: when the weights are read, so the
-  build neither takes a core from the read nor stalls its threads on the GIL), and its first use waits for it.
+  tokenizer is built on a worker thread once the caller sets `start` (load_checkpoint: when the model is built, so
+  the build neither takes a core from the load nor stalls its threads on the GIL), and its first use waits for it.
 Bounds: the vocabulary, its scores and token types hold at most one entry per row of the embedding, and the merges
 at most MERGES_PER_TOKEN per entry (Llama 3 lists 2.2 per entry); larger arrays are refused by name before they are
 decoded (gguf_header.GGUFHeader.strings).

@@ -11,11 +11,18 @@ copy never exists whole) and multiplied in float32. The result has torch's promo
 a float32 operand gets float32 (an OV row of a bf16 model in its compute dtype) and one that passes two half
 operands gets half, as `@` would give. The global top-k's bf16 screen (global_topk.py) asks the same
 probe.
+
+Full-precision operands are multiplied as they are, except a few rows times a wide matrix (an OV row over Gemma-3's
+262,144 logits: [1, 640] @ W_U [640, 262144], 671 MB read once for 168 MFLOP): that product is memory-bound and MKL's
+gemv runs it on one core (the same ~50 ms with one torch thread or two), so its column blocks go to two threads of
+one torch thread each, as the half path's tiles do (`_column_blocks`). Each column of the result is the same dot
+product over k either way.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -32,6 +39,10 @@ CHUNK_BYTES = 32 * 2**20
 # threads of one torch thread each (OpenMP teams stall on these short ops on a busy machine). At the 8B shape's W_U
 # on this 2-core CPU (load ~8): 0.26 s on one thread for a quarter of the vocabulary, against 0.77 s in chunks.
 FEW_ROWS, TILE_ROWS, TILE_COLUMNS = 16, 32, 4096
+# A few rows times a full-precision B of at least SPLIT_BYTES: its column blocks of about BLOCK_BYTES on both cores.
+# Below that the helper thread's start (~0.1 ms) is a visible share of the product; blocks of tens of MB keep each
+# thread streaming while the two share the vocabulary evenly.
+SPLIT_BYTES, BLOCK_BYTES = 16 * 2**20, 32 * 2**20
 _fast: dict[tuple[torch.device, torch.dtype], bool] = {}
 
 
@@ -63,9 +74,13 @@ def half_matmul(A: Tensor, B: Tensor, chunk_bytes: int | None = None) -> Tensor:
     times a float32 one, half for two half operands): as `A @ B` when neither is half-precision; else from
     half-precision products where `half_products_fast` says so, otherwise in float32 with the half operand (the
     larger one when both are) converted `chunk_bytes` (default CHUNK_BYTES) of float32 at a time: B by column
-    blocks, A by row blocks. The other operand is converted whole (a few rows or a head's factor)."""
+    blocks, A by row blocks. The other operand is converted whole (a few rows or a head's factor). A few rows times a
+    full-precision B of SPLIT_BYTES or more run as column blocks on both cores (`_column_blocks`)."""
     half = [t.dtype for t in (A, B) if t.dtype in HALF_DTYPES]
     if not half:
+        wide = B.dim() == 2 and B.numel() * B.element_size() >= SPLIT_BYTES
+        if wide and A.shape[:-1].numel() <= FEW_ROWS and torch.get_num_threads() > 1:
+            return _column_blocks(A, B)
         return A @ B
     result = torch.promote_types(A.dtype, B.dtype)
     if half_products_fast(A.device, half[0]):
@@ -116,9 +131,30 @@ def _few_rows(A: Tensor, B: Tensor) -> Tensor:
                 tile = buf[: r1 - r0, : cols.stop - cols.start].copy_(B[r0:r1, cols])
                 block += A[..., r0:r1] @ tile
 
+    _on_both_cores(worker)
+    return out
+
+
+def _column_blocks(A: Tensor, B: Tensor) -> Tensor:
+    """A [..., m, k] @ B [k, n] (both full precision, m * batch <= FEW_ROWS): column blocks of B of about BLOCK_BYTES,
+    shared by two threads of one torch thread each (a memory-bound product that one gemv keeps on one core)."""
+    k, n = B.shape
+    out = A.new_empty(*A.shape[:-1], n)  # [..., m, n]
+    take = shared_chunks(n, max(1, BLOCK_BYTES // (k * B.element_size())))
+
+    def worker() -> None:
+        while (cols := take()) is not None:
+            out[..., cols] = A @ B[:, cols]  # [..., m, block]
+
+    _on_both_cores(worker)
+    return out
+
+
+def _on_both_cores(worker: Callable[[], None]) -> None:
+    """worker() here and in a helper thread, each with one torch thread (they share one queue of blocks), when the
+    caller runs more than one torch thread; here alone otherwise."""
     if torch.get_num_threads() == 1:
         worker()
     else:
         with one_thread():
-            side_by_side(worker, worker, "qkov-half-rows")
-    return out
+            side_by_side(worker, worker, "qkov-few-rows")

@@ -7,18 +7,22 @@ Row-vector convention; the pieces are heads.py (detectors), circuits.py (Grams, 
 (K-composition positivity).
 
 The work, on GPT-2 small's shape and its standard input (10 x 101 tokens), in three steps, two threads sharing each
-(schedule.side_by_side): a caller whose torch threads span the cores gives each thread half of them, so the halves
-run side by side instead of one after the other (one thread does both only on a single core):
-    1  detector pass    every layer's pattern; half the sequences each                        ~165 GFLOP
+(schedule.side_by_side; a caller whose torch threads span the cores gets half of them per thread from
+schedule.halves_side_by_side, so the halves run side by side instead of one after the other; one thread does both
+only on a single core):
+    1  detector pass    every layer's pattern; half the sequences each (this thread first forms W_E's LN
+                        statistics, which both threads' Gram rows read)                                  ~165 GFLOP
     2  Grams            G = W_U W_E_eff, G_E = W_E_eff^T W_E_eff (G_E by its blocks on and above the
                         diagonal), the vocabulary's row chunks taken from one queue (schedule.shared_chunks):
                         whichever thread finished its detector half first takes more; partial Grams add up  ~95 GFLOP
                         (rotary models: that thread first measures μ and the kernel peaks)
-    3  spectra          G_E W_Q (read by the QK spectra and both positivities), the one-hot K-composition
-                        positivity (previous-token head), the weighted one's upper layers | G W_V and
-                        the OV spectra, then the QK spectra and the weighted positivity's low layers  ~45 GFLOP
-Each spectrum or positivity is L x H eigenvalue problems (d_head x d_head, float64; ~0.09 s on GPT-2 small): four in
-all, about two per thread.
+    3  spectra          this thread: G_E W_Q (read by the QK spectra and both positivities), the one-hot
+                        K-composition positivity's matrices (previous-token head), the weighted one's upper layers'
+                        | the helper: the OV spectra's, the QK spectra's, the weighted positivity's lower layers'; then
+                        both solve the eigenproblems of every batch formed, two at a time, from one queue
+                        (host_linalg.EigenQueue), so they finish together                                  ~45 GFLOP
+Each spectrum or positivity is L x H eigenvalue problems (d_head x d_head, float64; ~0.09 s on GPT-2 small, ~6 s of
+CPU on Gemma-3 270M's 280 problems of 256 x 256, where a fixed split left one thread ~2 s behind the other).
 Detector chunks of whole sequences add up with their weights (heads.DetectorSums): the scores are the same means as
 one pass, and chunks of half the batch keep the GEMMs as efficient as one pass (one-sequence chunks cost ~20 % more).
 """
@@ -37,10 +41,11 @@ from circuits_core.circuits.copying_spectra import (
     embed_grams,
     gram_queries,
     ov_copying_scores,
-    ov_eigenvalues,
-    qk_eigenvalues,
+    ov_matrices,
+    qk_matrices,
 )
-from circuits_core.circuits.embedding import embed_norm
+from circuits_core.circuits.embedding import EmbedNorm, embed_norm
+from circuits_core.circuits.host_linalg import EIGEN_CHUNK, EigenBatch, EigenQueue
 from circuits_core.circuits.rotary import KERNEL_WINDOW, kernel_cost, kernel_peak_offsets
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.model.head_names import head_name
@@ -54,8 +59,8 @@ from circuits_core.prompt.detectors import (
     heads_that_matter,
     standard_tokens,
 )
-from circuits_core.prompt.qk_paths import k_composition_positivity
-from circuits_core.schedule import Handoff, available_cores, shared_chunks, side_by_side
+from circuits_core.prompt.qk_paths import k_composition_matrices, k_composition_positivity
+from circuits_core.schedule import Handoff, halves_side_by_side, shared_chunks, side_by_side
 
 # Vocabulary rows per Gram chunk in step 2: two threads' chunks (W_E_eff rows and W_U columns, ~6 MiB each on GPT-2)
 # stay within the shared L3 cache; at EMBED_CHUNK (4096 rows) the two threads' Grams took ~12 % more CPU (0.60 vs
@@ -154,17 +159,8 @@ def head_table(
     if model.cfg.n_layers == 0:
         empty = torch.zeros(0, model.cfg.n_heads, dtype=torch.float64)
         return HeadTable(detector_scores(model, tokens, should_stop, budget_bytes), empty, empty, None)
-    threads = torch.get_num_threads()
-    if threads < 2 or 2 * threads <= available_cores():
+    with halves_side_by_side():  # a caller on every core: each step's halves side by side, half the threads each
         return _head_table(model, tokens, should_stop, budget_bytes, means, reference_tokens, with_loss)
-    # The caller's threads span the cores, so side_by_side would run each step's halves one after the other on all
-    # of them: the halves side by side on half the threads each instead (both cores busy without OpenMP's barriers
-    # between small products; Gemma-3 270M, bench/RESULTS.md). The setting is restored after.
-    torch.set_num_threads(threads // 2)
-    try:
-        return _head_table(model, tokens, should_stop, budget_bytes, means, reference_tokens, with_loss)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _head_table(
@@ -182,21 +178,26 @@ def _head_table(
     b, n = tokens.shape
     sequences = shared_chunks(b, table_chunk(model, n, b, budget_bytes, reference_tokens if means else None, with_loss))
     vocabulary = shared_chunks(model.cfg.d_vocab, GRAM_ROWS)
-    if model.cfg.normalization_type is not None:
-        embed_norm(model)  # W_E's LN statistics, cached: formed once here, not by both threads at once
+    # W_E's LN statistics (cached), formed once by this thread while the helper runs its detector chunk; the helper
+    # waits for them before its Gram rows (the vocabulary queue evens out who started later)
+    statistics: Handoff[EmbedNorm | None] = Handoff()
+    normalised = model.cfg.normalization_type is not None
 
     kernel = shared_chunks(1, 1)  # one task: μ and the kernel peaks (rotary models), for the first thread asking
 
     losses: dict[int, Tensor] | None = {} if with_loss else None  # first row of a chunk -> its losses [c, n - 1]
 
-    def detectors_then_grams() -> tuple[DetectorSums, Tensor | None, tuple[Tensor, Tensor]]:  # steps 1, 2 of a thread
+    def detectors_then_grams(here: bool) -> tuple[DetectorSums, Tensor | None, tuple[Tensor, Tensor]]:  # steps 1, 2
+        if here:  # (this thread runs first when the halves run in turn, so the helper never waits for nothing)
+            statistics.give(lambda: embed_norm(model) if normalised else None)
         sums = detector_sums(model, tokens, sequences, should_stop, losses)
         with torch.no_grad():  # the first thread done with its detector half measures μ, then both take Gram rows
             peaks = kernel_peak_offsets(model, means()) if means is not None and kernel() is not None else None
+            statistics.take()
             return sums, peaks, embed_grams(model, vocabulary)  # partial (G, G_E) [d, d]: the rows this thread took
 
     (mine, peaks, (G, G_E)), (theirs, peaks_b, (G_b, G_E_b)) = side_by_side(
-        detectors_then_grams, detectors_then_grams, "qkov-heads-table"
+        lambda: detectors_then_grams(True), lambda: detectors_then_grams(False), "qkov-heads-table"
     )
     G, G_E, peaks = G + G_b, G_E + G_E_b, peaks if peaks is not None else peaks_b  # [d, d], [d, d], [L, H]
     detectors = mine.merge(theirs).scores()
@@ -205,30 +206,42 @@ def _head_table(
     prev = detectors["previous_token"]  # [L, H]
     one_hot, partner = _one_hot(model, detectors["induction"], prev)
     low, high = _weighted_halves(model)
+    later = range(1, model.cfg.n_layers)  # the one-hot positivity's layers (layer 0 has nothing earlier)
 
     queries: Handoff[Tensor] = Handoff()  # G_E W_Q [L, H, d, d_head], formed by this thread, read by both
+    problems = EigenQueue()  # every head's four d_head x d_head eigenproblems, solved by whichever thread is free
 
-    def query_side() -> tuple[Tensor, Tensor]:  # this thread: G_E W_Q, the one-hot positivity, the weighted upper half
+    def query_side() -> tuple[EigenBatch, EigenBatch]:  # G_E W_Q, the one-hot positivity's and weighted upper half's
         G_E_W_Q = queries.give(lambda: gram_queries(model, G_E))
-        return (
-            k_composition_positivity(model, one_hot, G_E, G_E_W_Q),
-            k_composition_positivity(model, prev, G_E, G_E_W_Q, high),
-        )
+        one = problems.add(k_composition_matrices(model, one_hot, G_E, G_E_W_Q, later))
+        upper = problems.add(k_composition_matrices(model, prev, G_E, G_E_W_Q, high))
+        problems.solve()
+        return one, upper
 
-    def value_side() -> tuple[Tensor, Tensor, Tensor]:  # helper: OV spectra, then (G_E W_Q ready by then) QK, low half
-        ov = ov_eigenvalues(model, G)
-        return (
-            ov,
-            qk_eigenvalues(model, G_E, queries.take()),
-            k_composition_positivity(model, prev, G_E, queries.take(), low),
-        )
+    def value_side() -> tuple[EigenBatch, EigenBatch, EigenBatch]:  # the OV and QK spectra's, the weighted lower half's
+        ov = problems.add(ov_matrices(model, G))
+        qk = problems.add(qk_matrices(model, G_E, queries.take()))
+        lower = problems.add(k_composition_matrices(model, prev, G_E, queries.take(), low))
+        problems.solve()
+        return ov, qk, lower
 
-    with torch.no_grad():  # steps 3 and 4 without a barrier between them: ~0.47 s each on GPT-2 small
-        (one, weighted_high), (ov_eig, qk_eig, weighted_low) = side_by_side(query_side, value_side, "qkov-heads-table")
+    with torch.no_grad():  # matrices, then eigenvalues, with no barrier between the threads
+        (one, upper), (ov_batch, qk_batch, lower) = side_by_side(query_side, value_side, "qkov-heads-table")
+    ov_eig, qk_eig = ov_batch.values, qk_batch.values  # [L, H, d_head] complex each
     ov, qk = copying_score(ov_eig), copying_score(qk_eig)  # [L, H] each
-    iv = InductionView(ov, one, weighted_low + weighted_high, partner, prev)  # the halves are 0 outside their layers
+    weighted = _positivity(model, lower, low) + _positivity(model, upper, high)  # each 0 outside its layers
+    iv = InductionView(ov, _positivity(model, one, later), weighted, partner, prev)
     loss = torch.cat([losses[k] for k in sorted(losses)]) if losses else None  # [b, n - 1], in row order
     return HeadTable(detectors, ov, qk, iv, peaks, loss, ov_eig, qk_eig)
+
+
+def _positivity(model: Transformer, batch: EigenBatch, layers: range) -> Tensor:
+    """[L, H] float64: k_composition_positivity's scores from the eigenvalues of its matrices for `layers` (the rows
+    of other layers 0)."""
+    out = torch.zeros(model.cfg.n_layers, model.cfg.n_heads, dtype=torch.float64, device=model.device)
+    if len(layers):
+        out[layers.start : layers.stop] = copying_score(batch.values)  # a zero matrix (nothing earlier): score 0
+    return out
 
 
 def table_chunk(
@@ -268,20 +281,27 @@ def head_table_cost(
 
 
 def _spectra_cost(model: Transformer, reference_tokens: int | None = None) -> Cost:
-    """Two threads' partial Grams (each with one LN chunk of W_E at a time), G_E W_Q [L, H, d_model, d_head], on each
-    thread one layer's [H, d_model, d_head] products (the spectra and the K-composition go layer by layer) and one
-    spectrum's float64 [L, H, d_head, d_head] matrices, and μ's pass on `reference_tokens` tokens and the kernel
-    (rotary.kernel_cost), which one thread may run while the other still holds a detector chunk or partial Grams."""
+    """Two threads' partial Grams (each with one LN chunk of W_E at a time), G_E W_Q [L, H, d_model, d_head], the four
+    spectra's float64 [L, H, d_head, d_head] matrices and complex eigenvalues (held together in the EigenQueue), on
+    each thread one layer's [H, d_model, d_head] products (the spectra and the K-composition go layer by layer) and
+    one batch's matrices in the model's dtype before their float64 copy, and μ's pass on `reference_tokens` tokens
+    and the kernel (rotary.kernel_cost), which one thread may run while the other still holds a detector chunk or
+    partial Grams."""
     cfg = model.cfg
     size, per_layer = itemsize(model.dtype), cfg.n_heads * cfg.d_model * cfg.d_head
     grams = 2 * (2 * cfg.d_model**2 + 2 * GRAM_ROWS * cfg.d_model) * size
-    spectrum = cfg.n_layers * cfg.n_heads * cfg.d_head**2 * 8
+    # the four batches in the EigenQueue in the model's dtype: OV and QK L layers each, the one-hot and the weighted
+    # positivities L - 1 layers each; their complex eigenvalues; on each thread one chunk's float64 copy
+    queued = (
+        4 * cfg.n_layers - 2
+    ) * cfg.n_heads * cfg.d_head**2 * size + 4 * cfg.n_layers * cfg.n_heads * cfg.d_head * 16
+    chunk = EIGEN_CHUNK * cfg.d_head**2 * 8
     d, heads = cfg.d_model, cfg.n_layers * cfg.n_heads
     # FLOPs: the two d_model x d_model Grams over the vocabulary, G_E W_Q, and per head the OV and QK spectra's and
     # the K-composition positivities' d_model x d_head products (three of them)
     flops = 4 * cfg.d_vocab * d * d + 2 * heads * d * d * cfg.d_head + 6 * heads * d * cfg.d_head * (d + cfg.d_head)
     spectra = Cost(
-        grams + cfg.n_layers * per_layer * size + 2 * (per_layer * size + spectrum) + 4 * cfg.d_model**2 * 8,
+        grams + cfg.n_layers * per_layer * size + queued + 2 * (per_layer * size + chunk) + 4 * d**2 * 8,
         flops=flops,
     )
     if reference_tokens is None:

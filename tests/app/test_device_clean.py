@@ -33,7 +33,6 @@ from circuits_core.circuits import gram_pair_sums
 from circuits_core.errors import InvalidInputError, LimitExceededError, NotFoundError
 from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
 from circuits_core.model.config import ModelConfig
-from circuits_core.prompt import head_table
 from circuits_core.prompt.phenomena import TOKEN_COUNTS_FILE
 from tests.app.conftest import LIMITS, save_qkov, train_tokenizer
 from tests.foreign_device import DeviceMixError, ForeignDevice
@@ -78,8 +77,8 @@ def models(model_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFacto
 def one_thread_of_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """A torch function mode watches its own thread only, so every step runs in this one: the engine is told the
     process has one core. schedule.side_by_side then runs its two branches in turn (head_table's halves included,
-    which on two cores it gives one thread each), and gram_pair_sums keeps to one worker."""
-    for module in (schedule, head_table, gram_pair_sums):
+    which on two cores schedule.halves_side_by_side gives one thread each), and gram_pair_sums keeps to one worker."""
+    for module in (schedule, gram_pair_sums):
         monkeypatch.setattr(module, "available_cores", lambda: 1)
 
 

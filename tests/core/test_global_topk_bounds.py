@@ -63,8 +63,12 @@ def exact_entries(monkeypatch):
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("k", [1, 10, 300])
-def test_bounded_search_matches_the_dense_topk(seed, dtype, k):
+@pytest.mark.parametrize("columns_contiguous", [False, True])
+def test_bounded_search_matches_the_dense_topk(seed, dtype, k, columns_contiguous):
+    """B stored by rows or by columns (as the circuits' B = key^T and the OV circuit's B are): the same answer."""
     A, B = circuit_like(300, 24, 260, seed, dtype)
+    if columns_contiguous:
+        B = B.T.contiguous().T
     assert global_topk_bounds.usable(A, B)
     v, r, c = global_topk_bounds.topk_bounded(A, B, k)
     ref_v, ref_r, ref_c = dense_topk(A @ B, k)

@@ -102,6 +102,38 @@ def test_a_few_rows_times_a_half_matrix_go_tile_by_tile(threads: int, emulated: 
     assert tiled == [1, 3]
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_few_rows_times_a_wide_full_precision_matrix_go_in_column_blocks(threads: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An OV row's last product ([1, d_model] @ W_U): on two torch threads its column blocks are shared by two threads
+    of one, here blocks of 7 columns so the last one is partial; the reference is the products' sums formed
+    elementwise in float64. On one thread, or with more than FEW_ROWS rows, it is A @ B."""
+    monkeypatch.setattr(half_products, "SPLIT_BYTES", 0)
+    blocks: list[int] = []
+    column_blocks = half_products._column_blocks
+    monkeypatch.setattr(
+        half_products, "_column_blocks", lambda A, B: blocks.append(A.shape[:-1].numel()) or column_blocks(A, B)
+    )
+    gen = torch.Generator().manual_seed(5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for dtype, tol in ((torch.float32, 1e-5), (torch.float64, 1e-12)):
+            monkeypatch.setattr(half_products, "BLOCK_BYTES", 7 * 64 * torch.finfo(dtype).bits // 8)
+            W = torch.randn(64, 300, generator=gen, dtype=dtype)  # 300 columns: 42 blocks of 7, the last one of 6
+            for x in (torch.randn(1, 64, generator=gen), torch.randn(2, 3, 64, generator=gen), torch.randn(64)):
+                x = x.to(dtype)
+                ref = (x.double()[..., :, None] * W.double()).sum(-2)  # [..., 300]
+                out = half_matmul(x, W)
+                assert out.dtype == dtype and out.shape == ref.shape
+                torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+            many = torch.randn(20, 64, generator=gen, dtype=dtype)
+            assert torch.equal(half_matmul(many, W), many @ W)
+        assert torch.get_num_threads() == threads  # restored after the two threads' single-threaded blocks
+    finally:
+        torch.set_num_threads(before)
+    assert blocks == ([1, 6, 1] * 2 if threads == 2 else [])  # rows of each product split
+
+
 def test_full_precision_operands_are_multiplied_as_they_are() -> None:
     gen = torch.Generator().manual_seed(1)
     for dtype in (torch.float32, torch.float64):

@@ -117,7 +117,6 @@ def test_head_table_price_covers_the_measured_peak(budget: int | None, monkeypat
     if budget is not None:
         assert table_chunk(model, n, b, budget) == 1
     before = torch.get_num_threads()
-    monkeypatch.setattr("circuits_core.prompt.head_table.available_cores", lambda: 1)
     monkeypatch.setattr("circuits_core.schedule.available_cores", lambda: 1)
     torch.set_num_threads(1)  # one core: the branches run in turn, in this thread
     try:
@@ -228,7 +227,6 @@ def test_threads_spanning_the_cores_run_the_halves_side_by_side(monkeypatch: pyt
         assert len(names) == 2 and {threads for _, threads in ran} == {cores // 2}, ran
         ran.clear()
         with monkeypatch.context() as patch:  # one core: the halves in turn, in this thread
-            patch.setattr(HT, "available_cores", lambda: 1)
             patch.setattr("circuits_core.schedule.available_cores", lambda: 1)
             in_turn = head_table(model, tokens)
         assert {name for name, _ in ran} == {threading.current_thread().name}
@@ -240,3 +238,33 @@ def test_threads_spanning_the_cores_run_the_halves_side_by_side(monkeypatch: pyt
         torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
     assert split.induction is not None and in_turn.induction is not None
     torch.testing.assert_close(split.induction.qk_weighted, in_turn.induction.qk_weighted, rtol=0, atol=1e-9)
+
+
+def _score(eigenvalues: torch.Tensor) -> torch.Tensor:
+    return eigenvalues.sum(-1).real / eigenvalues.abs().sum(-1)
+
+
+def test_table_spectra_from_one_eigen_queue_equal_the_dense_circuits() -> None:
+    """The heads table's four spectra, their matrices formed by two threads and every eigenproblem solved by whichever
+    thread takes it (host_linalg.EigenQueue), against the full [d_vocab, d_vocab] circuits written out in float64:
+    each OV and QK copying score from the eigenvalues of W_E_eff W_V W_O W_U and W_E_eff W_Q W_K^T W_E_eff^T / s (the
+    zero ones add nothing), the positivities from k_composition_positivity's own route."""
+    model = small_model(n_layers=3, ln="LN", mlp=True, seed=5)
+    table = head_table(model, standard_tokens(model, seed=3))
+    W_E = _W_E_eff(model)  # [V, d]
+    for layer in range(3):
+        for h in range(3):
+            ov = W_E @ model.W_V[layer, h] @ model.W_O[layer, h] @ model.W_U  # [V, V]
+            qk = W_E @ model.W_Q[layer, h] @ model.W_K[layer, h].T @ W_E.T / model.cfg.scale
+            torch.testing.assert_close(table.ov_copying[layer, h], _score(torch.linalg.eigvals(ov)), rtol=0, atol=1e-9)
+            torch.testing.assert_close(table.qk_copying[layer, h], _score(torch.linalg.eigvals(qk)), rtol=0, atol=1e-9)
+    assert table.induction is not None and table.ov_eigenvalues is not None
+    iv = table.induction
+    one_hot = torch.zeros(3, 3, dtype=torch.float64)
+    layer, head = (int(part) for part in iv.previous_token_head[1:].split("H"))  # "L1H2"
+    one_hot[layer, head] = 1.0
+    torch.testing.assert_close(iv.qk_k_composition, k_composition_positivity(model, one_hot), rtol=0, atol=1e-9)
+    torch.testing.assert_close(
+        iv.qk_weighted, k_composition_positivity(model, iv.previous_token_scores), rtol=0, atol=1e-9
+    )
+    assert (iv.qk_weighted[0] == 0).all() and (iv.qk_weighted[1:] != 0).all()  # both halves of the layers filled

@@ -4,6 +4,7 @@ each matrix's eigenvalues are LAPACK's for that matrix alone, in the batch's ord
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -37,3 +38,50 @@ def test_a_split_batch_gives_each_matrixs_own_eigenvalues(monkeypatch: pytest.Mo
         assert all(name.startswith("qkov-eigvals") for name, _ in solved_by)
     # and the sums the copying scores read: sum(lambda) is the trace, for every matrix
     torch.testing.assert_close(got.sum(-1).real, M.diagonal(dim1=-2, dim2=-1).sum(-1), rtol=1e-12, atol=1e-12)
+
+
+def test_an_eigen_queue_drained_by_two_threads_gives_each_matrixs_own_eigenvalues() -> None:
+    """Two threads each add batches to one EigenQueue and solve until nothing is left: every matrix's eigenvalues are
+    LAPACK's for that matrix alone, in each batch's shape, and the thread that adds only a small batch solves chunks
+    of the other's large one (the queue balances them)."""
+    from circuits_core.schedule import side_by_side
+
+    gen = torch.Generator().manual_seed(1)
+    big = torch.randn(4, 6, 8, 8, generator=gen, dtype=torch.float32)  # [4, 6, n, n]: 24 matrices, float32 as formed
+    small = torch.randn(1, 2, 8, 8, generator=gen, dtype=torch.float64)
+    queue = host_linalg.EigenQueue()
+    solved_by: list[tuple[str, int]] = []
+    eigvals = torch.linalg.eigvals
+
+    def recorded(batch: torch.Tensor) -> torch.Tensor:
+        solved_by.append((threading.current_thread().name, batch.shape[0]))
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(0.05)  # this thread slow: the helper, done with its own batch, must take chunks of this one
+        return eigvals(batch)
+
+    added = threading.Event()  # the helper adds its batch once this thread has added its own
+
+    def adds(M: torch.Tensor, first: bool) -> host_linalg.EigenBatch:
+        if not first:
+            added.wait(10)
+        batch = queue.add(M)
+        added.set()
+        queue.solve()
+        return batch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.linalg, "eigvals", recorded)
+            patch.setattr("circuits_core.schedule.available_cores", lambda: 2)
+            got_big, got_small = side_by_side(lambda: adds(big, True), lambda: adds(small, False), "qkov-queue-test")
+    finally:
+        torch.set_num_threads(previous)
+    for M, got in ((big, got_big.values), (small, got_small.values)):
+        want = torch.stack([eigvals(m) for m in M.double().reshape(-1, 8, 8)]).reshape(*M.shape[:-1])
+        assert got.shape == M.shape[:-1] and got.dtype == torch.complex128
+        assert torch.equal(got, want)  # each matrix's own LAPACK call: bitwise
+    assert sum(n for _, n in solved_by) == 26
+    helper = {name for name, _ in solved_by if name.startswith("qkov-queue-test")}
+    assert helper and sum(n for name, n in solved_by if name in helper) > 2  # the helper took chunks of the big batch

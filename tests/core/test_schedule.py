@@ -12,6 +12,7 @@ import torch
 from circuits_core.schedule import (
     Handoff,
     available_cores,
+    halves_side_by_side,
     in_background,
     later,
     sampling,
@@ -163,6 +164,28 @@ def test_shared_tasks_stop_both_workers_once_a_task_fails(failing: str) -> None:
         torch.set_num_threads(before)
     assert len(taken) == 3
     assert elapsed < 20  # the other worker stopped too
+
+
+def test_halves_side_by_side_gives_a_caller_on_every_core_half_its_threads_and_restores_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = torch.get_num_threads()
+    seen: list[tuple[int, int]] = []
+    try:
+        for cores, threads in ((4, 4), (4, 2), (2, 1), (8, 6)):
+            monkeypatch.setattr("circuits_core.schedule.available_cores", lambda cores=cores: cores)
+            torch.set_num_threads(threads)
+            with halves_side_by_side():
+                seen.append((threads, torch.get_num_threads()))
+            assert torch.get_num_threads() == threads
+        torch.set_num_threads(4)
+        with pytest.raises(RuntimeError, match="inside"), halves_side_by_side():
+            raise RuntimeError("inside")
+        assert torch.get_num_threads() == 4  # restored after an error too
+    finally:
+        torch.set_num_threads(before)
+    # all four cores: half each; two of four already leave cores idle; one thread stays one; six of eight: three
+    assert seen == [(4, 2), (2, 2), (1, 1), (6, 3)]
 
 
 def test_a_handoff_reaches_the_waiting_branch_and_so_does_its_error() -> None:
