@@ -14,7 +14,7 @@ The maths modules say which two computations are independent and this module dec
     Handoff                    a value one branch forms and the other waits for (an error reaches both)
     in_background()            I/O beside the caller (a checkpoint's digest while torch reads its tensors)
     later(job)                 job in the process's one worker for results wanted later, in order (a GGUF tokenizer
-                               built once the weights are read, while they are processed)
+                               built once load_checkpoint has built the model)
     sampling(sample, every_s)  sample() every every_s seconds in a daemon thread while the block runs (a load's
                                memory watchdog reading the process's RSS)
     yielding(wanted)           within it, the cores are given up while wanted() says other work needs them: no
@@ -225,7 +225,7 @@ _LATER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="qkov-later")
 
 def later(job: Callable[[], T]) -> Future[T]:
     """job in the process's one worker thread, after the jobs given it before; its Future. For work whose result a
-    caller needs later (a tokenizer built once the weights are read), not for maths beside maths (side_by_side)."""
+    caller needs later (a GGUF tokenizer built once the model is built), not for maths beside maths (side_by_side)."""
     return _LATER.submit(job)
 
 
