@@ -374,9 +374,8 @@ def read_gguf(
         weights_read = threading.Event()
         try:
             try:
-                tokenizer = gguf_tokenizer(
-                    header, arch, d_vocab, cfg.bos_token_id, start=tokenizer_gate or weights_read
-                )
+                start = weights_read if tokenizer_gate is None else tokenizer_gate
+                tokenizer = gguf_tokenizer(header, arch, d_vocab, cfg.bos_token_id, start=start)
             except CheckpointError as exc:  # a tokenizer this code does not build: a tokenizer.json beside is used
                 if not (path.parent / TOKENIZER_BESIDE).is_file():
                     raise

@@ -59,7 +59,7 @@ from circuits_core.prompt.detectors import (
     heads_that_matter,
     standard_tokens,
 )
-from circuits_core.prompt.qk_paths import k_composition_matrices, k_composition_positivity
+from circuits_core.prompt.qk_paths import k_composition_matrices, k_composition_positivity, k_composition_scores
 from circuits_core.schedule import Handoff, halves_side_by_side, shared_chunks, side_by_side
 
 # Vocabulary rows per Gram chunk in step 2: two threads' chunks (W_E_eff rows and W_U columns, ~6 MiB each on GPT-2)
@@ -229,19 +229,10 @@ def _head_table(
         (one, upper), (ov_batch, qk_batch, lower) = side_by_side(query_side, value_side, "qkov-heads-table")
     ov_eig, qk_eig = ov_batch.values, qk_batch.values  # [L, H, d_head] complex each
     ov, qk = copying_score(ov_eig), copying_score(qk_eig)  # [L, H] each
-    weighted = _positivity(model, lower, low) + _positivity(model, upper, high)  # each 0 outside its layers
-    iv = InductionView(ov, _positivity(model, one, later), weighted, partner, prev)
+    weighted = k_composition_scores(model, lower.values, low) + k_composition_scores(model, upper.values, high)
+    iv = InductionView(ov, k_composition_scores(model, one.values, later), weighted, partner, prev)  # 0 off `layers`
     loss = torch.cat([losses[k] for k in sorted(losses)]) if losses else None  # [b, n - 1], in row order
     return HeadTable(detectors, ov, qk, iv, peaks, loss, ov_eig, qk_eig)
-
-
-def _positivity(model: Transformer, batch: EigenBatch, layers: range) -> Tensor:
-    """[L, H] float64: k_composition_positivity's scores from the eigenvalues of its matrices for `layers` (the rows
-    of other layers 0)."""
-    out = torch.zeros(model.cfg.n_layers, model.cfg.n_heads, dtype=torch.float64, device=model.device)
-    if len(layers):
-        out[layers.start : layers.stop] = copying_score(batch.values)  # a zero matrix (nothing earlier): score 0
-    return out
 
 
 def table_chunk(

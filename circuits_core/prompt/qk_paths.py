@@ -277,10 +277,16 @@ def k_composition_positivity(
     threads can share the work (head_table.induction_view).
     """
     layers = range(1, model.cfg.n_layers) if layers is None else layers
-    out = torch.zeros(weights.shape, dtype=torch.float64, device=model.device)
     M = k_composition_matrices(model, weights, G_E, G_E_W_Q, layers)  # [len(layers), H, dh, dh]
+    return k_composition_scores(model, eigvals(M.double()), layers)
+
+
+def k_composition_scores(model: Transformer, eigenvalues: Tensor, layers: range) -> Tensor:
+    """[L, H] float64: sum(eig)/sum(|eig|) of the heads of `layers` from the eigenvalues [len(layers), H, d_head] of
+    their k_composition_matrices; the rows of other layers 0 (a zero matrix, nothing earlier, scores 0 too)."""
+    out = torch.zeros(model.cfg.n_layers, model.cfg.n_heads, dtype=torch.float64, device=model.device)
     if len(layers):
-        out[layers.start : layers.stop] = copying_score(eigvals(M.double()))  # M = 0: score 0
+        out[layers.start : layers.stop] = copying_score(eigenvalues)
     return out
 
 
