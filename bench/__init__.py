@@ -23,7 +23,21 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+# Small mode (QKOV_BENCH_SMALL=1, read here and nowhere else): every section runs its own code paths on its smallest
+# shapes, each timing once, so a test can run every section end to end in seconds (tests/test_bench_sections.py).
+# Its figures say nothing about speed.
+SMALL_SWITCH = "QKOV_BENCH_SMALL"
+SMALL = os.environ.get(SMALL_SWITCH, "0").strip() not in ("", "0")
+
+
+def sized(full: T, small: T) -> T:
+    """`full` for a bench run, `small` in small mode: a shape, a count, a model."""
+    return small if SMALL else full
+
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
@@ -88,9 +102,9 @@ class PeakRSS:
 
 
 def median_time(fn: Callable[[], Any], repeats: int = 3) -> tuple[float, Any]:
-    """(median wall-clock seconds over `repeats` calls, the last result)."""
+    """(median wall-clock seconds over `repeats` calls (one in small mode), the last result)."""
     times, result = [], None
-    for _ in range(repeats):
+    for _ in range(sized(repeats, 1)):
         t0 = time.perf_counter()
         result = fn()
         times.append(time.perf_counter() - t0)
