@@ -87,9 +87,7 @@ def families_load() -> None:
 def _write_gguf(kind: str, folder: Path) -> int:
     import transformers
 
-    from tests.core.test_gguf_alibi import write_mpt
-    from tests.core.test_gguf_deepseek import write_deepseek
-    from tests.core.test_gguf_experts import write_gguf
+    from tests.core.gguf_writing import write_deepseek, write_gguf, write_mpt
 
     folder.mkdir()
     path = folder / "model.gguf"
