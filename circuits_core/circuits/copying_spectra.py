@@ -24,7 +24,6 @@ from circuits_core.circuits.folded import circuit_weight, layer_weights
 from circuits_core.circuits.head_circuits import attention
 from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.cost import Cost
-from circuits_core.model.linear import affine
 from circuits_core.model.transformer import Transformer
 
 GRAM_BLOCKS = 4  # column blocks of the symmetric G_E: the 10 of 16 blocks on and above the diagonal are formed
@@ -39,8 +38,10 @@ def _grams(
     blocks = [(a, b) for a, b in zip(edges, edges[1:], strict=False) if b > a]
     G, G_E = (torch.zeros(d, d, dtype=model.W_E.dtype, device=model.W_E.device) for _ in range(2))
     for rows, X in embed_rows(model, take, reuse=True):  # X [chunk, d], used up before the next chunk
-        if unembed:  # (linear.affine: oneDNN's product, ~15 % faster here than MKL's accumulating addmm_)
-            G += affine(model.W_U[:, rows], X)
+        # MKL's accumulating addmm_, not linear.affine's oneDNN: on this strided W_U slice 9.9 against 15.1 ms per
+        # 1,024 vocabulary rows of Gemma-3 270M (d_model 640, one thread, alternated in one process, load 1.9)
+        if unembed:
+            G.addmm_(model.W_U[:, rows], X)
         for a, b in blocks if embed else ():  # G_E[blk, a:] += X[:, blk]^T X[:, a:]: blocks on and above the diagonal
             G_E[a:b, a:].addmm_(X[:, a:b].T, X[:, a:])
     return G, G_E.triu() + G_E.triu(1).T  # G_E's upper triangle (diagonal blocks included) mirrored
