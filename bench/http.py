@@ -249,17 +249,17 @@ def heads_breakdown(model: Any) -> None:
 
 
 def _onednn_against_mkl(work: Any) -> dict[str, list[float]]:
-    """CPU seconds of `work` with linear.py's products switched to oneDNN (as QKOV_ONEDNN=1) and with MKL's alone
-    (the default), alternated three times so both see the same machine; {} when this torch has no oneDNN linear."""
+    """CPU seconds of `work` with linear.py's oneDNN products and with MKL's alone (linear._ONEDNN_LINEAR off),
+    alternated three times so both see the same machine; {} when this torch has no oneDNN linear."""
     from circuits_core.model import linear
 
     real = linear._ONEDNN_LINEAR
-    if linear.ONEDNN_OP is None:
+    if real is None:
         return {}
     cpu: dict[str, list[float]] = {"oneDNN": [], "MKL": []}
     try:
         for _ in range(3):
-            for name, product in (("oneDNN", linear.ONEDNN_OP), ("MKL", None)):
+            for name, product in (("oneDNN", real), ("MKL", None)):
                 linear._ONEDNN_LINEAR = product
                 cpu[name].append(_timed(work)[1])
     finally:

@@ -1,20 +1,17 @@
 """The affine map every weight matrix applies, x W + b (row vectors), with the activation that may follow it.
 
-By default every product is torch.addmm (MKL on CPU), the activation its own op. On CPU in float32 without
-autograd, the switch QKOV_ONEDNN=1 sends the product through oneDNN instead (torch.ops.mkldnn._linear_pointwise, the
+On CPU in float32 without autograd, the product goes through oneDNN (torch.ops.mkldnn._linear_pointwise, the
 kernel torch's own compiler emits for linear layers), with the bias and a GELU or ReLU applied by the product's
-epilogue. The arithmetic is the same float32 GEMM; only the summation order inside it differs, as between any two
-BLAS libraries. oneDNN was the default until its products were measured slower than MKL's on this 2-core AMD EPYC
-host at all but one of the shapes tried (one thread, the two alternated in one process, load 1.3-1.4, medians):
-GPT-2 small's MLP product with its tanh GELU 141.6 against 53.9 ms (MKL plus a separate GELU), its other products
-1.17-1.64x MKL's time, Gemma-3 270M's 1.01-1.37x, SmolLM2's 0.96-1.26x (its 576 x 576 product the one oneDNN won).
-`python -m bench http`'s own line (detector pass and Grams both ways) had read 0.69-0.92x in MKL's favour for
-several sessions, and QKOV_ONEDNN=0 took ~1.2 CPU-s off Gemma-3 270M's cold heads table (19.97 -> 18.77 and
-18.34 -> 17.15 s, fresh processes alternated, load 5).
-Elsewhere (float64, half precision, CUDA, gradients, a torch without oneDNN) it is torch.addmm either way.
+epilogue instead of passes over its output. The arithmetic is the same float32 GEMM; only the summation order
+inside it differs from MKL's, as between any two BLAS libraries. On GPT-2 small's shapes, one thread, products
+alternated in one process (load ~1): 97-104 GFLOP/s against MKL's 93-99, and the MLP's first product with its
+tanh GELU at 91-101 against 69-78 for MKL's plus a separate GELU. `python -m bench http` prints the heads table's
+detector pass and Grams both ways (1.05x to 1.20x in favour of oneDNN, quiet to busy machine: MKL suffers more
+from a busy neighbour). Elsewhere (float64, half precision, CUDA, gradients, a torch without oneDNN) it is
+torch.addmm and the activation as its own op.
 
-The switch is read once, when this module is imported (1/true/yes/on: oneDNN where it applies; unset, 0/false/no/off:
-never), e.g. to compare the two libraries on another machine. The op is private to torch;
+The off switch: the environment variable QKOV_ONEDNN=0 (read once, when this module is imported) sends every product
+to torch.addmm, e.g. to rule oneDNN out when a result differs between machines. The op is private to torch;
 tests/core/test_linear.py fails loudly if a torch release drops or changes it.
 """
 
@@ -40,8 +37,8 @@ ONEDNN_SWITCH = "QKOV_ONEDNN"
 
 
 def onednn_wanted(value: str | None) -> bool:
-    """The switch's value: 1/true/yes/on: oneDNN where it applies; unset, 0/false/no/off: never (MKL's addmm)."""
-    said = (value or "0").strip().lower()
+    """The switch's value: unset, 1/true/yes/on: oneDNN where it applies; 0/false/no/off: never."""
+    said = (value or "1").strip().lower()
     if said in ("1", "true", "yes", "on"):
         return True
     if said in ("0", "false", "no", "off"):
@@ -49,11 +46,11 @@ def onednn_wanted(value: str | None) -> bool:
     raise ValueError(f"{ONEDNN_SWITCH} must be 1 or 0 (true/false, yes/no, on/off), got {value!r}")
 
 
-# oneDNN's linear kernel where this torch has it, and the one affine uses (None: addmm, the default)
-ONEDNN_OP: Callable[..., Tensor] | None = (
-    getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
+_ONEDNN_LINEAR: Callable[..., Tensor] | None = (
+    getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if torch.backends.mkldnn.is_available() and onednn_wanted(os.environ.get(ONEDNN_SWITCH))
+    else None
 )
-_ONEDNN_LINEAR: Callable[..., Tensor] | None = ONEDNN_OP if onednn_wanted(os.environ.get(ONEDNN_SWITCH)) else None
 # Below this many multiply-adds oneDNN's fixed cost per call (~20 us) outweighs its faster kernel (measured: a
 # 10 x 64 x 256 product 30 us against MKL's 12 us; even at 50 x 128 x 512; 8 % faster at 100 x 256 x 1024).
 ONEDNN_MIN_MACS = 2**23
