@@ -199,7 +199,8 @@ def _head_table(
     (mine, peaks, (G, G_E)), (theirs, peaks_b, (G_b, G_E_b)) = side_by_side(
         lambda: detectors_then_grams(True), lambda: detectors_then_grams(False), "qkov-heads-table"
     )
-    G, G_E, peaks = G + G_b, G_E + G_E_b, peaks if peaks is not None else peaks_b  # [d, d], [d, d], [L, H]
+    dt = model.W_E.dtype  # the partial Grams' float64 totals added, then rounded once
+    G, G_E, peaks = (G + G_b).to(dt), (G_E + G_E_b).to(dt), peaks if peaks is not None else peaks_b  # [d, d], [L, H]
     detectors = mine.merge(theirs).scores()
     check_stop(should_stop, "heads table")
 
@@ -272,15 +273,16 @@ def head_table_cost(
 
 
 def _spectra_cost(model: Transformer, reference_tokens: int | None = None) -> Cost:
-    """Two threads' partial Grams (each with one LN chunk of W_E at a time), G_E W_Q [L, H, d_model, d_head], the four
-    spectra's float64 [L, H, d_head, d_head] matrices and complex eigenvalues (held together in the EigenQueue), on
-    each thread one layer's [H, d_model, d_head] products (the spectra and the K-composition go layer by layer) and
-    one batch's matrices in the model's dtype before their float64 copy, and μ's pass on `reference_tokens` tokens
-    and the kernel (rotary.kernel_cost), which one thread may run while the other still holds a detector chunk or
-    partial Grams."""
+    """Two threads' partial Grams (float64 totals, each with one LN chunk of W_E at a time), G_E W_Q
+    [L, H, d_model, d_head], the four spectra's float64 [L, H, d_head, d_head] matrices and complex eigenvalues (held
+    together in the EigenQueue), on each thread one layer's [H, d_model, d_head] products (the spectra and the
+    K-composition go layer by layer) and one batch's matrices in the model's dtype before their float64 copy, and μ's
+    pass on `reference_tokens` tokens and the kernel (rotary.kernel_cost), which one thread may run while the other
+    still holds a detector chunk or partial Grams."""
     cfg = model.cfg
     size, per_layer = itemsize(model.dtype), cfg.n_heads * cfg.d_model * cfg.d_head
-    grams = 2 * (2 * cfg.d_model**2 + 2 * GRAM_ROWS * cfg.d_model) * size
+    # per thread: the two float64 totals, one chunk's product and its LN rows, and the rounded sum in the model's dtype
+    grams = 2 * ((2 * 8 + 2 * size) * cfg.d_model**2 + 2 * GRAM_ROWS * cfg.d_model * size)
     # the four batches in the EigenQueue in the model's dtype: OV and QK L layers each, the one-hot and the weighted
     # positivities L - 1 layers each; their complex eigenvalues; on each thread one chunk's float64 copy
     queued = (
