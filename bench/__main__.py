@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import torch
 
+from bench import steady_allocator
+
 SECTION_MODULES = (
     "bench.engine",
     "bench.composition_paths",
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="list the sections and exit")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     args = parser.parse_args(argv)
+    steady = steady_allocator()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.list:
@@ -68,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     print(
         f"qkov bench: torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs "
-        f"({platform.processor() or platform.machine()}), load average {load[0]:.1f}; medians of a few repeats",
+        f"({platform.processor() or platform.machine()}), load average {load[0]:.1f}; medians of a few repeats; "
+        f"malloc thresholds {'fixed (bench.STEADY_MALLOC)' if steady else 'glibc not found: left to the C library'}",
         flush=True,
     )
     missing = [m for m in SECTION_MODULES if importlib.util.find_spec(m) is None]

@@ -22,6 +22,7 @@ import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from bench import row
+from bench import SMALL, row, sized
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE = REPO / ".cache" / "big-models" / "llama-3.1-8b-shape"  # (also the models folder bench/gpu.py serves)
@@ -43,7 +44,10 @@ LLAMA_8B: dict[str, Any] = {
 }  # fmt: skip
 LLAMA_70B = {**LLAMA_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
              "num_attention_heads": 64}  # fmt: skip
+LLAMA_TINY = {**LLAMA_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+              "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 1024}  # fmt: skip
 LAYERS_PER_SHARD = 4
+OV_ROW = sized((20, 5, 1000), (5, 5, 1000))  # layer, head, token of the timed OV row
 
 
 def hf_tensors(cfg: dict[str, Any], layer: int) -> dict[str, tuple[int, ...]]:
@@ -131,7 +135,7 @@ def measure_8b(folder: Path) -> dict[str, Any]:
     print(json.dumps(out), flush=True)  # each figure as soon as it is measured (a later failure keeps it)
     with torch.no_grad():
         t0 = time.perf_counter()
-        full_ov_row(model, 20, 5, 1000)
+        full_ov_row(model, *OV_ROW)
         out["ov_row_s"] = time.perf_counter() - t0
         print(json.dumps(out), flush=True)
         t0 = time.perf_counter()
@@ -143,6 +147,11 @@ def measure_8b(folder: Path) -> dict[str, Any]:
 
 
 def run_8b() -> None:
+    if SMALL:  # the same steps on a Llama of toy size, written to a temporary folder
+        with tempfile.TemporaryDirectory() as folder:
+            write_checkpoint(Path(folder), LLAMA_TINY)
+            measure_in_child(Path(folder))
+        return
     stat = os.statvfs(REPO / ".cache" if (REPO / ".cache").exists() else REPO)
     free = stat.f_bavail * stat.f_frsize
     if not (CACHE / "model.safetensors.index.json").is_file():
@@ -151,10 +160,17 @@ def run_8b() -> None:
             return
         print(f"  writing the 8B-shaped bf16 checkpoint to {CACHE} (once)", flush=True)
         write_checkpoint(CACHE, LLAMA_8B)
+    measure_in_child(CACHE)
+
+
+def measure_in_child(folder: Path) -> None:
+    """measure_8b(folder) in a child process (its peak RSS is its own), and its figures printed."""
+    code = (
+        "import json, sys, pathlib, bench.big_models as b; print(json.dumps(b.measure_8b(pathlib.Path(sys.argv[1]))))"
+    )
     child = subprocess.run(
-        [sys.executable, "-c", "import json, bench.big_models as b; print(json.dumps(b.measure_8b(b.CACHE)))"],
-        cwd=REPO, capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        [sys.executable, "-c", code, str(folder)], cwd=REPO, capture_output=True, text=True, check=False
+    )
     lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
     if child.returncode:
         print(f"  the 8B measurement failed; figures so far: {lines[-1] if lines else 'none'}", flush=True)
@@ -171,7 +187,7 @@ def run_8b() -> None:
     print(f"    read from the shards: {f['read_bytes'] / GiB:.2f} GiB; resident weights {f['resident'] / GiB:.2f} GiB, "
           f"MLP weights deferred {f['deferred'] / GiB:.2f} GiB; {f['provenance']}", flush=True)  # fmt: skip
     row("all-pairs K-composition (992 x 1024 heads)", f["k_comp_s"], "< 3 min")
-    row("one OV row, L20H5, token 1000 (128,256 logits)", f["ov_row_s"], "< 1 s")
+    row(f"one OV row, L{OV_ROW[0]}H{OV_ROW[1]}, token {OV_ROW[2]} (128,256 logits)", f["ov_row_s"], "< 1 s")
     print(f"    MLP weights after both: {f['mlp_after']}; process peak RSS {f['peak_rss'] / GiB:.2f} GiB; load average "
           f"{load:.1f}", flush=True)  # fmt: skip
 

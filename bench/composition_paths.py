@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from bench import PeakRSS, fmt_time, median_time, row
+from bench import PeakRSS, fmt_time, median_time, row, sized
 from bench.engine import gpt2_shaped_model, tl_model
 from circuits_core.circuits.composition import composition_scores, random_baseline, raw_composition_scores
 from circuits_core.model.head_names import head_name
@@ -52,7 +52,7 @@ MiB, GiB = 2**20, 2**30
 IDLE_GFLOPS = {2: 180.0, 1: 90.0}  # fp32 2048^3 matmul on this 2-core machine when idle, by thread count
 
 
-def reference_gflops(size: int = 2048, repeats: int = 3) -> float:
+def reference_gflops(size: int = sized(2048, 256), repeats: int = 3) -> float:
     """Median fp32 GFLOP/s of a size^3 matmul right now (the load of the shared machine included)."""
     a = torch.randn(size, size)
     a @ a

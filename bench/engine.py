@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from bench import PeakRSS, median_time, row
+from bench import PeakRSS, median_time, row, sized
 from circuits_core.circuits import copying_spectra, embedding
 from circuits_core.circuits import head_circuits as C
 from circuits_core.circuits.factored import FactoredMatrix
@@ -26,21 +26,21 @@ from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Transformer, random_model
 
 GPT2_SMALL = ModelConfig(
-    n_layers=12,
-    d_model=768,
-    n_heads=12,
-    d_head=64,
-    d_vocab=50257,
-    n_ctx=1024,
-    d_mlp=3072,
+    n_layers=sized(12, 2),
+    d_model=sized(768, 64),
+    n_heads=sized(12, 4),
+    d_head=sized(64, 16),
+    d_vocab=sized(50257, 2048),
+    n_ctx=sized(1024, 256),
+    d_mlp=sized(3072, 256),
     attn_only=False,
     act_fn="gelu_new",
     normalization_type="LN",
     positional_embedding_type="standard",
     use_bias=True,
-)
-LAYER, HEAD, TOKEN = 5, 1, 1234
-SUB = 6144  # rows of the full OV circuit for the TransformerLens global top-k reference
+)  # in small mode (bench.SMALL) the same architecture at toy size
+LAYER, HEAD, TOKEN = sized(5, 1), 1, 1234
+SUB = sized(6144, 512)  # rows of the full OV circuit for the TransformerLens global top-k reference
 BUDGET = 256 * 2**20
 MiB = 2**20
 

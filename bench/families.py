@@ -19,9 +19,11 @@ from typing import Any
 
 import torch
 
-from bench import median_time
+from bench import median_time, sized
 
-D, LAYERS, HEADS, KV, VOCAB = 512, 4, 8, 4, 8192
+D, LAYERS, HEADS, KV, VOCAB = sized((512, 4, 8, 4, 8192), (64, 2, 4, 2, 512))
+F = sized(2048, 64)  # an expert's MLP width (a dense MLP is 4 F)
+TOKENS = sized((16, 128), (2, 24))  # the heads table's batch
 
 
 def _write(kind: str, folder: Path) -> int:
@@ -30,17 +32,17 @@ def _write(kind: str, folder: Path) -> int:
     common: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                   num_key_value_heads=KV, max_position_embeddings=2048)  # fmt: skip
     if kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, intermediate_size=4 * 2048))
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common, intermediate_size=4 * F))
     elif kind == "mixtral":
         model = transformers.MixtralForCausalLM(
-            transformers.MixtralConfig(**common, intermediate_size=2048, num_local_experts=4, num_experts_per_tok=2)
+            transformers.MixtralConfig(**common, intermediate_size=F, num_local_experts=4, num_experts_per_tok=2)
         )
     elif kind == "deepseek_v3":  # latent attention, a dense first layer, then 4 experts + a shared one
         model = transformers.DeepseekV3ForCausalLM(
             transformers.DeepseekV3Config(
                 **{**common, "num_key_value_heads": HEADS},
-                intermediate_size=4 * 2048,
-                moe_intermediate_size=2048,
+                intermediate_size=4 * F,
+                moe_intermediate_size=F,
                 n_routed_experts=4,
                 n_shared_experts=1,
                 num_experts_per_tok=2,
@@ -59,7 +61,7 @@ def _write(kind: str, folder: Path) -> int:
             transformers.GptOssConfig(
                 **common,
                 head_dim=64,
-                intermediate_size=2048,
+                intermediate_size=F,
                 num_local_experts=4,
                 num_experts_per_tok=2,
                 sliding_window=128,
@@ -85,9 +87,7 @@ def families_load() -> None:
 def _write_gguf(kind: str, folder: Path) -> int:
     import transformers
 
-    from tests.core.test_gguf_alibi import write_mpt
-    from tests.core.test_gguf_deepseek import write_deepseek
-    from tests.core.test_gguf_experts import write_gguf
+    from tests.core.gguf_writing import write_deepseek, write_gguf, write_mpt
 
     folder.mkdir()
     path = folder / "model.gguf"
@@ -95,12 +95,12 @@ def _write_gguf(kind: str, folder: Path) -> int:
                   max_position_embeddings=2048, rms_norm_eps=1e-5)  # fmt: skip
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     if kind == "llama":
-        config = transformers.LlamaConfig(**common, num_key_value_heads=KV, intermediate_size=4 * 2048,
+        config = transformers.LlamaConfig(**common, num_key_value_heads=KV, intermediate_size=4 * F,
                                           rope_parameters=rope)  # fmt: skip
         write_gguf(transformers.LlamaForCausalLM(config), "llama", path)
     elif kind == "deepseek2":  # the families-load DeepSeek-V3 shape
         config = transformers.DeepseekV3Config(
-            **common, num_key_value_heads=HEADS, intermediate_size=4 * 2048, moe_intermediate_size=2048,
+            **common, num_key_value_heads=HEADS, intermediate_size=4 * F, moe_intermediate_size=F,
             n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=2,
             topk_group=1, q_lora_rank=192, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
             rope_parameters=rope,
@@ -133,12 +133,12 @@ def moe_heads() -> None:
     base = dict(n_layers=LAYERS, d_model=D, n_heads=HEADS, d_head=64, d_vocab=VOCAB, n_ctx=512, attn_only=False,
                 normalization_type="RMS", positional_embedding_type="rotary", act_fn="silu", gated_mlp=True,
                 n_key_value_heads=KV)  # fmt: skip
-    dense = random_model(ModelConfig(**base, d_mlp=512))
-    moe = random_model(ModelConfig(**base, d_mlp=256, num_experts=8, experts_per_token=2))
-    tokens = torch.randint(0, VOCAB, (16, 128), generator=torch.Generator().manual_seed(0))
+    dense = random_model(ModelConfig(**base, d_mlp=F // 4))
+    moe = random_model(ModelConfig(**base, d_mlp=F // 8, num_experts=8, experts_per_token=2))
+    tokens = torch.randint(0, VOCAB, TOKENS, generator=torch.Generator().manual_seed(0))
     for name, model in (("dense d_mlp 512", dense), ("MoE 8 x 256, top 2", moe)):
         seconds, _ = median_time(lambda m=model: head_table(m, tokens), repeats=3)
-        print(f"  heads table, {name:20s}: {seconds:6.2f} s (16 x 128 tokens)")
+        print(f"  heads table, {name:20s}: {seconds:6.2f} s ({TOKENS[0]} x {TOKENS[1]} tokens)")
 
 
 SECTIONS = {"families-load": families_load, "gguf-load": gguf_load, "moe-heads": moe_heads}

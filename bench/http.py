@@ -38,15 +38,15 @@ import torch
 from safetensors.torch import save_file
 
 from app.settings import Settings
-from bench import fmt_time, row
-from bench.engine import GPT2_SMALL, gpt2_shaped_model, tl_model
+from bench import fmt_time, row, sized
+from bench.engine import GPT2_SMALL, HEAD, LAYER, TOKEN, gpt2_shaped_model, tl_model
 from bench.load import HOST, free_port, rss_bytes, start_server
 
 MODEL_ID = "gpt2-small-random"
 # A bench server answers every request within the request, however it is priced (the inline budget raised to the job
 # budget, the longest price served at all): the figures time the computation as a client waits for it, not a 202 job.
 INLINE_BUDGET_S = str(Settings.model_fields["job_budget_s"].default)
-LAYER, HEAD, TOKEN, K = 5, 1, 1234, 20
+K = 20  # the row's top-k; LAYER, HEAD and TOKEN are bench.engine's
 GiB = 2**30
 
 
@@ -91,7 +91,7 @@ def timed_get(client: httpx.Client, url: str, repeats: int) -> tuple[float, floa
     """(first answer's seconds, median of the next `repeats`, last response); each answer must be 200."""
     times = []
     answer = None
-    for _ in range(repeats + 1):
+    for _ in range(sized(repeats, 1) + 1):
         t0 = time.perf_counter()
         answer = client.get(url)
         times.append(time.perf_counter() - t0)

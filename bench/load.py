@@ -10,7 +10,8 @@
    requests: requests/s, p50 / p99 latency per kind (cheap work's p99 is the issue's < 100 ms goal), the
    count of each status, and the server's peak RSS (psutil, else /proc), RSS after warm-up vs at the end.
 
-Only 127.0.0.1 is ever a target. `QKOV_BENCH_LOAD_S` shortens or lengthens the load phase (default 60 s).
+Only 127.0.0.1 is ever a target. `QKOV_BENCH_LOAD_S` shortens or lengthens the load phase (default 60 s; 2 s in
+bench's small mode).
 The machine is shared, so figures are indicative; the load average is printed alongside.
 """
 
@@ -32,9 +33,11 @@ from pathlib import Path
 
 import httpx
 
+from bench import sized
+
 REPO = Path(__file__).resolve().parent.parent
 CLIENTS = 16
-DURATION_S = float(os.environ.get("QKOV_BENCH_LOAD_S", "60"))
+DURATION_S = float(os.environ.get("QKOV_BENCH_LOAD_S", sized("60", "2")))
 MAX_REQUESTS = 200_000
 HOST = "127.0.0.1"
 

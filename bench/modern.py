@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import torch
 
-from bench import fmt_time, row
+from bench import SMALL, fmt_time, row, sized
 from bench.http import INLINE_BUDGET_S, mem_available, timed_get, wait_ready
 from bench.load import HOST, RssSampler, free_port, rss_bytes, start_server
 from bench.term_importance import term_importance_smollm2
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parent.parent
 SMOLLM2 = REPO / "models" / "smollm2-135m"
 CACHE = REPO / ".cache" / "bench"
-LLAMA_ID = "llama-3.2-1b-shaped-random"
+LLAMA_ID = sized("llama-3.2-1b-shaped-random", "llama-toy-shaped-random")
 GiB = 2**30
 LLAMA_1B: dict[str, Any] = {
     "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "intermediate_size": 8192,
@@ -58,6 +58,11 @@ LLAMA_1B: dict[str, Any] = {
                      "original_max_position_embeddings": 8192},
     "bos_token_id": 128000, "eos_token_id": 128001, "torch_dtype": "bfloat16",
 }  # fmt: skip
+LLAMA_TOY = {**LLAMA_1B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 2048}  # fmt: skip
+LLAMA = sized(LLAMA_1B, LLAMA_TOY)  # the checkpoint section 2 writes (small mode: the same layout at toy size)
+VIEW_HEAD = sized("L8H3", "L1H3")  # the head of the per-head views
+NEEDS = sized(12 * GiB, 0)  # memory available for the 1B loads and the server, beside the rest
 REQUEST_TIMEOUT_S = 300  # the bench server's deadline per request (default 120 s)
 WRITTEN_MARK = "written.ok"  # the checkpoint folder is complete (a run stopped while writing leaves none)
 
@@ -68,7 +73,7 @@ def _meta_model() -> Transformer:
     from circuits_core.formats.llama import llama_config
     from circuits_core.model.transformer import Transformer
 
-    return Transformer(llama_config(LLAMA_1B))
+    return Transformer(llama_config(LLAMA))
 
 
 def llama_1b_folder() -> Path:
@@ -79,7 +84,7 @@ def llama_1b_folder() -> Path:
     if (folder / WRITTEN_MARK).is_file():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    c = LLAMA_1B
+    c = LLAMA
     d, L, dh = c["hidden_size"], c["num_hidden_layers"], c["head_dim"]
     H, G, F, V = c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"], c["vocab_size"]
     gen = torch.Generator().manual_seed(0)
@@ -114,7 +119,7 @@ def llama_1b_folder() -> Path:
     total = sum((folder / name).stat().st_size for name, _ in shards)
     index_json = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=1))
-    (folder / "config.json").write_text(json.dumps(LLAMA_1B, indent=1))
+    (folder / "config.json").write_text(json.dumps(LLAMA, indent=1))
     (folder / "qkov.json").write_text(json.dumps({"processing": False}))  # weights as stored, as transformers
     (folder / WRITTEN_MARK).write_text("")
     return folder
@@ -189,7 +194,7 @@ def measure_load(kind: str, folder: Path, repeats: int) -> LoadFigures:
     """The load's figures over `repeats` fresh processes. CPU time is what a quiet machine's wall time would be,
     roughly (no contention)."""
     results = []
-    for _ in range(repeats):
+    for _ in range(sized(repeats, 1)):
         out = subprocess.run(
             [sys.executable, "-m", "bench.modern", "--child", kind, str(folder)],
             cwd=REPO, capture_output=True, text=True, check=False,
@@ -226,6 +231,9 @@ def smollm2() -> None:
           f"{sum(p.stat().st_size for p in SMOLLM2.glob('*.gguf')) / 2**20:.0f} MiB; "
           "each load in a fresh process (median of 3)")  # fmt: skip
     ours = _load_row("qkov load_checkpoint (float32, processed)", "qkov", SMOLLM2, 3, "< 3 s", 1.5)
+    if SMALL:  # a reference only, and the costliest step of the section (~35 CPU s of dequantising in Python)
+        print("  transformers from_pretrained(gguf_file=...): not run in small mode")
+        return
     theirs = _load_row("transformers from_pretrained(gguf_file=...)", "transformers", SMOLLM2, 1, "", None)
     print(f"  load time transformers / qkov: {theirs / ours:.1f}x (transformers: one load)")
 
@@ -236,12 +244,15 @@ def llama_1b() -> Path:
     size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     print(f"  {folder.relative_to(REPO)}: {size / GiB:.2f} GiB of bf16 safetensors in 2 shards "
           f"(ready in {time.perf_counter() - t0:.1f} s); each load in a fresh process")  # fmt: skip
-    if mem_available() < 12 * GiB:
+    if mem_available() < NEEDS:
         print(f"  skipped the loads: {mem_available() / GiB:.1f} GiB available, a float32 copy needs ~5 GiB each")
         return folder
     ours = _load_row("qkov load_checkpoint (float32, weights as stored)", "qkov", folder, 2, "< 10 s", 6.0)
     theirs = _load_row("transformers LlamaForCausalLM.from_pretrained (float32)", "transformers", folder, 1, "", None)
     print(f"  load time transformers / qkov: {theirs / ours:.1f}x (transformers: one load)")
+    if SMALL:  # TransformerLens builds its own Llama-3.2-1B config, whatever the weights' size
+        print("  TransformerLens skipped in small mode: it would build a 1B-parameter model")
+        return folder
     if mem_available() < 14 * GiB:
         print(f"  TransformerLens skipped: {mem_available() / GiB:.1f} GiB available, it holds two float32 copies")
         return folder
@@ -272,7 +283,7 @@ def _peak_during(proc: subprocess.Popen[bytes], client: httpx.Client, url: str) 
 def served(folder: Path) -> None:
     from app.settings import Limits
 
-    if mem_available() < 12 * GiB:
+    if mem_available() < NEEDS:
         print(f"  skipped: {mem_available() / GiB:.1f} GiB available; the server holds ~5 GiB of float32 weights")
         return
     from circuits_core.circuits import composition
@@ -289,7 +300,7 @@ def served(folder: Path) -> None:
         wait_ready(base, proc)
         print(f"  server ready (model preloaded) in {time.perf_counter() - t0:.1f} s, RSS "
               f"{rss_bytes(proc.pid) / GiB:.2f} GiB; result cache and store off: every request computes")  # fmt: skip
-        tokens = torch.randint(0, LLAMA_1B["vocab_size"], (128,), generator=torch.Generator().manual_seed(0))
+        tokens = torch.randint(0, LLAMA["vocab_size"], (128,), generator=torch.Generator().manual_seed(0))
         ids = ",".join(str(int(t)) for t in tokens)
         with httpx.Client(base_url=base, timeout=900) as client:
             with torch.device("meta"):
@@ -306,11 +317,11 @@ def served(folder: Path) -> None:
             print(f"  views on the 1B shape, one request each (server peak RSS above its RSS before, against the "
                   f"default Limits.peak_bytes = {budget / GiB:.2f} GiB):")  # fmt: skip
             views = [  # cheapest first; a view over the server's request timeout answers 503
-                ("heads/L8H3/ov?token=1234&k=20", "one row of the full OV circuit"),
-                ("heads/L8H3/qk?token=1234&k=20", "one row of the full QK circuit"),
-                ("heads/L8H3/copying", "OV copying of one head"),
+                (f"heads/{VIEW_HEAD}/ov?token=1234&k=20", "one row of the full OV circuit"),
+                (f"heads/{VIEW_HEAD}/qk?token=1234&k=20", "one row of the full QK circuit"),
+                (f"heads/{VIEW_HEAD}/copying", "OV copying of one head"),
                 ("composition?kind=K", "all 512 x 512 head pairs"),
-                ("heads/L8H3/ov?k=20", "global top-20 of the 128k x 128k OV circuit"),
+                (f"heads/{VIEW_HEAD}/ov?k=20", "global top-20 of the 128k x 128k OV circuit"),
                 ("copying?k=10", "copying overview, every head"),
             ]
             with torch.device(

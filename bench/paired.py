@@ -14,9 +14,11 @@ PATH` each section's runs hold an flock on PATH, released between sections, so o
 `--lock-each-run` as well, the lock is held around each single run and released between them, so on a shared machine
 each run is timed while no other locked work runs, and a long section does not keep the others' work waiting
 (`--pause S` leaves the lock free S seconds after each run: flock is no queue, and a waiter needs the gap).
-Each run's wall time and the load average at its start and end are printed as it ends. `--save DIR` keeps each
-run's output as DIR/SECTION/before-N.txt and after-N.txt (N counting on from the runs already there), and `--saved
-DIR` pairs the runs kept there instead of running anything, so the runs of several invocations can be paired as one.
+Both commits' runs get the same fixed malloc thresholds (bench.STEADY_MALLOC), so a figure does not move with the
+allocations its commit happened to make before it. Each run's wall time and the load average at its start and end
+are printed as it ends. `--save DIR` keeps each run's output as DIR/SECTION/before-N.txt and after-N.txt (N counting
+on from the runs already there), and `--saved DIR` pairs the runs kept there instead of running anything, so the
+runs of several invocations can be paired as one.
 Sections that exist at only one commit are listed as such; `--rename OLD=NEW` pairs a section that was renamed.
 """
 
@@ -36,6 +38,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from bench import STEADY_MALLOC
 
 ROOT = Path(__file__).resolve().parent.parent
 LINKED = ("models", ".cache")  # large folders the before worktree borrows from the current checkout
@@ -160,8 +164,15 @@ def sections(root: Path) -> list[str]:
 
 
 def run_section(root: Path, section: str, timeout_s: float) -> str:
+    """`python -m bench SECTION` in root, with the allocator's thresholds fixed from start-up (bench.STEADY_MALLOC):
+    a commit whose harness does not fix them itself runs with the same malloc settings as one that does."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bench", section], cwd=root, capture_output=True, text=True, timeout=timeout_s
+        [sys.executable, "-m", "bench", section],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, **STEADY_MALLOC},
     )
     if proc.returncode != 0:
         raise RuntimeError(f"`python -m bench {section}` in {root} failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")

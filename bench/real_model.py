@@ -27,10 +27,12 @@ from typing import Any
 
 import httpx
 
+from bench import sized
 from bench.load import HOST, REPO, free_port, start_server
 
 SMOLLM2 = REPO / "models" / "smollm2-135m"
-BUDGET_S = float(os.environ.get("QKOV_BENCH_REAL_BUDGET_S", "1200"))  # then the remaining pages are listed, not run
+# then the remaining pages are listed, not run (small mode: none is run beyond the four key pages)
+BUDGET_S = float(os.environ.get("QKOV_BENCH_REAL_BUDGET_S", sized("1200", "0")))
 MODEL = "smollm2-135m"
 GOALS = {
     "load": 3.0,
@@ -167,7 +169,9 @@ def real() -> None:
                 f"/models/{MODEL}/composition/{prev}/{induction}",
                 f"/models/{MODEL}/detectors",
             ]
-            again = {u: statistics.median(timed(lambda u=u: c.get(u))[0] for _ in range(3)) for u in key_pages}
+            again = {
+                u: statistics.median(timed(lambda u=u: c.get(u))[0] for _ in range(sized(3, 1))) for u in key_pages
+            }
             figures["repeat visit (slowest median)"] = max(again.values())
             note(f"repeat visits of the four pages above: slowest median {max(again.values()):.3f} s")
             for url in pages:  # the other pages' lazy panels, while the time allowed for the section lasts
@@ -177,7 +181,10 @@ def real() -> None:
                 took = page_complete(url)
                 note(f"complete {url}: {took:.2f} s")
             figures["lazy panel complete (slowest)"] = max(lazy) if lazy else 0.0
-            repeats = {url: statistics.median(timed(lambda url=url: c.get(url))[0] for _ in range(3)) for url in pages}
+            repeats = {
+                url: statistics.median(timed(lambda url=url: c.get(url))[0] for _ in range(sized(3, 1)))
+                for url in pages
+            }
             figures["repeat visit (slowest median)"] = max([*repeats.values(), *again.values()])
     finally:
         proc.terminate()

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from bench import PeakRSS, fmt_time, median_time, row
+from bench import PeakRSS, fmt_time, median_time, row, sized
 from bench.composition_paths import normalised, timed
 from bench.http import heads_breakdown
 from circuits_core.circuits import composition_rotary, copying_spectra, embedding, rotary
@@ -46,14 +46,14 @@ from circuits_core.model.transformer import Transformer, random_model
 
 MiB = 2**20
 SMOLLM2 = ModelConfig(
-    n_layers=30,
-    d_model=576,
-    n_heads=9,
-    d_head=64,
-    d_vocab=49152,
-    n_ctx=2048,
+    n_layers=sized(30, 6),
+    d_model=sized(576, 96),
+    n_heads=sized(9, 6),
+    d_head=sized(64, 16),
+    d_vocab=sized(49152, 2048),
+    n_ctx=sized(2048, 256),
     attn_only=False,
-    d_mlp=1536,
+    d_mlp=sized(1536, 128),
     gated_mlp=True,
     act_fn="silu",
     normalization_type="RMS",
@@ -62,6 +62,8 @@ SMOLLM2 = ModelConfig(
     n_key_value_heads=3,
     eps=1e-5,
 )
+LAYER, HEAD = sized(17, 5), 4  # the head of (c), (d) and (f); in small mode (bench.SMALL) the model is toy-sized
+TOKEN = 1234
 _model: Transformer | None = None
 
 
@@ -127,7 +129,7 @@ def run_rotary() -> None:
 
     # (c) one row of Ω(δ)'s full QK circuit
     def qk_row() -> Any:
-        return rotary.full_qk_row_at(model, 17, 4, 1234, 5).topk(20)
+        return rotary.full_qk_row_at(model, LAYER, HEAD, TOKEN, 5).topk(20)
 
     fresh = _fresh_copy(model)
     t_norm, _ = median_time(lambda: embedding.embed_norm(fresh), repeats=1)  # the first call's extra work
@@ -137,21 +139,21 @@ def run_rotary() -> None:
         "(c) Ω(δ = 5) full QK row, top 20",
         t_row,
         "< 30 ms",
-        f"token 1234, L17H4; {normalised(t_row, g)}; "
+        f"token {TOKEN}, L{LAYER}H{HEAD}; {normalised(t_row, g)}; "
         f"+ {fmt_time(t_norm).strip()} once per model for ln1's per-token scales of W_E (embedding.embed_norm)",
     )
     # (f) QK eigenvalue copying over δ of one head (heads/{head}/qk-copying)
-    t_qkc, g, _ = timed(lambda: rotary.head_qk_eigenvalues_at(model, 17, 4, range(65)), repeats=3)
+    t_qkc, g, _ = timed(lambda: rotary.head_qk_eigenvalues_at(model, LAYER, HEAD, range(65)), repeats=3)
     row(
         "(f) QK eigenvalue copying of one head, δ 0..64",
         t_qkc,
         "",
-        f"L17H4, vocabulary Gram included; {normalised(t_qkc, g)}",
+        f"L{LAYER}H{HEAD}, vocabulary Gram included; {normalised(t_qkc, g)}",
     )
     # (d) global top 100 at δ
-    factors = rotary.full_qk_factors(model, 17, 4)
-    t_top, g, top = timed(lambda: rotary.full_qk_circuit_at(model, 17, 4, 5, factors).topk_global(100), repeats=2)
-    t_f, _ = median_time(lambda: rotary.full_qk_factors(model, 17, 4), repeats=2)
+    factors = rotary.full_qk_factors(model, LAYER, HEAD)
+    t_top, g, top = timed(lambda: rotary.full_qk_circuit_at(model, LAYER, HEAD, 5, factors).topk_global(100), repeats=2)
+    t_f, _ = median_time(lambda: rotary.full_qk_factors(model, LAYER, HEAD), repeats=2)
     row(
         "(d) global top-100 of W_E Ω(5) W_E^T / s, 49152^2",
         t_top + t_f,
@@ -316,8 +318,8 @@ def _tl_copying(tl: Any, model: Transformer, ov: torch.Tensor, t_qkov: float) ->
 
 def _tl_row(tl: Any, t_qkov: float) -> None:
     def tl_row() -> Any:
-        full = tl.W_E @ tl.QK[17, 4] @ tl.W_E.T  # δ = 0 only
-        return (full.A[1234] @ full.B).topk(20)
+        full = tl.W_E @ tl.QK[LAYER, HEAD] @ tl.W_E.T  # δ = 0 only
+        return (full.A[TOKEN] @ full.B).topk(20)
 
     tl_row()
     t, _ = median_time(tl_row, repeats=3)

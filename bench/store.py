@@ -33,13 +33,14 @@ from pathlib import Path
 
 import httpx
 
-from bench import fmt_time
+from bench import fmt_time, sized
 from bench.http import MODEL_ID as GPT2_ID
 from bench.http import wait_ready, write_tl_checkpoint
 from bench.load import HOST, REPO, free_port, start_server
 
 MODEL = "toy-2l"
-FULL_HEADS = ("L0H0", "L6H6", "L11H11")
+TOY_HEADS = sized((), ("--heads", "L1H2"))  # precompute's heads on toy-2l (small mode: the head page timed only)
+FULL_HEADS = sized(("L0H0", "L6H6", "L11H11"), ("L0H0", "L1H3"))  # heads of bench.engine's model
 
 
 def precompute(model: str, env: dict[str, str], *args: str) -> tuple[float, float, str]:
@@ -95,7 +96,7 @@ def store_figures() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="qkov-bench-store-"))
     disk = {"store_url": "disk", "store_dir": str(tmp / "toy")}
     took, cpu, said = precompute(
-        MODEL, {"QKOV_STORE_URL": "disk", "QKOV_STORE_DIR": disk["store_dir"], "QKOV_LOG_FORMAT": "text"}
+        MODEL, {"QKOV_STORE_URL": "disk", "QKOV_STORE_DIR": disk["store_dir"], "QKOV_LOG_FORMAT": "text"}, *TOY_HEADS
     )
     print(f"  precompute {MODEL}: {fmt_time(took)}, {cpu:.0f} CPU s ({said})")
     app = create_app(Settings(store_url="off"))

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from bench import fmt_time, row
+from bench import fmt_time, row, sized
 from circuits_core.model.flops import layers_flops, unembed_flops
 from circuits_core.model.transformer import Frozen, Transformer
 from circuits_core.prompt import ablation
@@ -116,6 +116,7 @@ def term_importance_smollm2() -> None:
     p = TermImportanceParams()
     # the default heads on a model this size are those its heads table's summary names, as the page reads them
     heads, _, _ = ablated_heads(loaded, p, build_heads_view(loaded) if default_needs_heads(loaded, p) else None)
+    heads = sized(heads, heads[:2])  # small mode: two of the default heads
     price = ablation.cost(model, seq.shape[1], heads=heads)
     rate = Settings().compute_flops_per_s
     ablation.term_importance(model, seq, heads[:1])  # warm-up

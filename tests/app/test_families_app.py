@@ -16,9 +16,7 @@ from fastapi.testclient import TestClient
 from tests.app.conftest import LIMITS
 from tests.app.family_walk import endpoint_failures, family_app, page_failures
 from tests.app.test_deepseek_app import FAMILIES as DEEPSEEK_FAMILIES
-from tests.core.test_gguf_alibi import write_bloom, write_mpt
-from tests.core.test_gguf_deepseek import write_deepseek
-from tests.core.test_gguf_experts import write_gguf
+from tests.core.gguf_writing import write_bloom, write_deepseek, write_gguf, write_mpt
 from tests.core.test_gguf_phi3 import write_phi3
 
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {

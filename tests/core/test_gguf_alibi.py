@@ -18,54 +18,17 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
 import pytest
 import torch
 
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.formats.statedict import build_model
-from tests.core.gguf_writing import finish
+from tests.core.gguf_writing import write_bloom, write_mpt
 from tests.core.hf_families import TOKENS, assert_runs_like, hf_model, hf_run
 
 FIELDS = {"hidden_size": 48, "n_layer": 2, "n_head": 6, "pad_token_id": None, "eos_token_id": None,
           "bos_token_id": None}  # fmt: skip
-NAMES = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attention.query_key_value":
-    "attn_qkv", "self_attention.dense": "attn_output", "mlp.dense_h_to_4h": "ffn_up", "mlp.dense_4h_to_h": "ffn_down",
-}  # fmt: skip
-TOP = {"word_embeddings.weight": "token_embd.weight", "word_embeddings_layernorm.weight": "token_embd_norm.weight",
-       "word_embeddings_layernorm.bias": "token_embd_norm.bias", "ln_f.weight": "output_norm.weight",
-       "ln_f.bias": "output_norm.bias"}  # fmt: skip
-
-
-def write_bloom(model: Any, path: Path, arch: str = "bloom") -> None:
-    cfg = model.config
-    d, H = cfg.hidden_size, cfg.n_head
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(cfg.n_layer)
-    writer.add_context_length(64)
-    writer.add_embedding_length(d)
-    writer.add_feed_forward_length(4 * d)
-    writer.add_head_count(H)
-    writer.add_head_count_kv(H)
-    writer.add_layer_norm_eps(cfg.layer_norm_epsilon)
-    for name, p in model.state_dict().items():
-        value = p.detach().float().numpy()
-        name = name.removeprefix("transformer.")
-        if name == "lm_head.weight":
-            continue
-        if name in TOP:
-            writer.add_tensor(TOP[name], np.ascontiguousarray(value))
-            if name == "word_embeddings.weight":  # the converter's copy of the tied embedding
-                writer.add_tensor("output.weight", np.ascontiguousarray(value))
-            continue
-        layer, rest = name.removeprefix("h.").split(".", 1)
-        stem, suffix = rest.rsplit(".", 1)
-        if stem == "self_attention.query_key_value":  # rows (head, 3, d_head) -> q's, k's, v's
-            value = value.reshape(H, 3, d // H, -1).swapaxes(0, 1).reshape(value.shape)
-        writer.add_tensor(f"blk.{layer}.{NAMES[stem]}.{suffix}", np.ascontiguousarray(value))
-    finish(writer)
 
 
 def test_logits_and_patterns_equal_transformers(tmp_path: Path) -> None:
@@ -76,33 +39,6 @@ def test_logits_and_patterns_equal_transformers(tmp_path: Path) -> None:
 
 
 MPT = {"d_model": 48, "n_heads": 6, "n_layers": 2, "max_seq_len": 64, "attn_config": {"alibi_bias_max": 4}}
-MPT_NAMES = {"norm_1": "attn_norm", "norm_2": "ffn_norm", "attn.Wqkv": "attn_qkv", "attn.out_proj": "attn_output",
-             "ffn.up_proj": "ffn_up", "ffn.down_proj": "ffn_down"}  # fmt: skip
-
-
-def write_mpt(model: Any, path: Path, extra: dict[str, gguf.GGUFValue] | None = None) -> None:
-    cfg = model.config
-    writer = gguf.GGUFWriter(path, "mpt")
-    writer.add_context_length(cfg.max_seq_len)
-    writer.add_embedding_length(cfg.d_model)
-    writer.add_block_count(cfg.n_layers)
-    writer.add_feed_forward_length(4 * cfg.d_model)
-    writer.add_head_count(cfg.n_heads)
-    writer.add_layer_norm_eps(1e-5)
-    writer.add_max_alibi_bias(cfg.attn_config.alibi_bias_max)
-    top = {"transformer.wte.weight": "token_embd.weight", "transformer.norm_f.weight": "output_norm.weight"}
-    for name, p in model.state_dict().items():
-        value = np.ascontiguousarray(p.detach().float().numpy())
-        if name == "lm_head.weight":  # tied: the converter writes no output.weight
-            continue
-        if name in top:
-            writer.add_tensor(top[name], value)
-            continue
-        layer, rest = name.removeprefix("transformer.blocks.").split(".", 1)
-        stem, suffix = rest.rsplit(".", 1)
-        writer.add_tensor(f"blk.{layer}.{MPT_NAMES[stem]}.{suffix}", value)
-    writer.kv_data[0].update(extra or {})
-    finish(writer)
 
 
 def mpt_model(seed: int) -> Any:

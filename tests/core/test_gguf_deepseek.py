@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -26,7 +25,7 @@ from circuits_core.circuits.latent_circuits import latent_rho, score_terms
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.formats.statedict import build_model
-from tests.core.gguf_writing import converter_writer, finish
+from tests.core.gguf_writing import write_deepseek
 from tests.core.hf_families import TOKENS, assert_runs_like, hf_model, hf_run
 from tests.core.test_deepseek_hf import randomise_choice_bias
 
@@ -50,102 +49,11 @@ CASES: dict[str, tuple[tuple[str, str], dict[str, Any], str | None, bool]] = {
     "v2-grouped-legacy": (V2, {**BASE, "topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 1,
                                "rope_parameters": YARN}, None, True),
 }  # fmt: skip
-NAMES = {  # transformers' name (after model.layers.{l}.) -> llama.cpp's (after blk.{l}.)
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-    "self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm", "self_attn.q_b_proj": "attn_q_b",
-    "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa", "self_attn.kv_a_layernorm": "attn_kv_a_norm",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "mlp.gate": "ffn_gate_inp", "mlp.shared_experts.gate_proj": "ffn_gate_shexp",
-    "mlp.shared_experts.up_proj": "ffn_up_shexp", "mlp.shared_experts.down_proj": "ffn_down_shexp",
-}  # fmt: skip
 
 
 def deepseek_model(name: str, seed: int) -> Any:
     (config, model_cls), fields, _, _ = CASES[name]
     return randomise_choice_bias(hf_model(config, model_cls, fields, seed=seed), seed)
-
-
-def converter_tensors(model: Any, legacy: bool) -> dict[str, np.ndarray]:
-    """llama.cpp's tensors of a transformers DeepSeek: names, merged experts, kv_b_proj split (or, `legacy`, kept)."""
-    cfg, out = model.config, {}
-    H, d_nope, d_v = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim
-    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}  # fmt: skip
-    for name, p in model.state_dict().items():
-        value = p.detach().float().numpy()
-        if name in top:
-            out[top[name]] = value
-            continue
-        layer, rest = name.removeprefix("model.layers.").split(".", 1)
-        b = f"blk.{layer}"
-        if rest == "self_attn.kv_b_proj.weight" and not legacy:  # [H (nope + v), kv_rank] -> k_b, v_b
-            kv_b = value.reshape(H, d_nope + d_v, -1)
-            out[f"{b}.attn_k_b.weight"] = kv_b[:, :d_nope].transpose(0, 2, 1)  # [H, kv_rank, d_nope]
-            out[f"{b}.attn_v_b.weight"] = kv_b[:, d_nope:]  # [H, d_v, kv_rank]
-        elif rest == "self_attn.kv_b_proj.weight":
-            out[f"{b}.attn_kv_b.weight"] = value
-        elif rest == "mlp.experts.gate_up_proj":  # [E, 2 d_mlp, d]: the gate's rows, then the up projection's
-            out[f"{b}.ffn_gate_exps.weight"], out[f"{b}.ffn_up_exps.weight"] = np.split(value, 2, axis=1)
-        elif rest == "mlp.experts.down_proj":  # [E, d, d_mlp]
-            out[f"{b}.ffn_down_exps.weight"] = value
-        elif rest == "mlp.gate.e_score_correction_bias":
-            out[f"{b}.exp_probs_b.bias"] = value
-        else:
-            stem, suffix = rest.rsplit(".", 1)
-            out[f"{b}.{NAMES[stem]}.{suffix}"] = value
-    return out
-
-
-def write_deepseek(
-    model: Any, path: Path, scoring: str | None, legacy: bool, edit: dict[str, gguf.GGUFValue] | None = None
-) -> None:
-    """The GGUF llama.cpp's converter writes for `model` (no tokenizer); `scoring`: the config's scoring_func;
-    `edit`: metadata values replaced or added after the converter's."""
-    cfg = model.config
-    writer = converter_writer(path, "deepseek2", cfg, n_kv=1)
-    rope = cfg.rope_parameters
-    writer.add_rope_freq_base(rope["rope_theta"])
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_expert_count(cfg.n_routed_experts)
-    writer.add_expert_used_count(cfg.num_experts_per_tok)
-    if cfg.n_group is not None:
-        writer.add_expert_group_count(cfg.n_group)
-        writer.add_expert_group_used_count(cfg.topk_group)
-    if scoring is not None:
-        writer.add_expert_gating_func(
-            gguf.ExpertGatingFuncType.SIGMOID if scoring == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX
-        )
-    if rope["rope_type"] == "yarn":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(rope["factor"])
-        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        writer.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
-        writer.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
-        writer.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
-    writer.add_leading_dense_block_count(cfg.first_k_dense_replace)
-    writer.add_vocab_size(cfg.vocab_size)
-    if cfg.q_lora_rank is not None:
-        writer.add_q_lora_rank(cfg.q_lora_rank)
-    writer.add_kv_lora_rank(cfg.kv_lora_rank)
-    d_qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    if legacy:  # before the MLA rewrite: the per-head widths under the plain keys
-        writer.add_key_length(d_qk)
-        writer.add_value_length(cfg.v_head_dim)
-    else:
-        writer.add_key_length(cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        writer.add_value_length(cfg.kv_lora_rank)
-        writer.add_key_length_mla(d_qk)
-        writer.add_value_length_mla(cfg.v_head_dim)
-    writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    writer.add_expert_shared_count(cfg.n_shared_experts)
-    writer.add_expert_weights_scale(cfg.routed_scaling_factor)
-    if cfg.norm_topk_prob:
-        writer.add_expert_weights_norm(True)
-    writer.add_rope_dimension_count(cfg.qk_rope_head_dim)
-    for name, value in converter_tensors(model, legacy).items():
-        writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
-    writer.kv_data[0].update(edit or {})
-    finish(writer)
 
 
 @pytest.fixture(scope="module")

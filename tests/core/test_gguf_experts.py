@@ -22,10 +22,9 @@ import torch
 from circuits_core.errors import CheckpointError
 from circuits_core.formats import gguf_quants
 from circuits_core.formats.checkpoint import load_checkpoint
-from tests.core.gguf_writing import converter_writer, finish
+from tests.core.gguf_writing import Q, write_gguf
 from tests.core.hf_families import TOKENS, hf_model
 
-Q = gguf.GGMLQuantizationType
 BASE = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
         "num_experts_per_tok": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-5,
         "rope_parameters": {"rope_type": "default", "rope_theta": 100.0}, "tie_word_embeddings": False}  # fmt: skip
@@ -38,108 +37,9 @@ CASES: dict[str, tuple[str, str, str, dict[str, Any]]] = {
     "olmoe": ("olmoe", "OlmoeConfig", "OlmoeForCausalLM", {**BASE, "num_experts": 4, "intermediate_size": 32,
                                                           "norm_topk_prob": False}),
 }  # fmt: skip
-# transformers' parameter name (after model.layers.{l}.) -> llama.cpp's (after blk.{l}.)
-LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate.weight": "ffn_gate_inp.weight", "mlp.experts.down_proj": "ffn_down_exps.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",  # a dense Llama-family MLP
-}  # fmt: skip
-GPT_OSS_NAMES = LAYER_NAMES | {
-    "post_attention_layernorm.weight": "post_attention_norm.weight", "self_attn.sinks": "attn_sinks.weight",
-    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias", "self_attn.v_proj.bias":
-    "attn_v.bias", "self_attn.o_proj.bias": "attn_output.bias", "mlp.router.weight": "ffn_gate_inp.weight",
-    "mlp.router.bias": "ffn_gate_inp.bias", "mlp.experts.down_proj_bias": "ffn_down_exps.bias",
-}  # fmt: skip
 GPT_OSS = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 32, "head_dim": 16,
            "num_attention_heads": 4, "num_key_value_heads": 2, "num_local_experts": 4, "num_experts_per_tok": 2,
            "sliding_window": 4, "max_position_embeddings": 64, "tie_word_embeddings": False}  # fmt: skip
-
-
-def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's converter for "llama" files: rotate-half rows (head, half, i) -> adjacent pairs (head, i, half)."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def gguf_tensors(model: Any, arch: str) -> dict[str, np.ndarray]:
-    """llama.cpp's tensors of a transformers MoE model: names, merged experts [E, d_out, d_in], permuted Q/K."""
-    cfg, out = model.config, {}
-    for name, p in model.state_dict().items():
-        value = p.detach().float().numpy()
-        if name == "model.embed_tokens.weight":
-            out["token_embd.weight"] = value
-        elif name == "model.norm.weight":
-            out["output_norm.weight"] = value
-        elif name == "lm_head.weight":
-            out["output.weight"] = value
-        else:
-            layer, rest = name.removeprefix("model.layers.").split(".", 1)
-            if rest == "mlp.experts.gate_up_proj" and arch == "gpt-oss":  # [E, d, 2 d_mlp], gate and up interleaved
-                out[f"blk.{layer}.ffn_gate_exps.weight"] = value[:, :, 0::2].transpose(0, 2, 1)  # [E, d_mlp, d]
-                out[f"blk.{layer}.ffn_up_exps.weight"] = value[:, :, 1::2].transpose(0, 2, 1)
-                continue
-            if rest == "mlp.experts.gate_up_proj_bias":  # gpt-oss: [E, 2 d_mlp], interleaved
-                out[f"blk.{layer}.ffn_gate_exps.bias"] = value[:, 0::2]
-                out[f"blk.{layer}.ffn_up_exps.bias"] = value[:, 1::2]
-                continue
-            if rest == "mlp.experts.down_proj" and arch == "gpt-oss":  # [E, d_mlp, d] (x @ W) -> [E, d, d_mlp]
-                out[f"blk.{layer}.ffn_down_exps.weight"] = value.transpose(0, 2, 1)
-                continue
-            if rest == "mlp.experts.gate_up_proj":  # [E, 2 d_mlp, d]: the gate's rows, then the up projection's
-                gate, up = np.split(value, 2, axis=1)
-                out[f"blk.{layer}.ffn_gate_exps.weight"], out[f"blk.{layer}.ffn_up_exps.weight"] = gate, up
-                continue
-            if arch == "llama" and rest in ("self_attn.q_proj.weight", "self_attn.k_proj.weight"):
-                heads = cfg.num_attention_heads if "q_proj" in rest else cfg.num_key_value_heads
-                value = llama_permute(value, heads)
-            out[f"blk.{layer}.{(GPT_OSS_NAMES if arch == 'gpt-oss' else LAYER_NAMES)[rest]}"] = value
-    return out
-
-
-def write_gguf(
-    model: Any,
-    arch: str,
-    path: Path,
-    expert_type: Q = Q.F32,
-    extra: dict[str, Any] | None = None,
-    drop: tuple[str, ...] = (),
-    add: dict[str, np.ndarray] | None = None,
-) -> None:
-    """The GGUF llama.cpp's converter writes for `model` (no tokenizer; a dense Llama-family model too), experts
-    stored as `expert_type`."""
-    cfg = model.config
-    writer = converter_writer(path, arch, cfg)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    n_experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
-    if n_experts:
-        writer.add_expert_count(n_experts)
-        writer.add_expert_used_count(cfg.num_experts_per_tok)
-    if arch == "qwen3moe":
-        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    if arch == "gpt-oss":  # what the converter adds: the window, the experts' width, YaRN
-        writer.add_sliding_window(cfg.sliding_window)
-        writer.add_expert_feed_forward_length(cfg.intermediate_size)
-        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-        writer.add_rope_scaling_factor(cfg.rope_parameters["factor"])
-        writer.add_rope_scaling_orig_ctx_len(cfg.rope_parameters["original_max_position_embeddings"])
-    for key, value in (extra or {}).items():
-        writer.add_uint32(key, value)
-    for name, value in ({**gguf_tensors(model, arch), **(add or {})}).items():
-        if name in drop:
-            continue
-        if "_exps.weight" in name and expert_type != Q.F32:
-            writer.add_tensor(name, gguf.quants.quantize(value, expert_type), raw_dtype=expert_type)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(value, dtype=np.float32))
-    finish(writer)
 
 
 def moe_model(name: str, seed: int) -> tuple[str, Any]:
