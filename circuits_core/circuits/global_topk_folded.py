@@ -86,7 +86,7 @@ def _side(f: ProductFactor, T: Tensor, should_stop: Callable[[], bool] | None) -
     g_d): the scaling's rounding); F'_i is within g_d |s_i| |X_i| |Y'| and a relative u of s_i X_i Y', and
     Y' = Y T + R with R measured in float64 (its own rounding within g64 |Y| |T|). Hence ||F'_i - F_i T|| <=
     |s_i| ||X_i|| kappa + u / (1 - u) ||F'_i||, kappa = ||R||_2 + g64 || |Y| |T| ||_2 + g_d || |Y'| ||_2 +
-    g1 || |Y| ||_2 ||T||_2 (the norms of [d, m] matrices taken as Frobenius's, which bound them)."""
+    g1 || |Y| ||_2 ||T||_2."""
     n, d = f.X.shape
     mdim = f.Y.shape[1]
     g_m, g_d = bounds.rounding(mdim, f.X.dtype), bounds.rounding(d, f.X.dtype)
@@ -96,12 +96,11 @@ def _side(f: ProductFactor, T: Tensor, should_stop: Callable[[], bool] | None) -
     Y_T = (T.T @ f.Y.T).T if f.Y.T.is_contiguous() else f.Y @ T
     Yd, Td = f.Y.double(), T.double()
     R = Y_T.double() - Yd @ Td
-    # the [d, m] matrices' spectral norms bounded by Frobenius's (||Y||_F = || |Y| ||_F >= || |Y| ||_2): 4 SVDs fewer
-    s_Y = float(Yd.norm())
-    kappa = (
+    s_Y = _sigma(Yd.abs())
+    kappa = (  # (the two small terms through the Frobenius norm, >= the spectral one: two SVDs fewer)
         float(R.norm())
         + bounds.rounding(mdim, torch.float64) * float((Yd.abs() @ Td.abs()).norm())
-        + g_d * float(Y_T.double().norm())
+        + g_d * _sigma(Y_T.double().abs())
         + g1 * s_Y * _sigma(Td)
     )
     folded = f.form(Y_T)  # [n, m]
