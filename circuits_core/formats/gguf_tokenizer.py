@@ -4,9 +4,10 @@ Two kinds (`tokenizer.ggml.model`):
 - "gpt2": byte-level BPE (SmolLM2, Llama 3, Qwen2, Qwen3): the vocabulary, the merges in rank order, and the
   pre-tokenizer named by `tokenizer.ggml.pre` (PRE_TOKENIZERS), which splits the text into the pieces BPE merges
   within: GPT-2's pattern, GPT-2's with every digit split apart first ("smollm"), or llama.cpp's Llama 3 pattern
-  (digits in runs of at most three, letters with one leading non-letter, contractions in either case) or Qwen2's
-  (the same with every digit alone). A vocabulary's merges were learned within its own pieces, so a wrong pattern
-  gives other ids for the same text; a name not listed is refused.
+  (digits in runs of at most three, letters with one leading non-letter, contractions in either case), Qwen2's
+  (the same with every digit alone) or DeepSeek-V3's (three patterns in turn: digits, CJK and kana runs, the rest).
+  A vocabulary's merges were learned within its own pieces, so a wrong pattern gives other ids for the same text; a
+  name not listed is refused.
 - "llama" on the Gemma architectures: SentencePiece's BPE with byte fallback, rebuilt from the vocabulary:
   - spaces become '▁' before BPE (SentencePiece's normalisation; no prefix space is added, as Gemma's
     tokenizer adds none), and the file's user-defined whitespace tokens ('  ', '   ', ...) are spelled with '▁'
@@ -14,11 +15,13 @@ Two kinds (`tokenizer.ggml.model`):
   - the file has no merges: every split of an entry into two entries is a merge, ranked by the entry's place in
     the vocabulary (SentencePiece keeps its pieces best-first: the file's scores are those places negated for
     every normal token, and a placeholder -1000 for the control and user-defined ones), then longer left
-    piece first; this is how transformers rebuilds the same tokenizer from the same file;
+    piece first; this is how transformers rebuilds the same tokenizer from the same file (sentencepiece_merges.py
+    finds them through hashes of the cuts);
   - control tokens (type 3: `<bos>`, `<start_of_turn>`, ...) and user-defined ones (type 4: '\\n', '[multimodal]')
     are matched whole in the text before BPE; byte pieces '<0x00>'..'<0xFF>' (type 6) are the fallback for
     characters outside the vocabulary.
-  Gemma's 262,144 entries make about 515,000 merges (about 4 CPU-seconds, most of it Python holding the GIL): the
+  Gemma's 262,144 entries make 514,906 merges; with the `tokenizers` BPE constructor (about 0.9 CPU-s, holding the
+  GIL) the build takes about 2 CPU-seconds: the
   tokenizer is built on a worker thread once the caller sets `start` (load_checkpoint: when the model is built, so
   the build neither takes a core from the load nor stalls its threads on the GIL), and its first use waits for it.
 Bounds: the vocabulary, its scores and token types hold at most one entry per row of the embedding, and the merges
@@ -37,6 +40,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.gguf_header import GGUFHeader
+from circuits_core.formats.sentencepiece_merges import sentencepiece_merges
 from circuits_core.formats.tokenizer import SENTENCEPIECE_SPACE, Tokenizer, sentencepiece_bytes
 from circuits_core.schedule import later
 
@@ -47,34 +51,47 @@ LLAMA3_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+# DeepSeek-V3's, three patterns one after another (each splits the pieces of the one before): digits in runs of at most
+# three; runs of CJK ideographs (U+4E00-U+9FA5), hiragana and katakana; then one ASCII punctuation mark before ASCII
+# letters, letters and marks with one leading character that is no letter, punctuation, symbol or line break,
+# punctuation and symbols with an optional leading space, and whitespace as in Llama 3's
+DEEPSEEK3_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
 # GPT-2's pattern (the byte-level pre-tokenizer's own); every digit apart, then GPT-2's pattern
 GPT2, DIGITS = "gpt-2", "digits"
 
 
-def byte_level_pre_tokenizer(split: str) -> pre_tokenizers.PreTokenizer:
-    """The pre-tokenizer of a byte-level BPE: GPT2, DIGITS, or a split pattern whose pieces are kept whole."""
+def byte_level_pre_tokenizer(split: str | tuple[str, ...]) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer of a byte-level BPE: GPT2, DIGITS, or split patterns (one, or several applied in turn) whose
+    pieces are kept whole."""
     if split == GPT2:
         return pre_tokenizers.ByteLevel(add_prefix_space=False)
     if split == DIGITS:
         return pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
         )
+    patterns = (split,) if isinstance(split, str) else split
     return pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            *(pre_tokenizers.Split(Regex(pattern), behavior="isolated") for pattern in patterns),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )
 
 
 # tokenizer.ggml.pre -> how the text is split before byte-level BPE (the names llama.cpp's converter writes)
-PRE_TOKENIZERS: dict[str, str] = {
+PRE_TOKENIZERS: dict[str, str | tuple[str, ...]] = {
     "gpt-2": GPT2, "gpt2": GPT2, "mpt": GPT2, "olmo": GPT2, "jais": GPT2,
     "smollm": DIGITS, "starcoder": DIGITS, "refact": DIGITS, "command-r": DIGITS, "codeshell": DIGITS,
     "exaone": DIGITS, "minerva-7b": DIGITS,
     "llama3": LLAMA3_SPLIT, "llama-v3": LLAMA3_SPLIT, "llama-bpe": LLAMA3_SPLIT, "smaug-bpe": LLAMA3_SPLIT,
     "falcon3": LLAMA3_SPLIT, "dbrx": LLAMA3_SPLIT,
     "qwen2": QWEN2_SPLIT, "deepseek-r1-qwen": QWEN2_SPLIT, "megrez": QWEN2_SPLIT,
+    "deepseek-v3": DEEPSEEK3_SPLITS,
 }  # fmt: skip
 SENTENCEPIECE_ARCHITECTURES = ("gemma", "gemma2", "gemma3")  # SentencePiece BPE vocabularies read here
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # tokenizer.ggml.token_type values
@@ -150,23 +167,15 @@ def _build_when_started(
     return sentencepiece_bpe(tokens, kinds, unk_token)
 
 
-def sentencepiece_merges(spelled: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
-    """Every split of an entry into two entries, by the entry's place in the vocabulary, longer left piece first."""
-    merges = []
-    for entry in spelled:
-        for cut in range(len(entry) - 1, 0, -1):
-            left = entry[:cut]
-            if left in vocab:
-                right = entry[cut:]
-                if right in vocab:
-                    merges.append((left, right))
-    return merges
+def sentencepiece_spelling(tokens: list[str]) -> list[str]:
+    """The entries as BPE sees them: whitespace-only entries with their spaces spelled '▁' (the module docstring)."""
+    return [t.replace(" ", SENTENCEPIECE_SPACE) if " " in t and not t.strip() else t for t in tokens]
 
 
 def sentencepiece_bpe(tokens: list[str], kinds: np.ndarray, unk_token: str | None) -> HFTokenizer:
     """SentencePiece's BPE with byte fallback over a Gemma vocabulary (see the module docstring)."""
-    spelled = [t.replace(" ", SENTENCEPIECE_SPACE) if " " in t and not t.strip() else t for t in tokens]
-    vocab = {entry: i for i, entry in enumerate(spelled)}
+    spelled = sentencepiece_spelling(tokens)
+    vocab = dict(zip(spelled, range(len(spelled)), strict=True))
     bpe = models.BPE(
         vocab=vocab, merges=sentencepiece_merges(spelled, vocab), unk_token=unk_token, fuse_unk=True, byte_fallback=True
     )

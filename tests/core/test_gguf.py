@@ -17,6 +17,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer as HFTokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from circuits_core.errors import CheckpointError
@@ -25,6 +26,7 @@ from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.formats.detect import detect_format
 from circuits_core.formats.gguf import read_gguf
 from circuits_core.formats.gguf_header import GGUFHeader
+from circuits_core.formats.gguf_tokenizer import LLAMA3_SPLIT, byte_level_pre_tokenizer
 from circuits_core.formats.statedict import build_model, load_bytes
 from circuits_core.prompt.model_summary import SUMMARY_FILE, ensure_summary, load_summary, measure
 from tests.bpe import EOT, train_bpe
@@ -253,6 +255,42 @@ def test_each_byte_level_pre_tokenizer_splits_the_text_as_transformers_reading_t
         assert tok.decode(ids) == text
         differs += ids != gpt2.encode(text).ids
     assert differs >= 2  # the samples tell these patterns from GPT-2's
+
+
+# DeepSeek-V3's pieces, written out by hand from llama.cpp's three patterns (digits in runs of up to three; CJK and
+# kana runs; then the rest): a mark stays with its letter (' cafe\u0301s'), punctuation other than ASCII's and symbols
+# part from the letters after them ('«', 'quote'; ' €', 'uro'), one ASCII punctuation mark joins the ASCII letters
+# after it ("'LL", '(x'), and CJK parts from Latin letters beside it ('abc', '日本', 'def'). Llama 3's pattern splits
+# the third and fourth samples otherwise ('abc日本def'; '«quote', ' cafe', '\u0301s').
+DEEPSEEK_V3_PIECES = {
+    "the cat sat 1234567 times": ["the", " cat", " sat", " ", "123", "456", "7", " times"],
+    "HE'LL pay $cat 42.5!": ["HE", "'LL", " pay", " $", "cat", " ", "42", ".", "5", "!"],
+    "abc日本def テキスト": ["abc", "日本", "def", " ", "テキスト"],
+    "«quote» cafe\u0301s €uro": ["«", "quote", "»", " cafe\u0301s", " €", "uro"],
+    "a\n\n  dog(x)": ["a", "\n\n", " ", " dog", "(x", ")"],
+}
+
+
+def test_deepseek_v3_pre_tokenizer_splits_the_text_into_llama_cpp_s_pieces(tmp_path: Path) -> None:
+    """transformers' GGUF reader has no table entry for "deepseek-v3", so the reference is the pieces above (by hand)
+    and, for the ids, the file's own vocabulary and merges applied to each piece alone by a plain byte-level BPE."""
+    samples = list(DEEPSEEK_V3_PIECES)
+    texts = TEXTS + samples * 20
+    write_gguf(tmp_path / "tiny.gguf", pre="deepseek-v3", texts=texts)
+    tok = load_checkpoint(tmp_path).tokenizer
+    assert tok is not None
+    data = json.loads(train_bpe(texts, 300).to_str())  # the vocabulary and merges write_gguf wrote
+    data["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
+    per_piece = HFTokenizer.from_str(json.dumps(data))
+    llama3 = 0
+    for text, pieces in DEEPSEEK_V3_PIECES.items():
+        split = tok.hf.pre_tokenizer.pre_tokenize_str(text)
+        assert [text[a:b] for _, (a, b) in split] == pieces, text
+        ids = tok.encode(text, prepend_bos=False)
+        assert ids == [i for piece in pieces for i in per_piece.encode(piece, add_special_tokens=False).ids], text
+        assert tok.decode(ids) == text
+        llama3 += [text[a:b] for _, (a, b) in byte_level_pre_tokenizer(LLAMA3_SPLIT).pre_tokenize_str(text)] != pieces
+    assert llama3 == 2
 
 
 def _refusal(tmp_path: Path, **kwargs) -> str:
