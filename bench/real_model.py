@@ -210,7 +210,7 @@ def sidebar(c: httpx.Client) -> list[str]:
     nav = re.search(r'<nav class="sidenav"[^>]*>(.*?)</nav>', html, re.S)
     links = re.findall(rf'href="(/models/{MODEL}[^"#?]*)"', nav.group(1) if nav else html)
     seen = list(dict.fromkeys(links))
-    return [u for u in seen if u.count("/") <= 4 and "/heads/" not in u][:20]
+    return [u for u in seen if u.count("/") <= 4 and "/heads/" not in u][: sized(20, 3)]  # small mode: the first 3
 
 
 SECTIONS = {"real": real}

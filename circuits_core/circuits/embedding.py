@@ -22,9 +22,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from circuits_core.circuits.product_factor import ProductFactor
 from circuits_core.cost import check_stop
 from circuits_core.errors import InvalidInputError
-from circuits_core.model.half_products import half_matmul
+from circuits_core.model.half_products import HALF_DTYPES, half_matmul
 from circuits_core.model.hooks import Recorder
 from circuits_core.model.transformer import Block, LayerNorm, Transformer
 from circuits_core.schedule import shared_chunks
@@ -177,6 +178,28 @@ def embed_eff_matmul(model: Transformer, W: Tensor) -> Tensor:
         out -= norm.mean[:, None] * W_w.sum(0)
     out *= norm.inv_scale[:, None]
     return out if norm.b is None else out + norm.b @ W
+
+
+def embed_unformed(model: Transformer) -> bool:
+    """Whether embed_eff_matmul on this model is one product and a row scaling (embed_product): full-precision
+    weights, and no mean or bias in layer 0's norm (RMSNorm, or none)."""
+    if model.W_E.dtype in HALF_DTYPES:
+        return False
+    if unnormalised(model):
+        return True
+    norm = embed_norm(model)
+    return norm.mean is None and norm.b is None and norm.inv_scale.dtype == model.W_E.dtype
+
+
+def embed_product(model: Transformer, W: Tensor) -> ProductFactor | None:
+    """embed_eff_matmul(model, W) kept unformed (its form() is that product bit for bit), where embed_unformed says
+    it is one product and a row scaling and W has W_E's dtype; else None."""
+    if not embed_unformed(model) or W.dtype != model.W_E.dtype:
+        return None
+    if unnormalised(model):
+        return ProductFactor(model.W_E, W)
+    norm = embed_norm(model)
+    return ProductFactor(model.W_E, W if norm.w is None else norm.w[:, None] * W, norm.inv_scale)
 
 
 def embed_pos_basis(model: Transformer) -> Tensor:

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from circuits_core.circuits import global_topk
 from circuits_core.circuits.host_linalg import eigvals
+from circuits_core.circuits.product_factor import ProductFactor
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
 
@@ -69,21 +70,58 @@ class FactoredMatrix:
             raise InvalidInputError(f"factors must be at least 2-D, got {tuple(A.shape)} and {tuple(B.shape)}")
         if A.shape[-1] != B.shape[-2]:
             raise InvalidInputError(f"inner dimensions differ: A {tuple(A.shape)} @ B {tuple(B.shape)}")
-        self.A, self.B = A, B
+        self._A: Tensor | None = A
+        self._B: Tensor | None = B
+        self.products: tuple[ProductFactor, ProductFactor] | None = None
         self.batch_shape = batch_broadcast(A.shape[:-2], B.shape[:-2])
+        self._dims = (A.shape[-2], A.shape[-1], B.shape[-1])
+
+    @classmethod
+    def of_products(cls, left: ProductFactor, right: ProductFactor) -> FactoredMatrix:
+        """A @ B with A = left [l, m] and B = right^T [m, r] kept unformed: each is formed the first time it is read
+        (bit for bit as left.form() and right.form().T), and topk_global reads the products without forming them."""
+        if left.shape[1] != right.shape[1]:
+            raise InvalidInputError(f"inner dimensions differ: {tuple(left.shape)} and {tuple(right.shape)}^T")
+        fm = cls.__new__(cls)
+        fm._A = fm._B = None
+        fm.products = (left, right)
+        fm.batch_shape = torch.Size(())
+        fm._dims = (left.shape[0], left.shape[1], right.shape[0])
+        return fm
+
+    @property
+    def A(self) -> Tensor:
+        """The left factor [..., ldim, mdim] (formed on first read when kept as a product)."""
+        if self._A is None:
+            assert self.products is not None
+            self._A = self.products[0].form()
+        return self._A
+
+    @property
+    def B(self) -> Tensor:
+        """The right factor [..., mdim, rdim] (formed on first read when kept as a product)."""
+        if self._B is None:
+            assert self.products is not None
+            self._B = self.products[1].form().T
+        return self._B
+
+    @property
+    def _like(self) -> Tensor:
+        """A tensor with the factors' device and dtype, without forming one."""
+        return self.products[0].X if self._A is None and self.products is not None else self.A
 
     # -- shape ---------------------------------------------------------------------------------------
     @property
     def ldim(self) -> int:
-        return self.A.shape[-2]
+        return self._dims[0]
 
     @property
     def mdim(self) -> int:
-        return self.A.shape[-1]
+        return self._dims[1]
 
     @property
     def rdim(self) -> int:
-        return self.B.shape[-1]
+        return self._dims[2]
 
     @property
     def shape(self) -> torch.Size:
@@ -200,7 +238,7 @@ class FactoredMatrix:
 
     def _check_subset(self, index: Tensor | None, size: int, what: str) -> Tensor:
         """A 1-D tensor of distinct indices in [0, size) on the factors' device (all of them when None)."""
-        device = self.A.device
+        device = self._like.device
         if index is None:
             return torch.arange(size, device=device)
         if (
@@ -244,7 +282,7 @@ class FactoredMatrix:
     def rows_per_block(self, budget_bytes: int, copies: int = 1, batch: int | None = None) -> int:
         """How many dense rows (of `batch` matrices, default all, in `copies` buffers) fit in budget_bytes."""
         batch = math.prod(self.batch_shape) if batch is None else batch
-        per_row = self.rdim * batch * self.A.element_size() * copies
+        per_row = self.rdim * batch * self._like.element_size() * copies
         rows = int(budget_bytes) // per_row
         if rows < 1:
             raise LimitExceededError(
@@ -282,10 +320,14 @@ class FactoredMatrix:
             values, r, c = sub.topk_global(k, budget_bytes=budget_bytes, largest=largest, should_stop=should_stop)
             return values, row_idx[r], col_idx[c]
         self._check_k(k, self.ldim * self.rdim)
+        if self.products is not None:  # the products themselves, the basis folded into their small factors
+            found = global_topk.topk_products(*self.products, k, largest, should_stop)
+            if found is not None:
+                return found
         # One matrix at a time, in tiles of global_topk.TILE_COLS columns; a tile lives in up to 4 buffers (fp32
         # product,
         # bf16 screen, exact recomputation, selected rows).
-        per_row = 4 * min(global_topk.TILE_COLS, self.rdim) * self.A.element_size()
+        per_row = 4 * min(global_topk.TILE_COLS, self.rdim) * self._like.element_size()
         step = int(budget_bytes) // per_row
         if step < 1:
             raise LimitExceededError(
@@ -311,6 +353,6 @@ class FactoredMatrix:
             self.rdim if cols is None else cols,
             k,
             budget_bytes,
-            self.A.element_size(),
+            self._like.element_size(),
             math.prod(self.batch_shape),
         )

@@ -16,7 +16,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from circuits_core.circuits import global_topk_bounds
+from circuits_core.circuits import global_topk_bounds, global_topk_folded
+from circuits_core.circuits.product_factor import ProductFactor
 from circuits_core.cost import Cost, check_stop
 from circuits_core.model.half_products import half_products_fast
 
@@ -176,3 +177,18 @@ def topk_global_2d(
         if best_v.numel() == k and row_norms[r0] * col_norms[0] < best_v[-1]:
             break  # even the first tile of this block was bounded out: so are all later blocks
     return (best_v if largest else -best_v), row_order[best_r], col_order[best_c]
+
+
+def topk_products(
+    left: ProductFactor, right: ProductFactor, k: int, largest: bool, should_stop: Callable[[], bool] | None = None
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Global top-k of A @ B with A = left [l, m] and B = right^T [m, r] left unformed (global_topk_folded), or None
+    where that search does not apply (small or non-finite factors, other dtypes): then the caller forms them."""
+    right = right if largest else right.negated()  # smallest entries of AB = largest of A(-B)
+    if not global_topk_folded.usable(left, right):
+        return None
+    found = global_topk_folded.topk_folded(left, right, k, should_stop)
+    if found is None:
+        return None
+    values, rows, cols = found
+    return (values if largest else -values), rows, cols

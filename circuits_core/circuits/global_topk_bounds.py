@@ -97,7 +97,16 @@ def balanced_basis(A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
     return M.to(A.dtype), N.to(A.dtype)
 
 
-def _rounding(mdim: int, dtype: torch.dtype) -> float:
+def basis_defect(M: Tensor, N: Tensor) -> float:
+    """An upper bound on ||M N - I||_2 for M, N [m, m] (N ~ M^-1): M N in float64 rounds by at most
+    m u64 ||M||_F ||N||_F (the products of float32 entries are exact in float64)."""
+    Md, Nd = M.double(), N.double()
+    eye = torch.eye(M.shape[0], dtype=torch.float64, device=M.device)
+    u64 = torch.finfo(torch.float64).eps
+    return float(torch.linalg.matrix_norm(Md @ Nd - eye, 2)) + M.shape[0] * u64 * float(Md.norm() * Nd.norm())
+
+
+def rounding(mdim: int, dtype: torch.dtype) -> float:
     """gamma_(m+2) = (m+2) u / (1 - (m+2) u): the relative error bound of an inner product of length m in `dtype`
     (Higham's gamma), with room for the square root and the division of a norm."""
     u = torch.finfo(dtype).eps / 2
@@ -143,12 +152,10 @@ def _bound_factors(A: Tensor, B: Tensor, should_stop: Callable[[], bool] | None)
     q_j = ||N B_j|| + c ||B_j||, c = sqrt(D + gamma) (the cross terms are >= 0)."""
     mdim = A.shape[1]
     M, N = balanced_basis(A, B)
-    gamma = _rounding(mdim, A.dtype)
+    gamma = rounding(mdim, A.dtype)
     Md, Nd = M.double(), N.double()
-    eye = torch.eye(mdim, dtype=torch.float64, device=A.device)
     u64 = torch.finfo(torch.float64).eps
-    # M N in float64 rounds by at most m u64 ||M||_F ||N||_F (the products of A's dtype are exact in float64)
-    D = float(torch.linalg.matrix_norm(Md @ Nd - eye, 2)) + mdim * u64 * float(Md.norm() * Nd.norm())
+    D = basis_defect(M, N)
     abs_M = float(torch.linalg.matrix_norm(Md.abs(), 2)) * (1 + 1e-10)
     abs_N = float(torch.linalg.matrix_norm(Nd.abs(), 2)) * (1 + 1e-10)
     rot_a, norm_a = _norm_bounds(A, M, abs_M, gamma, should_stop)
@@ -173,14 +180,38 @@ def topk_bounded(
     if factors is None:
         return None
     p, q = factors
-    p, row_order = p.sort(descending=True)  # [l]
-    q, col_order = q.sort(descending=True)  # [r]
+    exact = lambda rows, cols: A[rows] @ B[:, cols]  # noqa: E731 - the products are the entries
+    return staircase(A, B, *p.sort(descending=True), *q.sort(descending=True), k, exact, should_stop=should_stop)
+
+
+Margin = Callable[[int, int, int, int], float]
+
+
+def staircase(
+    A: Tensor,
+    B: Tensor,
+    p: Tensor,
+    row_order: Tensor,
+    q: Tensor,
+    col_order: Tensor,
+    k: int,
+    exact_block: Callable[[Tensor, Tensor], Tensor],
+    gap: float = 0.0,
+    margin: Margin | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The k largest entries of a matrix C [l, r] whose entries are bounded by C_ij <= p_i q_j + gap, multiplied out
+    from A [l, m] @ B [m, r]: the entries themselves (margin None) or approximations of them within
+    margin(i0, i1, c0, c1) on rows i0:i1 and columns c0:c1 in bound order. p [l] and q [r] (float64, >= 0) come
+    sorted in descending order, row_order and col_order the rows and columns they belong to. exact_block(rows, cols)
+    gives C[rows][:, cols] as the answer must hold it: the seed block, and the entries an approximation leaves within
+    its margin of the k-th value."""
     ldim, rdim = A.shape[0], B.shape[1]
 
     # the seed: the first rows x columns in bound order, exact; its k-th value is a lower bound of the answer's
     seed_c = min(rdim, max(SEED, math.ceil(k / min(ldim, SEED))))
     seed_r = min(ldim, max(SEED, math.ceil(k / seed_c)))  # seed_r * seed_c >= k (k <= ldim * rdim)
-    block = A[row_order[:seed_r]] @ B[:, col_order[:seed_c]]  # [seed_r, seed_c]
+    block = exact_block(row_order[:seed_r], col_order[:seed_c])  # [seed_r, seed_c]
     best_v, flat = block.flatten().topk(k)
     best_r, best_c = row_order[flat // seed_c], col_order[flat % seed_c]
 
@@ -193,14 +224,14 @@ def topk_bounded(
         return 0 if bound <= 0 else int(torch.searchsorted(neg_bounds, -tau / bound, right=True))
 
     tau = float(best_v[-1])
-    reached = col_order[: reach(q, neg_q, float(p[0]), tau)]  # every column any row may need, in bound order
+    reached = col_order[: reach(q, neg_q, float(p[0]), tau - gap)]  # every column any row may need, in bound order
     # [m, J]: B's columns gathered as they are stored (a contiguous column stays one, and a chunk of them is read as
     # the transposed operand of each product: 0.1-0.2 s less on Gemma-3's L5H1 than a row-major copy)
     B_reach = B.T[reached].T if B.T.is_contiguous() else B[:, reached].contiguous()
     buf = torch.empty(CHUNK_ENTRIES, dtype=torch.result_type(A, B), device=A.device)
     i0 = 0
     while i0 < ldim:
-        J = reach(q, neg_q, float(p[i0]), tau)  # the block's first row reaches the most columns
+        J = reach(q, neg_q, float(p[i0]), tau - gap)  # the block's first row reaches the most columns
         if J == 0:
             break  # rows come in descending bound: no later row reaches a column either
         cols = min(J, COLS)
@@ -208,20 +239,30 @@ def topk_bounded(
         A_rows = A[row_order[i0:i1]]  # [b, m]
         for c0 in range(0, J, cols):  # column chunks: each product [n, <= cols] stays in cache while it is read
             check_stop(should_stop, "global top-k")
-            n = min(i1, reach(p, neg_p, float(q[c0]), tau)) - i0  # the block's rows whose bound reaches column c0
+            n = min(i1, reach(p, neg_p, float(q[c0]), tau - gap)) - i0  # the block's rows whose bound reaches c0
             if n <= 0:
                 break  # later chunks' columns have smaller bounds still
             c1 = min(J, c0 + cols)
-            block = torch.matmul(A_rows[:n], B_reach[:, c0:c1], out=buf[: n * (c1 - c0)].view(n, c1 - c0))  # exact
+            block = torch.matmul(A_rows[:n], B_reach[:, c0:c1], out=buf[: n * (c1 - c0)].view(n, c1 - c0))
             if i0 < seed_r and c0 < seed_c:
                 block[: seed_r - i0, : seed_c - c0] = -math.inf  # the seed's entries are candidates already
-            live = (block.amax(dim=1) >= tau).nonzero()[:, 0]  # [h]: the rows with an entry that may enter
+            floor = tau
+            if margin is not None:  # (less a rounding of the threshold to the block's dtype, which may raise it)
+                floor = tau - margin(i0, i0 + n, c0, c1)
+                floor -= abs(floor) * torch.finfo(block.dtype).eps
+            live = (block.amax(dim=1) >= floor).nonzero()[:, 0]  # [h]: the rows with an entry that may enter
             if live.numel() == 0:
                 continue
-            hit = (block[live] >= tau).nonzero()  # [h', 2]
-            cand_v = torch.cat([best_v, block[live[hit[:, 0]], hit[:, 1]]])
-            cand_r = torch.cat([best_r, row_order[i0 + live[hit[:, 0]]]])
-            cand_c = torch.cat([best_c, col_order[c0 + hit[:, 1]]])
+            hit = (block[live] >= floor).nonzero()  # [h', 2]
+            rows, cols_hit = row_order[i0 + live[hit[:, 0]]], col_order[c0 + hit[:, 1]]  # [h'] each
+            if margin is None:  # the products are the entries
+                values = block[live[hit[:, 0]], hit[:, 1]]
+            else:  # the entries themselves, from the hits' rows and columns
+                (u_r, i_r), (u_c, i_c) = (x.unique(return_inverse=True) for x in (rows, cols_hit))
+                values = exact_block(u_r, u_c)[i_r, i_c]
+            cand_v = torch.cat([best_v, values])
+            cand_r = torch.cat([best_r, rows])
+            cand_c = torch.cat([best_c, cols_hit])
             best_v, pick = cand_v.topk(k)
             best_r, best_c = cand_r[pick], cand_c[pick]
             tau = float(best_v[-1])

@@ -38,12 +38,16 @@ from circuits_core.circuits.embedding import (
     apply_ln_rows,
     embed_eff_matmul,
     embed_eff_rows,
+    embed_product,
+    embed_unformed,
     first_norm,
     unnormalised,
 )
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import head_weights
 from circuits_core.circuits.global_topk import topk_global_cost, topk_global_flops
+from circuits_core.circuits.global_topk_folded import folded_flops
+from circuits_core.circuits.product_factor import ProductFactor
 from circuits_core.circuits.qk_forms import folded_query_key, token_factors, token_scale
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, NotFoundError
@@ -134,7 +138,15 @@ def full_ov_circuit(model: Transformer, layer: int, head: int, tokens: Tensor | 
         return FactoredMatrix(embed_eff_rows(model, tokens) @ W_V, W_O @ model.W_U[:, tokens])
     # B as the transpose of W_U^T W_O^T [d_vocab, d_head]: the same values as W_O @ W_U (bitwise, measured on four
     # model shapes), 1.2-1.9x faster, and its columns contiguous, as global top-k's column bounds read them
+    left = embed_product(model, W_V)
+    if left is not None and ov_unformed(model) and W_O.dtype == model.W_U.dtype:  # both kept as their products
+        return FactoredMatrix.of_products(left, ProductFactor(model.W_U.T, W_O.T))
     return FactoredMatrix(embed_eff_matmul(model, W_V), (model.W_U.T @ W_O.T).T)
+
+
+def ov_unformed(model: Transformer) -> bool:
+    """Whether full_ov_circuit on every token keeps both factors as their products (FactoredMatrix.of_products)."""
+    return embed_unformed(model) and model.W_U.dtype == model.W_E.dtype
 
 
 def full_ov_row(model: Transformer, layer: int, head: int, source_token: int) -> Tensor:
@@ -270,6 +282,8 @@ def circuit_flops(
         return topk_global_flops(n, cfg.d_model, n)
     if circuit == "ov":
         factors = full_ov_flops(model, n_tokens)
+        if n_tokens is None and ov_unformed(model):  # the search on the products first (global_topk_folded)
+            factors += folded_flops(n, cfg.d_model, cfg.d_head, n, cfg.d_model)
     else:  # the factors on the n tokens (a rotary circuit's query side then rotated: rotary.full_qk_circuit_at)
         factors = full_qk_flops(model, n_tokens) + (2 * n * cfg.d_head**2 if rotary else 0)
     return factors + topk_global_flops(n, cfg.d_head, n)

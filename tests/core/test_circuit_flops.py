@@ -20,6 +20,8 @@ from circuits_core.circuits import (
     composition_rotary,
     copying,
     copying_spectra,
+    global_topk_bounds,
+    global_topk_folded,
     rotary,
     rotary_bands,
     rotary_baseline,
@@ -74,6 +76,11 @@ def counted(call) -> int:
     return counter.get_total_flops()
 
 
+def _formed(fm: FactoredMatrix) -> None:
+    """Reads both factors (a circuit kept as its products forms them on first read)."""
+    fm.A, fm.B  # noqa: B018
+
+
 @pytest.fixture(scope="module", params=list(MODELS))
 def model(request):
     return MODELS[request.param]()
@@ -84,7 +91,7 @@ def test_factors_and_lines(model) -> None:
     m = model
     n = int(IDS.numel())
     checks = {
-        "ov factors": (lambda: hc.full_ov_circuit(m, LAYER, HEAD), hc.full_ov_flops(m)),
+        "ov factors": (lambda: _formed(hc.full_ov_circuit(m, LAYER, HEAD)), hc.full_ov_flops(m)),
         "ov factors on ids": (lambda: hc.full_ov_circuit(m, LAYER, HEAD, IDS), hc.full_ov_flops(m, n)),
         "qk factors": (lambda: hc.full_qk_circuit(m, LAYER, HEAD), hc.full_qk_flops(m)),
         "qk factors on ids": (lambda: hc.full_qk_circuit(m, LAYER, HEAD, IDS), hc.full_qk_flops(m, n)),
@@ -319,3 +326,30 @@ def test_a_rotary_qk_circuit_on_a_token_set_is_the_submatrix(name: str) -> None:
     whole = rotary.full_qk_circuit_at(m, LAYER, HEAD, OFFSET).AB[IDS][:, IDS]
     part = rotary.full_qk_circuit_at(m, LAYER, HEAD, OFFSET, tokens=IDS).AB
     torch.testing.assert_close(part, whole, rtol=0, atol=1e-12)
+
+
+def test_the_whole_vocabulary_top_k_on_products_within_its_price(monkeypatch) -> None:
+    """A full OV circuit on every token, kept as its products (RMSNorm, float64): its global top-k takes the folded
+    search (global_topk_folded, its size thresholds lowered to reach this model) and counts no more than
+    circuit_flops prices the view's whole-vocabulary table, that search's own bound (folded_flops) included; it
+    returns the dense product's top k."""
+    m = rotary_model(**CASES[next(iter(CASES))])
+    assert hc.ov_unformed(m)
+    monkeypatch.setattr(global_topk_bounds, "MIN_ENTRIES", 100)
+    monkeypatch.setattr(global_topk_bounds, "MIN_INNER", 4)
+    monkeypatch.setattr(global_topk_bounds, "SEED", 4)
+    called = []
+    real = global_topk_folded.topk_folded
+    monkeypatch.setattr(global_topk_folded, "topk_folded", lambda *a: called.append(1) or real(*a))
+    fm = hc.full_ov_circuit(m, LAYER, HEAD)
+    k = 7
+    flops = counted(lambda: fm.topk_global(k))
+    assert called and 0 < flops <= hc.circuit_flops(m, "ov", False)
+    V = m.cfg.d_vocab
+    assert hc.circuit_flops(m, "ov", False) == hc.full_ov_flops(m) + global_topk_folded.folded_flops(
+        V, m.cfg.d_model, m.cfg.d_head, V, m.cfg.d_model
+    ) + topk_global_flops(V, m.cfg.d_head, V)
+    values, rows, cols = fm.topk_global(k)
+    dense = (fm.A @ fm.B).flatten().topk(k)
+    torch.testing.assert_close(values, dense.values, rtol=1e-12, atol=1e-12)
+    assert torch.equal(rows * V + cols, dense.indices)

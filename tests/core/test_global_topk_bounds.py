@@ -186,7 +186,7 @@ def test_norms_in_the_basis_bound_the_exact_ones():
     X = Q1[:, -1] + 1e-6 * torch.randn(500, 24, generator=gen, dtype=torch.float64)  # [500, 24]
     X32, T32 = X.float(), T.float()
     exact = torch.linalg.vector_norm(X32.double() @ T32.double(), dim=1)
-    gamma = global_topk_bounds._rounding(24, torch.float32)
+    gamma = global_topk_bounds.rounding(24, torch.float32)
     abs_T = float(torch.linalg.matrix_norm(T32.double().abs(), 2))
     rot, norm = global_topk_bounds._norm_bounds(X32, T32, abs_T, gamma, None)
     assert bool((rot >= exact).all())
