@@ -13,19 +13,13 @@ import torch
 
 from circuits_core.circuits import global_topk, global_topk_bounds
 from circuits_core.circuits.factored import FactoredMatrix
+from tests.core.bounded_search_setup import poor_basis, shrink_search
 from tests.core.test_paths_cost import _HeldBytes
 
 
 @pytest.fixture(autouse=True)
 def small_search(monkeypatch):
-    monkeypatch.setattr(global_topk_bounds, "MIN_ENTRIES", 1000)
-    monkeypatch.setattr(global_topk_bounds, "MIN_INNER", 20)
-    monkeypatch.setattr(global_topk_bounds, "GRAM_ROWS", 50)
-    monkeypatch.setattr(global_topk_bounds, "CHUNK", 64)
-    monkeypatch.setattr(global_topk_bounds, "SEED", 8)
-    monkeypatch.setattr(global_topk_bounds, "CHUNK_ENTRIES", 512)
-    monkeypatch.setattr(global_topk_bounds, "COLS", 16)
-    monkeypatch.setattr(global_topk_bounds, "ROWS_MAX", 96)
+    shrink_search(monkeypatch)
 
 
 def circuit_like(ldim, mdim, rdim, seed, dtype=torch.float64):
@@ -130,15 +124,6 @@ def test_where_nothing_prunes_each_entry_is_multiplied_once_in_chunks(monkeypatc
     assert torch.equal(r * 130 + c, ref_r * 130 + ref_c)
 
 
-def poor_basis(monkeypatch, mdim, noise):
-    """A basis far from the singular one, N only approximately M^-1 (a relative error `noise`)."""
-    gen = torch.Generator().manual_seed(4)
-    M = torch.randn(mdim, mdim, generator=gen, dtype=torch.float64) * torch.logspace(0, 2, mdim, dtype=torch.float64)
-    N = torch.linalg.inv(M)
-    N = N + noise * N.abs().mean() * torch.randn(mdim, mdim, generator=gen, dtype=torch.float64)
-    monkeypatch.setattr(global_topk_bounds, "balanced_basis", lambda A, B: (M.to(A.dtype), N.to(A.dtype)))
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("noise", [0.0, 1e-3])
 @pytest.mark.parametrize("columns_contiguous", [False, True])
@@ -156,7 +141,7 @@ def test_the_bound_holds_for_every_entry(monkeypatch, dtype, noise, columns_cont
     if noise == 0.0:
         tenth = float(dense.flatten().topk(10).values[-1])
         assert float((bound >= tenth).double().mean()) < 0.1
-    poor_basis(monkeypatch, 24, noise)
+    poor_basis(monkeypatch, 24, noise, decades=2)
     p, q = global_topk_bounds._bound_factors(A, B, None)
     assert bool((p[:, None] * q[None] >= dense.double()).all())
 
@@ -197,7 +182,7 @@ def test_norms_in_the_basis_bound_the_exact_ones():
 def test_any_invertible_basis_gives_the_same_answer(monkeypatch):
     """A poor basis with N only approximately M^-1: the margin on M N - I keeps the answer exact."""
     A, B = circuit_like(200, 24, 150, 3)
-    poor_basis(monkeypatch, 24, 1e-4)
+    poor_basis(monkeypatch, 24, 1e-4, decades=2)
     v, r, c = global_topk_bounds.topk_bounded(A, B, 25)
     ref_v, ref_r, ref_c = dense_topk(A @ B, 25)
     torch.testing.assert_close(v, ref_v, rtol=1e-12, atol=1e-12)

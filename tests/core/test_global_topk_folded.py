@@ -15,19 +15,13 @@ from circuits_core.circuits import head_circuits as C
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import head_weights
 from circuits_core.circuits.product_factor import ProductFactor
+from tests.core.bounded_search_setup import poor_basis, shrink_search
 from tests.core.rotary_models import rotary_model
 
 
 @pytest.fixture(autouse=True)
 def small_search(monkeypatch):
-    monkeypatch.setattr(global_topk_bounds, "MIN_ENTRIES", 1000)
-    monkeypatch.setattr(global_topk_bounds, "MIN_INNER", 20)
-    monkeypatch.setattr(global_topk_bounds, "GRAM_ROWS", 50)
-    monkeypatch.setattr(global_topk_bounds, "CHUNK", 64)
-    monkeypatch.setattr(global_topk_bounds, "SEED", 8)
-    monkeypatch.setattr(global_topk_bounds, "CHUNK_ENTRIES", 512)
-    monkeypatch.setattr(global_topk_bounds, "COLS", 16)
-    monkeypatch.setattr(global_topk_bounds, "ROWS_MAX", 96)
+    shrink_search(monkeypatch)
 
 
 def products(seed, dtype=torch.float64, ldim=300, rdim=260, d=40, m=24):
@@ -95,15 +89,6 @@ def test_the_folded_search_matches_the_dense_topk(monkeypatch, seed, dtype, k):
         assert all(found is not None for found in calls)
 
 
-def poor_basis(monkeypatch, mdim, noise):
-    """A basis far from the singular one, N only approximately M^-1 (a relative error `noise`)."""
-    gen = torch.Generator().manual_seed(4)
-    M = torch.randn(mdim, mdim, generator=gen, dtype=torch.float64) * torch.logspace(0, 1, mdim, dtype=torch.float64)
-    N = torch.linalg.inv(M)
-    N = N + noise * N.abs().mean() * torch.randn(mdim, mdim, generator=gen, dtype=torch.float64)
-    monkeypatch.setattr(global_topk_bounds, "balanced_basis", lambda A, B: (M.to(A.dtype), N.to(A.dtype)))
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_a_poor_basis_leaves_the_answer_exact(monkeypatch, dtype):
     """With N = M^-1 only to 1e-3 (||M N - I||_2 = 0.23), the folded products A' B' = A M N B miss the entries by far
@@ -112,7 +97,7 @@ def test_a_poor_basis_leaves_the_answer_exact(monkeypatch, dtype):
     left, right = products(3, dtype)
     fm = FactoredMatrix.of_products(left, right)
     dense = fm.A @ fm.B
-    poor_basis(monkeypatch, 24, 1e-3)
+    poor_basis(monkeypatch, 24, 1e-3, decades=1)
     M, N = global_topk_bounds.balanced_basis(fm.A, fm.B)
     approx = (fm.A @ M) @ (N @ fm.B)
     k = 60
