@@ -186,7 +186,7 @@ def heads_breakdown(model: Any) -> None:
         with torch.no_grad():
             det = _timed(lambda: heads.detector_scores(model, tokens, budget_bytes=budget))
             grams = _timed(lambda: copying_spectra.embed_grams(model))
-            G, G_E = grams[2]
+            G, G_E = (gram.to(model.W_E.dtype) for gram in grams[2])  # float64 totals, rounded once as head_table does
             gq = _timed(lambda: copying_spectra.gram_queries(model, G_E))
             ov = _timed(lambda: copying_spectra.ov_copying_scores(model, G))
             qk = _timed(lambda: copying_spectra.qk_copying_scores(model, G_E, gq[2]))

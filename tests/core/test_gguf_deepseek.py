@@ -171,8 +171,8 @@ def test_variants_qkov_cannot_honour_are_refused_by_name(
 
 
 def test_a_tokenizer_not_built_here_gives_way_to_a_tokenizer_json_beside(tmp_path: Path) -> None:
-    """Released DeepSeek GGUFs carry a byte-level BPE with llama.cpp's 'deepseek-v3' pre-tokenizer, which qkov does
-    not build: alone the file is refused, naming it; with a tokenizer.json beside it, that one is read (the same
+    """A DeepSeek GGUF whose byte-level BPE names a llama.cpp pre-tokenizer qkov does not build (here 'tekken',
+    Mistral's): alone the file is refused, naming it; with a tokenizer.json beside it, that one is read (the same
     encoding as the tokenizers library gives) and the model's defaulted values say so."""
     from tests.app.conftest import train_tokenizer
 
@@ -181,14 +181,14 @@ def test_a_tokenizer_not_built_here_gives_way_to_a_tokenizer_json_beside(tmp_pat
     model = hf_model(config, model_cls, {**fields, "vocab_size": tok.get_vocab_size()}, seed=70)
     vocab = [tok.id_to_token(i) for i in range(tok.get_vocab_size())]
     S = gguf.GGUFValueType.STRING
-    edit = {"tokenizer.ggml.model": gguf.GGUFValue("gpt2", S), "tokenizer.ggml.pre": gguf.GGUFValue("deepseek-v3", S),
+    edit = {"tokenizer.ggml.model": gguf.GGUFValue("gpt2", S), "tokenizer.ggml.pre": gguf.GGUFValue("tekken", S),
             "tokenizer.ggml.tokens": gguf.GGUFValue(vocab, gguf.GGUFValueType.ARRAY, S)}  # fmt: skip
     write_deepseek(model, tmp_path / "m.gguf", "softmax", legacy=False, edit=edit)
-    with pytest.raises(CheckpointError, match="tokenizer.ggml.pre 'deepseek-v3' is not supported"):
+    with pytest.raises(CheckpointError, match="tokenizer.ggml.pre 'tekken' is not supported"):
         load_checkpoint(tmp_path)
     (tmp_path / "tokenizer.json").write_text(tok.to_str())
     loaded = load_checkpoint(tmp_path)
     assert loaded.tokenizer is not None
     text = "the cat sat on the mat"
     assert loaded.tokenizer.encode(text, prepend_bos=False) == tok.encode(text, add_special_tokens=False).ids
-    assert [d.field for d in loaded.defaulted] == ["tokenizer"] and "deepseek-v3" in loaded.defaulted[0].source
+    assert [d.field for d in loaded.defaulted] == ["tokenizer"] and "tekken" in loaded.defaulted[0].source
