@@ -196,11 +196,10 @@ def staircase(
     col_order: Tensor,
     k: int,
     exact_block: Callable[[Tensor, Tensor], Tensor],
-    gap: float = 0.0,
     margin: Margin | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The k largest entries of a matrix C [l, r] whose entries are bounded by C_ij <= p_i q_j + gap, multiplied out
+    """The k largest entries of a matrix C [l, r] whose entries are bounded by C_ij <= p_i q_j, multiplied out
     from A [l, m] @ B [m, r]: the entries themselves (margin None) or approximations of them within
     margin(i0, i1, c0, c1) on rows i0:i1 and columns c0:c1 in bound order. p [l] and q [r] (float64, >= 0) come
     sorted in descending order, row_order and col_order the rows and columns they belong to. exact_block(rows, cols)
@@ -224,14 +223,14 @@ def staircase(
         return 0 if bound <= 0 else int(torch.searchsorted(neg_bounds, -tau / bound, right=True))
 
     tau = float(best_v[-1])
-    reached = col_order[: reach(q, neg_q, float(p[0]), tau - gap)]  # every column any row may need, in bound order
+    reached = col_order[: reach(q, neg_q, float(p[0]), tau)]  # every column any row may need, in bound order
     # [m, J]: B's columns gathered as they are stored (a contiguous column stays one, and a chunk of them is read as
     # the transposed operand of each product: 0.1-0.2 s less on Gemma-3's L5H1 than a row-major copy)
     B_reach = B.T[reached].T if B.T.is_contiguous() else B[:, reached].contiguous()
     buf = torch.empty(CHUNK_ENTRIES, dtype=torch.result_type(A, B), device=A.device)
     i0 = 0
     while i0 < ldim:
-        J = reach(q, neg_q, float(p[i0]), tau - gap)  # the block's first row reaches the most columns
+        J = reach(q, neg_q, float(p[i0]), tau)  # the block's first row reaches the most columns
         if J == 0:
             break  # rows come in descending bound: no later row reaches a column either
         cols = min(J, COLS)
@@ -239,7 +238,7 @@ def staircase(
         A_rows = A[row_order[i0:i1]]  # [b, m]
         for c0 in range(0, J, cols):  # column chunks: each product [n, <= cols] stays in cache while it is read
             check_stop(should_stop, "global top-k")
-            n = min(i1, reach(p, neg_p, float(q[c0]), tau - gap)) - i0  # the block's rows whose bound reaches c0
+            n = min(i1, reach(p, neg_p, float(q[c0]), tau)) - i0  # the block's rows whose bound reaches c0
             if n <= 0:
                 break  # later chunks' columns have smaller bounds still
             c1 = min(J, c0 + cols)

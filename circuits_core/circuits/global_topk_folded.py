@@ -168,6 +168,6 @@ def topk_folded(
 
     spent, budget = [0], exact_budget(ldim, left.X.shape[1], mdim, rdim, right.X.shape[1])
     try:
-        return bounds.staircase(A_f, Bt_f.T, p, row_order, q, col_order, k, exact_block, 0.0, margin, should_stop)
+        return bounds.staircase(A_f, Bt_f.T, p, row_order, q, col_order, k, exact_block, margin, should_stop)
     except _OverBudget:
         return None
