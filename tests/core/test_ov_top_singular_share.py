@@ -1,6 +1,7 @@
 """OV top singular share per head (circuits_core/circuits/ov_top_singular_share.py) against a dense float64 SVD of the
 formed d_model x d_model W_V[g] W_O[h], on toy-2l, on a grouped-query model and on a Gemma-3-shaped model (output-norm
-gain, multi-query); and on heads planted with known singular values (docs/maths.md §5.14)."""
+gain, multi-query) and against the OV formed through the latent on DeepSeek-V3 and V2-Lite-shaped checkpoints; and
+on heads planted with known singular values (docs/maths.md §5.14)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import torch
 from test_paths_cost import _HeldBytes
 
 from circuits_core.circuits import ov_effective_rank, ov_top_singular_share
+from circuits_core.circuits.latent_circuits import latent_head
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Transformer, random_model
 from tests.core.formed_circuits import per_head_of_formed_ov
+from tests.core.hf_families import save
 from tests.core.rotary_models import CASES, rotary_model
+from tests.core.test_deepseek_hf import deepseek_model
 
 TOY_2L = Path(__file__).resolve().parents[2] / "checkpoints" / "toy-2l"
 GQA = ModelConfig(
@@ -56,6 +60,18 @@ def test_grouped_query_model_reads_each_heads_group() -> None:
 
 def test_output_norm_gain_is_folded_on_a_gemma3_shaped_model() -> None:
     assert_matches_the_dense_svd(rotary_model(**CASES["gemma3"]))  # gamma_post random, one key/value head for 4
+
+
+@pytest.mark.parametrize("name", ["v3", "v2-lite-grouped"])
+def test_latent_attention_matches_the_ov_formed_through_the_latent(name: str, tmp_path: Path) -> None:
+    """On DeepSeek checkpoints that transformers writes: against the dense SVD of each head's OV formed through the
+    latent by latent_circuits.latent_head (checked against transformers' own weights in test_latent_circuits.py)."""
+    model = load_checkpoint(save(deepseek_model(name, seed=11), tmp_path / name), dtype=torch.float64).model
+    cfg = model.cfg
+    formed = [[top_share(torch.linalg.svdvals(latent_head(model, layer, h).ov.AB)) for h in range(cfg.n_heads)]
+              for layer in range(cfg.n_layers)]  # fmt: skip
+    shares = ov_top_singular_share.ov_top_singular_shares(model)
+    torch.testing.assert_close(shares, torch.tensor(formed, dtype=torch.float64), rtol=1e-10, atol=0)
 
 
 def test_planted_singular_values_give_their_share() -> None:
