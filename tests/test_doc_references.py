@@ -1,6 +1,7 @@
 """Every reference in the code to a section of docs/ ("docs/maths.md §2.8", "docs/design.md §3", a range
 "§2.2-2.8", a list "§2.11, §2.16") names a numbered heading of that document, and the code cites no document that
-does not ship in the repository (the old reference files: paper-math, rotary-circuits, attention-variants)."""
+does not ship in the repository (the old reference files: paper-math, rotary-circuits, attention-variants, and the
+old module attention_variants.py, whose content is now model/qk_norm.py, soft_cap.py, window.py and norm.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ CODE = [*ROOT.glob("circuits_core/**/*.py"), *ROOT.glob("app/**/*.py"), *ROOT.gl
 CITATION = re.compile(r"docs/(\w+)\.md ((?:§[\d.]+(?:-[\d.]+)?(?:, )?)+)")
 SECTION = re.compile(r"§(\d+(?:\.\d+)?)(?:-(\d+(?:\.\d+)?))?")
 HEADING = re.compile(r"^#{2,3} (\d+(?:\.\d+)?)\.? ", re.M)
-OUTSIDE = re.compile(r"paper-math|rotary-circuits\.md|attention-variants\.md")
+OUTSIDE = re.compile(r"paper-math|rotary-circuits\.md|attention-variants\.md|attention_variants\.py")
 # a document of docs/ named without its folder ("design.md, ..."), which reads as the old reference file of that name
 # (a path built in code, "docs" / "x.md", is not one)
 BARE = re.compile(r"(?<![/\w\"'])(design|maths|serving|glossary)\.md")
