@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from circuits_core.circuits.qk_forms import QK_FORMS
+
 ROOT = Path(__file__).resolve().parents[1]
 CODE = [*ROOT.glob("circuits_core/**/*.py"), *ROOT.glob("app/**/*.py"), *ROOT.glob("tests/**/*.py"),
         *ROOT.glob("bench/**/*.py"), *ROOT.glob("templates/*.html")]  # fmt: skip
@@ -53,3 +55,13 @@ def test_the_code_names_docs_by_their_path() -> None:
     bare = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in CODE if p.resolve() != Path(__file__).resolve()
             for m in BARE.finditer(p.read_text())]  # fmt: skip
     assert not bare, f"cite docs/<name>.md, not a bare name: {bare}"
+
+
+def test_the_readme_says_which_qk_numbers_are_exact_and_which_frozen() -> None:
+    """The README names each form a QK number of the newest attention can take (qk_forms.QK_FORMS, multi-head latent
+    attention's own aside), so that a reader learns there what is exact and what is frozen."""
+    readme = (ROOT / "README.md").read_text()
+    forms = [form for form in QK_FORMS if not form.startswith("latent")]
+    assert forms == ["exact", "cosine", "bilinear", "frozen-norm"]
+    missing = [form for form in forms[1:] if f"`{form}`" not in readme]
+    assert not missing, f"README.md does not name the QK forms {missing}"
