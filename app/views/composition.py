@@ -161,6 +161,7 @@ def build_composition_pair_view(loaded: LoadedModel, p: CompositionPairParams, l
         )
     return CompositionPairView(
         model=model_ref(loaded),
+        **qk_form_fields(loaded, "weight"),  # its Q and K scores and its K-composition token circuit
         source=head_name(l1, h1),
         target=head_name(l2, h2),
         basis=basis(loaded),
