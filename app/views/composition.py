@@ -124,10 +124,12 @@ def build_composition_view(loaded: LoadedModel, p: CompositionParams, limits: Li
                 minus_baseline=float(minus[l1, h1, l2, h2]),
             )
         )
+    form = qk_form_fields(loaded, "weight") if kind in ("Q", "K") else None  # V-composition reads no QK numbers
     return CompositionView(
         model=model_ref(loaded),
         kind=kind,
-        **(qk_form_fields(loaded, "weight") if kind in ("Q", "K") else {}),
+        qk_form=form["qk_form"] if form else None,
+        qk_form_note=form["qk_form_note"] if form else None,
         basis=basis(loaded),
         sources=[head_name(*s) for s in src],
         targets=[head_name(*d) for d in dst],
