@@ -275,3 +275,20 @@ def test_every_qk_number_says_its_form(client: TestClient, name: str) -> None:
         level = QK_LEVELS.get(analysis.name)
         expected = None if level is None else FORM_UNDER_QK_NORM[level] if qk_norm else "exact"
         assert response.json()["qk_form"] == expected, url
+
+
+def test_the_model_says_what_is_exact_and_what_is_frozen(client: TestClient) -> None:
+    """The model's summary and page say, per feature of its attention, which numbers are exact and which frozen."""
+    expected = {  # (feature, what its sentence must say) for each shape, from SHAPES by hand
+        "gemma3ish": [("QK-norm (over each head)", "frozen-norm"), ("Sliding windows (2 of 3 layers, 3 tokens)", ""),
+                      ("Output norms", "freeze")],
+        "gemma2ish": [("Soft caps (scores at 0.5 and logits at 2)", "cap factor"),
+                      ("Sliding windows (2 of 3 layers, 4 tokens)", ""), ("Output norms", "freeze")],
+        "olmo2ish": [("QK-norm (over all heads of a layer at once)", "cosine"), ("Output norms", "freeze")],
+    }  # fmt: skip
+    for name, features in expected.items():
+        said = client.get(f"{API}/{name}").json()["exactness"]
+        assert [line.split(":")[0] for line in said] == [feature for feature, _ in features], said
+        assert all(words in line for line, (_, words) in zip(said, features, strict=True)), said
+        page = client.get(f"/models/{name}").text
+        assert 'id="exactness"' in page and all(line.replace("'", "&#39;") in page for line in said), name
