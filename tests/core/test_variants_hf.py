@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import transformers
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.formats.detect import detect_format
+from circuits_core.formats.llama_variants import REFUSED_MODEL_TYPES
 from circuits_core.formats.statedict import build_model
 from circuits_core.model.transformer import Transformer
 
@@ -288,3 +290,14 @@ def test_normalised_queries_and_keys_equal_transformers(world: dict[str, tuple[P
             theirs = theirs.transpose(1, 2)
         err = (ours - theirs.reshape(ours.shape)).abs().max().item()  # OLMo: [batch, pos, heads * d_head]
         assert err <= 1e-5, f"{name} {key}: {err:.2e}"
+
+
+@pytest.mark.parametrize("model_type", list(REFUSED_MODEL_TYPES))
+def test_every_newer_layout_is_refused_by_its_name(
+    tmp_path: Path, world: dict[str, tuple[Path, Any]], model_type: str
+) -> None:
+    """Each layout transformers describes that qkov does not run yet (Gemma 4 and 3n, Qwen3.5, Qwen3-Next) is refused
+    naming its model_type and what it would need, never read as its older relative."""
+    why = re.escape(REFUSED_MODEL_TYPES[model_type])
+    with pytest.raises(CheckpointError, match=f"model_type '{model_type}' is not supported yet: {why}"):
+        load_checkpoint(_edited(tmp_path, world["gemma2_gqa_caps_window"][0], {"model_type": model_type}))
