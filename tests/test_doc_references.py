@@ -1,11 +1,14 @@
 """Every reference in the code to a section of docs/ ("docs/maths.md §2.8", "docs/design.md §3", a range
 "§2.2-2.8", a list "§2.11, §2.16") names a numbered heading of that document, and the code cites no document that
-does not ship in the repository (the old reference files: paper-math, rotary-circuits, attention-variants)."""
+does not ship in the repository (the old reference files: paper-math, rotary-circuits, attention-variants, and the
+old module attention_variants.py, whose content is now model/qk_norm.py, soft_cap.py, window.py and norm.py)."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+from circuits_core.circuits.qk_forms import QK_FORMS
 
 ROOT = Path(__file__).resolve().parents[1]
 CODE = [*ROOT.glob("circuits_core/**/*.py"), *ROOT.glob("app/**/*.py"), *ROOT.glob("tests/**/*.py"),
@@ -13,7 +16,7 @@ CODE = [*ROOT.glob("circuits_core/**/*.py"), *ROOT.glob("app/**/*.py"), *ROOT.gl
 CITATION = re.compile(r"docs/(\w+)\.md ((?:§[\d.]+(?:-[\d.]+)?(?:, )?)+)")
 SECTION = re.compile(r"§(\d+(?:\.\d+)?)(?:-(\d+(?:\.\d+)?))?")
 HEADING = re.compile(r"^#{2,3} (\d+(?:\.\d+)?)\.? ", re.M)
-OUTSIDE = re.compile(r"paper-math|rotary-circuits\.md|attention-variants\.md")
+OUTSIDE = re.compile(r"paper-math|rotary-circuits\.md|attention-variants\.md|attention_variants\.py")
 # a document of docs/ named without its folder ("design.md, ..."), which reads as the old reference file of that name
 # (a path built in code, "docs" / "x.md", is not one)
 BARE = re.compile(r"(?<![/\w\"'])(design|maths|serving|glossary)\.md")
@@ -52,3 +55,13 @@ def test_the_code_names_docs_by_their_path() -> None:
     bare = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in CODE if p.resolve() != Path(__file__).resolve()
             for m in BARE.finditer(p.read_text())]  # fmt: skip
     assert not bare, f"cite docs/<name>.md, not a bare name: {bare}"
+
+
+def test_the_readme_says_which_qk_numbers_are_exact_and_which_frozen() -> None:
+    """The README names each form a QK number of the newest attention can take (qk_forms.QK_FORMS, multi-head latent
+    attention's own aside), so that a reader learns there what is exact and what is frozen."""
+    readme = (ROOT / "README.md").read_text()
+    forms = [form for form in QK_FORMS if not form.startswith("latent")]
+    assert forms == ["exact", "cosine", "bilinear", "frozen-norm"]
+    missing = [form for form in forms[1:] if f"`{form}`" not in readme]
+    assert not missing, f"README.md does not name the QK forms {missing}"

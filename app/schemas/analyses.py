@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from app.schemas.common import Complex, MatrixEntry, ModelRef, TokenRef
+from app.schemas.common import Complex, MatrixEntry, ModelRef, QKFormed, TokenRef
 
 CompositionKindName = Literal["Q", "K", "V"]
 TermKind = Literal["direct", "head", "bias", "mlp", "unembed_bias", "remainder", "other"]
@@ -82,7 +82,7 @@ class VirtualHeadCircuit(BaseModel):
     ov: TokenCircuit
 
 
-class CompositionPairView(BaseModel):
+class CompositionPairView(QKFormed):
     """One (earlier, later) pair: its three scores, the K-composition token circuit, and the virtual head."""
 
     model: ModelRef

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from app.schemas.common import MatrixEntry, ModelRef, ScoredToken, TokenRef
+from app.schemas.common import MatrixEntry, ModelRef, QKFormed, ScoredToken, TokenRef
 
 Circuit = Literal["ov", "qk", "direct", "expert"]
 Side = Literal["row", "column"]
@@ -121,7 +121,7 @@ class SkipTrigram(BaseModel):
     joint: float = Field(description="qk * ov: a heuristic strength (the paper defines no joint score)")
 
 
-class SkipTrigramView(BaseModel):
+class SkipTrigramView(QKFormed):
     """[source] ... [destination] -> [out] for one head and source token (paper 'skip-trigrams')."""
 
     model: ModelRef

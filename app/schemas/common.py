@@ -40,6 +40,20 @@ class Complex(BaseModel):
     im: float
 
 
+class QKFormed(BaseModel):
+    """An answer whose numbers are QK numbers: the form they are in (circuits_core/circuits/qk_forms.py, docs/maths.md
+    §7.1), filled by app/views/shared/inputs.qk_form_fields."""
+
+    qk_form: str | None = Field(
+        default=None,
+        description="the form of the QK numbers (qk_forms.QK_FORMS): 'exact' without QK-norm; under QK-norm 'cosine' "
+        "(token level: each token's own scale, exact), 'bilinear' (weight level: W_Q Γ_q R Γ_k W_Kᵀ, per-token scales "
+        "left out) or 'frozen-norm' (prompt level: the run's scales frozen); the latent forms under multi-head latent "
+        "attention",
+    )
+    qk_form_note: str | None = Field(default=None, description="that form in words")
+
+
 class ModelRef(BaseModel):
     """Which model answered, the checkpoint digest the numbers come from, and how they were computed (provenance)."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from app.schemas.common import Complex, ModelRef
+from app.schemas.common import Complex, ModelRef, QKFormed
 from app.schemas.rotary import ReferenceText
 
 
@@ -44,11 +44,14 @@ class HeadScores(BaseModel):
     kernel_peak_offset: int | None = Field(
         default=None,
         description="rotary models: the offset δ in 0..64 where the positional kernel μ Ω(δ) μᵀ / √d_head "
-        "peaks (μ: mean normalised residual on the reference text, see .../heads/{head}/positional); None otherwise",
+        "peaks (μ: mean normalised residual on the reference text, see .../heads/{head}/positional; under QK-norm the "
+        "kernel is in the cosine form, with μ's own scales); None otherwise",
     )
 
 
-class HeadsView(BaseModel):
+class HeadsView(QKFormed):
+    """The heads table; `qk_form` is the form of its weight-level QK columns (qk_copying, qk_k_composition)."""
+
     model: ModelRef
     detector_input: DetectorInput
     heads: list[HeadScores]
@@ -102,7 +105,10 @@ class PositionalQK(BaseModel):
     current_token: float = Field(description="mean of the diagonal")
 
 
-class HeadView(BaseModel):
+class HeadView(QKFormed):
+    """One head's scores and spectra; `qk_form` is the form of its weight-level QK numbers (its row's QK columns, the QK
+    eigenvalues and singular values)."""
+
     model: ModelRef
     head: str
     layer: int

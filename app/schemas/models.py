@@ -41,6 +41,12 @@ class ModelSummary(BaseModel):
         default_factory=list,
         description="config values the checkpoint file does not carry, taken from a per-architecture default",
     )
+    exactness: list[str] = Field(
+        default_factory=list,
+        description="what is exact and what is frozen in this model's circuits, one sentence per feature of its "
+        "attention that the paper's picture lacks (QK-norm, soft caps, sliding windows, output norms; "
+        "docs/maths.md §7); empty when it has none",
+    )
     nonfinite_weights: list[str] = Field(
         default_factory=list,
         description="stored tensors holding NaN or inf (with counts); analyses that cannot run on them are refused",

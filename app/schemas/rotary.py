@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from app.schemas.common import Complex, ModelRef
+from app.schemas.common import Complex, ModelRef, QKFormed
 from circuits_core.circuits.profile_shape import ProfileShape
 
 
@@ -55,7 +55,7 @@ class ProfileShapeView(BaseModel):
         )
 
 
-class PositionalView(BaseModel):
+class PositionalView(QKFormed):
     """f_h(δ) = μ_l Ω_h(δ) μ_l^T / s: the score a typical query gives a typical key δ positions back."""
 
     model: ModelRef
@@ -68,7 +68,7 @@ class PositionalView(BaseModel):
     basis: str = Field(description="which weights and input the numbers come from")
 
 
-class BandsView(BaseModel):
+class BandsView(QKFormed):
     """Ω_h(δ) = Σ_k [cos(δθ_k) A_k + sin(δθ_k) B_k] + C: the QK energy of each rotary frequency band."""
 
     model: ModelRef
@@ -83,7 +83,7 @@ class BandsView(BaseModel):
     basis: str
 
 
-class CompositionProfileView(BaseModel):
+class CompositionProfileView(QKFormed):
     """C_Q(δ) or C_K(δ) of one (earlier, later) pair over the offsets, with the random baseline."""
 
     model: ModelRef
@@ -100,7 +100,7 @@ class CompositionProfileView(BaseModel):
     basis: str
 
 
-class QKCopyingView(BaseModel):
+class QKCopyingView(QKFormed):
     """The eigenvalue copying score of a rotary head's full QK circuit W_E Ω_h(δ) W_Eᵀ / √d_head at each offset δ,
     and its nonzero eigenvalues (those of W_Kᵀ W_Eᵀ W_E W_Q R(δ) / √d_head, d_head x d_head) at the chosen offset."""
 

@@ -124,10 +124,12 @@ def build_composition_view(loaded: LoadedModel, p: CompositionParams, limits: Li
                 minus_baseline=float(minus[l1, h1, l2, h2]),
             )
         )
+    form = qk_form_fields(loaded, "weight") if kind in ("Q", "K") else None  # V-composition reads no QK numbers
     return CompositionView(
         model=model_ref(loaded),
         kind=kind,
-        **(qk_form_fields(loaded, "weight") if kind in ("Q", "K") else {}),
+        qk_form=form["qk_form"] if form else None,
+        qk_form_note=form["qk_form_note"] if form else None,
         basis=basis(loaded),
         sources=[head_name(*s) for s in src],
         targets=[head_name(*d) for d in dst],
@@ -161,6 +163,7 @@ def build_composition_pair_view(loaded: LoadedModel, p: CompositionPairParams, l
         )
     return CompositionPairView(
         model=model_ref(loaded),
+        **qk_form_fields(loaded, "weight"),  # its Q and K scores and its K-composition token circuit
         source=head_name(l1, h1),
         target=head_name(l2, h2),
         basis=basis(loaded),

@@ -14,7 +14,7 @@ from app.schemas import CopyingMetricsView, HeadView, PositionalQK
 from app.settings import Limits
 from app.views.shared.head_spectra import spectra
 from app.views.shared.heads_table import HEADS, heads_cost, num
-from app.views.shared.inputs import check_k, model_ref
+from app.views.shared.inputs import check_k, model_ref, qk_form_fields
 from app.views.shared.token_sets import token_set
 from circuits_core.circuits import copying, copying_spectra
 from circuits_core.circuits import head_circuits as circuits
@@ -77,6 +77,7 @@ def build_head_view(loaded: LoadedModel, p: HeadParams, limits: Limits) -> HeadV
         positional = _positional(loaded, layer, h)
     return HeadView(
         model=model_ref(loaded),
+        **qk_form_fields(loaded, "weight"),
         head=name,
         layer=layer,
         index=h,

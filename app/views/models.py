@@ -14,6 +14,7 @@ from app.views.shared.inputs import model_ref, resolve_prompt, token_refs
 from circuits_core.cost import Cost
 from circuits_core.errors import CheckpointError, QkovError
 from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.model.config import ModelConfig
 
 
 def _card(loaded: LoadedModel) -> dict[str, Any] | None:
@@ -24,6 +25,38 @@ def _card(loaded: LoadedModel) -> dict[str, Any] | None:
         return card
     to_dict = getattr(card, "to_dict", None)
     return to_dict() if callable(to_dict) else dict(vars(card))
+
+
+def exactness(cfg: ModelConfig) -> list[str]:
+    """What is exact and what is frozen in the circuits of a model with the newest attention (docs/maths.md §7.1-7.3,
+    §7.8), one sentence per feature it has."""
+    out = []
+    if cfg.qk_norm is not None:
+        over = "each head" if cfg.qk_norm == "head" else "all heads of a layer at once"
+        out.append(
+            f"QK-norm (over {over}): token tables are exact in the cosine form (each token's own scale); "
+            "weight-level circuits (composition, virtual weights, eigenvalue scores) are bilinear, the per-token "
+            "scales left out; path expansions are frozen-norm, the run's scales frozen, and sum exactly."
+        )
+    caps = [f"scores at {cfg.attn_scores_soft_cap:g}"] if cfg.attn_scores_soft_cap is not None else []
+    caps += [f"logits at {cfg.output_logits_soft_cap:g}"] if cfg.output_logits_soft_cap is not None else []
+    if caps:
+        out.append(
+            f"Soft caps ({' and '.join(caps)}): values are capped, rankings and top-k exact; path expansions freeze "
+            "each entry's cap factor and sum exactly to the capped value."
+        )
+    local = [layer for layer in range(cfg.n_layers) if cfg.layer_window(layer) is not None]
+    if local:
+        out.append(
+            f"Sliding windows ({len(local)} of {cfg.n_layers} layers, {cfg.window_size} tokens): on those layers "
+            "the circuits at an offset are defined only below the window, and each layer uses its own rope base."
+        )
+    if cfg.post_norms:
+        out.append(
+            "Output norms: OV tables and virtual weights are exact up to the layer's per-token output scale; path "
+            "expansions freeze it and sum exactly."
+        )
+    return out
 
 
 def build_model_view(loaded: LoadedModel, entry: ModelEntry) -> ModelSummary:
@@ -52,6 +85,7 @@ def build_model_view(loaded: LoadedModel, entry: ModelEntry) -> ModelSummary:
         heads=cfg.head_names,
         card=_card(loaded),
         defaulted=[DefaultedValue(field=d.field, value=str(d.value), source=d.source) for d in loaded.defaulted],
+        exactness=exactness(cfg),
         nonfinite_weights=list(loaded.nonfinite),
         computed_on=loaded.provenance(),
     )

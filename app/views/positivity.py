@@ -18,8 +18,10 @@ from app.analysis import Analysis, build_cached, cache_key
 from app.params import NoParams
 from app.scheduling import is_cached
 from app.schemas import DetectorInput, HeadScores, HeadsView
+from app.schemas.common import QKFormed
 from app.settings import Limits
 from app.views.shared.heads_table import HEADS, heads_cost
+from app.views.shared.inputs import qk_form_fields
 from circuits_core.cost import FREE, Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
@@ -35,7 +37,7 @@ class PositivityPoint(BaseModel):
     )
 
 
-class PositivityView(BaseModel):
+class PositivityView(QKFormed):
     previous_token_head: str = Field(
         description="the strongest previous-token scorer below the induction head: the K-composition term reads it"
     )
@@ -102,6 +104,7 @@ def build_positivity_view(loaded: LoadedModel, p: NoParams, limits: Limits) -> P
         if s.layer > layer and s.qk_k_composition is not None
     ]
     return PositivityView(
+        **qk_form_fields(loaded, "weight"),  # the K-composition positivity
         previous_token_head=prev,
         previous_token_score=score,
         threshold=HEAD_THRESHOLD,

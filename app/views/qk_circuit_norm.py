@@ -15,5 +15,6 @@ QK_CIRCUIT_NORM = per_head_analysis(
     quantity="||W_Q W_K^T||_F",
     explanation="The Frobenius norm ||W_Q W_K^T||_F of each head's QK circuit (d_model × d_model, computed from its "
     "d_head × d_head Gram matrices; under grouped-query attention each query head reads its key/value group's W_K).",
+    qk_level="weight",
     nav=110,
 )

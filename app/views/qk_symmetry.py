@@ -17,5 +17,6 @@ QK_SYMMETRY = per_head_analysis(
     "symmetric and antisymmetric parts S and A, computed from d_head × d_head products, never the d_model × d_model "
     "matrix. 1 when a query x scores a key y as y would score x, −1 when the scores swap sign, 0 for a zero circuit; "
     "on rotary models, the form of a query and a key at the same position.",
+    qk_level="weight",
     nav=115,
 )

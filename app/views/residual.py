@@ -20,9 +20,10 @@ from app.analysis import Analysis, AnalysisParams
 from app.page_spec import OwnPage
 from app.params import BasisChoice, K
 from app.schemas import ModelRef, TokenRef
+from app.schemas.common import QKFormed
 from app.settings import Limits
 from app.views.shared.basis import basis, raw_copy_cost, with_basis
-from app.views.shared.inputs import model_ref, token_ref
+from app.views.shared.inputs import model_ref, qk_form_fields, token_ref
 from app.views.shared.residual_inputs import Offset, ignored_note
 from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import virtual_weight_table as vwt
@@ -37,7 +38,7 @@ class ResidualParams(AnalysisParams):
     basis: BasisChoice = "served"
 
 
-class ResidualView(BaseModel):
+class ResidualView(QKFormed):
     model: ModelRef
     writers: list[str] = Field(description="rows: embed, pos, then per layer its heads (W_OV) and its MLP (W_out)")
     writer_layers: list[int] = Field(description="layer of each writer (-1: embed, pos)")
@@ -72,6 +73,7 @@ def build_residual_view(loaded: LoadedModel, p: ResidualParams, limits: Limits) 
     s = vwt.all_scores(model, offset=p.offset)
     return ResidualView(
         model=model_ref(loaded),
+        **qk_form_fields(loaded, "weight"),  # the Q and K readers' virtual weights
         writers=[w.name for w in s.writers],
         writer_layers=[w.layer for w in s.writers],
         readers=[r.name for r in s.readers],
@@ -131,7 +133,7 @@ class DirectionView(BaseModel):
     output_tokens_bottom: list[DirectionEntry] | None = None
 
 
-class ResidualPairView(BaseModel):
+class ResidualPairView(QKFormed):
     model: ModelRef
     writer: str
     reader: str
@@ -201,6 +203,7 @@ def build_residual_pair_view(loaded: LoadedModel, p: ResidualPairParams, limits:
     ]
     return ResidualPairView(
         model=model_ref(loaded),
+        **qk_form_fields(loaded, "weight"),
         writer=rep.writer,
         reader=rep.reader,
         input_space=rep.input_space,  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ from app.schemas.rotary import (
 )
 from app.settings import Limits
 from app.views.shared.basis import basis, raw_copy_cost, with_basis
-from app.views.shared.inputs import model_ref
+from app.views.shared.inputs import model_ref, qk_form_fields
 from app.views.shared.rotary_reference import check_offset, reference_forward_tokens, reference_means
 from circuits_core.circuits import alibi_kernel, composition_rotary, rotary, rotary_bands, rotary_baseline
 from circuits_core.circuits.copying_spectra import copying_score
@@ -86,6 +86,7 @@ def build_positional_view(loaded: LoadedModel, p: PositionalParams, limits: Limi
     kernel = kernel_of(loaded.model, mu, offsets)[layer, h]  # [n]
     return PositionalView(
         model=model_ref(loaded),
+        **qk_form_fields(loaded, "token"),  # the score of a query and a key both μ_l, with μ_l's own scales
         head=head_name(layer, h),
         offsets=offsets.tolist(),
         kernel=kernel.tolist(),
@@ -131,6 +132,7 @@ def build_bands_view(loaded: LoadedModel, p: BandsParams, limits: Limits) -> Ban
     total = float(energy.sum() + bands.unrotated[layer, h])
     return BandsView(
         model=model_ref(loaded),
+        **qk_form_fields(loaded, "weight"),
         head=head_name(layer, h),
         theta=bands.theta[layer].tolist(),  # the head's own layer's rope (local and global layers differ)
         wavelength=bands.wavelength[layer].tolist(),
@@ -182,6 +184,7 @@ def build_profile_view(loaded: LoadedModel, p: ProfileParams, limits: Limits) ->
     i = int(scores.argmax())
     return CompositionProfileView(
         model=model_ref(loaded),
+        **qk_form_fields(loaded, "weight"),
         source=p.source,
         target=p.target,
         kind=p.kind,
@@ -238,6 +241,7 @@ def build_qk_copying_view(loaded: LoadedModel, p: QKCopyingParams, limits: Limit
     scores = copying_score(eig[:-1])  # [n]
     return QKCopyingView(
         model=model_ref(loaded),
+        **qk_form_fields(loaded, "weight"),
         head=head_name(layer, h),
         offset=p.offset,
         eigenvalues=[Complex(re=float(z.real), im=float(z.imag)) for z in eig[-1]],

@@ -14,7 +14,7 @@ from app.schemas import ScoredToken, SkipTrigram, SkipTrigramView
 from app.settings import Limits
 from app.views.shared.basis import raw_copy_cost, with_basis
 from app.views.shared.global_tables import global_top, search_cost
-from app.views.shared.inputs import check_k, model_ref, resolve_token, token_ref
+from app.views.shared.inputs import check_k, model_ref, qk_form_fields, resolve_token, token_ref
 from app.views.shared.rotary_reference import check_offset, is_rotary
 from app.views.shared.token_sets import TokenSet, frequent_tokens, token_set
 from circuits_core.circuits import head_circuits as circuits
@@ -75,6 +75,7 @@ def build_skip_trigrams_view(loaded: LoadedModel, p: SkipTrigramParams, limits: 
     ]
     return SkipTrigramView(
         model=model_ref(loaded),
+        **qk_form_fields(loaded, "token"),  # the destinations' QK column
         head=head_name(layer, h),
         source=src,
         k=k,

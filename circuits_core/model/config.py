@@ -127,7 +127,8 @@ class ModelConfig:
     # Divisor of q.k; defaults to sqrt(d_head) (TransformerLens `attn_scale`).
     attn_scale: float | None = field(default=None, metadata={"gt": 0})
     bos_token_id: int | None = field(default=None, metadata={"ge": 0})
-    # The newest attention (attention_variants.py documents each; TransformerLens names where it has them).
+    # The newest attention (qk_norm.py, soft_cap.py, window.py, norm.py document each; TransformerLens names where it
+    # has them).
     # QK-norm: q and k RMS-normalised after projection, before the rotation, with gains attn.q_norm.w, attn.k_norm.w:
     # "head" over each head's d_head (Qwen3, Gemma 3), "layer" over all heads of the layer (OLMo 2/3).
     qk_norm: QKNormType = None

@@ -4,7 +4,7 @@ q = x W_Q / rho_q(x) * gamma_q (and k likewise), with rho the RMS of the project
 rho = sqrt(mean(q^2) + eps): per head over d_head (cfg.qk_norm "head": Qwen3, Gemma 3; gains [d_head]) or over
 all heads of the layer at once (cfg.qk_norm "layer": OLMo 2/3; gains [heads * d_head], so one rho per token
 couples the layer's heads). The score is then one fixed bilinear form W_Q Gamma_q R Gamma_k W_K^T read through the
-per-token scalars 1 / (rho_q(i) rho_k(j)) (attention_variants.py, docs/maths.md). Folding gamma into W_Q changes
+per-token scalars 1 / (rho_q(i) rho_k(j)) (circuits/qk_forms.py, docs/maths.md §7.1). Folding gamma into W_Q changes
 the RMS it divides by, so the forward pass keeps gamma apart; the circuits fold it (labelled so).
 
 Hooks: `blocks.{l}.attn.q_norm.hook_scale` / `k_norm.hook_scale` [batch, pos, heads, 1] per head, [batch, pos,

@@ -14,10 +14,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from safetensors.torch import save_file
 from tokenizers import Tokenizer
@@ -124,6 +126,20 @@ def assert_problem(response, status: int, *needles: str) -> dict:
     for needle in needles:
         assert needle.lower() in body["detail"].lower(), (needle, body["detail"])
     return body
+
+
+def get_routes(app: FastAPI) -> list[tuple[str, bool]]:
+    """(path, in the OpenAPI schema) of every GET route, included routers walked: FastAPI 0.16x keeps an included
+    router's routes behind it, so `app.routes` alone lists only the app's own few."""
+
+    def walk(items: list[Any], prefix: str = "") -> Iterator[tuple[str, bool]]:
+        for r in items:
+            if hasattr(r, "original_router"):
+                yield from walk(r.original_router.routes, prefix + (getattr(r.include_context, "prefix", "") or ""))
+            elif "GET" in (getattr(r, "methods", None) or ()):
+                yield prefix + r.path, bool(getattr(r, "include_in_schema", False))
+
+    return list(walk(app.router.routes))
 
 
 def until_done(client, url: str, timeout: float = 900.0, **kwargs):

@@ -236,3 +236,59 @@ def test_a_capped_qk_row_gives_the_share_of_its_scores_beyond_the_cap(client: Te
     page = client.get("/models/gemma2ish/heads/L1H2", params={"token": "name", "offset": 2}).text
     assert 'id="qk-score-cap"' in page and f"{100 * shares['query']:.1f} %" in page
     assert client.get(f"{API}/gemma2ish/heads/L1H2/qk", params={"k": 5}).json()["beyond_cap"] is None  # no row
+
+
+# Every analysis whose answer holds QK numbers, and the level they are at (docs/maths.md §7.1's table): token tables and
+# the positional kernel (a query and a key both μ_l, with μ_l's own scales) at token level; composition, virtual
+# weights, eigenvalue and singular values (the heads table's and a head's QK copying), band energies and the QK norms
+# at weight level; the QK path expansion at prompt level.
+QK_LEVELS = {
+    "qk": "token", "skip-trigrams": "token", "positional": "token",
+    "composition": "weight", "composition-pair": "weight", "composition-profile": "weight",
+    "qk-copying-offset": "weight", "rotary-bands": "weight", "qk-circuit-norm": "weight", "qk-symmetry": "weight",
+    "residual": "weight", "residual-pair": "weight", "positivity": "weight", "heads": "weight",
+    "head": "weight",
+    "qk-paths": "prompt",
+}  # fmt: skip
+FORM_UNDER_QK_NORM = {"token": "cosine", "weight": "bilinear", "prompt": "frozen-norm"}
+OV_TABLES = {"direct", "ov", "expert-ov"}  # token tables with the QK table's schema: their qk_form is null
+
+
+def test_the_analyses_that_say_a_qk_form_are_those_with_qk_numbers() -> None:
+    said = {a.name for a in ANALYSES if a.scope == "model" and "qk_form" in a.view.model_fields}
+    assert said == set(QK_LEVELS) | OV_TABLES
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_every_qk_number_says_its_form(client: TestClient, name: str) -> None:
+    """Each analysis with QK numbers says their form: 'exact' without QK-norm, else the form of its level."""
+    qk_norm = SHAPES[name].get("qk_norm") is not None
+    for analysis in ANALYSES:
+        if analysis.name not in QK_LEVELS.keys() | OV_TABLES:
+            continue
+        url = f"{API}/{name}" + _fill("/" + analysis.path)
+        params = _params(analysis) | ({"kind": "K"} if analysis.name == "composition" else {})
+        response = client.get(url, params=params)
+        if analysis.name in REFUSED_ON_RANDOM_WEIGHTS and response.status_code == 422:
+            continue
+        assert response.status_code == 200, (url, response.text[:300])
+        level = QK_LEVELS.get(analysis.name)
+        expected = None if level is None else FORM_UNDER_QK_NORM[level] if qk_norm else "exact"
+        assert response.json()["qk_form"] == expected, url
+
+
+def test_the_model_says_what_is_exact_and_what_is_frozen(client: TestClient) -> None:
+    """The model's summary and page say, per feature of its attention, which numbers are exact and which frozen."""
+    expected = {  # (feature, what its sentence must say) for each shape, from SHAPES by hand
+        "gemma3ish": [("QK-norm (over each head)", "frozen-norm"), ("Sliding windows (2 of 3 layers, 3 tokens)", ""),
+                      ("Output norms", "freeze")],
+        "gemma2ish": [("Soft caps (scores at 0.5 and logits at 2)", "cap factor"),
+                      ("Sliding windows (2 of 3 layers, 4 tokens)", ""), ("Output norms", "freeze")],
+        "olmo2ish": [("QK-norm (over all heads of a layer at once)", "cosine"), ("Output norms", "freeze")],
+    }  # fmt: skip
+    for name, features in expected.items():
+        said = client.get(f"{API}/{name}").json()["exactness"]
+        assert [line.split(":")[0] for line in said] == [feature for feature, _ in features], said
+        assert all(words in line for line, (_, words) in zip(said, features, strict=True)), said
+        page = client.get(f"/models/{name}").text
+        assert 'id="exactness"' in page and all(line.replace("'", "&#39;") in page for line in said), name

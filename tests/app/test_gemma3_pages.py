@@ -4,31 +4,34 @@ The walk takes the catalog (app/catalog.py: every declared analysis, in the orde
 route's required parameters with a local and a global head of the model (L4H0, L5H0), a prompt for the analyses that
 read one, and asks for the JSON and for the page at the same path without /api/v1 (when the app serves one). Each
 answers 200 with the model's id in it, or 202 (a polled job: its estimate from the engine's FLOP price is over the
-inline budget), or 422 with `advice` (a parameter that, lowered, runs it); never a 5xx. The walk runs with an inline
-budget of 0.05 s, so every analysis priced above it answers 202 and is left to stop unpolled: the walk checks that
-each is routed, priced and started on the model, and completes only the quick ones (the full computations of the
-262k-token vocabulary take minutes each on two cores). Before it, every analysis but tokenising is checked to carry a
-FLOP price on this model, and an inline answer must come within INLINE_WALL_S: an unpriced computation over the
-vocabulary (which took 40-110 s here) would run inline and fail it. The model page lists the values the GGUF file
-does not carry, with their sources, and the QK views name the form their numbers are in (qk_forms.QK_FORMS).
+inline budget; a page's job in its data-job), or 422 with `advice` (a parameter that, lowered, runs it); never a 5xx.
+The walk runs with an inline budget of 0.05 s, so every analysis priced above it answers 202 and is left to stop
+unpolled: the walk checks that each is routed, priced and started on the model, and completes only the quick ones (the
+full computations of the 262k-token vocabulary take minutes each on two cores). Before it, every analysis but
+tokenising is checked to carry a FLOP price on this model, and an inline answer must come within INLINE_WALL_S: an
+unpriced computation over the vocabulary (which took 40-110 s here) would run inline and fail it. The model page lists
+the values the GGUF file does not carry, with their sources, and the QK views name the form their numbers are in
+(qk_forms.QK_FORMS), in the JSON and in the panel of their page. The app's page routes sit behind its included routers
+(FastAPI 0.16x), so the walk finds them with conftest.get_routes; `app.routes` alone lists none of them, and the page
+half of the walk went unasked.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from starlette.routing import Route
 
 from app.catalog import ANALYSES
 from app.main import create_app
 from app.settings import Settings
 from app.tour.gemma3 import GEMMA3_MODEL
 from circuits_core.formats.gguf import GEMMA3_SOURCES
-from tests.app.conftest import until_done
+from tests.app.conftest import get_routes, until_done
 
 FOLDER = Path(__file__).resolve().parents[2] / "models" / GEMMA3_MODEL
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("gemma3")]
@@ -113,17 +116,25 @@ def _answers(client: TestClient, url: str, query: dict[str, str], name: str, pag
         assert r.json()["estimate_s"] > 0.05 and r.json()["status_url"], said
     elif r.status_code == 200:
         assert took < INLINE_WALL_S, said
-    if page and r.status_code != 422:
+    if page and r.status_code == 202:  # the page of a job, which polls it (its id in data-job)
+        assert re.search(r'data-job="[0-9a-f]+"', r.text), said
+    elif page and r.status_code != 422:
         assert GEMMA3_MODEL in r.text, said
 
 
 @pytest.mark.parametrize(("name", "path", "query"), _calls(), ids=[c[0] for c in _calls()])
 def test_every_analysis_answers(client: TestClient, name: str, path: str, query: dict[str, str]) -> None:
     _answers(client, path, query, name, page=False)
-    page = path.removeprefix("/api/v1")
-    templates = {route.path for route in client.app.routes if isinstance(route, Route)}  # type: ignore[attr-defined]
-    if any(_matches(t, page) for t in templates):
+    page = _page(client, path)
+    if page is not None:
         _answers(client, page, query, name, page=True)
+
+
+def _page(client: TestClient, api_path: str) -> str | None:
+    """The dashboard page at the API path without /api/v1, None when the app serves no page there."""
+    page = api_path.removeprefix("/api/v1").split("?")[0]
+    served = {path for path, _ in get_routes(client.app) if not path.startswith("/api/")}  # type: ignore[arg-type]
+    return page if any(_matches(t, page) for t in served) else None
 
 
 def _matches(template: str, path: str) -> bool:
@@ -142,16 +153,15 @@ def test_the_model_page_names_the_defaulted_values(client: TestClient) -> None:
 
 def test_each_qk_number_names_its_form(client: TestClient) -> None:
     m = f"/api/v1/models/{GEMMA3_MODEL}"
-    forms = {
-        f"{m}/heads/L5H1/qk": "cosine",
-        f"{m}/qk-paths?head=L5H1&prompt=The+cat+sat+on+the+mat.+The+cat": "frozen-norm",
-        f"{m}/composition?kind=K": "bilinear",
+    forms = {  # url: (its form, whether the dashboard draws it as a page of its own)
+        f"{m}/heads/L5H1/qk": ("cosine", False),
+        f"{m}/qk-paths?head=L5H1&prompt=The+cat+sat+on+the+mat.+The+cat": ("frozen-norm", True),
+        f"{m}/composition?kind=K": ("bilinear", True),
     }
-    for url, form in forms.items():
+    for url, (form, has_page) in forms.items():
         r = until_done(client, url)  # a long one runs as a job first
         assert r.status_code == 200 and r.json()["qk_form"] == form, (url, r.text[:300])
-        path = url.removeprefix("/api/v1").split("?")[0]
-        templates = {route.path for route in client.app.routes if isinstance(route, Route)}  # type: ignore[attr-defined]
-        if any(_matches(t, path) for t in templates):  # the views the dashboard draws as a page of their own
-            page = until_done(client, url.removeprefix("/api/v1"))
+        assert (_page(client, url) is not None) == has_page, url
+        if has_page:  # its panel, as htmx fetches it (a page priced over a moment comes as a frame first)
+            page = until_done(client, url.removeprefix("/api/v1"), headers={"HX-Request": "true"})
             assert page.status_code == 200 and f"QK form: {form}" in page.text, url

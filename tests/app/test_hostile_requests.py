@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 import app.registry as registry_module
@@ -30,7 +29,7 @@ from app.ratelimit import RateLimiter
 from app.serving_middleware import client_address, proxy_networks
 from app.settings import Settings
 from circuits_core.prompt.phenomena import TOKEN_COUNTS_FILE
-from tests.app.conftest import LIMITS, assert_problem, train_tokenizer
+from tests.app.conftest import LIMITS, assert_problem, get_routes, train_tokenizer
 from tests.bpe import train_bpe
 
 # Hostile token values (non-ASCII digits and symbols, signs, ids out of range, hex and exponent forms, a NUL, several
@@ -71,19 +70,6 @@ def valid(token: str) -> bool:
     text = token[1:-1] if len(token) >= 2 and token[0] == token[-1] == '"' else token
     single = len(TOKENIZER.encode(text, add_special_tokens=False).ids) == 1 or TOKENIZER.token_to_id(text) is not None
     return text != "" and len(text) <= 256 and single
-
-
-def routes(app: FastAPI) -> list[tuple[str, bool]]:
-    """(path, in the OpenAPI schema) of every GET route, included routers walked."""
-
-    def walk(items: list[Any], prefix: str = "") -> Iterator[tuple[str, bool]]:
-        for r in items:
-            if hasattr(r, "original_router"):
-                yield from walk(r.original_router.routes, prefix + (getattr(r.include_context, "prefix", "") or ""))
-            elif "GET" in (getattr(r, "methods", None) or ()):
-                yield prefix + r.path, bool(getattr(r, "include_in_schema", False))
-
-    return list(walk(app.router.routes))
 
 
 def concrete(path: str) -> str:
@@ -154,7 +140,7 @@ def test_bad_token_detail_says_what_was_expected(hclient: TestClient, bad: str) 
 def test_bad_tokens_never_give_5xx_on_pages(hclient: TestClient) -> None:
     """Every page, every token parameter name: never a 5xx (a page ignores a parameter it does not take); the
     token pages refuse with a 422 HTML page (full) or fragment (htmx)."""
-    pages = [p for p, in_schema in routes(hclient.app) if p.startswith("/models/{model}")]  # type: ignore[arg-type]
+    pages = [p for p, in_schema in get_routes(hclient.app) if p.startswith("/models/{model}")]  # type: ignore[arg-type]
     assert len(pages) >= 8
     failures, refused = [], set()
     for page in pages:
@@ -180,7 +166,7 @@ def test_connection_survives_bad_tokens(hclient: TestClient) -> None:
 
 
 def test_head_on_every_get_route(hclient: TestClient) -> None:
-    paths = [concrete(p) for p, _ in routes(hclient.app)]  # type: ignore[arg-type]
+    paths = [concrete(p) for p, _ in get_routes(hclient.app)]  # type: ignore[arg-type]
     paths += ["/static/charts.js", "/api/v1/models/nope", "/no/such/url"]
     assert len(paths) >= 30
     failures = []

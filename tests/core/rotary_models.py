@@ -33,8 +33,14 @@ CASES = {
     "qwen3": dict(n_key_value_heads=2, qk_norm="head"),
     # OLMo 2: QK-norm over the layer's heads, output norms only (the layers read the raw stream)
     "olmo2": dict(n_key_value_heads=2, qk_norm="layer", pre_norms=False, post_norms=True),
+    # OLMo 3: OLMo 2 plus local layers (own rope base) with a window shorter than the prompts and global ones (3 local
+    # per global in the real models; 2 here, so that a 3-layer test model has a global layer)
+    "olmo3": dict(
+        n_key_value_heads=2, qk_norm="layer", pre_norms=False, post_norms=True, window_size=3, attn_types="LLG",
+        rotary_base_local=10.0,
+    ),
 }  # fmt: skip
-NEWEST = ("gemma2", "gemma3", "qwen3", "olmo2")
+NEWEST = ("gemma2", "gemma3", "qwen3", "olmo2", "olmo3")
 
 
 def rotary_config(**overrides):

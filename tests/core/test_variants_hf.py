@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import transformers
 from circuits_core.errors import CheckpointError
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.formats.detect import detect_format
+from circuits_core.formats.llama_variants import REFUSED_MODEL_TYPES
 from circuits_core.formats.statedict import build_model
 from circuits_core.model.transformer import Transformer
 
@@ -260,3 +262,42 @@ def test_configurations_qkov_cannot_honour_are_refused_by_name(
 ) -> None:
     with pytest.raises(CheckpointError, match=message):
         load_checkpoint(_edited(tmp_path, world[name][0], edit))
+
+
+@pytest.mark.parametrize("name", [n for n in CASES if n.startswith(("gemma3", "qwen3", "olmo"))])
+def test_normalised_queries_and_keys_equal_transformers(world: dict[str, tuple[Path, Any]], name: str) -> None:
+    """The hooks of the normalised q and k (`attn.q_norm.hook_normalized`, before the rotation) hold what
+    transformers' own q_norm and k_norm modules return, captured from its forward pass."""
+    folder, hf = world[name]
+    model = load_checkpoint(folder, dtype=torch.float32, process=False).model
+    _, cache = model.run(TOKENS, names=lambda n: n.endswith("norm.hook_normalized"))
+    captured: dict[str, torch.Tensor] = {}
+    handles = [
+        module.register_forward_hook(lambda m, args, out, key=key: captured.__setitem__(key, out.detach()))
+        for key, module in hf.named_modules()
+        if key.endswith(("self_attn.q_norm", "self_attn.k_norm"))
+    ]
+    try:
+        reference(hf, TOKENS)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(captured) == 2 * model.cfg.n_layers
+    for key, theirs in captured.items():
+        layer, side = int(key.split(".")[-3]), key.split(".")[-1]  # model.layers.{layer}.self_attn.{q,k}_norm
+        ours = cache[f"blocks.{layer}.attn.{side}.hook_normalized"]  # [batch, pos, heads, d_head]
+        if theirs.shape[1] != N:  # Gemma 3 normalises [batch, heads, pos, d_head]
+            theirs = theirs.transpose(1, 2)
+        err = (ours - theirs.reshape(ours.shape)).abs().max().item()  # OLMo: [batch, pos, heads * d_head]
+        assert err <= 1e-5, f"{name} {key}: {err:.2e}"
+
+
+@pytest.mark.parametrize("model_type", list(REFUSED_MODEL_TYPES))
+def test_every_newer_layout_is_refused_by_its_name(
+    tmp_path: Path, world: dict[str, tuple[Path, Any]], model_type: str
+) -> None:
+    """Each layout transformers describes that qkov does not run yet (Gemma 4 and 3n, Qwen3.5, Qwen3-Next) is refused
+    naming its model_type and what it would need, never read as its older relative."""
+    why = re.escape(REFUSED_MODEL_TYPES[model_type])
+    with pytest.raises(CheckpointError, match=f"model_type '{model_type}' is not supported yet: {why}"):
+        load_checkpoint(_edited(tmp_path, world["gemma2_gqa_caps_window"][0], {"model_type": model_type}))

@@ -20,7 +20,7 @@ from app.params import NoParams
 from app.schemas import DetectorInput, HeadScores, HeadsView
 from app.settings import Limits
 from app.views.shared.head_spectra import keep_spectra
-from app.views.shared.inputs import model_ref
+from app.views.shared.inputs import model_ref, qk_form_fields
 from app.views.shared.rotary_reference import is_rotary, reference_means, reference_tokens_bound
 from circuits_core.circuits import copying_spectra
 from circuits_core.cost import Cost
@@ -125,7 +125,7 @@ def build_heads_view(loaded: LoadedModel, p: NoParams | None = None, limits: Lim
         with_loss=True,
     )
     if table.induction is None:
-        return HeadsView(model=model_ref(loaded), detector_input=meta, heads=[])
+        return HeadsView(model=model_ref(loaded), detector_input=meta, heads=[], **qk_form_fields(loaded, "weight"))
     if table.ov_eigenvalues is not None and table.qk_eigenvalues is not None:  # every head view reads them
         keep_spectra(loaded, table.ov_eigenvalues, table.qk_eigenvalues)
     scores = head_scores(loaded, table.detectors, table)
@@ -134,6 +134,7 @@ def build_heads_view(loaded: LoadedModel, p: NoParams | None = None, limits: Lim
         scores = [s.model_copy(update={"kernel_peak_offset": int(peaks[s.layer, s.index])}) for s in scores]
     return HeadsView(
         model=model_ref(loaded),
+        **qk_form_fields(loaded, "weight"),  # the QK copying and K-composition columns
         detector_input=meta,
         heads=scores,
         previous_token_head=table.induction.previous_token_head,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import re
-from typing import Literal
+from typing import Literal, TypedDict
 
 from app.schemas import ModelRef, TokenRef
 from app.settings import Limits
@@ -193,7 +193,14 @@ def check_k(k: int, limits: Limits, available: int) -> int:
     return min(k, available)
 
 
-def qk_form_fields(loaded: LoadedModel, level: Literal["token", "weight", "prompt"]) -> dict[str, str]:
+class QKFormFields(TypedDict):
+    """The fields of app/schemas/common.QKFormed."""
+
+    qk_form: str
+    qk_form_note: str
+
+
+def qk_form_fields(loaded: LoadedModel, level: Literal["token", "weight", "prompt"]) -> QKFormFields:
     """{"qk_form", "qk_form_note"}: the form of the QK numbers a view at this level shows on this model, and that
     form in words (qk_forms.QK_FORMS)."""
     form = qk_form(loaded.model, level)

@@ -28,8 +28,9 @@ from app.analysis import Analysis
 from app.page_spec import PerHeadPage
 from app.params import NoParams
 from app.schemas import ModelRef
+from app.schemas.common import QKFormed
 from app.settings import Limits
-from app.views.shared.inputs import model_ref
+from app.views.shared.inputs import model_ref, qk_form_fields
 from circuits_core.cost import Cost
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.transformer import Transformer
@@ -41,6 +42,10 @@ class PerHeadView(BaseModel):
     model: ModelRef
     d_head: int = Field(description="dimension of each head's query, key and value")
     group_size: int = Field(description="query heads per key/value head (1 without grouped-query attention)")
+
+
+class QKPerHeadView(PerHeadView, QKFormed):
+    """A per-head answer whose numbers are QK numbers: with the form they are in."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,15 +71,17 @@ def per_head_analysis(
     digits: int = 4,
     tags: tuple[str, ...] = ("circuits",),
     weights: Literal["attention", "all"] = "attention",
+    qk_level: Literal["token", "weight", "prompt"] | None = None,
 ) -> PerHeadAnalysis:
     """The analysis `name` (also its path) serving `values(model)`, a [n_layers, n_heads] tensor, as `field` of its
     answer, priced by `cost(model)`. `summary` labels it in the API docs and the navigation, `title`, `explanation`
     and `quantity` head its page, its heatmap and its table column. `weights="all"` when `values` reads MLP
     weights (the default says it reads only attention, norm, embedding and unembedding weights, which
-    tests/app/test_lazy_weights.py checks)."""
+    tests/app/test_lazy_weights.py checks). `qk_level`: the numbers are QK numbers at that level, and the answer
+    says which form they are in (qk_forms.qk_form)."""
     view = create_model(
         "".join(w[0].upper() + w[1:] for w in title.split() if w.isalnum()) + "View",
-        __base__=PerHeadView,
+        __base__=PerHeadView if qk_level is None else QKPerHeadView,
         __module__=PerHeadView.__module__,
         **{field: (list[list[float]], Field(description=f"[layer][head] {quantity}: {explanation}"))},  # type: ignore[call-overload]
     )
@@ -85,6 +92,8 @@ def per_head_analysis(
         if tuple(numbers.shape) != (cfg.n_layers, cfg.n_heads):
             raise ValueError(f"{name}: {values.__qualname__} gave {tuple(numbers.shape)}, not [n_layers, n_heads]")
         answer = {field: numbers.tolist(), "d_head": cfg.d_head, "group_size": cfg.group_size}
+        if qk_level is not None:
+            answer |= qk_form_fields(loaded, qk_level)
         return view.model_validate({"model": model_ref(loaded), **answer})
 
     def priced(loaded: LoadedModel, p: NoParams, limits: Limits) -> Cost:
