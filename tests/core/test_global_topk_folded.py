@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from circuits_core.circuits import embedding, global_topk_bounds, global_topk_folded
+from circuits_core.circuits import embedding, global_topk, global_topk_bounds, global_topk_folded
 from circuits_core.circuits import head_circuits as C
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import head_weights
@@ -137,3 +137,50 @@ def test_full_ov_circuit_keeps_its_factors_as_products_where_they_are_ones(norm)
     assert (fm.products is not None) == (norm == "RMS") == C.ov_unformed(model)
     assert torch.equal(fm.A, embedding.embed_eff_matmul(model, W_V))
     assert torch.equal(fm.B, (model.W_U.T @ W_O.T).T)
+
+
+def cancelling_factors(seed, cancel, ldim=300, d=40, m=24):
+    """Float32 factors (cancelling, other) [ldim, m]. cancelling = X Y, X stored by columns (as W_U^T): its first 100
+    rows are two clusters of near-equal rows (1e-3 apart, of opposite sign), each X_i plus `cancel` times its norm
+    along a direction n with n Y = 0, so fl(X_i Y) rounds far more than its value and the folded rows fl(X_i fl(Y T))
+    miss its rows times T by far more than the product's own rounding. other = diag(s) X Y has one row 10x the
+    others: the largest and the smallest entries of the product of the two are in that row (column), with a
+    cluster."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.logspace(0, -1, m, dtype=torch.float64)
+    X_c, X_o = (torch.randn(ldim, d, generator=gen, dtype=torch.float64) for _ in range(2))
+    Y_c, Y_o = (torch.randn(d, m, generator=gen, dtype=torch.float64) * scale for _ in range(2))
+    base = 3 * X_c[0]
+    noise = 1e-3 * base.norm() / d**0.5
+    X_c[:50] = base + noise * torch.randn(50, d, generator=gen, dtype=torch.float64)
+    X_c[50:100] = -base + noise * torch.randn(50, d, generator=gen, dtype=torch.float64)
+    n = torch.randn(d - m, generator=gen, dtype=torch.float64) @ torch.linalg.svd(Y_c.T).Vh[m:]  # n Y_c = 0
+    X_c[:100] += cancel * X_c[:100].norm(dim=1, keepdim=True) * n / n.norm()
+    X_o[0] *= 10
+    s = 0.5 + torch.rand(ldim, generator=gen, dtype=torch.float64)
+    return ProductFactor(X_c.T.float().T, Y_c.float()), ProductFactor(X_o.float(), Y_o.float(), s.float())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("cancel", [1e4, 1e5])
+@pytest.mark.parametrize("planted", ["left", "right"])
+def test_the_rounding_margins_alpha_beta_keep_cancelling_rows_exact(monkeypatch, seed, cancel, planted):
+    """With the cancelling factor (cancelling_factors) as A or as B^T, A' B' misses the entries near the k-th by far
+    more than the margins other than alpha and beta (the product's rounding, the basis defect: ~1e-5 of an entry)
+    and than the gaps between those entries: only alpha and beta (_side: the folded rows' distance to A_i M and
+    N B_j) send them to be recomputed. The top 30, largest and smallest, must be those of the float64 product of the
+    factors as formed (which the float32 dense product orders alike)."""
+    cancelling, other = cancelling_factors(seed, cancel)
+    left, right = (cancelling, other) if planted == "left" else (other, cancelling)
+    monkeypatch.setattr(global_topk_folded, "exact_budget", lambda *a: 10**12)  # (many entries are near the k-th)
+    brute = left.form().double() @ right.form().double().T  # [300, 300]
+    dense = (left.form() @ right.form().T).flatten()  # float32, as the answer must rank them
+    k = 30
+    for largest in (True, False):
+        ref = (brute if largest else -brute).flatten().topk(k)
+        assert torch.equal((dense if largest else -dense).topk(k).indices.sort().values, ref.indices.sort().values)
+        found = global_topk.topk_products(left, right, k, largest)
+        assert found is not None
+        v, r, c = found
+        assert set((r * 300 + c).tolist()) == set(ref.indices.tolist())
+        torch.testing.assert_close(v.double(), ref.values if largest else -ref.values, rtol=1e-5, atol=0)
