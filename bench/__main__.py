@@ -51,6 +51,19 @@ def collect() -> dict[str, Callable[[], None]]:
     return sections
 
 
+def machine() -> str:
+    """The CPU as the figures depend on it: its model name (Linux's /proc/cpuinfo) and the vector instructions torch's
+    kernels use (`torch.backends.cpu.get_cpu_capability()`: AVX2, AVX512, ...). The same code ran about twice as fast
+    on an AVX-512/AMX Xeon as on an AVX2 one, so figures are compared only between runs on the same kind of CPU."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            name = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name}, {torch.backends.cpu.get_cpu_capability()}"
+
+
 def main(argv: list[str] | None = None) -> int:
     sections = collect()
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
@@ -71,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg() if hasattr(os, "getloadavg") else (float("nan"),) * 3
     print(
         f"qkov bench: torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs "
-        f"({platform.processor() or platform.machine()}), load average {load[0]:.1f}; medians of a few repeats; "
+        f"({machine()}), load average {load[0]:.1f}; medians of a few repeats; "
         f"malloc thresholds {'fixed (bench.STEADY_MALLOC)' if steady else 'glibc not found: left to the C library'}",
         flush=True,
     )

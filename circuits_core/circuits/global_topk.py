@@ -45,7 +45,8 @@ def topk_global_cost(
 
     Peak: the norm-sorted copy of A and the column tiles of B, their bfloat16 copies when screened, the 4
     tile buffers (at most budget_bytes) and the candidates, or on large matrices the larger of that and what the
-    search of global_topk_bounds holds (global_topk_bounds.bounded_peak_bytes, its seed and candidates); answer:
+    search of global_topk_bounds holds (global_topk_bounds.bounded_peak_bytes, its bfloat16 copies when screened, its
+    seed and candidates); answer:
     batch x k (value, row, column); FLOPs: topk_global_flops per matrix.
     """
     tile_cols = min(TILE_COLS, rdim)
@@ -58,7 +59,8 @@ def topk_global_cost(
     peak = factors + screen + tiles + sorting + candidates
     if _bounded(ldim, mdim, rdim):  # the tiles are the fallback when its bounds overflow
         seed = k * (element_size + 16) + global_topk_bounds.SEED * max(global_topk_bounds.SEED, k) * element_size
-        peak = max(peak, global_topk_bounds.bounded_peak_bytes(ldim, mdim, rdim, element_size) + 2 * seed)
+        # and, when screened, the bfloat16 copies of the rows and columns its staircase reads (at most A's and B's)
+        peak = max(peak, global_topk_bounds.bounded_peak_bytes(ldim, mdim, rdim, element_size) + screen + 2 * seed)
     flops = batch * topk_global_flops(ldim, mdim, rdim)
     return Cost(peak, flops=flops).with_answer(numbers=3 * k * batch)
 
@@ -111,12 +113,22 @@ def topk_global_2d(
     min(step, TILE_ROWS) x TILE_COLS entries. Every entry of a tile is bounded by ||A_first row|| * ||B_first col||, so
     once that falls below the current k-th value the rest of the row block (and, for the first tile of a
     block, all later blocks) is skipped. Inside a tile only rows whose maximum beats the k-th value are
-    ranked, their maximum first estimated in bfloat16 for large matrices (see SCREEN_MARGIN).
+    ranked, their maximum first estimated in bfloat16 for large matrices (see SCREEN_MARGIN). Matrices large enough
+    for global_topk_bounds take its search instead, with the same screen on its products.
     """
     ldim, rdim = A.shape[0], B.shape[1]
     B = B if largest else -B  # smallest entries of AB = largest of A(-B)
+    dtype = torch.result_type(A, B)
+    screen = (
+        SCREEN_DTYPE is not None
+        and ldim * rdim >= SCREEN_MIN_ENTRIES
+        and dtype in (torch.float32, torch.float64)
+        and _screening_accumulates_in_fp32(A.device)
+        and half_products_fast(A.device, SCREEN_DTYPE)
+    )
     if global_topk_bounds.usable(A, B):  # large circuits: bounds in their singular basis prune far more
-        found = global_topk_bounds.topk_bounded(A, B, k, should_stop)
+        screened = (SCREEN_DTYPE, SCREEN_MARGIN) if screen and SCREEN_DTYPE is not None else None
+        found = global_topk_bounds.topk_bounded(A, B, k, should_stop, screened)
         if found is not None:
             values, rows, cols = found
             return (values if largest else -values), rows, cols
@@ -126,15 +138,7 @@ def topk_global_2d(
     tile_cols = min(TILE_COLS, rdim)
     tiles = [B[:, col_order[j : j + tile_cols]] for j in range(0, rdim, tile_cols)]  # contiguous [mdim, <=tile_cols]
     tile_rows = min(step, TILE_ROWS)
-    dtype = torch.result_type(A, B)
     buf = torch.empty(min(tile_rows, ldim) * tile_cols, dtype=dtype, device=A.device)
-    screen = (
-        SCREEN_DTYPE is not None
-        and ldim * rdim >= SCREEN_MIN_ENTRIES
-        and dtype in (torch.float32, torch.float64)
-        and _screening_accumulates_in_fp32(A.device)
-        and half_products_fast(A.device, SCREEN_DTYPE)
-    )
     if screen:
         A_s, tiles_s = A.to(SCREEN_DTYPE), [t.to(SCREEN_DTYPE) for t in tiles]
         buf_s = torch.empty(buf.numel(), dtype=SCREEN_DTYPE, device=A.device)

@@ -172,16 +172,35 @@ def _bound_factors(A: Tensor, B: Tensor, should_stop: Callable[[], bool] | None)
 
 
 def topk_bounded(
-    A: Tensor, B: Tensor, k: int, should_stop: Callable[[], bool] | None = None
+    A: Tensor,
+    B: Tensor,
+    k: int,
+    should_stop: Callable[[], bool] | None = None,
+    screen: tuple[torch.dtype, float] | None = None,
 ) -> tuple[Tensor, Tensor, Tensor] | None:
     """The k largest entries of A [l, m] @ B [m, r]: (values [k] descending, rows [k], columns [k]), or None when the
-    bounds are not finite (an overflow): then the caller searches without them."""
+    bounds are not finite (an overflow): then the caller searches without them.
+
+    `screen` = (dtype, margin): the staircase's products are first computed in that dtype (global_topk's bfloat16
+    screen, where the device multiplies it fast), each within margin ||A_i|| ||B_:,j|| of the entry; entries within
+    that of the k-th value are recomputed exactly, so the answer is the same."""
     factors = _bound_factors(A, B, should_stop)
     if factors is None:
         return None
-    p, q = factors
+    (p, row_order), (q, col_order) = (x.sort(descending=True) for x in factors)
     exact = lambda rows, cols: A[rows] @ B[:, cols]  # noqa: E731 - the products are the entries
-    return staircase(A, B, *p.sort(descending=True), *q.sort(descending=True), k, exact, should_stop=should_stop)
+    if screen is None:
+        return staircase(A, B, p, row_order, q, col_order, k, exact, should_stop=should_stop)
+    dtype, relative = screen
+    gamma = rounding(A.shape[1], A.dtype)
+    # upper bounds on ||A_i|| and ||B_:,j|| (float64), in bound order, for the margin of each chunk of the staircase
+    norm_a = A.norm(dim=1).double()[row_order] * (1 + 2 * gamma)  # [l]
+    norm_b = B.norm(dim=0).double()[col_order] * (1 + 2 * gamma)  # [r]
+
+    def margin(i0: int, i1: int, c0: int, c1: int) -> float:
+        return relative * float(norm_a[i0:i1].max()) * float(norm_b[c0:c1].max())
+
+    return staircase(A, B, p, row_order, q, col_order, k, exact, margin, should_stop, products=dtype)
 
 
 Margin = Callable[[int, int, int, int], float]
@@ -198,13 +217,15 @@ def staircase(
     exact_block: Callable[[Tensor, Tensor], Tensor],
     margin: Margin | None = None,
     should_stop: Callable[[], bool] | None = None,
+    products: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The k largest entries of a matrix C [l, r] whose entries are bounded by C_ij <= p_i q_j, multiplied out
     from A [l, m] @ B [m, r]: the entries themselves (margin None) or approximations of them within
     margin(i0, i1, c0, c1) on rows i0:i1 and columns c0:c1 in bound order. p [l] and q [r] (float64, >= 0) come
     sorted in descending order, row_order and col_order the rows and columns they belong to. exact_block(rows, cols)
     gives C[rows][:, cols] as the answer must hold it: the seed block, and the entries an approximation leaves within
-    its margin of the k-th value."""
+    its margin of the k-th value. `products`: the dtype the approximations are multiplied in (the rows and columns
+    the staircase reads are converted as they are gathered), default the factors' own."""
     ldim, rdim = A.shape[0], B.shape[1]
 
     # the seed: the first rows x columns in bound order, exact; its k-th value is a lower bound of the answer's
@@ -227,7 +248,9 @@ def staircase(
     # [m, J]: B's columns gathered as they are stored (a contiguous column stays one, and a chunk of them is read as
     # the transposed operand of each product: 0.1-0.2 s less on Gemma-3's L5H1 than a row-major copy)
     B_reach = B.T[reached].T if B.T.is_contiguous() else B[:, reached].contiguous()
-    buf = torch.empty(CHUNK_ENTRIES, dtype=torch.result_type(A, B), device=A.device)
+    if products is not None:
+        B_reach = B_reach.to(products)
+    buf = torch.empty(CHUNK_ENTRIES, dtype=products or torch.result_type(A, B), device=A.device)
     i0 = 0
     while i0 < ldim:
         J = reach(q, neg_q, float(p[i0]), tau)  # the block's first row reaches the most columns
@@ -235,7 +258,7 @@ def staircase(
             break  # rows come in descending bound: no later row reaches a column either
         cols = min(J, COLS)
         i1 = min(ldim, i0 + max(1, min(ROWS_MAX, CHUNK_ENTRIES // cols)))
-        A_rows = A[row_order[i0:i1]]  # [b, m]
+        A_rows = A[row_order[i0:i1]] if products is None else A[row_order[i0:i1]].to(products)  # [b, m]
         for c0 in range(0, J, cols):  # column chunks: each product [n, <= cols] stays in cache while it is read
             check_stop(should_stop, "global top-k")
             n = min(i1, reach(p, neg_p, float(q[c0]), tau)) - i0  # the block's rows whose bound reaches c0

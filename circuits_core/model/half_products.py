@@ -43,29 +43,52 @@ FEW_ROWS, TILE_ROWS, TILE_COLUMNS = 16, 32, 4096
 # Below that the helper thread's start (~0.1 ms) is a visible share of the product; blocks of tens of MB keep each
 # thread streaming while the two share the vocabulary evenly.
 SPLIT_BYTES, BLOCK_BYTES = 16 * 2**20, 32 * 2**20
+# The probe's products [m, k] @ [k, n]: a small one, where an emulated half-precision GEMM shows at once (28x slower),
+# then one large enough that a native one's fixed costs (the kernel's set-up, AMX tile configuration) are a small part.
+# On the AVX-512/AMX Xeon the small product alone was a coin toss (bf16 0.035-0.041 ms, float32 0.042-0.049 ms, so
+# the probe said "slow" in some processes), while at the global top-k's tile shape [1024, 576] @ [576, 16384] bf16 ran
+# 3.5x faster (1,035-1,144 against 291-301 GFLOP/s); the large probe (2^28 FLOP, ~1 ms in float32) shows that gap.
+SMALL_PROBE, LARGE_PROBE = (128, 64, 1024), (256, 512, 1024)
+EMULATED = 2.0  # a half product this many times slower than float32 on the small probe is emulated: no second probe
+# Fast means at most FASTER times float32's time on the large probe, timed on one thread: on the AVX-512/AMX Xeon bf16
+# took 0.27-0.29 against 1.36-1.48 ms there (0.2x), float16 1.26-1.45 ms (a tie: not fast).
+FASTER = 0.5
 _fast: dict[tuple[torch.device, torch.dtype], bool] = {}
 
 
+def _best_time(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device) -> float:
+    """Seconds of the fastest of 5 products [m, k] @ [k, n] in `dtype`, after one untimed warm-up product."""
+    m, k, n = shape
+    x, y = torch.randn(m, k, device=device).to(dtype), torch.randn(k, n, device=device).to(dtype)
+    x @ y  # the first call builds the kernel: not timed
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x @ y
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def probe_says_fast(time_of: Callable[[tuple[int, int, int], torch.dtype], float], dtype: torch.dtype) -> bool:
+    """The probe's decision from `time_of(shape, dtype)` (seconds): not fast when the half product is EMULATED times
+    slower than float32 on SMALL_PROBE (then LARGE_PROBE is not run: emulated, it would take ~0.1 s); else fast when it
+    takes at most FASTER times float32's time on LARGE_PROBE."""
+    if time_of(SMALL_PROBE, dtype) > EMULATED * time_of(SMALL_PROBE, torch.float32):
+        return False
+    return time_of(LARGE_PROBE, dtype) <= FASTER * time_of(LARGE_PROBE, torch.float32)
+
+
 def half_products_fast(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether a `dtype` GEMM beats a float32 one on `device`, timed once per (device, dtype) (best of 3 each;
-    a CUDA device is taken as fast). CPUs without bf16 instructions (AVX2 only) emulate it: 28x slower than float32
+    """Whether a `dtype` GEMM beats a float32 one on `device`, timed once per (device, dtype) (probe_says_fast; a
+    CUDA device is taken as fast). CPUs without bf16 instructions (AVX2 only) emulate it: 28x slower than float32
     on such a CPU; GPUs and CPUs with AVX512-BF16/AMX run it faster."""
     key = (torch.device(device), dtype)
     if key not in _fast:
         if key[0].type == "cuda":
             _fast[key] = True
         else:
-            a, b = torch.randn(128, 64, device=device), torch.randn(64, 1024, device=device)
-            best = {}
-            for dt in (torch.float32, dtype):
-                x, y = a.to(dt), b.to(dt)
-                times = []
-                for _ in range(3):
-                    t0 = time.perf_counter()
-                    x @ y
-                    times.append(time.perf_counter() - t0)
-                best[dt] = min(times)
-            _fast[key] = best[dtype] < best[torch.float32]
+            with one_thread():  # two OpenMP threads on a busy 2-core machine stall ~5 ms per product on their barrier
+                _fast[key] = probe_says_fast(lambda shape, dt: _best_time(shape, dt, key[0]), dtype)
     return _fast[key]
 
 

@@ -36,6 +36,7 @@ from circuits_core.circuits import virtual_weights as vw
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.folded import circuit_weight, head_weights
 from circuits_core.circuits.global_topk import SCREEN_MIN_ENTRIES, topk_global_flops
+from circuits_core.model.half_products import half_products_fast
 from circuits_core.prompt import qk_paths
 from circuits_core.schedule import available_cores
 
@@ -168,6 +169,9 @@ def test_the_top_k_search_never_counts_more_than_its_price() -> None:
     assert 0 < small < topk_global_flops(300, 8, 40_000)
     big = FactoredMatrix(torch.randn(5000, 8, generator=gen), torch.randn(8, 5000, generator=gen))
     assert 5000 * 5000 >= SCREEN_MIN_ENTRIES
+    half_products_fast(
+        torch.device("cpu"), torch.bfloat16
+    )  # the once-per-process probe's products are not the search's
     assert counted(lambda: big.topk_global(20)) <= topk_global_flops(5000, 8, 5000)
     every = FactoredMatrix(torch.randn(30, 8, generator=gen), torch.randn(8, 50, generator=gen))
     assert counted(lambda: every.topk_global(30 * 50)) == topk_global_flops(30, 8, 50)

@@ -239,3 +239,59 @@ def test_price_covers_the_held_peak(dtype):
     seed = 30 * (size + 16) + global_topk_bounds.SEED * 30 * size  # the seed block and the candidates
     bounded = global_topk_bounds.bounded_peak_bytes(600, 24, 500, size) + 2 * seed
     assert held.peak <= bounded <= fm.topk_global_cost(30).peak_bytes
+
+
+SCREEN = (torch.bfloat16, global_topk.SCREEN_MARGIN)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("k", [1, 10, 300])
+def test_the_bfloat16_screened_search_matches_the_dense_topk(seed, dtype, k):
+    """The staircase's products in bfloat16 (where the device multiplies them fast), the entries within the screen's
+    margin of the k-th value recomputed exactly: the dense product's top k."""
+    A, B = circuit_like(300, 24, 260, seed, dtype)
+    v, r, c = global_topk_bounds.topk_bounded(A, B, k, screen=SCREEN)
+    ref_v, ref_r, ref_c = dense_topk(A @ B, k)
+    tol = 1e-12 if dtype == torch.float64 else 1e-4
+    torch.testing.assert_close(v, ref_v, rtol=tol, atol=tol)
+    assert torch.equal(r, ref_r) and torch.equal(c, ref_c)
+
+
+def near_ties():
+    """Float64 entries all within ~1e-4 of each other (rank-one factors plus small noise), far inside bfloat16's
+    rounding (2^-9 relative): the screen's approximations cannot order them, so its margin decides what is recomputed.
+    """
+    gen = torch.Generator().manual_seed(9)
+    dtype = torch.float64
+    a, b = torch.rand(24, generator=gen, dtype=dtype) + 0.5, torch.rand(24, generator=gen, dtype=dtype) + 0.5
+    A = a + 1e-4 * torch.randn(200, 24, generator=gen, dtype=dtype)  # [200, 24]
+    B = b[:, None] + 1e-4 * torch.randn(24, 180, generator=gen, dtype=dtype)  # [24, 180]
+    return A, B
+
+
+def test_the_screen_keeps_near_ties():
+    A, B = near_ties()
+    ref_v, ref_r, ref_c = dense_topk(A @ B, 25)
+    v, r, c = global_topk_bounds.topk_bounded(A, B, 25, screen=SCREEN)
+    assert torch.equal(r, ref_r) and torch.equal(c, ref_c)
+    torch.testing.assert_close(v, ref_v, rtol=0, atol=1e-12)  # the exact entries, not their bfloat16 screen
+
+
+def test_the_global_topk_screens_the_bounded_search_where_bfloat16_is_fast(monkeypatch):
+    """FactoredMatrix.topk_global hands the screen to the bounded search when the device's probe says bfloat16 is fast
+    (and the matrix is large enough to screen), and not otherwise; the answer is the dense one either way."""
+    monkeypatch.setattr(global_topk, "SCREEN_MIN_ENTRIES", 1000)
+    seen = []
+    bounded = global_topk_bounds.topk_bounded
+    monkeypatch.setattr(
+        global_topk_bounds, "topk_bounded", lambda *a, **kw: seen.append(a[4] if len(a) > 4 else None) or bounded(*a)
+    )
+    A, B = near_ties()
+    ref_v, ref_r, ref_c = dense_topk(A @ B, 25)
+    for fast in (True, False):
+        monkeypatch.setattr(global_topk, "half_products_fast", lambda device, dtype, fast=fast: fast)
+        v, r, c = FactoredMatrix(A, B).topk_global(25)
+        assert torch.equal(r, ref_r) and torch.equal(c, ref_c)
+        torch.testing.assert_close(v, ref_v, rtol=0, atol=1e-12)
+        assert seen.pop() == (SCREEN if fast else None)

@@ -163,15 +163,48 @@ def test_the_product_path_follows_the_probe(fast: bool, monkeypatch: pytest.Monk
 
 def test_the_probe_is_timed_once_per_device_and_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(half_products, "_fast", {})
-    timed: list[int] = []
-    perf = half_products.time.perf_counter
-    monkeypatch.setattr(half_products.time, "perf_counter", lambda: timed.append(1) or perf())
+    timed: list[tuple[tuple[int, int, int], torch.dtype]] = []
+    best = half_products._best_time
+    monkeypatch.setattr(
+        half_products, "_best_time", lambda shape, dt, device: timed.append((shape, dt)) or best(shape, dt, device)
+    )
     first = half_products.half_products_fast(torch.device("cpu"), torch.bfloat16)
     n = len(timed)
-    assert n == 12  # best of 3, two dtypes, start and stop
+    assert n in (2, 4) and {dt for _, dt in timed} == {torch.float32, torch.bfloat16}  # small probe, then maybe large
     assert half_products.half_products_fast(torch.device("cpu"), torch.bfloat16) is first and len(timed) == n
     half_products.half_products_fast(torch.device("cpu"), torch.float16)
-    assert len(timed) == 2 * n
+    assert len(timed) > n and timed[-1][1] in (torch.float32, torch.float16)
+
+
+def _clock(seconds: dict[tuple[tuple[int, int, int], torch.dtype], float], asked: list[tuple[int, int, int]]) -> Any:
+    """A probe clock: the seconds of each (shape, dtype), recording the shapes asked for."""
+
+    def time_of(shape: tuple[int, int, int], dtype: torch.dtype) -> float:
+        asked.append(shape)
+        return seconds[shape, dtype]
+
+    return time_of
+
+
+SMALL, LARGE, F32, BF16 = half_products.SMALL_PROBE, half_products.LARGE_PROBE, torch.float32, torch.bfloat16
+
+
+def test_the_probe_stops_at_the_small_product_when_the_half_one_is_emulated() -> None:
+    asked: list[tuple[int, int, int]] = []
+    emulated = {(SMALL, F32): 4e-5, (SMALL, BF16): 28 * 4e-5}  # an AVX2 CPU: bf16 28x slower
+    assert half_products.probe_says_fast(_clock(emulated, asked), BF16) is False
+    assert asked == [SMALL, SMALL]  # the large product, emulated, is never run
+
+
+def test_the_probe_decides_on_the_large_product_where_the_small_one_is_a_tie() -> None:
+    # the AVX-512/AMX Xeon: the small products within noise of each other (bf16 a little slower here), the large one
+    # 5x faster in bf16: fast; float16's 0.74-1.0x there is a near tie: not fast; nor where the large product is slower
+    tie = {(SMALL, F32): 4.2e-5, (SMALL, BF16): 4.9e-5}
+    for large_bf16, fast in ((0.17e-3, True), (0.76e-3, False), (1.5e-3, False)):
+        asked: list[tuple[int, int, int]] = []
+        clock = _clock({**tie, (LARGE, F32): 0.95e-3, (LARGE, BF16): large_bf16}, asked)
+        assert half_products.probe_says_fast(clock, BF16) is fast
+        assert asked.count(LARGE) == 2
 
 
 def test_ov_row_direct_row_and_qk_column_on_bf16_weights_match_float64(bf16_model: Any, emulated: None) -> None:
