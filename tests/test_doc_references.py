@@ -65,3 +65,22 @@ def test_the_readme_says_which_qk_numbers_are_exact_and_which_frozen() -> None:
     assert forms == ["exact", "cosine", "bilinear", "frozen-norm"]
     missing = [form for form in forms[1:] if f"`{form}`" not in readme]
     assert not missing, f"README.md does not name the QK forms {missing}"
+
+
+# a file of the repository named by its path (a placeholder such as app/views/x.py is not one)
+FILE_PATH = re.compile(
+    r"(?<![\w/.<{-])((?:app|circuits_core|tests|bench|templates|static|docs|checkpoints)/[\w/.-]*\w"
+    r"\.(?:py|md|html|js|css|json|sh))\b"
+)
+TEXTS = [*CODE, *ROOT.glob("docs/*.md"), ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "Makefile",
+         ROOT / "Dockerfile", *ROOT.glob("static/*.js"), *ROOT.glob("static/*.css")]  # fmt: skip
+
+
+def test_every_file_the_code_and_docs_name_exists() -> None:
+    """A module, test, template or document named by its path in the code, the docs or a page exists: files move
+    (circuits_core's groups, app/scheduling/), and a stale path sends a reader, or a page's note, nowhere."""
+    named = [(p, m.group(1)) for p in TEXTS for m in FILE_PATH.finditer(p.read_text(errors="replace"))]
+    assert len(named) > 300  # the docs name files throughout: a broken pattern would find none
+    stale = [f"{p.relative_to(ROOT)}: {name}" for p, name in named
+             if not (ROOT / name).exists() and Path(name).stem != "x"]  # fmt: skip
+    assert not stale, "paths to files that do not exist:\n" + "\n".join(stale)

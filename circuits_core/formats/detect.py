@@ -35,7 +35,7 @@ from circuits_core.formats.gguf import gguf_file
 from circuits_core.formats.gpt_oss import gpt_oss_config, load_gpt_oss
 from circuits_core.formats.hf import load_gpt2, load_gpt_neox
 from circuits_core.formats.llama import LLAMA_MODEL_TYPES, llama_config, load_llama, shard_names
-from circuits_core.formats.llama_variants import REFUSED_MODEL_TYPES, VARIANT_MODEL_TYPES, load_variant, variant_config
+from circuits_core.formats.llama_variants import VARIANT_MODEL_TYPES, load_variant, refuse_newer_layout, variant_config
 from circuits_core.formats.moe_families import MOE_MODEL_TYPES, load_moe, moe_config
 from circuits_core.formats.phi3 import load_phi3, phi3_config
 from circuits_core.formats.qkov_format import load_qkov
@@ -96,10 +96,7 @@ def detect_format(folder: str | Path) -> Format:
         model_type = ConfigReader(data).text("model_type")
         if model_type in HF_MODEL_TYPES:
             return HF_MODEL_TYPES[model_type]
-        if model_type in REFUSED_MODEL_TYPES:
-            raise CheckpointError(
-                f"config.json: model_type {model_type!r} is not supported yet: {REFUSED_MODEL_TYPES[model_type]}"
-            )
+        refuse_newer_layout(model_type)
         raise CheckpointError(
             f"config.json: unknown architecture model_type={model_type!r}; supported Hugging Face "
             f"model types: {', '.join(HF_MODEL_TYPES)} (formats: {', '.join(FORMATS)}; found: {folder_listing(folder)})"

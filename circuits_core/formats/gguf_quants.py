@@ -2,7 +2,7 @@
 
 A quantised tensor is rows of blocks; each block holds `block` values in `type_size` bytes (gguf.GGML_QUANT_SIZES).
 The commonest types are decoded here in torch (vectorised, bit-identical to `gguf.quants.dequantize`, the ggml
-project's reference code: tests/core/test_gguf_quants.py checks every bit on random bytes, any fp16 scale included):
+project's reference code: tests/core/test_gguf_header.py checks every bit on random bytes, any fp16 scale included):
     Q8_0 [34 B / 32]: fp16 d, 32 int8 q                        -> d q
     Q4_0 [18 B / 32]: fp16 d, 16 bytes of nibbles q            -> d (q - 8)
     Q4_1 [20 B / 32]: fp16 d, fp16 m, 16 bytes of nibbles q    -> d q + m

@@ -63,6 +63,17 @@ REFUSED_MODEL_TYPES = {
     "gemma3n": "per-layer embeddings, AltUp and laurel blocks",
 }
 LAYER_TYPES = {"full_attention": "global", "sliding_attention": "local"}
+
+
+def refuse_newer_layout(model_type: str) -> None:
+    """Raise CheckpointError naming `model_type` and what qkov would need for it, when it is one of
+    REFUSED_MODEL_TYPES (the folder's detection and the variant loader both ask)."""
+    if model_type in REFUSED_MODEL_TYPES:
+        raise CheckpointError(
+            f"config.json: model_type {model_type!r} is not supported yet: {REFUSED_MODEL_TYPES[model_type]}"
+        )
+
+
 _GEMMA = ("gemma2", "gemma3_text")
 _OLMO = ("olmo2", "olmo3")
 
@@ -158,10 +169,7 @@ def variant_config(hf: dict[str, Any]) -> ModelConfig:
     """ModelConfig of a Gemma 2/3, Qwen3 or OLMo 2/3 config.json (refusing what the model does not implement)."""
     path = Path("config.json")
     model_type = ConfigReader(hf, path.name).text("model_type")
-    if model_type in REFUSED_MODEL_TYPES:
-        raise CheckpointError(
-            f"config.json: model_type {model_type!r} is not supported yet: {REFUSED_MODEL_TYPES[model_type]}"
-        )
+    refuse_newer_layout(model_type)
     if model_type not in VARIANT_MODEL_TYPES:
         raise CheckpointError(f"config.json: model_type {model_type!r} is not one of {', '.join(VARIANT_MODEL_TYPES)}")
     text = text_config(hf)

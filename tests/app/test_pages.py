@@ -263,8 +263,8 @@ def test_prompt_text_is_escaped(evil_client: TestClient) -> None:
     assert_escaped(r.text)
     figs = [json.loads(s) for s in parse(r.text).json_scripts]
     labels = [x for f in figs for trace in f["data"] for x in trace.get("x", []) if isinstance(x, str)]
-    # plotly reads labels as an HTML subset: they carry the token escaped as entities, which plotly draws as
-    # the token's own characters (tests/browser/test_chart_text_browser.py draws it in chromium)
+    # plotly reads labels as an HTML subset: they carry the token escaped as entities, which plotly draws as the
+    # token's own characters (tests/browser/test_wide_models_browser.py, test_plotly_draws_token_markup_as_text)
     assert any(EVIL in html.unescape(x) for x in labels), "the token is drawn with its real text"
     assert not any("<script" in x for x in labels)
 
