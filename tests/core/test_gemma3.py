@@ -4,8 +4,9 @@
   folder, gguf_file=...)`) on SAMPLE: unicode in several scripts, emoji, whitespace runs, tabs and newlines, digits,
   code, Gemma's control tokens and a literal byte-piece spelling.
 - Logits: equal to <= 1e-3 on BOS + 600 tokens (past the 512-token window of the local layers).
-- QK paths: on a prompt, the (query component, key component) terms of a local and a global head sum to the
-  pre-softmax scores transformers' eager attention computes (q k^T times its scaling, captured inside it).
+- QK paths: on a sentence and on BOS + 600 tokens, the (query component, key component) terms of a local and a global
+  head sum to the pre-softmax scores transformers' eager attention computes (q k^T times its scaling, captured inside
+  it) wherever the softmax reads them.
 - Behaviour: " Paris" among the top 3 after "The capital of France is"; on BOS + 40 random tokens repeated, the loss
   on the second copy is far below the first.
 transformers' dequantise-and-load takes over a minute here: one copy per module, shared by the tests.
@@ -70,8 +71,7 @@ def test_token_ids_equal_transformers_on_the_sample(ours: LoadedModel) -> None:
 
 
 def test_logits_equal_transformers_past_the_window(ours: LoadedModel, theirs: Any) -> None:
-    tokens = torch.randint(3, 200_000, (1, 601), generator=torch.Generator().manual_seed(0))
-    tokens[0, 0] = 2  # BOS
+    tokens = past_the_window()
     with torch.no_grad():
         expected = theirs(tokens).logits
         got = ours.model.run(tokens)[0]
@@ -79,12 +79,25 @@ def test_logits_equal_transformers_past_the_window(ours: LoadedModel, theirs: An
     assert (got - expected).abs().max() <= 1e-3
 
 
-def test_qk_path_terms_sum_to_transformers_eager_scores(ours: LoadedModel, theirs: Any) -> None:
+def past_the_window() -> torch.Tensor:
+    """BOS + 600 random tokens [1, 601]: longer than the local layers' 512-token window."""
+    tokens = torch.randint(3, 200_000, (1, 601), generator=torch.Generator().manual_seed(0))
+    tokens[0, 0] = 2  # BOS
+    return tokens
+
+
+@pytest.mark.parametrize("prompt", ["sentence", "past the window"])
+def test_qk_path_terms_sum_to_transformers_eager_scores(ours: LoadedModel, theirs: Any, prompt: str) -> None:
+    """On a sentence and on a prompt longer than the window, every score the softmax reads (causal, and on the local
+    layer within its window) is the sum of the path terms."""
     import transformers.models.gemma3.modeling_gemma3 as gemma3
 
     tok = ours.tokenizer
     assert tok is not None
-    tokens = torch.tensor([tok.encode("When Mary and John went to the store, John gave a drink to")])
+    if prompt == "sentence":
+        tokens = torch.tensor([tok.encode("When Mary and John went to the store, John gave a drink to")])
+    else:
+        tokens = past_the_window()
     captured: dict[int, torch.Tensor] = {}
     original = gemma3.eager_attention_forward
 
@@ -103,11 +116,17 @@ def test_qk_path_terms_sum_to_transformers_eager_scores(ours: LoadedModel, their
     for layer in (4, 5):  # a local layer, then the first global one
         assert ours.model.cfg.attn_types[layer] == ("global" if layer == 5 else "local")
         for h in range(ours.model.cfg.n_heads):
-            expansion = expand_scores(ours.model, tokens, (layer, h), keep_terms=True)
-            assert expansion.terms is not None
-            total = expansion.terms.sum((0, 1))  # [n, n]
-            causal = torch.ones_like(total, dtype=torch.bool).tril()
-            assert (total - captured[layer][h])[causal].abs().max() < 1e-3 * captured[layer][h].abs().max()
+            expansion = expand_scores(ours.model, tokens, (layer, h), keep_terms=prompt == "sentence")
+            if expansion.terms is not None:
+                total = expansion.terms.sum((0, 1))  # [n, n]
+            else:  # 23 x 23 terms of 601 x 601 are too many to keep: their sum, by bilinearity, from the summed parts
+                assert expansion.cap_factor is None  # Gemma 3 does not cap its scores
+                total = expansion.q_parts.sum(0) @ expansion.k_parts.sum(0).T / expansion.scale
+            read = torch.ones_like(total, dtype=torch.bool).tril()  # the scores the softmax reads
+            if layer == 4:
+                read &= ~torch.ones_like(read).tril(-ours.model.cfg.window_size)  # within the window: i - j < 512
+            assert expansion.visible is not None and torch.equal(expansion.visible, read)
+            assert (total - captured[layer][h])[read].abs().max() < 1e-3 * captured[layer][h].abs().max()
 
 
 def test_paris_and_the_repeated_sequence(ours: LoadedModel) -> None:
