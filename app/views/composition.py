@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from app import snippets
@@ -115,7 +116,7 @@ def build_composition_view(loaded: LoadedModel, p: CompositionParams, limits: Li
     n_valid = int(mask.sum())
     pairs = []
     for i in flat.topk(min(TOP_PAIRS, n_valid)).indices.tolist():
-        l1, h1, l2, h2 = (int(x) for x in torch.unravel_index(torch.tensor(i), raw.shape))
+        l1, h1, l2, h2 = (int(x) for x in np.unravel_index(i, raw.shape))  # torch's imports sympy on its first call
         pairs.append(
             CompositionPair(
                 source=head_name(l1, h1),

@@ -109,6 +109,8 @@ def test_composition_scores_match_dense_frobenius(client: TestClient, tiny: Load
         assert body["sampled_std"] == pytest.approx(want_std, abs=1e-9)
         top = body["top_pairs"][0]
         assert top["score"] == max(max(row) for row in body["scores"])
+        i, j = max(((i, j) for i in range(4) for j in range(4)), key=lambda ij: body["scores"][ij[0]][ij[1]])
+        assert (top["source"], top["target"]) == (f"L0H{i}", f"L1H{j}")  # the flat index unravelled to its heads
 
 
 def test_composition_refusals(client: TestClient) -> None:

@@ -54,8 +54,9 @@ def test_chunked_detector_run_equals_one_pass(model: Transformer) -> None:
         ref = heads.pattern_detector_scores(cache[f"blocks.{layer}.attn.hook_pattern"], tokens)
         for name, value in ref.items():
             torch.testing.assert_close(chunked.scores[name][layer], value, rtol=0, atol=1e-12, equal_nan=True)
-    assert chunked.losses is not None
+    assert chunked.losses is not None and whole.losses is not None  # one chunk of 5 sequences, and 5 chunks of one
     torch.testing.assert_close(chunked.losses, next_token_losses(logits, tokens), rtol=0, atol=1e-12)
+    torch.testing.assert_close(whole.losses, next_token_losses(logits, tokens), rtol=0, atol=1e-12)
     torch.testing.assert_close(chunked.first_patterns[1], cache["blocks.1.attn.hook_pattern"][0], rtol=0, atol=1e-12)
 
 
