@@ -196,7 +196,7 @@ def _chunk_pass(
     losses = None
     if with_loss:
         logits, cache = model.run(part, names=keep)  # [c, n, d_vocab]
-        losses = next_token_losses(logits.double(), part)  # [c, n - 1]
+        losses = next_token_losses(logits, part, torch.float64)  # [c, n - 1]
         del logits
     else:
         cache = model.run_until(part, f"blocks.{L - 1}.attn.hook_pattern", names=keep)
