@@ -155,7 +155,9 @@ def heads_breakdown(model: Any) -> None:
     2 x (L x H) spectra, the 2-D induction view's K-composition positivities (one-hot and weighted, split over two
     threads when a core is idle) and, on a rotary model, μ's pass on the reference
     (app.views.shared.rotary_reference.reference_tokens: seeded random ids, as for any model without a tokenizer) and
-    the kernel peaks, each once, cold. Wall and CPU seconds (all threads) side by side: on a busy machine the CPU
+    the kernel peaks, each once, cold; then the detector pass with the next-token losses that the heads view asks
+    for (head_table's with_loss: a full pass to the logits), which the cold table above includes and the parts and
+    head_table's own line below do not. Wall and CPU seconds (all threads) side by side: on a busy machine the CPU
     seconds are the steadier figure."""
     import os
 
@@ -208,6 +210,7 @@ def heads_breakdown(model: Any) -> None:
                         _timed(lambda: rotary.kernel_peak_offsets(model, mu[2])),
                     ),
                 ]
+            losses = _timed(lambda: heads.detector_run(model, tokens, budget_bytes=budget, with_loss=True))
             whole = [_timed(lambda: head_table.head_table(model, tokens, budget_bytes=budget, **kw)) for _ in range(3)]
             libraries = _onednn_against_mkl(
                 lambda: (heads.detector_scores(model, tokens, budget_bytes=budget), copying_spectra.embed_grams(model))
@@ -223,6 +226,12 @@ def heads_breakdown(model: Any) -> None:
     )
     for label, (wall, c, _) in rows:
         row(f"  {label}", wall, "", f"CPU {fmt_time(c).strip()}, {100 * c / cpu:4.0f} % of the parts' CPU")
+    row(
+        "  detector pass with the next-token losses (the heads view's, in place of the pass above)",
+        losses[0],
+        "",
+        f"CPU {fmt_time(losses[1]).strip()}, {losses[1] / det[1]:.2f}x the pass without (a full pass to the logits)",
+    )
     wall_med = statistics.median(w for w, _, _ in whole)
     cpu_med = statistics.median(c for _, c, _ in whole)
     row(

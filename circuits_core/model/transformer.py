@@ -316,12 +316,33 @@ class Transformer(nn.Module):
         return torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
 
 
-def next_token_losses(logits: Tensor, tokens: Tensor) -> Tensor:
-    """Cross-entropy of predicting tokens[:, i + 1] from logits[:, i]: logits [batch, n, d_vocab], tokens
-    [batch, n] -> [batch, n - 1] (column i is the loss on position i + 1)."""
+# Bytes of one block of next_token_losses: its logits in the loss's dtype (their log-softmax as much again). Below
+# glibc's mmap threshold (32 MiB as the benches fix it), so each block reuses the heap's pages: converting a detector
+# chunk's logits to float64 at once ([3, 101, 49152]: 119 MB, then as much for the rows and their log-softmax) took
+# 175 ms and 87k page faults, in blocks 50 ms and 3k (one thread, alternated in one process)
+LOSS_BLOCK_BYTES = 16 * 2**20
+
+
+def next_token_losses(logits: Tensor, tokens: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """Cross-entropy of predicting tokens[:, i + 1] from logits[:, i] in `dtype` (default: the logits'): logits
+    [batch, n, d_vocab], tokens [batch, n] -> [batch, n - 1] (column i is the loss on position i + 1). The positions
+    go a block at a time (whole sequences when several fit in LOSS_BLOCK_BYTES), each block converted to `dtype` on its
+    own: every row's log-softmax is its own, so the losses are those of the whole logits at once."""
     b, n, V = logits.shape
-    # rows of contiguous logits: 8x faster than the class dimension in the middle ([b, V, n - 1]) on a 50k vocabulary
-    return F.cross_entropy(logits[:, :-1].reshape(-1, V), tokens[:, 1:].reshape(-1), reduction="none").view(b, n - 1)
+    dtype = logits.dtype if dtype is None else dtype
+    rows = max(1, LOSS_BLOCK_BYTES // (V * torch.empty((), dtype=dtype).element_size()))  # positions per block
+    per_block = max(1, rows // max(1, n - 1))  # whole sequences per block (1: a sequence's positions in blocks)
+    positions = max(1, min(n - 1, rows))
+    out = torch.empty(b, n - 1, dtype=dtype, device=logits.device)
+    for s in range(0, b, per_block):
+        for a in range(0, n - 1, positions):
+            z = min(a + positions, n - 1)
+            # rows of contiguous logits: 8x faster than the class dimension in the middle ([b, V, n - 1]) on a 50k
+            # vocabulary
+            block = logits[s : s + per_block, a:z].reshape(-1, V).to(dtype)  # [rows, V]
+            losses = F.cross_entropy(block, tokens[s : s + per_block, a + 1 : z + 1].reshape(-1), reduction="none")
+            out[s : s + per_block, a:z] = losses.view(-1, z - a)
+    return out
 
 
 def init_weights(model: Transformer, seed: int = 0, std_embed: float = 0.02) -> Transformer:

@@ -79,7 +79,7 @@ class CleanRun:
 
 def lm_loss(logits: Tensor, tokens: Tensor) -> Tensor:
     """Mean next-token cross-entropy: logits [b, n, V], tokens [b, n]."""
-    return next_token_losses(logits.double(), tokens).mean()
+    return next_token_losses(logits, tokens, torch.float64).mean()
 
 
 def clean_run(model: Transformer, tokens: Tensor) -> CleanRun:

@@ -196,10 +196,7 @@ def _chunk_pass(
     losses = None
     if with_loss:
         logits, cache = model.run(part, names=keep)  # [c, n, d_vocab]
-        # one sequence's float64 logits at a time ([1, n, d_vocab] and its log-softmax): the chunk's in float64 at
-        # once were three [c, n, d_vocab] float64 copies (cast, the reshape of the slice, log-softmax), ~95 MiB on
-        # toy-2l's standard input that glibc kept in the worker thread's arena after the heads table
-        losses = torch.cat([next_token_losses(logits[i : i + 1].double(), part[i : i + 1]) for i in range(len(part))])
+        losses = next_token_losses(logits, part, torch.float64)  # [c, n - 1]
         del logits
     else:
         cache = model.run_until(part, f"blocks.{L - 1}.attn.hook_pattern", names=keep)

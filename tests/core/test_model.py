@@ -1,13 +1,16 @@
-"""The transformer itself: recorded vs fused LayerNorm, frozen runs, the causal mask, the cache names."""
+"""The transformer itself: recorded vs fused LayerNorm, frozen runs, the causal mask, the cache names, the next-token
+losses."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from circuits_core.errors import InvalidInputError
+from circuits_core.model import transformer
 from circuits_core.model.config import ModelConfig
-from circuits_core.model.transformer import Frozen, random_model
+from circuits_core.model.transformer import Frozen, next_token_losses, random_model
 
 CONFIGS = [
     ModelConfig(n_layers=2, d_model=16, n_heads=2, d_head=8, d_vocab=40, n_ctx=12, normalization_type=norm,
@@ -75,3 +78,24 @@ def test_token_checks() -> None:
         model.run(torch.zeros(1, CONFIGS[0].n_ctx + 1, dtype=torch.long))
     with pytest.raises(InvalidInputError, match="vocab|token ids"):
         model.run(torch.tensor([[0, CONFIGS[0].d_vocab]]))
+
+
+# positions per block of float64 rows of 40 logits: every position at once, 3 whole sequences (of 10 positions),
+# 7 positions (a sequence in 2 blocks, the last shorter), one position
+@pytest.mark.parametrize("rows", [100, 30, 7, 1])
+def test_next_token_losses_in_blocks_are_those_of_the_whole_logits(rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """next_token_losses, a block of positions at a time, == the cross-entropy of all the logits at once in float64
+    (the same numbers: each row's log-softmax is its own) and == log-sum-exp minus the target's logit (float64)."""
+    monkeypatch.setattr(transformer, "LOSS_BLOCK_BYTES", rows * 40 * 8)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 11, 40, generator=gen) * 4  # [b, n, V] float32
+    tokens = torch.randint(0, 40, (7, 11), generator=gen)
+    losses = next_token_losses(logits, tokens, torch.float64)  # [b, n - 1]
+    whole = F.cross_entropy(logits[:, :-1].double().reshape(-1, 40), tokens[:, 1:].reshape(-1), reduction="none")
+    assert losses.dtype == torch.float64 and torch.equal(losses, whole.view(7, 10))
+    x = logits[:, :-1].double()  # [b, n - 1, V]
+    target = x.gather(-1, tokens[:, 1:, None])[..., 0]  # [b, n - 1]
+    torch.testing.assert_close(losses, x.logsumexp(-1) - target, rtol=0, atol=1e-12)
+    plain = next_token_losses(logits, tokens)  # in the logits' dtype
+    whole = F.cross_entropy(logits[:, :-1].reshape(-1, 40), tokens[:, 1:].reshape(-1), reduction="none")
+    assert plain.dtype == torch.float32 and torch.equal(plain, whole.view(7, 10))
