@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 from app.main import create_app
 from app.params import DEFAULT_VOCAB, HeadParams
+from app.routers.navigation import fits, needs_layers, needs_mlp
 from app.routers.pages import PAGES
 from app.settings import Settings
 from app.views.copying import COPYING_ALL
@@ -67,13 +68,17 @@ def lazy_panels(page: str) -> list[tuple[str, str]]:
 
 
 def page_urls(app: Any, model: str) -> tuple[list[str], list[str]]:
-    """(the model-wide pages, the per-head page templates with `{head}`) of this app."""
-    routes = sorted({p.route for p in PAGES} - {"/models/{model}"})
+    """(the model-wide pages, the per-head page templates with `{head}`) of this app that apply to the model: a page
+    the navigation leaves out of it (too few attention layers, no MLP) answers 422 there, and is not asked."""
+    cfg = app.state.registry.get(model).model.cfg
+    routes = sorted(
+        {p.route for p in PAGES if fits(needs_layers(p.analysis), needs_mlp(p.analysis), cfg.n_layers, cfg.attn_only)}
+    )
     model_wide = [f"/models/{model}"]
     per_head = [f"/api/v1/models/{model}/{path}" for path in HEAD_APIS]
     for route in routes:
-        if not route.startswith("/models/{model}"):
-            continue  # server-wide pages (the tour) are not one model's
+        if route == "/models/{model}" or not route.startswith("/models/{model}"):
+            continue  # the overview is first; server-wide pages (the tour) are not one model's
         url = route.replace("{model}", model)
         fields = url.count("{")
         if fields == 0:

@@ -22,7 +22,13 @@ class NavEntry:
     needs_mlp: bool = False  # its analysis's needs_mlp: an attention-only model leaves it out
 
     def applies(self, n_layers: int, attn_only: bool = False) -> bool:
-        return n_layers >= self.needs_layers and not (self.needs_mlp and attn_only)
+        return fits(self.needs_layers, self.needs_mlp, n_layers, attn_only)
+
+
+def fits(layers_needed: int, mlp_needed: bool, n_layers: int, attn_only: bool) -> bool:
+    """Whether a page that needs `layers_needed` attention layers (and, `mlp_needed`, an MLP) applies to a model with
+    `n_layers` of them (`attn_only`: no MLPs)."""
+    return n_layers >= layers_needed and not (mlp_needed and attn_only)
 
 
 def needs_layers(analysis: Declared[Any, Any]) -> int:

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.main import create_app
-from app.precompute import lazy_panels, main
+from app.precompute import lazy_panels, main, page_urls
 from app.settings import REPO_ROOT, Settings
 
 MODEL = "toy-2l"
@@ -124,3 +124,18 @@ def test_the_copying_overview_is_assembled_from_the_head_panels(
             {k: v for k, v in want.items() if k != "head"}, rel=1e-12, abs=1e-12
         )
     assert stored["baseline"] == pytest.approx(cold["baseline"], rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("model", ["toy-1l", "toy-2l"])
+def test_precompute_asks_only_the_pages_that_apply_to_the_model(model: str) -> None:
+    """The pages precompute crawls are those the model's navigation offers: each answers (200, or 202 for a job),
+    none is refused; toy-1l (one attention layer) has no composition page, and neither toy (attention-only) an MLP's
+    expert table, which answered 422 to every crawl and was timed by the store benchmark as a page."""
+    app = create_app(Settings(store_url="off"))
+    with TestClient(app) as client:
+        wide, per_head = page_urls(app, model)
+        assert not any("expert" in url for url in wide)
+        assert any(url.endswith("/composition") for url in wide) is (model == "toy-2l")
+        head = "L0H0"
+        for url in [*wide, *(u.replace("{head}", head) for u in per_head)]:
+            assert client.get(url).status_code in (200, 202), url
