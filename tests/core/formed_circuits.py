@@ -1,5 +1,6 @@
 """The formed d_model x d_model OV circuits of a model, in float64: the dense reference the per-head engine
-functions are tested against (tests/core/test_ov_effective_rank.py, test_ov_trace.py)."""
+functions are tested against (tests/core/test_ov_effective_rank.py, test_ov_trace.py), and OV circuits planted with a
+chosen spectrum."""
 
 from __future__ import annotations
 
@@ -24,3 +25,18 @@ def per_head_of_formed_ov(model: Transformer, statistic: Callable[[torch.Tensor]
             W_OV = W_V[h * cfg.n_kv_heads // cfg.n_heads] @ (block.attn.W_O[h].double() * gain)  # [d_model, d_model]
             out[layer, h] = statistic(W_OV)
     return out
+
+
+def plant_ov_spectra(model: Transformer, spectra: list[torch.Tensor], values_side: tuple[int, ...] = ()) -> None:
+    """Layer 0's head h gets an OV circuit whose singular values are spectra[h] exactly (an attention-only float64
+    model with d_head-long spectra): W_V = Q1, W_O = diag(s) Q2^T with orthonormal Q1 [d_model, d_head], Q2; for the
+    heads in `values_side`, W_V = Q1 diag(s), W_O = Q2^T (a singular W_V where s has zeros)."""
+    attn = model.blocks[0].attn
+    gen = torch.Generator().manual_seed(2)
+    d_model, d_head = model.cfg.d_model, model.cfg.d_head
+    with torch.no_grad():
+        for h, s in enumerate(spectra):
+            Q1 = torch.linalg.qr(torch.randn(d_model, d_head, generator=gen, dtype=torch.float64))[0]
+            Q2 = torch.linalg.qr(torch.randn(d_model, d_head, generator=gen, dtype=torch.float64))[0]
+            attn.W_V[h].copy_(Q1 * s.double() if h in values_side else Q1)
+            attn.W_O[h].copy_(Q2.T if h in values_side else s.double()[:, None] * Q2.T)

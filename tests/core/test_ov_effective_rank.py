@@ -14,7 +14,7 @@ from circuits_core.circuits import ov_effective_rank
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Transformer, random_model
-from tests.core.formed_circuits import per_head_of_formed_ov
+from tests.core.formed_circuits import per_head_of_formed_ov, plant_ov_spectra
 from tests.core.rotary_models import CASES, rotary_model
 
 TOY_2L = Path(__file__).resolve().parents[2] / "checkpoints" / "toy-2l"
@@ -59,15 +59,9 @@ def test_planted_singular_values_give_their_ratio() -> None:
     """W_V = Q1, W_O = diag(s) Q2^T (Q1, Q2 orthonormal columns) has singular values s exactly."""
     cfg = ModelConfig(n_layers=1, n_heads=3, d_model=20, d_head=5, d_vocab=30, n_ctx=8, attn_only=True)
     model = random_model(cfg, seed=1, dtype=torch.float64)
-    gen = torch.Generator().manual_seed(2)
     spectra = [torch.tensor([3.0, 0, 0, 0, 0]), torch.ones(5), torch.tensor([4.0, 2.0, 1.0, 0.5, 0.0])]
+    plant_ov_spectra(model, spectra)
     attn = model.blocks[0].attn
-    with torch.no_grad():
-        for h, s in enumerate(spectra):
-            Q1 = torch.linalg.qr(torch.randn(20, 5, generator=gen, dtype=torch.float64))[0]  # [d_model, d_head]
-            Q2 = torch.linalg.qr(torch.randn(20, 5, generator=gen, dtype=torch.float64))[0]
-            attn.W_V[h].copy_(Q1)
-            attn.W_O[h].copy_(s.double()[:, None] * Q2.T)
     ranks = ov_effective_rank.ov_effective_ranks(model)[0]
     expected = [1.0, 5.0, (16 + 4 + 1 + 0.25) ** 2 / (256 + 16 + 1 + 0.0625)]
     torch.testing.assert_close(ranks, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12)

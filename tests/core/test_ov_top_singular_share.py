@@ -16,7 +16,7 @@ from circuits_core.circuits.latent_circuits import latent_head
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Transformer, random_model
-from tests.core.formed_circuits import per_head_of_formed_ov
+from tests.core.formed_circuits import per_head_of_formed_ov, plant_ov_spectra
 from tests.core.hf_families import save
 from tests.core.rotary_models import CASES, rotary_model
 from tests.core.test_deepseek_hf import deepseek_model
@@ -79,17 +79,9 @@ def test_planted_singular_values_give_their_share() -> None:
     W_O = Q2^T, whose singular W_V has no Cholesky root (gram_root's eigen-decomposition fallback)."""
     cfg = ModelConfig(n_layers=1, n_heads=4, d_model=20, d_head=5, d_vocab=30, n_ctx=8, attn_only=True)
     model = random_model(cfg, seed=1, dtype=torch.float64)
-    gen = torch.Generator().manual_seed(2)
     mixed = torch.tensor([4.0, 2.0, 1.0, 0.5, 0.0], dtype=torch.float64)
-    spectra = [torch.tensor([3.0, 0, 0, 0, 0]), torch.ones(5), mixed, mixed]
+    plant_ov_spectra(model, [torch.tensor([3.0, 0, 0, 0, 0]), torch.ones(5), mixed, mixed], values_side=(3,))
     attn = model.blocks[0].attn
-    with torch.no_grad():
-        for h, s in enumerate(spectra):
-            Q1 = torch.linalg.qr(torch.randn(20, 5, generator=gen, dtype=torch.float64))[0]  # [d_model, d_head]
-            Q2 = torch.linalg.qr(torch.randn(20, 5, generator=gen, dtype=torch.float64))[0]
-            on_the_values_side = h == 3
-            attn.W_V[h].copy_(Q1 * s.double() if on_the_values_side else Q1)
-            attn.W_O[h].copy_(Q2.T if on_the_values_side else s.double()[:, None] * Q2.T)
     shares = ov_top_singular_share.ov_top_singular_shares(model)[0]
     expected = [1.0, 1 / 5, 16 / (16 + 4 + 1 + 0.25), 16 / (16 + 4 + 1 + 0.25)]
     torch.testing.assert_close(shares, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=1e-12)
