@@ -127,7 +127,7 @@ def topk_global_2d(
         and half_products_fast(A.device, SCREEN_DTYPE)
     )
     if global_topk_bounds.usable(A, B):  # large circuits: bounds in their singular basis prune far more
-        screened = (SCREEN_DTYPE, SCREEN_MARGIN) if screen and SCREEN_DTYPE is not None else None
+        screened = (SCREEN_DTYPE, SCREEN_MARGIN) if screen else None
         found = global_topk_bounds.topk_bounded(A, B, k, should_stop, screened)
         if found is not None:
             values, rows, cols = found

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -143,9 +144,18 @@ def _norm_bounds(
     return rot + gamma * abs_T * norm, norm
 
 
-def _bound_factors(A: Tensor, B: Tensor, should_stop: Callable[[], bool] | None) -> tuple[Tensor, Tensor] | None:
-    """p [l], q [r] (float64, >= 0) with fl(A_i . B_:,j) <= p_i q_j for every entry as the dense product rounds it, or
-    None when a bound is not finite.
+class Bounds(NamedTuple):
+    """Upper bounds (float64, >= 0): p [l], q [r] of _bound_factors, and the plain norms ||A_i|| [l], ||B_:,j|| [r]."""
+
+    p: Tensor
+    q: Tensor
+    norm_a: Tensor
+    norm_b: Tensor
+
+
+def _bound_factors(A: Tensor, B: Tensor, should_stop: Callable[[], bool] | None) -> Bounds | None:
+    """p [l], q [r] (float64, >= 0) with fl(A_i . B_:,j) <= p_i q_j for every entry as the dense product rounds it, with
+    the bounds on ||A_i|| and ||B_:,j|| they are made from, or None when a bound is not finite.
 
     A_i . B_j = (A_i M)(N B_j) + A_i (I - M N) B_j, so with D = ||M N - I||_2 and the product's own rounding gamma,
     fl(A_i . B_j) <= ||A_i M|| ||N B_j|| + (D + gamma) ||A_i|| ||B_j|| <= p_i q_j with p_i = ||A_i M|| + c ||A_i||,
@@ -168,7 +178,7 @@ def _bound_factors(A: Tensor, B: Tensor, should_stop: Callable[[], bool] | None)
     q = (rot_b + c * norm_b) * (1 + 16 * u64)
     if not (bool(torch.isfinite(p).all()) and bool(torch.isfinite(q).all())):
         return None
-    return p, q
+    return Bounds(p, q, norm_a, norm_b)
 
 
 def topk_bounded(
@@ -184,18 +194,16 @@ def topk_bounded(
     `screen` = (dtype, margin): the staircase's products are first computed in that dtype (global_topk's bfloat16
     screen, where the device multiplies it fast), each within margin ||A_i|| ||B_:,j|| of the entry; entries within
     that of the k-th value are recomputed exactly, so the answer is the same."""
-    factors = _bound_factors(A, B, should_stop)
-    if factors is None:
+    bounds = _bound_factors(A, B, should_stop)
+    if bounds is None:
         return None
-    (p, row_order), (q, col_order) = (x.sort(descending=True) for x in factors)
+    (p, row_order), (q, col_order) = bounds.p.sort(descending=True), bounds.q.sort(descending=True)
     exact = lambda rows, cols: A[rows] @ B[:, cols]  # noqa: E731 - the products are the entries
     if screen is None:
         return staircase(A, B, p, row_order, q, col_order, k, exact, should_stop=should_stop)
     dtype, relative = screen
-    gamma = rounding(A.shape[1], A.dtype)
-    # upper bounds on ||A_i|| and ||B_:,j|| (float64), in bound order, for the margin of each chunk of the staircase
-    norm_a = A.norm(dim=1).double()[row_order] * (1 + 2 * gamma)  # [l]
-    norm_b = B.norm(dim=0).double()[col_order] * (1 + 2 * gamma)  # [r]
+    # the bounds on ||A_i|| and ||B_:,j||, in bound order, for the margin of each chunk of the staircase
+    norm_a, norm_b = bounds.norm_a[row_order], bounds.norm_b[col_order]  # [l], [r]
 
     def margin(i0: int, i1: int, c0: int, c1: int) -> float:
         return relative * float(norm_a[i0:i1].max()) * float(norm_b[c0:c1].max())

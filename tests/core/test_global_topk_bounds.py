@@ -135,14 +135,14 @@ def test_the_bound_holds_for_every_entry(monkeypatch, dtype, noise, columns_cont
     if columns_contiguous:
         B = B.T.contiguous().T
     dense = A @ B
-    p, q = global_topk_bounds._bound_factors(A, B, None)
+    p, q, _, _ = global_topk_bounds._bound_factors(A, B, None)
     bound = p[:, None] * q[None]  # [l, r] float64
     assert bool((bound >= dense.double()).all())
     if noise == 0.0:
         tenth = float(dense.flatten().topk(10).values[-1])
         assert float((bound >= tenth).double().mean()) < 0.1
     poor_basis(monkeypatch, 24, noise, decades=2)
-    p, q = global_topk_bounds._bound_factors(A, B, None)
+    p, q, _, _ = global_topk_bounds._bound_factors(A, B, None)
     assert bool((p[:, None] * q[None] >= dense.double()).all())
 
 
@@ -154,7 +154,7 @@ def test_the_margin_for_an_inexact_inverse(monkeypatch):
     M = torch.randn(24, 24, generator=gen, dtype=torch.float64) * torch.logspace(0, 1, 24, dtype=torch.float64)
     B[:, 0] = M @ (M.T @ A[0])  # A_0 . B_0 = ||A_0 M||^2
     monkeypatch.setattr(global_topk_bounds, "balanced_basis", lambda A, B: (M, (1 - 1e-3) * torch.linalg.inv(M)))
-    p, q = global_topk_bounds._bound_factors(A, B, None)
+    p, q, _, _ = global_topk_bounds._bound_factors(A, B, None)
     assert float(p[0] * q[0]) >= float(A[0] @ B[:, 0])
     v, r, c = global_topk_bounds.topk_bounded(A, B, 5)
     ref_v, ref_r, ref_c = dense_topk(A @ B, 5)
