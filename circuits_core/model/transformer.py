@@ -330,7 +330,7 @@ def next_token_losses(logits: Tensor, tokens: Tensor, dtype: torch.dtype | None 
     own: every row's log-softmax is its own, so the losses are those of the whole logits at once."""
     b, n, V = logits.shape
     dtype = logits.dtype if dtype is None else dtype
-    rows = max(1, LOSS_BLOCK_BYTES // (V * torch.empty((), dtype=dtype).element_size()))  # positions per block
+    rows = max(1, LOSS_BLOCK_BYTES // (V * dtype.itemsize))  # positions per block
     per_block = max(1, rows // max(1, n - 1))  # whole sequences per block (1: a sequence's positions in blocks)
     positions = max(1, min(n - 1, rows))
     out = torch.empty(b, n - 1, dtype=dtype, device=logits.device)
