@@ -21,16 +21,16 @@ HOLD_S = 0.3  # each computation held this long, so that two running at once ove
 
 
 def test_the_head_page_panels_run_at_once(model_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    spans: list[tuple[float, float]] = []  # (start, end) of every computation
+    spans: list[tuple[float, float]] = []  # (start, end) of every computation's hold
     lock = threading.Lock()
     inner = ComputeService._call
 
     def held(self: ComputeService, *args: Any, **kwargs: Any) -> None:
         start = time.monotonic()
-        time.sleep(HOLD_S)
-        inner(self, *args, **kwargs)
-        with lock:
+        time.sleep(HOLD_S)  # holding the computation's slot
+        with lock:  # recorded before the computation settles: once it has, the page may answer at once
             spans.append((start, time.monotonic()))
+        inner(self, *args, **kwargs)
 
     settings = Settings(
         shipped_dir=model_dirs[0], models_dir=model_dirs[1], dtype="float64", store_url="off", limits=LIMITS,
