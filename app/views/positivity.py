@@ -18,10 +18,10 @@ from app.analysis import Analysis, build_cached, cache_key
 from app.params import NoParams
 from app.scheduling import is_cached
 from app.schemas import DetectorInput, HeadScores, HeadsView
-from app.schemas.common import QKFormed
+from app.schemas.common import ModelRef, QKFormed
 from app.settings import Limits
 from app.views.shared.heads_table import HEADS, heads_cost
-from app.views.shared.inputs import qk_form_fields
+from app.views.shared.inputs import model_ref, qk_form_fields
 from circuits_core.cost import FREE, Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.formats.checkpoint import LoadedModel
@@ -38,6 +38,7 @@ class PositivityPoint(BaseModel):
 
 
 class PositivityView(QKFormed):
+    model: ModelRef
     previous_token_head: str = Field(
         description="the strongest previous-token scorer below the induction head: the K-composition term reads it"
     )
@@ -104,6 +105,7 @@ def build_positivity_view(loaded: LoadedModel, p: NoParams, limits: Limits) -> P
         if s.layer > layer and s.qk_k_composition is not None
     ]
     return PositivityView(
+        model=model_ref(loaded),
         **qk_form_fields(loaded, "weight"),  # the K-composition positivity
         previous_token_head=prev,
         previous_token_score=score,

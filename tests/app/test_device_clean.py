@@ -94,7 +94,9 @@ def run_on_foreign_device(
     before = mode.foreign_ops
     with mode:
         analysis.cost(loaded, params, LIMITS)
-        analysis.build(loaded, params, LIMITS)
+        answer = analysis.build(loaded, params, LIMITS)
+    said = answer.model_dump(mode="json").get("model") or {}  # every answer names the checkpoint it came from
+    assert said.get("digest") == str(loaded.digest), f"{analysis.name} names no model: {said}"
     return mode.foreign_ops - before
 
 
@@ -192,9 +194,12 @@ def test_every_analysis_gives_the_cpus_answer_on_cuda(models: dict[str, Any], an
                 answers.append(("refused", type(exc).__name__))
         cpu, gpu = answers
         if not isinstance(gpu, tuple):  # the answer says where it was computed; the rest is the CPU's answer
+            device = str(on_gpu.model.device)
+            assert gpu["model"]["device"] == device, f"{analysis.name} on {name}: the answer names no GPU"
             said = json.dumps(gpu)
-            assert f"on {on_gpu.model.device}" in said, f"{analysis.name} on {name}: the answer names no GPU"
-            gpu = json.loads(said.replace(f"on {on_gpu.model.device}", "on cpu"))
+            assert f"on {device}" in said, f"{analysis.name} on {name}: its provenance names no GPU"
+            gpu = json.loads(said.replace(f"on {device}", "on cpu"))
+            gpu["model"]["device"] = "cpu"
         close(cpu, gpu, f"{analysis.name} on {name}")
         ran += answers[0][0] != "refused" if isinstance(answers[0], tuple) else 1
     assert ran, f"{analysis.name} ran on no model"
