@@ -10,6 +10,7 @@ On a machine where torch sees no CUDA device it says so and exits 0. Otherwise, 
   - Q/K/V composition profiles of all pairs over the default offsets (goal < 2 s);
   - order-2 path expansion of 128 tokens (goal < 3 s);
   - virtual weights of all pairs (goal < 3 s);
+  - each weight-only analysis's priced working memory beside the GPU memory it took (a minute at most);
   - GET /api/v1/models/{model}/heads through uvicorn with QKOV_DEVICE=cuda, cold (goal < 6 s).
 Each timing is synchronised (torch.cuda.synchronize) and the first call of each is reported (cold is what a request
 pays); the GPU's name and the torch/CUDA versions come first. Nothing asserts on time.
@@ -34,6 +35,7 @@ from bench.big_models import CACHE as FOLDER
 from bench.big_models import LLAMA_8B, LLAMA_70B, REPO, GiB, request, weight_only, write_checkpoint
 
 MODELS = FOLDER.parent
+PRICE_TABLE_8B_S = 60  # the 8B model's price table runs this long at most (the 70B one, while the budget lasts)
 
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -164,6 +166,8 @@ def measure() -> None:
         goal(f"virtual weights, all pairs (block {block_for(model.device)})", lambda: vwt.all_scores(model), 3)
         seconds, _ = timed(lambda: vwt.all_scores(model, block=GRAM_BLOCK))  # the CPU's block, side by side
         line(f"virtual weights, all pairs (block {GRAM_BLOCK}, the CPU's)", seconds, 3)
+    print("  8B, every tensor loaded: each weight-only analysis's price beside the GPU memory it took", flush=True)
+    price_table(loaded, time.perf_counter() + PRICE_TABLE_8B_S)
 
 
 def measure_70b(deadline: float) -> None:
@@ -171,8 +175,6 @@ def measure_70b(deadline: float) -> None:
     (bf16), loaded onto the GPU with its MLPs deferred; then each weight-only analysis (declared weights="attention")
     through its builder, its priced working memory beside the GPU memory it took (torch's peak above the weights),
     while time is left before `deadline`."""
-    from app.settings import Limits
-    from circuits_core.errors import QkovError
     from circuits_core.formats.checkpoint import load_checkpoint
 
     folder = REPO / ".cache" / "big-models-70b" / "llama-3.1-70b-attention"  # not under MODELS: never preloaded
@@ -185,6 +187,16 @@ def measure_70b(deadline: float) -> None:
     resident = torch.cuda.memory_allocated() - base
     print(f"  70B load, attention tensors only: {seconds:.1f} s, {resident / GiB:.1f} GiB on the GPU "
           f"({loaded.provenance()})", flush=True)  # fmt: skip
+    price_table(loaded, deadline)
+
+
+def price_table(loaded: Any, deadline: float) -> None:
+    """Each weight-only analysis (declared weights="attention") through its builder on the loaded model, its priced
+    working memory beside the GPU memory it took (torch's peak above what was allocated before), while time is left
+    before `deadline`."""
+    from app.settings import Limits
+    from circuits_core.errors import QkovError
+
     free = torch.cuda.mem_get_info()[0]
     limits = Limits(max_k=200, peak_bytes=free, max_answer_bytes=2**31)
     print(f"  {'analysis':<24} {'priced':>10} {'measured':>10} {'seconds':>8}", flush=True)
