@@ -19,8 +19,8 @@ only on a single core):
     3  spectra          this thread: G_E W_Q (read by the QK spectra and both positivities), the one-hot
                         K-composition positivity's matrices (previous-token head), the weighted one's upper layers'
                         | the helper: the OV spectra's, the QK spectra's, the weighted positivity's lower layers'; then
-                        both solve the eigenproblems of every batch formed, two at a time, from one queue
-                        (host_linalg.EigenQueue), so they finish together                                  ~45 GFLOP
+                        both solve the eigenproblems of every batch formed, two per torch thread at a time,
+                        from one queue (host_linalg.EigenQueue), so they finish together                   ~45 GFLOP
 Each spectrum or positivity is L x H eigenvalue problems (d_head x d_head, float64; ~0.09 s on GPT-2 small, ~6 s of
 CPU on Gemma-3 270M's 280 problems of 256 x 256, where a fixed split left one thread ~2 s behind the other).
 Detector chunks of whole sequences add up with their weights (heads.DetectorSums): the scores are the same means as
@@ -45,7 +45,7 @@ from circuits_core.circuits.copying_spectra import (
     qk_matrices,
 )
 from circuits_core.circuits.embedding import EmbedNorm, embed_norm
-from circuits_core.circuits.host_linalg import EIGEN_CHUNK, EigenBatch, EigenQueue
+from circuits_core.circuits.host_linalg import EigenBatch, EigenQueue, eigen_chunk
 from circuits_core.circuits.rotary import KERNEL_WINDOW, kernel_cost, kernel_peak_offsets
 from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.model.head_names import head_name
@@ -60,7 +60,7 @@ from circuits_core.prompt.detectors import (
     standard_tokens,
 )
 from circuits_core.prompt.qk_paths import k_composition_matrices, k_composition_positivity, k_composition_scores
-from circuits_core.schedule import Handoff, halves_side_by_side, shared_chunks, side_by_side
+from circuits_core.schedule import Handoff, available_cores, halves_side_by_side, shared_chunks, side_by_side
 
 # Vocabulary rows per Gram chunk in step 2: two threads' chunks (W_E_eff rows and W_U columns, ~6 MiB each on GPT-2)
 # stay within the shared L3 cache; at EMBED_CHUNK (4096 rows) the two threads' Grams took ~12 % more CPU (0.60 vs
@@ -288,7 +288,7 @@ def _spectra_cost(model: Transformer, reference_tokens: int | None = None) -> Co
     queued = (
         4 * cfg.n_layers - 2
     ) * cfg.n_heads * cfg.d_head**2 * size + 4 * cfg.n_layers * cfg.n_heads * cfg.d_head * 16
-    chunk = EIGEN_CHUNK * cfg.d_head**2 * 8
+    chunk = eigen_chunk(available_cores()) * cfg.d_head**2 * 8  # (at most every core's torch threads per branch)
     d, heads = cfg.d_model, cfg.n_layers * cfg.n_heads
     # FLOPs: the two d_model x d_model Grams over the vocabulary, G_E W_Q, and per head the OV and QK spectra's and
     # the K-composition positivities' d_model x d_head products (three of them)

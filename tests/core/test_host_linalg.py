@@ -85,3 +85,40 @@ def test_an_eigen_queue_drained_by_two_threads_gives_each_matrixs_own_eigenvalue
     assert sum(n for _, n in solved_by) == 26
     helper = {name for name, _ in solved_by if name.startswith("qkov-queue-test")}
     assert helper and sum(n for name, n in solved_by if name in helper) > 2  # the helper took chunks of the big batch
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_an_eigen_queue_chunk_is_split_among_its_threads_torch_threads(threads: int) -> None:
+    """A batch formed by a thread with `threads` torch threads is handed out EIGEN_CHUNK matrices per torch thread at a
+    time, and each chunk is solved by that many threads at once (a GPU host's many cores, not the branches' two):
+    every matrix's eigenvalues are still LAPACK's for that matrix alone."""
+    gen = torch.Generator().manual_seed(2)
+    M = torch.randn(5, 3, 7, 7, generator=gen, dtype=torch.float32)  # [5, 3, n, n]: 15 matrices
+    calls: list[tuple[str, int]] = []  # (thread, matrices) of each LAPACK call
+    eigvals = torch.linalg.eigvals
+
+    def recorded(batch: torch.Tensor) -> torch.Tensor:
+        calls.append((threading.current_thread().name, batch.shape[0]))
+        return eigvals(batch)
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.linalg, "eigvals", recorded)
+            queue = host_linalg.EigenQueue()
+            batch = queue.add(M)
+            queue.solve()
+    finally:
+        torch.set_num_threads(previous)
+    want = torch.stack([eigvals(m) for m in M.double().reshape(-1, 7, 7)]).reshape(5, 3, 7)
+    assert torch.equal(batch.values, want)  # each matrix's own LAPACK call: bitwise
+    chunk = host_linalg.EIGEN_CHUNK * threads
+    chunks = [min(chunk, 15 - start) for start in range(0, 15, chunk)]  # the chunks handed out, in order
+    per_call = []  # each chunk split into min(threads, its size) parts, the first ones a matrix larger (tensor_split)
+    for c in chunks:
+        parts = min(threads, c)
+        per_call += [c // parts + (i < c % parts) for i in range(parts)]
+    assert sorted(n for _, n in calls) == sorted(per_call)
+    if threads > 1:
+        assert all(name.startswith("qkov-eigvals") for name, _ in calls)  # solved by the chunk's own threads
