@@ -2,8 +2,15 @@
 watched (a TorchFunctionMode), so a computation that would fail on a GPU fails here, on the CPU, with real values.
 
 What CUDA refuses, and so what `ForeignDevice` refuses: an op whose tensor inputs lie on two devices (the model's
-and the host's), except a 0-dim host tensor (a scalar, which CUDA accepts) and the host-side index tensors of
-`t[index]` / `t[index] = v` (CUDA moves those itself). Where a tensor lies, as on a GPU:
+and the host's), except a 0-dim host tensor (a scalar, which CUDA accepts). Indexing, as ATen does it:
+- `t[index]` (aten.index): host index tensors are moved to t's device; index tensors on the model's device into a
+  host t are refused ("indices should be either on cpu or on the same device as the indexed tensor (cpu)"), masks
+  as well; a 0-dim integer or bool index is read as a number (`.item()`), so it may lie anywhere;
+- `t[index] = v` (index_put_): the index tensors may lie anywhere (moved to t's device); v must lie on t's device
+  unless it is 0-dim; with no index tensor of one or more dimensions (`t[2:] = v`) it is a copy, across devices;
+- index_select, gather, take, take_along_dim: t and its index on one device, even a 0-dim host index (no scalar
+  exception there, unlike elementwise ops).
+Where a tensor lies, as on a GPU:
 - a tensor read from the model (a parameter or buffer, tagged by `ForeignDevice(model)`) is foreign;
 - a factory (`torch.zeros`, `torch.tensor`, `torch.arange`...) that names no device makes a host tensor, as on a
   machine with a GPU; `t.cpu()` is a host tensor;
@@ -28,13 +35,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Literal
 
+import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 Place = Literal["foreign", "host", "placed"]
-_INDEXING = {Tensor.__getitem__, Tensor.__setitem__}
+_GET_ITEM = {Tensor.__getitem__, torch.ops.aten.index.Tensor}
+_PUT_ITEM = {Tensor.__setitem__, Tensor.index_put, Tensor.index_put_, torch.index_put, torch.index_put_}
+_SAME_DEVICE = {
+    f
+    for name in ("index_select", "gather", "take", "take_along_dim")
+    for f in (getattr(Tensor, name), getattr(torch, name))
+}
 _FOLLOW_SELF = {Tensor.copy_, Tensor.new_zeros, Tensor.new_ones, Tensor.new_empty, Tensor.new_full, Tensor.new_tensor}
 
 
@@ -106,15 +120,11 @@ class ForeignDevice(TorchFunctionMode):
         if func in _FOLLOW_SELF:
             return self.place(args[0])
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)]
-        if func in _INDEXING:
-            # t[index]: host index tensors are allowed; t[index] = v: v must be on t's device (or a scalar)
-            base = args[0]
-            index = [t for t in tree_flatten(args[1])[0] if isinstance(t, Tensor)]
-            if self.place(base) == "host" and any(self.is_foreign(t) for t in index):
-                raise DeviceMixError(f"{name}: a host tensor indexed by a tensor on the model's device")
-            tensors = [base] + ([args[2]] if func is Tensor.__setitem__ and isinstance(args[2], Tensor) else [])
+        if func in _GET_ITEM or func in _PUT_ITEM:
+            tensors = self._indexed(func, name, args, kwargs)
+        strict = func in _SAME_DEVICE
         on_model = [t for t in tensors if self.is_foreign(t)]
-        on_host = [t for t in tensors if self.place(t) == "host" and t.dim() > 0]
+        on_host = [t for t in tensors if self.place(t) == "host" and (t.dim() > 0 or strict)]
         if on_model and on_host:
             shapes = ", ".join(str(tuple(t.shape)) for t in on_host[:4])
             raise DeviceMixError(
@@ -126,6 +136,27 @@ class ForeignDevice(TorchFunctionMode):
         if on_host or not tensors:
             return "host"
         return "placed" if any(self.place(t) == "placed" for t in tensors) else "host"
+
+    def _indexed(self, func: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
+        """t[index], t[index] = v, index_put(t, indices, v): the tensors that must share a device (t, and v where it
+        is written by index); DeviceMixError where t is a host tensor read at indices on the model's device."""
+        base = args[0]
+        index = [
+            t for t in tree_flatten(args[1] if len(args) > 1 else kwargs.get("indices"))[0] if isinstance(t, Tensor)
+        ]
+        if func in (Tensor.__getitem__, Tensor.__setitem__):  # Python indexing reads a 0-dim integer index as a number
+            index = [t for t in index if t.dim() > 0]
+        if func in _GET_ITEM:
+            if self.place(base) == "host" and any(self.is_foreign(t) for t in index):
+                raise DeviceMixError(
+                    f"{name}: a host tensor indexed by a tensor on the model's device (on a GPU: 'indices should be "
+                    "either on cpu or on the same device as the indexed tensor (cpu)')"
+                )
+            return [base]
+        value = args[2] if len(args) > 2 else kwargs.get("values")
+        if not index or not isinstance(value, Tensor) or value.dim() == 0:
+            return [base]  # a copy (t[2:] = v), or a 0-dim value (moved to t's device)
+        return [base, value]
 
 
 def _to_target(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

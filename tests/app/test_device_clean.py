@@ -157,6 +157,44 @@ def test_the_check_fails_on_a_host_tensor_mixed_in() -> None:
     assert mode.foreign_ops > 0
 
 
+def test_the_check_indexes_as_aten_does() -> None:
+    """The mode on indexing (ATen's rules, tests/foreign_device.py): host token ids read at positions on the model's
+    device fail, as the composition-pair table's did on an H200; what CUDA accepts passes."""
+    model = torch.nn.Linear(4, 3)
+    with ForeignDevice(model) as mode:
+        W = model.weight  # [3, 4]
+        ids = torch.arange(10, 20)  # host token ids [10]
+        at = W.detach().abs().sum(1).topk(2).indices  # positions [2], on the model's device
+        host_at = torch.tensor([0, 2])
+        refused = {
+            "ids[at]": lambda: ids[at],
+            "ids[:, None][at, 0]": lambda: ids[:, None][at, 0],
+            "ids[mask]": lambda: ids[torch.ones(10, dtype=torch.bool, device=W.device)],
+            "aten.index(ids, [at])": lambda: torch.ops.aten.index.Tensor(ids, [at]),
+            "aten.index(ids, [at[0]])": lambda: torch.ops.aten.index.Tensor(ids, [at[0]]),  # no .item() in aten
+            "ids.index_select(0, at)": lambda: ids.index_select(0, at),
+            "gather(ids, 0, at)": lambda: torch.gather(ids, 0, at),
+            "take(ids, at)": lambda: torch.take(ids, at),
+            "take_along_dim(ids, at)": lambda: torch.take_along_dim(ids, at),
+            "W.index_select(0, host 0-dim)": lambda: W.index_select(0, torch.tensor(1)),  # no scalar exception
+            "W[host_at] = host [2, 4]": lambda: W.detach().clone().index_put_((host_at,), torch.zeros(2, 4)),
+            "ids[host_at] = [2] on the device": lambda: ids.clone().index_put_((host_at,), at.clone()),
+        }
+        for said, index in refused.items():
+            with pytest.raises(DeviceMixError, match="device"):
+                index()
+                pytest.fail(f"{said} passed")
+        assert mode.is_foreign(W[host_at])  # host indices into the model's tensor: CUDA moves them
+        assert mode.is_foreign(W[torch.tensor([True, False, True])])  # a host mask, likewise
+        assert mode.is_foreign(torch.ops.aten.index.Tensor(W, [host_at]))
+        assert mode.place(ids[at.cpu()]) == "host"  # the positions brought to the host first
+        assert mode.is_foreign(ids.to(W.device)[at])  # or the ids sent to the device
+        assert mode.place(ids[at[0]]) == "host"  # a 0-dim index: Python indexing reads it as a number (.item())
+        ids.clone()[at] = 0  # t[index] = v moves the indices to t's device ...
+        ids.clone()[at] = at[0]  # ... and a 0-dim value
+        W.detach().clone()[:2] = torch.zeros(4)  # no index tensor: a copy, across devices
+
+
 # -- on a real GPU (bench/gpu_check.sh runs these; skipped where torch sees none) ------------------------------------
 def close(a: Any, b: Any, where: str = "") -> None:
     """Two JSON-like answers equal, numbers to 1e-9 (relative to their size, at least 1)."""
