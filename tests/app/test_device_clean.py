@@ -9,7 +9,8 @@ feature an analysis branches on: shortformer positions without norms (tiny-2l), 
 trained induction head the analyses built around one need. An analysis a model does
 not support (rotary-only views on a learned-position model) may refuse it with a 4xx error; every analysis must run
 clean on at least one model, and must have read the model's tensors there. The tables ranked over a token subset
-(min_count, or a large vocabulary's default) run once more on one, since their positions index host token ids.
+run once more on one, since their positions index host token ids: min_count's, and a large vocabulary's default set
+(DEFAULT_VOCAB lowered below the models' vocabulary, so that every such table ranks a subset by default).
 
 With a CUDA GPU present (bench/gpu_check.sh), every analysis also runs on it in float64 and must give the CPU's
 answer, but for the device its answer names.
@@ -25,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 
+import app.views.shared.token_sets as token_sets
 from app.analysis import Analysis, BoundAnalyses
 from app.catalog import ANALYSES
 from app.settings import REPO_ROOT
@@ -84,8 +86,8 @@ def one_thread_of_work(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def run_on_foreign_device(
     analysis: Analysis[Any, Any], loaded: LoadedModel, mode: ForeignDevice, values: dict[str, Any] = QUERY_VALUES
-) -> int:
-    """Price and build the analysis with the model's tensors tagged; the number of ops that read them."""
+) -> tuple[int, dict[str, Any]]:
+    """Price and build the analysis with the model's tensors tagged; the number of ops that read them, the answer."""
     bound = BoundAnalyses(MODEL_ANALYSES, LIMITS)
     path_fields = analysis.path_fields()
     raw = {k: v for k, v in values.items() if k in analysis.params.model_fields and k not in path_fields}
@@ -95,9 +97,10 @@ def run_on_foreign_device(
     with mode:
         analysis.cost(loaded, params, LIMITS)
         answer = analysis.build(loaded, params, LIMITS)
-    said = answer.model_dump(mode="json").get("model") or {}  # every answer names the checkpoint it came from
-    assert said.get("digest") == str(loaded.digest), f"{analysis.name} names no model: {said}"
-    return mode.foreign_ops - before
+    said = answer.model_dump(mode="json")
+    model = said.get("model") or {}  # every answer names the checkpoint it came from
+    assert model.get("digest") == str(loaded.digest), f"{analysis.name} names no model: {model}"
+    return mode.foreign_ops - before, said
 
 
 @pytest.mark.parametrize("analysis", MODEL_ANALYSES, ids=[a.name for a in MODEL_ANALYSES])
@@ -107,7 +110,7 @@ def test_every_analysis_keeps_to_the_models_device(models: dict[str, Any], analy
         if name == "toy-2l" and ran:  # the trained model (a 4x larger vocabulary) only where the random ones refuse
             continue
         try:
-            ran[name] = run_on_foreign_device(analysis, loaded, mode)
+            ran[name], _ = run_on_foreign_device(analysis, loaded, mode)
         except DeviceMixError as exc:
             raise AssertionError(f"{analysis.name} on {name}: {exc}") from exc
         except REFUSALS as exc:
@@ -117,23 +120,37 @@ def test_every_analysis_keeps_to_the_models_device(models: dict[str, Any], analy
         assert any(n > 0 for n in ran.values()), f"{analysis.name} read no tensor of the model: {ran}"
 
 
-SUBSET_ANALYSES = [a for a in MODEL_ANALYSES if "min_count" in a.params.model_fields]
+SUBSET_ANALYSES = [a for a in MODEL_ANALYSES if {"min_count", "vocab"} & a.params.model_fields.keys()]
+SMALL_DEFAULT_VOCAB = 100  # DEFAULT_VOCAB here: below the random models' 320 tokens, so each vocabulary is "large"
 
 
 @pytest.mark.parametrize("analysis", SUBSET_ANALYSES, ids=[a.name for a in SUBSET_ANALYSES])
-def test_token_subsets_keep_to_the_models_device(models: dict[str, Any], analysis: Analysis[Any, Any]) -> None:
-    """The tables ranked over a token subset (min_count: tiny-2l's frequent tokens; a large vocabulary's default)
-    index host token ids by positions the circuit computed on the model's device."""
+def test_token_subsets_keep_to_the_models_device(
+    models: dict[str, Any], analysis: Analysis[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tables ranked over a token subset index host token ids by positions the circuit computed on the model's
+    device: min_count's frequent tokens (tiny-2l and tiny-llama have training counts), and a large vocabulary's
+    default set, with DEFAULT_VOCAB lowered below the models' vocabulary as on a 128k-token model: its
+    SMALL_DEFAULT_VOCAB most frequent tokens (tiny-2l, tiny-llama), or its lowest ids (tiny-ln has no counts)."""
+    monkeypatch.setattr(token_sets, "DEFAULT_VOCAB", SMALL_DEFAULT_VOCAB)
+    runs = [(name, "the default set", {}) for name in ("tiny-2l", "tiny-ln", "tiny-llama")]
+    if "min_count" in analysis.params.model_fields:
+        runs += [(name, "min_count=500", {"min_count": 500}) for name in ("tiny-2l", "tiny-llama")]
     ran, refused = {}, {}
-    for name in ("tiny-2l", "tiny-llama"):  # (both have training counts)
+    for name, subset, values in runs:
         loaded, mode = models[name]
         try:
-            ran[name] = run_on_foreign_device(analysis, loaded, mode, QUERY_VALUES | {"min_count": 500})
+            ran[name, subset], answer = run_on_foreign_device(analysis, loaded, mode, QUERY_VALUES | values)
         except DeviceMixError as exc:
-            raise AssertionError(f"{analysis.name} on a token subset of {name}: {exc}") from exc
+            raise AssertionError(f"{analysis.name} on {name}, {subset}: {exc}") from exc
         except REFUSALS as exc:
-            refused[name] = str(exc)
-    assert any(n > 0 for n in ran.values()), f"{analysis.name} ran on no token subset: {ran} {refused}"
+            refused[name, subset] = str(exc)
+            continue
+        if not values and "token_set" in answer:  # the answer states the default set it ranked
+            assert f"{SMALL_DEFAULT_VOCAB:,}" in (answer["token_set"] or ""), f"{analysis.name}: {answer['token_set']}"
+    for subset in {subset for _, subset, _ in runs}:
+        reads = [n for (_, ran_on), n in ran.items() if ran_on == subset]
+        assert any(n > 0 for n in reads), f"{analysis.name} ran on no model's {subset}: {ran} {refused}"
 
 
 def test_the_check_fails_on_a_host_tensor_mixed_in() -> None:

@@ -57,8 +57,8 @@ def token_circuit(
     k = check_k(k, limits, fm.ldim * fm.rdim)
     with torch.no_grad():
         values, rows, cols = fm.topk_global(k, budget_bytes=limits.matrix_budget_bytes)  # [k] each
-        if tokens is not None:  # positions in the set -> token ids
-            rows, cols = tokens[rows], tokens[cols]
+        if tokens is not None:  # positions in the set (on the model's device) -> token ids (on the host)
+            rows, cols = tokens[rows.cpu()], tokens[cols.cpu()]
         eig = torch.linalg.eigvals(fm.BA.double())  # [d_head] complex
         copying = float(copying_spectra.copying_score(eig))
     entries = [
