@@ -139,7 +139,9 @@ class PathsView(BaseModel):
     )
     max_order: int
     terms: list[PathTermView] = Field(
-        description="largest |value| first; includes 'remainder' (orders > max_order) and 'other'"
+        description="largest |value| first, equal |values| (the zero terms of absent biases) in the expansion's own "
+        "term order (order 0 from the embedding up, then each higher order, the unembedding bias last; docs/maths.md "
+        "§1.7); then 'other' (the unlisted terms) and 'remainder' (orders > max_order)"
     )
     total: float = Field(description="sum of every term's value: equals `value`")
     order_totals: list[float] = Field(description="sum of the explicit terms of each order 0..max_order")
@@ -223,7 +225,10 @@ class QKCell(BaseModel):
     key: int
     score: float = Field(description="the real pre-softmax score q k^T / s")
     attention: float = Field(description="the head's attention weight there")
-    terms: list[QKTerm] = Field(description="the k largest |terms| of C x C")
+    terms: list[QKTerm] = Field(
+        description="the k largest |terms| of C x C; equal |terms| (zero bias components) by query component, then "
+        "key component, in the components' order (docs/maths.md §1.7)"
+    )
 
 
 class QKPathsView(BaseModel):
@@ -234,7 +239,10 @@ class QKPathsView(BaseModel):
     tokens: list[TokenRef]
     components: list[str] = Field(description="query- and key-side components of the head's input")
     std: list[list[float]] = Field(description="[query component][key component] std of the term over causal positions")
-    top_pairs: list[QKPair]
+    top_pairs: list[QKPair] = Field(
+        description="the k pairs of largest std, equal stds (zero bias components) by query component, then key "
+        "component, in the components' order (docs/maths.md §1.7)"
+    )
     terms: dict[str, list[list[float]]] = Field(
         description="'query|key' -> [query][key] scores of the top pairs (masked entries are 0)"
     )

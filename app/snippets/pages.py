@@ -44,7 +44,7 @@ with torch.no_grad():
     exp = expand_scores(model, tokens, (layer, h), run=run)
 terms = exp.q_parts[:, {query}] @ exp.k_parts[:, {key}].T / exp.scale  # [C, C] query-side x key-side components
 C = len(exp.components)
-top = terms.flatten().abs().argsort(descending=True)[:{k}].tolist()
+top = terms.flatten().abs().argsort(descending=True, stable=True)[:{k}].tolist()  # ties: (query, key) order
 result = {{
     "score": float(exp.scores[{query}, {key}]),
     "attention": float(run.patterns[layer, h, {query}, {key}]),

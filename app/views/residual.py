@@ -144,7 +144,9 @@ class ResidualPairView(QKFormed):
     minus_baseline: float
     singular_values: list[float]
     directions: list[DirectionView] = Field(
-        description="top singular directions; each (input, output) pair is defined up to one common sign"
+        description="top singular directions; each (input, output) pair is defined up to one common sign, chosen so "
+        "that the input side's entry of largest magnitude (in d_model or the indexed side) is positive (docs/maths.md "
+        "§1.8)"
     )
     links: dict[str, str] = Field(description="existing pages for this pair or its heads")
     offset: int
