@@ -118,7 +118,8 @@ class DirectionEntry(BaseModel):
 class DirectionView(BaseModel):
     singular_value: float
     input_top: list[DirectionEntry] | None = Field(
-        description="largest entries on the writer's input side (null: a d_model side)"
+        description="largest entries on the writer's input side (null: a d_model side); equal entries: the lower "
+        "index first (docs/maths.md §1.7)"
     )
     input_bottom: list[DirectionEntry] | None
     output_top: list[DirectionEntry] | None = Field(description="largest entries on the reader's output side")

@@ -36,6 +36,7 @@ from circuits_core.circuits.stream_flops import pair_flops
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer
+from circuits_core.ranking import top_k
 
 
 def virtual_weight(model: Transformer, writer: Writer, reader: Reader, offset: int = 0) -> FactoredMatrix:
@@ -166,7 +167,7 @@ def _space(kind: str) -> str:
 def _extremes(v: Tensor, n: int, space: str, largest: bool) -> list[tuple[int, float]] | None:
     if space == "d_model":
         return None
-    vals, idx = v.topk(min(n, v.shape[0]), largest=largest)
+    vals, idx = top_k(v, min(n, v.shape[0]), largest)  # equal entries: the lower index first
     return [(int(i), float(x)) for i, x in zip(idx.tolist(), vals.tolist(), strict=True)]
 
 

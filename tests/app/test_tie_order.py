@@ -1,7 +1,7 @@
 """The rankings of the app's own answers, with exact ties planted, against a brute-force Python sort of the same
 float64 values, whichever way the backend orders equal values (tests/another_backend.py): a head's QK score split
-into its terms (zero bias components). The engine's rankings are tests/core/test_ranking.py; every analysis under
-another backend, tests/app/test_device_clean.py."""
+into its terms (zero bias components), and a token's row of the OV table (twin tokens). The engine's rankings are
+tests/core/test_ranking.py; every analysis under another backend, tests/app/test_device_clean.py."""
 
 from __future__ import annotations
 
@@ -9,10 +9,14 @@ from pathlib import Path
 
 import torch
 
+from app.analysis import BoundAnalyses
+from app.catalog import ANALYSES
 from app.views.qk_paths import score_terms
+from circuits_core.circuits.head_circuits import full_ov_row
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.prompt.qk_paths import expand_scores
 from tests.another_backend import AnotherBackend
+from tests.app.conftest import LIMITS
 
 
 def by_size_then_index(values: list[float], k: int) -> list[int]:
@@ -39,3 +43,22 @@ def test_qk_terms_of_equal_size_rank_by_component(model_dirs: tuple[Path, Path])
     assert [(a, b) for a, b, _ in pairs] == [
         (exp.components[i // C], exp.components[i % C]) for i in by_size_then_index(stds, C * C)
     ]
+
+
+def test_a_tokens_ov_row_ranks_twin_tokens_by_id(model_dirs: tuple[Path, Path]) -> None:
+    """Tokens given the unembedding column of the row's top output token tie with it exactly: listed by id."""
+    loaded = load_checkpoint(model_dirs[0] / "tiny-2l", dtype=torch.float64)
+    model, source = loaded.model, 5
+    top = int(full_ov_row(model, 1, 0, source).argmax())
+    with torch.no_grad():
+        for twin in {0, 3, model.cfg.d_vocab - 1} - {top}:
+            model.unembed.W_U[:, twin] = model.unembed.W_U[:, top]
+    row = full_ov_row(model, 1, 0, source).tolist()  # [d_vocab] float64
+    assert row.count(max(row)) >= 3  # the ties
+    ov = next(a for a in ANALYSES if a.name == "ov")
+    params = BoundAnalyses(ANALYSES, LIMITS).bound(ov).model_validate({"head": "L1H0", "token": str(source), "k": 8})
+    with AnotherBackend() as mode:
+        view = ov.build(loaded, params.normalised(loaded), LIMITS)
+    assert mode.calls
+    expected = sorted(range(len(row)), key=lambda i: (-row[i], i))[:8]
+    assert [e.col.id for e in view.entries] == expected

@@ -1,18 +1,53 @@
 """The rankings answers give, with exact ties planted, against a brute-force Python sort of the same float64 values,
-whichever way the backend orders equal values (tests/another_backend.py; docs/maths.md §1.7)."""
+whichever way the backend orders equal values (tests/another_backend.py; docs/maths.md §1.7): ranking.top_k itself
+(by value, equal values by index, the lower first, at the k-th value too; torch.topk fails it on either backend),
+path terms, skip-trigrams, and a virtual weight's directions (their sign, §1.8, and their extreme tokens)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+import pytest
 import torch
 
+from circuits_core.circuits import stream_components as sc
+from circuits_core.circuits import virtual_weights as vw
+from circuits_core.circuits.head_circuits import full_ov_row, full_qk_col
+from circuits_core.circuits.skip_trigrams import skip_trigrams
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Transformer, random_model
 from circuits_core.prompt.paths import expand_logits
+from circuits_core.ranking import top_k
 from tests.another_backend import AnotherBackend
 
 
+def brute_force(row: list[float], k: int, largest: bool) -> list[tuple[float, int]]:
+    """(value, index) of the k first in the stated order: by value, then by index."""
+    ranked = sorted(range(len(row)), key=lambda i: (-row[i] if largest else row[i], i))[:k]
+    return [(row[i], i) for i in ranked]
+
+
+def planted_ties(rows: int, n: int, seed: int) -> torch.Tensor:
+    """[rows, n] float64 drawn from 5 values: every row is mostly ties, across every k-th value."""
+    g = torch.Generator().manual_seed(seed)
+    levels = torch.tensor([-1.5, 0.0, 0.25, 2.0, 7.0], dtype=torch.float64)
+    return levels[torch.randint(0, 5, (rows, n), generator=g)]
+
+
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("another_backend", [False, True])
+def test_top_k_is_the_brute_force_order_whatever_the_backends_tie_order(largest: bool, another_backend: bool) -> None:
+    for r, row in enumerate(planted_ties(6, 40, seed=0)):
+        for k in (0, 1, 3, 8, 17, 40):
+            with AnotherBackend() if another_backend else contextlib.nullcontext() as mode:
+                got_v, got_i = top_k(row, k, largest)
+            assert mode is None or mode.calls > 0
+            got = list(zip(got_v.tolist(), got_i.tolist(), strict=True))
+            assert got == brute_force(row.tolist(), k, largest), (k, r)
+
+
+# -- the rankings answers give ------------------------------------------------------------------------------------
 def tiny_model(**fields: Any) -> Transformer:
     cfg = dict(n_layers=2, d_model=16, n_heads=2, d_head=4, d_vocab=40, n_ctx=10, attn_only=True) | fields
     return random_model(ModelConfig(**cfg), seed=0, dtype=torch.float64)
@@ -30,3 +65,74 @@ def test_path_terms_of_equal_size_rank_in_the_expansions_order() -> None:
         assert exp.ranked(0).tolist() == expected
         assert [t.path for t in exp.top(len(values))] == [exp.paths[i] for i in expected]
     assert mode.calls
+
+
+def planted_twins(model: Transformer, pairs: list[tuple[int, int]], embed: bool, unembed: bool) -> None:
+    """Token b gets token a's embedding row and/or unembedding column, for each (a, b): exact ties wherever a token
+    side is read."""
+    with torch.no_grad():
+        for a, b in pairs:
+            if embed:
+                model.embed.W_E[b] = model.embed.W_E[a]
+            if unembed:
+                model.unembed.W_U[:, b] = model.unembed.W_U[:, a]
+
+
+def by_value_then_index(values: list[float], k: int, largest: bool = True) -> list[int]:
+    return sorted(range(len(values)), key=lambda i: (-values[i] if largest else values[i], i))[:k]
+
+
+def test_skip_trigrams_rank_twin_tokens_by_id() -> None:
+    """Destinations (a QK column) and outs (an OV row) with twins among the top: by score, then token id; the
+    trigrams by joint, then destination, then out; against a brute-force sort of the same columns."""
+    model = tiny_model()
+    source, k = 3, 6
+    col, row = full_qk_col(model, 1, 0, source), full_ov_row(model, 1, 0, source)
+    top_dest, top_out = int(col.argmax()), int(row.argmax())
+    twins = [(top_dest, b) for b in (0, 39, 17) if b != top_dest] + [(top_out, b) for b in (1, 38) if b != top_out]
+    planted_twins(model, twins[:2], embed=True, unembed=False)
+    planted_twins(model, twins[2:], embed=False, unembed=True)
+    col, row = full_qk_col(model, 1, 0, source).tolist(), full_ov_row(model, 1, 0, source).tolist()
+    assert col.count(max(col)) >= 3 and row.count(max(row)) >= 3  # the planted ties (exact)
+    dest, out = by_value_then_index(col, k), by_value_then_index(row, k)
+    joint = {(b, c): col[b] * row[c] for b in dest for c in out}
+    rank = {b: i for i, b in enumerate(dest)} | {("out", c): i for i, c in enumerate(out)}
+    triples = sorted(joint, key=lambda bc: (-joint[bc], rank[bc[0]], rank[("out", bc[1])]))
+    with AnotherBackend() as mode:
+        st = skip_trigrams(model, 1, 0, source, k)
+    assert mode.calls
+    assert st.dest_tokens.tolist() == dest and st.out_tokens.tolist() == out
+    assert [(b, c) for b, c, _ in st.triples] == triples
+
+
+def signed_by_largest_entry(u: list[float]) -> list[float]:
+    """u times the sign of its entry of largest magnitude (the first of equal magnitudes)."""
+    j = max(range(len(u)), key=lambda i: (abs(u[i]), -i))
+    return [x if u[j] > 0 else -x for x in u]
+
+
+def test_virtual_weight_directions_have_one_sign_and_twin_tokens_rank_by_id() -> None:
+    """The embedding -> unembedding virtual weight, with twin tokens on both sides: each direction's input side has
+    its entry of largest magnitude positive, whatever sign the SVD gives (AnotherBackend negates every second pair),
+    against the dense float64 SVD; its extremes rank twins by token id, against a brute-force sort."""
+    model = tiny_model()
+    planted_twins(model, [(4, 30), (4, 2), (9, 11)], embed=True, unembed=True)
+    writer, reader = sc.Writer("embed"), sc.Reader("unembed")
+    dense = model.embed.W_E @ model.unembed.W_U  # [V, V]
+    U, S, Vh = torch.linalg.svd(dense)
+    for backend in (False, True):
+        with AnotherBackend() if backend else contextlib.nullcontext():
+            svd = vw.factored_svd(vw.virtual_weight(model, writer, reader), k=4)
+            rep = vw.pair_report(model, writer, reader, k=4, n_top=5)
+        for i, d in enumerate(rep.directions):
+            u = signed_by_largest_entry(U[:, i].tolist())
+            v = [x * (1 if u[0] * U[0, i] > 0 else -1) for x in Vh[i].tolist()]  # the same sign on both sides
+            torch.testing.assert_close(svd.U[:, i], torch.tensor(u, dtype=torch.float64), rtol=0, atol=1e-9)
+            torch.testing.assert_close(svd.V[:, i], torch.tensor(v, dtype=torch.float64), rtol=0, atol=1e-9)
+            u_got, v_got = svd.U[:, i].tolist(), svd.V[:, i].tolist()  # the values ranked (twins equal exactly)
+            assert [t for t, _ in d.input_top] == by_value_then_index(u_got, 5)
+            assert [t for t, _ in d.input_bottom] == by_value_then_index(u_got, 5, largest=False)
+            assert [t for t, _ in d.output_top] == by_value_then_index(v_got, 5)
+            assert [t for t, _ in d.output_bottom] == by_value_then_index(v_got, 5, largest=False)
+    twins = [u for u in svd.U.T.tolist() if u[4] == u[30] == u[2] and u[9] == u[11]]
+    assert len(twins) == 4  # the planted ties are exact
