@@ -36,3 +36,12 @@ def top_k(values: Tensor, k: int, largest: bool = True) -> tuple[Tensor, Tensor]
     chosen = values[idx]
     order = chosen.argsort(descending=largest, stable=True)  # by value; equal values stay in index order
     return chosen[order], idx[order]
+
+
+def by_value_then_indices(values: Tensor, indices: tuple[Tensor, ...], largest: bool = True) -> Tensor:
+    """[..., k]: the order of the entries of values [..., k] by value (largest=False: smallest first), equal values by
+    each of `indices` ([..., k] each) in turn, the lower first: one stable sort per key, the last key first."""
+    order = torch.arange(values.shape[-1], device=values.device).expand_as(values)
+    for key, descending in [*((i, False) for i in reversed(indices)), (values, largest)]:
+        order = order.gather(-1, key.gather(-1, order).argsort(dim=-1, descending=descending, stable=True))
+    return order

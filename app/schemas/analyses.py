@@ -68,7 +68,9 @@ class TokenCircuit(BaseModel):
 
     row_label: str
     col_label: str
-    entries: list[MatrixEntry] = Field(description="global top-k entries, largest first")
+    entries: list[MatrixEntry] = Field(
+        description="global top-k entries, largest first, equal values by row, then column (docs/maths.md §1.7)"
+    )
     eigenvalues: list[Complex] = Field(description="the nonzero eigenvalues (from the d_head x d_head factor product)")
     copying: float | None = Field(
         description="sum(eig)/sum(|eig|) in [-1, 1]: +1 means 'same token' (copying / matching)"

@@ -31,8 +31,8 @@ class CircuitTopView(BaseModel):
     side: Side | None = Field(default=None, description="whether `token` is the row or the column")
     k: int
     entries: list[MatrixEntry] = Field(
-        description="sorted by value, largest first; of a token's row or column, equal values by token id, the lower "
-        "first (docs/maths.md §1.7)"
+        description="sorted by value, largest first; equal values by token id, the lower first (of the global top k: "
+        "by row, then column; docs/maths.md §1.7)"
     )
     diagonal: float | None = Field(
         default=None, description="the token's own entry (copying signature), when a token is given"

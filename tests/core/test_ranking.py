@@ -13,12 +13,13 @@ import torch
 
 from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import virtual_weights as vw
+from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.head_circuits import full_ov_row, full_qk_col
 from circuits_core.circuits.skip_trigrams import skip_trigrams
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Transformer, random_model
 from circuits_core.prompt.paths import expand_logits
-from circuits_core.ranking import top_k
+from circuits_core.ranking import by_value_then_indices, top_k
 from tests.another_backend import AnotherBackend
 
 
@@ -136,3 +137,40 @@ def test_virtual_weight_directions_have_one_sign_and_twin_tokens_rank_by_id() ->
             assert [t for t, _ in d.output_bottom] == by_value_then_index(v_got, 5, largest=False)
     twins = [u for u in svd.U.T.tolist() if u[4] == u[30] == u[2] and u[9] == u[11]]
     assert len(twins) == 4  # the planted ties are exact
+
+
+def test_by_value_then_indices_is_the_brute_force_order() -> None:
+    values = planted_ties(4, 30, seed=3)  # [4, 30]
+    g = torch.Generator().manual_seed(4)
+    rows, cols = torch.randint(0, 3, (4, 30), generator=g), torch.randint(0, 3, (4, 30), generator=g)
+    for largest in (True, False):
+        with AnotherBackend():
+            order = by_value_then_indices(values, (rows, cols), largest)
+        for b in range(4):
+            sign = -1 if largest else 1
+            triples = zip(values[b].tolist(), rows[b].tolist(), cols[b].tolist(), strict=True)
+            keys = [(sign * v, r, c) for v, r, c in triples]
+            assert [keys[i] for i in order[b].tolist()] == sorted(keys)
+
+
+@pytest.mark.parametrize("largest", [True, False])
+def test_a_global_top_k_lists_twin_entries_by_row_then_column(largest: bool) -> None:
+    """A [30, 6] @ B [6, 25] with twin rows and columns: the top k's entries are the dense product's, in the order of
+    value, then row, then column, on either backend (k where no tie crosses the k-th place: which tied entries are
+    listed there is the search's)."""
+    g = torch.Generator().manual_seed(5)
+    A, B = torch.randn(30, 6, generator=g, dtype=torch.float64), torch.randn(6, 25, generator=g, dtype=torch.float64)
+    dense = A @ B
+    top = (dense.argmax() if largest else dense.argmin()).item()
+    i, j = divmod(top, 25)
+    A[[3, 20, 29]] = A[i].clone()  # twins of the extreme entry's row and column
+    B[:, [0, 11]] = B[:, [j]].clone()
+    dense = (A @ B).tolist()
+    entries = sorted((-v if largest else v, r, c) for r, row in enumerate(dense) for c, v in enumerate(row))
+    k = next(n for n in range(12, 40) if entries[n - 1][0] != entries[n][0])  # no tie across the k-th place
+    assert len({v for v, _, _ in entries[:k]}) < k  # ties among the listed
+    for backend in (False, True):
+        with AnotherBackend() if backend else contextlib.nullcontext():
+            values, rows, cols = FactoredMatrix(A, B).topk_global(k, largest=largest)
+        got = [(v, r, c) for v, r, c in zip(values.tolist(), rows.tolist(), cols.tolist(), strict=True)]
+        assert [(r, c) for _, r, c in got] == [(r, c) for _, r, c in entries[:k]]
