@@ -20,16 +20,18 @@ def top_k(values: Tensor, k: int, largest: bool = True) -> tuple[Tensor, Tensor]
     """The k largest (largest=False: smallest) entries of values [n]: values and indices [k], ordered by value, equal
     values by their index (the lower first), at the k-th value too.
 
-    torch.topk finds the k-th value; only where more than k entries reach it (a tie across the edge) are the tied
-    entries chosen again, the lowest indices first: two boolean masks of `values` and no loop over its entries."""
+    torch.topk finds the k-th value, and one pass over `values` counts the entries that reach it; only where more
+    than k do (a tie across the edge) are the tied entries chosen again, the lowest indices first. No loop over the
+    entries."""
     found = values.topk(k, largest=largest)
     if k == 0:
         return found.values, found.indices
     edge = found.values[-1]  # the k-th value
-    beyond = values > edge if largest else values < edge  # [n]
-    tied = (values == edge).nonzero().flatten()  # [t] ascending (none for a NaN edge: topk's choice stands)
-    room = k - int(beyond.sum())  # places left for the tied entries
-    if tied.numel() > room:
+    reach = values >= edge if largest else values <= edge  # [n] (none for a NaN edge: topk's choice stands)
+    if int(reach.sum()) > k:
+        beyond = values > edge if largest else values < edge  # [n]
+        tied = (values == edge).nonzero().flatten()  # [t] ascending
+        room = k - int(beyond.sum())  # places left for the tied entries
         idx = torch.cat([beyond.nonzero().flatten(), tied[:room]]).sort().values  # [k] ascending
     else:
         idx = found.indices.sort().values  # [k] ascending
