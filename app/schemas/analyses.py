@@ -48,7 +48,10 @@ class CompositionView(BaseModel):
         description="mean score of ARENA's random generator (check of the analytic baseline)"
     )
     sampled_std: float = Field(description="standard deviation of the sampled random scores")
-    top_pairs: list[CompositionPair] = Field(description="the strongest pairs, largest raw score first")
+    top_pairs: list[CompositionPair] = Field(
+        description="the strongest pairs, largest raw score first; equal scores by source, then target, in head order "
+        "(docs/maths.md §1.7)"
+    )
     offset: int | None = Field(
         default=None,
         description="rotary models: the query-key offset δ of the Q/K scores "

@@ -1,7 +1,8 @@
 """The rankings of the app's own answers, with exact ties planted, against a brute-force Python sort of the same
 float64 values, whichever way the backend orders equal values (tests/another_backend.py): a head's QK score split
-into its terms (zero bias components), and a token's row of the OV table (twin tokens). The engine's rankings are
-tests/core/test_ranking.py; every analysis under another backend, tests/app/test_device_clean.py."""
+into its terms (zero bias components), a token's row of the OV table (twin tokens), composition's strongest pairs
+(twin heads). The engine's rankings are tests/core/test_ranking.py; every analysis under another backend,
+tests/app/test_device_clean.py."""
 
 from __future__ import annotations
 
@@ -62,3 +63,33 @@ def test_a_tokens_ov_row_ranks_twin_tokens_by_id(model_dirs: tuple[Path, Path]) 
     assert mode.calls
     expected = sorted(range(len(row)), key=lambda i: (-row[i], i))[:8]
     assert [e.col.id for e in view.entries] == expected
+
+
+def test_composition_pairs_of_twin_heads_rank_by_heads(model_dirs: tuple[Path, Path]) -> None:
+    """Layer 0's heads 1 and 2 given head 0's W_V and W_O compose equally with every later head: the strongest pairs
+    list them by value, then (source, target) in head order."""
+    loaded = load_checkpoint(model_dirs[0] / "tiny-2l", dtype=torch.float64)
+    attn = loaded.model.blocks[0].attn
+    with torch.no_grad():
+        for h in (1, 2):
+            attn.W_V[h].copy_(attn.W_V[0])
+            attn.W_O[h].copy_(attn.W_O[0])
+    composition = next(a for a in ANALYSES if a.name == "composition")
+    params = BoundAnalyses(ANALYSES, LIMITS).bound(composition).model_validate({"kind": "K"}).normalised(loaded)
+    with AnotherBackend() as mode:
+        view = composition.build(loaded, params, LIMITS)
+    assert mode.calls
+    scored = [  # (score, source, target) of every pair the table shows
+        (score, source, target)
+        for source, row in zip(view.sources, view.scores, strict=True)
+        for target, score in zip(view.targets, row, strict=True)
+        if score is not None
+    ]
+    assert len({s for s, _, _ in scored}) < len(scored)  # the ties
+    expected = sorted(scored, key=lambda e: (-e[0], head_order(e[1]), head_order(e[2])))[: len(view.top_pairs)]
+    assert [(p.source, p.target) for p in view.top_pairs] == [(s, t) for _, s, t in expected]
+
+
+def head_order(name: str) -> tuple[int, int]:
+    layer, head = name[1:].split("H")
+    return int(layer), int(head)
