@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from circuits_core.circuits import residual_stream
 from circuits_core.circuits import stream_components as sc
 from circuits_core.circuits import virtual_weights as vw
 from circuits_core.circuits.factored import FactoredMatrix
@@ -19,6 +20,7 @@ from circuits_core.circuits.skip_trigrams import skip_trigrams
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Transformer, random_model
 from circuits_core.prompt.paths import expand_logits
+from circuits_core.prompt.virtual import rank_by_v_composition
 from circuits_core.ranking import by_value_then_indices, top_k
 from tests.another_backend import AnotherBackend
 
@@ -174,3 +176,34 @@ def test_a_global_top_k_lists_twin_entries_by_row_then_column(largest: bool) -> 
             values, rows, cols = FactoredMatrix(A, B).topk_global(k, largest=largest)
         got = [(v, r, c) for v, r, c in zip(values.tolist(), rows.tolist(), cols.tolist(), strict=True)]
         assert [(r, c) for _, r, c in got] == [(r, c) for _, r, c in entries[:k]]
+
+
+def test_a_crowded_directions_writers_of_equal_share_rank_in_the_writers_order() -> None:
+    """Twin writers (the same subspace) share every direction equally: listed in the writers' order."""
+    g = torch.Generator().manual_seed(6)
+    basis = lambda: torch.linalg.qr(torch.randn(12, 3, generator=g, dtype=torch.float64))[0]  # noqa: E731
+    a, c = basis(), basis()
+    names, bases = ["a", "b", "c", "d", "e"], [a, c, a.clone(), c.clone(), a.clone()]
+    with AnotherBackend() as mode:
+        bw = residual_stream.bandwidth(names, bases, 12, n_crowded=4, n_writers=5)
+    assert mode.calls
+    for _, writers in bw.crowded:
+        shares = {n: s for n, s in writers}
+        assert shares["a"] == shares["c"] == shares["e"] and shares["b"] == shares["d"]  # the ties
+        assert writers == sorted(writers, key=lambda w: (-w[1], names.index(w[0])))
+
+
+def test_virtual_heads_of_twin_heads_rank_in_head_order() -> None:
+    """rank_by_v_composition on a model whose layer 0 heads are twins: equal scores listed by (h1, h2)."""
+    model = tiny_model(n_heads=3)
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        for h in (1, 2):
+            attn.W_V[h].copy_(attn.W_V[0])
+            attn.W_O[h].copy_(attn.W_O[0])
+    with AnotherBackend() as mode:
+        ranked = rank_by_v_composition(model, k=9)
+    assert mode.calls
+    assert len({s for _, _, s in ranked}) < len(ranked)  # the ties
+    order = lambda name: tuple(int(x) for x in name[1:].split("H"))  # noqa: E731
+    assert ranked == sorted(ranked, key=lambda r: (-r[2], order(r[0]), order(r[1])))
