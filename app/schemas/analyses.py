@@ -48,7 +48,10 @@ class CompositionView(BaseModel):
         description="mean score of ARENA's random generator (check of the analytic baseline)"
     )
     sampled_std: float = Field(description="standard deviation of the sampled random scores")
-    top_pairs: list[CompositionPair] = Field(description="the strongest pairs, largest raw score first")
+    top_pairs: list[CompositionPair] = Field(
+        description="the strongest pairs, largest raw score first; equal scores by source, then target, in head order "
+        "(docs/maths.md §1.7)"
+    )
     offset: int | None = Field(
         default=None,
         description="rotary models: the query-key offset δ of the Q/K scores "
@@ -68,7 +71,9 @@ class TokenCircuit(BaseModel):
 
     row_label: str
     col_label: str
-    entries: list[MatrixEntry] = Field(description="global top-k entries, largest first")
+    entries: list[MatrixEntry] = Field(
+        description="global top-k entries, largest first, equal values by row, then column (docs/maths.md §1.7)"
+    )
     eigenvalues: list[Complex] = Field(description="the nonzero eigenvalues (from the d_head x d_head factor product)")
     copying: float | None = Field(
         description="sum(eig)/sum(|eig|) in [-1, 1]: +1 means 'same token' (copying / matching)"
@@ -139,7 +144,9 @@ class PathsView(BaseModel):
     )
     max_order: int
     terms: list[PathTermView] = Field(
-        description="largest |value| first; includes 'remainder' (orders > max_order) and 'other'"
+        description="largest |value| first, equal |values| (the zero terms of absent biases) in the expansion's own "
+        "term order (order 0 from the embedding up, then each higher order, the unembedding bias last; docs/maths.md "
+        "§1.7); then 'other' (the unlisted terms) and 'remainder' (orders > max_order)"
     )
     total: float = Field(description="sum of every term's value: equals `value`")
     order_totals: list[float] = Field(description="sum of the explicit terms of each order 0..max_order")
@@ -223,7 +230,10 @@ class QKCell(BaseModel):
     key: int
     score: float = Field(description="the real pre-softmax score q k^T / s")
     attention: float = Field(description="the head's attention weight there")
-    terms: list[QKTerm] = Field(description="the k largest |terms| of C x C")
+    terms: list[QKTerm] = Field(
+        description="the k largest |terms| of C x C; equal |terms| (zero bias components) by query component, then "
+        "key component, in the components' order (docs/maths.md §1.7)"
+    )
 
 
 class QKPathsView(BaseModel):
@@ -234,7 +244,10 @@ class QKPathsView(BaseModel):
     tokens: list[TokenRef]
     components: list[str] = Field(description="query- and key-side components of the head's input")
     std: list[list[float]] = Field(description="[query component][key component] std of the term over causal positions")
-    top_pairs: list[QKPair]
+    top_pairs: list[QKPair] = Field(
+        description="the k pairs of largest std, equal stds (zero bias components) by query component, then key "
+        "component, in the components' order (docs/maths.md §1.7)"
+    )
     terms: dict[str, list[list[float]]] = Field(
         description="'query|key' -> [query][key] scores of the top pairs (masked entries are 0)"
     )

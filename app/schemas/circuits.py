@@ -30,7 +30,10 @@ class CircuitTopView(BaseModel):
     )
     side: Side | None = Field(default=None, description="whether `token` is the row or the column")
     k: int
-    entries: list[MatrixEntry] = Field(description="sorted by value, largest first")
+    entries: list[MatrixEntry] = Field(
+        description="sorted by value, largest first; equal values by token id, the lower first (of the global top k: "
+        "by row, then column; docs/maths.md §1.7)"
+    )
     diagonal: float | None = Field(
         default=None, description="the token's own entry (copying signature), when a token is given"
     )
@@ -128,11 +131,18 @@ class SkipTrigramView(QKFormed):
     head: str
     source: TokenRef
     k: int
-    destinations: list[ScoredToken] = Field(description="top QK column of the source: queries that attend to it")
-    outs: list[ScoredToken] = Field(description="top OV row of the source: logits it raises when attended to")
+    destinations: list[ScoredToken] = Field(
+        description="top QK column of the source: queries that attend to it (equal scores: the lower token id first, "
+        "docs/maths.md §1.7)"
+    )
+    outs: list[ScoredToken] = Field(
+        description="top OV row of the source: logits it raises when attended to (equal scores: the lower token id "
+        "first)"
+    )
     trigrams: list[SkipTrigram] = Field(
         description="the k strongest (destination, out) pairs of the destinations x outs grid by qk * ov "
-        "(the grid is the factored cross-product, 'skip-trigram bugs' included)"
+        "(the grid is the factored cross-product, 'skip-trigram bugs' included); equal products in the order of "
+        "destinations, then outs"
     )
     copying: bool = Field(description="whether the source is among its own top-k outs")
     min_count: int | None = Field(

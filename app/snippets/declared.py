@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from app.snippets.script import token_ids
+from app.snippets.script import TOP_K_IMPORT, token_ids
 
 
 def attention_entropy_body(p: Any, view: Any) -> str:
@@ -89,11 +89,11 @@ if ids is not None:
     rows, cols = ids[rows], ids[cols]
 """
     else:
-        search = f"""with torch.no_grad():
+        search = f"""{TOP_K_IMPORT}with torch.no_grad():
     row = head_circuits.direct_row(model, {view.token.id})  # [d_vocab]: the direct logits of token {view.token.id}
 if ids is not None:  # rank only the token set
     row = torch.full_like(row, float("-inf")).index_copy(0, ids, row[ids])
-values, cols = row.topk({view.k})
+values, cols = top_k(row, {view.k})
 rows = torch.full_like(cols, {view.token.id})
 """
     return (

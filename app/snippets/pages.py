@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from app.snippets.script import load_lines
+from app.snippets.script import TOP_K_IMPORT, load_lines
 
 
 def composition(folder: Path, dtype: str, kind: str) -> str:
@@ -44,7 +44,7 @@ with torch.no_grad():
     exp = expand_scores(model, tokens, (layer, h), run=run)
 terms = exp.q_parts[:, {query}] @ exp.k_parts[:, {key}].T / exp.scale  # [C, C] query-side x key-side components
 C = len(exp.components)
-top = terms.flatten().abs().argsort(descending=True)[:{k}].tolist()
+top = terms.flatten().abs().argsort(descending=True, stable=True)[:{k}].tolist()  # ties: (query, key) order
 result = {{
     "score": float(exp.scores[{query}, {key}]),
     "attention": float(run.patterns[layer, h, {query}, {key}]),
@@ -121,11 +121,11 @@ if ids is not None:
 result = {{"entries": [(int(r), int(c), float(v)) for v, r, c in zip(values, rows, cols)]}}  # (source, output, value)
 """
     else:
-        search = f"""with torch.no_grad():
+        search = f"""{TOP_K_IMPORT}with torch.no_grad():
     row = full_ov_row(model, layer, h, {token})  # [d_vocab]: the logits attending to token {token} raises
 if ids is not None:  # rank only the token set
     row = torch.full_like(row, float("-inf")).index_copy(0, ids, row[ids])
-values, cols = row.topk({k})
+values, cols = top_k(row, {k})
 result = {{"entries": [({token}, int(c), float(v)) for v, c in zip(values, cols)]}}  # (source, output, value)
 """
     return (

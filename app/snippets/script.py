@@ -30,13 +30,16 @@ def token_ids(view: Any) -> list[int]:
     return [t.id for t in view.tokens]
 
 
+TOP_K_IMPORT = "from circuits_core.ranking import top_k  # torch's topk, equal values by index (the lower first)\n"
+
+
 def ranked_line(line: str, token: int, k: int) -> str:
     """One token's line of a token circuit (`line`: the code of a [d_vocab] tensor), ranked over `ids` (every token
     when None), as the `entries` of a table: (row, col) is (token, other) on a row, (other, token) on a column."""
-    return f"""with torch.no_grad():
+    return f"""{TOP_K_IMPORT}with torch.no_grad():
     line = {line}  # [d_vocab]
 if ids is not None:  # rank only the token set
     line = torch.full_like(line, float("-inf")).index_copy(0, ids, line[ids])
-values, others = line.topk({k})
+values, others = top_k(line, {k})
 tokens = torch.full_like(others, {token})
 """

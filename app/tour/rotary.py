@@ -178,7 +178,7 @@ def induction_score_terms(loaded: LoadedModel, head: str) -> tuple[str, ScoreTer
     exp = expand_scores(model, tokens, (layer, h), run=run)
     terms = exp.q_parts[:, p] @ exp.k_parts[:, j].T / exp.scale  # [C, C]
     C = len(exp.components)
-    order = terms.flatten().abs().argsort(descending=True)[:3].tolist()
+    order = terms.flatten().abs().argsort(descending=True, stable=True)[:3].tolist()  # ties: (query, key) order
     top = [(exp.components[i // C], exp.components[i % C], float(terms.flatten()[i])) for i in order]
     score, attention = float(exp.scores[p, j]), float(run.patterns[layer, h, p, j])
     first = top[0]

@@ -45,6 +45,7 @@ from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.head_names import head_name, parse_head
 from circuits_core.prompt import qk_paths
 from circuits_core.prompt.qk_paths import k_composition_circuit
+from circuits_core.ranking import top_k
 
 TOP_PAIRS = 10
 ENGINE_KIND: dict[CompositionKindName, CompositionKind] = {"Q": "q", "K": "k", "V": "v"}  # API name -> engine key
@@ -115,7 +116,7 @@ def build_composition_view(loaded: LoadedModel, p: CompositionParams, limits: Li
     flat = torch.where(mask, raw, torch.full_like(raw, -1.0)).flatten()
     n_valid = int(mask.sum())
     pairs = []
-    for i in flat.topk(min(TOP_PAIRS, n_valid)).indices.tolist():
+    for i in top_k(flat, min(TOP_PAIRS, n_valid))[1].tolist():  # equal scores: (source, target) in head order
         l1, h1, l2, h2 = (int(x) for x in np.unravel_index(i, raw.shape))  # torch's imports sympy on its first call
         pairs.append(
             CompositionPair(

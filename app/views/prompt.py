@@ -135,7 +135,7 @@ def build_paths_view(loaded: LoadedModel, p: PathsParams, limits: Limits) -> Pat
             max_elements=max(1, limits.peak_bytes // itemsize),  # the same budget the request was priced against
         )
         values = exp.values[:, 0].double()  # [T]
-        order = values.abs().argsort(descending=True)
+        order = exp.ranked(0)  # by |value|, equal values in the terms' own order
         listed, rest = order[:k].tolist(), order[k:]
         terms = [
             PathTermView(

@@ -83,7 +83,7 @@ def score_terms(exp: Any, pattern: torch.Tensor, query: int | None, key: int | N
     if exp.cap_factor is not None:  # the entry's frozen cap factor: the terms sum to the capped score
         terms = terms * exp.cap_factor[query, key]
     C = len(exp.components)
-    order = terms.flatten().abs().argsort(descending=True)[:k].tolist()
+    order = terms.flatten().abs().argsort(descending=True, stable=True)[:k].tolist()  # ties: (query, key) order
     return QKCell(
         query=query,
         key=key,

@@ -118,7 +118,8 @@ class DirectionEntry(BaseModel):
 class DirectionView(BaseModel):
     singular_value: float
     input_top: list[DirectionEntry] | None = Field(
-        description="largest entries on the writer's input side (null: a d_model side)"
+        description="largest entries on the writer's input side (null: a d_model side); equal entries: the lower "
+        "index first (docs/maths.md §1.7)"
     )
     input_bottom: list[DirectionEntry] | None
     output_top: list[DirectionEntry] | None = Field(description="largest entries on the reader's output side")
@@ -144,7 +145,9 @@ class ResidualPairView(QKFormed):
     minus_baseline: float
     singular_values: list[float]
     directions: list[DirectionView] = Field(
-        description="top singular directions; each (input, output) pair is defined up to one common sign"
+        description="top singular directions; each (input, output) pair is defined up to one common sign, chosen so "
+        "that the input side's entry of largest magnitude (in d_model or the indexed side) is positive (docs/maths.md "
+        "§1.8)"
     )
     links: dict[str, str] = Field(description="existing pages for this pair or its heads")
     offset: int

@@ -48,7 +48,10 @@ class UsageParams(AnalysisParams):
 
 class CrowdedDirection(BaseModel):
     load: float = Field(description="eigenvalue of sum_w U_w U_w^T: how many writer subspaces share this direction")
-    writers: list[tuple[str, float]] = Field(description="writers loading it most, with u^T U_w U_w^T u")
+    writers: list[tuple[str, float]] = Field(
+        description="writers loading it most, with u^T U_w U_w^T u; equal shares in the writers' order (docs/maths.md "
+        "§1.7)"
+    )
 
 
 class ErasureEntry(BaseModel):

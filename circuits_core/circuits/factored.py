@@ -29,6 +29,7 @@ from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.circuits.product_factor import ProductFactor
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
+from circuits_core.ranking import by_value_then_indices
 
 # Default memory budget for streaming dense row blocks of a large circuit (bytes).
 DEFAULT_BUDGET_BYTES = 256 * 2**20
@@ -45,6 +46,12 @@ def batch_broadcast(a: torch.Size, b: torch.Size) -> torch.Size:
             raise InvalidInputError(f"batch shapes {tuple(a)} and {tuple(b)} do not broadcast")
         out.append(y if x == 1 else x)
     return torch.Size(out)
+
+
+def _ranked(values: Tensor, rows: Tensor, cols: Tensor, largest: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """A top-k's entries [..., k] by value, equal values by row, then column (a search lists them as it meets them)."""
+    order = by_value_then_indices(values, (rows, cols), largest)
+    return values.gather(-1, order), rows.gather(-1, order), cols.gather(-1, order)
 
 
 def svd_cost(n_A: int, n_B: int, n: int, ldim: int, mdim: int, rdim: int, itemsize: int) -> Cost:
@@ -306,7 +313,9 @@ class FactoredMatrix:
         submatrix AB[rows][:, cols]: the factors are restricted (A[rows], B[:, cols]) and the indices returned
         are those of the full matrix.
 
-        Returns (values [..., k] sorted, row indices [..., k], column indices [..., k]). The product is
+        Returns (values [..., k] sorted, row indices [..., k], column indices [..., k]); equal values by row, then
+        column, the lower first (docs/maths.md §1.7; which of several entries equal to the k-th value are listed is
+        the search's: it keeps the first it meets). The product is
         streamed in tiles whose working buffers (4 per tile) fit budget_bytes, rows in descending order of
         ||A_i|| and columns of ||B_:,j||; by Cauchy-Schwarz no entry exceeds ||A_i|| * ||B_:,j|| in absolute
         value, so tiles whose bound is below the current k-th value are skipped (for `largest=False` the
@@ -318,12 +327,12 @@ class FactoredMatrix:
             col_idx = self._check_subset(cols, self.rdim, "column")  # [c]
             sub = FactoredMatrix(self.A[..., row_idx, :], self.B[..., :, col_idx])  # [..., r, c]
             values, r, c = sub.topk_global(k, budget_bytes=budget_bytes, largest=largest, should_stop=should_stop)
-            return values, row_idx[r], col_idx[c]
+            return _ranked(values, row_idx[r], col_idx[c], largest)
         self._check_k(k, self.ldim * self.rdim)
         if self.products is not None:  # the products themselves, the basis folded into their small factors
             found = global_topk.topk_products(*self.products, k, largest, should_stop)
             if found is not None:
-                return found
+                return _ranked(*found, largest)
         # One matrix at a time, in tiles of global_topk.TILE_COLS columns; a tile lives in up to 4 buffers (fp32
         # product,
         # bf16 screen, exact recomputation, selected rows).
@@ -341,7 +350,7 @@ class FactoredMatrix:
         results = [global_topk.topk_global_2d(A[idx], B[idx], k, step, largest, should_stop) for idx in batch]
         values, rows, cols = (torch.stack([r[n] for r in results]) for n in range(3))
         shape = (*self.batch_shape, k)
-        return values.reshape(shape), rows.reshape(shape), cols.reshape(shape)
+        return _ranked(values.reshape(shape), rows.reshape(shape), cols.reshape(shape), largest)
 
     def topk_global_cost(
         self, k: int, budget_bytes: int = DEFAULT_BUDGET_BYTES, rows: int | None = None, cols: int | None = None

@@ -35,6 +35,7 @@ from circuits_core.circuits.stream_grams import GramSide, factors, inner_product
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer
+from circuits_core.ranking import top_k
 from circuits_core.schedule import side_by_side
 
 ENERGY = 0.9
@@ -193,12 +194,9 @@ def bandwidth(names: list[str], bases: list[Tensor], d_model: int, n_crowded: in
     crowded = []
     for i in range(min(n_crowded, d_model)):
         shares = torch.stack([(b.T @ E[:, i]).pow(2).sum() for b in bases])
-        top = shares.topk(min(n_writers, len(bases)))
+        values, top = top_k(shares, min(n_writers, len(bases)))  # equal shares: in the writers' order
         crowded.append(
-            (
-                float(lam[i]),
-                [(names[j], float(v)) for v, j in zip(top.values.tolist(), top.indices.tolist(), strict=True)],
-            )
+            (float(lam[i]), [(names[j], float(v)) for v, j in zip(values.tolist(), top.tolist(), strict=True)])
         )
     used = float(lam.sum() ** 2 / lam.pow(2).sum()) if lam.sum() > 0 else 0.0
     return Bandwidth(d_model, total, total / d_model, lam.tolist(), used, crowded)

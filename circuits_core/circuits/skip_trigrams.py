@@ -14,6 +14,7 @@ from circuits_core.circuits.head_circuits import factors_cost, full_ov_row, full
 from circuits_core.cost import Cost
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer
+from circuits_core.ranking import top_k
 
 
 @dataclass
@@ -25,7 +26,8 @@ class SkipTrigrams:
     (only differences within a row set the pattern), so this ranking is the paper's "largest QK entries".
     out_tokens/out_scores: the k tokens c with the largest logit effect ov[a, c] (row a of the full OV).
     joint [k, k]: qk[b, a] * ov[a, c] for every (destination, out) pair -- a heuristic strength only, the
-    paper defines no joint score. triples: (b, c, joint) sorted by joint, largest first.
+    paper defines no joint score. triples: (b, c, joint) sorted by joint, largest first. Equal scores rank by
+    token id, the lower first, and equal joints by destination, then out (docs/maths.md §1.7).
     copying: whether a is among its own top-k out tokens. With `vocab` (token ids [n]) destinations and
     outs are ranked among those tokens only.
     """
@@ -57,11 +59,11 @@ def skip_trigrams(
     keep = slice(None) if vocab is None else vocab
     ids = torch.arange(model.cfg.d_vocab, device=model.W_E.device)[keep]  # [n]
     col = full_qk_col(model, layer, head, source_token) if qk_col is None else qk_col  # [V]
-    dest_scores, dest = col[keep].topk(k)  # [k]
-    out_scores, out = full_ov_row(model, layer, head, source_token)[keep].topk(k)  # [k]
+    dest_scores, dest = top_k(col[keep], k)  # [k]
+    out_scores, out = top_k(full_ov_row(model, layer, head, source_token)[keep], k)  # [k]
     dest_tokens, out_tokens = ids[dest], ids[out]
     joint = dest_scores[:, None] * out_scores[None, :]  # [k, k]
-    order = joint.flatten().argsort(descending=True)
+    order = joint.flatten().argsort(descending=True, stable=True)  # equal joints: by destination, then out rank
     triples = [(int(dest_tokens[i // k]), int(out_tokens[i % k]), float(joint.flatten()[i])) for i in order.tolist()]
     return SkipTrigrams(
         source=source_token,

@@ -36,6 +36,7 @@ from circuits_core.circuits.stream_flops import pair_flops
 from circuits_core.cost import Cost, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.transformer import Transformer
+from circuits_core.ranking import top_k
 
 
 def virtual_weight(model: Transformer, writer: Writer, reader: Reader, offset: int = 0) -> FactoredMatrix:
@@ -60,7 +61,8 @@ def analytic_baseline(model: Transformer) -> float:
 # -- one pair: score, singular values, directions ------------------------------------------------------
 @dataclass
 class FactoredSVD:
-    """AB = U diag(S) V^T restricted to the top k directions (S holds every singular value)."""
+    """AB = U diag(S) V^T restricted to the top k directions (S holds every singular value); each U_i's entry of
+    largest magnitude is positive (docs/maths.md §1.8)."""
 
     S: Tensor  # [r], descending
     U: Tensor  # [ldim, k]
@@ -105,7 +107,16 @@ def factored_svd(fm: FactoredMatrix, k: int) -> FactoredSVD:
     dt = A.dtype if A.dtype in (torch.float32, torch.float64) else torch.float32
     U = A.to(dt) @ (Ea @ (inv_a[:, None] * Uc[:, :k])).to(dt)
     V = B.T.to(dt) @ (Eb @ (inv_b[:, None] * Vch[:k].T)).to(dt)
-    return FactoredSVD(S, U, V)
+    return FactoredSVD(S, *_signed(U, V))
+
+
+def _signed(U: Tensor, V: Tensor) -> tuple[Tensor, Tensor]:
+    """U [ldim, k], V [rdim, k] with each pair of columns (U_i, V_i) times the one sign that makes U_i's entry of
+    largest magnitude positive (argmax: the first of equal magnitudes), whatever sign the backend's SVD gave them
+    (docs/maths.md §1.8)."""
+    peak = U.abs().argmax(0, keepdim=True)  # [1, k]
+    sign = torch.where(U.gather(0, peak) < 0, -1.0, 1.0).to(U.dtype)  # [1, k]
+    return U.mul_(sign), V.mul_(sign)
 
 
 @dataclass
@@ -156,7 +167,7 @@ def _space(kind: str) -> str:
 def _extremes(v: Tensor, n: int, space: str, largest: bool) -> list[tuple[int, float]] | None:
     if space == "d_model":
         return None
-    vals, idx = v.topk(min(n, v.shape[0]), largest=largest)
+    vals, idx = top_k(v, min(n, v.shape[0]), largest)  # equal entries: the lower index first
     return [(int(i), float(x)) for i, x in zip(idx.tolist(), vals.tolist(), strict=True)]
 
 

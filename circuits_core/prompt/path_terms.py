@@ -60,7 +60,11 @@ class PathExpansion:
     def terms(self) -> list[PathTerm]:
         return [self.term(p) for p in self.paths]
 
+    def ranked(self, position: int = 0) -> Tensor:
+        """[T]: the terms by |value| at the position-th destination, largest first; equal sizes (the zero terms of
+        absent biases) in the terms' own order (docs/maths.md §1.7)."""
+        return self.values[:, position].abs().argsort(descending=True, stable=True)
+
     def top(self, k: int = 20, position: int = 0) -> list[PathTerm]:
-        """The k terms of largest |value| at the position-th destination."""
-        idx = self.values[:, position].abs().argsort(descending=True)[:k]
-        return [self.term(self.paths[int(i)]) for i in idx]
+        """The k terms of largest |value| at the position-th destination (in the order of `ranked`)."""
+        return [self.term(self.paths[int(i)]) for i in self.ranked(position)[:k]]

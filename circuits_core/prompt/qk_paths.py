@@ -84,7 +84,7 @@ class QKExpansion:
     def top_pairs(self, k: int = 10) -> list[tuple[str, str, float]]:
         """The k (query component, key component) pairs with the largest std over positions."""
         flat = self.std.flatten()
-        idx = flat.argsort(descending=True)[:k]
+        idx = flat.argsort(descending=True, stable=True)[:k]  # ties: (query, key) order
         C = len(self.components)
         return [(self.components[int(i) // C], self.components[int(i) % C], float(flat[i])) for i in idx]
 

@@ -98,7 +98,7 @@ def rank_by_v_composition(model: Transformer, k: int = 20) -> list[tuple[str, st
     scores = composition_scores(model, kinds=("v",), n_samples=32).minus_baseline["v"]  # [L, H, L, H]
     H = model.cfg.n_heads
     flat = scores.flatten()
-    idx = flat.argsort(descending=True)[:k]
+    idx = flat.argsort(descending=True, stable=True)[:k]  # equal scores: (h1, h2) in head order
     out = []
     for i in idx.tolist():
         l1, h1, l2, h2 = (

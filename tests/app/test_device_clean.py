@@ -12,8 +12,10 @@ clean on at least one model, and must have read the model's tensors there. The t
 run once more on one, since their positions index host token ids: min_count's, and a large vocabulary's default set
 (DEFAULT_VOCAB lowered below the models' vocabulary, so that every such table ranks a subset by default).
 
-With a CUDA GPU present (bench/gpu_check.sh), every analysis also runs on it in float64 and must give the CPU's
-answer, but for the device its answer names.
+Every analysis also gives the same answer where torch's backend-chosen answers come out otherwise (the order of
+equal values in topk and unstable sorts, the signs of singular vectors and eigenvectors: tests/another_backend.py),
+and, with a CUDA GPU present (bench/gpu_check.sh), it runs there in float64 and must give the CPU's answer, but for
+the device its answer names.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from circuits_core.errors import InvalidInputError, LimitExceededError, NotFound
 from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
 from circuits_core.model.config import ModelConfig
 from circuits_core.prompt.phenomena import TOKEN_COUNTS_FILE
+from tests.another_backend import AnotherBackend
 from tests.app.conftest import LIMITS, save_qkov, train_tokenizer
 from tests.foreign_device import DeviceMixError, ForeignDevice
 
@@ -212,7 +215,20 @@ def test_the_check_indexes_as_aten_does() -> None:
         W.detach().clone()[:2] = torch.zeros(4)  # no index tensor: a copy, across devices
 
 
-# -- on a real GPU (bench/gpu_check.sh runs these; skipped where torch sees none) ------------------------------------
+# -- another backend's answers: on the CPU (AnotherBackend), on a real GPU (bench/gpu_check.sh) ---------------------
+def answer(analysis: Analysis[Any, Any], subject: LoadedModel) -> Any:
+    """The analysis's JSON answer on the model (the test's params), or ("refused", the error's class)."""
+    bound = BoundAnalyses(MODEL_ANALYSES, LIMITS)
+    path_fields = analysis.path_fields()
+    raw = {k: v for k, v in QUERY_VALUES.items() if k in analysis.params.model_fields and k not in path_fields}
+    raw |= {k: PATH_VALUES[k] for k in path_fields}
+    try:
+        params = bound.bound(analysis).model_validate(raw).normalised(subject)
+        return analysis.build(subject, params, LIMITS).model_dump(mode="json")
+    except REFUSALS as exc:
+        return ("refused", type(exc).__name__)
+
+
 def close(a: Any, b: Any, where: str = "") -> None:
     """Two JSON-like answers equal, numbers to 1e-9 (relative to their size, at least 1)."""
     if isinstance(a, dict):
@@ -224,29 +240,33 @@ def close(a: Any, b: Any, where: str = "") -> None:
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             close(x, y, f"{where}[{i}]")
     elif isinstance(a, float) and not isinstance(a, bool):
-        assert abs(a - b) <= 1e-9 * max(1.0, abs(a)), f"{where}: {a} (CPU) vs {b} (GPU)"
+        assert abs(a - b) <= 1e-9 * max(1.0, abs(a)), f"{where}: {a} (CPU) vs {b} (the other backend)"
     else:
-        assert a == b, f"{where}: {a!r} (CPU) vs {b!r} (GPU)"
+        assert a == b, f"{where}: {a!r} (CPU) vs {b!r} (the other backend)"
+
+
+@pytest.mark.parametrize("analysis", MODEL_ANALYSES, ids=[a.name for a in MODEL_ANALYSES])
+def test_every_analysis_gives_the_same_answer_on_another_backend(
+    models: dict[str, Any], analysis: Analysis[Any, Any]
+) -> None:
+    """What torch leaves to the backend given otherwise than the CPU gives it (tests/another_backend.py: equal values
+    in topk and unstable sorts in reverse index order, singular vectors and eigenvectors negated): the same answers,
+    as on a GPU (the CUDA test below found a path ranking and a singular direction's sign that were not)."""
+    for name, (loaded, _) in models.items():
+        cpu = answer(analysis, loaded)
+        with AnotherBackend():
+            other = answer(analysis, loaded)
+        close(cpu, other, f"{analysis.name} on {name}")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.sh)")
 @pytest.mark.parametrize("analysis", MODEL_ANALYSES, ids=[a.name for a in MODEL_ANALYSES])
 def test_every_analysis_gives_the_cpus_answer_on_cuda(models: dict[str, Any], analysis: Analysis[Any, Any]) -> None:
-    bound = BoundAnalyses(MODEL_ANALYSES, LIMITS)
     ran = 0
     for name, (loaded, _) in models.items():
         on_gpu = load_checkpoint(loaded.path, dtype=torch.float64, device="cuda")
         assert on_gpu.provenance()["device"].startswith("cuda")
-        answers = []
-        for subject in (loaded, on_gpu):
-            path_fields = analysis.path_fields()
-            raw = {k: v for k, v in QUERY_VALUES.items() if k in analysis.params.model_fields and k not in path_fields}
-            raw |= {k: PATH_VALUES[k] for k in path_fields}
-            try:
-                params = bound.bound(analysis).model_validate(raw).normalised(subject)
-                answers.append(analysis.build(subject, params, LIMITS).model_dump(mode="json"))
-            except REFUSALS as exc:
-                answers.append(("refused", type(exc).__name__))
+        answers = [answer(analysis, subject) for subject in (loaded, on_gpu)]
         cpu, gpu = answers
         if not isinstance(gpu, tuple):  # the answer says where it was computed; the rest is the CPU's answer
             device = str(on_gpu.model.device)

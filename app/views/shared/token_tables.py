@@ -16,6 +16,7 @@ from app.views.shared.global_tables import CircuitOf, global_top
 from app.views.shared.inputs import check_k, model_ref, resolve_token, token_ref
 from app.views.shared.token_sets import token_set
 from circuits_core.formats.checkpoint import LoadedModel
+from circuits_core.ranking import top_k
 
 LABELS = {
     "ov": ("source token (attended to)", "output token (logit raised)"),
@@ -86,7 +87,7 @@ def top_view(
         if vocab_ids is not None:  # rank and list only the frequent tokens
             line = torch.full_like(line, float("-inf")).index_copy(0, vocab_ids, line[vocab_ids])
         k = check_k(k, limits, line.numel() if n_vocab is None else n_vocab)
-        values, idx = line.topk(k)
+        values, idx = top_k(line, k)  # equal values: the lower token id first
         ref = token_ref(loaded, t)
         entries = [
             MatrixEntry(row=ref, col=token_ref(loaded, i), value=float(v))
