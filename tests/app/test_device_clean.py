@@ -259,9 +259,8 @@ def test_every_analysis_gives_the_same_answer_on_another_backend(
         close(cpu, other, f"{analysis.name} on {name}")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.sh)")
-@pytest.mark.parametrize("analysis", MODEL_ANALYSES, ids=[a.name for a in MODEL_ANALYSES])
-def test_every_analysis_gives_the_cpus_answer_on_cuda(models: dict[str, Any], analysis: Analysis[Any, Any]) -> None:
+def the_cpus_answers_on_cuda(models: dict[str, Any], analysis: Analysis[Any, Any]) -> None:
+    """Each model loaded again on the GPU in float64 gives the CPU's answer, but for the device its answer names."""
     ran = 0
     for name, (loaded, _) in models.items():
         on_gpu = load_checkpoint(loaded.path, dtype=torch.float64, device="cuda")
@@ -278,3 +277,20 @@ def test_every_analysis_gives_the_cpus_answer_on_cuda(models: dict[str, Any], an
         close(cpu, gpu, f"{analysis.name} on {name}")
         ran += answers[0][0] != "refused" if isinstance(answers[0], tuple) else 1
     assert ran, f"{analysis.name} ran on no model"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.sh)")
+@pytest.mark.parametrize("analysis", MODEL_ANALYSES, ids=[a.name for a in MODEL_ANALYSES])
+def test_every_analysis_gives_the_cpus_answer_on_cuda(models: dict[str, Any], analysis: Analysis[Any, Any]) -> None:
+    the_cpus_answers_on_cuda(models, analysis)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.sh)")
+@pytest.mark.parametrize("analysis", SUBSET_ANALYSES, ids=[a.name for a in SUBSET_ANALYSES])
+def test_every_token_subset_gives_the_cpus_answer_on_cuda(
+    models: dict[str, Any], analysis: Analysis[Any, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tables ranked over a large vocabulary's default set (DEFAULT_VOCAB lowered below the models' vocabulary,
+    as in test_token_subsets_keep_to_the_models_device): the composition-pair table crashed there on an H200."""
+    monkeypatch.setattr(token_sets, "DEFAULT_VOCAB", SMALL_DEFAULT_VOCAB)
+    the_cpus_answers_on_cuda(models, analysis)
