@@ -81,14 +81,17 @@ def attention(model: Transformer, layer: int) -> Attention:
 
 
 # -- the circuits -------------------------------------------------------------------------------------
-def direct_path(model: Transformer) -> FactoredMatrix:
+def direct_path(model: Transformer, tokens: Tensor | None = None) -> FactoredMatrix:
     """W_E_eff @ W_U [d_vocab, d_vocab]: rows current token, columns next-token logit (the bigram term).
 
     With LayerNorm, W_E_eff here is ln_final applied to W_E rows (the zero-layer input to the unembedding).
-    b_U and positional terms are not included.
+    b_U and positional terms are not included. With `tokens` (ids [n]): the [n, n] submatrix of those rows and
+    columns, ln_final applied to those rows of W_E only (on every row, an 8B model's [128256, 4096] would be formed).
     """
-    W_E = model.W_E if model.cfg.normalization_type is None else apply_ln_rows(model.ln_final, model.W_E)
-    return FactoredMatrix(W_E, model.W_U)
+    W_E = model.W_E if tokens is None else model.W_E[tokens]  # [n, d_model]
+    if model.cfg.normalization_type is not None:
+        W_E = apply_ln_rows(model.ln_final, W_E)
+    return FactoredMatrix(W_E, model.W_U if tokens is None else model.W_U[:, tokens])
 
 
 def qk_circuit(model: Transformer, layer: int, head: int) -> FactoredMatrix:
