@@ -41,7 +41,7 @@ from app.views.shared.token_tables import top_view
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.circuits import latent_circuits, rotary, sinks
 from circuits_core.circuits.qk_forms import QK_FORMS, qk_form
-from circuits_core.cost import Cost
+from circuits_core.cost import Cost, itemsize
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.head_names import parse_head
 from circuits_core.model.soft_cap import share_beyond_cap
@@ -220,9 +220,12 @@ def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits, ci
 
 def direct_cost(loaded: LoadedModel, p: DirectParams, limits: Limits) -> Cost:
     """The table, then each listed entry's probability: one direct row per distinct current token (at most k; the
-    token's own row with a token)."""
+    token's own row with a token), one at a time: the row [V] in the compute dtype and with b_U added, its float64
+    copy and that copy's log-softmax."""
+    model = loaded.model
     rows = 1 if p.token is not None else p.k
-    probabilities = Cost(0, flops=rows * circuits.line_flops(loaded.model, "direct-row"))
+    row_bytes = model.cfg.d_vocab * (2 * itemsize(model.compute_dtype) + 2 * 8)
+    probabilities = Cost(row_bytes, flops=rows * circuits.line_flops(model, "direct-row"))
     return top_cost(loaded, p, limits, "direct").then(probabilities)
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits.product_factor import ProductFactor
-from circuits_core.cost import check_stop
+from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.half_products import HALF_DTYPES, half_matmul
 from circuits_core.model.hooks import Recorder
@@ -215,3 +215,19 @@ def embed_pos_basis(model: Transformer) -> Tensor:
             f"{model.cfg.positional_embedding_type!r}"
         )
     return torch.cat([embed_eff(model), model.W_pos])
+
+
+# -- costs (circuits_core.cost) ------------------------------------------------------------------------
+def ln_rows_cost(model: Transformer, n: int) -> Cost:
+    """apply_ln_rows on n rows of W_E's dtype [n, d_model]: its result, and one chunk's norm temporaries, at most two
+    [min(n, EMBED_CHUNK), d_model] in the compute dtype (the CPU's RMS norm of bf16 rows squares a float32 copy of
+    them; of float32 or float64 rows, squares the rows themselves; a LayerNorm's fused kernel makes only its result)."""
+    d = model.cfg.d_model
+    return Cost(n * d * model.W_E.element_size() + 2 * min(n, EMBED_CHUNK) * d * itemsize(model.compute_dtype))
+
+
+def embed_rows_cost(model: Transformer, n: int) -> Cost:
+    """embed_eff_rows on n tokens (in W_E's dtype): the rows of W_E it gathers [n, d_model], then layer 0's norm on
+    them (ln_rows_cost) beside them."""
+    gathered = Cost(n * model.cfg.d_model * model.W_E.element_size())
+    return gathered if unnormalised(model) else gathered + ln_rows_cost(model, n)
