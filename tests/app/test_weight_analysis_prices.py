@@ -1,5 +1,5 @@
 """Weight-only analyses' prices (their declared costs) against the memory their builders hold: the direct, OV and QK
-tables, and the per-head OV effective rank, OV top singular share and QK circuit norm.
+tables, and the per-head OV effective rank, OV top singular share, QK circuit norm and rotary band energies.
 
 On a Llama-shaped checkpoint that transformers writes here in bf16, its vocabulary 8x the ranked token set
 (DEFAULT_VOCAB), loaded with its bf16 weights kept (float32 compute, as on a GPU), in float32 and in float64. The held
@@ -9,8 +9,7 @@ not as a blanket bound (within 2x). An 8B-shaped model on an H200 took 1.10 GiB 
 ln_final ran on every row of W_E (the ranked set is 6% of them), and a bf16 model's norm temporaries (float32) and
 gathered rows were priced as the every-token factors [d_vocab, d_head] are; the OV and QK tables of a 70B shape took
 0.31 GiB for 0.26. The per-head analyses loop over layers, and a layer's float64 weights were still held while the
-next layer's were made (priced as one layer's); their prices are checked from below only here (the float64 copy of
-float64 weights is the weights themselves, which their prices count: tests/core checks them from above).
+next layer's were made (priced as one layer's); the band energies' stacking of W_K was not priced.
 """
 
 from __future__ import annotations
@@ -33,7 +32,12 @@ CONFIG = {"vocab_size": 8 * DEFAULT_VOCAB, "hidden_size": 256, "intermediate_siz
           "tie_word_embeddings": False}  # fmt: skip
 LIMITS = Limits(max_k=200, matrix_budget_bytes=2**20, peak_bytes=2**40)  # small search tiles: the factors dominate
 DTYPES = (torch.float32, torch.float64)
-PER_HEAD = ("ov-effective-rank", "ov-top-singular-share", "qk-circuit-norm")
+PER_HEAD = {
+    "ov-effective-rank": {},
+    "ov-top-singular-share": {},
+    "qk-circuit-norm": {},
+    "rotary-bands": {"head": "L1H0"},
+}
 REQUESTS = {"direct": {}, "ov": {"head": "L1H0"}, "qk": {"head": "L1H0"}}
 
 
@@ -78,13 +82,14 @@ def test_price_covers_the_held_peak(models: dict[str, LoadedModel], kind: str, n
 
 
 @pytest.mark.parametrize("kind", ["bf16-kept", "float32", "float64"])
-@pytest.mark.parametrize("name", PER_HEAD)
+@pytest.mark.parametrize("name", list(PER_HEAD))
 def test_per_head_price_covers_the_held_peak(models: dict[str, LoadedModel], kind: str, name: str) -> None:
     loaded = models[kind]
     analysis = next(a for a in ANALYSES if a.name == name)
-    params: Any = analysis.params.model_validate({}).normalised(loaded)
+    params: Any = analysis.params.model_validate(PER_HEAD[name]).normalised(loaded)
     priced = analysis.cost(loaded, params, LIMITS).peak_bytes
     model = loaded.model
     with torch.no_grad(), HeldBytes([*model.parameters(), *model.buffers()]) as held:
         analysis.build(loaded, params, LIMITS)
     assert 0 < held.peak <= priced, (held.peak, priced)
+    assert priced < 2 * held.peak, (held.peak, priced)
