@@ -81,9 +81,7 @@ def direct_body(p: Any, view: Any) -> str:
     ranked = "None  # every token" if view.token_ids is None else f"torch.tensor({view.token_ids!r})  # the ranked set"
     if view.token is None:
         search = f"""with torch.no_grad():
-    fm = head_circuits.direct_path(model)  # W_E W_U, factored
-    if ids is not None:
-        fm = FactoredMatrix(fm.A[ids], fm.B[:, ids])
+    fm = head_circuits.direct_path(model, ids)  # W_E W_U on the ranked tokens, factored
     values, rows, cols = fm.topk_global({view.k})  # positions in ids
 if ids is not None:
     rows, cols = ids[rows], ids[cols]
@@ -98,7 +96,6 @@ rows = torch.full_like(cols, {view.token.id})
 """
     return (
         """from circuits_core.circuits import head_circuits
-from circuits_core.circuits.factored import FactoredMatrix
 
 """
         + f"ids = {ranked}\n"

@@ -31,17 +31,17 @@ from torch import Tensor
 from app import snippets
 from app.analysis import Analysis
 from app.params import DirectParams, OVParams, QKParams
-from app.schemas import CircuitTopView
+from app.schemas import CircuitTopView, MatrixEntry
 from app.settings import Limits
 from app.views.shared.basis import raw_copy_cost, with_basis
-from app.views.shared.global_tables import restricted, search_cost
+from app.views.shared.global_tables import search_cost
 from app.views.shared.rotary_reference import check_offset, is_rotary
 from app.views.shared.token_sets import token_set
 from app.views.shared.token_tables import top_view
 from circuits_core.circuits import head_circuits as circuits
 from circuits_core.circuits import latent_circuits, rotary, sinks
 from circuits_core.circuits.qk_forms import QK_FORMS, qk_form
-from circuits_core.cost import Cost
+from circuits_core.cost import Cost, itemsize
 from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.model.head_names import parse_head
 from circuits_core.model.soft_cap import share_beyond_cap
@@ -167,7 +167,7 @@ def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> C
     loaded = with_basis(loaded, p.basis)
     view = top_view(
         loaded,
-        lambda ids: restricted(circuits.direct_path(loaded.model), ids),
+        lambda ids: circuits.direct_path(loaded.model, ids),
         "direct",
         None,
         p.token,
@@ -181,18 +181,19 @@ def build_direct_view(loaded: LoadedModel, p: DirectParams, limits: Limits) -> C
     model = loaded.model
     data = find_eval_data(loaded.path)
     bigrams = HeldOutBigrams(data) if data is not None else None
-    log_probs: dict[int, Tensor] = {}
+    by_row: dict[int, list[MatrixEntry]] = {}  # the entries of each current token: its row formed once
+    for e in view.entries:
+        by_row.setdefault(e.row.id, []).append(e)
     with torch.no_grad():
-        for e in view.entries:
-            a, b = e.row.id, e.col.id
-            if a not in log_probs:
-                row = circuits.direct_row(model, a)  # [V]
-                if model.cfg.use_bias and model.b_U is not None:
-                    row = row + model.b_U
-                log_probs[a] = torch.log_softmax(row.double(), -1)
-            e.prob = float(log_probs[a][b].exp())
-            if bigrams is not None:
-                e.corpus_prob, e.corpus_count = bigrams.prob(a, b), bigrams.count(a, b)
+        for a, entries in by_row.items():  # one [V] row held at a time, not one per current token
+            row = circuits.direct_row(model, a)  # [V]
+            if model.cfg.use_bias and model.b_U is not None:
+                row = row + model.b_U
+            log_probs = torch.log_softmax(row.double(), -1)  # [V]
+            for e in entries:
+                e.prob = float(log_probs[e.col.id].exp())
+                if bigrams is not None:
+                    e.corpus_prob, e.corpus_count = bigrams.prob(a, e.col.id), bigrams.count(a, e.col.id)
     corpus = None if bigrams is None else f"held-out split of the training corpus ({bigrams.n_tokens} bigrams)"
     return view.model_copy(update={"corpus": corpus})
 
@@ -219,9 +220,12 @@ def top_cost(loaded: LoadedModel, p: DirectParams | OVParams, limits: Limits, ci
 
 def direct_cost(loaded: LoadedModel, p: DirectParams, limits: Limits) -> Cost:
     """The table, then each listed entry's probability: one direct row per distinct current token (at most k; the
-    token's own row with a token)."""
+    token's own row with a token), one at a time: the row [V] in the compute dtype and with b_U added, its float64
+    copy and that copy's log-softmax."""
+    model = loaded.model
     rows = 1 if p.token is not None else p.k
-    probabilities = Cost(0, flops=rows * circuits.line_flops(loaded.model, "direct-row"))
+    row_bytes = model.cfg.d_vocab * (2 * itemsize(model.compute_dtype) + 2 * 8)
+    probabilities = Cost(row_bytes, flops=rows * circuits.line_flops(model, "direct-row"))
     return top_cost(loaded, p, limits, "direct").then(probabilities)
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits.product_factor import ProductFactor
-from circuits_core.cost import check_stop
+from circuits_core.cost import Cost, check_stop, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.half_products import HALF_DTYPES, half_matmul
 from circuits_core.model.hooks import Recorder
@@ -31,6 +31,9 @@ from circuits_core.model.transformer import Block, LayerNorm, Transformer
 from circuits_core.schedule import shared_chunks
 
 EMBED_CHUNK = 4096  # rows of W_E normalised at a time, so LN temporaries stay ~ EMBED_CHUNK x d_model
+# apply_ln_rows: the most bytes of one chunk's copy in the norm's compute width (float32 for bf16 rows, which the CPU's
+# RMS norm upcasts, then squares: two such copies), so wide rows go in fewer rows at a time (d_model 8192: 512 rows)
+LN_CHUNK_BYTES = 16 * 2**20
 
 
 def first_norm(model: Transformer) -> LayerNorm:
@@ -48,14 +51,21 @@ def unnormalised(model: Transformer) -> bool:
 def apply_ln_rows(ln: LayerNorm, X: Tensor) -> Tensor:
     """A model LayerNorm applied to each row of X [n, d_model] as if it were one residual vector.
 
-    Long inputs (all of W_E) go in chunks of EMBED_CHUNK rows, so LN temporaries stay small.
+    Long inputs (all of W_E) go in chunks of ln_chunk_rows rows, so LN temporaries stay small.
     """
-    if X.shape[0] <= EMBED_CHUNK:
+    step = ln_chunk_rows(X.shape[-1], max(X.element_size(), 4))
+    if X.shape[0] <= step:
         return ln(X[None], Recorder(None), None)[0]  # [n, d_model]
     out = torch.empty_like(X)
-    for start in range(0, X.shape[0], EMBED_CHUNK):
-        out[start : start + EMBED_CHUNK] = ln(X[None, start : start + EMBED_CHUNK], Recorder(None), None)[0]
+    for start in range(0, X.shape[0], step):
+        out[start : start + step] = ln(X[None, start : start + step], Recorder(None), None)[0]
     return out
+
+
+def ln_chunk_rows(d_model: int, width: int) -> int:
+    """Rows apply_ln_rows normalises at once: EMBED_CHUNK, fewer where a chunk in the norm's compute width (`width`
+    bytes per element) would exceed LN_CHUNK_BYTES."""
+    return max(1, min(EMBED_CHUNK, LN_CHUNK_BYTES // (d_model * width)))
 
 
 def embed_eff_rows(model: Transformer, tokens: Tensor | list[int] | slice, dtype: torch.dtype | None = None) -> Tensor:
@@ -215,3 +225,19 @@ def embed_pos_basis(model: Transformer) -> Tensor:
             f"{model.cfg.positional_embedding_type!r}"
         )
     return torch.cat([embed_eff(model), model.W_pos])
+
+
+# -- costs (circuits_core.cost) ------------------------------------------------------------------------
+def ln_rows_cost(model: Transformer, n: int) -> Cost:
+    """apply_ln_rows on n rows of W_E's dtype [n, d_model]: its result, and one chunk's norm temporaries, at most two
+    [min(n, ln_chunk_rows), d_model] in the compute dtype (the CPU's RMS norm of bf16 rows squares a float32 copy of
+    them; of float32 or float64 rows, squares the rows themselves; a LayerNorm's fused kernel makes only its result)."""
+    d, width = model.cfg.d_model, itemsize(model.compute_dtype)
+    return Cost(n * d * model.W_E.element_size() + 2 * min(n, ln_chunk_rows(d, width)) * d * width)
+
+
+def embed_rows_cost(model: Transformer, n: int) -> Cost:
+    """embed_eff_rows on n tokens (in W_E's dtype): the rows of W_E it gathers [n, d_model], then layer 0's norm on
+    them (ln_rows_cost) beside them."""
+    gathered = Cost(n * model.cfg.d_model * model.W_E.element_size())
+    return gathered if unnormalised(model) else gathered + ln_rows_cost(model, n)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits.qk_forms import folded_query_key
+from circuits_core.cost import itemsize
 from circuits_core.model.transformer import Block, Transformer
 
 
@@ -39,6 +40,18 @@ def circuit_weight(model: Transformer, layer: int, name: str) -> Tensor:
         W_O = block.attn.W_O
         return W_O * block.ln1_post.w if model.cfg.post_norms else W_O
     raise ValueError(f"no circuit weight {name!r}")
+
+
+def read_copies(model: Transformer, *names: str) -> int:
+    """Bytes of the new tensors circuit_weight makes for one layer's `names` (model dtype): a gain folded in (W_Q and
+    W_K under QK-norm, W_O under output norms) or a weight formed from latent factors (multi-head latent attention);
+    0 for the weights themselves."""
+    cfg, size = model.cfg, itemsize(model.dtype)
+    heads = {"W_Q": cfg.n_heads, "W_K": cfg.n_kv_heads, "W_V": cfg.n_kv_heads, "W_O": cfg.n_heads}
+    formed = {
+        "W_Q": cfg.qk_norm is not None, "W_K": cfg.qk_norm is not None, "W_V": False, "W_O": cfg.post_norms
+    }  # fmt: skip
+    return sum(heads[n] * cfg.d_model * cfg.d_head * size for n in names if formed[n] or cfg.latent_attention)
 
 
 def mlp_output_weight(model: Transformer, layer: int) -> Tensor:

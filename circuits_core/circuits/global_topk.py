@@ -53,7 +53,8 @@ def topk_global_cost(
     step = max(1, int(budget_bytes) // (4 * tile_cols * element_size))
     tiles = 4 * min(step, TILE_ROWS, ldim) * tile_cols * element_size
     factors = (ldim * mdim + mdim * rdim) * element_size
-    screen = (ldim * mdim + mdim * rdim) * 2 if ldim * rdim >= SCREEN_MIN_ENTRIES else 0
+    screened = ldim * rdim >= SCREEN_MIN_ENTRIES and element_size >= 4  # (float32 or float64 factors only)
+    screen = (ldim * mdim + mdim * rdim) * 2 if screened else 0
     sorting = (ldim + rdim) * (element_size + 8)  # norms and orders
     candidates = 2 * k * (min(step, TILE_ROWS, ldim) + 1) * (element_size + 16)
     peak = factors + screen + tiles + sorting + candidates

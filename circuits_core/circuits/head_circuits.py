@@ -39,8 +39,10 @@ from circuits_core.circuits.embedding import (
     embed_eff_matmul,
     embed_eff_rows,
     embed_product,
+    embed_rows_cost,
     embed_unformed,
     first_norm,
+    ln_rows_cost,
     unnormalised,
 )
 from circuits_core.circuits.factored import FactoredMatrix
@@ -81,14 +83,17 @@ def attention(model: Transformer, layer: int) -> Attention:
 
 
 # -- the circuits -------------------------------------------------------------------------------------
-def direct_path(model: Transformer) -> FactoredMatrix:
+def direct_path(model: Transformer, tokens: Tensor | None = None) -> FactoredMatrix:
     """W_E_eff @ W_U [d_vocab, d_vocab]: rows current token, columns next-token logit (the bigram term).
 
     With LayerNorm, W_E_eff here is ln_final applied to W_E rows (the zero-layer input to the unembedding).
-    b_U and positional terms are not included.
+    b_U and positional terms are not included. With `tokens` (ids [n]): the [n, n] submatrix of those rows and
+    columns, ln_final applied to those rows of W_E only (on every row, an 8B model's [128256, 4096] would be formed).
     """
-    W_E = model.W_E if model.cfg.normalization_type is None else apply_ln_rows(model.ln_final, model.W_E)
-    return FactoredMatrix(W_E, model.W_U)
+    W_E = model.W_E if tokens is None else model.W_E[tokens]  # [n, d_model]
+    if model.cfg.normalization_type is not None:
+        W_E = apply_ln_rows(model.ln_final, W_E)
+    return FactoredMatrix(W_E, model.W_U if tokens is None else model.W_U[:, tokens])
 
 
 def qk_circuit(model: Transformer, layer: int, head: int) -> FactoredMatrix:
@@ -254,7 +259,29 @@ def top_cost(
         )
     inner = cfg.d_model if circuit == "direct" else cfg.d_head
     search = topk_global_cost(n, inner, n, k, budget_bytes, size)
-    return factors_cost(model) + Cost(search.peak_bytes, search.answer_bytes, flops).with_answer(labels=2 * k)
+    searched = Cost(search.peak_bytes, search.answer_bytes, flops).with_answer(labels=2 * k)
+    if n_tokens is not None:
+        formed = direct_factors_cost(model, n_tokens) if circuit == "direct" else token_factors_cost(model, n_tokens)
+        return formed.then(Cost(2 * n * inner * size) + searched)  # the search beside the two factors
+    return (direct_factors_cost(model) if circuit == "direct" else factors_cost(model)) + searched
+
+
+def direct_factors_cost(model: Transformer, n_tokens: int | None = None) -> Cost:
+    """Forming direct_path's factors (every token, or `n_tokens` tokens' rows and columns, in W_E's dtype): ln_final
+    on W_E's rows (ln_rows_cost; on n_tokens rows gathered first), then W_U's columns gathered beside them."""
+    cfg, size = model.cfg, model.W_E.element_size()
+    n = cfg.d_vocab if n_tokens is None else n_tokens
+    rows = n * cfg.d_model * size  # [n, d_model]: W_E's rows gathered, or W_U's columns
+    normed = ln_rows_cost(model, n).peak_bytes if cfg.normalization_type is not None else 0
+    return Cost(normed if n_tokens is None else rows + max(normed, rows))
+
+
+def token_factors_cost(model: Transformer, n: int) -> Cost:
+    """Forming a head's full OV or QK factors on n tokens (full_ov_circuit, full_qk_circuit or
+    rotary.full_qk_circuit_at with `tokens`, in W_E's dtype): W_E_eff's rows (embed_rows_cost) and beside them the
+    [n, d_head] products (OV's columns of W_U [d_model, n] gathered once those rows are freed)."""
+    cfg = model.cfg
+    return Cost(embed_rows_cost(model, n).peak_bytes + 4 * n * cfg.d_head * model.W_E.element_size())
 
 
 def circuit_flops(

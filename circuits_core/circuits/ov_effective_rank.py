@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.folded import circuit_weight
-from circuits_core.cost import Cost, check_stop, itemsize
+from circuits_core.circuits.folded import circuit_weight, read_copies
+from circuits_core.cost import Cost, check_stop
 from circuits_core.model.transformer import Transformer
 
 
@@ -29,26 +29,34 @@ def ov_effective_ranks(model: Transformer) -> Tensor:
     with torch.no_grad():
         for layer in range(cfg.n_layers):
             check_stop(what="OV effective ranks")
-            W_V = circuit_weight(model, layer, "W_V").double()  # [n_kv, d_model, d_head]
-            W_O = circuit_weight(model, layer, "W_O").double()  # [H, d_head, d_model]
-            G_V = W_V.transpose(-2, -1) @ W_V  # [n_kv, d_head, d_head]
-            G_O = W_O @ W_O.transpose(-2, -1)  # [H, d_head, d_head]
-            P = (G_V[:, None] @ G_O.unflatten(0, (cfg.n_kv_heads, cfg.group_size))).flatten(0, 1)  # [H, dh, dh]
-            total = P.diagonal(dim1=-2, dim2=-1).sum(-1)  # [H]: tr(P) = sum sigma^2
-            fourth = (P * P.transpose(-2, -1)).sum((-2, -1))  # [H]: tr(P P) = sum sigma^4
-            ranks[layer] = torch.where(fourth > 0, total.square() / fourth, torch.zeros_like(total)).cpu()
+            ranks[layer] = _layer_ranks(model, layer).cpu()
     return ranks
 
 
+def _layer_ranks(model: Transformer, layer: int) -> Tensor:
+    """[n_heads] the effective ranks of one layer's heads (its float64 weights freed on return, before the next
+    layer's are made)."""
+    cfg = model.cfg
+    W_V = circuit_weight(model, layer, "W_V").double()  # [n_kv, d_model, d_head]
+    W_O = circuit_weight(model, layer, "W_O").double()  # [H, d_head, d_model]
+    G_V = W_V.transpose(-2, -1) @ W_V  # [n_kv, d_head, d_head]
+    G_O = W_O @ W_O.transpose(-2, -1)  # [H, d_head, d_head]
+    P = (G_V[:, None] @ G_O.unflatten(0, (cfg.n_kv_heads, cfg.group_size))).flatten(0, 1)  # [H, dh, dh]
+    total = P.diagonal(dim1=-2, dim2=-1).sum(-1)  # [H]: tr(P) = sum sigma^2
+    fourth = (P * P.transpose(-2, -1)).sum((-2, -1))  # [H]: tr(P P) = sum sigma^4
+    return torch.where(fourth > 0, total.square() / fourth, torch.zeros_like(total))
+
+
 def cost(model: Transformer) -> Cost:
-    """ov_effective_ranks, per layer: its W_V, W_O as read (model dtype) and in float64 (unless they are float64
-    already), the Grams G_V [n_kv] (and its copy per query head that the batched product makes) and G_O [H], P [H] and
-    the elementwise P * P^T [H] (d_head x d_head each, float64), the ranks and one layer's traces; FLOPs: the Grams
-    (2 d_model d_head^2 each) and P (2 d_head^3 per head); answer: one ratio per head, labelled."""
+    """ov_effective_ranks, per layer: its W_V, W_O as read (circuit_weight's new tensors, folded.read_copies) and in
+    float64 (unless they are float64 already), the Grams G_V [n_kv] (and its copy per query head that the batched
+    product makes) and G_O [H], P [H] and the elementwise P * P^T [H] (d_head x d_head each, float64), the ranks and one
+    layer's traces; FLOPs: the Grams (2 d_model d_head^2 each) and P (2 d_head^3 per head); answer: one ratio per head,
+    labelled."""
     cfg = model.cfg
     d, dh, H, G = cfg.d_model, cfg.d_head, cfg.n_heads, cfg.n_kv_heads
     wide = 0 if model.dtype == torch.float64 else 8  # the float64 copy, unless the weights are float64 already
-    weights = (H + G) * d * dh * (itemsize(model.dtype) + wide)
+    weights = (H + G) * d * dh * wide + read_copies(model, "W_V", "W_O")
     grams = (G + 4 * H) * dh * dh * 8  # G_V, its copy per query head (the batched product), G_O, P and P * P^T
     vectors = (cfg.n_layers * H + 4 * H) * 8  # the ranks [L, H]; tr(P), tr(P P), their ratio, the zeros [H]
     flops = 2 * (G + H) * d * dh * dh + 2 * H * dh**3

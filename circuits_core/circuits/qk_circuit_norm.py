@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.folded import circuit_weight
-from circuits_core.cost import Cost, check_stop, itemsize
+from circuits_core.circuits.folded import circuit_weight, read_copies
+from circuits_core.cost import Cost, check_stop
 from circuits_core.model.transformer import Transformer
 
 
@@ -25,22 +25,30 @@ def qk_circuit_norms(model: Transformer) -> Tensor:
     with torch.no_grad():
         for layer in range(cfg.n_layers):
             check_stop(what="QK circuit norms")
-            W_Q = circuit_weight(model, layer, "W_Q").double()  # [H, d_model, d_head]
-            W_K = circuit_weight(model, layer, "W_K").double()  # [n_kv, d_model, d_head]
-            gram_Q = W_Q.transpose(-1, -2) @ W_Q  # [H, d_head, d_head]: W_Q^T W_Q
-            gram_K = (W_K.transpose(-1, -2) @ W_K).repeat_interleave(cfg.group_size, dim=0)  # [H, d_head, d_head]
-            squared = (gram_Q * gram_K).sum((-1, -2))  # [H]: trace((W_Q^T W_Q)(W_K^T W_K))
-            norms[layer] = squared.clamp(min=0).sqrt().cpu()
+            norms[layer] = _layer_norms(model, layer).cpu()
     return norms
 
 
+def _layer_norms(model: Transformer, layer: int) -> Tensor:
+    """[n_heads] the QK circuit norms of one layer's heads (its float64 weights freed on return, before the next
+    layer's are made)."""
+    W_Q = circuit_weight(model, layer, "W_Q").double()  # [H, d_model, d_head]
+    W_K = circuit_weight(model, layer, "W_K").double()  # [n_kv, d_model, d_head]
+    gram_Q = W_Q.transpose(-1, -2) @ W_Q  # [H, d_head, d_head]: W_Q^T W_Q
+    gram_K = (W_K.transpose(-1, -2) @ W_K).repeat_interleave(model.cfg.group_size, dim=0)  # [H, d_head, d_head]
+    squared = (gram_Q * gram_K).sum((-1, -2))  # [H]: trace((W_Q^T W_Q)(W_K^T W_K))
+    return squared.clamp(min=0).sqrt()
+
+
 def cost(model: Transformer) -> Cost:
-    """qk_circuit_norms: one layer's W_Q, W_K as read (model dtype) and in float64, and the Grams per query head;
-    answer: one norm per head, labelled."""
+    """qk_circuit_norms, per layer: its W_Q, W_K as read (circuit_weight's new tensors, folded.read_copies) and in
+    float64 (unless they are float64 already), W_Q's Grams [H], W_K's [n_kv] and their repeat per query head [H], and
+    the elementwise product [H] (d_head x d_head each, float64); answer: one norm per head, labelled."""
     cfg = model.cfg
     d, dh, H, G = cfg.d_model, cfg.d_head, cfg.n_heads, cfg.n_kv_heads
-    weights = (H + G) * d * dh * (itemsize(model.dtype) + 8)
-    grams = (G + 2 * H) * dh * dh * 8
+    wide = 0 if model.dtype == torch.float64 else 8  # the float64 copy, unless the weights are float64 already
+    weights = (H + G) * d * dh * wide + read_copies(model, "W_Q", "W_K")
+    grams = (G + 3 * H) * dh * dh * 8
     flops = cfg.n_layers * (2 * (H + G) * d * dh * dh + 2 * H * dh * dh)
     heads = cfg.n_layers * H
     return Cost(weights + grams, flops=flops).with_answer(numbers=heads, labels=heads)

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from circuits_core.circuits.folded import stacked_weights
 from circuits_core.circuits.rotary import check_rotary
-from circuits_core.cost import Cost
+from circuits_core.cost import Cost, itemsize
 from circuits_core.model.transformer import Transformer, rotary_inv_freq, rotary_pairs
 
 
@@ -70,10 +70,13 @@ def band_energies(model: Transformer) -> BandEnergies:
 
 
 def bands_cost(model: Transformer) -> Cost:
-    """band_energies: the float64 weights and their d_head x d_head Grams; answer 3 numbers per band. Rotary
-    models only."""
+    """band_energies: the weights stacked [L, H, d_model, d_head] in float64, W_Q's held while W_K's are stacked (each
+    layer's per query head, a list of new tensors, then their stack, in the model's dtype; then its float64 copy unless
+    the model is float64), and their d_head x d_head Grams; answer 3 numbers per band. Rotary models only."""
     check_rotary(model)
     cfg = model.cfg
     L, H, d, dh = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
+    size, wide = itemsize(model.dtype), 0 if model.dtype == torch.float64 else 8
+    weights = L * H * d * dh * (max(wide, size) + 2 * size + wide)  # W_Q in float64; W_K's layers, stack, float64
     flops = 2 * L * H * 2 * d * dh * dh  # W_Q^T W_Q and W_K^T W_K per query head
-    return Cost((2 * L * H * d * dh + 2 * L * H * dh * dh) * 8, flops=flops).with_answer(numbers=3 * dh // 2 + 1)
+    return Cost(weights + 2 * L * H * dh * dh * 8, flops=flops).with_answer(numbers=3 * dh // 2 + 1)

@@ -359,12 +359,12 @@ def test_the_byte_price_covers_the_held_peak(name, n, batch):
     after the other here (the price allows them side by side), so the price stays under 3.5x the held peak (2.4x to
     2.5x here from 12 tokens up; 3.3x at 3 tokens on the GQA model, whose attention holds no values beside its
     scores and masks them in place)."""
-    from test_paths_cost import _HeldBytes
+    from tests.held_bytes import HeldBytes
 
     model = BATCHED[name]()
     tokens = tokens_for(model, n=n, batch=batch)
     heads = [(0, 1), (1, 0)]
-    with torch.no_grad(), _HeldBytes([*model.parameters(), *model.buffers(), tokens]) as held:
+    with torch.no_grad(), HeldBytes([*model.parameters(), *model.buffers(), tokens]) as held:
         clean = ablation.clean_run(model, tokens)
         ablation.order_ablation(model, tokens, clean=clean)
         ablation.head_ablations(model, tokens, heads, False, clean=clean)

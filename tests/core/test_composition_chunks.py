@@ -17,7 +17,6 @@ from __future__ import annotations
 import pytest
 import torch
 from test_composition import _dense_scores
-from test_paths_cost import _HeldBytes
 
 from app.settings import Limits
 from circuits_core.circuits import composition, gram_pair_sums
@@ -25,6 +24,7 @@ from circuits_core.circuits.composition import CompositionKind, composition_scor
 from circuits_core.formats.llama import llama_config
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Transformer, random_model
+from tests.held_bytes import HeldBytes
 
 
 def _model(n_kv: int | None, n_layers: int = 5, d_model: int = 40, seed: int = 7) -> Transformer:
@@ -76,7 +76,7 @@ def test_price_covers_the_held_peak_in_every_chunking(
     like = torch.empty((), dtype=torch.float64)
     peaks = []
     for chunk in (1, 2, 3, None):
-        with torch.no_grad(), _HeldBytes([*model.parameters(), like]) as held:
+        with torch.no_grad(), HeldBytes([*model.parameters(), like]) as held:
             composition.layer_scores(
                 composition.model_weight(model, torch.float64), shape, like, kinds, layers_per_chunk=chunk
             )

@@ -10,7 +10,7 @@ import torch
 from circuits_core.circuits import global_topk
 from circuits_core.circuits.factored import FactoredMatrix, svd_cost
 from circuits_core.errors import InvalidInputError, LimitExceededError
-from tests.core.test_paths_cost import _HeldBytes
+from tests.held_bytes import HeldBytes
 
 
 @pytest.fixture(autouse=True)
@@ -409,7 +409,7 @@ def test_svd_cost_covers_the_held_peak(
     gen = torch.Generator().manual_seed(0)
     A = torch.randn(*a_batch, ldim, mdim, generator=gen, dtype=torch.float64)
     B = torch.randn(*b_batch, mdim, rdim, generator=gen, dtype=torch.float64)
-    with torch.no_grad(), _HeldBytes([A, B]) as held:
+    with torch.no_grad(), HeldBytes([A, B]) as held:
         S = FactoredMatrix(A, B).S  # [n..., mdim]
     assert S.shape[-1] == mdim
     n = math.prod(torch.broadcast_shapes(a_batch, b_batch))

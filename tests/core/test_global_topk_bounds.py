@@ -14,7 +14,7 @@ import torch
 from circuits_core.circuits import global_topk, global_topk_bounds
 from circuits_core.circuits.factored import FactoredMatrix
 from tests.core.bounded_search_setup import poor_basis, shrink_search
-from tests.core.test_paths_cost import _HeldBytes
+from tests.held_bytes import HeldBytes
 
 
 @pytest.fixture(autouse=True)
@@ -233,7 +233,7 @@ def test_price_covers_the_held_peak(dtype):
     allocations, measured), and topk_global_cost's peak covers them."""
     A, B = circuit_like(600, 24, 500, 10, dtype)
     fm = FactoredMatrix(A, B)
-    with torch.no_grad(), _HeldBytes([A, B]) as held:
+    with torch.no_grad(), HeldBytes([A, B]) as held:
         fm.topk_global(30)
     size = A.element_size()
     seed = 30 * (size + 16) + global_topk_bounds.SEED * 30 * size  # the seed block and the candidates

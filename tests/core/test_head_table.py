@@ -7,7 +7,6 @@ import copy
 import pytest
 import torch
 from biased_models import small_model
-from test_paths_cost import _HeldBytes
 
 from circuits_core.circuits import copying_spectra
 from circuits_core.circuits import head_circuits as C
@@ -17,6 +16,7 @@ from circuits_core.prompt.detectors import standard_tokens
 from circuits_core.prompt.head_table import head_table, head_table_cost, table_chunk
 from circuits_core.prompt.qk_paths import k_composition_positivity
 from circuits_core.schedule import available_cores
+from tests.held_bytes import HeldBytes
 
 
 def _ln_model(normalization_type: str | None) -> torch.nn.Module:
@@ -144,7 +144,7 @@ def test_head_table_price_covers_the_measured_peak(budget: int | None, monkeypat
     monkeypatch.setattr("circuits_core.schedule.available_cores", lambda: 1)
     torch.set_num_threads(1)  # one core: the branches run in turn, in this thread
     try:
-        with torch.no_grad(), _HeldBytes([*model.parameters(), *model.buffers(), tokens]) as held:
+        with torch.no_grad(), HeldBytes([*model.parameters(), *model.buffers(), tokens]) as held:
             head_table(model, tokens, budget_bytes=budget)
     finally:
         torch.set_num_threads(before)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_paths_cost import _HeldBytes
 
 from circuits_core.circuits import ov_effective_rank
 from circuits_core.formats.checkpoint import load_checkpoint
@@ -16,6 +15,7 @@ from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Transformer, random_model
 from tests.core.formed_circuits import per_head_of_formed_ov, plant_ov_spectra
 from tests.core.rotary_models import CASES, rotary_model
+from tests.held_bytes import HeldBytes
 
 TOY_2L = Path(__file__).resolve().parents[2] / "checkpoints" / "toy-2l"
 GQA = ModelConfig(
@@ -75,7 +75,7 @@ def test_price_covers_the_measured_peak(dtype: torch.dtype) -> None:
     """The bytes ov_effective_ranks holds (tensors it makes, the model's weights excluded) stay within the price, and
     the price is not far above them."""
     for model in (random_model(GQA, seed=0, dtype=dtype), rotary_model(**CASES["gemma3"]).to(dtype)):
-        with torch.no_grad(), _HeldBytes([*model.parameters(), *model.buffers()]) as held:
+        with torch.no_grad(), HeldBytes([*model.parameters(), *model.buffers()]) as held:
             ov_effective_rank.ov_effective_ranks(model)
         priced = ov_effective_rank.cost(model)
         assert 0 < held.peak <= priced.peak_bytes <= 2 * held.peak, (held.peak, priced.peak_bytes)

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_paths_cost import _HeldBytes
 
 from circuits_core.circuits import ov_effective_rank, ov_top_singular_share
 from circuits_core.circuits.latent_circuits import latent_head
@@ -20,6 +19,7 @@ from tests.core.formed_circuits import per_head_of_formed_ov, plant_ov_spectra
 from tests.core.hf_families import save
 from tests.core.rotary_models import CASES, rotary_model
 from tests.core.test_deepseek_hf import deepseek_model
+from tests.held_bytes import HeldBytes
 
 TOY_2L = Path(__file__).resolve().parents[2] / "checkpoints" / "toy-2l"
 GQA = ModelConfig(
@@ -95,7 +95,7 @@ def test_price_covers_the_measured_peak(dtype: torch.dtype) -> None:
     """The bytes ov_top_singular_shares holds (tensors it makes, the model's weights excluded) stay within the price,
     and the price is not far above them."""
     for model in (random_model(GQA, seed=0, dtype=dtype), rotary_model(**CASES["gemma3"]).to(dtype)):
-        with torch.no_grad(), _HeldBytes([*model.parameters(), *model.buffers()]) as held:
+        with torch.no_grad(), HeldBytes([*model.parameters(), *model.buffers()]) as held:
             ov_top_singular_share.ov_top_singular_shares(model)
         priced = ov_top_singular_share.cost(model)
         assert 0 < held.peak <= priced.peak_bytes <= 2 * held.peak, (held.peak, priced.peak_bytes)

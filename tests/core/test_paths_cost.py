@@ -12,14 +12,11 @@
 from __future__ import annotations
 
 import itertools
-import weakref
 from typing import Any
 
 import pytest
 import torch
 from biased_models import small_model
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from app.settings import Limits
 from circuits_core.formats.llama import llama_config
@@ -29,6 +26,7 @@ from circuits_core.model.transformer import Transformer
 from circuits_core.prompt import paths
 from circuits_core.prompt.frozen import frozen_run
 from circuits_core.prompt.paths import expand_logits
+from tests.held_bytes import HeldBytes
 
 # small float64 models with random biases and norm weights: RMS + GQA (3 query heads, 1 key/value head) + rotary
 # + gated MLP, and LayerNorm attention-only with standard positions
@@ -84,38 +82,6 @@ def test_truncated_terms_equal_full_terms_and_names_enumerate_paths(case: dict[s
     assert full.paths[-1] == ("bias:unembed",) and full.paths[-len(full.paths)] == full.paths[0]
 
 
-class _HeldBytes(TorchDispatchMode):
-    """The peak bytes of the storages that tensors made inside the mode keep alive (pre-existing ones, such as
-    the model's weights, excluded), checked after every operation."""
-
-    def __init__(self, existing: list[torch.Tensor]):
-        super().__init__()
-        self.skip = {t.untyped_storage().data_ptr() for t in existing}
-        self.storages: dict[int, tuple[int, list[weakref.ref[torch.Tensor]]]] = {}
-        self.peak = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = storage.data_ptr()
-                if key in self.skip or storage.nbytes() == 0:
-                    continue
-                nbytes, refs = self.storages.get(key, (storage.nbytes(), []))
-                self.storages[key] = (max(nbytes, storage.nbytes()), [*refs, weakref.ref(t)])
-        held = 0
-        for key, (nbytes, refs) in list(self.storages.items()):
-            alive = [r for r in refs if r() is not None]
-            if alive:
-                self.storages[key] = (nbytes, alive)
-                held += nbytes
-            else:
-                del self.storages[key]
-        self.peak = max(self.peak, held)
-        return out
-
-
 @pytest.mark.parametrize(
     ("case", "n", "max_order", "by_source", "positions"),
     [(GQA, 12, 2, False, -1), (GQA, 12, 3, True, -1), (GQA, 9, 2, False, None), (LN_ATTN_ONLY, 16, 3, False, -1),
@@ -127,7 +93,7 @@ def test_price_covers_the_measured_peak(
     model = small_model(**case)
     tokens = _tokens(model.cfg, n)
     existing = [*model.parameters(), *model.buffers(), tokens]
-    with torch.no_grad(), _HeldBytes(existing) as held:
+    with torch.no_grad(), HeldBytes(existing) as held:
         exp = expand_logits(model, tokens, 5, positions=positions, max_order=max_order, by_source=by_source)
     q = exp.positions.numel()
     priced = paths.cost(model, n, max_order, by_source, q=q).peak_bytes

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_paths_cost import _HeldBytes
 
 from circuits_core.circuits import qk_symmetry
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Block, Transformer, random_model
 from tests.core.rotary_models import CASES, rotary_model
+from tests.held_bytes import HeldBytes
 
 TOY_2L = Path(__file__).resolve().parents[2] / "checkpoints" / "toy-2l"
 GQA = ModelConfig(
@@ -90,7 +90,7 @@ def test_price_covers_the_measured_peak(dtype: torch.dtype) -> None:
     """The bytes qk_symmetries holds (tensors it makes, the model's weights excluded) stay within the price, and the
     price is not far above them."""
     for model in (random_model(GQA, seed=0, dtype=dtype), rotary_model(**CASES["gemma3"]).to(dtype)):
-        with torch.no_grad(), _HeldBytes([*model.parameters(), *model.buffers()]) as held:
+        with torch.no_grad(), HeldBytes([*model.parameters(), *model.buffers()]) as held:
             qk_symmetry.qk_symmetries(model)
         priced = qk_symmetry.cost(model)
         assert 0 < held.peak <= priced.peak_bytes <= 2 * held.peak, (held.peak, priced.peak_bytes)

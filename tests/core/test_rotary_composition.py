@@ -3,7 +3,6 @@
 import pytest
 import torch
 from rotary_models import CASES, rotary_model
-from test_paths_cost import _HeldBytes
 
 from circuits_core.circuits import composition, gram_pair_sums
 from circuits_core.circuits.composition import composition_scores
@@ -21,6 +20,7 @@ from circuits_core.errors import InvalidInputError
 from circuits_core.model.head_names import head_name
 from circuits_core.model.transformer import Transformer
 from circuits_core.schedule import available_cores
+from tests.held_bytes import HeldBytes
 
 
 def dense_scores(model, l1, h1, l2, h2, delta):
@@ -111,7 +111,7 @@ def test_profiles_price_covers_the_held_peak(case, chunk, n_samples):
     torch.set_num_threads(max(1, available_cores()))  # 2 x threads > cores: side_by_side runs its branches in turn
     try:
         random_baseline.cache_clear()
-        with torch.no_grad(), _HeldBytes(list(model.parameters())) as held:
+        with torch.no_grad(), HeldBytes(list(model.parameters())) as held:
             composition_profiles(model, offsets, n_samples=n_samples, source_chunk=chunk)
     finally:
         torch.set_num_threads(before)
@@ -119,7 +119,7 @@ def test_profiles_price_covers_the_held_peak(case, chunk, n_samples):
     assert 0 < held.peak <= priced < 3 * held.peak, (held.peak, priced)
     for d_model in (2 * 6, 2 * 6 - 1):  # the reduced route (d_model >= 2 d_head) and the dense one
         random_baseline.cache_clear()
-        with _HeldBytes([]) as held:
+        with HeldBytes([]) as held:
             random_baseline(d_model, 6, 3, n_samples=n_samples)
         assert 0 < held.peak <= baseline_cost(d_model, 6, 3, n_samples).peak_bytes < 3 * held.peak, (d_model, held.peak)
 
@@ -179,7 +179,7 @@ def test_composition_at_in_budgeted_chunks_prices_its_held_peak(kind):
         budget = None if chunk is None else composition._priced(model, kinds, chunk).peak_bytes
         if not composition.grouped_route(shape, kinds, gram_pair_sums.GRAM_BLOCK):  # (the grouped route has no chunks)
             assert composition.layers_per_chunk(model, kinds, budget) == chunk
-        with torch.no_grad(), _HeldBytes(list(model.parameters())) as held:
+        with torch.no_grad(), HeldBytes(list(model.parameters())) as held:
             got = composition_at(model, kind, 6, budget_bytes=budget)
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
         priced = composition_at_cost(model, kind, budget).peak_bytes

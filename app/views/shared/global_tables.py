@@ -36,11 +36,6 @@ class GlobalTop(BaseModel):
 CircuitOf = Callable[[Tensor | None], FactoredMatrix]  # token ids [n] (None: all) -> the circuit's [n, n] submatrix
 
 
-def restricted(fm: FactoredMatrix, ids: Tensor | None) -> FactoredMatrix:
-    """The submatrix of fm's rows and columns `ids` (fm itself for None), for circuits built whole."""
-    return fm if ids is None else FactoredMatrix(fm.A[ids], fm.B[:, ids])
-
-
 def global_top(
     loaded: LoadedModel, circuit_of: CircuitOf, table: tuple[str, ...], k: int, tokens: TokenSet, limits: Limits
 ) -> GlobalTop:
