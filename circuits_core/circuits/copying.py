@@ -29,7 +29,13 @@ from torch import Tensor
 
 from circuits_core.circuits.copying_spectra import copying_score, unembed_embed_gram
 from circuits_core.circuits.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
-from circuits_core.circuits.head_circuits import factors_cost, full_ov_circuit, full_ov_flops, ov_circuit
+from circuits_core.circuits.head_circuits import (
+    factors_cost,
+    full_ov_circuit,
+    full_ov_flops,
+    ov_circuit,
+    token_factors_cost,
+)
 from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.circuits.ov_row_ranks import (  # noqa: F401 - copying's own names, read as copying.X
     BLOCK_BYTES,
@@ -269,12 +275,14 @@ def copying_metrics(M: FactoredMatrix, k: int = 5, budget_bytes: int = DEFAULT_B
 
 
 def copying_metrics_cost(model: Transformer, k: int, budget_bytes: int, n_tokens: int | None = None) -> Cost:
-    """ov_copying_metrics: the factors, one block of logits and its masks (at most budget_bytes), the diagonal and the
-    counts; FLOPs at most: the factors (on n_tokens tokens, default every token), the probe of every row, then every
-    row of the [n, n] circuit (2 n^2 d_head; own_rank.count_above settles most rows of a head that does not copy
-    early)."""
+    """ov_copying_metrics: the factors (on n_tokens tokens, default every token: token_factors_cost or factors_cost),
+    then beside them one block of logits and its masks (at most budget_bytes), the diagonal and the counts; FLOPs at
+    most: the factors, the probe of every row, then every row of the [n, n] circuit (2 n^2 d_head;
+    own_rank.count_above settles most rows of a head that does not copy early)."""
     cfg, size = model.cfg, model.W_E.element_size()
     n = cfg.d_vocab if n_tokens is None else n_tokens
     block = min(budget_bytes, n * n * (size + 2)) + n * 24
     flops = full_ov_flops(model, n_tokens) + 2 * n * cfg.d_head * (probe_size(n) + n)
-    return (factors_cost(model) + Cost(block + n * (size + 8), flops=flops)).with_answer(numbers=12, labels=6)
+    factors = factors_cost(model) if n_tokens is None else token_factors_cost(model, n)
+    count = Cost(2 * n * cfg.d_head * size + block + n * (size + 8), flops=flops)
+    return factors.then(count).with_answer(numbers=12, labels=6)
