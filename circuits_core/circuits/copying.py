@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.copying_spectra import copying_score, unembed_embed_gram
+from circuits_core.circuits.copying_spectra import copying_score, model_gram_cost, unembed_embed_gram
 from circuits_core.circuits.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
 from circuits_core.circuits.head_circuits import (
     factors_cost,
@@ -134,12 +134,14 @@ def self_copy(
 
 
 def random_ov_weights(model: Transformer, n: int, seed: int) -> tuple[Tensor, Tensor]:
-    """n random (W_V [n, d_model, d_head], W_O [n, d_head, d_model]), standard normal, in the model's dtype."""
+    """n random (W_V [n, d_model, d_head], W_O [n, d_head, d_model]), standard normal, in the model's dtype: drawn in
+    float64 (the same values in every dtype), W_V rounded before W_O is drawn (one float64 draw held at a time, not
+    both: 400 MiB of 200 samples at d_model 1024, d_head 128)."""
     gen = torch.Generator().manual_seed(seed)
     d, dh = model.cfg.d_model, model.cfg.d_head
-    W_V = torch.randn(n, d, dh, generator=gen, dtype=torch.float64)
-    W_O = torch.randn(n, dh, d, generator=gen, dtype=torch.float64)
-    return W_V.to(model.W_E.dtype).to(model.device), W_O.to(model.W_E.dtype).to(model.device)
+    W_V = torch.randn(n, d, dh, generator=gen, dtype=torch.float64).to(model.W_E.dtype).to(model.device)
+    W_O = torch.randn(n, dh, d, generator=gen, dtype=torch.float64).to(model.W_E.dtype).to(model.device)
+    return W_V, W_O
 
 
 def random_eig_scores(model: Transformer, W_V: Tensor, W_O: Tensor) -> Tensor:
@@ -194,11 +196,12 @@ def cost(
     rows: int | None = None,
     n_heads: int | None = None,
 ) -> Cost:
-    """self_copy over every head (or n_heads of them) then random_baseline (rows_ranks, STACK_CIRCUITS circuits at a
-    time): at most one head's W_O W_U [d_head, n] (through W_U's [d_model, n] ranked columns when not all), the rows'
-    factors, the probed columns, a block of logits and its masks, the [r] ranks and diagonal, and the batch's stacked
-    open rows, plus the random weights and their [n_samples, d_head, d_head] spectra; answer: per head 5 numbers, per
-    sample 4."""
+    """self_copy over every head (or n_heads of them) and beside it random_baseline (app/views/copying.py measures them
+    on two threads at once), rows_ranks taking STACK_CIRCUITS circuits at a time: at most one head's W_O W_U
+    [d_head, n] (through W_U's [d_model, n] ranked columns when not all), the rows' factors, the probed columns, a
+    block of logits and its masks, the [r] ranks and diagonal, and the batch's stacked open rows; beside them the
+    random weights in the model's dtype (random_ov_weights: while they are drawn, one float64 draw) and their
+    eigenvalue scores (random_eig_scores); answer: per head 5 numbers, per sample 4."""
     cfg, size = model.cfg, model.W_E.element_size()
     n = cfg.d_vocab if n_tokens is None else n_tokens
     r = n if rows is None else min(rows, n)
@@ -212,11 +215,21 @@ def cost(
         cfg.d_head * n * size + columns + rows + probe + block + stack,
         flops=row_ranks_flops(cfg.d_model, cfg.d_head, n, r) * (heads + n_top_samples),
     )
-    weights = Cost(
-        2 * n_samples * cfg.d_model * cfg.d_head * 8 + n_samples * cfg.d_head * cfg.d_head * 16,
-        flops=2 * cfg.d_vocab * cfg.d_model**2 + n_samples * 2 * cfg.d_head * cfg.d_model * (cfg.d_model + cfg.d_head),
-    )
+    one_draw = n_samples * cfg.d_model * cfg.d_head
+    drawing = Cost(one_draw * 8 if size != 8 else 0)  # W_O's float64 draw beside its rounded copy
+    weights = Cost(2 * one_draw * size) + drawing.then(random_eig_scores_cost(model, n_samples))
     return (one_head + weights).with_answer(numbers=5 * heads + 4 * n_samples, labels=heads)
+
+
+def random_eig_scores_cost(model: Transformer, n: int) -> Cost:
+    """random_eig_scores on n samples: G (copying_spectra.model_gram_cost), then beside it in the model's dtype
+    W_O G [n, d_head, d_model] and W_O G W_V [n, d_head, d_head], its float64 copy (unless float64) and the complex
+    eigenvalues (the per-thread parts and their concatenation); FLOPs: G, then the two products."""
+    cfg, size = model.cfg, model.W_E.element_size()
+    d, dh = cfg.d_model, cfg.d_head
+    small = n * dh * dh * (size + (8 if size != 8 else 0)) + 2 * n * dh * 16
+    products = Cost(d * d * size + n * dh * d * size + small, flops=n * 2 * dh * d * (d + dh))
+    return model_gram_cost(model, unembed=True).then(products)
 
 
 # -- one head's copying metrics (any square token circuit) ------------------------------------------------

@@ -47,6 +47,7 @@ REQUESTS = {"direct": {}, "ov": {"head": "L1H0"}, "qk": {"head": "L1H0"}}
 VOCABULARY_GRAMS = {
     "copying": {"head": "L1H0"},
     "qk-copying-offset": {"head": "L1H0"},
+    "copying-all": {"samples": 1000},
 }
 
 
