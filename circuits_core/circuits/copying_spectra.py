@@ -47,9 +47,9 @@ def _grams(
         # 1,024 vocabulary rows of Gemma-3 270M (d_model 640, one thread, alternated in one process, load 1.9)
         if G is not None:
             G += torch.mm(model.W_U[:, rows], X, out=part.view(d, d))
-        # G_E[blk, a:] += X[:, blk]^T X[:, a:]: the blocks on and above the diagonal
-        for a, b in blocks if G_E is not None else ():
-            G_E[a:b, a:] += torch.mm(X[:, a:b].T, X[:, a:], out=part[: (b - a) * (d - a)].view(b - a, d - a))
+        if G_E is not None:  # G_E[blk, a:] += X[:, blk]^T X[:, a:]: the blocks on and above the diagonal
+            for a, b in blocks:
+                G_E[a:b, a:] += torch.mm(X[:, a:b].T, X[:, a:], out=part[: (b - a) * (d - a)].view(b - a, d - a))
     return G, None if G_E is None else _mirrored(G_E, blocks)
 
 
