@@ -106,7 +106,7 @@ def copying_cost(loaded: LoadedModel, p: CopyingParams, limits: Limits) -> Cost:
     metrics = copying.copying_metrics_cost(
         loaded.model, p.k, limits.matrix_budget_bytes, None if ranked.ids is None else ranked.n
     )
-    return metrics.then(Cost(0, flops=copying_spectra.ov_copying_scores_flops(loaded.model)))
+    return metrics.then(copying_spectra.ov_copying_scores_cost(loaded.model))
 
 
 HEAD = Analysis(

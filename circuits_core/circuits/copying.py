@@ -27,9 +27,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.copying_spectra import copying_score, unembed_embed_gram
+from circuits_core.circuits.copying_spectra import copying_score, model_gram_cost, unembed_embed_gram
 from circuits_core.circuits.factored import DEFAULT_BUDGET_BYTES, FactoredMatrix
-from circuits_core.circuits.head_circuits import factors_cost, full_ov_circuit, full_ov_flops, ov_circuit
+from circuits_core.circuits.head_circuits import (
+    factors_cost,
+    full_ov_circuit,
+    full_ov_flops,
+    ov_circuit,
+    token_factors_cost,
+)
 from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.circuits.ov_row_ranks import (  # noqa: F401 - copying's own names, read as copying.X
     BLOCK_BYTES,
@@ -128,12 +134,14 @@ def self_copy(
 
 
 def random_ov_weights(model: Transformer, n: int, seed: int) -> tuple[Tensor, Tensor]:
-    """n random (W_V [n, d_model, d_head], W_O [n, d_head, d_model]), standard normal, in the model's dtype."""
+    """n random (W_V [n, d_model, d_head], W_O [n, d_head, d_model]), standard normal, in the model's dtype: drawn in
+    float64 (the same values in every dtype), W_V rounded before W_O is drawn (one float64 draw held at a time, not
+    both: 400 MiB of 200 samples at d_model 1024, d_head 128)."""
     gen = torch.Generator().manual_seed(seed)
     d, dh = model.cfg.d_model, model.cfg.d_head
-    W_V = torch.randn(n, d, dh, generator=gen, dtype=torch.float64)
-    W_O = torch.randn(n, dh, d, generator=gen, dtype=torch.float64)
-    return W_V.to(model.W_E.dtype).to(model.device), W_O.to(model.W_E.dtype).to(model.device)
+    W_V = torch.randn(n, d, dh, generator=gen, dtype=torch.float64).to(model.W_E.dtype).to(model.device)
+    W_O = torch.randn(n, dh, d, generator=gen, dtype=torch.float64).to(model.W_E.dtype).to(model.device)
+    return W_V, W_O
 
 
 def random_eig_scores(model: Transformer, W_V: Tensor, W_O: Tensor) -> Tensor:
@@ -188,11 +196,12 @@ def cost(
     rows: int | None = None,
     n_heads: int | None = None,
 ) -> Cost:
-    """self_copy over every head (or n_heads of them) then random_baseline (rows_ranks, STACK_CIRCUITS circuits at a
-    time): at most one head's W_O W_U [d_head, n] (through W_U's [d_model, n] ranked columns when not all), the rows'
-    factors, the probed columns, a block of logits and its masks, the [r] ranks and diagonal, and the batch's stacked
-    open rows, plus the random weights and their [n_samples, d_head, d_head] spectra; answer: per head 5 numbers, per
-    sample 4."""
+    """self_copy over every head (or n_heads of them) and beside it random_baseline (app/views/copying.py measures them
+    on two threads at once), rows_ranks taking STACK_CIRCUITS circuits at a time: at most one head's W_O W_U
+    [d_head, n] (through W_U's [d_model, n] ranked columns when not all), the rows' factors, the probed columns, a
+    block of logits and its masks, the [r] ranks and diagonal, and the batch's stacked open rows; beside them the
+    random weights in the model's dtype (random_ov_weights: while they are drawn, one float64 draw) and their
+    eigenvalue scores (random_eig_scores); answer: per head 5 numbers, per sample 4."""
     cfg, size = model.cfg, model.W_E.element_size()
     n = cfg.d_vocab if n_tokens is None else n_tokens
     r = n if rows is None else min(rows, n)
@@ -206,11 +215,21 @@ def cost(
         cfg.d_head * n * size + columns + rows + probe + block + stack,
         flops=row_ranks_flops(cfg.d_model, cfg.d_head, n, r) * (heads + n_top_samples),
     )
-    weights = Cost(
-        2 * n_samples * cfg.d_model * cfg.d_head * 8 + n_samples * cfg.d_head * cfg.d_head * 16,
-        flops=2 * cfg.d_vocab * cfg.d_model**2 + n_samples * 2 * cfg.d_head * cfg.d_model * (cfg.d_model + cfg.d_head),
-    )
+    one_draw = n_samples * cfg.d_model * cfg.d_head
+    drawing = Cost(one_draw * 8 if size != 8 else 0)  # W_O's float64 draw beside its rounded copy
+    weights = Cost(2 * one_draw * size) + drawing.then(random_eig_scores_cost(model, n_samples))
     return (one_head + weights).with_answer(numbers=5 * heads + 4 * n_samples, labels=heads)
+
+
+def random_eig_scores_cost(model: Transformer, n: int) -> Cost:
+    """random_eig_scores on n samples: G (copying_spectra.model_gram_cost), then beside it in the model's dtype
+    W_O G [n, d_head, d_model] and W_O G W_V [n, d_head, d_head], its float64 copy (unless float64) and the complex
+    eigenvalues (the per-thread parts and their concatenation); FLOPs: G, then the two products."""
+    cfg, size = model.cfg, model.W_E.element_size()
+    d, dh = cfg.d_model, cfg.d_head
+    small = n * dh * dh * (size + (8 if size != 8 else 0)) + 2 * n * dh * 16
+    products = Cost(d * d * size + n * dh * d * size + small, flops=n * 2 * dh * d * (d + dh))
+    return model_gram_cost(model, unembed=True).then(products)
 
 
 # -- one head's copying metrics (any square token circuit) ------------------------------------------------
@@ -269,12 +288,14 @@ def copying_metrics(M: FactoredMatrix, k: int = 5, budget_bytes: int = DEFAULT_B
 
 
 def copying_metrics_cost(model: Transformer, k: int, budget_bytes: int, n_tokens: int | None = None) -> Cost:
-    """ov_copying_metrics: the factors, one block of logits and its masks (at most budget_bytes), the diagonal and the
-    counts; FLOPs at most: the factors (on n_tokens tokens, default every token), the probe of every row, then every
-    row of the [n, n] circuit (2 n^2 d_head; own_rank.count_above settles most rows of a head that does not copy
-    early)."""
+    """ov_copying_metrics: the factors (on n_tokens tokens, default every token: token_factors_cost or factors_cost),
+    then beside them one block of logits and its masks (at most budget_bytes), the diagonal and the counts; FLOPs at
+    most: the factors, the probe of every row, then every row of the [n, n] circuit (2 n^2 d_head;
+    own_rank.count_above settles most rows of a head that does not copy early)."""
     cfg, size = model.cfg, model.W_E.element_size()
     n = cfg.d_vocab if n_tokens is None else n_tokens
     block = min(budget_bytes, n * n * (size + 2)) + n * 24
     flops = full_ov_flops(model, n_tokens) + 2 * n * cfg.d_head * (probe_size(n) + n)
-    return (factors_cost(model) + Cost(block + n * (size + 8), flops=flops)).with_answer(numbers=12, labels=6)
+    factors = factors_cost(model) if n_tokens is None else token_factors_cost(model, n)
+    count = Cost(2 * n * cfg.d_head * size + block + n * (size + 8), flops=flops)
+    return factors.then(count).with_answer(numbers=12, labels=6)

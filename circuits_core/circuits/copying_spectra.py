@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.embedding import EMBED_CHUNK, embed_rows
-from circuits_core.circuits.folded import circuit_weight, layer_weights
+from circuits_core.circuits.embedding import EMBED_CHUNK, embed_chunks_cost, embed_rows
+from circuits_core.circuits.folded import circuit_weight, layer_weights, read_copies
 from circuits_core.circuits.head_circuits import attention
 from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.cost import Cost
@@ -31,24 +31,44 @@ GRAM_BLOCKS = 4  # column blocks of the symmetric G_E: the 10 of 16 blocks on an
 
 def _grams(
     model: Transformer, unembed: bool, embed: bool, take: Callable[[], slice | None] | None = None
-) -> tuple[Tensor, Tensor]:
-    """(G, G_E) [d_model, d_model] each, float64 totals (zeros where not asked), from one pass over the chunks of
+) -> tuple[Tensor | None, Tensor | None]:
+    """(G, G_E) [d_model, d_model] each, float64 totals (None where not asked), from one pass over the chunks of
     W_E_eff: each chunk's product in the model's dtype, added to the totals in float64. A float32 running sum over
     Gemma-3 270M's 128 chunks of 2,048 rows left G within 1.1e-6 of a float64 reference (relative to its largest
     entry), float64 totals within 1.8e-8; the float64 additions cost ~3 % of the products."""
     d = model.cfg.d_model
-    edges = [d * i // GRAM_BLOCKS for i in range(GRAM_BLOCKS + 1)]
-    blocks = [(a, b) for a, b in zip(edges, edges[1:], strict=False) if b > a]
-    G, G_E = (torch.zeros(d, d, dtype=torch.float64, device=model.W_E.device) for _ in range(2))
+    blocks = _gram_blocks(d)
+    G, G_E = (
+        torch.zeros(d, d, dtype=torch.float64, device=model.W_E.device) if asked else None for asked in [unembed, embed]
+    )
     part = torch.empty(d * d, dtype=model.W_E.dtype, device=model.W_E.device)  # one chunk's product, reused
     for rows, X in embed_rows(model, take, reuse=True):  # X [chunk, d], used up before the next chunk
         # MKL's product (torch.mm), not linear.affine's oneDNN: on this strided W_U slice 9.9 against 15.1 ms per
         # 1,024 vocabulary rows of Gemma-3 270M (d_model 640, one thread, alternated in one process, load 1.9)
-        if unembed:
+        if G is not None:
             G += torch.mm(model.W_U[:, rows], X, out=part.view(d, d))
-        for a, b in blocks if embed else ():  # G_E[blk, a:] += X[:, blk]^T X[:, a:]: blocks on and above the diagonal
-            G_E[a:b, a:] += torch.mm(X[:, a:b].T, X[:, a:], out=part[: (b - a) * (d - a)].view(b - a, d - a))
-    return G, G_E.triu() + G_E.triu(1).T  # G_E's upper triangle (diagonal blocks included) mirrored
+        if G_E is not None:  # G_E[blk, a:] += X[:, blk]^T X[:, a:]: the blocks on and above the diagonal
+            for a, b in blocks:
+                G_E[a:b, a:] += torch.mm(X[:, a:b].T, X[:, a:], out=part[: (b - a) * (d - a)].view(b - a, d - a))
+    return G, None if G_E is None else _mirrored(G_E, blocks)
+
+
+def _gram_blocks(d: int) -> list[tuple[int, int]]:
+    """The GRAM_BLOCKS column blocks [a, b) of a d x d Gram (fewer when d < GRAM_BLOCKS)."""
+    edges = [d * i // GRAM_BLOCKS for i in range(GRAM_BLOCKS + 1)]
+    return [(a, b) for a, b in zip(edges, edges[1:], strict=False) if b > a]
+
+
+def _mirrored(G_E: Tensor, blocks: list[tuple[int, int]]) -> Tensor:
+    """G_E [d, d] made symmetric in place from its upper triangle (the blocks on and above the diagonal that _grams
+    formed): each diagonal block's upper triangle mirrored (its own temporaries), each block below the diagonal copied
+    from its transpose, no [d, d] temporary (a whole triu() + triu(1).T held three beside G_E: 4 x 128 MiB at d_model
+    4096)."""
+    for a, b in blocks:
+        D = G_E[a:b, a:b]
+        D.copy_(D.triu() + D.triu(1).T)
+        G_E[b:, a:b] = G_E[a:b, b:].T
+    return G_E
 
 
 def embed_grams(model: Transformer, take: Callable[[], slice | None] | None = None) -> tuple[Tensor, Tensor]:
@@ -57,25 +77,49 @@ def embed_grams(model: Transformer, take: Callable[[], slice | None] | None = No
     the chunks of W_E_eff (each chunk normalised once). G_E is symmetric: only its column blocks on and above the
     diagonal are formed (GRAM_BLOCKS = 4: 10 of 16 blocks), the rest is their mirror. `take`: only the vocabulary rows
     it hands out (schedule.shared_chunks shared by several threads: their Grams add up to the whole)."""
-    return _grams(model, unembed=True, embed=True, take=take)
+    G, G_E = _grams(model, unembed=True, embed=True, take=take)
+    assert G is not None and G_E is not None
+    return G, G_E
 
 
 def unembed_embed_gram(model: Transformer) -> Tensor:
     """G = W_U @ W_E_eff [d_model, d_model] in the model's dtype, formed once per model for all full OV spectra."""
-    return _grams(model, unembed=True, embed=False)[0].to(model.W_E.dtype)
+    G = _grams(model, unembed=True, embed=False)[0]
+    assert G is not None
+    return G.to(model.W_E.dtype)
 
 
 def embed_gram(model: Transformer) -> Tensor:
     """G_E = W_E_eff^T @ W_E_eff [d_model, d_model] in the model's dtype, formed once per model for all full QK spectra
     (upper blocks mirrored, as embed_grams)."""
-    return _grams(model, unembed=False, embed=True)[1].to(model.W_E.dtype)
+    G_E = _grams(model, unembed=False, embed=True)[1]
+    assert G_E is not None
+    return G_E.to(model.W_E.dtype)
+
+
+def grams_cost(model: Transformer, unembed: bool, embed: bool) -> Cost:
+    """_grams: the float64 totals asked [d_model, d_model] each, one chunk's product in W_E's dtype, embed_rows'
+    chunks (embed_chunks_cost), and after the pass (its last chunk still held) G_E's mirroring, three of a diagonal
+    block's [d_model / GRAM_BLOCKS]^2 in float64; FLOPs: the chunks' products."""
+    d = model.cfg.d_model
+    totals = (int(unembed) + int(embed)) * d * d * 8
+    part = d * d * model.W_E.element_size()
+    mirror = 3 * max(b - a for a, b in _gram_blocks(d)) ** 2 * 8 if embed else 0
+    flops = (2 * model.cfg.d_vocab * d * d if unembed else 0) + (embed_gram_flops(model) if embed else 0)
+    return Cost(totals + part + embed_chunks_cost(model, reuse=True).peak_bytes + mirror, flops=flops)
+
+
+def model_gram_cost(model: Transformer, unembed: bool) -> Cost:
+    """unembed_embed_gram (`unembed`) or embed_gram: one Gram's pass (grams_cost), then its copy in W_E's dtype beside
+    the float64 total (none for float64 weights)."""
+    d, size = model.cfg.d_model, model.W_E.element_size()
+    return grams_cost(model, unembed, not unembed).then(Cost(d * d * (8 + (size if size != 8 else 0))))
 
 
 def embed_gram_flops(model: Transformer) -> int:
     """FLOPs of embed_gram: each vocabulary row's products for the column blocks on and above the diagonal."""
     d = model.cfg.d_model
-    edges = [d * i // GRAM_BLOCKS for i in range(GRAM_BLOCKS + 1)]
-    return sum(2 * model.cfg.d_vocab * (b - a) * (d - a) for a, b in zip(edges, edges[1:], strict=False))
+    return sum(2 * model.cfg.d_vocab * (b - a) * (d - a) for a, b in _gram_blocks(d))
 
 
 def _spectrum(M: Tensor) -> Tensor:
@@ -153,6 +197,20 @@ def ov_copying_scores_flops(model: Transformer) -> int:
     cfg = model.cfg
     d, dh = cfg.d_model, cfg.d_head
     return 2 * d * cfg.d_vocab * d + cfg.n_layers * (2 * cfg.n_kv_heads * d * d * dh + 2 * cfg.n_heads * dh * d * dh)
+
+
+def ov_copying_scores_cost(model: Transformer) -> Cost:
+    """ov_copying_scores: G (model_gram_cost), then beside it in W_E's dtype the [n_layers, n_heads, d_head, d_head]
+    matrices W_O G W_V and one layer's G W_V per key/value head and per query head (with the weights as read:
+    folded.read_copies), then their float64 copy (unless float64) and the complex eigenvalues (the per-thread parts
+    and their concatenation); FLOPs: ov_copying_scores_flops."""
+    cfg, size = model.cfg, model.W_E.element_size()
+    d, dh, L, H = cfg.d_model, cfg.d_head, cfg.n_layers, cfg.n_heads
+    matrices = L * H * dh * dh * size
+    layer = (H + cfg.n_kv_heads) * d * dh * size + read_copies(model, "W_V", "W_O")
+    spectra = L * H * dh * dh * (8 if size != 8 else 0) + 2 * L * H * dh * 16
+    own = Cost(d * d * size + matrices + max(layer, spectra))
+    return Cost(model_gram_cost(model, unembed=True).then(own).peak_bytes, flops=ov_copying_scores_flops(model))
 
 
 def qk_copying_scores(model: Transformer, G_E: Tensor | None = None, G_E_W_Q: Tensor | None = None) -> Tensor:

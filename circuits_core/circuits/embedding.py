@@ -95,11 +95,24 @@ def _version(t: Tensor | None) -> tuple[object, ...]:
     return () if t is None else (t.data_ptr(), t._version, t.dtype, t.device)
 
 
+def _norm_key(model: Transformer) -> tuple[object, ...]:
+    """What embed_norm's statistics depend on: W_E, ln1's weights (each by storage, version, dtype and device), eps."""
+    ln = first_norm(model)
+    w, b = getattr(ln, "w", None), getattr(ln, "b", None)
+    return (*_version(model.W_E), *_version(w), *_version(b), model.cfg.eps)
+
+
+def embed_norm_kept(model: Transformer) -> bool:
+    """Whether embed_norm's statistics of the model's current weights are kept (its next call forms nothing)."""
+    hit = _embed_norms.get(model)
+    return hit is not None and hit[0] == _norm_key(model)
+
+
 def embed_norm(model: Transformer) -> EmbedNorm:
     """The cached EmbedNorm of the model (recomputed when W_E or ln1's weights change, in place or replaced)."""
     ln = first_norm(model)
     w, b = getattr(ln, "w", None), getattr(ln, "b", None)
-    key = (*_version(model.W_E), *_version(w), *_version(b), model.cfg.eps)
+    key = _norm_key(model)
     hit = _embed_norms.get(model)
     if hit is not None and hit[0] == key:
         return hit[1]
@@ -234,6 +247,24 @@ def ln_rows_cost(model: Transformer, n: int) -> Cost:
     them; of float32 or float64 rows, squares the rows themselves; a LayerNorm's fused kernel makes only its result)."""
     d, width = model.cfg.d_model, itemsize(model.compute_dtype)
     return Cost(n * d * model.W_E.element_size() + 2 * min(n, ln_chunk_rows(d, width)) * d * width)
+
+
+def embed_chunks_cost(model: Transformer, reuse: bool) -> Cost:
+    """embed_rows' working memory: the statistics embed_norm keeps ([d_vocab] inverse scales and means in the compute
+    dtype; formed on the model's first use through one float64 chunk [EMBED_CHUNK, d_model], priced while not kept),
+    then the chunk handed out and the next one made beside it (a half-precision W_E's chunk normalised in the compute
+    dtype, then rounded: that copy too; with `reuse`, a full-precision chunk is written over the previous one). Nothing
+    for a model without a layer-0 norm (W_E's own rows)."""
+    if unnormalised(model):
+        return Cost(0)
+    cfg, size, width = model.cfg, model.W_E.element_size(), itemsize(model.compute_dtype)
+    chunk = min(EMBED_CHUNK, cfg.d_vocab) * cfg.d_model  # elements
+    if model.W_E.dtype != model.compute_dtype:
+        chunks = chunk * (2 * size + width)
+    else:
+        chunks = chunk * size * (1 if reuse else 2)
+    forming = 0 if embed_norm_kept(model) else chunk * 8
+    return Cost(2 * cfg.d_vocab * width + max(forming, chunks))
 
 
 def embed_rows_cost(model: Transformer, n: int) -> Cost:

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.copying_spectra import copying_score, embed_gram, embed_gram_flops
-from circuits_core.circuits.embedding import EMBED_CHUNK, embed_eff_matmul, embed_eff_rows
+from circuits_core.circuits.copying_spectra import copying_score, embed_gram, model_gram_cost
+from circuits_core.circuits.embedding import embed_eff_matmul, embed_eff_rows
 from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.head_circuits import attention, check_head, factors_cost
 from circuits_core.circuits.host_linalg import eigvals
@@ -298,17 +298,20 @@ def kernel_peak_offsets(model: Transformer, means: Tensor, window: int = KERNEL_
 
 # -- costs (circuits_core.cost) ------------------------------------------------------------------------
 def qk_copying_at_cost(model: Transformer, n_offsets: int) -> Cost:
-    """head_qk_eigenvalues_at: the vocabulary Gram G_E (embed_gram: one LN chunk at a time), the float64
-    d_model x d_head products, R(δ) and the d_head x d_head product per offset; answer: d_head complex
-    eigenvalues at one offset and one score per offset."""
-    cfg = model.cfg
+    """head_qk_eigenvalues_at: R(δ) [n_offsets, d_head, d_head] in float64 (made with two such of temporaries), then
+    beside it the vocabulary Gram G_E (copying_spectra.model_gram_cost), its float64 copy (beside it unless float64)
+    with the float64 d_model x d_head products, then the d_head x d_head product per offset and its eigenvalues;
+    answer: d_head complex eigenvalues at one offset and one score per offset."""
+    cfg, size = model.cfg, itemsize(model.W_E.dtype)
     d, dh = cfg.d_model, cfg.d_head
-    gram = (d * d + 2 * EMBED_CHUNK * d) * itemsize(model.dtype)
-    small = (d * d + 3 * d * dh + 3 * n_offsets * dh * dh) * 8
+    R = n_offsets * dh * dh * 8
+    small = d * d * (size + (8 if size != 8 else 0)) + (3 * d * dh + dh * dh) * 8
     flops = 2 * d * d * dh + 2 * dh * d * dh + n_offsets * 2 * dh**3  # W_K^T (G_E W_Q), then times each R(δ)
+    products = Cost(dh * dh * 8 + R + 2 * n_offsets * dh * 16, flops=flops)
+    gram = model_gram_cost(model, unembed=False)
     return (
-        Cost(gram, flops=embed_gram_flops(model))
-        .then(Cost(small, flops=flops))
+        Cost(2 * R)
+        .then(Cost(R) + gram.then(Cost(small)).then(products))
         .with_answer(numbers=2 * dh + 2 * n_offsets + 1, labels=dh)  # {re, im} each
     )
 

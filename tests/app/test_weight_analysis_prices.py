@@ -9,7 +9,11 @@ not as a blanket bound (within 2x). An 8B-shaped model on an H200 took 1.10 GiB 
 ln_final ran on every row of W_E (the ranked set is 6% of them), and a bf16 model's norm temporaries (float32) and
 gathered rows were priced as the every-token factors [d_vocab, d_head] are; the OV and QK tables of a 70B shape took
 0.31 GiB for 0.26. The per-head analyses loop over layers, and a layer's float64 weights were still held while the
-next layer's were made (priced as one layer's); the band energies' stacking of W_K was not priced.
+next layer's were made (priced as one layer's); the band energies' stacking of W_K was not priced. The analyses that
+form a vocabulary Gram (copying's eigenvalue scores, the QK copying at each offset, the random copying baseline) held
+three [d_model, d_model] float64 temporaries to mirror G_E and an unasked zero total (on an H200 at the 8B shape 0.67
+GiB for 0.37 and 0.16 priced), and their chunks of W_E_eff, the first use's statistics, copying's factors on the ranked
+tokens and the baseline's two float64 draws at once were priced short or not at all.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import transformers
 from app.catalog import ANALYSES
 from app.params import DEFAULT_VOCAB
 from app.settings import Limits
+from circuits_core import schedule
 from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
 from tests.held_bytes import HeldBytes
 
@@ -39,6 +44,11 @@ PER_HEAD = {
     "rotary-bands": {"head": "L1H0"},
 }
 REQUESTS = {"direct": {}, "ov": {"head": "L1H0"}, "qk": {"head": "L1H0"}}
+VOCABULARY_GRAMS = {
+    "copying": {"head": "L1H0"},
+    "qk-copying-offset": {"head": "L1H0"},
+    "copying-all": {"samples": 1000},
+}
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +103,39 @@ def test_per_head_price_covers_the_held_peak(models: dict[str, LoadedModel], kin
         analysis.build(loaded, params, LIMITS)
     assert 0 < held.peak <= priced, (held.peak, priced)
     assert priced < 2 * held.peak, (held.peak, priced)
+
+
+def _held_and_priced(loaded: LoadedModel, name: str, request: dict[str, str]) -> tuple[int, int]:
+    analysis = next(a for a in ANALYSES if a.name == name)
+    params: Any = analysis.params.model_validate(request).normalised(loaded)
+    priced = analysis.cost(loaded, params, LIMITS).peak_bytes
+    model = loaded.model
+    with torch.no_grad(), HeldBytes([*model.parameters(), *model.buffers()]) as held:
+        analysis.build(loaded, params, LIMITS)
+    return held.peak, priced
+
+
+@pytest.mark.parametrize("kind", ["bf16-kept", "float32", "float64"])
+@pytest.mark.parametrize("name", list(VOCABULARY_GRAMS))
+def test_vocabulary_gram_price_covers_the_held_peak(
+    models: dict[str, LoadedModel], kind: str, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """copying-all draws the random baseline's weights (1,000 samples: they dominate) and forms their eigenvalue scores
+    beside the heads' rows, on another thread when a core is idle: HeldBytes watches its own thread only, so the
+    engine is told the process has one core (schedule.side_by_side runs the two in turn; the price adds them)."""
+    monkeypatch.setattr(schedule, "available_cores", lambda: 1)
+    held, priced = _held_and_priced(models[kind], name, VOCABULARY_GRAMS[name])
+    assert 0 < held <= priced, (held, priced)
+    assert priced < 2 * held, (held, priced)
+
+
+@pytest.mark.parametrize("kind", ["bf16-kept", "float32"])
+def test_first_use_prices_the_statistics_it_forms(folder: Path, kind: str) -> None:
+    """A model's first vocabulary Gram also forms W_E_eff's per-token statistics (embedding.embed_norm, kept), through
+    a float64 chunk: on a fresh load the price counts them, once kept it does not."""
+    loaded = load_checkpoint(folder, keep_half=True) if kind == "bf16-kept" else load_checkpoint(folder)
+    first = _held_and_priced(loaded, "qk-copying-offset", {"head": "L1H0"})
+    second = _held_and_priced(loaded, "qk-copying-offset", {"head": "L1H0"})
+    for held, priced in (first, second):
+        assert 0 < held <= priced < 2 * held, (held, priced)
+    assert first[1] >= second[1]
