@@ -23,13 +23,13 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 
 from app.catalog import ANALYSES
 from app.params import DEFAULT_VOCAB
 from app.settings import Limits
 from circuits_core import schedule
 from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
+from tests.bf16_llama import save_bf16_llama
 from tests.held_bytes import HeldBytes
 
 CONFIG = {"vocab_size": 8 * DEFAULT_VOCAB, "hidden_size": 256, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -53,15 +53,7 @@ VOCABULARY_GRAMS = {
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)  # transformers' initialisation; the norms' gains made uneven
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    path: Path = tmp_path_factory.mktemp("prices") / "llama"
-    model.to(torch.bfloat16).save_pretrained(path)
-    return path
+    return save_bf16_llama(tmp_path_factory.mktemp("prices"), CONFIG, seed=0)
 
 
 @pytest.fixture(scope="module")

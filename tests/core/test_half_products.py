@@ -9,17 +9,16 @@ here and load_checkpoint reads with keep_half.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import transformers
 
 from circuits_core.circuits.head_circuits import direct_row, full_ov_row, full_qk_col
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.model import half_products
 from circuits_core.model.half_products import half_matmul
+from tests.bf16_llama import save_bf16_llama
 
 CONFIG = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
           "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-5,
@@ -35,14 +34,7 @@ def emulated(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="module")
 def bf16_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    torch.manual_seed(7)  # transformers' own initialisation, N(0, 0.02); the norms' gains made uneven
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    path: Path = tmp_path_factory.mktemp("half") / "llama"
-    model.to(torch.bfloat16).save_pretrained(path)
+    path = save_bf16_llama(tmp_path_factory.mktemp("half"), CONFIG, seed=7)
     loaded = load_checkpoint(path, keep_half=True, process=False).model  # norms' gains kept apart: checked below
     assert loaded.dtype == torch.bfloat16 and loaded.compute_dtype == torch.float32
     return loaded
