@@ -75,6 +75,12 @@ def itemsize(dtype: torch.dtype) -> int:
     return torch.finfo(dtype).bits // 8
 
 
+def float64_copy_size(dtype: torch.dtype) -> int:
+    """Bytes per element of a `dtype` tensor's .double(): 8, or 0 when it is float64 already (.double() returns the
+    tensor itself)."""
+    return 0 if dtype == torch.float64 else 8
+
+
 # -- the stop flag ---------------------------------------------------------------------------------------
 _AMBIENT: ContextVar[Callable[[], bool] | None] = ContextVar("qkov_should_stop", default=None)
 

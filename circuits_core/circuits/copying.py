@@ -47,7 +47,7 @@ from circuits_core.circuits.ov_row_ranks import (  # noqa: F401 - copying's own 
     stacked_bytes,
 )
 from circuits_core.circuits.own_rank import count_above, probe_columns, probe_size
-from circuits_core.cost import Cost, check_stop
+from circuits_core.cost import Cost, check_stop, float64_copy_size
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.head_names import all_heads
 from circuits_core.model.transformer import Transformer
@@ -216,7 +216,7 @@ def cost(
         flops=row_ranks_flops(cfg.d_model, cfg.d_head, n, r) * (heads + n_top_samples),
     )
     one_draw = n_samples * cfg.d_model * cfg.d_head
-    drawing = Cost(one_draw * 8 if size != 8 else 0)  # W_O's float64 draw beside its rounded copy
+    drawing = Cost(one_draw * float64_copy_size(model.W_E.dtype))  # W_O's float64 draw beside its rounded copy
     weights = Cost(2 * one_draw * size) + drawing.then(random_eig_scores_cost(model, n_samples))
     return (one_head + weights).with_answer(numbers=5 * heads + 4 * n_samples, labels=heads)
 
@@ -227,7 +227,7 @@ def random_eig_scores_cost(model: Transformer, n: int) -> Cost:
     eigenvalues (the per-thread parts and their concatenation); FLOPs: G, then the two products."""
     cfg, size = model.cfg, model.W_E.element_size()
     d, dh = cfg.d_model, cfg.d_head
-    small = n * dh * dh * (size + (8 if size != 8 else 0)) + 2 * n * dh * 16
+    small = n * dh * dh * (size + float64_copy_size(model.W_E.dtype)) + 2 * n * dh * 16
     products = Cost(d * d * size + n * dh * d * size + small, flops=n * 2 * dh * d * (d + dh))
     return model_gram_cost(model, unembed=True).then(products)
 

@@ -23,7 +23,7 @@ from circuits_core.circuits.embedding import EMBED_CHUNK, embed_chunks_cost, emb
 from circuits_core.circuits.folded import circuit_weight, layer_weights, read_copies
 from circuits_core.circuits.head_circuits import attention
 from circuits_core.circuits.host_linalg import eigvals
-from circuits_core.cost import Cost
+from circuits_core.cost import Cost, float64_copy_size
 from circuits_core.model.transformer import Transformer
 
 GRAM_BLOCKS = 4  # column blocks of the symmetric G_E: the 10 of 16 blocks on and above the diagonal are formed
@@ -208,7 +208,7 @@ def ov_copying_scores_cost(model: Transformer) -> Cost:
     d, dh, L, H = cfg.d_model, cfg.d_head, cfg.n_layers, cfg.n_heads
     matrices = L * H * dh * dh * size
     layer = (H + cfg.n_kv_heads) * d * dh * size + read_copies(model, "W_V", "W_O")
-    spectra = L * H * dh * dh * (8 if size != 8 else 0) + 2 * L * H * dh * 16
+    spectra = L * H * dh * dh * float64_copy_size(model.W_E.dtype) + 2 * L * H * dh * 16
     own = Cost(d * d * size + matrices + max(layer, spectra))
     return Cost(model_gram_cost(model, unembed=True).then(own).peak_bytes, flops=ov_copying_scores_flops(model))
 

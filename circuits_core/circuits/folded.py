@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits.qk_forms import folded_query_key
-from circuits_core.cost import itemsize
+from circuits_core.cost import float64_copy_size, itemsize
 from circuits_core.model.transformer import Block, Transformer
 
 
@@ -47,11 +47,22 @@ def read_copies(model: Transformer, *names: str) -> int:
     W_K under QK-norm, W_O under output norms) or a weight formed from latent factors (multi-head latent attention);
     0 for the weights themselves."""
     cfg, size = model.cfg, itemsize(model.dtype)
-    heads = {"W_Q": cfg.n_heads, "W_K": cfg.n_kv_heads, "W_V": cfg.n_kv_heads, "W_O": cfg.n_heads}
     formed = {
         "W_Q": cfg.qk_norm is not None, "W_K": cfg.qk_norm is not None, "W_V": False, "W_O": cfg.post_norms
     }  # fmt: skip
-    return sum(heads[n] * cfg.d_model * cfg.d_head * size for n in names if formed[n] or cfg.latent_attention)
+    return sum(_heads(model, n) * cfg.d_model * cfg.d_head * size for n in names if formed[n] or cfg.latent_attention)
+
+
+def float64_weights_bytes(model: Transformer, *names: str) -> int:
+    """Bytes of one layer's `names` as circuit_weight returns them (read_copies) and of their float64 copies (none for
+    a float64 model)."""
+    cfg, wide = model.cfg, float64_copy_size(model.dtype)
+    return read_copies(model, *names) + sum(_heads(model, n) * cfg.d_model * cfg.d_head * wide for n in names)
+
+
+def _heads(model: Transformer, name: str) -> int:
+    """The heads a layer's weight `name` has: n_heads for W_Q and W_O, n_kv_heads for W_K and W_V."""
+    return model.cfg.n_heads if name in ("W_Q", "W_O") else model.cfg.n_kv_heads
 
 
 def mlp_output_weight(model: Transformer, layer: int) -> Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.folded import circuit_weight, read_copies
+from circuits_core.circuits.folded import circuit_weight, float64_weights_bytes
 from circuits_core.cost import Cost, check_stop
 from circuits_core.model.transformer import Transformer
 
@@ -48,15 +48,13 @@ def _layer_ranks(model: Transformer, layer: int) -> Tensor:
 
 
 def cost(model: Transformer) -> Cost:
-    """ov_effective_ranks, per layer: its W_V, W_O as read (circuit_weight's new tensors, folded.read_copies) and in
-    float64 (unless they are float64 already), the Grams G_V [n_kv] (and its copy per query head that the batched
-    product makes) and G_O [H], P [H] and the elementwise P * P^T [H] (d_head x d_head each, float64), the ranks and one
-    layer's traces; FLOPs: the Grams (2 d_model d_head^2 each) and P (2 d_head^3 per head); answer: one ratio per head,
-    labelled."""
+    """ov_effective_ranks, per layer: its W_V, W_O as read and in float64 (folded.float64_weights_bytes), the Grams G_V
+    [n_kv] (and its copy per query head that the batched product makes) and G_O [H], P [H] and the elementwise P * P^T
+    [H] (d_head x d_head each, float64), the ranks and one layer's traces; FLOPs: the Grams (2 d_model d_head^2 each)
+    and P (2 d_head^3 per head); answer: one ratio per head, labelled."""
     cfg = model.cfg
     d, dh, H, G = cfg.d_model, cfg.d_head, cfg.n_heads, cfg.n_kv_heads
-    wide = 0 if model.dtype == torch.float64 else 8  # the float64 copy, unless the weights are float64 already
-    weights = (H + G) * d * dh * wide + read_copies(model, "W_V", "W_O")
+    weights = float64_weights_bytes(model, "W_V", "W_O")
     grams = (G + 4 * H) * dh * dh * 8  # G_V, its copy per query head (the batched product), G_O, P and P * P^T
     vectors = (cfg.n_layers * H + 4 * H) * 8  # the ranks [L, H]; tr(P), tr(P P), their ratio, the zeros [H]
     flops = 2 * (G + H) * d * dh * dh + 2 * H * dh**3

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.folded import circuit_weight, read_copies
+from circuits_core.circuits.folded import circuit_weight, float64_weights_bytes
 from circuits_core.circuits.gram_root import gram_root
 from circuits_core.cost import Cost, check_stop
 from circuits_core.model.transformer import Transformer
@@ -47,15 +47,14 @@ def _layer_shares(model: Transformer, layer: int) -> Tensor:
 
 
 def cost(model: Transformer) -> Cost:
-    """ov_top_singular_shares, per layer: its W_V, W_O as read (circuit_weight's new tensors, folded.read_copies) and in
-    float64 (unless they are float64 already); then d_head x d_head float64 matrices, at most 4 per head at once (the
-    root per query head, G_O, R G_O R^T and eigvalsh's working copy; before them the groups' Grams and roots, 2 per
-    group); the shares and one layer's eigenvalues; FLOPs: the Grams (2 d_model d_head^2 each), the roots' Cholesky, R
-    G_O R^T and its eigenvalues (about 8 d_head^3 per head); answer: one share per head, labelled."""
+    """ov_top_singular_shares, per layer: its W_V, W_O as read and in float64 (folded.float64_weights_bytes); then
+    d_head x d_head float64 matrices, at most 4 per head at once (the root per query head, G_O, R G_O R^T and eigvalsh's
+    working copy; before them the groups' Grams and roots, 2 per group); the shares and one layer's eigenvalues; FLOPs:
+    the Grams (2 d_model d_head^2 each), the roots' Cholesky, R G_O R^T and its eigenvalues (about 8 d_head^3 per head);
+    answer: one share per head, labelled."""
     cfg = model.cfg
     d, dh, H, G = cfg.d_model, cfg.d_head, cfg.n_heads, cfg.n_kv_heads
-    wide = 0 if model.dtype == torch.float64 else 8  # the float64 copy, unless the weights are float64 already
-    weights = (H + G) * d * dh * wide + read_copies(model, "W_V", "W_O")
+    weights = float64_weights_bytes(model, "W_V", "W_O")
     squares = 4 * H * dh * dh * 8  # R per head, G_O, R G_O R^T, eigvalsh's copy (more than the 2 per group before)
     vectors = (cfg.n_layers * H + 4 * H + H * dh) * 8  # the shares [L, H]; the eigenvalues [H, dh]; total, ratio
     flops = 2 * (G + H) * d * dh * dh + (G + 8 * H) * dh**3

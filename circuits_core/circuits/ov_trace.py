@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits.folded import circuit_weight
-from circuits_core.cost import Cost, check_stop, itemsize
+from circuits_core.cost import Cost, check_stop, float64_copy_size, itemsize
 from circuits_core.model.transformer import Transformer
 
 
@@ -47,7 +47,7 @@ def cost(model: Transformer) -> Cost:
     sums; answer: one ratio per head, labelled."""
     cfg = model.cfg
     d, dh, H, G = cfg.d_model, cfg.d_head, cfg.n_heads, cfg.n_kv_heads
-    wide = 0 if model.dtype == torch.float64 else 8  # the float64 copy, unless the weights are float64 already
+    wide = float64_copy_size(model.dtype)
     folded = H * dh * d * itemsize(model.dtype) if cfg.post_norms else 0  # W_O * gamma_post (circuits/folded.py)
     weights = folded + (H + G) * d * dh * wide
     product = H * dh * d * 8  # W_O ⊙ W_V^T

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from circuits_core.circuits.folded import circuit_weight, read_copies
+from circuits_core.circuits.folded import circuit_weight, float64_weights_bytes
 from circuits_core.cost import Cost, check_stop
 from circuits_core.model.transformer import Transformer
 
@@ -41,13 +41,12 @@ def _layer_norms(model: Transformer, layer: int) -> Tensor:
 
 
 def cost(model: Transformer) -> Cost:
-    """qk_circuit_norms, per layer: its W_Q, W_K as read (circuit_weight's new tensors, folded.read_copies) and in
-    float64 (unless they are float64 already), W_Q's Grams [H], W_K's [n_kv] and their repeat per query head [H], and
-    the elementwise product [H] (d_head x d_head each, float64); answer: one norm per head, labelled."""
+    """qk_circuit_norms, per layer: its W_Q, W_K as read and in float64 (folded.float64_weights_bytes), W_Q's Grams [H],
+    W_K's [n_kv] and their repeat per query head [H], and the elementwise product [H] (d_head x d_head each, float64);
+    answer: one norm per head, labelled."""
     cfg = model.cfg
     d, dh, H, G = cfg.d_model, cfg.d_head, cfg.n_heads, cfg.n_kv_heads
-    wide = 0 if model.dtype == torch.float64 else 8  # the float64 copy, unless the weights are float64 already
-    weights = (H + G) * d * dh * wide + read_copies(model, "W_Q", "W_K")
+    weights = float64_weights_bytes(model, "W_Q", "W_K")
     grams = (G + 3 * H) * dh * dh * 8
     flops = cfg.n_layers * (2 * (H + G) * d * dh * dh + 2 * H * dh * dh)
     heads = cfg.n_layers * H

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from circuits_core.circuits.folded import circuit_weight
-from circuits_core.cost import Cost, check_stop, itemsize
+from circuits_core.cost import Cost, check_stop, float64_copy_size, itemsize
 from circuits_core.model.transformer import Transformer
 
 
@@ -45,7 +45,7 @@ def cost(model: Transformer) -> Cost:
     norms and ratios beside the [L, H] answer; answer: one ratio per head, labelled."""
     cfg = model.cfg
     d, dh, H, G = cfg.d_model, cfg.d_head, cfg.n_heads, cfg.n_kv_heads
-    doubled = 0 if model.dtype == torch.float64 else 8
+    doubled = float64_copy_size(model.dtype)
     weights = (H + G) * d * dh * (itemsize(model.dtype) + doubled) + H * d * dh * 8
     small = (4 * H + G) * dh * dh * 8 + (cfg.n_layers + 4) * H * 8
     flops = cfg.n_layers * 2 * (2 * H + G) * d * dh * dh

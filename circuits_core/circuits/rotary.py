@@ -34,7 +34,7 @@ from circuits_core.circuits.factored import FactoredMatrix
 from circuits_core.circuits.head_circuits import attention, check_head, factors_cost
 from circuits_core.circuits.host_linalg import eigvals
 from circuits_core.circuits.qk_forms import QKForm, folded_query_key, qk_form, token_factors, token_scale
-from circuits_core.cost import Cost, itemsize
+from circuits_core.cost import Cost, float64_copy_size, itemsize
 from circuits_core.errors import InvalidInputError
 from circuits_core.model.flops import layers_flops
 from circuits_core.model.latent_attention import LatentAttention
@@ -305,7 +305,7 @@ def qk_copying_at_cost(model: Transformer, n_offsets: int) -> Cost:
     cfg, size = model.cfg, itemsize(model.W_E.dtype)
     d, dh = cfg.d_model, cfg.d_head
     R = n_offsets * dh * dh * 8
-    small = d * d * (size + (8 if size != 8 else 0)) + (3 * d * dh + dh * dh) * 8
+    small = d * d * (size + float64_copy_size(model.W_E.dtype)) + (3 * d * dh + dh * dh) * 8
     flops = 2 * d * d * dh + 2 * dh * d * dh + n_offsets * 2 * dh**3  # W_K^T (G_E W_Q), then times each R(δ)
     products = Cost(dh * dh * 8 + R + 2 * n_offsets * dh * 16, flops=flops)
     gram = model_gram_cost(model, unembed=False)

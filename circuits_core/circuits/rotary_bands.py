@@ -17,7 +17,7 @@ from torch import Tensor
 
 from circuits_core.circuits.folded import stacked_weights
 from circuits_core.circuits.rotary import check_rotary
-from circuits_core.cost import Cost, itemsize
+from circuits_core.cost import Cost, float64_copy_size, itemsize
 from circuits_core.model.transformer import Transformer, rotary_inv_freq, rotary_pairs
 
 
@@ -76,7 +76,7 @@ def bands_cost(model: Transformer) -> Cost:
     check_rotary(model)
     cfg = model.cfg
     L, H, d, dh = cfg.n_layers, cfg.n_heads, cfg.d_model, cfg.d_head
-    size, wide = itemsize(model.dtype), 0 if model.dtype == torch.float64 else 8
+    size, wide = itemsize(model.dtype), float64_copy_size(model.dtype)
     weights = L * H * d * dh * (max(wide, size) + 2 * size + wide)  # W_Q in float64; W_K's layers, stack, float64
     flops = 2 * L * H * 2 * d * dh * dh  # W_Q^T W_Q and W_K^T W_K per query head
     return Cost(weights + 2 * L * H * dh * dh * 8, flops=flops).with_answer(numbers=3 * dh // 2 + 1)
