@@ -1,6 +1,6 @@
 """The formed d_model x d_model OV circuits of a model, in float64: the dense reference the per-head engine
-functions are tested against (tests/core/test_ov_effective_rank.py, test_ov_trace.py), and OV circuits planted with a
-chosen spectrum."""
+functions are tested against (tests/core/test_ov_effective_rank.py, test_ov_trace.py), OV circuits planted with a
+chosen spectrum, and the check of a per-head function's price against the bytes it holds."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ from collections.abc import Callable
 
 import torch
 
+from circuits_core.cost import Cost
 from circuits_core.model.transformer import Block, Transformer
+from tests.held_bytes import HeldBytes
 
 
 def per_head_of_formed_ov(model: Transformer, statistic: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -40,3 +42,15 @@ def plant_ov_spectra(model: Transformer, spectra: list[torch.Tensor], values_sid
             Q2 = torch.linalg.qr(torch.randn(d_model, d_head, generator=gen, dtype=torch.float64))[0]
             attn.W_V[h].copy_(Q1 * s.double() if h in values_side else Q1)
             attn.W_O[h].copy_(Q2.T if h in values_side else s.double()[:, None] * Q2.T)
+
+
+def assert_priced_within_twice_the_held_peak(
+    model: Transformer, statistic: Callable[[Transformer], torch.Tensor], cost: Callable[[Transformer], Cost]
+) -> Cost:
+    """statistic(model) holds (tensors it makes, the model's weights excluded) at most cost(model)'s peak, and the
+    price is not above twice that; the price, for the caller's further checks."""
+    with torch.no_grad(), HeldBytes([*model.parameters(), *model.buffers()]) as held:
+        statistic(model)
+    priced = cost(model)
+    assert 0 < held.peak <= priced.peak_bytes <= 2 * held.peak, (held.peak, priced.peak_bytes)
+    return priced

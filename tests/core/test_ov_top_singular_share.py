@@ -15,11 +15,10 @@ from circuits_core.circuits.latent_circuits import latent_head
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Transformer, random_model
-from tests.core.formed_circuits import per_head_of_formed_ov, plant_ov_spectra
+from tests.core.formed_circuits import assert_priced_within_twice_the_held_peak, per_head_of_formed_ov, plant_ov_spectra
 from tests.core.hf_families import save
 from tests.core.rotary_models import CASES, rotary_model
 from tests.core.test_deepseek_hf import deepseek_model
-from tests.held_bytes import HeldBytes
 
 TOY_2L = Path(__file__).resolve().parents[2] / "checkpoints" / "toy-2l"
 GQA = ModelConfig(
@@ -95,9 +94,8 @@ def test_price_covers_the_measured_peak(dtype: torch.dtype) -> None:
     """The bytes ov_top_singular_shares holds (tensors it makes, the model's weights excluded) stay within the price,
     and the price is not far above them."""
     for model in (random_model(GQA, seed=0, dtype=dtype), rotary_model(**CASES["gemma3"]).to(dtype)):
-        with torch.no_grad(), HeldBytes([*model.parameters(), *model.buffers()]) as held:
-            ov_top_singular_share.ov_top_singular_shares(model)
-        priced = ov_top_singular_share.cost(model)
-        assert 0 < held.peak <= priced.peak_bytes <= 2 * held.peak, (held.peak, priced.peak_bytes)
+        priced = assert_priced_within_twice_the_held_peak(
+            model, ov_top_singular_share.ov_top_singular_shares, ov_top_singular_share.cost
+        )
         cfg = model.cfg
         assert priced.flops >= cfg.n_layers * cfg.n_heads * 2 * cfg.d_model * cfg.d_head**2  # each head's G_O

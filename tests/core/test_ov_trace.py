@@ -14,9 +14,8 @@ from circuits_core.circuits import ov_trace
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import Block, Transformer, random_model
-from tests.core.formed_circuits import per_head_of_formed_ov
+from tests.core.formed_circuits import assert_priced_within_twice_the_held_peak, per_head_of_formed_ov
 from tests.core.rotary_models import CASES, rotary_model
-from tests.held_bytes import HeldBytes
 
 TOY_2L = Path(__file__).resolve().parents[2] / "checkpoints" / "toy-2l"
 GQA = ModelConfig(
@@ -75,7 +74,4 @@ def test_price_covers_the_measured_peak(dtype: torch.dtype) -> None:
     """The bytes ov_traces holds (tensors it makes, the model's weights excluded) stay within the price, and the price
     is not far above them."""
     for model in (random_model(GQA, seed=0, dtype=dtype), rotary_model(**CASES["gemma3"]).to(dtype)):
-        with torch.no_grad(), HeldBytes([*model.parameters(), *model.buffers()]) as held:
-            ov_trace.ov_traces(model)
-        priced = ov_trace.cost(model)
-        assert 0 < held.peak <= priced.peak_bytes <= 2 * held.peak, (held.peak, priced.peak_bytes)
+        assert_priced_within_twice_the_held_peak(model, ov_trace.ov_traces, ov_trace.cost)
