@@ -46,15 +46,23 @@ def global_top(
     key = ("global-top", str(loaded.digest), basis(loaded), *table, tokens.name, str(shared))
 
     def build() -> GlobalTop:
-        values, rows, cols = circuit_of(tokens.ids).topk_global(
-            shared, budget_bytes=limits.matrix_budget_bytes
-        )  # [shared]
-        if tokens.ids is not None:  # positions in the set (on the model's device) -> token ids (on the host)
-            rows, cols = tokens.ids[rows.cpu()], tokens.ids[cols.cpu()]
+        values, rows, cols = top_token_entries(circuit_of(tokens.ids), shared, limits.matrix_budget_bytes, tokens.ids)
         return GlobalTop(values=values.tolist(), rows=rows.tolist(), cols=cols.tolist())
 
     top = cached_build(key, GlobalTop, build)
     return GlobalTop(values=top.values[:k], rows=top.rows[:k], cols=top.cols[:k])
+
+
+def top_token_entries(
+    fm: FactoredMatrix, k: int, budget_bytes: int, ids: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(values, rows, cols) [k] of fm's k largest entries, streamed under budget_bytes; with `ids` (token ids [n], on
+    the host) fm is the [n, n] submatrix of those tokens, and the positions the search found (on the model's device)
+    are read as token ids on the host."""
+    values, rows, cols = fm.topk_global(k, budget_bytes=budget_bytes)  # [k] each
+    if ids is not None:
+        rows, cols = ids[rows.cpu()], ids[cols.cpu()]
+    return values, rows, cols
 
 
 def search_cost(loaded: LoadedModel, p: DirectParams, limits: Limits, circuit: circuits.Circuit = "ov") -> Cost:

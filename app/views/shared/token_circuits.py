@@ -9,6 +9,7 @@ import torch
 from app.schemas import Complex, MatrixEntry
 from app.schemas.analyses import TokenCircuit
 from app.settings import Limits
+from app.views.shared.global_tables import top_token_entries
 from app.views.shared.inputs import check_k, parse_heads, token_ref
 from circuits_core.circuits import copying_spectra, embedding
 from circuits_core.circuits import head_circuits as circuits
@@ -56,9 +57,7 @@ def token_circuit(
     (ids [n]): fm is the submatrix of those tokens (its eigenvalues are the submatrix's)."""
     k = check_k(k, limits, fm.ldim * fm.rdim)
     with torch.no_grad():
-        values, rows, cols = fm.topk_global(k, budget_bytes=limits.matrix_budget_bytes)  # [k] each
-        if tokens is not None:  # positions in the set (on the model's device) -> token ids (on the host)
-            rows, cols = tokens[rows.cpu()], tokens[cols.cpu()]
+        values, rows, cols = top_token_entries(fm, k, limits.matrix_budget_bytes, tokens)  # [k] each
         eig = torch.linalg.eigvals(fm.BA.double())  # [d_head] complex
         copying = float(copying_spectra.copying_score(eig))
     entries = [
