@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import os
 import re
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +30,7 @@ import torch
 
 from bench.big_models import CACHE as FOLDER
 from bench.big_models import LLAMA_8B, LLAMA_70B, REPO, GiB, request, weight_only, write_checkpoint
+from bench.server import serving
 
 MODELS = FOLDER.parent
 PRICE_TABLE_8B_S = 60  # the 8B model's price table runs this long at most (the 70B one, while the budget lasts)
@@ -55,43 +53,17 @@ def http_heads(model_id: str) -> float:
     """Seconds of a cold GET .../heads from a fresh uvicorn serving MODELS with QKOV_DEVICE=cuda."""
     import httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        **os.environ,
-        "QKOV_DEVICE": "cuda",
-        "QKOV_MODELS_DIR": str(MODELS),
-        "QKOV_STORE_URL": "off",
-        "QKOV_PRELOAD": "true",
-    }
-    log = tempfile.NamedTemporaryFile("w", suffix=".log", delete=False)  # the server's stderr (a pipe could fill)
-    server = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "app.main:app", "--host", "127.0.0.1", "--port", str(port)],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=log,
-    )  # fmt: skip
-    try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 240
-        while time.time() < deadline:  # preloaded: ready once the model is on the GPU
-            if server.poll() is not None:  # it stopped: say why, and measure nothing
-                print(f"    the server stopped (rc {server.returncode}): {Path(log.name).read_text()[-2000:]}")
-                return float("nan")
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        t0 = time.perf_counter()
-        answer = httpx.get(f"{base}/api/v1/models/{model_id}/heads", timeout=120)
-        seconds = time.perf_counter() - t0
-        if answer.status_code != 200:
-            print(f"    /heads answered {answer.status_code}: {answer.text[:300]}")
-        return seconds
-    finally:
-        server.terminate()
-        server.wait(30)
+    try:  # preloaded: ready once the model is on the GPU
+        with serving(None, within_s=240, device="cuda", models_dir=str(MODELS), preload="true") as server:
+            t0 = time.perf_counter()
+            answer = httpx.get(f"{server.base}/api/v1/models/{model_id}/heads", timeout=120)
+            seconds = time.perf_counter() - t0
+    except RuntimeError as exc:  # the server stopped or missed its start: say why (its stderr), measure nothing
+        print(f"    {exc}")
+        return float("nan")
+    if answer.status_code != 200:
+        print(f"    /heads answered {answer.status_code}: {answer.text[:300]}")
+    return seconds
 
 
 def profiled(label: str, fn: Callable[[], Any]) -> None:

@@ -40,7 +40,8 @@ from safetensors.torch import save_file
 from app.settings import Settings
 from bench import fmt_time, row, sized
 from bench.engine import GPT2_SMALL, HEAD, LAYER, TOKEN, gpt2_shaped_model, tl_model
-from bench.load import HOST, free_port, rss_bytes, start_server
+from bench.load import rss_bytes
+from bench.server import serving
 
 MODEL_ID = "gpt2-small-random"
 # A bench server answers every request within the request, however it is priced (the inline budget raised to the job
@@ -72,19 +73,6 @@ def write_tl_checkpoint(folder: Path) -> Path:
     (target / "qkov.json").write_text(json.dumps({"processing": False}))
     save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(target / "model.safetensors"))
     return target
-
-
-def wait_ready(base: str, proc: Any) -> None:
-    end = time.monotonic() + 300
-    while True:
-        try:
-            if httpx.get(f"{base}/readyz", timeout=30).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > end:
-            raise RuntimeError("uvicorn did not become ready")
-        time.sleep(0.5)
 
 
 def timed_get(client: httpx.Client, url: str, repeats: int) -> tuple[float, float, httpx.Response]:
@@ -281,36 +269,26 @@ def http() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="qkov-bench-http-"))
     write_tl_checkpoint(tmp)
-    port = free_port()
-    proc = start_server(tmp, port, cache_bytes="0", preload="true", inline_budget_s=INLINE_BUDGET_S)
-    base = f"http://{HOST}:{port}"
     m = f"/api/v1/models/{MODEL_ID}"
-    try:
-        t0 = time.perf_counter()
-        wait_ready(base, proc)
+    t0 = time.perf_counter()
+    with serving(tmp, cache_bytes="0", preload="true", inline_budget_s=INLINE_BUDGET_S) as server:
         print(
             f"  server ready (model loaded, one forward pass) in {time.perf_counter() - t0:.1f} s; "
-            f"RSS {rss_bytes(proc.pid) / GiB:.2f} GiB; result cache and store off: every request computes"
+            f"RSS {rss_bytes(server.pid) / GiB:.2f} GiB; result cache and store off: every request computes"
         )
-        with httpx.Client(base_url=base, timeout=600) as client:
+        with httpx.Client(base_url=server.base, timeout=600) as client:
             heads_first, heads_med, _ = timed_get(client, f"{m}/heads", 3)
             row_first, row_med, ov = timed_get(client, f"{m}/heads/L{LAYER}H{HEAD}/ov?token={TOKEN}&k={K}", 7)
             comp_first, comp_med, comp = timed_get(client, f"{m}/composition?kind=K", 3)
-        print("  through HTTP (first answer; median of the repeats after it):")
-        row("GET /heads (10 x 101 detector input)", heads_med, "< 2 s", f"first {fmt_time(heads_first).strip()}")
-        row(
-            f"GET /heads/L{LAYER}H{HEAD}/ov?token={TOKEN}&k={K}",
-            row_med,
-            "< 50 ms",
-            f"first {fmt_time(row_first).strip()}",
-        )
-        row("GET /composition?kind=K", comp_med, "< 1 s", f"first {fmt_time(comp_first).strip()}")
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except Exception:  # noqa: BLE001 - a stuck server is killed
-            proc.kill()
+    print("  through HTTP (first answer; median of the repeats after it):")
+    row("GET /heads (10 x 101 detector input)", heads_med, "< 2 s", f"first {fmt_time(heads_first).strip()}")
+    row(
+        f"GET /heads/L{LAYER}H{HEAD}/ov?token={TOKEN}&k={K}",
+        row_med,
+        "< 50 ms",
+        f"first {fmt_time(row_first).strip()}",
+    )
+    row("GET /composition?kind=K", comp_med, "< 1 s", f"first {fmt_time(comp_first).strip()}")
     heads_breakdown(gpt2_shaped_model())
     tl = tl_figures(standard_tokens(gpt2_shaped_model()))
     if not tl:

@@ -20,10 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -34,12 +31,11 @@ from pathlib import Path
 import httpx
 
 from bench import sized
+from bench.server import REPO, serving
 
-REPO = Path(__file__).resolve().parent.parent
 CLIENTS = 16
 DURATION_S = float(os.environ.get("QKOV_BENCH_LOAD_S", sized("60", "2")))
 MAX_REQUESTS = 200_000
-HOST = "127.0.0.1"
 
 
 # -- the server --------------------------------------------------------------------------------------------
@@ -67,42 +63,6 @@ def model_root() -> tuple[Path, str]:
     return tmp, "no shipped models yet: a seeded random 2-layer model (d_vocab 2048)"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(models: Path, port: int, **settings: str) -> subprocess.Popen[bytes]:
-    """uvicorn app.main:app on 127.0.0.1:port serving `models`; `settings` become QKOV_<NAME> variables."""
-    env = {
-        **os.environ,
-        "QKOV_SHIPPED_DIR": str(models),
-        "QKOV_LOG_FORMAT": "text",
-        "QKOV_STORE_URL": "off",
-        **{f"QKOV_{k.upper()}": v for k, v in settings.items()},
-    }
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "uvicorn",
-            "app.main:app",
-            "--host",
-            HOST,
-            "--port",
-            str(port),
-            "--no-access-log",
-            "--log-level",
-            "warning",
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-
-
 def rss_bytes(pid: int) -> int:
     try:
         import psutil
@@ -127,20 +87,6 @@ class RssSampler(threading.Thread):
             except (OSError, StopIteration):
                 return
             self.stopped.wait(self.every_s)
-
-
-async def wait_ready(base: str, proc: subprocess.Popen[bytes]) -> None:
-    async with httpx.AsyncClient(base_url=base, timeout=5) as c:
-        end = time.monotonic() + 120
-        while True:
-            try:
-                if (await c.get("/healthz")).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if proc.poll() is not None or time.monotonic() > end:
-                raise RuntimeError("uvicorn did not start")
-            await asyncio.sleep(0.2)
 
 
 # -- the requests ------------------------------------------------------------------------------------------
@@ -297,18 +243,8 @@ async def run_load(base: str, pid: int) -> None:
 def load() -> None:
     models, origin = model_root()
     print(f"  serving {origin}")
-    port = free_port()
-    proc = start_server(models, port)
-    try:
-        base = f"http://{HOST}:{port}"
-        asyncio.run(wait_ready(base, proc))
-        asyncio.run(run_load(base, proc.pid))
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+    with serving(models, ready="/healthz", within_s=120) as server:
+        asyncio.run(run_load(server.base, server.pid))
 
 
 SECTIONS = {"load": load}

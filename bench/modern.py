@@ -37,8 +37,9 @@ import httpx
 import torch
 
 from bench import SMALL, fmt_time, row, sized
-from bench.http import INLINE_BUDGET_S, mem_available, timed_get, wait_ready
-from bench.load import HOST, RssSampler, free_port, rss_bytes, start_server
+from bench.http import INLINE_BUDGET_S, mem_available, timed_get
+from bench.load import RssSampler, rss_bytes
+from bench.server import serving
 from bench.term_importance import term_importance_smollm2
 
 if TYPE_CHECKING:
@@ -290,19 +291,15 @@ def served(folder: Path) -> None:
     from circuits_core.prompt import paths
 
     budget = Limits().peak_bytes
-    port = free_port()
-    proc = start_server(folder.parent, port, cache_bytes="0", store_url="off", preload="true",
-                        max_model_bytes=str(16 * GiB), request_timeout_s=str(REQUEST_TIMEOUT_S),
-                        inline_budget_s=INLINE_BUDGET_S)  # fmt: skip
-    base, m = f"http://{HOST}:{port}", f"/api/v1/models/{LLAMA_ID}"
-    try:
-        t0 = time.perf_counter()
-        wait_ready(base, proc)
+    t0 = time.perf_counter()
+    with serving(folder.parent, cache_bytes="0", store_url="off", preload="true", max_model_bytes=str(16 * GiB),
+                 request_timeout_s=str(REQUEST_TIMEOUT_S), inline_budget_s=INLINE_BUDGET_S) as server:  # fmt: skip
+        m, proc = f"/api/v1/models/{LLAMA_ID}", server.proc
         print(f"  server ready (model preloaded) in {time.perf_counter() - t0:.1f} s, RSS "
               f"{rss_bytes(proc.pid) / GiB:.2f} GiB; result cache and store off: every request computes")  # fmt: skip
         tokens = torch.randint(0, LLAMA["vocab_size"], (128,), generator=torch.Generator().manual_seed(0))
         ids = ",".join(str(int(t)) for t in tokens)
-        with httpx.Client(base_url=base, timeout=900) as client:
+        with httpx.Client(base_url=server.base, timeout=900) as client:
             with torch.device("meta"):
                 priced = paths.cost(_meta_model(), 128, 2, by_source=False, q=1, k=30).peak_bytes
             url = f"{m}/paths?tokens={ids}&max_order=2&k=30"
@@ -341,12 +338,6 @@ def served(folder: Path) -> None:
                     "",
                     f"{status}; {price_note}+{extra / GiB:.2f} GiB ({within} budget): {what}",
                 )
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def modern() -> None:

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from bench import sized
-from bench.load import HOST, REPO, free_port, start_server
+from bench.server import REPO, Server
 
 SMOLLM2 = REPO / "models" / "smollm2-135m"
 # then the remaining pages are listed, not run (small mode: none is run beyond the four key pages)
@@ -102,15 +102,9 @@ def real() -> None:
     folder = tmp / "models" / MODEL
     folder.mkdir(parents=True)
     shutil.copy(gguf[0], folder / gguf[0].name)
-    port = free_port()
-    proc = start_server(
-        tmp / "shipped-none",
-        port,
-        models_dir=str(tmp / "models"),
-        store_url="disk",
-        store_dir=str(tmp / "store"),
+    server = Server(
+        tmp / "shipped-none", models_dir=str(tmp / "models"), store_url="disk", store_dir=str(tmp / "store")
     )
-    base = f"http://{HOST}:{port}"
     figures: dict[str, float] = {}
     notes: list[str] = []
 
@@ -120,17 +114,8 @@ def real() -> None:
 
     note(f"load average at start {loadavg()}")
     try:
-        with httpx.Client(base_url=base, timeout=1800) as c:
-            end = time.monotonic() + 120
-            while True:
-                try:
-                    if c.get("/healthz").status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > end:
-                    raise RuntimeError("uvicorn did not start")
-                time.sleep(0.2)
+        server.wait_ready("/healthz", 300)  # the app answers; the model loads with the first request, timed below
+        with httpx.Client(base_url=server.base, timeout=1800) as c:
             give_up = time.monotonic() + BUDGET_S
             figures["load"], _ = timed(lambda: c.get(f"/api/v1/models/{MODEL}").raise_for_status())
             note(f"load {figures['load']:.2f} s")
@@ -187,11 +172,7 @@ def real() -> None:
             }
             figures["repeat visit (slowest median)"] = max([*repeats.values(), *again.values()])
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except Exception:  # noqa: BLE001 - a stuck server is killed
-            proc.kill()
+        server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"  SmolLM2-135M as a bare GGUF folder, empty store, {os.cpu_count()} cores; load average now {loadavg()}")
     print(f"  {'goal':<42} {'target':>8} {'measured':>9}  met")

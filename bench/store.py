@@ -35,8 +35,8 @@ import httpx
 
 from bench import fmt_time, sized
 from bench.http import MODEL_ID as GPT2_ID
-from bench.http import wait_ready, write_tl_checkpoint
-from bench.load import HOST, REPO, free_port, start_server
+from bench.http import write_tl_checkpoint
+from bench.server import REPO, Server, serving
 
 MODEL = "toy-2l"
 TOY_HEADS = sized((), ("--heads", "L1H2"))  # precompute's heads on toy-2l (small mode: the head page timed only)
@@ -66,24 +66,17 @@ def metric(base: str, name: str) -> float:
 
 def page_times(models: Path, store: dict[str, str], urls: list[tuple[str, dict[str, str]]]) -> list[float]:
     """Seconds of each (url, headers) on a fresh server; a lazy panel is asked with htmx's headers."""
-    port = free_port()
-    proc = start_server(models, port, **store)
-    base = f"http://{HOST}:{port}"
-    try:
-        wait_ready(base, proc)
-        with httpx.Client(base_url=base, timeout=300) as client:  # one kept-alive connection, as a browser's
-            client.get(f"/api/v1/models/{MODEL}")  # load the model: not a page's time
-            times = []
-            for url, headers in urls:
-                t0 = time.perf_counter()
-                status = client.get(url, headers=headers).status_code  # gzip accepted, as by a browser
-                times.append(time.perf_counter() - t0)
-                if status != 200:
-                    print(f"    {url}: HTTP {status}")
-        return times
-    finally:
-        proc.terminate()
-        proc.wait(30)
+    # one kept-alive connection, as a browser's
+    with serving(models, **store) as server, httpx.Client(base_url=server.base, timeout=300) as client:
+        client.get(f"/api/v1/models/{MODEL}")  # load the model: not a page's time
+        times = []
+        for url, headers in urls:
+            t0 = time.perf_counter()
+            status = client.get(url, headers=headers).status_code  # gzip accepted, as by a browser
+            times.append(time.perf_counter() - t0)
+            if status != 200:
+                print(f"    {url}: HTTP {status}")
+    return times
 
 
 def store_figures() -> None:
@@ -149,24 +142,16 @@ def replicas() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="qkov-bench-redis-"))
     with running_redis(tmp) as redis:
-        procs, bases = [], []
-        for name in ("a", "b"):
-            port = free_port()
-            procs.append(
-                start_server(
-                    REPO / "checkpoints",
-                    port,
-                    store_url=redis.url,
-                    store_dir=str(tmp / name),
-                    compute_slots="1",
-                    torch_threads="1",
-                )
-            )
-            bases.append(f"http://{HOST}:{port}")
+        servers = [  # both start at once, then each is waited for
+            Server(REPO / "checkpoints", store_url=redis.url, store_dir=str(tmp / name), compute_slots="1",
+                   torch_threads="1")
+            for name in ("a", "b")
+        ]  # fmt: skip
+        bases = [server.base for server in servers]
         try:
-            for base, proc in zip(bases, procs, strict=True):
-                wait_ready(base, proc)
-                httpx.get(f"{base}/api/v1/models/{MODEL}", timeout=120)
+            for server in servers:
+                server.wait_ready("/readyz", 300)
+                httpx.get(f"{server.base}/api/v1/models/{MODEL}", timeout=120)
             before = sum(metric(b, "qkov_compute_completed") for b in bases)
             keys = [f"/api/v1/models/{MODEL}/heads/L1H2/ov?token={t}&k=5" for t in range(200, 224)]
             rng = random.Random(0)
@@ -182,9 +167,8 @@ def replicas() -> None:
                 f"statuses {sorted(set(statuses))}; cross-replica hit ratio {1 - computed / len(jobs):.2f}"
             )
         finally:
-            for proc in procs:
-                proc.terminate()
-                proc.wait(30)
+            for server in servers:
+                server.stop()
 
 
 SECTIONS = {"store": store_figures}

@@ -1,8 +1,8 @@
 """A real qkov server process on a free loopback port, for tests over real HTTP (no TestClient).
 
-`free_port()` picks a port; `start(args, env)` runs `python <args>` (e.g. `-m app.serve --port P ...`) in the
-repository with the QKOV_* variables given and waits until GET /healthz answers 200 (or fails with the
-server's stderr if it exits first). The caller stops it (`proc.send_signal`, `proc.kill`).
+`start(args, port, env)` runs `python <args>` (e.g. `-m app.serve --port P ...`; a port from bench/server.py's
+`free_port()`) in the repository with the QKOV_* variables given and waits until GET /healthz answers 200 (or fails
+with the server's stderr if it exits first). The caller stops it (`proc.send_signal`, `proc.kill`).
 
 `QKOV_TEST_SERVER_CHECKOUT=/path/to/another/checkout` runs the server from that checkout's code instead (the test
 itself still runs from this one): how a regression test over real HTTP is checked against older code, e.g. a
@@ -12,22 +12,13 @@ itself still runs from this one): how a regression test over real HTTP is checke
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
-
-import httpx
 
 from app.settings import REPO_ROOT
+from bench.server import wait_answering
 
 SERVER_CHECKOUT = os.environ.get("QKOV_TEST_SERVER_CHECKOUT", str(REPO_ROOT))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(
@@ -43,16 +34,18 @@ def start(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL if quiet else subprocess.PIPE,
     )
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stderr.read().decode() if proc.stderr else "the server exited")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"the server did not answer /healthz within {timeout_s:g} s")
-        time.sleep(0.1)
+    try:
+        wait_answering(f"http://127.0.0.1:{port}/healthz", proc, timeout_s, lambda: stderr_after_exit(proc))
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc
+
+
+def stderr_after_exit(proc: subprocess.Popen[bytes]) -> str:
+    """The server's stderr once it has exited (a pipe read while it runs would block): what it wrote, or why not."""
+    if proc.stderr is None:
+        return "(discarded: quiet)"
+    if proc.poll() is None:
+        return "(still running: read once it exits)"
+    return proc.stderr.read().decode(errors="replace")

@@ -24,9 +24,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from bench.server import free_port
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import random_model
-from tests.app.live_server import free_port, start
+from tests.app.live_server import start
 
 pytestmark = pytest.mark.xdist_group("uvicorn")
 SLOW = ModelConfig(

@@ -20,8 +20,9 @@ import pytest
 import torch
 
 from app.precompute import main as precompute
+from bench.server import free_port
 from tests.app.conftest import until_done
-from tests.app.live_server import free_port, start
+from tests.app.live_server import start
 from tests.app.test_hostile_vocab_basis_params import API, build_folders
 
 

@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from bench.load import rss_bytes
-from tests.app.live_server import free_port, start
+from bench.server import free_port
+from tests.app.live_server import start
 
 pytestmark = pytest.mark.xdist_group("uvicorn")
 MiB = 2**20

@@ -30,9 +30,10 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from app.scheduling import compute
 from app.settings import REPO_ROOT, Settings
+from bench.server import free_port
 from circuits_core.model.config import ModelConfig
 from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer
-from tests.app.live_server import free_port, start
+from tests.app.live_server import start
 
 XSS = "<script>alert(1)</script>"
 

@@ -23,7 +23,8 @@ from fastapi import FastAPI
 from app.main import create_app
 from app.scheduling import compute
 from app.settings import Settings
-from tests.app.live_server import free_port, start
+from bench.server import free_port
+from tests.app.live_server import start
 from tests.app.test_serving import slow
 
 

@@ -19,13 +19,14 @@ import torch
 
 from app.registry import ModelRegistry
 from app.settings import Settings
+from bench.server import free_port
 from circuits_core.errors import CheckpointError
 from circuits_core.formats import checkpoint as checkpoint_module
 from circuits_core.formats.load_watchdog import LoadMemoryExceeded
 from circuits_core.formats.qkov_format import save_checkpoint
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import random_model
-from tests.app.live_server import free_port, start
+from tests.app.live_server import start
 
 pytestmark = pytest.mark.xdist_group("uvicorn")
 TINY = ModelConfig(n_layers=1, d_model=16, n_heads=2, d_head=8, d_vocab=64, n_ctx=16, attn_only=True)

@@ -17,7 +17,8 @@ import httpx
 import pytest
 
 from app.settings import REPO_ROOT
-from tests.app.live_server import free_port, start
+from bench.server import free_port
+from tests.app.live_server import start
 from tests.app.redis_server import RedisServer, running_redis
 
 pytestmark = pytest.mark.xdist_group("uvicorn")

@@ -26,10 +26,11 @@ import pytest
 import torch
 import transformers
 
+from bench.server import free_port
 from circuits_core.formats.qkov_format import save_checkpoint
 from circuits_core.model.config import ModelConfig
 from circuits_core.model.transformer import random_model
-from tests.app.live_server import free_port, start
+from tests.app.live_server import start
 from tests.app.test_lazy_weights import CONFIG
 from tests.core.test_gguf import write_gguf
 
