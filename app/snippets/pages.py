@@ -13,13 +13,15 @@ def composition(folder: Path, dtype: str, kind: str) -> str:
     key = kind.lower()
     return (
         load_lines(folder, dtype)
-        + f"""from circuits_core.circuits.composition import composition_scores
+        + f"""import numpy as np
+
+from circuits_core.circuits.composition import composition_scores
 from circuits_core.model.head_names import head_name
 
 comp = composition_scores(model, kinds=({key!r},))
 raw = comp.raw[{key!r}].double()  # [L, H, L, H]: earlier head (l1, h1) -> later head (l2, h2)
 masked = torch.where(comp.mask, raw, torch.full_like(raw, -1.0))
-l1, h1, l2, h2 = (int(i) for i in torch.unravel_index(masked.argmax(), raw.shape))
+l1, h1, l2, h2 = (int(i) for i in np.unravel_index(int(masked.argmax()), raw.shape))  # numpy's: no sympy import
 result = {{
     "baseline": comp.baseline,
     "top_pair": (head_name(l1, h1), head_name(l2, h2), float(raw[l1, h1, l2, h2])),

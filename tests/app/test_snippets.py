@@ -7,12 +7,15 @@ from __future__ import annotations
 import html
 import math
 import re
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
 
 from app.catalog import ANALYSES
+from app.settings import REPO_ROOT
 from app.views.shared.per_head import PerHeadAnalysis
 from tests.app.snippet_runner import run, snippets_in
 
@@ -254,3 +257,13 @@ def test_positivity_snippet() -> None:
         answer = client.get(json_twin(page.text, "positivity", "toy-2l")).json()
     assert result["points"] and set(result) <= set(answer)
     same(result, answer)
+
+
+def test_composition_snippet_leaves_sympy_unimported(client: TestClient) -> None:
+    """A notebook's first composition snippet does not pay for torch's symbolic shapes (torch.unravel_index's
+    torch._check imports torch.fx and sympy, ~500 modules, on its first call): run in a fresh interpreter."""
+    page = client.get("/models/tiny-2l/composition", params={"kind": "K"}).text
+    code = snippets_in(page)["composition-python"] + "import sys\nprint('sympy' in sys.modules)\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-1] == "False"
