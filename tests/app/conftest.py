@@ -165,3 +165,19 @@ def until_done(client, url: str, timeout: float = 900.0, **kwargs):
             if state.get("state") not in ("queued", "running"):
                 break
             time.sleep(0.2)
+
+
+def _limited_client(settings: Settings, **limits: int) -> Iterator[TestClient]:
+    with TestClient(create_app(settings.model_copy(update={"limits": LIMITS.model_copy(update=limits)}))) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def roomy(settings: Settings) -> Iterator[TestClient]:
+    """The conftest models with a dense-work budget large enough for every analysis of the tiny models."""
+    yield from _limited_client(settings, matrix_budget_bytes=16 * 2**20)
+
+
+@pytest.fixture(scope="module")
+def tight(settings: Settings) -> Iterator[TestClient]:
+    yield from _limited_client(settings, matrix_budget_bytes=1024, peak_bytes=1024)  # every priced request is over it

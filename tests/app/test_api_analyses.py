@@ -1,5 +1,6 @@
-"""API of the composition and prompt analyses: each endpoint's numbers against direct, independent engine computations
-on the same tiny model (dense float64 matrices, real forward passes), and every refusal as problem+json.
+"""API of the composition, path-expansion and prompt analyses: each endpoint's numbers against direct, independent
+engine computations on the same tiny model (dense float64 matrices, real forward passes), and every refusal as
+problem+json. Term importance: test_api_term_importance.py; the tour: test_api_tour.py.
 
 tiny-2l: 2 layers x 4 heads, d_model 32, shortformer positions, no LayerNorm, no biases (conftest.py), so the
 frozen-attention path terms have simple dense forms: x_L = X0 + sum A X0 W_OV + ..., logits = x_L W_U.
@@ -8,7 +9,6 @@ frozen-attention path terms have simple dense forms: x_L = X0 + sum A X0 W_OV + 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,57 +20,11 @@ from app.settings import Settings
 from circuits_core.circuits import embedding
 from circuits_core.circuits.composition import composition_scores
 from circuits_core.circuits.composition_baseline import BASELINE_SAMPLES
-from circuits_core.formats.checkpoint import LoadedModel, load_checkpoint
-from circuits_core.model.config import ModelConfig
-from circuits_core.prompt.ablation import head_ablation, lm_loss, order_logits
+from circuits_core.formats.checkpoint import LoadedModel
 from circuits_core.prompt.paths import expand_logits
 from circuits_core.prompt.qk_paths import expand_scores
-from tests.app.conftest import LIMITS, assert_problem, save_qkov, train_tokenizer
-
-MiB = 1024 * 1024
-API = "/api/v1/models/tiny-2l"
-PROMPT = "the cat sat on the mat"
-
-
-def _client(settings: Settings, **limits: int) -> Iterator[TestClient]:
-    with TestClient(create_app(settings.model_copy(update={"limits": LIMITS.model_copy(update=limits)}))) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def roomy(settings: Settings) -> Iterator[TestClient]:
-    """The conftest models with a dense-work budget large enough for every analysis of the tiny models."""
-    yield from _client(settings, matrix_budget_bytes=16 * MiB)
-
-
-@pytest.fixture(scope="module")
-def tight(settings: Settings) -> Iterator[TestClient]:
-    yield from _client(settings, matrix_budget_bytes=1024, peak_bytes=1024)  # every priced request is over it
-
-
-def run(tiny: LoadedModel, ids: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    logits, cache = tiny.model.run(torch.tensor([ids]), names=lambda n: True)
-    return logits[0], {k: v[0] for k, v in cache.items()}
-
-
-def ids_of(tiny: LoadedModel, text: str = PROMPT) -> list[int]:
-    return tiny.tokenizer.encode(text)
-
-
-def W(tiny: LoadedModel, name: str, layer: int, h: int) -> torch.Tensor:
-    return getattr(tiny.model, name)[layer, h]
-
-
-def W_OV(tiny: LoadedModel, layer: int, h: int) -> torch.Tensor:
-    return W(tiny, "W_V", layer, h) @ W(tiny, "W_O", layer, h)  # [d, d]
-
-
-def close(got: object, want: torch.Tensor, atol: float) -> bool:
-    return torch.allclose(torch.tensor(got, dtype=torch.float64), want.double(), atol=atol, rtol=0)
-
-
-def top_entries(M: torch.Tensor, k: int) -> list[float]:
-    return M.flatten().topk(k).values.tolist()
+from tests.app.conftest import LIMITS, assert_problem
+from tests.app.tiny_dense import API, PROMPT, W_OV, MiB, W, close, ids_of, run, top_entries
 
 
 # -- composition ----------------------------------------------------------------------------------------
@@ -325,166 +279,6 @@ def test_qk_paths_refusals(client: TestClient, tight: TestClient) -> None:
     assert_problem(client.get(url, params={"prompt": PROMPT, "head": "L0H2"}), 422, "layer >= 1")
     assert_problem(client.get(url, params={"prompt": PROMPT}), 422, "head")
     assert_problem(tight.get(url, params={"prompt": PROMPT, "head": "L1H0"}), 422, "bytes", "budget")
-
-
-# -- term importance ---------------------------------------------------------------------------------------
-def test_term_importance_losses(roomy: TestClient, tiny: LoadedModel) -> None:
-    ids = ids_of(tiny)
-    logits, cache = run(tiny, ids)
-    body = roomy.get(f"{API}/term-importance", params={"prompt": PROMPT}).json()
-    target = torch.tensor(ids[1:])
-
-    def loss(lg: torch.Tensor) -> float:
-        return float(F.cross_entropy(lg[:-1], target))
-
-    model = tiny.model
-    X0 = cache["hook_embed"]
-    A = [cache[f"blocks.{layer}.attn.hook_pattern"] for layer in range(2)]
-    first = [sum(A[layer][h] @ X0 @ W_OV(tiny, layer, h) for h in range(4)) for layer in range(2)]
-    assert body["text_source"] == "prompt" and [t["id"] for t in body["tokens"]] == ids
-    assert body["clean_loss"] == pytest.approx(loss(logits), abs=1e-9)
-    want = [loss(X0 @ model.W_U), loss((X0 + first[0] + first[1]) @ model.W_U), loss(logits)]
-    assert body["loss_by_order"] == pytest.approx(want, abs=1e-9)
-    assert body["marginal_by_order"] == pytest.approx([want[0] - want[1], want[1] - want[2]], abs=1e-9)
-    assert body["first_order_by_layer"] == pytest.approx(
-        [want[0] - loss((X0 + f) @ model.W_U) for f in first], abs=1e-9
-    )
-    # a last-layer head has nothing downstream: ablating it removes exactly its result vector
-    result = cache["blocks.1.attn.hook_pattern"][1] @ cache["blocks.1.attn.hook_v"][:, 1] @ W(tiny, "W_O", 1, 1)
-    ablated = next(h for h in body["heads"] if h["head"] == "L1H1")
-    assert ablated["loss_change"] == pytest.approx(loss(logits - result @ model.W_U) - loss(logits), abs=1e-9)
-    assert len(body["heads"]) == 8
-
-
-def test_term_importance_default_text_and_refusals(roomy: TestClient, tight: TestClient) -> None:
-    body = roomy.get(f"{API}/term-importance").json()
-    assert body["text_source"] == "builtin" and len(body["tokens"]) == LIMITS.max_prompt_tokens  # clipped to the limit
-    assert_problem(roomy.get(f"{API}/term-importance", params={"tokens": "5"}), 422, "at least 2 tokens")
-    assert_problem(tight.get(f"{API}/term-importance"), 422, "bytes", "budget")
-
-
-def test_term_importance_on_an_mlp_model(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """MLP models are served (no refusal): each MLP's clean output is an order-0 source kept in every rerun, the
-    numbers are the engine's (order reruns, head ablations) and the order-n_layers loss is the real clean loss."""
-    root = tmp_path_factory.mktemp("mlp")
-    tok = train_tokenizer()
-    cfg = ModelConfig(
-        n_layers=2,
-        d_model=16,
-        n_heads=2,
-        d_head=8,
-        d_vocab=tok.get_vocab_size(),
-        n_ctx=32,
-        attn_only=False,
-        d_mlp=32,
-        act_fn="gelu_new",
-        normalization_type="LN",
-        positional_embedding_type="standard",
-    )
-    save_qkov(root / "tiny-mlp", cfg, tok, seed=5)
-    settings = Settings(
-        shipped_dir=root, dtype="float64", limits=LIMITS.model_copy(update={"matrix_budget_bytes": 16 * MiB})
-    )
-    with TestClient(create_app(settings)) as c:
-        response = c.get("/api/v1/models/tiny-mlp/term-importance", params={"prompt": PROMPT})
-    assert response.status_code == 200, response.text
-    body = response.json()
-    loaded = load_checkpoint(root / "tiny-mlp", dtype=torch.float64)
-    seq = torch.tensor([[t["id"] for t in body["tokens"]]])
-    per_order = order_logits(loaded.model, seq)
-    losses = [float(lm_loss(lg, seq)) for lg in per_order]
-    assert body["loss_by_order"] == pytest.approx(losses, abs=1e-9)
-    assert body["clean_loss"] == pytest.approx(float(lm_loss(loaded.model.run(seq)[0], seq)), abs=1e-9) == losses[-1]
-    assert body["marginal_by_order"] == pytest.approx([losses[0] - losses[1], losses[1] - losses[2]], abs=1e-9)
-    # the order-0 rerun keeps the MLPs: it is the order-0 total of the path expansion, MLP sources included
-    exp = expand_logits(loaded.model, seq[0], 3, positions=None, max_order=0)
-    assert any(p == ("mlp:L1",) for p in exp.paths)
-    assert close(per_order[0][0, :, 3].tolist(), exp.values.sum(0), 1e-9)
-    heads = head_ablation(loaded.model, seq)
-    assert [h["loss_change"] for h in body["heads"]] == pytest.approx(heads.flatten().tolist(), abs=1e-9)
-
-
-# -- tour and OpenAPI ----------------------------------------------------------------------------------------
-def test_tour_degrades_without_the_shipped_models(client: TestClient) -> None:
-    body = client.get("/api/v1/tour").json()
-    assert body["models"] == {"toy-0l": False, "toy-1l": False, "toy-2l": False}
-    ids = [f["id"] for f in body["figures"]]
-    paper = [f"F{i}" for i in range(6, 31)]  # the paper's figures, in order; chapters (F2-F4, R1-R3) may join them
-    assert [i for i in ids if i in paper] == paper and len(set(ids)) == len(ids)
-    for fig in body["figures"]:
-        assert fig["anchor"].startswith("https://transformer-circuits.pub/2021/framework/index.html#")
-        if fig["model"] is not None:
-            assert not fig["available"] and fig["model"] in fig["detail"] and fig["data"] is None
-        else:
-            assert fig["available"] and fig["data"] is None  # static figures
-
-
-def test_the_smollm2_chapter_is_its_own_page_and_degrades_without_the_model(client: TestClient) -> None:
-    paper = [f["id"] for f in client.get("/api/v1/tour").json()["figures"]]
-    body = client.get("/api/v1/tour", params={"chapter": "smollm2"}).json()
-    assert [f["id"] for f in body["figures"]] == ["R1", "R2", "R3"] and not set(paper) & {"R1", "R2", "R3"}
-    assert all(not f["available"] and "make smollm2" in f["detail"] for f in body["figures"])
-    page = client.get("/tour", params={"chapter": "smollm2"})
-    assert page.status_code == 200 and page.text.count('class="tour-step"') == 3 and "SmolLM2-135M" in page.text
-    assert client.get("/api/v1/tour", params={"chapter": "gpt5"}).status_code == 422
-
-
-@pytest.fixture(scope="module")
-def toy_client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClient]:
-    """Tiny stand-ins for the shipped toy-0l, toy-1l and toy-2l."""
-    root = tmp_path_factory.mktemp("toys")
-    tok = train_tokenizer()
-    for layers in (0, 1, 2):
-        cfg = ModelConfig(n_layers=layers, d_model=16, n_heads=2, d_head=8, d_vocab=tok.get_vocab_size(), n_ctx=64)
-        save_qkov(root / f"toy-{layers}l", cfg, tok, seed=10 + layers)
-    settings = Settings(
-        shipped_dir=root, dtype="float64", limits=LIMITS.model_copy(update={"matrix_budget_bytes": 16 * MiB})
-    )
-    with TestClient(create_app(settings)) as c:
-        yield c
-
-
-def test_tour_on_toy_models_matches_the_full_views(toy_client: TestClient) -> None:
-    body = toy_client.get("/api/v1/tour").json()
-    assert body["models"] == {"toy-0l": True, "toy-1l": True, "toy-2l": True}
-    figs = {f["id"]: f for f in body["figures"]}
-    # These toys have random weights: no head of toy-2l reaches the 0.4 induction score, so the figures that name
-    # "the induction head" are refused and say which head came closest (its score from the heads table), never drawn.
-    heads = toy_client.get("/api/v1/models/toy-2l/heads").json()["heads"]
-    best = max((h for h in heads if h["layer"] >= 1), key=lambda h: h["induction"])
-    assert best["induction"] < 0.4
-    refused = (
-        f"no induction head: the strongest, {best['head']}, scores {best['induction']:.2f} (< 0.4) "
-        "on the standard input"
-    )
-    missing = {f["id"]: f["detail"] for f in body["figures"] if not f["available"]}
-    assert missing and all(detail == refused for detail in missing.values()), missing
-    assert set(missing) <= {"F20", "F22", "F23", "F25", "F26", "F29"}  # the figures of the induction circuit only
-    f21 = figs["F21"]
-    assert (
-        f21["link"] == "/models/toy-2l/composition?kind=K" and f21["api"] == "/api/v1/models/toy-2l/composition?kind=K"
-    )
-    f9 = figs["F9"]["data"]["paths"]
-    assert f9["total"] == pytest.approx(f9["value"], abs=1e-9)
-    assert figs["F10"]["link"].startswith("/models/toy-1l/heads/L0H") and "/ov?" in figs["F10"]["api"]
-    same = {
-        "F6": "direct",
-        "F9": "paths",
-        "F10": "ov",
-        "F11": "skip_trigrams",
-        "F14": "qk",
-        "F19": "paths",
-        "F21": "K",
-        "F22": "prompt",
-        "F24": "detectors",
-        "F25": "pair",
-        "F29": "path",
-    }
-    for fig_id, part in same.items():  # the tour's data is exactly its full view's JSON
-        if fig_id in missing:
-            continue
-        assert figs[fig_id]["data"][part] == toy_client.get(figs[fig_id]["api"]).json(), fig_id
-    assert len(set(same) - set(missing)) >= 8
 
 
 def test_openapi_has_the_limits(client: TestClient) -> None:

@@ -22,13 +22,13 @@ import torch
 from app.precompute import main as precompute
 from bench.server import free_port
 from tests.app.conftest import until_done
+from tests.app.hostile_folders import API, build_folders
 from tests.app.live_server import start
-from tests.app.test_hostile_vocab_basis_params import API, build_folders
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return build_folders(tmp_path_factory.mktemp("hostile-s3-cli"))
+    return build_folders(tmp_path_factory.mktemp("hostile-params-cli"))
 
 
 # -- 8. a page sentence on a model whose layer 0 has no previous-token head -----------------------------------

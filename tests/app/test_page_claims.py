@@ -22,7 +22,7 @@ from app.settings import Settings
 from circuits_core.formats.checkpoint import load_checkpoint
 from circuits_core.prompt.detectors import repeated_random_tokens
 from tests.app.conftest import until_done
-from tests.app.test_claims import copying_scores
+from tests.app.tour_claims_reference import copying_scores
 
 ROOT = Path(__file__).resolve().parents[2] / "checkpoints"
 SMOLLM2 = ROOT.parent / "models" / "smollm2-135m"

@@ -25,7 +25,7 @@ from app.scheduling import compute
 from app.settings import Settings
 from bench.server import free_port
 from tests.app.live_server import start
-from tests.app.test_serving import slow
+from tests.app.serving_routes import slow
 
 
 def make_app() -> FastAPI:
