@@ -17,9 +17,9 @@ ratio, largest difference --
   (b) TL's closest feature, first-order direct logit attribution: run_with_cache, stack_head_results(-1, -1)
       (TL computes the head results from z @ W_O), apply_ln_to_stack, @ W_U[:, target]; per head it equals the sum of
       qkov's path terms that end at that head, all orders (b_V W_O, zero here, added as in
-      tests/core/test_vs_transformer_lens.py). The order-2 expansion is complete for the heads of layers 0-1; the sum
-      over all heads also matches orders >= 1 + remainder. apply_ln_to_stack leaves out ln_final.w, so the numbers are
-      compared only where ln_final.w == 1;
+      tests/core/transformer_lens/test_vs_transformer_lens.py). The order-2 expansion is complete for the heads of
+      layers 0-1; the sum over all heads also matches orders >= 1 + remainder. apply_ln_to_stack leaves out
+      ln_final.w, so the numbers are compared only where ln_final.w == 1;
   (c) transformer_lens.head_detector.detect_head (error_measure "mul", 10 prompts = 10 forward passes per
       detector) and a batched run_with_cache + the same scoring; TL's mul score == qkov's score x eligible rows /
       (batch x n) exactly on equal patterns (qkov pools the eligible rows of the batch).
@@ -291,7 +291,7 @@ def _tl_detectors(tl: Any, rep: torch.Tensor, det: dict[str, torch.Tensor], t_qk
     # TL mul per prompt = attention mass on the pattern / n, averaged over prompts = qkov x eligible rows / (b n)
     expected = {k: det[k] * int(targets[k].any(-1).sum()) / (b * n) for k in names}  # [L, H]
     prompts = [str(i) for i in range(b)]
-    # detect_head tokenises strings: give it the token ids instead (as tests/core/test_vs_transformer_lens.py)
+    # detect_head tokenises strings: give it the token ids instead (as test_vs_transformer_lens.py does)
     tl.to_tokens = lambda seq, *args, **kwargs: rep if isinstance(seq, list) else rep[int(seq)][None]
     try:
 

@@ -1,8 +1,8 @@
 """The measured sentence of each tour figure: what the shipped model shows, with its numbers and its input.
 
 A tour sentence that states a fact about a model is generated here from measured values, never written by hand, so
-it cannot drift from the model; tests/app/test_claims.py and test_claims_induction.py recompute each value
-independently (dense float64 circuits, plain forward passes) and fail when a sentence stops being true. Each
+it cannot drift from the model; tests/app/tour_claims/test_claims.py and test_claims_induction.py recompute each
+value independently (dense float64 circuits, plain forward passes) and fail when a sentence stops being true. Each
 function takes the loaded model and the figure's data (figures.py) and returns (sentence, values); the values are
 kept in the figure's data (TourData.claim) so the JSON twin carries them, typed (paper_claims.py) and written field
 for field.

@@ -4,8 +4,8 @@ residual stream's F2-F4), typed.
 claims.py (residual.py) measures each one and writes it as its figure's `claim` (TourData) in the JSON twin, field
 for field in the order declared here; a field a figure did not measure (F6 without held-out data, F11 without
 training counts, F14 without a query token, F23 without a repeated segment) is left unset and not written. The tour
-page and tests/app/test_claims.py (test_claims_induction.py) read the claim back through the same class, so the
-three agree on names and types instead of on dict keys (as rotary_claims.py does for the SmolLM2 chapter).
+page and tests/app/tour_claims/test_claims.py (test_claims_induction.py) read the claim back through the same class,
+so the three agree on names and types instead of on dict keys (as rotary_claims.py does for the SmolLM2 chapter).
 """
 
 from __future__ import annotations

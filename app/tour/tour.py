@@ -2,11 +2,11 @@
 
 Each figure names the model it uses (toy-0l, toy-1l or toy-2l in checkpoints/), the paper anchor, one general
 sentence of what to look for followed, for a computed figure, by a sentence generated from the values measured on
-that model (claims.py; tests/app/test_claims.py and test_claims_induction.py recompute them independently), the
-dashboard page and JSON API URLs of the full view, and the data, which comes from the same builders as those views
-(so the tour and the views cannot disagree). A model that is not installed or cannot be loaded, or a figure whose
-computation fails, yields `available: false` with the reason; the other figures are still computed. Static figures
-(diagrams, equations) carry no data.
+that model (claims.py; tests/app/tour_claims/test_claims.py and test_claims_induction.py recompute them
+independently), the dashboard page and JSON API URLs of the full view, and the data, which comes from the same
+builders as those views (so the tour and the views cannot disagree). A model that is not installed or cannot be
+loaded, or a figure whose computation fails, yields `available: false` with the reason; the other figures are still
+computed. Static figures (diagrams, equations) carry no data.
 """
 
 from __future__ import annotations

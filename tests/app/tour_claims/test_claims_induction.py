@@ -6,48 +6,22 @@ weights in float64 (tests/app/tour_claims_reference.py)."""
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from app.registry import ModelRegistry
 from app.settings import Settings
 from app.tour import paper_claims as pc
-from circuits_core.prompt.phenomena import EvalData
 from tests.app.tour_claims_reference import (
     ROOT,
-    build_served,
     claim,
     copying_scores,
-    eval_data,
     figure_ids,
     forward,
-    raw_toys,
     twin,
 )
-
-
-@pytest.fixture(scope="module")
-def served() -> tuple[dict[str, Any], ModelRegistry]:
-    return build_served()
-
-
-@pytest.fixture(scope="module")
-def tour(served):
-    return served[0]
-
-
-@pytest.fixture(scope="module")
-def raw() -> dict[str, Any]:
-    return raw_toys()
-
-
-@pytest.fixture(scope="module")
-def data() -> EvalData:
-    return eval_data()
 
 
 def test_f22_f23_induction_head_on_repeated_code(tour, raw):

@@ -10,50 +10,25 @@ whose value changes (retrained weights, a changed figure, a bug) fails here.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from app.registry import ModelRegistry
 from app.tour import paper_claims as pc
-from circuits_core.prompt.phenomena import MIN_TRAIN_COUNT, EvalData
+from circuits_core.prompt.phenomena import MIN_TRAIN_COUNT
 from tests.app.tour_claims_reference import (
     ROOT,
     TOYS,
-    build_served,
     claim,
     copying_scores,
     dense_ov,
-    eval_data,
     figure_ids,
     forward,
     frequent,
     path_term,
-    raw_toys,
     twin,
 )
-
-
-@pytest.fixture(scope="module")
-def served() -> tuple[dict[str, Any], ModelRegistry]:
-    return build_served()
-
-
-@pytest.fixture(scope="module")
-def tour(served):
-    return served[0]
-
-
-@pytest.fixture(scope="module")
-def raw() -> dict[str, Any]:
-    return raw_toys()
-
-
-@pytest.fixture(scope="module")
-def data() -> EvalData:
-    return eval_data()
 
 
 # -- one basis ------------------------------------------------------------------------------------------------

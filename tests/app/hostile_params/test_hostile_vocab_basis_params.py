@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,32 +26,8 @@ from tests.app.hostile_folders import (
     API,
     SMALL_DEFAULT,
     WIDE_V,
-    build_folders,
     no_5xx,
-    poor_client,
-    served_app,
 )
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return build_folders(tmp_path_factory.mktemp("hostile-params"))
-
-
-@pytest.fixture(scope="module")
-def app_client(folders: tuple[Path, Path]) -> Iterator[tuple[Any, TestClient]]:
-    yield from served_app(folders)
-
-
-@pytest.fixture(scope="module")
-def client(app_client: tuple[Any, TestClient]) -> TestClient:
-    return app_client[1]
-
-
-@pytest.fixture(scope="module")
-def poor(folders: tuple[Path, Path]) -> Iterator[TestClient]:
-    yield from poor_client(folders)
-
 
 # -- 1. every bad value of a new parameter is a 422 naming the field ---------------------------------------------
 BAD_VOCAB = ["ALL", "all ", "", "none", "Default", "all\x00", "1", "x" * 5000]

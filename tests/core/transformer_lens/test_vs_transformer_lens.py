@@ -27,7 +27,6 @@ Conventions documented here:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -60,25 +59,13 @@ from tests.core.tl_reference import (
     TIGHT,
     TOKENS,
     assert_close,
-    build_world,
     load_qkov,
-    one_torch_thread,
     processed_pair,
     qkov_run,
     tl_processed,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    return build_world(tmp_path_factory)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    yield from one_torch_thread()
 
 
 @pytest.mark.parametrize("name", STANDARD_LN)

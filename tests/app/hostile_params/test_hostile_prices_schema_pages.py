@@ -7,8 +7,6 @@ and head."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,31 +16,7 @@ from app.precompute import lazy_panels
 from tests.app.conftest import LIMITS, assert_problem
 from tests.app.hostile_folders import (
     API,
-    build_folders,
-    poor_client,
-    served_app,
 )
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return build_folders(tmp_path_factory.mktemp("hostile-params"))
-
-
-@pytest.fixture(scope="module")
-def app_client(folders: tuple[Path, Path]) -> Iterator[tuple[Any, TestClient]]:
-    yield from served_app(folders)
-
-
-@pytest.fixture(scope="module")
-def client(app_client: tuple[Any, TestClient]) -> TestClient:
-    return app_client[1]
-
-
-@pytest.fixture(scope="module")
-def poor(folders: tuple[Path, Path]) -> Iterator[TestClient]:
-    yield from poor_client(folders)
-
 
 # -- 5. priced before it runs, and the answer within its price ---------------------------------------------------
 PRICED = ["rope/heads/L0H0/qk-copying", "rope/heads/L0H0/qk-copying?offset=5&max_offset=4096",

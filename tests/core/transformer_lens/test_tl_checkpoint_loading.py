@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,25 +23,13 @@ from tests.core.tl_reference import (
     TIGHT,
     TOKENS,
     assert_close,
-    build_world,
     load_qkov,
-    one_torch_thread,
     qkov_run,
     tl_processed,
 )
 
 # -- files: the loader reads what TL wrote, drops TL's buffers, ignores unknown config fields -------------
 pytestmark = pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning")
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    return build_world(tmp_path_factory)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread() -> Iterator[None]:
-    yield from one_torch_thread()
 
 
 @pytest.mark.parametrize("name", ALL)

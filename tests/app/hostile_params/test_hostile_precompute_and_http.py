@@ -20,20 +20,15 @@ import pytest
 import torch
 
 from app.precompute import main as precompute
+from app.settings import REPO_ROOT
 from bench.server import free_port
 from tests.app.conftest import until_done
-from tests.app.hostile_folders import API, build_folders
+from tests.app.hostile_folders import API
 from tests.app.live_server import start
 
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return build_folders(tmp_path_factory.mktemp("hostile-params-cli"))
-
-
 # -- 8. a page sentence on a model whose layer 0 has no previous-token head -----------------------------------
-SMOLLM2_SUMMARY = Path(__file__).resolve().parents[2] / "models" / "smollm2-135m" / "model_summary.json"
-TOY2L_CARD = Path(__file__).resolve().parents[2] / "checkpoints" / "toy-2l" / "model_card.json"
+SMOLLM2_SUMMARY = REPO_ROOT / "models" / "smollm2-135m" / "model_summary.json"
+TOY2L_CARD = REPO_ROOT / "checkpoints" / "toy-2l" / "model_card.json"
 
 
 def _rule(induction: list[list[float]], previous: list[list[float]]) -> tuple[str, str]:
