@@ -40,8 +40,8 @@ SEED = 256  # the exact seed block: the first SEED rows x columns in bound order
 CHUNK_ENTRIES, COLS, ROWS_MAX = 2**20, 1024, 16384
 # What the staircase costs per entry it multiplies out, against what global_topk's norm-ordered tiles cost per entry of
 # theirs (staircase_is_cheaper), screened in bfloat16 or not. Measured on random 49,152^2 products of inner dimension
-# 64, where neither bound prunes (AVX-512/AMX CPU, 2 cores): screened 0.95-1.06 s against 0.56-0.59 s for the tiles (the
-# tiles screen whole tiles, their row maxima read as int16), in float32 1.61 s against 2.22-2.32 s.
+# 64, where neither bound prunes (AVX-512/AMX CPU, 2 cores): screened 0.95-1.06 s against 0.56-0.59 s for the tiles,
+# in float32 1.61 s against 2.22-2.32 s.
 STAIRCASE_ENTRY_COST = {True: 1.7, False: 0.7}
 NORM_SAMPLE = 4096  # rows and columns (strided) on which the tiles' count is taken: sorting all norms took 3 ms of 6
 
