@@ -115,7 +115,8 @@ def topk_global_2d(
     once that falls below the current k-th value the rest of the row block (and, for the first tile of a
     block, all later blocks) is skipped. Inside a tile only rows whose maximum beats the k-th value are
     ranked, their maximum first estimated in bfloat16 for large matrices (see SCREEN_MARGIN). Matrices large enough
-    for global_topk_bounds take its search instead, with the same screen on its products.
+    for global_topk_bounds take its search instead, with the same screen on its products, where it is estimated to
+    multiply out less (global_topk_bounds.staircase_is_cheaper: on circuits of trained models, not on random ones).
     """
     ldim, rdim = A.shape[0], B.shape[1]
     B = B if largest else -B  # smallest entries of AB = largest of A(-B)
@@ -127,9 +128,9 @@ def topk_global_2d(
         and _screening_accumulates_in_fp32(A.device)
         and half_products_fast(A.device, SCREEN_DTYPE)
     )
-    if global_topk_bounds.usable(A, B):  # large circuits: bounds in their singular basis prune far more
-        screened = (SCREEN_DTYPE, SCREEN_MARGIN) if screen else None
-        found = global_topk_bounds.topk_bounded(A, B, k, should_stop, screened)
+    if global_topk_bounds.usable(A, B):  # large circuits: bounds in their singular basis prune far more, unless
+        screened = (SCREEN_DTYPE, SCREEN_MARGIN) if screen else None  # they prune too little (random weights)
+        found = global_topk_bounds.topk_bounded(A, B, k, should_stop, screened, or_tiles=True)
         if found is not None:
             values, rows, cols = found
             return (values if largest else -values), rows, cols

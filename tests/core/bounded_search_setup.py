@@ -1,7 +1,7 @@
 """The bounded global top-k's test setup, shared by the tests of the formed search and of the folded search on
 unformed factors: its sizes shrunk to the test matrices' (a few hundred rows and columns, inner dimension 20-40), so
-every path of the search (the seed, the staircase's row blocks and column chunks, the sampled basis) runs on them;
-and a poor change of basis in place of the balanced one."""
+every path of the search (the seed, the staircase's row blocks and column chunks, the sampled basis, the norms sampled
+to choose it) runs on them; and a poor change of basis in place of the balanced one."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ SMALL_SIZES = {
     "CHUNK_ENTRIES": 512,
     "COLS": 16,
     "ROWS_MAX": 96,
+    "NORM_SAMPLE": 64,
 }
 
 

@@ -201,7 +201,7 @@ def test_the_search_prunes_and_serves_topk_global(monkeypatch):
     assert torch.equal(r, ref_r) and torch.equal(c, ref_c)
     called = []
     real_search = global_topk_bounds.topk_bounded
-    monkeypatch.setattr(global_topk_bounds, "topk_bounded", lambda *a: called.append(1) or real_search(*a))
+    monkeypatch.setattr(global_topk_bounds, "topk_bounded", lambda *a, **kw: called.append(1) or real_search(*a, **kw))
     As = torch.stack([A, A.flip(0)])
     fm = FactoredMatrix(As, B)
     for largest in (True, False):
@@ -225,6 +225,41 @@ def test_overflowing_bounds_fall_back_to_the_tiles():
     ref_v, ref_r, ref_c = dense_topk(A @ B, 5)
     torch.testing.assert_close(v, ref_v)
     assert torch.equal(r, ref_r) and torch.equal(c, ref_c)
+
+
+def unbalanced_circuit(seed):
+    """Circuit-like factors with their inner dimensions scaled by 10^-1.5..10^1.5 in A and by the inverse in B (the
+    product unchanged): every row and column norm is large, so the norm bound prunes almost nothing, while the
+    balanced basis undoes the scaling and its staircase prunes as on the circuit itself."""
+    A, B = circuit_like(400, 24, 400, seed)
+    order = torch.randperm(24, generator=torch.Generator().manual_seed(3))
+    d = torch.logspace(-1.5, 1.5, 24, dtype=torch.float64)[order]  # [m]
+    return A * d, B / d[:, None]
+
+
+@pytest.mark.parametrize("screened", [True, False])
+def test_topk_global_takes_the_search_estimated_to_cost_less(monkeypatch, screened):
+    """With the seed's k-th value, FactoredMatrix.topk_global counts the entries each bound cannot rule out: on the
+    unbalanced circuit the staircase runs (about 1 % of the entries against nearly all for the norms); on random
+    factors both counts are all entries, so the staircase runs only where its entries cost less than the tiles' (not
+    under the bfloat16 screen). Either way the answer is the dense float64 one."""
+    monkeypatch.setattr(global_topk, "SCREEN_MIN_ENTRIES", 1000)
+    monkeypatch.setattr(global_topk, "half_products_fast", lambda device, dtype: screened)
+    ran = []
+    real_staircase = global_topk_bounds.staircase
+    monkeypatch.setattr(global_topk_bounds, "staircase", lambda *a, **kw: ran.append(1) or real_staircase(*a, **kw))
+    gen = torch.Generator().manual_seed(5)
+    random = (
+        torch.randn(400, 24, generator=gen, dtype=torch.float64),
+        torch.randn(24, 400, generator=gen, dtype=torch.float64),
+    )
+    for (A, B), staircase in ((unbalanced_circuit(7), True), (random, not screened)):
+        v, r, c = FactoredMatrix(A, B).topk_global(10)
+        ref_v, ref_r, ref_c = dense_topk(A @ B, 10)
+        torch.testing.assert_close(v, ref_v, rtol=0, atol=1e-12)
+        assert torch.equal(r, ref_r) and torch.equal(c, ref_c)
+        assert ran == ([1] if staircase else [])
+        ran.clear()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -285,7 +320,9 @@ def test_the_global_topk_screens_the_bounded_search_where_bfloat16_is_fast(monke
     seen = []
     bounded = global_topk_bounds.topk_bounded
     monkeypatch.setattr(
-        global_topk_bounds, "topk_bounded", lambda *a, **kw: seen.append(a[4] if len(a) > 4 else None) or bounded(*a)
+        global_topk_bounds,
+        "topk_bounded",
+        lambda *a, **kw: seen.append(a[4] if len(a) > 4 else None) or bounded(*a, **kw),
     )
     A, B = near_ties()
     ref_v, ref_r, ref_c = dense_topk(A @ B, 25)
