@@ -40,9 +40,13 @@ CHUNK_BYTES = 32 * 2**20
 # on this 2-core CPU (load ~8): 0.26 s on one thread for a quarter of the vocabulary, against 0.77 s in chunks.
 FEW_ROWS, TILE_ROWS, TILE_COLUMNS = 16, 32, 4096
 # A few rows times a full-precision B of at least SPLIT_BYTES: its column blocks of about BLOCK_BYTES on both cores.
-# Below that the helper thread's start (~0.1 ms) is a visible share of the product; blocks of tens of MB keep each
-# thread streaming while the two share the vocabulary evenly.
-SPLIT_BYTES, BLOCK_BYTES = 16 * 2**20, 32 * 2**20
+# Blocks of tens of MB keep each thread streaming while the two share the vocabulary evenly. Below SPLIT_BYTES MKL's
+# own gemv is faster: on the AVX-512 Xeon (two torch threads, quiet, medians of 15) [1, 768] @ [768, 50257] (GPT-2's
+# W_U, 147 MiB) took 4.1-4.5 ms plain against 5.4-5.6 ms in blocks, and GPT-2's whole OV row 4.3-5.0 ms against
+# 9.1-9.9 ms; SmolLM2's W_U (108 MiB) 2.5-2.6 against 3.7 ms. Above it the two were even there (Gemma-3's 640 MiB
+# W_U: 23.8-24.0 ms plain, 24.3-24.6 ms in blocks; Llama-3.2-1B's 1 GiB: 34.6-35.5 against 39.4-39.6 ms) and the blocks
+# won on the AVX2 machine the split was made for (above).
+SPLIT_BYTES, BLOCK_BYTES = 512 * 2**20, 32 * 2**20
 # The probe's products [m, k] @ [k, n]: a small one, where an emulated half-precision GEMM shows at once (28x slower),
 # then one large enough that a native one's fixed costs (the kernel's set-up, AMX tile configuration) are a small part.
 # On the AVX-512/AMX Xeon the small product alone was a coin toss (bf16 0.035-0.041 ms, float32 0.042-0.049 ms, so
