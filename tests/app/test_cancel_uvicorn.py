@@ -30,8 +30,10 @@ from circuits_core.model.transformer import random_model
 from tests.app.live_server import start
 
 pytestmark = pytest.mark.xdist_group("uvicorn")
+# 12 layers: the path expansion's order-3 terms (~L^3) keep it running for seconds, so that a test process
+# descheduled for a moment under a full suite's load still disconnects before the computation could finish
 SLOW = ModelConfig(
-    n_layers=8,
+    n_layers=12,
     d_model=128,
     n_heads=8,
     d_head=16,
